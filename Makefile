@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU wheel of torch lies on these machines' disk; install it before transformers so that
+# nothing pulls a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: run test venv lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed-run: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[dev,census]'
+	touch $@
+
+run: $(VENV)/.installed-run
+	$(BIN)/ndplan models
+	$(BIN)/ndplan check --model llama-3.1-8b --hardware h100-sxm --devices 8 --tp 2 --dp 4 --gbs 64 --mbs 2 --seq 4096
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+test: $(VENV)/.installed-test lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info
