@@ -1,0 +1,238 @@
+"""Read a Hugging Face ``config.json`` into a ModelSpec.
+
+Each supported ``model_type`` is mapped field by field as its transformers modeling code reads
+the config (defaults included), so that parameter counts match what transformers builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from ndplan.errors import NdplanError
+from ndplan.model.spec import MlpKind, ModelSpec
+
+HfConfig = Mapping[str, Any]
+
+_MISSING = object()
+
+
+class _Reader:
+    """Reads fields of one config and says which one is missing or malformed."""
+
+    def __init__(self, config: HfConfig, source: str):
+        self.config = config
+        self.source = source
+        self.model_type = str(config.get("model_type"))
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        value = self.config.get(key, default)
+        if value is _MISSING:
+            raise NdplanError(
+                f"{self.source}: missing field '{key}' (required for model_type '{self.model_type}')"
+            )
+        return value
+
+    def integer(self, key: str, default: Any = _MISSING) -> int:
+        value = self.get(key, default)
+        if value is None and default is not _MISSING:
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise NdplanError(f"{self.source}: field '{key}' must be an integer, got {value!r}")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise NdplanError(f"{self.source}: field '{key}' must be true or false, got {value!r}")
+        return value
+
+
+def _attention_fields(r: _Reader) -> dict[str, Any]:
+    heads = r.integer("num_attention_heads")
+    hidden = r.integer("hidden_size")
+    head_dim = r.config.get("head_dim") or hidden // heads
+    return {
+        "num_attention_heads": heads,
+        "num_kv_heads": r.integer("num_key_value_heads", heads),
+        "head_dim": head_dim,
+    }
+
+
+def _common_fields(r: _Reader) -> dict[str, Any]:
+    act = r.get("hidden_act", "silu")
+    return {
+        "model_type": r.model_type,
+        "num_layers": r.integer("num_hidden_layers"),
+        "hidden_size": r.integer("hidden_size"),
+        "vocab_size": r.integer("vocab_size"),
+        "tie_word_embeddings": r.flag("tie_word_embeddings", False),
+        "activation": str(act),
+        "max_position_embeddings": r.integer("max_position_embeddings", 0),
+        **_attention_fields(r),
+    }
+
+
+def _llama(r: _Reader) -> dict[str, Any]:
+    bias = r.flag("attention_bias", False)
+    return {
+        **_common_fields(r),
+        "ffn_hidden_size": r.integer("intermediate_size"),
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "mlp_bias": r.flag("mlp_bias", False),
+    }
+
+
+def _mistral(r: _Reader) -> dict[str, Any]:
+    return {**_common_fields(r), "ffn_hidden_size": r.integer("intermediate_size")}
+
+
+def _qwen2(r: _Reader) -> dict[str, Any]:
+    # Qwen2 always has q/k/v biases and no o_proj bias.
+    return {**_common_fields(r), "ffn_hidden_size": r.integer("intermediate_size"), "qkv_bias": True}
+
+
+def _qwen3(r: _Reader) -> dict[str, Any]:
+    bias = r.flag("attention_bias", False)
+    return {
+        **_common_fields(r),
+        "ffn_hidden_size": r.integer("intermediate_size"),
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "qk_norm": True,
+    }
+
+
+def _mixtral(r: _Reader) -> dict[str, Any]:
+    width = r.integer("intermediate_size")
+    return {
+        **_common_fields(r),
+        "ffn_hidden_size": 0,
+        "num_experts": r.integer("num_local_experts"),
+        "num_experts_per_tok": r.integer("num_experts_per_tok"),
+        "moe_ffn_hidden_size": width,
+    }
+
+
+def _qwen_moe_kinds(r: _Reader, num_layers: int, num_experts: int) -> tuple[MlpKind, ...]:
+    dense_only = set(r.get("mlp_only_layers", []) or [])
+    step = r.integer("decoder_sparse_step", 1)
+    if step < 1:
+        raise NdplanError(f"{r.source}: field 'decoder_sparse_step' must be >= 1, got {step}")
+    return tuple(
+        "moe" if i not in dense_only and num_experts > 0 and (i + 1) % step == 0 else "dense"
+        for i in range(num_layers)
+    )
+
+
+def _qwen2_moe(r: _Reader) -> dict[str, Any]:
+    fields = _common_fields(r)
+    experts = r.integer("num_experts")
+    shared_width = r.integer("shared_expert_intermediate_size", 0)
+    return {
+        **fields,
+        "ffn_hidden_size": r.integer("intermediate_size"),
+        "qkv_bias": True,
+        "num_experts": experts,
+        "num_experts_per_tok": r.integer("num_experts_per_tok"),
+        "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
+        "num_shared_experts": 1 if shared_width else 0,
+        "shared_expert_ffn_hidden_size": shared_width,
+        "shared_expert_gate": bool(shared_width),
+        "layer_mlp_kinds": _qwen_moe_kinds(r, fields["num_layers"], experts),
+    }
+
+
+def _qwen3_moe(r: _Reader) -> dict[str, Any]:
+    fields = _common_fields(r)
+    bias = r.flag("attention_bias", False)
+    experts = r.integer("num_experts")
+    return {
+        **fields,
+        "ffn_hidden_size": r.integer("intermediate_size"),
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "qk_norm": True,
+        "num_experts": experts,
+        "num_experts_per_tok": r.integer("num_experts_per_tok"),
+        "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
+        "layer_mlp_kinds": _qwen_moe_kinds(r, fields["num_layers"], experts),
+    }
+
+
+def _deepseek(r: _Reader) -> dict[str, Any]:
+    fields = _common_fields(r)
+    bias = r.flag("attention_bias", False)
+    experts = r.integer("n_routed_experts", 0)
+    first_dense = r.integer("first_k_dense_replace", 3 if r.model_type == "deepseek_v3" else 0)
+    frequency = r.integer("moe_layer_freq", 1)
+    kinds: tuple[MlpKind, ...] = tuple(
+        "moe" if experts and i >= first_dense and i % frequency == 0 else "dense"
+        for i in range(fields["num_layers"])
+    )
+    moe_width = r.integer("moe_intermediate_size")
+    shared = r.integer("n_shared_experts", 0)
+    return {
+        **fields,
+        "ffn_hidden_size": r.integer("intermediate_size"),
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "q_lora_rank": r.integer("q_lora_rank", 0),
+        "kv_lora_rank": r.integer("kv_lora_rank"),
+        "qk_rope_head_dim": r.integer("qk_rope_head_dim"),
+        "qk_nope_head_dim": r.integer("qk_nope_head_dim"),
+        "v_head_dim": r.integer("v_head_dim"),
+        "head_dim": r.integer("qk_rope_head_dim") + r.integer("qk_nope_head_dim"),
+        "num_experts": experts,
+        "num_experts_per_tok": r.integer("num_experts_per_tok", 0) if experts else 0,
+        "moe_ffn_hidden_size": moe_width,
+        "num_shared_experts": shared,
+        "shared_expert_ffn_hidden_size": moe_width if shared else 0,
+        "layer_mlp_kinds": kinds,
+        "mtp_depth": r.integer("num_nextn_predict_layers", 0),
+    }
+
+
+READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "mixtral": _mixtral,
+    "qwen2": _qwen2,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
+}
+
+
+def spec_from_hf_config(config: HfConfig, *, name: str, source: str = "config.json") -> ModelSpec:
+    """Map a Hugging Face config dict to a ModelSpec; errors name the source and the field."""
+    if not isinstance(config, Mapping):
+        raise NdplanError(f"{source}: expected a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type not in READERS:
+        raise NdplanError(
+            f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(READERS)} "
+            "(for another architecture write an ndplan model spec in YAML/JSON)"
+        )
+    fields = READERS[model_type](_Reader(config, source))
+    try:
+        return ModelSpec(name=name, **fields)
+    except ValidationError as error:
+        raise NdplanError(f"{source}: {first_validation_error(error)}") from None
+
+
+def first_validation_error(error: ValidationError) -> str:
+    """One line from pydantic's report: the field path and what is wrong with it."""
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if location:
+        return f"field '{location}': {message} (got {first.get('input')!r})"
+    return message

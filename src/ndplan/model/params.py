@@ -1,0 +1,161 @@
+"""Exact parameter counts per block, as the transformers modeling code builds them.
+
+Counts are element counts (Python ints, exact). Memory code multiplies them by bytes per element.
+Every formula here is pinned by a test that builds the same config with transformers on the meta
+device and sums ``numel()`` per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ndplan.model.spec import MlpKind, ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one decoder layer, split the way sharding treats them.
+
+    ``attention`` includes the projections, their biases, QK-norm and MLA's latent norms;
+    ``norms`` the two norms around attention and MLP; ``mlp`` the dense MLP (0 in a MoE layer);
+    ``router`` the gate; ``routed_experts`` all routed experts together; ``shared_experts`` the
+    always-on experts and their gate.
+    """
+
+    attention: int
+    norms: int
+    mlp: int
+    router: int
+    routed_experts: int
+    shared_experts: int
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.norms + self.mlp + self.router + self.routed_experts + self.shared_experts
+
+    @property
+    def non_expert(self) -> int:
+        """What every rank of an expert-parallel group holds in full: all but the experts."""
+        return self.attention + self.norms + self.mlp + self.router
+
+
+def norm_params(spec: ModelSpec, width: int) -> int:
+    """One norm over ``width`` features: a weight, plus a bias for LayerNorm with bias."""
+    return width * (2 if spec.norm == "layernorm" and spec.norm_bias else 1)
+
+
+def attention_params(spec: ModelSpec) -> int:
+    h = spec.hidden_size
+    heads = spec.num_attention_heads
+    if spec.is_mla:
+        qk = spec.qk_head_dim
+        if spec.q_lora_rank:
+            q_rank = spec.q_lora_rank
+            query = h * q_rank + (q_rank if spec.qkv_bias else 0) + q_rank + q_rank * heads * qk
+        else:
+            query = h * heads * qk
+        kv_down = spec.kv_lora_rank + spec.qk_rope_head_dim
+        key_value = (
+            h * kv_down
+            + (kv_down if spec.qkv_bias else 0)
+            + spec.kv_lora_rank  # kv_a_layernorm
+            + spec.kv_lora_rank * heads * (spec.qk_nope_head_dim + spec.v_head_dim)
+        )
+        output = heads * spec.v_head_dim * h + (h if spec.o_bias else 0)
+        return query + key_value + output
+    d = spec.head_dim
+    q_width = heads * d
+    kv_width = spec.num_kv_heads * d
+    qkv = h * (q_width + 2 * kv_width) + ((q_width + 2 * kv_width) if spec.qkv_bias else 0)
+    output = q_width * h + (h if spec.o_bias else 0)
+    qk_norm = 2 * d if spec.qk_norm else 0
+    return qkv + output + qk_norm
+
+
+def mlp_params(spec: ModelSpec, width: int, *, bias: bool) -> int:
+    """A (gated) MLP of ``width``: gate/up project h -> width, down projects width -> h."""
+    up_matrices = spec.mlp_matrices - 1
+    weights = spec.mlp_matrices * spec.hidden_size * width
+    biases = (up_matrices * width + spec.hidden_size) if bias else 0
+    return weights + biases
+
+
+def layer_params(spec: ModelSpec, kind: MlpKind) -> LayerParams:
+    h = spec.hidden_size
+    attention = attention_params(spec)
+    norms = 2 * norm_params(spec, h)
+    if kind == "dense":
+        return LayerParams(attention, norms, mlp_params(spec, spec.ffn_hidden_size, bias=spec.mlp_bias), 0, 0, 0)
+    router = spec.num_experts * h
+    # Expert weights are stacked 3-D tensors in transformers, without biases.
+    routed = spec.num_experts * mlp_params(spec, spec.moe_ffn_hidden_size, bias=False)
+    shared = spec.num_shared_experts * mlp_params(spec, spec.shared_expert_ffn_hidden_size, bias=False)
+    if spec.shared_expert_gate:
+        shared += h
+    return LayerParams(attention, norms, 0, router, routed, shared)
+
+
+def mtp_extra_params(spec: ModelSpec) -> int:
+    """One MTP module beyond its decoder layer: two input norms, the 2h -> h projection, and the
+    output norm. The embedding and output head are shared with the main model (DeepSeek-V3,
+    Megatron-Core), so they are not counted again."""
+    h = spec.hidden_size
+    return 3 * norm_params(spec, h) + 2 * h * h
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Whole-model parameter counts per block. ``total`` excludes MTP modules, as published model
+    sizes do (DeepSeek-V3: 671B + 14B MTP); ``total_with_mtp`` includes them."""
+
+    embedding: int
+    attention: int
+    norms: int
+    mlp: int
+    router: int
+    routed_experts: int
+    shared_experts: int
+    final_norm: int
+    output_head: int
+    mtp: int
+    active: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.embedding + self.attention + self.norms + self.mlp + self.router
+            + self.routed_experts + self.shared_experts + self.final_norm + self.output_head
+        )
+
+    @property
+    def total_with_mtp(self) -> int:
+        return self.total + self.mtp
+
+    def blocks(self) -> dict[str, int]:
+        out = asdict(self)
+        out.pop("active")
+        return out
+
+
+def count_parameters(spec: ModelSpec) -> ParameterCounts:
+    """Sum per-layer counts over the body; active = total minus the routed experts a token skips."""
+    per_kind = {kind: layer_params(spec, kind) for kind in set(spec.layer_mlp_kinds)}
+    sums = dict.fromkeys(("attention", "norms", "mlp", "router", "routed_experts", "shared_experts"), 0)
+    for kind in spec.layer_mlp_kinds:
+        for key in sums:
+            sums[key] += getattr(per_kind[kind], key)
+    embedding = spec.vocab_size * spec.hidden_size
+    output_head = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
+    mtp = spec.mtp_depth * (mtp_extra_params(spec) + layer_params(spec, spec.mtp_mlp_kind).total)
+    skipped_experts = 0
+    if spec.num_experts:
+        skipped_experts = sums["routed_experts"] * (spec.num_experts - spec.num_experts_per_tok) // spec.num_experts
+    counts = ParameterCounts(
+        embedding=embedding,
+        final_norm=norm_params(spec, spec.hidden_size),
+        output_head=output_head,
+        mtp=mtp,
+        active=0,
+        **sums,
+    )
+    return ParameterCounts(**{**asdict(counts), "active": counts.total - skipped_experts})

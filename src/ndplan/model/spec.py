@@ -1,0 +1,147 @@
+"""ModelSpec: one immutable description of a decoder-only LLM, in ndplan's own field names.
+
+Everything downstream (parameter counts, memory, FLOPs) reads a ModelSpec and nothing else, so a
+model from a Hugging Face config, a preset or a user's YAML file is priced by the same formulas.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MlpKind = Literal["dense", "moe"]
+AttentionKind = Literal["mha", "gqa", "mqa", "mla"]
+
+
+class ModelSpec(BaseModel):
+    """Architecture of a decoder-only transformer.
+
+    Widths are element counts (not bytes). ``layer_mlp_kinds[i]`` says whether body layer ``i``
+    has a dense MLP or a mixture of experts; MTP modules (``mtp_depth``) follow the body and use
+    the kind of the last body layer, as DeepSeek-V3 does.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    model_type: str = "custom"
+
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    ffn_hidden_size: int = Field(ge=0, description="width of the dense MLP (0 if every layer is MoE)")
+    num_attention_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0, description="query/key head width for MHA/GQA/MQA")
+    vocab_size: int = Field(gt=0)
+    tie_word_embeddings: bool = False
+
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_bias: bool = False
+    activation: str = "silu"
+    gated_mlp: bool = True
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    # Multi-head latent attention (DeepSeek-V2/V3). kv_lora_rank > 0 switches it on.
+    q_lora_rank: int = Field(default=0, ge=0, description="0: queries are not compressed")
+    kv_lora_rank: int = Field(default=0, ge=0)
+    qk_rope_head_dim: int = Field(default=0, ge=0)
+    qk_nope_head_dim: int = Field(default=0, ge=0)
+    v_head_dim: int = Field(default=0, ge=0)
+
+    # Mixture of experts. num_experts == 0 means a dense model.
+    num_experts: int = Field(default=0, ge=0)
+    num_experts_per_tok: int = Field(default=0, ge=0)
+    moe_ffn_hidden_size: int = Field(default=0, ge=0)
+    num_shared_experts: int = Field(default=0, ge=0)
+    shared_expert_ffn_hidden_size: int = Field(default=0, ge=0, description="width of each shared expert")
+    shared_expert_gate: bool = False
+    layer_mlp_kinds: tuple[MlpKind, ...] = ()
+
+    mtp_depth: int = Field(default=0, ge=0, description="multi-token-prediction modules")
+    max_position_embeddings: int = Field(default=0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_layer_kinds(cls, data: object) -> object:
+        # A spec without per-layer kinds is homogeneous: all MoE if it has experts, else dense.
+        if isinstance(data, dict) and not data.get("layer_mlp_kinds") and "num_layers" in data:
+            kind = "moe" if data.get("num_experts", 0) else "dense"
+            try:
+                data = {**data, "layer_mlp_kinds": (kind,) * int(data["num_layers"])}
+            except (TypeError, ValueError):
+                pass  # the field validator reports the bad num_layers
+        return data
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> ModelSpec:
+        if len(self.layer_mlp_kinds) != self.num_layers:
+            raise ValueError(
+                f"layer_mlp_kinds has {len(self.layer_mlp_kinds)} entries but num_layers={self.num_layers}"
+            )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} does not divide num_attention_heads={self.num_attention_heads}"
+            )
+        if self.is_mla and not (self.qk_rope_head_dim and self.qk_nope_head_dim and self.v_head_dim):
+            raise ValueError("MLA (kv_lora_rank > 0) needs qk_rope_head_dim, qk_nope_head_dim and v_head_dim > 0")
+        has_moe = "moe" in self.layer_mlp_kinds
+        if has_moe:
+            if not self.num_experts:
+                raise ValueError("layer_mlp_kinds names 'moe' layers but num_experts=0")
+            if not self.moe_ffn_hidden_size:
+                raise ValueError("a MoE model needs moe_ffn_hidden_size > 0")
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"
+                )
+        if "dense" in self.layer_mlp_kinds and not self.ffn_hidden_size:
+            raise ValueError("dense layers need ffn_hidden_size > 0")
+        if self.num_shared_experts and not self.shared_expert_ffn_hidden_size:
+            raise ValueError("num_shared_experts > 0 needs shared_expert_ffn_hidden_size > 0")
+        return self
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def is_moe(self) -> bool:
+        return "moe" in self.layer_mlp_kinds
+
+    @property
+    def attention_kind(self) -> AttentionKind:
+        if self.is_mla:
+            return "mla"
+        if self.num_kv_heads == self.num_attention_heads:
+            return "mha"
+        return "mqa" if self.num_kv_heads == 1 else "gqa"
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.layer_mlp_kinds.count("moe")
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.layer_mlp_kinds.count("dense")
+
+    @property
+    def mtp_mlp_kind(self) -> MlpKind:
+        return self.layer_mlp_kinds[-1]
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query/key head: nope + rope parts for MLA, head_dim otherwise."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices per MLP: gate, up and down when gated (SwiGLU), up and down otherwise."""
+        return 3 if self.gated_mlp else 2

@@ -1,0 +1,129 @@
+"""StrategyBatch: many strategies as a struct of numpy arrays, so one formula serves them all.
+
+A single strategy is a batch of one. Categorical fields (schedule, cp_kind, recompute) are stored
+as integer codes into the tuples of ``strategy.py``; booleans as 0/1. Per-strategy layer
+placements (``stage_layers``) are not batched: a batch uses the uniform placement, and a placed
+strategy is evaluated on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from ndplan.strategy.precision import PRECISION_PRESETS, PrecisionPolicy
+from ndplan.strategy.strategy import CP_KINDS, RECOMPUTES, SCHEDULES, Strategy
+
+#: Categorical fields and their code tables.
+CODES: dict[str, tuple[str, ...]] = {"schedule": SCHEDULES, "cp_kind": CP_KINDS, "recompute": RECOMPUTES}
+
+IntArray = np.ndarray
+
+
+@dataclass(frozen=True)
+class StrategyBatch:
+    """Parallel arrays, one entry per strategy; see ``Strategy`` for the meaning of each field."""
+
+    dp: IntArray
+    tp: IntArray
+    pp: IntArray
+    cp: IntArray
+    cp_kind: IntArray
+    ulysses_degree: IntArray
+    ep: IntArray
+    etp: IntArray
+    sequence_parallel: IntArray
+    vpp: IntArray
+    schedule: IntArray
+    seq_chunks: IntArray
+    embedding_as_layer: IntArray
+    output_as_layer: IntArray
+    zero: IntArray
+    fsdp: IntArray
+    shard_group: IntArray
+    reshard_after_forward: IntArray
+    optimizer_offload: IntArray
+    recompute: IntArray
+    recompute_layers: IntArray
+    micro_batch_size: IntArray
+    num_micro_batches: IntArray
+    global_batch_size: IntArray
+    seq_length: IntArray
+    precision: PrecisionPolicy = PRECISION_PRESETS["megatron-bf16"]
+
+    @classmethod
+    def array_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.name != "precision")
+
+    @classmethod
+    def from_columns(cls, columns: dict[str, Any], precision: PrecisionPolicy | None = None) -> StrategyBatch:
+        """Build from arrays (or scalars, broadcast); missing fields take Strategy's defaults,
+        categorical fields may be given as names or codes."""
+        defaults = Strategy()
+        size = max((np.size(v) for v in columns.values()), default=1)
+        arrays: dict[str, IntArray] = {}
+        for name in cls.array_fields():
+            value = columns.get(name, getattr(defaults, name))
+            if name in CODES:
+                value = encode(name, value)
+            arrays[name] = np.broadcast_to(np.asarray(value, dtype=np.int64), (size,)).copy()
+        if "etp" not in columns:
+            arrays["etp"] = arrays["tp"].copy()
+        else:
+            arrays["etp"] = np.where(arrays["etp"] == 0, arrays["tp"], arrays["etp"])
+        if "global_batch_size" not in columns:
+            arrays["global_batch_size"] = arrays["dp"] * arrays["micro_batch_size"] * arrays["num_micro_batches"]
+        return cls(**arrays, precision=precision or defaults.precision)
+
+    @classmethod
+    def of(cls, strategies: Strategy | Sequence[Strategy]) -> StrategyBatch:
+        items = [strategies] if isinstance(strategies, Strategy) else list(strategies)
+        if not items:
+            raise ValueError("an empty list of strategies makes no batch")
+        precision = items[0].precision
+        if any(s.precision != precision for s in items):
+            raise ValueError("a batch shares one precision policy")
+        columns = {name: [getattr(s, name) for s in items] for name in cls.array_fields()}
+        return cls.from_columns(columns, precision)
+
+    def __len__(self) -> int:
+        return int(self.dp.shape[0])
+
+    def take(self, index: IntArray) -> StrategyBatch:
+        """The strategies at ``index`` (an integer array or a boolean mask)."""
+        return StrategyBatch(**{n: getattr(self, n)[index] for n in self.array_fields()}, precision=self.precision)
+
+    def row(self, i: int) -> Strategy:
+        values: dict[str, Any] = {}
+        for name in self.array_fields():
+            value = int(getattr(self, name)[i])
+            if name in CODES:
+                values[name] = CODES[name][value]
+            elif isinstance(Strategy.model_fields[name].default, bool):
+                values[name] = bool(value)
+            else:
+                values[name] = value
+        return Strategy(**values, precision=self.precision)
+
+    def rows(self) -> Iterator[Strategy]:
+        return (self.row(i) for i in range(len(self)))
+
+    def is_(self, name: str, label: str) -> np.ndarray:
+        """Mask of strategies whose categorical field ``name`` equals ``label``."""
+        return np.asarray(getattr(self, name) == CODES[name].index(label))
+
+    def is_in(self, name: str, labels: Sequence[str]) -> np.ndarray:
+        return np.isin(getattr(self, name), [CODES[name].index(label) for label in labels])
+
+
+def encode(name: str, value: Any) -> Any:
+    """Names to codes for a categorical field, element-wise; codes pass through."""
+    table = CODES[name]
+    if isinstance(value, str):
+        return table.index(value)
+    if isinstance(value, (list, tuple, np.ndarray)) and len(value) and isinstance(value[0], str):
+        return [table.index(v) for v in value]
+    return value
