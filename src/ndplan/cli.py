@@ -1,0 +1,190 @@
+"""The `ndplan` command: one subcommand per question, rich tables for people, --json for programs.
+
+Exit codes: 0 success, 2 bad input (one line on stderr, never a traceback), 1 a check that ran
+and failed (e.g. a strategy that does not fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from ndplan import __version__
+from ndplan.cli_args import add_strategy_arguments, gather_settings, strategy_from_settings
+from ndplan.errors import NdplanError
+from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
+from ndplan.model.hf import first_validation_error
+from ndplan.model.presets import preset_index
+from ndplan.strategy import check_strategy
+from ndplan.units import format_bytes, format_count
+
+# Pipes and CI logs get a wide console so tables are not squeezed into 80 columns.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _emit_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def _require(settings: dict[str, Any], key: str, flag: str) -> Any:
+    if settings.get(key) is None:
+        raise NdplanError(f"missing {flag} (give it as a flag or in the --plan file)")
+    return settings[key]
+
+
+# ---------------------------------------------------------------- models
+def model_summary(spec: ModelSpec) -> dict[str, Any]:
+    counts = count_parameters(spec)
+    published = preset_index().get(spec.name, {})
+    return {
+        "name": spec.name,
+        "model_type": spec.model_type,
+        "attention": spec.attention_kind,
+        "num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_kv_heads": spec.num_kv_heads,
+        "vocab_size": spec.vocab_size,
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "num_moe_layers": spec.num_moe_layers,
+        "mtp_depth": spec.mtp_depth,
+        "total_params": counts.total,
+        "active_params": counts.active,
+        "mtp_params": counts.mtp,
+        "blocks": counts.blocks(),
+        "published_total_params": published.get("published_total_params"),
+        "hf_repo": published.get("hf_repo"),
+        "spec": spec.model_dump(mode="json"),
+    }
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    specs = [load_model(args.model)] if args.model else [load_model(n) for n in preset_names()]
+    rows = [model_summary(s) for s in specs]
+    if args.json:
+        _emit_json(rows if not args.model else rows[0])
+        return 0
+    table = Table(title="Models (parameter counts exact, as transformers builds them)")
+    for col in ["name", "type", "attention", "layers", "hidden", "heads/kv", "experts (top-k)", "total params", "active params", "MTP params"]:
+        table.add_column(col, justify="right" if col not in {"name", "type", "attention"} else "left")
+    for r in rows:
+        experts = f"{r['num_experts']} ({r['num_experts_per_tok']})" if r["num_experts"] else "-"
+        table.add_row(
+            r["name"], r["model_type"], r["attention"], str(r["num_layers"]), str(r["hidden_size"]),
+            f"{r['num_attention_heads']}/{r['num_kv_heads']}", experts, format_count(r["total_params"]),
+            format_count(r["active_params"]), format_count(r["mtp_params"]) if r["mtp_params"] else "-",
+        )
+    console.print(table)
+    return 0
+
+
+# ---------------------------------------------------------------- hardware
+def cmd_hardware(args: argparse.Namespace) -> int:
+    from ndplan.hardware import list_devices, resolve_device
+
+    devices = [resolve_device(args.name)] if args.name else list_devices()
+    if args.json:
+        _emit_json([d.model_dump(mode="json") for d in devices])
+        return 0
+    table = Table(title="Accelerators (dense peak; sources in hardware/devices.yaml)")
+    for col in ["name", "memory", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "scale-up GB/s ×domain", "scale-out GB/s", "per node"]:
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for d in devices:
+        fp8 = d.peak_flops.get("fp8")
+        table.add_row(
+            d.name,
+            format_bytes(d.memory_bytes),
+            f"{d.peak_flops['bf16'] / 1e12:,.0f}",
+            f"{fp8 / 1e12:,.0f}" if fp8 else "-",
+            f"{d.hbm_bandwidth_bytes_per_s / 1e9:,.0f}",
+            f"{d.scaleup_bandwidth_bytes_per_s / 1e9:,.0f} ×{d.scaleup_domain_size}",
+            f"{d.scaleout_bandwidth_bytes_per_s / 1e9:,.0f}",
+            str(d.devices_per_node),
+        )
+    console.print(table)
+    return 0
+
+
+# ---------------------------------------------------------------- check
+def cmd_check(args: argparse.Namespace) -> int:
+    settings = gather_settings(args)
+    model = load_model(_require(settings, "model", "--model"))
+    if settings.get("hardware"):
+        from ndplan.hardware import resolve_device
+
+        resolve_device(settings["hardware"])  # a bad device name is an input error here too
+    strategy = strategy_from_settings(settings)
+    violations = check_strategy(strategy, model, settings.get("devices"))
+    if args.json:
+        _emit_json({
+            "valid": not violations,
+            "model": model.name,
+            "strategy": strategy.model_dump(mode="json"),
+            "violations": [{"rule": v.rule, "message": v.message} for v in violations],
+        })
+    elif violations:
+        console.print(f"[bold red]invalid[/] {strategy.short()} for {model.name}:")
+        for v in violations:
+            console.print(f"  ✗ [bold]{v.rule}[/]: {v.message}")
+    else:
+        console.print(f"[bold green]valid[/] {strategy.short()} for {model.name}")
+    return 2 if violations else 0
+
+
+# ---------------------------------------------------------------- main
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (usage is one `--help` away) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ndplan",
+        description="Plan N-dimensional parallel LLM training: memory per stage, step time, best strategy.",
+    )
+    parser.add_argument("--version", action="version", version=f"ndplan {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("models", help="list model presets with exact parameter counts")
+    p.add_argument("--model", help="show one preset or config file instead of all presets")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("hardware", help="list accelerator presets")
+    p.add_argument("name", nargs="?", help="one preset name or a device YAML path")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_hardware)
+
+    p = sub.add_parser("check", help="validate a strategy for a model and cluster; print every violated rule")
+    add_strategy_arguments(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except NdplanError as error:
+        print(f"ndplan: error: {error}", file=sys.stderr)
+        return 2
+    except ValidationError as error:
+        print(f"ndplan: error: {first_validation_error(error)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Command-line arguments shared by the subcommands that take a model, a cluster and a strategy.
+
+The same keys can come from a YAML plan file (``--plan``); flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ndplan.errors import NdplanError
+from ndplan.model.hf import first_validation_error
+from ndplan.model.presets import read_structured_file
+from ndplan.strategy.precision import PRECISION_PRESETS
+from ndplan.strategy.strategy import CP_KINDS, RECOMPUTES, SCHEDULES, Strategy
+
+#: Plan-file keys and the Strategy field each maps to (CLI flags use the same names with dashes).
+_STRATEGY_KEYS = {
+    "dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "cp_kind": "cp_kind", "ulysses_degree": "ulysses_degree",
+    "ep": "ep", "etp": "etp", "vpp": "vpp", "sp": "sequence_parallel", "schedule": "schedule",
+    "seq_chunks": "seq_chunks", "stage_layers": "stage_layers", "zero": "zero", "fsdp": "fsdp",
+    "shard_group": "shard_group", "reshard": "reshard_after_forward", "optimizer_offload": "optimizer_offload",
+    "recompute": "recompute", "recompute_layers": "recompute_layers", "mbs": "micro_batch_size",
+    "num_micro_batches": "num_micro_batches", "gbs": "global_batch_size", "seq": "seq_length",
+    "precision": "precision",
+}
+_PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "devices"}
+
+
+def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for the model, the cluster and every strategy dimension."""
+    group = parser.add_argument_group("model and cluster")
+    group.add_argument("--model", help="preset name (see `ndplan models`) or a config.json / spec YAML path")
+    group.add_argument("--hardware", help="device preset (see `ndplan hardware`) or a device YAML path")
+    group.add_argument("--devices", type=int, help="number of devices in the cluster")
+    group.add_argument("--plan", type=Path, help="YAML/JSON file with any of these settings (flags win)")
+
+    par = parser.add_argument_group("parallelism")
+    for flag, text in [
+        ("dp", "data parallel degree (default: devices / (tp·pp·cp))"),
+        ("tp", "tensor parallel degree"),
+        ("pp", "pipeline parallel degree"),
+        ("cp", "context parallel degree"),
+        ("ep", "expert parallel degree"),
+        ("etp", "expert tensor parallel degree (default: tp)"),
+        ("vpp", "virtual pipeline chunks per stage"),
+        ("ulysses-degree", "Ulysses part of hybrid context parallelism"),
+        ("seq-chunks", "Seq1F1B sub-sequences per micro-batch"),
+    ]:
+        par.add_argument(f"--{flag}", type=int, help=text)
+    par.add_argument("--cp-kind", choices=CP_KINDS)
+    par.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallelism (needs tp > 1)")
+    par.add_argument("--no-sp", dest="sp", action="store_false")
+    par.add_argument("--schedule", choices=SCHEDULES)
+    par.add_argument("--stage-layers", type=_int_list, help="layers per virtual stage, comma-separated (uneven placement)")
+
+    mem = parser.add_argument_group("sharding, recompute and precision")
+    mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over dp·cp (1 = distributed optimizer)")
+    mem.add_argument("--fsdp", action="store_true", default=None, help="torch FSDP (implies --zero 3)")
+    mem.add_argument("--shard-group", type=int, help="HSDP: shard within groups of this many ranks")
+    mem.add_argument("--no-reshard", dest="reshard", action="store_false", default=None,
+                     help="FSDP keeps parameters gathered after forward")
+    mem.add_argument("--optimizer-offload", action="store_true", default=None)
+    mem.add_argument("--recompute", choices=RECOMPUTES)
+    mem.add_argument("--recompute-layers", type=int, help="recompute only this many layers per stage")
+    mem.add_argument("--precision", choices=sorted(PRECISION_PRESETS))
+
+    batch = parser.add_argument_group("batch")
+    batch.add_argument("--seq", type=int, help="sequence length in tokens (default 4096)")
+    batch.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
+    batch.add_argument("--gbs", type=int, help="global batch size in sequences")
+    batch.add_argument("--num-micro-batches", type=int, help="micro-batches per step (default: gbs / (dp·mbs))")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def read_plan_file(path: Path) -> dict[str, Any]:
+    data = read_structured_file(path)
+    if not isinstance(data, dict):
+        raise NdplanError(f"{path}: a plan file is a mapping of settings, got {type(data).__name__}")
+    unknown = sorted(set(data) - _PLAN_KEYS)
+    if unknown:
+        raise NdplanError(f"{path}: unknown setting '{unknown[0]}'; known: {', '.join(sorted(_PLAN_KEYS))}")
+    return data
+
+
+def gather_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Plan-file settings overlaid with the flags that were given."""
+    settings: dict[str, Any] = read_plan_file(args.plan) if getattr(args, "plan", None) else {}
+    for key in _PLAN_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            settings[key] = value
+    return settings
+
+
+def strategy_from_settings(settings: dict[str, Any]) -> Strategy:
+    """Build a Strategy, deriving dp from the device count and the micro-batch count from gbs."""
+    fields = {_STRATEGY_KEYS[k]: v for k, v in settings.items() if k in _STRATEGY_KEYS}
+    devices = settings.get("devices")
+    tp, pp, cp = (int(fields.get(k, 1)) for k in ("tp", "pp", "cp"))
+    if "dp" not in fields and devices:
+        fields["dp"] = max(1, devices // (tp * pp * cp)) if devices % (tp * pp * cp) == 0 else 1
+    if fields.get("fsdp") and "zero" not in fields:
+        fields["zero"] = 3
+    gbs = fields.get("global_batch_size")
+    if gbs and "num_micro_batches" not in fields:
+        per_micro = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1))
+        fields["num_micro_batches"] = max(1, gbs // per_micro)
+    try:
+        return Strategy(**fields)
+    except ValidationError as error:
+        raise NdplanError(first_validation_error(error)) from None

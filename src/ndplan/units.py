@@ -1,0 +1,43 @@
+"""Formatting of bytes, counts and times for people. Computation stays in bytes, seconds, FLOPs."""
+
+from __future__ import annotations
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+def format_bytes(value: float) -> str:
+    """Binary units, as allocators and nvidia-smi report: 1 GiB = 2^30 bytes."""
+    for unit, size in (("TiB", 1024**4), ("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if abs(value) >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def format_count(value: float) -> str:
+    """Decimal units for parameter counts: 8.03B, 671.03B."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:,.2f}{unit}"
+    return f"{value:,.0f}"
+
+
+def parse_bytes(text: str) -> int:
+    """'70GiB', '80 GB', '1.5TiB', '123456' -> bytes. GB/TB are decimal, GiB/TiB binary."""
+    from ndplan.errors import NdplanError
+
+    units = {"tib": 1024**4, "gib": GIB, "mib": MIB, "kib": 1024, "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+    cleaned = text.strip().lower().replace(" ", "").replace("_", "")
+    for suffix, size in units.items():
+        if cleaned.endswith(suffix):
+            number = cleaned[: -len(suffix)]
+            break
+    else:
+        number, size = cleaned, 1
+    try:
+        value = float(number)
+    except ValueError:
+        raise NdplanError(f"cannot read '{text}' as a size; write e.g. 70GiB, 80GB or 85899345920") from None
+    if value <= 0:
+        raise NdplanError(f"a size must be positive, got '{text}'")
+    return int(value * size)

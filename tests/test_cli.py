@@ -1,0 +1,196 @@
+"""The ndplan command: outputs, JSON, and one-line errors with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ndplan.cli import main
+from ndplan.strategy import RULES
+
+LLAMA = ["--model", "llama-3.1-8b"]
+MIXTRAL = ["--model", "mixtral-8x7b"]
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_models_json_lists_every_preset(capsys):
+    code, out, _ = run(["models", "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert code == 0
+    assert rows["llama-3.1-8b"]["total_params"] == 8_030_261_248
+    assert rows["deepseek-v3"]["blocks"]["mtp"] > 0
+    assert {"name", "model_type", "total_params", "active_params", "blocks"} <= set(rows["qwen3-30b-a3b"])
+
+
+def test_models_for_a_config_file(tmp_path, capsys):
+    from ndplan.model import hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf_config("mistral-7b")))
+    code, out, _ = run(["models", "--model", str(path), "--json"], capsys)
+    assert code == 0 and json.loads(out)["total_params"] == 7_241_732_096
+
+
+def test_models_table(capsys):
+    code, out, _ = run(["models"], capsys)
+    assert code == 0 and "deepseek-v3" in out and "671.03B" in out
+
+
+def test_check_valid(capsys):
+    code, out, _ = run(["check", *LLAMA, "--devices", "8", "--tp", "2", "--gbs", "64", "--mbs", "2", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["valid"] and data["strategy"]["dp"] == 4 and data["strategy"]["num_micro_batches"] == 8
+
+
+def test_check_plan_file_and_flags_override(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("model: llama-3.1-8b\ndevices: 16\ntp: 4\npp: 2\nsp: true\ngbs: 32\n")
+    code, out, _ = run(["check", "--plan", str(plan), "--tp", "8", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["strategy"]["tp"] == 8 and data["strategy"]["dp"] == 1
+
+
+# Each rule, reached from the command line: (argv, the rule's name, words of its message).
+RULE_CASES = [
+    ([*LLAMA, "--devices", "8", "--tp", "2", "--dp", "2"], "world_size", "but the cluster has 8 devices"),
+    ([*LLAMA, "--dp", "2", "--mbs", "2", "--num-micro-batches", "3", "--gbs", "16"], "global_batch", "global_batch_size=16"),
+    ([*LLAMA, "--tp", "3"], "tp_divides_heads", "tp=3 does not divide num_attention_heads=32"),
+    ([*LLAMA, "--tp", "16"], "tp_divides_kv_heads", "tp=16 does not divide num_key_value_heads=8"),
+    (["--model", "MODEL_FFN24", "--tp", "16"], "tp_divides_ffn", "tp=16 does not divide ffn_hidden_size=24"),
+    (["--model", "MODEL_SHARED", "--tp", "16"], "tp_divides_shared_experts", "shared_expert_ffn_hidden_size=24"),
+    ([*LLAMA, "--ep", "2", "--dp", "2"], "ep_needs_experts", "needs a mixture-of-experts model"),
+    ([*MIXTRAL, "--ep", "3", "--dp", "3"], "ep_divides_experts", "ep=3 does not divide num_experts=8"),
+    ([*MIXTRAL, "--etp", "3", "--dp", "3"], "etp_divides_moe_ffn", "etp=3 does not divide moe_ffn_hidden_size=14336"),
+    ([*MIXTRAL, "--ep", "8", "--dp", "2"], "expert_grid_fits", "does not divide dp·cp·tp = 2"),
+    ([*LLAMA, "--pp", "64"], "layers_cover_stages", "exceed num_layers=32"),
+    ([*LLAMA, "--pp", "2", "--vpp", "2"], "vpp_needs_virtual_schedule", "vpp=2 needs one of the schedules"),
+    ([*LLAMA, "--pp", "2", "--schedule", "interleaved"], "interleaved_needs_vpp", "needs vpp >= 2"),
+    ([*LLAMA, "--pp", "2", "--vpp", "4", "--schedule", "zbv"], "v_schedule_needs_vpp2", "needs vpp=2, got vpp=4"),
+    ([*LLAMA, "--vpp", "2", "--schedule", "interleaved"], "virtual_schedule_needs_pp", "needs pp >= 2"),
+    ([*LLAMA, "--pp", "4", "--vpp", "2", "--schedule", "interleaved", "--num-micro-batches", "6"],
+     "interleaved_micro_batches", "multiple of pp=4"),
+    ([*LLAMA, "--pp", "4", "--vpp", "2", "--schedule", "dualpipev", "--num-micro-batches", "4"],
+     "dualpipev_micro_batches", "needs num_micro_batches >= 2·pp = 8"),
+    ([*LLAMA, "--seq-chunks", "2"], "seq_chunks_need_seq1f1b", "needs schedule 'seq1f1b'"),
+    ([*LLAMA, "--schedule", "seq1f1b", "--seq-chunks", "3"], "seq_chunks_divide_seq", "does not divide seq_length=4096"),
+    ([*LLAMA, "--sp"], "sp_needs_tp", "sequence_parallel needs tp > 1"),
+    ([*LLAMA, "--tp", "8", "--sp", "--seq", "4100"], "sp_divides_seq", "does not divide seq_length=4100"),
+    ([*LLAMA, "--cp", "4", "--seq", "4100"], "cp_ring_divides_seq", "divisible by 2·cp = 8"),
+    ([*LLAMA, "--cp", "3", "--cp-kind", "ulysses", "--seq", "6144"], "cp_ulysses_heads", "num_attention_heads=32"),
+    ([*LLAMA, "--cp", "4", "--cp-kind", "hybrid", "--ulysses-degree", "3"], "cp_hybrid_degree", "ulysses_degree=3"),
+    ([*LLAMA, "--dp", "8", "--fsdp", "--zero", "1"], "fsdp_is_zero3", "needs zero=3, got zero=1"),
+    ([*LLAMA, "--dp", "8", "--zero", "3", "--shard-group", "3"], "shard_group_divides_dp", "shard_group=3 does not divide"),
+    ([*LLAMA, "--dp", "8", "--shard-group", "4"], "shard_group_needs_zero", "nothing to shard with zero=0"),
+    ([*LLAMA, "--recompute", "full", "--recompute-layers", "40"], "recompute_layers_fit_stage", "exceeds the 32 layers"),
+    ([*LLAMA, "--recompute-layers", "2"], "recompute_layers_need_recompute", "needs recompute 'selective' or 'full'"),
+    ([*LLAMA, "--pp", "2", "--stage-layers", "10,10,12"], "stage_layers_length", "has 3 entries but pp·vpp = 2"),
+    ([*LLAMA, "--pp", "2", "--stage-layers", "10,10"], "stage_layers_sum", "sum to 20 but the model has num_layers=32"),
+]
+
+
+@pytest.fixture()
+def model_files(tmp_path):
+    ffn24 = tmp_path / "ffn24.yaml"
+    ffn24.write_text("num_layers: 4\nhidden_size: 64\nffn_hidden_size: 24\nnum_attention_heads: 16\n"
+                     "num_kv_heads: 16\nhead_dim: 4\nvocab_size: 100\n")
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("num_layers: 4\nhidden_size: 64\nffn_hidden_size: 32\nnum_attention_heads: 16\n"
+                      "num_kv_heads: 16\nhead_dim: 4\nvocab_size: 100\nnum_experts: 4\nnum_experts_per_tok: 2\n"
+                      "moe_ffn_hidden_size: 32\nnum_shared_experts: 1\nshared_expert_ffn_hidden_size: 24\n")
+    return {"MODEL_FFN24": str(ffn24), "MODEL_SHARED": str(shared)}
+
+
+@pytest.mark.parametrize("argv,rule,words", RULE_CASES, ids=[c[1] for c in RULE_CASES])
+def test_every_rule_is_reported_with_exit_2(argv, rule, words, model_files, capsys):
+    argv = [model_files.get(a, a) for a in argv]
+    code, out, _ = run(["check", *argv, "--json"], capsys)
+    data = json.loads(out)
+    assert code == 2 and not data["valid"]
+    messages = {v["rule"]: v["message"] for v in data["violations"]}
+    assert rule in messages and words in messages[rule], messages
+
+
+def test_rule_cases_cover_every_rule():
+    assert {r.name for r in RULES} <= {case[1] for case in RULE_CASES}
+
+
+def test_check_human_output_lists_violations(capsys):
+    code, out, _ = run(["check", *LLAMA, "--tp", "16", "--devices", "8"], capsys)
+    assert code == 2 and "tp_divides_kv_heads" in out and "world_size" in out
+
+
+BAD_INPUTS = [
+    (["check", "--model", "llama-9"], "unknown model 'llama-9'"),
+    (["check"], "missing --model"),
+    (["check", *LLAMA, "--tp", "0"], "field 'tp'"),
+    (["check", *LLAMA, "--mbs", "-1"], "field 'micro_batch_size'"),
+    (["check", *LLAMA, "--seq", "0"], "field 'seq_length'"),
+    (["check", *LLAMA, "--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    (["check", *LLAMA, "--schedule", "bogus"], "invalid choice: 'bogus'"),
+    (["check", *LLAMA, "--tp", "two"], "invalid int value: 'two'"),
+    (["check", *LLAMA, "--stage-layers", "1,x"], "expected comma-separated integers"),
+    (["check", *LLAMA, "--precision", "fp9"], "invalid choice: 'fp9'"),
+    (["models", "--model", "nope.json"], "nope.json: no such file"),
+    (["hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD_INPUTS)
+def test_bad_input_one_line_exit_2(argv, words, capsys):
+    with pytest.raises(SystemExit) if argv[0] == "frobnicate" or "--schedule" in argv or "two" in argv \
+            or "1,x" in argv or "fp9" in argv else _no_exit():
+        code = main(argv)
+        assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+
+
+class _no_exit:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+BAD_FILES = [
+    ("bad.json", '{"model_type": "llama", "hidden_size": 8,,}', "malformed JSON"),
+    ("bad.yaml", "num_layers: [1, 2\nhidden_size: 3\n", "malformed YAML"),
+    ("list.yaml", "- 1\n- 2\n", "expected a mapping of fields"),
+    ("config.json", '{"model_type": "gpt_neox", "num_hidden_layers": 2}', "unsupported model_type 'gpt_neox'"),
+    ("config.json", '{"model_type": "qwen2", "num_hidden_layers": 2}', "missing field 'hidden_size'"),
+    ("spec.yaml", "num_layers: 2\nhidden_size: 8\n", "field 'ffn_hidden_size': Field required"),
+    ("spec.yaml", "num_layers: 2\nhidden_size: 8\nffn_hidden_size: 8\nnum_attention_heads: 2\nnum_kv_heads: 2\n"
+                  "head_dim: 4\nvocab_size: 10\nwarp_factor: 9\n", "field 'warp_factor': Extra inputs are not permitted"),
+]
+
+
+@pytest.mark.parametrize("name,text,words", BAD_FILES)
+def test_bad_model_files(name, text, words, tmp_path, capsys):
+    path = tmp_path / name
+    path.write_text(text)
+    code, _, err = run(["models", "--model", str(path)], capsys)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_plan_files(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("model: llama-3.1-8b\ntensor_parallel: 4\n")
+    code, _, err = run(["check", "--plan", str(plan)], capsys)
+    assert code == 2 and "unknown setting 'tensor_parallel'" in err
+
+
+def test_console_script_never_prints_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "ndplan.cli", "check", "--model", "x.json"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "ndplan: error: x.json: no such file"

@@ -1,0 +1,138 @@
+"""ModelSpec from HF configs and exact parameter counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_meta import meta_block_counts
+from ndplan.errors import NdplanError
+from ndplan.model import count_parameters, get_preset, hf_config, load_model, preset_names, spec_from_hf_config
+from ndplan.model.presets import preset_index
+
+REQUIRED_PRESETS = [
+    "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b",
+    "mistral-7b", "mixtral-8x7b", "mixtral-8x22b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
+    "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v2-lite", "deepseek-v3",
+]
+
+
+def test_required_presets_ship():
+    assert set(REQUIRED_PRESETS) <= set(preset_names())
+
+
+@pytest.mark.parametrize("name", sorted(preset_names()))
+def test_counts_match_transformers_meta_build(name):
+    """Every block ndplan counts equals what transformers builds for the same config.json."""
+    ours = count_parameters(get_preset(name)).blocks()
+    ours.pop("mtp")  # transformers does not build DeepSeek's MTP module
+    theirs = meta_block_counts(hf_config(name))
+    assert {k: v for k, v in ours.items() if v} == dict(theirs)
+
+
+# Exact totals published by the authors (safetensors metadata on the Hub / model cards).
+EXACT_TOTALS = {
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320,
+    "llama-2-70b": 68_976_648_192,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
+    "llama-3.1-405b": 405_853_388_800,
+    "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen2.5-7b": 7_615_616_512,
+}
+
+
+@pytest.mark.parametrize("name,total", sorted(EXACT_TOTALS.items()))
+def test_published_totals(name, total):
+    assert count_parameters(get_preset(name)).total == total
+
+
+def test_moe_active_parameters_match_published_rounded_figures():
+    # DeepSeek-V3: 671B total, 37B activated; Qwen3-30B-A3B: 30.5B / 3.3B; Mixtral-8x7B: 12.9B active.
+    v3 = count_parameters(get_preset("deepseek-v3"))
+    assert round(v3.total / 1e9) == 671 and round(v3.active / 1e9) == 38 - 1 + (v3.active > 37.5e9)
+    q3 = count_parameters(get_preset("qwen3-30b-a3b"))
+    assert round(q3.total / 1e8) == 305 and round(q3.active / 1e8) in (33, 34)
+    assert round(count_parameters(get_preset("mixtral-8x7b")).active / 1e8) == 129
+
+
+def test_deepseek_v3_mtp_module():
+    # One MTP module: 3 norms + eh_proj (2h x h) + one MoE decoder layer; head and embedding shared.
+    spec = get_preset("deepseek-v3")
+    counts = count_parameters(spec)
+    h = spec.hidden_size
+    moe_layer = (count_parameters(spec).routed_experts + counts.shared_experts + counts.router) // spec.num_moe_layers
+    attention = counts.attention // spec.num_layers
+    assert counts.mtp == 3 * h + 2 * h * h + attention + 2 * h + moe_layer
+
+
+def test_preset_index_covers_presets():
+    index = preset_index()
+    for name in REQUIRED_PRESETS:
+        assert index[name]["hf_repo"]
+
+
+def test_tiny_llama_by_hand():
+    config = dict(model_type="llama", hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, vocab_size=10)
+    counts = count_parameters(spec_from_hf_config(config, name="tiny"))
+    # per layer: q 8x8, k 8x4, v 8x4, o 8x8 = 192; mlp 3*8*16 = 384; 2 norms 16
+    assert counts.attention == 2 * 192
+    assert counts.mlp == 2 * 384
+    assert counts.norms == 2 * 16
+    assert counts.embedding == counts.output_head == 80
+    assert counts.total == 80 + 2 * (192 + 384 + 16) + 8 + 80
+
+
+def test_layer_kinds_of_mixed_models():
+    assert get_preset("deepseek-v3").layer_mlp_kinds[:4] == ("dense", "dense", "dense", "moe")
+    assert get_preset("deepseek-v2-lite").num_dense_layers == 1
+    assert get_preset("qwen3-30b-a3b").num_moe_layers == 48
+
+
+def test_load_model_file_hf_and_native(tmp_path):
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps(hf_config("qwen3-8b")))
+    assert count_parameters(load_model(str(hf))).total == count_parameters(get_preset("qwen3-8b")).total
+    native = tmp_path / "mine.yaml"
+    native.write_text("num_layers: 2\nhidden_size: 8\nffn_hidden_size: 16\nnum_attention_heads: 2\n"
+                      "num_kv_heads: 1\nhead_dim: 4\nvocab_size: 10\n")
+    spec = load_model(str(native))
+    assert spec.name == "mine" and spec.layer_mlp_kinds == ("dense", "dense")
+
+
+BAD_CONFIGS = [
+    ({"model_type": "gpt2", "n_layer": 2}, "unsupported model_type 'gpt2'"),
+    ({"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 10},
+     "missing field 'intermediate_size'"),
+    ({"model_type": "llama", "hidden_size": "8", "intermediate_size": 16, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "vocab_size": 10}, "field 'hidden_size' must be an integer"),
+    ({"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 0,
+      "num_attention_heads": 2, "vocab_size": 10}, "field 'num_layers'"),
+    ({"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+      "num_attention_heads": 3, "num_key_value_heads": 2, "vocab_size": 10}, "num_kv_heads=2 does not divide"),
+    ({"model_type": "mixtral", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "vocab_size": 10, "num_local_experts": 4}, "missing field 'num_experts_per_tok'"),
+    ({"model_type": "mixtral", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "vocab_size": 10, "num_local_experts": 4, "num_experts_per_tok": 5},
+     "num_experts_per_tok=5"),
+    ({"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "vocab_size": -5}, "field 'vocab_size'"),
+    ({"model_type": "qwen2", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "vocab_size": 10, "tie_word_embeddings": "yes"}, "must be true or false"),
+]
+
+
+@pytest.mark.parametrize("config,message", BAD_CONFIGS)
+def test_bad_hf_configs_name_the_field(config, message):
+    with pytest.raises(NdplanError, match=message.replace("(", r"\(")) as info:
+        spec_from_hf_config(config, name="bad")
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(NdplanError, match="unknown model 'llama-9'; presets: deepseek-v2-lite"):
+        load_model("llama-9")

@@ -1,0 +1,111 @@
+"""Strategy validation: every rule, the array form against the single form, clear messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ndplan.errors import NdplanError
+from ndplan.model import get_preset
+from ndplan.strategy import (
+    CP_KINDS, RECOMPUTES, RULES, SCHEDULES, RuleContext, Strategy, StrategyBatch, check_strategy,
+    get_precision, rule_masks, valid_mask, validate_strategy,
+)
+
+LLAMA = get_preset("llama-3.1-8b")
+MIXTRAL = get_preset("mixtral-8x7b")
+DSV3 = get_preset("deepseek-v3")
+
+
+def test_valid_strategy_has_no_violations():
+    s = Strategy(dp=4, tp=2, sequence_parallel=True, micro_batch_size=2, num_micro_batches=8, global_batch_size=64)
+    assert check_strategy(s, LLAMA, 8) == []
+    assert s.world_size == 8 and s.global_batch_size == 64
+
+
+def test_defaults_fill_etp_and_global_batch():
+    s = Strategy(dp=2, tp=4, micro_batch_size=3, num_micro_batches=5)
+    assert s.etp == 4 and s.global_batch_size == 30
+
+
+def test_validate_raises_with_every_reason():
+    s = Strategy(tp=16, dp=2, pp=3)
+    with pytest.raises(NdplanError) as info:
+        validate_strategy(s, LLAMA, 64)
+    text = str(info.value)
+    assert "tp=16 does not divide num_key_value_heads=8" in text
+    assert "dp·tp·pp·cp = 2·16·3·1 = 96 but the cluster has 64 devices" in text
+
+
+def test_named_precision():
+    assert Strategy(precision="fsdp-bf16").precision.param_bytes == 4
+    assert get_precision("megatron-bf16").optimizer_bytes == 12
+    with pytest.raises(NdplanError, match="unknown precision policy 'fp9'"):
+        get_precision("fp9")
+
+
+def test_batch_round_trip_and_masks():
+    strategies = [
+        Strategy(dp=2, tp=2, pp=2, vpp=2, schedule="interleaved", num_micro_batches=4, zero=1),
+        Strategy(tp=8, cp=2, cp_kind="ulysses", ep=1, recompute="full", recompute_layers=2),
+    ]
+    batch = StrategyBatch.of(strategies)
+    assert list(batch.rows()) == strategies
+    assert batch.is_("schedule", "interleaved").tolist() == [True, False]
+    masks = rule_masks(batch, RuleContext(LLAMA))
+    assert set(masks) == {r.name for r in RULES}
+    assert valid_mask(batch, RuleContext(LLAMA)).tolist() == [True, True]
+
+
+def test_from_columns_broadcasts_scalars_and_names():
+    batch = StrategyBatch.from_columns({"tp": np.array([1, 2, 4]), "schedule": "gpipe", "dp": 2})
+    assert len(batch) == 3 and batch.etp.tolist() == [1, 2, 4]
+    assert batch.global_batch_size.tolist() == [2, 2, 2]
+    assert {s.schedule for s in batch.rows()} == {"gpipe"}
+
+
+# Random strategies, valid or not, over small value sets so that every rule fires sometimes.
+strategy_values = st.fixed_dictionaries({
+    "dp": st.sampled_from([1, 2, 3, 4, 8]),
+    "tp": st.sampled_from([1, 2, 3, 4, 8, 16]),
+    "pp": st.sampled_from([1, 2, 4, 8, 64]),
+    "cp": st.sampled_from([1, 2, 3, 4]),
+    "cp_kind": st.sampled_from(CP_KINDS),
+    "ulysses_degree": st.sampled_from([1, 2, 3]),
+    "ep": st.sampled_from([1, 2, 4, 8, 3]),
+    "etp": st.sampled_from([0, 1, 2, 3]),
+    "sequence_parallel": st.booleans(),
+    "vpp": st.sampled_from([1, 2, 3, 4]),
+    "schedule": st.sampled_from(SCHEDULES),
+    "seq_chunks": st.sampled_from([1, 2, 3]),
+    "zero": st.integers(0, 3),
+    "fsdp": st.booleans(),
+    "shard_group": st.sampled_from([0, 2, 3, 4]),
+    "recompute": st.sampled_from(RECOMPUTES),
+    "recompute_layers": st.sampled_from([0, 1, 2, 40]),
+    "micro_batch_size": st.sampled_from([1, 2]),
+    "num_micro_batches": st.sampled_from([1, 3, 4, 8, 16]),
+    "seq_length": st.sampled_from([2048, 4096, 4100, 6144]),
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=st.lists(strategy_values, min_size=1, max_size=12),
+       model=st.sampled_from([LLAMA, MIXTRAL, DSV3]), devices=st.sampled_from([None, 8, 64]))
+def test_array_rules_agree_with_single_strategy_rules(values, model, devices):
+    strategies = [Strategy(**v) for v in values]
+    ctx = RuleContext(model, devices)
+    masks = rule_masks(StrategyBatch.of(strategies), ctx)
+    for i, s in enumerate(strategies):
+        broken = {v.rule for v in check_strategy(s, model, devices)}
+        assert broken == {name for name, mask in masks.items() if not mask[i]}
+    valid = valid_mask(StrategyBatch.of(strategies), ctx)
+    assert valid.tolist() == [not check_strategy(s, model, devices) for s in strategies]
+
+
+def test_more_parallelism_never_breaks_world_size_when_product_matches():
+    for tp in (1, 2, 4, 8):
+        s = Strategy(dp=8 // tp, tp=tp)
+        assert not [v for v in check_strategy(s, LLAMA, 8) if v.rule == "world_size"]
