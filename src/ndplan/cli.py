@@ -139,6 +139,63 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 2 if violations else 0
 
 
+# ---------------------------------------------------------------- estimate
+def _memory_options(args: argparse.Namespace) -> Any:
+    from ndplan.memory import MemoryOptions
+
+    census: tuple[Any, ...] = ()
+    if args.census:
+        from ndplan.census.record import load_census_file
+
+        census = tuple(load_census_file(args.census))
+    return MemoryOptions(
+        runtime=args.runtime, attention=args.attention, loss_parallel=args.loss_parallel,
+        include_overhead=not args.no_overhead, moe_imbalance=args.moe_imbalance, census=census,
+    )
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from ndplan.hardware import resolve_device
+    from ndplan.memory import estimate
+
+    settings = gather_settings(args)
+    model = load_model(_require(settings, "model", "--model"))
+    device = resolve_device(_require(settings, "hardware", "--hardware"))
+    strategy = strategy_from_settings(settings)
+    report = estimate(model, strategy, device, _memory_options(args), num_devices=settings.get("devices"))
+    if args.plot:
+        from ndplan.report.plots import plot_memory
+
+        plot_memory(report, args.plot)
+    if args.json:
+        _emit_json({"model": model.name, "hardware": device.name, "strategy": strategy.model_dump(mode="json"),
+                    **report.to_dict()})
+        return 0
+    table = Table(title=f"{model.name} on {device.name} — {strategy.short()} — per-device memory per stage")
+    columns = ["stage", "layers", "params", "grads", "optimizer", "activations", "comm", "transient",
+               "allocated", "reserved", "peak (device)"]
+    for col in columns:
+        table.add_column(col, justify="right")
+    for st in report.stages:
+        table.add_row(
+            str(st.stage), str(st.layers), *(format_bytes(v) for v in (
+                st.params_bytes, st.grads_bytes, st.optimizer_bytes, st.activations_bytes, st.comm_bytes,
+                st.transient_bytes, st.allocated_bytes, st.reserved_bytes, st.peak_bytes)),
+            style="bold" if st.stage == report.peak_stage else None,
+        )
+    console.print(table)
+    margin = device.memory_bytes - report.peak_bytes
+    verdict = (f"[bold green]fits[/]: peak {format_bytes(report.peak_bytes)} on stage {report.peak_stage} "
+               f"of {format_bytes(device.memory_bytes)} ({format_bytes(margin)} free)") if margin >= 0 else (
+               f"[bold red]does not fit[/]: stage {report.peak_stage} needs {format_bytes(report.peak_bytes)}, "
+               f"over {format_bytes(device.memory_bytes)} by {format_bytes(-margin)}")
+    console.print(verdict)
+    if args.explain:
+        for line in report.explain():
+            console.print("  " + line, markup=False)
+    return 0
+
+
 # ---------------------------------------------------------------- main
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (usage is one `--help` away) and exit code 2."""
@@ -169,7 +226,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("estimate", help="per-stage memory of a strategy (and step time)")
+    add_strategy_arguments(p)
+    add_runtime_arguments(p)
+    p.add_argument("--explain", action="store_true", help="print every term of the peak stage with its formula")
+    p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_estimate)
     return parser
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    from ndplan.memory.profile import profile_names
+
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--runtime", default="pytorch", help=f"runtime profile: {', '.join(profile_names())} or a YAML path")
+    group.add_argument("--attention", choices=["flash", "sdpa", "eager"], default="flash",
+                       help="attention kernel: flash/sdpa keep O(s) statistics, eager keeps s² scores")
+    group.add_argument("--loss-parallel", dest="loss_parallel", action="store_true", default=None,
+                       help="keep logits vocab-sharded through the loss")
+    group.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
+    group.add_argument("--census", help="census JSON: measured activations replace the formulas for its layer kinds")
+    group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack")
+    group.add_argument("--moe-imbalance", type=float, default=1.0,
+                       help="routed tokens on the busiest rank relative to balanced routing (default 1.0)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,459 @@
+"""Peak memory of every pipeline stage, for one strategy or millions, by one code path.
+
+Per stage s of a strategy (all in bytes, per device):
+
+    static(s)      = params + grads + optimizer states of the layers, tables and MTP on s
+    held(s)        = max over the schedule's timeline of Σ_chunks in_flight(t, c) · act(c)
+    comm(s)        = collective buffers alive while a layer runs (FSDP gathers, SP gather, CP
+                     K/V exchange, EP dispatch, PP send/recv)
+    transient(s)   = the backward's working set of one layer (plus what recompute rebuilds),
+                     or the logits and their gradients around the loss, whichever is larger
+    allocated(s)   = max(static + held + comm + transient, static + optimizer-step temporaries)
+    device(s)      = allocated · (1 + allocator slack) + runtime context + communicator buffers
+
+Strategies are grouped by their pipeline shape (schedule, pp, vpp, micro-batches), for which the
+placement and the schedule simulation are computed once; everything else is numpy over the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+
+from ndplan.census.record import CensusRecord, Recompute
+from ndplan.memory.overhead import RuntimeOverhead, overhead_model
+from ndplan.memory.profile import SHARDS, BlockBytes, RuntimeProfile, block_coefficients, get_profile, model_symbols
+from ndplan.memory.static import embedding_elements, layer_elements, mtp_extra_elements, sharding_factors
+from ndplan.model.spec import ModelSpec
+from ndplan.placement import place_layers
+from ndplan.schedule import SPLIT_BACKWARD, in_flight
+from ndplan.strategy.batch import CODES, StrategyBatch
+
+Attention = Literal["flash", "sdpa", "eager"]
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
+STATIC_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "output", "mtp")
+ACTIVATION_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "recompute", "output", "mtp")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How the runtime behaves: its saved-tensor profile, attention kernel, loss, overhead.
+
+    ``moe_imbalance`` scales the routed-expert tokens of the busiest rank (1.0: balanced routing;
+    dropless MoE under real routing needs headroom, e.g. 1.2). ``census`` replaces the profile's
+    formulas for the layer kinds it measured.
+    """
+
+    runtime: str = "pytorch"
+    attention: Attention = "flash"
+    loss_parallel: bool | None = None
+    include_overhead: bool = True
+    moe_imbalance: float = 1.0
+    census: tuple[CensusRecord, ...] = field(default=())
+
+    @property
+    def profile(self) -> RuntimeProfile:
+        return get_profile(self.runtime)
+
+
+@dataclass
+class StageMemory:
+    """Arrays [strategies, max_pp] per category in bytes; stages past a strategy's pp are 0.
+
+    ``by_kind`` (only when asked for) maps category -> kind -> [strategies, max_pp].
+    """
+
+    params: np.ndarray
+    grads: np.ndarray
+    optimizer: np.ndarray
+    activations: np.ndarray
+    comm: np.ndarray
+    transient: np.ndarray
+    optimizer_step: np.ndarray
+    allocated: np.ndarray
+    reserved: np.ndarray
+    device: np.ndarray
+    by_kind: dict[str, dict[str, np.ndarray]] | None = None
+
+    @property
+    def overhead(self) -> np.ndarray:
+        return self.device - self.allocated
+
+    def peak(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per strategy: the largest device total over stages, and the stage where it is."""
+        stage = np.argmax(self.device, axis=1)
+        return self.device[np.arange(len(stage)), stage], stage
+
+
+# --------------------------------------------------------------------------- activations
+def _per_rank(block: BlockBytes, divisors: dict[str, np.ndarray], seq: np.ndarray, part: str = "base") -> np.ndarray:
+    """Bytes per token of a block on one rank: Σ over shard rules of coefficient / divisor."""
+    table = getattr(block, part)
+    total = sum(table[r] / divisors[r] for r in SHARDS)
+    if part == "base":
+        total = total + sum(block.per_seq[r] / divisors[r] for r in SHARDS) * seq
+    return np.asarray(total, dtype=float)
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes per token per rank of each layer variant (arrays over strategies)."""
+
+    full: dict[str, np.ndarray]        # kind -> no recompute
+    recomputed: dict[str, np.ndarray]  # kind -> under the strategy's recompute policy
+    weight_input: dict[str, np.ndarray]
+    norm: np.ndarray
+    attention: np.ndarray
+    mlp: np.ndarray
+    moe: np.ndarray
+    output: np.ndarray
+    output_transient: np.ndarray
+    backward_extra: np.ndarray
+    mtp_extra: np.ndarray
+
+
+def _census_for(options: MemoryOptions, kind: str) -> CensusRecord | None:
+    for record in options.census:
+        if record.layer_kind == kind or record.layer_kind.endswith(f"-{kind}"):
+            return record
+    return None
+
+
+def _measured(record: CensusRecord | Recompute, tp: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Census bytes per token on a TP rank: the replicated part plus the TP-scaled part / tp
+    (plus the quadratic attention term when the census measured eager attention)."""
+    return np.asarray(
+        record.saved_replicated_bytes_per_token + record.saved_tp_scaled_bytes_per_token / tp
+        + record.saved_bytes_per_token_per_seq * seq,
+        dtype=float,
+    )
+
+
+def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions) -> LayerActivations:
+    profile = options.profile
+    act_bytes = batch.precision.activation_bytes
+    blocks = block_coefficients(model, profile, act_bytes)
+    tp, etp = batch.tp.astype(float), batch.etp.astype(float)
+    loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
+    divisors = {
+        "tp": tp,
+        "sp": np.where(batch.sequence_parallel > 0, tp, 1.0),
+        "etp": etp / options.moe_imbalance,
+        "vocab": tp if loss_parallel else np.ones_like(tp),
+        "none": np.ones_like(tp),
+    }
+    seq = batch.seq_length.astype(float)
+    empty = BlockBytes(*(dict.fromkeys(SHARDS, 0.0) for _ in range(4)))
+
+    def block(name: str, part: str = "base") -> np.ndarray:
+        return _per_rank(blocks.get(name, empty), divisors, seq, part)
+
+    attention_name = "attention_mla" if model.is_mla else "attention"
+    norm, attention = block("norm"), block(attention_name)
+    norm_kept, attention_kept = block("norm", "kept"), block(attention_name, "kept")
+    if options.attention == "eager":
+        attention = attention + block("eager_scores")
+        attention_kept = attention_kept + block("eager_scores", "kept")
+    mlp, moe = block("mlp"), block("moe")
+    full = {"dense": 2 * norm + attention + mlp, "moe": 2 * norm + attention + moe}
+    selective = {
+        "dense": 2 * norm_kept + attention_kept + block("mlp", "kept"),
+        "moe": 2 * norm_kept + attention_kept + block("moe", "kept"),
+    }
+    weight_input = {
+        "dense": block(attention_name, "weight_input") + block("mlp", "weight_input"),
+        "moe": block(attention_name, "weight_input") + block("moe", "weight_input"),
+    }
+    layer_input = block("layer_input")
+    rebuilt_input = {"dense": layer_input, "moe": layer_input}
+    backward_extra = block("backward_extra")
+    for kind in ("dense", "moe"):
+        record = _census_for(options, kind)
+        if record is not None:
+            # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run.
+            full[kind] = _measured(record, tp, seq)
+            selective[kind] = _measured(record.selective, tp, seq)
+            rebuilt_input[kind] = _measured(record.full_recompute, tp, seq)
+            backward_extra = np.maximum(backward_extra, record.backward_peak_extra_bytes_per_token)
+    is_full = batch.is_("recompute", "full")
+    recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
+    output = 0.0 * tp + block("norm") + block("output")
+    record = _census_for(options, "output")
+    if record is not None:
+        output = _measured(record, tp, seq)
+    # MTP module: embedding of the shifted tokens, two input norms, the concatenated 2h input of
+    # its projection, then its own output norm, head and loss.
+    mtp_extra = 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
+    return LayerActivations(
+        full=full, recomputed=recomputed, weight_input=weight_input, norm=norm, attention=attention,
+        mlp=mlp, moe=moe, output=output,
+        output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
+        backward_extra=backward_extra, mtp_extra=mtp_extra,
+    )
+
+
+# --------------------------------------------------------------------------- schedule peaks
+@lru_cache(maxsize=4096)
+def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
+    """Per stage, the op-boundary rows [held_until_b | held_until_w] that can be the maximum of
+    a non-negative weighting: rows dominated by another row are dropped (usually most)."""
+    flight = in_flight(schedule, pp, vpp, m, seq_chunks)
+    out = []
+    for stage in flight.stages:
+        rows = np.unique(np.hstack([stage.held_until_b, stage.held_until_w]), axis=0)
+        keep = [i for i, r in enumerate(rows) if not np.any(np.all(rows >= r, axis=1) & np.any(rows > r, axis=1))]
+        out.append(rows[keep])
+    return tuple(out)
+
+
+def _held_peak(frontier: tuple[np.ndarray, ...], per_b: np.ndarray, per_w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Peak held bytes per stage, [n, pp], and the frontier row index where it happens."""
+    n, pp, _ = per_b.shape
+    peak = np.zeros((n, pp))
+    where = np.zeros((n, pp), dtype=np.int64)
+    for s, rows in enumerate(frontier):
+        weights = np.concatenate([per_b[:, s, :], per_w[:, s, :]], axis=1)  # [n, 2·vpp]
+        values = weights @ rows.T  # [n, rows]
+        where[:, s] = np.argmax(values, axis=1)
+        peak[:, s] = values[np.arange(n), where[:, s]]
+    return peak, where
+
+
+# --------------------------------------------------------------------------- main entry
+def stage_memory(
+    model: ModelSpec,
+    batch: StrategyBatch,
+    options: MemoryOptions | None = None,
+    *,
+    breakdown: bool = False,
+    stage_layers: tuple[int, ...] | None = None,
+) -> StageMemory:
+    """Per-stage memory of every strategy in ``batch`` (see the module docstring).
+
+    ``stage_layers`` places the layers of every strategy in the batch unevenly (pp·vpp counts,
+    the same for all); without it each strategy uses the uniform placement of its pp and vpp.
+    """
+    options = options or MemoryOptions()
+    n = len(batch)
+    max_pp = int(batch.pp.max())
+    result = {name: np.zeros((n, max_pp)) for name in (*CATEGORIES, "optimizer_step")}
+    kinds: dict[str, dict[str, np.ndarray]] | None = None
+    if breakdown:
+        kinds = {
+            "static": {k: np.zeros((n, max_pp)) for k in STATIC_KINDS},
+            "activations": {k: np.zeros((n, max_pp)) for k in ACTIVATION_KINDS},
+        }
+    shape_keys = np.stack(
+        [batch.schedule, batch.pp, batch.vpp, batch.num_micro_batches, batch.seq_chunks,
+         batch.embedding_as_layer, batch.output_as_layer], axis=1,
+    )
+    groups, inverse = np.unique(shape_keys, axis=0, return_inverse=True)
+    for g, key in enumerate(groups):
+        index = np.flatnonzero(inverse.ravel() == g)
+        _evaluate_group(model, batch.take(index), options, tuple(int(k) for k in key), index, result, kinds, stage_layers)
+    overhead = overhead_model(options.profile, batch, options.include_overhead)
+    allocated = np.maximum(
+        result["params"] + result["grads"] + result["optimizer"] + result["activations"] + result["comm"] + result["transient"],
+        result["params"] + result["grads"] + result["optimizer"] + result["optimizer_step"],
+    )
+    stage_exists = np.arange(max_pp)[None, :] < batch.pp[:, None]
+    allocated = np.where(stage_exists, allocated, 0.0)
+    reserved = np.where(stage_exists, overhead.reserved(allocated), 0.0)
+    device = np.where(stage_exists, reserved + overhead.fixed_bytes[:, None], 0.0)
+    return StageMemory(
+        params=result["params"], grads=result["grads"], optimizer=result["optimizer"],
+        activations=result["activations"], comm=result["comm"], transient=result["transient"],
+        optimizer_step=result["optimizer_step"], allocated=allocated, reserved=reserved, device=device,
+        by_kind=kinds,
+    )
+
+
+def _evaluate_group(
+    model: ModelSpec,
+    batch: StrategyBatch,
+    options: MemoryOptions,
+    key: tuple[int, ...],
+    index: np.ndarray,
+    result: dict[str, np.ndarray],
+    kinds: dict[str, dict[str, np.ndarray]] | None,
+    stage_layers: tuple[int, ...] | None,
+) -> None:
+    schedule_code, pp, vpp, m, seq_chunks, embedding_as_layer, output_as_layer = key
+    schedule = CODES["schedule"][schedule_code]
+    placement = place_layers(
+        model, pp, vpp, schedule, stage_layers,
+        embedding_as_layer=bool(embedding_as_layer), output_as_layer=bool(output_as_layer),
+    )
+    virtual = pp * vpp
+    on_stage = np.zeros((pp, virtual))
+    on_stage[placement.stage_of, np.arange(virtual)] = 1.0
+    first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
+    dense_per_stage = on_stage @ placement.dense_layers
+    moe_per_stage = on_stage @ placement.moe_layers
+
+    precision = batch.precision
+    tp, ep, etp = (batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
+    dp, cp = batch.dp.astype(float), batch.cp.astype(float)
+    layers = layer_elements(model, tp, ep, etp)
+    shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
+
+    # ---- static: element counts per stage [n, pp], split non-expert / expert and by kind
+    def outer(per_strategy: np.ndarray, per_stage: np.ndarray) -> np.ndarray:
+        return per_strategy[:, None] * per_stage[None, :]
+
+    table = embedding_elements(model, tp)
+    embedding_stage, output_stage = int(placement.stage_of[0]), int(placement.stage_of[-1])
+    tables_apart = embedding_stage != output_stage
+    # A tied table lives once where both ends meet; apart, the output stage keeps its own copy.
+    # MTP modules embed the shifted tokens too, so they need the table on the output stage.
+    head_on_output = (not model.tie_word_embeddings) or tables_apart
+    embedding_copy_for_mtp = model.mtp_depth > 0 and tables_apart and not model.tie_word_embeddings
+    final_norm = float(model.hidden_size * (2 if model.norm == "layernorm" and model.norm_bias else 1))
+    mtp_kind = model.mtp_mlp_kind
+    mtp_layer = layers.non_expert[mtp_kind] + mtp_extra_elements(model, tp)
+    static_non_expert = {
+        "embedding": outer(table, first_stage) + (outer(table, last_stage) if embedding_copy_for_mtp else 0.0),
+        "output": outer(table * head_on_output + final_norm, last_stage),
+        "mtp": outer(model.mtp_depth * mtp_layer, last_stage),
+    }
+    static_expert = {"mtp": outer(model.mtp_depth * layers.expert[mtp_kind], last_stage)}
+    for kind, per_stage in (("dense", dense_per_stage), ("moe", moe_per_stage)):
+        for part, elements in layers.by_kind[kind].items():
+            expert_part = layers.expert[kind] if part == "moe" else 0.0
+            static_non_expert[part] = static_non_expert.get(part, 0.0) + outer(elements - expert_part, per_stage)
+            if part == "moe":
+                static_expert["moe"] = static_expert.get("moe", 0.0) + outer(layers.expert[kind], per_stage)
+
+    P, G, O = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
+    offload = batch.optimizer_offload[:, None] > 0
+    states = {"params": (P, "params"), "grads": (G, "grads"), "optimizer": (O, "optimizer")}
+    out = {name: np.zeros((len(batch), pp)) for name in (*CATEGORIES, "optimizer_step")}
+    for category, (width, attr) in states.items():
+        non_expert_div = getattr(shards, attr)[:, None]
+        expert_div = getattr(shards, f"expert_{attr}")[:, None]
+        for kind in STATIC_KINDS:
+            value = static_non_expert.get(kind, 0.0) * width / non_expert_div + static_expert.get(kind, 0.0) * width / expert_div
+            value = np.broadcast_to(value, (len(batch), pp))
+            if category == "optimizer":
+                value = np.where(offload, 0.0, value)
+            out[category] += value
+            if kinds is not None:
+                kinds["static"][kind][index, :pp] += value
+
+    # ---- activations held across the schedule
+    acts = layer_activations(model, batch, options)
+    tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
+    layer_counts = placement.layers
+    recompute_on = ~batch.is_("recompute", "none")
+    limit = np.where(batch.recompute_layers > 0, batch.recompute_layers, np.iinfo(np.int64).max)
+    recomputed_layers = np.where(recompute_on[:, None], np.minimum(limit[:, None], layer_counts[None, :]), 0)
+    recomputed_dense = np.minimum(recomputed_layers, placement.dense_layers[None, :])
+    recomputed_moe = recomputed_layers - recomputed_dense
+    plain_dense = placement.dense_layers[None, :] - recomputed_dense
+    plain_moe = placement.moe_layers[None, :] - recomputed_moe
+    t = tokens[:, None]
+    per_virtual = {
+        "layers": t * (
+            plain_dense * acts.full["dense"][:, None] + plain_moe * acts.full["moe"][:, None]
+            + recomputed_dense * acts.recomputed["dense"][:, None] + recomputed_moe * acts.recomputed["moe"][:, None]
+        ),
+        "embedding": t * 8.0 * (np.arange(virtual) == 0)[None, :],  # int64 token ids
+        "output": t * acts.output[:, None] * (np.arange(virtual) == virtual - 1)[None, :],
+        "mtp": t * model.mtp_depth * (acts.mtp_extra + np.where(recompute_on, acts.recomputed[mtp_kind], acts.full[mtp_kind]))[:, None]
+        * (np.arange(virtual) == virtual - 1)[None, :],
+    }
+    per_b_virtual = sum(per_virtual.values())
+    split = schedule in SPLIT_BACKWARD
+    # After B, W still needs the linear layers' inputs and their output gradients (about as large).
+    per_w_virtual = (
+        2 * t * (placement.dense_layers * acts.weight_input["dense"][:, None] + placement.moe_layers * acts.weight_input["moe"][:, None])
+        if split else np.zeros_like(per_b_virtual)
+    )
+    per_b = np.zeros((len(batch), pp, vpp))
+    per_w = np.zeros((len(batch), pp, vpp))
+    per_b[:, placement.stage_of, placement.chunk_of] = per_b_virtual
+    per_w[:, placement.stage_of, placement.chunk_of] = per_w_virtual
+    frontier = _frontier(schedule, pp, vpp, m, seq_chunks)
+    held, where = _held_peak(frontier, per_b, per_w)
+    out["activations"] = held
+    if kinds is not None:
+        _activation_kinds(kinds, index, pp, vpp, placement, frontier, where, t, acts, plain_dense, plain_moe,
+                          recomputed_dense, recomputed_moe, per_virtual, per_w_virtual, model)
+
+    # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
+    has_moe = moe_per_stage > 0
+    largest_layer = np.where(has_moe[None, :], np.maximum(acts.full["moe"], acts.full["dense"])[:, None], acts.full["dense"][:, None])
+    rebuilt = np.where(recompute_on[:, None], largest_layer - np.minimum(acts.recomputed["dense"], acts.recomputed["moe"])[:, None], 0.0)
+    layer_transient = t * (acts.backward_extra[:, None] + rebuilt)
+    loss_transient = t * acts.output_transient[:, None] * last_stage[None, :]
+    out["transient"] = np.maximum(layer_transient, loss_transient)
+
+    # ---- communication buffers alive while a layer runs
+    act_bytes = precision.activation_bytes
+    h = model.hidden_size
+    sp_gather = np.where(batch.sequence_parallel > 0, tokens * h * act_bytes, 0.0)
+    widths = model_symbols(model)
+    cp_buffers = np.where(
+        cp > 1,
+        np.where(batch.is_("cp_kind", "ulysses"), 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
+                 2 * (widths["k"] + widths["v"])) * tokens * act_bytes / tp,
+        0.0,
+    )
+    ep_buffers = 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.moe_imbalance
+    overlapping = np.maximum(sp_gather[:, None], cp_buffers[:, None])
+    overlapping = np.maximum(overlapping, ep_buffers[:, None] * has_moe[None, :])
+    pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
+    largest_layer_elements = np.maximum(layers.non_expert["dense"] * (model.num_dense_layers > 0), layers.non_expert["moe"])
+    largest_layer_elements = largest_layer_elements + layers.expert["moe"]
+    zero3 = batch.zero == 3
+    fsdp_gathers = np.where(zero3, 2 * largest_layer_elements * precision.param_gather_bytes + largest_layer_elements * G, 0.0)
+    stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / P
+    kept_gathered = np.where((zero3 & (batch.reshard_after_forward == 0))[:, None], stage_elements * precision.param_gather_bytes, 0.0)
+    out["comm"] = overlapping + pp_buffers[:, None] + fsdp_gathers[:, None] + kept_gathered
+
+    # ---- optimizer step temporaries (activations are gone by then)
+    local_elements = out["optimizer"] / max(O, 1)
+    out["optimizer_step"] = local_elements * options.profile.optimizer_temp_bytes_per_param
+
+    for name, value in out.items():
+        result[name][index, :pp] = value
+
+
+def _activation_kinds(
+    kinds: dict[str, dict[str, np.ndarray]], index: np.ndarray, pp: int, vpp: int, placement, frontier, where,
+    t, acts: LayerActivations, plain_dense, plain_moe, recomputed_dense, recomputed_moe, per_virtual, per_w_virtual,
+    model: ModelSpec,
+) -> None:
+    """Split the held peak by layer kind, at the instant of each stage's peak."""
+    plain = plain_dense + plain_moe
+    per_kind_virtual = {
+        "attention": t * plain * acts.attention[:, None],
+        "norm": t * plain * 2 * acts.norm[:, None],
+        "mlp": t * plain_dense * acts.mlp[:, None],
+        "moe": t * plain_moe * acts.moe[:, None],
+        "recompute": t * (recomputed_dense * acts.recomputed["dense"][:, None] + recomputed_moe * acts.recomputed["moe"][:, None]),
+        "embedding": per_virtual["embedding"],
+        "output": per_virtual["output"],
+        "mtp": per_virtual["mtp"],
+    }
+    n = t.shape[0]
+    for s, rows in enumerate(frontier):
+        chosen = rows[where[:, s]]  # [n, 2·vpp]
+        held_b, held_w = chosen[:, :vpp], chosen[:, vpp:]
+        chunks = np.flatnonzero(placement.stage_of == s)
+        for kind, values in per_kind_virtual.items():
+            amount = np.zeros(n)
+            for v in chunks:
+                amount += held_b[:, placement.chunk_of[v]] * values[:, v]
+            kinds["activations"][kind][index, s] += amount
+        w_amount = np.zeros(n)
+        for v in chunks:
+            w_amount += held_w[:, placement.chunk_of[v]] * per_w_virtual[:, v]
+        # What waits for W (linear inputs and output gradients) is mostly MLP/expert tensors.
+        kinds["activations"]["moe" if model.is_moe else "mlp"][index, s] += w_amount
+
+
+__all__ = ["ACTIVATION_KINDS", "CATEGORIES", "STATIC_KINDS", "MemoryOptions", "RuntimeOverhead", "StageMemory", "stage_memory"]

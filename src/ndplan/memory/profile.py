@@ -1,0 +1,202 @@
+"""Runtime profiles: what a training runtime keeps for backward, as data.
+
+A profile (``profiles/<name>.yaml``) lists, per block of a decoder layer, the tensors saved for
+backward with their size per token as an expression of the model's widths. ``block_coefficients``
+evaluates them once per model into bytes per token, split by how tensor parallelism divides
+them, so that pricing a batch of strategies is a handful of array operations.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ndplan.errors import NdplanError
+from ndplan.model.spec import ModelSpec
+
+#: How tensor parallelism divides a saved tensor. ``linear_input`` resolves to the profile's
+#: ``linear_input_shard`` (Megatron keeps a linear's input sequence-sharded, DTensor keeps it whole).
+SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "vocab", "none")
+BLOCKS: tuple[str, ...] = (
+    "norm", "attention", "attention_mla", "eager_scores", "mlp", "moe", "layer_input", "output",
+    "output_transient", "backward_extra", "output_backward_extra",
+)
+
+
+def model_symbols(model: ModelSpec) -> dict[str, float]:
+    """Widths a profile expression may use, in elements per token (unsharded)."""
+    heads = model.num_attention_heads
+    kv_heads = heads if model.is_mla else model.num_kv_heads
+    moe_ffn = model.moe_ffn_hidden_size
+    topk = model.num_experts_per_tok
+    shared_ffn = model.num_shared_experts * model.shared_expert_ffn_hidden_size
+    return {
+        "h": model.hidden_size,
+        "q": heads * model.qk_head_dim,
+        "k": kv_heads * model.qk_head_dim,
+        "v": kv_heads * model.value_head_dim,
+        "o": heads * model.value_head_dim,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "ffn": model.ffn_hidden_size,
+        "moe_ffn": moe_ffn,
+        "topk": topk,
+        "experts": model.num_experts,
+        "shared_ffn": shared_ffn,
+        "ffn_or_moe": max(model.ffn_hidden_size, topk * moe_ffn + shared_ffn),
+        "q_lora": model.q_lora_rank,
+        "kv_lora": model.kv_lora_rank,
+        "rope": model.qk_rope_head_dim,
+        "vocab": model.vocab_size,
+    }
+
+
+SYMBOLS: tuple[str, ...] = (
+    "h", "q", "k", "v", "o", "heads", "kv_heads", "ffn", "moe_ffn", "topk", "experts", "shared_ffn",
+    "ffn_or_moe", "q_lora", "kv_lora", "rope", "vocab", "seq",
+)
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def evaluate(expression: str, symbols: dict[str, float]) -> float:
+    """Evaluate +, -, *, / over numbers and known symbols (nothing else is allowed)."""
+
+    def walk(node: ast.AST) -> float:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return float(node.value)
+        if isinstance(node, ast.Name):
+            if node.id not in symbols:
+                raise NdplanError(f"unknown symbol '{node.id}' in '{expression}'; known: {', '.join(SYMBOLS)}")
+            return float(symbols[node.id])
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return float(_OPERATORS[type(node.op)](walk(node.left), walk(node.right)))
+        raise NdplanError(f"unsupported expression '{expression}': use numbers, symbols, + - * /")
+
+    try:
+        tree = ast.parse(str(expression), mode="eval")
+    except SyntaxError:
+        raise NdplanError(f"malformed expression '{expression}'") from None
+    return walk(tree)
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    name: str
+    elements: str
+    bytes: str | int
+    shard: str
+    keep: bool
+    weight_input: bool
+
+
+@dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
+class RuntimeProfile:
+    """A runtime's saved-tensor table and its overhead constants (see ``overhead.py``)."""
+
+    name: str
+    description: str
+    linear_input_shard: str
+    loss_parallel: bool
+    blocks: dict[str, tuple[SavedTensor, ...]]
+    optimizer_temp_bytes_per_param: float
+    overhead: dict[str, float] = field(default_factory=dict)
+
+
+def _parse_profile(data: Any, source: str) -> RuntimeProfile:
+    if not isinstance(data, dict) or "blocks" not in data:
+        raise NdplanError(f"{source}: a runtime profile needs a 'blocks' mapping")
+    linear = data.get("linear_input_shard", "sp")
+    blocks: dict[str, tuple[SavedTensor, ...]] = {}
+    for block, entries in data["blocks"].items():
+        if block not in BLOCKS:
+            raise NdplanError(f"{source}: unknown block '{block}'; known: {', '.join(BLOCKS)}")
+        parsed = []
+        for entry in entries or []:
+            try:
+                shard = linear if entry["shard"] == "linear_input" else entry["shard"]
+                tensor = SavedTensor(
+                    name=str(entry["name"]), elements=str(entry["elements"]), bytes=entry["bytes"],
+                    shard=shard, keep=entry.get("keep", "keep") == "keep",
+                    weight_input=bool(entry.get("weight_input", False)),
+                )
+            except (KeyError, TypeError) as error:
+                raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
+            if tensor.shard not in SHARDS:
+                raise NdplanError(f"{source}: entry '{tensor.name}' has shard '{tensor.shard}'; known: {', '.join(SHARDS)}")
+            parsed.append(tensor)
+        blocks[block] = tuple(parsed)
+    return RuntimeProfile(
+        name=str(data.get("name", Path(source).stem)),
+        description=str(data.get("description", "")),
+        linear_input_shard=linear,
+        loss_parallel=bool(data.get("loss_parallel", False)),
+        blocks=blocks,
+        optimizer_temp_bytes_per_param=float(data.get("optimizer_temp_bytes_per_param", 0.0)),
+        overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
+    )
+
+
+def profile_names() -> tuple[str, ...]:
+    folder = resources.files("ndplan.memory").joinpath("profiles")
+    return tuple(sorted(e.name.removesuffix(".yaml") for e in folder.iterdir() if e.name.endswith(".yaml")))
+
+
+@lru_cache(maxsize=16)
+def get_profile(name: str) -> RuntimeProfile:
+    """A shipped profile by name, or a path to a profile YAML."""
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name)
+        if not path.is_file():
+            raise NdplanError(f"{path}: no such runtime profile file")
+        return _parse_profile(yaml.safe_load(path.read_text()), str(path))
+    if name not in profile_names():
+        raise NdplanError(f"unknown runtime '{name}'; known: {', '.join(profile_names())} (or a profile YAML path)")
+    text = resources.files("ndplan.memory").joinpath("profiles", f"{name}.yaml").read_text()
+    return _parse_profile(yaml.safe_load(text), f"runtime profile {name}")
+
+
+@dataclass(frozen=True)
+class BlockBytes:
+    """Bytes per token of one block, per shard rule: ``base[r] + per_seq[r]·seq`` where seq is the
+    attended sequence length (only eager attention scores depend on it). ``kept`` is the part
+    selective recompute keeps; ``weight_input`` the part a split backward holds until W."""
+
+    base: dict[str, float]
+    per_seq: dict[str, float]
+    kept: dict[str, float]
+    weight_input: dict[str, float]
+
+
+def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int) -> BlockBytes:
+    base = dict.fromkeys(SHARDS, 0.0)
+    per_seq = dict.fromkeys(SHARDS, 0.0)
+    kept = dict.fromkeys(SHARDS, 0.0)
+    weight_input = dict.fromkeys(SHARDS, 0.0)
+    for tensor in entries:
+        width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
+        at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
+        slope = evaluate(tensor.elements, {**symbols, "seq": 1.0}) - at_zero
+        base[tensor.shard] += at_zero * width
+        per_seq[tensor.shard] += slope * width
+        if tensor.keep:
+            kept[tensor.shard] += at_zero * width
+        if tensor.weight_input:
+            weight_input[tensor.shard] += at_zero * width
+    return BlockBytes(base, per_seq, kept, weight_input)
+
+
+@lru_cache(maxsize=256)
+def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_bytes: int) -> dict[str, BlockBytes]:
+    """Every block of the profile, evaluated for ``model`` (cached per model and profile)."""
+    symbols = model_symbols(model)
+    return {block: _block_bytes(entries, symbols, activation_bytes) for block, entries in profile.blocks.items()}

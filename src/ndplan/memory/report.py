@@ -1,0 +1,169 @@
+"""MemoryReport: one strategy's per-stage memory, with its breakdown and the formulas behind it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ndplan.hardware import Device
+from ndplan.memory.estimate import ACTIVATION_KINDS, STATIC_KINDS, MemoryOptions, StageMemory, stage_memory
+from ndplan.model.spec import ModelSpec
+from ndplan.placement import place_layers
+from ndplan.strategy import Strategy, StrategyBatch
+from ndplan.strategy.rules import validate_strategy
+from ndplan.units import format_bytes
+
+
+@dataclass(frozen=True)
+class StageReport:
+    stage: int
+    layers: int
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    comm_bytes: float
+    transient_bytes: float
+    optimizer_step_bytes: float
+    allocated_bytes: float
+    reserved_bytes: float
+    peak_bytes: float
+    static_by_kind: dict[str, float]
+    activations_by_kind: dict[str, float]
+
+    @property
+    def overhead_bytes(self) -> float:
+        return self.peak_bytes - self.allocated_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        by_kind = {k: self.static_by_kind.get(k, 0.0) + self.activations_by_kind.get(k, 0.0)
+                   for k in dict.fromkeys([*STATIC_KINDS, *ACTIVATION_KINDS])}
+        return {
+            "stage": self.stage,
+            "layers": self.layers,
+            "peak_bytes": round(self.peak_bytes),
+            "allocated_bytes": round(self.allocated_bytes),
+            "reserved_bytes": round(self.reserved_bytes),
+            "params_bytes": round(self.params_bytes),
+            "grads_bytes": round(self.grads_bytes),
+            "optimizer_bytes": round(self.optimizer_bytes),
+            "activations_bytes": round(self.activations_bytes),
+            "comm_bytes": round(self.comm_bytes),
+            "transient_bytes": round(self.transient_bytes),
+            "optimizer_step_bytes": round(self.optimizer_step_bytes),
+            "overhead_bytes": round(self.overhead_bytes),
+            "by_layer_kind": {k: round(v) for k, v in by_kind.items() if v},
+            "static_by_layer_kind": {k: round(v) for k, v in self.static_by_kind.items() if v},
+            "activations_by_layer_kind": {k: round(v) for k, v in self.activations_by_kind.items() if v},
+        }
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    model: ModelSpec
+    strategy: Strategy
+    device: Device | None
+    options: MemoryOptions
+    stages: tuple[StageReport, ...]
+
+    @property
+    def peak_stage(self) -> int:
+        return max(self.stages, key=lambda s: s.peak_bytes).stage
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(s.peak_bytes for s in self.stages)
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.device.memory_bytes if self.device else None
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device is None else self.peak_bytes <= self.device.memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": round(self.peak_bytes),
+            "peak_stage": self.peak_stage,
+            "fits": self.fits,
+            "capacity_bytes": self.capacity_bytes,
+            "runtime": self.options.runtime,
+            "attention": self.options.attention,
+            "stages": [s.to_dict() for s in self.stages],
+        }
+
+    def explain(self) -> list[str]:
+        """Each term of the peak stage with its formula and values."""
+        s = self.strategy
+        p = s.precision
+        stage = self.stages[self.peak_stage]
+        tokens = s.micro_batch_size * s.seq_length / s.cp
+        shards = "dp·cp" if not s.shard_group else "shard_group"
+        lines = [
+            f"stage {stage.stage} of {s.pp} holds {stage.layers} decoder layers; tokens per micro-batch per rank "
+            f"= mbs·seq/cp = {s.micro_batch_size}·{s.seq_length}/{s.cp} = {tokens:,.0f}",
+            f"params     = Σ elements/tp (experts /(ep·etp)) × {p.param_bytes} B"
+            + (f" / {shards} (ZeRO-3)" if s.zero >= 3 else "") + f" = {format_bytes(stage.params_bytes)}",
+            f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
+            + f" = {format_bytes(stage.grads_bytes)}",
+            f"optimizer  = elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + {p.master_weight_bytes}) B"
+            + (f" / {shards} (ZeRO≥1)" if s.zero >= 1 else "")
+            + (" → offloaded" if s.optimizer_offload else "") + f" = {format_bytes(stage.optimizer_bytes)}",
+            f"activations = max over the {s.schedule} timeline of Σ in-flight micro-batches × bytes/token × tokens "
+            f"({self.options.runtime} profile, {self.options.attention} attention, recompute {s.recompute}) "
+            f"= {format_bytes(stage.activations_bytes)}",
+        ]
+        for kind, value in stage.activations_by_kind.items():
+            if value:
+                lines.append(f"    {kind:<10} {format_bytes(value)}")
+        lines += [
+            f"comm       = FSDP gathers + PP send/recv + max(SP gather, CP K/V, EP dispatch) = {format_bytes(stage.comm_bytes)}",
+            f"transient  = max(one layer's backward working set (+ recompute rebuild), logits around the loss) "
+            f"= {format_bytes(stage.transient_bytes)}",
+            f"allocated  = max(static + activations + comm + transient, static + optimizer step "
+            f"{format_bytes(stage.optimizer_step_bytes)}) = {format_bytes(stage.allocated_bytes)}",
+            f"reserved   = allocated × (1 + allocator slack) = {format_bytes(stage.reserved_bytes)}",
+            f"peak       = reserved + runtime context + communicator buffers = {format_bytes(stage.peak_bytes)}",
+        ]
+        return lines
+
+
+def estimate(
+    model: ModelSpec,
+    strategy: Strategy,
+    hardware: Device | None = None,
+    options: MemoryOptions | None = None,
+    *,
+    num_devices: int | None = None,
+) -> MemoryReport:
+    """Per-stage memory of one strategy (validated first; every broken rule is reported)."""
+    validate_strategy(strategy, model, num_devices)
+    options = options or MemoryOptions()
+    memory: StageMemory = stage_memory(
+        model, StrategyBatch.of(strategy), options, breakdown=True, stage_layers=strategy.stage_layers
+    )
+    assert memory.by_kind is not None
+    placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule, strategy.stage_layers)
+    layers_per_stage = np.bincount(placement.stage_of, weights=placement.layers, minlength=strategy.pp)
+    stages = []
+    for s in range(strategy.pp):
+        stages.append(StageReport(
+            stage=s,
+            layers=int(layers_per_stage[s]),
+            params_bytes=float(memory.params[0, s]),
+            grads_bytes=float(memory.grads[0, s]),
+            optimizer_bytes=float(memory.optimizer[0, s]),
+            activations_bytes=float(memory.activations[0, s]),
+            comm_bytes=float(memory.comm[0, s]),
+            transient_bytes=float(memory.transient[0, s]),
+            optimizer_step_bytes=float(memory.optimizer_step[0, s]),
+            allocated_bytes=float(memory.allocated[0, s]),
+            reserved_bytes=float(memory.reserved[0, s]),
+            peak_bytes=float(memory.device[0, s]),
+            static_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["static"].items()},
+            activations_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["activations"].items()},
+        ))
+    return MemoryReport(model, strategy, hardware, options, tuple(stages))

@@ -1,0 +1,137 @@
+"""Parameters, gradients and optimizer states per rank: element counts split by how they shard.
+
+Tensor parallelism shards column/row-parallel weights and leaves norms, routers, row-parallel
+biases and MLA's down-projections (Megatron-Core builds them "duplicated") whole on every rank.
+Routed experts are divided over ep·etp ranks. What remains is replicated over the data-parallel
+ranks, where ZeRO/FSDP divides it again (``sharding_factors``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ndplan.model.params import attention_params, layer_params, mtp_extra_params, norm_params
+from ndplan.model.spec import MlpKind, ModelSpec
+
+
+@dataclass(frozen=True)
+class TpSplit:
+    """Elements of one block: ``sharded`` is divided by the TP degree, ``whole`` is not."""
+
+    sharded: int
+    whole: int
+
+    def per_rank(self, tp: np.ndarray) -> np.ndarray:
+        return self.sharded / tp + self.whole
+
+
+def attention_split(model: ModelSpec) -> TpSplit:
+    h = model.hidden_size
+    total = attention_params(model)
+    whole = h if model.o_bias else 0
+    if model.qk_norm:
+        whole += 2 * model.head_dim
+    if model.is_mla:
+        q_rank, kv_down = model.q_lora_rank, model.kv_lora_rank + model.qk_rope_head_dim
+        if q_rank:
+            whole += h * q_rank + (q_rank if model.qkv_bias else 0) + q_rank
+        whole += h * kv_down + (kv_down if model.qkv_bias else 0) + model.kv_lora_rank
+    return TpSplit(total - whole, whole)
+
+
+def mlp_split(model: ModelSpec) -> TpSplit:
+    total = layer_params(model, "dense").mlp
+    whole = model.hidden_size if model.mlp_bias else 0  # the row-parallel down_proj bias
+    return TpSplit(total - whole, whole)
+
+
+def shared_expert_split(model: ModelSpec) -> TpSplit:
+    total = layer_params(model, "moe").shared_experts if model.is_moe else 0
+    whole = model.hidden_size if model.shared_expert_gate else 0
+    return TpSplit(total - whole, whole)
+
+
+@dataclass(frozen=True)
+class LayerElements:
+    """Per-rank elements of one decoder layer of each kind, for a batch of strategies.
+
+    ``non_expert`` is replicated over the dp·cp ranks; ``expert`` over the expert-data-parallel
+    ranks. ``by_kind`` splits the layer for the breakdown (attention, norm, mlp, moe).
+    """
+
+    non_expert: dict[MlpKind, np.ndarray]
+    expert: dict[MlpKind, np.ndarray]
+    by_kind: dict[MlpKind, dict[str, np.ndarray]]
+
+
+def layer_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.ndarray) -> LayerElements:
+    attention = attention_split(model).per_rank(tp)
+    norms = np.full(tp.shape, float(2 * norm_params(model, model.hidden_size)))
+    zeros = np.zeros(tp.shape)
+    dense_mlp = mlp_split(model).per_rank(tp) if model.num_dense_layers else zeros
+    if model.is_moe:
+        moe = layer_params(model, "moe")
+        moe_non_expert = moe.router + shared_expert_split(model).per_rank(tp)
+        experts = moe.routed_experts / (ep * etp)
+    else:
+        moe_non_expert, experts = zeros, zeros
+    return LayerElements(
+        non_expert={"dense": attention + norms + dense_mlp, "moe": attention + norms + moe_non_expert},
+        expert={"dense": zeros, "moe": experts},
+        by_kind={
+            "dense": {"attention": attention, "norm": norms, "mlp": dense_mlp},
+            "moe": {"attention": attention, "norm": norms, "moe": moe_non_expert + experts},
+        },
+    )
+
+
+def embedding_elements(model: ModelSpec, tp: np.ndarray) -> np.ndarray:
+    """The vocabulary-parallel embedding (or output head) table on one rank."""
+    return model.vocab_size * model.hidden_size / tp
+
+
+def mtp_extra_elements(model: ModelSpec, tp: np.ndarray) -> np.ndarray:
+    """An MTP module besides its decoder layer: the 2h -> h projection (column-parallel) and norms."""
+    h = model.hidden_size
+    norms = mtp_extra_params(model) - 2 * h * h
+    return 2 * h * h / tp + norms
+
+
+@dataclass(frozen=True)
+class ShardingFactors:
+    """Divisors that ZeRO/FSDP applies to each state, for non-expert and expert elements."""
+
+    params: np.ndarray
+    grads: np.ndarray
+    optimizer: np.ndarray
+    expert_params: np.ndarray
+    expert_grads: np.ndarray
+    expert_optimizer: np.ndarray
+    data_shards: np.ndarray
+    expert_data_shards: np.ndarray
+
+
+def sharding_factors(
+    dp: np.ndarray, cp: np.ndarray, tp: np.ndarray, ep: np.ndarray, etp: np.ndarray,
+    zero: np.ndarray, shard_group: np.ndarray,
+) -> ShardingFactors:
+    """ZeRO stage z shards optimizer states (z >= 1), gradients (z >= 2) and parameters (z = 3)
+    over the ranks that hold the same replica: dp·cp for non-expert weights, dp·cp·tp/(ep·etp)
+    for experts; HSDP (``shard_group`` > 0) limits the shard group to that many ranks."""
+    replicas = dp * cp
+    expert_replicas = np.maximum(replicas * tp // (ep * etp), 1)
+    shards = np.where(shard_group > 0, np.minimum(shard_group, replicas), replicas)
+    expert_shards = np.where(shard_group > 0, np.gcd(np.maximum(shard_group, 1), expert_replicas), expert_replicas)
+    one = np.ones(dp.shape)
+    return ShardingFactors(
+        params=np.where(zero >= 3, shards, one),
+        grads=np.where(zero >= 2, shards, one),
+        optimizer=np.where(zero >= 1, shards, one),
+        expert_params=np.where(zero >= 3, expert_shards, one),
+        expert_grads=np.where(zero >= 2, expert_shards, one),
+        expert_optimizer=np.where(zero >= 1, expert_shards, one),
+        data_shards=shards.astype(float),
+        expert_data_shards=expert_shards.astype(float),
+    )

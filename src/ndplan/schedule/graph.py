@@ -1,0 +1,246 @@
+"""The step-level dependency graph of a schedule, and the pass that times it.
+
+A step starts when its stage has finished the previous step and every op in it has its
+inputs:
+
+* F of model chunk g needs F of chunk g-1 for the same micro-batch (and sub-sequence); for
+  Seq1F1B also F of the previous sub-sequence on g.
+* B of model chunk g needs B of chunk g+1, or its own F on the last model chunk; for Seq1F1B
+  also B of the next sub-sequence on g.
+* W needs its B (already satisfied when the B runs in the same step: a full backward).
+
+An input made on another stage arrives ``p2p_s`` later (the latency of one transfer; link
+contention is not modelled). As each stage's order is fixed, a step's start is
+max(end of the stage's previous step, end of each input [+ p2p_s]): a longest-path pass over
+a topological order, O(steps). The graph and the order depend only on (schedule, pp, vpp,
+num_micro_batches, seq_chunks), so they are built once and cached; each call with new
+durations costs one pass.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ndplan.schedule.builders import build_plan
+from ndplan.schedule.ops import B, F, W, model_chunk_table
+
+
+@dataclass(frozen=True)
+class Graph:
+    """What each step waits for. Steps are numbered stage after stage.
+
+    Index ``n`` is a sentinel step, done at time 0, that stands for "no input".
+    prev: the stage's previous step. a, b: inputs that may come from another stage (xa, xb
+    = 1.0 when they do, so they pay p2p_s); b is used only by DualPipeV's F&B pairs.
+    c: a same-stage input (Seq1F1B sub-sequence order). order: a topological order.
+    """
+
+    n: int
+    offsets: list[int]
+    prev: NDArray[np.int64]
+    a: NDArray[np.int64]
+    b: NDArray[np.int64]
+    c: NDArray[np.int64]
+    xa: NDArray[np.float64]
+    xb: NDArray[np.float64]
+    order: NDArray[np.int64]
+
+
+def _op_inputs(
+    kind: NDArray[np.int64],
+    base: NDArray[np.int64],
+    g: NDArray[np.int64],
+    q: NDArray[np.int64],
+    step: NDArray[np.int64],
+    remote: NDArray[np.bool_],
+    n_chunks: int,
+    k: int,
+) -> tuple[NDArray[np.int64], NDArray[np.bool_], NDArray[np.int64]]:
+    """Per op of one stage: (input that may be remote, whether it is, same-stage input).
+
+    Ops are named by ``base*3 + kind`` with base = (mb*G + g)*k + q; -1 means none.
+    ``remote[g]`` says whether model chunk g lives on another stage.
+    """
+    is_f = kind == F
+    is_b = kind == B
+    last = g == n_chunks - 1
+    dep1 = np.where(is_f & (g > 0), (base - k) * 3 + F, -1)
+    cross = is_f & (g > 0) & remote[np.maximum(g - 1, 0)]
+    dep1 = np.where(is_b, np.where(last, base * 3 + F, (base + k) * 3 + B), dep1)
+    cross |= is_b & ~last & remote[np.minimum(g + 1, n_chunks - 1)]
+    # W waits for its B unless that B sits just before it in the same step.
+    key = base * 3 + kind
+    b_beside = np.zeros(len(kind), dtype=bool)
+    b_beside[1:] = (step[1:] == step[:-1]) & (key[:-1] == base[1:] * 3 + B)
+    dep1 = np.where((kind == W) & ~b_beside, base * 3 + B, dep1)
+    dep2 = np.where(is_f & (q > 0), (base - 1) * 3 + F, -1)
+    dep2 = np.where(is_b & (q < k - 1), (base + 1) * 3 + B, dep2)
+    return dep1, cross, dep2
+
+
+@lru_cache(maxsize=256, typed=True)
+def build_graph(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Graph:
+    """The dependency graph and a topological order of a schedule's steps (cached)."""
+    plan = build_plan(schedule, pp, vpp, m, k)
+    table = np.array(model_chunk_table(schedule, pp, vpp), dtype=np.int64)
+    n_chunks = pp * vpp
+    stage_of = np.empty(n_chunks, dtype=np.int64)
+    for s in range(pp):
+        stage_of[table[s]] = s
+
+    keys, dep1s, crosses, dep2s, step_ids, firsts = [], [], [], [], [], []
+    offsets = [0]
+    n_ops = 0
+    for s, st in enumerate(plan):
+        g = table[s][st.chunk]
+        base = (st.micro_batch * n_chunks + g) * k + st.seq_chunk
+        dep1, cross, dep2 = _op_inputs(st.kind, base, g, st.seq_chunk, st.step, stage_of != s, n_chunks, k)
+        keys.append(base * 3 + st.kind)
+        dep1s.append(dep1)
+        crosses.append(cross)
+        dep2s.append(dep2)
+        step_ids.append(st.step + offsets[-1])
+        firsts.append(n_ops + np.concatenate(([0], np.cumsum(st.step_len)[:-1])))
+        n_ops += len(st)
+        offsets.append(offsets[-1] + len(st.step_len))
+    n = offsets[-1]
+    dep1 = np.concatenate(dep1s)
+    cross = np.concatenate(crosses)
+    dep2 = np.concatenate(dep2s)
+    first = np.concatenate(firsts)
+    step_len = np.diff(np.append(first, n_ops))
+
+    # Inputs as step numbers; an input of -1 reads the last slot, which holds the sentinel n.
+    step_of_op = np.full(3 * m * n_chunks * k + 1, n, dtype=np.int64)
+    step_of_op[np.concatenate(keys)] = np.concatenate(step_ids)
+    dep1_step = step_of_op[dep1]
+    # A step has at most two ops with an input (DualPipeV's F&B pair; its third op, the W,
+    # waits on the B beside it) and a same-stage input only when it has one op (Seq1F1B).
+    second = np.minimum(first + 1, n_ops - 1)
+    third = np.minimum(first + 2, n_ops - 1)
+    if (
+        np.any(step_len > 3)
+        or np.any((step_len == 3) & (dep1[third] >= 0))
+        or np.any((step_len > 1) & ((dep2[first] >= 0) | (dep2[second] >= 0)))
+    ):
+        raise RuntimeError("a pipeline schedule builder made a step of unexpected shape")
+    has2 = step_len >= 2
+    a = dep1_step[first]
+    b = np.where(has2, dep1_step[second], n)
+    c = step_of_op[dep2[first]]
+    prev = np.arange(-1, n - 1)
+    prev[np.array(offsets[:-1])] = n
+    order = _topological_order(offsets, a.tolist(), b.tolist(), c.tolist(), n)
+    return Graph(
+        n=n,
+        offsets=offsets,
+        prev=prev,
+        a=a,
+        b=b,
+        c=c,
+        xa=cross[first].astype(np.float64),
+        xb=np.where(has2, cross[second], False).astype(np.float64),
+        order=np.array(order, dtype=np.int64),
+    )
+
+
+def _topological_order(offsets: list[int], a: list[int], b: list[int], c: list[int], n: int) -> list[int]:
+    """Run every stage's steps in its own order, a step once its inputs have run.
+
+    A stage runs until a step waits for an input not yet run, then parks on that input;
+    running the input wakes it. Each step is settled once. A stage left parked means the
+    builder's order cannot run: that is a bug, so RuntimeError rather than NdplanError.
+    """
+    pp = len(offsets) - 1
+    done = [False] * n + [True]
+    order: list[int] = []
+    waiting: dict[int, list[int]] = {}
+    ptr = offsets[:-1]
+    ready = deque(range(pp))
+    only_a = b.count(n) == n and c.count(n) == n  # most schedules: skip the empty slots
+    while ready:
+        s = ready.popleft()
+        i = ptr[s]
+        end = offsets[s + 1]
+        while i < end:
+            x = a[i]
+            if done[x] and not only_a:
+                x = b[i] if not done[b[i]] else c[i]
+            if not done[x]:
+                if x in waiting:
+                    waiting[x].append(s)
+                else:
+                    waiting[x] = [s]
+                break
+            done[i] = True
+            order.append(i)
+            if i in waiting:
+                ready.extend(waiting.pop(i))
+            i += 1
+        ptr[s] = i
+    stuck = [(s, ptr[s] - offsets[s]) for s in range(pp) if ptr[s] < offsets[s + 1]]
+    if stuck:
+        raise RuntimeError(f"pipeline schedule deadlocks; (stage, step) stuck: {stuck[:4]}")
+    return order
+
+
+def time_steps(
+    graph: Graph, step_s: NDArray[np.float64], p2p_s: float
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Start and end (seconds) of every step, given each step's duration ``step_s``.
+
+    The loop is the hot path of the strategy search: plain lists zipped in visiting order,
+    with variants that skip the input slots a schedule never uses.
+    """
+    n = graph.n
+    order = graph.order
+    end = [0.0] * (n + 1)
+    steps = zip(
+        order.tolist(),
+        graph.prev[order].tolist(),
+        graph.a[order].tolist(),
+        (graph.xa[order] * p2p_s).tolist(),
+        step_s[order].tolist(),
+        strict=True,
+    )
+    uses_b = bool(np.any(graph.b != n))
+    uses_c = bool(np.any(graph.c != n))
+    if not uses_b and not uses_c:
+        for i, p, x, dx, d in steps:
+            t = end[p]
+            r = end[x] + dx
+            end[i] = (r if r > t else t) + d
+    elif not uses_b:
+        c = graph.c.tolist()
+        for i, p, x, dx, d in steps:
+            t = end[p]
+            r = end[x] + dx
+            if r > t:
+                t = r
+            r = end[c[i]]
+            end[i] = (r if r > t else t) + d
+    else:
+        b = graph.b.tolist()
+        db = (graph.xb * p2p_s).tolist()
+        c = graph.c.tolist()
+        for i, p, x, dx, d in steps:
+            t = end[p]
+            r = end[x] + dx
+            if r > t:
+                t = r
+            r = end[b[i]] + db[i]
+            if r > t:
+                t = r
+            r = end[c[i]]
+            end[i] = (r if r > t else t) + d
+    # Starts from the same max as in the loop (not end - duration), so they are exact.
+    ends = np.array(end)
+    start = np.maximum(ends[graph.prev], ends[graph.a] + graph.xa * p2p_s)
+    start = np.maximum(start, ends[graph.b] + graph.xb * p2p_s)
+    start = np.maximum(start, ends[graph.c])
+    return start, ends[:n]

@@ -1,0 +1,127 @@
+"""Activation counts held per stage and chunk, from a schedule's op order alone.
+
+Rule: the activation of (micro-batch, chunk) is allocated at the end of its F and released
+at the end of its B. In schedules that split the backward, the part W still needs (inputs
+of the linear layers and their output gradients) stays from the end of B to the end of W;
+it is counted apart (``held_until_w``) so the memory model can price it as a fraction.
+
+Since a stage allocates and frees only at the boundaries of its own ops, and runs them in a
+fixed order, the counts do not depend on durations: one pass over the order gives them.
+Inside a DualPipeV step that overlaps a forward with a backward, the forward's allocation is
+counted before the backward's release (the pair runs interleaved layer by layer, so both
+are held at the peak).
+
+Units: micro-batches of the stage's chunk. A Seq1F1B sub-sequence counts 1/seq_chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from ndplan.errors import NdplanError
+from ndplan.schedule.builders import build_plan
+from ndplan.schedule.ops import SPLIT_BACKWARD, B, F, W
+
+
+def _frozen(arr: NDArray[np.float64]) -> NDArray[np.float64]:
+    arr.flags.writeable = False
+    return arr
+
+
+@dataclass(frozen=True)
+class StageInFlight:
+    """Held-activation series of one stage at every op boundary.
+
+    Row 0 is before the first op, row i is right after the stage's i-th op (ops in
+    execution order, as in ``ScheduleResult.ops[stage]``); columns are local chunks.
+    Values are in micro-batches (floats: Seq1F1B sub-sequences count 1/seq_chunks).
+    """
+
+    held_until_b: NDArray[np.float64]
+    held_until_w: NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What the memory model needs from a schedule: how many activations a stage holds.
+
+    peak: [pp, vpp] peak of held_until_b per stage and chunk (each chunk on its own).
+    peak_w: [pp, vpp] peak of held_until_w (activations past B, waiting for their W).
+    peak_total: [pp] peak over time of the sum across chunks of held_until_b (the chunks
+        peak at different instants, so this can be less than peak.sum(axis=1)).
+    stages: the op-boundary series, for weighting chunks of different sizes.
+    """
+
+    schedule: str
+    pp: int
+    vpp: int
+    num_micro_batches: int
+    seq_chunks: int
+    peak: NDArray[np.float64]
+    peak_w: NDArray[np.float64]
+    peak_total: NDArray[np.float64]
+    stages: tuple[StageInFlight, ...]
+
+    def peak_weighted(self, per_b: ArrayLike, per_w: ArrayLike = 0.0) -> NDArray[np.float64]:
+        """Peak over time, per stage, of sum_c held_until_b*per_b[s, c] + held_until_w*per_w[s, c].
+
+        ``per_b``/``per_w`` are the cost (say bytes) of one micro-batch's activation held
+        until B, and of the part kept until W, for each stage and chunk; anything
+        broadcastable to [pp, vpp]. Returns [pp] in the same unit.
+        """
+        shape = (self.pp, self.vpp)
+        try:
+            wb = np.broadcast_to(np.asarray(per_b, dtype=np.float64), shape)
+            ww = np.broadcast_to(np.asarray(per_w, dtype=np.float64), shape)
+        except ValueError as exc:
+            raise NdplanError(f"activation weights must broadcast to [pp, vpp] = {list(shape)}") from exc
+        out = np.empty(self.pp)
+        for s, st in enumerate(self.stages):
+            out[s] = float(np.max(st.held_until_b @ wb[s] + st.held_until_w @ ww[s]))
+        return out
+
+
+@lru_cache(maxsize=1024, typed=True)
+def in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int = 1) -> InFlight:
+    """Held-activation counts of a schedule (cached: the strategy search asks many times).
+
+    Arguments as in :func:`ndplan.schedule.simulate`; ``m`` is num_micro_batches.
+    The result is shared between callers, so its arrays are read-only.
+    """
+    flat = build_plan(schedule, pp, vpp, m, seq_chunks)
+    split = 1 if schedule in SPLIT_BACKWARD else 0
+    stages = []
+    peak = np.zeros((pp, vpp))
+    peak_w = np.zeros((pp, vpp))
+    peak_total = np.zeros(pp)
+    for s, st in enumerate(flat):
+        n = len(st.kind)
+        is_f = st.kind == F
+        is_b = st.kind == B
+        is_w = st.kind == W
+        rows = np.arange(1, n + 1)
+        delta_b = np.zeros((n + 1, vpp))
+        delta_b[rows, st.chunk] = is_f.astype(np.float64) - is_b
+        delta_w = np.zeros((n + 1, vpp))
+        delta_w[rows, st.chunk] = split * is_b.astype(np.float64) - is_w
+        held_b = np.cumsum(delta_b, axis=0) / seq_chunks
+        held_w = np.cumsum(delta_w, axis=0) / seq_chunks
+        peak[s] = held_b.max(axis=0)
+        peak_w[s] = held_w.max(axis=0)
+        peak_total[s] = held_b.sum(axis=1).max()
+        stages.append(StageInFlight(_frozen(held_b), _frozen(held_w)))
+    return InFlight(
+        schedule=schedule,
+        pp=pp,
+        vpp=vpp,
+        num_micro_batches=m,
+        seq_chunks=seq_chunks,
+        peak=_frozen(peak),
+        peak_w=_frozen(peak_w),
+        peak_total=_frozen(peak_total),
+        stages=tuple(stages),
+    )

@@ -1,0 +1,128 @@
+"""Vocabulary shared by the schedule builders, the simulator and the memory counter.
+
+An *op* is one unit of pipeline work on one stage (one device of the pipeline group):
+
+    (kind, micro_batch, chunk, seq_chunk)
+
+* ``kind``: ``F`` (forward), ``B`` (backward; input-gradient part when the schedule splits
+  the backward, the whole backward otherwise) or ``W`` (weight-gradient part, only in
+  schedules that split the backward).
+* ``micro_batch``: index in ``[0, num_micro_batches)``.
+* ``chunk``: the *local* virtual chunk on the stage, in ``[0, vpp)``. Which slice of the
+  model it holds depends on the placement, see :func:`model_chunk_table`.
+* ``seq_chunk``: sub-sequence index in ``[0, seq_chunks)`` (always 0 except for Seq1F1B).
+
+A *step* is a tuple of ops that a stage runs as one unit: normally one op, but DualPipeV
+also runs a forward and a backward of different micro-batches overlapped, and runs some
+backwards "full" (input and weight gradient in one go, modelled as a B and its W in the
+same step). Ops inside a step are always ordered F, B, W.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ndplan.errors import NdplanError
+
+F, B, W = 0, 1, 2
+KIND_NAMES = ("F", "B", "W")
+
+#: Every schedule name :func:`ndplan.schedule.simulate` accepts, in a stable order.
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "seq1f1b")
+
+#: Schedules that split the backward into B (input grad) and W (weight grad).
+SPLIT_BACKWARD: frozenset[str] = frozenset({"zb-h1", "zbv", "dualpipev"})
+
+#: Schedules whose stage holds two model chunks folded in a V: chunk 0 = model chunk s going
+#: down the pipeline, chunk 1 = model chunk 2*pp-1-s coming back up.
+V_SHAPE: frozenset[str] = frozenset({"zbv", "dualpipev"})
+
+
+class Op(NamedTuple):
+    """One op with its simulated times (seconds from the start of the step)."""
+
+    kind: str
+    micro_batch: int
+    chunk: int
+    seq_chunk: int
+    start_s: float
+    end_s: float
+
+
+RawOp = tuple[int, int, int, int]
+"""(kind, micro_batch, chunk, seq_chunk) with kind as the int code F/B/W."""
+
+Step = tuple[RawOp, ...]
+
+
+def model_chunk_table(schedule: str, pp: int, vpp: int) -> list[list[int]]:
+    """Global model-chunk index held by ``[stage][local chunk]``.
+
+    Model chunks are numbered in forward order, 0 .. pp*vpp-1.
+    Interleaved (Megatron): chunk c of stage s holds model chunk c*pp + s.
+    V shape (ZB-V, DualPipeV): stage s holds model chunks s and 2*pp-1-s, so the last stage
+    holds the two middle chunks and the first stage holds both ends of the model.
+    """
+    if schedule in V_SHAPE:
+        return [[s, 2 * pp - 1 - s] for s in range(pp)]
+    return [[c * pp + s for c in range(vpp)] for s in range(pp)]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate(schedule: str, pp: int, vpp: int, num_micro_batches: int, seq_chunks: int) -> None:
+    """Raise :class:`NdplanError` naming the rule an input breaks."""
+    if schedule not in SCHEDULES:
+        raise NdplanError(f"unknown pipeline schedule {schedule!r}; known schedules: {', '.join(SCHEDULES)}")
+    for name, value in (
+        ("pp", pp),
+        ("vpp", vpp),
+        ("num_micro_batches", num_micro_batches),
+        ("seq_chunks", seq_chunks),
+    ):
+        if not _is_int(value):
+            raise NdplanError(f"{name} must be an integer, got {value!r}")
+    if pp < 1:
+        raise NdplanError(f"pp must be >= 1, got {pp}")
+    if num_micro_batches < 1:
+        raise NdplanError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+    if vpp < 1:
+        raise NdplanError(f"vpp must be >= 1, got {vpp}")
+    if seq_chunks < 1:
+        raise NdplanError(
+            f"seq_chunks must be >= 1 (seq1f1b splits each micro-batch into seq_chunks), got {seq_chunks}"
+        )
+    if seq_chunks != 1 and schedule != "seq1f1b":
+        raise NdplanError(f"seq_chunks > 1 needs schedule 'seq1f1b'; {schedule!r} runs whole micro-batches")
+
+    if schedule in V_SHAPE:
+        if vpp != 2:
+            raise NdplanError(
+                f"{schedule} places two model chunks per stage in a V shape: vpp must be 2, got {vpp}"
+            )
+    elif schedule == "interleaved":
+        if vpp < 2:
+            raise NdplanError(
+                f"interleaved needs vpp >= 2 model chunks per stage (use '1f1b' for vpp=1), got {vpp}"
+            )
+        # Megatron-LM's classic rule: micro-batches run in groups of pp per model chunk.
+        # (Newer Megatron relaxes it with microbatch_group_size_per_vp_stage; we keep the rule
+        # that gives the textbook schedule.)
+        if num_micro_batches % pp != 0:
+            raise NdplanError(
+                f"interleaved needs num_micro_batches divisible by pp (Megatron rule): "
+                f"{num_micro_batches} % {pp} != 0"
+            )
+    elif vpp != 1:
+        raise NdplanError(f"{schedule} does not support virtual pipeline chunks: vpp must be 1, got {vpp}")
+
+    if schedule == "dualpipev" and num_micro_batches < 2 * pp:
+        # deepseek-ai/DualPipe, dualpipe/dualpipev.py, DualPipeV.step():
+        #   assert num_chunks > 0 and num_chunks >= num_ranks * 2
+        # (torch.distributed.pipelining.ScheduleDualPipeV asks the same: n_microbatches >= stages = 2*pp.)
+        raise NdplanError(
+            f"dualpipev needs num_micro_batches >= 2*pp (DeepSeek DualPipeV requirement): "
+            f"{num_micro_batches} < {2 * pp}"
+        )

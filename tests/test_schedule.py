@@ -1,0 +1,391 @@
+"""Pipeline-schedule simulator: pinned figures from the published schedules, dependency
+sanity under random durations, memory counts, validation."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ndplan.errors import NdplanError
+from ndplan.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleResult, in_flight, simulate
+from ndplan.schedule.builders import build_plan
+
+# --------------------------------------------------------------------------- helpers
+
+
+def check_timeline(r: ScheduleResult, p2p_s: float = 0.0) -> None:
+    """Every op exactly once, every input before its consumer, no stage doing two steps at once."""
+    tol = 1e-9
+    seen: dict[tuple[str, int, int, int], tuple[int, int, float, float]] = {}
+    counts: Counter[tuple[str, int, int, int]] = Counter()
+    for s in range(r.pp):
+        ops = r.ops[s]
+        # steps of a stage run one after another
+        first = np.flatnonzero(np.diff(np.concatenate(([-1], ops.step))) != 0)
+        starts, ends = ops.start_s[first], ops.end_s[first]
+        assert np.all(starts[1:] >= ends[:-1] - tol)
+        assert np.all(ends >= starts)
+        for op, step in zip(ops, ops.step.tolist(), strict=True):
+            g = int(r.model_chunk[s, op.chunk])
+            key = (op.kind, op.micro_batch, g, op.seq_chunk)
+            counts[key] += 1
+            seen[key] = (s, step, op.start_s, op.end_s)
+    n_chunks = r.pp * r.vpp
+    k = r.seq_chunks
+    expected = {(mb, g, q) for mb in range(r.num_micro_batches) for g in range(n_chunks) for q in range(k)}
+    kinds = ("F", "B", "W") if r.schedule in SPLIT_BACKWARD else ("F", "B")
+    assert set(counts) == {(kind, *x) for kind in kinds for x in expected}
+    assert set(counts.values()) == {1}
+
+    def after(consumer: tuple[str, int, int, int], producer: tuple[str, int, int, int]) -> None:
+        cs, cstep, c_start, _ = seen[consumer]
+        ps, pstep, _, p_end = seen[producer]
+        if (cs, cstep) == (ps, pstep):  # same step: a full backward's W beside its B
+            assert consumer[0] == "W" and producer[0] == "B"
+            return
+        delay = p2p_s if cs != ps else 0.0
+        assert c_start >= p_end + delay - tol, (consumer, producer)
+
+    for mb, g, q in expected:
+        if g + 1 < n_chunks:
+            after(("F", mb, g + 1, q), ("F", mb, g, q))
+            after(("B", mb, g, q), ("B", mb, g + 1, q))
+        after(("B", mb, g, q), ("F", mb, g, q))
+        if q + 1 < k:
+            after(("F", mb, g, q + 1), ("F", mb, g, q))
+            after(("B", mb, g, q), ("B", mb, g, q + 1))
+        if "W" in kinds:
+            after(("W", mb, g, q), ("B", mb, g, q))
+    assert r.makespan_s == pytest.approx(max(float(o.end_s.max()) for o in r.ops))
+    busy = r.busy_s.sum()
+    assert r.bubble_fraction == pytest.approx(1 - busy / (r.pp * r.makespan_s) if r.makespan_s else 0.0)
+
+
+def valid_config(schedule: str, pp: int) -> dict[str, int]:
+    """A small valid (vpp, m, seq_chunks) for a schedule."""
+    if schedule == "interleaved":
+        return {"vpp": 2, "num_micro_batches": 2 * pp, "seq_chunks": 1}
+    if schedule in ("zbv", "dualpipev"):
+        return {"vpp": 2, "num_micro_batches": 2 * pp + 1, "seq_chunks": 1}
+    if schedule == "seq1f1b":
+        return {"vpp": 1, "num_micro_batches": pp + 1, "seq_chunks": 3}
+    return {"vpp": 1, "num_micro_batches": pp + 2, "seq_chunks": 1}
+
+
+def step_names(schedule: str, pp: int, vpp: int, m: int, stage: int) -> list[str]:
+    """A stage's steps as 'F0.3' (kind, local chunk, micro-batch), ops of a step joined by '+'."""
+    return ["+".join(f"{'FBW'[k]}{c}.{mb}" for k, mb, c, _ in step) for step in build_plan(schedule, pp, vpp, m)[stage].steps()]
+
+
+# --------------------------------------------------------------------------- 1F1B and GPipe
+
+CASES_1F1B = [(1, 1), (1, 5), (2, 2), (4, 3), (4, 8), (8, 5), (8, 16), (16, 64)]
+
+
+@pytest.mark.parametrize(("p", "m"), CASES_1F1B)
+def test_1f1b_unit_times(p: int, m: int) -> None:
+    r = simulate("1f1b", p, 1, m)  # defaults: F=1, B=2
+    assert r.makespan_s == pytest.approx((m + p - 1) * 3)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert r.peak_in_flight[:, 0].tolist() == [min(m, p - s) for s in range(p)]
+    assert r.peak_in_flight_w.max() == 0  # no split: nothing lingers after B
+    check_timeline(r)
+
+
+@pytest.mark.parametrize(("p", "m"), CASES_1F1B)
+def test_gpipe_holds_every_micro_batch(p: int, m: int) -> None:
+    r = simulate("gpipe", p, 1, m)
+    assert r.peak_in_flight[:, 0].tolist() == [m] * p
+    assert r.makespan_s == pytest.approx((m + p - 1) * 3)
+    check_timeline(r)
+
+
+def test_gpipe_p2p_adds_two_latencies_per_hop() -> None:
+    # Forward and backward each cross pp-1 links once on the critical path.
+    r = simulate("gpipe", 4, 1, 8, p2p_s=0.5)
+    assert r.makespan_s == pytest.approx(3 * (8 + 3) + 2 * 3 * 0.5)
+    check_timeline(r, 0.5)
+
+
+def test_1f1b_single_micro_batch_with_p2p() -> None:
+    r = simulate("1f1b", 3, 1, 1, p2p_s=0.25)
+    assert r.makespan_s == pytest.approx(3 * 3 + 2 * 2 * 0.25)
+
+
+def test_1f1b_order_is_megatron_without_interleaving() -> None:
+    assert step_names("1f1b", 4, 1, 6, 1) == (
+        "F0.0 F0.1 F0.2 B0.0 F0.3 B0.1 F0.4 B0.2 F0.5 B0.3 B0.4 B0.5".split()
+    )
+
+
+# --------------------------------------------------------------------------- interleaved
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(4, 2, 8), (4, 2, 4), (4, 3, 8), (8, 2, 16), (2, 4, 4), (8, 4, 32), (1, 2, 3)])
+def test_interleaved_textbook_bubble_and_warmup_peak(p: int, v: int, m: int) -> None:
+    # Textbook assumption: a chunk is 1/v of a stage, so F=1/v and B=2/v per chunk.
+    r = simulate("interleaved", p, v, m, forward_s=1 / v, backward_s=2 / v)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    assert r.makespan_s == pytest.approx(3 * m + 3 * (p - 1) / v)
+    # Megatron: rank s runs min(m*v, 2(p-s-1) + (v-1)p) warm-up forwards, then one more F
+    # before its first B, so it holds warm-up + 1 micro-batch-chunks at most.
+    warmup = [min(m * v, 2 * (p - s - 1) + (v - 1) * p) for s in range(p)]
+    expected = [min(m * v, w + 1) for w in warmup]
+    assert r.peak_in_flight_total.tolist() == expected
+    assert r.peak_in_flight_total[0] == expected[0]
+    check_timeline(r)
+
+
+def test_interleaved_order_follows_megatron_schedule_table() -> None:
+    # pp=2, vpp=2, m=4: forward table (mb, chunk) = (0,0)(1,0)(0,1)(1,1)(2,0)(3,0)(2,1)(3,1);
+    # rank 0 warms up with 2*(2-0-1) + (2-1)*2 = 4 forwards; backward k runs chunk 1-c.
+    assert step_names("interleaved", 2, 2, 4, 0) == (
+        "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3".split()
+    )
+    # The model chunk held by chunk c of stage s is c*pp + s.
+    assert simulate("interleaved", 2, 2, 4).model_chunk.tolist() == [[0, 2], [1, 3]]
+
+
+# --------------------------------------------------------------------------- zero bubble
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (4, 4), (4, 8), (8, 16), (8, 5)])
+def test_zb_h1_beats_1f1b_with_same_activation_peak(p: int, m: int) -> None:
+    durations = {"forward_s": 1.0, "backward_s": 1.0, "weight_grad_s": 1.0}  # B+W = a 1F1B backward of 2
+    zb = simulate("zb-h1", p, 1, m, **durations)
+    base = simulate("1f1b", p, 1, m, **durations)
+    assert base.makespan_s == pytest.approx(3 * (m + p - 1))
+    if m >= p:  # the paper's setting; with fewer micro-batches there are too few Ws to fill
+        # Published ZB-H1 bubble: (p-1)(F + B - 2W) with B the whole backward: (p-1) here.
+        assert zb.makespan_s == pytest.approx(3 * m + (p - 1))
+    assert zb.bubble_fraction < base.bubble_fraction
+    assert np.array_equal(zb.peak_in_flight, base.peak_in_flight)
+    check_timeline(zb)
+
+
+def test_zb_h1_bubble_formula_with_uneven_times() -> None:
+    r = simulate("zb-h1", 4, 1, 8, forward_s=2.0, backward_s=3.0, weight_grad_s=1.0)
+    assert r.makespan_s - 8 * 6.0 == pytest.approx(3 * (2.0 + 4.0 - 2 * 1.0))
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 16), (8, 16), (8, 32), (16, 64)])
+def test_zbv_near_zero_bubble_and_1f1b_memory(p: int, m: int) -> None:
+    r = simulate("zbv", p, 2, m)  # F = B = W = 1 per chunk
+    # The last stage cannot start before p-1 forwards reach it; ZB-V loses exactly that.
+    assert r.makespan_s == pytest.approx(6 * m + (p - 1))
+    assert r.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+    if m >= 4 * p:
+        assert r.bubble_fraction < 0.05
+    # Published: ZB-V holds as much as 1F1B's first stage, p whole-stage activations,
+    # i.e. 2p half-size chunk activations.
+    assert r.peak_in_flight_total.tolist() == [2 * p] * p
+    assert r.model_chunk.tolist() == [[s, 2 * p - 1 - s] for s in range(p)]
+    check_timeline(r)
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 2), (2, 4), (4, 8), (4, 13), (8, 16)])
+def test_dualpipev_published_bubble_and_memory(p: int, m: int) -> None:
+    r = simulate("dualpipev", p, 2, m, overlap_f_and_b=False)
+    # DeepSeek-V3 table, DualPipe over PP = 2p stages: bubble (PP/2-1)(F&B + B - 3W), with
+    # F&B = F+B+W = 3 unoverlapped, B = 2 (whole backward), W = 1: 2(p-1).
+    assert r.makespan_s == pytest.approx(6 * m + 2 * (p - 1))
+    # ... and activations PP+1 = 2p+1 chunk activations per device.
+    assert r.peak_in_flight_total.tolist() == [2 * p + 1] * p
+    check_timeline(r)
+    overlapped = simulate("dualpipev", p, 2, m)
+    assert overlapped.makespan_s < r.makespan_s
+    check_timeline(overlapped)
+
+
+def test_dualpipev_order_follows_deepseek_steps() -> None:
+    # pp=2, m=4, rank 0, DualPipeV.step(): 2xF0 | F0 F1 | B1(zb) W F1 | F0&B1, F1&B0 |
+    # B1, F1&B0 | B1 B0(zb) | W B0(zb) | W. A full backward is its B and W in one step.
+    assert step_names("dualpipev", 2, 2, 4, 0) == [
+        "F0.0", "F0.1", "F0.2", "F1.0", "B1.0", "W1.0", "F1.1",
+        "F0.3+B1.1+W1.1", "F1.2+B0.0+W0.0", "B1.2+W1.2", "F1.3+B0.1+W0.1",
+        "B1.3+W1.3", "B0.2", "W0.2", "B0.3", "W0.3",
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- Seq1F1B
+
+
+@pytest.mark.parametrize(("p", "m", "k"), [(4, 8, 1), (4, 8, 2), (4, 8, 4), (8, 16, 4), (4, 2, 3), (1, 3, 2)])
+def test_seq1f1b_fractional_in_flight(p: int, m: int, k: int) -> None:
+    r = simulate("seq1f1b", p, 1, m, seq_chunks=k)
+    # Warm-up min(p-s-2+k, mk) sub-sequences, one more before the first B; each is 1/k.
+    assert r.peak_in_flight[:, 0].tolist() == pytest.approx([min(m * k, p - s - 1 + k) / k for s in range(p)])
+    # Equal-cost sub-sequences: the 1F1B bubble shrinks as if there were k*m micro-batches.
+    assert r.bubble_fraction == pytest.approx((p - 1) / (k * m + p - 1))
+    check_timeline(r)
+
+
+def test_seq1f1b_with_one_chunk_is_1f1b() -> None:
+    a = simulate("seq1f1b", 4, 1, 6)
+    b = simulate("1f1b", 4, 1, 6)
+    assert step_names("seq1f1b", 4, 1, 6, 2) == step_names("1f1b", 4, 1, 6, 2)
+    assert a.makespan_s == b.makespan_s
+
+
+# --------------------------------------------------------------------------- dependency sanity
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_every_schedule_is_consistent(schedule: str, pp: int) -> None:
+    cfg = valid_config(schedule, pp)
+    r = simulate(schedule, pp, cfg["vpp"], cfg["num_micro_batches"], seq_chunks=cfg["seq_chunks"])
+    check_timeline(r)
+
+
+@st.composite
+def random_case(draw: st.DrawFn) -> tuple[str, int, int, int, int, np.ndarray, np.ndarray, np.ndarray, float, bool]:
+    schedule = draw(st.sampled_from(SCHEDULES))
+    pp = draw(st.integers(1, 5))
+    k = 1
+    if schedule == "interleaved":
+        vpp = draw(st.integers(2, 3))
+        m = pp * draw(st.integers(1, 3))
+    elif schedule in ("zbv", "dualpipev"):
+        vpp = 2
+        m = draw(st.integers(2 * pp if schedule == "dualpipev" else 1, 3 * pp + 2))
+    else:
+        vpp = 1
+        m = draw(st.integers(1, 2 * pp + 2))
+        if schedule == "seq1f1b":
+            k = draw(st.integers(1, 3))
+    times = st.lists(st.floats(0.0, 3.0), min_size=pp * vpp, max_size=pp * vpp).map(
+        lambda xs: np.array(xs).reshape(pp, vpp)
+    )
+    return (
+        schedule,
+        pp,
+        vpp,
+        m,
+        k,
+        draw(times),
+        draw(times),
+        draw(times),
+        draw(st.floats(0.0, 1.0)),
+        draw(st.booleans()),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_case())
+def test_random_durations_keep_dependencies(case: tuple) -> None:
+    schedule, pp, vpp, m, k, f, b, w, p2p, overlap = case
+    r = simulate(
+        schedule, pp, vpp, m, seq_chunks=k, forward_s=f, backward_s=b, weight_grad_s=w, p2p_s=p2p, overlap_f_and_b=overlap
+    )
+    check_timeline(r, p2p)
+    # Activation counts depend on the order only, never on durations.
+    assert np.array_equal(r.peak_in_flight, simulate(schedule, pp, vpp, m, seq_chunks=k).peak_in_flight)
+
+
+# --------------------------------------------------------------------------- memory counts
+
+
+def test_in_flight_is_cached_and_read_only() -> None:
+    a = in_flight("interleaved", 4, 2, 8)
+    assert in_flight("interleaved", 4, 2, 8) is a
+    assert simulate("interleaved", 4, 2, 8).memory is a
+    with pytest.raises(ValueError):
+        a.peak[0, 0] = 99
+
+
+def test_series_and_weighted_peak() -> None:
+    r = simulate("zbv", 4, 2, 8)
+    series = r.peak_in_flight_stage[0]
+    assert series.held_until_b.shape == (len(r.ops[0]) + 1, 2)
+    assert r.boundary_times_s(0).shape == (len(r.ops[0]) + 1,)
+    assert np.array_equal(series.held_until_b.max(axis=0), r.peak_in_flight[0])
+    # Weights per chunk: [1, 0] gives chunk 0 alone, [1, 1] the stage total.
+    assert r.memory.peak_weighted([1.0, 0.0]).tolist() == r.peak_in_flight[:, 0].tolist()
+    assert r.memory.peak_weighted(1.0).tolist() == r.peak_in_flight_total.tolist()
+    # Split schedules: the part kept after B until W is priced on its own.
+    zb = in_flight("zb-h1", 4, 1, 8)
+    assert zb.peak_w[:, 0].tolist() == [1, 2, 3, 4]  # stage s defers its Ws by s backwards
+    got = zb.peak_weighted(10.0, 3.0)
+    want = [max(10 * st.held_until_b[:, 0] + 3 * st.held_until_w[:, 0]) for st in zb.stages]
+    assert got.tolist() == pytest.approx(want)
+
+
+def test_activation_held_from_end_of_f_to_end_of_b() -> None:
+    r = simulate("1f1b", 2, 1, 2)
+    # Stage 1 runs F0 B0 F1 B1: it never holds two.
+    assert r.peak_in_flight_stage[1].held_until_b[:, 0].tolist() == [0, 1, 0, 1, 0]
+    # Stage 0 runs F0 F1 B0 B1.
+    assert r.peak_in_flight_stage[0].held_until_b[:, 0].tolist() == [0, 1, 2, 1, 0]
+
+
+def test_ops_expose_times() -> None:
+    r = simulate("1f1b", 2, 1, 1, forward_s=[[1.0], [2.0]], backward_s=[[3.0], [4.0]])
+    ops = [(o.kind, o.start_s, o.end_s) for o in r.iter_ops(1)]
+    assert ops == [("F", 1.0, 3.0), ("B", 3.0, 7.0)]
+    assert r.busy_s.tolist() == [4.0, 6.0]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        (("pipedream", 4, 1, 8), {}, "unknown pipeline schedule 'pipedream'; known schedules: gpipe, 1f1b"),
+        (("1f1b", 4, 2, 8), {}, "1f1b does not support virtual pipeline chunks: vpp must be 1"),
+        (("gpipe", 4, 2, 8), {}, "gpipe does not support virtual pipeline chunks"),
+        (("zb-h1", 4, 2, 8), {}, "zb-h1 does not support virtual pipeline chunks"),
+        (("seq1f1b", 4, 2, 8), {}, "seq1f1b does not support virtual pipeline chunks"),
+        (("zbv", 4, 1, 8), {}, "zbv places two model chunks per stage in a V shape: vpp must be 2"),
+        (("zbv", 4, 3, 8), {}, "vpp must be 2"),
+        (("dualpipev", 4, 4, 8), {}, "dualpipev places two model chunks per stage in a V shape"),
+        (("interleaved", 4, 1, 8), {}, "interleaved needs vpp >= 2"),
+        (("interleaved", 4, 2, 6), {}, r"interleaved needs num_micro_batches divisible by pp \(Megatron rule\)"),
+        (("dualpipev", 4, 2, 7), {}, r"dualpipev needs num_micro_batches >= 2\*pp"),
+        (("seq1f1b", 4, 1, 8), {"seq_chunks": 0}, "seq_chunks must be >= 1"),
+        (("1f1b", 4, 1, 8), {"seq_chunks": 2}, "seq_chunks > 1 needs schedule 'seq1f1b'"),
+        (("1f1b", 4, 1, 0), {}, "num_micro_batches must be >= 1"),
+        (("1f1b", 0, 1, 8), {}, "pp must be >= 1"),
+        (("1f1b", 4, 0, 8), {}, "vpp must be >= 1"),
+        (("1f1b", 4.0, 1, 8), {}, "pp must be an integer"),
+        (("1f1b", 4, 1, True), {}, "num_micro_batches must be an integer"),
+        (("1f1b", 4, 1, 8), {"forward_s": -1.0}, "forward_s must be finite and >= 0"),
+        (("1f1b", 4, 1, 8), {"backward_s": float("nan")}, "backward_s must be finite and >= 0"),
+        (("1f1b", 4, 1, 8), {"weight_grad_s": [1.0, 2.0]}, r"weight_grad_s must be a number or broadcast to \[pp, vpp\]"),
+        (("1f1b", 4, 1, 8), {"p2p_s": -0.1}, "p2p_s must be a finite number >= 0"),
+    ],
+)
+def test_validation_errors(args: tuple, kwargs: dict, match: str) -> None:
+    with pytest.raises(NdplanError, match=match):
+        simulate(*args, **kwargs)
+
+
+def test_in_flight_validates_too() -> None:
+    with pytest.raises(NdplanError, match="dualpipev needs num_micro_batches >= 2"):
+        in_flight("dualpipev", 8, 2, 8)
+    assert issubclass(NdplanError, ValueError)
+
+
+def test_weights_must_match_shape() -> None:
+    with pytest.raises(NdplanError, match=r"activation weights must broadcast to \[pp, vpp\]"):
+        in_flight("zbv", 4, 2, 8).peak_weighted([1.0, 2.0, 3.0])
+
+
+# --------------------------------------------------------------------------- performance
+
+
+def test_simulation_is_fast_for_large_pipelines() -> None:
+    simulate("interleaved", 16, 4, 256)  # first call builds and caches the op order
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        r = simulate("interleaved", 16, 4, 256, forward_s=0.01, backward_s=0.02, p2p_s=0.001)
+        best = min(best, time.perf_counter() - t0)
+    assert sum(len(o) for o in r.ops) == 2 * 16 * 4 * 256
+    assert best < 0.05
