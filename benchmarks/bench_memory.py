@@ -1,0 +1,62 @@
+"""Memory evaluations per second over 1M mixed strategies (DeepSeek-V3 and Llama-3.1-405B).
+
+    .venv/bin/python benchmarks/bench_memory.py [--count 1000000]
+
+Strategies are drawn at random from the full space and kept if valid (the rule masks are part
+of the search, not of this figure); the timer covers stage_memory over the valid batch only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from ndplan.memory import MemoryOptions, stage_memory
+from ndplan.model import get_preset
+from ndplan.strategy import RuleContext, StrategyBatch, valid_mask
+
+
+def random_batch(model_name: str, count: int, devices: int, seed: int = 0) -> StrategyBatch:
+    rng = np.random.default_rng(seed)
+    model = get_preset(model_name)
+    n = count * 6  # oversample: many random combinations break a rule
+    tp = rng.choice([1, 2, 4, 8], n)
+    pp = rng.choice([1, 2, 4, 8, 16], n)
+    cp = rng.choice([1, 2], n)
+    dp = np.maximum(devices // (tp * pp * cp), 1)
+    schedule = rng.choice([0, 1, 2, 3, 5], n)  # 1f1b, interleaved, zb-h1, zbv, gpipe
+    vpp = np.where(schedule == 1, rng.choice([2, 4], n), np.where(schedule == 3, 2, 1))
+    mbs = rng.choice([1, 2], n)
+    m = np.maximum(rng.choice([1, 2, 4, 8], n) * pp, 1)
+    columns = {
+        "dp": dp, "tp": tp, "pp": pp, "cp": cp, "vpp": vpp, "schedule": schedule,
+        "ep": rng.choice([1, 8, 32, 64], n) if model.is_moe else 1, "etp": 1 if model.is_moe else tp,
+        "sequence_parallel": (tp > 1) & rng.choice([True, False], n), "zero": rng.choice([0, 1, 2, 3], n),
+        "recompute": rng.choice([0, 1, 2], n), "micro_batch_size": mbs, "num_micro_batches": m,
+        "seq_length": 4096,
+    }
+    batch = StrategyBatch.from_columns(columns)
+    valid = np.flatnonzero(valid_mask(batch, RuleContext(model, devices)))[:count]
+    return batch.take(valid)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=1_000_000)
+    args = parser.parse_args()
+    for name, devices in (("deepseek-v3", 4096), ("llama-3.1-405b", 16384)):
+        batch = random_batch(name, args.count, devices)
+        model = get_preset(name)
+        stage_memory(model, batch.take(np.arange(min(len(batch), 1000))), MemoryOptions())  # warm caches
+        start = time.perf_counter()
+        memory = stage_memory(model, batch, MemoryOptions())
+        seconds = time.perf_counter() - start
+        peak, _ = memory.peak()
+        print(f"{name:16s} {len(batch):>9,} strategies  {seconds:6.2f} s  {len(batch) / seconds:>12,.0f} evaluations/s"
+              f"  (median peak {np.median(peak) / 2**30:,.1f} GiB)")
+
+
+if __name__ == "__main__":
+    main()

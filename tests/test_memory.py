@@ -1,0 +1,207 @@
+"""Memory estimator: hand-derived terms on a tiny model, conservation, and monotonicity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ndplan.errors import NdplanError
+from ndplan.hardware import get_device
+from ndplan.memory import MemoryOptions, estimate, stage_memory
+from ndplan.model import ModelSpec, count_parameters, get_preset
+from ndplan.strategy import Strategy, StrategyBatch, check_strategy
+
+TINY = ModelSpec(name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                 num_kv_heads=2, head_dim=16, vocab_size=256)
+NO_OVERHEAD = MemoryOptions(include_overhead=False)
+
+
+def test_tiny_static_terms_by_hand():
+    report = estimate(TINY, Strategy(seq_length=8), options=NO_OVERHEAD)
+    total = count_parameters(TINY).total
+    stage = report.stages[0]
+    # megatron-bf16: 2 B weights, 4 B gradients, 2·4 + 4 B optimizer per parameter, no ZeRO.
+    assert stage.params_bytes == 2 * total
+    assert stage.grads_bytes == 4 * total
+    assert stage.optimizer_bytes == 12 * total
+
+
+def test_tiny_activations_by_hand():
+    """PyTorch profile, flash attention, one micro-batch of 8 tokens, 2 layers (h=64, q=64, k=v=32,
+    heads=4, ffn=128, vocab=256, bf16 activations), per token:
+      norm      = 4h (fp32 input) + 4 (inverse rms) + 2h (normalized)              = 388
+      attention = 2h + 2q + 2k + 2v + 2o + 4·heads + 2o                             = 656
+      mlp       = 2h + 4 · 2·ffn                                                    = 1152
+      layer     = 2·norm + attention + mlp                                          = 2584
+      output    = norm + 2h (head input) + 4·vocab (log-softmax)                    = 1540
+      embedding = 8 (int64 token id)
+    held = 8 tokens × (2·2584 + 1540 + 8) = 53728 bytes."""
+    report = estimate(TINY, Strategy(seq_length=8), options=NO_OVERHEAD)
+    assert report.stages[0].activations_bytes == 8 * (2 * 2584 + 1540 + 8)
+    kinds = report.stages[0].activations_by_kind
+    assert kinds["mlp"] == 8 * 2 * 1152 and kinds["attention"] == 8 * 2 * 656 and kinds["norm"] == 8 * 2 * 2 * 388
+
+
+def test_tiny_full_recompute_keeps_layer_inputs():
+    report = estimate(TINY, Strategy(seq_length=8, recompute="full"), options=NO_OVERHEAD)
+    # each layer keeps its bf16 input (2h bytes per token); output and embedding as before
+    assert report.stages[0].activations_bytes == 8 * (2 * 2 * 64 + 1540 + 8)
+
+
+def test_pipeline_in_flight_scales_first_stage():
+    # 1F1B: stage s holds min(m, pp - s) micro-batches; 4 layers over pp=2, 8 micro-batches.
+    model = TINY.model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4})
+    report = estimate(model, Strategy(seq_length=8, pp=2, num_micro_batches=8), options=NO_OVERHEAD)
+    first, last = report.stages
+    assert first.activations_bytes == 2 * 8 * (2 * 2584 + 8)
+    assert last.activations_bytes == 1 * 8 * (2 * 2584 + 1540)
+
+
+def test_gpipe_holds_every_micro_batch():
+    model = TINY.model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4})
+    report = estimate(model, Strategy(seq_length=8, pp=2, num_micro_batches=8, schedule="gpipe"), options=NO_OVERHEAD)
+    assert report.stages[0].activations_bytes == 8 * 8 * (2 * 2584 + 8)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_stage_parameters_add_up_to_the_model(name, pp):
+    model = get_preset(name)
+    assert not model.tie_word_embeddings  # tied tables are copied on two stages: tested below
+    memory = stage_memory(model, StrategyBatch.of(Strategy(pp=pp)), NO_OVERHEAD)
+    assert memory.params.sum() / 2 == pytest.approx(count_parameters(model).total_with_mtp, rel=1e-12)
+
+
+def test_tied_embedding_is_copied_on_the_last_stage():
+    model = get_preset("qwen3-8b").model_copy(update={"tie_word_embeddings": True})
+    one = stage_memory(model, StrategyBatch.of(Strategy(pp=1)), NO_OVERHEAD).params.sum() / 2
+    two = stage_memory(model, StrategyBatch.of(Strategy(pp=2)), NO_OVERHEAD).params.sum() / 2
+    assert two - one == model.vocab_size * model.hidden_size
+
+
+def test_zero_stages_shard_the_right_states():
+    model = get_preset("llama-3.1-8b")
+    total = count_parameters(model).total
+    reports = [estimate(model, Strategy(dp=8, zero=z), options=NO_OVERHEAD).stages[0] for z in range(4)]
+    assert reports[1].optimizer_bytes == pytest.approx(12 * total / 8)
+    assert reports[1].grads_bytes == 4 * total
+    assert reports[2].grads_bytes == pytest.approx(4 * total / 8)
+    assert reports[3].params_bytes == pytest.approx(2 * total / 8)
+
+
+def test_expert_parallel_divides_experts():
+    model = get_preset("mixtral-8x7b")
+    one = estimate(model, Strategy(dp=8), options=NO_OVERHEAD).stages[0].static_by_kind["moe"]
+    eight = estimate(model, Strategy(dp=8, ep=8), options=NO_OVERHEAD).stages[0].static_by_kind["moe"]
+    router = model.num_layers * model.num_experts * model.hidden_size * 18
+    assert eight - router == pytest.approx((one - router) / 8)
+
+
+def test_eager_attention_is_quadratic_flash_linear():
+    model = get_preset("llama-3.1-8b")
+
+    def acts(attention, seq):
+        options = MemoryOptions(include_overhead=False, attention=attention)
+        return estimate(model, Strategy(seq_length=seq), options=options).stages[0].activations_bytes
+
+    assert acts("flash", 8192) == pytest.approx(2 * acts("flash", 4096), rel=1e-9)
+    assert acts("eager", 8192) > 2.5 * acts("eager", 4096)
+
+
+def test_offload_removes_optimizer_states():
+    s = Strategy(dp=2, zero=1, optimizer_offload=True)
+    assert estimate(TINY, s, options=NO_OVERHEAD).stages[0].optimizer_bytes == 0
+
+
+def test_invalid_strategy_is_refused_with_reasons():
+    with pytest.raises(NdplanError, match="tp=3 does not divide num_attention_heads=4"):
+        estimate(TINY, Strategy(tp=3))
+
+
+def test_report_json_shape_and_fit():
+    report = estimate(get_preset("llama-3.1-8b"), Strategy(dp=8, zero=1), get_device("h100-sxm"))
+    data = report.to_dict()
+    assert {"peak_bytes", "peak_stage", "fits", "capacity_bytes", "stages"} <= set(data)
+    stage = data["stages"][0]
+    assert {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "comm_bytes",
+            "transient_bytes", "overhead_bytes", "by_layer_kind"} <= set(stage)
+    assert data["fits"] == (data["peak_bytes"] <= data["capacity_bytes"])
+    assert stage["overhead_bytes"] > 0
+
+
+def test_batch_equals_single_evaluations():
+    model = get_preset("deepseek-v2-lite")
+    strategies = [
+        Strategy(dp=4, tp=2, pp=2, ep=8, etp=1, sequence_parallel=True, num_micro_batches=8, zero=1),
+        Strategy(dp=2, tp=1, pp=4, vpp=2, schedule="interleaved", num_micro_batches=8, recompute="full"),
+        Strategy(dp=16, ep=4, zero=3, fsdp=True, recompute="selective", micro_batch_size=2),
+        Strategy(dp=2, pp=4, vpp=2, schedule="zbv", num_micro_batches=8),
+    ]
+    together = stage_memory(model, StrategyBatch.of(strategies))
+    for i, s in enumerate(strategies):
+        alone = stage_memory(model, StrategyBatch.of(s))
+        np.testing.assert_allclose(together.device[i, : s.pp], alone.device[0], rtol=1e-12)
+
+
+# Monotonicity over random valid strategies of a MoE model with dense first layers.
+MODEL = get_preset("deepseek-v2-lite")
+values = st.fixed_dictionaries({
+    "dp": st.sampled_from([1, 2, 4, 8]), "tp": st.sampled_from([1, 2, 4]), "pp": st.sampled_from([1, 2, 3]),
+    "ep": st.sampled_from([1, 2, 4]), "zero": st.integers(0, 3), "num_micro_batches": st.sampled_from([1, 4, 8]),
+    "recompute": st.sampled_from(["none", "selective", "full"]), "sequence_parallel": st.booleans(),
+    "micro_batch_size": st.sampled_from([1, 2]),
+})
+
+
+def _memory(**kw):
+    s = Strategy(seq_length=2048, etp=1, **kw)
+    if check_strategy(s, MODEL):
+        return None
+    return stage_memory(MODEL, StrategyBatch.of(s), NO_OVERHEAD)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values)
+def test_more_tp_never_raises_parameter_memory(v):
+    if v["tp"] == 4:
+        return
+    base, more = _memory(**v), _memory(**{**v, "tp": v["tp"] * 2})
+    if base is None or more is None:
+        return
+    assert np.all(more.params[0] <= base.params[0] + 1e-6)
+    assert np.all(more.activations[0] <= base.activations[0] + 1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values)
+def test_more_zero_or_ep_never_raises_static_memory(v):
+    base = _memory(**v)
+    if base is None:
+        return
+    static = base.params + base.grads + base.optimizer
+    for change in ({"zero": min(v["zero"] + 1, 3)}, {"ep": v["ep"] * 2}):
+        other = _memory(**{**v, **change})
+        if other is not None:
+            assert np.all(other.params + other.grads + other.optimizer <= static + 1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values)
+def test_recompute_never_raises_held_activations(v):
+    levels = [_memory(**{**v, "recompute": r}) for r in ("none", "selective", "full")]
+    if any(level is None for level in levels):
+        return
+    none, selective, full = (level.activations[0] for level in levels)
+    assert np.all(selective <= none + 1e-6) and np.all(full <= selective + 1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(values)
+def test_more_pp_never_raises_the_largest_stage_static(v):
+    base = _memory(**{**v, "pp": 1})
+    more = _memory(**{**v, "pp": 2})
+    if base is None or more is None:
+        return
+    assert (more.params + more.grads + more.optimizer).max() <= (base.params + base.grads + base.optimizer).max() + 1e-6
