@@ -79,7 +79,10 @@ def valid_config(schedule: str, pp: int) -> dict[str, int]:
 
 def step_names(schedule: str, pp: int, vpp: int, m: int, stage: int) -> list[str]:
     """A stage's steps as 'F0.3' (kind, local chunk, micro-batch), ops of a step joined by '+'."""
-    return ["+".join(f"{'FBW'[k]}{c}.{mb}" for k, mb, c, _ in step) for step in build_plan(schedule, pp, vpp, m)[stage].steps()]
+    return [
+        "+".join(f"{'FBW'[k]}{c}.{mb}" for k, mb, c, _ in step)
+        for step in build_plan(schedule, pp, vpp, m)[stage].steps()
+    ]
 
 
 # --------------------------------------------------------------------------- 1F1B and GPipe
@@ -126,7 +129,9 @@ def test_1f1b_order_is_megatron_without_interleaving() -> None:
 # --------------------------------------------------------------------------- interleaved
 
 
-@pytest.mark.parametrize(("p", "v", "m"), [(4, 2, 8), (4, 2, 4), (4, 3, 8), (8, 2, 16), (2, 4, 4), (8, 4, 32), (1, 2, 3)])
+@pytest.mark.parametrize(
+    ("p", "v", "m"), [(4, 2, 8), (4, 2, 4), (4, 3, 8), (8, 2, 16), (2, 4, 4), (8, 4, 32), (1, 2, 3)]
+)
 def test_interleaved_textbook_bubble_and_warmup_peak(p: int, v: int, m: int) -> None:
     # Textbook assumption: a chunk is 1/v of a stage, so F=1/v and B=2/v per chunk.
     r = simulate("interleaved", p, v, m, forward_s=1 / v, backward_s=2 / v)
@@ -244,7 +249,9 @@ def test_every_schedule_is_consistent(schedule: str, pp: int) -> None:
 
 
 @st.composite
-def random_case(draw: st.DrawFn) -> tuple[str, int, int, int, int, np.ndarray, np.ndarray, np.ndarray, float, bool]:
+def random_case(
+    draw: st.DrawFn,
+) -> tuple[str, int, int, int, int, np.ndarray, np.ndarray, np.ndarray, float, bool]:
     schedule = draw(st.sampled_from(SCHEDULES))
     pp = draw(st.integers(1, 5))
     k = 1
@@ -281,7 +288,16 @@ def random_case(draw: st.DrawFn) -> tuple[str, int, int, int, int, np.ndarray, n
 def test_random_durations_keep_dependencies(case: tuple) -> None:
     schedule, pp, vpp, m, k, f, b, w, p2p, overlap = case
     r = simulate(
-        schedule, pp, vpp, m, seq_chunks=k, forward_s=f, backward_s=b, weight_grad_s=w, p2p_s=p2p, overlap_f_and_b=overlap
+        schedule,
+        pp,
+        vpp,
+        m,
+        seq_chunks=k,
+        forward_s=f,
+        backward_s=b,
+        weight_grad_s=w,
+        p2p_s=p2p,
+        overlap_f_and_b=overlap,
     )
     check_timeline(r, p2p)
     # Activation counts depend on the order only, never on durations.
@@ -297,6 +313,11 @@ def test_in_flight_is_cached_and_read_only() -> None:
     assert simulate("interleaved", 4, 2, 8).memory is a
     with pytest.raises(ValueError):
         a.peak[0, 0] = 99
+
+
+def test_numpy_integers_share_the_cache() -> None:
+    assert in_flight("1f1b", np.int64(4), 1, np.int32(8)) is in_flight("1f1b", 4, 1, 8, 1)
+    assert simulate("1f1b", np.int64(4), 1, 8).pp == 4
 
 
 def test_series_and_weighted_peak() -> None:
@@ -346,7 +367,11 @@ def test_ops_expose_times() -> None:
         (("zbv", 4, 3, 8), {}, "vpp must be 2"),
         (("dualpipev", 4, 4, 8), {}, "dualpipev places two model chunks per stage in a V shape"),
         (("interleaved", 4, 1, 8), {}, "interleaved needs vpp >= 2"),
-        (("interleaved", 4, 2, 6), {}, r"interleaved needs num_micro_batches divisible by pp \(Megatron rule\)"),
+        (
+            ("interleaved", 4, 2, 6),
+            {},
+            r"interleaved needs num_micro_batches divisible by pp \(Megatron rule\)",
+        ),
         (("dualpipev", 4, 2, 7), {}, r"dualpipev needs num_micro_batches >= 2\*pp"),
         (("seq1f1b", 4, 1, 8), {"seq_chunks": 0}, "seq_chunks must be >= 1"),
         (("1f1b", 4, 1, 8), {"seq_chunks": 2}, "seq_chunks > 1 needs schedule 'seq1f1b'"),
@@ -357,7 +382,11 @@ def test_ops_expose_times() -> None:
         (("1f1b", 4, 1, True), {}, "num_micro_batches must be an integer"),
         (("1f1b", 4, 1, 8), {"forward_s": -1.0}, "forward_s must be finite and >= 0"),
         (("1f1b", 4, 1, 8), {"backward_s": float("nan")}, "backward_s must be finite and >= 0"),
-        (("1f1b", 4, 1, 8), {"weight_grad_s": [1.0, 2.0]}, r"weight_grad_s must be a number or broadcast to \[pp, vpp\]"),
+        (
+            ("1f1b", 4, 1, 8),
+            {"weight_grad_s": [1.0, 2.0]},
+            r"weight_grad_s must be a number or broadcast to \[pp, vpp\]",
+        ),
         (("1f1b", 4, 1, 8), {"p2p_s": -0.1}, "p2p_s must be a finite number >= 0"),
     ],
 )

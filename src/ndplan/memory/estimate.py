@@ -38,6 +38,10 @@ STATIC_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "output", "mtp")
 ACTIVATION_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "recompute", "output", "mtp")
 
 
+#: Strategies with the same values of these fields share a placement and a schedule simulation.
+PIPELINE_SHAPE = ("schedule", "pp", "vpp", "num_micro_batches", "seq_chunks", "embedding_as_layer", "output_as_layer")
+
+
 @dataclass(frozen=True)
 class MemoryOptions:
     """How the runtime behaves: its saved-tensor profile, attention kernel, loss, overhead.
@@ -246,14 +250,8 @@ def stage_memory(
             "static": {k: np.zeros((n, max_pp)) for k in STATIC_KINDS},
             "activations": {k: np.zeros((n, max_pp)) for k in ACTIVATION_KINDS},
         }
-    shape_keys = np.stack(
-        [batch.schedule, batch.pp, batch.vpp, batch.num_micro_batches, batch.seq_chunks,
-         batch.embedding_as_layer, batch.output_as_layer], axis=1,
-    )
-    groups, inverse = np.unique(shape_keys, axis=0, return_inverse=True)
-    for g, key in enumerate(groups):
-        index = np.flatnonzero(inverse.ravel() == g)
-        _evaluate_group(model, batch.take(index), options, tuple(int(k) for k in key), index, result, kinds, stage_layers)
+    for key, index in batch.groups(PIPELINE_SHAPE):
+        _evaluate_group(model, batch.take(index), options, key, index, result, kinds, stage_layers)
     overhead = overhead_model(options.profile, batch, options.include_overhead)
     allocated = np.maximum(
         result["params"] + result["grads"] + result["optimizer"] + result["activations"] + result["comm"] + result["transient"],
@@ -331,17 +329,21 @@ def _evaluate_group(
     offload = batch.optimizer_offload[:, None] > 0
     states = {"params": (P, "params"), "grads": (G, "grads"), "optimizer": (O, "optimizer")}
     out = {name: np.zeros((len(batch), pp)) for name in (*CATEGORIES, "optimizer_step")}
+    # Sum the kinds first: the search needs only totals, the breakdown prices each kind alike.
+    non_expert_total = sum(static_non_expert.values())
+    expert_total = sum(static_expert.values())
     for category, (width, attr) in states.items():
         non_expert_div = getattr(shards, attr)[:, None]
         expert_div = getattr(shards, f"expert_{attr}")[:, None]
+        value = non_expert_total * (width / non_expert_div) + expert_total * (width / expert_div)
+        keep = 0.0 if category != "optimizer" else offload
+        out[category] = np.broadcast_to(value if category != "optimizer" else np.where(keep, 0.0, value), (len(batch), pp))
+        if kinds is None:
+            continue
         for kind in STATIC_KINDS:
-            value = static_non_expert.get(kind, 0.0) * width / non_expert_div + static_expert.get(kind, 0.0) * width / expert_div
-            value = np.broadcast_to(value, (len(batch), pp))
-            if category == "optimizer":
-                value = np.where(offload, 0.0, value)
-            out[category] += value
-            if kinds is not None:
-                kinds["static"][kind][index, :pp] += value
+            part = static_non_expert.get(kind, 0.0) * width / non_expert_div + static_expert.get(kind, 0.0) * width / expert_div
+            part = np.broadcast_to(part, (len(batch), pp))
+            kinds["static"][kind][index, :pp] += np.where(offload, 0.0, part) if category == "optimizer" else part
 
     # ---- activations held across the schedule
     acts = layer_activations(model, batch, options)

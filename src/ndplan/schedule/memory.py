@@ -24,7 +24,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ndplan.errors import NdplanError
 from ndplan.schedule.builders import build_plan
-from ndplan.schedule.ops import SPLIT_BACKWARD, B, F, W
+from ndplan.schedule.ops import SPLIT_BACKWARD, B, F, W, validate
 
 
 def _frozen(arr: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -85,29 +85,42 @@ class InFlight:
         return out
 
 
-@lru_cache(maxsize=1024, typed=True)
 def in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int = 1) -> InFlight:
     """Held-activation counts of a schedule (cached: the strategy search asks many times).
 
     Arguments as in :func:`ndplan.schedule.simulate`; ``m`` is num_micro_batches.
     The result is shared between callers, so its arrays are read-only.
     """
-    flat = build_plan(schedule, pp, vpp, m, seq_chunks)
-    split = 1 if schedule in SPLIT_BACKWARD else 0
+    # One cache key however the caller spells the arguments (lru_cache keys on the call's
+    # form, so f(x, 1) and f(x) would otherwise be two entries) and on plain ints.
+    return _in_flight(schedule, *validate(schedule, pp, vpp, m, seq_chunks))
+
+
+@lru_cache(maxsize=1024, typed=True)
+def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InFlight:
+    plan = build_plan(schedule, pp, vpp, m, seq_chunks)
+    split = schedule in SPLIT_BACKWARD
     stages = []
     peak = np.zeros((pp, vpp))
     peak_w = np.zeros((pp, vpp))
     peak_total = np.zeros(pp)
-    for s, st in enumerate(flat):
+    for s, st in enumerate(plan):
         n = len(st.kind)
         is_f = st.kind == F
         is_b = st.kind == B
         is_w = st.kind == W
+        # A full backward (B and its W in one step, DualPipeV) frees everything at once:
+        # nothing lingers between its B and W.
+        b_with_w = np.zeros(n, dtype=bool)
+        b_with_w[:-1] = is_b[:-1] & is_w[1:] & (st.step[:-1] == st.step[1:])
+        w_with_b = np.zeros(n, dtype=bool)
+        w_with_b[1:] = b_with_w[:-1]
         rows = np.arange(1, n + 1)
         delta_b = np.zeros((n + 1, vpp))
         delta_b[rows, st.chunk] = is_f.astype(np.float64) - is_b
         delta_w = np.zeros((n + 1, vpp))
-        delta_w[rows, st.chunk] = split * is_b.astype(np.float64) - is_w
+        if split:
+            delta_w[rows, st.chunk] = (is_b & ~b_with_w).astype(np.float64) - (is_w & ~w_with_b)
         held_b = np.cumsum(delta_b, axis=0) / seq_chunks
         held_w = np.cumsum(delta_w, axis=0) / seq_chunks
         peak[s] = held_b.max(axis=0)

@@ -20,6 +20,7 @@ same step). Ops inside a step are always ordered F, B, W.
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import NamedTuple
 
 from ndplan.errors import NdplanError
@@ -69,11 +70,17 @@ def model_chunk_table(schedule: str, pp: int, vpp: int) -> list[list[int]]:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # numpy integers count; bools and floats (even 4.0) do not.
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def validate(schedule: str, pp: int, vpp: int, num_micro_batches: int, seq_chunks: int) -> None:
-    """Raise :class:`NdplanError` naming the rule an input breaks."""
+def validate(
+    schedule: str, pp: int, vpp: int, num_micro_batches: int, seq_chunks: int
+) -> tuple[int, int, int, int]:
+    """Raise :class:`NdplanError` naming the rule an input breaks; else the sizes as plain ints.
+
+    Plain ints matter: the caches key on them, and np.int64(4) must hit the entry of 4.
+    """
     if schedule not in SCHEDULES:
         raise NdplanError(f"unknown pipeline schedule {schedule!r}; known schedules: {', '.join(SCHEDULES)}")
     for name, value in (
@@ -84,6 +91,7 @@ def validate(schedule: str, pp: int, vpp: int, num_micro_batches: int, seq_chunk
     ):
         if not _is_int(value):
             raise NdplanError(f"{name} must be an integer, got {value!r}")
+    pp, vpp, num_micro_batches, seq_chunks = int(pp), int(vpp), int(num_micro_batches), int(seq_chunks)
     if pp < 1:
         raise NdplanError(f"pp must be >= 1, got {pp}")
     if num_micro_batches < 1:
@@ -126,3 +134,4 @@ def validate(schedule: str, pp: int, vpp: int, num_micro_batches: int, seq_chunk
             f"dualpipev needs num_micro_batches >= 2*pp (DeepSeek DualPipeV requirement): "
             f"{num_micro_batches} < {2 * pp}"
         )
+    return pp, vpp, num_micro_batches, seq_chunks

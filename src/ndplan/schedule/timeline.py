@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from numbers import Real
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -17,7 +18,7 @@ from ndplan.errors import NdplanError
 from ndplan.schedule.builders import StagePlan, build_plan
 from ndplan.schedule.graph import build_graph, time_steps
 from ndplan.schedule.memory import InFlight, StageInFlight, in_flight
-from ndplan.schedule.ops import KIND_NAMES, SPLIT_BACKWARD, B, F, Op, model_chunk_table
+from ndplan.schedule.ops import KIND_NAMES, SPLIT_BACKWARD, B, F, Op, model_chunk_table, validate
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,9 @@ def simulate(
     Seq1F1B: each sub-sequence op lasts 1/seq_chunks of the micro-batch figure (the sequence
     is taken as split into chunks of equal cost).
     """
-    plan = build_plan(schedule, pp, vpp, num_micro_batches, seq_chunks)  # validates
-    if not (isinstance(p2p_s, int | float) and np.isfinite(p2p_s) and p2p_s >= 0):
+    pp, vpp, num_micro_batches, seq_chunks = validate(schedule, pp, vpp, num_micro_batches, seq_chunks)
+    plan = build_plan(schedule, pp, vpp, num_micro_batches, seq_chunks)
+    if isinstance(p2p_s, bool) or not (isinstance(p2p_s, Real) and np.isfinite(p2p_s) and p2p_s >= 0):
         raise NdplanError(f"p2p_s must be a finite number >= 0 seconds, got {p2p_s!r}")
     split = schedule in SPLIT_BACKWARD
     f = _durations("forward_s", forward_s, 1.0, pp, vpp)

@@ -111,6 +111,26 @@ class StrategyBatch:
     def rows(self) -> Iterator[Strategy]:
         return (self.row(i) for i in range(len(self)))
 
+    def groups(self, names: Sequence[str]) -> list[tuple[tuple[int, ...], np.ndarray]]:
+        """Split the batch by the values of ``names``: [(values, indices)], indices ascending.
+
+        The fields are packed into one int64 key (each field's values < 2^bits) so that one
+        sort groups millions of strategies; the search evaluates each group with shared work.
+        """
+        columns = [getattr(self, name) for name in names]
+        key = np.zeros(len(self), dtype=np.int64)
+        for column in columns:
+            bits = max(int(column.max()).bit_length(), 1)
+            key = (key << bits) | column
+        order = np.argsort(key, kind="stable")
+        sorted_key = key[order]
+        starts = np.flatnonzero(np.diff(sorted_key, prepend=sorted_key[0] - 1))
+        ends = np.append(starts[1:], len(order))
+        return [
+            (tuple(int(c[order[a]]) for c in columns), order[a:b])
+            for a, b in zip(starts, ends)
+        ]
+
     def is_(self, name: str, label: str) -> np.ndarray:
         """Mask of strategies whose categorical field ``name`` equals ``label``."""
         return np.asarray(getattr(self, name) == CODES[name].index(label))
