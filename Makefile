@@ -23,7 +23,8 @@ $(VENV)/.installed-test: $(BIN)/python pyproject.toml
 
 run: $(VENV)/.installed-run
 	$(BIN)/ndplan models
-	$(BIN)/ndplan check --model llama-3.1-8b --hardware h100-sxm --devices 8 --tp 2 --dp 4 --gbs 64 --mbs 2 --seq 4096
+	$(BIN)/ndplan estimate --model llama-3.1-70b --hardware h100-sxm --devices 64 --tp 8 --pp 4 --sp \
+		--zero 1 --gbs 256 --seq 4096 --recompute selective
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests benchmarks
