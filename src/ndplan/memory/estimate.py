@@ -200,17 +200,47 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
 
 
 # --------------------------------------------------------------------------- schedule peaks
-@lru_cache(maxsize=4096)
+def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
+    """A micro-batch count with the same held-activation peaks as ``m``.
+
+    Past the warm-up, every schedule but GPipe repeats the same steady pattern, so its peaks stop
+    growing with m: simulating min(m, a few pipeline depths) gives the same answer for less work
+    (a test checks the equality). The cap is a multiple of pp, as interleaving requires.
+    """
+    if schedule == "gpipe":
+        return m
+    cap = 4 * pp * max(vpp, 1)
+    return m if m <= cap else cap
+
+
+@lru_cache(maxsize=8192)
 def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
     """Per stage, the op-boundary rows [held_until_b | held_until_w] that can be the maximum of
     a non-negative weighting: rows dominated by another row are dropped (usually most)."""
-    flight = in_flight(schedule, pp, vpp, m, seq_chunks)
-    out = []
-    for stage in flight.stages:
-        rows = np.unique(np.hstack([stage.held_until_b, stage.held_until_w]), axis=0)
-        keep = [i for i, r in enumerate(rows) if not np.any(np.all(rows >= r, axis=1) & np.any(rows > r, axis=1))]
-        out.append(rows[keep])
-    return tuple(out)
+    flight = in_flight(schedule, pp, vpp, steady_micro_batches(schedule, pp, vpp, m), seq_chunks)
+    return tuple(_undominated(np.hstack([stage.held_until_b, stage.held_until_w])) for stage in flight.stages)
+
+
+def _undominated(rows: np.ndarray) -> np.ndarray:
+    """The rows of ``rows`` that no other row is >= in every column (the skyline), with the
+    all-zero columns kept so the width is unchanged."""
+    used = np.flatnonzero(rows.any(axis=0))
+    if len(used) <= 1:
+        return rows[[int(np.argmax(rows[:, used[0]] if len(used) else np.zeros(len(rows))))]]
+    rows = np.unique(rows, axis=0)
+    if len(used) == 2:
+        a, b = rows[:, used[0]], rows[:, used[1]]
+        order = np.lexsort((-b, -a))  # by a descending, then b descending
+        best_b = np.maximum.accumulate(b[order])
+        keep = np.concatenate([[True], b[order][1:] > best_b[:-1]])
+        return rows[order[keep]]
+    dominated = np.zeros(len(rows), bool)
+    for start in range(0, len(rows), 256):  # chunks bound the R x R comparison's memory
+        block = rows[start:start + 256]
+        at_least = np.all(rows[:, None, :] >= block[None, :, :], axis=2)
+        above = np.any(rows[:, None, :] > block[None, :, :], axis=2)
+        dominated[start:start + 256] = np.any(at_least & above, axis=0)
+    return rows[~dominated]
 
 
 def _held_peak(frontier: tuple[np.ndarray, ...], per_b: np.ndarray, per_w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -243,7 +273,8 @@ def stage_memory(
     options = options or MemoryOptions()
     n = len(batch)
     max_pp = int(batch.pp.max())
-    result = {name: np.zeros((n, max_pp)) for name in (*CATEGORIES, "optimizer_step")}
+    names = (*CATEGORIES, "optimizer_step", "allocated", "reserved", "device")
+    result = {name: np.zeros((n, max_pp)) for name in names}
     kinds: dict[str, dict[str, np.ndarray]] | None = None
     if breakdown:
         kinds = {
@@ -251,22 +282,26 @@ def stage_memory(
             "activations": {k: np.zeros((n, max_pp)) for k in ACTIVATION_KINDS},
         }
     for key, index in batch.groups(PIPELINE_SHAPE):
-        _evaluate_group(model, batch.take(index), options, key, index, result, kinds, stage_layers)
-    overhead = overhead_model(options.profile, batch, options.include_overhead)
-    allocated = np.maximum(
-        result["params"] + result["grads"] + result["optimizer"] + result["activations"] + result["comm"] + result["transient"],
-        result["params"] + result["grads"] + result["optimizer"] + result["optimizer_step"],
-    )
-    stage_exists = np.arange(max_pp)[None, :] < batch.pp[:, None]
-    allocated = np.where(stage_exists, allocated, 0.0)
-    reserved = np.where(stage_exists, overhead.reserved(allocated), 0.0)
-    device = np.where(stage_exists, reserved + overhead.fixed_bytes[:, None], 0.0)
-    return StageMemory(
-        params=result["params"], grads=result["grads"], optimizer=result["optimizer"],
-        activations=result["activations"], comm=result["comm"], transient=result["transient"],
-        optimizer_step=result["optimizer_step"], allocated=allocated, reserved=reserved, device=device,
-        by_kind=kinds,
-    )
+        out = _evaluate_group(model, batch.take(index), options, key, index, kinds, stage_layers)
+        pp = out["device"].shape[1]
+        for name in names:
+            result[name][index, :pp] = out[name]
+    return StageMemory(**result, by_kind=kinds)
+
+
+def peak_memory(
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per strategy: the largest device total over its stages (bytes) and that stage. The same
+    numbers as ``stage_memory(...).peak()``, without keeping every stage of every strategy."""
+    options = options or MemoryOptions()
+    peak = np.zeros(len(batch))
+    stage = np.zeros(len(batch), dtype=np.int64)
+    for key, index in batch.groups(PIPELINE_SHAPE):
+        device = _evaluate_group(model, batch.take(index), options, key, index, None, None)["device"]
+        stage[index] = np.argmax(device, axis=1)
+        peak[index] = device[np.arange(len(index)), stage[index]]
+    return peak, stage
 
 
 def _evaluate_group(
@@ -275,10 +310,10 @@ def _evaluate_group(
     options: MemoryOptions,
     key: tuple[int, ...],
     index: np.ndarray,
-    result: dict[str, np.ndarray],
     kinds: dict[str, dict[str, np.ndarray]] | None,
     stage_layers: tuple[int, ...] | None,
-) -> None:
+) -> dict[str, np.ndarray]:
+    """Every category for one pipeline shape, as [strategies in the group, pp] arrays."""
     schedule_code, pp, vpp, m, seq_chunks, embedding_as_layer, output_as_layer = key
     schedule = CODES["schedule"][schedule_code]
     placement = place_layers(
@@ -420,8 +455,14 @@ def _evaluate_group(
     local_elements = out["optimizer"] / max(O, 1)
     out["optimizer_step"] = local_elements * options.profile.optimizer_temp_bytes_per_param
 
-    for name, value in out.items():
-        result[name][index, :pp] = value
+    static = out["params"] + out["grads"] + out["optimizer"]
+    out["allocated"] = np.maximum(
+        static + out["activations"] + out["comm"] + out["transient"], static + out["optimizer_step"]
+    )
+    overhead = overhead_model(options.profile, batch, options.include_overhead)
+    out["reserved"] = overhead.reserved(out["allocated"])
+    out["device"] = out["reserved"] + overhead.fixed_bytes[:, None]
+    return out
 
 
 def _activation_kinds(
@@ -458,4 +499,7 @@ def _activation_kinds(
         kinds["activations"]["moe" if model.is_moe else "mlp"][index, s] += w_amount
 
 
-__all__ = ["ACTIVATION_KINDS", "CATEGORIES", "STATIC_KINDS", "MemoryOptions", "RuntimeOverhead", "StageMemory", "stage_memory"]
+__all__ = [
+    "ACTIVATION_KINDS", "CATEGORIES", "STATIC_KINDS", "MemoryOptions", "RuntimeOverhead", "StageMemory",
+    "peak_memory", "stage_memory",
+]

@@ -1,0 +1,589 @@
+"""The torch side of the census. Imported only by ``ndplan.census.measure`` once torch is known
+to be installed; nothing else in ndplan imports this module.
+
+Three instruments watch one forward + backward of one decoder layer, all under ``FakeTensorMode``
+(tensors carry shape, dtype, device and storage identity, but no data and no memory):
+
+* ``SavedRecorder``: ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook notes the storage
+  of every tensor autograd saves, de-duplicated per storage (``untyped_storage()._cdata``, the
+  StorageImpl's address, stable while the storage lives; FakeTensors have real, distinct
+  StorageImpls on the meta device). Parameters, buffers and their views are left out, and so are
+  tensors every layer shares (rotary cos/sin, the attention mask): those are counted once per model.
+* ``LiveTracker``: a ``TorchDispatchMode`` that sees every aten op. An op output whose schema
+  return does not alias an input is a new storage: it is "allocated" (its storage nbytes added to
+  the live total) and a ``weakref.finalize`` on the storage object "frees" it when the storage dies
+  (storage PyObjects are preserved for as long as the StorageImpl lives, so the finalizer fires
+  exactly when the last tensor or view of it goes). It records which op and which submodule made
+  each storage, and the peak of the live total.
+* Liveness after forward: the tracked storages still alive once the forward returns (other than
+  the output) are what the step keeps. For plain autograd this is the same set the pack hook saw;
+  under ``torch.utils.checkpoint`` the saved tensors hide behind the checkpoint's own pack hooks and
+  the selective-checkpoint cache, so liveness is what finds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import gc
+import inspect
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ndplan.errors import NdplanError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Ops whose outputs the selective policy keeps: matmuls and attention kernels.
+_SAVE_OP_NAMES = (
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "_grouped_mm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+
+def _save_packets() -> frozenset[Any]:
+    return frozenset(
+        getattr(torch.ops.aten, name) for name in _SAVE_OP_NAMES if hasattr(torch.ops.aten, name)
+    )
+
+
+SELECTIVE_SAVE_OPS = _save_packets()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+# --------------------------------------------------------------------------------------------------
+# instruments
+
+
+class ModuleStack:
+    """Which submodule of the layer is running (for naming the op that produced a storage)."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+        self.handles: list[Any] = []
+
+    def attach(self, root: torch.nn.Module) -> None:
+        for name, mod in root.named_modules():
+            if not name:
+                continue
+            self.handles.append(mod.register_forward_pre_hook(functools.partial(self._push, name)))
+            self.handles.append(mod.register_forward_hook(functools.partial(self._pop, name), always_call=True))
+
+    def _push(self, name: str, *_: Any) -> None:
+        self.stack.append(name)
+
+    def _pop(self, name: str, *_: Any) -> None:
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.stack.clear()
+
+
+@dataclass
+class StorageInfo:
+    nbytes: int
+    op: str
+    module: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class LiveTracker(TorchDispatchMode):
+    """Tracks live storages created by aten ops, and the peak of their total size."""
+
+    def __init__(self, modules: ModuleStack, external: set[int]) -> None:
+        super().__init__()
+        self.modules = modules
+        self.external = external  # storages that existed before (params, inputs): never counted
+        self.live: dict[int, int] = {}
+        self.info: dict[int, StorageInfo] = {}
+        self.current = 0
+        self.peak = 0
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        self.ops.append(name)
+        returns = func._schema.returns
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if len(returns) == len(outs):
+            pairs = list(zip(returns, outs, strict=True))
+        else:  # one Tensor[] return
+            pairs = [(returns[0], o) for o in outs] if len(returns) == 1 else []
+        for ret, o in pairs:
+            items = o if isinstance(o, (tuple, list)) else (o,)
+            for t in items:
+                if isinstance(t, torch.Tensor) and ret.alias_info is None:
+                    self._allocate(t, name)
+        return out
+
+    def _allocate(self, t: torch.Tensor, op: str) -> None:
+        st = t.untyped_storage()
+        key = int(st._cdata)
+        if key in self.live or key in self.external:
+            return
+        nbytes = int(st.nbytes())
+        self.live[key] = nbytes
+        self.info[key] = StorageInfo(nbytes, f"aten.{op.split('.')[-1]}" if op.startswith("aten.") else op,
+                                     self.modules.current, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._free, key).atexit = False
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+
+class SavedRecorder:
+    """``saved_tensors_hooks`` pack/unpack that note what autograd saves, per storage."""
+
+    def __init__(self, excluded: set[int], shared: set[int]) -> None:
+        self.excluded = excluded
+        self.shared = shared
+        self.saved: dict[int, StorageInfo] = {}
+        self.shared_saved: dict[int, int] = {}
+        self.active = True
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            st = t.untyped_storage()
+            key = int(st._cdata)
+            if key in self.shared:
+                self.shared_saved[key] = int(st.nbytes())
+            elif key not in self.excluded and key not in self.saved:
+                self.saved[key] = StorageInfo(int(st.nbytes()), "", "", tuple(t.shape),
+                                              str(t.dtype).replace("torch.", ""))
+                # A saved tensor of a graph branch that does not reach the output (e.g. a router's
+                # integer top-k indices) dies with that branch during forward: it is not kept.
+                weakref.finalize(st, self.saved.pop, key, None).atexit = False
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+# --------------------------------------------------------------------------------------------------
+# one measurement
+
+
+@dataclass
+class RunResult:
+    tokens: int
+    saved: dict[int, StorageInfo]  # storage -> info, in the order first seen
+    shared_bytes: int
+    backward_peak_extra: int
+    ops: list[str] = field(default_factory=list)
+    live_only: int = 0  # storages kept alive after forward that no pack hook saw (checkpoint caches)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(i.nbytes for i in self.saved.values())
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op.overloadpacket in SELECTIVE_SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(fn: Callable[[torch.Tensor], torch.Tensor], policy: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return lambda x: torch_checkpoint.checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False)
+    if policy == "selective":
+        context_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _selective_policy)
+        return lambda x: torch_checkpoint.checkpoint(
+            fn, x, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn
+        )
+    raise NdplanError(f"unknown recompute policy {policy!r}")
+
+
+def measure_once(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    *,
+    root: torch.nn.Module,
+    params: set[int],
+    shared: set[int],
+    policy: str,
+    tokens: int,
+) -> RunResult:
+    """Forward + backward of ``fn(x)`` once; what it saved and the backward's working set."""
+    modules = ModuleStack()
+    modules.attach(root)
+    x_key = storage_key(x)
+    tracker = LiveTracker(modules, external=params | shared | {x_key})
+    recorder = SavedRecorder(excluded=params, shared=shared)
+    call = _wrap(fn, policy)
+    try:
+        with tracker:
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+                out = call(x)
+            if isinstance(out, (tuple, list)):
+                out = out[0]
+            recorder.active = False
+            out_key = storage_key(out)
+            # What the step keeps: what autograd saved, plus whatever else forward left alive
+            # (checkpoint inputs and the selective-checkpoint cache), less the output itself.
+            keep: dict[int, StorageInfo] = {}
+            for key, info in recorder.saved.items():
+                tracked = tracker.info.get(key) if key in tracker.live else None
+                if tracked is not None:
+                    keep[key] = tracked
+                elif key == x_key:
+                    keep[key] = StorageInfo(info.nbytes, "input", "", info.shape, info.dtype)
+                else:
+                    keep[key] = StorageInfo(info.nbytes, "external", "", info.shape, info.dtype)
+            hooked = len(keep)
+            for key in list(tracker.live):
+                if key != out_key and key not in keep:
+                    keep[key] = tracker.info[key]
+            live_only = len(keep) - hooked
+            grad_out = torch.ones_like(out)
+            start = tracker.current
+            tracker.peak = start
+            grads = torch.autograd.grad(out, [x], grad_out)
+            peak_extra = tracker.peak - start
+            del grads, grad_out, out
+    finally:
+        modules.detach()
+    return RunResult(
+        tokens=tokens,
+        saved=keep,
+        shared_bytes=sum(recorder.shared_saved.values()),
+        backward_peak_extra=peak_extra,
+        ops=tracker.ops,
+        live_only=live_only,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# SDPA: the kernel a GPU would run where the CPU would fall back to the math path
+
+
+@contextlib.contextmanager
+def gpu_sdpa_kernels(used: list[str]) -> Iterator[None]:
+    """Patch ``F.scaled_dot_product_attention`` for the census.
+
+    On CPU, SDPA runs ``_scaled_dot_product_flash_attention_for_cpu``, which saves what CUDA flash
+    attention saves (q, k, v, out, logsumexp). Where the CPU kernel cannot run it (MLA: the value
+    head dim differs from the query/key head dim) the CPU falls back to the math path, which saves
+    the full s x s attention probabilities in fp32, while a GPU runs the memory-efficient kernel.
+    Under FakeTensorMode the CUDA kernels' meta implementations run on CPU tensors, so in that case
+    this calls ``aten._scaled_dot_product_efficient_attention`` as the GPU would. ``used`` collects
+    a note each time it does.
+    """
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+             enable_gqa: bool = False) -> torch.Tensor:
+        # The CPU flash kernel needs one head dim for q, k and v (``torch._fused_sdp_choice`` cannot
+        # tell under FakeTensorMode: its fake kernel always answers "math").
+        cpu_math = value.shape[-1] != query.shape[-1]
+        same_heads = query.shape[-3] == key.shape[-3] == value.shape[-3]
+        if (cpu_math and query.shape[-1] == key.shape[-1] and query.dtype in (torch.float16, torch.bfloat16)
+                and same_heads and query.shape[-1] % 8 == 0 and value.shape[-1] % 8 == 0):
+            used.append("aten._scaled_dot_product_efficient_attention")
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+            )
+            return out[0]
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+# --------------------------------------------------------------------------------------------------
+# building layers from a Hugging Face config
+
+_DROP_CONFIG_KEYS = (
+    "model_type",
+    "architectures",
+    "transformers_version",
+    "auto_map",
+    "torch_dtype",
+    "dtype",
+    "quantization_config",
+    "_name_or_path",
+    "name_or_path",
+)
+
+_WIDTH_FIELDS = (
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "expert_intermediate_size",
+    "ffn_hidden_size",
+)
+
+
+def make_config(hf_config: dict[str, Any], *, attention: str, experts: str) -> Any:
+    import transformers
+
+    model_type = hf_config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise NdplanError("census: the config has no 'model_type'")
+    fields = {k: v for k, v in hf_config.items() if k not in _DROP_CONFIG_KEYS}
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError) as e:
+        raise NdplanError(f"census: transformers cannot build a {model_type!r} config: {e}") from None
+    config._attn_implementation = attention
+    config.use_cache = False
+    config.census_experts = experts  # applied in build_meta_model where the model supports it
+    return config
+
+
+def tp2_config(config: Any) -> tuple[Any, list[str]]:
+    """The config one rank of TP 2 would run: heads, KV heads and FFN/expert widths halved."""
+    c = copy.deepcopy(config)
+    notes: list[str] = []
+    heads = getattr(c, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads % 2:
+        raise NdplanError(f"census: cannot simulate TP 2 with {heads} attention heads (needs an even count)")
+    kv = getattr(c, "num_key_value_heads", None)
+    c.num_attention_heads = heads // 2
+    if isinstance(kv, int):
+        if kv % 2 == 0:
+            c.num_key_value_heads = kv // 2
+        else:
+            notes.append(f"{kv} KV head(s) replicated at TP 2")
+    for name in _WIDTH_FIELDS:
+        v = getattr(c, name, None)
+        if isinstance(v, int) and v > 0:
+            setattr(c, name, v // 2)
+    return c, notes
+
+
+def build_meta_model(config: Any) -> Any:
+    import transformers
+
+    try:
+        model_cls: Any = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise NdplanError(
+            f"census: transformers has no causal-LM model for model_type {config.model_type!r}"
+        ) from None
+    experts = getattr(config, "census_experts", None)
+    if experts and model_cls._can_set_experts_implementation():
+        config._experts_implementation = experts
+    with torch.device("meta"), _quiet_transformers():
+        model = model_cls(config)
+    if getattr(model.config, "_attn_implementation", None) != config._attn_implementation:
+        raise NdplanError(
+            f"census: transformers chose attention {model.config._attn_implementation!r}, "
+            f"not {config._attn_implementation!r}"
+        )
+    return model
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def decoder_layers(model: Any) -> Any:
+    n = model.config.num_hidden_layers
+    for _, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
+            return mod
+    raise NdplanError("census: cannot find the model's decoder layers")
+
+
+def find_module(model: Any, suffix: str) -> Any:
+    base = getattr(model, "model", model)
+    return getattr(base, suffix, None)
+
+
+def keep_fp32_patterns(model: Any, dtype: torch.dtype) -> list[str]:
+    pats = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        pats += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return pats
+
+
+def materialize(module: torch.nn.Module, dtype: torch.dtype, prefix: str, fp32: list[str]) -> None:
+    """Replace meta parameters and buffers by (fake, inside FakeTensorMode) CPU tensors."""
+    for mname, mod in module.named_modules():
+        full = f"{prefix}.{mname}" if mname else prefix
+        for pname, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            pname_full = f"{full}.{pname}"
+            target = p.dtype
+            if p.is_floating_point():
+                target = torch.float32 if any(pat in pname_full for pat in fp32) else dtype
+            mod._parameters[pname] = torch.nn.Parameter(
+                torch.empty(p.shape, dtype=target, device="cpu"), requires_grad=p.requires_grad
+            )
+        for bname, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            mod._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+
+
+def layer_kinds(model: Any) -> list[tuple[str, int, int]]:
+    """[(kind, first layer index, number of layers)] for the distinct decoder layers."""
+    layers = decoder_layers(model)
+    groups: dict[Any, list[int]] = {}
+    for i, layer in enumerate(layers):
+        sig = (
+            type(layer).__name__,
+            getattr(layer, "attention_type", None),
+            tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()),
+        )
+        groups.setdefault(sig, []).append(i)
+    attention_types = {sig[1] for sig in groups}
+    named: list[tuple[str, int, int]] = []
+    used: set[str] = set()
+    for sig, idxs in groups.items():
+        layer = layers[idxs[0]]
+        mla = any(n.endswith("kv_a_proj_with_mqa") for n, _ in layer.named_modules()) or hasattr(
+            getattr(layer, "self_attn", None), "kv_lora_rank"
+        )
+        moe = any(p.dim() == 3 for p in layer.parameters()) or any(
+            any(w in type(m).__name__ for w in ("MoE", "Moe", "Sparse", "Experts")) for m in layer.modules()
+        )
+        name = ("mla-" if mla else "") + ("moe" if moe else "dense")
+        if len(attention_types) > 1 and sig[1]:
+            name += f"-{sig[1]}".replace("_attention", "")
+        if name in used:
+            name += f"-{idxs[0]}"
+        used.add(name)
+        named.append((name, idxs[0], len(idxs)))
+    return named
+
+
+def call_layer_fn(layer: torch.nn.Module, extra: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    params = inspect.signature(layer.forward).parameters
+    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in extra.items() if k in params or has_var_kw}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = layer(x, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return fn
+
+
+def position_inputs(model: Any, config: Any, x: torch.Tensor) -> dict[str, Any]:
+    """Position ids, rotary (cos, sin) and the attention mask, as the model computes them."""
+    b, s, _ = x.shape
+    position_ids = torch.arange(s, device="cpu").unsqueeze(0)
+    extra: dict[str, Any] = {"position_ids": position_ids, "use_cache": False}
+    rotary = find_module(model, "rotary_emb")
+    if rotary is not None:
+        extra["position_embeddings"] = rotary(x, position_ids)
+    # position_ids=None here: with FakeTensor position ids transformers cannot rule out packed
+    # sequences and would build a full mask; for one unpacked sequence per row (what the census
+    # measures) the model builds the same mask as with position_ids=None.
+    from transformers.masking_utils import create_causal_mask
+
+    try:
+        mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None)
+    except TypeError:  # the transformers 4.x signature
+        mask = create_causal_mask(
+            config=config, input_embeds=x, attention_mask=None, cache_position=torch.arange(s),
+            past_key_values=None, position_ids=None,
+        )
+    extra["attention_mask"] = mask
+    return extra
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors_in(o)]
+    return []
+
+
+def module_storages(module: torch.nn.Module) -> set[int]:
+    keys = {storage_key(p) for p in module.parameters()}
+    keys |= {storage_key(b) for b in module.buffers()}
+    return keys
+
+
+def collect() -> None:
+    gc.collect()
+
+
+__all__ = [
+    "DTYPES",
+    "FakeTensorMode",
+    "LiveTracker",
+    "ModuleStack",
+    "RunResult",
+    "SavedRecorder",
+    "build_meta_model",
+    "call_layer_fn",
+    "collect",
+    "decoder_layers",
+    "find_module",
+    "gpu_sdpa_kernels",
+    "keep_fp32_patterns",
+    "layer_kinds",
+    "make_config",
+    "materialize",
+    "measure_once",
+    "module_storages",
+    "position_inputs",
+    "storage_key",
+    "tensors_in",
+    "tp2_config",
+]

@@ -1,0 +1,335 @@
+"""Run the census: measure, with the real transformers modeling code, what one decoder layer of
+each kind keeps for backward, per token, on CPU under FakeTensorMode (no weights, no real memory).
+
+torch and transformers are imported lazily: without them ``run_census`` raises NdplanError naming
+the optional extra. How and what is measured: docs/census.md and ``ndplan.census._engine``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ndplan.census.record import CensusRecord, Recompute, SavedOp
+from ndplan.errors import NdplanError
+
+EXTRA_MESSAGE = "census needs the optional extra: pip install 'ndplan[census]' (torch==2.13.0, transformers)"
+
+POLICIES = ("none", "full", "selective")
+ATTENTIONS = ("sdpa", "eager")
+# Static-shape experts implementations only: their saved tensors have T*top_k rows whatever the
+# routing. The "eager" per-expert loop is data dependent (nonzero, a Python loop over hit experts).
+EXPERTS = ("grouped_mm", "batched_mm")
+
+
+def _require_torch() -> tuple[Any, Any]:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise NdplanError(EXTRA_MESSAGE) from None
+    return torch, transformers
+
+
+def _check_args(seq_length: int, micro_batch_size: int, dtype: str, attention: str, experts: str) -> None:
+    if not isinstance(seq_length, int) or seq_length < 4:
+        raise NdplanError(f"census: seq_length must be an integer >= 4, got {seq_length!r}")
+    if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise NdplanError(f"census: micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise NdplanError(f"census: dtype must be bfloat16, float16 or float32, got {dtype!r}")
+    if attention not in ATTENTIONS:
+        raise NdplanError(f"census: attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    if experts not in EXPERTS:
+        raise NdplanError(
+            f"census: experts must be one of {', '.join(EXPERTS)}, got {experts!r} "
+            "(the eager per-expert loop routes data-dependently and cannot run under FakeTensorMode)"
+        )
+
+
+def run_census(
+    hf_config: dict[str, Any],
+    *,
+    seq_length: int = 4096,
+    micro_batch_size: int = 1,
+    dtype: str = "bfloat16",
+    attention: str = "sdpa",
+    experts: str = "grouped_mm",
+    name: str | None = None,
+) -> list[CensusRecord]:
+    """Measure every distinct decoder-layer kind of ``hf_config`` (a config.json dict), plus the
+    output layer (final norm + LM head + loss). One record per kind, values in bytes per token."""
+    if not isinstance(hf_config, dict):
+        raise NdplanError("census: hf_config must be a dict (a Hugging Face config.json)")
+    _check_args(seq_length, micro_batch_size, dtype, attention, experts)
+    torch, transformers = _require_torch()
+    from ndplan.census import _engine as E
+
+    t_start = time.perf_counter()
+    model_name = name or hf_config.get("name") or hf_config.get("_name_or_path") or hf_config.get("model_type")
+    config = E.make_config(hf_config, attention=attention, experts=experts)
+    config2, tp_notes = E.tp2_config(config)
+    model1 = E.build_meta_model(config)
+    model2 = E.build_meta_model(config2)
+    dt = E.DTYPES[dtype]
+    b = micro_batch_size
+    s_main, s_half = seq_length, seq_length // 2
+    h = int(config.hidden_size)
+    fp32 = E.keep_fp32_patterns(model1, dt)
+    kinds = E.layer_kinds(model1)
+    records: list[CensusRecord] = []
+    common = dict(
+        model=str(model_name),
+        model_type=str(config.model_type),
+        hidden_size=h,
+        seq_length=seq_length,
+        micro_batch_size=b,
+        dtype=dtype,
+        attention=attention,
+        torch_version=str(torch.__version__),
+        transformers_version=str(transformers.__version__),
+    )
+
+    fake = E.FakeTensorMode()
+    emulated: list[str] = []
+    with fake, E.gpu_sdpa_kernels(emulated):
+        for model in (model1, model2):
+            rotary = E.find_module(model, "rotary_emb")
+            if rotary is not None:
+                E.materialize(rotary, dt, "model.rotary_emb", fp32)
+
+        # decoder layers
+        for kind, idx, count in kinds:
+            runs: dict[tuple[int, int, str], Any] = {}
+            for tp, model, cfg in ((1, model1, config), (2, model2, config2)):
+                layer = E.decoder_layers(model)[idx]
+                prefix = _module_name(model, layer)
+                E.materialize(layer, dt, prefix, fp32)
+                layer.train()
+                params = E.module_storages(layer)
+                for s in (s_main, s_half) if tp == 1 else (s_main,):
+                    x = torch.empty(b, s, h, dtype=dt, requires_grad=True)
+                    extra = E.position_inputs(model, cfg, x)
+                    shared = {E.storage_key(t) for t in E.tensors_in(extra)}
+                    fn = E.call_layer_fn(layer, extra)
+                    for policy in POLICIES:
+                        runs[(tp, s, policy)] = _measure(E, fn, x, layer, params, shared, policy, b * s, kind)
+                    del x, extra, fn
+                _release(E, layer)
+            is_moe = "moe" in kind
+            notes = list(tp_notes)
+            if is_moe:
+                notes.append(f"MoE experts_implementation={experts}: static shapes, T*top_k rows whatever the routing")
+            if emulated:
+                notes.append(f"SDPA ran {emulated[0]} as a GPU would: the CPU kernel would fall back to the math path")
+                emulated.clear()
+            records.append(
+                _record(runs, kind, count, s_main, s_half, b, attention, notes, common,
+                        experts=experts if is_moe else "")
+            )
+
+        # output layer: final norm + LM head + cross-entropy as the CausalLM computes it
+        runs = {}
+        vocab = int(config.vocab_size)
+        vocab2 = (vocab + 1) // 2
+        norm = E.find_module(model1, "norm")
+        lm_head = model1.get_output_embeddings()
+        if norm is None or lm_head is None:
+            raise NdplanError("census: cannot find the model's final norm and LM head")
+        E.materialize(norm, dt, "model.norm", fp32)
+        head1 = torch.nn.Linear(h, vocab, bias=lm_head.bias is not None, dtype=dt)
+        head2 = torch.nn.Linear(h, vocab2, bias=lm_head.bias is not None, dtype=dt)
+        loss_fn = model1.loss_function
+        for tp, head, v in ((1, head1, vocab), (2, head2, vocab2)):
+            root = torch.nn.ModuleDict({"norm": norm, "lm_head": head})
+            root.train()
+            params = E.module_storages(root)
+            for s in (s_main, s_half) if tp == 1 else (s_main,):
+                x = torch.empty(b, s, h, dtype=dt, requires_grad=True)
+                labels = torch.zeros(b, s, dtype=torch.long)
+                fn = _output_fn(norm, head, loss_fn, labels, v)
+                for policy in POLICIES:
+                    runs[(tp, s, policy)] = _measure(
+                        E, fn, x, root, params, {E.storage_key(labels)}, policy, b * s, "output"
+                    )
+                del x, labels, fn
+        records.append(
+            _record(runs, "output", 1, s_main, s_half, b, attention,
+                    ["TP 2 simulated as a vocabulary-parallel LM head and loss (vocab halved)"], common,
+                    experts="")
+        )
+    del model1, model2
+    E.collect()
+    elapsed = time.perf_counter() - t_start
+    return [_with_note(r, f"census took {elapsed:.1f} s") for r in records]
+
+
+def _module_name(model: Any, target: Any) -> str:
+    for n, m in model.named_modules():
+        if m is target:
+            return n
+    return ""
+
+
+def _release(E: Any, layer: Any) -> None:
+    """Drop the layer's fake parameters (back to meta) so a large model's kinds don't pile up."""
+    import torch
+
+    for mod in layer.modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[pname] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+                )
+
+
+def _output_fn(norm: Any, head: Any, loss_fn: Any, labels: Any, vocab: int) -> Any:
+    def fn(x: Any) -> Any:
+        logits = head(norm(x))
+        return loss_fn(logits=logits, labels=labels, vocab_size=vocab)
+
+    return fn
+
+
+def _measure(E: Any, fn: Any, x: Any, root: Any, params: set[int], shared: set[int], policy: str,
+             tokens: int, kind: str) -> Any:
+    try:
+        return E.measure_once(fn, x, root=root, params=params, shared=shared, policy=policy, tokens=tokens)
+    except NdplanError:
+        raise
+    except Exception as e:  # a modeling path FakeTensorMode cannot run
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise NdplanError(f"census: measuring the {kind!r} layer ({policy} recompute) failed: "
+                          f"{type(e).__name__}: {msg}") from e
+
+
+def _scaling(n1: int, nh: int, t_ratio: float, s_ratio: float) -> str:
+    """How one saved storage grows from the half-length run to the full one."""
+    if n1 == nh:
+        return "constant"
+    if nh and abs(n1 / nh - t_ratio * s_ratio) < 1e-9:
+        return "token*seq"
+    return "token"
+
+
+def _classify(r1: Any, rh: Any, t_ratio: float, s_ratio: float) -> list[str] | None:
+    """Per saved storage of ``r1``: "constant", "token" or "token*seq", by pairing it with the same
+    storage (same position, op and module) of the half-length run ``rh``; None if they don't pair."""
+    a, b = list(r1.saved.values()), list(rh.saved.values())
+    if len(a) != len(b) or any((x.op, x.module) != (y.op, y.module) for x, y in zip(a, b, strict=True)):
+        return None
+    return [_scaling(x.nbytes, y.nbytes, t_ratio, s_ratio) for x, y in zip(a, b, strict=True)]
+
+
+def _split(r: Any, classes: list[str] | None) -> tuple[float, float, float]:
+    """(constant bytes, token-linear bytes, token*seq bytes) of one run's saved storages."""
+    infos = list(r.saved.values())
+    if classes is None or len(classes) != len(infos):
+        return 0.0, float(r.saved_bytes), 0.0
+    const = sum(i.nbytes for i, c in zip(infos, classes, strict=True) if c == "constant")
+    quad = sum(i.nbytes for i, c in zip(infos, classes, strict=True) if c == "token*seq")
+    return float(const), float(r.saved_bytes - const - quad), float(quad)
+
+
+def _figures(runs: dict[tuple[int, int, str], Any], policy: str, s_main: int, s_half: int, b: int) -> Recompute:
+    """Per-token figures of one policy from its three runs (TP 1 at s and s/2, TP 2 at s).
+
+    Saved bytes: each storage is classed by how it grows from s/2 to s: constant (per layer, e.g.
+    grouped-mm offsets, RNG seeds: reported apart, not per token), linear in tokens, or
+    tokens*seq (eager attention probabilities: the ``_per_seq`` coefficient). Where the two runs'
+    storages don't pair up, a two-point fit of the totals is used instead. The backward peak is a
+    maximum over time, so it only gets the two-point fit.
+    """
+    r1, rh, r2 = runs[(1, s_main, policy)], runs[(1, s_half, policy)], runs[(2, s_main, policy)]
+    t1, th = b * s_main, b * s_half
+    classes = _classify(r1, rh, t1 / th, s_main / s_half)
+    if classes is not None:
+        const1, lin1, quad1 = _split(r1, classes)
+        const2, lin2, quad2 = _split(r2, classes)
+        s1, s2 = (lin1 + quad1) / t1, (lin2 + quad2) / t1
+        per_seq = quad1 / t1 / s_main
+    else:
+        const1 = 0.0
+        s1, sh, s2 = r1.saved_bytes / t1, rh.saved_bytes / th, r2.saved_bytes / t1
+        per_seq = (s1 - sh) / (s_main - s_half)
+    e1, eh = r1.backward_peak_extra / t1, rh.backward_peak_extra / th
+    tp_scaled = 2.0 * (s1 - s2)
+    return Recompute(
+        saved_bytes_per_token=s1,
+        saved_tp_scaled_bytes_per_token=tp_scaled,
+        saved_replicated_bytes_per_token=s1 - tp_scaled,
+        backward_peak_extra_bytes_per_token=e1,
+        saved_bytes_per_token_per_seq=per_seq,
+        backward_peak_extra_bytes_per_token_per_seq=(e1 - eh) / (s_main - s_half),
+        saved_constant_bytes=const1,
+    )
+
+
+def _attention_kernel(ops: list[str], attention: str) -> str:
+    for op in ops:
+        if "attention" in op and "backward" not in op:
+            return op
+    # No fused kernel ran: eager attention, or SDPA's math fallback (both keep s x s probabilities).
+    return "eager: matmul + softmax" if attention == "eager" else "sdpa math fallback: matmul + softmax"
+
+
+def _record(runs: dict[tuple[int, int, str], Any], kind: str, count: int, s_main: int, s_half: int, b: int,
+            attention: str, notes: list[str], common: dict[str, Any], *, experts: str) -> CensusRecord:
+    none = _figures(runs, "none", s_main, s_half, b)
+    base = runs[(1, s_main, "none")]
+    t1 = b * s_main
+    classes = _classify(base, runs[(1, s_half, "none")], s_main / s_half, s_main / s_half) or []
+    ops = tuple(
+        SavedOp(op=i.op, bytes_per_token=i.nbytes / t1, module=i.module, shape=i.shape, dtype=i.dtype,
+                scaling=classes[k] if k < len(classes) else "token")
+        for k, i in enumerate(base.saved.values())
+    )
+    return CensusRecord(
+        layer_kind=kind,
+        num_layers=count,
+        saved_bytes_per_token=none.saved_bytes_per_token,
+        saved_tp_scaled_bytes_per_token=none.saved_tp_scaled_bytes_per_token,
+        saved_replicated_bytes_per_token=none.saved_replicated_bytes_per_token,
+        backward_peak_extra_bytes_per_token=none.backward_peak_extra_bytes_per_token,
+        saved_bytes_per_token_per_seq=none.saved_bytes_per_token_per_seq,
+        backward_peak_extra_bytes_per_token_per_seq=none.backward_peak_extra_bytes_per_token_per_seq,
+        saved_constant_bytes=none.saved_constant_bytes,
+        full_recompute=_figures(runs, "full", s_main, s_half, b),
+        selective=_figures(runs, "selective", s_main, s_half, b),
+        shared_saved_bytes_per_token=base.shared_bytes / t1,
+        experts=experts,
+        attention_kernel=_attention_kernel(base.ops, attention) if kind != "output" else "",
+        saved_ops=ops,
+        notes="; ".join(notes),
+        **common,
+    )
+
+
+def _with_note(r: CensusRecord, note: str) -> CensusRecord:
+    from dataclasses import replace
+
+    return replace(r, notes=f"{r.notes}; {note}" if r.notes else note)
+
+
+def load_hf_config(path_or_preset: str) -> tuple[str, dict[str, Any]]:
+    """A config.json path, or the name of an ndplan preset (src/ndplan/model/presets/<name>.json)."""
+    p = Path(path_or_preset)
+    if not p.is_file():
+        p = Path(__file__).resolve().parent.parent / "model" / "presets" / f"{path_or_preset}.json"
+        if not p.is_file():
+            raise NdplanError(f"census: no config file or preset named {path_or_preset!r}")
+        name = path_or_preset
+    else:
+        name = p.stem if p.name != "config.json" else p.parent.name
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise NdplanError(f"census: cannot read {p}: {e}") from None
+    if not isinstance(data, dict):
+        raise NdplanError(f"census: {p} is not a JSON object")
+    return name, data
+
+
+__all__ = ["EXTRA_MESSAGE", "run_census", "load_hf_config"]

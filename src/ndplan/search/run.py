@@ -1,0 +1,158 @@
+"""Run a search: enumerate, apply the rules as masks, price memory and time, rank, keep the front.
+
+Every candidate has an index in the product space; ties in step time are broken by peak memory
+and then by that index, so the ranking is deterministic and equal to a plain loop over the same
+space with the single-strategy API (a test checks this).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ndplan.hardware import Cluster, Device
+from ndplan.memory import MemoryOptions
+from ndplan.memory.estimate import peak_memory
+from ndplan.model.spec import ModelSpec
+from ndplan.search.space import SearchSpace
+from ndplan.strategy.batch import StrategyBatch
+from ndplan.strategy.rules import RULES, RuleContext
+from ndplan.strategy.strategy import Strategy
+
+TimeFunction = Callable[[ModelSpec, StrategyBatch, Cluster], dict[str, np.ndarray]]
+OVER_MEMORY = "over_memory_limit"
+
+
+@dataclass
+class SearchResult:
+    """Ranked strategies that fit, why the others lost, and the (time, memory) trade-off."""
+
+    space_size: int
+    evaluated: int
+    fitting: int
+    rejected: dict[str, int]
+    ranked: list[dict[str, Any]]
+    pareto: list[dict[str, Any]]
+    candidates_time_s: np.ndarray
+    candidates_peak_bytes: np.ndarray
+    memory_limit_bytes: int
+    smallest_peak_bytes: float | None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str, float]) -> dict[str, Any]:
+    return {
+        "candidate": int(index),
+        "label": strategy.short(),
+        "dp": strategy.dp, "tp": strategy.tp, "sp": strategy.sequence_parallel, "cp": strategy.cp,
+        "cp_kind": strategy.cp_kind, "ep": strategy.ep, "etp": strategy.etp, "pp": strategy.pp,
+        "vpp": strategy.vpp, "schedule": strategy.schedule, "seq_chunks": strategy.seq_chunks,
+        "zero": strategy.zero, "fsdp": strategy.fsdp, "recompute": strategy.recompute,
+        "mbs": strategy.micro_batch_size, "num_micro_batches": strategy.num_micro_batches,
+        "peak_bytes": round(peak), "peak_stage": int(stage),
+        **{k: float(v) for k, v in time.items()},
+        "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
+    }
+
+
+def pareto_front(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
+    """Indices of the points no other point beats in both step time and peak memory,
+    ordered by time."""
+    order = np.lexsort((peak, time_s))
+    best_peak = np.minimum.accumulate(peak[order])
+    improves = np.concatenate([[True], peak[order][1:] < best_peak[:-1]])
+    return order[improves]
+
+
+def run_search(
+    model: ModelSpec,
+    device: Device,
+    space: SearchSpace,
+    time_function: TimeFunction,
+    *,
+    memory_limit_bytes: int | None = None,
+    options: MemoryOptions | None = None,
+    top: int = 10,
+    block_size: int = 1 << 18,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    """Search ``space`` for the fastest strategies whose every stage fits ``memory_limit_bytes``
+    (default: the device's memory). ``time_function`` prices a batch: {"step_s", ...}."""
+    import time as clock
+
+    started = clock.perf_counter()
+    limit = int(memory_limit_bytes or device.memory_bytes)
+    cluster = Cluster(device=device, num_devices=space.num_devices)
+    context = RuleContext(model, space.num_devices)
+    rejected = {rule.name: 0 for rule in RULES} | {OVER_MEMORY: 0}
+    kept_index, kept_time, kept_peak, kept_stage = [], [], [], []
+    kept_extra: dict[str, list[np.ndarray]] = {}
+    all_time, all_peak = [], []
+    evaluated = 0
+    smallest_peak = np.inf
+    done = 0
+    for index, batch in space.blocks(block_size):
+        alive = np.ones(len(batch), bool)
+        for rule in RULES:  # in order: each candidate is charged to the first rule it breaks
+            holds = rule.holds(batch, context)
+            rejected[rule.name] += int(np.count_nonzero(alive & ~holds))
+            alive &= holds
+        valid = np.flatnonzero(alive)
+        done += len(batch)
+        if len(valid):
+            survivors = batch.take(valid)
+            peak, stage = peak_memory(model, survivors, options)
+            evaluated += len(valid)
+            smallest_peak = min(smallest_peak, float(peak.min()))
+            fits = peak <= limit
+            rejected[OVER_MEMORY] += int(np.count_nonzero(~fits))
+            if fits.any():
+                fitting = survivors.take(np.flatnonzero(fits))
+                times = time_function(model, fitting, cluster)
+                kept_index.append(index[valid][fits])
+                kept_time.append(np.asarray(times["step_s"], dtype=float))
+                kept_peak.append(peak[fits])
+                kept_stage.append(stage[fits])
+                for key, value in times.items():
+                    kept_extra.setdefault(key, []).append(np.asarray(value, dtype=float))
+                all_time.append(kept_time[-1])
+                all_peak.append(peak[fits])
+        if progress:
+            progress(done, space.size)
+    if not kept_index:
+        return SearchResult(
+            space_size=space.size, evaluated=evaluated, fitting=0, rejected=rejected, ranked=[], pareto=[],
+            candidates_time_s=np.zeros(0), candidates_peak_bytes=np.zeros(0), memory_limit_bytes=limit,
+            smallest_peak_bytes=None if not np.isfinite(smallest_peak) else smallest_peak,
+            seconds=clock.perf_counter() - started,
+        )
+    index_all = np.concatenate(kept_index)
+    time_all = np.concatenate(kept_time)
+    peak_all = np.concatenate(kept_peak)
+    stage_all = np.concatenate(kept_stage)
+    extra = {k: np.concatenate(v) for k, v in kept_extra.items()}
+    order = np.lexsort((index_all, peak_all, time_all))
+
+    def rows(positions: np.ndarray) -> list[dict[str, Any]]:
+        out = []
+        for p in positions:
+            strategy = space.strategy(int(index_all[p]))
+            out.append(_row(strategy, int(index_all[p]), float(peak_all[p]), int(stage_all[p]),
+                            {k: v[p] for k, v in extra.items()}))
+        return out
+
+    front = pareto_front(time_all, peak_all)
+    return SearchResult(
+        space_size=space.size, evaluated=evaluated, fitting=len(index_all), rejected=rejected,
+        ranked=rows(order[:top]), pareto=rows(front[:50]),
+        candidates_time_s=time_all, candidates_peak_bytes=peak_all, memory_limit_bytes=limit,
+        smallest_peak_bytes=float(smallest_peak), seconds=clock.perf_counter() - started,
+    )

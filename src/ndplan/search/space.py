@@ -1,0 +1,176 @@
+"""The search space: candidate values per dimension, enumerated as strategy batches in blocks.
+
+The space is the Cartesian product of the value lists (dp is derived from the device count,
+the micro-batch count from the global batch), enumerated by index arithmetic in blocks so that
+memory stays bounded whatever the size of the space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from math import prod
+
+import numpy as np
+
+from ndplan.errors import NdplanError
+from ndplan.hardware import Device
+from ndplan.model.spec import ModelSpec
+from ndplan.strategy.batch import StrategyBatch, encode
+from ndplan.strategy.precision import PrecisionPolicy
+from ndplan.strategy.strategy import SCHEDULES, Strategy
+
+#: Dimensions a user can search or fix (``--dims`` / ``--fix``).
+DIMENSIONS: tuple[str, ...] = (
+    "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute",
+)
+
+#: (schedule, vpp, seq_chunks) combinations the pipeline dimension draws from.
+PIPELINE_OPTIONS: tuple[tuple[str, int, int], ...] = (
+    ("1f1b", 1, 1), ("interleaved", 2, 1), ("interleaved", 4, 1), ("zb-h1", 1, 1), ("zbv", 2, 1),
+    ("dualpipev", 2, 1), ("gpipe", 1, 1), ("seq1f1b", 1, 2), ("seq1f1b", 1, 4),
+)
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Value lists per dimension; see ``default_space`` for what the defaults cover."""
+
+    tp: tuple[int, ...]
+    sp: tuple[int, ...]
+    cp: tuple[int, ...]
+    cp_kind: tuple[str, ...]
+    ep: tuple[int, ...]
+    etp: tuple[int, ...]  # 0 means "the same as tp"
+    pp: tuple[int, ...]
+    schedule: tuple[tuple[str, int, int], ...]
+    zero: tuple[int, ...]
+    mbs: tuple[int, ...]
+    recompute: tuple[str, ...]
+    num_devices: int
+    global_batch_size: int
+    seq_length: int
+    precision: PrecisionPolicy
+    fixed: dict[str, int | str] = field(default_factory=dict)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(len(getattr(self, name)) for name in DIMENSIONS)
+
+    @property
+    def size(self) -> int:
+        return prod(self.sizes)
+
+    def blocks(self, block_size: int = 1 << 20) -> Iterator[tuple[np.ndarray, StrategyBatch]]:
+        """(candidate indices, batch) for consecutive blocks of the product, in index order."""
+        for start in range(0, self.size, block_size):
+            index = np.arange(start, min(start + block_size, self.size), dtype=np.int64)
+            yield index, self.batch(index)
+
+    def batch(self, index: np.ndarray) -> StrategyBatch:
+        digits = np.unravel_index(index, self.sizes)
+        column = {name: self._codes(name)[d] for name, d in zip(DIMENSIONS, digits)}
+        options = np.asarray([(SCHEDULES.index(s), v, k) for s, v, k in self.schedule], dtype=np.int64)
+        pipeline = options[column.pop("schedule")]
+        tp, pp, cp = column["tp"], column["pp"], column["cp"]
+        model_parallel = tp * pp * cp
+        dp = np.where(self.num_devices % model_parallel == 0, self.num_devices // model_parallel, 0)
+        mbs = column.pop("mbs")
+        per_step = np.maximum(dp * mbs, 1)
+        micro_batches = np.where(self.global_batch_size % per_step == 0, self.global_batch_size // per_step, 0)
+        etp = column.pop("etp")
+        columns = {
+            **column,
+            "sequence_parallel": column.pop("sp"),
+            "etp": np.where(etp == 0, tp, etp),
+            "dp": dp,
+            "schedule": pipeline[:, 0],
+            "vpp": pipeline[:, 1],
+            "seq_chunks": pipeline[:, 2],
+            "micro_batch_size": mbs,
+            "num_micro_batches": micro_batches,
+            "global_batch_size": self.global_batch_size,
+            "seq_length": self.seq_length,
+            "fsdp": column["zero"] == 3,
+        }
+        return StrategyBatch.from_columns(columns, self.precision)
+
+    def _codes(self, name: str) -> np.ndarray:
+        """The dimension's values as integers (categorical names as their codes; the pipeline
+        dimension as positions in ``schedule``)."""
+        values = getattr(self, name)
+        if name == "schedule":
+            return np.arange(len(values))
+        if name in ("cp_kind", "recompute"):
+            return np.asarray(encode(name, list(values)), dtype=np.int64)
+        return np.asarray(values, dtype=np.int64)
+
+    def strategy(self, candidate: int) -> Strategy:
+        return self.batch(np.asarray([candidate])).row(0)
+
+
+def default_space(
+    model: ModelSpec,
+    device: Device,
+    num_devices: int,
+    global_batch_size: int,
+    seq_length: int,
+    precision: PrecisionPolicy,
+    *,
+    dims: tuple[str, ...] | None = None,
+    fixed: dict[str, int | str] | None = None,
+) -> SearchSpace:
+    """Every value the model and cluster allow for the searched dimensions; the others take their
+    default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
+    never competitive), EP and ETP follow the expert count, PP the layer count."""
+    fixed = dict(fixed or {})
+    searched = set(DIMENSIONS if dims is None else dims)
+    unknown = (searched | set(fixed)) - set(DIMENSIONS)
+    if unknown:
+        raise NdplanError(f"unknown search dimension '{sorted(unknown)[0]}'; known: {', '.join(DIMENSIONS)}")
+    domain = min(device.scaleup_domain_size, num_devices)
+    moe = model.is_moe
+    values: dict[str, tuple] = {
+        "tp": tuple(d for d in _divisors(num_devices, domain) if model.num_attention_heads % d == 0),
+        "sp": (0, 1),
+        "cp": tuple(d for d in _divisors(num_devices, 16) if seq_length % (2 * d) == 0),
+        "cp_kind": ("ring", "ulysses"),
+        "ep": tuple(d for d in _divisors(model.num_experts) if num_devices % d == 0) if moe else (1,),
+        "etp": (1, 0) if moe else (0,),
+        "pp": tuple(d for d in _divisors(num_devices, model.num_layers)),
+        "schedule": PIPELINE_OPTIONS,
+        "zero": (0, 1, 2, 3),
+        "mbs": tuple(d for d in (1, 2, 4) if global_batch_size % d == 0),
+        "recompute": ("none", "selective", "full"),
+    }
+    defaults: dict[str, tuple] = {
+        "tp": (1,), "sp": (0,), "cp": (1,), "cp_kind": ("ring",), "ep": (1,), "etp": (0,), "pp": (1,),
+        "schedule": (("1f1b", 1, 1),), "zero": (1,), "mbs": (1,), "recompute": ("none",),
+    }
+    chosen = {name: values[name] if name in searched else defaults[name] for name in DIMENSIONS}
+    for name, value in fixed.items():
+        if name == "schedule":
+            options = tuple(o for o in PIPELINE_OPTIONS if o[0] == value)
+            if not options:
+                raise NdplanError(f"--fix schedule={value}: known schedules: {', '.join(SCHEDULES)}")
+            chosen[name] = options
+        elif name in ("cp_kind", "recompute"):
+            chosen[name] = (str(value),)
+        elif name == "sp":
+            chosen[name] = (1 if str(value).lower() in ("1", "true", "yes", "on") else 0,)
+        else:
+            chosen[name] = (int(value),)
+    if chosen["cp"] == (1,):
+        chosen["cp_kind"] = ("ring",)  # the kind means nothing without context parallelism
+    empty = [name for name in DIMENSIONS if not chosen[name]]
+    if empty:
+        raise NdplanError(f"no valid value for '{empty[0]}' with {num_devices} devices and this model")
+    return SearchSpace(
+        **{name: tuple(chosen[name]) for name in DIMENSIONS},
+        num_devices=num_devices, global_batch_size=global_batch_size, seq_length=seq_length,
+        precision=precision, fixed=fixed,
+    )

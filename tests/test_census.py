@@ -1,0 +1,387 @@
+"""The census: record format (pure Python) and measurements on tiny configs (need torch + transformers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from ndplan.census.record import (
+    SCHEMA_VERSION,
+    CensusRecord,
+    Recompute,
+    SavedOp,
+    from_json,
+    load_census_file,
+    save_census_file,
+    to_json,
+)
+from ndplan.errors import NdplanError
+
+SEQ = 32
+
+# A tiny llama: h=64, 4 heads of 16, 2 KV heads, FFN 160, vocab 100.
+H, NH, NKV, HD, FFN, VOCAB = 64, 4, 2, 16, 160, 100
+TINY_LLAMA = dict(
+    model_type="llama", hidden_size=H, intermediate_size=FFN, num_attention_heads=NH,
+    num_key_value_heads=NKV, head_dim=HD, num_hidden_layers=2, vocab_size=VOCAB,
+)
+TINY_QWEN3_MOE = dict(
+    model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+    num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+    vocab_size=100,
+)
+TINY_DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_hidden_layers=3, vocab_size=100,
+)
+
+
+def llama_saved_per_token(h: int, nh: int, nkv: int, hd: int, ffn: int) -> int:
+    """What a transformers 5 LlamaDecoderLayer keeps for backward (bf16, SDPA), derived by hand.
+
+    LlamaRMSNorm: x.to(float32) is saved by pow(2) and by the mul with rsqrt (4h, one storage), the
+    rsqrt (4), and the bf16 normalized value saved by weight * (.) (2h): 6h + 4 per norm, two norms.
+    q/k/v_proj save their input, the input norm's output (2h); gate/up_proj save the post-attention
+    norm's output (2h). Rotary: q*cos, rotate_half(q)*sin save only cos/sin (shared by all layers,
+    not per layer); the rotated q (2*nh*hd) and k (2*nkv*hd) are new tensors SDPA saves, with v
+    (the v_proj output, 2*nkv*hd; GQA runs inside the kernel, enable_gqa=True, no repeat_kv). The
+    CPU flash kernel saves its output (2*nh*hd, which is also o_proj's input: same storage) and the
+    fp32 logsumexp (4*nh). The MLP saves gate and up (mm outputs), silu(gate) and silu*up (down's
+    input): 4 * 2*ffn. Residual adds save nothing.
+    """
+    norms = 2 * (6 * h + 4)
+    norm_outputs = 2 * (2 * h)
+    attention = 2 * nh * hd + 2 * nkv * hd + 2 * nkv * hd + 2 * nh * hd + 4 * nh
+    mlp = 4 * 2 * ffn
+    return norms + norm_outputs + attention + mlp
+
+
+def llama_replicated_per_token(h: int) -> int:
+    return 2 * (6 * h + 4) + 2 * (2 * h)  # norms and their outputs: not split by TP
+
+
+# --------------------------------------------------------------------------------------------------
+# record format (no torch)
+
+
+def _record(**over: object) -> CensusRecord:
+    rc = Recompute(10.0, 6.0, 4.0, 3.0)
+    base = dict(
+        model="m", model_type="llama", layer_kind="dense", num_layers=2, hidden_size=64, seq_length=32,
+        micro_batch_size=1, dtype="bfloat16", attention="sdpa", torch_version="2.13.0", transformers_version="5",
+        saved_bytes_per_token=100.0, saved_tp_scaled_bytes_per_token=60.0, saved_replicated_bytes_per_token=40.0,
+        backward_peak_extra_bytes_per_token=20.0, full_recompute=Recompute(8.0, 0.0, 8.0, 120.0), selective=rc,
+        saved_ops=(SavedOp("aten.mm", 50.0, "mlp.up_proj", (32, 160), "bfloat16"), SavedOp("input", 50.0)),
+    )
+    base.update(over)
+    return CensusRecord(**base)  # type: ignore[arg-type]
+
+
+def test_record_json_round_trip(tmp_path):
+    recs = [_record(), _record(layer_kind="output", num_layers=1, saved_bytes_per_token=1.5)]
+    assert from_json(to_json(recs)) == recs
+    path = tmp_path / "census.json"
+    save_census_file(path, recs)
+    assert load_census_file(path) == recs
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == SCHEMA_VERSION
+    assert data["records"][0]["schema_version"] == SCHEMA_VERSION
+    # A bare list of records reads too.
+    assert from_json(json.dumps(data["records"])) == recs
+
+
+def test_record_saved_at_tp_and_policy():
+    r = _record()
+    assert r.saved_at(1) == 100.0
+    assert r.saved_at(2) == 40.0 + 30.0
+    assert r.saved_at(2, policy="full") == 8.0
+    assert r.saved_at(1, policy="selective") == 10.0
+    with pytest.raises(NdplanError, match="policy"):
+        r.saved_at(1, policy="most")
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda d: d.pop("saved_bytes_per_token"), "saved_bytes_per_token"),
+        (lambda d: d.update(saved_bytes_per_token="lots"), "saved_bytes_per_token"),
+        (lambda d: d.update(saved_bytes_per_token=-1), "saved_bytes_per_token"),
+        (lambda d: d.update(num_layers=0), "num_layers"),
+        (lambda d: d.update(layer_kind=""), "layer_kind"),
+        (lambda d: d.update(schema_version=99), "schema_version"),
+        (lambda d: d["full_recompute"].pop("backward_peak_extra_bytes_per_token"),
+         "backward_peak_extra_bytes_per_token"),
+        (lambda d: d.update(selective=[1, 2]), "selective"),
+        (lambda d: d["saved_ops"][0].update(bytes_per_token=None), "bytes_per_token"),
+        (lambda d: d["saved_ops"][0].update(shape="32x160"), "shape"),
+        (lambda d: d["saved_ops"][0].update(scaling="quadratic"), "scaling"),
+        (lambda d: d.update(saved_constant_bytes=-4), "saved_constant_bytes"),
+    ],
+)
+def test_malformed_census_file_names_the_field(tmp_path, mutate, field):
+    data = json.loads(to_json([_record()]))
+    mutate(data["records"][0])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(NdplanError, match=field) as e:
+        load_census_file(path)
+    assert "\n" not in str(e.value)
+    assert "record 0" in str(e.value)
+
+
+def test_malformed_census_file_not_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(NdplanError, match="not valid JSON"):
+        load_census_file(path)
+    with pytest.raises(NdplanError, match="cannot read"):
+        load_census_file(tmp_path / "missing.json")
+    path.write_text(json.dumps({"schema_version": 1, "records": {"a": 1}}))
+    with pytest.raises(NdplanError, match="'records'"):
+        load_census_file(path)
+
+
+def test_record_module_does_not_import_torch():
+    code = "import sys, ndplan.census, ndplan.census.record; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_missing_extra_is_an_ndplan_error(monkeypatch):
+    from ndplan.census import measure
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(NdplanError) as e:
+        measure.run_census(TINY_LLAMA, seq_length=SEQ)
+    assert str(e.value) == (
+        "census needs the optional extra: pip install 'ndplan[census]' (torch==2.13.0, transformers)"
+    )
+
+
+def test_bad_arguments_are_ndplan_errors():
+    from ndplan.census import run_census
+
+    with pytest.raises(NdplanError, match="attention"):
+        run_census(TINY_LLAMA, seq_length=SEQ, attention="flash")
+    with pytest.raises(NdplanError, match="seq_length"):
+        run_census(TINY_LLAMA, seq_length=2)
+    with pytest.raises(NdplanError, match="experts"):
+        run_census(TINY_LLAMA, seq_length=SEQ, experts="eager")
+
+
+# --------------------------------------------------------------------------------------------------
+# measurements (torch + transformers)
+
+needs_torch = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")),
+    reason="needs the census extra (torch, transformers)",
+)
+
+
+def _by_kind(records: list[CensusRecord]) -> dict[str, CensusRecord]:
+    return {r.layer_kind: r for r in records}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from ndplan.census import run_census
+
+    return _by_kind(run_census(TINY_LLAMA, seq_length=SEQ, name="tiny-llama"))
+
+
+@needs_torch
+def test_llama_hand_checked_saved_bytes(llama):
+    r = llama["dense"]
+    assert r.num_layers == 2
+    assert r.saved_bytes_per_token > 0
+    assert r.saved_bytes_per_token == llama_saved_per_token(H, NH, NKV, HD, FFN)  # 2712
+    assert r.attention_kernel == "aten._scaled_dot_product_flash_attention_for_cpu"
+    # The per-op list adds up to the total and names the pieces of the derivation.
+    assert sum(op.bytes_per_token for op in r.saved_ops) == r.saved_bytes_per_token
+    assert {op.scaling for op in r.saved_ops} == {"token"} and r.saved_constant_bytes == 0
+    by_op: dict[str, float] = {}
+    for op in r.saved_ops:
+        by_op[op.op] = by_op.get(op.op, 0.0) + op.bytes_per_token
+    assert by_op["aten.rsqrt"] == 2 * 4
+    assert by_op["aten._scaled_dot_product_flash_attention_for_cpu"] == 2 * NH * HD + 4 * NH
+    assert by_op["aten.silu"] == 2 * FFN
+    # cos and sin (bf16, [1, s, head_dim] each) are shared by every layer: counted once per model.
+    assert r.shared_saved_bytes_per_token == 2 * 2 * HD
+    # Flash/SDPA attention is linear in the sequence length.
+    assert r.saved_bytes_per_token_per_seq == 0.0
+    assert r.model == "tiny-llama" and r.model_type == "llama" and r.attention == "sdpa"
+
+
+@needs_torch
+def test_llama_tp2_split(llama):
+    from ndplan.census import run_census
+
+    r = llama["dense"]
+    assert r.saved_replicated_bytes_per_token == llama_replicated_per_token(H)
+    assert r.saved_tp_scaled_bytes_per_token + r.saved_replicated_bytes_per_token == r.saved_bytes_per_token
+    # An independent run of what one TP-2 rank holds (heads, KV heads, FFN halved) saves
+    # tp_part / 2 + replicated.
+    half = dict(TINY_LLAMA, num_attention_heads=NH // 2, num_key_value_heads=NKV // 2, intermediate_size=FFN // 2)
+    r2 = _by_kind(run_census(half, seq_length=SEQ))["dense"]
+    assert r2.saved_bytes_per_token == r.saved_tp_scaled_bytes_per_token / 2 + r.saved_replicated_bytes_per_token
+    assert r2.saved_bytes_per_token == r.saved_at(tp=2)
+    assert r2.saved_bytes_per_token == llama_saved_per_token(H, NH // 2, NKV // 2, HD, FFN // 2)
+
+
+@needs_torch
+def test_llama_full_recompute_saves_the_layer_input(llama):
+    r = llama["dense"]
+    assert r.full_recompute.saved_bytes_per_token == 2 * H  # b*s*h bf16 elements / (b*s)
+    assert r.full_recompute.saved_tp_scaled_bytes_per_token == 0.0
+    # Backward recomputes the forward: its working set holds everything no-recompute saves.
+    assert r.full_recompute.backward_peak_extra_bytes_per_token >= r.saved_bytes_per_token
+
+
+@needs_torch
+def test_llama_selective_between_full_and_none(llama):
+    for r in llama.values():
+        assert r.full_recompute.saved_bytes_per_token < r.selective.saved_bytes_per_token < r.saved_bytes_per_token
+    # Selective keeps the input, the matmul outputs (q, k, v, o, gate, up, down) and SDPA's out + lse.
+    r = llama["dense"]
+    mm = (NH * HD + 2 * NKV * HD + H + 2 * FFN + H) * 2
+    assert r.selective.saved_bytes_per_token == 2 * H + mm + 2 * NH * HD + 4 * NH
+
+
+@needs_torch
+def test_llama_output_layer(llama):
+    r = llama["output"]
+    # Final norm (6h+4), lm_head input (2h), fp32 log-softmax (4V), padded int64 labels (8(s+1)/s),
+    # and nll's fp32 total_weight: one 4-byte scalar per micro-batch, a constant, not per token.
+    assert r.saved_bytes_per_token == (6 * H + 4) + 2 * H + 4 * VOCAB + 8 * (SEQ + 1) / SEQ
+    assert r.saved_constant_bytes == 4
+    assert [op.scaling for op in r.saved_ops if op.op == "aten.nll_loss_forward"] == ["constant"]
+    assert r.full_recompute.saved_bytes_per_token == 2 * H
+
+
+@needs_torch
+def test_saved_bytes_scale_with_hidden_size():
+    from ndplan.census import run_census
+
+    wide = dict(TINY_LLAMA, hidden_size=2 * H, intermediate_size=2 * FFN, num_attention_heads=2 * NH,
+                num_key_value_heads=2 * NKV)
+    r = _by_kind(run_census(wide, seq_length=SEQ))["dense"]
+    assert r.saved_bytes_per_token == llama_saved_per_token(2 * H, 2 * NH, 2 * NKV, HD, 2 * FFN)
+    # Everything doubles but the two 4-byte rsqrt values.
+    assert r.saved_bytes_per_token == 2 * llama_saved_per_token(H, NH, NKV, HD, FFN) - 8
+
+
+@needs_torch
+def test_eager_attention_adds_an_s2_term():
+    from ndplan.census import run_census
+
+    r = _by_kind(run_census(TINY_LLAMA, seq_length=SEQ, attention="eager"))["dense"]
+    # fp32 softmax output (4 bytes) and its bf16 copy (2 bytes) per head per (query, key) pair.
+    assert r.saved_bytes_per_token_per_seq == 6 * NH
+    assert r.attention == "eager"
+    assert sorted(op.bytes_per_token for op in r.saved_ops if op.scaling == "token*seq") == [2 * NH * SEQ, 4 * NH * SEQ]
+    # Per token at s: eager keeps q, the repeat_kv copies of k and v (nh heads each) and the
+    # transposed output copy (2*nh*hd each) where SDPA kept q, k, v (nkv heads), out and the
+    # logsumexp; plus the s^2 term.
+    sdpa_attention = 2 * NH * HD + 2 * 2 * NKV * HD + 2 * NH * HD + 4 * NH
+    eager_attention = 4 * (2 * NH * HD) + 6 * NH * SEQ
+    assert r.saved_bytes_per_token == llama_saved_per_token(H, NH, NKV, HD, FFN) - sdpa_attention + eager_attention
+
+
+@needs_torch
+def test_qwen3_moe_measures():
+    from ndplan.census import run_census
+
+    recs = _by_kind(run_census(TINY_QWEN3_MOE, seq_length=SEQ))
+    assert set(recs) == {"moe", "output"}
+    r = recs["moe"]
+    assert r.num_layers == 2 and r.experts == "grouped_mm"
+    assert r.saved_bytes_per_token > 0 and r.saved_replicated_bytes_per_token > 0
+    assert r.full_recompute.saved_bytes_per_token == 2 * 64
+    assert r.full_recompute.saved_bytes_per_token < r.selective.saved_bytes_per_token < r.saved_bytes_per_token
+    assert any(op.op == "aten._grouped_mm" for op in r.saved_ops)
+
+
+@needs_torch
+def test_deepseek_v3_mla_moe_measures():
+    from ndplan.census import run_census
+
+    # seq 64 (and 32): the efficient kernel pads its logsumexp to a multiple of 32 positions.
+    recs = _by_kind(run_census(TINY_DEEPSEEK_V3, seq_length=64))
+    assert set(recs) == {"mla-dense", "mla-moe", "output"}
+    assert recs["mla-dense"].num_layers == 1 and recs["mla-moe"].num_layers == 2
+    for kind in ("mla-dense", "mla-moe"):
+        r = recs[kind]
+        assert r.saved_bytes_per_token > 0
+        # MLA's value head dim differs from q/k's: the GPU's memory-efficient kernel, linear in s.
+        assert r.attention_kernel == "aten._scaled_dot_product_efficient_attention"
+        assert r.saved_bytes_per_token_per_seq == 0.0
+        # The kernel's RNG seed and offset, and the grouped-mm offsets: per layer, not per token.
+        assert 0 < r.saved_constant_bytes < 100
+        assert r.full_recompute.saved_bytes_per_token == 2 * 64
+        assert r.full_recompute.saved_bytes_per_token < r.selective.saved_bytes_per_token < r.saved_bytes_per_token
+    # Layer records JSON round-trip with their measured values and op lists.
+    assert from_json(to_json(list(recs.values()))) == list(recs.values())
+
+
+@needs_torch
+def test_cli_writes_a_census_file(tmp_path, capsys):
+    from ndplan.census.__main__ import main
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(TINY_LLAMA))
+    out = tmp_path / "census.json"
+    assert main([str(cfg), "--seq", "16", "--out", str(out)]) == 0
+    recs = load_census_file(out)
+    assert [r.layer_kind for r in recs] == ["dense", "output"]
+    assert recs[0].model == "tiny" and recs[0].seq_length == 16
+    assert main(["no-such-model"]) == 2
+    assert "no config file or preset" in capsys.readouterr().err
+
+
+def test_record_replace_keeps_schema():
+    r = replace(_record(), notes="x")
+    assert r.to_dict()["schema_version"] == SCHEMA_VERSION
+
+
+@needs_torch
+@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+def test_instruments_on_a_tiny_graph(policy):
+    """relu(x @ w) by hand: mm saves x (w is a parameter), relu saves its output; backward holds
+    the incoming grad, makes relu's grad (2n per token) and, while that is alive, mm's grad for x (2h)."""
+    import torch
+
+    from ndplan.census import _engine as E
+
+    T, h, n = 16, 8, 24
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(h, n, dtype=torch.bfloat16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x @ self.w)
+
+    with E.FakeTensorMode():
+        m = Tiny()
+        x = torch.empty(T, h, dtype=torch.bfloat16, requires_grad=True)
+        r = E.measure_once(m, x, root=m, params=E.module_storages(m), shared=set(), policy=policy, tokens=T)
+    saved = {i.op: i.nbytes for i in r.saved.values()}
+    if policy == "none":
+        assert saved == {"input": 2 * T * h, "aten.relu": 2 * T * n}
+        assert r.backward_peak_extra == 2 * T * n + 2 * T * h
+    elif policy == "full":
+        assert saved == {"input": 2 * T * h}
+        # Recompute: mm's output and relu's recomputed output (2n + 2n) are alive together; then
+        # relu's grad (2n) with that recomputed output, which is released once relu's backward ran,
+        # before mm's grad for x (2h) is made.
+        assert r.backward_peak_extra == 2 * T * n + 2 * T * n
+    else:  # selective keeps the mm output, recomputes relu
+        assert saved == {"input": 2 * T * h, "aten.mm": 2 * T * n}
+        assert r.live_only == 1
