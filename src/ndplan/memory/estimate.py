@@ -115,8 +115,23 @@ class LayerActivations:
     moe: np.ndarray
     output: np.ndarray
     output_transient: np.ndarray
-    backward_extra: np.ndarray
+    backward_extra: dict[str, np.ndarray]  # kind -> one layer's backward working set
     mtp_extra: np.ndarray
+
+
+@lru_cache(maxsize=64)
+def shipped_census(model: ModelSpec) -> tuple[CensusRecord, ...]:
+    """Census records measured for a preset and shipped in ``memory/census/`` (empty for other
+    models, or when the spec no longer matches the preset it is named after)."""
+    from importlib import resources
+
+    from ndplan.census.record import from_json
+
+    entry = resources.files("ndplan.memory").joinpath("census", f"{model.name}.json")
+    if not entry.is_file():
+        return ()
+    records = from_json(entry.read_text(), source=str(entry))
+    return tuple(r for r in records if r.hidden_size == model.hidden_size)
 
 
 def _census_for(options: MemoryOptions, kind: str) -> CensusRecord | None:
@@ -173,7 +188,13 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     }
     layer_input = block("layer_input")
     rebuilt_input = {"dense": layer_input, "moe": layer_input}
-    backward_extra = block("backward_extra")
+    # The backward's working set is a maximum over time that no per-tensor table captures well
+    # for MoE layers: where a census of this model ships with ndplan, its measurement is used.
+    backward_extra = {"dense": block("backward_extra"), "moe": block("moe_backward_extra")}
+    for record in shipped_census(model):
+        kind = record.layer_kind.split("-")[-1]
+        if kind in backward_extra:
+            backward_extra[kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
     for kind in ("dense", "moe"):
         record = _census_for(options, kind)
         if record is not None:
@@ -181,7 +202,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             full[kind] = _measured(record, tp, seq)
             selective[kind] = _measured(record.selective, tp, seq)
             rebuilt_input[kind] = _measured(record.full_recompute, tp, seq)
-            backward_extra = np.maximum(backward_extra, record.backward_peak_extra_bytes_per_token)
+            backward_extra[kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
     is_full = batch.is_("recompute", "full")
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
     output = 0.0 * tp + block("norm") + block("output")
@@ -424,7 +445,11 @@ def _evaluate_group(
     has_moe = moe_per_stage > 0
     largest_layer = np.where(has_moe[None, :], np.maximum(acts.full["moe"], acts.full["dense"])[:, None], acts.full["dense"][:, None])
     rebuilt = np.where(recompute_on[:, None], largest_layer - np.minimum(acts.recomputed["dense"], acts.recomputed["moe"])[:, None], 0.0)
-    layer_transient = t * (acts.backward_extra[:, None] + rebuilt)
+    backward_extra = np.where(
+        has_moe[None, :], np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"])[:, None],
+        acts.backward_extra["dense"][:, None],
+    )
+    layer_transient = t * (backward_extra + rebuilt)
     loss_transient = t * acts.output_transient[:, None] * last_stage[None, :]
     out["transient"] = np.maximum(layer_transient, loss_transient)
 

@@ -26,7 +26,7 @@ from ndplan.model.spec import ModelSpec
 SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "vocab", "none")
 BLOCKS: tuple[str, ...] = (
     "norm", "attention", "attention_mla", "eager_scores", "mlp", "moe", "layer_input", "output",
-    "output_transient", "backward_extra", "output_backward_extra",
+    "output_transient", "backward_extra", "moe_backward_extra", "output_backward_extra",
 )
 
 
@@ -51,6 +51,11 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "experts": model.num_experts,
         "shared_ffn": shared_ffn,
         "ffn_or_moe": max(model.ffn_hidden_size, topk * moe_ffn + shared_ffn),
+        "kv_up": heads * (model.qk_nope_head_dim + model.v_head_dim),
+        "qk_norm": 1 if model.qk_norm else 0,
+        "has_q_lora": 1 if model.q_lora_rank else 0,
+        # DeepSeek's HF router casts its input to fp32 before the gate matmul.
+        "router_upcast": model.hidden_size if model.model_type.startswith("deepseek") else 0,
         "q_lora": model.q_lora_rank,
         "kv_lora": model.kv_lora_rank,
         "rope": model.qk_rope_head_dim,
@@ -60,7 +65,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
 
 SYMBOLS: tuple[str, ...] = (
     "h", "q", "k", "v", "o", "heads", "kv_heads", "ffn", "moe_ffn", "topk", "experts", "shared_ffn",
-    "ffn_or_moe", "q_lora", "kv_lora", "rope", "vocab", "seq",
+    "ffn_or_moe", "kv_up", "qk_norm", "has_q_lora", "router_upcast", "q_lora", "kv_lora", "rope", "vocab", "seq",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
