@@ -191,7 +191,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # The backward's working set is a maximum over time that no per-tensor table captures well
     # for MoE layers: where a census of this model ships with ndplan, its measurement is used.
     backward_extra = {"dense": block("backward_extra"), "moe": block("moe_backward_extra")}
-    for record in shipped_census(model):
+    for record in shipped_census(model) if profile.name == "pytorch" else ():
         kind = record.layer_kind.split("-")[-1]
         if kind in backward_extra:
             backward_extra[kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
