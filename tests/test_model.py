@@ -8,7 +8,14 @@ import pytest
 
 from hf_meta import meta_block_counts
 from ndplan.errors import NdplanError
-from ndplan.model import count_parameters, get_preset, hf_config, load_model, preset_names, spec_from_hf_config
+from ndplan.model import (
+    count_parameters,
+    get_preset,
+    hf_config,
+    load_model,
+    preset_names,
+    spec_from_hf_config,
+)
 from ndplan.model.presets import preset_index
 
 REQUIRED_PRESETS = [

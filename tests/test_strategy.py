@@ -10,8 +10,18 @@ from hypothesis import strategies as st
 from ndplan.errors import NdplanError
 from ndplan.model import get_preset
 from ndplan.strategy import (
-    CP_KINDS, RECOMPUTES, RULES, SCHEDULES, RuleContext, Strategy, StrategyBatch, check_strategy,
-    get_precision, rule_masks, valid_mask, validate_strategy,
+    CP_KINDS,
+    RECOMPUTES,
+    RULES,
+    SCHEDULES,
+    RuleContext,
+    Strategy,
+    StrategyBatch,
+    check_strategy,
+    get_precision,
+    rule_masks,
+    valid_mask,
+    validate_strategy,
 )
 
 LLAMA = get_preset("llama-3.1-8b")

@@ -22,7 +22,7 @@ from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import preset_index
-from ndplan.strategy import check_strategy
+from ndplan.strategy import Strategy, check_strategy
 from ndplan.units import format_bytes, format_count
 
 # Pipes and CI logs get a wide console so tables are not squeezed into 80 columns.
@@ -196,6 +196,137 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- search
+def _parse_fix(items: list[str]) -> dict[str, int | str]:
+    fixed: dict[str, int | str] = {}
+    for item in items:
+        if "=" not in item:
+            raise NdplanError(f"--fix takes NAME=VALUE, got '{item}'")
+        name, value = item.split("=", 1)
+        fixed[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return fixed
+
+
+def search_result_dict(result: Any, model: ModelSpec, device: Any, space: Any) -> dict[str, Any]:
+    return {
+        "model": model.name, "hardware": device.name, "devices": space.num_devices,
+        "global_batch_size": space.global_batch_size, "seq_length": space.seq_length,
+        "space_size": result.space_size, "evaluated": result.evaluated, "fitting": result.fitting,
+        "seconds": round(result.seconds, 3), "memory_limit_bytes": result.memory_limit_bytes,
+        "rejected": result.rejected, "ranked": result.ranked, "pareto": result.pareto, "notes": result.notes,
+        "smallest_peak_bytes": result.smallest_peak_bytes,
+    }
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ndplan.hardware import resolve_device
+    from ndplan.perf import step_time_batch
+    from ndplan.search import default_space, run_search
+    from ndplan.strategy import get_precision
+    from ndplan.units import parse_bytes
+
+    model = load_model(args.model)
+    device = resolve_device(args.hardware)
+    space = default_space(
+        model, device, args.devices, args.gbs, args.seq, get_precision(args.precision),
+        dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []),
+    )
+    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    quiet = args.json or not sys.stderr.isatty()
+    with Progress(TextColumn("searching {task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), disable=quiet) as progress:
+        task = progress.add_task(f"{space.size:,} candidates", total=space.size)
+        result = run_search(
+            model, device, space, step_time_batch, memory_limit_bytes=limit, options=_memory_options(args),
+            top=args.top, progress=lambda done, total: progress.update(task, completed=done),
+        )
+    if not result.ranked:
+        result.notes.extend(_what_would_fit(result, model, device, args, space))
+    data = search_result_dict(result, model, device, space)
+    if args.csv:
+        _write_csv(args.csv, result.ranked)
+    if args.emit and result.best:
+        from ndplan.io import emit
+
+        data["emitted"] = emit(model, Strategy(**result.best["strategy"], precision=get_precision(args.precision)), args.emit)
+    if args.json:
+        _emit_json(data)
+        return 0 if result.ranked else 1
+    _print_search(result, model, device, space)
+    if data.get("emitted"):
+        console.print(f"\n[bold]{args.emit}[/] settings of the winner:")
+        console.print(data["emitted"], markup=False)
+    return 0 if result.ranked else 1
+
+
+def _what_would_fit(result: Any, model: ModelSpec, device: Any, args: argparse.Namespace, space: Any) -> list[str]:
+    """When nothing fits: the smallest memory limit that would, and the smallest device count."""
+    notes = []
+    if result.smallest_peak_bytes is not None:
+        notes.append(f"nothing fits in {format_bytes(result.memory_limit_bytes)}; the smallest peak of any valid "
+                     f"strategy is {format_bytes(result.smallest_peak_bytes)}")
+    from dataclasses import replace
+
+    from ndplan.perf import step_time_batch
+    from ndplan.search import run_search
+
+    for factor in (2, 4, 8):
+        bigger = replace(space, num_devices=space.num_devices * factor)
+        if args.gbs % factor:
+            break
+        trial = run_search(model, device, bigger, step_time_batch, memory_limit_bytes=result.memory_limit_bytes,
+                           options=_memory_options(args), top=1)
+        if trial.ranked:
+            notes.append(f"with {bigger.num_devices} devices the best fitting strategy is {trial.ranked[0]['label']}")
+            break
+    else:
+        notes.append(f"no strategy fits even on {space.num_devices * 8} devices")
+    return notes
+
+
+def _write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    import csv
+
+    columns = [k for k in (rows[0] if rows else {}) if k != "strategy"]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> None:
+    console.print(
+        f"{model.name} on {space.num_devices} × {device.name}, gbs {space.global_batch_size}, seq {space.seq_length}: "
+        f"{result.space_size:,} candidates, {result.evaluated:,} valid and priced, {result.fitting:,} fit "
+        f"({result.seconds:.1f} s)"
+    )
+    if result.ranked:
+        table = Table(title=f"Fastest strategies that fit in {format_bytes(result.memory_limit_bytes)}")
+        for col in ["#", "strategy", "peak", "stage", "step", "tokens/s", "MFU"]:
+            table.add_column(col, justify="left" if col == "strategy" else "right")
+        for i, row in enumerate(result.ranked, 1):
+            table.add_row(str(i), row["label"], format_bytes(row["peak_bytes"]), str(row["peak_stage"]),
+                          f"{row['step_s']:.3f} s", f"{row.get('tokens_per_s', 0):,.0f}", f"{100 * row.get('mfu', 0):.1f}%")
+        console.print(table)
+        front = Table(title="Pareto front (step time vs peak memory)")
+        for col in ["strategy", "peak", "step"]:
+            front.add_column(col, justify="left" if col == "strategy" else "right")
+        for row in result.pareto[:10]:
+            front.add_row(row["label"], format_bytes(row["peak_bytes"]), f"{row['step_s']:.3f} s")
+        console.print(front)
+    rejected = Table(title="Why candidates lost (each counted once, at the first rule it breaks)")
+    rejected.add_column("reason")
+    rejected.add_column("candidates", justify="right")
+    for reason, count in sorted(result.rejected.items(), key=lambda kv: -kv[1]):
+        if count:
+            rejected.add_row(reason, f"{count:,}")
+    console.print(rejected)
+    for note in result.notes:
+        console.print(f"[yellow]{note}[/]")
+
+
 # ---------------------------------------------------------------- main
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (usage is one `--help` away) and exit code 2."""
@@ -234,6 +365,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_estimate)
+
+    from ndplan.search import DIMENSIONS
+    from ndplan.strategy import PRECISION_PRESETS
+
+    p = sub.add_parser("search", help="the fastest strategies that fit, over every parallel dimension")
+    p.add_argument("--model", required=True, help="preset name or config.json / spec YAML path")
+    p.add_argument("--hardware", required=True, help="device preset or device YAML path")
+    p.add_argument("--devices", type=int, required=True, help="number of devices")
+    p.add_argument("--gbs", type=int, required=True, help="global batch size in sequences")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
+    p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b")
+    p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
+    p.add_argument("--precision", choices=sorted(PRECISION_PRESETS), default="megatron-bf16")
+    p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show")
+    p.add_argument("--csv", help="write the ranked rows to a CSV file")
+    p.add_argument("--emit", choices=["megatron", "torchtitan", "hyperparallel", "mindformers"],
+                   help="print the winner as that framework's settings")
+    add_runtime_arguments(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_search)
     return parser
 
 

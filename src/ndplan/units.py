@@ -28,12 +28,11 @@ def parse_bytes(text: str) -> int:
 
     units = {"tib": 1024**4, "gib": GIB, "mib": MIB, "kib": 1024, "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
     cleaned = text.strip().lower().replace(" ", "").replace("_", "")
-    for suffix, size in units.items():
+    number, size = cleaned, 1
+    for suffix, unit_size in units.items():
         if cleaned.endswith(suffix):
-            number = cleaned[: -len(suffix)]
+            number, size = cleaned[: -len(suffix)], unit_size
             break
-    else:
-        number, size = cleaned, 1
     try:
         value = float(number)
     except ValueError:

@@ -25,9 +25,16 @@ import numpy as np
 
 from ndplan.census.record import CensusRecord, Recompute
 from ndplan.memory.overhead import RuntimeOverhead, overhead_model
-from ndplan.memory.profile import SHARDS, BlockBytes, RuntimeProfile, block_coefficients, get_profile, model_symbols
+from ndplan.memory.profile import (
+    SHARDS,
+    BlockBytes,
+    RuntimeProfile,
+    block_coefficients,
+    get_profile,
+    model_symbols,
+)
 from ndplan.memory.static import embedding_elements, layer_elements, mtp_extra_elements, sharding_factors
-from ndplan.model.spec import ModelSpec
+from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import place_layers
 from ndplan.schedule import SPLIT_BACKWARD, in_flight
 from ndplan.strategy.batch import CODES, StrategyBatch
@@ -192,12 +199,14 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # for MoE layers: where a census of this model ships with ndplan, its measurement is used.
     backward_extra = {"dense": block("backward_extra"), "moe": block("moe_backward_extra")}
     for record in shipped_census(model) if profile.name == "pytorch" else ():
-        kind = record.layer_kind.split("-")[-1]
-        if kind in backward_extra:
-            backward_extra[kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
+        shipped_kind = record.layer_kind.split("-")[-1]
+        if shipped_kind in backward_extra:
+            backward_extra[shipped_kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
+    kind: MlpKind
     for kind in ("dense", "moe"):
-        record = _census_for(options, kind)
-        if record is not None:
+        measured = _census_for(options, kind)
+        if measured is not None:
+            record = measured
             # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run.
             full[kind] = _measured(record, tp, seq)
             selective[kind] = _measured(record.selective, tp, seq)
@@ -206,9 +215,9 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     is_full = batch.is_("recompute", "full")
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
     output = 0.0 * tp + block("norm") + block("output")
-    record = _census_for(options, "output")
-    if record is not None:
-        output = _measured(record, tp, seq)
+    measured_output = _census_for(options, "output")
+    if measured_output is not None:
+        output = _measured(measured_output, tp, seq)
     # MTP module: embedding of the shifted tokens, two input norms, the concatenated 2h input of
     # its projection, then its own output norm, head and loss.
     mtp_extra = 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
@@ -350,7 +359,7 @@ def _evaluate_group(
 
     precision = batch.precision
     tp, ep, etp = (batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
-    dp, cp = batch.dp.astype(float), batch.cp.astype(float)
+    cp = batch.cp.astype(float)
     layers = layer_elements(model, tp, ep, etp)
     shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
 
@@ -374,32 +383,36 @@ def _evaluate_group(
         "mtp": outer(model.mtp_depth * mtp_layer, last_stage),
     }
     static_expert = {"mtp": outer(model.mtp_depth * layers.expert[mtp_kind], last_stage)}
-    for kind, per_stage in (("dense", dense_per_stage), ("moe", moe_per_stage)):
-        for part, elements in layers.by_kind[kind].items():
-            expert_part = layers.expert[kind] if part == "moe" else 0.0
+    layer_kind: MlpKind
+    for layer_kind, per_stage in (("dense", dense_per_stage), ("moe", moe_per_stage)):
+        for part, elements in layers.by_kind[layer_kind].items():
+            expert_part = layers.expert[layer_kind] if part == "moe" else 0.0
             static_non_expert[part] = static_non_expert.get(part, 0.0) + outer(elements - expert_part, per_stage)
             if part == "moe":
-                static_expert["moe"] = static_expert.get("moe", 0.0) + outer(layers.expert[kind], per_stage)
+                static_expert["moe"] = static_expert.get("moe", 0.0) + outer(layers.expert[layer_kind], per_stage)
 
-    P, G, O = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
+    param_bytes, grad_bytes, optimizer_bytes = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
     offload = batch.optimizer_offload[:, None] > 0
-    states = {"params": (P, "params"), "grads": (G, "grads"), "optimizer": (O, "optimizer")}
+    states = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer_bytes}
     out = {name: np.zeros((len(batch), pp)) for name in (*CATEGORIES, "optimizer_step")}
     # Sum the kinds first: the search needs only totals, the breakdown prices each kind alike.
     non_expert_total = sum(static_non_expert.values())
     expert_total = sum(static_expert.values())
-    for category, (width, attr) in states.items():
-        non_expert_div = getattr(shards, attr)[:, None]
-        expert_div = getattr(shards, f"expert_{attr}")[:, None]
+    for category, width in states.items():
+        non_expert_div = getattr(shards, category)[:, None]
+        expert_div = getattr(shards, f"expert_{category}")[:, None]
         value = non_expert_total * (width / non_expert_div) + expert_total * (width / expert_div)
         keep = 0.0 if category != "optimizer" else offload
         out[category] = np.broadcast_to(value if category != "optimizer" else np.where(keep, 0.0, value), (len(batch), pp))
         if kinds is None:
             continue
-        for kind in STATIC_KINDS:
-            part = static_non_expert.get(kind, 0.0) * width / non_expert_div + static_expert.get(kind, 0.0) * width / expert_div
-            part = np.broadcast_to(part, (len(batch), pp))
-            kinds["static"][kind][index, :pp] += np.where(offload, 0.0, part) if category == "optimizer" else part
+        for static_kind in STATIC_KINDS:
+            share = np.broadcast_to(
+                static_non_expert.get(static_kind, 0.0) * width / non_expert_div
+                + static_expert.get(static_kind, 0.0) * width / expert_div,
+                (len(batch), pp),
+            )
+            kinds["static"][static_kind][index, :pp] += np.where(offload, 0.0, share) if category == "optimizer" else share
 
     # ---- activations held across the schedule
     acts = layer_activations(model, batch, options)
@@ -471,13 +484,13 @@ def _evaluate_group(
     largest_layer_elements = np.maximum(layers.non_expert["dense"] * (model.num_dense_layers > 0), layers.non_expert["moe"])
     largest_layer_elements = largest_layer_elements + layers.expert["moe"]
     zero3 = batch.zero == 3
-    fsdp_gathers = np.where(zero3, 2 * largest_layer_elements * precision.param_gather_bytes + largest_layer_elements * G, 0.0)
-    stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / P
+    fsdp_gathers = np.where(zero3, 2 * largest_layer_elements * precision.param_gather_bytes + largest_layer_elements * grad_bytes, 0.0)
+    stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / param_bytes
     kept_gathered = np.where((zero3 & (batch.reshard_after_forward == 0))[:, None], stage_elements * precision.param_gather_bytes, 0.0)
     out["comm"] = overlapping + pp_buffers[:, None] + fsdp_gathers[:, None] + kept_gathered
 
     # ---- optimizer step temporaries (activations are gone by then)
-    local_elements = out["optimizer"] / max(O, 1)
+    local_elements = out["optimizer"] / max(optimizer_bytes, 1)
     out["optimizer_step"] = local_elements * options.profile.optimizer_temp_bytes_per_param
 
     static = out["params"] + out["grads"] + out["optimizer"]

@@ -73,7 +73,7 @@ class SearchSpace:
 
     def batch(self, index: np.ndarray) -> StrategyBatch:
         digits = np.unravel_index(index, self.sizes)
-        column = {name: self._codes(name)[d] for name, d in zip(DIMENSIONS, digits)}
+        column = {name: self._codes(name)[d] for name, d in zip(DIMENSIONS, digits, strict=True)}
         options = np.asarray([(SCHEDULES.index(s), v, k) for s, v, k in self.schedule], dtype=np.int64)
         pipeline = options[column.pop("schedule")]
         tp, pp, cp = column["tp"], column["pp"], column["cp"]

@@ -2,7 +2,15 @@
 
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.precision import PRECISION_PRESETS, PrecisionPolicy, get_precision
-from ndplan.strategy.rules import RULES, RuleContext, Violation, check_strategy, rule_masks, valid_mask, validate_strategy
+from ndplan.strategy.rules import (
+    RULES,
+    RuleContext,
+    Violation,
+    check_strategy,
+    rule_masks,
+    valid_mask,
+    validate_strategy,
+)
 from ndplan.strategy.strategy import CP_KINDS, RECOMPUTES, SCHEDULES, Strategy
 
 __all__ = [

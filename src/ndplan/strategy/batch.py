@@ -128,7 +128,7 @@ class StrategyBatch:
         ends = np.append(starts[1:], len(order))
         return [
             (tuple(int(c[order[a]]) for c in columns), order[a:b])
-            for a, b in zip(starts, ends)
+            for a, b in zip(starts, ends, strict=True)
         ]
 
     def is_(self, name: str, label: str) -> np.ndarray:
