@@ -8,12 +8,44 @@ from typing import Any
 import numpy as np
 
 from ndplan.hardware import Device
-from ndplan.memory.estimate import ACTIVATION_KINDS, STATIC_KINDS, MemoryOptions, StageMemory, stage_memory
+from ndplan.memory.estimate import (
+    ACTIVATION_KINDS,
+    STATIC_KINDS,
+    MemoryOptions,
+    StageMemory,
+    layer_activations,
+    stage_memory,
+)
+from ndplan.memory.static import layer_elements, sharding_factors
+from ndplan.model.spec import MlpKind
 from ndplan.model.spec import ModelSpec
-from ndplan.placement import place_layers
+from ndplan.placement import Placement, place_layers
+from ndplan.schedule import in_flight
 from ndplan.strategy import Strategy, StrategyBatch
 from ndplan.strategy.rules import validate_strategy
 from ndplan.units import format_bytes
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """One virtual stage (model chunk) of a stage: its layers, what one micro-batch of it keeps
+    for backward, and how many micro-batches of it the schedule holds at once at its peak."""
+
+    chunk: int
+    model_chunk: int
+    dense_layers: int
+    moe_layers: int
+    layer_static_bytes: float
+    activation_bytes_per_micro_batch: float
+    peak_in_flight: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chunk": self.chunk, "model_chunk": self.model_chunk, "dense_layers": self.dense_layers,
+            "moe_layers": self.moe_layers, "layer_static_bytes": round(self.layer_static_bytes),
+            "activation_bytes_per_micro_batch": round(self.activation_bytes_per_micro_batch),
+            "peak_in_flight": self.peak_in_flight,
+        }
 
 
 @dataclass(frozen=True)
@@ -32,6 +64,7 @@ class StageReport:
     peak_bytes: float
     static_by_kind: dict[str, float]
     activations_by_kind: dict[str, float]
+    chunks: tuple[ChunkReport, ...] = ()
 
     @property
     def overhead_bytes(self) -> float:
@@ -57,6 +90,7 @@ class StageReport:
             "by_layer_kind": {k: round(v) for k, v in by_kind.items() if v},
             "static_by_layer_kind": {k: round(v) for k, v in self.static_by_kind.items() if v},
             "activations_by_layer_kind": {k: round(v) for k, v in self.activations_by_kind.items() if v},
+            "chunks": [c.to_dict() for c in self.chunks],
         }
 
 
@@ -146,8 +180,12 @@ def estimate(
         model, StrategyBatch.of(strategy), options, breakdown=True, stage_layers=strategy.stage_layers
     )
     assert memory.by_kind is not None
-    placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule, strategy.stage_layers)
+    placement = place_layers(
+        model, strategy.pp, strategy.vpp, strategy.schedule, strategy.stage_layers,
+        embedding_as_layer=strategy.embedding_as_layer, output_as_layer=strategy.output_as_layer,
+    )
     layers_per_stage = np.bincount(placement.stage_of, weights=placement.layers, minlength=strategy.pp)
+    chunks = _chunk_reports(model, strategy, options, placement)
     stages = []
     for s in range(strategy.pp):
         stages.append(StageReport(
@@ -165,5 +203,40 @@ def estimate(
             peak_bytes=float(memory.device[0, s]),
             static_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["static"].items()},
             activations_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["activations"].items()},
+            chunks=tuple(c for c in chunks if placement.stage_of[c.model_chunk] == s),
         ))
     return MemoryReport(model, strategy, hardware, options, tuple(stages))
+
+
+def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions, placement: Placement) -> list[ChunkReport]:
+    """Per virtual stage: layer counts, the layers' static bytes, activations per micro-batch
+    (same formulas as ``stage_memory``), and the schedule's peak count of held micro-batches."""
+    batch = StrategyBatch.of(strategy)
+    acts = layer_activations(model, batch, options)
+    elements = layer_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
+    shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
+    p = strategy.precision
+    optimizer = 0.0 if strategy.optimizer_offload else p.optimizer_bytes
+
+    def layer_static(kind: MlpKind) -> float:
+        non_expert = elements.non_expert[kind] * (p.param_bytes / shards.params + p.grad_bytes / shards.grads
+                                                  + optimizer / shards.optimizer)
+        expert = elements.expert[kind] * (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
+                                          + optimizer / shards.expert_optimizer)
+        return float((non_expert + expert)[0])
+
+    tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
+    recompute = strategy.recompute != "none"
+    per_layer = {k: float((acts.recomputed[k] if recompute else acts.full[k])[0]) * tokens for k in ("dense", "moe")}
+    flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
+    out = []
+    for v in range(placement.num_virtual_stages):
+        dense, moe = int(placement.dense_layers[v]), int(placement.moe_layers[v])
+        stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
+        out.append(ChunkReport(
+            chunk=chunk, model_chunk=v, dense_layers=dense, moe_layers=moe,
+            layer_static_bytes=dense * layer_static("dense") + moe * layer_static("moe"),
+            activation_bytes_per_micro_batch=dense * per_layer["dense"] + moe * per_layer["moe"],
+            peak_in_flight=float(flight.peak[stage, chunk]),
+        ))
+    return out
