@@ -1,0 +1,114 @@
+"""The balancing problem in plain numbers, independent of how the costs were estimated.
+
+A model is a sequence of decoder layers, each of a kind (dense, moe). Every layer is placed on
+one virtual stage (contiguous runs, every virtual stage non-empty) and runs one recompute option.
+For each (kind, option) we know, per micro-batch: the time of forward + backward (recompute
+included), the activation bytes held until its backward, and the layer's static bytes. The first
+virtual stage also holds the embedding, the last the output head, loss and MTP modules.
+
+Memory of a physical stage s (bytes):
+    fixed[s] + Σ_{layers on s} static + Σ_{chunks c of s} peak_in_flight[s, c] · Σ_{layers in c} activation
+which over-states interleaved stages slightly (chunks peak at different instants) and is exact
+for one chunk per stage. Step time (seconds), the 1F1B composition:
+    Σ_s T_s + (m − 1) · max_s T_s,   T_s = Σ_{chunks of s} Σ_{layers} time
+which the simulator then checks (``evaluate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer of one kind under one recompute option, per micro-batch."""
+
+    time_s: float
+    activation_bytes: float
+    static_bytes: float
+
+
+@dataclass(frozen=True)
+class BalanceProblem:
+    layer_kinds: tuple[str, ...]
+    options: tuple[str, ...]
+    costs: dict[tuple[str, str], LayerCost]  # (kind, option) -> cost
+    stage_of: np.ndarray  # [virtual stages] physical stage of each virtual stage
+    chunk_of: np.ndarray  # [virtual stages] local chunk index on its stage
+    peak_in_flight: np.ndarray  # [pp, vpp] micro-batches of each chunk held at the stage's peak
+    num_micro_batches: int
+    first_extra: LayerCost  # embedding, on virtual stage 0
+    last_extra: LayerCost  # final norm, head, loss, MTP, on the last virtual stage
+    fixed_bytes: np.ndarray  # [pp] buffers, transients and overhead that do not move with layers
+    memory_limit_bytes: float
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return int(self.stage_of.shape[0])
+
+    @property
+    def pp(self) -> int:
+        return int(self.peak_in_flight.shape[0])
+
+    def in_flight_of_virtual(self) -> np.ndarray:
+        return self.peak_in_flight[self.stage_of, self.chunk_of]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Layers per virtual stage (model order) and each layer's recompute option."""
+
+    stage_layers: tuple[int, ...]
+    recompute: tuple[str, ...]  # per layer, model order
+
+    def ranges(self) -> list[tuple[int, int, str]]:
+        """(first layer, count, option) runs, as frameworks take recompute settings."""
+        runs: list[tuple[int, int, str]] = []
+        for layer, option in enumerate(self.recompute):
+            if runs and runs[-1][2] == option and runs[-1][0] + runs[-1][1] == layer:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, option)
+            else:
+                runs.append((layer, 1, option))
+        return runs
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    stage_memory_bytes: np.ndarray  # [pp]
+    stage_time_s: np.ndarray  # [pp] per micro-batch, forward + backward
+    step_s: float  # the 1F1B composition
+    fits: bool
+
+
+def evaluate(problem: BalanceProblem, plan: Plan) -> PlanCost:
+    """Memory per stage and the composed step time of a plan, by the formulas of the docstring."""
+    in_flight = problem.in_flight_of_virtual()
+    memory = problem.fixed_bytes.astype(float).copy()
+    time = np.zeros(problem.pp)
+    layer = 0
+    for v, count in enumerate(plan.stage_layers):
+        s = int(problem.stage_of[v])
+        for _ in range(count):
+            cost = problem.costs[(problem.layer_kinds[layer], plan.recompute[layer])]
+            memory[s] += cost.static_bytes + in_flight[v] * cost.activation_bytes
+            time[s] += cost.time_s
+            layer += 1
+    for v, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
+        s = int(problem.stage_of[v])
+        memory[s] += extra.static_bytes + in_flight[v] * extra.activation_bytes
+        time[s] += extra.time_s
+    step = float(time.sum() + (problem.num_micro_batches - 1) * time.max())
+    return PlanCost(memory, time, step, bool(np.all(memory <= problem.memory_limit_bytes)))
+
+
+def uniform_plan(problem: BalanceProblem, option: str) -> Plan:
+    """Layers spread evenly (remainder to the first virtual stages), one recompute option for all."""
+    base, extra = divmod(problem.num_layers, problem.num_virtual_stages)
+    counts = tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
+    return Plan(counts, (option,) * problem.num_layers)

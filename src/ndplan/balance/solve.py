@@ -1,0 +1,253 @@
+"""Solvers for the balancing problem: exact MILP, per-stage recompute knapsack, fast heuristic.
+
+* ``knapsack``: for one physical stage with its layers fixed, the recompute counts per layer kind
+  that minimise the stage's time while it fits. Layers of one kind are interchangeable, so it
+  enumerates counts (a multiple-choice knapsack with identical items), exactly.
+* ``solve_exact``: a mixed-integer program (scipy's HiGHS) over layer placement and recompute
+  counts with linear memory constraints and the composed step time as objective.
+* ``solve_heuristic``: uniform start, knapsack per stage, then single-layer moves off the
+  bottleneck stage while they pay; fast enough to run on every pipeline candidate of a search.
+* ``solve_brute_force``: every placement with the exact knapsack per stage (tests only: given a
+  placement, minimising every stage's time is optimal, since the objective grows with each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import product
+
+import numpy as np
+
+from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate
+
+
+def _stage_layers(problem: BalanceProblem, counts: tuple[int, ...]) -> list[list[tuple[int, int]]]:
+    """For each physical stage, (virtual stage, layer index) pairs of its layers."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(problem.pp)]
+    layer = 0
+    for v, count in enumerate(counts):
+        for _ in range(count):
+            out[int(problem.stage_of[v])].append((v, layer))
+            layer += 1
+    return out
+
+
+def _splits(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """All ways to write n as an ordered sum of ``parts`` non-negative integers."""
+    if parts == 1:
+        yield (n,)
+        return
+    for first in range(n + 1):
+        for rest in _splits(n - first, parts - 1):
+            yield (first, *rest)
+
+
+def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tuple[dict[int, str], float, float] | None:
+    """Cheapest recompute assignment for ``stage`` under the memory limit: (option per layer,
+    stage time, stage memory), or None if no assignment fits."""
+    in_flight = problem.in_flight_of_virtual()
+    members = _stage_layers(problem, counts)[stage]
+    base_memory = float(problem.fixed_bytes[stage])
+    base_time = 0.0
+    for v, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
+        if int(problem.stage_of[v]) == stage:
+            base_memory += extra.static_bytes + in_flight[v] * extra.activation_bytes
+            base_time += extra.time_s
+    # Group interchangeable layers: same kind and same in-flight weight (same chunk).
+    groups: dict[tuple[str, float], list[int]] = {}
+    for v, layer in members:
+        groups.setdefault((problem.layer_kinds[layer], float(in_flight[v])), []).append(layer)
+    fronts = []
+    for (kind, weight), layers in groups.items():
+        choices = []
+        for split in _splits(len(layers), len(problem.options)):
+            time = memory = 0.0
+            for option, n in zip(problem.options, split, strict=True):
+                cost = problem.costs[(kind, option)]
+                time += n * cost.time_s
+                memory += n * (cost.static_bytes + weight * cost.activation_bytes)
+            choices.append((time, memory, split))
+        choices.sort()
+        front, best_memory = [], np.inf
+        for choice in choices:  # keep the (time, memory) Pareto front of this group
+            if choice[1] < best_memory:
+                front.append(choice)
+                best_memory = choice[1]
+        fronts.append((layers, front))
+    best: tuple[float, float, tuple] | None = None
+    for combo in product(*(front for _, front in fronts)):
+        time = base_time + sum(c[0] for c in combo)
+        memory = base_memory + sum(c[1] for c in combo)
+        if memory <= problem.memory_limit_bytes and (best is None or time < best[0]):
+            best = (time, memory, combo)
+    if best is None:
+        return None
+    assignment: dict[int, str] = {}
+    for (layers, _), choice in zip(fronts, best[2], strict=True):
+        position = 0
+        for option, n in zip(problem.options, choice[2], strict=True):
+            for layer in layers[position:position + n]:
+                assignment[layer] = option
+            position += n
+    return assignment, best[0], best[1]
+
+
+def plan_for_counts(problem: BalanceProblem, counts: tuple[int, ...]) -> Plan | None:
+    """The best recompute for a placement (knapsack per stage), or None if a stage cannot fit."""
+    recompute = [""] * problem.num_layers
+    for stage in range(problem.pp):
+        solved = knapsack(problem, counts, stage)
+        if solved is None:
+            return None
+        for layer, option in solved[0].items():
+            recompute[layer] = option
+    return Plan(counts, tuple(recompute))
+
+
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Ordered sums of ``parts`` positive integers."""
+    for split in _splits(total - parts, parts):
+        yield tuple(s + 1 for s in split)
+
+
+def solve_brute_force(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
+    best: tuple[Plan, PlanCost] | None = None
+    for counts in _compositions(problem.num_layers, problem.num_virtual_stages):
+        plan = plan_for_counts(problem, counts)
+        if plan is None:
+            continue
+        cost = evaluate(problem, plan)
+        if best is None or cost.step_s < best[1].step_s - 1e-12:
+            best = (plan, cost)
+    return best
+
+
+def solve_heuristic(problem: BalanceProblem, start: tuple[int, ...] | None = None) -> tuple[Plan, PlanCost] | None:
+    """Knapsack on the uniform placement, then move single layers between neighbouring virtual
+    stages while the composed step time drops (or while the plan does not fit yet)."""
+    base, extra = divmod(problem.num_layers, problem.num_virtual_stages)
+    counts = start or tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
+
+    def score(c: tuple[int, ...]) -> tuple[float, Plan | None, PlanCost | None]:
+        plan = plan_for_counts(problem, c)
+        if plan is None:
+            return np.inf, None, None
+        cost = evaluate(problem, plan)
+        return cost.step_s, plan, cost
+
+    current = score(counts)
+    improved = True
+    while improved:
+        improved = False
+        for v in range(problem.num_virtual_stages - 1):
+            for delta in (1, -1):  # move a layer across the boundary between v and v+1
+                c = list(counts)
+                c[v] -= delta
+                c[v + 1] += delta
+                if min(c) < 1:
+                    continue
+                trial = score(tuple(c))
+                if trial[0] < current[0] - 1e-12:
+                    counts, current, improved = tuple(c), trial, True
+    if current[1] is None or current[2] is None:
+        return None
+    return current[1], current[2]
+
+
+def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Plan, PlanCost] | None:
+    """The MILP of the module docstring. Variables: y[l, v] (layer l on virtual stage v),
+    k[v, g, r] (layers of kind g on v with option r), Z (the largest stage time)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    L, V, R = problem.num_layers, problem.num_virtual_stages, len(problem.options)
+    kinds = sorted(set(problem.layer_kinds))
+    G = len(kinds)
+    in_flight = problem.in_flight_of_virtual()
+    n_y, n_k = L * V, V * G * R
+    n = n_y + n_k + 1
+    z = n - 1
+
+    def y(layer: int, v: int) -> int:
+        return layer * V + v
+
+    def k(v: int, g: int, r: int) -> int:
+        return n_y + (v * G + g) * R + r
+
+    rows: list[np.ndarray] = []
+    lower: list[float] = []
+    upper: list[float] = []
+
+    def add(coefficients: dict[int, float], lo: float, hi: float) -> None:
+        row = np.zeros(n)
+        for index, value in coefficients.items():
+            row[index] += value
+        rows.append(row)
+        lower.append(lo)
+        upper.append(hi)
+
+    for layer in range(L):  # each layer on exactly one virtual stage
+        add({y(layer, v): 1.0 for v in range(V)}, 1, 1)
+    position = {layer: {y(layer, v): float(v) for v in range(V)} for layer in range(L)}
+    add(position[0], 0, 0)
+    add(position[L - 1], V - 1, V - 1)
+    for layer in range(L - 1):  # contiguous, in order, no empty virtual stage
+        step = {**{i: c for i, c in position[layer + 1].items()}}
+        for i, c in position[layer].items():
+            step[i] = step.get(i, 0.0) - c
+        add(step, 0, 1)
+    for v in range(V):  # recompute counts of each kind add up to the kind's layers on v
+        for g, kind in enumerate(kinds):
+            coefficients = {k(v, g, r): 1.0 for r in range(R)}
+            for layer in range(L):
+                if problem.layer_kinds[layer] == kind:
+                    coefficients[y(layer, v)] = -1.0
+            add(coefficients, 0, 0)
+    objective = np.zeros(n)
+    constant = 0.0
+    for s in range(problem.pp):
+        memory: dict[int, float] = {}
+        time: dict[int, float] = {z: -1.0}
+        fixed_memory = float(problem.fixed_bytes[s])
+        fixed_time = 0.0
+        for v in np.flatnonzero(problem.stage_of == s):
+            for g, kind in enumerate(kinds):
+                for r, option in enumerate(problem.options):
+                    cost = problem.costs[(kind, option)]
+                    memory[k(int(v), g, r)] = cost.static_bytes + in_flight[v] * cost.activation_bytes
+                    time[k(int(v), g, r)] = cost.time_s
+                    objective[k(int(v), g, r)] += cost.time_s
+            for end, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
+                if v == end:
+                    fixed_memory += extra.static_bytes + in_flight[v] * extra.activation_bytes
+                    fixed_time += extra.time_s
+        constant += fixed_time
+        add(memory, -np.inf, problem.memory_limit_bytes - fixed_memory)
+        add(time, -np.inf, -fixed_time)
+    objective[z] = problem.num_micro_batches - 1
+    integrality = np.ones(n)
+    integrality[z] = 0
+    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), [np.inf]]))
+    result = milp(
+        objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
+        bounds=bounds, options={"time_limit": time_limit_s},
+    )
+    if result.x is None:
+        return None
+    x = np.round(result.x).astype(int)
+    counts = tuple(int(x[[y(layer, v) for layer in range(L)]].sum()) for v in range(V))
+    # Hand each layer of a kind on v the options in the MILP's counts (the order inside a
+    # virtual stage does not change memory or time).
+    recompute = [""] * L
+    layer = 0
+    for v, count in enumerate(counts):
+        members = list(range(layer, layer + count))
+        for g, kind in enumerate(kinds):
+            of_kind = [m for m in members if problem.layer_kinds[m] == kind]
+            position_in_kind = 0
+            for r, option in enumerate(problem.options):
+                for m in of_kind[position_in_kind:position_in_kind + x[k(v, g, r)]]:
+                    recompute[m] = option
+                position_in_kind += x[k(v, g, r)]
+        layer += count
+    plan = Plan(counts, tuple(recompute))
+    return plan, evaluate(problem, plan)

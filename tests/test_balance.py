@@ -1,0 +1,81 @@
+"""Balancing: the MILP equals brute force, the heuristic never breaks memory, never slower than uniform."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ndplan.balance import (
+    BalanceProblem, LayerCost, evaluate, solve_brute_force, solve_exact, solve_heuristic, uniform_plan,
+)
+
+GIB = 2**30
+
+
+def make_problem(kinds, pp, limit, m=8, seed=0, vpp=1):
+    rng = np.random.default_rng(seed)
+    costs = {}
+    for kind in set(kinds):
+        base_t, act, static = rng.uniform(1, 2), rng.uniform(0.5, 1.5) * GIB, rng.uniform(0.5, 1.0) * GIB
+        costs[(kind, "none")] = LayerCost(base_t, act, static)
+        costs[(kind, "selective")] = LayerCost(base_t * 1.05, act * 0.5, static)
+        costs[(kind, "full")] = LayerCost(base_t * 1.33, act * 0.05, static)
+    virtual = pp * vpp
+    stage_of = np.array([v % pp for v in range(virtual)])
+    chunk_of = np.array([v // pp for v in range(virtual)])
+    in_flight = np.array([[max(1, pp - s) for _ in range(vpp)] for s in range(pp)], dtype=float)
+    return BalanceProblem(
+        layer_kinds=tuple(kinds), options=("none", "selective", "full"), costs=costs,
+        stage_of=stage_of, chunk_of=chunk_of, peak_in_flight=in_flight, num_micro_batches=m,
+        first_extra=LayerCost(0.3, 0.1 * GIB, 1.0 * GIB), last_extra=LayerCost(1.5, 1.0 * GIB, 1.0 * GIB),
+        fixed_bytes=np.full(pp, 0.5 * GIB), memory_limit_bytes=limit,
+    )
+
+
+@pytest.mark.parametrize("kinds,pp,limit", [
+    (("dense",) * 8, 2, 12 * GIB),
+    (("dense",) * 8, 4, 8 * GIB),
+    (("dense", "dense", "moe", "moe", "moe", "moe", "moe"), 3, 10 * GIB),
+    (("moe",) * 9, 3, 7 * GIB),
+])
+def test_milp_equals_brute_force(kinds, pp, limit):
+    problem = make_problem(kinds, pp, limit)
+    brute = solve_brute_force(problem)
+    exact = solve_exact(problem)
+    assert brute is not None and exact is not None
+    assert exact[1].step_s == pytest.approx(brute[1].step_s, rel=1e-9)
+    assert exact[1].fits
+
+
+def test_infeasible_problem_has_no_plan():
+    problem = make_problem(("dense",) * 6, 2, 1 * GIB)
+    assert solve_exact(problem) is None and solve_brute_force(problem) is None and solve_heuristic(problem) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(4, 12), pp=st.integers(2, 4), limit_gib=st.floats(4, 30), seed=st.integers(0, 1000),
+       moe_from=st.integers(0, 4))
+def test_heuristic_never_violates_memory_and_beats_uniform_full(layers, pp, limit_gib, seed, moe_from):
+    if layers < pp:
+        return
+    kinds = tuple("dense" if i < moe_from else "moe" for i in range(layers))
+    problem = make_problem(kinds, pp, limit_gib * GIB, seed=seed)
+    found = solve_heuristic(problem)
+    uniform_full = evaluate(problem, uniform_plan(problem, "full"))
+    if found is None:
+        assert solve_brute_force(problem) is None
+        return
+    plan, cost = found
+    assert cost.fits and np.all(cost.stage_memory_bytes <= problem.memory_limit_bytes)
+    assert sum(plan.stage_layers) == layers and min(plan.stage_layers) >= 1
+    if uniform_full.fits:
+        assert cost.step_s <= uniform_full.step_s + 1e-9
+
+
+def test_plan_ranges_group_recompute_runs():
+    from ndplan.balance import Plan
+
+    plan = Plan((2, 2), ("full", "full", "none", "selective"))
+    assert plan.ranges() == [(0, 2, "full"), (2, 1, "none"), (3, 1, "selective")]
