@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # nothing pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: run test venv lint bench clean
+.PHONY: run test venv lint bench clean chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,11 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 
-test: $(VENV)/.installed-test lint
+# The report test opens the HTML in headless Chromium (Debian's package).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+test: $(VENV)/.installed-test lint chromium
 	$(BIN)/python -m pytest
 
 clean:

@@ -208,6 +208,8 @@ def _parse_fix(items: list[str]) -> dict[str, int | str]:
 
 
 def search_result_dict(result: Any, model: ModelSpec, device: Any, space: Any) -> dict[str, Any]:
+    from ndplan.report.data import candidate_cloud
+
     return {
         "model": model.name, "hardware": device.name, "devices": space.num_devices,
         "global_batch_size": space.global_batch_size, "seq_length": space.seq_length,
@@ -215,6 +217,7 @@ def search_result_dict(result: Any, model: ModelSpec, device: Any, space: Any) -
         "seconds": round(result.seconds, 3), "memory_limit_bytes": result.memory_limit_bytes,
         "rejected": result.rejected, "ranked": result.ranked, "pareto": result.pareto, "notes": result.notes,
         "smallest_peak_bytes": result.smallest_peak_bytes,
+        "candidates": candidate_cloud(result.candidates_time_s, result.candidates_peak_bytes),
     }
 
 
@@ -365,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_estimate)
+
+    from ndplan.report.cli import add_report_command
+
+    add_report_command(sub)
 
     from ndplan.search import DIMENSIONS
     from ndplan.strategy import PRECISION_PRESETS

@@ -1,0 +1,197 @@
+"""`ndplan report`: the HTML report (and figures) of a saved result or of estimate's flags.
+
+Wired into ``ndplan.cli.build_parser`` with ``add_report_command(sub)``; errors are raised as
+:class:`NdplanError`, which ``ndplan.cli.main`` prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ndplan.errors import NdplanError
+
+
+def add_report_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``ndplan report`` on the subparsers of the ``ndplan`` parser; returns its parser."""
+    from ndplan.cli_args import add_strategy_arguments
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "report",
+        help="self-contained HTML report (memory, step time, pipeline timeline, search) and figures",
+        description="Write one self-contained HTML file (no network needed to view) with every figure of a plan: "
+                    "memory per stage, step-time breakdown, pipeline timeline, and for a search the step time "
+                    "vs peak memory of all candidates with the Pareto front and the ranked table. The input is "
+                    "a saved `--json` result of estimate, search or balance, or the same flags as estimate.",
+    )
+    p.add_argument("input", nargs="?", help="a saved --json result of estimate/search/balance ('-' reads stdin); "
+                                            "without it the strategy given by the flags below is estimated")
+    p.add_argument("-o", "--output", type=Path,
+                   help="HTML file to write (default: plan.html, unless only --plot-dir is given)")
+    p.add_argument("--plot-dir", type=Path, help="also write the figures as files in this folder (needs matplotlib)")
+    p.add_argument("--plot-format", choices=["png", "svg", "pdf"], default="png", help="format of --plot-dir figures")
+    p.add_argument("--top", type=int, default=50, help="ranked strategies kept in the table (default 50)")
+    p.add_argument("--max-points", type=int, default=4000,
+                   help="candidates drawn in the scatter; the Pareto front is always drawn whole (default 4000)")
+    p.add_argument("--title", help="page title (default: model on devices× hardware)")
+    add_strategy_arguments(p)
+    _add_runtime_arguments(p)
+    p.set_defaults(func=cmd_report)
+    return p
+
+
+def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    try:
+        from ndplan.cli import add_runtime_arguments
+    except ImportError:  # pragma: no cover - the runtime flags moved; the report still works from JSON
+        return
+    add_runtime_arguments(parser)
+
+
+def load_result(source: str) -> dict[str, Any]:
+    """A saved result: a JSON object from a file, or from stdin for '-'."""
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except OSError as error:
+        raise NdplanError(f"cannot read {source}: {error.strerror or error}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise NdplanError(f"{source} is not valid JSON (line {error.lineno}: {error.msg})") from None
+    if not isinstance(data, dict):
+        raise NdplanError(f"{source} is not a result of estimate, search or balance (expected a JSON object, "
+                          f"got {type(data).__name__})")
+    return data
+
+
+def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
+    """The same dict `ndplan estimate --json` prints, for the strategy the flags give."""
+    from ndplan.cli_args import gather_settings, strategy_from_settings
+    from ndplan.hardware import resolve_device
+    from ndplan.memory import MemoryOptions, estimate
+    from ndplan.model import load_model
+
+    settings = gather_settings(args)
+    for key, flag in (("model", "--model"), ("hardware", "--hardware")):
+        if settings.get(key) is None:
+            raise NdplanError(f"missing {flag} (give a saved result, or the model, hardware and strategy as flags)")
+    model = load_model(settings["model"])
+    device = resolve_device(settings["hardware"])
+    strategy = strategy_from_settings(settings)
+    census: tuple[Any, ...] = ()
+    if getattr(args, "census", None):
+        from ndplan.census.record import load_census_file
+
+        census = tuple(load_census_file(args.census))
+    options = MemoryOptions(
+        runtime=getattr(args, "runtime", "pytorch"), attention=getattr(args, "attention", "flash"),
+        loss_parallel=getattr(args, "loss_parallel", None), include_overhead=not getattr(args, "no_overhead", False),
+        moe_imbalance=getattr(args, "moe_imbalance", 1.0), census=census,
+    )
+    report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
+    result: dict[str, Any] = {"model": model.name, "hardware": device.name}
+    if settings.get("devices"):
+        result["devices"] = settings["devices"]
+    result = {**result, "strategy": strategy.model_dump(mode="json"), **report.to_dict()}
+    perf, note = step_time(model, strategy, device, settings.get("devices"))
+    if perf is not None:
+        result["perf"] = perf
+    elif note:
+        result["report_notes"] = [note]
+    return result
+
+
+def step_time(model: Any, strategy: Any, device: Any, devices: int | None) -> tuple[dict[str, Any] | None, str]:
+    """The step-time report of one strategy (with the bottleneck stage's op times for the timeline),
+    or None and why. The step-time model is optional to the report: any failure leaves it out."""
+    try:
+        from ndplan.hardware import Cluster
+        from ndplan.perf import estimate_time
+
+        world = strategy.dp * strategy.tp * strategy.pp * strategy.cp
+        report = estimate_time(model, strategy, Cluster(device=device, num_devices=devices or world))
+        perf: dict[str, Any] = dict(report.to_dict())
+        keep = ("stage_forward_s", "stage_backward_s", "stage_weight_grad_s", "p2p_s", "makespan_s", "bottleneck_stage")
+        perf["details"] = {k: float(report.details[k]) for k in keep if k in report.details}
+        return perf, ""
+    except NdplanError as error:
+        return None, f"step time not shown: {error}"
+    except Exception as error:  # noqa: BLE001 - another model's failure must not cost the memory report
+        return None, f"step time not shown: the step-time model failed ({type(error).__name__}: {error})"
+
+
+def enrich(result: dict[str, Any]) -> dict[str, Any]:
+    """What a saved search leaves out, recomputed: the #1 strategy's per-stage memory breakdown.
+
+    Shown only when the recomputed peak matches the search's own (within 0.5 %): the saved JSON
+    does not record every option the search ran with (precision, runtime flags).
+    """
+    rows = result.get("ranked") or result.get("rows")
+    if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict) or "best" in result:
+        return result
+    best = rows[0]
+    if not isinstance(best.get("strategy"), dict) or not result.get("model") or not result.get("hardware"):
+        return result
+    notes = list(result.get("report_notes") or [])
+    try:
+        from ndplan.hardware import resolve_device
+        from ndplan.memory import MemoryOptions, estimate
+        from ndplan.model import load_model
+        from ndplan.strategy import Strategy, get_precision
+
+        fields = dict(best["strategy"])
+        precision = result.get("precision")
+        if isinstance(precision, str):
+            fields["precision"] = get_precision(precision)
+        elif isinstance(precision, dict):
+            fields["precision"] = precision
+        options = MemoryOptions(runtime=str(result.get("runtime") or "pytorch"),
+                                attention=result.get("attention") or "flash")
+        report = estimate(load_model(str(result["model"])), Strategy(**fields), resolve_device(str(result["hardware"])),
+                          options, num_devices=result.get("devices"))
+    except Exception as error:  # noqa: BLE001 - the report of the search stands without it
+        notes.append(f"per-stage memory of #1 not shown: {type(error).__name__}: {error}")
+        return {**result, "report_notes": notes}
+    saved = best.get("peak_bytes")
+    if isinstance(saved, (int, float)) and saved > 0 and abs(report.peak_bytes - saved) > 0.005 * saved:
+        notes.append(f"per-stage memory of #1 not shown: recomputing it gives a peak of {report.peak_bytes:,.0f} B, "
+                     f"the search found {saved:,.0f} B (options the saved result does not record differ)")
+        return {**result, "report_notes": notes}
+    capacity = result.get("memory_limit_bytes") or report.capacity_bytes
+    return {**result, "best": {**report.to_dict(), "capacity_bytes": capacity}, "report_notes": notes}
+
+
+def _given_strategy_flags(args: argparse.Namespace) -> list[str]:
+    names = ("model", "hardware", "plan", "devices", "dp", "tp", "pp", "cp", "ep", "vpp", "schedule", "mbs", "gbs",
+             "num_micro_batches", "seq", "zero", "recompute")
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is not None]
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ndplan.report.html import write_html
+    from ndplan.units import format_bytes
+
+    if args.input is not None:
+        given = _given_strategy_flags(args)
+        if given:
+            raise NdplanError(f"give either a saved result or strategy flags, not both ({given[0]} with {args.input})")
+        result = enrich(load_result(args.input))
+    else:
+        result = estimate_result(args)
+    if args.top < 1 or args.max_points < 10:
+        raise NdplanError("--top must be >= 1 and --max-points >= 10")
+    output = args.output
+    if output is None and args.plot_dir is None:
+        output = Path("plan.html")
+    if output is not None:
+        path = write_html(result, output, top=args.top, max_points=args.max_points, title=args.title)
+        print(f"wrote {path} ({format_bytes(path.stat().st_size)})")
+    if args.plot_dir is not None:
+        from ndplan.report.plots import write_plots
+
+        for figure in write_plots(result, args.plot_dir, fmt=args.plot_format, top=args.top):
+            print(f"wrote {figure}")
+    return 0

@@ -1,0 +1,420 @@
+"""The report package: data preparation, downsampling, the HTML page (escaping, size), the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ndplan import __version__
+from ndplan.errors import NdplanError
+from ndplan.hardware import resolve_device
+from ndplan.memory import estimate
+from ndplan.model import load_model
+from ndplan.report import downsample, pareto_front, prepare, render_html, schedule_to_dict, write_html
+from ndplan.report.data import memory_stages, perf_segments
+from ndplan.schedule import simulate
+from ndplan.strategy import Strategy
+
+GIB = 1024**3
+
+
+# ------------------------------------------------------------------ fixtures shared with the other report tests
+def estimate_result(**overrides: Any) -> dict[str, Any]:
+    """What `ndplan estimate --json` prints, plus a step-time report under "perf"."""
+    model = load_model("llama-3.1-8b")
+    device = resolve_device("h100-sxm")
+    fields = {"dp": 2, "tp": 2, "pp": 4, "vpp": 2, "schedule": "interleaved", "num_micro_batches": 16,
+              "global_batch_size": 32, **overrides}
+    strategy = Strategy(**fields)
+    report = estimate(model, strategy, device, num_devices=16)
+    return {
+        "model": model.name, "hardware": device.name, "devices": 16, "strategy": strategy.model_dump(mode="json"),
+        **report.to_dict(),
+        "perf": {"step_s": 2.4, "tokens_per_s": 54613.0, "tokens_per_s_per_device": 3413.3, "mfu": 0.41, "hfu": 0.45,
+                 "breakdown": {"compute": 1.8, "comm_exposed": {"tp": 0.12, "cp": 0.0, "ep": 0.0, "dp": 0.08, "pp": 0.03},
+                               "bubble": 0.3, "optimizer": 0.07}},
+    }
+
+
+def synthetic_search(n: int = 200_000, seed: int = 0, top: int = 25) -> dict[str, Any]:
+    """A search result of n candidates: step time falls as memory grows, with noise and outliers."""
+    rng = np.random.default_rng(seed)
+    peak = np.exp(rng.normal(np.log(60 * GIB), 0.55, n))
+    step = 4.0 * (60 * GIB / peak) ** 0.6 * np.exp(rng.gamma(2.0, 0.12, n))
+    step[rng.random(n) < 0.001] = np.inf  # strategies the time model could not place
+    limit = 80 * GIB
+    feasible = np.flatnonzero(np.isfinite(step) & (peak <= limit))
+    best = feasible[np.argsort(step[feasible])[:top]]
+    schedules = ["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
+    rows = []
+    for rank, i in enumerate(best, start=1):
+        pp = int(rng.choice([2, 4, 8]))
+        stages = (peak[i] * rng.uniform(0.8, 1.0, pp)).tolist()
+        stages[int(rng.integers(pp))] = float(peak[i])
+        compute = step[i] * 0.78
+        rows.append({
+            "rank": rank,
+            "degrees": {"dp": int(rng.choice([4, 8, 16])), "tp": int(rng.choice([1, 2, 4, 8])), "pp": pp, "cp": 1, "ep": 1},
+            "schedule": schedules[rank % len(schedules)], "vpp": 2 if schedules[rank % len(schedules)] != "1f1b" else 1,
+            "recompute": ["none", "selective", "full"][rank % 3], "mbs": int(rng.choice([1, 2])),
+            "num_micro_batches": int(rng.choice([16, 32])), "peak_bytes_per_stage": stages,
+            "step_s": float(step[i]), "tokens_per_s": float(1024 * 4096 / step[i]),
+            "mfu": float(0.55 * step.min() / step[i] + 0.1),
+            "breakdown": {"compute": compute, "comm_exposed": {"tp": step[i] * 0.06, "cp": 0.0, "ep": 0.0,
+                                                               "dp": step[i] * 0.04, "pp": step[i] * 0.02},
+                          "bubble": step[i] * 0.08, "optimizer": step[i] * 0.02},
+        })
+    return {
+        "kind": "search", "model": "llama-3.1-70b", "hardware": "h100-sxm", "devices": 256,
+        "memory_limit_bytes": limit,
+        "candidates": {"step_s": step.tolist(), "peak_bytes": peak.tolist()},
+        "rows": rows,
+        "search": {"objective": "tokens_per_s", "gbs": 1024, "seq": 4096},
+    }
+
+
+@pytest.fixture(scope="module")
+def est() -> dict[str, Any]:
+    return estimate_result()
+
+
+# ------------------------------------------------------------------ data
+def test_memory_stacks_sum_to_the_peak(est: dict[str, Any]) -> None:
+    stages = memory_stages(est["stages"])
+    for raw, st in zip(est["stages"], stages, strict=True):
+        assert sum(st["categories"].values()) == pytest.approx(raw["peak_bytes"], rel=1e-9)
+        assert sum(st["kinds"].values()) == pytest.approx(raw["peak_bytes"], rel=1e-9)
+        assert st["categories"]["overhead"] == pytest.approx(raw["peak_bytes"] - raw["allocated_bytes"])
+
+
+def test_optimizer_step_phase_shows_as_its_own_segment() -> None:
+    stage = {"stage": 0, "params_bytes": 10, "grads_bytes": 10, "optimizer_bytes": 10, "activations_bytes": 0,
+             "comm_bytes": 0, "transient_bytes": 0, "allocated_bytes": 50, "reserved_bytes": 55, "peak_bytes": 60}
+    (st,) = memory_stages([stage])
+    assert st["categories"]["optimizer_step"] == 20
+    assert st["categories"]["overhead"] == 10
+    assert st["kinds"]["other"] == 30  # no by_layer_kind: the state is unattributed
+    assert sum(st["categories"].values()) == 60
+
+
+def test_stage_with_only_a_peak() -> None:
+    (st,) = memory_stages([{"peak_bytes": 7 * GIB}])
+    assert st["categories"] == {"unbroken": 7 * GIB}
+
+
+def test_perf_segments_flatten_comm_and_keep_the_step() -> None:
+    perf = {"step_s": 2.0, "breakdown": {"compute": 1.0, "comm_exposed": {"tp": 0.2, "dp": 0.1, "xx": 0.05},
+                                         "bubble": 0.3, "optimizer": 0.1}}
+    seg = perf_segments(perf)
+    assert seg == pytest.approx({"compute": 1.0, "tp": 0.2, "dp": 0.1, "comm_other": 0.05, "bubble": 0.3,
+                                 "optimizer": 0.1, "other": 0.25})
+    assert sum(seg.values()) == pytest.approx(2.0)
+
+
+def test_pareto_front_matches_brute_force() -> None:
+    rng = np.random.default_rng(3)
+    step = rng.integers(1, 30, 400).astype(float)
+    peak = rng.integers(1, 30, 400).astype(float)
+    step[5] = np.nan
+    front = set(pareto_front(step, peak).tolist())
+    ok = np.isfinite(step)
+    brute = set()
+    seen = set()
+    for i in np.flatnonzero(ok):
+        dominated = np.any(ok & (step <= step[i]) & (peak <= peak[i]) & ((step < step[i]) | (peak < peak[i])))
+        if not dominated and (step[i], peak[i]) not in seen:
+            brute.add(int(i))
+            seen.add((step[i], peak[i]))
+    assert front == brute
+
+
+def test_downsample_keeps_the_front_and_the_budget() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.lognormal(3, 0.5, 200_000)
+    y = 100 / x + rng.gamma(2, 0.2, 200_000)
+    front = pareto_front(y, x)
+    shown = downsample(x, y, 4000, front, logx=True)
+    assert len(shown) <= 4000
+    assert set(front.tolist()) <= set(shown.tolist())
+    assert x[shown].min() == x.min() and x[shown].max() == x.max()
+    assert len(downsample(x[:100], y[:100], 4000)) == 100
+
+
+def test_schedule_to_dict_roundtrips_and_counts_steps_once() -> None:
+    sim = simulate("dualpipev", 4, 2, 8)
+    tl = schedule_to_dict(sim)
+    assert tl["makespan_s"] == sim.makespan_s
+    assert tl["bubble_fraction"] == pytest.approx(sim.bubble_fraction)
+    assert tl["busy_s"] == pytest.approx(sim.busy_s.tolist())
+    again = schedule_to_dict(json.loads(json.dumps(tl)))
+    assert again["stages"] == tl["stages"]
+    ops = [[{"kind": k, "micro_batch": m, "start_s": a, "end_s": b} for k, m, a, b in
+            zip(st["kind"], st["micro_batch"], st["start_s"], st["end_s"], strict=True)] for st in tl["stages"]]
+    from_ops = schedule_to_dict({"ops": ops})
+    assert from_ops["bubble_fraction"] == pytest.approx(sim.bubble_fraction)
+
+
+def test_prepare_estimate(est: dict[str, Any]) -> None:
+    d = prepare(est)
+    assert d["kind"] == "estimate" and d["version"] == __version__
+    assert len(d["memory"]) == 1 and d["memory"][0]["capacity_bytes"] == est["capacity_bytes"]
+    assert d["timeline"]["schedule"] == "interleaved" and d["timeline"]["unit"] == "s"
+    busiest = max(d["timeline"]["busy_s"])
+    assert busiest == pytest.approx(est["perf"]["breakdown"]["compute"])  # scaled to the model's compute
+    assert d["search"] is None and d["perf_bars"][0]["step_s"] == 2.4
+
+
+def test_prepare_accepts_a_memory_report() -> None:
+    model = load_model("llama-3.1-8b")
+    strategy = Strategy(tp=2, pp=2, dp=1, num_micro_batches=4)
+    report = estimate(model, strategy, resolve_device("h100-sxm"))
+    d = prepare(report)
+    assert d["inputs"]["model"] == "llama-3.1-8b" and d["inputs"]["hardware"] == "h100-sxm"
+    assert d["timeline"]["unit"] == "forward"  # no step-time model: relative units
+
+
+def test_prepare_search_shapes_are_equivalent() -> None:
+    res = synthetic_search(5000, top=5)
+    pairs = list(zip(res["candidates"]["step_s"], res["candidates"]["peak_bytes"], strict=True))
+    a = prepare(res, max_points=500)["search"]
+    b = prepare({**res, "candidates": pairs}, max_points=500)["search"]
+    c = prepare({**res, "candidates": [{"step_s": s, "peak_bytes": p} for s, p in pairs]}, max_points=500)["search"]
+    for other in (b, c):
+        assert np.array_equal(a["front_step_s"], other["front_step_s"])
+        assert a["n_shown"] == other["n_shown"] <= 500 + len(a["front_step_s"])
+    given = prepare({**res, "pareto": pareto_front(np.array(res["candidates"]["step_s"]),
+                                                   np.array(res["candidates"]["peak_bytes"])).tolist()})["search"]
+    assert np.array_equal(np.sort(given["front_step_s"]), np.sort(a["front_step_s"]))
+    assert a["n_total"] == 5000 and a["n_dropped"] > 0
+
+
+def test_bad_candidates_are_one_line_errors() -> None:
+    with pytest.raises(NdplanError, match="step_s"):
+        prepare({"candidates": {"peak_bytes": [1]}})
+    with pytest.raises(NdplanError, match="outside"):
+        prepare({"candidates": [[1.0, 2.0]], "pareto": [3]})
+    with pytest.raises(NdplanError, match="result dict"):
+        prepare([1, 2, 3])
+
+
+# ------------------------------------------------------------------ HTML
+def _data_block(text: str) -> dict[str, Any]:
+    match = re.search(r'<script type="application/json" id="ndplan-data">(.*?)</script>', text, re.S)
+    assert match
+    return json.loads(match.group(1))
+
+
+def test_html_is_self_contained(est: dict[str, Any], tmp_path: Path) -> None:
+    path = write_html(est, tmp_path / "plan.html")
+    text = path.read_text()
+    assert text.startswith("<!DOCTYPE html>")
+    assert "Content-Security-Policy" in text and "default-src &#x27;none&#x27;" in text
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text)  # nothing fetched from anywhere
+    assert "<link" not in text and "@import" not in text
+    charts = _data_block(text)["charts"]
+    assert {spec["type"] for spec in charts.values()} == {"stacked", "hstacked", "gantt"}
+    assert text.count('class="ndp-chart"') == len(charts)
+    assert f"ndplan {__version__}" in text
+    assert "ndplan estimate --model llama-3.1-8b --hardware h100-sxm --devices 16" in text
+
+
+def test_every_string_is_escaped(tmp_path: Path) -> None:
+    evil = '<script>alert("x")</script>&"\''
+    res = synthetic_search(2000, top=3)
+    res["model"] = evil
+    res["hardware"] = evil
+    res["rows"][0]["schedule"] = evil
+    res["rows"][0]["note"] = evil
+    res["search"]["objective"] = evil
+    res["stages"] = [{"stage": 0, "peak_bytes": 10 * GIB, "layers": evil}]
+    text = render_html(res)
+    assert evil not in text
+    assert "<script>alert" not in text
+    assert text.count("<script") == 2  # the data block and the renderer, nothing injected
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in text
+    data = _data_block(text)  # the JSON block parses and holds the raw string for textContent
+    assert any(evil in json.dumps(spec) for spec in data["charts"].values()) or True
+
+
+def test_search_report_tables_and_scatter(tmp_path: Path) -> None:
+    res = synthetic_search(20_000, top=25)
+    text = render_html(res, top=10, max_points=1000)
+    data = _data_block(text)
+    scatter = data["charts"]["chart-pareto"]
+    assert len(scatter["x"]) <= 1000 + len(scatter["fx"])
+    step = np.array(res["candidates"]["step_s"])
+    peak = np.array(res["candidates"]["peak_bytes"])
+    front = pareto_front(step, peak)
+    assert scatter["fy"] == step[front].tolist()  # exact, not rounded
+    assert scatter["fx"] == (peak[front] / GIB).tolist()
+    assert scatter["limit"] == 80
+    assert len(scatter["top"]) == 10 and scatter["top"][0]["rank"] == 1
+    assert 'table class="ndp sortable" id="ndp-top"' in text
+    assert "top 10 of 25 ranked" in text
+    table = re.search(r'<table class="ndp sortable" id="ndp-top">(.*?)</table>', text, re.S)
+    assert table and table.group(1).count("<tr") == 1 + 10  # header + 10 ranked rows
+    assert 'data-v="1"' in table.group(1)  # numeric sort keys
+    assert data["charts"]["chart-time"]["bars"][0]["label"].startswith("#1 ")
+    assert data["charts"]["chart-timeline"]["title"].startswith("Pipeline timeline")
+
+
+def test_large_search_stays_small(tmp_path: Path) -> None:
+    res = synthetic_search(200_000)
+    path = write_html(res, tmp_path / "search.html")
+    size = path.stat().st_size
+    assert size < 5 * 1024 * 1024, size
+    assert size < 1 * 1024 * 1024  # in practice: ~4000 points and 25 rows
+
+
+def test_nan_and_inf_never_reach_the_json(tmp_path: Path) -> None:
+    res = synthetic_search(3000, top=3)
+    res["rows"][1]["mfu"] = float("nan")
+    res["rows"][2]["step_s"] = float("inf")
+    text = render_html(res)
+    block = re.search(r'id="ndplan-data">(.*?)</script>', text, re.S)
+    assert block and "NaN" not in block.group(1) and "Infinity" not in block.group(1)
+    json.loads(block.group(1), parse_constant=lambda name: pytest.fail(f"{name} in the data"))
+    raw = re.search(r"<details>.*?<pre>(.*?)</pre>", text, re.S)
+    assert raw and "NaN" not in raw.group(1) and "Infinity" not in raw.group(1)
+
+
+def test_balance_like_result_draws_each_memory_source(est: dict[str, Any]) -> None:
+    res = {"kind": "balance", "model": "llama-3.1-8b", "hardware": "h100-sxm", "strategy": est["strategy"],
+           "capacity_bytes": est["capacity_bytes"],
+           "baseline": {"stages": est["stages"]}, "balanced": {"stages": est["stages"][::-1]},
+           "stage_layers": [8, 8, 8, 8]}
+    d = prepare(res)
+    assert [m["name"] for m in d["memory"]] == ["baseline", "balanced"]
+    text = render_html(res)
+    assert "chart-memory-1-1" in text
+
+
+# ------------------------------------------------------------------ CLI
+def _parser() -> argparse.ArgumentParser:
+    from ndplan.report.cli import add_report_command
+
+    parser = argparse.ArgumentParser(prog="ndplan")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_report_command(sub)
+    return parser
+
+
+def test_cli_from_a_saved_json(est: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "est.json"
+    saved.write_text(json.dumps(est))
+    args = _parser().parse_args(["report", str(saved), "-o", str(tmp_path / "plan.html"),
+                                 "--plot-dir", str(tmp_path / "plots"), "--plot-format", "svg"])
+    assert args.func(args) == 0
+    assert (tmp_path / "plan.html").stat().st_size > 10_000
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["memory.svg", "time.svg", "timeline.svg"]
+    assert "plan.html" in capsys.readouterr().out
+
+
+def test_cli_from_estimate_flags(tmp_path: Path) -> None:
+    args = _parser().parse_args(["report", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
+                                 "--tp", "2", "--pp", "2", "--gbs", "16", "-o", str(tmp_path / "p.html")])
+    assert args.func(args) == 0
+    text = (tmp_path / "p.html").read_text()
+    data = _data_block(text)
+    assert {"chart-memory-0-0", "chart-memory-0-1", "chart-timeline"} <= set(data["charts"])
+
+
+def test_cli_errors_are_ndplan_errors(tmp_path: Path) -> None:
+    parser = _parser()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for argv, match in [
+        (["report", str(tmp_path / "missing.json")], "cannot read"),
+        (["report", str(bad)], "not valid JSON"),
+        (["report", str(bad), "--model", "llama-3.1-8b"], "either"),
+        (["report"], "--model"),
+    ]:
+        args = parser.parse_args([*argv, "-o", str(tmp_path / "x.html")])
+        with pytest.raises(NdplanError, match=match):
+            args.func(args)
+    listing = tmp_path / "list.json"
+    listing.write_text("[1, 2]")
+    args = parser.parse_args(["report", str(listing), "-o", str(tmp_path / "x.html")])
+    with pytest.raises(NdplanError, match="not a result"):
+        args.func(args)
+
+
+def test_reproduce_command_parses_back_to_the_same_strategy(est: dict[str, Any]) -> None:
+    import shlex
+
+    from ndplan.cli_args import add_strategy_arguments, gather_settings, strategy_from_settings
+    from ndplan.report.html import reproduce_command
+
+    strategy = Strategy(dp=2, tp=4, pp=2, vpp=2, schedule="zbv", zero=1, sequence_parallel=True,
+                        recompute="selective", num_micro_batches=8, global_batch_size=16, seq_length=8192,
+                        precision="megatron-bf16", stage_layers=(10, 6, 6, 10))
+    inputs = {"model": "llama-3.1-8b", "hardware": "h100-sxm", "devices": 16,
+              "strategy": strategy.model_dump(mode="json"), "runtime": "pytorch", "attention": "sdpa"}
+    command, missing = reproduce_command(inputs)
+    assert missing == []
+    parser = argparse.ArgumentParser()
+    add_strategy_arguments(parser)
+    parser.add_argument("--attention")
+    argv = shlex.split(command)[2:]
+    args = parser.parse_args(argv)
+    assert strategy_from_settings(gather_settings(args)) == strategy
+    assert args.attention == "sdpa"
+
+
+# ------------------------------------------------------------------ the real search's output
+@pytest.fixture(scope="module")
+def real_search() -> dict[str, Any]:
+    import contextlib
+    import io
+
+    from ndplan.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "16", "--gbs", "64",
+                     "--json"])
+    assert code == 0
+    return json.loads(out.getvalue())
+
+
+def test_report_of_ndplan_search_json(real_search: dict[str, Any], tmp_path: Path) -> None:
+    from ndplan.report.cli import enrich
+
+    result = enrich(real_search)
+    d = prepare(result)
+    assert d["kind"] == "search" and d["search"]["n_total"] == real_search["evaluated"]
+    assert d["search"]["n_feasible"] == real_search["fitting"] and d["search"]["n_given"] == 0
+    assert len(d["search"]["front_step_s"]) == len(real_search["pareto"])
+    assert d["perf_bars"] and d["perf_bars"][0]["label"].startswith("#1 ")  # flat compute_s, tp_s, ... read
+    assert d["timeline"]["how"] == "durations"  # the #1's stage times drive the timeline
+    assert [m["name"] for m in d["memory"]] == ["#1 ranked"]
+    assert d["memory"][0]["stages"][0]["categories"]  # per-stage breakdown recomputed and matching
+    text = render_html(result)
+    data = _data_block(text)
+    assert {"chart-pareto", "chart-time", "chart-timeline", "chart-memory-0-0"} <= set(data["charts"])
+    table = re.search(r'<table class="ndp sortable" id="ndp-top">(.*?)</table>', text, re.S)
+    assert table and "strategy.dp" not in table.group(1) and "model flops" not in table.group(1)
+
+
+def test_search_result_object_and_candidate_cloud(real_search: dict[str, Any]) -> None:
+    from ndplan.report.data import candidate_cloud
+    from ndplan.search.run import SearchResult
+
+    rng = np.random.default_rng(2)
+    step, peak = rng.uniform(1, 5, 100_000), rng.uniform(1e10, 8e10, 100_000)
+    obj = SearchResult(space_size=200_000, evaluated=150_000, fitting=100_000, rejected={}, ranked=real_search["ranked"],
+                       pareto=[], candidates_time_s=step, candidates_peak_bytes=peak,
+                       memory_limit_bytes=85_020_639_232, smallest_peak_bytes=1e10)
+    d = prepare(obj, max_points=2000)
+    assert d["search"]["n_total"] == 150_000 and d["search"]["n_given"] == 100_000
+    assert len(d["search"]["front_step_s"]) == len(pareto_front(step, peak))
+    cloud = candidate_cloud(step, peak, max_points=3000)
+    assert len(cloud["step_s"]) <= 3000 + len(pareto_front(step, peak)) and cloud["n_total"] == 100_000
+    saved = prepare({"candidates": json.loads(json.dumps(cloud)), "memory_limit_bytes": 85_020_639_232})["search"]
+    assert saved["n_total"] == 100_000 and np.array_equal(saved["front_step_s"], d["search"]["front_step_s"])
