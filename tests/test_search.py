@@ -23,12 +23,12 @@ TINY_MOE = ModelSpec(
 DEVICE = get_device("h100-sxm")
 
 
-def _space(devices=8, gbs=16, seq=1024):
-    return default_space(TINY_MOE, DEVICE, devices, gbs, seq, get_precision("megatron-bf16"))
+def _space(devices=8, gbs=16, seq=1024, dims=None):
+    return default_space(TINY_MOE, DEVICE, devices, gbs, seq, get_precision("megatron-bf16"), dims=dims)
 
 
 def test_search_equals_brute_force_with_the_single_strategy_api():
-    space = _space()
+    space = _space(dims=("tp", "sp", "ep", "etp", "pp", "schedule", "zero", "recompute"))
     limit = 2 * 2**30
     options = MemoryOptions()
     result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, options=options,
@@ -52,18 +52,23 @@ def test_search_equals_brute_force_with_the_single_strategy_api():
         assert row["peak_bytes"] == round(peak)
 
 
+RULES_MODEL = TINY_MOE.model_copy(update={
+    "hidden_size": 320, "num_attention_heads": 20, "num_kv_heads": 2, "head_dim": 16, "ffn_hidden_size": 480,
+    "moe_ffn_hidden_size": 45,
+})
+
+
 def test_every_rejection_reason_is_reachable_and_counted():
-    space = _space(devices=12, gbs=18, seq=1026)
-    result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=300 * 2**20)
+    space = default_space(RULES_MODEL, DEVICE, 24, 36, 1026, get_precision("megatron-bf16"))
+    result = run_search(RULES_MODEL, DEVICE, space, step_time_batch, memory_limit_bytes=300 * 2**20)
     assert sum(result.rejected.values()) + result.fitting == space.size
     reached = {name for name, count in result.rejected.items() if count}
     unreachable_here = {"shard_group_divides_dp", "shard_group_needs_zero", "recompute_layers_fit_stage",
                         "recompute_layers_need_recompute", "seq_chunks_need_seq1f1b", "fsdp_is_zero3",
-                        "cp_hybrid_degree", "tp_divides_heads", "tp_divides_kv_heads", "tp_divides_ffn",
-                        "tp_divides_shared_experts", "ep_needs_experts", "ep_divides_experts", "etp_divides_moe_ffn",
+                        "cp_hybrid_degree", "tp_divides_ffn", "tp_divides_shared_experts", "ep_needs_experts",
                         "vpp_needs_virtual_schedule", "interleaved_needs_vpp", "v_schedule_needs_vpp2"}
-    # The space only draws values the model allows for these, so they never fire in a search;
-    # test_strategy/test_cli reach each of them directly.
+    # The space never draws these combinations (it pairs schedules with their vpp, sets fsdp with
+    # zero 3, has no shard groups or recompute layer counts); test_strategy/test_cli reach each.
     assert {r.name for r in RULES} - unreachable_here | {OVER_MEMORY} <= reached
 
 

@@ -78,10 +78,12 @@ class SearchSpace:
         pipeline = options[column.pop("schedule")]
         tp, pp, cp = column["tp"], column["pp"], column["cp"]
         model_parallel = tp * pp * cp
-        dp = np.where(self.num_devices % model_parallel == 0, self.num_devices // model_parallel, 0)
+        # Where the devices or the batch do not divide, take the floor (at least 1): the world-size
+        # and global-batch rules then reject the candidate and count it, and every index still
+        # maps to a well-formed Strategy.
+        dp = np.maximum(self.num_devices // model_parallel, 1)
         mbs = column.pop("mbs")
-        per_step = np.maximum(dp * mbs, 1)
-        micro_batches = np.where(self.global_batch_size % per_step == 0, self.global_batch_size // per_step, 0)
+        micro_batches = np.maximum(self.global_batch_size // (dp * mbs), 1)
         etp = column.pop("etp")
         columns = {
             **column,
@@ -135,11 +137,13 @@ def default_space(
     domain = min(device.scaleup_domain_size, num_devices)
     moe = model.is_moe
     values: dict[str, tuple] = {
-        "tp": tuple(d for d in _divisors(num_devices, domain) if model.num_attention_heads % d == 0),
+        # Values are limited by the cluster only; what the model forbids is left to the rules,
+        # so the search can say how many candidates each rule removed.
+        "tp": tuple(_divisors(num_devices, domain)),
         "sp": (0, 1),
-        "cp": tuple(d for d in _divisors(num_devices, 16) if seq_length % (2 * d) == 0),
+        "cp": tuple(_divisors(num_devices, 16)),
         "cp_kind": ("ring", "ulysses"),
-        "ep": tuple(d for d in _divisors(model.num_experts) if num_devices % d == 0) if moe else (1,),
+        "ep": tuple(_divisors(num_devices, model.num_experts)) if moe else (1,),
         "etp": (1, 0) if moe else (0,),
         "pp": tuple(d for d in _divisors(num_devices, model.num_layers)),
         "schedule": PIPELINE_OPTIONS,
