@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ndplan.balance import (
-    BalanceProblem, LayerCost, evaluate, solve_brute_force, solve_exact, solve_heuristic, uniform_plan,
+    BalanceProblem,
+    LayerCost,
+    evaluate,
+    solve_brute_force,
+    solve_exact,
+    solve_heuristic,
+    uniform_plan,
 )
 
 GIB = 2**30

@@ -223,3 +223,16 @@ def test_steady_state_cap_gives_the_same_peaks(schedule, pp, vpp, seq_chunks):
         for _ in range(5):
             per_b, per_w = rng.random((pp, vpp)), rng.random((pp, vpp))
             np.testing.assert_allclose(full.peak_weighted(per_b, per_w), capped.peak_weighted(per_b, per_w))
+
+
+@pytest.mark.parametrize("schedule,pp,vpp,m,seq_chunks", [("gpipe", 4, 1, 16, 1), ("1f1b", 1, 1, 8, 1), ("seq1f1b", 1, 1, 4, 4),
+                                                         ("zb-h1", 1, 1, 4, 1)])
+def test_closed_form_frontiers_equal_the_simulation(schedule, pp, vpp, m, seq_chunks):
+    from ndplan.memory.estimate import _frontier
+    from ndplan.schedule import in_flight
+
+    flight = in_flight(schedule, pp, vpp, m, seq_chunks)
+    for stage, rows in enumerate(_frontier(schedule, pp, vpp, m, seq_chunks)):
+        for weights in (np.array([1.0, 0.5]), np.array([0.5, 1.0])):
+            held = np.hstack([flight.stages[stage].held_until_b, flight.stages[stage].held_until_w])
+            assert np.max(rows @ weights) == pytest.approx(np.max(held @ weights))

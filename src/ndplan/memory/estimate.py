@@ -125,6 +125,16 @@ class LayerActivations:
     backward_extra: dict[str, np.ndarray]  # kind -> one layer's backward working set
     mtp_extra: np.ndarray
 
+    def take(self, index: np.ndarray) -> LayerActivations:
+        """The same figures for a subset of the strategies."""
+        values = {}
+        for name, value in vars(self).items():
+            if isinstance(value, dict):
+                values[name] = {k: np.broadcast_to(v, (self.norm.shape[0],))[index] for k, v in value.items()}
+            else:
+                values[name] = np.broadcast_to(value, (self.norm.shape[0],))[index]
+        return LayerActivations(**values)
+
 
 @lru_cache(maxsize=64)
 def shipped_census(model: ModelSpec) -> tuple[CensusRecord, ...]:
@@ -247,6 +257,14 @@ def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
 def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
     """Per stage, the op-boundary rows [held_until_b | held_until_w] that can be the maximum of
     a non-negative weighting: rows dominated by another row are dropped (usually most)."""
+    if schedule == "gpipe" or (pp == 1 and vpp == 1):
+        # GPipe runs every forward before any backward: each stage holds all m micro-batches.
+        # A single stage holds one micro-batch (all its sub-sequences under Seq1F1B) at a time.
+        # With a split backward, W may still wait after B while nothing else is held.
+        rows = [[float(m), 0.0]] if schedule == "gpipe" else [[1.0, 0.0]]
+        if schedule in SPLIT_BACKWARD:
+            rows.append([0.0, 1.0])
+        return tuple(np.array(rows) for _ in range(pp))
     flight = in_flight(schedule, pp, vpp, steady_micro_batches(schedule, pp, vpp, m), seq_chunks)
     return tuple(_undominated(np.hstack([stage.held_until_b, stage.held_until_w])) for stage in flight.stages)
 
@@ -311,8 +329,9 @@ def stage_memory(
             "static": {k: np.zeros((n, max_pp)) for k in STATIC_KINDS},
             "activations": {k: np.zeros((n, max_pp)) for k in ACTIVATION_KINDS},
         }
+    acts = layer_activations(model, batch, options)
     for key, index in batch.groups(PIPELINE_SHAPE):
-        out = _evaluate_group(model, batch.take(index), options, key, index, kinds, stage_layers)
+        out = _evaluate_group(model, batch.take(index), options, key, index, kinds, stage_layers, acts.take(index))
         pp = out["device"].shape[1]
         for name in names:
             result[name][index, :pp] = out[name]
@@ -327,8 +346,9 @@ def peak_memory(
     options = options or MemoryOptions()
     peak = np.zeros(len(batch))
     stage = np.zeros(len(batch), dtype=np.int64)
+    acts = layer_activations(model, batch, options)
     for key, index in batch.groups(PIPELINE_SHAPE):
-        device = _evaluate_group(model, batch.take(index), options, key, index, None, None)["device"]
+        device = _evaluate_group(model, batch.take(index), options, key, index, None, None, acts.take(index))["device"]
         stage[index] = np.argmax(device, axis=1)
         peak[index] = device[np.arange(len(index)), stage[index]]
     return peak, stage
@@ -342,6 +362,7 @@ def _evaluate_group(
     index: np.ndarray,
     kinds: dict[str, dict[str, np.ndarray]] | None,
     stage_layers: tuple[int, ...] | None,
+    acts: LayerActivations,
 ) -> dict[str, np.ndarray]:
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays."""
     schedule_code, pp, vpp, m, seq_chunks, embedding_as_layer, output_as_layer = key
@@ -415,7 +436,6 @@ def _evaluate_group(
             kinds["static"][static_kind][index, :pp] += np.where(offload, 0.0, share) if category == "optimizer" else share
 
     # ---- activations held across the schedule
-    acts = layer_activations(model, batch, options)
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
     layer_counts = placement.layers
     recompute_on = ~batch.is_("recompute", "none")

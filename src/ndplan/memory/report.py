@@ -17,8 +17,7 @@ from ndplan.memory.estimate import (
     stage_memory,
 )
 from ndplan.memory.static import layer_elements, sharding_factors
-from ndplan.model.spec import MlpKind
-from ndplan.model.spec import ModelSpec
+from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
 from ndplan.schedule import in_flight
 from ndplan.strategy import Strategy, StrategyBatch

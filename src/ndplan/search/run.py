@@ -24,6 +24,7 @@ from ndplan.strategy.strategy import Strategy
 
 TimeFunction = Callable[[ModelSpec, StrategyBatch, Cluster], dict[str, np.ndarray]]
 OVER_MEMORY = "over_memory_limit"
+DUPLICATE = "duplicate_candidate"
 
 
 @dataclass
@@ -92,7 +93,7 @@ def run_search(
     limit = int(memory_limit_bytes or device.memory_bytes)
     cluster = Cluster(device=device, num_devices=space.num_devices)
     context = RuleContext(model, space.num_devices)
-    rejected = {rule.name: 0 for rule in RULES} | {OVER_MEMORY: 0}
+    rejected = {DUPLICATE: 0} | {rule.name: 0 for rule in RULES} | {OVER_MEMORY: 0}
     kept_index, kept_time, kept_peak, kept_stage = [], [], [], []
     kept_extra: dict[str, list[np.ndarray]] = {}
     all_time, all_peak = [], []
@@ -100,7 +101,8 @@ def run_search(
     smallest_peak = np.inf
     done = 0
     for index, batch in space.blocks(block_size):
-        alive = np.ones(len(batch), bool)
+        alive = ~space.duplicates(index)
+        rejected[DUPLICATE] += int(np.count_nonzero(~alive))
         for rule in RULES:  # in order: each candidate is charged to the first rule it breaks
             holds = rule.holds(batch, context)
             rejected[rule.name] += int(np.count_nonzero(alive & ~holds))

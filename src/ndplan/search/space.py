@@ -101,6 +101,19 @@ class SearchSpace:
         }
         return StrategyBatch.from_columns(columns, self.precision)
 
+    def duplicates(self, index: np.ndarray) -> np.ndarray:
+        """Candidates that are another candidate under a second name: etp "same as tp" when
+        tp = 1 (etp = 1 is listed too), and a Ulysses context group of size 1 (cp = 1 is ring)."""
+        digits = dict(zip(DIMENSIONS, np.unravel_index(index, self.sizes), strict=True))
+        tp = self._codes("tp")[digits["tp"]]
+        etp = self._codes("etp")[digits["etp"]]
+        cp = self._codes("cp")[digits["cp"]]
+        kind = self._codes("cp_kind")[digits["cp_kind"]]
+        same_etp = (etp == 0) & (tp == 1) & np.isin(1, self.etp)
+        ring = encode("cp_kind", "ring")
+        same_cp = (cp == 1) & (kind != ring) & (ring in self._codes("cp_kind"))
+        return np.asarray(same_etp | same_cp)
+
     def _codes(self, name: str) -> np.ndarray:
         """The dimension's values as integers (categorical names as their codes; the pipeline
         dimension as positions in ``schedule``)."""
