@@ -247,7 +247,7 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
             for r, option in enumerate(problem.options):
                 for m in of_kind[position_in_kind:position_in_kind + x[k(v, g, r)]]:
                     recompute[m] = option
-                position_in_kind += x[k(v, g, r)]
+                position_in_kind += int(x[k(v, g, r)])
         layer += count
     plan = Plan(counts, tuple(recompute))
     return plan, evaluate(problem, plan)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -127,7 +127,7 @@ class LayerActivations:
 
     def take(self, index: np.ndarray) -> LayerActivations:
         """The same figures for a subset of the strategies."""
-        values = {}
+        values: dict[str, Any] = {}
         for name, value in vars(self).items():
             if isinstance(value, dict):
                 values[name] = {k: np.broadcast_to(v, (self.norm.shape[0],))[index] for k, v in value.items()}
