@@ -203,24 +203,22 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
                     coefficients[y(layer, v)] = -1.0
             add(coefficients, 0, 0)
     objective = np.zeros(n)
-    constant = 0.0
     for s in range(problem.pp):
         memory: dict[int, float] = {}
         time: dict[int, float] = {z: -1.0}
         fixed_memory = float(problem.fixed_bytes[s])
         fixed_time = 0.0
-        for v in np.flatnonzero(problem.stage_of == s):
+        for virtual in (int(i) for i in np.flatnonzero(problem.stage_of == s)):
             for g, kind in enumerate(kinds):
                 for r, option in enumerate(problem.options):
                     cost = problem.costs[(kind, option)]
-                    memory[k(int(v), g, r)] = cost.static_bytes + in_flight[v] * cost.activation_bytes
-                    time[k(int(v), g, r)] = cost.time_s
-                    objective[k(int(v), g, r)] += cost.time_s
+                    memory[k(virtual, g, r)] = cost.static_bytes + in_flight[virtual] * cost.activation_bytes
+                    time[k(virtual, g, r)] = cost.time_s
+                    objective[k(virtual, g, r)] += cost.time_s
             for end, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
-                if v == end:
-                    fixed_memory += extra.static_bytes + in_flight[v] * extra.activation_bytes
+                if virtual == end:
+                    fixed_memory += extra.static_bytes + in_flight[virtual] * extra.activation_bytes
                     fixed_time += extra.time_s
-        constant += fixed_time
         add(memory, -np.inf, problem.memory_limit_bytes - fixed_memory)
         add(time, -np.inf, -fixed_time)
     objective[z] = problem.num_micro_batches - 1
