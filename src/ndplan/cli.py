@@ -114,9 +114,21 @@ def cmd_hardware(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- check
+def _settings_and_model(args: argparse.Namespace) -> tuple[dict[str, Any], ModelSpec, Any]:
+    """Settings from --from CONFIG (a framework's launch config), a --plan file and flags, in
+    rising priority, and the model they name."""
+    from ndplan.io.cli import merge_settings, model_for, print_messages, read_from_args
+
+    result = read_from_args(args)
+    print_messages(result)
+    settings = merge_settings(result, gather_settings(args))
+    if result is None:
+        return settings, load_model(_require(settings, "model", "--model")), None
+    return settings, model_for(settings, result), result
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    settings = gather_settings(args)
-    model = load_model(_require(settings, "model", "--model"))
+    settings, model, _ = _settings_and_model(args)
     if settings.get("hardware"):
         from ndplan.hardware import resolve_device
 
@@ -158,8 +170,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from ndplan.hardware import resolve_device
     from ndplan.memory import estimate
 
-    settings = gather_settings(args)
-    model = load_model(_require(settings, "model", "--model"))
+    settings, model, read = _settings_and_model(args)
+    if read is not None and args.loss_parallel is None:
+        args.loss_parallel = read.runtime_settings.get("loss_parallel")
     device = resolve_device(_require(settings, "hardware", "--hardware"))
     strategy = strategy_from_settings(settings)
     report = estimate(model, strategy, device, _memory_options(args), num_devices=settings.get("devices"))
@@ -356,18 +369,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_hardware)
 
+    from ndplan.io.cli import add_from_argument, add_inspect_arguments, cmd_inspect
+
     p = sub.add_parser("check", help="validate a strategy for a model and cluster; print every violated rule")
     add_strategy_arguments(p)
+    add_from_argument(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("estimate", help="per-stage memory of a strategy (and step time)")
     add_strategy_arguments(p)
+    add_from_argument(p)
     add_runtime_arguments(p)
     p.add_argument("--explain", action="store_true", help="print every term of the peak stage with its formula")
     p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("inspect", help="show the model, cluster and strategy ndplan reads from a framework config")
+    add_inspect_arguments(p)
+    p.set_defaults(func=cmd_inspect)
 
     from ndplan.report.cli import add_report_command
 

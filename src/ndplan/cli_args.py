@@ -27,6 +27,7 @@ _STRATEGY_KEYS = {
     "num_micro_batches": "num_micro_batches", "gbs": "global_batch_size", "seq": "seq_length",
     "precision": "precision",
 }
+_STRATEGY_KEYS.update(embedding_as_layer="embedding_as_layer", output_as_layer="output_as_layer")
 _PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "devices"}
 
 

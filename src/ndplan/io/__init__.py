@@ -1,0 +1,159 @@
+"""Read the training configs users already have, and write ndplan's strategies back as them.
+
+``read_config(path)`` recognises a Megatron-LM / MindSpeed-LLM launch script or argument
+file, a torchtitan job TOML, a HyperParallel or MindFormers training YAML, or a Hugging Face
+``config.json``, and returns a :class:`ReadResult`: the model, the strategy settings in
+plan-file keys, the device count and a warning for everything it cannot represent.
+``emit(model, strategy, fmt)`` writes a strategy as ``megatron`` arguments, a ``torchtitan``
+TOML section set, or ``hyperparallel`` / ``mindformers`` YAML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ndplan.errors import NdplanError
+from ndplan.io import hyperparallel, megatron, mindformers, torchtitan
+from ndplan.io.common import (
+    FIELD_TO_PLAN,
+    PLAN_TO_FIELD,
+    ReadResult,
+    canonical_strategy,
+    load_json,
+    load_yaml,
+    precision_setting,
+    read_text,
+)
+from ndplan.io.megatron_emit import emit_megatron
+from ndplan.model.presets import load_model, load_model_file
+from ndplan.model.spec import ModelSpec
+from ndplan.strategy.strategy import Strategy
+
+__all__ = [
+    "EMIT_FORMATS", "PLAN_TO_FIELD", "READ_FORMATS", "ReadResult", "canonical_strategy", "detect_format", "emit",
+    "read_config",
+]
+
+READ_FORMATS: tuple[str, ...] = ("megatron", "torchtitan", "hyperparallel", "mindformers", "hf")
+EMIT_FORMATS: tuple[str, ...] = ("megatron", "torchtitan", "hyperparallel", "mindformers")
+
+_EMITTERS: dict[str, Callable[[ModelSpec | None, Strategy], str]] = {
+    "megatron": emit_megatron,
+    "torchtitan": torchtitan.emit,
+    "hyperparallel": hyperparallel.emit,
+    "mindformers": mindformers.emit,
+}
+
+_MINDFORMERS_KEYS = {"parallel_config", "recompute_config", "runner_config", "moe_config", "runner_wrapper"}
+_HYPERPARALLEL_KEYS = {"accelerator", "fsdp_config", "plan_overrides", "activation_checkpoint", "gradient_checkpointing"}
+_MEGATRON_HINTS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+                   "global_batch_size", "num_layers", "seq_length", "use_distributed_optimizer"}
+
+
+def _structured(path: Path, text: str, kind: str) -> Any:
+    return load_json(path, text) if kind == "json" else load_yaml(path, text)
+
+
+def detect_format(path: str | Path, text: str | None = None) -> tuple[str, str]:
+    """(format, syntax) of a config file: by extension, then by the keys it holds."""
+    path = Path(path)
+    text = read_text(path) if text is None else text
+    suffix = path.suffix.lower()
+    if suffix in (".sh", ".bash", ".zsh"):
+        return "megatron", "shell"
+    if suffix == ".toml":
+        return "torchtitan", "toml"
+    if suffix in (".json", ".yaml", ".yml"):
+        kind = "json" if suffix == ".json" else "yaml"
+        data = _structured(path, text, kind)
+        if isinstance(data, dict):
+            keys = set(data)
+            model = data.get("model")
+            if keys & _MINDFORMERS_KEYS or (isinstance(model, dict) and "model_config" in model):
+                return "mindformers", kind
+            if keys & _HYPERPARALLEL_KEYS or (isinstance(model, dict) and "_target_" in model):
+                return "hyperparallel", kind
+            if "model_type" in keys and ("num_hidden_layers" in keys or "architectures" in keys or "text_config" in keys):
+                return "hf", kind
+            flat = {str(k).lstrip("-").replace("-", "_") for k in keys}
+            if flat & _MEGATRON_HINTS:
+                return "megatron", kind
+        raise NdplanError(
+            f"{path}: cannot tell which framework this {kind.upper()} file configures (no parallel_config, "
+            "accelerator, model_type or Megatron argument names); pass --from-format"
+        )
+    if text.startswith("#!") or "torchrun" in text or "pretrain_" in text or "--tensor-model-parallel-size" in text:
+        return "megatron", "shell"
+    raise NdplanError(f"{path}: unknown config file type {suffix or '(no extension)'}; "
+                      f"known: .sh (Megatron), .toml (torchtitan), .yaml/.json (HyperParallel, MindFormers, "
+                      "Megatron arguments, Hugging Face config.json)")
+
+
+def read_config(
+    path: str | Path, model: ModelSpec | str | None = None, devices: int | None = None, fmt: str | None = None,
+) -> ReadResult:
+    """Read a framework config. ``model`` (a ModelSpec, preset name or config path) completes or
+    overrides the model the file describes; ``devices`` gives the world size where the file
+    has none (and must agree with it where it has one)."""
+    path = Path(path)
+    text = read_text(path)
+    base = load_model(model) if isinstance(model, str) else model
+    if fmt is None:
+        fmt, kind = detect_format(path, text)
+    else:
+        if fmt not in READ_FORMATS:
+            raise NdplanError(f"unknown config format '{fmt}'; known: {', '.join(READ_FORMATS)}")
+        suffix = path.suffix.lower()
+        kind = {".toml": "toml", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(suffix, "shell")
+    if fmt == "megatron":
+        result = megatron.read(path, text, kind, base, devices)
+    elif fmt == "torchtitan":
+        result = torchtitan.read(path, text, base, devices)
+    elif fmt == "hyperparallel":
+        result = hyperparallel.read(path, text, base, devices)
+    elif fmt == "mindformers":
+        result = mindformers.read(path, text, base, devices)
+    else:
+        spec = base if base is not None else load_model_file(path)
+        result = ReadResult(format="hf", source=str(path), model=spec)
+    _normalise(result)
+    return result
+
+
+def _normalise(result: ReadResult) -> None:
+    """Write the settings in ndplan's normal form (see ``canonical_strategy``) when they are complete."""
+    if result.model is None or not result.strategy_settings:
+        return
+    try:
+        strategy = result.strategy()
+    except (NdplanError, ValidationError):
+        return  # incomplete (no world size) or inconsistent: leave it for the caller's checks
+    normal = canonical_strategy(strategy, result.model)
+    for name in ("stage_layers", "embedding_as_layer", "output_as_layer", "shard_group", "reshard_after_forward",
+                 "recompute_layers"):
+        key = FIELD_TO_PLAN[name]
+        value = getattr(normal, name)
+        if name == "stage_layers" and value is None:
+            result.strategy_settings.pop(key, None)
+        elif key in result.strategy_settings or value != getattr(Strategy(), name):
+            result.strategy_settings[key] = value
+    if "precision" in result.strategy_settings:
+        result.strategy_settings["precision"] = precision_setting(normal.precision)
+
+
+def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str) -> str:
+    """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
+    with a model, the layer placement is exact and Megatron gets the architecture flags.
+    What the format cannot express is listed in a comment at the top."""
+    if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
+        model, strategy = strategy, model  # accept (strategy, model, fmt) too
+    if not isinstance(strategy, Strategy):
+        raise NdplanError("emit needs a Strategy")
+    if fmt not in _EMITTERS:
+        raise NdplanError(f"unknown output format '{fmt}'; known: {', '.join(EMIT_FORMATS)}")
+    return _EMITTERS[fmt](model if isinstance(model, ModelSpec) else None, strategy)
+

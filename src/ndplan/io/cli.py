@@ -1,0 +1,176 @@
+"""Command-line pieces for reading framework configs: ``--from`` for the planning commands, and
+``ndplan inspect``, which shows what ndplan understood from a config (and can convert it).
+
+The lead wires them in ``ndplan/cli.py``; nothing here registers itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from ndplan.errors import NdplanError
+from ndplan.io import EMIT_FORMATS, READ_FORMATS, ReadResult, emit, read_config
+from ndplan.model.hf import first_validation_error
+from ndplan.model.presets import load_model
+from ndplan.model.spec import ModelSpec
+from ndplan.strategy.strategy import Strategy
+
+#: Settings derived from others; a flag that changes their inputs makes the file's value stale.
+_DERIVED = {
+    "dp": {"tp", "pp", "cp", "devices"},
+    "num_micro_batches": {"dp", "tp", "pp", "cp", "devices", "mbs", "gbs"},
+    "stage_layers": {"pp", "vpp", "model"},
+    "shard_group": {"dp", "tp", "pp", "cp", "devices"},
+}
+
+
+def add_from_argument(parser: argparse.ArgumentParser) -> None:
+    """``--from CONFIG`` (and ``--from-format``) for commands that take a strategy."""
+    group = parser.add_argument_group("framework config")
+    group.add_argument("--from", dest="from_config", type=Path, metavar="CONFIG",
+                       help="read model, strategy and cluster from a Megatron-LM/MindSpeed launch script or argument "
+                            "file, a torchtitan TOML, a HyperParallel or MindFormers YAML, or a config.json "
+                            "(flags and --plan settings win)")
+    group.add_argument("--from-format", choices=READ_FORMATS, help="the config's format (default: detected)")
+
+
+def read_from_args(args: argparse.Namespace) -> ReadResult | None:
+    """Read ``--from`` with ``--model`` as the base model and ``--devices`` as the world size."""
+    path = getattr(args, "from_config", None)
+    if not path:
+        return None
+    model = getattr(args, "model", None)
+    return read_config(path, model=model, devices=getattr(args, "devices", None),
+                       fmt=getattr(args, "from_format", None))
+
+
+def merge_settings(result: ReadResult | None, settings: dict[str, Any]) -> dict[str, Any]:
+    """The file's settings overlaid with ``settings`` (plan file and flags, which win). A file
+    value derived from something the flags change (dp from tp, micro-batches from the batch
+    sizes...) is dropped so ``strategy_from_settings`` derives it again."""
+    if result is None:
+        return dict(settings)
+    given = {k: v for k, v in settings.items() if v is not None}
+    merged = dict(result.strategy_settings)
+    if result.devices and "devices" not in given:
+        merged["devices"] = result.devices
+    for key, inputs in _DERIVED.items():
+        if key not in given and inputs & set(given):
+            merged.pop(key, None)
+    merged.update(given)
+    return merged
+
+
+def model_for(settings: dict[str, Any], result: ReadResult | None) -> ModelSpec:
+    """The model: the one the config described (over ``--model`` when both are given), else
+    ``--model``/the plan file's model."""
+    if result is not None and result.model is not None:
+        return result.model
+    name = settings.get("model")
+    if isinstance(name, ModelSpec):
+        return name
+    if not name:
+        where = f" and {result.source} does not describe one" if result is not None else ""
+        raise NdplanError(f"missing --model (give it as a flag or in the --plan file){where}")
+    return load_model(str(name))
+
+
+def print_messages(result: ReadResult | None, stream: Any = None) -> None:
+    """Each warning as ``ndplan: warning: ...`` on stderr (for the planning commands)."""
+    if result is None:
+        return
+    stream = stream or sys.stderr
+    for warning in result.warnings:
+        print(f"ndplan: warning: {warning}", file=stream)
+
+
+# ---------------------------------------------------------------- ndplan inspect
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path, help="a launch script, job TOML, training YAML or config.json")
+    parser.add_argument("--model", help="preset or config.json completing or overriding the config's model")
+    parser.add_argument("--devices", type=int, help="world size, when the config does not state it")
+    parser.add_argument("--from-format", choices=READ_FORMATS, help="the config's format (default: detected)")
+    parser.add_argument("--to", choices=EMIT_FORMATS, help="print the strategy in this framework's format instead")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def inspect_summary(result: ReadResult, devices: int | None = None) -> dict[str, Any]:
+    """What ndplan understood, as plain data (the --json output of inspect)."""
+    strategy: Strategy | None = None
+    problem = None
+    try:
+        strategy = result.strategy(devices) if result.strategy_settings else None
+    except (NdplanError, ValidationError) as error:
+        problem = first_validation_error(error) if isinstance(error, ValidationError) else str(error)
+    world = strategy.world_size if strategy is not None else (result.devices or devices)
+    per_node = result.devices_per_node
+    return {
+        "config": result.source,
+        "format": result.format,
+        "model": None if result.model is None else {
+            "name": result.model.name, "model_type": result.model.model_type,
+            "spec": result.model.model_dump(mode="json"),
+        },
+        "cluster": {"devices": world, "devices_per_node": per_node,
+                    "nodes": world // per_node if world and per_node and world % per_node == 0 else None},
+        "strategy": None if strategy is None else {"short": strategy.short(), **strategy.model_dump(mode="json")},
+        "strategy_problem": problem,
+        "runtime": result.runtime_settings,
+        "warnings": result.warnings,
+        "notes": result.notes,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace, console: Console | None = None) -> int:
+    """``ndplan inspect CONFIG``: the model, cluster and strategy ndplan reads from a config."""
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    result = read_config(args.config, model=args.model, devices=args.devices, fmt=args.from_format)
+    summary = inspect_summary(result, args.devices)
+    if args.to:
+        strategy = result.strategy(args.devices)
+        print(emit(result.model, strategy, args.to), end="")
+        for warning in result.warnings:
+            print(f"ndplan: warning: {warning}", file=sys.stderr)
+        return 0
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    model = summary["model"]
+    cluster = summary["cluster"]
+    console.print(f"[bold]{result.source}[/] ({result.format})")
+    console.print(f"model:    {model['name'] + ' (' + model['model_type'] + ')' if model else '[yellow]none[/] (give --model)'}")
+    nodes = f" = {cluster['nodes']} nodes × {cluster['devices_per_node']}" if cluster["nodes"] else ""
+    console.print(f"cluster:  {cluster['devices'] or '[yellow]unknown[/] (give --devices)'} devices{nodes}")
+    strategy = summary["strategy"]
+    if result.format == "hf":
+        console.print("strategy: none (a model config; give the strategy as flags or --plan)")
+        return 0
+    if strategy is None:
+        console.print(f"strategy: [yellow]incomplete[/]{': ' + summary['strategy_problem'] if summary['strategy_problem'] else ''}")
+        shown = {k: v for k, v in result.strategy_settings.items()}
+    else:
+        console.print(f"strategy: [bold]{strategy['short']}[/]")
+        shown = {k: v for k, v in strategy.items() if k != "short"}
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("field")
+    table.add_column("value")
+    for key, value in shown.items():
+        if key == "precision" and isinstance(value, dict):
+            value = f"{value['name']} (param {value['param_bytes']} B, grad {value['grad_bytes']} B, master "\
+                    f"{value['master_weight_bytes']} B, optimizer {value['optimizer_states']}×{value['optimizer_state_bytes']} B, "\
+                    f"{value['compute_dtype']})"
+        table.add_row(key, str(value))
+    console.print(table)
+    for warning in result.warnings:
+        console.print(f"warning: {warning}", style="yellow", markup=False)
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False)
+    return 0

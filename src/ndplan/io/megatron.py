@@ -1,0 +1,463 @@
+"""Read Megatron-LM / MindSpeed-LLM training arguments: a launch script or a JSON/YAML argument file.
+
+Understood: the parallel degrees (TP, PP with virtual stages or a layer layout, CP with its
+communication type, EP/ETP, SP), the distributed optimizer and Megatron/torch FSDP, micro and
+global batch, sequence length, recompute granularity/method/layers, bf16/fp16/fp8 and the
+precision-aware optimizer, optimizer CPU offload, the model flags (see ``megatron_model``) and
+the world size of the ``torchrun``/``torch.distributed.launch``/``deepspeed``/``msrun`` line.
+Flags ndplan knows to be irrelevant to memory and time are accepted silently
+(``megatron_flags.NO_EFFECT``); every other flag it does not interpret is a warning.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ndplan.errors import NdplanError
+from ndplan.io.common import (
+    LineIndex,
+    ReadResult,
+    Source,
+    load_json,
+    load_yaml,
+    make_policy,
+    micro_batches,
+    precision_setting,
+    set_placement,
+)
+from ndplan.io.megatron_args import Args, file_entries, flag_entries, parse_script, world_from_launcher
+from ndplan.io.megatron_model import FlagModel, model_from_flags
+from ndplan.model.spec import ModelSpec
+from ndplan.placement import uniform_layer_counts
+from ndplan.strategy.precision import PrecisionPolicy
+
+FORMAT = "megatron"
+
+_CP_ALGOS = {  # MindSpeed --context-parallel-algo
+    "megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses", "hybrid_cp_algo": "hybrid",
+    "hybrid_adaptive_cp_algo": "hybrid", "adaptive_cp_algo": "ring",
+}
+_CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "ring", "a2a+p2p": "hybrid"}
+_SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def read_script(path: Path, text: str, model: ModelSpec | None, devices: int | None) -> ReadResult:
+    """A launch script: run its assignments, find the training command, interpret its flags."""
+    src = Source(path)
+    warnings: list[str] = []
+    launch = parse_script(src, text)
+    entries = flag_entries(src, launch.arguments, warnings)
+    world, per_node = world_from_launcher(src, launch.launcher, warnings)
+    world_line = launch.launcher[0].line if launch.launcher else None
+    return interpret(Args(src, entries), model, devices, world, per_node, world_line, warnings)
+
+
+def read_args_file(path: Path, text: str, kind: str, model: ModelSpec | None, devices: int | None) -> ReadResult:
+    """A JSON/YAML mapping of Megatron arguments (e.g. a dump of ``args``)."""
+    data = load_json(path, text) if kind == "json" else load_yaml(path, text)
+    lines = LineIndex.from_yaml(text)
+    src = Source(path, lines)
+    args = Args(src, file_entries(src, data, lines))
+    world = args.integer("--world-size")
+    return interpret(args, model, devices, world, None, args.line("--world-size"), [])
+
+
+def interpret(
+    args: Args, base: ModelSpec | None, devices: int | None, world: int | None, per_node: int | None,
+    world_line: int | None, warnings: list[str],
+) -> ReadResult:
+    src = args.src
+    notes: list[str] = []
+    settings: dict[str, Any] = {}
+
+    tp = args.integer("--tensor-model-parallel-size", default=1) or 1
+    pp = args.integer("--pipeline-model-parallel-size", default=1) or 1
+    cp = args.integer("--context-parallel-size", default=1) or 1
+    ep = args.integer("--expert-model-parallel-size", default=1) or 1
+    etp = args.integer("--expert-tensor-parallel-size")
+    if args.has("--moe-tp-extend-ep"):
+        # MindSpeed lends the TP ranks to expert parallelism: experts are not TP-split.
+        ep, etp = ep * tp, 1
+        notes.append("--moe-tp-extend-ep: experts use the tensor-parallel ranks for expert parallelism "
+                     f"(ep = {ep}, etp = 1)")
+    settings.update(tp=tp, pp=pp, cp=cp, ep=ep)
+    if etp is not None:
+        settings["etp"] = etp
+
+    flag_model = model_from_flags(args, base, tp, warnings, notes)
+    model = flag_model.model
+    _world(args, settings, devices, world, world_line, notes, warnings)
+    dp = settings.get("dp")
+
+    sp = args.has("--sequence-parallel")
+    if sp and tp == 1:
+        notes.append("--sequence-parallel has no effect with tp=1 (Megatron turns it off)")
+        sp = False
+    settings["sp"] = sp
+    _context_parallel(args, settings, cp, warnings)
+    _pipeline(args, settings, flag_model, warnings)
+    _sharding(args, settings, warnings, notes)
+    _recompute(args, settings, warnings, notes)
+    settings["precision"] = precision_setting(_precision(args, warnings))
+    _batch(args, settings, dp, warnings, notes)
+
+    warnings.extend(args.leftovers())
+    return ReadResult(
+        format=FORMAT, source=src.name, model=model, strategy_settings=settings,
+        devices=settings.get("dp", 0) * tp * pp * cp or world or devices or None,
+        devices_per_node=per_node, warnings=warnings, notes=notes,
+    )
+
+
+def _world(
+    args: Args, settings: dict[str, Any], devices: int | None, world: int | None, world_line: int | None,
+    notes: list[str], warnings: list[str],
+) -> None:
+    src = args.src
+    tp, pp, cp = settings["tp"], settings["pp"], settings["cp"]
+    model_ranks = tp * pp * cp
+    dp_stated = args.integer("--data-parallel-size")
+    if world and devices and world != devices:
+        raise src.error("world size", f"the launch command gives {world} devices but --devices is {devices}", world_line)
+    world = world or devices
+    if world:
+        if world % model_ranks:
+            raise src.error(
+                "world size", f"{world} devices are not divisible by tp·pp·cp = {tp}·{pp}·{cp} = {model_ranks}",
+                world_line,
+            )
+        settings["dp"] = world // model_ranks
+        if dp_stated and dp_stated != settings["dp"]:
+            raise args.error("--data-parallel-size", f"{dp_stated} but world size {world} / (tp·pp·cp) = {settings['dp']}")
+    elif dp_stated:
+        settings["dp"] = dp_stated
+    else:
+        warnings.append(f"{src.name}: no world size (torchrun --nproc_per_node/--nnodes); "
+                        "give --devices so ndplan can derive the data-parallel degree")
+
+
+def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: list[str]) -> None:
+    algo = args.get("--context-parallel-algo")
+    comm = args.get("--cp-comm-type")
+    ulysses = args.integer("--ulysses-degree-in-cp")
+    sizes = args.values("--hierarchical-context-parallel-sizes")
+    if cp == 1:
+        return
+    kind = "ring"
+    if algo is not None and algo.values:
+        if algo.values[0] not in _CP_ALGOS:
+            raise args.error(algo, f"unknown algorithm {algo.values[0]!r}; known: {', '.join(_CP_ALGOS)}")
+        kind = _CP_ALGOS[algo.values[0]]
+        if algo.values[0] == "adaptive_cp_algo":
+            warnings.append(f"{args.src.where(algo.line)}: --context-parallel-algo adaptive_cp_algo is priced as ring attention")
+    elif comm is not None and comm.values:
+        types = [v for v in comm.values if v]
+        if len(set(types)) > 1:
+            warnings.append(f"{args.src.where(comm.line)}: --cp-comm-type differs per layer ({' '.join(types)}); "
+                            f"ndplan uses {types[0]!r} for every layer")
+        if types[0] not in _CP_COMM:
+            raise args.error(comm, f"unknown type {types[0]!r}; known: {', '.join(_CP_COMM)}")
+        kind = _CP_COMM[types[0]]
+        if types[0] == "allgather":
+            warnings.append(f"{args.src.where(comm.line)}: --cp-comm-type allgather gathers the whole K/V; "
+                            "ndplan prices ring attention (K/V chunks)")
+        if kind == "hybrid" and sizes:
+            try:
+                levels = [int(s) for s in sizes]
+            except ValueError:
+                raise args.error("--hierarchical-context-parallel-sizes", f"expected integers, got {sizes}") from None
+            product = 1
+            for level in levels:
+                product *= level
+            if product != cp:
+                raise args.error("--hierarchical-context-parallel-sizes",
+                                 f"sizes multiply to {product} but --context-parallel-size is {cp}")
+            ulysses = levels[0]
+    settings["cp_kind"] = kind
+    if kind == "hybrid":
+        if not ulysses:
+            flag = "--ulysses-degree-in-cp" if algo else "--hierarchical-context-parallel-sizes"
+            raise args.src.error(flag, "hybrid context parallelism needs the Ulysses degree")
+        settings["ulysses_degree"] = ulysses
+
+
+# ---------------------------------------------------------------- pipeline
+def parse_layout(text: str) -> list[str]:
+    """Megatron's --pipeline-model-parallel-layout: stages (model order) of E/t/m/L symbols."""
+    text = text.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    stages = text.split("|")
+    for stage in stages:
+        bad = set(stage) - set("EtmL")
+        if bad:
+            raise ValueError(f"unknown layer symbol {sorted(bad)[0]!r} (known: E, t, m, L)")
+    return stages
+
+
+def _pipeline(args: Args, settings: dict[str, Any], flag_model: FlagModel, warnings: list[str]) -> None:
+    pp = settings["pp"]
+    slots = flag_model.slots
+    model_layers = flag_model.model.num_layers if flag_model.model else (
+        slots - len(flag_model.noop) if slots is not None else None)
+    emb = args.has("--account-for-embedding-in-pipeline-split")
+    loss = args.has("--account-for-loss-in-pipeline-split")
+    layout = args.get("--pipeline-model-parallel-layout")
+    first = args.integer("--decoder-first-pipeline-num-layers", minimum=0)
+    last = args.integer("--decoder-last-pipeline-num-layers", minimum=0)
+    layer_list = args.get("--num-layer-list")
+    per_virtual = args.integer("--num-layers-per-virtual-pipeline-stage")
+    vpp = args.integer("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size")
+    dualpipe = args.text("--schedules-method")
+    if dualpipe is not None and dualpipe != "dualpipev":
+        raise args.error("--schedules-method", f"unknown method {dualpipe!r}; known: dualpipev")
+
+    counts: list[int] | None = None
+    if layout is not None:
+        try:
+            stages = parse_layout("".join(layout.values))
+        except ValueError as error:
+            raise args.error(layout, str(error)) from None
+        if len(stages) % pp:
+            raise args.error(layout, f"{len(stages)} stages are not a multiple of --pipeline-model-parallel-size {pp}")
+        vpp = len(stages) // pp
+        joined = "".join(stages)
+        if not stages[0].startswith("E") or joined.count("E") != 1 or not stages[-1].endswith("L") or joined.count("L") != 1:
+            raise args.error(layout, "the embedding E must open the first stage and the loss L close the last, once each")
+        if "m" in joined and "m" not in stages[-1]:
+            warnings.append(f"{args.src.where(layout.line)}: MTP layers placed before the last stage; "
+                            "ndplan places MTP modules on the last virtual stage")
+        counts = [stage.count("t") for stage in stages]
+        if slots is not None and sum(counts) != slots:
+            raise args.error(layout, f"the layout has {sum(counts)} decoder layers but --num-layers is {slots}")
+    elif per_virtual is not None:
+        if slots is None:
+            raise args.error("--num-layers-per-virtual-pipeline-stage", "needs --num-layers (or --model) to count stages")
+        units = slots + int(emb) + int(loss)
+        if units % pp or (units // pp) % per_virtual:
+            raise args.error("--num-layers-per-virtual-pipeline-stage",
+                             f"{units} layers over pp={pp} stages do not split into chunks of {per_virtual}")
+        vpp = units // pp // per_virtual
+    if dualpipe:
+        if vpp not in (None, 2):
+            raise args.error("--schedules-method", f"dualpipev holds two chunks per stage, not {vpp}")
+        vpp = 2
+    vpp = vpp or 1
+    settings["vpp"] = vpp
+    settings["schedule"] = "dualpipev" if dualpipe else ("interleaved" if vpp > 1 else "1f1b")
+
+    if layout is None and slots is not None:
+        stages_total = pp * vpp
+        if first is not None or last is not None:
+            counts = _first_last_counts(args, slots, pp, vpp, first, last)
+        elif layer_list is not None:
+            try:
+                counts = [int(x) for x in ",".join(layer_list.values).split(",") if x.strip()]
+            except ValueError:
+                raise args.error(layer_list, f"expected comma-separated integers, got {layer_list.values}") from None
+            if len(counts) != pp or vpp != 1:
+                raise args.error(layer_list, f"needs one count per pipeline stage ({pp}) and no virtual stages")
+            if sum(counts) != slots:
+                raise args.error(layer_list, f"counts sum to {sum(counts)} but --num-layers is {slots}")
+        else:
+            units = slots + int(emb) + int(loss)
+            if pp > 1 and units % stages_total:
+                flag = "--num-layers" if args.has("--num-layers") else "--pipeline-model-parallel-size"
+                raise args.error(flag, f"{units} layers{' (with embedding/loss accounted)' if emb or loss else ''} "
+                                       f"do not split evenly over pp·vpp = {stages_total} stages")
+            counts = list(uniform_layer_counts(slots, stages_total, embedding_as_layer=emb, output_as_layer=loss))
+    if counts is not None and flag_model.noop:
+        counts = _drop_noop(counts, flag_model.noop)
+    if counts is None:
+        set_placement(settings, None, model_layers, embedding_as_layer=emb, output_as_layer=loss)
+    else:
+        set_placement(settings, counts, model_layers)
+
+
+def _first_last_counts(args: Args, slots: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[int]:
+    """Megatron's uneven first/last stages: the rest spreads evenly over the middle stages, and
+    each stage's layers split evenly over its virtual chunks (transformer_layer.py)."""
+    flag = "--decoder-first-pipeline-num-layers" if first is not None else "--decoder-last-pipeline-num-layers"
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle = slots - (first or 0) - (last or 0)
+    if middle < 0 or (middle_stages == 0 and middle != 0) or (middle_stages and middle % middle_stages):
+        raise args.error(flag, f"the other {middle} layers do not split evenly over {middle_stages} middle stages")
+    per_stage = [middle // middle_stages if middle_stages else 0] * pp
+    if first is not None:
+        per_stage[0] = first
+    if last is not None:
+        per_stage[-1] = last
+    if any(n % vpp for n in per_stage):
+        raise args.error(flag, f"stage layer counts {per_stage} do not split over {vpp} virtual chunks")
+    return [per_stage[s] // vpp for _ in range(vpp) for s in range(pp)]
+
+
+def _drop_noop(counts: list[int], noop: frozenset[int]) -> list[int]:
+    """MindSpeed noop layers hold no weights: take them out of the stages that hold them."""
+    out, start = [], 0
+    for count in counts:
+        out.append(count - sum(1 for i in range(start, start + count) if i in noop))
+        start += count
+    return out
+
+
+# ---------------------------------------------------------------- sharding, recompute, precision
+def _sharding(args: Args, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:
+    zero, fsdp, reshard = 0, False, True
+    if args.has("--use-distributed-optimizer"):
+        zero = 1
+    strategy = args.get("--data-parallel-sharding-strategy")
+    if args.has("--use-megatron-fsdp", "--use-custom-fsdp"):
+        name = strategy.values[0] if strategy and strategy.values else "no_shard"
+        if name not in _SHARDING:
+            raise args.error(strategy or "--data-parallel-sharding-strategy",
+                             f"unknown strategy {name!r}; known: {', '.join(_SHARDING)}")
+        zero = max(zero, _SHARDING[name])
+        fsdp = zero == 3
+    elif strategy is not None and strategy.values and strategy.values[0] != "no_shard":
+        warnings.append(f"{args.src.where(strategy.line)}: --data-parallel-sharding-strategy applies only with "
+                        "--use-megatron-fsdp; ignored")
+    if args.has("--use-torch-fsdp2"):
+        zero, fsdp = 3, True
+        reshard = not args.has("--torch-fsdp2-no-reshard-after-forward")
+    settings.update(zero=zero, fsdp=fsdp, reshard=reshard)
+    instances = args.integer("--num-distributed-optimizer-instances", default=1) or 1
+    if instances > 1:
+        if zero == 0:
+            warnings.append(f"{args.src.where(args.line('--num-distributed-optimizer-instances'))}: "
+                            "--num-distributed-optimizer-instances needs a sharded optimizer; ignored")
+        elif "dp" in settings:
+            replicas = settings["dp"] * settings["cp"]
+            if replicas % instances:
+                raise args.error("--num-distributed-optimizer-instances",
+                                 f"{instances} does not divide dp·cp = {replicas}")
+            settings["shard_group"] = replicas // instances
+    offload = args.has("--optimizer-cpu-offload")
+    if args.has("--swap-optimizer"):
+        offload = True
+        notes.append("--swap-optimizer is priced as optimizer offload to the host")
+    fraction = args.get("--optimizer-offload-fraction")
+    if offload and fraction and fraction.values and float(fraction.values[0]) < 1.0:
+        warnings.append(f"{args.src.where(fraction.line)}: --optimizer-offload-fraction {fraction.values[0]}: "
+                        "ndplan offloads the whole optimizer state")
+    settings["optimizer_offload"] = offload
+
+
+def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:
+    granularity = args.text("--recompute-granularity")
+    if args.has("--recompute-activations"):
+        granularity = granularity or "selective"
+    method = args.get("--recompute-method")
+    layers = args.integer("--recompute-num-layers", minimum=0)
+    modules = args.values("--recompute-modules")
+    settings["recompute"], settings["recompute_layers"] = "none", 0
+    if granularity is None:
+        if method is not None:
+            notes.append("--recompute-method has no effect without --recompute-granularity")
+        return
+    if granularity == "selective":
+        if method is not None:
+            raise args.error(method, "Megatron supports no recompute method with --recompute-granularity selective")
+        if modules and set(modules) != {"core_attn"}:
+            warnings.append(f"{args.src.where(args.line('--recompute-modules'))}: --recompute-modules "
+                            f"{' '.join(modules)}: ndplan's selective recompute covers core attention only")
+        settings["recompute"] = "selective"
+        return
+    if granularity != "full":
+        raise args.error("--recompute-granularity", f"expected full or selective, got {granularity!r}")
+    name = method.values[0] if method and method.values else None
+    if name not in ("uniform", "block"):
+        raise args.src.error("--recompute-method", "--recompute-granularity full needs --recompute-method uniform or block",
+                             args.line("--recompute-granularity"))
+    if layers is None:
+        raise args.error("--recompute-granularity", "full recompute needs --recompute-num-layers")
+    settings["recompute"] = "full"
+    if name == "block":
+        settings["recompute_layers"] = layers
+    elif layers != 1:
+        warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-method uniform with "
+                        f"--recompute-num-layers {layers} checkpoints groups of {layers} layers; "
+                        "ndplan keeps one input per layer")
+
+
+def _precision(args: Args, warnings: list[str]) -> PrecisionPolicy:
+    """The byte widths Megatron's mixed precision and (precision-aware) optimizer keep."""
+    bf16, fp16 = args.has("--bf16"), args.has("--fp16")
+    dtype = args.text("--params-dtype") or ""
+    bf16 = bf16 or "bfloat16" in dtype
+    fp16 = fp16 or ("float16" in dtype and "bfloat16" not in dtype)
+    if bf16 and fp16:
+        raise args.error("--fp16", "--bf16 and --fp16 exclude each other")
+    fp8 = args.text("--fp8-format")
+    optimizer = args.text("--optimizer", default="adam") or "adam"
+    if optimizer not in ("adam", "adamw", "sgd", "muon", "dist_muon"):
+        raise args.error("--optimizer", f"unknown optimizer {optimizer!r}")
+    states = 2 if optimizer in ("adam", "adamw") else 1
+    if optimizer in ("muon", "dist_muon"):
+        warnings.append(f"{args.src.where(args.line('--optimizer'))}: --optimizer {optimizer} keeps one state for "
+                        "matrices and Adam's two for the rest; ndplan prices one state everywhere")
+    widths = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+    aware = args.has("--use-precision-aware-optimizer")
+    dtypes = [args.text(flag, default="fp32") for flag in
+              ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")]
+    # Megatron applies these dtypes only with the precision-aware optimizer.
+    main_grads, main_params, avg, avg_sq = dtypes if aware else ["fp32"] * 4
+    for flag, value in (("--main-grads-dtype", main_grads), ("--main-params-dtype", main_params),
+                        ("--exp-avg-dtype", avg), ("--exp-avg-sq-dtype", avg_sq)):
+        if value not in widths:
+            raise args.error(flag, f"unknown dtype {value!r}")
+    assert main_grads and main_params and avg and avg_sq
+    if widths[avg] != widths[avg_sq]:
+        warnings.append(f"{args.src.name}: --exp-avg-dtype {avg} and --exp-avg-sq-dtype {avg_sq} differ; "
+                        f"ndplan prices both at {max(widths[avg], widths[avg_sq])} bytes")
+    if not (bf16 or fp16):
+        if fp8:
+            raise args.error("--fp8-format", "needs --bf16 or --fp16")
+        return make_policy("megatron-fp32", param_bytes=4, grad_bytes=4, master_weight_bytes=0,
+                           optimizer_state_bytes=4, optimizer_states=states, activation_bytes=4,
+                           compute_dtype="fp32", param_gather_bytes=4)
+    grad = 2 if args.has("--grad-reduce-in-bf16") or main_grads == "bf16" else 4
+    compute = "fp8" if fp8 else ("bf16" if bf16 else "fp16")
+    name = f"megatron-{compute}" + ("-grad16" if grad == 2 else "") + ("-lowopt" if aware else "")
+    return make_policy(
+        name, param_bytes=2, grad_bytes=grad, master_weight_bytes=widths[main_params],
+        optimizer_state_bytes=max(widths[avg], widths[avg_sq]), optimizer_states=states,
+        compute_dtype=compute,
+    )
+
+
+def _batch(args: Args, settings: dict[str, Any], dp: int | None, warnings: list[str], notes: list[str]) -> None:
+    mbs = args.integer("--micro-batch-size")
+    if mbs is None:
+        notes.append("no --micro-batch-size (Megatron requires one); ndplan uses 1")
+        mbs = 1
+    settings["mbs"] = mbs
+    seq = args.integer("--seq-length", "--encoder-seq-length")
+    if seq is not None:
+        settings["seq"] = seq
+    else:
+        warnings.append(f"{args.src.name}: no --seq-length; ndplan uses its default unless --seq is given")
+    gbs_arg = args.get("--global-batch-size")
+    gbs = args.integer("--global-batch-size")
+    if dp is None:
+        if gbs is not None:
+            settings["gbs"] = gbs
+        return
+    if gbs is None:
+        gbs = mbs * dp  # Megatron's default: one micro-batch per step
+        notes.append(f"no --global-batch-size: Megatron uses micro-batch size · dp = {gbs}")
+    settings["gbs"] = gbs
+    settings["num_micro_batches"] = micro_batches(
+        args.src, gbs=gbs, dp=dp, mbs=mbs, gbs_field="--global-batch-size",
+        gbs_line=gbs_arg.line if gbs_arg else None,
+    )
+
+
+def read(path: Path, text: str, kind: str, model: ModelSpec | None, devices: int | None) -> ReadResult:
+    if kind == "shell":
+        return read_script(path, text, model, devices)
+    if kind in ("json", "yaml"):
+        return read_args_file(path, text, kind, model, devices)
+    raise NdplanError(f"{path}: not a Megatron argument file")

@@ -1,0 +1,285 @@
+"""Write a strategy (and the model) as a Megatron-LM launch: bash arrays of flags and a torchrun line,
+the style of Megatron-LM's own example scripts. What Megatron cannot express is listed in a
+comment at the top instead of being dropped silently.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from ndplan import __version__
+from ndplan.io.common import canonical_placement, layer_counts, policy_of
+from ndplan.model.spec import ModelSpec
+from ndplan.strategy.strategy import Strategy
+
+Flags = list[tuple[str, Any]]  # (flag, value or None for a switch)
+
+
+def _layout(counts: tuple[int, ...], mtp: int) -> str:
+    """--pipeline-model-parallel-layout for per-stage decoder counts (model order)."""
+    stages = []
+    for i, count in enumerate(counts):
+        text = ("E" if i == 0 else "") + ("t*" + str(count) if count > 1 else "t" * count)
+        if i == len(counts) - 1:
+            text += ("m*" + str(mtp) if mtp > 1 else "m" * mtp) + "L"
+        stages.append(text)
+    out: list[str] = []
+    i = 0
+    while i < len(stages):
+        j = i
+        while j + 1 < len(stages) and stages[j + 1] == stages[i] and "E" not in stages[i] and "L" not in stages[i]:
+            j += 1
+        run = j - i + 1
+        out.append(f"({stages[i]}|)*{run}" if run > 1 else stages[i] + "|")
+        i = j + 1
+    return "".join(out).rstrip("|")
+
+
+def _placement(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
+    flags: Flags = []
+    if s.schedule == "dualpipev":
+        flags.append(("--schedules-method", "dualpipev"))
+        if s.stage_layers is not None:
+            lost.append(f"explicit stage_layers {list(s.stage_layers)} with DualPipeV (MindSpeed splits evenly)")
+        return flags
+    if s.pp == 1:
+        return flags
+    if model is None:
+        if s.stage_layers is not None:
+            flags.append(("--pipeline-model-parallel-layout", _layout(tuple(s.stage_layers), 0)))
+            return flags
+        if s.vpp > 1:
+            flags.append(("--num-virtual-stages-per-pipeline-rank", s.vpp))
+        if s.embedding_as_layer:
+            flags.append(("--account-for-embedding-in-pipeline-split", None))
+        if s.output_as_layer:
+            flags.append(("--account-for-loss-in-pipeline-split", None))
+        return flags
+    layers = model.num_layers
+    counts = layer_counts(s, layers)
+    stage_layers, emb, out = canonical_placement(counts, layers, s.pp, s.vpp)
+    units = layers + int(emb) + int(out)
+    stages = s.pp * s.vpp
+    if stage_layers is None and units % stages == 0:
+        # Megatron's own even split (it asserts divisibility), with the embedding/loss accounting.
+        if emb:
+            flags.append(("--account-for-embedding-in-pipeline-split", None))
+        if out:
+            flags.append(("--account-for-loss-in-pipeline-split", None))
+        if s.vpp > 1:
+            flags.append(("--num-layers-per-virtual-pipeline-stage", units // stages))
+        return flags
+    middle = counts[1:-1]
+    if s.vpp == 1 and (not middle or len(set(middle)) == 1):
+        first, last = counts[0], counts[-1]
+        flags.append(("--decoder-first-pipeline-num-layers", first))
+        flags.append(("--decoder-last-pipeline-num-layers", last))
+        return flags
+    flags.append(("--pipeline-model-parallel-layout", _layout(counts, model.mtp_depth)))
+    return flags
+
+
+def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
+    flags: Flags = [("--tensor-model-parallel-size", s.tp), ("--pipeline-model-parallel-size", s.pp)]
+    if s.schedule in ("gpipe", "zb-h1", "zbv", "seq1f1b"):
+        lost.append(f"schedule {s.schedule!r} (Megatron-LM runs 1F1B, interleaved 1F1B, or MindSpeed's DualPipeV)")
+    if s.seq_chunks > 1:
+        lost.append(f"seq_chunks={s.seq_chunks}")
+    flags += _placement(s, model, lost)
+    if s.cp > 1:
+        flags.append(("--context-parallel-size", s.cp))
+        if s.cp_kind == "ring":
+            flags.append(("--cp-comm-type", "p2p"))
+        elif s.cp_kind == "ulysses":
+            flags.append(("--cp-comm-type", "a2a"))
+        else:
+            flags.append(("--cp-comm-type", "a2a+p2p"))
+            flags.append(("--hierarchical-context-parallel-sizes", f"{s.ulysses_degree} {s.cp // s.ulysses_degree}"))
+    if s.ep > 1:
+        flags.append(("--expert-model-parallel-size", s.ep))
+    if s.etp != s.tp:
+        flags.append(("--expert-tensor-parallel-size", s.etp))
+    if s.sequence_parallel:
+        flags.append(("--sequence-parallel", None))
+    return flags
+
+
+def _memory(s: Strategy, lost: list[str]) -> Flags:
+    flags: Flags = []
+    if s.zero == 1:
+        flags.append(("--use-distributed-optimizer", None))
+    elif s.zero == 2:
+        flags += [("--use-distributed-optimizer", None), ("--use-megatron-fsdp", None),
+                  ("--data-parallel-sharding-strategy", "optim_grads"), ("--ckpt-format", "fsdp_dtensor")]
+    elif s.zero == 3 and not s.reshard_after_forward:
+        flags += [("--use-torch-fsdp2", None), ("--torch-fsdp2-no-reshard-after-forward", None),
+                  ("--ckpt-format", "torch_dist")]
+        if s.pp > 1 or s.ep > 1:
+            lost.append("FSDP2 without resharding together with pipeline or expert parallelism (Megatron refuses it)")
+    elif s.zero == 3:
+        flags += [("--use-distributed-optimizer", None), ("--use-megatron-fsdp", None),
+                  ("--data-parallel-sharding-strategy", "optim_grads_params"), ("--ckpt-format", "fsdp_dtensor")]
+    if s.zero == 3 and not s.fsdp:
+        lost.append("ZeRO-3 without FSDP (Megatron shards parameters only through Megatron/torch FSDP)")
+    if s.zero and s.shard_group:
+        flags.append(("--num-distributed-optimizer-instances", s.dp * s.cp // s.shard_group))
+    if s.optimizer_offload:
+        flags += [("--optimizer-cpu-offload", None), ("--use-precision-aware-optimizer", None)]
+    if s.recompute == "full":
+        flags.append(("--recompute-granularity", "full"))
+        if s.recompute_layers:
+            flags += [("--recompute-method", "block"), ("--recompute-num-layers", s.recompute_layers)]
+        else:
+            flags += [("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
+    elif s.recompute == "selective":
+        flags.append(("--recompute-granularity", "selective"))
+        if s.recompute_layers:
+            lost.append(f"selective recompute limited to {s.recompute_layers} layers per stage")
+    return flags + _precision(s, lost)
+
+
+def _precision(s: Strategy, lost: list[str]) -> Flags:
+    p = policy_of(s.precision)
+    flags: Flags = []
+    if p.compute_dtype == "fp32" and p.param_bytes == 4 and p.master_weight_bytes == 0:
+        if p.optimizer_states != 2 or p.optimizer_state_bytes != 4 or p.grad_bytes != 4:
+            lost.append(f"precision {p.name!r}")
+        return flags
+    if p.param_bytes != 2 or p.master_weight_bytes not in (2, 4) or p.optimizer_state_bytes not in (1, 2, 4):
+        lost.append(f"precision {p.name!r} (Megatron keeps 2-byte parameters with a separate main copy)")
+        return [("--bf16", None)]
+    flags.append(("--fp16", None) if p.compute_dtype == "fp16" else ("--bf16", None))
+    if p.compute_dtype == "fp8":
+        flags.append(("--fp8-format", "hybrid"))
+    if p.grad_bytes == 2:
+        flags.append(("--grad-reduce-in-bf16", None))
+    if p.master_weight_bytes != 4 or p.optimizer_state_bytes != 4:
+        dtype = {1: "fp8", 2: "bf16", 4: "fp32"}[p.optimizer_state_bytes]
+        flags += [("--use-precision-aware-optimizer", None), ("--main-params-dtype", "fp16" if p.master_weight_bytes == 2 else "fp32"),
+                  ("--exp-avg-dtype", dtype), ("--exp-avg-sq-dtype", dtype)]
+    if p.optimizer_states == 1:
+        flags.append(("--optimizer", "sgd"))
+    elif p.optimizer_states != 2:
+        lost.append(f"{p.optimizer_states} optimizer states")
+    if p.activation_bytes != 2:
+        lost.append(f"{p.activation_bytes}-byte activations")
+    return flags
+
+
+def _model(m: ModelSpec, lost: list[str]) -> Flags:
+    flags: Flags = [("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size)]
+    if m.ffn_hidden_size:
+        flags.append(("--ffn-hidden-size", m.ffn_hidden_size))
+    flags.append(("--num-attention-heads", m.num_attention_heads))
+    if m.is_mla:
+        flags.append(("--multi-latent-attention", None))
+        if m.q_lora_rank:
+            flags.append(("--q-lora-rank", m.q_lora_rank))
+        flags += [("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_nope_head_dim),
+                  ("--qk-pos-emb-head-dim", m.qk_rope_head_dim), ("--v-head-dim", m.v_head_dim),
+                  ("--qk-layernorm", None)]
+        if m.num_kv_heads != m.num_attention_heads:
+            lost.append(f"num_kv_heads={m.num_kv_heads} with MLA")
+    else:
+        if m.num_kv_heads != m.num_attention_heads:
+            flags += [("--group-query-attention", None), ("--num-query-groups", m.num_kv_heads)]
+        flags.append(("--kv-channels", m.head_dim))
+        if m.qk_norm:
+            flags.append(("--qk-layernorm", None))
+    flags += [("--padded-vocab-size", m.vocab_size), ("--position-embedding-type", "rope")]
+    if m.max_position_embeddings:
+        flags.append(("--max-position-embeddings", m.max_position_embeddings))
+    if m.norm == "rmsnorm":
+        flags.append(("--normalization", "RMSNorm"))
+    else:
+        flags.append(("--normalization", "LayerNorm"))
+    if m.norm_bias != (m.norm == "layernorm"):
+        lost.append(f"norm_bias={m.norm_bias} with {m.norm}")
+    if m.gated_mlp and m.activation == "silu":
+        flags.append(("--swiglu", None))
+    elif m.gated_mlp and m.activation == "quick_gelu":
+        flags.append(("--quick-geglu", None))
+    elif not m.gated_mlp and m.activation == "relu2":
+        flags.append(("--squared-relu", None))
+    elif m.gated_mlp or not m.activation.startswith("gelu"):
+        lost.append(f"activation {m.activation}{' (gated)' if m.gated_mlp else ''}")
+    if not (m.qkv_bias or m.o_bias or m.mlp_bias):
+        flags.append(("--disable-bias-linear", None))
+    elif m.qkv_bias and not m.o_bias and not m.mlp_bias:
+        flags += [("--disable-bias-linear", None), ("--add-qkv-bias", None)]
+    elif not (m.qkv_bias and m.o_bias and m.mlp_bias):
+        lost.append(f"biases qkv={m.qkv_bias} o={m.o_bias} mlp={m.mlp_bias}")
+    if not m.tie_word_embeddings:
+        flags.append(("--untie-embeddings-and-output-weights", None))
+    if m.is_moe:
+        flags += [("--num-experts", m.num_experts), ("--moe-router-topk", m.num_experts_per_tok),
+                  ("--moe-ffn-hidden-size", m.moe_ffn_hidden_size)]
+        if m.num_shared_experts:
+            flags.append(("--moe-shared-expert-intermediate-size", m.num_shared_experts * m.shared_expert_ffn_hidden_size))
+        if m.shared_expert_gate:
+            lost.append("the shared-expert gate")
+        if m.num_dense_layers:
+            flags.append(("--moe-layer-freq", _pattern(m.layer_mlp_kinds)))
+    if m.mtp_depth:
+        flags.append(("--mtp-num-layers", m.mtp_depth))
+    return flags
+
+
+def _pattern(kinds: tuple[str, ...]) -> str:
+    """Megatron's --moe-layer-freq list expression, run-length encoded: ([0]*3+[1]*58)."""
+    runs: list[list[int]] = []
+    for kind in kinds:
+        bit = 1 if kind == "moe" else 0
+        if runs and runs[-1][0] == bit:
+            runs[-1][1] += 1
+        else:
+            runs.append([bit, 1])
+    return "(" + "+".join(f"[{bit}]*{count}" if count > 1 else f"[{bit}]" for bit, count in runs) + ")"
+
+
+def _array(name: str, flags: Flags) -> list[str]:
+    lines = [f"{name}=("]
+    for flag, value in flags:
+        if value is None:
+            lines.append(f"    {flag}")
+        elif isinstance(value, str) and " " in value and flag == "--hierarchical-context-parallel-sizes":
+            lines.append(f"    {flag} {value}")
+        else:
+            lines.append(f"    {flag} {shlex.quote(str(value))}")
+    lines.append(")")
+    return lines
+
+
+def emit_megatron(model: ModelSpec | None, strategy: Strategy) -> str:
+    """A bash launch for the strategy; the model's architecture flags too when a model is given."""
+    lost: list[str] = []
+    s = strategy
+    model_flags = _model(model, lost) if model is not None else []
+    parallel = _parallel(s, model, lost)
+    memory = _memory(s, lost)
+    batch: Flags = [("--micro-batch-size", s.micro_batch_size), ("--global-batch-size", s.global_batch_size),
+                    ("--seq-length", s.seq_length)]
+    world = s.world_size
+    per_node = 8 if world % 8 == 0 else world
+    header = [
+        "#!/bin/bash",
+        f"# Megatron-LM arguments written by ndplan {__version__}"
+        + (f" for {model.name}" if model is not None else "") + f": {s.short()}",
+    ]
+    if model is None:
+        header.append("# No model given: add the architecture flags (--num-layers, --hidden-size, ...).")
+    for item in lost:
+        header.append(f"# ndplan: not expressible in Megatron-LM, left out: {item}")
+    lines = header + [""]
+    arrays = []
+    if model_flags:
+        lines += _array("MODEL_ARGS", model_flags) + [""]
+        arrays.append("MODEL_ARGS")
+    for name, flags in (("PARALLEL_ARGS", parallel), ("MEMORY_ARGS", memory), ("BATCH_ARGS", batch)):
+        if flags:
+            lines += _array(name, flags) + [""]
+            arrays.append(name)
+    expansions = " ".join(f'"${{{name}[@]}}"' for name in arrays)
+    lines.append(f"torchrun --nproc_per_node {per_node} --nnodes {world // per_node} pretrain_gpt.py {expansions}")
+    return "\n".join(lines) + "\n"

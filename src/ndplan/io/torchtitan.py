@@ -1,0 +1,549 @@
+"""Read and write torchtitan job TOML files.
+
+Understood: ``[model]`` name/flavor (through ``FLAVOURS``) and converters (float8/mx → fp8
+GEMMs); ``[parallelism]`` degrees, FSDP/HSDP (dp_shard = -1 takes the rest of the world),
+fsdp_reshard_after_forward, pipeline schedule/micro-batch size/layers per stage/explicit module
+lists/first-and-last-stage weights, CP, EP/ETP, loss parallel; ``[training]`` local/global batch,
+seq_len, mixed_precision_param, dtype, enable_cpu_offload; ``[activation_checkpoint]``.
+Sections without memory effect (job, metrics, optimizer settings, checkpoint, comm, compile,
+validation...) are accepted as they are. torchtitan always applies sequence parallelism with TP
+and ring attention for CP, so those are not separate settings.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from ndplan.io.common import (
+    ReadResult,
+    Section,
+    canonical_placement,
+    document_source,
+    layer_counts,
+    load_toml,
+    make_policy,
+    micro_batches,
+    policy_of,
+    precision_setting,
+    set_placement,
+)
+from ndplan.model.presets import get_preset
+from ndplan.model.spec import ModelSpec
+from ndplan.placement import uniform_layer_counts
+from ndplan.strategy.strategy import Strategy
+
+FORMAT = "torchtitan"
+
+#: torchtitan (model.name, model.flavor) → ndplan preset. torchtitan's DeepSeek-V3 builds no MTP
+#: module, so its flavours map to the presets without one (see ``_torchtitan_variant``).
+FLAVOURS: dict[tuple[str, str], str] = {
+    ("llama3", "8B"): "llama-3.1-8b",
+    ("llama3", "70B"): "llama-3.1-70b",
+    ("llama3", "405B"): "llama-3.1-405b",
+    ("deepseek_v3", "16B"): "deepseek-v2-lite",
+    ("deepseek_v3", "671B"): "deepseek-v3",
+    ("qwen3", "8B"): "qwen3-8b",
+    ("qwen3", "32B"): "qwen3-32b",
+    ("qwen3", "30B-A3B"): "qwen3-30b-a3b",
+    ("qwen3", "235B-A22B"): "qwen3-235b-a22b",
+}
+
+#: torchtitan's pipeline schedule names (torch.distributed.pipelining), lower-cased → ndplan.
+SCHEDULES: dict[str, str] = {
+    "1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved", "zbvzerobubble": "zbv",
+    "dualpipev": "dualpipev", "loopedbfs": "interleaved", "interleavedzerobubble": "interleaved",
+    "flexibleinterleaved1f1b": "interleaved",
+}
+_WRITE_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B", "zbv": "ZBVZeroBubble",
+                    "dualpipev": "DualPipeV"}
+_MULTI_STAGE = {"interleaved", "zbv", "dualpipev"}
+
+#: Sections whose content does not change memory or time as ndplan models them.
+QUIET_SECTIONS = {
+    "job", "profiling", "metrics", "optimizer", "lr_scheduler", "checkpoint", "comm", "compile", "validation",
+    "experimental", "fault_tolerance", "debug", "memory_estimation", "float8", "mx", "quantize", "dataloader",
+}
+_KNOWN = {
+    "model": {"name", "flavor", "tokenizer_path", "hf_assets_path", "converters", "print_after_conversion"},
+    "training": {"dataset", "dataset_path", "local_batch_size", "batch_size", "global_batch_size", "seq_len",
+                 "max_norm", "steps", "max_steps", "enable_cpu_offload", "dtype", "mixed_precision_param",
+                 "mixed_precision_reduce", "compile", "gc_freq", "gc_debug", "seed", "deterministic",
+                 "warmup_steps", "dataloader", "data_parallel_replicate_degree", "data_parallel_shard_degree",
+                 "tensor_parallel_degree", "pipeline_parallel_degree", "enable_loss_parallel"},
+    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+                    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel",
+                    "pipeline_parallel_degree", "pipeline_parallel_split_points", "module_fqns_per_model_part",
+                    "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+                    "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+                    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+                    "pipeline_parallel_expert_parallel_overlap", "context_parallel_degree",
+                    "context_parallel_rotate_method", "context_parallel_load_balancer", "expert_parallel_degree",
+                    "expert_tensor_parallel_degree", "expert_parallel_comm_backend", "enable_compiled_autograd",
+                    "enable_sequence_parallel"},
+    "activation_checkpoint": {"mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+                              "early_stop", "memory_budget", "visualize_memory_budget_pareto",
+                              "preserve_rng_state", "determinism_check", "debug"},
+}
+
+
+def _torchtitan_variant(preset: str) -> ModelSpec:
+    spec = get_preset(preset)
+    if spec.model_type.startswith("deepseek") and spec.mtp_depth:
+        # torchtitan's DeepSeek-V3 model has no multi-token-prediction module.
+        return spec.model_copy(update={"mtp_depth": 0})
+    return spec
+
+
+def _model(model: Section, base: ModelSpec | None, warnings: list[str], notes: list[str]) -> ModelSpec | None:
+    name = model.text("name", default="llama3") or "llama3"
+    flavor = model.text("flavor", default="debugmodel") or "debugmodel"
+    preset = FLAVOURS.get((name, flavor))
+    if base is not None:
+        if preset is not None and get_preset(preset).num_layers != base.num_layers:
+            warnings.append(f"{model.src.where(model.line('flavor'))}: model {name} {flavor} has "
+                            f"{get_preset(preset).num_layers} layers but --model {base.name} has {base.num_layers}; "
+                            "using --model")
+        return base
+    if preset is None:
+        warnings.append(f"{model.src.where(model.line('flavor'))}: model.flavor: no ndplan preset for torchtitan "
+                        f"{name} {flavor}; give --model with a preset or its config.json")
+        return None
+    notes.append(f"torchtitan {name} {flavor} is ndplan's {preset}"
+                 + (" without MTP" if _torchtitan_variant(preset).mtp_depth != get_preset(preset).mtp_depth else ""))
+    return _torchtitan_variant(preset)
+
+
+def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> ReadResult:
+    data = load_toml(path, text)
+    src = document_source(path, text, "toml")
+    warnings: list[str] = []
+    notes: list[str] = []
+    job = data.get("job")
+    custom = isinstance(job, dict) and bool(job.get("custom_config_module") or job.get("custom_args_module"))
+    for key in data:
+        if key not in QUIET_SECTIONS and key not in _KNOWN:
+            if not custom:
+                raise src.key_error((key,), "unknown section (a typo? torchtitan would reject it too)")
+            warnings.append(f"{src.where(src.lines.line((key,)))}: [{key}]: custom section, not read")
+    root = Section(src, data, ())
+    model_section = root.sub("model")
+    training = root.sub("training")
+    parallel = root.sub("parallelism")
+    ac = root.sub("activation_checkpoint")
+    model = _model(model_section, base, warnings, notes)
+    settings: dict[str, Any] = {}
+
+    def degree(key: str, default: int, minimum: int = 1) -> tuple[int, Section]:
+        # Old torchtitan versions kept the degrees under [training].
+        for section in (parallel, training):
+            value = section.integer(key, minimum=minimum)
+            if value is not None:
+                return value, section
+        return default, parallel
+
+    replicate, _ = degree("data_parallel_replicate_degree", 1)
+    shard, shard_section = degree("data_parallel_shard_degree", -1, minimum=-1)
+    tp, _ = degree("tensor_parallel_degree", 1)
+    pp, _ = degree("pipeline_parallel_degree", 1)
+    cp = parallel.integer("context_parallel_degree", default=1) or 1
+    ep = parallel.integer("expert_parallel_degree", default=1) or 1
+    etp = parallel.integer("expert_tensor_parallel_degree", default=1) or 1
+    if shard == 0:
+        raise shard_section.error("data_parallel_shard_degree", "must be -1 or >= 1, got 0")
+    if shard == -1:
+        rest = replicate * tp * pp * cp
+        if devices is not None:
+            if devices % rest:
+                raise shard_section.error("data_parallel_shard_degree",
+                                          f"-1 takes the rest, but {devices} devices are not divisible by "
+                                          f"replicate·tp·pp·cp = {rest}")
+            shard = devices // rest
+        elif replicate > 1:
+            raise shard_section.error("data_parallel_shard_degree",
+                                      "-1 takes the rest of the world size, which the file does not state; give --devices")
+        else:
+            warnings.append(f"{src.name}: data_parallel_shard_degree -1 takes the rest of the world size; "
+                            "give --devices so ndplan can derive the data-parallel degree")
+    elif devices is not None and devices != replicate * shard * tp * pp * cp:
+        raise shard_section.error("data_parallel_shard_degree",
+                                  f"replicate·shard·tp·pp·cp = {replicate * shard * tp * pp * cp} "
+                                  f"but --devices is {devices}")
+    settings.update(tp=tp, pp=pp, cp=cp, ep=ep, sp=tp > 1, cp_kind="ring")
+    # With ep=1 the experts are tensor-parallel like every other layer; with EP, etp is 1 or tp.
+    settings["etp"] = tp if ep == 1 else etp
+    if shard > 0:
+        settings["dp"] = replicate * shard
+    # torchtitan applies FSDP2 whenever dp_shard > 1 or cp > 1 (ParallelDims.fsdp_enabled).
+    fsdp = shard > 1 or shard == -1 or cp > 1
+    reshard_policy = parallel.text("fsdp_reshard_after_forward", default="default")
+    if reshard_policy not in ("default", "always", "never"):
+        raise parallel.error("fsdp_reshard_after_forward", f"expected default, always or never, got {reshard_policy!r}")
+    if fsdp:
+        # The default policy keeps parameters gathered between micro-batches under PP.
+        reshard = reshard_policy == "always" or (reshard_policy == "default" and pp == 1)
+        group = shard * cp if replicate > 1 and shard > 0 else 0
+        settings.update(zero=3, fsdp=True, shard_group=group, reshard=reshard)
+    else:
+        settings.update(zero=0, fsdp=False, shard_group=0, reshard=True)
+    loss_parallel = tp > 1 and not parallel.boolean("disable_loss_parallel", default=False)
+    parallel.get("enable_async_tensor_parallel", "pipeline_parallel_expert_parallel_overlap",
+                 "context_parallel_rotate_method", "context_parallel_load_balancer", "expert_parallel_comm_backend",
+                 "enable_compiled_autograd", "enable_sequence_parallel")
+
+    _pipeline(parallel, settings, model, warnings)
+    _recompute(ac, settings, model, warnings, notes)
+    _precision(model_section, training, root, settings, warnings)
+    _batch(training, parallel, settings, warnings, notes)
+    if training.boolean("enable_cpu_offload", default=False):
+        settings["optimizer_offload"] = True
+        warnings.append(f"{src.where(training.line('enable_cpu_offload'))}: training.enable_cpu_offload offloads "
+                        "parameters and gradients too; ndplan prices only the optimizer state on the host")
+    else:
+        settings["optimizer_offload"] = False
+    for section, name in ((model_section, "model"), (training, "training"), (parallel, "parallelism"),
+                          (ac, "activation_checkpoint")):
+        section.check_known(_KNOWN[name])
+    world = settings["dp"] * tp * pp * cp if "dp" in settings else devices
+    return ReadResult(
+        format=FORMAT, source=src.name, model=model, strategy_settings=settings, devices=world,
+        warnings=warnings, notes=notes, runtime_settings={"loss_parallel": loss_parallel},
+    )
+
+
+def _pipeline(parallel: Section, settings: dict[str, Any], model: ModelSpec | None, warnings: list[str]) -> None:
+    pp = settings["pp"]
+    name = parallel.text("pipeline_parallel_schedule", default="1F1B") or "1F1B"
+    csv = parallel.text("pipeline_parallel_schedule_csv")
+    first_w = parallel.integer("pipeline_parallel_first_stage_less_layers", default=1, minimum=0)
+    last_w = parallel.integer("pipeline_parallel_last_stage_less_layers", default=1, minimum=0)
+    per_stage = parallel.integer("pipeline_parallel_layers_per_stage")
+    parts = parallel.get("module_fqns_per_model_part")
+    splits = parallel.get("pipeline_parallel_split_points")
+    if pp == 1:
+        settings.update(vpp=1, schedule="1f1b")
+        settings["embedding_as_layer"] = settings["output_as_layer"] = False
+        return
+    key = name.replace("Schedule", "").lower()
+    if key not in SCHEDULES:
+        raise parallel.error("pipeline_parallel_schedule", f"unknown schedule {name!r}; known: {', '.join(_WRITE_SCHEDULES.values())}")
+    schedule = SCHEDULES[key]
+    if csv:
+        warnings.append(f"{parallel.src.where(parallel.line('pipeline_parallel_schedule_csv'))}: a CSV schedule is "
+                        f"priced as {schedule}")
+    if key in ("loopedbfs", "interleavedzerobubble"):
+        warnings.append(f"{parallel.src.where(parallel.line('pipeline_parallel_schedule'))}: {name} is priced as "
+                        "interleaved 1F1B")
+    layers = model.num_layers if model else None
+    counts: list[int] | None = None
+    if parts is not None:
+        if not isinstance(parts, list) or not all(isinstance(p, list) for p in parts):
+            raise parallel.error("module_fqns_per_model_part", "expected a list of lists of module names")
+        counts = [sum(1 for name_ in part if re.fullmatch(r"layers\.\d+", str(name_))) for part in parts]
+        stages = len(parts)
+    elif splits is not None:
+        indices = [int(m.group(1)) for s in splits if (m := re.fullmatch(r"layers\.(\d+)", str(s)))]
+        if len(indices) != len(splits) or indices != sorted(indices):
+            raise parallel.error("pipeline_parallel_split_points", f"expected increasing 'layers.N' names, got {splits}")
+        if layers is None:
+            raise parallel.error("pipeline_parallel_split_points", "needs the model's layer count; give --model")
+        bounds = [0, *indices, layers]
+        counts = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+        stages = len(counts)
+    elif per_stage is not None:
+        if layers is None:
+            raise parallel.error("pipeline_parallel_layers_per_stage", "needs the model's layer count; give --model")
+        stages = math.ceil((layers + (first_w or 0) + (last_w or 0)) / per_stage)
+    else:
+        stages = pp * (2 if schedule in _MULTI_STAGE else 1)
+    if stages % pp:
+        raise parallel.error("pipeline_parallel_degree", f"{stages} pipeline stages are not a multiple of pp={pp}")
+    vpp = stages // pp
+    if schedule == "1f1b" and vpp > 1 or schedule == "gpipe" and vpp > 1:
+        raise parallel.error("pipeline_parallel_schedule", f"{name} runs one stage per rank, got {vpp}")
+    if schedule in ("zbv", "dualpipev") and vpp != 2:
+        raise parallel.error("pipeline_parallel_schedule", f"{name} runs two stages per rank, got {vpp}")
+    if schedule == "interleaved" and vpp < 2:
+        raise parallel.error("pipeline_parallel_schedule", f"{name} needs two or more stages per rank")
+    settings.update(vpp=vpp, schedule=schedule)
+    if counts is None:
+        if first_w not in (0, 1) or last_w not in (0, 1):
+            if layers is None:
+                raise parallel.error("pipeline_parallel_first_stage_less_layers", "needs the model's layer count; give --model")
+            counts = _weighted_counts(layers, stages, first_w or 0, last_w or 0)
+        else:
+            set_placement(settings, None, layers, embedding_as_layer=bool(first_w), output_as_layer=bool(last_w))
+            return
+    if layers is not None and sum(counts) != layers:
+        raise parallel.error("module_fqns_per_model_part", f"places {sum(counts)} layers but the model has {layers}")
+    set_placement(settings, counts, layers)
+
+
+def _weighted_counts(layers: int, stages: int, first: int, last: int) -> list[int]:
+    """torchtitan's generate_llm_fqn_per_model_part with integer weights for the embedding/output."""
+    effective = layers + first + last
+    base, extra = divmod(effective, stages)
+    counts = [base + (1 if i < extra else 0) for i in range(stages)]
+    counts[0] -= first
+    counts[-1] -= last
+    return [max(c, 0) for c in counts]
+
+
+def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, warnings: list[str],
+               notes: list[str]) -> None:
+    mode = ac.get("mode", default="selective")
+    if mode is False or mode is None:
+        mode = "none"
+    mode = str(mode)
+    settings["recompute_layers"] = 0
+    if mode == "none":
+        settings["recompute"] = "none"
+    elif mode == "full":
+        settings["recompute"] = "full"
+    elif mode == "memory_budget":
+        settings["recompute"] = "selective"
+        warnings.append(f"{ac.src.where(ac.line('mode'))}: activation_checkpoint.mode memory_budget lets the "
+                        "compiler choose; ndplan prices selective recompute")
+    elif mode == "selective":
+        option = str(ac.get("selective_ac_option", default="2"))
+        if option == "op":
+            settings["recompute"] = "selective"
+            notes.append("selective op-level checkpointing is priced as ndplan's selective recompute")
+        elif re.fullmatch(r"\d+", option) and int(option) >= 1:
+            every = int(option)
+            settings["recompute"] = "full"
+            if every > 1:
+                if model is None:
+                    warnings.append(f"{ac.src.where(ac.line('selective_ac_option'))}: "
+                                    f"activation_checkpoint.selective_ac_option {every} checkpoints one layer in "
+                                    f"{every}; pricing it needs the model's layer count: give --model (priced as "
+                                    "full recompute of every layer meanwhile)")
+                    return
+                counts = settings.get("stage_layers") or uniform_layer_counts(
+                    model.num_layers, settings["pp"] * settings["vpp"],
+                    embedding_as_layer=settings.get("embedding_as_layer", False),
+                    output_as_layer=settings.get("output_as_layer", False))
+                settings["recompute_layers"] = max(1, max(counts) // every)
+                warnings.append(f"{ac.src.where(ac.line('selective_ac_option'))}: "
+                                f"activation_checkpoint.selective_ac_option {every} checkpoints one layer in {every}; "
+                                f"priced as full recompute of {settings['recompute_layers']} layers per stage")
+        else:
+            raise ac.error("selective_ac_option", f"expected 'op' or a positive integer, got {option!r}")
+    else:
+        raise ac.error("mode", f"expected none, selective, full or memory_budget, got {mode!r}")
+    ac.get("per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
+           "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug")
+
+
+def _precision(model: Section, training: Section, root: Section, settings: dict[str, Any], warnings: list[str]) -> None:
+    converters = model.get("converters", default=[]) or []
+    if isinstance(converters, str):
+        converters = [c.strip() for c in converters.split(",")]
+    fp8 = any(re.search(r"float8|mx", str(c)) for c in converters)
+    dtype = training.text("dtype", default="float32")
+    param = training.text("mixed_precision_param", default="bfloat16")
+    training.get("mixed_precision_reduce")
+    if dtype == "bfloat16":
+        policy = make_policy("bf16-pure", param_bytes=2, grad_bytes=2, master_weight_bytes=0, optimizer_state_bytes=2,
+                             compute_dtype="fp8" if fp8 else "bf16")
+    elif param == "float32":
+        policy = make_policy("fp32", param_bytes=4, grad_bytes=4, master_weight_bytes=0, optimizer_state_bytes=4,
+                             activation_bytes=4, compute_dtype="fp32", param_gather_bytes=4)
+    elif param == "bfloat16":
+        # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters.
+        policy = make_policy("fsdp-fp8" if fp8 else "fsdp-bf16", param_bytes=4, grad_bytes=4, master_weight_bytes=0,
+                             optimizer_state_bytes=4, compute_dtype="fp8" if fp8 else "bf16", param_gather_bytes=2)
+    else:
+        raise training.error("mixed_precision_param", f"expected bfloat16 or float32, got {param!r}")
+    settings["precision"] = precision_setting(policy)
+    optimizer = root.get("optimizer")
+    name = str(optimizer.get("name", "AdamW")) if isinstance(optimizer, dict) else "AdamW"
+    if name.lower() not in ("adamw", "adam"):
+        warnings.append(f"{root.src.where(root.src.lines.line(('optimizer', 'name')))}: optimizer.name {name}: "
+                        "ndplan prices Adam's two optimizer states")
+
+
+def _batch(training: Section, parallel: Section, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:
+    local = training.integer("local_batch_size", "batch_size", default=8) or 8
+    gbs = training.integer("global_batch_size", default=-1, minimum=-1)
+    seq = training.integer("seq_len", default=2048)
+    settings["seq"] = seq
+    pp = settings["pp"]
+    mbs = parallel.integer("pipeline_parallel_microbatch_size", default=1) if pp > 1 else local
+    assert mbs is not None
+    if pp > 1 and local % mbs:
+        raise parallel.error("pipeline_parallel_microbatch_size",
+                             f"training.local_batch_size {local} is not divisible by {mbs}")
+    per_pipeline = local // mbs if pp > 1 else 1
+    settings["mbs"] = mbs
+    dp = settings.get("dp")
+    if gbs == -1 or gbs is None:
+        if dp is not None:
+            settings["gbs"] = local * dp
+            settings["num_micro_batches"] = per_pipeline
+        return
+    if dp is None:
+        settings["gbs"] = gbs
+        return
+    if gbs % (local * dp):
+        raise training.error("global_batch_size", f"{gbs} is not divisible by local_batch_size·dp = {local}·{dp}")
+    accumulation = gbs // (local * dp)
+    if accumulation > 1 and pp > 1:
+        notes.append(f"{accumulation} gradient-accumulation steps of {per_pipeline} pipeline micro-batches are "
+                     f"scheduled as one pipeline of {accumulation * per_pipeline}")
+    settings["gbs"] = gbs
+    settings["num_micro_batches"] = micro_batches(
+        training.src, gbs=gbs, dp=dp, mbs=local, gbs_field="training.global_batch_size",
+        gbs_line=training.line("global_batch_size"), accumulation=per_pipeline,
+    )
+
+
+# ---------------------------------------------------------------- writing
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def emit(model: ModelSpec | None, s: Strategy) -> str:
+    """The [model], [training], [parallelism] and [activation_checkpoint] tables of a job TOML."""
+    lost: list[str] = []
+    tables: dict[str, dict[str, Any]] = {}
+    flavour = next(((n, f) for (n, f), preset in FLAVOURS.items() if model is not None and preset == model.name), None)
+    notes: list[str] = []
+    if flavour is not None and model is not None and _torchtitan_variant(model.name) != model:
+        notes.append(f"torchtitan's {flavour[0]} {flavour[1]} builds no MTP module; {model.name}'s MTP is left out")
+    if flavour is not None:
+        tables["model"] = {"name": flavour[0], "flavor": flavour[1]}
+    p = policy_of(s.precision)
+    training: dict[str, Any] = {}
+    if p.name in ("fsdp-bf16", "fsdp-fp8") or (p.param_bytes == 4 and p.master_weight_bytes == 0 and p.compute_dtype in ("bf16", "fp8") and p.param_gather_bytes == 2):
+        training["mixed_precision_param"] = "bfloat16"
+    elif p.compute_dtype == "fp32" and p.param_bytes == 4:
+        training["mixed_precision_param"] = "float32"
+    elif p.param_bytes == 2 and p.master_weight_bytes == 0 and p.grad_bytes == 2:
+        training["dtype"] = "bfloat16"
+    else:
+        lost.append(f"precision {p.name!r} (torchtitan keeps fp32 sharded parameters or pure bf16)")
+    if p.compute_dtype == "fp8":
+        tables.setdefault("model", {})["converters"] = ["quantize.linear.float8"]
+    if p.optimizer_states != 2 or p.optimizer_state_bytes != p.param_bytes:
+        lost.append(f"optimizer state bytes of {p.name!r}")
+    if s.pp > 1:
+        local = s.micro_batch_size * s.num_micro_batches
+    else:
+        local = s.micro_batch_size
+    training.update(local_batch_size=local, global_batch_size=s.global_batch_size, seq_len=s.seq_length)
+    if s.optimizer_offload:
+        training["enable_cpu_offload"] = True
+        lost.append("optimizer-only offload (torchtitan's enable_cpu_offload also offloads parameters and gradients)")
+    tables["training"] = training
+
+    par: dict[str, Any] = {}
+    if s.zero == 0:
+        par.update(data_parallel_replicate_degree=s.dp, data_parallel_shard_degree=1)
+        if s.cp > 1:
+            lost.append("no sharding with CP (torchtitan applies FSDP over the CP ranks)")
+    else:
+        if s.zero != 3 or not s.fsdp:
+            lost.append(f"ZeRO-{s.zero}{'' if s.fsdp else ' without FSDP'} (torchtitan shards with FSDP2, ZeRO-3)")
+        group = s.shard_group or s.dp * s.cp
+        if group % s.cp:
+            lost.append(f"shard_group={s.shard_group} not a multiple of cp")
+            group = s.dp * s.cp
+        shard = group // s.cp
+        par.update(data_parallel_replicate_degree=s.dp // shard, data_parallel_shard_degree=shard)
+        default = s.pp == 1
+        if s.reshard_after_forward != default:
+            par["fsdp_reshard_after_forward"] = "always" if s.reshard_after_forward else "never"
+    par["tensor_parallel_degree"] = s.tp
+    if s.sequence_parallel != (s.tp > 1):
+        lost.append(f"sequence_parallel={s.sequence_parallel} (torchtitan always shards sequences with TP)")
+    par.update(_pipeline_keys(model, s, lost))
+    par["context_parallel_degree"] = s.cp
+    if s.cp > 1 and s.cp_kind != "ring":
+        lost.append(f"{s.cp_kind} context parallelism (torchtitan runs ring attention)")
+    if s.ep > 1:
+        par["expert_parallel_degree"] = s.ep
+        if s.etp not in (1, s.tp):
+            lost.append(f"etp={s.etp} (torchtitan supports etp = 1 or tp)")
+        par["expert_tensor_parallel_degree"] = s.etp if s.etp in (1, s.tp) else 1
+    elif s.etp != s.tp:
+        lost.append(f"etp={s.etp} without EP (torchtitan splits experts like other layers)")
+    tables["parallelism"] = par
+
+    ac: dict[str, Any] = {}
+    if s.recompute == "none":
+        ac["mode"] = "none"
+    elif s.recompute == "full":
+        ac["mode"] = "full"
+        if s.recompute_layers:
+            lost.append(f"full recompute of {s.recompute_layers} layers per stage")
+    else:
+        ac.update(mode="selective", selective_ac_option="op")
+        if s.recompute_layers:
+            lost.append(f"selective recompute of {s.recompute_layers} layers per stage")
+    tables["activation_checkpoint"] = ac
+
+    lines = ["# torchtitan job settings written by ndplan" + (f" for {model.name}" if model else "") + f": {s.short()}",
+             f"# world size: {s.world_size} (NGPU × nodes)"]
+    if flavour is None:
+        lines.append("# [model]: no torchtitan flavour for this model; set name and flavor by hand")
+    lines += [f"# ndplan: not expressible in torchtitan, left out: {item}" for item in lost]
+    lines += [f"# ndplan: {item}" for item in notes]
+    for name, values in tables.items():
+        lines.append("")
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _pipeline_keys(model: ModelSpec | None, s: Strategy, lost: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"pipeline_parallel_degree": s.pp}
+    if s.pp == 1:
+        return out
+    if s.schedule not in _WRITE_SCHEDULES:
+        lost.append(f"schedule {s.schedule!r}")
+    out["pipeline_parallel_schedule"] = _WRITE_SCHEDULES.get(s.schedule, "1F1B" if s.vpp == 1 else "Interleaved1F1B")
+    out["pipeline_parallel_microbatch_size"] = s.micro_batch_size
+    stages = s.pp * s.vpp
+    default_vpp = 2 if s.schedule in _MULTI_STAGE else 1
+    if model is None:
+        if s.stage_layers is not None:
+            lost.append("explicit stage_layers without a model (module names need the layer count)")
+        if s.vpp != default_vpp:
+            lost.append(f"vpp={s.vpp} without a model")
+        out["pipeline_parallel_first_stage_less_layers"] = int(s.embedding_as_layer)
+        out["pipeline_parallel_last_stage_less_layers"] = int(s.output_as_layer)
+        return out
+    layers = model.num_layers
+    counts = layer_counts(s, layers)
+    stage_layers, emb, last = canonical_placement(counts, layers, s.pp, s.vpp)
+    if stage_layers is None:
+        weights = {"pipeline_parallel_first_stage_less_layers": int(emb),
+                   "pipeline_parallel_last_stage_less_layers": int(last)}
+        if s.vpp == default_vpp:
+            return {**out, **weights}
+        per_stage = math.ceil((layers + emb + last) / stages)
+        if math.ceil((layers + emb + last) / per_stage) == stages and \
+                uniform_layer_counts(layers, stages, embedding_as_layer=emb, output_as_layer=last) == counts:
+            return {**out, **weights, "pipeline_parallel_layers_per_stage": per_stage}
+    parts: list[list[str]] = []
+    start = 0
+    for i, count in enumerate(counts):
+        part = (["tok_embeddings"] if i == 0 else []) + [f"layers.{j}" for j in range(start, start + count)]
+        if i == len(counts) - 1:
+            part += ["norm", "output"]
+        parts.append(part)
+        start += count
+    out["module_fqns_per_model_part"] = parts
+    return out
+

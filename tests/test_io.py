@@ -1,0 +1,440 @@
+"""Reading real launch configs of each framework, and one-line errors for malformed ones."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ndplan.errors import NdplanError
+from ndplan.io import detect_format, emit, read_config
+from ndplan.io.cli import (
+    add_from_argument,
+    add_inspect_arguments,
+    cmd_inspect,
+    inspect_summary,
+    merge_settings,
+    model_for,
+    read_from_args,
+)
+from ndplan.model import count_parameters, get_preset, hf_config
+from ndplan.strategy import Strategy, check_strategy
+
+FIXTURES = Path(__file__).parent / "fixtures" / "io"
+DSV3_PARAMS = count_parameters(get_preset("deepseek-v3")).total
+
+
+def fixture(name: str) -> Path:
+    return FIXTURES / name
+
+
+# ---------------------------------------------------------------- Megatron-LM / MindSpeed-LLM
+def test_megatron_llama3_70b_script():
+    result = read_config(fixture("megatron_llama3_70b.sh"), model="llama-3.1-70b")
+    s = result.strategy()
+    assert (s.dp, s.tp, s.pp, s.vpp, s.cp, s.schedule) == (2, 8, 4, 4, 1, "interleaved")
+    assert s.sequence_parallel and s.zero == 1 and not s.fsdp
+    assert (s.micro_batch_size, s.num_micro_batches, s.global_batch_size, s.seq_length) == (1, 256, 512, 8192)
+    assert s.recompute == "selective" and s.precision.name == "megatron-bf16"
+    assert s.stage_layers is None and not s.embedding_as_layer  # 80 layers, 16 chunks of 5
+    assert result.devices == 64 and result.devices_per_node == 8
+    # Megatron pads Llama-3's 128256-entry vocabulary to a multiple of 128·tp.
+    assert result.model is not None and result.model.vocab_size == 129024
+    assert any("padded to 129024" in n for n in result.notes)
+    assert result.warnings == []
+    assert check_strategy(s, result.model) == []
+
+
+def test_megatron_script_without_vocab_needs_a_model():
+    result = read_config(fixture("megatron_llama3_70b.sh"))
+    assert result.model is None
+    assert any("vocab_size not stated" in w for w in result.warnings)
+    assert result.strategy().short() == "dp2 tp8 sp pp4 vpp4 zero1 mbs1 m256 interleaved rc-selective"
+
+
+def test_megatron_deepseek_v3_script_builds_the_model_from_flags():
+    result = read_config(fixture("megatron_deepseek_v3.sh"))
+    model, s = result.model, result.strategy()
+    assert model is not None and count_parameters(model).total == DSV3_PARAMS
+    assert model.is_mla and model.mtp_depth == 1 and model.layer_mlp_kinds[:4] == ("dense",) * 3 + ("moe",)
+    assert (s.dp, s.tp, s.pp, s.ep, s.etp) == (32, 2, 16, 64, 1)
+    # The layout "Et*3|(t*4|)*14,t*2mL" is the even split with embedding and loss counted as layers.
+    assert s.stage_layers is None and s.embedding_as_layer and s.output_as_layer
+    assert s.precision.name == "megatron-fp8" and s.recompute == "selective"
+    assert s.num_micro_batches == 256 and s.seq_length == 4096
+    assert len(result.warnings) == 1 and "--recompute-modules" in result.warnings[0]
+    assert re.match(r".*megatron_deepseek_v3\.sh:75: ", result.warnings[0])
+    assert check_strategy(s, model) == []
+
+
+def test_megatron_flags_win_over_the_model_with_a_warning():
+    result = read_config(fixture("megatron_deepseek_v3.sh"), model="deepseek-v2-lite")
+    assert result.model is not None and result.model.name == "deepseek-v2-lite"
+    assert result.model.num_layers == 61 and result.model.hidden_size == 7168
+    assert any(w.startswith("--hidden-size sets hidden_size=7168 but deepseek-v2-lite has 2048") for w in result.warnings)
+
+
+def test_mindspeed_deepseek3_script_with_noop_layers():
+    result = read_config(fixture("mindspeed_deepseek3.sh"))
+    model, s = result.model, result.strategy()
+    assert model is not None and count_parameters(model).total == DSV3_PARAMS
+    assert (s.dp, s.tp, s.pp, s.vpp, s.ep, s.schedule) == (64, 1, 8, 4, 64, "interleaved")
+    # 64 layer slots in 32 chunks of 2; no-op layers 47, 62, 63 empty parts of chunks 23 and 31.
+    assert s.stage_layers == (2,) * 23 + (1,) + (2,) * 7 + (0,)
+    assert not s.sequence_parallel  # tp=1
+    assert s.recompute == "full" and s.recompute_layers == 0 and s.zero == 1
+    assert s.global_batch_size == 7680 and s.num_micro_batches == 120
+    flagged = {w.split(": ")[1] for w in result.warnings}
+    assert flagged == {"--reuse-fp32-param", "--share-mtp-embedding-and-output-weight"}
+    assert check_strategy(s, model) == []
+
+
+def test_megatron_argument_file(tmp_path):
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({
+        "tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 2, "world_size": 32,
+        "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32,
+        "group_query_attention": True, "num_query_groups": 8, "swiglu": True, "normalization": "RMSNorm",
+        "add_bias_linear": False, "untie_embeddings_and_output_weights": True, "padded_vocab_size": 128256,
+        "position_embedding_type": "rope", "sequence_parallel": True, "use_distributed_optimizer": True,
+        "micro_batch_size": 2, "global_batch_size": 256, "seq_length": 8192, "bf16": True, "fp16": False,
+        "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 4,
+        "overlap_grad_reduce": True, "lr": 3e-4, "train_iters": 1000,
+    }, indent=2))
+    result = read_config(path)
+    s = result.strategy()
+    assert (s.dp, s.tp, s.pp, s.num_micro_batches) == (4, 4, 2, 32)
+    assert s.recompute == "full" and s.recompute_layers == 4
+    assert result.model is not None and count_parameters(result.model).total == count_parameters(get_preset("llama-3.1-8b")).total
+    assert result.warnings == []
+
+
+def test_megatron_unknown_and_unmodelled_flags_are_warnings(tmp_path):
+    path = tmp_path / "train.sh"
+    path.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py \\\n  --tensor-model-parallel-size 2 \\\n"
+                    "  --micro-batch-size 1 --seq-length 4096 \\\n  --cpu-offloading-num-layers 4 \\\n"
+                    "  --my-custom-flag 3 \\\n  --log-interval 1\n")
+    warnings = read_config(path).warnings
+    assert any(w.endswith("train.sh:4: --cpu-offloading-num-layers: activation offloading to the host is not modelled")
+               for w in warnings)
+    assert any("train.sh:5: --my-custom-flag: unknown to ndplan" in w for w in warnings)
+    assert not any("--log-interval" in w for w in warnings)
+
+
+def test_megatron_world_size_from_devices_when_the_script_has_none(tmp_path):
+    path = tmp_path / "args.sh"
+    path.write_text("--tensor-model-parallel-size 2 \\\n--micro-batch-size 1 --global-batch-size 16 --seq-length 2048\n")
+    result = read_config(path, devices=8)
+    assert result.strategy().dp == 4 and result.strategy().num_micro_batches == 4
+    without = read_config(path)
+    assert "dp" not in without.strategy_settings and any("--devices" in w for w in without.warnings)
+    assert without.strategy(devices=16).dp == 8
+
+
+def test_mindspeed_layer_list_and_ulysses(tmp_path):
+    path = tmp_path / "pretrain.sh"
+    path.write_text("python -m torch.distributed.launch --nproc_per_node 8 --nnodes 2 pretrain_gpt.py \\\n"
+                    "  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 \\\n"
+                    "  --num-layer-list 7,8,9,8 --context-parallel-size 2 \\\n"
+                    "  --context-parallel-algo ulysses_cp_algo --micro-batch-size 1 --global-batch-size 8 \\\n"
+                    "  --seq-length 4096 --bf16\n")
+    s = read_config(path, model="llama-3.1-8b").strategy()
+    assert s.stage_layers == (7, 8, 9, 8) and (s.cp, s.cp_kind, s.dp) == (2, "ulysses", 1)
+
+
+# ---------------------------------------------------------------- torchtitan
+def test_torchtitan_defaults_checkpoint_every_second_layer(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 8\n')
+    result = read_config(path)
+    s = result.strategy()
+    assert s.recompute == "full" and s.recompute_layers == 16  # torchtitan's default: selective, every 2nd layer
+    assert (s.micro_batch_size, s.seq_length) == (8, 2048)  # local_batch_size 8, seq_len 2048 by default
+    assert any("selective_ac_option 2 checkpoints one layer in 2" in w for w in result.warnings)
+
+
+def test_torchtitan_llama3_fsdp_tp_pp():
+    result = read_config(fixture("torchtitan_llama3_70b.toml"), devices=256)
+    s = result.strategy()
+    assert result.model is not None and result.model.name == "llama-3.1-70b"
+    assert (s.dp, s.tp, s.pp, s.vpp, s.schedule) == (8, 8, 4, 2, "interleaved")
+    assert s.zero == 3 and s.fsdp and s.shard_group == 0 and s.sequence_parallel
+    assert not s.reshard_after_forward  # "default" keeps parameters gathered under PP
+    assert s.embedding_as_layer and s.output_as_layer  # torchtitan's first/last stage weights of 1
+    # local batch 16 in micro-batches of 1, global 1024 over dp 8: 8 accumulation steps.
+    assert (s.micro_batch_size, s.num_micro_batches, s.global_batch_size, s.seq_length) == (1, 128, 1024, 8192)
+    assert s.recompute == "full" and s.precision.name == "fsdp-bf16"
+    assert result.runtime_settings == {"loss_parallel": True}
+    assert result.warnings == []
+    assert check_strategy(s, result.model) == []
+
+
+def test_torchtitan_needs_the_world_size_for_dp_shard_minus_one():
+    result = read_config(fixture("torchtitan_llama3_70b.toml"))
+    assert "dp" not in result.strategy_settings and any("--devices" in w for w in result.warnings)
+
+
+def test_torchtitan_deepseek_v3_hsdp_ep():
+    result = read_config(fixture("torchtitan_deepseek_v3_16b.toml"))
+    s = result.strategy()
+    assert result.model is not None and result.model.name == "deepseek-v2-lite"
+    assert (s.dp, s.ep, s.etp, s.tp) == (64, 8, 1, 1)
+    assert s.zero == 3 and s.fsdp and s.shard_group == 32  # HSDP: 2 replicas of 32-way shards
+    assert s.recompute == "selective" and s.precision.compute_dtype == "fp8"
+    assert (s.micro_batch_size, s.global_batch_size) == (4, 256)
+    assert result.devices == 64
+    assert check_strategy(s, result.model) == []
+
+
+def test_torchtitan_deepseek_671b_flavour_has_no_mtp(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "deepseek_v3"\nflavor = "671B"\n[parallelism]\n'
+                    "data_parallel_shard_degree = 64\nexpert_parallel_degree = 64\n")
+    result = read_config(path)
+    assert result.model is not None and result.model.mtp_depth == 0 and result.model.num_experts == 256
+
+
+# ---------------------------------------------------------------- HyperParallel and MindFormers
+def test_hyperparallel_hsdp_job():
+    result = read_config(fixture("hyperparallel_qwen3_moe_hsdp.yaml"))
+    s = result.strategy()
+    assert result.model is not None and result.model.name == "qwen3-30b-a3b"
+    assert (s.dp, s.tp, s.pp, s.cp, s.cp_kind, s.ep, s.etp) == (8, 2, 2, 2, "ulysses", 4, 1)
+    assert s.zero == 3 and s.fsdp and s.shard_group == 8 and s.reshard_after_forward
+    assert (s.micro_batch_size, s.num_micro_batches, s.global_batch_size, s.seq_length) == (1, 32, 256, 8192)
+    assert s.recompute == "full" and s.sequence_parallel
+    p = s.precision
+    assert (p.param_bytes, p.grad_bytes, p.master_weight_bytes, p.optimizer_state_bytes) == (2, 2, 4, 4)
+    assert result.runtime_settings == {"loss_parallel": True}
+    assert len(result.warnings) == 1 and "edp_shard_size" in result.warnings[0]
+    assert check_strategy(s, result.model) == []
+
+
+def test_hyperparallel_cp_algorithm_from_plan_overrides(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text(
+        "model:\n  pretrained_model_name_or_path: Qwen/Qwen3-8B\n  torch_dtype: bfloat16\n"
+        "training:\n  global_batch_size: 8\n  micro_batch_size: 1\n"
+        "accelerator:\n  tp_size: 2\n  cp_size: 4\n  sequence_parallel: true\n"
+        "fsdp_config:\n  dp_shard_size: 2\n  reshard_after_forward: false\n"
+        "plan_overrides:\n  - match: '*.self_attn'\n    when: cp\n    inner_wrapper:\n"
+        "      _target_: hyper_parallel.cp_wrappers.sdpa_hf_hybrid_cp_wrapper\n      ulysses_degree: 2\n"
+        "activation_checkpoint:\n  mode: off\n"
+        "dataset:\n  data_config:\n    seq_length: 4096\n")
+    result = read_config(path, devices=8)
+    s = result.strategy()
+    assert result.model is not None and result.model.name == "qwen3-8b"
+    assert (s.dp, s.cp, s.cp_kind, s.ulysses_degree) == (1, 4, "hybrid", 2)
+    assert s.zero == 3 and s.shard_group == 2 and not s.reshard_after_forward and s.recompute == "none"
+    assert s.num_micro_batches == 8 and s.precision.name == "bf16-pure"
+
+
+def test_mindformers_deepseek3_yaml():
+    result = read_config(fixture("mindformers_deepseek3_671b.yaml"))
+    model, s = result.model, result.strategy()
+    assert model is not None and count_parameters(model).total == DSV3_PARAMS
+    assert (s.dp, s.tp, s.pp, s.ep, s.etp) == (16, 4, 16, 8, 1) and s.sequence_parallel
+    # 61 layers + 1 MTP unit: 15 stages of 4, and the last holds 1 layer and the MTP module.
+    assert s.stage_layers == (4,) * 15 + (1,)
+    assert s.zero == 3 and not s.fsdp and s.precision.name == "fsdp-bf16"
+    assert s.recompute == "full" and s.recompute_layers == 3
+    assert (s.num_micro_batches, s.global_batch_size, s.seq_length) == (32, 512, 4096)
+    assert result.devices == 1024
+    assert len(result.warnings) == 1 and "per-stage counts" in result.warnings[0]
+    assert check_strategy(s, model) == []
+
+
+def test_hf_config_is_a_model_only(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf_config("qwen3-8b")))
+    result = read_config(path)
+    assert result.format == "hf" and result.model is not None and result.strategy_settings == {}
+    assert count_parameters(result.model).total == count_parameters(get_preset("qwen3-8b")).total
+
+
+@pytest.mark.parametrize("name, fmt", [
+    ("megatron_llama3_70b.sh", "megatron"), ("torchtitan_llama3_70b.toml", "torchtitan"),
+    ("hyperparallel_qwen3_moe_hsdp.yaml", "hyperparallel"), ("mindformers_deepseek3_671b.yaml", "mindformers"),
+])
+def test_detect_format(name, fmt):
+    assert detect_format(fixture(name))[0] == fmt
+
+
+# ---------------------------------------------------------------- one-line errors
+CASES = [
+    # (file name, content, expected "file:line: field" prefix, words the message contains)
+    ("train.sh", "torchrun --nproc_per_node 8 pretrain_gpt.py \\\n  --tensor-model-parallel-size eight\n",
+     "train.sh:2: --tensor-model-parallel-size", "expected an integer"),
+    ("train.sh", "torchrun --nproc_per_node 8 pretrain_gpt.py \\\n  --micro-batch-size 1 \\\n"
+                 "  --pipeline-model-parallel-size $PP\n",
+     "train.sh:3: --pipeline-model-parallel-size", "$PP is not set"),
+    ("train.sh", 'ARGS="--tensor-model-parallel-size 2\ntorchrun pretrain_gpt.py $ARGS\n',
+     "train.sh:1: malformed shell script", "unterminated double quote"),
+    ("train.sh", "torchrun --nproc_per_node 8 pretrain_gpt.py \\\n  --micro-batch-size 3 \\\n"
+                 "  --global-batch-size 100 --seq-length 8\n",
+     "train.sh:3: --global-batch-size", "not divisible by dp·micro-batch size = 8·3"),
+    ("train.sh", "torchrun --nproc_per_node 8 pretrain_gpt.py --tensor-model-parallel-size 3\n",
+     "train.sh:1: world size", "not divisible by tp·pp·cp"),
+    ("train.sh", "torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 30 \\\n"
+                 "  --pipeline-model-parallel-size 4 --micro-batch-size 1\n",
+     "train.sh:1: --num-layers", "do not split evenly"),
+    ("train.sh", "torchrun --nproc_per_node 8 pretrain_gpt.py --micro-batch-size 1 \\\n"
+                 "  --recompute-granularity full\n",
+     "train.sh:2: --recompute-method", "needs --recompute-method uniform or block"),
+    ("args.json", '{\n  "tensor_model_parallel_size": 2,\n  "micro_batch_size": ,\n}\n',
+     "args.json:3: malformed JSON", "Expecting value"),
+    ("args.yaml", "tensor_model_parallel_size: 2\nmicro_batch_size: two\nseq_length: 4096\n",
+     "args.yaml:2: --micro-batch-size", "expected an integer"),
+    ("job.toml", "[parallelism]\ntensor_parallel_degree = 2\npipeline_parallel_degree = = 2\n",
+     "job.toml:3: malformed TOML", ""),
+    ("job.toml", "[model]\nname = \"llama3\"\nflavor = \"8B\"\n\n[parallelism]\ndata_parallel_shard_degree = 4\n"
+                 "tensor_paralel_degree = 2\n",
+     "job.toml:7: parallelism.tensor_paralel_degree", "unknown field"),
+    ("job.toml", "[parallelisms]\ntensor_parallel_degree = 2\n", "job.toml:1: parallelisms", "unknown section"),
+    ("job.toml", "[parallelism]\ndata_parallel_shard_degree = 2\npipeline_parallel_degree = 2\n"
+                 "pipeline_parallel_schedule = \"Loop\"\n",
+     "job.toml:4: parallelism.pipeline_parallel_schedule", "unknown schedule 'Loop'"),
+    ("job.toml", "[training]\nlocal_batch_size = 3\nglobal_batch_size = 100\n[parallelism]\n"
+                 "data_parallel_shard_degree = 4\n",
+     "job.toml:3: training.global_batch_size", "not divisible"),
+    ("job.toml", "[parallelism]\ndata_parallel_replicate_degree = 2\n",
+     "job.toml:1: parallelism.data_parallel_shard_degree", "give --devices"),
+    ("train.yaml", "model:\n  _target_: x.y\naccelerator:\n  tp_size: 2\n  pp_sise: 2\n",
+     "train.yaml:5: accelerator.pp_sise", "unknown field"),
+    ("train.yaml", "context:\n  device_num: 12\naccelerator:\n  tp_size: 8\n",
+     "train.yaml:2: context.device_num", "not divisible by tp·pp = 8"),
+    ("train.yaml", "context:\n  device_num: 8\ntraining:\n  global_batch_size: 64\n  micro_batch_size: 1\n"
+                   "  micro_batch_num: 4\naccelerator:\n  tp_size: 2\n",
+     "train.yaml:4: training.global_batch_size", "dp·micro_batch_size·micro_batch_num = 4·1·4 = 16"),
+    ("mf.yaml", "parallel_config:\n  data_parallel: 2\n  model_paralel: 2\n",
+     "mf.yaml:3: parallel_config.model_paralel", "unknown field"),
+    ("mf.yaml", "parallel_config:\n  data_parallel: 1\n  pipeline_stage: 4\nmodel:\n  model_config:\n"
+                "    num_layers: 30\n    hidden_size: 1024\n    num_heads: 8\n    vocab_size: 1000\n"
+                "    offset: [1, 0, 0, 0]\n",
+     "mf.yaml:10: model.model_config.offset", "must sum to 30 % (pp·vpp = 4) = 2"),
+    ("mf.yaml", "parallel_config:\n  data_parallel: 2\n    model_parallel: 2\n", "mf.yaml:3: malformed YAML", ""),
+    ("config.json", '{"model_type": "llama", "num_hidden_layers": 2,\n "hidden_size": 64,\n}',
+     "config.json:3: malformed JSON", ""),
+]
+
+
+@pytest.mark.parametrize("name, content, prefix, words", CASES, ids=[c[2].split(": ", 1)[-1] + "|" + c[0] for c in CASES])
+def test_malformed_files_give_one_line_errors(tmp_path, name, content, prefix, words):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(NdplanError) as info:
+        read_config(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(tmp_path / prefix)), message
+    assert words in message
+
+
+def test_devices_that_contradict_the_file(tmp_path):
+    with pytest.raises(NdplanError, match=r"megatron_llama3_70b\.sh:\d+: world size: the launch command gives 64"):
+        read_config(fixture("megatron_llama3_70b.sh"), devices=32)
+    with pytest.raises(NdplanError, match=r"mindformers_deepseek3_671b\.yaml:\d+: parallel_config.data_parallel"):
+        read_config(fixture("mindformers_deepseek3_671b.yaml"), devices=512)
+
+
+def test_unrecognised_files(tmp_path):
+    path = tmp_path / "notes.yaml"
+    path.write_text("hello: world\n")
+    with pytest.raises(NdplanError, match="cannot tell which framework"):
+        read_config(path)
+    with pytest.raises(NdplanError, match="no such file"):
+        read_config(tmp_path / "missing.sh")
+    script = tmp_path / "run.sh"
+    script.write_text("echo hello\n")
+    with pytest.raises(NdplanError, match="no Megatron-LM launch command found"):
+        read_config(script)
+
+
+# ---------------------------------------------------------------- writing
+@pytest.mark.parametrize("fmt", ["megatron", "torchtitan", "hyperparallel", "mindformers"])
+def test_emitted_configs_parse_as_their_syntax(fmt, tmp_path):
+    model = get_preset("deepseek-v3")
+    s = Strategy(dp=8, tp=2, pp=4, vpp=2, schedule="interleaved", ep=8, etp=1, sequence_parallel=True, zero=1,
+                 micro_batch_size=1, num_micro_batches=16, stage_layers=(8, 8, 8, 8, 8, 8, 8, 5),
+                 recompute="full", seq_length=4096)
+    text = emit(model, s, fmt)
+    assert text.startswith("#")
+    if fmt == "megatron":
+        assert '"${PARALLEL_ARGS[@]}"' in text and "--pipeline-model-parallel-layout" in text
+        if shutil.which("bash"):
+            path = tmp_path / "run.sh"
+            path.write_text(text)
+            subprocess.run(["bash", "-n", str(path)], check=True)
+    elif fmt == "torchtitan":
+        import tomllib
+
+        data = tomllib.loads(text)
+        assert data["parallelism"]["expert_parallel_degree"] == 8
+        assert len(data["parallelism"]["module_fqns_per_model_part"]) == 8
+    else:
+        assert isinstance(yaml.safe_load(text), dict)
+    assert emit(s, model, fmt) == text  # either argument order
+
+
+def test_emit_lists_what_the_format_cannot_express():
+    s = Strategy(dp=2, tp=2, pp=2, schedule="gpipe", micro_batch_size=1, num_micro_batches=4, precision="fsdp-bf16")
+    text = emit(get_preset("llama-3.1-8b"), s, "megatron")
+    assert "# ndplan: not expressible in Megatron-LM, left out: schedule 'gpipe'" in text
+    assert "precision 'fsdp-bf16'" in text
+    with pytest.raises(NdplanError, match="unknown output format"):
+        emit(None, s, "deepspeed")
+
+
+# ---------------------------------------------------------------- CLI pieces
+def _inspect_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_inspect_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_inspect_json_summary(capsys):
+    code = cmd_inspect(_inspect_args(str(fixture("torchtitan_llama3_70b.toml")), "--devices", "256", "--json"))
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["format"] == "torchtitan" and data["model"]["name"] == "llama-3.1-70b"
+    assert data["cluster"]["devices"] == 256
+    assert data["strategy"]["short"] == "dp8 tp8 sp pp4 vpp2 fsdp3 mbs1 m128 interleaved rc-full"
+
+
+def test_inspect_table_and_conversion(capsys):
+    assert cmd_inspect(_inspect_args(str(fixture("megatron_deepseek_v3.sh")))) == 0
+    out = capsys.readouterr().out
+    assert "dp32 tp2 sp pp16 ep64 etp1 zero1 mbs1 m256 1f1b rc-selective" in out
+    assert "1024 devices = 128 nodes × 8" in out and "--recompute-modules" in out
+    assert cmd_inspect(_inspect_args(str(fixture("megatron_deepseek_v3.sh")), "--to", "torchtitan")) == 0
+    converted = capsys.readouterr()
+    assert "expert_parallel_degree = 64" in converted.out and "warning" in converted.err
+
+
+def test_inspect_summary_of_an_incomplete_config():
+    summary = inspect_summary(read_config(fixture("torchtitan_llama3_70b.toml")))
+    assert summary["strategy"] is None and summary["cluster"]["devices"] is None
+
+
+def test_from_argument_and_merging():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    parser.add_argument("--devices", type=int)
+    add_from_argument(parser)
+    args = parser.parse_args(["--from", str(fixture("megatron_llama3_70b.sh")), "--model", "llama-3.1-70b"])
+    result = read_from_args(args)
+    assert result is not None and result.format == "megatron"
+    # A flag for tp makes the file's dp (world / (tp·pp·cp)) stale: it is dropped and re-derived.
+    merged = merge_settings(result, {"tp": 4, "model": "llama-3.1-70b", "pp": None})
+    assert merged["tp"] == 4 and "dp" not in merged and "num_micro_batches" not in merged
+    assert merged["devices"] == 64 and merged["pp"] == 4 and merged["gbs"] == 512
+    assert model_for(merged, result).vocab_size == 129024
+    assert model_for({"model": "llama-3.1-8b"}, None).name == "llama-3.1-8b"
+    with pytest.raises(NdplanError, match="missing --model"):
+        model_for({}, read_config(fixture("megatron_llama3_70b.sh")))
+    assert read_from_args(parser.parse_args([])) is None

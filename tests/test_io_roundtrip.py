@@ -1,0 +1,191 @@
+"""Round trips: read(emit(s)) is s, for random valid strategies in what each format can express.
+
+Equality is up to ndplan's normal form (``canonical_strategy``: the same layer placement,
+shard groups, resharding and recompute limit, however a format spells them) and precision
+policies compare by their bytes. What each format cannot express is kept out of its
+strategy space below, and listed in docs/io.md.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from ndplan.io import emit, read_config
+from ndplan.io.common import EXTRA_POLICIES, canonical_strategy
+from ndplan.model import ModelSpec, count_parameters, get_preset, preset_names
+from ndplan.strategy import PRECISION_PRESETS, PrecisionPolicy, Strategy, check_strategy
+
+MODELS = [get_preset(n) for n in ("llama-3.1-8b", "mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3")]
+SUFFIX = {"megatron": ".sh", "torchtitan": ".toml", "hyperparallel": ".yaml", "mindformers": ".yaml"}
+
+HYPER_BF16_FP32_MAIN = PrecisionPolicy(name="hyperparallel-bf16-fp32main", param_bytes=2, grad_bytes=2,
+                                       master_weight_bytes=4, optimizer_state_bytes=4)
+
+#: What each format can express (the rest is documented as lost in docs/io.md).
+SPACES: dict[str, dict[str, Any]] = {
+    "megatron": {
+        "schedules": ("1f1b", "interleaved", "dualpipev"), "cp_kinds": ("ring", "ulysses", "hybrid"),
+        "zero": (0, 1, 2, 3), "precisions": (PRECISION_PRESETS["megatron-bf16"], PRECISION_PRESETS["megatron-fp8"],
+                                             PRECISION_PRESETS["fp32"], EXTRA_POLICIES["megatron-fp16"]),
+        "recompute_layers": ("full",), "offload": True,
+    },
+    "torchtitan": {
+        "schedules": ("1f1b", "gpipe", "interleaved", "zbv", "dualpipev"), "cp_kinds": ("ring",), "zero": (0, 3),
+        "precisions": (PRECISION_PRESETS["fsdp-bf16"], PRECISION_PRESETS["fp32"], PRECISION_PRESETS["bf16-pure"]),
+        "recompute_layers": (), "offload": False,
+    },
+    "hyperparallel": {
+        "schedules": ("1f1b", "interleaved", "gpipe", "zb-h1", "zbv", "dualpipev", "seq1f1b"),
+        "cp_kinds": ("ring", "ulysses", "hybrid"), "zero": (0, 3),
+        "precisions": (PRECISION_PRESETS["bf16-pure"], PRECISION_PRESETS["fsdp-bf16"], PRECISION_PRESETS["fp32"],
+                       HYPER_BF16_FP32_MAIN),
+        "recompute_layers": (), "offload": False,
+    },
+    "mindformers": {
+        "schedules": ("1f1b", "interleaved", "gpipe", "seq1f1b", "zbv"), "cp_kinds": ("ring", "ulysses", "hybrid"),
+        "zero": (0, 1, 3),
+        "precisions": (PRECISION_PRESETS["fsdp-bf16"], PRECISION_PRESETS["fp32"], PRECISION_PRESETS["bf16-pure"]),
+        "recompute_layers": ("full", "selective"), "offload": False,
+    },
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def strategies(draw: st.DrawFn, fmt: str) -> tuple[ModelSpec, Strategy]:
+    space = SPACES[fmt]
+    model = draw(st.sampled_from(MODELS))
+    tp = draw(st.sampled_from((1, 2, 4)))
+    cp = draw(st.sampled_from((1, 2)))
+    dp = draw(st.sampled_from((1, 2, 4)))
+    pp = draw(st.sampled_from((1, 2, 4)))
+    fields: dict[str, Any] = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    fields["seq_length"] = draw(st.sampled_from((2048, 4096)))
+    fields["sequence_parallel"] = tp > 1 if fmt == "torchtitan" else (tp > 1 and draw(st.booleans()))
+    if cp > 1:
+        kind = draw(st.sampled_from(space["cp_kinds"]))
+        fields["cp_kind"] = kind
+        if kind == "hybrid":
+            fields["ulysses_degree"] = draw(st.sampled_from((1, 2)))
+    if model.is_moe:
+        if fmt == "torchtitan":
+            etp_choices = (1, tp)
+        else:
+            etp_choices = (1, 2, 4)
+        etp = draw(st.sampled_from(etp_choices))
+        eps = [e for e in (1, 2, 4, 8) if model.num_experts % e == 0 and (dp * cp * tp) % (e * etp) == 0]
+        assume(eps)
+        ep = draw(st.sampled_from(eps))
+        if fmt == "torchtitan" and ep == 1:
+            etp = tp
+        fields.update(ep=ep, etp=etp)
+
+    # Pipeline: schedule, chunks per stage, micro-batches, placement.
+    schedules = [s for s in space["schedules"] if pp > 1 or s == "1f1b"]
+    schedule = draw(st.sampled_from(schedules))
+    vpp = {"interleaved": draw(st.sampled_from((2, 3))), "zbv": 2, "dualpipev": 2}.get(schedule, 1)
+    stages = pp * vpp
+    assume(stages <= model.num_layers)
+    k = draw(st.integers(1, 4))
+    fields["num_micro_batches"] = pp * k if schedule == "interleaved" else (2 * pp * k if schedule == "dualpipev" else k)
+    fields["micro_batch_size"] = draw(st.sampled_from((1, 2)))
+    fields.update(schedule=schedule, vpp=vpp)
+    if schedule == "seq1f1b":
+        fields["seq_chunks"] = draw(st.sampled_from((1, 2, 4)))
+    if fmt == "megatron" and schedule == "dualpipev":
+        assume(model.num_layers % stages == 0)  # MindSpeed splits DualPipeV chunks evenly
+    elif pp > 1:
+        placement = draw(st.sampled_from(("even", "flags", "explicit")))
+        if placement == "flags":
+            fields["embedding_as_layer"] = draw(st.booleans())
+            fields["output_as_layer"] = draw(st.booleans())
+        elif placement == "explicit":
+            cuts = draw(st.lists(st.integers(1, model.num_layers - 1), min_size=stages - 1, max_size=stages - 1,
+                                 unique=True).map(sorted))
+            bounds = [0, *cuts, model.num_layers]
+            fields["stage_layers"] = tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+
+    # Sharding.
+    zero = draw(st.sampled_from(space["zero"]))
+    if fmt == "torchtitan" and zero == 0:
+        assume(cp == 1)  # torchtitan shards with FSDP over the CP ranks
+    if fmt in ("torchtitan", "hyperparallel") and zero == 3:
+        assume(dp * cp > 1)  # one rank has nothing to shard: reads back as no FSDP
+    fields["zero"] = zero
+    fields["fsdp"] = zero == 3 and fmt != "mindformers"
+    if zero:
+        replicas = dp * cp
+        groups = [g for g in _divisors(replicas) if g < replicas]
+        if fmt == "torchtitan":
+            groups = [g for g in groups if g % cp == 0 and g // cp > 1]
+        if fmt == "hyperparallel":
+            groups = [g for g in groups if g > 1]
+        if groups and draw(st.booleans()):
+            fields["shard_group"] = draw(st.sampled_from(groups))
+        if zero == 3 and fmt != "mindformers":
+            reshard = draw(st.booleans())
+            if fmt == "megatron" and not reshard:
+                assume(pp == 1 and fields.get("ep", 1) == 1)  # only torch FSDP2 keeps parameters gathered
+            fields["reshard_after_forward"] = reshard
+    if space["offload"]:
+        fields["optimizer_offload"] = draw(st.booleans())
+
+    recompute = draw(st.sampled_from(("none", "selective", "full")))
+    fields["recompute"] = recompute
+    if recompute in space["recompute_layers"]:
+        fields["recompute_layers"] = draw(st.integers(0, -(-model.num_layers // stages)))
+    fields["precision"] = draw(st.sampled_from(space["precisions"]))
+    strategy = Strategy(**fields)
+    assume(check_strategy(strategy, model) == [])
+    return model, strategy
+
+
+def comparable(strategy: Strategy, model: ModelSpec) -> dict[str, Any]:
+    data = canonical_strategy(strategy, model).model_dump()
+    data["precision"].pop("name")  # compare policies by their bytes
+    return data
+
+
+def round_trip(fmt: str, model: ModelSpec, strategy: Strategy) -> Strategy:
+    text = emit(model, strategy, fmt)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"config{SUFFIX[fmt]}"
+        path.write_text(text)
+        result = read_config(path, model=model)
+    return result.strategy()
+
+
+@pytest.mark.parametrize("fmt", list(SPACES))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(data=st.data())
+def test_round_trip(fmt: str, data: st.DataObject) -> None:
+    model, strategy = data.draw(strategies(fmt))
+    text = emit(model, strategy, fmt)
+    assert "not expressible" not in text, text
+    assert comparable(round_trip(fmt, model, strategy), model) == comparable(strategy, model)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_megatron_model_flags_round_trip(name: str, tmp_path: Path) -> None:
+    """Every preset Megatron can express comes back from its flags alone with the same parameters."""
+    model = get_preset(name)
+    text = emit(model, Strategy(dp=2, micro_batch_size=1, num_micro_batches=2), "megatron")
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    result = read_config(path)
+    assert result.model is not None
+    if "not expressible" in text:
+        assert name == "qwen1.5-moe-a2.7b" and "shared-expert gate" in text
+        return
+    assert count_parameters(result.model).total == count_parameters(model).total
+    assert result.model.layer_mlp_kinds == model.layer_mlp_kinds and result.model.mtp_depth == model.mtp_depth
+    assert result.warnings == []
