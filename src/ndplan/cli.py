@@ -176,13 +176,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     device = resolve_device(_require(settings, "hardware", "--hardware"))
     strategy = strategy_from_settings(settings)
     report = estimate(model, strategy, device, _memory_options(args), num_devices=settings.get("devices"))
+    from ndplan.hardware import Cluster
+    from ndplan.perf import estimate_time
+
+    timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size))
     if args.plot:
         from ndplan.report.plots import plot_memory
 
         plot_memory(report, args.plot)
     if args.json:
-        _emit_json({"model": model.name, "hardware": device.name, "strategy": strategy.model_dump(mode="json"),
-                    **report.to_dict()})
+        _emit_json({"model": model.name, "hardware": device.name, "devices": strategy.world_size,
+                    "strategy": strategy.model_dump(mode="json"), **report.to_dict(),
+                    "time": {**timing.to_dict(), "details": timing.details}})
         return 0
     table = Table(title=f"{model.name} on {device.name} — {strategy.short()} — per-device memory per stage")
     columns = ["stage", "layers", "params", "grads", "optimizer", "activations", "comm", "transient",
@@ -203,8 +208,19 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                f"[bold red]does not fit[/]: stage {report.peak_stage} needs {format_bytes(report.peak_bytes)}, "
                f"over {format_bytes(device.memory_bytes)} by {format_bytes(-margin)}")
     console.print(verdict)
+    exposed = timing.breakdown["comm_exposed"]
+    console.print(
+        f"step {timing.step_s:.3f} s · {timing.tokens_per_s:,.0f} tokens/s "
+        f"({timing.tokens_per_s_per_device:,.0f} per device) · MFU {100 * timing.mfu:.1f}% · HFU {100 * timing.hfu:.1f}% "
+        f"— compute {timing.breakdown['compute']:.3f} s, bubble {timing.breakdown['bubble']:.3f} s, "
+        f"exposed comm {sum(exposed.values()):.3f} s, optimizer {timing.breakdown['optimizer']:.3f} s"
+    )
     if args.explain:
+        console.print("memory, peak stage:")
         for line in report.explain():
+            console.print("  " + line, markup=False)
+        console.print("time:")
+        for line in timing.explain():
             console.print("  " + line, markup=False)
     return 0
 
