@@ -1,0 +1,301 @@
+"""Measured runs, and fitting the efficiency figures to them.
+
+A measured run (YAML/JSON, see benchmarks/published_runs.yaml) names a model, a device, the
+cluster size, the strategy and one measured quantity; ``measured_step_s`` turns that quantity
+into seconds per step:
+
+* ``step_s``: as measured;
+* ``tokens_per_s_per_device``: step = global_batch · seq / (tokens/s/device · devices);
+* ``tflops_per_device`` or ``mfu`` with the FLOP formula the source used (``flops_formula``):
+  step = FLOPs per step / (TFLOP/s · 1e12 · devices), with TFLOP/s = mfu · peak[bf16] for MFU.
+  Formulas: ``megatron-2021`` (Narayanan et al. 2021, eq. 3, with full recompute:
+  96·B·s·l·h²·(1 + s/6h + V/16lh)), ``megatron-2022`` (Korthikanti et al. 2022 model FLOPs:
+  72·B·s·l·h²·(1 + s/6h + V/12lh)), ``ndplan`` (this package's model FLOPs, 3× forward matmuls
+  and causal attention).
+
+``calibrate`` fits chosen EfficiencyProfile figures by bounded least squares on the log ratio
+of predicted to measured step time (scipy.optimize.least_squares, trust-region reflective), so
+every run weighs the same whatever its size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ndplan.errors import NdplanError
+from ndplan.hardware.device import Cluster, Device
+from ndplan.hardware.presets import get_device
+from ndplan.model.presets import get_preset
+from ndplan.model.spec import ModelSpec
+from ndplan.perf.efficiency import FITTABLE, EfficiencyProfile, default_efficiency, device_family
+from ndplan.perf.flops import model_flops_per_micro_batch
+from ndplan.perf.overlap import OverlapConfig, get_overlap
+from ndplan.strategy.strategy import Strategy
+
+FlopsFormula = Literal["megatron-2021", "megatron-2022", "ndplan"]
+
+
+class Measured(BaseModel):
+    """One measured quantity of a run (exactly one of the four)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step_s: float | None = Field(default=None, gt=0)
+    tokens_per_s_per_device: float | None = Field(default=None, gt=0)
+    tflops_per_device: float | None = Field(default=None, gt=0)
+    mfu: float | None = Field(default=None, gt=0, le=1)
+    flops_formula: FlopsFormula | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Measured:
+        given = [k for k in ("step_s", "tokens_per_s_per_device", "tflops_per_device", "mfu") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of step_s, tokens_per_s_per_device, tflops_per_device, mfu (got {given or 'none'})")
+        if given[0] in ("tflops_per_device", "mfu") and self.flops_formula is None:
+            raise ValueError(f"{given[0]} needs flops_formula (megatron-2021, megatron-2022 or ndplan)")
+        return self
+
+
+class MeasuredRun(BaseModel):
+    """A published or local training run with its configuration and a measured throughput."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    source: str = Field(description="table the run belongs to (rank correlation is per source)")
+    url: str = ""
+    model: str | dict[str, Any]
+    device: str | dict[str, Any]
+    num_devices: int = Field(gt=0)
+    devices_per_node: int | None = None
+    strategy: dict[str, Any]
+    overlap: str | dict[str, Any] = "megatron"
+    software: dict[str, Any] = Field(default_factory=dict, description="EfficiencyProfile fields that are facts of the run's software, e.g. flash_attention: false")
+    measured: Measured
+    notes: str = ""
+
+    def model_spec(self) -> ModelSpec:
+        if isinstance(self.model, str):
+            return get_preset(self.model)
+        return ModelSpec.model_validate(self.model)
+
+    def device_spec(self) -> Device:
+        if isinstance(self.device, str):
+            return get_device(self.device)
+        return Device.model_validate(self.device)
+
+    def cluster(self) -> Cluster:
+        return Cluster(device=self.device_spec(), num_devices=self.num_devices, devices_per_node=self.devices_per_node)
+
+    def strategy_obj(self) -> Strategy:
+        return Strategy(**self.strategy)
+
+    def overlap_config(self) -> OverlapConfig:
+        return get_overlap(self.overlap) if isinstance(self.overlap, str) else OverlapConfig(**self.overlap)
+
+    def efficiency(self, base: EfficiencyProfile) -> EfficiencyProfile:
+        return base.replace(**self.software) if self.software else base
+
+
+def _megatron_flops(model: ModelSpec, batch: float, seq: float, recompute_forward: float, vocab_div: float) -> float:
+    """Megatron papers' GPT FLOPs per step: (24 + 24·r)·B·s·l·h²·(1 + s/6h + V/(vocab_div·l·h)),
+    r = 1 with full recompute (96 = 4 passes·24), 0 without (72)."""
+    layers, h, v = model.num_layers, model.hidden_size, model.vocab_size
+    passes = 72.0 + 24.0 * recompute_forward
+    return passes * batch * seq * layers * h * h * (1 + seq / (6 * h) + v / (vocab_div * layers * h))
+
+
+def step_flops(run: MeasuredRun, formula: FlopsFormula) -> float:
+    """FLOPs of one step by the formula the source used to report its throughput."""
+    model = run.model_spec()
+    s = run.strategy_obj()
+    if formula == "megatron-2021":
+        return _megatron_flops(model, s.global_batch_size, s.seq_length, 1.0, 16.0)
+    if formula == "megatron-2022":
+        return _megatron_flops(model, s.global_batch_size, s.seq_length, 0.0, 12.0)
+    per_seq = model_flops_per_micro_batch(model, 1.0, float(s.seq_length))
+    return float(s.global_batch_size * per_seq.model)
+
+
+def measured_step_s(run: MeasuredRun) -> float:
+    """The run's measured quantity as seconds per step (see the module docstring)."""
+    m, s = run.measured, run.strategy_obj()
+    if m.step_s:
+        return m.step_s
+    if m.tokens_per_s_per_device:
+        return s.global_batch_size * s.seq_length / (m.tokens_per_s_per_device * run.num_devices)
+    assert m.flops_formula is not None
+    flops = step_flops(run, m.flops_formula)
+    tflops = m.tflops_per_device or (m.mfu or 0.0) * run.device_spec().peak_flops_for("bf16") / 1e12
+    return flops / (tflops * 1e12 * run.num_devices)
+
+
+def load_runs(path: str | Path) -> list[MeasuredRun]:
+    """Read runs from YAML/JSON: a list, or a mapping with a ``runs:`` list."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if source.endswith(".json") else yaml.safe_load(text)
+    except OSError as exc:
+        raise NdplanError(f"{source}: cannot read runs ({exc.strerror or exc})") from exc
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise NdplanError(f"{source}: malformed runs file ({exc})") from exc
+    if isinstance(data, dict):
+        data = data.get("runs")
+    if not isinstance(data, list) or not data:
+        raise NdplanError(f"{source}: expected a non-empty list of runs (or a mapping with 'runs:')")
+    runs = []
+    for i, entry in enumerate(data):
+        try:
+            runs.append(MeasuredRun.model_validate(entry))
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            label = entry.get("id", f"#{i + 1}") if isinstance(entry, dict) else f"#{i + 1}"
+            raise NdplanError(f"{source}: run {label}: field '{where}': {first['msg']}") from None
+    return runs
+
+
+def predict_step_s(run: MeasuredRun, profile: EfficiencyProfile) -> float:
+    """ndplan's step time for the run with ``profile`` (and the run's software facts)."""
+    from ndplan.perf.report import estimate_time
+
+    report = estimate_time(
+        run.model_spec(), run.strategy_obj(), run.cluster(),
+        efficiency=run.efficiency(profile), overlap=run.overlap_config(),
+    )
+    return report.step_s
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman rank correlation (average ranks for ties); nan for fewer than 3 points."""
+    if len(x) < 3:
+        return float("nan")
+
+    def ranks(v: Sequence[float]) -> np.ndarray:
+        arr = np.asarray(v, dtype=float)
+        order = arr.argsort()
+        r = np.empty(len(arr))
+        r[order] = np.arange(len(arr), dtype=float)
+        for value in np.unique(arr):
+            same = arr == value
+            r[same] = r[same].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+@dataclass
+class CalibrationReport:
+    """What the fit did: figures before/after, per-run errors, summary statistics."""
+
+    device_family: str
+    fitted: dict[str, float]
+    initial: dict[str, float]
+    bounds: dict[str, tuple[float, float]]
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    median_abs_error_before: float = float("nan")
+    median_abs_error_after: float = float("nan")
+    max_abs_error_after: float = float("nan")
+    success: bool = True
+    message: str = ""
+
+    def summary(self) -> str:
+        changed = ", ".join(f"{k} {self.initial[k]:.4g} -> {v:.4g}" for k, v in self.fitted.items())
+        return (
+            f"{len(self.runs)} runs ({self.device_family}); median |error| {self.median_abs_error_before:.1%} -> "
+            f"{self.median_abs_error_after:.1%}, worst {self.max_abs_error_after:.1%}; {changed}"
+        )
+
+
+def calibrate(
+    runs: Iterable[MeasuredRun] | str | Path,
+    device: Device | str,
+    *,
+    fit: Sequence[str] | None = None,
+    initial: EfficiencyProfile | None = None,
+    prior_weight: float = 0.0,
+    max_nfev: int = 200,
+) -> tuple[EfficiencyProfile, CalibrationReport]:
+    """Fit efficiency figures to measured step times of runs on ``device``'s family.
+
+    fit: names from ``FITTABLE`` (default: gemm, attention, HBM, scale-up and scale-out
+    efficiencies, plus fp8 GEMM efficiency when a run computes in fp8). Runs on other device
+    families are skipped (listed in the report). Residual per run: log(predicted / measured).
+    initial: the starting profile (default: the device family's); with ``prior_weight`` > 0
+    each fitted figure also pays prior_weight·(x - x0)/x0 (x0 its initial value, or the bound
+    width for a zero start), which keeps poorly determined figures near their documented
+    values instead of letting them absorb effects they do not model.
+    """
+    from scipy.optimize import least_squares
+
+    dev = get_device(device) if isinstance(device, str) else device
+    family = device_family(dev)
+    start = initial or default_efficiency(dev)
+    all_runs = load_runs(runs) if isinstance(runs, (str, Path)) else list(runs)
+    chosen = [r for r in all_runs if device_family(r.device_spec()) == family]
+    skipped = [r.id for r in all_runs if device_family(r.device_spec()) != family]
+    if not chosen:
+        raise NdplanError(f"no run is on a {family} device like '{dev.name}'; nothing to calibrate")
+    names = list(fit) if fit else ["gemm_efficiency", "attention_efficiency", "hbm_efficiency",
+                                   "scaleup_efficiency", "scaleout_efficiency"]
+    if not fit and any(r.strategy_obj().precision.compute_dtype == "fp8" for r in chosen):
+        names.append("fp8_gemm_efficiency")
+    unknown = [n for n in names if n not in FITTABLE]
+    if unknown:
+        raise NdplanError(f"cannot fit '{unknown[0]}'; fittable: {', '.join(FITTABLE)}")
+    measured = np.array([measured_step_s(r) for r in chosen])
+    lo = np.array([FITTABLE[n][0] for n in names])
+    hi = np.array([FITTABLE[n][1] for n in names])
+    x0 = np.clip(np.array([float(getattr(start, n)) for n in names]), lo, hi)
+
+    def profile(x: np.ndarray) -> EfficiencyProfile:
+        return start.replace(**{n: float(v) for n, v in zip(names, x, strict=True)})
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        p = profile(x)
+        return np.array([math.log(predict_step_s(r, p) / t) for r, t in zip(chosen, measured, strict=True)])
+
+    scale = np.where(x0 > 0, x0, hi - lo)
+
+    def objective(x: np.ndarray) -> np.ndarray:
+        if prior_weight <= 0:
+            return residuals(x)
+        return np.concatenate([residuals(x), prior_weight * (x - x0) / scale])
+
+    before = residuals(x0)
+    result = least_squares(objective, x0, bounds=(lo, hi), method="trf", x_scale="jac", max_nfev=max_nfev)
+    fitted = profile(result.x)
+    after = residuals(result.x)
+    report = CalibrationReport(
+        device_family=family,
+        fitted={n: float(v) for n, v in zip(names, result.x, strict=True)},
+        initial={n: float(v) for n, v in zip(names, x0, strict=True)},
+        bounds={n: FITTABLE[n] for n in names},
+        skipped=skipped,
+        median_abs_error_before=float(np.median(np.abs(np.expm1(before)))),
+        median_abs_error_after=float(np.median(np.abs(np.expm1(after)))),
+        max_abs_error_after=float(np.max(np.abs(np.expm1(after)))),
+        success=bool(result.success),
+        message=str(result.message),
+    )
+    for run, t, r0, r1 in zip(chosen, measured, before, after, strict=True):
+        report.runs.append({
+            "id": run.id, "measured_step_s": float(t),
+            "predicted_before_s": float(t * math.exp(r0)), "predicted_after_s": float(t * math.exp(r1)),
+            "error_after": float(math.expm1(r1)),
+        })
+    return fitted, report

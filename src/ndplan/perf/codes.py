@@ -1,0 +1,60 @@
+"""Integer codes for distinct values and rows: how the batch path prices each thing once.
+
+A search batch of a million strategies holds only thousands of distinct layer configurations
+and a few dozen stage layouts. These helpers turn columns into dense codes 0..k-1 so that a
+price is computed per distinct value and gathered back. Small ranges use a presence table
+(linear time, no sort), which is what keeps the deduplication cheap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Array = np.ndarray
+
+#: Presence tables up to this many entries (or a quarter of the data, if larger) are used
+#: instead of a sort.
+_TABLE = 1 << 16
+
+
+def dense_codes(values: Array) -> tuple[Array, int]:
+    """(codes, k): codes 0..k-1 of the distinct values of a non-negative integer array, in
+    increasing value order."""
+    values = np.asarray(values, dtype=np.int64)
+    top = int(values.max(initial=0))
+    if values.size and values.min() >= 0 and top < max(_TABLE, values.size // 4):
+        present = np.zeros(top + 1, dtype=np.int64)
+        present[values] = 1
+        code_of = np.cumsum(present) - 1
+        return code_of[values], int(code_of[-1]) + 1
+    uniq, inverse = np.unique(values, return_inverse=True)
+    return inverse.reshape(-1), len(uniq)
+
+
+def first_of_codes(codes: Array, count: int) -> Array:
+    """Index of the first row holding each code 0..count-1."""
+    first = np.empty(count, dtype=np.int64)
+    first[codes[::-1]] = np.arange(len(codes) - 1, -1, -1)
+    return first
+
+
+def row_codes(columns: list[Array]) -> tuple[Array, int]:
+    """(codes, k) of the distinct rows of several non-negative integer (or integral float)
+    columns. Columns are packed into one integer key (small values are their own codes),
+    re-densified whenever the key would outgrow a small presence table."""
+    key = np.zeros(len(columns[0]), dtype=np.int64)
+    span = 1
+    for column in columns:
+        column = np.asarray(column)
+        if column.dtype.kind in "fb":
+            column = column.astype(np.int64)
+        top = int(column.max(initial=0))
+        if 0 <= top < 64 and column.min(initial=0) >= 0:
+            codes, count = column, top + 1
+        else:
+            codes, count = dense_codes(column)
+        if span * count >= _TABLE:
+            key, span = dense_codes(key)
+        key = key * count + codes
+        span *= count
+    return dense_codes(key)

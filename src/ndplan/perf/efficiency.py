@@ -1,0 +1,214 @@
+"""Efficiency figures: what fraction of a device's datasheet peaks real kernels reach.
+
+Every step-time term is "work / (peak rate × efficiency)". The peaks come from the Device
+(hardware/devices.yaml, with sources); the efficiencies live here, one documented profile per
+device family, so that the whole time model has a handful of dimensionless knobs a user can
+override, or fit to their own measurements with ``ndplan calibrate``.
+
+Units: efficiencies are fractions in (0, 1]; ``*_latency_s`` seconds; ``gemm_knee`` elements;
+``*_overhead_s`` seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ndplan.errors import NdplanError
+from ndplan.hardware.device import Device
+
+Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+class EfficiencyProfile(BaseModel):
+    """Achieved fractions of peak, per device family (see ``FAMILY_DEFAULTS`` for sources).
+
+    GEMMs: a matmul of shape (M, N, K) runs at
+        peak_flops[dtype] · gemm_efficiency · min(1, min(M, N, K) / gemm_knee)
+    (tile quantisation: a dimension thinner than one tile costs as much as a full tile), and
+    never faster than its operands and result can stream from HBM (roofline, see gemm.py).
+    ``fp8_gemm_efficiency`` replaces ``gemm_efficiency`` when the compute dtype is fp8.
+    Routed-expert GEMMs are grouped GEMMs; ``grouped_gemm_factor`` multiplies their efficiency.
+
+    Attention core (QK^T, softmax, PV): FlashAttention-style fused kernels at
+    ``attention_efficiency`` of peak; the backward counts 2.5x the forward FLOPs (the kernel
+    recomputes the scores). With ``flash_attention`` False (pre-2022 Megatron), scores are
+    materialised: two batched GEMMs over the full s×s square plus memory-bound softmax passes.
+
+    Memory-bound ops (norms, activations, rotary, residuals, loss, optimizer update) move bytes
+    at ``hbm_bandwidth · hbm_efficiency``.
+
+    Collectives: alpha-beta; a step costs ``*_latency_s`` and bytes move at
+    ``bandwidth · *_efficiency`` (NCCL bus bandwidth over link rate).
+    ``scaleup_topology`` 'mesh' means point-to-point links (MI300X, Ascend 910B): a group of n
+    out of a domain of D devices reaches only (n-1)/(D-1) of the device's scale-up bandwidth.
+
+    FP8: every GEMM input is quantised first, a memory-bound pass of ``fp8_cast_bytes`` per
+    element (read bf16 2, write fp8 1, plus the transposed copy the backward needs 1): the
+    forward casts the activation [m, k], the backward the output gradient [m, n].
+
+    Elementwise kernels: ``elementwise_passes`` multiplies their bytes; 1 for fused kernels
+    (Megatron/Transformer Engine, torch.compile), about 3 for eager PyTorch (RMSNorm, SwiGLU
+    and rotary as chains of separate fp32 kernels).
+
+    Host: the CPU enqueues a layer's kernels ahead of the GPU; when that takes longer than the
+    GPU work the GPU waits. A decoder layer's forward and backward each take at least
+    ``host_layer_s`` (dense) or ``host_moe_layer_s`` (MoE: routing, token permutation and the
+    device-to-host sync of per-expert token counts that dropless dispatch needs).
+
+    Overheads: ``layer_overhead_s`` per decoder layer per pass on the GPU (kernel tails,
+    synchronisation); ``step_overhead_s`` once per step (data loading, logging).
+    ``moe_imbalance`` >= 1 scales routed-expert compute and all-to-all: the busiest rank of an
+    expert-parallel group sets the pace.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    family: str = "generic"
+    gemm_efficiency: Fraction
+    gemm_knee: float = Field(default=256.0, gt=0.0, description="elements; below this the thin dimension is padded")
+    fp8_gemm_efficiency: Fraction
+    grouped_gemm_factor: float = Field(default=0.9, gt=0.0, le=1.0)
+    attention_efficiency: Fraction
+    flash_attention: bool = True
+    hbm_efficiency: Fraction
+    scaleup_efficiency: Fraction
+    scaleout_efficiency: Fraction
+    scaleup_latency_s: float = Field(default=3e-6, ge=0.0)
+    scaleout_latency_s: float = Field(default=10e-6, ge=0.0)
+    scaleup_topology: Literal["switch", "mesh"] = "switch"
+    fp8_cast_bytes: float = Field(default=4.0, ge=0.0, description="bytes per element to quantise a GEMM input")
+    elementwise_passes: float = Field(default=1.0, ge=1.0)
+    host_layer_s: float = Field(default=0.3e-3, ge=0.0)
+    host_moe_layer_s: float = Field(default=2.0e-3, ge=0.0)
+    layer_overhead_s: float = Field(default=20e-6, ge=0.0)
+    step_overhead_s: float = Field(default=0.0, ge=0.0)
+    moe_imbalance: float = Field(default=1.0, ge=1.0)
+    cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
+
+    def replace(self, **changes: Any) -> EfficiencyProfile:
+        """A copy with some figures changed (validated)."""
+        try:
+            return EfficiencyProfile.model_validate({**self.model_dump(), **changes})
+        except ValidationError as error:
+            raise NdplanError(f"invalid efficiency figure: {error.errors()[0]['msg']}") from None
+
+
+#: Fields that calibration may fit, with their bounds (all efficiencies are fractions).
+FITTABLE: dict[str, tuple[float, float]] = {
+    "gemm_efficiency": (0.2, 1.0),
+    "fp8_gemm_efficiency": (0.15, 1.0),
+    "attention_efficiency": (0.1, 1.0),
+    "hbm_efficiency": (0.2, 1.0),
+    "scaleup_efficiency": (0.1, 1.0),
+    "scaleout_efficiency": (0.1, 1.0),
+    "layer_overhead_s": (0.0, 2e-3),
+    "host_layer_s": (0.0, 5e-3),
+    "host_moe_layer_s": (0.0, 20e-3),
+    "grouped_gemm_factor": (0.05, 1.0),
+    "step_overhead_s": (0.0, 5.0),
+}
+
+# Defaults, one per family. They are first-principles figures from public microbenchmarks,
+# rounded; docs/time.md lists where each comes from and docs/accuracy_time.md how well the set
+# predicts published end-to-end runs.
+FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
+    # A100: cuBLAS bf16/fp16 large GEMMs reach 250-270 of 312 TFLOP/s; FlashAttention-2 fwd+bwd
+    # ~60-70%; HBM2e copy ~1.6-1.7 of 2.0 TB/s; NCCL all-reduce bus bandwidth ~230 of 300 GB/s
+    # NVLink3; ~22 of 25 GB/s per HDR NIC.
+    "ampere": EfficiencyProfile(
+        family="ampere", gemm_efficiency=0.82, fp8_gemm_efficiency=0.82, attention_efficiency=0.6,
+        hbm_efficiency=0.8, scaleup_efficiency=0.75, scaleout_efficiency=0.85,
+    ),
+    # H100/H200: cuBLAS bf16 ~700-760 of 989 TFLOP/s; FP8 GEMMs in training (Transformer Engine,
+    # per-tensor or 1x128 block scaling) run ~1.3-1.4x BF16, i.e. ~0.5 of the fp8 peak (isolated
+    # large fp8 GEMMs reach more); FlashAttention-2/3 50-65% of bf16 peak; HBM3 ~2.8 of
+    # 3.35 TB/s; NVLink4 all-reduce bus bandwidth ~360 of 450 GB/s; 400 Gb/s NDR ~45 of 50 GB/s.
+    "hopper": EfficiencyProfile(
+        family="hopper", gemm_efficiency=0.75, fp8_gemm_efficiency=0.5, attention_efficiency=0.55,
+        hbm_efficiency=0.8, scaleup_efficiency=0.8, scaleout_efficiency=0.85,
+    ),
+    # B200: cuBLAS bf16 ~1.6 of 2.25 PFLOP/s; FP8 in training ~1.35x BF16 (~0.5 of 4.5 PFLOP/s);
+    # NVLink5 ~0.75-0.8 of link rate.
+    "blackwell": EfficiencyProfile(
+        family="blackwell", gemm_efficiency=0.72, fp8_gemm_efficiency=0.5, attention_efficiency=0.55,
+        hbm_efficiency=0.8, scaleup_efficiency=0.78, scaleout_efficiency=0.85,
+    ),
+    # MI300X: hipBLASLt bf16 ~600-750 of 1307 TFLOP/s; xGMI full mesh.
+    "cdna3": EfficiencyProfile(
+        family="cdna3", gemm_efficiency=0.5, fp8_gemm_efficiency=0.45, attention_efficiency=0.35,
+        hbm_efficiency=0.7, scaleup_efficiency=0.7, scaleout_efficiency=0.8, scaleup_topology="mesh",
+    ),
+    # Ascend 910B: cube units ~65-75% on large GEMMs; HCCS full mesh of 8.
+    "davinci-mesh": EfficiencyProfile(
+        family="davinci-mesh", gemm_efficiency=0.7, fp8_gemm_efficiency=0.7, attention_efficiency=0.45,
+        hbm_efficiency=0.7, scaleup_efficiency=0.7, scaleout_efficiency=0.8, scaleup_topology="mesh",
+        scaleout_latency_s=15e-6,
+    ),
+    # Ascend 910C (CloudMatrix): the same dies on a switched UB fabric.
+    "davinci-switch": EfficiencyProfile(
+        family="davinci-switch", gemm_efficiency=0.7, fp8_gemm_efficiency=0.7, attention_efficiency=0.45,
+        hbm_efficiency=0.7, scaleup_efficiency=0.7, scaleout_efficiency=0.8, scaleout_latency_s=15e-6,
+    ),
+    "generic": EfficiencyProfile(
+        family="generic", gemm_efficiency=0.7, fp8_gemm_efficiency=0.6, attention_efficiency=0.5,
+        hbm_efficiency=0.75, scaleup_efficiency=0.75, scaleout_efficiency=0.8,
+    ),
+}
+
+# Device-name prefixes to families; the first match wins.
+_FAMILY_OF_PREFIX: tuple[tuple[str, str], ...] = (
+    ("a100", "ampere"), ("a800", "ampere"), ("a10", "ampere"),
+    ("h100", "hopper"), ("h200", "hopper"), ("h800", "hopper"), ("h20", "hopper"), ("gh200", "hopper"),
+    ("b200", "blackwell"), ("b300", "blackwell"), ("gb200", "blackwell"), ("gb300", "blackwell"),
+    ("mi300", "cdna3"), ("mi325", "cdna3"),
+    ("ascend-910c", "davinci-switch"), ("ascend-910b", "davinci-mesh"), ("ascend", "davinci-mesh"),
+)
+
+
+def device_family(device: Device) -> str:
+    name = device.name.lower()
+    for prefix, family in _FAMILY_OF_PREFIX:
+        if name.startswith(prefix):
+            return family
+    return "generic"
+
+
+def default_efficiency(device: Device) -> EfficiencyProfile:
+    """The family profile of ``device`` (generic for unknown names)."""
+    return FAMILY_DEFAULTS[device_family(device)]
+
+
+def load_efficiency(path: str | Path, base: EfficiencyProfile | None = None) -> EfficiencyProfile:
+    """Read a YAML/JSON profile; fields it omits come from ``base`` (or the generic profile).
+
+    Raises NdplanError naming the file and the field on any problem.
+    """
+    source = str(path)
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise NdplanError(f"{source}: cannot read efficiency profile ({exc.strerror or exc})") from exc
+    except yaml.YAMLError as exc:
+        raise NdplanError(f"{source}: malformed YAML/JSON efficiency profile") from exc
+    if isinstance(data, dict) and "efficiency" in data and isinstance(data["efficiency"], dict):
+        data = data["efficiency"]
+    if not isinstance(data, dict):
+        raise NdplanError(f"{source}: an efficiency profile is a mapping of figure names to numbers")
+    merged = {**(base or FAMILY_DEFAULTS["generic"]).model_dump(), **data}
+    try:
+        return EfficiencyProfile.model_validate(merged)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise NdplanError(f"{source}: field '{field}': {first['msg']}") from None
+
+
+def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str = "") -> None:
+    """Write ``profile`` as YAML (with an optional leading comment block)."""
+    header = "".join(f"# {line}\n" for line in comment.splitlines()) if comment else ""
+    body = yaml.safe_dump({"efficiency": profile.model_dump()}, sort_keys=False)
+    Path(path).write_text(header + body, encoding="utf-8")

@@ -1,0 +1,211 @@
+"""FLOPs of every matmul in a decoder layer, the attention core, the output head and MTP.
+
+All counts are for ONE micro-batch (b sequences of s tokens) on ONE device, given how the
+strategy shards the work; with every degree 1 they are the whole micro-batch's FLOPs, which is
+how ``model_flops`` gets the MFU numerator. Arrays broadcast: one entry per strategy.
+
+A matmul [M, K] @ [K, N] costs 2·M·N·K FLOPs. Its backward costs the same twice more: the input
+gradient dX = dY @ W^T (2·M·N·K) and the weight gradient dW = X^T @ dY (2·M·N·K); they are kept
+apart so zero-bubble schedules can run the weight gradient (W) separately.
+
+Sharding per device (tokens T = b·s per micro-batch; t = tp, c = cp, e = ep, x = etp):
+* attention and dense MLP: heads and FFN width split by t; tokens split by c (context
+  parallelism gives each rank s/c queries); M = T/c.
+* MLA down-projections (h -> q_lora, h -> kv_lora + rope) are small and replicated over t.
+* routed experts: each token goes to k experts; under balanced routing the dp·cp·tp ranks of a
+  stage share the T·k token-expert pairs evenly, so a device runs (T/c)·k/t of them, through
+  E/e local experts of width f_e/x: tokens per local expert M = (T/c)·k·e·x/(t·E).
+* output head: vocabulary split by t (vocab-parallel), M = T/c.
+
+Attention core, causal: query i attends to keys 0..i, so a sequence has s(s+1)/2 (query, key)
+pairs: the lower triangle with its diagonal, counted exactly (not s²/2). QK^T costs 2·d_qk and
+PV 2·d_v FLOPs per pair and head; a device holds a/t heads and 1/c of the pairs (ring CP with
+load-balanced chunks, or Ulysses over heads: the same share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ndplan.model.spec import MlpKind, ModelSpec
+
+Array = np.ndarray
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one micro-batch is split on a device (arrays, one entry per strategy, or scalars)."""
+
+    micro_batch: Array | float
+    seq: Array | float
+    tp: Array | float = 1.0
+    cp: Array | float = 1.0
+    ep: Array | float = 1.0
+    etp: Array | float = 1.0
+
+    @property
+    def tokens(self) -> Array | float:
+        """T/c: tokens of the micro-batch this device computes."""
+        return self.micro_batch * self.seq / self.cp
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``count`` matmuls [m, k] @ [k, n] (count > 1: a grouped GEMM over local experts)."""
+
+    name: str
+    m: Array | float
+    n: Array | float
+    k: Array | float
+    count: Array | float = 1.0
+    expert: bool = False
+
+    @property
+    def flops(self) -> Array | float:
+        """Forward FLOPs, 2·m·n·k·count."""
+        return 2.0 * self.m * self.n * self.k * self.count
+
+
+def attention_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
+    """Projections of one attention block (forward), with GQA or MLA widths."""
+    h, a, t, tok = model.hidden_size, model.num_attention_heads, sh.tp, sh.tokens
+    if model.is_mla:
+        qk = model.qk_head_dim
+        out: list[Gemm] = []
+        if model.q_lora_rank:
+            out.append(Gemm("q_down", tok, model.q_lora_rank, h))
+            out.append(Gemm("q_up", tok, a * qk / t, model.q_lora_rank))
+        else:
+            out.append(Gemm("q_proj", tok, a * qk / t, h))
+        out.append(Gemm("kv_down", tok, model.kv_lora_rank + model.qk_rope_head_dim, h))
+        out.append(Gemm("kv_up", tok, a * (model.qk_nope_head_dim + model.v_head_dim) / t, model.kv_lora_rank))
+        out.append(Gemm("o_proj", tok, h, a * model.v_head_dim / t))
+        return out
+    d = model.head_dim
+    qkv_width = (a + 2 * model.num_kv_heads) * d
+    return [Gemm("qkv_proj", tok, qkv_width / t, h), Gemm("o_proj", tok, h, a * d / t)]
+
+
+def mlp_gemms(model: ModelSpec, sh: Sharding, width: int, *, name: str = "mlp", shards: Array | float = 1.0) -> list[Gemm]:
+    """A (gated) MLP of ``width`` split over ``shards`` ranks: up(+gate) fused, then down."""
+    h = model.hidden_size
+    up_width = (model.mlp_matrices - 1) * width
+    return [Gemm(f"{name}_up", sh.tokens, up_width / shards, h), Gemm(f"{name}_down", sh.tokens, h, width / shards)]
+
+
+def expert_tokens(model: ModelSpec, sh: Sharding) -> Array | float:
+    """Tokens each local expert processes per micro-batch: (T/c)·k·e·x/(t·E) (balanced routing)."""
+    return sh.tokens * model.num_experts_per_tok * sh.ep * sh.etp / (sh.tp * model.num_experts)
+
+
+def moe_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
+    """Router, routed experts (grouped over the E/e local experts) and shared experts."""
+    h = model.hidden_size
+    per_expert = expert_tokens(model, sh)
+    local = model.num_experts / sh.ep
+    up_width = (model.mlp_matrices - 1) * model.moe_ffn_hidden_size
+    out = [
+        Gemm("router", sh.tokens, model.num_experts, h),
+        Gemm("experts_up", per_expert, up_width / sh.etp, h, count=local, expert=True),
+        Gemm("experts_down", per_expert, h, model.moe_ffn_hidden_size / sh.etp, count=local, expert=True),
+    ]
+    if model.num_shared_experts:
+        width = model.num_shared_experts * model.shared_expert_ffn_hidden_size
+        out += mlp_gemms(model, sh, width, name="shared", shards=sh.tp)
+        if model.shared_expert_gate:
+            out.append(Gemm("shared_gate", sh.tokens, 1.0, h))
+    return out
+
+
+def layer_gemms(model: ModelSpec, sh: Sharding, kind: MlpKind) -> list[Gemm]:
+    """Every matmul of one decoder layer of ``kind`` (forward)."""
+    mlp = mlp_gemms(model, sh, model.ffn_hidden_size, shards=sh.tp) if kind == "dense" else moe_gemms(model, sh)
+    return attention_gemms(model, sh) + mlp
+
+
+def head_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
+    """The output projection h -> V (vocab-parallel over t)."""
+    return [Gemm("output_head", sh.tokens, model.vocab_size / sh.tp, model.hidden_size)]
+
+
+def mtp_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
+    """One MTP module's own matmul: the 2h -> h projection of [embedding; hidden] (its decoder
+    layer and the shared output head are counted with the layer and head formulas)."""
+    h = model.hidden_size
+    return [Gemm("mtp_proj", sh.tokens, h / sh.tp, 2 * h)]
+
+
+def causal_pairs(seq: Array | float) -> Array | float:
+    """(query, key) pairs a causal mask keeps in one sequence: s(s+1)/2."""
+    return seq * (seq + 1) / 2.0
+
+
+def attention_core_flops(model: ModelSpec, sh: Sharding, *, causal: bool = True) -> Array | float:
+    """Forward FLOPs of QK^T and PV on a device: 2·(d_qk + d_v) per kept pair and local head.
+
+    ``causal=False`` counts the full s×s square, as an unfused (masked) kernel computes it.
+    """
+    pairs = causal_pairs(sh.seq) if causal else sh.seq * sh.seq
+    heads = model.num_attention_heads / sh.tp
+    return 2.0 * sh.micro_batch * heads * (model.qk_head_dim + model.value_head_dim) * pairs / sh.cp
+
+
+def gemm_flops(gemms: list[Gemm]) -> Array | float:
+    return sum((g.flops for g in gemms), 0.0)
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """FLOPs of one micro-batch on the whole model (every degree 1), per pass kind.
+
+    ``matmul_forward`` and ``attention_forward`` are forward FLOPs; the model FLOPs of a
+    training step are 3× their sum (forward + input grad + weight grad; the attention core's
+    backward is counted as 2× its forward, its FLOPs being matmuls too). ``recompute_forward``
+    is what activation recomputation adds (hardware FLOPs only).
+    """
+
+    matmul_forward: Array | float
+    attention_forward: Array | float
+    recompute_forward: Array | float
+
+    @property
+    def model(self) -> Array | float:
+        return 3.0 * (self.matmul_forward + self.attention_forward)
+
+    @property
+    def hardware(self) -> Array | float:
+        return self.model + self.recompute_forward
+
+
+def model_flops_per_micro_batch(
+    model: ModelSpec,
+    micro_batch: Array | float,
+    seq: Array | float,
+    *,
+    recompute_full_fraction: Array | float = 0.0,
+    recompute_selective_fraction: Array | float = 0.0,
+) -> ModelFlops:
+    """FLOPs of one micro-batch through the whole model, not divided by any degree.
+
+    Matmuls: every decoder layer, the MTP modules (projection, layer and the shared head
+    applied again) and the output head. The embedding lookup is a gather, not a matmul.
+    ``recompute_*_fraction``: the share of decoder layers recomputed fully (adds their whole
+    forward) or selectively (adds their attention core's forward).
+    """
+    sh = Sharding(micro_batch, seq)
+    per_kind = {kind: gemm_flops(layer_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
+    layers = sum((per_kind[k] for k in model.layer_mlp_kinds), 0.0)
+    head = gemm_flops(head_gemms(model, sh))
+    attention = attention_core_flops(model, sh)
+    mtp = model.mtp_depth * (
+        gemm_flops(mtp_gemms(model, sh)) + gemm_flops(layer_gemms(model, sh, model.mtp_mlp_kind)) + head
+    )
+    layers_attention = model.num_layers * attention
+    recompute = recompute_full_fraction * (layers + layers_attention) + recompute_selective_fraction * layers_attention
+    return ModelFlops(
+        matmul_forward=layers + head + mtp,
+        attention_forward=layers_attention + model.mtp_depth * attention,
+        recompute_forward=recompute,
+    )

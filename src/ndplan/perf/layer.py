@@ -1,0 +1,347 @@
+"""Seconds of one layer (and of the embedding and the output head) per micro-batch and pass.
+
+For each piece of a stage this returns, per pass and per category, the seconds one device
+spends on one micro-batch:
+
+* pieces: ``dense`` / ``moe`` decoder layer, ``emb`` (embedding), ``head`` (final norm, output
+  head, loss and the MTP modules), and ``rc_dense`` / ``rc_moe``: what recomputing one layer
+  adds to its backward.
+* passes: ``F`` forward, ``B`` backward input-gradient part (with the attention backward,
+  elementwise backward and recompute), ``W`` weight-gradient GEMMs. Schedules that do not split
+  the backward run B+W as one op.
+* categories: ``compute`` (GEMMs, attention core, memory-bound ops, per-layer overhead) and the
+  EXPOSED part of each communication: ``tp``, ``cp``, ``ep``, and ``dp`` for FSDP/ZeRO-3's
+  per-layer parameter gathers and gradient reduce-scatters.
+
+Communication per layer and micro-batch, A = (T/c)·h·act_bytes the layer's activation on a
+device (T = b·s):
+* TP (t > 1): without SP, 2 all-reduces of A forward (after attention and after the MLP) and 2
+  backward; with SP each all-reduce becomes an all-gather + a reduce-scatter of A.
+* CP ring: c-1 point-to-point steps, each passing the local K and V
+  (T/c)·(w_k + w_v)/t·act_bytes forward, and K,V plus dK,dV backward (w: GQA n_kv·d, MLA the
+  expanded a·d_qk and a·d_v). Ulysses: all-to-all of q, k, v and o forward, same backward.
+  Hybrid: Ulysses over ulysses_degree ranks, then a ring over cp/ulysses_degree.
+* EP: dispatch and combine all-to-alls of the (T/c)·k/t routed copies of h forward, the same
+  backward, over the ep ranks at stride etp (× moe_imbalance).
+* FSDP / ZeRO-3: all-gather the layer's parameter shard forward (param_gather_bytes), again in
+  backward when resharding after forward, and reduce-scatter its gradient (grad_bytes), over
+  the shard group (non-expert: shard_group or dp·cp ranks at stride tp; experts: the
+  expert-data-parallel ranks).
+Exposure (see OverlapConfig): hidden comm is max(0, comm - the compute it runs under).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ndplan.model.params import layer_params
+from ndplan.model.spec import MlpKind, ModelSpec
+from ndplan.perf import collectives as coll
+from ndplan.perf.efficiency import EfficiencyProfile
+from ndplan.perf.flops import (
+    Gemm,
+    Sharding,
+    attention_core_flops,
+    head_gemms,
+    layer_gemms,
+    mtp_gemms,
+)
+from ndplan.perf.gemm import ComputeRates, gemm_seconds, gemms_seconds
+from ndplan.perf.memory_ops import embedding_bytes, head_bytes, layer_bytes, unfused_score_bytes
+from ndplan.perf.overlap import OverlapConfig
+from ndplan.perf.topology import Fabric, group_link
+from ndplan.strategy.precision import PrecisionPolicy
+
+Array = np.ndarray
+PASSES = ("F", "B", "W")
+CATEGORIES = ("compute", "tp", "cp", "ep", "dp")
+PIECES = ("dense", "moe", "emb", "head", "rc_dense", "rc_moe")
+
+#: FlashAttention's backward runs 5 matmul-sized products per forward's 2 (it recomputes the
+#: scores): 2.5x the forward FLOPs.
+FLASH_BACKWARD_FACTOR = 2.5
+
+
+@dataclass
+class PieceTimes:
+    """seconds[(pass, category)] of one piece; missing entries are 0."""
+
+    seconds: dict[tuple[str, str], Array | float] = field(default_factory=dict)
+
+    def add(self, pass_: str, category: str, value: Array | float) -> None:
+        key = (pass_, category)
+        self.seconds[key] = self.seconds.get(key, 0.0) + value
+
+    def get(self, pass_: str, category: str) -> Array | float:
+        return self.seconds.get((pass_, category), 0.0)
+
+    def total(self, pass_: str) -> Array | float:
+        return sum((v for (p, _), v in self.seconds.items() if p == pass_), 0.0)
+
+    def scaled_add(self, other: PieceTimes, factor: Array | float) -> None:
+        for key, value in other.seconds.items():
+            self.seconds[key] = self.seconds.get(key, 0.0) + factor * value
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """Everything per-layer pricing needs besides the strategy columns."""
+
+    model: ModelSpec
+    rates: ComputeRates
+    fabric: Fabric
+    eff: EfficiencyProfile
+    overlap: OverlapConfig
+    precision: PrecisionPolicy
+
+
+def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array) -> Array | float:
+    """What the step pays for ``comm`` running under ``cover`` seconds of compute."""
+    hidden = np.maximum(comm - cover, 0.0)
+    return np.where(hide, hidden, comm)
+
+
+def _kv_widths(model: ModelSpec) -> tuple[float, float, float, float]:
+    """(q, k, v, o) widths over all heads, as context parallelism moves them."""
+    a = model.num_attention_heads
+    if model.is_mla:
+        return a * model.qk_head_dim, a * model.qk_head_dim, a * model.value_head_dim, a * model.value_head_dim
+    d = model.head_dim
+    return a * d, model.num_kv_heads * d, model.num_kv_heads * d, a * d
+
+
+def fp8_cast_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[Array | float, Array | float]:
+    """(forward, backward) seconds to quantise GEMM inputs to fp8: fp8_cast_bytes per element
+    of each activation [m, k] forward and each output gradient [m, n] backward; 0 unless the
+    GEMMs run in fp8 (operand width 1 byte)."""
+    if ctx.rates.operand_bytes != 1.0:
+        return 0.0, 0.0
+    per = ctx.eff.fp8_cast_bytes / ctx.rates.hbm_rate
+    forward = sum((g.m * g.k * g.count for g in gemms), 0.0)
+    backward = sum((g.m * g.n * g.count for g in gemms), 0.0)
+    return per * forward, per * backward
+
+
+def attention_core_seconds(ctx: LayerContext, sh: Sharding) -> tuple[Array | float, Array | float]:
+    """(forward, backward) seconds of the attention core on a device."""
+    model = ctx.model
+    if ctx.eff.flash_attention:
+        flops = attention_core_flops(model, sh)
+        return flops / ctx.rates.attention_rate, FLASH_BACKWARD_FACTOR * flops / ctx.rates.attention_rate
+    # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
+    count = sh.micro_batch * model.num_attention_heads / sh.tp
+    queries = sh.seq / sh.cp
+    qk = Gemm("scores", queries, sh.seq, model.qk_head_dim, count=count)
+    pv = Gemm("context", queries, model.value_head_dim, sh.seq, count=count)
+    matmuls = gemm_seconds(qk, ctx.rates) + gemm_seconds(pv, ctx.rates)
+    softmax = unfused_score_bytes(model, sh) / ctx.rates.hbm_rate
+    return matmuls + softmax, 2.0 * (matmuls + softmax)
+
+
+def _tp_seconds(ctx: LayerContext, cols: dict[str, Array], activation: Array | float, collectives: float) -> Array | float:
+    """Forward (= backward) TP seconds of ``collectives`` all-reduce-equivalents of ``activation``."""
+    t = cols["tp"]
+    link = group_link(t, 1.0, ctx.fabric, "ring")
+    sp = cols["sequence_parallel"] > 0
+    ar = coll.all_reduce_s(activation, t, link)
+    ag_rs = coll.all_gather_s(activation, t, link) + coll.reduce_scatter_s(activation, t, link)
+    return collectives * np.where(sp, ag_rs, ar)
+
+
+def _cp_seconds(
+    ctx: LayerContext, cols: dict[str, Array], sh: Sharding
+) -> tuple[Array | float, Array | float, Array | float]:
+    """(ring forward, ring backward, Ulysses all-to-alls per pass) raw CP seconds of one
+    attention block."""
+    c, t = cols["cp"], cols["tp"]
+    beta = ctx.precision.activation_bytes
+    wq, wk, wv, wo = _kv_widths(ctx.model)
+    tok = sh.tokens
+    kv = tok * (wk + wv) / t * beta
+    kind = cols["cp_kind"]  # 0 ring, 1 ulysses, 2 hybrid (codes of CP_KINDS)
+    u = np.where(kind == 1, c, np.where(kind == 2, cols["ulysses_degree"], 1.0))
+    ring_n = c / u
+    ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
+    ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
+    ring_b = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(2.0 * kv, ring_link), 0.0)
+    a2a_link = group_link(u, t, ctx.fabric, "all_to_all")
+    a2a = sum((coll.all_to_all_s(tok * w / t * beta, u, a2a_link) for w in (wq, wk, wv, wo)), 0.0)
+    return ring_f, ring_b, a2a
+
+
+def _layer_param_split(model: ModelSpec, kind: MlpKind) -> tuple[float, float]:
+    """(non-expert, routed-expert) parameters of one layer."""
+    p = layer_params(model, kind)
+    return float(p.non_expert + p.shared_experts), float(p.routed_experts)
+
+
+def _fsdp_seconds(
+    ctx: LayerContext, cols: dict[str, Array], non_expert: float, expert: float
+) -> tuple[Array | float, Array | float]:
+    """(forward, backward) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces."""
+    dp, cp, t, e, x = cols["dp"], cols["cp"], cols["tp"], cols["ep"], cols["etp"]
+    sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
+    replicas = dp * cp
+    shard = np.where(cols["shard_group"] > 0, cols["shard_group"], replicas)
+    edp = replicas * t / (e * x)
+    gather = ctx.precision.param_gather_bytes
+    grad = ctx.precision.grad_bytes
+    ne_link = group_link(shard, t, ctx.fabric, "ring")
+    ex_link = group_link(edp, e * x, ctx.fabric, "ring")
+    ne, ex = non_expert / t, expert / (e * x)
+    ag = coll.all_gather_s(ne * gather, shard, ne_link) + coll.all_gather_s(ex * gather, edp, ex_link)
+    rs = coll.reduce_scatter_s(ne * grad, shard, ne_link) + coll.reduce_scatter_s(ex * grad, edp, ex_link)
+    forward = np.where(sharded, ag, 0.0)
+    backward = np.where(sharded, np.where(cols["reshard_after_forward"] > 0, ag, 0.0) + rs, 0.0)
+    return forward, backward
+
+
+def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind) -> tuple[PieceTimes, PieceTimes]:
+    """(the layer, what recomputing it adds) for one decoder layer of ``kind``."""
+    model, rates, eff = ctx.model, ctx.rates, ctx.eff
+    beta = ctx.precision.activation_bytes
+    gemms = layer_gemms(model, sh, kind)
+    dense_s, expert_s = gemms_seconds(gemms, rates)
+    expert_s = expert_s * eff.moe_imbalance
+    gemm = dense_s + expert_s
+    cast_f, cast_b = fp8_cast_seconds(ctx, gemms)
+    attn_f, attn_b = attention_core_seconds(ctx, sh)
+    ew_bytes, ew_rc_bytes = layer_bytes(model, sh, cols["sequence_parallel"], kind, beta)
+    ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
+    ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
+    overhead = eff.layer_overhead_s
+    host = eff.host_moe_layer_s if kind == "moe" else eff.host_layer_s
+
+    out = PieceTimes()
+    # The GPU cannot run a layer faster than the host enqueues it (see EfficiencyProfile).
+    compute_f = np.maximum(gemm + cast_f + attn_f + ew_f + overhead, host)
+    compute_b = np.maximum(gemm + cast_b + attn_b + 2.0 * ew_f + overhead, host)
+    compute_w = gemm
+    out.add("F", "compute", compute_f)
+    out.add("B", "compute", compute_b)
+    out.add("W", "compute", compute_w)
+
+    activation = sh.tokens * model.hidden_size * beta
+    tp = _tp_seconds(ctx, cols, activation, 2.0)
+    tp_f = _exposed(tp, gemm, ctx.overlap.tp)
+    tp_b = _exposed(tp, 2.0 * gemm, ctx.overlap.tp)
+    out.add("F", "tp", tp_f)
+    out.add("B", "tp", tp_b)
+
+    ring_f, ring_b, a2a = _cp_seconds(ctx, cols, sh)
+    cp_f = _exposed(ring_f, attn_f, ctx.overlap.cp_ring) + a2a
+    cp_b = _exposed(ring_b, attn_b, ctx.overlap.cp_ring) + a2a
+    out.add("F", "cp", cp_f)
+    out.add("B", "cp", cp_b)
+
+    ep_f: Array | float = 0.0
+    if kind == "moe":
+        e, x, t = cols["ep"], cols["etp"], cols["tp"]
+        # Dispatch sends the routed copies at GEMM operand width (fp8 recipes dispatch in fp8),
+        # combine returns them in activation width; the backward moves gradients both ways.
+        copies = sh.tokens * model.num_experts_per_tok / t * model.hidden_size
+        link = group_link(e, x, ctx.fabric, "all_to_all")
+        forward = coll.all_to_all_s(copies * rates.operand_bytes, e, link) + coll.all_to_all_s(copies * beta, e, link)
+        backward = 2.0 * coll.all_to_all_s(copies * beta, e, link)
+        hide_ep = cols["ep_overlap"] > 0
+        ep_f = _exposed(forward * eff.moe_imbalance, compute_f, hide_ep)
+        out.add("F", "ep", ep_f)
+        out.add("B", "ep", _exposed(backward * eff.moe_imbalance, compute_b + compute_w, hide_ep))
+
+    non_expert, expert = _layer_param_split(model, kind)
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, non_expert, expert)
+    out.add("F", "dp", _exposed(fs_f, compute_f, ctx.overlap.fsdp_prefetch))
+    out.add("B", "dp", _exposed(fs_b, compute_b + compute_w, ctx.overlap.fsdp_prefetch))
+
+    # Recompute: full replays the whole forward (its collectives too); selective replays the
+    # attention core and the cheap elementwise ops.
+    rc = PieceTimes()
+    full = cols["recompute"] == 2
+    selective = cols["recompute"] == 1
+    rc.add("B", "compute", np.where(full, compute_f, np.where(selective, attn_f + ew_rc, 0.0)))
+    rc.add("B", "tp", np.where(full, tp_f, 0.0))
+    rc.add("B", "cp", np.where(full, cp_f, 0.0))
+    rc.add("B", "ep", np.where(full, ep_f, 0.0))
+    return out, rc
+
+
+def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> PieceTimes:
+    """Embedding lookup (vocab-parallel: an all-reduce, or a reduce-scatter with SP)."""
+    model = ctx.model
+    beta = ctx.precision.activation_bytes
+    fwd_bytes, bwd_bytes = embedding_bytes(model, sh, beta)
+    out = PieceTimes()
+    out.add("F", "compute", fwd_bytes / ctx.rates.hbm_rate)
+    out.add("B", "compute", bwd_bytes / ctx.rates.hbm_rate)
+    activation = sh.tokens * model.hidden_size * beta
+    t = cols["tp"]
+    link = group_link(t, 1.0, ctx.fabric, "ring")
+    sp = cols["sequence_parallel"] > 0
+    out.add("F", "tp", np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link)))
+    table = float(model.vocab_size * model.hidden_size)
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0)
+    out.add("F", "dp", _exposed(fs_f, 0.0, False))
+    out.add("B", "dp", _exposed(fs_b, bwd_bytes / ctx.rates.hbm_rate, ctx.overlap.fsdp_prefetch))
+    return out
+
+
+def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes) -> PieceTimes:
+    """Final norm, output head and loss, plus each MTP module (projection, its decoder layer
+    ``mtp_layer`` and the shared head again)."""
+    model, rates = ctx.model, ctx.rates
+    beta = ctx.precision.activation_bytes
+    head = head_gemms(model, sh)
+    head_s, _ = gemms_seconds(head, rates)
+    cast_f, cast_b = fp8_cast_seconds(ctx, head)
+    loss_s = ctx.eff.elementwise_passes * head_bytes(model, sh, cols["sequence_parallel"], beta) / rates.hbm_rate
+    t = cols["tp"]
+    link = group_link(t, 1.0, ctx.fabric, "ring")
+    sp = cols["sequence_parallel"] > 0
+    activation = sh.tokens * model.hidden_size * beta
+    # vocab-parallel cross-entropy: three all-reduces of one fp32 number per token
+    ce = 3.0 * coll.all_reduce_s(sh.tokens * 4.0, t, link)
+    tp_f = np.where(sp, coll.all_gather_s(activation, t, link), 0.0) + ce
+    tp_b = np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))
+
+    one = PieceTimes()
+    one.add("F", "compute", head_s + cast_f + loss_s)
+    one.add("B", "compute", head_s + cast_b + loss_s)
+    one.add("W", "compute", head_s)
+    one.add("F", "tp", _exposed(tp_f, head_s, ctx.overlap.tp))
+    one.add("B", "tp", _exposed(tp_b, head_s, ctx.overlap.tp))
+    table = 0.0 if model.tie_word_embeddings else float(model.vocab_size * model.hidden_size)
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0)
+    one.add("F", "dp", _exposed(fs_f, head_s, ctx.overlap.fsdp_prefetch))
+    one.add("B", "dp", _exposed(fs_b, 2.0 * head_s, ctx.overlap.fsdp_prefetch))
+
+    out = PieceTimes()
+    out.scaled_add(one, 1.0)
+    if model.mtp_depth:
+        proj_s, _ = gemms_seconds(mtp_gemms(model, sh), rates)
+        module = PieceTimes()
+        module.scaled_add(mtp_layer, 1.0)
+        module.scaled_add(one, 1.0)
+        module.add("F", "compute", proj_s)
+        module.add("B", "compute", proj_s)
+        module.add("W", "compute", proj_s)
+        out.scaled_add(module, float(model.mtp_depth))
+    return out
+
+
+def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTimes]:
+    """Every piece of a stage, for the strategies in ``cols`` (float arrays, see step.py)."""
+    model = ctx.model
+    sh = Sharding(cols["micro_batch_size"], cols["seq_length"], cols["tp"], cols["cp"], cols["ep"], cols["etp"])
+    pieces: dict[str, PieceTimes] = {}
+    for kind in ("dense", "moe"):
+        if kind in model.layer_mlp_kinds or (model.mtp_depth and model.mtp_mlp_kind == kind):
+            layer, rc = decoder_layer(ctx, cols, sh, kind)  # type: ignore[arg-type]
+        else:
+            layer, rc = PieceTimes(), PieceTimes()
+        pieces[kind] = layer
+        pieces[f"rc_{kind}"] = rc
+    pieces["emb"] = embedding_piece(ctx, cols, sh)
+    pieces["head"] = head_piece(ctx, cols, sh, pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes())
+    return pieces

@@ -1,0 +1,106 @@
+"""Bytes that memory-bound kernels move, per device and micro-batch (forward pass).
+
+These ops do a few FLOPs per element, so their time is bytes / (HBM bandwidth · efficiency).
+Counts are elements read + written by the kernel, times the element width ``act_bytes``
+(2 for bf16 activations) unless stated. The backward of an elementwise op reads its saved input
+and the incoming gradient and writes one gradient: counted as 2× the forward bytes.
+
+Tokens: T = (b·s)/c on the device; regions that sequence parallelism splits (norms, residual
+adds, the final norm) see T_n = T/t with SP and T without it.
+
+Per decoder layer, forward:
+* 2 norms: read + write h each        -> 4·T_n·h
+* 2 residual adds: read 2, write 1     -> 6·T_n·h
+* rotary on q and k: read + write      -> 2·T·(a + kv)·d_rope/t   (MLA: the rope part only)
+* QK-norm, MLA latent norms            -> read + write their widths
+* MLP activation: gated reads gate and up, writes one -> 3·T·f/t; plain 2·T·f/t
+* MoE: permute (read + write) and un-permute + weighted combine (read 2, write 1) of the
+  T·k/t routed copies of h -> 5·(T·k/t)·h; router softmax/top-k over E logits in fp32
+  -> 3·(T/t)·E·4 bytes; expert activations 3·(T·k/t)·f_e (gated)
+Unfused attention (no FlashAttention): per score element b·(a/t)·(s/c)·s: GEMM writes scores 2,
+softmax reads 2 writes 2, dropout reads 2 writes 2 plus a 1-byte mask -> 11 bytes forward.
+Output head + loss: the vocab-parallel cross-entropy reads the bf16 logits, works in fp32
+(write 4, read 4) -> 10 bytes per logit forward, 10 backward; final norm 2·T_n·h.
+Embedding: gather, read + write h per token forward; the backward scatter-adds into an fp32
+gradient (read 2, read-modify-write 4 + 4) -> 10 bytes per element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ndplan.model.spec import MlpKind, ModelSpec
+from ndplan.perf.flops import Sharding
+
+Array = np.ndarray
+
+#: Bytes per attention-score element of an unfused (materialised) softmax, forward.
+UNFUSED_SCORE_BYTES = 11.0
+#: Bytes per logit of the fp32 cross-entropy, forward (the backward moves the same).
+LOSS_BYTES_PER_LOGIT = 10.0
+#: Bytes per embedding element of the backward scatter-add into an fp32 gradient.
+EMBEDDING_GRAD_BYTES = 10.0
+
+
+def norm_tokens(sh: Sharding, sp: Array | float) -> Array | float:
+    """T_n: tokens in the regions sequence parallelism splits."""
+    return sh.tokens / np.where(np.asarray(sp) > 0, sh.tp, 1.0)
+
+
+def rope_width(model: ModelSpec) -> float:
+    """Query + key features that get rotary embeddings, over all heads (before /t)."""
+    if model.is_mla:
+        return (model.num_attention_heads + 1) * model.qk_rope_head_dim
+    return (model.num_attention_heads + model.num_kv_heads) * model.head_dim
+
+
+def layer_bytes(
+    model: ModelSpec, sh: Sharding, sp: Array | float, kind: MlpKind, act_bytes: float
+) -> tuple[Array | float, Array | float]:
+    """(all elementwise bytes, the subset selective recompute re-runs) of one layer, forward.
+
+    Selective recompute re-runs the cheap elementwise ops: norms, rotary, activations; residual
+    adds and MoE token shuffles are kept (their outputs are the saved checkpoints).
+    """
+    h, t, tok = model.hidden_size, sh.tp, sh.tokens
+    t_n = norm_tokens(sh, sp)
+    norms = 4.0 * t_n * h
+    residual = 6.0 * t_n * h
+    rope = 2.0 * tok * rope_width(model) / t
+    extra_norms: Array | float = 0.0
+    if model.qk_norm:
+        extra_norms = extra_norms + 2.0 * tok * (model.num_attention_heads + model.num_kv_heads) * model.head_dim / t
+    if model.is_mla:
+        extra_norms = extra_norms + 2.0 * tok * (model.q_lora_rank + model.kv_lora_rank)
+    gate_factor = 3.0 if model.gated_mlp else 2.0
+    activation: Array | float
+    shuffle: Array | float
+    if kind == "dense":
+        activation = gate_factor * tok * model.ffn_hidden_size / t
+        shuffle = 0.0
+    else:
+        copies = tok * model.num_experts_per_tok / t
+        activation = gate_factor * copies * model.moe_ffn_hidden_size
+        if model.num_shared_experts:
+            activation = activation + gate_factor * tok * model.num_shared_experts * model.shared_expert_ffn_hidden_size / t
+        shuffle = 5.0 * copies * h + 3.0 * (tok / t) * model.num_experts * 4.0 / act_bytes
+    recomputable = norms + rope + extra_norms + activation
+    return act_bytes * (recomputable + residual + shuffle), act_bytes * recomputable
+
+
+def unfused_score_bytes(model: ModelSpec, sh: Sharding) -> Array | float:
+    """Forward bytes of a materialised softmax (+dropout) over the full s×s score square."""
+    elements = sh.micro_batch * (model.num_attention_heads / sh.tp) * (sh.seq / sh.cp) * sh.seq
+    return UNFUSED_SCORE_BYTES * elements
+
+
+def head_bytes(model: ModelSpec, sh: Sharding, sp: Array | float, act_bytes: float) -> Array | float:
+    """Final norm and cross-entropy, forward (the backward moves the same)."""
+    logits = sh.tokens * model.vocab_size / sh.tp
+    return act_bytes * 2.0 * norm_tokens(sh, sp) * model.hidden_size + LOSS_BYTES_PER_LOGIT * logits
+
+
+def embedding_bytes(model: ModelSpec, sh: Sharding, act_bytes: float) -> tuple[Array | float, Array | float]:
+    """(forward, backward) bytes of the embedding lookup and its gradient scatter-add."""
+    elements = sh.tokens * model.hidden_size
+    return 2.0 * act_bytes * elements, EMBEDDING_GRAD_BYTES * elements

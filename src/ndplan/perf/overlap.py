@@ -1,0 +1,71 @@
+"""Which communication hides behind computation: one documented switch per mechanism.
+
+A hidden collective still costs its time, but on another stream; what the step pays is the
+*exposed* part, max(0, comm - compute it can hide behind), or a floor that can never hide
+(the last gradient bucket has no backward left to overlap with). Each switch says which
+mechanism is on; the formulas live with the collectives they change (comm.py, layer.py, step.py).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from ndplan.errors import NdplanError
+
+
+class OverlapConfig(BaseModel):
+    """Overlap switches.
+
+    dp_grad_reduce: the gradient all-reduce/reduce-scatter runs bucket by bucket during the
+        backward of the last micro-batch (Megatron --overlap-grad-reduce, DDP buckets); only
+        the time beyond that backward, and at least the last bucket (one layer), is exposed.
+    dp_param_gather: the distributed optimizer's parameter all-gather runs during the next
+        step's first forward (Megatron --overlap-param-gather); same rule with the forward.
+    fsdp_prefetch: FSDP/ZeRO-3 gathers layer i+1's parameters while layer i computes; per layer
+        only max(0, gather - compute) is exposed (forward and backward alike).
+    cp_ring: ring attention sends the next K/V block while the current one is computed; only
+        max(0, ring traffic - attention compute) is exposed.
+    tp: tensor-parallel collectives overlap with the GEMMs they feed (Transformer Engine
+        userbuffers / async TP); off by default, as in a plain launch.
+    ep: expert all-to-all overlaps with other compute. None (default) means "on exactly under
+        DualPipeV", whose overlapped F&B steps exist to hide it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp_grad_reduce: bool = True
+    dp_param_gather: bool = True
+    fsdp_prefetch: bool = True
+    cp_ring: bool = True
+    tp: bool = False
+    ep: bool | None = None
+
+
+#: Defaults per software stack. "megatron" is what Megatron-LM/NeMo recipes turn on by default
+#: (grad-reduce and param-gather overlap; TP overlap is an opt-in flag); "torchtitan"/"fsdp"
+#: is torch FSDP2 with prefetch and no DDP-style distributed optimizer; "plain" overlaps nothing.
+OVERLAP_PRESETS: dict[str, OverlapConfig] = {
+    "megatron": OverlapConfig(),
+    "megatron-tp-overlap": OverlapConfig(tp=True),
+    "torchtitan": OverlapConfig(),
+    "deepspeed": OverlapConfig(dp_param_gather=False),
+    "plain": OverlapConfig(
+        dp_grad_reduce=False, dp_param_gather=False, fsdp_prefetch=False, cp_ring=False, tp=False, ep=False
+    ),
+}
+
+#: Default software stack per device runtime (Device.runtime): CUDA and ROCm run Megatron-style
+#: stacks; CANN runs MindSpeed, a Megatron port with the same overlap defaults.
+_RUNTIME_DEFAULT = {"cuda": "megatron", "rocm": "megatron", "cann": "megatron"}
+
+
+def default_overlap(runtime: str) -> OverlapConfig:
+    """Overlap defaults for a device runtime ('cuda', 'rocm', 'cann')."""
+    return OVERLAP_PRESETS[_RUNTIME_DEFAULT.get(runtime, "megatron")]
+
+
+def get_overlap(name: str) -> OverlapConfig:
+    key = name.lower()
+    if key not in OVERLAP_PRESETS:
+        raise NdplanError(f"unknown overlap preset '{name}'; known: {', '.join(OVERLAP_PRESETS)}")
+    return OVERLAP_PRESETS[key]

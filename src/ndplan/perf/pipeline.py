@@ -1,0 +1,252 @@
+"""Pipeline makespan from per-stage, per-micro-batch times: the simulator, or closed forms.
+
+Two methods, one interface (``makespan``):
+
+* ``simulate``: ndplan.schedule.simulate on the exact per-chunk durations (forward F, backward
+  B, weight gradient W per [stage, local chunk]) and the p2p time. Exact for the op orders the
+  schedule builders produce; a few ms per call. ``estimate_time`` uses it.
+* ``closed_form``: formulas in the per-stage totals, vectorised over strategies, for the
+  search. For identical stages they equal the simulator (tests check every schedule):
+
+      gpipe, 1f1b           M = (m + p - 1)·T                       T = f + b + w per stage
+      interleaved (v)       M = (m + (p - 1)/v)·T
+      seq1f1b (k chunks)    M = (m + (p - 1)/k)·T
+      zb-h1                 M = m·T + (p - 1)·max(f, b, f + b - w)
+      zbv (m >= 2p - 1)     M = m·T + max over 8 linear pieces in (f, b, w), q = p - 1:
+                                (0, 1/2, (q-1)/2), (0, q/2, 0), (0, q, -q), (1/2, 0, (q-1)/2),
+                                (q-1/2, -(q-1)/2, 0), (q-1/2, 1/2, -q), (q, -q/2, -1/2), (q, 0, -q-1/2)
+      dualpipev (m >= 2p)   M = m·T + max over ((q-1)/2, q/2, 0), ((q-1)/2, q, -q/2), (q, 0, 0),
+                                (q, q/2, -q/2)
+
+  (the zero-bubble pieces are the critical paths the simulator finds: each is one chain of ops
+  that must run back to back, so their maximum is the makespan). Unequal stages: the bottleneck
+  stage (largest T) sets the steady state and the others shorten the fill and drain in
+  proportion to their slack:
+
+      M = m·T* + bubble(f*, b*, w*)·(1 - Σ_s (T* - T_s) / ((p - 1)·T*))
+
+  which is exact for 1F1B/GPipe whenever the last stage is the slowest, and within a few
+  percent of the simulator otherwise (tests measure it). Point-to-point time adds c·p2p, with c
+  the number of transfers on the critical path that the simulator shows for identical stages:
+  gpipe 2(p-1); interleaved 2(p·v-1); 1f1b and seq1f1b 2·max(0, p-1-k) + 2·m·k·(p-1)/p (each
+  steady-state step waits one round trip); zb-h1 4(p-1) (W fills the waits) or the 1f1b value
+  when w = 0; zbv 6p-8 (6(p-1) when w = 0); dualpipev 4p-6 + 2m(p-1)/p.
+
+DualPipeV's overlapped F&B steps are simulated as F+B+W (overlap_f_and_b=False): compute
+cannot hide compute. What DualPipeV hides is the expert all-to-all, which the layer times
+already leave out (OverlapConfig.ep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ndplan.model.spec import ModelSpec
+from ndplan.placement import place_layers
+from ndplan.schedule import simulate
+from ndplan.schedule.ops import V_SHAPE
+
+Array = np.ndarray
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """What each physical stage holds, as coefficients of per-piece times.
+
+    dense, moe, emb, head: [pp] counts of each piece on a stage (summed over its chunks).
+    size_values: the distinct decoder-layer counts of a chunk; dense_by_size[j, s] and
+    moe_by_size[j, s] = Σ over chunks on s with size_values[j] layers of (layers of the kind)
+    / size_values[j]; recomputing R layers per chunk recomputes min(R, n_v)·(kind share).
+    Per virtual stage v (forward order): chunk_dense[v], chunk_moe[v], stage_of[v], chunk_of[v].
+
+    Stages that hold the same pieces cost the same, so the vectorised path works on distinct
+    stage *profiles*: ``profile`` maps each coefficient above to its [P] values per profile
+    (P <= pp, typically 2-4: first, middle, last), ``profile_count[q]`` is how many stages share
+    profile q and ``profile_stage[q]`` the first of them.
+    """
+
+    pp: int
+    vpp: int
+    dense: Array
+    moe: Array
+    emb: Array
+    head: Array
+    size_values: Array
+    dense_by_size: Array
+    moe_by_size: Array
+    chunk_dense: Array
+    chunk_moe: Array
+    stage_of: Array
+    chunk_of: Array
+    profile: dict[str, Array]
+    profile_count: Array
+    profile_stage: Array
+
+    @property
+    def layers(self) -> Array:
+        return self.dense + self.moe
+
+
+@lru_cache(maxsize=4096)
+def stage_layout(
+    model: ModelSpec,
+    pp: int,
+    vpp: int,
+    v_shape: bool,
+    stage_layers: tuple[int, ...] | None = None,
+    embedding_as_layer: bool = False,
+    output_as_layer: bool = False,
+) -> StageLayout:
+    """The layout of ``model`` over pp stages of vpp chunks (cached)."""
+    schedule = "zbv" if v_shape else ("interleaved" if vpp > 1 else "1f1b")
+    placement = place_layers(
+        model, pp, vpp, schedule, stage_layers,
+        embedding_as_layer=embedding_as_layer, output_as_layer=output_as_layer,
+    )
+    stage_of, chunk_of = placement.stage_of, placement.chunk_of
+    cd = placement.dense_layers.astype(np.float64)
+    cm = placement.moe_layers.astype(np.float64)
+    nv = cd + cm
+    dense = np.bincount(stage_of, weights=cd, minlength=pp)
+    moe = np.bincount(stage_of, weights=cm, minlength=pp)
+    emb = np.zeros(pp)
+    emb[stage_of[0]] = 1.0
+    head = np.zeros(pp)
+    head[stage_of[-1]] = 1.0
+    sizes = np.unique(nv[nv > 0]) if np.any(nv > 0) else np.array([1.0])
+    dense_by = np.zeros((len(sizes), pp))
+    moe_by = np.zeros((len(sizes), pp))
+    for j, size in enumerate(sizes):
+        on = nv == size
+        dense_by[j] = np.bincount(stage_of[on], weights=cd[on] / size, minlength=pp)
+        moe_by[j] = np.bincount(stage_of[on], weights=cm[on] / size, minlength=pp)
+    table = np.vstack([dense, moe, emb, head, dense_by, moe_by])  # [4 + 2J, pp]
+    _, first, which, count = np.unique(table, axis=1, return_index=True, return_inverse=True, return_counts=True)
+    distinct = table[:, first]
+    j = len(sizes)
+    profile = {
+        "dense": distinct[0], "moe": distinct[1], "emb": distinct[2], "head": distinct[3],
+        "dense_by_size": distinct[4:4 + j], "moe_by_size": distinct[4 + j:],
+    }
+    out = StageLayout(
+        pp, vpp, dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, stage_of, chunk_of,
+        profile, count.astype(np.float64), first,
+    )
+    for arr in (dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, *profile.values(), out.profile_count, first):
+        arr.flags.writeable = False
+    del which
+    return out
+
+
+def recomputed_layers(layout: StageLayout, recompute_layers: Array) -> tuple[Array, Array]:
+    """[n, P] dense and MoE layers recomputed per stage profile when each chunk recomputes
+    ``recompute_layers`` of its layers (0: all)."""
+    r = np.asarray(recompute_layers, dtype=np.float64)[:, None]
+    prof = layout.profile
+    width = len(layout.profile_count)
+    if not np.any(r > 0):
+        return np.broadcast_to(prof["dense"], (r.shape[0], width)), np.broadcast_to(prof["moe"], (r.shape[0], width))
+    share = np.where(r > 0, np.minimum(r, layout.size_values[None, :]), layout.size_values[None, :])  # [n, J]
+    return share @ prof["dense_by_size"], share @ prof["moe_by_size"]
+
+
+# ----------------------------------------------------------------- closed forms
+
+def _zbv_pieces(q: float) -> Array:
+    """[8, 3] the critical-path coefficients of ZB-V on (f, b, w), q = p - 1."""
+    return np.array([
+        (0, 0.5, (q - 1) / 2), (0, q / 2, 0), (0, q, -q), (0.5, 0, (q - 1) / 2),
+        (q - 0.5, -(q - 1) / 2, 0), (q - 0.5, 0.5, -q), (q, -q / 2, -0.5), (q, 0, -q - 0.5),
+    ])
+
+
+def _dualpipev_pieces(q: float) -> Array:
+    """[4, 3] the critical-path coefficients of DualPipeV on (f, b, w), q = p - 1."""
+    return np.array([((q - 1) / 2, q / 2, 0), ((q - 1) / 2, q, -q / 2), (q, 0, 0), (q, q / 2, -q / 2)])
+
+
+def identical_bubble(schedule: str, pp: Array, vpp: Array, m: Array, k: Array, f: Array, b: Array, w: Array) -> Array:
+    """Seconds the makespan exceeds m·(f + b + w) when every stage takes (f, b, w)."""
+    q = pp - 1.0
+    total = f + b + w
+    if schedule in ("gpipe", "1f1b"):
+        return q * total
+    if schedule == "interleaved":
+        return q * total / vpp
+    if schedule == "seq1f1b":
+        return q * total / k
+    if schedule == "zb-h1":
+        return q * np.maximum(np.maximum(f, b), f + b - w)
+    out = np.empty(np.shape(f))
+    # Strategies of one call usually share pp; price each distinct pp with its own pieces.
+    q_values = np.unique(q)
+    for qv in q_values.tolist():
+        pieces = _zbv_pieces(qv) if schedule == "zbv" else _dualpipev_pieces(qv)
+        sel = q == qv if len(q_values) > 1 else slice(None)
+        x = np.stack([np.broadcast_to(f, out.shape)[sel], np.broadcast_to(b, out.shape)[sel],
+                      np.broadcast_to(w, out.shape)[sel]], axis=-1)
+        out[sel] = (x @ pieces.T).max(axis=-1)
+    return out
+
+
+def p2p_hops(schedule: str, pp: Array, vpp: Array, m: Array, k: Array, w: Array) -> Array:
+    """Transfers on the critical path (coefficient of p2p_s), see the module docstring."""
+    steady = 2.0 * np.maximum(pp - 1.0 - k, 0.0) + 2.0 * m * k * (pp - 1.0) / pp
+    if schedule == "gpipe":
+        return 2.0 * (pp - 1.0)
+    if schedule == "interleaved":
+        return 2.0 * (pp * vpp - 1.0)
+    if schedule in ("1f1b", "seq1f1b"):
+        return steady
+    if schedule == "zb-h1":
+        return np.where(w > 0, 4.0 * (pp - 1.0), steady)
+    if schedule == "zbv":
+        return np.where(w > 0, 6.0 * pp - 8.0, 6.0 * (pp - 1.0))
+    return 4.0 * pp - 6.0 + 2.0 * m * (pp - 1.0) / pp
+
+
+def closed_form_makespan(
+    schedule: str, pp: Array, vpp: Array, m: Array, k: Array, f: Array, b: Array, w: Array, p2p: Array,
+    stage_count: Array | None = None, star: Array | None = None,
+) -> tuple[Array, Array, Array]:
+    """(makespan, p2p part, bottleneck column) for strategies sharing one schedule.
+
+    f, b, w: [n, S] per-stage seconds of one micro-batch (all chunks of a stage); p2p: [n].
+    Columns may be stage profiles standing for ``stage_count[q]`` identical stages each;
+    ``star``, the bottleneck column, may be given when the caller has it.
+    """
+    total = f + b + w
+    if star is None:
+        star = np.argmax(total, axis=1)
+    rows = np.arange(total.shape[0])
+    t_star = total[rows, star]
+    pp_f = np.asarray(pp, dtype=np.float64)
+    bubble = identical_bubble(schedule, pp_f, vpp, m, k, f[rows, star], b[rows, star], w[rows, star])
+    weight = np.ones(total.shape[1]) if stage_count is None else stage_count
+    slack = t_star * weight.sum() - total @ weight
+    fill = np.where(pp_f > 1, 1.0 - slack / np.maximum((pp_f - 1.0) * t_star, 1e-30), 0.0)
+    bubble = np.where(pp_f > 1, bubble * np.clip(fill, 0.0, 1.0), 0.0)
+    p2p_part = np.where(pp_f > 1, p2p_hops(schedule, pp_f, vpp, m, k, w[rows, star]) * p2p, 0.0)
+    return m * t_star + bubble + p2p_part, p2p_part, star
+
+
+# ----------------------------------------------------------------- simulation
+
+def simulated_makespan(
+    schedule: str, pp: int, vpp: int, m: int, seq_chunks: int,
+    f: Array, b: Array, w: Array, p2p: float,
+) -> tuple[float, float]:
+    """(makespan, p2p part) from the simulator; f, b, w are [pp, vpp] per-chunk seconds."""
+    if pp == 1:
+        return float(m * (f.sum() + b.sum() + w.sum())), 0.0
+    kwargs = dict(seq_chunks=seq_chunks, forward_s=f, backward_s=b, weight_grad_s=w, overlap_f_and_b=False)
+    with_p2p = simulate(schedule, pp, vpp, m, p2p_s=p2p, **kwargs).makespan_s  # type: ignore[arg-type]
+    without = simulate(schedule, pp, vpp, m, p2p_s=0.0, **kwargs).makespan_s if p2p > 0 else with_p2p  # type: ignore[arg-type]
+    return with_p2p, with_p2p - without
+
+
+def is_v_shape(schedule: str) -> bool:
+    return schedule in V_SHAPE

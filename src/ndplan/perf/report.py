@@ -1,0 +1,179 @@
+"""TimeReport: one strategy's step time, its parts, and an explanation of every term."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ndplan.hardware.device import Cluster
+from ndplan.model.spec import ModelSpec
+from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency
+from ndplan.perf.flops import (
+    Sharding,
+    attention_core_flops,
+    gemm_flops,
+    layer_gemms,
+    model_flops_per_micro_batch,
+)
+from ndplan.perf.gemm import gemms_seconds
+from ndplan.perf.layer import CATEGORIES, LayerContext, piece_times
+from ndplan.perf.overlap import OverlapConfig, default_overlap
+from ndplan.perf.step import compute_rates, evaluate, strategy_columns
+from ndplan.perf.topology import Fabric
+from ndplan.strategy.batch import StrategyBatch
+from ndplan.strategy.rules import validate_strategy
+from ndplan.strategy.strategy import Strategy
+
+COMM_KEYS = ("tp", "cp", "ep", "dp", "pp")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3f} ms"
+
+
+@dataclass(frozen=True)
+class TimeReport:
+    """Predicted step time of one strategy, in seconds, with its parts.
+
+    breakdown: {"compute", "comm_exposed": {"tp", "cp", "ep", "dp", "pp"}, "bubble",
+    "optimizer"}, seconds that sum to ``step_s``.
+    model_flops: FLOPs the model needs per step (3 × forward matmuls and causal attention, no
+    recompute), the MFU numerator; hardware_flops adds recomputation (HFU).
+    """
+
+    model: ModelSpec
+    strategy: Strategy
+    cluster: Cluster
+    efficiency: EfficiencyProfile
+    overlap: OverlapConfig
+    step_s: float
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    mfu: float
+    hfu: float
+    model_flops: float
+    hardware_flops: float
+    breakdown: dict[str, Any]
+    details: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "breakdown": {
+                "compute": self.breakdown["compute"],
+                "comm_exposed": dict(self.breakdown["comm_exposed"]),
+                "bubble": self.breakdown["bubble"],
+                "optimizer": self.breakdown["optimizer"],
+            },
+        }
+
+    def explain(self) -> list[str]:
+        """One line per term: what it is, its formula, and its value."""
+        return explain_lines(self)
+
+
+def estimate_time(
+    model: ModelSpec,
+    strategy: Strategy,
+    cluster: Cluster,
+    *,
+    efficiency: EfficiencyProfile | None = None,
+    overlap: OverlapConfig | None = None,
+) -> TimeReport:
+    """Step time of one strategy: the batch path on a batch of one, with the pipeline
+    schedule simulated (exact op orders) instead of its closed form.
+
+    Raises NdplanError listing every rule the strategy breaks for this model and cluster.
+    """
+    validate_strategy(strategy, model, cluster.num_devices)
+    eff = efficiency or default_efficiency(cluster.device)
+    ov = overlap or default_overlap(cluster.device.runtime)
+    batch = StrategyBatch.of(strategy)
+    out = evaluate(model, batch, cluster, efficiency=eff, overlap=ov, pipeline="simulate",
+                   stage_layers=strategy.stage_layers, details=True)
+    v = {k: float(a[0]) for k, a in out.items()}
+    breakdown = {
+        "compute": v["compute_s"],
+        "comm_exposed": {k: v[f"{k}_s"] for k in COMM_KEYS},
+        "bubble": v["bubble_s"],
+        "optimizer": v["optimizer_s"],
+    }
+    return TimeReport(
+        model=model, strategy=strategy, cluster=cluster, efficiency=eff, overlap=ov,
+        step_s=v["step_s"], tokens_per_s=v["tokens_per_s"], tokens_per_s_per_device=v["tokens_per_s_per_device"],
+        mfu=v["mfu"], hfu=v["hfu"], model_flops=v["model_flops"], hardware_flops=v["hardware_flops"],
+        breakdown=breakdown, details=v,
+    )
+
+
+def explain_lines(r: TimeReport) -> list[str]:
+    s, model, d, dev = r.strategy, r.model, r.details, r.cluster.device
+    batch = StrategyBatch.of(s)
+    rates = compute_rates(r.cluster, batch, r.efficiency)
+    cols = strategy_columns(batch, r.overlap)
+    ctx = LayerContext(model, rates, Fabric.of(r.cluster, r.efficiency), r.efficiency, r.overlap, batch.precision)
+    pieces = piece_times(ctx, cols)
+    sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp))
+    dtype = s.precision.compute_dtype
+    gemm_eff = rates.gemm_eff
+    lines = [
+        f"strategy: {s.short()} on {r.cluster.num_devices}× {dev.name}; {model.name}, seq {s.seq_length}, "
+        f"global batch {s.global_batch_size} = dp {s.dp} · mbs {s.micro_batch_size} · m {s.num_micro_batches}",
+        f"GEMM rate = peak[{dtype}] · gemm_eff · min(1, min(M,N,K)/knee) = {rates.peak_flops / 1e12:,.1f} TFLOP/s · "
+        f"{gemm_eff:.3f} (knee {r.efficiency.gemm_knee:.0f}); roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective",
+        f"attention core rate = peak · attention_eff = {rates.attention_rate / 1e12:,.1f} TFLOP/s "
+        f"({'FlashAttention: backward = 2.5× forward FLOPs' if r.efficiency.flash_attention else 'unfused: full s² square + softmax bytes'})",
+    ]
+    for kind in sorted(set(model.layer_mlp_kinds)):
+        gemms = layer_gemms(model, sh, kind)  # type: ignore[arg-type]
+        dense_s, expert_s = gemms_seconds(gemms, rates)
+        flops = float(gemm_flops(gemms))
+        attn = float(attention_core_flops(model, sh))
+        p = pieces[kind]
+        lines.append(
+            f"{kind} layer, one micro-batch on one device: matmul FLOPs fwd = Σ 2·M·N·K = {flops / 1e9:,.1f} GFLOP "
+            f"({_ms(float(np.asarray(dense_s + expert_s).reshape(-1)[0]))}); attention core fwd = 2·b·(a/t)·(d_qk+d_v)·s(s+1)/2/c "
+            f"= {attn / 1e9:,.1f} GFLOP"
+        )
+        for pass_ in ("F", "B", "W"):
+            parts = ", ".join(
+                f"{c} {_ms(float(np.asarray(p.get(pass_, c)).reshape(-1)[0]))}" for c in CATEGORIES
+                if float(np.asarray(p.get(pass_, c)).reshape(-1)[0]) > 0
+            )
+            lines.append(f"  {pass_}: {parts or '0'}")
+        rc = float(np.asarray(pieces[f'rc_{kind}'].total("B")).reshape(-1)[0])
+        if rc > 0:
+            lines.append(f"  recompute ({s.recompute}) adds to B: {_ms(rc)} per recomputed layer")
+    for name, label in (("emb", "embedding (first stage)"), ("head", "final norm + output head + loss" + (" + MTP" if model.mtp_depth else "") + " (last stage)")):
+        p = pieces[name]
+        total = {ps: float(np.asarray(p.total(ps)).reshape(-1)[0]) for ps in ("F", "B", "W")}
+        lines.append(f"{label}: F {_ms(total['F'])}, B {_ms(total['B'])}, W {_ms(total['W'])}")
+    m = s.num_micro_batches
+    lines += [
+        f"bottleneck stage {int(d['bottleneck_stage'])}: per micro-batch F {_ms(d['stage_forward_s'])}, "
+        f"B {_ms(d['stage_backward_s'])}, W {_ms(d['stage_weight_grad_s'])}; p2p per transfer {_ms(d['p2p_s'])}",
+        f"pipeline ({s.schedule}, pp {s.pp}, vpp {s.vpp}, m {m}, simulated): makespan {_ms(d['makespan_s'])} = "
+        f"m·T* {_ms(m * (d['stage_forward_s'] + d['stage_backward_s'] + d['stage_weight_grad_s']))} + bubble "
+        f"{_ms(d['bubble_s'])} + p2p on critical path {_ms(d['pp_s'])}",
+        f"DP per step (grad {'all-reduce' if s.zero == 0 else 'reduce-scatter'} over dp·cp = {s.dp * s.cp}"
+        f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}), exposed: {_ms(d['dp_step_s'])}",
+        f"optimizer (Adam over the local shard, memory-bound) + grad-norm all-reduce: {_ms(d['optimizer_update_s'])}",
+        f"step = compute {_ms(r.breakdown['compute'])} + comm exposed "
+        + ", ".join(f"{k} {_ms(v)}" for k, v in r.breakdown["comm_exposed"].items())
+        + f" + bubble {_ms(r.breakdown['bubble'])} + optimizer {_ms(r.breakdown['optimizer'])} = {_ms(r.step_s)}",
+    ]
+    per_seq = model_flops_per_micro_batch(model, 1.0, float(s.seq_length))
+    lines += [
+        f"model FLOPs/step = gbs · 3·(matmul + causal attention fwd) = {s.global_batch_size} · "
+        f"{float(per_seq.model) / 1e12:,.2f} TFLOP = {r.model_flops / 1e15:,.3f} PFLOP; hardware (with recompute) "
+        f"{r.hardware_flops / 1e15:,.3f} PFLOP",
+        f"MFU = model FLOPs / (step · devices · peak) = {r.mfu:.1%}; HFU {r.hfu:.1%}; "
+        f"{r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_device:,.0f} per device)",
+    ]
+    return lines

@@ -1,0 +1,496 @@
+"""One training step in seconds, for a batch of strategies: the single code path.
+
+    step = pipeline makespan + exposed DP communication + optimizer + fixed step overhead
+
+* makespan (pipeline.py): per stage and micro-batch, F/B/W seconds = Σ over the pieces the
+  stage holds (layers, embedding on the first stage, head+loss+MTP on the last) of their
+  compute and exposed TP/CP/EP/FSDP communication (layer.py), recompute added to B.
+* DP, once per step, priced on the stage holding the most parameters per device: gradient
+  all-reduce (ZeRO-0), or reduce-scatter (ZeRO-1 once per step, ZeRO-2 every micro-batch)
+  plus the parameter all-gather after the update (Megatron distributed optimizer); under
+  FSDP/ZeRO-3 only the HSDP all-reduce across shard groups is per step (the per-layer traffic
+  is in the layer times). Groups: non-expert parameters over the dp·cp replicas (stride tp),
+  experts over the expert-data-parallel ranks (stride ep·etp). Exposure: with overlap, the
+  gradient reduce hides under that stage's backward of one micro-batch except at least one
+  layer's share (the last bucket); the parameter all-gather likewise under one forward.
+* optimizer: Adam over the local parameter shard (/dp·cp with ZeRO >= 1), memory-bound:
+  reads gradient, states and master weights, writes states, master and the bf16 copy, plus
+  one gradient read for clipping and one write to zero the gradient; a latency-bound
+  all-reduce of the gradient norm (tree: 2·log2(world) steps). With optimizer offload: the
+  gradient goes to the host and the parameters come back over the host link, and a CPU Adam
+  runs at ``cpu_optimizer_params_per_s``.
+
+Breakdown (seconds, summing to step_s), on the bottleneck stage s* (largest per-micro-batch
+time): compute = m·compute(s*), comm_exposed tp/cp/ep = m·exposed(s*), dp = m·FSDP(s*) + the
+per-step DP exposure, pp = point-to-point time on the critical path, bubble = makespan -
+m·T(s*) - pp, optimizer = optimizer + step overhead.
+
+Speed: layers are priced once per distinct layer configuration (codes.py) and stages once per
+distinct stage profile of each layout (pipeline.StageLayout), so the per-strategy work is a
+few gathers and [n, profiles] sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from ndplan.hardware.device import Cluster
+from ndplan.model.params import layer_params, mtp_extra_params
+from ndplan.model.spec import ModelSpec
+from ndplan.perf import collectives as coll
+from ndplan.perf.codes import dense_codes, first_of_codes, row_codes
+from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency
+from ndplan.perf.flops import model_flops_per_micro_batch
+from ndplan.perf.gemm import ComputeRates
+from ndplan.perf.layer import CATEGORIES, PASSES, LayerContext, PieceTimes, piece_times
+from ndplan.perf.overlap import OverlapConfig, default_overlap
+from ndplan.perf.pipeline import (
+    StageLayout,
+    closed_form_makespan,
+    is_v_shape,
+    recomputed_layers,
+    simulated_makespan,
+    stage_layout,
+)
+from ndplan.perf.topology import Fabric, group_link
+from ndplan.strategy.batch import CODES, StrategyBatch
+
+Array = np.ndarray
+PipelineMethod = Literal["simulate", "closed_form"]
+
+#: Output arrays of ``evaluate``, in seconds unless named otherwise: the step, its throughput
+#: and FLOPs, and the breakdown (compute_s ... optimizer_s sum to step_s).
+OUTPUT_KEYS = (
+    "step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "model_flops", "hardware_flops",
+    "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "pp_s", "bubble_s", "optimizer_s",
+)
+#: Further arrays with ``details=True`` (what explain() prints).
+DETAIL_KEYS = (
+    "makespan_s", "stage_forward_s", "stage_backward_s", "stage_weight_grad_s", "bottleneck_stage",
+    "dp_step_s", "p2p_s", "optimizer_update_s",
+)
+#: Arrays a group fills (the rest are derived after the loop).
+_GROUP_KEYS = (
+    "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "pp_s", "bubble_s", "optimizer_s", "makespan_s",
+    "stage_forward_s", "stage_backward_s", "stage_weight_grad_s", "bottleneck_stage", "dp_step_s",
+    "optimizer_update_s", "recomputed_fraction",
+)
+
+#: Strategy fields a layer's price depends on (layer.py reads nothing else).
+_LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_kind", "ulysses_degree",
+                 "sequence_parallel", "recompute", "ep_overlap")
+#: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy.
+_STEP_FIELDS = ("dp", "tp", "cp", "ep", "etp", "zero", "recompute", "num_micro_batches", "seq_chunks")
+#: Strategy fields the per-step DP and optimizer terms read (besides the stage's parameters).
+_DP_FIELDS = ("tp", "ep", "etp", "dp", "cp", "pp", "zero", "fsdp", "shard_group", "optimizer_offload")
+
+
+def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile) -> ComputeRates:
+    """Peak and efficiency for the batch's compute dtype. Attention runs in bf16 (fp8
+    recipes keep the attention core in bf16), at the bf16 peak."""
+    device = cluster.device
+    dtype = batch.precision.compute_dtype
+    peak = device.peak_flops_for(dtype)
+    fp8 = dtype == "fp8"
+    attention_peak = device.peak_flops_for("bf16") if fp8 else peak
+    return ComputeRates(
+        peak_flops=peak,
+        gemm_eff=eff.fp8_gemm_efficiency if fp8 else eff.gemm_efficiency,
+        knee=eff.gemm_knee,
+        grouped_factor=eff.grouped_gemm_factor,
+        attention_rate=attention_peak * eff.attention_efficiency,
+        hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
+        operand_bytes=1.0 if fp8 else 2.0,
+    )
+
+
+def strategy_overlap_flags(batch: StrategyBatch, overlap: OverlapConfig) -> Array:
+    """1 where expert all-to-alls overlap with compute (the switch, or DualPipeV when unset)."""
+    dualpipev = CODES["schedule"].index("dualpipev")
+    on = (batch.schedule == dualpipev) if overlap.ep is None else np.full(len(batch), overlap.ep)
+    return np.asarray(on, dtype=np.int64)
+
+
+def strategy_columns(batch: StrategyBatch, overlap: OverlapConfig) -> dict[str, Array]:
+    """The batch as float arrays, plus the derived ``ep_overlap`` switch."""
+    cols = {name: getattr(batch, name).astype(np.float64) for name in StrategyBatch.array_fields()}
+    cols["ep_overlap"] = strategy_overlap_flags(batch, overlap).astype(np.float64)
+    return cols
+
+
+def piece_params(model: ModelSpec) -> dict[str, tuple[float, float]]:
+    """(non-expert, routed-expert) parameters of each piece kind (dense, moe, emb, head+MTP)."""
+    out: dict[str, tuple[float, float]] = {}
+    for kind in ("dense", "moe"):
+        if kind in model.layer_mlp_kinds or (model.mtp_depth and model.mtp_mlp_kind == kind):
+            p = layer_params(model, kind)  # type: ignore[arg-type]
+            out[kind] = (float(p.total - p.routed_experts), float(p.routed_experts))
+        else:
+            out[kind] = (0.0, 0.0)
+    table = float(model.vocab_size * model.hidden_size)
+    out["emb"] = (table, 0.0)
+    head_ne = model.hidden_size + (0.0 if model.tie_word_embeddings else table)
+    mtp_ne, mtp_ex = 0.0, 0.0
+    if model.mtp_depth:
+        ne, ex = out[model.mtp_mlp_kind]
+        mtp_ne = model.mtp_depth * (mtp_extra_params(model) + ne)
+        mtp_ex = model.mtp_depth * ex
+    out["head"] = (head_ne + mtp_ne, mtp_ex)
+    return out
+
+
+def distinct_layer_configs(ints: dict[str, Array]) -> tuple[Array, Array]:
+    """(first row of each distinct layer configuration, the configuration code of every row).
+
+    FSDP's data-parallel size and shard group only matter when parameters are sharded, so they
+    are zeroed otherwise.
+    """
+    sharded = (ints["zero"] >= 3) | (ints["fsdp"] > 0)
+    columns = [ints[name] for name in _LAYER_FIELDS] + [
+        sharded,
+        ints["dp"] * ints["cp"] * sharded,
+        ints["shard_group"] * sharded,
+        ints["reshard_after_forward"] * sharded,
+    ]
+    config, count = row_codes(columns)
+    return first_of_codes(config, count), config
+
+
+def _group_key(batch: StrategyBatch) -> Array:
+    """One small integer per strategy for (pp, vpp, schedule, embedding/output as layer): the
+    stage layout and the pipeline formula, shared by a group."""
+    key = batch.pp.astype(np.int64) * 64 + batch.vpp
+    key = (key * len(CODES["schedule"]) + batch.schedule) * 4 + batch.embedding_as_layer * 2 + batch.output_as_layer
+    return np.asarray(key)
+
+
+def _seq_flops(model: ModelSpec, seq: Array, full: Array, selective: Array) -> tuple[Array, Array]:
+    """(model, hardware) FLOPs of one sequence, priced once per distinct sequence length."""
+    codes, count = dense_codes(seq)
+    lengths = seq[first_of_codes(codes, count)].astype(np.float64)
+    base = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths).model)[codes]
+    extra_full = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths, recompute_full_fraction=1.0).recompute_forward)
+    extra_sel = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths, recompute_selective_fraction=1.0).recompute_forward)
+    return base, base + full * extra_full[codes] + selective * extra_sel[codes]
+
+
+def _exposed_step(comm: Array, cover: Array, floor_share: Array, hide: bool) -> Array:
+    """Per-step collective under ``cover`` seconds, never below its last-bucket share."""
+    if not hide:
+        return comm
+    return np.asarray(np.maximum(comm - cover, comm * floor_share))
+
+
+def _dp_raw(
+    batch: StrategyBatch, c: dict[str, Array], ne: Array, ex: Array, fabric: Fabric, hbm_rate: float,
+    host_bw: float, cpu_params_per_s: float,
+) -> tuple[Array, Array, Array]:
+    """(gradient collective, parameter all-gather, optimizer) seconds per step, before overlap,
+    of a stage holding ``ne`` non-expert and ``ex`` expert parameters per device."""
+    prec = batch.precision
+    t, e, x = c["tp"], c["ep"], c["etp"]
+    replicas = c["dp"] * c["cp"]
+    edp = replicas * t / (e * x)
+    zero = c["zero"]
+    sharded3 = (zero >= 3) | (c["fsdp"] > 0)
+    ne_link = group_link(replicas, t, fabric, "ring")
+    ex_link = group_link(edp, e * x, fabric, "ring")
+    g_ne, g_ex = ne * prec.grad_bytes, ex * prec.grad_bytes
+    all_reduce = coll.all_reduce_s(g_ne, replicas, ne_link) + coll.all_reduce_s(g_ex, edp, ex_link)
+    reduce_scatter = coll.reduce_scatter_s(g_ne, replicas, ne_link) + coll.reduce_scatter_s(g_ex, edp, ex_link)
+    gather = coll.all_gather_s(ne * prec.param_bytes, replicas, ne_link) + coll.all_gather_s(ex * prec.param_bytes, edp, ex_link)
+    shard = np.where(c["shard_group"] > 0, c["shard_group"], replicas)
+    hsdp_n = replicas / shard
+    hsdp = coll.all_reduce_s(g_ne / shard, hsdp_n, group_link(hsdp_n, t * shard, fabric, "ring"))
+    grad = np.where(sharded3, hsdp, np.where(zero == 0, all_reduce, reduce_scatter))
+    params_ag = np.where((zero >= 1) & ~sharded3, gather, 0.0)
+
+    local = ne / np.where(zero >= 1, replicas, 1.0) + ex / np.where(zero >= 1, edp, 1.0)
+    master = prec.master_weight_bytes or prec.param_bytes
+    states = prec.optimizer_states * prec.optimizer_state_bytes
+    per_param = (prec.grad_bytes + states + master) + (states + master + (prec.param_bytes if prec.master_weight_bytes else 0))
+    per_param += 2 * prec.grad_bytes  # clip-norm read, zeroing write
+    update = local * per_param / hbm_rate
+    offload = local * (prec.grad_bytes + prec.param_bytes) / host_bw + local / cpu_params_per_s
+    update = np.where(c["optimizer_offload"] > 0, offload, update)
+    world = c["dp"] * c["cp"] * c["tp"] * c["pp"]
+    norm = 2.0 * np.ceil(np.log2(np.maximum(world, 2.0))) * fabric.scaleout_latency
+    return grad, params_ag, update + norm
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """What every group reads: per-configuration piece times and the run's settings."""
+
+    model: ModelSpec
+    batch: StrategyBatch
+    eff: EfficiencyProfile
+    overlap: OverlapConfig
+    rates: ComputeRates
+    fabric: Fabric
+    pieces: dict[str, PieceTimes]
+    per_pass: dict[tuple[str, str], Array]  # [configs] seconds per (piece, pass), all categories
+    per_cat: dict[tuple[str, str], Array]  # [configs] seconds per (piece, category), all passes
+    table: Array  # [configs, quantities (F, B, W, categories), pieces] of the two above
+    params: dict[str, tuple[float, float]]
+    host_bw: float
+    pipeline: PipelineMethod
+    dp_columns: dict[str, Array]  # _DP_FIELDS as floats, in the caller's row order
+
+
+#: Pieces and quantities of the per-configuration table (see _Priced.table).
+_PIECES = ("dense", "moe", "emb", "head", "rc_dense", "rc_moe")
+_QUANTITIES = PASSES + CATEGORIES
+
+
+def _piece_table(per_pass: dict[tuple[str, str], Array], per_cat: dict[tuple[str, str], Array], n: int) -> Array:
+    """[configs, quantities, pieces] seconds: every pass (F, B, W) and category of each piece.
+    Recompute pieces count in B and in the categories only."""
+    table = np.zeros((n, len(_QUANTITIES), len(_PIECES)))
+    for j, piece in enumerate(_PIECES):
+        for i, name in enumerate(_QUANTITIES):
+            values = per_pass if name in PASSES else per_cat
+            if piece.startswith("rc_") and name in ("F", "W"):
+                continue
+            table[:, i, j] = values[(piece, name)]
+    return table
+
+
+def _price_group(
+    pr: _Priced, layout: StageLayout, cols: dict[str, Array], config: Array, schedule: Array,
+    recompute_layers: Array, p2p: Array,
+) -> dict[str, Array]:
+    """Every _GROUP_KEYS array for strategies sharing one stage layout (arguments sliced)."""
+    g = len(config)
+    rows = np.arange(g)
+    prof = layout.profile
+    counts = {k: v for k, v in (("dense", prof["dense"]), ("moe", prof["moe"]), ("emb", prof["emb"]),
+                                ("head", prof["head"])) if v.any()}
+    # Stage sums are tabulated per distinct configuration of the group ([u, quantity, P], one
+    # matrix product) and gathered. The recompute pieces are zero for configurations without
+    # recompute and cover every layer unless recompute_layers limits them: only those rows
+    # get a correction.
+    local, u = dense_codes(config)
+    group_configs = config[first_of_codes(local, u)]
+    piece_counts = np.stack([prof["dense"], prof["moe"], prof["emb"], prof["head"], prof["dense"], prof["moe"]])
+    tables = pr.table[group_configs] @ piece_counts  # [u, quantities, P]
+    rc_on = cols["recompute"] > 0
+    partial = np.flatnonzero(rc_on & (recompute_layers > 0))
+    if len(partial):
+        rd, rm = recomputed_layers(layout, recompute_layers[partial])
+        delta_d, delta_m = rd - prof["dense"], rm - prof["moe"]
+    stage = {p: tables[local, i] for i, p in enumerate(PASSES)}
+    if len(partial):
+        stage["B"][partial] += (pr.per_pass[("rc_dense", "B")][config[partial], None] * delta_d
+                                + pr.per_pass[("rc_moe", "B")][config[partial], None] * delta_m)
+    f, b, w = stage["F"], stage["B"], stage["W"]
+
+    m, k = cols["num_micro_batches"], cols["seq_chunks"]
+    pp, vpp = layout.pp, layout.vpp
+    per_mb = f + b + w
+    star = np.argmax(per_mb, axis=1) if per_mb.shape[1] > 1 else np.zeros(g, dtype=np.int64)
+    t_star = per_mb[rows, star]
+    if pr.pipeline == "closed_form":  # a group shares one schedule
+        makespan, p2p_part, _ = closed_form_makespan(
+            CODES["schedule"][int(schedule[0])], np.full(g, float(pp)), np.full(g, float(vpp)), m, k,
+            f, b, w, p2p, layout.profile_count, star,
+        )
+    else:
+        makespan, p2p_part = np.zeros(g), np.zeros(g)
+        for j in range(g):
+            fc, bc, wc = _chunk_times(layout, pr.pieces, int(config[j]), int(recompute_layers[j]), bool(rc_on[j]))
+            makespan[j], p2p_part[j] = simulated_makespan(
+                CODES["schedule"][int(schedule[j])], pp, vpp, int(m[j]), int(k[j]), fc, bc, wc, float(p2p[j]),
+            )
+
+    out: dict[str, Array] = {}
+    for i, cat in enumerate(CATEGORIES, start=len(PASSES)):
+        at_star = tables[local, i, star]
+        if len(partial):
+            at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
+                                 + pr.per_cat[("rc_moe", cat)][config[partial]] * delta_m[np.arange(len(partial)), star[partial]])
+        out["compute_s" if cat == "compute" else f"{cat}_s"] = m * at_star
+
+    # DP and optimizer: on the stage holding the most parameters per device, priced once per
+    # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy.
+    ne_stage = sum((pr.params[p][0] * v for p, v in counts.items()), np.zeros(len(layout.profile_count)))
+    ex_stage = sum((pr.params[p][1] * v for p, v in counts.items()), np.zeros(len(layout.profile_count)))
+    dp_code, dp_count = dense_codes(cols["dp_config"].astype(np.int64))
+    first = first_of_codes(dp_code, dp_count)
+    cu = {name: pr.dp_columns[name][cols["row"][first].astype(np.int64)] for name in _DP_FIELDS}
+    if len(layout.profile_count) > 1:  # the heaviest stage depends on tp and ep·etp only
+        per_device = np.multiply.outer(1.0 / cu["tp"], ne_stage) + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage)
+        heavy_u = np.argmax(per_device, axis=1)
+        heavy = heavy_u[dp_code]
+    else:
+        heavy_u = np.zeros(dp_count, dtype=np.int64)
+        heavy = np.zeros(g, dtype=np.int64)
+    grad_raw, gather_raw, optimizer_u = _dp_raw(
+        pr.batch, cu, ne_stage[heavy_u] / cu["tp"], ex_stage[heavy_u] / (cu["ep"] * cu["etp"]),
+        pr.fabric, pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
+    )
+    share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy], 1.0)
+    grad = _exposed_step(grad_raw[dp_code], b[rows, heavy] + w[rows, heavy], share, pr.overlap.dp_grad_reduce)
+    grad = np.where(cols["zero"] == 2, m * grad, grad)  # ZeRO-2 reduces every micro-batch
+    dp_step = grad + _exposed_step(gather_raw[dp_code], f[rows, heavy], share, pr.overlap.dp_param_gather)
+    optimizer = optimizer_u[dp_code]
+
+    out["dp_s"] = out["dp_s"] + dp_step
+    out["dp_step_s"] = dp_step
+    out["pp_s"] = p2p_part
+    out["bubble_s"] = np.maximum(makespan - m * t_star - p2p_part, 0.0)
+    out["makespan_s"] = makespan
+    out["optimizer_update_s"] = optimizer
+    out["optimizer_s"] = optimizer + pr.eff.step_overhead_s
+    out["stage_forward_s"] = f[rows, star]
+    out["stage_backward_s"] = b[rows, star]
+    out["stage_weight_grad_s"] = w[rows, star]
+    out["bottleneck_stage"] = layout.profile_stage[star].astype(np.float64)
+    recomputed = rc_on * (pr.model.num_layers * 1.0)
+    if len(partial):
+        recomputed[partial] = (rd + rm) @ layout.profile_count
+    out["recomputed_fraction"] = recomputed / pr.model.num_layers
+    return out
+
+
+def evaluate(
+    model: ModelSpec,
+    batch: StrategyBatch,
+    cluster: Cluster,
+    *,
+    efficiency: EfficiencyProfile | None = None,
+    overlap: OverlapConfig | None = None,
+    pipeline: PipelineMethod = "closed_form",
+    stage_layers: tuple[int, ...] | None = None,
+    details: bool = False,
+) -> dict[str, Array]:
+    """Step time and its parts for every strategy of ``batch`` (OUTPUT_KEYS, plus DETAIL_KEYS
+    with ``details``). ``stage_layers`` overrides the uniform placement (a batch of one)."""
+    eff = efficiency or default_efficiency(cluster.device)
+    ov = overlap or default_overlap(cluster.device.runtime)
+    n = len(batch)
+    rates = compute_rates(cluster, batch, eff)
+    fabric = Fabric.of(cluster, eff)
+
+    # Layer prices, once per distinct layer configuration.
+    ints = {name: getattr(batch, name) for name in StrategyBatch.array_fields()}
+    ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
+    first, config = distinct_layer_configs(ints)
+    ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision)
+    pieces = piece_times(ctx, {name: v[first].astype(np.float64) for name, v in ints.items()})
+    per_pass = {(name, p): np.broadcast_to(np.asarray(piece.total(p), dtype=np.float64), (len(first),))
+                for name, piece in pieces.items() for p in PASSES}
+    per_cat = {(name, c): np.broadcast_to(np.asarray(sum((piece.get(p, c) for p in PASSES), 0.0), dtype=np.float64), (len(first),))
+               for name, piece in pieces.items() for c in CATEGORIES}
+    # Distinct DP configurations (the parameters' stage is added per group).
+    dp_config, _ = row_codes([ints[name] for name in _DP_FIELDS])
+    dp_columns = {name: ints[name].astype(np.float64) for name in _DP_FIELDS}
+    priced = _Priced(model, batch, eff, ov, rates, fabric, pieces, per_pass, per_cat,
+                     _piece_table(per_pass, per_cat, len(first)), piece_params(model),
+                     cluster.device.host_link_bandwidth_bytes_per_s, pipeline, dp_columns)
+
+    # Point-to-point activation of one micro-batch between stages: [mbs, seq/cp, h] (/tp with SP).
+    t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
+    p2p_bytes = (batch.micro_batch_size * batch.seq_length) / (batch.cp * t_sp) * (model.hidden_size * batch.precision.activation_bytes)
+    p2p = coll.p2p_s(p2p_bytes, group_link(batch.pp, batch.tp * batch.cp * batch.dp, fabric, "p2p"))
+    p2p = np.where(batch.pp > 1, p2p, 0.0)
+    tokens = (batch.global_batch_size * batch.seq_length).astype(np.float64)
+
+    # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
+    # the step formulas read per strategy.
+    group_code, group_count = dense_codes(_group_key(batch))
+    order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
+    bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
+    cols = {name: ints[name][order].astype(np.float64) for name in _STEP_FIELDS}
+    cols["dp_config"] = dp_config[order].astype(np.float64)
+    cols["row"] = order.astype(np.float64)
+    config = config[order]
+    schedule = batch.schedule[order]
+    recompute_layers = batch.recompute_layers[order]
+    p2p = p2p[order]
+
+    out = {key: np.empty(n) for key in _GROUP_KEYS}
+    for gi in range(group_count):
+        sl = slice(int(bounds[gi]), int(bounds[gi + 1]))
+        i0 = int(order[sl.start])
+        layout = stage_layout(
+            model, int(batch.pp[i0]), int(batch.vpp[i0]), is_v_shape(CODES["schedule"][int(batch.schedule[i0])]),
+            stage_layers, bool(batch.embedding_as_layer[i0]), bool(batch.output_as_layer[i0]),
+        )
+        group = _price_group(priced, layout, {k: v[sl] for k, v in cols.items()}, config[sl], schedule[sl],
+                             recompute_layers[sl], p2p[sl])
+        for key, value in group.items():
+            out[key][sl] = value
+    out["p2p_s"] = p2p
+
+    # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts
+    out["step_s"] = (
+        out["compute_s"] + out["tp_s"] + out["cp_s"] + out["ep_s"] + out["dp_s"] + out["pp_s"]
+        + out["bubble_s"] + out["optimizer_s"]
+    )
+    out["tokens_per_s"] = tokens[order] / out["step_s"]
+    out["tokens_per_s_per_device"] = out["tokens_per_s"] * (1.0 / cluster.num_devices)
+    recomputed = out.pop("recomputed_fraction")
+    full = (cols["recompute"] == 2) * recomputed
+    selective = (cols["recompute"] == 1) * recomputed
+    model_flops, hardware_flops = _seq_flops(model, batch.seq_length[order], full, selective)
+    gbs = batch.global_batch_size[order]
+    out["model_flops"] = gbs * model_flops
+    out["hardware_flops"] = gbs * hardware_flops
+    capacity = out["step_s"] * (cluster.num_devices * rates.peak_flops)
+    out["mfu"] = out["model_flops"] / capacity
+    out["hfu"] = out["hardware_flops"] / capacity
+
+    back = np.empty_like(order)
+    back[order] = np.arange(n)
+    keys = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
+    return {key: out[key][back] for key in keys}
+
+
+def _chunk_times(layout: StageLayout, pieces: dict[str, PieceTimes], config: int, recompute_layers: int,
+                 recompute_on: bool) -> tuple[Array, Array, Array]:
+    """[pp, vpp] F, B, W seconds of every chunk for layer configuration ``config`` (simulator
+    input)."""
+    def total(name: str, pass_: str) -> float:
+        return float(sum(np.asarray(v).reshape(-1)[config] if np.ndim(v) else v
+                         for (p, _), v in pieces[name].seconds.items() if p == pass_))
+
+    nv = layout.chunk_dense + layout.chunk_moe
+    recomputed = np.zeros_like(nv)
+    if recompute_on:
+        recomputed = np.where(recompute_layers > 0, np.minimum(recompute_layers, nv), nv)
+    share = np.divide(recomputed, nv, out=np.zeros_like(nv), where=nv > 0)
+    first = np.zeros_like(nv)
+    first[0] = 1.0
+    last = np.zeros_like(nv)
+    last[-1] = 1.0
+    per_chunk = {}
+    for pass_ in PASSES:
+        v = layout.chunk_dense * total("dense", pass_) + layout.chunk_moe * total("moe", pass_)
+        v = v + first * total("emb", pass_) + last * total("head", pass_)
+        if pass_ == "B":
+            v = v + share * (layout.chunk_dense * total("rc_dense", "B") + layout.chunk_moe * total("rc_moe", "B"))
+        grid = np.zeros((layout.pp, layout.vpp))
+        grid[layout.stage_of, layout.chunk_of] = v
+        per_chunk[pass_] = grid
+    return per_chunk["F"], per_chunk["B"], per_chunk["W"]
+
+
+def step_time_batch(
+    model: ModelSpec,
+    batch: StrategyBatch,
+    cluster: Cluster,
+    *,
+    efficiency: EfficiencyProfile | None = None,
+    overlap: OverlapConfig | None = None,
+) -> dict[str, Array]:
+    """Step time of every strategy of ``batch`` with closed-form pipelines (for the search).
+
+    Returns arrays keyed as ``OUTPUT_KEYS``: step_s, tokens_per_s, tokens_per_s_per_device,
+    mfu, hfu, model_flops, hardware_flops, and the breakdown compute_s, tp_s, cp_s, ep_s,
+    dp_s, pp_s, bubble_s, optimizer_s (seconds that sum to step_s).
+    """
+    return evaluate(model, batch, cluster, efficiency=efficiency, overlap=overlap, pipeline="closed_form")

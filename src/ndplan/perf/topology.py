@@ -1,0 +1,120 @@
+"""Rank layout and which network level a parallel group's collectives use.
+
+Layout (documented order, innermost first): global rank
+    r = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank))
+so a TP group is tp consecutive ranks (stride 1), a CP group has stride tp, the data-parallel
+replicas of a parameter (dp·cp ranks, which reduce gradients together) stride tp, and a PP group
+stride tp·cp·dp. Experts are folded over the dp·cp·tp ranks of one stage with etp innermost: an
+expert-tensor group is etp consecutive ranks, an expert-parallel group ep ranks at stride etp,
+and the expert-data-parallel group (replicas of one expert shard) stride ep·etp.
+
+Network levels: devices within one scale-up domain (NVLink/xGMI/HCCS/UB island of
+``Cluster.scaleup_domain_size`` devices, aligned in rank order) talk over scale-up links, others
+over each device's own scale-out NIC. For a group of n ranks at stride st (span n·st):
+
+* fits: the span divides the domain size -> every group lies inside one domain: scale-up.
+  Switched fabrics give each device its full scale-up bandwidth; a full mesh (MI300X, Ascend
+  910B) gives a group of n only its n-1 direct links: (n-1)/(D-1) of it.
+* spans domains with g = members per domain: ring collectives (all-reduce, reduce-scatter,
+  all-gather) cross domains once per ring, and NCCL-style multi-channel rings spread those
+  crossings over the g members' NICs: bandwidth min(scale-up, g·scale-out). All-to-all sends
+  (g-1)/n of its data inside the domain and (n-g)/n over the device's own NIC:
+  time = max(inside/scale-up, outside/scale-out). Point-to-point: one NIC.
+* latency: scale-up latency inside a domain, scale-out latency otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+
+from ndplan.hardware.device import Cluster
+from ndplan.perf.collectives import Link
+from ndplan.perf.efficiency import EfficiencyProfile
+
+Array = np.ndarray
+Pattern = Literal["ring", "all_to_all", "p2p"]
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """Effective per-device rates of a cluster for one efficiency profile."""
+
+    domain: int
+    scaleup_bw: float
+    scaleout_bw: float
+    scaleup_latency: float
+    scaleout_latency: float
+    mesh: bool
+
+    @classmethod
+    def of(cls, cluster: Cluster, eff: EfficiencyProfile) -> Fabric:
+        device = cluster.device
+        return cls(
+            domain=cluster.scaleup_domain_size,
+            scaleup_bw=device.scaleup_bandwidth_bytes_per_s * eff.scaleup_efficiency,
+            scaleout_bw=device.scaleout_bandwidth_bytes_per_s * eff.scaleout_efficiency,
+            scaleup_latency=eff.scaleup_latency_s,
+            scaleout_latency=eff.scaleout_latency_s,
+            mesh=eff.scaleup_topology == "mesh",
+        )
+
+
+@lru_cache(maxsize=64)
+def _divides_domain(domain: int) -> Array:
+    """Lookup table: entry v is True when v <= domain and v divides domain (entry 0 False)."""
+    table = np.zeros(domain + 1, dtype=bool)
+    for v in range(1, domain + 1):
+        table[v] = domain % v == 0
+    return table
+
+
+def fits_in_domain(size: Array | float, stride: Array | float, domain: int) -> Array:
+    """True where every group of ``size`` ranks at ``stride`` lies inside one aligned domain."""
+    span = np.asarray(size * stride, dtype=np.float64)
+    if domain <= (1 << 16):
+        index = np.minimum(span, domain + 1.0).astype(np.int64)
+        table = np.append(_divides_domain(domain), False)
+        exact = span == np.floor(span)
+        return np.asarray(table[index] & exact)
+    return np.asarray((span <= domain) & (np.mod(domain, np.maximum(span, 1.0)) == 0))
+
+
+def members_per_domain(size: Array | float, stride: Array | float, domain: int) -> Array:
+    """g: how many ranks of a group share one domain (1 when the stride jumps domains)."""
+    stride = np.asarray(stride, dtype=np.float64)
+    per = np.floor(domain / np.maximum(stride, 1.0))
+    return np.asarray(np.clip(np.minimum(per, size), 1.0, None))
+
+
+def _inside_bw(fabric: Fabric, members: Array | float) -> Array | float:
+    """Scale-up bandwidth a group of ``members`` devices in one domain reaches."""
+    if not fabric.mesh or fabric.domain <= 1:
+        return np.full_like(np.asarray(members, dtype=np.float64), fabric.scaleup_bw)
+    links = np.maximum(np.asarray(members, dtype=np.float64) - 1.0, 1.0)
+    return fabric.scaleup_bw * links / (fabric.domain - 1)
+
+
+def group_link(size: Array | float, stride: Array | float, fabric: Fabric, pattern: Pattern = "ring") -> Link:
+    """The effective link of a group of ``size`` ranks at ``stride`` for a collective pattern."""
+    size = np.asarray(size, dtype=np.float64)
+    fits = fits_in_domain(size, stride, fabric.domain)
+    g = members_per_domain(size, stride, fabric.domain)
+    if pattern == "p2p":
+        inside = _inside_bw(fabric, np.full_like(size, 2.0))
+        outside: Array | float = fabric.scaleout_bw
+    elif pattern == "ring":
+        inside = _inside_bw(fabric, size)
+        outside = np.where(g > 1, np.minimum(_inside_bw(fabric, g), g * fabric.scaleout_bw), fabric.scaleout_bw)
+    else:
+        inside = _inside_bw(fabric, size)
+        n = np.maximum(size, 2.0)
+        # seconds per byte of the send buffer, scaled so that (n-1)/n·S/bw is the time
+        per_byte = np.maximum((g - 1.0) / n / _inside_bw(fabric, g), (n - g) / n / fabric.scaleout_bw)
+        outside = (n - 1.0) / n / per_byte
+    bandwidth = np.where(fits, inside, outside)
+    latency = np.where(fits, fabric.scaleup_latency, fabric.scaleout_latency)
+    return Link(bandwidth=bandwidth, latency=latency)
