@@ -37,6 +37,7 @@ def make_problem(kinds, pp, limit, m=8, seed=0, vpp=1):
         stage_of=stage_of, chunk_of=chunk_of, peak_in_flight=in_flight, num_micro_batches=m,
         first_extra=LayerCost(0.3, 0.1 * GIB, 1.0 * GIB), last_extra=LayerCost(1.5, 1.0 * GIB, 1.0 * GIB),
         fixed_bytes=np.full(pp, 0.5 * GIB), memory_limit_bytes=limit,
+        recompute_transient_bytes=rng.uniform(0.1, 0.6, pp) * GIB,
     )
 
 
@@ -85,3 +86,39 @@ def test_plan_ranges_group_recompute_runs():
 
     plan = Plan((2, 2), ("full", "full", "none", "selective"))
     assert plan.ranges() == [(0, 2, "full"), (2, 1, "none"), (3, 1, "selective")]
+
+
+def test_built_problem_reproduces_the_estimator_for_the_uniform_plan():
+    """With uniform placement and no or full recompute, the linear stage model equals the estimator."""
+    from ndplan.balance import build_problem
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import estimate
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    model = get_preset("llama-3.1-70b")
+    strategy = Strategy(dp=2, tp=8, pp=4, sequence_parallel=True, zero=1, num_micro_batches=16)
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=64)
+    problem = build_problem(model, strategy, cluster, 80 * GIB)
+    for option in ("none", "full"):
+        cost = evaluate(problem, uniform_plan(problem, option))
+        uniform = strategy.model_copy(update={"recompute": option})
+        expected = [stage.peak_bytes for stage in estimate(model, uniform, cluster.device).stages]
+        np.testing.assert_allclose(cost.stage_memory_bytes, expected, rtol=1e-9)
+
+
+def test_balance_fits_and_is_never_slower_than_uniform_full_recompute():
+    from ndplan.balance import balance
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    model = get_preset("deepseek-v2-lite")
+    strategy = Strategy(dp=2, pp=4, ep=2, etp=1, zero=1, num_micro_batches=16)
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=8)
+    for limit in (47 * GIB, 60 * GIB):
+        for exact in (True, False):
+            result = balance(model, strategy, cluster, limit, exact=exact)
+            assert result.cost.fits and result.cost.stage_memory_bytes.max() <= limit
+            assert result.cost.step_s <= result.baseline[1].step_s + 1e-12
+            assert sum(result.plan.stage_layers) == model.num_layers

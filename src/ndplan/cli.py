@@ -225,6 +225,49 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- balance
+def cmd_balance(args: argparse.Namespace) -> int:
+    from ndplan.balance import balance, plan_strategy
+    from ndplan.hardware import Cluster, resolve_device
+    from ndplan.units import parse_bytes
+
+    settings, model, _ = _settings_and_model(args)
+    device = resolve_device(_require(settings, "hardware", "--hardware"))
+    strategy = strategy_from_settings(settings)
+    limit = parse_bytes(args.memory_limit) if args.memory_limit else device.memory_bytes
+    cluster = Cluster(device=device, num_devices=strategy.world_size)
+    result = balance(model, strategy, cluster, limit, _memory_options(args), exact=not args.heuristic)
+    data = {"model": model.name, "hardware": device.name, "strategy": strategy.model_dump(mode="json"),
+            "memory_limit_bytes": limit, **result.to_dict()}
+    if args.emit:
+        from ndplan.io import emit
+
+        data["emitted"] = emit(model, plan_strategy(strategy, result.plan), args.emit)
+    if args.json:
+        _emit_json(data)
+        return 0
+    table = Table(title=f"{model.name} — {strategy.short()} — balanced under {format_bytes(limit)} ({result.solver}, "
+                        f"{result.solve_seconds:.2f} s)")
+    for col in ["stage", "layers before", "memory before", "time before", "layers after", "memory after", "time after"]:
+        table.add_column(col, justify="right")
+    base_plan, base_cost = result.baseline
+    virtual = result.problem.stage_of
+    for s in range(result.problem.pp):
+        before = sum(c for v, c in enumerate(base_plan.stage_layers) if virtual[v] == s)
+        after = sum(c for v, c in enumerate(result.plan.stage_layers) if virtual[v] == s)
+        table.add_row(str(s), str(before), format_bytes(base_cost.stage_memory_bytes[s]), f"{base_cost.stage_time_s[s] * 1e3:.1f} ms",
+                      str(after), format_bytes(result.cost.stage_memory_bytes[s]), f"{result.cost.stage_time_s[s] * 1e3:.1f} ms")
+    console.print(table)
+    console.print("before: uniform placement, full recompute on every layer; times are per micro-batch (F+B+W)")
+    console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
+    console.print("recompute: " + ", ".join(f"layers {a}-{a + n - 1} {o}" for a, n, o in result.plan.ranges()))
+    console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s ({100 * result.gain:.1f}% faster)")
+    if data.get("emitted"):
+        console.print(f"\n[bold]{args.emit}[/] settings:")
+        console.print(data["emitted"], markup=False)
+    return 0
+
+
 # ---------------------------------------------------------------- search
 def _parse_fix(items: list[str]) -> dict[str, int | str]:
     fixed: dict[str, int | str] = {}
@@ -401,6 +444,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("balance", help="layers per stage and recompute per layer that fit and run fastest")
+    add_strategy_arguments(p)
+    add_from_argument(p)
+    add_runtime_arguments(p)
+    p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
+    p.add_argument("--heuristic", action="store_true", help="the fast heuristic instead of the exact MILP")
+    p.add_argument("--emit", choices=["megatron", "torchtitan", "hyperparallel", "mindformers"],
+                   help="print the plan as that framework's settings")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_balance)
 
     p = sub.add_parser("inspect", help="show the model, cluster and strategy ndplan reads from a framework config")
     add_inspect_arguments(p)

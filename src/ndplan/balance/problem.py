@@ -8,6 +8,7 @@ virtual stage also holds the embedding, the last the output head, loss and MTP m
 
 Memory of a physical stage s (bytes):
     fixed[s] + Σ_{layers on s} static + Σ_{chunks c of s} peak_in_flight[s, c] · Σ_{layers in c} activation
+             + [any layer on s recomputes] · recompute_transient[s]
 which over-states interleaved stages slightly (chunks peak at different instants) and is exact
 for one chunk per stage. Step time (seconds), the 1F1B composition:
     Σ_s T_s + (m − 1) · max_s T_s,   T_s = Σ_{chunks of s} Σ_{layers} time
@@ -43,6 +44,10 @@ class BalanceProblem:
     last_extra: LayerCost  # final norm, head, loss, MTP, on the last virtual stage
     fixed_bytes: np.ndarray  # [pp] buffers, transients and overhead that do not move with layers
     memory_limit_bytes: float
+    recompute_transient_bytes: np.ndarray | None = None  # [pp] added once where any layer recomputes
+
+    def recompute_transient(self, stage: int) -> float:
+        return 0.0 if self.recompute_transient_bytes is None else float(self.recompute_transient_bytes[stage])
 
     @property
     def num_layers(self) -> int:
@@ -103,6 +108,13 @@ def evaluate(problem: BalanceProblem, plan: Plan) -> PlanCost:
         s = int(problem.stage_of[v])
         memory[s] += extra.static_bytes + in_flight[v] * extra.activation_bytes
         time[s] += extra.time_s
+    layer = 0
+    recomputes = np.zeros(problem.pp, bool)
+    for v, count in enumerate(plan.stage_layers):
+        recomputes[int(problem.stage_of[v])] |= any(o != "none" for o in plan.recompute[layer:layer + count])
+        layer += count
+    for s in np.flatnonzero(recomputes):
+        memory[s] += problem.recompute_transient(int(s))
     step = float(time.sum() + (problem.num_micro_batches - 1) * time.max())
     return PlanCost(memory, time, step, bool(np.all(memory <= problem.memory_limit_bytes)))
 

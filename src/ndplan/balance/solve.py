@@ -75,9 +75,12 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
                 best_memory = choice[1]
         fronts.append((layers, front))
     best: tuple[float, float, tuple] | None = None
+    none_index = problem.options.index("none")
     for combo in product(*(front for _, front in fronts)):
         time = base_time + sum(c[0] for c in combo)
         memory = base_memory + sum(c[1] for c in combo)
+        if any(n for c in combo for i, n in enumerate(c[2]) if i != none_index):
+            memory += problem.recompute_transient(stage)
         if memory <= problem.memory_limit_bytes and (best is None or time < best[0]):
             best = (time, memory, combo)
     if best is None:
@@ -164,8 +167,12 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
     G = len(kinds)
     in_flight = problem.in_flight_of_virtual()
     n_y, n_k = L * V, V * G * R
-    n = n_y + n_k + 1
+    P = problem.pp
+    n = n_y + n_k + P + 1
     z = n - 1
+
+    def any_recompute(stage: int) -> int:
+        return n_y + n_k + stage
 
     def y(layer: int, v: int) -> int:
         return layer * V + v
@@ -219,12 +226,18 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
                 if virtual == end:
                     fixed_memory += extra.static_bytes + in_flight[virtual] * extra.activation_bytes
                     fixed_time += extra.time_s
+        memory[any_recompute(s)] = problem.recompute_transient(s)
         add(memory, -np.inf, problem.memory_limit_bytes - fixed_memory)
         add(time, -np.inf, -fixed_time)
+        for virtual in (int(i) for i in np.flatnonzero(problem.stage_of == s)):
+            for g in range(G):
+                for r, option in enumerate(problem.options):
+                    if option != "none":  # a recomputed layer on s switches the stage's transient on
+                        add({k(virtual, g, r): 1.0, any_recompute(s): -float(L)}, -np.inf, 0)
     objective[z] = problem.num_micro_batches - 1
     integrality = np.ones(n)
     integrality[z] = 0
-    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), [np.inf]]))
+    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), np.ones(P), [np.inf]]))
     result = milp(
         objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
         bounds=bounds, options={"time_limit": time_limit_s},

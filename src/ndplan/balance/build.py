@@ -1,0 +1,196 @@
+"""Build a balancing problem from ndplan's memory and time models, solve it, and compare.
+
+Costs come from the same code the estimator and the time model run:
+* a layer's time per micro-batch: forward + backward + weight-gradient seconds of its piece in
+  the time model, plus the recomputed forward for the selective/full options;
+* its activation bytes per micro-batch: the runtime profile (or census) bytes per token times the
+  tokens of a micro-batch on a rank, under each recompute option;
+* its static bytes: parameters, gradients and optimizer states per rank after TP/EP/ZeRO;
+* what does not move with layers (buffers, transients, runtime overhead) from the estimator.
+Memory is scaled by the allocator slack the runtime profile states, so that the limit compares
+with device totals as the estimator reports them.
+"""
+
+from __future__ import annotations
+
+import time as clock
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ndplan.balance.problem import BalanceProblem, LayerCost, Plan, PlanCost, evaluate, uniform_plan
+from ndplan.balance.solve import solve_exact, solve_heuristic
+from ndplan.errors import NdplanError
+from ndplan.hardware import Cluster
+from ndplan.memory.estimate import MemoryOptions, layer_activations, stage_memory
+from ndplan.memory.overhead import DEFAULTS
+from ndplan.memory.static import layer_elements, sharding_factors
+from ndplan.model.spec import ModelSpec
+from ndplan.perf.efficiency import default_efficiency
+from ndplan.perf.layer import LayerContext, piece_times
+from ndplan.perf.overlap import default_overlap
+from ndplan.perf.step import compute_rates, strategy_columns
+from ndplan.perf.topology import Fabric
+from ndplan.placement import place_layers
+from ndplan.schedule import in_flight
+from ndplan.strategy import Strategy, StrategyBatch
+from ndplan.strategy.rules import validate_strategy
+
+OPTIONS = ("none", "selective", "full")
+
+
+def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster) -> dict[str, dict[str, float]]:
+    """Seconds per micro-batch (F+B+W) of each piece, for the strategy under each recompute option;
+    'rc_dense'/'rc_moe' are the recompute additions per recomputed layer."""
+    variants = [strategy.model_copy(update={"recompute": option, "recompute_layers": 0}) for option in OPTIONS]
+    batch = StrategyBatch.of(variants)
+    eff = default_efficiency(cluster.device)
+    overlap = default_overlap(cluster.device.runtime)
+    ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision)
+    pieces = piece_times(ctx, strategy_columns(batch, overlap))
+    out: dict[str, dict[str, float]] = {}
+    for i, option in enumerate(OPTIONS):
+        out[option] = {
+            name: float(sum(np.broadcast_to(piece.total(p), (len(OPTIONS),))[i] for p in ("F", "B", "W")))
+            for name, piece in pieces.items()
+        }
+    return out
+
+
+def build_problem(
+    model: ModelSpec, strategy: Strategy, cluster: Cluster, memory_limit_bytes: float, options: MemoryOptions | None = None
+) -> BalanceProblem:
+    options = options or MemoryOptions()
+    validate_strategy(strategy, model, cluster.num_devices)
+    slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"] * options.include_overhead
+    seconds = _piece_seconds(model, strategy, cluster)
+    batch = StrategyBatch.of([strategy.model_copy(update={"recompute": o, "recompute_layers": 0}) for o in OPTIONS])
+    acts = layer_activations(model, batch, options)
+    tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
+    elements = layer_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
+    shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
+    p = strategy.precision
+    optimizer = 0.0 if strategy.optimizer_offload else p.optimizer_bytes
+    costs: dict[tuple[str, str], LayerCost] = {}
+    for kind in ("dense", "moe"):
+        static = float((elements.non_expert[kind] * (p.param_bytes / shards.params + p.grad_bytes / shards.grads
+                                                      + optimizer / shards.optimizer)
+                        + elements.expert[kind] * (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
+                                                   + optimizer / shards.expert_optimizer))[0])
+        for i, option in enumerate(OPTIONS):
+            activation = acts.full[kind][i] if option == "none" else acts.recomputed[kind][i]
+            extra = 0.0 if option == "none" else seconds[option][f"rc_{kind}"]
+            costs[(kind, option)] = LayerCost(
+                time_s=seconds[option][kind] + extra,
+                activation_bytes=float(activation) * tokens * slack,
+                static_bytes=static * slack,
+            )
+    # What moves with neither layers nor recompute choices (buffers, transients, overhead): the
+    # estimator's stages minus the layer terms, for uniform placement with no and with full
+    # recompute (recompute adds a rebuild transient); the larger of the two is kept.
+    placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule)
+    flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
+    emb_static = float(model.vocab_size * model.hidden_size / strategy.tp) * (
+        p.param_bytes / float(shards.params[0]) + p.grad_bytes / float(shards.grads[0]) + optimizer / float(shards.optimizer[0])
+    ) * slack
+    out_activation = float(acts.output[0] + model.mtp_depth * acts.mtp_extra[0]) * tokens * slack
+    head_static = 0.0 if model.tie_word_embeddings and strategy.pp == 1 else emb_static
+    first_extra = LayerCost(seconds["none"]["emb"], 8.0 * tokens * slack, emb_static)
+    last_extra = LayerCost(seconds["none"]["head"], out_activation, head_static)
+    fixed_of = {}
+    for option in ("none", "full"):
+        uniform = strategy.model_copy(update={"recompute": option, "recompute_layers": 0})
+        device = stage_memory(model, StrategyBatch.of(uniform), options).device[0, : strategy.pp]
+        moving = np.zeros(strategy.pp)
+        for v in range(placement.num_virtual_stages):
+            stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
+            for kind, count in (("dense", placement.dense_layers[v]), ("moe", placement.moe_layers[v])):
+                cost = costs[(kind, option)]
+                moving[stage] += float(count) * (cost.static_bytes + flight.peak[stage, chunk] * cost.activation_bytes)
+        for v, extra in ((0, first_extra), (placement.num_virtual_stages - 1, last_extra)):
+            stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
+            moving[stage] += extra.static_bytes + flight.peak[stage, chunk] * extra.activation_bytes
+        fixed_of[option] = device - moving
+    fixed = fixed_of["none"]
+    transient = np.maximum(fixed_of["full"] - fixed_of["none"], 0.0)
+    return BalanceProblem(
+        layer_kinds=model.layer_mlp_kinds, options=OPTIONS, costs=costs,
+        stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=np.asarray(flight.peak),
+        num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
+        fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
+    )
+
+
+@dataclass(frozen=True)
+class BalanceResult:
+    problem: BalanceProblem
+    baseline: tuple[Plan, PlanCost]  # uniform placement, full recompute on every layer
+    plan: Plan
+    cost: PlanCost
+    solver: str
+    solve_seconds: float
+
+    @property
+    def gain(self) -> float:
+        """Relative step-time gain over the baseline (0.1 = 10 % faster)."""
+        return 1.0 - self.cost.step_s / self.baseline[1].step_s
+
+    def to_dict(self) -> dict[str, Any]:
+        base_plan, base_cost = self.baseline
+        return {
+            "solver": self.solver,
+            "solve_seconds": self.solve_seconds,
+            "stage_layers": list(self.plan.stage_layers),
+            "recompute_ranges": [{"first": a, "count": n, "option": o} for a, n, o in self.plan.ranges()],
+            "before": {"stage_layers": list(base_plan.stage_layers), "recompute": "full",
+                       "stage_memory_bytes": base_cost.stage_memory_bytes.round().tolist(),
+                       "stage_time_s": base_cost.stage_time_s.tolist(), "step_s": base_cost.step_s, "fits": base_cost.fits},
+            "after": {"stage_memory_bytes": self.cost.stage_memory_bytes.round().tolist(),
+                      "stage_time_s": self.cost.stage_time_s.tolist(), "step_s": self.cost.step_s, "fits": self.cost.fits},
+            "gain": self.gain,
+        }
+
+
+def balance(
+    model: ModelSpec,
+    strategy: Strategy,
+    cluster: Cluster,
+    memory_limit_bytes: float,
+    options: MemoryOptions | None = None,
+    *,
+    exact: bool = True,
+) -> BalanceResult:
+    """Layers per virtual stage and recompute per layer that minimise the composed step time
+    with every stage under ``memory_limit_bytes``; compared with uniform placement and full
+    recompute."""
+    problem = build_problem(model, strategy, cluster, memory_limit_bytes, options)
+    baseline_plan = uniform_plan(problem, "full")
+    baseline = (baseline_plan, evaluate(problem, baseline_plan))
+    started = clock.perf_counter()
+    found = solve_exact(problem) if exact else solve_heuristic(problem)
+    seconds = clock.perf_counter() - started
+    if found is None:
+        raise NdplanError(
+            f"no placement and recompute plan fits {memory_limit_bytes / 2**30:,.2f} GiB per device for "
+            f"{strategy.short()}; uniform full recompute needs {baseline[1].stage_memory_bytes.max() / 2**30:,.2f} GiB"
+        )
+    return BalanceResult(problem, baseline, found[0], found[1], "milp" if exact else "heuristic", seconds)
+
+
+def plan_strategy(strategy: Strategy, plan: Plan) -> Strategy:
+    """The plan in a Strategy's terms, for frameworks that take one recompute setting: the uneven
+    placement, the strongest recompute option the plan uses, and as many recomputed layers per
+    virtual stage as the plan's busiest one (never less memory-saving than the plan)."""
+    options = set(plan.recompute)
+    option = "full" if "full" in options else "selective" if "selective" in options else "none"
+    if option == "none":
+        return strategy.model_copy(update={"stage_layers": plan.stage_layers, "recompute": "none", "recompute_layers": 0})
+    most, layer = 0, 0
+    for count in plan.stage_layers:
+        most = max(most, sum(1 for r in plan.recompute[layer:layer + count] if r != "none"))
+        layer += count
+    every = most >= max(plan.stage_layers)
+    return strategy.model_copy(update={
+        "stage_layers": plan.stage_layers, "recompute": option, "recompute_layers": 0 if every else most,
+    })
