@@ -80,9 +80,9 @@ def build_problem(
                                                    + optimizer / shards.expert_optimizer))[0])
         for i, option in enumerate(OPTIONS):
             activation = acts.full[kind][i] if option == "none" else acts.recomputed[kind][i]
-            extra = 0.0 if option == "none" else seconds[option][f"rc_{kind}"]
+            rebuild_s = 0.0 if option == "none" else seconds[option][f"rc_{kind}"]
             costs[(kind, option)] = LayerCost(
-                time_s=seconds[option][kind] + extra,
+                time_s=seconds[option][kind] + rebuild_s,
                 activation_bytes=float(activation) * tokens * slack,
                 static_bytes=static * slack,
             )
@@ -108,9 +108,9 @@ def build_problem(
             for kind, count in (("dense", placement.dense_layers[v]), ("moe", placement.moe_layers[v])):
                 cost = costs[(kind, option)]
                 moving[stage] += float(count) * (cost.static_bytes + flight.peak[stage, chunk] * cost.activation_bytes)
-        for v, extra in ((0, first_extra), (placement.num_virtual_stages - 1, last_extra)):
+        for v, end in ((0, first_extra), (placement.num_virtual_stages - 1, last_extra)):
             stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
-            moving[stage] += extra.static_bytes + flight.peak[stage, chunk] * extra.activation_bytes
+            moving[stage] += end.static_bytes + flight.peak[stage, chunk] * end.activation_bytes
         fixed_of[option] = device - moving
     fixed = fixed_of["none"]
     transient = np.maximum(fixed_of["full"] - fixed_of["none"], 0.0)

@@ -113,8 +113,8 @@ def evaluate(problem: BalanceProblem, plan: Plan) -> PlanCost:
     for v, count in enumerate(plan.stage_layers):
         recomputes[int(problem.stage_of[v])] |= any(o != "none" for o in plan.recompute[layer:layer + count])
         layer += count
-    for s in np.flatnonzero(recomputes):
-        memory[s] += problem.recompute_transient(int(s))
+    for stage in (int(i) for i in np.flatnonzero(recomputes)):
+        memory[stage] += problem.recompute_transient(stage)
     step = float(time.sum() + (problem.num_micro_batches - 1) * time.max())
     return PlanCost(memory, time, step, bool(np.all(memory <= problem.memory_limit_bytes)))
 
