@@ -131,12 +131,17 @@ def solve_heuristic(problem: BalanceProblem, start: tuple[int, ...] | None = Non
     base, extra = divmod(problem.num_layers, problem.num_virtual_stages)
     counts = start or tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
 
-    def score(c: tuple[int, ...]) -> tuple[float, Plan | None, PlanCost | None]:
+    strongest = problem.options[-1]
+
+    def score(c: tuple[int, ...]) -> tuple[tuple[int, float], Plan | None, PlanCost | None]:
+        # Feasible plans rank by step time; infeasible placements by how far the strongest
+        # recompute leaves them over the limit, so the search can walk out of infeasibility.
         plan = plan_for_counts(problem, c)
         if plan is None:
-            return np.inf, None, None
+            over = evaluate(problem, Plan(c, (strongest,) * problem.num_layers)).stage_memory_bytes
+            return (1, float(np.max(over) - problem.memory_limit_bytes)), None, None
         cost = evaluate(problem, plan)
-        return cost.step_s, plan, cost
+        return (0, cost.step_s), plan, cost
 
     current = score(counts)
     improved = True
@@ -150,7 +155,7 @@ def solve_heuristic(problem: BalanceProblem, start: tuple[int, ...] | None = Non
                 if min(c) < 1:
                     continue
                 trial = score(tuple(c))
-                if trial[0] < current[0] - 1e-12:
+                if trial[0][0] < current[0][0] or (trial[0][0] == current[0][0] and trial[0][1] < current[0][1] - 1e-12):
                     counts, current, improved = tuple(c), trial, True
     if current[1] is None or current[2] is None:
         return None
@@ -159,14 +164,27 @@ def solve_heuristic(problem: BalanceProblem, start: tuple[int, ...] | None = Non
 
 def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Plan, PlanCost] | None:
     """The MILP of the module docstring. Variables: y[l, v] (layer l on virtual stage v),
-    k[v, g, r] (layers of kind g on v with option r), Z (the largest stage time)."""
+    k[v, g, r] (layers of kind g on v with option r), a[s] (stage s recomputes something),
+    Z (the largest stage time). A model of one layer kind needs no y: the counts k place it.
+
+    HiGHS stops at ``time_limit_s``; the answer is then the best of its incumbent and the
+    heuristic's plan, so it is never worse than the heuristic.
+    """
+    found = _milp(problem, time_limit_s)
+    fallback = solve_heuristic(problem)
+    candidates = [c for c in (found, fallback) if c is not None]
+    return min(candidates, key=lambda c: c[1].step_s) if candidates else None
+
+
+def _milp(problem: BalanceProblem, time_limit_s: float) -> tuple[Plan, PlanCost] | None:
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     L, V, R = problem.num_layers, problem.num_virtual_stages, len(problem.options)
     kinds = sorted(set(problem.layer_kinds))
     G = len(kinds)
+    homogeneous = G == 1
     in_flight = problem.in_flight_of_virtual()
-    n_y, n_k = L * V, V * G * R
+    n_y, n_k = (0 if homogeneous else L * V), V * G * R
     P = problem.pp
     n = n_y + n_k + P + 1
     z = n - 1
@@ -192,23 +210,28 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
         lower.append(lo)
         upper.append(hi)
 
-    for layer in range(L):  # each layer on exactly one virtual stage
-        add({y(layer, v): 1.0 for v in range(V)}, 1, 1)
-    position = {layer: {y(layer, v): float(v) for v in range(V)} for layer in range(L)}
-    add(position[0], 0, 0)
-    add(position[L - 1], V - 1, V - 1)
-    for layer in range(L - 1):  # contiguous, in order, no empty virtual stage
-        step = {**{i: c for i, c in position[layer + 1].items()}}
-        for i, c in position[layer].items():
-            step[i] = step.get(i, 0.0) - c
-        add(step, 0, 1)
-    for v in range(V):  # recompute counts of each kind add up to the kind's layers on v
-        for g, kind in enumerate(kinds):
-            coefficients = {k(v, g, r): 1.0 for r in range(R)}
-            for layer in range(L):
-                if problem.layer_kinds[layer] == kind:
-                    coefficients[y(layer, v)] = -1.0
-            add(coefficients, 0, 0)
+    if homogeneous:  # every virtual stage holds at least one layer; all layers are placed
+        for v in range(V):
+            add({k(v, 0, r): 1.0 for r in range(R)}, 1, L)
+        add({k(v, 0, r): 1.0 for v in range(V) for r in range(R)}, L, L)
+    else:
+        for layer in range(L):  # each layer on exactly one virtual stage
+            add({y(layer, v): 1.0 for v in range(V)}, 1, 1)
+        position = {layer: {y(layer, v): float(v) for v in range(V)} for layer in range(L)}
+        add(position[0], 0, 0)
+        add(position[L - 1], V - 1, V - 1)
+        for layer in range(L - 1):  # contiguous, in order, no empty virtual stage
+            step = dict(position[layer + 1])
+            for i, c in position[layer].items():
+                step[i] = step.get(i, 0.0) - c
+            add(step, 0, 1)
+        for v in range(V):  # recompute counts of each kind add up to the kind's layers on v
+            for g, kind in enumerate(kinds):
+                coefficients = {k(v, g, r): 1.0 for r in range(R)}
+                for layer in range(L):
+                    if problem.layer_kinds[layer] == kind:
+                        coefficients[y(layer, v)] = -1.0
+                add(coefficients, 0, 0)
     objective = np.zeros(n)
     for s in range(problem.pp):
         memory: dict[int, float] = {}
@@ -245,7 +268,10 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
     if result.x is None:
         return None
     x = np.round(result.x).astype(int)
-    counts = tuple(int(x[[y(layer, v) for layer in range(L)]].sum()) for v in range(V))
+    if homogeneous:
+        counts = tuple(int(sum(x[k(v, 0, r)] for r in range(R))) for v in range(V))
+    else:
+        counts = tuple(int(x[[y(layer, v) for layer in range(L)]].sum()) for v in range(V))
     # Hand each layer of a kind on v the options in the MILP's counts (the order inside a
     # virtual stage does not change memory or time).
     recompute = [""] * L
