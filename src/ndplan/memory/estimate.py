@@ -35,7 +35,7 @@ from ndplan.memory.profile import (
 )
 from ndplan.memory.static import embedding_elements, layer_elements, mtp_extra_elements, sharding_factors
 from ndplan.model.spec import MlpKind, ModelSpec
-from ndplan.placement import place_layers
+from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, in_flight
 from ndplan.strategy.batch import CODES, StrategyBatch
 
@@ -46,7 +46,7 @@ ACTIVATION_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "recompute",
 
 
 #: Strategies with the same values of these fields share a placement and a schedule simulation.
-PIPELINE_SHAPE = ("schedule", "pp", "vpp", "num_micro_batches", "seq_chunks", "embedding_as_layer", "output_as_layer")
+PIPELINE_SHAPE = ("schedule", "pp", "vpp", "seq_chunks", "embedding_as_layer", "output_as_layer")
 
 
 @dataclass(frozen=True)
@@ -291,17 +291,26 @@ def _undominated(rows: np.ndarray) -> np.ndarray:
     return rows[~dominated]
 
 
-def _held_peak(frontier: tuple[np.ndarray, ...], per_b: np.ndarray, per_w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Peak held bytes per stage, [n, pp], and the frontier row index where it happens."""
-    n, pp, _ = per_b.shape
+def _held_peak(
+    schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray, per_b: np.ndarray, per_w: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Peak held bytes per stage, [n, pp], and, per strategy and stage, the frontier row
+    ([held_until_b | held_until_w] counts, [n, pp, 2·vpp]) where it happens. Strategies are
+    priced per distinct micro-batch count, whose schedule simulation they share."""
+    n = per_b.shape[0]
     peak = np.zeros((n, pp))
-    where = np.zeros((n, pp), dtype=np.int64)
-    for s, rows in enumerate(frontier):
-        weights = np.concatenate([per_b[:, s, :], per_w[:, s, :]], axis=1)  # [n, 2·vpp]
-        values = weights @ rows.T  # [n, rows]
-        where[:, s] = np.argmax(values, axis=1)
-        peak[:, s] = values[np.arange(n), where[:, s]]
-    return peak, where
+    chosen = np.zeros((n, pp, 2 * vpp))
+    counts, which = np.unique(micro_batches, return_inverse=True)
+    for j, m in enumerate(counts):
+        subset = np.flatnonzero(which.ravel() == j)
+        frontier = _frontier(schedule, pp, vpp, int(m), seq_chunks)
+        for s, rows in enumerate(frontier):
+            weights = np.concatenate([per_b[subset, s, :], per_w[subset, s, :]], axis=1)  # [n_m, 2·vpp]
+            values = weights @ rows.T  # [n_m, rows]
+            best = np.argmax(values, axis=1)
+            peak[subset, s] = values[np.arange(len(subset)), best]
+            chosen[subset, s] = rows[best]
+    return peak, chosen
 
 
 # --------------------------------------------------------------------------- main entry
@@ -365,7 +374,7 @@ def _evaluate_group(
     acts: LayerActivations,
 ) -> dict[str, np.ndarray]:
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays."""
-    schedule_code, pp, vpp, m, seq_chunks, embedding_as_layer, output_as_layer = key
+    schedule_code, pp, vpp, seq_chunks, embedding_as_layer, output_as_layer = key
     schedule = CODES["schedule"][schedule_code]
     placement = place_layers(
         model, pp, vpp, schedule, stage_layers,
@@ -467,11 +476,10 @@ def _evaluate_group(
     per_w = np.zeros((len(batch), pp, vpp))
     per_b[:, placement.stage_of, placement.chunk_of] = per_b_virtual
     per_w[:, placement.stage_of, placement.chunk_of] = per_w_virtual
-    frontier = _frontier(schedule, pp, vpp, m, seq_chunks)
-    held, where = _held_peak(frontier, per_b, per_w)
+    held, chosen = _held_peak(schedule, pp, vpp, seq_chunks, batch.num_micro_batches, per_b, per_w)
     out["activations"] = held
     if kinds is not None:
-        _activation_kinds(kinds, index, pp, vpp, placement, frontier, where, t, acts, plain_dense, plain_moe,
+        _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
                           recomputed_dense, recomputed_moe, per_virtual, per_w_virtual, model)
 
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
@@ -524,8 +532,8 @@ def _evaluate_group(
 
 
 def _activation_kinds(
-    kinds: dict[str, dict[str, np.ndarray]], index: np.ndarray, pp: int, vpp: int, placement, frontier, where,
-    t, acts: LayerActivations, plain_dense, plain_moe, recomputed_dense, recomputed_moe, per_virtual, per_w_virtual,
+    kinds: dict[str, dict[str, np.ndarray]], index: np.ndarray, pp: int, vpp: int, placement: Placement,
+    chosen: np.ndarray, t: np.ndarray, acts: LayerActivations, plain_dense, plain_moe, recomputed_dense, recomputed_moe, per_virtual, per_w_virtual,
     model: ModelSpec,
 ) -> None:
     """Split the held peak by layer kind, at the instant of each stage's peak."""
@@ -541,9 +549,8 @@ def _activation_kinds(
         "mtp": per_virtual["mtp"],
     }
     n = t.shape[0]
-    for s, rows in enumerate(frontier):
-        chosen = rows[where[:, s]]  # [n, 2·vpp]
-        held_b, held_w = chosen[:, :vpp], chosen[:, vpp:]
+    for s in range(pp):
+        held_b, held_w = chosen[:, s, :vpp], chosen[:, s, vpp:]
         chunks = np.flatnonzero(placement.stage_of == s)
         for kind, values in per_kind_virtual.items():
             amount = np.zeros(n)
