@@ -490,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_balance)
 
+    from ndplan.perf.cli import add_calibrate_command
+
+    add_calibrate_command(sub)
+
     p = sub.add_parser("inspect", help="show the model, cluster and strategy ndplan reads from a framework config")
     add_inspect_arguments(p)
     p.set_defaults(func=cmd_inspect)

@@ -36,7 +36,13 @@ from ndplan.hardware.device import Cluster, Device
 from ndplan.hardware.presets import get_device
 from ndplan.model.presets import get_preset
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import FITTABLE, EfficiencyProfile, default_efficiency, device_family
+from ndplan.perf.efficiency import (
+    FITTABLE,
+    EfficiencyProfile,
+    default_efficiency,
+    device_family,
+    dump_efficiency,
+)
 from ndplan.perf.flops import model_flops_per_micro_batch
 from ndplan.perf.overlap import OverlapConfig, get_overlap
 from ndplan.strategy.strategy import Strategy
@@ -229,6 +235,7 @@ def calibrate(
     initial: EfficiencyProfile | None = None,
     prior_weight: float = 0.0,
     max_nfev: int = 200,
+    output: str | Path | None = None,
 ) -> tuple[EfficiencyProfile, CalibrationReport]:
     """Fit efficiency figures to measured step times of runs on ``device``'s family.
 
@@ -239,6 +246,7 @@ def calibrate(
     each fitted figure also pays prior_weight·(x - x0)/x0 (x0 its initial value, or the bound
     width for a zero start), which keeps poorly determined figures near their documented
     values instead of letting them absorb effects they do not model.
+    output: write the fitted profile there as YAML, the fit summary as its header comment.
     """
     from scipy.optimize import least_squares
 
@@ -298,4 +306,6 @@ def calibrate(
             "predicted_before_s": float(t * math.exp(r0)), "predicted_after_s": float(t * math.exp(r1)),
             "error_after": float(math.expm1(r1)),
         })
+    if output is not None:
+        dump_efficiency(fitted, output, f"ndplan calibrate ({family})\n{report.summary()}")
     return fitted, report

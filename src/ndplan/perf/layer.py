@@ -21,13 +21,18 @@ device (T = b·s):
   (T/c)·(w_k + w_v)/t·act_bytes forward, and K,V plus dK,dV backward (w: GQA n_kv·d, MLA the
   expanded a·d_qk and a·d_v). Ulysses: all-to-all of q, k, v and o forward, same backward.
   Hybrid: Ulysses over ulysses_degree ranks, then a ring over cp/ulysses_degree.
-* EP: dispatch and combine all-to-alls of the (T/c)·k/t routed copies of h forward, the same
+* EP: dispatch (at GEMM operand width: fp8 recipes dispatch in fp8) and combine (activation
+  width) all-to-alls of the (T/c)·k/t routed copies of h forward, both at activation width
   backward, over the ep ranks at stride etp (× moe_imbalance).
 * FSDP / ZeRO-3: all-gather the layer's parameter shard forward (param_gather_bytes), again in
   backward when resharding after forward, and reduce-scatter its gradient (grad_bytes), over
   the shard group (non-expert: shard_group or dp·cp ranks at stride tp; experts: the
   expert-data-parallel ranks).
 Exposure (see OverlapConfig): hidden comm is max(0, comm - the compute it runs under).
+
+Compute per layer and pass: GEMMs (gemm.py) + fp8 input casts + attention core + elementwise
+bytes (memory_ops.py) + ``layer_overhead_s``, never less than the host floor
+(``host_layer_s`` / ``host_moe_layer_s``, see EfficiencyProfile).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from ndplan.perf.gemm import gemms_seconds
 from ndplan.perf.layer import CATEGORIES, LayerContext, piece_times
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, evaluate, strategy_columns
-from ndplan.perf.topology import Fabric
+from ndplan.perf.topology import Fabric, group_link
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import validate_strategy
 from ndplan.strategy.strategy import Strategy
@@ -150,6 +150,7 @@ def explain_lines(r: TimeReport) -> list[str]:
         rc = float(np.asarray(pieces[f'rc_{kind}'].total("B")).reshape(-1)[0])
         if rc > 0:
             lines.append(f"  recompute ({s.recompute}) adds to B: {_ms(rc)} per recomputed layer")
+    lines += _communication_lines(r)
     for name, label in (("emb", "embedding (first stage)"), ("head", "final norm + output head + loss" + (" + MTP" if model.mtp_depth else "") + " (last stage)")):
         p = pieces[name]
         total = {ps: float(np.asarray(p.total(ps)).reshape(-1)[0]) for ps in ("F", "B", "W")}
@@ -177,3 +178,46 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"{r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_device:,.0f} per device)",
     ]
     return lines
+
+
+def _link_text(size: float, stride: float, fabric: Fabric, pattern: str = "ring") -> str:
+    link = group_link(size, stride, fabric, pattern)  # type: ignore[arg-type]
+    level = "scale-up" if float(link.latency) == fabric.scaleup_latency else "scale-out"
+    return f"{float(link.bandwidth) / 1e9:,.0f} GB/s {level}"
+
+
+def _communication_lines(r: TimeReport) -> list[str]:
+    """Volumes, groups and links of each collective (before overlap)."""
+    s, model, prec = r.strategy, r.model, r.strategy.precision
+    fabric = Fabric.of(r.cluster, r.efficiency)
+    tokens = s.micro_batch_size * s.seq_length / s.cp
+    activation = tokens * model.hidden_size * prec.activation_bytes
+    out = [f"ranks: tp innermost, then cp, dp, pp; scale-up domain {fabric.domain} devices"]
+    if s.tp > 1:
+        kind = "all-gather + reduce-scatter" if s.sequence_parallel else "all-reduce"
+        out.append(
+            f"TP per layer and pass: 2 × {kind} of A = (b·s/c)·h·{prec.activation_bytes} B = {activation / 1e6:,.1f} MB "
+            f"over tp={s.tp} ({_link_text(s.tp, 1, fabric)}); overlap {'on' if r.overlap.tp else 'off'}"
+        )
+    if s.cp > 1:
+        out.append(
+            f"CP ({s.cp_kind}) over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')}); "
+            f"ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
+        )
+    if model.is_moe and s.ep > 1:
+        copies = tokens * model.num_experts_per_tok / s.tp * model.hidden_size
+        out.append(
+            f"EP per MoE layer: dispatch + combine all-to-all of (b·s/c)·k/t·h = {copies / 1e6:,.1f} M elements over "
+            f"ep={s.ep} at stride etp={s.etp} ({_link_text(s.ep, s.etp, fabric, 'all_to_all')})"
+        )
+    if s.pp > 1:
+        out.append(
+            f"PP send per micro-batch and boundary: [mbs, seq/cp{'/tp' if s.sequence_parallel else ''}, h] over "
+            f"{_link_text(s.pp, s.tp * s.cp * s.dp, fabric, 'p2p')}"
+        )
+    replicas = s.dp * s.cp
+    if replicas > 1:
+        how = ("FSDP all-gather/reduce-scatter per layer" if s.zero >= 3 or s.fsdp else
+               "all-reduce" if s.zero == 0 else "reduce-scatter + parameter all-gather")
+        out.append(f"DP: {how} over dp·cp={replicas} at stride tp ({_link_text(replicas, s.tp, fabric)})")
+    return out

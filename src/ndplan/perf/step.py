@@ -45,7 +45,7 @@ from ndplan.perf.codes import dense_codes, first_of_codes, row_codes
 from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency
 from ndplan.perf.flops import model_flops_per_micro_batch
 from ndplan.perf.gemm import ComputeRates
-from ndplan.perf.layer import CATEGORIES, PASSES, LayerContext, PieceTimes, piece_times
+from ndplan.perf.layer import CATEGORIES, PASSES, PIECES, LayerContext, PieceTimes, piece_times
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.pipeline import (
     StageLayout,
@@ -241,16 +241,15 @@ class _Priced:
     dp_columns: dict[str, Array]  # _DP_FIELDS as floats, in the caller's row order
 
 
-#: Pieces and quantities of the per-configuration table (see _Priced.table).
-_PIECES = ("dense", "moe", "emb", "head", "rc_dense", "rc_moe")
+#: Quantities of the per-configuration table (see _Priced.table), over layer.PIECES.
 _QUANTITIES = PASSES + CATEGORIES
 
 
 def _piece_table(per_pass: dict[tuple[str, str], Array], per_cat: dict[tuple[str, str], Array], n: int) -> Array:
     """[configs, quantities, pieces] seconds: every pass (F, B, W) and category of each piece.
     Recompute pieces count in B and in the categories only."""
-    table = np.zeros((n, len(_QUANTITIES), len(_PIECES)))
-    for j, piece in enumerate(_PIECES):
+    table = np.zeros((n, len(_QUANTITIES), len(PIECES)))
+    for j, piece in enumerate(PIECES):
         for i, name in enumerate(_QUANTITIES):
             values = per_pass if name in PASSES else per_cat
             if piece.startswith("rc_") and name in ("F", "W"):

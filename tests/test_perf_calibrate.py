@@ -1,0 +1,172 @@
+"""Calibration recovers known efficiencies; measured runs, profiles and the CLI subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ndplan.errors import NdplanError
+from ndplan.hardware import get_device
+from ndplan.model import get_preset
+from ndplan.perf import (
+    EfficiencyProfile,
+    MeasuredRun,
+    calibrate,
+    default_efficiency,
+    dump_efficiency,
+    load_efficiency,
+    load_runs,
+)
+from ndplan.perf.calibrate import measured_step_s, predict_step_s, spearman, step_flops
+from ndplan.perf.cli import add_calibrate_command
+from ndplan.strategy import Strategy
+from ndplan.strategy.rules import check_strategy
+
+RUNS = Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.yaml"
+H100 = get_device("h100-sxm")
+SMALL = {
+    "name": "small", "num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 4096, "num_attention_heads": 8,
+    "num_kv_heads": 8, "head_dim": 128, "vocab_size": 32000,
+}
+
+
+def _synthetic_runs(truth: EfficiencyProfile) -> list[MeasuredRun]:
+    """Runs that lean on different figures: large GEMMs, long-sequence attention, small
+    memory-bound layers, and exposed tensor-parallel all-reduces."""
+    shapes = [
+        ("gemm", "llama-3.1-8b", 8, {"dp": 8, "num_micro_batches": 2, "seq_length": 2048}),
+        ("gemm-tp", "llama-3.1-8b", 8, {"tp": 2, "dp": 4, "sequence_parallel": True, "num_micro_batches": 2, "seq_length": 4096}),
+        ("attention", "llama-3.1-8b", 8, {"dp": 8, "num_micro_batches": 1, "seq_length": 32768}),
+        ("attention-2", "llama-3.1-8b", 8, {"tp": 8, "num_micro_batches": 1, "seq_length": 65536}),
+        ("memory", SMALL, 8, {"dp": 8, "micro_batch_size": 16, "num_micro_batches": 2, "seq_length": 1024}),
+        ("memory-2", SMALL, 8, {"dp": 8, "micro_batch_size": 4, "num_micro_batches": 2, "seq_length": 8192}),
+        ("tp", "llama-3.1-8b", 8, {"tp": 8, "num_micro_batches": 2, "seq_length": 4096}),
+        ("tp-2", SMALL, 8, {"tp": 8, "micro_batch_size": 8, "num_micro_batches": 2, "seq_length": 2048}),
+    ]
+    runs = []
+    for name, model, devices, strategy in shapes:
+        draft = MeasuredRun(id=name, source="synthetic", model=model, device="h100-sxm", num_devices=devices,
+                            strategy=strategy, measured={"step_s": 1.0})
+        step = predict_step_s(draft, truth)
+        runs.append(draft.model_copy(update={"measured": draft.measured.model_copy(update={"step_s": step})}))
+    return runs
+
+
+def test_calibration_recovers_known_efficiencies(tmp_path: Path):
+    truth = default_efficiency(H100).replace(
+        gemm_efficiency=0.6, attention_efficiency=0.4, hbm_efficiency=0.65, scaleup_efficiency=0.6
+    )
+    runs = _synthetic_runs(truth)
+    fitted, report = calibrate(
+        runs, H100, fit=["gemm_efficiency", "attention_efficiency", "hbm_efficiency", "scaleup_efficiency"],
+        output=tmp_path / "fitted.yaml",
+    )
+    assert load_efficiency(tmp_path / "fitted.yaml") == fitted
+    for name in ("gemm_efficiency", "attention_efficiency", "hbm_efficiency", "scaleup_efficiency"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02), name
+    assert report.median_abs_error_after < 1e-3 < report.median_abs_error_before
+    assert report.success and len(report.runs) == len(runs)
+
+
+def test_calibration_skips_other_device_families_and_rejects_unknown_figures():
+    runs = _synthetic_runs(default_efficiency(H100))[:2]
+    with pytest.raises(NdplanError, match="no run is on a"):
+        calibrate(runs, get_device("a100-80gb"))
+    with pytest.raises(NdplanError, match="cannot fit 'flash_attention'"):
+        calibrate(runs, H100, fit=["flash_attention"])
+
+
+def test_published_runs_are_valid_configurations_with_their_sources():
+    runs = load_runs(RUNS)
+    assert len(runs) >= 15
+    assert len({r.source for r in runs}) >= 5
+    for run in runs:
+        assert run.url.startswith("https://"), run.id
+        strategy = run.strategy_obj()
+        assert check_strategy(strategy, run.model_spec(), run.num_devices) == [], run.id
+        assert measured_step_s(run) > 0
+
+
+def test_measured_throughput_converts_with_the_sources_formula():
+    runs = {r.id: r for r in load_runs(RUNS)}
+    # Narayanan et al. 2021, 1T: 96·B·s·l·h²·(1 + s/6h + V/16lh) at 163 TFLOP/s on 3072 GPUs
+    run = runs["narayanan21-1008b"]
+    b, s, layers, h, v = 3072, 2048, 128, 25600, 51200
+    flops = 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+    assert step_flops(run, "megatron-2021") == pytest.approx(flops)
+    assert measured_step_s(run) == pytest.approx(flops / (163e12 * 3072))
+    # tokens/s/GPU: GBS·seq / (rate · GPUs)
+    run = runs["nemo2407-llama2-7b"]
+    assert measured_step_s(run) == pytest.approx(128 * 4096 / (16847 * 8))
+    # Korthikanti 175B: reported 51.4% MFU with the 72·B·s·l·h² model-FLOP formula
+    run = runs["korthikanti22-175b-selective"]
+    mfu = step_flops(run, "megatron-2022") / (measured_step_s(run) * 64 * 312e12)
+    assert mfu == pytest.approx(0.514, abs=0.002)
+
+
+def test_measured_quantity_must_be_exactly_one():
+    base = dict(id="x", source="s", model="llama-3.1-8b", device="h100-sxm", num_devices=8, strategy={"dp": 8})
+    with pytest.raises(ValueError, match="exactly one"):
+        MeasuredRun(**base, measured={"step_s": 1.0, "mfu": 0.4, "flops_formula": "ndplan"})
+    with pytest.raises(ValueError, match="needs flops_formula"):
+        MeasuredRun(**base, measured={"mfu": 0.4})
+
+
+def test_efficiency_profiles_round_trip_through_yaml(tmp_path: Path):
+    profile = default_efficiency(H100).replace(gemm_efficiency=0.66, host_moe_layer_s=3e-3)
+    path = tmp_path / "profile.yaml"
+    dump_efficiency(profile, path, "fitted on nothing")
+    assert path.read_text().startswith("# fitted on nothing")
+    assert load_efficiency(path) == profile
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("gemm_efficiency: 0.5\n")
+    assert load_efficiency(partial, base=default_efficiency(H100)).gemm_efficiency == 0.5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gemm_efficiency: 1.5\n")
+    with pytest.raises(NdplanError, match="gemm_efficiency"):
+        load_efficiency(bad)
+    with pytest.raises(NdplanError, match="invalid efficiency figure"):
+        profile.replace(hbm_efficiency=0.0)
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2], [1, 2]) != spearman([1, 2], [1, 2])  # nan below 3 points
+
+
+def test_calibrate_subcommand_writes_a_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    truth = default_efficiency(H100).replace(gemm_efficiency=0.62)
+    runs = _synthetic_runs(truth)[:3]
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text(yaml.safe_dump({"runs": [r.model_dump(mode="json") for r in runs]}))
+    parser = argparse.ArgumentParser(prog="ndplan")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_calibrate_command(sub)
+    out = tmp_path / "profile.yaml"
+    args = parser.parse_args(["calibrate", str(runs_file), "-o", str(out), "--fit", "gemm_efficiency", "--json"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device_family"] == "hopper"
+    assert report["fitted"]["gemm_efficiency"] == pytest.approx(0.62, rel=0.01)
+    assert load_efficiency(out).gemm_efficiency == pytest.approx(0.62, rel=0.01)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["calibrate", str(runs_file)])  # -o is required
+
+
+def test_calibrate_reports_a_bad_runs_file(tmp_path: Path):
+    bad = tmp_path / "runs.yaml"
+    bad.write_text("runs:\n  - id: broken\n    source: s\n")
+    with pytest.raises(NdplanError, match="run broken"):
+        load_runs(bad)
+
+
+def test_strategy_and_model_of_a_run():
+    run = load_runs(RUNS)[0]
+    assert isinstance(run.strategy_obj(), Strategy)
+    assert run.model_spec().num_layers == 24
+    assert get_preset("llama-3.1-8b").num_layers == 32

@@ -1,0 +1,83 @@
+"""Collectives against hand-computed alpha-beta times, and which network level a group uses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ndplan.hardware import get_device
+from ndplan.hardware.device import Cluster
+from ndplan.perf import collectives as coll
+from ndplan.perf.efficiency import default_efficiency
+from ndplan.perf.topology import Fabric, fits_in_domain, group_link, members_per_domain
+
+LINK = coll.Link(bandwidth=100e9, latency=5e-6)
+GB = 1e9
+
+
+def test_ring_all_reduce_moves_2_n_minus_1_over_n():
+    # 4 ranks, 1 GB: 2·3 steps of 5 µs + 2·(3/4)·1 GB / 100 GB/s
+    assert coll.all_reduce_s(GB, 4, LINK) == pytest.approx(6 * 5e-6 + 1.5 * GB / 100e9)
+
+
+def test_reduce_scatter_and_all_gather_move_n_minus_1_over_n():
+    expected = 3 * 5e-6 + 0.75 * GB / 100e9
+    assert coll.reduce_scatter_s(GB, 4, LINK) == pytest.approx(expected)
+    assert coll.all_gather_s(GB, 4, LINK) == pytest.approx(expected)
+
+
+def test_all_to_all_and_p2p():
+    assert coll.all_to_all_s(GB, 8, LINK) == pytest.approx(7 * 5e-6 + (7 / 8) * GB / 100e9)
+    assert coll.p2p_s(GB, LINK) == pytest.approx(5e-6 + GB / 100e9)
+
+
+def test_a_group_of_one_costs_nothing():
+    for f in (coll.all_reduce_s, coll.reduce_scatter_s, coll.all_gather_s, coll.all_to_all_s):
+        assert f(GB, 1, LINK) == 0.0
+    sizes = np.array([1.0, 2.0])
+    assert coll.all_reduce_s(GB, sizes, LINK).tolist() == [0.0, pytest.approx(2 * 5e-6 + GB / 100e9)]
+
+
+H100 = Fabric.of(Cluster(device=get_device("h100-sxm"), num_devices=64), default_efficiency(get_device("h100-sxm")))
+
+
+def test_a_group_inside_one_node_uses_the_scaleup_link():
+    up = 450e9 * 0.8
+    link = group_link(8, 1, H100)  # TP over 8 consecutive ranks: one NVLink island
+    assert float(link.bandwidth) == pytest.approx(up)
+    assert float(link.latency) == H100.scaleup_latency
+    link = group_link(2, 4, H100)  # 2 ranks 4 apart: span 8, still one node
+    assert float(link.bandwidth) == pytest.approx(up)
+
+
+def test_a_group_across_nodes_uses_the_scaleout_link():
+    out = 50e9 * 0.85
+    link = group_link(8, 8, H100)  # DP across 8 nodes with tp=8: one member per node
+    assert float(link.bandwidth) == pytest.approx(out)
+    assert float(link.latency) == H100.scaleout_latency
+    assert float(group_link(2, 8, H100, "p2p").bandwidth) == pytest.approx(out)  # PP neighbours on two nodes
+
+
+def test_a_ring_spanning_nodes_uses_every_members_nic():
+    # 16 consecutive ranks = 2 nodes × 8: NCCL rings cross nodes over all 8 NICs per node
+    link = group_link(16, 1, H100)
+    assert float(link.bandwidth) == pytest.approx(min(450e9 * 0.8, 8 * 50e9 * 0.85))
+    # an all-to-all of 16 sends 7/16 inside the node and 8/16 over the device's own NIC
+    a2a = group_link(16, 1, H100, "all_to_all")
+    per_byte = max((7 / 16) / (450e9 * 0.8), (8 / 16) / (50e9 * 0.85))
+    assert coll.all_to_all_s(GB, 16, a2a) == pytest.approx(15 * a2a.latency + GB * per_byte)
+
+
+def test_misaligned_groups_do_not_fit():
+    assert fits_in_domain(np.array([8.0, 3.0, 4.0, 16.0]), np.array([1.0, 1.0, 2.0, 1.0]), 8).tolist() == [
+        True, False, True, False,
+    ]
+    assert members_per_domain(np.array([16.0, 4.0]), np.array([2.0, 16.0]), 8).tolist() == [4.0, 1.0]
+
+
+def test_full_mesh_gives_a_small_group_only_its_direct_links():
+    mi300 = get_device("mi300x")
+    fabric = Fabric.of(Cluster(device=mi300, num_devices=8), default_efficiency(mi300))
+    full = float(group_link(8, 1, fabric).bandwidth)
+    pair = float(group_link(2, 1, fabric).bandwidth)
+    assert pair == pytest.approx(full / 7)

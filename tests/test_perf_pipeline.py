@@ -1,0 +1,112 @@
+"""Closed-form pipeline makespans against the schedule simulator, and the bubble in a step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ndplan.hardware import get_device
+from ndplan.hardware.device import Cluster
+from ndplan.model.spec import ModelSpec
+from ndplan.perf import estimate_time, step_time_batch
+from ndplan.perf.pipeline import closed_form_makespan, stage_layout
+from ndplan.schedule import simulate
+from ndplan.strategy import Strategy, StrategyBatch
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1), ("zbv", 2),
+             ("dualpipev", 2), ("seq1f1b", 1)]
+SPLIT = {"zb-h1", "zbv", "dualpipev"}
+
+
+def _closed(schedule: str, pp: int, vpp: int, m: int, k: int, f, b, w, p2p: float = 0.0) -> float:
+    one = lambda x: np.array([float(x)])  # noqa: E731
+    value, _, _ = closed_form_makespan(
+        schedule, one(pp), one(vpp), one(m), one(k), np.atleast_2d(f), np.atleast_2d(b), np.atleast_2d(w), one(p2p),
+    )
+    return float(value[0])
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), SCHEDULES)
+def test_closed_forms_equal_the_simulator_for_identical_stages(schedule: str, vpp: int):
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        pp = int(rng.integers(2, 9))
+        low = 2 * pp if schedule in ("dualpipev", "zbv") else pp
+        m = int(rng.integers(low, 5 * pp + 1))
+        if schedule == "interleaved":
+            m = pp * int(rng.integers(1, 6))
+        k = int(rng.choice([1, 2, 4])) if schedule == "seq1f1b" else 1
+        f, b = 1.0, float(rng.uniform(0.3, 3.5))
+        w = float(rng.uniform(0.1, 2.0)) if schedule in SPLIT else 0.0
+        simulated = simulate(
+            schedule, pp, vpp, m, seq_chunks=k, forward_s=f / vpp, backward_s=b / vpp, weight_grad_s=w / vpp,
+            overlap_f_and_b=False,
+        ).makespan_s
+        closed = _closed(schedule, pp, vpp, m, k, np.full(pp, f), np.full(pp, b), np.full(pp, w))
+        assert closed == pytest.approx(simulated, rel=1e-9), (schedule, pp, vpp, m, k, b, w)
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), SCHEDULES)
+def test_closed_forms_track_the_simulator_for_unequal_stages(schedule: str, vpp: int):
+    """Per-stage times scattered by ±10%, the first stage up to 20% and the last chunk up to
+    40% heavier (embedding, head), and some p2p: the closed forms stay within 10%."""
+    rng = np.random.default_rng(5)
+    errors = []
+    for _ in range(40):
+        pp = int(rng.choice([2, 4, 8]))
+        m = pp * int(rng.choice([2, 3, 4, 8]))
+        k = 2 if schedule == "seq1f1b" else 1
+        f = np.full((pp, vpp), 1.0 / vpp) * (1 + rng.uniform(-0.1, 0.1, (pp, vpp)))
+        f[0, 0] *= 1 + rng.uniform(0, 0.2)
+        f[-1, 0 if schedule in ("zbv", "dualpipev") else -1] *= 1 + rng.uniform(0, 0.4)
+        ratio = rng.uniform(1.5, 3.0)
+        b = f * ratio * (0.5 if schedule in SPLIT else 1.0)
+        w = f * ratio * 0.5 if schedule in SPLIT else np.zeros_like(f)
+        p2p = float(rng.uniform(0, 0.02))
+        simulated = simulate(
+            schedule, pp, vpp, m, seq_chunks=k, forward_s=f, backward_s=b, weight_grad_s=w, p2p_s=p2p,
+            overlap_f_and_b=False,
+        ).makespan_s
+        closed = _closed(schedule, pp, vpp, m, k, f.sum(1), b.sum(1), w.sum(1), p2p)
+        errors.append(closed / simulated - 1)
+    assert max(abs(e) for e in errors) < 0.10
+    assert abs(float(np.mean(errors))) < 0.03
+
+
+def test_zero_bubble_1f1b_bubble_formula():
+    # ZB-H1: (p - 1)·max(f, b, f + b - w) beyond m·(f + b + w)
+    assert _closed("zb-h1", 4, 1, 8, 1, np.full(4, 1.0), np.full(4, 2.0), np.full(4, 0.5)) == pytest.approx(8 * 3.5 + 3 * 2.5)
+
+
+# A model whose embedding and head cost next to nothing, so every stage is (almost) identical.
+FLAT = ModelSpec(
+    name="flat", num_layers=8, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16, num_kv_heads=16,
+    head_dim=128, vocab_size=8,
+)
+CLUSTER = Cluster(device=get_device("h100-sxm"), num_devices=4)
+
+
+@pytest.mark.parametrize("m", [4, 8, 32])
+def test_1f1b_bubble_in_the_step_is_p_minus_1_over_m_plus_p_minus_1(m: int):
+    p = 4
+    s = Strategy(pp=p, micro_batch_size=1, num_micro_batches=m, seq_length=2048, schedule="1f1b")
+    report = estimate_time(FLAT, s, CLUSTER)
+    d = report.details
+    per_micro_batch = d["stage_forward_s"] + d["stage_backward_s"] + d["stage_weight_grad_s"]
+    pipeline = d["makespan_s"] - d["pp_s"]  # the compute part of the critical path
+    bubble_fraction = 1 - m * per_micro_batch / pipeline
+    assert bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=0.01)
+    # the closed form of the batch path gives the same step
+    batch = step_time_batch(FLAT, StrategyBatch.of(s), CLUSTER)
+    assert batch["step_s"][0] == pytest.approx(report.step_s, rel=0.005)
+
+
+def test_stage_profiles_cover_every_stage():
+    from ndplan.model import get_preset
+
+    model = get_preset("deepseek-v3")
+    layout = stage_layout(model, 8, 2, False)
+    assert layout.profile_count.sum() == 8
+    assert (layout.profile["dense"] * layout.profile_count).sum() == model.num_dense_layers
+    assert (layout.profile["moe"] * layout.profile_count).sum() == model.num_moe_layers
+    assert len(layout.profile_count) <= 4
