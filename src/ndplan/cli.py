@@ -184,10 +184,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from ndplan.report.plots import plot_memory
 
         plot_memory(report, args.plot)
+    emitted = None
+    if args.emit:
+        from ndplan.io import emit
+
+        emitted = emit(model, strategy, args.emit)
     if args.json:
         _emit_json({"model": model.name, "hardware": device.name, "devices": strategy.world_size,
                     "strategy": strategy.model_dump(mode="json"), **report.to_dict(),
-                    "time": {**timing.to_dict(), "details": timing.details}})
+                    "time": {**timing.to_dict(), "details": timing.details},
+                    **({"emitted": emitted} if emitted else {})})
         return 0
     table = Table(title=f"{model.name} on {device.name} — {strategy.short()} — per-device memory per stage")
     columns = ["stage", "layers", "params", "grads", "optimizer", "activations", "comm", "transient",
@@ -215,6 +221,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         f"— compute {timing.breakdown['compute']:.3f} s, bubble {timing.breakdown['bubble']:.3f} s, "
         f"exposed comm {sum(exposed.values()):.3f} s, optimizer {timing.breakdown['optimizer']:.3f} s"
     )
+    if emitted:
+        console.print(f"\n[bold]{args.emit}[/] settings:")
+        console.print(emitted, markup=False)
     if args.explain:
         console.print("memory, peak stage:")
         for line in report.explain():
@@ -302,7 +311,21 @@ def cmd_search(args: argparse.Namespace) -> int:
     from ndplan.strategy import get_precision
     from ndplan.units import parse_bytes
 
-    model = load_model(args.model)
+    if args.from_config:
+        from ndplan.io.cli import model_for, print_messages, read_from_args
+
+        read = read_from_args(args)
+        print_messages(read)
+        settings = read.strategy_settings if read is not None else {}
+        model = model_for({"model": args.model} if args.model else {}, read)
+        args.devices = args.devices or (read.devices if read is not None else None)
+        args.gbs = args.gbs or settings.get("gbs")
+        args.seq = args.seq or settings.get("seq")
+    else:
+        model = load_model(_require(vars(args), "model", "--model"))
+    for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
+        _require(vars(args), key, flag)
+    args.seq = args.seq or 4096
     device = resolve_device(args.hardware)
     space = default_space(
         model, device, args.devices, args.gbs, args.seq, get_precision(args.precision),
@@ -476,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_arguments(p)
     p.add_argument("--explain", action="store_true", help="print every term of the peak stage with its formula")
     p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
+    p.add_argument("--emit", choices=["megatron", "torchtitan", "hyperparallel", "mindformers"],
+                   help="print the strategy as that framework's settings")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_estimate)
 
@@ -506,11 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
     from ndplan.strategy import PRECISION_PRESETS
 
     p = sub.add_parser("search", help="the fastest strategies that fit, over every parallel dimension")
-    p.add_argument("--model", required=True, help="preset name or config.json / spec YAML path")
-    p.add_argument("--hardware", required=True, help="device preset or device YAML path")
-    p.add_argument("--devices", type=int, required=True, help="number of devices")
-    p.add_argument("--gbs", type=int, required=True, help="global batch size in sequences")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    p.add_argument("--model", help="preset name or config.json / spec YAML path")
+    p.add_argument("--hardware", help="device preset or device YAML path")
+    p.add_argument("--devices", type=int, help="number of devices")
+    p.add_argument("--gbs", type=int, help="global batch size in sequences")
+    p.add_argument("--seq", type=int, help="sequence length in tokens (default 4096)")
+    add_from_argument(p)
     p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
     p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b")
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
