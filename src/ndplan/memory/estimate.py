@@ -291,25 +291,39 @@ def _undominated(rows: np.ndarray) -> np.ndarray:
     return rows[~dominated]
 
 
+@lru_cache(maxsize=8192)
+def _padded_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> np.ndarray:
+    """The frontier of every stage in one array [pp, rows, 2·vpp], padded with zero rows (a zero
+    row never beats a real one, since weights are non-negative)."""
+    frontier = _frontier(schedule, pp, vpp, m, seq_chunks)
+    rows = max(len(f) for f in frontier)
+    padded = np.zeros((pp, rows, 2 * vpp))
+    for s, f in enumerate(frontier):
+        padded[s, : len(f)] = f
+    padded.flags.writeable = False
+    return padded
+
+
 def _held_peak(
-    schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray, per_b: np.ndarray, per_w: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Peak held bytes per stage, [n, pp], and, per strategy and stage, the frontier row
-    ([held_until_b | held_until_w] counts, [n, pp, 2·vpp]) where it happens. Strategies are
-    priced per distinct micro-batch count, whose schedule simulation they share."""
+    schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray, per_b: np.ndarray, per_w: np.ndarray,
+    *, keep_rows: bool = False,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Peak held bytes per stage, [n, pp], and (with ``keep_rows``) per strategy and stage the
+    frontier row ([held_until_b | held_until_w] counts, [n, pp, 2·vpp]) where it happens.
+    Strategies are priced per distinct micro-batch count, whose schedule simulation they share."""
     n = per_b.shape[0]
+    weights = np.concatenate([per_b, per_w], axis=2)  # [n, pp, 2·vpp]
     peak = np.zeros((n, pp))
-    chosen = np.zeros((n, pp, 2 * vpp))
+    chosen = np.zeros((n, pp, 2 * vpp)) if keep_rows else None
     counts, which = np.unique(micro_batches, return_inverse=True)
     for j, m in enumerate(counts):
-        subset = np.flatnonzero(which.ravel() == j)
-        frontier = _frontier(schedule, pp, vpp, int(m), seq_chunks)
-        for s, rows in enumerate(frontier):
-            weights = np.concatenate([per_b[subset, s, :], per_w[subset, s, :]], axis=1)  # [n_m, 2·vpp]
-            values = weights @ rows.T  # [n_m, rows]
-            best = np.argmax(values, axis=1)
-            peak[subset, s] = values[np.arange(len(subset)), best]
-            chosen[subset, s] = rows[best]
+        subset = np.flatnonzero(which.ravel() == j) if len(counts) > 1 else np.arange(n)
+        frontier = _padded_frontier(schedule, pp, vpp, int(m), seq_chunks)  # [pp, rows, 2·vpp]
+        values = np.einsum("nsc,skc->nsk", weights[subset], frontier)
+        best = np.argmax(values, axis=2)  # [n_m, pp]
+        peak[subset] = np.take_along_axis(values, best[:, :, None], axis=2)[:, :, 0]
+        if chosen is not None:
+            chosen[subset] = frontier[np.arange(pp)[None, :], best]
     return peak, chosen
 
 
@@ -476,9 +490,11 @@ def _evaluate_group(
     per_w = np.zeros((len(batch), pp, vpp))
     per_b[:, placement.stage_of, placement.chunk_of] = per_b_virtual
     per_w[:, placement.stage_of, placement.chunk_of] = per_w_virtual
-    held, chosen = _held_peak(schedule, pp, vpp, seq_chunks, batch.num_micro_batches, per_b, per_w)
+    held, chosen = _held_peak(
+        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, per_b, per_w, keep_rows=kinds is not None
+    )
     out["activations"] = held
-    if kinds is not None:
+    if kinds is not None and chosen is not None:
         _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
                           recomputed_dense, recomputed_moe, per_virtual, per_w_virtual, model)
 
