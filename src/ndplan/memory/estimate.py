@@ -479,13 +479,29 @@ def _evaluate_group(
         "mtp": t * model.mtp_depth * (acts.mtp_extra + np.where(recompute_on, acts.recomputed[mtp_kind], acts.full[mtp_kind]))[:, None]
         * (np.arange(virtual) == virtual - 1)[None, :],
     }
+    profile = options.profile
+    if profile.pipeline_stage_output and virtual > 1:
+        # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
+        # (sequence-sharded under SP) on every stage but the last, the logits on the last.
+        sp_div = np.where(batch.sequence_parallel > 0, tp, 1.0)[:, None]
+        vocab_div = tp[:, None] if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
+        is_last = (np.arange(virtual) == virtual - 1)[None, :]
+        act_bytes = precision.activation_bytes
+        per_virtual["pipeline_output"] = t * act_bytes * np.where(
+            is_last, model.vocab_size / vocab_div, model.hidden_size / sp_div
+        )
     per_b_virtual = sum(per_virtual.values())
     split = schedule in SPLIT_BACKWARD
-    # After B, W still needs the linear layers' inputs and their output gradients (about as large).
-    per_w_virtual = (
-        2 * t * (placement.dense_layers * acts.weight_input["dense"][:, None] + placement.moe_layers * acts.weight_input["moe"][:, None])
-        if split else np.zeros_like(per_b_virtual)
-    )
+    if not split:
+        per_w_virtual = np.zeros_like(per_b_virtual)
+    elif profile.weight_grad_holds == "all":
+        # torch.distributed.pipelining keeps a micro-batch's whole autograd graph from its input
+        # gradient (B) until its weight gradient (W).
+        per_w_virtual = per_virtual["layers"]
+    else:
+        # W needs the linear layers' inputs and their output gradients (about as large).
+        per_w_virtual = 2 * t * (placement.dense_layers * acts.weight_input["dense"][:, None]
+                                 + placement.moe_layers * acts.weight_input["moe"][:, None])
     per_b = np.zeros((len(batch), pp, vpp))
     per_w = np.zeros((len(batch), pp, vpp))
     per_b[:, placement.stage_of, placement.chunk_of] = per_b_virtual
@@ -527,15 +543,22 @@ def _evaluate_group(
     pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
     largest_layer_elements = np.maximum(layers.non_expert["dense"] * (model.num_dense_layers > 0), layers.non_expert["moe"])
     largest_layer_elements = largest_layer_elements + layers.expert["moe"]
+    # FSDP shards per unit (each decoder layer, the embedding, the final norm with the head); the
+    # largest unit on a stage sets the peak: its gathered parameters, its unsharded gradients in
+    # the same dtype, and the reduce-scatter's copy in the gradient dtype.
+    tables = table[:, None] * np.maximum(first_stage, last_stage * head_on_output)[None, :]
+    largest_unit = np.maximum(largest_layer_elements[:, None], tables)
     zero3 = batch.zero == 3
-    fsdp_gathers = np.where(zero3, 2 * largest_layer_elements * precision.param_gather_bytes + largest_layer_elements * grad_bytes, 0.0)
+    fsdp_gathers = np.where(zero3[:, None], largest_unit * (2 * precision.param_gather_bytes + grad_bytes), 0.0)
     stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / param_bytes
     kept_gathered = np.where((zero3 & (batch.reshard_after_forward == 0))[:, None], stage_elements * precision.param_gather_bytes, 0.0)
-    out["comm"] = overlapping + pp_buffers[:, None] + fsdp_gathers[:, None] + kept_gathered
+    out["comm"] = overlapping + pp_buffers[:, None] + fsdp_gathers + kept_gathered
 
     # ---- optimizer step temporaries (activations are gone by then)
     local_elements = out["optimizer"] / max(optimizer_bytes, 1)
-    out["optimizer_step"] = local_elements * options.profile.optimizer_temp_bytes_per_param
+    # Temporaries of the update, in the dtype of the weights the optimizer updates.
+    updated_bytes = precision.master_weight_bytes or precision.param_bytes
+    out["optimizer_step"] = local_elements * options.profile.optimizer_temp_copies * updated_bytes
 
     static = out["params"] + out["grads"] + out["optimizer"]
     out["allocated"] = np.maximum(

@@ -113,7 +113,9 @@ class RuntimeProfile:
     linear_input_shard: str
     loss_parallel: bool
     blocks: dict[str, tuple[SavedTensor, ...]]
-    optimizer_temp_bytes_per_param: float
+    optimizer_temp_copies: float
+    weight_grad_holds: str = "weight_inputs"
+    pipeline_stage_output: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
 
 
@@ -146,7 +148,9 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         linear_input_shard=linear,
         loss_parallel=bool(data.get("loss_parallel", False)),
         blocks=blocks,
-        optimizer_temp_bytes_per_param=float(data.get("optimizer_temp_bytes_per_param", 0.0)),
+        optimizer_temp_copies=float(data.get("optimizer_temp_copies", 0.0)),
+        weight_grad_holds=str(data.get("weight_grad_holds", "weight_inputs")),
+        pipeline_stage_output=bool(data.get("pipeline_stage_output", False)),
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
     )
 
