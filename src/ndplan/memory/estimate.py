@@ -553,6 +553,12 @@ def _evaluate_group(
     stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / param_bytes
     kept_gathered = np.where((zero3 & (batch.reshard_after_forward == 0))[:, None], stage_elements * precision.param_gather_bytes, 0.0)
     out["comm"] = overlapping + pp_buffers[:, None] + fsdp_gathers + kept_gathered
+    # Under FSDP the loss runs while only the head's parameters are gathered; the unit buffers
+    # (gathered parameters, unsharded gradients, reduce copy) peak later, in a layer's backward.
+    # The two phases do not overlap, so the stage takes the larger, not the sum.
+    head_gathered = table[:, None] * last_stage[None, :] * head_on_output * precision.param_gather_bytes
+    fsdp_transient = np.maximum(layer_transient, loss_transient + head_gathered - fsdp_gathers)
+    out["transient"] = np.where(zero3[:, None], fsdp_transient, out["transient"])
 
     # ---- optimizer step temporaries (activations are gone by then)
     local_elements = out["optimizer"] / max(optimizer_bytes, 1)
