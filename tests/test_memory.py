@@ -53,12 +53,13 @@ def test_tiny_full_recompute_keeps_layer_inputs():
 def test_pipeline_in_flight_scales_first_stage():
     # 1F1B: stage s holds min(m, pp - s) micro-batches; 4 layers over pp=2, 8 micro-batches.
     # torch.distributed.pipelining also keeps each stage's output until its backward: the hidden
-    # state (2h bytes per token) on the first stage, the bf16 logits (2·vocab) on the last.
+    # state (2h bytes per token) on the first stage, the bf16 logits (2·vocab) on the last, which
+    # also keeps the input it received (2h).
     model = TINY.model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4})
     report = estimate(model, Strategy(seq_length=8, pp=2, num_micro_batches=8), options=NO_OVERHEAD)
     first, last = report.stages
     assert first.activations_bytes == 2 * 8 * (2 * 2456 + 8 + 2 * 64)
-    assert last.activations_bytes == 1 * 8 * (2 * 2456 + 1548 + 2 * 256)
+    assert last.activations_bytes == 1 * 8 * (2 * 2456 + 1548 + 2 * 256 + 2 * 64)  # + its received input
 
 
 def test_gpipe_holds_every_micro_batch():

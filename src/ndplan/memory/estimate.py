@@ -487,8 +487,10 @@ def _evaluate_group(
         vocab_div = tp[:, None] if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         is_last = (np.arange(virtual) == virtual - 1)[None, :]
         act_bytes = precision.activation_bytes
-        per_virtual["pipeline_output"] = t * act_bytes * np.where(
-            is_last, model.vocab_size / vocab_div, model.hidden_size / sp_div
+        # Every stage but the first also keeps the input it received, which needs a gradient.
+        per_virtual["pipeline_output"] = t * act_bytes * (
+            np.where(is_last, model.vocab_size / vocab_div, model.hidden_size / sp_div)
+            + (np.arange(virtual) > 0)[None, :] * model.hidden_size / sp_div
         )
     per_b_virtual = sum(per_virtual.values())
     split = schedule in SPLIT_BACKWARD
