@@ -519,6 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_calibrate_command(sub)
 
+    from ndplan.census.cli import add_census_commands
+
+    add_census_commands(sub)
+
     p = sub.add_parser("inspect", help="show the model, cluster and strategy ndplan reads from a framework config")
     add_inspect_arguments(p)
     p.set_defaults(func=cmd_inspect)

@@ -1,0 +1,405 @@
+"""The memory accuracy suite: ndplan's estimate vs a PyTorch measurement of the same step.
+
+    .venv/bin/python benchmarks/accuracy/run.py            # all configurations, rewrites docs/accuracy.md
+    .venv/bin/python benchmarks/accuracy/run.py --only pp2 --no-write   # a subset, print only
+
+Every configuration of ``configs.py`` is measured with ``ndplan.census.measure_step`` (one rank
+per pipeline stage, fake tensors, MemTracker) and estimated with ``ndplan.memory.estimate``
+(PyTorch runtime profile, ``include_overhead=False``) on the same depth-trimmed model; every
+measured stage is one row. docs/accuracy.md (the text around the tables lives in this file) and
+benchmarks/accuracy/results.json (every figure, per category) are regenerated. Needs the
+``census`` extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+#: The target docs/accuracy.md reports against (percent of the measured peak allocated).
+TARGET_ROW_PCT = 3.0
+TARGET_MEDIAN_PCT = 1.0
+TARGET_UNDER_PCT = 2.0
+
+
+def run_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Measure and estimate one configuration."""
+    from ndplan.census.measure_step import measure_step, trimmed_spec
+    from ndplan.census.verify import verify
+    from ndplan.model import get_preset, hf_config
+    from ndplan.strategy import Strategy, validate_strategy
+
+    t0 = time.perf_counter()
+    spec = get_preset(config["model"])
+    strategy = Strategy(**config["strategy"])
+    layers = int(config["layers"])
+    try:
+        validate_strategy(strategy, trimmed_spec(spec, layers))
+        measurement = measure_step(hf_config(config["model"]), strategy, num_layers=layers, name=config["model"])
+        result = verify(spec, measurement)
+    except Exception as error:  # report it as a row, keep the suite going
+        return {"config": config, "error": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - t0}
+    return {
+        "config": config,
+        "strategy_label": f"{strategy.short()} {strategy.precision.name}",
+        "measurement": measurement.to_dict(),
+        "verification": result.to_dict(),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+# ------------------------------------------------------------------------------------------ report
+def gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**30:,.2f}"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2f}%"
+
+
+def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per measured stage: the peak allocated and its per-category figures."""
+    out = []
+    cfg = result["config"]
+    for stage in result["verification"]["stages"]:
+        if not stage["measured_ranks"]:
+            continue
+        by_key = {r["key"]: r for r in stage["rows"]}
+        peak = by_key["allocated"]
+        out.append({
+            "name": cfg["name"], "model": cfg["model"], "layers": cfg["layers"],
+            "strategy": result["strategy_label"], "stage": stage["stage"], "stage_layers": stage["layers"],
+            "pp": result["measurement"]["strategy"].get("pp", 1),
+            "estimate": peak["estimate_bytes"], "measured": peak["measured_bytes"], "error": peak["error_pct"],
+            "by_key": by_key,
+        })
+    return out
+
+
+def phase(row: dict[str, Any]) -> str:
+    k = row["by_key"]
+    fb, opt = k["forward_backward_peak"]["measured_bytes"], k["optimizer_step_peak"]["measured_bytes"]
+    return "optimizer step" if (opt or 0) > (fb or 0) else "forward/backward"
+
+
+def gap_at_peak(row: dict[str, Any]) -> str:
+    """The row's error in bytes split by category, at the instant of the measured peak: estimate
+    minus what was live then. Activations and temporaries are one term (the tracker splits them by
+    forward/backward, the estimator by held/working set); gradients, communication buffers and the
+    optimizer step's temporaries are apart."""
+    k = row["by_key"]
+
+    def est(key: str) -> float:
+        return float(k[key]["estimate_bytes"] or 0)
+
+    def at(key: str) -> float:
+        return float(k[key]["measured_at_peak_bytes"] or 0)
+
+    def meas(key: str) -> float:
+        return float(k[key]["measured_bytes"] or 0)
+
+    # Split along the phase where the *estimate* peaks; if the measured peak is in the other phase,
+    # the difference between the two measured phase peaks is a term of its own. The terms add up
+    # to estimate minus measured peak.
+    est_in_optimizer = est("optimizer_step_peak") > est("forward_backward_peak")
+    if est_in_optimizer:
+        other = meas("optimizer_step_peak") - sum(meas(x) for x in ("params", "grads", "optimizer", "optimizer_step"))
+        terms = {
+            "params+grads+states": sum(est(x) - meas(x) for x in ("params", "grads", "optimizer")),
+            "optimizer temporaries": est("optimizer_step") - meas("optimizer_step"),
+            "left from fwd/bwd": -other,
+            "measured peak in fwd/bwd": meas("optimizer_step_peak") - meas("allocated"),
+        }
+    else:
+        terms = {
+            "params+states": sum(est(x) - at(x) for x in ("params", "optimizer")),
+            "grads": est("grads") - at("grads"),
+            "comm": est("comm") - at("comm"),
+            "activations+temporaries": est("activations") + est("transient") - at("activations") - at("transient"),
+            "measured peak in optimizer step": meas("forward_backward_peak") - meas("allocated"),
+        }
+    shown = [f"{name} {'+' if v > 0 else '−'}{abs(v) / 2**30:,.2f}" for name, v in
+             sorted(terms.items(), key=lambda item: -abs(item[1])) if abs(v) >= 0.01 * 2**30]
+    return ", ".join(shown) if shown else "-"
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    errors = [r["error"] for r in rows if r["error"] is not None]
+    if not errors:
+        return {"rows": 0}
+    worst = max(errors, key=abs)
+    med = statistics.median(abs(e) for e in errors)
+    return {
+        "rows": len(errors),
+        "median_abs_error_pct": med,
+        "worst_error_pct": worst,
+        "most_under_pct": min(errors),
+        "rows_within": sum(abs(e) <= TARGET_ROW_PCT for e in errors),
+        "target_rows": all(abs(e) <= TARGET_ROW_PCT for e in errors),
+        "target_median": med <= TARGET_MEDIAN_PCT,
+        "target_under": min(errors) >= -TARGET_UNDER_PCT,
+    }
+
+
+def markdown(results: list[dict[str, Any]], seconds: float) -> str:
+    rows = [r for res in results if "error" not in res for r in rows_of(res)]
+    failures = [res for res in results if "error" in res]
+    s = summary(rows)
+    lines = [HEADER.strip(), ""]
+    lines += ["## Result", ""]
+    if s["rows"]:
+        holds = s["target_rows"] and s["target_median"] and s["target_under"]
+        lines += [
+            f"{s['rows']} rows (measured stages) from {len(results)} configurations; suite run took "
+            f"{seconds / 60:.1f} minutes on {os.cpu_count()} CPU cores.",
+            "",
+            f"* median |error|: **{s['median_abs_error_pct']:.2f}%** (target ≤ {TARGET_MEDIAN_PCT:g}%: "
+            f"{'holds' if s['target_median'] else 'does not hold'})",
+            f"* worst error: **{s['worst_error_pct']:+.2f}%**; rows within ±{TARGET_ROW_PCT:g}%: "
+            f"{s['rows_within']} of {s['rows']} (target: every row: {'holds' if s['target_rows'] else 'does not hold'})",
+            f"* most under-estimated row: **{s['most_under_pct']:+.2f}%** (target ≥ −{TARGET_UNDER_PCT:g}%: "
+            f"{'holds' if s['target_under'] else 'does not hold'})",
+            f"* **the target {'holds' if holds else 'does not hold'}**.",
+            "",
+        ]
+    if failures:
+        lines += ["Configurations that could not be measured:", ""]
+        lines += [f"* `{f['config']['name']}`: {f['error']}" for f in failures]
+        lines += [""]
+    lines += [
+        "## Peak allocated per configuration and stage",
+        "",
+        "Error = (estimate − measured) / measured. *Peak in* says which phase holds the measured peak. "
+        "*Gap at the peak* splits the row's error (GiB) by category: the estimate minus what was live "
+        "at the instant of the measured peak (+: ndplan counts more). Activations and temporaries are "
+        "one term there (the tracker labels by forward/backward, the estimator by held/working set).",
+        "",
+        "| configuration | model (layers) | strategy | stage (layers) | estimate GiB | measured GiB | error | peak in | gap at the peak (GiB) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| `{r['name']}` | {r['model']} ({r['layers']}) | {r['strategy']} | {r['stage']} ({r['stage_layers']}) | "
+            f"{gib(r['estimate'])} | {gib(r['measured'])} | {pct(r['error'])} | {phase(r)} | {gap_at_peak(r)} |"
+        )
+    lines += [
+        "",
+        "## Per category",
+        "",
+        "Estimate / measured in GiB for every row (measured meanings: see *What each measured category means* "
+        "above). `rest` is the forward/backward peak minus the other forward/backward categories.",
+        "",
+        "| configuration | stage | params | grads | optimizer | activations | comm | rest | optimizer-step temp. | fwd/bwd peak | optimizer-step peak |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        k = r["by_key"]
+        cells = [f"{gib(k[key]['estimate_bytes'])} / {gib(k[key]['measured_bytes'])}" for key in (
+            "params", "grads", "optimizer", "activations", "comm", "transient", "optimizer_step",
+            "forward_backward_peak", "optimizer_step_peak")]
+        lines.append(f"| `{r['name']}` | {r['stage']} | " + " | ".join(cells) + " |")
+    lines += ["", FOOTER.strip(), ""]
+    return "\n".join(lines)
+
+
+HEADER = """
+# Memory accuracy: ndplan's estimate against PyTorch's own accounting
+
+<!-- Generated by `.venv/bin/python benchmarks/accuracy/run.py`; edit the text in that file. -->
+
+ndplan prices memory with formulas (`ndplan.memory.estimate`, the `pytorch` runtime profile).
+This page checks them against a measurement of the same training step made by PyTorch itself,
+configuration by configuration, and reports what is true row by row: no formula was tuned to
+these numbers.
+
+```
+.venv/bin/python benchmarks/accuracy/run.py                 # regenerate this page (about a minute on 2 cores)
+ndplan measure llama-3.1-8b --layers 4 --dp 8 --fsdp --seq 4096       # one measurement
+ndplan verify  llama-3.1-8b --layers 4 --dp 8 --fsdp --seq 4096 --tolerance 3
+ndplan verify  --measured cluster.json --tolerance 3        # numbers measured on a real cluster
+```
+
+## How the step is measured
+
+`ndplan measure` (`ndplan.census.measure_step`) runs one complete training step (forward,
+backward, `torch.optim.AdamW(foreach=True)` step, `zero_grad(set_to_none=True)`) of a
+depth-trimmed model (`num_hidden_layers = N`, the real transformers 5 modeling code, SDPA
+attention, grouped-mm experts) built on the CPU under `FakeTensorMode`: tensors have shapes,
+dtypes and storages but no data, so an 8B or 671B model costs no memory and little time.
+
+* **Parallelism is PyTorch's own**, on a fake process group of the requested world size
+  (`init_process_group("fake")`, `FakeStore`): FSDP2 `fully_shard` as torchtitan applies it
+  (the embedding, each decoder layer and [final norm, LM head] are groups, then the root;
+  `MixedPrecisionPolicy(bf16, reduce fp32)` for `fsdp-bf16`); DTensor tensor parallelism with
+  torchtitan's plan without sequence parallelism (column-parallel q/k/v/gate/up, row-parallel
+  o/down, vocabulary-parallel embedding and LM head whose logits are gathered whole);
+  pipelines run by `torch.distributed.pipelining`'s own schedules (`Schedule1F1B`,
+  `ScheduleGPipe`, `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble`, `ScheduleDualPipeV`)
+  with `PipelineStage`s built with static shapes, `return_outputs=False`. Recompute wraps every
+  decoder layer in `checkpoint_wrapper` (non-reentrant; selective: the census's policy, keep
+  matmul and attention outputs).
+* **One rank per pipeline stage is run**, as that rank of the fake group: it holds only its
+  stages (embedding on the first, final norm, LM head and loss on the last) and executes only its
+  own actions of the schedule. Its peers do not exist: every collective and point-to-point
+  transfer completes at once (fake data), so the measurement is one rank with perfect overlap.
+  All dp and tp ranks of a stage hold the same shapes.
+* **The tracker is `torch.distributed._tools.MemTracker`** (`FSDPMemTracker` under FSDP). It
+  sees every storage an op creates and every one that dies, and labels it: parameter, buffer,
+  gradient, optimizer state, activation (made in forward, or recomputed in backward), temporary
+  (made in backward), FSDP unsharded parameter / gradient, all-gather and reduce-scatter buffer.
+  Its peak is what `torch.cuda.max_memory_allocated` reports, except that a GPU's caching
+  allocator rounds every block up to 512 bytes (the fake device is the CPU: exact bytes).
+* **A steady-state step**: AdamW's states exist before tracking starts (a warm-up step made
+  them), gradients start and end as `None`.
+
+Five things are patched for a single fake process, each a bookkeeping matter that moves no
+model memory: transformers' packed-sequence check reads position values (fake tensors have none;
+one unpacked sequence per row is what a real batch of `arange` positions gives); DeviceMesh's
+small integer rank tables are built outside the fake mode; DTensor's output-shape propagation
+(which runs ops on global-shape fake tensors in the active fake mode) is hidden from the
+tracker; the pipeline warm-up vote (an `int32` exchanged and read with `.item()`) is answered
+"static shapes", which is what the stages are given; and the tracker's module bookkeeping
+(`ModTracker`) registers no gradient hooks: those hooks hold autograd nodes, which kept the
+retained graphs of the zero-bubble schedules' split backward alive after their weight gradients
+were done (an artifact a real run does not have). MLA attention runs the memory-efficient SDPA
+kernel a GPU would (as in the census). A pipeline rank keeps its schedule (and so its stages'
+receive buffers) through the optimizer step, as a training loop does.
+
+**Scope.** Measured: one device; FSDP2 (`--fsdp`, any dp); DTensor TP of dense models with or
+without FSDP; pipelines of the five schedules above, alone or with FSDP or TP; recompute none,
+selective or full of every layer; precisions `bf16-pure` (bf16 weights, gradients, AdamW
+states), `fp32` and `fsdp-bf16` (FSDP2 mixed precision). Refused with a one-line reason:
+context, expert and sequence parallelism, DDP and ZeRO-1/2, HSDP, optimizer offload, recompute
+of some layers only, the `zb-h1` and `seq1f1b` schedules, Megatron precision recipes, and tensor
+parallelism of MoE experts.
+
+## What is measured, what is derived, what is not seen
+
+| | |
+| --- | --- |
+| measured | every tensor byte PyTorch allocates on the rank over the step, when it is allocated and freed, by the real modeling, FSDP2, DTensor, pipelining and optimizer code; the peak; the split of the live bytes by the tracker's labels at any instant |
+| derived | the per-category figures below (from the tracker's labels and the two phases); the rank of a stage stands for every dp/tp rank of that stage |
+| not seen | the CUDA context (about 0.5 GiB); NCCL's buffers (tens to hundreds of MiB per communicator); the caching allocator's reserved-but-unused segments (fragmentation) and its 512-byte rounding; workspaces CUDA kernels take from the allocator besides their outputs (cuBLAS workspace, flash-attention backward's fp32 accumulator, grouped-GEMM scratch): a fake kernel allocates only its outputs; anything allocated outside PyTorch's allocator; waiting on slow peers (a real rank may hold a buffer longer) |
+| assumed | the CPU flash-attention kernel saves what CUDA flash attention saves (q, k, v, output, fp32 logsumexp); fake kernels give outputs the strides CUDA kernels give (where they differ from a parameter's layout, `AccumulateGrad` makes a copy) |
+
+So this page compares the estimator's **allocated** figures (`MemoryOptions(include_overhead=False)`)
+with the measurement. ndplan adds the unseen parts separately (profile `overhead`: context,
+communicator buffers, allocator slack); check those against `nvidia-smi` and
+`torch.cuda.max_memory_reserved` on a real machine with `ndplan verify --measured`.
+
+### What each measured category means
+
+| category | measured as | estimator's |
+| --- | --- | --- |
+| params | parameters and buffers held at the start of the step (FSDP: the local shards) | params |
+| grads | gradient bytes once backward has produced them all (FSDP: sharded gradients) | grads |
+| optimizer | AdamW states at the start of the step (`exp_avg`, `exp_avg_sq`, `step`) | optimizer |
+| activations | what forward leaves alive for backward: the largest value, over the moments a backward begins, of the activation bytes | activations (held over the schedule) |
+| comm | the largest bytes of FSDP unsharded parameters and gradients and all-gather / reduce-scatter buffers during forward and backward | comm |
+| rest | the forward/backward peak minus the five above: the working set on top (negative when the five do not coincide at the peak, e.g. gradients still partial) | transient |
+| optimizer-step temp. | the optimizer step's peak minus what was live when it began | optimizer_step |
+| peak | the largest live total over the step, `max(fwd/bwd peak, optimizer-step peak)` | allocated |
+
+## The measured-memory JSON (real clusters)
+
+`ndplan measure --out FILE` writes this format, and `ndplan verify --measured FILE` reads it, so
+a file filled in by hand from a real run is checked the same way:
+
+```json
+{
+  "schema": "ndplan.measured-memory",
+  "schema_version": 1,
+  "model": "llama-3.1-8b",
+  "num_layers": 32,
+  "strategy": {"dp": 8, "fsdp": true, "zero": 3, "seq_length": 4096, "precision": "fsdp-bf16"},
+  "source": "torchtitan on 8x H100, step 10, torch.cuda.max_memory_allocated/reserved",
+  "ranks": [
+    {"rank": 0, "stage": 0, "allocated_bytes": 41234567890, "reserved_bytes": 44012345678}
+  ]
+}
+```
+
+* `model`: an ndplan preset or a config.json path; `strategy`: any `Strategy` fields (as in
+  `ndplan estimate`'s plan files, field names of `ndplan.strategy.Strategy`).
+* `num_layers` (optional): the model was depth-trimmed to this many decoder layers (and has no
+  multi-token-prediction modules, as transformers builds it). Leave it out for the full model.
+* `ranks`: one entry per measured rank; `stage` is the pipeline stage (if left out it is
+  `rank // (world_size / pp)`: pipeline ranks outermost, as torchtitan and Megatron-LM order
+  them); `allocated_bytes` is the peak of `torch.cuda.max_memory_allocated()` over the step,
+  `reserved_bytes` (optional) of `torch.cuda.max_memory_reserved()`. Where several ranks of a
+  stage are given, the largest counts. Optional per-rank `categories`, `at_peak`,
+  `forward_backward_peak_bytes`, `optimizer_step_peak_bytes` (written by `ndplan measure`) add
+  the per-category rows.
+* `ndplan verify --tolerance PCT` exits 1 when a measured stage's peak allocated (or reserved,
+  when given; compared with the estimate's allocated times the allocator slack) misses by more
+  than PCT percent.
+
+A small example: `tests/data/measured/`.
+"""
+
+FOOTER = """
+## Reading the table
+
+Every figure comes from `benchmarks/accuracy/results.json`, which holds, per configuration and
+stage, every category of the estimate and of the measurement (including what was live at the
+instant of each peak, by the tracker's own labels). Discrepancies are reported, not tuned away:
+where a row misses, the *gap at the peak* column and the per-category table say which term of
+`ndplan.memory.estimate` to look at.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from configs import CONFIGS
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", action="append", help="run configurations whose name contains this (repeatable)")
+    ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/accuracy.md and results.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "accuracy.md")
+    ap.add_argument("--results", type=Path, default=HERE / "results.json")
+    args = ap.parse_args(argv)
+    configs = [c for c in CONFIGS if not args.only or any(o in c["name"] for o in args.only)]
+    if not configs:
+        print("no configuration matches", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = []
+    for config in configs:
+        results.append(run_config(config))
+        _progress(results[-1])
+    seconds = time.perf_counter() - t0
+    text = markdown(results, seconds)
+    if args.no_write:
+        print(text[text.index("## Result"):text.index("## Per category")])
+    else:
+        args.out.write_text(text, encoding="utf-8")
+        args.results.write_text(json.dumps({"seconds": round(seconds, 1), "results": results}, indent=1) + "\n",
+                                encoding="utf-8")
+        rows = [r for res in results if "error" not in res for r in rows_of(res)]
+        s = summary(rows)
+        print(f"wrote {args.out} and {args.results}: {s.get('rows', 0)} rows, "
+              f"median |error| {s.get('median_abs_error_pct', float('nan')):.2f}%, "
+              f"worst {s.get('worst_error_pct', float('nan')):+.2f}%, {seconds / 60:.1f} min")
+    return 1 if any("error" in r for r in results) else 0
+
+
+def _progress(result: dict[str, Any]) -> None:
+    name = result["config"]["name"]
+    if "error" in result:
+        print(f"  {name:<36} FAILED {result['error']}", flush=True)
+        return
+    errs = [r["error"] for r in rows_of(result)]
+    print(f"  {name:<36} {result['seconds']:6.1f} s  " + "  ".join(pct(e) for e in errs), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""``ndplan census``, ``ndplan measure`` and ``ndplan verify``: measure with PyTorch, check the estimator.
+
+``add_census_commands(subparsers)`` registers the three subcommands on ndplan's top-level parser.
+Each handler returns the exit code; bad input raises ``NdplanError`` (the top-level ``main``
+prints it on one line and exits 2). ``verify --tolerance`` exits 1 when the estimate misses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ndplan.errors import NdplanError
+from ndplan.units import format_bytes
+
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+EXTRA_HINT = "pip install 'ndplan[census]' (torch==2.13.0, transformers==5.24.0)"
+
+
+def _require_extra(command: str) -> None:
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise NdplanError(f"{command} needs {' and '.join(missing)}: {EXTRA_HINT}")
+
+
+def _emit_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def _pct(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value == float("inf"):
+        return "inf"
+    return f"{value:+.2f}%"
+
+
+def _bytes(value: float | None) -> str:
+    return "-" if value is None else format_bytes(value)
+
+
+# ---------------------------------------------------------------- census
+def cmd_census(args: argparse.Namespace) -> int:
+    from ndplan.census.measure import load_hf_config
+    from ndplan.census.record import save_census_file, to_json
+
+    names_configs = [load_hf_config(m) for m in args.models]
+    _require_extra("ndplan census")
+    from ndplan.census.measure import run_census
+
+    records = []
+    for name, cfg in names_configs:
+        records += run_census(cfg, seq_length=args.seq, micro_batch_size=args.mbs, attention=args.attention,
+                              experts=args.experts, name=name)
+    if args.out:
+        save_census_file(args.out, records)
+    if args.json:
+        print(to_json(records))
+        return 0
+    for model in dict.fromkeys(r.model for r in records):
+        rows = [r for r in records if r.model == model]
+        first = rows[0]
+        table = Table(title=f"{model} — saved for backward, bytes per token (seq {first.seq_length}, micro-batch "
+                            f"{first.micro_batch_size}, {first.dtype}, {first.attention})")
+        for col in ["kind", "layers", "saved", "TP-scaled", "replicated", "backward extra", "full: saved",
+                    "full: bwd extra", "selective: saved", "selective: bwd extra"]:
+            table.add_column(col, justify="left" if col == "kind" else "right")
+        for r in rows:
+            table.add_row(
+                r.layer_kind, str(r.num_layers), *(f"{v:,.0f}" for v in (
+                    r.saved_bytes_per_token, r.saved_tp_scaled_bytes_per_token, r.saved_replicated_bytes_per_token,
+                    r.backward_peak_extra_bytes_per_token, r.full_recompute.saved_bytes_per_token,
+                    r.full_recompute.backward_peak_extra_bytes_per_token, r.selective.saved_bytes_per_token,
+                    r.selective.backward_peak_extra_bytes_per_token)))
+        console.print(table)
+        extras = [f"{r.layer_kind}: {r.saved_bytes_per_token_per_seq:,.1f} B/token per position" for r in rows
+                  if r.saved_bytes_per_token_per_seq]
+        if extras:
+            console.print("  s² attention term: " + "; ".join(extras))
+    if args.out:
+        console.print(f"wrote {len(records)} records to {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- strategy flags
+_FLAG_KEYS = ("dp", "tp", "pp", "vpp", "schedule", "mbs", "num_micro_batches", "seq", "zero", "fsdp", "recompute",
+              "precision", "reshard")
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The strategy flags measure and verify share (a subset of `ndplan estimate`'s)."""
+    from ndplan.strategy.precision import PRECISION_PRESETS
+    from ndplan.strategy.strategy import RECOMPUTES, SCHEDULES
+
+    parser.add_argument("--layers", type=int, help="decoder layers to keep (depth-trimmed model; default: all)")
+    par = parser.add_argument_group("strategy")
+    for flag, text in [("dp", "data-parallel degree (needs --fsdp when > 1)"), ("tp", "tensor-parallel degree"),
+                       ("pp", "pipeline-parallel degree"), ("vpp", "model chunks per pipeline rank")]:
+        par.add_argument(f"--{flag}", type=int, help=text)
+    par.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    par.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
+    par.add_argument("--num-micro-batches", type=int, help="micro-batches per step (default 1)")
+    par.add_argument("--seq", type=int, help="sequence length (default 4096)")
+    par.add_argument("--zero", type=int, choices=[0, 3], help="0: no sharding; 3: FSDP2")
+    par.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 fully_shard over dp (zero 3)")
+    par.add_argument("--no-reshard", dest="reshard", action="store_false", default=None,
+                     help="FSDP keeps decoder layers gathered after forward")
+    par.add_argument("--recompute", choices=RECOMPUTES, help="activation recompute of every decoder layer")
+    par.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
+                     help="default: fsdp-bf16 with --fsdp, bf16-pure without")
+
+
+def _strategy_given(args: argparse.Namespace) -> bool:
+    return any(getattr(args, key, None) is not None for key in _FLAG_KEYS) or getattr(args, "layers", None) is not None
+
+
+def strategy_from_args(args: argparse.Namespace) -> Any:
+    from ndplan.cli_args import strategy_from_settings
+
+    settings = {key: getattr(args, key) for key in _FLAG_KEYS if getattr(args, key, None) is not None}
+    if settings.get("fsdp") or settings.get("zero") == 3:
+        settings.setdefault("zero", 3)
+        settings.setdefault("fsdp", True)
+    if "precision" not in settings:
+        settings["precision"] = "fsdp-bf16" if settings.get("zero") == 3 else "bf16-pure"
+    if settings.get("vpp", 1) > 1 and "schedule" not in settings:
+        settings["schedule"] = "interleaved"
+    return strategy_from_settings(settings)
+
+
+def _model_inputs(model: str) -> tuple[str, dict[str, Any], Any]:
+    """(name, HF config dict, ModelSpec) of a preset or a config.json path."""
+    from ndplan.census.measure import load_hf_config
+    from ndplan.model import load_model
+
+    name, cfg = load_hf_config(model)
+    return name, cfg, load_model(model)
+
+
+def _measure(args: argparse.Namespace) -> Any:
+    from ndplan.census.measure_step import check_measurable, measure_step, trimmed_hf_config
+
+    name, cfg, spec = _model_inputs(args.model)
+    layers = args.layers if args.layers is not None else spec.num_layers
+    strategy = strategy_from_args(args)
+    check_measurable(strategy, layers, trimmed_hf_config(cfg, layers))
+    from ndplan.census.measure_step import trimmed_spec
+    from ndplan.strategy import validate_strategy
+
+    validate_strategy(strategy, trimmed_spec(spec, layers))
+    _require_extra(f"ndplan {args.command}")
+    # A config path is kept as given, so that `verify --measured` can load the model again.
+    label = args.model if Path(args.model).is_file() else name
+    return measure_step(cfg, strategy, num_layers=layers, attention=args.attention, name=label)
+
+
+# ---------------------------------------------------------------- measure
+def cmd_measure(args: argparse.Namespace) -> int:
+    from ndplan.census.measure_step import save_measurement
+
+    result = _measure(args)
+    if args.out:
+        save_measurement(args.out, result)
+    if args.json:
+        _emit_json(result.to_dict())
+        return 0
+    s = result.strategy
+    table = Table(title=f"{result.model} ({result.num_layers} layers) — {s.short()} {s.precision.name} seq {s.seq_length}"
+                        " — measured step, one rank per stage")
+    cols = ["stage", "rank", "layers", "params", "grads", "optimizer", "activations (held)", "comm",
+            "rest of fwd/bwd", "optim. step temp.", "fwd/bwd peak", "optim. peak", "peak allocated"]
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in result.ranks:
+        c = r.categories
+        table.add_row(str(r.stage), str(r.rank), str(r.layers), *(_bytes(c.get(k)) for k in (
+            "params", "grads", "optimizer", "activations", "comm", "transient", "optimizer_step")),
+            _bytes(r.forward_backward_peak_bytes), _bytes(r.optimizer_step_peak_bytes), _bytes(r.allocated_bytes))
+    console.print(table)
+    at_peak = Table(title="what the peak is made of: live at the instant of each rank's peak "
+                          "(forward tensors count as activations, backward ones as temporaries)")
+    for col in ["stage", "params", "grads", "optimizer", "activations", "comm", "temporaries", "total"]:
+        at_peak.add_column(col, justify="right")
+    for r in result.ranks:
+        a = r.at_peak
+        at_peak.add_row(str(r.stage), *(_bytes(a.get(k)) for k in (
+            "params", "grads", "optimizer", "activations", "comm", "transient")), _bytes(r.allocated_bytes))
+    console.print(at_peak)
+    console.print("measured: every tensor PyTorch allocates (fake tensors, exact bytes); not seen: CUDA context, "
+                  "NCCL buffers, allocator fragmentation and 512-byte block rounding.")
+    if args.out:
+        console.print(f"wrote {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- verify
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ndplan.census.verify import verify
+
+    if args.tolerance is not None and args.tolerance < 0:
+        raise NdplanError(f"--tolerance must be >= 0, got {args.tolerance}")
+    if args.measured:
+        from ndplan.census.measure_step import load_measurement
+        from ndplan.model import load_model
+
+        if _strategy_given(args):
+            raise NdplanError("with --measured the model, layers and strategy come from the file; drop the strategy flags")
+        measurement = load_measurement(args.measured)
+        if args.model and args.model != measurement.model:
+            raise NdplanError(f"{args.measured} measured model {measurement.model!r}, not {args.model!r}")
+        spec = load_model(measurement.model)
+    else:
+        if not args.model:
+            raise NdplanError("give MODEL (a preset or config.json) to measure, or --measured FILE.json")
+        measurement = _measure(args)
+        spec = _model_inputs(args.model)[2]
+    census: tuple[Any, ...] = ()
+    if args.census:
+        from ndplan.census.record import load_census_file
+
+        census = tuple(load_census_file(args.census))
+    result = verify(spec, measurement, census=census)
+    ok = args.tolerance is None or result.within(args.tolerance)
+    if args.json:
+        _emit_json(result.to_dict() | {"tolerance_pct": args.tolerance, "within_tolerance": ok})
+        return 0 if ok else 1
+    s = measurement.strategy
+    depth = f" ({result.model.num_layers} layers)" if measurement.num_layers else ""
+    for stage in result.stages:
+        if not stage.measured_ranks:
+            continue
+        table = Table(title=f"{result.model.name}{depth} — {s.short()} {s.precision.name} seq {s.seq_length} — "
+                            f"stage {stage.stage} ({stage.layers} layers): estimate vs measured")
+        for col in ["", "estimate", "measured", "error", "measured at fwd/bwd peak"]:
+            table.add_column(col, justify="left" if not col else "right")
+        for row in stage.rows:
+            bold = row.key in ("allocated", "reserved")
+            table.add_row(row.label, _bytes(row.estimate), _bytes(row.measured), _pct(row.error_pct),
+                          _bytes(row.at_peak), style="bold" if bold else None)
+        console.print(table)
+    console.print(f"measurement: {measurement.source or 'measured file'}")
+    peak = result.peak_row()
+    if peak is not None:
+        peak_stage, row = peak
+        console.print(f"peak allocated: estimate {format_bytes(row.estimate)}, measured {_bytes(row.measured)} "
+                      f"(stage {peak_stage}), error {_pct(row.error_pct)}")
+    worst = result.worst()
+    if args.tolerance is not None and worst is not None:
+        verdict = "[bold green]within[/]" if ok else "[bold red]exceeds[/]"
+        console.print(f"{verdict} ±{args.tolerance:g}%: worst {worst.label} error {_pct(worst.error_pct)}")
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------- registration
+def add_census_commands(subparsers: Any) -> None:
+    """Register `census`, `measure` and `verify` on ndplan's subcommand parser."""
+    from ndplan.census.measure import ATTENTIONS, EXPERTS
+
+    p = subparsers.add_parser("census", help="measure what each layer kind saves for backward (needs torch)")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="preset name or config.json path")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--mbs", type=int, default=1, help="micro-batch size (default 1)")
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    p.add_argument("--experts", choices=EXPERTS, default="grouped_mm", help="transformers experts implementation")
+    p.add_argument("--out", help="write the census records to this JSON file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_census)
+
+    p = subparsers.add_parser("measure", help="measure one training step's memory with PyTorch on fake tensors (needs torch)")
+    p.add_argument("model", metavar="MODEL", help="preset name or config.json path")
+    add_step_arguments(p)
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    p.add_argument("--out", help="write the measurement (measured-memory JSON) to this file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_measure)
+
+    p = subparsers.add_parser("verify", help="compare the memory estimate with a measurement (fake-tensor step or a JSON file)")
+    p.add_argument("model", metavar="MODEL", nargs="?", help="preset name or config.json path (optional with --measured)")
+    add_step_arguments(p)
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    p.add_argument("--measured", help="measured-memory JSON (e.g. from a real cluster) instead of measuring")
+    p.add_argument("--tolerance", type=float, help="exit 1 if a stage's peak misses the measurement by more than PCT percent")
+    p.add_argument("--census", help="census JSON: measured activations replace the profile's formulas")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_verify)
+
+
+__all__ = ["add_census_commands", "add_step_arguments", "cmd_census", "cmd_measure", "cmd_verify", "strategy_from_args"]

@@ -1,0 +1,1071 @@
+"""Measure the memory of one whole training step with PyTorch itself, without using any memory.
+
+``measure_step`` builds a depth-trimmed model with the real transformers modeling code on CPU
+under ``FakeTensorMode`` (tensors have shapes, dtypes and storages but no data), parallelizes it
+the way PyTorch-native trainers do (FSDP2 ``fully_shard``, DTensor tensor parallelism,
+``torch.distributed.pipelining`` schedules) on a fake process group of the requested world size,
+and runs one complete step (forward, backward, AdamW step) of one rank per pipeline stage under
+``torch.distributed._tools`` ``MemTracker`` / ``FSDPMemTracker``, which see every tensor
+storage the step creates and free. The result, per measured rank: the peak of live tensor bytes
+and what it is made of (parameters, gradients, optimizer states, activations, communication
+buffers, temporaries).
+
+What is measured and what is not (docs/accuracy.md says it at length):
+
+* measured: every tensor storage PyTorch allocates on the rank, at the moment it is allocated
+  and freed, by the real modeling, FSDP2, DTensor, pipelining and optimizer code; so the peak is
+  what ``torch.cuda.max_memory_allocated`` would report, up to the caching allocator's rounding
+  of each block to 512 bytes (the fake device is the CPU: exact bytes are counted).
+* not seen: the CUDA context, NCCL's buffers, the caching allocator's reserved-but-unused
+  segments (fragmentation), workspaces CUDA kernels take besides their outputs (cuBLAS,
+  flash-attention backward's fp32 accumulator: a fake kernel allocates only its outputs), and
+  anything allocated outside PyTorch's allocator. ``ndplan verify`` therefore compares the
+  estimator's *allocated* figures (``MemoryOptions(include_overhead=False)``) with this
+  measurement.
+* the other ranks of the fake group do not exist: collectives and point-to-point transfers
+  complete at once, so the measurement shows one rank's memory with perfect overlap (no
+  communication kept waiting by a slow peer). Every dp and tp rank of a stage holds the same
+  shapes; one rank per pipeline stage is measured.
+
+The step measured is a steady-state step: optimizer states already exist (a warm-up step
+creates them before tracking starts), gradients start as ``None`` and end as ``None``
+(``zero_grad(set_to_none=True)``).
+
+torch and transformers are imported lazily: this module, its result type and its JSON format
+work without them (``ndplan verify --measured`` reads files measured elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ndplan.errors import NdplanError
+from ndplan.strategy import Strategy
+
+#: The schema of a measured-memory JSON file (written by ``ndplan measure --out``, or by hand from
+#: a real cluster's ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``).
+MEASURED_SCHEMA = "ndplan.measured-memory"
+MEASURED_SCHEMA_VERSION = 1
+
+#: Categories, with the estimator's names and meanings (see ``ndplan.memory.estimate``).
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient", "optimizer_step")
+
+#: Precision policies a PyTorch eager step can run as: bf16 weights/grads/AdamW states
+#: (``bf16-pure``), everything fp32 (``fp32``), or FSDP2 mixed precision with fp32 sharded
+#: weights, bf16 compute and fp32 gradient reduction (``fsdp-bf16``, needs FSDP).
+MEASURABLE_PRECISIONS = ("bf16-pure", "fp32", "fsdp-bf16")
+
+#: ndplan schedule name -> torch.distributed.pipelining schedule class.
+SCHEDULE_CLASSES = {
+    "1f1b": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+#: Tracker reference types (``_MemRefType`` / ``_FSDPRefType`` values) -> category.
+_REFTYPE_CATEGORY = {
+    "Parameter": "params",
+    "Buffer": "params",
+    "Sharded Param": "params",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Other": "activations",
+    "Unsharded Param": "comm",
+    "Unsharded Grad": "comm",
+    "All Gather": "comm",
+    "Reduce Scatter": "comm",
+    "Temp": "transient",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# result
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's step, in bytes.
+
+    ``allocated_bytes`` is the peak of live tensor bytes over the whole step (what
+    ``torch.cuda.max_memory_allocated`` reports); ``reserved_bytes`` only comes from real runs.
+    ``categories`` has the estimator's meanings:
+
+    * ``params``, ``optimizer``: parameters (and buffers) and optimizer states held at the start
+      of the step; ``grads``: the gradient bytes when the optimizer step begins (all of them);
+    * ``activations``: what forward leaves alive for backward, the largest over the moments a
+      backward begins (the held activations; the estimator's ``activations``);
+    * ``comm``: the largest bytes of FSDP all-gather / reduce-scatter buffers and unsharded
+      parameters and gradients during forward and backward;
+    * ``transient``: the rest of the forward/backward peak (peak minus the categories above), so
+      that the categories add up to ``forward_backward_peak_bytes`` as the estimator's do;
+      negative when the maxima above do not coincide at the peak;
+    * ``optimizer_step``: the optimizer step's temporaries (its peak over what was live when it
+      began).
+
+    ``at_peak`` splits ``allocated_bytes`` itself: what was live at the instant of the peak, by
+    category (forward tensors count as activations, backward ones as temporaries);
+    ``tracker_at_peak`` is the same by the tracker's own types; ``at_forward_backward_peak`` the
+    split at the forward/backward peak; ``category_maxima`` is each category's own largest value
+    during forward/backward.
+    """
+
+    stage: int
+    allocated_bytes: int
+    rank: int | None = None
+    reserved_bytes: int | None = None
+    layers: int | None = None
+    virtual_stages: tuple[int, ...] = ()
+    forward_backward_peak_bytes: int | None = None
+    optimizer_step_peak_bytes: int | None = None
+    categories: dict[str, int] = field(default_factory=dict)
+    at_peak: dict[str, int] = field(default_factory=dict)
+    tracker_at_peak: dict[str, int] = field(default_factory=dict)
+    at_forward_backward_peak: dict[str, int] = field(default_factory=dict)
+    category_maxima: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "stage": self.stage, "allocated_bytes": self.allocated_bytes}
+        if self.reserved_bytes is not None:
+            out["reserved_bytes"] = self.reserved_bytes
+        if self.layers is not None:
+            out["layers"] = self.layers
+        if self.virtual_stages:
+            out["virtual_stages"] = list(self.virtual_stages)
+        for key in ("forward_backward_peak_bytes", "optimizer_step_peak_bytes"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        for key in ("categories", "at_peak", "tracker_at_peak", "at_forward_backward_peak", "category_maxima"):
+            if getattr(self, key):
+                out[key] = dict(getattr(self, key))
+        return out
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """A measured step: the model, the strategy and one ``RankMemory`` per measured rank."""
+
+    model: str
+    strategy: Strategy
+    ranks: tuple[RankMemory, ...]
+    num_layers: int | None = None
+    attention: str = "sdpa"
+    source: str = ""
+    notes: tuple[str, ...] = ()
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return max(r.allocated_bytes for r in self.ranks)
+
+    def stage_ranks(self, stage: int) -> list[RankMemory]:
+        return [r for r in self.ranks if r.stage == stage]
+
+    def to_dict(self) -> dict[str, Any]:
+        strategy = self.strategy.model_dump(mode="json", exclude_defaults=True)
+        strategy["precision"] = self.strategy.precision.name
+        out: dict[str, Any] = {
+            "schema": MEASURED_SCHEMA,
+            "schema_version": MEASURED_SCHEMA_VERSION,
+            "model": self.model,
+        }
+        if self.num_layers is not None:
+            out["num_layers"] = self.num_layers
+        out["strategy"] = strategy
+        out["attention"] = self.attention
+        if self.source:
+            out["source"] = self.source
+        out["ranks"] = [r.to_dict() for r in self.ranks]
+        if self.notes:
+            out["notes"] = list(self.notes)
+        out.update(self.provenance)
+        return out
+
+
+def _int_field(entry: dict[str, Any], key: str, where: str, *, required: bool = False) -> int | None:
+    value = entry.get(key)
+    if value is None:
+        if required:
+            raise NdplanError(f"{where}: missing '{key}'")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
+        raise NdplanError(f"{where}: '{key}' must be a non-negative number of bytes, got {value!r}")
+    return int(value)
+
+
+def measurement_from_dict(data: Any, source: str = "measured file") -> StepMeasurement:
+    """Read the measured-memory JSON format (docs/accuracy.md); an NdplanError names the bad field."""
+    if not isinstance(data, dict):
+        raise NdplanError(f"{source}: expected a JSON object")
+    schema = data.get("schema", MEASURED_SCHEMA)
+    if schema != MEASURED_SCHEMA:
+        raise NdplanError(f"{source}: 'schema' is {schema!r}, expected {MEASURED_SCHEMA!r}")
+    version = data.get("schema_version", MEASURED_SCHEMA_VERSION)
+    if version != MEASURED_SCHEMA_VERSION:
+        raise NdplanError(f"{source}: schema_version {version!r} is not supported (this ndplan reads {MEASURED_SCHEMA_VERSION})")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise NdplanError(f"{source}: missing 'model' (a preset name or a config.json path)")
+    raw_strategy = data.get("strategy")
+    if not isinstance(raw_strategy, dict):
+        raise NdplanError(f"{source}: missing 'strategy' (an object of Strategy fields: dp, tp, pp, ...)")
+    from pydantic import ValidationError
+
+    from ndplan.model.hf import first_validation_error
+
+    fields = dict(raw_strategy)
+    if fields.get("fsdp") and "zero" not in fields:
+        fields["zero"] = 3
+    try:
+        strategy = Strategy(**fields)
+    except ValidationError as error:
+        raise NdplanError(f"{source}: strategy: {first_validation_error(error)}") from None
+    num_layers = data.get("num_layers")
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
+        raise NdplanError(f"{source}: 'num_layers' must be a positive integer, got {num_layers!r}")
+    raw_ranks = data.get("ranks")
+    if not isinstance(raw_ranks, list) or not raw_ranks:
+        raise NdplanError(f"{source}: 'ranks' must be a non-empty list of {{stage or rank, allocated_bytes, reserved_bytes}}")
+    per_stage = strategy.world_size // strategy.pp
+    ranks: list[RankMemory] = []
+    for i, entry in enumerate(raw_ranks):
+        where = f"{source}: ranks[{i}]"
+        if not isinstance(entry, dict):
+            raise NdplanError(f"{where}: expected an object")
+        rank = _int_field(entry, "rank", where)
+        stage = _int_field(entry, "stage", where)
+        if stage is None:
+            if rank is None:
+                raise NdplanError(f"{where}: give 'stage' (pipeline stage) or 'rank' (global rank)")
+            stage = rank // per_stage  # pipeline-parallel ranks outermost (torchtitan, Megatron)
+        if stage >= strategy.pp:
+            raise NdplanError(f"{where}: stage {stage} does not exist with pp={strategy.pp}")
+        allocated = _int_field(entry, "allocated_bytes", where, required=True)
+        assert allocated is not None
+        categories = entry.get("categories") or {}
+        if not isinstance(categories, dict):
+            raise NdplanError(f"{where}: 'categories' must be an object of bytes")
+        ranks.append(RankMemory(
+            stage=stage,
+            rank=rank,
+            allocated_bytes=allocated,
+            reserved_bytes=_int_field(entry, "reserved_bytes", where),
+            layers=_int_field(entry, "layers", where),
+            virtual_stages=tuple(int(v) for v in entry.get("virtual_stages") or ()),
+            forward_backward_peak_bytes=_int_field(entry, "forward_backward_peak_bytes", where),
+            optimizer_step_peak_bytes=_int_field(entry, "optimizer_step_peak_bytes", where),
+            categories={str(k): int(v) for k, v in categories.items()},
+            at_peak={str(k): int(v) for k, v in (entry.get("at_peak") or {}).items()},
+            tracker_at_peak={str(k): int(v) for k, v in (entry.get("tracker_at_peak") or {}).items()},
+            at_forward_backward_peak={
+                str(k): int(v) for k, v in (entry.get("at_forward_backward_peak") or {}).items()},
+            category_maxima={str(k): int(v) for k, v in (entry.get("category_maxima") or {}).items()},
+        ))
+    known = {"schema", "schema_version", "model", "num_layers", "strategy", "attention", "source", "ranks", "notes"}
+    provenance = {k: v for k, v in data.items() if k not in known}
+    notes = data.get("notes") or ()
+    return StepMeasurement(
+        model=model, strategy=strategy, ranks=tuple(ranks), num_layers=num_layers,
+        attention=str(data.get("attention", "sdpa")), source=str(data.get("source", "")),
+        notes=tuple(str(n) for n in notes), provenance=provenance,
+    )
+
+
+def load_measurement(path: str | Path) -> StepMeasurement:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise NdplanError(f"{p}: cannot read: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise NdplanError(f"{p}:{error.lineno}: malformed JSON: {error.msg}") from None
+    return measurement_from_dict(data, str(p))
+
+
+def save_measurement(path: str | Path, measurement: StepMeasurement) -> None:
+    Path(path).write_text(json.dumps(measurement.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------------
+# what can be measured
+
+
+def check_measurable(strategy: Strategy, num_layers: int, hf_config: dict[str, Any] | None = None) -> None:
+    """Refuse, in one line each, what this measurement does not implement."""
+    s = strategy
+    problems: list[str] = []
+    if s.precision.name not in MEASURABLE_PRECISIONS:
+        problems.append(
+            f"precision {s.precision.name!r} is not a PyTorch eager recipe; measure one of "
+            f"{', '.join(MEASURABLE_PRECISIONS)} (--precision)"
+        )
+    if s.precision.name == "fsdp-bf16" and s.zero != 3:
+        problems.append("precision 'fsdp-bf16' is FSDP2 mixed precision: it needs --fsdp")
+    if s.zero not in (0, 3):
+        problems.append(f"zero={s.zero}: only FSDP2 (zero 3, --fsdp) or no sharding (zero 0) is measured")
+    if s.dp > 1 and s.zero != 3:
+        problems.append("dp > 1 without FSDP (DDP) is not measured: give --fsdp")
+    if s.cp > 1:
+        problems.append("context parallelism is not measured")
+    if s.ep > 1:
+        problems.append("expert parallelism is not measured")
+    if s.sequence_parallel:
+        problems.append("sequence parallelism is not measured")
+    if s.optimizer_offload:
+        problems.append("optimizer offload is not measured")
+    if s.shard_group:
+        problems.append("HSDP (shard_group) is not measured")
+    if s.recompute_layers:
+        problems.append("recompute_layers is not measured (recompute applies to every layer)")
+    if s.embedding_as_layer or s.output_as_layer:
+        problems.append("embedding_as_layer/output_as_layer placements are not measured")
+    if s.pp > 1 and s.schedule not in SCHEDULE_CLASSES:
+        problems.append(
+            f"schedule {s.schedule!r} has no torch.distributed.pipelining counterpart here; measured: "
+            f"{', '.join(SCHEDULE_CLASSES)}"
+        )
+    if s.pp * s.vpp > num_layers:
+        problems.append(f"pp·vpp = {s.pp * s.vpp} virtual stages need at least that many layers, got --layers {num_layers}")
+    if s.stage_layers is not None and sum(s.stage_layers) != num_layers:
+        problems.append(f"stage_layers {s.stage_layers} do not add up to {num_layers} layers")
+    if hf_config is not None and s.tp > 1 and _is_moe_config(hf_config):
+        problems.append("tensor parallelism of MoE experts is not measured (dense models only with --tp)")
+    if problems:
+        raise NdplanError("measure: " + "; ".join(problems))
+
+
+def _is_moe_config(cfg: dict[str, Any]) -> bool:
+    return any(cfg.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size"))
+
+
+def trimmed_hf_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The config with ``num_hidden_layers = num_layers`` and per-layer lists cut to match.
+
+    Layer kinds are kept as the full model has them for its first ``num_layers`` layers (e.g.
+    DeepSeek-V3's first three dense layers). Multi-token prediction is not part of the
+    transformers model, so it is dropped (``num_nextn_predict_layers = 0``).
+    """
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise NdplanError(f"measure: --layers must be a positive integer, got {num_layers!r}")
+    full = hf_config.get("num_hidden_layers")
+    if isinstance(full, int) and num_layers > full:
+        raise NdplanError(f"measure: --layers {num_layers} exceeds the model's {full} layers")
+    cfg = dict(hf_config)
+    cfg["num_hidden_layers"] = num_layers
+    if isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = cfg["layer_types"][:num_layers]
+    if isinstance(cfg.get("mlp_only_layers"), list):
+        cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]
+    if cfg.get("num_nextn_predict_layers"):
+        cfg["num_nextn_predict_layers"] = 0
+    return cfg
+
+
+def trimmed_spec(spec: Any, num_layers: int) -> Any:
+    """The ModelSpec of the depth-trimmed model the measurement runs (no MTP: transformers has none)."""
+    if num_layers > spec.num_layers:
+        raise NdplanError(f"measure: --layers {num_layers} exceeds the model's {spec.num_layers} layers")
+    return spec.model_copy(update={
+        "num_layers": num_layers,
+        "layer_mlp_kinds": tuple(spec.layer_mlp_kinds[:num_layers]),
+        "mtp_depth": 0,
+    })
+
+
+def virtual_stage_layers(strategy: Strategy, num_layers: int) -> tuple[int, ...]:
+    """Decoder layers per virtual stage, as the estimator places them (``ndplan.placement``)."""
+    if strategy.stage_layers is not None:
+        return tuple(strategy.stage_layers)
+    from ndplan.placement import uniform_layer_counts
+
+    return uniform_layer_counts(num_layers, strategy.pp * strategy.vpp)
+
+
+def stage_to_rank(strategy: Strategy) -> dict[int, int]:
+    """Virtual stage -> pipeline rank, as torch.distributed.pipelining assigns them (loop or V)."""
+    n = strategy.pp * strategy.vpp
+    if strategy.pp == 1:
+        return {v: 0 for v in range(n)}
+    mapping: dict[int, int] = {}
+    if strategy.schedule in ("zbv", "dualpipev"):
+        rank = 0
+        for v in range(n):
+            mapping[v] = rank
+            if (v + 1) % strategy.pp == 0:
+                continue
+            rank += 1 if (v // strategy.pp) % 2 == 0 else -1
+    else:
+        for v in range(n):
+            mapping[v] = v % strategy.pp
+    return mapping
+
+
+# --------------------------------------------------------------------------------------------------
+# the measurement
+
+
+def measure_step(
+    hf_config: dict[str, Any],
+    strategy: Strategy,
+    *,
+    num_layers: int,
+    attention: str = "sdpa",
+    experts: str = "grouped_mm",
+    name: str | None = None,
+    stages: Sequence[int] | None = None,
+) -> StepMeasurement:
+    """Measure one training step of ``hf_config`` trimmed to ``num_layers`` decoder layers under
+    ``strategy``: one rank per pipeline stage (all stages, or those in ``stages``)."""
+    from ndplan.census.measure import ATTENTIONS, EXPERTS, _require_torch
+
+    if not isinstance(hf_config, dict):
+        raise NdplanError("measure: hf_config must be a dict (a Hugging Face config.json)")
+    if attention not in ATTENTIONS:
+        raise NdplanError(f"measure: attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    if experts not in EXPERTS:
+        raise NdplanError(f"measure: experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
+    cfg = trimmed_hf_config(hf_config, num_layers)
+    check_measurable(strategy, num_layers, cfg)
+    wanted = sorted(set(stages)) if stages is not None else list(range(strategy.pp))
+    if not wanted or any(not 0 <= s < strategy.pp for s in wanted):
+        raise NdplanError(f"measure: stages must be in 0..{strategy.pp - 1}, got {list(stages or [])}")
+    torch, transformers = _require_torch()
+    t0 = time.perf_counter()
+    model_name = str(name or hf_config.get("name") or hf_config.get("_name_or_path") or hf_config.get("model_type"))
+    notes: list[str] = []
+    ranks = []
+    for stage in wanted:
+        ranks.append(_measure_rank(cfg, strategy, stage, attention=attention, experts=experts, notes=notes))
+    elapsed = time.perf_counter() - t0
+    notes.append(f"measurement took {elapsed:.1f} s")
+    return StepMeasurement(
+        model=model_name,
+        strategy=strategy,
+        ranks=tuple(ranks),
+        num_layers=num_layers,
+        attention=attention,
+        source="ndplan measure: FakeTensorMode step on a fake process group, MemTracker/FSDPMemTracker",
+        notes=tuple(dict.fromkeys(notes)),
+        provenance={
+            "experts": experts,
+            "device": "cpu (fake tensors: exact bytes, no 512-byte block rounding)",
+            "torch_version": str(torch.__version__),
+            "transformers_version": str(transformers.__version__),
+        },
+    )
+
+
+# ---- torch side: everything below imports torch lazily ---------------------------------------------
+
+_SUSPEND = [0]  # > 0 while DTensor computes output metadata (not memory the step allocates)
+
+
+@contextlib.contextmanager
+def _patched(E: Any, notes: list[str]) -> Iterator[None]:
+    """Patches a fake single-process step needs; each is undone on exit.
+
+    * transformers checks ``position_ids`` for packed sequences by reading their values; fake
+      tensors have none, so it would build a full ``[b, 1, s, s]`` mask. The step feeds one
+      unpacked sequence per row (``arange`` positions), for which the check answers "not packed":
+      that answer is given directly.
+    * DeviceMesh keeps its rank layout in small integer tensors: those are built outside the fake
+      mode (they are bookkeeping, not model memory).
+    * DTensor propagates output shapes by running each op on global-shape fake tensors in the
+      active fake mode; the tracker must not count those (``_SUSPEND``).
+    * torch.distributed.pipelining's warm-up "vote" reads a received integer with ``.item()``;
+      the stages here are given static shapes, so the vote's answer (static) is set directly.
+    * MLA attention runs the memory-efficient SDPA kernel a GPU would (``gpu_sdpa_kernels``).
+    """
+    import transformers.masking_utils as masking
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import schedules as pp_schedules
+    from torch.distributed.pipelining.stage import InferenceMode
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, attr: str, value: Any) -> None:
+        saved.append((owner, attr, owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    patch(masking, "find_packed_sequence_indices", lambda position_ids: None)
+
+    mesh_init = DeviceMesh.__init__
+    mesh_prop = DeviceMesh.__dict__["mesh"]
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            mesh_init(self, *args, **kwargs)
+
+    def mesh(self: Any) -> Any:
+        with unset_fake_temporarily():
+            return mesh_prop.fget(self)
+
+    patch(DeviceMesh, "__init__", init)
+    patch(DeviceMesh, "mesh", property(mesh))
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate_untracked(self: Any, op_schema: Any) -> Any:
+        _SUSPEND[0] += 1
+        try:
+            return propagate(self, op_schema)
+        finally:
+            _SUSPEND[0] -= 1
+
+    patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate_untracked)
+
+    def warmup(self: Any, stages: Any, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    patch(pp_schedules._PipelineSchedule, "_warmup_p2p", warmup)
+
+    emulated: list[str] = []
+    try:
+        with E.gpu_sdpa_kernels(emulated), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
+        if emulated:
+            notes.append("MLA attention ran aten._scaled_dot_product_efficient_attention as a GPU would "
+                         "(the CPU would fall back to the math path)")
+
+
+def _reset_dtensor_caches() -> None:
+    """DTensor caches sharding decisions and redistribution plans keyed by meshes; a mesh of the
+    next measured rank can hash like one of the last (same shape and names) while its process
+    groups are new. Start every rank with empty caches."""
+    import torch
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for cached in (prop.propagate_op_sharding, type(prop)._propagate_tensor_meta_cached,
+                   _redistribute._gen_transform_infos, _collective_utils.MeshTopoInfo.build_from_mesh):
+        clear = getattr(cached, "cache_clear", None)
+        if clear is not None:
+            clear()
+    _redistribute.clear_redistribute_planner_cache()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ dispatch fast path's cache
+        clear_native()
+
+
+def _tracker_class(fsdp: bool) -> Any:
+    """MemTracker (or FSDPMemTracker) that also records per-phase peaks and category maxima,
+    ignores DTensor's shape propagation, and accepts a root module called once per micro-batch."""
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    base: Any = FSDPMemTracker if fsdp else MemTracker
+
+    class StepTracker(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any) -> None:
+            self.phase = "setup"
+            self.phase_start: dict[str, dict[str, int]] = {}
+            self.phase_peak: dict[str, tuple[int, dict[str, int]]] = {}
+            self.phase_max: dict[str, dict[str, int]] = {}
+            self.held_max: dict[str, int] = {}
+            self.in_backward = False
+            super().__init__(*args)
+            self._mod_tracker._fw_pre_hook = functools.partial(_fw_pre_hook, self._mod_tracker)
+            self._mod_tracker._fw_post_hook = functools.partial(_fw_post_hook, self._mod_tracker)
+
+        def current(self) -> dict[str, int]:
+            snap: dict[str, int] = {}
+            for dev_snap in self._curr_mem_snap.values():
+                for key, value in dev_snap.items():
+                    name = key.value if hasattr(key, "value") else str(key)
+                    snap[name] = snap.get(name, 0) + int(value)
+            snap.setdefault("Total", 0)
+            return snap
+
+        def begin(self, phase: str) -> None:
+            self.phase = phase
+            self.phase_start[phase] = self.current()
+            self.note()
+
+        def note(self) -> None:
+            snap = self.current()
+            total = snap["Total"]
+            best = self.phase_peak.get(self.phase)
+            if best is None or total > best[0]:
+                self.phase_peak[self.phase] = (total, snap)
+            maxima = self.phase_max.setdefault(self.phase, {})
+            for category, value in categorize(snap).items():
+                if value > maxima.get(category, -1):
+                    maxima[category] = value
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            super()._update_peak_stats(peak_state)
+            self.note()
+
+        def _update_snap(self, *args: Any, **kwargs: Any) -> None:
+            super()._update_snap(*args, **kwargs)
+            self.note()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if _SUSPEND[0]:
+                return func(*args, **(kwargs or {}))
+            backward = torch._C._current_graph_task_id() != -1
+            if backward and not self.in_backward:
+                # A backward begins: what forward left alive is what the step holds for backward.
+                held = categorize(self.current())["activations"]
+                self.held_max[self.phase] = max(self.held_max.get(self.phase, 0), held)
+            self.in_backward = backward
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        # A root module called again in forward (next micro-batch) starts its module stats afresh
+        # instead of raising "multiple iterative calls": only the global totals are used here.
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(module)
+            super()._pre_fw_hook(module, inputs)
+
+        def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Any) -> Any:
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if fsdp_mod in self.memory_tracking and not self._mod_tracker.is_bw:
+                    self.memory_tracking.pop(fsdp_mod)
+                return inner(*args, **kwargs)
+
+            return wrapper
+
+    return StepTracker
+
+
+def _fw_pre_hook(tracker: Any, mod: Any, inputs: Any) -> None:
+    """``ModTracker._fw_pre_hook`` without its gradient hooks.
+
+    ModTracker marks each module's backward with multi-grad hooks on its inputs and outputs. Those
+    hooks hold the autograd nodes, and a node holds its saved tensors while the graph is retained:
+    under the zero-bubble schedules' split backward (input gradients with ``retain_graph``, weight
+    gradients later) they kept activations alive that the real step frees, and a multi-grad hook
+    on a leaf input cannot run inside ``torch.autograd.grad`` at all. Only the module names of
+    backward depend on them (per-module snapshots, unused here); forward bookkeeping, the
+    recompute (activation-checkpoint) detection and every memory total do not.
+    """
+    import weakref
+
+    name = tracker._get_mod_name(mod)
+    tracker._get_append_fn(weakref.ref(mod), name, False)()
+    if tracker._user_pre_fw_hook is not None:
+        tracker._user_pre_fw_hook(mod, inputs)
+
+
+def _fw_post_hook(tracker: Any, mod: Any, inputs: Any, outputs: Any) -> None:
+    """``ModTracker._fw_post_hook`` without its gradient hooks (see ``_fw_pre_hook``)."""
+    import weakref
+
+    name = tracker._get_mod_name(mod)
+    if tracker._user_post_fw_hook is not None:
+        tracker._user_post_fw_hook(mod, inputs, outputs)
+    tracker._get_pop_fn(weakref.ref(mod), name, False)()
+
+
+def categorize(snapshot: dict[str, int]) -> dict[str, int]:
+    """Tracker reference types -> the estimator's categories (optimizer_step is derived apart)."""
+    out = dict.fromkeys(CATEGORIES[:-1], 0)
+    for key, value in snapshot.items():
+        category = _REFTYPE_CATEGORY.get(key)
+        if category is not None:
+            out[category] += int(value)
+    return out
+
+
+def _param_dtype(torch: Any, strategy: Strategy) -> Any:
+    return torch.float32 if strategy.precision.name in ("fp32", "fsdp-bf16") else torch.bfloat16
+
+
+def _build_model(E: Any, torch: Any, cfg: dict[str, Any], attention: str, experts: str, dtype: Any,
+                 keep: set[str] | None) -> Any:
+    """The trimmed causal-LM on the meta device; the modules named in ``keep`` (all if None) get fake
+    CPU parameters in ``dtype`` (those transformers keeps in fp32 stay fp32)."""
+    config = E.make_config(cfg, attention=attention, experts=experts)
+    model = E.build_meta_model(config)
+    fp32 = E.keep_fp32_patterns(model, dtype)
+    for mod_name, module in model.named_modules():
+        if keep is None and mod_name == "":
+            E.materialize(module, dtype, "", fp32)
+            break
+        if keep is not None and mod_name in keep:
+            E.materialize(module, dtype, mod_name, fp32)
+    if getattr(config, "tie_word_embeddings", False):
+        out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+        if out_emb is not None and in_emb is not None:
+            out_emb.weight = in_emb.weight
+    model.train()
+    return model
+
+
+def _layers(model: Any) -> Any:
+    return model.model.layers
+
+
+def _tp_plan(model: Any, layer_ids: Sequence[int], first: bool, last: bool) -> dict[str, Any]:
+    """torchtitan's Llama plan without sequence parallelism, on transformers module names:
+    column-parallel q/k/v, gate/up; row-parallel o/down; vocabulary-parallel embedding and LM
+    head, whose logits are gathered whole (no loss parallelism)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    if first:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if last:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate(), use_local_output=True)
+    for i in layer_ids:
+        layer = _layers(model)[i]
+        for sub, style in (("self_attn.q_proj", "col"), ("self_attn.k_proj", "col"), ("self_attn.v_proj", "col"),
+                           ("self_attn.o_proj", "row"), ("mlp.gate_proj", "col"), ("mlp.up_proj", "col"),
+                           ("mlp.down_proj", "row")):
+            if layer.get_submodule(sub) is None:  # pragma: no cover - get_submodule raises
+                continue
+            plan[f"model.layers.{i}.{sub}"] = ColwiseParallel() if style == "col" else RowwiseParallel()
+    return plan
+
+
+def _check_tp_modules(model: Any, layer_ids: Sequence[int]) -> None:
+    for i in layer_ids:
+        names = {n for n, _ in _layers(model)[i].named_modules()}
+        missing = [n for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") if n not in names]
+        if missing:
+            raise NdplanError(f"measure: tensor parallelism needs llama-style modules; layer {i} lacks {', '.join(missing)}")
+
+
+def _wrap_recompute(model: Any, layer_ids: Sequence[int], policy: str, E: Any) -> None:
+    """Full: ``checkpoint_wrapper`` around each decoder layer (non-reentrant). Selective: the same
+    with the census's selective policy (keep matmul and attention outputs, recompute the rest)."""
+    if policy == "none":
+        return
+    import functools
+
+    import torch.utils.checkpoint as tc
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    kwargs: dict[str, Any] = {"preserve_rng_state": False}
+    if policy == "selective":
+        kwargs["context_fn"] = functools.partial(tc.create_selective_checkpoint_contexts, E._selective_policy)
+    layers = _layers(model)
+    for i in layer_ids:
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+
+
+def _fully_shard(torch: Any, strategy: Strategy, mesh: Any, root: Any, embed: Any, layers: Sequence[Any],
+                 head: Sequence[Any], tied: bool) -> None:
+    """FSDP2 as torchtitan applies it: the embedding, each decoder layer, and [final norm, LM head]
+    are their own groups ([norm, head] not resharded after forward: backward needs them at once),
+    then the root. A tied embedding/head pair stays with the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if strategy.precision.name == "fsdp-bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reshard = strategy.reshard_after_forward
+    if embed is not None and not tied:
+        fully_shard(embed, reshard_after_forward=reshard, **kwargs)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    if head and not tied:
+        fully_shard(list(head), reshard_after_forward=False, **kwargs)
+    fully_shard(root, **kwargs)
+
+
+def _make_stage_module(E: Any, torch: Any, model: Any, layer_ids: Sequence[int], first: bool, last: bool) -> Any:
+    """One pipeline stage: [embedding] + its decoder layers + [final norm + LM head], calling the
+    model's own submodules as its forward does (rotary embedding, causal mask, layer kwargs)."""
+    nn: Any = torch.nn
+    base = model.model
+    config = model.config
+
+    class Stage(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = base.embed_tokens if first else None
+            self.layers = nn.ModuleList([base.layers[i] for i in layer_ids])
+            self.norm = base.norm if last else None
+            self.lm_head = model.lm_head if last else None
+            self.rotary_emb = getattr(base, "rotary_emb", None)
+
+        def forward(self, x: Any) -> Any:
+            embed: Any = self.embed_tokens
+            h = embed(x) if embed is not None else x
+            extra = E.position_inputs(model, config, h)
+            for layer in self.layers:
+                h = E.call_layer_fn(layer, extra)(h)
+            head: Any = self.lm_head
+            norm: Any = self.norm
+            if head is not None:
+                h = head(norm(h))
+            return h
+
+    return Stage()
+
+
+def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attention: str, experts: str,
+                  notes: list[str]) -> RankMemory:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ndplan.census import _engine as E
+
+    s = strategy
+    world = s.pp * s.dp * s.tp
+    rank = stage * s.dp * s.tp  # pp outermost, then dp, then tp: dp rank 0, tp rank 0 of the stage
+    counts = virtual_stage_layers(s, int(cfg["num_hidden_layers"]))
+    owner = stage_to_rank(s)
+    mine = [v for v in range(s.pp * s.vpp) if owner[v] == stage]
+    starts = [sum(counts[:v]) for v in range(len(counts))]
+    chunk_layers = {v: list(range(starts[v], starts[v] + counts[v])) for v in mine}
+    layer_ids = [i for v in mine for i in chunk_layers[v]]
+    n_virtual = s.pp * s.vpp
+    holds_first = 0 in mine
+    holds_last = (n_virtual - 1) in mine
+    fsdp = s.zero == 3
+    dtype = _param_dtype(torch, s)
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _reset_dtensor_caches()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        with _patched(E, notes):
+            mesh = init_device_mesh("cpu", (s.pp, s.dp, s.tp), mesh_dim_names=("pp", "dp", "tp"))
+            pp_mesh, dp_mesh, tp_mesh = mesh["pp"], mesh["dp"], mesh["tp"]
+            pp_group = pp_mesh.get_group() if s.pp > 1 else None
+            with E.FakeTensorMode():
+                return _run_rank(E, torch, cfg, s, stage, rank, mine, chunk_layers, layer_ids, holds_first,
+                                 holds_last, fsdp, dtype, attention, experts, dp_mesh, tp_mesh, pp_group, notes)
+    except NdplanError:
+        raise
+    except Exception as error:  # a modeling or parallelism path the fake step cannot run
+        msg = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise NdplanError(f"measure: stage {stage} failed: {type(error).__name__}: {msg}") from error
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        E.collect()
+
+
+def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, rank: int, mine: list[int],
+              chunk_layers: dict[int, list[int]], layer_ids: list[int], holds_first: bool, holds_last: bool,
+              fsdp: bool, dtype: Any, attention: str, experts: str, dp_mesh: Any, tp_mesh: Any, pp_group: Any,
+              notes: list[str]) -> RankMemory:
+    pipelined = s.pp > 1
+    keep: set[str] | None = None
+    if pipelined:
+        keep = {f"model.layers.{i}" for i in layer_ids} | {"model.rotary_emb"}
+        if holds_first:
+            keep.add("model.embed_tokens")
+        if holds_last:
+            keep |= {"model.norm", "lm_head"}
+    model = _build_model(E, torch, cfg, attention, experts, dtype, keep)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if pipelined and tied and not (holds_first and holds_last):
+        notes.append("tied embedding and LM head on different stages: each stage holds its own copy")
+    if s.tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        _check_tp_modules(model, layer_ids)
+        parallelize_module(model, tp_mesh, _tp_plan(model, layer_ids, holds_first, holds_last))
+    _wrap_recompute(model, layer_ids, s.recompute, E)
+    layers = _layers(model)
+    b, seq, m = s.micro_batch_size, s.seq_length, s.num_micro_batches
+
+    if not pipelined:
+        if fsdp:
+            _fully_shard(torch, s, dp_mesh, model, model.model.embed_tokens, list(layers),
+                         [model.model.norm, model.lm_head], tied)
+        params = list(model.parameters())
+        roots = [model]
+    else:
+        modules = []
+        for v in mine:
+            first, last = v == 0, v == s.pp * s.vpp - 1
+            module = _make_stage_module(E, torch, model, chunk_layers[v], first, last)
+            if fsdp:
+                _fully_shard(torch, s, dp_mesh, module, module.embed_tokens,
+                             list(module.layers), [module.norm, module.lm_head] if last else [], tied and first and last)
+            modules.append(module)
+        params = [p for module in modules for p in module.parameters()]
+        roots = modules
+
+    optimizer = torch.optim.AdamW(_param_groups(params), lr=1e-4, foreach=True)
+    _warm_up_optimizer(torch, params, optimizer)
+
+    tracker_cls = _tracker_class(fsdp)
+    if fsdp:
+        tracker = tracker_cls(roots[0], optimizer)
+        if len(roots) > 1:
+            tracker._root_mod = torch.nn.ModuleList(roots)
+    else:
+        tracker = tracker_cls()
+        tracker.track_external(*roots, optimizer)
+
+    schedule: Any = None  # kept through the optimizer step: a training loop keeps its stages' buffers
+    with tracker:
+        tracker.begin("forward_backward")
+        if not pipelined:
+            for _ in range(m):
+                ids = torch.zeros(b, seq, dtype=torch.long)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                del loss, ids
+        else:
+            schedule = _schedule(torch, s, modules, mine, model, pp_group, holds_first)
+            inputs = torch.zeros(b * m, seq, dtype=torch.long) if holds_first else None
+            target = torch.zeros(b * m, seq, dtype=torch.long) if holds_last else None
+            kwargs: dict[str, Any] = {"return_outputs": False}
+            if target is not None:
+                kwargs["target"] = target
+            if inputs is not None:
+                schedule.step(inputs, **kwargs)
+            else:
+                schedule.step(**kwargs)
+            del inputs, target, kwargs
+        E.collect()
+        tracker.begin("optimizer")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tracker.note()
+    del schedule
+
+    return _rank_memory(tracker, stage, rank, len(layer_ids), mine)
+
+
+def _param_groups(params: list[Any]) -> list[dict[str, Any]]:
+    """One AdamW group, or two where DTensor (tensor-parallel) and plain parameters mix (TP without
+    FSDP leaves norms plain): a foreach kernel cannot take both kinds in one call."""
+    from torch.distributed.tensor import DTensor
+
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": group} for group in (dtensors, plain) if group]
+
+
+def _warm_up_optimizer(torch: Any, params: list[Any], optimizer: Any) -> None:
+    """Create AdamW's states as a previous step would have (zero gradients, one step)."""
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _schedule(torch: Any, s: Strategy, modules: list[Any], mine: list[int], model: Any, group: Any,
+              holds_first: bool) -> Any:
+    """The torch.distributed.pipelining schedule of this rank, its stages built with static shapes."""
+    from torch.distributed import pipelining
+
+    h = int(model.config.hidden_size)
+    b, seq = s.micro_batch_size, s.seq_length
+    act_dtype = torch.float32 if s.precision.name == "fp32" else torch.bfloat16
+    n_virtual = s.pp * s.vpp
+    vocab = int(model.config.vocab_size)
+    stages = []
+    for module, v in zip(modules, mine, strict=True):
+        if v == 0:
+            example_in: Any = torch.zeros(b, seq, dtype=torch.long)
+        else:
+            example_in = torch.empty(b, seq, h, dtype=act_dtype).requires_grad_(True)
+        if v == n_virtual - 1:
+            example_out: Any = torch.empty(b, seq, vocab, dtype=act_dtype).requires_grad_(True)
+        else:
+            example_out = torch.empty(b, seq, h, dtype=act_dtype).requires_grad_(True)
+        stages.append(pipelining.PipelineStage(
+            module, v, n_virtual, torch.device("cpu"), input_args=(example_in,), output_args=(example_out,),
+            group=group,
+        ))
+        del example_in, example_out
+    loss_function = model.loss_function
+
+    def loss_fn(logits: Any, labels: Any) -> Any:
+        return loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+    cls = getattr(pipelining, SCHEDULE_CLASSES[s.schedule])
+    if s.vpp == 1 and s.schedule in ("1f1b", "gpipe"):
+        return cls(stages[0], s.num_micro_batches, loss_fn=loss_fn)
+    return cls(stages, s.num_micro_batches, loss_fn=loss_fn)
+
+
+def _rank_memory(tracker: Any, stage: int, rank: int, layers: int, mine: list[int]) -> RankMemory:
+    """Per-category figures with the estimator's meanings (see ``RankMemory``)."""
+    fb_total, fb_snap = tracker.phase_peak["forward_backward"]
+    opt_total, _ = tracker.phase_peak["optimizer"]
+    total, snap = max(tracker.phase_peak.values(), key=lambda item: item[0])
+    start = categorize(tracker.phase_start["forward_backward"])
+    fb_max = tracker.phase_max["forward_backward"]
+    # Gradients as the optimizer step finds them: all of them, accumulated. (While a micro-batch's
+    # gradient is added into an existing one, both exist for a moment: that is working set.)
+    grads = categorize(tracker.phase_start["optimizer"])["grads"]
+    held = tracker.held_max.get("forward_backward", 0)
+    comm = fb_max.get("comm", 0)
+    categories = {
+        "params": start["params"],
+        "grads": grads,
+        "optimizer": start["optimizer"],
+        "activations": held,
+        "comm": comm,
+        # The rest of the forward/backward peak: what the estimator calls transient. Negative
+        # when the other categories' maxima do not coincide with the peak (e.g. gradients still
+        # partial when it happens).
+        "transient": fb_total - start["params"] - start["optimizer"] - grads - held - comm,
+        "optimizer_step": max(0, opt_total - tracker.phase_start["optimizer"]["Total"]),
+    }
+    return RankMemory(
+        stage=stage,
+        rank=rank,
+        allocated_bytes=int(total),
+        layers=layers,
+        virtual_stages=tuple(mine),
+        forward_backward_peak_bytes=int(fb_total),
+        optimizer_step_peak_bytes=int(opt_total),
+        categories=categories,
+        at_peak=categorize(snap),
+        tracker_at_peak={k: v for k, v in snap.items() if k != "Total" and v},
+        at_forward_backward_peak=categorize(fb_snap),
+        category_maxima={k: int(v) for k, v in fb_max.items()},
+    )
+
+
+__all__ = [
+    "CATEGORIES",
+    "MEASURABLE_PRECISIONS",
+    "MEASURED_SCHEMA",
+    "MEASURED_SCHEMA_VERSION",
+    "SCHEDULE_CLASSES",
+    "RankMemory",
+    "StepMeasurement",
+    "categorize",
+    "check_measurable",
+    "load_measurement",
+    "measure_step",
+    "measurement_from_dict",
+    "save_measurement",
+    "stage_to_rank",
+    "trimmed_hf_config",
+    "trimmed_spec",
+    "virtual_stage_layers",
+]

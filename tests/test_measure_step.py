@@ -1,0 +1,222 @@
+"""ndplan measure: a whole training step on fake tensors, checked against hand-derived bytes.
+
+The pure-Python parts (JSON format, what can be measured, trimming) run everywhere; the
+measurements need torch and transformers (the ``census`` extra) and are skipped without them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from ndplan.census.measure_step import (
+    MEASURED_SCHEMA,
+    RankMemory,
+    StepMeasurement,
+    check_measurable,
+    load_measurement,
+    measurement_from_dict,
+    stage_to_rank,
+    trimmed_hf_config,
+    trimmed_spec,
+    virtual_stage_layers,
+)
+from ndplan.errors import NdplanError
+from ndplan.model import get_preset, hf_config
+from ndplan.schedule import model_chunk_table
+from ndplan.strategy import Strategy
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="needs the census extra (torch, transformers)")
+
+DATA = Path(__file__).parent / "data" / "measured"
+
+# A tiny llama: h=64, 4 heads of 16, 2 KV heads, FFN 160, vocab 100 (every width even: FSDP 2
+# shards every tensor without padding).
+H, NH, NKV, HD, FFN, VOCAB = 64, 4, 2, 16, 160, 100
+TINY = dict(model_type="llama", hidden_size=H, intermediate_size=FFN, num_attention_heads=NH,
+            num_key_value_heads=NKV, head_dim=HD, num_hidden_layers=2, vocab_size=VOCAB)
+SEQ = 32
+
+
+def tiny_params(layers: int) -> tuple[int, int]:
+    """(elements, parameter tensors) of the tiny llama: embedding, per layer q/k/v/o + gate/up/down
+    + two norms, final norm, untied LM head."""
+    per_layer = H * NH * HD + 2 * H * NKV * HD + NH * HD * H + 3 * H * FFN + 2 * H
+    return VOCAB * H + layers * per_layer + H + VOCAB * H, 1 + 9 * layers + 2
+
+
+def tiny_layer_saved_per_token() -> int:
+    """What one transformers 5 LlamaDecoderLayer keeps for backward per token (bf16, SDPA, no
+    recompute): each RMSNorm keeps its fp32 input (4h), rsqrt (4), the bf16 cast (2h) and its
+    output (2h, the next linears' input); attention keeps rotated q and k, v, the SDPA output and
+    its fp32 logsumexp; the MLP keeps gate, up, silu(gate) and silu(gate)*up."""
+    norm = 4 * H + 4 + 2 * H + 2 * H
+    attention = 2 * NH * HD + 2 * NKV * HD + 2 * NKV * HD + 2 * NH * HD + 4 * NH
+    mlp = 4 * 2 * FFN
+    return 2 * norm + attention + mlp
+
+
+# ------------------------------------------------------------------------------ pure Python
+def test_json_round_trip() -> None:
+    m = StepMeasurement(
+        model="llama-3.1-8b", strategy=Strategy(pp=2, num_micro_batches=2, precision="bf16-pure"),
+        ranks=(RankMemory(stage=0, rank=0, allocated_bytes=10, categories={"params": 4}),
+               RankMemory(stage=1, rank=1, allocated_bytes=12, reserved_bytes=14)),
+        num_layers=4, source="test",
+    )
+    data = json.loads(json.dumps(m.to_dict()))
+    assert data["schema"] == MEASURED_SCHEMA
+    back = measurement_from_dict(data)
+    assert back.strategy == m.strategy
+    assert back.ranks == m.ranks
+    assert back.num_layers == 4 and back.allocated_bytes == 12
+
+
+def test_committed_examples_load() -> None:
+    cluster = load_measurement(DATA / "example-cluster.json")
+    assert cluster.strategy.pp == 2 and cluster.strategy.dp == 2
+    # no "stage": derived from the rank, pipeline ranks outermost (world 4 / pp 2 = 2 per stage)
+    assert [r.stage for r in cluster.ranks] == [0, 0, 1, 1]
+    assert cluster.ranks[3].reserved_bytes is None
+    fake = load_measurement(DATA / "llama-3.1-8b-2layers-pp2-fake.json")
+    assert {r.stage for r in fake.ranks} == {0, 1}
+    assert all(r.categories["params"] > 0 for r in fake.ranks)
+
+
+@pytest.mark.parametrize(("patch", "needle"), [
+    ({"schema": "other"}, "'schema'"),
+    ({"model": None}, "'model'"),
+    ({"strategy": {"dp": 0}}, "strategy"),
+    ({"ranks": []}, "'ranks'"),
+    ({"ranks": [{"rank": 0}]}, "allocated_bytes"),
+    ({"ranks": [{"allocated_bytes": 1}]}, "'stage' (pipeline stage) or 'rank'"),
+    ({"ranks": [{"stage": 3, "allocated_bytes": 1}]}, "stage 3 does not exist"),
+    ({"ranks": [{"stage": 0, "allocated_bytes": -5}]}, "non-negative"),
+    ({"schema_version": 2}, "schema_version"),
+])
+def test_malformed_measurement_names_the_field(patch: dict, needle: str) -> None:
+    data = {"model": "llama-3.1-8b", "strategy": {"pp": 2}, "ranks": [{"stage": 0, "allocated_bytes": 1}]}
+    data.update(patch)
+    with pytest.raises(NdplanError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        measurement_from_dict(data, "m.json")
+
+
+@pytest.mark.parametrize(("strategy", "needle"), [
+    (Strategy(precision="megatron-bf16"), "not a PyTorch eager recipe"),
+    (Strategy(dp=2, precision="bf16-pure"), "needs --fsdp|without FSDP"),
+    (Strategy(cp=2, precision="bf16-pure"), "context parallelism"),
+    (Strategy(precision="fsdp-bf16"), "needs --fsdp"),
+    (Strategy(pp=2, schedule="zb-h1", precision="bf16-pure"), "zb-h1"),
+    (Strategy(dp=2, zero=1, precision="bf16-pure"), "zero=1"),
+])
+def test_unmeasurable_strategies_are_refused(strategy: Strategy, needle: str) -> None:
+    with pytest.raises(NdplanError, match=needle):
+        check_measurable(strategy, 4, dict(TINY))
+
+
+def test_tensor_parallel_moe_is_refused() -> None:
+    with pytest.raises(NdplanError, match="MoE"):
+        check_measurable(Strategy(tp=2, precision="bf16-pure"), 2, hf_config("qwen3-30b-a3b"))
+
+
+def test_trimming_keeps_layer_kinds_and_drops_mtp() -> None:
+    cfg = trimmed_hf_config(hf_config("deepseek-v3"), 4)
+    assert cfg["num_hidden_layers"] == 4 and cfg["num_nextn_predict_layers"] == 0
+    spec = trimmed_spec(get_preset("deepseek-v3"), 4)
+    assert spec.layer_mlp_kinds == ("dense", "dense", "dense", "moe") and spec.mtp_depth == 0
+    with pytest.raises(NdplanError, match="exceeds"):
+        trimmed_hf_config(hf_config("llama-3.1-8b"), 33)
+
+
+@pytest.mark.parametrize(("schedule", "pp", "vpp"), [("1f1b", 4, 1), ("interleaved", 2, 2), ("interleaved", 4, 2),
+                                                      ("zbv", 2, 2), ("zbv", 4, 2), ("dualpipev", 4, 2)])
+def test_stage_ranks_match_the_estimator_placement(schedule: str, pp: int, vpp: int) -> None:
+    s = Strategy(pp=pp, vpp=vpp, schedule=schedule, num_micro_batches=2 * pp, precision="bf16-pure")
+    owner = stage_to_rank(s)
+    for stage, chunks in enumerate(model_chunk_table(schedule, pp, vpp)):
+        assert all(owner[v] == stage for v in chunks)
+    assert sum(virtual_stage_layers(s, 8)) == 8
+
+
+# ------------------------------------------------------------------------------ measurements
+@needs_torch
+def test_single_device_step_matches_hand_derivation() -> None:
+    from ndplan.census.measure_step import measure_step
+
+    n, tensors = tiny_params(2)
+    s = Strategy(seq_length=SEQ, precision="bf16-pure")
+    r = measure_step(dict(TINY), s, num_layers=2).ranks[0]
+    c = r.categories
+    buffers = 2 * (HD // 2) * 4  # rotary inv_freq and original_inv_freq, fp32
+    assert c["params"] == 2 * n + buffers
+    assert c["grads"] == 2 * n
+    assert c["optimizer"] == 2 * 2 * n + 4 * tensors  # bf16 exp_avg, exp_avg_sq; fp32 step per tensor
+    assert c["optimizer_step"] == 2 * n  # foreach AdamW: one temporary, sqrt(exp_avg_sq), per parameter
+    assert r.optimizer_step_peak_bytes == 2 * n + buffers + 2 * n + c["optimizer"] + 2 * n
+    assert r.allocated_bytes == max(r.forward_backward_peak_bytes, r.optimizer_step_peak_bytes)
+    assert sum(v for k, v in c.items() if k != "optimizer_step") == r.forward_backward_peak_bytes
+    assert c["comm"] == 0
+    # held activations: one more decoder layer holds exactly one layer's saved tensors
+    one = measure_step(dict(TINY), s, num_layers=1).ranks[0].categories["activations"]
+    assert c["activations"] - one == tiny_layer_saved_per_token() * SEQ
+
+
+@needs_torch
+def test_full_recompute_holds_only_layer_inputs() -> None:
+    from ndplan.census.measure_step import measure_step
+
+    s = Strategy(seq_length=SEQ, recompute="full", precision="bf16-pure")
+    two = measure_step(dict(TINY), s, num_layers=2).ranks[0].categories["activations"]
+    one = measure_step(dict(TINY), s, num_layers=1).ranks[0].categories["activations"]
+    assert two - one == 2 * H * SEQ  # the checkpointed layer's bf16 input
+
+
+@needs_torch
+def test_fsdp2_shards_params_grads_and_optimizer_exactly() -> None:
+    from ndplan.census.measure_step import measure_step
+
+    n, tensors = tiny_params(2)
+    s = Strategy(dp=2, fsdp=True, zero=3, seq_length=SEQ, precision="fsdp-bf16")
+    r = measure_step(dict(TINY), s, num_layers=2).ranks[0]
+    c = r.categories
+    buffers = 2 * (HD // 2) * 4
+    assert c["params"] == 4 * n // 2 + buffers  # fp32 shards
+    assert c["grads"] == 4 * n // 2  # fp32 sharded gradients (reduce_dtype fp32)
+    assert c["optimizer"] == 8 * n // 2 + 4 * tensors
+    assert c["optimizer_step"] == 4 * n // 2
+    # unsharded bf16 parameters and all-gather / reduce-scatter buffers appear while a group runs
+    largest_group = 2 * VOCAB * H  # the untied LM head group, bf16 (+ final norm)
+    assert c["comm"] >= largest_group
+    assert r.tracker_at_peak  # FSDPMemTracker's own labels
+
+
+@needs_torch
+def test_pipeline_ranks_hold_their_own_stages() -> None:
+    from ndplan.census.measure_step import measure_step
+
+    s = Strategy(pp=2, num_micro_batches=4, seq_length=SEQ, precision="bf16-pure")
+    m = measure_step(dict(TINY), s, num_layers=2)
+    assert [r.stage for r in m.ranks] == [0, 1] and [r.layers for r in m.ranks] == [1, 1]
+    n, _ = tiny_params(2)
+    per_layer = (n - 2 * VOCAB * H - H) // 2
+    buffers = 2 * (HD // 2) * 4
+    assert m.ranks[0].categories["params"] == 2 * (VOCAB * H + per_layer) + buffers
+    assert m.ranks[1].categories["params"] == 2 * (per_layer + H + VOCAB * H) + buffers
+    only_last = measure_step(dict(TINY), s, num_layers=2, stages=[1])
+    assert only_last.ranks[0].to_dict() == m.ranks[1].to_dict()
+
+
+@needs_torch
+def test_tensor_parallel_with_fsdp_divides_the_linears() -> None:
+    from ndplan.census.measure_step import measure_step
+
+    n, _ = tiny_params(2)
+    norms = 2 * 2 * H + H  # replicated over TP
+    s = Strategy(dp=2, tp=2, fsdp=True, zero=3, seq_length=SEQ, precision="fsdp-bf16")
+    c = measure_step(dict(TINY), s, num_layers=2).ranks[0].categories
+    buffers = 2 * (HD // 2) * 4
+    assert c["params"] == 4 * ((n - norms) // 4 + norms // 2) + buffers

@@ -1,0 +1,204 @@
+"""ndplan verify (and the census / measure commands): estimate vs measurement, output, exit codes.
+
+The subcommands are registered with ``ndplan.census.cli.add_census_commands``; these tests add
+them to ndplan's parser themselves when the top-level CLI does not have them yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from ndplan import cli
+from ndplan.census.cli import add_census_commands
+from ndplan.census.measure_step import load_measurement, trimmed_spec
+from ndplan.census.verify import verify
+from ndplan.memory import MemoryOptions, estimate
+from ndplan.model import get_preset
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="needs the census extra (torch, transformers)")
+
+DATA = Path(__file__).parent / "data" / "measured"
+CLUSTER = DATA / "example-cluster.json"
+FAKE = DATA / "llama-3.1-8b-2layers-pp2-fake.json"
+
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=100)
+
+
+@pytest.fixture
+def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """Run `ndplan ARGS...` in-process; returns (exit code, stdout, stderr)."""
+    original = cli.build_parser
+
+    def build_parser() -> argparse.ArgumentParser:
+        parser = original()
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        if "verify" not in sub.choices:
+            add_census_commands(sub)
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", build_parser)
+
+    def invoke(*args: str) -> tuple[int, str, str]:
+        try:
+            code = cli.main([str(a) for a in args])
+        except SystemExit as exit_:  # argparse errors
+            code = int(exit_.code or 0)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return invoke
+
+
+def allocated_estimates(path: Path) -> list[float]:
+    m = load_measurement(path)
+    spec = trimmed_spec(get_preset(m.model), m.num_layers) if m.num_layers else get_preset(m.model)
+    report = estimate(spec, m.strategy, None, MemoryOptions(include_overhead=False, attention="sdpa"))
+    return [s.allocated_bytes for s in report.stages]
+
+
+# ------------------------------------------------------------------------------ verify (no torch)
+def test_errors_are_estimate_against_measured_per_stage() -> None:
+    m = load_measurement(CLUSTER)
+    result = verify(get_preset(m.model), m)
+    expected = allocated_estimates(CLUSTER)
+    for stage, est in zip(result.stages, expected, strict=True):
+        row = stage.row("allocated")
+        assert row is not None and row.estimate == pytest.approx(est)
+        measured = max(r.allocated_bytes for r in m.ranks if r.stage == stage.stage)
+        assert row.measured == measured
+        assert row.error_pct == pytest.approx((est - measured) / measured * 100)
+    # reserved: compared where given, with the estimate's allocated times the allocator slack
+    reserved = result.stages[0].row("reserved")
+    assert reserved is not None and reserved.measured == 9_800_000_000
+    assert reserved.estimate > result.stages[0].row("allocated").estimate
+    # only totals came from the cluster: the categories have no measurement
+    assert result.stages[0].row("params").measured is None
+
+
+def test_fake_measurement_has_every_category() -> None:
+    m = load_measurement(FAKE)
+    result = verify(get_preset(m.model), m)
+    assert result.model.num_layers == 2  # the trimmed model the measurement ran
+    for stage in result.stages:
+        for key in ("params", "grads", "optimizer", "activations", "allocated"):
+            assert stage.row(key).measured is not None
+        assert stage.row("reserved") is None
+        # parameter counts are exact: ndplan counts what transformers builds
+        assert stage.row("params").error_pct == pytest.approx(0.0, abs=1e-4)
+
+
+def test_cli_verify_measured_file_and_tolerance(run) -> None:
+    worst = max(abs(e) for e in _errors(CLUSTER))
+    code, out, err = run("verify", "--measured", CLUSTER)
+    assert code == 0 and "peak allocated" in out and "stage 1" in out and not err
+    code, out, _ = run("verify", "--measured", CLUSTER, "--tolerance", worst + 0.5)
+    assert code == 0 and "within" in out
+    code, out, _ = run("verify", "--measured", CLUSTER, "--tolerance", worst / 2)
+    assert code == 1 and "exceeds" in out
+
+
+def _errors(path: Path) -> list[float]:
+    m = load_measurement(path)
+    result = verify(get_preset(m.model), m)
+    return [r.error_pct for s in result.compared for r in s.checked]
+
+
+def test_cli_verify_json(run) -> None:
+    code, out, _ = run("verify", "--measured", FAKE, "--json", "--tolerance", 1000)
+    assert code == 0
+    data = json.loads(out)
+    assert data["within_tolerance"] is True and data["num_layers"] == 2
+    rows = {r["key"]: r for r in data["stages"][1]["rows"]}
+    est, meas = rows["allocated"]["estimate_bytes"], rows["allocated"]["measured_bytes"]
+    assert rows["allocated"]["error_pct"] == pytest.approx((est - meas) / meas * 100, abs=1e-3)
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (("verify",), "give MODEL"),
+    (("verify", "--measured", CLUSTER, "--tp", "2"), "come from the file"),
+    (("verify", "qwen3-8b", "--measured", CLUSTER), "measured model 'llama-3.1-8b'"),
+    (("verify", "--measured", "no-such-file.json"), "cannot read"),
+    (("verify", "--measured", CLUSTER, "--tolerance", "-1"), "--tolerance"),
+])
+def test_cli_verify_input_errors_exit_2(run, args: tuple, needle: str) -> None:
+    code, out, err = run(*args)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_cli_verify_malformed_file(run, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": "llama-3.1-8b", "strategy": {"pp": 2}, "ranks": [{"stage": 0}]}))
+    code, _, err = run("verify", "--measured", bad)
+    assert code == 2 and "ranks[0]: missing 'allocated_bytes'" in err
+
+
+def test_missing_torch_names_the_extra(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("torch", "transformers") else real(name, *a))
+    for args in (("census", "llama-3.1-8b"), ("measure", "llama-3.1-8b", "--layers", "2"),
+                 ("verify", "llama-3.1-8b", "--layers", "2")):
+        code, _, err = run(*args)
+        assert code == 2 and "pip install 'ndplan[census]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_refuses_unmeasurable_strategy(run) -> None:
+    code, _, err = run("measure", "llama-3.1-8b", "--layers", "2", "--dp", "2")
+    assert code == 2 and "needs --fsdp" in err or "without FSDP" in err
+
+
+# ------------------------------------------------------------------------------ with torch
+@pytest.fixture
+def tiny_config(tmp_path: Path) -> Path:
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    path = folder / "config.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+@needs_torch
+def test_cli_measure_then_verify_round_trip(run, tiny_config: Path, tmp_path: Path) -> None:
+    out_file = tmp_path / "m.json"
+    code, out, err = run("measure", tiny_config, "--layers", "2", "--dp", "2", "--fsdp", "--seq", "32",
+                         "--out", out_file)
+    assert code == 0, err
+    assert "wrote" in out and out_file.is_file()
+    data = json.loads(out_file.read_text())
+    assert data["model"] == str(tiny_config)  # a config path is kept, so the file can be verified
+    assert data["strategy"]["dp"] == 2 and data["num_layers"] == 2
+    code, out, _ = run("verify", "--measured", out_file, "--tolerance", 1000)
+    assert code == 0 and "within" in out
+
+
+@needs_torch
+def test_cli_verify_measures_when_no_file(run, tiny_config: Path) -> None:
+    code, out, err = run("verify", tiny_config, "--layers", "2", "--seq", "32", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    rows = {r["key"]: r for r in data["stages"][0]["rows"]}
+    # exact but for the 64 bytes of rotary buffers the tracker counts with the parameters
+    assert rows["params"]["estimate_bytes"] == rows["params"]["measured_bytes"] - 64
+    assert rows["allocated"]["measured_bytes"] > 0
+    code, _, _ = run("verify", tiny_config, "--layers", "2", "--seq", "32", "--tolerance", 0)
+    assert code in (0, 1)  # exact agreement is not promised, only the exit code convention
+
+
+@needs_torch
+def test_cli_census_table_json_and_out(run, tiny_config: Path, tmp_path: Path) -> None:
+    code, out, err = run("census", tiny_config, "--seq", "16")
+    assert code == 0, err
+    assert "dense" in out and "output" in out and "TP-scaled" in out
+    target = tmp_path / "census.json"
+    code, out, _ = run("census", tiny_config, "--seq", "16", "--json", "--out", target)
+    assert code == 0
+    records = json.loads(out)["records"]
+    assert {r["layer_kind"] for r in records} == {"dense", "output"}
+    assert json.loads(target.read_text())["records"] == records
+
