@@ -195,9 +195,10 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         attention_kept = attention_kept + block("eager_scores", "kept")
     mlp, moe = block("mlp"), block("moe")
     full = {"dense": 2 * norm + attention + mlp, "moe": 2 * norm + attention + moe}
+    checkpoint_input = block("layer_input") if profile.selective_keeps_layer_input else 0.0
     selective = {
-        "dense": 2 * norm_kept + attention_kept + block("mlp", "kept"),
-        "moe": 2 * norm_kept + attention_kept + block("moe", "kept"),
+        "dense": 2 * norm_kept + attention_kept + block("mlp", "kept") + checkpoint_input,
+        "moe": 2 * norm_kept + attention_kept + block("moe", "kept") + checkpoint_input,
     }
     weight_input = {
         "dense": block(attention_name, "weight_input") + block("mlp", "weight_input"),
@@ -539,7 +540,8 @@ def _evaluate_group(
                  2 * (widths["k"] + widths["v"])) * tokens * act_bytes / tp,
         0.0,
     )
-    ep_buffers = 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.moe_imbalance
+    # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
+    ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.moe_imbalance, 0.0)
     overlapping = np.maximum(sp_gather[:, None], cp_buffers[:, None])
     overlapping = np.maximum(overlapping, ep_buffers[:, None] * has_moe[None, :])
     pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
@@ -569,9 +571,16 @@ def _evaluate_group(
     out["optimizer_step"] = local_elements * options.profile.optimizer_temp_copies * updated_bytes
 
     static = out["params"] + out["grads"] + out["optimizer"]
-    out["allocated"] = np.maximum(
-        static + out["activations"] + out["comm"] + out["transient"], static + out["optimizer_step"]
-    )
+    forward_backward = static + out["activations"] + out["comm"] + out["transient"]
+    if options.profile.grads_created_in_backward:
+        # zero_grad(set_to_none=True): with one micro-batch the gradients appear during the
+        # backward as the activations go, so the loss (all activations, no gradients) and the end
+        # of the backward (all gradients, one layer's working set) are the two candidate peaks.
+        single = (batch.num_micro_batches == 1)[:, None]
+        loss_phase = static - out["grads"] + out["activations"] + out["comm"] + out["transient"]
+        backward_end = static + out["comm"] + layer_transient
+        forward_backward = np.where(single, np.maximum(loss_phase, backward_end), forward_backward)
+    out["allocated"] = np.maximum(forward_backward, static + out["optimizer_step"])
     overhead = overhead_model(options.profile, batch, options.include_overhead)
     out["reserved"] = overhead.reserved(out["allocated"])
     out["device"] = out["reserved"] + overhead.fixed_bytes[:, None]

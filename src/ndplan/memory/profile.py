@@ -116,6 +116,8 @@ class RuntimeProfile:
     optimizer_temp_copies: float
     weight_grad_holds: str = "weight_inputs"
     pipeline_stage_output: bool = False
+    selective_keeps_layer_input: bool = False
+    grads_created_in_backward: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
 
 
@@ -151,6 +153,8 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         optimizer_temp_copies=float(data.get("optimizer_temp_copies", 0.0)),
         weight_grad_holds=str(data.get("weight_grad_holds", "weight_inputs")),
         pipeline_stage_output=bool(data.get("pipeline_stage_output", False)),
+        selective_keeps_layer_input=bool(data.get("selective_keeps_layer_input", False)),
+        grads_created_in_backward=bool(data.get("grads_created_in_backward", False)),
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
     )
 
