@@ -556,7 +556,16 @@ def _evaluate_group(
     fsdp_gathers = np.where(zero3[:, None], largest_unit * (2 * precision.param_gather_bytes + grad_bytes), 0.0)
     stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / param_bytes
     kept_gathered = np.where((zero3 & (batch.reshard_after_forward == 0))[:, None], stage_elements * precision.param_gather_bytes, 0.0)
-    out["comm"] = overlapping + pp_buffers[:, None] + fsdp_gathers + kept_gathered
+    receive = np.zeros((len(batch), pp))
+    if options.profile.pipeline_stage_output and virtual > 1:
+        # torch.distributed.pipelining allocates one receive buffer per micro-batch up front, for
+        # the activations a later chunk receives and the gradients an earlier chunk receives; they
+        # stay for the whole step, the optimizer's included.
+        directions = (np.arange(virtual) > 0).astype(float) + (np.arange(virtual) < virtual - 1)
+        per_virtual_receive = (batch.num_micro_batches * tokens * h * act_bytes)[:, None] * directions[None, :]
+        per_virtual_receive = per_virtual_receive / np.where(batch.sequence_parallel > 0, tp, 1.0)[:, None]
+        receive = per_virtual_receive @ on_stage.T
+    out["comm"] = overlapping + pp_buffers[:, None] + fsdp_gathers + kept_gathered + receive
     # Under FSDP the loss runs while only the head's parameters are gathered; the unit buffers
     # (gathered parameters, unsharded gradients, reduce copy) peak later, in a layer's backward.
     # The two phases do not overlap, so the stage takes the larger, not the sum.
@@ -568,7 +577,7 @@ def _evaluate_group(
     local_elements = out["optimizer"] / max(optimizer_bytes, 1)
     # Temporaries of the update, in the dtype of the weights the optimizer updates.
     updated_bytes = precision.master_weight_bytes or precision.param_bytes
-    out["optimizer_step"] = local_elements * options.profile.optimizer_temp_copies * updated_bytes
+    out["optimizer_step"] = local_elements * options.profile.optimizer_temp_copies * updated_bytes + receive
 
     static = out["params"] + out["grads"] + out["optimizer"]
     forward_backward = static + out["activations"] + out["comm"] + out["transient"]
