@@ -194,3 +194,14 @@ def test_console_script_never_prints_a_traceback():
                             capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "ndplan: error: x.json: no such file"
+
+
+def test_verify_reads_a_launch_script(tmp_path, capsys):
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun --nproc_per_node 2 pretrain_gpt.py --tensor-model-parallel-size 1 \\\n"
+                      "    --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 4 --seq-length 512\n")
+    code, out, _ = run(["verify", "llama-3.1-8b", "--from", str(script), "--layers", "2", "--dp", "1",
+                        "--precision", "bf16-pure", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0
+    assert data["strategy"]["pp"] == 2 and data["strategy"]["seq_length"] == 512

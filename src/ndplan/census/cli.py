@@ -202,9 +202,31 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- verify
+def _apply_from(args: argparse.Namespace) -> None:
+    """``--from CONFIG``: take the model and any strategy setting not given as a flag from a
+    framework's launch config (the measurement needs a preset or config.json model)."""
+    if not getattr(args, "from_config", None):
+        return
+    from ndplan.io.cli import print_messages, read_from_args
+
+    result = read_from_args(args)
+    print_messages(result)
+    if result is None:
+        return
+    if args.model is None and result.model is not None:
+        args.model = result.model.name
+    for key, value in result.strategy_settings.items():
+        if key in _FLAG_KEYS and getattr(args, key, None) is None and not isinstance(value, dict):
+            setattr(args, key, value if key != "precision" or isinstance(value, str) else None)
+    if result.devices and getattr(args, "dp", None) is None:
+        per_replica = (args.tp or 1) * (args.pp or 1)
+        args.dp = max(result.devices // per_replica, 1)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from ndplan.census.verify import verify
 
+    _apply_from(args)
     if args.tolerance is not None and args.tolerance < 0:
         raise NdplanError(f"--tolerance must be >= 0, got {args.tolerance}")
     if args.measured:
@@ -289,6 +311,9 @@ def add_census_commands(subparsers: Any) -> None:
     p.add_argument("--measured", help="measured-memory JSON (e.g. from a real cluster) instead of measuring")
     p.add_argument("--tolerance", type=float, help="exit 1 if a stage's peak misses the measurement by more than PCT percent")
     p.add_argument("--census", help="census JSON: measured activations replace the profile's formulas")
+    from ndplan.io.cli import add_from_argument
+
+    add_from_argument(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_verify)
 
