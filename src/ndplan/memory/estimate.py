@@ -499,8 +499,12 @@ def _evaluate_group(
         per_w_virtual = np.zeros_like(per_b_virtual)
     elif profile.weight_grad_holds == "all":
         # torch.distributed.pipelining keeps a micro-batch's whole autograd graph from its input
-        # gradient (B) until its weight gradient (W).
-        per_w_virtual = per_virtual["layers"]
+        # gradient (B) until its weight gradient (W), and with it the gradients of the linear
+        # layers' outputs that W consumes (about as large as the linear inputs).
+        per_w_virtual = per_virtual["layers"] + t * (
+            placement.dense_layers * acts.weight_input["dense"][:, None]
+            + placement.moe_layers * acts.weight_input["moe"][:, None]
+        )
     else:
         # W needs the linear layers' inputs and their output gradients (about as large).
         per_w_virtual = 2 * t * (placement.dense_layers * acts.weight_input["dense"][:, None]
