@@ -212,7 +212,8 @@ def _draw_timeline(fig: Any, tl: Mapping[str, Any], context: str) -> None:
     if vpp > 1:
         handles.append(Patch(color=style.lighten(style.OP_KINDS[0][2], 0.5), label="lighter: later local chunk"))
     handles.append(Patch(color="#EEF0F3", label="idle (bubble)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(handles), fontsize=8,
+    # Below the x-axis label (which sits at about -0.14 of the axes), not on top of it.
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(handles), fontsize=8,
               frameon=False)
     pp = len(tl["stages"])
     ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)] if pp <= 32 else None)
