@@ -201,3 +201,27 @@ def test_evaluate_details_and_user_efficiency():
     slower = evaluate(LLAMA8, batch, _cluster(8), efficiency=slow)
     assert "makespan_s" in fast and "makespan_s" not in slower
     assert slower["step_s"][0] > 1.3 * fast["step_s"][0]
+
+
+def test_node_dedup_dispatch_cuts_multi_node_ep_traffic_only():
+    """DeepEP/HybridEP: a token crosses the network once per distinct remote node."""
+    cluster = _cluster(1024)
+    common = dict(dp=64, pp=16, ep=64, num_micro_batches=32, seq_length=4096, zero=1)
+    plain = estimate_time(DSV3, Strategy(**common), cluster, overlap=OverlapConfig(ep=False))
+    dedup = estimate_time(DSV3, Strategy(**common), cluster, overlap=OverlapConfig(ep=False, ep_dispatch="node_dedup"))
+    assert dedup.to_dict()["breakdown"]["comm_exposed"]["ep"] < 0.8 * plain.to_dict()["breakdown"]["comm_exposed"]["ep"]
+    # EP inside one NVLink domain: both dispatchers move the same bytes
+    inside = dict(common, ep=8)
+    a = estimate_time(DSV3, Strategy(**inside), cluster, overlap=OverlapConfig(ep=False))
+    b = estimate_time(DSV3, Strategy(**inside), cluster, overlap=OverlapConfig(ep=False, ep_dispatch="node_dedup"))
+    assert a.step_s == pytest.approx(b.step_s)
+
+
+def test_per_expert_latency_makes_many_small_experts_slower():
+    from ndplan.perf.flops import Gemm
+    from ndplan.perf.gemm import ComputeRates, gemm_seconds
+
+    rates = ComputeRates(1e15, 0.75, 256.0, 0.9, 5e14, 2.6e12, 2.0, expert_latency=5e-6)
+    few = Gemm("experts_up", 64.0, 1536.0, 2048.0, count=32.0, expert=True)
+    dense = Gemm("up", 64.0, 1536.0, 2048.0, count=32.0)
+    assert float(gemm_seconds(few, rates)) == pytest.approx(float(gemm_seconds(dense, rates)) + 32 * 5e-6)

@@ -31,7 +31,10 @@ class EfficiencyProfile(BaseModel):
     (tile quantisation: a dimension thinner than one tile costs as much as a full tile), and
     never faster than its operands and result can stream from HBM (roofline, see gemm.py).
     ``fp8_gemm_efficiency`` replaces ``gemm_efficiency`` when the compute dtype is fp8.
-    Routed-expert GEMMs are grouped GEMMs; ``grouped_gemm_factor`` multiplies their efficiency.
+    Routed-expert GEMMs are grouped GEMMs; ``grouped_gemm_factor`` multiplies their efficiency,
+    and each local expert's GEMM costs at least ``expert_gemm_latency_s`` more (kernel prologue,
+    epilogue and the partial last wave of a small per-expert GEMM, plus its per-expert fp8
+    quantisation kernel): grouped GEMMs over many small experts are latency-bound.
 
     Attention core (QK^T, softmax, PV): FlashAttention-style fused kernels at
     ``attention_efficiency`` of peak; the backward counts 2.5x the forward FLOPs (the kernel
@@ -57,7 +60,10 @@ class EfficiencyProfile(BaseModel):
     Host: the CPU enqueues a layer's kernels ahead of the GPU; when that takes longer than the
     GPU work the GPU waits. A decoder layer's forward and backward each take at least
     ``host_layer_s`` (dense) or ``host_moe_layer_s`` (MoE: routing, token permutation and the
-    device-to-host sync of per-expert token counts that dropless dispatch needs).
+    device-to-host sync of per-expert token counts that dropless dispatch needs), plus
+    ``host_expert_s`` per local expert: after that sync the host launches each expert's
+    GEMMs and casts (about 4 launches of ~5 µs forward; the backward counts twice), with the
+    GPU queue drained, so these launches are not hidden behind earlier GPU work.
 
     Overheads: ``layer_overhead_s`` per decoder layer per pass on the GPU (kernel tails,
     synchronisation); ``step_overhead_s`` once per step (data loading, logging).
@@ -84,6 +90,8 @@ class EfficiencyProfile(BaseModel):
     elementwise_passes: float = Field(default=1.0, ge=1.0)
     host_layer_s: float = Field(default=0.3e-3, ge=0.0)
     host_moe_layer_s: float = Field(default=2.0e-3, ge=0.0)
+    host_expert_s: float = Field(default=20e-6, ge=0.0, description="host seconds per local expert, forward")
+    expert_gemm_latency_s: float = Field(default=5e-6, ge=0.0, description="GPU seconds per local expert per GEMM")
     layer_overhead_s: float = Field(default=20e-6, ge=0.0)
     step_overhead_s: float = Field(default=0.0, ge=0.0)
     moe_imbalance: float = Field(default=1.0, ge=1.0)
@@ -109,6 +117,8 @@ FITTABLE: dict[str, tuple[float, float]] = {
     "host_layer_s": (0.0, 5e-3),
     "host_moe_layer_s": (0.0, 20e-3),
     "grouped_gemm_factor": (0.05, 1.0),
+    "host_expert_s": (0.0, 2e-4),
+    "expert_gemm_latency_s": (0.0, 1e-4),
     "step_overhead_s": (0.0, 5.0),
 }
 

@@ -23,7 +23,10 @@ device (T = b·s):
   Hybrid: Ulysses over ulysses_degree ranks, then a ring over cp/ulysses_degree.
 * EP: dispatch (at GEMM operand width: fp8 recipes dispatch in fp8) and combine (activation
   width) all-to-alls of the (T/c)·k/t routed copies of h forward, both at activation width
-  backward, over the ep ranks at stride etp (× moe_imbalance).
+  backward, over the ep ranks at stride etp (× moe_imbalance). With
+  ``OverlapConfig.ep_dispatch = 'node_dedup'`` (DeepEP/HybridEP) a token crosses the network
+  once per distinct remote node, (N-1)·(1-(1-1/N)^k) times for N nodes in the EP group, and
+  every copy that does not land on the receiving GPU crosses NVLink once: (g-1)/g of them.
 * FSDP / ZeRO-3: all-gather the layer's parameter shard forward (param_gather_bytes), again in
   backward when resharding after forward, and reduce-scatter its gradient (grad_bytes), over
   the shard group (non-expert: shard_group or dp·cp ranks at stride tp; experts: the
@@ -32,7 +35,8 @@ Exposure (see OverlapConfig): hidden comm is max(0, comm - the compute it runs u
 
 Compute per layer and pass: GEMMs (gemm.py) + fp8 input casts + attention core + elementwise
 bytes (memory_ops.py) + ``layer_overhead_s``, never less than the host floor
-(``host_layer_s`` / ``host_moe_layer_s``, see EfficiencyProfile).
+(``host_layer_s`` / ``host_moe_layer_s`` + ``host_expert_s`` per local expert, the backward's
+expert term twice; see EfficiencyProfile).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from ndplan.perf.flops import (
 from ndplan.perf.gemm import ComputeRates, gemm_seconds, gemms_seconds
 from ndplan.perf.memory_ops import embedding_bytes, head_bytes, layer_bytes, unfused_score_bytes
 from ndplan.perf.overlap import OverlapConfig
-from ndplan.perf.topology import Fabric, group_link
+from ndplan.perf.topology import Fabric, fits_in_domain, group_link, inside_bandwidth, members_per_domain
 from ndplan.strategy.precision import PrecisionPolicy
 
 Array = np.ndarray
@@ -176,6 +180,27 @@ def _cp_seconds(
     return ring_f, ring_b, a2a
 
 
+def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | float) -> Array | float:
+    """One expert all-to-all of an ``nbytes`` send buffer (all routed copies of the device's
+    tokens) over the ep ranks at stride etp, with the run's dispatcher (OverlapConfig.ep_dispatch)."""
+    e, x = cols["ep"], cols["etp"]
+    link = group_link(e, x, ctx.fabric, "all_to_all")
+    plain = coll.all_to_all_s(nbytes, e, link)
+    if ctx.overlap.ep_dispatch != "node_dedup":
+        return plain
+    fabric = ctx.fabric
+    k = float(ctx.model.num_experts_per_tok)
+    g = members_per_domain(e, x, fabric.domain)
+    nodes = np.maximum(e / g, 1.0)
+    # expected distinct remote nodes a token reaches with k experts spread over the nodes
+    remote = (nodes - 1.0) * (1.0 - (1.0 - 1.0 / nodes) ** k)
+    outside = nbytes / k * remote / fabric.scaleout_bw
+    inside = nbytes * (g - 1.0) / g / inside_bandwidth(fabric, g)
+    latency = (nodes - 1.0) * fabric.scaleout_latency + (g - 1.0) * fabric.scaleup_latency
+    dedup = np.where(e > 1, latency + np.maximum(inside, outside), 0.0)
+    return np.where(fits_in_domain(e, x, fabric.domain), plain, dedup)
+
+
 def _layer_param_split(model: ModelSpec, kind: MlpKind) -> tuple[float, float]:
     """(non-expert, routed-expert) parameters of one layer."""
     p = layer_params(model, kind)
@@ -217,12 +242,17 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
     overhead = eff.layer_overhead_s
-    host = eff.host_moe_layer_s if kind == "moe" else eff.host_layer_s
+    host_f: Array | float = eff.host_layer_s
+    host_b: Array | float = eff.host_layer_s
+    if kind == "moe":
+        local_experts = model.num_experts / cols["ep"]
+        host_f = eff.host_moe_layer_s + local_experts * eff.host_expert_s
+        host_b = eff.host_moe_layer_s + 2.0 * local_experts * eff.host_expert_s
 
     out = PieceTimes()
     # The GPU cannot run a layer faster than the host enqueues it (see EfficiencyProfile).
-    compute_f = np.maximum(gemm + cast_f + attn_f + ew_f + overhead, host)
-    compute_b = np.maximum(gemm + cast_b + attn_b + 2.0 * ew_f + overhead, host)
+    compute_f = np.maximum(gemm + cast_f + attn_f + ew_f + overhead, host_f)
+    compute_b = np.maximum(gemm + cast_b + attn_b + 2.0 * ew_f + overhead, host_b)
     compute_w = gemm
     out.add("F", "compute", compute_f)
     out.add("B", "compute", compute_b)
@@ -243,13 +273,12 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
 
     ep_f: Array | float = 0.0
     if kind == "moe":
-        e, x, t = cols["ep"], cols["etp"], cols["tp"]
+        t = cols["tp"]
         # Dispatch sends the routed copies at GEMM operand width (fp8 recipes dispatch in fp8),
         # combine returns them in activation width; the backward moves gradients both ways.
         copies = sh.tokens * model.num_experts_per_tok / t * model.hidden_size
-        link = group_link(e, x, ctx.fabric, "all_to_all")
-        forward = coll.all_to_all_s(copies * rates.operand_bytes, e, link) + coll.all_to_all_s(copies * beta, e, link)
-        backward = 2.0 * coll.all_to_all_s(copies * beta, e, link)
+        forward = _ep_all_to_all_s(ctx, cols, copies * rates.operand_bytes) + _ep_all_to_all_s(ctx, cols, copies * beta)
+        backward = 2.0 * _ep_all_to_all_s(ctx, cols, copies * beta)
         hide_ep = cols["ep_overlap"] > 0
         ep_f = _exposed(forward * eff.moe_imbalance, compute_f, hide_ep)
         out.add("F", "ep", ep_f)

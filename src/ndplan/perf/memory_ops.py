@@ -15,8 +15,12 @@ Per decoder layer, forward:
 * QK-norm, MLA latent norms            -> read + write their widths
 * MLP activation: gated reads gate and up, writes one -> 3·T·f/t; plain 2·T·f/t
 * MoE: permute (read + write) and un-permute + weighted combine (read 2, write 1) of the
-  T·k/t routed copies of h -> 5·(T·k/t)·h; router softmax/top-k over E logits in fp32
-  -> 3·(T/t)·E·4 bytes; expert activations 3·(T·k/t)·f_e (gated)
+  T·k/t routed copies of h -> 5·(T·k/t)·h; expert activations 3·(T·k/t)·f_e (gated).
+  Router, per (token, expert) logit, ROUTER_BYTES_PER_LOGIT = 25 bytes: fp32 softmax/sigmoid
+  and top-k (write logits 4, read 4 write 4, read 4), the dense [T, E] routing map (1) and
+  masked probabilities (write 4, read 4 in the permute) Megatron's dispatcher builds, and the
+  load-balancing loss's read of the scores (4). Permutation indices: per routed copy an int64
+  row index written and read by permute and again by un-permute -> 32 bytes per copy.
 Unfused attention (no FlashAttention): per score element b·(a/t)·(s/c)·s: GEMM writes scores 2,
 softmax reads 2 writes 2, dropout reads 2 writes 2 plus a 1-byte mask -> 11 bytes forward.
 Output head + loss: the vocab-parallel cross-entropy reads the bf16 logits, works in fp32
@@ -40,6 +44,10 @@ UNFUSED_SCORE_BYTES = 11.0
 LOSS_BYTES_PER_LOGIT = 10.0
 #: Bytes per embedding element of the backward scatter-add into an fp32 gradient.
 EMBEDDING_GRAD_BYTES = 10.0
+#: Bytes per (token, expert) router element: softmax/top-k, routing map, probabilities, aux loss.
+ROUTER_BYTES_PER_LOGIT = 25.0
+#: Bytes per routed copy of the permutation's int64 row indices (permute and un-permute).
+PERMUTE_INDEX_BYTES = 32.0
 
 
 def norm_tokens(sh: Sharding, sp: Array | float) -> Array | float:
@@ -83,7 +91,8 @@ def layer_bytes(
         activation = gate_factor * copies * model.moe_ffn_hidden_size
         if model.num_shared_experts:
             activation = activation + gate_factor * tok * model.num_shared_experts * model.shared_expert_ffn_hidden_size / t
-        shuffle = 5.0 * copies * h + 3.0 * (tok / t) * model.num_experts * 4.0 / act_bytes
+        router = ROUTER_BYTES_PER_LOGIT * (tok / t) * model.num_experts + PERMUTE_INDEX_BYTES * copies
+        shuffle = 5.0 * copies * h + router / act_bytes
     recomputable = norms + rope + extra_norms + activation
     return act_bytes * (recomputable + residual + shuffle), act_bytes * recomputable
 

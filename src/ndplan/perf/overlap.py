@@ -8,6 +8,8 @@ mechanism is on; the formulas live with the collectives they change (comm.py, la
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 from ndplan.errors import NdplanError
@@ -29,6 +31,14 @@ class OverlapConfig(BaseModel):
         userbuffers / async TP); off by default, as in a plain launch.
     ep: expert all-to-all overlaps with other compute. None (default) means "on exactly under
         DualPipeV", whose overlapped F&B steps exist to hide it.
+    ep_dispatch: how the expert all-to-all crosses nodes. 'all_to_all' (Megatron's alltoall
+        dispatcher, NCCL): every routed copy of a token travels on its own, over the NIC when
+        its expert is on another node. 'node_dedup' (DeepEP, HybridEP): a token routed to
+        several experts on one node crosses the network once, to the GPU with the same local
+        index there, and is fanned out over NVLink (the combine reduces on the node first, the
+        mirror image). With k experts spread uniformly over the N nodes of an EP group a token
+        reaches N·(1-(1-1/N)^k) distinct nodes, (N-1)·(1-(1-1/N)^k) of them remote. Inside
+        one scale-up domain both dispatchers move the same bytes.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -39,6 +49,7 @@ class OverlapConfig(BaseModel):
     cp_ring: bool = True
     tp: bool = False
     ep: bool | None = None
+    ep_dispatch: Literal["all_to_all", "node_dedup"] = "all_to_all"
 
 
 #: Defaults per software stack. "megatron" is what Megatron-LM/NeMo recipes turn on by default

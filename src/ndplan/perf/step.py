@@ -104,6 +104,7 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
         attention_rate=attention_peak * eff.attention_efficiency,
         hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
         operand_bytes=1.0 if fp8 else 2.0,
+        expert_latency=eff.expert_gemm_latency_s,
     )
 
 

@@ -98,6 +98,11 @@ def _inside_bw(fabric: Fabric, members: Array | float) -> Array | float:
     return fabric.scaleup_bw * links / (fabric.domain - 1)
 
 
+def inside_bandwidth(fabric: Fabric, members: Array | float) -> Array | float:
+    """Scale-up bandwidth of ``members`` devices of one domain talking among themselves."""
+    return _inside_bw(fabric, members)
+
+
 def group_link(size: Array | float, stride: Array | float, fabric: Fabric, pattern: Pattern = "ring") -> Link:
     """The effective link of a group of ``size`` ranks at ``stride`` for a collective pattern."""
     size = np.asarray(size, dtype=np.float64)
