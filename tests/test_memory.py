@@ -216,7 +216,7 @@ def test_more_pp_never_raises_the_largest_stage_static(v):
 ])
 def test_steady_state_cap_gives_the_same_peaks(schedule, pp, vpp, seq_chunks):
     """Held-activation peaks stop growing past the warm-up; the capped simulation equals the full one."""
-    from ndplan.memory.estimate import steady_micro_batches
+    from ndplan.memory.stages import steady_micro_batches
     from ndplan.schedule import in_flight
 
     rng = np.random.default_rng(0)
@@ -231,7 +231,7 @@ def test_steady_state_cap_gives_the_same_peaks(schedule, pp, vpp, seq_chunks):
 @pytest.mark.parametrize("schedule,pp,vpp,m,seq_chunks", [("gpipe", 4, 1, 16, 1), ("1f1b", 1, 1, 8, 1), ("seq1f1b", 1, 1, 4, 4),
                                                          ("zb-h1", 1, 1, 4, 1)])
 def test_closed_form_frontiers_equal_the_simulation(schedule, pp, vpp, m, seq_chunks):
-    from ndplan.memory.estimate import _frontier
+    from ndplan.memory.stages import _frontier
     from ndplan.schedule import in_flight
 
     flight = in_flight(schedule, pp, vpp, m, seq_chunks)

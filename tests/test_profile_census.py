@@ -11,7 +11,7 @@ from importlib import resources
 import pytest
 
 from ndplan.census.record import from_json
-from ndplan.memory.estimate import MemoryOptions, layer_activations
+from ndplan.memory.stages import MemoryOptions, layer_activations
 from ndplan.model import get_preset
 from ndplan.strategy import Strategy, StrategyBatch
 

@@ -1,7 +1,7 @@
 """The accuracy suite's configurations: a model (depth-trimmed), a strategy, a note.
 
 Each entry is measured with ``ndplan.census.measure_step`` (one rank per pipeline stage) and
-estimated with ``ndplan.memory.estimate`` on the same trimmed model; every measured stage is one
+estimated with ``ndplan.memory.stages`` on the same trimmed model; every measured stage is one
 row of docs/accuracy.md. Keep the suite to a few minutes on 2 CPU cores: fake tensors cost
 nothing per element, but every op, module hook and DTensor dispatch costs Python time, so models
 are trimmed to 2-8 decoder layers.

@@ -56,7 +56,7 @@ from ndplan.strategy import Strategy
 MEASURED_SCHEMA = "ndplan.measured-memory"
 MEASURED_SCHEMA_VERSION = 1
 
-#: Categories, with the estimator's names and meanings (see ``ndplan.memory.estimate``).
+#: Categories, with the estimator's names and meanings (see ``ndplan.memory.stages``).
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient", "optimizer_step")
 
 #: Precision policies a PyTorch eager step can run as: bf16 weights/grads/AdamW states

@@ -1,6 +1,6 @@
 """Compare ndplan's memory estimate with a measurement of the same step, category by category.
 
-The estimate is ``ndplan.memory.estimate`` with the PyTorch runtime profile and
+The estimate is ``ndplan.memory.stages`` with the PyTorch runtime profile and
 ``MemoryOptions(include_overhead=False)``: *allocated* bytes, what ``torch.cuda.max_memory_allocated``
 reports and what ``ndplan.census.measure_step`` measures (no CUDA context, NCCL buffers or allocator
 slack). Where a measurement has ``reserved_bytes`` (a real run's ``torch.cuda.max_memory_reserved``),

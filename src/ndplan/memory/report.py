@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ndplan.hardware import Device
-from ndplan.memory.estimate import (
+from ndplan.memory.stages import (
     ACTIVATION_KINDS,
     STATIC_KINDS,
     MemoryOptions,

@@ -15,7 +15,7 @@ import numpy as np
 
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
-from ndplan.memory.estimate import peak_memory
+from ndplan.memory.stages import peak_memory
 from ndplan.model.spec import ModelSpec
 from ndplan.search.space import SearchSpace
 from ndplan.strategy.batch import StrategyBatch
