@@ -100,13 +100,17 @@ class StageMemory:
 
 
 # --------------------------------------------------------------------------- activations
-def _per_rank(block: BlockBytes, divisors: dict[str, np.ndarray], seq: np.ndarray, part: str = "base") -> np.ndarray:
-    """Bytes per token of a block on one rank: Σ over shard rules of coefficient / divisor."""
+def _per_rank(block: BlockBytes, inverse: dict[str, np.ndarray], seq: np.ndarray, part: str = "base") -> np.ndarray:
+    """Bytes per token of a block on one rank: Σ over shard rules of coefficient / divisor
+    (``inverse`` holds 1/divisor per rule; rules with no bytes cost nothing)."""
     table = getattr(block, part)
-    total = sum(table[r] / divisors[r] for r in SHARDS)
-    if part == "base":
-        total = total + sum(block.per_seq[r] / divisors[r] for r in SHARDS) * seq
-    return np.asarray(total, dtype=float)
+    total = np.zeros_like(seq)
+    for r in SHARDS:
+        if table[r]:
+            total = total + table[r] * inverse[r]
+        if part == "base" and block.per_seq[r]:
+            total = total + block.per_seq[r] * inverse[r] * seq
+    return total
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,10 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     seq = batch.seq_length.astype(float)
     empty = BlockBytes(*(dict.fromkeys(SHARDS, 0.0) for _ in range(4)))
 
+    inverse = {rule: 1.0 / np.broadcast_to(divisor, tp.shape) for rule, divisor in divisors.items()}
+
     def block(name: str, part: str = "base") -> np.ndarray:
-        return _per_rank(blocks.get(name, empty), divisors, seq, part)
+        return _per_rank(blocks.get(name, empty), inverse, seq, part)
 
     attention_name = "attention_mla" if model.is_mla else "attention"
     norm, attention = block("norm"), block(attention_name)
