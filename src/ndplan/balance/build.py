@@ -23,8 +23,8 @@ from ndplan.balance.problem import BalanceProblem, LayerCost, Plan, PlanCost, ev
 from ndplan.balance.solve import solve_exact, solve_heuristic
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster
-from ndplan.memory.stages import MemoryOptions, layer_activations, stage_memory
 from ndplan.memory.overhead import DEFAULTS
+from ndplan.memory.stages import MemoryOptions, layer_activations, stage_memory
 from ndplan.memory.static import layer_elements, sharding_factors
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import default_efficiency
