@@ -95,11 +95,26 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
     return assignment, best[0], best[1]
 
 
-def plan_for_counts(problem: BalanceProblem, counts: tuple[int, ...]) -> Plan | None:
-    """The best recompute for a placement (knapsack per stage), or None if a stage cannot fit."""
+StageCache = dict[tuple[int, tuple[tuple[int, int], ...]], "tuple[dict[int, str], float, float] | None"]
+
+
+def plan_for_counts(problem: BalanceProblem, counts: tuple[int, ...], cache: StageCache | None = None) -> Plan | None:
+    """The best recompute for a placement (knapsack per stage), or None if a stage cannot fit.
+
+    A stage's answer depends only on which layers it holds, so ``cache`` (keyed by the stage
+    and its chunks' (first layer, count)) lets a search over placements re-solve only the
+    stages a move changed.
+    """
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     recompute = [""] * problem.num_layers
     for stage in range(problem.pp):
-        solved = knapsack(problem, counts, stage)
+        key = (stage, tuple((int(starts[v]), int(counts[v])) for v in np.flatnonzero(problem.stage_of == stage)))
+        if cache is not None and key in cache:
+            solved = cache[key]
+        else:
+            solved = knapsack(problem, counts, stage)
+            if cache is not None:
+                cache[key] = solved
         if solved is None:
             return None
         for layer, option in solved[0].items():
@@ -132,11 +147,12 @@ def solve_heuristic(problem: BalanceProblem, start: tuple[int, ...] | None = Non
     counts = start or tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
 
     strongest = problem.options[-1]
+    cache: StageCache = {}
 
     def score(c: tuple[int, ...]) -> tuple[tuple[int, float], Plan | None, PlanCost | None]:
         # Feasible plans rank by step time; infeasible placements by how far the strongest
         # recompute leaves them over the limit, so the search can walk out of infeasibility.
-        plan = plan_for_counts(problem, c)
+        plan = plan_for_counts(problem, c, cache)
         if plan is None:
             over = evaluate(problem, Plan(c, (strongest,) * problem.num_layers)).stage_memory_bytes
             return (1, float(np.max(over) - problem.memory_limit_bytes)), None, None
