@@ -338,12 +338,15 @@ def cmd_search(args: argparse.Namespace) -> int:
         task = progress.add_task(f"{space.size:,} candidates", total=space.size)
         result = run_search(
             model, device, space, step_time_batch, memory_limit_bytes=limit, options=_memory_options(args),
-            top=args.top, progress=lambda done, total: progress.update(task, completed=done),
+            # --balance re-ranks a wider pool, so a candidate that balancing lifts can enter the top.
+            top=max(args.top, 100) if args.balance else args.top,
+            progress=lambda done, total: progress.update(task, completed=done),
         )
     if not result.ranked:
         result.notes.extend(_what_would_fit(result, model, device, args, space))
     elif args.balance:
         _rerank_balanced(result, model, device, space, limit or device.memory_bytes, _memory_options(args), args.precision)
+        result.ranked = result.ranked[: args.top]
     data = search_result_dict(result, model, device, space)
     if args.csv:
         _write_csv(args.csv, result.ranked)
@@ -390,7 +393,8 @@ def _rerank_balanced(result: Any, model: ModelSpec, device: Any, space: Any, lim
         row["label"] += " (balanced)"
         balanced += 1
     result.ranked.sort(key=lambda r: (r["step_s"], r["peak_bytes"], r["candidate"]))
-    result.notes.append(f"--balance: {balanced} ranked pipeline candidates re-ranked by their balanced plan")
+    result.notes.append(f"--balance: the {len(result.ranked)} fastest candidates re-ranked; {balanced} pipeline "
+                        "candidates among them by their balanced plan")
 
 
 def _what_would_fit(result: Any, model: ModelSpec, device: Any, args: argparse.Namespace, space: Any) -> list[str]:
@@ -547,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=sorted(PRECISION_PRESETS), default="megatron-bf16")
     p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show")
     p.add_argument("--balance", action="store_true",
-                   help="re-rank the ranked pipeline candidates by their balanced layer placement and recompute plan")
+                   help="re-rank the 100 fastest candidates, pipelines by their balanced layer placement and recompute plan")
     p.add_argument("--csv", help="write the ranked rows to a CSV file")
     p.add_argument("--emit", choices=["megatron", "torchtitan", "hyperparallel", "mindformers"],
                    help="print the winner as that framework's settings")
