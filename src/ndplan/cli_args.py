@@ -12,22 +12,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from ndplan.errors import NdplanError
+from ndplan.io.common import PLAN_TO_FIELD
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import read_structured_file
 from ndplan.strategy.precision import PRECISION_PRESETS
 from ndplan.strategy.strategy import CP_KINDS, RECOMPUTES, SCHEDULES, Strategy
 
-#: Plan-file keys and the Strategy field each maps to (CLI flags use the same names with dashes).
-_STRATEGY_KEYS = {
-    "dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "cp_kind": "cp_kind", "ulysses_degree": "ulysses_degree",
-    "ep": "ep", "etp": "etp", "vpp": "vpp", "sp": "sequence_parallel", "schedule": "schedule",
-    "seq_chunks": "seq_chunks", "stage_layers": "stage_layers", "zero": "zero", "fsdp": "fsdp",
-    "shard_group": "shard_group", "reshard": "reshard_after_forward", "optimizer_offload": "optimizer_offload",
-    "recompute": "recompute", "recompute_layers": "recompute_layers", "mbs": "micro_batch_size",
-    "num_micro_batches": "num_micro_batches", "gbs": "global_batch_size", "seq": "seq_length",
-    "precision": "precision",
-}
-_STRATEGY_KEYS.update(embedding_as_layer="embedding_as_layer", output_as_layer="output_as_layer")
+#: Plan-file keys and the Strategy field each maps to (CLI flags use the same names with dashes);
+#: the framework readers produce settings in the same keys.
+_STRATEGY_KEYS = PLAN_TO_FIELD
 _PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "devices"}
 
 

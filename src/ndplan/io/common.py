@@ -24,8 +24,7 @@ from ndplan.placement import uniform_layer_counts
 from ndplan.strategy.precision import PRECISION_PRESETS, PrecisionPolicy
 from ndplan.strategy.strategy import Strategy
 
-#: Plan-file keys (as ``cli_args`` reads them) and the Strategy field each one sets. The last two
-#: are new: the lead adds them to ``cli_args._STRATEGY_KEYS`` so plan files can carry them too.
+#: Plan-file keys (as ``cli_args`` and plan files read them) and the Strategy field each one sets.
 PLAN_TO_FIELD: dict[str, str] = {
     "dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "cp_kind": "cp_kind", "ulysses_degree": "ulysses_degree",
     "ep": "ep", "etp": "etp", "vpp": "vpp", "sp": "sequence_parallel", "schedule": "schedule",
