@@ -489,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_hardware)
 
+    from ndplan.io import EMIT_FORMATS
     from ndplan.io.cli import add_from_argument, add_inspect_arguments, cmd_inspect
 
     p = sub.add_parser("check", help="validate a strategy for a model and cluster; print every violated rule")
@@ -503,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_arguments(p)
     p.add_argument("--explain", action="store_true", help="print every term of the peak stage with its formula")
     p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
-    p.add_argument("--emit", choices=["megatron", "torchtitan", "hyperparallel", "mindformers"],
+    p.add_argument("--emit", choices=EMIT_FORMATS,
                    help="print the strategy as that framework's settings")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_estimate)
@@ -514,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_arguments(p)
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--heuristic", action="store_true", help="the fast heuristic instead of the exact MILP")
-    p.add_argument("--emit", choices=["megatron", "torchtitan", "hyperparallel", "mindformers"],
+    p.add_argument("--emit", choices=EMIT_FORMATS,
                    help="print the plan as that framework's settings")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_balance)
@@ -553,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance", action="store_true",
                    help="re-rank the 100 fastest candidates, pipelines by their balanced layer placement and recompute plan")
     p.add_argument("--csv", help="write the ranked rows to a CSV file")
-    p.add_argument("--emit", choices=["megatron", "torchtitan", "hyperparallel", "mindformers"],
+    p.add_argument("--emit", choices=EMIT_FORMATS,
                    help="print the winner as that framework's settings")
     add_runtime_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
