@@ -236,6 +236,22 @@ def test_closed_form_frontiers_equal_the_simulation(schedule, pp, vpp, m, seq_ch
 
     flight = in_flight(schedule, pp, vpp, m, seq_chunks)
     for stage, rows in enumerate(_frontier(schedule, pp, vpp, m, seq_chunks)):
-        for weights in (np.array([1.0, 0.5]), np.array([0.5, 1.0])):
-            held = np.hstack([flight.stages[stage].held_until_b, flight.stages[stage].held_until_w])
+        for weights in (np.array([1.0, 0.5, 0.0]), np.array([0.5, 1.0, 0.0]), np.array([1.0, 0.5, 2.0]),
+                        np.array([1.0, 0.0, 0.3])):
+            series = flight.stages[stage]
+            held = np.hstack([series.held_until_b, series.held_until_w, series.grads_ready])
             assert np.max(rows @ weights) == pytest.approx(np.max(held @ weights))
+
+
+def test_gradients_appear_with_the_first_backward():
+    """A chunk's gradients exist from its first B (its first W when the backward is split)."""
+    from ndplan.schedule import in_flight
+
+    one_f_one_b = in_flight("1f1b", 2, 1, 4).stages[0]
+    first_b = int(np.argmax(np.diff(one_f_one_b.held_until_b[:, 0]) < 0)) + 1  # row after the first B
+    assert one_f_one_b.grads_ready[:first_b, 0].max() == 0.0
+    assert one_f_one_b.grads_ready[first_b:, 0].min() == 1.0
+    zero_bubble = in_flight("zb-h1", 2, 1, 4).stages[0]
+    first_w = int(np.argmax(np.diff(zero_bubble.held_until_w[:, 0]) < 0)) + 1
+    assert zero_bubble.grads_ready[:first_w, 0].max() == 0.0
+    assert zero_bubble.grads_ready[first_w:, 0].min() == 1.0

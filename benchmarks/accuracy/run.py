@@ -32,9 +32,9 @@ TARGET_MEDIAN_PCT = 1.0
 TARGET_UNDER_PCT = 2.0
 
 
-def run_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Measure and estimate one configuration."""
-    from ndplan.census.measure_step import measure_step, trimmed_spec
+def run_config(config: dict[str, Any], stored: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure and estimate one configuration (with ``stored``, re-estimate that measurement)."""
+    from ndplan.census.measure_step import measure_step, measurement_from_dict, trimmed_spec
     from ndplan.census.verify import verify
     from ndplan.model import get_preset, hf_config
     from ndplan.strategy import Strategy, validate_strategy
@@ -45,7 +45,10 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
     layers = int(config["layers"])
     try:
         validate_strategy(strategy, trimmed_spec(spec, layers))
-        measurement = measure_step(hf_config(config["model"]), strategy, num_layers=layers, name=config["model"])
+        if stored is not None:
+            measurement = measurement_from_dict(stored, source="results.json")
+        else:
+            measurement = measure_step(hf_config(config["model"]), strategy, num_layers=layers, name=config["model"])
         result = verify(spec, measurement)
     except Exception as error:  # report it as a row, keep the suite going
         return {"config": config, "error": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - t0}
@@ -366,15 +369,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/accuracy.md and results.json")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "accuracy.md")
     ap.add_argument("--results", type=Path, default=HERE / "results.json")
+    ap.add_argument("--reuse", action="store_true",
+                    help="re-estimate the measurements stored in --results instead of measuring again "
+                         "(quick, for work on the estimator; implies --no-write)")
     args = ap.parse_args(argv)
     configs = [c for c in CONFIGS if not args.only or any(o in c["name"] for o in args.only)]
     if not configs:
         print("no configuration matches", file=sys.stderr)
         return 2
+    stored: dict[str, Any] = {}
+    if args.reuse:
+        args.no_write = True
+        previous = json.loads(args.results.read_text(encoding="utf-8"))["results"]
+        stored = {r["config"]["name"]: r["measurement"] for r in previous if "measurement" in r}
     t0 = time.perf_counter()
     results = []
     for config in configs:
-        results.append(run_config(config))
+        if args.reuse and config["name"] not in stored:
+            print(f"  {config['name']:<36} not in {args.results}: skipped", flush=True)
+            continue
+        results.append(run_config(config, stored.get(config["name"])))
         _progress(results[-1])
     seconds = time.perf_counter() - t0
     text = markdown(results, seconds)

@@ -262,18 +262,17 @@ def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
 
 @lru_cache(maxsize=8192)
 def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
-    """Per stage, the op-boundary rows [held_until_b | held_until_w] that can be the maximum of
-    a non-negative weighting: rows dominated by another row are dropped (usually most)."""
-    if schedule == "gpipe" or (pp == 1 and vpp == 1):
-        # GPipe runs every forward before any backward: each stage holds all m micro-batches.
-        # A single stage holds one micro-batch (all its sub-sequences under Seq1F1B) at a time.
-        # With a split backward, W may still wait after B while nothing else is held.
-        rows = [[float(m), 0.0]] if schedule == "gpipe" else [[1.0, 0.0]]
-        if schedule in SPLIT_BACKWARD:
-            rows.append([0.0, 1.0])
-        return tuple(np.array(rows) for _ in range(pp))
+    """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] that can be
+    the maximum of a non-negative weighting: rows dominated by another row are dropped (usually
+    most)."""
+    if schedule == "gpipe":
+        # GPipe runs every forward before any backward: each stage holds all m micro-batches, and
+        # no gradient exists yet; after the first backward, m - 1 and the gradients.
+        return tuple(np.array([[float(m), 0.0, 0.0], [float(m - 1), 0.0, 1.0]]) for _ in range(pp))
     flight = in_flight(schedule, pp, vpp, steady_micro_batches(schedule, pp, vpp, m), seq_chunks)
-    return tuple(_undominated(np.hstack([stage.held_until_b, stage.held_until_w])) for stage in flight.stages)
+    return tuple(
+        _undominated(np.hstack([stage.held_until_b, stage.held_until_w, stage.grads_ready])) for stage in flight.stages
+    )
 
 
 def _undominated(rows: np.ndarray) -> np.ndarray:
@@ -300,11 +299,11 @@ def _undominated(rows: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=8192)
 def _padded_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> np.ndarray:
-    """The frontier of every stage in one array [pp, rows, 2·vpp], padded with zero rows (a zero
+    """The frontier of every stage in one array [pp, rows, 3·vpp], padded with zero rows (a zero
     row never beats a real one, since weights are non-negative)."""
     frontier = _frontier(schedule, pp, vpp, m, seq_chunks)
     rows = max(len(f) for f in frontier)
-    padded = np.zeros((pp, rows, 2 * vpp))
+    padded = np.zeros((pp, rows, 3 * vpp))
     for s, f in enumerate(frontier):
         padded[s, : len(f)] = f
     padded.flags.writeable = False
@@ -312,26 +311,33 @@ def _padded_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) 
 
 
 def _held_peak(
-    schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray, per_b: np.ndarray, per_w: np.ndarray,
-    *, keep_rows: bool = False,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Peak held bytes per stage, [n, pp], and (with ``keep_rows``) per strategy and stage the
-    frontier row ([held_until_b | held_until_w] counts, [n, pp, 2·vpp]) where it happens.
-    Strategies are priced per distinct micro-batch count, whose schedule simulation they share."""
+    schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray,
+    per_b: np.ndarray, per_w: np.ndarray, per_grads: np.ndarray | None, *, keep_rows: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Per stage [n, pp]: the peak over the schedule of the held activations, and of the held
+    activations plus the gradients that exist by then (``per_grads``: bytes of each chunk's
+    gradients; None where they always exist, and then the second is the first). With
+    ``keep_rows``, per strategy and stage the frontier row ([held_until_b | held_until_w |
+    grads_ready], [n, pp, 3·vpp]) of the activation peak. Strategies are priced per distinct
+    micro-batch count, whose schedule simulation they share."""
     n = per_b.shape[0]
     weights = np.concatenate([per_b, per_w], axis=2)  # [n, pp, 2·vpp]
     peak = np.zeros((n, pp))
-    chosen = np.zeros((n, pp, 2 * vpp)) if keep_rows else None
+    with_grads = np.zeros((n, pp)) if per_grads is not None else peak
+    chosen = np.zeros((n, pp, 3 * vpp)) if keep_rows else None
     counts, which = np.unique(micro_batches, return_inverse=True)
     for j, m in enumerate(counts):
         subset = np.flatnonzero(which.ravel() == j) if len(counts) > 1 else np.arange(n)
-        frontier = _padded_frontier(schedule, pp, vpp, int(m), seq_chunks)  # [pp, rows, 2·vpp]
-        values = np.einsum("nsc,skc->nsk", weights[subset], frontier)
+        frontier = _padded_frontier(schedule, pp, vpp, int(m), seq_chunks)  # [pp, rows, 3·vpp]
+        values = np.einsum("nsc,skc->nsk", weights[subset], frontier[:, :, : 2 * vpp])
         best = np.argmax(values, axis=2)  # [n_m, pp]
         peak[subset] = np.take_along_axis(values, best[:, :, None], axis=2)[:, :, 0]
+        if per_grads is not None:
+            values += np.einsum("nsc,skc->nsk", per_grads[subset], frontier[:, :, 2 * vpp:])
+            with_grads[subset] = values.max(axis=2)
         if chosen is not None:
             chosen[subset] = frontier[np.arange(pp)[None, :], best]
-    return peak, chosen
+    return peak, with_grads, chosen
 
 
 # --------------------------------------------------------------------------- main entry
@@ -428,14 +434,17 @@ def _evaluate_group(
     final_norm = float(model.hidden_size * (2 if model.norm == "layernorm" and model.norm_bias else 1))
     mtp_kind = model.mtp_mlp_kind
     mtp_layer = layers.non_expert[mtp_kind] + mtp_extra_elements(model, tp)
+    # Element counts per virtual stage [n, pp·vpp]; a stage sums its chunks (``@ on_stage.T``).
+    first_virtual = (np.arange(virtual) == 0).astype(float)
+    last_virtual = (np.arange(virtual) == virtual - 1).astype(float)
     static_non_expert = {
-        "embedding": outer(table, first_stage) + (outer(table, last_stage) if embedding_copy_for_mtp else 0.0),
-        "output": outer(table * head_on_output + final_norm, last_stage),
-        "mtp": outer(model.mtp_depth * mtp_layer, last_stage),
+        "embedding": outer(table, first_virtual) + (outer(table, last_virtual) if embedding_copy_for_mtp else 0.0),
+        "output": outer(table * head_on_output + final_norm, last_virtual),
+        "mtp": outer(model.mtp_depth * mtp_layer, last_virtual),
     }
-    static_expert = {"mtp": outer(model.mtp_depth * layers.expert[mtp_kind], last_stage)}
+    static_expert = {"mtp": outer(model.mtp_depth * layers.expert[mtp_kind], last_virtual)}
     layer_kind: MlpKind
-    for layer_kind, per_stage in (("dense", dense_per_stage), ("moe", moe_per_stage)):
+    for layer_kind, per_stage in (("dense", placement.dense_layers), ("moe", placement.moe_layers)):
         for part, elements in layers.by_kind[layer_kind].items():
             expert_part = layers.expert[layer_kind] if part == "moe" else 0.0
             static_non_expert[part] = static_non_expert.get(part, 0.0) + outer(elements - expert_part, per_stage)
@@ -449,18 +458,22 @@ def _evaluate_group(
     # Sum the kinds first: the search needs only totals, the breakdown prices each kind alike.
     non_expert_total = sum(static_non_expert.values())
     expert_total = sum(static_expert.values())
+    to_stages = on_stage.T
+    grads_virtual = np.zeros((len(batch), virtual))
     for category, width in states.items():
         non_expert_div = getattr(shards, category)[:, None]
         expert_div = getattr(shards, f"expert_{category}")[:, None]
         value = non_expert_total * (width / non_expert_div) + expert_total * (width / expert_div)
-        keep = 0.0 if category != "optimizer" else offload
-        out[category] = np.broadcast_to(value if category != "optimizer" else np.where(keep, 0.0, value), (len(batch), pp))
+        if category == "grads":
+            grads_virtual = np.broadcast_to(value, (len(batch), virtual))
+        value = np.where(offload, 0.0, value) if category == "optimizer" else value
+        out[category] = np.broadcast_to(value @ to_stages, (len(batch), pp))
         if kinds is None:
             continue
         for static_kind in STATIC_KINDS:
             share = np.broadcast_to(
-                static_non_expert.get(static_kind, 0.0) * width / non_expert_div
-                + static_expert.get(static_kind, 0.0) * width / expert_div,
+                (static_non_expert.get(static_kind, 0.0) * width / non_expert_div
+                 + static_expert.get(static_kind, 0.0) * width / expert_div) @ to_stages,
                 (len(batch), pp),
             )
             kinds["static"][static_kind][index, :pp] += np.where(offload, 0.0, share) if category == "optimizer" else share
@@ -519,8 +532,15 @@ def _evaluate_group(
     per_w = np.zeros((len(batch), pp, vpp))
     per_b[:, placement.stage_of, placement.chunk_of] = per_b_virtual
     per_w[:, placement.stage_of, placement.chunk_of] = per_w_virtual
-    held, chosen = _held_peak(
-        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, per_b, per_w, keep_rows=kinds is not None
+    # Gradients created in the backward (set_to_none) do not exist before a chunk's first
+    # backward: GPipe's peak, all forwards held, has none. Elsewhere they are static.
+    grads_in_schedule = profile.grads_created_in_backward
+    per_grads = None
+    if grads_in_schedule:
+        per_grads = np.zeros((len(batch), pp, vpp))
+        per_grads[:, placement.stage_of, placement.chunk_of] = grads_virtual
+    held, held_with_grads, chosen = _held_peak(
+        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, per_b, per_w, per_grads, keep_rows=kinds is not None
     )
     out["activations"] = held
     if kinds is not None and chosen is not None:
@@ -538,6 +558,15 @@ def _evaluate_group(
     layer_transient = t * (backward_extra + rebuilt)
     loss_transient = t * acts.output_transient[:, None] * last_stage[None, :]
     out["transient"] = np.maximum(layer_transient, loss_transient)
+    # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
+    # table (the scatter of token gradients is dense) and adds it to the kept one; by then that
+    # micro-batch's first-chunk activations are gone. FSDP gradients are new each micro-batch
+    # and priced with its unit buffers.
+    accumulates = (batch.num_micro_batches > 1) & (batch.zero < 3)
+    embedding_accumulate = np.where(
+        accumulates[:, None], (table * precision.param_bytes)[:, None] - per_b_virtual[:, :1], 0.0
+    ) * first_stage[None, :]
+    out["transient"] = np.maximum(out["transient"], embedding_accumulate)
 
     # ---- communication buffers alive while a layer runs
     act_bytes = precision.activation_bytes
@@ -590,7 +619,8 @@ def _evaluate_group(
     out["optimizer_step"] = local_elements * options.profile.optimizer_temp_copies * updated_bytes + receive
 
     static = out["params"] + out["grads"] + out["optimizer"]
-    forward_backward = static + out["activations"] + out["comm"] + out["transient"]
+    held_and_grads = held_with_grads if grads_in_schedule else out["activations"] + out["grads"]
+    forward_backward = out["params"] + out["optimizer"] + held_and_grads + out["comm"] + out["transient"]
     if options.profile.grads_created_in_backward:
         # zero_grad(set_to_none=True): with one micro-batch the gradients appear during the
         # backward as the activations go, so the loss (all activations, no gradients) and the end
@@ -625,7 +655,7 @@ def _activation_kinds(
     }
     n = t.shape[0]
     for s in range(pp):
-        held_b, held_w = chosen[:, s, :vpp], chosen[:, s, vpp:]
+        held_b, held_w = chosen[:, s, :vpp], chosen[:, s, vpp:2 * vpp]
         chunks = np.flatnonzero(placement.stage_of == s)
         for kind, values in per_kind_virtual.items():
             amount = np.zeros(n)

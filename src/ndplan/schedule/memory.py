@@ -43,6 +43,10 @@ class StageInFlight:
 
     held_until_b: NDArray[np.float64]
     held_until_w: NDArray[np.float64]
+    #: 1 once the chunk's first weight gradient has been produced (its first W, or its first B
+    #: where the backward is not split), 0 before: a runtime that creates gradients in the
+    #: backward (``zero_grad(set_to_none=True)``) holds none before then.
+    grads_ready: NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -123,10 +127,13 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
             delta_w[rows, st.chunk] = (is_b & ~b_with_w).astype(np.float64) - (is_w & ~w_with_b)
         held_b = np.cumsum(delta_b, axis=0) / seq_chunks
         held_w = np.cumsum(delta_w, axis=0) / seq_chunks
+        makes_grads = np.zeros((n + 1, vpp))
+        makes_grads[rows, st.chunk] = (is_w if split else is_b).astype(np.float64)
+        grads_ready = (np.cumsum(makes_grads, axis=0) > 0).astype(np.float64)
         peak[s] = held_b.max(axis=0)
         peak_w[s] = held_w.max(axis=0)
         peak_total[s] = held_b.sum(axis=1).max()
-        stages.append(StageInFlight(_frozen(held_b), _frozen(held_w)))
+        stages.append(StageInFlight(_frozen(held_b), _frozen(held_w), _frozen(grads_ready)))
     return InFlight(
         schedule=schedule,
         pp=pp,
