@@ -118,6 +118,7 @@ class RuntimeProfile:
     pipeline_stage_output: bool = False
     selective_keeps_layer_input: bool = False
     grads_created_in_backward: bool = False
+    pipeline_defers_fsdp_reduce: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
 
 
@@ -155,6 +156,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         pipeline_stage_output=bool(data.get("pipeline_stage_output", False)),
         selective_keeps_layer_input=bool(data.get("selective_keeps_layer_input", False)),
         grads_created_in_backward=bool(data.get("grads_created_in_backward", False)),
+        pipeline_defers_fsdp_reduce=bool(data.get("pipeline_defers_fsdp_reduce", False)),
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
     )
 

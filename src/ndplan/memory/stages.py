@@ -411,7 +411,6 @@ def _evaluate_group(
     on_stage = np.zeros((pp, virtual))
     on_stage[placement.stage_of, np.arange(virtual)] = 1.0
     first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
-    dense_per_stage = on_stage @ placement.dense_layers
     moe_per_stage = on_stage @ placement.moe_layers
 
     precision = batch.precision
@@ -536,9 +535,15 @@ def _evaluate_group(
     # backward: GPipe's peak, all forwards held, has none. Elsewhere they are static.
     grads_in_schedule = profile.grads_created_in_backward
     per_grads = None
+    zero3 = batch.zero == 3
+    # torch.distributed.pipelining defers FSDP's reduce to the end of the step: a chunk keeps its
+    # unsharded gradients from its first backward on (accumulated in the reduce dtype), and no
+    # sharded ones until then.
+    deferred = zero3 & profile.pipeline_defers_fsdp_reduce & (virtual > 1)
     if grads_in_schedule:
+        unsharded = (non_expert_total + expert_total) * grad_bytes
         per_grads = np.zeros((len(batch), pp, vpp))
-        per_grads[:, placement.stage_of, placement.chunk_of] = grads_virtual
+        per_grads[:, placement.stage_of, placement.chunk_of] = np.where(deferred[:, None], unsharded, grads_virtual)
     held, held_with_grads, chosen = _held_peak(
         schedule, pp, vpp, seq_chunks, batch.num_micro_batches, per_b, per_w, per_grads, keep_rows=kinds is not None
     )
@@ -584,15 +589,24 @@ def _evaluate_group(
     overlapping = np.maximum(sp_gather[:, None], cp_buffers[:, None])
     overlapping = np.maximum(overlapping, ep_buffers[:, None] * has_moe[None, :])
     pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
-    largest_layer_elements = np.maximum(layers.non_expert["dense"] * (model.num_dense_layers > 0), layers.non_expert["moe"])
-    largest_layer_elements = largest_layer_elements + layers.expert["moe"]
-    # FSDP shards per unit (each decoder layer, the embedding, the final norm with the head); the
-    # largest unit on a stage sets the peak: its gathered parameters, its unsharded gradients in
-    # the same dtype, and the reduce-scatter's copy in the gradient dtype.
-    tables = table[:, None] * np.maximum(first_stage, last_stage * head_on_output)[None, :]
-    largest_unit = np.maximum(largest_layer_elements[:, None], tables)
-    zero3 = batch.zero == 3
-    fsdp_gathers = np.where(zero3[:, None], largest_unit * (2 * precision.param_gather_bytes + grad_bytes), 0.0)
+    fsdp = _fsdp_unit_phases(
+        placement, on_stage, precision.param_gather_bytes, np.where(deferred, 0.0, grad_bytes),
+        units={
+            "embedding": table,
+            "dense": layers.non_expert["dense"] + layers.expert["dense"],
+            "moe": layers.non_expert["moe"] + layers.expert["moe"],
+            "head": table * head_on_output + final_norm,
+        },
+        working={
+            "dense": t[:, 0] * (acts.backward_extra["dense"] + np.where(recompute_on, acts.full["dense"] - acts.recomputed["dense"], 0.0)),
+            "moe": t[:, 0] * (acts.backward_extra["moe"] + np.where(recompute_on, acts.full["moe"] - acts.recomputed["moe"], 0.0)),
+        },
+        loss_working=t[:, 0] * acts.output_transient,
+        one_micro_batch=per_b_virtual[:, 0],
+        one_micro_batch_layers=per_virtual["layers"][:, 0],
+        kept_after_backward=deferred,
+    )
+    fsdp_gathers = np.where(zero3[:, None], fsdp.buffers, 0.0)
     stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / param_bytes
     kept_gathered = np.where((zero3 & (batch.reshard_after_forward == 0))[:, None], stage_elements * precision.param_gather_bytes, 0.0)
     receive = np.zeros((len(batch), pp))
@@ -604,13 +618,9 @@ def _evaluate_group(
         per_virtual_receive = (batch.num_micro_batches * tokens * h * act_bytes)[:, None] * directions[None, :]
         per_virtual_receive = per_virtual_receive / np.where(batch.sequence_parallel > 0, tp, 1.0)[:, None]
         receive = per_virtual_receive @ on_stage.T
-    out["comm"] = overlapping + pp_buffers[:, None] + fsdp_gathers + kept_gathered + receive
-    # Under FSDP the loss runs while only the head's parameters are gathered; the unit buffers
-    # (gathered parameters, unsharded gradients, reduce copy) peak later, in a layer's backward.
-    # The two phases do not overlap, so the stage takes the larger, not the sum.
-    head_gathered = table[:, None] * last_stage[None, :] * head_on_output * precision.param_gather_bytes
-    fsdp_transient = np.maximum(layer_transient, loss_transient + head_gathered - fsdp_gathers)
-    out["transient"] = np.where(zero3[:, None], fsdp_transient, out["transient"])
+    other_comm = overlapping + pp_buffers[:, None] + kept_gathered + receive
+    out["comm"] = other_comm + fsdp_gathers
+    out["transient"] = np.where(zero3[:, None], fsdp.working, out["transient"])
 
     # ---- optimizer step temporaries (activations are gone by then)
     local_elements = out["optimizer"] / max(optimizer_bytes, 1)
@@ -628,12 +638,118 @@ def _evaluate_group(
         single = (batch.num_micro_batches == 1)[:, None]
         loss_phase = static - out["grads"] + out["activations"] + out["comm"] + out["transient"]
         backward_end = static + out["comm"] + layer_transient
+        # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
+        backward_end = np.where(zero3[:, None], static + other_comm + fsdp.last_unit, backward_end)
         forward_backward = np.where(single, np.maximum(loss_phase, backward_end), forward_backward)
     out["allocated"] = np.maximum(forward_backward, static + out["optimizer_step"])
     overhead = overhead_model(options.profile, batch, options.include_overhead)
     out["reserved"] = overhead.reserved(out["allocated"])
     out["device"] = out["reserved"] + overhead.fixed_bytes[:, None]
     return out
+
+
+@dataclass(frozen=True)
+class FsdpPhases:
+    """FSDP2's unit buffers per stage [n, pp], in bytes: at the stage's worst moment, the
+    buffers (``buffers``) and the working set beside them (``working``); and the total of the
+    last unit the backward reaches (``last_unit``)."""
+
+    buffers: np.ndarray
+    working: np.ndarray
+    last_unit: np.ndarray
+
+
+def _fsdp_unit_phases(
+    placement: Placement, on_stage: np.ndarray, gather_bytes: int, reduce_bytes: np.ndarray,
+    units: dict[str, np.ndarray], working: dict[str, np.ndarray], loss_working: np.ndarray,
+    one_micro_batch: np.ndarray, one_micro_batch_layers: np.ndarray, kept_after_backward: np.ndarray,
+) -> FsdpPhases:
+    """FSDP2 (torchtitan's wrapping: the embedding, each decoder layer, and [final norm, head]
+    are units) holds, besides the sharded state, the buffers of at most three units at once.
+    With N the unit's elements, g the gathered width (= the unsharded gradient's), r the
+    reduce width, and the backward running unit k (forward order: k-1 before, k+1 after):
+
+        compute  g·N_k (its parameters) + g·N_k-1 (prefetched) + r·N_k+1 (the last reduce
+                 input, kept until the next reduce) + the layer's working set
+        end      (g + g)·N_k (parameters, whole gradients) + g·N_k-1 + r·N_k+1
+        reduce   (g + r)·N_k (gradients, reduce input; parameters resharded) + g·N_k-1
+
+    The head unit is not resharded after forward: its all-gather (2g·N: buffer and copy) comes
+    with every activation held, the loss runs beside g·N, and its reduce keeps the parameters:
+    (2g + r)·N. Each stage takes its worst moment over its units (measured on fake-tensor
+    FSDP2 steps: MoE layers next to smaller units were over-estimated by the largest-unit rule).
+    ``reduce_bytes`` is 0 where a pipeline defers the reduce to the end of the step: then no
+    reduce input lives beside a backward (the unsharded gradients are priced as gradients), and
+    (``kept_after_backward``) every unit stays gathered from its backward to its next forward.
+
+    The embedding's moments come at the end of a micro-batch's backward or the start of its
+    forward, when that micro-batch's first-chunk activations (``one_micro_batch`` bytes) are not
+    held: they are credited against its buffers; so are, in the first layer's moments, the
+    activations of the chunk's other layers (``one_micro_batch_layers`` bytes for them all).
+    """
+    n = len(loss_working)
+    pp, virtual = on_stage.shape
+    kinds = ("embedding", "dense", "moe", "head")
+    zero = np.zeros(n)
+    size = {k: np.broadcast_to(units[k], (n,)).astype(float) for k in kinds}
+    buffers = np.zeros((n, pp))
+    work = np.zeros((n, pp))
+    last_unit = np.zeros((n, pp))
+    first_chunk_layers = max(float(placement.dense_layers[0] + placement.moe_layers[0]), 1.0)
+    g, r = float(gather_bytes), np.broadcast_to(np.asarray(reduce_bytes, dtype=float), (n,))
+    for s in range(pp):
+        sequence: list[str] = ["embedding"] if placement.stage_of[0] == s else []
+        for v in np.flatnonzero(on_stage[s]):
+            sequence += ["dense"] * min(int(placement.dense_layers[v]), 2) + ["moe"] * min(int(placement.moe_layers[v]), 2)
+        if placement.stage_of[-1] == s:
+            sequence.append("head")
+        best_total, best_buffers, best_work = np.full(n, -1.0), zero.copy(), zero.copy()
+
+        def consider(buf: np.ndarray, wrk: np.ndarray) -> None:
+            nonlocal best_total, best_buffers, best_work
+            total = buf + wrk
+            better = total > best_total
+            best_total = np.where(better, total, best_total)
+            best_buffers = np.where(better, buf, best_buffers)
+            best_work = np.where(better, wrk, best_work)
+
+        seen: set[tuple[str, str, str]] = set()
+        for i, kind in enumerate(sequence):
+            before = size[sequence[i - 1]] if i > 0 else zero
+            after = size[sequence[i + 1]] if i + 1 < len(sequence) else zero
+            key = (sequence[i - 1] if i else "", kind, sequence[i + 1] if i + 1 < len(sequence) else "")
+            if kind == "head":
+                consider(2 * g * size["head"], zero)  # its all-gather, every activation held
+                consider(g * size["head"], loss_working)  # the loss beside the gathered head
+                consider((2 * g + r) * size["head"] + g * before, zero)
+                continue
+            if key in seen:
+                continue
+            seen.add(key)
+            n_k = size[kind]
+            # The first layer's backward comes after the rest of its chunk's backward has freed
+            # those layers' activations of that micro-batch.
+            first_layer = i > 0 and sequence[i - 1] == "embedding"
+            credit = one_micro_batch_layers * (1.0 - 1.0 / first_chunk_layers) if first_layer else zero
+            if kind == "embedding":
+                for buf in (g * n_k + r * after, 2 * g * n_k + r * after, (g + r) * n_k):
+                    consider(np.maximum(buf - one_micro_batch, 0.0), zero)
+                continue
+            consider(g * n_k + g * before + r * after - credit, working.get(kind, zero))
+            consider(np.maximum(2 * g * n_k + g * before + r * after - credit, 0.0), zero)
+            consider(np.maximum((g + r) * n_k + g * before - credit, 0.0), zero)
+        if sequence:
+            # Deferred reduce: after a backward the stage's units stay gathered until their next
+            # forward, which all-gathers the first unit again.
+            everything = sum(size[k] for k in sequence if k != "head") + size["head"] * ("head" in sequence)
+            counted = np.where(kept_after_backward, g * (everything + size[sequence[0]]) - one_micro_batch * (sequence[0] == "embedding"), 0.0)
+            consider(np.maximum(counted, 0.0), zero)
+        buffers[:, s], work[:, s] = best_buffers, best_work
+        if sequence:
+            first = sequence[0]
+            after = size[sequence[1]] if len(sequence) > 1 else zero
+            last_unit[:, s] = np.maximum((g + r) * size[first], 2 * g * size[first] + r * after)
+    return FsdpPhases(buffers=buffers, working=work, last_unit=last_unit)
 
 
 def _activation_kinds(
