@@ -265,7 +265,7 @@ STEPS = sorted((Path(__file__).parent / "data" / "measured" / "steps").glob("*.j
 @pytest.mark.parametrize("path", STEPS, ids=[p.stem for p in STEPS])
 def test_estimate_matches_measured_steps(path):
     """Whole training steps measured by `ndplan measure` (FSDP2 units beside MoE layers, FSDP
-    under a pipeline, GPipe, 1F1B with an accumulating embedding): every stage's peak within 3%,
+    under a pipeline, GPipe, 1F1B with an accumulating embedding, ZB-V): every stage's peak within 3%,
     never more than 3% under (docs/accuracy.md has every configuration)."""
     from ndplan.census.measure_step import load_measurement
     from ndplan.census.verify import verify

@@ -27,6 +27,7 @@ SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "vocab", "none")
 BLOCKS: tuple[str, ...] = (
     "norm", "attention", "attention_mla", "eager_scores", "mlp", "moe", "layer_input", "output",
     "output_transient", "backward_extra", "moe_backward_extra", "output_backward_extra",
+    "weight_grad_outputs", "moe_weight_grad_outputs",
 )
 
 

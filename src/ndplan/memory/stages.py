@@ -120,6 +120,7 @@ class LayerActivations:
     full: dict[str, np.ndarray]        # kind -> no recompute
     recomputed: dict[str, np.ndarray]  # kind -> under the strategy's recompute policy
     weight_input: dict[str, np.ndarray]
+    weight_grad_outputs: dict[str, np.ndarray]
     norm: np.ndarray
     attention: np.ndarray
     mlp: np.ndarray
@@ -210,6 +211,12 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         "dense": block(attention_name, "weight_input") + block("mlp", "weight_input"),
         "moe": block(attention_name, "weight_input") + block("moe", "weight_input"),
     }
+    # The output gradients W consumes; a profile without the table assumes them as large as
+    # the linear inputs.
+    weight_grad_outputs = {
+        "dense": block("weight_grad_outputs") if "weight_grad_outputs" in blocks else weight_input["dense"],
+        "moe": block("moe_weight_grad_outputs") if "moe_weight_grad_outputs" in blocks else weight_input["moe"],
+    }
     layer_input = block("layer_input")
     rebuilt_input = {"dense": layer_input, "moe": layer_input}
     # The backward's working set is a maximum over time that no per-tensor table captures well
@@ -239,7 +246,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # its projection, then its own output norm, head and loss.
     mtp_extra = 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
     return LayerActivations(
-        full=full, recomputed=recomputed, weight_input=weight_input, norm=norm, attention=attention,
+        full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
+        norm=norm, attention=attention,
         mlp=mlp, moe=moe, output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
         backward_extra=backward_extra, mtp_extra=mtp_extra,
@@ -518,10 +526,10 @@ def _evaluate_group(
     elif profile.weight_grad_holds == "all":
         # torch.distributed.pipelining keeps a micro-batch's whole autograd graph from its input
         # gradient (B) until its weight gradient (W), and with it the gradients of the linear
-        # layers' outputs that W consumes (about as large as the linear inputs).
+        # and norm outputs that W consumes.
         per_w_virtual = per_virtual["layers"] + t * (
-            placement.dense_layers * acts.weight_input["dense"][:, None]
-            + placement.moe_layers * acts.weight_input["moe"][:, None]
+            placement.dense_layers * acts.weight_grad_outputs["dense"][:, None]
+            + placement.moe_layers * acts.weight_grad_outputs["moe"][:, None]
         )
     else:
         # W needs the linear layers' inputs and their output gradients (about as large).
