@@ -318,6 +318,11 @@ def _padded_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) 
     return padded
 
 
+def _stage_matmul(weights: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Σ_c weights[n, s, c] · rows[s, k, c] -> [n, s, k]."""
+    return np.matmul(weights.transpose(1, 0, 2), rows.transpose(0, 2, 1)).transpose(1, 0, 2)
+
+
 def _held_peak(
     schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray,
     per_b: np.ndarray, per_w: np.ndarray, per_grads: np.ndarray | None, *, keep_rows: bool = False,
@@ -337,11 +342,12 @@ def _held_peak(
     for j, m in enumerate(counts):
         subset = np.flatnonzero(which.ravel() == j) if len(counts) > 1 else np.arange(n)
         frontier = _padded_frontier(schedule, pp, vpp, int(m), seq_chunks)  # [pp, rows, 3·vpp]
-        values = np.einsum("nsc,skc->nsk", weights[subset], frontier[:, :, : 2 * vpp])
+        # Batched over stages, matmul runs in BLAS (several times einsum's loop): [n_m, pp, rows].
+        values = _stage_matmul(weights[subset], frontier[:, :, : 2 * vpp])
         best = np.argmax(values, axis=2)  # [n_m, pp]
         peak[subset] = np.take_along_axis(values, best[:, :, None], axis=2)[:, :, 0]
         if per_grads is not None:
-            values += np.einsum("nsc,skc->nsk", per_grads[subset], frontier[:, :, 2 * vpp:])
+            values = values + _stage_matmul(per_grads[subset], frontier[:, :, 2 * vpp:])
             with_grads[subset] = values.max(axis=2)
         if chosen is not None:
             chosen[subset] = frontier[np.arange(pp)[None, :], best]
@@ -576,6 +582,20 @@ def _evaluate_group(
     # micro-batch's first-chunk activations are gone. FSDP gradients are new each micro-batch
     # and priced with its unit buffers.
     accumulates = (batch.num_micro_batches > 1) & (batch.zero < 3)
+    if profile.grads_created_in_backward and model.is_moe:
+        # Likewise the fused experts' new gate_up gradient (one tensor for all local experts)
+        # exists beside the kept one until it is added, with the output gradient it is computed
+        # from; on the last stage that micro-batch's loss activations are freed by then. (Dense
+        # layers' largest weights are a few percent of a layer's activations: not priced.)
+        # Megatron fuses the accumulation into its main-grad buffer.
+        local_experts = model.num_experts / np.maximum(batch.ep, 1)
+        expert_gradient = (
+            2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
+            + t[:, 0] * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes / etp
+        )[:, None] - per_virtual["output"][:, -1:] * last_stage[None, :]
+        out["transient"] = np.maximum(
+            out["transient"], np.where(accumulates[:, None] & has_moe[None, :], expert_gradient, 0.0)
+        )
     embedding_accumulate = np.where(
         accumulates[:, None], (table * precision.param_bytes)[:, None] - per_b_virtual[:, :1], 0.0
     ) * first_stage[None, :]
