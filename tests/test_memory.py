@@ -278,3 +278,18 @@ def test_estimate_matches_measured_steps(path):
             continue
         peak = {row["key"]: row for row in stage["rows"]}["allocated"]
         assert abs(peak["error_pct"]) <= 3.0, (path.stem, stage["stage"], peak["error_pct"])
+
+
+def test_gpipe_peak_comes_before_any_gradient():
+    """GPipe holds all m micro-batches before its first backward, when (set_to_none) no gradient
+    exists yet; after it, m - 1 and the gradients. The forward/backward peak is the larger:
+    static - grads + max(m·a, (m - 1)·a + grads) + comm + transient."""
+    strategy = Strategy(pp=2, schedule="gpipe", num_micro_batches=4, seq_length=8, global_batch_size=4)
+    report = estimate(TINY, strategy, options=NO_OVERHEAD)
+    for stage in report.stages:
+        per_micro_batch = stage.activations_bytes / 4
+        held = max(4 * per_micro_batch, 3 * per_micro_batch + stage.grads_bytes)
+        expected = (stage.params_bytes + stage.optimizer_bytes + held + stage.comm_bytes + stage.transient_bytes)
+        assert stage.forward_backward_bytes == pytest.approx(expected)
+        assert stage.allocated_bytes == pytest.approx(
+            max(expected, stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes + stage.optimizer_step_bytes))

@@ -58,6 +58,7 @@ class StageReport:
     comm_bytes: float
     transient_bytes: float
     optimizer_step_bytes: float
+    forward_backward_bytes: float
     allocated_bytes: float
     reserved_bytes: float
     peak_bytes: float
@@ -85,6 +86,7 @@ class StageReport:
             "comm_bytes": round(self.comm_bytes),
             "transient_bytes": round(self.transient_bytes),
             "optimizer_step_bytes": round(self.optimizer_step_bytes),
+            "forward_backward_bytes": round(self.forward_backward_bytes),
             "overhead_bytes": round(self.overhead_bytes),
             "by_layer_kind": {k: round(v) for k, v in by_kind.items() if v},
             "static_by_layer_kind": {k: round(v) for k, v in self.static_by_kind.items() if v},
@@ -134,6 +136,8 @@ class MemoryReport:
         p = s.precision
         stage = self.stages[self.peak_stage]
         tokens = s.micro_batch_size * s.seq_length / s.cp
+        absent = (stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes + stage.activations_bytes
+                  + stage.comm_bytes + stage.transient_bytes - stage.forward_backward_bytes)
         shards = "dp·cp" if not s.shard_group else "shard_group"
         lines = [
             f"stage {stage.stage} of {s.pp} holds {stage.layers} decoder layers; tokens per micro-batch per rank "
@@ -153,10 +157,16 @@ class MemoryReport:
             if value:
                 lines.append(f"    {kind:<10} {format_bytes(value)}")
         lines += [
-            f"comm       = FSDP gathers + PP send/recv + max(SP gather, CP K/V, EP dispatch) = {format_bytes(stage.comm_bytes)}",
-            f"transient  = max(one layer's backward working set (+ recompute rebuild), logits around the loss) "
+            f"comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
+            f"unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
+            f"EP dispatch) = {format_bytes(stage.comm_bytes)}",
+            f"transient  = the worst working set beside them: one layer's backward (+ recompute rebuild), the "
+            f"logits around the loss, a new gradient being accumulated, FSDP's unit moments "
             f"= {format_bytes(stage.transient_bytes)}",
-            f"allocated  = max(static + activations + comm + transient, static + optimizer step "
+            f"fwd/bwd    = static + activations + comm + transient − not yet created "
+            f"({format_bytes(max(absent, 0.0))}: gradients the backward has not made at that moment) "
+            f"= {format_bytes(stage.forward_backward_bytes)}",
+            f"allocated  = max(fwd/bwd, static + optimizer step "
             f"{format_bytes(stage.optimizer_step_bytes)}) = {format_bytes(stage.allocated_bytes)}",
             f"reserved   = allocated × (1 + allocator slack) = {format_bytes(stage.reserved_bytes)}",
             f"peak       = reserved + runtime context + communicator buffers = {format_bytes(stage.peak_bytes)}",
@@ -197,6 +207,7 @@ def estimate(
             comm_bytes=float(memory.comm[0, s]),
             transient_bytes=float(memory.transient[0, s]),
             optimizer_step_bytes=float(memory.optimizer_step[0, s]),
+            forward_backward_bytes=float(memory.forward_backward[0, s]),
             allocated_bytes=float(memory.allocated[0, s]),
             reserved_bytes=float(memory.reserved[0, s]),
             peak_bytes=float(memory.device[0, s]),

@@ -74,6 +74,10 @@ class MemoryOptions:
 class StageMemory:
     """Arrays [strategies, max_pp] per category in bytes; stages past a strategy's pp are 0.
 
+    ``forward_backward`` is the forward/backward peak: static + activations + comm + transient
+    less what does not exist yet at that moment (gradients made by the backward, under a
+    runtime that creates them there).
+
     ``by_kind`` (only when asked for) maps category -> kind -> [strategies, max_pp].
     """
 
@@ -84,6 +88,7 @@ class StageMemory:
     comm: np.ndarray
     transient: np.ndarray
     optimizer_step: np.ndarray
+    forward_backward: np.ndarray
     allocated: np.ndarray
     reserved: np.ndarray
     device: np.ndarray
@@ -371,7 +376,7 @@ def stage_memory(
     options = options or MemoryOptions()
     n = len(batch)
     max_pp = int(batch.pp.max())
-    names = (*CATEGORIES, "optimizer_step", "allocated", "reserved", "device")
+    names = (*CATEGORIES, "optimizer_step", "forward_backward", "allocated", "reserved", "device")
     result = {name: np.zeros((n, max_pp)) for name in names}
     kinds: dict[str, dict[str, np.ndarray]] | None = None
     if breakdown:
@@ -669,6 +674,7 @@ def _evaluate_group(
         # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
         backward_end = np.where(zero3[:, None], static + other_comm + fsdp.last_unit, backward_end)
         forward_backward = np.where(single, np.maximum(loss_phase, backward_end), forward_backward)
+    out["forward_backward"] = forward_backward
     out["allocated"] = np.maximum(forward_backward, static + out["optimizer_step"])
     overhead = overhead_model(options.profile, batch, options.include_overhead)
     out["reserved"] = overhead.reserved(out["allocated"])
