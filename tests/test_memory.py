@@ -293,3 +293,20 @@ def test_gpipe_peak_comes_before_any_gradient():
         assert stage.forward_backward_bytes == pytest.approx(expected)
         assert stage.allocated_bytes == pytest.approx(
             max(expected, stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes + stage.optimizer_step_bytes))
+
+
+def test_capacity_factor_scales_routed_expert_tokens_linearly():
+    """A token-dropping MoE pads every expert's buffer to capacity_factor × its balanced share:
+    routed-expert activations grow linearly in the factor, and 1.0 is balanced routing."""
+    from ndplan.model import get_preset
+
+    model = get_preset("qwen3-30b-a3b")
+    strategy = Strategy(ep=8, dp=8, seq_length=4096)
+    held = {cf: estimate(model, strategy, options=MemoryOptions(include_overhead=False, moe_capacity_factor=cf),
+                         num_devices=8).stages[0].activations_bytes for cf in (1.0, 2.0, 3.0)}
+    balanced = estimate(model, strategy, options=NO_OVERHEAD, num_devices=8).stages[0].activations_bytes
+    assert held[1.0] == pytest.approx(balanced)
+    assert held[2.0] - held[1.0] == pytest.approx(held[3.0] - held[2.0])
+    assert held[2.0] > held[1.0]
+    with pytest.raises(NdplanError, match="moe_capacity_factor must be > 0"):
+        MemoryOptions(moe_capacity_factor=0.0)

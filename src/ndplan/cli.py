@@ -162,7 +162,8 @@ def _memory_options(args: argparse.Namespace) -> Any:
         census = tuple(load_census_file(args.census))
     return MemoryOptions(
         runtime=args.runtime, attention=args.attention, loss_parallel=args.loss_parallel,
-        include_overhead=not args.no_overhead, moe_imbalance=args.moe_imbalance, census=census,
+        include_overhead=not args.no_overhead, moe_imbalance=args.moe_imbalance,
+        moe_capacity_factor=args.moe_capacity_factor, census=census,
     )
 
 
@@ -576,6 +577,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack")
     group.add_argument("--moe-imbalance", type=float, default=1.0,
                        help="routed tokens on the busiest rank relative to balanced routing (default 1.0)")
+    group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
+                       help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
+                            "(replaces --moe-imbalance for memory)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ndplan.census.record import CensusRecord, Recompute
+from ndplan.errors import NdplanError
 from ndplan.memory.overhead import RuntimeOverhead, overhead_model
 from ndplan.memory.profile import (
     SHARDS,
@@ -54,8 +55,11 @@ class MemoryOptions:
     """How the runtime behaves: its saved-tensor profile, attention kernel, loss, overhead.
 
     ``moe_imbalance`` scales the routed-expert tokens of the busiest rank (1.0: balanced routing;
-    dropless MoE under real routing needs headroom, e.g. 1.2). ``census`` replaces the profile's
-    formulas for the layer kinds it measured.
+    dropless MoE under real routing needs headroom, e.g. 1.2). ``moe_capacity_factor`` prices a
+    token-dropping MoE instead: every expert's buffer holds capacity_factor × its balanced share
+    of tokens (padded when fewer come, dropped beyond), so routed-expert bytes are exactly that
+    multiple whatever the routing. ``census`` replaces the profile's formulas for the layer kinds
+    it measured.
     """
 
     runtime: str = "pytorch"
@@ -63,7 +67,19 @@ class MemoryOptions:
     loss_parallel: bool | None = None
     include_overhead: bool = True
     moe_imbalance: float = 1.0
+    moe_capacity_factor: float | None = None
     census: tuple[CensusRecord, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.moe_imbalance < 1.0:
+            raise NdplanError(f"moe_imbalance must be >= 1.0 (busiest rank over balanced routing), got {self.moe_imbalance}")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise NdplanError(f"moe_capacity_factor must be > 0, got {self.moe_capacity_factor}")
+
+    @property
+    def routed_token_factor(self) -> float:
+        """Routed-expert tokens on a rank relative to balanced routing."""
+        return self.moe_capacity_factor if self.moe_capacity_factor is not None else self.moe_imbalance
 
     @property
     def profile(self) -> RuntimeProfile:
@@ -187,7 +203,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     divisors = {
         "tp": tp,
         "sp": np.where(batch.sequence_parallel > 0, tp, 1.0),
-        "etp": etp / options.moe_imbalance,
+        "etp": etp / options.routed_token_factor,
         "vocab": tp if loss_parallel else np.ones_like(tp),
         "none": np.ones_like(tp),
     }
@@ -618,7 +634,7 @@ def _evaluate_group(
         0.0,
     )
     # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
-    ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.moe_imbalance, 0.0)
+    ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.routed_token_factor, 0.0)
     overlapping = np.maximum(sp_gather[:, None], cp_buffers[:, None])
     overlapping = np.maximum(overlapping, ep_buffers[:, None] * has_moe[None, :])
     pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
