@@ -17,6 +17,7 @@ placement and the schedule simulation are computed once; everything else is nump
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
@@ -151,7 +152,7 @@ class LayerActivations:
     backward_extra: dict[str, np.ndarray]  # kind -> one layer's backward working set
     mtp_extra: np.ndarray
 
-    def take(self, index: np.ndarray) -> LayerActivations:
+    def take(self, index: np.ndarray | slice) -> LayerActivations:
         """The same figures for a subset of the strategies."""
         values: dict[str, Any] = {}
         for name, value in vars(self).items():
@@ -400,6 +401,13 @@ def stage_memory(
             "static": {k: np.zeros((n, max_pp)) for k in STATIC_KINDS},
             "activations": {k: np.zeros((n, max_pp)) for k in ACTIVATION_KINDS},
         }
+    if kinds is None:
+        # Sorted by pipeline shape once, every group is a slice: its columns are views, not copies.
+        for _key, rows, out in _sorted_groups(model, batch, options, stage_layers):
+            pp = out["device"].shape[1]
+            for name in names:
+                result[name][rows, :pp] = out[name]
+        return StageMemory(**result, by_kind=None)
     acts = layer_activations(model, batch, options)
     for key, index in batch.groups(PIPELINE_SHAPE):
         out = _evaluate_group(model, batch.take(index), options, key, index, kinds, stage_layers, acts.take(index))
@@ -407,6 +415,22 @@ def stage_memory(
         for name in names:
             result[name][index, :pp] = out[name]
     return StageMemory(**result, by_kind=kinds)
+
+
+def _sorted_groups(
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, stage_layers: tuple[int, ...] | None,
+) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray]]]:
+    """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays)."""
+    groups = batch.groups(PIPELINE_SHAPE)
+    order = np.concatenate([index for _, index in groups]) if len(groups) > 1 else None
+    ordered = batch.take(order) if order is not None else batch
+    acts = layer_activations(model, ordered, options)
+    start = 0
+    for key, index in groups:
+        part = slice(start, start + len(index))
+        start += len(index)
+        rows = np.arange(part.start, part.stop)
+        yield key, index, _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers, acts.take(part))
 
 
 def peak_memory(
@@ -417,9 +441,8 @@ def peak_memory(
     options = options or MemoryOptions()
     peak = np.zeros(len(batch))
     stage = np.zeros(len(batch), dtype=np.int64)
-    acts = layer_activations(model, batch, options)
-    for key, index in batch.groups(PIPELINE_SHAPE):
-        device = _evaluate_group(model, batch.take(index), options, key, index, None, None, acts.take(index))["device"]
+    for _key, index, out in _sorted_groups(model, batch, options, None):
+        device = out["device"]
         stage[index] = np.argmax(device, axis=1)
         peak[index] = device[np.arange(len(index)), stage[index]]
     return peak, stage

@@ -92,8 +92,8 @@ class StrategyBatch:
     def __len__(self) -> int:
         return int(self.dp.shape[0])
 
-    def take(self, index: IntArray) -> StrategyBatch:
-        """The strategies at ``index`` (an integer array or a boolean mask)."""
+    def take(self, index: IntArray | slice) -> StrategyBatch:
+        """The strategies at ``index`` (an integer array, a boolean mask, or a slice: views)."""
         return StrategyBatch(**{n: getattr(self, n)[index] for n in self.array_fields()}, precision=self.precision)
 
     def row(self, i: int) -> Strategy:
