@@ -110,3 +110,23 @@ def test_flops_broadcast_over_strategy_arrays():
     flops = model_flops_per_micro_batch(TINY, 1.0, seq)
     assert np.asarray(flops.model).shape == (2,)
     assert flops.model[1] > 2 * flops.model[0]  # attention grows faster than linearly
+
+
+def test_torchtitan_op_policy_recomputes_every_second_matmul():
+    from ndplan.perf.flops import alternate_recomputed_gemms, matmul_sequence
+
+    sh = Sharding(1.0, 10.0)
+    # torchtitan runs q, k, v, o, w1 (gate), w3 (up), w2 (down) as separate matmuls and saves
+    # the 1st, 3rd, 5th and 7th: k, o and w3 are recomputed
+    assert [g.name for g in matmul_sequence(TINY, sh, "dense")] == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "mlp_w1", "mlp_w3", "mlp_w2"]
+    recomputed = alternate_recomputed_gemms(TINY, sh, "dense")
+    assert [g.name for g in recomputed] == ["k_proj", "o_proj", "mlp_w3"]
+    # k 64·32, o 64·64, w3 64·96 weights: 2·(2048 + 4096 + 6144) = 24,576 FLOPs per token
+    assert gemm_flops(recomputed) == 10 * 24_576
+    # the unfused sequence holds the same FLOPs as the fused projections
+    assert gemm_flops(matmul_sequence(TINY, sh, "dense")) == pytest.approx(gemm_flops(layer_gemms(TINY, sh, "dense")))
+    # hardware FLOPs: 2 layers · 64 tokens · 24,576, and no attention core
+    base = model_flops_per_micro_batch(TINY, 1, 64)
+    op = model_flops_per_micro_batch(TINY, 1, 64, recompute_selective_fraction=1.0, selective_policy="torchtitan-op")
+    assert op.hardware - base.model == pytest.approx(2 * 64 * 24_576)

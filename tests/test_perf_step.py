@@ -210,11 +210,13 @@ def test_node_dedup_dispatch_cuts_multi_node_ep_traffic_only():
     plain = estimate_time(DSV3, Strategy(**common), cluster, overlap=OverlapConfig(ep=False))
     dedup = estimate_time(DSV3, Strategy(**common), cluster, overlap=OverlapConfig(ep=False, ep_dispatch="node_dedup"))
     assert dedup.to_dict()["breakdown"]["comm_exposed"]["ep"] < 0.8 * plain.to_dict()["breakdown"]["comm_exposed"]["ep"]
-    # EP inside one NVLink domain: both dispatchers move the same bytes
+    # EP inside one NVLink domain: both dispatchers move the same bytes over the links (the
+    # all-to-all dispatcher's extra chunk sort is local HBM traffic, in compute)
     inside = dict(common, ep=8)
     a = estimate_time(DSV3, Strategy(**inside), cluster, overlap=OverlapConfig(ep=False))
     b = estimate_time(DSV3, Strategy(**inside), cluster, overlap=OverlapConfig(ep=False, ep_dispatch="node_dedup"))
-    assert a.step_s == pytest.approx(b.step_s)
+    assert a.breakdown["comm_exposed"]["ep"] == pytest.approx(b.breakdown["comm_exposed"]["ep"])
+    assert a.breakdown["compute"] > b.breakdown["compute"]
 
 
 def test_per_expert_latency_makes_many_small_experts_slower():
@@ -225,3 +227,103 @@ def test_per_expert_latency_makes_many_small_experts_slower():
     few = Gemm("experts_up", 64.0, 1536.0, 2048.0, count=32.0, expert=True)
     dense = Gemm("up", 64.0, 1536.0, 2048.0, count=32.0)
     assert float(gemm_seconds(few, rates)) == pytest.approx(float(gemm_seconds(dense, rates)) + 32 * 5e-6)
+
+
+# A small MoE model for hand-derived EP numbers: h 1024, 16 experts, top-4, experts of 512.
+TINY_MOE = get_preset("qwen3-30b-a3b").model_copy(update={
+    "name": "tiny-moe", "num_layers": 2, "layer_mlp_kinds": ("moe", "moe"), "hidden_size": 1024,
+    "num_attention_heads": 8, "num_kv_heads": 8, "head_dim": 128, "num_experts": 16,
+    "num_experts_per_tok": 4, "moe_ffn_hidden_size": 512, "vocab_size": 1024,
+})
+
+
+def test_fp8_dispatch_moves_one_byte_per_element_instead_of_two():
+    """Megatron-Core dispatches in bf16 and quantises inside the expert GEMM; with
+    ep_dispatch_fp8 the dispatch all-to-all carries fp8. Inside one 8-GPU NVLink domain (H100:
+    450 GB/s x 0.8) the difference per MoE layer is the dispatch's (n-1)/n share of
+    T·k·h·(2 - 1) bytes: 4096·4·1024·(7/8) / 360e9 = 40.78 us; 2 layers, 1 micro-batch."""
+    s = Strategy(dp=8, ep=8, micro_batch_size=1, num_micro_batches=1, seq_length=4096, zero=1, precision="megatron-fp8")
+    cluster = _cluster(8)
+    bf16 = estimate_time(TINY_MOE, s, cluster, overlap=OverlapConfig(ep=False))
+    fp8 = estimate_time(TINY_MOE, s, cluster, overlap=OverlapConfig(ep=False, ep_dispatch_fp8=True))
+    expected = 2 * 4096 * 4 * 1024 * (7 / 8) / (450e9 * 0.8)
+    assert bf16.breakdown["comm_exposed"]["ep"] - fp8.breakdown["comm_exposed"]["ep"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_node_limited_routing_reaches_fewer_remote_nodes():
+    from ndplan.perf.layer import remote_nodes_per_token
+
+    # 8 nodes, top-8: 7·(1 - (7/8)^8) = 7·(1 - 5764801/16777216) remote nodes on average
+    assert remote_nodes_per_token(8.0, 8.0) == pytest.approx(7 * (1 - 5764801 / 16777216), rel=1e-12)
+    assert remote_nodes_per_token(8.0, 8.0) == pytest.approx(4.594737589, rel=1e-9)
+    # at most 4 of the 8 nodes (DeepSeek-V3): 4·(1 - 0.75^8)·7/8
+    assert remote_nodes_per_token(8.0, 8.0, 4) == pytest.approx(4 * (1 - 0.75**8) * 7 / 8, rel=1e-12)
+    assert remote_nodes_per_token(8.0, 8.0, 4) == pytest.approx(3.149604797, rel=1e-9)
+    assert remote_nodes_per_token(8.0, 8.0, 16) == pytest.approx(remote_nodes_per_token(8.0, 8.0))
+    assert remote_nodes_per_token(1.0, 8.0) == 0.0
+    # through the step: fewer network copies, less exposed EP time
+    cluster = _cluster(1024)
+    s = Strategy(dp=64, pp=16, ep=64, num_micro_batches=32, seq_length=4096, zero=1)
+    free = estimate_time(DSV3, s, cluster, overlap=OverlapConfig(ep=False, ep_dispatch="node_dedup"))
+    limited = estimate_time(DSV3, s, cluster, overlap=OverlapConfig(ep=False, ep_dispatch="node_dedup", ep_node_limit=4))
+    assert limited.breakdown["comm_exposed"]["ep"] < 0.8 * free.breakdown["comm_exposed"]["ep"]
+
+
+def test_dropless_sync_serialises_the_attention_block_with_the_expert_launches():
+    """Host-bound MoE forward: the token-count sync drains the GPU queue, so the GPU time
+    before it (attention block and router, g_pre) adds to the host's launches after it:
+    F >= (host_f - host_layer_s) + g_pre. With host_layer_s 0 the whole 20 ms host forward
+    comes after the sync; with host_layer_s = host_f none of it does."""
+    from ndplan.perf.efficiency import default_efficiency as eff_of
+    from ndplan.perf.flops import Sharding, attention_gemms, layer_gemms
+    from ndplan.perf.gemm import gemms_seconds
+    from ndplan.perf.layer import LayerContext, attention_core_seconds
+    from ndplan.perf.overlap import OverlapConfig as Ov
+    from ndplan.perf.step import compute_rates
+    from ndplan.perf.topology import Fabric
+
+    s = Strategy(dp=8, ep=8, micro_batch_size=1, num_micro_batches=1, seq_length=4096, zero=1)
+    cluster = _cluster(8)
+    base = eff_of(H100).replace(host_moe_layer_s=20e-3, host_expert_s=0.0)
+    after = evaluate(TINY_MOE, StrategyBatch.of(s), cluster, efficiency=base.replace(host_layer_s=0.0), details=True)
+    before = evaluate(TINY_MOE, StrategyBatch.of(s), cluster, efficiency=base.replace(host_layer_s=20e-3), details=True)
+    batch = StrategyBatch.of(s)
+    rates = compute_rates(cluster, batch, base)
+    ctx = LayerContext(TINY_MOE, rates, Fabric.of(cluster, base), base, Ov(), batch.precision)
+    sh = Sharding(1.0, 4096.0, 1.0, 1.0, 8.0, 1.0)
+    pre = attention_gemms(TINY_MOE, sh) + [g for g in layer_gemms(TINY_MOE, sh, "moe") if g.name == "router"]
+    g_pre = gemms_seconds(pre, rates, "F")[0] + attention_core_seconds(ctx, sh)[0]
+    assert 0 < g_pre < 20e-3
+    # two MoE layers on the one stage; the embedding and head do not change
+    assert after["stage_forward_s"][0] - before["stage_forward_s"][0] == pytest.approx(2 * g_pre, rel=1e-9)
+
+
+def test_chunk_sort_is_charged_to_the_all_to_all_dispatcher_only():
+    from ndplan.perf.flops import Sharding
+    from ndplan.perf.memory_ops import layer_bytes
+
+    # T = 256 tokens, top-4 -> 1024 routed copies of h = 1024; the sort and the unsort read and
+    # write every received row once each: 4 · 1024 · 1024 elements · 2 bytes
+    sh = Sharding(1.0, 256.0, ep=8.0)
+    plain, _ = layer_bytes(TINY_MOE, sh, 0.0, "moe", 2.0)
+    sorted_, _ = layer_bytes(TINY_MOE, sh, 0.0, "moe", 2.0, 1.0)
+    assert sorted_ - plain == pytest.approx(2.0 * 4 * 1024 * 1024)
+    # with etp = 2 each rank receives the rows of both expert-TP ranks
+    sh2 = Sharding(1.0, 256.0, ep=8.0, etp=2.0)
+    assert layer_bytes(TINY_MOE, sh2, 0.0, "moe", 2.0, 1.0)[0] - layer_bytes(TINY_MOE, sh2, 0.0, "moe", 2.0)[0] == (
+        pytest.approx(2.0 * 4 * 1024 * 2 * 1024))
+
+
+def test_torchtitan_selective_recompute_replays_matmuls_not_attention():
+    """torchtitan's per-op policy recomputes k, o and w3 of every Llama block: per token
+    2·4096·(1024 + 4096 + 14336) = 159,383,552 FLOPs per layer, 32 layers."""
+    s = Strategy(dp=8, micro_batch_size=2, num_micro_batches=1, seq_length=8192, zero=3, fsdp=True,
+                 recompute="selective", precision="fsdp-bf16")
+    cluster = _cluster(8)
+    op = default_efficiency(H100).replace(selective_recompute="torchtitan-op", elementwise_passes=3.0)
+    r = estimate_time(LLAMA8, s, cluster, efficiency=op)
+    tokens = 16 * 8192
+    assert r.hardware_flops - r.model_flops == pytest.approx(tokens * 32 * 2 * 4096 * (1024 + 4096 + 14336), rel=1e-12)
+    megatron = estimate_time(LLAMA8, s, cluster, efficiency=op.replace(selective_recompute="megatron"))
+    # at 8k tokens the replayed matmuls (36% of the forward's) cost more than the attention core
+    assert r.step_s > megatron.step_s

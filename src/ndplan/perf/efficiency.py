@@ -57,13 +57,24 @@ class EfficiencyProfile(BaseModel):
     (Megatron/Transformer Engine, torch.compile), about 3 for eager PyTorch (RMSNorm, SwiGLU
     and rotary as chains of separate fp32 kernels).
 
+    Selective recompute (``Strategy.recompute = 'selective'``) differs by framework, a fact of
+    the software like ``flash_attention``: ``selective_recompute`` 'megatron' re-runs the
+    attention core and the cheap elementwise ops (Megatron's core-attention recompute);
+    'torchtitan-op' is torchtitan's per-op policy, which saves the attention output and every
+    matmul's except every second one, so it re-runs every second matmul of each block
+    (``flops.alternate_recomputed_gemms``) and the elementwise ops, not the attention core.
+
     Host: the CPU enqueues a layer's kernels ahead of the GPU; when that takes longer than the
     GPU work the GPU waits. A decoder layer's forward and backward each take at least
     ``host_layer_s`` (dense) or ``host_moe_layer_s`` (MoE: routing, token permutation and the
     device-to-host sync of per-expert token counts that dropless dispatch needs), plus
     ``host_expert_s`` per local expert: after that sync the host launches each expert's
     GEMMs and casts (about 4 launches of ~5 µs forward; the backward counts twice), with the
-    GPU queue drained, so these launches are not hidden behind earlier GPU work.
+    GPU queue drained, so these launches are not hidden behind earlier GPU work. The same
+    sync drains the queue in the middle of every MoE forward: the GPU work queued before it
+    (attention block and router) cannot overlap the host's launches after it, so a MoE
+    forward takes at least (host_f - host_layer_s) + GPU time before the sync, the launches
+    before the sync being about a dense layer's (layer.py).
 
     Overheads: ``layer_overhead_s`` per decoder layer per pass on the GPU (kernel tails,
     synchronisation); ``step_overhead_s`` once per step (data loading, logging).
@@ -80,6 +91,7 @@ class EfficiencyProfile(BaseModel):
     grouped_gemm_factor: float = Field(default=0.9, gt=0.0, le=1.0)
     attention_efficiency: Fraction
     flash_attention: bool = True
+    selective_recompute: Literal["megatron", "torchtitan-op"] = "megatron"
     hbm_efficiency: Fraction
     scaleup_efficiency: Fraction
     scaleout_efficiency: Fraction

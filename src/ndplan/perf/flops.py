@@ -125,6 +125,43 @@ def layer_gemms(model: ModelSpec, sh: Sharding, kind: MlpKind) -> list[Gemm]:
     return attention_gemms(model, sh) + mlp
 
 
+def matmul_sequence(model: ModelSpec, sh: Sharding, kind: MlpKind) -> list[Gemm]:
+    """The layer's ``aten.mm`` calls in execution order, projections unfused, as torchtitan's
+    models run them: attention q, k, v, o (GQA; MLA in ``attention_gemms`` order), then the MLP
+    w1 (gate), w3 (up), w2 (down) (w1, w2 without a gate), or for a MoE layer the router and
+    the shared experts' w1, w3, w2. Routed experts run as grouped GEMMs (not ``aten.mm``) and
+    are left out."""
+    h, a, t, tok = model.hidden_size, model.num_attention_heads, sh.tp, sh.tokens
+    out: list[Gemm]
+    if model.is_mla:
+        out = attention_gemms(model, sh)
+    else:
+        d, kv = model.head_dim, model.num_kv_heads
+        out = [Gemm("q_proj", tok, a * d / t, h), Gemm("k_proj", tok, kv * d / t, h),
+               Gemm("v_proj", tok, kv * d / t, h), Gemm("o_proj", tok, h, a * d / t)]
+
+    def mlp(width: float, name: str) -> list[Gemm]:
+        ups = [Gemm(f"{name}_w1", tok, width / t, h)]
+        if model.gated_mlp:
+            ups.append(Gemm(f"{name}_w3", tok, width / t, h))
+        return ups + [Gemm(f"{name}_w2", tok, h, width / t)]
+
+    if kind == "dense":
+        return out + mlp(model.ffn_hidden_size, "mlp")
+    out.append(Gemm("router", tok, model.num_experts, h))
+    if model.num_shared_experts:
+        out += mlp(model.num_shared_experts * model.shared_expert_ffn_hidden_size, "shared")
+    return out
+
+
+def alternate_recomputed_gemms(model: ModelSpec, sh: Sharding, kind: MlpKind) -> list[Gemm]:
+    """The matmuls torchtitan's per-op selective activation checkpointing recomputes: it saves
+    the output of every ``aten.mm`` except every second one, counting from 1 within each
+    transformer block (``selective_ac_option = 'op'``), so the 2nd, 4th, ... matmuls of
+    ``matmul_sequence`` are recomputed in the backward. For a Llama layer: k, o and w3."""
+    return matmul_sequence(model, sh, kind)[1::2]
+
+
 def head_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
     """The output projection h -> V (vocab-parallel over t)."""
     return [Gemm("output_head", sh.tokens, model.vocab_size / sh.tp, model.hidden_size)]
@@ -186,13 +223,15 @@ def model_flops_per_micro_batch(
     *,
     recompute_full_fraction: Array | float = 0.0,
     recompute_selective_fraction: Array | float = 0.0,
+    selective_policy: str = "megatron",
 ) -> ModelFlops:
     """FLOPs of one micro-batch through the whole model, not divided by any degree.
 
     Matmuls: every decoder layer, the MTP modules (projection, layer and the shared head
     applied again) and the output head. The embedding lookup is a gather, not a matmul.
     ``recompute_*_fraction``: the share of decoder layers recomputed fully (adds their whole
-    forward) or selectively (adds their attention core's forward).
+    forward) or selectively: with ``selective_policy`` 'megatron' that adds their attention
+    core's forward, with 'torchtitan-op' every second matmul (``alternate_recomputed_gemms``).
     """
     sh = Sharding(micro_batch, seq)
     per_kind = {kind: gemm_flops(layer_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
@@ -203,7 +242,12 @@ def model_flops_per_micro_batch(
         gemm_flops(mtp_gemms(model, sh)) + gemm_flops(layer_gemms(model, sh, model.mtp_mlp_kind)) + head
     )
     layers_attention = model.num_layers * attention
-    recompute = recompute_full_fraction * (layers + layers_attention) + recompute_selective_fraction * layers_attention
+    if selective_policy == "torchtitan-op":
+        per_kind_rc = {kind: gemm_flops(alternate_recomputed_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
+        selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
+    else:
+        selective = layers_attention
+    recompute = recompute_full_fraction * (layers + layers_attention) + recompute_selective_fraction * selective
     return ModelFlops(
         matmul_forward=layers + head + mtp,
         attention_forward=layers_attention + model.mtp_depth * attention,

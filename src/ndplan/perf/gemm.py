@@ -1,35 +1,50 @@
-"""Seconds of a matmul and of the attention core on one device.
+"""Seconds of a matmul and of the attention core on one device, per pass.
 
-GEMM [m, k] @ [k, n], repeated ``count`` times (grouped experts):
+GEMM [m, k] @ [k, n], repeated ``count`` times (grouped experts). The three passes have the
+same FLOPs but move different bytes:
 
     rate      = peak · eff · min(1, min(m, n, k) / knee)        FLOP/s
     compute_s = 2·m·n·k·count / rate
-    memory_s  = count · (bytes_in·(m·k + k·n) + 2·m·n) / (hbm · hbm_eff)   (bf16 output)
-    time      = max(compute_s, memory_s)                        (roofline)
+    bytes     F (Y = X·W):     count · (b_in·(m·k + k·n) + 2·m·n)       read X, W; write Y (bf16)
+              B (dX = dY·Wᵀ):  count · (b_in·(m·n + k·n) + 2·m·k)       read dY, W; write dX (bf16)
+              W (dW = Xᵀ·dY):  count · (b_in·(m·k + m·n) + b_acc·k·n)   read X, dY; read-modify-
+                                                                       write the weight gradient
+    time      = max(compute_s, bytes / (hbm · hbm_eff))         (roofline)
               + count · expert_latency                          (routed experts only)
+
+b_in: operand width (1 for fp8, 2 for bf16). b_acc = 2·grad_bytes: the weight-gradient GEMM
+accumulates into the gradient buffer (Megatron's gradient-accumulation fusion, Transformer
+Engine's fused wgrad accumulation: C = Xᵀ·dY + C in fp32, read 4 + write 4 bytes per weight,
+every micro-batch). With many tokens per weight (dense layers, m in the thousands) every pass
+is compute-bound and the three times agree; with few tokens per expert the weight-gradient
+GEMM is the first to turn memory-bound, because its output is the weight itself at fp32 width:
+its arithmetic intensity is 2·m·n·k / (8·k·n) = m/4 FLOP/byte, below a Hopper or Blackwell
+ridge point (~590 FLOP/byte in fp8, ~295 in bf16) for m < ~1200-2400 tokens per expert.
 
 The knee models tile quantisation: a GEMM whose thinnest side is below one tile (~128-256
 elements) still pays for a whole tile, so its time stops shrinking with that side; a thin
 GEMM whose weights dominate the bytes (few tokens per expert) becomes memory-bound instead.
-The backward's two GEMMs (input grad, weight grad) have the same three sides in another order,
-hence the same time as the forward.
 
 Routed experts run as one grouped GEMM over the ``count`` local experts. With few tokens per
-expert each expert's weights are read from HBM for little work (the memory term above counts
-count·k·n weight bytes), and each expert's GEMM has a fixed cost the roofline does not see:
+expert each expert's weights are read from HBM for little work (the bytes above count
+count·k·n weight elements), and each expert's GEMM has a fixed cost the roofline does not see:
 kernel prologue/epilogue, the partial last wave and its own fp8 quantisation kernel. That is
-``expert_latency`` per expert per GEMM, added to the roofline time.
+``expert_latency`` per expert per GEMM and pass, added to the roofline time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from ndplan.perf.flops import Gemm
 
 Array = np.ndarray
+Pass = Literal["F", "B", "W"]
+#: The passes in order: forward, input gradient, weight gradient.
+PASS_NAMES: tuple[Pass, ...] = ("F", "B", "W")
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,8 @@ class ComputeRates:
     hbm_rate: bytes/s memory-bound kernels reach.
     operand_bytes: bytes per GEMM input element (1 for fp8, else 2).
     expert_latency: seconds per local expert per routed-expert GEMM (see EfficiencyProfile).
+    wgrad_accum_bytes: bytes per weight element the weight-gradient GEMM reads and writes in
+        the gradient buffer (2 · the precision's grad_bytes: 8 for fp32 main gradients).
     """
 
     peak_flops: float
@@ -52,29 +69,51 @@ class ComputeRates:
     hbm_rate: float
     operand_bytes: float
     expert_latency: float = 0.0
+    wgrad_accum_bytes: float = 8.0
 
 
-def gemm_seconds(g: Gemm, r: ComputeRates) -> Array | float:
-    """Forward seconds of ``g`` (also the input-grad and the weight-grad seconds)."""
+def gemm_bytes(g: Gemm, r: ComputeRates, pass_: Pass = "F") -> Array | float:
+    """HBM bytes of one pass of ``g`` (see the module docstring)."""
+    b = r.operand_bytes
+    if pass_ == "F":
+        return g.count * (b * (g.m * g.k + g.k * g.n) + 2.0 * g.m * g.n)
+    if pass_ == "B":
+        return g.count * (b * (g.m * g.n + g.k * g.n) + 2.0 * g.m * g.k)
+    return g.count * (b * (g.m * g.k + g.m * g.n) + r.wgrad_accum_bytes * g.k * g.n)
+
+
+def _compute_seconds(g: Gemm, r: ComputeRates) -> Array | float:
+    """FLOP-bound seconds of any pass of ``g`` (the passes have the same FLOPs)."""
     smallest = np.minimum(np.minimum(g.m, g.n), g.k)
     eff = r.gemm_eff * np.minimum(1.0, smallest / r.knee)
     if g.expert:
         eff = eff * r.grouped_factor
-    compute = g.flops / (r.peak_flops * eff)
-    moved = g.count * (r.operand_bytes * (g.m * g.k + g.k * g.n) + 2.0 * g.m * g.n)
-    roofline = np.maximum(compute, moved / r.hbm_rate)
-    if g.expert:
-        return roofline + g.count * r.expert_latency
-    return roofline
+    return g.flops / (r.peak_flops * eff)
 
 
-def gemms_seconds(gemms: list[Gemm], r: ComputeRates) -> tuple[Array | float, Array | float]:
-    """(seconds of the non-expert GEMMs, seconds of the routed-expert GEMMs), forward."""
+def _roofline(g: Gemm, r: ComputeRates, compute: Array | float, pass_: Pass) -> Array | float:
+    time = np.maximum(compute, gemm_bytes(g, r, pass_) / r.hbm_rate)
+    return time + g.count * r.expert_latency if g.expert else time
+
+
+def gemm_seconds(g: Gemm, r: ComputeRates, pass_: Pass = "F") -> Array | float:
+    """Seconds of one pass of ``g``: F forward, B input gradient, W weight gradient."""
+    return _roofline(g, r, _compute_seconds(g, r), pass_)
+
+
+def gemm_pass_seconds(g: Gemm, r: ComputeRates) -> dict[Pass, Array | float]:
+    """Seconds of every pass of ``g`` (``gemm_seconds`` of F, B and W, the FLOP term once)."""
+    compute = _compute_seconds(g, r)
+    return {pass_: _roofline(g, r, compute, pass_) for pass_ in PASS_NAMES}
+
+
+def gemms_seconds(gemms: list[Gemm], r: ComputeRates, pass_: Pass = "F") -> tuple[Array | float, Array | float]:
+    """(seconds of the non-expert GEMMs, seconds of the routed-expert GEMMs) of one pass."""
     dense: Array | float = 0.0
     expert: Array | float = 0.0
     for g in gemms:
         if g.expert:
-            expert = expert + gemm_seconds(g, r)
+            expert = expert + gemm_seconds(g, r, pass_)
         else:
-            dense = dense + gemm_seconds(g, r)
+            dense = dense + gemm_seconds(g, r, pass_)
     return dense, expert

@@ -21,11 +21,13 @@ device (T = b·s):
   (T/c)·(w_k + w_v)/t·act_bytes forward, and K,V plus dK,dV backward (w: GQA n_kv·d, MLA the
   expanded a·d_qk and a·d_v). Ulysses: all-to-all of q, k, v and o forward, same backward.
   Hybrid: Ulysses over ulysses_degree ranks, then a ring over cp/ulysses_degree.
-* EP: dispatch (at GEMM operand width: fp8 recipes dispatch in fp8) and combine (activation
-  width) all-to-alls of the (T/c)·k/t routed copies of h forward, both at activation width
-  backward, over the ep ranks at stride etp (× moe_imbalance). With
+* EP: dispatch and combine all-to-alls of the (T/c)·k/t routed copies of h forward, both
+  backward, at activation width (Megatron-Core quantises inside the expert GEMM; with
+  ``OverlapConfig.ep_dispatch_fp8`` the dispatch carries fp8, 1 byte), over the ep ranks at
+  stride etp (× moe_imbalance). With
   ``OverlapConfig.ep_dispatch = 'node_dedup'`` (DeepEP/HybridEP) a token crosses the network
-  once per distinct remote node, (N-1)·(1-(1-1/N)^k) times for N nodes in the EP group, and
+  once per distinct remote node, (N-1)·(1-(1-1/N)^k) times for N nodes in the EP group
+  (L·(1-(1-1/L)^k)·(N-1)/N with node-limited routing to L nodes, ``ep_node_limit``), and
   every copy that does not land on the receiving GPU crosses NVLink once: (g-1)/g of them.
 * FSDP / ZeRO-3: all-gather the layer's parameter shard forward (param_gather_bytes), again in
   backward when resharding after forward, and reduce-scatter its gradient (grad_bytes), over
@@ -33,10 +35,12 @@ device (T = b·s):
   expert-data-parallel ranks).
 Exposure (see OverlapConfig): hidden comm is max(0, comm - the compute it runs under).
 
-Compute per layer and pass: GEMMs (gemm.py) + fp8 input casts + attention core + elementwise
-bytes (memory_ops.py) + ``layer_overhead_s``, never less than the host floor
-(``host_layer_s`` / ``host_moe_layer_s`` + ``host_expert_s`` per local expert, the backward's
-expert term twice; see EfficiencyProfile).
+Compute per layer and pass: GEMMs (gemm.py, each pass with its own bytes) + fp8 input casts +
+attention core + elementwise bytes (memory_ops.py) + ``layer_overhead_s``, never less than the
+host floor (``host_layer_s`` / ``host_moe_layer_s`` + ``host_expert_s`` per local expert, the
+backward's expert term twice; see EfficiencyProfile). A MoE forward also waits out the dropless
+token-count sync: at least (host_f - host_layer_s) + g_pre, g_pre the GPU time queued before
+the sync (attention projections, attention core, router GEMM and their fp8 casts).
 """
 
 from __future__ import annotations
@@ -52,12 +56,14 @@ from ndplan.perf.efficiency import EfficiencyProfile
 from ndplan.perf.flops import (
     Gemm,
     Sharding,
+    alternate_recomputed_gemms,
     attention_core_flops,
+    attention_gemms,
     head_gemms,
     layer_gemms,
     mtp_gemms,
 )
-from ndplan.perf.gemm import ComputeRates, gemm_seconds, gemms_seconds
+from ndplan.perf.gemm import PASS_NAMES, ComputeRates, gemm_pass_seconds, gemm_seconds, gemms_seconds
 from ndplan.perf.memory_ops import embedding_bytes, head_bytes, layer_bytes, unfused_score_bytes
 from ndplan.perf.overlap import OverlapConfig
 from ndplan.perf.topology import Fabric, fits_in_domain, group_link, inside_bandwidth, members_per_domain
@@ -180,6 +186,20 @@ def _cp_seconds(
     return ring_f, ring_b, a2a
 
 
+def remote_nodes_per_token(nodes: Array | float, k: float, limit: int | None = None) -> Array | float:
+    """Expected distinct remote nodes one token's k routed copies reach, over N = ``nodes``.
+
+    The k experts spread uniformly over L = min(limit, N) nodes (node-limited routing picks L
+    of them; without a limit L = N), and those L are uniform among the N, so the token's own
+    node is one of them with probability L/N:
+
+        remote = L·(1 - (1 - 1/L)^k)·(N - 1)/N        (= (N - 1)·(1 - (1 - 1/N)^k) when L = N)
+    """
+    n = np.asarray(nodes, dtype=np.float64)
+    big_l = n if limit is None else np.minimum(float(limit), n)
+    return big_l * (1.0 - (1.0 - 1.0 / big_l) ** k) * (n - 1.0) / n
+
+
 def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | float) -> Array | float:
     """One expert all-to-all of an ``nbytes`` send buffer (all routed copies of the device's
     tokens) over the ep ranks at stride etp, with the run's dispatcher (OverlapConfig.ep_dispatch)."""
@@ -192,8 +212,7 @@ def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | 
     k = float(ctx.model.num_experts_per_tok)
     g = members_per_domain(e, x, fabric.domain)
     nodes = np.maximum(e / g, 1.0)
-    # expected distinct remote nodes a token reaches with k experts spread over the nodes
-    remote = (nodes - 1.0) * (1.0 - (1.0 - 1.0 / nodes) ** k)
+    remote = remote_nodes_per_token(nodes, k, ctx.overlap.ep_node_limit)
     outside = nbytes / k * remote / fabric.scaleout_bw
     inside = nbytes * (g - 1.0) / g / inside_bandwidth(fabric, g)
     latency = (nodes - 1.0) * fabric.scaleout_latency + (g - 1.0) * fabric.scaleup_latency
@@ -228,40 +247,72 @@ def _fsdp_seconds(
     return forward, backward
 
 
+def _pass_gemm_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[dict[str, Array | float], dict[str, Array | float]]:
+    """(seconds of ``gemms`` per pass F, B, W, routed experts scaled by ``moe_imbalance``;
+    forward seconds of each GEMM by name)."""
+    total: dict[str, Array | float] = {p: 0.0 for p in PASS_NAMES}
+    forward: dict[str, Array | float] = {}
+    for g in gemms:
+        times = gemm_pass_seconds(g, ctx.rates)
+        scale = ctx.eff.moe_imbalance if g.expert else 1.0
+        for pass_, value in times.items():
+            total[pass_] = total[pass_] + scale * value
+        forward[g.name] = times["F"]
+    return total, forward
+
+
+def _chunk_sort(ctx: LayerContext, cols: dict[str, Array]) -> Array | float:
+    """1 where Megatron's all-to-all dispatcher sorts the received rows by local expert (ep > 1
+    and more than one local expert), else 0 (memory_ops.layer_bytes)."""
+    if ctx.overlap.ep_dispatch != "all_to_all":
+        return 0.0
+    return np.where((cols["ep"] > 1) & (ctx.model.num_experts > cols["ep"]), 1.0, 0.0)
+
+
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind) -> tuple[PieceTimes, PieceTimes]:
     """(the layer, what recomputing it adds) for one decoder layer of ``kind``."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
     gemms = layer_gemms(model, sh, kind)
-    dense_s, expert_s = gemms_seconds(gemms, rates)
-    expert_s = expert_s * eff.moe_imbalance
-    gemm = dense_s + expert_s
+    gemm, forward_of = _pass_gemm_seconds(ctx, gemms)
     cast_f, cast_b = fp8_cast_seconds(ctx, gemms)
     attn_f, attn_b = attention_core_seconds(ctx, sh)
-    ew_bytes, ew_rc_bytes = layer_bytes(model, sh, cols["sequence_parallel"], kind, beta)
+    sort = _chunk_sort(ctx, cols) if kind == "moe" else 0.0
+    ew_bytes, ew_rc_bytes = layer_bytes(model, sh, cols["sequence_parallel"], kind, beta, sort)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
     overhead = eff.layer_overhead_s
+    gpu_f = gemm["F"] + cast_f + attn_f + ew_f + overhead
     host_f: Array | float = eff.host_layer_s
     host_b: Array | float = eff.host_layer_s
+    floor_f: Array | float = host_f
     if kind == "moe":
         local_experts = model.num_experts / cols["ep"]
         host_f = eff.host_moe_layer_s + local_experts * eff.host_expert_s
         host_b = eff.host_moe_layer_s + 2.0 * local_experts * eff.host_expert_s
+        # Dropless dispatch syncs the host on the per-expert token counts mid-forward: the GPU
+        # drains what was queued before (attention block and router, g_pre) while the host
+        # waits, then runs the rest as the host launches it. Launching the part before the
+        # sync costs about a dense layer's host time, so the forward takes at least
+        # (host_f - host_layer_s) + g_pre.
+        pre_sync = attention_gemms(model, sh) + [g for g in gemms if g.name == "router"]
+        pre_cast, _ = fp8_cast_seconds(ctx, pre_sync)
+        g_pre = sum((forward_of[g.name] for g in pre_sync), 0.0) + pre_cast + attn_f
+        floor_f = np.maximum(host_f, np.maximum(host_f - eff.host_layer_s, 0.0) + g_pre)
 
     out = PieceTimes()
     # The GPU cannot run a layer faster than the host enqueues it (see EfficiencyProfile).
-    compute_f = np.maximum(gemm + cast_f + attn_f + ew_f + overhead, host_f)
-    compute_b = np.maximum(gemm + cast_b + attn_b + 2.0 * ew_f + overhead, host_b)
-    compute_w = gemm
+    compute_f = np.maximum(gpu_f, floor_f)
+    compute_b = np.maximum(gemm["B"] + cast_b + attn_b + 2.0 * ew_f + overhead, host_b)
+    compute_w = gemm["W"]
     out.add("F", "compute", compute_f)
     out.add("B", "compute", compute_b)
     out.add("W", "compute", compute_w)
 
     activation = sh.tokens * model.hidden_size * beta
     tp = _tp_seconds(ctx, cols, activation, 2.0)
-    tp_f = _exposed(tp, gemm, ctx.overlap.tp)
-    tp_b = _exposed(tp, 2.0 * gemm, ctx.overlap.tp)
+    tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
+    tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
     out.add("F", "tp", tp_f)
     out.add("B", "tp", tp_b)
 
@@ -274,10 +325,12 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     ep_f: Array | float = 0.0
     if kind == "moe":
         t = cols["tp"]
-        # Dispatch sends the routed copies at GEMM operand width (fp8 recipes dispatch in fp8),
-        # combine returns them in activation width; the backward moves gradients both ways.
+        # Dispatch sends the routed copies in the activation dtype (Megatron-Core quantises
+        # inside the expert GEMM) or, with ep_dispatch_fp8, at fp8 GEMM operand width; combine
+        # returns them in activation width; the backward moves gradients both ways.
         copies = sh.tokens * model.num_experts_per_tok / t * model.hidden_size
-        forward = _ep_all_to_all_s(ctx, cols, copies * rates.operand_bytes) + _ep_all_to_all_s(ctx, cols, copies * beta)
+        dispatch_bytes = rates.operand_bytes if ctx.overlap.ep_dispatch_fp8 else beta
+        forward = _ep_all_to_all_s(ctx, cols, copies * dispatch_bytes) + _ep_all_to_all_s(ctx, cols, copies * beta)
         backward = 2.0 * _ep_all_to_all_s(ctx, cols, copies * beta)
         hide_ep = cols["ep_overlap"] > 0
         ep_f = _exposed(forward * eff.moe_imbalance, compute_f, hide_ep)
@@ -290,11 +343,18 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     out.add("B", "dp", _exposed(fs_b, compute_b + compute_w, ctx.overlap.fsdp_prefetch))
 
     # Recompute: full replays the whole forward (its collectives too); selective replays the
-    # attention core and the cheap elementwise ops.
+    # attention core (Megatron) or every second matmul (torchtitan's per-op policy) and the
+    # cheap elementwise ops.
     rc = PieceTimes()
     full = cols["recompute"] == 2
     selective = cols["recompute"] == 1
-    rc.add("B", "compute", np.where(full, compute_f, np.where(selective, attn_f + ew_rc, 0.0)))
+    if eff.selective_recompute == "torchtitan-op":
+        replayed = alternate_recomputed_gemms(model, sh, kind)
+        replay_cast, _ = fp8_cast_seconds(ctx, replayed)
+        selective_s = gemms_seconds(replayed, rates, "F")[0] + replay_cast + ew_rc
+    else:
+        selective_s = attn_f + ew_rc
+    rc.add("B", "compute", np.where(full, compute_f, np.where(selective, selective_s, 0.0)))
     rc.add("B", "tp", np.where(full, tp_f, 0.0))
     rc.add("B", "cp", np.where(full, cp_f, 0.0))
     rc.add("B", "ep", np.where(full, ep_f, 0.0))
@@ -327,7 +387,7 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     model, rates = ctx.model, ctx.rates
     beta = ctx.precision.activation_bytes
     head = head_gemms(model, sh)
-    head_s, _ = gemms_seconds(head, rates)
+    head_s = {p: gemms_seconds(head, rates, p)[0] for p in PASS_NAMES}
     cast_f, cast_b = fp8_cast_seconds(ctx, head)
     loss_s = ctx.eff.elementwise_passes * head_bytes(model, sh, cols["sequence_parallel"], beta) / rates.hbm_rate
     t = cols["tp"]
@@ -340,26 +400,25 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     tp_b = np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))
 
     one = PieceTimes()
-    one.add("F", "compute", head_s + cast_f + loss_s)
-    one.add("B", "compute", head_s + cast_b + loss_s)
-    one.add("W", "compute", head_s)
-    one.add("F", "tp", _exposed(tp_f, head_s, ctx.overlap.tp))
-    one.add("B", "tp", _exposed(tp_b, head_s, ctx.overlap.tp))
+    one.add("F", "compute", head_s["F"] + cast_f + loss_s)
+    one.add("B", "compute", head_s["B"] + cast_b + loss_s)
+    one.add("W", "compute", head_s["W"])
+    one.add("F", "tp", _exposed(tp_f, head_s["F"], ctx.overlap.tp))
+    one.add("B", "tp", _exposed(tp_b, head_s["B"], ctx.overlap.tp))
     table = 0.0 if model.tie_word_embeddings else float(model.vocab_size * model.hidden_size)
     fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0)
-    one.add("F", "dp", _exposed(fs_f, head_s, ctx.overlap.fsdp_prefetch))
-    one.add("B", "dp", _exposed(fs_b, 2.0 * head_s, ctx.overlap.fsdp_prefetch))
+    one.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
+    one.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
 
     out = PieceTimes()
     out.scaled_add(one, 1.0)
     if model.mtp_depth:
-        proj_s, _ = gemms_seconds(mtp_gemms(model, sh), rates)
+        proj = mtp_gemms(model, sh)
         module = PieceTimes()
         module.scaled_add(mtp_layer, 1.0)
         module.scaled_add(one, 1.0)
-        module.add("F", "compute", proj_s)
-        module.add("B", "compute", proj_s)
-        module.add("W", "compute", proj_s)
+        for pass_ in PASS_NAMES:
+            module.add(pass_, "compute", gemms_seconds(proj, rates, pass_)[0])
         out.scaled_add(module, float(model.mtp_depth))
     return out
 

@@ -21,6 +21,11 @@ Per decoder layer, forward:
   masked probabilities (write 4, read 4 in the permute) Megatron's dispatcher builds, and the
   load-balancing loss's read of the scores (4). Permutation indices: per routed copy an int64
   row index written and read by permute and again by un-permute -> 32 bytes per copy.
+  Chunk sort (Megatron's all-to-all dispatcher with ep > 1 and more than one local expert):
+  what arrives is grouped by source rank, so the rows are re-sorted by local expert after the
+  dispatch ("permutation 2", a gather: read + write) and sorted back before the combine ->
+  4·R·h, R = (T·k/t)·etp rows received (etp ranks share each expert's tokens). DeepEP and
+  HybridEP permute on arrival instead (no extra pass).
 Unfused attention (no FlashAttention): per score element b·(a/t)·(s/c)·s: GEMM writes scores 2,
 softmax reads 2 writes 2, dropout reads 2 writes 2 plus a 1-byte mask -> 11 bytes forward.
 Output head + loss: the vocab-parallel cross-entropy reads the bf16 logits, works in fp32
@@ -48,6 +53,9 @@ EMBEDDING_GRAD_BYTES = 10.0
 ROUTER_BYTES_PER_LOGIT = 25.0
 #: Bytes per routed copy of the permutation's int64 row indices (permute and un-permute).
 PERMUTE_INDEX_BYTES = 32.0
+#: Elements per received row and hidden unit of the all-to-all dispatcher's chunk sort and
+#: unsort (a gather each: read + write).
+CHUNK_SORT_PASSES = 4.0
 
 
 def norm_tokens(sh: Sharding, sp: Array | float) -> Array | float:
@@ -63,12 +71,15 @@ def rope_width(model: ModelSpec) -> float:
 
 
 def layer_bytes(
-    model: ModelSpec, sh: Sharding, sp: Array | float, kind: MlpKind, act_bytes: float
+    model: ModelSpec, sh: Sharding, sp: Array | float, kind: MlpKind, act_bytes: float,
+    chunk_sort: Array | float = 0.0,
 ) -> tuple[Array | float, Array | float]:
     """(all elementwise bytes, the subset selective recompute re-runs) of one layer, forward.
 
     Selective recompute re-runs the cheap elementwise ops: norms, rotary, activations; residual
     adds and MoE token shuffles are kept (their outputs are the saved checkpoints).
+    ``chunk_sort``: 1 where the dispatcher re-sorts the received rows by local expert and back
+    (see the module docstring), else 0.
     """
     h, t, tok = model.hidden_size, sh.tp, sh.tokens
     t_n = norm_tokens(sh, sp)
@@ -92,7 +103,8 @@ def layer_bytes(
         if model.num_shared_experts:
             activation = activation + gate_factor * tok * model.num_shared_experts * model.shared_expert_ffn_hidden_size / t
         router = ROUTER_BYTES_PER_LOGIT * (tok / t) * model.num_experts + PERMUTE_INDEX_BYTES * copies
-        shuffle = 5.0 * copies * h + router / act_bytes
+        sort = CHUNK_SORT_PASSES * chunk_sort * copies * sh.etp * h
+        shuffle = 5.0 * copies * h + sort + router / act_bytes
     recomputable = norms + rope + extra_norms + activation
     return act_bytes * (recomputable + residual + shuffle), act_bytes * recomputable
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ndplan.errors import NdplanError
 
@@ -39,6 +39,16 @@ class OverlapConfig(BaseModel):
         mirror image). With k experts spread uniformly over the N nodes of an EP group a token
         reaches N·(1-(1-1/N)^k) distinct nodes, (N-1)·(1-(1-1/N)^k) of them remote. Inside
         one scale-up domain both dispatchers move the same bytes.
+    ep_node_limit: node-limited routing (DeepSeek-V3: each token's experts come from at most
+        topk_group = 4 of n_group = 8 expert groups, one group per node when ep spans 8 nodes):
+        a token reaches at most this many nodes, L·(1-(1-1/L)^k) of them on average, with
+        'node_dedup' dispatch. None: no limit. Set it only when the routing groups align with
+        nodes.
+    ep_dispatch_fp8: the dispatch all-to-all carries tokens already quantised to fp8 (1 byte
+        per element; DeepSeek-V3's framework quantises before dispatching). Off, tokens travel
+        in the activation dtype and are quantised inside the expert GEMM, as in Megatron-Core
+        (its all-to-all, DeepEP and HybridEP dispatchers all send bf16). The combine and the
+        backward all-to-alls always move the activation dtype.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -50,6 +60,8 @@ class OverlapConfig(BaseModel):
     tp: bool = False
     ep: bool | None = None
     ep_dispatch: Literal["all_to_all", "node_dedup"] = "all_to_all"
+    ep_node_limit: int | None = Field(default=None, ge=1)
+    ep_dispatch_fp8: bool = False
 
 
 #: Defaults per software stack. "megatron" is what Megatron-LM/NeMo recipes turn on by default

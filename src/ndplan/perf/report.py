@@ -17,7 +17,7 @@ from ndplan.perf.flops import (
     layer_gemms,
     model_flops_per_micro_batch,
 )
-from ndplan.perf.gemm import gemms_seconds
+from ndplan.perf.gemm import PASS_NAMES, gemms_seconds
 from ndplan.perf.layer import CATEGORIES, LayerContext, piece_times
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, evaluate, strategy_columns
@@ -126,20 +126,21 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"strategy: {s.short()} on {r.cluster.num_devices}× {dev.name}; {model.name}, seq {s.seq_length}, "
         f"global batch {s.global_batch_size} = dp {s.dp} · mbs {s.micro_batch_size} · m {s.num_micro_batches}",
         f"GEMM rate = peak[{dtype}] · gemm_eff · min(1, min(M,N,K)/knee) = {rates.peak_flops / 1e12:,.1f} TFLOP/s · "
-        f"{gemm_eff:.3f} (knee {r.efficiency.gemm_knee:.0f}); roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective",
+        f"{gemm_eff:.3f} (knee {r.efficiency.gemm_knee:.0f}); roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective, "
+        f"each pass with its own bytes (W read-modify-writes {rates.wgrad_accum_bytes:.0f} B per weight of gradient)",
         f"attention core rate = peak · attention_eff = {rates.attention_rate / 1e12:,.1f} TFLOP/s "
         f"({'FlashAttention: backward = 2.5× forward FLOPs' if r.efficiency.flash_attention else 'unfused: full s² square + softmax bytes'})",
     ]
     for kind in sorted(set(model.layer_mlp_kinds)):
         gemms = layer_gemms(model, sh, kind)  # type: ignore[arg-type]
-        dense_s, expert_s = gemms_seconds(gemms, rates)
+        per_pass = {ps: float(np.asarray(sum(gemms_seconds(gemms, rates, ps), 0.0)).reshape(-1)[0]) for ps in PASS_NAMES}
         flops = float(gemm_flops(gemms))
         attn = float(attention_core_flops(model, sh))
         p = pieces[kind]
         lines.append(
             f"{kind} layer, one micro-batch on one device: matmul FLOPs fwd = Σ 2·M·N·K = {flops / 1e9:,.1f} GFLOP "
-            f"({_ms(float(np.asarray(dense_s + expert_s).reshape(-1)[0]))}); attention core fwd = 2·b·(a/t)·(d_qk+d_v)·s(s+1)/2/c "
-            f"= {attn / 1e9:,.1f} GFLOP"
+            f"(GEMMs F {_ms(per_pass['F'])}, B {_ms(per_pass['B'])}, W {_ms(per_pass['W'])}); attention core fwd = "
+            f"2·b·(a/t)·(d_qk+d_v)·s(s+1)/2/c = {attn / 1e9:,.1f} GFLOP"
         )
         for pass_ in ("F", "B", "W"):
             parts = ", ".join(

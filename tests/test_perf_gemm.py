@@ -1,0 +1,47 @@
+"""GEMM seconds per pass: the roofline with each pass's own bytes, derived by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from ndplan.perf.flops import Gemm
+from ndplan.perf.gemm import ComputeRates, gemm_bytes, gemm_seconds
+
+# 1 PFLOP/s peak at 0.75, knee 256, grouped factor 0.9, 2.6 TB/s HBM, bf16 operands, fp32
+# gradient accumulation (read 4 + write 4 bytes per weight), no per-expert latency.
+RATES = ComputeRates(1e15, 0.75, 256.0, 0.9, 5e14, 2.6e12, 2.0, expert_latency=0.0, wgrad_accum_bytes=8.0)
+
+# The brief's fine-grained case: a 4096-token micro-batch, top-8 of 128 experts -> 256 tokens
+# per expert, 16 local experts of a 2048 -> 768 projection.
+SMALL = Gemm("experts_down_like", 256.0, 768.0, 2048.0, count=16.0, expert=True)
+
+
+def test_bytes_of_each_pass():
+    # F: read X (256·2048) and W (2048·768) in bf16, write Y (256·768) in bf16
+    assert gemm_bytes(SMALL, RATES, "F") == 16 * (2 * (256 * 2048 + 2048 * 768) + 2 * 256 * 768) == 73_400_320
+    # B: read dY (256·768) and W, write dX (256·2048)
+    assert gemm_bytes(SMALL, RATES, "B") == 16 * (2 * (256 * 768 + 2048 * 768) + 2 * 256 * 2048) == 73_400_320
+    # W: read X and dY, read-modify-write the fp32 weight gradient (2048·768 · 8 bytes)
+    assert gemm_bytes(SMALL, RATES, "W") == 16 * (2 * (256 * 2048 + 256 * 768) + 8 * 2048 * 768) == 224_395_264
+    # fp8 operands: the two reads halve, the bf16 output does not
+    fp8 = ComputeRates(2e15, 0.5, 256.0, 0.9, 5e14, 2.6e12, 1.0)
+    assert gemm_bytes(SMALL, fp8, "F") == 16 * ((256 * 2048 + 2048 * 768) + 2 * 256 * 768)
+    assert gemm_bytes(SMALL, fp8, "B") == 16 * ((256 * 768 + 2048 * 768) + 2 * 256 * 2048)
+
+
+def test_few_tokens_per_expert_make_the_weight_gradient_memory_bound():
+    # compute: 2·256·768·2048·16 FLOP at 1e15 · 0.75 · min(1, 256/256) · 0.9 = 19.09 us
+    compute = 2 * 256 * 768 * 2048 * 16 / (1e15 * 0.75 * 0.9)
+    assert compute == pytest.approx(19.09e-6, rel=1e-3)
+    # all three passes are memory-bound at 2.6 TB/s; W moves 3.06x the bytes of F
+    assert gemm_seconds(SMALL, RATES, "F") == pytest.approx(73_400_320 / 2.6e12, rel=1e-12)
+    assert gemm_seconds(SMALL, RATES, "W") == pytest.approx(224_395_264 / 2.6e12, rel=1e-12)
+    assert gemm_seconds(SMALL, RATES, "W") / gemm_seconds(SMALL, RATES, "F") == pytest.approx(3.057, rel=1e-3)
+
+
+def test_a_large_gemm_is_compute_bound_in_every_pass():
+    big = Gemm("mlp_up", 8192.0, 8192.0, 8192.0)
+    compute = 2 * 8192**3 / (1e15 * 0.75)  # 1.466 ms; W's 805 MB take 0.31 ms
+    assert gemm_bytes(big, RATES, "W") / 2.6e12 < 0.25 * compute
+    for pass_ in ("F", "B", "W"):
+        assert gemm_seconds(big, RATES, pass_) == pytest.approx(compute, rel=1e-12)
