@@ -38,7 +38,7 @@ from ndplan.memory.profile import (
 from ndplan.memory.static import embedding_elements, layer_elements, mtp_extra_elements, sharding_factors
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
-from ndplan.schedule import SPLIT_BACKWARD, in_flight
+from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
 from ndplan.strategy.batch import CODES, StrategyBatch
 
 Attention = Literal["flash", "sdpa", "eager"]
@@ -292,17 +292,24 @@ def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
 
 @lru_cache(maxsize=8192)
 def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
-    """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] that can be
-    the maximum of a non-negative weighting: rows dominated by another row are dropped (usually
-    most)."""
+    """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] (and for V
+    schedules [forwards_done | backwards_done]) that can be the maximum of a non-negative
+    weighting: rows dominated by another row are dropped (usually most)."""
     if schedule == "gpipe":
         # GPipe runs every forward before any backward: each stage holds all m micro-batches, and
         # no gradient exists yet; after the first backward, m - 1 and the gradients.
         return tuple(np.array([[float(m), 0.0, 0.0], [float(m - 1), 0.0, 1.0]]) for _ in range(pp))
-    flight = in_flight(schedule, pp, vpp, steady_micro_batches(schedule, pp, vpp, m), seq_chunks)
-    return tuple(
-        _undominated(np.hstack([stage.held_until_b, stage.held_until_w, stage.grads_ready])) for stage in flight.stages
-    )
+    simulated = steady_micro_batches(schedule, pp, vpp, m)
+    flight = in_flight(schedule, pp, vpp, simulated, seq_chunks)
+    frontiers = []
+    for stage in flight.stages:
+        columns = [stage.held_until_b, stage.held_until_w, stage.grads_ready]
+        if schedule in V_SHAPE:
+            # Hand-overs at the V's turn so far. Past the simulated micro-batches the pattern
+            # repeats while the count grows: the late rows, where it peaks, count the rest too.
+            columns += [stage.forwards_done + (m - simulated), stage.backwards_done + (m - simulated)]
+        frontiers.append(_undominated(np.hstack(columns)))
+    return tuple(frontiers)
 
 
 def _undominated(rows: np.ndarray) -> np.ndarray:
@@ -329,11 +336,11 @@ def _undominated(rows: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=8192)
 def _padded_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> np.ndarray:
-    """The frontier of every stage in one array [pp, rows, 3·vpp], padded with zero rows (a zero
-    row never beats a real one, since weights are non-negative)."""
+    """The frontier of every stage in one array [pp, rows, columns], padded with zero rows (a
+    zero row never beats a real one, since weights are non-negative)."""
     frontier = _frontier(schedule, pp, vpp, m, seq_chunks)
     rows = max(len(f) for f in frontier)
-    padded = np.zeros((pp, rows, 3 * vpp))
+    padded = np.zeros((pp, rows, frontier[0].shape[1]))
     for s, f in enumerate(frontier):
         padded[s, : len(f)] = f
     padded.flags.writeable = False
@@ -347,33 +354,35 @@ def _stage_matmul(weights: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def _held_peak(
     schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray,
-    per_b: np.ndarray, per_w: np.ndarray, per_grads: np.ndarray | None, *, keep_rows: bool = False,
+    per_b: np.ndarray, per_w: np.ndarray, per_extra: np.ndarray | None, *, keep_rows: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Per stage [n, pp]: the peak over the schedule of the held activations, and of the held
-    activations plus the gradients that exist by then (``per_grads``: bytes of each chunk's
-    gradients; None where they always exist, and then the second is the first). With
-    ``keep_rows``, per strategy and stage the frontier row ([held_until_b | held_until_w |
-    grads_ready], [n, pp, 3·vpp]) of the activation peak. Strategies are priced per distinct
-    micro-batch count, whose schedule simulation they share."""
+    activations plus what else appears during the step (``per_extra``, weights of the frontier's
+    further columns: each chunk's gradients, and under a V schedule the tensors handed over at
+    its turn; None where nothing does, and then the second is the first). With ``keep_rows``,
+    per strategy and stage the frontier row of the activation peak. Strategies are priced per
+    distinct micro-batch count, whose schedule simulation they share."""
     n = per_b.shape[0]
     weights = np.concatenate([per_b, per_w], axis=2)  # [n, pp, 2·vpp]
     peak = np.zeros((n, pp))
-    with_grads = np.zeros((n, pp)) if per_grads is not None else peak
-    chosen = np.zeros((n, pp, 3 * vpp)) if keep_rows else None
+    with_extra = np.zeros((n, pp)) if per_extra is not None else peak
+    chosen: np.ndarray | None = None
     counts, which = np.unique(micro_batches, return_inverse=True)
     for j, m in enumerate(counts):
         subset = np.flatnonzero(which.ravel() == j) if len(counts) > 1 else np.arange(n)
-        frontier = _padded_frontier(schedule, pp, vpp, int(m), seq_chunks)  # [pp, rows, 3·vpp]
+        frontier = _padded_frontier(schedule, pp, vpp, int(m), seq_chunks)  # [pp, rows, columns]
         # Batched over stages, matmul runs in BLAS (several times einsum's loop): [n_m, pp, rows].
         values = _stage_matmul(weights[subset], frontier[:, :, : 2 * vpp])
         best = np.argmax(values, axis=2)  # [n_m, pp]
         peak[subset] = np.take_along_axis(values, best[:, :, None], axis=2)[:, :, 0]
-        if per_grads is not None:
-            values = values + _stage_matmul(per_grads[subset], frontier[:, :, 2 * vpp:])
-            with_grads[subset] = values.max(axis=2)
-        if chosen is not None:
+        if per_extra is not None:
+            values = values + _stage_matmul(per_extra[subset], frontier[:, :, 2 * vpp: 2 * vpp + per_extra.shape[2]])
+            with_extra[subset] = values.max(axis=2)
+        if keep_rows:
+            if chosen is None:
+                chosen = np.zeros((n, pp, frontier.shape[2]))
             chosen[subset] = frontier[np.arange(pp)[None, :], best]
-    return peak, with_grads, chosen
+    return peak, with_extra, chosen
 
 
 # --------------------------------------------------------------------------- main entry
@@ -469,6 +478,21 @@ def _evaluate_group(
     on_stage = np.zeros((pp, virtual))
     on_stage[placement.stage_of, np.arange(virtual)] = 1.0
     first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
+    # Virtual stage v receives activations from v - 1 (gradients from v + 1) over the network
+    # only where that neighbour runs on another rank.
+    receives_from_peer = np.zeros(virtual, dtype=bool)
+    receives_from_peer[1:] = placement.stage_of[1:] != placement.stage_of[:-1]
+    sends_to_peer = np.zeros(virtual, dtype=bool)
+    sends_to_peer[:-1] = placement.stage_of[:-1] != placement.stage_of[1:]
+    # At a V schedule's turn the chunk hands its output (and the next one its input gradient)
+    # over on the same rank, by reference: the receiving side keeps that tensor until the step
+    # ends, so it stays from that micro-batch's F (B) on.
+    hands_over = bool(options.profile.pipeline_stage_output) and schedule in V_SHAPE and virtual > 1
+    hands_forward = np.zeros(virtual, dtype=bool)
+    hands_backward = np.zeros(virtual, dtype=bool)
+    if hands_over:
+        hands_forward[:-1] = ~sends_to_peer[:-1]
+        hands_backward[1:] = ~receives_from_peer[1:]
     moe_per_stage = on_stage @ placement.moe_layers
 
     precision = batch.precision
@@ -564,10 +588,12 @@ def _evaluate_group(
         vocab_div = tp[:, None] if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         is_last = (np.arange(virtual) == virtual - 1)[None, :]
         act_bytes = precision.activation_bytes
-        # Every stage but the first also keeps the input it received, which needs a gradient.
+        # Every stage but the first also keeps the input it received, which needs a gradient;
+        # where the previous chunk runs on the same rank (the turn of a V schedule) that input is
+        # its output itself, passed by reference, already counted.
         per_virtual["pipeline_output"] = t * act_bytes * (
-            np.where(is_last, model.vocab_size / vocab_div, model.hidden_size / sp_div)
-            + (np.arange(virtual) > 0)[None, :] * model.hidden_size / sp_div
+            np.where(is_last, model.vocab_size / vocab_div, model.hidden_size / sp_div) * ~hands_forward[None, :]
+            + receives_from_peer[None, :] * model.hidden_size / sp_div
         )
     per_b_virtual = sum(per_virtual.values())
     split = schedule in SPLIT_BACKWARD
@@ -592,18 +618,27 @@ def _evaluate_group(
     # Gradients created in the backward (set_to_none) do not exist before a chunk's first
     # backward: GPipe's peak, all forwards held, has none. Elsewhere they are static.
     grads_in_schedule = profile.grads_created_in_backward
-    per_grads = None
     zero3 = batch.zero == 3
     # torch.distributed.pipelining defers FSDP's reduce to the end of the step: a chunk keeps its
     # unsharded gradients from its first backward on (accumulated in the reduce dtype), and no
     # sharded ones until then.
     deferred = zero3 & profile.pipeline_defers_fsdp_reduce & (virtual > 1)
+    per_grads = np.zeros((len(batch), pp, vpp))
     if grads_in_schedule:
         unsharded = (non_expert_total + expert_total) * grad_bytes
-        per_grads = np.zeros((len(batch), pp, vpp))
         per_grads[:, placement.stage_of, placement.chunk_of] = np.where(deferred[:, None], unsharded, grads_virtual)
-    held, held_with_grads, chosen = _held_peak(
-        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, per_b, per_w, per_grads, keep_rows=kinds is not None
+    per_extra: np.ndarray | None = per_grads if grads_in_schedule else None
+    handed_over = np.zeros((len(batch), pp))
+    if hands_over:
+        one_hand_over = tokens * model.hidden_size * precision.activation_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
+        per_forward, per_backward = np.zeros((len(batch), pp, vpp)), np.zeros((len(batch), pp, vpp))
+        per_forward[:, placement.stage_of, placement.chunk_of] = one_hand_over[:, None] * hands_forward[None, :]
+        per_backward[:, placement.stage_of, placement.chunk_of] = one_hand_over[:, None] * hands_backward[None, :]
+        per_extra = np.concatenate([per_grads, per_forward, per_backward], axis=2)
+        count = on_stage @ (hands_forward.astype(float) + hands_backward)
+        handed_over = (batch.num_micro_batches * one_hand_over)[:, None] * count[None, :]
+    held, held_with_extra, chosen = _held_peak(
+        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, per_b, per_w, per_extra, keep_rows=kinds is not None
     )
     out["activations"] = held
     if kinds is not None and chosen is not None:
@@ -686,10 +721,15 @@ def _evaluate_group(
         # torch.distributed.pipelining allocates one receive buffer per micro-batch up front, for
         # the activations a later chunk receives and the gradients an earlier chunk receives; they
         # stay for the whole step, the optimizer's included.
-        directions = (np.arange(virtual) > 0).astype(float) + (np.arange(virtual) < virtual - 1)
+        # Chunks next to each other on one rank (a V schedule's turn) hand tensors over directly:
+        # their up-front buffers are replaced by the tensors themselves.
+        directions = receives_from_peer.astype(float) + sends_to_peer
         per_virtual_receive = (batch.num_micro_batches * tokens * h * act_bytes)[:, None] * directions[None, :]
         per_virtual_receive = per_virtual_receive / np.where(batch.sequence_parallel > 0, tp, 1.0)[:, None]
         receive = per_virtual_receive @ on_stage.T
+    # The tensors handed over at a V's turn are reported with the receive buffers (all m of
+    # them, as at the step's end); the forward/backward peak counts those handed over by then.
+    receive = receive + handed_over
     other_comm = overlapping + pp_buffers[:, None] + kept_gathered + receive
     out["comm"] = other_comm + fsdp_gathers
     out["transient"] = np.where(zero3[:, None], fsdp.working, out["transient"])
@@ -701,8 +741,8 @@ def _evaluate_group(
     out["optimizer_step"] = local_elements * options.profile.optimizer_temp_copies * updated_bytes + receive
 
     static = out["params"] + out["grads"] + out["optimizer"]
-    held_and_grads = held_with_grads if grads_in_schedule else out["activations"] + out["grads"]
-    forward_backward = out["params"] + out["optimizer"] + held_and_grads + out["comm"] + out["transient"]
+    held_and_more = held_with_extra + (0.0 if grads_in_schedule else out["grads"])
+    forward_backward = out["params"] + out["optimizer"] + held_and_more + out["comm"] - handed_over + out["transient"]
     if options.profile.grads_created_in_backward:
         # zero_grad(set_to_none=True): with one micro-batch the gradients appear during the
         # backward as the activations go, so the loss (all activations, no gradients) and the end

@@ -47,6 +47,9 @@ class StageInFlight:
     #: where the backward is not split), 0 before: a runtime that creates gradients in the
     #: backward (``zero_grad(set_to_none=True)``) holds none before then.
     grads_ready: NDArray[np.float64]
+    #: Micro-batches whose F (B) on the chunk has completed, so far (cumulative counts).
+    forwards_done: NDArray[np.float64]
+    backwards_done: NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -130,10 +133,18 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
         makes_grads = np.zeros((n + 1, vpp))
         makes_grads[rows, st.chunk] = (is_w if split else is_b).astype(np.float64)
         grads_ready = (np.cumsum(makes_grads, axis=0) > 0).astype(np.float64)
+        done_f = np.zeros((n + 1, vpp))
+        done_f[rows, st.chunk] = is_f.astype(np.float64)
+        done_b = np.zeros((n + 1, vpp))
+        done_b[rows, st.chunk] = is_b.astype(np.float64)
+        forwards_done = np.cumsum(done_f, axis=0) / seq_chunks
+        backwards_done = np.cumsum(done_b, axis=0) / seq_chunks
         peak[s] = held_b.max(axis=0)
         peak_w[s] = held_w.max(axis=0)
         peak_total[s] = held_b.sum(axis=1).max()
-        stages.append(StageInFlight(_frozen(held_b), _frozen(held_w), _frozen(grads_ready)))
+        stages.append(StageInFlight(
+            _frozen(held_b), _frozen(held_w), _frozen(grads_ready), _frozen(forwards_done), _frozen(backwards_done)
+        ))
     return InFlight(
         schedule=schedule,
         pp=pp,
