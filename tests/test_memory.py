@@ -264,9 +264,9 @@ STEPS = sorted((Path(__file__).parent / "data" / "measured" / "steps").glob("*.j
 
 @pytest.mark.parametrize("path", STEPS, ids=[p.stem for p in STEPS])
 def test_estimate_matches_measured_steps(path):
-    """Whole training steps measured by `ndplan measure` (FSDP2 units beside MoE layers, FSDP
-    under a pipeline, GPipe, 1F1B with an accumulating embedding, ZB-V): every stage's peak within 3%,
-    never more than 3% under (docs/accuracy.md has every configuration)."""
+    """Every whole training step of docs/accuracy.md, as `ndplan measure` recorded it (one device,
+    FSDP2, TP, pipelines of five schedules, MoE and MLA models): each stage's peak within 3% and
+    never more than 2% under, the memory issue's target."""
     from ndplan.census.measure_step import load_measurement
     from ndplan.census.verify import verify
     from ndplan.model import get_preset
@@ -277,7 +277,7 @@ def test_estimate_matches_measured_steps(path):
         if not stage["measured_ranks"]:
             continue
         peak = {row["key"]: row for row in stage["rows"]}["allocated"]
-        assert abs(peak["error_pct"]) <= 3.0, (path.stem, stage["stage"], peak["error_pct"])
+        assert -2.0 <= peak["error_pct"] <= 3.0, (path.stem, stage["stage"], peak["error_pct"])
 
 
 def test_gpipe_peak_comes_before_any_gradient():

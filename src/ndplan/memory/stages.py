@@ -709,8 +709,18 @@ def _evaluate_group(
             "moe": t[:, 0] * (acts.backward_extra["moe"] + np.where(recompute_on, acts.full["moe"] - acts.recomputed["moe"], 0.0)),
         },
         loss_working=t[:, 0] * acts.output_transient,
+        expert_elements=layers.expert["moe"],
+        # One micro-batch under FSDP (and no deferred reduce): the units already reduced have
+        # their sharded gradients; the single-micro-batch peak below counts no others.
+        grads_made_bytes=np.where((batch.num_micro_batches == 1) & ~deferred & grads_in_schedule,
+                                  grad_bytes / shards.grads, 0.0),
+        expert_working=t[:, 0] * model.num_experts_per_tok * precision.activation_bytes * (
+            2 * model.moe_ffn_hidden_size / etp * np.where(recompute_on, 2.0, 1.0)
+            + np.where(recompute_on, model.hidden_size, 0.0)
+        ),
         one_micro_batch=per_b_virtual[:, 0],
         one_micro_batch_layers=per_virtual["layers"][:, 0],
+        one_micro_batch_loss=per_virtual["output"][:, -1],
         kept_after_backward=deferred,
     )
     fsdp_gathers = np.where(zero3[:, None], fsdp.buffers, 0.0)
@@ -748,7 +758,8 @@ def _evaluate_group(
         # backward as the activations go, so the loss (all activations, no gradients) and the end
         # of the backward (all gradients, one layer's working set) are the two candidate peaks.
         single = (batch.num_micro_batches == 1)[:, None]
-        loss_phase = static - out["grads"] + out["activations"] + out["comm"] + out["transient"]
+        loss_phase = (static - out["grads"] + out["activations"] + out["comm"] + out["transient"]
+                      + np.where(zero3[:, None], fsdp.grads_made, 0.0))
         backward_end = static + out["comm"] + layer_transient
         # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
         backward_end = np.where(zero3[:, None], static + other_comm + fsdp.last_unit, backward_end)
@@ -764,18 +775,22 @@ def _evaluate_group(
 @dataclass(frozen=True)
 class FsdpPhases:
     """FSDP2's unit buffers per stage [n, pp], in bytes: at the stage's worst moment, the
-    buffers (``buffers``) and the working set beside them (``working``); and the total of the
-    last unit the backward reaches (``last_unit``)."""
+    buffers (``buffers``), the working set beside them (``working``) and the sharded gradients
+    made by then where those are priced by moment (``grads_made``, single micro-batch); and the
+    total of the last unit the backward reaches (``last_unit``)."""
 
     buffers: np.ndarray
     working: np.ndarray
     last_unit: np.ndarray
+    grads_made: np.ndarray
 
 
 def _fsdp_unit_phases(
     placement: Placement, on_stage: np.ndarray, gather_bytes: int, reduce_bytes: np.ndarray,
     units: dict[str, np.ndarray], working: dict[str, np.ndarray], loss_working: np.ndarray,
-    one_micro_batch: np.ndarray, one_micro_batch_layers: np.ndarray, kept_after_backward: np.ndarray,
+    expert_elements: np.ndarray, expert_working: np.ndarray, grads_made_bytes: np.ndarray,
+    one_micro_batch: np.ndarray, one_micro_batch_loss: np.ndarray, one_micro_batch_layers: np.ndarray,
+    kept_after_backward: np.ndarray,
 ) -> FsdpPhases:
     """FSDP2 (torchtitan's wrapping: the embedding, each decoder layer, and [final norm, head]
     are units) holds, besides the sharded state, the buffers of at most three units at once.
@@ -786,6 +801,11 @@ def _fsdp_unit_phases(
                  input, kept until the next reduce) + the layer's working set
         end      (g + g)·N_k (parameters, whole gradients) + g·N_k-1 + r·N_k+1
         reduce   (g + r)·N_k (gradients, reduce input; parameters resharded) + g·N_k-1
+
+    A MoE layer has a fourth moment, its fused experts' gate_up weight gradient: the expert
+    gradients made so far (down, then gate_up: g·E) on top of the compute buffers, beside the
+    gate_up output's gradient (and under recompute the rebuilt gate_up output and expert input):
+    ``expert_elements`` E and ``expert_working`` bytes.
 
     The head unit is not resharded after forward: its all-gather (2g·N: buffer and copy) comes
     with every activation held, the loss runs beside g·N, and its reduce keeps the parameters:
@@ -798,71 +818,99 @@ def _fsdp_unit_phases(
     The embedding's moments come at the end of a micro-batch's backward or the start of its
     forward, when that micro-batch's first-chunk activations (``one_micro_batch`` bytes) are not
     held: they are credited against its buffers; so are, in the first layer's moments, the
-    activations of the chunk's other layers (``one_micro_batch_layers`` bytes for them all).
+    activations of the chunk's other layers (``one_micro_batch_layers`` bytes for them all), and
+    in every layer's moments on the last stage, that micro-batch's loss activations
+    (``one_micro_batch_loss``), freed by the loss's backward.
+
+    With one micro-batch, the sharded gradients of the units after k exist at k's moments
+    (``grads_made_bytes`` per element of them; 0 where gradients are priced otherwise).
     """
     n = len(loss_working)
     pp, virtual = on_stage.shape
     kinds = ("embedding", "dense", "moe", "head")
     zero = np.zeros(n)
     size = {k: np.broadcast_to(units[k], (n,)).astype(float) for k in kinds}
+    size[""] = zero
+    expert = np.broadcast_to(expert_elements, (n,)).astype(float)
+    grads_width = np.broadcast_to(grads_made_bytes, (n,)).astype(float)
     buffers = np.zeros((n, pp))
     work = np.zeros((n, pp))
     last_unit = np.zeros((n, pp))
+    grads_made = np.zeros((n, pp))
     first_chunk_layers = max(float(placement.dense_layers[0] + placement.moe_layers[0]), 1.0)
     g, r = float(gather_bytes), np.broadcast_to(np.asarray(reduce_bytes, dtype=float), (n,))
     for s in range(pp):
-        sequence: list[str] = ["embedding"] if placement.stage_of[0] == s else []
+        # The stage's units in forward order, as runs of one kind: [(kind, count)].
+        runs: list[tuple[str, int]] = [("embedding", 1)] if placement.stage_of[0] == s else []
         for v in np.flatnonzero(on_stage[s]):
-            sequence += ["dense"] * min(int(placement.dense_layers[v]), 2) + ["moe"] * min(int(placement.moe_layers[v]), 2)
+            runs += [(k, int(c)) for k, c in (("dense", placement.dense_layers[v]), ("moe", placement.moe_layers[v])) if c]
         if placement.stage_of[-1] == s:
-            sequence.append("head")
-        best_total, best_buffers, best_work = np.full(n, -1.0), zero.copy(), zero.copy()
+            runs.append(("head", 1))
+        best_total, best_buffers, best_work, best_made = np.full(n, -1.0), zero.copy(), zero.copy(), zero.copy()
 
-        def consider(buf: np.ndarray, wrk: np.ndarray) -> None:
-            nonlocal best_total, best_buffers, best_work
+        def consider(buf: np.ndarray, wrk: np.ndarray, made: np.ndarray = zero) -> None:
+            """A moment: buffers, working set, and (inside ``buf``) gradients made by then."""
+            nonlocal best_total, best_buffers, best_work, best_made
             total = buf + wrk
             better = total > best_total
             best_total = np.where(better, total, best_total)
-            best_buffers = np.where(better, buf, best_buffers)
+            best_buffers = np.where(better, buf - made, best_buffers)
             best_work = np.where(better, wrk, best_work)
+            best_made = np.where(better, made, best_made)
 
-        seen: set[tuple[str, str, str]] = set()
-        for i, kind in enumerate(sequence):
-            before = size[sequence[i - 1]] if i > 0 else zero
-            after = size[sequence[i + 1]] if i + 1 < len(sequence) else zero
-            key = (sequence[i - 1] if i else "", kind, sequence[i + 1] if i + 1 < len(sequence) else "")
-            if kind == "head":
-                consider(2 * g * size["head"], zero)  # its all-gather, every activation held
-                consider(g * size["head"], loss_working)  # the loss beside the gathered head
-                consider((2 * g + r) * size["head"] + g * before, zero)
-                continue
-            if key in seen:
-                continue
-            seen.add(key)
+        later = zero.copy()  # elements of the units after the current run, forward order
+        for index in range(len(runs) - 1, -1, -1):
+            kind, count = runs[index]
+            previous = runs[index - 1][0] if index else ""
+            following = runs[index + 1][0] if index + 1 < len(runs) else ""
             n_k = size[kind]
-            # The first layer's backward comes after the rest of its chunk's backward has freed
-            # those layers' activations of that micro-batch.
-            first_layer = i > 0 and sequence[i - 1] == "embedding"
-            credit = one_micro_batch_layers * (1.0 - 1.0 / first_chunk_layers) if first_layer else zero
-            if kind == "embedding":
-                for buf in (g * n_k + r * after, 2 * g * n_k + r * after, (g + r) * n_k):
-                    consider(np.maximum(buf - one_micro_batch, 0.0), zero)
-                continue
-            consider(g * n_k + g * before + r * after - credit, working.get(kind, zero))
-            consider(np.maximum(2 * g * n_k + g * before + r * after - credit, 0.0), zero)
-            consider(np.maximum((g + r) * n_k + g * before - credit, 0.0), zero)
-        if sequence:
+            if kind == "head":
+                consider(2 * g * n_k, zero)  # its all-gather, every activation held
+                consider(g * n_k, loss_working)  # the loss beside the gathered head
+                consider((2 * g + r) * n_k + g * size[previous], zero)
+            elif kind == "embedding":
+                # Whatever follows has made its gradients (single micro-batch: sharded by now).
+                made = grads_width * later
+                for buf in (g * n_k + r * size[following], 2 * g * n_k + r * size[following], (g + r) * n_k):
+                    consider(np.maximum(buf + made - one_micro_batch, 0.0), zero, np.minimum(made, np.maximum(buf + made - one_micro_batch, 0.0)))
+            else:
+                # Three positions cover a run: its last unit (first in backward), a middle one
+                # and its first, each with its neighbours and the units after it.
+                positions = [(kind if count > 1 else previous, following, later)]
+                if count > 2:
+                    positions.append((kind, kind, later + n_k))
+                if count > 1:
+                    positions.append((previous, kind, later + (count - 1) * n_k))
+                for before_kind, after_kind, after_elements in positions:
+                    before, after = size[before_kind], size[after_kind]
+                    made = grads_width * after_elements
+                    credit = one_micro_batch_loss if placement.stage_of[-1] == s else zero
+                    if before_kind == "embedding":
+                        # The first layer's backward comes after the rest of its chunk's
+                        # backward has freed those layers' activations of that micro-batch.
+                        credit = credit + one_micro_batch_layers * (1.0 - 1.0 / first_chunk_layers)
+                    base = g * before + r * after + made - credit
+                    consider(g * n_k + base, working.get(kind, zero), made)
+                    if kind == "moe":
+                        moment = np.maximum(g * (n_k + expert) + base, 0.0)
+                        consider(moment, expert_working, np.minimum(made, moment))
+                    moment = np.maximum(2 * g * n_k + base, 0.0)
+                    consider(moment, zero, np.minimum(made, moment))
+                    moment = np.maximum((g + r) * n_k + g * before + made - credit, 0.0)
+                    consider(moment, zero, np.minimum(made, moment))
+            later = later + count * n_k
+        if runs:
             # Deferred reduce: after a backward the stage's units stay gathered until their next
             # forward, which all-gathers the first unit again.
-            everything = sum(size[k] for k in sequence if k != "head") + size["head"] * ("head" in sequence)
-            counted = np.where(kept_after_backward, g * (everything + size[sequence[0]]) - one_micro_batch * (sequence[0] == "embedding"), 0.0)
-            consider(np.maximum(counted, 0.0), zero)
-        buffers[:, s], work[:, s] = best_buffers, best_work
-        if sequence:
-            first = sequence[0]
-            after = size[sequence[1]] if len(sequence) > 1 else zero
+            first = runs[0][0]
+            counted = g * (later + size[first]) - one_micro_batch * (first == "embedding")
+            consider(np.maximum(np.where(kept_after_backward, counted, 0.0), 0.0), zero)
+        buffers[:, s], work[:, s], grads_made[:, s] = best_buffers, best_work, best_made
+        if runs:
+            first, count = runs[0]
+            after = size[first] if count > 1 else size[runs[1][0]] if len(runs) > 1 else zero
             last_unit[:, s] = np.maximum((g + r) * size[first], 2 * g * size[first] + r * after)
-    return FsdpPhases(buffers=buffers, working=work, last_unit=last_unit)
+    return FsdpPhases(buffers=buffers, working=work, last_unit=last_unit, grads_made=grads_made)
 
 
 def _activation_kinds(
