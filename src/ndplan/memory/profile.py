@@ -120,6 +120,7 @@ class RuntimeProfile:
     selective_keeps_layer_input: bool = False
     grads_created_in_backward: bool = False
     pipeline_defers_fsdp_reduce: bool = False
+    tp_accumulates_whole_embedding_grad: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
 
 
@@ -158,6 +159,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         selective_keeps_layer_input=bool(data.get("selective_keeps_layer_input", False)),
         grads_created_in_backward=bool(data.get("grads_created_in_backward", False)),
         pipeline_defers_fsdp_reduce=bool(data.get("pipeline_defers_fsdp_reduce", False)),
+        tp_accumulates_whole_embedding_grad=bool(data.get("tp_accumulates_whole_embedding_grad", False)),
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
     )
 

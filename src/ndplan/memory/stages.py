@@ -540,12 +540,18 @@ def _evaluate_group(
     non_expert_total = sum(static_non_expert.values())
     expert_total = sum(static_expert.values())
     to_stages = on_stage.T
+    whole_embedding_grad_tp = (batch.tp > 1) & (batch.zero < 3) & options.profile.tp_accumulates_whole_embedding_grad
+    accumulated_whole_embedding = whole_embedding_grad_tp & (batch.num_micro_batches > 1)
     grads_virtual = np.zeros((len(batch), virtual))
     for category, width in states.items():
         non_expert_div = getattr(shards, category)[:, None]
         expert_div = getattr(shards, f"expert_{category}")[:, None]
         value = non_expert_total * (width / non_expert_div) + expert_total * (width / expert_div)
         if category == "grads":
+            # DTensor: once a second micro-batch's embedding gradient is added, the accumulated
+            # gradient is the whole table, not the rank's vocabulary shard.
+            whole = np.where(accumulated_whole_embedding, model.vocab_size * model.hidden_size - table, 0.0) * width
+            value = value + outer(whole, first_virtual)
             grads_virtual = np.broadcast_to(value, (len(batch), virtual))
         value = np.where(offload, 0.0, value) if category == "optimizer" else value
         out[category] = np.broadcast_to(value @ to_stages, (len(batch), pp))
@@ -602,8 +608,11 @@ def _evaluate_group(
     elif profile.weight_grad_holds == "all":
         # torch.distributed.pipelining keeps a micro-batch's whole autograd graph from its input
         # gradient (B) until its weight gradient (W), and with it the gradients of the linear
-        # and norm outputs that W consumes.
-        per_w_virtual = per_virtual["layers"] + t * (
+        # and norm outputs that W consumes. Under recompute that graph is the rebuilt one: every
+        # activation of the layer, not just what forward kept.
+        whole_graph = t * (placement.dense_layers * acts.full["dense"][:, None]
+                           + placement.moe_layers * acts.full["moe"][:, None])
+        per_w_virtual = np.where(recompute_on[:, None], whole_graph, per_virtual["layers"]) + t * (
             placement.dense_layers * acts.weight_grad_outputs["dense"][:, None]
             + placement.moe_layers * acts.weight_grad_outputs["moe"][:, None]
         )
@@ -675,9 +684,13 @@ def _evaluate_group(
         out["transient"] = np.maximum(
             out["transient"], np.where(accumulates[:, None] & has_moe[None, :], expert_gradient, 0.0)
         )
-    embedding_accumulate = np.where(
-        accumulates[:, None], (table * precision.param_bytes)[:, None] - per_b_virtual[:, :1], 0.0
-    ) * first_stage[None, :]
+    # Under DTensor tensor parallelism that new gradient is the whole table, [vocab, h], before
+    # it becomes the rank's shard, with one micro-batch too.
+    whole_table = float(model.vocab_size * model.hidden_size)
+    embedding_gradient = np.where(
+        whole_embedding_grad_tp, whole_table, np.where(accumulates, table, 0.0)
+    ) * precision.param_bytes
+    embedding_accumulate = np.maximum(embedding_gradient[:, None] - per_b_virtual[:, :1], 0.0) * first_stage[None, :]
     out["transient"] = np.maximum(out["transient"], embedding_accumulate)
 
     # ---- communication buffers alive while a layer runs
@@ -760,7 +773,8 @@ def _evaluate_group(
         single = (batch.num_micro_batches == 1)[:, None]
         loss_phase = (static - out["grads"] + out["activations"] + out["comm"] + out["transient"]
                       + np.where(zero3[:, None], fsdp.grads_made, 0.0))
-        backward_end = static + out["comm"] + layer_transient
+        # The embedding's backward comes last, when nothing is held.
+        backward_end = static + out["comm"] + np.maximum(layer_transient, embedding_gradient[:, None] * first_stage[None, :])
         # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
         backward_end = np.where(zero3[:, None], static + other_comm + fsdp.last_unit, backward_end)
         forward_backward = np.where(single, np.maximum(loss_phase, backward_end), forward_backward)
