@@ -154,11 +154,30 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+HOW_CHECKED = """
+## How these rows were used
+
+The first 30 configurations were measured first; where a stage missed, its tracker timeline
+(what was alive, op by op) showed the mechanism, and the estimator gained it as a rule that
+holds for every strategy, not a correction for that row: gradients that appear with a chunk's
+first backward, the embedding's and fused experts' accumulated gradients, FSDP2's unit
+moments (prefetch, reduce input, resharding) and its deferred reduce under a pipeline, the
+gradients a split backward's W consumes, hand-overs at a V schedule's turn. The last nine
+configurations were measured only after that, as a check on configurations the rules were not
+derived from; they found two more mechanisms (DTensor's whole-table embedding gradient, the
+rebuilt graph a split backward holds under recompute) and one miss that remains
+(`qwen3-8b-pp2-dualpipev-m8-s2k-full`: far more is alive on the V's turn stage than the
+simulated DualPipeV order explains). New configurations can still find new mechanisms:
+measure yours with `ndplan verify`.
+"""
+
+
 def markdown(results: list[dict[str, Any]], seconds: float) -> str:
     rows = [r for res in results if "error" not in res for r in rows_of(res)]
     failures = [res for res in results if "error" in res]
     s = summary(rows)
     lines = [HEADER.strip(), ""]
+    lines += [HOW_CHECKED.strip(), ""]
     lines += ["## Result", ""]
     if s["rows"]:
         holds = s["target_rows"] and s["target_median"] and s["target_under"]

@@ -709,33 +709,44 @@ def _evaluate_group(
     overlapping = np.maximum(sp_gather[:, None], cp_buffers[:, None])
     overlapping = np.maximum(overlapping, ep_buffers[:, None] * has_moe[None, :])
     pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
-    fsdp = _fsdp_unit_phases(
-        placement, on_stage, precision.param_gather_bytes, np.where(deferred, 0.0, grad_bytes),
-        units={
-            "embedding": table,
-            "dense": layers.non_expert["dense"] + layers.expert["dense"],
-            "moe": layers.non_expert["moe"] + layers.expert["moe"],
-            "head": table * head_on_output + final_norm,
-        },
-        working={
-            "dense": t[:, 0] * (acts.backward_extra["dense"] + np.where(recompute_on, acts.full["dense"] - acts.recomputed["dense"], 0.0)),
-            "moe": t[:, 0] * (acts.backward_extra["moe"] + np.where(recompute_on, acts.full["moe"] - acts.recomputed["moe"], 0.0)),
-        },
-        loss_working=t[:, 0] * acts.output_transient,
-        expert_elements=layers.expert["moe"],
-        # One micro-batch under FSDP (and no deferred reduce): the units already reduced have
-        # their sharded gradients; the single-micro-batch peak below counts no others.
-        grads_made_bytes=np.where((batch.num_micro_batches == 1) & ~deferred & grads_in_schedule,
-                                  grad_bytes / shards.grads, 0.0),
-        expert_working=t[:, 0] * model.num_experts_per_tok * precision.activation_bytes * (
-            2 * model.moe_ffn_hidden_size / etp * np.where(recompute_on, 2.0, 1.0)
-            + np.where(recompute_on, model.hidden_size, 0.0)
-        ),
-        one_micro_batch=per_b_virtual[:, 0],
-        one_micro_batch_layers=per_virtual["layers"][:, 0],
-        one_micro_batch_loss=per_virtual["output"][:, -1],
-        kept_after_backward=deferred,
-    )
+    # Only FSDP strategies have unit moments: price those rows alone.
+    fsdp = FsdpPhases(*(np.zeros((len(batch), pp)) for _ in range(4)))
+    sharded_rows = np.flatnonzero(zero3)
+    if sharded_rows.size:
+        def pick(values: Any) -> np.ndarray:
+            return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
+
+        sharded = _fsdp_unit_phases(
+            placement, on_stage, precision.param_gather_bytes, pick(np.where(deferred, 0.0, grad_bytes)),
+            units={
+                "embedding": pick(table),
+                "dense": pick(layers.non_expert["dense"] + layers.expert["dense"]),
+                "moe": pick(layers.non_expert["moe"] + layers.expert["moe"]),
+                "head": pick(table * head_on_output + final_norm),
+            },
+            working={
+                "dense": pick(t[:, 0] * (acts.backward_extra["dense"]
+                                         + np.where(recompute_on, acts.full["dense"] - acts.recomputed["dense"], 0.0))),
+                "moe": pick(t[:, 0] * (acts.backward_extra["moe"]
+                                       + np.where(recompute_on, acts.full["moe"] - acts.recomputed["moe"], 0.0))),
+            },
+            loss_working=pick(t[:, 0] * acts.output_transient),
+            expert_elements=pick(layers.expert["moe"]),
+            # One micro-batch under FSDP (and no deferred reduce): the units already reduced have
+            # their sharded gradients; the single-micro-batch peak below counts no others.
+            grads_made_bytes=pick(np.where((batch.num_micro_batches == 1) & ~deferred & grads_in_schedule,
+                                           grad_bytes / shards.grads, 0.0)),
+            expert_working=pick(t[:, 0] * model.num_experts_per_tok * precision.activation_bytes * (
+                2 * model.moe_ffn_hidden_size / etp * np.where(recompute_on, 2.0, 1.0)
+                + np.where(recompute_on, model.hidden_size, 0.0)
+            )),
+            one_micro_batch=pick(per_b_virtual[:, 0]),
+            one_micro_batch_layers=pick(per_virtual["layers"][:, 0]),
+            one_micro_batch_loss=pick(per_virtual["output"][:, -1]),
+            kept_after_backward=np.broadcast_to(deferred, (len(batch),))[sharded_rows],
+        )
+        for name in ("buffers", "working", "last_unit", "grads_made"):
+            getattr(fsdp, name)[sharded_rows] = getattr(sharded, name)
     fsdp_gathers = np.where(zero3[:, None], fsdp.buffers, 0.0)
     stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / param_bytes
     kept_gathered = np.where((zero3 & (batch.reshard_after_forward == 0))[:, None], stage_elements * precision.param_gather_bytes, 0.0)
