@@ -293,8 +293,8 @@ def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
 @lru_cache(maxsize=8192)
 def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
     """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] (and for V
-    schedules [forwards_done | backwards_done]) that can be the maximum of a non-negative
-    weighting: rows dominated by another row are dropped (usually most)."""
+    schedules one more column, the hand-overs at the turn so far) that can be the maximum of a
+    non-negative weighting: rows dominated by another row are dropped (usually most)."""
     if schedule == "gpipe":
         # GPipe runs every forward before any backward: each stage holds all m micro-batches, and
         # no gradient exists yet; after the first backward, m - 1 and the gradients.
@@ -302,12 +302,17 @@ def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tupl
     simulated = steady_micro_batches(schedule, pp, vpp, m)
     flight = in_flight(schedule, pp, vpp, simulated, seq_chunks)
     frontiers = []
-    for stage in flight.stages:
+    for s, stage in enumerate(flight.stages):
         columns = [stage.held_until_b, stage.held_until_w, stage.grads_ready]
         if schedule in V_SHAPE:
-            # Hand-overs at the V's turn so far. Past the simulated micro-batches the pattern
-            # repeats while the count grows: the late rows, where it peaks, count the rest too.
-            columns += [stage.forwards_done + (m - simulated), stage.backwards_done + (m - simulated)]
+            # Hand-overs at the V's turn (the last stage: its first chunk's F hands the output
+            # to its second, whose B hands the gradient back) so far, one column; zero on the
+            # other stages, whose rows then stay dominated as before. Past the simulated
+            # micro-batches the pattern repeats while the count grows: the late rows, where it
+            # peaks, count the rest too.
+            turn = s == pp - 1
+            handovers = stage.forwards_done[:, :1] + stage.backwards_done[:, 1:2] + 2 * (m - simulated)
+            columns.append(handovers if turn else np.zeros_like(handovers))
         frontiers.append(_undominated(np.hstack(columns)))
     return tuple(frontiers)
 
@@ -640,10 +645,9 @@ def _evaluate_group(
     handed_over = np.zeros((len(batch), pp))
     if hands_over:
         one_hand_over = tokens * model.hidden_size * precision.activation_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
-        per_forward, per_backward = np.zeros((len(batch), pp, vpp)), np.zeros((len(batch), pp, vpp))
-        per_forward[:, placement.stage_of, placement.chunk_of] = one_hand_over[:, None] * hands_forward[None, :]
-        per_backward[:, placement.stage_of, placement.chunk_of] = one_hand_over[:, None] * hands_backward[None, :]
-        per_extra = np.concatenate([per_grads, per_forward, per_backward], axis=2)
+        per_handover = np.zeros((len(batch), pp, 1))
+        per_handover[:, pp - 1, 0] = one_hand_over  # the frontier's hand-over column: the V's turn
+        per_extra = np.concatenate([per_grads, per_handover], axis=2)
         count = on_stage @ (hands_forward.astype(float) + hands_backward)
         handed_over = (batch.num_micro_batches * one_hand_over)[:, None] * count[None, :]
     held, held_with_extra, chosen = _held_peak(
