@@ -303,7 +303,7 @@ def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tupl
     flight = in_flight(schedule, pp, vpp, simulated, seq_chunks)
     frontiers = []
     for s, stage in enumerate(flight.stages):
-        columns = [stage.held_until_b, stage.held_until_w, stage.grads_ready]
+        counts = [stage.held_until_b, stage.held_until_w]
         if schedule in V_SHAPE:
             # Hand-overs at the V's turn (the last stage: its first chunk's F hands the output
             # to its second, whose B hands the gradient back) so far, one column; zero on the
@@ -312,8 +312,20 @@ def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tupl
             # peaks, count the rest too.
             turn = s == pp - 1
             handovers = stage.forwards_done[:, :1] + stage.backwards_done[:, 1:2] + 2 * (m - simulated)
-            columns.append(handovers if turn else np.zeros_like(handovers))
-        frontiers.append(_undominated(np.hstack(columns)))
+            counts.append(handovers if turn else np.zeros_like(handovers))
+        held = np.hstack(counts)
+        # grads_ready only turns on, chunk by chunk: a few patterns. The skyline of each
+        # pattern's rows keeps every row that can be a maximum (a superset of the exact
+        # frontier, so the same peaks), at the cost of the held columns alone.
+        code = stage.grads_ready @ (2.0 ** np.arange(vpp))
+        rows = []
+        for value in np.unique(code):
+            members = code == value
+            pattern = stage.grads_ready[int(np.argmax(members))]
+            skyline = _undominated(held[members])
+            rows.append(np.hstack([skyline[:, : 2 * vpp], np.broadcast_to(pattern, (len(skyline), vpp)),
+                                   skyline[:, 2 * vpp:]]))
+        frontiers.append(np.vstack(rows))
     return tuple(frontiers)
 
 
@@ -323,18 +335,19 @@ def _undominated(rows: np.ndarray) -> np.ndarray:
     used = np.flatnonzero(rows.any(axis=0))
     if len(used) <= 1:
         return rows[[int(np.argmax(rows[:, used[0]] if len(used) else np.zeros(len(rows))))]]
-    rows = np.unique(rows, axis=0)
-    if len(used) == 2:
+    if len(used) == 2:  # duplicates fall to the strict comparison below
         a, b = rows[:, used[0]], rows[:, used[1]]
         order = np.lexsort((-b, -a))  # by a descending, then b descending
         best_b = np.maximum.accumulate(b[order])
         keep = np.concatenate([[True], b[order][1:] > best_b[:-1]])
         return rows[order[keep]]
+    rows = np.unique(rows, axis=0)
+    compared = rows[:, used]  # the all-zero columns never decide
     dominated = np.zeros(len(rows), bool)
     for start in range(0, len(rows), 256):  # chunks bound the R x R comparison's memory
-        block = rows[start:start + 256]
-        at_least = np.all(rows[:, None, :] >= block[None, :, :], axis=2)
-        above = np.any(rows[:, None, :] > block[None, :, :], axis=2)
+        block = compared[start:start + 256]
+        at_least = np.all(compared[:, None, :] >= block[None, :, :], axis=2)
+        above = np.any(compared[:, None, :] > block[None, :, :], axis=2)
         dominated[start:start + 256] = np.any(at_least & above, axis=0)
     return rows[~dominated]
 
