@@ -1,11 +1,20 @@
-"""Pipeline stage balancing and recompute planning (exact MILP, knapsack, heuristic)."""
+"""Pipeline stage balancing and recompute planning (exact DP or MILP, knapsack, heuristic)."""
 
 from ndplan.balance.build import BalanceResult, balance, build_problem, plan_strategy
+from ndplan.balance.dp import solve_dp
 from ndplan.balance.problem import BalanceProblem, LayerCost, Plan, PlanCost, evaluate, uniform_plan
-from ndplan.balance.solve import knapsack, plan_for_counts, solve_brute_force, solve_exact, solve_heuristic
+from ndplan.balance.solve import (
+    exact_method,
+    knapsack,
+    plan_for_counts,
+    solve_brute_force,
+    solve_exact,
+    solve_heuristic,
+    solve_milp,
+)
 
 __all__ = [
     "BalanceResult", "balance", "build_problem", "plan_strategy",
-    "BalanceProblem", "LayerCost", "Plan", "PlanCost", "evaluate", "knapsack", "plan_for_counts",
-    "solve_brute_force", "solve_exact", "solve_heuristic", "uniform_plan",
+    "BalanceProblem", "LayerCost", "Plan", "PlanCost", "evaluate", "exact_method", "knapsack", "plan_for_counts",
+    "solve_brute_force", "solve_dp", "solve_exact", "solve_heuristic", "solve_milp", "uniform_plan",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ndplan.balance.problem import BalanceProblem, LayerCost, Plan, PlanCost, evaluate, uniform_plan
-from ndplan.balance.solve import solve_exact, solve_heuristic
+from ndplan.balance.solve import exact_method, solve_exact, solve_heuristic
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster
 from ndplan.memory.overhead import DEFAULTS
@@ -128,7 +128,7 @@ class BalanceResult:
     baseline: tuple[Plan, PlanCost]  # uniform placement, full recompute on every layer
     plan: Plan
     cost: PlanCost
-    solver: str
+    solver: str  # "dp" or "milp" (exact), or "heuristic"
     solve_seconds: float
 
     @property
@@ -175,7 +175,7 @@ def balance(
             f"no placement and recompute plan fits {memory_limit_bytes / 2**30:,.2f} GiB per device for "
             f"{strategy.short()}; uniform full recompute needs {baseline[1].stage_memory_bytes.max() / 2**30:,.2f} GiB"
         )
-    return BalanceResult(problem, baseline, found[0], found[1], "milp" if exact else "heuristic", seconds)
+    return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic", seconds)
 
 
 def plan_strategy(strategy: Strategy, plan: Plan) -> Strategy:

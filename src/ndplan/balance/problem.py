@@ -92,29 +92,33 @@ class PlanCost:
 
 
 def evaluate(problem: BalanceProblem, plan: Plan) -> PlanCost:
-    """Memory per stage and the composed step time of a plan, by the formulas of the docstring."""
-    in_flight = problem.in_flight_of_virtual()
-    memory = problem.fixed_bytes.astype(float).copy()
-    time = np.zeros(problem.pp)
-    layer = 0
-    for v, count in enumerate(plan.stage_layers):
-        s = int(problem.stage_of[v])
-        for _ in range(count):
-            cost = problem.costs[(problem.layer_kinds[layer], plan.recompute[layer])]
-            memory[s] += cost.static_bytes + in_flight[v] * cost.activation_bytes
-            time[s] += cost.time_s
-            layer += 1
+    """Memory per stage and the composed step time of a plan, by the formulas of the docstring.
+
+    Vectorised over layers: a lookup of each distinct (kind, option) cost, then sums per
+    physical stage (``np.bincount``), so that it is cheap enough to score every candidate.
+    """
+    if sum(plan.stage_layers) != problem.num_layers or len(plan.recompute) != problem.num_layers:
+        raise ValueError(f"plan places {sum(plan.stage_layers)} layers with {len(plan.recompute)} recompute options; "
+                         f"the model has {problem.num_layers}")
+    in_flight = problem.in_flight_of_virtual().astype(float)
+    pp = problem.pp
+    index = {pair: i for i, pair in enumerate(problem.costs)}
+    table = np.array([[c.time_s, c.static_bytes, c.activation_bytes, option != "none"]
+                      for (_, option), c in problem.costs.items()])  # [(kind, option), 4]
+    codes = [index[pair] for pair in zip(problem.layer_kinds, plan.recompute, strict=True)]
+    per_layer = table[codes]  # [L, 4]
+    virtual = np.repeat(np.arange(len(plan.stage_layers)), plan.stage_layers)  # virtual stage of each layer
+    stage = np.asarray(problem.stage_of)[virtual]
+    memory = problem.fixed_bytes.astype(float) + np.bincount(
+        stage, weights=per_layer[:, 1] + in_flight[virtual] * per_layer[:, 2], minlength=pp)
+    time = np.bincount(stage, weights=per_layer[:, 0], minlength=pp)
     for v, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
         s = int(problem.stage_of[v])
         memory[s] += extra.static_bytes + in_flight[v] * extra.activation_bytes
         time[s] += extra.time_s
-    layer = 0
-    recomputes = np.zeros(problem.pp, bool)
-    for v, count in enumerate(plan.stage_layers):
-        recomputes[int(problem.stage_of[v])] |= any(o != "none" for o in plan.recompute[layer:layer + count])
-        layer += count
-    for stage in (int(i) for i in np.flatnonzero(recomputes)):
-        memory[stage] += problem.recompute_transient(stage)
+    recomputes = np.bincount(stage, weights=per_layer[:, 3], minlength=pp) > 0
+    if problem.recompute_transient_bytes is not None:
+        memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
     step = float(time.sum() + (problem.num_micro_batches - 1) * time.max())
     return PlanCost(memory, time, step, bool(np.all(memory <= problem.memory_limit_bytes)))
 

@@ -1,12 +1,18 @@
-"""Solvers for the balancing problem: exact MILP, per-stage recompute knapsack, fast heuristic.
+"""Solvers for the balancing problem: exact DP or MILP, per-stage recompute knapsack, fast heuristic.
 
 * ``knapsack``: for one physical stage with its layers fixed, the recompute counts per layer kind
   that minimise the stage's time while it fits. Layers of one kind are interchangeable, so it
-  enumerates counts (a multiple-choice knapsack with identical items), exactly.
-* ``solve_exact``: a mixed-integer program (scipy's HiGHS) over layer placement and recompute
-  counts with linear memory constraints and the composed step time as objective.
-* ``solve_heuristic``: uniform start, knapsack per stage, then single-layer moves off the
-  bottleneck stage while they pay; fast enough to run on every pipeline candidate of a search.
+  enumerates counts (a multiple-choice knapsack with identical items), exactly. The reference
+  the fast solvers are tested against.
+* ``solve_exact``: with one virtual stage per physical stage (no interleaving), the exact
+  dynamic program of ``ndplan.balance.dp`` (milliseconds); with interleaved stages, whose
+  chunks share a stage's memory, a mixed-integer program (``solve_milp``, scipy's HiGHS) over
+  layer placement and recompute counts with linear memory constraints and the composed step
+  time as objective.
+* ``solve_heuristic``: without interleaving, the DP restricted to stages of about L / V layers
+  (under a millisecond per candidate); with interleaving, uniform start, knapsack per stage,
+  then single-layer moves between neighbouring virtual stages while they pay. Fast enough to
+  run on every pipeline candidate of a search.
 * ``solve_brute_force``: every placement with the exact knapsack per stage (tests only: given a
   placement, minimising every stage's time is optimal, since the objective grows with each).
 """
@@ -18,6 +24,8 @@ from itertools import product
 
 import numpy as np
 
+from ndplan.balance.dp import WINDOW as HEURISTIC_WINDOW
+from ndplan.balance.dp import one_chunk_per_stage, solve_dp
 from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate
 
 
@@ -40,6 +48,11 @@ def _splits(n: int, parts: int) -> Iterator[tuple[int, ...]]:
     for first in range(n + 1):
         for rest in _splits(n - first, parts - 1):
             yield (first, *rest)
+
+
+def _recomputes(problem: BalanceProblem, split: tuple[int, ...]) -> bool:
+    """Some layer of the split (counts per option) runs an option other than "none"."""
+    return any(n and option != "none" for option, n in zip(problem.options, split, strict=True))
 
 
 def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tuple[dict[int, str], float, float] | None:
@@ -68,18 +81,22 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
                 memory += n * (cost.static_bytes + weight * cost.activation_bytes)
             choices.append((time, memory, split))
         choices.sort()
-        front, best_memory = [], np.inf
-        for choice in choices:  # keep the (time, memory) Pareto front of this group
-            if choice[1] < best_memory:
-                front.append(choice)
-                best_memory = choice[1]
+        # Keep the (time, memory) Pareto front of this group, separately for the splits that
+        # recompute and those that do not: a split with no recompute avoids the stage's
+        # transient, so one that recomputes must not prune it (nor the reverse).
+        front = []
+        for recomputing in (False, True):
+            best_memory = np.inf
+            for choice in choices:
+                if _recomputes(problem, choice[2]) == recomputing and choice[1] < best_memory:
+                    front.append(choice)
+                    best_memory = choice[1]
         fronts.append((layers, front))
     best: tuple[float, float, tuple] | None = None
-    none_index = problem.options.index("none")
     for combo in product(*(front for _, front in fronts)):
         time = base_time + sum(c[0] for c in combo)
         memory = base_memory + sum(c[1] for c in combo)
-        if any(n for c in combo for i, n in enumerate(c[2]) if i != none_index):
+        if any(_recomputes(problem, c[2]) for c in combo):
             memory += problem.recompute_transient(stage)
         if memory <= problem.memory_limit_bytes and (best is None or time < best[0]):
             best = (time, memory, combo)
@@ -141,8 +158,16 @@ def solve_brute_force(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
 
 
 def solve_heuristic(problem: BalanceProblem, start: tuple[int, ...] | None = None) -> tuple[Plan, PlanCost] | None:
-    """Knapsack on the uniform placement, then move single layers between neighbouring virtual
-    stages while the composed step time drops (or while the plan does not fit yet)."""
+    """A good plan fast, never slower than uniform placement with its best recompute, and None
+    only if no plan fits.
+
+    Without interleaving (and no ``start``): the DP over stages of about L / V layers
+    (``solve_dp`` with ``HEURISTIC_WINDOW``). Otherwise a local search: knapsack on the uniform
+    placement (or ``start``), then move single layers between neighbouring virtual stages while
+    the composed step time drops (or while the plan does not fit yet).
+    """
+    if start is None and one_chunk_per_stage(problem):
+        return solve_dp(problem, window=HEURISTIC_WINDOW)
     base, extra = divmod(problem.num_layers, problem.num_virtual_stages)
     counts = start or tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
 
@@ -178,21 +203,32 @@ def solve_heuristic(problem: BalanceProblem, start: tuple[int, ...] | None = Non
     return current[1], current[2]
 
 
+def exact_method(problem: BalanceProblem) -> str:
+    """Which exact solver ``solve_exact`` runs on ``problem``: "dp" or "milp"."""
+    return "dp" if one_chunk_per_stage(problem) else "milp"
+
+
 def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Plan, PlanCost] | None:
-    """The MILP of the module docstring. Variables: y[l, v] (layer l on virtual stage v),
-    k[v, g, r] (layers of kind g on v with option r), a[s] (stage s recomputes something),
-    Z (the largest stage time). A model of one layer kind needs no y: the counts k place it.
+    """The optimal plan, or None if none fits: the DP without interleaving (exact, see
+    ``ndplan.balance.dp``), else the MILP (``solve_milp``).
 
     HiGHS stops at ``time_limit_s``; the answer is then the best of its incumbent and the
     heuristic's plan, so it is never worse than the heuristic.
     """
-    found = _milp(problem, time_limit_s)
+    if one_chunk_per_stage(problem):
+        return solve_dp(problem)
+    found = solve_milp(problem, time_limit_s)
     fallback = solve_heuristic(problem)
-    candidates = [c for c in (found, fallback) if c is not None]
+    candidates = [c for c in (found, fallback) if c is not None and c[1].fits]  # HiGHS' tolerance can overshoot
     return min(candidates, key=lambda c: c[1].step_s) if candidates else None
 
 
-def _milp(problem: BalanceProblem, time_limit_s: float) -> tuple[Plan, PlanCost] | None:
+def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Plan, PlanCost] | None:
+    """The MILP. Variables: y[l, v] (layer l on virtual stage v), k[v, g, r] (layers of kind g
+    on v with option r), a[s] (stage s recomputes something), Z (the largest stage time). A
+    model of one layer kind needs no y: the counts k place it. Optimal unless HiGHS hits
+    ``time_limit_s`` (then its incumbent, or None); also the tests' cross-check of the DP.
+    """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     L, V, R = problem.num_layers, problem.num_virtual_stages, len(problem.options)
@@ -266,7 +302,9 @@ def _milp(problem: BalanceProblem, time_limit_s: float) -> tuple[Plan, PlanCost]
                     fixed_memory += extra.static_bytes + in_flight[virtual] * extra.activation_bytes
                     fixed_time += extra.time_s
         memory[any_recompute(s)] = problem.recompute_transient(s)
-        add(memory, -np.inf, problem.memory_limit_bytes - fixed_memory)
+        # In GiB: rows of ~1e9 coefficients next to ~1 ones make HiGHS stop at suboptimal
+        # "optimal" points (seen on 25-layer instances, 13 % off the DP's optimum).
+        add({i: c / 2**30 for i, c in memory.items()}, -np.inf, (problem.memory_limit_bytes - fixed_memory) / 2**30)
         add(time, -np.inf, -fixed_time)
         for virtual in (int(i) for i in np.flatnonzero(problem.stage_of == s)):
             for g in range(G):

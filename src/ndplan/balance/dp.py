@@ -1,0 +1,580 @@
+"""Exact balancing by dynamic programming, when every physical stage holds one virtual stage.
+
+With one chunk per stage (vpp = 1) a plan splits the layer sequence into V contiguous segments,
+segment v on virtual stage v, and a stage's memory and time depend on its own segment only.
+Given the segments, each stage should run the recompute mix of least time that fits (the step
+time Σ_s T_s + (m − 1)·max_s T_s grows with every T_s, and stages share no memory), so a
+segment has one cost, in seconds per micro-batch:
+
+    t(v, a, b) = least time of layers [a, b) on virtual stage v that fits, +inf if none fits
+
+(``_StageModel``, exact), and the problem is, over splits 0 = p_0 < p_1 < … < p_V = L,
+
+    min  Σ_v t_v + (m − 1)·max_v t_v,    t_v = t(v, p_v, p_{v+1}).
+
+Why ``_search`` is exact. For a threshold Z let S(Z) be the least Σ_v t_v over splits whose
+every segment costs ≤ Z (a min-sum DP over the segments of cost ≤ Z); S does not increase with
+Z. The optimal split, of bottleneck M, has sum ≥ S(M), so S(M) + (m − 1)·M ≤ OPT; and the split
+reaching S(Z) has bottleneck ≤ Z, so OPT ≤ S(Z) + (m − 1)·Z for every Z. Hence
+
+    OPT = min over Z of  S(Z) + (m − 1)·Z,
+
+where Z ranges over the finite segment costs (the optimal bottleneck is one of them), at least
+Z* (the least bottleneck, a min-max DP) and below (best so far − S(∞)) / (m − 1), since no
+larger Z can do better. Between two thresholds Z_i < Z_j no candidate can beat
+S(Z_j) + (m − 1)·Z_{i+1} (S does not increase), which prunes a bisection over the sorted
+candidates; in practice a handful of DP passes settle it. Each pass sums a split's costs in
+stage order whatever Z is, so S is monotone in floating point too.
+
+The heuristic (``window``) keeps only segments of about L / V layers and runs two passes: the
+least bottleneck Z*, then the least sum under it, S(Z*); it returns that split or the uniform
+one (which is in the window) if uniform is better, so it is never slower than uniform. With
+nothing in the window fitting it falls back to the exact search, so it finds a plan whenever
+one exists. The exact search starts from the heuristic's plan, whose step time bounds how many
+layers a stage of the optimum can hold (``solve_dp``), so that long segments are never costed.
+
+Cost: the stage table is a few vectorised array operations over (stage, layer counts, options
+enumerated); each DP pass is V array operations over [segment lengths, end layer]. No MILP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import product
+
+import numpy as np
+
+from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate
+
+_CHUNK = 1 << 18  # cells (queries × minor splits × tails) per vectorised batch: bounds temporary memory
+_ROUNDING = 1e-9  # a quotient this close above an integer may be that integer rounded up
+_PRUNE_FROM = 64  # minor splits of one kind beyond which the dominated ones are dropped
+
+
+def one_chunk_per_stage(problem: BalanceProblem) -> bool:
+    """Every physical stage holds exactly one virtual stage (no interleaving): the DP applies."""
+    return sorted(np.asarray(problem.stage_of).tolist()) == list(range(problem.pp))
+
+
+@lru_cache(maxsize=256)
+def _compositions(total: int, parts: int) -> np.ndarray:
+    """[count, parts] every way to write ``total`` as an ordered sum of ``parts`` non-negative
+    ints (read-only; cached, it depends on the two integers only)."""
+    rows = [(*c, total - sum(c)) for c in product(range(total + 1), repeat=parts - 1) if sum(c) <= total]
+    out = np.array(rows, dtype=np.int64).reshape(len(rows), parts)
+    out.flags.writeable = False
+    return out
+
+
+@lru_cache(maxsize=256)
+def _at_most(limit: int, parts: int) -> np.ndarray:
+    """[count, parts] non-negative ints with sum ≤ ``limit`` (read-only, cached)."""
+    rows = [c for c in product(range(limit + 1), repeat=parts) if sum(c) <= limit]
+    out = np.array(rows, dtype=np.int64).reshape(len(rows), parts)
+    out.flags.writeable = False
+    return out
+
+
+@dataclass(frozen=True)
+class _Best:
+    """The least-time recompute of each stage query, and how it is reached."""
+
+    time: np.ndarray  # [Q] seconds per micro-batch, embedding/head included; +inf if nothing fits
+    plain: np.ndarray  # [Q] bool: every layer "none", no transient (case A)
+    split: np.ndarray  # [Q] index into the minor splits of the query's minor counts
+    tail: np.ndarray  # [Q] index into the major kind's tail counts
+    k: np.ndarray  # [Q] major layers on option q (the closed form's k)
+
+
+class _StageModel:
+    """Least-time recompute of one virtual stage given how many layers of each kind it holds.
+
+    Stage v with n_g layers of kind g: option r of kind g costs t[g, r] seconds and
+    μ[v, g, r] = static[g, r] + in_flight[v]·activation[g, r] bytes per layer. Choose counts
+    n[g, r] ≥ 0 with Σ_r n[g, r] = n_g minimising Σ n[g, r]·t[g, r] subject to
+
+        Σ n[g, r]·μ[v, g, r] ≤ budget_v − transient_v·[some layer recomputes],
+        budget_v = limit − fixed[s] − (embedding / head bytes on v).
+
+    Two cases, the better one wins: (A) every layer "none", against budget_v; (B) the transient
+    charged and every option allowed (an all-"none" mix here is never better than A). In B the
+    minor kinds (all but the most numerous, the major one) enumerate their splits; the major
+    kind enumerates its counts on the options other than a pair (p, q) with t_q ≥ t_p (the
+    "tail"), and its n' remaining layers take p except the fewest k on q that fit, since more
+    on q only adds time:
+
+        x = budget − (bytes of the minor split and the tail) − n'·μ_p   (bytes to spare)
+        k = 0 if x ≥ 0;  ⌈x / (μ_q − μ_p)⌉ if x < 0 and μ_q < μ_p (infeasible if k > n');
+        infeasible if x < 0 and μ_q ≥ μ_p.
+
+    The closed form replaces one enumerated dimension, so a stage costs O(splits · n^(R − 2))
+    cells (R options; O(splits · n) for none/selective/full) and all stages are a few
+    vectorised array operations. Minor splits that another split of the same kind beats on
+    every count are dropped when there are many (``_minor_splits``).
+    """
+
+    def __init__(self, problem: BalanceProblem) -> None:
+        # Major kind last: the closed form handles it, so the enumerated minor splits stay few.
+        order = {kind: problem.layer_kinds.count(kind) for kind in set(problem.layer_kinds)}
+        self.kinds = tuple(sorted(order, key=lambda k: (order[k], k)))
+        options = problem.options
+        V = problem.num_virtual_stages
+        in_flight = problem.in_flight_of_virtual().astype(float)
+        costs = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
+        self.time = np.array([[c.time_s for c in row] for row in costs])  # [G, R]
+        static = np.array([[c.static_bytes for c in row] for row in costs])
+        activation = np.array([[c.activation_bytes for c in row] for row in costs])
+        self.memory = static[None] + in_flight[:, None, None] * activation[None]  # [V, G, R]
+        self.static, self.activation = static, activation
+        self.none = options.index("none") if "none" in options else None
+        self.recomputes = np.array([option != "none" for option in options])
+        stages = np.asarray(problem.stage_of).astype(int)
+        fixed = np.asarray(problem.fixed_bytes, dtype=float)[stages]
+        self.base_time = np.zeros(V)
+        extra_bytes = np.zeros(V)
+        for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
+            self.base_time[v] += extra.time_s
+            extra_bytes[v] += extra.static_bytes + in_flight[v] * extra.activation_bytes
+        transient = (np.zeros(V) if problem.recompute_transient_bytes is None
+                     else np.asarray(problem.recompute_transient_bytes, dtype=float)[stages])
+        self.budget = problem.memory_limit_bytes - fixed - extra_bytes  # [V]
+        self.budget_rc = self.budget - transient
+        self.p = int(np.argmin(self.time[-1]))  # fastest option of the major kind
+        others = [r for r in range(len(options)) if r != self.p]
+        self.q = others[0] if others else self.p  # a single option: q = p and k is 0
+        self.tail_options = others[1:]
+        # Per-stage constants of the kernel, so that a batch only gathers them by stage.
+        major_memory = self.memory[:, -1]  # [V, R]
+        self.mu_p, self.mu_q = major_memory[:, self.p], major_memory[:, self.q]
+        self.d_mu = self.mu_q - self.mu_p
+        self.divisor = np.where(self.d_mu < 0, self.d_mu, -np.inf)  # −inf: no division by zero, k = 0
+        self.mu_tail = major_memory[:, self.tail_options]  # [V, R − 2]
+        self.t_p, self.d_t = float(self.time[-1, self.p]), float(self.time[-1, self.q] - self.time[-1, self.p])
+        self.t_tail = self.time[-1, self.tail_options]
+        self.minor_time = self.time[:-1].reshape(-1)  # [(G − 1)·R]
+        self.minor_memory = self.memory[:, :-1].reshape(V, -1, 1)  # [V, (G − 1)·R, 1]
+        if self.none is not None:
+            self.plain_minor_time = self.time[:-1, self.none]
+            self.plain_minor_memory = self.memory[:, :-1, self.none]  # [V, G − 1]
+            self.plain_time, self.plain_memory = float(self.time[-1, self.none]), major_memory[:, self.none]
+
+    def _minor_splits(self, row: tuple[int, ...]) -> np.ndarray:
+        """[splits, G − 1, R]: the ways to spread each minor kind's layers over the options, but
+        those another split of the same kind beats everywhere (no more time, static and
+        activation bytes, so no more bytes on any stage, and recomputing no more often: the
+        transient too)."""
+        R = self.memory.shape[2]
+        if not row:
+            return np.zeros((1, 0, R), dtype=np.int64)
+        if len(row) == 1:
+            return self._undominated(0, row[0])[:, None, :]
+        parts = [self._undominated(g, c) for g, c in enumerate(row)]
+        return np.array([np.stack(combo) for combo in product(*parts)]).reshape(-1, len(row), R)
+
+    def _undominated(self, g: int, count: int) -> np.ndarray:
+        """[splits, R] of ``count`` layers of minor kind g, dominated splits dropped when there
+        are many (a few are cheaper to keep than to sort)."""
+        splits = _compositions(count, self.memory.shape[2])
+        if len(splits) <= _PRUNE_FROM:
+            return splits
+        time, static, activation = splits @ self.time[g], splits @ self.static[g], splits @ self.activation[g]
+        if np.ptp(self.static[g]) == 0:  # the usual case: every split holds the same static bytes
+            static = np.zeros(len(splits))  # (their float sums may differ in the last bit)
+        recomputes = (splits @ self.recomputes) > 0
+        # Within a group of equal (recomputes, static bytes), in order of time, a split survives
+        # if its activation bytes are below every faster one's; the groups are sorted apart and
+        # shifted below each other so that one running minimum serves them all.
+        order = np.lexsort((activation, time, static, recomputes))
+        group = np.cumsum(np.concatenate([[0], (np.diff(static[order]) != 0) | (np.diff(recomputes[order]) != 0)]))
+        key = activation[order] - group * (np.ptp(activation) + 1.0)
+        keep = np.concatenate([[True], key[1:] < np.minimum.accumulate(key)[:-1]])
+        return splits[np.sort(order[keep])]
+
+    def solve(self, stage: np.ndarray, rows: np.ndarray, row: np.ndarray, low: int, N: int
+              ) -> tuple[_Best, list[np.ndarray], np.ndarray]:
+        """Least-time recompute of P·N stage queries: for each pair i, virtual stage ``stage[i]``
+        holding ``rows[row[i]]`` layers of the minor kinds ([C, G − 1]), and each major count
+        n = low … low + N − 1; query i·N + (n − low).
+
+        Returns the optimum per query, each row's minor splits ([S_c, G − 1, R] layer counts per
+        kind and option) and the major kind's tail counts ([K, R − 2]).
+        """
+        needed = set(row.tolist())  # rows no pair uses need no splits
+        splits = [self._minor_splits(tuple(int(c) for c in r)) if i in needed else np.zeros((0,))
+                  for i, r in enumerate(rows)]
+        tails = _at_most(low + N - 1, len(self.tail_options))
+        n = np.arange(low, low + N)
+        rest = n[:, None] - tails.sum(axis=1)  # [N, K] major layers on p or q
+        extra_time = rest * self.t_p + tails @ self.t_tail  # [N, K] their seconds, all on p
+        width = np.array([len(splits[c]) for c in row])  # minor splits per pair
+        K = len(tails)
+        # Batches of whole pairs under _CHUNK cells (pairs × splits × major counts × tails); a
+        # pair too big on its own is cut along its major counts.
+        cells = np.cumsum(width) * (N * K)
+        if cells[-1] <= _CHUNK:  # one batch: the usual case
+            found = self._batch(stage, [splits[c] for c in row], width, rows[row], n, tails, rest, extra_time)
+            return _Best(*(x.reshape(-1) for x in found)), splits, tails
+        P = len(stage)
+        out = (np.empty((P, N)), np.empty((P, N), bool), *(np.empty((P, N), np.int64) for _ in range(3)))
+        first = 0
+        while first < P:
+            done = int(cells[first - 1]) if first else 0
+            last = max(first + 1, int(np.searchsorted(cells, done + _CHUNK, side="right")))
+            batch = np.arange(first, last)
+            step = max(1, _CHUNK // (int(width[batch].sum()) * K))
+            for low_n in range(0, N, step):
+                part = slice(low_n, low_n + step)
+                found = self._batch(stage[batch], [splits[c] for c in row[batch]], width[batch], rows[row[batch]],
+                                    n[part], tails, rest[part], extra_time[part])
+                for target, values in zip(out, found, strict=True):
+                    target[first:last, part] = values
+            first = last
+        return _Best(*(x.reshape(-1) for x in out)), splits, tails
+
+    def _batch(self, stage: np.ndarray, splits: list[np.ndarray], width: np.ndarray, minors: np.ndarray,
+               n: np.ndarray, tails: np.ndarray, rest: np.ndarray, extra_time: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Pairs of one batch, their minor splits flattened into candidates ("pair-splits");
+        arrays broadcast to [candidate, major count, tail] (class docstring). Results are
+        [pair, major count]."""
+        P, N, K = len(stage), len(n), len(tails)
+        many = minors.shape[1] > 0 and bool((width > 1).any())
+        of = np.repeat(np.arange(P), width) if many else np.arange(P)  # pair of each candidate
+        C = len(of)
+        # Virtual stage of each candidate; a slice when they are all stages in order (one layer
+        # kind), which spares the gathers.
+        at: np.ndarray | slice = slice(None) if not many and P == self.memory.shape[0] and bool(
+            (stage == np.arange(P)).all()) else stage[of]
+        of_pair = slice(None) if isinstance(at, slice) else stage
+        # Tails lead, so that the reductions over them are fast elementwise ones across slabs.
+        # Bytes to spare (x) and seconds, before the layers on q: [K, candidates, N].
+        spare = (self.budget_rc[at][None, :, None] - rest.T[:, None, :] * self.mu_p[at][None, :, None]
+                 - (tails @ self.mu_tail[at].T)[:, :, None])
+        time = extra_time.T[:, None, :]
+        if minors.shape[1]:
+            counts = np.concatenate(splits).reshape(C, -1)  # [candidates, (G − 1)·R]
+            spare = spare - (counts * self.minor_memory[at, :, 0]).sum(axis=1)[None, :, None]
+            time = time + (counts @ self.minor_time)[None, :, None]
+        d_mu = self.d_mu[at][None, :, None]
+        k = np.maximum(np.ceil(spare / self.divisor[at][None, :, None] - _ROUNDING), 0.0)
+        k += spare - k * d_mu < 0  # the quotient rounded down: one more
+        fits = (k <= rest.T[:, None, :]) & (spare - k * d_mu >= 0)
+        total = np.where(fits, time + k * self.d_t, np.inf)  # [K, candidates, N]
+        tail = total.argmin(axis=0)  # [candidates, N]
+        least = total.min(axis=0)
+        chosen_k = k.reshape(K, -1)[tail.reshape(-1), np.arange(C * N)].reshape(C, N)
+        if many:  # the best candidate of each pair: segmented minimum over its splits
+            offsets = np.concatenate([[0], np.cumsum(width)[:-1]])
+            pair_least = np.minimum.reduceat(least, offsets, axis=0)  # [P, N]
+            index = np.where(least == pair_least[of], np.arange(len(of))[:, None], len(of))
+            pick = np.minimum.reduceat(index, offsets, axis=0)  # first candidate reaching it
+            split = pick - offsets[:, None]
+            tail, chosen_k, least = tail[pick, np.arange(N)], chosen_k[pick, np.arange(N)], pair_least
+        else:
+            split = np.zeros((P, N), dtype=np.int64)
+        # Case A: no layer recomputes, no transient.
+        plain = np.zeros((P, N), bool)
+        if self.none is not None:
+            plain_time = n * self.plain_time
+            plain_memory = n * self.plain_memory[of_pair][:, None]  # [P, N]
+            if minors.shape[1]:
+                plain_time = plain_time + (minors @ self.plain_minor_time)[:, None]
+                plain_memory = plain_memory + (minors * self.plain_minor_memory[of_pair]).sum(axis=1)[:, None]
+            plain = (plain_memory <= self.budget[of_pair][:, None]) & (plain_time <= least)
+            least = np.where(plain, plain_time, least)
+        return least + self.base_time[of_pair][:, None], plain, split, tail, chosen_k.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """The segments [b − ℓ_j, b) each virtual stage v can hold in a complete split, and their costs."""
+
+    lengths: np.ndarray  # [J] allowed layer counts per virtual stage, ascending and contiguous
+    start: np.ndarray  # [J, L + 1] b − ℓ_j, clipped to 0
+    cost: np.ndarray  # [V, J, L + 1] t(v, b − ℓ_j, b) in seconds; +inf where unreachable or nothing fits
+    best: _Best  # per stage query: pair (virtual stage, minor row) i and major count n at i·N + n − low
+    splits: list[np.ndarray]  # per row of minor counts, see _StageModel.solve
+    tails: np.ndarray  # [K, R − 2]
+    low: int
+    N: int
+    where: np.ndarray  # [segments] flat index into cost of each reachable segment, ascending
+    query: np.ndarray | None  # [segments] its stage query (None with one kind: v·N + ℓ − low)
+    row: np.ndarray | None  # [segments] its row of minor counts (None with one kind: row 0)
+
+    def queries(self, counts: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """Stage query and minor row of each virtual stage's segment in a split."""
+        V, J, ends = len(counts), len(self.lengths), self.cost.shape[2]
+        j = np.asarray(counts) - int(self.lengths[0])
+        if self.query is None or self.row is None:
+            return (np.arange(V) * self.N + np.asarray(counts) - self.low).tolist(), [0] * V
+        at = np.searchsorted(self.where, (np.arange(V) * J + j) * ends + np.cumsum(counts))
+        return self.query[at].tolist(), self.row[at].tolist()
+
+
+def _segments(model: _StageModel, problem: BalanceProblem, lengths: np.ndarray) -> _Segments | None:
+    """Cost every segment some complete split can use (None if no split of these lengths exists).
+
+    With lengths ℓ_min..ℓ_max, k stages hold any total in [k·ℓ_min, k·ℓ_max], so virtual stage v
+    can end at b in [low_v, high_v] = [max((v+1)·ℓ_min, L − (V−1−v)·ℓ_max),
+    min((v+1)·ℓ_max, L − (V−1−v)·ℓ_min)], and its segments of length ℓ end in
+    [max(low_v, low_{v−1} + ℓ), min(high_v, high_{v−1} + ℓ)] (low_{−1} = high_{−1} = 0);
+    the others cost +inf. A segment's cost depends on v and on how many layers of each kind
+    it holds, not on where it is: the stage problems are solved once per (v, minor counts,
+    major count) and gathered.
+    """
+    L, V, J = problem.num_layers, problem.num_virtual_stages, len(lengths)
+    shortest, longest = int(lengths[0]), int(lengths[-1])
+    done = np.arange(1, V + 1)
+    low = np.maximum(done * shortest, L - (V - done) * longest)
+    high = np.minimum(done * longest, L - (V - done) * shortest)
+    if (low > high).any():
+        return None
+    first = np.maximum(low[:, None], np.concatenate([[0], low[:-1]])[:, None] + lengths)  # [V, J] first end
+    last = np.minimum(high[:, None], np.concatenate([[0], high[:-1]])[:, None] + lengths)
+    ends = np.maximum(last - first + 1, 0).reshape(-1)  # [V·J] how many ends each (v, j) reaches
+    # Every reachable (v, j, b), as flat indices into [V, J, L + 1]: b runs from first to last.
+    where = np.repeat(np.arange(V * J) * (L + 1) + first.reshape(-1) - np.cumsum(ends) + ends, ends)
+    where += np.arange(len(where))
+    start = np.maximum(np.arange(L + 1) - lengths[:, None], 0)  # [J, L + 1]
+    cost = np.full(V * J * (L + 1), np.inf)
+    G = len(model.kinds)
+    if G == 1:  # one kind: a segment holds ℓ layers of it wherever it ends
+        best, splits, tails = model.solve(np.arange(V), np.zeros((1, 0), dtype=np.int64), np.zeros(V, dtype=np.int64),
+                                          shortest, J)
+        cost[where] = np.repeat(best.time, ends)  # queries are (v, ℓ) in the order of the (v, j)
+        return _Segments(lengths, start, cost.reshape(V, J, L + 1), best, splits, tails, shortest, J, where, None, None)
+    index = {kind: g for g, kind in enumerate(model.kinds)}
+    kinds = np.array([index[k] for k in problem.layer_kinds])
+    prefix = np.zeros((G, L + 1), dtype=np.int64)  # layers of each kind before b
+    prefix[:, 1:] = np.cumsum(kinds[None, :] == np.arange(G)[:, None], axis=1)
+    stage_j, b = np.divmod(where, L + 1)
+    stage, j = np.divmod(stage_j, J)
+    a = b - lengths[j]
+    minor = prefix[:-1, b] - prefix[:-1, a]  # [G − 1, segments] layers of each minor kind
+    major = lengths[j] - minor.sum(axis=0)
+    # Distinct minor-count vectors (one integer key each), and each segment's row among them.
+    radix = (L + 1) ** np.arange(G - 1)
+    key = minor[0] if G == 2 else radix @ minor
+    if (L + 1) ** (G - 1) <= 1 << 20:  # a dense lookup is cheaper than sorting
+        present = np.zeros((L + 1) ** (G - 1), bool)
+        present[key] = True
+        keys, row = np.flatnonzero(present), (np.cumsum(present) - 1)[key]
+    else:
+        keys, row = np.unique(key, return_inverse=True)
+        row = row.reshape(-1)
+    rows = (keys[:, None] // radix[None, :]) % (L + 1)
+    # Queries: each (virtual stage, minor row) pair some segment has, times every major count
+    # in range; segments that differ only in position share their query.
+    low_major = int(major.min())
+    N = int(major.max()) - low_major + 1
+    pair = np.zeros((V, len(rows)), dtype=np.int64)
+    pair[stage, row] = 1
+    pair_stage, pair_row = np.nonzero(pair)
+    pair[pair_stage, pair_row] = np.arange(len(pair_stage))
+    best, splits, tails = model.solve(pair_stage, rows, pair_row, low_major, N)
+    query = pair[stage, row] * N + major - low_major
+    cost[where] = best.time[query]
+    return _Segments(lengths, start, cost.reshape(V, J, L + 1), best, splits, tails, low_major, N, where, query, row)
+
+
+def _min_max(seg: _Segments) -> float:
+    """Z*, the least bottleneck max_v t_v over all splits (+inf if none fits)."""
+    if seg.query is None:  # one layer kind: t depends on (v, ℓ) only
+        table = seg.best.time.reshape(-1, len(seg.lengths))  # [V, J]
+        if bool((table[:, 1:] >= table[:, :-1]).all()):
+            return _min_max_monotone(table, int(seg.lengths[0]), seg.start.shape[1] - 1)
+    best = np.full(seg.start.shape[1], np.inf)  # over ends b: least bottleneck of v stages ending at b
+    best[0] = 0.0
+    for cost in seg.cost:
+        best = np.minimum.reduce(np.maximum(best[seg.start], cost), axis=0)
+    return float(best[-1])
+
+
+def _min_max_monotone(table: np.ndarray, shortest: int, L: int) -> float:
+    """Z* when t(v, ℓ) = table[v, ℓ − shortest] never decreases with ℓ (one layer kind: one
+    more layer never saves time), without a DP: under a threshold Z stage v may hold
+    shortest … shortest + n_v(Z) − 1 layers, n_v(Z) = #{ℓ : t(v, ℓ) ≤ Z}, so a split exists iff
+    every n_v(Z) ≥ 1 and Σ_v (shortest + n_v(Z) − 1) ≥ L (V·shortest ≤ L holds for the lengths
+    ``solve_dp`` uses). Z* is the least segment cost that passes."""
+    values = np.unique(table[np.isfinite(table)])  # candidate thresholds, ascending
+    allowed = (table[None] <= values[:, None, None]).sum(axis=2)  # [Z, V] n_v(Z)
+    V = table.shape[0]
+    passes = (allowed.min(axis=1) >= 1) & (allowed.sum(axis=1) + V * (shortest - 1) >= L)
+    return float(values[int(passes.argmax())]) if passes.any() else float("inf")
+
+
+def _min_sum(seg: _Segments, bound: float) -> tuple[float, float, tuple[int, ...]]:
+    """S(bound), the least Σ_v t_v over splits with every t_v ≤ bound: (sum, the split's
+    bottleneck, layers per virtual stage); sum is +inf if no split qualifies."""
+    costs = seg.cost if bound == np.inf else np.where(seg.cost <= bound, seg.cost, np.inf)
+    best = np.full(seg.start.shape[1], np.inf)  # over ends b: least sum of v stages ending at b
+    best[0] = 0.0
+    totals = []
+    for cost in costs:
+        total = best[seg.start] + cost  # [J, L + 1]
+        totals.append(total)
+        best = np.minimum.reduce(total, axis=0)
+    if not np.isfinite(best[-1]):
+        return float("inf"), float("inf"), ()
+    counts, b, bottleneck = [], seg.start.shape[1] - 1, 0.0
+    for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
+        j = int(totals[v][:, b].argmin())
+        counts.append(int(seg.lengths[j]))
+        bottleneck = max(bottleneck, float(costs[v, j, b]))
+        b -= int(seg.lengths[j])
+    return float(best[-1]), bottleneck, tuple(reversed(counts))
+
+
+def _split_costs(seg: _Segments, counts: tuple[int, ...]) -> np.ndarray:
+    """[V] t_v of a split whose every count is in ``seg.lengths``."""
+    return seg.cost[np.arange(len(counts)), np.asarray(counts) - seg.lengths[0], np.cumsum(counts)]
+
+
+def _search(seg: _Segments, num_micro_batches: int, uniform: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+    """The split minimising Σ_v t_v + (m − 1)·max_v t_v (module docstring), or None if none fits.
+
+    With ``uniform`` (the heuristic), two DP passes only: Z* and S(Z*); the answer is the better
+    of that split and ``uniform``.
+    """
+    weight = num_micro_batches - 1
+    if uniform is not None:
+        z_star = _min_max(seg)
+        if not np.isfinite(z_star):
+            return None
+        total, bottleneck, counts = _min_sum(seg, z_star)
+        costs = _split_costs(seg, uniform)
+        if np.all(np.isfinite(costs)) and costs.sum() + weight * costs.max() < total + weight * bottleneck:
+            return uniform
+        return counts
+    least, top, free = _min_sum(seg, np.inf)  # S(∞), a lower bound on every split's sum
+    if not np.isfinite(least):
+        return None
+    if weight == 0:
+        return free
+    z_star = _min_max(seg)
+    total, bottleneck, best_counts = _min_sum(seg, z_star)
+    best = total + weight * bottleneck
+    if least + weight * top < best:
+        best, best_counts = least + weight * top, free
+    # Thresholds that could still win: segment costs in (Z*, (best − S(∞)) / (m − 1)).
+    cap = (best - least) / weight
+    finite = seg.cost[np.isfinite(seg.cost)]
+    candidates = np.unique(finite[(finite > z_star) & (finite < cap)])
+    # Intervals (i, j) of candidate indices with S(candidates[j]) known (i = −1 stands for Z*,
+    # j = len for S(∞)); nothing strictly inside beats S_j + (m − 1)·candidates[i + 1].
+    pending = [(-1, len(candidates), least)]
+    while pending:
+        i, j, s_j = pending.pop()
+        if j - i <= 1 or s_j + weight * candidates[i + 1] >= best:
+            continue
+        mid = (i + j) // 2
+        total, bottleneck, counts = _min_sum(seg, float(candidates[mid]))
+        if total + weight * bottleneck < best:
+            best, best_counts = total + weight * bottleneck, counts
+        pending += [(i, mid, total), (mid, j, s_j)]
+    return best_counts
+
+
+def _plan(problem: BalanceProblem, model: _StageModel, seg: _Segments, counts: tuple[int, ...]) -> Plan:
+    """Each layer's option for a split, from the stage queries' optima (inside a virtual stage
+    the order of a kind's layers changes neither memory nor time: options go in
+    ``problem.options`` order)."""
+    options = problem.options
+    recompute = ["none"] * problem.num_layers
+    queries, rows = seg.queries(counts)
+    best = seg.best
+    plain, split, tail, on_q = (x[queries].tolist() for x in (best.plain, best.split, best.tail, best.k))
+    tails = seg.tails[tail].tolist()
+    b = 0
+    for v, count in enumerate(counts):
+        a, b = b, b + count
+        if plain[v]:  # case A: every layer "none"
+            continue
+        per_kind = {kind: seg.splits[rows[v]][split[v], g].tolist() for g, kind in enumerate(model.kinds[:-1])}
+        major = [0] * len(options)
+        for r, c in zip(model.tail_options, tails[v], strict=True):
+            major[r] += c
+        on_p = seg.low + queries[v] % seg.N - on_q[v] - sum(major)
+        major[model.q] += on_q[v]
+        major[model.p] += on_p
+        per_kind[model.kinds[-1]] = major
+        layers = range(a, b) if len(per_kind) == 1 else None
+        for kind, option_counts in per_kind.items():
+            members = layers if layers is not None else [i for i in range(a, b) if problem.layer_kinds[i] == kind]
+            position = 0
+            for option, n in zip(options, option_counts, strict=True):
+                for layer in members[position:position + n]:
+                    recompute[layer] = option
+                position += n
+    return Plan(counts, tuple(recompute))
+
+
+WINDOW = 2  # the heuristic's virtual stages hold ⌊L/V⌋ − 2 … ⌈L/V⌉ + 2 layers
+
+
+def solve_dp(problem: BalanceProblem, window: int | None = None) -> tuple[Plan, PlanCost] | None:
+    """The optimal plan when every physical stage holds one virtual stage (``one_chunk_per_stage``),
+    or None if no plan fits.
+
+    ``window`` (the heuristic): only virtual stages of ⌊L/V⌋ − window to ⌈L/V⌉ + window layers
+    and two DP passes (module docstring); the exact search if nothing there fits.
+
+    The exact search first runs the heuristic: its step time U bounds the optimum's bottleneck,
+    M ≤ (U − T_lb) / (m − 1), where T_lb = Σ_layers min_option time + embedding and head ≤ the
+    optimum's Σ_v t_v. A stage costs at least its layers' least times, so no stage of the
+    optimum holds more layers than the longest run whose least times add up to that bound:
+    only shorter segments are costed, which keeps the table small (the heuristic's split is
+    among them too, so the search still compares it).
+    """
+    if not one_chunk_per_stage(problem):
+        raise ValueError("solve_dp needs one virtual stage per physical stage")
+    L, V = problem.num_layers, problem.num_virtual_stages
+    if L < V:
+        return None
+    model = _StageModel(problem)
+    heuristic = _windowed(problem, model, WINDOW if window is None else window)
+    if window is not None and heuristic is not None:
+        return heuristic
+    longest = L - V + 1
+    if heuristic is not None and problem.num_micro_batches > 1:
+        longest = min(longest, _longest_useful(problem, model, heuristic[1].step_s))
+    seg = _segments(model, problem, np.arange(1, longest + 1))
+    counts = None if seg is None else _search(seg, problem.num_micro_batches)
+    if seg is None or counts is None:
+        return heuristic
+    plan = _plan(problem, model, seg, counts)
+    return plan, evaluate(problem, plan)
+
+
+def _windowed(problem: BalanceProblem, model: _StageModel, window: int) -> tuple[Plan, PlanCost] | None:
+    """The heuristic's plan (module docstring), or None if no split of its lengths fits."""
+    L, V = problem.num_layers, problem.num_virtual_stages
+    lengths = np.arange(max(1, L // V - window), min(L - V + 1, -(-L // V) + window) + 1)
+    seg = _segments(model, problem, lengths)
+    if seg is None:
+        return None
+    base, extra = divmod(L, V)
+    counts = _search(seg, problem.num_micro_batches, tuple(base + (1 if v < extra else 0) for v in range(V)))
+    if counts is None:
+        return None
+    plan = _plan(problem, model, seg, counts)
+    return plan, evaluate(problem, plan)
+
+
+def _longest_useful(problem: BalanceProblem, model: _StageModel, incumbent_s: float) -> int:
+    """The most layers a virtual stage of an optimal plan can hold, given a plan of step time
+    ``incumbent_s`` (``solve_dp``'s docstring); at least 1."""
+    least = model.time.min(axis=1)  # [G] seconds per layer, whatever fits
+    index = {kind: g for g, kind in enumerate(model.kinds)}
+    per_layer = least[[index[k] for k in problem.layer_kinds]]
+    floor = float(per_layer.sum() + model.base_time.sum())  # T_lb
+    bound = (incumbent_s - floor) / (problem.num_micro_batches - 1)
+    bound = bound * (1 + 1e-9) + 1e-12  # rounding: never cut the optimum's segments
+    prefix = np.concatenate([[0.0], np.cumsum(per_layer)])
+    L = len(per_layer)
+    run = np.arange(1, L + 1)
+    # Least time of any ℓ consecutive layers, for every ℓ: min over a of prefix[a + ℓ] − prefix[a].
+    ends = np.arange(L + 1)[None, :] + run[:, None]  # [L, L + 1]
+    window_time = np.where(ends <= L, prefix[np.minimum(ends, L)] - prefix[None, :], np.inf).min(axis=1)
+    fits = np.flatnonzero(window_time + float(model.base_time.min()) <= bound)
+    return int(fits[-1]) + 1 if len(fits) else 1
