@@ -370,6 +370,19 @@ def _stage_matmul(weights: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.matmul(weights.transpose(1, 0, 2), rows.transpose(0, 2, 1)).transpose(1, 0, 2)
 
 
+def _runs_of(values: np.ndarray) -> Iterator[tuple[int, slice | np.ndarray]]:
+    """(value, rows) for each distinct value: slices when ``values`` is sorted (the batch path
+    sorts each group by micro-batch count), index arrays otherwise."""
+    values = np.asarray(values).ravel()
+    if len(values) and np.all(values[1:] >= values[:-1]):
+        starts = np.concatenate([[0], np.flatnonzero(values[1:] != values[:-1]) + 1, [len(values)]])
+        for a, b in zip(starts[:-1], starts[1:], strict=True):
+            yield int(values[a]), slice(int(a), int(b))
+        return
+    for value in np.unique(values):
+        yield int(value), np.flatnonzero(values == value)
+
+
 def _held_peak(
     schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray,
     per_b: np.ndarray, per_w: np.ndarray, per_extra: np.ndarray | None, *, keep_rows: bool = False,
@@ -385,21 +398,18 @@ def _held_peak(
     peak = np.zeros((n, pp))
     with_extra = np.zeros((n, pp)) if per_extra is not None else peak
     chosen: np.ndarray | None = None
-    counts, which = np.unique(micro_batches, return_inverse=True)
-    for j, m in enumerate(counts):
-        subset = np.flatnonzero(which.ravel() == j) if len(counts) > 1 else np.arange(n)
+    for m, subset in _runs_of(micro_batches):
         frontier = _padded_frontier(schedule, pp, vpp, int(m), seq_chunks)  # [pp, rows, columns]
         # Batched over stages, matmul runs in BLAS (several times einsum's loop): [n_m, pp, rows].
         values = _stage_matmul(weights[subset], frontier[:, :, : 2 * vpp])
-        best = np.argmax(values, axis=2)  # [n_m, pp]
-        peak[subset] = np.take_along_axis(values, best[:, :, None], axis=2)[:, :, 0]
-        if per_extra is not None:
-            values = values + _stage_matmul(per_extra[subset], frontier[:, :, 2 * vpp: 2 * vpp + per_extra.shape[2]])
-            with_extra[subset] = values.max(axis=2)
+        peak[subset] = values.max(axis=2)
         if keep_rows:
             if chosen is None:
                 chosen = np.zeros((n, pp, frontier.shape[2]))
-            chosen[subset] = frontier[np.arange(pp)[None, :], best]
+            chosen[subset] = frontier[np.arange(pp)[None, :], np.argmax(values, axis=2)]
+        if per_extra is not None:
+            values += _stage_matmul(per_extra[subset], frontier[:, :, 2 * vpp: 2 * vpp + per_extra.shape[2]])
+            with_extra[subset] = values.max(axis=2)
     return peak, with_extra, chosen
 
 
@@ -449,8 +459,10 @@ def _sorted_groups(
 ) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray]]]:
     """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays)."""
     groups = batch.groups(PIPELINE_SHAPE)
-    order = np.concatenate([index for _, index in groups]) if len(groups) > 1 else None
-    ordered = batch.take(order) if order is not None else batch
+    # Within a group, rows by micro-batch count: each count's schedule frontier prices a slice.
+    groups = [(key, index[np.argsort(batch.num_micro_batches[index], kind="stable")]) for key, index in groups]
+    order = np.concatenate([index for _, index in groups])
+    ordered = batch.take(order)
     acts = layer_activations(model, ordered, options)
     start = 0
     for key, index in groups:
