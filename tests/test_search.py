@@ -111,3 +111,24 @@ def test_cli_search_json_and_nothing_fits(capsys):
     data = json.loads(capsys.readouterr().out)
     assert code == 1 and not data["ranked"]
     assert any("smallest peak" in note for note in data["notes"])
+
+
+def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact():
+    """The search rejects first by the static state alone: a lower bound of every strategy's
+    peak. With nothing fitting, the smallest peak it reports is still the exact minimum."""
+    from ndplan.memory.stages import peak_memory, static_lower_bound
+
+    space = _space(dims=("tp", "sp", "ep", "etp", "pp", "schedule", "zero", "recompute"))
+    batch = space.batch(np.arange(space.size))
+    valid = np.array([not check_strategy(s, TINY_MOE, space.num_devices) for s in batch.rows()])
+    valid &= ~space.duplicates(np.arange(space.size))
+    batch = batch.take(np.flatnonzero(valid))
+    peak, _ = peak_memory(TINY_MOE, batch, MemoryOptions())
+    lower = static_lower_bound(TINY_MOE, batch, MemoryOptions())
+    assert np.all(lower <= peak) and np.any(lower < peak)
+    # A limit between the smallest bound and the smallest peak: the bound rejects some, none fit.
+    limit = int(min(peak.min() - 1, np.sort(lower)[len(lower) // 2]))
+    result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, block_size=997)
+    assert result.fitting == 0
+    assert result.smallest_peak_bytes == pytest.approx(float(peak.min()))
+    assert result.rejected[OVER_MEMORY] == len(batch)

@@ -456,6 +456,7 @@ def stage_memory(
 
 def _sorted_groups(
     model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, stage_layers: tuple[int, ...] | None,
+    *, static_only: bool = False,
 ) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray]]]:
     """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays)."""
     groups = batch.groups(PIPELINE_SHAPE)
@@ -463,13 +464,25 @@ def _sorted_groups(
     groups = [(key, index[np.argsort(batch.num_micro_batches[index], kind="stable")]) for key, index in groups]
     order = np.concatenate([index for _, index in groups])
     ordered = batch.take(order)
-    acts = layer_activations(model, ordered, options)
+    acts = None if static_only else layer_activations(model, ordered, options)
     start = 0
     for key, index in groups:
         part = slice(start, start + len(index))
         start += len(index)
         rows = np.arange(part.start, part.stop)
-        yield key, index, _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers, acts.take(part))
+        yield key, index, _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
+                                          None if acts is None else acts.take(part))
+
+
+def static_lower_bound(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None) -> np.ndarray:
+    """Per strategy, a lower bound of ``peak_memory``'s peak (bytes): the device total of the
+    largest stage's parameters, gradients and optimizer states alone, as every stage holds them
+    at its optimizer step. A fraction of the full model's work: the search rejects with it first."""
+    options = options or MemoryOptions()
+    bound = np.zeros(len(batch))
+    for _key, index, out in _sorted_groups(model, batch, options, None, static_only=True):
+        bound[index] = out["device"].max(axis=1)
+    return bound
 
 
 def peak_memory(
@@ -495,9 +508,10 @@ def _evaluate_group(
     index: np.ndarray,
     kinds: dict[str, dict[str, np.ndarray]] | None,
     stage_layers: tuple[int, ...] | None,
-    acts: LayerActivations,
+    acts: LayerActivations | None,
 ) -> dict[str, np.ndarray]:
-    """Every category for one pipeline shape, as [strategies in the group, pp] arrays."""
+    """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
+    ``acts``: only "device" for the static state alone, a lower bound of the device peak)."""
     schedule_code, pp, vpp, seq_chunks, embedding_as_layer, output_as_layer = key
     schedule = CODES["schedule"][schedule_code]
     placement = place_layers(
@@ -594,6 +608,12 @@ def _evaluate_group(
                 (len(batch), pp),
             )
             kinds["static"][static_kind][index, :pp] += np.where(offload, 0.0, share) if category == "optimizer" else share
+
+    if acts is None:
+        # allocated >= params + grads + optimizer, and the device total grows with allocated.
+        overhead = overhead_model(options.profile, batch, options.include_overhead)
+        static_state = out["params"] + out["grads"] + out["optimizer"]
+        return {"device": overhead.reserved(static_state) + overhead.fixed_bytes[:, None]}
 
     # ---- activations held across the schedule
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp

@@ -15,7 +15,7 @@ import numpy as np
 
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
-from ndplan.memory.stages import peak_memory
+from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.search.space import SearchSpace
 from ndplan.strategy.batch import StrategyBatch
@@ -73,6 +73,26 @@ def pareto_front(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
     return order[improves]
 
 
+def _smallest_peak(
+    model: ModelSpec, space: SearchSpace, options: MemoryOptions | None, smallest: float,
+    bounded_index: list[np.ndarray], bounded_lower: list[np.ndarray], block_size: int,
+) -> float:
+    """When nothing fits, the smallest peak over every valid candidate (users are told how far
+    the best one is from fitting): those the static bound rejected are priced in full where that
+    bound is below the smallest peak seen."""
+    if not bounded_index:
+        return smallest
+    index = np.concatenate(bounded_index)
+    lower = np.concatenate(bounded_lower)
+    for start in range(0, len(index), block_size):
+        part = slice(start, start + block_size)
+        worth = index[part][lower[part] < smallest]
+        if len(worth):
+            peak, _ = peak_memory(model, space.batch(worth), options)
+            smallest = min(smallest, float(peak.min()))
+    return smallest
+
+
 def run_search(
     model: ModelSpec,
     device: Device,
@@ -96,6 +116,8 @@ def run_search(
     rejected = {DUPLICATE: 0} | {rule.name: 0 for rule in RULES} | {OVER_MEMORY: 0}
     kept_index, kept_time, kept_peak, kept_stage = [], [], [], []
     kept_extra: dict[str, list[np.ndarray]] = {}
+    bounded_index: list[np.ndarray] = []  # rejected by the static bound, with that bound
+    bounded_lower: list[np.ndarray] = []
     all_time, all_peak = [], []
     evaluated = 0
     smallest_peak = np.inf
@@ -110,9 +132,19 @@ def run_search(
         valid = np.flatnonzero(alive)
         done += len(batch)
         if len(valid):
+            # The static state alone (a lower bound of the peak) already rejects many; the full
+            # memory model prices the rest. The fitting set is the same.
+            lower = static_lower_bound(model, batch.take(valid), options)
+            cannot = lower > limit
+            evaluated += len(valid)
+            rejected[OVER_MEMORY] += int(np.count_nonzero(cannot))
+            if cannot.any():
+                bounded_index.append(index[valid][cannot])
+                bounded_lower.append(lower[cannot])
+            valid = valid[~cannot]
+        if len(valid):
             survivors = batch.take(valid)
             peak, stage = peak_memory(model, survivors, options)
-            evaluated += len(valid)
             smallest_peak = min(smallest_peak, float(peak.min()))
             fits = peak <= limit
             rejected[OVER_MEMORY] += int(np.count_nonzero(~fits))
@@ -130,6 +162,7 @@ def run_search(
         if progress:
             progress(done, space.size)
     if not kept_index:
+        smallest_peak = _smallest_peak(model, space, options, smallest_peak, bounded_index, bounded_lower, block_size)
         return SearchResult(
             space_size=space.size, evaluated=evaluated, fitting=0, rejected=rejected, ranked=[], pareto=[],
             candidates_time_s=np.zeros(0), candidates_peak_bytes=np.zeros(0), memory_limit_bytes=limit,
