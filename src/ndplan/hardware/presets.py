@@ -24,8 +24,8 @@ _PRESET_FILE = "devices.yaml"
 _FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``989.4e12`` and ``85e9`` as floats.
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """SafeLoader (libyaml's where available) that also reads ``989.4e12`` and ``85e9`` as floats.
 
     PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent, so
     the way people write hardware figures would otherwise arrive as strings.

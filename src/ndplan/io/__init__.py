@@ -17,7 +17,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from ndplan.errors import NdplanError
-from ndplan.io import hyperparallel, megatron, mindformers, torchtitan
 from ndplan.io.common import (
     FIELD_TO_PLAN,
     PLAN_TO_FIELD,
@@ -28,7 +27,6 @@ from ndplan.io.common import (
     precision_setting,
     read_text,
 )
-from ndplan.io.megatron_emit import emit_megatron
 from ndplan.model.presets import load_model, load_model_file
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.strategy import Strategy
@@ -41,12 +39,18 @@ __all__ = [
 READ_FORMATS: tuple[str, ...] = ("megatron", "torchtitan", "hyperparallel", "mindformers", "hf")
 EMIT_FORMATS: tuple[str, ...] = ("megatron", "torchtitan", "hyperparallel", "mindformers")
 
-_EMITTERS: dict[str, Callable[[ModelSpec | None, Strategy], str]] = {
-    "megatron": emit_megatron,
-    "torchtitan": torchtitan.emit,
-    "hyperparallel": hyperparallel.emit,
-    "mindformers": mindformers.emit,
-}
+def _emitters() -> dict[str, Callable[[ModelSpec | None, Strategy], str]]:
+    # The framework modules load on first use: the CLI imports this package for its plan-file
+    # keys on every command, and most commands read or write no framework config.
+    from ndplan.io import hyperparallel, mindformers, torchtitan
+    from ndplan.io.megatron_emit import emit_megatron
+
+    return {
+        "megatron": emit_megatron,
+        "torchtitan": torchtitan.emit,
+        "hyperparallel": hyperparallel.emit,
+        "mindformers": mindformers.emit,
+    }
 
 _MINDFORMERS_KEYS = {"parallel_config", "recompute_config", "runner_config", "moe_config", "runner_wrapper"}
 _HYPERPARALLEL_KEYS = {"accelerator", "fsdp_config", "plan_overrides", "activation_checkpoint", "gradient_checkpointing"}
@@ -109,6 +113,8 @@ def read_config(
             raise NdplanError(f"unknown config format '{fmt}'; known: {', '.join(READ_FORMATS)}")
         suffix = path.suffix.lower()
         kind = {".toml": "toml", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(suffix, "shell")
+    from ndplan.io import hyperparallel, megatron, mindformers, torchtitan
+
     if fmt == "megatron":
         result = megatron.read(path, text, kind, base, devices)
     elif fmt == "torchtitan":
@@ -153,7 +159,7 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
     if not isinstance(strategy, Strategy):
         raise NdplanError("emit needs a Strategy")
-    if fmt not in _EMITTERS:
+    if fmt not in EMIT_FORMATS:
         raise NdplanError(f"unknown output format '{fmt}'; known: {', '.join(EMIT_FORMATS)}")
-    return _EMITTERS[fmt](model if isinstance(model, ModelSpec) else None, strategy)
+    return _emitters()[fmt](model if isinstance(model, ModelSpec) else None, strategy)
 
