@@ -318,3 +318,19 @@ def test_capacity_factor_scales_routed_expert_tokens_linearly():
     assert held[2.0] > held[1.0]
     with pytest.raises(NdplanError, match="moe_capacity_factor must be > 0"):
         MemoryOptions(moe_capacity_factor=0.0)
+
+
+def test_measured_gaps_are_told_beside_the_estimate():
+    """Strategies the measurements found the estimator (or PyTorch) wrong for carry a caveat in
+    the report and its JSON; others carry none."""
+    from ndplan.model import get_preset
+
+    model = get_preset("qwen3-8b")
+    plain = estimate(model, Strategy(pp=2, num_micro_batches=4, seq_length=2048), options=NO_OVERHEAD)
+    assert plain.caveats == [] and plain.to_dict()["caveats"] == []
+    v_full = estimate(model, Strategy(pp=2, vpp=2, schedule="dualpipev", num_micro_batches=8, seq_length=2048,
+                                      recompute="full"), options=NO_OVERHEAD)
+    assert any("up to 29%" in c for c in v_full.caveats)
+    split_selective = estimate(model, Strategy(pp=2, vpp=2, schedule="zbv", num_micro_batches=8, seq_length=2048,
+                                               recompute="selective"), options=NO_OVERHEAD)
+    assert any("cannot run" in c for c in split_selective.caveats)

@@ -215,6 +215,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                f"[bold red]does not fit[/]: stage {report.peak_stage} needs {format_bytes(report.peak_bytes)}, "
                f"over {format_bytes(device.memory_bytes)} by {format_bytes(-margin)}")
     console.print(verdict)
+    for caveat in report.caveats:
+        console.print(f"[bold yellow]caution[/]: {caveat}", markup=True)
     exposed = timing.breakdown["comm_exposed"]
     console.print(
         f"step {timing.step_s:.3f} s · {timing.tokens_per_s:,.0f} tokens/s "
@@ -462,6 +464,9 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
     console.print(rejected)
     for note in result.notes:
         console.print(f"[yellow]{note}[/]")
+    if result.best:
+        for caveat in result.best.get("caveats", []):
+            console.print(f"[bold yellow]caution, the winner[/]: {caveat}")
 
 
 # ---------------------------------------------------------------- main

@@ -104,6 +104,11 @@ class MemoryReport:
     stages: tuple[StageReport, ...]
 
     @property
+    def caveats(self) -> list[str]:
+        """Where measurements say this estimate is not to be trusted as it stands."""
+        return known_gaps(self.strategy, self.options)
+
+    @property
     def peak_stage(self) -> int:
         return max(self.stages, key=lambda s: s.peak_bytes).stage
 
@@ -128,6 +133,7 @@ class MemoryReport:
             "runtime": self.options.runtime,
             "attention": self.options.attention,
             "stages": [s.to_dict() for s in self.stages],
+            "caveats": self.caveats,
         }
 
     def explain(self) -> list[str]:
@@ -216,6 +222,20 @@ def estimate(
             chunks=tuple(c for c in chunks if placement.stage_of[c.model_chunk] == s),
         ))
     return MemoryReport(model, strategy, hardware, options, tuple(stages))
+
+
+def known_gaps(strategy: Strategy, options: MemoryOptions) -> list[str]:
+    """Measured misses of the estimator for this kind of strategy (docs/accuracy.md), so that a
+    user sees them beside the number rather than in a document."""
+    gaps = []
+    split = strategy.schedule in ("zb-h1", "zbv", "dualpipev")
+    if options.runtime == "pytorch" and split and strategy.recompute == "selective":
+        gaps.append("PyTorch cannot run this: selective activation checkpointing with a split backward "
+                    "raises 'backward an extra time' in torch.distributed.pipelining (measured, torch 2.13)")
+    if options.runtime == "pytorch" and strategy.schedule in ("zbv", "dualpipev") and strategy.recompute == "full":
+        gaps.append("measured steps of ZB-V and DualPipeV with full recompute hold more on the V's turn stage "
+                    "than this estimate: up to 29% above it (docs/accuracy.md)")
+    return gaps
 
 
 def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions, placement: Placement) -> list[ChunkReport]:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
+from ndplan.memory.report import known_gaps
 from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.search.space import SearchSpace
@@ -49,7 +50,8 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
-def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str, float]) -> dict[str, Any]:
+def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str, float],
+         options: MemoryOptions | None = None) -> dict[str, Any]:
     return {
         "candidate": int(index),
         "label": strategy.short(),
@@ -61,6 +63,7 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "peak_bytes": round(peak), "peak_stage": int(stage),
         **{k: float(v) for k, v in time.items()},
         "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
+        "caveats": known_gaps(strategy, options or MemoryOptions()),
     }
 
 
@@ -181,7 +184,7 @@ def run_search(
         for p in positions:
             strategy = space.strategy(int(index_all[p]))
             out.append(_row(strategy, int(index_all[p]), float(peak_all[p]), int(stage_all[p]),
-                            {k: v[p] for k, v in extra.items()}))
+                            {k: v[p] for k, v in extra.items()}, options))
         return out
 
     front = pareto_front(time_all, peak_all)
