@@ -12,8 +12,9 @@ from ndplan.hardware import Cluster, get_device
 from ndplan.memory import MemoryOptions, estimate
 from ndplan.model import ModelSpec
 from ndplan.perf import step_time_batch
+from ndplan.schedule import SPLIT_BACKWARD
 from ndplan.search import OVER_MEMORY, default_space, pareto_front, run_search
-from ndplan.search.run import DUPLICATE
+from ndplan.search.run import DUPLICATE, NOT_RUNNABLE
 from ndplan.strategy import RULES, StrategyBatch, check_strategy, get_precision
 
 TINY_MOE = ModelSpec(
@@ -41,6 +42,8 @@ def test_search_equals_brute_force_with_the_single_strategy_api():
         strategy = space.strategy(candidate)
         if duplicates[candidate] or check_strategy(strategy, TINY_MOE, space.num_devices):
             continue
+        if strategy.schedule in SPLIT_BACKWARD and strategy.recompute == "selective":
+            continue  # PyTorch cannot run it (the default runtime): rejected as not runnable
         peak = estimate(TINY_MOE, strategy, DEVICE, options, num_devices=space.num_devices).peak_bytes
         if peak > limit:
             continue
@@ -48,6 +51,7 @@ def test_search_equals_brute_force_with_the_single_strategy_api():
         expected.append((step, peak, candidate))
     expected.sort()
     assert [row["candidate"] for row in result.ranked] == [c for _, _, c in expected]
+    assert result.rejected[NOT_RUNNABLE] > 0
     assert len(expected) > 50 and result.fitting == len(expected)
     for row, (step, peak, _) in zip(result.ranked, expected, strict=True):
         assert row["step_s"] == pytest.approx(step, rel=1e-12)
@@ -122,6 +126,7 @@ def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact()
     batch = space.batch(np.arange(space.size))
     valid = np.array([not check_strategy(s, TINY_MOE, space.num_devices) for s in batch.rows()])
     valid &= ~space.duplicates(np.arange(space.size))
+    valid &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
     batch = batch.take(np.flatnonzero(valid))
     peak, _ = peak_memory(TINY_MOE, batch, MemoryOptions())
     lower = static_lower_bound(TINY_MOE, batch, MemoryOptions())

@@ -18,6 +18,7 @@ from ndplan.memory import MemoryOptions
 from ndplan.memory.report import known_gaps
 from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
+from ndplan.schedule import SPLIT_BACKWARD
 from ndplan.search.space import SearchSpace
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import RULES, RuleContext
@@ -26,6 +27,9 @@ from ndplan.strategy.strategy import Strategy
 TimeFunction = Callable[[ModelSpec, StrategyBatch, Cluster], dict[str, np.ndarray]]
 OVER_MEMORY = "over_memory_limit"
 DUPLICATE = "duplicate_candidate"
+#: Combinations the memory options' runtime cannot execute (PyTorch: selective activation
+#: checkpointing under a split backward raises "backward an extra time", measured).
+NOT_RUNNABLE = "not_runnable_in_runtime"
 
 
 @dataclass
@@ -116,7 +120,8 @@ def run_search(
     limit = int(memory_limit_bytes or device.memory_bytes)
     cluster = Cluster(device=device, num_devices=space.num_devices)
     context = RuleContext(model, space.num_devices)
-    rejected = {DUPLICATE: 0} | {rule.name: 0 for rule in RULES} | {OVER_MEMORY: 0}
+    rejected = {DUPLICATE: 0} | {rule.name: 0 for rule in RULES} | {NOT_RUNNABLE: 0, OVER_MEMORY: 0}
+    runtime = (options or MemoryOptions()).runtime
     kept_index, kept_time, kept_peak, kept_stage = [], [], [], []
     kept_extra: dict[str, list[np.ndarray]] = {}
     bounded_index: list[np.ndarray] = []  # rejected by the static bound, with that bound
@@ -132,6 +137,10 @@ def run_search(
             holds = rule.holds(batch, context)
             rejected[rule.name] += int(np.count_nonzero(alive & ~holds))
             alive &= holds
+        if runtime == "pytorch":
+            runnable = ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
+            rejected[NOT_RUNNABLE] += int(np.count_nonzero(alive & ~runnable))
+            alive &= runnable
         valid = np.flatnonzero(alive)
         done += len(batch)
         if len(valid):
