@@ -167,8 +167,12 @@ configurations were measured only after that, as a check on configurations the r
 derived from; they found two more mechanisms (DTensor's whole-table embedding gradient, the
 rebuilt graph a split backward holds under recompute) and one miss that remains
 (`qwen3-8b-pp2-dualpipev-m8-s2k-full`: far more is alive on the V's turn stage than the
-simulated DualPipeV order explains). New configurations can still find new mechanisms:
-measure yours with `ndplan verify`.
+simulated DualPipeV order explains). ZB-V with full recompute misses the same way (stage 1
+−23% at m 8, measured while writing this), so `ndplan estimate` prints a caution for V
+schedules with full recompute; and PyTorch refuses selective checkpointing under any split
+backward ("backward an extra time"), so the search rejects that combination under the
+`pytorch` runtime. New configurations can still find new mechanisms: measure yours with
+`ndplan verify`.
 """
 
 
