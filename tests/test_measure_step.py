@@ -220,3 +220,30 @@ def test_tensor_parallel_with_fsdp_divides_the_linears() -> None:
     c = measure_step(dict(TINY), s, num_layers=2).ranks[0].categories
     buffers = 2 * (HD // 2) * 4
     assert c["params"] == 4 * ((n - norms) // 4 + norms // 2) + buffers
+
+
+@needs_torch
+def test_timeline_records_the_step_up_to_its_peak(tmp_path: Path) -> None:
+    """`ndplan measure --timeline` writes what was live on each rank as the step went: the
+    largest total of a rank's rows is that rank's measured peak, and the forward/backward rows
+    come before the optimizer's."""
+    import csv
+
+    from ndplan.census.measure_step import measure_step
+    from ndplan.cli import main
+
+    s = Strategy(seq_length=SEQ, pp=2, num_micro_batches=2, precision="bf16-pure")
+    result = measure_step(dict(TINY), s, num_layers=2, timeline=True)
+    for rank in result.ranks:
+        assert max(live["total"] for _, _, live in rank.timeline) == rank.allocated_bytes
+        phases = [phase for phase, _, _ in rank.timeline]
+        assert phases.index("optimizer") > phases.index("forward_backward")
+    assert "timeline" not in json.dumps(result.to_dict())
+    out = tmp_path / "timeline.csv"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    assert main(["measure", str(config), "--layers", "2", "--pp", "2", "--num-micro-batches", "2",
+                 "--seq", str(SEQ), "--precision", "bf16-pure", "--timeline", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert {row["stage"] for row in rows} == {"0", "1"}
+    assert set(rows[0]) >= {"phase", "in_backward", "total_bytes", "activations_bytes", "comm_bytes"}

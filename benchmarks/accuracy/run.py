@@ -251,6 +251,7 @@ these numbers.
 ```
 .venv/bin/python benchmarks/accuracy/run.py                 # regenerate this page (about a minute on 2 cores)
 ndplan measure llama-3.1-8b --layers 4 --dp 8 --fsdp --seq 4096       # one measurement
+ndplan measure llama-3.1-8b --layers 4 --pp 2 --num-micro-batches 4 --timeline t.csv   # what was live as the step went
 ndplan verify  llama-3.1-8b --layers 4 --dp 8 --fsdp --seq 4096 --tolerance 3
 ndplan verify  --measured cluster.json --tolerance 3        # numbers measured on a real cluster
 ```

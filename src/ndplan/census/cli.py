@@ -159,7 +159,8 @@ def _measure(args: argparse.Namespace) -> Any:
     _require_extra(f"ndplan {args.command}")
     # A config path is kept as given, so that `verify --measured` can load the model again.
     label = args.model if Path(args.model).is_file() else name
-    return measure_step(cfg, strategy, num_layers=layers, attention=args.attention, name=label)
+    return measure_step(cfg, strategy, num_layers=layers, attention=args.attention, name=label,
+                        timeline=bool(getattr(args, "timeline", None)))
 
 
 # ---------------------------------------------------------------- measure
@@ -169,6 +170,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
     result = _measure(args)
     if args.out:
         save_measurement(args.out, result)
+    if args.timeline:
+        _write_timeline(args.timeline, result)
     if args.json:
         _emit_json(result.to_dict())
         return 0
@@ -196,9 +199,31 @@ def cmd_measure(args: argparse.Namespace) -> int:
     console.print(at_peak)
     console.print("measured: every tensor PyTorch allocates (fake tensors, exact bytes); not seen: CUDA context, "
                   "NCCL buffers, allocator fragmentation and 512-byte block rounding.")
-    if args.out:
-        console.print(f"wrote {args.out}")
+    for path in (args.out, args.timeline):
+        if path:
+            console.print(f"wrote {path}")
     return 0
+
+
+def _write_timeline(path: str, result: Any) -> None:
+    """What was live on each measured rank as the step went, as CSV (bytes by the estimator's
+    categories): the way to see which moment makes a peak and what it is made of."""
+    import csv
+
+    from ndplan.census.measure_step import CATEGORIES
+
+    columns = [c for c in CATEGORIES if c != "optimizer_step"]
+    try:
+        with open(path, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["rank", "stage", "event", "phase", "in_backward", "total_bytes",
+                             *(f"{c}_bytes" for c in columns)])
+            for rank in result.ranks:
+                for event, (phase, backward, live) in enumerate(rank.timeline):
+                    writer.writerow([rank.rank, rank.stage, event, phase, int(backward), live["total"],
+                                     *(live.get(c, 0) for c in columns)])
+    except OSError as error:
+        raise NdplanError(f"--timeline: cannot write {path}: {error.strerror}") from error
 
 
 # ---------------------------------------------------------------- verify
@@ -301,6 +326,8 @@ def add_census_commands(subparsers: Any) -> None:
     add_step_arguments(p)
     p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
     p.add_argument("--out", help="write the measurement (measured-memory JSON) to this file")
+    p.add_argument("--timeline", metavar="CSV",
+                   help="write what was live on each rank as the step went (bytes by category) to this CSV file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_measure)
 

@@ -137,6 +137,10 @@ class RankMemory:
     tracker_at_peak: dict[str, int] = field(default_factory=dict)
     at_forward_backward_peak: dict[str, int] = field(default_factory=dict)
     category_maxima: dict[str, int] = field(default_factory=dict)
+    #: With ``measure_step(..., timeline=True)``: (phase, in backward, live bytes by category and
+    #: "total") each time the live total moved by 1 MiB or more or reached a new peak. Not written
+    #: to the JSON file.
+    timeline: tuple[tuple[str, bool, dict[str, int]], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "stage": self.stage, "allocated_bytes": self.allocated_bytes}
@@ -427,9 +431,11 @@ def measure_step(
     experts: str = "grouped_mm",
     name: str | None = None,
     stages: Sequence[int] | None = None,
+    timeline: bool = False,
 ) -> StepMeasurement:
     """Measure one training step of ``hf_config`` trimmed to ``num_layers`` decoder layers under
-    ``strategy``: one rank per pipeline stage (all stages, or those in ``stages``)."""
+    ``strategy``: one rank per pipeline stage (all stages, or those in ``stages``). With
+    ``timeline``, each rank also records what was live as the step went (``RankMemory.timeline``)."""
     from ndplan.census.measure import ATTENTIONS, EXPERTS, _require_torch
 
     if not isinstance(hf_config, dict):
@@ -449,7 +455,8 @@ def measure_step(
     notes: list[str] = []
     ranks = []
     for stage in wanted:
-        ranks.append(_measure_rank(cfg, strategy, stage, attention=attention, experts=experts, notes=notes))
+        ranks.append(_measure_rank(cfg, strategy, stage, attention=attention, experts=experts, notes=notes,
+                                   timeline=timeline))
     elapsed = time.perf_counter() - t0
     notes.append(f"measurement took {elapsed:.1f} s")
     return StepMeasurement(
@@ -585,6 +592,7 @@ def _tracker_class(fsdp: bool) -> Any:
             self.phase_max: dict[str, dict[str, int]] = {}
             self.held_max: dict[str, int] = {}
             self.in_backward = False
+            self.timeline: list[tuple[str, bool, dict[str, int]]] | None = None
             super().__init__(*args)
             self._mod_tracker._fw_pre_hook = functools.partial(_fw_pre_hook, self._mod_tracker)
             self._mod_tracker._fw_post_hook = functools.partial(_fw_post_hook, self._mod_tracker)
@@ -610,9 +618,17 @@ def _tracker_class(fsdp: bool) -> Any:
             if best is None or total > best[0]:
                 self.phase_peak[self.phase] = (total, snap)
             maxima = self.phase_max.setdefault(self.phase, {})
-            for category, value in categorize(snap).items():
+            split = categorize(snap)
+            for category, value in split.items():
                 if value > maxima.get(category, -1):
                     maxima[category] = value
+            if self.timeline is not None:
+                # Every move of 1 MiB or more, and every new peak of the phase (so the timeline's
+                # maximum is the measured peak).
+                last = self.timeline[-1] if self.timeline else None
+                new_peak = best is None or total > best[0]
+                if last is None or last[0] != self.phase or new_peak or abs(last[2]["total"] - total) >= 1 << 20:
+                    self.timeline.append((self.phase, self.in_backward, {**split, "total": total}))
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             super()._update_peak_stats(peak_state)
@@ -823,7 +839,7 @@ def _make_stage_module(E: Any, torch: Any, model: Any, layer_ids: Sequence[int],
 
 
 def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attention: str, experts: str,
-                  notes: list[str]) -> RankMemory:
+                  notes: list[str], timeline: bool = False) -> RankMemory:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -857,7 +873,8 @@ def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attent
             pp_group = pp_mesh.get_group() if s.pp > 1 else None
             with E.FakeTensorMode():
                 return _run_rank(E, torch, cfg, s, stage, rank, mine, chunk_layers, layer_ids, holds_first,
-                                 holds_last, fsdp, dtype, attention, experts, dp_mesh, tp_mesh, pp_group, notes)
+                                 holds_last, fsdp, dtype, attention, experts, dp_mesh, tp_mesh, pp_group, notes,
+                                 timeline)
     except NdplanError:
         raise
     except Exception as error:  # a modeling or parallelism path the fake step cannot run
@@ -872,7 +889,7 @@ def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attent
 def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, rank: int, mine: list[int],
               chunk_layers: dict[int, list[int]], layer_ids: list[int], holds_first: bool, holds_last: bool,
               fsdp: bool, dtype: Any, attention: str, experts: str, dp_mesh: Any, tp_mesh: Any, pp_group: Any,
-              notes: list[str]) -> RankMemory:
+              notes: list[str], timeline: bool = False) -> RankMemory:
     pipelined = s.pp > 1
     keep: set[str] | None = None
     if pipelined:
@@ -924,6 +941,7 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
         tracker = tracker_cls()
         tracker.track_external(*roots, optimizer)
 
+    tracker.timeline = [] if timeline else None
     schedule: Any = None  # kept through the optimizer step: a training loop keeps its stages' buffers
     with tracker:
         tracker.begin("forward_backward")
@@ -1047,6 +1065,7 @@ def _rank_memory(tracker: Any, stage: int, rank: int, layers: int, mine: list[in
         tracker_at_peak={k: v for k, v in snap.items() if k != "Total" and v},
         at_forward_backward_peak=categorize(fb_snap),
         category_maxima={k: int(v) for k, v in fb_max.items()},
+        timeline=tuple(tracker.timeline or ()),
     )
 
 
