@@ -137,3 +137,31 @@ def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact()
     assert result.fitting == 0
     assert result.smallest_peak_bytes == pytest.approx(float(peak.min()))
     assert result.rejected[OVER_MEMORY] == len(batch)
+
+
+def test_balanced_ranking_equals_balancing_every_candidate():
+    """search --balance walks candidates by a lower bound of their balanced step and stops early;
+    its top must equal balancing every fitting one-chunk pipeline and ranking them all."""
+    from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
+    from ndplan.search.balanced import rank_balanced
+
+    space = _space(dims=("tp", "pp", "schedule", "recompute", "mbs"))
+    limit = 3 * 2**30
+    result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=5)
+    cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
+    every = []
+    for candidate, step in zip(result.candidates_index, result.candidates_time_s, strict=True):
+        strategy = space.strategy(int(candidate))
+        value = float(step)
+        if strategy.pp >= 2 and strategy.vpp == 1:
+            problem = build_problem(TINY_MOE, strategy, cluster, limit, MemoryOptions())
+            found = solve_heuristic(problem)
+            if found is not None:
+                value *= found[1].step_s / evaluate(problem, uniform_plan(problem, strategy.recompute)).step_s
+        every.append((value, int(candidate)))
+    every.sort()
+    rows, balanced = rank_balanced(TINY_MOE, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=5)
+    assert [r["candidate"] for r in rows] == [c for _, c in every[:5]]
+    assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:5]], rel=1e-12)
+    pipelines = sum(1 for c in result.candidates_index if space.strategy(int(c)).pp >= 2)
+    assert 0 < balanced < pipelines  # the bound spared some balancing

@@ -341,15 +341,22 @@ def cmd_search(args: argparse.Namespace) -> int:
         task = progress.add_task(f"{space.size:,} candidates", total=space.size)
         result = run_search(
             model, device, space, step_time_batch, memory_limit_bytes=limit, options=_memory_options(args),
-            # --balance re-ranks a wider pool, so a candidate that balancing lifts can enter the top.
-            top=max(args.top, 100) if args.balance else args.top,
+            top=args.top,
             progress=lambda done, total: progress.update(task, completed=done),
         )
     if not result.ranked:
         result.notes.extend(_what_would_fit(result, model, device, args, space))
     elif args.balance:
-        _rerank_balanced(result, model, device, space, limit or device.memory_bytes, _memory_options(args), args.precision)
-        result.ranked = result.ranked[: args.top]
+        from ndplan.search.balanced import rank_balanced
+
+        result.ranked, balanced = rank_balanced(
+            model, device, space, result, step_time_batch, memory_limit_bytes=limit or device.memory_bytes,
+            options=_memory_options(args), top=args.top,
+        )
+        result.notes.append(
+            f"--balance: every fitting candidate ranked by its balanced plan (pipelines of one chunk per stage: "
+            f"layers per stage and recompute per layer; interleaved ones keep their uniform plan); {balanced:,} "
+            f"balanced, the others' lower bound already above the top {args.top}")
     data = search_result_dict(result, model, device, space)
     if args.csv:
         _write_csv(args.csv, result.ranked)
@@ -365,39 +372,6 @@ def cmd_search(args: argparse.Namespace) -> int:
         console.print(f"\n[bold]{args.emit}[/] settings of the winner:")
         console.print(data["emitted"], markup=False)
     return 0 if result.ranked else 1
-
-
-def _rerank_balanced(result: Any, model: ModelSpec, device: Any, space: Any, limit: int, options: Any, precision: str) -> None:
-    """Re-rank the ranked pipeline candidates by their balanced plan (heuristic: layers per stage
-    and recompute per layer). The balanced step is the candidate's step scaled by the balanced over
-    the uniform composed pipeline time, so both rankings use one time model."""
-    from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
-    from ndplan.hardware import Cluster
-    from ndplan.strategy import get_precision
-
-    cluster = Cluster(device=device, num_devices=space.num_devices)
-    balanced = 0
-    for row in result.ranked:
-        if row["pp"] < 2:
-            continue
-        strategy = Strategy(**row["strategy"], precision=get_precision(precision))
-        problem = build_problem(model, strategy, cluster, limit, options)
-        found = solve_heuristic(problem)
-        if found is None:
-            continue
-        uniform = evaluate(problem, uniform_plan(problem, strategy.recompute))
-        row["unbalanced_step_s"] = row["step_s"]
-        row["step_s"] = row["step_s"] * found[1].step_s / uniform.step_s
-        row["tokens_per_s"] = row["tokens_per_s"] * uniform.step_s / found[1].step_s
-        row["mfu"] = row["mfu"] * uniform.step_s / found[1].step_s
-        row["balanced_peak_bytes"] = round(float(found[1].stage_memory_bytes.max()))
-        row["balanced_stage_layers"] = list(found[0].stage_layers)
-        row["balanced_recompute"] = [{"first": a, "count": n, "option": o} for a, n, o in found[0].ranges()]
-        row["label"] += " (balanced)"
-        balanced += 1
-    result.ranked.sort(key=lambda r: (r["step_s"], r["peak_bytes"], r["candidate"]))
-    result.notes.append(f"--balance: the {len(result.ranked)} fastest candidates re-ranked; {balanced} pipeline "
-                        "candidates among them by their balanced plan")
 
 
 def _what_would_fit(result: Any, model: ModelSpec, device: Any, args: argparse.Namespace, space: Any) -> list[str]:
@@ -558,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=sorted(PRECISION_PRESETS), default="megatron-bf16")
     p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show")
     p.add_argument("--balance", action="store_true",
-                   help="re-rank the 100 fastest candidates, pipelines by their balanced layer placement and recompute plan")
+                   help="rank every fitting candidate by its balanced plan (pipelines: layers per stage and recompute per layer)")
     p.add_argument("--csv", help="write the ranked rows to a CSV file")
     p.add_argument("--emit", choices=EMIT_FORMATS,
                    help="print the winner as that framework's settings")

@@ -48,6 +48,8 @@ class SearchResult:
     smallest_peak_bytes: float | None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    #: The candidate index of each entry of candidates_time_s / candidates_peak_bytes.
+    candidates_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def best(self) -> dict[str, Any] | None:
@@ -200,6 +202,6 @@ def run_search(
     return SearchResult(
         space_size=space.size, evaluated=evaluated, fitting=len(index_all), rejected=rejected,
         ranked=rows(order[:top]), pareto=rows(front[:50]),
-        candidates_time_s=time_all, candidates_peak_bytes=peak_all, memory_limit_bytes=limit,
+        candidates_time_s=time_all, candidates_peak_bytes=peak_all, candidates_index=index_all, memory_limit_bytes=limit,
         smallest_peak_bytes=float(smallest_peak), seconds=clock.perf_counter() - started,
     )

@@ -1,0 +1,98 @@
+"""A lower bound of every pipeline candidate's balanced step, for millions at once.
+
+The balancer composes a plan's step as (``problem.evaluate``, seconds per micro-batch)
+
+    step(plan) = Σ_s T_s + (m − 1) · max_s T_s,    T_s = Σ_(layers on s) t(kind, option) + ends on s
+
+and the search scales a candidate's step by step(balanced) / step(uniform), the uniform plan
+keeping the candidate's recompute option on every layer. Whatever a plan does, each layer costs
+at least its cheapest option and the largest stage at least the mean, so with
+
+    S_min = Σ_layers min_option t(kind, option) + t(embedding) + t(head)
+
+    step(plan) ≥ S_min + (m − 1) · S_min / pp
+
+and the candidate's balanced step is at least its step × that / step(uniform). The piece times
+are the balancer's own (``perf.layer.piece_times``), evaluated for the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ndplan.hardware import Cluster
+from ndplan.model.spec import ModelSpec
+from ndplan.perf.efficiency import default_efficiency
+from ndplan.perf.layer import LayerContext, piece_times
+from ndplan.perf.overlap import default_overlap
+from ndplan.perf.step import compute_rates, strategy_columns
+from ndplan.perf.topology import Fabric
+from ndplan.placement import place_layers
+from ndplan.strategy.batch import CODES, StrategyBatch
+
+OPTIONS = ("none", "selective", "full")
+
+
+def _option_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, option: str) -> dict[str, np.ndarray]:
+    """Seconds per micro-batch (F + B + W) of each piece with every layer under ``option``: the
+    layer kinds with their rebuild added (as ``build_problem`` prices them), the two ends."""
+    code = CODES["recompute"].index(option)
+    variant = dataclasses.replace(batch, recompute=np.full(len(batch), code, dtype=batch.recompute.dtype),
+                                  recompute_layers=np.zeros(len(batch), dtype=batch.recompute_layers.dtype))
+    eff = default_efficiency(cluster.device)
+    overlap = default_overlap(cluster.device.runtime)
+    ctx = LayerContext(model, compute_rates(cluster, variant, eff), Fabric.of(cluster, eff), eff, overlap,
+                       variant.precision)
+    pieces = piece_times(ctx, strategy_columns(variant, overlap))
+    n = len(batch)
+
+    def total(name: str) -> np.ndarray:
+        piece = pieces[name]
+        return np.sum([np.broadcast_to(piece.total(p), (n,)).astype(float) for p in ("F", "B", "W")], axis=0)
+
+    out = {"emb": total("emb"), "head": total("head")}
+    for kind in ("dense", "moe"):
+        out[kind] = total(kind) + (total(f"rc_{kind}") if option != "none" else 0.0)
+    return out
+
+
+def balanced_step_lower_bound(
+    model: ModelSpec, batch: StrategyBatch, cluster: Cluster, step_s: np.ndarray
+) -> np.ndarray:
+    """Per strategy of ``batch`` (pipelines of one chunk per stage or more), a lower bound of the
+    step the search reports for it once balanced (``step_s`` is its uniform step)."""
+    lower, uniform = composed_bounds(model, batch, cluster)
+    return np.asarray(step_s, dtype=float) * lower / uniform
+
+
+def composed_bounds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """Per strategy, in the balancer's composed seconds: the lower bound of any plan's step, and
+    the step of the uniform plan with the strategy's recompute on every layer (what
+    ``evaluate(problem, uniform_plan(problem, recompute))`` gives)."""
+    seconds = {option: _option_seconds(model, batch, cluster, option) for option in OPTIONS}
+    cheapest = {kind: np.minimum.reduce([seconds[o][kind] for o in OPTIONS]) for kind in ("dense", "moe")}
+    kinds = model.layer_mlp_kinds
+    s_min = (kinds.count("dense") * cheapest["dense"] + kinds.count("moe") * cheapest["moe"]
+             + seconds["none"]["emb"] + seconds["none"]["head"])
+    m = batch.num_micro_batches.astype(float)
+    pp = batch.pp.astype(float)
+    bound = s_min + (m - 1) * s_min / pp
+    uniform = np.zeros(len(batch))
+    for key, index in batch.groups(("pp", "vpp", "schedule", "recompute")):
+        pp_g, vpp_g, schedule_code, recompute_code = key
+        placement = place_layers(model, pp_g, vpp_g, CODES["schedule"][schedule_code])
+        option = seconds[CODES["recompute"][recompute_code]]
+        stage_time = np.zeros((len(index), pp_g))
+        for v in range(placement.num_virtual_stages):
+            s = int(placement.stage_of[v])
+            stage_time[:, s] += (placement.dense_layers[v] * option["dense"][index]
+                                 + placement.moe_layers[v] * option["moe"][index])
+        stage_time[:, int(placement.stage_of[0])] += seconds["none"]["emb"][index]
+        stage_time[:, int(placement.stage_of[-1])] += seconds["none"]["head"][index]
+        uniform[index] = stage_time.sum(axis=1) + (m[index] - 1) * stage_time.max(axis=1)
+    return bound, uniform
+
+
+__all__ = ["balanced_step_lower_bound", "composed_bounds"]

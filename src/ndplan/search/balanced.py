@@ -1,0 +1,118 @@
+"""Rank every fitting candidate of a search by its balanced plan, without balancing them all.
+
+A pipeline candidate's balanced step is its uniform step × balanced / uniform composed time
+(the balancer's heuristic plan: layers per stage and recompute per layer); other candidates keep
+their step. Interleaved pipelines (several chunks per stage) are not balanced here: the
+balancer's heuristic for them is a local search of seconds per candidate. ``balance.bound`` gives every pipeline candidate a lower bound of that balanced
+step at once, so candidates are balanced in order of their bound and the walk stops once the
+bound reaches the ``top``-th balanced step found: no candidate left can enter the top, and
+the top equals what balancing every candidate would give.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
+from ndplan.balance.bound import balanced_step_lower_bound
+from ndplan.hardware import Cluster, Device
+from ndplan.memory import MemoryOptions
+from ndplan.memory.stages import peak_memory
+from ndplan.model.spec import ModelSpec
+from ndplan.search.run import SearchResult, _row
+from ndplan.search.space import SearchSpace
+
+_BLOCK = 1 << 16  # candidates per vectorised bound evaluation: bounds temporary memory
+
+
+def rank_balanced(
+    model: ModelSpec,
+    device: Device,
+    space: SearchSpace,
+    result: SearchResult,
+    time_function: Callable[..., dict[str, Any]],
+    *,
+    memory_limit_bytes: float,
+    options: MemoryOptions | None = None,
+    top: int = 10,
+) -> tuple[list[dict[str, Any]], int]:
+    """The ``top`` candidates of ``result`` by balanced step (rows as the search's, pipelines
+    with their balanced plan), and how many pipeline candidates were balanced to know it."""
+    options = options or MemoryOptions()
+    cluster = Cluster(device=device, num_devices=space.num_devices)
+    index = np.asarray(result.candidates_index, dtype=np.int64)
+    step = np.asarray(result.candidates_time_s, dtype=float)
+    if not len(index):
+        return [], 0
+    lower = step.copy()
+    pipeline = np.zeros(len(index), dtype=bool)
+    for start in range(0, len(index), _BLOCK):
+        part = slice(start, start + _BLOCK)
+        batch = space.batch(index[part])
+        # One chunk per stage: the balancer's fast exact-window heuristic (under a millisecond).
+        # Interleaved pipelines would need its old local search (seconds each): they keep their
+        # uniform plan here, and say so.
+        piped = np.flatnonzero((batch.pp >= 2) & (batch.vpp == 1))
+        pipeline[start + piped] = True
+        if len(piped):
+            lower[start + piped] = balanced_step_lower_bound(model, batch.take(piped), cluster, step[part][piped])
+    order = np.lexsort((index, lower))
+    kept: list[tuple[float, int, int]] = []  # max-heap by (−step, −candidate): the worst kept on top
+    plans: dict[int, dict[str, Any]] = {}
+    balanced = 0
+    for position in order:
+        if len(kept) >= top and lower[position] > -kept[0][0]:
+            break  # no remaining candidate can be faster than the top-th found
+        value = float(step[position])
+        candidate = int(index[position])
+        if pipeline[position]:
+            strategy = space.strategy(candidate)
+            problem = build_problem(model, strategy, cluster, memory_limit_bytes, options)
+            found = solve_heuristic(problem)
+            balanced += 1
+            if found is not None:
+                uniform = evaluate(problem, uniform_plan(problem, strategy.recompute))
+                ratio = found[1].step_s / uniform.step_s
+                value *= ratio
+                plans[candidate] = {"ratio": ratio, "plan": found[0], "cost": found[1]}
+        entry = (-value, -candidate, int(position))
+        if len(kept) < top:
+            heapq.heappush(kept, entry)
+        elif entry > kept[0]:
+            heapq.heapreplace(kept, entry)
+    best = sorted(kept, key=lambda e: (-e[0], -e[1]))
+    return _rows(model, space, best, plans, cluster, time_function, options), balanced
+
+
+def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int]], plans: dict[int, dict[str, Any]],
+          cluster: Cluster, time_function: Callable[..., dict[str, Any]], options: MemoryOptions) -> list[dict[str, Any]]:
+    if not best:
+        return []
+    candidates = np.array([-c for _, c, _ in best], dtype=np.int64)
+    batch = space.batch(candidates)
+    peak, stage = peak_memory(model, batch, options)
+    times = time_function(model, batch, cluster)
+    rows = []
+    for i, candidate in enumerate(candidates):
+        row = _row(space.strategy(int(candidate)), int(candidate), float(peak[i]), int(stage[i]),
+                   {k: float(np.asarray(v)[i]) for k, v in times.items()}, options)
+        found = plans.get(int(candidate))
+        if found is not None:
+            ratio = found["ratio"]
+            row["unbalanced_step_s"] = row["step_s"]
+            row["step_s"] = row["step_s"] * ratio
+            row["tokens_per_s"] = row["tokens_per_s"] / ratio
+            row["mfu"] = row["mfu"] / ratio
+            row["balanced_peak_bytes"] = round(float(found["cost"].stage_memory_bytes.max()))
+            row["balanced_stage_layers"] = list(found["plan"].stage_layers)
+            row["balanced_recompute"] = [{"first": a, "count": n, "option": o} for a, n, o in found["plan"].ranges()]
+            row["label"] += " (balanced)"
+        rows.append(row)
+    return rows
+
+
+__all__ = ["rank_balanced"]
