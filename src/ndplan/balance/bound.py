@@ -22,39 +22,23 @@ import dataclasses
 
 import numpy as np
 
+from ndplan.balance.build import OPTIONS, piece_seconds
 from ndplan.hardware import Cluster
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import default_efficiency
-from ndplan.perf.layer import LayerContext, piece_times
-from ndplan.perf.overlap import default_overlap
-from ndplan.perf.step import compute_rates, strategy_columns
-from ndplan.perf.topology import Fabric
 from ndplan.placement import place_layers
 from ndplan.strategy.batch import CODES, StrategyBatch
 
-OPTIONS = ("none", "selective", "full")
-
 
 def _option_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, option: str) -> dict[str, np.ndarray]:
-    """Seconds per micro-batch (F + B + W) of each piece with every layer under ``option``: the
-    layer kinds with their rebuild added (as ``build_problem`` prices them), the two ends."""
+    """Seconds per micro-batch of each piece with every layer under ``option``: the layer kinds
+    with their rebuild added (as ``build_problem`` prices them), the two ends."""
     code = CODES["recompute"].index(option)
     variant = dataclasses.replace(batch, recompute=np.full(len(batch), code, dtype=batch.recompute.dtype),
                                   recompute_layers=np.zeros(len(batch), dtype=batch.recompute_layers.dtype))
-    eff = default_efficiency(cluster.device)
-    overlap = default_overlap(cluster.device.runtime)
-    ctx = LayerContext(model, compute_rates(cluster, variant, eff), Fabric.of(cluster, eff), eff, overlap,
-                       variant.precision)
-    pieces = piece_times(ctx, strategy_columns(variant, overlap))
-    n = len(batch)
-
-    def total(name: str) -> np.ndarray:
-        piece = pieces[name]
-        return np.sum([np.broadcast_to(piece.total(p), (n,)).astype(float) for p in ("F", "B", "W")], axis=0)
-
-    out = {"emb": total("emb"), "head": total("head")}
+    seconds = piece_seconds(model, variant, cluster)
+    out = {"emb": seconds["emb"], "head": seconds["head"]}
     for kind in ("dense", "moe"):
-        out[kind] = total(kind) + (total(f"rc_{kind}") if option != "none" else 0.0)
+        out[kind] = seconds[kind] + (seconds[f"rc_{kind}"] if option != "none" else 0.0)
     return out
 
 

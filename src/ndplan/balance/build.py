@@ -40,22 +40,23 @@ from ndplan.strategy.rules import validate_strategy
 OPTIONS = ("none", "selective", "full")
 
 
-def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster) -> dict[str, dict[str, float]]:
-    """Seconds per micro-batch (F+B+W) of each piece, for the strategy under each recompute option;
-    'rc_dense'/'rc_moe' are the recompute additions per recomputed layer."""
-    variants = [strategy.model_copy(update={"recompute": option, "recompute_layers": 0}) for option in OPTIONS]
-    batch = StrategyBatch.of(variants)
+def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster) -> dict[str, np.ndarray]:
+    """Seconds per micro-batch (F + B + W) of each piece, per strategy of ``batch``: the layer
+    kinds, 'rc_dense'/'rc_moe' (what recomputing one layer adds) and the ends 'emb'/'head'."""
     eff = default_efficiency(cluster.device)
     overlap = default_overlap(cluster.device.runtime)
     ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision)
     pieces = piece_times(ctx, strategy_columns(batch, overlap))
-    out: dict[str, dict[str, float]] = {}
-    for i, option in enumerate(OPTIONS):
-        out[option] = {
-            name: float(sum(np.broadcast_to(piece.total(p), (len(OPTIONS),))[i] for p in ("F", "B", "W")))
-            for name, piece in pieces.items()
-        }
-    return out
+    n = len(batch)
+    return {name: np.sum([np.broadcast_to(piece.total(p), (n,)).astype(float) for p in ("F", "B", "W")], axis=0)
+            for name, piece in pieces.items()}
+
+
+def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster) -> dict[str, dict[str, float]]:
+    """``piece_seconds`` of the strategy under each recompute option."""
+    variants = [strategy.model_copy(update={"recompute": option, "recompute_layers": 0}) for option in OPTIONS]
+    seconds = piece_seconds(model, StrategyBatch.of(variants), cluster)
+    return {option: {name: float(values[i]) for name, values in seconds.items()} for i, option in enumerate(OPTIONS)}
 
 
 def build_problem(
