@@ -796,7 +796,7 @@ def _evaluate_group(
         )
         for name in ("buffers", "working", "last_unit", "grads_made"):
             getattr(fsdp, name)[sharded_rows] = getattr(sharded, name)
-    fsdp_gathers = np.where(zero3[:, None], fsdp.buffers, 0.0)
+    fsdp_gathers = fsdp.buffers  # zero where nothing is sharded
     stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / param_bytes
     kept_gathered = np.where((zero3 & (batch.reshard_after_forward == 0))[:, None], stage_elements * precision.param_gather_bytes, 0.0)
     receive = np.zeros((len(batch), pp))
@@ -832,7 +832,7 @@ def _evaluate_group(
         # of the backward (all gradients, one layer's working set) are the two candidate peaks.
         single = (batch.num_micro_batches == 1)[:, None]
         loss_phase = (static - out["grads"] + out["activations"] + out["comm"] + out["transient"]
-                      + np.where(zero3[:, None], fsdp.grads_made, 0.0))
+                      + fsdp.grads_made)
         # The embedding's backward comes last, when nothing is held.
         backward_end = static + out["comm"] + np.maximum(layer_transient, embedding_gradient[:, None] * first_stage[None, :])
         # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
