@@ -17,7 +17,6 @@ from ndplan.balance import (
     plan_for_counts,
     solve_brute_force,
     solve_dp,
-    solve_exact,
     solve_heuristic,
     solve_milp,
     uniform_plan,
@@ -164,21 +163,6 @@ def test_heuristic_falls_back_to_the_full_search_outside_its_window():
     assert exact is not None and exact[0].stage_layers[-1] < 48 // 4 - HEURISTIC_WINDOW
     found = solve_heuristic(problem)
     assert found is not None and found[1].fits and found[1].step_s == pytest.approx(exact[1].step_s, rel=1e-12)
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("kinds,limit", [(("dense",) * 8, 12), (("dense", "dense", "moe", "moe", "moe", "moe", "moe"), 10)])
-def test_interleaved_stages_use_the_milp_and_the_local_search(kinds, limit, seed):
-    problem = random_problem(kinds, 2, limit, seed=seed, vpp=2)
-    assert exact_method(problem) == "milp"
-    brute, exact, found = solve_brute_force(problem), solve_exact(problem), solve_heuristic(problem)
-    assert (brute is None) == (exact is None)
-    if brute is None:
-        return
-    assert exact is not None and exact[1].fits
-    assert exact[1].step_s == pytest.approx(brute[1].step_s, rel=1e-9)
-    if found is not None:
-        assert found[1].fits and found[1].step_s >= exact[1].step_s - 1e-9
 
 
 def test_dp_refuses_interleaved_problems():

@@ -354,9 +354,9 @@ def cmd_search(args: argparse.Namespace) -> int:
             options=_memory_options(args), top=args.top,
         )
         result.notes.append(
-            f"--balance: every fitting candidate ranked by its balanced plan (pipelines of one chunk per stage: "
-            f"layers per stage and recompute per layer; interleaved ones keep their uniform plan); {balanced:,} "
-            f"balanced, the others' lower bound already above the top {args.top}")
+            f"--balance: every fitting candidate ranked by its balanced plan (pipelines: layers per stage and "
+            f"chunk, recompute per layer); {balanced:,} balanced, the others' lower bound already above the top "
+            f"{args.top}")
     data = search_result_dict(result, model, device, space)
     if args.csv:
         _write_csv(args.csv, result.ranked)

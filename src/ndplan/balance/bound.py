@@ -2,15 +2,15 @@
 
 The balancer composes a plan's step as (``problem.evaluate``, seconds per micro-batch)
 
-    step(plan) = Σ_s T_s + (m − 1) · max_s T_s,    T_s = Σ_(layers on s) t(kind, option) + ends on s
+    step(plan) = (m − 1/v) · max_s T_s + (1/v) · Σ_s T_s,    T_s = Σ_(layers on s) t(kind, option) + ends on s
 
-and the search scales a candidate's step by step(balanced) / step(uniform), the uniform plan
-keeping the candidate's recompute option on every layer. Whatever a plan does, each layer costs
-at least its cheapest option and the largest stage at least the mean, so with
+(v chunks per stage) and the search scales a candidate's step by step(balanced) / step(uniform),
+the uniform plan keeping the candidate's recompute option on every layer. Whatever a plan does,
+each layer costs at least its cheapest option and the largest stage at least the mean, so with
 
     S_min = Σ_layers min_option t(kind, option) + t(embedding) + t(head)
 
-    step(plan) ≥ S_min + (m − 1) · S_min / pp
+    step(plan) ≥ S_min / v + (m − 1/v) · S_min / pp
 
 and the candidate's balanced step is at least its step × that / step(uniform). The piece times
 are the balancer's own (``perf.layer.piece_times``), evaluated for the whole batch at once.
@@ -62,20 +62,22 @@ def composed_bounds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster) ->
              + seconds["none"]["emb"] + seconds["none"]["head"])
     m = batch.num_micro_batches.astype(float)
     pp = batch.pp.astype(float)
-    bound = s_min + (m - 1) * s_min / pp
+    v = batch.vpp.astype(float)  # chunks per stage (V schedules run vpp = 2)
+    bound = s_min / v + (m - 1 / v) * s_min / pp
     uniform = np.zeros(len(batch))
     for key, index in batch.groups(("pp", "vpp", "schedule", "recompute")):
         pp_g, vpp_g, schedule_code, recompute_code = key
         placement = place_layers(model, pp_g, vpp_g, CODES["schedule"][schedule_code])
         option = seconds[CODES["recompute"][recompute_code]]
         stage_time = np.zeros((len(index), pp_g))
-        for v in range(placement.num_virtual_stages):
-            s = int(placement.stage_of[v])
-            stage_time[:, s] += (placement.dense_layers[v] * option["dense"][index]
-                                 + placement.moe_layers[v] * option["moe"][index])
+        for virtual in range(placement.num_virtual_stages):
+            s = int(placement.stage_of[virtual])
+            stage_time[:, s] += (placement.dense_layers[virtual] * option["dense"][index]
+                                 + placement.moe_layers[virtual] * option["moe"][index])
         stage_time[:, int(placement.stage_of[0])] += seconds["none"]["emb"][index]
         stage_time[:, int(placement.stage_of[-1])] += seconds["none"]["head"][index]
-        uniform[index] = stage_time.sum(axis=1) + (m[index] - 1) * stage_time.max(axis=1)
+        chunks = placement.num_virtual_stages // pp_g
+        uniform[index] = stage_time.sum(axis=1) / chunks + (m[index] - 1 / chunks) * stage_time.max(axis=1)
     return bound, uniform
 
 

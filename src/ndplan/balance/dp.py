@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
+from typing import Protocol
 
 import numpy as np
 
@@ -377,16 +378,35 @@ def _segments(model: _StageModel, problem: BalanceProblem, lengths: np.ndarray) 
     return _Segments(lengths, start, cost.reshape(V, J, L + 1), best, splits, tails, low_major, N, where, query, row)
 
 
+class SplitTable(Protocol):
+    """What the split DPs read: ``start`` [J, P] the position a segment of the j-th length ending
+    at each position starts from (clipped to 0), ``cost`` [V, J, P] its seconds on each virtual
+    stage (+inf where unreachable or nothing fits), ``lengths`` [J] how far each length moves
+    the position. Positions run from 0 (nothing placed) to P − 1 (everything placed)."""
+
+    @property
+    def start(self) -> np.ndarray: ...
+    @property
+    def cost(self) -> np.ndarray: ...
+    @property
+    def lengths(self) -> np.ndarray: ...
+
+
 def _min_max(seg: _Segments) -> float:
     """Z*, the least bottleneck max_v t_v over all splits (+inf if none fits)."""
     if seg.query is None:  # one layer kind: t depends on (v, ℓ) only
         table = seg.best.time.reshape(-1, len(seg.lengths))  # [V, J]
         if bool((table[:, 1:] >= table[:, :-1]).all()):
             return _min_max_monotone(table, int(seg.lengths[0]), seg.start.shape[1] - 1)
-    best = np.full(seg.start.shape[1], np.inf)  # over ends b: least bottleneck of v stages ending at b
+    return min_max(seg)
+
+
+def min_max(table: SplitTable) -> float:
+    """Z* by the min-max DP over a table's positions (+inf if no split fits)."""
+    best = np.full(table.start.shape[1], np.inf)  # over ends b: least bottleneck of v stages ending at b
     best[0] = 0.0
-    for cost in seg.cost:
-        best = np.minimum.reduce(np.maximum(best[seg.start], cost), axis=0)
+    for cost in table.cost:
+        best = np.minimum.reduce(np.maximum(best[table.start], cost), axis=0)
     return float(best[-1])
 
 
@@ -403,7 +423,7 @@ def _min_max_monotone(table: np.ndarray, shortest: int, L: int) -> float:
     return float(values[int(passes.argmax())]) if passes.any() else float("inf")
 
 
-def _min_sum(seg: _Segments, bound: float) -> tuple[float, float, tuple[int, ...]]:
+def min_sum(seg: SplitTable, bound: float) -> tuple[float, float, tuple[int, ...]]:
     """S(bound), the least Σ_v t_v over splits with every t_v ≤ bound: (sum, the split's
     bottleneck, layers per virtual stage); sum is +inf if no split qualifies."""
     costs = seg.cost if bound == np.inf else np.where(seg.cost <= bound, seg.cost, np.inf)
@@ -441,18 +461,23 @@ def _search(seg: _Segments, num_micro_batches: int, uniform: tuple[int, ...] | N
         z_star = _min_max(seg)
         if not np.isfinite(z_star):
             return None
-        total, bottleneck, counts = _min_sum(seg, z_star)
+        total, bottleneck, counts = min_sum(seg, z_star)
         costs = _split_costs(seg, uniform)
         if np.all(np.isfinite(costs)) and costs.sum() + weight * costs.max() < total + weight * bottleneck:
             return uniform
         return counts
-    least, top, free = _min_sum(seg, np.inf)  # S(∞), a lower bound on every split's sum
+    return threshold_search(seg, weight, _min_max(seg))
+
+
+def threshold_search(seg: SplitTable, weight: float, z_star: float) -> tuple[int, ...] | None:
+    """The split minimising Σ_v t_v + weight·max_v t_v exactly (module docstring, with m − 1 =
+    ``weight``), given Z*, the least bottleneck; None if no split fits."""
+    least, top, free = min_sum(seg, np.inf)  # S(∞), a lower bound on every split's sum
     if not np.isfinite(least):
         return None
     if weight == 0:
         return free
-    z_star = _min_max(seg)
-    total, bottleneck, best_counts = _min_sum(seg, z_star)
+    total, bottleneck, best_counts = min_sum(seg, z_star)
     best = total + weight * bottleneck
     if least + weight * top < best:
         best, best_counts = least + weight * top, free
@@ -468,7 +493,7 @@ def _search(seg: _Segments, num_micro_batches: int, uniform: tuple[int, ...] | N
         if j - i <= 1 or s_j + weight * candidates[i + 1] >= best:
             continue
         mid = (i + j) // 2
-        total, bottleneck, counts = _min_sum(seg, float(candidates[mid]))
+        total, bottleneck, counts = min_sum(seg, float(candidates[mid]))
         if total + weight * bottleneck < best:
             best, best_counts = total + weight * bottleneck, counts
         pending += [(i, mid, total), (mid, j, s_j)]

@@ -10,9 +10,19 @@ Memory of a physical stage s (bytes):
     fixed[s] + Σ_{layers on s} static + Σ_{chunks c of s} peak_in_flight[s, c] · Σ_{layers in c} activation
              + [any layer on s recomputes] · recompute_transient[s]
 which over-states interleaved stages slightly (chunks peak at different instants) and is exact
-for one chunk per stage. Step time (seconds), the 1F1B composition:
-    Σ_s T_s + (m − 1) · max_s T_s,   T_s = Σ_{chunks of s} Σ_{layers} time
-which the simulator then checks (``evaluate``).
+for one chunk per stage. Step time (seconds), with v chunks per stage (v = vpp) and
+T_s = Σ_{chunks of s} Σ_{layers} time:
+
+    step = (m − 1/v) · max_s T_s + (1/v) · Σ_s T_s
+
+For v = 1 this is the 1F1B composition Σ_s T_s + (m − 1)·max_s T_s. With interleaving, the
+bottleneck stage works m·T_max and the warm-up and cool-down pass every other stage once per
+chunk, a 1/v of its time each. That holds when a stage's chunks take about the same time:
+a plan that piles a stage's layers into one chunk stalls the interleaved order (simulated:
+twice the step of the even plan on Llama-70B pp4 vpp5), which no linear composition sees.
+So every solver keeps a stage's chunks within one layer of each other (``even_chunks``);
+over such plans the formula is within 3% of ``ndplan.schedule.simulate`` on interleaved 1F1B
+(median 0–2%, worst 8% on ZB-V; ``benchmarks/bench_balance.py`` prints the check).
 """
 
 from __future__ import annotations
@@ -61,6 +71,11 @@ class BalanceProblem:
     def pp(self) -> int:
         return int(self.peak_in_flight.shape[0])
 
+    @property
+    def chunks_per_stage(self) -> int:
+        """v: virtual stages per physical stage (vpp; 2 on V schedules)."""
+        return self.num_virtual_stages // self.pp
+
     def in_flight_of_virtual(self) -> np.ndarray:
         return self.peak_in_flight[self.stage_of, self.chunk_of]
 
@@ -87,7 +102,7 @@ class Plan:
 class PlanCost:
     stage_memory_bytes: np.ndarray  # [pp]
     stage_time_s: np.ndarray  # [pp] per micro-batch, forward + backward
-    step_s: float  # the 1F1B composition
+    step_s: float  # composed from the stage times (module docstring)
     fits: bool
 
 
@@ -119,8 +134,43 @@ def evaluate(problem: BalanceProblem, plan: Plan) -> PlanCost:
     recomputes = np.bincount(stage, weights=per_layer[:, 3], minlength=pp) > 0
     if problem.recompute_transient_bytes is not None:
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
-    step = float(time.sum() + (problem.num_micro_batches - 1) * time.max())
-    return PlanCost(memory, time, step, bool(np.all(memory <= problem.memory_limit_bytes)))
+    return PlanCost(memory, time, composed_step_s(problem, time), bool(np.all(memory <= problem.memory_limit_bytes)))
+
+
+def composed_step_s(problem: BalanceProblem, stage_time_s: np.ndarray) -> float:
+    """(m − 1/v)·max_s T_s + (1/v)·Σ_s T_s seconds (module docstring), T_s per micro-batch."""
+    v = problem.chunks_per_stage
+    return float((problem.num_micro_batches - 1 / v) * stage_time_s.max() + stage_time_s.sum() / v)
+
+
+def simulated_step_s(problem: BalanceProblem, plan: Plan, schedule: str) -> float:
+    """The plan's step in seconds by ``ndplan.schedule.simulate`` instead of the composition:
+    each chunk's seconds per micro-batch (its layers under their options, and the embedding or
+    head it holds) split 1 : 2 into forward and backward, or 1 : 1 : 1 into forward, input and
+    weight gradients where the schedule splits the backward. A check of ``composed_step_s``."""
+    from ndplan.schedule import SPLIT_BACKWARD, simulate
+
+    seconds = np.zeros((problem.pp, problem.chunks_per_stage))
+    layer = 0
+    for virtual, count in enumerate(plan.stage_layers):
+        held = sum(problem.costs[(kind, option)].time_s for kind, option in
+                   zip(problem.layer_kinds[layer:layer + count], plan.recompute[layer:layer + count], strict=True))
+        held += problem.first_extra.time_s if virtual == 0 else 0.0
+        held += problem.last_extra.time_s if virtual == problem.num_virtual_stages - 1 else 0.0
+        seconds[problem.stage_of[virtual], problem.chunk_of[virtual]] = held
+        layer += count
+    split = schedule in SPLIT_BACKWARD
+    result = simulate(schedule, problem.pp, problem.chunks_per_stage, problem.num_micro_batches,
+                      forward_s=seconds / 3, backward_s=seconds / 3 if split else 2 * seconds / 3,
+                      weight_grad_s=seconds / 3 if split else 0 * seconds)
+    return float(result.makespan_s)
+
+
+def even_chunks(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray) -> bool:
+    """Every stage's chunks hold layer counts within one of each other (module docstring)."""
+    counts = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)
+    counts[problem.stage_of, problem.chunk_of] = stage_layers
+    return bool((counts.max(axis=1) - counts.min(axis=1) <= 1).all())
 
 
 def uniform_plan(problem: BalanceProblem, option: str) -> Plan:

@@ -5,28 +5,33 @@
   enumerates counts (a multiple-choice knapsack with identical items), exactly. The reference
   the fast solvers are tested against.
 * ``solve_exact``: with one virtual stage per physical stage (no interleaving), the exact
-  dynamic program of ``ndplan.balance.dp`` (milliseconds); with interleaved stages, whose
-  chunks share a stage's memory, a mixed-integer program (``solve_milp``, scipy's HiGHS) over
-  layer placement and recompute counts with linear memory constraints and the composed step
-  time as objective.
-* ``solve_heuristic``: without interleaving, the DP restricted to stages of about L / V layers
-  (under a millisecond per candidate); with interleaving, uniform start, knapsack per stage,
-  then single-layer moves between neighbouring virtual stages while they pay. Fast enough to
-  run on every pipeline candidate of a search.
-* ``solve_brute_force``: every placement with the exact knapsack per stage (tests only: given a
-  placement, minimising every stage's time is optimal, since the objective grows with each).
+  dynamic program of ``ndplan.balance.dp`` (milliseconds); with several chunks per stage and one
+  layer kind, the exact DP over stage totals of ``ndplan.balance.chunks``; else, as chunks
+  share a stage's memory, a mixed-integer program (``solve_milp``, scipy's HiGHS) over layer
+  placement and recompute counts with linear memory constraints, the composed step time as
+  objective, and a stage's chunks within one layer of each other (``even_chunks``).
+* ``solve_heuristic``: without interleaving, the DP restricted to stages of about L / V layers;
+  with several chunks per stage, the same over stage totals (one layer kind) or the
+  periodic-plan DP of ``ndplan.balance.rounds``. About a
+  millisecond per candidate: fast enough to run on every pipeline candidate of a search.
+* ``solve_brute_force``: every placement with even chunks, with the exact knapsack per stage
+  (tests only: given a placement, minimising every stage's time is optimal, since the objective
+  grows with each).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import product
+from itertools import combinations, product
 
 import numpy as np
 
+from ndplan.balance.chunks import WINDOW as CHUNKS_WINDOW
+from ndplan.balance.chunks import one_layer_kind, solve_chunks
 from ndplan.balance.dp import WINDOW as HEURISTIC_WINDOW
 from ndplan.balance.dp import one_chunk_per_stage, solve_dp
-from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate
+from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate, even_chunks
+from ndplan.balance.rounds import solve_rounds
 
 
 def _stage_layers(problem: BalanceProblem, counts: tuple[int, ...]) -> list[list[tuple[int, int]]]:
@@ -112,26 +117,11 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
     return assignment, best[0], best[1]
 
 
-StageCache = dict[tuple[int, tuple[tuple[int, int], ...]], "tuple[dict[int, str], float, float] | None"]
-
-
-def plan_for_counts(problem: BalanceProblem, counts: tuple[int, ...], cache: StageCache | None = None) -> Plan | None:
-    """The best recompute for a placement (knapsack per stage), or None if a stage cannot fit.
-
-    A stage's answer depends only on which layers it holds, so ``cache`` (keyed by the stage
-    and its chunks' (first layer, count)) lets a search over placements re-solve only the
-    stages a move changed.
-    """
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+def plan_for_counts(problem: BalanceProblem, counts: tuple[int, ...]) -> Plan | None:
+    """The best recompute for a placement (knapsack per stage), or None if a stage cannot fit."""
     recompute = [""] * problem.num_layers
     for stage in range(problem.pp):
-        key = (stage, tuple((int(starts[v]), int(counts[v])) for v in np.flatnonzero(problem.stage_of == stage)))
-        if cache is not None and key in cache:
-            solved = cache[key]
-        else:
-            solved = knapsack(problem, counts, stage)
-            if cache is not None:
-                cache[key] = solved
+        solved = knapsack(problem, counts, stage)
         if solved is None:
             return None
         for layer, option in solved[0].items():
@@ -148,6 +138,8 @@ def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
 def solve_brute_force(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
     best: tuple[Plan, PlanCost] | None = None
     for counts in _compositions(problem.num_layers, problem.num_virtual_stages):
+        if not even_chunks(problem, counts):
+            continue
         plan = plan_for_counts(problem, counts)
         if plan is None:
             continue
@@ -157,66 +149,41 @@ def solve_brute_force(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
     return best
 
 
-def solve_heuristic(problem: BalanceProblem, start: tuple[int, ...] | None = None) -> tuple[Plan, PlanCost] | None:
-    """A good plan fast, never slower than uniform placement with its best recompute, and None
-    only if no plan fits.
+def solve_heuristic(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
+    """A good plan fast, never slower than uniform placement with one recompute option on every
+    layer, and None only if no plan fits.
 
-    Without interleaving (and no ``start``): the DP over stages of about L / V layers
-    (``solve_dp`` with ``HEURISTIC_WINDOW``). Otherwise a local search: knapsack on the uniform
-    placement (or ``start``), then move single layers between neighbouring virtual stages while
-    the composed step time drops (or while the plan does not fit yet).
+    One chunk per stage: the DP over stages of about L / V layers (``solve_dp`` with
+    ``HEURISTIC_WINDOW``), which falls back to the exact DP when nothing there fits. Several
+    chunks per stage: with one layer kind the DP over stage totals near uniform
+    (``ndplan.balance.chunks``), else the periodic-plan DP with a greedy knapsack
+    (``ndplan.balance.rounds``).
     """
-    if start is None and one_chunk_per_stage(problem):
+    if one_chunk_per_stage(problem):
         return solve_dp(problem, window=HEURISTIC_WINDOW)
-    base, extra = divmod(problem.num_layers, problem.num_virtual_stages)
-    counts = start or tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
-
-    strongest = problem.options[-1]
-    cache: StageCache = {}
-
-    def score(c: tuple[int, ...]) -> tuple[tuple[int, float], Plan | None, PlanCost | None]:
-        # Feasible plans rank by step time; infeasible placements by how far the strongest
-        # recompute leaves them over the limit, so the search can walk out of infeasibility.
-        plan = plan_for_counts(problem, c, cache)
-        if plan is None:
-            over = evaluate(problem, Plan(c, (strongest,) * problem.num_layers)).stage_memory_bytes
-            return (1, float(np.max(over) - problem.memory_limit_bytes)), None, None
-        cost = evaluate(problem, plan)
-        return (0, cost.step_s), plan, cost
-
-    current = score(counts)
-    improved = True
-    while improved:
-        improved = False
-        for v in range(problem.num_virtual_stages - 1):
-            for delta in (1, -1):  # move a layer across the boundary between v and v+1
-                c = list(counts)
-                c[v] -= delta
-                c[v + 1] += delta
-                if min(c) < 1:
-                    continue
-                trial = score(tuple(c))
-                if trial[0][0] < current[0][0] or (trial[0][0] == current[0][0] and trial[0][1] < current[0][1] - 1e-12):
-                    counts, current, improved = tuple(c), trial, True
-    if current[1] is None or current[2] is None:
-        return None
-    return current[1], current[2]
+    if one_layer_kind(problem):
+        return solve_chunks(problem, window=CHUNKS_WINDOW)
+    return solve_rounds(problem)
 
 
 def exact_method(problem: BalanceProblem) -> str:
-    """Which exact solver ``solve_exact`` runs on ``problem``: "dp" or "milp"."""
-    return "dp" if one_chunk_per_stage(problem) else "milp"
+    """Which exact solver ``solve_exact`` runs on ``problem``: "dp" (one chunk per stage, or one
+    layer kind) or "milp"."""
+    return "dp" if one_chunk_per_stage(problem) or one_layer_kind(problem) else "milp"
 
 
 def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Plan, PlanCost] | None:
-    """The optimal plan, or None if none fits: the DP without interleaving (exact, see
-    ``ndplan.balance.dp``), else the MILP (``solve_milp``).
+    """The optimal plan (with even chunks), or None if none fits: the DP without interleaving
+    (``ndplan.balance.dp``), the DP over stage totals with one layer kind
+    (``ndplan.balance.chunks``), else the MILP (``solve_milp``).
 
     HiGHS stops at ``time_limit_s``; the answer is then the best of its incumbent and the
     heuristic's plan, so it is never worse than the heuristic.
     """
     if one_chunk_per_stage(problem):
         return solve_dp(problem)
+    if one_layer_kind(problem):
+        return solve_chunks(problem)
     found = solve_milp(problem, time_limit_s)
     fallback = solve_heuristic(problem)
     candidates = [c for c in (found, fallback) if c is not None and c[1].fits]  # HiGHS' tolerance can overshoot
@@ -224,10 +191,28 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
 
 
 def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Plan, PlanCost] | None:
-    """The MILP. Variables: y[l, v] (layer l on virtual stage v), k[v, g, r] (layers of kind g
-    on v with option r), a[s] (stage s recomputes something), Z (the largest stage time). A
-    model of one layer kind needs no y: the counts k place it. Optimal unless HiGHS hits
-    ``time_limit_s`` (then its incumbent, or None); also the tests' cross-check of the DP.
+    """The MILP's plan (``solve_milp_bounded``), or None."""
+    return solve_milp_bounded(problem, time_limit_s)[0]
+
+
+def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[tuple[Plan, PlanCost] | None, float]:
+    """The MILP's plan (or None) and HiGHS' proven lower bound of the optimal step in seconds
+    (the optimum itself when it finished within ``time_limit_s``), which measures how far any
+    plan, the heuristic's included, can be from the optimum.
+
+    The MILP. Variables: k[v, g, r] (layers of kind g on v with option r), a[s] (stage s
+    recomputes something), Z (the largest stage time), and what places the kinds. Objective:
+    (m − 1/v)·Z + (1/v)·Σ_s T_s (``problem.composed_step_s``); a stage's chunks hold layer
+    counts within one of each other. Placing the kinds:
+
+    * one kind: nothing, the counts k place it;
+    * two runs (K layers of one kind, then the other, as dense-then-MoE models): the first
+      kind's layers up to v are min(layers up to v, K), linearised with one binary b[v]:
+      A_v ≤ C_v, A_v ≤ K, A_v ≥ C_v − L·b[v], A_v ≥ K − L·(1 − b[v]);
+    * otherwise y[l, v] (layer l on virtual stage v), contiguous and in order.
+
+    Optimal unless HiGHS hits ``time_limit_s`` (then its incumbent, or None); also the tests'
+    cross-check of the DP.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -235,11 +220,18 @@ def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pla
     kinds = sorted(set(problem.layer_kinds))
     G = len(kinds)
     homogeneous = G == 1
+    runs = 1 + sum(a != b for a, b in zip(problem.layer_kinds, problem.layer_kinds[1:], strict=False))
+    two_runs = runs == 2
     in_flight = problem.in_flight_of_virtual()
-    n_y, n_k = (0 if homogeneous else L * V), V * G * R
+    n_y, n_k = (0 if homogeneous or two_runs else L * V), V * G * R
     P = problem.pp
-    n = n_y + n_k + P + 1
+    v_chunks = problem.chunks_per_stage
+    n_b = V if two_runs else 0
+    n = n_y + n_k + P + n_b + 1
     z = n - 1
+
+    def boundary(v: int) -> int:
+        return n_y + n_k + P + v
 
     def any_recompute(stage: int) -> int:
         return n_y + n_k + stage
@@ -262,11 +254,21 @@ def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pla
         lower.append(lo)
         upper.append(hi)
 
-    if homogeneous:  # every virtual stage holds at least one layer; all layers are placed
+    if homogeneous or two_runs:  # every virtual stage holds at least one layer; all layers are placed
         for v in range(V):
-            add({k(v, 0, r): 1.0 for r in range(R)}, 1, L)
-        add({k(v, 0, r): 1.0 for v in range(V) for r in range(R)}, L, L)
-    else:
+            add({k(v, g, r): 1.0 for g in range(G) for r in range(R)}, 1, L)
+        add({k(v, g, r): 1.0 for v in range(V) for g in range(G) for r in range(R)}, L, L)
+    if two_runs:  # the first run's kind fills the first K layers: A_v = min(C_v, K)
+        first = kinds.index(problem.layer_kinds[0])
+        K = problem.layer_kinds.index(next(kind for kind in problem.layer_kinds if kind != problem.layer_kinds[0]))
+        for v in range(V):
+            upto = {k(u, g, r): 1.0 for u in range(v + 1) for g in range(G) for r in range(R)}  # C_v
+            first_upto = {k(u, first, r): 1.0 for u in range(v + 1) for r in range(R)}  # A_v
+            add({**first_upto, **{i: c - first_upto.get(i, 0.0) for i, c in upto.items()}}, 0, np.inf)  # C_v − A_v ≥ 0
+            add(first_upto, -np.inf, K)
+            add({**{i: first_upto.get(i, 0.0) - c for i, c in upto.items()}, boundary(v): float(L)}, 0, np.inf)
+            add({**first_upto, boundary(v): -float(L)}, K - L, np.inf)
+    elif not homogeneous:
         for layer in range(L):  # each layer on exactly one virtual stage
             add({y(layer, v): 1.0 for v in range(V)}, 1, 1)
         position = {layer: {y(layer, v): float(v) for v in range(V)} for layer in range(L)}
@@ -296,7 +298,7 @@ def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pla
                     cost = problem.costs[(kind, option)]
                     memory[k(virtual, g, r)] = cost.static_bytes + in_flight[virtual] * cost.activation_bytes
                     time[k(virtual, g, r)] = cost.time_s
-                    objective[k(virtual, g, r)] += cost.time_s
+                    objective[k(virtual, g, r)] += cost.time_s / v_chunks
             for end, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
                 if virtual == end:
                     fixed_memory += extra.static_bytes + in_flight[virtual] * extra.activation_bytes
@@ -311,19 +313,27 @@ def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pla
                 for r, option in enumerate(problem.options):
                     if option != "none":  # a recomputed layer on s switches the stage's transient on
                         add({k(virtual, g, r): 1.0, any_recompute(s): -float(L)}, -np.inf, 0)
-    objective[z] = problem.num_micro_batches - 1
+    objective[z] = problem.num_micro_batches - 1 / v_chunks
+    for s in range(problem.pp):  # a stage's chunks within one layer of each other (even_chunks)
+        for first, other in combinations((int(i) for i in np.flatnonzero(problem.stage_of == s)), 2):
+            add({**{k(first, g, r): 1.0 for g in range(G) for r in range(R)},
+                 **{k(other, g, r): -1.0 for g in range(G) for r in range(R)}}, -1, 1)
     integrality = np.ones(n)
     integrality[z] = 0
-    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), np.ones(P), [np.inf]]))
+    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), np.ones(P), np.ones(n_b), [np.inf]]))
     result = milp(
         objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
         bounds=bounds, options={"time_limit": time_limit_s},
     )
+    # The objective leaves out the embedding's and head's seconds, a constant (1/v)·(t_first + t_last).
+    ends = (problem.first_extra.time_s + problem.last_extra.time_s) / v_chunks
+    dual = getattr(result, "mip_dual_bound", None)
+    lower_bound = float(dual) + ends if dual is not None and np.isfinite(dual) else 0.0
     if result.x is None:
-        return None
+        return None, lower_bound
     x = np.round(result.x).astype(int)
-    if homogeneous:
-        counts = tuple(int(sum(x[k(v, 0, r)] for r in range(R))) for v in range(V))
+    if homogeneous or two_runs:
+        counts = tuple(int(sum(x[k(v, g, r)] for g in range(G) for r in range(R))) for v in range(V))
     else:
         counts = tuple(int(x[[y(layer, v) for layer in range(L)]].sum()) for v in range(V))
     # Hand each layer of a kind on v the options in the MILP's counts (the order inside a
@@ -341,4 +351,4 @@ def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pla
                 position_in_kind += int(x[k(v, g, r)])
         layer += count
     plan = Plan(counts, tuple(recompute))
-    return plan, evaluate(problem, plan)
+    return (plan, evaluate(problem, plan)), lower_bound

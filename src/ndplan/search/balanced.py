@@ -1,9 +1,9 @@
 """Rank every fitting candidate of a search by its balanced plan, without balancing them all.
 
 A pipeline candidate's balanced step is its uniform step × balanced / uniform composed time
-(the balancer's heuristic plan: layers per stage and recompute per layer); other candidates keep
-their step. Interleaved pipelines (several chunks per stage) are not balanced here: the
-balancer's heuristic for them is a local search of seconds per candidate. ``balance.bound`` gives every pipeline candidate a lower bound of that balanced
+(the balancer's heuristic plan: layers per stage and chunk, and recompute per layer; about a
+millisecond each, interleaved and V schedules included); other candidates keep their step.
+``balance.bound`` gives every pipeline candidate a lower bound of that balanced
 step at once, so candidates are balanced in order of their bound and the walk stops once the
 bound reaches the ``top``-th balanced step found: no candidate left can enter the top, and
 the top equals what balancing every candidate would give.
@@ -53,10 +53,7 @@ def rank_balanced(
     for start in range(0, len(index), _BLOCK):
         part = slice(start, start + _BLOCK)
         batch = space.batch(index[part])
-        # One chunk per stage: the balancer's fast exact-window heuristic (under a millisecond).
-        # Interleaved pipelines would need its old local search (seconds each): they keep their
-        # uniform plan here, and say so.
-        piped = np.flatnonzero((batch.pp >= 2) & (batch.vpp == 1))
+        piped = np.flatnonzero(batch.pp >= 2)
         pipeline[start + piped] = True
         if len(piped):
             lower[start + piped] = balanced_step_lower_bound(model, batch.take(piped), cluster, step[part][piped])

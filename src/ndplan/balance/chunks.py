@@ -1,0 +1,189 @@
+"""Exact balancing of a pipeline with several chunks per stage when every layer is of one kind.
+
+Interleaved 1F1B (and ZB-V, DualPipeV) run v chunks per stage; the composed step
+(m − 1/v)·max_s T_s + (1/v)·Σ_s T_s holds for plans whose chunks on a stage are within one layer
+of each other (``ndplan.balance.problem``). With one layer kind, where a layer sits does not
+change its costs, so such a plan is given by each stage's total T_s = v·n + e (0 ≤ e < v): e of
+its chunks hold n + 1 layers, the others n. Which chunks get the extra layers changes memory
+only, and the least is when they are the chunks holding the fewest micro-batches in flight
+(a layer's bytes grow with its chunk's in-flight count). So the plan is a split of L into pp
+stage totals, and a stage's cost depends on (stage, total) alone: the split DP of
+``ndplan.balance.dp`` over totals (``threshold_search``, weight m·v − 1, the composed step
+times v), exact over every plan with even chunks.
+
+A stage's cost, the least time of its layers that fits, is exact too (``_stage_costs``). Time
+depends only on how many layers run each option, N_r. For given N_r the least bytes put the
+options with the most activation bytes on the slots of least in-flight weight (the
+rearrangement inequality: Σ weight·activation is least when one rises as the other falls), so
+enumerating every (N_r) with Σ_r N_r = T and pricing each by prefix sums of the sorted slot
+weights finds the optimum. A recompute option switches the stage's transient on.
+
+The heuristic (``window``) only costs totals within ⌊L/pp⌋ − v … ⌈L/pp⌉ + v (one layer per chunk);
+it falls back to every total when nothing there fits.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from ndplan.balance.dp import _at_most, min_max, threshold_search
+from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate
+
+WINDOW = 1  # the heuristic's stage totals: within one layer per chunk of uniform
+
+
+def one_layer_kind(problem: BalanceProblem) -> bool:
+    return len(set(problem.layer_kinds)) == 1
+
+
+class _Table:
+    """Split DP tables over positions 0..L (layers placed): start [J, L + 1], cost [pp, J, L + 1]."""
+
+    def __init__(self, start: np.ndarray, cost: np.ndarray, lengths: np.ndarray) -> None:
+        self.start, self.cost, self.lengths = start, cost, lengths
+
+
+def _chunk_layers(problem: BalanceProblem, totals: np.ndarray) -> np.ndarray:
+    """[pp, J, v] layers of each local chunk for each stage total: e = T mod v extra layers on
+    the chunks of fewest micro-batches in flight."""
+    v = problem.chunks_per_stage
+    base, extra = np.divmod(totals, v)  # [J]
+    flight = np.zeros((problem.pp, v))
+    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+    rank = np.argsort(np.argsort(flight, axis=1, kind="stable"), axis=1)  # [pp, v] 0 = fewest in flight
+    return base[None, :, None] + (rank[:, None, :] < extra[None, :, None])
+
+
+@lru_cache(maxsize=256)
+def _mixes(low: int, high: int, options: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every way to run T layers on the options, for every T in low … high, grouped by T:
+    [K, options] layers per option, [K] T − low of each, and the first row of each T
+    (read-only; cached, it depends on the three integers only)."""
+    mixes = _at_most(high, options)
+    total = mixes.sum(axis=1)
+    order = np.argsort(total, kind="stable")
+    mixes, total = mixes[order], total[order]
+    keep = total >= low
+    mixes, j_of = mixes[keep], total[keep] - low
+    starts = np.searchsorted(j_of, np.arange(high - low + 1))
+    for array in (mixes, j_of, starts):
+        array.flags.writeable = False
+    return mixes, j_of, starts
+
+
+def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[pp, J] least seconds per micro-batch of each stage holding each total (+inf if nothing
+    fits), and [pp, J, R] the layers on each option reaching it (module docstring)."""
+    kind = problem.layer_kinds[0]
+    options = problem.options
+    R, pp, v = len(options), problem.pp, problem.chunks_per_stage
+    cost = [problem.costs[(kind, option)] for option in options]
+    time = np.array([c.time_s for c in cost])
+    static = np.array([c.static_bytes for c in cost])
+    activation = np.array([c.activation_bytes for c in cost])
+    recomputes = np.array([option != "none" for option in options])
+    by_activation = np.argsort(-activation, kind="stable")  # options that hold most go first
+    flight = np.zeros((pp, v))
+    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+    base_bytes = np.asarray(problem.fixed_bytes, dtype=float).copy()
+    base_time = np.zeros(pp)
+    in_flight = problem.in_flight_of_virtual()
+    for virtual, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
+        s = int(problem.stage_of[virtual])
+        base_bytes[s] += extra.static_bytes + in_flight[virtual] * extra.activation_bytes
+        base_time[s] += extra.time_s
+    transient = (np.zeros(pp) if problem.recompute_transient_bytes is None
+                 else np.asarray(problem.recompute_transient_bytes, dtype=float))
+    layers = _chunk_layers(problem, totals)  # [pp, J, v]
+    # A hair under the limit (80 bytes of 80 GB), so evaluate's own float sums never land over it.
+    limit = problem.memory_limit_bytes * (1 - 1e-9)
+    mixes, j_of, starts = _mixes(int(totals[0]), int(totals[-1]), R)
+    # Slot weights ascending per (stage, total): each chunk's weight repeated for its layers.
+    order = np.argsort(flight, axis=1, kind="stable")  # [pp, v] chunks by in-flight weight, ascending
+    sorted_flight = np.take_along_axis(flight, order, 1)  # [pp, v]
+    sorted_layers = np.take_along_axis(layers, order[:, None, :], 2)  # [pp, J, v]
+    slot = np.arange(int(totals[-1]) + 1)
+    bounds = np.cumsum(sorted_layers, axis=2)  # [pp, J, v] slots filled after each chunk
+    # Prefix of slot weights: Σ over chunks of weight·(slots of that chunk among the first k).
+    before = bounds - sorted_layers
+    in_chunk = np.clip(slot[None, None, None, :] - before[..., None], 0, sorted_layers[..., None])  # [pp, J, v, S]
+    slots = (in_chunk * sorted_flight[:, None, :, None]).sum(axis=2)  # [pp, J, S]
+    # Σ_r act_r·(P(end_r) − P(end_{r−1})) = Σ_{r<R} P(end_r)·(act_r − act_{r+1}) + P(T)·act_R,
+    # options in falling activation order, P the slot-weight prefix: R − 1 gathers, not 2·R.
+    ends = np.cumsum(mixes[:, by_activation[:-1]], axis=1)  # [K, R − 1] slots used after each option
+    falling = activation[by_activation]
+    act_bytes = (slots[:, j_of[:, None], ends] * (falling[:-1] - falling[1:])).sum(axis=2)  # [pp, K]
+    act_bytes += slots[:, j_of, totals[j_of]] * falling[-1]
+    memory = base_bytes[:, None] + (mixes @ static)[None] + act_bytes
+    memory = memory + np.where((mixes @ recomputes) > 0, transient[:, None], 0.0)
+    seconds = np.where(memory <= limit, base_time[:, None] + (mixes @ time)[None], np.inf)  # [pp, K]
+    least = np.minimum.reduceat(seconds, starts, axis=1)  # [pp, J]
+    # The first mix of each total reaching its least time.
+    first = np.where(seconds == least[:, j_of], np.arange(len(j_of))[None], len(j_of))
+    best = np.minimum.reduceat(first, starts, axis=1)  # [pp, J]
+    chosen = mixes[np.minimum(best, len(j_of) - 1)]  # [pp, J, R]
+    return least, chosen
+
+
+def _plan(problem: BalanceProblem, totals: tuple[int, ...], mixes: list[np.ndarray]) -> Plan:
+    """Layers per virtual stage and each layer's option: on a stage, the options holding the
+    most activation bytes go to the chunks of fewest micro-batches in flight."""
+    v = problem.chunks_per_stage
+    activation = np.array([problem.costs[(problem.layer_kinds[0], o)].activation_bytes for o in problem.options])
+    by_activation = np.argsort(-activation, kind="stable")
+    layers = _chunk_layers(problem, np.asarray(totals))  # [pp, pp, v]: stage s uses row s
+    flight = np.zeros((problem.pp, v))
+    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+    per_chunk: dict[tuple[int, int], list[int]] = {}
+    for s in range(problem.pp):
+        queue = np.repeat(by_activation, mixes[s][by_activation]).tolist()  # options, most bytes first
+        for c in np.argsort(flight[s], kind="stable").tolist():
+            count = int(layers[s, s, c])
+            per_chunk[(s, c)], queue = queue[:count], queue[count:]
+    counts, recompute = [], []
+    for virtual in range(problem.num_virtual_stages):
+        held = per_chunk[(int(problem.stage_of[virtual]), int(problem.chunk_of[virtual]))]
+        counts.append(len(held))
+        recompute += [problem.options[r] for r in held]
+    return Plan(tuple(counts), tuple(recompute))
+
+
+def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Plan, PlanCost] | None:
+    """The best plan with even chunks (module docstring), or None if none fits; with ``window``
+    only stage totals near uniform (the heuristic), all of them if nothing there fits."""
+    if not one_layer_kind(problem):
+        raise ValueError("solve_chunks needs every layer of one kind")
+    L, pp, v = problem.num_layers, problem.pp, problem.chunks_per_stage
+    if L < pp * v:
+        return None
+    shortest, longest = v, L - (pp - 1) * v
+    if window is not None:
+        low, high = max(shortest, L // pp - window * v), min(longest, -(-L // pp) + window * v)
+        found = _solve(problem, np.arange(low, high + 1))
+        if found is not None or (low == shortest and high == longest):
+            return found
+    return _solve(problem, np.arange(shortest, longest + 1))
+
+
+def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost] | None:
+    L, pp = problem.num_layers, problem.pp
+    least, chosen = _stage_costs(problem, totals)  # [pp, J], [pp, J, R]
+    position = np.arange(L + 1)
+    start = np.maximum(position[None] - totals[:, None], 0)  # [J, L + 1]
+    reachable = position[None] >= totals[:, None]
+    cost = np.where(reachable[None], least[:, :, None], np.inf)  # [pp, J, L + 1]
+    table = _Table(start, cost, totals)
+    z_star = min_max(table)
+    if not np.isfinite(z_star):
+        return None
+    split = threshold_search(table, problem.num_micro_batches * problem.chunks_per_stage - 1, z_star)
+    if split is None:
+        return None
+    index = np.asarray(split) - totals[0]
+    plan = _plan(problem, tuple(split), [chosen[s, index[s]] for s in range(pp)])
+    return plan, evaluate(problem, plan)
+
+
+__all__ = ["one_layer_kind", "solve_chunks"]

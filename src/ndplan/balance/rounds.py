@@ -1,0 +1,325 @@
+"""Fast balancing when a stage holds several chunks (interleaved 1F1B, ZB-V, DualPipeV).
+
+A stage's chunks should take about the same time (``ndplan.balance.problem``), so the heuristic
+searches *periodic* plans: with L = v·R + r layers (0 ≤ r ≤ pp), the pp chunks of each round
+(virtual stages c·pp … c·pp + pp − 1, run by the stages in round 0's order or, on V schedules,
+its reverse) hold the same counts n_s, and the r leftover layers go one each to r stages in
+the last round (the chunks that hold the fewest micro-batches in flight). Such a plan is given
+by (n_s, e_s) per stage, e_s ∈ {0, 1}, Σ_s n_s = R, Σ_s e_s = r, and every stage's chunks are
+within one layer of each other. Two values of R are tried, ⌊L/v⌋ and one less (so that a few
+stages may hold one layer more than the others).
+
+Used for models of several layer kinds (dense and MoE layers), whose kinds depend on where a
+layer sits; with one kind ``ndplan.balance.chunks`` is exact over every even-chunk plan.
+
+Walking round 0's stages in order, the layers before a stage (b of the R per round, and eb of
+the r leftovers) fix where every one of its chunks starts, hence which layer kinds it holds.
+So a stage's cost depends on (its position i, n, e, b, eb) alone and the split is a DP over
+positions (b, eb), the same min-max and min-sum passes as the one-chunk DP of
+``ndplan.balance.dp`` (Z*, then the least sum under it), with the objective
+Σ_s T_s + (m·v − 1)·max_s T_s: the composed step (m − 1/v)·max + (1/v)·Σ times v.
+
+A stage's cost is the least time of its layers that fits, by a greedy knapsack (``_Greedy``):
+from every layer's fastest option, move layers along the lower convex hull of their options'
+(bytes, seconds) in order of seconds added per byte saved until the stage fits. That is the
+linear relaxation's optimum rounded up by at most one layer: never over memory, at most one
+layer's step from the best mix. Counts per stage stay within ⌊R/pp⌋ − 2 … ⌈R/pp⌉ + 2 (each
+one a layer in every chunk). The answer is the best of that plan and the uniform placement
+(with the greedy's recompute, or one option on every layer), so it is never slower than uniform.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ndplan.balance.dp import min_max, min_sum
+from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate, uniform_plan
+
+WINDOW = 2  # per-chunk counts n_s within ⌊R/pp⌋ − 2 … ⌈R/pp⌉ + 2
+_ROUNDING = 1e-9  # a quotient this close above an integer may be that integer rounded up
+_MARGIN = 1e-9  # of the limit (80 bytes of 80 GB), kept free against rounding
+
+
+class _Greedy:
+    """Least time of a stage's layers that fits, for many (stage, layer counts) queries at once.
+
+    Layers of kind g in local chunk c of stage s under option r cost t[g, r] seconds and
+    μ[s, c, g, r] = static[g, r] + in_flight[s, c]·activation[g, r] bytes. Two cases, the faster
+    that fits wins: every layer "none" against the limit; or the stage's recompute transient
+    charged and the greedy over the options' hulls (module docstring).
+    """
+
+    def __init__(self, problem: BalanceProblem) -> None:
+        self.kinds = tuple(sorted(set(problem.layer_kinds)))
+        self.codes = np.array([self.kinds.index(kind) for kind in problem.layer_kinds])  # [L] kind of each layer
+        options = problem.options
+        pp, v = problem.pp, problem.chunks_per_stage
+        cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
+        self.time = np.array([[c.time_s for c in row] for row in cost])  # [G, R]
+        static = np.array([[c.static_bytes for c in row] for row in cost])
+        activation = np.array([[c.activation_bytes for c in row] for row in cost])
+        weight = np.zeros((pp, v))
+        weight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+        memory = static[None, None] + weight[:, :, None, None] * activation[None, None]  # [pp, v, G, R]
+        self.memory = memory
+        self.none = options.index("none") if "none" in options else None
+        # What does not move with layers: fixed bytes, the embedding and head with their chunks.
+        self.base_bytes = np.asarray(problem.fixed_bytes, dtype=float).copy()
+        self.base_time = np.zeros(pp)
+        ends = ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra))
+        flight = problem.in_flight_of_virtual()
+        for virtual, extra in ends:
+            s = int(problem.stage_of[virtual])
+            self.base_bytes[s] += extra.static_bytes + flight[virtual] * extra.activation_bytes
+            self.base_time[s] += extra.time_s
+        self.transient = (np.zeros(pp) if problem.recompute_transient_bytes is None
+                          else np.asarray(problem.recompute_transient_bytes, dtype=float))
+        self.limit = problem.memory_limit_bytes
+        # Hull walk per (stage, chunk, kind): from the fastest option (least bytes among ties),
+        # step to the option of least seconds per byte saved, while one saves bytes.
+        time = np.broadcast_to(self.time[None, None], memory.shape)
+        order = np.lexsort((memory, time), axis=-1)
+        current = order[..., 0]  # [pp, v, G]
+        self.start = current.copy()
+        steps = max(len(options) - 1, 1)
+        self.step_option = np.empty((*current.shape, steps), dtype=np.int64)
+        self.step_save = np.zeros((*current.shape, steps))  # bytes saved per layer moved
+        self.step_time = np.zeros((*current.shape, steps))  # seconds added per layer moved
+        slope = np.full((*current.shape, steps), np.inf)
+        for h in range(steps):
+            here_memory = np.take_along_axis(memory, current[..., None], -1)
+            here_time = np.take_along_axis(time, current[..., None], -1)
+            saved = here_memory - memory
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(saved > 0, (time - here_time) / saved, np.inf)
+            best = ratio.argmin(axis=-1)
+            moves = np.isfinite(np.take_along_axis(ratio, best[..., None], -1)[..., 0])
+            nxt = np.where(moves, best, current)
+            self.step_option[..., h] = nxt
+            self.step_save[..., h] = np.where(moves, np.take_along_axis(saved, best[..., None], -1)[..., 0], 0.0)
+            self.step_time[..., h] = np.where(
+                moves, np.take_along_axis(time - here_time, best[..., None], -1)[..., 0], 0.0)
+            slope[..., h] = np.where(moves, np.take_along_axis(ratio, best[..., None], -1)[..., 0], np.inf)
+            current = nxt
+        # The order in which a stage's (chunk, kind, step) moves are taken: by slope; a group's
+        # steps have rising slopes (a convex hull), and the stable sort keeps them in order.
+        self.order = np.argsort(slope.reshape(pp, -1), axis=1, kind="stable")  # [pp, moves]
+        self.steps = steps
+        rows = np.arange(pp)[:, None]
+        self.move_group = self.order // steps  # [pp, moves] flat (chunk, kind) of each move, in order
+        self.move_save = self.step_save.reshape(pp, -1)[rows, self.order]
+        self.move_time = self.step_time.reshape(pp, -1)[rows, self.order]
+        flat = (pp, -1)
+        self.start_time = self.time[np.arange(len(self.kinds))[None, None], self.start].reshape(flat)  # [pp, v·G]
+        self.start_memory = np.take_along_axis(memory, self.start[..., None], -1)[..., 0].reshape(flat)
+        if self.none is not None:
+            self.plain_time = np.broadcast_to(self.time[:, self.none], (pp, v, len(self.kinds))).reshape(flat)
+            self.plain_memory = memory[..., self.none].reshape(flat)
+
+    def solve(self, stage: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For queries (``stage`` [Q], ``counts`` [Q, v, G] layers per chunk and kind): least
+        seconds per micro-batch (+inf if nothing fits), whether every layer runs "none" (no
+        transient), the number of moves taken whole, and the layers of the last, partial move."""
+        Q = len(stage)
+        counts = counts.reshape(Q, -1).astype(float)  # [Q, v·G]
+        rows = np.arange(Q)
+        time = self.base_time[stage] + (counts * self.start_time[stage]).sum(axis=1)
+        # Aim a hair under the limit, so that evaluate's own float sums never land just over it.
+        limit = self.limit * (1 - _MARGIN)
+        deficit = self.base_bytes[stage] + self.transient[stage] + (counts * self.start_memory[stage]).sum(axis=1) - limit
+        layers = counts[rows[:, None], self.move_group[stage]]  # [Q, moves] layers each move may take
+        unit_save, unit_time = self.move_save[stage], self.move_time[stage]
+        saved = np.cumsum(layers * unit_save, axis=1)
+        moves = saved.shape[1]
+        whole = (saved < deficit[:, None]).sum(axis=1)  # moves taken whole
+        fits = (deficit <= 0) | (whole < moves)
+        whole = np.where(deficit <= 0, 0, np.minimum(whole, moves - 1))
+        before = np.where(whole > 0, saved[rows, np.maximum(whole - 1, 0)], 0.0)
+        unit = unit_save[rows, whole]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
+        partial = np.where((deficit > 0) & np.isfinite(partial), partial, 0.0)
+        partial += (deficit > 0) & (before + partial * unit < deficit)  # rounding: one more layer
+        fits &= partial <= layers[rows, whole]
+        spent = np.where(whole > 0, np.cumsum(layers * unit_time, axis=1)[rows, np.maximum(whole - 1, 0)], 0.0)
+        greedy = np.where(fits, time + spent + partial * unit_time[rows, whole], np.inf)
+        plain = np.zeros(Q, dtype=bool)
+        if self.none is not None:
+            plain_bytes = self.base_bytes[stage] + (counts * self.plain_memory[stage]).sum(axis=1)
+            plain_time = self.base_time[stage] + (counts * self.plain_time[stage]).sum(axis=1)
+            plain = (plain_bytes <= limit) & (plain_time <= greedy)
+            greedy = np.where(plain, plain_time, greedy)
+        return greedy, plain, whole, partial.astype(np.int64)
+
+    def options(self, stage: int, counts: np.ndarray, plain: bool, whole: int, partial: int) -> np.ndarray:
+        """[v, G, R] layers of each chunk and kind on each option, from ``solve``'s answer for
+        ``stage`` holding ``counts`` [v, G]."""
+        v, G = counts.shape
+        out = np.zeros((v, G, self.memory.shape[-1]), dtype=np.int64)
+        if plain:
+            out[..., self.none] = counts
+            return out
+        at = self.start[stage].copy()  # [v, G] option of the layers not moved yet
+        moved = np.zeros((v, G), dtype=np.int64)  # layers of the partial move, on its option
+        for rank, flat in enumerate(self.order[stage, : whole + 1].tolist()):
+            group, h = divmod(flat, self.steps)
+            c, g = divmod(group, G)
+            if rank < whole:
+                at[c, g] = self.step_option[stage, c, g, h]
+            else:
+                moved[c, g] = partial
+                out[c, g, self.step_option[stage, c, g, h]] += partial
+        chunk, kind = np.indices((v, G))
+        np.add.at(out, (chunk, kind, at), counts - moved)
+        return out
+
+
+def _round_orders(problem: BalanceProblem) -> list[bool] | None:
+    """Per round, whether it runs round 0's stages forward (True) or reversed (False); None if
+    some round does neither (no periodic plan then)."""
+    pp, v = problem.pp, problem.chunks_per_stage
+    first = np.asarray(problem.stage_of[:pp])
+    out = []
+    for c in range(v):
+        stages = np.asarray(problem.stage_of[c * pp:(c + 1) * pp])
+        if np.array_equal(stages, first):
+            out.append(True)
+        elif np.array_equal(stages, first[::-1]):
+            out.append(False)
+        else:
+            return None
+    return out
+
+
+def _virtual_counts(problem: BalanceProblem, forward: list[bool], n: np.ndarray, e: np.ndarray) -> tuple[int, ...]:
+    """Layers per virtual stage of the periodic plan (n_i, e_i) given per round-0 position i."""
+    pp, v = problem.pp, problem.chunks_per_stage
+    out = []
+    for c in range(v):
+        for k in range(pp):
+            i = k if forward[c] else pp - 1 - k
+            out.append(int(n[i]) + (int(e[i]) if c == v - 1 else 0))
+    return tuple(out)
+
+
+def _chunk_counts(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...]) -> np.ndarray:
+    """[pp, v, G] layers of each kind in each stage's local chunks for a placement."""
+    G = len(greedy.kinds)
+    virtual = np.repeat(np.arange(problem.num_virtual_stages), counts)  # virtual stage of each layer
+    held = np.bincount(virtual * G + greedy.codes, minlength=problem.num_virtual_stages * G).reshape(-1, G)
+    out = np.zeros((problem.pp, problem.chunks_per_stage, G), dtype=np.int64)
+    out[problem.stage_of, problem.chunk_of] = held
+    return out
+
+
+def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...]) -> tuple[Plan, PlanCost] | None:
+    """The greedy's recompute for a placement, evaluated; None if a stage cannot fit."""
+    per_chunk = _chunk_counts(problem, greedy, counts)
+    time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
+    if not np.isfinite(time).all():
+        return None
+    choice = [greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
+              for s in range(problem.pp)]
+    code = greedy.codes
+    R = len(problem.options)
+    option = np.empty(problem.num_layers, dtype=np.int64)
+    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    for virtual in range(problem.num_virtual_stages):
+        a, b = bounds[virtual], bounds[virtual + 1]
+        held = choice[int(problem.stage_of[virtual])][int(problem.chunk_of[virtual])]  # [G, R]
+        if len(greedy.kinds) == 1:  # inside a chunk the order of a kind's options changes nothing
+            option[a:b] = np.repeat(np.arange(R), held[0])
+            continue
+        for g in range(len(greedy.kinds)):
+            option[a + np.flatnonzero(code[a:b] == g)] = np.repeat(np.arange(R), held[g])
+    plan = Plan(counts, tuple(problem.options[r] for r in option.tolist()))
+    cost = evaluate(problem, plan)
+    return (plan, cost) if cost.fits else None
+
+
+class _Table:
+    """The DP's tables over positions (b, eb) encoded b·(r + 1) + eb (module docstring)."""
+
+    def __init__(self, start: np.ndarray, cost: np.ndarray, lengths: np.ndarray) -> None:
+        self.start, self.cost, self.lengths = start, cost, lengths
+
+
+def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> tuple[int, ...] | None:
+    """The best periodic placement of R layers per round the DP finds (layers per virtual
+    stage), or None."""
+    forward = _round_orders(problem)
+    pp, v, L = problem.pp, problem.chunks_per_stage, problem.num_layers
+    r = L - v * R  # leftover layers, one each on r stages of the last round
+    if forward is None or R < pp or not 0 <= r <= pp:
+        return None
+    low, high = max(1, R // pp - window), min(R - pp + 1, -(-R // pp) + window)
+    n_values = np.arange(low, high + 1)
+    extras = np.arange(min(r, 1) + 1)
+    n_of = np.repeat(n_values, len(extras))  # lengths j ↔ (n, e)
+    e_of = np.tile(extras, len(n_values))
+    lengths = n_of * (r + 1) + e_of
+    P = (R + 1) * (r + 1)
+    position = np.arange(P)
+    b_end, eb_end = np.divmod(position, r + 1)
+    valid = (b_end[None] >= n_of[:, None]) & (eb_end[None] >= e_of[:, None])  # [J, P]
+    start = np.where(valid, position[None] - lengths[:, None], 0)
+    b, eb = b_end[None] - n_of[:, None], eb_end[None] - e_of[:, None]  # [J, P] before the stage
+    G = len(greedy.kinds)
+    prefix = np.zeros((G, L + 1), dtype=np.int64)  # layers of each kind before each position
+    prefix[:, 1:] = np.cumsum(greedy.codes[None] == np.arange(G)[:, None], axis=1)
+    cost = np.full((pp, len(lengths), P), np.inf)
+    J_index, P_index = np.nonzero(valid)
+    stages = np.asarray(problem.stage_of[:pp])
+    counts = np.zeros((pp, len(J_index), v, G), dtype=np.int64)
+    for i in range(pp):
+        for c in range(v):
+            virtual = c * pp + (i if forward[c] else pp - 1 - i)
+            last = c == v - 1
+            held = n_of[J_index] + (e_of[J_index] if last else 0)
+            before = b[J_index, P_index] + (eb[J_index, P_index] if last else 0)
+            total = R + (r if last else 0)
+            offset = c * R + (before if forward[c] else total - before - held)
+            counts[i, :, int(problem.chunk_of[virtual])] = (prefix[:, offset + held] - prefix[:, offset]).T
+    # Most cells hold the same layers as many others (only the few near a kind boundary
+    # differ): solve each distinct (stage, layers per chunk and kind) once.
+    queries = counts.reshape(-1, v * G)
+    query_stage = np.repeat(stages, len(J_index))
+    if float(pp) * float(L + 1) ** (v * G) < 2.0**62:  # one integer per query: a fast unique
+        key = query_stage * (L + 1) ** (v * G) + queries @ ((L + 1) ** np.arange(v * G))
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    else:
+        _, first, inverse = np.unique(np.column_stack([query_stage, queries]), axis=0, return_index=True,
+                                      return_inverse=True)
+    time, *_ = greedy.solve(query_stage[first], queries[first].reshape(-1, v, G))
+    cost[:, J_index, P_index] = time[inverse.reshape(-1)].reshape(pp, -1)
+    table = _Table(start, cost, lengths)
+    z_star = min_max(table)
+    if not np.isfinite(z_star):
+        return None
+    _, _, encoded = min_sum(table, z_star)
+    if not encoded:
+        return None
+    n, e = np.divmod(np.asarray(encoded), r + 1)
+    return _virtual_counts(problem, forward, n, e)
+
+
+def solve_rounds(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan, PlanCost] | None:
+    """The heuristic plan of a pipeline with several chunks per stage (module docstring); None
+    only if neither it nor a uniform plan fits."""
+    greedy = _Greedy(problem)
+    found: list[tuple[Plan, PlanCost]] = []
+    per_round = problem.num_layers // problem.chunks_per_stage
+    placements = [_periodic(problem, greedy, window, R) for R in (per_round, per_round - 1)]
+    placements.append(uniform_plan(problem, problem.options[0]).stage_layers)
+    for placement in dict.fromkeys(c for c in placements if c is not None):
+        planned = _plan_of(problem, greedy, placement)
+        if planned is not None:
+            found.append(planned)
+    for option in problem.options:
+        cost = evaluate(problem, plan := uniform_plan(problem, option))
+        if cost.fits:
+            found.append((plan, cost))
+    return min(found, key=lambda f: f[1].step_s) if found else None
+
+
+__all__ = ["solve_rounds"]

@@ -1,0 +1,215 @@
+"""Several chunks per stage: the periodic-plan heuristic, its greedy knapsack, and the MILP."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ndplan.balance import (
+    BalanceProblem,
+    LayerCost,
+    Plan,
+    evaluate,
+    exact_method,
+    knapsack,
+    solve_brute_force,
+    solve_exact,
+    solve_heuristic,
+    solve_milp_bounded,
+    uniform_plan,
+)
+from ndplan.balance.problem import composed_step_s, even_chunks
+from ndplan.balance.rounds import _Greedy, _plan_of, solve_rounds
+from ndplan.schedule import model_chunk_table
+
+GIB = 2**30
+
+
+def chunked_problem(kinds, pp, vpp, limit_gib, *, seed=0, m=8, schedule="interleaved", shuffle=False):
+    """Random costs on an interleaved or V-shaped pipeline; chunks hold fewer micro-batches in
+    flight the later they run, as in the schedules."""
+    rng = np.random.default_rng(seed)
+    costs = {}
+    for kind in set(kinds):
+        base_t, act, static = rng.uniform(1, 2), rng.uniform(0.5, 1.5) * GIB, rng.uniform(0.3, 1.0) * GIB
+        for i, option in enumerate(("none", "selective", "full")):
+            if shuffle:
+                time, activation = base_t * rng.uniform(0.9, 1.5), act * rng.uniform(0.02, 1.2)
+            else:
+                time, activation = base_t * (1 + 0.15 * i * i), act * 0.45**i
+            costs[(kind, option)] = LayerCost(time, activation, static)
+    table = model_chunk_table(schedule, pp, vpp)
+    stage_of = np.empty(pp * vpp, dtype=np.int64)
+    chunk_of = np.empty(pp * vpp, dtype=np.int64)
+    for s, chunks in enumerate(table):
+        for c, virtual in enumerate(chunks):
+            stage_of[virtual], chunk_of[virtual] = s, c
+    flight = np.array([[pp - s + (vpp - 1 - c) * pp for c in range(vpp)] for s in range(pp)], dtype=float)
+    return BalanceProblem(
+        layer_kinds=tuple(kinds), options=("none", "selective", "full"), costs=costs,
+        stage_of=stage_of, chunk_of=chunk_of, peak_in_flight=flight, num_micro_batches=m,
+        first_extra=LayerCost(0.3, 0.1 * GIB, 1.0 * GIB), last_extra=LayerCost(rng.uniform(0.5, 3.0), 1.0 * GIB, 1.0 * GIB),
+        fixed_bytes=rng.uniform(0.3, 1.0, pp) * GIB, memory_limit_bytes=limit_gib * GIB,
+        recompute_transient_bytes=rng.uniform(0.1, 0.6, pp) * GIB,
+    )
+
+
+def test_composed_step_is_the_interleaved_bubble():
+    """(m − 1/v)·max + (1/v)·Σ: for equal stages, m·T + (pp − 1)·T/v, the textbook interleaved step."""
+    problem = chunked_problem(("dense",) * 8, 2, 2, 100)
+    assert composed_step_s(problem, np.array([3.0, 3.0])) == pytest.approx(8 * 3.0 + 1 * 3.0 / 2)
+    one_chunk = chunked_problem(("dense",) * 8, 2, 1, 100)
+    assert composed_step_s(one_chunk, np.array([3.0, 2.0])) == pytest.approx(5.0 + 7 * 3.0)
+
+
+def test_even_chunks():
+    problem = chunked_problem(("dense",) * 12, 2, 3, 100)  # virtual stages 0, 2, 4 on stage 0
+    assert even_chunks(problem, (2, 2, 2, 2, 2, 2)) and even_chunks(problem, (2, 1, 3, 2, 2, 2))
+    assert not even_chunks(problem, (1, 2, 3, 2, 2, 2))  # stage 0 holds 1, 3 and 2
+
+
+@settings(max_examples=80, deadline=None)
+@given(layers=st.integers(2, 9), vpp=st.integers(2, 3), limit_gib=st.floats(4, 40), seed=st.integers(0, 10_000),
+       shuffle=st.booleans(), moe_from=st.integers(0, 3))
+def test_greedy_stage_cost_fits_and_is_close_to_the_exact_knapsack(layers, vpp, limit_gib, seed, shuffle, moe_from):
+    """The greedy never breaks memory, and its time is at least the exact knapsack's and at most
+    one move of one layer above it (the rounded-up linear relaxation)."""
+    pp = 2
+    kinds = tuple("dense" if i < moe_from else "moe" for i in range(layers * pp * vpp))
+    problem = chunked_problem(kinds, pp, vpp, limit_gib, seed=seed, shuffle=shuffle)
+    counts = uniform_plan(problem, "none").stage_layers
+    greedy = _Greedy(problem)
+    per_chunk = np.zeros((pp, vpp, len(greedy.kinds)), dtype=np.int64)
+    for virtual, count in enumerate(counts):
+        first = sum(counts[:virtual])
+        for kind in kinds[first:first + count]:
+            per_chunk[problem.stage_of[virtual], problem.chunk_of[virtual], greedy.kinds.index(kind)] += 1
+    times, *_ = greedy.solve(np.arange(pp), per_chunk)
+    move = max(abs(c.time_s - d.time_s) for c in problem.costs.values() for d in problem.costs.values())
+    for stage in range(pp):
+        exact = knapsack(problem, counts, stage)
+        if exact is None:
+            assert times[stage] == np.inf
+        else:
+            assert exact[1] - 1e-9 <= times[stage] <= exact[1] + move + 1e-9
+    found = _plan_of(problem, greedy, counts)
+    if np.isfinite(times).all():
+        assert found is not None and found[1].fits
+        np.testing.assert_allclose(found[1].stage_time_s, times, rtol=1e-12)
+    else:
+        assert found is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(4, 10), pp=st.integers(2, 3), limit_gib=st.floats(4, 40), seed=st.integers(0, 10_000),
+       schedule=st.sampled_from(["interleaved", "zbv"]), moe_from=st.integers(0, 3), m=st.sampled_from([1, 4, 16]))
+def test_heuristic_fits_keeps_chunks_even_and_beats_uniform(layers, pp, limit_gib, seed, schedule, moe_from, m):
+    vpp = 2
+    if layers < pp * vpp:
+        return
+    kinds = tuple("dense" if i < moe_from else "moe" for i in range(layers))
+    problem = chunked_problem(kinds, pp, vpp, limit_gib, seed=seed, schedule=schedule, m=m)
+    assert exact_method(problem) == ("dp" if moe_from == 0 else "milp")
+    found = solve_heuristic(problem)
+    uniform = [evaluate(problem, uniform_plan(problem, o)) for o in problem.options]
+    if found is None:
+        assert not any(u.fits for u in uniform)
+        assert solve_brute_force(problem) is None
+        return
+    plan, cost = found
+    assert cost.fits and sum(plan.stage_layers) == layers and min(plan.stage_layers) >= 1
+    assert even_chunks(problem, plan.stage_layers)
+    assert cost.step_s <= min(u.step_s for u in uniform if u.fits) + 1e-9 if any(u.fits for u in uniform) else True
+    brute = solve_brute_force(problem)
+    assert brute is not None and cost.step_s >= brute[1].step_s - 1e-9
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("kinds,limit", [(("dense",) * 8, 12), (("dense", "dense", "moe", "moe", "moe", "moe", "moe"), 10)])
+def test_milp_equals_brute_force_over_even_chunks(kinds, limit, seed, schedule):
+    problem = chunked_problem(kinds, 2, 2, limit, seed=seed, schedule=schedule)
+    brute, exact = solve_brute_force(problem), solve_exact(problem)
+    milp, lower_bound = solve_milp_bounded(problem)
+    assert (brute is None) == (milp is None) == (exact is None)
+    if brute is None:
+        return
+    assert milp[1].step_s == pytest.approx(brute[1].step_s, rel=1e-6)
+    # HiGHS stops within its relative gap (1e-4) of the optimum; its bound never exceeds it.
+    assert brute[1].step_s * (1 - 1.1e-4) <= lower_bound <= brute[1].step_s * (1 + 1e-9)
+    assert exact[1].fits and even_chunks(problem, exact[0].stage_layers)
+    assert exact[1].step_s == pytest.approx(brute[1].step_s, rel=1e-6)
+
+
+def test_periodic_plan_moves_layers_off_a_slow_last_stage():
+    """Plenty of memory, a slow head on the last stage: the rounds DP (two layer kinds) moves
+    layers off the last stage in every round, which uniform placement cannot."""
+    problem = chunked_problem(("dense",) * 2 + ("moe",) * 22, 3, 2, 1000, seed=1)
+    problem = BalanceProblem(**{**problem.__dict__, "last_extra": LayerCost(6.0, 0.0, 0.0)})
+    plan, cost = solve_rounds(problem)
+    counts = np.array(plan.stage_layers).reshape(2, 3)  # [round, stage]
+    assert (np.abs(counts[0] - counts[1]) <= 1).all() and (counts[:, 2] < counts[:, 0]).all()
+    assert set(plan.recompute) == {"none"}
+    assert cost.step_s < evaluate(problem, uniform_plan(problem, "none")).step_s
+
+
+def test_leftover_layers_go_to_the_last_round():
+    """L = v·R + r: the r leftover layers sit in the last round, so chunks stay even."""
+    problem = chunked_problem(("dense",) + ("moe",) * 12, 3, 2, 1000, seed=2)
+    plan, _ = solve_rounds(problem)
+    assert sum(plan.stage_layers) == 13 and even_chunks(problem, plan.stage_layers)
+
+
+def test_heuristic_matches_the_milp_closely_on_a_real_interleaved_model():
+    from ndplan.balance import build_problem
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    model = get_preset("llama-3.1-8b")
+    strategy = Strategy(dp=4, tp=2, pp=4, vpp=2, schedule="interleaved", num_micro_batches=16, seq_length=8192,
+                        recompute="full")
+    device = get_device("h100-sxm")
+    problem = build_problem(model, strategy, Cluster(device=device, num_devices=32), 40 * GIB)
+    heuristic, exact = solve_heuristic(problem), solve_exact(problem, time_limit_s=30)
+    assert heuristic is not None and exact is not None and heuristic[1].fits
+    assert exact[1].step_s <= heuristic[1].step_s <= exact[1].step_s * 1.03
+    assert heuristic[1].step_s < evaluate(problem, uniform_plan(problem, "full")).step_s
+
+
+def test_plan_of_keeps_model_order_of_kinds():
+    problem = chunked_problem(("dense", "dense", "moe", "moe", "moe", "moe", "moe", "moe"), 2, 2, 1000)
+    plan, _ = _plan_of(problem, _Greedy(problem), (2, 2, 2, 2))
+    assert isinstance(plan, Plan) and plan.recompute == ("none",) * 8
+
+
+@settings(max_examples=80, deadline=None)
+@given(layers=st.integers(4, 11), pp=st.integers(1, 3), vpp=st.integers(2, 3), limit_gib=st.floats(3, 40),
+       seed=st.integers(0, 10_000), m=st.sampled_from([1, 4, 16]), shuffle=st.booleans(), v_shape=st.booleans())
+def test_one_kind_dp_equals_brute_force_over_even_chunks(layers, pp, vpp, limit_gib, seed, m, shuffle, v_shape):
+    """One layer kind, several chunks per stage: the DP over stage totals is exact (brute force
+    over every even-chunk placement with the exact knapsack per stage); its window heuristic
+    fits, is never better than it and never slower than uniform."""
+    schedule = "zbv" if v_shape else "interleaved"
+    if v_shape:
+        vpp = 2
+    if layers < pp * vpp:
+        return
+    problem = chunked_problem(("dense",) * layers, pp, vpp, limit_gib, seed=seed, m=m, schedule=schedule,
+                              shuffle=shuffle)
+    assert exact_method(problem) == "dp"
+    brute, exact = solve_brute_force(problem), solve_exact(problem)
+    assert (brute is None) == (exact is None)
+    if exact is None:
+        assert solve_heuristic(problem) is None
+        return
+    assert exact[1].fits and even_chunks(problem, exact[0].stage_layers)
+    assert exact[1].step_s == pytest.approx(brute[1].step_s, rel=1e-9)
+    found = solve_heuristic(problem)
+    assert found is not None and found[1].fits and found[1].step_s >= exact[1].step_s - 1e-9
+    for option in problem.options:
+        uniform = evaluate(problem, uniform_plan(problem, option))
+        if uniform.fits:
+            assert found[1].step_s <= uniform.step_s + 1e-9
