@@ -3,10 +3,11 @@
 Interleaved 1F1B (and ZB-V, DualPipeV) run v chunks per stage; the composed step
 (m − 1/v)·max_s T_s + (1/v)·Σ_s T_s holds for plans whose chunks on a stage are within one layer
 of each other (``ndplan.balance.problem``). With one layer kind, where a layer sits does not
-change its costs, so such a plan is given by each stage's total T_s = v·n + e (0 ≤ e < v): e of
-its chunks hold n + 1 layers, the others n. Which chunks get the extra layers changes memory
-only, and the least is when they are the chunks holding the fewest micro-batches in flight
-(a layer's bytes grow with its chunk's in-flight count). So the plan is a split of L into pp
+change its costs, so such a plan is given by each stage's total T_s: its chunks' loads (layers,
+plus the embedding's or head's ``end_units``) as even as they go (``_chunk_layers``). Which
+chunks of equal load get one layer more changes memory only, and the least is when they are
+the chunks holding the fewest micro-batches in flight (a layer's bytes grow with its chunk's
+in-flight count). So the plan is a split of L into pp
 stage totals, and a stage's cost depends on (stage, total) alone: the split DP of
 ``ndplan.balance.dp`` over totals (``threshold_search``, weight m·v − 1, the composed step
 times v), exact over every plan with even chunks.
@@ -29,7 +30,8 @@ from functools import lru_cache
 import numpy as np
 
 from ndplan.balance.dp import _at_most, min_max, threshold_search
-from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate
+from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, end_units, evaluate, even_chunks, uniform_plan
+from ndplan.balance.rounds import uniform_candidates
 
 WINDOW = 1  # the heuristic's stage totals: within one layer per chunk of uniform
 
@@ -46,14 +48,32 @@ class _Table:
 
 
 def _chunk_layers(problem: BalanceProblem, totals: np.ndarray) -> np.ndarray:
-    """[pp, J, v] layers of each local chunk for each stage total: e = T mod v extra layers on
-    the chunks of fewest micro-batches in flight."""
-    v = problem.chunks_per_stage
-    base, extra = np.divmod(totals, v)  # [J]
-    flight = np.zeros((problem.pp, v))
+    """[pp, J, v] layers of each local chunk for each stage total, the loads (layers plus
+    ``end_units``) as even as they go: every chunk one layer, then each further layer to the
+    chunk of least load, ties to the one of fewest micro-batches in flight (water filling)."""
+    pp, v = problem.pp, problem.chunks_per_stage
+    flight = np.zeros((pp, v))
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
-    rank = np.argsort(np.argsort(flight, axis=1, kind="stable"), axis=1)  # [pp, v] 0 = fewest in flight
-    return base[None, :, None] + (rank[:, None, :] < extra[None, :, None])
+    units = np.zeros((pp, v), dtype=np.int64)
+    units[problem.stage_of, problem.chunk_of] = end_units(problem)
+    start = units + 1  # [pp, v] loads with one layer each
+    more = totals - v  # [J] layers left to place
+    # Raising every load to level λ takes filled(λ) = Σ_c max(0, λ − start_c) layers; the
+    # highest λ within reach, then the rest one each to chunks at that level.
+    levels = np.arange(int(start.max()) + int(totals.max()) + 1)
+    filled = np.maximum(levels[None, None, :] - start[:, :, None], 0).sum(axis=1)  # [pp, Λ]
+    level = np.stack([np.searchsorted(filled[s], more, side="right") - 1 for s in range(pp)])  # [pp, J]
+    rest = more[None, :] - np.take_along_axis(filled, level, axis=1)  # [pp, J]
+    loads = np.maximum(start[:, None, :], level[:, :, None])  # [pp, J, v]
+    at_level = start[:, None, :] <= level[:, :, None]
+    order = np.argsort(flight, axis=1, kind="stable")  # [pp, v] fewest in flight first
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(v)[None].repeat(pp, 0), axis=1)  # chunk's place in that order
+    # Place of each chunk among the chunks at level, in that order.
+    sorted_at_level = np.take_along_axis(at_level, order[:, None, :], axis=2)
+    place = np.take_along_axis(np.cumsum(sorted_at_level, axis=2), rank[:, None, :], axis=2)
+    loads = loads + (at_level & (place <= rest[:, :, None]))
+    return loads - units[:, None, :]
 
 
 @lru_cache(maxsize=256)
@@ -151,20 +171,29 @@ def _plan(problem: BalanceProblem, totals: tuple[int, ...], mixes: list[np.ndarr
 
 
 def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Plan, PlanCost] | None:
-    """The best plan with even chunks (module docstring), or None if none fits; with ``window``
-    only stage totals near uniform (the heuristic), all of them if nothing there fits."""
+    """The best plan with even chunks (module docstring), or the uniform placement if that is
+    faster (``rounds.uniform_candidates``); None if none fits. With ``window``, only stage
+    totals near uniform (the heuristic), all of them if nothing there fits."""
     if not one_layer_kind(problem):
         raise ValueError("solve_chunks needs every layer of one kind")
     L, pp, v = problem.num_layers, problem.pp, problem.chunks_per_stage
     if L < pp * v:
         return None
     shortest, longest = v, L - (pp - 1) * v
+    found = None
     if window is not None:
         low, high = max(shortest, L // pp - window * v), min(longest, -(-L // pp) + window * v)
         found = _solve(problem, np.arange(low, high + 1))
-        if found is not None or (low == shortest and high == longest):
-            return found
-    return _solve(problem, np.arange(shortest, longest + 1))
+        if found is None and (low, high) != (shortest, longest):
+            found = _solve(problem, np.arange(shortest, longest + 1))
+    else:
+        found = _solve(problem, np.arange(shortest, longest + 1))
+    # A uniform placement with even loads is among the plans the DP weighs (its totals are in
+    # any window, and its chunk split at best the DP's); one with a heavy head chunk is not.
+    uniform = uniform_plan(problem, problem.options[0]).stage_layers
+    candidates = [] if even_chunks(problem, uniform) else uniform_candidates(problem)
+    candidates += [found] if found is not None else []
+    return min(candidates, key=lambda c: c[1].step_s) if candidates else None
 
 
 def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost] | None:

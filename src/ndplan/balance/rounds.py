@@ -24,7 +24,9 @@ from every layer's fastest option, move layers along the lower convex hull of th
 (bytes, seconds) in order of seconds added per byte saved until the stage fits. That is the
 linear relaxation's optimum rounded up by at most one layer: never over memory, at most one
 layer's step from the best mix. Counts per stage stay within ⌊R/pp⌋ − 2 … ⌈R/pp⌉ + 2 (each
-one a layer in every chunk). The answer is the best of that plan and the uniform placement
+one a layer in every chunk). The plan is then evened out inside each stage (``_even_out``:
+the chunk holding the head gives layers to its stage's other chunks, as ``even_chunks``
+counts the head as layers). The answer is the best of those plans and the uniform placement
 (with the greedy's recompute, or one option on every layer), so it is never slower than uniform.
 """
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ndplan.balance.dp import min_max, min_sum
-from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate, uniform_plan
+from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, end_units, evaluate, uniform_plan
 
 WINDOW = 2  # per-chunk counts n_s within ⌊R/pp⌋ − 2 … ⌈R/pp⌉ + 2
 _ROUNDING = 1e-9  # a quotient this close above an integer may be that integer rounded up
@@ -303,23 +305,50 @@ def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> 
     return _virtual_counts(problem, forward, n, e)
 
 
-def solve_rounds(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan, PlanCost] | None:
-    """The heuristic plan of a pipeline with several chunks per stage (module docstring); None
-    only if neither it nor a uniform plan fits."""
-    greedy = _Greedy(problem)
-    found: list[tuple[Plan, PlanCost]] = []
-    per_round = problem.num_layers // problem.chunks_per_stage
-    placements = [_periodic(problem, greedy, window, R) for R in (per_round, per_round - 1)]
-    placements.append(uniform_plan(problem, problem.options[0]).stage_layers)
-    for placement in dict.fromkeys(c for c in placements if c is not None):
-        planned = _plan_of(problem, greedy, placement)
-        if planned is not None:
-            found.append(planned)
+def _even_out(problem: BalanceProblem, counts: tuple[int, ...]) -> tuple[int, ...]:
+    """The placement with each stage's layers moved between its own chunks (same stage totals)
+    until their loads are even (``even_chunks``): one layer at a time from the heaviest chunk
+    that holds more than one to the lightest."""
+    out = list(counts)
+    units = end_units(problem)
+    for stage in range(problem.pp):
+        chunks = np.flatnonzero(problem.stage_of == stage).tolist()
+        while True:
+            loads = {c: out[c] + int(units[c]) for c in chunks}
+            lightest = min(chunks, key=lambda c: loads[c])
+            movable = [c for c in chunks if out[c] > 1 and loads[c] > loads[lightest] + 1]
+            if not movable:
+                break
+            heaviest = max(movable, key=lambda c: loads[c])
+            out[heaviest] -= 1
+            out[lightest] += 1
+    return tuple(out)
+
+
+def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None) -> list[tuple[Plan, PlanCost]]:
+    """The uniform placement (what frameworks run by default) with each recompute option on
+    every layer, and with the greedy's recompute; those that fit."""
+    found = []
     for option in problem.options:
         cost = evaluate(problem, plan := uniform_plan(problem, option))
         if cost.fits:
             found.append((plan, cost))
+    planned = _plan_of(problem, greedy or _Greedy(problem), uniform_plan(problem, problem.options[0]).stage_layers)
+    return found + ([planned] if planned is not None else [])
+
+
+def solve_rounds(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan, PlanCost] | None:
+    """The heuristic plan of a pipeline with several chunks per stage (module docstring): even
+    chunks, or the uniform placement if that is faster; None only if neither fits."""
+    greedy = _Greedy(problem)
+    found = uniform_candidates(problem, greedy)
+    per_round = problem.num_layers // problem.chunks_per_stage
+    placements = [_periodic(problem, greedy, window, R) for R in (per_round, per_round - 1)]
+    for placement in dict.fromkeys(_even_out(problem, c) for c in placements if c is not None):
+        planned = _plan_of(problem, greedy, placement)
+        if planned is not None:
+            found.append(planned)
     return min(found, key=lambda f: f[1].step_s) if found else None
 
 
-__all__ = ["solve_rounds"]
+__all__ = ["solve_rounds", "uniform_candidates"]

@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import combinations, product
+from itertools import permutations, product
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ndplan.balance.chunks import WINDOW as CHUNKS_WINDOW
 from ndplan.balance.chunks import one_layer_kind, solve_chunks
 from ndplan.balance.dp import WINDOW as HEURISTIC_WINDOW
 from ndplan.balance.dp import one_chunk_per_stage, solve_dp
-from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate, even_chunks
+from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, end_units, evaluate, even_chunks
 from ndplan.balance.rounds import solve_rounds
 
 
@@ -202,8 +202,9 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> t
 
     The MILP. Variables: k[v, g, r] (layers of kind g on v with option r), a[s] (stage s
     recomputes something), Z (the largest stage time), and what places the kinds. Objective:
-    (m − 1/v)·Z + (1/v)·Σ_s T_s (``problem.composed_step_s``); a stage's chunks hold layer
-    counts within one of each other. Placing the kinds:
+    (m − 1/v)·Z + (1/v)·Σ_s T_s (``problem.composed_step_s``); a stage's chunks carry loads
+    within one of each other (``even_chunks``; a binary per chunk holding the embedding or head
+    lets it exceed when it holds a single layer). Placing the kinds:
 
     * one kind: nothing, the counts k place it;
     * two runs (K layers of one kind, then the other, as dense-then-MoE models): the first
@@ -227,11 +228,16 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> t
     P = problem.pp
     v_chunks = problem.chunks_per_stage
     n_b = V if two_runs else 0
-    n = n_y + n_k + P + n_b + 1
+    units = end_units(problem)
+    heavy = [int(v) for v in np.flatnonzero(units)]  # chunks also holding the embedding or head
+    n = n_y + n_k + P + n_b + len(heavy) + 1
     z = n - 1
 
     def boundary(v: int) -> int:
         return n_y + n_k + P + v
+
+    def single(v: int) -> int:  # binary: heavy chunk v holds a single layer (may exceed the others' load)
+        return n_y + n_k + P + n_b + heavy.index(v)
 
     def any_recompute(stage: int) -> int:
         return n_y + n_k + stage
@@ -314,13 +320,20 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> t
                     if option != "none":  # a recomputed layer on s switches the stage's transient on
                         add({k(virtual, g, r): 1.0, any_recompute(s): -float(L)}, -np.inf, 0)
     objective[z] = problem.num_micro_batches - 1 / v_chunks
-    for s in range(problem.pp):  # a stage's chunks within one layer of each other (even_chunks)
-        for first, other in combinations((int(i) for i in np.flatnonzero(problem.stage_of == s)), 2):
-            add({**{k(first, g, r): 1.0 for g in range(G) for r in range(R)},
-                 **{k(other, g, r): -1.0 for g in range(G) for r in range(R)}}, -1, 1)
+    for s in range(problem.pp):  # a stage's chunk loads within one of each other (even_chunks)
+        for a, b in permutations((int(i) for i in np.flatnonzero(problem.stage_of == s)), 2):
+            # load_a − load_b ≤ 1, or (heavy a) a holds one layer: n_a ≤ 1 + L·(1 − single_a)
+            row = {**{k(a, g, r): 1.0 for g in range(G) for r in range(R)},
+                   **{k(b, g, r): -1.0 for g in range(G) for r in range(R)}}
+            if a in heavy:
+                row[single(a)] = -float(L + int(units[a]))
+            add(row, -np.inf, 1 - int(units[a]) + int(units[b]))
+    for a in heavy:
+        add({**{k(a, g, r): 1.0 for g in range(G) for r in range(R)}, single(a): float(L)}, -np.inf, 1 + L)
     integrality = np.ones(n)
     integrality[z] = 0
-    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), np.ones(P), np.ones(n_b), [np.inf]]))
+    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), np.ones(P), np.ones(n_b),
+                                                 np.ones(len(heavy)), [np.inf]]))
     result = milp(
         objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
         bounds=bounds, options={"time_limit": time_limit_s},
