@@ -81,8 +81,29 @@ def test_composed_step_is_the_interleaved_bubble():
 
 def test_even_chunks():
     problem = chunked_problem(("dense",) * 12, 2, 3, 100)  # virtual stages 0, 2, 4 on stage 0
+    problem = BalanceProblem(**{**problem.__dict__, "last_extra": LayerCost(0.0, 0.0, 0.0)})
     assert even_chunks(problem, (2, 2, 2, 2, 2, 2)) and even_chunks(problem, (2, 1, 3, 2, 2, 2))
     assert not even_chunks(problem, (1, 2, 3, 2, 2, 2))  # stage 0 holds 1, 3 and 2
+
+
+def test_head_counts_as_layers_in_even_chunks():
+    """A head as slow as two layers: the last chunk holds two layers fewer than its stage's
+    others, or a single layer when they hold too few."""
+    problem = chunked_problem(("dense",) * 12, 2, 2, 100)
+    layer_s = problem.costs[("dense", "none")].time_s
+    problem = BalanceProblem(**{**problem.__dict__, "last_extra": LayerCost(2 * layer_s, 0.0, 0.0),
+                                "first_extra": LayerCost(0.1 * layer_s, 0.0, 0.0)})
+    assert end_units(problem).tolist() == [0, 0, 0, 2]
+    assert even_chunks(problem, (3, 4, 3, 2)) and not even_chunks(problem, (3, 3, 3, 3))
+    assert not even_chunks(problem, (5, 5, 1, 1))  # stage 1 carries loads 5 and 3
+    assert even_chunks(problem, (5, 5, 5, 1)) is False and even_chunks(problem, (5, 4, 5, 3))
+    small = chunked_problem(("dense",) * 4, 2, 2, 100)
+    small = BalanceProblem(**{**small.__dict__, "last_extra": LayerCost(5 * layer_s, 0.0, 0.0)})
+    assert even_chunks(small, (1, 1, 1, 1))  # the head's chunk cannot hold less than one layer
+    # The exact DP puts two layers fewer on the head's chunk.
+    plenty = BalanceProblem(**{**problem.__dict__, "memory_limit_bytes": 1e15})
+    plan, _ = solve_exact(plenty)
+    assert even_chunks(plenty, plan.stage_layers) and plan.stage_layers[3] <= plan.stage_layers[1] - 1
 
 
 @settings(max_examples=80, deadline=None)

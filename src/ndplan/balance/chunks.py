@@ -30,7 +30,15 @@ from functools import lru_cache
 import numpy as np
 
 from ndplan.balance.dp import _at_most, min_max, threshold_search
-from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, end_units, evaluate, even_chunks, uniform_plan
+from ndplan.balance.problem import (
+    BalanceProblem,
+    Plan,
+    PlanCost,
+    end_units,
+    evaluate,
+    even_chunks,
+    uniform_plan,
+)
 from ndplan.balance.rounds import uniform_candidates
 
 WINDOW = 1  # the heuristic's stage totals: within one layer per chunk of uniform
