@@ -352,24 +352,6 @@ def _undominated(rows: np.ndarray) -> np.ndarray:
     return rows[~dominated]
 
 
-@lru_cache(maxsize=8192)
-def _padded_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> np.ndarray:
-    """The frontier of every stage in one array [pp, rows, columns], padded with zero rows (a
-    zero row never beats a real one, since weights are non-negative)."""
-    frontier = _frontier(schedule, pp, vpp, m, seq_chunks)
-    rows = max(len(f) for f in frontier)
-    padded = np.zeros((pp, rows, frontier[0].shape[1]))
-    for s, f in enumerate(frontier):
-        padded[s, : len(f)] = f
-    padded.flags.writeable = False
-    return padded
-
-
-def _stage_matmul(weights: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Σ_c weights[n, s, c] · rows[s, k, c] -> [n, s, k]."""
-    return np.matmul(weights.transpose(1, 0, 2), rows.transpose(0, 2, 1)).transpose(1, 0, 2)
-
-
 def _runs_of(values: np.ndarray) -> Iterator[tuple[int, slice | np.ndarray]]:
     """(value, rows) for each distinct value: slices when ``values`` is sorted (the batch path
     sorts each group by micro-batch count), index arrays otherwise."""
@@ -383,34 +365,104 @@ def _runs_of(values: np.ndarray) -> Iterator[tuple[int, slice | np.ndarray]]:
         yield int(value), np.flatnonzero(values == value)
 
 
+@lru_cache(maxsize=8192)
+def _frontier_columns(
+    schedule: str, pp: int, vpp: int, m: int, seq_chunks: int, held: tuple[int, ...], grown: tuple[int, ...],
+) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """Per stage, its frontier rows restricted to the ``held`` columns and to the ``grown`` ones
+    (contiguous: each is the left operand of a matmul per stage)."""
+    return tuple(
+        (np.ascontiguousarray(rows[:, list(held)]), np.ascontiguousarray(rows[:, list(grown)]))
+        for rows in _frontier(schedule, pp, vpp, m, seq_chunks)
+    )
+
+
 def _held_peak(
     schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray,
-    per_b: np.ndarray, per_w: np.ndarray, per_extra: np.ndarray | None, *, keep_rows: bool = False,
+    weights: list[np.ndarray | None], extra: list[np.ndarray | None] | None, *, keep_rows: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Per stage [n, pp]: the peak over the schedule of the held activations, and of the held
-    activations plus what else appears during the step (``per_extra``, weights of the frontier's
-    further columns: each chunk's gradients, and under a V schedule the tensors handed over at
-    its turn; None where nothing does, and then the second is the first). With ``keep_rows``,
-    per strategy and stage the frontier row of the activation peak. Strategies are priced per
-    distinct micro-batch count, whose schedule simulation they share."""
-    n = per_b.shape[0]
-    weights = np.concatenate([per_b, per_w], axis=2)  # [n, pp, 2·vpp]
-    peak = np.zeros((n, pp))
-    with_extra = np.zeros((n, pp)) if per_extra is not None else peak
+    activations plus what else appears during the step.
+
+    ``weights`` are the bytes of one micro-batch behind each of the frontier's first 2·vpp
+    columns, one [n, pp] array per column (held until B per chunk, then held until W per chunk;
+    None where zero); ``extra`` those of its further columns (each chunk's gradients, and under a
+    V schedule the tensors handed over at its turn), or None where nothing appears, and then the
+    second result is the first. A stage's peak is max over its frontier rows of
+    Σ_c weight_c · row_c. With ``keep_rows``, per strategy and stage the frontier row of the
+    activation peak. Strategies are priced per distinct micro-batch count, whose schedule
+    simulation they share."""
+    n = len(micro_batches)
+    held = tuple(c for c, w in enumerate(weights) if w is not None)
+    grown = tuple(len(weights) + c for c, w in enumerate(extra or ()) if w is not None)
+    # Stage-major copies [pp, columns, n]: per stage, (rows × columns) @ (columns × strategies)
+    # gives every row's value in a [rows, n] block whose maximum runs over the leading axis.
+    held_weights = np.stack([w.T for w in weights if w is not None], axis=1) if held else np.zeros((pp, 0, n))
+    extra_weights = np.stack([w.T for w in extra or () if w is not None], axis=1) if grown else np.zeros((pp, 0, n))
+    peak = np.zeros((pp, n))
+    with_extra = np.zeros((pp, n)) if extra is not None else peak
     chosen: np.ndarray | None = None
     for m, subset in _runs_of(micro_batches):
-        frontier = _padded_frontier(schedule, pp, vpp, int(m), seq_chunks)  # [pp, rows, columns]
-        # Batched over stages, matmul runs in BLAS (several times einsum's loop): [n_m, pp, rows].
-        values = _stage_matmul(weights[subset], frontier[:, :, : 2 * vpp])
-        peak[subset] = values.max(axis=2)
-        if keep_rows:
-            if chosen is None:
-                chosen = np.zeros((n, pp, frontier.shape[2]))
-            chosen[subset] = frontier[np.arange(pp)[None, :], np.argmax(values, axis=2)]
-        if per_extra is not None:
-            values += _stage_matmul(per_extra[subset], frontier[:, :, 2 * vpp: 2 * vpp + per_extra.shape[2]])
-            with_extra[subset] = values.max(axis=2)
-    return peak, with_extra, chosen
+        frontier = _frontier_columns(schedule, pp, vpp, int(m), seq_chunks, held, grown)
+        if keep_rows and chosen is None:
+            chosen = np.zeros((n, pp, _frontier(schedule, pp, vpp, int(m), seq_chunks)[0].shape[1]))
+        for s, (held_rows, grown_rows) in enumerate(frontier):
+            values = held_rows @ held_weights[s][:, subset]
+            peak[s, subset] = values.max(axis=0)
+            if keep_rows and chosen is not None:
+                chosen[subset, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][np.argmax(values, axis=0)]
+            if extra is not None:
+                values += grown_rows @ extra_weights[s][:, subset]
+                with_extra[s, subset] = values.max(axis=0)
+    peak_by_strategy = np.ascontiguousarray(peak.T)
+    return peak_by_strategy, np.ascontiguousarray(with_extra.T) if extra is not None else peak_by_strategy, chosen
+
+
+#: A term of the static element counts: (kind, per strategy [n], per virtual stage [pp·vpp]).
+StaticTerm = tuple[str, Any, np.ndarray]
+
+
+def _outer_sum(terms: list[StaticTerm], n: int, width: int) -> np.ndarray:
+    """Σ_terms per_strategy ⊗ per_virtual as [n, width]. Terms with the same per-virtual vector
+    add their per-strategy factors first (a few [n] operations instead of [n, width] ones); a
+    one-hot vector (the embedding's or the head's stage) adds to its column alone."""
+    factors: dict[int, tuple[np.ndarray, Any]] = {}
+    for _kind, per_strategy, per_virtual in terms:
+        if per_virtual.any():
+            known = factors.get(id(per_virtual))
+            factors[id(per_virtual)] = (per_virtual, per_strategy if known is None else known[1] + per_strategy)
+    total = np.zeros((n, width))
+    for per_virtual, per_strategy in factors.values():
+        hot = np.flatnonzero(per_virtual)
+        if len(hot) == 1 and per_virtual[hot[0]] == 1.0:
+            total[:, hot[0]] += per_strategy
+        else:
+            total += np.multiply.outer(np.broadcast_to(per_strategy, (n,)), per_virtual)
+    return total
+
+
+def _chunk_table(placement: Placement) -> np.ndarray:
+    """[pp, vpp]: the virtual stage that runs as chunk c of stage s."""
+    table = np.empty((int(placement.stage_of.max()) + 1, int(placement.chunk_of.max()) + 1), dtype=np.int64)
+    table[placement.stage_of, placement.chunk_of] = np.arange(len(placement.stage_of))
+    return table
+
+
+def _chunk_column(values: np.ndarray, chunks: np.ndarray, c: int) -> np.ndarray:
+    """Per stage [n, pp], the value [n, pp·vpp] of its chunk c (``values`` itself where the
+    virtual stages are the stages in order: one chunk each)."""
+    if chunks.shape[1] == 1 and np.array_equal(chunks[:, 0], np.arange(len(chunks))):
+        return values
+    return values[:, chunks[:, c]]
+
+
+def _to_stages(values: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+    """Per stage [n, pp], the sum of its chunks' values [n, pp·vpp] (``chunks`` from
+    ``_chunk_table``; may be ``values`` itself: do not write to it)."""
+    total = _chunk_column(values, chunks, 0)
+    for c in range(1, chunks.shape[1]):
+        total = total + values[:, chunks[:, c]]
+    return total
 
 
 # --------------------------------------------------------------------------- main entry
@@ -521,6 +573,7 @@ def _evaluate_group(
     virtual = pp * vpp
     on_stage = np.zeros((pp, virtual))
     on_stage[placement.stage_of, np.arange(virtual)] = 1.0
+    chunks = _chunk_table(placement)
     first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
     # Virtual stage v receives activations from v - 1 (gradients from v + 1) over the network
     # only where that neighbour runs on another rank.
@@ -546,9 +599,6 @@ def _evaluate_group(
     shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
 
     # ---- static: element counts per stage [n, pp], split non-expert / expert and by kind
-    def outer(per_strategy: np.ndarray, per_stage: np.ndarray) -> np.ndarray:
-        return per_strategy[:, None] * per_stage[None, :]
-
     table = embedding_elements(model, tp)
     embedding_stage, output_stage = int(placement.stage_of[0]), int(placement.stage_of[-1])
     tables_apart = embedding_stage != output_stage
@@ -559,53 +609,58 @@ def _evaluate_group(
     final_norm = float(model.hidden_size * (2 if model.norm == "layernorm" and model.norm_bias else 1))
     mtp_kind = model.mtp_mlp_kind
     mtp_layer = layers.non_expert[mtp_kind] + mtp_extra_elements(model, tp)
-    # Element counts per virtual stage [n, pp·vpp]; a stage sums its chunks (``@ on_stage.T``).
+    # Element counts per virtual stage [n, pp·vpp] as terms (kind, per strategy [n], per virtual
+    # stage [pp·vpp]): the counts are Σ_terms per_strategy ⊗ per_virtual; a stage sums its chunks.
     first_virtual = (np.arange(virtual) == 0).astype(float)
     last_virtual = (np.arange(virtual) == virtual - 1).astype(float)
-    static_non_expert = {
-        "embedding": outer(table, first_virtual) + (outer(table, last_virtual) if embedding_copy_for_mtp else 0.0),
-        "output": outer(table * head_on_output + final_norm, last_virtual),
-        "mtp": outer(model.mtp_depth * mtp_layer, last_virtual),
-    }
-    static_expert = {"mtp": outer(model.mtp_depth * layers.expert[mtp_kind], last_virtual)}
+    non_expert_terms: list[StaticTerm] = [("embedding", table, first_virtual)]
+    if embedding_copy_for_mtp:
+        non_expert_terms.append(("embedding", table, last_virtual))
+    non_expert_terms += [
+        ("output", table * head_on_output + final_norm, last_virtual),
+        ("mtp", model.mtp_depth * mtp_layer, last_virtual),
+    ]
+    expert_terms: list[StaticTerm] = [("mtp", model.mtp_depth * layers.expert[mtp_kind], last_virtual)]
     layer_kind: MlpKind
     for layer_kind, per_stage in (("dense", placement.dense_layers), ("moe", placement.moe_layers)):
         for part, elements in layers.by_kind[layer_kind].items():
             expert_part = layers.expert[layer_kind] if part == "moe" else 0.0
-            static_non_expert[part] = static_non_expert.get(part, 0.0) + outer(elements - expert_part, per_stage)
+            non_expert_terms.append((part, elements - expert_part, per_stage))
             if part == "moe":
-                static_expert["moe"] = static_expert.get("moe", 0.0) + outer(layers.expert[layer_kind], per_stage)
+                expert_terms.append(("moe", layers.expert[layer_kind], per_stage))
 
     param_bytes, grad_bytes, optimizer_bytes = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
     offload = batch.optimizer_offload[:, None] > 0
     states = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer_bytes}
-    out = {name: np.zeros((len(batch), pp)) for name in (*CATEGORIES, "optimizer_step")}
+    out: dict[str, np.ndarray] = {}
     # Sum the kinds first: the search needs only totals, the breakdown prices each kind alike.
-    non_expert_total = sum(static_non_expert.values())
-    expert_total = sum(static_expert.values())
-    to_stages = on_stage.T
+    n = len(batch)
+    non_expert_total = _outer_sum(non_expert_terms, n, virtual)
+    expert_total = _outer_sum(expert_terms, n, virtual)
+    non_expert_stage, expert_stage = _to_stages(non_expert_total, chunks), _to_stages(expert_total, chunks)
     whole_embedding_grad_tp = (batch.tp > 1) & (batch.zero < 3) & options.profile.tp_accumulates_whole_embedding_grad
     accumulated_whole_embedding = whole_embedding_grad_tp & (batch.num_micro_batches > 1)
-    grads_virtual = np.zeros((len(batch), virtual))
+    grads_virtual = np.zeros((n, virtual))
     for category, width in states.items():
         non_expert_div = getattr(shards, category)[:, None]
         expert_div = getattr(shards, f"expert_{category}")[:, None]
-        value = non_expert_total * (width / non_expert_div) + expert_total * (width / expert_div)
         if category == "grads":
+            value = non_expert_total * (width / non_expert_div) + expert_total * (width / expert_div)
             # DTensor: once a second micro-batch's embedding gradient is added, the accumulated
             # gradient is the whole table, not the rank's vocabulary shard.
-            whole = np.where(accumulated_whole_embedding, model.vocab_size * model.hidden_size - table, 0.0) * width
-            value = value + outer(whole, first_virtual)
-            grads_virtual = np.broadcast_to(value, (len(batch), virtual))
-        value = np.where(offload, 0.0, value) if category == "optimizer" else value
-        out[category] = np.broadcast_to(value @ to_stages, (len(batch), pp))
+            value[:, 0] += np.where(accumulated_whole_embedding, model.vocab_size * model.hidden_size - table, 0.0) * width
+            grads_virtual = value
+            value = _to_stages(value, chunks)
+        else:
+            value = non_expert_stage * (width / non_expert_div) + expert_stage * (width / expert_div)
+        out[category] = np.where(offload, 0.0, value) if category == "optimizer" else value
         if kinds is None:
             continue
         for static_kind in STATIC_KINDS:
-            share = np.broadcast_to(
-                (static_non_expert.get(static_kind, 0.0) * width / non_expert_div
-                 + static_expert.get(static_kind, 0.0) * width / expert_div) @ to_stages,
-                (len(batch), pp),
+            share = _to_stages(
+                _outer_sum([term for term in non_expert_terms if term[0] == static_kind], n, virtual) * width / non_expert_div
+                + _outer_sum([term for term in expert_terms if term[0] == static_kind], n, virtual) * width / expert_div,
+                chunks,
             )
             kinds["static"][static_kind][index, :pp] += np.where(offload, 0.0, share) if category == "optimizer" else share
 
@@ -653,8 +708,9 @@ def _evaluate_group(
         )
     per_b_virtual = sum(per_virtual.values())
     split = schedule in SPLIT_BACKWARD
+    per_w_virtual: np.ndarray | None = None  # nothing waits for W without a split backward
     if not split:
-        per_w_virtual = np.zeros_like(per_b_virtual)
+        pass
     elif profile.weight_grad_holds == "all":
         # torch.distributed.pipelining keeps a micro-batch's whole autograd graph from its input
         # gradient (B) until its weight gradient (W), and with it the gradients of the linear
@@ -670,10 +726,10 @@ def _evaluate_group(
         # W needs the linear layers' inputs and their output gradients (about as large).
         per_w_virtual = 2 * t * (placement.dense_layers * acts.weight_input["dense"][:, None]
                                  + placement.moe_layers * acts.weight_input["moe"][:, None])
-    per_b = np.zeros((len(batch), pp, vpp))
-    per_w = np.zeros((len(batch), pp, vpp))
-    per_b[:, placement.stage_of, placement.chunk_of] = per_b_virtual
-    per_w[:, placement.stage_of, placement.chunk_of] = per_w_virtual
+    # The frontier's columns are [held until B per chunk | held until W per chunk | gradients
+    # per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
+    weights: list[np.ndarray | None] = [_chunk_column(per_b_virtual, chunks, c) for c in range(vpp)]
+    weights += [None if per_w_virtual is None else _chunk_column(per_w_virtual, chunks, c) for c in range(vpp)]
     # Gradients created in the backward (set_to_none) do not exist before a chunk's first
     # backward: GPipe's peak, all forwards held, has none. Elsewhere they are static.
     grads_in_schedule = profile.grads_created_in_backward
@@ -682,36 +738,40 @@ def _evaluate_group(
     # unsharded gradients from its first backward on (accumulated in the reduce dtype), and no
     # sharded ones until then.
     deferred = zero3 & profile.pipeline_defers_fsdp_reduce & (virtual > 1)
-    per_grads = np.zeros((len(batch), pp, vpp))
+    extra: list[np.ndarray | None] | None = None
     if grads_in_schedule:
-        unsharded = (non_expert_total + expert_total) * grad_bytes
-        per_grads[:, placement.stage_of, placement.chunk_of] = np.where(deferred[:, None], unsharded, grads_virtual)
-    per_extra: np.ndarray | None = per_grads if grads_in_schedule else None
+        per_grads = grads_virtual
+        if deferred.any():
+            per_grads = np.where(deferred[:, None], (non_expert_total + expert_total) * grad_bytes, grads_virtual)
+        extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
     handed_over = np.zeros((len(batch), pp))
     if hands_over:
         one_hand_over = tokens * model.hidden_size * precision.activation_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
-        per_handover = np.zeros((len(batch), pp, 1))
-        per_handover[:, pp - 1, 0] = one_hand_over  # the frontier's hand-over column: the V's turn
-        per_extra = np.concatenate([per_grads, per_handover], axis=2)
+        per_handover = np.zeros((len(batch), pp))
+        per_handover[:, pp - 1] = one_hand_over  # the frontier's hand-over column: the V's turn
+        extra = [*(extra or [None] * vpp), per_handover]
         count = on_stage @ (hands_forward.astype(float) + hands_backward)
         handed_over = (batch.num_micro_batches * one_hand_over)[:, None] * count[None, :]
     held, held_with_extra, chosen = _held_peak(
-        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, per_b, per_w, per_extra, keep_rows=kinds is not None
+        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, extra, keep_rows=kinds is not None
     )
     out["activations"] = held
     if kinds is not None and chosen is not None:
         _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
-                          recomputed_dense, recomputed_moe, per_virtual, per_w_virtual, model)
+                          recomputed_dense, recomputed_moe, per_virtual,
+                          np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
 
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
     has_moe = moe_per_stage > 0
-    largest_layer = np.where(has_moe[None, :], np.maximum(acts.full["moe"], acts.full["dense"])[:, None], acts.full["dense"][:, None])
-    rebuilt = np.where(recompute_on[:, None], largest_layer - np.minimum(acts.recomputed["dense"], acts.recomputed["moe"])[:, None], 0.0)
-    backward_extra = np.where(
-        has_moe[None, :], np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"])[:, None],
-        acts.backward_extra["dense"][:, None],
-    )
-    layer_transient = t * (backward_extra + rebuilt)
+    # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
+    smallest_kept = np.minimum(acts.recomputed["dense"], acts.recomputed["moe"])
+    largest_layer = {"moe": np.maximum(acts.full["moe"], acts.full["dense"]), "dense": acts.full["dense"]}
+    backward_extra = {"moe": np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"]),
+                      "dense": acts.backward_extra["dense"]}
+    transient_of = {
+        k: tokens * (backward_extra[k] + np.where(recompute_on, largest_layer[k] - smallest_kept, 0.0)) for k in ("moe", "dense")
+    }
+    layer_transient = np.where(has_moe[None, :], transient_of["moe"][:, None], transient_of["dense"][:, None])
     loss_transient = t * acts.output_transient[:, None] * last_stage[None, :]
     out["transient"] = np.maximum(layer_transient, loss_transient)
     # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
@@ -797,8 +857,12 @@ def _evaluate_group(
         for name in ("buffers", "working", "last_unit", "grads_made"):
             getattr(fsdp, name)[sharded_rows] = getattr(sharded, name)
     fsdp_gathers = fsdp.buffers  # zero where nothing is sharded
-    stage_elements = out["params"] * np.where(zero3, shards.params, 1.0)[:, None] / param_bytes
-    kept_gathered = np.where((zero3 & (batch.reshard_after_forward == 0))[:, None], stage_elements * precision.param_gather_bytes, 0.0)
+    # FSDP without resharding after forward keeps the stage's gathered parameters.
+    kept_gathered = np.zeros((len(batch), pp))
+    kept_rows = np.flatnonzero(zero3 & (batch.reshard_after_forward == 0))
+    if kept_rows.size:
+        stage_elements = out["params"][kept_rows] * shards.params[kept_rows, None] / param_bytes
+        kept_gathered[kept_rows] = stage_elements * precision.param_gather_bytes
     receive = np.zeros((len(batch), pp))
     if options.profile.pipeline_stage_output and virtual > 1:
         # torch.distributed.pipelining allocates one receive buffer per micro-batch up front, for
@@ -809,13 +873,13 @@ def _evaluate_group(
         directions = receives_from_peer.astype(float) + sends_to_peer
         per_virtual_receive = (batch.num_micro_batches * tokens * h * act_bytes)[:, None] * directions[None, :]
         per_virtual_receive = per_virtual_receive / np.where(batch.sequence_parallel > 0, tp, 1.0)[:, None]
-        receive = per_virtual_receive @ on_stage.T
+        receive = _to_stages(per_virtual_receive, chunks)
     # The tensors handed over at a V's turn are reported with the receive buffers (all m of
     # them, as at the step's end); the forward/backward peak counts those handed over by then.
     receive = receive + handed_over
     other_comm = overlapping + pp_buffers[:, None] + kept_gathered + receive
     out["comm"] = other_comm + fsdp_gathers
-    out["transient"] = np.where(zero3[:, None], fsdp.working, out["transient"])
+    out["transient"][sharded_rows] = fsdp.working[sharded_rows]
 
     # ---- optimizer step temporaries (activations are gone by then)
     local_elements = out["optimizer"] / max(optimizer_bytes, 1)
@@ -830,14 +894,18 @@ def _evaluate_group(
         # zero_grad(set_to_none=True): with one micro-batch the gradients appear during the
         # backward as the activations go, so the loss (all activations, no gradients) and the end
         # of the backward (all gradients, one layer's working set) are the two candidate peaks.
-        single = (batch.num_micro_batches == 1)[:, None]
-        loss_phase = (static - out["grads"] + out["activations"] + out["comm"] + out["transient"]
-                      + fsdp.grads_made)
-        # The embedding's backward comes last, when nothing is held.
-        backward_end = static + out["comm"] + np.maximum(layer_transient, embedding_gradient[:, None] * first_stage[None, :])
-        # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
-        backward_end = np.where(zero3[:, None], static + other_comm + fsdp.last_unit, backward_end)
-        forward_backward = np.where(single, np.maximum(loss_phase, backward_end), forward_backward)
+        single = np.flatnonzero(batch.num_micro_batches == 1)  # priced on those rows alone
+        if single.size:
+            static_single, comm_single = static[single], out["comm"][single]
+            loss_phase = (static_single - out["grads"][single] + out["activations"][single] + comm_single
+                          + out["transient"][single] + fsdp.grads_made[single])
+            # The embedding's backward comes last, when nothing is held.
+            backward_end = static_single + comm_single + np.maximum(
+                layer_transient[single], embedding_gradient[single, None] * first_stage[None, :])
+            # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
+            backward_end = np.where(zero3[single, None], static_single + other_comm[single] + fsdp.last_unit[single],
+                                    backward_end)
+            forward_backward[single] = np.maximum(loss_phase, backward_end)
     out["forward_backward"] = forward_backward
     out["allocated"] = np.maximum(forward_backward, static + out["optimizer_step"])
     overhead = overhead_model(options.profile, batch, options.include_overhead)
@@ -857,6 +925,33 @@ class FsdpPhases:
     working: np.ndarray
     last_unit: np.ndarray
     grads_made: np.ndarray
+
+
+class _WorstMoment:
+    """Per strategy, the worst of a stage's FSDP moments (each [n]: the buffers, the working set
+    beside them, and the gradients made by then, inside the buffers): the first of the largest
+    totals buffers + working set, from a floor of -1 with nothing."""
+
+    def __init__(self, n: int) -> None:
+        zero = np.zeros(n)
+        self.buffers, self.work, self.made = [zero], [zero], [zero]
+        self.total, self.index = np.full(n, -1.0), np.zeros(n, dtype=np.intp)
+
+    def consider(self, buf: np.ndarray, wrk: np.ndarray, made: np.ndarray | None = None) -> None:
+        """A moment: buffers, working set, and (inside ``buf``) gradients made by then."""
+        total = buf + wrk
+        self.index[total > self.total] = len(self.buffers)
+        np.maximum(self.total, total, out=self.total)
+        self.buffers.append(buf)
+        self.work.append(wrk)
+        self.made.append(self.made[0] if made is None else made)
+
+    def worst(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(buffers less the gradients made, working set, gradients made) at the worst moment."""
+        n = len(self.total)
+        flat = self.index * n + np.arange(n)  # its entry in the stack of moments [moments, n]
+        made = np.stack(self.made).ravel()[flat]
+        return np.stack(self.buffers).ravel()[flat] - made, np.stack(self.work).ravel()[flat], made
 
 
 def _fsdp_unit_phases(
@@ -913,6 +1008,7 @@ def _fsdp_unit_phases(
     grads_made = np.zeros((n, pp))
     first_chunk_layers = max(float(placement.dense_layers[0] + placement.moe_layers[0]), 1.0)
     g, r = float(gather_bytes), np.broadcast_to(np.asarray(reduce_bytes, dtype=float), (n,))
+    priced: dict[tuple[tuple[tuple[str, int], ...], bool], int] = {}  # signature -> a stage priced with it
     for s in range(pp):
         # The stage's units in forward order, as runs of one kind: [(kind, count)].
         runs: list[tuple[str, int]] = [("embedding", 1)] if placement.stage_of[0] == s else []
@@ -920,17 +1016,17 @@ def _fsdp_unit_phases(
             runs += [(k, int(c)) for k, c in (("dense", placement.dense_layers[v]), ("moe", placement.moe_layers[v])) if c]
         if placement.stage_of[-1] == s:
             runs.append(("head", 1))
-        best_total, best_buffers, best_work, best_made = np.full(n, -1.0), zero.copy(), zero.copy(), zero.copy()
-
-        def consider(buf: np.ndarray, wrk: np.ndarray, made: np.ndarray = zero) -> None:
-            """A moment: buffers, working set, and (inside ``buf``) gradients made by then."""
-            nonlocal best_total, best_buffers, best_work, best_made
-            total = buf + wrk
-            better = total > best_total
-            best_total = np.where(better, total, best_total)
-            best_buffers = np.where(better, buf - made, best_buffers)
-            best_work = np.where(better, wrk, best_work)
-            best_made = np.where(better, made, best_made)
+        # Stages with the same units (and the same role: the last one frees the loss) have the
+        # same moments: the interior stages of a uniform placement are priced once.
+        signature = (tuple(runs), placement.stage_of[-1] == s)
+        if signature in priced:
+            same = priced[signature]
+            for array in (buffers, work, grads_made, last_unit):
+                array[:, s] = array[:, same]
+            continue
+        priced[signature] = s
+        moments = _WorstMoment(n)
+        consider = moments.consider
 
         later = zero.copy()  # elements of the units after the current run, forward order
         for index in range(len(runs) - 1, -1, -1):
@@ -979,7 +1075,7 @@ def _fsdp_unit_phases(
             first = runs[0][0]
             counted = g * (later + size[first]) - one_micro_batch * (first == "embedding")
             consider(np.maximum(np.where(kept_after_backward, counted, 0.0), 0.0), zero)
-        buffers[:, s], work[:, s], grads_made[:, s] = best_buffers, best_work, best_made
+        buffers[:, s], work[:, s], grads_made[:, s] = moments.worst()
         if runs:
             first, count = runs[0]
             after = size[first] if count > 1 else size[runs[1][0]] if len(runs) > 1 else zero
