@@ -24,7 +24,7 @@ GIB = 2**30
 def make_problem(kinds, pp, limit, m=8, seed=0, vpp=1):
     rng = np.random.default_rng(seed)
     costs = {}
-    for kind in set(kinds):
+    for kind in sorted(set(kinds)):
         base_t, act, static = rng.uniform(1, 2), rng.uniform(0.5, 1.5) * GIB, rng.uniform(0.5, 1.0) * GIB
         costs[(kind, "none")] = LayerCost(base_t, act, static)
         costs[(kind, "selective")] = LayerCost(base_t * 1.05, act * 0.5, static)

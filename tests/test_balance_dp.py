@@ -33,7 +33,7 @@ def random_problem(kinds, pp, limit_gib, *, seed=0, m=8, options=("none", "selec
     ``vary_static`` their static bytes differ too (as offloading would)."""
     rng = np.random.default_rng(seed)
     costs = {}
-    for kind in set(kinds):
+    for kind in sorted(set(kinds)):
         base_t, act, static = rng.uniform(1, 2), rng.uniform(0.5, 1.5) * GIB, rng.uniform(0.3, 1.0) * GIB
         for i, option in enumerate(options):
             if shuffle_costs:

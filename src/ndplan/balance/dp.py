@@ -392,6 +392,15 @@ class SplitTable(Protocol):
     def lengths(self) -> np.ndarray: ...
 
 
+@dataclass(frozen=True)
+class Table:
+    """A ``SplitTable`` built directly (the chunked and prefixed DPs)."""
+
+    start: np.ndarray
+    cost: np.ndarray
+    lengths: np.ndarray
+
+
 def _min_max(seg: _Segments) -> float:
     """Z*, the least bottleneck max_v t_v over all splits (+inf if none fits)."""
     if seg.query is None:  # one layer kind: t depends on (v, ℓ) only

@@ -20,10 +20,13 @@ bottleneck stage works m·T_max and the warm-up and cool-down pass every other s
 chunk, a 1/v of its time each. That holds when a stage's chunks take about the same time:
 a plan that piles a stage's layers into one chunk stalls the interleaved order (simulated:
 twice the step of the even plan on Llama-70B pp4 vpp5), which no linear composition sees.
-So every solver keeps a stage's chunks within one layer of each other (``even_chunks``),
-counting the embedding and the head (with MTP) as the layers their seconds equal
-(``end_units``): DeepSeek-V3's head and MTP weigh two MoE layers, and a last chunk holding
-them besides its share of layers made a plan's simulated step 12–18% longer than composed.
+So every solver keeps a stage's chunks within one layer's time of each other
+(``even_chunks``): loads weigh each layer by its kind's seconds (``layer_units``) and count the
+embedding and the head (with MTP) as the layers their seconds equal (``end_units``).
+DeepSeek-V3's head and MTP weigh two MoE layers and a dense layer a third of one; a last chunk
+holding the head besides its share of layers, or a first chunk of cheap dense layers next to
+heavier ones, made plans' simulated steps 12–18% longer than composed. Recompute options are
+dealt evenly over a stage's chunks for the same reason (``chunks.dealt_chunks``).
 Over random chunk times within ±50% of each other the formula is within −4…+6% of
 ``ndplan.schedule.simulate`` on interleaved 1F1B (median +1–2%) and +2…+8% on ZB-V;
 ``benchmarks/bench_balance.py`` prints the check for the plans it finds.
@@ -170,31 +173,60 @@ def simulated_step_s(problem: BalanceProblem, plan: Plan, schedule: str) -> floa
     return float(result.makespan_s)
 
 
-def end_units(problem: BalanceProblem) -> np.ndarray:
-    """[V] layer equivalents each virtual stage holds besides its layers: the embedding's seconds
-    on the first and the head's (final norm, output layer, loss, MTP) on the last, over those of
-    a layer of the most numerous kind without recompute, rounded. Zero elsewhere, and everywhere
-    with one chunk per stage (nothing to even out)."""
-    units = np.zeros(problem.num_virtual_stages, dtype=np.int64)
-    if problem.chunks_per_stage == 1:
-        return units
+def _reference_seconds(problem: BalanceProblem) -> float:
+    """Seconds of a layer of the most numerous kind without recompute: the unit of loads."""
     kind = max(set(problem.layer_kinds), key=lambda k: (problem.layer_kinds.count(k), k))
     option = "none" if "none" in problem.options else problem.options[0]
-    layer_s = problem.costs[(kind, option)].time_s
-    if layer_s > 0:
-        units[0] += round(problem.first_extra.time_s / layer_s)
-        units[-1] += round(problem.last_extra.time_s / layer_s)
+    return problem.costs[(kind, option)].time_s
+
+
+def end_units(problem: BalanceProblem) -> np.ndarray:
+    """[V] layer equivalents each virtual stage holds besides its layers: the embedding's seconds
+    on the first and the head's (final norm, output layer, loss, MTP) on the last, over a
+    reference layer's (``_reference_seconds``), rounded. Zero elsewhere, and everywhere with one
+    chunk per stage (nothing to even out)."""
+    units = np.zeros(problem.num_virtual_stages, dtype=np.int64)
+    layer_s = _reference_seconds(problem)
+    if problem.chunks_per_stage == 1 or layer_s <= 0:
+        return units
+    units[0] += round(problem.first_extra.time_s / layer_s)
+    units[-1] += round(problem.last_extra.time_s / layer_s)
     return units
 
 
+def layer_units(problem: BalanceProblem) -> dict[str, float]:
+    """Per layer kind, its seconds without recompute over the reference layer's: a dense layer
+    of DeepSeek-V3 weighs 0.37 of a MoE one."""
+    layer_s = _reference_seconds(problem)
+    option = "none" if "none" in problem.options else problem.options[0]
+    return {kind: (problem.costs[(kind, option)].time_s / layer_s if layer_s > 0 else 1.0)
+            for kind in set(problem.layer_kinds)}
+
+
+def chunk_loads(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray) -> np.ndarray:
+    """[pp, v] each chunk's load: its layers weighed by ``layer_units`` plus its ``end_units``."""
+    units = layer_units(problem)
+    per_layer = np.array([units[kind] for kind in problem.layer_kinds])
+    virtual = np.repeat(np.arange(problem.num_virtual_stages), stage_layers)
+    held = np.bincount(virtual, weights=per_layer, minlength=problem.num_virtual_stages) + end_units(problem)
+    loads = np.zeros((problem.pp, problem.chunks_per_stage))
+    loads[problem.stage_of, problem.chunk_of] = held
+    return loads
+
+
+def load_spread(problem: BalanceProblem) -> float:
+    """How far a stage's chunk loads may lie apart: one layer of the heaviest kind (at least one
+    reference layer), the least that every stage total can meet."""
+    return max(1.0, *layer_units(problem).values())
+
+
 def even_chunks(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray) -> bool:
-    """Every stage's chunks carry loads (layers plus ``end_units``) within one of each other,
+    """Every stage's chunks carry loads (``chunk_loads``) within ``load_spread`` of each other,
     but for a chunk of a single layer, which cannot carry less (module docstring)."""
     counts = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)
     counts[problem.stage_of, problem.chunk_of] = stage_layers
-    loads = counts.copy()
-    loads[problem.stage_of, problem.chunk_of] += end_units(problem)
-    too_heavy = loads > loads.min(axis=1, keepdims=True) + 1
+    loads = chunk_loads(problem, stage_layers)
+    too_heavy = loads > loads.min(axis=1, keepdims=True) + load_spread(problem) + 1e-9
     return bool((~too_heavy | (counts == 1)).all())
 
 

@@ -27,15 +27,25 @@ layer's step from the best mix. Counts per stage stay within ⌊R/pp⌋ − 2 �
 one a layer in every chunk). The plan is then evened out inside each stage (``_even_out``:
 the chunk holding the head gives layers to its stage's other chunks, as ``even_chunks``
 counts the head as layers). The answer is the best of those plans and the uniform placement
-(with the greedy's recompute, or one option on every layer), so it is never slower than uniform.
+(with one option on every layer, or each stage's least-time dealt recompute), so it is never
+slower than uniform. Plans get each stage's least-time recompute with options dealt over its
+chunks (``_exact_stage``), so chunk times stay even; the greedy only ranks placements.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ndplan.balance.dp import min_max, min_sum
-from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, end_units, evaluate, uniform_plan
+from ndplan.balance.dp import Table, _compositions, min_max, min_sum
+from ndplan.balance.problem import (
+    BalanceProblem,
+    Plan,
+    PlanCost,
+    chunk_loads,
+    evaluate,
+    load_spread,
+    uniform_plan,
+)
 
 WINDOW = 2  # per-chunk counts n_s within ⌊R/pp⌋ − 2 … ⌈R/pp⌉ + 2
 _ROUNDING = 1e-9  # a quotient this close above an integer may be that integer rounded up
@@ -214,36 +224,92 @@ def _chunk_counts(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, .
     return out
 
 
-def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...]) -> tuple[Plan, PlanCost] | None:
-    """The greedy's recompute for a placement, evaluated; None if a stage cannot fit."""
+_EXACT_CELLS = 1 << 16  # mixes per stage beyond which a placement keeps the greedy's recompute
+
+
+def _exact_stage(problem: BalanceProblem, greedy: _Greedy, stage: int, held: np.ndarray) -> np.ndarray | None:
+    """[v, G, R] layers of each chunk and kind on each option: the least-time mix that fits on
+    ``stage`` holding ``held`` [v, G] layers, with each kind's options dealt to the chunks
+    (``chunks.dealt_chunks``); None if none fits (or if the kinds' mixes are too many).
+
+    Per kind, time depends on its option counts N_r only, and so do the bytes once dealt: every
+    combination of the kinds' mixes is priced, with the stage's transient where any layer
+    recomputes. Same answer as ``solve.dealt_knapsack``, vectorised.
+    """
+    from ndplan.balance.chunks import dealt_chunks
+
+    v, G = held.shape
+    options = problem.options
+    R = len(options)
+    flight = np.zeros((problem.pp, v))
+    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+    recomputes = np.array([option != "none" for option in options])
+    sizes = [len(_compositions(int(held[:, g].sum()), R)) for g in range(G)]
+    if int(np.prod(sizes)) > _EXACT_CELLS:
+        return None
+    time_total: np.ndarray = np.zeros(())
+    bytes_total: np.ndarray = np.zeros(())
+    any_recompute: np.ndarray = np.zeros((), dtype=bool)
+    mixes_of = []
+    for g, kind in enumerate(greedy.kinds):
+        mixes = _compositions(int(held[:, g].sum()), R)  # [K, R]
+        cost = [problem.costs[(kind, option)] for option in options]
+        activation = np.array([c.activation_bytes for c in cost])
+        by_activation = np.argsort(-activation, kind="stable")
+        dealt = dealt_chunks(held[:, g], flight[stage])
+        slots = np.concatenate([[0.0], np.cumsum(flight[stage, dealt])])
+        ends = np.cumsum(mixes[:, by_activation], axis=1)
+        begins = ends - mixes[:, by_activation]
+        weight = slots[ends] - slots[begins]  # [K, R] in-flight weight per option (sorted)
+        kind_bytes = mixes @ np.array([c.static_bytes for c in cost]) + weight @ activation[by_activation]
+        kind_time = mixes @ np.array([c.time_s for c in cost])
+        shape = (1,) * g + (-1,) + (1,) * (G - 1 - g)
+        time_total = time_total + kind_time.reshape(shape)
+        bytes_total = bytes_total + kind_bytes.reshape(shape)
+        any_recompute = any_recompute | ((mixes @ recomputes) > 0).reshape(shape)
+        mixes_of.append((mixes, by_activation, dealt))
+    limit = problem.memory_limit_bytes * (1 - _MARGIN)
+    memory = greedy.base_bytes[stage] + bytes_total + np.where(any_recompute, greedy.transient[stage], 0.0)
+    seconds = np.where(memory <= limit, time_total, np.inf)
+    if not np.isfinite(seconds).any():
+        return None
+    best = np.unravel_index(int(seconds.argmin()), seconds.shape)
+    out = np.zeros((v, G, R), dtype=np.int64)
+    for g, (mixes, by_activation, dealt) in enumerate(mixes_of):
+        queue = np.repeat(by_activation, mixes[best[g]][by_activation])  # options, most bytes first
+        np.add.at(out[:, g], (dealt, queue), 1)
+    return out
+
+
+def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], exact: bool = True
+             ) -> tuple[Plan, PlanCost] | None:
+    """A placement with each stage's least-time recompute that fits (``_exact_stage``; the
+    greedy's where the mixes are too many or ``exact`` is False), evaluated; None if a stage
+    cannot fit."""
     per_chunk = _chunk_counts(problem, greedy, counts)
     time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
     if not np.isfinite(time).all():
         return None
-    choice = [greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
-              for s in range(problem.pp)]
-    code = greedy.codes
-    R = len(problem.options)
-    option = np.empty(problem.num_layers, dtype=np.int64)
-    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-    for virtual in range(problem.num_virtual_stages):
-        a, b = bounds[virtual], bounds[virtual + 1]
-        held = choice[int(problem.stage_of[virtual])][int(problem.chunk_of[virtual])]  # [G, R]
-        if len(greedy.kinds) == 1:  # inside a chunk the order of a kind's options changes nothing
-            option[a:b] = np.repeat(np.arange(R), held[0])
-            continue
-        for g in range(len(greedy.kinds)):
-            option[a + np.flatnonzero(code[a:b] == g)] = np.repeat(np.arange(R), held[g])
+    choice = []
+    for s in range(problem.pp):
+        best = _exact_stage(problem, greedy, s, per_chunk[s]) if exact else None
+        choice.append(best if best is not None else
+                      greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s])))
+    # Each layer takes, in model order within its chunk and kind, the options in turn: the
+    # layer of rank k among its (virtual stage, kind) takes the first option whose running
+    # count exceeds k (inside a chunk their order changes neither memory nor time).
+    G = len(greedy.kinds)
+    held = np.stack(choice)[problem.stage_of, problem.chunk_of]  # [V, G, R]
+    virtual = np.repeat(np.arange(problem.num_virtual_stages), counts)  # [L]
+    group = virtual * G + greedy.codes
+    onehot = np.zeros((problem.num_layers, problem.num_virtual_stages * G), dtype=np.int64)
+    onehot[np.arange(problem.num_layers), group] = 1
+    rank = (np.cumsum(onehot, axis=0) - 1)[np.arange(problem.num_layers), group]
+    running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
+    option = (rank[:, None] >= running).sum(axis=1)
     plan = Plan(counts, tuple(problem.options[r] for r in option.tolist()))
     cost = evaluate(problem, plan)
     return (plan, cost) if cost.fits else None
-
-
-class _Table:
-    """The DP's tables over positions (b, eb) encoded b·(r + 1) + eb (module docstring)."""
-
-    def __init__(self, start: np.ndarray, cost: np.ndarray, lengths: np.ndarray) -> None:
-        self.start, self.cost, self.lengths = start, cost, lengths
 
 
 def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> tuple[int, ...] | None:
@@ -272,16 +338,21 @@ def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> 
     cost = np.full((pp, len(lengths), P), np.inf)
     J_index, P_index = np.nonzero(valid)
     stages = np.asarray(problem.stage_of[:pp])
+    # A round's chunk starts where the layers before the stage in that round end: the same for
+    # every stage position, so each round's layers per kind are computed once per cell.
+    held_by_round = np.zeros((v, len(J_index), G), dtype=np.int64)
+    for c in range(v):
+        last = c == v - 1
+        held = n_of[J_index] + (e_of[J_index] if last else 0)
+        before = b[J_index, P_index] + (eb[J_index, P_index] if last else 0)
+        total = R + (r if last else 0)
+        offset = c * R + (before if forward[c] else total - before - held)
+        held_by_round[c] = (prefix[:, offset + held] - prefix[:, offset]).T
     counts = np.zeros((pp, len(J_index), v, G), dtype=np.int64)
     for i in range(pp):
         for c in range(v):
-            virtual = c * pp + (i if forward[c] else pp - 1 - i)
-            last = c == v - 1
-            held = n_of[J_index] + (e_of[J_index] if last else 0)
-            before = b[J_index, P_index] + (eb[J_index, P_index] if last else 0)
-            total = R + (r if last else 0)
-            offset = c * R + (before if forward[c] else total - before - held)
-            counts[i, :, int(problem.chunk_of[virtual])] = (prefix[:, offset + held] - prefix[:, offset]).T
+            chunk = int(problem.chunk_of[c * pp + (i if forward[c] else pp - 1 - i)])
+            counts[i, :, chunk] = held_by_round[c]
     # Most cells hold the same layers as many others (only the few near a kind boundary
     # differ): solve each distinct (stage, layers per chunk and kind) once.
     queries = counts.reshape(-1, v * G)
@@ -294,7 +365,7 @@ def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> 
                                       return_inverse=True)
     time, *_ = greedy.solve(query_stage[first], queries[first].reshape(-1, v, G))
     cost[:, J_index, P_index] = time[inverse.reshape(-1)].reshape(pp, -1)
-    table = _Table(start, cost, lengths)
+    table = Table(start, cost, lengths)
     z_star = min_max(table)
     if not np.isfinite(z_star):
         return None
@@ -308,26 +379,29 @@ def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> 
 def _even_out(problem: BalanceProblem, counts: tuple[int, ...]) -> tuple[int, ...]:
     """The placement with each stage's layers moved between its own chunks (same stage totals)
     until their loads are even (``even_chunks``): one layer at a time from the heaviest chunk
-    that holds more than one to the lightest."""
+    that holds more than one to the lightest. A move shifts which kinds later chunks hold, so
+    stages are revisited until none moves (a bounded number of passes)."""
     out = list(counts)
-    units = end_units(problem)
-    for stage in range(problem.pp):
-        chunks = np.flatnonzero(problem.stage_of == stage).tolist()
-        while True:
-            loads = {c: out[c] + int(units[c]) for c in chunks}
-            lightest = min(chunks, key=lambda c: loads[c])
-            movable = [c for c in chunks if out[c] > 1 and loads[c] > loads[lightest] + 1]
-            if not movable:
-                break
-            heaviest = max(movable, key=lambda c: loads[c])
-            out[heaviest] -= 1
-            out[lightest] += 1
+    spread = load_spread(problem)
+    for _ in range(problem.num_layers):
+        moved = False
+        for stage in range(problem.pp):
+            chunks = np.flatnonzero(problem.stage_of == stage)
+            loads = chunk_loads(problem, tuple(out))[stage, problem.chunk_of[chunks]]
+            movable = [(load, int(c)) for load, c in zip(loads, chunks, strict=True)
+                       if out[c] > 1 and load > loads.min() + spread + 1e-9]
+            if movable:
+                out[max(movable)[1]] -= 1
+                out[int(chunks[int(loads.argmin())])] += 1
+                moved = True
+        if not moved:
+            break
     return tuple(out)
 
 
 def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None) -> list[tuple[Plan, PlanCost]]:
     """The uniform placement (what frameworks run by default) with each recompute option on
-    every layer, and with the greedy's recompute; those that fit."""
+    every layer, and with each stage's least-time dealt recompute; those that fit."""
     found = []
     for option in problem.options:
         cost = evaluate(problem, plan := uniform_plan(problem, option))
@@ -344,10 +418,17 @@ def solve_rounds(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan, P
     found = uniform_candidates(problem, greedy)
     per_round = problem.num_layers // problem.chunks_per_stage
     placements = [_periodic(problem, greedy, window, R) for R in (per_round, per_round - 1)]
+    # The placements ranked by the greedy's (undealt) recompute; the best that fits once dealt.
+    ranked = []
     for placement in dict.fromkeys(_even_out(problem, c) for c in placements if c is not None):
+        estimate = _plan_of(problem, greedy, placement, exact=False)
+        if estimate is not None:
+            ranked.append((estimate[1].step_s, placement))
+    for _, placement in sorted(ranked):
         planned = _plan_of(problem, greedy, placement)
         if planned is not None:
             found.append(planned)
+            break
     return min(found, key=lambda f: f[1].step_s) if found else None
 
 

@@ -11,8 +11,9 @@
   placement and recompute counts with linear memory constraints, the composed step time as
   objective, and a stage's chunks within one layer of each other (``even_chunks``).
 * ``solve_heuristic``: without interleaving, the DP restricted to stages of about L / V layers;
-  with several chunks per stage, the same over stage totals (one layer kind) or the
-  periodic-plan DP of ``ndplan.balance.rounds``. About a
+  with several chunks per stage, the same over stage totals (one layer kind, or a leading run
+  of another: ``ndplan.balance.chunks``, ``ndplan.balance.prefix``) or the periodic-plan DP of
+  ``ndplan.balance.rounds``. About a
   millisecond per candidate: fast enough to run on every pipeline candidate of a search.
 * ``solve_brute_force``: every placement with even chunks, with the exact knapsack per stage
   (tests only: given a placement, minimising every stage's time is optimal, since the objective
@@ -30,7 +31,17 @@ from ndplan.balance.chunks import WINDOW as CHUNKS_WINDOW
 from ndplan.balance.chunks import one_layer_kind, solve_chunks
 from ndplan.balance.dp import WINDOW as HEURISTIC_WINDOW
 from ndplan.balance.dp import one_chunk_per_stage, solve_dp
-from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, end_units, evaluate, even_chunks
+from ndplan.balance.prefix import leading_run, solve_prefixed
+from ndplan.balance.problem import (
+    BalanceProblem,
+    Plan,
+    PlanCost,
+    end_units,
+    evaluate,
+    even_chunks,
+    layer_units,
+    load_spread,
+)
 from ndplan.balance.rounds import solve_rounds
 
 
@@ -117,11 +128,63 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
     return assignment, best[0], best[1]
 
 
+def dealt_knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int
+                   ) -> tuple[dict[int, str], float, float] | None:
+    """As ``knapsack``, but each kind's options dealt to the stage's chunks in turn
+    (``chunks.dealt_chunks``), the rule for stages of several chunks: every mix of option
+    counts per kind, priced layer by layer. The reference the vectorised solvers are tested
+    against."""
+    from ndplan.balance.chunks import dealt_chunks
+
+    in_flight = problem.in_flight_of_virtual()
+    members = _stage_layers(problem, counts)[stage]
+    base_memory = float(problem.fixed_bytes[stage])
+    base_time = 0.0
+    for v, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
+        if int(problem.stage_of[v]) == stage:
+            base_memory += extra.static_bytes + in_flight[v] * extra.activation_bytes
+            base_time += extra.time_s
+    chunks = np.flatnonzero(problem.stage_of == stage)  # virtual stages of this stage, by local chunk
+    chunks = chunks[np.argsort(problem.chunk_of[chunks])]
+    flight = in_flight[chunks]
+    per_kind = []  # (kind, layer of each dealt slot, in-flight weight of each slot)
+    for kind in sorted({problem.layer_kinds[layer] for _, layer in members}):
+        by_chunk = [[layer for v, layer in members if v == virtual and problem.layer_kinds[layer] == kind]
+                    for virtual in chunks]
+        dealt = dealt_chunks(np.array([len(c) for c in by_chunk]), flight)
+        taken = [0] * len(chunks)
+        slots = []
+        for c in dealt.tolist():
+            slots.append((by_chunk[c][taken[c]], float(flight[c])))
+            taken[c] += 1
+        per_kind.append((kind, slots))
+    best: tuple[float, float, dict[int, str]] | None = None
+    mixes = [list(_splits(len(slots), len(problem.options))) for _, slots in per_kind]
+    for combo in product(*mixes):
+        time, memory, recomputes, assignment = base_time, base_memory, False, {}
+        for (kind, slots), mix in zip(per_kind, combo, strict=True):
+            by_bytes = sorted(range(len(problem.options)), key=lambda r: -problem.costs[(kind, problem.options[r])].activation_bytes)
+            queue = [r for r in by_bytes for _ in range(mix[r])]
+            for (layer, weight), r in zip(slots, queue, strict=True):
+                cost = problem.costs[(kind, problem.options[r])]
+                time += cost.time_s
+                memory += cost.static_bytes + weight * cost.activation_bytes
+                recomputes |= problem.options[r] != "none"
+                assignment[layer] = problem.options[r]
+        if recomputes:
+            memory += problem.recompute_transient(stage)
+        if memory <= problem.memory_limit_bytes and (best is None or time < best[0]):
+            best = (time, memory, assignment)
+    return None if best is None else (best[2], best[0], best[1])
+
+
 def plan_for_counts(problem: BalanceProblem, counts: tuple[int, ...]) -> Plan | None:
-    """The best recompute for a placement (knapsack per stage), or None if a stage cannot fit."""
+    """The best recompute for a placement (``knapsack`` per stage; ``dealt_knapsack`` where
+    stages hold several chunks), or None if a stage cannot fit."""
+    solve_stage = knapsack if problem.chunks_per_stage == 1 else dealt_knapsack
     recompute = [""] * problem.num_layers
     for stage in range(problem.pp):
-        solved = knapsack(problem, counts, stage)
+        solved = solve_stage(problem, counts, stage)
         if solved is None:
             return None
         for layer, option in solved[0].items():
@@ -156,14 +219,16 @@ def solve_heuristic(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
     One chunk per stage: the DP over stages of about L / V layers (``solve_dp`` with
     ``HEURISTIC_WINDOW``), which falls back to the exact DP when nothing there fits. Several
     chunks per stage: with one layer kind the DP over stage totals near uniform
-    (``ndplan.balance.chunks``), else the periodic-plan DP with a greedy knapsack
-    (``ndplan.balance.rounds``).
+    (``ndplan.balance.chunks``); with a short leading run of another kind (dense layers before
+    MoE ones) the same DP tracking that run (``ndplan.balance.prefix``); else the periodic-plan
+    DP with a greedy knapsack (``ndplan.balance.rounds``).
     """
     if one_chunk_per_stage(problem):
         return solve_dp(problem, window=HEURISTIC_WINDOW)
     if one_layer_kind(problem):
         return solve_chunks(problem, window=CHUNKS_WINDOW)
-    return solve_rounds(problem)
+    found = solve_prefixed(problem) if leading_run(problem) is not None else solve_rounds(problem)
+    return found if found is not None else _milp_dealt(problem, FALLBACK_MILP_SECONDS)
 
 
 def exact_method(problem: BalanceProblem) -> str:
@@ -173,21 +238,33 @@ def exact_method(problem: BalanceProblem) -> str:
 
 
 def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Plan, PlanCost] | None:
-    """The optimal plan (with even chunks), or None if none fits: the DP without interleaving
-    (``ndplan.balance.dp``), the DP over stage totals with one layer kind
-    (``ndplan.balance.chunks``), else the MILP (``solve_milp``).
-
-    HiGHS stops at ``time_limit_s``; the answer is then the best of its incumbent and the
-    heuristic's plan, so it is never worse than the heuristic.
+    """The best plan, or None if none fits: the exact DP without interleaving
+    (``ndplan.balance.dp``) or with one layer kind (over even chunks with dealt options,
+    ``ndplan.balance.chunks``); else the MILP's placement (``solve_milp``) with its recompute
+    dealt, or the heuristic's plan if faster. The MILP is exact for its relaxation only (options
+    free per chunk), and HiGHS stops at ``time_limit_s``: ``solve_milp_bounded`` gives the
+    bound that measures how far the answer can be from the optimum.
     """
     if one_chunk_per_stage(problem):
         return solve_dp(problem)
     if one_layer_kind(problem):
         return solve_chunks(problem)
-    found = solve_milp(problem, time_limit_s)
+    found = _milp_dealt(problem, time_limit_s)
     fallback = solve_heuristic(problem)
-    candidates = [c for c in (found, fallback) if c is not None and c[1].fits]  # HiGHS' tolerance can overshoot
+    candidates = [c for c in (found, fallback) if c is not None and c[1].fits]
     return min(candidates, key=lambda c: c[1].step_s) if candidates else None
+
+
+FALLBACK_MILP_SECONDS = 1.0  # where the heuristic's plans of several kinds all fail to fit
+
+
+def _milp_dealt(problem: BalanceProblem, time_limit_s: float) -> tuple[Plan, PlanCost] | None:
+    """The MILP's placement with each stage's options dealt over its chunks (the MILP frees
+    them per chunk), or None."""
+    from ndplan.balance.rounds import _Greedy, _plan_of
+
+    found = solve_milp(problem, time_limit_s)
+    return None if found is None else _plan_of(problem, _Greedy(problem), found[0].stage_layers)
 
 
 def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Plan, PlanCost] | None:
@@ -203,8 +280,11 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> t
     The MILP. Variables: k[v, g, r] (layers of kind g on v with option r), a[s] (stage s
     recomputes something), Z (the largest stage time), and what places the kinds. Objective:
     (m − 1/v)·Z + (1/v)·Σ_s T_s (``problem.composed_step_s``); a stage's chunks carry loads
-    within one of each other (``even_chunks``; a binary per chunk holding the embedding or head
-    lets it exceed when it holds a single layer). Placing the kinds:
+    within one of each other (``even_chunks``: layers weighed by kind, plus the embedding's or
+    head's units; a binary per chunk lets it exceed when it holds a single layer). Options are free per chunk here, a relaxation
+    of dealing them (``chunks.dealt_chunks``): the MILP's optimum and HiGHS' bound lie at or
+    below the dealt optimum, and ``solve_exact`` deals the MILP placement's recompute afresh.
+    Placing the kinds:
 
     * one kind: nothing, the counts k place it;
     * two runs (K layers of one kind, then the other, as dense-then-MoE models): the first
@@ -229,15 +309,17 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> t
     v_chunks = problem.chunks_per_stage
     n_b = V if two_runs else 0
     units = end_units(problem)
-    heavy = [int(v) for v in np.flatnonzero(units)]  # chunks also holding the embedding or head
-    n = n_y + n_k + P + n_b + len(heavy) + 1
+    unit = [layer_units(problem).get(kind, 1.0) for kind in kinds]  # a layer's load by kind
+    spread = load_spread(problem)
+    relaxed = list(range(V)) if v_chunks > 1 else []  # chunks that may hold a single heavy layer
+    n = n_y + n_k + P + n_b + len(relaxed) + 1
     z = n - 1
 
     def boundary(v: int) -> int:
         return n_y + n_k + P + v
 
-    def single(v: int) -> int:  # binary: heavy chunk v holds a single layer (may exceed the others' load)
-        return n_y + n_k + P + n_b + heavy.index(v)
+    def single(v: int) -> int:  # binary: chunk v holds a single layer (may exceed the others' load)
+        return n_y + n_k + P + n_b + v
 
     def any_recompute(stage: int) -> int:
         return n_y + n_k + stage
@@ -322,18 +404,17 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> t
     objective[z] = problem.num_micro_batches - 1 / v_chunks
     for s in range(problem.pp):  # a stage's chunk loads within one of each other (even_chunks)
         for a, b in permutations((int(i) for i in np.flatnonzero(problem.stage_of == s)), 2):
-            # load_a − load_b ≤ 1, or (heavy a) a holds one layer: n_a ≤ 1 + L·(1 − single_a)
-            row = {**{k(a, g, r): 1.0 for g in range(G) for r in range(R)},
-                   **{k(b, g, r): -1.0 for g in range(G) for r in range(R)}}
-            if a in heavy:
-                row[single(a)] = -float(L + int(units[a]))
-            add(row, -np.inf, 1 - int(units[a]) + int(units[b]))
-    for a in heavy:
+            # load_a − load_b ≤ spread, or a holds one layer: n_a ≤ 1 + L·(1 − single_a)
+            row = {**{k(a, g, r): unit[g] for g in range(G) for r in range(R)},
+                   **{k(b, g, r): -unit[g] for g in range(G) for r in range(R)},
+                   single(a): -(L * max(unit) + float(units[a]))}
+            add(row, -np.inf, spread - float(units[a]) + float(units[b]))
+    for a in relaxed:
         add({**{k(a, g, r): 1.0 for g in range(G) for r in range(R)}, single(a): float(L)}, -np.inf, 1 + L)
     integrality = np.ones(n)
     integrality[z] = 0
     bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), np.ones(P), np.ones(n_b),
-                                                 np.ones(len(heavy)), [np.inf]]))
+                                                 np.ones(len(relaxed)), [np.inf]]))
     result = milp(
         objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
         bounds=bounds, options={"time_limit": time_limit_s},
