@@ -97,9 +97,9 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
         return None
     per_chunk = np.zeros((pp, v), dtype=np.int64)  # [position, local chunk] layers
     for i, step in enumerate(split):
-        total, delta = divmod(int(step), K + 1)
-        per_chunk[i] = rest_layers[i, total - int(totals[0]), delta]
-        per_chunk[i, first_chunk[i]] += delta
+        total, leading = divmod(int(step), K + 1)
+        per_chunk[i] = rest_layers[i, total - int(totals[0]), leading]
+        per_chunk[i, first_chunk[i]] += leading
     position_of = {int(stage): i for i, stage in enumerate(stages)}
     return tuple(int(per_chunk[position_of[int(problem.stage_of[virtual])], problem.chunk_of[virtual]])
                  for virtual in range(problem.num_virtual_stages))
