@@ -273,7 +273,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
     console.print("before: uniform placement, full recompute on every layer; times are per micro-batch (F+B+W)")
     console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
     console.print("recompute: " + ", ".join(f"layers {a}-{a + n - 1} {o}" for a, n, o in result.plan.ranges()))
-    console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s ({100 * result.gain:.1f}% faster)")
+    console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s ({100 * result.gain:.1f}% faster), "
+                  f"composed from the stage times; the pipeline simulator gives {result.simulated_s[0]:.3f} s → "
+                  f"{result.simulated_s[1]:.3f} s ({100 * (1 - result.simulated_s[1] / result.simulated_s[0]):.1f}% faster)")
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False)

@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from ndplan.balance.problem import BalanceProblem, LayerCost, Plan, PlanCost, evaluate, uniform_plan
+from ndplan.balance.problem import (
+    BalanceProblem,
+    LayerCost,
+    Plan,
+    PlanCost,
+    evaluate,
+    simulated_step_s,
+    uniform_plan,
+)
 from ndplan.balance.solve import exact_method, solve_exact, solve_heuristic
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster
@@ -131,6 +139,7 @@ class BalanceResult:
     cost: PlanCost
     solver: str  # "dp" or "milp" (exact), or "heuristic"
     solve_seconds: float
+    simulated_s: tuple[float, float]  # (baseline, plan) steps by the pipeline simulator, a check of the composed ones
 
     @property
     def gain(self) -> float:
@@ -150,6 +159,8 @@ class BalanceResult:
             "after": {"stage_memory_bytes": self.cost.stage_memory_bytes.round().tolist(),
                       "stage_time_s": self.cost.stage_time_s.tolist(), "step_s": self.cost.step_s, "fits": self.cost.fits},
             "gain": self.gain,
+            "simulated": {"before_step_s": self.simulated_s[0], "after_step_s": self.simulated_s[1],
+                          "gain": 1.0 - self.simulated_s[1] / self.simulated_s[0]},
         }
 
 
@@ -176,7 +187,10 @@ def balance(
             f"no placement and recompute plan fits {memory_limit_bytes / 2**30:,.2f} GiB per device for "
             f"{strategy.short()}; uniform full recompute needs {baseline[1].stage_memory_bytes.max() / 2**30:,.2f} GiB"
         )
-    return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic", seconds)
+    simulated = (simulated_step_s(problem, baseline_plan, strategy.schedule),
+                 simulated_step_s(problem, found[0], strategy.schedule))
+    return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic", seconds,
+                         simulated)
 
 
 def plan_strategy(strategy: Strategy, plan: Plan) -> Strategy:
