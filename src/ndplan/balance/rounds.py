@@ -63,6 +63,7 @@ class _Greedy:
 
     def __init__(self, problem: BalanceProblem) -> None:
         self.kinds = tuple(sorted(set(problem.layer_kinds)))
+        self.exact_cache: dict[tuple[int, bytes], np.ndarray | None] = {}  # _exact_stage answers by (stage, layers)
         self.codes = np.array([self.kinds.index(kind) for kind in problem.layer_kinds])  # [L] kind of each layer
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
@@ -292,7 +293,12 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
         return None
     choice = []
     for s in range(problem.pp):
-        best = _exact_stage(problem, greedy, s, per_chunk[s]) if exact else None
+        best = None
+        if exact:  # placements tried for one problem often share a stage's layers: solve once
+            key = (s, per_chunk[s].tobytes())
+            if key not in greedy.exact_cache:
+                greedy.exact_cache[key] = _exact_stage(problem, greedy, s, per_chunk[s])
+            best = greedy.exact_cache[key]
         choice.append(best if best is not None else
                       greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s])))
     # Each layer takes, in model order within its chunk and kind, the options in turn: the
