@@ -64,7 +64,7 @@ def _chunk_layers(problem: BalanceProblem, totals: np.ndarray) -> np.ndarray:
     # highest λ within reach, then the rest one each to chunks at that level.
     levels = np.arange(int(start.max()) + int(totals.max()) + 1)
     filled = np.maximum(levels[None, None, :] - start[:, :, None], 0).sum(axis=1)  # [pp, Λ]
-    level = np.stack([np.searchsorted(filled[s], more, side="right") - 1 for s in range(pp)])  # [pp, J]
+    level = (filled[:, None, :] <= more[None, :, None]).sum(axis=2) - 1  # [pp, J] the highest λ within reach
     rest = more[None, :] - np.take_along_axis(filled, level, axis=1)  # [pp, J]
     loads = np.maximum(start[:, None, :], level[:, :, None])  # [pp, J, v]
     at_level = start[:, None, :] <= level[:, :, None]
@@ -178,18 +178,15 @@ def _plan(problem: BalanceProblem, totals: tuple[int, ...], mixes: list[np.ndarr
     layers = _chunk_layers(problem, np.asarray(totals))  # [pp, pp, v]: stage s uses row s
     flight = np.zeros((problem.pp, v))
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
-    per_chunk: dict[tuple[int, int], list[int]] = {}
+    R = len(problem.options)
+    held = np.zeros((problem.pp, v, R), dtype=np.int64)  # [stage, chunk, option] layers
     for s in range(problem.pp):
         queue = np.repeat(by_activation, mixes[s][by_activation])  # options, most bytes first
-        chunk_of_slot = dealt_chunks(layers[s, s], flight[s])
-        for c in range(v):
-            per_chunk[(s, c)] = queue[chunk_of_slot == c].tolist()
-    counts, recompute = [], []
-    for virtual in range(problem.num_virtual_stages):
-        held = per_chunk[(int(problem.stage_of[virtual]), int(problem.chunk_of[virtual]))]
-        counts.append(len(held))
-        recompute += [problem.options[r] for r in held]
-    return Plan(tuple(counts), tuple(recompute))
+        np.add.at(held[s], (dealt_chunks(layers[s, s], flight[s]), queue), 1)
+    per_virtual = held[problem.stage_of, problem.chunk_of]  # [V, R]
+    # Inside a chunk the order of its layers' options changes nothing: option order.
+    options = np.repeat(np.tile(np.arange(R), problem.num_virtual_stages), per_virtual.reshape(-1))
+    return Plan(tuple(per_virtual.sum(axis=1).tolist()), tuple(problem.options[r] for r in options.tolist()))
 
 
 def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Plan, PlanCost] | None:

@@ -29,7 +29,7 @@ the chunk holding the head gives layers to its stage's other chunks, as ``even_c
 counts the head as layers). The answer is the best of those plans and the uniform placement
 (with one option on every layer, or each stage's least-time dealt recompute), so it is never
 slower than uniform. Plans get each stage's least-time recompute with options dealt over its
-chunks (``_exact_stage``), so chunk times stay even; the greedy only ranks placements.
+chunks (``_exact_stages``), so chunk times stay even; the greedy only ranks placements.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ class _Greedy:
 
     def __init__(self, problem: BalanceProblem) -> None:
         self.kinds = tuple(sorted(set(problem.layer_kinds)))
-        self.exact_cache: dict[tuple[int, bytes], np.ndarray | None] = {}  # _exact_stage answers by (stage, layers)
         self.codes = np.array([self.kinds.index(kind) for kind in problem.layer_kinds])  # [L] kind of each layer
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
@@ -228,79 +227,79 @@ def _chunk_counts(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, .
 _EXACT_CELLS = 1 << 16  # mixes per stage beyond which a placement keeps the greedy's recompute
 
 
-def _exact_stage(problem: BalanceProblem, greedy: _Greedy, stage: int, held: np.ndarray) -> np.ndarray | None:
-    """[v, G, R] layers of each chunk and kind on each option: the least-time mix that fits on
-    ``stage`` holding ``held`` [v, G] layers, with each kind's options dealt to the chunks
-    (``chunks.dealt_chunks``); None if none fits (or if the kinds' mixes are too many).
+def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) -> list[np.ndarray | None]:
+    """Per stage, [v, G, R] layers of each chunk and kind on each option: the least-time mix that
+    fits on the stage holding ``held[s]`` [v, G] layers, with each kind's options dealt to the
+    chunks (``chunks.dealt_chunks``); None where none fits (or the kinds' mixes are too many).
 
     Per kind, time depends on its option counts N_r only, and so do the bytes once dealt: every
     combination of the kinds' mixes is priced, with the stage's transient where any layer
-    recomputes. Same answer as ``solve.dealt_knapsack``, vectorised.
+    recomputes. Stages holding as many layers of each kind share their mixes and are priced
+    together. Same answers as ``solve.dealt_knapsack``, vectorised.
     """
     from ndplan.balance.chunks import dealt_chunks
 
-    v, G = held.shape
-    options = problem.options
-    R = len(options)
-    flight = np.zeros((problem.pp, v))
+    pp, v, G = held.shape
+    R = len(problem.options)
+    flight = np.zeros((pp, v))
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
-    recomputes = np.array([option != "none" for option in options])
-    sizes = [len(_compositions(int(held[:, g].sum()), R)) for g in range(G)]
-    if int(np.prod(sizes)) > _EXACT_CELLS:
-        return None
-    time_total: np.ndarray = np.zeros(())
-    bytes_total: np.ndarray = np.zeros(())
-    any_recompute: np.ndarray = np.zeros((), dtype=bool)
-    mixes_of = []
-    for g, kind in enumerate(greedy.kinds):
-        mixes = _compositions(int(held[:, g].sum()), R)  # [K, R]
-        cost = [problem.costs[(kind, option)] for option in options]
-        activation = np.array([c.activation_bytes for c in cost])
-        by_activation = np.argsort(-activation, kind="stable")
-        dealt = dealt_chunks(held[:, g], flight[stage])
-        slots = np.concatenate([[0.0], np.cumsum(flight[stage, dealt])])
-        ends = np.cumsum(mixes[:, by_activation], axis=1)
-        begins = ends - mixes[:, by_activation]
-        weight = slots[ends] - slots[begins]  # [K, R] in-flight weight per option (sorted)
-        kind_bytes = mixes @ np.array([c.static_bytes for c in cost]) + weight @ activation[by_activation]
-        kind_time = mixes @ np.array([c.time_s for c in cost])
-        shape = (1,) * g + (-1,) + (1,) * (G - 1 - g)
-        time_total = time_total + kind_time.reshape(shape)
-        bytes_total = bytes_total + kind_bytes.reshape(shape)
-        any_recompute = any_recompute | ((mixes @ recomputes) > 0).reshape(shape)
-        mixes_of.append((mixes, by_activation, dealt))
+    recomputes = np.array([option != "none" for option in problem.options])
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
-    memory = greedy.base_bytes[stage] + bytes_total + np.where(any_recompute, greedy.transient[stage], 0.0)
-    seconds = np.where(memory <= limit, time_total, np.inf)
-    if not np.isfinite(seconds).any():
-        return None
-    best = np.unravel_index(int(seconds.argmin()), seconds.shape)
-    out = np.zeros((v, G, R), dtype=np.int64)
-    for g, (mixes, by_activation, dealt) in enumerate(mixes_of):
-        queue = np.repeat(by_activation, mixes[best[g]][by_activation])  # options, most bytes first
-        np.add.at(out[:, g], (dealt, queue), 1)
+    out: list[np.ndarray | None] = [None] * pp
+    totals = held.sum(axis=1)  # [pp, G]
+    for signature in {tuple(row) for row in totals.tolist()}:
+        stages = [s for s in range(pp) if tuple(totals[s].tolist()) == signature]
+        mixes = [_compositions(int(n), R) for n in signature]  # per kind [K_g, R]
+        if int(np.prod([len(m) for m in mixes])) > _EXACT_CELLS:
+            continue
+        S = len(stages)
+        time_total: np.ndarray = np.zeros((S,) + (1,) * G)
+        bytes_total: np.ndarray = greedy.base_bytes[stages].reshape((S,) + (1,) * G).copy()
+        any_recompute: np.ndarray = np.zeros((1,) * (G + 1), dtype=bool)
+        dealt = [[dealt_chunks(held[s, :, g], flight[s]) for s in stages] for g in range(G)]
+        for g, kind in enumerate(greedy.kinds):
+            cost = [problem.costs[(kind, option)] for option in problem.options]
+            activation = np.array([c.activation_bytes for c in cost])
+            by_activation = np.argsort(-activation, kind="stable")
+            slots = np.zeros((S, int(signature[g]) + 1))  # in-flight weight of the first k dealt slots
+            for i, s in enumerate(stages):
+                slots[i, 1:] = np.cumsum(flight[s, dealt[g][i]])
+            ends = np.cumsum(mixes[g][:, by_activation], axis=1)  # [K, R]
+            weight = slots[:, ends] - slots[:, ends - mixes[g][:, by_activation]]  # [S, K, R]
+            kind_bytes = (mixes[g] @ np.array([c.static_bytes for c in cost]))[None] + weight @ activation[by_activation]
+            shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
+            time_total = time_total + (mixes[g] @ np.array([c.time_s for c in cost])).reshape((1,) + shape[1:])
+            bytes_total = bytes_total + kind_bytes.reshape(shape)
+            any_recompute = any_recompute | ((mixes[g] @ recomputes) > 0).reshape((1,) + shape[1:])
+        memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape((S,) + (1,) * G), 0.0)
+        seconds = np.where(memory <= limit, np.broadcast_to(time_total, memory.shape), np.inf).reshape(S, -1)
+        for i, s in enumerate(stages):
+            if not np.isfinite(seconds[i]).any():
+                continue
+            best = np.unravel_index(int(seconds[i].argmin()), memory.shape[1:])
+            choice = np.zeros((v, G, R), dtype=np.int64)
+            for g in range(G):
+                activation = np.array([problem.costs[(greedy.kinds[g], o)].activation_bytes for o in problem.options])
+                by_activation = np.argsort(-activation, kind="stable")
+                queue = np.repeat(by_activation, mixes[g][best[g]][by_activation])  # options, most bytes first
+                np.add.at(choice[:, g], (dealt[g][i], queue), 1)
+            out[s] = choice
     return out
 
 
 def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], exact: bool = True
              ) -> tuple[Plan, PlanCost] | None:
-    """A placement with each stage's least-time recompute that fits (``_exact_stage``; the
+    """A placement with each stage's least-time recompute that fits (``_exact_stages``; the
     greedy's where the mixes are too many or ``exact`` is False), evaluated; None if a stage
     cannot fit."""
     per_chunk = _chunk_counts(problem, greedy, counts)
     time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
     if not np.isfinite(time).all():
         return None
-    choice = []
-    for s in range(problem.pp):
-        best = None
-        if exact:  # placements tried for one problem often share a stage's layers: solve once
-            key = (s, per_chunk[s].tobytes())
-            if key not in greedy.exact_cache:
-                greedy.exact_cache[key] = _exact_stage(problem, greedy, s, per_chunk[s])
-            best = greedy.exact_cache[key]
-        choice.append(best if best is not None else
-                      greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s])))
+    exact_choice = _exact_stages(problem, greedy, per_chunk) if exact else [None] * problem.pp
+    choice = [best if best is not None else
+              greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
+              for s, best in enumerate(exact_choice)]
     # Each layer takes, in model order within its chunk and kind, the options in turn: the
     # layer of rank k among its (virtual stage, kind) takes the first option whose running
     # count exceeds k (inside a chunk their order changes neither memory nor time).
