@@ -266,3 +266,25 @@ def test_one_kind_dp_equals_brute_force_over_even_chunks(layers, pp, vpp, limit_
         uniform = evaluate(problem, uniform_plan(problem, option))
         if uniform.fits:
             assert found[1].step_s <= uniform.step_s + 1e-9
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 2, 8), (4, 2, 16), (4, 3, 8), (3, 4, 12)])
+def test_composed_step_of_even_plans_follows_the_simulator(pp, vpp, m):
+    """The plans the solvers return (even chunks, options dealt) compose within 8% of the
+    pipeline simulator on interleaved 1F1B; a plan piling a stage's layers into one chunk does
+    not, which is why the solvers keep chunks even."""
+    from ndplan.balance import simulated_step_s
+
+    kinds = ("dense",) * (pp * vpp * 3)
+    for seed in range(3):
+        problem = chunked_problem(kinds, pp, vpp, 1000, seed=seed, m=m)
+        for plan, cost in (solve_heuristic(problem), solve_exact(problem)):
+            assert even_chunks(problem, plan.stage_layers)
+            assert cost.step_s == pytest.approx(simulated_step_s(problem, plan, "interleaved"), rel=0.08)
+    problem = chunked_problem(kinds, pp, vpp, 1000, m=m)
+    piled = [1] * (pp * vpp)
+    piled[-pp:] = [1 + 2 * (vpp - 1) + 1] * pp  # the last round takes every layer the others gave up
+    piled[-1] += len(kinds) - sum(piled)
+    plan = Plan(tuple(piled), ("none",) * len(kinds))
+    assert not even_chunks(problem, plan.stage_layers)
+    assert evaluate(problem, plan).step_s < 0.9 * simulated_step_s(problem, plan, "interleaved")
