@@ -13,7 +13,8 @@ a ≤ K leading layers placed, with steps (T, δ): from (b − T, a − δ) to (
 δ = n₀ (and a ≤ K) or δ < n₀ and a = K (the leading run ended inside the chunk). The DP is
 ``threshold_search`` over the stage costs of the greedy knapsack (``rounds._Greedy``); the
 chosen placement is evened out where the split misjudged a load (``rounds._even_out``) and
-gets each stage's least-time dealt recompute; the uniform placement stays a candidate. A heuristic: the greedy's stage costs and the even split are not exact with two
+gets each stage's least-time dealt recompute; the uniform placement with one option on every
+layer stays a candidate (with a mix of options too, when the DP finds nothing). A heuristic: the greedy's stage costs and the even split are not exact with two
 layer kinds (``solve_exact`` runs the MILP).
 """
 
@@ -42,13 +43,15 @@ def solve_prefixed(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan,
     if K is None:
         raise ValueError("solve_prefixed needs a leading run of at most pp layers of one kind")
     greedy = _Greedy(problem)
-    found = uniform_candidates(problem, greedy)
+    found = uniform_candidates(problem, greedy, mixed=False)
     for width in (window, problem.num_layers):  # near uniform first; every total if nothing fits
         counts = _placement(problem, greedy, K, width)
         planned = None if counts is None else _plan_of(problem, greedy, _even_out(problem, counts))
         if planned is not None:
             found.append(planned)
             break
+    else:  # nothing near or far: the uniform placement with a mix of options may still fit
+        found = uniform_candidates(problem, greedy)
     return min(found, key=lambda f: f[1].step_s) if found else None
 
 

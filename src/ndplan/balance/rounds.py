@@ -404,16 +404,19 @@ def _even_out(problem: BalanceProblem, counts: tuple[int, ...]) -> tuple[int, ..
     return tuple(out)
 
 
-def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None) -> list[tuple[Plan, PlanCost]]:
+def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None, *, mixed: bool = True
+                       ) -> list[tuple[Plan, PlanCost]]:
     """The uniform placement (what frameworks run by default) with each recompute option on
-    every layer, and with each stage's least-time dealt recompute; those that fit."""
+    every layer, and (``mixed``) with each stage's least-time dealt recompute; those that fit."""
     found = []
     for option in problem.options:
         cost = evaluate(problem, plan := uniform_plan(problem, option))
         if cost.fits:
             found.append((plan, cost))
-    planned = _plan_of(problem, greedy or _Greedy(problem), uniform_plan(problem, problem.options[0]).stage_layers)
-    return found + ([planned] if planned is not None else [])
+    if mixed:
+        planned = _plan_of(problem, greedy or _Greedy(problem), uniform_plan(problem, problem.options[0]).stage_layers)
+        found += [planned] if planned is not None else []
+    return found
 
 
 def solve_rounds(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan, PlanCost] | None:
