@@ -166,10 +166,14 @@ gradients a split backward's W consumes, hand-overs at a V schedule's turn. The 
 configurations were measured only after that, as a check on configurations the rules were not
 derived from; they found two more mechanisms (DTensor's whole-table embedding gradient, the
 rebuilt graph a split backward holds under recompute) and one miss that remains
-(`qwen3-8b-pp2-dualpipev-m8-s2k-full`: far more is alive on the V's turn stage than the
-simulated DualPipeV order explains). ZB-V with full recompute misses the same way (stage 1
-−23% at m 8, measured while writing this), so `ndplan estimate` prints a caution for V
-schedules with full recompute; and PyTorch refuses selective checkpointing under any split
+(`qwen3-8b-pp2-dualpipev-m8-s2k-full`, stage 1 at −28%). Its cause, found later by listing
+the live tensors and their owners during the step: torch.distributed.pipelining's weight-
+gradient step (`stage_backward_weight`) calls `torch.autograd.grad` once per parameter group,
+each call a new graph task, so a checkpointed layer is recomputed once per group (11 times for
+a Qwen3 layer) and each rebuilt copy, all but the one or two tensors its group consumes, stays
+until the step's last group is done (rank 1: +2.7 GiB during the final W). The estimator
+holds one rebuilt layer there. ZB-V with full recompute misses the same way (stage 1 −23% at
+m 8), so `ndplan estimate` prints a caution for split-backward schedules with full recompute; and PyTorch refuses selective checkpointing under any split
 backward ("backward an extra time"), so the search rejects that combination under the
 `pytorch` runtime. New configurations can still find new mechanisms: measure yours with
 `ndplan verify`.

@@ -232,9 +232,10 @@ def known_gaps(strategy: Strategy, options: MemoryOptions) -> list[str]:
     if options.runtime == "pytorch" and split and strategy.recompute == "selective":
         gaps.append("PyTorch cannot run this: selective activation checkpointing with a split backward "
                     "raises 'backward an extra time' in torch.distributed.pipelining (measured, torch 2.13)")
-    if options.runtime == "pytorch" and strategy.schedule in ("zbv", "dualpipev") and strategy.recompute == "full":
-        gaps.append("measured steps of ZB-V and DualPipeV with full recompute hold more on the V's turn stage "
-                    "than this estimate: up to 29% above it (docs/accuracy.md)")
+    if options.runtime == "pytorch" and split and strategy.recompute == "full":
+        gaps.append("with full recompute, torch.distributed.pipelining's weight-gradient step recomputes each "
+                    "layer once per parameter group and keeps every rebuilt copy until it ends; this estimate "
+                    "holds one: measured steps of ZB-V and DualPipeV peak up to 29% above it (docs/accuracy.md)")
     return gaps
 
 
