@@ -38,6 +38,7 @@ from ndplan.balance.problem import (
     end_units,
     evaluate,
     even_chunks,
+    stage_bases,
     uniform_plan,
 )
 from ndplan.balance.rounds import uniform_candidates
@@ -138,15 +139,7 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     by_activation = np.argsort(-activation, kind="stable")  # options that hold most go first
     flight = np.zeros((pp, v))
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
-    base_bytes = np.asarray(problem.fixed_bytes, dtype=float).copy()
-    base_time = np.zeros(pp)
-    in_flight = problem.in_flight_of_virtual()
-    for virtual, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
-        s = int(problem.stage_of[virtual])
-        base_bytes[s] += extra.static_bytes + in_flight[virtual] * extra.activation_bytes
-        base_time[s] += extra.time_s
-    transient = (np.zeros(pp) if problem.recompute_transient_bytes is None
-                 else np.asarray(problem.recompute_transient_bytes, dtype=float))
+    base_bytes, base_time, transient = stage_bases(problem)
     layers = _chunk_layers(problem, totals)  # [pp, J, v]
     # A hair under the limit (80 bytes of 80 GB), so evaluate's own float sums never land over it.
     limit = problem.memory_limit_bytes * (1 - 1e-9)

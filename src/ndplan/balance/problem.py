@@ -144,6 +144,22 @@ def evaluate(problem: BalanceProblem, plan: Plan) -> PlanCost:
     return PlanCost(memory, time, composed_step_s(problem, time), bool(np.all(memory <= problem.memory_limit_bytes)))
 
 
+def stage_bases(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per stage [pp], what does not move with its layers: bytes (fixed, plus the embedding and
+    head with their chunks' in-flight counts), seconds per micro-batch (the embedding and head),
+    and the recompute transient (zero where the problem has none)."""
+    bytes_ = np.asarray(problem.fixed_bytes, dtype=float).copy()
+    seconds = np.zeros(problem.pp)
+    flight = problem.in_flight_of_virtual()
+    for virtual, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
+        s = int(problem.stage_of[virtual])
+        bytes_[s] += extra.static_bytes + flight[virtual] * extra.activation_bytes
+        seconds[s] += extra.time_s
+    transient = (np.zeros(problem.pp) if problem.recompute_transient_bytes is None
+                 else np.asarray(problem.recompute_transient_bytes, dtype=float))
+    return bytes_, seconds, transient
+
+
 def composed_step_s(problem: BalanceProblem, stage_time_s: np.ndarray) -> float:
     """(m − 1/v)·max_s T_s + (1/v)·Σ_s T_s seconds (module docstring), T_s per micro-batch."""
     v = problem.chunks_per_stage

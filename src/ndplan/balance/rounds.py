@@ -44,6 +44,7 @@ from ndplan.balance.problem import (
     chunk_loads,
     evaluate,
     load_spread,
+    stage_bases,
     uniform_plan,
 )
 
@@ -75,17 +76,7 @@ class _Greedy:
         memory = static[None, None] + weight[:, :, None, None] * activation[None, None]  # [pp, v, G, R]
         self.memory = memory
         self.none = options.index("none") if "none" in options else None
-        # What does not move with layers: fixed bytes, the embedding and head with their chunks.
-        self.base_bytes = np.asarray(problem.fixed_bytes, dtype=float).copy()
-        self.base_time = np.zeros(pp)
-        ends = ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra))
-        flight = problem.in_flight_of_virtual()
-        for virtual, extra in ends:
-            s = int(problem.stage_of[virtual])
-            self.base_bytes[s] += extra.static_bytes + flight[virtual] * extra.activation_bytes
-            self.base_time[s] += extra.time_s
-        self.transient = (np.zeros(pp) if problem.recompute_transient_bytes is None
-                          else np.asarray(problem.recompute_transient_bytes, dtype=float))
+        self.base_bytes, self.base_time, self.transient = stage_bases(problem)
         self.limit = problem.memory_limit_bytes
         # Hull walk per (stage, chunk, kind): from the fastest option (least bytes among ties),
         # step to the option of least seconds per byte saved, while one saves bytes.

@@ -41,6 +41,7 @@ from ndplan.balance.problem import (
     even_chunks,
     layer_units,
     load_spread,
+    stage_bases,
 )
 from ndplan.balance.rounds import solve_rounds
 
@@ -76,12 +77,8 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
     stage time, stage memory), or None if no assignment fits."""
     in_flight = problem.in_flight_of_virtual()
     members = _stage_layers(problem, counts)[stage]
-    base_memory = float(problem.fixed_bytes[stage])
-    base_time = 0.0
-    for v, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
-        if int(problem.stage_of[v]) == stage:
-            base_memory += extra.static_bytes + in_flight[v] * extra.activation_bytes
-            base_time += extra.time_s
+    bases = stage_bases(problem)
+    base_memory, base_time = float(bases[0][stage]), float(bases[1][stage])
     # Group interchangeable layers: same kind and same in-flight weight (same chunk).
     groups: dict[tuple[str, float], list[int]] = {}
     for v, layer in members:
@@ -138,12 +135,8 @@ def dealt_knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int
 
     in_flight = problem.in_flight_of_virtual()
     members = _stage_layers(problem, counts)[stage]
-    base_memory = float(problem.fixed_bytes[stage])
-    base_time = 0.0
-    for v, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
-        if int(problem.stage_of[v]) == stage:
-            base_memory += extra.static_bytes + in_flight[v] * extra.activation_bytes
-            base_time += extra.time_s
+    bases = stage_bases(problem)
+    base_memory, base_time = float(bases[0][stage]), float(bases[1][stage])
     chunks = np.flatnonzero(problem.stage_of == stage)  # virtual stages of this stage, by local chunk
     chunks = chunks[np.argsort(problem.chunk_of[chunks])]
     flight = in_flight[chunks]
