@@ -165,3 +165,14 @@ def test_balanced_ranking_equals_balancing_every_candidate():
     assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:5]], rel=1e-12)
     pipelines = sum(1 for c in result.candidates_index if space.strategy(int(c)).pp >= 2)
     assert 0 < balanced < pipelines  # the bound spared some balancing
+
+
+def test_without_a_pipeline_only_1f1b_is_ranked():
+    """At pp = 1 a step is gradient accumulation: GPipe, ZB-H1 and Seq1F1B there are 1F1B under
+    another name, counted as duplicates rather than ranked beside it."""
+    space = _space(dims=("pp", "schedule", "mbs"))
+    result = run_search(TINY_MOE, DEVICE, space, step_time_batch)
+    schedules_at_pp1 = {space.strategy(int(c)).schedule for c in result.candidates_index
+                        if space.strategy(int(c)).pp == 1}
+    assert schedules_at_pp1 == {"1f1b"}
+    assert result.rejected[DUPLICATE] > 0

@@ -103,7 +103,10 @@ class SearchSpace:
 
     def duplicates(self, index: np.ndarray) -> np.ndarray:
         """Candidates that are another candidate under a second name: etp "same as tp" when
-        tp = 1 (etp = 1 is listed too), and a Ulysses context group of size 1 (cp = 1 is ring)."""
+        tp = 1 (etp = 1 is listed too), a Ulysses context group of size 1 (cp = 1 is ring), and
+        a one-chunk pipeline schedule other than 1F1B at pp = 1 (without a pipeline a step is
+        gradient accumulation, one micro-batch after another, which 1F1B at pp = 1 stands for;
+        where the space lists 1F1B)."""
         digits = dict(zip(DIMENSIONS, np.unravel_index(index, self.sizes), strict=True))
         tp = self._codes("tp")[digits["tp"]]
         etp = self._codes("etp")[digits["etp"]]
@@ -112,7 +115,11 @@ class SearchSpace:
         same_etp = (etp == 0) & (tp == 1) & np.isin(1, self.etp)
         ring = encode("cp_kind", "ring")
         same_cp = (cp == 1) & (kind != ring) & (ring in self._codes("cp_kind"))
-        return np.asarray(same_etp | same_cp)
+        # (Schedules of several chunks need pp >= 2 by a rule of their own, which counts them.)
+        single = np.asarray([option[1] == 1 and option != ("1f1b", 1, 1) for option in self.schedule])
+        pp = self._codes("pp")[digits["pp"]]
+        no_pipeline = (pp == 1) & (("1f1b", 1, 1) in self.schedule) & single[digits["schedule"]]
+        return np.asarray(same_etp | same_cp | no_pipeline)
 
     def _codes(self, name: str) -> np.ndarray:
         """The dimension's values as integers (categorical names as their codes; the pipeline
