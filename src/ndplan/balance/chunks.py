@@ -125,9 +125,10 @@ def _dealt_prefix(layers: np.ndarray, flight: np.ndarray) -> np.ndarray:
     return out
 
 
-def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[pp, J] least seconds per micro-batch of each stage holding each total (+inf if nothing
-    fits), and [pp, J, R] the layers on each option reaching it (module docstring)."""
+    fits), [pp, J, R] the layers on each option reaching it (module docstring), and [pp, J, v]
+    the layers of each chunk (``_chunk_layers``)."""
     kind = problem.layer_kinds[0]
     options = problem.options
     R, pp, v = len(options), problem.pp, problem.chunks_per_stage
@@ -159,23 +160,31 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     first = np.where(seconds == least[:, j_of], np.arange(len(j_of))[None], len(j_of))
     best = np.minimum.reduceat(first, starts, axis=1)  # [pp, J]
     chosen = mixes[np.minimum(best, len(j_of) - 1)]  # [pp, J, R]
-    return least, chosen
+    return least, chosen, layers
 
 
-def _plan(problem: BalanceProblem, totals: tuple[int, ...], mixes: list[np.ndarray]) -> Plan:
+def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: list[np.ndarray]) -> Plan:
     """Layers per virtual stage and each layer's option, dealt to a stage's chunks
-    (``dealt_chunks``)."""
+    (``dealt_chunks``), from each stage's layers per chunk [pp, v] and option counts."""
     v = problem.chunks_per_stage
     activation = np.array([problem.costs[(problem.layer_kinds[0], o)].activation_bytes for o in problem.options])
     by_activation = np.argsort(-activation, kind="stable")
-    layers = _chunk_layers(problem, np.asarray(totals))  # [pp, pp, v]: stage s uses row s
-    flight = np.zeros((problem.pp, v))
+    pp = problem.pp
+    stage = np.arange(pp)
+    flight = np.zeros((pp, v))
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
     R = len(problem.options)
-    held = np.zeros((problem.pp, v, R), dtype=np.int64)  # [stage, chunk, option] layers
-    for s in range(problem.pp):
-        queue = np.repeat(by_activation, mixes[s][by_activation])  # options, most bytes first
-        np.add.at(held[s], (dealt_chunks(layers[s, s], flight[s]), queue), 1)
+    # Every stage's slots at once: the chunk of each (dealt_chunks, turn by turn) and the option
+    # of each (options holding most bytes first), as [pp, S] tables, S the most layers of a stage.
+    order = np.argsort(flight, axis=1, kind="stable")
+    capacity = np.take_along_axis(layers, order, 1)
+    active = np.arange(int(capacity.max()))[None, :, None] < capacity[:, None, :]  # [pp, turn, v]
+    slot_chunk = np.broadcast_to(order[:, None, :], active.shape)[active]  # stage-major, in turn
+    slot_stage = np.broadcast_to(stage[:, None, None], active.shape)[active]
+    counts = np.stack(mixes)[:, by_activation]  # [pp, R] layers per option, most bytes first
+    slot_option = np.concatenate([np.repeat(by_activation, row) for row in counts])
+    held = np.zeros((pp, v, R), dtype=np.int64)  # [stage, chunk, option] layers
+    np.add.at(held, (slot_stage, slot_chunk, slot_option), 1)
     per_virtual = held[problem.stage_of, problem.chunk_of]  # [V, R]
     # Inside a chunk the order of its layers' options changes nothing: option order.
     options = np.repeat(np.tile(np.arange(R), problem.num_virtual_stages), per_virtual.reshape(-1))
@@ -210,7 +219,7 @@ def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Pl
 
 def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost] | None:
     L, pp = problem.num_layers, problem.pp
-    least, chosen = _stage_costs(problem, totals)  # [pp, J], [pp, J, R]
+    least, chosen, chunk_layers = _stage_costs(problem, totals)  # [pp, J], [pp, J, R], [pp, J, v]
     position = np.arange(L + 1)
     start = np.maximum(position[None] - totals[:, None], 0)  # [J, L + 1]
     reachable = position[None] >= totals[:, None]
@@ -223,7 +232,7 @@ def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost]
     if split is None:
         return None
     index = np.asarray(split) - totals[0]
-    plan = _plan(problem, tuple(split), [chosen[s, index[s]] for s in range(pp)])
+    plan = _plan(problem, chunk_layers[np.arange(pp), index], [chosen[s, index[s]] for s in range(pp)])
     return plan, evaluate(problem, plan)
 
 
