@@ -242,8 +242,9 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
         return solve_dp(problem)
     if one_layer_kind(problem):
         return solve_chunks(problem)
-    found = _milp_dealt(problem, time_limit_s)
     fallback = solve_heuristic(problem)
+    # The heuristic's step as a cutoff: HiGHS prunes every branch that cannot beat it.
+    found = _milp_dealt(problem, time_limit_s, None if fallback is None else fallback[1].step_s)
     candidates = [c for c in (found, fallback) if c is not None and c[1].fits]
     return min(candidates, key=lambda c: c[1].step_s) if candidates else None
 
@@ -251,12 +252,13 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
 FALLBACK_MILP_SECONDS = 1.0  # where the heuristic's plans of several kinds all fail to fit
 
 
-def _milp_dealt(problem: BalanceProblem, time_limit_s: float) -> tuple[Plan, PlanCost] | None:
+def _milp_dealt(problem: BalanceProblem, time_limit_s: float, cutoff_s: float | None = None
+                ) -> tuple[Plan, PlanCost] | None:
     """The MILP's placement with each stage's options dealt over its chunks (the MILP frees
     them per chunk), or None."""
     from ndplan.balance.rounds import _Greedy, _plan_of
 
-    found = solve_milp(problem, time_limit_s)
+    found = solve_milp_bounded(problem, time_limit_s, cutoff_s)[0]
     return None if found is None else _plan_of(problem, _Greedy(problem), found[0].stage_layers)
 
 
@@ -265,18 +267,22 @@ def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pla
     return solve_milp_bounded(problem, time_limit_s)[0]
 
 
-def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[tuple[Plan, PlanCost] | None, float]:
+def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cutoff_s: float | None = None
+                       ) -> tuple[tuple[Plan, PlanCost] | None, float]:
     """The MILP's plan (or None) and HiGHS' proven lower bound of the optimal step in seconds
     (the optimum itself when it finished within ``time_limit_s``), which measures how far any
-    plan, the heuristic's included, can be from the optimum.
+    plan, the heuristic's included, can be from the optimum. With ``cutoff_s`` (a known plan's
+    step) only plans faster than it are sought; if none exists the plan is None and the bound
+    is ``cutoff_s`` itself: that plan is optimal.
 
     The MILP. Variables: k[v, g, r] (layers of kind g on v with option r), a[s] (stage s
     recomputes something), Z (the largest stage time), and what places the kinds. Objective:
     (m − 1/v)·Z + (1/v)·Σ_s T_s (``problem.composed_step_s``); a stage's chunks carry loads
     within one of each other (``even_chunks``: layers weighed by kind, plus the embedding's or
-    head's units; a binary per chunk lets it exceed when it holds a single layer). Options are free per chunk here, a relaxation
-    of dealing them (``chunks.dealt_chunks``): the MILP's optimum and HiGHS' bound lie at or
-    below the dealt optimum, and ``solve_exact`` deals the MILP placement's recompute afresh.
+    head's units; a binary per chunk lets it exceed when it holds a single layer). Options are
+    free per chunk here, a relaxation of dealing them (``chunks.dealt_chunks``): the MILP's
+    optimum and HiGHS' bound lie at or below the dealt optimum, and ``solve_exact`` deals the
+    MILP placement's recompute afresh.
     Placing the kinds:
 
     * one kind: nothing, the counts k place it;
@@ -404,6 +410,10 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> t
             add(row, -np.inf, spread - float(units[a]) + float(units[b]))
     for a in relaxed:
         add({**{k(a, g, r): 1.0 for g in range(G) for r in range(R)}, single(a): float(L)}, -np.inf, 1 + L)
+    # The objective leaves out the embedding's and head's seconds, a constant (1/v)·(t_first + t_last).
+    ends = (problem.first_extra.time_s + problem.last_extra.time_s) / v_chunks
+    if cutoff_s is not None:
+        add({i: c for i, c in enumerate(objective) if c}, -np.inf, cutoff_s - ends - 1e-9 * cutoff_s)
     integrality = np.ones(n)
     integrality[z] = 0
     bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), np.ones(P), np.ones(n_b),
@@ -412,10 +422,10 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0) -> t
         objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
         bounds=bounds, options={"time_limit": time_limit_s},
     )
-    # The objective leaves out the embedding's and head's seconds, a constant (1/v)·(t_first + t_last).
-    ends = (problem.first_extra.time_s + problem.last_extra.time_s) / v_chunks
     dual = getattr(result, "mip_dual_bound", None)
     lower_bound = float(dual) + ends if dual is not None and np.isfinite(dual) else 0.0
+    if cutoff_s is not None and result.status == 2:  # infeasible: nothing beats the cutoff
+        return None, cutoff_s
     if result.x is None:
         return None, lower_bound
     x = np.round(result.x).astype(int)
