@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ndplan.perf.flops import Gemm
-from ndplan.perf.gemm import ComputeRates, gemm_bytes, gemm_seconds
+from ndplan.perf.gemm import ComputeRates, depth_factor, gemm_bytes, gemm_seconds, reduction_depth
 
 # 1 PFLOP/s peak at 0.75, knee 256, grouped factor 0.9, 2.6 TB/s HBM, bf16 operands, fp32
 # gradient accumulation (read 4 + write 4 bytes per weight), no per-expert latency.
@@ -45,3 +45,38 @@ def test_a_large_gemm_is_compute_bound_in_every_pass():
     assert gemm_bytes(big, RATES, "W") / 2.6e12 < 0.25 * compute
     for pass_ in ("F", "B", "W"):
         assert gemm_seconds(big, RATES, pass_) == pytest.approx(compute, rel=1e-12)
+
+
+def test_reduction_depth_slows_shallow_passes_by_hand():
+    # Qwen3-30B-like expert on an FP8 Hopper: 4096 tokens per expert, h = 2048, f_e = 768.
+    # F (X·W) sums over k = 768, B (dY·Wᵀ) over n = 2048, W (Xᵀ·dY) over m = 4096 tokens.
+    # depth factor = min(1, R/(R + 720) · (8192 + 720)/8192), the quoted rate being at 8192.
+    rates = ComputeRates(1e15, 0.5, 256.0, 0.9, 5e14, 2.6e12, 1.0, depth_knee=720.0)
+    down = Gemm("experts_down", 4096.0, 2048.0, 768.0, count=16.0, expert=True)
+    full = 16 * 2 * 4096 * 2048 * 768 / (1e15 * 0.5 * 0.9)  # 0.716 ms at full depth
+    scale = (8192 + 720) / 8192
+    assert depth_factor(768.0, rates) == pytest.approx(768 / 1488 * scale, rel=1e-12)  # 0.5615
+    assert gemm_seconds(down, rates, "F") == pytest.approx(full / (768 / 1488 * scale), rel=1e-12)
+    assert gemm_seconds(down, rates, "B") == pytest.approx(full / (2048 / 2768 * scale), rel=1e-12)
+    assert gemm_seconds(down, rates, "W") == pytest.approx(full / (4096 / 4816 * scale), rel=1e-12)
+    assert [reduction_depth(down, p) for p in ("F", "B", "W")] == [768.0, 2048.0, 4096.0]
+
+
+def test_depth_factor_is_one_at_the_reference_depth_beyond_it_and_when_off():
+    rates = ComputeRates(1e15, 0.5, 256.0, 0.9, 5e14, 2.6e12, 1.0, depth_knee=720.0)
+    assert depth_factor(8192.0, rates) == pytest.approx(1.0, rel=1e-12)
+    assert depth_factor(28672.0, rates) == 1.0
+    assert depth_factor(768.0, RATES) == 1.0  # depth_knee 0: the figure is off
+    big = Gemm("mlp_up", 8192.0, 8192.0, 8192.0)
+    deep = ComputeRates(1e15, 0.75, 256.0, 0.9, 5e14, 2.6e12, 2.0, depth_knee=240.0)
+    for pass_ in ("F", "B", "W"):
+        assert gemm_seconds(big, deep, pass_) == pytest.approx(gemm_seconds(big, RATES, pass_), rel=1e-12)
+
+
+def test_a_reduction_thinner_than_the_knee_is_not_charged_twice():
+    # A head of 8 logits: the knee already prices n = 8 as a 256-wide tile; the B pass (which
+    # sums over n) then sees depth 256, not 8.
+    rates = ComputeRates(1e15, 0.75, 256.0, 0.9, 5e14, 2.6e12, 2.0, depth_knee=240.0)
+    head = Gemm("head", 8192.0, 8.0, 2048.0)
+    compute = 2 * 8192 * 8 * 2048 / (1e15 * 0.75 * 8 / 256)
+    assert gemm_seconds(head, rates, "B") == pytest.approx(compute / (256 / 496 * 8432 / 8192), rel=1e-12)

@@ -162,7 +162,9 @@ def test_fp8_speeds_up_a_compute_bound_model():
     cluster = _cluster(8)
     bf16 = estimate_time(LLAMA70, Strategy(**s), cluster)
     fp8 = estimate_time(LLAMA70, Strategy(precision="megatron-fp8", **s), cluster)
-    assert 1.1 < bf16.step_s / fp8.step_s < 1.8
+    # TP 8 leaves shallow reductions (the o-projection sums over 8192/8 = 1024 elements), where
+    # fp8 GEMMs lose more to per-tile overhead than bf16 (gemm.depth_factor): ~1.10 here.
+    assert 1.05 < bf16.step_s / fp8.step_s < 1.8
 
 
 def test_context_parallel_ring_hides_under_attention():

@@ -31,6 +31,14 @@ class EfficiencyProfile(BaseModel):
     (tile quantisation: a dimension thinner than one tile costs as much as a full tile), and
     never faster than its operands and result can stream from HBM (roofline, see gemm.py).
     ``fp8_gemm_efficiency`` replaces ``gemm_efficiency`` when the compute dtype is fp8.
+    Reduction depth: each output tile pays a fixed cost (pipeline fill, epilogue, scale
+    handling) worth ``gemm_depth_knee`` (``fp8_gemm_depth_knee`` in fp8) elements of its
+    reduction, so a pass summing over R elements runs at R/(R + knee) of the asymptotic rate.
+    The efficiencies above are quoted at R = 8192 (large square GEMMs), so the rate is
+    multiplied by min(1, R/(R + knee) · (8192 + knee)/8192) (gemm.depth_factor). R is K in the
+    forward, N in the input gradient and M (the tokens) in the weight gradient: expert GEMMs
+    of fine-grained MoE models (f_e = 768-2048, 1-4 K tokens per expert) lose 15-45% to it.
+    0 turns it off (families without a measurement).
     Routed-expert GEMMs are grouped GEMMs; ``grouped_gemm_factor`` multiplies their efficiency,
     and each local expert's GEMM costs at least ``expert_gemm_latency_s`` more (kernel prologue,
     epilogue and the partial last wave of a small per-expert GEMM, plus its per-expert fp8
@@ -88,6 +96,8 @@ class EfficiencyProfile(BaseModel):
     gemm_efficiency: Fraction
     gemm_knee: float = Field(default=256.0, gt=0.0, description="elements; below this the thin dimension is padded")
     fp8_gemm_efficiency: Fraction
+    fp8_gemm_depth_knee: float = Field(default=0.0, ge=0.0, description="elements of the reduction dimension")
+    gemm_depth_knee: float = Field(default=0.0, ge=0.0, description="elements of the reduction dimension")
     grouped_gemm_factor: float = Field(default=0.9, gt=0.0, le=1.0)
     attention_efficiency: Fraction
     flash_attention: bool = True
@@ -129,6 +139,8 @@ FITTABLE: dict[str, tuple[float, float]] = {
     "host_layer_s": (0.0, 5e-3),
     "host_moe_layer_s": (0.0, 20e-3),
     "grouped_gemm_factor": (0.05, 1.0),
+    "gemm_depth_knee": (0.0, 4096.0),
+    "fp8_gemm_depth_knee": (0.0, 4096.0),
     "host_expert_s": (0.0, 2e-4),
     "expert_gemm_latency_s": (0.0, 1e-4),
     "step_overhead_s": (0.0, 5.0),
@@ -145,6 +157,12 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
         family="ampere", gemm_efficiency=0.82, fp8_gemm_efficiency=0.82, attention_efficiency=0.6,
         hbm_efficiency=0.8, scaleup_efficiency=0.75, scaleout_efficiency=0.85,
     ),
+    # Reduction-depth knees, fitted to R/(R + knee) on published GEMM timings at fixed M, N:
+    # fp8 720 from DeepGEMM's H800 table (README, Feb 2025: M = 4096 dense GEMMs at K = 512,
+    # 1536, 2048, 7168, 16384 run at 590, 990, 1025, 1304, 1358 TFLOP/s; grouped contiguous
+    # K = 2048 vs 7168: 1093-1099 vs 1288-1297); bf16 240 from OpenXLA's measured sm_90 GEMM
+    # table (xla/service/gpu/model/matmul_interpolator_data.h: 2 x 4096x4096, K = 256, 512,
+    # 1024, 4096 at 464, 608, 693, 808 TFLOP/s).
     # H100/H200: cuBLAS bf16 ~700-760 of 989 TFLOP/s; FP8 GEMMs in training (Transformer Engine,
     # per-tensor or 1x128 block scaling) run ~1.3-1.4x BF16, i.e. ~0.5 of the fp8 peak (isolated
     # large fp8 GEMMs reach more); FlashAttention-2/3 50-65% of bf16 peak; HBM3 ~2.8 of
@@ -152,12 +170,16 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
     "hopper": EfficiencyProfile(
         family="hopper", gemm_efficiency=0.75, fp8_gemm_efficiency=0.5, attention_efficiency=0.55,
         hbm_efficiency=0.8, scaleup_efficiency=0.8, scaleout_efficiency=0.85,
+        gemm_depth_knee=240.0, fp8_gemm_depth_knee=720.0,
     ),
     # B200: cuBLAS bf16 ~1.6 of 2.25 PFLOP/s; FP8 in training ~1.35x BF16 (~0.5 of 4.5 PFLOP/s);
-    # NVLink5 ~0.75-0.8 of link rate.
+    # NVLink5 ~0.75-0.8 of link rate. Reduction-depth knees from OpenXLA's measured sm_100 GEMM
+    # table (same file, 4096x4096 at K = 1024 and 4096): fp8 1,895 and 2,765 TFLOP/s -> 740,
+    # bf16 1,076 and 1,417 -> 480.
     "blackwell": EfficiencyProfile(
         family="blackwell", gemm_efficiency=0.72, fp8_gemm_efficiency=0.5, attention_efficiency=0.55,
         hbm_efficiency=0.8, scaleup_efficiency=0.78, scaleout_efficiency=0.85,
+        gemm_depth_knee=480.0, fp8_gemm_depth_knee=740.0,
     ),
     # MI300X: hipBLASLt bf16 ~600-750 of 1307 TFLOP/s; xGMI full mesh.
     "cdna3": EfficiencyProfile(

@@ -4,7 +4,8 @@ GEMM [m, k] @ [k, n], repeated ``count`` times (grouped experts). The three pass
 same FLOPs but move different bytes:
 
     rate      = peak · eff · min(1, min(m, n, k) / knee)        FLOP/s
-    compute_s = 2·m·n·k·count / rate
+    compute_s = 2·m·n·k·count / (rate · depth(R))               R: the pass's reduction
+    depth(R)  = min(1, R/(R + depth_knee) · (ref + depth_knee)/ref),  ref = 8192
     bytes     F (Y = X·W):     count · (b_in·(m·k + k·n) + 2·m·n)       read X, W; write Y (bf16)
               B (dX = dY·Wᵀ):  count · (b_in·(m·n + k·n) + 2·m·k)       read dY, W; write dX (bf16)
               W (dW = Xᵀ·dY):  count · (b_in·(m·k + m·n) + b_acc·k·n)   read X, dY; read-modify-
@@ -20,6 +21,16 @@ is compute-bound and the three times agree; with few tokens per expert the weigh
 GEMM is the first to turn memory-bound, because its output is the weight itself at fp32 width:
 its arithmetic intensity is 2·m·n·k / (8·k·n) = m/4 FLOP/byte, below a Hopper or Blackwell
 ridge point (~590 FLOP/byte in fp8, ~295 in bf16) for m < ~1200-2400 tokens per expert.
+
+Reduction depth: every output tile pays a fixed cost (filling the load pipeline, the epilogue
+that writes the tile, fp8 scale handling) worth about ``depth_knee`` elements of its reduction,
+so a pass that sums over R elements runs at R/(R + depth_knee) of the asymptotic rate. The
+forward sums over k, the input gradient over n and the weight gradient over m (the tokens).
+The efficiencies are quoted for large square GEMMs (R = 8192, ``DEPTH_REFERENCE``), hence the
+normalisation; deeper reductions are not made faster than quoted. A reduction thinner than the
+knee is taken as the knee (the tile term already pays for it). Published GEMM timings fit this
+with depth_knee ~720 (fp8) and ~240 (bf16) on Hopper, ~740 and ~480 on Blackwell (efficiency.py
+gives the sources): an expert down-projection of f_e = 768 runs at ~0.56 of the quoted fp8 rate.
 
 The knee models tile quantisation: a GEMM whose thinnest side is below one tile (~128-256
 elements) still pays for a whole tile, so its time stops shrinking with that side; a thin
@@ -45,6 +56,9 @@ Array = np.ndarray
 Pass = Literal["F", "B", "W"]
 #: The passes in order: forward, input gradient, weight gradient.
 PASS_NAMES: tuple[Pass, ...] = ("F", "B", "W")
+#: Reduction depth (elements) at which the profiles' GEMM efficiencies are quoted: large
+#: square GEMMs (M = N = K = 8192), the shape GEMM microbenchmarks report.
+DEPTH_REFERENCE = 8192.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,8 @@ class ComputeRates:
     operand_bytes: float
     expert_latency: float = 0.0
     wgrad_accum_bytes: float = 8.0
+    depth_knee: float = 0.0
+    depth_ref: float = DEPTH_REFERENCE
 
 
 def gemm_bytes(g: Gemm, r: ComputeRates, pass_: Pass = "F") -> Array | float:
@@ -82,8 +98,26 @@ def gemm_bytes(g: Gemm, r: ComputeRates, pass_: Pass = "F") -> Array | float:
     return g.count * (b * (g.m * g.k + g.m * g.n) + r.wgrad_accum_bytes * g.k * g.n)
 
 
+def reduction_depth(g: Gemm, pass_: Pass) -> Array | float:
+    """The dimension a pass of ``g`` sums over: F (X·W) k, B (dY·Wᵀ) n, W (Xᵀ·dY) m."""
+    return g.k if pass_ == "F" else g.n if pass_ == "B" else g.m
+
+
+def depth_factor(depth: Array | float, r: ComputeRates) -> Array | float:
+    """Fraction of the quoted GEMM rate a pass reaches at reduction depth R (see module doc):
+
+        min(1, R/(R + depth_knee) · (depth_ref + depth_knee)/depth_ref)
+
+    1 at and beyond the reference depth, lower for shallow reductions; 1 when depth_knee is 0."""
+    if r.depth_knee <= 0.0:
+        return 1.0
+    k0 = r.depth_knee
+    return np.minimum(1.0, depth / (depth + k0) * (r.depth_ref + k0) / r.depth_ref)
+
+
 def _compute_seconds(g: Gemm, r: ComputeRates) -> Array | float:
-    """FLOP-bound seconds of any pass of ``g`` (the passes have the same FLOPs)."""
+    """FLOP-bound seconds of a pass of ``g`` at full reduction depth (the passes have the
+    same FLOPs; ``depth_factor`` then slows each by its own reduction depth)."""
     smallest = np.minimum(np.minimum(g.m, g.n), g.k)
     eff = r.gemm_eff * np.minimum(1.0, smallest / r.knee)
     if g.expert:
@@ -92,6 +126,9 @@ def _compute_seconds(g: Gemm, r: ComputeRates) -> Array | float:
 
 
 def _roofline(g: Gemm, r: ComputeRates, compute: Array | float, pass_: Pass) -> Array | float:
+    if r.depth_knee > 0.0:
+        # A reduction thinner than the knee already pays a whole tile (the knee term above).
+        compute = compute / depth_factor(np.maximum(reduction_depth(g, pass_), r.knee), r)
     time = np.maximum(compute, gemm_bytes(g, r, pass_) / r.hbm_rate)
     return time + g.count * r.expert_latency if g.expert else time
 

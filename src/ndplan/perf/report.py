@@ -125,8 +125,10 @@ def explain_lines(r: TimeReport) -> list[str]:
     lines = [
         f"strategy: {s.short()} on {r.cluster.num_devices}× {dev.name}; {model.name}, seq {s.seq_length}, "
         f"global batch {s.global_batch_size} = dp {s.dp} · mbs {s.micro_batch_size} · m {s.num_micro_batches}",
-        f"GEMM rate = peak[{dtype}] · gemm_eff · min(1, min(M,N,K)/knee) = {rates.peak_flops / 1e12:,.1f} TFLOP/s · "
-        f"{gemm_eff:.3f} (knee {r.efficiency.gemm_knee:.0f}); roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective, "
+        f"GEMM rate = peak[{dtype}] · gemm_eff · min(1, min(M,N,K)/knee) · depth(R) = {rates.peak_flops / 1e12:,.1f} TFLOP/s · "
+        f"{gemm_eff:.3f} (knee {r.efficiency.gemm_knee:.0f}; depth(R) = min(1, R/(R+{rates.depth_knee:.0f})·"
+        f"({rates.depth_ref:.0f}+{rates.depth_knee:.0f})/{rates.depth_ref:.0f}), R the pass's reduction: K in F, N in B, M in W); "
+        f"roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective, "
         f"each pass with its own bytes (W read-modify-writes {rates.wgrad_accum_bytes:.0f} B per weight of gradient)",
         f"attention core rate = peak · attention_eff = {rates.attention_rate / 1e12:,.1f} TFLOP/s "
         f"({'FlashAttention: backward = 2.5× forward FLOPs' if r.efficiency.flash_attention else 'unfused: full s² square + softmax bytes'})",

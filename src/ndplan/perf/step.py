@@ -106,6 +106,7 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
         operand_bytes=1.0 if fp8 else 2.0,
         expert_latency=eff.expert_gemm_latency_s,
         wgrad_accum_bytes=2.0 * batch.precision.grad_bytes,
+        depth_knee=eff.fp8_gemm_depth_knee if fp8 else eff.gemm_depth_knee,
     )
 
 
