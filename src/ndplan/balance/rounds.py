@@ -228,7 +228,7 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     recomputes. Stages holding as many layers of each kind share their mixes and are priced
     together. Same answers as ``solve.dealt_knapsack``, vectorised.
     """
-    from ndplan.balance.chunks import dealt_chunks
+    from ndplan.balance.chunks import _dealt_prefix, dealt_chunks
 
     pp, v, G = held.shape
     R = len(problem.options)
@@ -247,14 +247,12 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
         time_total: np.ndarray = np.zeros((S,) + (1,) * G)
         bytes_total: np.ndarray = greedy.base_bytes[stages].reshape((S,) + (1,) * G).copy()
         any_recompute: np.ndarray = np.zeros((1,) * (G + 1), dtype=bool)
-        dealt = [[dealt_chunks(held[s, :, g], flight[s]) for s in stages] for g in range(G)]
         for g, kind in enumerate(greedy.kinds):
             cost = [problem.costs[(kind, option)] for option in problem.options]
             activation = np.array([c.activation_bytes for c in cost])
             by_activation = np.argsort(-activation, kind="stable")
-            slots = np.zeros((S, int(signature[g]) + 1))  # in-flight weight of the first k dealt slots
-            for i, s in enumerate(stages):
-                slots[i, 1:] = np.cumsum(flight[s, dealt[g][i]])
+            # In-flight weight of the first k dealt slots of this kind, every stage of the group at once.
+            slots = _dealt_prefix(held[stages, None, :, g], flight[stages])[:, 0]  # [S, n_g + 1]
             ends = np.cumsum(mixes[g][:, by_activation], axis=1)  # [K, R]
             weight = slots[:, ends] - slots[:, ends - mixes[g][:, by_activation]]  # [S, K, R]
             kind_bytes = (mixes[g] @ np.array([c.static_bytes for c in cost]))[None] + weight @ activation[by_activation]
@@ -273,7 +271,7 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
                 activation = np.array([problem.costs[(greedy.kinds[g], o)].activation_bytes for o in problem.options])
                 by_activation = np.argsort(-activation, kind="stable")
                 queue = np.repeat(by_activation, mixes[g][best[g]][by_activation])  # options, most bytes first
-                np.add.at(choice[:, g], (dealt[g][i], queue), 1)
+                np.add.at(choice[:, g], (dealt_chunks(held[s, :, g], flight[s]), queue), 1)
             out[s] = choice
     return out
 
@@ -376,23 +374,22 @@ def _even_out(problem: BalanceProblem, counts: tuple[int, ...]) -> tuple[int, ..
     """The placement with each stage's layers moved between its own chunks (same stage totals)
     until their loads are even (``even_chunks``): one layer at a time from the heaviest chunk
     that holds more than one to the lightest. A move shifts which kinds later chunks hold, so
-    stages are revisited until none moves (a bounded number of passes)."""
-    out = list(counts)
+    loads are recomputed after every move (a bounded number of them)."""
+    out = np.asarray(counts, dtype=np.int64).copy()
     spread = load_spread(problem)
-    for _ in range(problem.num_layers):
-        moved = False
-        for stage in range(problem.pp):
-            chunks = np.flatnonzero(problem.stage_of == stage)
-            loads = chunk_loads(problem, tuple(out))[stage, problem.chunk_of[chunks]]
-            movable = [(load, int(c)) for load, c in zip(loads, chunks, strict=True)
-                       if out[c] > 1 and load > loads.min() + spread + 1e-9]
-            if movable:
-                out[max(movable)[1]] -= 1
-                out[int(chunks[int(loads.argmin())])] += 1
-                moved = True
-        if not moved:
+    chunk_of = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)  # [stage, chunk] virtual stage
+    chunk_of[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
+    for _ in range(problem.num_layers * problem.pp):
+        loads = chunk_loads(problem, out)  # [pp, v]
+        held = out[chunk_of]
+        movable = (held > 1) & (loads > loads.min(axis=1, keepdims=True) + spread + 1e-9)
+        if not movable.any():
             break
-    return tuple(out)
+        stage = int(np.flatnonzero(movable.any(axis=1))[0])
+        heaviest = int(np.argmax(np.where(movable[stage], loads[stage], -np.inf)))
+        out[chunk_of[stage, heaviest]] -= 1
+        out[chunk_of[stage, int(loads[stage].argmin())]] += 1
+    return tuple(out.tolist())
 
 
 def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None, *, mixed: bool = True
