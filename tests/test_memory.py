@@ -150,6 +150,26 @@ def test_batch_equals_single_evaluations():
         np.testing.assert_allclose(together.device[i, : s.pp], alone.device[0], rtol=1e-12)
 
 
+
+@pytest.mark.parametrize("schedule, pp, vpp, stage_layers", [
+    ("1f1b", 4, 1, (5, 8, 8, 6)),            # the two middle stages share one pattern
+    ("interleaved", 4, 2, (2, 4, 4, 3, 3, 4, 4, 3)),
+    ("zbv", 4, 2, (3, 4, 4, 3, 3, 4, 4, 2)),
+])
+def test_shared_stage_patterns_expand_to_every_stage(schedule, pp, vpp, stage_layers):
+    """Stages with the same layers and neighbours are priced once and copied; the breakdown
+    path prices every stage on its own. Both must give every stage the same bytes."""
+    model = get_preset("deepseek-v2-lite")
+    strategies = [Strategy(dp=2, pp=pp, vpp=vpp, schedule=schedule, num_micro_batches=m, recompute=r)
+                  for m in (4, 8) for r in ("none", "full")]
+    batch = StrategyBatch.of(strategies)
+    shared = stage_memory(model, batch, stage_layers=stage_layers)
+    each = stage_memory(model, batch, breakdown=True, stage_layers=stage_layers)
+    for name in ("params", "activations", "device"):
+        np.testing.assert_allclose(getattr(shared, name), getattr(each, name), rtol=1e-12)
+    # Uneven layers must show: the stages do not all hold the same parameters.
+    assert len(np.unique(np.round(shared.params[0, :pp]))) > 1
+
 # Monotonicity over random valid strategies of a MoE model with dense first layers.
 MODEL = get_preset("deepseek-v2-lite")
 values = st.fixed_dictionaries({

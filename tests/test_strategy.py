@@ -119,3 +119,20 @@ def test_more_parallelism_never_breaks_world_size_when_product_matches():
     for tp in (1, 2, 4, 8):
         s = Strategy(dp=8 // tp, tp=tp)
         assert not [v for v in check_strategy(s, LLAMA, 8) if v.rule == "world_size"]
+
+
+@pytest.mark.parametrize("scale", [1, 1 << 40])  # small values map densely; huge ones by sorting
+def test_distinct_combinations_stand_for_their_rows(scale):
+    rng = np.random.default_rng(0)
+    batch = StrategyBatch.from_columns({
+        "tp": rng.choice([1, 2, 4], 200), "seq_length": rng.choice([1024, 4096], 200) * scale,
+        "micro_batch_size": rng.choice([1, 2, 3], 200), "dp": rng.choice([1, 8], 200),
+    })
+    names = ("tp", "seq_length", "micro_batch_size")
+    rows, codes = batch.distinct(names)
+    columns = np.stack([getattr(batch, name) for name in names], axis=1)
+    assert len(rows) == len(np.unique(columns, axis=0)) == codes.max() + 1
+    # Every row's combination is the one its code's representative has, and codes are one-to-one.
+    np.testing.assert_array_equal(columns[rows[codes]], columns)
+    assert len(np.unique(columns[rows], axis=0)) == len(rows)
+    assert [len(x) for x in StrategyBatch.from_columns({"tp": np.zeros(0, dtype=np.int64)}).distinct(names)] == [0, 0]

@@ -39,7 +39,7 @@ from ndplan.memory.static import embedding_elements, layer_elements, mtp_extra_e
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
-from ndplan.strategy.batch import CODES, StrategyBatch
+from ndplan.strategy.batch import CODES, StrategyBatch, radix_key
 
 Attention = Literal["flash", "sdpa", "eager"]
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
@@ -195,7 +195,13 @@ def _measured(record: CensusRecord | Recompute, tp: np.ndarray, seq: np.ndarray)
     )
 
 
+#: The fields of a strategy that ``layer_activations`` reads (besides the batch's precision).
+ACTIVATION_FIELDS = ("tp", "etp", "sequence_parallel", "seq_length", "recompute")
+
+
 def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions) -> LayerActivations:
+    """Bytes per token per rank of each layer variant, per strategy (a function of
+    ``ACTIVATION_FIELDS`` alone)."""
     profile = options.profile
     act_bytes = batch.precision.activation_bytes
     blocks = block_coefficients(model, profile, act_bytes)
@@ -377,16 +383,39 @@ def _frontier_columns(
     )
 
 
+#: The frontier products run over blocks of strategies, of at most this many multiply-adds
+#: (rows × columns × strategies) each: a matrix product this small stays on the calling thread
+#: (OpenBLAS spreads a GEMM over threads above 4·65536, which on a busy machine wait for cores,
+#: for work a single core does in microseconds), and its [rows, block] result stays in cache.
+_PRODUCT_BLOCK = 1 << 18
+
+
+def _blocks(subset: slice | np.ndarray, step: int) -> Iterator[slice | np.ndarray]:
+    """``subset`` (a slice or an index array) in consecutive pieces of at most ``step``."""
+    if isinstance(subset, slice):
+        start, stop, _ = subset.indices(subset.stop)
+        if stop - start <= step:
+            yield subset
+            return
+        for a in range(start, stop, step):
+            yield slice(a, min(a + step, stop))
+        return
+    for a in range(0, len(subset), step):
+        yield subset[a:a + step]
+
+
 def _held_peak(
     schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray,
-    weights: list[np.ndarray | None], extra: list[np.ndarray | None] | None, *, keep_rows: bool = False,
+    weights: list[np.ndarray | None], extra: list[np.ndarray | None] | None, pattern_of: np.ndarray | None = None,
+    *, keep_rows: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Per stage [n, pp]: the peak over the schedule of the held activations, and of the held
-    activations plus what else appears during the step.
+    """Per stage, stage-major [pp, n]: the peak over the schedule of the held activations, and of
+    the held activations plus what else appears during the step.
 
     ``weights`` are the bytes of one micro-batch behind each of the frontier's first 2·vpp
     columns, one [n, pp] array per column (held until B per chunk, then held until W per chunk;
-    None where zero); ``extra`` those of its further columns (each chunk's gradients, and under a
+    None where zero), or [n, P] per stage pattern where ``pattern_of`` [pp] gives each stage's
+    pattern; ``extra`` those of its further columns (each chunk's gradients, and under a
     V schedule the tensors handed over at its turn), or None where nothing appears, and then the
     second result is the first. A stage's peak is max over its frontier rows of
     Σ_c weight_c · row_c. With ``keep_rows``, per strategy and stage the frontier row of the
@@ -407,15 +436,31 @@ def _held_peak(
         if keep_rows and chosen is None:
             chosen = np.zeros((n, pp, _frontier(schedule, pp, vpp, int(m), seq_chunks)[0].shape[1]))
         for s, (held_rows, grown_rows) in enumerate(frontier):
-            values = held_rows @ held_weights[s][:, subset]
-            peak[s, subset] = values.max(axis=0)
-            if keep_rows and chosen is not None:
-                chosen[subset, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][np.argmax(values, axis=0)]
-            if extra is not None:
-                values += grown_rows @ extra_weights[s][:, subset]
-                with_extra[s, subset] = values.max(axis=0)
-    peak_by_strategy = np.ascontiguousarray(peak.T)
-    return peak_by_strategy, np.ascontiguousarray(with_extra.T) if extra is not None else peak_by_strategy, chosen
+            p = s if pattern_of is None else pattern_of[s]
+            step = max(1, _PRODUCT_BLOCK // (held_rows.shape[0] * max(held_rows.shape[1], grown_rows.shape[1], 1)))
+            for block in _blocks(subset, step):
+                values = held_rows @ held_weights[p][:, block]
+                peak[s, block] = values.max(axis=0)
+                if keep_rows and chosen is not None:
+                    chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][np.argmax(values, axis=0)]
+                if extra is not None:
+                    values += grown_rows @ extra_weights[p][:, block]
+                    with_extra[s, block] = values.max(axis=0)
+    return peak, with_extra, chosen
+
+
+def _recomputed_layers(
+    recompute_on: np.ndarray, recompute_layers: np.ndarray, dense_layers: np.ndarray, moe_layers: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per strategy and virtual stage [n, U]: (plain dense, plain MoE, recomputed dense,
+    recomputed MoE) layer counts. Under recompute a chunk recomputes its first
+    min(recompute_layers, its layers) layers (all of them where the limit is 0), dense ones first."""
+    limit = np.where(recompute_layers > 0, recompute_layers, np.iinfo(np.int64).max)
+    layer_counts = dense_layers + moe_layers
+    recomputed = np.where(recompute_on[:, None], np.minimum(limit[:, None], layer_counts[None, :]), 0)
+    recomputed_dense = np.minimum(recomputed, dense_layers[None, :])
+    recomputed_moe = recomputed - recomputed_dense
+    return dense_layers[None, :] - recomputed_dense, moe_layers[None, :] - recomputed_moe, recomputed_dense, recomputed_moe
 
 
 #: A term of the static element counts: (kind, per strategy [n], per virtual stage [pp·vpp]).
@@ -439,6 +484,111 @@ def _outer_sum(terms: list[StaticTerm], n: int, width: int) -> np.ndarray:
         else:
             total += np.multiply.outer(np.broadcast_to(per_strategy, (n,)), per_virtual)
     return total
+
+
+@dataclass(frozen=True)
+class _GroupShape:
+    """What a pipeline shape fixes, per distinct stage pattern.
+
+    Two stages whose chunks hold the same layers, in the same roles (first or last virtual
+    stage, receiving from or sending to a peer, handing over at a V's turn) have the same
+    parameters, buffers, working set and per-micro-batch activations: only their place in the
+    schedule (the held peak) differs. So every term but the held peak is computed once per
+    pattern, on ``patterns`` columns, and expanded to the ``pp`` stages by ``pattern_of``.
+    The virtual stages are likewise reduced to those the patterns' stages run (``used``, in
+    model order: the first and the last virtual stage are always among them, first and last).
+
+    Per virtual stage in ``used`` [U]: ``dense``/``moe`` layer counts, ``first``/``last``
+    (0/1 floats), and the pipeline flags; per pattern [P]: ``chunks`` [P, vpp] (columns of
+    ``used``), ``on_stage`` [P, U] (0/1), ``moe_per_stage``; ``turn``: the pattern of the last
+    stage, where a V schedule turns.
+    """
+
+    placement: Placement
+    full_on_stage: np.ndarray  # [pp, pp·vpp]
+    reps: np.ndarray           # [P] a stage of each pattern (its first)
+    pattern_of: np.ndarray     # [pp] the pattern of each stage
+    used: np.ndarray           # [U] virtual stages the representatives run
+    chunks: np.ndarray
+    on_stage: np.ndarray
+    dense: np.ndarray
+    moe: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    receives_from_peer: np.ndarray
+    sends_to_peer: np.ndarray
+    hands_forward: np.ndarray
+    hands_backward: np.ndarray
+    moe_per_stage: np.ndarray
+    turn: int
+
+    @property
+    def identity(self) -> bool:
+        """Every stage is its own pattern (no expansion needed)."""
+        return len(self.reps) == len(self.pattern_of)
+
+    def expand(self, values: np.ndarray) -> np.ndarray:
+        """[n, P] per pattern -> [n, pp] per stage (``values`` itself when nothing repeats)."""
+        return values if self.identity else values[:, self.pattern_of]
+
+    def by_stage(self, values: np.ndarray) -> np.ndarray:
+        """[n, P] per pattern -> stage-major [pp, n] (a view where nothing repeats)."""
+        return values.T if self.identity else np.ascontiguousarray(values.T)[self.pattern_of]
+
+
+@lru_cache(maxsize=1024)
+def _group_shape(
+    model: ModelSpec, schedule: str, pp: int, vpp: int, stage_layers: tuple[int, ...] | None,
+    embedding_as_layer: bool, output_as_layer: bool, hands_over_enabled: bool, distinct: bool,
+) -> _GroupShape:
+    """The placement and its per-pattern constants (``distinct`` False: one pattern per stage,
+    as the breakdown by kind needs every stage's own columns)."""
+    placement = place_layers(
+        model, pp, vpp, schedule, stage_layers, embedding_as_layer=embedding_as_layer, output_as_layer=output_as_layer,
+    )
+    virtual = pp * vpp
+    full_on_stage = np.zeros((pp, virtual))
+    full_on_stage[placement.stage_of, np.arange(virtual)] = 1.0
+    table = _chunk_table(placement)
+    # Virtual stage v receives activations from v - 1 (gradients from v + 1) over the network
+    # only where that neighbour runs on another rank.
+    receives_from_peer = np.zeros(virtual, dtype=bool)
+    receives_from_peer[1:] = placement.stage_of[1:] != placement.stage_of[:-1]
+    sends_to_peer = np.zeros(virtual, dtype=bool)
+    sends_to_peer[:-1] = placement.stage_of[:-1] != placement.stage_of[1:]
+    # At a V schedule's turn the chunk hands its output (and the next one its input gradient)
+    # over on the same rank, by reference: the receiving side keeps that tensor until the step
+    # ends, so it stays from that micro-batch's F (B) on.
+    hands_over = hands_over_enabled and schedule in V_SHAPE and virtual > 1
+    hands_forward = np.zeros(virtual, dtype=bool)
+    hands_backward = np.zeros(virtual, dtype=bool)
+    if hands_over:
+        hands_forward[:-1] = ~sends_to_peer[:-1]
+        hands_backward[1:] = ~receives_from_peer[1:]
+    first = (np.arange(virtual) == 0).astype(float)
+    last = (np.arange(virtual) == virtual - 1).astype(float)
+    features = np.stack([placement.dense_layers, placement.moe_layers, first, last, receives_from_peer,
+                         sends_to_peer, hands_forward, hands_backward], axis=1).astype(float)
+    seen: dict[tuple[Any, ...], int] = {}
+    pattern_of = np.empty(pp, dtype=np.intp)
+    for s in range(pp):
+        signature = (*features[table[s]].ravel().tolist(), s == pp - 1) if distinct else (s,)
+        pattern_of[s] = seen.setdefault(signature, len(seen))
+    reps = np.array([next(s for s in range(pp) if pattern_of[s] == p) for p in range(len(seen))], dtype=np.intp)
+    used = np.unique(table[reps])
+    chunks = np.searchsorted(used, table[reps])
+    on_stage = np.zeros((len(reps), len(used)))
+    on_stage[np.repeat(np.arange(len(reps)), vpp), chunks.ravel()] = 1.0
+    moe = placement.moe_layers[used]
+    for array in (full_on_stage, pattern_of, reps, used, chunks, on_stage):
+        array.flags.writeable = False
+    return _GroupShape(
+        placement=placement, full_on_stage=full_on_stage, reps=reps, pattern_of=pattern_of, used=used,
+        chunks=chunks, on_stage=on_stage, dense=placement.dense_layers[used], moe=moe,
+        first=first[used], last=last[used], receives_from_peer=receives_from_peer[used],
+        sends_to_peer=sends_to_peer[used], hands_forward=hands_forward[used],
+        hands_backward=hands_backward[used], moe_per_stage=on_stage @ moe, turn=int(pattern_of[pp - 1]),
+    )
 
 
 def _chunk_table(placement: Placement) -> np.ndarray:
@@ -508,22 +658,40 @@ def stage_memory(
 
 def _sorted_groups(
     model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, stage_layers: tuple[int, ...] | None,
-    *, static_only: bool = False,
+    *, static_only: bool = False, device_only: bool = False,
 ) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray]]]:
-    """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays)."""
+    """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays; only
+    "device" with ``static_only`` or ``device_only``)."""
     groups = batch.groups(PIPELINE_SHAPE)
+    by_group = np.concatenate([index for _, index in groups])
+    sizes = [len(index) for _, index in groups]
+    starts = np.cumsum([0, *sizes])
     # Within a group, rows by micro-batch count: each count's schedule frontier prices a slice.
-    groups = [(key, index[np.argsort(batch.num_micro_batches[index], kind="stable")]) for key, index in groups]
-    order = np.concatenate([index for _, index in groups])
-    ordered = batch.take(order)
-    acts = None if static_only else layer_activations(model, ordered, options)
+    # Gathered in two steps, by group (ascending rows) then within each group's block, for the
+    # cache's sake: one random permutation of the whole batch costs more than the two.
+    within = np.concatenate([
+        start + np.argsort(radix_key(batch.num_micro_batches[index]), kind="stable")
+        for start, (_, index) in zip(starts[:-1], groups, strict=True)
+    ])
+    order = by_group[within]
+    groups = [(key, order[a:b]) for (key, _), a, b in zip(groups, starts[:-1], starts[1:], strict=True)]
+    # The pipeline shape's fields are the groups' keys: repeated, not gathered.
+    ordered = StrategyBatch(**{
+        name: np.repeat(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), sizes)
+        if name in PIPELINE_SHAPE else getattr(batch, name)[by_group][within]
+        for name in batch.array_fields()
+    }, precision=batch.precision)
+    if not static_only:
+        # The bytes per token of each layer depend on a few fields: priced once per combination.
+        distinct, combination = ordered.distinct(ACTIVATION_FIELDS)
+        acts = layer_activations(model, ordered.take(distinct), options)
     start = 0
     for key, index in groups:
         part = slice(start, start + len(index))
         start += len(index)
         rows = np.arange(part.start, part.stop)
         yield key, index, _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
-                                          None if acts is None else acts.take(part))
+                                          None if static_only else acts.take(combination[part]), device_only=device_only)
 
 
 def static_lower_bound(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None) -> np.ndarray:
@@ -545,11 +713,19 @@ def peak_memory(
     options = options or MemoryOptions()
     peak = np.zeros(len(batch))
     stage = np.zeros(len(batch), dtype=np.int64)
-    for _key, index, out in _sorted_groups(model, batch, options, None):
-        device = out["device"]
-        stage[index] = np.argmax(device, axis=1)
-        peak[index] = device[np.arange(len(index)), stage[index]]
+    for _key, index, out in _sorted_groups(model, batch, options, None, device_only=True):
+        peak[index], stage[index] = _first_max(out["device"].T)
     return peak, stage
+
+
+def _first_max(by_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per column of ``by_stage`` [pp, n]: its largest value and the first row holding it (as
+    ``np.argmax`` chooses; along the long axis, not per strategy over a few stages)."""
+    top = by_stage.max(axis=0)
+    first = np.zeros(by_stage.shape[1], dtype=np.int64)
+    for s in range(len(by_stage) - 1, -1, -1):  # the last write, the first stage, wins
+        first[by_stage[s] == top] = s
+    return top, first
 
 
 def _evaluate_group(
@@ -561,36 +737,31 @@ def _evaluate_group(
     kinds: dict[str, dict[str, np.ndarray]] | None,
     stage_layers: tuple[int, ...] | None,
     acts: LayerActivations | None,
+    *,
+    device_only: bool = False,
 ) -> dict[str, np.ndarray]:
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
-    ``acts``: only "device" for the static state alone, a lower bound of the device peak)."""
+    ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
+    ``device_only``: only "device", the figures of the stages in between are not expanded).
+
+    Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
+    arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
+    stages where the held peak joins them."""
     schedule_code, pp, vpp, seq_chunks, embedding_as_layer, output_as_layer = key
     schedule = CODES["schedule"][schedule_code]
-    placement = place_layers(
-        model, pp, vpp, schedule, stage_layers,
-        embedding_as_layer=bool(embedding_as_layer), output_as_layer=bool(output_as_layer),
-    )
+    hands_over_enabled = bool(options.profile.pipeline_stage_output)
+    shape = _group_shape(model, schedule, pp, vpp, stage_layers, bool(embedding_as_layer), bool(output_as_layer),
+                         hands_over_enabled, kinds is None)
+    placement = shape.placement
     virtual = pp * vpp
-    on_stage = np.zeros((pp, virtual))
-    on_stage[placement.stage_of, np.arange(virtual)] = 1.0
-    chunks = _chunk_table(placement)
+    computed, patterns = len(shape.used), len(shape.reps)  # virtual stages and stage patterns priced
+    on_stage, chunks = shape.on_stage, shape.chunks
     first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
-    # Virtual stage v receives activations from v - 1 (gradients from v + 1) over the network
-    # only where that neighbour runs on another rank.
-    receives_from_peer = np.zeros(virtual, dtype=bool)
-    receives_from_peer[1:] = placement.stage_of[1:] != placement.stage_of[:-1]
-    sends_to_peer = np.zeros(virtual, dtype=bool)
-    sends_to_peer[:-1] = placement.stage_of[:-1] != placement.stage_of[1:]
-    # At a V schedule's turn the chunk hands its output (and the next one its input gradient)
-    # over on the same rank, by reference: the receiving side keeps that tensor until the step
-    # ends, so it stays from that micro-batch's F (B) on.
-    hands_over = bool(options.profile.pipeline_stage_output) and schedule in V_SHAPE and virtual > 1
-    hands_forward = np.zeros(virtual, dtype=bool)
-    hands_backward = np.zeros(virtual, dtype=bool)
-    if hands_over:
-        hands_forward[:-1] = ~sends_to_peer[:-1]
-        hands_backward[1:] = ~receives_from_peer[1:]
-    moe_per_stage = on_stage @ placement.moe_layers
+    receives_from_peer, sends_to_peer = shape.receives_from_peer, shape.sends_to_peer
+    hands_over = hands_over_enabled and schedule in V_SHAPE and virtual > 1
+    hands_forward, hands_backward = shape.hands_forward, shape.hands_backward
+    moe_per_stage = shape.moe_per_stage
+    dense_layers, moe_layers = shape.dense, shape.moe  # per virtual stage computed
 
     precision = batch.precision
     tp, ep, etp = (batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
@@ -609,10 +780,9 @@ def _evaluate_group(
     final_norm = float(model.hidden_size * (2 if model.norm == "layernorm" and model.norm_bias else 1))
     mtp_kind = model.mtp_mlp_kind
     mtp_layer = layers.non_expert[mtp_kind] + mtp_extra_elements(model, tp)
-    # Element counts per virtual stage [n, pp·vpp] as terms (kind, per strategy [n], per virtual
-    # stage [pp·vpp]): the counts are Σ_terms per_strategy ⊗ per_virtual; a stage sums its chunks.
-    first_virtual = (np.arange(virtual) == 0).astype(float)
-    last_virtual = (np.arange(virtual) == virtual - 1).astype(float)
+    # Element counts per virtual stage [n, U] as terms (kind, per strategy [n], per virtual
+    # stage [U]): the counts are Σ_terms per_strategy ⊗ per_virtual; a stage sums its chunks.
+    first_virtual, last_virtual = shape.first, shape.last
     non_expert_terms: list[StaticTerm] = [("embedding", table, first_virtual)]
     if embedding_copy_for_mtp:
         non_expert_terms.append(("embedding", table, last_virtual))
@@ -622,7 +792,7 @@ def _evaluate_group(
     ]
     expert_terms: list[StaticTerm] = [("mtp", model.mtp_depth * layers.expert[mtp_kind], last_virtual)]
     layer_kind: MlpKind
-    for layer_kind, per_stage in (("dense", placement.dense_layers), ("moe", placement.moe_layers)):
+    for layer_kind, per_stage in (("dense", dense_layers), ("moe", moe_layers)):
         for part, elements in layers.by_kind[layer_kind].items():
             expert_part = layers.expert[layer_kind] if part == "moe" else 0.0
             non_expert_terms.append((part, elements - expert_part, per_stage))
@@ -635,12 +805,12 @@ def _evaluate_group(
     out: dict[str, np.ndarray] = {}
     # Sum the kinds first: the search needs only totals, the breakdown prices each kind alike.
     n = len(batch)
-    non_expert_total = _outer_sum(non_expert_terms, n, virtual)
-    expert_total = _outer_sum(expert_terms, n, virtual)
+    non_expert_total = _outer_sum(non_expert_terms, n, computed)
+    expert_total = _outer_sum(expert_terms, n, computed)
     non_expert_stage, expert_stage = _to_stages(non_expert_total, chunks), _to_stages(expert_total, chunks)
     whole_embedding_grad_tp = (batch.tp > 1) & (batch.zero < 3) & options.profile.tp_accumulates_whole_embedding_grad
     accumulated_whole_embedding = whole_embedding_grad_tp & (batch.num_micro_batches > 1)
-    grads_virtual = np.zeros((n, virtual))
+    grads_virtual = np.zeros((n, computed))
     for category, width in states.items():
         non_expert_div = getattr(shards, category)[:, None]
         expert_div = getattr(shards, f"expert_{category}")[:, None]
@@ -658,55 +828,66 @@ def _evaluate_group(
             continue
         for static_kind in STATIC_KINDS:
             share = _to_stages(
-                _outer_sum([term for term in non_expert_terms if term[0] == static_kind], n, virtual) * width / non_expert_div
-                + _outer_sum([term for term in expert_terms if term[0] == static_kind], n, virtual) * width / expert_div,
+                _outer_sum([term for term in non_expert_terms if term[0] == static_kind], n, computed) * width / non_expert_div
+                + _outer_sum([term for term in expert_terms if term[0] == static_kind], n, computed) * width / expert_div,
                 chunks,
             )
-            kinds["static"][static_kind][index, :pp] += np.where(offload, 0.0, share) if category == "optimizer" else share
+            kinds["static"][static_kind][index, :pp] += shape.expand(
+                np.where(offload, 0.0, share) if category == "optimizer" else share)
 
     if acts is None:
         # allocated >= params + grads + optimizer, and the device total grows with allocated.
         overhead = overhead_model(options.profile, batch, options.include_overhead)
         static_state = out["params"] + out["grads"] + out["optimizer"]
-        return {"device": overhead.reserved(static_state) + overhead.fixed_bytes[:, None]}
+        return {"device": shape.expand(overhead.reserved(static_state) + overhead.fixed_bytes[:, None])}
 
     # ---- activations held across the schedule
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
-    layer_counts = placement.layers
     recompute_on = ~batch.is_("recompute", "none")
-    limit = np.where(batch.recompute_layers > 0, batch.recompute_layers, np.iinfo(np.int64).max)
-    recomputed_layers = np.where(recompute_on[:, None], np.minimum(limit[:, None], layer_counts[None, :]), 0)
-    recomputed_dense = np.minimum(recomputed_layers, placement.dense_layers[None, :])
-    recomputed_moe = recomputed_layers - recomputed_dense
-    plain_dense = placement.dense_layers[None, :] - recomputed_dense
-    plain_moe = placement.moe_layers[None, :] - recomputed_moe
     t = tokens[:, None]
-    per_virtual = {
-        "layers": t * (
-            plain_dense * acts.full["dense"][:, None] + plain_moe * acts.full["moe"][:, None]
-            + recomputed_dense * acts.recomputed["dense"][:, None] + recomputed_moe * acts.recomputed["moe"][:, None]
-        ),
-        "embedding": t * 8.0 * (np.arange(virtual) == 0)[None, :],  # int64 token ids
-        "output": t * acts.output[:, None] * (np.arange(virtual) == virtual - 1)[None, :],
-        "mtp": t * model.mtp_depth * (acts.mtp_extra + np.where(recompute_on, acts.recomputed[mtp_kind], acts.full[mtp_kind]))[:, None]
-        * (np.arange(virtual) == virtual - 1)[None, :],
-    }
+    # A chunk's layers hold t · Σ_kinds (plain layers · full bytes + recomputed layers · kept
+    # bytes) per micro-batch. Without a recompute limit a chunk recomputes all its layers or none:
+    # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
+    kept_dense, kept_moe = (np.where(recompute_on, acts.recomputed[k], acts.full[k]) for k in ("dense", "moe"))
+    layers_held = t * (np.multiply.outer(kept_dense, dense_layers) + np.multiply.outer(kept_moe, moe_layers))
+    limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
+    if limited.size or kinds is not None:
+        # With a limit, only the first recompute_layers layers of each chunk are recomputed.
+        rows = np.arange(len(batch)) if kinds is not None else limited
+        plain_dense, plain_moe, recomputed_dense, recomputed_moe = _recomputed_layers(
+            recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
+        layers_held[rows] = t[rows] * (
+            plain_dense * acts.full["dense"][rows, None] + plain_moe * acts.full["moe"][rows, None]
+            + recomputed_dense * acts.recomputed["dense"][rows, None] + recomputed_moe * acts.recomputed["moe"][rows, None]
+        )
+    # One-column entries [n]: the int64 token ids on the first virtual stage; the loss, and the
+    # MTP modules (their layer as the strategy keeps it), on the last.
+    embedding_held = tokens * 8.0
+    output_held = tokens * acts.output
+    mtp_held = tokens * model.mtp_depth * (acts.mtp_extra + np.where(recompute_on, acts.recomputed[mtp_kind], acts.full[mtp_kind]))
+    # Bytes of one micro-batch per virtual stage, held until its backward: the sum of the entries
+    # (in this order, so that the sums are those of the breakdown's entries).
+    per_b_virtual = layers_held.copy()
+    per_b_virtual[:, 0] += embedding_held
+    per_b_virtual[:, -1] += output_held
+    per_b_virtual[:, -1] += mtp_held
     profile = options.profile
     if profile.pipeline_stage_output and virtual > 1:
         # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
         # (sequence-sharded under SP) on every stage but the last, the logits on the last.
-        sp_div = np.where(batch.sequence_parallel > 0, tp, 1.0)[:, None]
-        vocab_div = tp[:, None] if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
-        is_last = (np.arange(virtual) == virtual - 1)[None, :]
+        sp_div = np.where(batch.sequence_parallel > 0, tp, 1.0)
+        vocab_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         act_bytes = precision.activation_bytes
         # Every stage but the first also keeps the input it received, which needs a gradient;
         # where the previous chunk runs on the same rank (the turn of a V schedule) that input is
-        # its output itself, passed by reference, already counted.
-        per_virtual["pipeline_output"] = t * act_bytes * (
-            np.where(is_last, model.vocab_size / vocab_div, model.hidden_size / sp_div) * ~hands_forward[None, :]
-            + receives_from_peer[None, :] * model.hidden_size / sp_div
+        # its output itself, passed by reference, already counted. Per virtual stage: the logits
+        # and hidden states kept, per token, as counts times their elements per rank.
+        logits_kept = last_virtual * ~hands_forward
+        hidden_kept = (1.0 - last_virtual) * ~hands_forward + receives_from_peer
+        per_b_virtual += t * act_bytes * (
+            np.multiply.outer(np.broadcast_to(model.vocab_size / vocab_div, tokens.shape), logits_kept)
+            + np.multiply.outer(model.hidden_size / sp_div, hidden_kept)
         )
-    per_b_virtual = sum(per_virtual.values())
     split = schedule in SPLIT_BACKWARD
     per_w_virtual: np.ndarray | None = None  # nothing waits for W without a split backward
     if not split:
@@ -716,16 +897,15 @@ def _evaluate_group(
         # gradient (B) until its weight gradient (W), and with it the gradients of the linear
         # and norm outputs that W consumes. Under recompute that graph is the rebuilt one: every
         # activation of the layer, not just what forward kept.
-        whole_graph = t * (placement.dense_layers * acts.full["dense"][:, None]
-                           + placement.moe_layers * acts.full["moe"][:, None])
-        per_w_virtual = np.where(recompute_on[:, None], whole_graph, per_virtual["layers"]) + t * (
-            placement.dense_layers * acts.weight_grad_outputs["dense"][:, None]
-            + placement.moe_layers * acts.weight_grad_outputs["moe"][:, None]
+        whole_graph = t * (dense_layers * acts.full["dense"][:, None] + moe_layers * acts.full["moe"][:, None])
+        per_w_virtual = np.where(recompute_on[:, None], whole_graph, layers_held) + t * (
+            dense_layers * acts.weight_grad_outputs["dense"][:, None]
+            + moe_layers * acts.weight_grad_outputs["moe"][:, None]
         )
     else:
         # W needs the linear layers' inputs and their output gradients (about as large).
-        per_w_virtual = 2 * t * (placement.dense_layers * acts.weight_input["dense"][:, None]
-                                 + placement.moe_layers * acts.weight_input["moe"][:, None])
+        per_w_virtual = 2 * t * (dense_layers * acts.weight_input["dense"][:, None]
+                                 + moe_layers * acts.weight_input["moe"][:, None])
     # The frontier's columns are [held until B per chunk | held until W per chunk | gradients
     # per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
     weights: list[np.ndarray | None] = [_chunk_column(per_b_virtual, chunks, c) for c in range(vpp)]
@@ -741,24 +921,29 @@ def _evaluate_group(
     extra: list[np.ndarray | None] | None = None
     if grads_in_schedule:
         per_grads = grads_virtual
-        if deferred.any():
-            per_grads = np.where(deferred[:, None], (non_expert_total + expert_total) * grad_bytes, grads_virtual)
+        deferred_rows = np.flatnonzero(deferred)
+        if deferred_rows.size:
+            per_grads = grads_virtual.copy()
+            per_grads[deferred_rows] = (non_expert_total[deferred_rows] + expert_total[deferred_rows]) * grad_bytes
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
-    handed_over = np.zeros((len(batch), pp))
+    handed_over = np.zeros((len(batch), patterns))
     if hands_over:
         one_hand_over = tokens * model.hidden_size * precision.activation_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
-        per_handover = np.zeros((len(batch), pp))
-        per_handover[:, pp - 1] = one_hand_over  # the frontier's hand-over column: the V's turn
+        per_handover = np.zeros((len(batch), patterns))
+        per_handover[:, shape.turn] = one_hand_over  # the frontier's hand-over column: the V's turn
         extra = [*(extra or [None] * vpp), per_handover]
         count = on_stage @ (hands_forward.astype(float) + hands_backward)
         handed_over = (batch.num_micro_batches * one_hand_over)[:, None] * count[None, :]
-    held, held_with_extra, chosen = _held_peak(
-        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, extra, keep_rows=kinds is not None
+    held, held_with_extra, chosen = _held_peak(  # stage-major [pp, n]
+        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, extra, shape.pattern_of,
+        keep_rows=kinds is not None,
     )
-    out["activations"] = held
     if kinds is not None and chosen is not None:
         _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
-                          recomputed_dense, recomputed_moe, per_virtual,
+                          recomputed_dense, recomputed_moe,
+                          {"embedding": np.multiply.outer(embedding_held, first_virtual),
+                           "output": np.multiply.outer(output_held, last_virtual),
+                           "mtp": np.multiply.outer(mtp_held, last_virtual)},
                           np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
 
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
@@ -789,7 +974,7 @@ def _evaluate_group(
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
             + t[:, 0] * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes / etp
-        )[:, None] - per_virtual["output"][:, -1:] * last_stage[None, :]
+        )[:, None] - output_held[:, None] * last_stage[None, :]
         out["transient"] = np.maximum(
             out["transient"], np.where(accumulates[:, None] & has_moe[None, :], expert_gradient, 0.0)
         )
@@ -819,14 +1004,14 @@ def _evaluate_group(
     overlapping = np.maximum(overlapping, ep_buffers[:, None] * has_moe[None, :])
     pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
     # Only FSDP strategies have unit moments: price those rows alone.
-    fsdp = FsdpPhases(*(np.zeros((len(batch), pp)) for _ in range(4)))
+    fsdp = FsdpPhases(*(np.zeros((len(batch), patterns)) for _ in range(4)))
     sharded_rows = np.flatnonzero(zero3)
     if sharded_rows.size:
         def pick(values: Any) -> np.ndarray:
             return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
 
         sharded = _fsdp_unit_phases(
-            placement, on_stage, precision.param_gather_bytes, pick(np.where(deferred, 0.0, grad_bytes)),
+            placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, pick(np.where(deferred, 0.0, grad_bytes)),
             units={
                 "embedding": pick(table),
                 "dense": pick(layers.non_expert["dense"] + layers.expert["dense"]),
@@ -850,20 +1035,20 @@ def _evaluate_group(
                 + np.where(recompute_on, model.hidden_size, 0.0)
             )),
             one_micro_batch=pick(per_b_virtual[:, 0]),
-            one_micro_batch_layers=pick(per_virtual["layers"][:, 0]),
-            one_micro_batch_loss=pick(per_virtual["output"][:, -1]),
+            one_micro_batch_layers=pick(layers_held[:, 0]),
+            one_micro_batch_loss=pick(output_held),
             kept_after_backward=np.broadcast_to(deferred, (len(batch),))[sharded_rows],
         )
         for name in ("buffers", "working", "last_unit", "grads_made"):
             getattr(fsdp, name)[sharded_rows] = getattr(sharded, name)
     fsdp_gathers = fsdp.buffers  # zero where nothing is sharded
     # FSDP without resharding after forward keeps the stage's gathered parameters.
-    kept_gathered = np.zeros((len(batch), pp))
+    kept_gathered = np.zeros((len(batch), patterns))
     kept_rows = np.flatnonzero(zero3 & (batch.reshard_after_forward == 0))
     if kept_rows.size:
         stage_elements = out["params"][kept_rows] * shards.params[kept_rows, None] / param_bytes
         kept_gathered[kept_rows] = stage_elements * precision.param_gather_bytes
-    receive = np.zeros((len(batch), pp))
+    receive = np.zeros((len(batch), patterns))
     if options.profile.pipeline_stage_output and virtual > 1:
         # torch.distributed.pipelining allocates one receive buffer per micro-batch up front, for
         # the activations a later chunk receives and the gradients an earlier chunk receives; they
@@ -871,9 +1056,8 @@ def _evaluate_group(
         # Chunks next to each other on one rank (a V schedule's turn) hand tensors over directly:
         # their up-front buffers are replaced by the tensors themselves.
         directions = receives_from_peer.astype(float) + sends_to_peer
-        per_virtual_receive = (batch.num_micro_batches * tokens * h * act_bytes)[:, None] * directions[None, :]
-        per_virtual_receive = per_virtual_receive / np.where(batch.sequence_parallel > 0, tp, 1.0)[:, None]
-        receive = _to_stages(per_virtual_receive, chunks)
+        one_receive = batch.num_micro_batches * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
+        receive = _to_stages(np.multiply.outer(one_receive, directions), chunks)
     # The tensors handed over at a V's turn are reported with the receive buffers (all m of
     # them, as at the step's end); the forward/backward peak counts those handed over by then.
     receive = receive + handed_over
@@ -888,8 +1072,18 @@ def _evaluate_group(
     out["optimizer_step"] = local_elements * options.profile.optimizer_temp_copies * updated_bytes + receive
 
     static = out["params"] + out["grads"] + out["optimizer"]
-    held_and_more = held_with_extra + (0.0 if grads_in_schedule else out["grads"])
-    forward_backward = out["params"] + out["optimizer"] + held_and_more + out["comm"] - handed_over + out["transient"]
+    # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
+    # + transient, every term but the held peak expanded from its patterns to the stages; summed
+    # in this order, term by term, so that stages of equal totals tie exactly (the peak stage is
+    # the first of them). Stage-major [pp, n], as the held peak comes: a stage's row is one copy.
+    expand = shape.by_stage
+    # (held + grads) + (params + optimizer): the same sum as (params + optimizer) + (held + grads)
+    forward_backward = held_with_extra.copy() if grads_in_schedule else held_with_extra + expand(out["grads"])
+    forward_backward += expand(out["params"] + out["optimizer"])
+    forward_backward += expand(out["comm"])
+    if hands_over:
+        forward_backward -= expand(handed_over)
+    forward_backward += expand(out["transient"])
     if options.profile.grads_created_in_backward:
         # zero_grad(set_to_none=True): with one micro-batch the gradients appear during the
         # backward as the activations go, so the loss (all activations, no gradients) and the end
@@ -897,20 +1091,31 @@ def _evaluate_group(
         single = np.flatnonzero(batch.num_micro_batches == 1)  # priced on those rows alone
         if single.size:
             static_single, comm_single = static[single], out["comm"][single]
-            loss_phase = (static_single - out["grads"][single] + out["activations"][single] + comm_single
-                          + out["transient"][single] + fsdp.grads_made[single])
+            loss_phase = expand(static_single - out["grads"][single]) + held[:, single]
+            loss_phase += expand(comm_single)
+            loss_phase += expand(out["transient"][single])
+            loss_phase += expand(fsdp.grads_made[single])
             # The embedding's backward comes last, when nothing is held.
             backward_end = static_single + comm_single + np.maximum(
                 layer_transient[single], embedding_gradient[single, None] * first_stage[None, :])
             # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
             backward_end = np.where(zero3[single, None], static_single + other_comm[single] + fsdp.last_unit[single],
                                     backward_end)
-            forward_backward[single] = np.maximum(loss_phase, backward_end)
-    out["forward_backward"] = forward_backward
-    out["allocated"] = np.maximum(forward_backward, static + out["optimizer_step"])
+            forward_backward[:, single] = np.maximum(loss_phase, expand(backward_end))
     overhead = overhead_model(options.profile, batch, options.include_overhead)
-    out["reserved"] = overhead.reserved(out["allocated"])
-    out["device"] = out["reserved"] + overhead.fixed_bytes[:, None]
+    if device_only:  # in place: the figures in between are not kept
+        allocated = np.maximum(forward_backward, expand(static + out["optimizer_step"]), out=forward_backward)
+        device = overhead.reserved(allocated)
+        device += overhead.fixed_bytes
+        return {"device": device.T}
+    allocated = np.maximum(forward_backward, expand(static + out["optimizer_step"]))
+    reserved = overhead.reserved(allocated)
+    by_stage = {"activations": held, "forward_backward": forward_backward, "allocated": allocated,
+                "reserved": reserved, "device": reserved + overhead.fixed_bytes}
+    for name, values in by_stage.items():
+        out[name] = values.T
+    for name in ("params", "grads", "optimizer", "comm", "transient", "optimizer_step"):
+        out[name] = shape.expand(out[name])
     return out
 
 
@@ -933,29 +1138,25 @@ class _WorstMoment:
     totals buffers + working set, from a floor of -1 with nothing."""
 
     def __init__(self, n: int) -> None:
-        zero = np.zeros(n)
-        self.buffers, self.work, self.made = [zero], [zero], [zero]
-        self.total, self.index = np.full(n, -1.0), np.zeros(n, dtype=np.intp)
+        self.total = np.full(n, -1.0)
+        self.buffers, self.work, self.made = np.zeros(n), np.zeros(n), np.zeros(n)
 
-    def consider(self, buf: np.ndarray, wrk: np.ndarray, made: np.ndarray | None = None) -> None:
-        """A moment: buffers, working set, and (inside ``buf``) gradients made by then."""
-        total = buf + wrk
-        self.index[total > self.total] = len(self.buffers)
-        np.maximum(self.total, total, out=self.total)
-        self.buffers.append(buf)
-        self.work.append(wrk)
-        self.made.append(self.made[0] if made is None else made)
+    def consider(self, buf: np.ndarray, wrk: np.ndarray | None = None, made: np.ndarray | None = None) -> None:
+        """A moment: buffers, working set (None: none), and (inside ``buf``) gradients made by then."""
+        total = buf if wrk is None else buf + wrk
+        worse = total > self.total
+        np.copyto(self.total, total, where=worse)
+        np.copyto(self.buffers, buf, where=worse)
+        np.copyto(self.work, 0.0 if wrk is None else wrk, where=worse)
+        np.copyto(self.made, 0.0 if made is None else made, where=worse)
 
     def worst(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(buffers less the gradients made, working set, gradients made) at the worst moment."""
-        n = len(self.total)
-        flat = self.index * n + np.arange(n)  # its entry in the stack of moments [moments, n]
-        made = np.stack(self.made).ravel()[flat]
-        return np.stack(self.buffers).ravel()[flat] - made, np.stack(self.work).ravel()[flat], made
+        return self.buffers - self.made, self.work, self.made
 
 
 def _fsdp_unit_phases(
-    placement: Placement, on_stage: np.ndarray, gather_bytes: int, reduce_bytes: np.ndarray,
+    placement: Placement, on_stage: np.ndarray, stages: np.ndarray, gather_bytes: int, reduce_bytes: np.ndarray,
     units: dict[str, np.ndarray], working: dict[str, np.ndarray], loss_working: np.ndarray,
     expert_elements: np.ndarray, expert_working: np.ndarray, grads_made_bytes: np.ndarray,
     one_micro_batch: np.ndarray, one_micro_batch_loss: np.ndarray, one_micro_batch_layers: np.ndarray,
@@ -993,23 +1194,25 @@ def _fsdp_unit_phases(
 
     With one micro-batch, the sharded gradients of the units after k exist at k's moments
     (``grads_made_bytes`` per element of them; 0 where gradients are priced otherwise).
+
+    The arrays returned have one column per stage in ``stages`` (``on_stage`` [pp, pp·vpp]).
     """
     n = len(loss_working)
-    pp, virtual = on_stage.shape
+    columns = len(stages)
     kinds = ("embedding", "dense", "moe", "head")
     zero = np.zeros(n)
     size = {k: np.broadcast_to(units[k], (n,)).astype(float) for k in kinds}
     size[""] = zero
     expert = np.broadcast_to(expert_elements, (n,)).astype(float)
     grads_width = np.broadcast_to(grads_made_bytes, (n,)).astype(float)
-    buffers = np.zeros((n, pp))
-    work = np.zeros((n, pp))
-    last_unit = np.zeros((n, pp))
-    grads_made = np.zeros((n, pp))
+    buffers = np.zeros((n, columns))
+    work = np.zeros((n, columns))
+    last_unit = np.zeros((n, columns))
+    grads_made = np.zeros((n, columns))
     first_chunk_layers = max(float(placement.dense_layers[0] + placement.moe_layers[0]), 1.0)
     g, r = float(gather_bytes), np.broadcast_to(np.asarray(reduce_bytes, dtype=float), (n,))
-    priced: dict[tuple[tuple[tuple[str, int], ...], bool], int] = {}  # signature -> a stage priced with it
-    for s in range(pp):
+    priced: dict[tuple[tuple[tuple[str, int], ...], bool], int] = {}  # signature -> a column priced with it
+    for column, s in enumerate(stages.tolist()):
         # The stage's units in forward order, as runs of one kind: [(kind, count)].
         runs: list[tuple[str, int]] = [("embedding", 1)] if placement.stage_of[0] == s else []
         for v in np.flatnonzero(on_stage[s]):
@@ -1022,9 +1225,9 @@ def _fsdp_unit_phases(
         if signature in priced:
             same = priced[signature]
             for array in (buffers, work, grads_made, last_unit):
-                array[:, s] = array[:, same]
+                array[:, column] = array[:, same]
             continue
-        priced[signature] = s
+        priced[signature] = column
         moments = _WorstMoment(n)
         consider = moments.consider
 
@@ -1035,14 +1238,15 @@ def _fsdp_unit_phases(
             following = runs[index + 1][0] if index + 1 < len(runs) else ""
             n_k = size[kind]
             if kind == "head":
-                consider(2 * g * n_k, zero)  # its all-gather, every activation held
+                consider(2 * g * n_k)  # its all-gather, every activation held
                 consider(g * n_k, loss_working)  # the loss beside the gathered head
-                consider((2 * g + r) * n_k + g * size[previous], zero)
+                consider((2 * g + r) * n_k + g * size[previous])
             elif kind == "embedding":
                 # Whatever follows has made its gradients (single micro-batch: sharded by now).
                 made = grads_width * later
                 for buf in (g * n_k + r * size[following], 2 * g * n_k + r * size[following], (g + r) * n_k):
-                    consider(np.maximum(buf + made - one_micro_batch, 0.0), zero, np.minimum(made, np.maximum(buf + made - one_micro_batch, 0.0)))
+                    moment = np.maximum(buf + made - one_micro_batch, 0.0)
+                    consider(moment, None, np.minimum(made, moment))
             else:
                 # Three positions cover a run: its last unit (first in backward), a middle one
                 # and its first, each with its neighbours and the units after it.
@@ -1065,21 +1269,24 @@ def _fsdp_unit_phases(
                         moment = np.maximum(g * (n_k + expert) + base, 0.0)
                         consider(moment, expert_working, np.minimum(made, moment))
                     moment = np.maximum(2 * g * n_k + base, 0.0)
-                    consider(moment, zero, np.minimum(made, moment))
+                    consider(moment, None, np.minimum(made, moment))
                     moment = np.maximum((g + r) * n_k + g * before + made - credit, 0.0)
-                    consider(moment, zero, np.minimum(made, moment))
+                    consider(moment, None, np.minimum(made, moment))
             later = later + count * n_k
         if runs:
             # Deferred reduce: after a backward the stage's units stay gathered until their next
             # forward, which all-gathers the first unit again.
             first = runs[0][0]
-            counted = g * (later + size[first]) - one_micro_batch * (first == "embedding")
-            consider(np.maximum(np.where(kept_after_backward, counted, 0.0), 0.0), zero)
-        buffers[:, s], work[:, s], grads_made[:, s] = moments.worst()
+            if kept_after_backward.any():
+                counted = g * (later + size[first]) - one_micro_batch * (first == "embedding")
+                consider(np.maximum(np.where(kept_after_backward, counted, 0.0), 0.0))
+            else:
+                consider(zero)  # nothing kept: the moment is empty
+        buffers[:, column], work[:, column], grads_made[:, column] = moments.worst()
         if runs:
             first, count = runs[0]
             after = size[first] if count > 1 else size[runs[1][0]] if len(runs) > 1 else zero
-            last_unit[:, s] = np.maximum((g + r) * size[first], 2 * g * size[first] + r * after)
+            last_unit[:, column] = np.maximum((g + r) * size[first], 2 * g * size[first] + r * after)
     return FsdpPhases(buffers=buffers, working=work, last_unit=last_unit, grads_made=grads_made)
 
 

@@ -122,16 +122,20 @@ def sharding_factors(
     for experts; HSDP (``shard_group`` > 0) limits the shard group to that many ranks."""
     replicas = dp * cp
     expert_replicas = np.maximum(replicas * tp // (ep * etp), 1)
-    shards = np.where(shard_group > 0, np.minimum(shard_group, replicas), replicas)
-    expert_shards = np.where(shard_group > 0, np.gcd(np.maximum(shard_group, 1), expert_replicas), expert_replicas)
-    one = np.ones(dp.shape)
+    shards, expert_shards = replicas, expert_replicas
+    hsdp = shard_group > 0
+    if hsdp.any():
+        shards = np.where(hsdp, np.minimum(shard_group, replicas), replicas)
+        expert_shards = np.where(hsdp, np.gcd(np.maximum(shard_group, 1), expert_replicas), expert_replicas)
+    shards, expert_shards = shards.astype(float), expert_shards.astype(float)
+    stage3, stage2, stage1 = zero >= 3, zero >= 2, zero >= 1
     return ShardingFactors(
-        params=np.where(zero >= 3, shards, one),
-        grads=np.where(zero >= 2, shards, one),
-        optimizer=np.where(zero >= 1, shards, one),
-        expert_params=np.where(zero >= 3, expert_shards, one),
-        expert_grads=np.where(zero >= 2, expert_shards, one),
-        expert_optimizer=np.where(zero >= 1, expert_shards, one),
-        data_shards=shards.astype(float),
-        expert_data_shards=expert_shards.astype(float),
+        params=np.where(stage3, shards, 1.0),
+        grads=np.where(stage2, shards, 1.0),
+        optimizer=np.where(stage1, shards, 1.0),
+        expert_params=np.where(stage3, expert_shards, 1.0),
+        expert_grads=np.where(stage2, expert_shards, 1.0),
+        expert_optimizer=np.where(stage1, expert_shards, 1.0),
+        data_shards=shards,
+        expert_data_shards=expert_shards,
     )

@@ -122,7 +122,8 @@ class StrategyBatch:
         for column in columns:
             bits = max(int(column.max()).bit_length(), 1)
             key = (key << bits) | column
-        order = np.argsort(key, kind="stable")
+        # A stable sort's order is unique; on keys of at most 16 bits numpy sorts by radix.
+        order = np.argsort(radix_key(key), kind="stable")
         sorted_key = key[order]
         starts = np.flatnonzero(np.diff(sorted_key, prepend=sorted_key[0] - 1))
         ends = np.append(starts[1:], len(order))
@@ -131,12 +132,50 @@ class StrategyBatch:
             for a, b in zip(starts, ends, strict=True)
         ]
 
+    def distinct(self, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct combinations of the values of ``names``: (a row of each, and per row
+        the index of its combination), so that a function of those fields alone is computed once
+        per combination. Linear in the batch where the values span a small range (a search
+        draws each field from a few values); by sorting otherwise."""
+        if not len(self):
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        key, span = np.zeros(len(self), dtype=np.int64), 1
+        for name in names:
+            codes, count = _dense_codes(getattr(self, name))
+            if span * count >= 1 << 62:  # renumber the combinations so far before the key overflows
+                key, span = _dense_codes(key)
+            key, span = key * count + codes, span * count
+        codes, count = _dense_codes(key)
+        rows = np.zeros(count, dtype=np.int64)
+        rows[codes] = np.arange(len(self))  # any row of a combination stands for it
+        return rows, codes
+
     def is_(self, name: str, label: str) -> np.ndarray:
         """Mask of strategies whose categorical field ``name`` equals ``label``."""
         return np.asarray(getattr(self, name) == CODES[name].index(label))
 
     def is_in(self, name: str, labels: Sequence[str]) -> np.ndarray:
         return np.isin(getattr(self, name), [CODES[name].index(label) for label in labels])
+
+
+def _dense_codes(values: IntArray) -> tuple[np.ndarray, int]:
+    """Per value its rank among the distinct values (0, 1, ...) and their count."""
+    low, high = int(values.min()), int(values.max())
+    if high - low < 1 << 20:
+        offset = values - low
+        present = np.zeros(high - low + 1, dtype=bool)
+        present[offset] = True
+        rank = np.cumsum(present) - 1
+        return rank[offset], int(rank[-1]) + 1
+    distinct, codes = np.unique(values, return_inverse=True)
+    return codes.ravel().astype(np.int64), len(distinct)
+
+
+def radix_key(values: IntArray) -> np.ndarray:
+    """``values`` as uint16 where they fit (the same stable sort order, sorted by radix), else as is."""
+    if len(values) and values.min() >= 0 and values.max() < 1 << 16:
+        return values.astype(np.uint16)
+    return values
 
 
 def encode(name: str, value: Any) -> Any:
