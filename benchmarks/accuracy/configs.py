@@ -112,4 +112,19 @@ CONFIGS: list[dict[str, Any]] = [
     {"name": "qwen3-8b-pp2-dualpipev-m8-s2k-full", "model": "qwen3-8b", "layers": 4,
      "strategy": {"pp": 2, "vpp": 2, "schedule": "dualpipev", "num_micro_batches": 8, "seq_length": 2048,
                   "recompute": "full", "precision": "bf16-pure"}},
+    # ---- split backward under full recompute, one and two layers per chunk, dense and MoE: the
+    # weight-gradient step recomputes a layer once per parameter group (added after that mechanism
+    # was found on the configuration above)
+    {"name": "qwen3-8b-pp2-dualpipev-m8-s2k-full-8l", "model": "qwen3-8b", "layers": 8,
+     "strategy": {"pp": 2, "vpp": 2, "schedule": "dualpipev", "num_micro_batches": 8, "seq_length": 2048,
+                  "recompute": "full", "precision": "bf16-pure"}},
+    {"name": "llama8b-pp2-zbv-m8-s2k-full", "model": "llama-3.1-8b", "layers": 4,
+     "strategy": {"pp": 2, "vpp": 2, "schedule": "zbv", "num_micro_batches": 8, "seq_length": 2048,
+                  "recompute": "full", "precision": "bf16-pure"}},
+    {"name": "llama8b-pp2-zbv-m4-s4k-full-8l", "model": "llama-3.1-8b", "layers": 8,
+     "strategy": {"pp": 2, "vpp": 2, "schedule": "zbv", "num_micro_batches": 4, "seq_length": 4096,
+                  "recompute": "full", "precision": "bf16-pure"}},
+    {"name": "qwen3-moe-pp2-dualpipev-m4-s2k-full", "model": "qwen3-30b-a3b", "layers": 4,
+     "strategy": {"pp": 2, "vpp": 2, "schedule": "dualpipev", "num_micro_batches": 4, "seq_length": 2048,
+                  "recompute": "full", "precision": "bf16-pure"}},
 ]

@@ -107,6 +107,7 @@ class SavedTensor:
     shard: str
     keep: bool
     weight_input: bool
+    read_last: bool = False
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
@@ -125,6 +126,7 @@ class RuntimeProfile:
     grads_created_in_backward: bool = False
     pipeline_defers_fsdp_reduce: bool = False
     tp_accumulates_whole_embedding_grad: bool = False
+    weight_grad_recomputes_per_group: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
 
 
@@ -144,6 +146,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                     name=str(entry["name"]), elements=str(entry["elements"]), bytes=entry["bytes"],
                     shard=shard, keep=entry.get("keep", "keep") == "keep",
                     weight_input=bool(entry.get("weight_input", False)),
+                    read_last=bool(entry.get("read_last", False)),
                 )
             except (KeyError, TypeError) as error:
                 raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
@@ -164,6 +167,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         grads_created_in_backward=bool(data.get("grads_created_in_backward", False)),
         pipeline_defers_fsdp_reduce=bool(data.get("pipeline_defers_fsdp_reduce", False)),
         tp_accumulates_whole_embedding_grad=bool(data.get("tp_accumulates_whole_embedding_grad", False)),
+        weight_grad_recomputes_per_group=bool(data.get("weight_grad_recomputes_per_group", False)),
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
     )
 
@@ -191,12 +195,15 @@ def get_profile(name: str) -> RuntimeProfile:
 class BlockBytes:
     """Bytes per token of one block, per shard rule: ``base[r] + per_seq[r]·seq`` where seq is the
     attended sequence length (only eager attention scores depend on it). ``kept`` is the part
-    selective recompute keeps; ``weight_input`` the part a split backward holds until W."""
+    selective recompute keeps; ``weight_input`` the inputs of weights (linear layers, and in a
+    profile that flags them the norms' normalized inputs): what a weight gradient reads."""
 
     base: dict[str, float]
     per_seq: dict[str, float]
     kept: dict[str, float]
     weight_input: dict[str, float]
+    #: What the layer's last weight gradients read (its MLP's last projection, the norms' weights).
+    read_last: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
 
 
 def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int) -> BlockBytes:
@@ -204,6 +211,7 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
     per_seq = dict.fromkeys(SHARDS, 0.0)
     kept = dict.fromkeys(SHARDS, 0.0)
     weight_input = dict.fromkeys(SHARDS, 0.0)
+    read_last = dict.fromkeys(SHARDS, 0.0)
     for tensor in entries:
         width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
@@ -214,7 +222,9 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
             kept[tensor.shard] += at_zero * width
         if tensor.weight_input:
             weight_input[tensor.shard] += at_zero * width
-    return BlockBytes(base, per_seq, kept, weight_input)
+        if tensor.read_last:
+            read_last[tensor.shard] += at_zero * width
+    return BlockBytes(base, per_seq, kept, weight_input, read_last)
 
 
 @lru_cache(maxsize=256)

@@ -233,9 +233,10 @@ def known_gaps(strategy: Strategy, options: MemoryOptions) -> list[str]:
         gaps.append("PyTorch cannot run this: selective activation checkpointing with a split backward "
                     "raises 'backward an extra time' in torch.distributed.pipelining (measured, torch 2.13)")
     if options.runtime == "pytorch" and split and strategy.recompute == "full":
-        gaps.append("with full recompute, torch.distributed.pipelining's weight-gradient step recomputes each "
-                    "layer once per parameter group and keeps every rebuilt copy until it ends; this estimate "
-                    "holds one: measured steps of ZB-V and DualPipeV peak up to 29% above it (docs/accuracy.md)")
+        gaps.append("with full recompute, torch.distributed.pipelining's weight-gradient step rebuilds each layer "
+                    "once per parameter group; the estimate prices those copies (middle stages measured within "
+                    "-1.0...+2.3%), but not yet the last chunk's step beside the output head: the first stage of "
+                    "ZB-V and DualPipeV measured -8.3...+5.7% off (docs/accuracy.md)")
     return gaps
 
 

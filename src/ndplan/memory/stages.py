@@ -143,6 +143,8 @@ class LayerActivations:
     recomputed: dict[str, np.ndarray]  # kind -> under the strategy's recompute policy
     weight_input: dict[str, np.ndarray]
     weight_grad_outputs: dict[str, np.ndarray]
+    weight_unread: dict[str, np.ndarray]
+    weight_read_last: dict[str, np.ndarray]
     norm: np.ndarray
     attention: np.ndarray
     mlp: np.ndarray
@@ -266,6 +268,13 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             backward_extra[kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
     is_full = batch.is_("recompute", "full")
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
+    # What no weight gradient of the layer reads: the whole layer (measured, where a census
+    # replaced the formulas) less its weights' inputs.
+    weight_unread = {k: np.maximum(full[k] - weight_input[k] - 2 * block("norm", "weight_input"), 0.0)
+                     for k in ("dense", "moe")}
+    norms_read_last = 2 * block("norm", "read_last")
+    weight_read_last = {"dense": norms_read_last + block("mlp", "read_last"),
+                        "moe": norms_read_last + block("moe", "read_last")}
     output = 0.0 * tp + block("norm") + block("output")
     measured_output = _census_for(options, "output")
     if measured_output is not None:
@@ -275,11 +284,26 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     mtp_extra = 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
     return LayerActivations(
         full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
+        weight_unread=weight_unread, weight_read_last=weight_read_last,
         norm=norm, attention=attention,
         mlp=mlp, moe=moe, output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
         backward_extra=backward_extra, mtp_extra=mtp_extra,
     )
+
+
+def weight_grad_groups(model: ModelSpec) -> dict[str, int]:
+    """Per layer kind, the parameter groups of one decoder layer: parameters whose gradients
+    come from one op (a linear's weight and bias, a norm's weight) form one group, and a split
+    backward's weight-gradient step runs one autograd call per group. Counted as Hugging Face
+    modules hold them: fused 3-D expert weights (gate_up, down), one router."""
+    if model.is_mla:
+        attention = (3 if model.q_lora_rank else 1) + 3 + 1  # q (a, norm, b), kv (a, norm, b), o
+    else:
+        attention = 4 + (2 if model.qk_norm else 0)  # q, k, v, o (+ the per-head q and k norms)
+    mlp = 3 if model.gated_mlp else 2
+    shared = (mlp if model.num_shared_experts else 0) + (1 if model.shared_expert_gate else 0)
+    return {"dense": attention + mlp + 2, "moe": attention + 1 + 2 + shared + 2}
 
 
 # --------------------------------------------------------------------------- schedule peaks
@@ -298,9 +322,11 @@ def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
 
 @lru_cache(maxsize=8192)
 def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
-    """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] (and for V
-    schedules one more column, the hand-overs at the turn so far) that can be the maximum of a
-    non-negative weighting: rows dominated by another row are dropped (usually most)."""
+    """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] (then, for
+    schedules that split the backward, ``starts_w`` and ``starts_first_w`` per chunk: the row is
+    the state while that chunk's (first) weight-gradient step runs; and for V schedules one more
+    column, the hand-overs at the turn so far) that can be the maximum of a non-negative weighting: rows dominated by another
+    row are dropped (usually most)."""
     if schedule == "gpipe":
         # GPipe runs every forward before any backward: each stage holds all m micro-batches, and
         # no gradient exists yet; after the first backward, m - 1 and the gradients.
@@ -310,6 +336,8 @@ def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tupl
     frontiers = []
     for s, stage in enumerate(flight.stages):
         counts = [stage.held_until_b, stage.held_until_w]
+        if schedule in SPLIT_BACKWARD:
+            counts += [stage.starts_w, stage.starts_first_w]
         if schedule in V_SHAPE:
             # Hand-overs at the V's turn (the last stage: its first chunk's F hands the output
             # to its second, whose B hands the gradient back) so far, one column; zero on the
@@ -895,9 +923,12 @@ def _evaluate_group(
     elif profile.weight_grad_holds == "all":
         # torch.distributed.pipelining keeps a micro-batch's whole autograd graph from its input
         # gradient (B) until its weight gradient (W), and with it the gradients of the linear
-        # and norm outputs that W consumes. Under recompute that graph is the rebuilt one: every
-        # activation of the layer, not just what forward kept.
-        whole_graph = t * (dense_layers * acts.full["dense"][:, None] + moe_layers * acts.full["moe"][:, None])
+        # and norm outputs that W consumes. Under recompute that graph is the one B rebuilt: every
+        # activation of the layer, or where B's recompute frees what it reads (a runtime whose W
+        # rebuilds the layer again, per parameter group), the part only weight gradients read.
+        rebuilt = {k: acts.full[k] - acts.weight_unread[k] if profile.weight_grad_recomputes_per_group
+                   else acts.full[k] for k in ("dense", "moe")}
+        whole_graph = t * (dense_layers * rebuilt["dense"][:, None] + moe_layers * rebuilt["moe"][:, None])
         per_w_virtual = np.where(recompute_on[:, None], whole_graph, layers_held) + t * (
             dense_layers * acts.weight_grad_outputs["dense"][:, None]
             + moe_layers * acts.weight_grad_outputs["moe"][:, None]
@@ -926,26 +957,6 @@ def _evaluate_group(
             per_grads = grads_virtual.copy()
             per_grads[deferred_rows] = (non_expert_total[deferred_rows] + expert_total[deferred_rows]) * grad_bytes
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
-    handed_over = np.zeros((len(batch), patterns))
-    if hands_over:
-        one_hand_over = tokens * model.hidden_size * precision.activation_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
-        per_handover = np.zeros((len(batch), patterns))
-        per_handover[:, shape.turn] = one_hand_over  # the frontier's hand-over column: the V's turn
-        extra = [*(extra or [None] * vpp), per_handover]
-        count = on_stage @ (hands_forward.astype(float) + hands_backward)
-        handed_over = (batch.num_micro_batches * one_hand_over)[:, None] * count[None, :]
-    held, held_with_extra, chosen = _held_peak(  # stage-major [pp, n]
-        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, extra, shape.pattern_of,
-        keep_rows=kinds is not None,
-    )
-    if kinds is not None and chosen is not None:
-        _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
-                          recomputed_dense, recomputed_moe,
-                          {"embedding": np.multiply.outer(embedding_held, first_virtual),
-                           "output": np.multiply.outer(output_held, last_virtual),
-                           "mtp": np.multiply.outer(mtp_held, last_virtual)},
-                          np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
-
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
     has_moe = moe_per_stage > 0
     # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
@@ -986,6 +997,41 @@ def _evaluate_group(
     ) * precision.param_bytes
     embedding_accumulate = np.maximum(embedding_gradient[:, None] - per_b_virtual[:, :1], 0.0) * first_stage[None, :]
     out["transient"] = np.maximum(out["transient"], embedding_accumulate)
+
+    if split:
+        # The frontier's columns after the gradients: each chunk's weight-gradient step while it
+        # runs. Its working set takes the place of a layer backward's (the transient, added to
+        # every row), so a column weighs what it allocates beyond that.
+        steps = _weight_grad_step(model, batch, acts, profile, t, recompute_on,
+                                  recompute_layers_of=(dense_layers, moe_layers), chunks=chunks, vpp=vpp,
+                                  held_for_w=per_w_virtual)
+        extra = [*(extra or [None] * vpp),
+                 *(None if step is None else np.maximum(step - out["transient"], 0.0) for step in steps)]
+        # A chunk's first such step creates its gradients as it runs: at its peak, all but the
+        # norms' (a runtime that creates them in the backward; elsewhere they are static).
+        first_step = [None if step is None or not grads_in_schedule else _chunk_column(np.where(
+            batch.is_("recompute", "full")[:, None], per_grads, 0.0), chunks, c) for c, step in enumerate(steps)]
+        extra += first_step
+    handed_over = np.zeros((len(batch), patterns))
+    if hands_over:
+        one_hand_over = tokens * model.hidden_size * precision.activation_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
+        per_handover = np.zeros((len(batch), patterns))
+        per_handover[:, shape.turn] = one_hand_over  # the frontier's hand-over column: the V's turn
+        extra = [*(extra or [None] * vpp), per_handover]
+        count = on_stage @ (hands_forward.astype(float) + hands_backward)
+        handed_over = (batch.num_micro_batches * one_hand_over)[:, None] * count[None, :]
+    held, held_with_extra, chosen = _held_peak(  # stage-major [pp, n]
+        schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, extra, shape.pattern_of,
+        keep_rows=kinds is not None,
+    )
+    if kinds is not None and chosen is not None:
+        _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
+                          recomputed_dense, recomputed_moe,
+                          {"embedding": np.multiply.outer(embedding_held, first_virtual),
+                           "output": np.multiply.outer(output_held, last_virtual),
+                           "mtp": np.multiply.outer(mtp_held, last_virtual)},
+                          np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
+
 
     # ---- communication buffers alive while a layer runs
     act_bytes = precision.activation_bytes
@@ -1288,6 +1334,56 @@ def _fsdp_unit_phases(
             after = size[first] if count > 1 else size[runs[1][0]] if len(runs) > 1 else zero
             last_unit[:, column] = np.maximum((g + r) * size[first], 2 * g * size[first] + r * after)
     return FsdpPhases(buffers=buffers, working=work, last_unit=last_unit, grads_made=grads_made)
+
+
+def _weight_grad_step(
+    model: ModelSpec, batch: StrategyBatch, acts: LayerActivations, profile: RuntimeProfile, t: np.ndarray,
+    recompute_on: np.ndarray, *, recompute_layers_of: tuple[np.ndarray, np.ndarray], chunks: np.ndarray, vpp: int,
+    held_for_w: np.ndarray | None,
+) -> list[np.ndarray | None]:
+    """Per chunk [n, P] (None where nothing), what a weight-gradient step adds at its peak to the
+    state it starts from (bytes).
+
+    Under full recompute, torch.distributed.pipelining's step rebuilds a checkpointed layer once
+    per parameter group (G = ``weight_grad_groups``), each call a new graph task, and each rebuilt
+    copy keeps what no weight gradient reads (U = ``weight_unread``) for as long as the chunk's
+    later layers keep the layer's graph alive: to the step's end. The peak comes at the chunk's
+    last layer's last MLP projection (group G − 2; the two norms' groups follow), whose G − 2
+    copies also still hold what that projection and the norms read (R = ``weight_read_last``),
+    as the graph B left does, beside the projection's new weight gradient (D); the rest of what B
+    left for W (``held_for_w``) is consumed by then:
+        step = t · (Σ_layers G·U − 2·U_last + (G_last − 1)·R_last) + D − held_for_w   (bytes)
+    Traced tensor by tensor on Qwen3-8B and Llama-3.1-8B chunks of one and two layers."""
+    if not profile.weight_grad_recomputes_per_group:
+        return [None] * vpp
+    full = batch.is_("recompute", "full")
+    if not full.any():
+        return [None] * vpp
+    dense_layers, moe_layers = recompute_layers_of
+    groups = weight_grad_groups(model)
+    _, _, recomputed_dense, recomputed_moe = _recomputed_layers(
+        recompute_on, batch.recompute_layers, dense_layers, moe_layers)
+    copies = t * (recomputed_dense * (groups["dense"] * acts.weight_unread["dense"])[:, None]
+                  + recomputed_moe * (groups["moe"] * acts.weight_unread["moe"])[:, None])
+    # The last layer of a chunk with MoE layers is an MoE layer (dense layers lead).
+    last_is_moe = recomputed_moe > 0
+    last = {k: np.where(last_is_moe, acts.__getattribute__(k)["moe"][:, None], acts.__getattribute__(k)["dense"][:, None])
+            for k in ("weight_unread", "weight_read_last")}
+    last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
+    last_layer = t * (-2 * last["weight_unread"] + (last_groups - 1) * last["weight_read_last"])
+    # ... and that projection's new weight gradient, before it is added to the kept one.
+    param_bytes = batch.precision.param_bytes
+    dense_weight = model.ffn_hidden_size * model.hidden_size / batch.tp * param_bytes
+    local_experts = model.num_experts / np.maximum(batch.ep, 1)
+    moe_weight = np.maximum(local_experts * model.moe_ffn_hidden_size / batch.etp,
+                            model.num_shared_experts * model.shared_expert_ffn_hidden_size / batch.tp
+                            ) * model.hidden_size * param_bytes
+    last_layer = last_layer + np.where(last_is_moe, moe_weight[:, None], dense_weight[:, None])
+    step = copies + np.where(recomputed_dense + recomputed_moe > 0, last_layer, 0.0)
+    if held_for_w is not None:
+        step = step - held_for_w
+    step = np.where(full[:, None], np.maximum(step, 0.0), 0.0)
+    return [_chunk_column(step, chunks, c) for c in range(vpp)]
 
 
 def _activation_kinds(

@@ -50,6 +50,11 @@ class StageInFlight:
     #: Micro-batches whose F (B) on the chunk has completed, so far (cumulative counts).
     forwards_done: NDArray[np.float64]
     backwards_done: NDArray[np.float64]
+    #: 1 for the chunk whose weight-gradient step (a W apart from its B) starts at this boundary:
+    #: the row plus what that step allocates while it runs is the state during it.
+    starts_w: NDArray[np.float64]
+    #: The same for the chunk's first such step, which creates its gradients as it runs.
+    starts_first_w: NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -139,11 +144,16 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
         done_b[rows, st.chunk] = is_b.astype(np.float64)
         forwards_done = np.cumsum(done_f, axis=0) / seq_chunks
         backwards_done = np.cumsum(done_b, axis=0) / seq_chunks
+        starts_w = np.zeros((n + 1, vpp))
+        standalone_w = np.flatnonzero(is_w & ~w_with_b) if split else np.zeros(0, dtype=np.int64)
+        starts_w[standalone_w, st.chunk[standalone_w]] = 1.0  # op i starts at boundary i
+        starts_first_w = starts_w * (1.0 - grads_ready)
         peak[s] = held_b.max(axis=0)
         peak_w[s] = held_w.max(axis=0)
         peak_total[s] = held_b.sum(axis=1).max()
         stages.append(StageInFlight(
-            _frozen(held_b), _frozen(held_w), _frozen(grads_ready), _frozen(forwards_done), _frozen(backwards_done)
+            _frozen(held_b), _frozen(held_w), _frozen(grads_ready), _frozen(forwards_done), _frozen(backwards_done),
+            _frozen(starts_w), _frozen(starts_first_w),
         ))
     return InFlight(
         schedule=schedule,
