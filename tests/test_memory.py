@@ -298,13 +298,14 @@ def test_gradients_appear_with_the_first_backward():
 
 STEPS = sorted((Path(__file__).parent / "data" / "measured" / "steps").glob("*.json"))
 #: Measured misses the estimator does not explain yet (docs/accuracy.md says what is known).
-_HEAD_CHUNK_W = ("stage 0 runs the last chunk, whose weight-gradient step under full recompute keeps every "
-                 "layer's rebuilt copies alive beside the output head's; the estimate prices the middle "
-                 "chunks' step only")
+#: Measured misses the estimator does not explain yet (docs/accuracy.md says what is known). Both
+#: are held-out checks of the weight-gradient step under full recompute, and both over-estimate.
 KNOWN_MISSES = {
-    "qwen3-8b-pp2-dualpipev-m8-s2k-full-8l": _HEAD_CHUNK_W,
-    "llama8b-pp2-zbv-m8-s2k-full": _HEAD_CHUNK_W,
-    "llama8b-pp2-zbv-m4-s4k-full-8l": _HEAD_CHUNK_W,
+    "dsv2-lite-pp2-dualpipev-m4-s2k-full": "the routed experts' rebuilt copies die once their own weight "
+                                           "gradients are done, before the shared experts'; the estimate "
+                                           "keeps them to the MLP's last group (+7.7%)",
+    "llama8b-pp4-zbv-m8-s2k-full-8l": "at the V's turn (stage 3) seven micro-batches wait for W, each "
+                                      "measured 283 MiB against the estimate's 336 MiB (+7.5%)",
 }
 
 
@@ -371,7 +372,7 @@ def test_measured_gaps_are_told_beside_the_estimate():
     assert plain.caveats == [] and plain.to_dict()["caveats"] == []
     v_full = estimate(model, Strategy(pp=2, vpp=2, schedule="dualpipev", num_micro_batches=8, seq_length=2048,
                                       recompute="full"), options=NO_OVERHEAD)
-    assert any("output head" in c and "-8.3...+5.7%" in c for c in v_full.caveats)
+    assert any("once per parameter group" in c and "7.7% above" in c for c in v_full.caveats)
     split_selective = estimate(model, Strategy(pp=2, vpp=2, schedule="zbv", num_micro_batches=8, seq_length=2048,
                                                recompute="selective"), options=NO_OVERHEAD)
     assert any("cannot run" in c for c in split_selective.caveats)
@@ -388,3 +389,5 @@ def test_weight_gradient_groups_of_a_layer():
     # MLA (q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o) + router + fused experts (gate_up, down)
     # + shared experts (gate, up, down) + two norms.
     assert weight_grad_groups(get_preset("deepseek-v3"))["moe"] == 7 + 1 + 2 + 3 + 2
+    # Traced: a DeepSeek-V2-Lite MoE layer (no query compression) gave 13.
+    assert weight_grad_groups(get_preset("deepseek-v2-lite"))["moe"] == 13

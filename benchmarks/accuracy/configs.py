@@ -127,4 +127,14 @@ CONFIGS: list[dict[str, Any]] = [
     {"name": "qwen3-moe-pp2-dualpipev-m4-s2k-full", "model": "qwen3-30b-a3b", "layers": 4,
      "strategy": {"pp": 2, "vpp": 2, "schedule": "dualpipev", "num_micro_batches": 4, "seq_length": 2048,
                   "recompute": "full", "precision": "bf16-pure"}},
+    # ---- held out: measured after the rule for that step was written from the five above
+    {"name": "qwen25-7b-pp2-zbv-m4-s4k-full-8l", "model": "qwen2.5-7b", "layers": 8,
+     "strategy": {"pp": 2, "vpp": 2, "schedule": "zbv", "num_micro_batches": 4, "seq_length": 4096,
+                  "recompute": "full", "precision": "bf16-pure"}},
+    {"name": "llama8b-pp4-zbv-m8-s2k-full-8l", "model": "llama-3.1-8b", "layers": 8,
+     "strategy": {"pp": 4, "vpp": 2, "schedule": "zbv", "num_micro_batches": 8, "seq_length": 2048,
+                  "recompute": "full", "precision": "bf16-pure"}},
+    {"name": "dsv2-lite-pp2-dualpipev-m4-s2k-full", "model": "deepseek-v2-lite", "layers": 4,
+     "strategy": {"pp": 2, "vpp": 2, "schedule": "dualpipev", "num_micro_batches": 4, "seq_length": 2048,
+                  "recompute": "full", "precision": "bf16-pure"}},
 ]

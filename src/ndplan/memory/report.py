@@ -234,9 +234,10 @@ def known_gaps(strategy: Strategy, options: MemoryOptions) -> list[str]:
                     "raises 'backward an extra time' in torch.distributed.pipelining (measured, torch 2.13)")
     if options.runtime == "pytorch" and split and strategy.recompute == "full":
         gaps.append("with full recompute, torch.distributed.pipelining's weight-gradient step rebuilds each layer "
-                    "once per parameter group; the estimate prices those copies (middle stages measured within "
-                    "-1.0...+2.3%), but not yet the last chunk's step beside the output head: the first stage of "
-                    "ZB-V and DualPipeV measured -8.3...+5.7% off (docs/accuracy.md)")
+                    "once per parameter group and keeps the copies; the estimate prices them from the layer's "
+                    "structure: measured ZB-V and DualPipeV steps fall within -1.0...+2.9%, but two held-out "
+                    "ones (an MoE model with shared experts, a pp-4 V's turn) came out up to 7.7% above "
+                    "(docs/accuracy.md)")
     return gaps
 
 

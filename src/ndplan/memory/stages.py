@@ -933,6 +933,14 @@ def _evaluate_group(
             dense_layers * acts.weight_grad_outputs["dense"][:, None]
             + moe_layers * acts.weight_grad_outputs["moe"][:, None]
         )
+        # The head's weight gradient reads the gradient of the logits, kept from B until W.
+        logits_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
+        per_w_virtual += np.multiply.outer(
+            t[:, 0] * model.vocab_size * precision.activation_bytes / logits_div, last_virtual)
+        if profile.weight_grad_recomputes_per_group:
+            # The pipeline's first stage has no input gradient to make: torch skips its B and runs
+            # one whole backward at W, so what its forward kept stays until then, and no more.
+            per_w_virtual[:, first_virtual > 0] = per_b_virtual[:, first_virtual > 0]
     else:
         # W needs the linear layers' inputs and their output gradients (about as large).
         per_w_virtual = 2 * t * (dense_layers * acts.weight_input["dense"][:, None]
@@ -1002,15 +1010,18 @@ def _evaluate_group(
         # The frontier's columns after the gradients: each chunk's weight-gradient step while it
         # runs. Its working set takes the place of a layer backward's (the transient, added to
         # every row), so a column weighs what it allocates beyond that.
-        steps = _weight_grad_step(model, batch, acts, profile, t, recompute_on,
+        steps, new_grads = _weight_grad_step(model, batch, acts, profile, t, recompute_on,
                                   recompute_layers_of=(dense_layers, moe_layers), chunks=chunks, vpp=vpp,
-                                  held_for_w=per_w_virtual)
+                                  held_for_w=per_w_virtual, head_chunk=last_virtual,
+                                  first_chunk=first_virtual)
         extra = [*(extra or [None] * vpp),
                  *(None if step is None else np.maximum(step - out["transient"], 0.0) for step in steps)]
         # A chunk's first such step creates its gradients as it runs: at its peak, all but the
-        # norms' (a runtime that creates them in the backward; elsewhere they are static).
-        first_step = [None if step is None or not grads_in_schedule else _chunk_column(np.where(
-            batch.is_("recompute", "full")[:, None], per_grads, 0.0), chunks, c) for c, step in enumerate(steps)]
+        # norms' (a runtime that creates them in the backward; elsewhere they are static), one
+        # of them the step's new weight gradient, counted in the step already.
+        first_step = [None if step is None or not grads_in_schedule else np.maximum(_chunk_column(np.where(
+            batch.is_("recompute", "full")[:, None], per_grads, 0.0), chunks, c) - new_grad, 0.0)
+            for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
         extra += first_step
     handed_over = np.zeros((len(batch), patterns))
     if hands_over:
@@ -1339,26 +1350,32 @@ def _fsdp_unit_phases(
 def _weight_grad_step(
     model: ModelSpec, batch: StrategyBatch, acts: LayerActivations, profile: RuntimeProfile, t: np.ndarray,
     recompute_on: np.ndarray, *, recompute_layers_of: tuple[np.ndarray, np.ndarray], chunks: np.ndarray, vpp: int,
-    held_for_w: np.ndarray | None,
-) -> list[np.ndarray | None]:
+    held_for_w: np.ndarray | None, head_chunk: np.ndarray, first_chunk: np.ndarray,
+) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
     """Per chunk [n, P] (None where nothing), what a weight-gradient step adds at its peak to the
-    state it starts from (bytes).
+    state it starts from (bytes), and of that the new weight gradient D (which a chunk's first
+    step keeps as the gradient itself).
 
     Under full recompute, torch.distributed.pipelining's step rebuilds a checkpointed layer once
     per parameter group (G = ``weight_grad_groups``), each call a new graph task, and each rebuilt
-    copy keeps what no weight gradient reads (U = ``weight_unread``) for as long as the chunk's
-    later layers keep the layer's graph alive: to the step's end. The peak comes at the chunk's
-    last layer's last MLP projection (group G − 2; the two norms' groups follow), whose G − 2
-    copies also still hold what that projection and the norms read (R = ``weight_read_last``),
-    as the graph B left does, beside the projection's new weight gradient (D); the rest of what B
-    left for W (``held_for_w``) is consumed by then:
+    copy keeps what no weight gradient reads (U = ``weight_unread``) for as long as a later group
+    keeps the layer's graph alive. In a chunk the later layers keep the earlier ones alive; the
+    peak comes at the last layer's last MLP projection (group G − 2; the two norms' groups
+    follow), whose copies also still hold what that projection and the norms read
+    (R = ``weight_read_last``), beside the projection's new weight gradient (D); the rest of
+    what B left for W (``held_for_w``) is consumed by then:
         step = t · (Σ_layers G·U − 2·U_last + (G_last − 1)·R_last) + D − held_for_w   (bytes)
-    Traced tensor by tensor on Qwen3-8B and Llama-3.1-8B chunks of one and two layers."""
+    In the head's chunk (``head_chunk``, per virtual stage) the head's group comes last and keeps
+    every layer's graph and all of B's: step = t · Σ_layers G·U + D_head. The pipeline's first
+    stage (``first_chunk``) has no split step: torch runs its W as one whole backward.
+    Traced tensor by tensor on Qwen3-8B and Llama-3.1-8B chunks of one and two layers
+    (docs/accuracy.md; an MoE layer whose routed experts come before shared experts peaks
+    earlier, which this over-estimates)."""
     if not profile.weight_grad_recomputes_per_group:
-        return [None] * vpp
+        return [None] * vpp, [None] * vpp
     full = batch.is_("recompute", "full")
     if not full.any():
-        return [None] * vpp
+        return [None] * vpp, [None] * vpp
     dense_layers, moe_layers = recompute_layers_of
     groups = weight_grad_groups(model)
     _, _, recomputed_dense, recomputed_moe = _recomputed_layers(
@@ -1378,12 +1395,25 @@ def _weight_grad_step(
     moe_weight = np.maximum(local_experts * model.moe_ffn_hidden_size / batch.etp,
                             model.num_shared_experts * model.shared_expert_ffn_hidden_size / batch.tp
                             ) * model.hidden_size * param_bytes
-    last_layer = last_layer + np.where(last_is_moe, moe_weight[:, None], dense_weight[:, None])
+    last_layer = last_layer + np.where(last_is_moe, moe_weight[:, None], dense_weight[:, None])  # D
+    # In the chunk that ends with the output head, the head's weight gradient comes last and keeps
+    # every layer's graph alive: its peak holds all the copies and the head's new weight gradient.
+    head_weight = model.vocab_size * model.hidden_size / batch.tp * param_bytes
+    new_grad = np.where(head_chunk[None, :] > 0, head_weight[:, None],
+                        np.where(last_is_moe, moe_weight[:, None], dense_weight[:, None]))
+    last_layer = np.where(head_chunk[None, :] > 0, new_grad, last_layer)
     step = copies + np.where(recomputed_dense + recomputed_moe > 0, last_layer, 0.0)
+    # The pipeline's first stage runs its W as one whole backward (one rebuild per layer, priced
+    # as any backward's working set).
+    step[:, first_chunk > 0] = 0.0
+    new_grad[:, first_chunk > 0] = 0.0
     if held_for_w is not None:
-        step = step - held_for_w
+        # In the head's chunk the head's graph, run last, keeps all of B's graph referenced: none
+        # of it is freed before the step's peak.
+        step = step - np.where(head_chunk[None, :] > 0, 0.0, held_for_w)
     step = np.where(full[:, None], np.maximum(step, 0.0), 0.0)
-    return [_chunk_column(step, chunks, c) for c in range(vpp)]
+    new_grad = np.where(full[:, None], new_grad, 0.0)
+    return [_chunk_column(step, chunks, c) for c in range(vpp)], [_chunk_column(new_grad, chunks, c) for c in range(vpp)]
 
 
 def _activation_kinds(
