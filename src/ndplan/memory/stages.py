@@ -402,13 +402,30 @@ def _runs_of(values: np.ndarray) -> Iterator[tuple[int, slice | np.ndarray]]:
 @lru_cache(maxsize=8192)
 def _frontier_columns(
     schedule: str, pp: int, vpp: int, m: int, seq_chunks: int, held: tuple[int, ...], grown: tuple[int, ...],
-) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
     """Per stage, its frontier rows restricted to the ``held`` columns and to the ``grown`` ones
-    (contiguous: each is the left operand of a matmul per stage)."""
-    return tuple(
-        (np.ascontiguousarray(rows[:, list(held)]), np.ascontiguousarray(rows[:, list(grown)]))
-        for rows in _frontier(schedule, pp, vpp, m, seq_chunks)
-    )
+    (contiguous: each is the left operand of a matmul per stage), and which rows of the frontier
+    they are. Rows the unused columns alone kept (a weight-gradient step where nothing is priced
+    for it) are dominated within the used ones and dropped: neither maximum can come from them."""
+    out = []
+    for rows in _frontier(schedule, pp, vpp, m, seq_chunks):
+        used = rows[:, list(held) + list(grown)]
+        index = np.arange(len(rows)) if len(rows) < 2 else _undominated_index(used)
+        out.append((np.ascontiguousarray(used[index][:, :len(held)]),
+                    np.ascontiguousarray(used[index][:, len(held):]), index))
+    return tuple(out)
+
+
+def _undominated_index(rows: np.ndarray) -> np.ndarray:
+    """Indices of one copy of each row of ``rows`` that no other row is >= in every column."""
+    distinct, first = np.unique(rows, axis=0, return_index=True)
+    dominated = np.zeros(len(distinct), bool)
+    for start in range(0, len(distinct), 256):  # chunks bound the R x R comparison's memory
+        block = distinct[start:start + 256]
+        at_least = np.all(distinct[:, None, :] >= block[None, :, :], axis=2)
+        above = np.any(distinct[:, None, :] > block[None, :, :], axis=2)
+        dominated[start:start + 256] = np.any(at_least & above, axis=0)
+    return np.sort(first[~dominated])
 
 
 #: The frontier products run over blocks of strategies, of at most this many multiply-adds
@@ -463,14 +480,14 @@ def _held_peak(
         frontier = _frontier_columns(schedule, pp, vpp, int(m), seq_chunks, held, grown)
         if keep_rows and chosen is None:
             chosen = np.zeros((n, pp, _frontier(schedule, pp, vpp, int(m), seq_chunks)[0].shape[1]))
-        for s, (held_rows, grown_rows) in enumerate(frontier):
+        for s, (held_rows, grown_rows, row_index) in enumerate(frontier):
             p = s if pattern_of is None else pattern_of[s]
             step = max(1, _PRODUCT_BLOCK // (held_rows.shape[0] * max(held_rows.shape[1], grown_rows.shape[1], 1)))
             for block in _blocks(subset, step):
                 values = held_rows @ held_weights[p][:, block]
                 peak[s, block] = values.max(axis=0)
                 if keep_rows and chosen is not None:
-                    chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][np.argmax(values, axis=0)]
+                    chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][row_index[np.argmax(values, axis=0)]]
                 if extra is not None:
                     values += grown_rows @ extra_weights[p][:, block]
                     with_extra[s, block] = values.max(axis=0)
@@ -1019,8 +1036,9 @@ def _evaluate_group(
         # A chunk's first such step creates its gradients as it runs: at its peak, all but the
         # norms' (a runtime that creates them in the backward; elsewhere they are static), one
         # of them the step's new weight gradient, counted in the step already.
-        first_step = [None if step is None or not grads_in_schedule else np.maximum(_chunk_column(np.where(
-            batch.is_("recompute", "full")[:, None], per_grads, 0.0), chunks, c) - new_grad, 0.0)
+        full_rows = batch.is_("recompute", "full")[:, None]
+        first_step = [None if step is None or not grads_in_schedule else np.maximum(
+            np.where(full_rows, _chunk_column(per_grads, chunks, c), 0.0) - new_grad, 0.0)
             for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
         extra += first_step
     handed_over = np.zeros((len(batch), patterns))
@@ -1376,32 +1394,36 @@ def _weight_grad_step(
     full = batch.is_("recompute", "full")
     if not full.any():
         return [None] * vpp, [None] * vpp
+    # Priced on the full-recompute rows alone, then placed among the others (zeros).
+    rows = np.flatnonzero(full)
     dense_layers, moe_layers = recompute_layers_of
     groups = weight_grad_groups(model)
+    t = t[rows]
     _, _, recomputed_dense, recomputed_moe = _recomputed_layers(
-        recompute_on, batch.recompute_layers, dense_layers, moe_layers)
-    copies = t * (recomputed_dense * (groups["dense"] * acts.weight_unread["dense"])[:, None]
-                  + recomputed_moe * (groups["moe"] * acts.weight_unread["moe"])[:, None])
+        recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
+    unread = {k: acts.weight_unread[k][rows, None] for k in ("dense", "moe")}
+    read_last = {k: acts.weight_read_last[k][rows, None] for k in ("dense", "moe")}
+    copies = t * (recomputed_dense * groups["dense"] * unread["dense"] + recomputed_moe * groups["moe"] * unread["moe"])
     # The last layer of a chunk with MoE layers is an MoE layer (dense layers lead).
     last_is_moe = recomputed_moe > 0
-    last = {k: np.where(last_is_moe, acts.__getattribute__(k)["moe"][:, None], acts.__getattribute__(k)["dense"][:, None])
-            for k in ("weight_unread", "weight_read_last")}
+    last_unread = np.where(last_is_moe, unread["moe"], unread["dense"])
+    last_read = np.where(last_is_moe, read_last["moe"], read_last["dense"])
     last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
-    last_layer = t * (-2 * last["weight_unread"] + (last_groups - 1) * last["weight_read_last"])
+    last_layer = t * (-2 * last_unread + (last_groups - 1) * last_read)
     # ... and that projection's new weight gradient, before it is added to the kept one.
     param_bytes = batch.precision.param_bytes
-    dense_weight = model.ffn_hidden_size * model.hidden_size / batch.tp * param_bytes
-    local_experts = model.num_experts / np.maximum(batch.ep, 1)
-    moe_weight = np.maximum(local_experts * model.moe_ffn_hidden_size / batch.etp,
-                            model.num_shared_experts * model.shared_expert_ffn_hidden_size / batch.tp
+    tp, ep, etp = batch.tp[rows], batch.ep[rows], batch.etp[rows]
+    dense_weight = model.ffn_hidden_size * model.hidden_size / tp * param_bytes
+    local_experts = model.num_experts / np.maximum(ep, 1)
+    moe_weight = np.maximum(local_experts * model.moe_ffn_hidden_size / etp,
+                            model.num_shared_experts * model.shared_expert_ffn_hidden_size / tp
                             ) * model.hidden_size * param_bytes
-    last_layer = last_layer + np.where(last_is_moe, moe_weight[:, None], dense_weight[:, None])  # D
     # In the chunk that ends with the output head, the head's weight gradient comes last and keeps
     # every layer's graph alive: its peak holds all the copies and the head's new weight gradient.
-    head_weight = model.vocab_size * model.hidden_size / batch.tp * param_bytes
+    head_weight = model.vocab_size * model.hidden_size / tp * param_bytes
     new_grad = np.where(head_chunk[None, :] > 0, head_weight[:, None],
                         np.where(last_is_moe, moe_weight[:, None], dense_weight[:, None]))
-    last_layer = np.where(head_chunk[None, :] > 0, new_grad, last_layer)
+    last_layer = np.where(head_chunk[None, :] > 0, new_grad, last_layer + new_grad)
     step = copies + np.where(recomputed_dense + recomputed_moe > 0, last_layer, 0.0)
     # The pipeline's first stage runs its W as one whole backward (one rebuild per layer, priced
     # as any backward's working set).
@@ -1410,10 +1432,18 @@ def _weight_grad_step(
     if held_for_w is not None:
         # In the head's chunk the head's graph, run last, keeps all of B's graph referenced: none
         # of it is freed before the step's peak.
-        step = step - np.where(head_chunk[None, :] > 0, 0.0, held_for_w)
-    step = np.where(full[:, None], np.maximum(step, 0.0), 0.0)
-    new_grad = np.where(full[:, None], new_grad, 0.0)
+        step -= np.where(head_chunk[None, :] > 0, 0.0, held_for_w[rows])
+    np.maximum(step, 0.0, out=step)
+    if len(rows) < len(batch):
+        step, new_grad = (_placed(values, rows, len(batch)) for values in (step, new_grad))
     return [_chunk_column(step, chunks, c) for c in range(vpp)], [_chunk_column(new_grad, chunks, c) for c in range(vpp)]
+
+
+def _placed(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+    """[len(rows), k] values at ``rows`` of an [n, k] array of zeros."""
+    out = np.zeros((n, values.shape[1]))
+    out[rows] = values
+    return out
 
 
 def _activation_kinds(
