@@ -410,22 +410,23 @@ def _frontier_columns(
     out = []
     for rows in _frontier(schedule, pp, vpp, m, seq_chunks):
         used = rows[:, list(held) + list(grown)]
-        index = np.arange(len(rows)) if len(rows) < 2 else _undominated_index(used)
+        unused = np.setdiff1d(np.flatnonzero(rows.any(axis=0)), list(held) + list(grown))
+        index = _undominated_index(used) if len(rows) > 1 and unused.size else np.arange(len(rows))
         out.append((np.ascontiguousarray(used[index][:, :len(held)]),
                     np.ascontiguousarray(used[index][:, len(held):]), index))
     return tuple(out)
 
 
 def _undominated_index(rows: np.ndarray) -> np.ndarray:
-    """Indices of one copy of each row of ``rows`` that no other row is >= in every column."""
-    distinct, first = np.unique(rows, axis=0, return_index=True)
-    dominated = np.zeros(len(distinct), bool)
-    for start in range(0, len(distinct), 256):  # chunks bound the R x R comparison's memory
-        block = distinct[start:start + 256]
-        at_least = np.all(distinct[:, None, :] >= block[None, :, :], axis=2)
-        above = np.any(distinct[:, None, :] > block[None, :, :], axis=2)
+    """Indices of the rows of ``rows`` that no other row is >= in every column and > in one
+    (equal rows all stay: a maximum is the same whichever is taken)."""
+    dominated = np.zeros(len(rows), bool)
+    for start in range(0, len(rows), 256):  # chunks bound the R x R comparison's memory
+        block = rows[start:start + 256]
+        at_least = np.all(rows[:, None, :] >= block[None, :, :], axis=2)
+        above = np.any(rows[:, None, :] > block[None, :, :], axis=2)
         dominated[start:start + 256] = np.any(at_least & above, axis=0)
-    return np.sort(first[~dominated])
+    return np.flatnonzero(~dominated)
 
 
 #: The frontier products run over blocks of strategies, of at most this many multiply-adds
