@@ -942,9 +942,9 @@ def _evaluate_group(
         # torch.distributed.pipelining keeps a micro-batch's whole autograd graph from its input
         # gradient (B) until its weight gradient (W), and with it the gradients of the linear
         # and norm outputs that W consumes. Under recompute that graph is the one B rebuilt: every
-        # activation of the layer, or where B's recompute frees what it reads (a runtime whose W
-        # rebuilds the layer again, per parameter group), the part only weight gradients read.
-        rebuilt = {k: acts.full[k] - acts.weight_unread[k] if profile.weight_grad_recomputes_per_group
+        # activation of the layer; where W rebuilds the layer again, per parameter group, B's
+        # rebuilt copy is gone by the end of B and only the output gradients stay (traced).
+        rebuilt = {k: 0.0 * acts.full[k] if profile.weight_grad_recomputes_per_group
                    else acts.full[k] for k in ("dense", "moe")}
         whole_graph = t * (dense_layers * rebuilt["dense"][:, None] + moe_layers * rebuilt["moe"][:, None])
         per_w_virtual = np.where(recompute_on[:, None], whole_graph, layers_held) + t * (
@@ -1030,7 +1030,7 @@ def _evaluate_group(
         # every row), so a column weighs what it allocates beyond that.
         steps, new_grads = _weight_grad_step(model, batch, acts, profile, t, recompute_on,
                                   recompute_layers_of=(dense_layers, moe_layers), chunks=chunks, vpp=vpp,
-                                  held_for_w=per_w_virtual, head_chunk=last_virtual,
+                                  head_chunk=last_virtual,
                                   first_chunk=first_virtual)
         extra = [*(extra or [None] * vpp),
                  *(None if step is None else np.maximum(step - out["transient"], 0.0) for step in steps)]
@@ -1369,7 +1369,7 @@ def _fsdp_unit_phases(
 def _weight_grad_step(
     model: ModelSpec, batch: StrategyBatch, acts: LayerActivations, profile: RuntimeProfile, t: np.ndarray,
     recompute_on: np.ndarray, *, recompute_layers_of: tuple[np.ndarray, np.ndarray], chunks: np.ndarray, vpp: int,
-    held_for_w: np.ndarray | None, head_chunk: np.ndarray, first_chunk: np.ndarray,
+    head_chunk: np.ndarray, first_chunk: np.ndarray,
 ) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
     """Per chunk [n, P] (None where nothing), what a weight-gradient step adds at its peak to the
     state it starts from (bytes), and of that the new weight gradient D (which a chunk's first
@@ -1381,12 +1381,14 @@ def _weight_grad_step(
     keeps the layer's graph alive. In a chunk the later layers keep the earlier ones alive; the
     peak comes at the last layer's last MLP projection (group G − 2; the two norms' groups
     follow), whose copies also still hold what that projection and the norms read
-    (R = ``weight_read_last``), beside the projection's new weight gradient (D); the rest of
-    what B left for W (``held_for_w``) is consumed by then:
-        step = t · (Σ_layers G·U − 2·U_last + (G_last − 1)·R_last) + D − held_for_w   (bytes)
+    (R = ``weight_read_last``), beside the projection's new weight gradient and the previous
+    group's, still referenced by the step's loop (D):
+        step = t · (Σ_layers G·U − 2·U_last + (G_last − 1)·R_last) + D               (bytes)
     In the head's chunk (``head_chunk``, per virtual stage) the head's group comes last and keeps
-    every layer's graph and all of B's: step = t · Σ_layers G·U + D_head. The pipeline's first
-    stage (``first_chunk``) has no split step: torch runs its W as one whole backward.
+    every layer's graph: the step peaks there, at t · Σ_layers G·U + D_head, if not at its last
+    MLP projection as above. The pipeline's first stage
+    (``first_chunk``) has no split step: torch runs its W as one whole backward. The output
+    gradients B left for W stay to the peak (they are the frontier's held-until-W column).
     Traced tensor by tensor on Qwen3-8B and Llama-3.1-8B chunks of one and two layers
     (docs/accuracy.md; an MoE layer whose routed experts come before shared experts peaks
     earlier, which this over-estimates)."""
@@ -1411,29 +1413,29 @@ def _weight_grad_step(
     last_read = np.where(last_is_moe, read_last["moe"], read_last["dense"])
     last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
     last_layer = t * (-2 * last_unread + (last_groups - 1) * last_read)
-    # ... and that projection's new weight gradient, before it is added to the kept one.
+    # ... beside that projection's new weight gradient and the previous group's, which the loop
+    # still references while it runs (gate or up beside down; fused experts: gate_up, twice down's).
     param_bytes = batch.precision.param_bytes
     tp, ep, etp = batch.tp[rows], batch.ep[rows], batch.etp[rows]
-    dense_weight = model.ffn_hidden_size * model.hidden_size / tp * param_bytes
+    dense_weight = 2 * model.ffn_hidden_size * model.hidden_size / tp * param_bytes
     local_experts = model.num_experts / np.maximum(ep, 1)
-    moe_weight = np.maximum(local_experts * model.moe_ffn_hidden_size / etp,
-                            model.num_shared_experts * model.shared_expert_ffn_hidden_size / tp
-                            ) * model.hidden_size * param_bytes
+    moe_weight = 3 * np.maximum(local_experts * model.moe_ffn_hidden_size / etp,
+                                model.num_shared_experts * model.shared_expert_ffn_hidden_size / tp
+                                ) * model.hidden_size * param_bytes
     # In the chunk that ends with the output head, the head's weight gradient comes last and keeps
     # every layer's graph alive: its peak holds all the copies and the head's new weight gradient.
     head_weight = model.vocab_size * model.hidden_size / tp * param_bytes
     new_grad = np.where(head_chunk[None, :] > 0, head_weight[:, None],
                         np.where(last_is_moe, moe_weight[:, None], dense_weight[:, None]))
-    last_layer = np.where(head_chunk[None, :] > 0, new_grad, last_layer + new_grad)
+    # The head's chunk peaks at whichever comes higher: its last MLP projection, as any chunk's,
+    # or the head's own group, with every copy and no read left.
+    mlp_peak = last_layer + np.where(last_is_moe, moe_weight[:, None], dense_weight[:, None])
+    last_layer = np.where(head_chunk[None, :] > 0, np.maximum(mlp_peak, new_grad), mlp_peak)
     step = copies + np.where(recomputed_dense + recomputed_moe > 0, last_layer, 0.0)
     # The pipeline's first stage runs its W as one whole backward (one rebuild per layer, priced
     # as any backward's working set).
     step[:, first_chunk > 0] = 0.0
     new_grad[:, first_chunk > 0] = 0.0
-    if held_for_w is not None:
-        # In the head's chunk the head's graph, run last, keeps all of B's graph referenced: none
-        # of it is freed before the step's peak.
-        step -= np.where(head_chunk[None, :] > 0, 0.0, held_for_w[rows])
     np.maximum(step, 0.0, out=step)
     if len(rows) < len(batch):
         step, new_grad = (_placed(values, rows, len(batch)) for values in (step, new_grad))
