@@ -297,13 +297,13 @@ def test_gradients_appear_with_the_first_backward():
 
 
 STEPS = sorted((Path(__file__).parent / "data" / "measured" / "steps").glob("*.json"))
-#: Measured misses the estimator does not explain yet (docs/accuracy.md says what is known). Both
-#: are MoE layers whose routed experts come before the router, and both over-estimate.
-_EXPERTS_FIRST = ("under full recompute, the weight-gradient step's rebuilt copies of an MoE layer whose "
-                  "experts come before its router measured smaller than the estimate's (+5.4%...+13.8%)")
+#: Measured misses the estimator does not explain yet (docs/accuracy.md says what is known): both
+#: within 3%, but a little more than the 2% under the target allows.
 KNOWN_MISSES = {
-    "dsv2-lite-pp2-dualpipev-m4-s2k-full": _EXPERTS_FIRST,
-    "qwen3-moe-pp2-dualpipev-m4-s2k-full": _EXPERTS_FIRST,
+    "llama8b-pp4-zbv-m8-s2k-full-8l": "stage 2 -2.2%: at its peak weight-gradient step the graphs and "
+                                      "buffers held beside it measured 0.18 GiB above the estimate",
+    "mixtral-pp2-zbv-m4-s2k-full": "stage 0 -2.2%: the fused experts' weight-gradient working set in the "
+                                   "head chunk's step is not priced (about 0.6 GiB)",
 }
 
 
@@ -370,7 +370,7 @@ def test_measured_gaps_are_told_beside_the_estimate():
     assert plain.caveats == [] and plain.to_dict()["caveats"] == []
     v_full = estimate(model, Strategy(pp=2, vpp=2, schedule="dualpipev", num_micro_batches=8, seq_length=2048,
                                       recompute="full"), options=NO_OVERHEAD)
-    assert any("once per parameter group" in c and "+5.4...+13.8%" in c for c in v_full.caveats)
+    assert any("once per parameter group" in c and "-2.2...+2.2%" in c for c in v_full.caveats)
     split_selective = estimate(model, Strategy(pp=2, vpp=2, schedule="zbv", num_micro_batches=8, seq_length=2048,
                                                recompute="selective"), options=NO_OVERHEAD)
     assert any("cannot run" in c for c in split_selective.caveats)
@@ -389,3 +389,15 @@ def test_weight_gradient_groups_of_a_layer():
     assert weight_grad_groups(get_preset("deepseek-v3"))["moe"] == 7 + 1 + 2 + 3 + 2
     # Traced: a DeepSeek-V2-Lite MoE layer (no query compression) gave 13.
     assert weight_grad_groups(get_preset("deepseek-v2-lite"))["moe"] == 13
+
+
+def test_weight_gradient_step_peaks_at_the_down_projection():
+    """Traced peaks: Qwen3-8B at its MLP's down (group 9 of 11); Mixtral (router first) at its
+    experts' down (group 7 of 9); Qwen3-30B-A3B and DeepSeek-V2-Lite (experts first) at their
+    experts' down (groups 8 of 11 and 7 of 13), before the router and shared experts."""
+    from ndplan.memory.stages import weight_grad_peak_group
+
+    assert weight_grad_peak_group(get_preset("qwen3-8b"))["dense"] == 9
+    assert weight_grad_peak_group(get_preset("mixtral-8x7b"))["moe"] == 7
+    assert weight_grad_peak_group(get_preset("qwen3-30b-a3b"))["moe"] == 8
+    assert weight_grad_peak_group(get_preset("deepseek-v2-lite"))["moe"] == 7

@@ -292,18 +292,40 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     )
 
 
+#: Model types whose MoE block holds its router before its experts (Hugging Face transformers 5
+#: module order, traced: Mixtral's router group runs before its experts'; Qwen3-MoE's and
+#: DeepSeek-V2's after them).
+ROUTER_FIRST_MODEL_TYPES = frozenset({"mixtral"})
+
+
 def weight_grad_groups(model: ModelSpec) -> dict[str, int]:
     """Per layer kind, the parameter groups of one decoder layer: parameters whose gradients
     come from one op (a linear's weight and bias, a norm's weight) form one group, and a split
     backward's weight-gradient step runs one autograd call per group. Counted as Hugging Face
     modules hold them: fused 3-D expert weights (gate_up, down), one router."""
+    attention, mlp, shared = _weight_grad_blocks(model)
+    return {"dense": attention + mlp + 2, "moe": attention + 1 + 2 + shared + 2}
+
+
+def weight_grad_peak_group(model: ModelSpec) -> dict[str, int]:
+    """Per layer kind, the group at which a layer's rebuilt copies peak: the MLP's down
+    projection (the routed experts' in an MoE layer), after which nothing later keeps that
+    branch of the graph alive. Groups come in module order: attention, then the MLP (router and
+    experts in the model's order, then shared experts), then the two norms."""
+    attention, mlp, _ = _weight_grad_blocks(model)
+    router_first = 1 if model.model_type in ROUTER_FIRST_MODEL_TYPES else 0
+    return {"dense": attention + mlp, "moe": attention + router_first + 2}
+
+
+def _weight_grad_blocks(model: ModelSpec) -> tuple[int, int, int]:
+    """Parameter groups of a layer's attention, of a dense MLP, and of the shared experts."""
     if model.is_mla:
         attention = (3 if model.q_lora_rank else 1) + 3 + 1  # q (a, norm, b), kv (a, norm, b), o
     else:
         attention = 4 + (2 if model.qk_norm else 0)  # q, k, v, o (+ the per-head q and k norms)
     mlp = 3 if model.gated_mlp else 2
     shared = (mlp if model.num_shared_experts else 0) + (1 if model.shared_expert_gate else 0)
-    return {"dense": attention + mlp + 2, "moe": attention + 1 + 2 + shared + 2}
+    return attention, mlp, shared
 
 
 # --------------------------------------------------------------------------- schedule peaks
@@ -1379,11 +1401,12 @@ def _weight_grad_step(
     per parameter group (G = ``weight_grad_groups``), each call a new graph task, and each rebuilt
     copy keeps what no weight gradient reads (U = ``weight_unread``) for as long as a later group
     keeps the layer's graph alive. In a chunk the later layers keep the earlier ones alive; the
-    peak comes at the last layer's last MLP projection (group G − 2; the two norms' groups
-    follow), whose copies also still hold what that projection and the norms read
-    (R = ``weight_read_last``), beside the projection's new weight gradient and the previous
-    group's, still referenced by the step's loop (D):
-        step = t · (Σ_layers G·U − 2·U_last + (G_last − 1)·R_last) + D               (bytes)
+    peak comes at the last layer's MLP down projection (group g = ``weight_grad_peak_group``;
+    the routed experts' in an MoE layer, after which nothing keeps that branch alive), whose
+    copies also still hold what that projection and the norms read (R = ``weight_read_last``),
+    beside the previous group's new weight gradient, which the step's loop still references
+    (D: up's, or the fused experts' gate_up):
+        step = t · (Σ_layers G·U + (g − G_last)·U_last + (g + 1)·R_last) + D          (bytes)
     In the head's chunk (``head_chunk``, per virtual stage) the head's group comes last and keeps
     every layer's graph: the step peaks there, at t · Σ_layers G·U + D_head, if not at its last
     MLP projection as above. The pipeline's first stage
@@ -1411,17 +1434,17 @@ def _weight_grad_step(
     last_is_moe = recomputed_moe > 0
     last_unread = np.where(last_is_moe, unread["moe"], unread["dense"])
     last_read = np.where(last_is_moe, read_last["moe"], read_last["dense"])
+    peak_group = weight_grad_peak_group(model)
     last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
-    last_layer = t * (-2 * last_unread + (last_groups - 1) * last_read)
-    # ... beside that projection's new weight gradient and the previous group's, which the loop
-    # still references while it runs (gate or up beside down; fused experts: gate_up, twice down's).
+    last_peak = np.where(last_is_moe, peak_group["moe"], peak_group["dense"])
+    last_layer = t * ((last_peak - last_groups) * last_unread + (last_peak + 1) * last_read)
+    # ... beside the previous group's new weight gradient, which the step's loop still references
+    # while the projection's runs (up's, or the fused experts' gate_up: twice down's size).
     param_bytes = batch.precision.param_bytes
     tp, ep, etp = batch.tp[rows], batch.ep[rows], batch.etp[rows]
-    dense_weight = 2 * model.ffn_hidden_size * model.hidden_size / tp * param_bytes
+    dense_weight = model.ffn_hidden_size * model.hidden_size / tp * param_bytes
     local_experts = model.num_experts / np.maximum(ep, 1)
-    moe_weight = 3 * np.maximum(local_experts * model.moe_ffn_hidden_size / etp,
-                                model.num_shared_experts * model.shared_expert_ffn_hidden_size / tp
-                                ) * model.hidden_size * param_bytes
+    moe_weight = 2 * local_experts * model.moe_ffn_hidden_size / etp * model.hidden_size * param_bytes
     # In the chunk that ends with the output head, the head's weight gradient comes last and keeps
     # every layer's graph alive: its peak holds all the copies and the head's new weight gradient.
     head_weight = model.vocab_size * model.hidden_size / tp * param_bytes
