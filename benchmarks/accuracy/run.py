@@ -176,22 +176,24 @@ start. The traces showed more facts of that runtime: B's own rebuilt copy is gon
 of B, so only the output gradients wait for W; the pipeline's first stage has no input
 gradient to make, so torch skips its B and runs one whole backward at W; the head's weight
 gradient reads the logits' gradient, kept from B to W; the step's loop still references the
-previous group's new weight gradient while the next one runs; and a layer's copies peak at its
-MLP's down projection (the routed experts' in an MoE layer), after which nothing keeps that
-branch alive, so where the experts come before the router and the shared experts (Qwen3-MoE,
-DeepSeek), the peak comes groups before the layer's end. The estimator prices that step as a
-row of the schedule's frontier (the state while a chunk's W runs): per layer, parameter groups
-× unread bytes; the last layer's copies up to its peak group also hold what its MLP's last
-projection and the norms read, beside the previous group's weight gradient; in the head's
-chunk the head's group, run last, may peak higher. Configurations were added in rounds, each
-measured before the rule that followed: five to find it (one and two layers per chunk, Llama
-and Qwen3, dense and MoE, ZB-V and DualPipeV); three more, of which a pp-4 V's turn (+7.5%)
-showed that B's copy is gone and DeepSeek-V2-Lite (+13.8%) the early peak of experts-first
-MoE layers; and three more, of which the two dense ones (Qwen3-8B pp 4 DualPipeV, Qwen2.5-7B
-micro-batch 2) landed within 2.7% as they came, and Mixtral (−4.4%) showed the previous
-group's fused-expert gradient. All 26 stages of those configurations now fall within −2.2% …
-+2.2%; two are a little more than 2% under (a pp-4 turn's held graphs, Mixtral's fused-expert
-working set in the head's step) and stay strict expected failures in the tests. These rules
+previous group's new weight gradient while the next one runs; a read consumed by one group
+leaves every copy at once; and a layer's copies peak at its MLP's down projection (the routed
+experts' in an MoE layer), after which nothing keeps that branch alive, so where the experts
+come before the router and the shared experts (Qwen3-MoE, DeepSeek), the peak comes groups
+before the layer's end. The estimator prices that step as a row of the schedule's frontier
+(the state while a chunk's W runs): per layer, parameter groups × unread bytes; the last
+layer's copies up to its peak group also hold what is still to be read there (its MLP's last
+projection's input and the norms'), beside that projection's and the previous group's weight
+gradients; in the head's chunk the head's group, run last, may peak higher. Configurations were
+added in rounds, each measured before the rule that followed: five to find it (one and two
+layers per chunk, Llama and Qwen3, dense and MoE, ZB-V and DualPipeV); three more, of which a
+pp-4 V's turn (+7.5%) showed that B's copy is gone and DeepSeek-V2-Lite (+13.8%) the early peak
+of experts-first MoE layers; and three more, of which the two dense ones (Qwen3-8B pp 4
+DualPipeV, Qwen2.5-7B micro-batch 2) landed within 2.7% as they came, and Mixtral (−4.4%)
+showed the fused experts' gradients at the peak. All 26 stages of those configurations now
+fall within −1.8% … +3.0%; one, Qwen3-30B-A3B's middle stage, is just over 3% (+3.02%: its
+rebuilt copies measured about 12% smaller than the census layer less its reads) and stays a
+strict expected failure in the tests. These rules
 follow PyTorch's module order and autograd calls, so a new layer structure can break them:
 `ndplan estimate` prints a caution for ZB-V and DualPipeV with full recompute;
 and PyTorch refuses selective checkpointing under any split

@@ -1403,13 +1403,11 @@ def _weight_grad_step(
     keeps the layer's graph alive. In a chunk the later layers keep the earlier ones alive; the
     peak comes at the last layer's MLP down projection (group g = ``weight_grad_peak_group``;
     the routed experts' in an MoE layer, after which nothing keeps that branch alive), whose
-    copies also still hold what that projection and the norms read (R = ``weight_read_last``),
-    beside the previous group's new weight gradient, which the step's loop still references
-    (D: up's, or the fused experts' gate_up):
-        step = t · (Σ_layers G·U + (g − G_last)·U_last + (g + 1)·R_last) + D          (bytes)
-    A simplification, said plainly: the traces show the projection's own new gradient at the
-    peak too, and copies a little smaller than these terms (a consumed read leaves every copy at
-    once); the two roughly cancel, and the measured stages hold within ±2.2% (docs/accuracy.md).
+    copies hold besides U only what is still to be read there, by that projection and the norms
+    (R = ``weight_read_last``: a read consumed by an earlier group leaves every copy at once);
+    beside them the projection's new weight gradient and the previous group's, which the step's
+    loop still references (D: up's and down's, or the fused experts' gate_up and down):
+        step = t · (Σ_layers G·U + (g − G_last)·U_last + g·R_last) + D                (bytes)
     In the head's chunk (``head_chunk``, per virtual stage) the head's group comes last and keeps
     every layer's graph: the step peaks there, at t · Σ_layers G·U + D_head, if not at its last
     MLP projection as above. The pipeline's first stage
@@ -1440,15 +1438,15 @@ def _weight_grad_step(
     peak_group = weight_grad_peak_group(model)
     last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
     last_peak = np.where(last_is_moe, peak_group["moe"], peak_group["dense"])
-    last_layer = t * ((last_peak - last_groups) * last_unread + (last_peak + 1) * last_read)
-    # ... beside the previous group's new weight gradient, which the step's loop still references
-    # while the projection's runs (up's, or the fused experts' gate_up: twice down's size). The
-    # projection's own appears too, against copies a little smaller than counted: see above.
+    last_layer = t * ((last_peak - last_groups) * last_unread + last_peak * last_read)
+    # ... beside the projection's new weight gradient and the previous group's, which the step's
+    # loop still references while the projection's runs (up's, or the fused experts' gate_up,
+    # twice down's size).
     param_bytes = batch.precision.param_bytes
     tp, ep, etp = batch.tp[rows], batch.ep[rows], batch.etp[rows]
-    dense_weight = model.ffn_hidden_size * model.hidden_size / tp * param_bytes
+    dense_weight = 2 * model.ffn_hidden_size * model.hidden_size / tp * param_bytes
     local_experts = model.num_experts / np.maximum(ep, 1)
-    moe_weight = 2 * local_experts * model.moe_ffn_hidden_size / etp * model.hidden_size * param_bytes
+    moe_weight = 3 * local_experts * model.moe_ffn_hidden_size / etp * model.hidden_size * param_bytes
     # In the chunk that ends with the output head, the head's weight gradient comes last and keeps
     # every layer's graph alive: its peak holds all the copies and the head's new weight gradient.
     head_weight = model.vocab_size * model.hidden_size / tp * param_bytes
