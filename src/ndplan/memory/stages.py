@@ -1410,12 +1410,11 @@ def _weight_grad_step(
         step = t · (Σ_layers G·U + (g − G_last)·U_last + g·R_last) + D                (bytes)
     In the head's chunk (``head_chunk``, per virtual stage) the head's group comes last and keeps
     every layer's graph: the step peaks there, at t · Σ_layers G·U + D_head, if not at its last
-    MLP projection as above. The pipeline's first stage
-    (``first_chunk``) has no split step: torch runs its W as one whole backward. The output
-    gradients B left for W stay to the peak (they are the frontier's held-until-W column).
-    Traced tensor by tensor on Qwen3-8B and Llama-3.1-8B chunks of one and two layers
-    (docs/accuracy.md; an MoE layer whose routed experts come before shared experts peaks
-    earlier, which this over-estimates)."""
+    MLP projection as above. The pipeline's first stage (``first_chunk``) has no split step:
+    torch runs its W as one whole backward. The output gradients B left for W stay to the peak
+    (they are the frontier's held-until-W column). Traced tensor by tensor on dense and MoE
+    layers (Qwen3, Llama, Mixtral, Qwen3-MoE, DeepSeek-V2-Lite); docs/accuracy.md has the
+    measured stages."""
     if not profile.weight_grad_recomputes_per_group:
         return [None] * vpp, [None] * vpp
     full = batch.is_("recompute", "full")
