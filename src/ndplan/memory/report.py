@@ -167,8 +167,9 @@ class MemoryReport:
             f"unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
             f"EP dispatch) = {format_bytes(stage.comm_bytes)}",
             f"transient  = the worst working set beside them: one layer's backward (+ recompute rebuild), the "
-            f"logits around the loss, a new gradient being accumulated, FSDP's unit moments "
-            f"= {format_bytes(stage.transient_bytes)}",
+            f"logits around the loss, a new gradient being accumulated, FSDP's unit moments, or (PyTorch, "
+            f"split backward, full recompute) a weight-gradient step's rebuilt copies, per layer groups × "
+            f"unread bytes = {format_bytes(stage.transient_bytes)}",
             f"fwd/bwd    = static + activations + comm + transient − not yet created "
             f"({format_bytes(max(absent, 0.0))}: gradients the backward has not made at that moment) "
             f"= {format_bytes(stage.forward_backward_bytes)}",

@@ -1076,6 +1076,15 @@ def _evaluate_group(
         schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, extra, shape.pattern_of,
         keep_rows=kinds is not None,
     )
+    # What the weight-gradient steps add to the peak, reported with the transient (the rest of the
+    # forward/backward peak): the same peak without their columns, subtracted. Not needed for the
+    # device total alone.
+    weight_step_extra: np.ndarray | None = None
+    if split and extra is not None and not device_only and any(e is not None for e in extra[vpp:3 * vpp]):
+        without = [*extra[:vpp], *([None] * (2 * vpp)), *extra[3 * vpp:]]
+        _, without_steps, _ = _held_peak(
+            schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, without, shape.pattern_of)
+        weight_step_extra = held_with_extra - without_steps
     if kinds is not None and chosen is not None:
         _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
                           recomputed_dense, recomputed_moe,
@@ -1214,6 +1223,8 @@ def _evaluate_group(
         out[name] = values.T
     for name in ("params", "grads", "optimizer", "comm", "transient", "optimizer_step"):
         out[name] = shape.expand(out[name])
+    if weight_step_extra is not None:
+        out["transient"] = out["transient"] + weight_step_extra.T
     return out
 
 
