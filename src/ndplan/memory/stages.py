@@ -398,14 +398,7 @@ def _undominated(rows: np.ndarray) -> np.ndarray:
         keep = np.concatenate([[True], b[order][1:] > best_b[:-1]])
         return rows[order[keep]]
     rows = np.unique(rows, axis=0)
-    compared = rows[:, used]  # the all-zero columns never decide
-    dominated = np.zeros(len(rows), bool)
-    for start in range(0, len(rows), 256):  # chunks bound the R x R comparison's memory
-        block = compared[start:start + 256]
-        at_least = np.all(compared[:, None, :] >= block[None, :, :], axis=2)
-        above = np.any(compared[:, None, :] > block[None, :, :], axis=2)
-        dominated[start:start + 256] = np.any(at_least & above, axis=0)
-    return rows[~dominated]
+    return rows[_undominated_index(rows[:, used])]  # the all-zero columns never decide
 
 
 def _runs_of(values: np.ndarray) -> Iterator[tuple[int, slice | np.ndarray]]:
