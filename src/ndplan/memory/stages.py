@@ -1052,9 +1052,11 @@ def _evaluate_group(
         # A chunk's first such step creates its gradients as it runs: at its peak, all but the
         # norms' (a runtime that creates them in the backward; elsewhere they are static), one
         # of them the step's new weight gradient, counted in the step already.
-        full_rows = batch.is_("recompute", "full")[:, None]
+        # (Not on the pipeline's first stage, whose W is one whole backward: its gradients turn
+        # on after it, as after any backward.)
+        made_in_step = np.where(batch.is_("recompute", "full")[:, None] & (first_virtual[None, :] == 0), per_grads, 0.0)
         first_step = [None if step is None or not grads_in_schedule else np.maximum(
-            np.where(full_rows, _chunk_column(per_grads, chunks, c), 0.0) - new_grad, 0.0)
+            _chunk_column(made_in_step, chunks, c) - new_grad, 0.0)
             for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
         extra += first_step
     handed_over = np.zeros((len(batch), patterns))
