@@ -127,6 +127,7 @@ class RuntimeProfile:
     pipeline_defers_fsdp_reduce: bool = False
     tp_accumulates_whole_embedding_grad: bool = False
     weight_grad_recomputes_per_group: bool = False
+    first_stage_backward_at_w: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
 
 
@@ -168,6 +169,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         pipeline_defers_fsdp_reduce=bool(data.get("pipeline_defers_fsdp_reduce", False)),
         tp_accumulates_whole_embedding_grad=bool(data.get("tp_accumulates_whole_embedding_grad", False)),
         weight_grad_recomputes_per_group=bool(data.get("weight_grad_recomputes_per_group", False)),
+        first_stage_backward_at_w=bool(data.get("first_stage_backward_at_w", False)),
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
     )
 

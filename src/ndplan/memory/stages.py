@@ -347,8 +347,8 @@ def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tupl
     """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] (then, for
     schedules that split the backward, ``starts_w`` and ``starts_first_w`` per chunk: the row is
     the state while that chunk's (first) weight-gradient step runs; and for V schedules one more
-    column, the hand-overs at the turn so far) that can be the maximum of a non-negative weighting: rows dominated by another
-    row are dropped (usually most)."""
+    column, the hand-overs at the turn so far) that can be the maximum of a non-negative
+    weighting: rows dominated by another row are dropped (usually most)."""
     if schedule == "gpipe":
         # GPipe runs every forward before any backward: each stage holds all m micro-batches, and
         # no gradient exists yet; after the first backward, m - 1 and the gradients.
@@ -970,7 +970,7 @@ def _evaluate_group(
         logits_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         per_w_virtual += np.multiply.outer(
             t[:, 0] * model.vocab_size * precision.activation_bytes / logits_div, last_virtual)
-        if profile.weight_grad_recomputes_per_group:
+        if profile.first_stage_backward_at_w:
             # The pipeline's first stage has no input gradient to make: torch skips its B and runs
             # one whole backward at W, so what its forward kept stays until then, and no more.
             per_w_virtual[:, first_virtual > 0] = per_b_virtual[:, first_virtual > 0]
@@ -1054,7 +1054,8 @@ def _evaluate_group(
         # of them the step's new weight gradient, counted in the step already.
         # (Not on the pipeline's first stage, whose W is one whole backward: its gradients turn
         # on after it, as after any backward.)
-        made_in_step = np.where(batch.is_("recompute", "full")[:, None] & (first_virtual[None, :] == 0), per_grads, 0.0)
+        whole_w = first_virtual > 0 if profile.first_stage_backward_at_w else np.zeros_like(first_virtual, dtype=bool)
+        made_in_step = np.where(batch.is_("recompute", "full")[:, None] & ~whole_w[None, :], per_grads, 0.0)
         first_step = [None if step is None or not grads_in_schedule else np.maximum(
             _chunk_column(made_in_step, chunks, c) - new_grad, 0.0)
             for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
@@ -1462,10 +1463,11 @@ def _weight_grad_step(
     mlp_peak = last_layer + np.where(last_is_moe, moe_weight[:, None], dense_weight[:, None])
     last_layer = np.where(head_chunk[None, :] > 0, np.maximum(mlp_peak, new_grad), mlp_peak)
     step = copies + np.where(recomputed_dense + recomputed_moe > 0, last_layer, 0.0)
-    # The pipeline's first stage runs its W as one whole backward (one rebuild per layer, priced
-    # as any backward's working set).
-    step[:, first_chunk > 0] = 0.0
-    new_grad[:, first_chunk > 0] = 0.0
+    if profile.first_stage_backward_at_w:
+        # The pipeline's first stage runs its W as one whole backward (one rebuild per layer,
+        # priced as any backward's working set).
+        step[:, first_chunk > 0] = 0.0
+        new_grad[:, first_chunk > 0] = 0.0
     np.maximum(step, 0.0, out=step)
     if len(rows) < len(batch):
         step, new_grad = (_placed(values, rows, len(batch)) for values in (step, new_grad))
