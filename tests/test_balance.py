@@ -125,3 +125,25 @@ def test_balance_fits_and_is_never_slower_than_uniform_full_recompute():
             assert result.cost.fits and result.cost.stage_memory_bytes.max() <= limit
             assert result.cost.step_s <= result.baseline[1].step_s + 1e-12
             assert sum(result.plan.stage_layers) == model.num_layers
+
+
+def test_split_backward_plans_under_pytorch_never_use_selective_and_are_checked():
+    """PyTorch refuses selective checkpointing under a split backward, so a ZB-V plan for the
+    pytorch runtime recomputes fully or not at all; every plan is also priced by the full
+    estimator with the plan as framework settings, beside the balancer's own memory figures."""
+    from ndplan.balance import balance
+    from ndplan.balance.build import runnable_options
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import MemoryOptions
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    zbv = Strategy(dp=4, tp=2, pp=4, vpp=2, schedule="zbv", num_micro_batches=16, seq_length=4096)
+    assert runnable_options(zbv, MemoryOptions()) == ("none", "full")
+    assert runnable_options(zbv, MemoryOptions(runtime="megatron")) == ("none", "selective", "full")
+    assert "selective" in runnable_options(zbv.model_copy(update={"schedule": "interleaved"}), MemoryOptions())
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=32)
+    result = balance(get_preset("llama-3.1-8b"), zbv, cluster, 44 * GIB)
+    assert "selective" not in result.plan.recompute and "full" in result.plan.recompute
+    assert result.estimated_stage_bytes is not None and len(result.estimated_stage_bytes) == 4
+    assert result.to_dict()["estimated_stage_bytes"] == result.estimated_stage_bytes.round().tolist()

@@ -205,3 +205,14 @@ def test_verify_reads_a_launch_script(tmp_path, capsys):
     data = json.loads(out)
     assert code == 0
     assert data["strategy"]["pp"] == 2 and data["strategy"]["seq_length"] == 512
+
+
+def test_balance_checks_its_plan_with_the_full_estimator(capsys):
+    argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "32", "--tp", "2", "--pp", "4", "--vpp", "2",
+            "--schedule", "zbv", "--num-micro-batches", "16", "--seq", "4096", "--gbs", "64", "--memory-limit", "44GiB"]
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    assert "check: the full estimator, with the plan as framework settings" in out and ": fits" in out
+    code, out, _ = run([*argv, "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and max(data["estimated_stage_bytes"]) <= 44 * 2**30

@@ -273,6 +273,12 @@ def cmd_balance(args: argparse.Namespace) -> int:
     console.print("before: uniform placement, full recompute on every layer; times are per micro-batch (F+B+W)")
     console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
     console.print("recompute: " + ", ".join(f"layers {a}-{a + n - 1} {o}" for a, n, o in result.plan.ranges()))
+    if result.estimated_stage_bytes is not None:
+        worst = float(result.estimated_stage_bytes.max())
+        verdict = "fits" if worst <= limit else f"[bold red]over the limit by {format_bytes(worst - limit)}[/]"
+        console.print(f"check: the full estimator, with the plan as framework settings "
+                      f"({plan_strategy(strategy, result.plan).short()}), puts the largest stage at "
+                      f"{format_bytes(worst)}: {verdict}")
     console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s ({100 * result.gain:.1f}% faster), "
                   f"composed from the stage times; the pipeline simulator gives {result.simulated_s[0]:.3f} s → "
                   f"{result.simulated_s[1]:.3f} s ({100 * (1 - result.simulated_s[1] / result.simulated_s[0]):.1f}% faster)")

@@ -41,7 +41,7 @@ from ndplan.perf.overlap import default_overlap
 from ndplan.perf.step import compute_rates, strategy_columns
 from ndplan.perf.topology import Fabric
 from ndplan.placement import place_layers
-from ndplan.schedule import in_flight
+from ndplan.schedule import SPLIT_BACKWARD, in_flight
 from ndplan.strategy import Strategy, StrategyBatch
 from ndplan.strategy.rules import validate_strategy
 
@@ -58,6 +58,15 @@ def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster) -> d
     n = len(batch)
     return {name: np.sum([np.broadcast_to(piece.total(p), (n,)).astype(float) for p in ("F", "B", "W")], axis=0)
             for name, piece in pieces.items()}
+
+
+def runnable_options(strategy: Strategy, options: MemoryOptions) -> tuple[str, ...]:
+    """The recompute options a plan may use: PyTorch refuses selective checkpointing under a
+    split backward ("backward an extra time" in torch.distributed.pipelining, measured), as the
+    search does."""
+    if options.runtime == "pytorch" and strategy.schedule in SPLIT_BACKWARD:
+        return tuple(o for o in OPTIONS if o != "selective")
+    return OPTIONS
 
 
 def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster) -> dict[str, dict[str, float]]:
@@ -124,7 +133,7 @@ def build_problem(
     fixed = fixed_of["none"]
     transient = np.maximum(fixed_of["full"] - fixed_of["none"], 0.0)
     return BalanceProblem(
-        layer_kinds=model.layer_mlp_kinds, options=OPTIONS, costs=costs,
+        layer_kinds=model.layer_mlp_kinds, options=runnable_options(strategy, options), costs=costs,
         stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=np.asarray(flight.peak),
         num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
         fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
@@ -140,6 +149,9 @@ class BalanceResult:
     solver: str  # "dp" or "milp" (exact), or "heuristic"
     solve_seconds: float
     simulated_s: tuple[float, float]  # (baseline, plan) steps by the pipeline simulator, a check of the composed ones
+    #: Per stage, the full estimator's device peak for the plan as framework settings
+    #: (``plan_strategy``): a check of the balancer's memory model, which moves layer terms only.
+    estimated_stage_bytes: np.ndarray | None = None
 
     @property
     def gain(self) -> float:
@@ -161,6 +173,8 @@ class BalanceResult:
             "gain": self.gain,
             "simulated": {"before_step_s": self.simulated_s[0], "after_step_s": self.simulated_s[1],
                           "gain": 1.0 - self.simulated_s[1] / self.simulated_s[0]},
+            "estimated_stage_bytes": None if self.estimated_stage_bytes is None
+            else self.estimated_stage_bytes.round().tolist(),
         }
 
 
@@ -189,8 +203,11 @@ def balance(
         )
     simulated = (simulated_step_s(problem, baseline_plan, strategy.schedule),
                  simulated_step_s(problem, found[0], strategy.schedule))
+    settings = plan_strategy(strategy, found[0])
+    estimated = stage_memory(model, StrategyBatch.of(settings), options,
+                             stage_layers=tuple(found[0].stage_layers)).device[0, : strategy.pp]
     return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic", seconds,
-                         simulated)
+                         simulated, estimated)
 
 
 def plan_strategy(strategy: Strategy, plan: Plan) -> Strategy:
