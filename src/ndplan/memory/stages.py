@@ -959,10 +959,12 @@ def _evaluate_group(
         # and norm outputs that W consumes. Under recompute that graph is the one B rebuilt: every
         # activation of the layer; where W rebuilds the layer again, per parameter group, B's
         # rebuilt copy is gone by the end of B and only the output gradients stay (traced).
-        rebuilt = {k: 0.0 * acts.full[k] if profile.weight_grad_recomputes_per_group
-                   else acts.full[k] for k in ("dense", "moe")}
-        whole_graph = t * (dense_layers * rebuilt["dense"][:, None] + moe_layers * rebuilt["moe"][:, None])
-        per_w_virtual = np.where(recompute_on[:, None], whole_graph, layers_held) + t * (
+        if profile.weight_grad_recomputes_per_group:
+            graph_for_w = np.where(recompute_on[:, None], 0.0, layers_held)
+        else:
+            whole_graph = t * (dense_layers * acts.full["dense"][:, None] + moe_layers * acts.full["moe"][:, None])
+            graph_for_w = np.where(recompute_on[:, None], whole_graph, layers_held)
+        per_w_virtual = graph_for_w + t * (
             dense_layers * acts.weight_grad_outputs["dense"][:, None]
             + moe_layers * acts.weight_grad_outputs["moe"][:, None]
         )
