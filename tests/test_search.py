@@ -165,6 +165,9 @@ def test_balanced_ranking_equals_balancing_every_candidate():
     assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:5]], rel=1e-12)
     pipelines = sum(1 for c in result.candidates_index if space.strategy(int(c)).pp >= 2)
     assert 0 < balanced < pipelines  # the bound spared some balancing
+    # Every balanced row carries the full estimator's check of its plan beside the balancer's own figure.
+    balanced_rows = [r for r in rows if "balanced_peak_bytes" in r]
+    assert balanced_rows and all(r["balanced_estimated_peak_bytes"] > 0 for r in balanced_rows)
 
 
 def test_without_a_pipeline_only_1f1b_is_ranked():
