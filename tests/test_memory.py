@@ -414,3 +414,15 @@ def test_weight_gradient_step_shows_in_the_breakdown():
     # 18 layers a stage, 9 a chunk: each chunk's step keeps 11 rebuilt copies of every layer's
     # unread bytes (272 MiB at 2k tokens), tens of GiB beside a layer backward's few hundred MiB.
     assert report.stages[1].transient_bytes > 20 * 2**30
+
+
+@pytest.mark.parametrize("schedule, vpp", [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)])
+def test_weight_gradient_step_is_torch_pipelining_only(schedule, vpp):
+    """Megatron's split backward has no per-group rebuild: under its profile the same strategy
+    prices no weight-gradient step (and gradients are static), under PyTorch's it does."""
+    model = get_preset("qwen3-8b")
+    strategy = Strategy(pp=2, vpp=vpp, schedule=schedule, num_micro_batches=8, seq_length=2048, recompute="full")
+    megatron = estimate(model, strategy, options=MemoryOptions(runtime="megatron", include_overhead=False))
+    pytorch = estimate(model, strategy, options=NO_OVERHEAD)
+    assert max(s.transient_bytes for s in megatron.stages) < 4 * 2**30
+    assert max(s.transient_bytes for s in pytorch.stages) > 10 * 2**30

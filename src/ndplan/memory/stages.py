@@ -1056,11 +1056,12 @@ def _evaluate_group(
         # of them the step's new weight gradient, counted in the step already.
         # (Not on the pipeline's first stage, whose W is one whole backward: its gradients turn
         # on after it, as after any backward.)
-        whole_w = first_virtual > 0 if profile.first_stage_backward_at_w else np.zeros_like(first_virtual, dtype=bool)
-        made_in_step = np.where(batch.is_("recompute", "full")[:, None] & ~whole_w[None, :], per_grads, 0.0)
-        first_step = [None if step is None or not grads_in_schedule else np.maximum(
-            _chunk_column(made_in_step, chunks, c) - new_grad, 0.0)
-            for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
+        first_step: list[np.ndarray | None] = [None] * vpp
+        if grads_in_schedule and any(step is not None for step in steps):
+            whole_w = first_virtual > 0 if profile.first_stage_backward_at_w else np.zeros_like(first_virtual, dtype=bool)
+            made_in_step = np.where(batch.is_("recompute", "full")[:, None] & ~whole_w[None, :], per_grads, 0.0)
+            first_step = [None if step is None else np.maximum(_chunk_column(made_in_step, chunks, c) - new_grad, 0.0)
+                          for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
         extra += first_step
     handed_over = np.zeros((len(batch), patterns))
     if hands_over:
