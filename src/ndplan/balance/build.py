@@ -203,11 +203,18 @@ def balance(
         )
     simulated = (simulated_step_s(problem, baseline_plan, strategy.schedule),
                  simulated_step_s(problem, found[0], strategy.schedule))
-    settings = plan_strategy(strategy, found[0])
-    estimated = stage_memory(model, StrategyBatch.of(settings), options,
-                             stage_layers=tuple(found[0].stage_layers)).device[0, : strategy.pp]
+    estimated = plan_stage_bytes(model, strategy, found[0], options)
     return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic", seconds,
                          simulated, estimated)
+
+
+def plan_stage_bytes(model: ModelSpec, strategy: Strategy, plan: Plan, options: MemoryOptions | None = None) -> np.ndarray:
+    """Per stage, the full estimator's device peak (bytes) for ``plan`` as a framework runs it
+    (``plan_strategy``: one recompute setting, the uneven placement): a check of the balancer's
+    memory model, which moves layer terms only."""
+    settings = plan_strategy(strategy, plan)
+    return stage_memory(model, StrategyBatch.of(settings), options,
+                        stage_layers=tuple(plan.stage_layers)).device[0, : strategy.pp]
 
 
 def plan_strategy(strategy: Strategy, plan: Plan) -> Strategy:

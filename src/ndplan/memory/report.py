@@ -19,7 +19,7 @@ from ndplan.memory.stages import (
 from ndplan.memory.static import layer_elements, sharding_factors
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
-from ndplan.schedule import in_flight
+from ndplan.schedule import SPLIT_BACKWARD, in_flight
 from ndplan.strategy import Strategy, StrategyBatch
 from ndplan.strategy.rules import validate_strategy
 from ndplan.units import format_bytes
@@ -229,7 +229,7 @@ def known_gaps(strategy: Strategy, options: MemoryOptions) -> list[str]:
     """Measured misses of the estimator for this kind of strategy (docs/accuracy.md), so that a
     user sees them beside the number rather than in a document."""
     gaps = []
-    split = strategy.schedule in ("zb-h1", "zbv", "dualpipev")
+    split = strategy.schedule in SPLIT_BACKWARD
     if options.runtime == "pytorch" and split and strategy.recompute == "selective":
         gaps.append("PyTorch cannot run this: selective activation checkpointing with a split backward "
                     "raises 'backward an extra time' in torch.distributed.pipelining (measured, torch 2.13)")

@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from ndplan.balance import build_problem, evaluate, plan_strategy, solve_heuristic, uniform_plan
+from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
 from ndplan.balance.bound import balanced_step_lower_bound
+from ndplan.balance.build import plan_stage_bytes
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
-from ndplan.memory.stages import peak_memory, stage_memory
+from ndplan.memory.stages import peak_memory
 from ndplan.model.spec import ModelSpec
 from ndplan.search.run import SearchResult, _row
 from ndplan.search.space import SearchSpace
-from ndplan.strategy import StrategyBatch
 
 _BLOCK = 1 << 16  # candidates per vectorised bound evaluation: bounds temporary memory
 
@@ -106,11 +106,7 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             row["tokens_per_s"] = row["tokens_per_s"] / ratio
             row["mfu"] = row["mfu"] / ratio
             row["balanced_peak_bytes"] = round(float(found["cost"].stage_memory_bytes.max()))
-            # The balancer moves layer terms only; the full estimator prices the plan as a
-            # framework runs it (one recompute setting, the uneven placement) as a check.
-            settings = plan_strategy(space.strategy(int(candidate)), found["plan"])
-            estimated = stage_memory(model, StrategyBatch.of(settings), options,
-                                     stage_layers=tuple(found["plan"].stage_layers)).device[0, : settings.pp]
+            estimated = plan_stage_bytes(model, space.strategy(int(candidate)), found["plan"], options)
             row["balanced_estimated_peak_bytes"] = round(float(estimated.max()))
             row["balanced_stage_layers"] = list(found["plan"].stage_layers)
             row["balanced_recompute"] = [{"first": a, "count": n, "option": o} for a, n, o in found["plan"].ranges()]
