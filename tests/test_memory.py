@@ -250,6 +250,50 @@ def test_steady_state_cap_gives_the_same_peaks(schedule, pp, vpp, seq_chunks):
             np.testing.assert_allclose(full.peak_weighted(per_b, per_w), capped.peak_weighted(per_b, per_w))
 
 
+def test_skyline_of_a_time_series_equals_brute_force():
+    """The neighbour pre-filter and the sort keep exactly the distinct rows no other row beats in
+    every column (ties kept once), in lexicographic order, as ``np.unique`` orders them."""
+    from ndplan.memory.stages import _undominated
+
+    rng = np.random.default_rng(2)
+    for trial in range(40):
+        steps = rng.integers(-1, 2, size=(int(rng.integers(2, 80)), int(rng.integers(3, 6))))
+        steps[:, rng.integers(0, steps.shape[1])] = 0  # an unused column, kept in the width
+        rows = np.maximum(np.cumsum(steps, axis=0), 0).astype(float)
+        if trial % 3 == 0:
+            rows = np.vstack([rows, rows[::2]])  # repeats, apart and adjacent
+        distinct = np.unique(rows, axis=0)
+        beaten = [any(np.all(o >= r) and np.any(o > r) for o in distinct) for r in distinct]
+        expected = distinct[~np.asarray(beaten)]
+        got = _undominated(rows)
+        if np.count_nonzero(rows.any(axis=0)) > 2:  # the one- and two-column paths order by value
+            np.testing.assert_array_equal(got, expected)
+        else:
+            assert {tuple(r) for r in got} == {tuple(r) for r in expected}
+
+
+@pytest.mark.parametrize("schedule,pp,vpp", [("zbv", 4, 2), ("dualpipev", 4, 2), ("dualpipev", 2, 2)])
+def test_v_frontier_past_the_steady_count_equals_the_full_simulation(schedule, pp, vpp):
+    """A V schedule's frontier is pruned at the steady micro-batch count and its hand-over column
+    shifted for the rest; every non-negative weighting peaks as over the full simulation."""
+    from ndplan.memory.stages import _frontier, steady_micro_batches
+    from ndplan.schedule import in_flight
+
+    rng = np.random.default_rng(1)
+    for m in (6 * pp * vpp, 10 * pp * vpp):
+        assert steady_micro_batches(schedule, pp, vpp, m) < m
+        flight = in_flight(schedule, pp, vpp, m)
+        for stage, rows in enumerate(_frontier(schedule, pp, vpp, m, 1)):
+            series = flight.stages[stage]
+            handovers = series.forwards_done[:, :1] + series.backwards_done[:, 1:2]
+            held = np.hstack([series.held_until_b, series.held_until_w, series.grads_ready, series.starts_w,
+                              series.starts_first_w, handovers if stage == pp - 1 else 0 * handovers])
+            assert rows.shape[1] == held.shape[1] and len(rows) < len(held)
+            for _ in range(20):
+                weights = rng.random(held.shape[1]) * (rng.random(held.shape[1]) < 0.7)
+                assert np.max(rows @ weights) == pytest.approx(np.max(held @ weights), rel=1e-12)
+
+
 @pytest.mark.parametrize("schedule,pp,vpp,m,seq_chunks", [("gpipe", 4, 1, 16, 1), ("1f1b", 1, 1, 8, 1), ("seq1f1b", 1, 1, 4, 4),
                                                          ("zb-h1", 1, 1, 4, 1)])
 def test_closed_form_frontiers_equal_the_simulation(schedule, pp, vpp, m, seq_chunks):

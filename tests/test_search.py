@@ -58,6 +58,26 @@ def test_search_equals_brute_force_with_the_single_strategy_api():
         assert row["peak_bytes"] == round(peak)
 
 
+def test_blocks_cover_every_candidate_once_with_its_own_index():
+    """Blocks run pipeline-shape first, but each candidate keeps its index in the product: the
+    blocks together are a permutation of the space, and each row is that index's strategy."""
+    space = _space(dims=("tp", "sp", "ep", "pp", "schedule", "zero", "mbs", "recompute"))
+    seen, shapes_per_block = [], []
+    for index, batch in space.blocks(block_size=1000):
+        seen.append(index)
+        reference = space.batch(index)
+        for name in batch.array_fields():
+            np.testing.assert_array_equal(getattr(batch, name), getattr(reference, name))
+        shapes_per_block.append(len({(int(p), int(s)) for p, s in zip(batch.pp, batch.schedule, strict=True)}))
+    every = np.concatenate(seen)
+    np.testing.assert_array_equal(np.sort(every), np.arange(space.size))
+    # Pipeline shapes come in runs of size / pipelines candidates, so a block of 1000 spans at
+    # most ceil(1000 / run) + 1 of them rather than all.
+    pipelines = len(space.pp) * len(space.schedule)
+    run = space.size // pipelines
+    assert max(shapes_per_block) <= -(-1000 // run) + 1 < pipelines
+
+
 RULES_MODEL = TINY_MOE.model_copy(update={
     "hidden_size": 320, "num_attention_heads": 20, "num_kv_heads": 2, "head_dim": 16, "ffn_hidden_size": 480,
     "moe_ffn_hidden_size": 45,

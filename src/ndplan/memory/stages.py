@@ -344,6 +344,20 @@ def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
 
 @lru_cache(maxsize=8192)
 def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
+    """Per stage, the frontier rows of ``_steady_frontier`` for ``m`` micro-batches: the
+    steady count's rows, where a V schedule's hand-overs at the turn (last column, last stage)
+    count the micro-batches past it too (two each: the F's and the B's)."""
+    simulated = steady_micro_batches(schedule, pp, vpp, m)
+    frontiers = _steady_frontier(schedule, pp, vpp, simulated, seq_chunks)
+    if schedule not in V_SHAPE or m == simulated:
+        return frontiers
+    turn = frontiers[-1].copy()
+    turn[:, -1] += 2 * (m - simulated)
+    return (*frontiers[:-1], turn)
+
+
+@lru_cache(maxsize=4096)
+def _steady_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
     """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] (then, for
     schedules that split the backward, ``starts_w`` and ``starts_first_w`` per chunk: the row is
     the state while that chunk's (first) weight-gradient step runs; and for V schedules one more
@@ -353,8 +367,7 @@ def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tupl
         # GPipe runs every forward before any backward: each stage holds all m micro-batches, and
         # no gradient exists yet; after the first backward, m - 1 and the gradients.
         return tuple(np.array([[float(m), 0.0, 0.0], [float(m - 1), 0.0, 1.0]]) for _ in range(pp))
-    simulated = steady_micro_batches(schedule, pp, vpp, m)
-    flight = in_flight(schedule, pp, vpp, simulated, seq_chunks)
+    flight = in_flight(schedule, pp, vpp, m, seq_chunks)
     frontiers = []
     for s, stage in enumerate(flight.stages):
         counts = [stage.held_until_b, stage.held_until_w]
@@ -363,11 +376,9 @@ def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tupl
         if schedule in V_SHAPE:
             # Hand-overs at the V's turn (the last stage: its first chunk's F hands the output
             # to its second, whose B hands the gradient back) so far, one column; zero on the
-            # other stages, whose rows then stay dominated as before. Past the simulated
-            # micro-batches the pattern repeats while the count grows: the late rows, where it
-            # peaks, count the rest too.
+            # other stages, whose rows then stay dominated as before.
             turn = s == pp - 1
-            handovers = stage.forwards_done[:, :1] + stage.backwards_done[:, 1:2] + 2 * (m - simulated)
+            handovers = stage.forwards_done[:, :1] + stage.backwards_done[:, 1:2]
             counts.append(handovers if turn else np.zeros_like(handovers))
         held = np.hstack(counts)
         # grads_ready only turns on, chunk by chunk: a few patterns. The skyline of each
@@ -397,8 +408,34 @@ def _undominated(rows: np.ndarray) -> np.ndarray:
         best_b = np.maximum.accumulate(b[order])
         keep = np.concatenate([[True], b[order][1:] > best_b[:-1]])
         return rows[order[keep]]
-    rows = np.unique(rows, axis=0)
+    rows = _distinct_sorted(rows[_locally_undominated(rows[:, used])])
     return rows[_undominated_index(rows[:, used])]  # the all-zero columns never decide
+
+
+def _locally_undominated(rows: np.ndarray) -> np.ndarray:
+    """Indices of the rows not dominated by a neighbour: row i goes where row i + 1 is >= it in
+    every column, or where row i - 1 is >= it in every column and > in one.
+
+    The rows are a time series, one per op boundary, and an op changes few columns, so most rows
+    fall here in O(rows) rather than the skyline's O(rows²). Every row dropped is at most its
+    kept neighbour's (following drops, which point one way along a run: i <= i + 1 and
+    i + 1 < i cannot both hold), so the distinct undominated rows all stay."""
+    below_next = np.zeros(len(rows), bool)
+    below_next[:-1] = np.all(rows[:-1] <= rows[1:], axis=1)
+    below_previous = np.zeros(len(rows), bool)
+    below_previous[1:] = np.all(rows[1:] <= rows[:-1], axis=1) & np.any(rows[1:] < rows[:-1], axis=1)
+    return np.flatnonzero(~(below_next | below_previous))
+
+
+def _distinct_sorted(rows: np.ndarray) -> np.ndarray:
+    """The distinct rows of ``rows`` in lexicographic order (``np.unique(rows, axis=0)``, which
+    sorts a structured copy: this sorts the few rows left by index)."""
+    if len(rows) <= 1:
+        return rows
+    rows = rows[np.lexsort(rows.T[::-1])]
+    fresh = np.ones(len(rows), bool)
+    fresh[1:] = np.any(rows[1:] != rows[:-1], axis=1)
+    return rows[fresh]
 
 
 def _runs_of(values: np.ndarray) -> Iterator[tuple[int, slice | np.ndarray]]:
@@ -422,8 +459,25 @@ def _frontier_columns(
     (contiguous: each is the left operand of a matmul per stage), and which rows of the frontier
     they are. Rows the unused columns alone kept (a weight-gradient step where nothing is priced
     for it) are dominated within the used ones and dropped: neither maximum can come from them."""
+    simulated = steady_micro_batches(schedule, pp, vpp, m)
+    steady = _steady_frontier_columns(schedule, pp, vpp, simulated, seq_chunks, held, grown)
+    handover = _steady_frontier(schedule, pp, vpp, simulated, seq_chunks)[-1].shape[1] - 1
+    if schedule not in V_SHAPE or m == simulated or handover not in grown:
+        return steady
+    # A constant added to a column leaves which rows dominate which unchanged (see _frontier).
+    held_rows, grown_rows, index = steady[-1]
+    grown_rows = grown_rows.copy()
+    grown_rows[:, grown.index(handover)] += 2 * (m - simulated)
+    return (*steady[:-1], (held_rows, grown_rows, index))
+
+
+@lru_cache(maxsize=4096)
+def _steady_frontier_columns(
+    schedule: str, pp: int, vpp: int, m: int, seq_chunks: int, held: tuple[int, ...], grown: tuple[int, ...],
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """``_frontier_columns`` at a steady micro-batch count."""
     out = []
-    for rows in _frontier(schedule, pp, vpp, m, seq_chunks):
+    for rows in _steady_frontier(schedule, pp, vpp, m, seq_chunks):
         used = rows[:, list(held) + list(grown)]
         unused = np.setdiff1d(np.flatnonzero(rows.any(axis=0)), list(held) + list(grown))
         index = _undominated_index(used) if len(rows) > 1 and unused.size else np.arange(len(rows))

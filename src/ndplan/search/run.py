@@ -128,7 +128,6 @@ def run_search(
     kept_extra: dict[str, list[np.ndarray]] = {}
     bounded_index: list[np.ndarray] = []  # rejected by the static bound, with that bound
     bounded_lower: list[np.ndarray] = []
-    all_time, all_peak = [], []
     evaluated = 0
     smallest_peak = np.inf
     done = 0
@@ -171,8 +170,6 @@ def run_search(
                 kept_stage.append(stage[fits])
                 for key, value in times.items():
                     kept_extra.setdefault(key, []).append(np.asarray(value, dtype=float))
-                all_time.append(kept_time[-1])
-                all_peak.append(peak[fits])
         if progress:
             progress(done, space.size)
     if not kept_index:
@@ -183,11 +180,14 @@ def run_search(
             smallest_peak_bytes=None if not np.isfinite(smallest_peak) else smallest_peak,
             seconds=clock.perf_counter() - started,
         )
-    index_all = np.concatenate(kept_index)
-    time_all = np.concatenate(kept_time)
-    peak_all = np.concatenate(kept_peak)
-    stage_all = np.concatenate(kept_stage)
-    extra = {k: np.concatenate(v) for k, v in kept_extra.items()}
+    # In candidate order, whatever order the blocks ran in (ties in the Pareto front and the
+    # candidate arrays a report plots then come out as a plain loop over the space gives them).
+    by_index = np.argsort(np.concatenate(kept_index), kind="stable")
+    index_all = np.concatenate(kept_index)[by_index]
+    time_all = np.concatenate(kept_time)[by_index]
+    peak_all = np.concatenate(kept_peak)[by_index]
+    stage_all = np.concatenate(kept_stage)[by_index]
+    extra = {k: np.concatenate(v)[by_index] for k, v in kept_extra.items()}
     order = np.lexsort((index_all, peak_all, time_all))
 
     def rows(positions: np.ndarray) -> list[dict[str, Any]]:

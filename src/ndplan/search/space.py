@@ -25,6 +25,9 @@ DIMENSIONS: tuple[str, ...] = (
     "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute",
 )
 
+#: The order ``SearchSpace.blocks`` runs through the dimensions, slowest first.
+BLOCK_ORDER: tuple[str, ...] = ("pp", "schedule", *(name for name in DIMENSIONS if name not in ("pp", "schedule")))
+
 #: (schedule, vpp, seq_chunks) combinations the pipeline dimension draws from.
 PIPELINE_OPTIONS: tuple[tuple[str, int, int], ...] = (
     ("1f1b", 1, 1), ("interleaved", 2, 1), ("interleaved", 4, 1), ("zb-h1", 1, 1), ("zbv", 2, 1),
@@ -66,9 +69,20 @@ class SearchSpace:
         return prod(self.sizes)
 
     def blocks(self, block_size: int = 1 << 20) -> Iterator[tuple[np.ndarray, StrategyBatch]]:
-        """(candidate indices, batch) for consecutive blocks of the product, in index order."""
+        """(candidate indices, batch) for blocks that cover the product once each.
+
+        Blocks run through the pipeline dimensions (pp, then the schedule) slowest, so that each
+        holds a few pipeline shapes: the memory model pays a fixed cost per shape in a block,
+        which in index order (where pp and the schedule vary faster than tp, sp, cp and ep) every
+        block would pay for nearly every shape. A candidate's index is unchanged: its position in
+        the product of ``DIMENSIONS``."""
+        sizes = self.sizes
+        order = [DIMENSIONS.index(name) for name in BLOCK_ORDER]
         for start in range(0, self.size, block_size):
-            index = np.arange(start, min(start + block_size, self.size), dtype=np.int64)
+            position = np.arange(start, min(start + block_size, self.size), dtype=np.int64)
+            digits = np.unravel_index(position, [sizes[d] for d in order])
+            by_dimension = [digits[order.index(d)] for d in range(len(DIMENSIONS))]
+            index = np.ravel_multi_index(by_dimension, sizes).astype(np.int64)
             yield index, self.batch(index)
 
     def batch(self, index: np.ndarray) -> StrategyBatch:
