@@ -137,6 +137,21 @@ def test_cli_search_json_and_nothing_fits(capsys):
     assert any("smallest peak" in note for note in data["notes"])
 
 
+def test_cli_search_says_why_nothing_is_ranked(capsys):
+    """Nothing valid is not "nothing fits"; and a global batch that does not divide by the
+    device factor still lets larger clusters be tried (dp need not grow with them)."""
+    code = main(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "8",
+                 "--fix", "tp=16", "--dims", "tp", "pp", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1 and data["evaluated"] == 0
+    assert data["notes"][0].startswith("no candidate is valid") and "even on 64 devices" in data["notes"][-1]
+    code = main(["search", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "9",
+                 "--dims", "tp", "pp", "zero", "recompute", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1 and "smallest peak" in data["notes"][0]
+    assert data["notes"][-1].startswith("with 32 devices the best fitting strategy is dp1 ")
+
+
 def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact():
     """The search rejects first by the static state alone: a lower bound of every strategy's
     peak. With nothing fitting, the smallest peak it reports is still the exact minimum."""

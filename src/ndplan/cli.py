@@ -388,6 +388,9 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, args: argparse.N
     if result.smallest_peak_bytes is not None:
         notes.append(f"nothing fits in {format_bytes(result.memory_limit_bytes)}; the smallest peak of any valid "
                      f"strategy is {format_bytes(result.smallest_peak_bytes)}")
+    elif result.evaluated == 0:
+        # Memory is not the reason: say so before trying larger clusters.
+        notes.append("no candidate is valid: each breaks a rule, counted above at the first it breaks")
     from dataclasses import replace
 
     from ndplan.perf import step_time_batch
@@ -395,8 +398,6 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, args: argparse.N
 
     for factor in (2, 4, 8):
         bigger = replace(space, num_devices=space.num_devices * factor)
-        if args.gbs % factor:
-            break
         trial = run_search(model, device, bigger, step_time_batch, memory_limit_bytes=result.memory_limit_bytes,
                            options=_memory_options(args), top=1)
         if trial.ranked:
