@@ -187,6 +187,27 @@ def test_bad_plan_files(tmp_path, capsys):
     plan.write_text("model: llama-3.1-8b\ntensor_parallel: 4\n")
     code, _, err = run(["check", "--plan", str(plan)], capsys)
     assert code == 2 and "unknown setting 'tensor_parallel'" in err
+    # Values ndplan does arithmetic on before the Strategy validates them.
+    for text, words in [("tp: two", "setting 'tp' must be a whole number, got 'two'"),
+                        ("devices: 8.0", "setting 'devices' must be a whole number, got 8.0"),
+                        ("devices: 0", "setting 'devices' must be at least 1, got 0"),
+                        ("sp: true\ngbs: yes", "setting 'gbs' must be a whole number, got True")]:
+        plan.write_text(f"model: llama-3.1-8b\nhardware: h100-sxm\n{text}\n")
+        code, _, err = run(["estimate", "--plan", str(plan)], capsys)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_numbers_and_paths_are_one_line_errors(tmp_path, capsys):
+    for command in (["estimate", "--model", "llama-3.1-8b", "--devices", "-8"],
+                    ["search", "--model", "llama-3.1-8b", "--devices", "8", "--gbs", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(command)
+        assert exit_.value.code == 2 and "expected at least 1" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = run(["estimate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
+                        "--gbs", "8", "--plot", str(blocker / "sub" / "memory.png")], capsys)
+    assert code == 2 and err.startswith(f"ndplan: error: {blocker}") and len(err.strip().splitlines()) == 1, err
 
 
 def test_console_script_never_prints_a_traceback():

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ndplan import __version__
-from ndplan.cli_args import add_strategy_arguments, gather_settings, strategy_from_settings
+from ndplan.cli_args import add_strategy_arguments, gather_settings, positive_int, strategy_from_settings
 from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
 from ndplan.model.hf import first_validation_error
@@ -531,9 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("search", help="the fastest strategies that fit, over every parallel dimension")
     p.add_argument("--model", help="preset name or config.json / spec YAML path")
     p.add_argument("--hardware", help="device preset or device YAML path")
-    p.add_argument("--devices", type=int, help="number of devices")
-    p.add_argument("--gbs", type=int, help="global batch size in sequences")
-    p.add_argument("--seq", type=int, help="sequence length in tokens (default 4096)")
+    p.add_argument("--devices", type=positive_int, help="number of devices")
+    p.add_argument("--gbs", type=positive_int, help="global batch size in sequences")
+    p.add_argument("--seq", type=positive_int, help="sequence length in tokens (default 4096)")
     add_from_argument(p)
     p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
     p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b")
@@ -582,6 +582,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as error:
         print(f"ndplan: error: {first_validation_error(error)}", file=sys.stderr)
         return 2
+    except OSError as error:  # a path that cannot be read or written: say which and why
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"ndplan: error: {where}{error.strerror or error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ndplan: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

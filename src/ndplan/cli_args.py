@@ -22,6 +22,12 @@ from ndplan.strategy.strategy import CP_KINDS, RECOMPUTES, SCHEDULES, Strategy
 #: the framework readers produce settings in the same keys.
 _STRATEGY_KEYS = PLAN_TO_FIELD
 _PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "devices"}
+#: Plan keys that hold whole numbers (ndplan does arithmetic on some before the Strategy
+#: validates them, so a plan file's value is checked as it is read).
+_WHOLE_NUMBER_KEYS = {
+    "devices", "dp", "tp", "pp", "cp", "ep", "etp", "vpp", "ulysses_degree", "seq_chunks", "zero", "shard_group",
+    "recompute_layers", "mbs", "num_micro_batches", "gbs", "seq",
+}
 
 
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +35,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and cluster")
     group.add_argument("--model", help="preset name (see `ndplan models`) or a config.json / spec YAML path")
     group.add_argument("--hardware", help="device preset (see `ndplan hardware`) or a device YAML path")
-    group.add_argument("--devices", type=int, help="number of devices in the cluster")
+    group.add_argument("--devices", type=positive_int, help="number of devices in the cluster")
     group.add_argument("--plan", type=Path, help="YAML/JSON file with any of these settings (flags win)")
 
     par = parser.add_argument_group("parallelism")
@@ -69,6 +75,17 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--num-micro-batches", type=int, help="micro-batches per step (default: gbs / (dp·mbs))")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
@@ -83,6 +100,12 @@ def read_plan_file(path: Path) -> dict[str, Any]:
     unknown = sorted(set(data) - _PLAN_KEYS)
     if unknown:
         raise NdplanError(f"{path}: unknown setting '{unknown[0]}'; known: {', '.join(sorted(_PLAN_KEYS))}")
+    for key in sorted(_WHOLE_NUMBER_KEYS & set(data)):
+        value = data[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise NdplanError(f"{path}: setting '{key}' must be a whole number, got {value!r}")
+    if isinstance(data.get("devices"), int) and data["devices"] < 1:
+        raise NdplanError(f"{path}: setting 'devices' must be at least 1, got {data['devices']}")
     return data
 
 
