@@ -106,7 +106,7 @@ def run_search(
     model: ModelSpec,
     device: Device,
     space: SearchSpace,
-    time_function: TimeFunction,
+    time_function: TimeFunction | None = None,
     *,
     memory_limit_bytes: int | None = None,
     options: MemoryOptions | None = None,
@@ -115,8 +115,13 @@ def run_search(
     progress: Callable[[int, int], None] | None = None,
 ) -> SearchResult:
     """Search ``space`` for the fastest strategies whose every stage fits ``memory_limit_bytes``
-    (default: the device's memory). ``time_function`` prices a batch: {"step_s", ...}."""
+    (default: the device's memory). ``time_function`` prices a batch: {"step_s", ...} (default:
+    ndplan's step-time model, ``ndplan.perf.step_time_batch``)."""
     import time as clock
+
+    from ndplan.perf import step_time_batch
+
+    time_function = time_function or step_time_batch
 
     started = clock.perf_counter()
     limit = int(memory_limit_bytes or device.memory_bytes)

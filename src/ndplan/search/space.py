@@ -155,14 +155,16 @@ def default_space(
     num_devices: int,
     global_batch_size: int,
     seq_length: int,
-    precision: PrecisionPolicy,
+    precision: PrecisionPolicy | None = None,
     *,
     dims: tuple[str, ...] | None = None,
     fixed: dict[str, int | str] | None = None,
 ) -> SearchSpace:
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
-    never competitive), EP and ETP follow the expert count, PP the layer count."""
+    never competitive), EP and ETP follow the expert count, PP the layer count. ``precision``
+    defaults to Strategy's (megatron-bf16)."""
+    precision = precision or Strategy().precision
     fixed = dict(fixed or {})
     searched = set(DIMENSIONS if dims is None else dims)
     unknown = (searched | set(fixed)) - set(DIMENSIONS)

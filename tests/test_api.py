@@ -1,0 +1,56 @@
+"""The top-level API: ``import ndplan`` gives the entry points, loaded on first use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import ndplan
+
+
+def test_every_export_is_the_object_its_module_defines():
+    from importlib import import_module
+
+    for name, module in ndplan._EXPORTS.items():
+        assert getattr(ndplan, name) is getattr(import_module(module), name), name
+    assert set(ndplan.__all__) == {"__version__", *ndplan._EXPORTS} and dir(ndplan) == sorted(ndplan.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'estimte'"):
+        ndplan.estimte  # noqa: B018
+
+
+def test_import_is_lazy():
+    """``import ndplan`` loads neither numpy nor pydantic until an entry point is used."""
+    code = "import sys, ndplan; print('numpy' in sys.modules, 'pydantic' in sys.modules); ndplan.Strategy; " \
+           "print('pydantic' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True"]
+
+
+def test_the_docstring_walkthrough_runs_and_agrees_with_the_modules():
+    model = ndplan.get_preset("llama-3.1-8b")
+    device = ndplan.get_device("h100-sxm")
+    strategy = ndplan.Strategy(dp=4, tp=2, sequence_parallel=True, zero=1, num_micro_batches=4, recompute="full",
+                               seq_length=4096)
+    memory = ndplan.estimate(model, strategy, device, num_devices=8)
+    cluster = ndplan.Cluster(device=device, num_devices=8)
+    time = ndplan.estimate_time(model, strategy, cluster)
+    assert memory.fits and 0 < time.step_s < 10
+    space = ndplan.default_space(model, device, 8, 16, 4096, dims=("tp", "zero", "recompute"))
+    result = ndplan.run_search(model, device, space)  # the step-time model by default
+    explicit = ndplan.run_search(model, device, space, ndplan.step_time_batch)
+    assert result.best is not None and result.best["candidate"] == explicit.best["candidate"]
+    assert result.best["step_s"] == explicit.best["step_s"]
+
+
+def test_readme_python_example_runs():
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("```python\nimport ndplan\n") + len("```python\n")
+    code = readme[start:readme.index("```", start)]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+    assert scope["memory"].fits and scope["result"].best is not None
+    assert scope["result"].best["peak_bytes"] <= scope["device"].memory_bytes
