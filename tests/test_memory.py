@@ -341,18 +341,9 @@ def test_gradients_appear_with_the_first_backward():
 
 
 STEPS = sorted((Path(__file__).parent / "data" / "measured" / "steps").glob("*.json"))
-#: Measured misses the estimator does not explain yet (docs/accuracy.md says what is known).
-KNOWN_MISSES = {
-    "qwen3-moe-pp2-dualpipev-m4-s2k-full": "stage 1 +3.02%: the weight-gradient step's rebuilt copies of a "
-                                           "Qwen3-MoE layer measured about 30 MiB (12%) smaller each than "
-                                           "the census layer less what its weights read",
-}
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[p.stem])) if p.stem in KNOWN_MISSES else p
-    for p in STEPS
-], ids=[p.stem for p in STEPS])
+@pytest.mark.parametrize("path", STEPS, ids=[p.stem for p in STEPS])
 def test_estimate_matches_measured_steps(path):
     """Every whole training step of docs/accuracy.md, as `ndplan measure` recorded it (one device,
     FSDP2, TP, pipelines of five schedules, MoE and MLA models): each stage's peak within 3% and
