@@ -230,6 +230,23 @@ def test_seq1f1b_fractional_in_flight(p: int, m: int, k: int) -> None:
     check_timeline(r)
 
 
+def test_seq1f1b_order_reverses_sub_sequences_in_backward() -> None:
+    """pp 2, 2 micro-batches of 2 sub-sequences: stage s warms up min(2 - s - 2 + 2, 4) units,
+    then runs 1F1B over units; each micro-batch's backward takes its sub-sequences last first
+    (kind micro-batch.sub-sequence)."""
+
+    def order(stage: int) -> list[str]:
+        plan = build_plan("seq1f1b", 2, 1, 2, 2)[stage]
+        return [f"{'FBW'[k]}{mb}.{q}" for step in plan.steps() for k, mb, _, q in step]
+
+    assert order(0) == "F0.0 F0.1 F1.0 B0.1 F1.1 B0.0 B1.1 B1.0".split()
+    assert order(1) == "F0.0 F0.1 B0.1 F1.0 B0.0 F1.1 B1.1 B1.0".split()
+
+
+def test_gpipe_order_runs_every_forward_first() -> None:
+    assert step_names("gpipe", 3, 1, 3, 2) == "F0.0 F0.1 F0.2 B0.0 B0.1 B0.2".split()
+
+
 def test_seq1f1b_with_one_chunk_is_1f1b() -> None:
     a = simulate("seq1f1b", 4, 1, 6)
     b = simulate("1f1b", 4, 1, 6)

@@ -37,6 +37,14 @@ class _Order:
         self.seq.append(seq)
         self.step_len.append(1)
 
+    def extend(self, kind: NDArray[np.int64], mb: NDArray[np.int64], seq: NDArray[np.int64] | None = None) -> None:
+        """Append one-op steps on chunk 0 from arrays (for orders written in closed form)."""
+        self.kind.extend(kind.tolist())
+        self.mb.extend(mb.tolist())
+        self.chunk.extend([0] * len(kind))
+        self.seq.extend([0] * len(kind) if seq is None else seq.tolist())
+        self.step_len.extend([1] * len(kind))
+
     def step(self, ops: Step) -> None:
         """Append a step of several ops run as one unit (ordered F, B, W)."""
         for kind, mb, chunk, seq in ops:
@@ -53,12 +61,19 @@ def _gpipe(pp: int, m: int) -> list[_Order]:
     plan = []
     for _ in range(pp):
         o = _Order()
-        for i in range(m):
-            o.op(F, i)
-        for i in range(m):
-            o.op(B, i)
+        o.extend(np.repeat(np.array([F, B], dtype=np.int64), m), np.tile(np.arange(m, dtype=np.int64), 2))
         plan.append(o)
     return plan
+
+
+def _warm_up_then_alternate(warm: int, total: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """(kinds, units) of ``warm`` forwards, then F of unit warm + i beside B of unit i while
+    forwards remain, then the remaining backwards: the 1F1B order over ``total`` units."""
+    steady = total - warm
+    units = np.arange(total, dtype=np.int64)
+    kinds = np.concatenate([np.full(warm, F), np.tile(np.array([F, B]), steady), np.full(warm, B)]).astype(np.int64)
+    order = np.concatenate([units[:warm], np.stack([units[warm:], units[:steady]], axis=1).ravel(), units[steady:]])
+    return kinds, order
 
 
 def _one_f_one_b(pp: int, m: int) -> list[_Order]:
@@ -67,14 +82,7 @@ def _one_f_one_b(pp: int, m: int) -> list[_Order]:
     plan = []
     for s in range(pp):
         o = _Order()
-        warm = min(pp - s - 1, m)
-        for i in range(warm):
-            o.op(F, i)
-        for i in range(m - warm):
-            o.op(F, warm + i)
-            o.op(B, i)
-        for i in range(m - warm, m):
-            o.op(B, i)
+        o.extend(*_warm_up_then_alternate(min(pp - s - 1, m), m))
         plan.append(o)
     return plan
 
@@ -264,14 +272,8 @@ def _seq1f1b(pp: int, m: int, k: int) -> list[_Order]:
     plan = []
     for s in range(pp):
         o = _Order()
-        warm = min(pp - s - 2 + k, total)
-        for i in range(warm):
-            o.op(F, i // k, 0, i % k)
-        for i in range(total):
-            if i < total - warm:
-                j = i + warm
-                o.op(F, j // k, 0, j % k)
-            o.op(B, i // k, 0, k - 1 - i % k)
+        kinds, units = _warm_up_then_alternate(min(pp - s - 2 + k, total), total)
+        o.extend(kinds, units // k, np.where(kinds == F, units % k, k - 1 - units % k))
         plan.append(o)
     return plan
 
