@@ -191,19 +191,21 @@ pp-4 V's turn (+7.5%) showed that B's copy is gone and DeepSeek-V2-Lite (+13.8%)
 of experts-first MoE layers; and three more, of which the two dense ones (Qwen3-8B pp 4
 DualPipeV, Qwen2.5-7B micro-batch 2) landed within 2.7% as they came, and Mixtral (−4.4%)
 showed the fused experts' gradients at the peak. One stage stayed just over 3%: Qwen3-30B-A3B's
-middle one (+3.02%), whose traced copies each held one topk·h tensor where the head chunk of
-DeepSeek-V2-Lite's held two. The second is the experts' output, saved by their weighting with
-the router's probabilities, an op after the layer's last weight op. Once B has run, only the
-nodes W still needs keep a graph alive, and in the last layer of a chunk those all lie before
-that op, so its saved tensors are freed and the layer's rebuilt copies have nowhere to keep
-them; a later layer, or the head, keeps them. The profile marks that tensor
-(`after_last_weight`) and the step leaves it out of the last layer's copies outside the head's
-chunk: Qwen3-30B-A3B's stage went to −0.96%, DeepSeek-V2-Lite's middle stage from +2.66% to
-−0.03% and Mixtral's from +1.09% to +0.34%; no other row moved. Two configurations measured
-after that rule was written check it: Qwen3-30B-A3B with two MoE layers a chunk under ZB-V, and
-DeepSeek-V2-Lite over four DualPipeV stages, six stages within −0.95% … +1.94% (without the rule
-the four non-head ones would be 2.0–2.7 points higher). All 32 stages of these configurations
-fall within −1.9% … +2.2%. These rules
+middle one (+3.02%), whose traced copies each held one topk·h tensor and no router
+probabilities, where the head chunk of DeepSeek-V2-Lite held two and the probabilities. The
+missing ones are the experts' output, saved by their weighting with the router's
+probabilities, and those probabilities: ops that no weight's gradient path runs through, on
+the way from the layer's weights to its output only. Once B has run, torch keeps a graph alive
+only where a weight gradient still runs, so in the last layer of a chunk those nodes are freed
+and the layer's rebuilt copies have nowhere to keep what they save; a later layer, or the head,
+keeps them. The profile marks those tensors (`past_weights`) and the step leaves them out of
+the last layer's copies outside the head's chunk: Qwen3-30B-A3B's stage went to −1.02%,
+DeepSeek-V2-Lite's middle stage from +2.66% to −0.06% and Mixtral's from +1.09% to +0.34%; no
+other row moved. Two configurations measured after the experts' output was left out check it:
+Qwen3-30B-A3B with two MoE layers a chunk under ZB-V, and DeepSeek-V2-Lite over four DualPipeV
+stages, six stages within −0.99% … +1.94% (without the rule the four non-head ones would be
+2.0–2.7 points higher). All 32 stages of these configurations fall within −1.9% … +2.2%.
+These rules
 follow PyTorch's module order and autograd calls, so a new layer structure can break them:
 `ndplan estimate` prints a caution for ZB-V and DualPipeV with full recompute;
 and PyTorch refuses selective checkpointing under any split

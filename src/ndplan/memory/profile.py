@@ -108,7 +108,7 @@ class SavedTensor:
     keep: bool
     weight_input: bool
     read_last: bool = False
-    after_last_weight: bool = False
+    past_weights: bool = False
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
@@ -149,7 +149,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                     shard=shard, keep=entry.get("keep", "keep") == "keep",
                     weight_input=bool(entry.get("weight_input", False)),
                     read_last=bool(entry.get("read_last", False)),
-                    after_last_weight=bool(entry.get("after_last_weight", False)),
+                    past_weights=bool(entry.get("past_weights", False)),
                 )
             except (KeyError, TypeError) as error:
                 raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
@@ -208,8 +208,9 @@ class BlockBytes:
     weight_input: dict[str, float]
     #: What the layer's last weight gradients read (its MLP's last projection, the norms' weights).
     read_last: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
-    #: What ops after the layer's last weight op save (the routed experts' weighting).
-    after_last_weight: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
+    #: What ops no weight's gradient path runs through save (the router's probabilities, the
+    #: experts' weighting): past the weights, on the way to the layer's output only.
+    past_weights: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
 
 
 def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int) -> BlockBytes:
@@ -218,7 +219,7 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
     kept = dict.fromkeys(SHARDS, 0.0)
     weight_input = dict.fromkeys(SHARDS, 0.0)
     read_last = dict.fromkeys(SHARDS, 0.0)
-    after_last_weight = dict.fromkeys(SHARDS, 0.0)
+    past_weights = dict.fromkeys(SHARDS, 0.0)
     for tensor in entries:
         width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
@@ -231,9 +232,9 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
             weight_input[tensor.shard] += at_zero * width
         if tensor.read_last:
             read_last[tensor.shard] += at_zero * width
-        if tensor.after_last_weight:
-            after_last_weight[tensor.shard] += at_zero * width
-    return BlockBytes(base, per_seq, kept, weight_input, read_last, after_last_weight)
+        if tensor.past_weights:
+            past_weights[tensor.shard] += at_zero * width
+    return BlockBytes(base, per_seq, kept, weight_input, read_last, past_weights)
 
 
 @lru_cache(maxsize=256)

@@ -145,8 +145,9 @@ class LayerActivations:
     weight_grad_outputs: dict[str, np.ndarray]
     weight_unread: dict[str, np.ndarray]
     weight_read_last: dict[str, np.ndarray]
-    #: kind -> what ops after the layer's last weight op save (part of weight_unread)
-    weight_after_last: dict[str, np.ndarray]
+    #: kind -> what ops past the layer's weights save (the router's probabilities, the experts'
+    #: weighting: no weight gradient's path runs through them; part of weight_unread)
+    weight_past: dict[str, np.ndarray]
     norm: np.ndarray
     attention: np.ndarray
     mlp: np.ndarray
@@ -277,7 +278,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     norms_read_last = 2 * block("norm", "read_last")
     weight_read_last = {"dense": norms_read_last + block("mlp", "read_last"),
                         "moe": norms_read_last + block("moe", "read_last")}
-    weight_after_last = {"dense": block("mlp", "after_last_weight"), "moe": block("moe", "after_last_weight")}
+    weight_past = {"dense": block("mlp", "past_weights"), "moe": block("moe", "past_weights")}
     output = 0.0 * tp + block("norm") + block("output")
     measured_output = _census_for(options, "output")
     if measured_output is not None:
@@ -287,7 +288,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     mtp_extra = 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
     return LayerActivations(
         full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
-        weight_unread=weight_unread, weight_read_last=weight_read_last, weight_after_last=weight_after_last,
+        weight_unread=weight_unread, weight_read_last=weight_read_last, weight_past=weight_past,
         norm=norm, attention=attention,
         mlp=mlp, moe=moe, output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
@@ -1475,10 +1476,12 @@ def _weight_grad_step(
     beside them the projection's new weight gradient and the previous group's, which the step's
     loop still references (D: up's and down's, or the fused experts' gate_up and down):
         step = t · (Σ_layers G·U + (g − G_last)·U_last − g·A_last + g·R_last) + D      (bytes)
-    A (``weight_after_last``, part of U) is what ops after a layer's last weight op save (the
-    routed experts' weighting): once B has run, only W's retained nodes keep a graph alive, and
-    those of the chunk's last layer lie before that op, so its rebuilt copies have nowhere to keep
-    A (traced: Qwen3-30B-A3B's and DeepSeek-V2-Lite's copies hold one topk·h tensor, not two).
+    A (``weight_past``, part of U) is what ops past the layer's weights save (the router's
+    probabilities, the experts' weighting by them): once B has run, only the nodes a weight
+    gradient still runs through keep a graph alive, and in the chunk's last layer nothing later
+    leads through these, so its rebuilt copies have nowhere to keep A (traced: Qwen3-30B-A3B's
+    copies hold one topk·h tensor and no router probabilities; DeepSeek-V2-Lite's head chunk's
+    hold both topk·h tensors and the probabilities).
     In the head's chunk (``head_chunk``, per virtual stage) the head's group comes last and keeps
     every layer's graph, A included: the step peaks there, at t · Σ_layers G·U + D_head, if not at
     its last MLP projection, whose copies then hold A too. The pipeline's first stage (``first_chunk``) has no split step:
@@ -1508,11 +1511,10 @@ def _weight_grad_step(
     peak_group = weight_grad_peak_group(model)
     last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
     last_peak = np.where(last_is_moe, peak_group["moe"], peak_group["dense"])
-    # What ops after the last layer's last weight op save is kept only where the head keeps the
-    # layer's graph.
-    after_last = {k: acts.weight_after_last[k][rows, None] for k in ("dense", "moe")}
-    last_after = np.where(last_is_moe, after_last["moe"], after_last["dense"]) * (head_chunk[None, :] == 0)
-    last_layer = t * ((last_peak - last_groups) * last_unread - last_peak * last_after + last_peak * last_read)
+    # What ops past the last layer's weights save is kept only where the head keeps its graph.
+    past = {k: acts.weight_past[k][rows, None] for k in ("dense", "moe")}
+    last_past = np.where(last_is_moe, past["moe"], past["dense"]) * (head_chunk[None, :] == 0)
+    last_layer = t * ((last_peak - last_groups) * last_unread - last_peak * last_past + last_peak * last_read)
     # ... beside the projection's new weight gradient and the previous group's, which the step's
     # loop still references while the projection's runs (up's, or the fused experts' gate_up,
     # twice down's size).
