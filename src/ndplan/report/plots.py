@@ -288,10 +288,17 @@ def _draw_pareto(fig: Any, search: Mapping[str, Any], rows: Sequence[Mapping[str
     if limit:
         ax.axvline(limit / GIB, color=style.CAPACITY_COLOR, linestyle="--", linewidth=1.6,
                    label=f"memory limit ({limit / GIB:,.1f} GiB)")
+    from matplotlib.ticker import LogFormatter
+
+    # Log axes labelled 400 and 20, not 4×10² and 2×10¹ (the same ticks, in plain numbers).
     if search["logx"]:
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+        ax.xaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
     if search["logy"]:
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
     ax.set_xlabel("peak memory per device, worst stage (GiB)")
     ax.set_ylabel("step time (s)")
     fit = f", {search['n_feasible']:,} fit" if search["n_feasible"] is not None else ""
