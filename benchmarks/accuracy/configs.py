@@ -156,4 +156,8 @@ CONFIGS: list[dict[str, Any]] = [
     {"name": "dsv2-lite-pp4-dualpipev-m8-s2k-full-8l", "model": "deepseek-v2-lite", "layers": 8,
      "strategy": {"pp": 4, "vpp": 2, "schedule": "dualpipev", "num_micro_batches": 8, "seq_length": 2048,
                   "recompute": "full", "precision": "bf16-pure"}},
+    # ---- without recompute, what waits from B to W: a chunk's last layer is an MoE layer
+    {"name": "qwen3-moe-pp2-zbv-m4-s2k", "model": "qwen3-30b-a3b", "layers": 4,
+     "strategy": {"pp": 2, "vpp": 2, "schedule": "zbv", "num_micro_batches": 4, "seq_length": 2048,
+                  "precision": "bf16-pure"}},
 ]
