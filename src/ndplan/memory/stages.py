@@ -794,10 +794,11 @@ def _sorted_groups(
     ])
     order = by_group[within]
     groups = [(key, order[a:b]) for (key, _), a, b in zip(groups, starts[:-1], starts[1:], strict=True)]
-    # The pipeline shape's fields are the groups' keys: repeated, not gathered.
+    # The pipeline shape's fields are the groups' keys: repeated, not gathered; so are the
+    # fields one value fills (a search fixes many).
     ordered = StrategyBatch(**{
         name: np.repeat(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), sizes)
-        if name in PIPELINE_SHAPE else getattr(batch, name)[by_group][within]
+        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), by_group, within)
         for name in batch.array_fields()
     }, precision=batch.precision)
     if not static_only:
@@ -811,6 +812,14 @@ def _sorted_groups(
         rows = np.arange(part.start, part.stop)
         yield key, index, _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
                                           None if static_only else acts.take(combination[part]), device_only=device_only)
+
+
+def _gathered(values: np.ndarray, first: np.ndarray, then: np.ndarray) -> np.ndarray:
+    """values[first][then], or the one value repeated where ``values`` holds one (two passes
+    over it in order cost less than the two gathers)."""
+    if len(values) and values.min() == values.max():
+        return np.full(len(then), values[0], dtype=values.dtype)
+    return values[first][then]
 
 
 def static_lower_bound(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None) -> np.ndarray:
