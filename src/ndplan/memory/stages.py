@@ -1493,8 +1493,8 @@ def _weight_grad_step(
     hold both topk·h tensors and the probabilities).
     In the head's chunk (``head_chunk``, per virtual stage) the head's group comes last and keeps
     every layer's graph, A included: the step peaks there, at t · Σ_layers G·U + D_head, if not at
-    its last MLP projection, whose copies then hold A too. The pipeline's first stage (``first_chunk``) has no split step:
-    torch runs its W as one whole backward. The output gradients B left for W stay to the peak
+    its last MLP projection, whose copies then hold A too. The pipeline's first stage
+    (``first_chunk``) has no split step: torch runs its W as one whole backward. The output gradients B left for W stay to the peak
     (they are the frontier's held-until-W column). Traced tensor by tensor on dense and MoE
     layers (Qwen3, Llama, Mixtral, Qwen3-MoE, DeepSeek-V2-Lite); docs/accuracy.md has the
     measured stages."""
