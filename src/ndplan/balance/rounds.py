@@ -34,9 +34,11 @@ chunks (``_exact_stages``), so chunk times stay even; the greedy only ranks plac
 
 from __future__ import annotations
 
+from math import comb
+
 import numpy as np
 
-from ndplan.balance.dp import Table, _compositions, min_max, min_sum
+from ndplan.balance.dp import Table, _at_most, min_max, min_sum
 from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
@@ -216,6 +218,7 @@ def _chunk_counts(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, .
 
 
 _EXACT_CELLS = 1 << 16  # mixes per stage beyond which a placement keeps the greedy's recompute
+_BATCH_CELLS = 1 << 18  # mixes priced in one batch (stages padded to the largest), bounding temporary memory
 
 
 def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) -> list[np.ndarray | None]:
@@ -225,55 +228,92 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
 
     Per kind, time depends on its option counts N_r only, and so do the bytes once dealt: every
     combination of the kinds' mixes is priced, with the stage's transient where any layer
-    recomputes. Stages holding as many layers of each kind share their mixes and are priced
-    together. Same answers as ``solve.dealt_knapsack``, vectorised.
+    recomputes. Same answers as ``solve.dealt_knapsack``, vectorised: every stage at once
+    (``_dealt_mixes``), or the stages holding as many layers of each kind together where
+    padding all of them to the largest would price too many mixes.
     """
-    from ndplan.balance.chunks import _dealt_prefix, dealt_chunks
-
-    pp, v, G = held.shape
     R = len(problem.options)
-    flight = np.zeros((pp, v))
+    totals = held.sum(axis=1)  # [pp, G]
+    sizes = np.prod([[comb(int(n) + R - 1, R - 1) for n in row] for row in totals.tolist()], axis=1)  # mixes per stage
+    priced = np.flatnonzero(sizes <= _EXACT_CELLS)
+    out: list[np.ndarray | None] = [None] * problem.pp
+    if not len(priced):
+        return out
+    padded = len(priced) * np.prod([comb(int(n) + R - 1, R - 1) for n in totals[priced].max(axis=0)])
+    if padded <= _BATCH_CELLS:
+        batches = [priced]
+    else:
+        signature = [tuple(row) for row in totals[priced].tolist()]
+        batches = [priced[[i for i, s in enumerate(signature) if s == key]] for key in dict.fromkeys(signature)]
+    for stages in batches:
+        choice, fits = _dealt_mixes(problem, greedy, held, stages)
+        for i in np.flatnonzero(fits).tolist():
+            out[int(stages[i])] = choice[i]
+    return out
+
+
+def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray, stages: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``_exact_stages`` for ``stages`` [S] at once: [S, v, G, R] the least-time dealt mix of
+    each and [S] whether one fits.
+
+    Each kind's mixes are padded to the most layers a stage holds: a mix is its counts on the
+    first R − 1 options (``dp._at_most``, in the order of ``dp._compositions``), the last
+    option taking the rest, void where that is negative. The first least-time combination in
+    that order wins, as in ``solve.dealt_knapsack``.
+    """
+    from ndplan.balance.chunks import _dealt_prefix
+
+    v, G = held.shape[1:]
+    R, S = len(problem.options), len(stages)
+    counts = held[stages]  # [S, v, G]
+    flight = np.zeros((problem.pp, v))
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+    flight = flight[stages]
     recomputes = np.array([option != "none" for option in problem.options])
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
-    out: list[np.ndarray | None] = [None] * pp
-    totals = held.sum(axis=1)  # [pp, G]
-    for signature in {tuple(row) for row in totals.tolist()}:
-        stages = [s for s in range(pp) if tuple(totals[s].tolist()) == signature]
-        mixes = [_compositions(int(n), R) for n in signature]  # per kind [K_g, R]
-        if int(np.prod([len(m) for m in mixes])) > _EXACT_CELLS:
-            continue
-        S = len(stages)
-        time_total: np.ndarray = np.zeros((S,) + (1,) * G)
-        bytes_total: np.ndarray = greedy.base_bytes[stages].reshape((S,) + (1,) * G).copy()
-        any_recompute: np.ndarray = np.zeros((1,) * (G + 1), dtype=bool)
-        for g, kind in enumerate(greedy.kinds):
-            cost = [problem.costs[(kind, option)] for option in problem.options]
-            activation = np.array([c.activation_bytes for c in cost])
-            by_activation = np.argsort(-activation, kind="stable")
-            # In-flight weight of the first k dealt slots of this kind, every stage of the group at once.
-            slots = _dealt_prefix(held[stages, None, :, g], flight[stages])[:, 0]  # [S, n_g + 1]
-            ends = np.cumsum(mixes[g][:, by_activation], axis=1)  # [K, R]
-            weight = slots[:, ends] - slots[:, ends - mixes[g][:, by_activation]]  # [S, K, R]
-            kind_bytes = (mixes[g] @ np.array([c.static_bytes for c in cost]))[None] + weight @ activation[by_activation]
-            shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
-            time_total = time_total + (mixes[g] @ np.array([c.time_s for c in cost])).reshape((1,) + shape[1:])
-            bytes_total = bytes_total + kind_bytes.reshape(shape)
-            any_recompute = any_recompute | ((mixes[g] @ recomputes) > 0).reshape((1,) + shape[1:])
-        memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape((S,) + (1,) * G), 0.0)
-        seconds = np.where(memory <= limit, np.broadcast_to(time_total, memory.shape), np.inf).reshape(S, -1)
-        for i, s in enumerate(stages):
-            if not np.isfinite(seconds[i]).any():
-                continue
-            best = np.unravel_index(int(seconds[i].argmin()), memory.shape[1:])
-            choice = np.zeros((v, G, R), dtype=np.int64)
-            for g in range(G):
-                activation = np.array([problem.costs[(greedy.kinds[g], o)].activation_bytes for o in problem.options])
-                by_activation = np.argsort(-activation, kind="stable")
-                queue = np.repeat(by_activation, mixes[g][best[g]][by_activation])  # options, most bytes first
-                np.add.at(choice[:, g], (dealt_chunks(held[s, :, g], flight[s]), queue), 1)
-            out[s] = choice
-    return out
+    grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
+    time_total: np.ndarray = np.zeros(grid)
+    bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid).copy()
+    any_recompute: np.ndarray = np.zeros(grid, dtype=bool)
+    void: np.ndarray = np.zeros(grid, dtype=bool)
+    kind_mixes, kind_order = [], []
+    rows = np.arange(S)[:, None, None]
+    for g, kind in enumerate(greedy.kinds):
+        cost = [problem.costs[(kind, option)] for option in problem.options]
+        activation = np.array([c.activation_bytes for c in cost])
+        by_activation = np.argsort(-activation, kind="stable")
+        heads = _at_most(int(counts[:, :, g].sum(axis=1).max()), R - 1)  # [K, R − 1]
+        rest = counts[:, :, g].sum(axis=1)[:, None] - heads.sum(axis=1)[None]  # [S, K] layers on the last option
+        mixes = np.concatenate([np.broadcast_to(heads, (S, *heads.shape)), np.maximum(rest, 0)[..., None]], axis=2)
+        # In-flight weight of the first k dealt slots of this kind, every stage at once.
+        slots = _dealt_prefix(counts[:, None, :, g], flight)[:, 0]  # [S, n_g + 1]
+        ends = np.cumsum(mixes[:, :, by_activation], axis=2)  # [S, K, R]
+        weight = slots[rows, ends] - slots[rows, ends - mixes[:, :, by_activation]]  # [S, K, R]
+        kind_bytes = mixes @ np.array([c.static_bytes for c in cost]) + weight @ activation[by_activation]
+        shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
+        time_total = time_total + (mixes @ np.array([c.time_s for c in cost])).reshape(shape)
+        bytes_total = bytes_total + kind_bytes.reshape(shape)
+        any_recompute = any_recompute | ((mixes @ recomputes) > 0).reshape(shape)
+        void = void | (rest < 0).reshape(shape)
+        kind_mixes.append(mixes)
+        kind_order.append(by_activation)
+    memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
+    seconds = np.where((memory <= limit) & ~void, np.broadcast_to(time_total, memory.shape), np.inf).reshape(S, -1)
+    best = np.unravel_index(seconds.argmin(axis=1), memory.shape[1:])  # per kind [S] its mix
+    choice = np.zeros((S, v, G, R), dtype=np.int64)
+    for g in range(G):
+        # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
+        # (``chunks.dealt_chunks``), every stage at once.
+        mix = kind_mixes[g][np.arange(S), best[g]][:, kind_order[g]]  # [S, R] layers per option, most bytes first
+        order = np.argsort(flight, axis=1, kind="stable")  # [S, v] fewest in flight first
+        capacity = np.take_along_axis(counts[:, :, g], order, 1)
+        active = np.arange(int(capacity.max(initial=0)))[None, :, None] < capacity[:, None, :]  # [S, turn, v]
+        slot_chunk = np.broadcast_to(order[:, None, :], active.shape)[active]  # stage-major, in turn
+        slot_stage = np.broadcast_to(np.arange(S)[:, None, None], active.shape)[active]
+        slot_option = np.repeat(np.tile(kind_order[g], S), mix.reshape(-1))
+        np.add.at(choice[:, :, g], (slot_stage, slot_chunk, slot_option), 1)
+    return choice, np.isfinite(seconds.min(axis=1))
 
 
 def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], exact: bool = True
