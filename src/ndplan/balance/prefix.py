@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ndplan.balance.chunks import WINDOW
-from ndplan.balance.dp import Table, min_max, threshold_search
+from ndplan.balance.dp import StagedTable, min_max, threshold_search
 from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, end_units, layer_units
 from ndplan.balance.rounds import _even_out, _Greedy, _plan_of, uniform_candidates
 
@@ -79,19 +79,7 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     seconds = np.full(possible.shape, np.inf)
     index = np.nonzero(possible)
     seconds[index], *_ = greedy.solve(stages[index[0]], held[index])
-    # DP positions (b, a) encoded b·(K + 1) + a; steps (T, δ) move it by T·(K + 1) + δ.
-    P = (L + 1) * (K + 1)
-    b_end, a_end = np.divmod(np.arange(P), K + 1)
-    step_total = np.repeat(totals, K + 1)
-    step_lead = np.tile(deltas, len(totals))
-    lengths = step_total * (K + 1) + step_lead  # [J·(K + 1)]
-    start = np.maximum(np.arange(P)[None] - lengths[:, None], 0)
-    fits_before = (b_end[None] >= step_total[:, None]) & (a_end[None] >= step_lead[:, None])  # [J', P]
-    whole_chunk = (step_lead[None, :] == n0.reshape(pp, -1))[:, :, None]  # [pp, J', 1]: the run fills the chunk
-    run_ended = (a_end == K)[None, None, :]
-    valid = fits_before[None] & (whole_chunk | run_ended)
-    cost = np.where(valid, seconds.reshape(pp, -1)[:, :, None], np.inf)  # [pp, J', P]
-    table = Table(start, cost, lengths)
+    table = _table(seconds, n0, totals, K, L)
     z_star = min_max(table)
     if not np.isfinite(z_star):
         return None
@@ -108,6 +96,41 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
                  for virtual in range(problem.num_virtual_stages))
 
 
+def _table(seconds: np.ndarray, n0: np.ndarray, totals: np.ndarray, K: int, L: int) -> StagedTable:
+    """The DP over positions (b, a) of the module docstring, from the stage costs ``seconds``
+    [pp, J, K + 1] and the layers ``n0`` [pp, J, K + 1] of each first chunk.
+
+    Positions (b, a) are encoded b·(K + 1) + a and a step (T, δ) moves one by T·(K + 1) + δ. While
+    leading layers remain, every stage takes at least one (its first chunk holds a layer, and
+    δ = 0 is a step only once the run has ended), so after the first K stages a = K on every
+    split: the later stages take δ = 0 steps only and run over b alone, a table (K + 1)² times
+    smaller with the same splits. The thresholds are every finite stage cost, as the full
+    (b, a) table holds each at (L, K)."""
+    pp, J = seconds.shape[:2]
+    early = min(K, pp)
+    P = (L + 1) * (K + 1)
+    b_end, a_end = np.divmod(np.arange(P), K + 1)
+    deltas = np.arange(K + 1)
+    step_total = np.repeat(totals, K + 1)
+    step_lead = np.tile(deltas, J)
+    lengths = step_total * (K + 1) + step_lead  # [J·(K + 1)]
+    start = np.maximum(np.arange(P)[None] - lengths[:, None], 0)
+    fits_before = (b_end[None] >= step_total[:, None]) & (a_end[None] >= step_lead[:, None])  # [J', P]
+    whole_chunk = (step_lead[None, :] == n0[:early].reshape(early, -1))[:, :, None]  # [early, J', 1]: the run fills the chunk
+    run_ended = (a_end == K)[None, None, :]
+    valid = fits_before[None] & (whole_chunk | run_ended)
+    cost = np.where(valid, seconds[:early].reshape(early, -1)[:, :, None], np.inf)  # [early, J', P]
+    starts, costs, steps = [start] * early, list(cost), [lengths] * early
+    if pp > early:  # positions b, the leading run placed
+        b = np.arange(L + 1)
+        later_start = np.maximum(b[None] - totals[:, None], 0)  # [J, L + 1]
+        later = np.where(b[None, None] >= totals[None, :, None], seconds[early:, :, :1], np.inf)  # [pp − early, J, L + 1]
+        starts += [later_start * (K + 1) + K] + [later_start] * (pp - early - 1)
+        costs += list(later)
+        steps += [totals * (K + 1)] * (pp - early)
+    return StagedTable(P, tuple(starts), tuple(costs), tuple(steps), seconds[np.isfinite(seconds)])
+
+
 def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
            deltas: np.ndarray) -> np.ndarray:
     """[pp, J, K + 1, v] layers of the rest kind in each chunk of the stage at each round-0
@@ -121,23 +144,28 @@ def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray,
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
     ends = np.zeros((pp, v))
     ends[problem.stage_of, problem.chunk_of] = end_units(problem)
-    shape = (pp, len(totals), len(deltas), v)
     is_first = np.arange(v)[None, :] == first_chunk[:, None]  # [pp, v]
-    load = np.broadcast_to((ends[stages] + 0.0)[:, None, None, :], shape).copy()
-    load += np.where(is_first[:, None, None, :], deltas[None, None, :, None] * lead_unit, 0.0)
-    count = np.where(is_first[:, None, None, :], deltas[None, None, :, None], 0) + np.zeros(shape, dtype=np.int64)
-    rest = np.zeros(shape, dtype=np.int64)
-    left = np.broadcast_to(totals[None, :, None] - deltas[None, None, :], shape[:3]).copy()  # rest layers to place
-    # Empty chunks first, then least load, then fewest in flight (a tiny tie-break).
-    rank = np.argsort(np.argsort(flight[stages], axis=1, kind="stable"), axis=1)[:, None, None, :] * 1e-6
-    for _ in range(int(left.max(initial=0))):
-        key = load + rank - 1e9 * (count == 0)
-        pick = key.argmin(axis=3)[..., None]
-        add = (left > 0)[..., None] & (np.arange(v) == pick)
-        rest += add
-        count += add
-        load += add
-        left -= add.any(axis=3)
+    shape = (pp, len(deltas), v)  # [position, δ, chunk]
+    load = np.broadcast_to((ends[stages] + 0.0)[:, None, :], shape).copy()
+    load += np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
+    empty = ~is_first[:, None, :] | (deltas[None, :, None] == 0)  # [pp, K + 1, v] holds no layer yet
+    # Placing one layer at a time on the least key (load, then fewest in flight by a tiny
+    # tie-break, empty chunks first) takes, of every chunk's run of keys for its 1st, 2nd, …
+    # layer (rising: each adds 1 to its load), the least keys overall: sorted, they give the
+    # order in which chunks receive layers, whatever T (T − δ of them are taken). The keys are
+    # summed as that loop would (+1 at a time), so that they compare alike.
+    turns = max(int(totals.max(initial=0)), 1)
+    steps = np.ones((*shape, turns))
+    steps[..., 0] = load
+    rank = np.argsort(np.argsort(flight[stages], axis=1, kind="stable"), axis=1)[:, None, :, None] * 1e-6
+    key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
+    key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
+    order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk
+    receives = order // turns == np.arange(v)[:, None, None, None]  # [v, pp, K + 1, step]: chunk of each step
+    given = np.zeros((pp, len(deltas), v * turns + 1, v), dtype=np.int64)  # layers per chunk after each step
+    given[:, :, 1:] = np.cumsum(receives, axis=3).transpose(1, 2, 3, 0)
+    left = np.clip(totals[:, None] - deltas[None, :], 0, v * turns)  # [J, K + 1] rest layers to place
+    rest = given[:, np.arange(len(deltas))[None, :], left]  # [pp, J, K + 1, v]
     return rest
 
 
