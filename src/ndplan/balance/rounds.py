@@ -120,6 +120,12 @@ class _Greedy:
         if self.none is not None:
             self.plain_time = np.broadcast_to(self.time[:, self.none], (pp, v, len(self.kinds))).reshape(flat)
             self.plain_memory = memory[..., self.none].reshape(flat)
+        # What ``solve`` gathers per query, stacked so that one gather per table serves a batch:
+        # per stage [pp, 3], per chunk and kind [pp, 2 or 4, v·G], per move [pp, 2, moves].
+        self.per_stage = np.stack([self.base_time, self.base_bytes + self.transient, self.base_bytes], axis=1)
+        self.per_group = np.stack([self.start_time, self.start_memory] + (
+            [self.plain_memory, self.plain_time] if self.none is not None else []), axis=1)
+        self.per_move = np.stack([self.move_save, self.move_time], axis=1)
 
     def solve(self, stage: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For queries (``stage`` [Q], ``counts`` [Q, v, G] layers per chunk and kind): least
@@ -128,30 +134,36 @@ class _Greedy:
         Q = len(stage)
         counts = counts.reshape(Q, -1).astype(float)  # [Q, v·G]
         rows = np.arange(Q)
-        time = self.base_time[stage] + (counts * self.start_time[stage]).sum(axis=1)
+        base_time, base_rc, base_plain = self.per_stage[stage].T
+        # Σ over chunks and kinds of layers × start seconds, start bytes (and all-"none" ones).
+        sums = (counts[:, None, :] * self.per_group[stage]).sum(axis=2)  # [Q, 2 or 4]
+        time = base_time + sums[:, 0]
         # Aim a hair under the limit, so that evaluate's own float sums never land just over it.
         limit = self.limit * (1 - _MARGIN)
-        deficit = self.base_bytes[stage] + self.transient[stage] + (counts * self.start_memory[stage]).sum(axis=1) - limit
+        deficit = base_rc + sums[:, 1] - limit
         layers = counts[rows[:, None], self.move_group[stage]]  # [Q, moves] layers each move may take
-        unit_save, unit_time = self.move_save[stage], self.move_time[stage]
-        saved = np.cumsum(layers * unit_save, axis=1)
+        unit_save, unit_time = self.per_move[stage].transpose(1, 0, 2)  # [Q, moves] each
+        # Running sums along the moves, taken down the transposed array (one pass per move, not
+        # one per query; the same sums in the same order).
+        saved = np.cumsum((layers * unit_save).T, axis=0).T
         moves = saved.shape[1]
         whole = (saved < deficit[:, None]).sum(axis=1)  # moves taken whole
         fits = (deficit <= 0) | (whole < moves)
         whole = np.where(deficit <= 0, 0, np.minimum(whole, moves - 1))
-        before = np.where(whole > 0, saved[rows, np.maximum(whole - 1, 0)], 0.0)
+        last = np.maximum(whole - 1, 0)
+        before = np.where(whole > 0, saved[rows, last], 0.0)
         unit = unit_save[rows, whole]
         with np.errstate(divide="ignore", invalid="ignore"):
             partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
         partial = np.where((deficit > 0) & np.isfinite(partial), partial, 0.0)
         partial += (deficit > 0) & (before + partial * unit < deficit)  # rounding: one more layer
         fits &= partial <= layers[rows, whole]
-        spent = np.where(whole > 0, np.cumsum(layers * unit_time, axis=1)[rows, np.maximum(whole - 1, 0)], 0.0)
+        spent = np.where(whole > 0, np.cumsum((layers * unit_time).T, axis=0).T[rows, last], 0.0)
         greedy = np.where(fits, time + spent + partial * unit_time[rows, whole], np.inf)
         plain = np.zeros(Q, dtype=bool)
         if self.none is not None:
-            plain_bytes = self.base_bytes[stage] + (counts * self.plain_memory[stage]).sum(axis=1)
-            plain_time = self.base_time[stage] + (counts * self.plain_time[stage]).sum(axis=1)
+            plain_bytes = base_plain + sums[:, 2]
+            plain_time = base_time + sums[:, 3]
             plain = (plain_bytes <= limit) & (plain_time <= greedy)
             greedy = np.where(plain, plain_time, greedy)
         return greedy, plain, whole, partial.astype(np.int64)
