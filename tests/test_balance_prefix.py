@@ -1,17 +1,19 @@
 """A leading run of another layer kind: the chunk split and the staged DP table of ``prefix``
-give what their plain definitions give."""
+give what their plain definitions give, and its exact DP equals brute force."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ndplan.balance import exact_method, solve_exact, solve_heuristic
 from ndplan.balance.dp import Table, min_max, threshold_search
 from ndplan.balance.prefix import _split, _table, leading_run
-from ndplan.balance.problem import end_units, layer_units
+from ndplan.balance.problem import end_units, even_chunks, layer_units
 from ndplan.balance.rounds import _Greedy
-from test_balance_rounds import chunked_problem
+from test_balance_rounds import best_admissible, chunked_problem, is_uniform
 
 
 def split_one_at_a_time(problem, stages, first_chunk, totals, deltas):
@@ -101,9 +103,51 @@ def test_staged_table_gives_the_split_of_the_full_table(pp, vpp, extra, K, sched
     seconds[:, totals[:, None] - deltas[None, :] < vpp - (deltas[None, :] > 0)] = np.inf  # no room, as _placement
     if ties:
         seconds = np.round(seconds, 0)
-    staged, full = _table(seconds, n0, totals, K, L), full_table(seconds, n0, totals, K, L)
+    staged = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L)
+    full = full_table(seconds, n0, totals, K, L)
     z_staged, z_full = min_max(staged), min_max(full)
     assert z_staged == z_full
     if np.isfinite(z_full):
         weight = m * vpp - 1
         assert threshold_search(staged, weight, z_staged) == threshold_search(full, weight, z_full)
+
+
+@settings(max_examples=80, deadline=None)
+@given(pp=st.integers(2, 3), vpp=st.integers(2, 3), extra=st.integers(0, 5), K=st.integers(1, 3),
+       schedule=st.sampled_from(["interleaved", "zbv", "dualpipev"]), seed=st.integers(0, 10_000),
+       limit_gib=st.floats(3, 40), m=st.sampled_from([1, 4, 16]), shuffle=st.booleans())
+def test_prefixed_dp_equals_brute_force_over_even_chunks(pp, vpp, extra, K, schedule, seed, limit_gib, m, shuffle):
+    """A leading run of another kind, several chunks per stage: the DP over stage totals and the
+    run is exact (brute force over every even-chunk placement with the dealt knapsack per stage,
+    and the uniform placement); the heuristic fits and is never better than it."""
+    vpp = vpp if schedule == "interleaved" else 2
+    K = min(K, pp)
+    problem = prefixed_problem(pp * vpp + extra, pp, K, schedule, vpp, seed, limit_gib, m, shuffle)
+    assert exact_method(problem) == "dp"
+    best, exact = best_admissible(problem), solve_exact(problem)
+    assert (best is None) == (exact is None)
+    if exact is None:
+        assert solve_heuristic(problem) is None
+        return
+    assert exact[1].fits and (even_chunks(problem, exact[0].stage_layers) or is_uniform(problem, exact[0]))
+    assert exact[1].step_s == pytest.approx(best[1].step_s, rel=1e-9)
+    found = solve_heuristic(problem)
+    assert found is not None and found[1].fits and found[1].step_s >= exact[1].step_s * (1 - 1e-9)
+
+
+def test_prefixed_dp_bound_keeps_the_optimum():
+    """The heuristic's step bounds the stage totals the exact DP costs: with the bound lifted
+    (every total up to L − (pp − 1)·v) it finds the same optimum."""
+    from ndplan.balance import prefix
+
+    problem = prefixed_problem(40, 4, 3, "interleaved", 2, seed=1, limit_gib=20, m=16)  # mixes all options
+    bounded = prefix.solve_prefixed_exact(problem)
+    assert bounded is not None
+    assert prefix._longest_total(problem, 3, prefix.solve_prefixed(problem)[1].step_s) < 40 - 3 * 2
+    original = prefix._longest_total
+    try:
+        prefix._longest_total = lambda problem, K, incumbent_s: problem.num_layers
+        free = prefix.solve_prefixed_exact(problem)
+    finally:
+        prefix._longest_total = original
+    assert free is not None and free[1].step_s == pytest.approx(bounded[1].step_s, rel=1e-12)

@@ -258,16 +258,18 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
         signature = [tuple(row) for row in totals[priced].tolist()]
         batches = [priced[[i for i, s in enumerate(signature) if s == key]] for key in dict.fromkeys(signature)]
     for stages in batches:
-        choice, fits = _dealt_mixes(problem, greedy, held, stages)
+        choice, seconds = _dealt_mixes(problem, greedy, stages, held[stages])
+        fits = np.isfinite(seconds)
         for i in np.flatnonzero(fits).tolist():
             out[int(stages[i])] = choice[i]
     return out
 
 
-def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray, stages: np.ndarray
+def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, counts: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """``_exact_stages`` for ``stages`` [S] at once: [S, v, G, R] the least-time dealt mix of
-    each and [S] whether one fits.
+    """``_exact_stages`` for S queries at once, stage ``stages[i]`` holding ``counts[i]`` [v, G]
+    layers per chunk and kind: [S, v, G, R] the least-time dealt mix of each and [S] its seconds
+    per micro-batch (+inf where none fits).
 
     Each kind's mixes are padded to the most layers a stage holds: a mix is its counts on the
     first R − 1 options (``dp._at_most``, in the order of ``dp._compositions``), the last
@@ -276,9 +278,8 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray, sta
     """
     from ndplan.balance.chunks import _dealt_prefix
 
-    v, G = held.shape[1:]
+    v, G = counts.shape[1:]
     R, S = len(problem.options), len(stages)
-    counts = held[stages]  # [S, v, G]
     flight = np.zeros((problem.pp, v))
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
     flight = flight[stages]
@@ -325,7 +326,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray, sta
         slot_stage = np.broadcast_to(np.arange(S)[:, None, None], active.shape)[active]
         slot_option = np.repeat(np.tile(kind_order[g], S), mix.reshape(-1))
         np.add.at(choice[:, :, g], (slot_stage, slot_chunk, slot_option), 1)
-    return choice, np.isfinite(seconds.min(axis=1))
+    return choice, seconds.min(axis=1) + greedy.base_time[stages]
 
 
 def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], exact: bool = True
