@@ -122,8 +122,8 @@ def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: 
     leading layers remain, every stage takes at least one (its first chunk holds a layer, and
     δ = 0 is a step only once the run has ended), so after the first K stages a = K on every
     split: the later stages take δ = 0 steps only and run over b alone, a table (K + 1)² times
-    smaller with the same splits. The thresholds are every finite stage cost, as the full
-    (b, a) table holds each."""
+    smaller with the same splits; the early stages keep the positions they can reach. The
+    thresholds are every finite stage cost, as the full (b, a) table holds each."""
     pp, J = ended.shape[:2]
     early = min(K, pp)
     P = (L + 1) * (K + 1)
@@ -134,19 +134,31 @@ def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: 
     lengths = step_total * (K + 1) + step_lead  # [J·(K + 1)]
     start = np.maximum(np.arange(P)[None] - lengths[:, None], 0)
     fits_before = (b_end[None] >= step_total[:, None]) & (a_end[None] >= step_lead[:, None])  # [J', P]
-    run_ended = (a_end == K)[None, None, :]
-    cost = np.where(run_ended, ended[:early].reshape(early, -1)[:, :, None], whole[:early].reshape(early, -1)[:, :, None])
-    cost = np.where(fits_before[None], cost, np.inf)  # [early, J', P]
-    starts, costs, steps = [start] * early, list(cost), [lengths] * early
+    run_ended = a_end == K  # [P]
+    # The first i + 1 stages place at most (i + 1)·T_max layers: stage i's positions end there
+    # (a prefix of the encoding), and a step from beyond the previous stage's is void.
+    starts: list[np.ndarray] = []
+    costs: list[np.ndarray] = []
+    before = 1  # positions before stage 0: nothing placed
+    for i in range(early):
+        reach = min(P, (min(L, (i + 1) * int(totals[-1])) + 1) * (K + 1))
+        here = start[:, :reach]
+        step_cost = np.where(run_ended[:reach], ended[i].reshape(-1, 1), whole[i].reshape(-1, 1))  # [J', reach]
+        costs.append(np.where(fits_before[:, :reach] & (here < before), step_cost, np.inf))
+        starts.append(np.minimum(here, before - 1))
+        before = reach
+    steps = [lengths] * early
     if pp > early:  # positions b, the leading run placed
         b = np.arange(L + 1)
         later_start = np.maximum(b[None] - totals[:, None], 0)  # [J, L + 1]
         later = np.where(b[None, None] >= totals[None, :, None], ended[early:, :, :1], np.inf)  # [pp − early, J, L + 1]
-        starts += [later_start * (K + 1) + K] + [later_start] * (pp - early - 1)
+        entry = later_start * (K + 1) + K  # into the last early stage's positions (b, K)
+        later[0] = np.where(entry < before, later[0], np.inf)
+        starts += [np.minimum(entry, before - 1)] + [later_start] * (pp - early - 1)
         costs += list(later)
         steps += [totals * (K + 1)] * (pp - early)
     finite = np.concatenate([ended[np.isfinite(ended)], whole[np.isfinite(whole)]])
-    return StagedTable(P, tuple(starts), tuple(costs), tuple(steps), finite)
+    return StagedTable(1, tuple(starts), tuple(costs), tuple(steps), finite)
 
 
 def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
