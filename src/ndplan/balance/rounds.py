@@ -77,6 +77,12 @@ class _Greedy:
         weight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
         memory = static[None, None] + weight[:, :, None, None] * activation[None, None]  # [pp, v, G, R]
         self.memory = memory
+        # For dealing options over chunks (``_dealt_mixes``): micro-batches in flight per chunk,
+        # chunks fewest first, each kind's options most bytes first, and which recompute.
+        self.flight, self.static, self.activation = weight, static, activation
+        self.flight_order = np.argsort(weight, axis=1, kind="stable")  # [pp, v]
+        self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
+        self.recomputes = np.array([option != "none" for option in options])
         self.none = options.index("none") if "none" in options else None
         self.base_bytes, self.base_time, self.transient = stage_bases(problem)
         self.limit = problem.memory_limit_bytes
@@ -280,52 +286,47 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
 
     v, G = counts.shape[1:]
     R, S = len(problem.options), len(stages)
-    flight = np.zeros((problem.pp, v))
-    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
-    flight = flight[stages]
-    recomputes = np.array([option != "none" for option in problem.options])
+    flight = greedy.flight[stages]
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
     grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
     time_total: np.ndarray = np.zeros(grid)
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid).copy()
     any_recompute: np.ndarray = np.zeros(grid, dtype=bool)
     void: np.ndarray = np.zeros(grid, dtype=bool)
-    kind_mixes, kind_order = [], []
+    kind_mixes = []
     rows = np.arange(S)[:, None, None]
-    for g, kind in enumerate(greedy.kinds):
-        cost = [problem.costs[(kind, option)] for option in problem.options]
-        activation = np.array([c.activation_bytes for c in cost])
-        by_activation = np.argsort(-activation, kind="stable")
-        heads = _at_most(int(counts[:, :, g].sum(axis=1).max()), R - 1)  # [K, R − 1]
-        rest = counts[:, :, g].sum(axis=1)[:, None] - heads.sum(axis=1)[None]  # [S, K] layers on the last option
+    held = counts.sum(axis=1)  # [S, G] layers of each kind
+    # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
+    slots = _dealt_prefix(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1]
+    for g in range(G):
+        by_activation = greedy.by_activation[g]
+        heads = _at_most(int(held[:, g].max()), R - 1)  # [K, R − 1]
+        rest = held[:, g, None] - heads.sum(axis=1)[None]  # [S, K] layers on the last option
         mixes = np.concatenate([np.broadcast_to(heads, (S, *heads.shape)), np.maximum(rest, 0)[..., None]], axis=2)
-        # In-flight weight of the first k dealt slots of this kind, every stage at once.
-        slots = _dealt_prefix(counts[:, None, :, g], flight)[:, 0]  # [S, n_g + 1]
         ends = np.cumsum(mixes[:, :, by_activation], axis=2)  # [S, K, R]
-        weight = slots[rows, ends] - slots[rows, ends - mixes[:, :, by_activation]]  # [S, K, R]
-        kind_bytes = mixes @ np.array([c.static_bytes for c in cost]) + weight @ activation[by_activation]
+        weight = slots[rows, g, ends] - slots[rows, g, ends - mixes[:, :, by_activation]]  # [S, K, R]
+        kind_bytes = mixes @ greedy.static[g] + weight @ greedy.activation[g, by_activation]
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
-        time_total = time_total + (mixes @ np.array([c.time_s for c in cost])).reshape(shape)
+        time_total = time_total + (mixes @ greedy.time[g]).reshape(shape)
         bytes_total = bytes_total + kind_bytes.reshape(shape)
-        any_recompute = any_recompute | ((mixes @ recomputes) > 0).reshape(shape)
+        any_recompute = any_recompute | ((mixes @ greedy.recomputes) > 0).reshape(shape)
         void = void | (rest < 0).reshape(shape)
         kind_mixes.append(mixes)
-        kind_order.append(by_activation)
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
     seconds = np.where((memory <= limit) & ~void, np.broadcast_to(time_total, memory.shape), np.inf).reshape(S, -1)
     best = np.unravel_index(seconds.argmin(axis=1), memory.shape[1:])  # per kind [S] its mix
+    # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
+    # (``chunks.dealt_chunks``), every stage and kind at once.
+    order = greedy.flight_order[stages]  # [S, v] fewest in flight first
+    capacity = np.take_along_axis(counts, order[:, :, None], 1).transpose(0, 2, 1)  # [S, G, v]
+    active = np.arange(int(capacity.max(initial=0)))[None, None, :, None] < capacity[:, :, None, :]  # [S, G, turn, v]
+    slot_chunk = np.broadcast_to(order[:, None, None, :], active.shape)[active]  # stage-, then kind-major, in turn
+    slot_stage, slot_kind = (np.broadcast_to(index, active.shape)[active]
+                             for index in (np.arange(S)[:, None, None, None], np.arange(G)[None, :, None, None]))
+    mix = np.stack([kind_mixes[g][np.arange(S), best[g]][:, greedy.by_activation[g]] for g in range(G)], axis=1)
+    slot_option = np.repeat(np.broadcast_to(greedy.by_activation, (S, G, R)).reshape(-1), mix.reshape(-1))
     choice = np.zeros((S, v, G, R), dtype=np.int64)
-    for g in range(G):
-        # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
-        # (``chunks.dealt_chunks``), every stage at once.
-        mix = kind_mixes[g][np.arange(S), best[g]][:, kind_order[g]]  # [S, R] layers per option, most bytes first
-        order = np.argsort(flight, axis=1, kind="stable")  # [S, v] fewest in flight first
-        capacity = np.take_along_axis(counts[:, :, g], order, 1)
-        active = np.arange(int(capacity.max(initial=0)))[None, :, None] < capacity[:, None, :]  # [S, turn, v]
-        slot_chunk = np.broadcast_to(order[:, None, :], active.shape)[active]  # stage-major, in turn
-        slot_stage = np.broadcast_to(np.arange(S)[:, None, None], active.shape)[active]
-        slot_option = np.repeat(np.tile(kind_order[g], S), mix.reshape(-1))
-        np.add.at(choice[:, :, g], (slot_stage, slot_chunk, slot_option), 1)
+    np.add.at(choice, (slot_stage, slot_chunk, slot_kind, slot_option), 1)
     return choice, seconds.min(axis=1) + greedy.base_time[stages]
 
 
