@@ -93,25 +93,31 @@ class _Greedy:
         current = order[..., 0]  # [pp, v, G]
         self.start = current.copy()
         steps = max(len(options) - 1, 1)
-        self.step_option = np.empty((*current.shape, steps), dtype=np.int64)
-        self.step_save = np.zeros((*current.shape, steps))  # bytes saved per layer moved
-        self.step_time = np.zeros((*current.shape, steps))  # seconds added per layer moved
-        slope = np.full((*current.shape, steps), np.inf)
+        # The walk over flat (stage, chunk, kind) groups, gathering with flat indices.
+        R = len(options)
+        flat_memory, flat_time = memory.reshape(-1, R), np.ascontiguousarray(time).reshape(-1, R)
+        groups = np.arange(len(flat_memory))
+        at = current.reshape(-1)
+        self.step_option = np.empty((len(groups), steps), dtype=np.int64)
+        self.step_save = np.zeros((len(groups), steps))  # bytes saved per layer moved
+        self.step_time = np.zeros((len(groups), steps))  # seconds added per layer moved
+        slope = np.full((len(groups), steps), np.inf)
         for h in range(steps):
-            here_memory = np.take_along_axis(memory, current[..., None], -1)
-            here_time = np.take_along_axis(time, current[..., None], -1)
-            saved = here_memory - memory
+            saved = flat_memory[groups, at][:, None] - flat_memory
+            added = flat_time - flat_time[groups, at][:, None]
             with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = np.where(saved > 0, (time - here_time) / saved, np.inf)
+                ratio = np.where(saved > 0, added / saved, np.inf)
             best = ratio.argmin(axis=-1)
-            moves = np.isfinite(np.take_along_axis(ratio, best[..., None], -1)[..., 0])
-            nxt = np.where(moves, best, current)
-            self.step_option[..., h] = nxt
-            self.step_save[..., h] = np.where(moves, np.take_along_axis(saved, best[..., None], -1)[..., 0], 0.0)
-            self.step_time[..., h] = np.where(
-                moves, np.take_along_axis(time - here_time, best[..., None], -1)[..., 0], 0.0)
-            slope[..., h] = np.where(moves, np.take_along_axis(ratio, best[..., None], -1)[..., 0], np.inf)
-            current = nxt
+            best_ratio = ratio[groups, best]
+            moves = np.isfinite(best_ratio)
+            at = np.where(moves, best, at)
+            self.step_option[:, h] = at
+            self.step_save[:, h] = np.where(moves, saved[groups, best], 0.0)
+            self.step_time[:, h] = np.where(moves, added[groups, best], 0.0)
+            slope[:, h] = np.where(moves, best_ratio, np.inf)
+        self.step_option = self.step_option.reshape(*current.shape, steps)  # [pp, v, G, steps]
+        self.step_save = self.step_save.reshape(*current.shape, steps)
+        self.step_time = self.step_time.reshape(*current.shape, steps)
         # The order in which a stage's (chunk, kind, step) moves are taken: by slope; a group's
         # steps have rising slopes (a convex hull), and the stable sort keeps them in order.
         self.order = np.argsort(slope.reshape(pp, -1), axis=1, kind="stable")  # [pp, moves]
@@ -122,7 +128,7 @@ class _Greedy:
         self.move_time = self.step_time.reshape(pp, -1)[rows, self.order]
         flat = (pp, -1)
         self.start_time = self.time[np.arange(len(self.kinds))[None, None], self.start].reshape(flat)  # [pp, v·G]
-        self.start_memory = np.take_along_axis(memory, self.start[..., None], -1)[..., 0].reshape(flat)
+        self.start_memory = flat_memory[groups, self.start.reshape(-1)].reshape(flat)
         if self.none is not None:
             self.plain_time = np.broadcast_to(self.time[:, self.none], (pp, v, len(self.kinds))).reshape(flat)
             self.plain_memory = memory[..., self.none].reshape(flat)
