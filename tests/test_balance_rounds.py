@@ -288,3 +288,24 @@ def test_composed_step_of_even_plans_follows_the_simulator(pp, vpp, m):
     plan = Plan(tuple(piled), ("none",) * len(kinds))
     assert not even_chunks(problem, plan.stage_layers)
     assert evaluate(problem, plan).step_s < 0.9 * simulated_step_s(problem, plan, "interleaved")
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(4, 40), pp=st.integers(1, 4), vpp=st.integers(2, 4), limit_gib=st.floats(3, 60),
+       seed=st.integers(0, 10_000), shuffle=st.booleans())
+def test_one_kind_least_bottleneck_without_a_dp_equals_the_dp(layers, pp, vpp, limit_gib, seed, shuffle):
+    """Stage costs that never fall with the total: Z* read off the costs equals the min-max DP's."""
+    from ndplan.balance.chunks import _stage_costs
+    from ndplan.balance.dp import Table, _min_max_monotone, min_max
+
+    if layers < pp * vpp:
+        return
+    problem = chunked_problem(("dense",) * layers, pp, vpp, limit_gib, seed=seed, shuffle=shuffle)
+    totals = np.arange(vpp, layers - (pp - 1) * vpp + 1)
+    least = _stage_costs(problem, totals)[0]
+    if not (least[:, 1:] >= least[:, :-1]).all():
+        return
+    position = np.arange(layers + 1)
+    table = Table(np.maximum(position[None] - totals[:, None], 0),
+                  np.where(position[None, None] >= totals[None, :, None], least[:, :, None], np.inf), totals)
+    assert _min_max_monotone(least, int(totals[0]), layers) == min_max(table)

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ndplan.balance.dp import Table, _at_most, min_max, threshold_search
+from ndplan.balance.dp import Table, _at_most, _min_max_monotone, min_max, threshold_search
 from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
@@ -225,7 +225,9 @@ def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost]
     reachable = position[None] >= totals[:, None]
     cost = np.where(reachable[None], least[:, :, None], np.inf)  # [pp, J, L + 1]
     table = Table(start, cost, totals)
-    z_star = min_max(table)
+    # Stage costs that never fall as totals grow (the usual case) give Z* without a DP pass.
+    monotone = bool((least[:, 1:] >= least[:, :-1]).all())
+    z_star = _min_max_monotone(least, int(totals[0]), L) if monotone else min_max(table)
     if not np.isfinite(z_star):
         return None
     split = threshold_search(table, problem.num_micro_batches * problem.chunks_per_stage - 1, z_star)

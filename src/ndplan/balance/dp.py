@@ -39,7 +39,7 @@ enumerated); each DP pass is V array operations over [segment lengths, end layer
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
@@ -422,15 +422,6 @@ class StagedTable:
 AnyTable = SplitTable | StagedTable
 
 
-def _stages(table: AnyTable) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(start [J, P], cost [J, P], lengths [J]) of each stage in turn."""
-    if isinstance(table, StagedTable):
-        yield from zip(table.starts, table.costs, table.lengths, strict=True)
-    else:
-        for cost in table.cost:
-            yield table.start, cost, table.lengths
-
-
 def _positions(table: AnyTable) -> int:
     """How many positions precede stage 0 (position 0: nothing placed)."""
     return table.positions if isinstance(table, StagedTable) else table.start.shape[1]
@@ -453,8 +444,12 @@ def min_max(table: AnyTable) -> float:
     """Z* by the min-max DP over a table's positions (+inf if no split fits)."""
     best = np.full(_positions(table), np.inf)  # over ends b: least bottleneck of v stages ending at b
     best[0] = 0.0
-    for start, cost, _ in _stages(table):
-        best = np.minimum.reduce(np.maximum(best[start], cost), axis=0)
+    if isinstance(table, StagedTable):
+        for start, cost in zip(table.starts, table.costs, strict=True):
+            best = np.minimum.reduce(np.maximum(best[start], cost), axis=0)
+    else:
+        for cost in table.cost:
+            best = np.minimum.reduce(np.maximum(best[table.start], cost), axis=0)
     return float(best[-1])
 
 
@@ -474,28 +469,32 @@ def _min_max_monotone(table: np.ndarray, shortest: int, L: int) -> float:
 def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]:
     """S(bound), the least Σ_v t_v over splits with every t_v ≤ bound: (sum, the split's
     bottleneck, layers per virtual stage); sum is +inf if no split qualifies."""
-    stages = list(_stages(seg))
+    staged = isinstance(seg, StagedTable)
+    starts: Sequence[np.ndarray]
+    costs: Sequence[np.ndarray] | np.ndarray
     if isinstance(seg, StagedTable):
-        costs = [c if bound == np.inf else np.where(c <= bound, c, np.inf) for _, c, _ in stages]
+        starts = seg.starts
+        costs = seg.costs if bound == np.inf else [np.where(c <= bound, c, np.inf) for c in seg.costs]
     else:
-        costs = list(seg.cost if bound == np.inf else np.where(seg.cost <= bound, seg.cost, np.inf))
+        starts = (seg.start,) * len(seg.cost)
+        costs = seg.cost if bound == np.inf else np.where(seg.cost <= bound, seg.cost, np.inf)
     best = np.full(_positions(seg), np.inf)  # over ends b: least sum of v stages ending at b
     best[0] = 0.0
     totals = []
-    for (start, _, _), cost in zip(stages, costs, strict=True):
+    for start, cost in zip(starts, costs, strict=True):
         total = best[start] + cost  # [J, L + 1]
         totals.append(total)
         best = np.minimum.reduce(total, axis=0)
     if not np.isfinite(best[-1]):
         return float("inf"), float("inf"), ()
-    # Walk back along the argmins; a finite step's start is its position less its length.
     counts, b, bottleneck = [], len(best) - 1, 0.0
-    for v in range(len(totals) - 1, -1, -1):
+    for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
         j = int(totals[v][:, b].argmin())
-        start, _, lengths = stages[v]
-        counts.append(int(lengths[j]))
+        length = int(seg.lengths[v][j] if staged else seg.lengths[j])
+        counts.append(length)
         bottleneck = max(bottleneck, float(costs[v][j, b]))
-        b = int(start[j, b])
+        # A finite step starts at its position less its length (a staged table says where).
+        b = int(starts[v][j, b]) if staged else b - length
     return float(best[-1]), bottleneck, tuple(reversed(counts))
 
 
