@@ -192,7 +192,7 @@ def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: list[np.ndarray]) 
     slot_chunk = np.broadcast_to(order[:, None, :], active.shape)[active]  # stage-major, in turn
     slot_stage = np.broadcast_to(stage[:, None, None], active.shape)[active]
     counts = np.stack(mixes)[:, by_activation]  # [pp, R] layers per option, most bytes first
-    slot_option = np.concatenate([np.repeat(by_activation, row) for row in counts])
+    slot_option = np.repeat(np.broadcast_to(by_activation, counts.shape).reshape(-1), counts.reshape(-1))
     held = np.zeros((pp, v, R), dtype=np.int64)  # [stage, chunk, option] layers
     np.add.at(held, (slot_stage, slot_chunk, slot_option), 1)
     per_virtual = held[problem.stage_of, problem.chunk_of]  # [V, R]
