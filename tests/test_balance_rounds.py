@@ -152,7 +152,7 @@ def test_heuristic_fits_keeps_chunks_even_and_beats_uniform(layers, pp, limit_gi
         return
     kinds = tuple("dense" if i < moe_from else "moe" for i in range(layers))
     problem = chunked_problem(kinds, pp, vpp, limit_gib, seed=seed, schedule=schedule, m=m)
-    assert exact_method(problem) == ("dp" if moe_from == 0 else "milp")
+    assert exact_method(problem) == ("dp" if moe_from <= pp else "milp")  # one kind, or a leading run
     found = solve_heuristic(problem)
     uniform = [evaluate(problem, uniform_plan(problem, o)) for o in problem.options]
     best = best_admissible(problem)
@@ -173,8 +173,8 @@ def test_heuristic_fits_keeps_chunks_even_and_beats_uniform(layers, pp, limit_gi
 def test_milp_relaxation_bounds_the_dealt_optimum(kinds, limit, seed, schedule):
     """The MILP frees options per chunk, a relaxation of dealing them: its optimum and HiGHS'
     bound lie at or below the dealt optimum brute force finds, and its plan keeps chunks even.
-    The exact solver's answer is dealt, never slower than the heuristic's; with one layer kind
-    it is the optimum."""
+    The exact solver's answer is dealt, never slower than the heuristic's; where a DP is exact
+    (one layer kind, or a leading run of another) it is the optimum."""
     problem = chunked_problem(kinds, 2, 2, limit, seed=seed, schedule=schedule)
     best, exact = best_admissible(problem), solve_exact(problem)
     milp, lower_bound = solve_milp_bounded(problem)
@@ -190,7 +190,7 @@ def test_milp_relaxation_bounds_the_dealt_optimum(kinds, limit, seed, schedule):
         assert lower_bound <= brute[1].step_s * (1 + 1e-9)
     assert exact[1].fits and exact[1].step_s <= solve_heuristic(problem)[1].step_s + 1e-9
     assert exact[1].step_s >= best[1].step_s * (1 - 1e-9)  # dealt: never below the dealt optimum
-    if len(set(kinds)) == 1:
+    if exact_method(problem) == "dp":
         assert exact[1].step_s == pytest.approx(best[1].step_s, rel=1e-9)
     assert even_chunks(problem, exact[0].stage_layers) or is_uniform(problem, exact[0])
 
@@ -288,3 +288,24 @@ def test_composed_step_of_even_plans_follows_the_simulator(pp, vpp, m):
     plan = Plan(tuple(piled), ("none",) * len(kinds))
     assert not even_chunks(problem, plan.stage_layers)
     assert evaluate(problem, plan).step_s < 0.9 * simulated_step_s(problem, plan, "interleaved")
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(4, 40), pp=st.integers(1, 4), vpp=st.integers(2, 4), limit_gib=st.floats(3, 60),
+       seed=st.integers(0, 10_000), shuffle=st.booleans())
+def test_one_kind_least_bottleneck_without_a_dp_equals_the_dp(layers, pp, vpp, limit_gib, seed, shuffle):
+    """Stage costs that never fall with the total: Z* read off the costs equals the min-max DP's."""
+    from ndplan.balance.chunks import _stage_costs
+    from ndplan.balance.dp import Table, _min_max_monotone, min_max
+
+    if layers < pp * vpp:
+        return
+    problem = chunked_problem(("dense",) * layers, pp, vpp, limit_gib, seed=seed, shuffle=shuffle)
+    totals = np.arange(vpp, layers - (pp - 1) * vpp + 1)
+    least = _stage_costs(problem, totals)[0]
+    if not (least[:, 1:] >= least[:, :-1]).all():
+        return
+    position = np.arange(layers + 1)
+    table = Table(np.maximum(position[None] - totals[:, None], 0),
+                  np.where(position[None, None] >= totals[None, :, None], least[:, :, None], np.inf), totals)
+    assert _min_max_monotone(least, int(totals[0]), layers) == min_max(table)

@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_from_argument(p)
     add_runtime_arguments(p)
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
-    p.add_argument("--heuristic", action="store_true", help="the fast heuristic instead of the exact solver (dynamic program, or MILP for interleaved pipelines)")
+    p.add_argument("--heuristic", action="store_true", help="the fast heuristic instead of the exact solver (dynamic program, or MILP for interleaved pipelines of other layer-kind mixes)")
     p.add_argument("--emit", choices=EMIT_FORMATS,
                    help="print the plan as that framework's settings")
     p.add_argument("--json", action="store_true", help="machine-readable output")

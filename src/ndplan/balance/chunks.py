@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ndplan.balance.dp import Table, _at_most, min_max, threshold_search
+from ndplan.balance.dp import Table, _at_most, _min_max_monotone, min_max, threshold_search
 from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
@@ -66,15 +66,17 @@ def _chunk_layers(problem: BalanceProblem, totals: np.ndarray) -> np.ndarray:
     levels = np.arange(int(start.max()) + int(totals.max()) + 1)
     filled = np.maximum(levels[None, None, :] - start[:, :, None], 0).sum(axis=1)  # [pp, Λ]
     level = (filled[:, None, :] <= more[None, :, None]).sum(axis=2) - 1  # [pp, J] the highest λ within reach
-    rest = more[None, :] - np.take_along_axis(filled, level, axis=1)  # [pp, J]
+    stage = np.arange(pp)[:, None]  # index grids: plain fancy indexing is cheaper than take_along_axis
+    rest = more[None, :] - filled[stage, level]  # [pp, J]
     loads = np.maximum(start[:, None, :], level[:, :, None])  # [pp, J, v]
     at_level = start[:, None, :] <= level[:, :, None]
     order = np.argsort(flight, axis=1, kind="stable")  # [pp, v] fewest in flight first
     rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(v)[None].repeat(pp, 0), axis=1)  # chunk's place in that order
+    rank[stage, order] = np.arange(v)  # chunk's place in that order
     # Place of each chunk among the chunks at level, in that order.
-    sorted_at_level = np.take_along_axis(at_level, order[:, None, :], axis=2)
-    place = np.take_along_axis(np.cumsum(sorted_at_level, axis=2), rank[:, None, :], axis=2)
+    cell = (stage[:, :, None], np.arange(len(totals))[None, :, None])
+    sorted_at_level = at_level[(*cell, order[:, None, :])]
+    place = np.cumsum(sorted_at_level, axis=2)[(*cell, rank[:, None, :])]
     loads = loads + (at_level & (place <= rest[:, :, None]))
     return loads - units[:, None, :]
 
@@ -112,8 +114,10 @@ def _dealt_prefix(layers: np.ndarray, flight: np.ndarray) -> np.ndarray:
     """[pp, J, S + 1]: Σ of the in-flight weights of the first k dealt slots (``dealt_chunks``)
     of each stage holding ``layers`` [pp, J, v] per chunk, S the most layers of a stage."""
     order = np.argsort(flight, axis=1, kind="stable")  # [pp, v]
-    weight = np.take_along_axis(flight, order, 1)  # [pp, v]
-    capacity = np.take_along_axis(layers, order[:, None, :], 2)  # [pp, J, v]
+    stage = np.arange(len(flight))[:, None]  # index grids: plain fancy indexing is cheaper than take_along_axis
+    cell = (stage[:, :, None], np.arange(layers.shape[1])[None, :, None])
+    weight = flight[stage, order]  # [pp, v]
+    capacity = layers[(*cell, order[:, None, :])]  # [pp, J, v]
     turns = int(capacity.max(initial=0))
     active = np.arange(turns)[None, None, :, None] < capacity[:, :, None, :]  # [pp, J, turn, v]
     flat = active.reshape(*active.shape[:2], -1)
@@ -121,7 +125,7 @@ def _dealt_prefix(layers: np.ndarray, flight: np.ndarray) -> np.ndarray:
     S = int(layers.sum(axis=2).max(initial=0))
     first = np.argsort(~flat, axis=2, kind="stable")[:, :, :S]  # positions of the dealt slots in turn
     out = np.zeros((*layers.shape[:2], S + 1))
-    out[:, :, 1:] = np.take_along_axis(running, first, axis=2)
+    out[:, :, 1:] = running[(*cell, first)]
     return out
 
 
@@ -150,7 +154,13 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     # options in falling activation order, P the slot-weight prefix: R − 1 gathers, not 2·R.
     ends = np.cumsum(mixes[:, by_activation[:-1]], axis=1)  # [K, R − 1] slots used after each option
     falling = activation[by_activation]
-    act_bytes = (slots[:, j_of[:, None], ends] * (falling[:-1] - falling[1:])).sum(axis=2)  # [pp, K]
+    steps = falling[:-1] - falling[1:]
+    if R - 1 < 8:  # the sum over options term by term: what .sum(axis=2) adds, in its order, without a gather of [pp, K, R − 1]
+        act_bytes = slots[:, j_of, ends[:, 0]] * steps[0]  # [pp, K]
+        for r in range(1, R - 1):
+            act_bytes = act_bytes + slots[:, j_of, ends[:, r]] * steps[r]
+    else:  # numpy sums eight terms or more pairwise
+        act_bytes = (slots[:, j_of[:, None], ends] * steps).sum(axis=2)
     act_bytes += slots[:, j_of, totals[j_of]] * falling[-1]
     memory = base_bytes[:, None] + (mixes @ static)[None] + act_bytes
     memory = memory + np.where((mixes @ recomputes) > 0, transient[:, None], 0.0)
@@ -182,7 +192,7 @@ def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: list[np.ndarray]) 
     slot_chunk = np.broadcast_to(order[:, None, :], active.shape)[active]  # stage-major, in turn
     slot_stage = np.broadcast_to(stage[:, None, None], active.shape)[active]
     counts = np.stack(mixes)[:, by_activation]  # [pp, R] layers per option, most bytes first
-    slot_option = np.concatenate([np.repeat(by_activation, row) for row in counts])
+    slot_option = np.repeat(np.broadcast_to(by_activation, counts.shape).reshape(-1), counts.reshape(-1))
     held = np.zeros((pp, v, R), dtype=np.int64)  # [stage, chunk, option] layers
     np.add.at(held, (slot_stage, slot_chunk, slot_option), 1)
     per_virtual = held[problem.stage_of, problem.chunk_of]  # [V, R]
@@ -225,7 +235,9 @@ def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost]
     reachable = position[None] >= totals[:, None]
     cost = np.where(reachable[None], least[:, :, None], np.inf)  # [pp, J, L + 1]
     table = Table(start, cost, totals)
-    z_star = min_max(table)
+    # Stage costs that never fall as totals grow (the usual case) give Z* without a DP pass.
+    monotone = bool((least[:, 1:] >= least[:, :-1]).all())
+    z_star = _min_max_monotone(least, int(totals[0]), L) if monotone else min_max(table)
     if not np.isfinite(z_star):
         return None
     split = threshold_search(table, problem.num_micro_batches * problem.chunks_per_stage - 1, z_star)

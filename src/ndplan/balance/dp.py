@@ -39,6 +39,7 @@ enumerated); each DP pass is V array operations over [segment lengths, end layer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
@@ -401,6 +402,35 @@ class Table:
     lengths: np.ndarray
 
 
+@dataclass(frozen=True)
+class StagedTable:
+    """A split table whose stages need not share their positions: stage v moves from position
+    ``starts[v][j, p]`` of stage v − 1's positions (``positions`` of them before stage 0,
+    starting from 0) to its own position p, at ``costs[v][j, p]`` seconds (+inf where it cannot),
+    and records ``lengths[v][j]`` in the split. The last stage's last position is everything
+    placed. ``thresholds``: the finite costs a bottleneck may take (``threshold_search``'s
+    candidates; a table may list costs of steps it leaves out, so that the search's candidates,
+    and hence its answer among equal splits, stay those of the full table it stands for)."""
+
+    positions: int
+    starts: tuple[np.ndarray, ...]
+    costs: tuple[np.ndarray, ...]
+    lengths: tuple[np.ndarray, ...]
+    thresholds: np.ndarray
+
+
+AnyTable = SplitTable | StagedTable
+
+
+def _positions(table: AnyTable) -> int:
+    """How many positions precede stage 0 (position 0: nothing placed)."""
+    return table.positions if isinstance(table, StagedTable) else table.start.shape[1]
+
+
+def _finite_costs(table: AnyTable) -> np.ndarray:
+    return table.thresholds if isinstance(table, StagedTable) else table.cost[np.isfinite(table.cost)]
+
+
 def _min_max(seg: _Segments) -> float:
     """Z*, the least bottleneck max_v t_v over all splits (+inf if none fits)."""
     if seg.query is None:  # one layer kind: t depends on (v, ℓ) only
@@ -410,12 +440,16 @@ def _min_max(seg: _Segments) -> float:
     return min_max(seg)
 
 
-def min_max(table: SplitTable) -> float:
+def min_max(table: AnyTable) -> float:
     """Z* by the min-max DP over a table's positions (+inf if no split fits)."""
-    best = np.full(table.start.shape[1], np.inf)  # over ends b: least bottleneck of v stages ending at b
+    best = np.full(_positions(table), np.inf)  # over ends b: least bottleneck of v stages ending at b
     best[0] = 0.0
-    for cost in table.cost:
-        best = np.minimum.reduce(np.maximum(best[table.start], cost), axis=0)
+    if isinstance(table, StagedTable):
+        for start, cost in zip(table.starts, table.costs, strict=True):
+            best = np.minimum.reduce(np.maximum(best[start], cost), axis=0)
+    else:
+        for cost in table.cost:
+            best = np.minimum.reduce(np.maximum(best[table.start], cost), axis=0)
     return float(best[-1])
 
 
@@ -432,25 +466,35 @@ def _min_max_monotone(table: np.ndarray, shortest: int, L: int) -> float:
     return float(values[int(passes.argmax())]) if passes.any() else float("inf")
 
 
-def min_sum(seg: SplitTable, bound: float) -> tuple[float, float, tuple[int, ...]]:
+def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]:
     """S(bound), the least Σ_v t_v over splits with every t_v ≤ bound: (sum, the split's
     bottleneck, layers per virtual stage); sum is +inf if no split qualifies."""
-    costs = seg.cost if bound == np.inf else np.where(seg.cost <= bound, seg.cost, np.inf)
-    best = np.full(seg.start.shape[1], np.inf)  # over ends b: least sum of v stages ending at b
+    staged = isinstance(seg, StagedTable)
+    starts: Sequence[np.ndarray]
+    costs: Sequence[np.ndarray] | np.ndarray
+    if isinstance(seg, StagedTable):
+        starts = seg.starts
+        costs = seg.costs if bound == np.inf else [np.where(c <= bound, c, np.inf) for c in seg.costs]
+    else:
+        starts = (seg.start,) * len(seg.cost)
+        costs = seg.cost if bound == np.inf else np.where(seg.cost <= bound, seg.cost, np.inf)
+    best = np.full(_positions(seg), np.inf)  # over ends b: least sum of v stages ending at b
     best[0] = 0.0
     totals = []
-    for cost in costs:
-        total = best[seg.start] + cost  # [J, L + 1]
+    for start, cost in zip(starts, costs, strict=True):
+        total = best[start] + cost  # [J, L + 1]
         totals.append(total)
         best = np.minimum.reduce(total, axis=0)
     if not np.isfinite(best[-1]):
         return float("inf"), float("inf"), ()
-    counts, b, bottleneck = [], seg.start.shape[1] - 1, 0.0
+    counts, b, bottleneck = [], len(best) - 1, 0.0
     for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
         j = int(totals[v][:, b].argmin())
-        counts.append(int(seg.lengths[j]))
-        bottleneck = max(bottleneck, float(costs[v, j, b]))
-        b -= int(seg.lengths[j])
+        length = int(seg.lengths[v][j] if staged else seg.lengths[j])
+        counts.append(length)
+        bottleneck = max(bottleneck, float(costs[v][j, b]))
+        # A finite step starts at its position less its length (a staged table says where).
+        b = int(starts[v][j, b]) if staged else b - length
     return float(best[-1]), bottleneck, tuple(reversed(counts))
 
 
@@ -478,7 +522,7 @@ def _search(seg: _Segments, num_micro_batches: int, uniform: tuple[int, ...] | N
     return threshold_search(seg, weight, _min_max(seg))
 
 
-def threshold_search(seg: SplitTable, weight: float, z_star: float) -> tuple[int, ...] | None:
+def threshold_search(seg: AnyTable, weight: float, z_star: float) -> tuple[int, ...] | None:
     """The split minimising Σ_v t_v + weight·max_v t_v exactly (module docstring, with m − 1 =
     ``weight``), given Z*, the least bottleneck; None if no split fits."""
     least, top, free = min_sum(seg, np.inf)  # S(∞), a lower bound on every split's sum
@@ -492,7 +536,7 @@ def threshold_search(seg: SplitTable, weight: float, z_star: float) -> tuple[int
         best, best_counts = least + weight * top, free
     # Thresholds that could still win: segment costs in (Z*, (best − S(∞)) / (m − 1)).
     cap = (best - least) / weight
-    finite = seg.cost[np.isfinite(seg.cost)]
+    finite = _finite_costs(seg)
     candidates = np.unique(finite[(finite > z_star) & (finite < cap)])
     # Intervals (i, j) of candidate indices with S(candidates[j]) known (i = −1 stands for Z*,
     # j = len for S(∞)); nothing strictly inside beats S_j + (m − 1)·candidates[i + 1].

@@ -1,5 +1,6 @@
-"""Fast balancing with several chunks per stage when a few layers of one kind lead the model
-(dense layers before MoE ones: DeepSeek-V3's first three, DeepSeek-V2-Lite's first one).
+"""Balancing with several chunks per stage when a few layers of one kind lead the model (dense
+layers before MoE ones: DeepSeek-V3's first three, DeepSeek-V2-Lite's first one): a fast
+heuristic and an exact DP.
 
 Plans are given, as in ``ndplan.balance.chunks``, by each stage's total T with its chunks'
 loads as even as they go (``_split``; a leading layer weighs its kind's seconds). Where a layer
@@ -14,18 +15,34 @@ a ≤ K leading layers placed, with steps (T, δ): from (b − T, a − δ) to (
 ``threshold_search`` over the stage costs of the greedy knapsack (``rounds._Greedy``); the
 chosen placement is evened out where the split misjudged a load (``rounds._even_out``) and
 gets each stage's least-time dealt recompute; the uniform placement with one option on every
-layer stays a candidate (with a mix of options too, when the DP finds nothing). A heuristic: the greedy's stage costs and the even split are not exact with two
-layer kinds (``solve_exact`` runs the MILP).
+layer stays a candidate (with a mix of options too, when the DP finds nothing). A heuristic: the
+greedy's stage costs and the one even split per (T, δ) are not exact with two layer kinds.
+
+``solve_prefixed_exact`` runs the same DP exactly: each step (T, δ) costs the least, over every
+even chunk split, of the exact dealt recompute, with the stage totals bounded by the
+heuristic's step (its docstring). Tens of milliseconds for DeepSeek-V3 pp8; tests hold it to
+brute force.
 """
 
 from __future__ import annotations
 
+from math import comb
+
 import numpy as np
 
 from ndplan.balance.chunks import WINDOW
-from ndplan.balance.dp import Table, min_max, threshold_search
-from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, end_units, layer_units
-from ndplan.balance.rounds import _even_out, _Greedy, _plan_of, uniform_candidates
+from ndplan.balance.dp import StagedTable, _compositions, min_max, threshold_search
+from ndplan.balance.problem import (
+    BalanceProblem,
+    Plan,
+    PlanCost,
+    end_units,
+    even_chunks,
+    layer_units,
+    load_spread,
+    uniform_plan,
+)
+from ndplan.balance.rounds import _dealt_mixes, _even_out, _Greedy, _plan_of, uniform_candidates
 
 
 def leading_run(problem: BalanceProblem) -> int | None:
@@ -79,19 +96,7 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     seconds = np.full(possible.shape, np.inf)
     index = np.nonzero(possible)
     seconds[index], *_ = greedy.solve(stages[index[0]], held[index])
-    # DP positions (b, a) encoded b·(K + 1) + a; steps (T, δ) move it by T·(K + 1) + δ.
-    P = (L + 1) * (K + 1)
-    b_end, a_end = np.divmod(np.arange(P), K + 1)
-    step_total = np.repeat(totals, K + 1)
-    step_lead = np.tile(deltas, len(totals))
-    lengths = step_total * (K + 1) + step_lead  # [J·(K + 1)]
-    start = np.maximum(np.arange(P)[None] - lengths[:, None], 0)
-    fits_before = (b_end[None] >= step_total[:, None]) & (a_end[None] >= step_lead[:, None])  # [J', P]
-    whole_chunk = (step_lead[None, :] == n0.reshape(pp, -1))[:, :, None]  # [pp, J', 1]: the run fills the chunk
-    run_ended = (a_end == K)[None, None, :]
-    valid = fits_before[None] & (whole_chunk | run_ended)
-    cost = np.where(valid, seconds.reshape(pp, -1)[:, :, None], np.inf)  # [pp, J', P]
-    table = Table(start, cost, lengths)
+    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L)  # whole chunk: δ = n₀
     z_star = min_max(table)
     if not np.isfinite(z_star):
         return None
@@ -108,6 +113,54 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
                  for virtual in range(problem.num_virtual_stages))
 
 
+def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int) -> StagedTable:
+    """The DP over positions (b, a) of the module docstring, from each stage's cost [pp, J, K + 1]
+    of a step (T, δ) where the leading run goes on past its first chunk (``whole``: δ = n₀, so
+    a < K after it) and where it has ended (``ended``: a = K after it); +inf where none fits.
+
+    Positions (b, a) are encoded b·(K + 1) + a and a step (T, δ) moves one by T·(K + 1) + δ. While
+    leading layers remain, every stage takes at least one (its first chunk holds a layer, and
+    δ = 0 is a step only once the run has ended), so after the first K stages a = K on every
+    split: the later stages take δ = 0 steps only and run over b alone, a table (K + 1)² times
+    smaller with the same splits; the early stages keep the positions they can reach. The
+    thresholds are every finite stage cost, as the full (b, a) table holds each."""
+    pp, J = ended.shape[:2]
+    early = min(K, pp)
+    P = (L + 1) * (K + 1)
+    b_end, a_end = np.divmod(np.arange(P), K + 1)
+    deltas = np.arange(K + 1)
+    step_total = np.repeat(totals, K + 1)
+    step_lead = np.tile(deltas, J)
+    lengths = step_total * (K + 1) + step_lead  # [J·(K + 1)]
+    start = np.maximum(np.arange(P)[None] - lengths[:, None], 0)
+    fits_before = (b_end[None] >= step_total[:, None]) & (a_end[None] >= step_lead[:, None])  # [J', P]
+    run_ended = a_end == K  # [P]
+    # The first i + 1 stages place at most (i + 1)·T_max layers: stage i's positions end there
+    # (a prefix of the encoding), and a step from beyond the previous stage's is void.
+    starts: list[np.ndarray] = []
+    costs: list[np.ndarray] = []
+    before = 1  # positions before stage 0: nothing placed
+    for i in range(early):
+        reach = min(P, (min(L, (i + 1) * int(totals[-1])) + 1) * (K + 1))
+        here = start[:, :reach]
+        step_cost = np.where(run_ended[:reach], ended[i].reshape(-1, 1), whole[i].reshape(-1, 1))  # [J', reach]
+        costs.append(np.where(fits_before[:, :reach] & (here < before), step_cost, np.inf))
+        starts.append(np.minimum(here, before - 1))
+        before = reach
+    steps = [lengths] * early
+    if pp > early:  # positions b, the leading run placed
+        b = np.arange(L + 1)
+        later_start = np.maximum(b[None] - totals[:, None], 0)  # [J, L + 1]
+        later = np.where(b[None, None] >= totals[None, :, None], ended[early:, :, :1], np.inf)  # [pp − early, J, L + 1]
+        entry = later_start * (K + 1) + K  # into the last early stage's positions (b, K)
+        later[0] = np.where(entry < before, later[0], np.inf)
+        starts += [np.minimum(entry, before - 1)] + [later_start] * (pp - early - 1)
+        costs += list(later)
+        steps += [totals * (K + 1)] * (pp - early)
+    finite = np.concatenate([ended[np.isfinite(ended)], whole[np.isfinite(whole)]])
+    return StagedTable(1, tuple(starts), tuple(costs), tuple(steps), finite)
+
+
 def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
            deltas: np.ndarray) -> np.ndarray:
     """[pp, J, K + 1, v] layers of the rest kind in each chunk of the stage at each round-0
@@ -121,24 +174,161 @@ def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray,
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
     ends = np.zeros((pp, v))
     ends[problem.stage_of, problem.chunk_of] = end_units(problem)
-    shape = (pp, len(totals), len(deltas), v)
     is_first = np.arange(v)[None, :] == first_chunk[:, None]  # [pp, v]
-    load = np.broadcast_to((ends[stages] + 0.0)[:, None, None, :], shape).copy()
-    load += np.where(is_first[:, None, None, :], deltas[None, None, :, None] * lead_unit, 0.0)
-    count = np.where(is_first[:, None, None, :], deltas[None, None, :, None], 0) + np.zeros(shape, dtype=np.int64)
-    rest = np.zeros(shape, dtype=np.int64)
-    left = np.broadcast_to(totals[None, :, None] - deltas[None, None, :], shape[:3]).copy()  # rest layers to place
-    # Empty chunks first, then least load, then fewest in flight (a tiny tie-break).
-    rank = np.argsort(np.argsort(flight[stages], axis=1, kind="stable"), axis=1)[:, None, None, :] * 1e-6
-    for _ in range(int(left.max(initial=0))):
-        key = load + rank - 1e9 * (count == 0)
-        pick = key.argmin(axis=3)[..., None]
-        add = (left > 0)[..., None] & (np.arange(v) == pick)
-        rest += add
-        count += add
-        load += add
-        left -= add.any(axis=3)
+    shape = (pp, len(deltas), v)  # [position, δ, chunk]
+    load = np.broadcast_to((ends[stages] + 0.0)[:, None, :], shape).copy()
+    load += np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
+    empty = ~is_first[:, None, :] | (deltas[None, :, None] == 0)  # [pp, K + 1, v] holds no layer yet
+    # Placing one layer at a time on the least key (load, then fewest in flight by a tiny
+    # tie-break, empty chunks first) takes, of every chunk's run of keys for its 1st, 2nd, …
+    # layer (rising: each adds 1 to its load), the least keys overall: sorted, they give the
+    # order in which chunks receive layers, whatever T (T − δ of them are taken). The keys are
+    # summed as that loop would (+1 at a time), so that they compare alike.
+    turns = max(int(totals.max(initial=0)), 1)
+    steps = np.ones((*shape, turns))
+    steps[..., 0] = load
+    rank = np.argsort(np.argsort(flight[stages], axis=1, kind="stable"), axis=1)[:, None, :, None] * 1e-6
+    key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
+    key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
+    order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk
+    receives = order // turns == np.arange(v)[:, None, None, None]  # [v, pp, K + 1, step]: chunk of each step
+    given = np.zeros((pp, len(deltas), v * turns + 1, v), dtype=np.int64)  # layers per chunk after each step
+    given[:, :, 1:] = np.cumsum(receives, axis=3).transpose(1, 2, 3, 0)
+    left = np.clip(totals[:, None] - deltas[None, :], 0, v * turns)  # [J, K + 1] rest layers to place
+    rest = given[:, np.arange(len(deltas))[None, :], left]  # [pp, J, K + 1, v]
     return rest
 
 
-__all__ = ["leading_run", "solve_prefixed"]
+
+
+def solve_prefixed_exact(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
+    """The best plan with even chunks (``even_chunks``) and each stage's options dealt over its
+    chunks, or the uniform placement if that is faster; None if none fits. Exact: the same
+    optimum as ``solve.solve_brute_force`` (with the uniform placement).
+
+    The DP of the heuristic over positions (b, a), with exact stage costs: a step (T, δ) of the
+    stage at round-0 position i costs the least time, over every chunk split n (n_c ≥ 1 layers,
+    Σ n = T, δ of the leading kind first in its first chunk) with even loads, of the least-time
+    dealt recompute that fits (``rounds._dealt_mixes``); ``whole`` where the run goes on past
+    the chunk (n₀ = δ), ``ended`` where it ends in it (n₀ ≥ δ). Every plan with even chunks is
+    such a split of steps at no less cost, and the DP's split, with each step's least split n,
+    is a plan of exactly its cost, so ``threshold_search``'s optimum is the plans'.
+
+    Stage totals are bounded as in ``dp.solve_dp``: the heuristic's step U caps the largest
+    stage time of any better plan at M = (U − S_min/v) / (m − 1/v) (S_min: every layer at its
+    fastest option, plus the embedding and head), and a stage of T layers takes at least the
+    T least layer times, so longer stages are never costed.
+    """
+    K = leading_run(problem)
+    if K is None:
+        raise ValueError("solve_prefixed_exact needs a leading run of at most pp layers of one kind")
+    heuristic = solve_prefixed(problem)
+    L, pp, v = problem.num_layers, problem.pp, problem.chunks_per_stage
+    if L < pp * v:
+        return heuristic
+    longest = L - (pp - 1) * v
+    if heuristic is not None:
+        longest = min(longest, _longest_total(problem, K, heuristic[1].step_s))
+    totals = np.arange(v, max(longest, v) + 1)
+    greedy = _Greedy(problem)
+    whole, ended, split_of = _exact_costs(problem, greedy, K, totals)
+    found = [heuristic] if heuristic is not None else []
+    table = _table(whole, ended, totals, K, L)
+    z_star = min_max(table)
+    split = threshold_search(table, problem.num_micro_batches * v - 1, z_star) if np.isfinite(z_star) else None
+    if split:
+        stages = np.asarray(problem.stage_of[:pp])
+        per_chunk = np.zeros((pp, v), dtype=np.int64)  # [position, local chunk] layers
+        placed = 0
+        for i, step in enumerate(split):
+            total, leading = divmod(int(step), K + 1)
+            placed += leading
+            per_chunk[i] = split_of[int(placed == K), i, total - int(totals[0]), leading]
+        position_of = {int(stage): i for i, stage in enumerate(stages.tolist())}
+        counts = tuple(int(per_chunk[position_of[int(problem.stage_of[virtual])], problem.chunk_of[virtual]])
+                       for virtual in range(problem.num_virtual_stages))
+        # Each stage's least dealt recompute again (the DP kept costs, not mixes); exact but for
+        # stages of over 2^16 mixes (about 110 layers), which keep the greedy's.
+        planned = _plan_of(problem, greedy, counts)
+        found += [planned] if planned is not None else []
+    uniform = uniform_plan(problem, problem.options[0]).stage_layers
+    found += [] if even_chunks(problem, uniform) else uniform_candidates(problem, greedy)
+    return min(found, key=lambda f: f[1].step_s) if found else None
+
+
+def _longest_total(problem: BalanceProblem, K: int, incumbent_s: float) -> int:
+    """The most layers a stage of a plan faster than ``incumbent_s`` can hold
+    (``solve_prefixed_exact``'s docstring); at least v."""
+    v, m = problem.chunks_per_stage, problem.num_micro_batches
+    kinds = problem.layer_kinds
+    least = {kind: min(problem.costs[(kind, option)].time_s for option in problem.options) for kind in set(kinds)}
+    floor = sum(least[kind] for kind in kinds) + problem.first_extra.time_s + problem.last_extra.time_s  # S_min
+    bound = (incumbent_s - floor / v) / (m - 1 / v)
+    bound = bound * (1 + 1e-9) + 1e-12  # rounding: never cut the optimum's stages
+    lead, rest = least[kinds[0]], least[kinds[-1]]
+    T = np.arange(problem.num_layers + 1)
+    fastest = np.minimum(T, K) * min(lead, rest) + np.maximum(T - K, 0) * rest  # the T least layer times
+    fits = np.flatnonzero(fastest <= bound)
+    return max(int(fits[-1]) if len(fits) else 0, v)
+
+
+_EXACT_BATCH = 1 << 18  # mixes priced at once by _exact_costs, bounding temporary memory
+
+
+def _exact_costs(problem: BalanceProblem, greedy: _Greedy, K: int, totals: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``solve_prefixed_exact``'s step costs: ``whole`` and ``ended`` [pp, J, K + 1] seconds per
+    micro-batch (+inf where no even split fits), and [2, pp, J, K + 1, v] the least split n of
+    each (index 0 whole, 1 ended)."""
+    pp, v = problem.pp, problem.chunks_per_stage
+    stages, first_chunk = np.asarray(problem.stage_of[:pp]), np.asarray(problem.chunk_of[:pp])
+    lead, rest = greedy.kinds.index(problem.layer_kinds[0]), greedy.kinds.index(problem.layer_kinds[-1])
+    units = layer_units(problem)
+    lead_unit, rest_unit = units[problem.layer_kinds[0]], units[problem.layer_kinds[-1]]
+    ends = np.zeros((pp, v))
+    ends[problem.stage_of, problem.chunk_of] = end_units(problem)
+    spread = load_spread(problem)
+    # Every split of every total into v chunks of at least one layer: [N, v], and its total.
+    splits = np.concatenate([_compositions(int(T) - v, v) + 1 for T in totals])
+    total_of = splits.sum(axis=1)
+    J = len(totals)
+    whole = np.full((pp, J, K + 1), np.inf)
+    ended = np.full((pp, J, K + 1), np.inf)
+    split_of = np.zeros((2, pp, J, K + 1, v), dtype=np.int64)
+    for i in range(pp):
+        f = int(first_chunk[i])
+        for delta in range(K + 1):
+            # Chunk loads as ``chunk_loads`` weighs them: δ leading layers in the first chunk.
+            loads = splits * rest_unit + ends[stages[i]]
+            loads[:, f] += delta * (lead_unit - rest_unit)
+            even = ((loads <= loads.min(axis=1, keepdims=True) + spread + 1e-9) | (splits == 1)).all(axis=1)
+            keep = np.flatnonzero(even & (splits[:, f] >= delta))
+            if not len(keep):
+                continue
+            held = np.zeros((len(keep), v, len(greedy.kinds)), dtype=np.int64)
+            held[:, :, rest] = splits[keep]
+            held[:, f, rest] -= delta
+            held[:, f, lead] += delta
+            seconds = _priced(problem, greedy, np.full(len(keep), int(stages[i])), held)
+            j = total_of[keep] - int(totals[0])
+            for which, target, allowed in ((0, whole, splits[keep, f] == delta), (1, ended, np.ones(len(keep), bool))):
+                cost = np.where(allowed, seconds, np.inf)
+                # The least cost of each total: sort by (total, cost), first of each total.
+                order = np.lexsort((cost, j))
+                first = order[np.r_[True, j[order][1:] != j[order][:-1]]]
+                target[i, j[first], delta] = cost[first]
+                split_of[which, i, j[first], delta] = splits[keep[first]]
+    return whole, ended, split_of
+
+
+def _priced(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """[Q] ``rounds._dealt_mixes`` seconds of stage ``stages[q]`` holding ``held[q]`` [v, G],
+    in batches of at most ``_EXACT_BATCH`` mixes."""
+    R = len(problem.options)
+    per_query = np.prod([comb(int(n) + R - 1, R - 1) for n in held.sum(axis=1).max(axis=0)])
+    size = max(1, _EXACT_BATCH // max(int(per_query), 1))
+    return np.concatenate([_dealt_mixes(problem, greedy, stages[q:q + size], held[q:q + size])[1]
+                           for q in range(0, len(stages), size)])
+
+
+__all__ = ["leading_run", "solve_prefixed", "solve_prefixed_exact"]

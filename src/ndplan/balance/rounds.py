@@ -34,9 +34,11 @@ chunks (``_exact_stages``), so chunk times stay even; the greedy only ranks plac
 
 from __future__ import annotations
 
+from math import comb
+
 import numpy as np
 
-from ndplan.balance.dp import Table, _compositions, min_max, min_sum
+from ndplan.balance.dp import Table, _at_most, min_max, min_sum
 from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
@@ -75,6 +77,12 @@ class _Greedy:
         weight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
         memory = static[None, None] + weight[:, :, None, None] * activation[None, None]  # [pp, v, G, R]
         self.memory = memory
+        # For dealing options over chunks (``_dealt_mixes``): micro-batches in flight per chunk,
+        # chunks fewest first, each kind's options most bytes first, and which recompute.
+        self.flight, self.static, self.activation = weight, static, activation
+        self.flight_order = np.argsort(weight, axis=1, kind="stable")  # [pp, v]
+        self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
+        self.recomputes = np.array([option != "none" for option in options])
         self.none = options.index("none") if "none" in options else None
         self.base_bytes, self.base_time, self.transient = stage_bases(problem)
         self.limit = problem.memory_limit_bytes
@@ -85,25 +93,31 @@ class _Greedy:
         current = order[..., 0]  # [pp, v, G]
         self.start = current.copy()
         steps = max(len(options) - 1, 1)
-        self.step_option = np.empty((*current.shape, steps), dtype=np.int64)
-        self.step_save = np.zeros((*current.shape, steps))  # bytes saved per layer moved
-        self.step_time = np.zeros((*current.shape, steps))  # seconds added per layer moved
-        slope = np.full((*current.shape, steps), np.inf)
+        # The walk over flat (stage, chunk, kind) groups, gathering with flat indices.
+        R = len(options)
+        flat_memory, flat_time = memory.reshape(-1, R), np.ascontiguousarray(time).reshape(-1, R)
+        groups = np.arange(len(flat_memory))
+        at = current.reshape(-1)
+        self.step_option = np.empty((len(groups), steps), dtype=np.int64)
+        self.step_save = np.zeros((len(groups), steps))  # bytes saved per layer moved
+        self.step_time = np.zeros((len(groups), steps))  # seconds added per layer moved
+        slope = np.full((len(groups), steps), np.inf)
         for h in range(steps):
-            here_memory = np.take_along_axis(memory, current[..., None], -1)
-            here_time = np.take_along_axis(time, current[..., None], -1)
-            saved = here_memory - memory
+            saved = flat_memory[groups, at][:, None] - flat_memory
+            added = flat_time - flat_time[groups, at][:, None]
             with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = np.where(saved > 0, (time - here_time) / saved, np.inf)
+                ratio = np.where(saved > 0, added / saved, np.inf)
             best = ratio.argmin(axis=-1)
-            moves = np.isfinite(np.take_along_axis(ratio, best[..., None], -1)[..., 0])
-            nxt = np.where(moves, best, current)
-            self.step_option[..., h] = nxt
-            self.step_save[..., h] = np.where(moves, np.take_along_axis(saved, best[..., None], -1)[..., 0], 0.0)
-            self.step_time[..., h] = np.where(
-                moves, np.take_along_axis(time - here_time, best[..., None], -1)[..., 0], 0.0)
-            slope[..., h] = np.where(moves, np.take_along_axis(ratio, best[..., None], -1)[..., 0], np.inf)
-            current = nxt
+            best_ratio = ratio[groups, best]
+            moves = np.isfinite(best_ratio)
+            at = np.where(moves, best, at)
+            self.step_option[:, h] = at
+            self.step_save[:, h] = np.where(moves, saved[groups, best], 0.0)
+            self.step_time[:, h] = np.where(moves, added[groups, best], 0.0)
+            slope[:, h] = np.where(moves, best_ratio, np.inf)
+        self.step_option = self.step_option.reshape(*current.shape, steps)  # [pp, v, G, steps]
+        self.step_save = self.step_save.reshape(*current.shape, steps)
+        self.step_time = self.step_time.reshape(*current.shape, steps)
         # The order in which a stage's (chunk, kind, step) moves are taken: by slope; a group's
         # steps have rising slopes (a convex hull), and the stable sort keeps them in order.
         self.order = np.argsort(slope.reshape(pp, -1), axis=1, kind="stable")  # [pp, moves]
@@ -114,10 +128,16 @@ class _Greedy:
         self.move_time = self.step_time.reshape(pp, -1)[rows, self.order]
         flat = (pp, -1)
         self.start_time = self.time[np.arange(len(self.kinds))[None, None], self.start].reshape(flat)  # [pp, v·G]
-        self.start_memory = np.take_along_axis(memory, self.start[..., None], -1)[..., 0].reshape(flat)
+        self.start_memory = flat_memory[groups, self.start.reshape(-1)].reshape(flat)
         if self.none is not None:
             self.plain_time = np.broadcast_to(self.time[:, self.none], (pp, v, len(self.kinds))).reshape(flat)
             self.plain_memory = memory[..., self.none].reshape(flat)
+        # What ``solve`` gathers per query, stacked so that one gather per table serves a batch:
+        # per stage [pp, 3], per chunk and kind [pp, 2 or 4, v·G], per move [pp, 2, moves].
+        self.per_stage = np.stack([self.base_time, self.base_bytes + self.transient, self.base_bytes], axis=1)
+        self.per_group = np.stack([self.start_time, self.start_memory] + (
+            [self.plain_memory, self.plain_time] if self.none is not None else []), axis=1)
+        self.per_move = np.stack([self.move_save, self.move_time], axis=1)
 
     def solve(self, stage: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For queries (``stage`` [Q], ``counts`` [Q, v, G] layers per chunk and kind): least
@@ -126,30 +146,36 @@ class _Greedy:
         Q = len(stage)
         counts = counts.reshape(Q, -1).astype(float)  # [Q, v·G]
         rows = np.arange(Q)
-        time = self.base_time[stage] + (counts * self.start_time[stage]).sum(axis=1)
+        base_time, base_rc, base_plain = self.per_stage[stage].T
+        # Σ over chunks and kinds of layers × start seconds, start bytes (and all-"none" ones).
+        sums = (counts[:, None, :] * self.per_group[stage]).sum(axis=2)  # [Q, 2 or 4]
+        time = base_time + sums[:, 0]
         # Aim a hair under the limit, so that evaluate's own float sums never land just over it.
         limit = self.limit * (1 - _MARGIN)
-        deficit = self.base_bytes[stage] + self.transient[stage] + (counts * self.start_memory[stage]).sum(axis=1) - limit
+        deficit = base_rc + sums[:, 1] - limit
         layers = counts[rows[:, None], self.move_group[stage]]  # [Q, moves] layers each move may take
-        unit_save, unit_time = self.move_save[stage], self.move_time[stage]
-        saved = np.cumsum(layers * unit_save, axis=1)
+        unit_save, unit_time = self.per_move[stage].transpose(1, 0, 2)  # [Q, moves] each
+        # Running sums along the moves, taken down the transposed array (one pass per move, not
+        # one per query; the same sums in the same order).
+        saved = np.cumsum((layers * unit_save).T, axis=0).T
         moves = saved.shape[1]
         whole = (saved < deficit[:, None]).sum(axis=1)  # moves taken whole
         fits = (deficit <= 0) | (whole < moves)
         whole = np.where(deficit <= 0, 0, np.minimum(whole, moves - 1))
-        before = np.where(whole > 0, saved[rows, np.maximum(whole - 1, 0)], 0.0)
+        last = np.maximum(whole - 1, 0)
+        before = np.where(whole > 0, saved[rows, last], 0.0)
         unit = unit_save[rows, whole]
         with np.errstate(divide="ignore", invalid="ignore"):
             partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
         partial = np.where((deficit > 0) & np.isfinite(partial), partial, 0.0)
         partial += (deficit > 0) & (before + partial * unit < deficit)  # rounding: one more layer
         fits &= partial <= layers[rows, whole]
-        spent = np.where(whole > 0, np.cumsum(layers * unit_time, axis=1)[rows, np.maximum(whole - 1, 0)], 0.0)
+        spent = np.where(whole > 0, np.cumsum((layers * unit_time).T, axis=0).T[rows, last], 0.0)
         greedy = np.where(fits, time + spent + partial * unit_time[rows, whole], np.inf)
         plain = np.zeros(Q, dtype=bool)
         if self.none is not None:
-            plain_bytes = self.base_bytes[stage] + (counts * self.plain_memory[stage]).sum(axis=1)
-            plain_time = self.base_time[stage] + (counts * self.plain_time[stage]).sum(axis=1)
+            plain_bytes = base_plain + sums[:, 2]
+            plain_time = base_time + sums[:, 3]
             plain = (plain_bytes <= limit) & (plain_time <= greedy)
             greedy = np.where(plain, plain_time, greedy)
         return greedy, plain, whole, partial.astype(np.int64)
@@ -216,6 +242,7 @@ def _chunk_counts(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, .
 
 
 _EXACT_CELLS = 1 << 16  # mixes per stage beyond which a placement keeps the greedy's recompute
+_BATCH_CELLS = 1 << 18  # mixes priced in one batch (stages padded to the largest), bounding temporary memory
 
 
 def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) -> list[np.ndarray | None]:
@@ -225,55 +252,88 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
 
     Per kind, time depends on its option counts N_r only, and so do the bytes once dealt: every
     combination of the kinds' mixes is priced, with the stage's transient where any layer
-    recomputes. Stages holding as many layers of each kind share their mixes and are priced
-    together. Same answers as ``solve.dealt_knapsack``, vectorised.
+    recomputes. Same answers as ``solve.dealt_knapsack``, vectorised: every stage at once
+    (``_dealt_mixes``), or the stages holding as many layers of each kind together where
+    padding all of them to the largest would price too many mixes.
     """
-    from ndplan.balance.chunks import _dealt_prefix, dealt_chunks
-
-    pp, v, G = held.shape
     R = len(problem.options)
-    flight = np.zeros((pp, v))
-    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
-    recomputes = np.array([option != "none" for option in problem.options])
-    limit = problem.memory_limit_bytes * (1 - _MARGIN)
-    out: list[np.ndarray | None] = [None] * pp
     totals = held.sum(axis=1)  # [pp, G]
-    for signature in {tuple(row) for row in totals.tolist()}:
-        stages = [s for s in range(pp) if tuple(totals[s].tolist()) == signature]
-        mixes = [_compositions(int(n), R) for n in signature]  # per kind [K_g, R]
-        if int(np.prod([len(m) for m in mixes])) > _EXACT_CELLS:
-            continue
-        S = len(stages)
-        time_total: np.ndarray = np.zeros((S,) + (1,) * G)
-        bytes_total: np.ndarray = greedy.base_bytes[stages].reshape((S,) + (1,) * G).copy()
-        any_recompute: np.ndarray = np.zeros((1,) * (G + 1), dtype=bool)
-        for g, kind in enumerate(greedy.kinds):
-            cost = [problem.costs[(kind, option)] for option in problem.options]
-            activation = np.array([c.activation_bytes for c in cost])
-            by_activation = np.argsort(-activation, kind="stable")
-            # In-flight weight of the first k dealt slots of this kind, every stage of the group at once.
-            slots = _dealt_prefix(held[stages, None, :, g], flight[stages])[:, 0]  # [S, n_g + 1]
-            ends = np.cumsum(mixes[g][:, by_activation], axis=1)  # [K, R]
-            weight = slots[:, ends] - slots[:, ends - mixes[g][:, by_activation]]  # [S, K, R]
-            kind_bytes = (mixes[g] @ np.array([c.static_bytes for c in cost]))[None] + weight @ activation[by_activation]
-            shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
-            time_total = time_total + (mixes[g] @ np.array([c.time_s for c in cost])).reshape((1,) + shape[1:])
-            bytes_total = bytes_total + kind_bytes.reshape(shape)
-            any_recompute = any_recompute | ((mixes[g] @ recomputes) > 0).reshape((1,) + shape[1:])
-        memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape((S,) + (1,) * G), 0.0)
-        seconds = np.where(memory <= limit, np.broadcast_to(time_total, memory.shape), np.inf).reshape(S, -1)
-        for i, s in enumerate(stages):
-            if not np.isfinite(seconds[i]).any():
-                continue
-            best = np.unravel_index(int(seconds[i].argmin()), memory.shape[1:])
-            choice = np.zeros((v, G, R), dtype=np.int64)
-            for g in range(G):
-                activation = np.array([problem.costs[(greedy.kinds[g], o)].activation_bytes for o in problem.options])
-                by_activation = np.argsort(-activation, kind="stable")
-                queue = np.repeat(by_activation, mixes[g][best[g]][by_activation])  # options, most bytes first
-                np.add.at(choice[:, g], (dealt_chunks(held[s, :, g], flight[s]), queue), 1)
-            out[s] = choice
+    sizes = np.prod([[comb(int(n) + R - 1, R - 1) for n in row] for row in totals.tolist()], axis=1)  # mixes per stage
+    priced = np.flatnonzero(sizes <= _EXACT_CELLS)
+    out: list[np.ndarray | None] = [None] * problem.pp
+    if not len(priced):
+        return out
+    padded = len(priced) * np.prod([comb(int(n) + R - 1, R - 1) for n in totals[priced].max(axis=0)])
+    if padded <= _BATCH_CELLS:
+        batches = [priced]
+    else:
+        signature = [tuple(row) for row in totals[priced].tolist()]
+        batches = [priced[[i for i, s in enumerate(signature) if s == key]] for key in dict.fromkeys(signature)]
+    for stages in batches:
+        choice, seconds = _dealt_mixes(problem, greedy, stages, held[stages])
+        fits = np.isfinite(seconds)
+        for i in np.flatnonzero(fits).tolist():
+            out[int(stages[i])] = choice[i]
     return out
+
+
+def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, counts: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``_exact_stages`` for S queries at once, stage ``stages[i]`` holding ``counts[i]`` [v, G]
+    layers per chunk and kind: [S, v, G, R] the least-time dealt mix of each and [S] its seconds
+    per micro-batch (+inf where none fits).
+
+    Each kind's mixes are padded to the most layers a stage holds: a mix is its counts on the
+    first R − 1 options (``dp._at_most``, in the order of ``dp._compositions``), the last
+    option taking the rest, void where that is negative. The first least-time combination in
+    that order wins, as in ``solve.dealt_knapsack``.
+    """
+    from ndplan.balance.chunks import _dealt_prefix
+
+    v, G = counts.shape[1:]
+    R, S = len(problem.options), len(stages)
+    flight = greedy.flight[stages]
+    limit = problem.memory_limit_bytes * (1 - _MARGIN)
+    grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
+    time_total: np.ndarray = np.zeros(grid)
+    bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid).copy()
+    any_recompute: np.ndarray = np.zeros(grid, dtype=bool)
+    void: np.ndarray = np.zeros(grid, dtype=bool)
+    kind_mixes = []
+    rows = np.arange(S)[:, None, None]
+    held = counts.sum(axis=1)  # [S, G] layers of each kind
+    # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
+    slots = _dealt_prefix(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1]
+    for g in range(G):
+        by_activation = greedy.by_activation[g]
+        heads = _at_most(int(held[:, g].max()), R - 1)  # [K, R − 1]
+        rest = held[:, g, None] - heads.sum(axis=1)[None]  # [S, K] layers on the last option
+        mixes = np.concatenate([np.broadcast_to(heads, (S, *heads.shape)), np.maximum(rest, 0)[..., None]], axis=2)
+        ends = np.cumsum(mixes[:, :, by_activation], axis=2)  # [S, K, R]
+        weight = slots[rows, g, ends] - slots[rows, g, ends - mixes[:, :, by_activation]]  # [S, K, R]
+        kind_bytes = mixes @ greedy.static[g] + weight @ greedy.activation[g, by_activation]
+        shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
+        time_total = time_total + (mixes @ greedy.time[g]).reshape(shape)
+        bytes_total = bytes_total + kind_bytes.reshape(shape)
+        any_recompute = any_recompute | ((mixes @ greedy.recomputes) > 0).reshape(shape)
+        void = void | (rest < 0).reshape(shape)
+        kind_mixes.append(mixes)
+    memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
+    seconds = np.where((memory <= limit) & ~void, np.broadcast_to(time_total, memory.shape), np.inf).reshape(S, -1)
+    best = np.unravel_index(seconds.argmin(axis=1), memory.shape[1:])  # per kind [S] its mix
+    # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
+    # (``chunks.dealt_chunks``), every stage and kind at once.
+    order = greedy.flight_order[stages]  # [S, v] fewest in flight first
+    capacity = np.take_along_axis(counts, order[:, :, None], 1).transpose(0, 2, 1)  # [S, G, v]
+    active = np.arange(int(capacity.max(initial=0)))[None, None, :, None] < capacity[:, :, None, :]  # [S, G, turn, v]
+    slot_chunk = np.broadcast_to(order[:, None, None, :], active.shape)[active]  # stage-, then kind-major, in turn
+    slot_stage, slot_kind = (np.broadcast_to(index, active.shape)[active]
+                             for index in (np.arange(S)[:, None, None, None], np.arange(G)[None, :, None, None]))
+    mix = np.stack([kind_mixes[g][np.arange(S), best[g]][:, greedy.by_activation[g]] for g in range(G)], axis=1)
+    slot_option = np.repeat(np.broadcast_to(greedy.by_activation, (S, G, R)).reshape(-1), mix.reshape(-1))
+    choice = np.zeros((S, v, G, R), dtype=np.int64)
+    np.add.at(choice, (slot_stage, slot_chunk, slot_kind, slot_option), 1)
+    return choice, seconds.min(axis=1) + greedy.base_time[stages]
 
 
 def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], exact: bool = True

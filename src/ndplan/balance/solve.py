@@ -6,7 +6,9 @@
   the fast solvers are tested against.
 * ``solve_exact``: with one virtual stage per physical stage (no interleaving), the exact
   dynamic program of ``ndplan.balance.dp`` (milliseconds); with several chunks per stage and one
-  layer kind, the exact DP over stage totals of ``ndplan.balance.chunks``; else, as chunks
+  layer kind, the exact DP over stage totals of ``ndplan.balance.chunks``, or with a leading run
+  of another kind the exact DP over stage totals and that run of ``ndplan.balance.prefix``;
+  else, as chunks
   share a stage's memory, a mixed-integer program (``solve_milp``, scipy's HiGHS) over layer
   placement and recompute counts with linear memory constraints, the composed step time as
   objective, and a stage's chunks within one layer of each other (``even_chunks``).
@@ -31,7 +33,7 @@ from ndplan.balance.chunks import WINDOW as CHUNKS_WINDOW
 from ndplan.balance.chunks import one_layer_kind, solve_chunks
 from ndplan.balance.dp import WINDOW as HEURISTIC_WINDOW
 from ndplan.balance.dp import one_chunk_per_stage, solve_dp
-from ndplan.balance.prefix import leading_run, solve_prefixed
+from ndplan.balance.prefix import leading_run, solve_prefixed, solve_prefixed_exact
 from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
@@ -225,23 +227,27 @@ def solve_heuristic(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
 
 
 def exact_method(problem: BalanceProblem) -> str:
-    """Which exact solver ``solve_exact`` runs on ``problem``: "dp" (one chunk per stage, or one
-    layer kind) or "milp"."""
-    return "dp" if one_chunk_per_stage(problem) or one_layer_kind(problem) else "milp"
+    """Which exact solver ``solve_exact`` runs on ``problem``: "dp" (one chunk per stage, one
+    layer kind, or a leading run of another kind) or "milp"."""
+    dp = one_chunk_per_stage(problem) or one_layer_kind(problem) or leading_run(problem) is not None
+    return "dp" if dp else "milp"
 
 
 def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Plan, PlanCost] | None:
     """The best plan, or None if none fits: the exact DP without interleaving
-    (``ndplan.balance.dp``) or with one layer kind (over even chunks with dealt options,
-    ``ndplan.balance.chunks``); else the MILP's placement (``solve_milp``) with its recompute
-    dealt, or the heuristic's plan if faster. The MILP is exact for its relaxation only (options
-    free per chunk), and HiGHS stops at ``time_limit_s``: ``solve_milp_bounded`` gives the
-    bound that measures how far the answer can be from the optimum.
+    (``ndplan.balance.dp``), with one layer kind (over even chunks with dealt options,
+    ``ndplan.balance.chunks``) or with a leading run of another kind (the same,
+    ``prefix.solve_prefixed_exact``); else the MILP's placement (``solve_milp``) with its
+    recompute dealt, or the heuristic's plan if faster. The MILP is exact for its relaxation
+    only (options free per chunk), and HiGHS stops at ``time_limit_s``: ``solve_milp_bounded``
+    gives the bound that measures how far the answer can be from the optimum.
     """
     if one_chunk_per_stage(problem):
         return solve_dp(problem)
     if one_layer_kind(problem):
         return solve_chunks(problem)
+    if leading_run(problem) is not None:
+        return solve_prefixed_exact(problem)
     fallback = solve_heuristic(problem)
     # The heuristic's step as a cutoff: HiGHS prunes every branch that cannot beat it.
     found = _milp_dealt(problem, time_limit_s, None if fallback is None else fallback[1].step_s)
