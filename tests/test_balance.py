@@ -110,6 +110,29 @@ def test_built_problem_reproduces_the_estimator_for_the_uniform_plan():
         np.testing.assert_allclose(cost.stage_memory_bytes, expected, rtol=1e-9)
 
 
+@pytest.mark.parametrize("kinds,pp,vpp,limit,options", [
+    (("dense",) * 8, 2, 1, 12 * GIB, ("none", "selective", "full")),
+    (("dense", "dense", "moe", "moe", "moe", "moe", "moe", "moe"), 2, 2, 10 * GIB, ("none", "selective", "full")),
+    (("moe",) * 12, 3, 1, 9 * GIB, ("none", "full")),
+])
+def test_settings_plan_is_one_setting_and_between_the_plan_and_uniform(kinds, pp, vpp, limit, options):
+    """What --emit writes: one recompute setting (collapsing it changes nothing), runnable,
+    fitting, no faster than the per-layer optimum and no slower than uniform full recompute."""
+    from dataclasses import replace
+
+    from ndplan.balance.build import best_settings_plan, settings_plan
+
+    problem = replace(make_problem(kinds, pp, limit, vpp=vpp), options=options)
+    plan, cost = solve_brute_force(problem)
+    uniform = uniform_plan(problem, "full")
+    settings, settings_cost = best_settings_plan(problem, plan, uniform)
+    assert settings_plan(settings) == settings and set(settings.recompute) <= set(options)
+    again = evaluate(problem, settings)
+    assert settings_cost.fits and settings_cost.step_s == again.step_s
+    np.testing.assert_array_equal(settings_cost.stage_memory_bytes, again.stage_memory_bytes)
+    assert cost.step_s <= settings_cost.step_s + 1e-12 <= evaluate(problem, uniform).step_s + 1e-12
+
+
 def test_balance_fits_and_is_never_slower_than_uniform_full_recompute():
     from ndplan.balance import balance
     from ndplan.hardware import Cluster, get_device

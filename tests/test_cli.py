@@ -233,7 +233,13 @@ def test_balance_checks_its_plan_with_the_full_estimator(capsys):
             "--schedule", "zbv", "--num-micro-batches", "16", "--seq", "4096", "--gbs", "64", "--memory-limit", "44GiB"]
     code, out, _ = run(argv, capsys)
     assert code == 0
-    assert "check: the full estimator, with the plan as framework settings" in out and ": fits" in out
+    assert "check: the full estimator, with the settings --emit writes" in out and ": fits" in out
     code, out, _ = run([*argv, "--json"], capsys)
     data = json.loads(out)
     assert code == 0 and max(data["estimated_stage_bytes"]) <= 44 * 2**30
+    # What --emit writes (one recompute setting) is priced too: between the per-layer plan and
+    # the uniform full-recompute baseline.
+    settings = data["as_settings"]
+    if settings is not None:
+        assert "as one recompute setting, what --emit writes" in run(argv, capsys)[1]
+        assert data["after"]["step_s"] <= settings["step_s"] <= data["before"]["step_s"] and settings["fits"]

@@ -203,6 +203,16 @@ def test_balanced_ranking_equals_balancing_every_candidate():
     # Every balanced row carries the full estimator's check of its plan beside the balancer's own figure.
     balanced_rows = [r for r in rows if "balanced_peak_bytes" in r]
     assert balanced_rows and all(r["balanced_estimated_peak_bytes"] > 0 for r in balanced_rows)
+    # ... and what one recompute setting (--emit) makes of it, a Strategy of the same parallelism.
+    from ndplan.strategy import Strategy
+
+    for row in balanced_rows:
+        one = row["balanced_settings"]
+        strategy = Strategy(**one["strategy"])
+        assert sum(strategy.stage_layers) == TINY_MOE.num_layers and list(strategy.stage_layers) == one["stage_layers"]
+        assert (strategy.tp, strategy.pp, strategy.vpp) == (row["tp"], row["pp"], row["vpp"]) and one["step_s"] > 0
+        if one["is_the_plan"]:  # the plan took one setting already: the same step
+            assert one["step_s"] == pytest.approx(row["step_s"], rel=1e-12)
 
 
 def test_without_a_pipeline_only_1f1b_is_ranked():

@@ -254,7 +254,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
     if args.emit:
         from ndplan.io import emit
 
-        data["emitted"] = emit(model, plan_strategy(strategy, result.plan), args.emit)
+        data["emitted"] = emit(model, plan_strategy(strategy, result.emitted_plan), args.emit)
     if args.json:
         _emit_json(data)
         return 0
@@ -273,15 +273,22 @@ def cmd_balance(args: argparse.Namespace) -> int:
     console.print("before: uniform placement, full recompute on every layer; times are per micro-batch (F+B+W)")
     console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
     console.print("recompute: " + ", ".join(f"layers {a}-{a + n - 1} {o}" for a, n, o in result.plan.ranges()))
-    if result.estimated_stage_bytes is not None:
-        worst = float(result.estimated_stage_bytes.max())
-        verdict = "fits" if worst <= limit else f"[bold red]over the limit by {format_bytes(worst - limit)}[/]"
-        console.print(f"check: the full estimator, with the plan as framework settings "
-                      f"({plan_strategy(strategy, result.plan).short()}), puts the largest stage at "
-                      f"{format_bytes(worst)}: {verdict}")
     console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s ({100 * result.gain:.1f}% faster), "
                   f"composed from the stage times; the pipeline simulator gives {result.simulated_s[0]:.3f} s → "
                   f"{result.simulated_s[1]:.3f} s ({100 * (1 - result.simulated_s[1] / result.simulated_s[0]):.1f}% faster)")
+    if result.settings is not None:
+        # --emit (and frameworks generally) take one recompute setting, not a per-layer mix.
+        plan, cost, simulated = result.settings
+        console.print(f"as one recompute setting, what --emit writes: {plan_strategy(strategy, plan).short()}, layers "
+                      f"{list(plan.stage_layers)}: step {cost.step_s:.3f} s ({100 * (1 - cost.step_s / base_cost.step_s):.1f}% "
+                      f"faster; simulated {simulated:.3f} s), largest stage {format_bytes(float(cost.stage_memory_bytes.max()))}; "
+                      f"the per-layer mix above needs a framework that sets recompute layer by layer")
+    if result.estimated_stage_bytes is not None:
+        worst = float(result.estimated_stage_bytes.max())
+        verdict = "fits" if worst <= limit else f"[bold red]over the limit by {format_bytes(worst - limit)}[/]"
+        console.print(f"check: the full estimator, with the settings --emit writes "
+                      f"({plan_strategy(strategy, result.emitted_plan).short()}), puts the largest stage at "
+                      f"{format_bytes(worst)}: {verdict}")
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False)
@@ -365,13 +372,21 @@ def cmd_search(args: argparse.Namespace) -> int:
             f"--balance: every fitting candidate ranked by its balanced plan (pipelines: layers per stage and "
             f"chunk, recompute per layer); {balanced:,} balanced, the others' lower bound already above the top "
             f"{args.top}")
+        one_setting = result.ranked[0].get("balanced_settings") if result.ranked else None
+        if one_setting is not None and not one_setting["is_the_plan"]:
+            result.notes.append(
+                f"the winner's per-layer recompute needs a framework that sets it layer by layer; as one recompute "
+                f"setting (what --emit writes) it is {one_setting['label']}, layers {one_setting['stage_layers']}, "
+                f"step {one_setting['step_s']:.3f} s")
     data = search_result_dict(result, model, device, space)
     if args.csv:
         _write_csv(args.csv, result.ranked)
     if args.emit and result.best:
         from ndplan.io import emit
 
-        data["emitted"] = emit(model, Strategy(**result.best["strategy"], precision=get_precision(args.precision)), args.emit)
+        # A balanced winner is written as the settings one recompute setting expresses.
+        chosen = result.best.get("balanced_settings", result.best)["strategy"]
+        data["emitted"] = emit(model, Strategy(**chosen, precision=get_precision(args.precision)), args.emit)
     if args.json:
         _emit_json(data)
         return 0 if result.ranked else 1
@@ -426,11 +441,15 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
     )
     if result.ranked:
         table = Table(title=f"Fastest strategies that fit in {format_bytes(result.memory_limit_bytes)}")
-        for col in ["#", "strategy", "peak", "stage", "step", "tokens/s", "MFU"]:
+        # Balanced rows step with a per-layer recompute mix; what one recompute setting (--emit) gets beside it.
+        settings = any("balanced_settings" in row for row in result.ranked)
+        columns = ["#", "strategy", "peak", "stage", "step", *(["one setting"] if settings else []), "tokens/s", "MFU"]
+        for col in columns:
             table.add_column(col, justify="left" if col == "strategy" else "right")
         for i, row in enumerate(result.ranked, 1):
+            one = [f"{row['balanced_settings']['step_s']:.3f} s" if "balanced_settings" in row else "-"] if settings else []
             table.add_row(str(i), row["label"], format_bytes(row["peak_bytes"]), str(row["peak_stage"]),
-                          f"{row['step_s']:.3f} s", f"{row.get('tokens_per_s', 0):,.0f}", f"{100 * row.get('mfu', 0):.1f}%")
+                          f"{row['step_s']:.3f} s", *one, f"{row.get('tokens_per_s', 0):,.0f}", f"{100 * row.get('mfu', 0):.1f}%")
         console.print(table)
         front = Table(title="Pareto front (step time vs peak memory)")
         for col in ["strategy", "peak", "step"]:

@@ -149,9 +149,18 @@ class BalanceResult:
     solver: str  # "dp" or "milp" (exact), or "heuristic"
     solve_seconds: float
     simulated_s: tuple[float, float]  # (baseline, plan) steps by the pipeline simulator, a check of the composed ones
-    #: Per stage, the full estimator's device peak for the plan as framework settings
-    #: (``plan_strategy``): a check of the balancer's memory model, which moves layer terms only.
+    #: Per stage, the full estimator's device peak for the settings --emit writes
+    #: (``plan_strategy`` of ``emitted_plan``): a check of the balancer's memory model, which
+    #: moves layer terms only.
     estimated_stage_bytes: np.ndarray | None = None
+    #: The fastest plan one recompute setting expresses (``best_settings_plan``), its cost and
+    #: simulated step: what ``--emit`` writes, where it differs from the plan.
+    settings: tuple[Plan, PlanCost, float] | None = None
+
+    @property
+    def emitted_plan(self) -> Plan:
+        """The plan frameworks that take one recompute setting can run (``--emit`` writes it)."""
+        return self.plan if self.settings is None else self.settings[0]
 
     @property
     def gain(self) -> float:
@@ -175,6 +184,13 @@ class BalanceResult:
                           "gain": 1.0 - self.simulated_s[1] / self.simulated_s[0]},
             "estimated_stage_bytes": None if self.estimated_stage_bytes is None
             else self.estimated_stage_bytes.round().tolist(),
+            "as_settings": None if self.settings is None else {
+                "recompute_ranges": [{"first": a, "count": n, "option": o} for a, n, o in self.settings[0].ranges()],
+                "stage_memory_bytes": self.settings[1].stage_memory_bytes.round().tolist(),
+                "step_s": self.settings[1].step_s, "fits": self.settings[1].fits,
+                "gain": 1.0 - self.settings[1].step_s / base_cost.step_s,
+                "simulated_step_s": self.settings[2],
+            },
         }
 
 
@@ -203,9 +219,13 @@ def balance(
         )
     simulated = (simulated_step_s(problem, baseline_plan, strategy.schedule),
                  simulated_step_s(problem, found[0], strategy.schedule))
-    estimated = plan_stage_bytes(model, strategy, found[0], options)
+    as_settings = best_settings_plan(problem, found[0], baseline_plan)
+    settings = None if as_settings[0] == found[0] else (
+        *as_settings, simulated_step_s(problem, as_settings[0], strategy.schedule))
+    # The full estimator checks what a framework will run: the settings --emit writes.
+    estimated = plan_stage_bytes(model, strategy, found[0] if settings is None else settings[0], options)
     return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic", seconds,
-                         simulated, estimated)
+                         simulated, estimated, settings)
 
 
 def plan_stage_bytes(model: ModelSpec, strategy: Strategy, plan: Plan, options: MemoryOptions | None = None) -> np.ndarray:
@@ -217,19 +237,63 @@ def plan_stage_bytes(model: ModelSpec, strategy: Strategy, plan: Plan, options: 
                         stage_layers=tuple(plan.stage_layers)).device[0, : strategy.pp]
 
 
-def plan_strategy(strategy: Strategy, plan: Plan) -> Strategy:
-    """The plan in a Strategy's terms, for frameworks that take one recompute setting: the uneven
-    placement, the strongest recompute option the plan uses, and as many recomputed layers per
-    virtual stage as the plan's busiest one (never less memory-saving than the plan)."""
+def _one_setting(plan: Plan) -> tuple[str, int]:
+    """(option, layers per virtual stage; 0 for all) of the plan as one recompute setting: the
+    strongest option the plan uses, on as many leading layers of each virtual stage as the plan's
+    busiest one recomputes (never less memory-saving than the plan)."""
     options = set(plan.recompute)
     option = "full" if "full" in options else "selective" if "selective" in options else "none"
     if option == "none":
-        return strategy.model_copy(update={"stage_layers": plan.stage_layers, "recompute": "none", "recompute_layers": 0})
+        return option, 0
     most, layer = 0, 0
     for count in plan.stage_layers:
         most = max(most, sum(1 for r in plan.recompute[layer:layer + count] if r != "none"))
         layer += count
-    every = most >= max(plan.stage_layers)
-    return strategy.model_copy(update={
-        "stage_layers": plan.stage_layers, "recompute": option, "recompute_layers": 0 if every else most,
-    })
+    return option, 0 if most >= max(plan.stage_layers) else most
+
+
+def plan_strategy(strategy: Strategy, plan: Plan) -> Strategy:
+    """The plan in a Strategy's terms, for frameworks that take one recompute setting (Megatron's
+    --recompute-granularity with --recompute-num-layers, torchtitan's activation checkpointing):
+    the uneven placement and ``_one_setting``'s recompute."""
+    option, layers = _one_setting(plan)
+    return strategy.model_copy(update={"stage_layers": plan.stage_layers, "recompute": option, "recompute_layers": layers})
+
+
+def best_settings_plan(problem: BalanceProblem, plan: Plan, uniform: Plan) -> tuple[Plan, PlanCost]:
+    """The fastest plan one recompute setting expresses, on the plan's placement or the uniform
+    one: no recompute, selective on every layer, or full on the first k layers of each virtual
+    stage (Megatron's --recompute-method block; every layer: uniform). Among those that fit (the
+    uniform placement under full recompute is the baseline), the quickest, ties to the placement
+    and option listed first. A per-layer mix needs a framework that sets recompute layer by layer;
+    this is what the others can run."""
+    best: tuple[Plan, PlanCost] | None = None
+    for layers in dict.fromkeys((plan.stage_layers, uniform.stage_layers)):
+        widest = max(layers)
+        candidates = [("none", 0), ("selective", 0), *(("full", k) for k in range(1, widest)), ("full", 0)]
+        for option, k in candidates:
+            if option not in problem.options:  # not runnable here (selective under a split backward)
+                continue
+            recompute: list[str] = []
+            for count in layers:
+                recomputed = count if k == 0 else min(k, count)
+                recompute += [option] * recomputed + ["none"] * (count - recomputed)
+            candidate = Plan(layers, tuple(recompute))
+            cost = evaluate(problem, candidate)
+            if cost.fits and (best is None or cost.step_s < best[1].step_s):
+                best = (candidate, cost)
+    if best is None:  # nothing fits as one setting: report the plan's own collapse
+        collapsed = settings_plan(plan)
+        return collapsed, evaluate(problem, collapsed)
+    return best
+
+
+def settings_plan(plan: Plan) -> Plan:
+    """The plan as ``plan_strategy``'s settings run it: per virtual stage, its first
+    ``recompute_layers`` layers (all where 0) under the one option, the others none."""
+    option, layers = _one_setting(plan)
+    recompute: list[str] = []
+    for count in plan.stage_layers:
+        recomputed = count if layers == 0 else min(layers, count)
+        recompute += [option] * recomputed + ["none"] * (count - recomputed)
+    return Plan(plan.stage_layers, tuple(recompute))

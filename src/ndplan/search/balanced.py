@@ -19,7 +19,7 @@ import numpy as np
 
 from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
 from ndplan.balance.bound import balanced_step_lower_bound
-from ndplan.balance.build import plan_stage_bytes
+from ndplan.balance.build import best_settings_plan, plan_stage_bytes, plan_strategy
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.stages import peak_memory
@@ -76,7 +76,8 @@ def rank_balanced(
                 uniform = evaluate(problem, uniform_plan(problem, strategy.recompute))
                 ratio = found[1].step_s / uniform.step_s
                 value *= ratio
-                plans[candidate] = {"ratio": ratio, "plan": found[0], "cost": found[1]}
+                plans[candidate] = {"ratio": ratio, "plan": found[0], "cost": found[1], "problem": problem,
+                                    "uniform_step_s": uniform.step_s}
         entry = (-value, -candidate, int(position))
         if len(kept) < top:
             heapq.heappush(kept, entry)
@@ -110,6 +111,16 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             row["balanced_estimated_peak_bytes"] = round(float(estimated.max()))
             row["balanced_stage_layers"] = list(found["plan"].stage_layers)
             row["balanced_recompute"] = [{"first": a, "count": n, "option": o} for a, n, o in found["plan"].ranges()]
+            # What --emit writes: the fastest plan one recompute setting expresses, priced alike.
+            problem = found["problem"]
+            settings, settings_cost = best_settings_plan(problem, found["plan"], uniform_plan(problem, "full"))
+            strategy = plan_strategy(space.strategy(int(candidate)), settings)
+            row["balanced_settings"] = {
+                "label": strategy.short(), "stage_layers": list(settings.stage_layers),
+                "step_s": row["unbalanced_step_s"] * settings_cost.step_s / found["uniform_step_s"],
+                "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
+                "is_the_plan": settings == found["plan"],  # the plan took one setting already
+            }
             row["label"] += " (balanced)"
         rows.append(row)
     return rows

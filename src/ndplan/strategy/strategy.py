@@ -122,5 +122,6 @@ class Strategy(BaseModel):
             parts.append(("fsdp" if self.fsdp else "zero") + str(self.zero))
         parts += [f"mbs{self.micro_batch_size}", f"m{self.num_micro_batches}", self.schedule]
         if self.recompute != "none":
-            parts.append(f"rc-{self.recompute}")
+            # rc-full:2 recomputes the first two layers of each virtual stage
+            parts.append(f"rc-{self.recompute}" + (f":{self.recompute_layers}" if self.recompute_layers else ""))
         return " ".join(parts)
