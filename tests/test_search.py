@@ -215,6 +215,60 @@ def test_balanced_ranking_equals_balancing_every_candidate():
             assert one["step_s"] == pytest.approx(row["step_s"], rel=1e-12)
 
 
+def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():
+    """search --balance one-setting ranks by the fastest plan one recompute setting expresses
+    (what Megatron runs); pruned by the same bound, it equals pricing every candidate that way.
+    Llama-3.1-8B on 8 devices under 30 GiB: there the per-layer ranking differs."""
+    from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
+    from ndplan.balance.build import best_settings_plan, settings_plan
+    from ndplan.model import get_preset
+    from ndplan.search.balanced import rank_balanced
+    from ndplan.strategy import Strategy
+
+    model = get_preset("llama-3.1-8b")
+    space = default_space(model, DEVICE, 8, 32, 4096, get_precision("megatron-bf16"),
+                          dims=("tp", "pp", "schedule", "recompute", "zero"))
+    limit = 30 * 2**30
+    result = run_search(model, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=5)
+    cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
+    every = []
+    for candidate, step in zip(result.candidates_index, result.candidates_time_s, strict=True):
+        strategy = space.strategy(int(candidate))
+        value = float(step)
+        if strategy.pp >= 2:
+            problem = build_problem(model, strategy, cluster, limit, MemoryOptions())
+            found = solve_heuristic(problem)
+            if found is not None:
+                one = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
+                assert settings_plan(one[0]) == one[0]
+                value *= one[1].step_s / evaluate(problem, uniform_plan(problem, strategy.recompute)).step_s
+        every.append((value, int(candidate)))
+    every.sort()
+    rows, _ = rank_balanced(model, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=5,
+                            one_setting=True)
+    assert [r["candidate"] for r in rows] == [c for _, c in every[:5]]
+    assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:5]], rel=1e-12)
+    for row in rows:
+        if "balanced_settings" in row:  # the ranked plan is itself one setting
+            assert row["balanced_settings"]["is_the_plan"]
+            Strategy(**row["balanced_settings"]["strategy"])
+    per_layer, _ = rank_balanced(model, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=5)
+    assert [r["candidate"] for r in per_layer] != [r["candidate"] for r in rows]
+
+
+def test_cli_balance_one_setting_emits_what_it_ranked(capsys):
+    argv = ["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32",
+            "--dims", "tp", "pp", "schedule", "recompute", "zero", "--memory-limit", "30GiB", "--top", "3"]
+    assert main([*argv, "--balance", "one-setting", "--json", "--emit", "megatron"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    best = data["ranked"][0]
+    assert "one recompute setting per plan" in " ".join(data["notes"])
+    assert best["balanced_settings"]["is_the_plan"]  # a pipeline, balanced to one setting, and written so
+    assert f"llama-3.1-8b: {best['balanced_settings']['label']}\n" in data["emitted"]
+    assert sum(best["balanced_settings"]["stage_layers"]) == 32
+    assert main([*argv, "--balance"]) == 0 and "one setting" in capsys.readouterr().out
+
+
 def test_without_a_pipeline_only_1f1b_is_ranked():
     """At pp = 1 a step is gradient accumulation: GPipe, ZB-H1 and Seq1F1B there are 1F1B under
     another name, counted as duplicates rather than ranked beside it."""

@@ -364,14 +364,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     elif args.balance:
         from ndplan.search.balanced import rank_balanced
 
+        one_setting_only = args.balance == "one-setting"
         result.ranked, balanced = rank_balanced(
             model, device, space, result, step_time_batch, memory_limit_bytes=limit or device.memory_bytes,
-            options=_memory_options(args), top=args.top,
+            options=_memory_options(args), top=args.top, one_setting=one_setting_only,
         )
+        plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
         result.notes.append(
             f"--balance: every fitting candidate ranked by its balanced plan (pipelines: layers per stage and "
-            f"chunk, recompute per layer); {balanced:,} balanced, the others' lower bound already above the top "
-            f"{args.top}")
+            f"chunk, {plans}); {balanced:,} balanced, the others' lower bound already above the top {args.top}")
         one_setting = result.ranked[0].get("balanced_settings") if result.ranked else None
         if one_setting is not None and not one_setting["is_the_plan"]:
             result.notes.append(
@@ -559,8 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--precision", choices=sorted(PRECISION_PRESETS), default="megatron-bf16")
     p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show")
-    p.add_argument("--balance", action="store_true",
-                   help="rank every fitting candidate by its balanced plan (pipelines: layers per stage and recompute per layer)")
+    p.add_argument("--balance", nargs="?", const="per-layer", choices=["per-layer", "one-setting"],
+                   help="rank every fitting candidate by its balanced plan (pipelines: layers per stage and recompute "
+                        "per layer); 'one-setting' ranks by the fastest plan one recompute setting expresses, what "
+                        "Megatron and torchtitan run")
     p.add_argument("--csv", help="write the ranked rows to a CSV file")
     p.add_argument("--emit", choices=EMIT_FORMATS,
                    help="print the winner as that framework's settings")

@@ -40,9 +40,13 @@ def rank_balanced(
     memory_limit_bytes: float,
     options: MemoryOptions | None = None,
     top: int = 10,
+    one_setting: bool = False,
 ) -> tuple[list[dict[str, Any]], int]:
     """The ``top`` candidates of ``result`` by balanced step (rows as the search's, pipelines
-    with their balanced plan), and how many pipeline candidates were balanced to know it."""
+    with their balanced plan), and how many pipeline candidates were balanced to know it.
+    With ``one_setting`` a pipeline's plan is the fastest one recompute setting expresses
+    (``balance.build.best_settings_plan`` of the heuristic's plan): what Megatron and torchtitan
+    run. Its step is never below the per-layer plan's, so the same lower bound prunes."""
     options = options or MemoryOptions()
     cluster = Cluster(device=device, num_devices=space.num_devices)
     index = np.asarray(result.candidates_index, dtype=np.int64)
@@ -72,6 +76,8 @@ def rank_balanced(
             problem = build_problem(model, strategy, cluster, memory_limit_bytes, options)
             found = solve_heuristic(problem)
             balanced += 1
+            if found is not None and one_setting:
+                found = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
             if found is not None:
                 uniform = evaluate(problem, uniform_plan(problem, strategy.recompute))
                 ratio = found[1].step_s / uniform.step_s
