@@ -8,12 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ndplan.balance import exact_method, solve_exact, solve_heuristic
 from ndplan.balance.dp import Table, min_max, threshold_search
 from ndplan.balance.prefix import _split, _table, leading_run
-from ndplan.balance.problem import end_units, even_chunks, layer_units
+from ndplan.balance.problem import end_units, layer_units
 from ndplan.balance.rounds import _Greedy
-from test_balance_rounds import best_admissible, chunked_problem, is_uniform
+from test_balance_rounds import check_exact_dp_and_heuristic, chunked_problem
 
 
 def split_one_at_a_time(problem, stages, first_chunk, totals, deltas):
@@ -123,16 +122,7 @@ def test_prefixed_dp_equals_brute_force_over_even_chunks(pp, vpp, extra, K, sche
     vpp = vpp if schedule == "interleaved" else 2
     K = min(K, pp)
     problem = prefixed_problem(pp * vpp + extra, pp, K, schedule, vpp, seed, limit_gib, m, shuffle)
-    assert exact_method(problem) == "dp"
-    best, exact = best_admissible(problem), solve_exact(problem)
-    assert (best is None) == (exact is None)
-    if exact is None:
-        assert solve_heuristic(problem) is None
-        return
-    assert exact[1].fits and (even_chunks(problem, exact[0].stage_layers) or is_uniform(problem, exact[0]))
-    assert exact[1].step_s == pytest.approx(best[1].step_s, rel=1e-9)
-    found = solve_heuristic(problem)
-    assert found is not None and found[1].fits and found[1].step_s >= exact[1].step_s * (1 - 1e-9)
+    check_exact_dp_and_heuristic(problem)
 
 
 def test_prefixed_dp_bound_keeps_the_optimum():

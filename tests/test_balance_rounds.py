@@ -72,6 +72,22 @@ def is_uniform(problem, plan):
     return plan.stage_layers == uniform_plan(problem, "none").stage_layers
 
 
+def check_exact_dp_and_heuristic(problem):
+    """The exact DP equals the brute-force optimum (even chunks, or the uniform placement) and
+    the heuristic fits and is never better than it: (exact, heuristic), or None if nothing fits."""
+    assert exact_method(problem) == "dp"
+    best, exact = best_admissible(problem), solve_exact(problem)
+    assert (best is None) == (exact is None)
+    if exact is None:
+        assert solve_heuristic(problem) is None
+        return None
+    assert exact[1].fits and (even_chunks(problem, exact[0].stage_layers) or is_uniform(problem, exact[0]))
+    assert exact[1].step_s == pytest.approx(best[1].step_s, rel=1e-9)
+    found = solve_heuristic(problem)
+    assert found is not None and found[1].fits and found[1].step_s >= exact[1].step_s * (1 - 1e-9)
+    return exact, found
+
+
 def test_composed_step_is_the_interleaved_bubble():
     """(m − 1/v)·max + (1/v)·Σ: for equal stages, m·T + (pp − 1)·T/v, the textbook interleaved step."""
     problem = chunked_problem(("dense",) * 8, 2, 2, 100)
@@ -252,16 +268,10 @@ def test_one_kind_dp_equals_brute_force_over_even_chunks(layers, pp, vpp, limit_
         return
     problem = chunked_problem(("dense",) * layers, pp, vpp, limit_gib, seed=seed, m=m, schedule=schedule,
                               shuffle=shuffle)
-    assert exact_method(problem) == "dp"
-    best, exact = best_admissible(problem), solve_exact(problem)
-    assert (best is None) == (exact is None)
-    if exact is None:
-        assert solve_heuristic(problem) is None
+    solved = check_exact_dp_and_heuristic(problem)
+    if solved is None:
         return
-    assert exact[1].fits and (even_chunks(problem, exact[0].stage_layers) or is_uniform(problem, exact[0]))
-    assert exact[1].step_s == pytest.approx(best[1].step_s, rel=1e-9)
-    found = solve_heuristic(problem)
-    assert found is not None and found[1].fits and found[1].step_s >= exact[1].step_s - 1e-9
+    _, found = solved
     for option in problem.options:
         uniform = evaluate(problem, uniform_plan(problem, option))
         if uniform.fits:

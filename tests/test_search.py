@@ -174,27 +174,39 @@ def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact()
     assert result.rejected[OVER_MEMORY] == len(batch)
 
 
-def test_balanced_ranking_equals_balancing_every_candidate():
-    """search --balance walks candidates by a lower bound of their balanced step and stops early;
-    its top must equal balancing every fitting pipeline and ranking them all."""
+def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
+    """(balanced step, candidate) for every fitting candidate, sorted: each pipeline balanced by
+    the heuristic (as one recompute setting with ``one_setting``), its step scaled by the plan's
+    composed step over the uniform plan's."""
     from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
-    from ndplan.search.balanced import rank_balanced
+    from ndplan.balance.build import best_settings_plan, settings_plan
 
-    space = _space(dims=("tp", "pp", "schedule", "recompute", "mbs"))
-    limit = 3 * 2**30
-    result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=5)
     cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
     every = []
     for candidate, step in zip(result.candidates_index, result.candidates_time_s, strict=True):
         strategy = space.strategy(int(candidate))
         value = float(step)
         if strategy.pp >= 2:
-            problem = build_problem(TINY_MOE, strategy, cluster, limit, MemoryOptions())
+            problem = build_problem(model, strategy, cluster, limit, MemoryOptions())
             found = solve_heuristic(problem)
+            if found is not None and one_setting:
+                found = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
+                assert settings_plan(found[0]) == found[0]
             if found is not None:
                 value *= found[1].step_s / evaluate(problem, uniform_plan(problem, strategy.recompute)).step_s
         every.append((value, int(candidate)))
-    every.sort()
+    return sorted(every)
+
+
+def test_balanced_ranking_equals_balancing_every_candidate():
+    """search --balance walks candidates by a lower bound of their balanced step and stops early;
+    its top must equal balancing every fitting pipeline and ranking them all."""
+    from ndplan.search.balanced import rank_balanced
+
+    space = _space(dims=("tp", "pp", "schedule", "recompute", "mbs"))
+    limit = 3 * 2**30
+    result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=5)
+    every = _balance_every_candidate(TINY_MOE, space, result, limit)
     rows, balanced = rank_balanced(TINY_MOE, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=5)
     assert [r["candidate"] for r in rows] == [c for _, c in every[:5]]
     assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:5]], rel=1e-12)
@@ -219,8 +231,6 @@ def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():
     """search --balance one-setting ranks by the fastest plan one recompute setting expresses
     (what Megatron runs); pruned by the same bound, it equals pricing every candidate that way.
     Llama-3.1-8B on 8 devices under 30 GiB: there the per-layer ranking differs."""
-    from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
-    from ndplan.balance.build import best_settings_plan, settings_plan
     from ndplan.model import get_preset
     from ndplan.search.balanced import rank_balanced
     from ndplan.strategy import Strategy
@@ -230,20 +240,7 @@ def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():
                           dims=("tp", "pp", "schedule", "recompute", "zero"))
     limit = 30 * 2**30
     result = run_search(model, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=5)
-    cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
-    every = []
-    for candidate, step in zip(result.candidates_index, result.candidates_time_s, strict=True):
-        strategy = space.strategy(int(candidate))
-        value = float(step)
-        if strategy.pp >= 2:
-            problem = build_problem(model, strategy, cluster, limit, MemoryOptions())
-            found = solve_heuristic(problem)
-            if found is not None:
-                one = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
-                assert settings_plan(one[0]) == one[0]
-                value *= one[1].step_s / evaluate(problem, uniform_plan(problem, strategy.recompute)).step_s
-        every.append((value, int(candidate)))
-    every.sort()
+    every = _balance_every_candidate(model, space, result, limit, one_setting=True)
     rows, _ = rank_balanced(model, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=5,
                             one_setting=True)
     assert [r["candidate"] for r in rows] == [c for _, c in every[:5]]
