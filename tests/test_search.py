@@ -266,6 +266,25 @@ def test_cli_balance_one_setting_emits_what_it_ranked(capsys):
     assert main([*argv, "--balance"]) == 0 and "one setting" in capsys.readouterr().out
 
 
+def test_search_csv_has_every_column_and_json_for_nested_values(tmp_path, capsys):
+    import csv
+
+    out = tmp_path / "ranked.csv"
+    assert main(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32",
+                 "--dims", "tp", "pp", "schedule", "recompute", "zero", "--memory-limit", "30GiB", "--top", "20",
+                 "--balance", "--csv", str(out)]) == 0
+    capsys.readouterr()
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 20 and "balanced_settings" in rows[0] and "caveats" in rows[0]
+    balanced = [r for r in rows if r["balanced_settings"]]
+    unbalanced = [r for r in rows if not r["balanced_settings"]]
+    assert balanced and unbalanced  # pipelines and not: the header has the union of their columns
+    for row in balanced:
+        assert sum(json.loads(row["balanced_settings"])["stage_layers"]) == 32
+        assert all(r["option"] in ("none", "selective", "full") for r in json.loads(row["balanced_recompute"]))
+    assert all(isinstance(json.loads(r["caveats"]), list) for r in rows)
+
+
 def test_without_a_pipeline_only_1f1b_is_ranked():
     """At pp = 1 a step is gradient accumulation: GPipe, ZB-H1 and Seq1F1B there are 1F1B under
     another name, counted as duplicates rather than ranked beside it."""

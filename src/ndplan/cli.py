@@ -425,13 +425,16 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, args: argparse.N
 
 
 def _write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    """One line per ranked row; every column any row has (balanced rows add some), lists and
+    mappings (caveats, a balanced plan's recompute ranges) as JSON."""
     import csv
 
-    columns = [k for k in (rows[0] if rows else {}) if k != "strategy"]
+    columns = list(dict.fromkeys(k for row in rows for k in row if k != "strategy"))
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        for row in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
 
 
 def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> None:
