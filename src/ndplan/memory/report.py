@@ -236,8 +236,8 @@ def known_gaps(strategy: Strategy, options: MemoryOptions) -> list[str]:
     if options.runtime == "pytorch" and split and strategy.recompute == "full":
         gaps.append("with full recompute, torch.distributed.pipelining's weight-gradient step rebuilds each layer "
                     "once per parameter group and keeps the copies until later groups are done; the estimate "
-                    "prices them from the layer's parameter groups and saved tensors, and 26 measured stages "
-                    "of ZB-V and DualPipeV fall within -1.8...+3.0%, but new layer structures (module orders) "
+                    "prices them from the layer's parameter groups and saved tensors, and 32 measured stages "
+                    "of ZB-V and DualPipeV fall within -1.9...+2.2%, but new layer structures (module orders) "
                     "can break it: check yours with `ndplan verify` (docs/accuracy.md)")
     return gaps
 
