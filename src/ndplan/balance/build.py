@@ -274,11 +274,7 @@ def best_settings_plan(problem: BalanceProblem, plan: Plan, uniform: Plan) -> tu
         for option, k in candidates:
             if option not in problem.options:  # not runnable here (selective under a split backward)
                 continue
-            recompute: list[str] = []
-            for count in layers:
-                recomputed = count if k == 0 else min(k, count)
-                recompute += [option] * recomputed + ["none"] * (count - recomputed)
-            candidate = Plan(layers, tuple(recompute))
+            candidate = _leading_layers_plan(layers, option, k)
             cost = evaluate(problem, candidate)
             if cost.fits and (best is None or cost.step_s < best[1].step_s):
                 best = (candidate, cost)
@@ -289,11 +285,15 @@ def best_settings_plan(problem: BalanceProblem, plan: Plan, uniform: Plan) -> tu
 
 
 def settings_plan(plan: Plan) -> Plan:
-    """The plan as ``plan_strategy``'s settings run it: per virtual stage, its first
-    ``recompute_layers`` layers (all where 0) under the one option, the others none."""
-    option, layers = _one_setting(plan)
+    """The plan as ``plan_strategy``'s settings run it (``_one_setting``)."""
+    return _leading_layers_plan(plan.stage_layers, *_one_setting(plan))
+
+
+def _leading_layers_plan(stage_layers: tuple[int, ...], option: str, layers: int) -> Plan:
+    """Per virtual stage, its first ``layers`` layers (all where 0) under ``option``, the others
+    none: how Megatron's --recompute-num-layers applies one setting."""
     recompute: list[str] = []
-    for count in plan.stage_layers:
+    for count in stage_layers:
         recomputed = count if layers == 0 else min(layers, count)
         recompute += [option] * recomputed + ["none"] * (count - recomputed)
-    return Plan(plan.stage_layers, tuple(recompute))
+    return Plan(stage_layers, tuple(recompute))
