@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from ndplan.hardware import get_device
 from ndplan.model import get_preset
-from ndplan.perf import step_time_batch
 from ndplan.search import default_space, run_search
 from ndplan.strategy import get_precision
 
@@ -22,7 +21,7 @@ def main() -> None:
     for name, devices, gbs in CASES:
         model = get_preset(name)
         space = default_space(model, device, devices, gbs, 4096, get_precision("megatron-bf16"))
-        result = run_search(model, device, space, step_time_batch)
+        result = run_search(model, device, space)  # the step-time model of the default (pytorch) runtime
         best = result.best["label"] if result.best else "nothing fits"
         print(f"{name:15s} {devices:>6} devices: {result.space_size:>10,} enumerated, {result.evaluated:>10,} priced, "
               f"{result.fitting:>9,} fit, {result.seconds:6.2f} s ({result.evaluated / result.seconds:,.0f} priced/s)")

@@ -21,6 +21,8 @@ PRECISION = get_precision("megatron-bf16")
         dict(dp=8, tp=2, pp=4, num_micro_batches=8, recompute="full"),
         dict(dp=4, tp=2, pp=8, num_micro_batches=16, recompute="selective"),
         dict(dp=8, tp=1, pp=8, vpp=2, schedule="interleaved", num_micro_batches=16, recompute="full"),
+        # a split backward under full recompute: W's rebuilds per parameter group priced alike
+        dict(dp=16, tp=1, pp=4, vpp=2, schedule="zbv", num_micro_batches=8, recompute="full"),
     ]),
     ("qwen3-30b-a3b", 64, [
         dict(dp=16, ep=8, pp=4, num_micro_batches=8, recompute="full"),
@@ -32,7 +34,9 @@ def test_bound_is_below_every_balanced_plan_and_uniform_is_the_balancers(name, d
     cluster = Cluster(device=get_device("h100-sxm"), num_devices=devices)
     items = [Strategy(**s, seq_length=4096, global_batch_size=s["dp"] * s["num_micro_batches"], precision=PRECISION)
              for s in strategies]
-    lower, uniform = composed_bounds(model, StrategyBatch.of(items), cluster)
+    rebuilds = MemoryOptions().profile.weight_grad_recomputes_per_group  # build_problem's runtime
+    assert rebuilds
+    lower, uniform = composed_bounds(model, StrategyBatch.of(items), cluster, weight_grad_rebuilds=rebuilds)
     for strategy, low, uni in zip(items, lower, uniform, strict=True):
         for limit in (1e15, 70 * 2**30):
             problem = build_problem(model, strategy, cluster, limit, MemoryOptions())

@@ -413,7 +413,7 @@ def test_weight_gradient_groups_of_a_layer():
     """The parameter groups torch.distributed.pipelining's weight-gradient step runs one autograd
     call each for (traced: a Qwen3-8B layer gave 11 groups, in the order q, k, v, o, q_norm,
     k_norm, gate, up, down, input norm, post-attention norm)."""
-    from ndplan.memory.stages import weight_grad_groups
+    from ndplan.model.params import weight_grad_groups
 
     assert weight_grad_groups(get_preset("qwen3-8b"))["dense"] == 11
     assert weight_grad_groups(get_preset("llama-3.1-8b"))["dense"] == 9  # no q/k norms
@@ -428,7 +428,7 @@ def test_weight_gradient_step_peaks_at_the_down_projection():
     """Traced peaks: Qwen3-8B at its MLP's down (group 9 of 11); Mixtral (router first) at its
     experts' down (group 7 of 9); Qwen3-30B-A3B and DeepSeek-V2-Lite (experts first) at their
     experts' down (groups 8 of 11 and 7 of 13), before the router and shared experts."""
-    from ndplan.memory.stages import weight_grad_peak_group
+    from ndplan.model.params import weight_grad_peak_group
 
     assert weight_grad_peak_group(get_preset("qwen3-8b"))["dense"] == 9
     assert weight_grad_peak_group(get_preset("mixtral-8x7b"))["moe"] == 7

@@ -329,3 +329,49 @@ def test_torchtitan_selective_recompute_replays_matmuls_not_attention():
     megatron = estimate_time(LLAMA8, s, cluster, efficiency=op.replace(selective_recompute="megatron"))
     # at 8k tokens the replayed matmuls (36% of the forward's) cost more than the attention core
     assert r.step_s > megatron.step_s
+
+
+def test_split_backward_rebuilds_a_checkpointed_layer_once_per_parameter_group():
+    """Under torch's split backward each parameter group's weight-gradient call replays the
+    checkpointed layer's forward: with full recompute, W gains G forwards of the layer (G =
+    weight_grad_groups: 9 for Llama), its collectives included; B keeps its one rebuild, and
+    nothing changes without full recompute, without a split backward, or for a runtime that
+    does not rebuild per group."""
+    from ndplan.model.params import weight_grad_groups
+    from ndplan.perf.efficiency import default_efficiency as efficiency_of
+    from ndplan.perf.layer import LayerContext, piece_times
+    from ndplan.perf.overlap import default_overlap
+    from ndplan.perf.step import compute_rates, strategy_columns
+    from ndplan.perf.topology import Fabric
+
+    model = get_preset("llama-3.1-8b")
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=8)
+    strategies = [Strategy(dp=2, tp=2, sequence_parallel=True, pp=2, vpp=2, schedule=schedule, recompute=recompute,
+                           num_micro_batches=8, seq_length=4096)
+                  for schedule in ("zbv", "interleaved") for recompute in ("full", "selective")]
+    batch = StrategyBatch.of(strategies)
+    eff, overlap = efficiency_of(cluster.device), default_overlap(cluster.device.runtime)
+    cols = strategy_columns(batch, overlap)
+
+    def pieces(rebuilds: bool):
+        ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap,
+                           batch.precision, rebuilds)
+        return piece_times(ctx, cols)
+
+    on, off = pieces(True), pieces(False)
+    groups = weight_grad_groups(model)["dense"]
+    assert groups == 9
+    forward = np.broadcast_to(on["dense"].total("F"), (4,))
+    w_on = np.broadcast_to(on["rc_dense"].total("W"), (4,))
+    # ZB-V with full recompute: G forwards (compute and its collectives) in W; the rest: none.
+    assert w_on[0] == pytest.approx(groups * forward[0], rel=1e-12)
+    assert list(w_on[1:]) == [0.0, 0.0, 0.0]
+    assert np.all(np.broadcast_to(off["rc_dense"].total("W"), (4,)) == 0.0)
+    np.testing.assert_array_equal(np.broadcast_to(on["rc_dense"].total("B"), (4,)),
+                                  np.broadcast_to(off["rc_dense"].total("B"), (4,)))
+    # The step pays it: ZB-V with full recompute slows, the others do not move.
+    slow = step_time_batch(model, batch, cluster, weight_grad_rebuilds=True)["step_s"]
+    plain = step_time_batch(model, batch, cluster)["step_s"]
+    assert slow[0] > plain[0] * 1.5 and np.array_equal(slow[1:], plain[1:])
+    report = estimate_time(model, strategies[0], cluster, weight_grad_rebuilds=True)
+    assert report.step_s > estimate_time(model, strategies[0], cluster).step_s * 1.5

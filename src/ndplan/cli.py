@@ -180,7 +180,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from ndplan.hardware import Cluster
     from ndplan.perf import estimate_time
 
-    timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size))
+    timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
+                           weight_grad_rebuilds=_memory_options(args).profile.weight_grad_recomputes_per_group)
     if args.plot:
         from ndplan.report.plots import plot_memory
 
@@ -324,8 +325,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ndplan.hardware import resolve_device
-    from ndplan.perf import step_time_batch
-    from ndplan.search import default_space, run_search
+    from ndplan.search import default_space, run_search, runtime_step_time
     from ndplan.strategy import get_precision
     from ndplan.units import parse_bytes
 
@@ -355,7 +355,8 @@ def cmd_search(args: argparse.Namespace) -> int:
                   TimeElapsedColumn(), console=Console(stderr=True), disable=quiet) as progress:
         task = progress.add_task(f"{space.size:,} candidates", total=space.size)
         result = run_search(
-            model, device, space, step_time_batch, memory_limit_bytes=limit, options=_memory_options(args),
+            model, device, space, runtime_step_time(_memory_options(args)), memory_limit_bytes=limit,
+            options=_memory_options(args),
             top=args.top,
             progress=lambda done, total: progress.update(task, completed=done),
         )
@@ -366,7 +367,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
         one_setting_only = args.balance == "one-setting"
         result.ranked, balanced = rank_balanced(
-            model, device, space, result, step_time_batch, memory_limit_bytes=limit or device.memory_bytes,
+            model, device, space, result, runtime_step_time(_memory_options(args)),
+            memory_limit_bytes=limit or device.memory_bytes,
             options=_memory_options(args), top=args.top, one_setting=one_setting_only,
         )
         plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
@@ -409,12 +411,12 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, args: argparse.N
         notes.append("no candidate is valid: each breaks a rule, counted above at the first it breaks")
     from dataclasses import replace
 
-    from ndplan.perf import step_time_batch
-    from ndplan.search import run_search
+    from ndplan.search import run_search, runtime_step_time
 
     for factor in (2, 4, 8):
         bigger = replace(space, num_devices=space.num_devices * factor)
-        trial = run_search(model, device, bigger, step_time_batch, memory_limit_bytes=result.memory_limit_bytes,
+        trial = run_search(model, device, bigger, runtime_step_time(_memory_options(args)),
+                           memory_limit_bytes=result.memory_limit_bytes,
                            options=_memory_options(args), top=1)
         if trial.ranked:
             notes.append(f"with {bigger.num_devices} devices the best fitting strategy is {trial.ranked[0]['label']}")

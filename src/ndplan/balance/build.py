@@ -48,12 +48,15 @@ from ndplan.strategy.rules import validate_strategy
 OPTIONS = ("none", "selective", "full")
 
 
-def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster) -> dict[str, np.ndarray]:
+def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *,
+                  weight_grad_rebuilds: bool = False) -> dict[str, np.ndarray]:
     """Seconds per micro-batch (F + B + W) of each piece, per strategy of ``batch``: the layer
-    kinds, 'rc_dense'/'rc_moe' (what recomputing one layer adds) and the ends 'emb'/'head'."""
+    kinds, 'rc_dense'/'rc_moe' (what recomputing one layer adds, with a runtime's rebuilds per
+    parameter group in a split W: ``ndplan.perf.step.evaluate``) and the ends 'emb'/'head'."""
     eff = default_efficiency(cluster.device)
     overlap = default_overlap(cluster.device.runtime)
-    ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision)
+    ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision,
+                       weight_grad_rebuilds)
     pieces = piece_times(ctx, strategy_columns(batch, overlap))
     n = len(batch)
     return {name: np.sum([np.broadcast_to(piece.total(p), (n,)).astype(float) for p in ("F", "B", "W")], axis=0)
@@ -69,10 +72,11 @@ def runnable_options(strategy: Strategy, options: MemoryOptions) -> tuple[str, .
     return OPTIONS
 
 
-def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster) -> dict[str, dict[str, float]]:
+def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster, weight_grad_rebuilds: bool
+                   ) -> dict[str, dict[str, float]]:
     """``piece_seconds`` of the strategy under each recompute option."""
     variants = [strategy.model_copy(update={"recompute": option, "recompute_layers": 0}) for option in OPTIONS]
-    seconds = piece_seconds(model, StrategyBatch.of(variants), cluster)
+    seconds = piece_seconds(model, StrategyBatch.of(variants), cluster, weight_grad_rebuilds=weight_grad_rebuilds)
     return {option: {name: float(values[i]) for name, values in seconds.items()} for i, option in enumerate(OPTIONS)}
 
 
@@ -82,7 +86,7 @@ def build_problem(
     options = options or MemoryOptions()
     validate_strategy(strategy, model, cluster.num_devices)
     slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"] * options.include_overhead
-    seconds = _piece_seconds(model, strategy, cluster)
+    seconds = _piece_seconds(model, strategy, cluster, options.profile.weight_grad_recomputes_per_group)
     batch = StrategyBatch.of([strategy.model_copy(update={"recompute": o, "recompute_layers": 0}) for o in OPTIONS])
     acts = layer_activations(model, batch, options)
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp

@@ -238,9 +238,9 @@ def known_gaps(strategy: Strategy, options: MemoryOptions) -> list[str]:
                     "once per parameter group and keeps the copies until later groups are done; the estimate "
                     "prices them from the layer's parameter groups and saved tensors, and 32 measured stages "
                     "of ZB-V and DualPipeV fall within -1.9...+2.2%, but new layer structures (module orders) "
-                    "can break it: check yours with `ndplan verify` (docs/accuracy.md); the step time does not "
-                    "count those rebuilds (a forward of the layer per parameter group, 9-15 per layer and "
-                    "micro-batch), so expect this run to be much slower than printed")
+                    "can break it: check yours with `ndplan verify` (docs/accuracy.md); the step time counts "
+                    "those rebuilds too (a forward of the layer per parameter group, 9-15 per layer and "
+                    "micro-batch), from FLOPs, not yet checked against a measured run")
     return gaps
 
 

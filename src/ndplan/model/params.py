@@ -159,3 +159,40 @@ def count_parameters(spec: ModelSpec) -> ParameterCounts:
         **sums,
     )
     return ParameterCounts(**{**asdict(counts), "active": counts.total - skipped_experts})
+
+
+# --------------------------------------------------------------------------- parameter groups
+#: Model types whose MoE block holds its router before its experts (Hugging Face transformers 5
+#: module order, traced: Mixtral's router group runs before its experts'; Qwen3-MoE's and
+#: DeepSeek-V2's after them).
+ROUTER_FIRST_MODEL_TYPES = frozenset({"mixtral"})
+
+
+def weight_grad_groups(model: ModelSpec) -> dict[str, int]:
+    """Per layer kind, the parameter groups of one decoder layer: parameters whose gradients
+    come from one op (a linear's weight and bias, a norm's weight) form one group, and a split
+    backward's weight-gradient step runs one autograd call per group. Counted as Hugging Face
+    modules hold them: fused 3-D expert weights (gate_up, down), one router."""
+    attention, mlp, shared = _weight_grad_blocks(model)
+    return {"dense": attention + mlp + 2, "moe": attention + 1 + 2 + shared + 2}
+
+
+def weight_grad_peak_group(model: ModelSpec) -> dict[str, int]:
+    """Per layer kind, the group at which a layer's rebuilt copies peak: the MLP's down
+    projection (the routed experts' in an MoE layer), after which nothing later keeps that
+    branch of the graph alive. Groups come in module order: attention, then the MLP (router and
+    experts in the model's order, then shared experts), then the two norms."""
+    attention, mlp, _ = _weight_grad_blocks(model)
+    router_first = 1 if model.model_type in ROUTER_FIRST_MODEL_TYPES else 0
+    return {"dense": attention + mlp, "moe": attention + router_first + 2}
+
+
+def _weight_grad_blocks(model: ModelSpec) -> tuple[int, int, int]:
+    """Parameter groups of a layer's attention, of a dense MLP, and of the shared experts."""
+    if model.is_mla:
+        attention = (3 if model.q_lora_rank else 1) + 3 + 1  # q (a, norm, b), kv (a, norm, b), o
+    else:
+        attention = 4 + (2 if model.qk_norm else 0)  # q, k, v, o (+ the per-head q and k norms)
+    mlp = 3 if model.gated_mlp else 2
+    shared = (mlp if model.num_shared_experts else 0) + (1 if model.shared_expert_gate else 0)
+    return attention, mlp, shared

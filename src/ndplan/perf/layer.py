@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ndplan.model.params import layer_params
+from ndplan.model.params import layer_params, weight_grad_groups
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.perf import collectives as coll
 from ndplan.perf.efficiency import EfficiencyProfile
@@ -67,7 +67,12 @@ from ndplan.perf.gemm import PASS_NAMES, ComputeRates, gemm_pass_seconds, gemm_s
 from ndplan.perf.memory_ops import embedding_bytes, head_bytes, layer_bytes, unfused_score_bytes
 from ndplan.perf.overlap import OverlapConfig
 from ndplan.perf.topology import Fabric, fits_in_domain, group_link, inside_bandwidth, members_per_domain
+from ndplan.schedule.ops import SPLIT_BACKWARD
+from ndplan.strategy.batch import CODES
 from ndplan.strategy.precision import PrecisionPolicy
+
+#: Schedule codes whose backward splits into B and W.
+SPLIT_SCHEDULE_CODES = np.array([CODES["schedule"].index(name) for name in sorted(SPLIT_BACKWARD)], dtype=float)
 
 Array = np.ndarray
 PASSES = ("F", "B", "W")
@@ -110,6 +115,10 @@ class LayerContext:
     eff: EfficiencyProfile
     overlap: OverlapConfig
     precision: PrecisionPolicy
+    #: The runtime rebuilds a checkpointed layer once per parameter group in a split backward's
+    #: weight-gradient step (torch.distributed.pipelining; the runtime profile's
+    #: ``weight_grad_recomputes_per_group``).
+    weight_grad_rebuilds: bool = False
 
 
 def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array) -> Array | float:
@@ -358,6 +367,16 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     rc.add("B", "tp", np.where(full, tp_f, 0.0))
     rc.add("B", "cp", np.where(full, cp_f, 0.0))
     rc.add("B", "ep", np.where(full, ep_f, 0.0))
+    if ctx.weight_grad_rebuilds:
+        # A split backward's W calls autograd once per parameter group, and each call replays
+        # the checkpointed layer's forward: G more forwards per layer and micro-batch (traced
+        # on the memory side, docs/accuracy.md). Priced on every stage; torch's first stage
+        # runs one whole backward at W instead, G − 1 fewer.
+        rebuilds = np.where(full & np.isin(cols["schedule"], SPLIT_SCHEDULE_CODES), float(weight_grad_groups(model)[kind]), 0.0)
+        rc.add("W", "compute", rebuilds * compute_f)
+        rc.add("W", "tp", rebuilds * tp_f)
+        rc.add("W", "cp", rebuilds * cp_f)
+        rc.add("W", "ep", rebuilds * ep_f)
     return out, rc
 
 

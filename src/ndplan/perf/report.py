@@ -57,6 +57,8 @@ class TimeReport:
     hardware_flops: float
     breakdown: dict[str, Any]
     details: dict[str, float] = field(default_factory=dict)
+    #: Priced with the runtime's rebuilds per parameter group in a split backward's W.
+    weight_grad_rebuilds: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,9 +87,11 @@ def estimate_time(
     *,
     efficiency: EfficiencyProfile | None = None,
     overlap: OverlapConfig | None = None,
+    weight_grad_rebuilds: bool = False,
 ) -> TimeReport:
     """Step time of one strategy: the batch path on a batch of one, with the pipeline
-    schedule simulated (exact op orders) instead of its closed form.
+    schedule simulated (exact op orders) instead of its closed form (``weight_grad_rebuilds``
+    as in ``step.evaluate``).
 
     Raises NdplanError listing every rule the strategy breaks for this model and cluster.
     """
@@ -96,7 +100,7 @@ def estimate_time(
     ov = overlap or default_overlap(cluster.device.runtime)
     batch = StrategyBatch.of(strategy)
     out = evaluate(model, batch, cluster, efficiency=eff, overlap=ov, pipeline="simulate",
-                   stage_layers=strategy.stage_layers, details=True)
+                   stage_layers=strategy.stage_layers, details=True, weight_grad_rebuilds=weight_grad_rebuilds)
     v = {k: float(a[0]) for k, a in out.items()}
     breakdown = {
         "compute": v["compute_s"],
@@ -108,7 +112,7 @@ def estimate_time(
         model=model, strategy=strategy, cluster=cluster, efficiency=eff, overlap=ov,
         step_s=v["step_s"], tokens_per_s=v["tokens_per_s"], tokens_per_s_per_device=v["tokens_per_s_per_device"],
         mfu=v["mfu"], hfu=v["hfu"], model_flops=v["model_flops"], hardware_flops=v["hardware_flops"],
-        breakdown=breakdown, details=v,
+        breakdown=breakdown, details=v, weight_grad_rebuilds=weight_grad_rebuilds,
     )
 
 
@@ -117,7 +121,8 @@ def explain_lines(r: TimeReport) -> list[str]:
     batch = StrategyBatch.of(s)
     rates = compute_rates(r.cluster, batch, r.efficiency)
     cols = strategy_columns(batch, r.overlap)
-    ctx = LayerContext(model, rates, Fabric.of(r.cluster, r.efficiency), r.efficiency, r.overlap, batch.precision)
+    ctx = LayerContext(model, rates, Fabric.of(r.cluster, r.efficiency), r.efficiency, r.overlap, batch.precision,
+                       r.weight_grad_rebuilds)
     pieces = piece_times(ctx, cols)
     sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp))
     dtype = s.precision.compute_dtype

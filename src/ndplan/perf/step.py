@@ -45,7 +45,15 @@ from ndplan.perf.codes import dense_codes, first_of_codes, row_codes
 from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency
 from ndplan.perf.flops import model_flops_per_micro_batch
 from ndplan.perf.gemm import ComputeRates
-from ndplan.perf.layer import CATEGORIES, PASSES, PIECES, LayerContext, PieceTimes, piece_times
+from ndplan.perf.layer import (
+    CATEGORIES,
+    PASSES,
+    PIECES,
+    SPLIT_SCHEDULE_CODES,
+    LayerContext,
+    PieceTimes,
+    piece_times,
+)
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.pipeline import (
     StageLayout,
@@ -79,7 +87,8 @@ _GROUP_KEYS = (
     "optimizer_update_s", "recomputed_fraction",
 )
 
-#: Strategy fields a layer's price depends on (layer.py reads nothing else).
+#: Strategy fields a layer's price depends on (layer.py reads nothing else, but whether the
+#: schedule splits the backward: ``distinct_layer_configs`` adds it).
 _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_kind", "ulysses_degree",
                  "sequence_parallel", "recompute", "ep_overlap")
 #: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy.
@@ -145,14 +154,17 @@ def piece_params(model: ModelSpec) -> dict[str, tuple[float, float]]:
     return out
 
 
-def distinct_layer_configs(ints: dict[str, Array]) -> tuple[Array, Array]:
+def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = False) -> tuple[Array, Array]:
     """(first row of each distinct layer configuration, the configuration code of every row).
 
     FSDP's data-parallel size and shard group only matter when parameters are sharded, so they
-    are zeroed otherwise.
+    are zeroed otherwise; whether the schedule splits the backward only under full recompute
+    with ``weight_grad_rebuilds`` (W's rebuilds, ``layer.decoder_layer``).
     """
     sharded = (ints["zero"] >= 3) | (ints["fsdp"] > 0)
+    rebuilt = np.isin(ints["schedule"], SPLIT_SCHEDULE_CODES) & (ints["recompute"] == 2) & weight_grad_rebuilds
     columns = [ints[name] for name in _LAYER_FIELDS] + [
+        rebuilt,
         sharded,
         ints["dp"] * ints["cp"] * sharded,
         ints["shard_group"] * sharded,
@@ -252,12 +264,13 @@ _QUANTITIES = PASSES + CATEGORIES
 
 def _piece_table(per_pass: dict[tuple[str, str], Array], per_cat: dict[tuple[str, str], Array], n: int) -> Array:
     """[configs, quantities, pieces] seconds: every pass (F, B, W) and category of each piece.
-    Recompute pieces count in B and in the categories only."""
+    Recompute pieces count in B (the rebuilt forward), W (a runtime's rebuilds per parameter
+    group) and in the categories."""
     table = np.zeros((n, len(_QUANTITIES), len(PIECES)))
     for j, piece in enumerate(PIECES):
         for i, name in enumerate(_QUANTITIES):
             values = per_pass if name in PASSES else per_cat
-            if piece.startswith("rc_") and name in ("F", "W"):
+            if piece.startswith("rc_") and name == "F":
                 continue
             table[:, i, j] = values[(piece, name)]
     return table
@@ -288,8 +301,9 @@ def _price_group(
         delta_d, delta_m = rd - prof["dense"], rm - prof["moe"]
     stage = {p: tables[local, i] for i, p in enumerate(PASSES)}
     if len(partial):
-        stage["B"][partial] += (pr.per_pass[("rc_dense", "B")][config[partial], None] * delta_d
-                                + pr.per_pass[("rc_moe", "B")][config[partial], None] * delta_m)
+        for pass_ in ("B", "W"):
+            stage[pass_][partial] += (pr.per_pass[("rc_dense", pass_)][config[partial], None] * delta_d
+                                      + pr.per_pass[("rc_moe", pass_)][config[partial], None] * delta_m)
     f, b, w = stage["F"], stage["B"], stage["W"]
 
     m, k = cols["num_micro_batches"], cols["seq_chunks"]
@@ -370,9 +384,13 @@ def evaluate(
     pipeline: PipelineMethod = "closed_form",
     stage_layers: tuple[int, ...] | None = None,
     details: bool = False,
+    weight_grad_rebuilds: bool = False,
 ) -> dict[str, Array]:
     """Step time and its parts for every strategy of ``batch`` (OUTPUT_KEYS, plus DETAIL_KEYS
-    with ``details``). ``stage_layers`` overrides the uniform placement (a batch of one)."""
+    with ``details``). ``stage_layers`` overrides the uniform placement (a batch of one).
+    ``weight_grad_rebuilds``: the runtime replays a checkpointed layer's forward once per
+    parameter group in a split backward's W (torch.distributed.pipelining, the ``pytorch``
+    runtime profile), which full recompute then pays under ZB-H1, ZB-V and DualPipeV."""
     eff = efficiency or default_efficiency(cluster.device)
     ov = overlap or default_overlap(cluster.device.runtime)
     n = len(batch)
@@ -382,8 +400,8 @@ def evaluate(
     # Layer prices, once per distinct layer configuration.
     ints = {name: getattr(batch, name) for name in StrategyBatch.array_fields()}
     ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
-    first, config = distinct_layer_configs(ints)
-    ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision)
+    first, config = distinct_layer_configs(ints, weight_grad_rebuilds)
+    ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds)
     pieces = piece_times(ctx, {name: v[first].astype(np.float64) for name, v in ints.items()})
     per_pass = {(name, p): np.broadcast_to(np.asarray(piece.total(p), dtype=np.float64), (len(first),))
                 for name, piece in pieces.items() for p in PASSES}
@@ -475,8 +493,8 @@ def _chunk_times(layout: StageLayout, pieces: dict[str, PieceTimes], config: int
     for pass_ in PASSES:
         v = layout.chunk_dense * total("dense", pass_) + layout.chunk_moe * total("moe", pass_)
         v = v + first * total("emb", pass_) + last * total("head", pass_)
-        if pass_ == "B":
-            v = v + share * (layout.chunk_dense * total("rc_dense", "B") + layout.chunk_moe * total("rc_moe", "B"))
+        if pass_ in ("B", "W"):
+            v = v + share * (layout.chunk_dense * total("rc_dense", pass_) + layout.chunk_moe * total("rc_moe", pass_))
         grid = np.zeros((layout.pp, layout.vpp))
         grid[layout.stage_of, layout.chunk_of] = v
         per_chunk[pass_] = grid
@@ -490,11 +508,14 @@ def step_time_batch(
     *,
     efficiency: EfficiencyProfile | None = None,
     overlap: OverlapConfig | None = None,
+    weight_grad_rebuilds: bool = False,
 ) -> dict[str, Array]:
-    """Step time of every strategy of ``batch`` with closed-form pipelines (for the search).
+    """Step time of every strategy of ``batch`` with closed-form pipelines (for the search;
+    ``weight_grad_rebuilds`` as in ``evaluate``).
 
     Returns arrays keyed as ``OUTPUT_KEYS``: step_s, tokens_per_s, tokens_per_s_per_device,
     mfu, hfu, model_flops, hardware_flops, and the breakdown compute_s, tp_s, cp_s, ep_s,
     dp_s, pp_s, bubble_s, optimizer_s (seconds that sum to step_s).
     """
-    return evaluate(model, batch, cluster, efficiency=efficiency, overlap=overlap, pipeline="closed_form")
+    return evaluate(model, batch, cluster, efficiency=efficiency, overlap=overlap, pipeline="closed_form",
+                    weight_grad_rebuilds=weight_grad_rebuilds)

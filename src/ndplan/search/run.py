@@ -73,6 +73,18 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
     }
 
 
+def runtime_step_time(options: MemoryOptions | None = None) -> TimeFunction:
+    """``ndplan.perf.step_time_batch`` for the runtime of ``options``: where it rebuilds a
+    checkpointed layer once per parameter group in a split backward's W (the ``pytorch``
+    profile), full recompute pays those forwards in time as in memory."""
+    from functools import partial
+
+    from ndplan.perf import step_time_batch
+
+    rebuilds = (options or MemoryOptions()).profile.weight_grad_recomputes_per_group
+    return partial(step_time_batch, weight_grad_rebuilds=rebuilds)
+
+
 def pareto_front(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
     """Indices of the points no other point beats in both step time and peak memory,
     ordered by time."""
@@ -116,12 +128,10 @@ def run_search(
 ) -> SearchResult:
     """Search ``space`` for the fastest strategies whose every stage fits ``memory_limit_bytes``
     (default: the device's memory). ``time_function`` prices a batch: {"step_s", ...} (default:
-    ndplan's step-time model, ``ndplan.perf.step_time_batch``)."""
+    ndplan's step-time model for the runtime of ``options``, ``runtime_step_time``)."""
     import time as clock
 
-    from ndplan.perf import step_time_batch
-
-    time_function = time_function or step_time_batch
+    time_function = time_function or runtime_step_time(options)
 
     started = clock.perf_counter()
     limit = int(memory_limit_bytes or device.memory_bytes)
