@@ -176,12 +176,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.loss_parallel = read.runtime_settings.get("loss_parallel")
     device = resolve_device(_require(settings, "hardware", "--hardware"))
     strategy = strategy_from_settings(settings)
-    report = estimate(model, strategy, device, _memory_options(args), num_devices=settings.get("devices"))
+    options = _memory_options(args)
+    report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
     from ndplan.hardware import Cluster
     from ndplan.perf import estimate_time
 
     timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
-                           weight_grad_rebuilds=_memory_options(args).profile.weight_grad_recomputes_per_group)
+                           weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group)
     if args.plot:
         from ndplan.report.plots import plot_memory
 
@@ -350,26 +351,25 @@ def cmd_search(args: argparse.Namespace) -> int:
         dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []),
     )
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    options = _memory_options(args)
+    step_time = runtime_step_time(options)  # the runtime's step-time model, as memory follows its profile
     quiet = args.json or not sys.stderr.isatty()
     with Progress(TextColumn("searching {task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
                   TimeElapsedColumn(), console=Console(stderr=True), disable=quiet) as progress:
         task = progress.add_task(f"{space.size:,} candidates", total=space.size)
         result = run_search(
-            model, device, space, runtime_step_time(_memory_options(args)), memory_limit_bytes=limit,
-            options=_memory_options(args),
-            top=args.top,
+            model, device, space, step_time, memory_limit_bytes=limit, options=options, top=args.top,
             progress=lambda done, total: progress.update(task, completed=done),
         )
     if not result.ranked:
-        result.notes.extend(_what_would_fit(result, model, device, args, space))
+        result.notes.extend(_what_would_fit(result, model, device, space, options))
     elif args.balance:
         from ndplan.search.balanced import rank_balanced
 
         one_setting_only = args.balance == "one-setting"
         result.ranked, balanced = rank_balanced(
-            model, device, space, result, runtime_step_time(_memory_options(args)),
-            memory_limit_bytes=limit or device.memory_bytes,
-            options=_memory_options(args), top=args.top, one_setting=one_setting_only,
+            model, device, space, result, step_time, memory_limit_bytes=limit or device.memory_bytes,
+            options=options, top=args.top, one_setting=one_setting_only,
         )
         plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
         result.notes.append(
@@ -400,8 +400,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0 if result.ranked else 1
 
 
-def _what_would_fit(result: Any, model: ModelSpec, device: Any, args: argparse.Namespace, space: Any) -> list[str]:
-    """When nothing fits: the smallest memory limit that would, and the smallest device count."""
+def _what_would_fit(result: Any, model: ModelSpec, device: Any, space: Any, options: Any) -> list[str]:
+    """When nothing fits: the smallest memory limit that would, and the smallest device count (the
+    search again on larger clusters, with the step-time model of the runtime of ``options``)."""
     notes = []
     if result.smallest_peak_bytes is not None:
         notes.append(f"nothing fits in {format_bytes(result.memory_limit_bytes)}; the smallest peak of any valid "
@@ -411,13 +412,11 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, args: argparse.N
         notes.append("no candidate is valid: each breaks a rule, counted above at the first it breaks")
     from dataclasses import replace
 
-    from ndplan.search import run_search, runtime_step_time
+    from ndplan.search import run_search
 
     for factor in (2, 4, 8):
         bigger = replace(space, num_devices=space.num_devices * factor)
-        trial = run_search(model, device, bigger, runtime_step_time(_memory_options(args)),
-                           memory_limit_bytes=result.memory_limit_bytes,
-                           options=_memory_options(args), top=1)
+        trial = run_search(model, device, bigger, memory_limit_bytes=result.memory_limit_bytes, options=options, top=1)
         if trial.ranked:
             notes.append(f"with {bigger.num_devices} devices the best fitting strategy is {trial.ranked[0]['label']}")
             break

@@ -373,10 +373,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # on the memory side, docs/accuracy.md). Priced on every stage; torch's first stage
         # runs one whole backward at W instead, G − 1 fewer.
         rebuilds = np.where(full & np.isin(cols["schedule"], SPLIT_SCHEDULE_CODES), float(weight_grad_groups(model)[kind]), 0.0)
-        rc.add("W", "compute", rebuilds * compute_f)
-        rc.add("W", "tp", rebuilds * tp_f)
-        rc.add("W", "cp", rebuilds * cp_f)
-        rc.add("W", "ep", rebuilds * ep_f)
+        for category, forward_s in (("compute", compute_f), ("tp", tp_f), ("cp", cp_f), ("ep", ep_f)):
+            rc.add("W", category, rebuilds * forward_s)
     return out, rc
 
 
