@@ -136,3 +136,31 @@ def test_distinct_combinations_stand_for_their_rows(scale):
     np.testing.assert_array_equal(columns[rows[codes]], columns)
     assert len(np.unique(columns[rows], axis=0)) == len(rows)
     assert [len(x) for x in StrategyBatch.from_columns({"tp": np.zeros(0, dtype=np.int64)}).distinct(names)] == [0, 0]
+
+
+def test_embedding_and_head_as_layers_fill_extra_virtual_stages():
+    """Megatron's account_for_embedding/loss_in_pipeline_split: 32 layers + embedding + head fill
+    pp·vpp = 34 virtual stages (the first holds only the embedding, the last only the head);
+    without the flags, 34 stages exceed the layers and the rule names both counts."""
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import estimate
+    from ndplan.perf import estimate_time
+    from ndplan.placement import place_layers
+
+    common = dict(pp=17, vpp=2, schedule="interleaved", num_micro_batches=34)
+    with_ends = Strategy(**common, embedding_as_layer=True, output_as_layer=True)
+    assert check_strategy(with_ends, LLAMA, 17) == []
+    one_end = Strategy(**common, embedding_as_layer=True)
+    assert [v.rule for v in check_strategy(one_end, LLAMA, 17)] == ["layers_cover_stages"]
+    assert "exceed num_layers=32 + 1 (the embedding and output head as layers)" in check_strategy(one_end, LLAMA, 17)[0].message
+    plain = Strategy(**common)
+    assert "34 virtual stages exceed num_layers=32" in check_strategy(plain, LLAMA, 17)[0].message
+    # Both models price the empty first and last virtual stages.
+    placement = place_layers(LLAMA, 17, 2, "interleaved", embedding_as_layer=True, output_as_layer=True)
+    assert placement.layers[0] == 0 and placement.layers[-1] == 0 and placement.layers.sum() == 32
+    report = estimate(LLAMA, with_ends)
+    # Stage 0 runs virtual stages 0 (embedding only) and 17, stage 16 runs 16 and 33 (head only).
+    assert [stage.layers for stage in report.stages] == [1] + [2] * 15 + [1]
+    assert all(stage.peak_bytes > 0 for stage in report.stages)
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=17)
+    assert estimate_time(LLAMA, with_ends, cluster).step_s > 0

@@ -113,8 +113,15 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "layers_cover_stages",
-        lambda b, c: b.pp * b.vpp <= c.model.num_layers,
-        lambda s, c: f"pp·vpp = {s.pp}·{s.vpp} = {s.num_virtual_stages} virtual stages exceed num_layers={c.model.num_layers}",
+        # The embedding and the output head count as layers where the placement treats them so
+        # (Megatron's account_for_embedding/loss_in_pipeline_split): 94 layers fill pp·vpp = 96
+        # virtual stages, the first and last holding only the embedding and the head.
+        lambda b, c: b.pp * b.vpp <= c.model.num_layers + b.embedding_as_layer + b.output_as_layer,
+        lambda s, c: (
+            f"pp·vpp = {s.pp}·{s.vpp} = {s.num_virtual_stages} virtual stages exceed num_layers={c.model.num_layers}"
+            + (f" + {int(s.embedding_as_layer) + int(s.output_as_layer)} (the embedding and output head as layers)"
+               if s.embedding_as_layer or s.output_as_layer else "")
+        ),
     ),
     Rule(
         "vpp_needs_virtual_schedule",
