@@ -375,3 +375,18 @@ def test_split_backward_rebuilds_a_checkpointed_layer_once_per_parameter_group()
     assert slow[0] > plain[0] * 1.5 and np.array_equal(slow[1:], plain[1:])
     report = estimate_time(model, strategies[0], cluster, weight_grad_rebuilds=True)
     assert report.step_s > estimate_time(model, strategies[0], cluster).step_s * 1.5
+
+
+def test_fsdp_backward_traffic_hides_under_the_recomputed_forward():
+    """FSDP gathers a layer before its backward and reduce-scatters after it; with full recompute
+    the replayed forward runs in that backward, so the same traffic is less exposed than
+    without recompute (same bytes, a longer window). Qwen3-235B's experts unsharded by EP make
+    the traffic outlast the backward: the step stays bound by it, recompute or not."""
+    common = dict(dp=64, zero=3, fsdp=True, micro_batch_size=1, num_micro_batches=4, seq_length=4096, precision="fsdp-bf16")
+    cluster = _cluster(64)
+    plain = estimate_time(get_preset("qwen3-235b-a22b"), Strategy(**common), cluster)
+    full = estimate_time(get_preset("qwen3-235b-a22b"), Strategy(**common, recompute="full"), cluster)
+    recomputed_s = full.breakdown["compute"] - plain.breakdown["compute"]
+    assert recomputed_s > 1.0
+    assert full.breakdown["comm_exposed"]["dp"] == pytest.approx(plain.breakdown["comm_exposed"]["dp"] - recomputed_s)
+    assert full.step_s == pytest.approx(plain.step_s)

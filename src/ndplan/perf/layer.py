@@ -346,11 +346,6 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         out.add("F", "ep", ep_f)
         out.add("B", "ep", _exposed(backward * eff.moe_imbalance, compute_b + compute_w, hide_ep))
 
-    non_expert, expert = _layer_param_split(model, kind)
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, non_expert, expert)
-    out.add("F", "dp", _exposed(fs_f, compute_f, ctx.overlap.fsdp_prefetch))
-    out.add("B", "dp", _exposed(fs_b, compute_b + compute_w, ctx.overlap.fsdp_prefetch))
-
     # Recompute: full replays the whole forward (its collectives too); selective replays the
     # attention core (Megatron) or every second matmul (torchtitan's per-op policy) and the
     # cheap elementwise ops.
@@ -363,10 +358,18 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         selective_s = gemms_seconds(replayed, rates, "F")[0] + replay_cast + ew_rc
     else:
         selective_s = attn_f + ew_rc
-    rc.add("B", "compute", np.where(full, compute_f, np.where(selective, selective_s, 0.0)))
+    recomputed_s = np.where(full, compute_f, np.where(selective, selective_s, 0.0))
+    rc.add("B", "compute", recomputed_s)
     rc.add("B", "tp", np.where(full, tp_f, 0.0))
     rc.add("B", "cp", np.where(full, cp_f, 0.0))
     rc.add("B", "ep", np.where(full, ep_f, 0.0))
+    # FSDP gathers a layer's shard before its backward and reduce-scatters the gradients after
+    # it, while the neighbouring layers' backward runs; the recomputed forward is part of that
+    # backward (the hook gathers once, the replay finds the parameters whole), so it hides them too.
+    non_expert, expert = _layer_param_split(model, kind)
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, non_expert, expert)
+    out.add("F", "dp", _exposed(fs_f, compute_f, ctx.overlap.fsdp_prefetch))
+    out.add("B", "dp", _exposed(fs_b, compute_b + compute_w + recomputed_s, ctx.overlap.fsdp_prefetch))
     if ctx.weight_grad_rebuilds:
         # A split backward's W calls autograd once per parameter group, and each call replays
         # the checkpointed layer's forward: G more forwards per layer and micro-batch (traced
