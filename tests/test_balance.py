@@ -170,3 +170,22 @@ def test_split_backward_plans_under_pytorch_never_use_selective_and_are_checked(
     assert "selective" not in result.plan.recompute and "full" in result.plan.recompute
     assert result.estimated_stage_bytes is not None and len(result.estimated_stage_bytes) == 4
     assert result.to_dict()["estimated_stage_bytes"] == result.estimated_stage_bytes.round().tolist()
+
+
+def test_the_balancer_prices_layers_with_the_runtimes_overlap():
+    """The overlap switches of the options reach the balancer's layer times (TP overlap: less
+    exposed TP per layer), as they reach the step time."""
+    from ndplan.balance import build_problem
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import MemoryOptions
+    from ndplan.model import get_preset
+    from ndplan.perf import parse_overlap
+    from ndplan.strategy import Strategy
+
+    strategy = Strategy(tp=8, pp=4, sequence_parallel=True, num_micro_batches=8)
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=32)
+    model = get_preset("llama-3.1-70b")
+    plain = build_problem(model, strategy, cluster, 80 * GIB, MemoryOptions())
+    hidden = build_problem(model, strategy, cluster, 80 * GIB, MemoryOptions(overlap=parse_overlap("tp=on")))
+    for option in ("none", "full"):
+        assert hidden.costs[("dense", option)].time_s < plain.costs[("dense", option)].time_s

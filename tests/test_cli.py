@@ -243,3 +243,46 @@ def test_balance_checks_its_plan_with_the_full_estimator(capsys):
     if settings is not None:
         assert "as one recompute setting, what --emit writes" in run(argv, capsys)[1]
         assert data["after"]["step_s"] <= settings["step_s"] <= data["before"]["step_s"] and settings["fits"]
+
+
+def test_overlap_switches_reach_the_step_time(capsys):
+    """--overlap sets what hides: TP overlap removes exposed TP time, the JSON names the
+    switches used, and the text says whether they are defaults."""
+    base = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--tp", "8", "--sp", "--gbs", "16"]
+    code, out, _ = run([*base, "--json"], capsys)
+    default = json.loads(out)["time"]
+    code, out, _ = run([*base, "--overlap", "megatron,tp=on", "--json"], capsys)
+    hidden = json.loads(out)["time"]
+    assert code == 0 and default["overlap"]["tp"] is False and hidden["overlap"]["tp"] is True
+    assert hidden["breakdown"]["comm_exposed"]["tp"] < default["breakdown"]["comm_exposed"]["tp"]
+    assert hidden["step_s"] < default["step_s"]
+    code, out, _ = run([*base, "--overlap", "plain"], capsys)
+    assert code == 0 and "overlap (as given): hidden: nothing; expert dispatch all-to-all" in out
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("tp=maybe", "overlap: tp must be on or off, got 'maybe'"),
+    ("speed=on", "overlap: unknown switch 'speed'; known: dp_grad_reduce"),
+    ("ep_dispatch=nvlink", "overlap: ep_dispatch must be one of all_to_all, node_dedup, got 'nvlink'"),
+    ("fastest", "unknown overlap preset 'fastest'; known: megatron"),
+])
+def test_bad_overlap_is_a_one_line_error(spec, words, capsys):
+    code, out, err = run(["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--overlap", spec], capsys)
+    assert code == 2 and words in err and "Traceback" not in err
+
+
+def test_plan_file_overlap_and_search_use_it(tmp_path, capsys):
+    """A plan file's overlap mapping applies like the flag; the search prices its candidates with
+    the switches given (Mixtral's expert dispatch over nodes)."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("overlap: {tp: true}\n")
+    base = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--tp", "8", "--sp", "--gbs", "16", "--json"]
+    code, out, _ = run([*base, "--plan", str(plan)], capsys)
+    assert code == 0 and json.loads(out)["time"]["overlap"]["tp"] is True
+    search = ["search", *MIXTRAL, "--hardware", "h100-sxm", "--devices", "32", "--gbs", "64", "--seq", "4096",
+              "--fix", "ep=8", "tp=1", "pp=1", "--top", "1", "--json"]
+    code, out, _ = run(search, capsys)
+    plain = json.loads(out)["ranked"][0]
+    code, out, _ = run([*search, "--overlap", "ep=on"], capsys)
+    hidden = json.loads(out)["ranked"][0]
+    assert code == 0 and hidden["step_s"] < plain["step_s"]

@@ -49,6 +49,24 @@ def test_megatron_llama3_70b_script():
     assert any("padded to 129024" in n for n in result.notes)
     assert result.warnings == []
     assert check_strategy(s, result.model) == []
+    # --overlap-grad-reduce, --overlap-param-gather and --tp-comm-overlap are the step time's switches.
+    assert result.runtime_settings["overlap"] == {"dp_grad_reduce": True, "dp_param_gather": True, "tp": True}
+
+
+def test_megatron_overlap_flags_become_the_step_time_switches(tmp_path):
+    """Megatron hides nothing it is not told to: a script without the flags prices exposed
+    gradient reduction; the flex dispatcher (DeepEP) crosses the network once per node."""
+    from ndplan.perf import parse_overlap
+
+    ds = read_config(fixture("megatron_deepseek_v3.sh")).runtime_settings["overlap"]
+    assert ds == {"dp_grad_reduce": True, "dp_param_gather": True, "tp": False, "ep_dispatch": "node_dedup"}
+    mindspeed = read_config(fixture("mindspeed_deepseek3.sh")).runtime_settings["overlap"]
+    assert "ep_dispatch" not in mindspeed  # --moe-token-dispatcher-type alltoall
+    script = tmp_path / "train.sh"
+    text = fixture("megatron_llama3_70b.sh").read_text()
+    script.write_text(text.replace("    --overlap-grad-reduce\n", "").replace("    --tp-comm-overlap\n", ""))
+    bare = parse_overlap(read_config(script, model="llama-3.1-70b").runtime_settings["overlap"])
+    assert bare is not None and not bare.dp_grad_reduce and not bare.tp and bare.dp_param_gather
 
 
 def test_megatron_script_without_vocab_needs_a_model():
@@ -170,7 +188,8 @@ def test_torchtitan_llama3_fsdp_tp_pp():
     # local batch 16 in micro-batches of 1, global 1024 over dp 8: 8 accumulation steps.
     assert (s.micro_batch_size, s.num_micro_batches, s.global_batch_size, s.seq_length) == (1, 128, 1024, 8192)
     assert s.recompute == "full" and s.precision.name == "fsdp-bf16"
-    assert result.runtime_settings == {"loss_parallel": True}
+    # enable_async_tensor_parallel = true: the TP collectives overlap their GEMMs in the step time.
+    assert result.runtime_settings == {"loss_parallel": True, "overlap": {"preset": "torchtitan", "tp": True}}
     assert result.warnings == []
     assert check_strategy(s, result.model) == []
 

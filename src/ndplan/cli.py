@@ -17,7 +17,13 @@ from rich.console import Console
 from rich.table import Table
 
 from ndplan import __version__
-from ndplan.cli_args import add_strategy_arguments, gather_settings, positive_int, strategy_from_settings
+from ndplan.cli_args import (
+    add_strategy_arguments,
+    gather_settings,
+    positive_int,
+    runtime_options,
+    strategy_from_settings,
+)
 from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
 from ndplan.model.hf import first_validation_error
@@ -152,19 +158,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- estimate
-def _memory_options(args: argparse.Namespace) -> Any:
-    from ndplan.memory import MemoryOptions
-
-    census: tuple[Any, ...] = ()
-    if args.census:
-        from ndplan.census.record import load_census_file
-
-        census = tuple(load_census_file(args.census))
-    return MemoryOptions(
-        runtime=args.runtime, attention=args.attention, loss_parallel=args.loss_parallel,
-        include_overhead=not args.no_overhead, moe_imbalance=args.moe_imbalance,
-        moe_capacity_factor=args.moe_capacity_factor, census=census,
-    )
+def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: Any) -> Any:
+    """The runtime options of a command (``cli_args.runtime_options``), with what a --from config stated."""
+    return runtime_options(args, settings, read.runtime_settings if read is not None else None)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -176,13 +172,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.loss_parallel = read.runtime_settings.get("loss_parallel")
     device = resolve_device(_require(settings, "hardware", "--hardware"))
     strategy = strategy_from_settings(settings)
-    options = _memory_options(args)
+    options = _memory_options(args, settings, read)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
     from ndplan.hardware import Cluster
-    from ndplan.perf import estimate_time
+    from ndplan.perf import default_overlap, estimate_time
 
+    overlap = options.overlap or default_overlap(device.runtime)
     timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
-                           weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group)
+                           overlap=options.overlap, weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group)
     if args.plot:
         from ndplan.report.plots import plot_memory
 
@@ -195,7 +192,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json({"model": model.name, "hardware": device.name, "devices": strategy.world_size,
                     "strategy": strategy.model_dump(mode="json"), **report.to_dict(),
-                    "time": {**timing.to_dict(), "details": timing.details},
+                    "time": {**timing.to_dict(), "details": timing.details, "overlap": overlap.model_dump(mode="json")},
                     **({"emitted": emitted} if emitted else {})})
         return 0
     table = Table(title=f"{model.name} on {device.name} — {strategy.short()} — per-device memory per stage")
@@ -226,6 +223,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         f"— compute {timing.breakdown['compute']:.3f} s, bubble {timing.breakdown['bubble']:.3f} s, "
         f"exposed comm {sum(exposed.values()):.3f} s, optimizer {timing.breakdown['optimizer']:.3f} s"
     )
+    console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}",
+                  markup=False)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(emitted, markup=False)
@@ -245,12 +244,12 @@ def cmd_balance(args: argparse.Namespace) -> int:
     from ndplan.hardware import Cluster, resolve_device
     from ndplan.units import parse_bytes
 
-    settings, model, _ = _settings_and_model(args)
+    settings, model, read = _settings_and_model(args)
     device = resolve_device(_require(settings, "hardware", "--hardware"))
     strategy = strategy_from_settings(settings)
     limit = parse_bytes(args.memory_limit) if args.memory_limit else device.memory_bytes
     cluster = Cluster(device=device, num_devices=strategy.world_size)
-    result = balance(model, strategy, cluster, limit, _memory_options(args), exact=not args.heuristic)
+    result = balance(model, strategy, cluster, limit, _memory_options(args, settings, read), exact=not args.heuristic)
     data = {"model": model.name, "hardware": device.name, "strategy": strategy.model_dump(mode="json"),
             "memory_limit_bytes": limit, **result.to_dict()}
     if args.emit:
@@ -330,6 +329,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from ndplan.strategy import get_precision
     from ndplan.units import parse_bytes
 
+    read = None
     if args.from_config:
         from ndplan.io.cli import model_for, print_messages, read_from_args
 
@@ -351,7 +351,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []),
     )
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
-    options = _memory_options(args)
+    options = _memory_options(args, {"overlap": args.overlap}, read)
     step_time = runtime_step_time(options)  # the runtime's step-time model, as memory follows its profile
     quiet = args.json or not sys.stderr.isatty()
     with Progress(TextColumn("searching {task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
@@ -591,6 +591,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack")
     group.add_argument("--moe-imbalance", type=float, default=1.0,
                        help="routed tokens on the busiest rank relative to balanced routing (default 1.0)")
+    group.add_argument("--overlap", metavar="SPEC",
+                       help="what communication hides (step time): a preset (megatron, megatron-tp-overlap, torchtitan, "
+                            "deepspeed, plain) and/or switches, e.g. 'tp=on,ep=on,ep_dispatch=node_dedup' "
+                            "(default: the runtime's defaults, or what a --from config states)")
     group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
                        help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
                             "(replaces --moe-imbalance for memory)")

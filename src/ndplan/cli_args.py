@@ -21,7 +21,7 @@ from ndplan.strategy.strategy import CP_KINDS, RECOMPUTES, SCHEDULES, Strategy
 #: Plan-file keys and the Strategy field each maps to (CLI flags use the same names with dashes);
 #: the framework readers produce settings in the same keys.
 _STRATEGY_KEYS = PLAN_TO_FIELD
-_PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "devices"}
+_PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "devices", "overlap"}
 #: Plan keys that hold whole numbers (ndplan does arithmetic on some before the Strategy
 #: validates them, so a plan file's value is checked as it is read).
 _WHOLE_NUMBER_KEYS = {
@@ -136,3 +136,27 @@ def strategy_from_settings(settings: dict[str, Any]) -> Strategy:
         return Strategy(**fields)
     except ValidationError as error:
         raise NdplanError(first_validation_error(error)) from None
+
+
+def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = None,
+                    runtime_settings: dict[str, Any] | None = None) -> Any:
+    """The MemoryOptions the runtime flags describe (``add_runtime_arguments``), with the overlap
+    switches from ``--overlap``, else a plan file's ``overlap:``, else what a framework config
+    stated (``runtime_settings["overlap"]``), else the device runtime's defaults."""
+    from ndplan.memory import MemoryOptions
+    from ndplan.perf.overlap import parse_overlap
+
+    census: tuple[Any, ...] = ()
+    if getattr(args, "census", None):
+        from ndplan.census.record import load_census_file
+
+        census = tuple(load_census_file(args.census))
+    overlap = (settings or {}).get("overlap")
+    if overlap is None:
+        overlap = (runtime_settings or {}).get("overlap")
+    return MemoryOptions(
+        runtime=getattr(args, "runtime", "pytorch"), attention=getattr(args, "attention", "flash"),
+        loss_parallel=getattr(args, "loss_parallel", None), include_overhead=not getattr(args, "no_overhead", False),
+        moe_imbalance=getattr(args, "moe_imbalance", 1.0), moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
+        census=census, overlap=parse_overlap(overlap),
+    )

@@ -37,7 +37,7 @@ from ndplan.memory.static import layer_elements, sharding_factors
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import default_efficiency
 from ndplan.perf.layer import LayerContext, piece_times
-from ndplan.perf.overlap import default_overlap
+from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, strategy_columns
 from ndplan.perf.topology import Fabric
 from ndplan.placement import place_layers
@@ -49,12 +49,13 @@ OPTIONS = ("none", "selective", "full")
 
 
 def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *,
-                  weight_grad_rebuilds: bool = False) -> dict[str, np.ndarray]:
+                  weight_grad_rebuilds: bool = False, overlap: OverlapConfig | None = None) -> dict[str, np.ndarray]:
     """Seconds per micro-batch (F + B + W) of each piece, per strategy of ``batch``: the layer
     kinds, 'rc_dense'/'rc_moe' (what recomputing one layer adds, with a runtime's rebuilds per
-    parameter group in a split W: ``ndplan.perf.step.evaluate``) and the ends 'emb'/'head'."""
+    parameter group in a split W: ``ndplan.perf.step.evaluate``) and the ends 'emb'/'head'.
+    ``overlap``: what the runtime hides (None: the device runtime's defaults)."""
     eff = default_efficiency(cluster.device)
-    overlap = default_overlap(cluster.device.runtime)
+    overlap = overlap or default_overlap(cluster.device.runtime)
     ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision,
                        weight_grad_rebuilds)
     pieces = piece_times(ctx, strategy_columns(batch, overlap))
@@ -72,11 +73,12 @@ def runnable_options(strategy: Strategy, options: MemoryOptions) -> tuple[str, .
     return OPTIONS
 
 
-def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster, weight_grad_rebuilds: bool
-                   ) -> dict[str, dict[str, float]]:
+def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster, weight_grad_rebuilds: bool,
+                   overlap: OverlapConfig | None = None) -> dict[str, dict[str, float]]:
     """``piece_seconds`` of the strategy under each recompute option."""
     variants = [strategy.model_copy(update={"recompute": option, "recompute_layers": 0}) for option in OPTIONS]
-    seconds = piece_seconds(model, StrategyBatch.of(variants), cluster, weight_grad_rebuilds=weight_grad_rebuilds)
+    seconds = piece_seconds(model, StrategyBatch.of(variants), cluster, weight_grad_rebuilds=weight_grad_rebuilds,
+                            overlap=overlap)
     return {option: {name: float(values[i]) for name, values in seconds.items()} for i, option in enumerate(OPTIONS)}
 
 
@@ -86,7 +88,7 @@ def build_problem(
     options = options or MemoryOptions()
     validate_strategy(strategy, model, cluster.num_devices)
     slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"] * options.include_overhead
-    seconds = _piece_seconds(model, strategy, cluster, options.profile.weight_grad_recomputes_per_group)
+    seconds = _piece_seconds(model, strategy, cluster, options.profile.weight_grad_recomputes_per_group, options.overlap)
     batch = StrategyBatch.of([strategy.model_copy(update={"recompute": o, "recompute_layers": 0}) for o in OPTIONS])
     acts = layer_activations(model, batch, options)
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp

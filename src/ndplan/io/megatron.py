@@ -5,6 +5,7 @@ communication type, EP/ETP, SP), the distributed optimizer and Megatron/torch FS
 global batch, sequence length, recompute granularity/method/layers, bf16/fp16/fp8 and the
 precision-aware optimizer, optimizer CPU offload, the model flags (see ``megatron_model``) and
 the world size of the ``torchrun``/``torch.distributed.launch``/``deepspeed``/``msrun`` line.
+The communication-overlap flags become the step-time model's switches (``_overlap``).
 Flags ndplan knows to be irrelevant to memory and time are accepted silently
 (``megatron_flags.NO_EFFECT``); every other flag it does not interpret is a warning.
 """
@@ -102,13 +103,41 @@ def interpret(
     _recompute(args, settings, warnings, notes)
     settings["precision"] = precision_setting(_precision(args, warnings))
     _batch(args, settings, dp, warnings, notes)
+    overlap = _overlap(args, notes)
 
     warnings.extend(args.leftovers())
     return ReadResult(
         format=FORMAT, source=src.name, model=model, strategy_settings=settings,
         devices=settings.get("dp", 0) * tp * pp * cp or world or devices or None,
-        devices_per_node=per_node, warnings=warnings, notes=notes,
+        devices_per_node=per_node, warnings=warnings, notes=notes, runtime_settings={"overlap": overlap},
     )
+
+
+def _overlap(args: Args, notes: list[str]) -> dict[str, Any]:
+    """The step-time overlap switches (``ndplan.perf.OverlapConfig``) the flags state. Megatron
+    overlaps nothing unless asked, so an absent flag means off; expert-parallel overlap stays
+    'auto' (on under DualPipeV) unless a flag turns it on."""
+    overlap: dict[str, Any] = {
+        "dp_grad_reduce": args.has("--overlap-grad-reduce"),
+        "dp_param_gather": args.has("--overlap-param-gather"),
+        "tp": args.has("--tp-comm-overlap"),
+    }
+    if args.has("--overlap-moe-expert-parallel-comm", "--moe-alltoall-overlap-comm", "--moe-fb-overlap"):
+        overlap["ep"] = True
+    dispatcher = args.get("--moe-token-dispatcher-type")
+    kind = dispatcher.values[0] if dispatcher is not None and dispatcher.values else "allgather"
+    backend = args.get("--moe-flex-dispatcher-backend")
+    if kind == "flex" or args.has("--moe-enable-deepep"):
+        # DeepEP and HybridEP send a token once per destination node and fan it out there.
+        overlap["ep_dispatch"] = "node_dedup"
+        name = backend.values[0] if backend is not None and backend.values else "deepep"
+        notes.append(f"expert dispatch: {name} (flex dispatcher), one network copy per destination node")
+    elif kind == "allgather" and args.has("--num-experts"):
+        notes.append("--moe-token-dispatcher-type allgather (Megatron's default) is priced as the all-to-all "
+                     "dispatcher's traffic")
+    hidden = [name for name, on in overlap.items() if on is True]
+    notes.append(f"overlap from the flags: {', '.join(hidden) or 'none'} (the step time's switches; --overlap overrides)")
+    return overlap
 
 
 def _world(

@@ -189,8 +189,11 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     else:
         settings.update(zero=0, fsdp=False, shard_group=0, reshard=True)
     loss_parallel = tp > 1 and not parallel.boolean("disable_loss_parallel", default=False)
-    parallel.get("enable_async_tensor_parallel", "pipeline_parallel_expert_parallel_overlap",
-                 "context_parallel_rotate_method", "context_parallel_load_balancer", "expert_parallel_comm_backend",
+    # Async TP overlaps the tensor-parallel collectives with the GEMMs; FSDP2 prefetches (on by default).
+    overlap: dict[str, Any] = {"tp": tp > 1 and bool(parallel.boolean("enable_async_tensor_parallel", default=False))}
+    if parallel.boolean("pipeline_parallel_expert_parallel_overlap", default=False):
+        overlap["ep"] = True
+    parallel.get("context_parallel_rotate_method", "context_parallel_load_balancer", "expert_parallel_comm_backend",
                  "enable_compiled_autograd", "enable_sequence_parallel")
 
     _pipeline(parallel, settings, model, warnings)
@@ -209,7 +212,8 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     world = settings["dp"] * tp * pp * cp if "dp" in settings else devices
     return ReadResult(
         format=FORMAT, source=src.name, model=model, strategy_settings=settings, devices=world,
-        warnings=warnings, notes=notes, runtime_settings={"loss_parallel": loss_parallel},
+        warnings=warnings, notes=notes,
+        runtime_settings={"loss_parallel": loss_parallel, "overlap": {"preset": "torchtitan", **overlap}},
     )
 
 

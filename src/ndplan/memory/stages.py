@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
 from ndplan.strategy.batch import CODES, StrategyBatch, radix_key
 
+if TYPE_CHECKING:
+    from ndplan.perf.overlap import OverlapConfig
+
 Attention = Literal["flash", "sdpa", "eager"]
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
 STATIC_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "output", "mtp")
@@ -61,7 +64,9 @@ class MemoryOptions:
     token-dropping MoE instead: every expert's buffer holds capacity_factor × its balanced share
     of tokens (padded when fewer come, dropped beyond), so routed-expert bytes are exactly that
     multiple whatever the routing. ``census`` replaces the profile's formulas for the layer kinds
-    it measured.
+    it measured. ``overlap`` says which communication the runtime hides; the memory model does
+    not read it, the step-time model and the balancer do (None: the device runtime's defaults,
+    ``ndplan.perf.overlap.default_overlap``), so the options a command builds carry it to both.
     """
 
     runtime: str = "pytorch"
@@ -71,6 +76,7 @@ class MemoryOptions:
     moe_imbalance: float = 1.0
     moe_capacity_factor: float | None = None
     census: tuple[CensusRecord, ...] = field(default=())
+    overlap: OverlapConfig | None = None
 
     def __post_init__(self) -> None:
         if self.moe_imbalance < 1.0:

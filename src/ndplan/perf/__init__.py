@@ -14,7 +14,7 @@ from ndplan.perf.efficiency import (
     dump_efficiency,
     load_efficiency,
 )
-from ndplan.perf.overlap import OVERLAP_PRESETS, OverlapConfig, default_overlap, get_overlap
+from ndplan.perf.overlap import OVERLAP_PRESETS, OverlapConfig, default_overlap, get_overlap, parse_overlap
 from ndplan.perf.report import TimeReport, estimate_time
 from ndplan.perf.step import evaluate, step_time_batch
 
@@ -36,5 +36,6 @@ __all__ = [
     "get_overlap",
     "load_efficiency",
     "load_runs",
+    "parse_overlap",
     "step_time_batch",
 ]

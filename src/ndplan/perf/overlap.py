@@ -8,9 +8,10 @@ mechanism is on; the formulas live with the collectives they change (comm.py, la
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ndplan.errors import NdplanError
 
@@ -63,6 +64,19 @@ class OverlapConfig(BaseModel):
     ep_node_limit: int | None = Field(default=None, ge=1)
     ep_dispatch_fp8: bool = False
 
+    def describe(self) -> str:
+        """One line naming what hides and what does not, as the estimate prints it."""
+        on = [name for name, flag in (
+            ("dp grad-reduce", self.dp_grad_reduce), ("dp param-gather", self.dp_param_gather),
+            ("fsdp prefetch", self.fsdp_prefetch), ("cp ring", self.cp_ring), ("tp", self.tp)) if flag]
+        if self.ep is None:
+            on.append("ep under dualpipev")
+        elif self.ep:
+            on.append("ep")
+        dispatch = self.ep_dispatch.replace("_", "-") + (", fp8" if self.ep_dispatch_fp8 else "") + (
+            f", at most {self.ep_node_limit} nodes per token" if self.ep_node_limit else "")
+        return f"hidden: {', '.join(on) or 'nothing'}; expert dispatch {dispatch}"
+
 
 #: Defaults per software stack. "megatron" is what Megatron-LM/NeMo recipes turn on by default
 #: (grad-reduce and param-gather overlap; TP overlap is an opt-in flag); "torchtitan"/"fsdp"
@@ -92,3 +106,74 @@ def get_overlap(name: str) -> OverlapConfig:
     if key not in OVERLAP_PRESETS:
         raise NdplanError(f"unknown overlap preset '{name}'; known: {', '.join(OVERLAP_PRESETS)}")
     return OVERLAP_PRESETS[key]
+
+
+_TRUE = {"on", "true", "yes", "1"}
+_FALSE = {"off", "false", "no", "0"}
+
+
+def parse_overlap(spec: str | Mapping[str, Any] | OverlapConfig | None) -> OverlapConfig | None:
+    """An OverlapConfig from what a user writes: a preset name, ``key=value`` pairs after an
+    optional preset (``megatron,tp=on,ep_dispatch=node_dedup``), or a mapping of the same (a plan
+    file's ``overlap:``; ``preset`` names the base). Unset keys keep the base's values, the
+    ``megatron`` preset unless another is named. None stays None (the device runtime's defaults).
+    """
+    if spec is None or isinstance(spec, OverlapConfig):
+        return spec
+    if isinstance(spec, str):
+        parts = [part.strip() for part in spec.split(",") if part.strip()]
+        if not parts:
+            raise NdplanError(f"overlap: empty setting; give a preset ({', '.join(OVERLAP_PRESETS)}) or key=value pairs")
+        preset = parts.pop(0) if "=" not in parts[0] else "megatron"
+        fields: dict[str, Any] = {}
+        for part in parts:
+            if "=" not in part:
+                raise NdplanError(f"overlap: '{part}' is not key=value (only the first item may name a preset)")
+            key, value = (x.strip() for x in part.split("=", 1))
+            fields[key] = value
+        return _overlap_from(preset, fields)
+    if isinstance(spec, Mapping):
+        fields = dict(spec)
+        return _overlap_from(str(fields.pop("preset", "megatron")), fields)
+    raise NdplanError(f"overlap: expected a preset name, key=value pairs or a mapping, got {type(spec).__name__}")
+
+
+def _overlap_from(preset: str, fields: dict[str, Any]) -> OverlapConfig:
+    known = list(OverlapConfig.model_fields)
+    values: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key not in known:
+            raise NdplanError(f"overlap: unknown switch '{key}'; known: {', '.join(known)}")
+        values[key] = _overlap_value(key, value)
+    try:
+        return OverlapConfig(**{**get_overlap(preset).model_dump(), **values})
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise NdplanError(f"overlap: {first['loc'][0]}: {first['msg']}") from None
+
+
+def _overlap_value(key: str, value: Any) -> Any:
+    """Words a command line gives, as the field's type wants them ('on' → True, 'auto' → None)."""
+    if not isinstance(value, str):
+        return value
+    word = value.strip().lower()
+    if key == "ep" and word in {"auto", "none"}:
+        return None
+    if key == "ep_node_limit":
+        if word in {"none", "0"}:
+            return None
+        if not word.isdigit():
+            raise NdplanError(f"overlap: ep_node_limit must be a whole number of nodes, got '{value}'")
+        return int(word)
+    if key == "ep_dispatch":
+        allowed = ("all_to_all", "node_dedup")
+        word = word.replace("-", "_")
+        if word not in allowed:
+            raise NdplanError(f"overlap: ep_dispatch must be one of {', '.join(allowed)}, got '{value}'")
+        return word
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    extra = " or auto (on under dualpipev only)" if key == "ep" else ""
+    raise NdplanError(f"overlap: {key} must be on or off{extra}, got '{value}'")

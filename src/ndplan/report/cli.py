@@ -69,9 +69,9 @@ def load_result(source: str) -> dict[str, Any]:
 
 def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     """The same dict `ndplan estimate --json` prints, for the strategy the flags give."""
-    from ndplan.cli_args import gather_settings, strategy_from_settings
+    from ndplan.cli_args import gather_settings, runtime_options, strategy_from_settings
     from ndplan.hardware import resolve_device
-    from ndplan.memory import MemoryOptions, estimate
+    from ndplan.memory import estimate
     from ndplan.model import load_model
 
     settings = gather_settings(args)
@@ -81,23 +81,14 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     model = load_model(settings["model"])
     device = resolve_device(settings["hardware"])
     strategy = strategy_from_settings(settings)
-    census: tuple[Any, ...] = ()
-    if getattr(args, "census", None):
-        from ndplan.census.record import load_census_file
-
-        census = tuple(load_census_file(args.census))
-    options = MemoryOptions(
-        runtime=getattr(args, "runtime", "pytorch"), attention=getattr(args, "attention", "flash"),
-        loss_parallel=getattr(args, "loss_parallel", None), include_overhead=not getattr(args, "no_overhead", False),
-        moe_imbalance=getattr(args, "moe_imbalance", 1.0), census=census,
-    )
+    options = runtime_options(args, settings)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
     result: dict[str, Any] = {"model": model.name, "hardware": device.name}
     if settings.get("devices"):
         result["devices"] = settings["devices"]
     result = {**result, "strategy": strategy.model_dump(mode="json"), **report.to_dict()}
     perf, note = step_time(model, strategy, device, settings.get("devices"),
-                           options.profile.weight_grad_recomputes_per_group)
+                           options.profile.weight_grad_recomputes_per_group, options.overlap)
     if perf is not None:
         result["perf"] = perf
     elif note:
@@ -106,7 +97,7 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_time(model: Any, strategy: Any, device: Any, devices: int | None,
-              weight_grad_rebuilds: bool = False) -> tuple[dict[str, Any] | None, str]:
+              weight_grad_rebuilds: bool = False, overlap: Any = None) -> tuple[dict[str, Any] | None, str]:
     """The step-time report of one strategy (with the bottleneck stage's op times for the timeline),
     or None and why. The step-time model is optional to the report: any failure leaves it out."""
     try:
@@ -115,7 +106,7 @@ def step_time(model: Any, strategy: Any, device: Any, devices: int | None,
 
         world = strategy.dp * strategy.tp * strategy.pp * strategy.cp
         report = estimate_time(model, strategy, Cluster(device=device, num_devices=devices or world),
-                               weight_grad_rebuilds=weight_grad_rebuilds)
+                               weight_grad_rebuilds=weight_grad_rebuilds, overlap=overlap)
         perf: dict[str, Any] = dict(report.to_dict())
         keep = ("stage_forward_s", "stage_backward_s", "stage_weight_grad_s", "p2p_s", "makespan_s", "bottleneck_stage")
         perf["details"] = {k: float(report.details[k]) for k in keep if k in report.details}
