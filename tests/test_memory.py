@@ -461,3 +461,20 @@ def test_weight_gradient_step_is_torch_pipelining_only(schedule, vpp):
     pytorch = estimate(model, strategy, options=NO_OVERHEAD)
     assert max(s.transient_bytes for s in megatron.stages) < 4 * 2**30
     assert max(s.transient_bytes for s in pytorch.stages) > 10 * 2**30
+
+
+def test_megatron_routes_each_ranks_sequence_shard_under_sp():
+    """Megatron-Core's MoE layer takes [s/tp, b, h] under SP and its dispatcher gathers only over
+    the expert-TP group, so a rank's experts see s·etp/tp routed copies: the full-width copies
+    (permuted tokens, unpermute input: 2·k·h per routed token) divide by tp/etp, the ffn-wide
+    ones by tp whatever etp. Mixtral (k = 2, h = 4096), bf16, tp 4 with SP."""
+    from ndplan.memory.stages import layer_activations
+
+    model = get_preset("mixtral-8x7b")
+    options = MemoryOptions(runtime="megatron")
+    strategies = [Strategy(tp=4, sequence_parallel=True, ep=2, etp=etp, dp=2) for etp in (1, 4)]
+    moe = layer_activations(model, StrategyBatch.of(strategies), options).full["moe"]
+    copies = 2 * 2 * 4096 * 2  # permuted + unpermuted tokens: 2 tensors · k · h · 2 B per token
+    # etp 4 gathers the 4 ranks' shards (s routed copies a rank), etp 1 routes its own (s/4); the
+    # ffn-wide tensors are the same bytes either way, so the whole difference is the copies.
+    assert moe[1] - moe[0] == pytest.approx(copies * (1 - 1 / 4))

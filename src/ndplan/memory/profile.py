@@ -23,7 +23,12 @@ from ndplan.model.spec import ModelSpec
 
 #: How tensor parallelism divides a saved tensor. ``linear_input`` resolves to the profile's
 #: ``linear_input_shard`` (Megatron keeps a linear's input sequence-sharded, DTensor keeps it whole).
-SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "vocab", "none")
+#: ``etp``: an expert tensor over every routed copy of the sequence, its width split by etp.
+#: ``expert_tokens`` / ``expert_width``: the same where each rank routes only its own sequence
+#: shard under SP and the expert-TP group gathers what it routed (Megatron-Core's dispatchers):
+#: a rank's experts see s·etp/tp routed copies, so a copy of full width (h) divides by tp/etp and
+#: an etp-split width (the expert's ffn) by tp; without SP, as ``none`` and ``etp``.
+SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "expert_tokens", "expert_width", "vocab", "none")
 #: libyaml's safe loader where PyYAML was built with it (the shipped profile parses ~10x faster,
 #: which is most of ``ndplan estimate``'s start-up), else the pure-Python one. Both are safe.
 _SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

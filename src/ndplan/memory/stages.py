@@ -219,10 +219,13 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     blocks = block_coefficients(model, profile, act_bytes)
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
+    sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
     divisors = {
         "tp": tp,
-        "sp": np.where(batch.sequence_parallel > 0, tp, 1.0),
+        "sp": np.where(sequence_sharded, tp, 1.0),
         "etp": etp / options.routed_token_factor,
+        "expert_tokens": np.where(sequence_sharded, tp / etp, 1.0) / options.routed_token_factor,
+        "expert_width": np.where(sequence_sharded, tp, etp) / options.routed_token_factor,
         "vocab": tp if loss_parallel else np.ones_like(tp),
         "none": np.ones_like(tp),
     }
