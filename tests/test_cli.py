@@ -284,5 +284,5 @@ def test_plan_file_overlap_and_search_use_it(tmp_path, capsys):
     code, out, _ = run(search, capsys)
     plain = json.loads(out)["ranked"][0]
     code, out, _ = run([*search, "--overlap", "ep=on"], capsys)
-    hidden = json.loads(out)["ranked"][0]
-    assert code == 0 and hidden["step_s"] < plain["step_s"]
+    hidden = json.loads(out)
+    assert code == 0 and hidden["ranked"][0]["step_s"] < plain["step_s"] and hidden["overlap"]["ep"] is True

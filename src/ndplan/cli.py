@@ -381,7 +381,11 @@ def cmd_search(args: argparse.Namespace) -> int:
                 f"the winner's per-layer recompute needs a framework that sets it layer by layer; as one recompute "
                 f"setting (what --emit writes) it is {one_setting['label']}, layers {one_setting['stage_layers']}, "
                 f"step {one_setting['step_s']:.3f} s")
+    from ndplan.perf import default_overlap
+
+    overlap = options.overlap or default_overlap(device.runtime)
     data = search_result_dict(result, model, device, space)
+    data["overlap"] = overlap.model_dump(mode="json")
     if args.csv:
         _write_csv(args.csv, result.ranked)
     if args.emit and result.best:
@@ -394,6 +398,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         _emit_json(data)
         return 0 if result.ranked else 1
     _print_search(result, model, device, space)
+    console.print(f"step times with overlap {'as given' if options.overlap else 'defaults (set with --overlap)'}: "
+                  f"{overlap.describe()}", markup=False)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings of the winner:")
         console.print(data["emitted"], markup=False)
