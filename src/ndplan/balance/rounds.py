@@ -132,50 +132,58 @@ class _Greedy:
         if self.none is not None:
             self.plain_time = np.broadcast_to(self.time[:, self.none], (pp, v, len(self.kinds))).reshape(flat)
             self.plain_memory = memory[..., self.none].reshape(flat)
-        # What ``solve`` gathers per query, stacked so that one gather per table serves a batch:
-        # per stage [pp, 3], per chunk and kind [pp, 2 or 4, v·G], per move [pp, 2, moves].
-        self.per_stage = np.stack([self.base_time, self.base_bytes + self.transient, self.base_bytes], axis=1)
+        # What ``solve`` gathers per query, stacked so that one gather per table serves a batch,
+        # stage last (queries run along the last axis): per stage [3, pp], per chunk and kind
+        # [2 or 4, v·G, pp], per move [moves, 2, pp].
+        self.per_stage = np.stack([self.base_time, self.base_bytes + self.transient, self.base_bytes])
         self.per_group = np.stack([self.start_time, self.start_memory] + (
-            [self.plain_memory, self.plain_time] if self.none is not None else []), axis=1)
-        self.per_move = np.stack([self.move_save, self.move_time], axis=1)
+            [self.plain_memory, self.plain_time] if self.none is not None else [])).transpose(0, 2, 1).copy()
+        self.per_move = np.stack([self.move_save, self.move_time]).transpose(2, 0, 1).copy()
+        self.move_group_last = self.move_group.T.copy()  # [moves, pp]
 
     def solve(self, stage: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For queries (``stage`` [Q], ``counts`` [Q, v, G] layers per chunk and kind): least
         seconds per micro-batch (+inf if nothing fits), whether every layer runs "none" (no
-        transient), the number of moves taken whole, and the layers of the last, partial move."""
+        transient), the number of moves taken whole, and the layers of the last, partial move.
+
+        Queries run along the last axis of every array, so that each step is one vectorised
+        operation over all of them (gathers are flat ``take``s, and sums over the few chunks,
+        kinds or moves add one slab at a time, in order)."""
         Q = len(stage)
-        counts = counts.reshape(Q, -1).astype(float)  # [Q, v·G]
-        rows = np.arange(Q)
-        base_time, base_rc, base_plain = self.per_stage[stage].T
+        query = np.arange(Q)
+        groups = counts.reshape(Q, -1).T.astype(float)  # [v·G, Q] layers of each chunk and kind
+        base_time, base_rc, base_plain = self.per_stage.take(stage, axis=1)
         # Σ over chunks and kinds of layers × start seconds, start bytes (and all-"none" ones).
-        sums = (counts[:, None, :] * self.per_group[stage]).sum(axis=2)  # [Q, 2 or 4]
-        time = base_time + sums[:, 0]
+        sums = (groups * self.per_group.take(stage, axis=2)).sum(axis=1)  # [2 or 4, Q]
+        time = base_time + sums[0]
         # Aim a hair under the limit, so that evaluate's own float sums never land just over it.
         limit = self.limit * (1 - _MARGIN)
-        deficit = base_rc + sums[:, 1] - limit
-        layers = counts[rows[:, None], self.move_group[stage]]  # [Q, moves] layers each move may take
-        unit_save, unit_time = self.per_move[stage].transpose(1, 0, 2)  # [Q, moves] each
-        # Running sums along the moves, taken down the transposed array (one pass per move, not
-        # one per query; the same sums in the same order).
-        saved = np.cumsum((layers * unit_save).T, axis=0).T
-        moves = saved.shape[1]
-        whole = (saved < deficit[:, None]).sum(axis=1)  # moves taken whole
+        deficit = base_rc + sums[1] - limit
+        layers = groups.take(self.move_group_last.take(stage, axis=1) * Q + query)  # [moves, Q] each move may take
+        per_move = self.per_move.take(stage, axis=2)  # [moves, 2, Q] bytes saved, seconds added per layer
+        steps = layers[:, None] * per_move
+        # Running sums of bytes saved and seconds added along the moves (as np.cumsum, faster).
+        running = np.empty_like(steps)
+        running[0] = steps[0]
+        for move in range(1, len(steps)):
+            np.add(running[move - 1], steps[move], out=running[move])
+        moves = len(steps)
+        whole = (running[:, 0] < deficit).sum(axis=0)  # moves taken whole
         fits = (deficit <= 0) | (whole < moves)
         whole = np.where(deficit <= 0, 0, np.minimum(whole, moves - 1))
         last = np.maximum(whole - 1, 0)
-        before = np.where(whole > 0, saved[rows, last], 0.0)
-        unit = unit_save[rows, whole]
+        before, spent = (np.where(whole > 0, running.take((last * 2 + k) * Q + query), 0.0) for k in (0, 1))
+        unit, unit_time = (per_move.take((whole * 2 + k) * Q + query) for k in (0, 1))
         with np.errstate(divide="ignore", invalid="ignore"):
             partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
         partial = np.where((deficit > 0) & np.isfinite(partial), partial, 0.0)
         partial += (deficit > 0) & (before + partial * unit < deficit)  # rounding: one more layer
-        fits &= partial <= layers[rows, whole]
-        spent = np.where(whole > 0, np.cumsum((layers * unit_time).T, axis=0).T[rows, last], 0.0)
-        greedy = np.where(fits, time + spent + partial * unit_time[rows, whole], np.inf)
+        fits &= partial <= layers.take(whole * Q + query)
+        greedy = np.where(fits, time + spent + partial * unit_time, np.inf)
         plain = np.zeros(Q, dtype=bool)
         if self.none is not None:
-            plain_bytes = base_plain + sums[:, 2]
-            plain_time = base_time + sums[:, 3]
+            plain_bytes = base_plain + sums[2]
+            plain_time = base_time + sums[3]
             plain = (plain_bytes <= limit) & (plain_time <= greedy)
             greedy = np.where(plain, plain_time, greedy)
         return greedy, plain, whole, partial.astype(np.int64)
