@@ -469,33 +469,47 @@ def _min_max_monotone(table: np.ndarray, shortest: int, L: int) -> float:
 def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]:
     """S(bound), the least Σ_v t_v over splits with every t_v ≤ bound: (sum, the split's
     bottleneck, layers per virtual stage); sum is +inf if no split qualifies."""
+    return min_sums(seg, (bound,))[0]
+
+
+def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float, tuple[int, ...]]]:
+    """``min_sum`` for each of ``bounds``, in one pass over the stages: the bounds' tables are
+    stacked on a leading axis, so that each stage is a few array operations for all of them
+    (the same sums in the same order as one at a time)."""
     staged = isinstance(seg, StagedTable)
+    limit = np.asarray(bounds, dtype=float).reshape(-1, 1, 1)  # [n, 1, 1]
     starts: Sequence[np.ndarray]
-    costs: Sequence[np.ndarray] | np.ndarray
+    costs: Sequence[np.ndarray]
     if isinstance(seg, StagedTable):
         starts = seg.starts
-        costs = seg.costs if bound == np.inf else [np.where(c <= bound, c, np.inf) for c in seg.costs]
+        costs = [np.where(c <= limit, c, np.inf) for c in seg.costs]  # [n, J, P] each; c ≤ +inf always
     else:
         starts = (seg.start,) * len(seg.cost)
-        costs = seg.cost if bound == np.inf else np.where(seg.cost <= bound, seg.cost, np.inf)
-    best = np.full(_positions(seg), np.inf)  # over ends b: least sum of v stages ending at b
-    best[0] = 0.0
+        stacked = np.where(seg.cost <= limit[..., None], seg.cost, np.inf)  # [n, V, J, P]
+        costs = [stacked[:, v] for v in range(len(seg.cost))]
+    best = np.full((len(bounds), _positions(seg)), np.inf)  # over ends b: least sum of v stages ending at b
+    best[:, 0] = 0.0
     totals = []
     for start, cost in zip(starts, costs, strict=True):
-        total = best[start] + cost  # [J, L + 1]
+        total = best.take(start, axis=1) + cost  # [n, J, P]
         totals.append(total)
-        best = np.minimum.reduce(total, axis=0)
-    if not np.isfinite(best[-1]):
-        return float("inf"), float("inf"), ()
-    counts, b, bottleneck = [], len(best) - 1, 0.0
-    for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
-        j = int(totals[v][:, b].argmin())
-        length = int(seg.lengths[v][j] if staged else seg.lengths[j])
-        counts.append(length)
-        bottleneck = max(bottleneck, float(costs[v][j, b]))
-        # A finite step starts at its position less its length (a staged table says where).
-        b = int(starts[v][j, b]) if staged else b - length
-    return float(best[-1]), bottleneck, tuple(reversed(counts))
+        best = total.min(axis=1)
+    out: list[tuple[float, float, tuple[int, ...]]] = []
+    for k in range(len(bounds)):
+        if not np.isfinite(best[k, -1]):
+            out.append((float("inf"), float("inf"), ()))
+            continue
+        counts: list[int] = []
+        b, bottleneck = best.shape[1] - 1, 0.0
+        for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
+            j = int(totals[v][k, :, b].argmin())
+            length = int(seg.lengths[v][j] if staged else seg.lengths[j])
+            counts.append(length)
+            bottleneck = max(bottleneck, float(costs[v][k, j, b]))
+            # A finite step starts at its position less its length (a staged table says where).
+            b = int(starts[v][j, b]) if staged else b - length
+        out.append((float(best[k, -1]), bottleneck, tuple(reversed(counts))))
+    return out
 
 
 def _split_costs(seg: _Segments, counts: tuple[int, ...]) -> np.ndarray:
@@ -525,12 +539,12 @@ def _search(seg: _Segments, num_micro_batches: int, uniform: tuple[int, ...] | N
 def threshold_search(seg: AnyTable, weight: float, z_star: float) -> tuple[int, ...] | None:
     """The split minimising Σ_v t_v + weight·max_v t_v exactly (module docstring, with m − 1 =
     ``weight``), given Z*, the least bottleneck; None if no split fits."""
-    least, top, free = min_sum(seg, np.inf)  # S(∞), a lower bound on every split's sum
+    # S(∞), a lower bound on every split's sum, and S(Z*), in one pass.
+    (least, top, free), (total, bottleneck, best_counts) = min_sums(seg, (np.inf, z_star))
     if not np.isfinite(least):
         return None
     if weight == 0:
         return free
-    total, bottleneck, best_counts = min_sum(seg, z_star)
     best = total + weight * bottleneck
     if least + weight * top < best:
         best, best_counts = least + weight * top, free
