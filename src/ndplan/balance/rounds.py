@@ -44,7 +44,8 @@ from ndplan.balance.problem import (
     Plan,
     PlanCost,
     chunk_loads,
-    evaluate,
+    cost_columns,
+    evaluate_codes,
     load_spread,
     stage_bases,
     uniform_plan,
@@ -140,6 +141,10 @@ class _Greedy:
             [self.plain_memory, self.plain_time] if self.none is not None else [])).transpose(0, 2, 1).copy()
         self.per_move = np.stack([self.move_save, self.move_time]).transpose(2, 0, 1).copy()
         self.move_group_last = self.move_group.T.copy()  # [moves, pp]
+        # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``.
+        entry = {pair: i for i, pair in enumerate(problem.costs)}
+        self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
+        self.cost_columns = cost_columns(problem)
 
     def solve(self, stage: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For queries (``stage`` [Q], ``counts`` [Q, v, G] layers per chunk and kind): least
@@ -370,7 +375,7 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
     plan = Plan(counts, tuple(problem.options[r] for r in option.tolist()))
-    cost = evaluate(problem, plan)
+    cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option])
     return (plan, cost) if cost.fits else None
 
 
@@ -465,12 +470,14 @@ def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None, *
     """The uniform placement (what frameworks run by default) with each recompute option on
     every layer, and (``mixed``) with each stage's least-time dealt recompute; those that fit."""
     found = []
-    for option in problem.options:
-        cost = evaluate(problem, plan := uniform_plan(problem, option))
+    greedy = greedy or _Greedy(problem)
+    for r, option in enumerate(problem.options):
+        plan = uniform_plan(problem, option)
+        cost = evaluate_codes(problem, plan.stage_layers, greedy.cost_columns, greedy.cost_code[greedy.codes, r])
         if cost.fits:
             found.append((plan, cost))
     if mixed:
-        planned = _plan_of(problem, greedy or _Greedy(problem), uniform_plan(problem, problem.options[0]).stage_layers)
+        planned = _plan_of(problem, greedy, uniform_plan(problem, problem.options[0]).stage_layers)
         found += [planned] if planned is not None else []
     return found
 
