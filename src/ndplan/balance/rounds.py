@@ -313,22 +313,30 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     any_recompute: np.ndarray = np.zeros(grid, dtype=bool)
     void: np.ndarray = np.zeros(grid, dtype=bool)
     kind_mixes = []
-    rows = np.arange(S)[:, None, None]
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
     slots = _dealt_prefix(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1]
+    first_slot = (np.arange(S) * G)[:, None, None] * slots.shape[2]  # flat index of each stage's kind 0 slots
     for g in range(G):
         by_activation = greedy.by_activation[g]
         heads = _at_most(int(held[:, g].max()), R - 1)  # [K, R − 1]
         rest = held[:, g, None] - heads.sum(axis=1)[None]  # [S, K] layers on the last option
-        mixes = np.concatenate([np.broadcast_to(heads, (S, *heads.shape)), np.maximum(rest, 0)[..., None]], axis=2)
-        ends = np.cumsum(mixes[:, :, by_activation], axis=2)  # [S, K, R]
-        weight = slots[rows, g, ends] - slots[rows, g, ends - mixes[:, :, by_activation]]  # [S, K, R]
+        mixes = np.empty((S, len(heads), R), dtype=np.int64)
+        mixes[:, :, :-1] = heads
+        mixes[:, :, -1] = np.maximum(rest, 0)
+        ordered = mixes.take(by_activation, axis=2)  # options most bytes first
+        ends = ordered.copy()  # [S, K, R] slots dealt after each option
+        for r in range(1, R):
+            ends[:, :, r] += ends[:, :, r - 1]
+        at = first_slot + g * slots.shape[2]
+        weight = slots.take(at + ends) - slots.take(at + ends - ordered)  # [S, K, R]
         kind_bytes = mixes @ greedy.static[g] + weight @ greedy.activation[g, by_activation]
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
         time_total = time_total + (mixes @ greedy.time[g]).reshape(shape)
         bytes_total = bytes_total + kind_bytes.reshape(shape)
-        any_recompute = any_recompute | ((mixes @ greedy.recomputes) > 0).reshape(shape)
+        # Some layer recomputes: on one of the first R − 1 options (the same for every stage) or on the last.
+        recomputes = np.asarray((heads[:, greedy.recomputes[:-1]] > 0).any(axis=1))
+        any_recompute = any_recompute | (recomputes[None] | (greedy.recomputes[-1] & (rest > 0))).reshape(shape)
         void = void | (rest < 0).reshape(shape)
         kind_mixes.append(mixes)
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
