@@ -469,13 +469,40 @@ def _min_max_monotone(table: np.ndarray, shortest: int, L: int) -> float:
 def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]:
     """S(bound), the least Σ_v t_v over splits with every t_v ≤ bound: (sum, the split's
     bottleneck, layers per virtual stage); sum is +inf if no split qualifies."""
-    return min_sums(seg, (bound,))[0]
+    staged = isinstance(seg, StagedTable)
+    starts: Sequence[np.ndarray]
+    costs: Sequence[np.ndarray] | np.ndarray
+    if isinstance(seg, StagedTable):
+        starts = seg.starts
+        costs = seg.costs if bound == np.inf else [np.where(c <= bound, c, np.inf) for c in seg.costs]
+    else:
+        starts = (seg.start,) * len(seg.cost)
+        costs = seg.cost if bound == np.inf else np.where(seg.cost <= bound, seg.cost, np.inf)
+    best = np.full(_positions(seg), np.inf)  # over ends b: least sum of v stages ending at b
+    best[0] = 0.0
+    totals = []
+    for start, cost in zip(starts, costs, strict=True):
+        total = best[start] + cost  # [J, L + 1]
+        totals.append(total)
+        best = np.minimum.reduce(total, axis=0)
+    if not np.isfinite(best[-1]):
+        return float("inf"), float("inf"), ()
+    counts, b, bottleneck = [], len(best) - 1, 0.0
+    for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
+        j = int(totals[v][:, b].argmin())
+        length = int(seg.lengths[v][j] if staged else seg.lengths[j])
+        counts.append(length)
+        bottleneck = max(bottleneck, float(costs[v][j, b]))
+        # A finite step starts at its position less its length (a staged table says where).
+        b = int(starts[v][j, b]) if staged else b - length
+    return float(best[-1]), bottleneck, tuple(reversed(counts))
 
 
 def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float, tuple[int, ...]]]:
     """``min_sum`` for each of ``bounds``, in one pass over the stages: the bounds' tables are
     stacked on a leading axis, so that each stage is a few array operations for all of them
-    (the same sums in the same order as one at a time)."""
+    (the same sums in the same order as one at a time). Faster than one at a time on staged
+    tables of a few stages; slower on plain tables of many."""
     staged = isinstance(seg, StagedTable)
     limit = np.asarray(bounds, dtype=float).reshape(-1, 1, 1)  # [n, 1, 1]
     starts: Sequence[np.ndarray]
@@ -539,8 +566,11 @@ def _search(seg: _Segments, num_micro_batches: int, uniform: tuple[int, ...] | N
 def threshold_search(seg: AnyTable, weight: float, z_star: float) -> tuple[int, ...] | None:
     """The split minimising Σ_v t_v + weight·max_v t_v exactly (module docstring, with m − 1 =
     ``weight``), given Z*, the least bottleneck; None if no split fits."""
-    # S(∞), a lower bound on every split's sum, and S(Z*), in one pass.
-    (least, top, free), (total, bottleneck, best_counts) = min_sums(seg, (np.inf, z_star))
+    # S(∞), a lower bound on every split's sum, and S(Z*) (in one pass on a staged table).
+    if isinstance(seg, StagedTable):
+        (least, top, free), (total, bottleneck, best_counts) = min_sums(seg, (np.inf, z_star))
+    else:
+        (least, top, free), (total, bottleneck, best_counts) = min_sum(seg, np.inf), min_sum(seg, z_star)
     if not np.isfinite(least):
         return None
     if weight == 0:
