@@ -26,6 +26,8 @@ brute force.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from math import comb
 
 import numpy as np
@@ -117,48 +119,91 @@ def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: 
     """The DP over positions (b, a) of the module docstring, from each stage's cost [pp, J, K + 1]
     of a step (T, δ) where the leading run goes on past its first chunk (``whole``: δ = n₀, so
     a < K after it) and where it has ended (``ended``: a = K after it); +inf where none fits.
+    The steps and positions depend on the integers alone (``_layout``): the costs are gathered
+    into them. The thresholds are every finite stage cost, as the full (b, a) table holds each."""
+    layout = _layout(int(totals[0]), len(totals), K, L, whole.shape[0])
+    values = np.concatenate([whole.reshape(-1), ended.reshape(-1), [np.inf]])
+    costs = tuple(values[source] for source in layout.sources)
+    finite = np.concatenate([ended[np.isfinite(ended)], whole[np.isfinite(whole)]])
+    return StagedTable(1, layout.starts, costs, layout.lengths, finite)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """``_table``'s steps and positions per stage: ``starts`` [J_i, P_i] the previous stage's
+    position each step to each position starts from, ``sources`` [J_i, P_i] where its cost lies
+    in [whole, ended, +inf] flattened, ``lengths`` [J_i] the step each row records."""
+
+    starts: tuple[np.ndarray, ...]
+    sources: tuple[np.ndarray, ...]
+    lengths: tuple[np.ndarray, ...]
+
+
+@lru_cache(maxsize=256)
+def _layout(low: int, J: int, K: int, L: int, pp: int) -> _Layout:
+    """``_table``'s layout for totals low … low + J − 1 (read-only; cached, it depends on the
+    integers only).
 
     Positions (b, a) are encoded b·(K + 1) + a and a step (T, δ) moves one by T·(K + 1) + δ. While
     leading layers remain, every stage takes at least one (its first chunk holds a layer, and
-    δ = 0 is a step only once the run has ended), so after the first K stages a = K on every
-    split: the later stages take δ = 0 steps only and run over b alone, a table (K + 1)² times
-    smaller with the same splits; the early stages keep the positions they can reach. The
-    thresholds are every finite stage cost, as the full (b, a) table holds each."""
-    pp, J = ended.shape[:2]
+    δ = 0 is a step only once the run has ended: a = K), so after the first K stages a = K on
+    every split: the later stages take δ = 0 steps only and run over b alone, a table (K + 1)²
+    times smaller with the same splits. The early stages keep only the positions they can reach
+    and the steps they can take (every other cell of the full table is +inf whatever the costs,
+    so the DP's values and choices stay the full table's): a step from a < K takes δ ≥ 1
+    leading layers (``whole`` where a + δ < K, ``ended`` where a + δ = K), one from a = K takes
+    δ = 0 (``ended``). The last stage ends at (L, K), everything placed."""
     early = min(K, pp)
     P = (L + 1) * (K + 1)
-    b_end, a_end = np.divmod(np.arange(P), K + 1)
-    deltas = np.arange(K + 1)
-    step_total = np.repeat(totals, K + 1)
-    step_lead = np.tile(deltas, J)
-    lengths = step_total * (K + 1) + step_lead  # [J·(K + 1)]
-    start = np.maximum(np.arange(P)[None] - lengths[:, None], 0)
-    fits_before = (b_end[None] >= step_total[:, None]) & (a_end[None] >= step_lead[:, None])  # [J', P]
-    run_ended = a_end == K  # [P]
-    # The first i + 1 stages place at most (i + 1)·T_max layers: stage i's positions end there
-    # (a prefix of the encoding), and a step from beyond the previous stage's is void.
-    starts: list[np.ndarray] = []
-    costs: list[np.ndarray] = []
-    before = 1  # positions before stage 0: nothing placed
+    total = np.repeat(np.arange(low, low + J), K + 1)  # per step (T, δ), in the order j·(K + 1) + δ
+    delta = np.tile(np.arange(K + 1), J)
+    length = total * (K + 1) + delta
+    whole_at = np.arange(J * (K + 1))  # flat index of stage 0's (j, δ) cost in ``whole``
+    ended_at = pp * J * (K + 1) + whole_at
+    void = 2 * pp * J * (K + 1)  # the +inf at the end
+    starts, sources, lengths = [], [], []
+    before = np.zeros(1, dtype=np.int64)  # encoded positions before the stage: nothing placed
     for i in range(early):
-        reach = min(P, (min(L, (i + 1) * int(totals[-1])) + 1) * (K + 1))
-        here = start[:, :reach]
-        step_cost = np.where(run_ended[:reach], ended[i].reshape(-1, 1), whole[i].reshape(-1, 1))  # [J', reach]
-        costs.append(np.where(fits_before[:, :reach] & (here < before), step_cost, np.inf))
-        starts.append(np.minimum(here, before - 1))
-        before = reach
-    steps = [lengths] * early
+        a = before % (K + 1)
+        end = before[None, :] + length[:, None]  # [steps, positions before]
+        led = a[None, :] + delta[:, None]  # a after the step
+        valid = np.where(a[None, :] < K, (delta[:, None] >= 1) & (led <= K), delta[:, None] == 0) & (end < P)
+        if i == pp - 1:  # the last stage: only everything placed
+            valid &= end == P - 1
+        # A stage that can reach nothing keeps one void step to one position.
+        ends = np.unique(end[valid]) if valid.any() else np.array([P - 1])
+        rows = np.flatnonzero(valid.any(axis=1)) if valid.any() else np.array([0])
+        step, origin = np.nonzero(valid[rows])
+        row = rows[step]
+        column = np.searchsorted(ends, end[row, origin])
+        start = np.zeros((len(rows), len(ends)), dtype=np.int64)
+        start[step, column] = origin
+        source = np.full((len(rows), len(ends)), void)
+        offset = i * J * (K + 1)
+        source[step, column] = np.where(led[row, origin] == K, ended_at[row], whole_at[row]) + offset
+        starts.append(start)
+        sources.append(source)
+        lengths.append(length[rows])
+        before = ends
     if pp > early:  # positions b, the leading run placed
+        totals = np.arange(low, low + J)
         b = np.arange(L + 1)
         later_start = np.maximum(b[None] - totals[:, None], 0)  # [J, L + 1]
-        later = np.where(b[None, None] >= totals[None, :, None], ended[early:, :, :1], np.inf)  # [pp − early, J, L + 1]
-        entry = later_start * (K + 1) + K  # into the last early stage's positions (b, K)
-        later[0] = np.where(entry < before, later[0], np.inf)
-        starts += [np.minimum(entry, before - 1)] + [later_start] * (pp - early - 1)
-        costs += list(later)
-        steps += [totals * (K + 1)] * (pp - early)
-    finite = np.concatenate([ended[np.isfinite(ended)], whole[np.isfinite(whole)]])
-    return StagedTable(1, tuple(starts), tuple(costs), tuple(steps), finite)
+        reachable = b[None] >= totals[:, None]
+        ended_delta0 = pp * J * (K + 1) + np.arange(J) * (K + 1)  # flat index of stage 0's (j, δ = 0) cost
+        # The first later stage enters from the last early stage's positions (b, K).
+        entry = np.searchsorted(before, later_start * (K + 1) + K)
+        known = reachable & (entry < len(before))
+        known[known] = before[entry[known]] == (later_start * (K + 1) + K)[known]
+        for i in range(early, pp):
+            offset = i * J * (K + 1)
+            open_ = known if i == early else reachable
+            starts.append(np.where(known, entry, 0) if i == early else later_start)
+            sources.append(np.where(open_, ended_delta0[:, None] + offset, void))
+            lengths.append(totals * (K + 1))
+    for array in (*starts, *sources, *lengths):
+        array.flags.writeable = False
+    return _Layout(tuple(starts), tuple(sources), tuple(lengths))
 
 
 def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,

@@ -116,32 +116,46 @@ class PlanCost:
 def evaluate(problem: BalanceProblem, plan: Plan) -> PlanCost:
     """Memory per stage and the composed step time of a plan, by the formulas of the docstring.
 
-    Vectorised over layers: a lookup of each distinct (kind, option) cost, then sums per
+    Vectorised over layers: a lookup of each layer's (kind, option) cost, then sums per
     physical stage (``np.bincount``), so that it is cheap enough to score every candidate.
     """
     if sum(plan.stage_layers) != problem.num_layers or len(plan.recompute) != problem.num_layers:
         raise ValueError(f"plan places {sum(plan.stage_layers)} layers with {len(plan.recompute)} recompute options; "
                          f"the model has {problem.num_layers}")
-    in_flight = problem.in_flight_of_virtual().astype(float)
-    pp = problem.pp
     index = {pair: i for i, pair in enumerate(problem.costs)}
-    table = np.array([[c.time_s, c.static_bytes, c.activation_bytes, option != "none"]
-                      for (_, option), c in problem.costs.items()])  # [(kind, option), 4]
     codes = [index[pair] for pair in zip(problem.layer_kinds, plan.recompute, strict=True)]
-    per_layer = table[codes]  # [L, 4]
-    virtual = np.repeat(np.arange(len(plan.stage_layers)), plan.stage_layers)  # virtual stage of each layer
+    return evaluate_codes(problem, plan.stage_layers, cost_columns(problem), np.array(codes))
+
+
+def cost_columns(problem: BalanceProblem) -> np.ndarray:
+    """[4, (kind, option)] seconds, static bytes, activation bytes and whether it recomputes, of
+    each entry of ``problem.costs`` in its order (the codes ``evaluate_codes`` takes)."""
+    return np.array([[c.time_s for c in problem.costs.values()], [c.static_bytes for c in problem.costs.values()],
+                     [c.activation_bytes for c in problem.costs.values()],
+                     [option != "none" for _, option in problem.costs]], dtype=float)
+
+
+def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...], columns: np.ndarray, codes: np.ndarray
+                   ) -> PlanCost:
+    """``evaluate`` of a plan given as layers per virtual stage and each layer's entry of
+    ``problem.costs`` (its index in that order, ``cost_columns``' columns), the form solvers
+    hold plans in."""
+    pp, V = problem.pp, problem.num_virtual_stages
+    virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
     stage = np.asarray(problem.stage_of)[virtual]
-    memory = problem.fixed_bytes.astype(float) + np.bincount(
-        stage, weights=per_layer[:, 1] + in_flight[virtual] * per_layer[:, 2], minlength=pp)
-    time = np.bincount(stage, weights=per_layer[:, 0], minlength=pp)
-    for v, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
+    flight = problem.in_flight_of_virtual().astype(float)  # [V]
+    seconds, static, activation, recomputing = columns[:, codes]  # [L] each
+    memory = problem.fixed_bytes.astype(float) + np.bincount(stage, weights=static + flight[virtual] * activation,
+                                                             minlength=pp)
+    time = np.bincount(stage, weights=seconds, minlength=pp)
+    for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
         s = int(problem.stage_of[v])
-        memory[s] += extra.static_bytes + in_flight[v] * extra.activation_bytes
+        memory[s] += extra.static_bytes + flight[v] * extra.activation_bytes
         time[s] += extra.time_s
-    recomputes = np.bincount(stage, weights=per_layer[:, 3], minlength=pp) > 0
     if problem.recompute_transient_bytes is not None:
+        recomputes = np.bincount(stage, weights=recomputing, minlength=pp) > 0
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
-    return PlanCost(memory, time, composed_step_s(problem, time), bool(np.all(memory <= problem.memory_limit_bytes)))
+    return PlanCost(memory, time, composed_step_s(problem, time), bool((memory <= problem.memory_limit_bytes).all()))
 
 
 def stage_bases(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

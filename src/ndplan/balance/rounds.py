@@ -44,7 +44,8 @@ from ndplan.balance.problem import (
     Plan,
     PlanCost,
     chunk_loads,
-    evaluate,
+    cost_columns,
+    evaluate_codes,
     load_spread,
     stage_bases,
     uniform_plan,
@@ -132,50 +133,62 @@ class _Greedy:
         if self.none is not None:
             self.plain_time = np.broadcast_to(self.time[:, self.none], (pp, v, len(self.kinds))).reshape(flat)
             self.plain_memory = memory[..., self.none].reshape(flat)
-        # What ``solve`` gathers per query, stacked so that one gather per table serves a batch:
-        # per stage [pp, 3], per chunk and kind [pp, 2 or 4, v·G], per move [pp, 2, moves].
-        self.per_stage = np.stack([self.base_time, self.base_bytes + self.transient, self.base_bytes], axis=1)
+        # What ``solve`` gathers per query, stacked so that one gather per table serves a batch,
+        # stage last (queries run along the last axis): per stage [3, pp], per chunk and kind
+        # [2 or 4, v·G, pp], per move [moves, 2, pp].
+        self.per_stage = np.stack([self.base_time, self.base_bytes + self.transient, self.base_bytes])
         self.per_group = np.stack([self.start_time, self.start_memory] + (
-            [self.plain_memory, self.plain_time] if self.none is not None else []), axis=1)
-        self.per_move = np.stack([self.move_save, self.move_time], axis=1)
+            [self.plain_memory, self.plain_time] if self.none is not None else [])).transpose(0, 2, 1).copy()
+        self.per_move = np.stack([self.move_save, self.move_time]).transpose(2, 0, 1).copy()
+        self.move_group_last = self.move_group.T.copy()  # [moves, pp]
+        # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``.
+        entry = {pair: i for i, pair in enumerate(problem.costs)}
+        self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
+        self.cost_columns = cost_columns(problem)
 
     def solve(self, stage: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For queries (``stage`` [Q], ``counts`` [Q, v, G] layers per chunk and kind): least
         seconds per micro-batch (+inf if nothing fits), whether every layer runs "none" (no
-        transient), the number of moves taken whole, and the layers of the last, partial move."""
+        transient), the number of moves taken whole, and the layers of the last, partial move.
+
+        Queries run along the last axis of every array, so that each step is one vectorised
+        operation over all of them (gathers are flat ``take``s, and sums over the few chunks,
+        kinds or moves add one slab at a time, in order)."""
         Q = len(stage)
-        counts = counts.reshape(Q, -1).astype(float)  # [Q, v·G]
-        rows = np.arange(Q)
-        base_time, base_rc, base_plain = self.per_stage[stage].T
+        query = np.arange(Q)
+        groups = counts.reshape(Q, -1).T.astype(float)  # [v·G, Q] layers of each chunk and kind
+        base_time, base_rc, base_plain = self.per_stage.take(stage, axis=1)
         # Σ over chunks and kinds of layers × start seconds, start bytes (and all-"none" ones).
-        sums = (counts[:, None, :] * self.per_group[stage]).sum(axis=2)  # [Q, 2 or 4]
-        time = base_time + sums[:, 0]
+        sums = (groups * self.per_group.take(stage, axis=2)).sum(axis=1)  # [2 or 4, Q]
+        time = base_time + sums[0]
         # Aim a hair under the limit, so that evaluate's own float sums never land just over it.
         limit = self.limit * (1 - _MARGIN)
-        deficit = base_rc + sums[:, 1] - limit
-        layers = counts[rows[:, None], self.move_group[stage]]  # [Q, moves] layers each move may take
-        unit_save, unit_time = self.per_move[stage].transpose(1, 0, 2)  # [Q, moves] each
-        # Running sums along the moves, taken down the transposed array (one pass per move, not
-        # one per query; the same sums in the same order).
-        saved = np.cumsum((layers * unit_save).T, axis=0).T
-        moves = saved.shape[1]
-        whole = (saved < deficit[:, None]).sum(axis=1)  # moves taken whole
+        deficit = base_rc + sums[1] - limit
+        layers = groups.take(self.move_group_last.take(stage, axis=1) * Q + query)  # [moves, Q] each move may take
+        per_move = self.per_move.take(stage, axis=2)  # [moves, 2, Q] bytes saved, seconds added per layer
+        steps = layers[:, None] * per_move
+        # Running sums of bytes saved and seconds added along the moves (as np.cumsum, faster).
+        running = np.empty_like(steps)
+        running[0] = steps[0]
+        for move in range(1, len(steps)):
+            np.add(running[move - 1], steps[move], out=running[move])
+        moves = len(steps)
+        whole = (running[:, 0] < deficit).sum(axis=0)  # moves taken whole
         fits = (deficit <= 0) | (whole < moves)
         whole = np.where(deficit <= 0, 0, np.minimum(whole, moves - 1))
         last = np.maximum(whole - 1, 0)
-        before = np.where(whole > 0, saved[rows, last], 0.0)
-        unit = unit_save[rows, whole]
+        before, spent = (np.where(whole > 0, running.take((last * 2 + k) * Q + query), 0.0) for k in (0, 1))
+        unit, unit_time = (per_move.take((whole * 2 + k) * Q + query) for k in (0, 1))
         with np.errstate(divide="ignore", invalid="ignore"):
             partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
         partial = np.where((deficit > 0) & np.isfinite(partial), partial, 0.0)
         partial += (deficit > 0) & (before + partial * unit < deficit)  # rounding: one more layer
-        fits &= partial <= layers[rows, whole]
-        spent = np.where(whole > 0, np.cumsum((layers * unit_time).T, axis=0).T[rows, last], 0.0)
-        greedy = np.where(fits, time + spent + partial * unit_time[rows, whole], np.inf)
+        fits &= partial <= layers.take(whole * Q + query)
+        greedy = np.where(fits, time + spent + partial * unit_time, np.inf)
         plain = np.zeros(Q, dtype=bool)
         if self.none is not None:
-            plain_bytes = base_plain + sums[:, 2]
-            plain_time = base_time + sums[:, 3]
+            plain_bytes = base_plain + sums[2]
+            plain_time = base_time + sums[3]
             plain = (plain_bytes <= limit) & (plain_time <= greedy)
             greedy = np.where(plain, plain_time, greedy)
         return greedy, plain, whole, partial.astype(np.int64)
@@ -300,22 +313,30 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     any_recompute: np.ndarray = np.zeros(grid, dtype=bool)
     void: np.ndarray = np.zeros(grid, dtype=bool)
     kind_mixes = []
-    rows = np.arange(S)[:, None, None]
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
     slots = _dealt_prefix(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1]
+    first_slot = (np.arange(S) * G)[:, None, None] * slots.shape[2]  # flat index of each stage's kind 0 slots
     for g in range(G):
         by_activation = greedy.by_activation[g]
         heads = _at_most(int(held[:, g].max()), R - 1)  # [K, R − 1]
         rest = held[:, g, None] - heads.sum(axis=1)[None]  # [S, K] layers on the last option
-        mixes = np.concatenate([np.broadcast_to(heads, (S, *heads.shape)), np.maximum(rest, 0)[..., None]], axis=2)
-        ends = np.cumsum(mixes[:, :, by_activation], axis=2)  # [S, K, R]
-        weight = slots[rows, g, ends] - slots[rows, g, ends - mixes[:, :, by_activation]]  # [S, K, R]
+        mixes = np.empty((S, len(heads), R), dtype=np.int64)
+        mixes[:, :, :-1] = heads
+        mixes[:, :, -1] = np.maximum(rest, 0)
+        ordered = mixes.take(by_activation, axis=2)  # options most bytes first
+        ends = ordered.copy()  # [S, K, R] slots dealt after each option
+        for r in range(1, R):
+            ends[:, :, r] += ends[:, :, r - 1]
+        at = first_slot + g * slots.shape[2]
+        weight = slots.take(at + ends) - slots.take(at + ends - ordered)  # [S, K, R]
         kind_bytes = mixes @ greedy.static[g] + weight @ greedy.activation[g, by_activation]
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
         time_total = time_total + (mixes @ greedy.time[g]).reshape(shape)
         bytes_total = bytes_total + kind_bytes.reshape(shape)
-        any_recompute = any_recompute | ((mixes @ greedy.recomputes) > 0).reshape(shape)
+        # Some layer recomputes: on one of the first R − 1 options (the same for every stage) or on the last.
+        recomputes = np.asarray((heads[:, greedy.recomputes[:-1]] > 0).any(axis=1))
+        any_recompute = any_recompute | (recomputes[None] | (greedy.recomputes[-1] & (rest > 0))).reshape(shape)
         void = void | (rest < 0).reshape(shape)
         kind_mixes.append(mixes)
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
@@ -362,7 +383,7 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
     plan = Plan(counts, tuple(problem.options[r] for r in option.tolist()))
-    cost = evaluate(problem, plan)
+    cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option])
     return (plan, cost) if cost.fits else None
 
 
@@ -457,12 +478,14 @@ def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None, *
     """The uniform placement (what frameworks run by default) with each recompute option on
     every layer, and (``mixed``) with each stage's least-time dealt recompute; those that fit."""
     found = []
-    for option in problem.options:
-        cost = evaluate(problem, plan := uniform_plan(problem, option))
+    greedy = greedy or _Greedy(problem)
+    for r, option in enumerate(problem.options):
+        plan = uniform_plan(problem, option)
+        cost = evaluate_codes(problem, plan.stage_layers, greedy.cost_columns, greedy.cost_code[greedy.codes, r])
         if cost.fits:
             found.append((plan, cost))
     if mixed:
-        planned = _plan_of(problem, greedy or _Greedy(problem), uniform_plan(problem, problem.options[0]).stage_layers)
+        planned = _plan_of(problem, greedy, uniform_plan(problem, problem.options[0]).stage_layers)
         found += [planned] if planned is not None else []
     return found
 
