@@ -149,6 +149,21 @@ def test_dualpipev_hides_the_expert_all_to_all():
     assert forced_off.breakdown["comm_exposed"]["ep"] > dualpipe.breakdown["comm_exposed"]["ep"]
 
 
+def test_hidden_all_to_all_still_holds_its_sms():
+    """A hidden expert all-to-all slows the compute it hides under by the SM share its kernels
+    hold (20 of the H100's 132): with the all-to-all fully hidden, exposed EP time is that share
+    of the all-to-all's own time, as priced exposed with the overlap off."""
+    cluster = _cluster(64)
+    s = Strategy(dp=8, pp=8, ep=8, vpp=2, schedule="dualpipev", num_micro_batches=32, seq_length=4096, zero=1)
+    eff = default_efficiency(H100)
+    assert eff.ep_comm_compute_share == pytest.approx(20 / 132)
+    free = estimate_time(DSV3, s, cluster, efficiency=eff.replace(ep_comm_compute_share=0.0))
+    held = estimate_time(DSV3, s, cluster, efficiency=eff)
+    shown = estimate_time(DSV3, s, cluster, efficiency=eff, overlap=OverlapConfig(ep=False))
+    assert free.breakdown["comm_exposed"]["ep"] == pytest.approx(0.0, abs=1e-9)  # inside a node, all hidden
+    assert held.breakdown["comm_exposed"]["ep"] == pytest.approx(eff.ep_comm_compute_share * shown.breakdown["comm_exposed"]["ep"])
+
+
 def test_fsdp_prefetch_and_dp_overlap_hide_data_parallel_traffic():
     s = Strategy(dp=64, zero=3, fsdp=True, micro_batch_size=2, num_micro_batches=1, seq_length=8192, precision="fsdp-bf16")
     cluster = _cluster(64)

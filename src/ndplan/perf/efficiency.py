@@ -88,6 +88,11 @@ class EfficiencyProfile(BaseModel):
     synchronisation); ``step_overhead_s`` once per step (data loading, logging).
     ``moe_imbalance`` >= 1 scales routed-expert compute and all-to-all: the busiest rank of an
     expert-parallel group sets the pace.
+
+    Hidden expert all-to-all still costs compute: its kernels hold ``ep_comm_compute_share`` of
+    the GPU's SMs while they run, so the compute they hide under loses that share of the
+    all-to-all's duration (an all-to-all of X seconds hidden under compute C takes
+    C + X·share, not C). 0 where the SM budget is not sourced.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -117,6 +122,8 @@ class EfficiencyProfile(BaseModel):
     layer_overhead_s: float = Field(default=20e-6, ge=0.0)
     step_overhead_s: float = Field(default=0.0, ge=0.0)
     moe_imbalance: float = Field(default=1.0, ge=1.0)
+    ep_comm_compute_share: float = Field(default=0.0, ge=0.0, lt=1.0,
+                                         description="share of the SMs a hidden expert all-to-all holds")
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
 
     def replace(self, **changes: Any) -> EfficiencyProfile:
@@ -167,10 +174,13 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
     # per-tensor or 1x128 block scaling) run ~1.3-1.4x BF16, i.e. ~0.5 of the fp8 peak (isolated
     # large fp8 GEMMs reach more); FlashAttention-2/3 50-65% of bf16 peak; HBM3 ~2.8 of
     # 3.35 TB/s; NVLink4 all-reduce bus bandwidth ~360 of 450 GB/s; 400 Gb/s NDR ~45 of 50 GB/s.
+    # Expert all-to-all SMs: DeepSeek-V3's report (arXiv 2412.19437, sec. 3.2.2) gives its
+    # overlapped dispatch/combine kernels 20 of the H800's 132 SMs; DeepEP's and Megatron-Core's
+    # default (--moe-deepep-num-sms) is the same 20. NCCL's all-to-all is taken to hold as many.
     "hopper": EfficiencyProfile(
         family="hopper", gemm_efficiency=0.75, fp8_gemm_efficiency=0.5, attention_efficiency=0.55,
         hbm_efficiency=0.8, scaleup_efficiency=0.8, scaleout_efficiency=0.85,
-        gemm_depth_knee=240.0, fp8_gemm_depth_knee=720.0,
+        gemm_depth_knee=240.0, fp8_gemm_depth_knee=720.0, ep_comm_compute_share=20 / 132,
     ),
     # B200: cuBLAS bf16 ~1.6 of 2.25 PFLOP/s; FP8 in training ~1.35x BF16 (~0.5 of 4.5 PFLOP/s);
     # NVLink5 ~0.75-0.8 of link rate. Reduction-depth knees from OpenXLA's measured sm_100 GEMM
@@ -179,7 +189,7 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
     "blackwell": EfficiencyProfile(
         family="blackwell", gemm_efficiency=0.72, fp8_gemm_efficiency=0.5, attention_efficiency=0.55,
         hbm_efficiency=0.8, scaleup_efficiency=0.78, scaleout_efficiency=0.85,
-        gemm_depth_knee=480.0, fp8_gemm_depth_knee=740.0,
+        gemm_depth_knee=480.0, fp8_gemm_depth_knee=740.0, ep_comm_compute_share=20 / 148,  # the same 20 SMs of 148
     ),
     # MI300X: hipBLASLt bf16 ~600-750 of 1307 TFLOP/s; xGMI full mesh.
     "cdna3": EfficiencyProfile(

@@ -121,10 +121,14 @@ class LayerContext:
     weight_grad_rebuilds: bool = False
 
 
-def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array) -> Array | float:
-    """What the step pays for ``comm`` running under ``cover`` seconds of compute."""
-    hidden = np.maximum(comm - cover, 0.0)
-    return np.where(hide, hidden, comm)
+def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, share: float = 0.0) -> Array | float:
+    """What the step pays for ``comm`` running under ``cover`` seconds of compute: the part that
+    outlasts the compute, plus ``share`` of the part that hides (the compute it slows by holding
+    SMs, ``EfficiencyProfile.ep_comm_compute_share``)."""
+    exposed = np.maximum(comm - cover, 0.0)
+    if share:
+        exposed = exposed + share * np.minimum(comm, cover)
+    return np.where(hide, exposed, comm)
 
 
 def _kv_widths(model: ModelSpec) -> tuple[float, float, float, float]:
@@ -342,9 +346,10 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         forward = _ep_all_to_all_s(ctx, cols, copies * dispatch_bytes) + _ep_all_to_all_s(ctx, cols, copies * beta)
         backward = 2.0 * _ep_all_to_all_s(ctx, cols, copies * beta)
         hide_ep = cols["ep_overlap"] > 0
-        ep_f = _exposed(forward * eff.moe_imbalance, compute_f, hide_ep)
+        share = eff.ep_comm_compute_share
+        ep_f = _exposed(forward * eff.moe_imbalance, compute_f, hide_ep, share)
         out.add("F", "ep", ep_f)
-        out.add("B", "ep", _exposed(backward * eff.moe_imbalance, compute_b + compute_w, hide_ep))
+        out.add("B", "ep", _exposed(backward * eff.moe_imbalance, compute_b + compute_w, hide_ep, share))
 
     # Recompute: full replays the whole forward (its collectives too); selective replays the
     # attention core (Megatron) or every second matmul (torchtitan's per-op policy) and the
