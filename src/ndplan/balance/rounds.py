@@ -46,6 +46,7 @@ from ndplan.balance.problem import (
     chunk_loads,
     cost_columns,
     evaluate_codes,
+    evaluate_codes_many,
     load_spread,
     stage_bases,
     uniform_plan,
@@ -477,15 +478,14 @@ def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None, *
                        ) -> list[tuple[Plan, PlanCost]]:
     """The uniform placement (what frameworks run by default) with each recompute option on
     every layer, and (``mixed``) with each stage's least-time dealt recompute; those that fit."""
-    found = []
     greedy = greedy or _Greedy(problem)
-    for r, option in enumerate(problem.options):
-        plan = uniform_plan(problem, option)
-        cost = evaluate_codes(problem, plan.stage_layers, greedy.cost_columns, greedy.cost_code[greedy.codes, r])
-        if cost.fits:
-            found.append((plan, cost))
+    counts = uniform_plan(problem, problem.options[0]).stage_layers
+    # Every option at once: one evaluation of R plans of the same placement.
+    costs = evaluate_codes_many(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes].T)
+    found = [(Plan(counts, (option,) * problem.num_layers), cost)
+             for option, cost in zip(problem.options, costs, strict=True) if cost.fits]
     if mixed:
-        planned = _plan_of(problem, greedy, uniform_plan(problem, problem.options[0]).stage_layers)
+        planned = _plan_of(problem, greedy, counts)
         found += [planned] if planned is not None else []
     return found
 
