@@ -157,7 +157,7 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     seconds, static, activation, recomputing = columns[:, codes.reshape(-1)]  # [N·L] each
     held = np.bincount(bins, weights=static + np.tile(flight[virtual], N) * activation, minlength=N * pp)
     memory = problem.fixed_bytes.astype(float) + held.reshape(N, pp)
-    time = np.bincount(bins, weights=seconds, minlength=N * pp).reshape(N, pp)
+    time: np.ndarray = np.bincount(bins, weights=seconds, minlength=N * pp).reshape(N, pp)
     for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
         s = int(problem.stage_of[v])
         memory[:, s] += extra.static_bytes + flight[v] * extra.activation_bytes
@@ -165,8 +165,8 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(bins, weights=recomputing, minlength=N * pp).reshape(N, pp) > 0
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
-    fits = (memory <= problem.memory_limit_bytes).all(axis=1).tolist()
-    return [PlanCost(memory[n], time[n], composed_step_s(problem, time[n]), fits[n]) for n in range(N)]
+    fits = np.all(memory <= problem.memory_limit_bytes, axis=1).tolist()
+    return [PlanCost(memory[n], time[n], composed_step_s(problem, time[n]), bool(fits[n])) for n in range(N)]
 
 
 def stage_bases(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
