@@ -113,6 +113,14 @@ def dealt_chunks(capacity: np.ndarray, flight: np.ndarray) -> np.ndarray:
 def _dealt_prefix(layers: np.ndarray, flight: np.ndarray) -> np.ndarray:
     """[pp, J, S + 1]: Σ of the in-flight weights of the first k dealt slots (``dealt_chunks``)
     of each stage holding ``layers`` [pp, J, v] per chunk, S the most layers of a stage."""
+    return _dealt_slots(layers, flight)[0]
+
+
+def _dealt_slots(layers: np.ndarray, flight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_dealt_prefix``, with what places each slot: [pp, J, S] the k-th dealt slot's position
+    t·v + i in the deal (turn t, i-th chunk fewest in flight first), [pp, J, v] the layers of
+    those chunks in that order, and [pp, v] that order. After k + 1 slots, the i-th chunk
+    holds min(capacity_i, t + [i ≤ i_k]) of them (``rounds._dealt_mixes`` deals with that)."""
     order = np.argsort(flight, axis=1, kind="stable")  # [pp, v]
     stage = np.arange(len(flight))[:, None]  # index grids: plain fancy indexing is cheaper than take_along_axis
     cell = (stage[:, :, None], np.arange(layers.shape[1])[None, :, None])
@@ -126,7 +134,7 @@ def _dealt_prefix(layers: np.ndarray, flight: np.ndarray) -> np.ndarray:
     first = np.argsort(~flat, axis=2, kind="stable")[:, :, :S]  # positions of the dealt slots in turn
     out = np.zeros((*layers.shape[:2], S + 1))
     out[:, :, 1:] = running[(*cell, first)]
-    return out
+    return out, first, capacity, order
 
 
 def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

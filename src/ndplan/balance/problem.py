@@ -140,30 +140,45 @@ def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...], colum
     """``evaluate`` of a plan given as layers per virtual stage and each layer's entry of
     ``problem.costs`` (its index in that order, ``cost_columns``' columns), the form solvers
     hold plans in."""
-    return evaluate_codes_many(problem, stage_layers, columns, codes[None])[0]
+    pp, V = problem.pp, problem.num_virtual_stages
+    virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
+    stage = np.asarray(problem.stage_of)[virtual]
+    flight = problem.in_flight_of_virtual().astype(float)  # [V]
+    seconds, static, activation, recomputing = columns[:, codes]  # [L] each
+    memory = problem.fixed_bytes.astype(float) + np.bincount(stage, weights=static + flight[virtual] * activation,
+                                                             minlength=pp)
+    time = np.bincount(stage, weights=seconds, minlength=pp)
+    for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
+        s = int(problem.stage_of[v])
+        memory[s] += extra.static_bytes + flight[v] * extra.activation_bytes
+        time[s] += extra.time_s
+    if problem.recompute_transient_bytes is not None:
+        recomputes = np.bincount(stage, weights=recomputing, minlength=pp) > 0
+        memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
+    return PlanCost(memory, time, composed_step_s(problem, time), bool((memory <= problem.memory_limit_bytes).all()))
 
 
 def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], columns: np.ndarray,
                         codes: np.ndarray) -> list[PlanCost]:
     """``evaluate_codes`` of N plans with the same layers per virtual stage, ``codes`` [N, L]:
     one pass for all of them (the uniform placement under each option). Each plan's sums are
-    those ``evaluate_codes`` takes alone: its layers in order into its own bins."""
+    those ``evaluate_codes`` takes alone: its layers in order into its own (plan, stage) bins,
+    then the embedding's and the head's terms one after the other."""
     pp, V = problem.pp, problem.num_virtual_stages
     N = len(codes)
     virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
-    stage = np.asarray(problem.stage_of)[virtual]
-    bins = (stage[None] + pp * np.arange(N)[:, None]).reshape(-1)  # plan-major (plan, stage) bins
+    bins = (pp * np.arange(N)[:, None] + np.asarray(problem.stage_of)[virtual]).reshape(-1)  # [N·L]
     flight = problem.in_flight_of_virtual().astype(float)  # [V]
-    seconds, static, activation, recomputing = columns[:, codes.reshape(-1)]  # [N·L] each
-    held = np.bincount(bins, weights=static + np.tile(flight[virtual], N) * activation, minlength=N * pp)
+    seconds, static, activation, recomputing = columns[:, codes]  # [N, L] each
+    held = np.bincount(bins, weights=(static + flight[virtual] * activation).reshape(-1), minlength=N * pp)
     memory = problem.fixed_bytes.astype(float) + held.reshape(N, pp)
-    time: np.ndarray = np.bincount(bins, weights=seconds, minlength=N * pp).reshape(N, pp)
+    time: np.ndarray = np.bincount(bins, weights=seconds.reshape(-1), minlength=N * pp).reshape(N, pp)
     for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
         s = int(problem.stage_of[v])
         memory[:, s] += extra.static_bytes + flight[v] * extra.activation_bytes
         time[:, s] += extra.time_s
     if problem.recompute_transient_bytes is not None:
-        recomputes = np.bincount(bins, weights=recomputing, minlength=N * pp).reshape(N, pp) > 0
+        recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
     fits = np.all(memory <= problem.memory_limit_bytes, axis=1).tolist()
     return [PlanCost(memory[n], time[n], composed_step_s(problem, time[n]), bool(fits[n])) for n in range(N)]

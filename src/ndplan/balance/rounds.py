@@ -302,7 +302,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     option taking the rest, void where that is negative. The first least-time combination in
     that order wins, as in ``solve.dealt_knapsack``.
     """
-    from ndplan.balance.chunks import _dealt_prefix
+    from ndplan.balance.chunks import _dealt_slots
 
     v, G = counts.shape[1:]
     R, S = len(problem.options), len(stages)
@@ -313,10 +313,10 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid).copy()
     any_recompute: np.ndarray = np.zeros(grid, dtype=bool)
     void: np.ndarray = np.zeros(grid, dtype=bool)
-    kind_mixes = []
+    kind_ordered, kind_ends = [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
-    slots = _dealt_prefix(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1]
+    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1], ...
     first_slot = (np.arange(S) * G)[:, None, None] * slots.shape[2]  # flat index of each stage's kind 0 slots
     for g in range(G):
         by_activation = greedy.by_activation[g]
@@ -339,22 +339,26 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
         recomputes = np.asarray((heads[:, greedy.recomputes[:-1]] > 0).any(axis=1))
         any_recompute = any_recompute | (recomputes[None] | (greedy.recomputes[-1] & (rest > 0))).reshape(shape)
         void = void | (rest < 0).reshape(shape)
-        kind_mixes.append(mixes)
+        kind_ordered.append(ordered)
+        kind_ends.append(ends)
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
     seconds = np.where((memory <= limit) & ~void, np.broadcast_to(time_total, memory.shape), np.inf).reshape(S, -1)
     best = np.unravel_index(seconds.argmin(axis=1), memory.shape[1:])  # per kind [S] its mix
     # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
-    # (``chunks.dealt_chunks``), every stage and kind at once.
-    order = greedy.flight_order[stages]  # [S, v] fewest in flight first
-    capacity = np.take_along_axis(counts, order[:, :, None], 1).transpose(0, 2, 1)  # [S, G, v]
-    active = np.arange(int(capacity.max(initial=0)))[None, None, :, None] < capacity[:, :, None, :]  # [S, G, turn, v]
-    slot_chunk = np.broadcast_to(order[:, None, None, :], active.shape)[active]  # stage-, then kind-major, in turn
-    slot_stage, slot_kind = (np.broadcast_to(index, active.shape)[active]
-                             for index in (np.arange(S)[:, None, None, None], np.arange(G)[None, :, None, None]))
-    mix = np.stack([kind_mixes[g][np.arange(S), best[g]][:, greedy.by_activation[g]] for g in range(G)], axis=1)
-    slot_option = np.repeat(np.broadcast_to(greedy.by_activation, (S, G, R)).reshape(-1), mix.reshape(-1))
-    choice = np.zeros((S, v, G, R), dtype=np.int64)
-    np.add.at(choice, (slot_stage, slot_chunk, slot_kind, slot_option), 1)
+    # (``chunks.dealt_chunks``), every stage and kind at once. Option r takes the slots
+    # [ends_r − n_r, ends_r); after k slots the i-th chunk (fewest in flight first) holds
+    # min(capacity_i, t + [i ≤ i_k]) of them, (t, i_k) the turn and chunk of the k-th slot.
+    stage = np.arange(S)
+    ends = np.stack([kind_ends[g][stage, best[g]] for g in range(G)], axis=1)  # [S, G, R]
+    bounds = np.stack([ends - np.stack([kind_ordered[g][stage, best[g]] for g in range(G)], axis=1), ends])
+    most = first.shape[2]
+    at = (stage[:, None, None] * G + np.arange(G)[None, :, None]) * most  # [S, G, 1] flat index of each kind's slots
+    turn, place = np.divmod(first.take(at + np.maximum(bounds - 1, 0)), v) if most else (bounds, bounds)
+    dealt = np.minimum(capacity[:, :, None, :], turn[..., None] + (np.arange(v) <= place[..., None]))
+    dealt *= bounds[..., None] > 0  # [2, S, G, R, v] slots of the i-th chunk before each option's first and after its last
+    choice = np.empty((S, v, G, R), dtype=np.int64)
+    choice[stage[:, None, None, None], order[:, None, None, :], np.arange(G)[None, :, None, None],
+           greedy.by_activation[None, :, :, None]] = dealt[1] - dealt[0]
     return choice, seconds.min(axis=1) + greedy.base_time[stages]
 
 
