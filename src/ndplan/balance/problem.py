@@ -259,15 +259,23 @@ def layer_units(problem: BalanceProblem) -> dict[str, float]:
             for kind in set(problem.layer_kinds)}
 
 
-def chunk_loads(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray) -> np.ndarray:
-    """[pp, v] each chunk's load: its layers weighed by ``layer_units`` plus its ``end_units``."""
-    units = layer_units(problem)
-    per_layer = np.array([units[kind] for kind in problem.layer_kinds])
+def chunk_loads(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray,
+                weights: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """[pp, v] each chunk's load: its layers weighed by ``layer_units`` plus its ``end_units``
+    (``weights``: those two from ``load_weights``, for callers that load many placements)."""
+    per_layer, ends = weights if weights is not None else load_weights(problem)
     virtual = np.repeat(np.arange(problem.num_virtual_stages), stage_layers)
-    held = np.bincount(virtual, weights=per_layer, minlength=problem.num_virtual_stages) + end_units(problem)
+    held = np.bincount(virtual, weights=per_layer, minlength=problem.num_virtual_stages) + ends
     loads = np.zeros((problem.pp, problem.chunks_per_stage))
     loads[problem.stage_of, problem.chunk_of] = held
     return loads
+
+
+def load_weights(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray]:
+    """[L] each layer's ``layer_units`` and [V] each virtual stage's ``end_units``: what
+    ``chunk_loads`` weighs, the same for every placement."""
+    units = layer_units(problem)
+    return np.array([units[kind] for kind in problem.layer_kinds]), end_units(problem)
 
 
 def load_spread(problem: BalanceProblem) -> float:

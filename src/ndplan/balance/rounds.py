@@ -48,6 +48,7 @@ from ndplan.balance.problem import (
     evaluate_codes,
     evaluate_codes_many,
     load_spread,
+    load_weights,
     stage_bases,
     uniform_plan,
 )
@@ -68,7 +69,8 @@ class _Greedy:
 
     def __init__(self, problem: BalanceProblem) -> None:
         self.kinds = tuple(sorted(set(problem.layer_kinds)))
-        self.codes = np.array([self.kinds.index(kind) for kind in problem.layer_kinds])  # [L] kind of each layer
+        code_of = {kind: g for g, kind in enumerate(self.kinds)}
+        self.codes = np.array([code_of[kind] for kind in problem.layer_kinds])  # [L] kind of each layer
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
         cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
@@ -463,10 +465,11 @@ def _even_out(problem: BalanceProblem, counts: tuple[int, ...]) -> tuple[int, ..
     loads are recomputed after every move (a bounded number of them)."""
     out = np.asarray(counts, dtype=np.int64).copy()
     spread = load_spread(problem)
+    weights = load_weights(problem)
     chunk_of = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)  # [stage, chunk] virtual stage
     chunk_of[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
     for _ in range(problem.num_layers * problem.pp):
-        loads = chunk_loads(problem, out)  # [pp, v]
+        loads = chunk_loads(problem, out, weights)  # [pp, v]
         held = out[chunk_of]
         movable = (held > 1) & (loads > loads.min(axis=1, keepdims=True) + spread + 1e-9)
         if not movable.any():
