@@ -35,8 +35,9 @@ from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
     PlanCost,
+    cost_columns,
     end_units,
-    evaluate,
+    evaluate_codes,
     even_chunks,
     stage_bases,
     uniform_plan,
@@ -181,9 +182,10 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     return least, chosen, layers
 
 
-def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: list[np.ndarray]) -> Plan:
+def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: np.ndarray) -> tuple[Plan, np.ndarray]:
     """Layers per virtual stage and each layer's option, dealt to a stage's chunks
-    (``dealt_chunks``), from each stage's layers per chunk [pp, v] and option counts."""
+    (``dealt_chunks``), from each stage's layers per chunk [pp, v] and option counts [pp, R];
+    and [L] each layer's option as its index in ``problem.options``."""
     v = problem.chunks_per_stage
     activation = np.array([problem.costs[(problem.layer_kinds[0], o)].activation_bytes for o in problem.options])
     by_activation = np.argsort(-activation, kind="stable")
@@ -195,18 +197,19 @@ def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: list[np.ndarray]) 
     # Every stage's slots at once: the chunk of each (dealt_chunks, turn by turn) and the option
     # of each (options holding most bytes first), as [pp, S] tables, S the most layers of a stage.
     order = np.argsort(flight, axis=1, kind="stable")
-    capacity = np.take_along_axis(layers, order, 1)
+    capacity = layers[stage[:, None], order]
     active = np.arange(int(capacity.max()))[None, :, None] < capacity[:, None, :]  # [pp, turn, v]
     slot_chunk = np.broadcast_to(order[:, None, :], active.shape)[active]  # stage-major, in turn
     slot_stage = np.broadcast_to(stage[:, None, None], active.shape)[active]
-    counts = np.stack(mixes)[:, by_activation]  # [pp, R] layers per option, most bytes first
+    counts = mixes[:, by_activation]  # [pp, R] layers per option, most bytes first
     slot_option = np.repeat(np.broadcast_to(by_activation, counts.shape).reshape(-1), counts.reshape(-1))
     held = np.zeros((pp, v, R), dtype=np.int64)  # [stage, chunk, option] layers
     np.add.at(held, (slot_stage, slot_chunk, slot_option), 1)
     per_virtual = held[problem.stage_of, problem.chunk_of]  # [V, R]
     # Inside a chunk the order of its layers' options changes nothing: option order.
     options = np.repeat(np.tile(np.arange(R), problem.num_virtual_stages), per_virtual.reshape(-1))
-    return Plan(tuple(per_virtual.sum(axis=1).tolist()), tuple(problem.options[r] for r in options.tolist()))
+    plan = Plan(tuple(per_virtual.sum(axis=1).tolist()), tuple(map(problem.options.__getitem__, options.tolist())))
+    return plan, options
 
 
 def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Plan, PlanCost] | None:
@@ -252,8 +255,11 @@ def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost]
     if split is None:
         return None
     index = np.asarray(split) - totals[0]
-    plan = _plan(problem, chunk_layers[np.arange(pp), index], [chosen[s, index[s]] for s in range(pp)])
-    return plan, evaluate(problem, plan)
+    plan, option = _plan(problem, chunk_layers[np.arange(pp), index], chosen[np.arange(pp), index])
+    # ``evaluate`` of the plan, with each layer's entry of ``problem.costs`` from its option index.
+    entry = {pair: i for i, pair in enumerate(problem.costs)}
+    codes = np.array([entry[(problem.layer_kinds[0], o)] for o in problem.options])[option]
+    return plan, evaluate_codes(problem, plan.stage_layers, cost_columns(problem), codes)
 
 
 __all__ = ["one_layer_kind", "solve_chunks"]
