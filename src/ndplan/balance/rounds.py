@@ -389,7 +389,7 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     rank = (np.cumsum(onehot, axis=0) - 1)[np.arange(problem.num_layers), group]
     running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
-    plan = Plan(counts, tuple(problem.options[r] for r in option.tolist()))
+    plan = Plan(counts, tuple(map(problem.options.__getitem__, option.tolist())))
     cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option])
     return (plan, cost) if cost.fits else None
 
