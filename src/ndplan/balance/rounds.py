@@ -34,6 +34,7 @@ chunks (``_exact_stages``), so chunk times stay even; the greedy only ranks plac
 
 from __future__ import annotations
 
+from functools import lru_cache
 from math import comb
 
 import numpy as np
@@ -87,6 +88,7 @@ class _Greedy:
         self.flight_order = np.argsort(weight, axis=1, kind="stable")  # [pp, v]
         self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
         self.recomputes = np.array([option != "none" for option in options])
+        self.head_recomputes = tuple(self.recomputes[:-1].tolist())  # ``_heads``' key
         self.none = options.index("none") if "none" in options else None
         self.base_bytes, self.base_time, self.transient = stage_bases(problem)
         self.limit = problem.memory_limit_bytes
@@ -180,8 +182,9 @@ class _Greedy:
         fits = (deficit <= 0) | (whole < moves)
         whole = np.where(deficit <= 0, 0, np.minimum(whole, moves - 1))
         last = np.maximum(whole - 1, 0)
-        before, spent = (np.where(whole > 0, running.take((last * 2 + k) * Q + query), 0.0) for k in (0, 1))
-        unit, unit_time = (per_move.take((whole * 2 + k) * Q + query) for k in (0, 1))
+        pair = np.array([[0], [1]])  # bytes saved, seconds added: both gathered at once
+        before, spent = np.where(whole > 0, running.take((last * 2 + pair) * Q + query), 0.0)
+        unit, unit_time = per_move.take((whole * 2 + pair) * Q + query)
         with np.errstate(divide="ignore", invalid="ignore"):
             partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
         partial = np.where((deficit > 0) & np.isfinite(partial), partial, 0.0)
@@ -293,6 +296,20 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     return out
 
 
+@lru_cache(maxsize=256)
+def _heads(limit: int, recomputes: tuple[bool, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_dealt_mixes``' counts of a kind on every option but the last, at most ``limit`` layers in
+    all (``dp._at_most``): [K, R − 1] the counts, [K] their sum, and [K] whether a layer runs an
+    option that recomputes (``recomputes`` per option). Read-only; cached, as they depend on the
+    integers only."""
+    heads = _at_most(limit, len(recomputes))
+    layers = heads.sum(axis=1)
+    recomputing: np.ndarray = np.any(heads[:, list(recomputes)] > 0, axis=1)
+    for array in (layers, recomputing):
+        array.flags.writeable = False
+    return heads, layers, recomputing
+
+
 def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, counts: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """``_exact_stages`` for S queries at once, stage ``stages[i]`` holding ``counts[i]`` [v, G]
@@ -322,8 +339,8 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     first_slot = (np.arange(S) * G)[:, None, None] * slots.shape[2]  # flat index of each stage's kind 0 slots
     for g in range(G):
         by_activation = greedy.by_activation[g]
-        heads = _at_most(int(held[:, g].max()), R - 1)  # [K, R − 1]
-        rest = held[:, g, None] - heads.sum(axis=1)[None]  # [S, K] layers on the last option
+        heads, head_layers, head_recomputes = _heads(int(held[:, g].max()), greedy.head_recomputes)  # [K, R − 1], [K], [K]
+        rest = held[:, g, None] - head_layers  # [S, K] layers on the last option
         mixes = np.empty((S, len(heads), R), dtype=np.int64)
         mixes[:, :, :-1] = heads
         mixes[:, :, -1] = np.maximum(rest, 0)
@@ -338,13 +355,12 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
         time_total = time_total + (mixes @ greedy.time[g]).reshape(shape)
         bytes_total = bytes_total + kind_bytes.reshape(shape)
         # Some layer recomputes: on one of the first R − 1 options (the same for every stage) or on the last.
-        recomputes = np.asarray((heads[:, greedy.recomputes[:-1]] > 0).any(axis=1))
-        any_recompute = any_recompute | (recomputes[None] | (greedy.recomputes[-1] & (rest > 0))).reshape(shape)
+        any_recompute = any_recompute | (head_recomputes | (greedy.recomputes[-1] & (rest > 0))).reshape(shape)
         void = void | (rest < 0).reshape(shape)
         kind_ordered.append(ordered)
         kind_ends.append(ends)
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
-    seconds = np.where((memory <= limit) & ~void, np.broadcast_to(time_total, memory.shape), np.inf).reshape(S, -1)
+    seconds = np.where((memory <= limit) & ~void, time_total, np.inf).reshape(S, -1)  # time_total has every kind's axis
     best = np.unravel_index(seconds.argmin(axis=1), memory.shape[1:])  # per kind [S] its mix
     # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
     # (``chunks.dealt_chunks``), every stage and kind at once. Option r takes the slots
