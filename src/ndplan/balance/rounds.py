@@ -71,7 +71,7 @@ class _Greedy:
     def __init__(self, problem: BalanceProblem) -> None:
         self.kinds = tuple(sorted(set(problem.layer_kinds)))
         code_of = {kind: g for g, kind in enumerate(self.kinds)}
-        self.codes = np.array([code_of[kind] for kind in problem.layer_kinds])  # [L] kind of each layer
+        self.codes = np.fromiter(map(code_of.__getitem__, problem.layer_kinds), np.int64, problem.num_layers)  # [L] kind of each layer
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
         cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
@@ -94,33 +94,34 @@ class _Greedy:
         self.limit = problem.memory_limit_bytes
         # Hull walk per (stage, chunk, kind): from the fastest option (least bytes among ties),
         # step to the option of least seconds per byte saved, while one saves bytes.
-        time = np.broadcast_to(self.time[None, None], memory.shape)
+        time = np.empty(memory.shape)  # [pp, v, G, R] seconds, the same on every chunk
+        time[:] = self.time
         order = np.lexsort((memory, time), axis=-1)
         current = order[..., 0]  # [pp, v, G]
         self.start = current.copy()
         steps = max(len(options) - 1, 1)
         # The walk over flat (stage, chunk, kind) groups, gathering with flat indices.
         R = len(options)
-        flat_memory, flat_time = memory.reshape(-1, R), np.ascontiguousarray(time).reshape(-1, R)
+        flat_memory, flat_time = memory.reshape(-1, R), time.reshape(-1, R)
         groups = np.arange(len(flat_memory))
         at = current.reshape(-1)
         self.step_option = np.empty((len(groups), steps), dtype=np.int64)
         self.step_save = np.zeros((len(groups), steps))  # bytes saved per layer moved
         self.step_time = np.zeros((len(groups), steps))  # seconds added per layer moved
         slope = np.full((len(groups), steps), np.inf)
-        for h in range(steps):
-            saved = flat_memory[groups, at][:, None] - flat_memory
-            added = flat_time - flat_time[groups, at][:, None]
-            with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # ratios where nothing is saved are discarded
+            for h in range(steps):
+                saved = flat_memory[groups, at][:, None] - flat_memory
+                added = flat_time - flat_time[groups, at][:, None]
                 ratio = np.where(saved > 0, added / saved, np.inf)
-            best = ratio.argmin(axis=-1)
-            best_ratio = ratio[groups, best]
-            moves = np.isfinite(best_ratio)
-            at = np.where(moves, best, at)
-            self.step_option[:, h] = at
-            self.step_save[:, h] = np.where(moves, saved[groups, best], 0.0)
-            self.step_time[:, h] = np.where(moves, added[groups, best], 0.0)
-            slope[:, h] = np.where(moves, best_ratio, np.inf)
+                best = ratio.argmin(axis=-1)
+                best_ratio = ratio[groups, best]
+                moves = np.isfinite(best_ratio)
+                at = np.where(moves, best, at)
+                self.step_option[:, h] = at
+                self.step_save[:, h] = np.where(moves, saved[groups, best], 0.0)
+                self.step_time[:, h] = np.where(moves, added[groups, best], 0.0)
+                slope[:, h] = np.where(moves, best_ratio, np.inf)
         self.step_option = self.step_option.reshape(*current.shape, steps)  # [pp, v, G, steps]
         self.step_save = self.step_save.reshape(*current.shape, steps)
         self.step_time = self.step_time.reshape(*current.shape, steps)
@@ -136,15 +137,20 @@ class _Greedy:
         self.start_time = self.time[np.arange(len(self.kinds))[None, None], self.start].reshape(flat)  # [pp, v·G]
         self.start_memory = flat_memory[groups, self.start.reshape(-1)].reshape(flat)
         if self.none is not None:
-            self.plain_time = np.broadcast_to(self.time[:, self.none], (pp, v, len(self.kinds))).reshape(flat)
+            self.plain_time = time[..., self.none].reshape(flat)
             self.plain_memory = memory[..., self.none].reshape(flat)
         # What ``solve`` gathers per query, stacked so that one gather per table serves a batch,
         # stage last (queries run along the last axis): per stage [3, pp], per chunk and kind
         # [2 or 4, v·G, pp], per move [moves, 2, pp].
-        self.per_stage = np.stack([self.base_time, self.base_bytes + self.transient, self.base_bytes])
-        self.per_group = np.stack([self.start_time, self.start_memory] + (
-            [self.plain_memory, self.plain_time] if self.none is not None else [])).transpose(0, 2, 1).copy()
-        self.per_move = np.stack([self.move_save, self.move_time]).transpose(2, 0, 1).copy()
+        # (Filled in place: np.stack's own overhead is most of its cost at these sizes.)
+        self.per_stage = np.empty((3, pp))
+        self.per_stage[0], self.per_stage[1], self.per_stage[2] = self.base_time, self.base_bytes + self.transient, self.base_bytes
+        tables = [self.start_time, self.start_memory] + ([self.plain_memory, self.plain_time] if self.none is not None else [])
+        self.per_group = np.empty((len(tables), v * len(self.kinds), pp))
+        for k, table in enumerate(tables):
+            self.per_group[k] = table.T
+        self.per_move = np.empty((self.order.shape[1], 2, pp))
+        self.per_move[:, 0], self.per_move[:, 1] = self.move_save.T, self.move_time.T
         self.move_group_last = self.move_group.T.copy()  # [moves, pp]
         # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``.
         entry = {pair: i for i, pair in enumerate(problem.costs)}
