@@ -35,7 +35,7 @@ chunks (``_exact_stages``), so chunk times stay even; the greedy only ranks plac
 from __future__ import annotations
 
 from functools import lru_cache
-from math import comb
+from math import comb, prod
 
 import numpy as np
 
@@ -283,12 +283,18 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     """
     R = len(problem.options)
     totals = held.sum(axis=1)  # [pp, G]
-    sizes = np.prod([[comb(int(n) + R - 1, R - 1) for n in row] for row in totals.tolist()], axis=1)  # mixes per stage
-    priced = np.flatnonzero(sizes <= _EXACT_CELLS)
+    # Mixes grow with the layers of each kind: where the most of each fit, every stage does.
+    most = prod(comb(n + R - 1, R - 1) for n in totals.max(axis=0).tolist())
+    if most <= _EXACT_CELLS:
+        priced = np.arange(problem.pp)
+    else:
+        sizes = np.prod([[comb(int(n) + R - 1, R - 1) for n in row] for row in totals.tolist()], axis=1)  # mixes per stage
+        priced = np.flatnonzero(sizes <= _EXACT_CELLS)
     out: list[np.ndarray | None] = [None] * problem.pp
     if not len(priced):
         return out
-    padded = len(priced) * np.prod([comb(int(n) + R - 1, R - 1) for n in totals[priced].max(axis=0)])
+    padded = len(priced) * (most if len(priced) == problem.pp else
+                            prod(comb(n + R - 1, R - 1) for n in totals[priced].max(axis=0).tolist()))
     if padded <= _BATCH_CELLS:
         batches = [priced]
     else:
