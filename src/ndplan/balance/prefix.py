@@ -97,7 +97,7 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     possible[:] = room
     seconds = np.full(possible.shape, np.inf)
     seconds[possible], *_ = greedy.solve(np.repeat(stages, int(room.sum())), held[possible])
-    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L)  # whole chunk: δ = n₀
+    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True)  # whole chunk: δ = n₀
     z_star = min_max(table)
     if not np.isfinite(z_star):
         return None
@@ -114,16 +114,21 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
                  for stage, chunk in zip(problem.stage_of.tolist(), problem.chunk_of.tolist(), strict=True))
 
 
-def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int) -> StagedTable:
+def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int, whole_in_ended: bool = False
+           ) -> StagedTable:
     """The DP over positions (b, a) of the module docstring, from each stage's cost [pp, J, K + 1]
     of a step (T, δ) where the leading run goes on past its first chunk (``whole``: δ = n₀, so
     a < K after it) and where it has ended (``ended``: a = K after it); +inf where none fits.
     The steps and positions depend on the integers alone (``_layout``): the costs are gathered
-    into them. The thresholds are every finite stage cost, as the full (b, a) table holds each."""
+    into them. The thresholds are every finite stage cost, as the full (b, a) table holds each
+    (the search takes them as a set: with ``whole_in_ended``, every finite ``whole`` cost is
+    also an ``ended`` one, and those suffice)."""
     layout = _layout(int(totals[0]), len(totals), K, L, whole.shape[0])
     values = np.concatenate([whole.reshape(-1), ended.reshape(-1), [np.inf]])
     costs = tuple(values[source] for source in layout.sources)
-    finite = np.concatenate([ended[np.isfinite(ended)], whole[np.isfinite(whole)]])
+    finite = ended[np.isfinite(ended)]
+    if not whole_in_ended:
+        finite = np.concatenate([finite, whole[np.isfinite(whole)]])
     return StagedTable(1, layout.starts, costs, layout.lengths, finite)
 
 
