@@ -40,7 +40,7 @@ from ndplan.balance.problem import (
     evaluate_codes,
     even_chunks,
     stage_bases,
-    uniform_plan,
+    uniform_counts,
 )
 from ndplan.balance.rounds import uniform_candidates
 
@@ -232,7 +232,7 @@ def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Pl
         found = _solve(problem, np.arange(shortest, longest + 1))
     # A uniform placement with even loads is among the plans the DP weighs (its totals are in
     # any window, and its chunk split at best the DP's); one with a heavy head chunk is not.
-    uniform = uniform_plan(problem, problem.options[0]).stage_layers
+    uniform = uniform_counts(problem)
     candidates = [] if even_chunks(problem, uniform) else uniform_candidates(problem)
     candidates += [found] if found is not None else []
     return min(candidates, key=lambda c: c[1].step_s) if candidates else None

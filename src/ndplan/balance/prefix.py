@@ -42,7 +42,7 @@ from ndplan.balance.problem import (
     even_chunks,
     layer_units,
     load_spread,
-    uniform_plan,
+    uniform_counts,
 )
 from ndplan.balance.rounds import _dealt_mixes, _even_out, _Greedy, _plan_of, uniform_candidates
 
@@ -298,7 +298,7 @@ def solve_prefixed_exact(problem: BalanceProblem) -> tuple[Plan, PlanCost] | Non
         # stages of over 2^16 mixes (about 110 layers), which keep the greedy's.
         planned = _plan_of(problem, greedy, counts)
         found += [planned] if planned is not None else []
-    uniform = uniform_plan(problem, problem.options[0]).stage_layers
+    uniform = uniform_counts(problem)
     found += [] if even_chunks(problem, uniform) else uniform_candidates(problem, greedy)
     return min(found, key=lambda f: f[1].step_s) if found else None
 

@@ -271,17 +271,18 @@ def chunk_loads(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndar
     return loads
 
 
-def load_weights(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray]:
-    """[L] each layer's ``layer_units`` and [V] each virtual stage's ``end_units``: what
-    ``chunk_loads`` weighs, the same for every placement."""
-    units = layer_units(problem)
+def load_weights(problem: BalanceProblem, units: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """[L] each layer's ``layer_units`` (``units`` where the caller has them) and [V] each
+    virtual stage's ``end_units``: what ``chunk_loads`` weighs, the same for every placement."""
+    units = units if units is not None else layer_units(problem)
     return np.array([units[kind] for kind in problem.layer_kinds]), end_units(problem)
 
 
-def load_spread(problem: BalanceProblem) -> float:
+def load_spread(problem: BalanceProblem, units: dict[str, float] | None = None) -> float:
     """How far a stage's chunk loads may lie apart: one layer of the heaviest kind (at least one
-    reference layer), the least that every stage total can meet."""
-    return max(1.0, *layer_units(problem).values())
+    reference layer), the least that every stage total can meet (``units``: ``layer_units``,
+    where the caller has them)."""
+    return max(1.0, *(units if units is not None else layer_units(problem)).values())
 
 
 def even_chunks(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray) -> bool:
@@ -289,13 +290,19 @@ def even_chunks(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndar
     but for a chunk of a single layer, which cannot carry less (module docstring)."""
     counts = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)
     counts[problem.stage_of, problem.chunk_of] = stage_layers
-    loads = chunk_loads(problem, stage_layers)
-    too_heavy = loads > loads.min(axis=1, keepdims=True) + load_spread(problem) + 1e-9
+    units = layer_units(problem)  # weighed once for the loads and their spread
+    loads = chunk_loads(problem, stage_layers, load_weights(problem, units))
+    spread = load_spread(problem, units)
+    too_heavy = loads > loads.min(axis=1, keepdims=True) + spread + 1e-9
     return bool((~too_heavy | (counts == 1)).all())
 
 
 def uniform_plan(problem: BalanceProblem, option: str) -> Plan:
     """Layers spread evenly (remainder to the first virtual stages), one recompute option for all."""
+    return Plan(uniform_counts(problem), (option,) * problem.num_layers)
+
+
+def uniform_counts(problem: BalanceProblem) -> tuple[int, ...]:
+    """``uniform_plan``'s layers per virtual stage."""
     base, extra = divmod(problem.num_layers, problem.num_virtual_stages)
-    counts = tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
-    return Plan(counts, (option,) * problem.num_layers)
+    return tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))

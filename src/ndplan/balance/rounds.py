@@ -48,10 +48,11 @@ from ndplan.balance.problem import (
     cost_columns,
     evaluate_codes,
     evaluate_codes_many,
+    layer_units,
     load_spread,
     load_weights,
     stage_bases,
-    uniform_plan,
+    uniform_counts,
 )
 
 WINDOW = 2  # per-chunk counts n_s within ⌊R/pp⌋ − 2 … ⌈R/pp⌉ + 2
@@ -492,8 +493,9 @@ def _even_out(problem: BalanceProblem, counts: tuple[int, ...]) -> tuple[int, ..
     that holds more than one to the lightest. A move shifts which kinds later chunks hold, so
     loads are recomputed after every move (a bounded number of them)."""
     out = np.asarray(counts, dtype=np.int64).copy()
-    spread = load_spread(problem)
-    weights = load_weights(problem)
+    units = layer_units(problem)  # weighed once for the loads and their spread
+    spread = load_spread(problem, units)
+    weights = load_weights(problem, units)
     chunk_of = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)  # [stage, chunk] virtual stage
     chunk_of[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
     for _ in range(problem.num_layers * problem.pp):
@@ -514,7 +516,7 @@ def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None, *
     """The uniform placement (what frameworks run by default) with each recompute option on
     every layer, and (``mixed``) with each stage's least-time dealt recompute; those that fit."""
     greedy = greedy or _Greedy(problem)
-    counts = uniform_plan(problem, problem.options[0]).stage_layers
+    counts = uniform_counts(problem)
     # Every option at once: one evaluation of R plans of the same placement.
     costs = evaluate_codes_many(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes].T)
     found = [(Plan(counts, (option,) * problem.num_layers), cost)
