@@ -73,6 +73,11 @@ class _Greedy:
         self.kinds = tuple(sorted(set(problem.layer_kinds)))
         code_of = {kind: g for g, kind in enumerate(self.kinds)}
         self.codes = np.fromiter(map(code_of.__getitem__, problem.layer_kinds), np.int64, problem.num_layers)  # [L] kind of each layer
+        # For ``_plan_of``: [G, L + 1] layers of each kind before each layer, and [L] each layer's rank among its kind.
+        L = problem.num_layers
+        self.kind_before = np.zeros((len(self.kinds), L + 1), dtype=np.int64)
+        np.cumsum(self.codes[None] == np.arange(len(self.kinds))[:, None], axis=1, out=self.kind_before[:, 1:])
+        self.kind_rank = self.kind_before[self.codes, np.arange(L)]
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
         cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
@@ -409,13 +414,13 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     # Each layer takes, in model order within its chunk and kind, the options in turn: the
     # layer of rank k among its (virtual stage, kind) takes the first option whose running
     # count exceeds k (inside a chunk their order changes neither memory nor time).
-    G = len(greedy.kinds)
     held = np.stack(choice)[problem.stage_of, problem.chunk_of]  # [V, G, R]
-    virtual = np.repeat(np.arange(problem.num_virtual_stages), counts)  # [L]
-    group = virtual * G + greedy.codes
-    onehot = np.zeros((problem.num_layers, problem.num_virtual_stages * G), dtype=np.int64)
-    onehot[np.arange(problem.num_layers), group] = 1
-    rank = (np.cumsum(onehot, axis=0) - 1)[np.arange(problem.num_layers), group]
+    sizes = np.asarray(counts)
+    virtual = np.repeat(np.arange(problem.num_virtual_stages), sizes)  # [L]
+    # A virtual stage's layers are a run: a layer's rank in its (virtual stage, kind) is its
+    # rank among its kind less the layers of its kind before the run (``_Greedy.kind_before``).
+    first = np.repeat(np.cumsum(sizes) - sizes, sizes)  # [L] first layer of each layer's virtual stage
+    rank = greedy.kind_rank - greedy.kind_before.take(greedy.codes * (problem.num_layers + 1) + first)
     running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
     plan = Plan(counts, tuple(map(problem.options.__getitem__, option.tolist())))
