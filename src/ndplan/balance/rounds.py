@@ -385,8 +385,10 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     # [ends_r − n_r, ends_r); after k slots the i-th chunk (fewest in flight first) holds
     # min(capacity_i, t + [i ≤ i_k]) of them, (t, i_k) the turn and chunk of the k-th slot.
     stage = np.arange(S)
-    ends = np.stack([kind_ends[g][stage, best[g]] for g in range(G)], axis=1)  # [S, G, R]
-    bounds = np.stack([ends - np.stack([kind_ordered[g][stage, best[g]] for g in range(G)], axis=1), ends])
+    bounds = np.empty((2, S, G, R), dtype=np.int64)  # slots dealt before each option's first and after its last
+    for g in range(G):
+        bounds[1, :, g] = kind_ends[g][stage, best[g]]
+        bounds[0, :, g] = bounds[1, :, g] - kind_ordered[g][stage, best[g]]
     most = first.shape[2]
     at = (stage[:, None, None] * G + np.arange(G)[None, :, None]) * most  # [S, G, 1] flat index of each kind's slots
     turn, place = np.divmod(first.take(at + np.maximum(bounds - 1, 0)), v) if most else (bounds, bounds)
