@@ -245,7 +245,8 @@ def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost]
     start = np.maximum(position[None] - totals[:, None], 0)  # [J, L + 1]
     reachable = position[None] >= totals[:, None]
     cost = np.where(reachable[None], least[:, :, None], np.inf)  # [pp, J, L + 1]
-    table = Table(start, cost, totals)
+    # Every total is reachable at some position (totals ≤ L), so the table's finite costs are least's.
+    table = Table(start, cost, totals, least[np.isfinite(least)])
     # Stage costs that never fall as totals grow (the usual case) give Z* without a DP pass.
     monotone = bool((least[:, 1:] >= least[:, :-1]).all())
     z_star = _min_max_monotone(least, int(totals[0]), L) if monotone else min_max(table)
