@@ -35,11 +35,12 @@ from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
     PlanCost,
+    cost_columns,
     end_units,
-    evaluate,
+    evaluate_codes,
     even_chunks,
     stage_bases,
-    uniform_plan,
+    uniform_counts,
 )
 from ndplan.balance.rounds import uniform_candidates
 
@@ -113,6 +114,14 @@ def dealt_chunks(capacity: np.ndarray, flight: np.ndarray) -> np.ndarray:
 def _dealt_prefix(layers: np.ndarray, flight: np.ndarray) -> np.ndarray:
     """[pp, J, S + 1]: Σ of the in-flight weights of the first k dealt slots (``dealt_chunks``)
     of each stage holding ``layers`` [pp, J, v] per chunk, S the most layers of a stage."""
+    return _dealt_slots(layers, flight)[0]
+
+
+def _dealt_slots(layers: np.ndarray, flight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_dealt_prefix``, with what places each slot: [pp, J, S] the k-th dealt slot's position
+    t·v + i in the deal (turn t, i-th chunk fewest in flight first), [pp, J, v] the layers of
+    those chunks in that order, and [pp, v] that order. After k + 1 slots, the i-th chunk
+    holds min(capacity_i, t + [i ≤ i_k]) of them (``rounds._dealt_mixes`` deals with that)."""
     order = np.argsort(flight, axis=1, kind="stable")  # [pp, v]
     stage = np.arange(len(flight))[:, None]  # index grids: plain fancy indexing is cheaper than take_along_axis
     cell = (stage[:, :, None], np.arange(layers.shape[1])[None, :, None])
@@ -126,7 +135,7 @@ def _dealt_prefix(layers: np.ndarray, flight: np.ndarray) -> np.ndarray:
     first = np.argsort(~flat, axis=2, kind="stable")[:, :, :S]  # positions of the dealt slots in turn
     out = np.zeros((*layers.shape[:2], S + 1))
     out[:, :, 1:] = running[(*cell, first)]
-    return out
+    return out, first, capacity, order
 
 
 def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -173,9 +182,10 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     return least, chosen, layers
 
 
-def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: list[np.ndarray]) -> Plan:
+def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: np.ndarray) -> tuple[Plan, np.ndarray]:
     """Layers per virtual stage and each layer's option, dealt to a stage's chunks
-    (``dealt_chunks``), from each stage's layers per chunk [pp, v] and option counts."""
+    (``dealt_chunks``), from each stage's layers per chunk [pp, v] and option counts [pp, R];
+    and [L] each layer's option as its index in ``problem.options``."""
     v = problem.chunks_per_stage
     activation = np.array([problem.costs[(problem.layer_kinds[0], o)].activation_bytes for o in problem.options])
     by_activation = np.argsort(-activation, kind="stable")
@@ -187,18 +197,19 @@ def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: list[np.ndarray]) 
     # Every stage's slots at once: the chunk of each (dealt_chunks, turn by turn) and the option
     # of each (options holding most bytes first), as [pp, S] tables, S the most layers of a stage.
     order = np.argsort(flight, axis=1, kind="stable")
-    capacity = np.take_along_axis(layers, order, 1)
+    capacity = layers[stage[:, None], order]
     active = np.arange(int(capacity.max()))[None, :, None] < capacity[:, None, :]  # [pp, turn, v]
     slot_chunk = np.broadcast_to(order[:, None, :], active.shape)[active]  # stage-major, in turn
     slot_stage = np.broadcast_to(stage[:, None, None], active.shape)[active]
-    counts = np.stack(mixes)[:, by_activation]  # [pp, R] layers per option, most bytes first
+    counts = mixes[:, by_activation]  # [pp, R] layers per option, most bytes first
     slot_option = np.repeat(np.broadcast_to(by_activation, counts.shape).reshape(-1), counts.reshape(-1))
     held = np.zeros((pp, v, R), dtype=np.int64)  # [stage, chunk, option] layers
     np.add.at(held, (slot_stage, slot_chunk, slot_option), 1)
     per_virtual = held[problem.stage_of, problem.chunk_of]  # [V, R]
     # Inside a chunk the order of its layers' options changes nothing: option order.
     options = np.repeat(np.tile(np.arange(R), problem.num_virtual_stages), per_virtual.reshape(-1))
-    return Plan(tuple(per_virtual.sum(axis=1).tolist()), tuple(problem.options[r] for r in options.tolist()))
+    plan = Plan(tuple(per_virtual.sum(axis=1).tolist()), tuple(map(problem.options.__getitem__, options.tolist())))
+    return plan, options
 
 
 def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Plan, PlanCost] | None:
@@ -221,7 +232,7 @@ def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Pl
         found = _solve(problem, np.arange(shortest, longest + 1))
     # A uniform placement with even loads is among the plans the DP weighs (its totals are in
     # any window, and its chunk split at best the DP's); one with a heavy head chunk is not.
-    uniform = uniform_plan(problem, problem.options[0]).stage_layers
+    uniform = uniform_counts(problem)
     candidates = [] if even_chunks(problem, uniform) else uniform_candidates(problem)
     candidates += [found] if found is not None else []
     return min(candidates, key=lambda c: c[1].step_s) if candidates else None
@@ -234,7 +245,8 @@ def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost]
     start = np.maximum(position[None] - totals[:, None], 0)  # [J, L + 1]
     reachable = position[None] >= totals[:, None]
     cost = np.where(reachable[None], least[:, :, None], np.inf)  # [pp, J, L + 1]
-    table = Table(start, cost, totals)
+    # Every total is reachable at some position (totals ≤ L), so the table's finite costs are least's.
+    table = Table(start, cost, totals, least[np.isfinite(least)])
     # Stage costs that never fall as totals grow (the usual case) give Z* without a DP pass.
     monotone = bool((least[:, 1:] >= least[:, :-1]).all())
     z_star = _min_max_monotone(least, int(totals[0]), L) if monotone else min_max(table)
@@ -244,8 +256,11 @@ def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost]
     if split is None:
         return None
     index = np.asarray(split) - totals[0]
-    plan = _plan(problem, chunk_layers[np.arange(pp), index], [chosen[s, index[s]] for s in range(pp)])
-    return plan, evaluate(problem, plan)
+    plan, option = _plan(problem, chunk_layers[np.arange(pp), index], chosen[np.arange(pp), index])
+    # ``evaluate`` of the plan, with each layer's entry of ``problem.costs`` from its option index.
+    entry = {pair: i for i, pair in enumerate(problem.costs)}
+    codes = np.array([entry[(problem.layer_kinds[0], o)] for o in problem.options])[option]
+    return plan, evaluate_codes(problem, plan.stage_layers, cost_columns(problem), codes)
 
 
 __all__ = ["one_layer_kind", "solve_chunks"]

@@ -395,11 +395,14 @@ class SplitTable(Protocol):
 
 @dataclass(frozen=True)
 class Table:
-    """A ``SplitTable`` built directly (the chunked and prefixed DPs)."""
+    """A ``SplitTable`` built directly (the chunked and prefixed DPs). ``thresholds``, where the
+    builder has them: the table's finite costs as a set (``threshold_search`` takes no more),
+    cheaper than masking the whole [V, J, P] table for them."""
 
     start: np.ndarray
     cost: np.ndarray
     lengths: np.ndarray
+    thresholds: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -428,7 +431,12 @@ def _positions(table: AnyTable) -> int:
 
 
 def _finite_costs(table: AnyTable) -> np.ndarray:
-    return table.thresholds if isinstance(table, StagedTable) else table.cost[np.isfinite(table.cost)]
+    """The finite costs of a table, as a set (repeats and order may differ between tables)."""
+    if isinstance(table, StagedTable):
+        return table.thresholds
+    if isinstance(table, Table) and table.thresholds is not None:
+        return table.thresholds
+    return table.cost[np.isfinite(table.cost)]
 
 
 def _min_max(seg: _Segments) -> float:

@@ -42,7 +42,7 @@ from ndplan.balance.problem import (
     even_chunks,
     layer_units,
     load_spread,
-    uniform_plan,
+    uniform_counts,
 )
 from ndplan.balance.rounds import _dealt_mixes, _even_out, _Greedy, _plan_of, uniform_candidates
 
@@ -85,46 +85,50 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     first_chunk = np.asarray(problem.chunk_of[:pp])
     deltas = np.arange(K + 1)
     rest_layers = _split(problem, stages, first_chunk, totals, deltas)  # [pp, J, K + 1, v] of the rest kind
-    n0 = deltas[None, None, :] + np.take_along_axis(rest_layers, first_chunk[:, None, None, None], axis=3)[..., 0]
+    n0 = deltas[None, None, :] + rest_layers[np.arange(pp), :, :, first_chunk]  # [pp, J, K + 1] first chunk's layers
     lead, rest = greedy.kinds.index(problem.layer_kinds[0]), greedy.kinds.index(problem.layer_kinds[-1])
     # Queries (position, total, δ): the rest kind as split, δ leading layers in the first chunk.
     held = np.zeros((*rest_layers.shape, len(greedy.kinds)), dtype=np.int64)
     held[..., rest] = rest_layers
-    position, j, delta = np.indices(rest_layers.shape[:3])
-    held[position, j, delta, first_chunk[:, None, None], lead] = delta
+    held[..., lead] = np.where(first_chunk[:, None, None, None] == np.arange(v), deltas[:, None], 0)
     # δ leading layers fit, and leave a layer for every other chunk.
     room = totals[:, None] - deltas[None, :] >= v - (deltas[None, :] > 0)  # [J, K + 1]
-    possible = np.broadcast_to(room[None], rest_layers.shape[:3])
+    possible = np.empty(rest_layers.shape[:3], dtype=bool)
+    possible[:] = room
     seconds = np.full(possible.shape, np.inf)
-    index = np.nonzero(possible)
-    seconds[index], *_ = greedy.solve(stages[index[0]], held[index])
-    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L)  # whole chunk: δ = n₀
+    seconds[possible], *_ = greedy.solve(np.repeat(stages, int(room.sum())), held[possible])
+    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True)  # whole chunk: δ = n₀
     z_star = min_max(table)
     if not np.isfinite(z_star):
         return None
     split = threshold_search(table, problem.num_micro_batches * v - 1, z_star)
     if split is None:
         return None
-    per_chunk = np.zeros((pp, v), dtype=np.int64)  # [position, local chunk] layers
-    for i, step in enumerate(split):
-        total, leading = divmod(int(step), K + 1)
-        per_chunk[i] = rest_layers[i, total - int(totals[0]), leading]
-        per_chunk[i, first_chunk[i]] += leading
-    position_of = {int(stage): i for i, stage in enumerate(stages)}
-    return tuple(int(per_chunk[position_of[int(problem.stage_of[virtual])], problem.chunk_of[virtual]])
-                 for virtual in range(problem.num_virtual_stages))
+    # [position, local chunk] layers, in plain lists: a few dozen small integers.
+    total, leading = np.divmod(np.asarray(split), K + 1)
+    per_chunk = rest_layers[np.arange(pp), total - int(totals[0]), leading].tolist()
+    for i, (chunk, lead_layers) in enumerate(zip(first_chunk.tolist(), leading.tolist(), strict=True)):
+        per_chunk[i][chunk] += lead_layers
+    position_of = {stage: i for i, stage in enumerate(stages.tolist())}
+    return tuple(per_chunk[position_of[stage]][chunk]
+                 for stage, chunk in zip(problem.stage_of.tolist(), problem.chunk_of.tolist(), strict=True))
 
 
-def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int) -> StagedTable:
+def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int, whole_in_ended: bool = False
+           ) -> StagedTable:
     """The DP over positions (b, a) of the module docstring, from each stage's cost [pp, J, K + 1]
     of a step (T, δ) where the leading run goes on past its first chunk (``whole``: δ = n₀, so
     a < K after it) and where it has ended (``ended``: a = K after it); +inf where none fits.
     The steps and positions depend on the integers alone (``_layout``): the costs are gathered
-    into them. The thresholds are every finite stage cost, as the full (b, a) table holds each."""
+    into them. The thresholds are every finite stage cost, as the full (b, a) table holds each
+    (the search takes them as a set: with ``whole_in_ended``, every finite ``whole`` cost is
+    also an ``ended`` one, and those suffice)."""
     layout = _layout(int(totals[0]), len(totals), K, L, whole.shape[0])
     values = np.concatenate([whole.reshape(-1), ended.reshape(-1), [np.inf]])
     costs = tuple(values[source] for source in layout.sources)
-    finite = np.concatenate([ended[np.isfinite(ended)], whole[np.isfinite(whole)]])
+    finite = ended[np.isfinite(ended)]
+    if not whole_in_ended:
+        finite = np.concatenate([finite, whole[np.isfinite(whole)]])
     return StagedTable(1, layout.starts, costs, layout.lengths, finite)
 
 
@@ -221,8 +225,7 @@ def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray,
     ends[problem.stage_of, problem.chunk_of] = end_units(problem)
     is_first = np.arange(v)[None, :] == first_chunk[:, None]  # [pp, v]
     shape = (pp, len(deltas), v)  # [position, δ, chunk]
-    load = np.broadcast_to((ends[stages] + 0.0)[:, None, :], shape).copy()
-    load += np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
+    load = ends[stages][:, None, :] + np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
     empty = ~is_first[:, None, :] | (deltas[None, :, None] == 0)  # [pp, K + 1, v] holds no layer yet
     # Placing one layer at a time on the least key (load, then fewest in flight by a tiny
     # tie-break, empty chunks first) takes, of every chunk's run of keys for its 1st, 2nd, …
@@ -236,12 +239,11 @@ def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray,
     key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
     key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
     order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk
-    receives = order // turns == np.arange(v)[:, None, None, None]  # [v, pp, K + 1, step]: chunk of each step
-    given = np.zeros((pp, len(deltas), v * turns + 1, v), dtype=np.int64)  # layers per chunk after each step
-    given[:, :, 1:] = np.cumsum(receives, axis=3).transpose(1, 2, 3, 0)
-    left = np.clip(totals[:, None] - deltas[None, :], 0, v * turns)  # [J, K + 1] rest layers to place
-    rest = given[:, np.arange(len(deltas))[None, :], left]  # [pp, J, K + 1, v]
-    return rest
+    # [v, pp, K + 1, step] layers of each chunk once the step is placed.
+    given = np.cumsum(order // turns == np.arange(v)[:, None, None, None], axis=3)
+    left = totals[:, None] - deltas[None, :]  # [J, K + 1] rest layers to place (≤ turns)
+    rest = given[:, :, np.arange(len(deltas))[None, :], np.maximum(left, 1) - 1]  # [v, pp, J, K + 1]
+    return (rest * (left > 0)).transpose(1, 2, 3, 0)  # none placed where there is none to place
 
 
 
@@ -296,7 +298,7 @@ def solve_prefixed_exact(problem: BalanceProblem) -> tuple[Plan, PlanCost] | Non
         # stages of over 2^16 mixes (about 110 layers), which keep the greedy's.
         planned = _plan_of(problem, greedy, counts)
         found += [planned] if planned is not None else []
-    uniform = uniform_plan(problem, problem.options[0]).stage_layers
+    uniform = uniform_counts(problem)
     found += [] if even_chunks(problem, uniform) else uniform_candidates(problem, greedy)
     return min(found, key=lambda f: f[1].step_s) if found else None
 

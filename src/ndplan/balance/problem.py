@@ -158,6 +158,32 @@ def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...], colum
     return PlanCost(memory, time, composed_step_s(problem, time), bool((memory <= problem.memory_limit_bytes).all()))
 
 
+def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], columns: np.ndarray,
+                        codes: np.ndarray) -> list[PlanCost]:
+    """``evaluate_codes`` of N plans with the same layers per virtual stage, ``codes`` [N, L]:
+    one pass for all of them (the uniform placement under each option). Each plan's sums are
+    those ``evaluate_codes`` takes alone: its layers in order into its own (plan, stage) bins,
+    then the embedding's and the head's terms one after the other."""
+    pp, V = problem.pp, problem.num_virtual_stages
+    N = len(codes)
+    virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
+    bins = (pp * np.arange(N)[:, None] + np.asarray(problem.stage_of)[virtual]).reshape(-1)  # [N·L]
+    flight = problem.in_flight_of_virtual().astype(float)  # [V]
+    seconds, static, activation, recomputing = columns[:, codes]  # [N, L] each
+    held = np.bincount(bins, weights=(static + flight[virtual] * activation).reshape(-1), minlength=N * pp)
+    memory = problem.fixed_bytes.astype(float) + held.reshape(N, pp)
+    time: np.ndarray = np.bincount(bins, weights=seconds.reshape(-1), minlength=N * pp).reshape(N, pp)
+    for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
+        s = int(problem.stage_of[v])
+        memory[:, s] += extra.static_bytes + flight[v] * extra.activation_bytes
+        time[:, s] += extra.time_s
+    if problem.recompute_transient_bytes is not None:
+        recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
+        memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
+    fits = np.all(memory <= problem.memory_limit_bytes, axis=1).tolist()
+    return [PlanCost(memory[n], time[n], composed_step_s(problem, time[n]), bool(fits[n])) for n in range(N)]
+
+
 def stage_bases(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per stage [pp], what does not move with its layers: bytes (fixed, plus the embedding and
     head with their chunks' in-flight counts), seconds per micro-batch (the embedding and head),
@@ -233,21 +259,30 @@ def layer_units(problem: BalanceProblem) -> dict[str, float]:
             for kind in set(problem.layer_kinds)}
 
 
-def chunk_loads(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray) -> np.ndarray:
-    """[pp, v] each chunk's load: its layers weighed by ``layer_units`` plus its ``end_units``."""
-    units = layer_units(problem)
-    per_layer = np.array([units[kind] for kind in problem.layer_kinds])
+def chunk_loads(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray,
+                weights: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """[pp, v] each chunk's load: its layers weighed by ``layer_units`` plus its ``end_units``
+    (``weights``: those two from ``load_weights``, for callers that load many placements)."""
+    per_layer, ends = weights if weights is not None else load_weights(problem)
     virtual = np.repeat(np.arange(problem.num_virtual_stages), stage_layers)
-    held = np.bincount(virtual, weights=per_layer, minlength=problem.num_virtual_stages) + end_units(problem)
+    held = np.bincount(virtual, weights=per_layer, minlength=problem.num_virtual_stages) + ends
     loads = np.zeros((problem.pp, problem.chunks_per_stage))
     loads[problem.stage_of, problem.chunk_of] = held
     return loads
 
 
-def load_spread(problem: BalanceProblem) -> float:
+def load_weights(problem: BalanceProblem, units: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """[L] each layer's ``layer_units`` (``units`` where the caller has them) and [V] each
+    virtual stage's ``end_units``: what ``chunk_loads`` weighs, the same for every placement."""
+    units = units if units is not None else layer_units(problem)
+    return np.array([units[kind] for kind in problem.layer_kinds]), end_units(problem)
+
+
+def load_spread(problem: BalanceProblem, units: dict[str, float] | None = None) -> float:
     """How far a stage's chunk loads may lie apart: one layer of the heaviest kind (at least one
-    reference layer), the least that every stage total can meet."""
-    return max(1.0, *layer_units(problem).values())
+    reference layer), the least that every stage total can meet (``units``: ``layer_units``,
+    where the caller has them)."""
+    return max(1.0, *(units if units is not None else layer_units(problem)).values())
 
 
 def even_chunks(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray) -> bool:
@@ -255,13 +290,19 @@ def even_chunks(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndar
     but for a chunk of a single layer, which cannot carry less (module docstring)."""
     counts = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)
     counts[problem.stage_of, problem.chunk_of] = stage_layers
-    loads = chunk_loads(problem, stage_layers)
-    too_heavy = loads > loads.min(axis=1, keepdims=True) + load_spread(problem) + 1e-9
+    units = layer_units(problem)  # weighed once for the loads and their spread
+    loads = chunk_loads(problem, stage_layers, load_weights(problem, units))
+    spread = load_spread(problem, units)
+    too_heavy = loads > loads.min(axis=1, keepdims=True) + spread + 1e-9
     return bool((~too_heavy | (counts == 1)).all())
 
 
 def uniform_plan(problem: BalanceProblem, option: str) -> Plan:
     """Layers spread evenly (remainder to the first virtual stages), one recompute option for all."""
+    return Plan(uniform_counts(problem), (option,) * problem.num_layers)
+
+
+def uniform_counts(problem: BalanceProblem) -> tuple[int, ...]:
+    """``uniform_plan``'s layers per virtual stage."""
     base, extra = divmod(problem.num_layers, problem.num_virtual_stages)
-    counts = tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
-    return Plan(counts, (option,) * problem.num_layers)
+    return tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))

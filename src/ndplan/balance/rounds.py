@@ -34,7 +34,8 @@ chunks (``_exact_stages``), so chunk times stay even; the greedy only ranks plac
 
 from __future__ import annotations
 
-from math import comb
+from functools import lru_cache
+from math import comb, prod
 
 import numpy as np
 
@@ -46,9 +47,12 @@ from ndplan.balance.problem import (
     chunk_loads,
     cost_columns,
     evaluate_codes,
+    evaluate_codes_many,
+    layer_units,
     load_spread,
+    load_weights,
     stage_bases,
-    uniform_plan,
+    uniform_counts,
 )
 
 WINDOW = 2  # per-chunk counts n_s within ⌊R/pp⌋ − 2 … ⌈R/pp⌉ + 2
@@ -67,7 +71,13 @@ class _Greedy:
 
     def __init__(self, problem: BalanceProblem) -> None:
         self.kinds = tuple(sorted(set(problem.layer_kinds)))
-        self.codes = np.array([self.kinds.index(kind) for kind in problem.layer_kinds])  # [L] kind of each layer
+        code_of = {kind: g for g, kind in enumerate(self.kinds)}
+        self.codes = np.fromiter(map(code_of.__getitem__, problem.layer_kinds), np.int64, problem.num_layers)  # [L] kind of each layer
+        # For ``_plan_of``: [G, L + 1] layers of each kind before each layer, and [L] each layer's rank among its kind.
+        L = problem.num_layers
+        self.kind_before = np.zeros((len(self.kinds), L + 1), dtype=np.int64)
+        np.cumsum(self.codes[None] == np.arange(len(self.kinds))[:, None], axis=1, out=self.kind_before[:, 1:])
+        self.kind_rank = self.kind_before[self.codes, np.arange(L)]
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
         cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
@@ -84,38 +94,40 @@ class _Greedy:
         self.flight_order = np.argsort(weight, axis=1, kind="stable")  # [pp, v]
         self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
         self.recomputes = np.array([option != "none" for option in options])
+        self.head_recomputes = tuple(self.recomputes[:-1].tolist())  # ``_heads``' key
         self.none = options.index("none") if "none" in options else None
         self.base_bytes, self.base_time, self.transient = stage_bases(problem)
         self.limit = problem.memory_limit_bytes
         # Hull walk per (stage, chunk, kind): from the fastest option (least bytes among ties),
         # step to the option of least seconds per byte saved, while one saves bytes.
-        time = np.broadcast_to(self.time[None, None], memory.shape)
+        time = np.empty(memory.shape)  # [pp, v, G, R] seconds, the same on every chunk
+        time[:] = self.time
         order = np.lexsort((memory, time), axis=-1)
         current = order[..., 0]  # [pp, v, G]
         self.start = current.copy()
         steps = max(len(options) - 1, 1)
         # The walk over flat (stage, chunk, kind) groups, gathering with flat indices.
         R = len(options)
-        flat_memory, flat_time = memory.reshape(-1, R), np.ascontiguousarray(time).reshape(-1, R)
+        flat_memory, flat_time = memory.reshape(-1, R), time.reshape(-1, R)
         groups = np.arange(len(flat_memory))
         at = current.reshape(-1)
         self.step_option = np.empty((len(groups), steps), dtype=np.int64)
         self.step_save = np.zeros((len(groups), steps))  # bytes saved per layer moved
         self.step_time = np.zeros((len(groups), steps))  # seconds added per layer moved
         slope = np.full((len(groups), steps), np.inf)
-        for h in range(steps):
-            saved = flat_memory[groups, at][:, None] - flat_memory
-            added = flat_time - flat_time[groups, at][:, None]
-            with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # ratios where nothing is saved are discarded
+            for h in range(steps):
+                saved = flat_memory[groups, at][:, None] - flat_memory
+                added = flat_time - flat_time[groups, at][:, None]
                 ratio = np.where(saved > 0, added / saved, np.inf)
-            best = ratio.argmin(axis=-1)
-            best_ratio = ratio[groups, best]
-            moves = np.isfinite(best_ratio)
-            at = np.where(moves, best, at)
-            self.step_option[:, h] = at
-            self.step_save[:, h] = np.where(moves, saved[groups, best], 0.0)
-            self.step_time[:, h] = np.where(moves, added[groups, best], 0.0)
-            slope[:, h] = np.where(moves, best_ratio, np.inf)
+                best = ratio.argmin(axis=-1)
+                best_ratio = ratio[groups, best]
+                moves = np.isfinite(best_ratio)
+                at = np.where(moves, best, at)
+                self.step_option[:, h] = at
+                self.step_save[:, h] = np.where(moves, saved[groups, best], 0.0)
+                self.step_time[:, h] = np.where(moves, added[groups, best], 0.0)
+                slope[:, h] = np.where(moves, best_ratio, np.inf)
         self.step_option = self.step_option.reshape(*current.shape, steps)  # [pp, v, G, steps]
         self.step_save = self.step_save.reshape(*current.shape, steps)
         self.step_time = self.step_time.reshape(*current.shape, steps)
@@ -131,15 +143,20 @@ class _Greedy:
         self.start_time = self.time[np.arange(len(self.kinds))[None, None], self.start].reshape(flat)  # [pp, v·G]
         self.start_memory = flat_memory[groups, self.start.reshape(-1)].reshape(flat)
         if self.none is not None:
-            self.plain_time = np.broadcast_to(self.time[:, self.none], (pp, v, len(self.kinds))).reshape(flat)
+            self.plain_time = time[..., self.none].reshape(flat)
             self.plain_memory = memory[..., self.none].reshape(flat)
         # What ``solve`` gathers per query, stacked so that one gather per table serves a batch,
         # stage last (queries run along the last axis): per stage [3, pp], per chunk and kind
         # [2 or 4, v·G, pp], per move [moves, 2, pp].
-        self.per_stage = np.stack([self.base_time, self.base_bytes + self.transient, self.base_bytes])
-        self.per_group = np.stack([self.start_time, self.start_memory] + (
-            [self.plain_memory, self.plain_time] if self.none is not None else [])).transpose(0, 2, 1).copy()
-        self.per_move = np.stack([self.move_save, self.move_time]).transpose(2, 0, 1).copy()
+        # (Filled in place: np.stack's own overhead is most of its cost at these sizes.)
+        self.per_stage = np.empty((3, pp))
+        self.per_stage[0], self.per_stage[1], self.per_stage[2] = self.base_time, self.base_bytes + self.transient, self.base_bytes
+        tables = [self.start_time, self.start_memory] + ([self.plain_memory, self.plain_time] if self.none is not None else [])
+        self.per_group = np.empty((len(tables), v * len(self.kinds), pp))
+        for k, table in enumerate(tables):
+            self.per_group[k] = table.T
+        self.per_move = np.empty((self.order.shape[1], 2, pp))
+        self.per_move[:, 0], self.per_move[:, 1] = self.move_save.T, self.move_time.T
         self.move_group_last = self.move_group.T.copy()  # [moves, pp]
         # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``.
         entry = {pair: i for i, pair in enumerate(problem.costs)}
@@ -177,8 +194,9 @@ class _Greedy:
         fits = (deficit <= 0) | (whole < moves)
         whole = np.where(deficit <= 0, 0, np.minimum(whole, moves - 1))
         last = np.maximum(whole - 1, 0)
-        before, spent = (np.where(whole > 0, running.take((last * 2 + k) * Q + query), 0.0) for k in (0, 1))
-        unit, unit_time = (per_move.take((whole * 2 + k) * Q + query) for k in (0, 1))
+        pair = np.array([[0], [1]])  # bytes saved, seconds added: both gathered at once
+        before, spent = np.where(whole > 0, running.take((last * 2 + pair) * Q + query), 0.0)
+        unit, unit_time = per_move.take((whole * 2 + pair) * Q + query)
         with np.errstate(divide="ignore", invalid="ignore"):
             partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
         partial = np.where((deficit > 0) & np.isfinite(partial), partial, 0.0)
@@ -271,12 +289,18 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     """
     R = len(problem.options)
     totals = held.sum(axis=1)  # [pp, G]
-    sizes = np.prod([[comb(int(n) + R - 1, R - 1) for n in row] for row in totals.tolist()], axis=1)  # mixes per stage
-    priced = np.flatnonzero(sizes <= _EXACT_CELLS)
+    # Mixes grow with the layers of each kind: where the most of each fit, every stage does.
+    most = prod(comb(n + R - 1, R - 1) for n in totals.max(axis=0).tolist())
+    if most <= _EXACT_CELLS:
+        priced = np.arange(problem.pp)
+    else:
+        sizes = np.prod([[comb(int(n) + R - 1, R - 1) for n in row] for row in totals.tolist()], axis=1)  # mixes per stage
+        priced = np.flatnonzero(sizes <= _EXACT_CELLS)
     out: list[np.ndarray | None] = [None] * problem.pp
     if not len(priced):
         return out
-    padded = len(priced) * np.prod([comb(int(n) + R - 1, R - 1) for n in totals[priced].max(axis=0)])
+    padded = len(priced) * (most if len(priced) == problem.pp else
+                            prod(comb(n + R - 1, R - 1) for n in totals[priced].max(axis=0).tolist()))
     if padded <= _BATCH_CELLS:
         batches = [priced]
     else:
@@ -290,6 +314,20 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     return out
 
 
+@lru_cache(maxsize=256)
+def _heads(limit: int, recomputes: tuple[bool, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_dealt_mixes``' counts of a kind on every option but the last, at most ``limit`` layers in
+    all (``dp._at_most``): [K, R − 1] the counts, [K] their sum, and [K] whether a layer runs an
+    option that recomputes (``recomputes`` per option). Read-only; cached, as they depend on the
+    integers only."""
+    heads = _at_most(limit, len(recomputes))
+    layers = heads.sum(axis=1)
+    recomputing: np.ndarray = np.any(heads[:, list(recomputes)] > 0, axis=1)
+    for array in (layers, recomputing):
+        array.flags.writeable = False
+    return heads, layers, recomputing
+
+
 def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, counts: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """``_exact_stages`` for S queries at once, stage ``stages[i]`` holding ``counts[i]`` [v, G]
@@ -301,7 +339,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     option taking the rest, void where that is negative. The first least-time combination in
     that order wins, as in ``solve.dealt_knapsack``.
     """
-    from ndplan.balance.chunks import _dealt_prefix
+    from ndplan.balance.chunks import _dealt_slots
 
     v, G = counts.shape[1:]
     R, S = len(problem.options), len(stages)
@@ -312,15 +350,15 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid).copy()
     any_recompute: np.ndarray = np.zeros(grid, dtype=bool)
     void: np.ndarray = np.zeros(grid, dtype=bool)
-    kind_mixes = []
+    kind_ordered, kind_ends = [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
-    slots = _dealt_prefix(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1]
+    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1], ...
     first_slot = (np.arange(S) * G)[:, None, None] * slots.shape[2]  # flat index of each stage's kind 0 slots
     for g in range(G):
         by_activation = greedy.by_activation[g]
-        heads = _at_most(int(held[:, g].max()), R - 1)  # [K, R − 1]
-        rest = held[:, g, None] - heads.sum(axis=1)[None]  # [S, K] layers on the last option
+        heads, head_layers, head_recomputes = _heads(int(held[:, g].max()), greedy.head_recomputes)  # [K, R − 1], [K], [K]
+        rest = held[:, g, None] - head_layers  # [S, K] layers on the last option
         mixes = np.empty((S, len(heads), R), dtype=np.int64)
         mixes[:, :, :-1] = heads
         mixes[:, :, -1] = np.maximum(rest, 0)
@@ -335,25 +373,30 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
         time_total = time_total + (mixes @ greedy.time[g]).reshape(shape)
         bytes_total = bytes_total + kind_bytes.reshape(shape)
         # Some layer recomputes: on one of the first R − 1 options (the same for every stage) or on the last.
-        recomputes = np.asarray((heads[:, greedy.recomputes[:-1]] > 0).any(axis=1))
-        any_recompute = any_recompute | (recomputes[None] | (greedy.recomputes[-1] & (rest > 0))).reshape(shape)
+        any_recompute = any_recompute | (head_recomputes | (greedy.recomputes[-1] & (rest > 0))).reshape(shape)
         void = void | (rest < 0).reshape(shape)
-        kind_mixes.append(mixes)
+        kind_ordered.append(ordered)
+        kind_ends.append(ends)
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
-    seconds = np.where((memory <= limit) & ~void, np.broadcast_to(time_total, memory.shape), np.inf).reshape(S, -1)
+    seconds = np.where((memory <= limit) & ~void, time_total, np.inf).reshape(S, -1)  # time_total has every kind's axis
     best = np.unravel_index(seconds.argmin(axis=1), memory.shape[1:])  # per kind [S] its mix
     # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
-    # (``chunks.dealt_chunks``), every stage and kind at once.
-    order = greedy.flight_order[stages]  # [S, v] fewest in flight first
-    capacity = np.take_along_axis(counts, order[:, :, None], 1).transpose(0, 2, 1)  # [S, G, v]
-    active = np.arange(int(capacity.max(initial=0)))[None, None, :, None] < capacity[:, :, None, :]  # [S, G, turn, v]
-    slot_chunk = np.broadcast_to(order[:, None, None, :], active.shape)[active]  # stage-, then kind-major, in turn
-    slot_stage, slot_kind = (np.broadcast_to(index, active.shape)[active]
-                             for index in (np.arange(S)[:, None, None, None], np.arange(G)[None, :, None, None]))
-    mix = np.stack([kind_mixes[g][np.arange(S), best[g]][:, greedy.by_activation[g]] for g in range(G)], axis=1)
-    slot_option = np.repeat(np.broadcast_to(greedy.by_activation, (S, G, R)).reshape(-1), mix.reshape(-1))
-    choice = np.zeros((S, v, G, R), dtype=np.int64)
-    np.add.at(choice, (slot_stage, slot_chunk, slot_kind, slot_option), 1)
+    # (``chunks.dealt_chunks``), every stage and kind at once. Option r takes the slots
+    # [ends_r − n_r, ends_r); after k slots the i-th chunk (fewest in flight first) holds
+    # min(capacity_i, t + [i ≤ i_k]) of them, (t, i_k) the turn and chunk of the k-th slot.
+    stage = np.arange(S)
+    bounds = np.empty((2, S, G, R), dtype=np.int64)  # slots dealt before each option's first and after its last
+    for g in range(G):
+        bounds[1, :, g] = kind_ends[g][stage, best[g]]
+        bounds[0, :, g] = bounds[1, :, g] - kind_ordered[g][stage, best[g]]
+    most = first.shape[2]
+    at = (stage[:, None, None] * G + np.arange(G)[None, :, None]) * most  # [S, G, 1] flat index of each kind's slots
+    turn, place = np.divmod(first.take(at + np.maximum(bounds - 1, 0)), v) if most else (bounds, bounds)
+    dealt = np.minimum(capacity[:, :, None, :], turn[..., None] + (np.arange(v) <= place[..., None]))
+    dealt *= bounds[..., None] > 0  # [2, S, G, R, v] slots of the i-th chunk before each option's first and after its last
+    choice = np.empty((S, v, G, R), dtype=np.int64)
+    choice[stage[:, None, None, None], order[:, None, None, :], np.arange(G)[None, :, None, None],
+           greedy.by_activation[None, :, :, None]] = dealt[1] - dealt[0]
     return choice, seconds.min(axis=1) + greedy.base_time[stages]
 
 
@@ -373,16 +416,16 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     # Each layer takes, in model order within its chunk and kind, the options in turn: the
     # layer of rank k among its (virtual stage, kind) takes the first option whose running
     # count exceeds k (inside a chunk their order changes neither memory nor time).
-    G = len(greedy.kinds)
     held = np.stack(choice)[problem.stage_of, problem.chunk_of]  # [V, G, R]
-    virtual = np.repeat(np.arange(problem.num_virtual_stages), counts)  # [L]
-    group = virtual * G + greedy.codes
-    onehot = np.zeros((problem.num_layers, problem.num_virtual_stages * G), dtype=np.int64)
-    onehot[np.arange(problem.num_layers), group] = 1
-    rank = (np.cumsum(onehot, axis=0) - 1)[np.arange(problem.num_layers), group]
+    sizes = np.asarray(counts)
+    virtual = np.repeat(np.arange(problem.num_virtual_stages), sizes)  # [L]
+    # A virtual stage's layers are a run: a layer's rank in its (virtual stage, kind) is its
+    # rank among its kind less the layers of its kind before the run (``_Greedy.kind_before``).
+    first = np.repeat(np.cumsum(sizes) - sizes, sizes)  # [L] first layer of each layer's virtual stage
+    rank = greedy.kind_rank - greedy.kind_before.take(greedy.codes * (problem.num_layers + 1) + first)
     running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
-    plan = Plan(counts, tuple(problem.options[r] for r in option.tolist()))
+    plan = Plan(counts, tuple(map(problem.options.__getitem__, option.tolist())))
     cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option])
     return (plan, cost) if cost.fits else None
 
@@ -457,11 +500,13 @@ def _even_out(problem: BalanceProblem, counts: tuple[int, ...]) -> tuple[int, ..
     that holds more than one to the lightest. A move shifts which kinds later chunks hold, so
     loads are recomputed after every move (a bounded number of them)."""
     out = np.asarray(counts, dtype=np.int64).copy()
-    spread = load_spread(problem)
+    units = layer_units(problem)  # weighed once for the loads and their spread
+    spread = load_spread(problem, units)
+    weights = load_weights(problem, units)
     chunk_of = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)  # [stage, chunk] virtual stage
     chunk_of[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
     for _ in range(problem.num_layers * problem.pp):
-        loads = chunk_loads(problem, out)  # [pp, v]
+        loads = chunk_loads(problem, out, weights)  # [pp, v]
         held = out[chunk_of]
         movable = (held > 1) & (loads > loads.min(axis=1, keepdims=True) + spread + 1e-9)
         if not movable.any():
@@ -477,15 +522,14 @@ def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None, *
                        ) -> list[tuple[Plan, PlanCost]]:
     """The uniform placement (what frameworks run by default) with each recompute option on
     every layer, and (``mixed``) with each stage's least-time dealt recompute; those that fit."""
-    found = []
     greedy = greedy or _Greedy(problem)
-    for r, option in enumerate(problem.options):
-        plan = uniform_plan(problem, option)
-        cost = evaluate_codes(problem, plan.stage_layers, greedy.cost_columns, greedy.cost_code[greedy.codes, r])
-        if cost.fits:
-            found.append((plan, cost))
+    counts = uniform_counts(problem)
+    # Every option at once: one evaluation of R plans of the same placement.
+    costs = evaluate_codes_many(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes].T)
+    found = [(Plan(counts, (option,) * problem.num_layers), cost)
+             for option, cost in zip(problem.options, costs, strict=True) if cost.fits]
     if mixed:
-        planned = _plan_of(problem, greedy, uniform_plan(problem, problem.options[0]).stage_layers)
+        planned = _plan_of(problem, greedy, counts)
         found += [planned] if planned is not None else []
     return found
 
