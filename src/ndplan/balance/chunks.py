@@ -36,6 +36,7 @@ from ndplan.balance.problem import (
     Plan,
     PlanCost,
     cost_columns,
+    cost_index,
     end_units,
     evaluate_codes,
     even_chunks,
@@ -258,7 +259,7 @@ def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost]
     index = np.asarray(split) - totals[0]
     plan, option = _plan(problem, chunk_layers[np.arange(pp), index], chosen[np.arange(pp), index])
     # ``evaluate`` of the plan, with each layer's entry of ``problem.costs`` from its option index.
-    entry = {pair: i for i, pair in enumerate(problem.costs)}
+    entry = cost_index(problem)
     codes = np.array([entry[(problem.layer_kinds[0], o)] for o in problem.options])[option]
     return plan, evaluate_codes(problem, plan.stage_layers, cost_columns(problem), codes)
 

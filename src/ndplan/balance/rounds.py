@@ -46,6 +46,7 @@ from ndplan.balance.problem import (
     PlanCost,
     chunk_loads,
     cost_columns,
+    cost_index,
     evaluate_codes,
     evaluate_codes_many,
     layer_units,
@@ -159,7 +160,7 @@ class _Greedy:
         self.per_move[:, 0], self.per_move[:, 1] = self.move_save.T, self.move_time.T
         self.move_group_last = self.move_group.T.copy()  # [moves, pp]
         # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``.
-        entry = {pair: i for i, pair in enumerate(problem.costs)}
+        entry = cost_index(problem)
         self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
         self.cost_columns = cost_columns(problem)
 
