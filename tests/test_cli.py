@@ -273,14 +273,15 @@ def test_bad_overlap_is_a_one_line_error(spec, words, capsys):
 
 def test_plan_file_overlap_and_search_use_it(tmp_path, capsys):
     """A plan file's overlap mapping applies like the flag; the search prices its candidates with
-    the switches given (Mixtral's expert dispatch over nodes)."""
+    the switches given (Mixtral's expert dispatch over nodes; two micro-batches, since one has
+    no partner to overlap with)."""
     plan = tmp_path / "plan.yaml"
     plan.write_text("overlap: {tp: true}\n")
     base = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--tp", "8", "--sp", "--gbs", "16", "--json"]
     code, out, _ = run([*base, "--plan", str(plan)], capsys)
     assert code == 0 and json.loads(out)["time"]["overlap"]["tp"] is True
     search = ["search", *MIXTRAL, "--hardware", "h100-sxm", "--devices", "32", "--gbs", "64", "--seq", "4096",
-              "--fix", "ep=8", "tp=1", "pp=1", "--top", "1", "--json"]
+              "--fix", "ep=8", "tp=1", "pp=1", "mbs=1", "--top", "1", "--json"]
     code, out, _ = run(search, capsys)
     plain = json.loads(out)["ranked"][0]
     code, out, _ = run([*search, "--overlap", "ep=on"], capsys)

@@ -141,7 +141,7 @@ def test_tensor_parallel_overlap_hides_tp_communication():
 
 def test_dualpipev_hides_the_expert_all_to_all():
     cluster = _cluster(1024)
-    common = dict(dp=64, pp=16, ep=64, vpp=2, num_micro_batches=32, seq_length=4096, zero=1)
+    common = dict(dp=64, pp=16, ep=64, vpp=2, num_micro_batches=128, seq_length=4096, zero=1)
     dualpipe = estimate_time(DSV3, Strategy(schedule="dualpipev", **common), cluster)
     zbv = estimate_time(DSV3, Strategy(schedule="zbv", **common), cluster)
     assert dualpipe.breakdown["comm_exposed"]["ep"] < 0.5 * zbv.breakdown["comm_exposed"]["ep"]
@@ -149,9 +149,42 @@ def test_dualpipev_hides_the_expert_all_to_all():
     assert forced_off.breakdown["comm_exposed"]["ep"] > dualpipe.breakdown["comm_exposed"]["ep"]
 
 
+def test_expert_overlap_leaves_warm_up_and_cool_down_exposed():
+    """Only forwards with a partner backward hide their all-to-all. DualPipeV's first stage at
+    pp 16 runs 47 of its 2m forwards unpaired (pp·3 − 1), so with m = 2·pp = 32 it hides only
+    17/64 of what it hides per pass with many micro-batches; Megatron's interleaved overlap
+    leaves the warm-up, (pp − 1)·2 + (vpp − 1)·pp forwards, exposed."""
+    from ndplan.schedule.pairing import unpaired_forwards
+
+    assert unpaired_forwards("dualpipev", 16, 2, 32) == (47, 64)
+    assert unpaired_forwards("dualpipev", 16, 2, 128) == (47, 256)
+    assert unpaired_forwards("interleaved", 8, 4, 128) == ((8 - 1) * 2 + (4 - 1) * 8, 512)
+    assert unpaired_forwards("1f1b", 4, 1, 8) == (3, 8)
+    assert unpaired_forwards("1f1b", 1, 1, 8) == (1, 8)  # a forward cannot hide under its own backward
+    from ndplan.perf.efficiency import default_efficiency as efficiency_of
+    from ndplan.perf.layer import LayerContext, piece_times
+    from ndplan.perf.step import compute_rates, strategy_columns
+    from ndplan.perf.topology import Fabric
+
+    cluster = _cluster(1024)
+    common = dict(dp=64, pp=16, ep=64, vpp=2, seq_length=4096, zero=1, schedule="dualpipev")
+    batch = StrategyBatch.of([Strategy(num_micro_batches=m, **common) for m in (32, 128)])
+    eff = efficiency_of(cluster.device)
+    per_pass = {}
+    for ep in (True, False):
+        overlap = OverlapConfig(ep=ep)
+        ctx = LayerContext(DSV3, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap,
+                           batch.precision, False)
+        moe = piece_times(ctx, strategy_columns(DSV3, batch, overlap))["moe"]
+        per_pass[ep] = np.broadcast_to(moe.get("F", "ep") + moe.get("B", "ep"), (2,))
+    hidden = per_pass[False] - per_pass[True]  # what overlap saves per layer and micro-batch
+    assert hidden[1] > 0.0
+    assert hidden[0] == pytest.approx(hidden[1] * (17 / 64) / (209 / 256), rel=1e-9)
+
+
 def test_hidden_all_to_all_still_holds_its_sms():
     """A hidden expert all-to-all slows the compute it hides under by the SM share its kernels
-    hold (20 of the H100's 132): with the all-to-all fully hidden, exposed EP time is that share
+    hold (20 of the H100's 132): where the all-to-all hides whole, exposed EP time is that share
     of the all-to-all's own time, as priced exposed with the overlap off."""
     cluster = _cluster(64)
     s = Strategy(dp=8, pp=8, ep=8, vpp=2, schedule="dualpipev", num_micro_batches=32, seq_length=4096, zero=1)
@@ -160,8 +193,14 @@ def test_hidden_all_to_all_still_holds_its_sms():
     free = estimate_time(DSV3, s, cluster, efficiency=eff.replace(ep_comm_compute_share=0.0))
     held = estimate_time(DSV3, s, cluster, efficiency=eff)
     shown = estimate_time(DSV3, s, cluster, efficiency=eff, overlap=OverlapConfig(ep=False))
-    assert free.breakdown["comm_exposed"]["ep"] == pytest.approx(0.0, abs=1e-9)  # inside a node, all hidden
-    assert held.breakdown["comm_exposed"]["ep"] == pytest.approx(eff.ep_comm_compute_share * shown.breakdown["comm_exposed"]["ep"])
+    # Inside a node the paired passes hide all of it; the unpaired ones (warm-up, cool-down) none.
+    from ndplan.schedule.pairing import unpaired_forwards
+
+    unpaired, forwards = unpaired_forwards("dualpipev", 8, 2, 32)
+    alone = unpaired / forwards
+    exposed = shown.breakdown["comm_exposed"]["ep"]
+    assert free.breakdown["comm_exposed"]["ep"] == pytest.approx(alone * exposed)
+    assert held.breakdown["comm_exposed"]["ep"] == pytest.approx((alone + (1 - alone) * eff.ep_comm_compute_share) * exposed)
 
 
 def test_fsdp_prefetch_and_dp_overlap_hide_data_parallel_traffic():
@@ -366,7 +405,7 @@ def test_split_backward_rebuilds_a_checkpointed_layer_once_per_parameter_group()
                   for schedule in ("zbv", "interleaved") for recompute in ("full", "selective")]
     batch = StrategyBatch.of(strategies)
     eff, overlap = efficiency_of(cluster.device), default_overlap(cluster.device.runtime)
-    cols = strategy_columns(batch, overlap)
+    cols = strategy_columns(model, batch, overlap)
 
     def pieces(rebuilds: bool):
         ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap,
@@ -405,3 +444,26 @@ def test_fsdp_backward_traffic_hides_under_the_recomputed_forward():
     assert recomputed_s > 1.0
     assert full.breakdown["comm_exposed"]["dp"] == pytest.approx(plain.breakdown["comm_exposed"]["dp"] - recomputed_s)
     assert full.step_s == pytest.approx(plain.step_s)
+
+
+
+def test_fsdp_across_nodes_hides_under_nvlink_collectives_too(monkeypatch):
+    """FSDP's gathers run on their own stream: when its shard groups cross nodes and the expert
+    all-to-all stays on NVLink, the all-to-all's exposed time covers FSDP traffic as compute
+    does. Qwen3-235B's expert shards outlast both, so the exposed FSDP time drops by exactly
+    the exposed all-to-all (forward, backward and the full recompute's replay, which the EP
+    breakdown counts too). On one node the two share NVLink and the all-to-all covers nothing."""
+    from ndplan.perf import layer
+
+    model = get_preset("qwen3-235b-a22b")
+    common = dict(tp=1, ep=8, zero=3, fsdp=True, micro_batch_size=1, num_micro_batches=4, seq_length=4096,
+                  precision="fsdp-bf16", recompute="full")
+    across = estimate_time(model, Strategy(dp=32, **common), _cluster(32)).breakdown["comm_exposed"]
+    inside = estimate_time(model, Strategy(dp=8, **common), _cluster(8)).breakdown["comm_exposed"]
+    nothing = np.zeros(1, dtype=bool)
+    monkeypatch.setattr(layer, "_fsdp_beside_scaleup", lambda ctx, cols: (nothing, nothing, nothing))
+    across_uncovered = estimate_time(model, Strategy(dp=32, **common), _cluster(32)).breakdown["comm_exposed"]
+    inside_uncovered = estimate_time(model, Strategy(dp=8, **common), _cluster(8)).breakdown["comm_exposed"]
+    assert across["ep"] > 0.1
+    assert across["dp"] == pytest.approx(across_uncovered["dp"] - across["ep"])
+    assert inside["dp"] == pytest.approx(inside_uncovered["dp"])

@@ -260,6 +260,23 @@ def _fsdp_seconds(
     return forward, backward
 
 
+def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[Array, Array, Array]:
+    """Where the main stream's TP, CP and EP collectives can cover FSDP transfers: (tp, cp, ep)
+    masks, true where FSDP's shard groups all cross the scale-up domain (their traffic is on
+    the scale-out network) and that dimension's group stays inside it (its traffic is on the
+    scale-up links). FSDP runs on its own stream, so it proceeds while the main stream waits
+    on an NVLink collective; where both use the same links they share them, and the
+    collective covers nothing."""
+    domain = ctx.fabric.domain
+    dp, cp, t, e, x = cols["dp"], cols["cp"], cols["tp"], cols["ep"], cols["etp"]
+    replicas = dp * cp
+    shard = np.where(cols["shard_group"] > 0, cols["shard_group"], replicas)
+    edp = replicas * t / (e * x)
+    out = ((shard <= 1) | ~fits_in_domain(shard, t, domain)) & ((edp <= 1) | ~fits_in_domain(edp, e * x, domain))
+    return (out & fits_in_domain(t, 1.0, domain), out & fits_in_domain(cp, t, domain),
+            out & fits_in_domain(e, x, domain))
+
+
 def _pass_gemm_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[dict[str, Array | float], dict[str, Array | float]]:
     """(seconds of ``gemms`` per pass F, B, W, routed experts scaled by ``moe_imbalance``;
     forward seconds of each GEMM by name)."""
@@ -336,6 +353,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     out.add("B", "cp", cp_b)
 
     ep_f: Array | float = 0.0
+    ep_b: Array | float = 0.0
     if kind == "moe":
         t = cols["tp"]
         # Dispatch sends the routed copies in the activation dtype (Megatron-Core quantises
@@ -347,9 +365,15 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         backward = 2.0 * _ep_all_to_all_s(ctx, cols, copies * beta)
         hide_ep = cols["ep_overlap"] > 0
         share = eff.ep_comm_compute_share
-        ep_f = _exposed(forward * eff.moe_imbalance, compute_f, hide_ep, share)
+        # Warm-up forwards and cool-down backwards have no partner micro-batch to hide under
+        # (schedule.pairing): that share of the passes runs its all-to-all exposed.
+        unpaired = cols["ep_unpaired"] / cols["ep_passes"]
+        forward, backward = forward * eff.moe_imbalance, backward * eff.moe_imbalance
+        ep_f = np.where(hide_ep, unpaired * forward + (1.0 - unpaired) * _exposed(forward, compute_f, True, share), forward)
+        ep_b = np.where(hide_ep, unpaired * backward
+                        + (1.0 - unpaired) * _exposed(backward, compute_b + compute_w, True, share), backward)
         out.add("F", "ep", ep_f)
-        out.add("B", "ep", _exposed(backward * eff.moe_imbalance, compute_b + compute_w, hide_ep, share))
+        out.add("B", "ep", ep_b)
 
     # Recompute: full replays the whole forward (its collectives too); selective replays the
     # attention core (Megatron) or every second matmul (torchtitan's per-op policy) and the
@@ -371,10 +395,16 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # FSDP gathers a layer's shard before its backward and reduce-scatters the gradients after
     # it, while the neighbouring layers' backward runs; the recomputed forward is part of that
     # backward (the hook gathers once, the replay finds the parameters whole), so it hides them too.
+    # So do the main stream's collectives on other links (_fsdp_beside_scaleup).
     non_expert, expert = _layer_param_split(model, kind)
     fs_f, fs_b = _fsdp_seconds(ctx, cols, non_expert, expert)
-    out.add("F", "dp", _exposed(fs_f, compute_f, ctx.overlap.fsdp_prefetch))
-    out.add("B", "dp", _exposed(fs_b, compute_b + compute_w + recomputed_s, ctx.overlap.fsdp_prefetch))
+    by_tp, by_cp, by_ep = _fsdp_beside_scaleup(ctx, cols)
+    replays = np.where(full, 1.0, 0.0)
+    stream_f = np.where(by_tp, tp_f, 0.0) + np.where(by_cp, cp_f, 0.0) + np.where(by_ep, ep_f, 0.0)
+    stream_b = (np.where(by_tp, tp_b, 0.0) + np.where(by_cp, cp_b, 0.0) + np.where(by_ep, ep_b, 0.0)
+                + replays * stream_f)
+    out.add("F", "dp", _exposed(fs_f, compute_f + stream_f, ctx.overlap.fsdp_prefetch))
+    out.add("B", "dp", _exposed(fs_b, compute_b + compute_w + recomputed_s + stream_b, ctx.overlap.fsdp_prefetch))
     if ctx.weight_grad_rebuilds:
         # A split backward's W calls autograd once per parameter group, and each call replays
         # the checkpointed layer's forward: G more forwards per layer and micro-batch (traced

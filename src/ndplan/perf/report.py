@@ -120,7 +120,7 @@ def explain_lines(r: TimeReport) -> list[str]:
     s, model, d, dev = r.strategy, r.model, r.details, r.cluster.device
     batch = StrategyBatch.of(s)
     rates = compute_rates(r.cluster, batch, r.efficiency)
-    cols = strategy_columns(batch, r.overlap)
+    cols = strategy_columns(model, batch, r.overlap)
     ctx = LayerContext(model, rates, Fabric.of(r.cluster, r.efficiency), r.efficiency, r.overlap, batch.precision,
                        r.weight_grad_rebuilds)
     pieces = piece_times(ctx, cols)

@@ -64,6 +64,7 @@ from ndplan.perf.pipeline import (
     stage_layout,
 )
 from ndplan.perf.topology import Fabric, group_link
+from ndplan.schedule.pairing import unpaired_forwards
 from ndplan.strategy.batch import CODES, StrategyBatch
 
 Array = np.ndarray
@@ -88,9 +89,10 @@ _GROUP_KEYS = (
 )
 
 #: Strategy fields a layer's price depends on (layer.py reads nothing else, but whether the
-#: schedule splits the backward: ``distinct_layer_configs`` adds it).
+#: schedule splits the backward: ``distinct_layer_configs`` adds it; and the unpaired share of
+#: overlapped expert passes, which ``ep_pairing``'s code stands for).
 _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_kind", "ulysses_degree",
-                 "sequence_parallel", "recompute", "ep_overlap")
+                 "sequence_parallel", "recompute", "ep_overlap", "ep_pairing")
 #: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy.
 _STEP_FIELDS = ("dp", "tp", "cp", "ep", "etp", "zero", "recompute", "num_micro_batches", "seq_chunks")
 #: Strategy fields the per-step DP and optimizer terms read (besides the stage's parameters).
@@ -126,10 +128,39 @@ def strategy_overlap_flags(batch: StrategyBatch, overlap: OverlapConfig) -> Arra
     return np.asarray(on, dtype=np.int64)
 
 
-def strategy_columns(batch: StrategyBatch, overlap: OverlapConfig) -> dict[str, Array]:
-    """The batch as float arrays, plus the derived ``ep_overlap`` switch."""
+def ep_pairing(model: ModelSpec, batch: StrategyBatch, flags: Array) -> tuple[Array, Array, Array]:
+    """(unpaired forwards, forwards, pairing code) of each strategy's first stage where its
+    expert all-to-all overlaps (``flags``, a MoE model, ep > 1), from the schedule
+    (``schedule.pairing``), counted once per distinct (schedule, pp, vpp, micro-batches,
+    sequence chunks); (0, 1) elsewhere. The code (0 elsewhere, else 1 + that tuple's index) is
+    small, so layer configurations key on it rather than on the counts."""
+    unpaired = np.zeros(len(batch), dtype=np.int64)
+    passes = np.ones(len(batch), dtype=np.int64)
+    code = np.zeros(len(batch), dtype=np.int64)
+    if "moe" not in model.layer_mlp_kinds:
+        return unpaired, passes, code
+    on = np.flatnonzero((np.asarray(flags) > 0) & (batch.ep > 1))
+    if not len(on):
+        return unpaired, passes, code
+    fields = ("schedule", "pp", "vpp", "num_micro_batches", "seq_chunks")
+    columns = [getattr(batch, name)[on] for name in fields]
+    codes, count = row_codes(columns)
+    for index, row in enumerate(first_of_codes(codes, count).tolist()):
+        schedule, pp, vpp, m, k = (int(c[row]) for c in columns)
+        u, f = unpaired_forwards(CODES["schedule"][schedule], pp, vpp, m, k)
+        at = on[codes == index]
+        unpaired[at], passes[at] = u, f
+    code[on] = codes + 1
+    return unpaired, passes, code
+
+
+def strategy_columns(model: ModelSpec, batch: StrategyBatch, overlap: OverlapConfig) -> dict[str, Array]:
+    """The batch as float arrays, plus the derived ``ep_overlap`` switch and its pairing."""
     cols = {name: getattr(batch, name).astype(np.float64) for name in StrategyBatch.array_fields()}
-    cols["ep_overlap"] = strategy_overlap_flags(batch, overlap).astype(np.float64)
+    flags = strategy_overlap_flags(batch, overlap)
+    cols["ep_overlap"] = flags.astype(np.float64)
+    unpaired, passes, _ = ep_pairing(model, batch, flags)
+    cols["ep_unpaired"], cols["ep_passes"] = unpaired.astype(np.float64), passes.astype(np.float64)
     return cols
 
 
@@ -400,6 +431,7 @@ def evaluate(
     # Layer prices, once per distinct layer configuration.
     ints = {name: getattr(batch, name) for name in StrategyBatch.array_fields()}
     ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
+    ints["ep_unpaired"], ints["ep_passes"], ints["ep_pairing"] = ep_pairing(model, batch, ints["ep_overlap"])
     first, config = distinct_layer_configs(ints, weight_grad_rebuilds)
     ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds)
     pieces = piece_times(ctx, {name: v[first].astype(np.float64) for name, v in ints.items()})
