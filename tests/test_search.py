@@ -58,6 +58,16 @@ def test_search_equals_brute_force_with_the_single_strategy_api():
         assert row["peak_bytes"] == round(peak)
 
 
+@pytest.mark.parametrize("inner", [1, 3, 7, 500, 5000])
+def test_periodic_column_is_the_digit_of_each_position(inner):
+    from ndplan.search.space import _periodic
+
+    values = np.array([5, 1, 9], dtype=np.int64)
+    for start, stop in [(0, 1), (0, 6000), (4, 5), (499, 1501), (1234, 20000), (14999, 15001)]:
+        position = np.arange(start, stop)
+        np.testing.assert_array_equal(_periodic(values, inner, start, stop), values[(position // inner) % 3])
+
+
 def test_blocks_cover_every_candidate_once_with_its_own_index():
     """Blocks run pipeline-shape first, but each candidate keeps its index in the product: the
     blocks together are a permutation of the space, and each row is that index's strategy."""

@@ -59,9 +59,13 @@ class StrategyBatch:
         return tuple(f.name for f in fields(cls) if f.name != "precision")
 
     @classmethod
-    def from_columns(cls, columns: dict[str, Any], precision: PrecisionPolicy | None = None) -> StrategyBatch:
+    def from_columns(
+        cls, columns: dict[str, Any], precision: PrecisionPolicy | None = None, *, owned: bool = False,
+    ) -> StrategyBatch:
         """Build from arrays (or scalars, broadcast); missing fields take Strategy's defaults,
-        categorical fields may be given as names or codes."""
+        categorical fields may be given as names or codes. ``owned``: the caller hands its
+        arrays over (it keeps no reference it writes to), so int64 arrays of the batch's length
+        are kept rather than copied."""
         defaults = Strategy()
         size = max((np.size(v) for v in columns.values()), default=1)
         arrays: dict[str, IntArray] = {}
@@ -69,7 +73,11 @@ class StrategyBatch:
             value = columns.get(name, getattr(defaults, name))
             if name in CODES:
                 value = encode(name, value)
-            arrays[name] = np.broadcast_to(np.asarray(value, dtype=np.int64), (size,)).copy()
+            if owned and isinstance(value, np.ndarray) and value.dtype == np.int64 and value.shape == (size,) \
+                    and value.flags.c_contiguous:
+                arrays[name] = value
+            else:
+                arrays[name] = np.broadcast_to(np.asarray(value, dtype=np.int64), (size,)).copy()
         if "etp" not in columns:
             arrays["etp"] = arrays["tp"].copy()
         else:
