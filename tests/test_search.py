@@ -201,6 +201,29 @@ def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact()
     assert result.rejected[OVER_MEMORY] == len(batch)
 
 
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_static_bound_is_a_function_of_the_static_fields(runtime):
+    """static_lower_bound prices one strategy of each combination of STATIC_FIELDS for all of
+    them: equal to pricing every strategy, over strategies that differ in every other field."""
+    from ndplan.memory.stages import STATIC_FIELDS, _sorted_groups, static_lower_bound
+    from ndplan.strategy import RuleContext, valid_mask
+
+    space = _space()
+    batch = space.batch(np.arange(space.size))
+    batch = batch.take(np.flatnonzero(valid_mask(batch, RuleContext(TINY_MOE, space.num_devices))))
+    rng = np.random.default_rng(0)
+    varied = {"recompute_layers": rng.integers(0, 3, len(batch)), "reshard_after_forward": rng.integers(0, 2, len(batch)),
+              "seq_length": rng.choice([1024, 2048], len(batch)), "ulysses_degree": rng.choice([1, 2], len(batch))}
+    batch = StrategyBatch(**{name: varied.get(name, getattr(batch, name)) for name in batch.array_fields()},
+                          precision=batch.precision)
+    options = MemoryOptions(runtime=runtime)
+    each = np.zeros(len(batch))
+    for _key, index, out in _sorted_groups(TINY_MOE, batch, options, None, static_only=True):
+        each[index] = out["device"].max(axis=1)
+    assert len(batch.distinct(STATIC_FIELDS)[0]) < len(batch) // 4
+    np.testing.assert_array_equal(static_lower_bound(TINY_MOE, batch, options), each)
+
+
 def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
     """(balanced step, candidate) for every fitting candidate, sorted: each pipeline balanced by
     the heuristic (as one recompute setting with ``one_setting``), its step scaled by the plan's

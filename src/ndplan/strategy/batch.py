@@ -149,7 +149,11 @@ class StrategyBatch:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         key, span = np.zeros(len(self), dtype=np.int64), 1
         for name in names:
-            codes, count = _dense_codes(getattr(self, name))
+            values = getattr(self, name)
+            low, high = int(values.min()), int(values.max())
+            if low == high:
+                continue  # one value: one code, the key unchanged
+            codes, count = _dense_codes(values, low, high)
             if span * count >= 1 << 62:  # renumber the combinations so far before the key overflows
                 key, span = _dense_codes(key)
             key, span = key * count + codes, span * count
@@ -166,9 +170,11 @@ class StrategyBatch:
         return np.isin(getattr(self, name), [CODES[name].index(label) for label in labels])
 
 
-def _dense_codes(values: IntArray) -> tuple[np.ndarray, int]:
-    """Per value its rank among the distinct values (0, 1, ...) and their count."""
-    low, high = int(values.min()), int(values.max())
+def _dense_codes(values: IntArray, low: int | None = None, high: int | None = None) -> tuple[np.ndarray, int]:
+    """Per value its rank among the distinct values (0, 1, ...) and their count (``low`` and
+    ``high``: the values' smallest and largest, where the caller has them)."""
+    if low is None or high is None:
+        low, high = int(values.min()), int(values.max())
     if high - low < 1 << 20:
         offset = values - low
         present = np.zeros(high - low + 1, dtype=bool)
