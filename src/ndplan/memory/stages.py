@@ -462,8 +462,9 @@ def _steady_frontier_columns(
     out = []
     for rows in _steady_frontier(schedule, pp, vpp, m, seq_chunks):
         used = rows[:, list(held) + list(grown)]
-        unused = np.setdiff1d(np.flatnonzero(rows.any(axis=0)), list(held) + list(grown))
-        index = _undominated_index(used) if len(rows) > 1 and unused.size else np.arange(len(rows))
+        unused = np.asarray(rows.any(axis=0))  # the columns something is held in but nothing is priced for
+        unused[list(held) + list(grown)] = False
+        index = _undominated_index(used) if len(rows) > 1 and unused.any() else np.arange(len(rows))
         out.append((np.ascontiguousarray(used[index][:, :len(held)]),
                     np.ascontiguousarray(used[index][:, len(held):]), index))
     return tuple(out)
