@@ -58,6 +58,16 @@ def test_search_equals_brute_force_with_the_single_strategy_api():
         assert row["peak_bytes"] == round(peak)
 
 
+@pytest.mark.parametrize("inner", [1, 3, 7, 500, 5000])
+def test_periodic_column_is_the_digit_of_each_position(inner):
+    from ndplan.search.space import _periodic
+
+    values = np.array([5, 1, 9], dtype=np.int64)
+    for start, stop in [(0, 1), (0, 6000), (4, 5), (499, 1501), (1234, 20000), (14999, 15001)]:
+        position = np.arange(start, stop)
+        np.testing.assert_array_equal(_periodic(values, inner, start, stop), values[(position // inner) % 3])
+
+
 def test_blocks_cover_every_candidate_once_with_its_own_index():
     """Blocks run pipeline-shape first, but each candidate keeps its index in the product: the
     blocks together are a permutation of the space, and each row is that index's strategy."""
@@ -118,6 +128,23 @@ def test_pareto_front_is_not_dominated():
     assert np.all(np.diff(time_s[front]) >= 0)
 
 
+def test_order_by_time_then_peak_is_the_stable_lexsort():
+    """Ties in time (and NaNs) are re-sorted by peak apart; the order is lexsort's, ties in both
+    by position."""
+    from ndplan.search.run import by_time_then_peak
+
+    rng = np.random.default_rng(2)
+    for trial in range(200):
+        n = int(rng.integers(1, 300))
+        time_s = rng.integers(0, int(rng.integers(1, 50)), n).astype(float)
+        peak = rng.integers(0, 5, n).astype(float)
+        if trial % 3 == 0:
+            time_s[rng.random(n) < 0.1] = np.nan
+        if trial % 5 == 0:
+            peak[rng.random(n) < 0.1] = np.nan
+        np.testing.assert_array_equal(by_time_then_peak(time_s, peak), np.lexsort((peak, time_s)))
+
+
 def test_fixed_dimensions_are_respected():
     space = default_space(TINY_MOE, DEVICE, 8, 16, 1024, get_precision("megatron-bf16"), fixed={"tp": 2, "schedule": "1f1b"})
     result = run_search(TINY_MOE, DEVICE, space, step_time_batch)
@@ -172,6 +199,29 @@ def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact()
     assert result.fitting == 0
     assert result.smallest_peak_bytes == pytest.approx(float(peak.min()))
     assert result.rejected[OVER_MEMORY] == len(batch)
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_static_bound_is_a_function_of_the_static_fields(runtime):
+    """static_lower_bound prices one strategy of each combination of STATIC_FIELDS for all of
+    them: equal to pricing every strategy, over strategies that differ in every other field."""
+    from ndplan.memory.stages import STATIC_FIELDS, _sorted_groups, static_lower_bound
+    from ndplan.strategy import RuleContext, valid_mask
+
+    space = _space()
+    batch = space.batch(np.arange(space.size))
+    batch = batch.take(np.flatnonzero(valid_mask(batch, RuleContext(TINY_MOE, space.num_devices))))
+    rng = np.random.default_rng(0)
+    varied = {"recompute_layers": rng.integers(0, 3, len(batch)), "reshard_after_forward": rng.integers(0, 2, len(batch)),
+              "seq_length": rng.choice([1024, 2048], len(batch)), "ulysses_degree": rng.choice([1, 2], len(batch))}
+    batch = StrategyBatch(**{name: varied.get(name, getattr(batch, name)) for name in batch.array_fields()},
+                          precision=batch.precision)
+    options = MemoryOptions(runtime=runtime)
+    each = np.zeros(len(batch))
+    for _key, index, out in _sorted_groups(TINY_MOE, batch, options, None, static_only=True):
+        each[index] = out["device"].max(axis=1)
+    assert len(batch.distinct(STATIC_FIELDS)[0]) < len(batch) // 4
+    np.testing.assert_array_equal(static_lower_bound(TINY_MOE, batch, options), each)
 
 
 def _balance_every_candidate(model, space, result, limit, *, one_setting=False):

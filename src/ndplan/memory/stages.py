@@ -53,6 +53,11 @@ ACTIVATION_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "recompute",
 
 #: Strategies with the same values of these fields share a placement and a schedule simulation.
 PIPELINE_SHAPE = ("schedule", "pp", "vpp", "seq_chunks", "embedding_as_layer", "output_as_layer")
+#: The fields of a strategy that the static state (parameters, gradients, optimizer states) and
+#: the runtime overhead read, and with them ``static_lower_bound`` (a test perturbs the others).
+STATIC_FIELDS = (
+    *PIPELINE_SHAPE, "tp", "cp", "dp", "ep", "etp", "zero", "shard_group", "optimizer_offload", "num_micro_batches",
+)
 
 
 @dataclass(frozen=True)
@@ -457,8 +462,9 @@ def _steady_frontier_columns(
     out = []
     for rows in _steady_frontier(schedule, pp, vpp, m, seq_chunks):
         used = rows[:, list(held) + list(grown)]
-        unused = np.setdiff1d(np.flatnonzero(rows.any(axis=0)), list(held) + list(grown))
-        index = _undominated_index(used) if len(rows) > 1 and unused.size else np.arange(len(rows))
+        unused = np.asarray(rows.any(axis=0))  # the columns something is held in but nothing is priced for
+        unused[list(held) + list(grown)] = False
+        index = _undominated_index(used) if len(rows) > 1 and unused.any() else np.arange(len(rows))
         out.append((np.ascontiguousarray(used[index][:, :len(held)]),
                     np.ascontiguousarray(used[index][:, len(held):]), index))
     return tuple(out)
@@ -801,10 +807,14 @@ def static_lower_bound(model: ModelSpec, batch: StrategyBatch, options: MemoryOp
     largest stage's parameters, gradients and optimizer states alone, as every stage holds them
     at its optimizer step. A fraction of the full model's work: the search rejects with it first."""
     options = options or MemoryOptions()
-    bound = np.zeros(len(batch))
-    for _key, index, out in _sorted_groups(model, batch, options, None, static_only=True):
+    # A function of STATIC_FIELDS alone, which a search's candidates share many at a time (they
+    # differ in sequence parallelism, context-parallel kind, recompute, ...): priced once each.
+    rows, combination = batch.distinct(STATIC_FIELDS)
+    distinct = batch.take(rows)
+    bound = np.zeros(len(distinct))
+    for _key, index, out in _sorted_groups(model, distinct, options, None, static_only=True):
         bound[index] = out["device"].max(axis=1)
-    return bound
+    return bound[combination]
 
 
 def peak_memory(

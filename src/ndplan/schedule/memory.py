@@ -23,7 +23,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ndplan.errors import NdplanError
-from ndplan.schedule.builders import build_plan
+from ndplan.schedule.builders import StagePlan, build_plan
 from ndplan.schedule.ops import SPLIT_BACKWARD, B, F, W, validate
 
 
@@ -112,49 +112,22 @@ def in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int = 1) -> 
 def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InFlight:
     plan = build_plan(schedule, pp, vpp, m, seq_chunks)
     split = schedule in SPLIT_BACKWARD
-    stages = []
+    stages: list[StageInFlight | None] = [None] * pp
     peak = np.zeros((pp, vpp))
     peak_w = np.zeros((pp, vpp))
     peak_total = np.zeros(pp)
-    for s, st in enumerate(plan):
-        n = len(st.kind)
-        is_f = st.kind == F
-        is_b = st.kind == B
-        is_w = st.kind == W
-        # A full backward (B and its W in one step, DualPipeV) frees everything at once:
-        # nothing lingers between its B and W.
-        b_with_w = np.zeros(n, dtype=bool)
-        b_with_w[:-1] = is_b[:-1] & is_w[1:] & (st.step[:-1] == st.step[1:])
-        w_with_b = np.zeros(n, dtype=bool)
-        w_with_b[1:] = b_with_w[:-1]
-        rows = np.arange(1, n + 1)
-        delta_b = np.zeros((n + 1, vpp))
-        delta_b[rows, st.chunk] = is_f.astype(np.float64) - is_b
-        delta_w = np.zeros((n + 1, vpp))
-        if split:
-            delta_w[rows, st.chunk] = (is_b & ~b_with_w).astype(np.float64) - (is_w & ~w_with_b)
-        held_b = np.cumsum(delta_b, axis=0) / seq_chunks
-        held_w = np.cumsum(delta_w, axis=0) / seq_chunks
-        makes_grads = np.zeros((n + 1, vpp))
-        makes_grads[rows, st.chunk] = (is_w if split else is_b).astype(np.float64)
-        grads_ready = (np.cumsum(makes_grads, axis=0) > 0).astype(np.float64)
-        done_f = np.zeros((n + 1, vpp))
-        done_f[rows, st.chunk] = is_f.astype(np.float64)
-        done_b = np.zeros((n + 1, vpp))
-        done_b[rows, st.chunk] = is_b.astype(np.float64)
-        forwards_done = np.cumsum(done_f, axis=0) / seq_chunks
-        backwards_done = np.cumsum(done_b, axis=0) / seq_chunks
-        starts_w = np.zeros((n + 1, vpp))
-        standalone_w = np.flatnonzero(is_w & ~w_with_b) if split else np.zeros(0, dtype=np.int64)
-        starts_w[standalone_w, st.chunk[standalone_w]] = 1.0  # op i starts at boundary i
-        starts_first_w = starts_w * (1.0 - grads_ready)
-        peak[s] = held_b.max(axis=0)
-        peak_w[s] = held_w.max(axis=0)
-        peak_total[s] = held_b.sum(axis=1).max()
-        stages.append(StageInFlight(
-            _frozen(held_b), _frozen(held_w), _frozen(grads_ready), _frozen(forwards_done), _frozen(backwards_done),
-            _frozen(starts_w), _frozen(starts_first_w),
-        ))
+    # Stages that run as many ops are counted together, as one [stages, ops, chunks] array (in
+    # most schedules every stage runs 2 or 3 ops per micro-batch and chunk: one array for all).
+    lengths = np.array([len(st.kind) for st in plan])
+    for n in np.unique(lengths).tolist():
+        members = np.flatnonzero(lengths == n)
+        series = _stage_series([plan[s] for s in members], n, vpp, seq_chunks, split)
+        for i, s in enumerate(members.tolist()):
+            stages[s] = StageInFlight(*(_frozen(array[i]) for array in series))
+        held_b = series[0]
+        peak[members] = held_b.max(axis=1)
+        peak_w[members] = series[1].max(axis=1)
+        peak_total[members] = held_b.sum(axis=2).max(axis=1)
     return InFlight(
         schedule=schedule,
         pp=pp,
@@ -164,5 +137,46 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
         peak=_frozen(peak),
         peak_w=_frozen(peak_w),
         peak_total=_frozen(peak_total),
-        stages=tuple(stages),
+        stages=tuple(st for st in stages if st is not None),
     )
+
+
+def _stage_series(
+    plans: list[StagePlan], n: int, vpp: int, seq_chunks: int, split: bool,
+) -> tuple[NDArray[np.float64], ...]:
+    """For stages of ``n`` ops each, the series of ``StageInFlight`` (in its field order), each
+    [stages, n + 1, vpp]: row 0 before the first op, row i after the i-th."""
+    count = len(plans)
+    kind = np.stack([st.kind for st in plans]).reshape(count, n)
+    chunk = np.stack([st.chunk for st in plans]).reshape(count, n)
+    step = np.stack([st.step for st in plans]).reshape(count, n)
+    is_f = kind == F
+    is_b = kind == B
+    is_w = kind == W
+    # A full backward (B and its W in one step, DualPipeV) frees everything at once:
+    # nothing lingers between its B and W.
+    b_with_w = np.zeros((count, n), dtype=bool)
+    b_with_w[:, :-1] = is_b[:, :-1] & is_w[:, 1:] & (step[:, :-1] == step[:, 1:])
+    w_with_b = np.zeros((count, n), dtype=bool)
+    w_with_b[:, 1:] = b_with_w[:, :-1]
+    stage = np.arange(count)[:, None]
+    rows = np.arange(1, n + 1)[None, :]
+
+    def per_op(values: NDArray[np.float64]) -> NDArray[np.float64]:
+        """[stages, n + 1, vpp]: each op's value in its row and chunk, zero elsewhere."""
+        out = np.zeros((count, n + 1, vpp))
+        out[stage, rows, chunk] = values
+        return out
+
+    held_b = np.cumsum(per_op(is_f.astype(np.float64) - is_b), axis=1) / seq_chunks
+    delta_w = per_op((is_b & ~b_with_w).astype(np.float64) - (is_w & ~w_with_b)) if split else np.zeros((count, n + 1, vpp))
+    held_w = np.cumsum(delta_w, axis=1) / seq_chunks
+    grads_ready = (np.cumsum(per_op((is_w if split else is_b).astype(np.float64)), axis=1) > 0).astype(np.float64)
+    forwards_done = np.cumsum(per_op(is_f.astype(np.float64)), axis=1) / seq_chunks
+    backwards_done = np.cumsum(per_op(is_b.astype(np.float64)), axis=1) / seq_chunks
+    starts_w = np.zeros((count, n + 1, vpp))
+    if split:
+        at_stage, at_op = np.nonzero(is_w & ~w_with_b)
+        starts_w[at_stage, at_op, chunk[at_stage, at_op]] = 1.0  # op i starts at boundary i
+    starts_first_w = starts_w * (1.0 - grads_ready)
+    return held_b, held_w, grads_ready, forwards_done, backwards_done, starts_w, starts_first_w

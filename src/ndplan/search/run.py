@@ -90,7 +90,30 @@ def runtime_step_time(options: MemoryOptions | None = None) -> TimeFunction:
 def pareto_front(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
     """Indices of the points no other point beats in both step time and peak memory,
     ordered by time."""
-    order = np.lexsort((peak, time_s))
+    return _front(by_time_then_peak(time_s, peak), peak)
+
+
+def by_time_then_peak(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
+    """The stable order by step time, then peak: ``np.lexsort((peak, time_s))``. One sort by
+    time, and a second by (time, peak) over the points whose time another shares alone (few):
+    a lexsort sorts every point by each key in turn."""
+    order = np.argsort(time_s, kind="stable")
+    sorted_time = time_s[order]
+    same = sorted_time[1:] == sorted_time[:-1]
+    same |= np.isnan(sorted_time[1:]) & np.isnan(sorted_time[:-1])  # NaNs sort last, as one run
+    tied = np.flatnonzero(same)
+    if tied.size:
+        # Positions of the runs of equal times, in order; their points re-sorted by (time, peak)
+        # stay in their runs, which keep their places, and ties in both keep their order.
+        runs = np.union1d(tied, tied + 1)
+        members = order[runs]
+        order[runs] = members[np.lexsort((members, peak[members], time_s[members]))]
+    return order
+
+
+def _front(order: np.ndarray, peak: np.ndarray) -> np.ndarray:
+    """The Pareto front from the points ordered by time, then peak: those whose peak is below
+    every earlier one's."""
     best_peak = np.minimum.accumulate(peak[order])
     improves = np.concatenate([[True], peak[order][1:] < best_peak[:-1]])
     return order[improves]
@@ -205,7 +228,7 @@ def run_search(
     peak_all = np.concatenate(kept_peak)[by_index]
     stage_all = np.concatenate(kept_stage)[by_index]
     extra = {k: np.concatenate(v)[by_index] for k, v in kept_extra.items()}
-    order = np.lexsort((index_all, peak_all, time_all))
+    order = by_time_then_peak(time_all, peak_all)  # ties in both by index: index_all ascends
 
     def rows(positions: np.ndarray) -> list[dict[str, Any]]:
         out = []
@@ -215,7 +238,7 @@ def run_search(
                             {k: v[p] for k, v in extra.items()}, options))
         return out
 
-    front = pareto_front(time_all, peak_all)
+    front = _front(order, peak_all)
     return SearchResult(
         space_size=space.size, evaluated=evaluated, fitting=len(index_all), rejected=rejected,
         ranked=rows(order[:top]), pareto=rows(front[:50]),

@@ -35,6 +35,30 @@ PIPELINE_OPTIONS: tuple[tuple[str, int, int], ...] = (
 )
 
 
+def _strides(sizes: list[int]) -> list[int]:
+    """Positions between changes of each dimension's value in the product of ``sizes`` (the
+    first slowest): the product of the sizes after it."""
+    return [prod(sizes[i + 1:]) for i in range(len(sizes))]
+
+
+def _periodic(values: np.ndarray, inner: int, start: int, stop: int) -> np.ndarray:
+    """``values[(p // inner) % len(values)]`` for the positions p in [start, stop): the column of
+    a dimension whose value changes every ``inner`` positions of a product enumerated in order.
+    Runs longer than the block are repeated; a shorter period is tiled (copies of rows rather
+    than a division per position)."""
+    count, period = stop - start, len(values) * inner
+    if period >= count:
+        first, last = start // inner, (stop - 1) // inner
+        lengths = np.full(last - first + 1, inner)
+        lengths[0] -= start - first * inner
+        lengths[-1] -= (last + 1) * inner - stop
+        return np.repeat(values[np.arange(first, last + 1) % len(values)], lengths)
+    one = np.repeat(values, inner)
+    one = np.tile(one, max(1, 4096 // period))  # rows of a few values tile slowly: widen them first
+    offset = start % len(one)
+    return np.tile(one, -(-(offset + count) // len(one)))[offset:offset + count]
+
+
 def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
 
@@ -75,27 +99,46 @@ class SearchSpace:
         holds a few pipeline shapes: the memory model pays a fixed cost per shape in a block,
         which in index order (where pp and the schedule vary faster than tp, sp, cp and ep) every
         block would pay for nearly every shape. A candidate's index is unchanged: its position in
-        the product of ``DIMENSIONS``."""
-        sizes = self.sizes
-        order = [DIMENSIONS.index(name) for name in BLOCK_ORDER]
+        the product of ``DIMENSIONS``.
+
+        In that order each dimension's value changes every so many positions (the product of the
+        faster dimensions' sizes), so a block's columns and indices are runs and repetitions of
+        short tables, built by copying rather than by dividing every position into digits."""
+        sizes = dict(zip(DIMENSIONS, self.sizes, strict=True))
+        index_stride = dict(zip(DIMENSIONS, _strides([sizes[name] for name in DIMENSIONS]), strict=True))
+        block_stride = dict(zip(BLOCK_ORDER, _strides([sizes[name] for name in BLOCK_ORDER]), strict=True))
+        pipeline = self._pipeline_options()
         for start in range(0, self.size, block_size):
-            position = np.arange(start, min(start + block_size, self.size), dtype=np.int64)
-            digits = np.unravel_index(position, [sizes[d] for d in order])
-            by_dimension = [digits[order.index(d)] for d in range(len(DIMENSIONS))]
-            index = np.ravel_multi_index(by_dimension, sizes).astype(np.int64)
-            yield index, self.batch(index)
+            stop = min(start + block_size, self.size)
+            index = np.zeros(stop - start, dtype=np.int64)
+            for name in DIMENSIONS:
+                index += _periodic(np.arange(sizes[name], dtype=np.int64) * index_stride[name], block_stride[name],
+                                   start, stop)
+            column = {name: _periodic(self._codes(name), block_stride[name], start, stop)
+                      for name in DIMENSIONS if name != "schedule"}
+            for name, values in zip(("schedule", "vpp", "seq_chunks"), pipeline.T, strict=True):
+                column[name] = _periodic(values, block_stride["schedule"], start, stop)
+            yield index, self._assemble(column)
 
     def batch(self, index: np.ndarray) -> StrategyBatch:
         digits = np.unravel_index(index, self.sizes)
-        column = {name: self._codes(name)[d] for name, d in zip(DIMENSIONS, digits, strict=True)}
-        options = np.asarray([(SCHEDULES.index(s), v, k) for s, v, k in self.schedule], dtype=np.int64)
-        pipeline = options[column.pop("schedule")]
+        column = {name: self._codes(name)[d] for name, d in zip(DIMENSIONS, digits, strict=True) if name != "schedule"}
+        pipeline = self._pipeline_options()[digits[DIMENSIONS.index("schedule")]]
+        column |= {"schedule": pipeline[:, 0], "vpp": pipeline[:, 1], "seq_chunks": pipeline[:, 2]}
+        return self._assemble(column)
+
+    def _pipeline_options(self) -> np.ndarray:
+        """[options, 3]: each pipeline option's (schedule code, vpp, seq_chunks)."""
+        return np.asarray([(SCHEDULES.index(s), v, k) for s, v, k in self.schedule], dtype=np.int64)
+
+    def _assemble(self, column: dict[str, np.ndarray]) -> StrategyBatch:
+        """The batch of the candidates whose searched values are ``column`` (per dimension, the
+        pipeline option as schedule, vpp and seq_chunks; arrays the batch may keep)."""
         tp, pp, cp = column["tp"], column["pp"], column["cp"]
-        model_parallel = tp * pp * cp
         # Where the devices or the batch do not divide, take the floor (at least 1): the world-size
         # and global-batch rules then reject the candidate and count it, and every index still
         # maps to a well-formed Strategy.
-        dp = np.maximum(self.num_devices // model_parallel, 1)
+        dp = np.maximum(self.num_devices // (tp * pp * cp), 1)
         mbs = column.pop("mbs")
         micro_batches = np.maximum(self.global_batch_size // (dp * mbs), 1)
         etp = column.pop("etp")
@@ -104,16 +147,13 @@ class SearchSpace:
             "sequence_parallel": column.pop("sp"),
             "etp": np.where(etp == 0, tp, etp),
             "dp": dp,
-            "schedule": pipeline[:, 0],
-            "vpp": pipeline[:, 1],
-            "seq_chunks": pipeline[:, 2],
             "micro_batch_size": mbs,
             "num_micro_batches": micro_batches,
             "global_batch_size": self.global_batch_size,
             "seq_length": self.seq_length,
-            "fsdp": column["zero"] == 3,
+            "fsdp": (column["zero"] == 3).astype(np.int64),
         }
-        return StrategyBatch.from_columns(columns, self.precision)
+        return StrategyBatch.from_columns(columns, self.precision, owned=True)
 
     def duplicates(self, index: np.ndarray) -> np.ndarray:
         """Candidates that are another candidate under a second name: etp "same as tp" when

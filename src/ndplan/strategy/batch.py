@@ -59,9 +59,13 @@ class StrategyBatch:
         return tuple(f.name for f in fields(cls) if f.name != "precision")
 
     @classmethod
-    def from_columns(cls, columns: dict[str, Any], precision: PrecisionPolicy | None = None) -> StrategyBatch:
+    def from_columns(
+        cls, columns: dict[str, Any], precision: PrecisionPolicy | None = None, *, owned: bool = False,
+    ) -> StrategyBatch:
         """Build from arrays (or scalars, broadcast); missing fields take Strategy's defaults,
-        categorical fields may be given as names or codes."""
+        categorical fields may be given as names or codes. ``owned``: the caller hands its
+        arrays over (it keeps no reference it writes to), so int64 arrays of the batch's length
+        are kept rather than copied."""
         defaults = Strategy()
         size = max((np.size(v) for v in columns.values()), default=1)
         arrays: dict[str, IntArray] = {}
@@ -69,7 +73,11 @@ class StrategyBatch:
             value = columns.get(name, getattr(defaults, name))
             if name in CODES:
                 value = encode(name, value)
-            arrays[name] = np.broadcast_to(np.asarray(value, dtype=np.int64), (size,)).copy()
+            if owned and isinstance(value, np.ndarray) and value.dtype == np.int64 and value.shape == (size,) \
+                    and value.flags.c_contiguous:
+                arrays[name] = value
+            else:
+                arrays[name] = np.broadcast_to(np.asarray(value, dtype=np.int64), (size,)).copy()
         if "etp" not in columns:
             arrays["etp"] = arrays["tp"].copy()
         else:
@@ -141,7 +149,11 @@ class StrategyBatch:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         key, span = np.zeros(len(self), dtype=np.int64), 1
         for name in names:
-            codes, count = _dense_codes(getattr(self, name))
+            values = getattr(self, name)
+            low, high = int(values.min()), int(values.max())
+            if low == high:
+                continue  # one value: one code, the key unchanged
+            codes, count = _dense_codes(values, low, high)
             if span * count >= 1 << 62:  # renumber the combinations so far before the key overflows
                 key, span = _dense_codes(key)
             key, span = key * count + codes, span * count
@@ -158,9 +170,11 @@ class StrategyBatch:
         return np.isin(getattr(self, name), [CODES[name].index(label) for label in labels])
 
 
-def _dense_codes(values: IntArray) -> tuple[np.ndarray, int]:
-    """Per value its rank among the distinct values (0, 1, ...) and their count."""
-    low, high = int(values.min()), int(values.max())
+def _dense_codes(values: IntArray, low: int | None = None, high: int | None = None) -> tuple[np.ndarray, int]:
+    """Per value its rank among the distinct values (0, 1, ...) and their count (``low`` and
+    ``high``: the values' smallest and largest, where the caller has them)."""
+    if low is None or high is None:
+        low, high = int(values.min()), int(values.max())
     if high - low < 1 << 20:
         offset = values - low
         present = np.zeros(high - low + 1, dtype=bool)
