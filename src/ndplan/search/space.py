@@ -161,19 +161,25 @@ class SearchSpace:
         a one-chunk pipeline schedule other than 1F1B at pp = 1 (without a pipeline a step is
         gradient accumulation, one micro-batch after another, which 1F1B at pp = 1 stands for;
         where the space lists 1F1B)."""
-        digits = dict(zip(DIMENSIONS, np.unravel_index(index, self.sizes), strict=True))
-        tp = self._codes("tp")[digits["tp"]]
-        etp = self._codes("etp")[digits["etp"]]
-        cp = self._codes("cp")[digits["cp"]]
-        kind = self._codes("cp_kind")[digits["cp_kind"]]
-        same_etp = (etp == 0) & (tp == 1) & np.isin(1, self.etp)
+        # Each condition is a per-value table of one dimension, looked up at the candidate's digit
+        # of that dimension alone (not every dimension's: a search asks this of every candidate).
+        stride = dict(zip(DIMENSIONS, _strides(list(self.sizes)), strict=True))
+        index = np.asarray(index)
+
+        def where(name: str, table: np.ndarray) -> np.ndarray | bool:
+            """Per candidate, ``table`` at its value of dimension ``name``."""
+            if not table.any() or table.all():
+                return bool(table.any())
+            return table[(index // stride[name]) % len(table)]
+
+        tp, etp, cp = self._codes("tp"), self._codes("etp"), self._codes("cp")
+        same_etp = where("etp", (etp == 0) & (1 in self.etp)) & where("tp", tp == 1)
         ring = encode("cp_kind", "ring")
-        same_cp = (cp == 1) & (kind != ring) & (ring in self._codes("cp_kind"))
+        same_cp = where("cp", cp == 1) & where("cp_kind", (self._codes("cp_kind") != ring) & (ring in self._codes("cp_kind")))
         # (Schedules of several chunks need pp >= 2 by a rule of their own, which counts them.)
         single = np.asarray([option[1] == 1 and option != ("1f1b", 1, 1) for option in self.schedule])
-        pp = self._codes("pp")[digits["pp"]]
-        no_pipeline = (pp == 1) & (("1f1b", 1, 1) in self.schedule) & single[digits["schedule"]]
-        return np.asarray(same_etp | same_cp | no_pipeline)
+        no_pipeline = where("pp", self._codes("pp") == 1) & where("schedule", single & (("1f1b", 1, 1) in self.schedule))
+        return np.broadcast_to(same_etp | same_cp | no_pipeline, index.shape).copy()
 
     def _codes(self, name: str) -> np.ndarray:
         """The dimension's values as integers (categorical names as their codes; the pipeline
