@@ -1,0 +1,90 @@
+"""Check that a change to the memory model returns the same figures: record, then compare.
+
+    .venv/bin/python benchmarks/memory_equivalence.py record figures.pkl [--count 200000]
+    .venv/bin/python benchmarks/memory_equivalence.py compare figures.pkl [--count 200000]
+
+``record`` prices random valid strategies (``bench_memory.random_batch``: DeepSeek-V3 on 4096
+devices, Llama-3.1-405B on 16384, and the dense Llama-3.1-8B on 64) with ``stage_memory``
+(every category, every stage), ``peak_memory`` and ``static_lower_bound``, under the default
+(``pytorch``) runtime profile and the ``megatron`` one, and stores every array. ``compare``
+prices the same batches with the code now imported and reports every difference: integer arrays
+must be equal, floats equal or within 1e-12 relative. It exits 1 if any differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_memory import random_batch  # noqa: E402
+
+from ndplan.memory import MemoryOptions, stage_memory  # noqa: E402
+from ndplan.memory.stages import peak_memory, static_lower_bound  # noqa: E402
+from ndplan.model import get_preset  # noqa: E402
+
+RTOL = 1e-12
+CASES = (("deepseek-v3", 4096), ("llama-3.1-405b", 16384), ("llama-3.1-8b", 64))
+RUNTIMES = ("pytorch", "megatron")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient", "optimizer_step",
+              "forward_backward", "allocated", "reserved", "device")
+
+
+def figures(count: int) -> dict[str, np.ndarray]:
+    """Every array the cases produce, keyed by case, runtime and figure."""
+    out: dict[str, np.ndarray] = {}
+    for name, devices in CASES:
+        model = get_preset(name)
+        batch = random_batch(name, count, devices)
+        for runtime in RUNTIMES:
+            options = MemoryOptions(runtime=runtime)
+            label = f"{name} {runtime}"
+            started = time.process_time()
+            memory = stage_memory(model, batch, options)
+            for category in CATEGORIES:
+                out[f"{label} stage {category}"] = getattr(memory, category)
+            peak, stage = peak_memory(model, batch, options)
+            out[f"{label} peak"], out[f"{label} peak stage"] = peak, stage
+            out[f"{label} static bound"] = static_lower_bound(model, batch, options)
+            print(f"{label}: {len(batch):,} strategies, {time.process_time() - started:.2f} s CPU", file=sys.stderr)
+    return out
+
+
+def differs(a: np.ndarray, b: np.ndarray) -> bool:
+    """Shapes, kinds or values differ (floats beyond RTOL relative)."""
+    if a.shape != b.shape or a.dtype.kind != b.dtype.kind:
+        return True
+    if a.dtype.kind == "f":
+        return not bool(np.all((a == b) | (np.abs(a - b) <= RTOL * np.abs(a))))
+    return not np.array_equal(a, b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=("record", "compare"))
+    parser.add_argument("path", help="pickle of the cases' figures")
+    parser.add_argument("--count", type=int, default=200_000, help="strategies per model")
+    args = parser.parse_args()
+    now = figures(args.count)
+    if args.action == "record":
+        with open(args.path, "wb") as f:
+            pickle.dump(now, f)
+        print(f"recorded {len(now)} arrays to {args.path}")
+        return
+    with open(args.path, "rb") as f:
+        before = pickle.load(f)
+    different = [key for key, value in before.items() if key not in now or differs(value, now[key])]
+    for key in different:
+        print(f"{key}: differs")
+    print(f"{len(before)} arrays, {len(different)} differences")
+    sys.exit(1 if different else 0)
+
+
+if __name__ == "__main__":
+    main()
