@@ -44,7 +44,7 @@ from ndplan.balance.problem import (
     load_spread,
     uniform_counts,
 )
-from ndplan.balance.rounds import _dealt_mixes, _even_out, _Greedy, _plan_of, uniform_candidates
+from ndplan.balance.rounds import _dealt_mixes, _even_out, _Greedy, _plan_of, _Solved, uniform_candidates
 
 
 def leading_run(problem: BalanceProblem) -> int | None:
@@ -64,8 +64,8 @@ def solve_prefixed(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan,
     greedy = _Greedy(problem)
     found = uniform_candidates(problem, greedy, mixed=False)
     for width in (window, problem.num_layers):  # near uniform first; every total if nothing fits
-        counts = _placement(problem, greedy, K, width)
-        planned = None if counts is None else _plan_of(problem, greedy, _even_out(problem, counts))
+        placed = _placement(problem, greedy, K, width)
+        planned = None if placed is None else _plan_of(problem, greedy, _even_out(problem, placed[0]), solved=placed[1])
         if planned is not None:
             found.append(planned)
             break
@@ -74,8 +74,9 @@ def solve_prefixed(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan,
     return min(found, key=lambda f: f[1].step_s) if found else None
 
 
-def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) -> tuple[int, ...] | None:
-    """Layers per virtual stage of the DP's split (module docstring), or None if none fits."""
+def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) -> tuple[tuple[int, ...], _Solved] | None:
+    """Layers per virtual stage of the DP's split (module docstring) and the greedy's answers for
+    its stages, or None if none fits."""
     L, pp, v = problem.num_layers, problem.pp, problem.chunks_per_stage
     if L < pp * v:
         return None
@@ -96,7 +97,8 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     possible = np.empty(rest_layers.shape[:3], dtype=bool)
     possible[:] = room
     seconds = np.full(possible.shape, np.inf)
-    seconds[possible], *_ = greedy.solve(np.repeat(stages, int(room.sum())), held[possible])
+    answers = greedy.solve(np.repeat(stages, int(room.sum())), held[possible])
+    seconds[possible] = answers[0]
     table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True)  # whole chunk: δ = n₀
     z_star = min_max(table)
     if not np.isfinite(z_star):
@@ -106,12 +108,18 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
         return None
     # [position, local chunk] layers, in plain lists: a few dozen small integers.
     total, leading = np.divmod(np.asarray(split), K + 1)
-    per_chunk = rest_layers[np.arange(pp), total - int(totals[0]), leading].tolist()
+    chosen = (np.arange(pp), total - int(totals[0]), leading)
+    # The chosen queries' answers, by stage (round 0 holds each stage once).
+    query = (np.cumsum(possible) - 1).reshape(possible.shape)[chosen]
+    by_stage = np.argsort(stages)
+    solved = _Solved(held[chosen][by_stage], tuple(a[query[by_stage]] for a in answers))
+    per_chunk = rest_layers[chosen].tolist()
     for i, (chunk, lead_layers) in enumerate(zip(first_chunk.tolist(), leading.tolist(), strict=True)):
         per_chunk[i][chunk] += lead_layers
     position_of = {stage: i for i, stage in enumerate(stages.tolist())}
-    return tuple(per_chunk[position_of[stage]][chunk]
-                 for stage, chunk in zip(problem.stage_of.tolist(), problem.chunk_of.tolist(), strict=True))
+    counts = tuple(per_chunk[position_of[stage]][chunk]
+                   for stage, chunk in zip(problem.stage_of.tolist(), problem.chunk_of.tolist(), strict=True))
+    return counts, solved
 
 
 def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int, whole_in_ended: bool = False

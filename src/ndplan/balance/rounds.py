@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from math import comb, prod
+from typing import NamedTuple
 
 import numpy as np
 
@@ -401,13 +402,26 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     return choice, seconds.min(axis=1) + greedy.base_time[stages]
 
 
-def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], exact: bool = True
-             ) -> tuple[Plan, PlanCost] | None:
+class _Solved(NamedTuple):
+    """The greedy's answers (``_Greedy.solve``) for a placement's stages, by stage: ``held``
+    [pp, v, G] the layers per chunk and kind they answer, and ``answers`` its four [pp] arrays."""
+
+    held: np.ndarray
+    answers: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], exact: bool = True,
+             solved: _Solved | None = None) -> tuple[Plan, PlanCost] | None:
     """A placement with each stage's least-time recompute that fits (``_exact_stages``; the
     greedy's where the mixes are too many or ``exact`` is False), evaluated; None if a stage
-    cannot fit."""
+    cannot fit. ``solved``: the greedy's answers for the stages, if known (a DP solved them)."""
     per_chunk = _chunk_counts(problem, greedy, counts)
-    time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
+    # ``solve`` answers each query alone (every operation runs along the queries), so answers
+    # from another batch are the ones it would give here, where they hold the same layers.
+    if solved is not None and np.array_equal(solved.held, per_chunk):
+        time, plain, whole, partial = solved.answers
+    else:
+        time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
     if not np.isfinite(time).all():
         return None
     exact_choice = _exact_stages(problem, greedy, per_chunk) if exact else [None] * problem.pp
