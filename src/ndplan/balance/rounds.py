@@ -278,10 +278,11 @@ _EXACT_CELLS = 1 << 16  # mixes per stage beyond which a placement keeps the gre
 _BATCH_CELLS = 1 << 18  # mixes priced in one batch (stages padded to the largest), bounding temporary memory
 
 
-def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) -> list[np.ndarray | None]:
-    """Per stage, [v, G, R] layers of each chunk and kind on each option: the least-time mix that
-    fits on the stage holding ``held[s]`` [v, G] layers, with each kind's options dealt to the
-    chunks (``chunks.dealt_chunks``); None where none fits (or the kinds' mixes are too many).
+def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[pp, v, G, R] layers of each chunk and kind on each option: per stage, the least-time mix
+    that fits on the stage holding ``held[s]`` [v, G] layers, with each kind's options dealt to
+    the chunks (``chunks.dealt_chunks``); and [pp] whether it was found, False where none fits
+    (or the kinds' mixes are too many), whose rows mean nothing.
 
     Per kind, time depends on its option counts N_r only, and so do the bytes once dealt: every
     combination of the kinds' mixes is priced, with the stage's transient where any layer
@@ -291,6 +292,8 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     """
     R = len(problem.options)
     totals = held.sum(axis=1)  # [pp, G]
+    choice = np.zeros((*held.shape, R), dtype=np.int64)
+    found = np.zeros(problem.pp, dtype=bool)
     # Mixes grow with the layers of each kind: where the most of each fit, every stage does.
     most = prod(comb(n + R - 1, R - 1) for n in totals.max(axis=0).tolist())
     if most <= _EXACT_CELLS:
@@ -298,9 +301,8 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     else:
         sizes = np.prod([[comb(int(n) + R - 1, R - 1) for n in row] for row in totals.tolist()], axis=1)  # mixes per stage
         priced = np.flatnonzero(sizes <= _EXACT_CELLS)
-    out: list[np.ndarray | None] = [None] * problem.pp
     if not len(priced):
-        return out
+        return choice, found
     padded = len(priced) * (most if len(priced) == problem.pp else
                             prod(comb(n + R - 1, R - 1) for n in totals[priced].max(axis=0).tolist()))
     if padded <= _BATCH_CELLS:
@@ -309,11 +311,9 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
         signature = [tuple(row) for row in totals[priced].tolist()]
         batches = [priced[[i for i, s in enumerate(signature) if s == key]] for key in dict.fromkeys(signature)]
     for stages in batches:
-        choice, seconds = _dealt_mixes(problem, greedy, stages, held[stages])
-        fits = np.isfinite(seconds)
-        for i in np.flatnonzero(fits).tolist():
-            out[int(stages[i])] = choice[i]
-    return out
+        choice[stages], seconds = _dealt_mixes(problem, greedy, stages, held[stages])
+        found[stages] = np.isfinite(seconds)
+    return choice, found
 
 
 @lru_cache(maxsize=256)
@@ -345,43 +345,41 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
 
     v, G = counts.shape[1:]
     R, S = len(problem.options), len(stages)
-    flight = greedy.flight[stages]
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
     grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
-    time_total: np.ndarray = np.zeros(grid)
-    bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid).copy()
-    any_recompute: np.ndarray = np.zeros(grid, dtype=bool)
-    void: np.ndarray = np.zeros(grid, dtype=bool)
-    kind_ordered, kind_ends = [], []
+    bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid)
+    kind_ordered, kind_ends, kind_times, kind_recomputes = [], [], [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
-    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1], ...
+    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), greedy.flight[stages])  # [S, G, most layers + 1], ...
     first_slot = (np.arange(S) * G)[:, None, None] * slots.shape[2]  # flat index of each stage's kind 0 slots
     for g in range(G):
-        by_activation = greedy.by_activation[g]
         heads, head_layers, head_recomputes = _heads(int(held[:, g].max()), greedy.head_recomputes)  # [K, R − 1], [K], [K]
         rest = held[:, g, None] - head_layers  # [S, K] layers on the last option
         mixes = np.empty((S, len(heads), R), dtype=np.int64)
         mixes[:, :, :-1] = heads
         mixes[:, :, -1] = np.maximum(rest, 0)
-        ordered = mixes.take(by_activation, axis=2)  # options most bytes first
-        ends = ordered.copy()  # [S, K, R] slots dealt after each option
-        for r in range(1, R):
-            ends[:, :, r] += ends[:, :, r - 1]
-        at = first_slot + g * slots.shape[2]
-        weight = slots.take(at + ends) - slots.take(at + ends - ordered)  # [S, K, R]
-        kind_bytes = mixes @ greedy.static[g] + weight @ greedy.activation[g, by_activation]
+        ordered = mixes.take(greedy.by_activation[g], axis=2)  # options most bytes first
+        ends = np.cumsum(ordered, axis=2)  # [S, K, R] slots dealt after each option
+        last = first_slot + g * slots.shape[2] + ends
+        weight = slots.take(last) - slots.take(last - ordered)  # [S, K, R]
+        kind_bytes = mixes @ greedy.static[g] + weight @ greedy.activation[g, greedy.by_activation[g]]
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
-        time_total = time_total + (mixes @ greedy.time[g]).reshape(shape)
-        bytes_total = bytes_total + kind_bytes.reshape(shape)
+        # A void mix holds +inf bytes: it never fits.
+        bytes_total = bytes_total + np.where(rest < 0, np.inf, kind_bytes).reshape(shape)
+        kind_times.append((mixes @ greedy.time[g]).reshape(shape))
         # Some layer recomputes: on one of the first R − 1 options (the same for every stage) or on the last.
-        any_recompute = any_recompute | (head_recomputes | (greedy.recomputes[-1] & (rest > 0))).reshape(shape)
-        void = void | (rest < 0).reshape(shape)
+        recomputing = head_recomputes | (rest > 0) if greedy.recomputes[-1] else np.broadcast_to(head_recomputes, rest.shape)
+        kind_recomputes.append(recomputing.reshape(shape))
         kind_ordered.append(ordered)
         kind_ends.append(ends)
+    time_total, any_recompute = kind_times[0], kind_recomputes[0]
+    for g in range(1, G):
+        time_total, any_recompute = time_total + kind_times[g], any_recompute | kind_recomputes[g]
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
-    seconds = np.where((memory <= limit) & ~void, time_total, np.inf).reshape(S, -1)  # time_total has every kind's axis
-    best = np.unravel_index(seconds.argmin(axis=1), memory.shape[1:])  # per kind [S] its mix
+    seconds = np.where(memory <= limit, time_total, np.inf).reshape(S, -1)  # time_total has every kind's axis
+    mix = seconds.argmin(axis=1)
+    best = np.unravel_index(mix, memory.shape[1:])  # per kind [S] its mix
     # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
     # (``chunks.dealt_chunks``), every stage and kind at once. Option r takes the slots
     # [ends_r − n_r, ends_r); after k slots the i-th chunk (fewest in flight first) holds
@@ -399,7 +397,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     choice = np.empty((S, v, G, R), dtype=np.int64)
     choice[stage[:, None, None, None], order[:, None, None, :], np.arange(G)[None, :, None, None],
            greedy.by_activation[None, :, :, None]] = dealt[1] - dealt[0]
-    return choice, seconds.min(axis=1) + greedy.base_time[stages]
+    return choice, seconds[np.arange(S), mix] + greedy.base_time[stages]
 
 
 class _Solved(NamedTuple):
@@ -424,14 +422,16 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
         time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
     if not np.isfinite(time).all():
         return None
-    exact_choice = _exact_stages(problem, greedy, per_chunk) if exact else [None] * problem.pp
-    choice = [best if best is not None else
-              greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
-              for s, best in enumerate(exact_choice)]
+    if exact:
+        choice, found = _exact_stages(problem, greedy, per_chunk)  # [pp, v, G, R], [pp]
+    else:
+        choice, found = np.empty((*per_chunk.shape, len(problem.options)), dtype=np.int64), np.zeros(problem.pp, bool)
+    for s in np.flatnonzero(~found).tolist():  # the greedy's recompute where the exact one is missing
+        choice[s] = greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
     # Each layer takes, in model order within its chunk and kind, the options in turn: the
     # layer of rank k among its (virtual stage, kind) takes the first option whose running
     # count exceeds k (inside a chunk their order changes neither memory nor time).
-    held = np.stack(choice)[problem.stage_of, problem.chunk_of]  # [V, G, R]
+    held = choice[problem.stage_of, problem.chunk_of]  # [V, G, R]
     sizes = np.asarray(counts)
     virtual = np.repeat(np.arange(problem.num_virtual_stages), sizes)  # [L]
     # A virtual stage's layers are a run: a layer's rank in its (virtual stage, kind) is its
