@@ -39,7 +39,7 @@ enumerated); each DP pass is V array operations over [segment lengths, end layer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
@@ -413,13 +413,16 @@ class StagedTable:
     and records ``lengths[v][j]`` in the split. The last stage's last position is everything
     placed. ``thresholds``: the finite costs a bottleneck may take (``threshold_search``'s
     candidates; a table may list costs of steps it leaves out, so that the search's candidates,
-    and hence its answer among equal splits, stay those of the full table it stands for)."""
+    and hence its answer among equal splits, stay those of the full table it stands for).
+    ``more_thresholds``: where given, the finite costs of further left-out steps, computed only
+    if the search needs them (``threshold_search``)."""
 
     positions: int
     starts: tuple[np.ndarray, ...]
     costs: tuple[np.ndarray, ...]
     lengths: tuple[np.ndarray, ...]
     thresholds: np.ndarray
+    more_thresholds: Callable[[], np.ndarray] | None = None
 
 
 AnyTable = SplitTable | StagedTable
@@ -590,6 +593,13 @@ def threshold_search(seg: AnyTable, weight: float, z_star: float) -> tuple[int, 
     cap = (best - least) / weight
     finite = _finite_costs(seg)
     candidates = np.unique(finite[(finite > z_star) & (finite < cap)])
+    if len(candidates) and isinstance(seg, StagedTable) and seg.more_thresholds is not None:
+        # A left-out step's cost Z, as a threshold, repeats the largest one the table has below
+        # it (or Z*): the same masked table, the same split, no better than that one. So it
+        # changes nothing where the table's own costs leave no candidate, and otherwise only
+        # which of equal splits is found: then the search takes them, as the full table would.
+        finite = np.concatenate([finite, seg.more_thresholds()])
+        candidates = np.unique(finite[(finite > z_star) & (finite < cap)])
     # Intervals (i, j) of candidate indices with S(candidates[j]) known (i = −1 stands for Z*,
     # j = len for S(∞)); nothing strictly inside beats S_j + (m − 1)·candidates[i + 1].
     pending = [(-1, len(candidates), least)]

@@ -26,6 +26,7 @@ brute force.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from math import comb
@@ -96,10 +97,20 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     room = totals[:, None] - deltas[None, :] >= v - (deltas[None, :] > 0)  # [J, K + 1]
     possible = np.empty(rest_layers.shape[:3], dtype=bool)
     possible[:] = room
+    # The queries the DP reads; the others' costs are thresholds only, solved if the search asks.
+    used = _layout(int(totals[0]), len(totals), K, L, pp).used
+    asked, left = possible & used, possible & ~used
+    stage_of = np.broadcast_to(stages[:, None, None], possible.shape)  # [pp, J, K + 1]
     seconds = np.full(possible.shape, np.inf)
-    answers = greedy.solve(np.repeat(stages, int(room.sum())), held[possible])
-    seconds[possible] = answers[0]
-    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True)  # whole chunk: δ = n₀
+    answers = greedy.solve(stage_of[asked], held[asked])
+    seconds[asked] = answers[0]
+
+    def left_out() -> np.ndarray:
+        found = greedy.solve(stage_of[left], held[left])[0] if left.any() else np.empty(0)
+        return found[np.isfinite(found)]
+
+    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True,  # whole chunk: δ = n₀
+                   more_thresholds=left_out)
     z_star = min_max(table)
     if not np.isfinite(z_star):
         return None
@@ -110,7 +121,7 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     total, leading = np.divmod(np.asarray(split), K + 1)
     chosen = (np.arange(pp), total - int(totals[0]), leading)
     # The chosen queries' answers, by stage (round 0 holds each stage once).
-    query = (np.cumsum(possible) - 1).reshape(possible.shape)[chosen]
+    query = (np.cumsum(asked) - 1).reshape(asked.shape)[chosen]
     by_stage = np.argsort(stages)
     solved = _Solved(held[chosen][by_stage], tuple(a[query[by_stage]] for a in answers))
     per_chunk = rest_layers[chosen].tolist()
@@ -122,33 +133,36 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     return counts, solved
 
 
-def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int, whole_in_ended: bool = False
-           ) -> StagedTable:
+def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int, whole_in_ended: bool = False,
+           more_thresholds: Callable[[], np.ndarray] | None = None) -> StagedTable:
     """The DP over positions (b, a) of the module docstring, from each stage's cost [pp, J, K + 1]
     of a step (T, δ) where the leading run goes on past its first chunk (``whole``: δ = n₀, so
     a < K after it) and where it has ended (``ended``: a = K after it); +inf where none fits.
     The steps and positions depend on the integers alone (``_layout``): the costs are gathered
     into them. The thresholds are every finite stage cost, as the full (b, a) table holds each
     (the search takes them as a set: with ``whole_in_ended``, every finite ``whole`` cost is
-    also an ``ended`` one, and those suffice)."""
+    also an ``ended`` one, and those suffice), and ``more_thresholds``' where the costs leave
+    out steps the DP never takes (``StagedTable``)."""
     layout = _layout(int(totals[0]), len(totals), K, L, whole.shape[0])
     values = np.concatenate([whole.reshape(-1), ended.reshape(-1), [np.inf]])
     costs = tuple(values[source] for source in layout.sources)
     finite = ended[np.isfinite(ended)]
     if not whole_in_ended:
         finite = np.concatenate([finite, whole[np.isfinite(whole)]])
-    return StagedTable(1, layout.starts, costs, layout.lengths, finite)
+    return StagedTable(1, layout.starts, costs, layout.lengths, finite, more_thresholds)
 
 
 @dataclass(frozen=True)
 class _Layout:
     """``_table``'s steps and positions per stage: ``starts`` [J_i, P_i] the previous stage's
     position each step to each position starts from, ``sources`` [J_i, P_i] where its cost lies
-    in [whole, ended, +inf] flattened, ``lengths`` [J_i] the step each row records."""
+    in [whole, ended, +inf] flattened, ``lengths`` [J_i] the step each row records, and ``used``
+    [pp, J, K + 1] the (stage, total, δ) costs any step reads, of ``whole`` or ``ended``."""
 
     starts: tuple[np.ndarray, ...]
     sources: tuple[np.ndarray, ...]
     lengths: tuple[np.ndarray, ...]
+    used: np.ndarray
 
 
 @lru_cache(maxsize=256)
@@ -213,9 +227,12 @@ def _layout(low: int, J: int, K: int, L: int, pp: int) -> _Layout:
             starts.append(np.where(known, entry, 0) if i == early else later_start)
             sources.append(np.where(open_, ended_delta0[:, None] + offset, void))
             lengths.append(totals * (K + 1))
-    for array in (*starts, *sources, *lengths):
+    read = np.zeros(void + 1, dtype=bool)
+    read[np.concatenate([source.reshape(-1) for source in sources])] = True
+    used = (read[:pp * J * (K + 1)] | read[pp * J * (K + 1):void]).reshape(pp, J, K + 1)
+    for array in (*starts, *sources, *lengths, used):
         array.flags.writeable = False
-    return _Layout(tuple(starts), tuple(sources), tuple(lengths))
+    return _Layout(tuple(starts), tuple(sources), tuple(lengths), used)
 
 
 def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
