@@ -56,7 +56,7 @@ def test_split_is_water_filling_one_layer_at_a_time(pp, vpp, extra, K, schedule,
     problem = prefixed_problem(pp * vpp + extra, pp, K, schedule, vpp, seed)
     stages, first_chunk = np.asarray(problem.stage_of[:pp]), np.asarray(problem.chunk_of[:pp])
     totals, deltas = np.arange(vpp, problem.num_layers - (pp - 1) * vpp + 1), np.arange(K + 1)
-    found = _split(problem, stages, first_chunk, totals, deltas)
+    found = _split(problem, _Greedy(problem), stages, first_chunk, totals, deltas)
     assert np.array_equal(found, split_one_at_a_time(problem, stages, first_chunk, totals, deltas))
     assert (found.sum(axis=3) == np.maximum(totals[:, None] - deltas[None, :], 0)[None]).all()
 
@@ -90,7 +90,7 @@ def test_staged_table_gives_the_split_of_the_full_table(pp, vpp, extra, K, sched
     L = problem.num_layers
     stages, first_chunk = np.asarray(problem.stage_of[:pp]), np.asarray(problem.chunk_of[:pp])
     totals, deltas = np.arange(vpp, L - (pp - 1) * vpp + 1), np.arange(K + 1)
-    rest = _split(problem, stages, first_chunk, totals, deltas)
+    rest = _split(problem, _Greedy(problem), stages, first_chunk, totals, deltas)
     n0 = deltas[None, None, :] + np.take_along_axis(rest, first_chunk[:, None, None, None], axis=3)[..., 0]
     greedy = _Greedy(problem)
     held = np.zeros((*rest.shape, 2), dtype=np.int64)

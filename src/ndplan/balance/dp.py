@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import product
+from itertools import accumulate, product
 from typing import Protocol
 
 import numpy as np
@@ -520,7 +520,11 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
     costs: Sequence[np.ndarray]
     if isinstance(seg, StagedTable):
         starts = seg.starts
-        costs = [np.where(c <= limit, c, np.inf) for c in seg.costs]  # [n, J, P] each; c ≤ +inf always
+        # Every stage's costs masked at once, laid end to end: a mask per stage costs more.
+        flat = np.concatenate([c.reshape(-1) for c in seg.costs])
+        masked = np.where(flat <= limit.reshape(-1, 1), flat, np.inf)  # [n, Σ J·P]; c ≤ +inf always
+        ends = list(accumulate(c.size for c in seg.costs))
+        costs = [masked[:, end - c.size:end].reshape(-1, *c.shape) for end, c in zip(ends, seg.costs, strict=True)]
     else:
         starts = (seg.start,) * len(seg.cost)
         stacked = np.where(seg.cost <= limit[..., None], seg.cost, np.inf)  # [n, V, J, P]

@@ -52,7 +52,8 @@ def leading_run(problem: BalanceProblem) -> int | None:
     """K when the layers are K of one kind then only another, with 1 ≤ K ≤ pp; else None."""
     kinds = problem.layer_kinds
     K = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), len(kinds))
-    if K == len(kinds) or any(kind != kinds[K] for kind in kinds[K:]) or K > problem.pp:
+    # kinds[K] is not kinds[0]: every one of it lies after K, and they are all of the rest if they fill it.
+    if K == len(kinds) or K > problem.pp or kinds.count(kinds[K]) != len(kinds) - K:
         return None
     return K
 
@@ -66,7 +67,7 @@ def solve_prefixed(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan,
     found = uniform_candidates(problem, greedy, mixed=False)
     for width in (window, problem.num_layers):  # near uniform first; every total if nothing fits
         placed = _placement(problem, greedy, K, width)
-        planned = None if placed is None else _plan_of(problem, greedy, _even_out(problem, placed[0]), solved=placed[1])
+        planned = None if placed is None else _plan_of(problem, greedy, _even_out(problem, greedy, placed[0]), solved=placed[1])
         if planned is not None:
             found.append(planned)
             break
@@ -86,7 +87,7 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     stages = np.asarray(problem.stage_of[:pp])  # round 0 runs stage stages[i] at position i
     first_chunk = np.asarray(problem.chunk_of[:pp])
     deltas = np.arange(K + 1)
-    rest_layers = _split(problem, stages, first_chunk, totals, deltas)  # [pp, J, K + 1, v] of the rest kind
+    rest_layers = _split(problem, greedy, stages, first_chunk, totals, deltas)  # [pp, J, K + 1, v] of the rest kind
     n0 = deltas[None, None, :] + rest_layers[np.arange(pp), :, :, first_chunk]  # [pp, J, K + 1] first chunk's layers
     lead, rest = greedy.kinds.index(problem.layer_kinds[0]), greedy.kinds.index(problem.layer_kinds[-1])
     # Queries (position, total, δ): the rest kind as split, δ leading layers in the first chunk.
@@ -235,22 +236,18 @@ def _layout(low: int, J: int, K: int, L: int, pp: int) -> _Layout:
     return _Layout(tuple(starts), tuple(sources), tuple(lengths), used)
 
 
-def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
+def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
            deltas: np.ndarray) -> np.ndarray:
     """[pp, J, K + 1, v] layers of the rest kind in each chunk of the stage at each round-0
     position holding T layers, δ of them leading ones in its first chunk: every chunk a layer,
     then each next layer to the chunk of least load (``chunk_loads``: leading layers weigh
-    their kind's seconds), ties to the one of fewest micro-batches in flight."""
+    their kind's seconds), ties to the one of fewest micro-batches in flight (``greedy``: the
+    loads' weights and the chunks' order in flight, computed once per problem)."""
     pp, v = problem.pp, problem.chunks_per_stage
-    units = layer_units(problem)
-    lead_unit = units[problem.layer_kinds[0]]
-    flight = np.zeros((pp, v))
-    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
-    ends = np.zeros((pp, v))
-    ends[problem.stage_of, problem.chunk_of] = end_units(problem)
+    lead_unit = greedy.units[problem.layer_kinds[0]]
     is_first = np.arange(v)[None, :] == first_chunk[:, None]  # [pp, v]
     shape = (pp, len(deltas), v)  # [position, δ, chunk]
-    load = ends[stages][:, None, :] + np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
+    load = greedy.chunk_ends[stages][:, None, :] + np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
     empty = ~is_first[:, None, :] | (deltas[None, :, None] == 0)  # [pp, K + 1, v] holds no layer yet
     # Placing one layer at a time on the least key (load, then fewest in flight by a tiny
     # tie-break, empty chunks first) takes, of every chunk's run of keys for its 1st, 2nd, …
@@ -260,7 +257,7 @@ def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray,
     turns = max(int(totals.max(initial=0)), 1)
     steps = np.ones((*shape, turns))
     steps[..., 0] = load
-    rank = np.argsort(np.argsort(flight[stages], axis=1, kind="stable"), axis=1)[:, None, :, None] * 1e-6
+    rank = greedy.flight_rank[stages][:, None, :, None] * 1e-6
     key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
     key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
     order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk

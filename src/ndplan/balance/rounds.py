@@ -48,11 +48,11 @@ from ndplan.balance.problem import (
     chunk_loads,
     cost_columns,
     cost_index,
+    end_units,
     evaluate_codes,
     evaluate_codes_many,
     layer_units,
     load_spread,
-    load_weights,
     stage_bases,
     uniform_counts,
 )
@@ -94,6 +94,19 @@ class _Greedy:
         # chunks fewest first, each kind's options most bytes first, and which recompute.
         self.flight, self.static, self.activation = weight, static, activation
         self.flight_order = np.argsort(weight, axis=1, kind="stable")  # [pp, v]
+        self.flight_rank = np.empty_like(self.flight_order)  # [pp, v] each chunk's place in that order
+        self.flight_rank[np.arange(pp)[:, None], self.flight_order] = np.arange(v)
+        # For loads (``_even_out``, ``prefix._split``): each kind's ``layer_units``, every layer's
+        # and each virtual stage's ``end_units`` (``load_weights``), the latter per [stage, chunk]
+        # too, their ``load_spread``, and the virtual stage of each [stage, chunk].
+        self.units = layer_units(problem)
+        ends = end_units(problem)
+        self.load_weights = (np.array([self.units[kind] for kind in self.kinds])[self.codes], ends)
+        self.chunk_ends = np.zeros((pp, v))
+        self.chunk_ends[problem.stage_of, problem.chunk_of] = ends
+        self.spread = load_spread(problem, self.units)
+        self.virtual_at = np.zeros((pp, v), dtype=np.int64)
+        self.virtual_at[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
         self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
         self.recomputes = np.array([option != "none" for option in options])
         self.head_recomputes = tuple(self.recomputes[:-1].tolist())  # ``_heads``' key
@@ -351,7 +364,8 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     kind_ordered, kind_ends, kind_times, kind_recomputes = [], [], [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
-    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), greedy.flight[stages])  # [S, G, most layers + 1], ...
+    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), greedy.flight[stages],
+                                                 greedy.flight_order[stages])  # [S, G, most layers + 1], ...
     first_slot = (np.arange(S) * G)[:, None, None] * slots.shape[2]  # flat index of each stage's kind 0 slots
     for g in range(G):
         heads, head_layers, head_recomputes = _heads(int(held[:, g].max()), greedy.head_recomputes)  # [K, R − 1], [K], [K]
@@ -509,17 +523,13 @@ def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> 
     return _virtual_counts(problem, forward, n, e)
 
 
-def _even_out(problem: BalanceProblem, counts: tuple[int, ...]) -> tuple[int, ...]:
+def _even_out(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...]) -> tuple[int, ...]:
     """The placement with each stage's layers moved between its own chunks (same stage totals)
     until their loads are even (``even_chunks``): one layer at a time from the heaviest chunk
     that holds more than one to the lightest. A move shifts which kinds later chunks hold, so
     loads are recomputed after every move (a bounded number of them)."""
-    out = np.asarray(counts, dtype=np.int64).copy()
-    units = layer_units(problem)  # weighed once for the loads and their spread
-    spread = load_spread(problem, units)
-    weights = load_weights(problem, units)
-    chunk_of = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)  # [stage, chunk] virtual stage
-    chunk_of[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
+    out = np.array(counts, dtype=np.int64)
+    spread, weights, chunk_of = greedy.spread, greedy.load_weights, greedy.virtual_at  # weighed once, with the greedy
     for _ in range(problem.num_layers * problem.pp):
         loads = chunk_loads(problem, out, weights)  # [pp, v]
         held = out[chunk_of]
@@ -558,7 +568,7 @@ def solve_rounds(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan, P
     placements = [_periodic(problem, greedy, window, R) for R in (per_round, per_round - 1)]
     # The placements ranked by the greedy's (undealt) recompute; the best that fits once dealt.
     ranked = []
-    for placement in dict.fromkeys(_even_out(problem, c) for c in placements if c is not None):
+    for placement in dict.fromkeys(_even_out(problem, greedy, c) for c in placements if c is not None):
         estimate = _plan_of(problem, greedy, placement, exact=False)
         if estimate is not None:
             ranked.append((estimate[1].step_s, placement))
