@@ -596,14 +596,17 @@ def threshold_search(seg: AnyTable, weight: float, z_star: float) -> tuple[int, 
     # Thresholds that could still win: segment costs in (Z*, (best − S(∞)) / (m − 1)).
     cap = (best - least) / weight
     finite = _finite_costs(seg)
-    candidates = np.unique(finite[(finite > z_star) & (finite < cap)])
-    if len(candidates) and isinstance(seg, StagedTable) and seg.more_thresholds is not None:
+    candidates = finite[(finite > z_star) & (finite < cap)]
+    if not len(candidates):  # the usual case: Z* or S(∞)'s split is the answer
+        return best_counts
+    if isinstance(seg, StagedTable) and seg.more_thresholds is not None:
         # A left-out step's cost Z, as a threshold, repeats the largest one the table has below
         # it (or Z*): the same masked table, the same split, no better than that one. So it
         # changes nothing where the table's own costs leave no candidate, and otherwise only
         # which of equal splits is found: then the search takes them, as the full table would.
         finite = np.concatenate([finite, seg.more_thresholds()])
-        candidates = np.unique(finite[(finite > z_star) & (finite < cap)])
+        candidates = finite[(finite > z_star) & (finite < cap)]
+    candidates = np.unique(candidates)
     # Intervals (i, j) of candidate indices with S(candidates[j]) known (i = −1 stands for Z*,
     # j = len for S(∞)); nothing strictly inside beats S_j + (m − 1)·candidates[i + 1].
     pending = [(-1, len(candidates), least)]

@@ -101,13 +101,12 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     # The queries the DP reads; the others' costs are thresholds only, solved if the search asks.
     used = _layout(int(totals[0]), len(totals), K, L, pp).used
     asked, left = possible & used, possible & ~used
-    stage_of = np.broadcast_to(stages[:, None, None], possible.shape)  # [pp, J, K + 1]
     seconds = np.full(possible.shape, np.inf)
-    answers = greedy.solve(stage_of[asked], held[asked])
+    answers = greedy.solve(stages[asked.nonzero()[0]], held[asked])
     seconds[asked] = answers[0]
 
     def left_out() -> np.ndarray:
-        found = greedy.solve(stage_of[left], held[left])[0] if left.any() else np.empty(0)
+        found = greedy.solve(stages[left.nonzero()[0]], held[left])[0] if left.any() else np.empty(0)
         return found[np.isfinite(found)]
 
     table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True,  # whole chunk: δ = n₀

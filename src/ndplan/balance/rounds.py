@@ -440,8 +440,9 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
         choice, found = _exact_stages(problem, greedy, per_chunk)  # [pp, v, G, R], [pp]
     else:
         choice, found = np.empty((*per_chunk.shape, len(problem.options)), dtype=np.int64), np.zeros(problem.pp, bool)
-    for s in np.flatnonzero(~found).tolist():  # the greedy's recompute where the exact one is missing
-        choice[s] = greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
+    if not found.all():  # the greedy's recompute where the exact one is missing
+        for s in np.flatnonzero(~found).tolist():
+            choice[s] = greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
     # Each layer takes, in model order within its chunk and kind, the options in turn: the
     # layer of rank k among its (virtual stage, kind) takes the first option whose running
     # count exceeds k (inside a chunk their order changes neither memory nor time).
