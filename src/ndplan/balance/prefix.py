@@ -94,19 +94,14 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     held = np.zeros((*rest_layers.shape, len(greedy.kinds)), dtype=np.int64)
     held[..., rest] = rest_layers
     held[..., lead] = np.where(first_chunk[:, None, None, None] == np.arange(v), deltas[:, None], 0)
-    # δ leading layers fit, and leave a layer for every other chunk.
-    room = totals[:, None] - deltas[None, :] >= v - (deltas[None, :] > 0)  # [J, K + 1]
-    possible = np.empty(rest_layers.shape[:3], dtype=bool)
-    possible[:] = room
     # The queries the DP reads; the others' costs are thresholds only, solved if the search asks.
-    used = _layout(int(totals[0]), len(totals), K, L, pp).used
-    asked, left = possible & used, possible & ~used
-    seconds = np.full(possible.shape, np.inf)
-    answers = greedy.solve(stages[asked.nonzero()[0]], held[asked])
-    seconds[asked] = answers[0]
+    queries = _queries(int(totals[0]), len(totals), K, L, pp, v)
+    seconds = np.full(queries.asked.shape, np.inf)
+    answers = greedy.solve(stages[queries.asked_at], held[queries.asked])
+    seconds[queries.asked] = answers[0]
 
     def left_out() -> np.ndarray:
-        found = greedy.solve(stages[left.nonzero()[0]], held[left])[0] if left.any() else np.empty(0)
+        found = greedy.solve(stages[queries.left_at], held[queries.left])[0] if len(queries.left_at) else np.empty(0)
         return found[np.isfinite(found)]
 
     table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True,  # whole chunk: δ = n₀
@@ -121,7 +116,7 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     total, leading = np.divmod(np.asarray(split), K + 1)
     chosen = (np.arange(pp), total - int(totals[0]), leading)
     # The chosen queries' answers, by stage (round 0 holds each stage once).
-    query = (np.cumsum(asked) - 1).reshape(asked.shape)[chosen]
+    query = queries.index[chosen]
     by_stage = np.argsort(stages)
     solved = _Solved(held[chosen][by_stage], tuple(a[query[by_stage]] for a in answers))
     per_chunk = rest_layers[chosen].tolist()
@@ -131,6 +126,34 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     counts = tuple(per_chunk[position_of[stage]][chunk]
                    for stage, chunk in zip(problem.stage_of.tolist(), problem.chunk_of.tolist(), strict=True))
     return counts, solved
+
+
+@dataclass(frozen=True)
+class _Queries:
+    """``_placement``'s greedy queries (round-0 position, total, δ), [pp, J, K + 1]: ``asked``
+    those with room (δ leading layers fit and leave a layer for every other chunk) whose cost
+    the DP reads (``_Layout.used``), ``left`` those with room it never reads, the position of
+    each of either in C order (``asked_at``, ``left_at``), and ``index`` each asked query's place
+    among them."""
+
+    asked: np.ndarray
+    left: np.ndarray
+    asked_at: np.ndarray
+    left_at: np.ndarray
+    index: np.ndarray
+
+
+@lru_cache(maxsize=256)
+def _queries(low: int, J: int, K: int, L: int, pp: int, v: int) -> _Queries:
+    """``_Queries`` for totals low … low + J − 1 (read-only; cached, it depends on the integers only)."""
+    totals, deltas = np.arange(low, low + J), np.arange(K + 1)
+    room = totals[:, None] - deltas[None, :] >= v - (deltas[None, :] > 0)  # [J, K + 1]
+    used = _layout(low, J, K, L, pp).used
+    asked, left = room & used, room & ~used
+    out = _Queries(asked, left, asked.nonzero()[0], left.nonzero()[0], np.cumsum(asked).reshape(asked.shape) - 1)
+    for array in (out.asked, out.left, out.asked_at, out.left_at, out.index):
+        array.flags.writeable = False
+    return out
 
 
 def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int, whole_in_ended: bool = False,
