@@ -60,6 +60,8 @@ from ndplan.balance.problem import (
 WINDOW = 2  # per-chunk counts n_s within ⌊R/pp⌋ − 2 … ⌈R/pp⌉ + 2
 _ROUNDING = 1e-9  # a quotient this close above an integer may be that integer rounded up
 _MARGIN = 1e-9  # of the limit (80 bytes of 80 GB), kept free against rounding
+_PAIR = np.array([[0], [1]])  # ``_Greedy.solve``'s bytes saved and seconds added, gathered at once
+_PAIR.flags.writeable = False
 
 
 class _Greedy:
@@ -108,6 +110,7 @@ class _Greedy:
         self.virtual_at = np.zeros((pp, v), dtype=np.int64)
         self.virtual_at[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
         self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
+        self.falling_activation = activation[np.arange(len(self.kinds))[:, None], self.by_activation]  # [G, R] in that order
         self.recomputes = np.array([option != "none" for option in options])
         self.head_recomputes = tuple(self.recomputes[:-1].tolist())  # ``_heads``' key
         self.none = options.index("none") if "none" in options else None
@@ -205,26 +208,25 @@ class _Greedy:
         for move in range(1, len(steps)):
             np.add(running[move - 1], steps[move], out=running[move])
         moves = len(steps)
+        short = deficit > 0  # over the limit with every layer at its fastest option
         whole = (running[:, 0] < deficit).sum(axis=0)  # moves taken whole
-        fits = (deficit <= 0) | (whole < moves)
-        whole = np.where(deficit <= 0, 0, np.minimum(whole, moves - 1))
+        fits = ~short | (whole < moves)
+        whole = np.where(short, np.minimum(whole, moves - 1), 0)
         last = np.maximum(whole - 1, 0)
-        pair = np.array([[0], [1]])  # bytes saved, seconds added: both gathered at once
-        before, spent = np.where(whole > 0, running.take((last * 2 + pair) * Q + query), 0.0)
-        unit, unit_time = per_move.take((whole * 2 + pair) * Q + query)
+        before, spent = np.where(whole > 0, running.take((last * 2 + _PAIR) * Q + query), 0.0)
+        unit, unit_time = per_move.take((whole * 2 + _PAIR) * Q + query)
         with np.errstate(divide="ignore", invalid="ignore"):
             partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
-        partial = np.where((deficit > 0) & np.isfinite(partial), partial, 0.0)
-        partial += (deficit > 0) & (before + partial * unit < deficit)  # rounding: one more layer
+        partial = np.where(short & np.isfinite(partial), partial, 0.0)
+        partial += short & (before + partial * unit < deficit)  # rounding: one more layer
         fits &= partial <= layers.take(whole * Q + query)
         greedy = np.where(fits, time + spent + partial * unit_time, np.inf)
-        plain = np.zeros(Q, dtype=bool)
-        if self.none is not None:
-            plain_bytes = base_plain + sums[2]
-            plain_time = base_time + sums[3]
-            plain = (plain_bytes <= limit) & (plain_time <= greedy)
-            greedy = np.where(plain, plain_time, greedy)
-        return greedy, plain, whole, partial.astype(np.int64)
+        if self.none is None:
+            return greedy, np.zeros(Q, dtype=bool), whole, partial.astype(np.int64)
+        plain_bytes = base_plain + sums[2]
+        plain_time = base_time + sums[3]
+        plain = (plain_bytes <= limit) & (plain_time <= greedy)
+        return np.where(plain, plain_time, greedy), plain, whole, partial.astype(np.int64)
 
     def options(self, stage: int, counts: np.ndarray, plain: bool, whole: int, partial: int) -> np.ndarray:
         """[v, G, R] layers of each chunk and kind on each option, from ``solve``'s answer for
@@ -377,7 +379,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
         ends = np.cumsum(ordered, axis=2)  # [S, K, R] slots dealt after each option
         last = first_slot + g * slots.shape[2] + ends
         weight = slots.take(last) - slots.take(last - ordered)  # [S, K, R]
-        kind_bytes = mixes @ greedy.static[g] + weight @ greedy.activation[g, greedy.by_activation[g]]
+        kind_bytes = mixes @ greedy.static[g] + weight @ greedy.falling_activation[g]
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
         # A void mix holds +inf bytes: it never fits.
         bytes_total = bytes_total + np.where(rest < 0, np.inf, kind_bytes).reshape(shape)
