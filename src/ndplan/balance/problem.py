@@ -187,7 +187,8 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
         recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
     fits = np.all(memory <= problem.memory_limit_bytes, axis=1).tolist()
-    return [PlanCost(memory[n], time[n], composed_step_s(problem, time[n]), bool(fits[n])) for n in range(N)]
+    steps = composed_steps_s(problem, time).tolist()
+    return [PlanCost(memory[n], time[n], steps[n], bool(fits[n])) for n in range(N)]
 
 
 def stage_bases(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -210,6 +211,13 @@ def composed_step_s(problem: BalanceProblem, stage_time_s: np.ndarray) -> float:
     """(m − 1/v)·max_s T_s + (1/v)·Σ_s T_s seconds (module docstring), T_s per micro-batch."""
     v = problem.chunks_per_stage
     return float((problem.num_micro_batches - 1 / v) * stage_time_s.max() + stage_time_s.sum() / v)
+
+
+def composed_steps_s(problem: BalanceProblem, stage_time_s: np.ndarray) -> np.ndarray:
+    """``composed_step_s`` of N plans at once, ``stage_time_s`` [N, pp]: [N] seconds, each the
+    same float (a row's max and sum are the 1-D ones: the same pairwise sum per row)."""
+    v = problem.chunks_per_stage
+    return (problem.num_micro_batches - 1 / v) * stage_time_s.max(axis=1) + stage_time_s.sum(axis=1) / v
 
 
 def simulated_step_s(problem: BalanceProblem, plan: Plan, schedule: str) -> float:

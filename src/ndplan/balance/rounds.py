@@ -85,9 +85,10 @@ class _Greedy:
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
         cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
-        self.time = np.array([[c.time_s for c in row] for row in cost])  # [G, R]
-        static = np.array([[c.static_bytes for c in row] for row in cost])
-        activation = np.array([[c.activation_bytes for c in row] for row in cost])
+        # [G, R] seconds, static and activation bytes, from one [3, G, R] table.
+        self.time, static, activation = np.array([[[c.time_s for c in row] for row in cost],
+                                                  [[c.static_bytes for c in row] for row in cost],
+                                                  [[c.activation_bytes for c in row] for row in cost]], dtype=float)
         weight = np.zeros((pp, v))
         weight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
         memory = static[None, None] + weight[:, :, None, None] * activation[None, None]  # [pp, v, G, R]
