@@ -457,10 +457,10 @@ def min_max(table: AnyTable) -> float:
     best[0] = 0.0
     if isinstance(table, StagedTable):
         for start, cost in zip(table.starts, table.costs, strict=True):
-            best = np.minimum.reduce(np.maximum(best[start], cost), axis=0)
+            best = np.minimum.reduce(np.maximum(best.take(start), cost), axis=0)
     else:
         for cost in table.cost:
-            best = np.minimum.reduce(np.maximum(best[table.start], cost), axis=0)
+            best = np.minimum.reduce(np.maximum(best.take(table.start), cost), axis=0)
     return float(best[-1])
 
 
@@ -493,7 +493,7 @@ def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]
     best[0] = 0.0
     totals = []
     for start, cost in zip(starts, costs, strict=True):
-        total = best[start] + cost  # [J, L + 1]
+        total = best.take(start) + cost  # [J, L + 1]
         totals.append(total)
         best = np.minimum.reduce(total, axis=0)
     if not np.isfinite(best[-1]):
