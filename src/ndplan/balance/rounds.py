@@ -332,6 +332,15 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     return choice, found
 
 
+@lru_cache(maxsize=16)
+def _upper_ones(R: int) -> np.ndarray:
+    """[R, R] integer ones on and above the diagonal: x @ it is x's running sum along its last
+    axis, exactly (read-only; cached)."""
+    out = np.triu(np.ones((R, R), dtype=np.int64))
+    out.flags.writeable = False
+    return out
+
+
 @lru_cache(maxsize=256)
 def _heads(limit: int, recomputes: tuple[bool, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``_dealt_mixes``' counts of a kind on every option but the last, at most ``limit`` layers in
@@ -377,7 +386,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
         mixes[:, :, :-1] = heads
         mixes[:, :, -1] = np.maximum(rest, 0)
         ordered = mixes.take(greedy.by_activation[g], axis=2)  # options most bytes first
-        ends = np.cumsum(ordered, axis=2)  # [S, K, R] slots dealt after each option
+        ends = ordered @ _upper_ones(R)  # [S, K, R] slots dealt after each option (a running sum; faster than cumsum here)
         last = first_slot + g * slots.shape[2] + ends
         weight = slots.take(last) - slots.take(last - ordered)  # [S, K, R]
         kind_bytes = mixes @ greedy.static[g] + weight @ greedy.falling_activation[g]
