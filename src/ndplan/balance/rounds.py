@@ -128,25 +128,26 @@ class _Greedy:
         # The walk over flat (stage, chunk, kind) groups, gathering with flat indices.
         R = len(options)
         flat_memory, flat_time = memory.reshape(-1, R), time.reshape(-1, R)
-        groups = np.arange(len(flat_memory))
+        row = np.arange(len(flat_memory)) * R  # flat index of each group's first option: flat ``take``s gather
         at = current.reshape(-1)
-        self.step_option = np.empty((len(groups), steps), dtype=np.int64)
-        self.step_save = np.zeros((len(groups), steps))  # bytes saved per layer moved
-        self.step_time = np.zeros((len(groups), steps))  # seconds added per layer moved
-        slope = np.full((len(groups), steps), np.inf)
+        self.step_option = np.empty((len(row), steps), dtype=np.int64)
+        self.step_save = np.zeros((len(row), steps))  # bytes saved per layer moved
+        self.step_time = np.zeros((len(row), steps))  # seconds added per layer moved
+        slope = np.empty((len(row), steps))
         with np.errstate(divide="ignore", invalid="ignore"):  # ratios where nothing is saved are discarded
             for h in range(steps):
-                saved = flat_memory[groups, at][:, None] - flat_memory
-                added = flat_time - flat_time[groups, at][:, None]
+                saved = flat_memory.take(row + at)[:, None] - flat_memory
+                added = flat_time - flat_time.take(row + at)[:, None]
                 ratio = np.where(saved > 0, added / saved, np.inf)
                 best = ratio.argmin(axis=-1)
-                best_ratio = ratio[groups, best]
+                chosen = row + best
+                best_ratio = ratio.take(chosen)  # finite, or +inf where no option saves bytes
                 moves = np.isfinite(best_ratio)
                 at = np.where(moves, best, at)
                 self.step_option[:, h] = at
-                self.step_save[:, h] = np.where(moves, saved[groups, best], 0.0)
-                self.step_time[:, h] = np.where(moves, added[groups, best], 0.0)
-                slope[:, h] = np.where(moves, best_ratio, np.inf)
+                self.step_save[:, h] = np.where(moves, saved.take(chosen), 0.0)
+                self.step_time[:, h] = np.where(moves, added.take(chosen), 0.0)
+                slope[:, h] = best_ratio
         self.step_option = self.step_option.reshape(*current.shape, steps)  # [pp, v, G, steps]
         self.step_save = self.step_save.reshape(*current.shape, steps)
         self.step_time = self.step_time.reshape(*current.shape, steps)
@@ -160,7 +161,7 @@ class _Greedy:
         self.move_time = self.step_time.reshape(pp, -1)[rows, self.order]
         flat = (pp, -1)
         self.start_time = self.time[np.arange(len(self.kinds))[None, None], self.start].reshape(flat)  # [pp, v·G]
-        self.start_memory = flat_memory[groups, self.start.reshape(-1)].reshape(flat)
+        self.start_memory = flat_memory.take(row + self.start.reshape(-1)).reshape(flat)
         if self.none is not None:
             self.plain_time = time[..., self.none].reshape(flat)
             self.plain_memory = memory[..., self.none].reshape(flat)
