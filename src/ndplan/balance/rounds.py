@@ -51,6 +51,7 @@ from ndplan.balance.problem import (
     end_units,
     evaluate_codes,
     evaluate_codes_many,
+    evaluation_constants,
     layer_units,
     load_spread,
     stage_bases,
@@ -182,6 +183,7 @@ class _Greedy:
         entry = cost_index(problem)
         self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
         self.cost_columns = cost_columns(problem)
+        self.evaluation = evaluation_constants(problem)
 
     def solve(self, stage: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For queries (``stage`` [Q], ``counts`` [Q, v, G] layers per chunk and kind): least
@@ -469,7 +471,7 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
     plan = Plan(counts, tuple(map(problem.options.__getitem__, option.tolist())))
-    cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option])
+    cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option], greedy.evaluation)
     return (plan, cost) if cost.fits else None
 
 
@@ -564,7 +566,7 @@ def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None, *
     greedy = greedy or _Greedy(problem)
     counts = uniform_counts(problem)
     # Every option at once: one evaluation of R plans of the same placement.
-    costs = evaluate_codes_many(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes].T)
+    costs = evaluate_codes_many(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes].T, greedy.evaluation)
     found = [(Plan(counts, (option,) * problem.num_layers), cost)
              for option, cost in zip(problem.options, costs, strict=True) if cost.fits]
     if mixed:
