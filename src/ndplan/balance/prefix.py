@@ -266,10 +266,10 @@ def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_c
     their kind's seconds), ties to the one of fewest micro-batches in flight (``greedy``: the
     loads' weights and the chunks' order in flight, computed once per problem)."""
     pp, v = problem.pp, problem.chunks_per_stage
-    lead_unit = greedy.units[problem.layer_kinds[0]]
+    lead_unit = greedy.loads.units[problem.layer_kinds[0]]
     is_first = np.arange(v)[None, :] == first_chunk[:, None]  # [pp, v]
     shape = (pp, len(deltas), v)  # [position, δ, chunk]
-    load = greedy.chunk_ends[stages][:, None, :] + np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
+    load = greedy.loads.chunk_ends[stages][:, None, :] + np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
     empty = ~is_first[:, None, :] | (deltas[None, :, None] == 0)  # [pp, K + 1, v] holds no layer yet
     # Placing one layer at a time on the least key (load, then fewest in flight by a tiny
     # tie-break, empty chunks first) takes, of every chunk's run of keys for its 1st, 2nd, …
@@ -279,7 +279,7 @@ def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_c
     turns = max(int(totals.max(initial=0)), 1)
     steps = np.ones((*shape, turns))
     steps[..., 0] = load
-    rank = greedy.flight_rank[stages][:, None, :, None] * 1e-6
+    rank = greedy.loads.flight_rank[stages][:, None, :, None] * 1e-6
     key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
     key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
     order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk

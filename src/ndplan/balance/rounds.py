@@ -34,7 +34,7 @@ chunks (``_exact_stages``), so chunk times stay even; the greedy only ranks plac
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from math import comb, prod
 from typing import NamedTuple
 
@@ -63,6 +63,20 @@ _ROUNDING = 1e-9  # a quotient this close above an integer may be that integer r
 _MARGIN = 1e-9  # of the limit (80 bytes of 80 GB), kept free against rounding
 _PAIR = np.array([[0], [1]])  # ``_Greedy.solve``'s bytes saved and seconds added, gathered at once
 _PAIR.flags.writeable = False
+
+
+class _Loads(NamedTuple):
+    """``_Greedy.loads``: each kind's ``layer_units``, ``load_weights`` ([L] every layer's units,
+    [V] each virtual stage's ``end_units``), [pp, v] the latter per (stage, chunk), the
+    ``load_spread``, [pp, v] the virtual stage of each (stage, chunk), and [pp, v] each chunk's
+    place among its stage's, fewest micro-batches in flight first."""
+
+    units: dict[str, float]
+    weights: tuple[np.ndarray, np.ndarray]
+    chunk_ends: np.ndarray
+    spread: float
+    virtual_at: np.ndarray
+    flight_rank: np.ndarray
 
 
 class _Greedy:
@@ -98,19 +112,7 @@ class _Greedy:
         # chunks fewest first, each kind's options most bytes first, and which recompute.
         self.flight, self.static, self.activation = weight, static, activation
         self.flight_order = np.argsort(weight, axis=1, kind="stable")  # [pp, v]
-        self.flight_rank = np.empty_like(self.flight_order)  # [pp, v] each chunk's place in that order
-        self.flight_rank[np.arange(pp)[:, None], self.flight_order] = np.arange(v)
-        # For loads (``_even_out``, ``prefix._split``): each kind's ``layer_units``, every layer's
-        # and each virtual stage's ``end_units`` (``load_weights``), the latter per [stage, chunk]
-        # too, their ``load_spread``, and the virtual stage of each [stage, chunk].
-        self.units = layer_units(problem)
-        ends = end_units(problem)
-        self.load_weights = (np.array([self.units[kind] for kind in self.kinds])[self.codes], ends)
-        self.chunk_ends = np.zeros((pp, v))
-        self.chunk_ends[problem.stage_of, problem.chunk_of] = ends
-        self.spread = load_spread(problem, self.units)
-        self.virtual_at = np.zeros((pp, v), dtype=np.int64)
-        self.virtual_at[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
+        self._problem = problem  # for ``loads``, computed where a solver weighs loads
         self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
         self.falling_activation = activation[np.arange(len(self.kinds))[:, None], self.by_activation]  # [G, R] in that order
         self.recomputes = np.array([option != "none" for option in options])
@@ -184,6 +186,22 @@ class _Greedy:
         self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
         self.cost_columns = cost_columns(problem)
         self.evaluation = evaluation_constants(problem)
+
+    @cached_property
+    def loads(self) -> _Loads:
+        """What weighs chunk loads (``_even_out``, ``prefix._split``), once per problem."""
+        problem = self._problem
+        pp, v = problem.pp, problem.chunks_per_stage
+        units = layer_units(problem)
+        ends = end_units(problem)
+        chunk_ends = np.zeros((pp, v))
+        chunk_ends[problem.stage_of, problem.chunk_of] = ends
+        virtual_at = np.zeros((pp, v), dtype=np.int64)
+        virtual_at[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
+        flight_rank = np.empty_like(self.flight_order)
+        flight_rank[np.arange(pp)[:, None], self.flight_order] = np.arange(v)
+        weights = (np.array([units[kind] for kind in self.kinds])[self.codes], ends)
+        return _Loads(units, weights, chunk_ends, load_spread(problem, units), virtual_at, flight_rank)
 
     def solve(self, stage: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For queries (``stage`` [Q], ``counts`` [Q, v, G] layers per chunk and kind): least
@@ -545,7 +563,7 @@ def _even_out(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...])
     that holds more than one to the lightest. A move shifts which kinds later chunks hold, so
     loads are recomputed after every move (a bounded number of them)."""
     out = np.array(counts, dtype=np.int64)
-    spread, weights, chunk_of = greedy.spread, greedy.load_weights, greedy.virtual_at  # weighed once, with the greedy
+    spread, weights, chunk_of = greedy.loads.spread, greedy.loads.weights, greedy.loads.virtual_at  # weighed once per problem
     for _ in range(problem.num_layers * problem.pp):
         loads = chunk_loads(problem, out, weights)  # [pp, v]
         held = out[chunk_of]
