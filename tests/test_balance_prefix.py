@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ndplan.balance.dp import Table, min_max, threshold_search
-from ndplan.balance.prefix import _split, _table, leading_run
+from ndplan.balance.prefix import _layout, _split, _table, leading_run
 from ndplan.balance.problem import end_units, layer_units
 from ndplan.balance.rounds import _Greedy
 from test_balance_rounds import check_exact_dp_and_heuristic, chunked_problem
@@ -56,7 +56,7 @@ def test_split_is_water_filling_one_layer_at_a_time(pp, vpp, extra, K, schedule,
     problem = prefixed_problem(pp * vpp + extra, pp, K, schedule, vpp, seed)
     stages, first_chunk = np.asarray(problem.stage_of[:pp]), np.asarray(problem.chunk_of[:pp])
     totals, deltas = np.arange(vpp, problem.num_layers - (pp - 1) * vpp + 1), np.arange(K + 1)
-    found = _split(problem, stages, first_chunk, totals, deltas)
+    found = _split(problem, _Greedy(problem), stages, first_chunk, totals, deltas)
     assert np.array_equal(found, split_one_at_a_time(problem, stages, first_chunk, totals, deltas))
     assert (found.sum(axis=3) == np.maximum(totals[:, None] - deltas[None, :], 0)[None]).all()
 
@@ -82,7 +82,24 @@ def full_table(seconds, n0, totals, K, L):
 def test_staged_table_gives_the_split_of_the_full_table(pp, vpp, extra, K, schedule, seed, limit_gib, m, ties):
     """After the first K stages the leading run is placed, so the staged table (later stages
     over b alone) has the full (b, a) table's least bottleneck and the same optimal split,
-    equal splits included (``ties``: stage costs rounded so that many splits tie)."""
+    equal splits included (``ties``: stage costs rounded so that many splits tie); so has it
+    with the costs of steps the DP never takes left out, as thresholds on demand."""
+    check_staged_table(pp, vpp, extra, K, schedule, seed, limit_gib, m, ties)
+
+
+@pytest.mark.parametrize("pp,vpp,extra,K,schedule,seed,limit_gib,m,ties", [
+    (4, 3, 7, 3, "zbv", 232, 29.0, 2, False), (5, 3, 4, 5, "interleaved", 454, 29.7, 2, False),
+    (3, 4, 9, 1, "zbv", 926, 56.9, 1, True), (6, 2, 9, 4, "interleaved", 587, 43.1, 1, False),
+])
+def test_left_out_thresholds_asked_for_where_the_search_has_candidates(pp, vpp, extra, K, schedule, seed, limit_gib,
+                                                                       m, ties):
+    """Cases whose search has candidates, so that it asks for the left-out steps' thresholds."""
+    assert check_staged_table(pp, vpp, extra, K, schedule, seed, limit_gib, m, ties)
+
+
+def check_staged_table(pp, vpp, extra, K, schedule, seed, limit_gib, m, ties):
+    """The staged table's split is the full table's, with or without the left-out steps' costs
+    (``_placement``'s table); whether the search asked for their thresholds."""
     vpp = vpp if schedule == "interleaved" else 2
     K = min(K, pp)
     problem = prefixed_problem(pp * vpp + extra, pp, K, schedule, vpp, seed, limit_gib, m)
@@ -90,9 +107,9 @@ def test_staged_table_gives_the_split_of_the_full_table(pp, vpp, extra, K, sched
     L = problem.num_layers
     stages, first_chunk = np.asarray(problem.stage_of[:pp]), np.asarray(problem.chunk_of[:pp])
     totals, deltas = np.arange(vpp, L - (pp - 1) * vpp + 1), np.arange(K + 1)
-    rest = _split(problem, stages, first_chunk, totals, deltas)
-    n0 = deltas[None, None, :] + np.take_along_axis(rest, first_chunk[:, None, None, None], axis=3)[..., 0]
     greedy = _Greedy(problem)
+    rest = _split(problem, greedy, stages, first_chunk, totals, deltas)
+    n0 = deltas[None, None, :] + np.take_along_axis(rest, first_chunk[:, None, None, None], axis=3)[..., 0]
     held = np.zeros((*rest.shape, 2), dtype=np.int64)
     held[..., 1] = rest
     position, j, delta = np.indices(rest.shape[:3])
@@ -104,11 +121,20 @@ def test_staged_table_gives_the_split_of_the_full_table(pp, vpp, extra, K, sched
         seconds = np.round(seconds, 0)
     staged = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L)
     full = full_table(seconds, n0, totals, K, L)
+    # As _placement builds it: only the costs the DP reads, the others' thresholds on demand.
+    used = _layout(int(totals[0]), len(totals), K, L, pp).used
+    read = np.where(used, seconds, np.inf)
+    asked = []
+    lazy = _table(np.where(deltas == n0, read, np.inf), read, totals, K, L,
+                  more_thresholds=lambda: asked.append(True) or seconds[~used & np.isfinite(seconds)])
     z_staged, z_full = min_max(staged), min_max(full)
-    assert z_staged == z_full
+    assert z_staged == z_full == min_max(lazy)
     if np.isfinite(z_full):
         weight = m * vpp - 1
-        assert threshold_search(staged, weight, z_staged) == threshold_search(full, weight, z_full)
+        expected = threshold_search(full, weight, z_full)
+        assert threshold_search(staged, weight, z_staged) == expected
+        assert threshold_search(lazy, weight, z_staged) == expected
+    return bool(asked)
 
 
 @settings(max_examples=80, deadline=None)

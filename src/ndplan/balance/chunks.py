@@ -118,12 +118,14 @@ def _dealt_prefix(layers: np.ndarray, flight: np.ndarray) -> np.ndarray:
     return _dealt_slots(layers, flight)[0]
 
 
-def _dealt_slots(layers: np.ndarray, flight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _dealt_slots(layers: np.ndarray, flight: np.ndarray, order: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``_dealt_prefix``, with what places each slot: [pp, J, S] the k-th dealt slot's position
     t·v + i in the deal (turn t, i-th chunk fewest in flight first), [pp, J, v] the layers of
     those chunks in that order, and [pp, v] that order. After k + 1 slots, the i-th chunk
-    holds min(capacity_i, t + [i ≤ i_k]) of them (``rounds._dealt_mixes`` deals with that)."""
-    order = np.argsort(flight, axis=1, kind="stable")  # [pp, v]
+    holds min(capacity_i, t + [i ≤ i_k]) of them (``rounds._dealt_mixes`` deals with that).
+    ``order``: that order, ``flight``'s stable argsort per row, where the caller has it."""
+    order = np.argsort(flight, axis=1, kind="stable") if order is None else order  # [pp, v]
     stage = np.arange(len(flight))[:, None]  # index grids: plain fancy indexing is cheaper than take_along_axis
     cell = (stage[:, :, None], np.arange(layers.shape[1])[None, :, None])
     weight = flight[stage, order]  # [pp, v]

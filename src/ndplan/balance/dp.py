@@ -39,10 +39,10 @@ enumerated); each DP pass is V array operations over [segment lengths, end layer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import product
+from itertools import accumulate, product
 from typing import Protocol
 
 import numpy as np
@@ -413,13 +413,16 @@ class StagedTable:
     and records ``lengths[v][j]`` in the split. The last stage's last position is everything
     placed. ``thresholds``: the finite costs a bottleneck may take (``threshold_search``'s
     candidates; a table may list costs of steps it leaves out, so that the search's candidates,
-    and hence its answer among equal splits, stay those of the full table it stands for)."""
+    and hence its answer among equal splits, stay those of the full table it stands for).
+    ``more_thresholds``: where given, the finite costs of further left-out steps, computed only
+    if the search needs them (``threshold_search``)."""
 
     positions: int
     starts: tuple[np.ndarray, ...]
     costs: tuple[np.ndarray, ...]
     lengths: tuple[np.ndarray, ...]
     thresholds: np.ndarray
+    more_thresholds: Callable[[], np.ndarray] | None = None
 
 
 AnyTable = SplitTable | StagedTable
@@ -454,10 +457,10 @@ def min_max(table: AnyTable) -> float:
     best[0] = 0.0
     if isinstance(table, StagedTable):
         for start, cost in zip(table.starts, table.costs, strict=True):
-            best = np.minimum.reduce(np.maximum(best[start], cost), axis=0)
+            best = np.minimum.reduce(np.maximum(best.take(start), cost), axis=0)
     else:
         for cost in table.cost:
-            best = np.minimum.reduce(np.maximum(best[table.start], cost), axis=0)
+            best = np.minimum.reduce(np.maximum(best.take(table.start), cost), axis=0)
     return float(best[-1])
 
 
@@ -490,7 +493,7 @@ def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]
     best[0] = 0.0
     totals = []
     for start, cost in zip(starts, costs, strict=True):
-        total = best[start] + cost  # [J, L + 1]
+        total = best.take(start) + cost  # [J, L + 1]
         totals.append(total)
         best = np.minimum.reduce(total, axis=0)
     if not np.isfinite(best[-1]):
@@ -517,7 +520,11 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
     costs: Sequence[np.ndarray]
     if isinstance(seg, StagedTable):
         starts = seg.starts
-        costs = [np.where(c <= limit, c, np.inf) for c in seg.costs]  # [n, J, P] each; c ≤ +inf always
+        # Every stage's costs masked at once, laid end to end: a mask per stage costs more.
+        flat = np.concatenate([c.reshape(-1) for c in seg.costs])
+        masked = np.where(flat <= limit.reshape(-1, 1), flat, np.inf)  # [n, Σ J·P]; c ≤ +inf always
+        ends = list(accumulate(c.size for c in seg.costs))
+        costs = [masked[:, end - c.size:end].reshape(-1, *c.shape) for end, c in zip(ends, seg.costs, strict=True)]
     else:
         starts = (seg.start,) * len(seg.cost)
         stacked = np.where(seg.cost <= limit[..., None], seg.cost, np.inf)  # [n, V, J, P]
@@ -589,7 +596,17 @@ def threshold_search(seg: AnyTable, weight: float, z_star: float) -> tuple[int, 
     # Thresholds that could still win: segment costs in (Z*, (best − S(∞)) / (m − 1)).
     cap = (best - least) / weight
     finite = _finite_costs(seg)
-    candidates = np.unique(finite[(finite > z_star) & (finite < cap)])
+    candidates = finite[(finite > z_star) & (finite < cap)]
+    if not len(candidates):  # the usual case: Z* or S(∞)'s split is the answer
+        return best_counts
+    if isinstance(seg, StagedTable) and seg.more_thresholds is not None:
+        # A left-out step's cost Z, as a threshold, repeats the largest one the table has below
+        # it (or Z*): the same masked table, the same split, no better than that one. So it
+        # changes nothing where the table's own costs leave no candidate, and otherwise only
+        # which of equal splits is found: then the search takes them, as the full table would.
+        finite = np.concatenate([finite, seg.more_thresholds()])
+        candidates = finite[(finite > z_star) & (finite < cap)]
+    candidates = np.unique(candidates)
     # Intervals (i, j) of candidate indices with S(candidates[j]) known (i = −1 stands for Z*,
     # j = len for S(∞)); nothing strictly inside beats S_j + (m − 1)·candidates[i + 1].
     pending = [(-1, len(candidates), least)]

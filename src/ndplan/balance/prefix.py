@@ -26,6 +26,7 @@ brute force.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from math import comb
@@ -44,14 +45,15 @@ from ndplan.balance.problem import (
     load_spread,
     uniform_counts,
 )
-from ndplan.balance.rounds import _dealt_mixes, _even_out, _Greedy, _plan_of, uniform_candidates
+from ndplan.balance.rounds import _dealt_mixes, _even_out, _Greedy, _plan_of, _Solved, uniform_candidates
 
 
 def leading_run(problem: BalanceProblem) -> int | None:
     """K when the layers are K of one kind then only another, with 1 ≤ K ≤ pp; else None."""
     kinds = problem.layer_kinds
     K = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), len(kinds))
-    if K == len(kinds) or any(kind != kinds[K] for kind in kinds[K:]) or K > problem.pp:
+    # kinds[K] is not kinds[0]: every one of it lies after K, and they are all of the rest if they fill it.
+    if K == len(kinds) or K > problem.pp or kinds.count(kinds[K]) != len(kinds) - K:
         return None
     return K
 
@@ -64,8 +66,8 @@ def solve_prefixed(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan,
     greedy = _Greedy(problem)
     found = uniform_candidates(problem, greedy, mixed=False)
     for width in (window, problem.num_layers):  # near uniform first; every total if nothing fits
-        counts = _placement(problem, greedy, K, width)
-        planned = None if counts is None else _plan_of(problem, greedy, _even_out(problem, counts))
+        placed = _placement(problem, greedy, K, width)
+        planned = None if placed is None else _plan_of(problem, greedy, _even_out(problem, greedy, placed[0]), solved=placed[1])
         if planned is not None:
             found.append(planned)
             break
@@ -74,8 +76,9 @@ def solve_prefixed(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan,
     return min(found, key=lambda f: f[1].step_s) if found else None
 
 
-def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) -> tuple[int, ...] | None:
-    """Layers per virtual stage of the DP's split (module docstring), or None if none fits."""
+def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) -> tuple[tuple[int, ...], _Solved] | None:
+    """Layers per virtual stage of the DP's split (module docstring) and the greedy's answers for
+    its stages, or None if none fits."""
     L, pp, v = problem.num_layers, problem.pp, problem.chunks_per_stage
     if L < pp * v:
         return None
@@ -84,20 +87,25 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     stages = np.asarray(problem.stage_of[:pp])  # round 0 runs stage stages[i] at position i
     first_chunk = np.asarray(problem.chunk_of[:pp])
     deltas = np.arange(K + 1)
-    rest_layers = _split(problem, stages, first_chunk, totals, deltas)  # [pp, J, K + 1, v] of the rest kind
+    rest_layers = _split(problem, greedy, stages, first_chunk, totals, deltas)  # [pp, J, K + 1, v] of the rest kind
     n0 = deltas[None, None, :] + rest_layers[np.arange(pp), :, :, first_chunk]  # [pp, J, K + 1] first chunk's layers
     lead, rest = greedy.kinds.index(problem.layer_kinds[0]), greedy.kinds.index(problem.layer_kinds[-1])
     # Queries (position, total, δ): the rest kind as split, δ leading layers in the first chunk.
     held = np.zeros((*rest_layers.shape, len(greedy.kinds)), dtype=np.int64)
     held[..., rest] = rest_layers
     held[..., lead] = np.where(first_chunk[:, None, None, None] == np.arange(v), deltas[:, None], 0)
-    # δ leading layers fit, and leave a layer for every other chunk.
-    room = totals[:, None] - deltas[None, :] >= v - (deltas[None, :] > 0)  # [J, K + 1]
-    possible = np.empty(rest_layers.shape[:3], dtype=bool)
-    possible[:] = room
-    seconds = np.full(possible.shape, np.inf)
-    seconds[possible], *_ = greedy.solve(np.repeat(stages, int(room.sum())), held[possible])
-    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True)  # whole chunk: δ = n₀
+    # The queries the DP reads; the others' costs are thresholds only, solved if the search asks.
+    queries = _queries(int(totals[0]), len(totals), K, L, pp, v)
+    seconds = np.full(queries.asked.shape, np.inf)
+    answers = greedy.solve(stages[queries.asked_at], held[queries.asked])
+    seconds[queries.asked] = answers[0]
+
+    def left_out() -> np.ndarray:
+        found = greedy.solve(stages[queries.left_at], held[queries.left])[0] if len(queries.left_at) else np.empty(0)
+        return found[np.isfinite(found)]
+
+    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True,  # whole chunk: δ = n₀
+                   more_thresholds=left_out)
     z_star = min_max(table)
     if not np.isfinite(z_star):
         return None
@@ -106,41 +114,78 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
         return None
     # [position, local chunk] layers, in plain lists: a few dozen small integers.
     total, leading = np.divmod(np.asarray(split), K + 1)
-    per_chunk = rest_layers[np.arange(pp), total - int(totals[0]), leading].tolist()
+    chosen = (np.arange(pp), total - int(totals[0]), leading)
+    # The chosen queries' answers, by stage (round 0 holds each stage once).
+    query = queries.index[chosen]
+    by_stage = np.argsort(stages)
+    solved = _Solved(held[chosen][by_stage], tuple(a[query[by_stage]] for a in answers))
+    per_chunk = rest_layers[chosen].tolist()
     for i, (chunk, lead_layers) in enumerate(zip(first_chunk.tolist(), leading.tolist(), strict=True)):
         per_chunk[i][chunk] += lead_layers
     position_of = {stage: i for i, stage in enumerate(stages.tolist())}
-    return tuple(per_chunk[position_of[stage]][chunk]
-                 for stage, chunk in zip(problem.stage_of.tolist(), problem.chunk_of.tolist(), strict=True))
+    counts = tuple(per_chunk[position_of[stage]][chunk]
+                   for stage, chunk in zip(problem.stage_of.tolist(), problem.chunk_of.tolist(), strict=True))
+    return counts, solved
 
 
-def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int, whole_in_ended: bool = False
-           ) -> StagedTable:
+@dataclass(frozen=True)
+class _Queries:
+    """``_placement``'s greedy queries (round-0 position, total, δ), [pp, J, K + 1]: ``asked``
+    those with room (δ leading layers fit and leave a layer for every other chunk) whose cost
+    the DP reads (``_Layout.used``), ``left`` those with room it never reads, the position of
+    each of either in C order (``asked_at``, ``left_at``), and ``index`` each asked query's place
+    among them."""
+
+    asked: np.ndarray
+    left: np.ndarray
+    asked_at: np.ndarray
+    left_at: np.ndarray
+    index: np.ndarray
+
+
+@lru_cache(maxsize=256)
+def _queries(low: int, J: int, K: int, L: int, pp: int, v: int) -> _Queries:
+    """``_Queries`` for totals low … low + J − 1 (read-only; cached, it depends on the integers only)."""
+    totals, deltas = np.arange(low, low + J), np.arange(K + 1)
+    room = totals[:, None] - deltas[None, :] >= v - (deltas[None, :] > 0)  # [J, K + 1]
+    used = _layout(low, J, K, L, pp).used
+    asked, left = room & used, room & ~used
+    out = _Queries(asked, left, asked.nonzero()[0], left.nonzero()[0], np.cumsum(asked).reshape(asked.shape) - 1)
+    for array in (out.asked, out.left, out.asked_at, out.left_at, out.index):
+        array.flags.writeable = False
+    return out
+
+
+def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: int, whole_in_ended: bool = False,
+           more_thresholds: Callable[[], np.ndarray] | None = None) -> StagedTable:
     """The DP over positions (b, a) of the module docstring, from each stage's cost [pp, J, K + 1]
     of a step (T, δ) where the leading run goes on past its first chunk (``whole``: δ = n₀, so
     a < K after it) and where it has ended (``ended``: a = K after it); +inf where none fits.
     The steps and positions depend on the integers alone (``_layout``): the costs are gathered
     into them. The thresholds are every finite stage cost, as the full (b, a) table holds each
     (the search takes them as a set: with ``whole_in_ended``, every finite ``whole`` cost is
-    also an ``ended`` one, and those suffice)."""
+    also an ``ended`` one, and those suffice), and ``more_thresholds``' where the costs leave
+    out steps the DP never takes (``StagedTable``)."""
     layout = _layout(int(totals[0]), len(totals), K, L, whole.shape[0])
     values = np.concatenate([whole.reshape(-1), ended.reshape(-1), [np.inf]])
     costs = tuple(values[source] for source in layout.sources)
     finite = ended[np.isfinite(ended)]
     if not whole_in_ended:
         finite = np.concatenate([finite, whole[np.isfinite(whole)]])
-    return StagedTable(1, layout.starts, costs, layout.lengths, finite)
+    return StagedTable(1, layout.starts, costs, layout.lengths, finite, more_thresholds)
 
 
 @dataclass(frozen=True)
 class _Layout:
     """``_table``'s steps and positions per stage: ``starts`` [J_i, P_i] the previous stage's
     position each step to each position starts from, ``sources`` [J_i, P_i] where its cost lies
-    in [whole, ended, +inf] flattened, ``lengths`` [J_i] the step each row records."""
+    in [whole, ended, +inf] flattened, ``lengths`` [J_i] the step each row records, and ``used``
+    [pp, J, K + 1] the (stage, total, δ) costs any step reads, of ``whole`` or ``ended``."""
 
     starts: tuple[np.ndarray, ...]
     sources: tuple[np.ndarray, ...]
     lengths: tuple[np.ndarray, ...]
+    used: np.ndarray
 
 
 @lru_cache(maxsize=256)
@@ -205,27 +250,26 @@ def _layout(low: int, J: int, K: int, L: int, pp: int) -> _Layout:
             starts.append(np.where(known, entry, 0) if i == early else later_start)
             sources.append(np.where(open_, ended_delta0[:, None] + offset, void))
             lengths.append(totals * (K + 1))
-    for array in (*starts, *sources, *lengths):
+    read = np.zeros(void + 1, dtype=bool)
+    read[np.concatenate([source.reshape(-1) for source in sources])] = True
+    used = (read[:pp * J * (K + 1)] | read[pp * J * (K + 1):void]).reshape(pp, J, K + 1)
+    for array in (*starts, *sources, *lengths, used):
         array.flags.writeable = False
-    return _Layout(tuple(starts), tuple(sources), tuple(lengths))
+    return _Layout(tuple(starts), tuple(sources), tuple(lengths), used)
 
 
-def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
+def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
            deltas: np.ndarray) -> np.ndarray:
     """[pp, J, K + 1, v] layers of the rest kind in each chunk of the stage at each round-0
     position holding T layers, δ of them leading ones in its first chunk: every chunk a layer,
     then each next layer to the chunk of least load (``chunk_loads``: leading layers weigh
-    their kind's seconds), ties to the one of fewest micro-batches in flight."""
+    their kind's seconds), ties to the one of fewest micro-batches in flight (``greedy``: the
+    loads' weights and the chunks' order in flight, computed once per problem)."""
     pp, v = problem.pp, problem.chunks_per_stage
-    units = layer_units(problem)
-    lead_unit = units[problem.layer_kinds[0]]
-    flight = np.zeros((pp, v))
-    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
-    ends = np.zeros((pp, v))
-    ends[problem.stage_of, problem.chunk_of] = end_units(problem)
+    lead_unit = greedy.loads.units[problem.layer_kinds[0]]
     is_first = np.arange(v)[None, :] == first_chunk[:, None]  # [pp, v]
     shape = (pp, len(deltas), v)  # [position, δ, chunk]
-    load = ends[stages][:, None, :] + np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
+    load = greedy.loads.chunk_ends[stages][:, None, :] + np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
     empty = ~is_first[:, None, :] | (deltas[None, :, None] == 0)  # [pp, K + 1, v] holds no layer yet
     # Placing one layer at a time on the least key (load, then fewest in flight by a tiny
     # tie-break, empty chunks first) takes, of every chunk's run of keys for its 1st, 2nd, …
@@ -235,7 +279,7 @@ def _split(problem: BalanceProblem, stages: np.ndarray, first_chunk: np.ndarray,
     turns = max(int(totals.max(initial=0)), 1)
     steps = np.ones((*shape, turns))
     steps[..., 0] = load
-    rank = np.argsort(np.argsort(flight[stages], axis=1, kind="stable"), axis=1)[:, None, :, None] * 1e-6
+    rank = greedy.loads.flight_rank[stages][:, None, :, None] * 1e-6
     key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
     key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
     order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk

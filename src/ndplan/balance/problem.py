@@ -35,6 +35,7 @@ Over random chunk times within ±50% of each other the formula is within −4…
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -140,24 +141,43 @@ def cost_columns(problem: BalanceProblem) -> np.ndarray:
                      [option != "none" for _, option in problem.costs]], dtype=float)
 
 
-def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...], columns: np.ndarray, codes: np.ndarray
-                   ) -> PlanCost:
+class EvaluationConstants(NamedTuple):
+    """What ``evaluate_codes`` takes from the problem whatever the plan: [V] each virtual stage's
+    physical stage and micro-batches in flight, [pp] the fixed bytes, and (stage, bytes, seconds)
+    of the embedding and of the head, in that order."""
+
+    stage_of: np.ndarray
+    flight: np.ndarray
+    fixed: np.ndarray
+    extras: tuple[tuple[int, float, float], ...]
+
+
+def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
+    """``EvaluationConstants`` of a problem, for callers that evaluate many plans of it."""
+    V = problem.num_virtual_stages
+    flight = problem.in_flight_of_virtual().astype(float)  # [V]
+    extras = tuple((int(problem.stage_of[v]), extra.static_bytes + flight[v] * extra.activation_bytes, extra.time_s)
+                   for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)))
+    return EvaluationConstants(np.asarray(problem.stage_of), flight, problem.fixed_bytes.astype(float), extras)
+
+
+def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...], columns: np.ndarray, codes: np.ndarray,
+                   constants: EvaluationConstants | None = None) -> PlanCost:
     """``evaluate`` of a plan given as layers per virtual stage and each layer's entry of
     ``problem.costs`` (its index in that order, ``cost_columns``' columns), the form solvers
-    hold plans in. ``evaluate_codes_many`` does the same for N plans; a batch of one through it
-    costs ~15 µs more, a tenth of the heuristic's per-call budget, so this stays its own pass."""
+    hold plans in (``constants``: ``evaluation_constants``, where the caller has them).
+    ``evaluate_codes_many`` does the same for N plans; a batch of one through it costs ~15 µs
+    more, a tenth of the heuristic's per-call budget, so this stays its own pass."""
     pp, V = problem.pp, problem.num_virtual_stages
+    constants = constants if constants is not None else evaluation_constants(problem)
     virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
-    stage = np.asarray(problem.stage_of)[virtual]
-    flight = problem.in_flight_of_virtual().astype(float)  # [V]
+    stage = constants.stage_of[virtual]
     seconds, static, activation, recomputing = columns[:, codes]  # [L] each
-    memory = problem.fixed_bytes.astype(float) + np.bincount(stage, weights=static + flight[virtual] * activation,
-                                                             minlength=pp)
+    memory = constants.fixed + np.bincount(stage, weights=static + constants.flight[virtual] * activation, minlength=pp)
     time = np.bincount(stage, weights=seconds, minlength=pp)
-    for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
-        s = int(problem.stage_of[v])
-        memory[s] += extra.static_bytes + flight[v] * extra.activation_bytes
-        time[s] += extra.time_s
+    for s, extra_bytes, extra_s in constants.extras:  # the embedding's, then the head's
+        memory[s] += extra_bytes
+        time[s] += extra_s
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(stage, weights=recomputing, minlength=pp) > 0
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
@@ -165,29 +185,29 @@ def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...], colum
 
 
 def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], columns: np.ndarray,
-                        codes: np.ndarray) -> list[PlanCost]:
+                        codes: np.ndarray, constants: EvaluationConstants | None = None) -> list[PlanCost]:
     """``evaluate_codes`` of N plans with the same layers per virtual stage, ``codes`` [N, L]:
     one pass for all of them (the uniform placement under each option). Each plan's sums are
     those ``evaluate_codes`` takes alone: its layers in order into its own (plan, stage) bins,
     then the embedding's and the head's terms one after the other."""
     pp, V = problem.pp, problem.num_virtual_stages
+    constants = constants if constants is not None else evaluation_constants(problem)
     N = len(codes)
     virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
-    bins = (pp * np.arange(N)[:, None] + np.asarray(problem.stage_of)[virtual]).reshape(-1)  # [N·L]
-    flight = problem.in_flight_of_virtual().astype(float)  # [V]
+    bins = (pp * np.arange(N)[:, None] + constants.stage_of[virtual]).reshape(-1)  # [N·L]
     seconds, static, activation, recomputing = columns[:, codes]  # [N, L] each
-    held = np.bincount(bins, weights=(static + flight[virtual] * activation).reshape(-1), minlength=N * pp)
-    memory = problem.fixed_bytes.astype(float) + held.reshape(N, pp)
+    held = np.bincount(bins, weights=(static + constants.flight[virtual] * activation).reshape(-1), minlength=N * pp)
+    memory: np.ndarray = constants.fixed + held.reshape(N, pp)
     time: np.ndarray = np.bincount(bins, weights=seconds.reshape(-1), minlength=N * pp).reshape(N, pp)
-    for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):
-        s = int(problem.stage_of[v])
-        memory[:, s] += extra.static_bytes + flight[v] * extra.activation_bytes
-        time[:, s] += extra.time_s
+    for s, extra_bytes, extra_s in constants.extras:  # the embedding's, then the head's
+        memory[:, s] += extra_bytes
+        time[:, s] += extra_s
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
     fits = np.all(memory <= problem.memory_limit_bytes, axis=1).tolist()
-    return [PlanCost(memory[n], time[n], composed_step_s(problem, time[n]), bool(fits[n])) for n in range(N)]
+    steps = composed_steps_s(problem, time).tolist()
+    return [PlanCost(memory[n], time[n], steps[n], bool(fits[n])) for n in range(N)]
 
 
 def stage_bases(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -210,6 +230,13 @@ def composed_step_s(problem: BalanceProblem, stage_time_s: np.ndarray) -> float:
     """(m − 1/v)·max_s T_s + (1/v)·Σ_s T_s seconds (module docstring), T_s per micro-batch."""
     v = problem.chunks_per_stage
     return float((problem.num_micro_batches - 1 / v) * stage_time_s.max() + stage_time_s.sum() / v)
+
+
+def composed_steps_s(problem: BalanceProblem, stage_time_s: np.ndarray) -> np.ndarray:
+    """``composed_step_s`` of N plans at once, ``stage_time_s`` [N, pp]: [N] seconds, each the
+    same float (a row's max and sum are the 1-D ones: the same pairwise sum per row)."""
+    v = problem.chunks_per_stage
+    return (problem.num_micro_batches - 1 / v) * stage_time_s.max(axis=1) + stage_time_s.sum(axis=1) / v
 
 
 def simulated_step_s(problem: BalanceProblem, plan: Plan, schedule: str) -> float:

@@ -34,8 +34,9 @@ chunks (``_exact_stages``), so chunk times stay even; the greedy only ranks plac
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from math import comb, prod
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,11 +48,12 @@ from ndplan.balance.problem import (
     chunk_loads,
     cost_columns,
     cost_index,
+    end_units,
     evaluate_codes,
     evaluate_codes_many,
+    evaluation_constants,
     layer_units,
     load_spread,
-    load_weights,
     stage_bases,
     uniform_counts,
 )
@@ -59,6 +61,22 @@ from ndplan.balance.problem import (
 WINDOW = 2  # per-chunk counts n_s within ⌊R/pp⌋ − 2 … ⌈R/pp⌉ + 2
 _ROUNDING = 1e-9  # a quotient this close above an integer may be that integer rounded up
 _MARGIN = 1e-9  # of the limit (80 bytes of 80 GB), kept free against rounding
+_PAIR = np.array([[0], [1]])  # ``_Greedy.solve``'s bytes saved and seconds added, gathered at once
+_PAIR.flags.writeable = False
+
+
+class _Loads(NamedTuple):
+    """``_Greedy.loads``: each kind's ``layer_units``, ``load_weights`` ([L] every layer's units,
+    [V] each virtual stage's ``end_units``), [pp, v] the latter per (stage, chunk), the
+    ``load_spread``, [pp, v] the virtual stage of each (stage, chunk), and [pp, v] each chunk's
+    place among its stage's, fewest micro-batches in flight first."""
+
+    units: dict[str, float]
+    weights: tuple[np.ndarray, np.ndarray]
+    chunk_ends: np.ndarray
+    spread: float
+    virtual_at: np.ndarray
+    flight_rank: np.ndarray
 
 
 class _Greedy:
@@ -82,9 +100,10 @@ class _Greedy:
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
         cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
-        self.time = np.array([[c.time_s for c in row] for row in cost])  # [G, R]
-        static = np.array([[c.static_bytes for c in row] for row in cost])
-        activation = np.array([[c.activation_bytes for c in row] for row in cost])
+        # [G, R] seconds, static and activation bytes, from one [3, G, R] table.
+        self.time, static, activation = np.array([[[c.time_s for c in row] for row in cost],
+                                                  [[c.static_bytes for c in row] for row in cost],
+                                                  [[c.activation_bytes for c in row] for row in cost]], dtype=float)
         weight = np.zeros((pp, v))
         weight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
         memory = static[None, None] + weight[:, :, None, None] * activation[None, None]  # [pp, v, G, R]
@@ -93,7 +112,9 @@ class _Greedy:
         # chunks fewest first, each kind's options most bytes first, and which recompute.
         self.flight, self.static, self.activation = weight, static, activation
         self.flight_order = np.argsort(weight, axis=1, kind="stable")  # [pp, v]
+        self._problem = problem  # for ``loads``, computed where a solver weighs loads
         self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
+        self.falling_activation = activation[np.arange(len(self.kinds))[:, None], self.by_activation]  # [G, R] in that order
         self.recomputes = np.array([option != "none" for option in options])
         self.head_recomputes = tuple(self.recomputes[:-1].tolist())  # ``_heads``' key
         self.none = options.index("none") if "none" in options else None
@@ -110,25 +131,26 @@ class _Greedy:
         # The walk over flat (stage, chunk, kind) groups, gathering with flat indices.
         R = len(options)
         flat_memory, flat_time = memory.reshape(-1, R), time.reshape(-1, R)
-        groups = np.arange(len(flat_memory))
+        row = np.arange(len(flat_memory)) * R  # flat index of each group's first option: flat ``take``s gather
         at = current.reshape(-1)
-        self.step_option = np.empty((len(groups), steps), dtype=np.int64)
-        self.step_save = np.zeros((len(groups), steps))  # bytes saved per layer moved
-        self.step_time = np.zeros((len(groups), steps))  # seconds added per layer moved
-        slope = np.full((len(groups), steps), np.inf)
+        self.step_option = np.empty((len(row), steps), dtype=np.int64)
+        self.step_save = np.zeros((len(row), steps))  # bytes saved per layer moved
+        self.step_time = np.zeros((len(row), steps))  # seconds added per layer moved
+        slope = np.empty((len(row), steps))
         with np.errstate(divide="ignore", invalid="ignore"):  # ratios where nothing is saved are discarded
             for h in range(steps):
-                saved = flat_memory[groups, at][:, None] - flat_memory
-                added = flat_time - flat_time[groups, at][:, None]
+                saved = flat_memory.take(row + at)[:, None] - flat_memory
+                added = flat_time - flat_time.take(row + at)[:, None]
                 ratio = np.where(saved > 0, added / saved, np.inf)
                 best = ratio.argmin(axis=-1)
-                best_ratio = ratio[groups, best]
+                chosen = row + best
+                best_ratio = ratio.take(chosen)  # finite, or +inf where no option saves bytes
                 moves = np.isfinite(best_ratio)
                 at = np.where(moves, best, at)
                 self.step_option[:, h] = at
-                self.step_save[:, h] = np.where(moves, saved[groups, best], 0.0)
-                self.step_time[:, h] = np.where(moves, added[groups, best], 0.0)
-                slope[:, h] = np.where(moves, best_ratio, np.inf)
+                self.step_save[:, h] = np.where(moves, saved.take(chosen), 0.0)
+                self.step_time[:, h] = np.where(moves, added.take(chosen), 0.0)
+                slope[:, h] = best_ratio
         self.step_option = self.step_option.reshape(*current.shape, steps)  # [pp, v, G, steps]
         self.step_save = self.step_save.reshape(*current.shape, steps)
         self.step_time = self.step_time.reshape(*current.shape, steps)
@@ -142,7 +164,7 @@ class _Greedy:
         self.move_time = self.step_time.reshape(pp, -1)[rows, self.order]
         flat = (pp, -1)
         self.start_time = self.time[np.arange(len(self.kinds))[None, None], self.start].reshape(flat)  # [pp, v·G]
-        self.start_memory = flat_memory[groups, self.start.reshape(-1)].reshape(flat)
+        self.start_memory = flat_memory.take(row + self.start.reshape(-1)).reshape(flat)
         if self.none is not None:
             self.plain_time = time[..., self.none].reshape(flat)
             self.plain_memory = memory[..., self.none].reshape(flat)
@@ -163,6 +185,23 @@ class _Greedy:
         entry = cost_index(problem)
         self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
         self.cost_columns = cost_columns(problem)
+        self.evaluation = evaluation_constants(problem)
+
+    @cached_property
+    def loads(self) -> _Loads:
+        """What weighs chunk loads (``_even_out``, ``prefix._split``), once per problem."""
+        problem = self._problem
+        pp, v = problem.pp, problem.chunks_per_stage
+        units = layer_units(problem)
+        ends = end_units(problem)
+        chunk_ends = np.zeros((pp, v))
+        chunk_ends[problem.stage_of, problem.chunk_of] = ends
+        virtual_at = np.zeros((pp, v), dtype=np.int64)
+        virtual_at[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
+        flight_rank = np.empty_like(self.flight_order)
+        flight_rank[np.arange(pp)[:, None], self.flight_order] = np.arange(v)
+        weights = (np.array([units[kind] for kind in self.kinds])[self.codes], ends)
+        return _Loads(units, weights, chunk_ends, load_spread(problem, units), virtual_at, flight_rank)
 
     def solve(self, stage: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For queries (``stage`` [Q], ``counts`` [Q, v, G] layers per chunk and kind): least
@@ -191,26 +230,25 @@ class _Greedy:
         for move in range(1, len(steps)):
             np.add(running[move - 1], steps[move], out=running[move])
         moves = len(steps)
+        short = deficit > 0  # over the limit with every layer at its fastest option
         whole = (running[:, 0] < deficit).sum(axis=0)  # moves taken whole
-        fits = (deficit <= 0) | (whole < moves)
-        whole = np.where(deficit <= 0, 0, np.minimum(whole, moves - 1))
+        fits = ~short | (whole < moves)
+        whole = np.where(short, np.minimum(whole, moves - 1), 0)
         last = np.maximum(whole - 1, 0)
-        pair = np.array([[0], [1]])  # bytes saved, seconds added: both gathered at once
-        before, spent = np.where(whole > 0, running.take((last * 2 + pair) * Q + query), 0.0)
-        unit, unit_time = per_move.take((whole * 2 + pair) * Q + query)
+        before, spent = np.where(whole > 0, running.take((last * 2 + _PAIR) * Q + query), 0.0)
+        unit, unit_time = per_move.take((whole * 2 + _PAIR) * Q + query)
         with np.errstate(divide="ignore", invalid="ignore"):
             partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
-        partial = np.where((deficit > 0) & np.isfinite(partial), partial, 0.0)
-        partial += (deficit > 0) & (before + partial * unit < deficit)  # rounding: one more layer
+        partial = np.where(short & np.isfinite(partial), partial, 0.0)
+        partial += short & (before + partial * unit < deficit)  # rounding: one more layer
         fits &= partial <= layers.take(whole * Q + query)
         greedy = np.where(fits, time + spent + partial * unit_time, np.inf)
-        plain = np.zeros(Q, dtype=bool)
-        if self.none is not None:
-            plain_bytes = base_plain + sums[2]
-            plain_time = base_time + sums[3]
-            plain = (plain_bytes <= limit) & (plain_time <= greedy)
-            greedy = np.where(plain, plain_time, greedy)
-        return greedy, plain, whole, partial.astype(np.int64)
+        if self.none is None:
+            return greedy, np.zeros(Q, dtype=bool), whole, partial.astype(np.int64)
+        plain_bytes = base_plain + sums[2]
+        plain_time = base_time + sums[3]
+        plain = (plain_bytes <= limit) & (plain_time <= greedy)
+        return np.where(plain, plain_time, greedy), plain, whole, partial.astype(np.int64)
 
     def options(self, stage: int, counts: np.ndarray, plain: bool, whole: int, partial: int) -> np.ndarray:
         """[v, G, R] layers of each chunk and kind on each option, from ``solve``'s answer for
@@ -277,10 +315,11 @@ _EXACT_CELLS = 1 << 16  # mixes per stage beyond which a placement keeps the gre
 _BATCH_CELLS = 1 << 18  # mixes priced in one batch (stages padded to the largest), bounding temporary memory
 
 
-def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) -> list[np.ndarray | None]:
-    """Per stage, [v, G, R] layers of each chunk and kind on each option: the least-time mix that
-    fits on the stage holding ``held[s]`` [v, G] layers, with each kind's options dealt to the
-    chunks (``chunks.dealt_chunks``); None where none fits (or the kinds' mixes are too many).
+def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[pp, v, G, R] layers of each chunk and kind on each option: per stage, the least-time mix
+    that fits on the stage holding ``held[s]`` [v, G] layers, with each kind's options dealt to
+    the chunks (``chunks.dealt_chunks``); and [pp] whether it was found, False where none fits
+    (or the kinds' mixes are too many), whose rows mean nothing.
 
     Per kind, time depends on its option counts N_r only, and so do the bytes once dealt: every
     combination of the kinds' mixes is priced, with the stage's transient where any layer
@@ -290,6 +329,8 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     """
     R = len(problem.options)
     totals = held.sum(axis=1)  # [pp, G]
+    choice = np.zeros((*held.shape, R), dtype=np.int64)
+    found = np.zeros(problem.pp, dtype=bool)
     # Mixes grow with the layers of each kind: where the most of each fit, every stage does.
     most = prod(comb(n + R - 1, R - 1) for n in totals.max(axis=0).tolist())
     if most <= _EXACT_CELLS:
@@ -297,9 +338,8 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     else:
         sizes = np.prod([[comb(int(n) + R - 1, R - 1) for n in row] for row in totals.tolist()], axis=1)  # mixes per stage
         priced = np.flatnonzero(sizes <= _EXACT_CELLS)
-    out: list[np.ndarray | None] = [None] * problem.pp
     if not len(priced):
-        return out
+        return choice, found
     padded = len(priced) * (most if len(priced) == problem.pp else
                             prod(comb(n + R - 1, R - 1) for n in totals[priced].max(axis=0).tolist()))
     if padded <= _BATCH_CELLS:
@@ -308,10 +348,17 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
         signature = [tuple(row) for row in totals[priced].tolist()]
         batches = [priced[[i for i, s in enumerate(signature) if s == key]] for key in dict.fromkeys(signature)]
     for stages in batches:
-        choice, seconds = _dealt_mixes(problem, greedy, stages, held[stages])
-        fits = np.isfinite(seconds)
-        for i in np.flatnonzero(fits).tolist():
-            out[int(stages[i])] = choice[i]
+        choice[stages], seconds = _dealt_mixes(problem, greedy, stages, held[stages])
+        found[stages] = np.isfinite(seconds)
+    return choice, found
+
+
+@lru_cache(maxsize=16)
+def _upper_ones(R: int) -> np.ndarray:
+    """[R, R] integer ones on and above the diagonal: x @ it is x's running sum along its last
+    axis, exactly (read-only; cached)."""
+    out = np.triu(np.ones((R, R), dtype=np.int64))
+    out.flags.writeable = False
     return out
 
 
@@ -344,43 +391,42 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
 
     v, G = counts.shape[1:]
     R, S = len(problem.options), len(stages)
-    flight = greedy.flight[stages]
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
     grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
-    time_total: np.ndarray = np.zeros(grid)
-    bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid).copy()
-    any_recompute: np.ndarray = np.zeros(grid, dtype=bool)
-    void: np.ndarray = np.zeros(grid, dtype=bool)
-    kind_ordered, kind_ends = [], []
+    bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid)
+    kind_ordered, kind_ends, kind_times, kind_recomputes = [], [], [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
-    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), flight)  # [S, G, most layers + 1], ...
+    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), greedy.flight[stages],
+                                                 greedy.flight_order[stages])  # [S, G, most layers + 1], ...
     first_slot = (np.arange(S) * G)[:, None, None] * slots.shape[2]  # flat index of each stage's kind 0 slots
     for g in range(G):
-        by_activation = greedy.by_activation[g]
         heads, head_layers, head_recomputes = _heads(int(held[:, g].max()), greedy.head_recomputes)  # [K, R − 1], [K], [K]
         rest = held[:, g, None] - head_layers  # [S, K] layers on the last option
         mixes = np.empty((S, len(heads), R), dtype=np.int64)
         mixes[:, :, :-1] = heads
         mixes[:, :, -1] = np.maximum(rest, 0)
-        ordered = mixes.take(by_activation, axis=2)  # options most bytes first
-        ends = ordered.copy()  # [S, K, R] slots dealt after each option
-        for r in range(1, R):
-            ends[:, :, r] += ends[:, :, r - 1]
-        at = first_slot + g * slots.shape[2]
-        weight = slots.take(at + ends) - slots.take(at + ends - ordered)  # [S, K, R]
-        kind_bytes = mixes @ greedy.static[g] + weight @ greedy.activation[g, by_activation]
+        ordered = mixes.take(greedy.by_activation[g], axis=2)  # options most bytes first
+        ends = ordered @ _upper_ones(R)  # [S, K, R] slots dealt after each option (a running sum; faster than cumsum here)
+        last = first_slot + g * slots.shape[2] + ends
+        weight = slots.take(last) - slots.take(last - ordered)  # [S, K, R]
+        kind_bytes = mixes @ greedy.static[g] + weight @ greedy.falling_activation[g]
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
-        time_total = time_total + (mixes @ greedy.time[g]).reshape(shape)
-        bytes_total = bytes_total + kind_bytes.reshape(shape)
+        # A void mix holds +inf bytes: it never fits.
+        bytes_total = bytes_total + np.where(rest < 0, np.inf, kind_bytes).reshape(shape)
+        kind_times.append((mixes @ greedy.time[g]).reshape(shape))
         # Some layer recomputes: on one of the first R − 1 options (the same for every stage) or on the last.
-        any_recompute = any_recompute | (head_recomputes | (greedy.recomputes[-1] & (rest > 0))).reshape(shape)
-        void = void | (rest < 0).reshape(shape)
+        recomputing = head_recomputes | (rest > 0) if greedy.recomputes[-1] else np.broadcast_to(head_recomputes, rest.shape)
+        kind_recomputes.append(recomputing.reshape(shape))
         kind_ordered.append(ordered)
         kind_ends.append(ends)
+    time_total, any_recompute = kind_times[0], kind_recomputes[0]
+    for g in range(1, G):
+        time_total, any_recompute = time_total + kind_times[g], any_recompute | kind_recomputes[g]
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
-    seconds = np.where((memory <= limit) & ~void, time_total, np.inf).reshape(S, -1)  # time_total has every kind's axis
-    best = np.unravel_index(seconds.argmin(axis=1), memory.shape[1:])  # per kind [S] its mix
+    seconds = np.where(memory <= limit, time_total, np.inf).reshape(S, -1)  # time_total has every kind's axis
+    mix = seconds.argmin(axis=1)
+    best = np.unravel_index(mix, memory.shape[1:])  # per kind [S] its mix
     # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
     # (``chunks.dealt_chunks``), every stage and kind at once. Option r takes the slots
     # [ends_r − n_r, ends_r); after k slots the i-th chunk (fewest in flight first) holds
@@ -398,26 +444,42 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     choice = np.empty((S, v, G, R), dtype=np.int64)
     choice[stage[:, None, None, None], order[:, None, None, :], np.arange(G)[None, :, None, None],
            greedy.by_activation[None, :, :, None]] = dealt[1] - dealt[0]
-    return choice, seconds.min(axis=1) + greedy.base_time[stages]
+    return choice, seconds[np.arange(S), mix] + greedy.base_time[stages]
 
 
-def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], exact: bool = True
-             ) -> tuple[Plan, PlanCost] | None:
+class _Solved(NamedTuple):
+    """The greedy's answers (``_Greedy.solve``) for a placement's stages, by stage: ``held``
+    [pp, v, G] the layers per chunk and kind they answer, and ``answers`` its four [pp] arrays."""
+
+    held: np.ndarray
+    answers: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], exact: bool = True,
+             solved: _Solved | None = None) -> tuple[Plan, PlanCost] | None:
     """A placement with each stage's least-time recompute that fits (``_exact_stages``; the
     greedy's where the mixes are too many or ``exact`` is False), evaluated; None if a stage
-    cannot fit."""
+    cannot fit. ``solved``: the greedy's answers for the stages, if known (a DP solved them)."""
     per_chunk = _chunk_counts(problem, greedy, counts)
-    time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
+    # ``solve`` answers each query alone (every operation runs along the queries), so answers
+    # from another batch are the ones it would give here, where they hold the same layers.
+    if solved is not None and np.array_equal(solved.held, per_chunk):
+        time, plain, whole, partial = solved.answers
+    else:
+        time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
     if not np.isfinite(time).all():
         return None
-    exact_choice = _exact_stages(problem, greedy, per_chunk) if exact else [None] * problem.pp
-    choice = [best if best is not None else
-              greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
-              for s, best in enumerate(exact_choice)]
+    if exact:
+        choice, found = _exact_stages(problem, greedy, per_chunk)  # [pp, v, G, R], [pp]
+    else:
+        choice, found = np.empty((*per_chunk.shape, len(problem.options)), dtype=np.int64), np.zeros(problem.pp, bool)
+    if not found.all():  # the greedy's recompute where the exact one is missing
+        for s in np.flatnonzero(~found).tolist():
+            choice[s] = greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
     # Each layer takes, in model order within its chunk and kind, the options in turn: the
     # layer of rank k among its (virtual stage, kind) takes the first option whose running
     # count exceeds k (inside a chunk their order changes neither memory nor time).
-    held = np.stack(choice)[problem.stage_of, problem.chunk_of]  # [V, G, R]
+    held = choice[problem.stage_of, problem.chunk_of]  # [V, G, R]
     sizes = np.asarray(counts)
     virtual = np.repeat(np.arange(problem.num_virtual_stages), sizes)  # [L]
     # A virtual stage's layers are a run: a layer's rank in its (virtual stage, kind) is its
@@ -427,7 +489,7 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
     plan = Plan(counts, tuple(map(problem.options.__getitem__, option.tolist())))
-    cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option])
+    cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option], greedy.evaluation)
     return (plan, cost) if cost.fits else None
 
 
@@ -495,17 +557,13 @@ def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> 
     return _virtual_counts(problem, forward, n, e)
 
 
-def _even_out(problem: BalanceProblem, counts: tuple[int, ...]) -> tuple[int, ...]:
+def _even_out(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...]) -> tuple[int, ...]:
     """The placement with each stage's layers moved between its own chunks (same stage totals)
     until their loads are even (``even_chunks``): one layer at a time from the heaviest chunk
     that holds more than one to the lightest. A move shifts which kinds later chunks hold, so
     loads are recomputed after every move (a bounded number of them)."""
-    out = np.asarray(counts, dtype=np.int64).copy()
-    units = layer_units(problem)  # weighed once for the loads and their spread
-    spread = load_spread(problem, units)
-    weights = load_weights(problem, units)
-    chunk_of = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)  # [stage, chunk] virtual stage
-    chunk_of[problem.stage_of, problem.chunk_of] = np.arange(problem.num_virtual_stages)
+    out = np.array(counts, dtype=np.int64)
+    spread, weights, chunk_of = greedy.loads.spread, greedy.loads.weights, greedy.loads.virtual_at  # weighed once per problem
     for _ in range(problem.num_layers * problem.pp):
         loads = chunk_loads(problem, out, weights)  # [pp, v]
         held = out[chunk_of]
@@ -526,7 +584,7 @@ def uniform_candidates(problem: BalanceProblem, greedy: _Greedy | None = None, *
     greedy = greedy or _Greedy(problem)
     counts = uniform_counts(problem)
     # Every option at once: one evaluation of R plans of the same placement.
-    costs = evaluate_codes_many(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes].T)
+    costs = evaluate_codes_many(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes].T, greedy.evaluation)
     found = [(Plan(counts, (option,) * problem.num_layers), cost)
              for option, cost in zip(problem.options, costs, strict=True) if cost.fits]
     if mixed:
@@ -544,7 +602,7 @@ def solve_rounds(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan, P
     placements = [_periodic(problem, greedy, window, R) for R in (per_round, per_round - 1)]
     # The placements ranked by the greedy's (undealt) recompute; the best that fits once dealt.
     ranked = []
-    for placement in dict.fromkeys(_even_out(problem, c) for c in placements if c is not None):
+    for placement in dict.fromkeys(_even_out(problem, greedy, c) for c in placements if c is not None):
         estimate = _plan_of(problem, greedy, placement, exact=False)
         if estimate is not None:
             ranked.append((estimate[1].step_s, placement))
