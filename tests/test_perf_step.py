@@ -467,3 +467,24 @@ def test_fsdp_across_nodes_hides_under_nvlink_collectives_too(monkeypatch):
     assert across["ep"] > 0.1
     assert across["dp"] == pytest.approx(across_uncovered["dp"] - across["ep"])
     assert inside["dp"] == pytest.approx(inside_uncovered["dp"])
+
+
+def test_unpaired_forwards_closed_forms_match_the_op_order():
+    """The steady-phase closed forms ``unpaired_forwards`` takes for long schedules count what
+    the op order counts, on every valid shape of a grid (pp 2-16, m 2·pp to 6·pp)."""
+    from ndplan.errors import NdplanError
+    from ndplan.schedule.pairing import _counted, _steady_unpaired
+
+    checked = 0
+    for schedule, vpps in (("1f1b", (1,)), ("zb-h1", (1,)), ("interleaved", (2, 3, 4)), ("zbv", (2,)),
+                           ("dualpipev", (2,)), ("gpipe", (1,))):
+        for pp in (2, 3, 4, 5, 8, 16):
+            for vpp in vpps:
+                for m in range(2 * pp, 6 * pp + 1):
+                    try:
+                        counted = _counted(schedule, pp, vpp, m, 1)
+                    except NdplanError:  # a shape the schedule does not run
+                        continue
+                    assert (_steady_unpaired(schedule, pp, vpp, m), m * vpp) == counted, (schedule, pp, vpp, m)
+                    checked += 1
+    assert checked > 500

@@ -31,9 +31,35 @@ from ndplan.schedule.builders import build_plan
 FORWARD, BACKWARD = 0, 1
 
 
+def _steady_unpaired(schedule: str, pp: int, vpp: int, m: int) -> int | None:
+    """The count ``_counted`` finds, in closed form where every stage reaches a steady phase
+    (pp >= 2, m >= 2·pp, one sequence chunk; checked against the op order on a grid of shapes in
+    the tests), else None: building a long schedule to count its warm-up costs tens of
+    milliseconds, which a search would pay per distinct micro-batch count."""
+    if pp < 2 or m < 2 * pp:
+        return None
+    closed_forms = {
+        "1f1b": pp - 1,
+        "zb-h1": pp - 1,
+        "interleaved": (pp - 1) * 2 + (vpp - 1) * pp,  # Megatron's interleaved warm-up
+        "zbv": 2 * pp,
+        "dualpipev": 3 * pp - 1,  # DualPipeV's phases 1-3 on the first stage
+        "gpipe": m - 1,
+    }
+    return closed_forms.get(schedule)
+
+
 @lru_cache(maxsize=1024, typed=True)
 def unpaired_forwards(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int = 1) -> tuple[int, int]:
     """(unpaired forwards, forwards) of the first stage of one step (see module docstring)."""
+    steady = _steady_unpaired(schedule, pp, vpp, m) if seq_chunks == 1 else None
+    if steady is not None:
+        return steady, m * vpp
+    return _counted(schedule, pp, vpp, m, seq_chunks)
+
+
+def _counted(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[int, int]:
+    """``unpaired_forwards`` counted from the schedule's op order."""
     stage = build_plan(schedule, pp, vpp, m, seq_chunks)[0]
     kind = stage.kind
     forwards = int(np.count_nonzero(kind == FORWARD))
