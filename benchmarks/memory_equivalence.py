@@ -14,7 +14,6 @@ must be equal, floats equal or within 1e-12 relative. It exits 1 if any differs.
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -24,12 +23,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_memory import random_batch  # noqa: E402
+from equivalence import record_or_compare  # noqa: E402
 
 from ndplan.memory import MemoryOptions, stage_memory  # noqa: E402
 from ndplan.memory.stages import peak_memory, static_lower_bound  # noqa: E402
 from ndplan.model import get_preset  # noqa: E402
 
-RTOL = 1e-12
 CASES = (("deepseek-v3", 4096), ("llama-3.1-405b", 16384), ("llama-3.1-8b", 64))
 RUNTIMES = ("pytorch", "megatron")
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient", "optimizer_step",
@@ -56,35 +55,13 @@ def figures(count: int) -> dict[str, np.ndarray]:
     return out
 
 
-def differs(a: np.ndarray, b: np.ndarray) -> bool:
-    """Shapes, kinds or values differ (floats beyond RTOL relative)."""
-    if a.shape != b.shape or a.dtype.kind != b.dtype.kind:
-        return True
-    if a.dtype.kind == "f":
-        return not bool(np.all((a == b) | (np.abs(a - b) <= RTOL * np.abs(a))))
-    return not np.array_equal(a, b)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("record", "compare"))
     parser.add_argument("path", help="pickle of the cases' figures")
     parser.add_argument("--count", type=int, default=200_000, help="strategies per model")
     args = parser.parse_args()
-    now = figures(args.count)
-    if args.action == "record":
-        with open(args.path, "wb") as f:
-            pickle.dump(now, f)
-        print(f"recorded {len(now)} arrays to {args.path}")
-        return
-    with open(args.path, "rb") as f:
-        before = pickle.load(f)
-    different = [key for key, value in before.items() if key not in now or differs(value, now[key])]
-    for key in different:
-        print(f"{key}: differs")
-    print(f"{len(before)} arrays, {len(different)} differences")
-    sys.exit(1 if different else 0)
-
+    record_or_compare(args.action, args.path, figures(args.count), "arrays")
 
 if __name__ == "__main__":
     main()

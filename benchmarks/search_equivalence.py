@@ -19,12 +19,12 @@ counts and indices must be equal, floats within 1e-12 relative. It exits 1 if an
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 import time
 from typing import Any
 
 import numpy as np
+from equivalence import record_or_compare
 
 from ndplan.hardware import get_device
 from ndplan.memory import MemoryOptions
@@ -32,7 +32,6 @@ from ndplan.model import get_preset
 from ndplan.search import default_space, run_search
 from ndplan.strategy import get_precision
 
-RTOL = 1e-12
 GIB = 1 << 30
 
 # (model, devices, global batch, memory limit in GiB or None for the device's)
@@ -76,53 +75,12 @@ def answers() -> dict[str, dict[str, Any]]:
     return out
 
 
-def _close(a: Any, b: Any) -> bool:
-    """Equal, floats within RTOL relative (element-wise for arrays and tuples)."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        a, b = np.asarray(a), np.asarray(b)
-        if a.shape != b.shape or a.dtype.kind != b.dtype.kind:
-            return False
-        if a.dtype.kind == "f":
-            return bool(np.all((a == b) | (np.abs(a - b) <= RTOL * np.abs(a))))
-        return bool(np.array_equal(a, b))
-    if isinstance(a, float) or isinstance(b, float):
-        if a is None or b is None:
-            return a is b
-        return a == b or abs(a - b) <= RTOL * abs(a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
-    return bool(a == b)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("record", "compare"))
     parser.add_argument("path", help="pickle of the cases' answers")
     args = parser.parse_args()
-    now = answers()
-    if args.action == "record":
-        with open(args.path, "wb") as f:
-            pickle.dump(now, f)
-        print(f"recorded {len(now)} cases to {args.path}")
-        return
-    with open(args.path, "rb") as f:
-        before = pickle.load(f)
-    differing = 0
-    for label, expected in before.items():
-        got = now.get(label)
-        if got is None:
-            print(f"{label}: missing")
-            differing += 1
-            continue
-        for key, value in expected.items():
-            if not _close(value, got.get(key)):
-                print(f"{label}: {key} differs")
-                differing += 1
-    print(f"{len(before)} cases, {differing} differences")
-    sys.exit(1 if differing else 0)
-
+    record_or_compare(args.action, args.path, answers(), "cases")
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,63 @@
+"""What the record/compare equivalence scripts share: a tolerant equality and the two actions.
+
+Floats may differ by 1e-12 relative (RTOL); everything else (integers, shapes, kinds, labels,
+keys) must be equal.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+import numpy as np
+
+RTOL = 1e-12
+
+
+def close(a: Any, b: Any) -> bool:
+    """Equal, floats within RTOL relative (element-wise through arrays, sequences and dicts)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape or a.dtype.kind != b.dtype.kind:
+            return False
+        if a.dtype.kind == "f":
+            return bool(np.all((a == b) | (np.abs(a - b) <= RTOL * np.abs(a))))
+        return bool(np.array_equal(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        if a is None or b is None:
+            return a is b
+        return a == b or abs(a - b) <= RTOL * abs(a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def record_or_compare(action: str, path: str, now: dict[str, Any], what: str) -> None:
+    """``record``: store ``now`` at ``path``. ``compare``: report each stored entry that ``now``
+    lacks or that differs (per key, one level down where entries are dicts) and exit 1 if any."""
+    if action == "record":
+        with open(path, "wb") as f:
+            pickle.dump(now, f)
+        print(f"recorded {len(now)} {what} to {path}")
+        return
+    with open(path, "rb") as f:
+        before = pickle.load(f)
+    differing = 0
+    for label, expected in before.items():
+        got = now.get(label)
+        if got is None:
+            print(f"{label}: missing")
+            differing += 1
+        elif isinstance(expected, dict):
+            for key, value in expected.items():
+                if not close(value, got.get(key)):
+                    print(f"{label}: {key} differs")
+                    differing += 1
+        elif not close(expected, got):
+            print(f"{label}: differs")
+            differing += 1
+    print(f"{len(before)} {what}, {differing} differences")
+    sys.exit(1 if differing else 0)
