@@ -145,11 +145,10 @@ def ep_pairing(model: ModelSpec, batch: StrategyBatch, flags: Array) -> tuple[Ar
     fields = ("schedule", "pp", "vpp", "num_micro_batches", "seq_chunks")
     columns = [getattr(batch, name)[on] for name in fields]
     codes, count = row_codes(columns)
-    for index, row in enumerate(first_of_codes(codes, count).tolist()):
-        schedule, pp, vpp, m, k = (int(c[row]) for c in columns)
-        u, f = unpaired_forwards(CODES["schedule"][schedule], pp, vpp, m, k)
-        at = on[codes == index]
-        unpaired[at], passes[at] = u, f
+    counted = np.array([unpaired_forwards(CODES["schedule"][int(columns[0][row])],
+                                          *(int(c[row]) for c in columns[1:]))
+                        for row in first_of_codes(codes, count).tolist()], dtype=np.int64).reshape(count, 2)
+    unpaired[on], passes[on] = counted[codes, 0], counted[codes, 1]
     code[on] = codes + 1
     return unpaired, passes, code
 
