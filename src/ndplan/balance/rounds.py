@@ -89,14 +89,9 @@ class _Greedy:
     """
 
     def __init__(self, problem: BalanceProblem) -> None:
-        self.kinds = tuple(sorted(set(problem.layer_kinds)))
-        code_of = {kind: g for g, kind in enumerate(self.kinds)}
-        self.codes = np.fromiter(map(code_of.__getitem__, problem.layer_kinds), np.int64, problem.num_layers)  # [L] kind of each layer
-        # For ``_plan_of``: [G, L + 1] layers of each kind before each layer, and [L] each layer's rank among its kind.
-        L = problem.num_layers
-        self.kind_before = np.zeros((len(self.kinds), L + 1), dtype=np.int64)
-        np.cumsum(self.codes[None] == np.arange(len(self.kinds))[:, None], axis=1, out=self.kind_before[:, 1:])
-        self.kind_rank = self.kind_before[self.codes, np.arange(L)]
+        # [L] kind of each layer; for ``_plan_of``, [G, L + 1] layers of each kind before each
+        # layer and [L] each layer's rank among its kind.
+        self.kinds, self.codes, self.kind_before, self.kind_rank = _kind_tables(problem.layer_kinds)
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
         cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
@@ -115,9 +110,7 @@ class _Greedy:
         self._problem = problem  # for ``loads``, computed where a solver weighs loads
         self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
         self.falling_activation = activation[np.arange(len(self.kinds))[:, None], self.by_activation]  # [G, R] in that order
-        self.recomputes = np.array([option != "none" for option in options])
-        self.head_recomputes = tuple(self.recomputes[:-1].tolist())  # ``_heads``' key
-        self.none = options.index("none") if "none" in options else None
+        self.recomputes, self.head_recomputes, self.none = _option_flags(options)
         self.base_bytes, self.base_time, self.transient = stage_bases(problem)
         self.limit = problem.memory_limit_bytes
         # Hull walk per (stage, chunk, kind): from the fastest option (least bytes among ties),
@@ -271,6 +264,32 @@ class _Greedy:
         chunk, kind = np.indices((v, G))
         np.add.at(out, (chunk, kind, at), counts - moved)
         return out
+
+
+@lru_cache(maxsize=64)
+def _kind_tables(layer_kinds: tuple[str, ...]) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """``_Greedy``'s layer kinds (sorted), [L] each layer's kind, [G, L + 1] layers of each kind
+    before each layer and [L] each layer's rank among its kind. Read-only; cached, as they depend
+    on the model's layer kinds only, the same for every strategy a search weighs."""
+    kinds = tuple(sorted(set(layer_kinds)))
+    code_of = {kind: g for g, kind in enumerate(kinds)}
+    L = len(layer_kinds)
+    codes = np.fromiter(map(code_of.__getitem__, layer_kinds), np.int64, L)
+    kind_before = np.zeros((len(kinds), L + 1), dtype=np.int64)
+    np.cumsum(codes[None] == np.arange(len(kinds))[:, None], axis=1, out=kind_before[:, 1:])
+    kind_rank = kind_before[codes, np.arange(L)]
+    for array in (codes, kind_before, kind_rank):
+        array.flags.writeable = False
+    return kinds, codes, kind_before, kind_rank
+
+
+@lru_cache(maxsize=16)
+def _option_flags(options: tuple[str, ...]) -> tuple[np.ndarray, tuple[bool, ...], int | None]:
+    """``_Greedy``'s [R] whether each option recomputes, the same but for the last option as
+    ``_heads``' key, and the index of "none" (None if absent). Read-only; cached."""
+    recomputes = np.array([option != "none" for option in options])
+    recomputes.flags.writeable = False
+    return recomputes, tuple(recomputes[:-1].tolist()), options.index("none") if "none" in options else None
 
 
 def _round_orders(problem: BalanceProblem) -> list[bool] | None:
