@@ -101,7 +101,14 @@ class _Greedy:
                                                   [[c.activation_bytes for c in row] for row in cost]], dtype=float)
         weight = np.zeros((pp, v))
         weight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
-        memory = static[None, None] + weight[:, :, None, None] * activation[None, None]  # [pp, v, G, R]
+        # [2, pp, v, G, R] each option's seconds (the same on every chunk) and bytes, in one array
+        # so that one gather picks both (``per_group``).
+        R = len(options)
+        costs = np.empty((2, pp, v, len(self.kinds), R))
+        time, memory = costs
+        time[:] = self.time
+        np.multiply(weight[:, :, None, None], activation, out=memory)
+        memory += static  # static + in-flight bytes (float addition commutes exactly)
         self.memory = memory
         # For dealing options over chunks (``_dealt_mixes``): micro-batches in flight per chunk,
         # chunks fewest first, each kind's options most bytes first, and which recompute.
@@ -115,64 +122,50 @@ class _Greedy:
         self.limit = problem.memory_limit_bytes
         # Hull walk per (stage, chunk, kind): from the fastest option (least bytes among ties),
         # step to the option of least seconds per byte saved, while one saves bytes.
-        time = np.empty(memory.shape)  # [pp, v, G, R] seconds, the same on every chunk
-        time[:] = self.time
         order = np.lexsort((memory, time), axis=-1)
-        current = order[..., 0]  # [pp, v, G]
-        self.start = current.copy()
-        steps = max(len(options) - 1, 1)
+        self.start = order[..., 0].copy()  # [pp, v, G]
+        steps = max(R - 1, 1)
         # The walk over flat (stage, chunk, kind) groups, gathering with flat indices.
-        R = len(options)
-        flat_memory, flat_time = memory.reshape(-1, R), time.reshape(-1, R)
+        flat_time, flat_memory = costs.reshape(2, -1, R)
         row = np.arange(len(flat_memory)) * R  # flat index of each group's first option: flat ``take``s gather
-        at = current.reshape(-1)
+        at = self.start.reshape(-1)
         self.step_option = np.empty((len(row), steps), dtype=np.int64)
-        self.step_save = np.zeros((len(row), steps))  # bytes saved per layer moved
-        self.step_time = np.zeros((len(row), steps))  # seconds added per layer moved
+        gain = np.zeros((2, len(row), steps))  # bytes saved and seconds added per layer moved
         slope = np.empty((len(row), steps))
-        with np.errstate(divide="ignore", invalid="ignore"):  # ratios where nothing is saved are discarded
-            for h in range(steps):
-                saved = flat_memory.take(row + at)[:, None] - flat_memory
-                added = flat_time - flat_time.take(row + at)[:, None]
-                ratio = np.where(saved > 0, added / saved, np.inf)
-                best = ratio.argmin(axis=-1)
-                chosen = row + best
-                best_ratio = ratio.take(chosen)  # finite, or +inf where no option saves bytes
-                moves = np.isfinite(best_ratio)
-                at = np.where(moves, best, at)
-                self.step_option[:, h] = at
-                self.step_save[:, h] = np.where(moves, saved.take(chosen), 0.0)
-                self.step_time[:, h] = np.where(moves, added.take(chosen), 0.0)
-                slope[:, h] = best_ratio
-        self.step_option = self.step_option.reshape(*current.shape, steps)  # [pp, v, G, steps]
-        self.step_save = self.step_save.reshape(*current.shape, steps)
-        self.step_time = self.step_time.reshape(*current.shape, steps)
+        for h in range(steps):
+            here = row + at
+            saved = flat_memory.take(here)[:, None] - flat_memory
+            added = flat_time - flat_time.take(here)[:, None]
+            # Seconds added per byte saved, +inf where nothing is saved (those divisions are
+            # skipped: no warnings to silence, which costs more than the division here).
+            ratio = np.divide(added, saved, out=np.full(saved.shape, np.inf), where=saved > 0)
+            best = ratio.argmin(axis=-1)
+            chosen = row + best
+            best_ratio = ratio.take(chosen)  # finite, or +inf where no option saves bytes
+            moves = np.isfinite(best_ratio)
+            at = np.where(moves, best, at)
+            self.step_option[:, h] = at
+            gain[0, :, h] = np.where(moves, saved.take(chosen), 0.0)
+            gain[1, :, h] = np.where(moves, added.take(chosen), 0.0)
+            slope[:, h] = best_ratio
+        self.step_option = self.step_option.reshape(*self.start.shape, steps)  # [pp, v, G, steps]
         # The order in which a stage's (chunk, kind, step) moves are taken: by slope; a group's
         # steps have rising slopes (a convex hull), and the stable sort keeps them in order.
         self.order = np.argsort(slope.reshape(pp, -1), axis=1, kind="stable")  # [pp, moves]
         self.steps = steps
-        rows = np.arange(pp)[:, None]
         self.move_group = self.order // steps  # [pp, moves] flat (chunk, kind) of each move, in order
-        self.move_save = self.step_save.reshape(pp, -1)[rows, self.order]
-        self.move_time = self.step_time.reshape(pp, -1)[rows, self.order]
-        flat = (pp, -1)
-        self.start_time = self.time[np.arange(len(self.kinds))[None, None], self.start].reshape(flat)  # [pp, v·G]
-        self.start_memory = flat_memory.take(row + self.start.reshape(-1)).reshape(flat)
-        if self.none is not None:
-            self.plain_time = time[..., self.none].reshape(flat)
-            self.plain_memory = memory[..., self.none].reshape(flat)
         # What ``solve`` gathers per query, stacked so that one gather per table serves a batch,
-        # stage last (queries run along the last axis): per stage [3, pp], per chunk and kind
-        # [2 or 4, v·G, pp], per move [moves, 2, pp].
-        # (Filled in place: np.stack's own overhead is most of its cost at these sizes.)
+        # stage last (queries run along the last axis): per stage [3, pp] (filled in place:
+        # np.stack's own overhead is most of its cost at these sizes); per chunk and kind
+        # [2 or 4, v·G, pp] seconds and bytes of its layers at their start option, and at "none";
+        # per move [moves, 2, pp] bytes saved and seconds added per layer. Each of the latter is
+        # one gather, of both quantities at once.
         self.per_stage = np.empty((3, pp))
         self.per_stage[0], self.per_stage[1], self.per_stage[2] = self.base_time, self.base_bytes + self.transient, self.base_bytes
-        tables = [self.start_time, self.start_memory] + ([self.plain_memory, self.plain_time] if self.none is not None else [])
-        self.per_group = np.empty((len(tables), v * len(self.kinds), pp))
-        for k, table in enumerate(tables):
-            self.per_group[k] = table.T
-        self.per_move = np.empty((self.order.shape[1], 2, pp))
-        self.per_move[:, 0], self.per_move[:, 1] = self.move_save.T, self.move_time.T
+        at_start = row + self.start.reshape(-1)
+        picked = costs.reshape(2, -1).take(at_start if self.none is None else np.concatenate((at_start, row + self.none)), axis=1)
+        self.per_group = picked.reshape(2, -1, pp, v * len(self.kinds)).transpose(1, 0, 3, 2).reshape(-1, v * len(self.kinds), pp)
+        self.per_move = gain.reshape(2, pp, -1)[:, np.arange(pp)[:, None], self.order].transpose(2, 0, 1).copy()
         self.move_group_last = self.move_group.T.copy()  # [moves, pp]
         # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``.
         entry = cost_index(problem)
@@ -238,8 +231,8 @@ class _Greedy:
         greedy = np.where(fits, time + spent + partial * unit_time, np.inf)
         if self.none is None:
             return greedy, np.zeros(Q, dtype=bool), whole, partial.astype(np.int64)
-        plain_bytes = base_plain + sums[2]
-        plain_time = base_time + sums[3]
+        plain_bytes = base_plain + sums[3]
+        plain_time = base_time + sums[2]
         plain = (plain_bytes <= limit) & (plain_time <= greedy)
         return np.where(plain, plain_time, greedy), plain, whole, partial.astype(np.int64)
 
