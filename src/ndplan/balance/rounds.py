@@ -341,10 +341,13 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     """
     R = len(problem.options)
     totals = held.sum(axis=1)  # [pp, G]
-    choice = np.zeros((*held.shape, R), dtype=np.int64)
-    found = np.zeros(problem.pp, dtype=bool)
     # Mixes grow with the layers of each kind: where the most of each fit, every stage does.
     most = prod(comb(n + R - 1, R - 1) for n in totals.max(axis=0).tolist())
+    if most <= _EXACT_CELLS and problem.pp * most <= _BATCH_CELLS:  # the usual case: every stage in one batch
+        choice, seconds = _dealt_mixes(problem, greedy, np.arange(problem.pp), held)
+        return choice, np.isfinite(seconds)
+    choice = np.zeros((*held.shape, R), dtype=np.int64)
+    found = np.zeros(problem.pp, dtype=bool)
     if most <= _EXACT_CELLS:
         priced = np.arange(problem.pp)
     else:
@@ -406,21 +409,22 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
     grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid)
-    kind_ordered, kind_ends, kind_times, kind_recomputes = [], [], [], []
+    kind_ordered, kind_times, kind_recomputes = [], [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
     slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), greedy.flight[stages],
                                                  greedy.flight_order[stages])  # [S, G, most layers + 1], ...
-    first_slot = (np.arange(S) * G)[:, None, None] * slots.shape[2]  # flat index of each stage's kind 0 slots
-    for g in range(G):
-        heads, head_layers, head_recomputes = _heads(int(held[:, g].max()), greedy.head_recomputes)  # [K, R − 1], [K], [K]
+    cell = np.arange(S * G).reshape(S, G, 1)  # flat (stage, kind), to index its row of ``slots`` and ``first``
+    first_slot = cell[:, :, :, None] * slots.shape[2]  # [S, G, 1, 1] flat index of each stage's and kind's slots
+    for g, most_held in enumerate(held.max(axis=0).tolist()):
+        heads, head_layers, head_recomputes = _heads(most_held, greedy.head_recomputes)  # [K, R − 1], [K], [K]
         rest = held[:, g, None] - head_layers  # [S, K] layers on the last option
         mixes = np.empty((S, len(heads), R), dtype=np.int64)
         mixes[:, :, :-1] = heads
         mixes[:, :, -1] = np.maximum(rest, 0)
         ordered = mixes.take(greedy.by_activation[g], axis=2)  # options most bytes first
         ends = ordered @ _upper_ones(R)  # [S, K, R] slots dealt after each option (a running sum; faster than cumsum here)
-        last = first_slot + g * slots.shape[2] + ends
+        last = first_slot[:, g] + ends
         weight = slots.take(last) - slots.take(last - ordered)  # [S, K, R]
         kind_bytes = mixes @ greedy.static[g] + weight @ greedy.falling_activation[g]
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
@@ -431,7 +435,6 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
         recomputing = head_recomputes | (rest > 0) if greedy.recomputes[-1] else np.broadcast_to(head_recomputes, rest.shape)
         kind_recomputes.append(recomputing.reshape(shape))
         kind_ordered.append(ordered)
-        kind_ends.append(ends)
     time_total, any_recompute = kind_times[0], kind_recomputes[0]
     for g in range(1, G):
         time_total, any_recompute = time_total + kind_times[g], any_recompute | kind_recomputes[g]
@@ -444,19 +447,21 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     # [ends_r − n_r, ends_r); after k slots the i-th chunk (fewest in flight first) holds
     # min(capacity_i, t + [i ≤ i_k]) of them, (t, i_k) the turn and chunk of the k-th slot.
     stage = np.arange(S)
-    bounds = np.empty((2, S, G, R), dtype=np.int64)  # slots dealt before each option's first and after its last
+    chosen = np.empty((S, G, R), dtype=np.int64)  # the chosen mixes, options most bytes first
     for g in range(G):
-        bounds[1, :, g] = kind_ends[g][stage, best[g]]
-        bounds[0, :, g] = bounds[1, :, g] - kind_ordered[g][stage, best[g]]
+        chosen[:, g] = kind_ordered[g][stage, best[g]]
+    bounds = np.empty((2, S, G, R), dtype=np.int64)  # slots dealt before each option's first and after its last
+    np.matmul(chosen, _upper_ones(R), out=bounds[1])
+    np.subtract(bounds[1], chosen, out=bounds[0])
     most = first.shape[2]
-    at = (stage[:, None, None] * G + np.arange(G)[None, :, None]) * most  # [S, G, 1] flat index of each kind's slots
+    at = cell * most  # [S, G, 1] flat index of each stage's and kind's row of ``first``
     turn, place = np.divmod(first.take(at + np.maximum(bounds - 1, 0)), v) if most else (bounds, bounds)
     dealt = np.minimum(capacity[:, :, None, :], turn[..., None] + (np.arange(v) <= place[..., None]))
     dealt *= bounds[..., None] > 0  # [2, S, G, R, v] slots of the i-th chunk before each option's first and after its last
     choice = np.empty((S, v, G, R), dtype=np.int64)
     choice[stage[:, None, None, None], order[:, None, None, :], np.arange(G)[None, :, None, None],
            greedy.by_activation[None, :, :, None]] = dealt[1] - dealt[0]
-    return choice, seconds[np.arange(S), mix] + greedy.base_time[stages]
+    return choice, seconds.min(axis=1) + greedy.base_time[stages]  # the least is the one at ``mix``
 
 
 class _Solved(NamedTuple):
