@@ -313,14 +313,16 @@ def _virtual_counts(problem: BalanceProblem, forward: list[bool], n: np.ndarray,
     return tuple(out)
 
 
-def _chunk_counts(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...]) -> np.ndarray:
-    """[pp, v, G] layers of each kind in each stage's local chunks for a placement."""
+def _chunk_counts(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...] | np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """[pp, v, G] layers of each kind in each stage's local chunks for a placement, and [L] the
+    virtual stage of each layer (``_plan_of`` uses both)."""
     G = len(greedy.kinds)
-    virtual = np.repeat(np.arange(problem.num_virtual_stages), counts)  # virtual stage of each layer
+    virtual = np.repeat(np.arange(problem.num_virtual_stages), counts)
     held = np.bincount(virtual * G + greedy.codes, minlength=problem.num_virtual_stages * G).reshape(-1, G)
     out = np.zeros((problem.pp, problem.chunks_per_stage, G), dtype=np.int64)
     out[problem.stage_of, problem.chunk_of] = held
-    return out
+    return out, virtual
 
 
 _EXACT_CELLS = 1 << 16  # mixes per stage beyond which a placement keeps the greedy's recompute
@@ -477,10 +479,12 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     """A placement with each stage's least-time recompute that fits (``_exact_stages``; the
     greedy's where the mixes are too many or ``exact`` is False), evaluated; None if a stage
     cannot fit. ``solved``: the greedy's answers for the stages, if known (a DP solved them)."""
-    per_chunk = _chunk_counts(problem, greedy, counts)
+    sizes = np.asarray(counts)
+    per_chunk, virtual = _chunk_counts(problem, greedy, sizes)
     # ``solve`` answers each query alone (every operation runs along the queries), so answers
     # from another batch are the ones it would give here, where they hold the same layers.
-    if solved is not None and np.array_equal(solved.held, per_chunk):
+    # (A plain comparison: np.array_equal's own checks cost more than it here.)
+    if solved is not None and solved.held.shape == per_chunk.shape and bool((solved.held == per_chunk).all()):
         time, plain, whole, partial = solved.answers
     else:
         time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
@@ -497,8 +501,6 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     # layer of rank k among its (virtual stage, kind) takes the first option whose running
     # count exceeds k (inside a chunk their order changes neither memory nor time).
     held = choice[problem.stage_of, problem.chunk_of]  # [V, G, R]
-    sizes = np.asarray(counts)
-    virtual = np.repeat(np.arange(problem.num_virtual_stages), sizes)  # [L]
     # A virtual stage's layers are a run: a layer's rank in its (virtual stage, kind) is its
     # rank among its kind less the layers of its kind before the run (``_Greedy.kind_before``).
     first = np.repeat(np.cumsum(sizes) - sizes, sizes)  # [L] first layer of each layer's virtual stage
