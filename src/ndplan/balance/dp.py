@@ -531,26 +531,28 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
         costs = [stacked[:, v] for v in range(len(seg.cost))]
     best = np.full((len(bounds), _positions(seg)), np.inf)  # over ends b: least sum of v stages ending at b
     best[:, 0] = 0.0
-    totals = []
+    chosen = []  # per stage [n, P]: the step each end position's least sum takes
     for start, cost in zip(starts, costs, strict=True):
         total = best.take(start, axis=1) + cost  # [n, J, P]
-        totals.append(total)
+        # Every column's argmin at once, for the walk back: cheaper than one column at a time there.
+        chosen.append(total.argmin(axis=1))
         best = total.min(axis=1)
     out: list[tuple[float, float, tuple[int, ...]]] = []
+    last = best[:, -1].tolist()
     for k in range(len(bounds)):
-        if not np.isfinite(best[k, -1]):
+        if not np.isfinite(last[k]):
             out.append((float("inf"), float("inf"), ()))
             continue
         counts: list[int] = []
         b, bottleneck = best.shape[1] - 1, 0.0
-        for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
-            j = int(totals[v][k, :, b].argmin())
+        for v in range(len(chosen) - 1, -1, -1):  # walk back along the argmins
+            j = int(chosen[v][k, b])
             length = int(seg.lengths[v][j] if staged else seg.lengths[j])
             counts.append(length)
             bottleneck = max(bottleneck, float(costs[v][k, j, b]))
             # A finite step starts at its position less its length (a staged table says where).
             b = int(starts[v][j, b]) if staged else b - length
-        out.append((float(best[k, -1]), bottleneck, tuple(reversed(counts))))
+        out.append((last[k], bottleneck, tuple(reversed(counts))))
     return out
 
 
