@@ -283,11 +283,12 @@ def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_c
     key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
     key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
     order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk
-    # [v, pp, K + 1, step] layers of each chunk once the step is placed.
-    given = np.cumsum(order // turns == np.arange(v)[:, None, None, None], axis=3)
+    # [pp, K + 1, step, v] layers of each chunk once the step is placed, for the first ``turns``
+    # steps only: no stage places more.
+    given = np.cumsum(order[..., :turns, None] // turns == np.arange(v), axis=2)
     left = totals[:, None] - deltas[None, :]  # [J, K + 1] rest layers to place (≤ turns)
-    rest = given[:, :, np.arange(len(deltas))[None, :], np.maximum(left, 1) - 1]  # [v, pp, J, K + 1]
-    return (rest * (left > 0)).transpose(1, 2, 3, 0)  # none placed where there is none to place
+    rest = given[:, deltas[None, :], np.maximum(left, 1) - 1]  # [pp, J, K + 1, v]
+    return rest * (left > 0)[:, :, None]  # none placed where there is none to place
 
 
 
