@@ -415,7 +415,9 @@ class StagedTable:
     candidates; a table may list costs of steps it leaves out, so that the search's candidates,
     and hence its answer among equal splits, stay those of the full table it stands for).
     ``more_thresholds``: where given, the finite costs of further left-out steps, computed only
-    if the search needs them (``threshold_search``)."""
+    if the search needs them (``threshold_search``). ``flat_costs``: where the builder has it,
+    every stage's costs laid end to end (``costs`` in order, each reshaped), which spares
+    ``min_sums`` joining them."""
 
     positions: int
     starts: tuple[np.ndarray, ...]
@@ -423,6 +425,7 @@ class StagedTable:
     lengths: tuple[np.ndarray, ...]
     thresholds: np.ndarray
     more_thresholds: Callable[[], np.ndarray] | None = None
+    flat_costs: np.ndarray | None = None
 
 
 AnyTable = SplitTable | StagedTable
@@ -521,7 +524,7 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
     if isinstance(seg, StagedTable):
         starts = seg.starts
         # Every stage's costs masked at once, laid end to end: a mask per stage costs more.
-        flat = np.concatenate([c.reshape(-1) for c in seg.costs])
+        flat = seg.flat_costs if seg.flat_costs is not None else np.concatenate([c.reshape(-1) for c in seg.costs])
         masked = np.where(flat <= limit.reshape(-1, 1), flat, np.inf)  # [n, Σ J·P]; c ≤ +inf always
         ends = list(accumulate(c.size for c in seg.costs))
         costs = [masked[:, end - c.size:end].reshape(-1, *c.shape) for end, c in zip(ends, seg.costs, strict=True)]

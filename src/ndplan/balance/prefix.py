@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 from math import comb
 
 import numpy as np
@@ -168,24 +169,29 @@ def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: 
     out steps the DP never takes (``StagedTable``)."""
     layout = _layout(int(totals[0]), len(totals), K, L, whole.shape[0])
     values = np.concatenate([whole.reshape(-1), ended.reshape(-1), [np.inf]])
-    costs = tuple(values[source] for source in layout.sources)
+    # One gather for every stage, then each stage's view: cheaper than a gather per stage.
+    flat = values[layout.flat_sources]
+    ends = accumulate(source.size for source in layout.sources)
+    costs = tuple(flat[end - source.size:end].reshape(source.shape) for end, source in zip(ends, layout.sources, strict=True))
     finite = ended[np.isfinite(ended)]
     if not whole_in_ended:
         finite = np.concatenate([finite, whole[np.isfinite(whole)]])
-    return StagedTable(1, layout.starts, costs, layout.lengths, finite, more_thresholds)
+    return StagedTable(1, layout.starts, costs, layout.lengths, finite, more_thresholds, flat_costs=flat)
 
 
 @dataclass(frozen=True)
 class _Layout:
     """``_table``'s steps and positions per stage: ``starts`` [J_i, P_i] the previous stage's
     position each step to each position starts from, ``sources`` [J_i, P_i] where its cost lies
-    in [whole, ended, +inf] flattened, ``lengths`` [J_i] the step each row records, and ``used``
-    [pp, J, K + 1] the (stage, total, δ) costs any step reads, of ``whole`` or ``ended``."""
+    in [whole, ended, +inf] flattened (``flat_sources``: all of them laid end to end), ``lengths``
+    [J_i] the step each row records, and ``used`` [pp, J, K + 1] the (stage, total, δ) costs any
+    step reads, of ``whole`` or ``ended``."""
 
     starts: tuple[np.ndarray, ...]
     sources: tuple[np.ndarray, ...]
     lengths: tuple[np.ndarray, ...]
     used: np.ndarray
+    flat_sources: np.ndarray
 
 
 @lru_cache(maxsize=256)
@@ -250,12 +256,13 @@ def _layout(low: int, J: int, K: int, L: int, pp: int) -> _Layout:
             starts.append(np.where(known, entry, 0) if i == early else later_start)
             sources.append(np.where(open_, ended_delta0[:, None] + offset, void))
             lengths.append(totals * (K + 1))
+    flat_sources = np.concatenate([source.reshape(-1) for source in sources])
     read = np.zeros(void + 1, dtype=bool)
-    read[np.concatenate([source.reshape(-1) for source in sources])] = True
+    read[flat_sources] = True
     used = (read[:pp * J * (K + 1)] | read[pp * J * (K + 1):void]).reshape(pp, J, K + 1)
-    for array in (*starts, *sources, *lengths, used):
+    for array in (*starts, *sources, *lengths, used, flat_sources):
         array.flags.writeable = False
-    return _Layout(tuple(starts), tuple(sources), tuple(lengths), used)
+    return _Layout(tuple(starts), tuple(sources), tuple(lengths), used, flat_sources)
 
 
 def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
