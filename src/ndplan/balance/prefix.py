@@ -113,19 +113,15 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     split = threshold_search(table, problem.num_micro_batches * v - 1, z_star)
     if split is None:
         return None
-    # [position, local chunk] layers, in plain lists: a few dozen small integers.
     total, leading = np.divmod(np.asarray(split), K + 1)
     chosen = (np.arange(pp), total - int(totals[0]), leading)
     # The chosen queries' answers, by stage (round 0 holds each stage once).
     query = queries.index[chosen]
     by_stage = np.argsort(stages)
-    solved = _Solved(held[chosen][by_stage], tuple(a[query[by_stage]] for a in answers))
-    per_chunk = rest_layers[chosen].tolist()
-    for i, (chunk, lead_layers) in enumerate(zip(first_chunk.tolist(), leading.tolist(), strict=True)):
-        per_chunk[i][chunk] += lead_layers
-    position_of = {stage: i for i, stage in enumerate(stages.tolist())}
-    counts = tuple(per_chunk[position_of[stage]][chunk]
-                   for stage, chunk in zip(problem.stage_of.tolist(), problem.chunk_of.tolist(), strict=True))
+    held_by_stage = held[chosen][by_stage]  # [stage, local chunk, kind] layers
+    solved = _Solved(held_by_stage, tuple(a[query[by_stage]] for a in answers))
+    layers = held_by_stage.sum(axis=2)  # [stage, local chunk], every kind
+    counts = tuple(layers[problem.stage_of, problem.chunk_of].tolist())
     return counts, solved
 
 
