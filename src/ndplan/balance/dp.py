@@ -534,11 +534,10 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
         costs = [stacked[:, v] for v in range(len(seg.cost))]
     best = np.full((len(bounds), _positions(seg)), np.inf)  # over ends b: least sum of v stages ending at b
     best[:, 0] = 0.0
-    chosen = []  # per stage [n, P]: the step each end position's least sum takes
+    totals = []
     for start, cost in zip(starts, costs, strict=True):
         total = best.take(start, axis=1) + cost  # [n, J, P]
-        # Every column's argmin at once, for the walk back: cheaper than one column at a time there.
-        chosen.append(total.argmin(axis=1))
+        totals.append(total)
         best = total.min(axis=1)
     out: list[tuple[float, float, tuple[int, ...]]] = []
     last = best[:, -1].tolist()
@@ -548,8 +547,10 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
             continue
         counts: list[int] = []
         b, bottleneck = best.shape[1] - 1, 0.0
-        for v in range(len(chosen) - 1, -1, -1):  # walk back along the argmins
-            j = int(chosen[v][k, b])
+        for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
+            # One column's argmin at a time: an argmin over the steps' axis of whole tables
+            # copies them first.
+            j = int(totals[v][k, :, b].argmin())
             length = int(seg.lengths[v][j] if staged else seg.lengths[j])
             counts.append(length)
             bottleneck = max(bottleneck, float(costs[v][k, j, b]))
