@@ -252,13 +252,39 @@ def _layout(low: int, J: int, K: int, L: int, pp: int) -> _Layout:
             starts.append(np.where(known, entry, 0) if i == early else later_start)
             sources.append(np.where(open_, ended_delta0[:, None] + offset, void))
             lengths.append(totals * (K + 1))
-    flat_sources = np.concatenate([source.reshape(-1) for source in sources])
     read = np.zeros(void + 1, dtype=bool)
-    read[flat_sources] = True
+    read[np.concatenate([source.reshape(-1) for source in sources])] = True
     used = (read[:pp * J * (K + 1)] | read[pp * J * (K + 1):void]).reshape(pp, J, K + 1)
+    starts, sources = _completing_only(starts, sources, void)
+    flat_sources = np.concatenate([source.reshape(-1) for source in sources])
     for array in (*starts, *sources, *lengths, used, flat_sources):
         array.flags.writeable = False
     return _Layout(tuple(starts), tuple(sources), tuple(lengths), used, flat_sources)
+
+
+def _completing_only(starts: list[np.ndarray], sources: list[np.ndarray], void: int
+                     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``_layout``'s stages keeping only the positions from which the stages after can still
+    reach everything placed (the last stage's last position), found walking back over the
+    steps that have a cost. The others lie on no split; a step with a cost to a kept position
+    starts from a kept one, and the rest start from dropped ones at +inf (void) as before: the
+    values and argmins at every kept position, hence every split and its costs, stay the full
+    table's, over fewer cells. A stage that keeps none keeps its first position (nothing fits)."""
+    keep = [np.zeros(source.shape[1], dtype=bool) for source in sources]
+    keep[-1][-1] = True
+    for i in range(len(sources) - 1, 0, -1):
+        stepped = (sources[i] != void) & keep[i][None, :]
+        keep[i - 1][starts[i][stepped]] = True
+        if not keep[i - 1].any():
+            keep[i - 1][0] = True
+    kept_starts, kept_sources = [starts[0][:, keep[0]]], [sources[0][:, keep[0]]]
+    for i in range(1, len(sources)):
+        start, source = starts[i][:, keep[i]], sources[i][:, keep[i]]
+        from_kept = keep[i - 1][start]
+        renumbered = np.cumsum(keep[i - 1]) - 1  # each kept position's index among the kept
+        kept_starts.append(np.where(from_kept, renumbered[start], 0))
+        kept_sources.append(np.where(from_kept, source, void))
+    return kept_starts, kept_sources
 
 
 def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
