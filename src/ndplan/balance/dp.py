@@ -525,7 +525,10 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
         starts = seg.starts
         # Every stage's costs masked at once, laid end to end: a mask per stage costs more.
         flat = seg.flat_costs if seg.flat_costs is not None else np.concatenate([c.reshape(-1) for c in seg.costs])
-        masked = np.where(flat <= limit.reshape(-1, 1), flat, np.inf)  # [n, Σ J·P]; c ≤ +inf always
+        masked = np.empty((len(bounds), flat.size))  # [n, Σ J·P]
+        for row, bound in zip(masked, bounds, strict=True):
+            # c ≤ +inf always: an unbounded row is the costs as they are, a copy and not a mask.
+            row[:] = flat if bound == np.inf else np.where(flat <= bound, flat, np.inf)
         ends = list(accumulate(c.size for c in seg.costs))
         costs = [masked[:, end - c.size:end].reshape(-1, *c.shape) for end, c in zip(ends, seg.costs, strict=True)]
     else:
