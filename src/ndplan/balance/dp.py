@@ -415,7 +415,9 @@ class StagedTable:
     candidates; a table may list costs of steps it leaves out, so that the search's candidates,
     and hence its answer among equal splits, stay those of the full table it stands for).
     ``more_thresholds``: where given, the finite costs of further left-out steps, computed only
-    if the search needs them (``threshold_search``)."""
+    if the search needs them (``threshold_search``). ``flat_costs``: where the builder has it,
+    every stage's costs laid end to end (``costs`` in order, each reshaped), which spares
+    ``min_sums`` joining them."""
 
     positions: int
     starts: tuple[np.ndarray, ...]
@@ -423,6 +425,7 @@ class StagedTable:
     lengths: tuple[np.ndarray, ...]
     thresholds: np.ndarray
     more_thresholds: Callable[[], np.ndarray] | None = None
+    flat_costs: np.ndarray | None = None
 
 
 AnyTable = SplitTable | StagedTable
@@ -521,8 +524,11 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
     if isinstance(seg, StagedTable):
         starts = seg.starts
         # Every stage's costs masked at once, laid end to end: a mask per stage costs more.
-        flat = np.concatenate([c.reshape(-1) for c in seg.costs])
-        masked = np.where(flat <= limit.reshape(-1, 1), flat, np.inf)  # [n, Σ J·P]; c ≤ +inf always
+        flat = seg.flat_costs if seg.flat_costs is not None else np.concatenate([c.reshape(-1) for c in seg.costs])
+        masked = np.empty((len(bounds), flat.size))  # [n, Σ J·P]
+        for row, bound in zip(masked, bounds, strict=True):
+            # c ≤ +inf always: an unbounded row is the costs as they are, a copy and not a mask.
+            row[:] = flat if bound == np.inf else np.where(flat <= bound, flat, np.inf)
         ends = list(accumulate(c.size for c in seg.costs))
         costs = [masked[:, end - c.size:end].reshape(-1, *c.shape) for end, c in zip(ends, seg.costs, strict=True)]
     else:
@@ -537,20 +543,23 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
         totals.append(total)
         best = total.min(axis=1)
     out: list[tuple[float, float, tuple[int, ...]]] = []
+    last = best[:, -1].tolist()
     for k in range(len(bounds)):
-        if not np.isfinite(best[k, -1]):
+        if not np.isfinite(last[k]):
             out.append((float("inf"), float("inf"), ()))
             continue
         counts: list[int] = []
         b, bottleneck = best.shape[1] - 1, 0.0
         for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
+            # One column's argmin at a time: an argmin over the steps' axis of whole tables
+            # copies them first.
             j = int(totals[v][k, :, b].argmin())
             length = int(seg.lengths[v][j] if staged else seg.lengths[j])
             counts.append(length)
             bottleneck = max(bottleneck, float(costs[v][k, j, b]))
             # A finite step starts at its position less its length (a staged table says where).
             b = int(starts[v][j, b]) if staged else b - length
-        out.append((float(best[k, -1]), bottleneck, tuple(reversed(counts))))
+        out.append((last[k], bottleneck, tuple(reversed(counts))))
     return out
 
 

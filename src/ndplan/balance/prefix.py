@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 from math import comb
 
 import numpy as np
@@ -112,19 +113,15 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     split = threshold_search(table, problem.num_micro_batches * v - 1, z_star)
     if split is None:
         return None
-    # [position, local chunk] layers, in plain lists: a few dozen small integers.
     total, leading = np.divmod(np.asarray(split), K + 1)
     chosen = (np.arange(pp), total - int(totals[0]), leading)
     # The chosen queries' answers, by stage (round 0 holds each stage once).
     query = queries.index[chosen]
     by_stage = np.argsort(stages)
-    solved = _Solved(held[chosen][by_stage], tuple(a[query[by_stage]] for a in answers))
-    per_chunk = rest_layers[chosen].tolist()
-    for i, (chunk, lead_layers) in enumerate(zip(first_chunk.tolist(), leading.tolist(), strict=True)):
-        per_chunk[i][chunk] += lead_layers
-    position_of = {stage: i for i, stage in enumerate(stages.tolist())}
-    counts = tuple(per_chunk[position_of[stage]][chunk]
-                   for stage, chunk in zip(problem.stage_of.tolist(), problem.chunk_of.tolist(), strict=True))
+    held_by_stage = held[chosen][by_stage]  # [stage, local chunk, kind] layers
+    solved = _Solved(held_by_stage, tuple(a[query[by_stage]] for a in answers))
+    layers = held_by_stage.sum(axis=2)  # [stage, local chunk], every kind
+    counts = tuple(layers[problem.stage_of, problem.chunk_of].tolist())
     return counts, solved
 
 
@@ -168,24 +165,29 @@ def _table(whole: np.ndarray, ended: np.ndarray, totals: np.ndarray, K: int, L: 
     out steps the DP never takes (``StagedTable``)."""
     layout = _layout(int(totals[0]), len(totals), K, L, whole.shape[0])
     values = np.concatenate([whole.reshape(-1), ended.reshape(-1), [np.inf]])
-    costs = tuple(values[source] for source in layout.sources)
+    # One gather for every stage, then each stage's view: cheaper than a gather per stage.
+    flat = values[layout.flat_sources]
+    ends = accumulate(source.size for source in layout.sources)
+    costs = tuple(flat[end - source.size:end].reshape(source.shape) for end, source in zip(ends, layout.sources, strict=True))
     finite = ended[np.isfinite(ended)]
     if not whole_in_ended:
         finite = np.concatenate([finite, whole[np.isfinite(whole)]])
-    return StagedTable(1, layout.starts, costs, layout.lengths, finite, more_thresholds)
+    return StagedTable(1, layout.starts, costs, layout.lengths, finite, more_thresholds, flat_costs=flat)
 
 
 @dataclass(frozen=True)
 class _Layout:
     """``_table``'s steps and positions per stage: ``starts`` [J_i, P_i] the previous stage's
     position each step to each position starts from, ``sources`` [J_i, P_i] where its cost lies
-    in [whole, ended, +inf] flattened, ``lengths`` [J_i] the step each row records, and ``used``
-    [pp, J, K + 1] the (stage, total, δ) costs any step reads, of ``whole`` or ``ended``."""
+    in [whole, ended, +inf] flattened (``flat_sources``: all of them laid end to end), ``lengths``
+    [J_i] the step each row records, and ``used`` [pp, J, K + 1] the (stage, total, δ) costs any
+    step reads, of ``whole`` or ``ended``."""
 
     starts: tuple[np.ndarray, ...]
     sources: tuple[np.ndarray, ...]
     lengths: tuple[np.ndarray, ...]
     used: np.ndarray
+    flat_sources: np.ndarray
 
 
 @lru_cache(maxsize=256)
@@ -253,9 +255,36 @@ def _layout(low: int, J: int, K: int, L: int, pp: int) -> _Layout:
     read = np.zeros(void + 1, dtype=bool)
     read[np.concatenate([source.reshape(-1) for source in sources])] = True
     used = (read[:pp * J * (K + 1)] | read[pp * J * (K + 1):void]).reshape(pp, J, K + 1)
-    for array in (*starts, *sources, *lengths, used):
+    starts, sources = _completing_only(starts, sources, void)
+    flat_sources = np.concatenate([source.reshape(-1) for source in sources])
+    for array in (*starts, *sources, *lengths, used, flat_sources):
         array.flags.writeable = False
-    return _Layout(tuple(starts), tuple(sources), tuple(lengths), used)
+    return _Layout(tuple(starts), tuple(sources), tuple(lengths), used, flat_sources)
+
+
+def _completing_only(starts: list[np.ndarray], sources: list[np.ndarray], void: int
+                     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``_layout``'s stages keeping only the positions from which the stages after can still
+    reach everything placed (the last stage's last position), found walking back over the
+    steps that have a cost. The others lie on no split; a step with a cost to a kept position
+    starts from a kept one, and the rest start from dropped ones at +inf (void) as before: the
+    values and argmins at every kept position, hence every split and its costs, stay the full
+    table's, over fewer cells. A stage that keeps none keeps its first position (nothing fits)."""
+    keep = [np.zeros(source.shape[1], dtype=bool) for source in sources]
+    keep[-1][-1] = True
+    for i in range(len(sources) - 1, 0, -1):
+        stepped = (sources[i] != void) & keep[i][None, :]
+        keep[i - 1][starts[i][stepped]] = True
+        if not keep[i - 1].any():
+            keep[i - 1][0] = True
+    kept_starts, kept_sources = [starts[0][:, keep[0]]], [sources[0][:, keep[0]]]
+    for i in range(1, len(sources)):
+        start, source = starts[i][:, keep[i]], sources[i][:, keep[i]]
+        from_kept = keep[i - 1][start]
+        renumbered = np.cumsum(keep[i - 1]) - 1  # each kept position's index among the kept
+        kept_starts.append(np.where(from_kept, renumbered[start], 0))
+        kept_sources.append(np.where(from_kept, source, void))
+    return kept_starts, kept_sources
 
 
 def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_chunk: np.ndarray, totals: np.ndarray,
@@ -283,11 +312,12 @@ def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_c
     key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
     key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
     order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk
-    # [v, pp, K + 1, step] layers of each chunk once the step is placed.
-    given = np.cumsum(order // turns == np.arange(v)[:, None, None, None], axis=3)
+    # [pp, K + 1, step, v] layers of each chunk once the step is placed, for the first ``turns``
+    # steps only: no stage places more.
+    given = np.cumsum(order[..., :turns, None] // turns == np.arange(v), axis=2)
     left = totals[:, None] - deltas[None, :]  # [J, K + 1] rest layers to place (≤ turns)
-    rest = given[:, :, np.arange(len(deltas))[None, :], np.maximum(left, 1) - 1]  # [v, pp, J, K + 1]
-    return (rest * (left > 0)).transpose(1, 2, 3, 0)  # none placed where there is none to place
+    rest = given[:, deltas[None, :], np.maximum(left, 1) - 1]  # [pp, J, K + 1, v]
+    return rest * (left > 0)[:, :, None]  # none placed where there is none to place
 
 
 
