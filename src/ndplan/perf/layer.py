@@ -239,15 +239,21 @@ def _layer_param_split(model: ModelSpec, kind: MlpKind) -> tuple[float, float]:
     return float(p.non_expert + p.shared_experts), float(p.routed_experts)
 
 
+def _fsdp_groups(cols: dict[str, Array]) -> tuple[Array, Array]:
+    """(non-expert, expert) FSDP shard group sizes: the shard group (or dp·cp ranks, at stride
+    tp) and the expert-data-parallel ranks (at stride ep·etp)."""
+    replicas = cols["dp"] * cols["cp"]
+    shard = np.where(cols["shard_group"] > 0, cols["shard_group"], replicas)
+    return shard, replicas * cols["tp"] / (cols["ep"] * cols["etp"])
+
+
 def _fsdp_seconds(
     ctx: LayerContext, cols: dict[str, Array], non_expert: float, expert: float
 ) -> tuple[Array | float, Array | float]:
     """(forward, backward) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces."""
-    dp, cp, t, e, x = cols["dp"], cols["cp"], cols["tp"], cols["ep"], cols["etp"]
+    t, e, x = cols["tp"], cols["ep"], cols["etp"]
     sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
-    replicas = dp * cp
-    shard = np.where(cols["shard_group"] > 0, cols["shard_group"], replicas)
-    edp = replicas * t / (e * x)
+    shard, edp = _fsdp_groups(cols)
     gather = ctx.precision.param_gather_bytes
     grad = ctx.precision.grad_bytes
     ne_link = group_link(shard, t, ctx.fabric, "ring")
@@ -268,10 +274,8 @@ def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[Arr
     on an NVLink collective; where both use the same links they share them, and the
     collective covers nothing."""
     domain = ctx.fabric.domain
-    dp, cp, t, e, x = cols["dp"], cols["cp"], cols["tp"], cols["ep"], cols["etp"]
-    replicas = dp * cp
-    shard = np.where(cols["shard_group"] > 0, cols["shard_group"], replicas)
-    edp = replicas * t / (e * x)
+    cp, t, e, x = cols["cp"], cols["tp"], cols["ep"], cols["etp"]
+    shard, edp = _fsdp_groups(cols)
     out = ((shard <= 1) | ~fits_in_domain(shard, t, domain)) & ((edp <= 1) | ~fits_in_domain(edp, e * x, domain))
     return (out & fits_in_domain(t, 1.0, domain), out & fits_in_domain(cp, t, domain),
             out & fits_in_domain(e, x, domain))
