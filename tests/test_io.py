@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -86,8 +85,8 @@ def test_megatron_deepseek_v3_script_builds_the_model_from_flags():
     assert s.stage_layers is None and s.embedding_as_layer and s.output_as_layer
     assert s.precision.name == "megatron-fp8" and s.recompute == "selective"
     assert s.num_micro_batches == 256 and s.seq_length == 4096
-    assert len(result.warnings) == 1 and "--recompute-modules" in result.warnings[0]
-    assert re.match(r".*megatron_deepseek_v3\.sh:75: ", result.warnings[0])
+    assert s.recompute_modules == ("layernorm", "moe_act", "mla_up_proj")  # Megatron's order, as read
+    assert result.warnings == []
     assert check_strategy(s, model) == []
 
 
@@ -428,11 +427,12 @@ def test_inspect_json_summary(capsys):
 def test_inspect_table_and_conversion(capsys):
     assert cmd_inspect(_inspect_args(str(fixture("megatron_deepseek_v3.sh")))) == 0
     out = capsys.readouterr().out
-    assert "dp32 tp2 sp pp16 ep64 etp1 zero1 mbs1 m256 1f1b rc-selective" in out
-    assert "1024 devices = 128 nodes × 8" in out and "--recompute-modules" in out
+    assert "dp32 tp2 sp pp16 ep64 etp1 zero1 mbs1 m256 1f1b rc-selective(layernorm+moe_act+mla_up_proj)" in out
+    assert "1024 devices = 128 nodes × 8" in out
     assert cmd_inspect(_inspect_args(str(fixture("megatron_deepseek_v3.sh")), "--to", "torchtitan")) == 0
     converted = capsys.readouterr()
-    assert "expert_parallel_degree = 64" in converted.out and "warning" in converted.err
+    assert "expert_parallel_degree = 64" in converted.out and converted.err == ""
+    assert "left out: Megatron's recompute modules (layernorm moe_act mla_up_proj)" in converted.out
 
 
 def test_inspect_summary_of_an_incomplete_config():

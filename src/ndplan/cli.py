@@ -29,6 +29,7 @@ from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import preset_index
 from ndplan.strategy import Strategy, check_strategy
+from ndplan.strategy.strategy import RECOMPUTE_MODULES
 from ndplan.units import format_bytes, format_count
 
 # Pipes and CI logs get a wide console so tables are not squeezed into 80 columns.
@@ -349,6 +350,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     space = default_space(
         model, device, args.devices, args.gbs, args.seq, get_precision(args.precision),
         dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []),
+        recompute_modules=tuple(args.recompute_modules or (read.strategy_settings.get("recompute_modules", ())
+                                                           if read is not None else ())),
     )
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     options = _memory_options(args, {"overlap": args.overlap}, read)
@@ -569,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b")
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--precision", choices=sorted(PRECISION_PRESETS), default="megatron-bf16")
+    p.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
+                   help="what the selective-recompute candidates re-run (Megatron-Core's --recompute-modules; "
+                        "runtime megatron); default: the runtime's own policy")
     p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show")
     p.add_argument("--balance", nargs="?", const="per-layer", choices=["per-layer", "one-setting"],
                    help="rank every fitting candidate by its balanced plan (pipelines: layers per stage and recompute "

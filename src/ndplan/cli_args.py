@@ -16,7 +16,7 @@ from ndplan.io.common import PLAN_TO_FIELD
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import read_structured_file
 from ndplan.strategy.precision import PRECISION_PRESETS
-from ndplan.strategy.strategy import CP_KINDS, RECOMPUTES, SCHEDULES, Strategy
+from ndplan.strategy.strategy import CP_KINDS, RECOMPUTE_MODULES, RECOMPUTES, SCHEDULES, Strategy
 
 #: Plan-file keys and the Strategy field each maps to (CLI flags use the same names with dashes);
 #: the framework readers produce settings in the same keys.
@@ -66,6 +66,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--optimizer-offload", action="store_true", default=None)
     mem.add_argument("--recompute", choices=RECOMPUTES)
     mem.add_argument("--recompute-layers", type=int, help="recompute only this many layers per stage")
+    mem.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
+                     help="what selective recompute re-runs, as Megatron-Core's --recompute-modules "
+                          f"({', '.join(RECOMPUTE_MODULES)}; runtime megatron); default: the runtime's own policy")
     mem.add_argument("--precision", choices=sorted(PRECISION_PRESETS))
 
     batch = parser.add_argument_group("batch")

@@ -57,7 +57,7 @@ def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *,
     eff = default_efficiency(cluster.device)
     overlap = overlap or default_overlap(cluster.device.runtime)
     ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision,
-                       weight_grad_rebuilds)
+                       weight_grad_rebuilds, batch.recompute_modules)
     pieces = piece_times(ctx, strategy_columns(model, batch, overlap))
     n = len(batch)
     return {name: np.sum([np.broadcast_to(piece.total(p), (n,)).astype(float) for p in ("F", "B", "W")], axis=0)

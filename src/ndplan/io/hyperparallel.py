@@ -497,6 +497,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
     doc["mixed_precision"] = mixed
     doc["optimizer"] = {"fp32_main_params": fp32_main}
     doc["activation_checkpoint"] = {"mode": s.recompute}
+    if s.recompute_modules:
+        lost.append(f"Megatron's recompute modules ({' '.join(s.recompute_modules)})")
     if s.recompute_layers:
         lost.append(f"recompute limited to {s.recompute_layers} layers per stage")
     if s.optimizer_offload:

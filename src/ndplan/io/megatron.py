@@ -33,6 +33,7 @@ from ndplan.io.megatron_model import FlagModel, model_from_flags
 from ndplan.model.spec import ModelSpec
 from ndplan.placement import uniform_layer_counts
 from ndplan.strategy.precision import PrecisionPolicy
+from ndplan.strategy.strategy import RECOMPUTE_MODULES
 
 FORMAT = "megatron"
 
@@ -380,8 +381,13 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
         granularity = granularity or "selective"
     method = args.get("--recompute-method")
     layers = args.integer("--recompute-num-layers", minimum=0)
-    modules = args.values("--recompute-modules")
+    modules = args.values("--recompute-modules") or []
     settings["recompute"], settings["recompute_layers"] = "none", 0
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise args.error("--recompute-modules", f"unknown module {unknown[0]!r}; known: {', '.join(RECOMPUTE_MODULES)}")
+    if granularity != "selective" and modules:
+        notes.append("--recompute-modules has no effect without --recompute-granularity selective")
     if granularity is None:
         if method is not None:
             notes.append("--recompute-method has no effect without --recompute-granularity")
@@ -389,10 +395,11 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
     if granularity == "selective":
         if method is not None:
             raise args.error(method, "Megatron supports no recompute method with --recompute-granularity selective")
-        if modules and set(modules) != {"core_attn"}:
-            warnings.append(f"{args.src.where(args.line('--recompute-modules'))}: --recompute-modules "
-                            f"{' '.join(modules)}: ndplan's selective recompute covers core attention only")
         settings["recompute"] = "selective"
+        # Megatron's default list is core_attn, which is also what ndplan's selective recompute
+        # means without modules under the Megatron runtime: one spelling for one run.
+        if modules and set(modules) != {"core_attn"}:
+            settings["recompute_modules"] = tuple(modules)
         return
     if granularity != "full":
         raise args.error("--recompute-granularity", f"expected full or selective, got {granularity!r}")

@@ -134,6 +134,8 @@ def _memory(s: Strategy, lost: list[str]) -> Flags:
             flags += [("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     elif s.recompute == "selective":
         flags.append(("--recompute-granularity", "selective"))
+        if s.recompute_modules:
+            flags.append(("--recompute-modules", tuple(s.recompute_modules)))
         if s.recompute_layers:
             lost.append(f"selective recompute limited to {s.recompute_layers} layers per stage")
     return flags + _precision(s, lost)
@@ -243,6 +245,8 @@ def _array(name: str, flags: Flags) -> list[str]:
     for flag, value in flags:
         if value is None:
             lines.append(f"    {flag}")
+        elif isinstance(value, tuple):  # a flag of several values (nargs='+')
+            lines.append(f"    {flag} {' '.join(shlex.quote(str(v)) for v in value)}")
         elif isinstance(value, str) and " " in value and flag == "--hierarchical-context-parallel-sizes":
             lines.append(f"    {flag} {value}")
         else:

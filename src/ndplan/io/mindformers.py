@@ -532,6 +532,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
             rc[key] = True
     if s.recompute == "selective":
         notes.append("select_recompute stands for ndplan's selective recompute (MindSpore picks the operators)")
+    if s.recompute_modules:
+        lost.append(f"Megatron's recompute modules ({' '.join(s.recompute_modules)})")
 
     cfg: dict[str, Any] = {"seq_length": s.seq_length}
     p = policy_of(s.precision)

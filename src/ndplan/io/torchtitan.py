@@ -493,6 +493,9 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
             lost.append(f"full recompute of {s.recompute_layers} layers per stage")
     else:
         ac.update(mode="selective", selective_ac_option="op")
+        if s.recompute_modules:
+            lost.append(f"Megatron's recompute modules ({' '.join(s.recompute_modules)}): torchtitan's selective "
+                        "recompute is its per-op policy")
         if s.recompute_layers:
             lost.append(f"selective recompute of {s.recompute_layers} layers per stage")
     tables["activation_checkpoint"] = ac

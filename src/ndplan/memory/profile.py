@@ -20,6 +20,7 @@ import yaml
 
 from ndplan.errors import NdplanError
 from ndplan.model.spec import ModelSpec
+from ndplan.strategy.strategy import RECOMPUTE_MODULES
 
 #: How tensor parallelism divides a saved tensor. ``linear_input`` resolves to the profile's
 #: ``linear_input_shard`` (Megatron keeps a linear's input sequence-sharded, DTensor keeps it whole).
@@ -114,6 +115,9 @@ class SavedTensor:
     weight_input: bool
     read_last: bool = False
     past_weights: bool = False
+    #: Recompute modules (``Strategy.recompute_modules``) any one of which rebuilds this tensor in
+    #: backward instead of keeping it.
+    recomputed_by: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
@@ -135,6 +139,9 @@ class RuntimeProfile:
     weight_grad_recomputes_per_group: bool = False
     first_stage_backward_at_w: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
+    #: The recompute modules its entries name (``recomputed_by``); empty where the runtime has
+    #: only its own selective policy.
+    recompute_modules: tuple[str, ...] = ()
 
 
 def _parse_profile(data: Any, source: str) -> RuntimeProfile:
@@ -155,11 +162,16 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                     weight_input=bool(entry.get("weight_input", False)),
                     read_last=bool(entry.get("read_last", False)),
                     past_weights=bool(entry.get("past_weights", False)),
+                    recomputed_by=frozenset(entry.get("recomputed_by") or ()),
                 )
             except (KeyError, TypeError) as error:
                 raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
             if tensor.shard not in SHARDS:
                 raise NdplanError(f"{source}: entry '{tensor.name}' has shard '{tensor.shard}'; known: {', '.join(SHARDS)}")
+            unknown = sorted(tensor.recomputed_by - set(RECOMPUTE_MODULES))
+            if unknown:
+                raise NdplanError(f"{source}: entry '{tensor.name}' is recomputed by unknown module(s) "
+                                  f"{', '.join(unknown)}; known: {', '.join(RECOMPUTE_MODULES)}")
             parsed.append(tensor)
         blocks[block] = tuple(parsed)
     return RuntimeProfile(
@@ -178,6 +190,8 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         weight_grad_recomputes_per_group=bool(data.get("weight_grad_recomputes_per_group", False)),
         first_stage_backward_at_w=bool(data.get("first_stage_backward_at_w", False)),
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
+        recompute_modules=tuple(m for m in RECOMPUTE_MODULES
+                                if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),
     )
 
 
@@ -218,7 +232,14 @@ class BlockBytes:
     past_weights: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
 
 
-def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int) -> BlockBytes:
+def _kept(tensor: SavedTensor, modules: tuple[str, ...]) -> bool:
+    """Whether selective recompute keeps ``tensor``: with no modules named, the runtime's own
+    policy (its ``keep`` flag); else unless one of the modules rebuilds it."""
+    return tensor.keep if not modules else not (tensor.recomputed_by & set(modules))
+
+
+def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int,
+                 modules: tuple[str, ...] = ()) -> BlockBytes:
     base = dict.fromkeys(SHARDS, 0.0)
     per_seq = dict.fromkeys(SHARDS, 0.0)
     kept = dict.fromkeys(SHARDS, 0.0)
@@ -231,7 +252,7 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
         slope = evaluate(tensor.elements, {**symbols, "seq": 1.0}) - at_zero
         base[tensor.shard] += at_zero * width
         per_seq[tensor.shard] += slope * width
-        if tensor.keep:
+        if _kept(tensor, modules):
             kept[tensor.shard] += at_zero * width
         if tensor.weight_input:
             weight_input[tensor.shard] += at_zero * width
@@ -243,7 +264,13 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
 
 
 @lru_cache(maxsize=256)
-def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_bytes: int) -> dict[str, BlockBytes]:
-    """Every block of the profile, evaluated for ``model`` (cached per model and profile)."""
+def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_bytes: int,
+                       recompute_modules: tuple[str, ...] = ()) -> dict[str, BlockBytes]:
+    """Every block of the profile, evaluated for ``model`` (cached per model and profile); the
+    bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``."""
+    if recompute_modules and not profile.recompute_modules:
+        raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
+                          f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
     symbols = model_symbols(model)
-    return {block: _block_bytes(entries, symbols, activation_bytes) for block, entries in profile.blocks.items()}
+    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules)
+            for block, entries in profile.blocks.items()}

@@ -221,7 +221,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     ``ACTIVATION_FIELDS`` alone)."""
     profile = options.profile
     act_bytes = batch.precision.activation_bytes
-    blocks = block_coefficients(model, profile, act_bytes)
+    blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules)
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
@@ -278,6 +278,9 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     for kind in ("dense", "moe"):
         measured = _census_for(options, kind)
         if measured is not None:
+            if batch.recompute_modules:
+                raise NdplanError("a census measures the runtime's own selective recompute, not recompute modules "
+                                  f"({' '.join(batch.recompute_modules)}): leave out one or the other")
             record = measured
             # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run.
             full[kind] = _measured(record, tp, seq)
@@ -780,7 +783,7 @@ def _sorted_groups(
         name: np.repeat(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), sizes)
         if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), by_group, within)
         for name in batch.array_fields()
-    }, precision=batch.precision)
+    }, precision=batch.precision, recompute_modules=batch.recompute_modules)
     if not static_only:
         # The bytes per token of each layer depend on a few fields: priced once per combination.
         distinct, combination = ordered.distinct(ACTIVATION_FIELDS)

@@ -64,7 +64,13 @@ from ndplan.perf.flops import (
     mtp_gemms,
 )
 from ndplan.perf.gemm import PASS_NAMES, ComputeRates, gemm_pass_seconds, gemm_seconds, gemms_seconds
-from ndplan.perf.memory_ops import embedding_bytes, head_bytes, layer_bytes, unfused_score_bytes
+from ndplan.perf.memory_ops import (
+    embedding_bytes,
+    head_bytes,
+    layer_bytes,
+    module_replay_bytes,
+    unfused_score_bytes,
+)
 from ndplan.perf.overlap import OverlapConfig
 from ndplan.perf.topology import Fabric, fits_in_domain, group_link, inside_bandwidth, members_per_domain
 from ndplan.schedule.ops import SPLIT_BACKWARD
@@ -119,6 +125,9 @@ class LayerContext:
     #: weight-gradient step (torch.distributed.pipelining; the runtime profile's
     #: ``weight_grad_recomputes_per_group``).
     weight_grad_rebuilds: bool = False
+    #: ``Strategy.recompute_modules`` of the batch: what selective recompute replays (empty: the
+    #: runtime's own policy, ``EfficiencyProfile.selective_recompute``).
+    recompute_modules: tuple[str, ...] = ()
 
 
 def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, share: float = 0.0) -> Array | float:
@@ -303,6 +312,34 @@ def _chunk_sort(ctx: LayerContext, cols: dict[str, Array]) -> Array | float:
     return np.where((cols["ep"] > 1) & (ctx.model.num_experts > cols["ep"]), 1.0, 0.0)
 
 
+#: The GEMMs (``flops.layer_gemms`` names) each recompute module replays; ``moe`` the whole MoE block.
+_MODULE_GEMMS: dict[str, tuple[str, ...]] = {
+    "mla_up_proj": ("q_up", "kv_up"),
+    "mlp": ("mlp_up", "mlp_down"),
+    "shared_experts": ("shared_up", "shared_down", "shared_gate"),
+    "moe": ("router", "experts_up", "experts_down", "shared_up", "shared_down", "shared_gate"),
+}
+
+
+def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind, gemms: list[Gemm],
+                           forward_of: dict[str, Array | float], attn_f: Array | float) -> tuple[Array | float, bool]:
+    """(seconds the recompute modules replay in one layer's backward, whether they replay the
+    expert dispatch): ``core_attn`` the attention core's forward, the modules' GEMMs
+    (``_MODULE_GEMMS``, with their fp8 casts, routed experts at ``moe_imbalance``) and
+    elementwise bytes (``memory_ops.module_replay_bytes``); ``moe`` re-runs the dispatch and
+    combine all-to-alls too (returned apart, as expert-parallel communication)."""
+    modules = ctx.recompute_modules
+    names = {name for module in modules for name in _MODULE_GEMMS.get(module, ())}
+    replayed = [g for g in gemms if g.name in names]
+    cast_f, _ = fp8_cast_seconds(ctx, replayed)
+    seconds = sum((forward_of[g.name] * (ctx.eff.moe_imbalance if g.expert else 1.0) for g in replayed), 0.0) + cast_f
+    if "core_attn" in modules:
+        seconds = seconds + attn_f
+    replay_bytes = module_replay_bytes(ctx.model, sh, cols["sequence_parallel"], kind, ctx.precision.activation_bytes, modules)
+    seconds = seconds + ctx.eff.elementwise_passes * replay_bytes / ctx.rates.hbm_rate
+    return seconds, kind == "moe" and "moe" in modules
+
+
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind) -> tuple[PieceTimes, PieceTimes]:
     """(the layer, what recomputing it adds) for one decoder layer of ``kind``."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
@@ -379,23 +416,28 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         out.add("F", "ep", ep_f)
         out.add("B", "ep", ep_b)
 
-    # Recompute: full replays the whole forward (its collectives too); selective replays the
-    # attention core (Megatron) or every second matmul (torchtitan's per-op policy) and the
-    # cheap elementwise ops.
+    # Recompute: full replays the whole forward (its collectives too); selective replays what
+    # the recompute modules name (Megatron's --recompute-modules), else the runtime's policy:
+    # the attention core (Megatron's default, core_attn) or every second matmul and the cheap
+    # elementwise ops (torchtitan's per-op policy).
     rc = PieceTimes()
     full = cols["recompute"] == 2
     selective = cols["recompute"] == 1
-    if eff.selective_recompute == "torchtitan-op":
+    selective_ep: Array | float = 0.0
+    if ctx.recompute_modules:
+        selective_s, replays_dispatch = _module_replay_seconds(ctx, cols, sh, kind, gemms, forward_of, attn_f)
+        selective_ep = ep_f if replays_dispatch else 0.0
+    elif eff.selective_recompute == "torchtitan-op":
         replayed = alternate_recomputed_gemms(model, sh, kind)
         replay_cast, _ = fp8_cast_seconds(ctx, replayed)
         selective_s = gemms_seconds(replayed, rates, "F")[0] + replay_cast + ew_rc
-    else:
-        selective_s = attn_f + ew_rc
+    else:  # Megatron's default module list: the attention core alone
+        selective_s = attn_f
     recomputed_s = np.where(full, compute_f, np.where(selective, selective_s, 0.0))
     rc.add("B", "compute", recomputed_s)
     rc.add("B", "tp", np.where(full, tp_f, 0.0))
     rc.add("B", "cp", np.where(full, cp_f, 0.0))
-    rc.add("B", "ep", np.where(full, ep_f, 0.0))
+    rc.add("B", "ep", np.where(full, ep_f, np.where(selective, selective_ep, 0.0)))
     # FSDP gathers a layer's shard before its backward and reduce-scatters the gradients after
     # it, while the neighbouring layers' backward runs; the recomputed forward is part of that
     # backward (the hook gathers once, the replay finds the parameters whole), so it hides them too.

@@ -109,6 +109,37 @@ def layer_bytes(
     return act_bytes * (recomputable + residual + shuffle), act_bytes * recomputable
 
 
+def module_replay_bytes(
+    model: ModelSpec, sh: Sharding, sp: Array | float, kind: MlpKind, act_bytes: float, modules: tuple[str, ...],
+) -> Array | float:
+    """Elementwise bytes the recompute ``modules`` (``Strategy.recompute_modules``) replay in one
+    layer's backward, forward-pass counts as ``layer_bytes``: ``layernorm`` a norm that is its own
+    module (MLA's input norm; a MoE layer's pre-MLP norm, which feeds the router), 2·T_n·h each;
+    ``moe_act`` the routed experts' activation; ``mlp`` the dense MLP's fused norm and activation;
+    ``shared_experts`` their activation; ``moe`` the MoE block's activations, token shuffles and
+    router; ``mla_up_proj`` the rotary embedding it re-applies."""
+    h, tok = model.hidden_size, sh.tokens
+    one_norm = 2.0 * norm_tokens(sh, sp) * h
+    gate_factor = 3.0 if model.gated_mlp else 2.0
+    copies = tok * model.num_experts_per_tok / sh.tp
+    routed_act = gate_factor * copies * model.moe_ffn_hidden_size
+    shared_act = gate_factor * tok * model.num_shared_experts * model.shared_expert_ffn_hidden_size / sh.tp
+    total: Array | float = 0.0
+    if "layernorm" in modules:
+        total = total + one_norm * ((1.0 if model.is_mla else 0.0) + (1.0 if kind == "moe" else 0.0))
+    if "mla_up_proj" in modules and model.is_mla:
+        total = total + 2.0 * tok * rope_width(model) / sh.tp
+    if kind == "dense" and "mlp" in modules:
+        total = total + one_norm + gate_factor * tok * model.ffn_hidden_size / sh.tp
+    if kind == "moe":
+        if "moe" in modules:
+            router = ROUTER_BYTES_PER_LOGIT * (tok / sh.tp) * model.num_experts + PERMUTE_INDEX_BYTES * copies
+            total = total + routed_act + shared_act + 5.0 * copies * h + router / act_bytes
+        else:
+            total = total + ("moe_act" in modules) * routed_act + ("shared_experts" in modules) * shared_act
+    return act_bytes * total
+
+
 def unfused_score_bytes(model: ModelSpec, sh: Sharding) -> Array | float:
     """Forward bytes of a materialised softmax (+dropout) over the full s×s score square."""
     elements = sh.micro_batch * (model.num_attention_heads / sh.tp) * (sh.seq / sh.cp) * sh.seq

@@ -122,7 +122,7 @@ def explain_lines(r: TimeReport) -> list[str]:
     rates = compute_rates(r.cluster, batch, r.efficiency)
     cols = strategy_columns(model, batch, r.overlap)
     ctx = LayerContext(model, rates, Fabric.of(r.cluster, r.efficiency), r.efficiency, r.overlap, batch.precision,
-                       r.weight_grad_rebuilds)
+                       r.weight_grad_rebuilds, batch.recompute_modules)
     pieces = piece_times(ctx, cols)
     sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp))
     dtype = s.precision.compute_dtype

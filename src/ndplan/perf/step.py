@@ -432,7 +432,7 @@ def evaluate(
     ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
     ints["ep_unpaired"], ints["ep_passes"], ints["ep_pairing"] = ep_pairing(model, batch, ints["ep_overlap"])
     first, config = distinct_layer_configs(ints, weight_grad_rebuilds)
-    ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds)
+    ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules)
     pieces = piece_times(ctx, {name: v[first].astype(np.float64) for name, v in ints.items()})
     per_pass = {(name, p): np.broadcast_to(np.asarray(piece.total(p), dtype=np.float64), (len(first),))
                 for name, piece in pieces.items() for p in PASSES}

@@ -83,6 +83,8 @@ class SearchSpace:
     seq_length: int
     precision: PrecisionPolicy
     fixed: dict[str, int | str] = field(default_factory=dict)
+    #: What selective recompute re-runs in every candidate (``Strategy.recompute_modules``).
+    recompute_modules: tuple[str, ...] = ()
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -153,7 +155,7 @@ class SearchSpace:
             "seq_length": self.seq_length,
             "fsdp": (column["zero"] == 3).astype(np.int64),
         }
-        return StrategyBatch.from_columns(columns, self.precision, owned=True)
+        return StrategyBatch.from_columns(columns, self.precision, owned=True, recompute_modules=self.recompute_modules)
 
     def duplicates(self, index: np.ndarray) -> np.ndarray:
         """Candidates that are another candidate under a second name: etp "same as tp" when
@@ -205,11 +207,13 @@ def default_space(
     *,
     dims: tuple[str, ...] | None = None,
     fixed: dict[str, int | str] | None = None,
+    recompute_modules: tuple[str, ...] = (),
 ) -> SearchSpace:
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
     never competitive), EP and ETP follow the expert count, PP the layer count. ``precision``
-    defaults to Strategy's (megatron-bf16)."""
+    defaults to Strategy's (megatron-bf16); ``recompute_modules`` are what its selective-recompute
+    candidates re-run (validated as ``Strategy.recompute_modules``)."""
     precision = precision or Strategy().precision
     fixed = dict(fixed or {})
     searched = set(DIMENSIONS if dims is None else dims)
@@ -259,4 +263,5 @@ def default_space(
         **{name: tuple(chosen[name]) for name in DIMENSIONS},
         num_devices=num_devices, global_batch_size=global_batch_size, seq_length=seq_length,
         precision=precision, fixed=fixed,
+        recompute_modules=Strategy(recompute="selective", recompute_modules=recompute_modules).recompute_modules,
     )

@@ -1,7 +1,8 @@
 """StrategyBatch: many strategies as a struct of numpy arrays, so one formula serves them all.
 
 A single strategy is a batch of one. Categorical fields (schedule, cp_kind, recompute) are stored
-as integer codes into the tuples of ``strategy.py``; booleans as 0/1. Per-strategy layer
+as integer codes into the tuples of ``strategy.py``; booleans as 0/1. The precision policy and
+the recompute modules are shared by the whole batch (a search varies neither). Per-strategy layer
 placements (``stage_layers``) are not batched: a batch uses the uniform placement, and a placed
 strategy is evaluated on its own.
 """
@@ -21,6 +22,9 @@ from ndplan.strategy.strategy import CP_KINDS, RECOMPUTES, SCHEDULES, Strategy
 CODES: dict[str, tuple[str, ...]] = {"schedule": SCHEDULES, "cp_kind": CP_KINDS, "recompute": RECOMPUTES}
 
 IntArray = np.ndarray
+
+#: Fields one value of which serves the whole batch.
+_SHARED_FIELDS = ("precision", "recompute_modules")
 
 
 @dataclass(frozen=True)
@@ -53,14 +57,17 @@ class StrategyBatch:
     global_batch_size: IntArray
     seq_length: IntArray
     precision: PrecisionPolicy = PRECISION_PRESETS["megatron-bf16"]
+    #: ``Strategy.recompute_modules`` of every strategy of the batch that recomputes selectively.
+    recompute_modules: tuple[str, ...] = ()
 
     @classmethod
     def array_fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if f.name != "precision")
+        return tuple(f.name for f in fields(cls) if f.name not in _SHARED_FIELDS)
 
     @classmethod
     def from_columns(
         cls, columns: dict[str, Any], precision: PrecisionPolicy | None = None, *, owned: bool = False,
+        recompute_modules: tuple[str, ...] = (),
     ) -> StrategyBatch:
         """Build from arrays (or scalars, broadcast); missing fields take Strategy's defaults,
         categorical fields may be given as names or codes. ``owned``: the caller hands its
@@ -84,7 +91,7 @@ class StrategyBatch:
             arrays["etp"] = np.where(arrays["etp"] == 0, arrays["tp"], arrays["etp"])
         if "global_batch_size" not in columns:
             arrays["global_batch_size"] = arrays["dp"] * arrays["micro_batch_size"] * arrays["num_micro_batches"]
-        return cls(**arrays, precision=precision or defaults.precision)
+        return cls(**arrays, precision=precision or defaults.precision, recompute_modules=tuple(recompute_modules))
 
     @classmethod
     def of(cls, strategies: Strategy | Sequence[Strategy]) -> StrategyBatch:
@@ -94,15 +101,21 @@ class StrategyBatch:
         precision = items[0].precision
         if any(s.precision != precision for s in items):
             raise ValueError("a batch shares one precision policy")
+        modules = next((s.recompute_modules for s in items if s.recompute_modules), ())
+        if any(s.recompute_modules not in ((), modules) for s in items):
+            raise ValueError("a batch shares one set of recompute modules")
+        if modules and any(s.recompute == "selective" and not s.recompute_modules for s in items):
+            raise ValueError("a batch's selective recompute is the same everywhere: with or without recompute modules")
         columns = {name: [getattr(s, name) for s in items] for name in cls.array_fields()}
-        return cls.from_columns(columns, precision)
+        return cls.from_columns(columns, precision, recompute_modules=modules)
 
     def __len__(self) -> int:
         return int(self.dp.shape[0])
 
     def take(self, index: IntArray | slice) -> StrategyBatch:
         """The strategies at ``index`` (an integer array, a boolean mask, or a slice: views)."""
-        return StrategyBatch(**{n: getattr(self, n)[index] for n in self.array_fields()}, precision=self.precision)
+        return StrategyBatch(**{n: getattr(self, n)[index] for n in self.array_fields()}, precision=self.precision,
+                             recompute_modules=self.recompute_modules)
 
     def row(self, i: int) -> Strategy:
         values: dict[str, Any] = {}
@@ -114,7 +127,8 @@ class StrategyBatch:
                 values[name] = bool(value)
             else:
                 values[name] = value
-        return Strategy(**values, precision=self.precision)
+        modules = self.recompute_modules if values["recompute"] == "selective" else ()
+        return Strategy(**values, precision=self.precision, recompute_modules=modules)
 
     def rows(self) -> Iterator[Strategy]:
         return (self.row(i) for i in range(len(self)))

@@ -15,10 +15,13 @@ from ndplan.strategy.precision import PRECISION_PRESETS, PrecisionPolicy, get_pr
 Schedule = Literal["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "gpipe", "seq1f1b"]
 CpKind = Literal["ring", "ulysses", "hybrid"]
 Recompute = Literal["none", "selective", "full"]
+RecomputeModule = Literal["core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts"]
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "gpipe", "seq1f1b")
 CP_KINDS: tuple[str, ...] = ("ring", "ulysses", "hybrid")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+#: Megatron-Core's ``--recompute-modules`` (``TransformerConfig.recompute_modules``), in its order.
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
 #: Schedules that place more than one model chunk on a stage.
 VIRTUAL_SCHEDULES: tuple[str, ...] = ("interleaved", "zbv", "dualpipev")
 
@@ -34,6 +37,9 @@ class Strategy(BaseModel):
     2: + gradients, 3: + parameters; Megatron's distributed optimizer is ZeRO-1); ``fsdp`` says the
     sharding is torch FSDP, and ``shard_group`` limits it to groups of that many ranks (HSDP).
     ``recompute_layers`` limits full/selective recompute to that many layers per (virtual) stage.
+    ``recompute_modules`` names what selective recompute re-runs, as Megatron-Core's
+    ``--recompute-modules`` (``RECOMPUTE_MODULES``); empty means the runtime's own selective policy
+    (Megatron: the attention core; torchtitan: its per-op policy).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -64,6 +70,8 @@ class Strategy(BaseModel):
 
     recompute: Recompute = "none"
     recompute_layers: int = Field(default=0, ge=0, description="layers per stage recomputed; 0 means all")
+    recompute_modules: tuple[RecomputeModule, ...] = Field(
+        default=(), description="modules selective recompute re-runs (Megatron-Core); empty: the runtime's policy")
 
     micro_batch_size: int = Field(default=1, ge=1)
     num_micro_batches: int = Field(default=1, ge=1)
@@ -94,6 +102,19 @@ class Strategy(BaseModel):
                 pass  # the field validators name the bad value
         return data
 
+    @field_validator("recompute_modules", mode="after")
+    @classmethod
+    def _canonical_modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        # One spelling per set (Megatron's order, no repeats): equal sets are equal strategies.
+        return tuple(m for m in RECOMPUTE_MODULES if m in value)
+
+    @model_validator(mode="after")
+    def _modules_need_selective(self) -> Strategy:
+        if self.recompute_modules and self.recompute != "selective":
+            raise ValueError(f"recompute_modules {' '.join(self.recompute_modules)} needs recompute 'selective', "
+                             f"not '{self.recompute}'")
+        return self
+
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
@@ -123,5 +144,6 @@ class Strategy(BaseModel):
         parts += [f"mbs{self.micro_batch_size}", f"m{self.num_micro_batches}", self.schedule]
         if self.recompute != "none":
             # rc-full:2 recomputes the first two layers of each virtual stage
-            parts.append(f"rc-{self.recompute}" + (f":{self.recompute_layers}" if self.recompute_layers else ""))
+            parts.append(f"rc-{self.recompute}" + (f"({'+'.join(self.recompute_modules)})" if self.recompute_modules else "")
+                         + (f":{self.recompute_layers}" if self.recompute_layers else ""))
         return " ".join(parts)
