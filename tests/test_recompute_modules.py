@@ -157,3 +157,20 @@ def test_search_prices_its_selective_candidates_with_the_modules():
     # The experts' activation and the router's input are rebuilt instead of the attention core:
     # less memory, and less to replay.
     assert light.best["peak_bytes"] < plain.best["peak_bytes"] and light.best["step_s"] < plain.best["step_s"]
+
+
+def test_balanced_plans_keep_the_modules_on_selective_layers_only():
+    from ndplan.balance import balance
+    from ndplan.balance.build import plan_strategy
+
+    model = get_preset("qwen3-30b-a3b")
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=16)
+    strategy = Strategy(dp=8, ep=8, pp=2, num_micro_batches=16, recompute="selective",
+                        recompute_modules=("layernorm", "moe_act"))
+    assert strategy.with_recompute("full", 2).recompute_modules == ()
+    assert strategy.with_recompute("selective").recompute_modules == ("layernorm", "moe_act")
+    result = balance(model, strategy, cluster, 60 * 2**30, MemoryOptions(runtime="megatron"), exact=False)
+    assert "selective" in {option for _, _, option in result.plan.ranges()}
+    for plan in (result.plan, result.baseline[0]) + ((result.settings[0],) if result.settings else ()):
+        placed = plan_strategy(strategy, plan)
+        assert placed.recompute_modules == (strategy.recompute_modules if placed.recompute == "selective" else ())

@@ -76,7 +76,7 @@ def runnable_options(strategy: Strategy, options: MemoryOptions) -> tuple[str, .
 def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster, weight_grad_rebuilds: bool,
                    overlap: OverlapConfig | None = None) -> dict[str, dict[str, float]]:
     """``piece_seconds`` of the strategy under each recompute option."""
-    variants = [strategy.model_copy(update={"recompute": option, "recompute_layers": 0}) for option in OPTIONS]
+    variants = [strategy.with_recompute(option) for option in OPTIONS]
     seconds = piece_seconds(model, StrategyBatch.of(variants), cluster, weight_grad_rebuilds=weight_grad_rebuilds,
                             overlap=overlap)
     return {option: {name: float(values[i]) for name, values in seconds.items()} for i, option in enumerate(OPTIONS)}
@@ -89,7 +89,7 @@ def build_problem(
     validate_strategy(strategy, model, cluster.num_devices)
     slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"] * options.include_overhead
     seconds = _piece_seconds(model, strategy, cluster, options.profile.weight_grad_recomputes_per_group, options.overlap)
-    batch = StrategyBatch.of([strategy.model_copy(update={"recompute": o, "recompute_layers": 0}) for o in OPTIONS])
+    batch = StrategyBatch.of([strategy.with_recompute(o) for o in OPTIONS])
     acts = layer_activations(model, batch, options)
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
     elements = layer_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
@@ -124,7 +124,7 @@ def build_problem(
     last_extra = LayerCost(seconds["none"]["head"], out_activation, head_static)
     fixed_of = {}
     for option in ("none", "full"):
-        uniform = strategy.model_copy(update={"recompute": option, "recompute_layers": 0})
+        uniform = strategy.with_recompute(option)
         device = stage_memory(model, StrategyBatch.of(uniform), options).device[0, : strategy.pp]
         moving = np.zeros(strategy.pp)
         for v in range(placement.num_virtual_stages):
@@ -263,7 +263,7 @@ def plan_strategy(strategy: Strategy, plan: Plan) -> Strategy:
     --recompute-granularity with --recompute-num-layers, torchtitan's activation checkpointing):
     the uneven placement and ``_one_setting``'s recompute."""
     option, layers = _one_setting(plan)
-    return strategy.model_copy(update={"stage_layers": plan.stage_layers, "recompute": option, "recompute_layers": layers})
+    return strategy.with_recompute(option, layers).model_copy(update={"stage_layers": plan.stage_layers})
 
 
 def best_settings_plan(problem: BalanceProblem, plan: Plan, uniform: Plan) -> tuple[Plan, PlanCost]:

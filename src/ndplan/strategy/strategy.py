@@ -115,6 +115,13 @@ class Strategy(BaseModel):
                              f"not '{self.recompute}'")
         return self
 
+    def with_recompute(self, recompute: str, recompute_layers: int = 0) -> Strategy:
+        """The same strategy under another recompute setting; its recompute modules stay only where
+        it recomputes selectively (they mean nothing otherwise)."""
+        modules = self.recompute_modules if recompute == "selective" else ()
+        return self.model_copy(update={"recompute": recompute, "recompute_layers": recompute_layers,
+                                       "recompute_modules": modules})
+
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
