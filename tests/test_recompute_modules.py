@@ -176,3 +176,28 @@ def test_balanced_plans_keep_the_modules_on_selective_layers_only():
     for plan in (result.plan, result.baseline[0]) + ((result.settings[0],) if result.settings else ()):
         placed = plan_strategy(strategy, plan)
         assert placed.recompute_modules == (strategy.recompute_modules if placed.recompute == "selective" else ())
+
+
+def test_hardware_flops_follow_the_modules():
+    """HFU counts what the backward replays: layernorm and moe_act replay no matmul; moe replays
+    the router, experts and shared experts (2·M·N·K each, forward), core_attn the attention core."""
+    from ndplan.perf.flops import Sharding, attention_core_flops, gemm_flops, layer_gemms, model_flops_per_micro_batch
+
+    model = get_preset("qwen3-30b-a3b")
+    seq = 4096.0
+
+    def replayed(*modules: str) -> float:
+        flops = model_flops_per_micro_batch(model, 1.0, seq, recompute_selective_fraction=1.0, recompute_modules=modules)
+        return float(flops.recompute_forward)
+
+    sh = Sharding(1.0, seq)
+    moe_block = sum(gemm_flops([g]) for g in layer_gemms(model, sh, "moe") if g.name in ("router", "experts_up", "experts_down"))
+    assert replayed("layernorm", "moe_act") == 0.0
+    assert replayed("core_attn") == pytest.approx(model.num_layers * attention_core_flops(model, sh))
+    assert replayed("moe") == pytest.approx(model.num_layers * moe_block)
+    assert replayed("core_attn") == pytest.approx(float(model_flops_per_micro_batch(
+        model, 1.0, seq, recompute_selective_fraction=1.0).recompute_forward))  # Megatron's default
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=16)
+    report = estimate_time(model, Strategy(dp=8, ep=8, pp=2, num_micro_batches=16, recompute="selective",
+                                           recompute_modules=("layernorm", "moe_act")), cluster)
+    assert report.hfu == pytest.approx(report.mfu)

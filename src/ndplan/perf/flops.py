@@ -216,6 +216,23 @@ class ModelFlops:
         return self.model + self.recompute_forward
 
 
+#: The GEMMs (``layer_gemms`` names) each Megatron recompute module replays in backward
+#: (``Strategy.recompute_modules``); ``moe`` the whole MoE block. core_attn replays the
+#: attention core; layernorm and moe_act only memory-bound ops.
+MODULE_GEMMS: dict[str, tuple[str, ...]] = {
+    "mla_up_proj": ("q_up", "kv_up"),
+    "mlp": ("mlp_up", "mlp_down"),
+    "shared_experts": ("shared_up", "shared_down", "shared_gate"),
+    "moe": ("router", "experts_up", "experts_down", "shared_up", "shared_down", "shared_gate"),
+}
+
+
+def module_gemms(gemms: list[Gemm], modules: tuple[str, ...]) -> list[Gemm]:
+    """The GEMMs of ``gemms`` that the recompute ``modules`` replay (``MODULE_GEMMS``)."""
+    names = {name for module in modules for name in MODULE_GEMMS.get(module, ())}
+    return [g for g in gemms if g.name in names]
+
+
 def model_flops_per_micro_batch(
     model: ModelSpec,
     micro_batch: Array | float,
@@ -224,6 +241,7 @@ def model_flops_per_micro_batch(
     recompute_full_fraction: Array | float = 0.0,
     recompute_selective_fraction: Array | float = 0.0,
     selective_policy: str = "megatron",
+    recompute_modules: tuple[str, ...] = (),
 ) -> ModelFlops:
     """FLOPs of one micro-batch through the whole model, not divided by any degree.
 
@@ -231,7 +249,9 @@ def model_flops_per_micro_batch(
     applied again) and the output head. The embedding lookup is a gather, not a matmul.
     ``recompute_*_fraction``: the share of decoder layers recomputed fully (adds their whole
     forward) or selectively: with ``selective_policy`` 'megatron' that adds their attention
-    core's forward, with 'torchtitan-op' every second matmul (``alternate_recomputed_gemms``).
+    core's forward, with 'torchtitan-op' every second matmul (``alternate_recomputed_gemms``);
+    with ``recompute_modules`` what those modules replay (``MODULE_GEMMS``, the attention core
+    for core_attn) whatever the policy.
     """
     sh = Sharding(micro_batch, seq)
     per_kind = {kind: gemm_flops(layer_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
@@ -242,7 +262,13 @@ def model_flops_per_micro_batch(
         gemm_flops(mtp_gemms(model, sh)) + gemm_flops(layer_gemms(model, sh, model.mtp_mlp_kind)) + head
     )
     layers_attention = model.num_layers * attention
-    if selective_policy == "torchtitan-op":
+    if recompute_modules:
+        per_kind_rc = {kind: gemm_flops(module_gemms(layer_gemms(model, sh, kind), recompute_modules))
+                       for kind in set(model.layer_mlp_kinds)}
+        selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
+        if "core_attn" in recompute_modules:
+            selective = selective + layers_attention
+    elif selective_policy == "torchtitan-op":
         per_kind_rc = {kind: gemm_flops(alternate_recomputed_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
         selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
     else:

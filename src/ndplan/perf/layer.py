@@ -61,6 +61,7 @@ from ndplan.perf.flops import (
     attention_gemms,
     head_gemms,
     layer_gemms,
+    module_gemms,
     mtp_gemms,
 )
 from ndplan.perf.gemm import PASS_NAMES, ComputeRates, gemm_pass_seconds, gemm_seconds, gemms_seconds
@@ -312,25 +313,15 @@ def _chunk_sort(ctx: LayerContext, cols: dict[str, Array]) -> Array | float:
     return np.where((cols["ep"] > 1) & (ctx.model.num_experts > cols["ep"]), 1.0, 0.0)
 
 
-#: The GEMMs (``flops.layer_gemms`` names) each recompute module replays; ``moe`` the whole MoE block.
-_MODULE_GEMMS: dict[str, tuple[str, ...]] = {
-    "mla_up_proj": ("q_up", "kv_up"),
-    "mlp": ("mlp_up", "mlp_down"),
-    "shared_experts": ("shared_up", "shared_down", "shared_gate"),
-    "moe": ("router", "experts_up", "experts_down", "shared_up", "shared_down", "shared_gate"),
-}
-
-
 def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind, gemms: list[Gemm],
                            forward_of: dict[str, Array | float], attn_f: Array | float) -> tuple[Array | float, bool]:
     """(seconds the recompute modules replay in one layer's backward, whether they replay the
     expert dispatch): ``core_attn`` the attention core's forward, the modules' GEMMs
-    (``_MODULE_GEMMS``, with their fp8 casts, routed experts at ``moe_imbalance``) and
+    (``flops.MODULE_GEMMS``, with their fp8 casts, routed experts at ``moe_imbalance``) and
     elementwise bytes (``memory_ops.module_replay_bytes``); ``moe`` re-runs the dispatch and
     combine all-to-alls too (returned apart, as expert-parallel communication)."""
     modules = ctx.recompute_modules
-    names = {name for module in modules for name in _MODULE_GEMMS.get(module, ())}
-    replayed = [g for g in gemms if g.name in names]
+    replayed = module_gemms(gemms, modules)
     cast_f, _ = fp8_cast_seconds(ctx, replayed)
     seconds = sum((forward_of[g.name] * (ctx.eff.moe_imbalance if g.expert else 1.0) for g in replayed), 0.0) + cast_f
     if "core_attn" in modules:

@@ -212,15 +212,17 @@ def _group_key(batch: StrategyBatch) -> Array:
     return np.asarray(key)
 
 
-def _seq_flops(model: ModelSpec, seq: Array, full: Array, selective: Array, policy: str = "megatron") -> tuple[Array, Array]:
+def _seq_flops(model: ModelSpec, seq: Array, full: Array, selective: Array, policy: str = "megatron",
+               modules: tuple[str, ...] = ()) -> tuple[Array, Array]:
     """(model, hardware) FLOPs of one sequence, priced once per distinct sequence length;
-    ``policy`` is the profile's selective_recompute."""
+    ``policy`` is the profile's selective_recompute, ``modules`` the batch's recompute modules."""
     codes, count = dense_codes(seq)
     lengths = seq[first_of_codes(codes, count)].astype(np.float64)
     base = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths).model)[codes]
     extra_full = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths, recompute_full_fraction=1.0).recompute_forward)
     extra_sel = np.asarray(model_flops_per_micro_batch(
-        model, 1.0, lengths, recompute_selective_fraction=1.0, selective_policy=policy).recompute_forward)
+        model, 1.0, lengths, recompute_selective_fraction=1.0, selective_policy=policy,
+        recompute_modules=modules).recompute_forward)
     return base, base + full * extra_full[codes] + selective * extra_sel[codes]
 
 
@@ -489,7 +491,8 @@ def evaluate(
     recomputed = out.pop("recomputed_fraction")
     full = (cols["recompute"] == 2) * recomputed
     selective = (cols["recompute"] == 1) * recomputed
-    model_flops, hardware_flops = _seq_flops(model, batch.seq_length[order], full, selective, eff.selective_recompute)
+    model_flops, hardware_flops = _seq_flops(model, batch.seq_length[order], full, selective, eff.selective_recompute,
+                                             batch.recompute_modules)
     gbs = batch.global_batch_size[order]
     out["model_flops"] = gbs * model_flops
     out["hardware_flops"] = gbs * hardware_flops
