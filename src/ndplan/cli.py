@@ -593,7 +593,8 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     from ndplan.memory.profile import profile_names
 
     group = parser.add_argument_group("runtime")
-    group.add_argument("--runtime", default="pytorch", help=f"runtime profile: {', '.join(profile_names())} or a YAML path")
+    group.add_argument("--runtime", help=f"runtime profile: {', '.join(profile_names())} or a YAML path "
+                                         "(default: megatron for a Megatron config read with --from, else pytorch)")
     group.add_argument("--attention", choices=["flash", "sdpa", "eager"], default="flash",
                        help="attention kernel: flash/sdpa keep O(s) statistics, eager keeps s² scores")
     group.add_argument("--loss-parallel", dest="loss_parallel", action="store_true", default=None,

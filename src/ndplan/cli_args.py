@@ -145,7 +145,8 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
                     runtime_settings: dict[str, Any] | None = None) -> Any:
     """The MemoryOptions the runtime flags describe (``add_runtime_arguments``), with the overlap
     switches from ``--overlap``, else a plan file's ``overlap:``, else what a framework config
-    stated (``runtime_settings["overlap"]``), else the device runtime's defaults."""
+    stated (``runtime_settings["overlap"]``), else the device runtime's defaults; the runtime
+    profile from ``--runtime``, else the config's (a Megatron launch: megatron), else pytorch."""
     from ndplan.memory import MemoryOptions
     from ndplan.perf.overlap import parse_overlap
 
@@ -157,8 +158,9 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
     overlap = (settings or {}).get("overlap")
     if overlap is None:
         overlap = (runtime_settings or {}).get("overlap")
+    runtime = getattr(args, "runtime", None) or (runtime_settings or {}).get("runtime") or "pytorch"
     return MemoryOptions(
-        runtime=getattr(args, "runtime", "pytorch"), attention=getattr(args, "attention", "flash"),
+        runtime=runtime, attention=getattr(args, "attention", "flash"),
         loss_parallel=getattr(args, "loss_parallel", None), include_overhead=not getattr(args, "no_overhead", False),
         moe_imbalance=getattr(args, "moe_imbalance", 1.0), moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
         census=census, overlap=parse_overlap(overlap),

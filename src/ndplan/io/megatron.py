@@ -105,12 +105,13 @@ def interpret(
     settings["precision"] = precision_setting(_precision(args, warnings))
     _batch(args, settings, dp, warnings, notes)
     overlap = _overlap(args, notes)
+    notes.append("runtime: megatron, what Megatron-Core keeps for backward (--runtime overrides)")
 
     warnings.extend(args.leftovers())
     return ReadResult(
         format=FORMAT, source=src.name, model=model, strategy_settings=settings,
         devices=settings.get("dp", 0) * tp * pp * cp or world or devices or None,
-        devices_per_node=per_node, warnings=warnings, notes=notes, runtime_settings={"overlap": overlap},
+        devices_per_node=per_node, warnings=warnings, notes=notes, runtime_settings={"overlap": overlap, "runtime": "megatron"},
     )
 
 

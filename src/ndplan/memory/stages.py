@@ -1057,12 +1057,17 @@ def _evaluate_group(
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
     has_moe = moe_per_stage > 0
     # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
-    smallest_kept = np.minimum(acts.recomputed["dense"], acts.recomputed["moe"])
-    largest_layer = {"moe": np.maximum(acts.full["moe"], acts.full["dense"]), "dense": acts.full["dense"]}
+    # Recompute rebuilds, beside what the layer keeps, the rest of its activations: full − kept
+    # of the layer's own kind, the largest over the kinds the model has (a stage with MoE layers
+    # may hold dense ones too).
+    rebuilt = {k: acts.full[k] - acts.recomputed[k] for k in ("dense", "moe")}
+    has_dense = "dense" in model.layer_mlp_kinds
+    rebuilt_on = {"moe": np.maximum(rebuilt["moe"], rebuilt["dense"]) if has_dense else rebuilt["moe"],
+                  "dense": rebuilt["dense"]}
     backward_extra = {"moe": np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"]),
                       "dense": acts.backward_extra["dense"]}
     transient_of = {
-        k: tokens * (backward_extra[k] + np.where(recompute_on, largest_layer[k] - smallest_kept, 0.0)) for k in ("moe", "dense")
+        k: tokens * (backward_extra[k] + np.where(recompute_on, rebuilt_on[k], 0.0)) for k in ("moe", "dense")
     }
     layer_transient = np.where(has_moe[None, :], transient_of["moe"][:, None], transient_of["dense"][:, None])
     loss_transient = t * acts.output_transient[:, None] * last_stage[None, :]
