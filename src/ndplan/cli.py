@@ -250,9 +250,10 @@ def cmd_balance(args: argparse.Namespace) -> int:
     strategy = strategy_from_settings(settings)
     limit = parse_bytes(args.memory_limit) if args.memory_limit else device.memory_bytes
     cluster = Cluster(device=device, num_devices=strategy.world_size)
-    result = balance(model, strategy, cluster, limit, _memory_options(args, settings, read), exact=not args.heuristic)
-    data = {"model": model.name, "hardware": device.name, "strategy": strategy.model_dump(mode="json"),
-            "memory_limit_bytes": limit, **result.to_dict()}
+    options = _memory_options(args, settings, read)
+    result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic)
+    data = {"model": model.name, "hardware": device.name, "devices": strategy.world_size, "runtime": options.runtime,
+            "strategy": strategy.model_dump(mode="json"), "memory_limit_bytes": limit, **result.to_dict()}
     if args.emit:
         from ndplan.io import emit
 
@@ -389,6 +390,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     overlap = options.overlap or default_overlap(device.runtime)
     data = search_result_dict(result, model, device, space)
     data["overlap"] = overlap.model_dump(mode="json")
+    data["runtime"] = options.runtime
     if args.csv:
         _write_csv(args.csv, result.ranked)
     if args.emit and result.best:

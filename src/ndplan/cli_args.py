@@ -115,6 +115,8 @@ def read_plan_file(path: Path) -> dict[str, Any]:
 def gather_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Plan-file settings overlaid with the flags that were given."""
     settings: dict[str, Any] = read_plan_file(args.plan) if getattr(args, "plan", None) else {}
+    if getattr(args, "recompute", None) not in (None, "selective") and getattr(args, "recompute_modules", None) is None:
+        settings.pop("recompute_modules", None)  # a recompute that is not selective re-runs no modules
     for key in _PLAN_KEYS:
         value = getattr(args, key, None)
         if value is not None:

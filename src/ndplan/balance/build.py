@@ -74,22 +74,28 @@ def runnable_options(strategy: Strategy, options: MemoryOptions) -> tuple[str, .
 
 
 def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster, weight_grad_rebuilds: bool,
-                   overlap: OverlapConfig | None = None) -> dict[str, dict[str, float]]:
-    """``piece_seconds`` of the strategy under each recompute option."""
-    variants = [strategy.with_recompute(option) for option in OPTIONS]
+                   overlap: OverlapConfig | None = None, modules: tuple[str, ...] | None = None
+                   ) -> dict[str, dict[str, float]]:
+    """``piece_seconds`` of the strategy under each recompute option (selective: ``modules``)."""
+    variants = [strategy.with_recompute(option, modules=modules) for option in OPTIONS]
     seconds = piece_seconds(model, StrategyBatch.of(variants), cluster, weight_grad_rebuilds=weight_grad_rebuilds,
                             overlap=overlap)
     return {option: {name: float(values[i]) for name, values in seconds.items()} for i, option in enumerate(OPTIONS)}
 
 
 def build_problem(
-    model: ModelSpec, strategy: Strategy, cluster: Cluster, memory_limit_bytes: float, options: MemoryOptions | None = None
+    model: ModelSpec, strategy: Strategy, cluster: Cluster, memory_limit_bytes: float, options: MemoryOptions | None = None,
+    selective_modules: tuple[str, ...] | None = None,
 ) -> BalanceProblem:
+    """The balancing problem of ``strategy``: per layer kind and recompute option its time and
+    bytes, the stages' fixed bytes, the schedule. The selective option re-runs
+    ``selective_modules`` (default: the strategy's own, ``Strategy.recompute_modules``)."""
     options = options or MemoryOptions()
     validate_strategy(strategy, model, cluster.num_devices)
     slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"] * options.include_overhead
-    seconds = _piece_seconds(model, strategy, cluster, options.profile.weight_grad_recomputes_per_group, options.overlap)
-    batch = StrategyBatch.of([strategy.with_recompute(o) for o in OPTIONS])
+    seconds = _piece_seconds(model, strategy, cluster, options.profile.weight_grad_recomputes_per_group, options.overlap,
+                             selective_modules)
+    batch = StrategyBatch.of([strategy.with_recompute(o, modules=selective_modules) for o in OPTIONS])
     acts = layer_activations(model, batch, options)
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
     elements = layer_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
@@ -258,12 +264,13 @@ def _one_setting(plan: Plan) -> tuple[str, int]:
     return option, 0 if most >= max(plan.stage_layers) else most
 
 
-def plan_strategy(strategy: Strategy, plan: Plan) -> Strategy:
+def plan_strategy(strategy: Strategy, plan: Plan, selective_modules: tuple[str, ...] | None = None) -> Strategy:
     """The plan in a Strategy's terms, for frameworks that take one recompute setting (Megatron's
     --recompute-granularity with --recompute-num-layers, torchtitan's activation checkpointing):
-    the uneven placement and ``_one_setting``'s recompute."""
+    the uneven placement and ``_one_setting``'s recompute (selective: ``selective_modules``,
+    default the strategy's own)."""
     option, layers = _one_setting(plan)
-    return strategy.with_recompute(option, layers).model_copy(update={"stage_layers": plan.stage_layers})
+    return strategy.with_recompute(option, layers, selective_modules).model_copy(update={"stage_layers": plan.stage_layers})
 
 
 def best_settings_plan(problem: BalanceProblem, plan: Plan, uniform: Plan) -> tuple[Plan, PlanCost]:

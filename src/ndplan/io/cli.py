@@ -66,6 +66,8 @@ def merge_settings(result: ReadResult | None, settings: dict[str, Any]) -> dict[
     for key, inputs in _DERIVED.items():
         if key not in given and inputs & set(given):
             merged.pop(key, None)
+    if given.get("recompute", "selective") != "selective" and "recompute_modules" not in given:
+        merged.pop("recompute_modules", None)  # a recompute that is not selective re-runs no modules
     merged.update(given)
     return merged
 

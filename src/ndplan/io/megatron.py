@@ -397,9 +397,7 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
         if method is not None:
             raise args.error(method, "Megatron supports no recompute method with --recompute-granularity selective")
         settings["recompute"] = "selective"
-        # Megatron's default list is core_attn, which is also what ndplan's selective recompute
-        # means without modules under the Megatron runtime: one spelling for one run.
-        if modules and set(modules) != {"core_attn"}:
+        if modules:  # without them Megatron re-runs core_attn, as ndplan's Megatron policy does
             settings["recompute_modules"] = tuple(modules)
         return
     if granularity != "full":

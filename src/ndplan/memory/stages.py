@@ -1057,19 +1057,14 @@ def _evaluate_group(
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
     has_moe = moe_per_stage > 0
     # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
-    # Recompute rebuilds, beside what the layer keeps, the rest of its activations: full − kept
-    # of the layer's own kind, the largest over the kinds the model has (a stage with MoE layers
-    # may hold dense ones too).
-    rebuilt = {k: acts.full[k] - acts.recomputed[k] for k in ("dense", "moe")}
-    has_dense = "dense" in model.layer_mlp_kinds
-    rebuilt_on = {"moe": np.maximum(rebuilt["moe"], rebuilt["dense"]) if has_dense else rebuilt["moe"],
-                  "dense": rebuilt["dense"]}
-    backward_extra = {"moe": np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"]),
-                      "dense": acts.backward_extra["dense"]}
-    transient_of = {
-        k: tokens * (backward_extra[k] + np.where(recompute_on, rebuilt_on[k], 0.0)) for k in ("moe", "dense")
-    }
-    layer_transient = np.where(has_moe[None, :], transient_of["moe"][:, None], transient_of["dense"][:, None])
+    backward_extra = np.where(has_moe[None, :], np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"])[:, None],
+                              acts.backward_extra["dense"][:, None])
+    # Recompute rebuilds, beside what a layer keeps, the rest of its activations: full − kept of
+    # the layer's own kind, the largest over the kinds the stage holds.
+    has_dense = (on_stage @ dense_layers) > 0
+    rebuilt = np.maximum(np.where(has_moe[None, :], (acts.full["moe"] - acts.recomputed["moe"])[:, None], 0.0),
+                         np.where(has_dense[None, :], (acts.full["dense"] - acts.recomputed["dense"])[:, None], 0.0))
+    layer_transient = t * (backward_extra + np.where(recompute_on[:, None], rebuilt, 0.0))
     loss_transient = t * acts.output_transient[:, None] * last_stage[None, :]
     out["transient"] = np.maximum(layer_transient, loss_transient)
     # From the second micro-batch on, the embedding's backward makes a whole new gradient of the

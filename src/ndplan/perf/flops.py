@@ -220,7 +220,7 @@ class ModelFlops:
 #: (``Strategy.recompute_modules``); ``moe`` the whole MoE block. core_attn replays the
 #: attention core; layernorm and moe_act only memory-bound ops.
 MODULE_GEMMS: dict[str, tuple[str, ...]] = {
-    "mla_up_proj": ("q_up", "kv_up"),
+    "mla_up_proj": ("q_up", "kv_up", "q_proj"),  # q_proj: MLA without a query latent (q_lora_rank 0)
     "mlp": ("mlp_up", "mlp_down"),
     "shared_experts": ("shared_up", "shared_down", "shared_gate"),
     "moe": ("router", "experts_up", "experts_down", "shared_up", "shared_down", "shared_gate"),

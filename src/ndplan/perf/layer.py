@@ -328,7 +328,14 @@ def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardi
         seconds = seconds + attn_f
     replay_bytes = module_replay_bytes(ctx.model, sh, cols["sequence_parallel"], kind, ctx.precision.activation_bytes, modules)
     seconds = seconds + ctx.eff.elementwise_passes * replay_bytes / ctx.rates.hbm_rate
-    return seconds, kind == "moe" and "moe" in modules
+    replays_moe = kind == "moe" and "moe" in modules
+    if replays_moe:
+        # The replayed block launches its experts again, after the dropless sync as in the
+        # forward: no faster than the host launches the MoE part (decoder_layer's host floor).
+        local_experts = ctx.model.num_experts / cols["ep"]
+        host_moe = ctx.eff.host_moe_layer_s + local_experts * ctx.eff.host_expert_s - ctx.eff.host_layer_s
+        seconds = np.maximum(seconds, np.maximum(host_moe, 0.0))
+    return seconds, replays_moe
 
 
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind) -> tuple[PieceTimes, PieceTimes]:
@@ -426,8 +433,14 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         selective_s = attn_f
     recomputed_s = np.where(full, compute_f, np.where(selective, selective_s, 0.0))
     rc.add("B", "compute", recomputed_s)
-    rc.add("B", "tp", np.where(full, tp_f, 0.0))
-    rc.add("B", "cp", np.where(full, cp_f, 0.0))
+    # Replayed modules re-run their collectives: the MLP block's TP/SP one (half the layer's)
+    # with mlp, moe or shared_experts; the attention core's CP exchange with core_attn (also
+    # Megatron's default policy).
+    modules = ctx.recompute_modules
+    replays_mlp_tp = 0.5 if {"mlp", "moe", "shared_experts"} & set(modules) else 0.0
+    replays_core = "core_attn" in modules or (not modules and eff.selective_recompute == "megatron")
+    rc.add("B", "tp", np.where(full, tp_f, np.where(selective, replays_mlp_tp * tp_f, 0.0)))
+    rc.add("B", "cp", np.where(full, cp_f, np.where(selective & replays_core, cp_f, 0.0)))
     rc.add("B", "ep", np.where(full, ep_f, np.where(selective, selective_ep, 0.0)))
     # FSDP gathers a layer's shard before its backward and reduce-scatters the gradients after
     # it, while the neighbouring layers' backward runs; the recomputed forward is part of that

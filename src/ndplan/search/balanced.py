@@ -75,7 +75,7 @@ def rank_balanced(
         candidate = int(index[position])
         if pipeline[position]:
             strategy = space.strategy(candidate)
-            problem = build_problem(model, strategy, cluster, memory_limit_bytes, options)
+            problem = build_problem(model, strategy, cluster, memory_limit_bytes, options, space.recompute_modules)
             found = solve_heuristic(problem)
             balanced += 1
             if found is not None and one_setting:
@@ -122,7 +122,7 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             # What --emit writes: the fastest plan one recompute setting expresses, priced alike.
             problem = found["problem"]
             settings, settings_cost = best_settings_plan(problem, found["plan"], uniform_plan(problem, "full"))
-            strategy = plan_strategy(space.strategy(int(candidate)), settings)
+            strategy = plan_strategy(space.strategy(int(candidate)), settings, space.recompute_modules)
             row["balanced_settings"] = {
                 "label": strategy.short(), "stage_layers": list(settings.stage_layers),
                 "step_s": row["unbalanced_step_s"] * settings_cost.step_s / found["uniform_step_s"],

@@ -115,12 +115,13 @@ class Strategy(BaseModel):
                              f"not '{self.recompute}'")
         return self
 
-    def with_recompute(self, recompute: str, recompute_layers: int = 0) -> Strategy:
-        """The same strategy under another recompute setting; its recompute modules stay only where
-        it recomputes selectively (they mean nothing otherwise)."""
-        modules = self.recompute_modules if recompute == "selective" else ()
+    def with_recompute(self, recompute: str, recompute_layers: int = 0, modules: tuple[str, ...] | None = None) -> Strategy:
+        """The same strategy under another recompute setting; recompute modules (``modules``, else
+        its own) only where it recomputes selectively (they mean nothing otherwise)."""
+        modules = (self.recompute_modules if modules is None else modules) if recompute == "selective" else ()
         return self.model_copy(update={"recompute": recompute, "recompute_layers": recompute_layers,
-                                       "recompute_modules": modules})
+                                       "recompute_modules": Strategy(recompute="selective", recompute_modules=modules)
+                                       .recompute_modules if modules else ()})
 
     @property
     def world_size(self) -> int:
