@@ -512,11 +512,14 @@ def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]
     return float(best[-1]), bottleneck, tuple(reversed(counts))
 
 
-def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float, tuple[int, ...]]]:
+def min_sums(seg: AnyTable, bounds: Sequence[float]
+             ) -> tuple[list[float], Callable[[int], tuple[float, tuple[int, ...]]]]:
     """``min_sum`` for each of ``bounds``, in one pass over the stages: the bounds' tables are
     stacked on a leading axis, so that each stage is a few array operations for all of them
     (the same sums in the same order as one at a time). Faster than one at a time on staged
-    tables of a few stages; slower on plain tables of many."""
+    tables of a few stages; slower on plain tables of many. Returns the sums (+inf where no
+    split qualifies) and ``split(k)``, the bottleneck and layers per virtual stage of the k-th
+    bound's split (where its sum is finite), walked back only for the bounds a caller asks."""
     staged = isinstance(seg, StagedTable)
     limit = np.asarray(bounds, dtype=float).reshape(-1, 1, 1)  # [n, 1, 1]
     starts: Sequence[np.ndarray]
@@ -541,13 +544,9 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
     for start, cost in zip(starts, costs, strict=True):
         total = best.take(start, axis=1) + cost  # [n, J, P]
         totals.append(total)
-        best = total.min(axis=1)
-    out: list[tuple[float, float, tuple[int, ...]]] = []
-    last = best[:, -1].tolist()
-    for k in range(len(bounds)):
-        if not np.isfinite(last[k]):
-            out.append((float("inf"), float("inf"), ()))
-            continue
+        best = np.minimum.reduce(total, axis=1)
+
+    def split(k: int) -> tuple[float, tuple[int, ...]]:
         counts: list[int] = []
         b, bottleneck = best.shape[1] - 1, 0.0
         for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
@@ -559,8 +558,9 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float,
             bottleneck = max(bottleneck, float(costs[v][k, j, b]))
             # A finite step starts at its position less its length (a staged table says where).
             b = int(starts[v][j, b]) if staged else b - length
-        out.append((last[k], bottleneck, tuple(reversed(counts))))
-    return out
+        return bottleneck, tuple(reversed(counts))
+
+    return best[:, -1].tolist(), split
 
 
 def _split_costs(seg: _Segments, counts: tuple[int, ...]) -> np.ndarray:
@@ -592,16 +592,28 @@ def threshold_search(seg: AnyTable, weight: float, z_star: float) -> tuple[int, 
     ``weight``), given Z*, the least bottleneck; None if no split fits."""
     # S(∞), a lower bound on every split's sum, and S(Z*) (in one pass on a staged table).
     if isinstance(seg, StagedTable):
-        (least, top, free), (total, bottleneck, best_counts) = min_sums(seg, (np.inf, z_star))
+        (least, total), split = min_sums(seg, (np.inf, z_star))
+        if not np.isfinite(least):
+            return None
+        if weight == 0:
+            return split(0)[1]
+        # S(Z*)'s split has bottleneck Z* exactly (its costs are ≤ Z*, and no split's bottleneck
+        # is less), and S(∞)'s, of bottleneck ≥ Z*, can beat it only with a smaller sum: that
+        # one is walked back only then.
+        best, best_counts = total + weight * z_star, split(1)[1]
+        if least < total:
+            top, free = split(0)
+            if least + weight * top < best:
+                best, best_counts = least + weight * top, free
     else:
         (least, top, free), (total, bottleneck, best_counts) = min_sum(seg, np.inf), min_sum(seg, z_star)
-    if not np.isfinite(least):
-        return None
-    if weight == 0:
-        return free
-    best = total + weight * bottleneck
-    if least + weight * top < best:
-        best, best_counts = least + weight * top, free
+        if not np.isfinite(least):
+            return None
+        if weight == 0:
+            return free
+        best = total + weight * bottleneck
+        if least + weight * top < best:
+            best, best_counts = least + weight * top, free
     # Thresholds that could still win: segment costs in (Z*, (best − S(∞)) / (m − 1)).
     cap = (best - least) / weight
     finite = _finite_costs(seg)
