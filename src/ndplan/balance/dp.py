@@ -460,7 +460,8 @@ def min_max(table: AnyTable) -> float:
     best[0] = 0.0
     if isinstance(table, StagedTable):
         for start, cost in zip(table.starts, table.costs, strict=True):
-            best = np.minimum.reduce(np.maximum(best.take(start), cost), axis=0)
+            reached = best.take(start)
+            best = np.minimum.reduce(np.maximum(reached, cost, out=reached), axis=0)  # in place: no allocation
     else:
         for cost in table.cost:
             best = np.minimum.reduce(np.maximum(best.take(table.start), cost), axis=0)
@@ -542,7 +543,8 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]
     best[:, 0] = 0.0
     totals = []
     for start, cost in zip(starts, costs, strict=True):
-        total = best.take(start, axis=1) + cost  # [n, J, P]
+        total = best.take(start, axis=1)
+        total += cost  # [n, J, P], in place: no allocation
         totals.append(total)
         best = np.minimum.reduce(total, axis=1)
 

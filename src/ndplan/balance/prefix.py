@@ -117,7 +117,7 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     chosen = (np.arange(pp), total - int(totals[0]), leading)
     # The chosen queries' answers, by stage (round 0 holds each stage once).
     query = queries.index[chosen]
-    by_stage = np.argsort(stages)
+    by_stage = stages.argsort()
     held_by_stage = held[chosen][by_stage]  # [stage, local chunk, kind] layers
     solved = _Solved(held_by_stage, tuple(a[query[by_stage]] for a in answers))
     layers = held_by_stage.sum(axis=2)  # [stage, local chunk], every kind
@@ -309,12 +309,12 @@ def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_c
     steps = np.ones((*shape, turns))
     steps[..., 0] = load
     rank = greedy.loads.flight_rank[stages][:, None, :, None] * 1e-6
-    key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
+    key = steps.cumsum(axis=3) + rank  # [pp, K + 1, v, turn]
     key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
-    order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk
+    order = key.reshape(pp, len(deltas), v * turns).argsort(axis=2, kind="stable")  # ties to the lower chunk
     # [pp, K + 1, step, v] layers of each chunk once the step is placed, for the first ``turns``
     # steps only: no stage places more.
-    given = np.cumsum(order[..., :turns, None] // turns == np.arange(v), axis=2)
+    given = (order[..., :turns, None] // turns == np.arange(v)).cumsum(axis=2)
     left = totals[:, None] - deltas[None, :]  # [J, K + 1] rest layers to place (≤ turns)
     rest = given[:, deltas[None, :], np.maximum(left, 1) - 1]  # [pp, J, K + 1, v]
     return rest * (left > 0)[:, :, None]  # none placed where there is none to place

@@ -170,7 +170,7 @@ def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...], colum
     more, a tenth of the heuristic's per-call budget, so this stays its own pass."""
     pp, V = problem.pp, problem.num_virtual_stages
     constants = constants if constants is not None else evaluation_constants(problem)
-    virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
+    virtual = np.arange(V).repeat(stage_layers)  # virtual stage of each layer
     stage = constants.stage_of[virtual]
     seconds, static, activation, recomputing = columns[:, codes]  # [L] each
     memory = constants.fixed + np.bincount(stage, weights=static + constants.flight[virtual] * activation, minlength=pp)
@@ -193,7 +193,7 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     pp, V = problem.pp, problem.num_virtual_stages
     constants = constants if constants is not None else evaluation_constants(problem)
     N = len(codes)
-    virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
+    virtual = np.arange(V).repeat(stage_layers)  # virtual stage of each layer
     bins = (pp * np.arange(N)[:, None] + constants.stage_of[virtual]).reshape(-1)  # [N·L]
     seconds, static, activation, recomputing = columns[:, codes]  # [N, L] each
     held = np.bincount(bins, weights=(static + constants.flight[virtual] * activation).reshape(-1), minlength=N * pp)
@@ -205,7 +205,7 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
-    fits = np.all(memory <= problem.memory_limit_bytes, axis=1).tolist()
+    fits = (memory <= problem.memory_limit_bytes).all(axis=1).tolist()
     steps = composed_steps_s(problem, time).tolist()
     return [PlanCost(memory[n], time[n], steps[n], bool(fits[n])) for n in range(N)]
 
@@ -297,7 +297,7 @@ def chunk_loads(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndar
     """[pp, v] each chunk's load: its layers weighed by ``layer_units`` plus its ``end_units``
     (``weights``: those two from ``load_weights``, for callers that load many placements)."""
     per_layer, ends = weights if weights is not None else load_weights(problem)
-    virtual = np.repeat(np.arange(problem.num_virtual_stages), stage_layers)
+    virtual = np.arange(problem.num_virtual_stages).repeat(stage_layers)
     held = np.bincount(virtual, weights=per_layer, minlength=problem.num_virtual_stages) + ends
     loads = np.zeros((problem.pp, problem.chunks_per_stage))
     loads[problem.stage_of, problem.chunk_of] = held

@@ -113,9 +113,9 @@ class _Greedy:
         # For dealing options over chunks (``_dealt_mixes``): micro-batches in flight per chunk,
         # chunks fewest first, each kind's options most bytes first, and which recompute.
         self.flight, self.static, self.activation = weight, static, activation
-        self.flight_order = np.argsort(weight, axis=1, kind="stable")  # [pp, v]
+        self.flight_order = weight.argsort(axis=1, kind="stable")  # [pp, v]
         self._problem = problem  # for ``loads``, computed where a solver weighs loads
-        self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
+        self.by_activation = (-activation).argsort(axis=1, kind="stable")  # [G, R]
         self.falling_activation = activation[np.arange(len(self.kinds))[:, None], self.by_activation]  # [G, R] in that order
         self.recomputes, self.head_recomputes, self.none = _option_flags(options)
         self.base_bytes, self.base_time, self.transient = stage_bases(problem)
@@ -151,7 +151,7 @@ class _Greedy:
         self.step_option = self.step_option.reshape(*self.start.shape, steps)  # [pp, v, G, steps]
         # The order in which a stage's (chunk, kind, step) moves are taken: by slope; a group's
         # steps have rising slopes (a convex hull), and the stable sort keeps them in order.
-        self.order = np.argsort(slope.reshape(pp, -1), axis=1, kind="stable")  # [pp, moves]
+        self.order = slope.reshape(pp, -1).argsort(axis=1, kind="stable")  # [pp, moves]
         self.steps = steps
         self.move_group = self.order // steps  # [pp, moves] flat (chunk, kind) of each move, in order
         # What ``solve`` gathers per query, stacked so that one gather per table serves a batch,
@@ -318,7 +318,7 @@ def _chunk_counts(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, .
     """[pp, v, G] layers of each kind in each stage's local chunks for a placement, and [L] the
     virtual stage of each layer (``_plan_of`` uses both)."""
     G = len(greedy.kinds)
-    virtual = np.repeat(np.arange(problem.num_virtual_stages), counts)
+    virtual = np.arange(problem.num_virtual_stages).repeat(counts)
     held = np.bincount(virtual * G + greedy.codes, minlength=problem.num_virtual_stages * G).reshape(-1, G)
     out = np.zeros((problem.pp, problem.chunks_per_stage, G), dtype=np.int64)
     out[problem.stage_of, problem.chunk_of] = held
@@ -503,9 +503,9 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     held = choice[problem.stage_of, problem.chunk_of]  # [V, G, R]
     # A virtual stage's layers are a run: a layer's rank in its (virtual stage, kind) is its
     # rank among its kind less the layers of its kind before the run (``_Greedy.kind_before``).
-    first = np.repeat(np.cumsum(sizes) - sizes, sizes)  # [L] first layer of each layer's virtual stage
+    first = (sizes.cumsum() - sizes).repeat(sizes)  # [L] first layer of each layer's virtual stage
     rank = greedy.kind_rank - greedy.kind_before.take(greedy.codes * (problem.num_layers + 1) + first)
-    running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
+    running = held.cumsum(axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
     plan = Plan(counts, tuple(map(problem.options.__getitem__, option.tolist())))
     cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option], greedy.evaluation)
