@@ -210,17 +210,19 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     return [PlanCost(memory[n], time[n], steps[n], bool(fits[n])) for n in range(N)]
 
 
-def stage_bases(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stage_bases(problem: BalanceProblem, constants: EvaluationConstants | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per stage [pp], what does not move with its layers: bytes (fixed, plus the embedding and
     head with their chunks' in-flight counts), seconds per micro-batch (the embedding and head),
-    and the recompute transient (zero where the problem has none)."""
-    bytes_ = np.asarray(problem.fixed_bytes, dtype=float).copy()
+    and the recompute transient (zero where the problem has none). ``constants``:
+    ``evaluation_constants``, where the caller has them (they hold the embedding's and head's
+    terms)."""
+    constants = constants if constants is not None else evaluation_constants(problem)
+    bytes_ = constants.fixed.copy()
     seconds = np.zeros(problem.pp)
-    flight = problem.in_flight_of_virtual()
-    for virtual, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
-        s = int(problem.stage_of[virtual])
-        bytes_[s] += extra.static_bytes + flight[virtual] * extra.activation_bytes
-        seconds[s] += extra.time_s
+    for s, extra_bytes, extra_s in constants.extras:  # the embedding's, then the head's
+        bytes_[s] += extra_bytes
+        seconds[s] += extra_s
     transient = (np.zeros(problem.pp) if problem.recompute_transient_bytes is None
                  else np.asarray(problem.recompute_transient_bytes, dtype=float))
     return bytes_, seconds, transient

@@ -94,13 +94,15 @@ class _Greedy:
         self.kinds, self.codes, self.kind_before, self.kind_rank = _kind_tables(problem.layer_kinds)
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
-        cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
-        # [G, R] seconds, static and activation bytes, from one [3, G, R] table.
-        self.time, static, activation = np.array([[[c.time_s for c in row] for row in cost],
-                                                  [[c.static_bytes for c in row] for row in cost],
-                                                  [[c.activation_bytes for c in row] for row in cost]], dtype=float)
-        weight = np.zeros((pp, v))
-        weight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+        # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``, the entries'
+        # columns and what evaluation takes from the problem.
+        entry = cost_index(problem)
+        self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
+        self.cost_columns = cost_columns(problem)
+        self.evaluation = evaluation_constants(problem)
+        # [G, R] seconds, static and activation bytes: the columns gathered at once.
+        self.time, static, activation = self.cost_columns[:3, self.cost_code]
+        weight = problem.peak_in_flight.astype(float)  # [pp, v]: every chunk holds one virtual stage
         # [2, pp, v, G, R] each option's seconds (the same on every chunk) and bytes, in one array
         # so that one gather picks both (``per_group``).
         R = len(options)
@@ -118,7 +120,7 @@ class _Greedy:
         self.by_activation = (-activation).argsort(axis=1, kind="stable")  # [G, R]
         self.falling_activation = activation[np.arange(len(self.kinds))[:, None], self.by_activation]  # [G, R] in that order
         self.recomputes, self.head_recomputes, self.none = _option_flags(options)
-        self.base_bytes, self.base_time, self.transient = stage_bases(problem)
+        self.base_bytes, self.base_time, self.transient = stage_bases(problem, self.evaluation)
         self.limit = problem.memory_limit_bytes
         # Hull walk per (stage, chunk, kind): from the fastest option (least bytes among ties),
         # step to the option of least seconds per byte saved, while one saves bytes.
@@ -167,11 +169,6 @@ class _Greedy:
         self.per_group = picked.reshape(2, -1, pp, v * len(self.kinds)).transpose(1, 0, 3, 2).reshape(-1, v * len(self.kinds), pp)
         self.per_move = gain.reshape(2, pp, -1)[:, np.arange(pp)[:, None], self.order].transpose(2, 0, 1).copy()
         self.move_group_last = self.move_group.T.copy()  # [moves, pp]
-        # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``.
-        entry = cost_index(problem)
-        self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
-        self.cost_columns = cost_columns(problem)
-        self.evaluation = evaluation_constants(problem)
 
     @cached_property
     def loads(self) -> _Loads:
