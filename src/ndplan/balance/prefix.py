@@ -77,9 +77,9 @@ def solve_prefixed(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan,
     return min(found, key=lambda f: f[1].step_s) if found else None
 
 
-def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) -> tuple[tuple[int, ...], _Solved] | None:
-    """Layers per virtual stage of the DP's split (module docstring) and the greedy's answers for
-    its stages, or None if none fits."""
+def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) -> tuple[np.ndarray, _Solved] | None:
+    """[V] layers per virtual stage of the DP's split (module docstring) and the greedy's answers
+    for its stages, or None if none fits."""
     L, pp, v = problem.num_layers, problem.pp, problem.chunks_per_stage
     if L < pp * v:
         return None
@@ -121,8 +121,7 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     held_by_stage = held[chosen][by_stage]  # [stage, local chunk, kind] layers
     solved = _Solved(held_by_stage, tuple(a[query[by_stage]] for a in answers))
     layers = held_by_stage.sum(axis=2)  # [stage, local chunk], every kind
-    counts = tuple(layers[problem.stage_of, problem.chunk_of].tolist())
-    return counts, solved
+    return layers[problem.stage_of, problem.chunk_of], solved
 
 
 @dataclass(frozen=True)

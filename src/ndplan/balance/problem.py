@@ -161,9 +161,10 @@ def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
     return EvaluationConstants(np.asarray(problem.stage_of), flight, problem.fixed_bytes.astype(float), extras)
 
 
-def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...], columns: np.ndarray, codes: np.ndarray,
-                   constants: EvaluationConstants | None = None) -> PlanCost:
-    """``evaluate`` of a plan given as layers per virtual stage and each layer's entry of
+def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray, columns: np.ndarray,
+                   codes: np.ndarray, constants: EvaluationConstants | None = None) -> PlanCost:
+    """``evaluate`` of a plan given as layers per virtual stage (an array where the caller has
+    one, which spares converting a tuple) and each layer's entry of
     ``problem.costs`` (its index in that order, ``cost_columns``' columns), the form solvers
     hold plans in (``constants``: ``evaluation_constants``, where the caller has them).
     ``evaluate_codes_many`` does the same for N plans; a batch of one through it costs ~15 µs
@@ -205,7 +206,7 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
-    fits = (memory <= problem.memory_limit_bytes).all(axis=1).tolist()
+    fits = np.logical_and.reduce(memory <= problem.memory_limit_bytes, axis=1).tolist()
     steps = composed_steps_s(problem, time).tolist()
     return [PlanCost(memory[n], time[n], steps[n], bool(fits[n])) for n in range(N)]
 

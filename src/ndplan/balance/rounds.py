@@ -343,7 +343,7 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     # Mixes grow with the layers of each kind: where the most of each fit, every stage does.
     most = prod(comb(n + R - 1, R - 1) for n in totals.max(axis=0).tolist())
     if most <= _EXACT_CELLS and problem.pp * most <= _BATCH_CELLS:  # the usual case: every stage in one batch
-        choice, seconds = _dealt_mixes(problem, greedy, np.arange(problem.pp), held)
+        choice, seconds = _dealt_mixes(problem, greedy, slice(None), held)
         return choice, np.isfinite(seconds)
     choice = np.zeros((*held.shape, R), dtype=np.int64)
     found = np.zeros(problem.pp, dtype=bool)
@@ -390,11 +390,12 @@ def _heads(limit: int, recomputes: tuple[bool, ...]) -> tuple[np.ndarray, np.nda
     return heads, layers, recomputing
 
 
-def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, counts: np.ndarray
+def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | slice, counts: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """``_exact_stages`` for S queries at once, stage ``stages[i]`` holding ``counts[i]`` [v, G]
     layers per chunk and kind: [S, v, G, R] the least-time dealt mix of each and [S] its seconds
-    per micro-batch (+inf where none fits).
+    per micro-batch (+inf where none fits). ``stages``: a slice where they are every stage in
+    order, which spares gathering the per-stage tables.
 
     Each kind's mixes are padded to the most layers a stage holds: a mix is its counts on the
     first R − 1 options (``dp._at_most``, in the order of ``dp._compositions``), the last
@@ -404,7 +405,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     from ndplan.balance.chunks import _dealt_slots
 
     v, G = counts.shape[1:]
-    R, S = len(problem.options), len(stages)
+    R, S = len(problem.options), len(counts)
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
     grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid)
@@ -427,8 +428,8 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
         weight = slots.take(last) - slots.take(last - ordered)  # [S, K, R]
         kind_bytes = mixes @ greedy.static[g] + weight @ greedy.falling_activation[g]
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
-        # A void mix holds +inf bytes: it never fits.
-        bytes_total = bytes_total + np.where(rest < 0, np.inf, kind_bytes).reshape(shape)
+        np.putmask(kind_bytes, rest < 0, np.inf)  # a void mix holds +inf bytes: it never fits
+        bytes_total = bytes_total + kind_bytes.reshape(shape)
         kind_times.append((mixes @ greedy.time[g]).reshape(shape))
         # Some layer recomputes: on one of the first R − 1 options (the same for every stage) or on the last.
         recomputing = head_recomputes | (rest > 0) if greedy.recomputes[-1] else np.broadcast_to(head_recomputes, rest.shape)
@@ -438,7 +439,10 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     for g in range(1, G):
         time_total, any_recompute = time_total + kind_times[g], any_recompute | kind_recomputes[g]
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
-    seconds = np.where(memory <= limit, time_total, np.inf).reshape(S, -1)  # time_total has every kind's axis
+    # time_total has every kind's axis (a sum of G ≥ 2 broadcast ones, or the one kind's own
+    # array): +inf in place where the memory does not fit.
+    np.putmask(time_total, memory > limit, np.inf)
+    seconds = time_total.reshape(S, -1)
     mix = seconds.argmin(axis=1)
     best = np.unravel_index(mix, memory.shape[1:])  # per kind [S] its mix
     # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
@@ -460,7 +464,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     choice = np.empty((S, v, G, R), dtype=np.int64)
     choice[stage[:, None, None, None], order[:, None, None, :], np.arange(G)[None, :, None, None],
            greedy.by_activation[None, :, :, None]] = dealt[1] - dealt[0]
-    return choice, seconds.min(axis=1) + greedy.base_time[stages]  # the least is the one at ``mix``
+    return choice, seconds[stage, mix] + greedy.base_time[stages]  # the least, at ``mix``
 
 
 class _Solved(NamedTuple):
@@ -505,7 +509,7 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     running = held.cumsum(axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
     plan = Plan(counts, tuple(map(problem.options.__getitem__, option.tolist())))
-    cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option], greedy.evaluation)
+    cost = evaluate_codes(problem, sizes, greedy.cost_columns, greedy.cost_code[greedy.codes, option], greedy.evaluation)
     return (plan, cost) if cost.fits else None
 
 
@@ -573,7 +577,7 @@ def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> 
     return _virtual_counts(problem, forward, n, e)
 
 
-def _even_out(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...]) -> tuple[int, ...]:
+def _even_out(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...] | np.ndarray) -> tuple[int, ...]:
     """The placement with each stage's layers moved between its own chunks (same stage totals)
     until their loads are even (``even_chunks``): one layer at a time from the heaviest chunk
     that holds more than one to the lightest. A move shifts which kinds later chunks hold, so
