@@ -207,11 +207,7 @@ class _Greedy:
         layers = groups.take(self.move_group_last.take(stage, axis=1) * Q + query)  # [moves, Q] each move may take
         per_move = self.per_move.take(stage, axis=2)  # [moves, 2, Q] bytes saved, seconds added per layer
         steps = layers[:, None] * per_move
-        # Running sums of bytes saved and seconds added along the moves (as np.cumsum, faster).
-        running = np.empty_like(steps)
-        running[0] = steps[0]
-        for move in range(1, len(steps)):
-            np.add(running[move - 1], steps[move], out=running[move])
+        running = steps.cumsum(axis=0)  # running sums of bytes saved and seconds added along the moves
         moves = len(steps)
         short = deficit > 0  # over the limit with every layer at its fastest option
         whole = (running[:, 0] < deficit).sum(axis=0)  # moves taken whole
