@@ -133,9 +133,9 @@ def _dealt_slots(layers: np.ndarray, flight: np.ndarray, order: np.ndarray | Non
     turns = int(capacity.max(initial=0))
     active = np.arange(turns)[None, None, :, None] < capacity[:, :, None, :]  # [pp, J, turn, v]
     flat = active.reshape(*active.shape[:2], -1)
-    running = np.cumsum(np.where(active, weight[:, None, None, :], 0.0).reshape(flat.shape), axis=2)
+    running = np.where(active, weight[:, None, None, :], 0.0).reshape(flat.shape).cumsum(axis=2)
     S = int(layers.sum(axis=2).max(initial=0))
-    first = np.argsort(~flat, axis=2, kind="stable")[:, :, :S]  # positions of the dealt slots in turn
+    first = (~flat).argsort(axis=2, kind="stable")[:, :, :S]  # positions of the dealt slots in turn
     out = np.zeros((*layers.shape[:2], S + 1))
     out[:, :, 1:] = running[(*cell, first)]
     return out, first, capacity, order

@@ -460,7 +460,8 @@ def min_max(table: AnyTable) -> float:
     best[0] = 0.0
     if isinstance(table, StagedTable):
         for start, cost in zip(table.starts, table.costs, strict=True):
-            best = np.minimum.reduce(np.maximum(best.take(start), cost), axis=0)
+            reached = best.take(start)
+            best = np.minimum.reduce(np.maximum(reached, cost, out=reached), axis=0)  # in place: no allocation
     else:
         for cost in table.cost:
             best = np.minimum.reduce(np.maximum(best.take(table.start), cost), axis=0)
@@ -512,55 +513,58 @@ def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]
     return float(best[-1]), bottleneck, tuple(reversed(counts))
 
 
-def min_sums(seg: AnyTable, bounds: Sequence[float]) -> list[tuple[float, float, tuple[int, ...]]]:
+def min_sums(seg: AnyTable, bounds: Sequence[float]
+             ) -> tuple[list[float], Callable[[int], tuple[float, tuple[int, ...]]]]:
     """``min_sum`` for each of ``bounds``, in one pass over the stages: the bounds' tables are
-    stacked on a leading axis, so that each stage is a few array operations for all of them
+    stacked on a trailing axis, so that each stage is a few array operations for all of them
     (the same sums in the same order as one at a time). Faster than one at a time on staged
-    tables of a few stages; slower on plain tables of many."""
+    tables of a few stages; slower on plain tables of many. Returns the sums (+inf where no
+    split qualifies) and ``split(k)``, the bottleneck and layers per virtual stage of the k-th
+    bound's split (where its sum is finite), walked back only for the bounds a caller asks."""
     staged = isinstance(seg, StagedTable)
-    limit = np.asarray(bounds, dtype=float).reshape(-1, 1, 1)  # [n, 1, 1]
+    # The bounds run along the last axis: each stage's gather and least are then over whole
+    # rows of positions, and its costs a contiguous block of the masked ones.
     starts: Sequence[np.ndarray]
     costs: Sequence[np.ndarray]
     if isinstance(seg, StagedTable):
         starts = seg.starts
         # Every stage's costs masked at once, laid end to end: a mask per stage costs more.
         flat = seg.flat_costs if seg.flat_costs is not None else np.concatenate([c.reshape(-1) for c in seg.costs])
-        masked = np.empty((len(bounds), flat.size))  # [n, Σ J·P]
-        for row, bound in zip(masked, bounds, strict=True):
-            # c ≤ +inf always: an unbounded row is the costs as they are, a copy and not a mask.
-            row[:] = flat if bound == np.inf else np.where(flat <= bound, flat, np.inf)
+        masked = np.empty((flat.size, len(bounds)))  # [Σ J·P, n]
+        for k, bound in enumerate(bounds):
+            # c ≤ +inf always: an unbounded column is the costs as they are, a copy and not a mask.
+            masked[:, k] = flat if bound == np.inf else np.where(flat <= bound, flat, np.inf)
         ends = list(accumulate(c.size for c in seg.costs))
-        costs = [masked[:, end - c.size:end].reshape(-1, *c.shape) for end, c in zip(ends, seg.costs, strict=True)]
+        costs = [masked[end - c.size:end].reshape(*c.shape, -1) for end, c in zip(ends, seg.costs, strict=True)]
     else:
         starts = (seg.start,) * len(seg.cost)
-        stacked = np.where(seg.cost <= limit[..., None], seg.cost, np.inf)  # [n, V, J, P]
-        costs = [stacked[:, v] for v in range(len(seg.cost))]
-    best = np.full((len(bounds), _positions(seg)), np.inf)  # over ends b: least sum of v stages ending at b
-    best[:, 0] = 0.0
+        limit = np.asarray(bounds, dtype=float)  # [n]
+        stacked = np.where(seg.cost[..., None] <= limit, seg.cost[..., None], np.inf)  # [V, J, P, n]
+        costs = list(stacked)
+    best = np.full((_positions(seg), len(bounds)), np.inf)  # over ends b: least sum of v stages ending at b
+    best[0] = 0.0
     totals = []
     for start, cost in zip(starts, costs, strict=True):
-        total = best.take(start, axis=1) + cost  # [n, J, P]
+        total = best.take(start, axis=0)
+        total += cost  # [J, P, n], in place: no allocation
         totals.append(total)
-        best = total.min(axis=1)
-    out: list[tuple[float, float, tuple[int, ...]]] = []
-    last = best[:, -1].tolist()
-    for k in range(len(bounds)):
-        if not np.isfinite(last[k]):
-            out.append((float("inf"), float("inf"), ()))
-            continue
+        best = np.minimum.reduce(total, axis=0)
+
+    def split(k: int) -> tuple[float, tuple[int, ...]]:
         counts: list[int] = []
-        b, bottleneck = best.shape[1] - 1, 0.0
+        b, bottleneck = best.shape[0] - 1, 0.0
         for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
             # One column's argmin at a time: an argmin over the steps' axis of whole tables
             # copies them first.
-            j = int(totals[v][k, :, b].argmin())
+            j = int(totals[v][:, b, k].argmin())
             length = int(seg.lengths[v][j] if staged else seg.lengths[j])
             counts.append(length)
-            bottleneck = max(bottleneck, float(costs[v][k, j, b]))
+            bottleneck = max(bottleneck, float(costs[v][j, b, k]))
             # A finite step starts at its position less its length (a staged table says where).
             b = int(starts[v][j, b]) if staged else b - length
-        out.append((last[k], bottleneck, tuple(reversed(counts))))
-    return out
+        return bottleneck, tuple(reversed(counts))
+
+    return best[-1].tolist(), split
 
 
 def _split_costs(seg: _Segments, counts: tuple[int, ...]) -> np.ndarray:
@@ -592,16 +596,28 @@ def threshold_search(seg: AnyTable, weight: float, z_star: float) -> tuple[int, 
     ``weight``), given Z*, the least bottleneck; None if no split fits."""
     # S(∞), a lower bound on every split's sum, and S(Z*) (in one pass on a staged table).
     if isinstance(seg, StagedTable):
-        (least, top, free), (total, bottleneck, best_counts) = min_sums(seg, (np.inf, z_star))
+        (least, total), split = min_sums(seg, (np.inf, z_star))
+        if not np.isfinite(least):
+            return None
+        if weight == 0:
+            return split(0)[1]
+        # S(Z*)'s split has bottleneck Z* exactly (its costs are ≤ Z*, and no split's bottleneck
+        # is less), and S(∞)'s, of bottleneck ≥ Z*, can beat it only with a smaller sum: that
+        # one is walked back only then.
+        best, best_counts = total + weight * z_star, split(1)[1]
+        if least < total:
+            top, free = split(0)
+            if least + weight * top < best:
+                best, best_counts = least + weight * top, free
     else:
         (least, top, free), (total, bottleneck, best_counts) = min_sum(seg, np.inf), min_sum(seg, z_star)
-    if not np.isfinite(least):
-        return None
-    if weight == 0:
-        return free
-    best = total + weight * bottleneck
-    if least + weight * top < best:
-        best, best_counts = least + weight * top, free
+        if not np.isfinite(least):
+            return None
+        if weight == 0:
+            return free
+        best = total + weight * bottleneck
+        if least + weight * top < best:
+            best, best_counts = least + weight * top, free
     # Thresholds that could still win: segment costs in (Z*, (best − S(∞)) / (m − 1)).
     cap = (best - least) / weight
     finite = _finite_costs(seg)

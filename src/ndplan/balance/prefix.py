@@ -77,9 +77,9 @@ def solve_prefixed(problem: BalanceProblem, window: int = WINDOW) -> tuple[Plan,
     return min(found, key=lambda f: f[1].step_s) if found else None
 
 
-def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) -> tuple[tuple[int, ...], _Solved] | None:
-    """Layers per virtual stage of the DP's split (module docstring) and the greedy's answers for
-    its stages, or None if none fits."""
+def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) -> tuple[np.ndarray, _Solved] | None:
+    """[V] layers per virtual stage of the DP's split (module docstring) and the greedy's answers
+    for its stages, or None if none fits."""
     L, pp, v = problem.num_layers, problem.pp, problem.chunks_per_stage
     if L < pp * v:
         return None
@@ -89,12 +89,15 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     first_chunk = np.asarray(problem.chunk_of[:pp])
     deltas = np.arange(K + 1)
     rest_layers = _split(problem, greedy, stages, first_chunk, totals, deltas)  # [pp, J, K + 1, v] of the rest kind
-    n0 = deltas[None, None, :] + rest_layers[np.arange(pp), :, :, first_chunk]  # [pp, J, K + 1] first chunk's layers
+    position = np.arange(pp)
+    # [pp, J, K + 1] the first chunk's layers of the rest kind: none where it holds the δ leading
+    # layers only (n₀ = δ, the run goes on past it).
+    first_rest = rest_layers[position, :, :, first_chunk]
     lead, rest = greedy.kinds.index(problem.layer_kinds[0]), greedy.kinds.index(problem.layer_kinds[-1])
     # Queries (position, total, δ): the rest kind as split, δ leading layers in the first chunk.
     held = np.zeros((*rest_layers.shape, len(greedy.kinds)), dtype=np.int64)
     held[..., rest] = rest_layers
-    held[..., lead] = np.where(first_chunk[:, None, None, None] == np.arange(v), deltas[:, None], 0)
+    held[position, :, :, first_chunk, lead] = deltas
     # The queries the DP reads; the others' costs are thresholds only, solved if the search asks.
     queries = _queries(int(totals[0]), len(totals), K, L, pp, v)
     seconds = np.full(queries.asked.shape, np.inf)
@@ -105,7 +108,7 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
         found = greedy.solve(stages[queries.left_at], held[queries.left])[0] if len(queries.left_at) else np.empty(0)
         return found[np.isfinite(found)]
 
-    table = _table(np.where(deltas == n0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True,  # whole chunk: δ = n₀
+    table = _table(np.where(first_rest == 0, seconds, np.inf), seconds, totals, K, L, whole_in_ended=True,  # δ = n₀
                    more_thresholds=left_out)
     z_star = min_max(table)
     if not np.isfinite(z_star):
@@ -114,15 +117,14 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     if split is None:
         return None
     total, leading = np.divmod(np.asarray(split), K + 1)
-    chosen = (np.arange(pp), total - int(totals[0]), leading)
+    chosen = (position, total - int(totals[0]), leading)
     # The chosen queries' answers, by stage (round 0 holds each stage once).
     query = queries.index[chosen]
-    by_stage = np.argsort(stages)
+    by_stage = stages.argsort()
     held_by_stage = held[chosen][by_stage]  # [stage, local chunk, kind] layers
     solved = _Solved(held_by_stage, tuple(a[query[by_stage]] for a in answers))
     layers = held_by_stage.sum(axis=2)  # [stage, local chunk], every kind
-    counts = tuple(layers[problem.stage_of, problem.chunk_of].tolist())
-    return counts, solved
+    return layers[problem.stage_of, problem.chunk_of], solved
 
 
 @dataclass(frozen=True)
@@ -309,15 +311,17 @@ def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_c
     steps = np.ones((*shape, turns))
     steps[..., 0] = load
     rank = greedy.loads.flight_rank[stages][:, None, :, None] * 1e-6
-    key = np.cumsum(steps, axis=3) + rank  # [pp, K + 1, v, turn]
+    key = steps.cumsum(axis=3) + rank  # [pp, K + 1, v, turn]
     key[..., 0] -= 1e9 * empty  # a chunk's first layer, where it holds none yet, comes first
-    order = np.argsort(key.reshape(pp, len(deltas), v * turns), axis=2, kind="stable")  # ties to the lower chunk
-    # [pp, K + 1, step, v] layers of each chunk once the step is placed, for the first ``turns``
-    # steps only: no stage places more.
-    given = np.cumsum(order[..., :turns, None] // turns == np.arange(v), axis=2)
+    order = key.reshape(pp, len(deltas), v * turns).argsort(axis=2, kind="stable")  # ties to the lower chunk
+    # [v, pp, K + 1, step] layers of each chunk once the step is placed, for the first ``turns``
+    # steps only: no stage places more. (Chunks lead: every operation then runs along rows of
+    # steps, where chunks last would make it one short row of v per cell.)
+    placed_in = order[..., :turns] // turns  # [pp, K + 1, step] the chunk each step places a layer in
+    given = (np.arange(v)[:, None, None, None] == placed_in).cumsum(axis=3)
     left = totals[:, None] - deltas[None, :]  # [J, K + 1] rest layers to place (≤ turns)
-    rest = given[:, deltas[None, :], np.maximum(left, 1) - 1]  # [pp, J, K + 1, v]
-    return rest * (left > 0)[:, :, None]  # none placed where there is none to place
+    rest = given[:, :, deltas[None, :], np.maximum(left, 1) - 1]  # [v, pp, J, K + 1]
+    return (rest * (left > 0)).transpose(1, 2, 3, 0)  # none placed where there is none to place
 
 
 

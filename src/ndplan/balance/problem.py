@@ -161,16 +161,17 @@ def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
     return EvaluationConstants(np.asarray(problem.stage_of), flight, problem.fixed_bytes.astype(float), extras)
 
 
-def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...], columns: np.ndarray, codes: np.ndarray,
-                   constants: EvaluationConstants | None = None) -> PlanCost:
-    """``evaluate`` of a plan given as layers per virtual stage and each layer's entry of
+def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray, columns: np.ndarray,
+                   codes: np.ndarray, constants: EvaluationConstants | None = None) -> PlanCost:
+    """``evaluate`` of a plan given as layers per virtual stage (an array where the caller has
+    one, which spares converting a tuple) and each layer's entry of
     ``problem.costs`` (its index in that order, ``cost_columns``' columns), the form solvers
     hold plans in (``constants``: ``evaluation_constants``, where the caller has them).
     ``evaluate_codes_many`` does the same for N plans; a batch of one through it costs ~15 µs
     more, a tenth of the heuristic's per-call budget, so this stays its own pass."""
     pp, V = problem.pp, problem.num_virtual_stages
     constants = constants if constants is not None else evaluation_constants(problem)
-    virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
+    virtual = np.arange(V).repeat(stage_layers)  # virtual stage of each layer
     stage = constants.stage_of[virtual]
     seconds, static, activation, recomputing = columns[:, codes]  # [L] each
     memory = constants.fixed + np.bincount(stage, weights=static + constants.flight[virtual] * activation, minlength=pp)
@@ -193,7 +194,7 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     pp, V = problem.pp, problem.num_virtual_stages
     constants = constants if constants is not None else evaluation_constants(problem)
     N = len(codes)
-    virtual = np.repeat(np.arange(V), stage_layers)  # virtual stage of each layer
+    virtual = np.arange(V).repeat(stage_layers)  # virtual stage of each layer
     bins = (pp * np.arange(N)[:, None] + constants.stage_of[virtual]).reshape(-1)  # [N·L]
     seconds, static, activation, recomputing = columns[:, codes]  # [N, L] each
     held = np.bincount(bins, weights=(static + constants.flight[virtual] * activation).reshape(-1), minlength=N * pp)
@@ -205,22 +206,24 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
         memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
-    fits = np.all(memory <= problem.memory_limit_bytes, axis=1).tolist()
+    fits = np.logical_and.reduce(memory <= problem.memory_limit_bytes, axis=1).tolist()
     steps = composed_steps_s(problem, time).tolist()
     return [PlanCost(memory[n], time[n], steps[n], bool(fits[n])) for n in range(N)]
 
 
-def stage_bases(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stage_bases(problem: BalanceProblem, constants: EvaluationConstants | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per stage [pp], what does not move with its layers: bytes (fixed, plus the embedding and
     head with their chunks' in-flight counts), seconds per micro-batch (the embedding and head),
-    and the recompute transient (zero where the problem has none)."""
-    bytes_ = np.asarray(problem.fixed_bytes, dtype=float).copy()
+    and the recompute transient (zero where the problem has none). ``constants``:
+    ``evaluation_constants``, where the caller has them (they hold the embedding's and head's
+    terms)."""
+    constants = constants if constants is not None else evaluation_constants(problem)
+    bytes_ = constants.fixed.copy()
     seconds = np.zeros(problem.pp)
-    flight = problem.in_flight_of_virtual()
-    for virtual, extra in ((0, problem.first_extra), (problem.num_virtual_stages - 1, problem.last_extra)):
-        s = int(problem.stage_of[virtual])
-        bytes_[s] += extra.static_bytes + flight[virtual] * extra.activation_bytes
-        seconds[s] += extra.time_s
+    for s, extra_bytes, extra_s in constants.extras:  # the embedding's, then the head's
+        bytes_[s] += extra_bytes
+        seconds[s] += extra_s
     transient = (np.zeros(problem.pp) if problem.recompute_transient_bytes is None
                  else np.asarray(problem.recompute_transient_bytes, dtype=float))
     return bytes_, seconds, transient
@@ -297,7 +300,7 @@ def chunk_loads(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndar
     """[pp, v] each chunk's load: its layers weighed by ``layer_units`` plus its ``end_units``
     (``weights``: those two from ``load_weights``, for callers that load many placements)."""
     per_layer, ends = weights if weights is not None else load_weights(problem)
-    virtual = np.repeat(np.arange(problem.num_virtual_stages), stage_layers)
+    virtual = np.arange(problem.num_virtual_stages).repeat(stage_layers)
     held = np.bincount(virtual, weights=per_layer, minlength=problem.num_virtual_stages) + ends
     loads = np.zeros((problem.pp, problem.chunks_per_stage))
     loads[problem.stage_of, problem.chunk_of] = held

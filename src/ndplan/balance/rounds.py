@@ -94,13 +94,15 @@ class _Greedy:
         self.kinds, self.codes, self.kind_before, self.kind_rank = _kind_tables(problem.layer_kinds)
         options = problem.options
         pp, v = problem.pp, problem.chunks_per_stage
-        cost = [[problem.costs[(kind, option)] for option in options] for kind in self.kinds]
-        # [G, R] seconds, static and activation bytes, from one [3, G, R] table.
-        self.time, static, activation = np.array([[[c.time_s for c in row] for row in cost],
-                                                  [[c.static_bytes for c in row] for row in cost],
-                                                  [[c.activation_bytes for c in row] for row in cost]], dtype=float)
-        weight = np.zeros((pp, v))
-        weight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+        # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``, the entries'
+        # columns and what evaluation takes from the problem.
+        entry = cost_index(problem)
+        self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
+        self.cost_columns = cost_columns(problem)
+        self.evaluation = evaluation_constants(problem)
+        # [G, R] seconds, static and activation bytes: the columns gathered at once.
+        self.time, static, activation = self.cost_columns[:3, self.cost_code]
+        weight = problem.peak_in_flight.astype(float)  # [pp, v]: every chunk holds one virtual stage
         # [2, pp, v, G, R] each option's seconds (the same on every chunk) and bytes, in one array
         # so that one gather picks both (``per_group``).
         R = len(options)
@@ -113,12 +115,12 @@ class _Greedy:
         # For dealing options over chunks (``_dealt_mixes``): micro-batches in flight per chunk,
         # chunks fewest first, each kind's options most bytes first, and which recompute.
         self.flight, self.static, self.activation = weight, static, activation
-        self.flight_order = np.argsort(weight, axis=1, kind="stable")  # [pp, v]
+        self.flight_order = weight.argsort(axis=1, kind="stable")  # [pp, v]
         self._problem = problem  # for ``loads``, computed where a solver weighs loads
-        self.by_activation = np.argsort(-activation, axis=1, kind="stable")  # [G, R]
+        self.by_activation = (-activation).argsort(axis=1, kind="stable")  # [G, R]
         self.falling_activation = activation[np.arange(len(self.kinds))[:, None], self.by_activation]  # [G, R] in that order
         self.recomputes, self.head_recomputes, self.none = _option_flags(options)
-        self.base_bytes, self.base_time, self.transient = stage_bases(problem)
+        self.base_bytes, self.base_time, self.transient = stage_bases(problem, self.evaluation)
         self.limit = problem.memory_limit_bytes
         # Hull walk per (stage, chunk, kind): from the fastest option (least bytes among ties),
         # step to the option of least seconds per byte saved, while one saves bytes.
@@ -151,7 +153,7 @@ class _Greedy:
         self.step_option = self.step_option.reshape(*self.start.shape, steps)  # [pp, v, G, steps]
         # The order in which a stage's (chunk, kind, step) moves are taken: by slope; a group's
         # steps have rising slopes (a convex hull), and the stable sort keeps them in order.
-        self.order = np.argsort(slope.reshape(pp, -1), axis=1, kind="stable")  # [pp, moves]
+        self.order = slope.reshape(pp, -1).argsort(axis=1, kind="stable")  # [pp, moves]
         self.steps = steps
         self.move_group = self.order // steps  # [pp, moves] flat (chunk, kind) of each move, in order
         # What ``solve`` gathers per query, stacked so that one gather per table serves a batch,
@@ -167,11 +169,6 @@ class _Greedy:
         self.per_group = picked.reshape(2, -1, pp, v * len(self.kinds)).transpose(1, 0, 3, 2).reshape(-1, v * len(self.kinds), pp)
         self.per_move = gain.reshape(2, pp, -1)[:, np.arange(pp)[:, None], self.order].transpose(2, 0, 1).copy()
         self.move_group_last = self.move_group.T.copy()  # [moves, pp]
-        # For ``evaluate_codes``: each (kind, option)'s entry of ``problem.costs``.
-        entry = cost_index(problem)
-        self.cost_code = np.array([[entry[(kind, option)] for option in options] for kind in self.kinds])  # [G, R]
-        self.cost_columns = cost_columns(problem)
-        self.evaluation = evaluation_constants(problem)
 
     @cached_property
     def loads(self) -> _Loads:
@@ -210,11 +207,7 @@ class _Greedy:
         layers = groups.take(self.move_group_last.take(stage, axis=1) * Q + query)  # [moves, Q] each move may take
         per_move = self.per_move.take(stage, axis=2)  # [moves, 2, Q] bytes saved, seconds added per layer
         steps = layers[:, None] * per_move
-        # Running sums of bytes saved and seconds added along the moves (as np.cumsum, faster).
-        running = np.empty_like(steps)
-        running[0] = steps[0]
-        for move in range(1, len(steps)):
-            np.add(running[move - 1], steps[move], out=running[move])
+        running = steps.cumsum(axis=0)  # running sums of bytes saved and seconds added along the moves
         moves = len(steps)
         short = deficit > 0  # over the limit with every layer at its fastest option
         whole = (running[:, 0] < deficit).sum(axis=0)  # moves taken whole
@@ -318,7 +311,7 @@ def _chunk_counts(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, .
     """[pp, v, G] layers of each kind in each stage's local chunks for a placement, and [L] the
     virtual stage of each layer (``_plan_of`` uses both)."""
     G = len(greedy.kinds)
-    virtual = np.repeat(np.arange(problem.num_virtual_stages), counts)
+    virtual = np.arange(problem.num_virtual_stages).repeat(counts)
     held = np.bincount(virtual * G + greedy.codes, minlength=problem.num_virtual_stages * G).reshape(-1, G)
     out = np.zeros((problem.pp, problem.chunks_per_stage, G), dtype=np.int64)
     out[problem.stage_of, problem.chunk_of] = held
@@ -346,7 +339,7 @@ def _exact_stages(problem: BalanceProblem, greedy: _Greedy, held: np.ndarray) ->
     # Mixes grow with the layers of each kind: where the most of each fit, every stage does.
     most = prod(comb(n + R - 1, R - 1) for n in totals.max(axis=0).tolist())
     if most <= _EXACT_CELLS and problem.pp * most <= _BATCH_CELLS:  # the usual case: every stage in one batch
-        choice, seconds = _dealt_mixes(problem, greedy, np.arange(problem.pp), held)
+        choice, seconds = _dealt_mixes(problem, greedy, slice(None), held)
         return choice, np.isfinite(seconds)
     choice = np.zeros((*held.shape, R), dtype=np.int64)
     found = np.zeros(problem.pp, dtype=bool)
@@ -393,11 +386,12 @@ def _heads(limit: int, recomputes: tuple[bool, ...]) -> tuple[np.ndarray, np.nda
     return heads, layers, recomputing
 
 
-def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, counts: np.ndarray
+def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | slice, counts: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """``_exact_stages`` for S queries at once, stage ``stages[i]`` holding ``counts[i]`` [v, G]
     layers per chunk and kind: [S, v, G, R] the least-time dealt mix of each and [S] its seconds
-    per micro-batch (+inf where none fits).
+    per micro-batch (+inf where none fits). ``stages``: a slice where they are every stage in
+    order, which spares gathering the per-stage tables.
 
     Each kind's mixes are padded to the most layers a stage holds: a mix is its counts on the
     first R − 1 options (``dp._at_most``, in the order of ``dp._compositions``), the last
@@ -407,7 +401,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     from ndplan.balance.chunks import _dealt_slots
 
     v, G = counts.shape[1:]
-    R, S = len(problem.options), len(stages)
+    R, S = len(problem.options), len(counts)
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
     grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid)
@@ -430,8 +424,8 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
         weight = slots.take(last) - slots.take(last - ordered)  # [S, K, R]
         kind_bytes = mixes @ greedy.static[g] + weight @ greedy.falling_activation[g]
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
-        # A void mix holds +inf bytes: it never fits.
-        bytes_total = bytes_total + np.where(rest < 0, np.inf, kind_bytes).reshape(shape)
+        np.putmask(kind_bytes, rest < 0, np.inf)  # a void mix holds +inf bytes: it never fits
+        bytes_total = bytes_total + kind_bytes.reshape(shape)
         kind_times.append((mixes @ greedy.time[g]).reshape(shape))
         # Some layer recomputes: on one of the first R − 1 options (the same for every stage) or on the last.
         recomputing = head_recomputes | (rest > 0) if greedy.recomputes[-1] else np.broadcast_to(head_recomputes, rest.shape)
@@ -441,7 +435,10 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     for g in range(1, G):
         time_total, any_recompute = time_total + kind_times[g], any_recompute | kind_recomputes[g]
     memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
-    seconds = np.where(memory <= limit, time_total, np.inf).reshape(S, -1)  # time_total has every kind's axis
+    # time_total has every kind's axis (a sum of G ≥ 2 broadcast ones, or the one kind's own
+    # array): +inf in place where the memory does not fit.
+    np.putmask(time_total, memory > limit, np.inf)
+    seconds = time_total.reshape(S, -1)
     mix = seconds.argmin(axis=1)
     best = np.unravel_index(mix, memory.shape[1:])  # per kind [S] its mix
     # Deal each stage's mix: options most bytes first, over the chunks' slots in turn
@@ -463,7 +460,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, c
     choice = np.empty((S, v, G, R), dtype=np.int64)
     choice[stage[:, None, None, None], order[:, None, None, :], np.arange(G)[None, :, None, None],
            greedy.by_activation[None, :, :, None]] = dealt[1] - dealt[0]
-    return choice, seconds.min(axis=1) + greedy.base_time[stages]  # the least is the one at ``mix``
+    return choice, seconds[stage, mix] + greedy.base_time[stages]  # the least, at ``mix``
 
 
 class _Solved(NamedTuple):
@@ -503,12 +500,12 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
     held = choice[problem.stage_of, problem.chunk_of]  # [V, G, R]
     # A virtual stage's layers are a run: a layer's rank in its (virtual stage, kind) is its
     # rank among its kind less the layers of its kind before the run (``_Greedy.kind_before``).
-    first = np.repeat(np.cumsum(sizes) - sizes, sizes)  # [L] first layer of each layer's virtual stage
+    first = (sizes.cumsum() - sizes).repeat(sizes)  # [L] first layer of each layer's virtual stage
     rank = greedy.kind_rank - greedy.kind_before.take(greedy.codes * (problem.num_layers + 1) + first)
-    running = np.cumsum(held, axis=2)[virtual, greedy.codes]  # [L, R]
+    running = held.cumsum(axis=2)[virtual, greedy.codes]  # [L, R]
     option = (rank[:, None] >= running).sum(axis=1)
     plan = Plan(counts, tuple(map(problem.options.__getitem__, option.tolist())))
-    cost = evaluate_codes(problem, counts, greedy.cost_columns, greedy.cost_code[greedy.codes, option], greedy.evaluation)
+    cost = evaluate_codes(problem, sizes, greedy.cost_columns, greedy.cost_code[greedy.codes, option], greedy.evaluation)
     return (plan, cost) if cost.fits else None
 
 
@@ -576,7 +573,7 @@ def _periodic(problem: BalanceProblem, greedy: _Greedy, window: int, R: int) -> 
     return _virtual_counts(problem, forward, n, e)
 
 
-def _even_out(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...]) -> tuple[int, ...]:
+def _even_out(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...] | np.ndarray) -> tuple[int, ...]:
     """The placement with each stage's layers moved between its own chunks (same stage totals)
     until their loads are even (``even_chunks``): one layer at a time from the heaviest chunk
     that holds more than one to the lightest. A move shifts which kinds later chunks hold, so
