@@ -407,13 +407,14 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid)
     kind_ordered, kind_times, kind_recomputes = [], [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
+    most_held = held.max(axis=0).tolist()  # [G] the most layers of each kind a stage holds
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
-    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), greedy.flight[stages],
+    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), greedy.flight[stages], max(most_held),
                                                  greedy.flight_order[stages])  # [S, G, most layers + 1], ...
     cell = np.arange(S * G).reshape(S, G, 1)  # flat (stage, kind), to index its row of ``slots`` and ``first``
     first_slot = cell[:, :, :, None] * slots.shape[2]  # [S, G, 1, 1] flat index of each stage's and kind's slots
-    for g, most_held in enumerate(held.max(axis=0).tolist()):
-        heads, head_layers, head_recomputes = _heads(most_held, greedy.head_recomputes)  # [K, R − 1], [K], [K]
+    for g in range(G):
+        heads, head_layers, head_recomputes = _heads(most_held[g], greedy.head_recomputes)  # [K, R − 1], [K], [K]
         rest = held[:, g, None] - head_layers  # [S, K] layers on the last option
         mixes = np.empty((S, len(heads), R), dtype=np.int64)
         mixes[:, :, :-1] = heads
