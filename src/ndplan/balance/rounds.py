@@ -45,6 +45,7 @@ from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
     PlanCost,
+    _reference_seconds,
     chunk_loads,
     cost_columns,
     cost_index,
@@ -175,8 +176,9 @@ class _Greedy:
         """What weighs chunk loads (``_even_out``, ``prefix._split``), once per problem."""
         problem = self._problem
         pp, v = problem.pp, problem.chunks_per_stage
-        units = layer_units(problem)
-        ends = end_units(problem)
+        layer_s = _reference_seconds(problem)  # the unit of both, found once
+        units = layer_units(problem, layer_s)
+        ends = end_units(problem, layer_s)
         chunk_ends = np.zeros((pp, v))
         chunk_ends[problem.stage_of, problem.chunk_of] = ends
         virtual_at = np.zeros((pp, v), dtype=np.int64)
