@@ -345,5 +345,6 @@ def uniform_plan(problem: BalanceProblem, option: str) -> Plan:
 
 def uniform_counts(problem: BalanceProblem) -> tuple[int, ...]:
     """``uniform_plan``'s layers per virtual stage."""
-    base, extra = divmod(problem.num_layers, problem.num_virtual_stages)
-    return tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
+    V = problem.num_virtual_stages
+    base, extra = divmod(problem.num_layers, V)
+    return (base + 1,) * extra + (base,) * (V - extra)  # tuples repeated: no loop over the stages
