@@ -112,32 +112,32 @@ def dealt_chunks(capacity: np.ndarray, flight: np.ndarray) -> np.ndarray:
     return np.broadcast_to(order, active.shape)[active]
 
 
-def _dealt_prefix(layers: np.ndarray, flight: np.ndarray) -> np.ndarray:
-    """[pp, J, S + 1]: Σ of the in-flight weights of the first k dealt slots (``dealt_chunks``)
-    of each stage holding ``layers`` [pp, J, v] per chunk, S the most layers of a stage."""
-    return _dealt_slots(layers, flight)[0]
+def _dealt_prefix(layers: np.ndarray, flight: np.ndarray, most: int) -> np.ndarray:
+    """[pp, J, most + 1]: Σ of the in-flight weights of the first k dealt slots (``dealt_chunks``)
+    of each stage holding ``layers`` [pp, J, v] per chunk, ``most`` the most layers of a stage."""
+    return _dealt_slots(layers, flight, most)[0]
 
 
-def _dealt_slots(layers: np.ndarray, flight: np.ndarray, order: np.ndarray | None = None
+def _dealt_slots(layers: np.ndarray, flight: np.ndarray, most: int, order: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``_dealt_prefix``, with what places each slot: [pp, J, S] the k-th dealt slot's position
+    """``_dealt_prefix``, with what places each slot: [pp, J, most] the k-th dealt slot's position
     t·v + i in the deal (turn t, i-th chunk fewest in flight first), [pp, J, v] the layers of
     those chunks in that order, and [pp, v] that order. After k + 1 slots, the i-th chunk
     holds min(capacity_i, t + [i ≤ i_k]) of them (``rounds._dealt_mixes`` deals with that).
-    ``order``: that order, ``flight``'s stable argsort per row, where the caller has it."""
+    ``order``: that order, ``flight``'s stable argsort per row, where the caller has it. Past a
+    row's own layers the sums mean nothing (no mix deals that many slots)."""
     order = np.argsort(flight, axis=1, kind="stable") if order is None else order  # [pp, v]
-    stage = np.arange(len(flight))[:, None]  # index grids: plain fancy indexing is cheaper than take_along_axis
-    cell = (stage[:, :, None], np.arange(layers.shape[1])[None, :, None])
-    weight = flight[stage, order]  # [pp, v]
-    capacity = layers[(*cell, order[:, None, :])]  # [pp, J, v]
+    pp, J, v = layers.shape
+    stage = np.arange(pp)[:, None]  # index grids: plain fancy indexing is cheaper than take_along_axis
+    capacity = layers[stage[:, :, None], np.arange(J)[None, :, None], order[:, None, :]]  # [pp, J, v]
     turns = int(capacity.max(initial=0))
-    active = np.arange(turns)[None, None, :, None] < capacity[:, :, None, :]  # [pp, J, turn, v]
-    flat = active.reshape(*active.shape[:2], -1)
-    running = np.where(active, weight[:, None, None, :], 0.0).reshape(flat.shape).cumsum(axis=2)
-    S = int(layers.sum(axis=2).max(initial=0))
-    first = (~flat).argsort(axis=2, kind="stable")[:, :, :S]  # positions of the dealt slots in turn
-    out = np.zeros((*layers.shape[:2], S + 1))
-    out[:, :, 1:] = running[(*cell, first)]
+    idle = capacity[:, :, None, :] <= np.arange(turns)[:, None]  # [pp, J, turn, v] no slot of the chunk in that turn
+    first = idle.reshape(pp, J, -1).argsort(axis=2, kind="stable")[:, :, :most]  # positions of the dealt slots in turn
+    # The dealt slots' weights, summed in deal order: the running sums over every position
+    # (idle ones adding zero) at the dealt ones, without the masked [pp, J, turn, v] table.
+    dealt = flight[stage, order].take(first % v + v * stage[:, :, None])  # [pp, J, most]
+    out = np.zeros((pp, J, most + 1))
+    np.cumsum(dealt, axis=2, out=out[:, :, 1:])
     return out, first, capacity, order
 
 
@@ -161,7 +161,7 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     # A hair under the limit (80 bytes of 80 GB), so evaluate's own float sums never land over it.
     limit = problem.memory_limit_bytes * (1 - 1e-9)
     mixes, j_of, starts = _mixes(int(totals[0]), int(totals[-1]), R)
-    slots = _dealt_prefix(layers, flight)  # [pp, J, S + 1] in-flight weight of the first k slots
+    slots = _dealt_prefix(layers, flight, int(totals.max()))  # [pp, J, S + 1] in-flight weight of the first k slots
     # Σ_r act_r·(P(end_r) − P(end_{r−1})) = Σ_{r<R} P(end_r)·(act_r − act_{r+1}) + P(T)·act_R,
     # options in falling activation order, P the slot-weight prefix: R − 1 gathers, not 2·R.
     ends = np.cumsum(mixes[:, by_activation[:-1]], axis=1)  # [K, R − 1] slots used after each option

@@ -272,13 +272,13 @@ def _reference_seconds(problem: BalanceProblem) -> float:
     return problem.costs[(kind, option)].time_s
 
 
-def end_units(problem: BalanceProblem) -> np.ndarray:
+def end_units(problem: BalanceProblem, layer_s: float | None = None) -> np.ndarray:
     """[V] layer equivalents each virtual stage holds besides its layers: the embedding's seconds
     on the first and the head's (final norm, output layer, loss, MTP) on the last, over a
-    reference layer's (``_reference_seconds``), rounded. Zero elsewhere, and everywhere with one
-    chunk per stage (nothing to even out)."""
+    reference layer's (``_reference_seconds``; ``layer_s``, where the caller has them), rounded.
+    Zero elsewhere, and everywhere with one chunk per stage (nothing to even out)."""
     units = np.zeros(problem.num_virtual_stages, dtype=np.int64)
-    layer_s = _reference_seconds(problem)
+    layer_s = layer_s if layer_s is not None else _reference_seconds(problem)
     if problem.chunks_per_stage == 1 or layer_s <= 0:
         return units
     units[0] += round(problem.first_extra.time_s / layer_s)
@@ -286,10 +286,11 @@ def end_units(problem: BalanceProblem) -> np.ndarray:
     return units
 
 
-def layer_units(problem: BalanceProblem) -> dict[str, float]:
+def layer_units(problem: BalanceProblem, layer_s: float | None = None) -> dict[str, float]:
     """Per layer kind, its seconds without recompute over the reference layer's: a dense layer
-    of DeepSeek-V3 weighs 0.37 of a MoE one."""
-    layer_s = _reference_seconds(problem)
+    of DeepSeek-V3 weighs 0.37 of a MoE one (``layer_s``: ``_reference_seconds``, where the
+    caller has them, as it takes as much as the rest)."""
+    layer_s = layer_s if layer_s is not None else _reference_seconds(problem)
     option = "none" if "none" in problem.options else problem.options[0]
     return {kind: (problem.costs[(kind, option)].time_s / layer_s if layer_s > 0 else 1.0)
             for kind in set(problem.layer_kinds)}
@@ -307,11 +308,14 @@ def chunk_loads(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndar
     return loads
 
 
-def load_weights(problem: BalanceProblem, units: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def load_weights(problem: BalanceProblem, units: dict[str, float] | None = None, layer_s: float | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """[L] each layer's ``layer_units`` (``units`` where the caller has them) and [V] each
-    virtual stage's ``end_units``: what ``chunk_loads`` weighs, the same for every placement."""
-    units = units if units is not None else layer_units(problem)
-    return np.array([units[kind] for kind in problem.layer_kinds]), end_units(problem)
+    virtual stage's ``end_units`` (``layer_s``: ``_reference_seconds``, where the caller has
+    them): what ``chunk_loads`` weighs, the same for every placement."""
+    layer_s = layer_s if layer_s is not None else _reference_seconds(problem)
+    units = units if units is not None else layer_units(problem, layer_s)
+    return np.array([units[kind] for kind in problem.layer_kinds]), end_units(problem, layer_s)
 
 
 def load_spread(problem: BalanceProblem, units: dict[str, float] | None = None) -> float:
@@ -326,8 +330,9 @@ def even_chunks(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndar
     but for a chunk of a single layer, which cannot carry less (module docstring)."""
     counts = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)
     counts[problem.stage_of, problem.chunk_of] = stage_layers
-    units = layer_units(problem)  # weighed once for the loads and their spread
-    loads = chunk_loads(problem, stage_layers, load_weights(problem, units))
+    layer_s = _reference_seconds(problem)  # the unit, once for the layers' and the ends' loads
+    units = layer_units(problem, layer_s)  # weighed once for the loads and their spread
+    loads = chunk_loads(problem, stage_layers, load_weights(problem, units, layer_s))
     spread = load_spread(problem, units)
     too_heavy = loads > loads.min(axis=1, keepdims=True) + spread + 1e-9
     return bool((~too_heavy | (counts == 1)).all())
@@ -340,5 +345,6 @@ def uniform_plan(problem: BalanceProblem, option: str) -> Plan:
 
 def uniform_counts(problem: BalanceProblem) -> tuple[int, ...]:
     """``uniform_plan``'s layers per virtual stage."""
-    base, extra = divmod(problem.num_layers, problem.num_virtual_stages)
-    return tuple(base + (1 if v < extra else 0) for v in range(problem.num_virtual_stages))
+    V = problem.num_virtual_stages
+    base, extra = divmod(problem.num_layers, V)
+    return (base + 1,) * extra + (base,) * (V - extra)  # tuples repeated: no loop over the stages

@@ -45,6 +45,7 @@ from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
     PlanCost,
+    _reference_seconds,
     chunk_loads,
     cost_columns,
     cost_index,
@@ -175,8 +176,9 @@ class _Greedy:
         """What weighs chunk loads (``_even_out``, ``prefix._split``), once per problem."""
         problem = self._problem
         pp, v = problem.pp, problem.chunks_per_stage
-        units = layer_units(problem)
-        ends = end_units(problem)
+        layer_s = _reference_seconds(problem)  # the unit of both, found once
+        units = layer_units(problem, layer_s)
+        ends = end_units(problem, layer_s)
         chunk_ends = np.zeros((pp, v))
         chunk_ends[problem.stage_of, problem.chunk_of] = ends
         virtual_at = np.zeros((pp, v), dtype=np.int64)
@@ -407,13 +409,14 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid)
     kind_ordered, kind_times, kind_recomputes = [], [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
+    most_held = held.max(axis=0).tolist()  # [G] the most layers of each kind a stage holds
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
-    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), greedy.flight[stages],
+    slots, first, capacity, order = _dealt_slots(counts.transpose(0, 2, 1), greedy.flight[stages], max(most_held),
                                                  greedy.flight_order[stages])  # [S, G, most layers + 1], ...
     cell = np.arange(S * G).reshape(S, G, 1)  # flat (stage, kind), to index its row of ``slots`` and ``first``
     first_slot = cell[:, :, :, None] * slots.shape[2]  # [S, G, 1, 1] flat index of each stage's and kind's slots
-    for g, most_held in enumerate(held.max(axis=0).tolist()):
-        heads, head_layers, head_recomputes = _heads(most_held, greedy.head_recomputes)  # [K, R − 1], [K], [K]
+    for g in range(G):
+        heads, head_layers, head_recomputes = _heads(most_held[g], greedy.head_recomputes)  # [K, R − 1], [K], [K]
         rest = held[:, g, None] - head_layers  # [S, K] layers on the last option
         mixes = np.empty((S, len(heads), R), dtype=np.int64)
         mixes[:, :, :-1] = heads
