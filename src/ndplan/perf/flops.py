@@ -219,11 +219,12 @@ class ModelFlops:
 #: The GEMMs (``layer_gemms`` names) each Megatron recompute module replays in backward
 #: (``Strategy.recompute_modules``); ``moe`` the whole MoE block. core_attn replays the
 #: attention core; layernorm and moe_act only memory-bound ops.
+_SHARED_EXPERT_GEMMS = ("shared_up", "shared_down", "shared_gate")
 MODULE_GEMMS: dict[str, tuple[str, ...]] = {
     "mla_up_proj": ("q_up", "kv_up", "q_proj"),  # q_proj: MLA without a query latent (q_lora_rank 0)
     "mlp": ("mlp_up", "mlp_down"),
-    "shared_experts": ("shared_up", "shared_down", "shared_gate"),
-    "moe": ("router", "experts_up", "experts_down", "shared_up", "shared_down", "shared_gate"),
+    "shared_experts": _SHARED_EXPERT_GEMMS,
+    "moe": ("router", "experts_up", "experts_down", *_SHARED_EXPERT_GEMMS),
 }
 
 

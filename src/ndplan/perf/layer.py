@@ -314,12 +314,14 @@ def _chunk_sort(ctx: LayerContext, cols: dict[str, Array]) -> Array | float:
 
 
 def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind, gemms: list[Gemm],
-                           forward_of: dict[str, Array | float], attn_f: Array | float) -> tuple[Array | float, bool]:
+                           forward_of: dict[str, Array | float], attn_f: Array | float,
+                           host_f: Array | float) -> tuple[Array | float, bool]:
     """(seconds the recompute modules replay in one layer's backward, whether they replay the
     expert dispatch): ``core_attn`` the attention core's forward, the modules' GEMMs
     (``flops.MODULE_GEMMS``, with their fp8 casts, routed experts at ``moe_imbalance``) and
     elementwise bytes (``memory_ops.module_replay_bytes``); ``moe`` re-runs the dispatch and
-    combine all-to-alls too (returned apart, as expert-parallel communication)."""
+    combine all-to-alls too (returned apart, as expert-parallel communication). ``host_f``: the
+    layer's forward host time (``decoder_layer``)."""
     modules = ctx.recompute_modules
     replayed = module_gemms(gemms, modules)
     cast_f, _ = fp8_cast_seconds(ctx, replayed)
@@ -331,10 +333,9 @@ def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardi
     replays_moe = kind == "moe" and "moe" in modules
     if replays_moe:
         # The replayed block launches its experts again, after the dropless sync as in the
-        # forward: no faster than the host launches the MoE part (decoder_layer's host floor).
-        local_experts = ctx.model.num_experts / cols["ep"]
-        host_moe = ctx.eff.host_moe_layer_s + local_experts * ctx.eff.host_expert_s - ctx.eff.host_layer_s
-        seconds = np.maximum(seconds, np.maximum(host_moe, 0.0))
+        # forward: no faster than the host launches the MoE part (the forward's host time past
+        # a dense layer's, as in decoder_layer's floor).
+        seconds = np.maximum(seconds, np.maximum(host_f - ctx.eff.host_layer_s, 0.0))
     return seconds, replays_moe
 
 
@@ -423,7 +424,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     selective = cols["recompute"] == 1
     selective_ep: Array | float = 0.0
     if ctx.recompute_modules:
-        selective_s, replays_dispatch = _module_replay_seconds(ctx, cols, sh, kind, gemms, forward_of, attn_f)
+        selective_s, replays_dispatch = _module_replay_seconds(ctx, cols, sh, kind, gemms, forward_of, attn_f, host_f)
         selective_ep = ep_f if replays_dispatch else 0.0
     elif eff.selective_recompute == "torchtitan-op":
         replayed = alternate_recomputed_gemms(model, sh, kind)

@@ -36,6 +36,8 @@ gradient (read 2, read-modify-write 4 + 4) -> 10 bytes per element.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ndplan.model.spec import MlpKind, ModelSpec
@@ -91,22 +93,52 @@ def layer_bytes(
         extra_norms = extra_norms + 2.0 * tok * (model.num_attention_heads + model.num_kv_heads) * model.head_dim / t
     if model.is_mla:
         extra_norms = extra_norms + 2.0 * tok * (model.q_lora_rank + model.kv_lora_rank)
-    gate_factor = 3.0 if model.gated_mlp else 2.0
     activation: Array | float
     shuffle: Array | float
     if kind == "dense":
-        activation = gate_factor * tok * model.ffn_hidden_size / t
+        activation = _dense_activation(model, sh)
         shuffle = 0.0
     else:
-        copies = tok * model.num_experts_per_tok / t
-        activation = gate_factor * copies * model.moe_ffn_hidden_size
+        moe = _MoeElements.of(model, sh, act_bytes)
+        activation = moe.routed_activation
         if model.num_shared_experts:
-            activation = activation + gate_factor * tok * model.num_shared_experts * model.shared_expert_ffn_hidden_size / t
-        router = ROUTER_BYTES_PER_LOGIT * (tok / t) * model.num_experts + PERMUTE_INDEX_BYTES * copies
-        sort = CHUNK_SORT_PASSES * chunk_sort * copies * sh.etp * h
-        shuffle = 5.0 * copies * h + sort + router / act_bytes
+            activation = activation + moe.shared_activation
+        sort = CHUNK_SORT_PASSES * chunk_sort * moe.copies * sh.etp * h
+        shuffle = 5.0 * moe.copies * h + sort + moe.router
     recomputable = norms + rope + extra_norms + activation
     return act_bytes * (recomputable + residual + shuffle), act_bytes * recomputable
+
+
+def _gate_factor(model: ModelSpec) -> float:
+    """Elements an MLP activation moves per hidden unit: a gated one reads gate and up and writes
+    one (3), a plain one reads and writes one (2)."""
+    return 3.0 if model.gated_mlp else 2.0
+
+
+def _dense_activation(model: ModelSpec, sh: Sharding) -> Array | float:
+    """Elements of a dense MLP's activation per device: gate_factor·T·f/t."""
+    return _gate_factor(model) * sh.tokens * model.ffn_hidden_size / sh.tp
+
+
+@dataclass(frozen=True)
+class _MoeElements:
+    """A MoE block's memory-bound elements per device (module docstring): ``copies`` the routed
+    copies T·k/t, the routed experts' and the shared experts' activations, and the router's
+    bytes in activation elements (``router``)."""
+
+    copies: Array | float
+    routed_activation: Array | float
+    shared_activation: Array | float
+    router: Array | float
+
+    @classmethod
+    def of(cls, model: ModelSpec, sh: Sharding, act_bytes: float) -> _MoeElements:
+        tok, t, gate_factor = sh.tokens, sh.tp, _gate_factor(model)
+        copies = tok * model.num_experts_per_tok / t
+        router = ROUTER_BYTES_PER_LOGIT * (tok / t) * model.num_experts + PERMUTE_INDEX_BYTES * copies
+        return cls(copies, gate_factor * copies * model.moe_ffn_hidden_size,
+                   gate_factor * tok * model.num_shared_experts * model.shared_expert_ffn_hidden_size / t,
+                   router / act_bytes)
 
 
 def module_replay_bytes(
@@ -120,23 +152,19 @@ def module_replay_bytes(
     router; ``mla_up_proj`` the rotary embedding it re-applies."""
     h, tok = model.hidden_size, sh.tokens
     one_norm = 2.0 * norm_tokens(sh, sp) * h
-    gate_factor = 3.0 if model.gated_mlp else 2.0
-    copies = tok * model.num_experts_per_tok / sh.tp
-    routed_act = gate_factor * copies * model.moe_ffn_hidden_size
-    shared_act = gate_factor * tok * model.num_shared_experts * model.shared_expert_ffn_hidden_size / sh.tp
     total: Array | float = 0.0
     if "layernorm" in modules:
         total = total + one_norm * ((1.0 if model.is_mla else 0.0) + (1.0 if kind == "moe" else 0.0))
     if "mla_up_proj" in modules and model.is_mla:
         total = total + 2.0 * tok * rope_width(model) / sh.tp
     if kind == "dense" and "mlp" in modules:
-        total = total + one_norm + gate_factor * tok * model.ffn_hidden_size / sh.tp
+        total = total + one_norm + _dense_activation(model, sh)
     if kind == "moe":
+        moe = _MoeElements.of(model, sh, act_bytes)
         if "moe" in modules:
-            router = ROUTER_BYTES_PER_LOGIT * (tok / sh.tp) * model.num_experts + PERMUTE_INDEX_BYTES * copies
-            total = total + routed_act + shared_act + 5.0 * copies * h + router / act_bytes
+            total = total + moe.routed_activation + moe.shared_activation + 5.0 * moe.copies * h + moe.router
         else:
-            total = total + ("moe_act" in modules) * routed_act + ("shared_experts" in modules) * shared_act
+            total = total + ("moe_act" in modules) * moe.routed_activation + ("shared_experts" in modules) * moe.shared_activation
     return act_bytes * total
 
 
