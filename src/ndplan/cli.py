@@ -348,11 +348,15 @@ def cmd_search(args: argparse.Namespace) -> int:
         _require(vars(args), key, flag)
     args.seq = args.seq or 4096
     device = resolve_device(args.hardware)
+    modules: Any = tuple(args.recompute_modules or (read.strategy_settings.get("recompute_modules", ())
+                                                    if read is not None else ()))
+    if args.recompute_module_sets:
+        if args.recompute_modules:
+            raise NdplanError("give --recompute-modules (one set) or --recompute-module-sets (several), not both")
+        modules = _module_sets_argument(model, args.recompute_module_sets)
     space = default_space(
         model, device, args.devices, args.gbs, args.seq, get_precision(args.precision),
-        dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []),
-        recompute_modules=tuple(args.recompute_modules or (read.strategy_settings.get("recompute_modules", ())
-                                                           if read is not None else ())),
+        dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []), recompute_modules=modules,
     )
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     options = _memory_options(args, {"overlap": args.overlap}, read)
@@ -409,6 +413,16 @@ def cmd_search(args: argparse.Namespace) -> int:
         console.print(f"\n[bold]{args.emit}[/] settings of the winner:")
         console.print(data["emitted"], markup=False)
     return 0 if result.ranked else 1
+
+
+def _module_sets_argument(model: ModelSpec, items: list[str]) -> tuple[tuple[str, ...], ...]:
+    """--recompute-module-sets: 'common' or 'all' (``search.space.module_sets``), or sets such
+    as 'layernorm+moe_act' and 'default' (the runtime's own policy)."""
+    from ndplan.search.space import module_sets, parse_module_set
+
+    if len(items) == 1 and items[0] in ("common", "all"):
+        return module_sets(model, items[0])
+    return tuple(parse_module_set(item) for item in items)
 
 
 def _what_would_fit(result: Any, model: ModelSpec, device: Any, space: Any, options: Any) -> list[str]:
@@ -577,6 +591,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
                    help="what the selective-recompute candidates re-run (Megatron-Core's --recompute-modules; "
                         "runtime megatron); default: the runtime's own policy")
+    p.add_argument("--recompute-module-sets", nargs="+", metavar="SET",
+                   help="search what selective recompute re-runs (runtime megatron): sets such as "
+                        "'layernorm+moe_act' or 'default' (the runtime's own policy), or 'common' (up to 5 sets "
+                        "for the model) or 'all' (every subset of the modules the model has); "
+                        "'--dims ... recompute_modules' searches 'common'")
     p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show")
     p.add_argument("--balance", nargs="?", const="per-layer", choices=["per-layer", "one-setting"],
                    help="rank every fitting candidate by its balanced plan (pipelines: layers per stage and recompute "

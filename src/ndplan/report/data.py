@@ -52,7 +52,7 @@ COMM_DIMS = ("tp", "cp", "ep", "dp", "pp")
 
 #: Table columns shown first, in this order, when a row has them.
 ROW_PRIORITY = (
-    "rank", "dp", "tp", "pp", "cp", "ep", "etp", "vpp", "schedule", "zero", "fsdp", "recompute",
+    "rank", "dp", "tp", "pp", "cp", "ep", "etp", "vpp", "schedule", "zero", "fsdp", "recompute", "recompute_modules",
     "micro_batch_size", "mbs", "num_micro_batches", "seq_length", "peak_bytes", "step_s",
     "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
 )

@@ -56,14 +56,14 @@ def rank_balanced(
     lower = step.copy()
     pipeline = np.zeros(len(index), dtype=bool)
     for start in range(0, len(index), _BLOCK):
-        part = slice(start, start + _BLOCK)
-        batch = space.batch(index[part])
-        piped = np.flatnonzero(batch.pp >= 2)
-        pipeline[start + piped] = True
-        if len(piped):
-            lower[start + piped] = balanced_step_lower_bound(
-                model, batch.take(piped), cluster, step[part][piped],
-                weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group, overlap=options.overlap)
+        for positions, batch in space.batches(index[start:start + _BLOCK]):
+            at = start + positions
+            piped = np.flatnonzero(batch.pp >= 2)
+            pipeline[at[piped]] = True
+            if len(piped):
+                lower[at[piped]] = balanced_step_lower_bound(
+                    model, batch.take(piped), cluster, step[at[piped]],
+                    weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group, overlap=options.overlap)
     order = np.lexsort((index, lower))
     kept: list[tuple[float, int, int]] = []  # max-heap by (−step, −candidate): the worst kept on top
     plans: dict[int, dict[str, Any]] = {}
@@ -75,7 +75,8 @@ def rank_balanced(
         candidate = int(index[position])
         if pipeline[position]:
             strategy = space.strategy(candidate)
-            problem = build_problem(model, strategy, cluster, memory_limit_bytes, options, space.recompute_modules)
+            problem = build_problem(model, strategy, cluster, memory_limit_bytes, options,
+                                    space.selective_modules(candidate))
             found = solve_heuristic(problem)
             balanced += 1
             if found is not None and one_setting:
@@ -100,9 +101,12 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
     if not best:
         return []
     candidates = np.array([-c for _, c, _ in best], dtype=np.int64)
-    batch = space.batch(candidates)
-    peak, stage = peak_memory(model, batch, options)
-    times = time_function(model, batch, cluster)
+    peak, stage = np.zeros(len(candidates)), np.zeros(len(candidates), dtype=np.int64)
+    times: dict[str, np.ndarray] = {}
+    for positions, batch in space.batches(candidates):
+        peak[positions], stage[positions] = peak_memory(model, batch, options)
+        for key, value in time_function(model, batch, cluster).items():
+            times.setdefault(key, np.zeros(len(candidates)))[positions] = value
     rows = []
     for i, candidate in enumerate(candidates):
         row = _row(space.strategy(int(candidate)), int(candidate), float(peak[i]), int(stage[i]),
@@ -122,7 +126,7 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             # What --emit writes: the fastest plan one recompute setting expresses, priced alike.
             problem = found["problem"]
             settings, settings_cost = best_settings_plan(problem, found["plan"], uniform_plan(problem, "full"))
-            strategy = plan_strategy(space.strategy(int(candidate)), settings, space.recompute_modules)
+            strategy = plan_strategy(space.strategy(int(candidate)), settings, space.selective_modules(int(candidate)))
             row["balanced_settings"] = {
                 "label": strategy.short(), "stage_layers": list(settings.stage_layers),
                 "step_s": row["unbalanced_step_s"] * settings_cost.step_s / found["uniform_step_s"],

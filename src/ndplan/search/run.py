@@ -65,6 +65,7 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "cp_kind": strategy.cp_kind, "ep": strategy.ep, "etp": strategy.etp, "pp": strategy.pp,
         "vpp": strategy.vpp, "schedule": strategy.schedule, "seq_chunks": strategy.seq_chunks,
         "zero": strategy.zero, "fsdp": strategy.fsdp, "recompute": strategy.recompute,
+        "recompute_modules": "+".join(strategy.recompute_modules),
         "mbs": strategy.micro_batch_size, "num_micro_batches": strategy.num_micro_batches,
         "peak_bytes": round(peak), "peak_stage": int(stage),
         **{k: float(v) for k, v in time.items()},
@@ -133,8 +134,8 @@ def _smallest_peak(
     for start in range(0, len(index), block_size):
         part = slice(start, start + block_size)
         worth = index[part][lower[part] < smallest]
-        if len(worth):
-            peak, _ = peak_memory(model, space.batch(worth), options)
+        for _, batch in space.batches(worth):
+            peak, _ = peak_memory(model, batch, options)
             smallest = min(smallest, float(peak.min()))
     return smallest
 

@@ -7,8 +7,9 @@ memory stays bounded whatever the size of the space.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import combinations
 from math import prod
 
 import numpy as np
@@ -18,15 +19,22 @@ from ndplan.hardware import Device
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import StrategyBatch, encode
 from ndplan.strategy.precision import PrecisionPolicy
-from ndplan.strategy.strategy import SCHEDULES, Strategy
+from ndplan.strategy.strategy import RECOMPUTE_MODULES, SCHEDULES, Strategy
 
-#: Dimensions a user can search or fix (``--dims`` / ``--fix``).
+#: Dimensions a user can search or fix (``--dims`` / ``--fix``). The last, what selective
+#: recompute re-runs, is searched only where asked for (see ``default_space``).
 DIMENSIONS: tuple[str, ...] = (
-    "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute",
+    "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute", "recompute_modules",
 )
 
-#: The order ``SearchSpace.blocks`` runs through the dimensions, slowest first.
-BLOCK_ORDER: tuple[str, ...] = ("pp", "schedule", *(name for name in DIMENSIONS if name not in ("pp", "schedule")))
+#: The order ``SearchSpace.blocks`` runs through the dimensions, slowest first: the module set
+#: first, as a batch shares one (``StrategyBatch.recompute_modules``).
+BLOCK_ORDER: tuple[str, ...] = (
+    "recompute_modules", "pp", "schedule",
+    *(name for name in DIMENSIONS if name not in ("recompute_modules", "pp", "schedule")),
+)
+
+ModuleSet = tuple[str, ...]
 
 #: (schedule, vpp, seq_chunks) combinations the pipeline dimension draws from.
 PIPELINE_OPTIONS: tuple[tuple[str, int, int], ...] = (
@@ -83,8 +91,10 @@ class SearchSpace:
     seq_length: int
     precision: PrecisionPolicy
     fixed: dict[str, int | str] = field(default_factory=dict)
-    #: What selective recompute re-runs in every candidate (``Strategy.recompute_modules``).
-    recompute_modules: tuple[str, ...] = ()
+    #: What selective recompute re-runs (``Strategy.recompute_modules``; () is the runtime's own
+    #: policy): one set, or several to search. A candidate that does not recompute selectively
+    #: re-runs nothing, so it is listed under the first set alone (``duplicates``).
+    recompute_modules: tuple[ModuleSet, ...] = ((),)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -110,8 +120,11 @@ class SearchSpace:
         index_stride = dict(zip(DIMENSIONS, _strides([sizes[name] for name in DIMENSIONS]), strict=True))
         block_stride = dict(zip(BLOCK_ORDER, _strides([sizes[name] for name in BLOCK_ORDER]), strict=True))
         pipeline = self._pipeline_options()
-        for start in range(0, self.size, block_size):
-            stop = min(start + block_size, self.size)
+        # A block holds one module set: the positions of each set are a run of this length.
+        per_set = self.size // sizes["recompute_modules"]
+        starts = [(start, min(start + block_size, first + per_set))
+                  for first in range(0, self.size, per_set) for start in range(first, first + per_set, block_size)]
+        for start, stop in starts:
             index = np.zeros(stop - start, dtype=np.int64)
             for name in DIMENSIONS:
                 index += _periodic(np.arange(sizes[name], dtype=np.int64) * index_stride[name], block_stride[name],
@@ -123,11 +136,22 @@ class SearchSpace:
             yield index, self._assemble(column)
 
     def batch(self, index: np.ndarray) -> StrategyBatch:
+        """The candidates ``index`` as a batch; they must share a module set (``batches`` groups
+        any candidates by theirs)."""
         digits = np.unravel_index(index, self.sizes)
         column = {name: self._codes(name)[d] for name, d in zip(DIMENSIONS, digits, strict=True) if name != "schedule"}
         pipeline = self._pipeline_options()[digits[DIMENSIONS.index("schedule")]]
         column |= {"schedule": pipeline[:, 0], "vpp": pipeline[:, 1], "seq_chunks": pipeline[:, 2]}
         return self._assemble(column)
+
+    def batches(self, index: np.ndarray) -> Iterator[tuple[np.ndarray, StrategyBatch]]:
+        """(positions in ``index``, their batch) per module set, in the order of the sets."""
+        index = np.asarray(index, dtype=np.int64)
+        module_set = index % len(self.recompute_modules)  # the fastest digit of an index
+        for code in range(len(self.recompute_modules)):
+            positions = np.flatnonzero(module_set == code) if len(self.recompute_modules) > 1 else np.arange(len(index))
+            if len(positions):
+                yield positions, self.batch(index[positions])
 
     def _pipeline_options(self) -> np.ndarray:
         """[options, 3]: each pipeline option's (schedule code, vpp, seq_chunks)."""
@@ -144,6 +168,10 @@ class SearchSpace:
         mbs = column.pop("mbs")
         micro_batches = np.maximum(self.global_batch_size // (dp * mbs), 1)
         etp = column.pop("etp")
+        module_set = column.pop("recompute_modules")
+        if len(module_set) and module_set.min() != module_set.max():
+            raise ValueError("candidates of several recompute module sets in one batch: use SearchSpace.batches")
+        modules = self.recompute_modules[int(module_set[0]) if len(module_set) else 0]
         columns = {
             **column,
             "sequence_parallel": column.pop("sp"),
@@ -155,14 +183,15 @@ class SearchSpace:
             "seq_length": self.seq_length,
             "fsdp": (column["zero"] == 3).astype(np.int64),
         }
-        return StrategyBatch.from_columns(columns, self.precision, owned=True, recompute_modules=self.recompute_modules)
+        return StrategyBatch.from_columns(columns, self.precision, owned=True, recompute_modules=modules)
 
     def duplicates(self, index: np.ndarray) -> np.ndarray:
         """Candidates that are another candidate under a second name: etp "same as tp" when
         tp = 1 (etp = 1 is listed too), a Ulysses context group of size 1 (cp = 1 is ring), and
         a one-chunk pipeline schedule other than 1F1B at pp = 1 (without a pipeline a step is
         gradient accumulation, one micro-batch after another, which 1F1B at pp = 1 stands for;
-        where the space lists 1F1B)."""
+        where the space lists 1F1B), and a recompute other than selective under any module set
+        but the first (it re-runs no modules)."""
         # Each condition is a per-value table of one dimension, looked up at the candidate's digit
         # of that dimension alone (not every dimension's: a search asks this of every candidate).
         stride = dict(zip(DIMENSIONS, _strides(list(self.sizes)), strict=True))
@@ -181,13 +210,16 @@ class SearchSpace:
         # (Schedules of several chunks need pp >= 2 by a rule of their own, which counts them.)
         single = np.asarray([option[1] == 1 and option != ("1f1b", 1, 1) for option in self.schedule])
         no_pipeline = where("pp", self._codes("pp") == 1) & where("schedule", single & (("1f1b", 1, 1) in self.schedule))
-        return np.broadcast_to(same_etp | same_cp | no_pipeline, index.shape).copy()
+        selective = encode("recompute", "selective")
+        no_modules = (where("recompute", self._codes("recompute") != selective)
+                      & where("recompute_modules", self._codes("recompute_modules") > 0))
+        return np.broadcast_to(same_etp | same_cp | no_pipeline | no_modules, index.shape).copy()
 
     def _codes(self, name: str) -> np.ndarray:
         """The dimension's values as integers (categorical names as their codes; the pipeline
         dimension as positions in ``schedule``)."""
         values = getattr(self, name)
-        if name == "schedule":
+        if name in ("schedule", "recompute_modules"):
             return np.arange(len(values))
         if name in ("cp_kind", "recompute"):
             return np.asarray(encode(name, list(values)), dtype=np.int64)
@@ -195,6 +227,11 @@ class SearchSpace:
 
     def strategy(self, candidate: int) -> Strategy:
         return self.batch(np.asarray([candidate])).row(0)
+
+    def selective_modules(self, candidate: int) -> ModuleSet:
+        """What selective recompute re-runs for ``candidate`` (where it recomputes otherwise, the
+        first set's: a balancer's selective option for it)."""
+        return self.recompute_modules[candidate % len(self.recompute_modules)]
 
 
 def default_space(
@@ -207,16 +244,28 @@ def default_space(
     *,
     dims: tuple[str, ...] | None = None,
     fixed: dict[str, int | str] | None = None,
-    recompute_modules: tuple[str, ...] = (),
+    recompute_modules: Sequence[str] | Sequence[Sequence[str]] = (),
 ) -> SearchSpace:
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
     never competitive), EP and ETP follow the expert count, PP the layer count. ``precision``
-    defaults to Strategy's (megatron-bf16); ``recompute_modules`` are what its selective-recompute
-    candidates re-run (validated as ``Strategy.recompute_modules``)."""
+    defaults to Strategy's (megatron-bf16).
+
+    ``recompute_modules``: what the selective-recompute candidates re-run (Megatron-Core's
+    ``--recompute-modules``, runtime megatron): one set of names, or several sets to search
+    (each validated as ``Strategy.recompute_modules``; () is the runtime's own policy). The
+    module sets are searched where several are given, or where ``dims`` names
+    "recompute_modules" (then ``module_sets(model, "common")``); without ``dims`` they are
+    not, as each set prices the selective candidates again and the default runtime (pytorch)
+    has no modules."""
     precision = precision or Strategy().precision
     fixed = dict(fixed or {})
+    given = _module_sets(recompute_modules)
+    if "recompute_modules" in fixed:
+        given = (parse_module_set(str(fixed["recompute_modules"])),)
     searched = set(DIMENSIONS if dims is None else dims)
+    if dims is None:
+        searched.discard("recompute_modules")
     unknown = (searched | set(fixed)) - set(DIMENSIONS)
     if unknown:
         raise NdplanError(f"unknown search dimension '{sorted(unknown)[0]}'; known: {', '.join(DIMENSIONS)}")
@@ -236,13 +285,20 @@ def default_space(
         "zero": (0, 1, 2, 3),
         "mbs": tuple(d for d in (1, 2, 4) if global_batch_size % d == 0),
         "recompute": ("none", "selective", "full"),
+        "recompute_modules": given if len(given) > 1 else _distinct((*given, *module_sets(model, "common"))),
     }
     defaults: dict[str, tuple] = {
         "tp": (1,), "sp": (0,), "cp": (1,), "cp_kind": ("ring",), "ep": (1,), "etp": (0,), "pp": (1,),
-        "schedule": (("1f1b", 1, 1),), "zero": (1,), "mbs": (1,), "recompute": ("none",),
+        "schedule": (("1f1b", 1, 1),), "zero": (1,), "mbs": (1,), "recompute": ("none",), "recompute_modules": given,
     }
+    if len(given) > 1:
+        searched.add("recompute_modules")
+    if "recompute_modules" in fixed:
+        searched.discard("recompute_modules")
     chosen = {name: values[name] if name in searched else defaults[name] for name in DIMENSIONS}
     for name, value in fixed.items():
+        if name == "recompute_modules":
+            continue  # parsed above
         if name == "schedule":
             options = tuple(o for o in PIPELINE_OPTIONS if o[0] == value)
             if not options:
@@ -263,5 +319,75 @@ def default_space(
         **{name: tuple(chosen[name]) for name in DIMENSIONS},
         num_devices=num_devices, global_batch_size=global_batch_size, seq_length=seq_length,
         precision=precision, fixed=fixed,
-        recompute_modules=Strategy(recompute="selective", recompute_modules=recompute_modules).recompute_modules,
     )
+
+
+#: Names ``parse_module_set`` reads as the runtime's own selective policy (no modules).
+DEFAULT_MODULE_SET = "default"
+
+
+def parse_module_set(text: str) -> ModuleSet:
+    """A module set from its label: names joined by '+' or ',' ("layernorm+moe_act"), or
+    "default" for the runtime's own policy. Unknown names raise ``NdplanError`` naming the known."""
+    if text.strip() == DEFAULT_MODULE_SET:
+        return ()
+    names = tuple(name.strip() for name in text.replace(",", "+").split("+") if name.strip())
+    unknown = [name for name in names if name not in RECOMPUTE_MODULES]
+    if unknown or not names:
+        raise NdplanError(f"recompute module set '{text}': unknown module '{unknown[0] if unknown else ''}'; known: "
+                          f"{', '.join(RECOMPUTE_MODULES)} (joined by '+'), or '{DEFAULT_MODULE_SET}'")
+    return tuple(m for m in RECOMPUTE_MODULES if m in names)
+
+
+def _module_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[ModuleSet, ...]:
+    """One set (names) or several (sequences of names) as distinct canonical sets."""
+    if all(isinstance(item, str) for item in value):
+        sets: list[Sequence[str]] = [tuple(value)]  # type: ignore[arg-type]
+    else:
+        sets = [tuple(item) for item in value]
+    if not sets:
+        return ((),)
+    for names in sets:
+        unknown = [name for name in names if name not in RECOMPUTE_MODULES]
+        if unknown:
+            raise NdplanError(f"unknown recompute module '{unknown[0]}'; known: {', '.join(RECOMPUTE_MODULES)}")
+    return _distinct(tuple(tuple(m for m in RECOMPUTE_MODULES if m in names) for names in sets))
+
+
+def _distinct(sets: tuple[ModuleSet, ...]) -> tuple[ModuleSet, ...]:
+    return tuple(dict.fromkeys(sets))
+
+
+def applicable_modules(model: ModelSpec) -> ModuleSet:
+    """The recompute modules that re-run something in ``model``: the attention core and the
+    norms always; MLA's up-projections with MLA; the dense MLP where a layer (or an MTP
+    module) has one; the experts' activation and the MoE block with experts; the shared
+    experts where there are some."""
+    kinds = set(model.layer_mlp_kinds) | ({model.mtp_mlp_kind} if model.mtp_depth else set())
+    has = {
+        "core_attn": True, "layernorm": True, "mla_up_proj": model.attention_kind == "mla",
+        "mlp": "dense" in kinds, "moe_act": model.is_moe, "moe": model.is_moe,
+        "shared_experts": model.is_moe and model.num_shared_experts > 0,
+    }
+    return tuple(m for m in RECOMPUTE_MODULES if has[m])
+
+
+def module_sets(model: ModelSpec, which: str = "common") -> tuple[ModuleSet, ...]:
+    """Module sets worth searching for ``model``, () (the runtime's own policy) first.
+
+    "common": the cheap modules together (the norms, the experts' activation, MLA's
+    up-projections: memory-bound ops or small GEMMs that hold large tensors), then with the
+    attention core, then with the whole MLP or MoE block, then all of those: 5 sets at most.
+    "all": every subset of ``applicable_modules``, less those naming "moe" beside "moe_act" or
+    "shared_experts" (the MoE block re-runs those already): 80 sets for DeepSeek-V3."""
+    applicable = applicable_modules(model)
+    if which == "all":
+        subsets = [tuple(c) for k in range(1, len(applicable) + 1) for c in combinations(applicable, k)]
+        return ((), *(s for s in subsets if not ("moe" in s and {"moe_act", "shared_experts"} & set(s))))
+    if which != "common":
+        raise NdplanError(f"module sets '{which}': known: common, all")
+    cheap = tuple(m for m in ("layernorm", "moe_act", "mla_up_proj") if m in applicable)
+    block = tuple(m for m in ("mlp", "moe") if m in applicable)
+    with_block = tuple(m for m in cheap if not ("moe" in block and m == "moe_act")) + block
+    sets = (cheap, ("core_attn", *cheap), with_block, ("core_attn", *with_block))
+    return _distinct(((), *(tuple(m for m in RECOMPUTE_MODULES if m in s) for s in sets if s)))

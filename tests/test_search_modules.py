@@ -1,0 +1,166 @@
+"""Searching what selective recompute re-runs (Megatron-Core's --recompute-modules) as a dimension."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ndplan.cli import main
+from ndplan.errors import NdplanError
+from ndplan.hardware import Cluster, get_device
+from ndplan.memory import MemoryOptions, estimate
+from ndplan.model import ModelSpec, get_preset
+from ndplan.perf import step_time_batch
+from ndplan.search import default_space, run_search
+from ndplan.search.run import DUPLICATE
+from ndplan.search.space import applicable_modules, module_sets, parse_module_set
+from ndplan.strategy import StrategyBatch, check_strategy, get_precision
+
+TINY_MOE = ModelSpec(
+    name="tiny-moe", num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_kv_heads=4,
+    head_dim=32, vocab_size=1024, num_experts=4, num_experts_per_tok=2, moe_ffn_hidden_size=128,
+    layer_mlp_kinds=("dense", "moe", "moe", "moe"),
+)
+DEVICE = get_device("h100-sxm")
+MEGATRON = MemoryOptions(runtime="megatron")
+SETS = ((), ("layernorm", "moe_act"), ("moe",))
+
+
+def _space(sets=SETS, dims=("tp", "sp", "ep", "pp", "zero", "recompute")):
+    return default_space(TINY_MOE, DEVICE, 8, 16, 1024, get_precision("megatron-bf16"), dims=dims,
+                         recompute_modules=sets)
+
+
+def test_search_over_module_sets_equals_brute_force():
+    """The same set and order as a loop over the space with the single-strategy API, each
+    candidate priced with its own modules; non-selective candidates once, under the first set."""
+    space = _space()
+    assert space.recompute_modules == SETS
+    limit = 2 * 2**30
+    step_time = lambda m, b, c: step_time_batch(m, b, c, weight_grad_rebuilds=False)  # noqa: E731 (the megatron runtime)
+    result = run_search(TINY_MOE, DEVICE, space, step_time, memory_limit_bytes=limit, options=MEGATRON,
+                        top=10**9, block_size=389)
+    cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
+    duplicates = space.duplicates(np.arange(space.size))
+    expected = []
+    for candidate in range(space.size):
+        strategy = space.strategy(candidate)
+        if duplicates[candidate] or check_strategy(strategy, TINY_MOE, space.num_devices):
+            continue
+        peak = estimate(TINY_MOE, strategy, DEVICE, MEGATRON, num_devices=space.num_devices).peak_bytes
+        if peak <= limit:
+            step = float(step_time(TINY_MOE, StrategyBatch.of(strategy), cluster)["step_s"][0])
+            expected.append((step, peak, candidate))
+    expected.sort()
+    assert [row["candidate"] for row in result.ranked] == [c for _, _, c in expected]
+    modules_ranked = {row["recompute_modules"] for row in result.ranked if row["recompute"] == "selective"}
+    assert modules_ranked == {"", "layernorm+moe_act", "moe"}
+    assert all(row["recompute_modules"] == "" for row in result.ranked if row["recompute"] != "selective")
+    for row, (step, peak, _) in zip(result.ranked, expected, strict=True):
+        assert row["step_s"] == pytest.approx(step, rel=1e-12)
+        assert row["peak_bytes"] == round(peak)
+    # Every candidate that recomputes nothing or everything is listed once per set: all but the
+    # first are duplicates.
+    recompute = [space.strategy(c).recompute for c in range(space.size)]
+    repeated = sum(1 for c in range(space.size) if recompute[c] != "selective" and c % len(SETS) > 0)
+    assert result.rejected[DUPLICATE] >= repeated > 0
+
+
+def test_blocks_hold_one_module_set_and_cover_the_space():
+    space = _space()
+    seen = []
+    for index, batch in space.blocks(block_size=100):
+        sets = set((index % len(SETS)).tolist())
+        assert len(sets) == 1 and batch.recompute_modules == SETS[sets.pop()]
+        seen.append(index)
+    np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(space.size))
+    mixed = np.array([0, 1, 2])
+    with pytest.raises(ValueError, match="several recompute module sets"):
+        space.batch(mixed)
+    parts = list(space.batches(mixed))
+    assert [batch.recompute_modules for _, batch in parts] == list(SETS)
+    assert space.strategy(4).recompute_modules in ((), SETS[1])
+
+
+def test_one_module_set_leaves_the_space_and_its_indices_as_before():
+    """Without module sets the dimension has one value: the indices are those of the other
+    dimensions alone, and nothing is charged as a duplicate for it."""
+    plain = _space(sets=())
+    one = _space(sets=("layernorm", "moe_act"))
+    assert plain.recompute_modules == ((),) and one.recompute_modules == (("layernorm", "moe_act"),)
+    assert plain.size == one.size == _space(sets=SETS).size // 3
+    assert one.strategy(5).model_dump(exclude={"recompute_modules"}) == plain.strategy(5).model_dump(
+        exclude={"recompute_modules"})
+    # Not searched by default even where the dimension is named nowhere; named in dims, the
+    # common sets for the model.
+    assert default_space(TINY_MOE, DEVICE, 8, 16, 1024).recompute_modules == ((),)
+    common = _space(sets=(), dims=("recompute", "recompute_modules")).recompute_modules
+    assert common == module_sets(TINY_MOE, "common") and len(common) == 5
+    fixed = default_space(TINY_MOE, DEVICE, 8, 16, 1024, dims=("recompute", "recompute_modules"),
+                          fixed={"recompute_modules": "moe_act+layernorm"})
+    assert fixed.recompute_modules == (("layernorm", "moe_act"),)
+
+
+def test_module_sets_follow_the_model():
+    deepseek, llama = get_preset("deepseek-v3"), get_preset("llama-3.1-8b")
+    assert applicable_modules(llama) == ("core_attn", "layernorm", "mlp")
+    assert applicable_modules(deepseek) == ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe",
+                                            "shared_experts")
+    assert module_sets(llama, "common") == ((), ("layernorm",), ("core_attn", "layernorm"), ("layernorm", "mlp"),
+                                            ("core_attn", "layernorm", "mlp"))
+    every = module_sets(deepseek, "all")
+    # 2^7 - 1 subsets, less the 48 that name the MoE block beside its activation or shared experts.
+    assert len(every) == 1 + 127 - 48 == len(set(every))
+    assert not any("moe" in s and "moe_act" in s for s in every)
+    assert len(module_sets(llama, "all")) == 1 + 7
+
+
+def test_module_set_labels_and_errors():
+    assert parse_module_set("moe_act+layernorm") == ("layernorm", "moe_act")
+    assert parse_module_set("core_attn, mlp") == ("core_attn", "mlp")
+    assert parse_module_set("default") == ()
+    with pytest.raises(NdplanError, match="unknown module 'norm'.*known: core_attn, layernorm"):
+        parse_module_set("norm+moe_act")
+    with pytest.raises(NdplanError, match="known: common, all"):
+        module_sets(TINY_MOE, "some")
+    with pytest.raises(NdplanError, match="unknown recompute module 'attn'"):
+        _space(sets=(("attn",), ()))
+
+
+ARGS = ["search", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "16", "--gbs", "256",
+        "--seq", "4096", "--fix", "tp=1", "pp=2", "ep=8", "schedule=1f1b", "zero=1", "mbs=1"]
+
+
+def test_cli_searches_module_sets(capsys):
+    code = main([*ARGS, "--runtime", "megatron", "--recompute-module-sets", "default", "layernorm+moe_act",
+                 "--memory-limit", "60GiB", "--top", "50", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert {row["recompute_modules"] for row in data["ranked"]} >= {"", "layernorm+moe_act"}
+    light = next(row for row in data["ranked"] if row["recompute_modules"] == "layernorm+moe_act")
+    assert light["strategy"]["recompute_modules"] == ["layernorm", "moe_act"]
+    assert light["label"].endswith("rc-selective(layernorm+moe_act)")
+
+
+def test_cli_module_set_errors(capsys):
+    assert main([*ARGS, "--runtime", "megatron", "--recompute-modules", "moe", "--recompute-module-sets", "common"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main([*ARGS, "--runtime", "megatron", "--recompute-module-sets", "layernorm+act"]) == 2
+    assert "unknown module 'act'" in capsys.readouterr().err
+    # The PyTorch runtime has no modules to re-run: said, not a traceback.
+    assert main([*ARGS, "--recompute-module-sets", "common"]) == 2
+    assert "use runtime megatron" in capsys.readouterr().err
+
+
+def test_cli_balanced_search_over_module_sets(capsys):
+    code = main([*ARGS, "--runtime", "megatron", "--recompute-module-sets", "common", "--memory-limit", "40GiB",
+                 "--balance", "--top", "3", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["ranked"]
+    for row in data["ranked"]:
+        settings = row.get("balanced_settings")
+        if settings and settings["strategy"]["recompute"] == "selective":
+            assert "+".join(settings["strategy"]["recompute_modules"]) in {"+".join(s) for s in
+                                                                          module_sets(get_preset("qwen3-30b-a3b"))}
