@@ -164,3 +164,58 @@ def test_cli_balanced_search_over_module_sets(capsys):
         if settings and settings["strategy"]["recompute"] == "selective":
             assert "+".join(settings["strategy"]["recompute_modules"]) in {"+".join(s) for s in
                                                                           module_sets(get_preset("qwen3-30b-a3b"))}
+
+
+# ---------------------------------------------------------------- balance: each selective policy
+QWEN = ["balance", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "16", "--pp", "2", "--ep", "8",
+        "--zero", "1", "--gbs", "256", "--runtime", "megatron"]
+
+
+def test_balance_tries_each_selective_policy_and_keeps_the_fastest():
+    from ndplan.balance import balance
+    from ndplan.balance.build import plan_stage_bytes, plan_strategy
+    from ndplan.strategy import Strategy
+
+    model = get_preset("qwen3-30b-a3b")
+    strategy = Strategy(dp=8, ep=8, pp=2, zero=1, num_micro_batches=32, global_batch_size=256)
+    cluster = Cluster(device=DEVICE, num_devices=16)
+    limit = 70 * 2**30
+    policies = (("layernorm",), ("moe_act",), ("layernorm", "moe_act"))
+    alone = {p: balance(model, strategy, cluster, limit, MEGATRON, selective_policies=()) if p == () else
+             balance(model, strategy.with_recompute("selective", modules=p), cluster, limit, MEGATRON)
+             for p in ((), *policies)}
+    result = balance(model, strategy, cluster, limit, MEGATRON, selective_policies=policies)
+    steps = {p: r.cost.step_s for p, r in alone.items()}
+    # The winner is the fastest policy balanced on its own, and says which it is.
+    assert result.cost.step_s == min(steps.values())
+    assert result.selective_modules == min(policies, key=lambda p: steps[p])
+    assert result.policy_steps is not None and len(result.policy_steps) == 4
+    assert result.policy_steps["layernorm+moe_act"][0] == steps[("layernorm", "moe_act")]
+    # Here the one-setting plan runs selective recompute: --emit carries that policy's modules,
+    # and the estimator's check of it is the one reported.
+    emitted = plan_strategy(strategy, result.emitted_plan, result.emitted_modules)
+    assert emitted.recompute == "selective" and emitted.recompute_modules == result.emitted_modules != ()
+    np.testing.assert_array_equal(
+        result.estimated_stage_bytes, plan_stage_bytes(model, strategy, result.emitted_plan, MEGATRON, result.emitted_modules))
+    assert float(result.estimated_stage_bytes.max()) <= limit
+    # Without policies nothing changes: the strategy's own selective recompute, no policy table.
+    plain = balance(model, strategy, cluster, limit, MEGATRON)
+    assert plain.policy_steps is None and plain.selective_modules is None
+    assert plain.cost.step_s == alone[()].cost.step_s
+
+
+def test_cli_balance_with_module_sets(capsys):
+    assert main([*QWEN, "--memory-limit", "70GiB", "--recompute-module-sets", "common", "--emit", "megatron", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["policy_steps"]) == {"default", "layernorm+moe_act", "core_attn+layernorm+moe_act", "layernorm+moe",
+                                         "core_attn+layernorm+moe"}
+    best = min(v["step_s"] for v in data["policy_steps"].values())
+    assert data["after"]["step_s"] == best
+    modules = data["as_settings"]["selective_modules"] if data["as_settings"] else data["selective_modules"]
+    assert modules and "--recompute-modules " + " ".join(modules) in data["emitted"]
+    assert main([*QWEN, "--memory-limit", "70GiB", "--recompute-module-sets", "common"]) == 0
+    assert "selective policies balanced" in capsys.readouterr().out
+    # PyTorch has no modules: a clear error.
+    args = [a for a in QWEN if a not in ("--runtime", "megatron")]
+    assert main([*args, "--recompute-module-sets", "layernorm"]) == 2
+    assert "use runtime megatron" in capsys.readouterr().err

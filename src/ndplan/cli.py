@@ -251,13 +251,15 @@ def cmd_balance(args: argparse.Namespace) -> int:
     limit = parse_bytes(args.memory_limit) if args.memory_limit else device.memory_bytes
     cluster = Cluster(device=device, num_devices=strategy.world_size)
     options = _memory_options(args, settings, read)
-    result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic)
+    policies = _module_sets_argument(model, args.recompute_module_sets) if args.recompute_module_sets else ()
+    result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic, selective_policies=policies)
     data = {"model": model.name, "hardware": device.name, "devices": strategy.world_size, "runtime": options.runtime,
             "strategy": strategy.model_dump(mode="json"), "memory_limit_bytes": limit, **result.to_dict()}
+    emitted = plan_strategy(strategy, result.emitted_plan, result.emitted_modules)
     if args.emit:
         from ndplan.io import emit
 
-        data["emitted"] = emit(model, plan_strategy(strategy, result.emitted_plan), args.emit)
+        data["emitted"] = emit(model, emitted, args.emit)
     if args.json:
         _emit_json(data)
         return 0
@@ -275,14 +277,21 @@ def cmd_balance(args: argparse.Namespace) -> int:
     console.print(table)
     console.print("before: uniform placement, full recompute on every layer; times are per micro-batch (F+B+W)")
     console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
-    console.print("recompute: " + ", ".join(f"layers {a}-{a + n - 1} {o}" for a, n, o in result.plan.ranges()))
+    selective = (f"selective({'+'.join(result.selective_modules)})" if result.selective_modules
+                 else "selective(default)" if result.selective_modules == () else "selective")
+    console.print("recompute: " + ", ".join(f"layers {a}-{a + n - 1} {selective if o == 'selective' else o}"
+                                            for a, n, o in result.plan.ranges()))
+    if result.policy_steps:
+        console.print("selective policies balanced (step of the per-layer plan / as one setting): " + "; ".join(
+            f"{policy} {_seconds_or_dash(plan_s)} / {_seconds_or_dash(settings_s)}"
+            for policy, (plan_s, settings_s) in result.policy_steps.items()))
     console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s ({100 * result.gain:.1f}% faster), "
                   f"composed from the stage times; the pipeline simulator gives {result.simulated_s[0]:.3f} s → "
                   f"{result.simulated_s[1]:.3f} s ({100 * (1 - result.simulated_s[1] / result.simulated_s[0]):.1f}% faster)")
     if result.settings is not None:
         # --emit (and frameworks generally) take one recompute setting, not a per-layer mix.
         plan, cost, simulated = result.settings
-        console.print(f"as one recompute setting, what --emit writes: {plan_strategy(strategy, plan).short()}, layers "
+        console.print(f"as one recompute setting, what --emit writes: {emitted.short()}, layers "
                       f"{list(plan.stage_layers)}: step {cost.step_s:.3f} s ({100 * (1 - cost.step_s / base_cost.step_s):.1f}% "
                       f"faster; simulated {simulated:.3f} s), largest stage {format_bytes(float(cost.stage_memory_bytes.max()))}; "
                       f"the per-layer mix above needs a framework that sets recompute layer by layer")
@@ -290,12 +299,16 @@ def cmd_balance(args: argparse.Namespace) -> int:
         worst = float(result.estimated_stage_bytes.max())
         verdict = "fits" if worst <= limit else f"[bold red]over the limit by {format_bytes(worst - limit)}[/]"
         console.print(f"check: the full estimator, with the settings --emit writes "
-                      f"({plan_strategy(strategy, result.emitted_plan).short()}), puts the largest stage at "
+                      f"({emitted.short()}), puts the largest stage at "
                       f"{format_bytes(worst)}: {verdict}")
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False)
     return 0
+
+
+def _seconds_or_dash(value: float | None) -> str:
+    return "does not fit" if value is None else f"{value:.3f} s"
 
 
 # ---------------------------------------------------------------- search
@@ -553,6 +566,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_arguments(p)
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--heuristic", action="store_true", help="the fast heuristic instead of the exact solver (dynamic program, or MILP for interleaved pipelines of other layer-kind mixes)")
+    p.add_argument("--recompute-module-sets", nargs="+", metavar="SET",
+                   help="selective policies to try besides the strategy's own (runtime megatron): module sets such "
+                        "as 'layernorm+moe_act' or 'default', or 'common' / 'all' (as search); each is balanced "
+                        "and the fastest plan wins")
     p.add_argument("--emit", choices=EMIT_FORMATS,
                    help="print the plan as that framework's settings")
     p.add_argument("--json", action="store_true", help="machine-readable output")

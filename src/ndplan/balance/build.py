@@ -168,11 +168,22 @@ class BalanceResult:
     #: The fastest plan one recompute setting expresses (``best_settings_plan``), its cost and
     #: simulated step: what ``--emit`` writes, where it differs from the plan.
     settings: tuple[Plan, PlanCost, float] | None = None
+    #: What the plan's "selective" re-runs (None: the strategy's own modules), and the settings'.
+    selective_modules: tuple[str, ...] | None = None
+    settings_modules: tuple[str, ...] | None = None
+    #: With several selective policies tried: per policy ('+'-joined modules, "default" for the
+    #: runtime's own), the step of its plan and of its one-setting plan (None where none fits).
+    policy_steps: dict[str, tuple[float | None, float | None]] | None = None
 
     @property
     def emitted_plan(self) -> Plan:
         """The plan frameworks that take one recompute setting can run (``--emit`` writes it)."""
         return self.plan if self.settings is None else self.settings[0]
+
+    @property
+    def emitted_modules(self) -> tuple[str, ...] | None:
+        """What the emitted plan's selective recompute re-runs (None: the strategy's own)."""
+        return self.selective_modules if self.settings is None else self.settings_modules
 
     @property
     def gain(self) -> float:
@@ -196,7 +207,12 @@ class BalanceResult:
                           "gain": 1.0 - self.simulated_s[1] / self.simulated_s[0]},
             "estimated_stage_bytes": None if self.estimated_stage_bytes is None
             else self.estimated_stage_bytes.round().tolist(),
+            "selective_modules": None if self.selective_modules is None else list(self.selective_modules),
+            "policy_steps": None if self.policy_steps is None else {
+                policy: {"step_s": plan_step, "as_settings_step_s": settings_step}
+                for policy, (plan_step, settings_step) in self.policy_steps.items()},
             "as_settings": None if self.settings is None else {
+                "selective_modules": None if self.settings_modules is None else list(self.settings_modules),
                 "recompute_ranges": [{"first": a, "count": n, "option": o} for a, n, o in self.settings[0].ranges()],
                 "stage_memory_bytes": self.settings[1].stage_memory_bytes.round().tolist(),
                 "step_s": self.settings[1].step_s, "fits": self.settings[1].fits,
@@ -214,37 +230,73 @@ def balance(
     options: MemoryOptions | None = None,
     *,
     exact: bool = True,
+    selective_policies: tuple[tuple[str, ...], ...] = (),
 ) -> BalanceResult:
     """Layers per virtual stage and recompute per layer that minimise the composed step time
     with every stage under ``memory_limit_bytes``; compared with uniform placement and full
-    recompute."""
-    problem = build_problem(model, strategy, cluster, memory_limit_bytes, options)
-    baseline_plan = uniform_plan(problem, "full")
-    baseline = (baseline_plan, evaluate(problem, baseline_plan))
-    started = clock.perf_counter()
-    found = solve_exact(problem) if exact else solve_heuristic(problem)
-    seconds = clock.perf_counter() - started
-    if found is None:
+    recompute.
+
+    ``selective_policies``: module sets (Megatron-Core's --recompute-modules) the selective
+    option may re-run besides the strategy's own. Each is balanced as its own problem (none,
+    that selective policy, full per layer) and the fastest plan wins, and apart the fastest
+    one-setting plan: a framework runs one module set for every layer, and a problem with every
+    policy as an option per layer multiplies the solvers' work (a minute per plan with seven)."""
+    own = strategy.recompute_modules
+    policies: list[tuple[str, ...] | None] = [None, *dict.fromkeys(
+        p for p in (Strategy(recompute="selective", recompute_modules=p).recompute_modules for p in selective_policies)
+        if p != own)]
+    best: dict[str, Any] | None = None
+    best_settings: dict[str, Any] | None = None
+    policy_steps: dict[str, tuple[float | None, float | None]] = {}
+    solve_seconds = 0.0
+    for modules in policies:
+        problem = build_problem(model, strategy, cluster, memory_limit_bytes, options, modules)
+        baseline_plan = uniform_plan(problem, "full")
+        started = clock.perf_counter()
+        found = solve_exact(problem) if exact else solve_heuristic(problem)
+        solve_seconds += clock.perf_counter() - started
+        label = "+".join(own if modules is None else modules) or "default"
+        if found is None:
+            policy_steps[label] = (None, None)
+            continue
+        as_settings = best_settings_plan(problem, found[0], baseline_plan)
+        policy_steps[label] = (found[1].step_s, as_settings[1].step_s if as_settings[1].fits else None)
+        entry = {"problem": problem, "found": found, "as_settings": as_settings, "modules": modules}
+        if best is None or found[1].step_s < best["found"][1].step_s:
+            best = entry
+        if as_settings[1].fits and (best_settings is None or as_settings[1].step_s < best_settings["as_settings"][1].step_s):
+            best_settings = entry
+    if best is None:
+        problem = build_problem(model, strategy, cluster, memory_limit_bytes, options)
+        needs = evaluate(problem, uniform_plan(problem, "full")).stage_memory_bytes.max()
         raise NdplanError(
             f"no placement and recompute plan fits {memory_limit_bytes / 2**30:,.2f} GiB per device for "
-            f"{strategy.short()}; uniform full recompute needs {baseline[1].stage_memory_bytes.max() / 2**30:,.2f} GiB"
+            f"{strategy.short()}; uniform full recompute needs {needs / 2**30:,.2f} GiB"
         )
+    problem, found = best["problem"], best["found"]
+    baseline_plan = uniform_plan(problem, "full")
+    baseline = (baseline_plan, evaluate(problem, baseline_plan))
     simulated = (simulated_step_s(problem, baseline_plan, strategy.schedule),
                  simulated_step_s(problem, found[0], strategy.schedule))
-    as_settings = best_settings_plan(problem, found[0], baseline_plan)
-    settings = None if as_settings[0] == found[0] else (
-        *as_settings, simulated_step_s(problem, as_settings[0], strategy.schedule))
+    chosen = best_settings or best
+    as_settings = chosen["as_settings"]
+    settings = None if as_settings[0] == found[0] and chosen is best else (
+        *as_settings, simulated_step_s(chosen["problem"], as_settings[0], strategy.schedule))
     # The full estimator checks what a framework will run: the settings --emit writes.
-    estimated = plan_stage_bytes(model, strategy, found[0] if settings is None else settings[0], options)
-    return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic", seconds,
-                         simulated, estimated, settings)
+    estimated = plan_stage_bytes(model, strategy, found[0] if settings is None else settings[0], options,
+                                 best["modules"] if settings is None else chosen["modules"])
+    return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic",
+                         solve_seconds, simulated, estimated, settings, best["modules"], chosen["modules"],
+                         policy_steps if len(policies) > 1 else None)
 
 
-def plan_stage_bytes(model: ModelSpec, strategy: Strategy, plan: Plan, options: MemoryOptions | None = None) -> np.ndarray:
+def plan_stage_bytes(model: ModelSpec, strategy: Strategy, plan: Plan, options: MemoryOptions | None = None,
+                     selective_modules: tuple[str, ...] | None = None) -> np.ndarray:
     """Per stage, the full estimator's device peak (bytes) for ``plan`` as a framework runs it
-    (``plan_strategy``: one recompute setting, the uneven placement): a check of the balancer's
-    memory model, which moves layer terms only."""
-    settings = plan_strategy(strategy, plan)
+    (``plan_strategy``: one recompute setting, the uneven placement; selective re-running
+    ``selective_modules``, default the strategy's own): a check of the balancer's memory model,
+    which moves layer terms only."""
+    settings = plan_strategy(strategy, plan, selective_modules)
     return stage_memory(model, StrategyBatch.of(settings), options,
                         stage_layers=tuple(plan.stage_layers)).device[0, : strategy.pp]
 
