@@ -105,16 +105,25 @@ def test_one_module_set_leaves_the_space_and_its_indices_as_before():
 
 def test_module_sets_follow_the_model():
     deepseek, llama = get_preset("deepseek-v3"), get_preset("llama-3.1-8b")
-    assert applicable_modules(llama) == ("core_attn", "layernorm", "mlp")
+    # Megatron fuses a dense layer's norms into the next linear layer: nothing for "layernorm".
+    assert applicable_modules(llama) == ("core_attn", "mlp")
     assert applicable_modules(deepseek) == ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe",
                                             "shared_experts")
-    assert module_sets(llama, "common") == ((), ("layernorm",), ("core_attn", "layernorm"), ("layernorm", "mlp"),
-                                            ("core_attn", "layernorm", "mlp"))
+    # () is the default, the attention core alone: ("core_attn",) is not listed again.
+    assert module_sets(llama, "common") == ((), ("mlp",), ("core_attn", "mlp"))
     every = module_sets(deepseek, "all")
-    # 2^7 - 1 subsets, less the 48 that name the MoE block beside its activation or shared experts.
-    assert len(every) == 1 + 127 - 48 == len(set(every))
-    assert not any("moe" in s and "moe_act" in s for s in every)
-    assert len(module_sets(llama, "all")) == 1 + 7
+    # 2^7 - 1 subsets, less the 48 that name the MoE block beside its activation or shared
+    # experts and the attention core alone.
+    assert len(every) == 1 + 127 - 48 - 1 == len(set(every))
+    assert not any("moe" in s and "moe_act" in s for s in every) and ("core_attn",) not in every
+    assert module_sets(llama, "all") == ((), ("mlp",), ("core_attn", "mlp"))
+    # What each set keeps differs for the model (the runtime's bytes per token).
+    from ndplan.memory.stages import layer_activations
+    from ndplan.strategy import Strategy
+
+    kept = {s: float(layer_activations(deepseek, StrategyBatch.of(Strategy(recompute="selective", recompute_modules=s)),
+                                        MEGATRON).recomputed["moe"][0]) for s in module_sets(deepseek, "common")}
+    assert len(set(kept.values())) == len(kept)
 
 
 def test_module_set_labels_and_errors():

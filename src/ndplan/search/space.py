@@ -359,13 +359,16 @@ def _distinct(sets: tuple[ModuleSet, ...]) -> tuple[ModuleSet, ...]:
 
 
 def applicable_modules(model: ModelSpec) -> ModuleSet:
-    """The recompute modules that re-run something in ``model``: the attention core and the
-    norms always; MLA's up-projections with MLA; the dense MLP where a layer (or an MTP
-    module) has one; the experts' activation and the MoE block with experts; the shared
-    experts where there are some."""
+    """The recompute modules that re-run something in ``model``: the attention core always;
+    the norms where one stands apart from the linear layer after it (the router's input in a
+    MoE layer, MLA's down-projection input; Megatron fuses the others into the next linear);
+    MLA's up-projections with MLA; the dense MLP where a layer (or an MTP module) has one; the
+    experts' activation and the MoE block with experts; the shared experts where there are
+    some."""
     kinds = set(model.layer_mlp_kinds) | ({model.mtp_mlp_kind} if model.mtp_depth else set())
+    mla = model.attention_kind == "mla"
     has = {
-        "core_attn": True, "layernorm": True, "mla_up_proj": model.attention_kind == "mla",
+        "core_attn": True, "layernorm": model.is_moe or mla, "mla_up_proj": mla,
         "mlp": "dense" in kinds, "moe_act": model.is_moe, "moe": model.is_moe,
         "shared_experts": model.is_moe and model.num_shared_experts > 0,
     }
@@ -379,15 +382,18 @@ def module_sets(model: ModelSpec, which: str = "common") -> tuple[ModuleSet, ...
     up-projections: memory-bound ops or small GEMMs that hold large tensors), then with the
     attention core, then with the whole MLP or MoE block, then all of those: 5 sets at most.
     "all": every subset of ``applicable_modules``, less those naming "moe" beside "moe_act" or
-    "shared_experts" (the MoE block re-runs those already): 80 sets for DeepSeek-V3."""
+    "shared_experts" (the MoE block re-runs those already): 79 sets for DeepSeek-V3.
+    ("core_attn",) alone is left out of both: it is the default, ()."""
     applicable = applicable_modules(model)
+    # () is Megatron's default policy, the attention core alone: ("core_attn",) would price it twice.
     if which == "all":
         subsets = [tuple(c) for k in range(1, len(applicable) + 1) for c in combinations(applicable, k)]
-        return ((), *(s for s in subsets if not ("moe" in s and {"moe_act", "shared_experts"} & set(s))))
+        return ((), *(s for s in subsets if not ("moe" in s and {"moe_act", "shared_experts"} & set(s))
+                      and s != ("core_attn",)))
     if which != "common":
         raise NdplanError(f"module sets '{which}': known: common, all")
     cheap = tuple(m for m in ("layernorm", "moe_act", "mla_up_proj") if m in applicable)
     block = tuple(m for m in ("mlp", "moe") if m in applicable)
     with_block = tuple(m for m in cheap if not ("moe" in block and m == "moe_act")) + block
     sets = (cheap, ("core_attn", *cheap), with_block, ("core_attn", *with_block))
-    return _distinct(((), *(tuple(m for m in RECOMPUTE_MODULES if m in s) for s in sets if s)))
+    return _distinct(((), *(tuple(m for m in RECOMPUTE_MODULES if m in s) for s in sets if s and s != ("core_attn",))))
