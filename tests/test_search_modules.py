@@ -66,6 +66,13 @@ def test_search_over_module_sets_equals_brute_force():
     recompute = [space.strategy(c).recompute for c in range(space.size)]
     repeated = sum(1 for c in range(space.size) if recompute[c] != "selective" and c % len(SETS) > 0)
     assert result.rejected[DUPLICATE] >= repeated > 0
+    assert sum(result.rejected.values()) + result.fitting == space.size
+    # Without selective recompute in the space, every set but the first holds only duplicates.
+    none_full = default_space(TINY_MOE, DEVICE, 8, 16, 1024, dims=("tp", "pp"), fixed={"recompute": "full"},
+                              recompute_modules=SETS)
+    alone = run_search(TINY_MOE, DEVICE, none_full, step_time, memory_limit_bytes=limit, options=MEGATRON, top=10**9)
+    assert none_full.unlisted_duplicates == none_full.size * 2 // 3
+    assert sum(alone.rejected.values()) + alone.fitting == none_full.size and alone.fitting > 0
 
 
 def test_blocks_hold_one_module_set_and_cover_the_space():
@@ -74,8 +81,16 @@ def test_blocks_hold_one_module_set_and_cover_the_space():
     for index, batch in space.blocks(block_size=100):
         sets = set((index % len(SETS)).tolist())
         assert len(sets) == 1 and batch.recompute_modules == SETS[sets.pop()]
+        reference = space.batch(index)
+        for name in batch.array_fields():
+            np.testing.assert_array_equal(getattr(batch, name), getattr(reference, name))
         seen.append(index)
-    np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(space.size))
+    # Every candidate once, but those that do not recompute selectively under the second and
+    # third sets: duplicates, counted without being listed.
+    recompute = np.array([space.strategy(c).recompute for c in range(space.size)])
+    unlisted = np.flatnonzero((recompute != "selective") & (np.arange(space.size) % len(SETS) > 0))
+    assert space.unlisted_duplicates == len(unlisted) > 0 and space.duplicates(unlisted).all()
+    np.testing.assert_array_equal(np.sort(np.concatenate([*seen, unlisted])), np.arange(space.size))
     mixed = np.array([0, 1, 2])
     with pytest.raises(ValueError, match="several recompute module sets"):
         space.batch(mixed)

@@ -171,7 +171,7 @@ def run_search(
     bounded_lower: list[np.ndarray] = []
     evaluated = 0
     smallest_peak = np.inf
-    done = 0
+    rejected[DUPLICATE] = done = space.unlisted_duplicates
     for index, batch in space.blocks(block_size):
         alive = ~space.duplicates(index)
         rejected[DUPLICATE] += int(np.count_nonzero(~alive))
@@ -228,7 +228,9 @@ def run_search(
     time_all = np.concatenate(kept_time)[by_index]
     peak_all = np.concatenate(kept_peak)[by_index]
     stage_all = np.concatenate(kept_stage)[by_index]
-    extra = {k: np.concatenate(v)[by_index] for k, v in kept_extra.items()}
+    # The other time figures only for the rows shown: gathering each for every fitting candidate
+    # cost more than the ranking (1.4 s for 1.7M candidates and ~20 figures).
+    extra = {k: np.concatenate(v) for k, v in kept_extra.items()}
     order = by_time_then_peak(time_all, peak_all)  # ties in both by index: index_all ascends
 
     def rows(positions: np.ndarray) -> list[dict[str, Any]]:
@@ -236,7 +238,7 @@ def run_search(
         for p in positions:
             strategy = space.strategy(int(index_all[p]))
             out.append(_row(strategy, int(index_all[p]), float(peak_all[p]), int(stage_all[p]),
-                            {k: v[p] for k, v in extra.items()}, options))
+                            {k: v[by_index[p]] for k, v in extra.items()}, options))
         return out
 
     front = _front(order, peak_all)

@@ -105,35 +105,53 @@ class SearchSpace:
         return prod(self.sizes)
 
     def blocks(self, block_size: int = 1 << 20) -> Iterator[tuple[np.ndarray, StrategyBatch]]:
-        """(candidate indices, batch) for blocks that cover the product once each.
+        """(candidate indices, batch) for blocks that cover the product once each, but for the
+        ``unlisted_duplicates``.
 
         Blocks run through the pipeline dimensions (pp, then the schedule) slowest, so that each
         holds a few pipeline shapes: the memory model pays a fixed cost per shape in a block,
         which in index order (where pp and the schedule vary faster than tp, sp, cp and ep) every
         block would pay for nearly every shape. A candidate's index is unchanged: its position in
-        the product of ``DIMENSIONS``.
+        the product of ``DIMENSIONS``. Slower still runs the module set, one per block; under
+        every set but the first only the selective candidates are listed (the others are
+        duplicates, ``duplicates``, and counted as such without being listed).
 
         In that order each dimension's value changes every so many positions (the product of the
         faster dimensions' sizes), so a block's columns and indices are runs and repetitions of
         short tables, built by copying rather than by dividing every position into digits."""
         sizes = dict(zip(DIMENSIONS, self.sizes, strict=True))
         index_stride = dict(zip(DIMENSIONS, _strides([sizes[name] for name in DIMENSIONS]), strict=True))
-        block_stride = dict(zip(BLOCK_ORDER, _strides([sizes[name] for name in BLOCK_ORDER]), strict=True))
         pipeline = self._pipeline_options()
-        # A block holds one module set: the positions of each set are a run of this length.
-        per_set = self.size // sizes["recompute_modules"]
-        starts = [(start, min(start + block_size, first + per_set))
-                  for first in range(0, self.size, per_set) for start in range(first, first + per_set, block_size)]
-        for start, stop in starts:
-            index = np.zeros(stop - start, dtype=np.int64)
-            for name in DIMENSIONS:
-                index += _periodic(np.arange(sizes[name], dtype=np.int64) * index_stride[name], block_stride[name],
-                                   start, stop)
-            column = {name: _periodic(self._codes(name), block_stride[name], start, stop)
-                      for name in DIMENSIONS if name != "schedule"}
-            for name, values in zip(("schedule", "vpp", "seq_chunks"), pipeline.T, strict=True):
-                column[name] = _periodic(values, block_stride["schedule"], start, stop)
-            yield index, self._assemble(column)
+        selective = [i for i, value in enumerate(self.recompute) if value == "selective"]
+        for module_set in range(sizes["recompute_modules"]):
+            if module_set and not selective:
+                continue
+            # The digits each dimension takes in this part of the product.
+            digits = {name: np.arange(sizes[name], dtype=np.int64) for name in DIMENSIONS}
+            digits["recompute_modules"] = np.array([module_set], dtype=np.int64)
+            if module_set:
+                digits["recompute"] = np.array(selective, dtype=np.int64)
+            block_stride = dict(zip(BLOCK_ORDER, _strides([len(digits[name]) for name in BLOCK_ORDER]), strict=True))
+            total = prod(len(d) for d in digits.values())
+            for start in range(0, total, block_size):
+                stop = min(start + block_size, total)
+                index = np.zeros(stop - start, dtype=np.int64)
+                for name in DIMENSIONS:
+                    index += _periodic(digits[name] * index_stride[name], block_stride[name], start, stop)
+                column = {name: _periodic(self._codes(name)[digits[name]], block_stride[name], start, stop)
+                          for name in DIMENSIONS if name != "schedule"}
+                for name, values in zip(("schedule", "vpp", "seq_chunks"), pipeline[digits["schedule"]].T, strict=True):
+                    column[name] = _periodic(values, block_stride["schedule"], start, stop)
+                yield index, self._assemble(column)
+
+    @property
+    def unlisted_duplicates(self) -> int:
+        """Candidates ``blocks`` leaves out: those that do not recompute selectively, under every
+        module set but the first (duplicates of the first's)."""
+        sets = len(self.recompute_modules)
+        per_set = self.size // sets
+        listed = sum(1 for value in self.recompute if value == "selective") * per_set // len(self.recompute)
+        return (sets - 1) * (per_set - listed)
 
     def batch(self, index: np.ndarray) -> StrategyBatch:
         """The candidates ``index`` as a batch; they must share a module set (``batches`` groups
