@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ndplan.balance.dp import Table, _at_most, _min_max_monotone, min_max, threshold_search
+from ndplan.balance.dp import TotalsTable, _at_most, _min_max_monotone, min_max, threshold_search
 from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
@@ -244,12 +244,9 @@ def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Pl
 def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost] | None:
     L, pp = problem.num_layers, problem.pp
     least, chosen, chunk_layers = _stage_costs(problem, totals)  # [pp, J], [pp, J, R], [pp, J, v]
-    position = np.arange(L + 1)
-    start = np.maximum(position[None] - totals[:, None], 0)  # [J, L + 1]
-    reachable = position[None] >= totals[:, None]
-    cost = np.where(reachable[None], least[:, :, None], np.inf)  # [pp, J, L + 1]
-    # Every total is reachable at some position (totals ≤ L), so the table's finite costs are least's.
-    table = Table(start, cost, totals, least[np.isfinite(least)])
+    # A stage's cost depends on its total alone, wherever it starts: the DP shifts the previous
+    # stage's values by each total (``TotalsTable``) instead of a [pp, J, L + 1] table.
+    table = TotalsTable(least, totals, L, least[np.isfinite(least)])
     # Stage costs that never fall as totals grow (the usual case) give Z* without a DP pass.
     monotone = bool((least[:, 1:] >= least[:, :-1]).all())
     z_star = _min_max_monotone(least, int(totals[0]), L) if monotone else min_max(table)
