@@ -540,12 +540,21 @@ def _min_max_monotone(table: np.ndarray, shortest: int, L: int) -> float:
     more layer never saves time), without a DP: under a threshold Z stage v may hold
     shortest … shortest + n_v(Z) − 1 layers, n_v(Z) = #{ℓ : t(v, ℓ) ≤ Z}, so a split exists iff
     every n_v(Z) ≥ 1 and Σ_v (shortest + n_v(Z) − 1) ≥ L (V·shortest ≤ L holds for the lengths
-    ``solve_dp`` uses). Z* is the least segment cost that passes."""
-    values = np.unique(table[np.isfinite(table)])  # candidate thresholds, ascending
-    allowed = (table[None] <= values[:, None, None]).sum(axis=2)  # [Z, V] n_v(Z)
+    ``solve_dp`` uses). Z* is the least segment cost that passes.
+
+    Both conditions grow with Z, and each is one order statistic of the costs: every n_v ≥ 1
+    from the largest of the stages' least costs on, and Σ_v n_v (the costs ≤ Z, all stages
+    together) ≥ need = L − V·(shortest − 1) from the need-th least cost on. So Z* is the larger
+    of the two, a cost itself: no [thresholds, V, J] comparison."""
     V = table.shape[0]
-    passes = (allowed.min(axis=1) >= 1) & (allowed.sum(axis=1) + V * (shortest - 1) >= L)
-    return float(values[int(passes.argmax())]) if passes.any() else float("inf")
+    every_stage = float(table.min(axis=1).max())  # the least Z with every n_v ≥ 1
+    need = L - V * (shortest - 1)
+    if need <= 0:
+        return every_stage
+    finite = table[np.isfinite(table)]
+    if need > len(finite) or not np.isfinite(every_stage):
+        return float("inf")
+    return max(every_stage, float(np.partition(finite, need - 1)[need - 1]))
 
 
 def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]:
