@@ -51,13 +51,17 @@ def one_layer_kind(problem: BalanceProblem) -> bool:
     return len(set(problem.layer_kinds)) == 1
 
 
-def _chunk_layers(problem: BalanceProblem, totals: np.ndarray) -> np.ndarray:
+def _chunk_layers(problem: BalanceProblem, totals: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
     """[pp, J, v] layers of each local chunk for each stage total, the loads (layers plus
     ``end_units``) as even as they go: every chunk one layer, then each further layer to the
-    chunk of least load, ties to the one of fewest micro-batches in flight (water filling)."""
+    chunk of least load, ties to the one of fewest micro-batches in flight (water filling).
+    ``order``: [pp, v] each stage's chunks fewest in flight first (a stable argsort), where the
+    caller has it."""
     pp, v = problem.pp, problem.chunks_per_stage
-    flight = np.zeros((pp, v))
-    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+    if order is None:
+        flight = np.zeros((pp, v))
+        flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+        order = np.argsort(flight, axis=1, kind="stable")  # [pp, v] fewest in flight first
     units = np.zeros((pp, v), dtype=np.int64)
     units[problem.stage_of, problem.chunk_of] = end_units(problem)
     start = units + 1  # [pp, v] loads with one layer each
@@ -71,7 +75,6 @@ def _chunk_layers(problem: BalanceProblem, totals: np.ndarray) -> np.ndarray:
     rest = more[None, :] - filled[stage, level]  # [pp, J]
     loads = np.maximum(start[:, None, :], level[:, :, None])  # [pp, J, v]
     at_level = start[:, None, :] <= level[:, :, None]
-    order = np.argsort(flight, axis=1, kind="stable")  # [pp, v] fewest in flight first
     rank = np.empty_like(order)
     rank[stage, order] = np.arange(v)  # chunk's place in that order
     # Place of each chunk among the chunks at level, in that order.
@@ -156,11 +159,12 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     flight = np.zeros((pp, v))
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
     base_bytes, base_time, transient = stage_bases(problem)
-    layers = _chunk_layers(problem, totals)  # [pp, J, v]
+    order = np.argsort(flight, axis=1, kind="stable")  # [pp, v] chunks fewest in flight first, for both below
+    layers = _chunk_layers(problem, totals, order)  # [pp, J, v]
     # A hair under the limit (80 bytes of 80 GB), so evaluate's own float sums never land over it.
     limit = problem.memory_limit_bytes * (1 - 1e-9)
     mixes, j_of, starts = _mixes(int(totals[0]), int(totals[-1]), R)
-    slots = _dealt_prefix(layers, flight, int(totals.max()))  # [pp, J, S + 1] in-flight weight of the first k slots
+    slots = _dealt_slots(layers, flight, int(totals.max()), order)[0]  # [pp, J, S + 1] in-flight weight of the first k slots
     # Σ_r act_r·(P(end_r) − P(end_{r−1})) = Σ_{r<R} P(end_r)·(act_r − act_{r+1}) + P(T)·act_R,
     # options in falling activation order, P the slot-weight prefix: R − 1 gathers, not 2·R.
     ends = np.cumsum(mixes[:, by_activation[:-1]], axis=1)  # [K, R − 1] slots used after each option
