@@ -291,3 +291,28 @@ def test_least_bottleneck_without_a_dp_equals_the_dp(layers, pp, limit_gib, seed
     assert seg.query is None  # the one-kind layout, where the shortcut applies
     by_dp = dp._min_max(dp._Segments(**{**seg.__dict__, "query": np.zeros(1, dtype=np.int64)}))
     assert dp._min_max(seg) == by_dp
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2**31 - 1), st.integers(0, 40))
+def test_totals_table_gives_the_plain_tables_answers(V, shortest, J, seed, weight):
+    """``TotalsTable`` (costs by stage and length, wherever the step starts) runs the same DP as
+    the ``Table`` it stands for: the same Z*, sums, splits and threshold search, ties included
+    (costs drawn from a few values, some +inf)."""
+    from ndplan.balance.dp import Table, TotalsTable, min_max, min_sum, threshold_search
+
+    rng = np.random.default_rng(seed)
+    lengths = np.arange(shortest, shortest + J)
+    L = int(rng.integers(V * shortest, V * (shortest + J - 1) + 2))
+    cost = rng.choice([0.5, 1.0, 1.5, 2.0, 0.1 + 0.2, 0.3, np.inf], size=(V, J))
+    position = np.arange(L + 1)
+    start = np.maximum(position[None] - lengths[:, None], 0)
+    plain = Table(start, np.where(position[None, None] >= lengths[None, :, None], cost[:, :, None], np.inf), lengths,
+                  cost[np.isfinite(cost)])
+    totals = TotalsTable(cost, lengths, L, cost[np.isfinite(cost)])
+    z_star = min_max(plain)
+    assert min_max(totals) == z_star
+    for bound in (np.inf, z_star, 1.0):
+        assert min_sum(totals, bound) == min_sum(plain, bound)
+    if np.isfinite(z_star):
+        assert threshold_search(totals, weight, z_star) == threshold_search(plain, weight, z_star)

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ndplan.balance.dp import Table, _at_most, _min_max_monotone, min_max, threshold_search
+from ndplan.balance.dp import TotalsTable, _at_most, _min_max_monotone, min_max, threshold_search
 from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
@@ -39,7 +39,6 @@ from ndplan.balance.problem import (
     cost_index,
     end_units,
     evaluate_codes,
-    even_chunks,
     stage_bases,
     uniform_counts,
 )
@@ -52,13 +51,17 @@ def one_layer_kind(problem: BalanceProblem) -> bool:
     return len(set(problem.layer_kinds)) == 1
 
 
-def _chunk_layers(problem: BalanceProblem, totals: np.ndarray) -> np.ndarray:
+def _chunk_layers(problem: BalanceProblem, totals: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
     """[pp, J, v] layers of each local chunk for each stage total, the loads (layers plus
     ``end_units``) as even as they go: every chunk one layer, then each further layer to the
-    chunk of least load, ties to the one of fewest micro-batches in flight (water filling)."""
+    chunk of least load, ties to the one of fewest micro-batches in flight (water filling).
+    ``order``: [pp, v] each stage's chunks fewest in flight first (a stable argsort), where the
+    caller has it."""
     pp, v = problem.pp, problem.chunks_per_stage
-    flight = np.zeros((pp, v))
-    flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+    if order is None:
+        flight = np.zeros((pp, v))
+        flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
+        order = np.argsort(flight, axis=1, kind="stable")  # [pp, v] fewest in flight first
     units = np.zeros((pp, v), dtype=np.int64)
     units[problem.stage_of, problem.chunk_of] = end_units(problem)
     start = units + 1  # [pp, v] loads with one layer each
@@ -72,7 +75,6 @@ def _chunk_layers(problem: BalanceProblem, totals: np.ndarray) -> np.ndarray:
     rest = more[None, :] - filled[stage, level]  # [pp, J]
     loads = np.maximum(start[:, None, :], level[:, :, None])  # [pp, J, v]
     at_level = start[:, None, :] <= level[:, :, None]
-    order = np.argsort(flight, axis=1, kind="stable")  # [pp, v] fewest in flight first
     rank = np.empty_like(order)
     rank[stage, order] = np.arange(v)  # chunk's place in that order
     # Place of each chunk among the chunks at level, in that order.
@@ -157,11 +159,12 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     flight = np.zeros((pp, v))
     flight[problem.stage_of, problem.chunk_of] = problem.in_flight_of_virtual()
     base_bytes, base_time, transient = stage_bases(problem)
-    layers = _chunk_layers(problem, totals)  # [pp, J, v]
+    order = np.argsort(flight, axis=1, kind="stable")  # [pp, v] chunks fewest in flight first, for both below
+    layers = _chunk_layers(problem, totals, order)  # [pp, J, v]
     # A hair under the limit (80 bytes of 80 GB), so evaluate's own float sums never land over it.
     limit = problem.memory_limit_bytes * (1 - 1e-9)
     mixes, j_of, starts = _mixes(int(totals[0]), int(totals[-1]), R)
-    slots = _dealt_prefix(layers, flight, int(totals.max()))  # [pp, J, S + 1] in-flight weight of the first k slots
+    slots = _dealt_slots(layers, flight, int(totals.max()), order)[0]  # [pp, J, S + 1] in-flight weight of the first k slots
     # Σ_r act_r·(P(end_r) − P(end_{r−1})) = Σ_{r<R} P(end_r)·(act_r − act_{r+1}) + P(T)·act_R,
     # options in falling activation order, P the slot-weight prefix: R − 1 gathers, not 2·R.
     ends = np.cumsum(mixes[:, by_activation[:-1]], axis=1)  # [K, R − 1] slots used after each option
@@ -236,20 +239,30 @@ def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Pl
     # A uniform placement with even loads is among the plans the DP weighs (its totals are in
     # any window, and its chunk split at best the DP's); one with a heavy head chunk is not.
     uniform = uniform_counts(problem)
-    candidates = [] if even_chunks(problem, uniform) else uniform_candidates(problem)
+    candidates = [] if _even_one_kind(problem, uniform) else uniform_candidates(problem)
     candidates += [found] if found is not None else []
     return min(candidates, key=lambda c: c[1].step_s) if candidates else None
+
+
+def _even_one_kind(problem: BalanceProblem, counts: tuple[int, ...]) -> bool:
+    """``even_chunks`` with one layer kind: a layer weighs its kind's seconds over the reference
+    layer's, its own kind's, so exactly 1, and the spread is 1 (``load_spread``). A chunk's load
+    is then its layers plus its ``end_units``, the same floats, without weighing every layer."""
+    pp, v = problem.pp, problem.chunks_per_stage
+    held = np.zeros((pp, v))
+    held[problem.stage_of, problem.chunk_of] = counts
+    loads = held.copy()
+    loads[problem.stage_of, problem.chunk_of] += end_units(problem)
+    too_heavy = loads > loads.min(axis=1, keepdims=True) + 1.0 + 1e-9
+    return bool((~too_heavy | (held == 1)).all())
 
 
 def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost] | None:
     L, pp = problem.num_layers, problem.pp
     least, chosen, chunk_layers = _stage_costs(problem, totals)  # [pp, J], [pp, J, R], [pp, J, v]
-    position = np.arange(L + 1)
-    start = np.maximum(position[None] - totals[:, None], 0)  # [J, L + 1]
-    reachable = position[None] >= totals[:, None]
-    cost = np.where(reachable[None], least[:, :, None], np.inf)  # [pp, J, L + 1]
-    # Every total is reachable at some position (totals ≤ L), so the table's finite costs are least's.
-    table = Table(start, cost, totals, least[np.isfinite(least)])
+    # A stage's cost depends on its total alone, wherever it starts: the DP shifts the previous
+    # stage's values by each total (``TotalsTable``) instead of a [pp, J, L + 1] table.
+    table = TotalsTable(least, totals, L, least[np.isfinite(least)])
     # Stage costs that never fall as totals grow (the usual case) give Z* without a DP pass.
     monotone = bool((least[:, 1:] >= least[:, :-1]).all())
     z_star = _min_max_monotone(least, int(totals[0]), L) if monotone else min_max(table)

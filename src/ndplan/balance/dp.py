@@ -428,17 +428,81 @@ class StagedTable:
     flat_costs: np.ndarray | None = None
 
 
-AnyTable = SplitTable | StagedTable
+@dataclass(frozen=True)
+class TotalsTable:
+    """A split table whose step costs depend on the stage and its layers only, not on where the
+    step starts (the one-kind chunked DP, ``ndplan.balance.chunks``): stage v holding
+    ``lengths[j]`` layers costs ``cost[v, j]`` seconds (+inf where nothing fits), from position
+    b − lengths[j] ≥ 0 to b, positions 0 … ``L``. The DP of the ``Table`` with cost[v, j, b] =
+    cost[v, j] where b ≥ lengths[j] (+inf elsewhere) and start b − lengths[j]: the same values,
+    sums in the same order and the same argmins, without building or masking that
+    [V, J, L + 1] table (``_totals_pass``). ``lengths``: consecutive integers, rising.
+    ``thresholds``: its finite costs, as a set."""
+
+    cost: np.ndarray
+    lengths: np.ndarray
+    L: int
+    thresholds: np.ndarray
+
+
+AnyTable = SplitTable | StagedTable | TotalsTable
+
+
+def _totals_pass(table: TotalsTable, costs: np.ndarray, combine: np.ufunc) -> tuple[np.ndarray, np.ndarray]:
+    """The forward pass of the DP over a ``TotalsTable``, for n bounds at once: ``costs``
+    [V, J, n] each bound's stage costs (masked), ``combine`` np.add (min-sum) or np.maximum
+    (min-max). Returns [V + 1, n, L + 1] each stage's values over ends b (row 0: before any
+    stage) and [V, J, n, L + 1] each step's candidate value (the walk back reads its argmins).
+
+    The values are kept with ``pad`` = the longest step's +inf cells before position 0, so that
+    a step longer than its end reads +inf, as in the ``Table``. Stage v's candidates are then
+    one strided view of row v (step j to end b reads pad + b − lengths[j]: lengths are
+    consecutive, so j moves one cell back), combined with the costs into the candidates and
+    reduced over the steps into row v + 1: two calls per stage for every bound, no gather."""
+    lengths, L = table.lengths, table.L
+    V, J, n = costs.shape
+    shortest, longest = int(lengths[0]), int(lengths[-1])
+    pad, P = longest, L + 1
+    values = np.full((V + 1, n, pad + P), np.inf)
+    values[0, :, pad] = 0.0
+    item = values.itemsize
+    # starts[v, j, k, b] = values[v, k, pad + b − lengths[j]]: a view, nothing copied.
+    starts = np.ndarray((V, J, n, P), values.dtype, values, (pad - shortest) * item,
+                        (values.strides[0], -item, values.strides[1], item))
+    candidates = np.empty((V, J, n, P))
+    steps = costs[..., None]  # [V, J, n, 1]
+    ends = values[1:, :, pad:]  # [V, n, P] each stage's values, written in place
+    for v in range(V):
+        combine(starts[v], steps[v], out=candidates[v])
+        np.minimum.reduce(candidates[v], axis=0, out=ends[v])
+    return values[:, :, pad:], candidates
+
+
+def _totals_split(table: TotalsTable, candidates: np.ndarray, costs: list[list[float]]) -> tuple[float, tuple[int, ...]]:
+    """The bottleneck and layers per stage of the split ending at L in one bound's pass of
+    ``_totals_pass`` (``candidates`` [V, J, L + 1], ``costs`` [V][J] its masked stage costs),
+    walked back along the argmins, as ``min_sum`` does on a ``Table``."""
+    lengths = table.lengths.tolist()
+    counts: list[int] = []
+    b, bottleneck = table.L, 0.0
+    for v in range(len(costs) - 1, -1, -1):
+        j = int(candidates[v, :, b].argmin())
+        counts.append(lengths[j])
+        bottleneck = max(bottleneck, costs[v][j])
+        b -= lengths[j]
+    return bottleneck, tuple(reversed(counts))
 
 
 def _positions(table: AnyTable) -> int:
     """How many positions precede stage 0 (position 0: nothing placed)."""
+    if isinstance(table, TotalsTable):
+        return table.L + 1
     return table.positions if isinstance(table, StagedTable) else table.start.shape[1]
 
 
 def _finite_costs(table: AnyTable) -> np.ndarray:
     """The finite costs of a table, as a set (repeats and order may differ between tables)."""
-    if isinstance(table, StagedTable):
+    if isinstance(table, (StagedTable, TotalsTable)):
         return table.thresholds
     if isinstance(table, Table) and table.thresholds is not None:
         return table.thresholds
@@ -456,6 +520,9 @@ def _min_max(seg: _Segments) -> float:
 
 def min_max(table: AnyTable) -> float:
     """Z* by the min-max DP over a table's positions (+inf if no split fits)."""
+    if isinstance(table, TotalsTable):
+        values, _ = _totals_pass(table, table.cost[:, :, None], np.maximum)
+        return float(values[-1, 0, -1])
     best = np.full(_positions(table), np.inf)  # over ends b: least bottleneck of v stages ending at b
     best[0] = 0.0
     if isinstance(table, StagedTable):
@@ -473,17 +540,29 @@ def _min_max_monotone(table: np.ndarray, shortest: int, L: int) -> float:
     more layer never saves time), without a DP: under a threshold Z stage v may hold
     shortest … shortest + n_v(Z) − 1 layers, n_v(Z) = #{ℓ : t(v, ℓ) ≤ Z}, so a split exists iff
     every n_v(Z) ≥ 1 and Σ_v (shortest + n_v(Z) − 1) ≥ L (V·shortest ≤ L holds for the lengths
-    ``solve_dp`` uses). Z* is the least segment cost that passes."""
-    values = np.unique(table[np.isfinite(table)])  # candidate thresholds, ascending
-    allowed = (table[None] <= values[:, None, None]).sum(axis=2)  # [Z, V] n_v(Z)
+    ``solve_dp`` uses). Z* is the least segment cost that passes.
+
+    Both conditions grow with Z, and each is one order statistic of the costs: every n_v ≥ 1
+    from the largest of the stages' least costs on, and Σ_v n_v (the costs ≤ Z, all stages
+    together) ≥ need = L − V·(shortest − 1) from the need-th least cost on. So Z* is the larger
+    of the two, a cost itself: no [thresholds, V, J] comparison."""
     V = table.shape[0]
-    passes = (allowed.min(axis=1) >= 1) & (allowed.sum(axis=1) + V * (shortest - 1) >= L)
-    return float(values[int(passes.argmax())]) if passes.any() else float("inf")
+    every_stage = float(table.min(axis=1).max())  # the least Z with every n_v ≥ 1
+    need = L - V * (shortest - 1)
+    if need <= 0:
+        return every_stage
+    finite = table[np.isfinite(table)]
+    if need > len(finite) or not np.isfinite(every_stage):
+        return float("inf")
+    return max(every_stage, float(np.partition(finite, need - 1)[need - 1]))
 
 
 def min_sum(seg: AnyTable, bound: float) -> tuple[float, float, tuple[int, ...]]:
     """S(bound), the least Σ_v t_v over splits with every t_v ≤ bound: (sum, the split's
     bottleneck, layers per virtual stage); sum is +inf if no split qualifies."""
+    if isinstance(seg, TotalsTable):
+        (total,), split = min_sums(seg, (bound,))
+        return (total, *split(0)) if np.isfinite(total) else (float("inf"), float("inf"), ())
     staged = isinstance(seg, StagedTable)
     starts: Sequence[np.ndarray]
     costs: Sequence[np.ndarray] | np.ndarray
@@ -521,6 +600,12 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]
     tables of a few stages; slower on plain tables of many. Returns the sums (+inf where no
     split qualifies) and ``split(k)``, the bottleneck and layers per virtual stage of the k-th
     bound's split (where its sum is finite), walked back only for the bounds a caller asks."""
+    if isinstance(seg, TotalsTable):
+        # c ≤ +inf always: an unbounded column keeps the costs as they are.
+        limit = np.asarray(bounds, dtype=float)
+        masked = np.where(seg.cost[:, :, None] <= limit, seg.cost[:, :, None], np.inf)  # [V, J, n]
+        values, candidates = _totals_pass(seg, masked, np.add)
+        return values[-1, :, -1].tolist(), lambda k: _totals_split(seg, candidates[:, :, k], masked[:, :, k].tolist())
     staged = isinstance(seg, StagedTable)
     # The bounds run along the last axis: each stage's gather and least are then over whole
     # rows of positions, and its costs a contiguous block of the masked ones.
@@ -594,8 +679,8 @@ def _search(seg: _Segments, num_micro_batches: int, uniform: tuple[int, ...] | N
 def threshold_search(seg: AnyTable, weight: float, z_star: float) -> tuple[int, ...] | None:
     """The split minimising Σ_v t_v + weight·max_v t_v exactly (module docstring, with m − 1 =
     ``weight``), given Z*, the least bottleneck; None if no split fits."""
-    # S(∞), a lower bound on every split's sum, and S(Z*) (in one pass on a staged table).
-    if isinstance(seg, StagedTable):
+    # S(∞), a lower bound on every split's sum, and S(Z*) (in one pass on a staged or totals table).
+    if isinstance(seg, (StagedTable, TotalsTable)):
         (least, total), split = min_sums(seg, (np.inf, z_star))
         if not np.isfinite(least):
             return None
