@@ -344,3 +344,20 @@ def test_without_a_pipeline_only_1f1b_is_ranked():
                         if space.strategy(int(c)).pp == 1}
     assert schedules_at_pp1 == {"1f1b"}
     assert result.rejected[DUPLICATE] > 0
+
+
+def test_cli_search_explains_the_winner(capsys):
+    """--explain prices the winner again with the single-strategy API: the same peak and step as
+    its ranked row, term by term."""
+    args = ["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "16", "--gbs", "64",
+            "--fix", "tp=2", "--explain"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    best, explained = data["ranked"][0], data["explain"]
+    assert round(explained["peak_bytes"]) == best["peak_bytes"]
+    assert explained["step_s"] == pytest.approx(best["step_s"], rel=1e-12)
+    assert any(line.startswith("peak ") for line in explained["memory"])
+    assert any(line.startswith("step = compute") for line in explained["time"])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"the winner, {best['label']}, explained" in out and "MFU = model FLOPs" in out

@@ -410,12 +410,16 @@ def cmd_search(args: argparse.Namespace) -> int:
     data["runtime"] = options.runtime
     if args.csv:
         _write_csv(args.csv, result.ranked)
-    if args.emit and result.best:
+    # A balanced winner is written (and explained) as the settings one recompute setting expresses.
+    winner = (Strategy(**result.best.get("balanced_settings", result.best)["strategy"],
+                       precision=get_precision(args.precision)) if result.best else None)
+    if args.emit and winner is not None:
         from ndplan.io import emit
 
-        # A balanced winner is written as the settings one recompute setting expresses.
-        chosen = result.best.get("balanced_settings", result.best)["strategy"]
-        data["emitted"] = emit(model, Strategy(**chosen, precision=get_precision(args.precision)), args.emit)
+        data["emitted"] = emit(model, winner, args.emit)
+    explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
+    if explained is not None:
+        data["explain"] = explained
     if args.json:
         _emit_json(data)
         return 0 if result.ranked else 1
@@ -425,7 +429,27 @@ def cmd_search(args: argparse.Namespace) -> int:
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings of the winner:")
         console.print(data["emitted"], markup=False)
+    if explained is not None and winner is not None:
+        console.print(f"\n[bold]the winner, {winner.short()}, explained[/] (as `ndplan estimate --explain`)")
+        for part in ("memory", "time"):
+            console.print(f"{part}{', peak stage' if part == 'memory' else ''}:")
+            for line in explained[part]:
+                console.print("  " + line, markup=False)
     return 0 if result.ranked else 1
+
+
+def _explain_winner(model: ModelSpec, strategy: Strategy, device: Any, options: Any) -> dict[str, Any]:
+    """The winner's memory (peak stage) and time, term by term with their formulas, priced again
+    with the single-strategy API (the search's figures: a test checks they agree)."""
+    from ndplan.hardware import Cluster
+    from ndplan.memory import estimate
+    from ndplan.perf import estimate_time
+
+    report = estimate(model, strategy, device, options, num_devices=strategy.world_size)
+    timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
+                           overlap=options.overlap, weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group)
+    return {"peak_bytes": report.peak_bytes, "step_s": timing.step_s,
+            "memory": list(report.explain()), "time": list(timing.explain())}
 
 
 def _module_sets_argument(model: ModelSpec, items: list[str]) -> tuple[tuple[str, ...], ...]:
@@ -621,6 +645,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", help="write the ranked rows to a CSV file")
     p.add_argument("--emit", choices=EMIT_FORMATS,
                    help="print the winner as that framework's settings")
+    p.add_argument("--explain", action="store_true",
+                   help="print the winner's memory (peak stage) and time term by term, with formulas")
     add_runtime_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_search)
