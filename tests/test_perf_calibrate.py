@@ -106,6 +106,26 @@ def test_measured_throughput_converts_with_the_sources_formula():
     run = runs["korthikanti22-175b-selective"]
     mfu = step_flops(run, "megatron-2022") / (measured_step_s(run) * 64 * 312e12)
     assert mfu == pytest.approx(0.514, abs=0.002)
+    # Megatron-Core's formula, by hand for Qwen3-235B-A22B (h 4096, 94 MoE layers, q 64·128,
+    # kv 4·128, top-8 of 1536-wide SwiGLU experts, vocab 151936) at seq 4096, per token:
+    # MLP 12·94·4096·(8·1536·3/2), attention 94·6·(4096·(8192 + 2·512) + 8192·4096 + 8192·4096),
+    # logits 6·4096·151936.
+    from ndplan.perf.calibrate import megatron_core_flops
+
+    per_token = 12 * 94 * 4096 * 8 * 1536 * 1.5 + 94 * 6 * (4096 * 9216 + 2 * 8192 * 4096) + 6 * 4096 * 151936
+    model = runs["modelzoo-qwen3-235b-deepep-ep32"].model_spec()
+    assert megatron_core_flops(model, 2048, 4096) == pytest.approx(2048 * 4096 * per_token, rel=1e-12)
+    # ModelZoo's Qwen3 table gives both step time and TFLOP/s/GPU: its FLOPs per step agree
+    # with the formula within 0.6% on every row (TFLOP/s and seconds are rounded to 3 digits).
+    for name, tflops in (("deepep-ep32", 245), ("deepep-ep32-a2a-overlap", 276), ("fsdp-ep8", 276), ("a2a-pp32", 200),
+                         ("deepep-tp4", 167)):
+        run = runs[f"modelzoo-qwen3-235b-{name}"]
+        reported = tflops * 1e12 * run.measured.step_s * 256
+        assert reported == pytest.approx(megatron_core_flops(model, 2048, 4096), rel=0.006)
+    run = runs["modelzoo-qwen3-235b-long-32k"]
+    assert measured_step_s(run) == pytest.approx(megatron_core_flops(model, 256, 32768) / (277e12 * 256))
+    with pytest.raises(NdplanError, match="MLA models are not implemented"):
+        megatron_core_flops(get_preset("deepseek-v3"), 1, 4096)
 
 
 def test_measured_quantity_must_be_exactly_one():

@@ -10,8 +10,9 @@ into seconds per step:
   step = FLOPs per step / (TFLOP/s · 1e12 · devices), with TFLOP/s = mfu · peak[bf16] for MFU.
   Formulas: ``megatron-2021`` (Narayanan et al. 2021, eq. 3, with full recompute:
   96·B·s·l·h²·(1 + s/6h + V/16lh)), ``megatron-2022`` (Korthikanti et al. 2022 model FLOPs:
-  72·B·s·l·h²·(1 + s/6h + V/12lh)), ``ndplan`` (this package's model FLOPs, 3× forward matmuls
-  and causal attention).
+  72·B·s·l·h²·(1 + s/6h + V/12lh)), ``megatron-core`` (Megatron-Core's
+  ``num_floating_point_operations`` of 2025 for GQA/MHA models, ``megatron_core_flops``),
+  ``ndplan`` (this package's model FLOPs, 3× forward matmuls and causal attention).
 
 ``calibrate`` fits chosen EfficiencyProfile figures by bounded least squares on the log ratio
 of predicted to measured step time (scipy.optimize.least_squares, trust-region reflective), so
@@ -47,7 +48,7 @@ from ndplan.perf.flops import model_flops_per_micro_batch
 from ndplan.perf.overlap import OverlapConfig, get_overlap
 from ndplan.strategy.strategy import Strategy
 
-FlopsFormula = Literal["megatron-2021", "megatron-2022", "ndplan"]
+FlopsFormula = Literal["megatron-2021", "megatron-2022", "megatron-core", "ndplan"]
 
 
 class Measured(BaseModel):
@@ -67,7 +68,7 @@ class Measured(BaseModel):
         if len(given) != 1:
             raise ValueError(f"give exactly one of step_s, tokens_per_s_per_device, tflops_per_device, mfu (got {given or 'none'})")
         if given[0] in ("tflops_per_device", "mfu") and self.flops_formula is None:
-            raise ValueError(f"{given[0]} needs flops_formula (megatron-2021, megatron-2022 or ndplan)")
+            raise ValueError(f"{given[0]} needs flops_formula (megatron-2021, megatron-2022, megatron-core or ndplan)")
         return self
 
 
@@ -120,6 +121,32 @@ def _megatron_flops(model: ModelSpec, batch: float, seq: float, recompute_forwar
     return passes * batch * seq * layers * h * h * (1 + seq / (6 * h) + v / (vocab_div * layers * h))
 
 
+def megatron_core_flops(model: ModelSpec, batch: float, seq: float) -> float:
+    """Megatron-Core's FLOPs per step (``num_floating_point_operations``, 2025) for a GQA/MHA
+    model: per token, 3 passes · 2 FLOPs per multiply-add of
+    * each layer's attention, h·(q + 2·kv) + q·s/2·2 + q·h (q, kv the projection widths; the
+      causal core counted as half the s² scores, QKᵀ and its product with V),
+    * 2 GEMMs per MLP (2·2·3 = 12): 12·h·f·3/2 for a gated MLP (f the dense width on dense
+      layers; top-k · expert width, plus the shared experts', on MoE layers),
+    * the logits, 6·h·V,
+    times batch · seq. Checked against Megatron-MoE-ModelZoo's Qwen3-235B rows, whose step times
+    and TFLOP/s give 147.8 GFLOP per token against this formula's 148.0."""
+    if model.attention_kind == "mla":
+        raise NdplanError("flops_formula megatron-core: MLA models are not implemented (a different attention term)")
+    h, layers = model.hidden_size, model.num_layers
+    q = model.head_dim * model.num_attention_heads
+    kv = model.head_dim * model.num_kv_heads
+    attention = 6.0 * (h * (q + 2 * kv) + q * seq / 2 * 2 + q * h)
+    gate = 1.5 if model.gated_mlp else 1.0
+    moe_layers = sum(1 for kind in model.layer_mlp_kinds if kind == "moe")
+    dense_width = model.ffn_hidden_size * (layers - moe_layers)
+    moe_width = (model.moe_ffn_hidden_size * model.num_experts_per_tok
+                 + model.num_shared_experts * model.shared_expert_ffn_hidden_size) * moe_layers
+    mlp = 12.0 * h * (dense_width + moe_width) * gate
+    logits = 6.0 * h * model.vocab_size
+    return batch * seq * (mlp + layers * attention + logits)
+
+
 def step_flops(run: MeasuredRun, formula: FlopsFormula) -> float:
     """FLOPs of one step by the formula the source used to report its throughput."""
     model = run.model_spec()
@@ -128,6 +155,8 @@ def step_flops(run: MeasuredRun, formula: FlopsFormula) -> float:
         return _megatron_flops(model, s.global_batch_size, s.seq_length, 1.0, 16.0)
     if formula == "megatron-2022":
         return _megatron_flops(model, s.global_batch_size, s.seq_length, 0.0, 12.0)
+    if formula == "megatron-core":
+        return megatron_core_flops(model, s.global_batch_size, s.seq_length)
     per_seq = model_flops_per_micro_batch(model, 1.0, float(s.seq_length))
     return float(s.global_batch_size * per_seq.model)
 
