@@ -249,8 +249,10 @@ def balance(
     best_settings: dict[str, Any] | None = None
     policy_steps: dict[str, tuple[float | None, float | None]] = {}
     solve_seconds = 0.0
+    own_problem: BalanceProblem | None = None
     for modules in policies:
         problem = build_problem(model, strategy, cluster, memory_limit_bytes, options, modules)
+        own_problem = own_problem or problem
         baseline_plan = uniform_plan(problem, "full")
         started = clock.perf_counter()
         found = solve_exact(problem) if exact else solve_heuristic(problem)
@@ -267,8 +269,8 @@ def balance(
         if as_settings[1].fits and (best_settings is None or as_settings[1].step_s < best_settings["as_settings"][1].step_s):
             best_settings = entry
     if best is None:
-        problem = build_problem(model, strategy, cluster, memory_limit_bytes, options)
-        needs = evaluate(problem, uniform_plan(problem, "full")).stage_memory_bytes.max()
+        assert own_problem is not None  # the strategy's own policy comes first
+        needs = evaluate(own_problem, uniform_plan(own_problem, "full")).stage_memory_bytes.max()
         raise NdplanError(
             f"no placement and recompute plan fits {memory_limit_bytes / 2**30:,.2f} GiB per device for "
             f"{strategy.short()}; uniform full recompute needs {needs / 2**30:,.2f} GiB"

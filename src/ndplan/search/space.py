@@ -19,7 +19,7 @@ from ndplan.hardware import Device
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import StrategyBatch, encode
 from ndplan.strategy.precision import PrecisionPolicy
-from ndplan.strategy.strategy import RECOMPUTE_MODULES, SCHEDULES, Strategy
+from ndplan.strategy.strategy import RECOMPUTE_MODULES, SCHEDULES, Strategy, canonical_modules
 
 #: Dimensions a user can search or fix (``--dims`` / ``--fix``). The last, what selective
 #: recompute re-runs, is searched only where asked for (see ``default_space``).
@@ -354,7 +354,7 @@ def parse_module_set(text: str) -> ModuleSet:
     if unknown or not names:
         raise NdplanError(f"recompute module set '{text}': unknown module '{unknown[0] if unknown else ''}'; known: "
                           f"{', '.join(RECOMPUTE_MODULES)} (joined by '+'), or '{DEFAULT_MODULE_SET}'")
-    return tuple(m for m in RECOMPUTE_MODULES if m in names)
+    return canonical_modules(names)
 
 
 def _module_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[ModuleSet, ...]:
@@ -369,7 +369,7 @@ def _module_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[Module
         unknown = [name for name in names if name not in RECOMPUTE_MODULES]
         if unknown:
             raise NdplanError(f"unknown recompute module '{unknown[0]}'; known: {', '.join(RECOMPUTE_MODULES)}")
-    return _distinct(tuple(tuple(m for m in RECOMPUTE_MODULES if m in names) for names in sets))
+    return _distinct(tuple(canonical_modules(names) for names in sets))
 
 
 def _distinct(sets: tuple[ModuleSet, ...]) -> tuple[ModuleSet, ...]:
@@ -414,4 +414,4 @@ def module_sets(model: ModelSpec, which: str = "common") -> tuple[ModuleSet, ...
     block = tuple(m for m in ("mlp", "moe") if m in applicable)
     with_block = tuple(m for m in cheap if not ("moe" in block and m == "moe_act")) + block
     sets = (cheap, ("core_attn", *cheap), with_block, ("core_attn", *with_block))
-    return _distinct(((), *(tuple(m for m in RECOMPUTE_MODULES if m in s) for s in sets if s and s != ("core_attn",))))
+    return _distinct(((), *(canonical_modules(s) for s in sets if s and s != ("core_attn",))))

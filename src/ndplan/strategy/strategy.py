@@ -6,6 +6,7 @@ relate a strategy to a model or a cluster live in ``rules.py`` and are written o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,6 +23,13 @@ CP_KINDS: tuple[str, ...] = ("ring", "ulysses", "hybrid")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 #: Megatron-Core's ``--recompute-modules`` (``TransformerConfig.recompute_modules``), in its order.
 RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def canonical_modules(names: Iterable[str]) -> tuple[str, ...]:
+    """One spelling per module set, Megatron's order without repeats, so that equal sets are
+    equal strategies (names outside ``RECOMPUTE_MODULES`` are dropped: validate them first)."""
+    given = set(names)
+    return tuple(m for m in RECOMPUTE_MODULES if m in given)
 #: Schedules that place more than one model chunk on a stage.
 VIRTUAL_SCHEDULES: tuple[str, ...] = ("interleaved", "zbv", "dualpipev")
 
@@ -105,8 +113,7 @@ class Strategy(BaseModel):
     @field_validator("recompute_modules", mode="after")
     @classmethod
     def _canonical_modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        # One spelling per set (Megatron's order, no repeats): equal sets are equal strategies.
-        return tuple(m for m in RECOMPUTE_MODULES if m in value)
+        return canonical_modules(value)
 
     @model_validator(mode="after")
     def _modules_need_selective(self) -> Strategy:
