@@ -157,21 +157,25 @@ class StrategyBatch:
     def distinct(self, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """The distinct combinations of the values of ``names``: (a row of each, and per row
         the index of its combination), so that a function of those fields alone is computed once
-        per combination. Linear in the batch where the values span a small range (a search
-        draws each field from a few values); by sorting otherwise."""
+        per combination. Linear in the batch where each field's values span a small range (a
+        search draws each from a few values): whenever the numbers of the combinations so far
+        would outgrow a table about the batch's length, they are renumbered densely, in order,
+        through one, rather than sorting the key the fields span together (millions of values for
+        a dozen fields) at the end; by sorting otherwise."""
         if not len(self):
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         key, span = np.zeros(len(self), dtype=np.int64), 1
+        table_size = max(len(self), 1 << 16)
         for name in names:
             values = getattr(self, name)
             low, high = int(values.min()), int(values.max())
             if low == high:
                 continue  # one value: one code, the key unchanged
             codes, count = _dense_codes(values, low, high)
-            if span * count >= 1 << 62:  # renumber the combinations so far before the key overflows
-                key, span = _dense_codes(key)
+            if span * count > table_size:  # (this also keeps the key far from overflowing)
+                key, span = _dense_codes(key, 0, span - 1)
             key, span = key * count + codes, span * count
-        codes, count = _dense_codes(key)
+        codes, count = _dense_codes(key, 0, span - 1)
         rows = np.zeros(count, dtype=np.int64)
         rows[codes] = np.arange(len(self))  # any row of a combination stands for it
         return rows, codes
