@@ -43,10 +43,33 @@ class Violation:
     message: str
 
 
+#: Batches from this size on look ``_divides`` up in a table of every (divisor, value) pair,
+#: where there are at most ``_DIVIDES_TABLE`` of them.
+_DIVIDES_LOOKUP_FROM = 4096
+_DIVIDES_TABLE = 1 << 16
+
+
 def _divides(divisor: np.ndarray, value: np.ndarray | int) -> Mask:
-    """divisor | value, element-wise; a zero divisor divides nothing."""
-    divisor = np.asarray(divisor)
-    return np.asarray((divisor > 0) & (np.mod(value, np.maximum(divisor, 1)) == 0))
+    """divisor | value, element-wise; a zero divisor divides nothing.
+
+    A search's candidates draw both from a few small values: an integer division per candidate
+    costs several times more than looking the answer up in a table of every pair in their ranges."""
+    divisor, value = np.asarray(divisor), np.asarray(value)
+    if divisor.size >= _DIVIDES_LOOKUP_FROM and divisor.dtype.kind in "iu" and value.dtype.kind in "iu":
+        divisor_low, divisor_high = int(divisor.min()), int(divisor.max())
+        value_low, value_high = int(value.min()), int(value.max())
+        width = value_high - value_low + 1
+        if divisor_low >= 0 and (divisor_high + 1) * width <= _DIVIDES_TABLE:
+            table = _divides_each(np.arange(divisor_high + 1)[:, None], np.arange(value_low, value_high + 1)[None, :])
+            if width == 1 and value.shape in ((), divisor.shape):
+                return table[:, 0].take(divisor)
+            return table.ravel().take(divisor * width + (value - value_low))
+    return np.asarray(_divides_each(divisor, value))
+
+
+def _divides_each(divisor: np.ndarray, value: np.ndarray | int) -> Mask:
+    """``_divides`` by one integer division per element."""
+    return (divisor > 0) & (np.mod(value, np.maximum(divisor, 1)) == 0)
 
 
 def _max_layers_per_stage(s: Strategy, ctx: RuleContext) -> int:
