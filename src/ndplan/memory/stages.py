@@ -572,7 +572,10 @@ StaticTerm = tuple[str, Any, np.ndarray]
 def _outer_sum(terms: list[StaticTerm], n: int, width: int) -> np.ndarray:
     """Σ_terms per_strategy ⊗ per_virtual as [n, width]. Terms with the same per-virtual vector
     add their per-strategy factors first (a few [n] operations instead of [n, width] ones); a
-    one-hot vector (the embedding's or the head's stage) adds to its column alone."""
+    one-hot vector (the embedding's or the head's stage) adds to its column alone.
+
+    Column by column: an outer product [n, width] runs numpy's inner loop over the few columns
+    once per strategy, several times slower than a pass over the strategies per column."""
     factors: dict[int, tuple[np.ndarray, Any]] = {}
     for _kind, per_strategy, per_virtual in terms:
         if per_virtual.any():
@@ -584,7 +587,8 @@ def _outer_sum(terms: list[StaticTerm], n: int, width: int) -> np.ndarray:
         if len(hot) == 1 and per_virtual[hot[0]] == 1.0:
             total[:, hot[0]] += per_strategy
         else:
-            total += np.multiply.outer(np.broadcast_to(per_strategy, (n,)), per_virtual)
+            for column, factor in enumerate(per_virtual.tolist()):
+                total[:, column] += per_strategy * factor
     return total
 
 
