@@ -968,7 +968,10 @@ def _evaluate_group(
     # bytes) per micro-batch. Without a recompute limit a chunk recomputes all its layers or none:
     # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
     kept_dense, kept_moe = (np.where(recompute_on, acts.recomputed[k], acts.full[k]) for k in ("dense", "moe"))
-    layers_held = t * (np.multiply.outer(kept_dense, dense_layers) + np.multiply.outer(kept_moe, moe_layers))
+    # Column by column (see _outer_sum): the same products, in passes over the strategies.
+    layers_held = np.empty((len(batch), computed))
+    for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
+        layers_held[:, column] = tokens * (kept_dense * dense + kept_moe * moe)
     limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
     if limited.size or kinds is not None:
         # With a limit, only the first recompute_layers layers of each chunk are recomputed.
