@@ -523,7 +523,8 @@ def min_max(table: AnyTable) -> float:
     if isinstance(table, TotalsTable):
         values, _ = _totals_pass(table, table.cost[:, :, None], np.maximum)
         return float(values[-1, 0, -1])
-    best = np.full(_positions(table), np.inf)  # over ends b: least bottleneck of v stages ending at b
+    best = np.empty(_positions(table))  # over ends b: least bottleneck of v stages ending at b
+    best.fill(np.inf)  # (empty and fill: a third of np.full's overhead, which is most of its cost here)
     best[0] = 0.0
     if isinstance(table, StagedTable):
         for start, cost in zip(table.starts, table.costs, strict=True):
@@ -626,7 +627,8 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]
         limit = np.asarray(bounds, dtype=float)  # [n]
         stacked = np.where(seg.cost[..., None] <= limit, seg.cost[..., None], np.inf)  # [V, J, P, n]
         costs = list(stacked)
-    best = np.full((_positions(seg), len(bounds)), np.inf)  # over ends b: least sum of v stages ending at b
+    best = np.empty((_positions(seg), len(bounds)))  # over ends b: least sum of v stages ending at b
+    best.fill(np.inf)
     best[0] = 0.0
     totals = []
     for start, cost in zip(starts, costs, strict=True):
@@ -639,14 +641,15 @@ def min_sums(seg: AnyTable, bounds: Sequence[float]
         counts: list[int] = []
         b, bottleneck = best.shape[0] - 1, 0.0
         for v in range(len(totals) - 1, -1, -1):  # walk back along the argmins
-            # One column's argmin at a time: an argmin over the steps' axis of whole tables
-            # copies them first.
-            j = int(totals[v][:, b, k].argmin())
-            length = int(seg.lengths[v][j] if staged else seg.lengths[j])
+            # One column at a time (an argmin over the steps' axis of whole tables copies them
+            # first), its first least found in a list: cheaper than argmin on a few steps.
+            column = totals[v][:, b, k].tolist()
+            j = column.index(min(column))
+            length = seg.lengths[v].item(j) if staged else int(seg.lengths[j])
             counts.append(length)
-            bottleneck = max(bottleneck, float(costs[v][j, b, k]))
+            bottleneck = max(bottleneck, costs[v].item(j, b, k))
             # A finite step starts at its position less its length (a staged table says where).
-            b = int(starts[v][j, b]) if staged else b - length
+            b = starts[v].item(j, b) if staged else b - length
         return bottleneck, tuple(reversed(counts))
 
     return best[-1].tolist(), split

@@ -100,7 +100,8 @@ def _placement(problem: BalanceProblem, greedy: _Greedy, K: int, window: int) ->
     held[position, :, :, first_chunk, lead] = deltas
     # The queries the DP reads; the others' costs are thresholds only, solved if the search asks.
     queries = _queries(int(totals[0]), len(totals), K, L, pp, v)
-    seconds = np.full(queries.asked.shape, np.inf)
+    seconds = np.empty(queries.asked.shape)
+    seconds.fill(np.inf)
     answers = greedy.solve(stages[queries.asked_at], held[queries.asked])
     seconds[queries.asked] = answers[0]
 
@@ -300,7 +301,8 @@ def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_c
     lead_unit = greedy.loads.units[problem.layer_kinds[0]]
     is_first = np.arange(v)[None, :] == first_chunk[:, None]  # [pp, v]
     shape = (pp, len(deltas), v)  # [position, δ, chunk]
-    load = greedy.loads.chunk_ends[stages][:, None, :] + np.where(is_first[:, None, :], deltas[None, :, None] * lead_unit, 0.0)
+    # (times a mask rather than np.where: the same +0.0 off the first chunk, the loads being ≥ 0)
+    load = greedy.loads.chunk_ends[stages][:, None, :] + deltas[None, :, None] * lead_unit * is_first[:, None, :]
     empty = ~is_first[:, None, :] | (deltas[None, :, None] == 0)  # [pp, K + 1, v] holds no layer yet
     # Placing one layer at a time on the least key (load, then fewest in flight by a tiny
     # tie-break, empty chunks first) takes, of every chunk's run of keys for its 1st, 2nd, …
@@ -308,7 +310,8 @@ def _split(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray, first_c
     # order in which chunks receive layers, whatever T (T − δ of them are taken). The keys are
     # summed as that loop would (+1 at a time), so that they compare alike.
     turns = max(int(totals.max(initial=0)), 1)
-    steps = np.ones((*shape, turns))
+    steps = np.empty((*shape, turns))
+    steps.fill(1.0)
     steps[..., 0] = load
     rank = greedy.loads.flight_rank[stages][:, None, :, None] * 1e-6
     key = steps.cumsum(axis=3) + rank  # [pp, K + 1, v, turn]

@@ -181,7 +181,7 @@ def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.n
         time[s] += extra_s
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(stage, weights=recomputing, minlength=pp) > 0
-        memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
+        np.add(memory, problem.recompute_transient_bytes, out=memory, where=recomputes)
     return PlanCost(memory, time, composed_step_s(problem, time), bool((memory <= problem.memory_limit_bytes).all()))
 
 
@@ -205,7 +205,7 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
         time[:, s] += extra_s
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
-        memory += np.where(recomputes, problem.recompute_transient_bytes, 0.0)
+        np.add(memory, problem.recompute_transient_bytes, out=memory, where=recomputes)
     fits = np.logical_and.reduce(memory <= problem.memory_limit_bytes, axis=1).tolist()
     steps = composed_steps_s(problem, time).tolist()
     return [PlanCost(memory[n], time[n], steps[n], bool(fits[n])) for n in range(N)]

@@ -141,7 +141,9 @@ class _Greedy:
             added = flat_time - flat_time.take(here)[:, None]
             # Seconds added per byte saved, +inf where nothing is saved (those divisions are
             # skipped: no warnings to silence, which costs more than the division here).
-            ratio = np.divide(added, saved, out=np.full(saved.shape, np.inf), where=saved > 0)
+            ratio = np.empty(saved.shape)
+            ratio.fill(np.inf)  # (empty and fill: a third of np.full's overhead)
+            np.divide(added, saved, out=ratio, where=saved > 0)
             best = ratio.argmin(axis=-1)
             chosen = row + best
             best_ratio = ratio.take(chosen)  # finite, or +inf where no option saves bytes
@@ -209,27 +211,33 @@ class _Greedy:
         layers = groups.take(self.move_group_last.take(stage, axis=1) * Q + query)  # [moves, Q] each move may take
         per_move = self.per_move.take(stage, axis=2)  # [moves, 2, Q] bytes saved, seconds added per layer
         steps = layers[:, None] * per_move
-        running = steps.cumsum(axis=0)  # running sums of bytes saved and seconds added along the moves
         moves = len(steps)
+        # Running sums of bytes saved and seconds added along the moves, after none (a row of
+        # zeros, so that the sums before each move are one gather) to all of them.
+        running = np.empty((moves + 1, 2, Q))
+        running[0] = 0.0
+        np.cumsum(steps, axis=0, out=running[1:])
         short = deficit > 0  # over the limit with every layer at its fastest option
-        whole = (running[:, 0] < deficit).sum(axis=0)  # moves taken whole
+        # Moves taken whole: none where not short, as no running sum (≥ 0) is below the deficit.
+        whole = (running[1:, 0] < deficit).sum(axis=0)
         fits = ~short | (whole < moves)
-        whole = np.where(short, np.minimum(whole, moves - 1), 0)
-        last = np.maximum(whole - 1, 0)
-        before, spent = np.where(whole > 0, running.take((last * 2 + _PAIR) * Q + query), 0.0)
+        whole = np.minimum(whole, moves - 1)
+        before, spent = running.take((whole * 2 + _PAIR) * Q + query)
         unit, unit_time = per_move.take((whole * 2 + _PAIR) * Q + query)
         with np.errstate(divide="ignore", invalid="ignore"):
             partial = np.ceil(np.maximum(deficit - before, 0.0) / unit - _ROUNDING)
         partial = np.where(short & np.isfinite(partial), partial, 0.0)
         partial += short & (before + partial * unit < deficit)  # rounding: one more layer
         fits &= partial <= layers.take(whole * Q + query)
-        greedy = np.where(fits, time + spent + partial * unit_time, np.inf)
+        greedy = time + spent + partial * unit_time
+        np.putmask(greedy, ~fits, np.inf)  # in place: cheaper than np.where at these sizes
         if self.none is None:
             return greedy, np.zeros(Q, dtype=bool), whole, partial.astype(np.int64)
         plain_bytes = base_plain + sums[3]
         plain_time = base_time + sums[2]
         plain = (plain_bytes <= limit) & (plain_time <= greedy)
-        return np.where(plain, plain_time, greedy), plain, whole, partial.astype(np.int64)
+        np.putmask(greedy, plain, plain_time)
+        return greedy, plain, whole, partial.astype(np.int64)
 
     def options(self, stage: int, counts: np.ndarray, plain: bool, whole: int, partial: int) -> np.ndarray:
         """[v, G, R] layers of each chunk and kind on each option, from ``solve``'s answer for
@@ -437,7 +445,8 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
     time_total, any_recompute = kind_times[0], kind_recomputes[0]
     for g in range(1, G):
         time_total, any_recompute = time_total + kind_times[g], any_recompute | kind_recomputes[g]
-    memory = bytes_total + np.where(any_recompute, greedy.transient[stages].reshape(grid), 0.0)
+    # The transient added in place where a layer recomputes (bytes_total is this call's own).
+    memory = np.add(bytes_total, greedy.transient[stages].reshape(grid), out=bytes_total, where=any_recompute)
     # time_total has every kind's axis (a sum of G ≥ 2 broadcast ones, or the one kind's own
     # array): +inf in place where the memory does not fit.
     np.putmask(time_total, memory > limit, np.inf)
