@@ -7,7 +7,9 @@ For DeepSeek-V3 (2048 H100) and Llama-3.1-405B (1024 H100) it draws a batch of m
 (every parallel degree, schedule, ZeRO stage, recompute mode, micro-batch size), keeps the ones
 every validity rule accepts until it has ``--size`` of them, and times ``step_time_batch`` on
 them: a cold call (layouts and placements not cached yet) and the best of a few warm ones,
-in wall time and in this process's CPU time (the machine may be shared). Prints strategies/s.
+in wall time and in this process's CPU time (the machine may be shared). Then memory and time
+together, as a search prices a strategy: ``peak_memory`` and ``step_time_batch`` one after the
+other on the same batch (warm, CPU time, best of the repeats). Prints strategies/s.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np  # noqa: E402
 
 from ndplan.hardware import get_device  # noqa: E402
 from ndplan.hardware.device import Cluster  # noqa: E402
+from ndplan.memory.stages import peak_memory  # noqa: E402
 from ndplan.model import get_preset  # noqa: E402
 from ndplan.model.spec import ModelSpec  # noqa: E402
 from ndplan.perf import step_time_batch  # noqa: E402
@@ -99,6 +102,15 @@ def bench(name: str, devices: int, size: int, repeats: int = 3) -> None:
         f"({best:.2f} s), {len(batch) / best_cpu:>10,.0f}/s CPU time; "
         f"best step {out['step_s'].min():.2f} s, median MFU {np.median(out['mfu']):.1%}"
     )
+    peak_memory(model, batch)  # warm: the schedules' frontiers cached, as in a search after its first block
+    together = []
+    for _ in range(repeats):
+        cpu_started = time.process_time()
+        peak_memory(model, batch)
+        step_time_batch(model, batch, cluster)
+        together.append(time.process_time() - cpu_started)
+    print(f"{'':16s} memory and time together (peak_memory + step_time_batch): "
+          f"{len(batch) / min(together):>10,.0f}/s CPU time ({min(together):.2f} s)")
 
 
 def main() -> None:
