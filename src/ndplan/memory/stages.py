@@ -641,6 +641,18 @@ class _GroupShape:
         """[n, P] per pattern -> stage-major [pp, n] (a view where nothing repeats)."""
         return values.T if self.identity else np.ascontiguousarray(values.T)[self.pattern_of]
 
+    def combine_by_stage(self, total: np.ndarray, values: np.ndarray, operation: np.ufunc = np.add) -> None:
+        """``total`` (stage-major [pp, n]) = operation(``total``, ``values`` [n, P] per pattern):
+        the figures of ``operation(total, by_stage(values))``, stage by stage, in place, without
+        a [pp, n] temporary."""
+        if self.identity:
+            operation(total, values.T, out=total)
+            return
+        rows = np.ascontiguousarray(values.T)
+        for stage, pattern in enumerate(self.pattern_of.tolist()):
+            operation(total[stage], rows[pattern], out=total[stage])
+
+
 @lru_cache(maxsize=1024)
 def _group_shape(
     model: ModelSpec, schedule: str, pp: int, vpp: int, stage_layers: tuple[int, ...] | None,
@@ -1269,12 +1281,15 @@ def _evaluate_group(
     # the first of them). Stage-major [pp, n], as the held peak comes: a stage's row is one copy.
     expand = shape.by_stage
     # (held + grads) + (params + optimizer): the same sum as (params + optimizer) + (held + grads)
-    forward_backward = held_with_extra.copy() if grads_in_schedule else held_with_extra + expand(out["grads"])
-    forward_backward += expand(out["params"] + out["optimizer"])
-    forward_backward += expand(out["comm"])
+    # (Summed in place where nothing else reads the held peak with the extra columns.)
+    forward_backward = held_with_extra if device_only and held_with_extra is not held else held_with_extra.copy()
+    if not grads_in_schedule:
+        shape.combine_by_stage(forward_backward, out["grads"])
+    shape.combine_by_stage(forward_backward, out["params"] + out["optimizer"])
+    shape.combine_by_stage(forward_backward, out["comm"])
     if hands_over:
-        forward_backward -= expand(handed_over)
-    forward_backward += expand(out["transient"])
+        shape.combine_by_stage(forward_backward, handed_over, np.subtract)
+    shape.combine_by_stage(forward_backward, out["transient"])
     if options.profile.grads_created_in_backward:
         # zero_grad(set_to_none=True): with one micro-batch the gradients appear during the
         # backward as the activations go, so the loss (all activations, no gradients) and the end
@@ -1295,7 +1310,8 @@ def _evaluate_group(
             forward_backward[:, single] = np.maximum(loss_phase, expand(backward_end))
     overhead = overhead_model(options.profile, batch, options.include_overhead)
     if device_only:  # in place: the figures in between are not kept
-        allocated = np.maximum(forward_backward, expand(static + out["optimizer_step"]), out=forward_backward)
+        shape.combine_by_stage(forward_backward, static + out["optimizer_step"], np.maximum)
+        allocated = forward_backward
         device = overhead.reserved(allocated)
         device += overhead.fixed_bytes
         return {"device": device.T}
