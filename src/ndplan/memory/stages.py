@@ -641,6 +641,17 @@ class _GroupShape:
         """[n, P] per pattern -> stage-major [pp, n] (a view where nothing repeats)."""
         return values.T if self.identity else np.ascontiguousarray(values.T)[self.pattern_of]
 
+    def combine_by_stage(self, total: np.ndarray, values: np.ndarray, operation: np.ufunc = np.add) -> None:
+        """``total`` (stage-major [pp, n]) = operation(``total``, ``values`` [n, P] per pattern):
+        the figures of ``operation(total, by_stage(values))``, stage by stage, in place, without
+        a [pp, n] temporary."""
+        if self.identity:
+            operation(total, values.T, out=total)
+            return
+        rows = np.ascontiguousarray(values.T)
+        for stage, pattern in enumerate(self.pattern_of.tolist()):
+            operation(total[stage], rows[pattern], out=total[stage])
+
 
 @lru_cache(maxsize=1024)
 def _group_shape(
@@ -1006,10 +1017,12 @@ def _evaluate_group(
         # and hidden states kept, per token, as counts times their elements per rank.
         logits_kept = last_virtual * ~hands_forward
         hidden_kept = (1.0 - last_virtual) * ~hands_forward + receives_from_peer
-        per_b_virtual += t * act_bytes * (
-            np.multiply.outer(np.broadcast_to(model.vocab_size / vocab_div, tokens.shape), logits_kept)
-            + np.multiply.outer(model.hidden_size / sp_div, hidden_kept)
-        )
+        token_bytes = tokens * act_bytes
+        logits_per_token = np.broadcast_to(model.vocab_size / vocab_div, tokens.shape)
+        hidden_per_token = model.hidden_size / sp_div
+        # Column by column (see _outer_sum): the same products, in passes over the strategies.
+        for column, (logits, hidden) in enumerate(zip(logits_kept.tolist(), hidden_kept.tolist(), strict=True)):
+            per_b_virtual[:, column] += token_bytes * (logits_per_token * logits + hidden_per_token * hidden)
     split = schedule in SPLIT_BACKWARD
     per_w_virtual: np.ndarray | None = None  # nothing waits for W without a split backward
     if not split:
@@ -1020,27 +1033,30 @@ def _evaluate_group(
         # and norm outputs that W consumes. Under recompute that graph is the one B rebuilt: every
         # activation of the layer; where W rebuilds the layer again, per parameter group, B's
         # rebuilt copy is gone by the end of B and only the output gradients stay (traced).
-        if profile.weight_grad_recomputes_per_group:
-            graph_for_w = np.where(recompute_on[:, None], 0.0, layers_held)
-        else:
-            whole_graph = t * (dense_layers * acts.full["dense"][:, None] + moe_layers * acts.full["moe"][:, None])
-            graph_for_w = np.where(recompute_on[:, None], whole_graph, layers_held)
-        per_w_virtual = graph_for_w + t * (
-            dense_layers * acts.weight_grad_outputs["dense"][:, None]
-            + moe_layers * acts.weight_grad_outputs["moe"][:, None]
-        )
         # The head's weight gradient reads the gradient of the logits, kept from B until W.
         logits_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
-        per_w_virtual += np.multiply.outer(
-            t[:, 0] * model.vocab_size * precision.activation_bytes / logits_div, last_virtual)
+        logits_gradient = tokens * model.vocab_size * precision.activation_bytes / logits_div
+        outputs_dense, outputs_moe = acts.weight_grad_outputs["dense"], acts.weight_grad_outputs["moe"]
+        per_w_virtual = np.empty((n, computed))
+        # Column by column (see _outer_sum): the same products, in passes over the strategies.
+        for column, (dense, moe, last) in enumerate(
+                zip(dense_layers.tolist(), moe_layers.tolist(), last_virtual.tolist(), strict=True)):
+            if profile.weight_grad_recomputes_per_group:
+                graph_for_w = np.where(recompute_on, 0.0, layers_held[:, column])
+            else:
+                whole_graph = tokens * (acts.full["dense"] * dense + acts.full["moe"] * moe)
+                graph_for_w = np.where(recompute_on, whole_graph, layers_held[:, column])
+            per_w_virtual[:, column] = graph_for_w + tokens * (outputs_dense * dense + outputs_moe * moe) + logits_gradient * last
         if profile.first_stage_backward_at_w:
             # The pipeline's first stage has no input gradient to make: torch skips its B and runs
             # one whole backward at W, so what its forward kept stays until then, and no more.
             per_w_virtual[:, first_virtual > 0] = per_b_virtual[:, first_virtual > 0]
     else:
         # W needs the linear layers' inputs and their output gradients (about as large).
-        per_w_virtual = 2 * t * (dense_layers * acts.weight_input["dense"][:, None]
-                                 + moe_layers * acts.weight_input["moe"][:, None])
+        per_w_virtual = np.empty((n, computed))
+        # Column by column (see _outer_sum): the same products, in passes over the strategies.
+        for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
+            per_w_virtual[:, column] = 2 * tokens * (acts.weight_input["dense"] * dense + acts.weight_input["moe"] * moe)
     # The frontier's columns are [held until B per chunk | held until W per chunk | gradients
     # per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
     weights: list[np.ndarray | None] = [_chunk_column(per_b_virtual, chunks, c) for c in range(vpp)]
@@ -1063,17 +1079,26 @@ def _evaluate_group(
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
     has_moe = moe_per_stage > 0
+    has_dense = (on_stage @ dense_layers) > 0
     # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
-    backward_extra = np.where(has_moe[None, :], np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"])[:, None],
-                              acts.backward_extra["dense"][:, None])
     # Recompute rebuilds, beside what a layer keeps, the rest of its activations: full − kept of
     # the layer's own kind, the largest over the kinds the stage holds.
-    has_dense = (on_stage @ dense_layers) > 0
-    rebuilt = np.maximum(np.where(has_moe[None, :], (acts.full["moe"] - acts.recomputed["moe"])[:, None], 0.0),
-                         np.where(has_dense[None, :], (acts.full["dense"] - acts.recomputed["dense"])[:, None], 0.0))
-    layer_transient = t * (backward_extra + np.where(recompute_on[:, None], rebuilt, 0.0))
-    loss_transient = t * acts.output_transient[:, None] * last_stage[None, :]
-    out["transient"] = np.maximum(layer_transient, loss_transient)
+    moe_backward_extra = np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"])
+    moe_rebuilt, dense_rebuilt = (acts.full[k] - acts.recomputed[k] for k in ("moe", "dense"))
+    loss_per_token = tokens * acts.output_transient
+    # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
+    layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
+    layer_transient = np.empty((n, patterns))
+    out["transient"] = np.empty((n, patterns))
+    for column, (moe_here, dense_here, last) in enumerate(
+            zip(has_moe.tolist(), has_dense.tolist(), last_stage.tolist(), strict=True)):
+        layer = layer_by_kinds.get((moe_here, dense_here))
+        if layer is None:
+            backward_extra = moe_backward_extra if moe_here else acts.backward_extra["dense"]
+            rebuilt = np.maximum(moe_rebuilt if moe_here else 0.0, dense_rebuilt if dense_here else 0.0)
+            layer = layer_by_kinds[moe_here, dense_here] = tokens * (backward_extra + np.where(recompute_on, rebuilt, 0.0))
+        layer_transient[:, column] = layer
+        out["transient"][:, column] = np.maximum(layer, loss_per_token * last)
     # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
     # table (the scatter of token gradients is dense) and adds it to the kept one; by then that
     # micro-batch's first-chunk activations are gone. FSDP gradients are new each micro-batch
@@ -1089,18 +1114,21 @@ def _evaluate_group(
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
             + t[:, 0] * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes / etp
-        )[:, None] - output_held[:, None] * last_stage[None, :]
-        out["transient"] = np.maximum(
-            out["transient"], np.where(accumulates[:, None] & has_moe[None, :], expert_gradient, 0.0)
         )
+        # Column by column (see _outer_sum): the same values, in passes over the strategies.
+        for column, (moe_here, last) in enumerate(zip(has_moe.tolist(), last_stage.tolist(), strict=True)):
+            new_gradient = np.where(accumulates, expert_gradient - output_held * last, 0.0) if moe_here else 0.0
+            out["transient"][:, column] = np.maximum(out["transient"][:, column], new_gradient)
     # Under DTensor tensor parallelism that new gradient is the whole table, [vocab, h], before
     # it becomes the rank's shard, with one micro-batch too.
     whole_table = float(model.vocab_size * model.hidden_size)
     embedding_gradient = np.where(
         whole_embedding_grad_tp, whole_table, np.where(accumulates, table, 0.0)
     ) * precision.param_bytes
-    embedding_accumulate = np.maximum(embedding_gradient[:, None] - per_b_virtual[:, :1], 0.0) * first_stage[None, :]
-    out["transient"] = np.maximum(out["transient"], embedding_accumulate)
+    embedding_accumulate = np.maximum(embedding_gradient - per_b_virtual[:, 0], 0.0)
+    # Column by column (see _outer_sum): the same values, in passes over the strategies.
+    for column, first in enumerate(first_stage.tolist()):
+        out["transient"][:, column] = np.maximum(out["transient"][:, column], embedding_accumulate * first)
 
     if split:
         # The frontier's columns after the gradients: each chunk's weight-gradient step while it
@@ -1167,9 +1195,13 @@ def _evaluate_group(
     )
     # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
     ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.routed_token_factor, 0.0)
-    overlapping = np.maximum(sp_gather[:, None], cp_buffers[:, None])
-    overlapping = np.maximum(overlapping, ep_buffers[:, None] * has_moe[None, :])
     pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
+    # Column by column (see _outer_sum): the buffers alive while a layer runs, and with them the
+    # pipeline's (the first two terms of the communication sum below).
+    overlapping_with_pp = np.empty((n, patterns))
+    sp_or_cp = np.maximum(sp_gather, cp_buffers)
+    for column, moe_here in enumerate(has_moe.tolist()):
+        overlapping_with_pp[:, column] = np.maximum(sp_or_cp, ep_buffers * float(moe_here)) + pp_buffers
     # Only FSDP strategies have unit moments: price those rows alone.
     fsdp = FsdpPhases(*(np.zeros((len(batch), patterns)) for _ in range(4)))
     sharded_rows = np.flatnonzero(zero3)
@@ -1224,11 +1256,15 @@ def _evaluate_group(
         # their up-front buffers are replaced by the tensors themselves.
         directions = receives_from_peer.astype(float) + sends_to_peer
         one_receive = batch.num_micro_batches * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
-        receive = _to_stages(np.multiply.outer(one_receive, directions), chunks)
+        # Column by column (see _outer_sum): the same products, in passes over the strategies.
+        receive_virtual = np.empty((n, computed))
+        for column, direction in enumerate(directions.tolist()):
+            receive_virtual[:, column] = one_receive * direction
+        receive = _to_stages(receive_virtual, chunks)
     # The tensors handed over at a V's turn are reported with the receive buffers (all m of
     # them, as at the step's end); the forward/backward peak counts those handed over by then.
     receive = receive + handed_over
-    other_comm = overlapping + pp_buffers[:, None] + kept_gathered + receive
+    other_comm = overlapping_with_pp + kept_gathered + receive
     out["comm"] = other_comm + fsdp_gathers
     out["transient"][sharded_rows] = fsdp.working[sharded_rows]
 
@@ -1245,12 +1281,15 @@ def _evaluate_group(
     # the first of them). Stage-major [pp, n], as the held peak comes: a stage's row is one copy.
     expand = shape.by_stage
     # (held + grads) + (params + optimizer): the same sum as (params + optimizer) + (held + grads)
-    forward_backward = held_with_extra.copy() if grads_in_schedule else held_with_extra + expand(out["grads"])
-    forward_backward += expand(out["params"] + out["optimizer"])
-    forward_backward += expand(out["comm"])
+    # (Summed in place where nothing else reads the held peak with the extra columns.)
+    forward_backward = held_with_extra if device_only and held_with_extra is not held else held_with_extra.copy()
+    if not grads_in_schedule:
+        shape.combine_by_stage(forward_backward, out["grads"])
+    shape.combine_by_stage(forward_backward, out["params"] + out["optimizer"])
+    shape.combine_by_stage(forward_backward, out["comm"])
     if hands_over:
-        forward_backward -= expand(handed_over)
-    forward_backward += expand(out["transient"])
+        shape.combine_by_stage(forward_backward, handed_over, np.subtract)
+    shape.combine_by_stage(forward_backward, out["transient"])
     if options.profile.grads_created_in_backward:
         # zero_grad(set_to_none=True): with one micro-batch the gradients appear during the
         # backward as the activations go, so the loss (all activations, no gradients) and the end
@@ -1271,7 +1310,8 @@ def _evaluate_group(
             forward_backward[:, single] = np.maximum(loss_phase, expand(backward_end))
     overhead = overhead_model(options.profile, batch, options.include_overhead)
     if device_only:  # in place: the figures in between are not kept
-        allocated = np.maximum(forward_backward, expand(static + out["optimizer_step"]), out=forward_backward)
+        shape.combine_by_stage(forward_backward, static + out["optimizer_step"], np.maximum)
+        allocated = forward_backward
         device = overhead.reserved(allocated)
         device += overhead.fixed_bytes
         return {"device": device.T}
