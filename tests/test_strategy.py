@@ -138,6 +138,30 @@ def test_distinct_combinations_stand_for_their_rows(scale):
     assert [len(x) for x in StrategyBatch.from_columns({"tp": np.zeros(0, dtype=np.int64)}).distinct(names)] == [0, 0]
 
 
+def test_distinct_renumbers_when_many_fields_span_a_large_key():
+    # Eight fields of six values each span 6^8 = 1.7M keys, past the table of the batch's length:
+    # the combinations so far are renumbered on the way, and must still stand for their rows.
+    rng = np.random.default_rng(1)
+    names = ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_micro_batches", "seq_length")
+    batch = StrategyBatch.from_columns({name: rng.choice([1, 2, 3, 5, 8, 13], 5000) for name in names})
+    rows, codes = batch.distinct(names)
+    columns = np.stack([getattr(batch, name) for name in names], axis=1)
+    assert len(rows) == len(np.unique(columns, axis=0)) == codes.max() + 1
+    np.testing.assert_array_equal(columns[rows[codes]], columns)
+
+
+def test_divides_by_lookup_matches_one_division_per_element():
+    from ndplan.strategy.rules import _divides, _divides_each
+
+    rng = np.random.default_rng(2)
+    divisor = rng.integers(0, 40, 6000)  # zeros included: a zero divisor divides nothing
+    value = rng.integers(-50, 200, 6000)
+    np.testing.assert_array_equal(_divides(divisor, value), _divides_each(divisor, value))
+    for scalar in (0, 1, 24, 4096, -12):
+        np.testing.assert_array_equal(_divides(divisor, scalar), _divides_each(divisor, scalar))
+    assert _divides(divisor, value).shape == divisor.shape
+
+
 def test_embedding_and_head_as_layers_fill_extra_virtual_stages():
     """Megatron's account_for_embedding/loss_in_pipeline_split: 32 layers + embedding + head fill
     pp·vpp = 34 virtual stages (the first holds only the embedding, the last only the head);
