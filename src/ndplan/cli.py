@@ -283,7 +283,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
                                             for a, n, o in result.plan.ranges()))
     if result.policy_steps:
         console.print("selective policies balanced (step of the per-layer plan / as one setting): " + "; ".join(
-            f"{policy} {_seconds_or_dash(plan_s)} / {_seconds_or_dash(settings_s)}"
+            f"{policy} {_seconds_or_unfit(plan_s)} / {_seconds_or_unfit(settings_s)}"
             for policy, (plan_s, settings_s) in result.policy_steps.items()))
     console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s ({100 * result.gain:.1f}% faster), "
                   f"composed from the stage times; the pipeline simulator gives {result.simulated_s[0]:.3f} s → "
@@ -307,7 +307,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seconds_or_dash(value: float | None) -> str:
+def _seconds_or_unfit(value: float | None) -> str:
     return "does not fit" if value is None else f"{value:.3f} s"
 
 

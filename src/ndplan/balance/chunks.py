@@ -39,6 +39,7 @@ from ndplan.balance.problem import (
     cost_index,
     end_units,
     evaluate_codes,
+    even_chunks,
     stage_bases,
     uniform_counts,
 )
@@ -239,22 +240,9 @@ def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Pl
     # A uniform placement with even loads is among the plans the DP weighs (its totals are in
     # any window, and its chunk split at best the DP's); one with a heavy head chunk is not.
     uniform = uniform_counts(problem)
-    candidates = [] if _even_one_kind(problem, uniform) else uniform_candidates(problem)
+    candidates = [] if even_chunks(problem, uniform) else uniform_candidates(problem)
     candidates += [found] if found is not None else []
     return min(candidates, key=lambda c: c[1].step_s) if candidates else None
-
-
-def _even_one_kind(problem: BalanceProblem, counts: tuple[int, ...]) -> bool:
-    """``even_chunks`` with one layer kind: a layer weighs its kind's seconds over the reference
-    layer's, its own kind's, so exactly 1, and the spread is 1 (``load_spread``). A chunk's load
-    is then its layers plus its ``end_units``, the same floats, without weighing every layer."""
-    pp, v = problem.pp, problem.chunks_per_stage
-    held = np.zeros((pp, v))
-    held[problem.stage_of, problem.chunk_of] = counts
-    loads = held.copy()
-    loads[problem.stage_of, problem.chunk_of] += end_units(problem)
-    too_heavy = loads > loads.min(axis=1, keepdims=True) + 1.0 + 1e-9
-    return bool((~too_heavy | (held == 1)).all())
 
 
 def _solve(problem: BalanceProblem, totals: np.ndarray) -> tuple[Plan, PlanCost] | None:

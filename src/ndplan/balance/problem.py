@@ -330,10 +330,18 @@ def even_chunks(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndar
     but for a chunk of a single layer, which cannot carry less (module docstring)."""
     counts = np.zeros((problem.pp, problem.chunks_per_stage), dtype=np.int64)
     counts[problem.stage_of, problem.chunk_of] = stage_layers
-    layer_s = _reference_seconds(problem)  # the unit, once for the layers' and the ends' loads
-    units = layer_units(problem, layer_s)  # weighed once for the loads and their spread
-    loads = chunk_loads(problem, stage_layers, load_weights(problem, units, layer_s))
-    spread = load_spread(problem, units)
+    if len(set(problem.layer_kinds)) == 1:
+        # One kind: a layer weighs its kind's seconds over the reference layer's, its own, so
+        # exactly 1, and the spread is 1. The loads are its layers plus the ends' units, the same
+        # floats as weighing every layer (a sum of ones is exact), at a fraction of the cost.
+        loads = counts.astype(float)
+        loads[problem.stage_of, problem.chunk_of] += end_units(problem)
+        spread = 1.0
+    else:
+        layer_s = _reference_seconds(problem)  # the unit, once for the layers' and the ends' loads
+        units = layer_units(problem, layer_s)  # weighed once for the loads and their spread
+        loads = chunk_loads(problem, stage_layers, load_weights(problem, units, layer_s))
+        spread = load_spread(problem, units)
     too_heavy = loads > loads.min(axis=1, keepdims=True) + spread + 1e-9
     return bool((~too_heavy | (counts == 1)).all())
 

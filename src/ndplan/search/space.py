@@ -249,6 +249,7 @@ class SearchSpace:
     def selective_modules(self, candidate: int) -> ModuleSet:
         """What selective recompute re-runs for ``candidate`` (where it recomputes otherwise, the
         first set's: a balancer's selective option for it)."""
+        # The module set is the last of DIMENSIONS: the fastest-varying digit of an index.
         return self.recompute_modules[candidate % len(self.recompute_modules)]
 
 
@@ -363,8 +364,6 @@ def _module_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[Module
         sets: list[Sequence[str]] = [tuple(value)]  # type: ignore[arg-type]
     else:
         sets = [tuple(item) for item in value]
-    if not sets:
-        return ((),)
     for names in sets:
         unknown = [name for name in names if name not in RECOMPUTE_MODULES]
         if unknown:

@@ -24,14 +24,15 @@ RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 #: Megatron-Core's ``--recompute-modules`` (``TransformerConfig.recompute_modules``), in its order.
 RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
 
+#: Schedules that place more than one model chunk on a stage.
+VIRTUAL_SCHEDULES: tuple[str, ...] = ("interleaved", "zbv", "dualpipev")
+
 
 def canonical_modules(names: Iterable[str]) -> tuple[str, ...]:
     """One spelling per module set, Megatron's order without repeats, so that equal sets are
     equal strategies (names outside ``RECOMPUTE_MODULES`` are dropped: validate them first)."""
     given = set(names)
     return tuple(m for m in RECOMPUTE_MODULES if m in given)
-#: Schedules that place more than one model chunk on a stage.
-VIRTUAL_SCHEDULES: tuple[str, ...] = ("interleaved", "zbv", "dualpipev")
 
 
 class Strategy(BaseModel):
