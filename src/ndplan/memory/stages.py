@@ -798,7 +798,7 @@ def _sorted_groups(
         name: np.repeat(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), sizes)
         if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), by_group, within)
         for name in batch.array_fields()
-    }, precision=batch.precision, recompute_modules=batch.recompute_modules)
+    }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules)
     if not static_only:
         # The bytes per token of each layer depend on a few fields: priced once per combination.
         distinct, combination = ordered.distinct(ACTIVATION_FIELDS)

@@ -24,7 +24,7 @@ CODES: dict[str, tuple[str, ...]] = {"schedule": SCHEDULES, "cp_kind": CP_KINDS,
 IntArray = np.ndarray
 
 #: Fields one value of which serves the whole batch.
-_SHARED_FIELDS = ("precision", "recompute_modules")
+_SHARED_FIELDS = ("precision", "recompute_modules", "offload_modules")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ class StrategyBatch:
     precision: PrecisionPolicy = PRECISION_PRESETS["megatron-bf16"]
     #: ``Strategy.recompute_modules`` of every strategy of the batch that recomputes selectively.
     recompute_modules: tuple[str, ...] = ()
+    #: ``Strategy.offload_modules``, the same for every strategy of the batch.
+    offload_modules: tuple[str, ...] = ()
 
     @classmethod
     def array_fields(cls) -> tuple[str, ...]:
@@ -67,7 +69,7 @@ class StrategyBatch:
     @classmethod
     def from_columns(
         cls, columns: dict[str, Any], precision: PrecisionPolicy | None = None, *, owned: bool = False,
-        recompute_modules: tuple[str, ...] = (),
+        recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = (),
     ) -> StrategyBatch:
         """Build from arrays (or scalars, broadcast); missing fields take Strategy's defaults,
         categorical fields may be given as names or codes. ``owned``: the caller hands its
@@ -91,7 +93,8 @@ class StrategyBatch:
             arrays["etp"] = np.where(arrays["etp"] == 0, arrays["tp"], arrays["etp"])
         if "global_batch_size" not in columns:
             arrays["global_batch_size"] = arrays["dp"] * arrays["micro_batch_size"] * arrays["num_micro_batches"]
-        return cls(**arrays, precision=precision or defaults.precision, recompute_modules=tuple(recompute_modules))
+        return cls(**arrays, precision=precision or defaults.precision, recompute_modules=tuple(recompute_modules),
+                   offload_modules=tuple(offload_modules))
 
     @classmethod
     def of(cls, strategies: Strategy | Sequence[Strategy]) -> StrategyBatch:
@@ -106,8 +109,11 @@ class StrategyBatch:
             raise ValueError("a batch shares one set of recompute modules")
         if modules and any(s.recompute == "selective" and not s.recompute_modules for s in items):
             raise ValueError("a batch's selective recompute is the same everywhere: with or without recompute modules")
+        offload = items[0].offload_modules
+        if any(s.offload_modules != offload for s in items):
+            raise ValueError("a batch shares one set of offload modules")
         columns = {name: [getattr(s, name) for s in items] for name in cls.array_fields()}
-        return cls.from_columns(columns, precision, recompute_modules=modules)
+        return cls.from_columns(columns, precision, recompute_modules=modules, offload_modules=offload)
 
     def __len__(self) -> int:
         return int(self.dp.shape[0])
@@ -115,7 +121,7 @@ class StrategyBatch:
     def take(self, index: IntArray | slice) -> StrategyBatch:
         """The strategies at ``index`` (an integer array, a boolean mask, or a slice: views)."""
         return StrategyBatch(**{n: getattr(self, n)[index] for n in self.array_fields()}, precision=self.precision,
-                             recompute_modules=self.recompute_modules)
+                             recompute_modules=self.recompute_modules, offload_modules=self.offload_modules)
 
     def row(self, i: int) -> Strategy:
         values: dict[str, Any] = {}
@@ -128,7 +134,7 @@ class StrategyBatch:
             else:
                 values[name] = value
         modules = self.recompute_modules if values["recompute"] == "selective" else ()
-        return Strategy(**values, precision=self.precision, recompute_modules=modules)
+        return Strategy(**values, precision=self.precision, recompute_modules=modules, offload_modules=self.offload_modules)
 
     def rows(self) -> Iterator[Strategy]:
         return (self.row(i) for i in range(len(self)))

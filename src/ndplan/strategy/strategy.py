@@ -17,12 +17,18 @@ Schedule = Literal["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "gpipe", 
 CpKind = Literal["ring", "ulysses", "hybrid"]
 Recompute = Literal["none", "selective", "full"]
 RecomputeModule = Literal["core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts"]
+OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "gpipe", "seq1f1b")
 CP_KINDS: tuple[str, ...] = ("ring", "ulysses", "hybrid")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 #: Megatron-Core's ``--recompute-modules`` (``TransformerConfig.recompute_modules``), in its order.
 RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
+#: Megatron-Core's ``--offload-modules`` (fine-grained activation offloading), in its order; its
+#: ``fused_group_mlp`` (Transformer Engine's op fuser) is not modelled.
+OFFLOAD_MODULES: tuple[str, ...] = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+#: Schedules Megatron-Core runs fine-grained activation offloading under.
+OFFLOAD_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
 
 #: Schedules that place more than one model chunk on a stage.
 VIRTUAL_SCHEDULES: tuple[str, ...] = ("interleaved", "zbv", "dualpipev")
@@ -33,6 +39,28 @@ def canonical_modules(names: Iterable[str]) -> tuple[str, ...]:
     equal strategies (names outside ``RECOMPUTE_MODULES`` are dropped: validate them first)."""
     given = set(names)
     return tuple(m for m in RECOMPUTE_MODULES if m in given)
+
+
+def offload_conflict(offload: tuple[str, ...], recompute: str, recompute_modules: tuple[str, ...], schedule: str) -> str:
+    """Why Megatron-Core would not run (or would silently not do) this activation offload, or ''."""
+    if not offload:
+        return ""
+    named = " ".join(offload)
+    if schedule not in OFFLOAD_SCHEDULES:
+        return (f"offload_modules {named}: Megatron-Core offloads activations under the schedules "
+                f"{', '.join(OFFLOAD_SCHEDULES)}, not '{schedule}'")
+    if recompute == "full":
+        return (f"offload_modules {named}: full recompute keeps only each layer's input, so there is nothing to offload; "
+                "use recompute 'none' or 'selective'")
+    if "attn_proj" in offload and "core_attn" not in offload:
+        return "offload_modules attn_proj needs core_attn too (its input is the attention core's output; Megatron-Core's rule)"
+    if "core_attn" in offload and recompute == "selective" and (not recompute_modules or "core_attn" in recompute_modules):
+        return ("offload_modules core_attn: the attention core is recomputed (recompute_modules core_attn, Megatron's default "
+                "selective policy), and Megatron-Core then skips its offload; recompute other modules or drop core_attn")
+    if recompute == "selective" and "moe" in recompute_modules and {"expert_fc1", "moe_act"} & set(offload):
+        return ("offload_modules expert_fc1/moe_act cannot go with recompute_modules moe (Megatron-Core refuses the pair); "
+                "recompute moe_act instead")
+    return ""
 
 
 class Strategy(BaseModel):
@@ -48,7 +76,9 @@ class Strategy(BaseModel):
     ``recompute_layers`` limits full/selective recompute to that many layers per (virtual) stage.
     ``recompute_modules`` names what selective recompute re-runs, as Megatron-Core's
     ``--recompute-modules`` (``RECOMPUTE_MODULES``); empty means the runtime's own selective policy
-    (Megatron: the attention core; torchtitan: its per-op policy).
+    (Megatron: the attention core; torchtitan: its per-op policy). ``offload_modules`` names the
+    modules whose saved activations Megatron-Core copies to host memory in the forward and reloads
+    for the backward (``--fine-grained-activation-offloading --offload-modules``, ``OFFLOAD_MODULES``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -81,6 +111,8 @@ class Strategy(BaseModel):
     recompute_layers: int = Field(default=0, ge=0, description="layers per stage recomputed; 0 means all")
     recompute_modules: tuple[RecomputeModule, ...] = Field(
         default=(), description="modules selective recompute re-runs (Megatron-Core); empty: the runtime's policy")
+    offload_modules: tuple[OffloadModule, ...] = Field(
+        default=(), description="modules whose saved activations go to host memory (Megatron-Core's --offload-modules)")
 
     micro_batch_size: int = Field(default=1, ge=1)
     num_micro_batches: int = Field(default=1, ge=1)
@@ -116,11 +148,19 @@ class Strategy(BaseModel):
     def _canonical_modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return canonical_modules(value)
 
+    @field_validator("offload_modules", mode="after")
+    @classmethod
+    def _canonical_offload(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(m for m in OFFLOAD_MODULES if m in set(value))
+
     @model_validator(mode="after")
     def _modules_need_selective(self) -> Strategy:
         if self.recompute_modules and self.recompute != "selective":
             raise ValueError(f"recompute_modules {' '.join(self.recompute_modules)} needs recompute 'selective', "
                              f"not '{self.recompute}'")
+        problem = offload_conflict(self.offload_modules, self.recompute, self.recompute_modules, self.schedule)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def with_recompute(self, recompute: str, recompute_layers: int = 0, modules: tuple[str, ...] | None = None) -> Strategy:
@@ -162,4 +202,6 @@ class Strategy(BaseModel):
             # rc-full:2 recomputes the first two layers of each virtual stage
             parts.append(f"rc-{self.recompute}" + (f"({'+'.join(self.recompute_modules)})" if self.recompute_modules else "")
                          + (f":{self.recompute_layers}" if self.recompute_layers else ""))
+        if self.offload_modules:
+            parts.append(f"offload({'+'.join(self.offload_modules)})")
         return " ".join(parts)
