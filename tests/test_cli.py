@@ -119,7 +119,9 @@ def test_every_rule_is_reported_with_exit_2(argv, rule, words, model_files, caps
 
 
 def test_rule_cases_cover_every_rule():
-    assert {r.name for r in RULES} <= {case[1] for case in RULE_CASES}
+    # offload_runs serves the search's batches: one Strategy refuses the same pairs as it is
+    # built (its message comes out as the CLI's error line; tests/test_offload*.py).
+    assert {r.name for r in RULES} - {"offload_runs"} <= {case[1] for case in RULE_CASES}
 
 
 def test_check_human_output_lists_violations(capsys):

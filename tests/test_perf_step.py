@@ -36,7 +36,7 @@ def test_report_fields_and_breakdown_sum_to_the_step():
     d = r.to_dict()
     assert set(d) == {"step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "breakdown"}
     assert set(d["breakdown"]) == {"compute", "comm_exposed", "bubble", "optimizer"}
-    assert set(d["breakdown"]["comm_exposed"]) == {"tp", "cp", "ep", "dp", "pp"}
+    assert set(d["breakdown"]["comm_exposed"]) == {"tp", "cp", "ep", "dp", "offload", "pp"}
     b = d["breakdown"]
     assert b["compute"] + sum(b["comm_exposed"].values()) + b["bubble"] + b["optimizer"] == pytest.approx(r.step_s)
     assert r.tokens_per_s == pytest.approx(16 * 8192 / r.step_s)

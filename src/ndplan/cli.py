@@ -29,7 +29,7 @@ from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import preset_index
 from ndplan.strategy import Strategy, check_strategy
-from ndplan.strategy.strategy import RECOMPUTE_MODULES
+from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
 from ndplan.units import format_bytes, format_count
 
 # Pipes and CI logs get a wide console so tables are not squeezed into 80 columns.
@@ -370,6 +370,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     space = default_space(
         model, device, args.devices, args.gbs, args.seq, get_precision(args.precision),
         dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []), recompute_modules=modules,
+        offload_modules=tuple(args.offload_modules or (read.strategy_settings.get("offload_modules", ())
+                                                       if read is not None else ())),
     )
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     options = _memory_options(args, {"overlap": args.overlap}, read)
@@ -632,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
                    help="what the selective-recompute candidates re-run (Megatron-Core's --recompute-modules; "
                         "runtime megatron); default: the runtime's own policy")
+    p.add_argument("--offload-modules", nargs="+", choices=OFFLOAD_MODULES, metavar="MODULE",
+                   help="what every candidate offloads to host memory (Megatron-Core's --offload-modules; runtime "
+                        "megatron); candidates Megatron would not run with it (full recompute, its default selective "
+                        "policy with core_attn, other schedules) are rejected")
     p.add_argument("--recompute-module-sets", nargs="+", metavar="SET",
                    help="search what selective recompute re-runs (runtime megatron): sets such as "
                         "'layernorm+moe_act' or 'default' (the runtime's own policy), or 'common' (up to 5 sets "

@@ -57,7 +57,8 @@ def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *,
     eff = default_efficiency(cluster.device)
     overlap = overlap or default_overlap(cluster.device.runtime)
     ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision,
-                       weight_grad_rebuilds, batch.recompute_modules)
+                       weight_grad_rebuilds, batch.recompute_modules,
+                       batch.offload_modules)
     pieces = piece_times(ctx, strategy_columns(model, batch, overlap))
     n = len(batch)
     return {name: np.sum([np.broadcast_to(piece.total(p), (n,)).astype(float) for p in ("F", "B", "W")], axis=0)
@@ -92,6 +93,11 @@ def build_problem(
     ``selective_modules`` (default: the strategy's own, ``Strategy.recompute_modules``)."""
     options = options or MemoryOptions()
     validate_strategy(strategy, model, cluster.num_devices)
+    if strategy.offload_modules:
+        # Its options run full recompute, which leaves nothing to offload, and Megatron-Core
+        # offloads the same modules in every layer: a plan per layer would not be runnable.
+        raise NdplanError(f"the balancer does not plan with activation offload ({' '.join(strategy.offload_modules)}) "
+                          "yet: balance without it, or estimate the offloaded strategy with `ndplan estimate`")
     slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"] * options.include_overhead
     seconds = _piece_seconds(model, strategy, cluster, options.profile.weight_grad_recomputes_per_group, options.overlap,
                              selective_modules)

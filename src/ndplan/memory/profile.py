@@ -20,7 +20,7 @@ import yaml
 
 from ndplan.errors import NdplanError
 from ndplan.model.spec import ModelSpec
-from ndplan.strategy.strategy import RECOMPUTE_MODULES
+from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
 
 #: How tensor parallelism divides a saved tensor. ``linear_input`` resolves to the profile's
 #: ``linear_input_shard`` (Megatron keeps a linear's input sequence-sharded, DTensor keeps it whole).
@@ -118,6 +118,10 @@ class SavedTensor:
     #: Recompute modules (``Strategy.recompute_modules``) any one of which rebuilds this tensor in
     #: backward instead of keeping it.
     recomputed_by: frozenset[str] = frozenset()
+    #: Offload modules (``Strategy.offload_modules``) any one of which copies this tensor to host
+    #: memory after the forward and back before its backward (Megatron-Core's saved-tensor hooks
+    #: around the module: what the module saves moves, where it is kept at all).
+    offloaded_by: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
@@ -142,6 +146,8 @@ class RuntimeProfile:
     #: The recompute modules its entries name (``recomputed_by``); empty where the runtime has
     #: only its own selective policy.
     recompute_modules: tuple[str, ...] = ()
+    #: Whether the runtime offloads activations by module (its entries name ``offloaded_by``).
+    offloads: bool = False
 
 
 def _parse_profile(data: Any, source: str) -> RuntimeProfile:
@@ -163,6 +169,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                     read_last=bool(entry.get("read_last", False)),
                     past_weights=bool(entry.get("past_weights", False)),
                     recomputed_by=frozenset(entry.get("recomputed_by") or ()),
+                    offloaded_by=frozenset(entry.get("offloaded_by") or ()),
                 )
             except (KeyError, TypeError) as error:
                 raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
@@ -172,6 +179,10 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
             if unknown:
                 raise NdplanError(f"{source}: entry '{tensor.name}' is recomputed by unknown module(s) "
                                   f"{', '.join(unknown)}; known: {', '.join(RECOMPUTE_MODULES)}")
+            unknown = sorted(tensor.offloaded_by - set(OFFLOAD_MODULES))
+            if unknown:
+                raise NdplanError(f"{source}: entry '{tensor.name}' is offloaded by unknown module(s) "
+                                  f"{', '.join(unknown)}; known: {', '.join(OFFLOAD_MODULES)}")
             parsed.append(tensor)
         blocks[block] = tuple(parsed)
     return RuntimeProfile(
@@ -192,6 +203,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
         recompute_modules=tuple(m for m in RECOMPUTE_MODULES
                                 if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),
+        offloads=any(t.offloaded_by for entries in blocks.values() for t in entries),
     )
 
 
@@ -230,6 +242,10 @@ class BlockBytes:
     #: What ops no weight's gradient path runs through save (the router's probabilities, the
     #: experts' weighting): past the weights, on the way to the layer's output only.
     past_weights: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
+    #: What the offload modules move to the host: of every saved tensor (no recompute), and of
+    #: those selective recompute keeps (a rebuilt tensor is never saved, so never moved).
+    offloaded: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
+    offloaded_kept: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
 
 
 def _kept(tensor: SavedTensor, modules: tuple[str, ...]) -> bool:
@@ -239,13 +255,15 @@ def _kept(tensor: SavedTensor, modules: tuple[str, ...]) -> bool:
 
 
 def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int,
-                 modules: tuple[str, ...] = ()) -> BlockBytes:
+                 modules: tuple[str, ...] = (), offload: tuple[str, ...] = ()) -> BlockBytes:
     base = dict.fromkeys(SHARDS, 0.0)
     per_seq = dict.fromkeys(SHARDS, 0.0)
     kept = dict.fromkeys(SHARDS, 0.0)
     weight_input = dict.fromkeys(SHARDS, 0.0)
     read_last = dict.fromkeys(SHARDS, 0.0)
     past_weights = dict.fromkeys(SHARDS, 0.0)
+    offloaded = dict.fromkeys(SHARDS, 0.0)
+    offloaded_kept = dict.fromkeys(SHARDS, 0.0)
     for tensor in entries:
         width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
@@ -260,17 +278,26 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
             read_last[tensor.shard] += at_zero * width
         if tensor.past_weights:
             past_weights[tensor.shard] += at_zero * width
-    return BlockBytes(base, per_seq, kept, weight_input, read_last, past_weights)
+        if tensor.offloaded_by & set(offload):
+            offloaded[tensor.shard] += at_zero * width
+            if _kept(tensor, modules):
+                offloaded_kept[tensor.shard] += at_zero * width
+    return BlockBytes(base, per_seq, kept, weight_input, read_last, past_weights, offloaded, offloaded_kept)
 
 
 @lru_cache(maxsize=256)
 def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_bytes: int,
-                       recompute_modules: tuple[str, ...] = ()) -> dict[str, BlockBytes]:
+                       recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = ()
+                       ) -> dict[str, BlockBytes]:
     """Every block of the profile, evaluated for ``model`` (cached per model and profile); the
-    bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``."""
+    bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``,
+    the bytes moved to the host (``BlockBytes.offloaded``) those of ``offload_modules``."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
+    if offload_modules and not profile.offloads:
+        raise NdplanError(f"offload modules ({' '.join(offload_modules)}) are Megatron-Core's fine-grained activation "
+                          f"offloading; runtime '{profile.name}' has no such feature (use runtime megatron)")
     symbols = model_symbols(model)
-    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules)
+    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules)
             for block, entries in profile.blocks.items()}

@@ -37,12 +37,15 @@ class ChunkReport:
     layer_static_bytes: float
     activation_bytes_per_micro_batch: float
     peak_in_flight: float
+    #: what activation offload keeps in host memory per micro-batch (not in the device figures)
+    offloaded_bytes_per_micro_batch: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "chunk": self.chunk, "model_chunk": self.model_chunk, "dense_layers": self.dense_layers,
             "moe_layers": self.moe_layers, "layer_static_bytes": round(self.layer_static_bytes),
             "activation_bytes_per_micro_batch": round(self.activation_bytes_per_micro_batch),
+            "offloaded_bytes_per_micro_batch": round(self.offloaded_bytes_per_micro_batch),
             "peak_in_flight": self.peak_in_flight,
         }
 
@@ -70,6 +73,12 @@ class StageReport:
     def overhead_bytes(self) -> float:
         return self.peak_bytes - self.allocated_bytes
 
+    @property
+    def host_activation_bytes(self) -> float:
+        """Pinned host memory the stage's offloaded activations fill at its peak:
+        Σ over its chunks of peak in-flight micro-batches × offloaded bytes per micro-batch."""
+        return sum(c.peak_in_flight * c.offloaded_bytes_per_micro_batch for c in self.chunks)
+
     def to_dict(self) -> dict[str, Any]:
         by_kind = {k: self.static_by_kind.get(k, 0.0) + self.activations_by_kind.get(k, 0.0)
                    for k in dict.fromkeys([*STATIC_KINDS, *ACTIVATION_KINDS])}
@@ -88,6 +97,7 @@ class StageReport:
             "optimizer_step_bytes": round(self.optimizer_step_bytes),
             "forward_backward_bytes": round(self.forward_backward_bytes),
             "overhead_bytes": round(self.overhead_bytes),
+            "host_activation_bytes": round(self.host_activation_bytes),
             "by_layer_kind": {k: round(v) for k, v in by_kind.items() if v},
             "static_by_layer_kind": {k: round(v) for k, v in self.static_by_kind.items() if v},
             "activations_by_layer_kind": {k: round(v) for k, v in self.activations_by_kind.items() if v},
@@ -162,6 +172,12 @@ class MemoryReport:
         for kind, value in stage.activations_by_kind.items():
             if value:
                 lines.append(f"    {kind:<10} {format_bytes(value)}")
+        if s.offload_modules:
+            lines.append(
+                f"    offload ({' '.join(s.offload_modules)}): what those modules save goes to pinned host memory "
+                f"after the forward and back before the backward; held there at this peak: "
+                f"{format_bytes(stage.host_activation_bytes)}; two layers' worth stay on the device "
+                f"(the next backward's last layer, one reload ahead), counted in the transient")
         lines += [
             f"comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
             f"unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
@@ -264,6 +280,7 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
     recompute = strategy.recompute != "none"
     per_layer = {k: float((acts.recomputed[k] if recompute else acts.full[k])[0]) * tokens for k in ("dense", "moe")}
+    moved = {k: float(acts.offloaded[k][0]) * tokens for k in ("dense", "moe")}
     flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
     out = []
     for v in range(placement.num_virtual_stages):
@@ -274,5 +291,6 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
             layer_static_bytes=dense * layer_static("dense") + moe * layer_static("moe"),
             activation_bytes_per_micro_batch=dense * per_layer["dense"] + moe * per_layer["moe"],
             peak_in_flight=float(flight.peak[stage, chunk]),
+            offloaded_bytes_per_micro_batch=dense * moved["dense"] + moe * moved["moe"],
         ))
     return out

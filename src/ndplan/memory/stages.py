@@ -17,7 +17,7 @@ placement and the schedule simulation are computed once; everything else is nump
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
@@ -168,6 +168,10 @@ class LayerActivations:
     output_transient: np.ndarray
     backward_extra: dict[str, np.ndarray]  # kind -> one layer's backward working set
     mtp_extra: np.ndarray
+    #: kind -> what recompute rebuilds on the device in backward (full − recomputed before offload)
+    rebuilt: dict[str, np.ndarray]
+    #: kind -> what activation offload moves to the host per layer (``full``/``recomputed`` are net of it)
+    offloaded: dict[str, np.ndarray]
 
     def take(self, index: np.ndarray | slice) -> LayerActivations:
         """The same figures for a subset of the strategies."""
@@ -221,7 +225,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     ``ACTIVATION_FIELDS`` alone)."""
     profile = options.profile
     act_bytes = batch.precision.activation_bytes
-    blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules)
+    offload = batch.offload_modules
+    blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload)
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
@@ -278,6 +283,9 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     for kind in ("dense", "moe"):
         measured = _census_for(options, kind)
         if measured is not None:
+            if offload:
+                raise NdplanError("a census measures what a layer keeps on the device, not activation offload "
+                                  f"({' '.join(offload)}): leave out one or the other")
             if batch.recompute_modules:
                 raise NdplanError("a census measures the runtime's own selective recompute, not recompute modules "
                                   f"({' '.join(batch.recompute_modules)}): leave out one or the other")
@@ -293,6 +301,19 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # replaced the formulas) less its weights' inputs.
     weight_unread = {k: np.maximum(full[k] - weight_input[k] - 2 * block("norm", "weight_input"), 0.0)
                      for k in ("dense", "moe")}
+    # What recompute rebuilds on the device in backward: on the device whatever was offloaded.
+    rebuilt = {k: full[k] - recomputed[k] for k in ("dense", "moe")}
+    offloaded = {k: np.zeros_like(tp) for k in ("dense", "moe")}
+    if offload:
+        moved_plain, moved_kept = _offloaded(model, block, attention_name, options.attention == "eager", offload)
+        full = {k: full[k] - moved_plain[k] for k in ("dense", "moe")}
+        recomputed = {k: recomputed[k] - np.where(is_full, 0.0, moved_kept[k]) for k in ("dense", "moe")}
+        # Megatron-Core keeps on the device the last layer of the chunk whose backward comes next
+        # (its reload would stall the backward at once) and reloads one layer ahead of the
+        # backward: two layers' moved bytes beside the backward's working set.
+        all_selective = batch.is_("recompute", "selective") & (batch.recompute_layers == 0)
+        offloaded = {k: np.where(all_selective, moved_kept[k], moved_plain[k]) for k in ("dense", "moe")}
+        backward_extra = {k: backward_extra[k] + 2.0 * offloaded[k] for k in ("dense", "moe")}
     norms_read_last = 2 * block("norm", "read_last")
     weight_read_last = {"dense": norms_read_last + block("mlp", "read_last"),
                         "moe": norms_read_last + block("moe", "read_last")}
@@ -310,8 +331,31 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         norm=norm, attention=attention,
         mlp=mlp, moe=moe, output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
-        backward_extra=backward_extra, mtp_extra=mtp_extra,
+        backward_extra=backward_extra, mtp_extra=mtp_extra, rebuilt=rebuilt, offloaded=offloaded,
     )
+
+
+def _offloaded(model: ModelSpec, block: Callable[[str, str], np.ndarray], attention_name: str, eager: bool,
+               offload: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Bytes per token per rank that ``offload`` moves to the host from one layer of each kind:
+    (of a layer that recomputes nothing, of one under the selective policy).
+
+    The profile's entries name their modules; the two norms of a layer share the ``norm`` block,
+    so their owner is decided here: the attention norm moves with attn_norm where it is its own
+    module (MLA's input norm) and with qkv_linear where Transformer Engine fuses it into the QKV
+    linear (every other attention); the pre-MLP norm with mlp_norm in MoE layers (it feeds the
+    router); a dense MLP's norm is fused into fc1, which no offload module names."""
+    attention_side = ("attn_norm" if model.is_mla else "qkv_linear") in offload
+    mlp_side = "mlp_norm" in offload
+    out = []
+    for part in ("offloaded", "offloaded_kept"):
+        norm = block("norm", part)
+        attention = block(attention_name, part) + (block("eager_scores", part) if eager else 0.0)
+        out.append({
+            "dense": attention_side * norm + attention + block("mlp", part),
+            "moe": (attention_side + mlp_side) * norm + attention + block("moe", part),
+        })
+    return out[0], out[1]
 
 
 # --------------------------------------------------------------------------- schedule peaks
@@ -1084,7 +1128,7 @@ def _evaluate_group(
     # Recompute rebuilds, beside what a layer keeps, the rest of its activations: full − kept of
     # the layer's own kind, the largest over the kinds the stage holds.
     moe_backward_extra = np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"])
-    moe_rebuilt, dense_rebuilt = (acts.full[k] - acts.recomputed[k] for k in ("moe", "dense"))
+    moe_rebuilt, dense_rebuilt = acts.rebuilt["moe"], acts.rebuilt["dense"]
     loss_per_token = tokens * acts.output_transient
     # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
     layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
@@ -1218,10 +1262,8 @@ def _evaluate_group(
                 "head": pick(table * head_on_output + final_norm),
             },
             working={
-                "dense": pick(t[:, 0] * (acts.backward_extra["dense"]
-                                         + np.where(recompute_on, acts.full["dense"] - acts.recomputed["dense"], 0.0))),
-                "moe": pick(t[:, 0] * (acts.backward_extra["moe"]
-                                       + np.where(recompute_on, acts.full["moe"] - acts.recomputed["moe"], 0.0))),
+                "dense": pick(t[:, 0] * (acts.backward_extra["dense"] + np.where(recompute_on, acts.rebuilt["dense"], 0.0))),
+                "moe": pick(t[:, 0] * (acts.backward_extra["moe"] + np.where(recompute_on, acts.rebuilt["moe"], 0.0))),
             },
             loss_working=pick(t[:, 0] * acts.output_transient),
             expert_elements=pick(layers.expert["moe"]),

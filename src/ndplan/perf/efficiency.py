@@ -93,6 +93,11 @@ class EfficiencyProfile(BaseModel):
     the GPU's SMs while they run, so the compute they hide under loses that share of the
     all-to-all's duration (an all-to-all of X seconds hidden under compute C takes
     C + X·share, not C). 0 where the SM budget is not sourced.
+
+    Host link (PCIe or equivalent): copies to and from pinned host memory move at
+    ``host_link_bandwidth · host_link_efficiency`` per direction (activation and optimizer
+    offload). 0.8 is an assumption, not a measurement: pinned copies reach about 80-85% of a
+    PCIe link's raw rate on the platforms whose bandwidth tests we know of.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -125,6 +130,7 @@ class EfficiencyProfile(BaseModel):
     ep_comm_compute_share: float = Field(default=0.0, ge=0.0, lt=1.0,
                                          description="share of the SMs a hidden expert all-to-all holds")
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
+    host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
 
     def replace(self, **changes: Any) -> EfficiencyProfile:
         """A copy with some figures changed (validated)."""

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ndplan.memory.stages import ACTIVATION_FIELDS, MemoryOptions, layer_activations
 from ndplan.model.params import layer_params, weight_grad_groups
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.perf import collectives as coll
@@ -75,7 +76,7 @@ from ndplan.perf.memory_ops import (
 from ndplan.perf.overlap import OverlapConfig
 from ndplan.perf.topology import Fabric, fits_in_domain, group_link, inside_bandwidth, members_per_domain
 from ndplan.schedule.ops import SPLIT_BACKWARD
-from ndplan.strategy.batch import CODES
+from ndplan.strategy.batch import CODES, StrategyBatch
 from ndplan.strategy.precision import PrecisionPolicy
 
 #: Schedule codes whose backward splits into B and W.
@@ -83,7 +84,7 @@ SPLIT_SCHEDULE_CODES = np.array([CODES["schedule"].index(name) for name in sorte
 
 Array = np.ndarray
 PASSES = ("F", "B", "W")
-CATEGORIES = ("compute", "tp", "cp", "ep", "dp")
+CATEGORIES = ("compute", "tp", "cp", "ep", "dp", "offload")
 PIECES = ("dense", "moe", "emb", "head", "rc_dense", "rc_moe")
 
 #: FlashAttention's backward runs 5 matmul-sized products per forward's 2 (it recomputes the
@@ -129,6 +130,8 @@ class LayerContext:
     #: ``Strategy.recompute_modules`` of the batch: what selective recompute replays (empty: the
     #: runtime's own policy, ``EfficiencyProfile.selective_recompute``).
     recompute_modules: tuple[str, ...] = ()
+    #: ``Strategy.offload_modules`` of the batch: what goes to host memory and back.
+    offload_modules: tuple[str, ...] = ()
 
 
 def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, share: float = 0.0) -> Array | float:
@@ -339,6 +342,15 @@ def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardi
     return seconds, replays_moe
 
 
+def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) -> Array:
+    """Bytes per token of one layer that activation offload moves each way (Megatron-Core's
+    runtime profile, ``ndplan.memory.stages.layer_activations``)."""
+    columns = {name: np.asarray(cols[name]).astype(np.int64) for name in ACTIVATION_FIELDS}
+    batch = StrategyBatch.from_columns(columns, ctx.precision, recompute_modules=ctx.recompute_modules,
+                                       offload_modules=ctx.offload_modules)
+    return layer_activations(ctx.model, batch, MemoryOptions(runtime="megatron")).offloaded[kind]
+
+
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind) -> tuple[PieceTimes, PieceTimes]:
     """(the layer, what recomputing it adds) for one decoder layer of ``kind``."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
@@ -414,6 +426,11 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
                         + (1.0 - unpaired) * _exposed(backward, compute_b + compute_w, True, share), backward)
         out.add("F", "ep", ep_f)
         out.add("B", "ep", ep_b)
+
+    if ctx.offload_modules:
+        link = offloaded_bytes(ctx, cols, kind) * sh.tokens / ctx.fabric.host_bw
+        out.add("F", "offload", np.maximum(link - out.total("F"), 0.0))
+        out.add("B", "offload", np.maximum(link - out.total("B") - out.total("W"), 0.0))
 
     # Recompute: full replays the whole forward (its collectives too); selective replays what
     # the recompute modules name (Megatron's --recompute-modules), else the runtime's policy:

@@ -26,7 +26,7 @@ from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import validate_strategy
 from ndplan.strategy.strategy import Strategy
 
-COMM_KEYS = ("tp", "cp", "ep", "dp", "pp")
+COMM_KEYS = ("tp", "cp", "ep", "dp", "offload", "pp")
 
 
 def _ms(seconds: float) -> str:
@@ -37,7 +37,7 @@ def _ms(seconds: float) -> str:
 class TimeReport:
     """Predicted step time of one strategy, in seconds, with its parts.
 
-    breakdown: {"compute", "comm_exposed": {"tp", "cp", "ep", "dp", "pp"}, "bubble",
+    breakdown: {"compute", "comm_exposed": {"tp", "cp", "ep", "dp", "offload", "pp"}, "bubble",
     "optimizer"}, seconds that sum to ``step_s``.
     model_flops: FLOPs the model needs per step (3 × forward matmuls and causal attention, no
     recompute), the MFU numerator; hardware_flops adds recomputation (HFU).
@@ -122,7 +122,8 @@ def explain_lines(r: TimeReport) -> list[str]:
     rates = compute_rates(r.cluster, batch, r.efficiency)
     cols = strategy_columns(model, batch, r.overlap)
     ctx = LayerContext(model, rates, Fabric.of(r.cluster, r.efficiency), r.efficiency, r.overlap, batch.precision,
-                       r.weight_grad_rebuilds, batch.recompute_modules)
+                       r.weight_grad_rebuilds, batch.recompute_modules,
+                       batch.offload_modules)
     pieces = piece_times(ctx, cols)
     sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp))
     dtype = s.precision.compute_dtype

@@ -22,7 +22,8 @@
 
 Breakdown (seconds, summing to step_s), on the bottleneck stage s* (largest per-micro-batch
 time): compute = m·compute(s*), comm_exposed tp/cp/ep = m·exposed(s*), dp = m·FSDP(s*) + the
-per-step DP exposure, pp = point-to-point time on the critical path, bubble = makespan -
+per-step DP exposure, offload = m·(activation copies over the host link that outlast the
+passes they run beside, on s*), pp = point-to-point time on the critical path, bubble = makespan -
 m·T(s*) - pp, optimizer = optimizer + step overhead.
 
 Speed: layers are priced once per distinct layer configuration (codes.py) and stages once per
@@ -74,7 +75,7 @@ PipelineMethod = Literal["simulate", "closed_form"]
 #: and FLOPs, and the breakdown (compute_s ... optimizer_s sum to step_s).
 OUTPUT_KEYS = (
     "step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "model_flops", "hardware_flops",
-    "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "pp_s", "bubble_s", "optimizer_s",
+    "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s", "optimizer_s",
 )
 #: Further arrays with ``details=True`` (what explain() prints).
 DETAIL_KEYS = (
@@ -83,7 +84,7 @@ DETAIL_KEYS = (
 )
 #: Arrays a group fills (the rest are derived after the loop).
 _GROUP_KEYS = (
-    "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "pp_s", "bubble_s", "optimizer_s", "makespan_s",
+    "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s", "optimizer_s", "makespan_s",
     "stage_forward_s", "stage_backward_s", "stage_weight_grad_s", "bottleneck_stage", "dp_step_s",
     "optimizer_update_s", "recomputed_fraction",
 )
@@ -434,7 +435,8 @@ def evaluate(
     ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
     ints["ep_unpaired"], ints["ep_passes"], ints["ep_pairing"] = ep_pairing(model, batch, ints["ep_overlap"])
     first, config = distinct_layer_configs(ints, weight_grad_rebuilds)
-    ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules)
+    ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules,
+                       batch.offload_modules)
     pieces = piece_times(ctx, {name: v[first].astype(np.float64) for name, v in ints.items()})
     per_pass = {(name, p): np.broadcast_to(np.asarray(piece.total(p), dtype=np.float64), (len(first),))
                 for name, piece in pieces.items() for p in PASSES}
@@ -445,7 +447,7 @@ def evaluate(
     dp_columns = {name: ints[name].astype(np.float64) for name in _DP_FIELDS}
     priced = _Priced(model, batch, eff, ov, rates, fabric, pieces, per_pass, per_cat,
                      _piece_table(per_pass, per_cat, len(first)), piece_params(model),
-                     cluster.device.host_link_bandwidth_bytes_per_s, pipeline, dp_columns)
+                     fabric.host_bw, pipeline, dp_columns)
 
     # Point-to-point activation of one micro-batch between stages: [mbs, seq/cp, h] (/tp with SP).
     t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
@@ -483,7 +485,7 @@ def evaluate(
 
     # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts
     out["step_s"] = (
-        out["compute_s"] + out["tp_s"] + out["cp_s"] + out["ep_s"] + out["dp_s"] + out["pp_s"]
+        out["compute_s"] + out["tp_s"] + out["cp_s"] + out["ep_s"] + out["dp_s"] + out["offload_s"] + out["pp_s"]
         + out["bubble_s"] + out["optimizer_s"]
     )
     out["tokens_per_s"] = tokens[order] / out["step_s"]

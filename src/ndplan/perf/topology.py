@@ -49,6 +49,8 @@ class Fabric:
     scaleup_latency: float
     scaleout_latency: float
     mesh: bool
+    #: device-to-host link, bytes/s per direction (activation and optimizer offload)
+    host_bw: float = 0.0
 
     @classmethod
     def of(cls, cluster: Cluster, eff: EfficiencyProfile) -> Fabric:
@@ -60,6 +62,7 @@ class Fabric:
             scaleup_latency=eff.scaleup_latency_s,
             scaleout_latency=eff.scaleout_latency_s,
             mesh=eff.scaleup_topology == "mesh",
+            host_bw=device.host_link_bandwidth_bytes_per_s * eff.host_link_efficiency,
         )
 
 

@@ -48,12 +48,12 @@ ROW_KEYS = ("rows", "top", "ranked", "results")
 CANDIDATE_KEYS = ("candidates", "all_candidates", "points", "cloud")
 PARETO_KEYS = ("pareto", "pareto_front", "front")
 LIMIT_KEYS = ("memory_limit_bytes", "capacity_bytes", "limit_bytes")
-COMM_DIMS = ("tp", "cp", "ep", "dp", "pp")
+COMM_DIMS = ("tp", "cp", "ep", "dp", "offload", "pp")
 
 #: Table columns shown first, in this order, when a row has them.
 ROW_PRIORITY = (
     "rank", "dp", "tp", "pp", "cp", "ep", "etp", "vpp", "schedule", "zero", "fsdp", "recompute", "recompute_modules",
-    "micro_batch_size", "mbs", "num_micro_batches", "seq_length", "peak_bytes", "step_s",
+    "offload_modules", "micro_batch_size", "mbs", "num_micro_batches", "seq_length", "peak_bytes", "step_s",
     "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
 )
 

@@ -46,6 +46,7 @@ TIME_SEGMENTS: tuple[tuple[str, str, str], ...] = (
     ("cp", "exposed comm: CP", "#EDC948"),
     ("ep", "exposed comm: EP", "#E15759"),
     ("dp", "exposed comm: DP", "#76B7B2"),
+    ("offload", "exposed host copies: activation offload", "#8CD17D"),
     ("pp", "exposed comm: PP", "#B07AA1"),
     ("comm_other", "exposed comm: other", "#D4A6C8"),
     ("bubble", "pipeline bubble", "#BAB0AC"),

@@ -19,7 +19,13 @@ from ndplan.hardware import Device
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import StrategyBatch, encode
 from ndplan.strategy.precision import PrecisionPolicy
-from ndplan.strategy.strategy import RECOMPUTE_MODULES, SCHEDULES, Strategy, canonical_modules
+from ndplan.strategy.strategy import (
+    OFFLOAD_MODULES,
+    RECOMPUTE_MODULES,
+    SCHEDULES,
+    Strategy,
+    canonical_modules,
+)
 
 #: Dimensions a user can search or fix (``--dims`` / ``--fix``). The last, what selective
 #: recompute re-runs, is searched only where asked for (see ``default_space``).
@@ -95,6 +101,10 @@ class SearchSpace:
     #: policy): one set, or several to search. A candidate that does not recompute selectively
     #: re-runs nothing, so it is listed under the first set alone (``duplicates``).
     recompute_modules: tuple[ModuleSet, ...] = ((),)
+    #: What every candidate offloads to host memory (``Strategy.offload_modules``); candidates
+    #: Megatron-Core would not run with it (full recompute, other schedules) fail rule
+    #: ``offload_runs``.
+    offload_modules: tuple[str, ...] = ()
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -201,7 +211,8 @@ class SearchSpace:
             "seq_length": self.seq_length,
             "fsdp": (column["zero"] == 3).astype(np.int64),
         }
-        return StrategyBatch.from_columns(columns, self.precision, owned=True, recompute_modules=modules)
+        return StrategyBatch.from_columns(columns, self.precision, owned=True, recompute_modules=modules,
+                                          offload_modules=self.offload_modules)
 
     def duplicates(self, index: np.ndarray) -> np.ndarray:
         """Candidates that are another candidate under a second name: etp "same as tp" when
@@ -264,6 +275,7 @@ def default_space(
     dims: tuple[str, ...] | None = None,
     fixed: dict[str, int | str] | None = None,
     recompute_modules: Sequence[str] | Sequence[Sequence[str]] = (),
+    offload_modules: Sequence[str] = (),
 ) -> SearchSpace:
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
@@ -276,7 +288,9 @@ def default_space(
     module sets are searched where several are given, or where ``dims`` names
     "recompute_modules" (then ``module_sets(model, "common")``); without ``dims`` they are
     not, as each set prices the selective candidates again and the default runtime (pytorch)
-    has no modules."""
+    has no modules. ``offload_modules``: what every candidate offloads to host memory
+    (Megatron-Core's ``--offload-modules``, runtime megatron; validated as
+    ``Strategy.offload_modules``)."""
     precision = precision or Strategy().precision
     fixed = dict(fixed or {})
     given = _module_sets(recompute_modules)
@@ -337,8 +351,16 @@ def default_space(
     return SearchSpace(
         **{name: tuple(chosen[name]) for name in DIMENSIONS},
         num_devices=num_devices, global_batch_size=global_batch_size, seq_length=seq_length,
-        precision=precision, fixed=fixed,
+        precision=precision, fixed=fixed, offload_modules=_offload_set(offload_modules),
     )
+
+
+def _offload_set(names: Sequence[str]) -> tuple[str, ...]:
+    """``names`` as ``Strategy.offload_modules`` spells them, or an error naming the allowed ones."""
+    unknown = sorted(set(names) - set(OFFLOAD_MODULES))
+    if unknown:
+        raise NdplanError(f"unknown offload module '{unknown[0]}'; known: {', '.join(OFFLOAD_MODULES)}")
+    return tuple(m for m in OFFLOAD_MODULES if m in set(names))
 
 
 #: Names ``parse_module_set`` reads as the runtime's own selective policy (no modules).

@@ -15,7 +15,7 @@ import numpy as np
 from ndplan.errors import NdplanError
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import StrategyBatch
-from ndplan.strategy.strategy import VIRTUAL_SCHEDULES, Strategy
+from ndplan.strategy.strategy import OFFLOAD_SCHEDULES, VIRTUAL_SCHEDULES, Strategy, offload_conflict
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,21 @@ def _divides_each(divisor: np.ndarray, value: np.ndarray | int) -> Mask:
 
 def _max_layers_per_stage(s: Strategy, ctx: RuleContext) -> int:
     return -(-ctx.model.num_layers // s.num_virtual_stages)
+
+
+def _offload_runs(b: StrategyBatch) -> Mask:
+    """Where Megatron-Core runs the batch's activation offload as asked (``offload_conflict``
+    for one strategy; a batch shares its offload and recompute modules)."""
+    offload, modules = set(b.offload_modules), set(b.recompute_modules)
+    if not offload:
+        return np.ones(len(b), bool)
+    if "attn_proj" in offload and "core_attn" not in offload:
+        return np.zeros(len(b), bool)
+    runs = b.is_in("schedule", OFFLOAD_SCHEDULES) & ~b.is_("recompute", "full")
+    if ("core_attn" in offload and (not modules or "core_attn" in modules)) or (
+            "moe" in modules and {"expert_fc1", "moe_act"} & offload):
+        runs &= ~b.is_("recompute", "selective")
+    return runs
 
 
 def _world(b: StrategyBatch) -> np.ndarray:
@@ -237,6 +252,11 @@ RULES: tuple[Rule, ...] = (
         "recompute_layers_fit_stage",
         lambda b, c: b.recompute_layers <= -(-c.model.num_layers // (b.pp * b.vpp)),
         lambda s, c: f"recompute_layers={s.recompute_layers} exceeds the {_max_layers_per_stage(s, c)} layers of a stage",
+    ),
+    Rule(
+        "offload_runs",
+        lambda b, c: _offload_runs(b),
+        lambda s, c: offload_conflict(s.offload_modules, s.recompute, s.recompute_modules, s.schedule),
     ),
     Rule(
         "recompute_layers_need_recompute",

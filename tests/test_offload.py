@@ -1,0 +1,195 @@
+"""Megatron-Core's fine-grained activation offload: validation, hand-derived bytes, peak and time."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from ndplan.balance import balance
+from ndplan.errors import NdplanError
+from ndplan.hardware import Cluster, get_device
+from ndplan.memory import MemoryOptions, estimate
+from ndplan.memory.stages import layer_activations
+from ndplan.model import ModelSpec, get_preset
+from ndplan.perf.report import estimate_time
+from ndplan.strategy import Strategy, StrategyBatch
+
+MEGATRON = MemoryOptions(runtime="megatron", include_overhead=False)
+# One MoE layer (h 64, 4 heads of 16, top-2 of 8 experts of width 32, a shared expert of 48).
+TINY_MOE = ModelSpec(
+    name="tiny-moe", num_layers=1, hidden_size=64, ffn_hidden_size=0, num_attention_heads=4, num_kv_heads=4,
+    head_dim=16, vocab_size=100, num_experts=8, num_experts_per_tok=2, moe_ffn_hidden_size=32,
+    num_shared_experts=1, shared_expert_ffn_hidden_size=48,
+)
+TINY_DENSE = ModelSpec(name="tiny-dense", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                       num_kv_heads=4, head_dim=16, vocab_size=100)
+
+
+def _moved(model: ModelSpec, *modules: str, kind: str = "moe", **fields: object) -> float:
+    """Bytes per token one layer of ``kind`` moves to the host (tp 1, bf16)."""
+    strategy = Strategy(offload_modules=modules, **fields)  # type: ignore[arg-type]
+    return float(layer_activations(model, StrategyBatch.of(strategy), MEGATRON).offloaded[kind][0])
+
+
+def test_pairs_megatron_refuses_are_named():
+    assert Strategy(offload_modules=("moe_act", "core_attn", "moe_act")).offload_modules == ("core_attn", "moe_act")
+    with pytest.raises(ValidationError, match="attn_proj needs core_attn"):
+        Strategy(offload_modules=("attn_proj",))
+    with pytest.raises(ValidationError, match="Megatron-Core then skips its offload"):
+        Strategy(recompute="selective", offload_modules=("core_attn",))  # Megatron's default list re-runs it
+    with pytest.raises(ValidationError, match="nothing to offload"):
+        Strategy(recompute="full", offload_modules=("expert_fc1",))
+    with pytest.raises(ValidationError, match="cannot go with recompute_modules moe"):
+        Strategy(recompute="selective", recompute_modules=("moe",), offload_modules=("moe_act",))
+    with pytest.raises(ValidationError, match="schedules 1f1b, interleaved, not 'zbv'"):
+        Strategy(pp=2, vpp=2, schedule="zbv", offload_modules=("expert_fc1",))
+    with pytest.raises(ValidationError, match="'attn_norm', 'qkv_linear', 'core_attn'"):
+        Strategy(offload_modules=("fused_group_mlp",))
+    with pytest.raises(ValueError, match="one set of offload modules"):
+        StrategyBatch.of([Strategy(offload_modules=("moe_act",)), Strategy()])
+    assert Strategy(offload_modules=("core_attn", "attn_proj")).short().endswith("offload(core_attn+attn_proj)")
+
+
+def test_moved_bytes_by_hand():
+    """bf16, tp 1, per token: expert_fc1 the experts' permuted input (topk·h·2 = 256); moe_act
+    their fc1 output (2·topk·ffn_e·2 = 256); core_attn q, k, v (3·64·2 = 384); attn_proj the
+    core's output (64·2 = 128); qkv_linear, TE's fused norm + QKV linear, the norm's input and
+    the linear's input (2·64·2 = 256); mlp_norm the MoE pre-MLP norm's input (128). The norms'
+    rsigma and the softmax statistics (under a million elements) stay."""
+    assert _moved(TINY_MOE, "expert_fc1") == 256
+    assert _moved(TINY_MOE, "moe_act") == 256
+    assert _moved(TINY_MOE, "core_attn") == 384
+    assert _moved(TINY_MOE, "core_attn", "attn_proj") == 384 + 128
+    assert _moved(TINY_MOE, "qkv_linear") == 256
+    assert _moved(TINY_MOE, "mlp_norm") == 128
+    assert _moved(TINY_MOE, "attn_norm") == 0  # fused into the QKV linear: an IdentityOp in Megatron
+    every = ("qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+    assert _moved(TINY_MOE, *every) == 256 + 384 + 128 + 128 + 256 + 256
+    # A dense MLP's norm is fused into fc1: nothing of the MLP moves.
+    assert _moved(TINY_DENSE, "mlp_norm", "expert_fc1", "moe_act", kind="dense") == 0
+    # Under SP at tp 2 the norm and linear inputs are sequence-sharded, q/k/v head-sharded: all halve.
+    assert _moved(TINY_MOE, "qkv_linear", "core_attn", tp=2, sequence_parallel=True) == (256 + 384) / 2
+
+
+def test_what_moves_leaves_the_device_and_two_layers_stay():
+    plain = layer_activations(TINY_MOE, StrategyBatch.of(Strategy()), MEGATRON)
+    off = layer_activations(TINY_MOE, StrategyBatch.of(Strategy(offload_modules=("expert_fc1", "moe_act"))), MEGATRON)
+    assert off.full["moe"][0] == plain.full["moe"][0] - 512
+    assert off.backward_extra["moe"][0] == plain.backward_extra["moe"][0] + 2 * 512
+    assert off.rebuilt["moe"][0] == plain.rebuilt["moe"][0]
+
+
+def test_selective_recompute_moves_only_what_it_keeps():
+    """moe_act recompute keeps the fc1 output (the checkpoint's input), which moe_act offload
+    moves; MLA's up-projected q, k, v are rebuilt under mla_up_proj, so core_attn moves none."""
+    kept = _moved(TINY_MOE, "moe_act", "mlp_norm", recompute="selective", recompute_modules=("layernorm", "moe_act"))
+    assert kept == 256 + 128
+    model = get_preset("deepseek-v3")
+    rebuilt = _moved(model, "core_attn", recompute="selective", recompute_modules=("mla_up_proj",))
+    assert rebuilt == 0 < _moved(model, "core_attn")
+    # MLA's input norm is its own module: attn_norm moves its input (h·2 bytes), qkv_linear the projections' inputs.
+    assert _moved(model, "attn_norm") == model.hidden_size * 2
+
+
+def test_more_offload_never_raises_the_peak():
+    model = get_preset("qwen3-30b-a3b")
+    device = get_device("h100-sxm")
+    base = dict(dp=2, pp=4, ep=2, zero=1, num_micro_batches=16, recompute="selective",
+                recompute_modules=("layernorm", "moe_act"))
+    order = ("expert_fc1", "moe_act", "mlp_norm", "core_attn", "attn_proj", "qkv_linear")
+    previous = float("inf")
+    for n in range(len(order) + 1):
+        strategy = Strategy(**base, offload_modules=order[:n])  # type: ignore[arg-type]
+        report = estimate(model, strategy, device, MEGATRON, num_devices=8)
+        assert report.peak_bytes <= previous
+        previous = report.peak_bytes
+        stage = report.stages[0]
+        held = sum(c.peak_in_flight * c.offloaded_bytes_per_micro_batch for c in stage.chunks)
+        assert stage.host_activation_bytes == held and (held > 0) == (n > 0)
+    assert any("pinned host memory" in line for line in report.explain())
+
+
+def test_runtimes_without_the_feature_say_so():
+    strategy = Strategy(dp=8, offload_modules=("expert_fc1",))
+    with pytest.raises(NdplanError, match="runtime 'pytorch' has no such feature"):
+        estimate(TINY_MOE, strategy, get_device("h100-sxm"), MemoryOptions(), num_devices=8)
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=8)
+    with pytest.raises(NdplanError, match="balancer does not plan with activation offload"):
+        balance(get_preset("qwen3-30b-a3b"), Strategy(dp=2, pp=4, ep=2, num_micro_batches=8,
+                                                      offload_modules=("expert_fc1",)), cluster, 60 * 2**30)
+
+
+def _device(host_link_bytes_per_s: float):
+    return get_device("h100-sxm").model_copy(update={"host_link_bandwidth_bytes_per_s": host_link_bytes_per_s})
+
+
+def test_copies_cost_only_what_outlasts_the_pass():
+    """A link so fast that no copy outlasts its pass changes nothing; one so slow that the copies
+    dwarf the compute costs, per layer and micro-batch, the copy each way (bytes / (link · 0.8))
+    less the pass it runs beside."""
+    model = get_preset("qwen3-30b-a3b")
+    strategy = Strategy(dp=8, ep=8, num_micro_batches=2, offload_modules=("expert_fc1", "moe_act"))
+    plain = estimate_time(model, strategy.model_copy(update={"offload_modules": ()}), Cluster(device=_device(64e9), num_devices=8))
+    fast = estimate_time(model, strategy, Cluster(device=_device(1e18), num_devices=8))
+    assert fast.breakdown["comm_exposed"]["offload"] == 0.0
+    assert fast.step_s == pytest.approx(plain.step_s, rel=1e-12)
+    slow_link = 1e9
+    slow = estimate_time(model, strategy, Cluster(device=_device(slow_link), num_devices=8))
+    tokens = strategy.seq_length
+    per_token = _moved(model, "expert_fc1", "moe_act", ep=8, dp=8)
+    copy_s = per_token * tokens / (slow_link * 0.8)
+    forward = plain.details["stage_forward_s"] / model.num_layers
+    backward = (plain.details["stage_backward_s"] + plain.details["stage_weight_grad_s"]) / model.num_layers
+    expected = strategy.num_micro_batches * model.num_layers * ((copy_s - forward) + (copy_s - backward))
+    # The embedding and the head add their passes to the stage totals, which the per-layer split
+    # above spreads over the layers: close, not exact.
+    assert slow.breakdown["comm_exposed"]["offload"] == pytest.approx(expected, rel=0.02)
+    assert slow.step_s == pytest.approx(plain.step_s + slow.breakdown["comm_exposed"]["offload"], rel=0.02)
+
+
+SEARCH_MOE = ModelSpec(
+    name="tiny-moe-4", num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_kv_heads=4,
+    head_dim=32, vocab_size=1024, num_experts=4, num_experts_per_tok=2, moe_ffn_hidden_size=128,
+    layer_mlp_kinds=("dense", "moe", "moe", "moe"),
+)
+
+
+def test_search_prices_every_candidate_with_the_offload_and_drops_what_megatron_would_not_run():
+    """The ranked list equals a loop over the space with the single-strategy API; candidates with
+    full recompute, Megatron's default selective policy (it re-runs core_attn) or a schedule
+    Megatron does not offload under are rejected by rule ``offload_runs``."""
+    import numpy as np
+
+    from ndplan.perf import step_time_batch
+    from ndplan.search import default_space, run_search
+    from ndplan.strategy import check_strategy, get_precision
+
+    device = get_device("h100-sxm")
+    options = MemoryOptions(runtime="megatron")
+    offload = ("core_attn", "expert_fc1")
+    space = default_space(SEARCH_MOE, device, 8, 16, 1024, get_precision("megatron-bf16"),
+                          dims=("tp", "ep", "pp", "schedule", "recompute"), offload_modules=offload)
+    assert space.offload_modules == offload
+    step_time = lambda m, b, c: step_time_batch(m, b, c, weight_grad_rebuilds=False)  # noqa: E731 (megatron runtime)
+    limit = 2 * 2**30
+    result = run_search(SEARCH_MOE, device, space, step_time, memory_limit_bytes=limit, options=options, top=10**9)
+    assert result.rejected["offload_runs"] > 0
+    cluster = Cluster(device=device, num_devices=8)
+    duplicates = space.duplicates(np.arange(space.size))
+    expected = []
+    for candidate in range(space.size):
+        try:
+            strategy = space.strategy(candidate)
+        except ValidationError:  # the pairs Strategy itself refuses
+            continue
+        if duplicates[candidate] or check_strategy(strategy, SEARCH_MOE, 8):
+            continue
+        peak = estimate(SEARCH_MOE, strategy, device, options, num_devices=8).peak_bytes
+        if peak <= limit:
+            expected.append((float(step_time(SEARCH_MOE, StrategyBatch.of(strategy), cluster)["step_s"][0]), peak, candidate))
+    expected.sort()
+    assert expected and [row["candidate"] for row in result.ranked] == [c for _, _, c in expected]
+    assert {row["recompute"] for row in result.ranked} == {"none"}
+    assert {row["schedule"] for row in result.ranked} <= {"1f1b", "interleaved"}
+    with pytest.raises(NdplanError, match="unknown offload module 'fused_group_mlp'; known: attn_norm"):
+        default_space(SEARCH_MOE, device, 8, 16, 1024, offload_modules=("fused_group_mlp",))
