@@ -20,6 +20,7 @@ from ndplan.io import emit, read_config
 from ndplan.io.common import EXTRA_POLICIES, canonical_strategy
 from ndplan.model import ModelSpec, count_parameters, get_preset, preset_names
 from ndplan.strategy import PRECISION_PRESETS, PrecisionPolicy, Strategy, check_strategy
+from ndplan.strategy.strategy import OFFLOAD_MODULES, OFFLOAD_SCHEDULES
 
 MODELS = [get_preset(n) for n in ("llama-3.1-8b", "mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3")]
 SUFFIX = {"megatron": ".sh", "torchtitan": ".toml", "hyperparallel": ".yaml", "mindformers": ".yaml"}
@@ -33,25 +34,25 @@ SPACES: dict[str, dict[str, Any]] = {
         "schedules": ("1f1b", "interleaved", "dualpipev"), "cp_kinds": ("ring", "ulysses", "hybrid"),
         "zero": (0, 1, 2, 3), "precisions": (PRECISION_PRESETS["megatron-bf16"], PRECISION_PRESETS["megatron-fp8"],
                                              PRECISION_PRESETS["fp32"], EXTRA_POLICIES["megatron-fp16"]),
-        "recompute_layers": ("full",), "offload": True,
+        "recompute_layers": ("full",), "offload": True, "activation_offload": True,
     },
     "torchtitan": {
         "schedules": ("1f1b", "gpipe", "interleaved", "zbv", "dualpipev"), "cp_kinds": ("ring",), "zero": (0, 3),
         "precisions": (PRECISION_PRESETS["fsdp-bf16"], PRECISION_PRESETS["fp32"], PRECISION_PRESETS["bf16-pure"]),
-        "recompute_layers": (), "offload": False,
+        "recompute_layers": (), "offload": False, "activation_offload": False,
     },
     "hyperparallel": {
         "schedules": ("1f1b", "interleaved", "gpipe", "zb-h1", "zbv", "dualpipev", "seq1f1b"),
         "cp_kinds": ("ring", "ulysses", "hybrid"), "zero": (0, 3),
         "precisions": (PRECISION_PRESETS["bf16-pure"], PRECISION_PRESETS["fsdp-bf16"], PRECISION_PRESETS["fp32"],
                        HYPER_BF16_FP32_MAIN),
-        "recompute_layers": (), "offload": False,
+        "recompute_layers": (), "offload": False, "activation_offload": False,
     },
     "mindformers": {
         "schedules": ("1f1b", "interleaved", "gpipe", "seq1f1b", "zbv"), "cp_kinds": ("ring", "ulysses", "hybrid"),
         "zero": (0, 1, 3),
         "precisions": (PRECISION_PRESETS["fsdp-bf16"], PRECISION_PRESETS["fp32"], PRECISION_PRESETS["bf16-pure"]),
-        "recompute_layers": ("full", "selective"), "offload": False,
+        "recompute_layers": ("full", "selective"), "offload": False, "activation_offload": False,
     },
 }
 
@@ -143,6 +144,14 @@ def strategies(draw: st.DrawFn, fmt: str) -> tuple[ModelSpec, Strategy]:
     fields["recompute"] = recompute
     if recompute in space["recompute_layers"]:
         fields["recompute_layers"] = draw(st.integers(0, -(-model.num_layers // stages)))
+    if space["activation_offload"] and schedule in OFFLOAD_SCHEDULES and recompute != "full" and draw(st.booleans()):
+        # Megatron-Core's fine-grained activation offload, in the pairs it runs (``offload_conflict``).
+        offload = set(draw(st.sets(st.sampled_from(OFFLOAD_MODULES), min_size=1)))
+        if "attn_proj" in offload:
+            offload.add("core_attn")
+        if recompute == "selective":  # Megatron's default selective recompute re-runs the attention core
+            offload -= {"core_attn", "attn_proj"}
+        fields["offload_modules"] = tuple(offload)
     fields["precision"] = draw(st.sampled_from(space["precisions"]))
     strategy = Strategy(**fields)
     assume(check_strategy(strategy, model) == [])

@@ -16,7 +16,14 @@ from ndplan.io.common import PLAN_TO_FIELD
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import read_structured_file
 from ndplan.strategy.precision import PRECISION_PRESETS
-from ndplan.strategy.strategy import CP_KINDS, RECOMPUTE_MODULES, RECOMPUTES, SCHEDULES, Strategy
+from ndplan.strategy.strategy import (
+    CP_KINDS,
+    OFFLOAD_MODULES,
+    RECOMPUTE_MODULES,
+    RECOMPUTES,
+    SCHEDULES,
+    Strategy,
+)
 
 #: Plan-file keys and the Strategy field each maps to (CLI flags use the same names with dashes);
 #: the framework readers produce settings in the same keys.
@@ -69,6 +76,10 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
                      help="what selective recompute re-runs, as Megatron-Core's --recompute-modules "
                           f"({', '.join(RECOMPUTE_MODULES)}; runtime megatron); default: the runtime's own policy")
+    mem.add_argument("--offload-modules", nargs="+", choices=OFFLOAD_MODULES, metavar="MODULE",
+                     help="modules whose saved activations go to host memory, as Megatron-Core's "
+                          "--fine-grained-activation-offloading --offload-modules "
+                          f"({', '.join(OFFLOAD_MODULES)}; schedules 1f1b/interleaved, not with full recompute)")
     mem.add_argument("--precision", choices=sorted(PRECISION_PRESETS))
 
     batch = parser.add_argument_group("batch")

@@ -503,6 +503,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
         lost.append(f"recompute limited to {s.recompute_layers} layers per stage")
     if s.optimizer_offload:
         lost.append("optimizer-only offload")
+    if s.offload_modules:
+        lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
     doc["dataset"] = {"data_config": {"seq_length": s.seq_length}}
     header = ["# HyperParallel training settings written by ndplan" + (f" for {model.name}" if model else "")
               + f": {s.short()}"]

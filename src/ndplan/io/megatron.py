@@ -2,7 +2,8 @@
 
 Understood: the parallel degrees (TP, PP with virtual stages or a layer layout, CP with its
 communication type, EP/ETP, SP), the distributed optimizer and Megatron/torch FSDP, micro and
-global batch, sequence length, recompute granularity/method/layers, bf16/fp16/fp8 and the
+global batch, sequence length, recompute granularity/method/layers/modules, fine-grained
+activation offload (``--fine-grained-activation-offloading --offload-modules``), bf16/fp16/fp8 and the
 precision-aware optimizer, optimizer CPU offload, the model flags (see ``megatron_model``) and
 the world size of the ``torchrun``/``torch.distributed.launch``/``deepspeed``/``msrun`` line.
 The communication-overlap flags become the step-time model's switches (``_overlap``).
@@ -28,12 +29,12 @@ from ndplan.io.common import (
     precision_setting,
     set_placement,
 )
-from ndplan.io.megatron_args import Args, file_entries, flag_entries, parse_script, world_from_launcher
+from ndplan.io.megatron_args import Arg, Args, file_entries, flag_entries, parse_script, world_from_launcher
 from ndplan.io.megatron_model import FlagModel, model_from_flags
 from ndplan.model.spec import ModelSpec
 from ndplan.placement import uniform_layer_counts
 from ndplan.strategy.precision import PrecisionPolicy
-from ndplan.strategy.strategy import RECOMPUTE_MODULES
+from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, offload_conflict
 
 FORMAT = "megatron"
 
@@ -43,6 +44,8 @@ _CP_ALGOS = {  # MindSpeed --context-parallel-algo
 }
 _CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "ring", "a2a+p2p": "hybrid"}
 _SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+#: ``--offload-modules`` Megatron-Core accepts that ndplan does not price: left out with a warning.
+_UNPRICED_OFFLOAD: tuple[str, ...] = ("fused_group_mlp", "shortcut_post_norm")
 
 
 def read_script(path: Path, text: str, model: ModelSpec | None, devices: int | None) -> ReadResult:
@@ -102,6 +105,7 @@ def interpret(
     _pipeline(args, settings, flag_model, warnings)
     _sharding(args, settings, warnings, notes)
     _recompute(args, settings, warnings, notes)
+    _offload(args, settings, warnings, notes)
     settings["precision"] = precision_setting(_precision(args, warnings))
     _batch(args, settings, dp, warnings, notes)
     overlap = _overlap(args, notes)
@@ -415,6 +419,89 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
         warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-method uniform with "
                         f"--recompute-num-layers {layers} checkpoints groups of {layers} layers; "
                         "ndplan keeps one input per layer")
+
+
+def _offload(args: Args, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:
+    """Megatron-Core's fine-grained activation offload: the modules whose saved inputs go to the
+    host (``offload_modules``), and a warning for each tuning knob ndplan does not model."""
+    enabled = args.has("--fine-grained-activation-offloading")
+    given = args.get("--offload-modules")
+    modules = args.values("--offload-modules") or []
+    if not enabled:
+        if modules:
+            assert given is not None
+            warnings.append(f"{args.src.where(given.line)}: --offload-modules {' '.join(modules)}: Megatron ignores it "
+                            "without --fine-grained-activation-offloading; nothing is offloaded")
+        for flag in _offload_knobs(args, None):
+            notes.append(f"{flag} has no effect without --fine-grained-activation-offloading")
+        return
+    allowed = ", ".join(OFFLOAD_MODULES)
+    if not modules:
+        raise args.error(given or "--fine-grained-activation-offloading",
+                         f"offload_modules is empty: Megatron-Core needs --offload-modules with at least one of {allowed}")
+    unknown = [m for m in modules if m not in OFFLOAD_MODULES and m not in _UNPRICED_OFFLOAD]
+    if unknown:
+        raise args.error(given or "--offload-modules",
+                         f"unknown module {unknown[0]!r} for offload_modules; allowed: {allowed} "
+                         f"({' and '.join(_UNPRICED_OFFLOAD)} are Megatron-Core's too, not priced by ndplan)")
+    where = args.src.where(given.line if given else None)
+    for name in dict.fromkeys(m for m in modules if m in _UNPRICED_OFFLOAD):
+        warnings.append(f"{where}: --offload-modules {name}: ndplan does not price this module's offload and "
+                        "leaves it out")
+    _offload_knobs(args, warnings)
+    chosen = tuple(m for m in OFFLOAD_MODULES if m in modules)
+    if not chosen:
+        return
+    problem = offload_conflict(chosen, settings["recompute"], tuple(settings.get("recompute_modules", ())),
+                               settings["schedule"])
+    if problem:
+        raise args.error(given or "--offload-modules", problem)
+    settings["offload_modules"] = chosen
+
+
+def _offload_knobs(args: Args, warnings: list[str] | None) -> list[str]:
+    """The offload tuning flags set away from Megatron's defaults (each one a warning saying
+    what ndplan assumes instead, when ``warnings`` is given); every one of them is read."""
+    changed: list[str] = []
+
+    def warn(arg: Arg, shown: str, assumption: str) -> None:
+        changed.append(arg.flag)
+        if warnings is not None:
+            warnings.append(f"{args.src.where(arg.line)}: {arg.flag}{shown}: {assumption}")
+
+    size = args.get("--min-offloaded-tensor-size")
+    if size is not None and args.integer(size.flag, minimum=0) != 1024 * 1024:
+        warn(size, f" {size.values[0]}", "ndplan moves every saved tensor of the offloaded modules that is as wide "
+                                         "as the hidden size or wider and keeps the per-token statistics, whatever the "
+                                         f"threshold (Megatron-Core keeps tensors under {size.values[0]} elements on the device)")
+    fraction = args.get("--activation-offload-fraction")
+    if fraction is not None:
+        value = _fraction(args, fraction)
+        if value != 1.0:
+            warn(fraction, f" {fraction.values[0]}", "ndplan assumes fraction 1.0: every layer offloads its modules")
+    delta = args.get("--delta-offload-bytes-across-pp-ranks")
+    if delta is not None and args.integer(delta.flag, minimum=None) != 0:
+        warn(delta, f" {delta.values[0]}", "ndplan offloads the same bytes on every pipeline stage")
+    inflight = args.get("--fine-grained-offloading-max-inflight-offloads")
+    limit = next((v for v in inflight.values if v), None) if inflight is not None else None
+    if inflight is not None and limit is not None:
+        warn(inflight, f" {limit}", "ndplan prices a forward that waits for each copy that falls behind "
+                                    "and holds no pending copies in device memory, whatever the cap")
+    delay = args.get("--delay-offload-until-cuda-graph")
+    if delay is not None:
+        warn(delay, "", "ndplan models no CUDA graphs; it starts each copy when its module's forward ends")
+    return changed
+
+
+def _fraction(args: Args, arg: Arg) -> float:
+    text = arg.values[0] if arg.values else ""
+    try:
+        value = float(text)
+    except ValueError:
+        raise args.error(arg, f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise args.error(arg, f"must be in [0, 1], got {text}")
+    return value
 
 
 def _precision(args: Args, warnings: list[str]) -> PrecisionPolicy:

@@ -138,6 +138,8 @@ def _memory(s: Strategy, lost: list[str]) -> Flags:
             flags.append(("--recompute-modules", tuple(s.recompute_modules)))
         if s.recompute_layers:
             lost.append(f"selective recompute limited to {s.recompute_layers} layers per stage")
+    if s.offload_modules:
+        flags += [("--fine-grained-activation-offloading", None), ("--offload-modules", tuple(s.offload_modules))]
     return flags + _precision(s, lost)
 
 

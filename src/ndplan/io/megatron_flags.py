@@ -126,8 +126,6 @@ NO_EFFECT_PREFIXES: tuple[str, ...] = (
 UNMODELLED: dict[str, str] = {
     "--cpu-offloading-num-layers": "activation offloading to the host is not modelled",
     "--cpu-offloading": "activation offloading to the host is not modelled",
-    "--fine-grained-activation-offloading": "activation offloading to the host is not modelled",
-    "--offload-modules": "activation offloading to the host is not modelled",
     "--distribute-saved-activations": "recomputation inputs split over the tensor-parallel group are not modelled",
     "--moe-expert-capacity-factor": "expert capacity (token dropping) is not modelled; ndplan assumes dropless routing",
     "--moe-pad-expert-input-to-capacity": "expert capacity padding is not modelled",

@@ -534,6 +534,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
         notes.append("select_recompute stands for ndplan's selective recompute (MindSpore picks the operators)")
     if s.recompute_modules:
         lost.append(f"Megatron's recompute modules ({' '.join(s.recompute_modules)})")
+    if s.offload_modules:
+        lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
 
     cfg: dict[str, Any] = {"seq_length": s.seq_length}
     p = policy_of(s.precision)

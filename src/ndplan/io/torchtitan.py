@@ -499,6 +499,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
         if s.recompute_layers:
             lost.append(f"selective recompute of {s.recompute_layers} layers per stage")
     tables["activation_checkpoint"] = ac
+    if s.offload_modules:
+        lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
 
     lines = ["# torchtitan job settings written by ndplan" + (f" for {model.name}" if model else "") + f": {s.short()}",
              f"# world size: {s.world_size} (NGPU × nodes)"]

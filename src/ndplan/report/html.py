@@ -425,6 +425,9 @@ def reproduce_command(inputs: Mapping[str, Any]) -> tuple[str, list[str]]:
         elif key == "recompute_modules":
             if value:
                 args += ["--recompute-modules", *(str(v) for v in value)]
+        elif key == "offload_modules":
+            if value:
+                args += ["--offload-modules", *(str(v) for v in value)]
         elif key == "precision":
             name = value.get("name") if isinstance(value, Mapping) else value
             default_name = getattr(default, "name", None)
