@@ -193,3 +193,15 @@ def test_search_prices_every_candidate_with_the_offload_and_drops_what_megatron_
     assert {row["schedule"] for row in result.ranked} <= {"1f1b", "interleaved"}
     with pytest.raises(NdplanError, match="unknown offload module 'fused_group_mlp'; known: attn_norm"):
         default_space(SEARCH_MOE, device, 8, 16, 1024, offload_modules=("fused_group_mlp",))
+
+
+def test_the_estimate_says_it_is_unmeasured_and_names_modules_that_move_nothing():
+    strategy = Strategy(dp=8, zero=1, offload_modules=("attn_norm", "core_attn", "expert_fc1", "moe_act"))
+    report = estimate(get_preset("llama-3.1-8b"), strategy, get_device("h100-sxm"), MEGATRON, num_devices=8)
+    assert any("not yet checked against a measured run" in c for c in report.caveats)
+    idle = next(c for c in report.caveats if "move nothing" in c)
+    assert idle.startswith("offload modules attn_norm expert_fc1 moe_act move nothing in llama-3.1-8b")
+    assert idle.count("no routed experts") == 1
+    moe = estimate(get_preset("deepseek-v3"), Strategy(dp=64, ep=64, zero=1, offload_modules=("attn_norm",)),
+                   get_device("h100-sxm"), MEGATRON, num_devices=64)
+    assert not any("move nothing" in c for c in moe.caveats)  # MLA's input norm is its own module

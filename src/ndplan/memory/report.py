@@ -116,7 +116,7 @@ class MemoryReport:
     @property
     def caveats(self) -> list[str]:
         """Where measurements say this estimate is not to be trusted as it stands."""
-        return known_gaps(self.strategy, self.options)
+        return known_gaps(self.strategy, self.options, self.model)
 
     @property
     def peak_stage(self) -> int:
@@ -241,10 +241,18 @@ def estimate(
     return MemoryReport(model, strategy, hardware, options, tuple(stages))
 
 
-def known_gaps(strategy: Strategy, options: MemoryOptions) -> list[str]:
-    """Measured misses of the estimator for this kind of strategy (docs/accuracy.md), so that a
-    user sees them beside the number rather than in a document."""
+def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | None = None) -> list[str]:
+    """Measured misses of the estimator for this kind of strategy (docs/accuracy.md), and what
+    it prices unmeasured, so that a user sees them beside the number rather than in a document."""
     gaps = []
+    if strategy.offload_modules:
+        gaps.append("activation offload is priced from Megatron-Core's code (what each module saves, two layers kept on "
+                    "the device, copies at 0.8 of the host link's rate), not yet checked against a measured run "
+                    "(docs/time.md)")
+        idle = _idle_offload_modules(strategy.offload_modules, model) if model is not None else ()
+        if idle:
+            gaps.append(f"offload modules {' '.join(idle)} move nothing in {model.name if model else 'this model'}: "
+                        + "; ".join(dict.fromkeys(_IDLE_REASONS[m] for m in idle)))
     split = strategy.schedule in SPLIT_BACKWARD
     if options.runtime == "pytorch" and split and strategy.recompute == "selective":
         gaps.append("PyTorch cannot run this: selective activation checkpointing with a split backward "
@@ -258,6 +266,23 @@ def known_gaps(strategy: Strategy, options: MemoryOptions) -> list[str]:
                     "those rebuilds too (a forward of the layer per parameter group, 9-15 per layer and "
                     "micro-batch), from FLOPs, not yet checked against a measured run")
     return gaps
+
+
+_IDLE_REASONS = {
+    "attn_norm": "its attention norm is fused into the QKV linear (offload qkv_linear instead)",
+    "mlp_norm": "a dense MLP's norm is fused into its first linear, and it has no MoE layer",
+    "expert_fc1": "it has no routed experts",
+    "moe_act": "it has no routed experts",
+}
+
+
+def _idle_offload_modules(modules: tuple[str, ...], model: ModelSpec) -> tuple[str, ...]:
+    """The offload modules that are no-ops for ``model`` in Megatron-Core (an IdentityOp norm, or
+    no experts): Megatron runs them without effect, so does ndplan; a user should know."""
+    idle = {"attn_norm"} if not model.is_mla else set()
+    if not model.is_moe:
+        idle |= {"mlp_norm", "expert_fc1", "moe_act"}
+    return tuple(m for m in modules if m in idle)
 
 
 def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions, placement: Placement) -> list[ChunkReport]:
