@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from ndplan.balance import balance
+from ndplan.balance import balance, build_problem, evaluate, uniform_plan
+from ndplan.balance.build import baseline_option, runnable_options
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, get_device
 from ndplan.memory import MemoryOptions, estimate
@@ -113,10 +115,6 @@ def test_runtimes_without_the_feature_say_so():
     strategy = Strategy(dp=8, offload_modules=("expert_fc1",))
     with pytest.raises(NdplanError, match="runtime 'pytorch' has no such feature"):
         estimate(TINY_MOE, strategy, get_device("h100-sxm"), MemoryOptions(), num_devices=8)
-    cluster = Cluster(device=get_device("h100-sxm"), num_devices=8)
-    with pytest.raises(NdplanError, match="balancer does not plan with activation offload"):
-        balance(get_preset("qwen3-30b-a3b"), Strategy(dp=2, pp=4, ep=2, num_micro_batches=8,
-                                                      offload_modules=("expert_fc1",)), cluster, 60 * 2**30)
 
 
 def _device(host_link_bytes_per_s: float):
@@ -205,3 +203,37 @@ def test_the_estimate_says_it_is_unmeasured_and_names_modules_that_move_nothing(
     moe = estimate(get_preset("deepseek-v3"), Strategy(dp=64, ep=64, zero=1, offload_modules=("attn_norm",)),
                    get_device("h100-sxm"), MEGATRON, num_devices=64)
     assert not any("move nothing" in c for c in moe.caveats)  # MLA's input norm is its own module
+
+
+BALANCED = Strategy(dp=2, pp=4, ep=2, zero=1, num_micro_batches=16, recompute="selective",
+                    recompute_modules=("layernorm", "moe_act"), offload_modules=("expert_fc1", "moe_act"))
+
+
+def test_the_balancer_offers_what_megatron_runs_beside_the_offload():
+    """Offload runs the same modules in every layer; a layer may recompute selectively (where
+    Megatron accepts the pair) but not fully, which would leave nothing to offload."""
+    megatron = MemoryOptions(runtime="megatron")
+    assert runnable_options(BALANCED, megatron) == ("none", "selective")
+    core = Strategy(offload_modules=("core_attn",))
+    assert runnable_options(core, megatron) == ("none",)  # Megatron's default selective re-runs core_attn
+    assert runnable_options(core, megatron, selective_modules=("layernorm",)) == ("none", "selective")
+    assert runnable_options(Strategy(), megatron) == ("none", "selective", "full")
+
+
+def test_balanced_problem_with_offload_reproduces_the_estimator_and_plans_fit():
+    model = get_preset("qwen3-30b-a3b")
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=8)
+    options = MemoryOptions(runtime="megatron")
+    problem = build_problem(model, BALANCED, cluster, 80 * 2**30, options)
+    assert baseline_option(problem) == "selective"
+    cost = evaluate(problem, uniform_plan(problem, "none"))
+    plain = BALANCED.with_recompute("none")
+    expected = [stage.peak_bytes for stage in estimate(model, plain, cluster.device, options).stages]
+    np.testing.assert_allclose(cost.stage_memory_bytes, expected, rtol=1e-9)
+    limit = 0.5 * (cost.stage_memory_bytes.max() + evaluate(problem, uniform_plan(problem, "selective")).stage_memory_bytes.max())
+    for exact in (True, False):
+        result = balance(model, BALANCED, cluster, limit, options, exact=exact)
+        assert result.cost.fits and set(result.plan.recompute) <= {"none", "selective"}
+        assert result.cost.step_s <= result.baseline[1].step_s + 1e-12
+        assert result.to_dict()["before"]["recompute"] == "selective"
+        assert result.estimated_stage_bytes is not None

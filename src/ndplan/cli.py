@@ -275,7 +275,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
         table.add_row(str(s), str(before), format_bytes(base_cost.stage_memory_bytes[s]), f"{base_cost.stage_time_s[s] * 1e3:.1f} ms",
                       str(after), format_bytes(result.cost.stage_memory_bytes[s]), f"{result.cost.stage_time_s[s] * 1e3:.1f} ms")
     console.print(table)
-    console.print("before: uniform placement, full recompute on every layer; times are per micro-batch (F+B+W)")
+    before = base_plan.recompute[0] if base_plan.recompute else "full"
+    why = " (with activation offload a layer may not recompute fully)" if before != "full" else ""
+    console.print(f"before: uniform placement, {before} recompute on every layer{why}; times are per micro-batch (F+B+W)")
     console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
     selective = (f"selective({'+'.join(result.selective_modules)})" if result.selective_modules
                  else "selective(default)" if result.selective_modules == () else "selective")

@@ -44,6 +44,7 @@ from ndplan.placement import place_layers
 from ndplan.schedule import SPLIT_BACKWARD, in_flight
 from ndplan.strategy import Strategy, StrategyBatch
 from ndplan.strategy.rules import validate_strategy
+from ndplan.strategy.strategy import offload_conflict
 
 OPTIONS = ("none", "selective", "full")
 
@@ -65,13 +66,27 @@ def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *,
             for name, piece in pieces.items()}
 
 
-def runnable_options(strategy: Strategy, options: MemoryOptions) -> tuple[str, ...]:
+def runnable_options(strategy: Strategy, options: MemoryOptions,
+                     selective_modules: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The recompute options a plan may use: PyTorch refuses selective checkpointing under a
     split backward ("backward an extra time" in torch.distributed.pipelining, measured), as the
-    search does."""
+    search does. With activation offload (the same modules in every layer, as Megatron-Core
+    runs it): not full recompute, which leaves nothing to offload, nor a selective policy that
+    Megatron would refuse beside it (``offload_conflict``; ``selective_modules``: the policy
+    tried, default the strategy's own)."""
     if options.runtime == "pytorch" and strategy.schedule in SPLIT_BACKWARD:
         return tuple(o for o in OPTIONS if o != "selective")
+    if strategy.offload_modules:
+        modules = strategy.recompute_modules if selective_modules is None else selective_modules
+        selective_runs = not offload_conflict(strategy.offload_modules, "selective", modules, strategy.schedule)
+        return ("none", "selective") if selective_runs else ("none",)
     return OPTIONS
+
+
+def baseline_option(problem: BalanceProblem) -> str:
+    """What the baseline plan runs on every layer: full recompute, else (where a plan may not
+    use it: activation offload) the most memory-saving option it may."""
+    return next(o for o in ("full", "selective", "none") if o in problem.options)
 
 
 def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster, weight_grad_rebuilds: bool,
@@ -93,11 +108,6 @@ def build_problem(
     ``selective_modules`` (default: the strategy's own, ``Strategy.recompute_modules``)."""
     options = options or MemoryOptions()
     validate_strategy(strategy, model, cluster.num_devices)
-    if strategy.offload_modules:
-        # Its options run full recompute, which leaves nothing to offload, and Megatron-Core
-        # offloads the same modules in every layer: a plan per layer would not be runnable.
-        raise NdplanError(f"the balancer does not plan with activation offload ({' '.join(strategy.offload_modules)}) "
-                          "yet: balance without it, or estimate the offloaded strategy with `ndplan estimate`")
     slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"] * options.include_overhead
     seconds = _piece_seconds(model, strategy, cluster, options.profile.weight_grad_recomputes_per_group, options.overlap,
                              selective_modules)
@@ -151,7 +161,7 @@ def build_problem(
     fixed = fixed_of["none"]
     transient = np.maximum(fixed_of["full"] - fixed_of["none"], 0.0)
     return BalanceProblem(
-        layer_kinds=model.layer_mlp_kinds, options=runnable_options(strategy, options), costs=costs,
+        layer_kinds=model.layer_mlp_kinds, options=runnable_options(strategy, options, selective_modules), costs=costs,
         stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=np.asarray(flight.peak),
         num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
         fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
@@ -161,7 +171,7 @@ def build_problem(
 @dataclass(frozen=True)
 class BalanceResult:
     problem: BalanceProblem
-    baseline: tuple[Plan, PlanCost]  # uniform placement, full recompute on every layer
+    baseline: tuple[Plan, PlanCost]  # uniform placement, ``baseline_option`` (full recompute) on every layer
     plan: Plan
     cost: PlanCost
     solver: str  # "dp" or "milp" (exact), or "heuristic"
@@ -203,7 +213,7 @@ class BalanceResult:
             "solve_seconds": self.solve_seconds,
             "stage_layers": list(self.plan.stage_layers),
             "recompute_ranges": [{"first": a, "count": n, "option": o} for a, n, o in self.plan.ranges()],
-            "before": {"stage_layers": list(base_plan.stage_layers), "recompute": "full",
+            "before": {"stage_layers": list(base_plan.stage_layers), "recompute": base_plan.recompute[0],
                        "stage_memory_bytes": base_cost.stage_memory_bytes.round().tolist(),
                        "stage_time_s": base_cost.stage_time_s.tolist(), "step_s": base_cost.step_s, "fits": base_cost.fits},
             "after": {"stage_memory_bytes": self.cost.stage_memory_bytes.round().tolist(),
@@ -259,7 +269,7 @@ def balance(
     for modules in policies:
         problem = build_problem(model, strategy, cluster, memory_limit_bytes, options, modules)
         own_problem = own_problem or problem
-        baseline_plan = uniform_plan(problem, "full")
+        baseline_plan = uniform_plan(problem, baseline_option(problem))
         started = clock.perf_counter()
         found = solve_exact(problem) if exact else solve_heuristic(problem)
         solve_seconds += clock.perf_counter() - started
@@ -276,13 +286,14 @@ def balance(
             best_settings = entry
     if best is None:
         assert own_problem is not None  # the strategy's own policy comes first
-        needs = evaluate(own_problem, uniform_plan(own_problem, "full")).stage_memory_bytes.max()
+        option = baseline_option(own_problem)
+        needs = evaluate(own_problem, uniform_plan(own_problem, option)).stage_memory_bytes.max()
         raise NdplanError(
             f"no placement and recompute plan fits {memory_limit_bytes / 2**30:,.2f} GiB per device for "
-            f"{strategy.short()}; uniform full recompute needs {needs / 2**30:,.2f} GiB"
+            f"{strategy.short()}; uniform {option} recompute needs {needs / 2**30:,.2f} GiB"
         )
     problem, found = best["problem"], best["found"]
-    baseline_plan = uniform_plan(problem, "full")
+    baseline_plan = uniform_plan(problem, baseline_option(problem))
     baseline = (baseline_plan, evaluate(problem, baseline_plan))
     simulated = (simulated_step_s(problem, baseline_plan, strategy.schedule),
                  simulated_step_s(problem, found[0], strategy.schedule))

@@ -19,7 +19,7 @@ import numpy as np
 
 from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
 from ndplan.balance.bound import balanced_step_lower_bound
-from ndplan.balance.build import best_settings_plan, plan_stage_bytes, plan_strategy
+from ndplan.balance.build import baseline_option, best_settings_plan, plan_stage_bytes, plan_strategy
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.stages import peak_memory
@@ -80,7 +80,7 @@ def rank_balanced(
             found = solve_heuristic(problem)
             balanced += 1
             if found is not None and one_setting:
-                found = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
+                found = best_settings_plan(problem, found[0], uniform_plan(problem, baseline_option(problem)))
             if found is not None:
                 uniform = evaluate(problem, uniform_plan(problem, strategy.recompute))
                 ratio = found[1].step_s / uniform.step_s
@@ -125,7 +125,7 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             row["balanced_recompute"] = [{"first": a, "count": n, "option": o} for a, n, o in found["plan"].ranges()]
             # What --emit writes: the fastest plan one recompute setting expresses, priced alike.
             problem = found["problem"]
-            settings, settings_cost = best_settings_plan(problem, found["plan"], uniform_plan(problem, "full"))
+            settings, settings_cost = best_settings_plan(problem, found["plan"], uniform_plan(problem, baseline_option(problem)))
             strategy = plan_strategy(space.strategy(int(candidate)), settings, space.selective_modules(int(candidate)))
             row["balanced_settings"] = {
                 "label": strategy.short(), "stage_layers": list(settings.stage_layers),
