@@ -152,25 +152,26 @@ SEARCH_MOE = ModelSpec(
 )
 
 
-def test_search_prices_every_candidate_with_the_offload_and_drops_what_megatron_would_not_run():
-    """The ranked list equals a loop over the space with the single-strategy API; candidates with
-    full recompute, Megatron's default selective policy (it re-runs core_attn) or a schedule
-    Megatron does not offload under are rejected by rule ``offload_runs``."""
-    import numpy as np
-
+def test_search_over_offload_sets_equals_brute_force():
+    """The ranked list equals a loop over the space with the single-strategy API, each candidate
+    priced with its own offload and recompute modules; candidates with full recompute, Megatron's
+    default selective policy beside core_attn, or a schedule Megatron does not offload under are
+    rejected by rule ``offload_runs``."""
     from ndplan.perf import step_time_batch
     from ndplan.search import default_space, run_search
     from ndplan.strategy import check_strategy, get_precision
 
     device = get_device("h100-sxm")
     options = MemoryOptions(runtime="megatron")
-    offload = ("core_attn", "expert_fc1")
+    sets = ((), ("core_attn", "expert_fc1"), ("expert_fc1", "moe_act"))
     space = default_space(SEARCH_MOE, device, 8, 16, 1024, get_precision("megatron-bf16"),
-                          dims=("tp", "ep", "pp", "schedule", "recompute"), offload_modules=offload)
-    assert space.offload_modules == offload
+                          dims=("ep", "pp", "schedule", "recompute"), offload_modules=sets,
+                          recompute_modules=((), ("layernorm", "moe_act")))
+    assert space.offload_modules == sets and len(space.recompute_modules) == 2
     step_time = lambda m, b, c: step_time_batch(m, b, c, weight_grad_rebuilds=False)  # noqa: E731 (megatron runtime)
     limit = 2 * 2**30
-    result = run_search(SEARCH_MOE, device, space, step_time, memory_limit_bytes=limit, options=options, top=10**9)
+    result = run_search(SEARCH_MOE, device, space, step_time, memory_limit_bytes=limit, options=options, top=10**9,
+                        block_size=97)
     assert result.rejected["offload_runs"] > 0
     cluster = Cluster(device=device, num_devices=8)
     duplicates = space.duplicates(np.arange(space.size))
@@ -182,27 +183,29 @@ def test_search_prices_every_candidate_with_the_offload_and_drops_what_megatron_
             continue
         if duplicates[candidate] or check_strategy(strategy, SEARCH_MOE, 8):
             continue
+        if strategy.recompute == "selective":  # the digit arithmetic under the offload digit
+            assert space.selective_modules(candidate) == strategy.recompute_modules
         peak = estimate(SEARCH_MOE, strategy, device, options, num_devices=8).peak_bytes
         if peak <= limit:
             expected.append((float(step_time(SEARCH_MOE, StrategyBatch.of(strategy), cluster)["step_s"][0]), peak, candidate))
     expected.sort()
     assert expected and [row["candidate"] for row in result.ranked] == [c for _, _, c in expected]
-    assert {row["recompute"] for row in result.ranked} == {"none"}
-    assert {row["schedule"] for row in result.ranked} <= {"1f1b", "interleaved"}
+    assert {row["offload_modules"] for row in result.ranked} == {"", "core_attn+expert_fc1", "expert_fc1+moe_act"}
+    assert "full" not in {row["recompute"] for row in result.ranked if row["offload_modules"]}
+    assert {row["schedule"] for row in result.ranked if row["offload_modules"]} <= {"1f1b", "interleaved"}
     with pytest.raises(NdplanError, match="unknown offload module 'fused_group_mlp'; known: attn_norm"):
         default_space(SEARCH_MOE, device, 8, 16, 1024, offload_modules=("fused_group_mlp",))
 
 
-def test_the_estimate_says_it_is_unmeasured_and_names_modules_that_move_nothing():
-    strategy = Strategy(dp=8, zero=1, offload_modules=("attn_norm", "core_attn", "expert_fc1", "moe_act"))
-    report = estimate(get_preset("llama-3.1-8b"), strategy, get_device("h100-sxm"), MEGATRON, num_devices=8)
-    assert any("not yet checked against a measured run" in c for c in report.caveats)
-    idle = next(c for c in report.caveats if "move nothing" in c)
-    assert idle.startswith("offload modules attn_norm expert_fc1 moe_act move nothing in llama-3.1-8b")
-    assert idle.count("no routed experts") == 1
-    moe = estimate(get_preset("deepseek-v3"), Strategy(dp=64, ep=64, zero=1, offload_modules=("attn_norm",)),
-                   get_device("h100-sxm"), MEGATRON, num_devices=64)
-    assert not any("move nothing" in c for c in moe.caveats)  # MLA's input norm is its own module
+def test_offload_sets_worth_searching():
+    from ndplan.search.space import offload_sets, parse_offload_set
+
+    assert offload_sets(get_preset("llama-3.1-8b")) == ((), ("core_attn", "attn_proj"), ("qkv_linear", "core_attn", "attn_proj"))
+    deepseek = offload_sets(get_preset("deepseek-v3"))
+    assert deepseek[:2] == ((), ("expert_fc1", "moe_act")) and deepseek[-1][0] == "attn_norm" and len(deepseek) == 5
+    assert parse_offload_set("moe_act+expert_fc1") == ("expert_fc1", "moe_act") and parse_offload_set("none") == ()
+    with pytest.raises(NdplanError, match="unknown offload module 'mlp'"):
+        parse_offload_set("mlp")
 
 
 BALANCED = Strategy(dp=2, pp=4, ep=2, zero=1, num_micro_batches=16, recompute="selective",
@@ -237,3 +240,19 @@ def test_balanced_problem_with_offload_reproduces_the_estimator_and_plans_fit():
         assert result.cost.step_s <= result.baseline[1].step_s + 1e-12
         assert result.to_dict()["before"]["recompute"] == "selective"
         assert result.estimated_stage_bytes is not None
+
+
+def test_search_cli_takes_offload_sets(capsys):
+    import json
+
+    from ndplan.cli import main
+
+    argv = ["search", "--model", "qwen3-30b-a3b", "--devices", "16", "--hardware", "h100-sxm", "--gbs", "64",
+            "--runtime", "megatron", "--dims", "ep", "pp", "recompute", "--json"]
+    assert main([*argv, "--offload-module-sets", "none", "expert_fc1+moe_act"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert {row["offload_modules"] for row in ranked} == {"", "expert_fc1+moe_act"}
+    assert main([*argv, "--offload-modules", "moe_act", "--offload-module-sets", "none"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main([*argv, "--offload-module-sets", "none", "expert_fc2"]) == 2
+    assert "unknown offload module 'expert_fc2'" in capsys.readouterr().err

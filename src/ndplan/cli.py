@@ -275,9 +275,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
         table.add_row(str(s), str(before), format_bytes(base_cost.stage_memory_bytes[s]), f"{base_cost.stage_time_s[s] * 1e3:.1f} ms",
                       str(after), format_bytes(result.cost.stage_memory_bytes[s]), f"{result.cost.stage_time_s[s] * 1e3:.1f} ms")
     console.print(table)
-    before = base_plan.recompute[0] if base_plan.recompute else "full"
-    why = " (with activation offload a layer may not recompute fully)" if before != "full" else ""
-    console.print(f"before: uniform placement, {before} recompute on every layer{why}; times are per micro-batch (F+B+W)")
+    base_option = base_plan.recompute[0] if base_plan.recompute else "full"
+    why = " (with activation offload a layer may not recompute fully)" if base_option != "full" else ""
+    console.print(f"before: uniform placement, {base_option} recompute on every layer{why}; times are per micro-batch (F+B+W)")
     console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
     selective = (f"selective({'+'.join(result.selective_modules)})" if result.selective_modules
                  else "selective(default)" if result.selective_modules == () else "selective")
@@ -369,11 +369,16 @@ def cmd_search(args: argparse.Namespace) -> int:
         if args.recompute_modules:
             raise NdplanError("give --recompute-modules (one set) or --recompute-module-sets (several), not both")
         modules = _module_sets_argument(model, args.recompute_module_sets)
+    offload: Any = tuple(args.offload_modules or (read.strategy_settings.get("offload_modules", ())
+                                                  if read is not None else ()))
+    if args.offload_module_sets:
+        if args.offload_modules:
+            raise NdplanError("give --offload-modules (one set) or --offload-module-sets (several), not both")
+        offload = _offload_sets_argument(model, args.offload_module_sets)
     space = default_space(
         model, device, args.devices, args.gbs, args.seq, get_precision(args.precision),
         dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []), recompute_modules=modules,
-        offload_modules=tuple(args.offload_modules or (read.strategy_settings.get("offload_modules", ())
-                                                       if read is not None else ())),
+        offload_modules=offload,
     )
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     options = _memory_options(args, {"overlap": args.overlap}, read)
@@ -464,6 +469,16 @@ def _module_sets_argument(model: ModelSpec, items: list[str]) -> tuple[tuple[str
     if len(items) == 1 and items[0] in ("common", "all"):
         return module_sets(model, items[0])
     return tuple(parse_module_set(item) for item in items)
+
+
+def _offload_sets_argument(model: ModelSpec, items: list[str]) -> tuple[tuple[str, ...], ...]:
+    """--offload-module-sets: 'common' (``search.space.offload_sets``), or sets such as
+    'expert_fc1+moe_act' and 'none' (no offload)."""
+    from ndplan.search.space import offload_sets, parse_offload_set
+
+    if len(items) == 1 and items[0] == "common":
+        return offload_sets(model)
+    return tuple(parse_offload_set(item) for item in items)
 
 
 def _what_would_fit(result: Any, model: ModelSpec, device: Any, space: Any, options: Any) -> list[str]:
@@ -640,6 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what every candidate offloads to host memory (Megatron-Core's --offload-modules; runtime "
                         "megatron); candidates Megatron would not run with it (full recompute, its default selective "
                         "policy with core_attn, other schedules) are rejected")
+    p.add_argument("--offload-module-sets", nargs="+", metavar="SET",
+                   help="search what goes to host memory (runtime megatron): sets such as 'expert_fc1+moe_act' or "
+                        "'none', or 'common' (up to 5 sets for the model); '--dims ... offload_modules' searches "
+                        "'common'")
     p.add_argument("--recompute-module-sets", nargs="+", metavar="SET",
                    help="search what selective recompute re-runs (runtime megatron): sets such as "
                         "'layernorm+moe_act' or 'default' (the runtime's own policy), or 'common' (up to 5 sets "

@@ -27,17 +27,22 @@ from ndplan.strategy.strategy import (
     canonical_modules,
 )
 
-#: Dimensions a user can search or fix (``--dims`` / ``--fix``). The last, what selective
-#: recompute re-runs, is searched only where asked for (see ``default_space``).
+#: Dimensions a user can search or fix (``--dims`` / ``--fix``). The last two, what selective
+#: recompute re-runs and what goes to host memory, are searched only where asked for (see
+#: ``default_space``).
 DIMENSIONS: tuple[str, ...] = (
     "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute", "recompute_modules",
+    "offload_modules",
 )
+#: Dimensions whose values are module sets, one per batch (``StrategyBatch.recompute_modules``,
+#: ``StrategyBatch.offload_modules``).
+SET_DIMENSIONS: tuple[str, ...] = ("recompute_modules", "offload_modules")
 
-#: The order ``SearchSpace.blocks`` runs through the dimensions, slowest first: the module set
-#: first, as a batch shares one (``StrategyBatch.recompute_modules``).
+#: The order ``SearchSpace.blocks`` runs through the dimensions, slowest first: the module sets
+#: first, as a batch shares them.
 BLOCK_ORDER: tuple[str, ...] = (
-    "recompute_modules", "pp", "schedule",
-    *(name for name in DIMENSIONS if name not in ("recompute_modules", "pp", "schedule")),
+    *SET_DIMENSIONS, "pp", "schedule",
+    *(name for name in DIMENSIONS if name not in (*SET_DIMENSIONS, "pp", "schedule")),
 )
 
 ModuleSet = tuple[str, ...]
@@ -101,10 +106,10 @@ class SearchSpace:
     #: policy): one set, or several to search. A candidate that does not recompute selectively
     #: re-runs nothing, so it is listed under the first set alone (``duplicates``).
     recompute_modules: tuple[ModuleSet, ...] = ((),)
-    #: What every candidate offloads to host memory (``Strategy.offload_modules``); candidates
-    #: Megatron-Core would not run with it (full recompute, other schedules) fail rule
-    #: ``offload_runs``.
-    offload_modules: tuple[str, ...] = ()
+    #: What the candidates offload to host memory (``Strategy.offload_modules``; () nothing): one
+    #: set, or several to search. Candidates Megatron-Core would not run with theirs (full
+    #: recompute, other schedules) fail rule ``offload_runs``.
+    offload_modules: tuple[ModuleSet, ...] = ((),)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -122,9 +127,9 @@ class SearchSpace:
         holds a few pipeline shapes: the memory model pays a fixed cost per shape in a block,
         which in index order (where pp and the schedule vary faster than tp, sp, cp and ep) every
         block would pay for nearly every shape. A candidate's index is unchanged: its position in
-        the product of ``DIMENSIONS``. Slower still runs the module set, one per block; under
-        every set but the first only the selective candidates are listed (the others are
-        duplicates, ``duplicates``, and counted as such without being listed).
+        the product of ``DIMENSIONS``. Slower still run the module sets, one of each per block;
+        under every recompute module set but the first only the selective candidates are listed
+        (the others are duplicates, ``duplicates``, and counted as such without being listed).
 
         In that order each dimension's value changes every so many positions (the product of the
         faster dimensions' sizes), so a block's columns and indices are runs and repetitions of
@@ -133,12 +138,13 @@ class SearchSpace:
         index_stride = dict(zip(DIMENSIONS, _strides([sizes[name] for name in DIMENSIONS]), strict=True))
         pipeline = self._pipeline_options()
         selective = [i for i, value in enumerate(self.recompute) if value == "selective"]
-        for module_set in range(sizes["recompute_modules"]):
+        for module_set, offload_set in np.ndindex(sizes["recompute_modules"], sizes["offload_modules"]):
             if module_set and not selective:
                 continue
             # The digits each dimension takes in this part of the product.
             digits = {name: np.arange(sizes[name], dtype=np.int64) for name in DIMENSIONS}
             digits["recompute_modules"] = np.array([module_set], dtype=np.int64)
+            digits["offload_modules"] = np.array([offload_set], dtype=np.int64)
             if module_set:
                 digits["recompute"] = np.array(selective, dtype=np.int64)
             block_stride = dict(zip(BLOCK_ORDER, _strides([len(digits[name]) for name in BLOCK_ORDER]), strict=True))
@@ -164,8 +170,8 @@ class SearchSpace:
         return (sets - 1) * (per_set - listed)
 
     def batch(self, index: np.ndarray) -> StrategyBatch:
-        """The candidates ``index`` as a batch; they must share a module set (``batches`` groups
-        any candidates by theirs)."""
+        """The candidates ``index`` as a batch; they must share their module sets (``batches``
+        groups any candidates by theirs)."""
         digits = np.unravel_index(index, self.sizes)
         column = {name: self._codes(name)[d] for name, d in zip(DIMENSIONS, digits, strict=True) if name != "schedule"}
         pipeline = self._pipeline_options()[digits[DIMENSIONS.index("schedule")]]
@@ -173,11 +179,12 @@ class SearchSpace:
         return self._assemble(column)
 
     def batches(self, index: np.ndarray) -> Iterator[tuple[np.ndarray, StrategyBatch]]:
-        """(positions in ``index``, their batch) per module set, in the order of the sets."""
+        """(positions in ``index``, their batch) per pair of module sets, in the order of the sets."""
         index = np.asarray(index, dtype=np.int64)
-        module_set = index % len(self.recompute_modules)  # the fastest digit of an index
-        for code in range(len(self.recompute_modules)):
-            positions = np.flatnonzero(module_set == code) if len(self.recompute_modules) > 1 else np.arange(len(index))
+        pairs = len(self.recompute_modules) * len(self.offload_modules)
+        pair = index % pairs  # the fastest digits of an index: (recompute set, offload set)
+        for code in range(pairs):
+            positions = np.flatnonzero(pair == code) if pairs > 1 else np.arange(len(index))
             if len(positions):
                 yield positions, self.batch(index[positions])
 
@@ -196,10 +203,13 @@ class SearchSpace:
         mbs = column.pop("mbs")
         micro_batches = np.maximum(self.global_batch_size // (dp * mbs), 1)
         etp = column.pop("etp")
-        module_set = column.pop("recompute_modules")
-        if len(module_set) and module_set.min() != module_set.max():
-            raise ValueError("candidates of several recompute module sets in one batch: use SearchSpace.batches")
-        modules = self.recompute_modules[int(module_set[0]) if len(module_set) else 0]
+        shared = {}
+        for name in SET_DIMENSIONS:
+            code = column.pop(name)
+            if len(code) and code.min() != code.max():
+                kind = name.removesuffix("_modules")
+                raise ValueError(f"candidates of several {kind} module sets in one batch: use SearchSpace.batches")
+            shared[name] = getattr(self, name)[int(code[0]) if len(code) else 0]
         columns = {
             **column,
             "sequence_parallel": column.pop("sp"),
@@ -211,8 +221,7 @@ class SearchSpace:
             "seq_length": self.seq_length,
             "fsdp": (column["zero"] == 3).astype(np.int64),
         }
-        return StrategyBatch.from_columns(columns, self.precision, owned=True, recompute_modules=modules,
-                                          offload_modules=self.offload_modules)
+        return StrategyBatch.from_columns(columns, self.precision, owned=True, **shared)
 
     def duplicates(self, index: np.ndarray) -> np.ndarray:
         """Candidates that are another candidate under a second name: etp "same as tp" when
@@ -248,7 +257,7 @@ class SearchSpace:
         """The dimension's values as integers (categorical names as their codes; the pipeline
         dimension as positions in ``schedule``)."""
         values = getattr(self, name)
-        if name in ("schedule", "recompute_modules"):
+        if name in ("schedule", *SET_DIMENSIONS):
             return np.arange(len(values))
         if name in ("cp_kind", "recompute"):
             return np.asarray(encode(name, list(values)), dtype=np.int64)
@@ -260,8 +269,8 @@ class SearchSpace:
     def selective_modules(self, candidate: int) -> ModuleSet:
         """What selective recompute re-runs for ``candidate`` (where it recomputes otherwise, the
         first set's: a balancer's selective option for it)."""
-        # The module set is the last of DIMENSIONS: the fastest-varying digit of an index.
-        return self.recompute_modules[candidate % len(self.recompute_modules)]
+        # The module sets are the last of DIMENSIONS: the fastest-varying digits of an index.
+        return self.recompute_modules[candidate // len(self.offload_modules) % len(self.recompute_modules)]
 
 
 def default_space(
@@ -275,7 +284,7 @@ def default_space(
     dims: tuple[str, ...] | None = None,
     fixed: dict[str, int | str] | None = None,
     recompute_modules: Sequence[str] | Sequence[Sequence[str]] = (),
-    offload_modules: Sequence[str] = (),
+    offload_modules: Sequence[str] | Sequence[Sequence[str]] = (),
 ) -> SearchSpace:
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
@@ -288,17 +297,21 @@ def default_space(
     module sets are searched where several are given, or where ``dims`` names
     "recompute_modules" (then ``module_sets(model, "common")``); without ``dims`` they are
     not, as each set prices the selective candidates again and the default runtime (pytorch)
-    has no modules. ``offload_modules``: what every candidate offloads to host memory
-    (Megatron-Core's ``--offload-modules``, runtime megatron; validated as
-    ``Strategy.offload_modules``)."""
+    has no modules. ``offload_modules``, likewise: what the candidates offload to host memory
+    (Megatron-Core's ``--offload-modules``, runtime megatron), one set of names or several sets
+    to search (() offloads nothing); ``dims`` naming "offload_modules" searches
+    ``offload_sets(model)``."""
     precision = precision or Strategy().precision
     fixed = dict(fixed or {})
     given = _module_sets(recompute_modules)
     if "recompute_modules" in fixed:
         given = (parse_module_set(str(fixed["recompute_modules"])),)
+    offloads = _offload_sets(offload_modules)
+    if "offload_modules" in fixed:
+        offloads = (parse_offload_set(str(fixed["offload_modules"])),)
     searched = set(DIMENSIONS if dims is None else dims)
     if dims is None:
-        searched.discard("recompute_modules")
+        searched -= set(SET_DIMENSIONS)
     unknown = (searched | set(fixed)) - set(DIMENSIONS)
     if unknown:
         raise NdplanError(f"unknown search dimension '{sorted(unknown)[0]}'; known: {', '.join(DIMENSIONS)}")
@@ -319,18 +332,21 @@ def default_space(
         "mbs": tuple(d for d in (1, 2, 4) if global_batch_size % d == 0),
         "recompute": ("none", "selective", "full"),
         "recompute_modules": given if len(given) > 1 else _distinct((*given, *module_sets(model, "common"))),
+        "offload_modules": offloads if len(offloads) > 1 else _distinct((*offloads, *offload_sets(model))),
     }
     defaults: dict[str, tuple] = {
         "tp": (1,), "sp": (0,), "cp": (1,), "cp_kind": ("ring",), "ep": (1,), "etp": (0,), "pp": (1,),
         "schedule": (("1f1b", 1, 1),), "zero": (1,), "mbs": (1,), "recompute": ("none",), "recompute_modules": given,
+        "offload_modules": offloads,
     }
-    if len(given) > 1:
-        searched.add("recompute_modules")
-    if "recompute_modules" in fixed:
-        searched.discard("recompute_modules")
+    for name, sets in (("recompute_modules", given), ("offload_modules", offloads)):
+        if len(sets) > 1:
+            searched.add(name)
+        if name in fixed:
+            searched.discard(name)
     chosen = {name: values[name] if name in searched else defaults[name] for name in DIMENSIONS}
     for name, value in fixed.items():
-        if name == "recompute_modules":
+        if name in SET_DIMENSIONS:
             continue  # parsed above
         if name == "schedule":
             options = tuple(o for o in PIPELINE_OPTIONS if o[0] == value)
@@ -351,16 +367,51 @@ def default_space(
     return SearchSpace(
         **{name: tuple(chosen[name]) for name in DIMENSIONS},
         num_devices=num_devices, global_batch_size=global_batch_size, seq_length=seq_length,
-        precision=precision, fixed=fixed, offload_modules=_offload_set(offload_modules),
+        precision=precision, fixed=fixed,
     )
 
 
-def _offload_set(names: Sequence[str]) -> tuple[str, ...]:
+#: What ``parse_offload_set`` reads as offloading nothing.
+NO_OFFLOAD_SET = "none"
+
+
+def _offload_set(names: Sequence[str]) -> ModuleSet:
     """``names`` as ``Strategy.offload_modules`` spells them, or an error naming the allowed ones."""
     unknown = sorted(set(names) - set(OFFLOAD_MODULES))
     if unknown:
         raise NdplanError(f"unknown offload module '{unknown[0]}'; known: {', '.join(OFFLOAD_MODULES)}")
     return tuple(m for m in OFFLOAD_MODULES if m in set(names))
+
+
+def parse_offload_set(text: str) -> ModuleSet:
+    """An offload set from its label: names joined by '+' or ',' ("expert_fc1+moe_act"), or
+    "none" for no offload. Unknown names raise ``NdplanError`` naming the known."""
+    if text.strip() == NO_OFFLOAD_SET:
+        return ()
+    names = tuple(name.strip() for name in text.replace(",", "+").split("+") if name.strip())
+    if not names:
+        raise NdplanError(f"offload set '{text}': name modules ({', '.join(OFFLOAD_MODULES)}, joined by '+') "
+                          f"or '{NO_OFFLOAD_SET}'")
+    return _offload_set(names)
+
+
+def _offload_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[ModuleSet, ...]:
+    """One offload set (names) or several (sequences of names) as distinct canonical sets."""
+    if all(isinstance(item, str) for item in value):
+        return (_offload_set(value),)  # type: ignore[arg-type]
+    return _distinct(tuple(_offload_set(names) for names in value))
+
+
+def offload_sets(model: ModelSpec) -> tuple[ModuleSet, ...]:
+    """Offload sets worth searching for ``model``, () (no offload) first: the routed experts'
+    inputs (the largest tensors of a MoE layer, Megatron's documented example), the attention
+    core's q, k, v and output, the two together, and every module that moves something in the
+    model (``Strategy.offload_modules``; the norms only where they are their own modules)."""
+    experts = ("expert_fc1", "moe_act") if model.is_moe else ()
+    attention = ("core_attn", "attn_proj")
+    every = (("attn_norm",) if model.is_mla else ()) + ("qkv_linear", *attention) + (
+        ("mlp_norm", *experts) if model.is_moe else ())
+    return _distinct(((), *(_offload_set(s) for s in (experts, attention, (*attention, *experts), every) if s)))
 
 
 #: Names ``parse_module_set`` reads as the runtime's own selective policy (no modules).
