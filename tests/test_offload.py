@@ -256,3 +256,26 @@ def test_search_cli_takes_offload_sets(capsys):
     assert "not both" in capsys.readouterr().err
     assert main([*argv, "--offload-module-sets", "none", "expert_fc2"]) == 2
     assert "unknown offload module 'expert_fc2'" in capsys.readouterr().err
+
+
+def test_a_batch_prices_each_offloaded_strategy_as_alone():
+    """The batch path (the search's) prices activations once per combination of a few fields;
+    with offload the bytes must still depend on those alone: equal to one estimate each."""
+    from ndplan.memory import stage_memory
+
+    model = get_preset("deepseek-v2-lite")
+    device = get_device("h100-sxm")
+    options = MemoryOptions(runtime="megatron")
+    # MLA's up-projected q, k, v: offloaded by core_attn, rebuilt by mla_up_proj (moved only where kept)
+    offload = ("core_attn", "attn_proj", "expert_fc1")
+    selective = {"recompute": "selective", "recompute_modules": ("layernorm", "mla_up_proj")}
+    strategies = [
+        Strategy(**{"dp": 2, "pp": 4, "ep": 2, "zero": 1, "num_micro_batches": 8, "offload_modules": offload, **extra})
+        for extra in ({}, selective, {**selective, "recompute_layers": 2},
+                      {"pp": 2, "vpp": 2, "dp": 4, "schedule": "interleaved"})
+    ]
+    # A batch shares its recompute modules: the plain strategies take the selective ones' set too.
+    batch = StrategyBatch.of(strategies)
+    peaks = stage_memory(model, batch, options).device.max(axis=1)
+    for strategy, peak in zip(strategies, peaks, strict=True):
+        assert peak == pytest.approx(estimate(model, strategy, device, options, num_devices=8).peak_bytes, rel=1e-12)

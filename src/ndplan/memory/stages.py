@@ -295,13 +295,14 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             selective[kind] = _measured(record.selective, tp, seq)
             rebuilt_input[kind] = _measured(record.full_recompute, tp, seq)
             backward_extra[kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
-    is_full = batch.is_("recompute", "full")
+    is_full, is_selective = batch.is_("recompute", "full"), batch.is_("recompute", "selective")
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
     # What no weight gradient of the layer reads: the whole layer (measured, where a census
     # replaced the formulas) less its weights' inputs.
     weight_unread = {k: np.maximum(full[k] - weight_input[k] - 2 * block("norm", "weight_input"), 0.0)
                      for k in ("dense", "moe")}
-    # What recompute rebuilds on the device in backward: on the device whatever was offloaded.
+    # What recompute rebuilds in backward lives on the device, offloaded or not: taken before
+    # the offload is netted out below.
     rebuilt = {k: full[k] - recomputed[k] for k in ("dense", "moe")}
     offloaded = {k: np.zeros_like(tp) for k in ("dense", "moe")}
     if offload:
@@ -310,9 +311,12 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         recomputed = {k: recomputed[k] - np.where(is_full, 0.0, moved_kept[k]) for k in ("dense", "moe")}
         # Megatron-Core keeps on the device the last layer of the chunk whose backward comes next
         # (its reload would stall the backward at once) and reloads one layer ahead of the
-        # backward: two layers' moved bytes beside the backward's working set.
-        all_selective = batch.is_("recompute", "selective") & (batch.recompute_layers == 0)
-        offloaded = {k: np.where(all_selective, moved_kept[k], moved_plain[k]) for k in ("dense", "moe")}
+        # backward: two layers' moved bytes beside the backward's working set. Under selective
+        # recompute a layer moves what the policy keeps; the two differ only where a module both
+        # rebuilds and offloads a tensor (mla_up_proj beside core_attn), and with recompute
+        # limited to some layers the others move the larger amount, which this (a function of
+        # ACTIVATION_FIELDS, as the search prices it) counts as the smaller.
+        offloaded = {k: np.where(is_selective, moved_kept[k], moved_plain[k]) for k in ("dense", "moe")}
         backward_extra = {k: backward_extra[k] + 2.0 * offloaded[k] for k in ("dense", "moe")}
     norms_read_last = 2 * block("norm", "read_last")
     weight_read_last = {"dense": norms_read_last + block("mlp", "read_last"),
