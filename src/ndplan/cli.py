@@ -363,22 +363,11 @@ def cmd_search(args: argparse.Namespace) -> int:
         _require(vars(args), key, flag)
     args.seq = args.seq or 4096
     device = resolve_device(args.hardware)
-    modules: Any = tuple(args.recompute_modules or (read.strategy_settings.get("recompute_modules", ())
-                                                    if read is not None else ()))
-    if args.recompute_module_sets:
-        if args.recompute_modules:
-            raise NdplanError("give --recompute-modules (one set) or --recompute-module-sets (several), not both")
-        modules = _module_sets_argument(model, args.recompute_module_sets)
-    offload: Any = tuple(args.offload_modules or (read.strategy_settings.get("offload_modules", ())
-                                                  if read is not None else ()))
-    if args.offload_module_sets:
-        if args.offload_modules:
-            raise NdplanError("give --offload-modules (one set) or --offload-module-sets (several), not both")
-        offload = _offload_sets_argument(model, args.offload_module_sets)
     space = default_space(
         model, device, args.devices, args.gbs, args.seq, get_precision(args.precision),
-        dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []), recompute_modules=modules,
-        offload_modules=offload,
+        dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []),
+        recompute_modules=_searched_sets(args, read, model, "recompute"),
+        offload_modules=_searched_sets(args, read, model, "offload"),
     )
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     options = _memory_options(args, {"overlap": args.overlap}, read)
@@ -469,6 +458,18 @@ def _module_sets_argument(model: ModelSpec, items: list[str]) -> tuple[tuple[str
     if len(items) == 1 and items[0] in ("common", "all"):
         return module_sets(model, items[0])
     return tuple(parse_module_set(item) for item in items)
+
+
+def _searched_sets(args: argparse.Namespace, read: Any, model: ModelSpec, kind: str) -> Any:
+    """What search takes for ``kind`` (recompute or offload): --{kind}-modules, one set (else the
+    plan file's), or --{kind}-module-sets, several."""
+    one, several = getattr(args, f"{kind}_modules"), getattr(args, f"{kind}_module_sets")
+    given = tuple(one or (read.strategy_settings.get(f"{kind}_modules", ()) if read is not None else ()))
+    if not several:
+        return given
+    if one:
+        raise NdplanError(f"give --{kind}-modules (one set) or --{kind}-module-sets (several), not both")
+    return (_module_sets_argument if kind == "recompute" else _offload_sets_argument)(model, several)
 
 
 def _offload_sets_argument(model: ModelSpec, items: list[str]) -> tuple[tuple[str, ...], ...]:
