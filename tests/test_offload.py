@@ -279,3 +279,14 @@ def test_a_batch_prices_each_offloaded_strategy_as_alone():
     peaks = stage_memory(model, batch, options).device.max(axis=1)
     for strategy, peak in zip(strategies, peaks, strict=True):
         assert peak == pytest.approx(estimate(model, strategy, device, options, num_devices=8).peak_bytes, rel=1e-12)
+
+
+def test_report_labels_and_time_segments_name_the_offload():
+    from ndplan.report.data import strategy_short
+    from ndplan.report.style import TIME_SEGMENTS
+
+    strategy = Strategy(dp=8, ep=8, zero=1, offload_modules=("expert_fc1", "moe_act")).model_dump(mode="json")
+    assert "offload=expert_fc1+moe_act" in strategy_short(strategy)
+    assert "offload=core_attn" in strategy_short({"dp": 2, "offload_modules": "core_attn"})  # a search row's spelling
+    assert "offload" not in strategy_short(Strategy(dp=8).model_dump(mode="json"))
+    assert "offload" in {key for key, _, _ in TIME_SEGMENTS}

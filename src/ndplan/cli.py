@@ -217,12 +217,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     console.print(verdict)
     for caveat in report.caveats:
         console.print(f"[bold yellow]caution[/]: {caveat}", markup=True)
-    exposed = timing.breakdown["comm_exposed"]
+    exposed = dict(timing.breakdown["comm_exposed"])
+    host_copies = exposed.pop("offload", 0.0)
     console.print(
         f"step {timing.step_s:.3f} s · {timing.tokens_per_s:,.0f} tokens/s "
         f"({timing.tokens_per_s_per_device:,.0f} per device) · MFU {100 * timing.mfu:.1f}% · HFU {100 * timing.hfu:.1f}% "
         f"— compute {timing.breakdown['compute']:.3f} s, bubble {timing.breakdown['bubble']:.3f} s, "
-        f"exposed comm {sum(exposed.values()):.3f} s, optimizer {timing.breakdown['optimizer']:.3f} s"
+        f"exposed comm {sum(exposed.values()):.3f} s"
+        + (f", exposed offload copies {host_copies:.3f} s" if strategy.offload_modules else "")
+        + f", optimizer {timing.breakdown['optimizer']:.3f} s"
     )
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}",
                   markup=False)

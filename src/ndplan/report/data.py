@@ -143,6 +143,9 @@ def strategy_short(strategy: Mapping[str, Any]) -> str:
         parts.append(f"zero{strategy['zero']}")
     if strategy.get("recompute") not in (None, "none"):
         parts.append(f"recompute={strategy['recompute']}")
+    offload = strategy.get("offload_modules")
+    if offload:
+        parts.append(f"offload={offload if isinstance(offload, str) else '+'.join(offload)}")
     mbs = strategy.get("micro_batch_size", strategy.get("mbs"))
     if mbs is not None:
         parts.append(f"mbs{mbs}")
