@@ -190,3 +190,21 @@ def test_strategy_and_model_of_a_run():
     assert isinstance(run.strategy_obj(), Strategy)
     assert run.model_spec().num_layers == 24
     assert get_preset("llama-3.1-8b").num_layers == 32
+
+
+def test_calibration_recovers_the_host_link_efficiency_from_offloaded_runs():
+    """Runs whose offload copies outlast their passes (a slow host link) pin the one figure
+    the copies depend on; runs that hide them carry no information about it."""
+    truth = default_efficiency(H100).replace(host_link_efficiency=0.5)
+    slow_link = H100.model_copy(update={"host_link_bandwidth_bytes_per_s": 4e9}).model_dump(mode="json")
+    runs = []
+    for name, offload, seq in (("experts", ["expert_fc1", "moe_act"], 4096), ("all", ["qkv_linear", "core_attn",
+                                "attn_proj", "mlp_norm", "expert_fc1", "moe_act"], 2048)):
+        draft = MeasuredRun(id=name, source="synthetic", model="qwen3-30b-a3b", device=slow_link, num_devices=8,
+                            strategy={"dp": 8, "ep": 8, "num_micro_batches": 2, "seq_length": seq,
+                                      "offload_modules": offload}, measured={"step_s": 1.0})
+        step = predict_step_s(draft, truth)
+        runs.append(draft.model_copy(update={"measured": draft.measured.model_copy(update={"step_s": step})}))
+    fitted, report = calibrate(runs, H100, fit=["host_link_efficiency"])
+    assert fitted.host_link_efficiency == pytest.approx(0.5, rel=0.02)
+    assert report.median_abs_error_after < 1e-3 < report.median_abs_error_before

@@ -157,6 +157,7 @@ FITTABLE: dict[str, tuple[float, float]] = {
     "host_expert_s": (0.0, 2e-4),
     "expert_gemm_latency_s": (0.0, 1e-4),
     "step_overhead_s": (0.0, 5.0),
+    "host_link_efficiency": (0.2, 1.0),
 }
 
 # Defaults, one per family. They are first-principles figures from public microbenchmarks,
