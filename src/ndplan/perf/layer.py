@@ -348,7 +348,9 @@ def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) ->
     columns = {name: np.asarray(cols[name]).astype(np.int64) for name in ACTIVATION_FIELDS}
     batch = StrategyBatch.from_columns(columns, ctx.precision, recompute_modules=ctx.recompute_modules,
                                        offload_modules=ctx.offload_modules)
-    return layer_activations(ctx.model, batch, MemoryOptions(runtime="megatron")).offloaded[kind]
+    # An unfused attention core saves its scores too, which core_attn offload moves.
+    options = MemoryOptions(runtime="megatron", attention="flash" if ctx.eff.flash_attention else "eager")
+    return layer_activations(ctx.model, batch, options).offloaded[kind]
 
 
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind) -> tuple[PieceTimes, PieceTimes]:

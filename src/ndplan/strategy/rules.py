@@ -14,8 +14,8 @@ import numpy as np
 
 from ndplan.errors import NdplanError
 from ndplan.model.spec import ModelSpec
-from ndplan.strategy.batch import StrategyBatch
-from ndplan.strategy.strategy import OFFLOAD_SCHEDULES, VIRTUAL_SCHEDULES, Strategy, offload_conflict
+from ndplan.strategy.batch import CODES, StrategyBatch
+from ndplan.strategy.strategy import VIRTUAL_SCHEDULES, Strategy, offload_conflict
 
 
 @dataclass(frozen=True)
@@ -77,18 +77,14 @@ def _max_layers_per_stage(s: Strategy, ctx: RuleContext) -> int:
 
 
 def _offload_runs(b: StrategyBatch) -> Mask:
-    """Where Megatron-Core runs the batch's activation offload as asked (``offload_conflict``
-    for one strategy; a batch shares its offload and recompute modules)."""
-    offload, modules = set(b.offload_modules), set(b.recompute_modules)
-    if not offload:
+    """Where Megatron-Core runs the batch's activation offload as asked: ``offload_conflict``,
+    which depends on the batch's shared modules and each strategy's schedule and recompute,
+    tabulated over those two."""
+    if not b.offload_modules:
         return np.ones(len(b), bool)
-    if "attn_proj" in offload and "core_attn" not in offload:
-        return np.zeros(len(b), bool)
-    runs = b.is_in("schedule", OFFLOAD_SCHEDULES) & ~b.is_("recompute", "full")
-    if ("core_attn" in offload and (not modules or "core_attn" in modules)) or (
-            "moe" in modules and {"expert_fc1", "moe_act"} & offload):
-        runs &= ~b.is_("recompute", "selective")
-    return runs
+    runs = np.array([[not offload_conflict(b.offload_modules, recompute, b.recompute_modules, schedule)
+                      for recompute in CODES["recompute"]] for schedule in CODES["schedule"]])
+    return runs[b.schedule, b.recompute]
 
 
 def _world(b: StrategyBatch) -> np.ndarray:
