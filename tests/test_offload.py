@@ -290,3 +290,12 @@ def test_report_labels_and_time_segments_name_the_offload():
     assert "offload=core_attn" in strategy_short({"dp": 2, "offload_modules": "core_attn"})  # a search row's spelling
     assert "offload" not in strategy_short(Strategy(dp=8).model_dump(mode="json"))
     assert "offload" in {key for key, _, _ in TIME_SEGMENTS}
+
+
+def test_time_explain_states_the_copy_formula():
+    model = get_preset("qwen3-30b-a3b")
+    strategy = Strategy(dp=8, ep=8, num_micro_batches=2, offload_modules=("expert_fc1", "moe_act"))
+    report = estimate_time(model, strategy, Cluster(device=get_device("h100-sxm"), num_devices=8))
+    line = next(line for line in report.explain() if "offload (expert_fc1 moe_act)" in line)
+    # top-k·h·2 + 2·top-k·ffn_e·2 = 8·2048·2 + 2·8·768·2 = 57,344 bytes per token, · 4096 tokens = 224 MiB
+    assert "224.0 MiB each way per layer and micro-batch" in line and "host_link_efficiency 0.80" in line

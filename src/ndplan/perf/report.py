@@ -18,7 +18,7 @@ from ndplan.perf.flops import (
     model_flops_per_micro_batch,
 )
 from ndplan.perf.gemm import PASS_NAMES, gemms_seconds
-from ndplan.perf.layer import CATEGORIES, LayerContext, piece_times
+from ndplan.perf.layer import CATEGORIES, LayerContext, offloaded_bytes, piece_times
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, evaluate, strategy_columns
 from ndplan.perf.topology import Fabric, group_link
@@ -159,6 +159,14 @@ def explain_lines(r: TimeReport) -> list[str]:
         rc = float(np.asarray(pieces[f'rc_{kind}'].total("B")).reshape(-1)[0])
         if rc > 0:
             lines.append(f"  recompute ({s.recompute}) adds to B: {_ms(rc)} per recomputed layer")
+        if s.offload_modules:
+            moved = float(np.asarray(offloaded_bytes(ctx, cols, kind)).reshape(-1)[0]) * float(sh.tokens)
+            copy = moved / ctx.fabric.host_bw
+            lines.append(
+                f"  offload ({' '.join(s.offload_modules)}): {moved / 2**20:,.1f} MiB each way per layer and micro-batch; copy c = "
+                f"bytes / (host link {dev.host_link_bandwidth_bytes_per_s / 1e9:,.0f} GB/s · host_link_efficiency "
+                f"{r.efficiency.host_link_efficiency:.2f}) = {_ms(copy)}; exposed max(0, c − F) in F, "
+                f"max(0, c − (B+W)) in B (its own copy stream hides the rest)")
     lines += _communication_lines(r)
     for name, label in (("emb", "embedding (first stage)"), ("head", "final norm + output head + loss" + (" + MTP" if model.mtp_depth else "") + " (last stage)")):
         p = pieces[name]
