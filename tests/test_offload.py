@@ -256,6 +256,11 @@ def test_search_cli_takes_offload_sets(capsys):
     assert "not both" in capsys.readouterr().err
     assert main([*argv, "--offload-module-sets", "none", "expert_fc2"]) == 2
     assert "unknown offload module 'expert_fc2'" in capsys.readouterr().err
+    assert main([*argv, "--fix", "offload_modules=moe_act+expert_fc1"]) == 0
+    assert {row["offload_modules"] for row in json.loads(capsys.readouterr().out)["ranked"]} == {"expert_fc1+moe_act"}
+    searched = [a for a in argv if a != "--json"] + ["offload_modules", "--top", "1000", "--json"]
+    assert main(searched) == 0  # --dims naming the dimension searches offload_sets(model)
+    assert len({row["offload_modules"] for row in json.loads(capsys.readouterr().out)["ranked"]}) == 5
 
 
 def test_a_batch_prices_each_offloaded_strategy_as_alone():
