@@ -76,7 +76,8 @@ class StageReport:
     @property
     def host_activation_bytes(self) -> float:
         """Pinned host memory the stage's offloaded activations fill at its peak:
-        Σ over its chunks of peak in-flight micro-batches × offloaded bytes per micro-batch."""
+        Σ over its chunks of peak in-flight micro-batches × offloaded bytes per micro-batch (the
+        layer Megatron keeps on the device counted too: over by at most one layer's worth)."""
         return sum(c.peak_in_flight * c.offloaded_bytes_per_micro_batch for c in self.chunks)
 
     def to_dict(self) -> dict[str, Any]:
