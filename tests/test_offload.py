@@ -304,3 +304,17 @@ def test_time_explain_states_the_copy_formula():
     line = next(line for line in report.explain() if "offload (expert_fc1 moe_act)" in line)
     # top-k·h·2 + 2·top-k·ffn_e·2 = 8·2048·2 + 2·8·768·2 = 57,344 bytes per token, · 4096 tokens = 224 MiB
     assert "224.0 MiB each way per layer and micro-batch" in line and "host_link_efficiency 0.80" in line
+
+
+def test_html_stage_table_shows_host_memory_only_with_offload():
+    from ndplan.report.data import memory_stages
+    from ndplan.report.html import stage_table
+
+    model, device = get_preset("qwen3-30b-a3b"), get_device("h100-sxm")
+    for offload in ((), ("expert_fc1", "moe_act")):
+        strategy = Strategy(dp=4, pp=2, ep=4, zero=1, num_micro_batches=8, offload_modules=offload)
+        report = estimate(model, strategy, device, MEGATRON, num_devices=8).to_dict()
+        stages = memory_stages(report["stages"])
+        html = stage_table({"stages": stages, "capacity_bytes": report["capacity_bytes"]})
+        assert ("host (offload)" in html) == bool(offload)
+        assert (stages[0]["host_activation_bytes"] > 0) == bool(offload)
