@@ -289,19 +289,20 @@ class _Priced:
     host_bw: float
     pipeline: PipelineMethod
     dp_columns: dict[str, Array]  # _DP_FIELDS as floats, in the caller's row order
+    #: The categories the table holds: every one but ``offload`` where the batch offloads nothing
+    #: (a column of zeros costs ~3% of a search's pricing).
+    categories: tuple[str, ...] = CATEGORIES
 
 
-#: Quantities of the per-configuration table (see _Priced.table), over layer.PIECES.
-_QUANTITIES = PASSES + CATEGORIES
-
-
-def _piece_table(per_pass: dict[tuple[str, str], Array], per_cat: dict[tuple[str, str], Array], n: int) -> Array:
-    """[configs, quantities, pieces] seconds: every pass (F, B, W) and category of each piece.
-    Recompute pieces count in B (the rebuilt forward), W (a runtime's rebuilds per parameter
-    group) and in the categories."""
-    table = np.zeros((n, len(_QUANTITIES), len(PIECES)))
+def _piece_table(per_pass: dict[tuple[str, str], Array], per_cat: dict[tuple[str, str], Array], n: int,
+                 categories: tuple[str, ...]) -> Array:
+    """[configs, quantities, pieces] seconds: every pass (F, B, W) and category of each piece
+    (quantities: PASSES + ``categories``). Recompute pieces count in B (the rebuilt forward), W
+    (a runtime's rebuilds per parameter group) and in the categories."""
+    quantities = PASSES + categories
+    table = np.zeros((n, len(quantities), len(PIECES)))
     for j, piece in enumerate(PIECES):
-        for i, name in enumerate(_QUANTITIES):
+        for i, name in enumerate(quantities):
             values = per_pass if name in PASSES else per_cat
             if piece.startswith("rc_") and name == "F":
                 continue
@@ -357,8 +358,8 @@ def _price_group(
                 CODES["schedule"][int(schedule[j])], pp, vpp, int(m[j]), int(k[j]), fc, bc, wc, float(p2p[j]),
             )
 
-    out: dict[str, Array] = {}
-    for i, cat in enumerate(CATEGORIES, start=len(PASSES)):
+    out: dict[str, Array] = {} if "offload" in pr.categories else {"offload_s": np.zeros(g)}
+    for i, cat in enumerate(pr.categories, start=len(PASSES)):
         at_star = tables[local, i, star]
         if len(partial):
             at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
@@ -440,14 +441,15 @@ def evaluate(
     pieces = piece_times(ctx, {name: v[first].astype(np.float64) for name, v in ints.items()})
     per_pass = {(name, p): np.broadcast_to(np.asarray(piece.total(p), dtype=np.float64), (len(first),))
                 for name, piece in pieces.items() for p in PASSES}
+    categories = CATEGORIES if batch.offload_modules else tuple(c for c in CATEGORIES if c != "offload")
     per_cat = {(name, c): np.broadcast_to(np.asarray(sum((piece.get(p, c) for p in PASSES), 0.0), dtype=np.float64), (len(first),))
-               for name, piece in pieces.items() for c in CATEGORIES}
+               for name, piece in pieces.items() for c in categories}
     # Distinct DP configurations (the parameters' stage is added per group).
     dp_config, _ = row_codes([ints[name] for name in _DP_FIELDS])
     dp_columns = {name: ints[name].astype(np.float64) for name in _DP_FIELDS}
     priced = _Priced(model, batch, eff, ov, rates, fabric, pieces, per_pass, per_cat,
-                     _piece_table(per_pass, per_cat, len(first)), piece_params(model),
-                     fabric.host_bw, pipeline, dp_columns)
+                     _piece_table(per_pass, per_cat, len(first), categories), piece_params(model),
+                     fabric.host_bw, pipeline, dp_columns, categories)
 
     # Point-to-point activation of one micro-batch between stages: [mbs, seq/cp, h] (/tp with SP).
     t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
