@@ -34,7 +34,7 @@ from ndplan.io.megatron_model import FlagModel, model_from_flags
 from ndplan.model.spec import ModelSpec
 from ndplan.placement import uniform_layer_counts
 from ndplan.strategy.precision import PrecisionPolicy
-from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, offload_conflict
+from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, canonical_offload, offload_conflict
 
 FORMAT = "megatron"
 
@@ -449,7 +449,7 @@ def _offload(args: Args, settings: dict[str, Any], warnings: list[str], notes: l
         warnings.append(f"{where}: --offload-modules {name}: ndplan does not price this module's offload and "
                         "leaves it out")
     _offload_knobs(args, warnings)
-    chosen = tuple(m for m in OFFLOAD_MODULES if m in modules)
+    chosen = canonical_offload(modules)
     if not chosen:
         return
     problem = offload_conflict(chosen, settings["recompute"], tuple(settings.get("recompute_modules", ())),

@@ -25,6 +25,7 @@ from ndplan.strategy.strategy import (
     SCHEDULES,
     Strategy,
     canonical_modules,
+    canonical_offload,
 )
 
 #: Dimensions a user can search or fix (``--dims`` / ``--fix``). The last two, what selective
@@ -380,7 +381,7 @@ def _offload_set(names: Sequence[str]) -> ModuleSet:
     unknown = sorted(set(names) - set(OFFLOAD_MODULES))
     if unknown:
         raise NdplanError(f"unknown offload module '{unknown[0]}'; known: {', '.join(OFFLOAD_MODULES)}")
-    return tuple(m for m in OFFLOAD_MODULES if m in set(names))
+    return canonical_offload(names)
 
 
 def parse_offload_set(text: str) -> ModuleSet:

@@ -41,6 +41,13 @@ def canonical_modules(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(m for m in RECOMPUTE_MODULES if m in given)
 
 
+def canonical_offload(names: Iterable[str]) -> tuple[str, ...]:
+    """One spelling per offload set, Megatron's order without repeats (names outside
+    ``OFFLOAD_MODULES`` are dropped: validate them first)."""
+    given = set(names)
+    return tuple(m for m in OFFLOAD_MODULES if m in given)
+
+
 def offload_conflict(offload: tuple[str, ...], recompute: str, recompute_modules: tuple[str, ...], schedule: str) -> str:
     """Why Megatron-Core would not run (or would silently not do) this activation offload, or ''."""
     if not offload:
@@ -151,7 +158,7 @@ class Strategy(BaseModel):
     @field_validator("offload_modules", mode="after")
     @classmethod
     def _canonical_offload(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(m for m in OFFLOAD_MODULES if m in set(value))
+        return canonical_offload(value)
 
     @model_validator(mode="after")
     def _modules_need_selective(self) -> Strategy:
