@@ -13,6 +13,7 @@ from ndplan.memory.stages import (
     STATIC_KINDS,
     MemoryOptions,
     StageMemory,
+    applicable_offload_modules,
     layer_activations,
     stage_memory,
 )
@@ -22,6 +23,7 @@ from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, in_flight
 from ndplan.strategy import Strategy, StrategyBatch
 from ndplan.strategy.rules import validate_strategy
+from ndplan.strategy.strategy import OFFLOAD_MODULES
 from ndplan.units import format_bytes
 
 
@@ -250,7 +252,8 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
         gaps.append("activation offload is priced from Megatron-Core's code (what each module saves, two layers kept on "
                     "the device, copies at 0.8 of the host link's rate), not yet checked against a measured run "
                     "(docs/time.md)")
-        idle = _idle_offload_modules(strategy.offload_modules, model) if model is not None else ()
+        applicable = applicable_offload_modules(model) if model is not None else OFFLOAD_MODULES
+        idle = tuple(m for m in strategy.offload_modules if m not in applicable)
         if idle:
             gaps.append(f"offload modules {' '.join(idle)} move nothing in {model.name if model else 'this model'}: "
                         + "; ".join(dict.fromkeys(_IDLE_REASONS[m] for m in idle)))
@@ -275,15 +278,6 @@ _IDLE_REASONS = {
     "expert_fc1": "it has no routed experts",
     "moe_act": "it has no routed experts",
 }
-
-
-def _idle_offload_modules(modules: tuple[str, ...], model: ModelSpec) -> tuple[str, ...]:
-    """The offload modules that are no-ops for ``model`` in Megatron-Core (an IdentityOp norm, or
-    no experts): Megatron runs them without effect, so does ndplan; a user should know."""
-    idle = {"attn_norm"} if not model.is_mla else set()
-    if not model.is_moe:
-        idle |= {"mlp_norm", "expert_fc1", "moe_act"}
-    return tuple(m for m in modules if m in idle)
 
 
 def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions, placement: Placement) -> list[ChunkReport]:

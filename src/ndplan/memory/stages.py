@@ -41,6 +41,7 @@ from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
 from ndplan.strategy.batch import CODES, StrategyBatch, radix_key
+from ndplan.strategy.strategy import OFFLOAD_MODULES
 
 if TYPE_CHECKING:
     from ndplan.perf.overlap import OverlapConfig
@@ -337,6 +338,14 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
         backward_extra=backward_extra, mtp_extra=mtp_extra, rebuilt=rebuilt, offloaded=offloaded,
     )
+
+
+def applicable_offload_modules(model: ModelSpec) -> tuple[str, ...]:
+    """The offload modules that move something in ``model`` (``_offloaded``'s rules): attn_norm
+    only where the attention norm is its own module (MLA), mlp_norm and the experts' modules only
+    with MoE layers; the others always. Megatron runs the rest as no-ops."""
+    has = {"attn_norm": model.is_mla, "mlp_norm": model.is_moe, "expert_fc1": model.is_moe, "moe_act": model.is_moe}
+    return tuple(m for m in OFFLOAD_MODULES if has.get(m, True))
 
 
 def _offloaded(model: ModelSpec, block: Callable[[str, str], np.ndarray], attention_name: str, eager: bool,

@@ -16,6 +16,7 @@ import numpy as np
 
 from ndplan.errors import NdplanError
 from ndplan.hardware import Device
+from ndplan.memory.stages import applicable_offload_modules
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import StrategyBatch, encode
 from ndplan.strategy.precision import PrecisionPolicy
@@ -410,8 +411,7 @@ def offload_sets(model: ModelSpec) -> tuple[ModuleSet, ...]:
     model (``Strategy.offload_modules``; the norms only where they are their own modules)."""
     experts = ("expert_fc1", "moe_act") if model.is_moe else ()
     attention = ("core_attn", "attn_proj")
-    every = (("attn_norm",) if model.is_mla else ()) + ("qkv_linear", *attention) + (
-        ("mlp_norm", *experts) if model.is_moe else ())
+    every = applicable_offload_modules(model)
     return _distinct(((), *(_offload_set(s) for s in (experts, attention, (*attention, *experts), every) if s)))
 
 
