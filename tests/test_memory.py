@@ -96,6 +96,36 @@ def test_zero_stages_shard_the_right_states():
     assert reports[3].params_bytes == pytest.approx(2 * total / 8)
 
 
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+@pytest.mark.parametrize("settings", [
+    {"dp": 2, "tp": 8, "pp": 4, "num_micro_batches": 8, "zero": 1},  # PyTorch: the whole embedding gradient
+    {"dp": 2, "tp": 8, "pp": 4, "num_micro_batches": 1, "zero": 1},
+    {"dp": 4, "tp": 2, "pp": 2, "vpp": 2, "schedule": "interleaved", "num_micro_batches": 4, "zero": 2},
+    {"dp": 8, "tp": 2, "zero": 3, "fsdp": True, "num_micro_batches": 4},
+])
+def test_static_by_layer_kind_sums_to_the_stage_static(runtime, settings):
+    """Every byte of params, grads and optimizer states is some layer kind's, on every stage."""
+    model = get_preset("llama-3.1-70b")
+    options = MemoryOptions(include_overhead=False, runtime=runtime)
+    for stage in estimate(model, Strategy(seq_length=2048, **settings), options=options).stages:
+        assert sum(stage.static_by_kind.values()) == pytest.approx(
+            stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes, rel=1e-12)
+
+
+def test_whole_embedding_gradient_is_explained():
+    """PyTorch's accumulated vocabulary-parallel embedding gradient is whole: the grads line says
+    so with its bytes, and they are the embedding's."""
+    model = get_preset("llama-3.1-70b")
+    strategy = Strategy(dp=2, tp=8, pp=4, num_micro_batches=8, zero=1, seq_length=2048)
+    report = estimate(model, strategy, options=MemoryOptions(include_overhead=False, runtime="pytorch"))
+    first, middle = report.stages[0], report.stages[1]
+    table = model.vocab_size * model.hidden_size
+    layers_grads = middle.grads_bytes  # stage 1 holds the same 20 layers and no table
+    assert first.grads_bytes == pytest.approx(layers_grads + 4 * table, rel=1e-12)
+    line = next(line for line in report.explain() if line.startswith("grads"))
+    assert "the whole embedding gradient" in line and "vocab·h·(1 − 1/tp) × 4 B = 3.42 GiB" in line
+
+
 def test_expert_parallel_divides_experts():
     model = get_preset("mixtral-8x7b")
     one = estimate(model, Strategy(dp=8), options=NO_OVERHEAD).stages[0].static_by_kind["moe"]

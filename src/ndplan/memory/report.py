@@ -149,6 +149,19 @@ class MemoryReport:
             "caveats": self.caveats,
         }
 
+    def _whole_embedding_grad_term(self, stage: StageReport) -> str:
+        """The grads line's extra term where the runtime accumulates the embedding's gradient
+        whole (``tp_accumulates_whole_embedding_grad``; the rule of ``stages.static_memory``)."""
+        s = self.strategy
+        whole = (self.options.profile.tp_accumulates_whole_embedding_grad and s.tp > 1 and s.zero < 3
+                 and s.num_micro_batches > 1 and stage.stage == 0)
+        if not whole:
+            return ""
+        h, vocab = self.model.hidden_size, self.model.vocab_size
+        extra = (vocab * h - vocab * h / s.tp) * s.precision.grad_bytes
+        return (f" + the whole embedding gradient's other shards (vocab·h·(1 − 1/tp) × {s.precision.grad_bytes} B "
+                f"= {format_bytes(extra)}: a second micro-batch's gradient leaves DTensor's accumulated one unsharded)")
+
     def explain(self) -> list[str]:
         """Each term of the peak stage with its formula and values."""
         s = self.strategy
@@ -164,7 +177,7 @@ class MemoryReport:
             f"params     = Σ elements/tp (experts /(ep·etp)) × {p.param_bytes} B"
             + (f" / {shards} (ZeRO-3)" if s.zero >= 3 else "") + f" = {format_bytes(stage.params_bytes)}",
             f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
-            + f" = {format_bytes(stage.grads_bytes)}",
+            + self._whole_embedding_grad_term(stage) + f" = {format_bytes(stage.grads_bytes)}",
             f"optimizer  = elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + {p.master_weight_bytes}) B"
             + (f" / {shards} (ZeRO≥1)" if s.zero >= 1 else "")
             + (" → offloaded" if s.optimizer_offload else "") + f" = {format_bytes(stage.optimizer_bytes)}",

@@ -1005,7 +1005,8 @@ def _evaluate_group(
             value = non_expert_total * (width / non_expert_div) + expert_total * (width / expert_div)
             # DTensor: once a second micro-batch's embedding gradient is added, the accumulated
             # gradient is the whole table, not the rank's vocabulary shard.
-            value[:, 0] += np.where(accumulated_whole_embedding, model.vocab_size * model.hidden_size - table, 0.0) * width
+            whole_embedding_extra = np.where(accumulated_whole_embedding, model.vocab_size * model.hidden_size - table, 0.0) * width
+            value[:, 0] += whole_embedding_extra
             grads_virtual = value
             value = _to_stages(value, chunks)
         else:
@@ -1014,11 +1015,12 @@ def _evaluate_group(
         if kinds is None:
             continue
         for static_kind in STATIC_KINDS:
-            share = _to_stages(
+            elements_bytes = (
                 _outer_sum([term for term in non_expert_terms if term[0] == static_kind], n, computed) * width / non_expert_div
-                + _outer_sum([term for term in expert_terms if term[0] == static_kind], n, computed) * width / expert_div,
-                chunks,
-            )
+                + _outer_sum([term for term in expert_terms if term[0] == static_kind], n, computed) * width / expert_div)
+            if category == "grads" and static_kind == "embedding":
+                elements_bytes[:, 0] += whole_embedding_extra  # the whole table's gradient is the embedding's
+            share = _to_stages(elements_bytes, chunks)
             kinds["static"][static_kind][index, :pp] += shape.expand(
                 np.where(offload, 0.0, share) if category == "optimizer" else share)
 
