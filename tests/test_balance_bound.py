@@ -34,9 +34,9 @@ def test_bound_is_below_every_balanced_plan_and_uniform_is_the_balancers(name, d
     cluster = Cluster(device=get_device("h100-sxm"), num_devices=devices)
     items = [Strategy(**s, seq_length=4096, global_batch_size=s["dp"] * s["num_micro_batches"], precision=PRECISION)
              for s in strategies]
-    rebuilds = MemoryOptions().profile.weight_grad_recomputes_per_group  # build_problem's runtime
-    assert rebuilds
-    lower, uniform = composed_bounds(model, StrategyBatch.of(items), cluster, weight_grad_rebuilds=rebuilds)
+    runtime = MemoryOptions().time_keywords()  # build_problem's runtime
+    assert runtime["weight_grad_rebuilds"]
+    lower, uniform = composed_bounds(model, StrategyBatch.of(items), cluster, **runtime)
     for strategy, low, uni in zip(items, lower, uniform, strict=True):
         for limit in (1e15, 70 * 2**30):
             problem = build_problem(model, strategy, cluster, limit, MemoryOptions())

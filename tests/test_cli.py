@@ -245,6 +245,21 @@ def test_balance_checks_its_plan_with_the_full_estimator(capsys):
     if settings is not None:
         assert "as one recompute setting, what --emit writes" in run(argv, capsys)[1]
         assert data["after"]["step_s"] <= settings["step_s"] <= data["before"]["step_s"] and settings["fits"]
+    # The full step estimate of what --emit writes (DP, p2p and the optimizer too), as the API gives it.
+    from ndplan.balance import balance, plan_strategy
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import MemoryOptions
+    from ndplan.model import get_preset
+    from ndplan.perf import estimate_time
+    from ndplan.strategy import Strategy
+
+    strategy = Strategy(**data["strategy"])
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=32)
+    result = balance(get_preset("llama-3.1-8b"), strategy, cluster, 44 * 2**30, MemoryOptions())
+    emitted = plan_strategy(strategy, result.emitted_plan, result.emitted_modules)
+    expected = estimate_time(get_preset("llama-3.1-8b"), emitted, cluster, **MemoryOptions().time_keywords()).step_s
+    assert data["estimated_step_s"] == pytest.approx(expected, rel=1e-12)
+    assert f"its step, with DP, p2p and the optimizer: {expected:.3f} s" in " ".join(run(argv, capsys)[1].split())
 
 
 def test_overlap_switches_reach_the_step_time(capsys):

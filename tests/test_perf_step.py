@@ -385,6 +385,43 @@ def test_torchtitan_selective_recompute_replays_matmuls_not_attention():
     assert r.step_s > megatron.step_s
 
 
+def test_runtime_selective_policy_prices_what_its_memory_profile_keeps(tmp_path):
+    """The pytorch runtime's selective recompute keeps every matmul's and the attention core's
+    output (its memory profile, the census's policy), so time re-runs the elementwise ops alone:
+    no FLOPs added (HFU = MFU), a step between no recompute and Megatron's attention-core
+    replay. Estimate, search and balancer read the policy from the runtime profile."""
+    from ndplan.balance import build_problem
+    from ndplan.memory import MemoryOptions
+    from ndplan.memory.profile import get_profile
+    from ndplan.search import runtime_step_time
+
+    pytorch, megatron = MemoryOptions(runtime="pytorch"), MemoryOptions(runtime="megatron")
+    assert pytorch.time_keywords()["selective_policy"] == "keep-matmuls"
+    assert megatron.time_keywords()["selective_policy"] == "megatron"
+    s = Strategy(dp=8, micro_batch_size=2, num_micro_batches=4, seq_length=8192, zero=3, fsdp=True,
+                 recompute="selective", precision="fsdp-bf16")
+    cluster = _cluster(8)
+    kept = estimate_time(LLAMA8, s, cluster, **pytorch.time_keywords())
+    assert kept.hardware_flops == kept.model_flops and kept.hfu == kept.mfu
+    core = estimate_time(LLAMA8, s, cluster, **megatron.time_keywords())
+    plain = estimate_time(LLAMA8, s.with_recompute("none"), cluster)
+    assert core.hardware_flops > core.model_flops
+    assert plain.step_s < kept.step_s < core.step_s
+    assert any("keep-matmuls policy: re-runs the norms and activations" in line for line in kept.explain())
+    # the search's and the balancer's prices are the same policy's
+    searched = runtime_step_time(pytorch)(LLAMA8, StrategyBatch.of(s), cluster)
+    assert float(searched["hfu"][0]) == pytest.approx(float(searched["mfu"][0]), rel=1e-12)
+    problem = build_problem(LLAMA8, s, cluster, 1e15, pytorch)
+    assert problem.costs[("dense", "selective")].time_s < build_problem(LLAMA8, s, cluster, 1e15, megatron).costs[
+        ("dense", "selective")].time_s
+    # a profile YAML naming an unknown policy is refused with the allowed ones
+    text = Path(__file__).resolve().parents[1].joinpath("src/ndplan/memory/profiles/pytorch.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("selective_policy: keep-matmuls", "selective_policy: everything"))
+    with pytest.raises(NdplanError, match="selective_policy is 'everything'; allowed: megatron, keep-matmuls, torchtitan-op"):
+        get_profile(str(bad))
+
+
 def test_split_backward_rebuilds_a_checkpointed_layer_once_per_parameter_group():
     """Under torch's split backward each parameter group's weight-gradient call replays the
     checkpointed layer's forward: with full recompute, W gains G forwards of the layer (G =

@@ -9,11 +9,12 @@ so ``import ndplan`` (and the CLI) stays fast::
     device = ndplan.get_device("h100-sxm")
     strategy = ndplan.Strategy(dp=2, tp=8, pp=4, sequence_parallel=True, zero=1,
                                num_micro_batches=128, recompute="selective", seq_length=4096)
-    memory = ndplan.estimate(model, strategy, device, num_devices=64)         # bytes per stage
+    options = ndplan.MemoryOptions(runtime="megatron")   # what the runtime saves, re-runs, hides
+    memory = ndplan.estimate(model, strategy, device, options, num_devices=64)  # bytes per stage
     cluster = ndplan.Cluster(device=device, num_devices=64)
-    time = ndplan.estimate_time(model, strategy, cluster)                     # seconds per step
+    time = ndplan.estimate_time(model, strategy, cluster, **options.time_keywords())  # s per step
     space = ndplan.default_space(model, device, 64, 256, 4096)                # every dimension
-    result = ndplan.run_search(model, device, space)                          # ranked, Pareto front
+    result = ndplan.run_search(model, device, space, options=options)         # ranked, Pareto front
 
     from ndplan.balance import balance   # a subpackage of the same name: imported from there
     plan = balance(model, strategy, cluster, 60 * 2**30)                      # layers, recompute

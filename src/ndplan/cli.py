@@ -180,7 +180,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     overlap = options.overlap or default_overlap(device.runtime)
     timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
-                           overlap=options.overlap, weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group)
+                           **options.time_keywords())
     if args.plot:
         from ndplan.report.plots import plot_memory
 
@@ -259,6 +259,10 @@ def cmd_balance(args: argparse.Namespace) -> int:
     data = {"model": model.name, "hardware": device.name, "devices": strategy.world_size, "runtime": options.runtime,
             "strategy": strategy.model_dump(mode="json"), "memory_limit_bytes": limit, **result.to_dict()}
     emitted = plan_strategy(strategy, result.emitted_plan, result.emitted_modules)
+    from ndplan.perf import estimate_time
+
+    # The balancer's step is composed from stage times; the estimate adds DP, p2p and the optimizer.
+    data["estimated_step_s"] = estimate_time(model, emitted, cluster, **options.time_keywords()).step_s
     if args.emit:
         from ndplan.io import emit
 
@@ -305,7 +309,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
         verdict = "fits" if worst <= limit else f"[bold red]over the limit by {format_bytes(worst - limit)}[/]"
         console.print(f"check: the full estimator, with the settings --emit writes "
                       f"({emitted.short()}), puts the largest stage at "
-                      f"{format_bytes(worst)}: {verdict}")
+                      f"{format_bytes(worst)}: {verdict}; its step, with DP, p2p and the optimizer: "
+                      f"{data['estimated_step_s']:.3f} s")
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False)
@@ -448,7 +453,7 @@ def _explain_winner(model: ModelSpec, strategy: Strategy, device: Any, options: 
 
     report = estimate(model, strategy, device, options, num_devices=strategy.world_size)
     timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
-                           overlap=options.overlap, weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group)
+                           **options.time_keywords())
     return {"peak_bytes": report.peak_bytes, "step_s": timing.step_s,
             "memory": list(report.explain()), "time": list(timing.explain())}
 

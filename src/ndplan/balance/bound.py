@@ -31,13 +31,15 @@ from ndplan.strategy.batch import CODES, StrategyBatch
 
 
 def _option_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, option: str,
-                    weight_grad_rebuilds: bool = False, overlap: OverlapConfig | None = None) -> dict[str, np.ndarray]:
+                    weight_grad_rebuilds: bool = False, overlap: OverlapConfig | None = None,
+                    selective_policy: str | None = None) -> dict[str, np.ndarray]:
     """Seconds per micro-batch of each piece with every layer under ``option``: the layer kinds
     with their rebuild added (as ``build_problem`` prices them), the two ends."""
     code = CODES["recompute"].index(option)
     variant = dataclasses.replace(batch, recompute=np.full(len(batch), code, dtype=batch.recompute.dtype),
                                   recompute_layers=np.zeros(len(batch), dtype=batch.recompute_layers.dtype))
-    seconds = piece_seconds(model, variant, cluster, weight_grad_rebuilds=weight_grad_rebuilds, overlap=overlap)
+    seconds = piece_seconds(model, variant, cluster, weight_grad_rebuilds=weight_grad_rebuilds, overlap=overlap,
+                            selective_policy=selective_policy)
     out = {"emb": seconds["emb"], "head": seconds["head"]}
     for kind in ("dense", "moe"):
         out[kind] = seconds[kind] + (seconds[f"rc_{kind}"] if option != "none" else 0.0)
@@ -46,21 +48,25 @@ def _option_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, op
 
 def balanced_step_lower_bound(
     model: ModelSpec, batch: StrategyBatch, cluster: Cluster, step_s: np.ndarray, *, weight_grad_rebuilds: bool = False,
-    overlap: OverlapConfig | None = None,
+    overlap: OverlapConfig | None = None, selective_policy: str | None = None,
 ) -> np.ndarray:
     """Per strategy of ``batch`` (pipelines of one chunk per stage or more), a lower bound of the
     step the search reports for it once balanced (``step_s`` is its uniform step; the layer
-    prices as ``build_problem`` makes them for the runtime: ``weight_grad_rebuilds``, ``overlap``)."""
-    lower, uniform = composed_bounds(model, batch, cluster, weight_grad_rebuilds=weight_grad_rebuilds, overlap=overlap)
+    prices as ``build_problem`` makes them for the runtime: ``weight_grad_rebuilds``, ``overlap``,
+    ``selective_policy``)."""
+    lower, uniform = composed_bounds(model, batch, cluster, weight_grad_rebuilds=weight_grad_rebuilds, overlap=overlap,
+                                     selective_policy=selective_policy)
     return np.asarray(step_s, dtype=float) * lower / uniform
 
 
 def composed_bounds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *, weight_grad_rebuilds: bool = False,
-                    overlap: OverlapConfig | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    overlap: OverlapConfig | None = None, selective_policy: str | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """Per strategy, in the balancer's composed seconds: the lower bound of any plan's step, and
     the step of the uniform plan with the strategy's recompute on every layer (what
     ``evaluate(problem, uniform_plan(problem, recompute))`` gives)."""
-    seconds = {option: _option_seconds(model, batch, cluster, option, weight_grad_rebuilds, overlap) for option in OPTIONS}
+    seconds = {option: _option_seconds(model, batch, cluster, option, weight_grad_rebuilds, overlap, selective_policy)
+               for option in OPTIONS}
     cheapest = {kind: np.minimum.reduce([seconds[o][kind] for o in OPTIONS]) for kind in ("dense", "moe")}
     kinds = model.layer_mlp_kinds
     s_min = (kinds.count("dense") * cheapest["dense"] + kinds.count("moe") * cheapest["moe"]

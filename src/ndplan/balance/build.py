@@ -35,7 +35,7 @@ from ndplan.memory.overhead import DEFAULTS
 from ndplan.memory.stages import MemoryOptions, layer_activations, stage_memory
 from ndplan.memory.static import layer_elements, sharding_factors
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import default_efficiency
+from ndplan.perf.efficiency import default_efficiency, with_selective_policy
 from ndplan.perf.layer import LayerContext, piece_times
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, strategy_columns
@@ -49,13 +49,14 @@ from ndplan.strategy.strategy import offload_conflict
 OPTIONS = ("none", "selective", "full")
 
 
-def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *,
-                  weight_grad_rebuilds: bool = False, overlap: OverlapConfig | None = None) -> dict[str, np.ndarray]:
+def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *, weight_grad_rebuilds: bool = False,
+                  overlap: OverlapConfig | None = None, selective_policy: str | None = None) -> dict[str, np.ndarray]:
     """Seconds per micro-batch (F + B + W) of each piece, per strategy of ``batch``: the layer
     kinds, 'rc_dense'/'rc_moe' (what recomputing one layer adds, with a runtime's rebuilds per
     parameter group in a split W: ``ndplan.perf.step.evaluate``) and the ends 'emb'/'head'.
-    ``overlap``: what the runtime hides (None: the device runtime's defaults)."""
-    eff = default_efficiency(cluster.device)
+    ``overlap``: what the runtime hides (None: the device runtime's defaults);
+    ``selective_policy``: what its selective recompute re-runs (None: the device profile's)."""
+    eff = with_selective_policy(default_efficiency(cluster.device), selective_policy)
     overlap = overlap or default_overlap(cluster.device.runtime)
     ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision,
                        weight_grad_rebuilds, batch.recompute_modules,
@@ -89,13 +90,12 @@ def baseline_option(problem: BalanceProblem) -> str:
     return next(o for o in ("full", "selective", "none") if o in problem.options)
 
 
-def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster, weight_grad_rebuilds: bool,
-                   overlap: OverlapConfig | None = None, modules: tuple[str, ...] | None = None
-                   ) -> dict[str, dict[str, float]]:
-    """``piece_seconds`` of the strategy under each recompute option (selective: ``modules``)."""
+def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster, options: MemoryOptions,
+                   modules: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
+    """``piece_seconds`` of the strategy under each recompute option (selective: ``modules``),
+    for the runtime of ``options``."""
     variants = [strategy.with_recompute(option, modules=modules) for option in OPTIONS]
-    seconds = piece_seconds(model, StrategyBatch.of(variants), cluster, weight_grad_rebuilds=weight_grad_rebuilds,
-                            overlap=overlap)
+    seconds = piece_seconds(model, StrategyBatch.of(variants), cluster, **options.time_keywords())
     return {option: {name: float(values[i]) for name, values in seconds.items()} for i, option in enumerate(OPTIONS)}
 
 
@@ -109,8 +109,7 @@ def build_problem(
     options = options or MemoryOptions()
     validate_strategy(strategy, model, cluster.num_devices)
     slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"] * options.include_overhead
-    seconds = _piece_seconds(model, strategy, cluster, options.profile.weight_grad_recomputes_per_group, options.overlap,
-                             selective_modules)
+    seconds = _piece_seconds(model, strategy, cluster, options, selective_modules)
     batch = StrategyBatch.of([strategy.with_recompute(o, modules=selective_modules) for o in OPTIONS])
     acts = layer_activations(model, batch, options)
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp

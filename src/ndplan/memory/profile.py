@@ -142,6 +142,10 @@ class RuntimeProfile:
     tp_accumulates_whole_embedding_grad: bool = False
     weight_grad_recomputes_per_group: bool = False
     first_stage_backward_at_w: bool = False
+    #: What its selective recompute re-runs, for the step-time model
+    #: (``EfficiencyProfile.selective_recompute``): 'megatron' the attention core, 'keep-matmuls'
+    #: the elementwise ops alone, 'torchtitan-op' every second matmul and the elementwise ops.
+    selective_policy: str = "megatron"
     overhead: dict[str, float] = field(default_factory=dict)
     #: The recompute modules its entries name (``recomputed_by``); empty where the runtime has
     #: only its own selective policy.
@@ -200,11 +204,21 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         tp_accumulates_whole_embedding_grad=bool(data.get("tp_accumulates_whole_embedding_grad", False)),
         weight_grad_recomputes_per_group=bool(data.get("weight_grad_recomputes_per_group", False)),
         first_stage_backward_at_w=bool(data.get("first_stage_backward_at_w", False)),
+        selective_policy=_selective_policy(data.get("selective_policy", "megatron"), source),
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
         recompute_modules=tuple(m for m in RECOMPUTE_MODULES
                                 if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),
         offloads=any(t.offloaded_by for entries in blocks.values() for t in entries),
     )
+
+
+SELECTIVE_POLICIES = ("megatron", "keep-matmuls", "torchtitan-op")
+
+
+def _selective_policy(value: Any, source: str) -> str:
+    if value not in SELECTIVE_POLICIES:
+        raise NdplanError(f"{source}: selective_policy is {value!r}; allowed: {', '.join(SELECTIVE_POLICIES)}")
+    return str(value)
 
 
 def profile_names() -> tuple[str, ...]:

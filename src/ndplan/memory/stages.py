@@ -99,6 +99,14 @@ class MemoryOptions:
     def profile(self) -> RuntimeProfile:
         return get_profile(self.runtime)
 
+    def time_keywords(self) -> dict[str, Any]:
+        """What the step-time model (``ndplan.perf.step.evaluate`` and the functions over it)
+        needs of this runtime, so that time prices what memory assumes: its rebuilds per
+        parameter group in a split backward's W, what its selective recompute re-runs, and
+        what it hides."""
+        return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group,
+                "selective_policy": self.profile.selective_policy, "overlap": self.overlap}
+
 
 @dataclass
 class StageMemory:

@@ -70,7 +70,11 @@ class EfficiencyProfile(BaseModel):
     attention core and the cheap elementwise ops (Megatron's core-attention recompute);
     'torchtitan-op' is torchtitan's per-op policy, which saves the attention output and every
     matmul's except every second one, so it re-runs every second matmul of each block
-    (``flops.alternate_recomputed_gemms``) and the elementwise ops, not the attention core.
+    (``flops.alternate_recomputed_gemms``) and the elementwise ops, not the attention core;
+    'keep-matmuls' saves every matmul's and the attention core's output and re-runs the
+    elementwise ops alone (the ``pytorch`` runtime profile's selective policy, which its census
+    measures). A runtime profile states its own (``RuntimeProfile.selective_policy``), and the
+    commands that know the runtime price that one (``step.evaluate``'s ``selective_policy``).
 
     Host: the CPU enqueues a layer's kernels ahead of the GPU; when that takes longer than the
     GPU work the GPU waits. A decoder layer's forward and backward each take at least
@@ -111,7 +115,7 @@ class EfficiencyProfile(BaseModel):
     grouped_gemm_factor: float = Field(default=0.9, gt=0.0, le=1.0)
     attention_efficiency: Fraction
     flash_attention: bool = True
-    selective_recompute: Literal["megatron", "torchtitan-op"] = "megatron"
+    selective_recompute: Literal["megatron", "torchtitan-op", "keep-matmuls"] = "megatron"
     hbm_efficiency: Fraction
     scaleup_efficiency: Fraction
     scaleout_efficiency: Fraction
@@ -273,3 +277,12 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
     header = "".join(f"# {line}\n" for line in comment.splitlines()) if comment else ""
     body = yaml.safe_dump({"efficiency": profile.model_dump()}, sort_keys=False)
     Path(path).write_text(header + body, encoding="utf-8")
+
+
+def with_selective_policy(efficiency: EfficiencyProfile, policy: str | None) -> EfficiencyProfile:
+    """``efficiency`` with the runtime's selective recompute policy (None: as it is). The policy
+    is a fact of the runtime, stated once in its memory profile, so that memory and time price
+    the same re-runs."""
+    if policy is None or policy == efficiency.selective_recompute:
+        return efficiency
+    return efficiency.model_copy(update={"selective_recompute": policy})

@@ -250,7 +250,8 @@ def model_flops_per_micro_batch(
     applied again) and the output head. The embedding lookup is a gather, not a matmul.
     ``recompute_*_fraction``: the share of decoder layers recomputed fully (adds their whole
     forward) or selectively: with ``selective_policy`` 'megatron' that adds their attention
-    core's forward, with 'torchtitan-op' every second matmul (``alternate_recomputed_gemms``);
+    core's forward, with 'torchtitan-op' every second matmul (``alternate_recomputed_gemms``),
+    with 'keep-matmuls' none;
     with ``recompute_modules`` what those modules replay (``MODULE_GEMMS``, the attention core
     for core_attn) whatever the policy.
     """
@@ -269,6 +270,8 @@ def model_flops_per_micro_batch(
         selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
         if "core_attn" in recompute_modules:
             selective = selective + layers_attention
+    elif selective_policy == "keep-matmuls":
+        selective = 0.0  # every matmul's and the attention core's output is kept
     elif selective_policy == "torchtitan-op":
         per_kind_rc = {kind: gemm_flops(alternate_recomputed_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
         selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)

@@ -437,7 +437,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # Recompute: full replays the whole forward (its collectives too); selective replays what
     # the recompute modules name (Megatron's --recompute-modules), else the runtime's policy:
     # the attention core (Megatron's default, core_attn) or every second matmul and the cheap
-    # elementwise ops (torchtitan's per-op policy).
+    # elementwise ops (torchtitan's per-op policy), or the elementwise ops alone (keep-matmuls).
     rc = PieceTimes()
     full = cols["recompute"] == 2
     selective = cols["recompute"] == 1
@@ -449,6 +449,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         replayed = alternate_recomputed_gemms(model, sh, kind)
         replay_cast, _ = fp8_cast_seconds(ctx, replayed)
         selective_s = gemms_seconds(replayed, rates, "F")[0] + replay_cast + ew_rc
+    elif eff.selective_recompute == "keep-matmuls":  # the elementwise ops layer_bytes deems recomputable
+        selective_s = ew_rc
     else:  # Megatron's default module list: the attention core alone
         selective_s = attn_f
     recomputed_s = np.where(full, compute_f, np.where(selective, selective_s, 0.0))

@@ -9,7 +9,7 @@ import numpy as np
 
 from ndplan.hardware.device import Cluster
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency
+from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, with_selective_policy
 from ndplan.perf.flops import (
     Sharding,
     attention_core_flops,
@@ -88,15 +88,16 @@ def estimate_time(
     efficiency: EfficiencyProfile | None = None,
     overlap: OverlapConfig | None = None,
     weight_grad_rebuilds: bool = False,
+    selective_policy: str | None = None,
 ) -> TimeReport:
     """Step time of one strategy: the batch path on a batch of one, with the pipeline
     schedule simulated (exact op orders) instead of its closed form (``weight_grad_rebuilds``
-    as in ``step.evaluate``).
+    and ``selective_policy`` as in ``step.evaluate``).
 
     Raises NdplanError listing every rule the strategy breaks for this model and cluster.
     """
     validate_strategy(strategy, model, cluster.num_devices)
-    eff = efficiency or default_efficiency(cluster.device)
+    eff = with_selective_policy(efficiency or default_efficiency(cluster.device), selective_policy)
     ov = overlap or default_overlap(cluster.device.runtime)
     batch = StrategyBatch.of(strategy)
     out = evaluate(model, batch, cluster, efficiency=eff, overlap=ov, pipeline="simulate",
@@ -114,6 +115,22 @@ def estimate_time(
         mfu=v["mfu"], hfu=v["hfu"], model_flops=v["model_flops"], hardware_flops=v["hardware_flops"],
         breakdown=breakdown, details=v, weight_grad_rebuilds=weight_grad_rebuilds,
     )
+
+
+_POLICY_REPLAYS = {
+    "megatron": "the attention core",
+    "keep-matmuls": "the norms and activations; matmul and attention outputs are kept",
+    "torchtitan-op": "every second matmul and the elementwise ops",
+}
+
+
+def _replays(strategy: Strategy, efficiency: EfficiencyProfile) -> str:
+    """What a selective recompute re-runs, for the explain line (empty for other recompute)."""
+    if strategy.recompute != "selective":
+        return ""
+    if strategy.recompute_modules:
+        return f": re-runs {'+'.join(strategy.recompute_modules)}"
+    return f", {efficiency.selective_recompute} policy: re-runs {_POLICY_REPLAYS[efficiency.selective_recompute]}"
 
 
 def explain_lines(r: TimeReport) -> list[str]:
@@ -158,7 +175,7 @@ def explain_lines(r: TimeReport) -> list[str]:
             lines.append(f"  {pass_}: {parts or '0'}")
         rc = float(np.asarray(pieces[f'rc_{kind}'].total("B")).reshape(-1)[0])
         if rc > 0:
-            lines.append(f"  recompute ({s.recompute}) adds to B: {_ms(rc)} per recomputed layer")
+            lines.append(f"  recompute ({s.recompute}{_replays(s, r.efficiency)}) adds to B: {_ms(rc)} per recomputed layer")
         if s.offload_modules:
             moved = float(np.asarray(offloaded_bytes(ctx, cols, kind)).reshape(-1)[0]) * float(sh.tokens)
             copy = moved / ctx.fabric.host_bw

@@ -87,8 +87,7 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     if settings.get("devices"):
         result["devices"] = settings["devices"]
     result = {**result, "strategy": strategy.model_dump(mode="json"), **report.to_dict()}
-    perf, note = step_time(model, strategy, device, settings.get("devices"),
-                           options.profile.weight_grad_recomputes_per_group, options.overlap)
+    perf, note = step_time(model, strategy, device, settings.get("devices"), options.time_keywords())
     if perf is not None:
         result["perf"] = perf
     elif note:
@@ -97,16 +96,17 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_time(model: Any, strategy: Any, device: Any, devices: int | None,
-              weight_grad_rebuilds: bool = False, overlap: Any = None) -> tuple[dict[str, Any] | None, str]:
+              time_keywords: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str]:
     """The step-time report of one strategy (with the bottleneck stage's op times for the timeline),
-    or None and why. The step-time model is optional to the report: any failure leaves it out."""
+    or None and why; ``time_keywords`` the runtime's (``MemoryOptions.time_keywords``). The
+    step-time model is optional to the report: any failure leaves it out."""
     try:
         from ndplan.hardware import Cluster
         from ndplan.perf import estimate_time
 
         world = strategy.dp * strategy.tp * strategy.pp * strategy.cp
         report = estimate_time(model, strategy, Cluster(device=device, num_devices=devices or world),
-                               weight_grad_rebuilds=weight_grad_rebuilds, overlap=overlap)
+                               **(time_keywords or {}))
         perf: dict[str, Any] = dict(report.to_dict())
         keep = ("stage_forward_s", "stage_backward_s", "stage_weight_grad_s", "p2p_s", "makespan_s", "bottleneck_stage")
         perf["details"] = {k: float(report.details[k]) for k in keep if k in report.details}

@@ -63,7 +63,7 @@ def rank_balanced(
             if len(piped):
                 lower[at[piped]] = balanced_step_lower_bound(
                     model, batch.take(piped), cluster, step[at[piped]],
-                    weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group, overlap=options.overlap)
+                    **options.time_keywords())
     order = np.lexsort((index, lower))
     kept: list[tuple[float, int, int]] = []  # max-heap by (−step, −candidate): the worst kept on top
     plans: dict[int, dict[str, Any]] = {}

@@ -76,17 +76,16 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
 
 
 def runtime_step_time(options: MemoryOptions | None = None) -> TimeFunction:
-    """``ndplan.perf.step_time_batch`` for the runtime of ``options``: where it rebuilds a
-    checkpointed layer once per parameter group in a split backward's W (the ``pytorch``
-    profile), full recompute pays those forwards in time as in memory; ``options.overlap`` says
-    what it hides."""
+    """``ndplan.perf.step_time_batch`` for the runtime of ``options`` (``MemoryOptions.time_keywords``):
+    where it rebuilds a checkpointed layer once per parameter group in a split backward's W (the
+    ``pytorch`` profile), full recompute pays those forwards in time as in memory; selective
+    recompute re-runs what its profile does not keep; ``options.overlap`` says what it hides."""
     from functools import partial
 
     from ndplan.perf import step_time_batch
 
     options = options or MemoryOptions()
-    return partial(step_time_batch, weight_grad_rebuilds=options.profile.weight_grad_recomputes_per_group,
-                   overlap=options.overlap)
+    return partial(step_time_batch, **options.time_keywords())
 
 
 def pareto_front(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
