@@ -102,14 +102,18 @@ def test_zero_stages_shard_the_right_states():
     {"dp": 2, "tp": 8, "pp": 4, "num_micro_batches": 1, "zero": 1},
     {"dp": 4, "tp": 2, "pp": 2, "vpp": 2, "schedule": "interleaved", "num_micro_batches": 4, "zero": 2},
     {"dp": 8, "tp": 2, "zero": 3, "fsdp": True, "num_micro_batches": 4},
+    {"dp": 2, "tp": 2, "pp": 4, "num_micro_batches": 16, "schedule": "gpipe", "recompute": "full"},
+    {"dp": 2, "tp": 2, "pp": 4, "vpp": 2, "num_micro_batches": 8, "schedule": "zbv", "sequence_parallel": True},
 ])
-def test_static_by_layer_kind_sums_to_the_stage_static(runtime, settings):
-    """Every byte of params, grads and optimizer states is some layer kind's, on every stage."""
+def test_by_layer_kind_sums_to_the_stage_totals(runtime, settings):
+    """Every byte of params, grads and optimizer states, and of the held activations (the
+    pipeline runtime's kept stage inputs and outputs too), is some layer kind's, on every stage."""
     model = get_preset("llama-3.1-70b")
     options = MemoryOptions(include_overhead=False, runtime=runtime)
     for stage in estimate(model, Strategy(seq_length=2048, **settings), options=options).stages:
         assert sum(stage.static_by_kind.values()) == pytest.approx(
             stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes, rel=1e-12)
+        assert sum(stage.activations_by_kind.values()) == pytest.approx(stage.activations_bytes, rel=1e-12)
 
 
 def test_whole_embedding_gradient_is_explained():

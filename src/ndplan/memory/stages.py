@@ -49,7 +49,9 @@ if TYPE_CHECKING:
 Attention = Literal["flash", "sdpa", "eager"]
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
 STATIC_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "output", "mtp")
-ACTIVATION_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "recompute", "output", "mtp")
+#: ``pipeline``: the stage inputs and outputs a pipeline runtime keeps per micro-batch until its
+#: backward (torch.distributed.pipelining), beside its layers' saved tensors.
+ACTIVATION_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "recompute", "output", "mtp", "pipeline")
 
 
 #: Strategies with the same values of these fields share a placement and a schedule simulation.
@@ -1072,6 +1074,9 @@ def _evaluate_group(
     per_b_virtual[:, -1] += output_held
     per_b_virtual[:, -1] += mtp_held
     profile = options.profile
+    # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
+    # runtime keeps per micro-batch (below), the head's and the pipeline's.
+    kept_logits = kept_hidden = np.zeros_like(per_b_virtual)
     if profile.pipeline_stage_output and virtual > 1:
         # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
         # (sequence-sharded under SP) on every stage but the last, the logits on the last.
@@ -1090,6 +1095,9 @@ def _evaluate_group(
         # Column by column (see _outer_sum): the same products, in passes over the strategies.
         for column, (logits, hidden) in enumerate(zip(logits_kept.tolist(), hidden_kept.tolist(), strict=True)):
             per_b_virtual[:, column] += token_bytes * (logits_per_token * logits + hidden_per_token * hidden)
+        if kinds is not None:
+            kept_logits = np.multiply.outer(token_bytes * logits_per_token, logits_kept.astype(float))
+            kept_hidden = np.multiply.outer(token_bytes * hidden_per_token, hidden_kept.astype(float))
     split = schedule in SPLIT_BACKWARD
     per_w_virtual: np.ndarray | None = None  # nothing waits for W without a split backward
     if not split:
@@ -1244,8 +1252,9 @@ def _evaluate_group(
         _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
                           recomputed_dense, recomputed_moe,
                           {"embedding": np.multiply.outer(embedding_held, first_virtual),
-                           "output": np.multiply.outer(output_held, last_virtual),
-                           "mtp": np.multiply.outer(mtp_held, last_virtual)},
+                           "output": np.multiply.outer(output_held, last_virtual) + kept_logits,
+                           "mtp": np.multiply.outer(mtp_held, last_virtual),
+                           "pipeline": kept_hidden},
                           np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
 
 
@@ -1675,6 +1684,7 @@ def _activation_kinds(
         "embedding": per_virtual["embedding"],
         "output": per_virtual["output"],
         "mtp": per_virtual["mtp"],
+        "pipeline": per_virtual["pipeline"],
     }
     n = t.shape[0]
     for s in range(pp):

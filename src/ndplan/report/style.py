@@ -32,6 +32,7 @@ LAYER_KINDS: tuple[tuple[str, str, str], ...] = (
     ("recompute", "recomputed layers (saved inputs)", "#FF9DA7"),
     ("output", "output head + loss", "#9C755F"),
     ("mtp", "MTP", "#B07AA1"),
+    ("pipeline", "pipeline stage inputs/outputs", "#A0CBE8"),
     ("other", "other (unattributed)", "#D7B5A6"),
     ("buffers", "comm + transient", "#8FA3B8"),
     ("optimizer_step", "optimizer-step temporaries", "#FFBE7D"),
