@@ -79,6 +79,19 @@ def test_what_moves_leaves_the_device_and_two_layers_stay():
     assert off.full["moe"][0] == plain.full["moe"][0] - 512
     assert off.backward_extra["moe"][0] == plain.backward_extra["moe"][0] + 2 * 512
     assert off.rebuilt["moe"][0] == plain.rebuilt["moe"][0]
+    # the breakdown by block loses the same bytes, from the MoE block
+    assert sum(off.moe_blocks.values())[0] == off.full["moe"][0]
+    assert off.moe_blocks["moe"][0] == plain.moe_blocks["moe"][0] - 512
+
+
+@pytest.mark.parametrize("offload", [("expert_fc1",), ("core_attn", "attn_proj"), ("qkv_linear", "mlp_norm", "moe_act")])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_breakdown_by_kind_leaves_out_what_is_offloaded(offload, recompute):
+    """Each stage's activations by layer kind sum to its held activations, net of the offload."""
+    strategy = Strategy(dp=2, pp=2, ep=2, zero=1, num_micro_batches=8, recompute=recompute, offload_modules=offload,
+                        recompute_modules=("layernorm", "moe_act") if recompute == "selective" else ())
+    for stage in estimate(get_preset("qwen3-30b-a3b"), strategy, None, MEGATRON).stages:
+        assert sum(stage.activations_by_kind.values()) == pytest.approx(stage.activations_bytes, rel=1e-12)
 
 
 def test_selective_recompute_moves_only_what_it_keeps():

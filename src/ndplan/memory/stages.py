@@ -171,10 +171,12 @@ class LayerActivations:
     #: kind -> what ops past the layer's weights save (the router's probabilities, the experts'
     #: weighting: no weight gradient's path runs through them; part of weight_unread)
     weight_past: dict[str, np.ndarray]
-    norm: np.ndarray
-    attention: np.ndarray
-    mlp: np.ndarray
-    moe: np.ndarray
+    #: A layer that recomputes nothing, by block, for the breakdown by kind: 'attention', 'norm'
+    #: (both norms) and 'mlp' of a dense layer, 'attention', 'norm' and 'moe' of a MoE one. They
+    #: sum to ``full``: net of what offload moves, and scaled to the measured layer where a census
+    #: replaced the formulas (a census measures whole layers).
+    dense_blocks: dict[str, np.ndarray]
+    moe_blocks: dict[str, np.ndarray]
     output: np.ndarray
     output_transient: np.ndarray
     backward_extra: dict[str, np.ndarray]  # kind -> one layer's backward working set
@@ -187,11 +189,12 @@ class LayerActivations:
     def take(self, index: np.ndarray | slice) -> LayerActivations:
         """The same figures for a subset of the strategies."""
         values: dict[str, Any] = {}
+        n = self.output.shape[0]
         for name, value in vars(self).items():
             if isinstance(value, dict):
-                values[name] = {k: np.broadcast_to(v, (self.norm.shape[0],))[index] for k, v in value.items()}
+                values[name] = {k: np.broadcast_to(v, (n,))[index] for k, v in value.items()}
             else:
-                values[name] = np.broadcast_to(value, (self.norm.shape[0],))[index]
+                values[name] = np.broadcast_to(value, (n,))[index]
         return LayerActivations(**values)
 
 
@@ -316,8 +319,17 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # the offload is netted out below.
     rebuilt = {k: full[k] - recomputed[k] for k in ("dense", "moe")}
     offloaded = {k: np.zeros_like(tp) for k in ("dense", "moe")}
+    by_block = {"dense": {"attention": attention, "norm": 2 * norm, "mlp": mlp},
+                "moe": {"attention": attention, "norm": 2 * norm, "moe": moe}}
+    for k in ("dense", "moe"):
+        formula = sum(by_block[k].values())
+        if _census_for(options, k) is not None:  # measured: the blocks in the formulas' proportions
+            share = np.divide(full[k], formula, out=np.zeros_like(tp), where=formula > 0)
+            by_block[k] = {name: value * share for name, value in by_block[k].items()}
     if offload:
-        moved_plain, moved_kept = _offloaded(model, block, attention_name, options.attention == "eager", offload)
+        moved_by_block, moved_kept = _offloaded(model, block, attention_name, options.attention == "eager", offload)
+        moved_plain = {k: _summed(moved_by_block[k]) for k in ("dense", "moe")}
+        by_block = {k: {name: value - moved_by_block[k][name] for name, value in by_block[k].items()} for k in by_block}
         full = {k: full[k] - moved_plain[k] for k in ("dense", "moe")}
         recomputed = {k: recomputed[k] - np.where(is_full, 0.0, moved_kept[k]) for k in ("dense", "moe")}
         # Megatron-Core keeps on the device the last layer of the chunk whose backward comes next
@@ -343,8 +355,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     return LayerActivations(
         full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
         weight_unread=weight_unread, weight_read_last=weight_read_last, weight_past=weight_past,
-        norm=norm, attention=attention,
-        mlp=mlp, moe=moe, output=output,
+        dense_blocks=by_block["dense"], moe_blocks=by_block["moe"], output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
         backward_extra=backward_extra, mtp_extra=mtp_extra, rebuilt=rebuilt, offloaded=offloaded,
     )
@@ -359,9 +370,10 @@ def applicable_offload_modules(model: ModelSpec) -> tuple[str, ...]:
 
 
 def _offloaded(model: ModelSpec, block: Callable[[str, str], np.ndarray], attention_name: str, eager: bool,
-               offload: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+               offload: tuple[str, ...]) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """Bytes per token per rank that ``offload`` moves to the host from one layer of each kind:
-    (of a layer that recomputes nothing, of one under the selective policy).
+    (of a layer that recomputes nothing, by block as ``LayerActivations.dense_blocks`` and
+    ``moe_blocks``; of one under the selective policy).
 
     The profile's entries name their modules; the two norms of a layer share the ``norm`` block,
     so their owner is decided here: the attention norm moves with attn_norm where it is its own
@@ -375,10 +387,20 @@ def _offloaded(model: ModelSpec, block: Callable[[str, str], np.ndarray], attent
         norm = block("norm", part)
         attention = block(attention_name, part) + (block("eager_scores", part) if eager else 0.0)
         out.append({
-            "dense": attention_side * norm + attention + block("mlp", part),
-            "moe": (attention_side + mlp_side) * norm + attention + block("moe", part),
+            # (in this order, so that the totals are the sums they were: norm + attention + MLP)
+            "dense": {"norm": attention_side * norm, "attention": attention, "mlp": block("mlp", part)},
+            "moe": {"norm": (attention_side + mlp_side) * norm, "attention": attention, "moe": block("moe", part)},
         })
-    return out[0], out[1]
+    return out[0], {k: _summed(blocks) for k, blocks in out[1].items()}
+
+
+def _summed(blocks: dict[str, np.ndarray]) -> np.ndarray:
+    """Σ of the blocks' bytes, in their order."""
+    values = list(blocks.values())
+    total = values[0]
+    for value in values[1:]:
+        total = total + value
+    return total
 
 
 # --------------------------------------------------------------------------- schedule peaks
@@ -1674,12 +1696,12 @@ def _activation_kinds(
     model: ModelSpec,
 ) -> None:
     """Split the held peak by layer kind, at the instant of each stage's peak."""
-    plain = plain_dense + plain_moe
+    dense, moe = acts.dense_blocks, acts.moe_blocks
     per_kind_virtual = {
-        "attention": t * plain * acts.attention[:, None],
-        "norm": t * plain * 2 * acts.norm[:, None],
-        "mlp": t * plain_dense * acts.mlp[:, None],
-        "moe": t * plain_moe * acts.moe[:, None],
+        "attention": t * (plain_dense * dense["attention"][:, None] + plain_moe * moe["attention"][:, None]),
+        "norm": t * (plain_dense * dense["norm"][:, None] + plain_moe * moe["norm"][:, None]),
+        "mlp": t * plain_dense * dense["mlp"][:, None],
+        "moe": t * plain_moe * moe["moe"][:, None],
         "recompute": t * (recomputed_dense * acts.recomputed["dense"][:, None] + recomputed_moe * acts.recomputed["moe"][:, None]),
         "embedding": per_virtual["embedding"],
         "output": per_virtual["output"],
