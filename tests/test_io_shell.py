@@ -73,6 +73,22 @@ def test_unterminated_quotes_name_the_line(script, line):
     assert info.value.line == line
 
 
+@pytest.mark.parametrize("script, line, words", [
+    ("X=( a ; b )\n", 1, "unexpected ';' inside an array"),  # used to loop forever
+    ("A=(\n --x 1\n --moe-layer-freq ([0]*3+[1]*58)\n)\n", 3, "unexpected '(' inside an array"),
+    ("--num-layers 4\n--moe-layer-freq ([0]*1+[1]*3)\n", 2, "unexpected '(' after a word: quote the value"),
+    ("python train.py --a 1 --moe-layer-freq ([1]*4) --b 2\n", 1, "unexpected '(' after a word"),
+])
+def test_what_bash_refuses_unquoted_is_an_error_not_a_lost_value(script, line, words):
+    with pytest.raises(ShellSyntaxError, match=words.replace("(", r"\(")) as info:
+        run_script(script)
+    assert info.value.line == line
+
+
+def test_functions_and_subshells_still_parse():
+    assert texts("f() {\n  echo hi\n}\n( cd x; python a.py --b 1 )\n")[-1] == ["python", "a.py", "--b", "1"]
+
+
 @pytest.mark.parametrize("text, expected", [
     ("1", None), ("([0]*3+[1]*5)", [0, 0, 0, 1, 1, 1, 1, 1]), ("[1,0]*2", [1, 0, 1, 0]),
     ("([1]*2+[0])*2", [1, 1, 0, 1, 1, 0]), ("[0]*1+[1]*2", [0, 1, 1]),

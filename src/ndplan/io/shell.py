@@ -118,6 +118,9 @@ class _Lexer:
             elif c == "#":
                 while self.pos < len(self.text) and self.peek() != "\n":
                     self.advance()
+            elif c == "(" and current and self.peek(1) != ")":  # "name()" defines a function
+                # bash refuses it too; unquoted, a value like ([0]*3+[1]*58) would be lost silently
+                raise ShellSyntaxError(self.line, "unexpected '(' after a word: quote the value")
             elif c in ";|&()":
                 self.advance(2 if self.peek(1) in "&|;" and c != "(" and c != ")" else 1)
                 finish()
@@ -365,8 +368,14 @@ class _Lexer:
             elif c == ")":
                 self.advance()
                 return elements
+            elif c in "(;|&<>":
+                # bash refuses these unquoted inside an array too (a word never starts with one)
+                raise ShellSyntaxError(self.line, f"unexpected '{c}' inside an array ( ): quote the element")
             else:
+                start = self.pos
                 elements.append(self._word())
+                if self.pos == start:  # no word read: stop rather than loop
+                    raise ShellSyntaxError(self.line, f"unexpected '{c}' inside an array ( )")
 
 
 # ---------------------------------------------------------------- expansion
