@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from ndplan.cli import main
 from ndplan.strategy import RULES
@@ -67,6 +68,7 @@ RULE_CASES = [
     (["--model", "MODEL_FFN24", "--tp", "16"], "tp_divides_ffn", "tp=16 does not divide ffn_hidden_size=24"),
     (["--model", "MODEL_SHARED", "--tp", "16"], "tp_divides_shared_experts", "shared_expert_ffn_hidden_size=24"),
     ([*LLAMA, "--ep", "2", "--dp", "2"], "ep_needs_experts", "needs a mixture-of-experts model"),
+    ([*LLAMA, "--etp", "2", "--dp", "2"], "ep_needs_experts", "etp=2 (other than tp=1) needs a mixture-of-experts"),
     ([*MIXTRAL, "--ep", "3", "--dp", "3"], "ep_divides_experts", "ep=3 does not divide num_experts=8"),
     ([*MIXTRAL, "--etp", "3", "--dp", "3"], "etp_divides_moe_ffn", "etp=3 does not divide moe_ffn_hidden_size=14336"),
     ([*MIXTRAL, "--ep", "8", "--dp", "2"], "expert_grid_fits", "does not divide dp·cp·tp = 2"),
@@ -86,6 +88,7 @@ RULE_CASES = [
     ([*LLAMA, "--cp", "4", "--seq", "4100"], "cp_ring_divides_seq", "divisible by 2·cp = 8"),
     ([*LLAMA, "--cp", "3", "--cp-kind", "ulysses", "--seq", "6144"], "cp_ulysses_heads", "num_attention_heads=32"),
     ([*LLAMA, "--cp", "4", "--cp-kind", "hybrid", "--ulysses-degree", "3"], "cp_hybrid_degree", "ulysses_degree=3"),
+    ([*LLAMA, "--cp", "2", "--ulysses-degree", "2"], "cp_hybrid_degree", "ulysses_degree=2 needs cp_kind 'hybrid', not 'ring'"),
     ([*LLAMA, "--dp", "8", "--fsdp", "--zero", "1"], "fsdp_is_zero3", "needs zero=3, got zero=1"),
     ([*LLAMA, "--dp", "8", "--zero", "3", "--shard-group", "3"], "shard_group_divides_dp", "shard_group=3 does not divide"),
     ([*LLAMA, "--dp", "8", "--shard-group", "4"], "shard_group_needs_zero", "nothing to shard with zero=0"),
@@ -304,3 +307,64 @@ def test_plan_file_overlap_and_search_use_it(tmp_path, capsys):
     code, out, _ = run([*search, "--overlap", "ep=on"], capsys)
     hidden = json.loads(out)
     assert code == 0 and hidden["ranked"][0]["step_s"] < plain["step_s"] and hidden["overlap"]["ep"] is True
+
+
+# Bad input the CLI audit found ending in a traceback, a hang or a silent wrong answer: each is now
+# one line on stderr that names the field and what it allows.
+SEARCH_8 = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32"]
+ESTIMATE_8 = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8"]
+
+
+@pytest.mark.parametrize("argv,words", [
+    ([*ESTIMATE_8, "--tp", "0"], "field 'tp': Input should be greater than or equal to 1"),
+    ([*ESTIMATE_8, "--pp", "0"], "field 'pp': Input should be greater than or equal to 1"),
+    ([*ESTIMATE_8, "--mbs", "0", "--gbs", "8"], "field 'micro_batch_size'"),
+    ([*SEARCH_8, "--memory-limit", "inf"], "a size must be a finite number of bytes"),
+    ([*SEARCH_8, "--memory-limit", "nan"], "a size must be a finite number of bytes"),
+    ([*SEARCH_8, "--memory-limit", "70"], "'70' is 70 bytes; give a unit, e.g. 70GiB or 70GB"),
+    ([*SEARCH_8, "--fix", "tp=abc"], "--fix tp=abc: a whole number is needed"),
+    ([*SEARCH_8, "--fix", "tp=0"], "--fix tp=0: tp must be at least 1"),
+    ([*SEARCH_8, "--fix", "zero=5"], "--fix zero=5: zero must be 0–3"),
+    ([*SEARCH_8, "--fix", "recompute=partial"], "--fix recompute=partial: allowed values are none, selective, full"),
+    ([*SEARCH_8, "--fix", "cp_kind=bogus"], "allowed values are ring, ulysses, hybrid"),
+    ([*SEARCH_8, "--fix", "sp=maybe"], "--fix sp=maybe: write one of 1, true, yes, on or 0, false, no, off"),
+    ([*SEARCH_8, "--fix", "tp=2", "tp=4"], "--fix tp is given twice (2 and 4)"),
+    ([*SEARCH_8, "--top", "0"], "--top must be at least 1, got 0"),
+    ([*ESTIMATE_8, "--moe-imbalance", "nan"], "moe_imbalance must be a finite number >= 1.0"),
+    ([*ESTIMATE_8, "--moe-capacity-factor", "inf"], "moe_capacity_factor must be a finite number > 0, got inf"),
+])
+def test_bad_values_are_one_line_errors(argv, words, capsys):
+    code, _, err = run(argv, capsys)
+    assert code == 2 and words in err and "Traceback" not in err
+
+
+def test_a_calibrated_profile_reaches_estimate_search_and_balance(tmp_path, capsys):
+    """--efficiency PROFILE (what `ndplan calibrate` writes) replaces the family's figures in every
+    command that prices time, as a device YAML's own 'efficiency:' mapping does."""
+    profile = tmp_path / "fitted.yaml"
+    profile.write_text("# ndplan calibrate ...\ngemm_efficiency: 0.4\n")
+    base = [*ESTIMATE_8, "--gbs", "32", "--json"]
+    default = json.loads(run(base, capsys)[1])["time"]["step_s"]
+    code, out, _ = run([*base, "--efficiency", str(profile)], capsys)
+    fitted = json.loads(out)
+    assert code == 0 and fitted["time"]["step_s"] > 1.3 * default and fitted["efficiency"] == str(profile)
+    device = tmp_path / "h100-fitted.yaml"
+    preset = get_device_dict("h100-sxm")
+    device.write_text(yaml.safe_dump({**preset, "name": "h100-sxm-fitted", "efficiency": {"gemm_efficiency": 0.4}}))
+    code, out, _ = run(["estimate", *LLAMA, "--hardware", str(device), "--devices", "8", "--gbs", "32", "--json"], capsys)
+    assert code == 0 and json.loads(out)["time"]["step_s"] == pytest.approx(fitted["time"]["step_s"], rel=1e-12)
+    code, out, _ = run([*SEARCH_8, "--efficiency", str(profile), "--top", "1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["ranked"][0]["step_s"] > default
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gemm_efficiency: 4\n")
+    code, _, err = run([*ESTIMATE_8, "--efficiency", str(bad)], capsys)
+    assert code == 2 and "bad.yaml: field 'gemm_efficiency': Input should be less than or equal to 1" in err
+    device.write_text(yaml.safe_dump({**preset, "name": "h100-sxm-fitted", "efficiency": {"gemm_speed": 0.4}}))
+    code, _, err = run(["estimate", *LLAMA, "--hardware", str(device), "--devices", "8"], capsys)
+    assert code == 2 and "device h100-sxm-fitted: efficiency field 'gemm_speed'" in err
+
+
+def get_device_dict(name):
+    from ndplan.hardware import get_device
+
+    return get_device(name).model_dump(mode="json", exclude={"efficiency"})

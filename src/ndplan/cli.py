@@ -18,7 +18,9 @@ from rich.table import Table
 
 from ndplan import __version__
 from ndplan.cli_args import (
+    EFFICIENCY_HELP,
     add_strategy_arguments,
+    device_from,
     gather_settings,
     positive_int,
     runtime_options,
@@ -137,9 +139,7 @@ def _settings_and_model(args: argparse.Namespace) -> tuple[dict[str, Any], Model
 def cmd_check(args: argparse.Namespace) -> int:
     settings, model, _ = _settings_and_model(args)
     if settings.get("hardware"):
-        from ndplan.hardware import resolve_device
-
-        resolve_device(settings["hardware"])  # a bad device name is an input error here too
+        device_from(settings["hardware"], settings.get("efficiency"))  # a bad device is an input error here too
     strategy = strategy_from_settings(settings)
     violations = check_strategy(strategy, model, settings.get("devices"))
     if args.json:
@@ -165,13 +165,12 @@ def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: An
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from ndplan.hardware import resolve_device
     from ndplan.memory import estimate
 
     settings, model, read = _settings_and_model(args)
     if read is not None and args.loss_parallel is None:
         args.loss_parallel = read.runtime_settings.get("loss_parallel")
-    device = resolve_device(_require(settings, "hardware", "--hardware"))
+    device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
     options = _memory_options(args, settings, read)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
@@ -191,7 +190,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
         emitted = emit(model, strategy, args.emit)
     if args.json:
-        _emit_json({"model": model.name, "hardware": device.name, "devices": strategy.world_size,
+        _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
+                    "devices": strategy.world_size,
                     "strategy": strategy.model_dump(mode="json"), **report.to_dict(),
                     "time": {**timing.to_dict(), "details": timing.details, "overlap": overlap.model_dump(mode="json")},
                     **({"emitted": emitted} if emitted else {})})
@@ -245,18 +245,19 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- balance
 def cmd_balance(args: argparse.Namespace) -> int:
     from ndplan.balance import balance, plan_strategy
-    from ndplan.hardware import Cluster, resolve_device
+    from ndplan.hardware import Cluster
     from ndplan.units import parse_bytes
 
     settings, model, read = _settings_and_model(args)
-    device = resolve_device(_require(settings, "hardware", "--hardware"))
+    device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
     limit = parse_bytes(args.memory_limit) if args.memory_limit else device.memory_bytes
     cluster = Cluster(device=device, num_devices=strategy.world_size)
     options = _memory_options(args, settings, read)
     policies = _module_sets_argument(model, args.recompute_module_sets) if args.recompute_module_sets else ()
     result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic, selective_policies=policies)
-    data = {"model": model.name, "hardware": device.name, "devices": strategy.world_size, "runtime": options.runtime,
+    data = {"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
+            "devices": strategy.world_size, "runtime": options.runtime,
             "strategy": strategy.model_dump(mode="json"), "memory_limit_bytes": limit, **result.to_dict()}
     emitted = plan_strategy(strategy, result.emitted_plan, result.emitted_modules)
     from ndplan.perf import estimate_time
@@ -317,6 +318,11 @@ def cmd_balance(args: argparse.Namespace) -> int:
     return 0
 
 
+def _efficiency_entry(path: str | None) -> dict[str, str]:
+    """The JSON entry naming an --efficiency profile, where one was given."""
+    return {"efficiency": str(path)} if path else {}
+
+
 def _seconds_or_unfit(value: float | None) -> str:
     return "does not fit" if value is None else f"{value:.3f} s"
 
@@ -328,6 +334,8 @@ def _parse_fix(items: list[str]) -> dict[str, int | str]:
         if "=" not in item:
             raise NdplanError(f"--fix takes NAME=VALUE, got '{item}'")
         name, value = item.split("=", 1)
+        if name.strip() in fixed:
+            raise NdplanError(f"--fix {name.strip()} is given twice ({fixed[name.strip()]} and {value.strip()})")
         fixed[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
     return fixed
 
@@ -349,11 +357,12 @@ def search_result_dict(result: Any, model: ModelSpec, device: Any, space: Any) -
 def cmd_search(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ndplan.hardware import resolve_device
     from ndplan.search import default_space, run_search, runtime_step_time
     from ndplan.strategy import get_precision
     from ndplan.units import parse_bytes
 
+    if args.top < 1:
+        raise NdplanError(f"--top must be at least 1, got {args.top}")
     read = None
     if args.from_config:
         from ndplan.io.cli import model_for, print_messages, read_from_args
@@ -370,7 +379,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
         _require(vars(args), key, flag)
     args.seq = args.seq or 4096
-    device = resolve_device(args.hardware)
+    device = device_from(args.hardware, args.efficiency)
     space = default_space(
         model, device, args.devices, args.gbs, args.seq, get_precision(args.precision),
         dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []),
@@ -649,6 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("search", help="the fastest strategies that fit, over every parallel dimension")
     p.add_argument("--model", help="preset name or config.json / spec YAML path")
     p.add_argument("--hardware", help="device preset or device YAML path")
+    p.add_argument("--efficiency", help=EFFICIENCY_HELP)
     p.add_argument("--devices", type=positive_int, help="number of devices")
     p.add_argument("--gbs", type=positive_int, help="global batch size in sequences")
     p.add_argument("--seq", type=positive_int, help="sequence length in tokens (default 4096)")

@@ -28,7 +28,9 @@ from ndplan.strategy.strategy import (
 #: Plan-file keys and the Strategy field each maps to (CLI flags use the same names with dashes);
 #: the framework readers produce settings in the same keys.
 _STRATEGY_KEYS = PLAN_TO_FIELD
-_PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "devices", "overlap"}
+_PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "efficiency", "devices", "overlap"}
+EFFICIENCY_HELP = ("step-time efficiency profile YAML (what `ndplan calibrate` writes): its figures replace "
+                   "the device family's")
 #: Plan keys that hold whole numbers (ndplan does arithmetic on some before the Strategy
 #: validates them, so a plan file's value is checked as it is read).
 _WHOLE_NUMBER_KEYS = {
@@ -42,6 +44,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and cluster")
     group.add_argument("--model", help="preset name (see `ndplan models`) or a config.json / spec YAML path")
     group.add_argument("--hardware", help="device preset (see `ndplan hardware`) or a device YAML path")
+    group.add_argument("--efficiency", help=EFFICIENCY_HELP)
     group.add_argument("--devices", type=positive_int, help="number of devices in the cluster")
     group.add_argument("--plan", type=Path, help="YAML/JSON file with any of these settings (flags win)")
 
@@ -123,6 +126,19 @@ def read_plan_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def device_from(hardware: str, efficiency: str | None = None) -> Any:
+    """The Device of ``--hardware``, with the figures of ``--efficiency`` where given (checked
+    here, so that a bad profile is an input error before any work)."""
+    from ndplan.hardware import resolve_device
+    from ndplan.perf.efficiency import default_efficiency, device_with_efficiency
+
+    device = resolve_device(hardware)
+    if efficiency:
+        device = device_with_efficiency(device, efficiency)
+    default_efficiency(device)  # a device YAML's own efficiency mapping, checked as well
+    return device
+
+
 def gather_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Plan-file settings overlaid with the flags that were given."""
     settings: dict[str, Any] = read_plan_file(args.plan) if getattr(args, "plan", None) else {}
@@ -140,14 +156,16 @@ def strategy_from_settings(settings: dict[str, Any]) -> Strategy:
     fields = {_STRATEGY_KEYS[k]: v for k, v in settings.items() if k in _STRATEGY_KEYS}
     devices = settings.get("devices")
     tp, pp, cp = (int(fields.get(k, 1)) for k in ("tp", "pp", "cp"))
-    if "dp" not in fields and devices:
+    # (a degree below 1 derives nothing: the Strategy's own validation names it below)
+    if "dp" not in fields and devices and min(tp, pp, cp) >= 1:
         fields["dp"] = max(1, devices // (tp * pp * cp)) if devices % (tp * pp * cp) == 0 else 1
     if fields.get("fsdp") and "zero" not in fields:
         fields["zero"] = 3
     gbs = fields.get("global_batch_size")
     if gbs and "num_micro_batches" not in fields:
         per_micro = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1))
-        fields["num_micro_batches"] = max(1, gbs // per_micro)
+        if per_micro >= 1:
+            fields["num_micro_batches"] = max(1, gbs // per_micro)
     try:
         return Strategy(**fields)
     except ValidationError as error:

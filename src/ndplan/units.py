@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -26,7 +28,8 @@ def parse_bytes(text: str) -> int:
     """'70GiB', '80 GB', '1.5TiB', '123456' -> bytes. GB/TB are decimal, GiB/TiB binary."""
     from ndplan.errors import NdplanError
 
-    units = {"tib": 1024**4, "gib": GIB, "mib": MIB, "kib": 1024, "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+    units = {"pib": 1024**5, "tib": 1024**4, "gib": GIB, "mib": MIB, "kib": 1024,
+             "pb": 10**15, "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
     cleaned = text.strip().lower().replace(" ", "").replace("_", "")
     number, size = cleaned, 1
     for suffix, unit_size in units.items():
@@ -37,6 +40,10 @@ def parse_bytes(text: str) -> int:
         value = float(number)
     except ValueError:
         raise NdplanError(f"cannot read '{text}' as a size; write e.g. 70GiB, 80GB or 85899345920") from None
+    if not math.isfinite(value) or value * size >= 2**63:
+        raise NdplanError(f"a size must be a finite number of bytes below 8 EiB, got '{text}'")
     if value <= 0:
         raise NdplanError(f"a size must be positive, got '{text}'")
+    if number == cleaned and value < MIB:  # no unit: bytes, and too few to be meant
+        raise NdplanError(f"'{text}' is {value:g} bytes; give a unit, e.g. {text.strip()}GiB or {text.strip()}GB")
     return int(value * size)

@@ -62,6 +62,8 @@ class Device(BaseModel):
         devices_per_node: devices in one server.
         host_link_bandwidth_bytes_per_s: device-to-host link (PCIe or equivalent),
             bytes/s, one direction; bounds CPU offload.
+        efficiency: figures of the step-time model's efficiency profile that replace the device
+            family's (``ndplan.perf.efficiency``; e.g. what ``ndplan calibrate`` fitted), or None.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -76,6 +78,7 @@ class Device(BaseModel):
     scaleout_bandwidth_bytes_per_s: PositiveFloat
     devices_per_node: PositiveInt
     host_link_bandwidth_bytes_per_s: PositiveFloat
+    efficiency: Mapping[str, Any] | None = None
 
     @field_validator(*_NUMERIC_FIELDS, mode="before")
     @classmethod

@@ -87,10 +87,12 @@ class MemoryOptions:
     overlap: OverlapConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.moe_imbalance < 1.0:
-            raise NdplanError(f"moe_imbalance must be >= 1.0 (busiest rank over balanced routing), got {self.moe_imbalance}")
-        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
-            raise NdplanError(f"moe_capacity_factor must be > 0, got {self.moe_capacity_factor}")
+        # (comparisons that NaN fails, and a finite bound: an infinite factor prices nothing)
+        if not 1.0 <= self.moe_imbalance < float("inf"):
+            raise NdplanError(f"moe_imbalance must be a finite number >= 1.0 (busiest rank over balanced routing), "
+                              f"got {self.moe_imbalance}")
+        if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < float("inf"):
+            raise NdplanError(f"moe_capacity_factor must be a finite number > 0, got {self.moe_capacity_factor}")
 
     @property
     def routed_token_factor(self) -> float:

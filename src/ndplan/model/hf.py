@@ -19,6 +19,14 @@ HfConfig = Mapping[str, Any]
 _MISSING = object()
 
 
+#: Sizes and counts a model cannot have zero of (others, such as q_lora_rank, use 0 for none).
+_AT_LEAST_ONE = frozenset({
+    "num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers", "vocab_size",
+    "intermediate_size", "num_local_experts", "decoder_sparse_step", "moe_layer_freq", "moe_intermediate_size",
+    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
+})
+
+
 class _Reader:
     """Reads fields of one config and says which one is missing or malformed."""
 
@@ -41,6 +49,9 @@ class _Reader:
             value = default
         if isinstance(value, bool) or not isinstance(value, int):
             raise NdplanError(f"{self.source}: field '{key}' must be an integer, got {value!r}")
+        least = 1 if key in _AT_LEAST_ONE else 0
+        if value < least:
+            raise NdplanError(f"{self.source}: field '{key}' must be at least {least}, got {value}")
         return value
 
     def flag(self, key: str, default: bool) -> bool:

@@ -29,7 +29,8 @@ def add_calibrate_command(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Fit a device family's efficiency figures (GEMM, attention, HBM, network efficiencies ...) "
             "to measured step times by bounded least squares, and write them as a profile that "
-            "--efficiency options accept. Runs use the format of benchmarks/published_runs.yaml."
+            "estimate, search, balance and report take with --efficiency PROFILE (or paste under a device "
+            "YAML's 'efficiency:'). Runs use the format of benchmarks/published_runs.yaml."
         ),
     )
     p.add_argument("runs", type=Path, help="YAML/JSON file of measured runs")
@@ -53,8 +54,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         device = next(r.device_spec() for r in runs if r.device_spec().name == name)
     fit = [f.strip() for f in args.fit.split(",") if f.strip()] if args.fit else None
     initial = load_efficiency(args.initial) if args.initial else None
-    if args.prior_weight < 0:
-        raise NdplanError(f"--prior-weight must be >= 0, got {args.prior_weight}")
+    if not args.prior_weight >= 0 or args.prior_weight == float("inf"):  # NaN fails the first test
+        raise NdplanError(f"--prior-weight must be a finite number >= 0, got {args.prior_weight}")
     profile, report = calibrate(runs, device, fit=fit, initial=initial, prior_weight=args.prior_weight)
     comment = (
         f"ndplan calibrate {args.runs} (device family {report.device_family})\n{report.summary()}\n"

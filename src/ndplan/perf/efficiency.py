@@ -11,6 +11,7 @@ Units: efficiencies are fractions in (0, 1]; ``*_latency_s`` seconds; ``gemm_kne
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -243,8 +244,34 @@ def device_family(device: Device) -> str:
 
 
 def default_efficiency(device: Device) -> EfficiencyProfile:
-    """The family profile of ``device`` (generic for unknown names)."""
-    return FAMILY_DEFAULTS[device_family(device)]
+    """The family profile of ``device`` (generic for unknown names), with the figures the
+    device states in its ``efficiency`` (a calibrated profile, or a device YAML's mapping)."""
+    family = device_family(device)
+    if not device.efficiency:
+        return FAMILY_DEFAULTS[family]
+    figures = tuple(sorted(device.efficiency.items()))
+    try:
+        hash(figures)
+    except TypeError:  # a value no figure takes (a list, a mapping): validation names it, uncached
+        return _stated.__wrapped__(device.name, family, figures)
+    return _stated(device.name, family, figures)
+
+
+@lru_cache(maxsize=64)
+def _stated(device: str, family: str, figures: tuple[tuple[str, Any], ...]) -> EfficiencyProfile:
+    try:
+        return EfficiencyProfile.model_validate({**FAMILY_DEFAULTS[family].model_dump(), **dict(figures)})
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise NdplanError(f"device {device}: efficiency field '{'.'.join(str(p) for p in first['loc'])}': "
+                          f"{first['msg']}") from None
+
+
+def device_with_efficiency(device: Device, path: str | Path) -> Device:
+    """``device`` with the efficiency profile in ``path`` (``ndplan calibrate``'s output, or
+    any profile YAML/JSON: figures it omits keep the device family's)."""
+    profile = load_efficiency(path, base=default_efficiency(device))
+    return device.model_copy(update={"efficiency": profile.model_dump()})
 
 
 def load_efficiency(path: str | Path, base: EfficiencyProfile | None = None) -> EfficiencyProfile:

@@ -69,8 +69,7 @@ def load_result(source: str) -> dict[str, Any]:
 
 def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     """The same dict `ndplan estimate --json` prints, for the strategy the flags give."""
-    from ndplan.cli_args import gather_settings, runtime_options, strategy_from_settings
-    from ndplan.hardware import resolve_device
+    from ndplan.cli_args import device_from, gather_settings, runtime_options, strategy_from_settings
     from ndplan.memory import estimate
     from ndplan.model import load_model
 
@@ -79,11 +78,13 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
         if settings.get(key) is None:
             raise NdplanError(f"missing {flag} (give a saved result, or the model, hardware and strategy as flags)")
     model = load_model(settings["model"])
-    device = resolve_device(settings["hardware"])
+    device = device_from(settings["hardware"], settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
     options = runtime_options(args, settings)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
     result: dict[str, Any] = {"model": model.name, "hardware": device.name}
+    if settings.get("efficiency"):
+        result["efficiency"] = str(settings["efficiency"])
     if settings.get("devices"):
         result["devices"] = settings["devices"]
     result = {**result, "strategy": strategy.model_dump(mode="json"), **report.to_dict()}

@@ -403,7 +403,8 @@ def reproduce_command(inputs: Mapping[str, Any]) -> tuple[str, list[str]]:
     except Exception:  # pragma: no cover - the reproduce line is a courtesy, never a failure
         defaults = {}
     args = ["ndplan", "estimate"]
-    for key, flag in (("model", "--model"), ("hardware", "--hardware"), ("devices", "--devices")):
+    for key, flag in (("model", "--model"), ("hardware", "--hardware"), ("efficiency", "--efficiency"),
+                      ("devices", "--devices")):
         if inputs.get(key) is not None:
             args += [flag, str(inputs[key])]
     missing: list[str] = []

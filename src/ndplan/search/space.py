@@ -21,8 +21,10 @@ from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import StrategyBatch, encode
 from ndplan.strategy.precision import PrecisionPolicy
 from ndplan.strategy.strategy import (
+    CP_KINDS,
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
+    RECOMPUTES,
     SCHEDULES,
     Strategy,
     canonical_modules,
@@ -356,11 +358,14 @@ def default_space(
                 raise NdplanError(f"--fix schedule={value}: known schedules: {', '.join(SCHEDULES)}")
             chosen[name] = options
         elif name in ("cp_kind", "recompute"):
+            allowed = CP_KINDS if name == "cp_kind" else RECOMPUTES
+            if str(value) not in allowed:
+                raise NdplanError(f"--fix {name}={value}: allowed values are {', '.join(allowed)}")
             chosen[name] = (str(value),)
         elif name == "sp":
-            chosen[name] = (1 if str(value).lower() in ("1", "true", "yes", "on") else 0,)
+            chosen[name] = (_switch(name, value),)
         else:
-            chosen[name] = (int(value),)
+            chosen[name] = (_fixed_degree(name, value),)
     if chosen["cp"] == (1,):
         chosen["cp_kind"] = ("ring",)  # the kind means nothing without context parallelism
     empty = [name for name in DIMENSIONS if not chosen[name]]
@@ -371,6 +376,30 @@ def default_space(
         num_devices=num_devices, global_batch_size=global_batch_size, seq_length=seq_length,
         precision=precision, fixed=fixed,
     )
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _switch(name: str, value: int | str) -> int:
+    """A --fix on/off value as 1 or 0, or an error naming the spellings."""
+    text = str(value).strip().lower()
+    if text not in _TRUE + _FALSE:
+        raise NdplanError(f"--fix {name}={value}: write one of {', '.join(_TRUE)} or {', '.join(_FALSE)}")
+    return int(text in _TRUE)
+
+
+def _fixed_degree(name: str, value: int | str) -> int:
+    """A --fix whole-number value in its range (zero 0–3, etp ≥ 0: 0 means tp; others ≥ 1)."""
+    low, high = {"zero": (0, 3), "etp": (0, None)}.get(name, (1, None))
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise NdplanError(f"--fix {name}={value}: a whole number is needed") from None
+    if number < low or (high is not None and number > high):
+        bounds = f"{low}–{high}" if high is not None else f"at least {low}"
+        raise NdplanError(f"--fix {name}={value}: {name} must be {bounds}")
+    return number
 
 
 #: What ``parse_offload_set`` reads as offloading nothing.

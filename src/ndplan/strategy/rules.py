@@ -127,8 +127,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "ep_needs_experts",
-        lambda b, c: np.ones(len(b), bool) if c.model.is_moe else b.ep == 1,
-        lambda s, c: f"ep={s.ep} needs a mixture-of-experts model; {c.model.name} has no experts",
+        lambda b, c: np.ones(len(b), bool) if c.model.is_moe else (b.ep == 1) & (b.etp == b.tp),
+        lambda s, c: (f"ep={s.ep}" if s.ep != 1 else f"etp={s.etp} (other than tp={s.tp})")
+        + f" needs a mixture-of-experts model; {c.model.name} has no experts",
     ),
     Rule(
         "ep_divides_experts",
@@ -222,11 +223,15 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cp_hybrid_degree",
-        lambda b, c: ~b.is_("cp_kind", "hybrid")
-        | (_divides(b.ulysses_degree, b.cp) & _divides(b.tp * b.ulysses_degree, c.model.num_attention_heads)),
+        lambda b, c: np.where(
+            b.is_("cp_kind", "hybrid"),
+            _divides(b.ulysses_degree, b.cp) & _divides(b.tp * b.ulysses_degree, c.model.num_attention_heads),
+            b.ulysses_degree == 1),
         lambda s, c: (
             f"hybrid context parallelism needs ulysses_degree={s.ulysses_degree} to divide cp={s.cp} and "
             f"tp·ulysses_degree={s.tp * s.ulysses_degree} to divide num_attention_heads={c.model.num_attention_heads}"
+            if s.cp_kind == "hybrid" else
+            f"ulysses_degree={s.ulysses_degree} needs cp_kind 'hybrid', not '{s.cp_kind}'"
         ),
     ),
     Rule(
