@@ -396,8 +396,8 @@ def test_runtime_selective_policy_prices_what_its_memory_profile_keeps(tmp_path)
     from ndplan.search import runtime_step_time
 
     pytorch, megatron = MemoryOptions(runtime="pytorch"), MemoryOptions(runtime="megatron")
-    assert pytorch.time_keywords()["selective_policy"] == "keep-matmuls"
-    assert megatron.time_keywords()["selective_policy"] == "megatron"
+    assert pytorch.time_keywords()["software"]["selective_recompute"] == "keep-matmuls"
+    assert megatron.time_keywords()["software"]["selective_recompute"] == "megatron"
     s = Strategy(dp=8, micro_batch_size=2, num_micro_batches=4, seq_length=8192, zero=3, fsdp=True,
                  recompute="selective", precision="fsdp-bf16")
     cluster = _cluster(8)
@@ -414,6 +414,10 @@ def test_runtime_selective_policy_prices_what_its_memory_profile_keeps(tmp_path)
     problem = build_problem(LLAMA8, s, cluster, 1e15, pytorch)
     assert problem.costs[("dense", "selective")].time_s < build_problem(LLAMA8, s, cluster, 1e15, megatron).costs[
         ("dense", "selective")].time_s
+    # eager attention is the runtime's kernel for time as for memory: the full s² square, unfused
+    eager = MemoryOptions(runtime="pytorch", attention="eager").time_keywords()
+    assert eager["software"]["flash_attention"] is False and pytorch.time_keywords()["software"]["flash_attention"]
+    assert estimate_time(LLAMA8, s, cluster, **eager).step_s > kept.step_s
     # a profile YAML naming an unknown policy is refused with the allowed ones
     text = Path(__file__).resolve().parents[1].joinpath("src/ndplan/memory/profiles/pytorch.yaml").read_text()
     bad = tmp_path / "bad.yaml"

@@ -19,6 +19,8 @@ are the balancer's own (``perf.layer.piece_times``), evaluated for the whole bat
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -32,14 +34,14 @@ from ndplan.strategy.batch import CODES, StrategyBatch
 
 def _option_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, option: str,
                     weight_grad_rebuilds: bool = False, overlap: OverlapConfig | None = None,
-                    selective_policy: str | None = None) -> dict[str, np.ndarray]:
+                    software: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
     """Seconds per micro-batch of each piece with every layer under ``option``: the layer kinds
     with their rebuild added (as ``build_problem`` prices them), the two ends."""
     code = CODES["recompute"].index(option)
     variant = dataclasses.replace(batch, recompute=np.full(len(batch), code, dtype=batch.recompute.dtype),
                                   recompute_layers=np.zeros(len(batch), dtype=batch.recompute_layers.dtype))
     seconds = piece_seconds(model, variant, cluster, weight_grad_rebuilds=weight_grad_rebuilds, overlap=overlap,
-                            selective_policy=selective_policy)
+                            software=software)
     out = {"emb": seconds["emb"], "head": seconds["head"]}
     for kind in ("dense", "moe"):
         out[kind] = seconds[kind] + (seconds[f"rc_{kind}"] if option != "none" else 0.0)
@@ -48,24 +50,24 @@ def _option_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, op
 
 def balanced_step_lower_bound(
     model: ModelSpec, batch: StrategyBatch, cluster: Cluster, step_s: np.ndarray, *, weight_grad_rebuilds: bool = False,
-    overlap: OverlapConfig | None = None, selective_policy: str | None = None,
+    overlap: OverlapConfig | None = None, software: Mapping[str, Any] | None = None,
 ) -> np.ndarray:
     """Per strategy of ``batch`` (pipelines of one chunk per stage or more), a lower bound of the
     step the search reports for it once balanced (``step_s`` is its uniform step; the layer
     prices as ``build_problem`` makes them for the runtime: ``weight_grad_rebuilds``, ``overlap``,
-    ``selective_policy``)."""
+    ``software``)."""
     lower, uniform = composed_bounds(model, batch, cluster, weight_grad_rebuilds=weight_grad_rebuilds, overlap=overlap,
-                                     selective_policy=selective_policy)
+                                     software=software)
     return np.asarray(step_s, dtype=float) * lower / uniform
 
 
 def composed_bounds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *, weight_grad_rebuilds: bool = False,
-                    overlap: OverlapConfig | None = None, selective_policy: str | None = None
+                    overlap: OverlapConfig | None = None, software: Mapping[str, Any] | None = None
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Per strategy, in the balancer's composed seconds: the lower bound of any plan's step, and
     the step of the uniform plan with the strategy's recompute on every layer (what
     ``evaluate(problem, uniform_plan(problem, recompute))`` gives)."""
-    seconds = {option: _option_seconds(model, batch, cluster, option, weight_grad_rebuilds, overlap, selective_policy)
+    seconds = {option: _option_seconds(model, batch, cluster, option, weight_grad_rebuilds, overlap, software)
                for option in OPTIONS}
     cheapest = {kind: np.minimum.reduce([seconds[o][kind] for o in OPTIONS]) for kind in ("dense", "moe")}
     kinds = model.layer_mlp_kinds

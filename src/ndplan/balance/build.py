@@ -14,6 +14,7 @@ with device totals as the estimator reports them.
 from __future__ import annotations
 
 import time as clock
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ from ndplan.memory.overhead import DEFAULTS
 from ndplan.memory.stages import MemoryOptions, layer_activations, stage_memory
 from ndplan.memory.static import layer_elements, sharding_factors
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import default_efficiency, with_selective_policy
+from ndplan.perf.efficiency import default_efficiency, with_software
 from ndplan.perf.layer import LayerContext, piece_times
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, strategy_columns
@@ -50,13 +51,14 @@ OPTIONS = ("none", "selective", "full")
 
 
 def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *, weight_grad_rebuilds: bool = False,
-                  overlap: OverlapConfig | None = None, selective_policy: str | None = None) -> dict[str, np.ndarray]:
+                  overlap: OverlapConfig | None = None, software: Mapping[str, Any] | None = None
+                  ) -> dict[str, np.ndarray]:
     """Seconds per micro-batch (F + B + W) of each piece, per strategy of ``batch``: the layer
     kinds, 'rc_dense'/'rc_moe' (what recomputing one layer adds, with a runtime's rebuilds per
     parameter group in a split W: ``ndplan.perf.step.evaluate``) and the ends 'emb'/'head'.
     ``overlap``: what the runtime hides (None: the device runtime's defaults);
-    ``selective_policy``: what its selective recompute re-runs (None: the device profile's)."""
-    eff = with_selective_policy(default_efficiency(cluster.device), selective_policy)
+    ``software``: the runtime's facts that replace the device profile's (``step.evaluate``)."""
+    eff = with_software(default_efficiency(cluster.device), software)
     overlap = overlap or default_overlap(cluster.device.runtime)
     ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision,
                        weight_grad_rebuilds, batch.recompute_modules,

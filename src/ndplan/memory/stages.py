@@ -106,10 +106,12 @@ class MemoryOptions:
     def time_keywords(self) -> dict[str, Any]:
         """What the step-time model (``ndplan.perf.step.evaluate`` and the functions over it)
         needs of this runtime, so that time prices what memory assumes: its rebuilds per
-        parameter group in a split backward's W, what its selective recompute re-runs, and
-        what it hides."""
+        parameter group in a split backward's W, what its selective recompute re-runs, whether
+        its attention kernel is flash (``attention``), and what it hides."""
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group,
-                "selective_policy": self.profile.selective_policy, "overlap": self.overlap}
+                "software": {"selective_recompute": self.profile.selective_policy,
+                             "flash_attention": self.attention == "flash"},
+                "overlap": self.overlap}
 
 
 @dataclass

@@ -11,6 +11,7 @@ Units: efficiencies are fractions in (0, 1]; ``*_latency_s`` seconds; ``gemm_kne
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -75,7 +76,7 @@ class EfficiencyProfile(BaseModel):
     'keep-matmuls' saves every matmul's and the attention core's output and re-runs the
     elementwise ops alone (the ``pytorch`` runtime profile's selective policy, which its census
     measures). A runtime profile states its own (``RuntimeProfile.selective_policy``), and the
-    commands that know the runtime price that one (``step.evaluate``'s ``selective_policy``).
+    commands that know the runtime price that one (``step.evaluate``'s ``software``).
 
     Host: the CPU enqueues a layer's kernels ahead of the GPU; when that takes longer than the
     GPU work the GPU waits. A decoder layer's forward and backward each take at least
@@ -306,10 +307,19 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
     Path(path).write_text(header + body, encoding="utf-8")
 
 
-def with_selective_policy(efficiency: EfficiencyProfile, policy: str | None) -> EfficiencyProfile:
-    """``efficiency`` with the runtime's selective recompute policy (None: as it is). The policy
-    is a fact of the runtime, stated once in its memory profile, so that memory and time price
-    the same re-runs."""
-    if policy is None or policy == efficiency.selective_recompute:
+#: The figures that describe the software rather than the device: what a runtime states of itself.
+SOFTWARE_FIELDS = ("selective_recompute", "flash_attention")
+
+
+def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:
+    """``efficiency`` with the runtime's facts (``SOFTWARE_FIELDS``: its selective recompute
+    policy, whether its attention is flash; None: as it is). Each is stated once where the
+    runtime is (its memory profile, the attention option), so that memory and time price the
+    same re-runs and the same kernels."""
+    if not software:
         return efficiency
-    return efficiency.model_copy(update={"selective_recompute": policy})
+    unknown = sorted(set(software) - set(SOFTWARE_FIELDS))
+    if unknown:
+        raise NdplanError(f"software fact '{unknown[0]}' is not one of {', '.join(SOFTWARE_FIELDS)}")
+    changed = {k: v for k, v in software.items() if getattr(efficiency, k) != v}
+    return efficiency.model_copy(update=changed) if changed else efficiency

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from ndplan.hardware.device import Cluster
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, with_selective_policy
+from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, with_software
 from ndplan.perf.flops import (
     Sharding,
     attention_core_flops,
@@ -88,16 +89,16 @@ def estimate_time(
     efficiency: EfficiencyProfile | None = None,
     overlap: OverlapConfig | None = None,
     weight_grad_rebuilds: bool = False,
-    selective_policy: str | None = None,
+    software: Mapping[str, Any] | None = None,
 ) -> TimeReport:
     """Step time of one strategy: the batch path on a batch of one, with the pipeline
     schedule simulated (exact op orders) instead of its closed form (``weight_grad_rebuilds``
-    and ``selective_policy`` as in ``step.evaluate``).
+    and ``software`` as in ``step.evaluate``).
 
     Raises NdplanError listing every rule the strategy breaks for this model and cluster.
     """
     validate_strategy(strategy, model, cluster.num_devices)
-    eff = with_selective_policy(efficiency or default_efficiency(cluster.device), selective_policy)
+    eff = with_software(efficiency or default_efficiency(cluster.device), software)
     ov = overlap or default_overlap(cluster.device.runtime)
     batch = StrategyBatch.of(strategy)
     out = evaluate(model, batch, cluster, efficiency=eff, overlap=ov, pipeline="simulate",

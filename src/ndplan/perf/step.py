@@ -33,8 +33,9 @@ few gathers and [n, profiles] sums.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -43,7 +44,7 @@ from ndplan.model.params import layer_params, mtp_extra_params
 from ndplan.model.spec import ModelSpec
 from ndplan.perf import collectives as coll
 from ndplan.perf.codes import dense_codes, first_of_codes, row_codes
-from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, with_selective_policy
+from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, with_software
 from ndplan.perf.flops import model_flops_per_micro_batch
 from ndplan.perf.gemm import ComputeRates
 from ndplan.perf.layer import (
@@ -419,16 +420,16 @@ def evaluate(
     stage_layers: tuple[int, ...] | None = None,
     details: bool = False,
     weight_grad_rebuilds: bool = False,
-    selective_policy: str | None = None,
+    software: Mapping[str, Any] | None = None,
 ) -> dict[str, Array]:
     """Step time and its parts for every strategy of ``batch`` (OUTPUT_KEYS, plus DETAIL_KEYS
     with ``details``). ``stage_layers`` overrides the uniform placement (a batch of one).
     ``weight_grad_rebuilds``: the runtime replays a checkpointed layer's forward once per
     parameter group in a split backward's W (torch.distributed.pipelining, the ``pytorch``
     runtime profile), which full recompute then pays under ZB-H1, ZB-V and DualPipeV.
-    ``selective_policy``: what the runtime's selective recompute re-runs
-    (``RuntimeProfile.selective_policy``), in place of the efficiency profile's."""
-    eff = with_selective_policy(efficiency or default_efficiency(cluster.device), selective_policy)
+    ``software``: facts of the runtime (``MemoryOptions.time_keywords``: what its selective
+    recompute re-runs, whether its attention is flash) that replace the efficiency profile's."""
+    eff = with_software(efficiency or default_efficiency(cluster.device), software)
     ov = overlap or default_overlap(cluster.device.runtime)
     n = len(batch)
     rates = compute_rates(cluster, batch, eff)
@@ -550,14 +551,14 @@ def step_time_batch(
     efficiency: EfficiencyProfile | None = None,
     overlap: OverlapConfig | None = None,
     weight_grad_rebuilds: bool = False,
-    selective_policy: str | None = None,
+    software: Mapping[str, Any] | None = None,
 ) -> dict[str, Array]:
     """Step time of every strategy of ``batch`` with closed-form pipelines (for the search;
-    ``weight_grad_rebuilds`` and ``selective_policy`` as in ``evaluate``).
+    ``weight_grad_rebuilds`` and ``software`` as in ``evaluate``).
 
     Returns arrays keyed as ``OUTPUT_KEYS``: step_s, tokens_per_s, tokens_per_s_per_device,
     mfu, hfu, model_flops, hardware_flops, and the breakdown compute_s, tp_s, cp_s, ep_s,
     dp_s, pp_s, bubble_s, optimizer_s (seconds that sum to step_s).
     """
     return evaluate(model, batch, cluster, efficiency=efficiency, overlap=overlap, pipeline="closed_form",
-                    weight_grad_rebuilds=weight_grad_rebuilds, selective_policy=selective_policy)
+                    weight_grad_rebuilds=weight_grad_rebuilds, software=software)
