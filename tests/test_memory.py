@@ -423,7 +423,7 @@ def test_capacity_factor_scales_routed_expert_tokens_linearly():
     assert held[1.0] == pytest.approx(balanced)
     assert held[2.0] - held[1.0] == pytest.approx(held[3.0] - held[2.0])
     assert held[2.0] > held[1.0]
-    with pytest.raises(NdplanError, match="moe_capacity_factor must be > 0"):
+    with pytest.raises(NdplanError, match="moe_capacity_factor must be a finite number > 0"):
         MemoryOptions(moe_capacity_factor=0.0)
 
 
