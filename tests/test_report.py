@@ -340,9 +340,15 @@ def test_cli_errors_are_ndplan_errors(tmp_path: Path) -> None:
             args.func(args)
     listing = tmp_path / "list.json"
     listing.write_text("[1, 2]")
-    args = parser.parse_args(["report", str(listing), "-o", str(tmp_path / "x.html")])
-    with pytest.raises(NdplanError, match="not a result"):
-        args.func(args)
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    config = tmp_path / "config.json"  # an HF config is a JSON object too, but nothing a report shows
+    config.write_text('{"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2}')
+    for saved in (listing, empty, config):
+        args = parser.parse_args(["report", str(saved), "-o", str(tmp_path / "x.html")])
+        with pytest.raises(NdplanError, match="not a result of estimate, search or balance"):
+            args.func(args)
+        assert not (tmp_path / "x.html").exists()
 
 
 def test_reproduce_command_parses_back_to_the_same_strategy(est: dict[str, Any]) -> None:

@@ -64,6 +64,12 @@ def load_result(source: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise NdplanError(f"{source} is not a result of estimate, search or balance (expected a JSON object, "
                           f"got {type(data).__name__})")
+    from ndplan.report.data import shows_something
+
+    if not shows_something(data):
+        raise NdplanError(f"{source} is not a result of estimate, search or balance (it has no per-stage memory "
+                          f"'stages', no ranked rows, no candidates and no model with a strategy; save one with `ndplan estimate|search|balance "
+                          f"--json`)")
     return data
 
 

@@ -208,6 +208,17 @@ def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def shows_something(result: Mapping[str, Any]) -> bool:
+    """Whether a result holds anything a report shows: per-stage memory (its own or under a
+    ``MEMORY_SOURCE_KEYS`` entry), ranked rows, candidates, or a model's strategy (a balanced
+    plan: the report draws its schedule)."""
+    if _first(result, ROW_KEYS) is not None or _first(result, CANDIDATE_KEYS) is not None:
+        return True
+    if isinstance(result.get("strategy"), Mapping) and result.get("model"):
+        return True
+    return bool(_memory_sources(result, []))
+
+
 def _memory_sources(result: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
     sources: list[tuple[str, Mapping[str, Any]]] = []
     if isinstance(result.get("stages"), list) and result["stages"]:
