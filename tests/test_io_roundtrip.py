@@ -198,3 +198,23 @@ def test_megatron_model_flags_round_trip(name: str, tmp_path: Path) -> None:
     assert count_parameters(result.model).total == count_parameters(model).total
     assert result.model.layer_mlp_kinds == model.layer_mlp_kinds and result.model.mtp_depth == model.mtp_depth
     assert result.warnings == []
+
+
+@pytest.mark.parametrize("overlap", [
+    "megatron", "plain", "megatron,tp=on", "megatron,ep=on,ep_dispatch=node_dedup", "megatron,ep_dispatch=all_to_all",
+])
+def test_megatron_overlap_flags_round_trip(overlap: str, tmp_path: Path) -> None:
+    """What the step time was priced hiding is written as Megatron's overlap flags and read back
+    as the same switches, for the communication the strategy has."""
+    from ndplan.perf import parse_overlap
+
+    model = get_preset("qwen3-30b-a3b")
+    strategy = Strategy(dp=4, tp=2, pp=2, ep=4, sequence_parallel=True, zero=1, num_micro_batches=4)
+    config = parse_overlap(overlap)
+    path = tmp_path / "run.sh"
+    path.write_text(emit(model, strategy, "megatron", overlap=config))
+    read = parse_overlap(read_config(path).runtime_settings["overlap"])
+    assert read is not None
+    for switch in ("dp_grad_reduce", "dp_param_gather", "tp", "ep_dispatch"):
+        assert getattr(read, switch) == getattr(config, switch), switch
+    assert read.ep is (True if config.ep is True else None)

@@ -188,7 +188,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.emit:
         from ndplan.io import emit
 
-        emitted = emit(model, strategy, args.emit)
+        emitted = emit(model, strategy, args.emit, overlap)
     if args.json:
         _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
                     "devices": strategy.world_size,
@@ -266,8 +266,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
     data["estimated_step_s"] = estimate_time(model, emitted, cluster, **options.time_keywords()).step_s
     if args.emit:
         from ndplan.io import emit
+        from ndplan.perf import default_overlap
 
-        data["emitted"] = emit(model, emitted, args.emit)
+        data["emitted"] = emit(model, emitted, args.emit, options.overlap or default_overlap(device.runtime))
     if args.json:
         _emit_json(data)
         return 0
@@ -430,8 +431,9 @@ def cmd_search(args: argparse.Namespace) -> int:
                        precision=get_precision(args.precision)) if result.best else None)
     if args.emit and winner is not None:
         from ndplan.io import emit
+        from ndplan.perf import default_overlap
 
-        data["emitted"] = emit(model, winner, args.emit)
+        data["emitted"] = emit(model, winner, args.emit, options.overlap or default_overlap(device.runtime))
     explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
     if explained is not None:
         data["explain"] = explained

@@ -151,9 +151,12 @@ def _normalise(result: ReadResult) -> None:
         result.strategy_settings["precision"] = precision_setting(normal.precision)
 
 
-def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str) -> str:
+def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str,
+         overlap: Any = None) -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
+    ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
+    Megatron's overlap flags, so that reading the launch back prices the same step.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -161,5 +164,10 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
         raise NdplanError("emit needs a Strategy")
     if fmt not in EMIT_FORMATS:
         raise NdplanError(f"unknown output format '{fmt}'; known: {', '.join(EMIT_FORMATS)}")
-    return _emitters()[fmt](model if isinstance(model, ModelSpec) else None, strategy)
+    model = model if isinstance(model, ModelSpec) else None
+    if fmt == "megatron":
+        from ndplan.io.megatron_emit import emit_megatron
+
+        return emit_megatron(model, strategy, overlap)
+    return _emitters()[fmt](model, strategy)
 

@@ -151,7 +151,8 @@ def cmd_inspect(args: argparse.Namespace, console: Console | None = None) -> int
     console.print(f"[bold]{result.source}[/] ({result.format})")
     console.print(f"model:    {model['name'] + ' (' + model['model_type'] + ')' if model else '[yellow]none[/] (give --model)'}")
     nodes = f" = {cluster['nodes']} nodes × {cluster['devices_per_node']}" if cluster["nodes"] else ""
-    console.print(f"cluster:  {cluster['devices'] or '[yellow]unknown[/] (give --devices)'} devices{nodes}")
+    devices = f"{cluster['devices']} devices" if cluster["devices"] else "[yellow]device count unknown[/] (give --devices)"
+    console.print(f"cluster:  {devices}{nodes}")
     strategy = summary["strategy"]
     if result.format == "hf":
         console.print("strategy: none (a model config; give the strategy as flags or --plan)")

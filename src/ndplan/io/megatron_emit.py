@@ -257,8 +257,31 @@ def _array(name: str, flags: Flags) -> list[str]:
     return lines
 
 
-def emit_megatron(model: ModelSpec | None, strategy: Strategy) -> str:
-    """A bash launch for the strategy; the model's architecture flags too when a model is given."""
+def _overlap(s: Strategy, overlap: Any) -> Flags:
+    """Megatron's flags for what ``overlap`` (``ndplan.perf.OverlapConfig``) hides, where the
+    strategy has that communication (the reader maps them back: ``megatron._overlap``)."""
+    if overlap is None:
+        return []
+    flags: Flags = []
+    if overlap.dp_grad_reduce and s.dp * s.cp > 1:
+        flags.append(("--overlap-grad-reduce", None))
+    if overlap.dp_param_gather and s.dp * s.cp > 1 and s.zero >= 1:  # the distributed optimizer's gather
+        flags.append(("--overlap-param-gather", None))
+    if overlap.tp and s.tp > 1:
+        flags.append(("--tp-comm-overlap", None))
+    if s.ep > 1:
+        if overlap.ep is True:
+            flags.append(("--overlap-moe-expert-parallel-comm", None))
+        if overlap.ep_dispatch == "node_dedup":
+            flags += [("--moe-token-dispatcher-type", "flex"), ("--moe-flex-dispatcher-backend", "deepep")]
+        else:
+            flags.append(("--moe-token-dispatcher-type", "alltoall"))
+    return flags
+
+
+def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None) -> str:
+    """A bash launch for the strategy; the model's architecture flags too when a model is given;
+    ``overlap``'s switches as Megatron's overlap flags (``_overlap``)."""
     lost: list[str] = []
     s = strategy
     model_flags = _model(model, lost) if model is not None else []
@@ -282,7 +305,8 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy) -> str:
     if model_flags:
         lines += _array("MODEL_ARGS", model_flags) + [""]
         arrays.append("MODEL_ARGS")
-    for name, flags in (("PARALLEL_ARGS", parallel), ("MEMORY_ARGS", memory), ("BATCH_ARGS", batch)):
+    for name, flags in (("PARALLEL_ARGS", parallel), ("MEMORY_ARGS", memory), ("OVERLAP_ARGS", _overlap(s, overlap)),
+                        ("BATCH_ARGS", batch)):
         if flags:
             lines += _array(name, flags) + [""]
             arrays.append(name)
