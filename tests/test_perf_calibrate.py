@@ -208,3 +208,17 @@ def test_calibration_recovers_the_host_link_efficiency_from_offloaded_runs():
     fitted, report = calibrate(runs, H100, fit=["host_link_efficiency"])
     assert fitted.host_link_efficiency == pytest.approx(0.5, rel=0.02)
     assert report.median_abs_error_after < 1e-3 < report.median_abs_error_before
+
+
+@pytest.mark.parametrize("strategy,words", [
+    ("{tp: 0, dp: 8}", "run r2: field 'strategy.tp': Input should be greater than or equal to 1"),
+    ("{tp: 3, dp: 4}", "run r2: dp·tp·pp·cp = 4·3·1·1 = 12 but the cluster has 8 devices"),
+])
+def test_calibrate_names_the_run_whose_strategy_is_broken(strategy: str, words: str, tmp_path: Path):
+    runs = tmp_path / "runs.yaml"
+    good = "{dp: 8, micro_batch_size: 1, num_micro_batches: 4, seq_length: 4096, zero: 1}"
+    entry = "  - id: {}\n    source: me\n    model: llama-3.1-8b\n    device: h100-sxm\n    num_devices: 8\n" \
+            "    strategy: {}\n    measured: {{step_s: 1.5}}\n"
+    runs.write_text("runs:\n" + entry.format("r1", good) + entry.format("r2", strategy))
+    with pytest.raises(NdplanError, match=words.replace("(", r"\(")):
+        load_runs(runs)

@@ -197,7 +197,28 @@ def load_runs(path: str | Path) -> list[MeasuredRun]:
             where = ".".join(str(p) for p in first["loc"])
             label = entry.get("id", f"#{i + 1}") if isinstance(entry, dict) else f"#{i + 1}"
             raise NdplanError(f"{source}: run {label}: field '{where}': {first['msg']}") from None
+        _check_run(runs[-1], f"{source}: run {runs[-1].id}")
     return runs
+
+
+def _check_run(run: MeasuredRun, where: str) -> None:
+    """The run's model, device and strategy resolve, and the strategy runs on its cluster; else an
+    error that names the run (what ``estimate_time`` would otherwise raise without it)."""
+    from ndplan.strategy.rules import check_strategy
+
+    try:
+        strategy = run.strategy_obj()
+        model = run.model_spec()
+        run.device_spec()
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise NdplanError(f"{where}: field 'strategy.{field}': {first['msg']}") from None
+    except NdplanError as error:
+        raise NdplanError(f"{where}: {error}") from None
+    broken = check_strategy(strategy, model, run.num_devices)
+    if broken:
+        raise NdplanError(f"{where}: {'; '.join(v.message for v in broken)}")
 
 
 def predict_step_s(run: MeasuredRun, profile: EfficiencyProfile) -> float:
