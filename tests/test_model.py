@@ -145,3 +145,15 @@ def test_bad_hf_configs_name_the_field(config, message):
 def test_unknown_preset_lists_presets():
     with pytest.raises(NdplanError, match="unknown model 'llama-9'; presets: deepseek-v2-lite"):
         load_model("llama-9")
+
+
+def test_a_model_folder_reads_its_config_json(tmp_path):
+    """A Hugging Face checkpoint folder names the model and holds its config.json."""
+    folder = tmp_path / "Qwen3-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config("qwen3-8b")))
+    spec = load_model(str(folder))
+    assert spec.name == "Qwen3-8B"
+    assert count_parameters(spec).total == count_parameters(get_preset("qwen3-8b")).total
+    with pytest.raises(NdplanError, match="a model folder needs a config.json"):
+        load_model(str(tmp_path))

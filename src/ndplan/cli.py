@@ -658,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ndplan.strategy import PRECISION_PRESETS
 
     p = sub.add_parser("search", help="the fastest strategies that fit, over every parallel dimension")
-    p.add_argument("--model", help="preset name or config.json / spec YAML path")
+    p.add_argument("--model", help="preset name, a config.json / spec YAML path, or a model folder with a config.json")
     p.add_argument("--hardware", help="device preset or device YAML path")
     p.add_argument("--efficiency", help=EFFICIENCY_HELP)
     p.add_argument("--devices", type=positive_int, help="number of devices")

@@ -42,7 +42,7 @@ _WHOLE_NUMBER_KEYS = {
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for the model, the cluster and every strategy dimension."""
     group = parser.add_argument_group("model and cluster")
-    group.add_argument("--model", help="preset name (see `ndplan models`) or a config.json / spec YAML path")
+    group.add_argument("--model", help="preset name (see `ndplan models`), a config.json / spec YAML path, or a model folder with a config.json")
     group.add_argument("--hardware", help="device preset (see `ndplan hardware`) or a device YAML path")
     group.add_argument("--efficiency", help=EFFICIENCY_HELP)
     group.add_argument("--devices", type=positive_int, help="number of devices in the cluster")

@@ -93,11 +93,17 @@ def load_model_file(path: str | Path) -> ModelSpec:
 
 
 def load_model(name_or_path: str) -> ModelSpec:
-    """A preset name, or a path to a config file."""
+    """A preset name, a path to a config file, or a model folder holding a config.json (as a
+    Hugging Face checkpoint is laid out)."""
     if name_or_path.lower() in preset_names():
         return get_preset(name_or_path)
     if Path(name_or_path).suffix.lower() in {".json", ".yaml", ".yml"}:
         return load_model_file(name_or_path)
+    if Path(name_or_path).is_dir():
+        config = Path(name_or_path) / "config.json"
+        if not config.is_file():
+            raise NdplanError(f"{name_or_path}: a model folder needs a config.json (Hugging Face layout); none there")
+        return load_model_file(config)
     raise NdplanError(
         f"unknown model '{name_or_path}'; presets: {', '.join(preset_names())} (or give a path to a config file)"
     )
