@@ -1340,7 +1340,10 @@ def _evaluate_group(
         )
         for name in ("buffers", "working", "last_unit", "grads_made"):
             getattr(fsdp, name)[sharded_rows] = getattr(sharded, name)
-    fsdp_gathers = fsdp.buffers  # zero where nothing is sharded
+    # Zero where nothing is sharded. A moment that frees a micro-batch's activations is credited
+    # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
+    # neither category reads below zero (the sum, the moment, is the same).
+    fsdp_gathers = np.maximum(fsdp.buffers, 0.0)
     # FSDP without resharding after forward keeps the stage's gathered parameters.
     kept_gathered = np.zeros((len(batch), patterns))
     kept_rows = np.flatnonzero(zero3 & (batch.reshard_after_forward == 0))
@@ -1366,7 +1369,7 @@ def _evaluate_group(
     receive = receive + handed_over
     other_comm = overlapping_with_pp + kept_gathered + receive
     out["comm"] = other_comm + fsdp_gathers
-    out["transient"][sharded_rows] = fsdp.working[sharded_rows]
+    out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0))[sharded_rows]
 
     # ---- optimizer step temporaries (activations are gone by then)
     local_elements = out["optimizer"] / max(optimizer_bytes, 1)
