@@ -264,7 +264,8 @@ def test_mindformers_deepseek3_yaml():
     assert s.recompute == "full" and s.recompute_layers == 3
     assert (s.num_micro_batches, s.global_batch_size, s.seq_length) == (32, 512, 4096)
     assert result.devices == 1024
-    assert len(result.warnings) == 1 and "per-stage counts" in result.warnings[0]
+    assert len(result.warnings) == 2 and "per-stage counts" in result.warnings[0]
+    assert "recompute_slice_activation splits the saved recompute inputs" in result.warnings[1]
     assert check_strategy(s, model) == []
 
 
@@ -457,3 +458,67 @@ def test_from_argument_and_merging():
     with pytest.raises(NdplanError, match="missing --model"):
         model_for({}, read_config(fixture("megatron_llama3_70b.sh")))
     assert read_from_args(parser.parse_args([])) is None
+
+
+def test_a_files_uneven_split_survives_model_as_base(tmp_path):
+    """--model is the base the file's flags build on, so the file's layer split (which counts
+    that model's layers) is kept; a flag for pp or vpp makes it stale."""
+    script = tmp_path / "run.sh"
+    script.write_text("torchrun pretrain_gpt.py --tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 "
+                      "--decoder-first-pipeline-num-layers 19 --decoder-last-pipeline-num-layers 19 "
+                      "--micro-batch-size 1 --global-batch-size 256 --seq-length 4096 --bf16\n")
+    result = read_config(script, model="llama-3.1-70b", devices=64)
+    assert merge_settings(result, {"model": "llama-3.1-70b"})["stage_layers"] == (19, 21, 21, 19)
+    assert "stage_layers" not in merge_settings(result, {"model": "llama-3.1-70b", "pp": 2})
+
+
+@pytest.mark.parametrize("flags,grad_bytes", [
+    ("--fp16", 2), ("--fp16 --accumulate-allreduce-grads-in-fp32", 4), ("--bf16", 4), ("--bf16 --grad-reduce-in-bf16", 2),
+])
+def test_megatron_gradient_width_follows_its_precision_rules(flags, grad_bytes, tmp_path):
+    """Megatron forces fp32 gradient accumulation under bf16 only: fp16 keeps fp16 gradients
+    unless --accumulate-allreduce-grads-in-fp32 (Megatron-LM's own GPT-3 175B example sets it)."""
+    script = tmp_path / "run.sh"
+    script.write_text(f"torchrun pretrain_gpt.py --micro-batch-size 1 --global-batch-size 8 --seq-length 512 {flags}\n")
+    strategy = read_config(script, model="llama-3.1-8b", devices=8).strategy()
+    assert strategy.precision.grad_bytes == grad_bytes
+    assert "--accumulate-allreduce-grads-in-fp32" not in " ".join(read_config(script, model="llama-3.1-8b", devices=8).warnings)
+
+
+def test_megatron_default_ffn_applies_over_a_base_model(tmp_path):
+    """An architecture without --ffn-hidden-size gets Megatron's default (SwiGLU: int(4h·2/3/64)·64)
+    even with --model, with a warning where the base differs, as every other Megatron default."""
+    script = tmp_path / "run.sh"
+    script.write_text("torchrun pretrain_gpt.py --num-layers 80 --hidden-size 8192 --num-attention-heads 64 "
+                      "--group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm "
+                      "--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope "
+                      "--micro-batch-size 1 --global-batch-size 8 --seq-length 4096 --bf16\n")
+    result = read_config(script, model="llama-2-70b", devices=8)
+    assert result.model is not None and result.model.ffn_hidden_size == 21824
+    assert any("Megatron's default --ffn-hidden-size sets ffn_hidden_size=21824 but llama-2-70b has 28672" in w
+               for w in result.warnings)
+
+
+def test_framework_spellings_the_readers_used_to_miss(tmp_path):
+    """MindSpeed's kvallgather CP (priced as ring, said so), MindFormers' 'swiglu' (gated SiLU), and
+    torchtitan's fp8 FSDP all-gather (one byte per gathered weight, and written back)."""
+    script = tmp_path / "run.sh"
+    script.write_text("torchrun pretrain_gpt.py --context-parallel-size 2 --context-parallel-algo kvallgather_cp_algo "
+                      "--micro-batch-size 1 --global-batch-size 8 --seq-length 4096 --bf16\n")
+    result = read_config(script, model="llama-3.1-8b", devices=8)
+    assert result.strategy().cp_kind == "ring" and any("kvallgather_cp_algo is priced as ring" in w for w in result.warnings)
+    toml = tmp_path / "train.toml"
+    toml.write_text('[model]\nname = "llama3"\nflavor = "8B"\nconverters = ["float8"]\n[training]\nlocal_batch_size = 1\n'
+                    'seq_len = 8192\nmixed_precision_param = "bfloat16"\ndata_parallel_shard_degree = -1\n'
+                    '[float8]\nenable_fsdp_float8_all_gather = true\n')
+    read = read_config(toml, devices=8)
+    assert read.strategy().precision.param_gather_bytes == 1
+    again = tmp_path / "again.toml"
+    again.write_text(emit(read.model, read.strategy(), "torchtitan"))
+    assert read_config(again, devices=8).strategy().precision.param_gather_bytes == 1
+    yaml_text = fixture("mindformers_deepseek3_671b.yaml").read_text()
+    assert "hidden_act" not in yaml_text
+    config = tmp_path / "mf.yaml"
+    config.write_text(yaml_text.replace("    hidden_size: 7168\n", "    hidden_size: 7168\n    hidden_act: 'swiglu'\n"))
+    model = read_config(config).model
+    assert model is not None and model.activation == "silu" and model.gated_mlp

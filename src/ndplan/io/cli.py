@@ -28,7 +28,7 @@ from ndplan.strategy.strategy import Strategy
 _DERIVED = {
     "dp": {"tp", "pp", "cp", "devices"},
     "num_micro_batches": {"dp", "tp", "pp", "cp", "devices", "mbs", "gbs"},
-    "stage_layers": {"pp", "vpp", "model"},
+    "stage_layers": {"pp", "vpp"},  # --model is the read's base model: the file's split counts its layers
     "shard_group": {"dp", "tp", "pp", "cp", "devices"},
 }
 

@@ -41,6 +41,7 @@ FORMAT = "megatron"
 _CP_ALGOS = {  # MindSpeed --context-parallel-algo
     "megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses", "hybrid_cp_algo": "hybrid",
     "hybrid_adaptive_cp_algo": "hybrid", "adaptive_cp_algo": "ring",
+    "kvallgather_cp_algo": "ring",  # all-gathers K/V: priced as ring's traffic, a warning says so
 }
 _CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "ring", "a2a+p2p": "hybrid"}
 _SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
@@ -185,8 +186,9 @@ def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: l
         if algo.values[0] not in _CP_ALGOS:
             raise args.error(algo, f"unknown algorithm {algo.values[0]!r}; known: {', '.join(_CP_ALGOS)}")
         kind = _CP_ALGOS[algo.values[0]]
-        if algo.values[0] == "adaptive_cp_algo":
-            warnings.append(f"{args.src.where(algo.line)}: --context-parallel-algo adaptive_cp_algo is priced as ring attention")
+        if algo.values[0] in ("adaptive_cp_algo", "kvallgather_cp_algo"):
+            warnings.append(f"{args.src.where(algo.line)}: --context-parallel-algo {algo.values[0]} is priced as "
+                            "ring attention")
     elif comm is not None and comm.values:
         types = [v for v in comm.values if v]
         if len(set(types)) > 1:
@@ -540,7 +542,10 @@ def _precision(args: Args, warnings: list[str]) -> PrecisionPolicy:
         return make_policy("megatron-fp32", param_bytes=4, grad_bytes=4, master_weight_bytes=0,
                            optimizer_state_bytes=4, optimizer_states=states, activation_bytes=4,
                            compute_dtype="fp32", param_gather_bytes=4)
-    grad = 2 if args.has("--grad-reduce-in-bf16") or main_grads == "bf16" else 4
+    # Megatron forces fp32 gradient accumulation under bf16; under fp16 the gradient buffer is
+    # fp16 unless --accumulate-allreduce-grads-in-fp32 asks for fp32 (arguments.py).
+    fp16_grads = fp16 and not args.has("--accumulate-allreduce-grads-in-fp32")
+    grad = 2 if args.has("--grad-reduce-in-bf16") or main_grads == "bf16" or fp16_grads else 4
     compute = "fp8" if fp8 else ("bf16" if bf16 else "fp16")
     name = f"megatron-{compute}" + ("-grad16" if grad == 2 else "") + ("-lowopt" if aware else "")
     return make_policy(

@@ -156,7 +156,9 @@ def _precision(s: Strategy, lost: list[str]) -> Flags:
     flags.append(("--fp16", None) if p.compute_dtype == "fp16" else ("--bf16", None))
     if p.compute_dtype == "fp8":
         flags.append(("--fp8-format", "hybrid"))
-    if p.grad_bytes == 2:
+    if p.compute_dtype == "fp16" and p.grad_bytes == 4:
+        flags.append(("--accumulate-allreduce-grads-in-fp32", None))  # fp16's gradients are fp16 otherwise
+    elif p.compute_dtype != "fp16" and p.grad_bytes == 2:
         flags.append(("--grad-reduce-in-bf16", None))
     if p.master_weight_bytes != 4 or p.optimizer_state_bytes != 4:
         dtype = {1: "fp8", 2: "bf16", 4: "fp32"}[p.optimizer_state_bytes]

@@ -13,7 +13,7 @@ from __future__ import annotations
 #: initialisation, kernel fusions and communication overlap (overlap changes exposed time
 #: only, which the step-time model owns through its own overlap parameters).
 NO_EFFECT: frozenset[str] = frozenset("""
---accumulate-allreduce-grads-in-fp32 --adlr-autoresume --adlr-autoresume-interval --allow-ambiguous-pad-tokens
+--adlr-autoresume --adlr-autoresume-interval --allow-ambiguous-pad-tokens
 --app-tag-run-name --app-tag-run-version --apply-layernorm-1p --apply-query-key-layer-scaling --apply-rope-fusion
 --async-save --async-tensor-model-parallel-allreduce --attention-backend --attention-dropout
 --attention-softmax-in-fp32 --auto-detect-ckpt-format --barrier-with-l1-time --bert-binary-head
@@ -94,10 +94,9 @@ NO_EFFECT: frozenset[str] = frozenset("""
 --inprocess-completion-timeout --inprocess-last-call-wait --inprocess-termination-grace-time
 --inprocess-granularity --inprocess-active-world-size --inprocess-empty-cuda-cache --run-workload-inspector-server
 --window-attn-skip-freq --window-size --enable-msc --disable-msc --spec --te-rng-tracker --suggested-communication-unit-size
---fsdp-double-buffer --keep-fp8-transpose-cache --init-model-with-meta-device --sft --sft-tokenizer-prompt-format
+--init-model-with-meta-device --sft --sft-tokenizer-prompt-format
 --moe-upcycling-granularity --moe-use-upcycling --moe-apply-probs-on-input --use-fused-weighted-squared-relu
---glu-linear-offset --activation-func-clamp-value --disable-bf16-reduced-precision-matmul --cuda-graph-impl
---cuda-graph-scope --cuda-graph-warmup-steps --enable-cuda-graph --external-cuda-graph --use-torch-optimizer-for-cpu-offload
+--glu-linear-offset --activation-func-clamp-value --disable-bf16-reduced-precision-matmul --cuda-graph-warmup-steps --use-torch-optimizer-for-cpu-offload
 --overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-grads --no-pin-cpu-params --pin-cpu-grads --pin-cpu-params
 --tokenizer-name-or-path --tokenizer-not-use-fast --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb
 --use-fused-ring-attention-update --use-mc2 --use-ascend-mc2 --shape-order --no-shared-storage
@@ -163,6 +162,12 @@ UNMODELLED: dict[str, str] = {
     "--qk-l2-norm": "Llama-4 QK L2 norms are not modelled",
     "--softmax-type": "learnable softmax offsets are not modelled",
     "--moe-shared-expert-gate": "the shared-expert gate is not modelled from flags; give --model",
+    "--cuda-graph-impl": "CUDA graphs' static input/output buffers and private memory pool are not modelled",
+    "--cuda-graph-scope": "CUDA graphs' static input/output buffers and private memory pool are not modelled",
+    "--enable-cuda-graph": "CUDA graphs' static input/output buffers and private memory pool are not modelled",
+    "--external-cuda-graph": "CUDA graphs' static input/output buffers and private memory pool are not modelled",
+    "--keep-fp8-transpose-cache": "the cached fp8 transposes of the weights are not modelled",
+    "--fsdp-double-buffer": "Megatron-FSDP's double-buffered unit allocation is not modelled",
 }
 
 #: argparse ``dest`` names whose flag is spelled differently (argument files use ``dest``);

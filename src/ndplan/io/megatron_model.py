@@ -222,6 +222,11 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
     elif defines:
         put("activation", "gelu", "Megatron's default activation")
         put("gated_mlp", False, "Megatron's default activation")
+    if defines and hidden is not None and not args.has("--ffn-hidden-size"):
+        # arguments.py: swiglu → int(4h·2/3 / 64)·64, else 4h, whatever model --model names.
+        gated = bool(stated.get("gated_mlp", (False, ""))[0])
+        put("ffn_hidden_size", int((4 * hidden * 2 / 3) / 64) * 64 if gated else 4 * hidden,
+            "Megatron's default --ffn-hidden-size")
     no_bias = args.has("--disable-bias-linear")
     if no_bias or defines:
         label = "--disable-bias-linear" if no_bias else "Megatron's default (no --disable-bias-linear)"

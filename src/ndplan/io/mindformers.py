@@ -186,7 +186,11 @@ def _model(cfg: Section, moe: Section, base: ModelSpec | None, src: Source, name
     put("mtp_depth", mtp, "mtp_depth")
     activation = cfg.text("hidden_act")
     if activation is not None:
-        put("activation", activation, "hidden_act")
+        if activation.lower() == "swiglu":  # MindFormers' name for the gated SiLU of Llama/Qwen MLPs
+            put("activation", "silu", "hidden_act swiglu")
+            put("gated_mlp", True, "hidden_act swiglu")
+        else:
+            put("activation", activation, "hidden_act")
 
     experts = moe.integer("expert_num", minimum=0) or 0
     if experts > 1:
@@ -432,7 +436,10 @@ def _recompute(rc: Section, pc: Section, settings: dict[str, Any], counts: list[
                         "chosen operators (default: the SwiGLU activation); ndplan prices selective recompute of "
                         "the attention core")
     rc.get("select_comm_recompute", "parallel_optimizer_comm_recompute", "mp_comm_recompute",
-           "recompute_slice_activation", "select_recompute_exclude", "select_comm_recompute_exclude")
+           "select_recompute_exclude", "select_comm_recompute_exclude")
+    if rc.get("recompute_slice_activation"):
+        warnings.append(f"{rc.src.where(rc.line('recompute_slice_activation'))}: recompute_slice_activation splits "
+                        "the saved recompute inputs over the model-parallel group; not modelled (ndplan keeps them whole)")
     if full != "none":
         if selective != "none" and full != "all":
             warnings.append(f"{rc.src.where(rc.line('select_recompute'))}: select_recompute on the layers not fully "

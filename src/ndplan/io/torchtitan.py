@@ -341,6 +341,16 @@ def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, w
            "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug")
 
 
+def _float8_all_gather(root: Section) -> bool:
+    """``enable_fsdp_float8_all_gather`` under ``[float8]`` (older torchtitan) or
+    ``[quantize.linear.float8]``."""
+    sections = [root.get("float8")]
+    quantize = root.get("quantize")
+    if isinstance(quantize, dict) and isinstance(quantize.get("linear"), dict):
+        sections.append(quantize["linear"].get("float8"))
+    return any(isinstance(s, dict) and bool(s.get("enable_fsdp_float8_all_gather")) for s in sections)
+
+
 def _precision(model: Section, training: Section, root: Section, settings: dict[str, Any], warnings: list[str]) -> None:
     converters = model.get("converters", default=[]) or []
     if isinstance(converters, str):
@@ -357,8 +367,11 @@ def _precision(model: Section, training: Section, root: Section, settings: dict[
                              activation_bytes=4, compute_dtype="fp32", param_gather_bytes=4)
     elif param == "bfloat16":
         # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters.
+        # enable_fsdp_float8_all_gather: FSDP2 gathers the float8 linears' weights at one byte
+        # (the norms and the embedding, a few percent of the parameters, stay at two).
+        gather = 1 if fp8 and _float8_all_gather(root) else 2
         policy = make_policy("fsdp-fp8" if fp8 else "fsdp-bf16", param_bytes=4, grad_bytes=4, master_weight_bytes=0,
-                             optimizer_state_bytes=4, compute_dtype="fp8" if fp8 else "bf16", param_gather_bytes=2)
+                             optimizer_state_bytes=4, compute_dtype="fp8" if fp8 else "bf16", param_gather_bytes=gather)
     else:
         raise training.error("mixed_precision_param", f"expected bfloat16 or float32, got {param!r}")
     settings["precision"] = precision_setting(policy)
@@ -429,7 +442,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
         tables["model"] = {"name": flavour[0], "flavor": flavour[1]}
     p = policy_of(s.precision)
     training: dict[str, Any] = {}
-    if p.name in ("fsdp-bf16", "fsdp-fp8") or (p.param_bytes == 4 and p.master_weight_bytes == 0 and p.compute_dtype in ("bf16", "fp8") and p.param_gather_bytes == 2):
+    if p.name in ("fsdp-bf16", "fsdp-fp8") or (p.param_bytes == 4 and p.master_weight_bytes == 0 and p.compute_dtype in ("bf16", "fp8")
+                                               and p.param_gather_bytes == (1 if p.compute_dtype == "fp8" else 2)):
         training["mixed_precision_param"] = "bfloat16"
     elif p.compute_dtype == "fp32" and p.param_bytes == 4:
         training["mixed_precision_param"] = "float32"
@@ -439,6 +453,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
         lost.append(f"precision {p.name!r} (torchtitan keeps fp32 sharded parameters or pure bf16)")
     if p.compute_dtype == "fp8":
         tables.setdefault("model", {})["converters"] = ["quantize.linear.float8"]
+        if p.param_gather_bytes == 1 and p.param_bytes == 4:
+            tables["quantize.linear.float8"] = {"enable_fsdp_float8_all_gather": True}
     if p.optimizer_states != 2 or p.optimizer_state_bytes != p.param_bytes:
         lost.append(f"optimizer state bytes of {p.name!r}")
     if s.pp > 1:
