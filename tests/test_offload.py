@@ -196,6 +196,8 @@ def test_search_over_offload_sets_equals_brute_force():
             continue
         if duplicates[candidate] or check_strategy(strategy, SEARCH_MOE, 8):
             continue
+        if strategy.schedule not in options.profile.schedules:  # Megatron runs 1F1B, interleaved, DualPipeV
+            continue
         if strategy.recompute == "selective":  # the digit arithmetic under the offload digit
             assert space.selective_modules(candidate) == strategy.recompute_modules
         peak = estimate(SEARCH_MOE, strategy, device, options, num_devices=8).peak_bytes

@@ -381,12 +381,16 @@ def cmd_search(args: argparse.Namespace) -> int:
         _require(vars(args), key, flag)
     args.seq = args.seq or 4096
     device = device_from(args.hardware, args.efficiency)
-    space = default_space(
-        model, device, args.devices, args.gbs, args.seq, get_precision(args.precision),
-        dims=tuple(args.dims) if args.dims else None, fixed=_parse_fix(args.fix or []),
-        recompute_modules=_searched_sets(args, read, model, "recompute"),
-        offload_modules=_searched_sets(args, read, model, "offload"),
-    )
+    fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
+    offload_sets = _searched_sets(args, read, model, "offload")
+
+    def space_on(devices: int) -> Any:
+        """The space the flags describe, on ``devices`` devices (the degrees it enumerates depend on them)."""
+        return default_space(model, device, devices, args.gbs, args.seq, get_precision(args.precision),
+                             dims=tuple(args.dims) if args.dims else None, fixed=fixed,
+                             recompute_modules=recompute_sets, offload_modules=offload_sets)
+
+    space = space_on(args.devices)
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     options = _memory_options(args, {"overlap": args.overlap}, read)
     step_time = runtime_step_time(options)  # the runtime's step-time model, as memory follows its profile
@@ -399,7 +403,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             progress=lambda done, total: progress.update(task, completed=done),
         )
     if not result.ranked:
-        result.notes.extend(_what_would_fit(result, model, device, space, options))
+        result.notes.extend(_what_would_fit(result, model, device, args.devices, space_on, options))
     elif args.balance:
         from ndplan.search.balanced import rank_balanced
 
@@ -501,28 +505,59 @@ def _offload_sets_argument(model: ModelSpec, items: list[str]) -> tuple[tuple[st
     return tuple(parse_offload_set(item) for item in items)
 
 
-def _what_would_fit(result: Any, model: ModelSpec, device: Any, space: Any, options: Any) -> list[str]:
+def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, space_on: Callable[[int], Any],
+                    options: Any) -> list[str]:
     """When nothing fits: the smallest memory limit that would, and the smallest device count (the
-    search again on larger clusters, with the step-time model of the runtime of ``options``)."""
+    search again on larger clusters, ``space_on(devices)``, with the step-time model of the runtime
+    of ``options``)."""
+    import math
+
     notes = []
     if result.smallest_peak_bytes is not None:
+        # Rounded up, so that the limit it names fits that strategy.
+        fits_in = math.ceil(result.smallest_peak_bytes / 2**30 * 100) / 100
         notes.append(f"nothing fits in {format_bytes(result.memory_limit_bytes)}; the smallest peak of any valid "
-                     f"strategy is {format_bytes(result.smallest_peak_bytes)}")
+                     f"strategy is {format_bytes(result.smallest_peak_bytes)} (--memory-limit {fits_in:.2f}GiB fits it)")
     elif result.evaluated == 0:
         # Memory is not the reason: say so before trying larger clusters.
         notes.append("no candidate is valid: each breaks a rule, counted above at the first it breaks")
-    from dataclasses import replace
-
     from ndplan.search import run_search
 
-    for factor in (2, 4, 8):
-        bigger = replace(space, num_devices=space.num_devices * factor)
-        trial = run_search(model, device, bigger, memory_limit_bytes=result.memory_limit_bytes, options=options, top=1)
-        if trial.ranked:
-            notes.append(f"with {bigger.num_devices} devices the best fitting strategy is {trial.ranked[0]['label']}")
+    def best_on(count: int) -> str | None:
+        try:
+            trial_space = space_on(count)
+        except NdplanError:  # no valid value of some dimension on that many devices
+            return None
+        trial = run_search(model, device, trial_space, memory_limit_bytes=result.memory_limit_bytes,
+                           options=options, top=1)
+        return trial.ranked[0]["label"] if trial.ranked else None
+
+    # Doubling finds a cluster that fits; bisection over whole nodes (or multiples of the count
+    # given, below a node) then finds the fewest devices between it and the last that did not.
+    step = device.devices_per_node if devices >= device.devices_per_node else devices
+    low, found = devices, None
+    largest = max(devices * 2, min(devices * 64, 1 << 17))
+    factor = 2
+    while devices * factor <= largest:
+        label = best_on(devices * factor)
+        if label is not None:
+            found = (devices * factor, label)
             break
-    else:
-        notes.append(f"no strategy fits even on {space.num_devices * 8} devices")
+        low = devices * factor
+        factor *= 2
+    if found is None:
+        notes.append(f"no strategy fits even on {low} devices")
+        return notes
+    high, label = found
+    while (high - low) // step > 1:  # fits at high, not at low (in step multiples)
+        middle = low + ((high - low) // step // 2) * step
+        trial_label = best_on(middle)
+        if trial_label is not None:
+            high, label = middle, trial_label
+        else:
+            low = middle
+    notes.append(f"with {high} devices (the fewest that fit, in multiples of {step} from {devices}, "
+                 f"assuming more never fits less) the best fitting strategy is {label}")
     return notes
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from ndplan.errors import NdplanError
 from ndplan.model.spec import ModelSpec
-from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
+from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, SCHEDULES
 
 #: How tensor parallelism divides a saved tensor. ``linear_input`` resolves to the profile's
 #: ``linear_input_shard`` (Megatron keeps a linear's input sequence-sharded, DTensor keeps it whole).
@@ -146,6 +146,8 @@ class RuntimeProfile:
     #: (``EfficiencyProfile.selective_recompute``): 'megatron' the attention core, 'keep-matmuls'
     #: the elementwise ops alone, 'torchtitan-op' every second matmul and the elementwise ops.
     selective_policy: str = "megatron"
+    #: The pipeline schedules the runtime runs: what the search may recommend for it.
+    schedules: tuple[str, ...] = SCHEDULES
     overhead: dict[str, float] = field(default_factory=dict)
     #: The recompute modules its entries name (``recomputed_by``); empty where the runtime has
     #: only its own selective policy.
@@ -205,6 +207,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         weight_grad_recomputes_per_group=bool(data.get("weight_grad_recomputes_per_group", False)),
         first_stage_backward_at_w=bool(data.get("first_stage_backward_at_w", False)),
         selective_policy=_selective_policy(data.get("selective_policy", "megatron"), source),
+        schedules=_schedules(data.get("schedules", list(SCHEDULES)), source),
         overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
         recompute_modules=tuple(m for m in RECOMPUTE_MODULES
                                 if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),
@@ -213,6 +216,12 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
 
 
 SELECTIVE_POLICIES = ("megatron", "keep-matmuls", "torchtitan-op")
+
+
+def _schedules(value: Any, source: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or any(v not in SCHEDULES for v in value):
+        raise NdplanError(f"{source}: schedules is {value!r}; a list of some of {', '.join(SCHEDULES)}")
+    return tuple(value)
 
 
 def _selective_policy(value: Any, source: str) -> str:

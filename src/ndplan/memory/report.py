@@ -270,6 +270,9 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
         if idle:
             gaps.append(f"offload modules {' '.join(idle)} move nothing in {model.name if model else 'this model'}: "
                         + "; ".join(dict.fromkeys(_IDLE_REASONS[m] for m in idle)))
+    if strategy.pp > 1 and strategy.schedule not in options.profile.schedules:
+        gaps.append(f"the {options.runtime} runtime does not run the {strategy.schedule} schedule (it runs "
+                    f"{', '.join(options.profile.schedules)}): priced as a what-if, which the search does not recommend")
     split = strategy.schedule in SPLIT_BACKWARD
     if options.runtime == "pytorch" and split and strategy.recompute == "selective":
         gaps.append("PyTorch cannot run this: selective activation checkpointing with a split backward "

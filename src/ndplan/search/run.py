@@ -165,6 +165,7 @@ def run_search(
     context = RuleContext(model, space.num_devices)
     rejected = {DUPLICATE: 0} | {rule.name: 0 for rule in RULES} | {NOT_RUNNABLE: 0, OVER_MEMORY: 0}
     runtime = (options or MemoryOptions()).runtime
+    profile = (options or MemoryOptions()).profile
     kept_index, kept_time, kept_peak, kept_stage = [], [], [], []
     kept_extra: dict[str, list[np.ndarray]] = {}
     bounded_index: list[np.ndarray] = []  # rejected by the static bound, with that bound
@@ -179,10 +180,11 @@ def run_search(
             holds = rule.holds(batch, context)
             rejected[rule.name] += int(np.count_nonzero(alive & ~holds))
             alive &= holds
+        runnable = batch.is_in("schedule", list(profile.schedules))
         if runtime == "pytorch":
-            runnable = ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
-            rejected[NOT_RUNNABLE] += int(np.count_nonzero(alive & ~runnable))
-            alive &= runnable
+            runnable &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
+        rejected[NOT_RUNNABLE] += int(np.count_nonzero(alive & ~runnable))
+        alive &= runnable
         valid = np.flatnonzero(alive)
         done += len(batch)
         if len(valid):
