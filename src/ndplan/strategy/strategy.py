@@ -204,7 +204,9 @@ class Strategy(BaseModel):
             parts.append(f"etp{self.etp}")
         if self.zero:
             parts.append(("fsdp" if self.fsdp else "zero") + str(self.zero))
-        parts += [f"mbs{self.micro_batch_size}", f"m{self.num_micro_batches}", self.schedule]
+        # Seq1F1B's chunks per sequence: seq1f1b/4 splits each sequence in four
+        parts += [f"mbs{self.micro_batch_size}", f"m{self.num_micro_batches}",
+                  self.schedule + (f"/{self.seq_chunks}" if self.seq_chunks > 1 else "")]
         if self.recompute != "none":
             # rc-full:2 recomputes the first two layers of each virtual stage
             parts.append(f"rc-{self.recompute}" + (f"({'+'.join(self.recompute_modules)})" if self.recompute_modules else "")
