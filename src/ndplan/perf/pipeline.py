@@ -230,6 +230,16 @@ def closed_form_makespan(
     fill = np.where(pp_f > 1, 1.0 - slack / np.maximum((pp_f - 1.0) * t_star, 1e-30), 0.0)
     bubble = np.where(pp_f > 1, bubble * np.clip(fill, 0.0, 1.0), 0.0)
     p2p_part = np.where(pp_f > 1, p2p_hops(schedule, pp_f, vpp, m, k, w[rows, star]) * p2p, 0.0)
+    if schedule in ("1f1b", "seq1f1b"):
+        # Unequal stages: each steady 1F1B period the forward and backward chains cross every
+        # stage once, 2k(pp-1)/pp hops per stage on average, and the stages faster than the
+        # bottleneck absorb them: a period lasts max(t*, t_mean + 2k(pp-1)/pp·p2p). The warm-up's
+        # 2(pp-1-k) hops stay, and the fill and drain never take fewer than 2(pp-1). Equal stages
+        # give p2p_hops' count (a test holds the simulator to both).
+        t_mean = (total @ weight) / weight.sum()
+        steady = m * np.maximum(0.0, t_mean - t_star + 2.0 * k * (pp_f - 1.0) / pp_f * p2p)
+        warm = 2.0 * np.maximum(pp_f - 1.0 - k, 0.0) * p2p
+        p2p_part = np.where(pp_f > 1, np.maximum(warm + steady, 2.0 * (pp_f - 1.0) * p2p), 0.0)
     return m * t_star + bubble + p2p_part, p2p_part, star
 
 
