@@ -278,6 +278,9 @@ def test_balanced_ranking_equals_balancing_every_candidate():
     # Every balanced row carries the full estimator's check of its plan beside the balancer's own figure.
     balanced_rows = [r for r in rows if "balanced_peak_bytes" in r]
     assert balanced_rows and all(r["balanced_estimated_peak_bytes"] > 0 for r in balanced_rows)
+    # The row's peak is the balanced plan's (what its step is), the uniform one's kept beside it.
+    assert all(r["peak_bytes"] == r["balanced_estimated_peak_bytes"] <= limit for r in balanced_rows)
+    assert all("unbalanced_peak_bytes" in r for r in balanced_rows)
     # ... and what one recompute setting (--emit) makes of it, a Strategy of the same parallelism.
     from ndplan.strategy import Strategy
 

@@ -121,6 +121,9 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             row["balanced_peak_bytes"] = round(float(found["cost"].stage_memory_bytes.max()))
             estimated = plan_stage_bytes(model, space.strategy(int(candidate)), found["plan"], options)
             row["balanced_estimated_peak_bytes"] = round(float(estimated.max()))
+            # The row is the balanced plan's: its peak (the full estimator's) beside its step.
+            row["unbalanced_peak_bytes"], row["unbalanced_peak_stage"] = row["peak_bytes"], row["peak_stage"]
+            row["peak_bytes"], row["peak_stage"] = row["balanced_estimated_peak_bytes"], int(np.argmax(estimated))
             row["balanced_stage_layers"] = list(found["plan"].stage_layers)
             row["balanced_recompute"] = [{"first": a, "count": n, "option": o} for a, n, o in found["plan"].ranges()]
             # What --emit writes: the fastest plan one recompute setting expresses, priced alike.
