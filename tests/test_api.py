@@ -54,3 +54,25 @@ def test_readme_python_example_runs():
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
     assert scope["memory"].fits and scope["result"].best is not None
     assert scope["result"].best["peak_bytes"] <= scope["device"].memory_bytes
+
+
+def test_api_input_errors_name_what_is_wrong():
+    """The API refuses bad input as the CLI does, with an NdplanError naming the value."""
+    from ndplan.errors import NdplanError
+
+    model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
+    with pytest.raises(NdplanError, match="attention must be one of flash, sdpa, eager, got 'xx'"):
+        ndplan.MemoryOptions(attention="xx")
+    with pytest.raises(NdplanError, match="unknown runtime 'tpu'"):
+        ndplan.MemoryOptions(runtime="tpu")
+    with pytest.raises(NdplanError, match="global_batch_size must be a whole number >= 1, got 0"):
+        ndplan.default_space(model, device, 8, 0, 4096)
+    space = ndplan.default_space(model, device, 8, 32, 4096, dims=("tp", "zero"))
+    with pytest.raises(NdplanError, match="memory_limit_bytes must be > 0"):
+        ndplan.run_search(model, device, space, memory_limit_bytes=0)
+    with pytest.raises(NdplanError, match="top must be a whole number >= 1, got -1"):
+        ndplan.run_search(model, device, space, top=-1)
+    # a size as the CLI writes it, and a model and device by name
+    assert ndplan.run_search(model, device, space, memory_limit_bytes="70GiB").memory_limit_bytes == 70 * 2**30
+    by_name = ndplan.estimate("llama-3.1-8b", ndplan.Strategy(dp=8), "h100-sxm", num_devices=8)
+    assert by_name.peak_bytes == ndplan.estimate(model, ndplan.Strategy(dp=8), device, num_devices=8).peak_bytes

@@ -595,7 +595,9 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
         front = Table(title="Pareto front (step time vs peak memory)")
         for col in ["strategy", "peak", "step"]:
             front.add_column(col, justify="left" if col == "strategy" else "right")
-        for row in result.pareto[:10]:
+        from ndplan.search.run import evenly_spread
+
+        for row in (result.pareto[i] for i in evenly_spread(len(result.pareto), 10)):  # both ends of the trade-off
             front.add_row(row["label"], format_bytes(row["peak_bytes"]), f"{row['step_s']:.3f} s")
         console.print(front)
     rejected = Table(title="Why candidates lost (each counted once, at the first rule it breaks)")

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ndplan.errors import NdplanError
 from ndplan.hardware import Device
 from ndplan.memory.stages import (
     ACTIVATION_KINDS,
@@ -214,14 +215,25 @@ class MemoryReport:
 
 
 def estimate(
-    model: ModelSpec,
+    model: ModelSpec | str,
     strategy: Strategy,
-    hardware: Device | None = None,
+    hardware: Device | str | None = None,
     options: MemoryOptions | None = None,
     *,
     num_devices: int | None = None,
 ) -> MemoryReport:
-    """Per-stage memory of one strategy (validated first; every broken rule is reported)."""
+    """Per-stage memory of one strategy (validated first; every broken rule is reported).
+    ``model`` and ``hardware`` may be given by name (a preset or a file path)."""
+    if isinstance(model, str):
+        from ndplan.model import load_model
+
+        model = load_model(model)
+    if isinstance(hardware, str):
+        from ndplan.hardware import resolve_device
+
+        hardware = resolve_device(hardware)
+    if not isinstance(strategy, Strategy):
+        raise NdplanError(f"estimate needs a Strategy, got {type(strategy).__name__}")
     validate_strategy(strategy, model, num_devices)
     options = options or MemoryOptions()
     memory: StageMemory = stage_memory(

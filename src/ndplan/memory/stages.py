@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 
@@ -87,6 +87,9 @@ class MemoryOptions:
     overlap: OverlapConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.attention not in get_args(Attention):
+            raise NdplanError(f"attention must be one of {', '.join(get_args(Attention))}, got {self.attention!r}")
+        get_profile(self.runtime)  # an unknown runtime is an error here, not at first use
         # (comparisons that NaN fails, and a finite bound: an infinite factor prices nothing)
         if not 1.0 <= self.moe_imbalance < float("inf"):
             raise NdplanError(f"moe_imbalance must be a finite number >= 1.0 (busiest rank over balanced routing), "
@@ -110,7 +113,7 @@ class MemoryOptions:
         its attention kernel is flash (``attention``), and what it hides."""
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group,
                 "software": {"selective_recompute": self.profile.selective_policy,
-                             "flash_attention": self.attention == "flash"},
+                             "flash_attention": self.attention != "eager"},  # SDPA runs a flash kernel
                 "overlap": self.overlap}
 
 

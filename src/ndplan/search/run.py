@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.report import known_gaps
@@ -146,7 +147,7 @@ def run_search(
     space: SearchSpace,
     time_function: TimeFunction | None = None,
     *,
-    memory_limit_bytes: int | None = None,
+    memory_limit_bytes: int | str | None = None,
     options: MemoryOptions | None = None,
     top: int = 10,
     block_size: int = 1 << 18,
@@ -157,6 +158,14 @@ def run_search(
     ndplan's step-time model for the runtime of ``options``, ``runtime_step_time``)."""
     import time as clock
 
+    if isinstance(memory_limit_bytes, str):
+        from ndplan.units import parse_bytes
+
+        memory_limit_bytes = parse_bytes(memory_limit_bytes)  # "70GiB", as the CLI reads it
+    if memory_limit_bytes is not None and not memory_limit_bytes > 0:
+        raise NdplanError(f"memory_limit_bytes must be > 0 (None: the device's memory), got {memory_limit_bytes!r}")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise NdplanError(f"top must be a whole number >= 1, got {top!r}")
     time_function = time_function or runtime_step_time(options)
 
     started = clock.perf_counter()
@@ -244,9 +253,24 @@ def run_search(
         return out
 
     front = _front(order, peak_all)
+    shown = front[evenly_spread(len(front), PARETO_ROWS)]
+    notes = [] if len(shown) == len(front) else [
+        f"the Pareto front has {len(front):,} points; {len(shown)} are listed, evenly spread from the fastest to the "
+        f"smallest peak"]
     return SearchResult(
         space_size=space.size, evaluated=evaluated, fitting=len(index_all), rejected=rejected,
-        ranked=rows(order[:top]), pareto=rows(front[:50]),
+        ranked=rows(order[:top]), pareto=rows(shown),
         candidates_time_s=time_all, candidates_peak_bytes=peak_all, candidates_index=index_all, memory_limit_bytes=limit,
-        smallest_peak_bytes=float(smallest_peak), seconds=clock.perf_counter() - started,
+        smallest_peak_bytes=float(smallest_peak), seconds=clock.perf_counter() - started, notes=notes,
     )
+
+
+#: Pareto points a result lists at most (both ends always among them).
+PARETO_ROWS = 200
+
+
+def evenly_spread(n: int, k: int) -> np.ndarray:
+    """Indices of at most ``k`` of ``n`` ordered items, evenly spread, the first and the last included."""
+    if n <= k:
+        return np.arange(n)
+    return np.unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64))

@@ -305,6 +305,10 @@ def default_space(
     (Megatron-Core's ``--offload-modules``, runtime megatron), one set of names or several sets
     to search (() offloads nothing); ``dims`` naming "offload_modules" searches
     ``offload_sets(model)``."""
+    for name, count in (("num_devices", num_devices), ("global_batch_size", global_batch_size),
+                        ("seq_length", seq_length)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise NdplanError(f"{name} must be a whole number >= 1, got {count!r}")
     precision = precision or Strategy().precision
     fixed = dict(fixed or {})
     given = _module_sets(recompute_modules)
