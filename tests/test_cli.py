@@ -262,6 +262,9 @@ def test_balance_checks_its_plan_with_the_full_estimator(capsys):
     emitted = plan_strategy(strategy, result.emitted_plan, result.emitted_modules)
     expected = estimate_time(get_preset("llama-3.1-8b"), emitted, cluster, **MemoryOptions().time_keywords()).step_s
     assert data["estimated_step_s"] == pytest.approx(expected, rel=1e-12)
+    # ... and the strategy as given (its own recompute, uniform), by the same estimators
+    given = estimate_time(get_preset("llama-3.1-8b"), strategy, cluster, **MemoryOptions().time_keywords()).step_s
+    assert data["given"]["step_s"] == pytest.approx(given, rel=1e-12) and isinstance(data["given"]["fits"], bool)
     assert f"its step, with DP, p2p and the optimizer: {expected:.3f} s" in " ".join(run(argv, capsys)[1].split())
 
 

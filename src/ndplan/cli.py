@@ -264,6 +264,13 @@ def cmd_balance(args: argparse.Namespace) -> int:
 
     # The balancer's step is composed from stage times; the estimate adds DP, p2p and the optimizer.
     data["estimated_step_s"] = estimate_time(model, emitted, cluster, **options.time_keywords()).step_s
+    # The strategy as given (its own recompute, uniform or its --stage-layers), by the same two
+    # estimators: the reference a user compares with, beside the full-recompute baseline.
+    from ndplan.memory import estimate
+
+    given_peak = estimate(model, strategy, device, options, num_devices=strategy.world_size).peak_bytes
+    data["given"] = {"step_s": estimate_time(model, strategy, cluster, **options.time_keywords()).step_s,
+                     "peak_bytes": round(given_peak), "fits": given_peak <= limit}
     if args.emit:
         from ndplan.io import emit
         from ndplan.perf import default_overlap
@@ -287,6 +294,10 @@ def cmd_balance(args: argparse.Namespace) -> int:
     base_option = base_plan.recompute[0] if base_plan.recompute else "full"
     why = " (with activation offload a layer may not recompute fully)" if base_option != "full" else ""
     console.print(f"before: uniform placement, {base_option} recompute on every layer{why}; times are per micro-batch (F+B+W)")
+    given = data["given"]
+    console.print(f"as given ({strategy.short()}): step {given['step_s']:.3f} s, peak {format_bytes(given['peak_bytes'])} "
+                  f"({'fits' if given['fits'] else 'over the limit'}), by the full estimators; after balancing: "
+                  f"{data['estimated_step_s']:.3f} s")
     console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
     selective = (f"selective({'+'.join(result.selective_modules)})" if result.selective_modules
                  else "selective(default)" if result.selective_modules == () else "selective")
