@@ -522,3 +522,13 @@ def test_framework_spellings_the_readers_used_to_miss(tmp_path):
     config.write_text(yaml_text.replace("    hidden_size: 7168\n", "    hidden_size: 7168\n    hidden_act: 'swiglu'\n"))
     model = read_config(config).model
     assert model is not None and model.activation == "silu" and model.gated_mlp
+
+
+def test_an_argument_file_of_any_name_and_a_folder(tmp_path):
+    """Lines of Megatron flags are detected whatever the file's extension or first flag; a folder
+    is named as one."""
+    args = tmp_path / "args.txt"
+    args.write_text("--num-layers 4\n--hidden-size 256\n--micro-batch-size 1\n")
+    assert read_config(args).format == "megatron"
+    with pytest.raises(NdplanError, match="a folder; give the config file in it"):
+        read_config(tmp_path)

@@ -92,6 +92,10 @@ def detect_format(path: str | Path, text: str | None = None) -> tuple[str, str]:
         )
     if text.startswith("#!") or "torchrun" in text or "pretrain_" in text or "--tensor-model-parallel-size" in text:
         return "megatron", "shell"
+    # Lines of --flags (an argument file): any known Megatron argument among them.
+    flags = {word.lstrip("-").split("=")[0].replace("-", "_") for word in text.split() if word.startswith("--")}
+    if flags & _MEGATRON_HINTS:
+        return "megatron", "shell"
     raise NdplanError(f"{path}: unknown config file type {suffix or '(no extension)'}; "
                       f"known: .sh (Megatron), .toml (torchtitan), .yaml/.json (HyperParallel, MindFormers, "
                       "Megatron arguments, Hugging Face config.json)")

@@ -291,6 +291,8 @@ class Section:
 
 # ---------------------------------------------------------------- documents
 def read_text(path: Path) -> str:
+    if path.is_dir():
+        raise NdplanError(f"{path}: a folder; give the config file in it (a launch script, TOML, YAML or config.json)")
     if not path.is_file():
         raise NdplanError(f"{path}: no such file")
     try:
