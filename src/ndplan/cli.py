@@ -315,7 +315,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
         plan, cost, simulated = result.settings
         console.print(f"as one recompute setting, what --emit writes: {emitted.short()}, layers "
                       f"{list(plan.stage_layers)}: step {cost.step_s:.3f} s ({100 * (1 - cost.step_s / base_cost.step_s):.1f}% "
-                      f"faster; simulated {simulated:.3f} s), largest stage {format_bytes(float(cost.stage_memory_bytes.max()))}; "
+                      f"faster; simulated {simulated:.3f} s), largest stage {format_bytes(float(cost.stage_memory_bytes.max()))} "
+                      f"by the balancer's per-layer figures (the check below runs the full estimator); "
                       f"the per-layer mix above needs a framework that sets recompute layer by layer")
     if result.estimated_stage_bytes is not None:
         worst = float(result.estimated_stage_bytes.max())
