@@ -291,6 +291,13 @@ def test_balanced_ranking_equals_balancing_every_candidate():
         assert (strategy.tp, strategy.pp, strategy.vpp) == (row["tp"], row["pp"], row["vpp"]) and one["step_s"] > 0
         if one["is_the_plan"]:  # the plan took one setting already: the same step
             assert one["step_s"] == pytest.approx(row["step_s"], rel=1e-12)
+        # the full estimator's step of those settings, as `ndplan estimate` gives it
+        from ndplan.hardware import Cluster
+        from ndplan.perf import estimate_time
+
+        cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
+        assert one["estimated_step_s"] == pytest.approx(estimate_time(TINY_MOE, strategy.model_copy(
+            update={"precision": space.precision}), cluster, **MemoryOptions().time_keywords()).step_s, rel=1e-12)
 
 
 def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():

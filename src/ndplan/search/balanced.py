@@ -24,6 +24,7 @@ from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.stages import peak_memory
 from ndplan.model.spec import ModelSpec
+from ndplan.perf.report import estimate_time
 from ndplan.search.run import SearchResult, _row
 from ndplan.search.space import SearchSpace
 
@@ -133,6 +134,9 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             row["balanced_settings"] = {
                 "label": strategy.short(), "stage_layers": list(settings.stage_layers),
                 "step_s": row["unbalanced_step_s"] * settings_cost.step_s / found["uniform_step_s"],
+                # The ranking scales the uniform step by the balancer's composed ratio; what
+                # `ndplan estimate` gives for these settings (the pipeline simulated) is beside it.
+                "estimated_step_s": estimate_time(model, strategy, cluster, **options.time_keywords()).step_s,
                 "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
                 "is_the_plan": settings == found["plan"],  # the plan took one setting already
             }
