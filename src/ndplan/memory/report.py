@@ -17,6 +17,7 @@ from ndplan.memory.stages import (
     applicable_offload_modules,
     layer_activations,
     stage_memory,
+    whole_embedding_grad_extra,
 )
 from ndplan.memory.static import layer_elements, sharding_factors
 from ndplan.model.spec import MlpKind, ModelSpec
@@ -152,14 +153,12 @@ class MemoryReport:
 
     def _whole_embedding_grad_term(self, stage: StageReport) -> str:
         """The grads line's extra term where the runtime accumulates the embedding's gradient
-        whole (``tp_accumulates_whole_embedding_grad``; the rule of ``stages.static_memory``)."""
+        whole (``stages.whole_embedding_grad_extra``, on the embedding's stage)."""
         s = self.strategy
-        whole = (self.options.profile.tp_accumulates_whole_embedding_grad and s.tp > 1 and s.zero < 3
-                 and s.num_micro_batches > 1 and stage.stage == 0)
-        if not whole:
+        elements = float(whole_embedding_grad_extra(self.model, self.options.profile, s.tp, s.zero, s.num_micro_batches))
+        if stage.stage != 0 or not elements:
             return ""
-        h, vocab = self.model.hidden_size, self.model.vocab_size
-        extra = (vocab * h - vocab * h / s.tp) * s.precision.grad_bytes
+        extra = elements * s.precision.grad_bytes
         return (f" + the whole embedding gradient's other shards (vocab·h·(1 − 1/tp) × {s.precision.grad_bytes} B "
                 f"= {format_bytes(extra)}: a second micro-batch's gradient leaves DTensor's accumulated one unsharded)")
 

@@ -368,6 +368,21 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     )
 
 
+def makes_whole_embedding_grad(profile: RuntimeProfile, tp: Any, zero: Any) -> Any:
+    """Where the embedding's backward makes the whole [vocab, h] gradient before the rank's
+    shard (DTensor's vocabulary-parallel embedding: ``tp_accumulates_whole_embedding_grad``,
+    under TP and without ZeRO-3's sharded gradients); arrays or scalars."""
+    return (np.asarray(tp) > 1) & (np.asarray(zero) < 3) & profile.tp_accumulates_whole_embedding_grad
+
+
+def whole_embedding_grad_extra(model: ModelSpec, profile: RuntimeProfile, tp: Any, zero: Any, micro_batches: Any) -> Any:
+    """Gradient elements on the embedding's rank beyond its vocabulary shard: once a second
+    micro-batch's gradient is added, the accumulated one is the whole table, vocab·h·(1 − 1/tp);
+    0 elsewhere."""
+    accumulated = makes_whole_embedding_grad(profile, tp, zero) & (np.asarray(micro_batches) > 1)
+    return np.where(accumulated, model.vocab_size * model.hidden_size - embedding_elements(model, tp), 0.0)
+
+
 def applicable_offload_modules(model: ModelSpec) -> tuple[str, ...]:
     """The offload modules that move something in ``model`` (``_offloaded``'s rules): attn_norm
     only where the attention norm is its own module (MLA), mlp_norm and the experts' modules only
@@ -1034,8 +1049,7 @@ def _evaluate_group(
     non_expert_total = _outer_sum(non_expert_terms, n, computed)
     expert_total = _outer_sum(expert_terms, n, computed)
     non_expert_stage, expert_stage = _to_stages(non_expert_total, chunks), _to_stages(expert_total, chunks)
-    whole_embedding_grad_tp = (batch.tp > 1) & (batch.zero < 3) & options.profile.tp_accumulates_whole_embedding_grad
-    accumulated_whole_embedding = whole_embedding_grad_tp & (batch.num_micro_batches > 1)
+    whole_embedding_grad_tp = makes_whole_embedding_grad(options.profile, batch.tp, batch.zero)
     grads_virtual = np.zeros((n, computed))
     for category, width in states.items():
         non_expert_div = getattr(shards, category)[:, None]
@@ -1044,7 +1058,8 @@ def _evaluate_group(
             value = non_expert_total * (width / non_expert_div) + expert_total * (width / expert_div)
             # DTensor: once a second micro-batch's embedding gradient is added, the accumulated
             # gradient is the whole table, not the rank's vocabulary shard.
-            whole_embedding_extra = np.where(accumulated_whole_embedding, model.vocab_size * model.hidden_size - table, 0.0) * width
+            whole_embedding_extra = whole_embedding_grad_extra(
+                model, options.profile, batch.tp, batch.zero, batch.num_micro_batches) * width
             value[:, 0] += whole_embedding_extra
             grads_virtual = value
             value = _to_stages(value, chunks)
