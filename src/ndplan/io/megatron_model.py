@@ -118,13 +118,16 @@ def _noop_layers(args: Args, slots: int | None) -> frozenset[int]:
     return layers
 
 
+def _default_ffn(hidden: int, gated: bool) -> int:
+    """Megatron's --ffn-hidden-size default (arguments.py): swiglu int(4h·2/3 / 64)·64, else 4h."""
+    return int((4 * hidden * 2 / 3) / 64) * 64 if gated else 4 * hidden
+
+
 def _megatron_defaults(values: dict[str, Any]) -> dict[str, Any]:
     """Megatron's documented defaults for the fields a flag list leaves out."""
     hidden = int(values["hidden_size"])
     out: dict[str, Any] = {}
-    gated = values.get("gated_mlp", False)
-    # arguments.py: swiglu → int(4h·2/3 / 64)·64, else 4h.
-    out["ffn_hidden_size"] = int((4 * hidden * 2 / 3) / 64) * 64 if gated else 4 * hidden
+    out["ffn_hidden_size"] = _default_ffn(hidden, bool(values.get("gated_mlp", False)))
     out["head_dim"] = hidden // int(values["num_attention_heads"])
     out["num_kv_heads"] = values["num_attention_heads"]
     if values.get("num_experts"):
@@ -223,9 +226,8 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
         put("activation", "gelu", "Megatron's default activation")
         put("gated_mlp", False, "Megatron's default activation")
     if defines and hidden is not None and not args.has("--ffn-hidden-size"):
-        # arguments.py: swiglu → int(4h·2/3 / 64)·64, else 4h, whatever model --model names.
-        gated = bool(stated.get("gated_mlp", (False, ""))[0])
-        put("ffn_hidden_size", int((4 * hidden * 2 / 3) / 64) * 64 if gated else 4 * hidden,
+        # Megatron's default, whatever model --model names.
+        put("ffn_hidden_size", _default_ffn(hidden, bool(stated.get("gated_mlp", (False, ""))[0])),
             "Megatron's default --ffn-hidden-size")
     no_bias = args.has("--disable-bias-linear")
     if no_bias or defines:
