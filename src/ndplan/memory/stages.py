@@ -17,9 +17,10 @@ placement and the schedule simulation are computed once; everything else is nump
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, reduce
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
@@ -417,12 +418,8 @@ def _offloaded(model: ModelSpec, block: Callable[[str, str], np.ndarray], attent
 
 
 def _summed(blocks: dict[str, np.ndarray]) -> np.ndarray:
-    """Σ of the blocks' bytes, in their order."""
-    values = list(blocks.values())
-    total = values[0]
-    for value in values[1:]:
-        total = total + value
-    return total
+    """Σ of the blocks' bytes, added in their order."""
+    return reduce(operator.add, blocks.values())
 
 
 # --------------------------------------------------------------------------- schedule peaks

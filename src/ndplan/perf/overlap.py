@@ -108,8 +108,9 @@ def get_overlap(name: str) -> OverlapConfig:
     return OVERLAP_PRESETS[key]
 
 
-_TRUE = {"on", "true", "yes", "1"}
-_FALSE = {"off", "false", "no", "0"}
+#: How a user writes a switch on or off (the overlap switches, and the search's --fix sp=...).
+ON_WORDS: tuple[str, ...] = ("1", "true", "yes", "on")
+OFF_WORDS: tuple[str, ...] = ("0", "false", "no", "off")
 
 
 def parse_overlap(spec: str | Mapping[str, Any] | OverlapConfig | None) -> OverlapConfig | None:
@@ -171,9 +172,9 @@ def _overlap_value(key: str, value: Any) -> Any:
         if word not in allowed:
             raise NdplanError(f"overlap: ep_dispatch must be one of {', '.join(allowed)}, got '{value}'")
         return word
-    if word in _TRUE:
+    if word in ON_WORDS:
         return True
-    if word in _FALSE:
+    if word in OFF_WORDS:
         return False
     extra = " or auto (on under dualpipev only)" if key == "ep" else ""
     raise NdplanError(f"overlap: {key} must be on or off{extra}, got '{value}'")

@@ -18,6 +18,7 @@ from ndplan.errors import NdplanError
 from ndplan.hardware import Device
 from ndplan.memory.stages import applicable_offload_modules
 from ndplan.model.spec import ModelSpec
+from ndplan.perf.overlap import OFF_WORDS, ON_WORDS
 from ndplan.strategy.batch import StrategyBatch, encode
 from ndplan.strategy.precision import PrecisionPolicy
 from ndplan.strategy.strategy import (
@@ -382,15 +383,12 @@ def default_space(
     )
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def _switch(name: str, value: int | str) -> int:
     """A --fix on/off value as 1 or 0, or an error naming the spellings."""
     text = str(value).strip().lower()
-    if text not in _TRUE + _FALSE:
-        raise NdplanError(f"--fix {name}={value}: write one of {', '.join(_TRUE)} or {', '.join(_FALSE)}")
-    return int(text in _TRUE)
+    if text not in ON_WORDS + OFF_WORDS:
+        raise NdplanError(f"--fix {name}={value}: write one of {', '.join(ON_WORDS)} or {', '.join(OFF_WORDS)}")
+    return int(text in ON_WORDS)
 
 
 def _fixed_degree(name: str, value: int | str) -> int:
