@@ -189,3 +189,38 @@ def test_the_balancer_prices_layers_with_the_runtimes_overlap():
     hidden = build_problem(model, strategy, cluster, 80 * GIB, MemoryOptions(overlap=parse_overlap("tp=on")))
     for option in ("none", "full"):
         assert hidden.costs[("dense", option)].time_s < plain.costs[("dense", option)].time_s
+
+
+def test_problems_built_in_one_batch_equal_those_built_one_at_a_time():
+    """``build_problems`` (what search --balance runs on a chunk of candidates) gives each
+    strategy exactly the problem ``build_problem`` gives it alone: no row of the batch leaks
+    into another's, whatever their pipeline shapes, schedules and recompute."""
+    import dataclasses
+
+    from ndplan.balance import build_problem, build_problems
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import MemoryOptions
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    model = get_preset("qwen3-30b-a3b")
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=32)
+    strategies = [
+        Strategy(dp=8, tp=1, pp=4, ep=8, num_micro_batches=8, recompute="full"),
+        Strategy(dp=4, tp=2, pp=4, sequence_parallel=True, ep=4, etp=1, zero=1, num_micro_batches=16, vpp=2,
+                 schedule="interleaved"),
+        Strategy(dp=8, tp=1, pp=4, vpp=2, schedule="zbv", ep=8, num_micro_batches=8, recompute="selective"),
+        Strategy(dp=2, tp=4, pp=4, sequence_parallel=True, ep=2, zero=3, micro_batch_size=2, num_micro_batches=4),
+    ]
+    options = MemoryOptions(runtime="megatron")
+    together = build_problems(model, strategies, cluster, 60 * GIB, options)
+    for strategy, batched in zip(strategies, together, strict=True):
+        alone = build_problem(model, strategy, cluster, 60 * GIB, options)
+        for field in dataclasses.fields(alone):
+            mine, theirs = getattr(batched, field.name), getattr(alone, field.name)
+            if isinstance(mine, np.ndarray):
+                np.testing.assert_array_equal(mine, theirs, err_msg=field.name)
+            else:
+                assert mine == theirs, field.name
+    # Different strategies do give different problems (the comparison above can fail).
+    assert together[0].costs != together[3].costs

@@ -14,7 +14,7 @@ with device totals as the estimator reports them.
 from __future__ import annotations
 
 import time as clock
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,15 +92,6 @@ def baseline_option(problem: BalanceProblem) -> str:
     return next(o for o in ("full", "selective", "none") if o in problem.options)
 
 
-def _piece_seconds(model: ModelSpec, strategy: Strategy, cluster: Cluster, options: MemoryOptions,
-                   modules: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
-    """``piece_seconds`` of the strategy under each recompute option (selective: ``modules``),
-    for the runtime of ``options``."""
-    variants = [strategy.with_recompute(option, modules=modules) for option in OPTIONS]
-    seconds = piece_seconds(model, StrategyBatch.of(variants), cluster, **options.time_keywords())
-    return {option: {name: float(values[i]) for name, values in seconds.items()} for i, option in enumerate(OPTIONS)}
-
-
 def build_problem(
     model: ModelSpec, strategy: Strategy, cluster: Cluster, memory_limit_bytes: float, options: MemoryOptions | None = None,
     selective_modules: tuple[str, ...] | None = None,
@@ -108,65 +99,90 @@ def build_problem(
     """The balancing problem of ``strategy``: per layer kind and recompute option its time and
     bytes, the stages' fixed bytes, the schedule. The selective option re-runs
     ``selective_modules`` (default: the strategy's own, ``Strategy.recompute_modules``)."""
+    return build_problems(model, [strategy], cluster, memory_limit_bytes, options, selective_modules)[0]
+
+
+def build_problems(
+    model: ModelSpec, strategies: Sequence[Strategy], cluster: Cluster, memory_limit_bytes: float,
+    options: MemoryOptions | None = None, selective_modules: tuple[str, ...] | None = None, *, validate: bool = True,
+) -> list[BalanceProblem]:
+    """``build_problem`` of each strategy, the memory and time models run once for them all (a
+    search balances hundreds: one at a time, those models' fixed costs per call were 20 ms of
+    every candidate's 22). The strategies share a precision policy and offload modules, as a
+    search's blocks do; ``validate=False`` skips the rule check (a search's candidates passed it)."""
     options = options or MemoryOptions()
-    validate_strategy(strategy, model, cluster.num_devices)
+    strategies = list(strategies)
+    if validate:
+        for strategy in strategies:
+            validate_strategy(strategy, model, cluster.num_devices)
+    n = len(strategies)
     slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"] * options.include_overhead
-    seconds = _piece_seconds(model, strategy, cluster, options, selective_modules)
-    batch = StrategyBatch.of([strategy.with_recompute(o, modules=selective_modules) for o in OPTIONS])
-    acts = layer_activations(model, batch, options)
-    tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
-    elements = layer_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
-    shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
-    p = strategy.precision
-    optimizer = 0.0 if strategy.optimizer_offload else p.optimizer_bytes
-    costs: dict[tuple[str, str], LayerCost] = {}
-    for kind in ("dense", "moe"):
-        static = float((elements.non_expert[kind] * (p.param_bytes / shards.params + p.grad_bytes / shards.grads
-                                                      + optimizer / shards.optimizer)
-                        + elements.expert[kind] * (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
-                                                   + optimizer / shards.expert_optimizer))[0])
-        for i, option in enumerate(OPTIONS):
-            activation = acts.full[kind][i] if option == "none" else acts.recomputed[kind][i]
-            rebuild_s = 0.0 if option == "none" else seconds[option][f"rc_{kind}"]
-            costs[(kind, option)] = LayerCost(
-                time_s=seconds[option][kind] + rebuild_s,
-                activation_bytes=float(activation) * tokens * slack,
-                static_bytes=static * slack,
-            )
-    # What moves with neither layers nor recompute choices (buffers, transients, overhead): the
-    # estimator's stages minus the layer terms, for uniform placement with no and with full
-    # recompute (recompute adds a rebuild transient); the larger of the two is kept.
-    placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule)
-    flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
-    emb_static = float(model.vocab_size * model.hidden_size / strategy.tp) * (
-        p.param_bytes / float(shards.params[0]) + p.grad_bytes / float(shards.grads[0]) + optimizer / float(shards.optimizer[0])
-    ) * slack
-    out_activation = float(acts.output[0] + model.mtp_depth * acts.mtp_extra[0]) * tokens * slack
-    head_static = 0.0 if model.tie_word_embeddings and strategy.pp == 1 else emb_static
-    first_extra = LayerCost(seconds["none"]["emb"], 8.0 * tokens * slack, emb_static)
-    last_extra = LayerCost(seconds["none"]["head"], out_activation, head_static)
-    fixed_of = {}
-    for option in ("none", "full"):
-        uniform = strategy.with_recompute(option)
-        device = stage_memory(model, StrategyBatch.of(uniform), options).device[0, : strategy.pp]
-        moving = np.zeros(strategy.pp)
-        for v in range(placement.num_virtual_stages):
-            stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
-            for kind, count in (("dense", placement.dense_layers[v]), ("moe", placement.moe_layers[v])):
-                cost = costs[(kind, option)]
-                moving[stage] += float(count) * (cost.static_bytes + flight.peak[stage, chunk] * cost.activation_bytes)
-        for v, end in ((0, first_extra), (placement.num_virtual_stages - 1, last_extra)):
-            stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
-            moving[stage] += end.static_bytes + flight.peak[stage, chunk] * end.activation_bytes
-        fixed_of[option] = device - moving
-    fixed = fixed_of["none"]
-    transient = np.maximum(fixed_of["full"] - fixed_of["none"], 0.0)
-    return BalanceProblem(
-        layer_kinds=model.layer_mlp_kinds, options=runnable_options(strategy, options, selective_modules), costs=costs,
-        stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=np.asarray(flight.peak),
-        num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
-        fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
-    )
+    # Option-major rows: strategy j under OPTIONS[i] is row i·n + j.
+    variants = StrategyBatch.of([s.with_recompute(o, modules=selective_modules) for o in OPTIONS for s in strategies])
+    seconds = piece_seconds(model, variants, cluster, **options.time_keywords())
+    acts = layer_activations(model, variants, options)
+    head = variants.take(slice(0, n))  # static bytes do not depend on recompute
+    elements = layer_elements(model, head.tp.astype(float), head.ep.astype(float), head.etp.astype(float))
+    shards = sharding_factors(head.dp, head.cp, head.tp, head.ep, head.etp, head.zero, head.shard_group)
+    # The estimator's stages under uniform placement with no and with full recompute, one batch.
+    uniform_device = stage_memory(
+        model, StrategyBatch.of([s.with_recompute(o) for o in ("none", "full") for s in strategies]), options).device
+    p = strategies[0].precision
+    problems = []
+    for j, strategy in enumerate(strategies):
+        optimizer = 0.0 if strategy.optimizer_offload else p.optimizer_bytes
+        tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
+        costs: dict[tuple[str, str], LayerCost] = {}
+        for kind in ("dense", "moe"):
+            static = float(elements.non_expert[kind][j] * (p.param_bytes / shards.params[j] + p.grad_bytes / shards.grads[j]
+                                                           + optimizer / shards.optimizer[j])
+                           + elements.expert[kind][j] * (p.param_bytes / shards.expert_params[j]
+                                                         + p.grad_bytes / shards.expert_grads[j]
+                                                         + optimizer / shards.expert_optimizer[j]))
+            for i, option in enumerate(OPTIONS):
+                row = i * n + j
+                activation = acts.full[kind][row] if option == "none" else acts.recomputed[kind][row]
+                rebuild_s = 0.0 if option == "none" else float(seconds[f"rc_{kind}"][row])
+                costs[(kind, option)] = LayerCost(
+                    time_s=float(seconds[kind][row]) + rebuild_s,
+                    activation_bytes=float(activation) * tokens * slack,
+                    static_bytes=static * slack,
+                )
+        # What moves with neither layers nor recompute choices (buffers, transients, overhead): the
+        # estimator's stages minus the layer terms, for uniform placement with no and with full
+        # recompute (recompute adds a rebuild transient); the larger of the two is kept.
+        placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule)
+        flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
+        emb_static = float(model.vocab_size * model.hidden_size / strategy.tp) * (
+            p.param_bytes / float(shards.params[j]) + p.grad_bytes / float(shards.grads[j])
+            + optimizer / float(shards.optimizer[j])
+        ) * slack
+        out_activation = float(acts.output[j] + model.mtp_depth * acts.mtp_extra[j]) * tokens * slack
+        head_static = 0.0 if model.tie_word_embeddings and strategy.pp == 1 else emb_static
+        first_extra = LayerCost(float(seconds["emb"][j]), 8.0 * tokens * slack, emb_static)
+        last_extra = LayerCost(float(seconds["head"][j]), out_activation, head_static)
+        fixed_of = {}
+        for u, option in enumerate(("none", "full")):
+            device = uniform_device[u * n + j, : strategy.pp]
+            moving = np.zeros(strategy.pp)
+            for v in range(placement.num_virtual_stages):
+                stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
+                for kind, count in (("dense", placement.dense_layers[v]), ("moe", placement.moe_layers[v])):
+                    cost = costs[(kind, option)]
+                    moving[stage] += float(count) * (cost.static_bytes + flight.peak[stage, chunk] * cost.activation_bytes)
+            for v, end in ((0, first_extra), (placement.num_virtual_stages - 1, last_extra)):
+                stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
+                moving[stage] += end.static_bytes + flight.peak[stage, chunk] * end.activation_bytes
+            fixed_of[option] = device - moving
+        fixed = fixed_of["none"]
+        transient = np.maximum(fixed_of["full"] - fixed_of["none"], 0.0)
+        problems.append(BalanceProblem(
+            layer_kinds=model.layer_mlp_kinds, options=runnable_options(strategy, options, selective_modules),
+            costs=costs, stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=np.asarray(flight.peak),
+            num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
+            fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
+        ))
+    return problems
 
 
 @dataclass(frozen=True)

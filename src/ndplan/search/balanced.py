@@ -17,9 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
+from ndplan.balance import evaluate, solve_heuristic, uniform_plan
 from ndplan.balance.bound import balanced_step_lower_bound
-from ndplan.balance.build import baseline_option, best_settings_plan, plan_stage_bytes, plan_strategy
+from ndplan.balance.build import (
+    baseline_option,
+    best_settings_plan,
+    build_problems,
+    plan_stage_bytes,
+    plan_strategy,
+)
+from ndplan.balance.problem import BalanceProblem
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.stages import peak_memory
@@ -27,8 +34,10 @@ from ndplan.model.spec import ModelSpec
 from ndplan.perf.report import estimate_time
 from ndplan.search.run import SearchResult, _row
 from ndplan.search.space import SearchSpace
+from ndplan.strategy import Strategy
 
 _BLOCK = 1 << 16  # candidates per vectorised bound evaluation: bounds temporary memory
+_FIRST_CHUNK, _LAST_CHUNK = 8, 128  # pipeline candidates whose problems are built in one batch
 
 
 def rank_balanced(
@@ -66,6 +75,12 @@ def rank_balanced(
                     model, batch.take(piped), cluster, step[at[piped]],
                     **options.time_keywords())
     order = np.lexsort((index, lower))
+    # Problems are built ahead in growing chunks of the pipelines next in bound order: the
+    # memory and time models price a chunk in one batch (``build_problems``), and a walk that
+    # stops early wastes at most one chunk.
+    ahead = order[pipeline[order]]
+    built: dict[int, tuple[BalanceProblem, Strategy]] = {}
+    next_ahead, chunk = 0, _FIRST_CHUNK
     kept: list[tuple[float, int, int]] = []  # max-heap by (−step, −candidate): the worst kept on top
     plans: dict[int, dict[str, Any]] = {}
     balanced = 0
@@ -75,9 +90,12 @@ def rank_balanced(
         value = float(step[position])
         candidate = int(index[position])
         if pipeline[position]:
-            strategy = space.strategy(candidate)
-            problem = build_problem(model, strategy, cluster, memory_limit_bytes, options,
-                                    space.selective_modules(candidate))
+            if int(position) not in built:
+                positions = ahead[next_ahead:next_ahead + chunk]
+                next_ahead, chunk = next_ahead + len(positions), min(2 * chunk, _LAST_CHUNK)
+                built.update(_build_chunk(model, space, cluster, index[positions], positions,
+                                          memory_limit_bytes, options))
+            problem, strategy = built.pop(int(position))
             found = solve_heuristic(problem)
             balanced += 1
             if found is not None and one_setting:
@@ -95,6 +113,23 @@ def rank_balanced(
             heapq.heapreplace(kept, entry)
     best = sorted(kept, key=lambda e: (-e[0], -e[1]))
     return _rows(model, space, best, plans, cluster, time_function, options), balanced
+
+
+def _build_chunk(model: ModelSpec, space: SearchSpace, cluster: Cluster, candidates: np.ndarray, positions: np.ndarray,
+                 memory_limit_bytes: float, options: MemoryOptions) -> dict[int, tuple[BalanceProblem, Strategy]]:
+    """The balancing problems of ``candidates`` and their strategies, keyed by their
+    ``positions``; one batch per selective policy and offload set (a batch shares them)."""
+    groups: dict[tuple[Any, ...], list[tuple[int, Strategy]]] = {}
+    for at, batch in space.batches(candidates):
+        for i, where in enumerate(at):
+            modules = space.selective_modules(int(candidates[where]))
+            groups.setdefault((modules, batch.offload_modules), []).append((int(positions[where]), batch.row(i)))
+    out: dict[int, tuple[BalanceProblem, Strategy]] = {}
+    for (modules, _offload), members in groups.items():
+        strategies = [s for _, s in members]
+        problems = build_problems(model, strategies, cluster, memory_limit_bytes, options, modules, validate=False)
+        out.update(zip((p for p, _ in members), zip(problems, strategies, strict=True), strict=True))
+    return out
 
 
 def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int]], plans: dict[int, dict[str, Any]],
