@@ -132,6 +132,8 @@ BAD_CONFIGS = [
       "num_attention_heads": 2, "vocab_size": -5}, "field 'vocab_size'"),
     ({"model_type": "qwen2", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
       "num_attention_heads": 2, "vocab_size": 10, "tie_word_embeddings": "yes"}, "must be true or false"),
+    ({**json.loads(json.dumps(hf_config("deepseek-v2-lite"))), "mlp_bias": True},
+     "field 'mlp_bias' true is not supported for deepseek_v2 (allowed: false"),
 ]
 
 
@@ -157,3 +159,13 @@ def test_a_model_folder_reads_its_config_json(tmp_path):
     assert count_parameters(spec).total == count_parameters(get_preset("qwen3-8b")).total
     with pytest.raises(NdplanError, match="a model folder needs a config.json"):
         load_model(str(tmp_path))
+
+
+def test_qwen2_moe_without_qkv_bias_counts_as_transformers_builds_it():
+    """transformers reads Qwen2-MoE's ``qkv_bias`` (default on): off, the q/k/v biases go."""
+    config = {**hf_config("qwen1.5-moe-a2.7b"), "qkv_bias": False}
+    ours = count_parameters(spec_from_hf_config(config, name="no-bias")).blocks()
+    ours.pop("mtp")
+    assert {k: v for k, v in ours.items() if v} == dict(meta_block_counts(config))
+    with_bias = count_parameters(get_preset("qwen1.5-moe-a2.7b")).total
+    assert with_bias - count_parameters(spec_from_hf_config(config, name="no-bias")).total == 24 * 3 * 2048

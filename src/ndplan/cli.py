@@ -103,7 +103,7 @@ def cmd_hardware(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json([d.model_dump(mode="json") for d in devices])
         return 0
-    table = Table(title="Accelerators (dense peak; sources in hardware/devices.yaml)")
+    table = Table(title="Accelerators (dense peak FLOP/s; link bandwidths one way per device, as NVIDIA's 900 GB/s NVLink is 450 each way; sources in hardware/devices.yaml)")
     for col in ["name", "memory", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "scale-up GB/s ×domain", "scale-out GB/s", "per node"]:
         table.add_column(col, justify="left" if col == "name" else "right")
     for d in devices:

@@ -148,7 +148,7 @@ def _qwen2_moe(r: _Reader) -> dict[str, Any]:
     return {
         **fields,
         "ffn_hidden_size": r.integer("intermediate_size"),
-        "qkv_bias": True,
+        "qkv_bias": r.flag("qkv_bias", True),  # transformers reads it (default on, as Qwen1.5-MoE)
         "num_experts": experts,
         "num_experts_per_tok": r.integer("num_experts_per_tok"),
         "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
@@ -178,6 +178,11 @@ def _qwen3_moe(r: _Reader) -> dict[str, Any]:
 
 def _deepseek(r: _Reader) -> dict[str, Any]:
     fields = _common_fields(r)
+    if r.flag("mlp_bias", False):
+        # transformers gives the dense and shared-expert MLPs biases then (not the routed
+        # experts); no published DeepSeek model sets it, and ndplan does not count it.
+        raise NdplanError(f"{r.source}: field 'mlp_bias' true is not supported for {r.model_type} "
+                          "(allowed: false, as every published DeepSeek config)")
     bias = r.flag("attention_bias", False)
     experts = r.integer("n_routed_experts", 0)
     first_dense = r.integer("first_k_dense_replace", 3 if r.model_type == "deepseek_v3" else 0)
