@@ -281,6 +281,11 @@ def test_balanced_ranking_equals_balancing_every_candidate():
     # The row's peak is the balanced plan's (what its step is), the uniform one's kept beside it.
     assert all(r["peak_bytes"] == r["balanced_estimated_peak_bytes"] <= limit for r in balanced_rows)
     assert all("unbalanced_peak_bytes" in r for r in balanced_rows)
+    # The label states the plan's recompute, layer counts per option, not the candidate's setting.
+    for row in balanced_rows:
+        options = [r["option"] for r in row["balanced_recompute"] for _ in range(r["count"])]
+        counts = ", ".join(f"{options.count(o)} {o}" for o in ("none", "selective", "full") if o in options)
+        assert row["label"].endswith(f" (balanced; recompute per layer: {counts})") and " rc-" not in row["label"]
     # ... and what one recompute setting (--emit) makes of it, a Strategy of the same parallelism.
     from ndplan.strategy import Strategy
 

@@ -175,9 +175,19 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
                 "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
                 "is_the_plan": settings == found["plan"],  # the plan took one setting already
             }
-            row["label"] += " (balanced)"
+            row["label"] = _balanced_label(space.strategy(int(candidate)), found["plan"].recompute,
+                                           space.selective_modules(int(candidate)))
         rows.append(row)
     return rows
+
+
+def _balanced_label(strategy: Strategy, recompute: tuple[str, ...], modules: tuple[str, ...]) -> str:
+    """The candidate's label with its recompute replaced by the plan's, counted per option (the
+    candidate's own setting is what the plan started from, not what it runs), e.g.
+    'dp4 tp2 pp4 mbs1 m64 1f1b (balanced; recompute per layer: 61 none, 15 selective, 4 full)'."""
+    named = {"none": "none", "selective": "selective" + (f"({'+'.join(modules)})" if modules else ""), "full": "full"}
+    counts = ", ".join(f"{recompute.count(o)} {name}" for o, name in named.items() if o in recompute)
+    return f"{strategy.with_recompute('none').short()} (balanced; recompute per layer: {counts})"
 
 
 __all__ = ["rank_balanced"]
