@@ -162,6 +162,12 @@ class MemoryReport:
         return (f" + the whole embedding gradient's other shards (vocab·h·(1 − 1/tp) × {s.precision.grad_bytes} B "
                 f"= {format_bytes(extra)}: a second micro-batch's gradient leaves DTensor's accumulated one unsharded)")
 
+    def _deferred_fsdp_reduce(self) -> bool:
+        """Whether the runtime holds unsharded gradients to the step's end (FSDP under a pipeline
+        of several virtual stages, as ``stages`` prices it)."""
+        s = self.strategy
+        return bool(s.zero == 3 and self.options.profile.pipeline_defers_fsdp_reduce and s.pp * s.vpp > 1)
+
     def explain(self) -> list[str]:
         """Each term of the peak stage with its formula and values."""
         s = self.strategy
@@ -176,8 +182,11 @@ class MemoryReport:
             f"= mbs·seq/cp = {s.micro_batch_size}·{s.seq_length}/{s.cp} = {tokens:,.0f}",
             f"params     = Σ elements/tp (experts /(ep·etp)) × {p.param_bytes} B"
             + (f" / {shards} (ZeRO-3)" if s.zero >= 3 else "") + f" = {format_bytes(stage.params_bytes)}",
-            f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
-            + self._whole_embedding_grad_term(stage) + f" = {format_bytes(stage.grads_bytes)}",
+            (f"grads      = elements × {p.grad_bytes} B, unsharded at this peak (the pipeline defers FSDP's "
+             f"reduce-scatter to the step's last backward: each chunk keeps its full gradient from its first "
+             f"backward on) = {format_bytes(stage.grads_bytes)}" if self._deferred_fsdp_reduce() else
+             f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
+             + self._whole_embedding_grad_term(stage) + f" = {format_bytes(stage.grads_bytes)}"),
             f"optimizer  = elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + {p.master_weight_bytes}) B"
             + (f" / {shards} (ZeRO≥1)" if s.zero >= 1 else "")
             + (" → offloaded" if s.optimizer_offload else "") + f" = {format_bytes(stage.optimizer_bytes)}",

@@ -1065,6 +1065,11 @@ def _evaluate_group(
         out[category] = np.where(offload, 0.0, value) if category == "optimizer" else value
         if kinds is None:
             continue
+        if category == "grads":  # each kind's whole gradient: a deferred FSDP reduce's shares (below)
+            unsharded_by_kind = {static_kind: shape.expand(_to_stages(
+                _outer_sum([t for t in non_expert_terms if t[0] == static_kind], n, computed)
+                + _outer_sum([t for t in expert_terms if t[0] == static_kind], n, computed), chunks))
+                for static_kind in STATIC_KINDS}
         for static_kind in STATIC_KINDS:
             elements_bytes = (
                 _outer_sum([term for term in non_expert_terms if term[0] == static_kind], n, computed) * width / non_expert_div
@@ -1443,6 +1448,22 @@ def _evaluate_group(
         out[name] = shape.expand(out[name])
     if weight_step_extra is not None:
         out["transient"] = out["transient"] + weight_step_extra.T
+    deferred_rows = np.flatnonzero(np.broadcast_to(deferred, (len(batch),)))
+    if deferred_rows.size:
+        # Under a deferred FSDP reduce the stage holds its chunks' unsharded gradients at the peak,
+        # not the sharded ones the static term prices: the difference is reported as gradients,
+        # so that the categories add up to the forward/backward peak.
+        rows = out["forward_backward"][deferred_rows]
+        listed = sum(out[name][deferred_rows] for name in ("params", "grads", "optimizer", "activations", "comm",
+                                                           "transient"))
+        unheld = np.maximum(rows - listed, 0.0)
+        out["grads"] = out["grads"].copy()
+        out["grads"][deferred_rows] += unheld
+        if kinds is not None:  # shared among the kinds as their whole gradients are
+            whole = sum(unsharded_by_kind.values())[deferred_rows]
+            for static_kind, elements in unsharded_by_kind.items():
+                share = np.divide(elements[deferred_rows], whole, out=np.zeros_like(whole), where=whole > 0)
+                kinds["static"][static_kind][index[deferred_rows], :pp] += unheld * share
     return out
 
 
