@@ -1460,7 +1460,7 @@ def _evaluate_group(
         out["grads"] = out["grads"].copy()
         out["grads"][deferred_rows] += unheld
         if kinds is not None:  # shared among the kinds as their whole gradients are
-            whole = sum(unsharded_by_kind.values())[deferred_rows]
+            whole = np.sum(list(unsharded_by_kind.values()), axis=0)[deferred_rows]
             for static_kind, elements in unsharded_by_kind.items():
                 share = np.divide(elements[deferred_rows], whole, out=np.zeros_like(whole), where=whole > 0)
                 kinds["static"][static_kind][index[deferred_rows], :pp] += unheld * share
