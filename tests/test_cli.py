@@ -268,6 +268,37 @@ def test_balance_checks_its_plan_with_the_full_estimator(capsys):
     assert f"its step, with DP, p2p and the optimizer: {expected:.3f} s" in " ".join(run(argv, capsys)[1].split())
 
 
+def test_balance_reads_back_what_it_emits_and_says_when_the_given_strategy_wins(capsys):
+    """MindSpeed splits DualPipeV evenly, so a Megatron launch cannot carry the balanced
+    placement: the file read back (as --from reads it) is priced and the difference said. And
+    where the strategy as given fits and the full estimators find the balanced settings slower,
+    the verdict is to keep it."""
+    argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--pp", "4", "--vpp", "2", "--schedule",
+            "dualpipev", "--gbs", "64", "--recompute", "full", "--runtime", "megatron", "--memory-limit", "50GiB",
+            "--emit", "megatron"]
+    code, out, _ = run([*argv, "--json"], capsys)
+    data = json.loads(out)
+    check = data["emitted_check"]
+    assert code == 0 and check["same"] is False and check["stage_layers"] == []
+    assert check["step_s"] == pytest.approx(data["given"]["step_s"], rel=1e-12)  # the even split, as given
+    text = " ".join(run(argv, capsys)[1].split())
+    assert "the megatron settings written run dp2 tp1 pp4 vpp2 mbs1 m32 dualpipev rc-full (megatron cannot express" in text
+    # Emitted for torchtitan from a 1F1B pipeline, the placement survives the round trip.
+    code, out, _ = run([*argv[:argv.index("--vpp")], "--gbs", "64", "--recompute", "full", "--runtime", "megatron",
+                        "--memory-limit", "50GiB", "--emit", "torchtitan", "--json"], capsys)
+    data = json.loads(out)
+    written = (data["as_settings"] or data)["stage_layers"]
+    assert data["emitted_check"]["stage_layers"] == written and len(set(written)) > 1
+    # A strategy that fits as given, where balancing does not pay by the full estimators.
+    code, out, _ = run(["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--pp", "8", "--gbs", "8",
+                        "--memory-limit", "79GiB", "--json"], capsys)
+    data = json.loads(out)
+    if data["given"]["fits"] and data["estimated_step_s"] >= data["given"]["step_s"]:
+        assert data["recommended"] == "given"
+    else:
+        assert data["recommended"] == "balanced"
+
+
 def test_overlap_switches_reach_the_step_time(capsys):
     """--overlap sets what hides: TP overlap removes exposed TP time, the JSON names the
     switches used, and the text says whether they are defaults."""

@@ -188,3 +188,19 @@ def test_embedding_and_head_as_layers_fill_extra_virtual_stages():
     assert all(stage.peak_bytes > 0 for stage in report.stages)
     cluster = Cluster(device=get_device("h100-sxm"), num_devices=17)
     assert estimate_time(LLAMA, with_ends, cluster).step_s > 0
+
+
+def test_recompute_layers_are_checked_against_an_explicit_placement():
+    """An uneven placement's widest stage bounds recompute_layers, not the uniform one's:
+    DeepSeek-V3's balanced pp8 vpp4 plan recomputes 3 layers of chunks that hold up to 4."""
+    from ndplan.model import get_preset
+    from ndplan.strategy.rules import check_strategy
+
+    model = get_preset("deepseek-v3")
+    layers = (4, *[2] * 22, 1, 2, 1, 1, 1, 2, 2, 2, 1)
+    base = dict(dp=128, pp=8, vpp=4, schedule="interleaved", ep=64, zero=1, num_micro_batches=8, recompute="full",
+                stage_layers=layers)
+    assert check_strategy(Strategy(**base, recompute_layers=3), model, 1024) == []
+    broken = check_strategy(Strategy(**base, recompute_layers=5), model, 1024)
+    assert [v.rule for v in broken] == ["recompute_layers_fit_stage"]
+    assert "exceeds the 4 layers of the widest stage" in broken[0].message

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from pydantic import ValidationError
@@ -276,6 +277,11 @@ def cmd_balance(args: argparse.Namespace) -> int:
         from ndplan.perf import default_overlap
 
         data["emitted"] = emit(model, emitted, args.emit, options.overlap or default_overlap(device.runtime))
+        data["emitted_check"] = _read_back(model, emitted, data["emitted"], args.emit, cluster, options, limit)
+    # Balancing is worth running only where the full estimators agree it gains on the strategy as given.
+    balanced_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
+    data["recommended"] = ("given" if data["given"]["fits"] and (
+        not balanced_fits or data["estimated_step_s"] >= data["given"]["step_s"]) else "balanced")
     if args.json:
         _emit_json(data)
         return 0
@@ -325,10 +331,53 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"({emitted.short()}), puts the largest stage at "
                       f"{format_bytes(worst)}: {verdict}; its step, with DP, p2p and the optimizer: "
                       f"{data['estimated_step_s']:.3f} s")
+    change = data["estimated_step_s"] / given["step_s"] - 1
+    if data["recommended"] == "given":
+        console.print(f"[bold]verdict: keep the strategy as given[/]: it fits, and by the full estimators the balanced "
+                      f"settings are {'over the limit' if not balanced_fits else f'{100 * change:+.1f}% on its step'} "
+                      f"(the balancer's composed figures above gain on its own baseline, uniform "
+                      f"{base_option} recompute)")
+    else:
+        console.print(f"verdict: the balanced settings, {100 * -change:.1f}% "
+                      f"{'faster than' if change < 0 else 'slower than'} the strategy as given"
+                      + ("" if given["fits"] else ", which does not fit"))
+    check = data.get("emitted_check")
+    if check and not check["same"]:
+        console.print(f"[bold red]the {args.emit} settings written run {check['strategy']}[/] ({args.emit} cannot "
+                      f"express all of {emitted.short()}, layers {list(emitted.stage_layers or ())}): by the full "
+                      f"estimators, peak {format_bytes(check['peak_bytes'])} "
+                      f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
+    if options.runtime == "pytorch" and args.emit in ("megatron", "mindformers"):
+        console.print(f"priced for the pytorch runtime; add --runtime megatron to price what a {args.emit} launch runs")
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False)
     return 0
+
+
+def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, options: Any, limit: float) -> dict[str, Any]:
+    """What the written ``fmt`` settings run, read back as ``--from`` reads them and priced by the
+    full estimators; ``same``: they are the balanced settings (a format may not express an
+    uneven placement under some schedules, or recompute on some layers only)."""
+    import tempfile
+
+    from ndplan.io import read_config
+    from ndplan.io.common import canonical_strategy
+    from ndplan.memory import estimate
+    from ndplan.perf import estimate_time
+
+    suffix = {"megatron": ".sh", "torchtitan": ".toml"}.get(fmt, ".yaml")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"emitted{suffix}"
+        path.write_text(text)
+        read = read_config(path, model, cluster.num_devices, fmt)
+    written = canonical_strategy(read.strategy(cluster.num_devices).model_copy(update={"precision": emitted.precision}),
+                                 model)
+    same = written == canonical_strategy(emitted, model)
+    peak = estimate(model, written, cluster.device, options, num_devices=cluster.num_devices).peak_bytes
+    step = estimate_time(model, written, cluster, **options.time_keywords()).step_s
+    return {"same": same, "strategy": written.short(), "stage_layers": list(written.stage_layers or ()),
+            "peak_bytes": round(peak), "fits": peak <= limit, "step_s": step}
 
 
 def _efficiency_entry(path: str | None) -> dict[str, str]:

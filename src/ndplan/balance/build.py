@@ -246,6 +246,7 @@ class BalanceResult:
                 for policy, (plan_step, settings_step) in self.policy_steps.items()},
             "as_settings": None if self.settings is None else {
                 "selective_modules": None if self.settings_modules is None else list(self.settings_modules),
+                "stage_layers": list(self.settings[0].stage_layers),  # may differ from the plan's
                 "recompute_ranges": [{"first": a, "count": n, "option": o} for a, n, o in self.settings[0].ranges()],
                 "stage_memory_bytes": self.settings[1].stage_memory_bytes.round().tolist(),
                 "step_s": self.settings[1].step_s, "fits": self.settings[1].fits,

@@ -298,6 +298,11 @@ def _placement_violations(s: Strategy, ctx: RuleContext) -> list[Violation]:
         ))
     if any(n < 0 for n in s.stage_layers):
         out.append(Violation("stage_layers_negative", f"stage_layers has a negative count: {list(s.stage_layers)}"))
+    if s.stage_layers and s.recompute_layers > max(s.stage_layers):
+        out.append(Violation(
+            "recompute_layers_fit_stage",
+            f"recompute_layers={s.recompute_layers} exceeds the {max(s.stage_layers)} layers of the widest stage "
+            f"of stage_layers {list(s.stage_layers)}"))
     return out
 
 
@@ -305,7 +310,11 @@ def check_strategy(strategy: Strategy, model: ModelSpec, num_devices: int | None
     """Every rule the strategy breaks, each with a one-line reason naming the values."""
     ctx = RuleContext(model, num_devices)
     batch = StrategyBatch.of(strategy)
-    out = [Violation(rule.name, rule.explain(strategy, ctx)) for rule in RULES if not rule.holds(batch, ctx)[0]]
+    # An explicit placement is checked by its own widest stage (_placement_violations), not the
+    # uniform one's.
+    skip = {"recompute_layers_fit_stage"} if strategy.stage_layers is not None else set()
+    out = [Violation(rule.name, rule.explain(strategy, ctx)) for rule in RULES
+           if rule.name not in skip and not rule.holds(batch, ctx)[0]]
     return out + _placement_violations(strategy, ctx)
 
 
