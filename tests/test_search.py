@@ -277,10 +277,17 @@ def test_balanced_ranking_equals_balancing_every_candidate():
     assert 0 < balanced < pipelines  # the bound spared some balancing
     # Every balanced row carries the full estimator's check of its plan beside the balancer's own figure.
     balanced_rows = [r for r in rows if "balanced_peak_bytes" in r]
-    assert balanced_rows and all(r["balanced_estimated_peak_bytes"] > 0 for r in balanced_rows)
-    # The row's peak is the balanced plan's (what its step is), the uniform one's kept beside it.
-    assert all(r["peak_bytes"] == r["balanced_estimated_peak_bytes"] <= limit for r in balanced_rows)
-    assert all("unbalanced_peak_bytes" in r for r in balanced_rows)
+    assert balanced_rows and all(r["balanced_settings"]["estimated_peak_bytes"] > 0 for r in balanced_rows)
+    # The row is the balanced plan's throughout: its peak (what its step is), its throughput; the
+    # uniform candidate's figures that the plan does not share are kept apart as unbalanced_*.
+    assert all(r["peak_bytes"] == r["balanced_peak_bytes"] <= limit for r in balanced_rows)
+    for r in balanced_rows:
+        assert "unbalanced_peak_bytes" in r and r["recompute"] == "per-layer"
+        assert r["tokens_per_s_per_device"] * space.num_devices == pytest.approx(r["tokens_per_s"], rel=1e-12)
+        assert r["tokens_per_s"] * r["step_s"] == pytest.approx(
+            r["unbalanced_tokens_per_s"] * r["unbalanced_step_s"] if "unbalanced_tokens_per_s" in r
+            else space.global_batch_size * space.seq_length, rel=1e-12)
+        assert "compute_s" not in r and "hfu" not in r and "unbalanced_compute_s" in r and "unbalanced_hfu" in r
     # The label states the plan's recompute, layer counts per option, not the candidate's setting.
     for row in balanced_rows:
         options = [r["option"] for r in row["balanced_recompute"] for _ in range(r["count"])]

@@ -38,6 +38,8 @@ from ndplan.strategy import Strategy
 
 _BLOCK = 1 << 16  # candidates per vectorised bound evaluation: bounds temporary memory
 _FIRST_CHUNK, _LAST_CHUNK = 8, 128  # pipeline candidates whose problems are built in one batch
+#: A uniform candidate's figures that a balanced plan does not share (besides its step's parts).
+_UNBALANCED_ONLY = ("hfu", "hardware_flops")
 
 
 def rank_balanced(
@@ -150,24 +152,36 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
         found = plans.get(int(candidate))
         if found is not None:
             ratio = found["ratio"]
+            # The row is the balanced plan's: its step (the uniform step × the composed ratio) and
+            # what follows from it; the uniform candidate's figures the plan does not determine
+            # (the step's parts, hardware FLOPs: the plan recomputes other layers) are kept beside
+            # it as unbalanced_*, never mixed with the plan's.
+            for key in [k for k in row if k in _UNBALANCED_ONLY or (k.endswith("_s") and k not in ("step_s", "tokens_per_s"))]:
+                row[f"unbalanced_{key}"] = row.pop(key)
             row["unbalanced_step_s"] = row["step_s"]
             row["step_s"] = row["step_s"] * ratio
             row["tokens_per_s"] = row["tokens_per_s"] / ratio
+            row["tokens_per_s_per_device"] = row["tokens_per_s_per_device"] / ratio
             row["mfu"] = row["mfu"] / ratio
-            row["balanced_peak_bytes"] = round(float(found["cost"].stage_memory_bytes.max()))
-            estimated = plan_stage_bytes(model, space.strategy(int(candidate)), found["plan"], options)
-            row["balanced_estimated_peak_bytes"] = round(float(estimated.max()))
-            # The row is the balanced plan's: its peak (the full estimator's) beside its step.
+            row["unbalanced_recompute"], row["recompute"] = row["recompute"], "per-layer"
+            plan_bytes = found["cost"].stage_memory_bytes
+            row["balanced_peak_bytes"] = round(float(plan_bytes.max()))
+            # Its peak by the balancer's per-layer figures (the full estimator prices one recompute
+            # setting only: balanced_settings has its check of what --emit writes).
             row["unbalanced_peak_bytes"], row["unbalanced_peak_stage"] = row["peak_bytes"], row["peak_stage"]
-            row["peak_bytes"], row["peak_stage"] = row["balanced_estimated_peak_bytes"], int(np.argmax(estimated))
+            row["peak_bytes"], row["peak_stage"] = row["balanced_peak_bytes"], int(np.argmax(plan_bytes))
             row["balanced_stage_layers"] = list(found["plan"].stage_layers)
             row["balanced_recompute"] = [{"first": a, "count": n, "option": o} for a, n, o in found["plan"].ranges()]
             # What --emit writes: the fastest plan one recompute setting expresses, priced alike.
             problem = found["problem"]
             settings, settings_cost = best_settings_plan(problem, found["plan"], uniform_plan(problem, baseline_option(problem)))
             strategy = plan_strategy(space.strategy(int(candidate)), settings, space.selective_modules(int(candidate)))
+            estimated = plan_stage_bytes(model, space.strategy(int(candidate)), settings, options,
+                                         space.selective_modules(int(candidate)))
             row["balanced_settings"] = {
                 "label": strategy.short(), "stage_layers": list(settings.stage_layers),
+                # the full estimator's peak of these settings (what --emit writes), and its stage
+                "estimated_peak_bytes": round(float(estimated.max())), "estimated_peak_stage": int(np.argmax(estimated)),
                 "step_s": row["unbalanced_step_s"] * settings_cost.step_s / found["uniform_step_s"],
                 # The ranking scales the uniform step by the balancer's composed ratio; what
                 # `ndplan estimate` gives for these settings (the pipeline simulated) is beside it.
