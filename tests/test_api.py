@@ -76,3 +76,28 @@ def test_api_input_errors_name_what_is_wrong():
     assert ndplan.run_search(model, device, space, memory_limit_bytes="70GiB").memory_limit_bytes == 70 * 2**30
     by_name = ndplan.estimate("llama-3.1-8b", ndplan.Strategy(dp=8), "h100-sxm", num_devices=8)
     assert by_name.peak_bytes == ndplan.estimate(model, ndplan.Strategy(dp=8), device, num_devices=8).peak_bytes
+
+
+def test_entry_points_take_names_and_estimate_time_takes_the_runtime_options():
+    """A model and device by name reach every entry point; ``estimate_time(options=...)``
+    prices what ``estimate`` and the CLI price for that runtime (without it: the device
+    profile's figures), and arguments in the wrong place are named, not an AttributeError."""
+    from ndplan.errors import NdplanError
+
+    model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
+    strategy = ndplan.Strategy(dp=2, pp=4, vpp=2, schedule="zbv", zero=1, recompute="full", num_micro_batches=8,
+                               global_batch_size=16)
+    cluster = ndplan.Cluster(device=device, num_devices=8)
+    options = ndplan.MemoryOptions()  # pytorch: a split backward rebuilds per parameter group
+    by_keywords = ndplan.estimate_time(model, strategy, cluster, **options.time_keywords())
+    by_options = ndplan.estimate_time("llama-3.1-8b", strategy, "h100-sxm", options=options)
+    assert by_options.step_s == by_keywords.step_s
+    assert ndplan.estimate_time(model, strategy, device).step_s != by_options.step_s  # the device profile's
+    space = ndplan.default_space("llama-3.1-8b", "h100-sxm", 8, 16, 4096, dims=("tp", "zero"))
+    assert ndplan.run_search("llama-3.1-8b", "h100-sxm", space).best is not None
+    with pytest.raises(NdplanError, match=r"check_strategy\(strategy, model, num_devices\) takes a Strategy"):
+        ndplan.check_strategy(model, strategy, 8)
+    with pytest.raises(NdplanError, match="cluster must be a Device or a device name, got int"):
+        ndplan.estimate_time(model, strategy, 8)
+    with pytest.raises(NdplanError, match="device must be a Device or a device name, got int"):
+        ndplan.default_space(model, 8, 8, 16, 4096)

@@ -12,7 +12,7 @@ so ``import ndplan`` (and the CLI) stays fast::
     options = ndplan.MemoryOptions(runtime="megatron")   # what the runtime saves, re-runs, hides
     memory = ndplan.estimate(model, strategy, device, options, num_devices=64)  # bytes per stage
     cluster = ndplan.Cluster(device=device, num_devices=64)
-    time = ndplan.estimate_time(model, strategy, cluster, **options.time_keywords())  # s per step
+    time = ndplan.estimate_time(model, strategy, cluster, options=options)  # s per step
     space = ndplan.default_space(model, device, 64, 256, 4096)                # every dimension
     result = ndplan.run_search(model, device, space, options=options)         # ranked, Pareto front
 

@@ -177,3 +177,12 @@ def _check_unique_names(devices: list[Device], source: str) -> None:
         if key in seen:
             raise NdplanError(f"{source}: device name '{device.name}' appears more than once")
         seen.add(key)
+
+
+def as_device(value: Device | str, what: str = "device") -> Device:
+    """A Device, or one by preset name or file path (what the API's entry points accept)."""
+    if isinstance(value, str):
+        return resolve_device(value)
+    if not isinstance(value, Device):
+        raise NdplanError(f"{what} must be a Device or a device name, got {type(value).__name__}")
+    return value

@@ -232,14 +232,11 @@ def estimate(
 ) -> MemoryReport:
     """Per-stage memory of one strategy (validated first; every broken rule is reported).
     ``model`` and ``hardware`` may be given by name (a preset or a file path)."""
-    if isinstance(model, str):
-        from ndplan.model import load_model
+    from ndplan.hardware import as_device
+    from ndplan.model import as_model
 
-        model = load_model(model)
-    if isinstance(hardware, str):
-        from ndplan.hardware import resolve_device
-
-        hardware = resolve_device(hardware)
+    model = as_model(model)
+    hardware = None if hardware is None else as_device(hardware, "hardware")
     if not isinstance(strategy, Strategy):
         raise NdplanError(f"estimate needs a Strategy, got {type(strategy).__name__}")
     validate_strategy(strategy, model, num_devices)

@@ -107,3 +107,12 @@ def load_model(name_or_path: str) -> ModelSpec:
     raise NdplanError(
         f"unknown model '{name_or_path}'; presets: {', '.join(preset_names())} (or give a path to a config file)"
     )
+
+
+def as_model(value: ModelSpec | str, what: str = "model") -> ModelSpec:
+    """A ModelSpec, or one by preset name, config path or model folder (``load_model``)."""
+    if isinstance(value, str):
+        return load_model(value)
+    if not isinstance(value, ModelSpec):
+        raise NdplanError(f"{what} must be a ModelSpec or a model name, got {type(value).__name__}")
+    return value

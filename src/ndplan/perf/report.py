@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from ndplan.hardware.device import Cluster
+from ndplan.errors import NdplanError
+from ndplan.hardware.device import Cluster, Device
+from ndplan.memory.stages import MemoryOptions
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, with_software
 from ndplan.perf.flops import (
@@ -82,21 +84,44 @@ class TimeReport:
 
 
 def estimate_time(
-    model: ModelSpec,
+    model: ModelSpec | str,
     strategy: Strategy,
-    cluster: Cluster,
+    cluster: Cluster | Device | str,
     *,
+    options: MemoryOptions | None = None,
     efficiency: EfficiencyProfile | None = None,
     overlap: OverlapConfig | None = None,
-    weight_grad_rebuilds: bool = False,
+    weight_grad_rebuilds: bool | None = None,
     software: Mapping[str, Any] | None = None,
 ) -> TimeReport:
     """Step time of one strategy: the batch path on a batch of one, with the pipeline
     schedule simulated (exact op orders) instead of its closed form (``weight_grad_rebuilds``
     and ``software`` as in ``step.evaluate``).
 
+    ``options`` prices what its runtime runs, as ``ndplan estimate`` does (its
+    ``time_keywords()``: rebuilds, selective policy, attention kernel, overlap; a keyword given
+    here wins). Without options or those keywords, the device profile's own figures and the
+    device runtime's overlap, as the published-run comparison uses them. ``model`` may be a
+    preset name or path, ``cluster`` a Device or device name (then the strategy's world size).
+
     Raises NdplanError listing every rule the strategy breaks for this model and cluster.
     """
+    from ndplan.hardware import as_device
+    from ndplan.model import as_model
+
+    model = as_model(model)
+    if not isinstance(strategy, Strategy):
+        raise NdplanError(f"estimate_time needs a Strategy, got {type(strategy).__name__}")
+    if not isinstance(cluster, Cluster):
+        cluster = as_device(cluster, "cluster")
+    if isinstance(cluster, Device):
+        cluster = Cluster(device=cluster, num_devices=strategy.world_size)
+    if options is not None:
+        runtime = options.time_keywords()
+        weight_grad_rebuilds = runtime["weight_grad_rebuilds"] if weight_grad_rebuilds is None else weight_grad_rebuilds
+        software = runtime["software"] if software is None else software
+        overlap = runtime["overlap"] if overlap is None else overlap
+    weight_grad_rebuilds = bool(weight_grad_rebuilds)
     validate_strategy(strategy, model, cluster.num_devices)
     eff = with_software(efficiency or default_efficiency(cluster.device), software)
     ov = overlap or default_overlap(cluster.device.runtime)

@@ -142,8 +142,8 @@ def _smallest_peak(
 
 
 def run_search(
-    model: ModelSpec,
-    device: Device,
+    model: ModelSpec | str,
+    device: Device | str,
     space: SearchSpace,
     time_function: TimeFunction | None = None,
     *,
@@ -158,6 +158,10 @@ def run_search(
     ndplan's step-time model for the runtime of ``options``, ``runtime_step_time``)."""
     import time as clock
 
+    from ndplan.hardware import as_device
+    from ndplan.model import as_model
+
+    model, device = as_model(model), as_device(device)
     if isinstance(memory_limit_bytes, str):
         from ndplan.units import parse_bytes
 

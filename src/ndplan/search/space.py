@@ -279,8 +279,8 @@ class SearchSpace:
 
 
 def default_space(
-    model: ModelSpec,
-    device: Device,
+    model: ModelSpec | str,
+    device: Device | str,
     num_devices: int,
     global_batch_size: int,
     seq_length: int,
@@ -306,6 +306,10 @@ def default_space(
     (Megatron-Core's ``--offload-modules``, runtime megatron), one set of names or several sets
     to search (() offloads nothing); ``dims`` naming "offload_modules" searches
     ``offload_sets(model)``."""
+    from ndplan.hardware import as_device
+    from ndplan.model import as_model
+
+    model, device = as_model(model), as_device(device)
     for name, count in (("num_devices", num_devices), ("global_batch_size", global_batch_size),
                         ("seq_length", seq_length)):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:

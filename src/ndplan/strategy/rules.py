@@ -308,6 +308,9 @@ def _placement_violations(s: Strategy, ctx: RuleContext) -> list[Violation]:
 
 def check_strategy(strategy: Strategy, model: ModelSpec, num_devices: int | None = None) -> list[Violation]:
     """Every rule the strategy breaks, each with a one-line reason naming the values."""
+    if not isinstance(strategy, Strategy) or not isinstance(model, ModelSpec):
+        raise NdplanError(f"check_strategy(strategy, model, num_devices) takes a Strategy and a ModelSpec, got "
+                          f"{type(strategy).__name__} and {type(model).__name__}")
     ctx = RuleContext(model, num_devices)
     batch = StrategyBatch.of(strategy)
     # An explicit placement is checked by its own widest stage (_placement_violations), not the
