@@ -247,12 +247,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_balance(args: argparse.Namespace) -> int:
     from ndplan.balance import balance, plan_strategy
     from ndplan.hardware import Cluster
-    from ndplan.units import parse_bytes
 
     settings, model, read = _settings_and_model(args)
     device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
-    limit = parse_bytes(args.memory_limit) if args.memory_limit else device.memory_bytes
+    limit = _memory_limit(args.memory_limit, device) or device.memory_bytes
     cluster = Cluster(device=device, num_devices=strategy.world_size)
     options = _memory_options(args, settings, read)
     policies = _module_sets_argument(model, args.recompute_module_sets) if args.recompute_module_sets else ()
@@ -380,6 +379,23 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
             "peak_bytes": round(peak), "fits": peak <= limit, "step_s": step}
 
 
+def _memory_limit(text: str | None, device: Any) -> int | None:
+    """--memory-limit in bytes (None where not given); a limit above the device's memory is
+    allowed (a what-if) but said, since nothing that needs it runs on that device."""
+    from ndplan.units import parse_bytes
+
+    if not text:
+        return None
+    try:
+        limit = parse_bytes(text)
+    except NdplanError as error:
+        raise NdplanError(f"--memory-limit: {error}") from None
+    if limit > device.memory_bytes:
+        print(f"ndplan: warning: --memory-limit {format_bytes(limit)} is above the {device.name}'s "
+              f"{format_bytes(device.memory_bytes)}: plans up to it will not run on that device", file=sys.stderr)
+    return limit
+
+
 def _efficiency_entry(path: str | None) -> dict[str, str]:
     """The JSON entry naming an --efficiency profile, where one was given."""
     return {"efficiency": str(path)} if path else {}
@@ -421,7 +437,6 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     from ndplan.search import default_space, run_search, runtime_step_time
     from ndplan.strategy import get_precision
-    from ndplan.units import parse_bytes
 
     if args.top < 1:
         raise NdplanError(f"--top must be at least 1, got {args.top}")
@@ -452,7 +467,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                              recompute_modules=recompute_sets, offload_modules=offload_sets)
 
     space = space_on(args.devices)
-    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    limit = _memory_limit(args.memory_limit, device)
     options = _memory_options(args, {"overlap": args.overlap}, read)
     step_time = runtime_step_time(options)  # the runtime's step-time model, as memory follows its profile
     quiet = args.json or not sys.stderr.isatty()
