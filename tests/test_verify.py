@@ -202,3 +202,18 @@ def test_cli_census_table_json_and_out(run, tiny_config: Path, tmp_path: Path) -
     assert {r["layer_kind"] for r in records} == {"dense", "output"}
     assert json.loads(target.read_text())["records"] == records
 
+
+
+@pytest.mark.parametrize("path", sorted((DATA / "steps").glob("*fsdp*.json"))[:4] + [FAKE])
+def test_estimate_rows_add_up_as_the_measured_ones_do(path: Path) -> None:
+    """The estimate's rest of the forward/backward peak is what the measurement's is: the peak
+    less the five categories (negative where gradients are not all made yet, as under FSDP with
+    one micro-batch), so the categories add up to the estimate's own forward/backward peak, which
+    never exceeds its peak allocated."""
+    m = load_measurement(path)
+    result = verify(get_preset(m.model), m)
+    for stage in result.stages:
+        value = {r.key: r.estimate for r in stage.rows}
+        parts = sum(value[k] for k in ("params", "grads", "optimizer", "activations", "comm", "transient"))
+        assert parts == pytest.approx(value["forward_backward_peak"], rel=1e-12)
+        assert value["forward_backward_peak"] <= value["allocated"] * (1 + 1e-12)
