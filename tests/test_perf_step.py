@@ -529,3 +529,20 @@ def test_unpaired_forwards_closed_forms_match_the_op_order():
                     assert (_steady_unpaired(schedule, pp, vpp, m), m * vpp) == counted, (schedule, pp, vpp, m)
                     checked += 1
     assert checked > 500
+
+
+def test_explain_states_where_fsdp_and_expert_sharding_go():
+    """The explain lines' figures add up to what they explain: FSDP's exposed DP time lies in the
+    passes, not after the pipeline; MoE optimizer states shard over the experts' own replicas."""
+    import re
+
+    from ndplan.memory import estimate
+    from ndplan.model import get_preset
+
+    s = Strategy(dp=64, zero=3, num_micro_batches=1)
+    report = estimate_time(LLAMA8, s, _cluster(64))
+    line = " ".join(x for x in report.explain() if x.startswith("DP per step"))
+    after, inside = (float(v) for v in re.findall(r"([\d.]+) ms", line)[:2])
+    assert (after + inside) / 1e3 == pytest.approx(report.breakdown["comm_exposed"]["dp"], abs=2e-6) and inside > 0
+    moe = estimate(get_preset("qwen3-30b-a3b"), Strategy(dp=64, ep=8, zero=1), "h100-sxm", num_devices=64)
+    assert any(x.startswith("optimizer") and "experts / dp·cp·tp/(ep·etp)" in x for x in moe.explain())

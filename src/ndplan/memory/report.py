@@ -177,6 +177,8 @@ class MemoryReport:
         absent = (stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes + stage.activations_bytes
                   + stage.comm_bytes + stage.transient_bytes - stage.forward_backward_bytes)
         shards = "dp·cp" if not s.shard_group else "shard_group"
+        if self.model.is_moe and not s.shard_group:  # experts replicate over the ranks of their EP·ETP group
+            shards += "; experts / dp·cp·tp/(ep·etp)"
         lines = [
             f"stage {stage.stage} of {s.pp} holds {stage.layers} decoder layers; tokens per micro-batch per rank "
             f"= mbs·seq/cp = {s.micro_batch_size}·{s.seq_length}/{s.cp} = {tokens:,.0f}",

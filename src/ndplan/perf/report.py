@@ -223,7 +223,10 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"m·T* {_ms(m * (d['stage_forward_s'] + d['stage_backward_s'] + d['stage_weight_grad_s']))} + bubble "
         f"{_ms(d['bubble_s'])} + p2p on critical path {_ms(d['pp_s'])}",
         f"DP per step (grad {'all-reduce' if s.zero == 0 else 'reduce-scatter'} over dp·cp = {s.dp * s.cp}"
-        f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}), exposed: {_ms(d['dp_step_s'])}",
+        f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}), exposed after the pipeline: "
+        f"{_ms(d['dp_step_s'])}" + (f" (FSDP's per-layer gathers and reduces exposed inside the passes above: "
+                                    f"{_ms(r.breakdown['comm_exposed']['dp'] - d['dp_step_s'])}, in the step's dp "
+                                    f"term)" if s.zero == 3 else ""),
         f"optimizer (Adam over the local shard, memory-bound) + grad-norm all-reduce: {_ms(d['optimizer_update_s'])}",
         f"step = compute {_ms(r.breakdown['compute'])} + comm exposed "
         + ", ".join(f"{k} {_ms(v)}" for k, v in r.breakdown["comm_exposed"].items())
