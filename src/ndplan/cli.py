@@ -528,6 +528,11 @@ def cmd_search(args: argparse.Namespace) -> int:
         console.print(data["emitted"], markup=False)
     if explained is not None and winner is not None:
         console.print(f"\n[bold]the winner, {winner.short()}, explained[/] (as `ndplan estimate --explain`)")
+        ranked = result.best["step_s"] if result.best and "balanced_settings" not in result.best else None
+        if ranked is not None and abs(explained["step_s"] / ranked - 1) > 1e-6:
+            # The search prices pipelines in closed form (millions of candidates); estimate simulates.
+            console.print(f"ranked at {ranked:.3f} s by the search's closed-form pipeline; the simulated schedule "
+                          f"below gives {explained['step_s']:.3f} s ({100 * (explained['step_s'] / ranked - 1):+.2f}%)")
         for part in ("memory", "time"):
             console.print(f"{part}{', peak stage' if part == 'memory' else ''}:")
             for line in explained[part]:
