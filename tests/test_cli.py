@@ -415,3 +415,39 @@ def test_memory_limit_errors_name_the_flag_and_a_limit_above_the_device_is_said(
     code, _, err = run([*argv, "--memory-limit", "300GiB", "--json"], capsys)
     assert code == 0
     assert "ndplan: warning: --memory-limit 300.00 GiB is above the h100-sxm's 79.18 GiB" in err
+
+
+def test_search_from_a_config_keeps_the_dimensions_it_does_not_search(capsys, tmp_path):
+    """search --from FILE --dims recompute searches recompute around the file's strategy, not
+    around ndplan's defaults (tp1 pp1); --fix still wins over the file."""
+    from ndplan.io import emit
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    model = get_preset("llama-3.1-8b")
+    path = tmp_path / "run.toml"
+    path.write_text(emit(model, Strategy(dp=1, tp=2, sequence_parallel=True, pp=4, num_micro_batches=16,
+                                         global_batch_size=16), "torchtitan"))
+    argv = ["search", "--from", str(path), "--hardware", "h100-sxm", "--dims", "recompute", "--json"]
+    code, out, _ = run(argv, capsys)
+    rows = json.loads(out)["ranked"]
+    assert code == 0 and len(rows) == 3 and {(r["tp"], r["pp"]) for r in rows} == {(2, 4)}
+    code, out, _ = run([*argv, "--fix", "pp=2"], capsys)
+    assert {(r["tp"], r["pp"]) for r in json.loads(out)["ranked"]} == {(2, 2)}
+
+
+def test_balance_and_estimate_read_a_config_alike(capsys, tmp_path):
+    """A torchtitan TOML's runtime settings (loss parallelism) reach balance as they reach
+    estimate: the strategy as given has one peak whichever command reads it."""
+    from ndplan.io import emit
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    path = tmp_path / "run.toml"
+    path.write_text(emit(get_preset("llama-3.1-8b"), Strategy(dp=1, tp=2, sequence_parallel=True, pp=4,
+                                                             recompute="full", num_micro_batches=64,
+                                                             global_batch_size=64), "torchtitan"))
+    code, out, _ = run(["estimate", "--from", str(path), "--hardware", "h100-sxm", "--json"], capsys)
+    estimated = json.loads(out)["peak_bytes"]
+    code, out, _ = run(["balance", "--from", str(path), "--hardware", "h100-sxm", "--heuristic", "--json"], capsys)
+    assert code == 0 and json.loads(out)["given"]["peak_bytes"] == estimated

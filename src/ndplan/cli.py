@@ -161,7 +161,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- estimate
 def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: Any) -> Any:
-    """The runtime options of a command (``cli_args.runtime_options``), with what a --from config stated."""
+    """The runtime options of a command (``cli_args.runtime_options``), with what a --from config
+    stated (its loss parallelism too, where no flag sets it)."""
+    if read is not None and getattr(args, "loss_parallel", None) is None:
+        args.loss_parallel = read.runtime_settings.get("loss_parallel")
     return runtime_options(args, settings, read.runtime_settings if read is not None else None)
 
 
@@ -169,8 +172,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from ndplan.memory import estimate
 
     settings, model, read = _settings_and_model(args)
-    if read is not None and args.loss_parallel is None:
-        args.loss_parallel = read.runtime_settings.get("loss_parallel")
     device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
     options = _memory_options(args, settings, read)
@@ -406,6 +407,10 @@ def _seconds_or_unfit(value: float | None) -> str:
 
 
 # ---------------------------------------------------------------- search
+#: Search dimensions a config file read by --from sets (plan-file keys, as the space names them).
+_FILE_FIXABLE = ("tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute")
+
+
 def _parse_fix(items: list[str]) -> dict[str, int | str]:
     fixed: dict[str, int | str] = {}
     for item in items:
@@ -458,6 +463,11 @@ def cmd_search(args: argparse.Namespace) -> int:
     args.seq = args.seq or 4096
     device = device_from(args.hardware, args.efficiency)
     fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
+    if read is not None and args.dims:
+        # The dimensions not searched keep the file's values (--fix wins), not ndplan's defaults.
+        kept = {name: read.strategy_settings[name] for name in _FILE_FIXABLE
+                if name not in args.dims and name not in fixed and name in read.strategy_settings}
+        fixed.update({name: int(value) if isinstance(value, bool) else value for name, value in kept.items()})
     offload_sets = _searched_sets(args, read, model, "offload")
 
     def space_on(devices: int) -> Any:

@@ -39,7 +39,8 @@ def add_from_argument(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--from", dest="from_config", type=Path, metavar="CONFIG",
                        help="read model, strategy and cluster from a Megatron-LM/MindSpeed launch script or argument "
                             "file, a torchtitan TOML, a HyperParallel or MindFormers YAML, or a config.json "
-                            "(flags and --plan settings win)")
+                            "(flags and --plan settings win; in a search with --dims, the dimensions not "
+                            "searched keep the file's values)")
     group.add_argument("--from-format", choices=READ_FORMATS, help="the config's format (default: detected)")
 
 
