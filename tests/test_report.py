@@ -425,3 +425,22 @@ def test_search_result_object_and_candidate_cloud(real_search: dict[str, Any]) -
     assert len(cloud["step_s"]) <= 3000 + len(pareto_front(step, peak)) and cloud["n_total"] == 100_000
     saved = prepare({"candidates": json.loads(json.dumps(cloud)), "memory_limit_bytes": 85_020_639_232})["search"]
     assert saved["n_total"] == 100_000 and np.array_equal(saved["front_step_s"], d["search"]["front_step_s"])
+
+
+def test_cells_show_widths_in_bytes_and_sizes_in_gib():
+    """A per-element width (precision.param_bytes 2) is 2 B, not 0.00 GiB; sizes stay in GiB."""
+    from ndplan.report.html import cell
+
+    assert cell("param_bytes", 2)[0] == "2 B"
+    assert cell("peak_bytes", 3 * 2**30)[0] == "3.00"
+
+
+def test_torchtitan_emit_mentions_mtp_only_for_a_model_that_has_it():
+    from ndplan.io import emit
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    strategy = Strategy(dp=8, tp=8, sequence_parallel=True, pp=4, num_micro_batches=8)
+    assert "MTP" not in emit(get_preset("llama-3.1-70b"), strategy, "torchtitan")
+    assert "MTP is left out" in emit(get_preset("deepseek-v3"), Strategy(dp=8, ep=8, pp=8, num_micro_batches=8),
+                                     "torchtitan")

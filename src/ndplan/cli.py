@@ -683,12 +683,15 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
             table.add_row(str(i), row["label"], format_bytes(row["peak_bytes"]), str(row["peak_stage"]),
                           f"{row['step_s']:.3f} s", *one, f"{row.get('tokens_per_s', 0):,.0f}", f"{100 * row.get('mfu', 0):.1f}%")
         console.print(table)
-        front = Table(title="Pareto front (step time vs peak memory)")
-        for col in ["strategy", "peak", "step"]:
-            front.add_column(col, justify="left" if col == "strategy" else "right")
         from ndplan.search.run import evenly_spread
 
-        for row in (result.pareto[i] for i in evenly_spread(len(result.pareto), 10)):  # both ends of the trade-off
+        shown = evenly_spread(len(result.pareto), 10)  # both ends of the trade-off
+        of = f"{len(shown)} of {len(result.pareto)} points, evenly spread; --json lists more; " \
+            if len(shown) < len(result.pareto) else ""
+        front = Table(title=f"Pareto front ({of}step time vs peak memory, uniform placement)")
+        for col in ["strategy", "peak", "step"]:
+            front.add_column(col, justify="left" if col == "strategy" else "right")
+        for row in (result.pareto[i] for i in shown):
             front.add_row(row["label"], format_bytes(row["peak_bytes"]), f"{row['step_s']:.3f} s")
         console.print(front)
     rejected = Table(title="Why candidates lost (each counted once, at the first rule it breaks)")

@@ -436,7 +436,7 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
     tables: dict[str, dict[str, Any]] = {}
     flavour = next(((n, f) for (n, f), preset in FLAVOURS.items() if model is not None and preset == model.name), None)
     notes: list[str] = []
-    if flavour is not None and model is not None and _torchtitan_variant(model.name) != model:
+    if flavour is not None and model is not None and model.mtp_depth:
         notes.append(f"torchtitan's {flavour[0]} {flavour[1]} builds no MTP module; {model.name}'s MTP is left out")
     if flavour is not None:
         tables["model"] = {"name": flavour[0], "flavor": flavour[1]}

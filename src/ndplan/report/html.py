@@ -250,6 +250,8 @@ def cell(key: str, value: Any) -> tuple[str, str, str]:
         number = float(value)
         if not math.isfinite(number):
             return "–", "", ""
+        if key.endswith("_bytes") and abs(number) < 1024:  # a width per element (precision.param_bytes)
+            return f"{number:g} B", _key(number), ""
         if key.endswith("_bytes"):
             return f"{number / GIB:,.2f}", _key(number), f"{number:,.0f} bytes"
         if key.startswith("tokens"):
@@ -341,7 +343,7 @@ def rows_table(rows: Sequence[Mapping[str, Any]], limit: float | None) -> tuple[
                 continue
             ordered.remove(key)
             value = rows[0].get(key)
-            if key not in nested and value not in (None, 0, 0.0, False, "none", ""):
+            if key not in nested and value not in (None, 0, 0.0, False, "none", "") and value != []:
                 constant.append(f"{column_label(key)}={cell(key, value)[0]}")
     headers = [(column_label(k, rows[0].get(k) if rows else None),
                 "t" if rows and isinstance(rows[0].get(k), str) else "") for k in ordered]
@@ -495,8 +497,11 @@ def render_html(result: Any, *, top: int = 50, max_points: int = 4000, title: st
             hfu = perf.get("hfu")
             kpis.append(("perf", _kpi("MFU", f"{100 * perf['mfu']:.1f}%", f"HFU {100 * hfu:.1f}%" if hfu is not None else "")))
     if d["timeline"] is not None:
-        kpis.append(("timeline", _kpi("pipeline bubble", f"{100 * d['timeline']['bubble_fraction']:.1f}%",
-                                      f"{d['timeline']['schedule']}, {d['timeline']['num_micro_batches']} micro-batches")))
+        # Idle share of all stages' time in the simulated schedule, not the step breakdown's bubble
+        # (the critical path's idle time, a share of the whole step): the two differ, so say which.
+        kpis.append(("timeline", _kpi("pipeline idle", f"{100 * d['timeline']['bubble_fraction']:.1f}%",
+                                      f"of pp × makespan; {d['timeline']['schedule']}, "
+                                      f"{d['timeline']['num_micro_batches']} micro-batches")))
     search = d["search"]
     if search is not None:
         kpis.append(("search", _kpi("candidates evaluated", f"{search['n_total']:,}",
