@@ -147,6 +147,12 @@ class MemoryReport:
             "capacity_bytes": self.capacity_bytes,
             "runtime": self.options.runtime,
             "attention": self.options.attention,
+            # The other options the figures depend on, so that a report can say how to reproduce them.
+            "include_overhead": self.options.include_overhead,
+            "loss_parallel": self.options.loss_parallel,
+            "moe_imbalance": self.options.moe_imbalance,
+            "moe_capacity_factor": self.options.moe_capacity_factor,
+            "census_records": len(self.options.census),
             "stages": [s.to_dict() for s in self.stages],
             "caveats": self.caveats,
         }

@@ -701,6 +701,10 @@ def _name(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+#: Options an estimate's JSON records beside runtime and attention, which `ndplan estimate` flags set.
+REPRODUCED_OPTIONS = ("include_overhead", "loss_parallel", "moe_imbalance", "moe_capacity_factor", "census_records")
+
+
 def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | None = None,
             simulate_schedule: bool = True) -> dict[str, Any]:
     """Everything the report shows, from one result. See the module docstring for the keys."""
@@ -773,7 +777,10 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         "strategy": jsonable(strategy) if strategy else None,
         "runtime": data.get("runtime"),
         "attention": data.get("attention"),
+        **{key: data[key] for key in REPRODUCED_OPTIONS if data.get(key) is not None},
     }
+    if isinstance(data.get("time"), Mapping) and isinstance(data["time"].get("overlap"), Mapping):
+        inputs["overlap"] = dict(data["time"]["overlap"])
     skip = {"stages", "strategy", "model", "hardware", "devices", "runtime", "attention", "timeline", "notes",
             "report_notes",
             "schedule_result", *ROW_KEYS, *CANDIDATE_KEYS, *PARETO_KEYS, *PERF_KEYS, *MEMORY_SOURCE_KEYS}

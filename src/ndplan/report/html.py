@@ -447,7 +447,29 @@ def reproduce_command(inputs: Mapping[str, Any]) -> tuple[str, list[str]]:
         args += ["--runtime", str(inputs["runtime"])]
     if inputs.get("attention") not in (None, "flash"):
         args += ["--attention", str(inputs["attention"])]
+    if inputs.get("include_overhead") is False:
+        args.append("--no-overhead")
+    if inputs.get("loss_parallel") is not None:
+        args.append("--loss-parallel" if inputs["loss_parallel"] else "--no-loss-parallel")
+    if inputs.get("moe_imbalance") not in (None, 1, 1.0):
+        args += ["--moe-imbalance", str(inputs["moe_imbalance"])]
+    if inputs.get("moe_capacity_factor") is not None:
+        args += ["--moe-capacity-factor", str(inputs["moe_capacity_factor"])]
+    overlap = inputs.get("overlap")
+    if isinstance(overlap, Mapping):  # every switch as priced, whatever the runtime's defaults
+        args += ["--overlap", ",".join(f"{key}={_overlap_word(key, value)}" for key, value in overlap.items())]
+    if inputs.get("census_records"):
+        missing.append(f"a census of {inputs['census_records']} records (give it with --census FILE)")
     return " ".join(shlex.quote(a) for a in args), missing
+
+
+def _overlap_word(key: str, value: Any) -> str:
+    """An overlap switch's value as ``--overlap`` reads it back (``perf.overlap.parse_overlap``)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "none" if key == "ep_node_limit" else "auto"
+    return str(value)
 
 
 # ------------------------------------------------------------------ page
