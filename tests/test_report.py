@@ -465,3 +465,26 @@ def test_the_reproduce_line_reproduces_an_estimate_with_non_default_options(caps
     assert main([*shlex.split(command)[1:], "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["peak_bytes"] == data["peak_bytes"] and again["time"]["step_s"] == data["time"]["step_s"]
+
+
+def test_a_balance_result_reports_the_strategy_as_given_and_the_balanced_settings(capsys):
+    """ndplan balance --json draws both memory sources by the full estimator, and its step,
+    timeline and Reproduce line are the balanced settings' (the uneven placement included)."""
+    import html
+
+    from ndplan.cli import main
+    from ndplan.report.data import prepare
+    from ndplan.report.html import render_html
+
+    assert main(["balance", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--pp", "4",
+                 "--gbs", "64", "--recompute", "full", "--memory-limit", "50GiB", "--heuristic", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    prepared = prepare(data)
+    assert prepared["kind"] == "balance"
+    assert [m["name"] for m in prepared["memory"]] == ["as given", "balanced"]
+    balanced_peak = max(st["peak_bytes"] for st in prepared["memory"][1]["stages"])
+    assert balanced_peak == data["balanced"]["peak_bytes"]
+    page = render_html(data)
+    command = html.unescape(re.search(r'<pre class="cmd">(.*?)</pre>', page, re.S).group(1))
+    layers = ",".join(str(n) for n in data["balanced"]["strategy"]["stage_layers"])
+    assert f"--stage-layers {layers}" in command

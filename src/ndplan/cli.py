@@ -269,9 +269,16 @@ def cmd_balance(args: argparse.Namespace) -> int:
     # estimators: the reference a user compares with, beside the full-recompute baseline.
     from ndplan.memory import estimate
 
-    given_peak = estimate(model, strategy, device, options, num_devices=strategy.world_size).peak_bytes
+    given_report = estimate(model, strategy, device, options, num_devices=strategy.world_size)
+    given_peak = given_report.peak_bytes
     data["given"] = {"step_s": estimate_time(model, strategy, cluster, **options.time_keywords()).step_s,
-                     "peak_bytes": round(given_peak), "fits": given_peak <= limit}
+                     "peak_bytes": round(given_peak), "fits": given_peak <= limit,
+                     "stages": given_report.to_dict()["stages"]}
+    # The settings --emit writes, by the full estimators: what `ndplan report` draws for the plan.
+    emitted_time = estimate_time(model, emitted, cluster, **options.time_keywords())
+    data["balanced"] = {**estimate(model, emitted, device, options, num_devices=strategy.world_size).to_dict(),
+                        "strategy": emitted.model_dump(mode="json"), "time": emitted_time.to_dict()}
+    data["kind"] = "balance"
     if args.emit:
         from ndplan.io import emit
         from ndplan.perf import default_overlap

@@ -41,8 +41,8 @@ import numpy as np
 from ndplan.errors import NdplanError
 
 MEMORY_CATEGORY_KEYS = ("params", "grads", "optimizer", "activations", "comm", "transient")
-MEMORY_SOURCE_KEYS = ("memory", "best", "baseline", "before", "after", "balanced")
-MEMORY_SOURCE_NAMES = {"best": "#1 ranked"}
+MEMORY_SOURCE_KEYS = ("memory", "best", "baseline", "before", "after", "given", "balanced")
+MEMORY_SOURCE_NAMES = {"best": "#1 ranked", "given": "as given"}
 PERF_KEYS = ("perf", "time", "step_time")
 ROW_KEYS = ("rows", "top", "ranked", "results")
 CANDIDATE_KEYS = ("candidates", "all_candidates", "points", "cloud")
@@ -721,6 +721,10 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         flat.setdefault("rank", i)
     limit = memory_limit(data)
     strategy = data.get("strategy") if isinstance(data.get("strategy"), Mapping) else None
+    balanced = data.get("balanced")
+    if kind == "balance" and isinstance(balanced, Mapping) and isinstance(balanced.get("strategy"), Mapping):
+        # A balance result is reported (timeline, step, reproduce line) as its balanced settings.
+        strategy = balanced["strategy"]
     best_strategy: Mapping[str, Any] | None = strategy
     if best_strategy is None and flat_rows:
         best_strategy = flat_rows[0]
@@ -734,7 +738,8 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         })
 
     perf_bars = []
-    perf = find_perf(data)
+    perf = find_perf(balanced) if kind == "balance" and isinstance(balanced, Mapping) and find_perf(balanced) \
+        else find_perf(data)
     if perf is not None:
         segments = perf_segments(perf)
         if segments:
