@@ -451,3 +451,22 @@ def test_balance_and_estimate_read_a_config_alike(capsys, tmp_path):
     estimated = json.loads(out)["peak_bytes"]
     code, out, _ = run(["balance", "--from", str(path), "--hardware", "h100-sxm", "--heuristic", "--json"], capsys)
     assert code == 0 and json.loads(out)["given"]["peak_bytes"] == estimated
+
+
+def test_balance_says_slower_and_neither_plainly(capsys):
+    """Where the baseline (uniform full recompute) does not fit, the plan may be slower than it:
+    said as 'x% slower; the baseline does not fit', never '-x% faster'; and where neither the
+    given strategy nor the balanced settings fit by the full estimator, the verdict says so."""
+    import re
+
+    argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--pp", "4", "--vpp", "2", "--schedule",
+            "dualpipev", "--gbs", "64", "--recompute", "full", "--memory-limit", "65GiB"]
+    data = json.loads(run([*argv, "--json"], capsys)[1])
+    assert not data["before"]["fits"] and data["after"]["step_s"] > data["before"]["step_s"]
+    assert not data["given"]["fits"] and max(data["estimated_stage_bytes"]) > 65 * 2**30
+    assert data["recommended"] == "neither"
+    code, out, _ = run(argv, capsys)
+    text = " ".join(out.split())
+    assert code == 0 and not re.search(r"-\d+\.\d% (faster|slower)", text)
+    assert "slower; the baseline does not fit), composed from the stage times" in text
+    assert "verdict: neither the strategy as given nor the balanced settings fit by the full estimators" in text

@@ -288,7 +288,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
     # Balancing is worth running only where the full estimators agree it gains on the strategy as given.
     balanced_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
     data["recommended"] = ("given" if data["given"]["fits"] and (
-        not balanced_fits or data["estimated_step_s"] >= data["given"]["step_s"]) else "balanced")
+        not balanced_fits or data["estimated_step_s"] >= data["given"]["step_s"])
+        else "balanced" if balanced_fits else "neither")
     if args.json:
         _emit_json(data)
         return 0
@@ -320,15 +321,17 @@ def cmd_balance(args: argparse.Namespace) -> int:
         console.print("selective policies balanced (step of the per-layer plan / as one setting): " + "; ".join(
             f"{policy} {_seconds_or_unfit(plan_s)} / {_seconds_or_unfit(settings_s)}"
             for policy, (plan_s, settings_s) in result.policy_steps.items()))
-    console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s ({100 * result.gain:.1f}% faster), "
-                  f"composed from the stage times; the pipeline simulator gives {result.simulated_s[0]:.3f} s → "
-                  f"{result.simulated_s[1]:.3f} s ({100 * (1 - result.simulated_s[1] / result.simulated_s[0]):.1f}% faster)")
+    unfit = "" if base_cost.fits else "; the baseline does not fit"
+    console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s "
+                  f"({_faster(base_cost.step_s, result.cost.step_s)}{unfit}), composed from the stage times; the "
+                  f"pipeline simulator gives {result.simulated_s[0]:.3f} s → {result.simulated_s[1]:.3f} s "
+                  f"({_faster(*result.simulated_s)})")
     if result.settings is not None:
         # --emit (and frameworks generally) take one recompute setting, not a per-layer mix.
         plan, cost, simulated = result.settings
         console.print(f"as one recompute setting, what --emit writes: {emitted.short()}, layers "
-                      f"{list(plan.stage_layers)}: step {cost.step_s:.3f} s ({100 * (1 - cost.step_s / base_cost.step_s):.1f}% "
-                      f"faster; simulated {simulated:.3f} s), largest stage {format_bytes(float(cost.stage_memory_bytes.max()))} "
+                      f"{list(plan.stage_layers)}: step {cost.step_s:.3f} s ({_faster(base_cost.step_s, cost.step_s)}; "
+                      f"simulated {simulated:.3f} s), largest stage {format_bytes(float(cost.stage_memory_bytes.max()))} "
                       f"by the balancer's per-layer figures (the check below runs the full estimator); "
                       f"the per-layer mix above needs a framework that sets recompute layer by layer")
     if result.estimated_stage_bytes is not None:
@@ -338,15 +341,17 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"({emitted.short()}), puts the largest stage at "
                       f"{format_bytes(worst)}: {verdict}; its step, with DP, p2p and the optimizer: "
                       f"{data['estimated_step_s']:.3f} s")
-    change = data["estimated_step_s"] / given["step_s"] - 1
+    versus = _faster(given["step_s"], data["estimated_step_s"])
     if data["recommended"] == "given":
         console.print(f"[bold]verdict: keep the strategy as given[/]: it fits, and by the full estimators the balanced "
-                      f"settings are {'over the limit' if not balanced_fits else f'{100 * change:+.1f}% on its step'} "
-                      f"(the balancer's composed figures above gain on its own baseline, uniform "
+                      f"settings are {'over the limit' if not balanced_fits else versus} "
+                      f"(the balancer's composed figures above compare with its own baseline, uniform "
                       f"{base_option} recompute)")
+    elif data["recommended"] == "neither":
+        console.print("[bold red]verdict: neither the strategy as given nor the balanced settings fit[/] by the full "
+                      "estimators (see the check); give more memory, devices or pipeline stages")
     else:
-        console.print(f"verdict: the balanced settings, {100 * -change:.1f}% "
-                      f"{'faster than' if change < 0 else 'slower than'} the strategy as given"
+        console.print(f"verdict: the balanced settings, {versus} than the strategy as given"
                       + ("" if given["fits"] else ", which does not fit"))
     check = data.get("emitted_check")
     if check and not check["same"]:
@@ -360,6 +365,12 @@ def cmd_balance(args: argparse.Namespace) -> int:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False)
     return 0
+
+
+def _faster(before_s: float, after_s: float) -> str:
+    """'12.3% faster' or '4.5% slower': after against before."""
+    change = after_s / before_s - 1
+    return f"{100 * abs(change):.1f}% {'faster' if change <= 0 else 'slower'}"
 
 
 def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, options: Any, limit: float) -> dict[str, Any]:
