@@ -255,8 +255,12 @@ def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
             if found is not None and one_setting:
                 found = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
                 assert settings_plan(found[0]) == found[0]
-            if found is not None:
-                value *= found[1].step_s / evaluate(problem, uniform_plan(problem, strategy.recompute)).step_s
+            if found is not None:  # scaled from the same layout without recompute, where it gains
+                plain = StrategyBatch.of(strategy.with_recompute("none").model_copy(
+                    update={"precision": space.precision}))
+                reference = float(step_time_batch(model, plain, cluster)["step_s"][0])
+                scaled = reference * found[1].step_s / evaluate(problem, uniform_plan(problem, "none")).step_s
+                value = min(value, scaled)
         every.append((value, int(candidate)))
     return sorted(every)
 

@@ -1,8 +1,10 @@
 """Rank every fitting candidate of a search by its balanced plan, without balancing them all.
 
-A pipeline candidate's balanced step is its uniform step × balanced / uniform composed time
-(the balancer's heuristic plan: layers per stage and chunk, and recompute per layer; about a
-millisecond each, interleaved and V schedules included); other candidates keep their step.
+A pipeline candidate's balanced step is its step without recompute × the balancer's composed
+time of its plan / of the uniform plan without recompute (the balancer's heuristic plan: layers
+per stage and chunk, and recompute per layer; about a millisecond each, interleaved and V
+schedules included), where that is below its own step; other candidates keep their step. The
+reference is the same for every recompute setting of a layout, so one plan gets one step.
 ``balance.bound`` gives every pipeline candidate a lower bound of that balanced
 step at once, so candidates are balanced in order of their bound and the walk stops once the
 bound reaches the ``top``-th balanced step found: no candidate left can enter the top, and
@@ -11,6 +13,7 @@ the top equals what balancing every candidate would give.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +37,8 @@ from ndplan.model.spec import ModelSpec
 from ndplan.perf.report import estimate_time
 from ndplan.search.run import SearchResult, _row
 from ndplan.search.space import SearchSpace
-from ndplan.strategy import Strategy
+from ndplan.strategy import Strategy, StrategyBatch
+from ndplan.strategy.batch import CODES
 
 _BLOCK = 1 << 16  # candidates per vectorised bound evaluation: bounds temporary memory
 _FIRST_CHUNK, _LAST_CHUNK = 8, 128  # pipeline candidates whose problems are built in one batch
@@ -66,6 +70,10 @@ def rank_balanced(
     if not len(index):
         return [], 0
     lower = step.copy()
+    # What a pipeline's balanced step scales: its step with no recompute, the same for every
+    # recompute setting of one parallel layout, so that one plan reached from several starting
+    # settings gets one step (scaling each candidate's own step, it got several, 0.3% apart).
+    reference = step.copy()
     pipeline = np.zeros(len(index), dtype=bool)
     for start in range(0, len(index), _BLOCK):
         for positions, batch in space.batches(index[start:start + _BLOCK]):
@@ -73,9 +81,11 @@ def rank_balanced(
             piped = np.flatnonzero(batch.pp >= 2)
             pipeline[at[piped]] = True
             if len(piped):
-                lower[at[piped]] = balanced_step_lower_bound(
-                    model, batch.take(piped), cluster, step[at[piped]],
-                    **options.time_keywords())
+                plain = _without_recompute(batch.take(piped))
+                reference[at[piped]] = time_function(model, plain, cluster)["step_s"]
+                # A balanced step is the smaller of the candidate's own and its plan's, scaled.
+                lower[at[piped]] = np.minimum(step[at[piped]], balanced_step_lower_bound(
+                    model, plain, cluster, reference[at[piped]], **options.time_keywords()))
     order = np.lexsort((index, lower))
     # Problems are built ahead in growing chunks of the pipelines next in bound order: the
     # memory and time models price a chunk in one batch (``build_problems``), and a walk that
@@ -103,11 +113,12 @@ def rank_balanced(
             if found is not None and one_setting:
                 found = best_settings_plan(problem, found[0], uniform_plan(problem, baseline_option(problem)))
             if found is not None:
-                uniform = evaluate(problem, uniform_plan(problem, strategy.recompute))
-                ratio = found[1].step_s / uniform.step_s
-                value *= ratio
-                plans[candidate] = {"ratio": ratio, "plan": found[0], "cost": found[1], "problem": problem,
-                                    "uniform_step_s": uniform.step_s}
+                # seconds per composed second: the reference over the uniform plan without recompute
+                scale = float(reference[position]) / evaluate(problem, uniform_plan(problem, "none")).step_s
+                if scale * found[1].step_s < value:  # else balancing gains nothing on the candidate as it is
+                    value = scale * found[1].step_s
+                    plans[candidate] = {"step_s": value, "scale": scale, "plan": found[0], "cost": found[1],
+                                        "problem": problem}
         entry = (-value, -candidate, int(position))
         if len(kept) < top:
             heapq.heappush(kept, entry)
@@ -115,6 +126,13 @@ def rank_balanced(
             heapq.heapreplace(kept, entry)
     best = sorted(kept, key=lambda e: (-e[0], -e[1]))
     return _rows(model, space, best, plans, cluster, time_function, options), balanced
+
+
+def _without_recompute(batch: StrategyBatch) -> StrategyBatch:
+    """The batch with no recompute anywhere (the reference a balanced step scales)."""
+    none = CODES["recompute"].index("none")
+    return dataclasses.replace(batch, recompute=np.full(len(batch), none, dtype=batch.recompute.dtype),
+                               recompute_layers=np.zeros(len(batch), dtype=batch.recompute_layers.dtype))
 
 
 def _build_chunk(model: ModelSpec, space: SearchSpace, cluster: Cluster, candidates: np.ndarray, positions: np.ndarray,
@@ -151,7 +169,7 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
                    {k: float(np.asarray(v)[i]) for k, v in times.items()}, options)
         found = plans.get(int(candidate))
         if found is not None:
-            ratio = found["ratio"]
+            ratio = found["step_s"] / row["step_s"]
             # The row is the balanced plan's: its step (the uniform step × the composed ratio) and
             # what follows from it; the uniform candidate's figures the plan does not determine
             # (the step's parts, hardware FLOPs: the plan recomputes other layers) are kept beside
@@ -159,7 +177,7 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             for key in [k for k in row if k in _UNBALANCED_ONLY or (k.endswith("_s") and k not in ("step_s", "tokens_per_s"))]:
                 row[f"unbalanced_{key}"] = row.pop(key)
             row["unbalanced_step_s"] = row["step_s"]
-            row["step_s"] = row["step_s"] * ratio
+            row["step_s"] = found["step_s"]
             row["tokens_per_s"] = row["tokens_per_s"] / ratio
             row["tokens_per_s_per_device"] = row["tokens_per_s_per_device"] / ratio
             row["mfu"] = row["mfu"] / ratio
@@ -182,8 +200,8 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
                 "label": strategy.short(), "stage_layers": list(settings.stage_layers),
                 # the full estimator's peak of these settings (what --emit writes), and its stage
                 "estimated_peak_bytes": round(float(estimated.max())), "estimated_peak_stage": int(np.argmax(estimated)),
-                "step_s": row["unbalanced_step_s"] * settings_cost.step_s / found["uniform_step_s"],
-                # The ranking scales the uniform step by the balancer's composed ratio; what
+                "step_s": found["scale"] * settings_cost.step_s,
+                # The ranking scales the step without recompute by the balancer's composed ratio; what
                 # `ndplan estimate` gives for these settings (the pipeline simulated) is beside it.
                 "estimated_step_s": estimate_time(model, strategy, cluster, **options.time_keywords()).step_s,
                 "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
