@@ -470,3 +470,18 @@ def test_balance_says_slower_and_neither_plainly(capsys):
     assert code == 0 and not re.search(r"-\d+\.\d% (faster|slower)", text)
     assert "slower; the baseline does not fit), composed from the stage times" in text
     assert "verdict: neither the strategy as given nor the balanced settings fit by the full estimators" in text
+
+
+def test_balance_emit_chooses_settings_the_format_can_write(capsys):
+    """torchtitan has no first-k-layers recompute: balanced for --emit torchtitan, the settings
+    are ones it writes back whole (placement and recompute), where for Megatron they were
+    rc-full:2 (Llama-3.1-8B tp2 pp4 under 30 GiB)."""
+    argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--tp", "2", "--pp", "4", "--gbs", "64",
+            "--recompute", "full", "--runtime", "megatron", "--memory-limit", "30GiB", "--json"]
+    megatron = json.loads(run([*argv, "--emit", "megatron"], capsys)[1])
+    assert megatron["balanced"]["strategy"]["recompute_layers"] > 0 and megatron["emitted_check"]["same"]
+    titan = json.loads(run([*argv, "--emit", "torchtitan"], capsys)[1])
+    settings = titan["balanced"]["strategy"]
+    assert settings["recompute_layers"] == 0
+    assert titan["emitted_check"]["stage_layers"] == list(settings["stage_layers"] or [])
+    assert titan["emitted_check"]["strategy"].endswith(settings["recompute"] if settings["recompute"] != "none" else "1f1b")

@@ -256,7 +256,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
     cluster = Cluster(device=device, num_devices=strategy.world_size)
     options = _memory_options(args, settings, read)
     policies = _module_sets_argument(model, args.recompute_module_sets) if args.recompute_module_sets else ()
-    result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic, selective_policies=policies)
+    expressible = _round_trips(model, args.emit, cluster, options) if args.emit else None
+    result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic, selective_policies=policies,
+                     expressible=expressible)
     data = {"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
             "devices": strategy.world_size, "runtime": options.runtime,
             "strategy": strategy.model_dump(mode="json"), "memory_limit_bytes": limit, **result.to_dict()}
@@ -373,24 +375,54 @@ def _faster(before_s: float, after_s: float) -> str:
     return f"{100 * abs(change):.1f}% {'faster' if change <= 0 else 'slower'}"
 
 
-def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, options: Any, limit: float) -> dict[str, Any]:
-    """What the written ``fmt`` settings run, read back as ``--from`` reads them and priced by the
-    full estimators; ``same``: they are the balanced settings (a format may not express an
-    uneven placement under some schedules, or recompute on some layers only)."""
+#: What balancing sets in a strategy: a format must write these back for its plan to run.
+_BALANCED_FIELDS = ("stage_layers", "recompute", "recompute_layers", "recompute_modules")
+
+
+def _round_trips(model: Any, fmt: str, cluster: Any, options: Any) -> Callable[[Strategy], bool]:
+    """Whether ``fmt`` writes a strategy so that reading it back gives the same strategy (the
+    balanced settings are chosen among those, so that --emit writes what was checked)."""
+    from ndplan.io import emit
+    from ndplan.io.common import canonical_strategy
+    from ndplan.perf import default_overlap
+
+    overlap = options.overlap or default_overlap(cluster.device.runtime)
+
+    def round_trips(strategy: Strategy) -> bool:
+        """What balancing changes comes back: the placement and the recompute setting (what the
+        format cannot write of the rest, e.g. torchtitan's TP is always sequence-parallel, is
+        the strategy's own and said with the written settings)."""
+        written = _written_strategy(model, strategy, emit(model, strategy, fmt, overlap), fmt, cluster)
+        normal = canonical_strategy(strategy, model)
+        return all(getattr(written, name) == getattr(normal, name) for name in _BALANCED_FIELDS)
+    return round_trips
+
+
+def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any) -> Any:
+    """The strategy ``fmt`` settings ``text`` describe, read back as --from reads them (normal form)."""
     import tempfile
 
     from ndplan.io import read_config
     from ndplan.io.common import canonical_strategy
-    from ndplan.memory import estimate
-    from ndplan.perf import estimate_time
 
     suffix = {"megatron": ".sh", "torchtitan": ".toml"}.get(fmt, ".yaml")
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / f"emitted{suffix}"
         path.write_text(text)
         read = read_config(path, model, cluster.num_devices, fmt)
-    written = canonical_strategy(read.strategy(cluster.num_devices).model_copy(update={"precision": emitted.precision}),
-                                 model)
+    return canonical_strategy(read.strategy(cluster.num_devices).model_copy(update={"precision": emitted.precision}),
+                              model)
+
+
+def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, options: Any, limit: float) -> dict[str, Any]:
+    """What the written ``fmt`` settings run, read back as ``--from`` reads them and priced by the
+    full estimators; ``same``: they are the balanced settings (a format may not express an
+    uneven placement under some schedules, or recompute on some layers only)."""
+    from ndplan.io.common import canonical_strategy
+    from ndplan.memory import estimate
+    from ndplan.perf import estimate_time
+
+    written = _written_strategy(model, emitted, text, fmt, cluster)
     same = written == canonical_strategy(emitted, model)
     peak = estimate(model, written, cluster.device, options, num_devices=cluster.num_devices).peak_bytes
     step = estimate_time(model, written, cluster, **options.time_keywords()).step_s

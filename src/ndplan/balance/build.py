@@ -14,7 +14,7 @@ with device totals as the estimator reports them.
 from __future__ import annotations
 
 import time as clock
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,6 +265,7 @@ def balance(
     *,
     exact: bool = True,
     selective_policies: tuple[tuple[str, ...], ...] = (),
+    expressible: Callable[[Strategy], bool] | None = None,
 ) -> BalanceResult:
     """Layers per virtual stage and recompute per layer that minimise the composed step time
     with every stage under ``memory_limit_bytes``; compared with uniform placement and full
@@ -274,7 +275,10 @@ def balance(
     option may re-run besides the strategy's own. Each is balanced as its own problem (none,
     that selective policy, full per layer) and the fastest plan wins, and apart the fastest
     one-setting plan: a framework runs one module set for every layer, and a problem with every
-    policy as an option per layer multiplies the solvers' work (a minute per plan with seven)."""
+    policy as an option per layer multiplies the solvers' work (a minute per plan with seven).
+
+    ``expressible``: whether a target format can write a one-setting strategy (``ndplan balance
+    --emit`` passes a round trip through the format); the one-setting plan is chosen among those."""
     own = strategy.recompute_modules
     policies: list[tuple[str, ...] | None] = [None, *dict.fromkeys(
         p for p in (Strategy(recompute="selective", recompute_modules=p).recompute_modules for p in selective_policies)
@@ -295,7 +299,8 @@ def balance(
         if found is None:
             policy_steps[label] = (None, None)
             continue
-        as_settings = best_settings_plan(problem, found[0], baseline_plan)
+        as_settings = best_settings_plan(problem, found[0], baseline_plan,
+                                         _as_plans(expressible, strategy, modules))
         policy_steps[label] = (found[1].step_s, as_settings[1].step_s if as_settings[1].fits else None)
         entry = {"problem": problem, "found": found, "as_settings": as_settings, "modules": modules}
         if best is None or found[1].step_s < best["found"][1].step_s:
@@ -325,6 +330,18 @@ def balance(
     return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic",
                          solve_seconds, simulated, estimated, settings, best["modules"], chosen["modules"],
                          policy_steps if len(policies) > 1 else None)
+
+
+def _as_plans(expressible: Callable[[Strategy], bool] | None, strategy: Strategy,
+              modules: tuple[str, ...] | None) -> Callable[[Plan], bool] | None:
+    """``expressible`` asked of a plan's one-setting strategy (``plan_strategy``)."""
+    if expressible is None:
+        return None
+    check = expressible
+
+    def plan_expressible(plan: Plan) -> bool:
+        return check(plan_strategy(strategy, plan, modules))
+    return plan_expressible
 
 
 def plan_stage_bytes(model: ModelSpec, strategy: Strategy, plan: Plan, options: MemoryOptions | None = None,
@@ -362,13 +379,16 @@ def plan_strategy(strategy: Strategy, plan: Plan, selective_modules: tuple[str, 
     return strategy.with_recompute(option, layers, selective_modules).model_copy(update={"stage_layers": plan.stage_layers})
 
 
-def best_settings_plan(problem: BalanceProblem, plan: Plan, uniform: Plan) -> tuple[Plan, PlanCost]:
+def best_settings_plan(problem: BalanceProblem, plan: Plan, uniform: Plan,
+                       expressible: Callable[[Plan], bool] | None = None) -> tuple[Plan, PlanCost]:
     """The fastest plan one recompute setting expresses, on the plan's placement or the uniform
     one: no recompute, selective on every layer, or full on the first k layers of each virtual
     stage (Megatron's --recompute-method block; every layer: uniform). Among those that fit (the
     uniform placement under full recompute is the baseline), the quickest, ties to the placement
     and option listed first. A per-layer mix needs a framework that sets recompute layer by layer;
-    this is what the others can run."""
+    this is what the others can run. ``expressible``, where given, keeps only the candidates a
+    target format can write (torchtitan has no first-k-layers recompute, MindSpeed's DualPipeV no
+    uneven placement); the uniform placement's whole-model settings are always kept."""
     best: tuple[Plan, PlanCost] | None = None
     for layers in dict.fromkeys((plan.stage_layers, uniform.stage_layers)):
         widest = max(layers)
@@ -377,6 +397,8 @@ def best_settings_plan(problem: BalanceProblem, plan: Plan, uniform: Plan) -> tu
             if option not in problem.options:  # not runnable here (selective under a split backward)
                 continue
             candidate = _leading_layers_plan(layers, option, k)
+            if expressible is not None and (layers != uniform.stage_layers or k) and not expressible(candidate):
+                continue
             cost = evaluate(problem, candidate)
             if cost.fits and (best is None or cost.step_s < best[1].step_s):
                 best = (candidate, cost)
