@@ -217,3 +217,9 @@ def test_estimate_rows_add_up_as_the_measured_ones_do(path: Path) -> None:
         parts = sum(value[k] for k in ("params", "grads", "optimizer", "activations", "comm", "transient"))
         assert parts == pytest.approx(value["forward_backward_peak"], rel=1e-12)
         assert value["forward_backward_peak"] <= value["allocated"] * (1 + 1e-12)
+        # ... and so do its figures at that peak (gradients made by then, the working set), the
+        # pair to what was measured live then
+        at = {r.key: r.estimate if r.estimate_at_peak is None else r.estimate_at_peak for r in stage.rows}
+        assert at["grads"] <= value["grads"] and at["transient"] >= 0
+        parts_at = sum(at[k] for k in ("params", "grads", "optimizer", "activations", "comm", "transient"))
+        assert parts_at == pytest.approx(value["forward_backward_peak"], rel=1e-9)

@@ -105,6 +105,11 @@ def gap_at_peak(row: dict[str, Any]) -> str:
     def est(key: str) -> float:
         return float(k[key]["estimate_bytes"] or 0)
 
+    def est_at(key: str) -> float:
+        """The estimate's figure at its forward/backward peak (gradients made by then, the working set)."""
+        value = k[key].get("estimate_at_peak_bytes")
+        return float(value) if value is not None else est(key)
+
     def at(key: str) -> float:
         return float(k[key]["measured_at_peak_bytes"] or 0)
 
@@ -126,9 +131,9 @@ def gap_at_peak(row: dict[str, Any]) -> str:
     else:
         terms = {
             "params+states": sum(est(x) - at(x) for x in ("params", "optimizer")),
-            "grads": est("grads") - at("grads"),
+            "grads": est_at("grads") - at("grads"),
             "comm": est("comm") - at("comm"),
-            "activations+temporaries": est("activations") + est("transient") - at("activations") - at("transient"),
+            "activations+temporaries": est("activations") + est_at("transient") - at("activations") - at("transient"),
             "measured peak in optimizer step": meas("forward_backward_peak") - meas("allocated"),
         }
     shown = [f"{name} {'+' if v > 0 else '−'}{abs(v) / 2**30:,.2f}" for name, v in

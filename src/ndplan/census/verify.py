@@ -42,6 +42,9 @@ class Row:
     estimate: float
     measured: float | None
     at_peak: float | None = None
+    #: The estimate's own composition at its forward/backward peak, where it differs from
+    #: ``estimate``: gradients less those not made yet, and the working set alone as the rest.
+    estimate_at_peak: float | None = None
 
     @property
     def error_pct(self) -> float | None:
@@ -57,6 +60,7 @@ class Row:
             "key": self.key, "label": self.label, "estimate_bytes": round(self.estimate),
             "measured_bytes": None if self.measured is None else round(self.measured),
             "measured_at_peak_bytes": None if self.at_peak is None else round(self.at_peak),
+            "estimate_at_peak_bytes": None if self.estimate_at_peak is None else round(self.estimate_at_peak),
             "error_pct": None if err is None or err == float("inf") else round(err, 3),
         }
 
@@ -178,8 +182,13 @@ def verify(spec: ModelSpec, measurement: StepMeasurement, *, census: tuple[Any, 
             measured["allocated"] = float(peak_rank.allocated_bytes)
             at_peak["forward_backward_peak"] = _opt(peak_rank.forward_backward_peak_bytes)
             measured["reserved"] = float(max(reserved)) if reserved else None
+        # At its forward/backward peak the estimate holds the gradients made by then and, beside
+        # the held activations, the working set (``transient``): the pair to the measured column.
+        absent = max(0.0, static + st.activations_bytes + st.comm_bytes + st.transient_bytes
+                     - st.forward_backward_bytes)
+        estimate_at_peak: dict[str, float | None] = {"grads": st.grads_bytes - absent, "transient": st.transient_bytes}
         rows = tuple(
-            Row(key, label, float(estimates[key]), measured[key], at_peak[key])
+            Row(key, label, float(estimates[key]), measured[key], at_peak[key], estimate_at_peak.get(key))
             for key, label in ROWS
             if key != "reserved" or measured["reserved"] is not None
         )
