@@ -164,7 +164,7 @@ def verify(spec: ModelSpec, measurement: StepMeasurement, *, census: tuple[Any, 
             "transient": st.forward_backward_bytes - static - st.activations_bytes - st.comm_bytes,
             "optimizer_step": st.optimizer_step_bytes,
             "forward_backward_peak": st.forward_backward_bytes,
-            "optimizer_step_peak": static + st.optimizer_step_bytes,
+            "optimizer_step_peak": st.step_peak_bytes,
             "allocated": st.allocated_bytes,
             "reserved": st_over.reserved_bytes,
         }

@@ -72,6 +72,16 @@ class StageReport:
     static_by_kind: dict[str, float]
     activations_by_kind: dict[str, float]
     chunks: tuple[ChunkReport, ...] = ()
+    #: params + gradients as the optimizer step holds them + optimizer states + its temporaries
+    #: (None: the static categories + ``optimizer_step_bytes``)
+    optimizer_step_peak_bytes: float | None = None
+
+    @property
+    def step_peak_bytes(self) -> float:
+        """The optimizer step's peak (allocated is the larger of it and the forward/backward peak)."""
+        if self.optimizer_step_peak_bytes is not None:
+            return self.optimizer_step_peak_bytes
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.optimizer_step_bytes
 
     @property
     def overhead_bytes(self) -> float:
@@ -222,8 +232,9 @@ class MemoryReport:
             f"fwd/bwd    = static + activations + comm + transient − not yet created "
             f"({format_bytes(max(absent, 0.0))}: gradients the backward has not made at that moment) "
             f"= {format_bytes(stage.forward_backward_bytes)}",
-            f"allocated  = max(fwd/bwd, static + optimizer step "
-            f"{format_bytes(stage.optimizer_step_bytes)}) = {format_bytes(stage.allocated_bytes)}",
+            f"allocated  = max(fwd/bwd, optimizer-step peak {format_bytes(stage.step_peak_bytes)} = static"
+            + (" (gradients sharded again by then)" if self._deferred_fsdp_reduce() else "")
+            + f" + optimizer step {format_bytes(stage.optimizer_step_bytes)}) = {format_bytes(stage.allocated_bytes)}",
             f"reserved   = allocated × (1 + allocator slack) = {format_bytes(stage.reserved_bytes)}",
             f"peak       = reserved + runtime context + communicator buffers = {format_bytes(stage.peak_bytes)}",
         ]
@@ -278,6 +289,8 @@ def estimate(
             static_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["static"].items()},
             activations_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["activations"].items()},
             chunks=tuple(c for c in chunks if placement.stage_of[c.model_chunk] == s),
+            optimizer_step_peak_bytes=None if memory.optimizer_step_peak is None
+            else float(memory.optimizer_step_peak[0, s]),
         ))
     return MemoryReport(model, strategy, hardware, options, tuple(stages))
 

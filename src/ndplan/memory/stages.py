@@ -140,6 +140,10 @@ class StageMemory:
     allocated: np.ndarray
     reserved: np.ndarray
     device: np.ndarray
+    #: The optimizer step's peak: params + gradients as the step holds them + optimizer states +
+    #: its temporaries (under a deferred FSDP reduce the gradients are sharded again by then,
+    #: while ``grads`` holds the unsharded ones of the forward/backward peak).
+    optimizer_step_peak: np.ndarray | None = None
     by_kind: dict[str, dict[str, np.ndarray]] | None = None
 
     @property
@@ -857,7 +861,7 @@ def stage_memory(
     options = options or MemoryOptions()
     n = len(batch)
     max_pp = int(batch.pp.max())
-    names = (*CATEGORIES, "optimizer_step", "forward_backward", "allocated", "reserved", "device")
+    names = (*CATEGORIES, "optimizer_step", "forward_backward", "allocated", "reserved", "device", "optimizer_step_peak")
     result = {name: np.zeros((n, max_pp)) for name in names}
     kinds: dict[str, dict[str, np.ndarray]] | None = None
     if breakdown:
@@ -1438,10 +1442,11 @@ def _evaluate_group(
         device = overhead.reserved(allocated)
         device += overhead.fixed_bytes
         return {"device": device.T}
-    allocated = np.maximum(forward_backward, expand(static + out["optimizer_step"]))
+    step_peak = expand(static + out["optimizer_step"])
+    allocated = np.maximum(forward_backward, step_peak)
     reserved = overhead.reserved(allocated)
     by_stage = {"activations": held, "forward_backward": forward_backward, "allocated": allocated,
-                "reserved": reserved, "device": reserved + overhead.fixed_bytes}
+                "reserved": reserved, "device": reserved + overhead.fixed_bytes, "optimizer_step_peak": step_peak}
     for name, values in by_stage.items():
         out[name] = values.T
     for name in ("params", "grads", "optimizer", "comm", "transient", "optimizer_step"):
