@@ -485,3 +485,15 @@ def test_balance_emit_chooses_settings_the_format_can_write(capsys):
     assert settings["recompute_layers"] == 0
     assert titan["emitted_check"]["stage_layers"] == list(settings["stage_layers"] or [])
     assert titan["emitted_check"]["strategy"].endswith(settings["recompute"] if settings["recompute"] != "none" else "1f1b")
+
+
+def test_search_balance_for_torchtitan_ranks_settings_torchtitan_writes(capsys):
+    """search --balance one-setting --emit torchtitan ranks plans torchtitan can write (no
+    first-k-layers recompute), where for Megatron the same search ranks rc-full:k first."""
+    argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--fix", "tp=2", "pp=4",
+            "schedule=1f1b", "--memory-limit", "30GiB", "--balance", "one-setting", "--json"]
+    megatron = json.loads(run([*argv, "--emit", "megatron"], capsys)[1])["ranked"][0]
+    titan = json.loads(run([*argv, "--emit", "torchtitan"], capsys)[1])["ranked"][0]
+    assert megatron["balanced_settings"]["strategy"]["recompute_layers"] > 0
+    assert titan["balanced_settings"]["strategy"]["recompute_layers"] == 0
+    assert titan["step_s"] >= megatron["step_s"]

@@ -379,22 +379,35 @@ def _faster(before_s: float, after_s: float) -> str:
 _BALANCED_FIELDS = ("stage_layers", "recompute", "recompute_layers", "recompute_modules")
 
 
-def _round_trips(model: Any, fmt: str, cluster: Any, options: Any) -> Callable[[Strategy], bool]:
+def _round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: bool = False
+                 ) -> Callable[[Strategy], bool]:
     """Whether ``fmt`` writes a strategy so that reading it back gives the same strategy (the
-    balanced settings are chosen among those, so that --emit writes what was checked)."""
+    balanced settings are chosen among those, so that --emit writes what was checked).
+    ``by_shape``: answer once per shape of setting (schedule, degrees, recompute, whether a
+    limit and an uneven placement are set), as a search asks it of hundreds of plans and
+    what a format can write depends on those, not on the layer counts."""
     from ndplan.io import emit
     from ndplan.io.common import canonical_strategy
     from ndplan.perf import default_overlap
 
     overlap = options.overlap or default_overlap(cluster.device.runtime)
 
+    answers: dict[tuple[Any, ...], bool] = {}
+
     def round_trips(strategy: Strategy) -> bool:
         """What balancing changes comes back: the placement and the recompute setting (what the
         format cannot write of the rest, e.g. torchtitan's TP is always sequence-parallel, is
         the strategy's own and said with the written settings)."""
-        written = _written_strategy(model, strategy, emit(model, strategy, fmt, overlap), fmt, cluster)
         normal = canonical_strategy(strategy, model)
-        return all(getattr(written, name) == getattr(normal, name) for name in _BALANCED_FIELDS)
+        key = (normal.schedule, normal.pp, normal.vpp, normal.recompute, normal.recompute_modules,
+               bool(normal.recompute_layers), normal.stage_layers is not None) if by_shape else None
+        if key is not None and key in answers:
+            return answers[key]
+        written = _written_strategy(model, strategy, emit(model, strategy, fmt, overlap), fmt, cluster)
+        answer = all(getattr(written, name) == getattr(normal, name) for name in _BALANCED_FIELDS)
+        if key is not None:
+            answers[key] = answer
+        return answer
     return round_trips
 
 
@@ -544,9 +557,13 @@ def cmd_search(args: argparse.Namespace) -> int:
         from ndplan.search.balanced import rank_balanced
 
         one_setting_only = args.balance == "one-setting"
+        from ndplan.hardware import Cluster
+
+        expressible = _round_trips(model, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
+                                   by_shape=True) if args.emit else None
         result.ranked, balanced = rank_balanced(
             model, device, space, result, step_time, memory_limit_bytes=limit or device.memory_bytes,
-            options=options, top=args.top, one_setting=one_setting_only,
+            options=options, top=args.top, one_setting=one_setting_only, expressible=expressible,
         )
         plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
         result.notes.append(

@@ -300,7 +300,7 @@ def balance(
             policy_steps[label] = (None, None)
             continue
         as_settings = best_settings_plan(problem, found[0], baseline_plan,
-                                         _as_plans(expressible, strategy, modules))
+                                         plans_expressible(expressible, strategy, modules))
         policy_steps[label] = (found[1].step_s, as_settings[1].step_s if as_settings[1].fits else None)
         entry = {"problem": problem, "found": found, "as_settings": as_settings, "modules": modules}
         if best is None or found[1].step_s < best["found"][1].step_s:
@@ -332,7 +332,7 @@ def balance(
                          policy_steps if len(policies) > 1 else None)
 
 
-def _as_plans(expressible: Callable[[Strategy], bool] | None, strategy: Strategy,
+def plans_expressible(expressible: Callable[[Strategy], bool] | None, strategy: Strategy,
               modules: tuple[str, ...] | None) -> Callable[[Plan], bool] | None:
     """``expressible`` asked of a plan's one-setting strategy (``plan_strategy``)."""
     if expressible is None:

@@ -28,6 +28,7 @@ from ndplan.balance.build import (
     build_problems,
     plan_stage_bytes,
     plan_strategy,
+    plans_expressible,
 )
 from ndplan.balance.problem import BalanceProblem
 from ndplan.hardware import Cluster, Device
@@ -57,12 +58,15 @@ def rank_balanced(
     options: MemoryOptions | None = None,
     top: int = 10,
     one_setting: bool = False,
+    expressible: Callable[[Strategy], bool] | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """The ``top`` candidates of ``result`` by balanced step (rows as the search's, pipelines
     with their balanced plan), and how many pipeline candidates were balanced to know it.
     With ``one_setting`` a pipeline's plan is the fastest one recompute setting expresses
     (``balance.build.best_settings_plan`` of the heuristic's plan): what Megatron and torchtitan
-    run. Its step is never below the per-layer plan's, so the same lower bound prunes."""
+    run. Its step is never below the per-layer plan's, so the same lower bound prunes.
+    ``expressible``: whether the format --emit writes can express a one-setting strategy; the
+    one-setting plans are chosen among those (``balance.build.best_settings_plan``)."""
     options = options or MemoryOptions()
     cluster = Cluster(device=device, num_devices=space.num_devices)
     index = np.asarray(result.candidates_index, dtype=np.int64)
@@ -111,7 +115,8 @@ def rank_balanced(
             found = solve_heuristic(problem)
             balanced += 1
             if found is not None and one_setting:
-                found = best_settings_plan(problem, found[0], uniform_plan(problem, baseline_option(problem)))
+                found = best_settings_plan(problem, found[0], uniform_plan(problem, baseline_option(problem)),
+                                           plans_expressible(expressible, strategy, space.selective_modules(candidate)))
             if found is not None:
                 # seconds per composed second: the reference over the uniform plan without recompute
                 scale = float(reference[position]) / evaluate(problem, uniform_plan(problem, "none")).step_s
@@ -125,7 +130,7 @@ def rank_balanced(
         elif entry > kept[0]:
             heapq.heapreplace(kept, entry)
     best = sorted(kept, key=lambda e: (-e[0], -e[1]))
-    return _rows(model, space, best, plans, cluster, time_function, options), balanced
+    return _rows(model, space, best, plans, cluster, time_function, options, expressible), balanced
 
 
 def _without_recompute(batch: StrategyBatch) -> StrategyBatch:
@@ -153,7 +158,8 @@ def _build_chunk(model: ModelSpec, space: SearchSpace, cluster: Cluster, candida
 
 
 def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int]], plans: dict[int, dict[str, Any]],
-          cluster: Cluster, time_function: Callable[..., dict[str, Any]], options: MemoryOptions) -> list[dict[str, Any]]:
+          cluster: Cluster, time_function: Callable[..., dict[str, Any]], options: MemoryOptions,
+          expressible: Callable[[Strategy], bool] | None = None) -> list[dict[str, Any]]:
     if not best:
         return []
     candidates = np.array([-c for _, c, _ in best], dtype=np.int64)
@@ -192,7 +198,9 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             row["balanced_recompute"] = [{"first": a, "count": n, "option": o} for a, n, o in found["plan"].ranges()]
             # What --emit writes: the fastest plan one recompute setting expresses, priced alike.
             problem = found["problem"]
-            settings, settings_cost = best_settings_plan(problem, found["plan"], uniform_plan(problem, baseline_option(problem)))
+            settings, settings_cost = best_settings_plan(
+                problem, found["plan"], uniform_plan(problem, baseline_option(problem)),
+                plans_expressible(expressible, space.strategy(int(candidate)), space.selective_modules(int(candidate))))
             strategy = plan_strategy(space.strategy(int(candidate)), settings, space.selective_modules(int(candidate)))
             estimated = plan_stage_bytes(model, space.strategy(int(candidate)), settings, options,
                                          space.selective_modules(int(candidate)))
