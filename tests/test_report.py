@@ -488,3 +488,20 @@ def test_a_balance_result_reports_the_strategy_as_given_and_the_balanced_setting
     command = html.unescape(re.search(r'<pre class="cmd">(.*?)</pre>', page, re.S).group(1))
     layers = ",".join(str(n) for n in data["balanced"]["strategy"]["stage_layers"])
     assert f"--stage-layers {layers}" in command
+
+
+@pytest.mark.parametrize("argv", [
+    ["--devices", "16", "--pp", "2", "--gbs", "64", "--zero", "3"],  # a deferred FSDP reduce
+    ["--devices", "8", "--gbs", "8", "--zero", "3"],                 # one micro-batch under FSDP
+])
+def test_stacked_memory_bars_sum_to_the_peak_when_gradients_are_not_all_made(argv, capsys):
+    """The grads category counts gradients the backward has not made at the forward/backward
+    peak; the bars show those made, so each stack (categories, layer kinds) is the peak."""
+    from ndplan.cli import main
+    from ndplan.report.data import prepare
+
+    assert main(["estimate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", *argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for stage in prepare(data)["memory"][0]["stages"]:
+        assert sum(stage["categories"].values()) == pytest.approx(stage["peak_bytes"], rel=1e-9)
+        assert sum(stage["kinds"].values()) == pytest.approx(stage["peak_bytes"], rel=1e-9)

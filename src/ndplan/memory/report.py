@@ -200,11 +200,10 @@ class MemoryReport:
             f"= mbs·seq/cp = {s.micro_batch_size}·{s.seq_length}/{s.cp} = {tokens:,.0f}",
             f"params     = Σ elements/tp (experts /(ep·etp)) × {p.param_bytes} B"
             + (f" / {shards} (ZeRO-3)" if s.zero >= 3 else "") + f" = {format_bytes(stage.params_bytes)}",
-            (f"grads      = elements × {p.grad_bytes} B, unsharded at this peak (the pipeline defers FSDP's "
-             f"reduce-scatter to the step's last backward: each chunk keeps its full gradient from its first "
-             f"backward on) = {format_bytes(stage.grads_bytes)}" if self._deferred_fsdp_reduce() else
-             f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
-             + self._whole_embedding_grad_term(stage) + f" = {format_bytes(stage.grads_bytes)}"),
+            f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
+            + self._whole_embedding_grad_term(stage) + f" = {format_bytes(stage.grads_bytes)}"
+            + (" (made by the step's end reduce-scatter: the pipeline defers FSDP's reduce, so until then each "
+               "chunk keeps its unsharded gradient, counted in comm)" if self._deferred_fsdp_reduce() else ""),
             f"optimizer  = elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + {p.master_weight_bytes}) B"
             + (f" / {shards} (ZeRO≥1)" if s.zero >= 1 else "")
             + (" → offloaded" if s.optimizer_offload else "") + f" = {format_bytes(stage.optimizer_bytes)}",
@@ -233,8 +232,7 @@ class MemoryReport:
             f"({format_bytes(max(absent, 0.0))}: gradients the backward has not made at that moment) "
             f"= {format_bytes(stage.forward_backward_bytes)}",
             f"allocated  = max(fwd/bwd, optimizer-step peak {format_bytes(stage.step_peak_bytes)} = static"
-            + (" (gradients sharded again by then)" if self._deferred_fsdp_reduce() else "")
-            + f" + optimizer step {format_bytes(stage.optimizer_step_bytes)}) = {format_bytes(stage.allocated_bytes)}",
+            f" + optimizer step {format_bytes(stage.optimizer_step_bytes)}) = {format_bytes(stage.allocated_bytes)}",
             f"reserved   = allocated × (1 + allocator slack) = {format_bytes(stage.reserved_bytes)}",
             f"peak       = reserved + runtime context + communicator buffers = {format_bytes(stage.peak_bytes)}",
         ]

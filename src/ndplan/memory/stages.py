@@ -1069,11 +1069,6 @@ def _evaluate_group(
         out[category] = np.where(offload, 0.0, value) if category == "optimizer" else value
         if kinds is None:
             continue
-        if category == "grads":  # each kind's whole gradient: a deferred FSDP reduce's shares (below)
-            unsharded_by_kind = {static_kind: shape.expand(_to_stages(
-                _outer_sum([t for t in non_expert_terms if t[0] == static_kind], n, computed)
-                + _outer_sum([t for t in expert_terms if t[0] == static_kind], n, computed), chunks))
-                for static_kind in STATIC_KINDS}
         for static_kind in STATIC_KINDS:
             elements_bytes = (
                 _outer_sum([term for term in non_expert_terms if term[0] == static_kind], n, computed) * width / non_expert_div
@@ -1456,19 +1451,13 @@ def _evaluate_group(
     deferred_rows = np.flatnonzero(np.broadcast_to(deferred, (len(batch),)))
     if deferred_rows.size:
         # Under a deferred FSDP reduce the stage holds its chunks' unsharded gradients at the peak,
-        # not the sharded ones the static term prices: the difference is reported as gradients,
-        # so that the categories add up to the forward/backward peak.
+        # FSDP's gradient buffers until the step's end reduce-scatter: they are reported with the
+        # communication buffers (as FSDP's memory tracker counts them), and the sharded gradients,
+        # made by that reduce, as not yet created; the categories then add up to the peak.
         rows = out["forward_backward"][deferred_rows]
-        listed = sum(out[name][deferred_rows] for name in ("params", "grads", "optimizer", "activations", "comm",
-                                                           "transient"))
-        unheld = np.maximum(rows - listed, 0.0)
-        out["grads"] = out["grads"].copy()
-        out["grads"][deferred_rows] += unheld
-        if kinds is not None:  # shared among the kinds as their whole gradients are
-            whole = np.sum(list(unsharded_by_kind.values()), axis=0)[deferred_rows]
-            for static_kind, elements in unsharded_by_kind.items():
-                share = np.divide(elements[deferred_rows], whole, out=np.zeros_like(whole), where=whole > 0)
-                kinds["static"][static_kind][index[deferred_rows], :pp] += unheld * share
+        others = sum(out[name][deferred_rows] for name in ("params", "optimizer", "activations", "comm", "transient"))
+        out["comm"] = out["comm"].copy()
+        out["comm"][deferred_rows] += np.maximum(rows - others, 0.0)
     return out
 
 
