@@ -1,5 +1,21 @@
 """The one error type users see: a bad input, told in one line."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
 
 class NdplanError(ValueError):
     """A problem with the user's input. The CLI prints its message on one line and exits 2."""
+
+
+def by_name_or_object(value: object, kind: type, load: Callable[[str], Any], what: str, noun: str) -> Any:
+    """``value`` if it is a ``kind``, ``load(value)`` if it is a name; else an NdplanError saying
+    that argument ``what`` takes a ``kind`` or a ``noun`` name (the API's entry points take a
+    model or device either way)."""
+    if isinstance(value, str):
+        return load(value)
+    if not isinstance(value, kind):
+        raise NdplanError(f"{what} must be a {kind.__name__} or a {noun} name, got {type(value).__name__}")
+    return value

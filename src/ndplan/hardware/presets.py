@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, by_name_or_object
 from ndplan.hardware.device import Device
 
 _PRESET_FILE = "devices.yaml"
@@ -181,8 +181,5 @@ def _check_unique_names(devices: list[Device], source: str) -> None:
 
 def as_device(value: Device | str, what: str = "device") -> Device:
     """A Device, or one by preset name or file path (what the API's entry points accept)."""
-    if isinstance(value, str):
-        return resolve_device(value)
-    if not isinstance(value, Device):
-        raise NdplanError(f"{what} must be a Device or a device name, got {type(value).__name__}")
-    return value
+    device: Device = by_name_or_object(value, Device, resolve_device, what, "device")
+    return device

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, by_name_or_object
 from ndplan.model.hf import first_validation_error, spec_from_hf_config
 from ndplan.model.spec import ModelSpec
 
@@ -111,8 +111,5 @@ def load_model(name_or_path: str) -> ModelSpec:
 
 def as_model(value: ModelSpec | str, what: str = "model") -> ModelSpec:
     """A ModelSpec, or one by preset name, config path or model folder (``load_model``)."""
-    if isinstance(value, str):
-        return load_model(value)
-    if not isinstance(value, ModelSpec):
-        raise NdplanError(f"{what} must be a ModelSpec or a model name, got {type(value).__name__}")
-    return value
+    model: ModelSpec = by_name_or_object(value, ModelSpec, load_model, what, "model")
+    return model
