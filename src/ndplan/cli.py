@@ -266,7 +266,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
     from ndplan.perf import estimate_time
 
     # The balancer's step is composed from stage times; the estimate adds DP, p2p and the optimizer.
-    data["estimated_step_s"] = estimate_time(model, emitted, cluster, **options.time_keywords()).step_s
+    emitted_time = estimate_time(model, emitted, cluster, **options.time_keywords())
+    data["estimated_step_s"] = emitted_time.step_s
     # The strategy as given (its own recompute, uniform or its --stage-layers), by the same two
     # estimators: the reference a user compares with, beside the full-recompute baseline.
     from ndplan.memory import estimate
@@ -277,7 +278,6 @@ def cmd_balance(args: argparse.Namespace) -> int:
                      "peak_bytes": round(given_peak), "fits": given_peak <= limit,
                      "stages": given_report.to_dict()["stages"]}
     # The settings --emit writes, by the full estimators: what `ndplan report` draws for the plan.
-    emitted_time = estimate_time(model, emitted, cluster, **options.time_keywords())
     data["balanced"] = {**estimate(model, emitted, device, options, num_devices=strategy.world_size).to_dict(),
                         "strategy": emitted.model_dump(mode="json"), "time": emitted_time.to_dict()}
     data["kind"] = "balance"
@@ -391,7 +391,6 @@ def _round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: 
     from ndplan.perf import default_overlap
 
     overlap = options.overlap or default_overlap(cluster.device.runtime)
-
     answers: dict[tuple[Any, ...], bool] = {}
 
     def round_trips(strategy: Strategy) -> bool:
