@@ -243,6 +243,7 @@ def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
     composed step over the uniform plan's."""
     from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
     from ndplan.balance.build import best_settings_plan, settings_plan
+    from ndplan.search.balanced import plan_key
 
     cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
     every = []
@@ -255,14 +256,25 @@ def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
             if found is not None and one_setting:
                 found = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
                 assert settings_plan(found[0]) == found[0]
+            ran = uniform_plan(problem, strategy.recompute)
             if found is not None:  # scaled from the same layout without recompute, where it gains
                 plain = StrategyBatch.of(strategy.with_recompute("none").model_copy(
                     update={"precision": space.precision}))
                 reference = float(step_time_batch(model, plain, cluster)["step_s"][0])
                 scaled = reference * found[1].step_s / evaluate(problem, uniform_plan(problem, "none")).step_s
-                value = min(value, scaled)
-        every.append((value, int(candidate)))
-    return sorted(every)
+                if scaled < value:
+                    value, ran = scaled, found[0]
+            key = plan_key(strategy, ran, space.selective_modules(int(candidate)))
+        else:
+            key = (int(candidate),)
+        every.append((value, int(candidate), key))
+    # one row per plan: the first of those that run the same plan
+    seen, unique = set(), []
+    for value, candidate, key in sorted(every):
+        if key not in seen:
+            seen.add(key)
+            unique.append((value, candidate))
+    return unique
 
 
 def test_balanced_ranking_equals_balancing_every_candidate():
@@ -272,11 +284,13 @@ def test_balanced_ranking_equals_balancing_every_candidate():
 
     space = _space(dims=("tp", "pp", "schedule", "recompute", "mbs"))
     limit = 3 * 2**30
-    result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=5)
+    result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=10)
     every = _balance_every_candidate(TINY_MOE, space, result, limit)
-    rows, balanced = rank_balanced(TINY_MOE, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=5)
-    assert [r["candidate"] for r in rows] == [c for _, c in every[:5]]
-    assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:5]], rel=1e-12)
+    rows, balanced = rank_balanced(TINY_MOE, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=10)
+    assert [r["candidate"] for r in rows] == [c for _, c in every[:10]]
+    assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:10]], rel=1e-12)
+    # one row per plan: no two rows run the same placement and recompute
+    assert len({(r["label"], str(r.get("balanced_stage_layers"))) for r in rows}) == len(rows)
     pipelines = sum(1 for c in result.candidates_index if space.strategy(int(c)).pp >= 2)
     assert 0 < balanced < pipelines  # the bound spared some balancing
     # Every balanced row carries the full estimator's check of its plan beside the balancer's own figure.

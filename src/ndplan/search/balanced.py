@@ -4,7 +4,8 @@ A pipeline candidate's balanced step is its step without recompute × the balanc
 time of its plan / of the uniform plan without recompute (the balancer's heuristic plan: layers
 per stage and chunk, and recompute per layer; about a millisecond each, interleaved and V
 schedules included), where that is below its own step; other candidates keep their step. The
-reference is the same for every recompute setting of a layout, so one plan gets one step.
+reference is the same for every recompute setting of a layout, so one plan gets one step, and
+one row (``plan_key``).
 ``balance.bound`` gives every pipeline candidate a lower bound of that balanced
 step at once, so candidates are balanced in order of their bound and the walk stops once the
 bound reaches the ``top``-th balanced step found: no candidate left can enter the top, and
@@ -30,7 +31,7 @@ from ndplan.balance.build import (
     plan_strategy,
     plans_expressible,
 )
-from ndplan.balance.problem import BalanceProblem
+from ndplan.balance.problem import BalanceProblem, Plan
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.stages import peak_memory
@@ -100,6 +101,7 @@ def rank_balanced(
     kept: list[tuple[float, int, int]] = []  # max-heap by (−step, −candidate): the worst kept on top
     plans: dict[int, dict[str, Any]] = {}
     balanced = 0
+    seen: set[tuple[Any, ...]] = set()
     for position in order:
         if len(kept) >= top and lower[position] > -kept[0][0]:
             break  # no remaining candidate can be faster than the top-th found
@@ -124,6 +126,14 @@ def rank_balanced(
                     value = scale * found[1].step_s
                     plans[candidate] = {"step_s": value, "scale": scale, "plan": found[0], "cost": found[1],
                                         "problem": problem}
+            # One row per plan: the same layout reached from several starting recompute settings
+            # (balanced, or a candidate that already is the plan) has one step; the first listed
+            # (the lowest bound, then the lowest index) stands for them.
+            ran = plans[candidate]["plan"] if candidate in plans else uniform_plan(problem, strategy.recompute)
+            key = plan_key(strategy, ran, space.selective_modules(candidate))
+            if key in seen:
+                continue
+            seen.add(key)
         entry = (-value, -candidate, int(position))
         if len(kept) < top:
             heapq.heappush(kept, entry)
@@ -131,6 +141,13 @@ def rank_balanced(
             heapq.heapreplace(kept, entry)
     best = sorted(kept, key=lambda e: (-e[0], -e[1]))
     return _rows(model, space, best, plans, cluster, time_function, options, expressible), balanced
+
+
+def plan_key(strategy: Strategy, plan: Plan, modules: tuple[str, ...]) -> tuple[Any, ...]:
+    """What a pipeline candidate runs once balanced: its layout without recompute, the plan's
+    placement and recompute per layer (and what selective re-runs, where a layer does)."""
+    return (strategy.with_recompute("none").short(), plan.stage_layers, plan.recompute,
+            modules if "selective" in plan.recompute else ())
 
 
 def _without_recompute(batch: StrategyBatch) -> StrategyBatch:
