@@ -886,8 +886,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show")
     p.add_argument("--balance", nargs="?", const="per-layer", choices=["per-layer", "one-setting"],
                    help="rank every fitting candidate by its balanced plan (pipelines: layers per stage and recompute "
-                        "per layer); 'one-setting' ranks by the fastest plan one recompute setting expresses, what "
-                        "Megatron and torchtitan run")
+                        "per layer); 'one-setting' ranks by the fastest plan one recompute setting expresses (with "
+                        "--emit, one that format writes back: torchtitan has no recompute of the first k layers)")
     p.add_argument("--csv", help="write the ranked rows to a CSV file")
     p.add_argument("--emit", choices=EMIT_FORMATS,
                    help="print the winner as that framework's settings")
