@@ -128,17 +128,19 @@ def build_problems(
     uniform_device = stage_memory(
         model, StrategyBatch.of([s.with_recompute(o) for o in ("none", "full") for s in strategies]), options).device
     p = strategies[0].precision
+    optimizer = np.where(head.optimizer_offload > 0, 0.0, p.optimizer_bytes)
+    # Bytes per element of a non-expert and of an expert weight (parameters, gradients, states).
+    per_element = p.param_bytes / shards.params + p.grad_bytes / shards.grads + optimizer / shards.optimizer
+    per_expert_element = (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
+                          + optimizer / shards.expert_optimizer)
+    static_of = {kind: elements.non_expert[kind] * per_element + elements.expert[kind] * per_expert_element
+                 for kind in ("dense", "moe")}
     problems = []
     for j, strategy in enumerate(strategies):
-        optimizer = 0.0 if strategy.optimizer_offload else p.optimizer_bytes
         tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
         costs: dict[tuple[str, str], LayerCost] = {}
         for kind in ("dense", "moe"):
-            static = float(elements.non_expert[kind][j] * (p.param_bytes / shards.params[j] + p.grad_bytes / shards.grads[j]
-                                                           + optimizer / shards.optimizer[j])
-                           + elements.expert[kind][j] * (p.param_bytes / shards.expert_params[j]
-                                                         + p.grad_bytes / shards.expert_grads[j]
-                                                         + optimizer / shards.expert_optimizer[j]))
+            static = float(static_of[kind][j])
             for i, option in enumerate(OPTIONS):
                 row = i * n + j
                 activation = acts.full[kind][row] if option == "none" else acts.recomputed[kind][row]
@@ -153,10 +155,7 @@ def build_problems(
         # recompute (recompute adds a rebuild transient); the larger of the two is kept.
         placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule)
         flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
-        emb_static = float(model.vocab_size * model.hidden_size / strategy.tp) * (
-            p.param_bytes / float(shards.params[j]) + p.grad_bytes / float(shards.grads[j])
-            + optimizer / float(shards.optimizer[j])
-        ) * slack
+        emb_static = float(model.vocab_size * model.hidden_size / strategy.tp) * float(per_element[j]) * slack
         out_activation = float(acts.output[j] + model.mtp_depth * acts.mtp_extra[j]) * tokens * slack
         head_static = 0.0 if model.tie_word_embeddings and strategy.pp == 1 else emb_static
         first_extra = LayerCost(float(seconds["emb"][j]), 8.0 * tokens * slack, emb_static)
@@ -333,7 +332,7 @@ def balance(
 
 
 def plans_expressible(expressible: Callable[[Strategy], bool] | None, strategy: Strategy,
-              modules: tuple[str, ...] | None) -> Callable[[Plan], bool] | None:
+                      modules: tuple[str, ...] | None) -> Callable[[Plan], bool] | None:
     """``expressible`` asked of a plan's one-setting strategy (``plan_strategy``)."""
     if expressible is None:
         return None

@@ -152,7 +152,6 @@ def verify(spec: ModelSpec, measurement: StepMeasurement, *, census: tuple[Any, 
         ranks = measurement.stage_ranks(st.stage)
         peak_rank = max(ranks, key=lambda r: r.allocated_bytes) if ranks else None
         reserved = [r.reserved_bytes for r in ranks if r.reserved_bytes is not None]
-        static = st.params_bytes + st.grads_bytes + st.optimizer_bytes
         estimates = {
             "params": st.params_bytes,
             "grads": st.grads_bytes,
@@ -161,7 +160,7 @@ def verify(spec: ModelSpec, measurement: StepMeasurement, *, census: tuple[Any, 
             "comm": st.comm_bytes,
             # The rest of the forward/backward peak, as measured: the working set less what does
             # not exist yet at that moment (gradients the backward has not made), so it may be < 0.
-            "transient": st.forward_backward_bytes - static - st.activations_bytes - st.comm_bytes,
+            "transient": st.forward_backward_bytes - st.static_bytes - st.activations_bytes - st.comm_bytes,
             "optimizer_step": st.optimizer_step_bytes,
             "forward_backward_peak": st.forward_backward_bytes,
             "optimizer_step_peak": st.step_peak_bytes,
@@ -184,9 +183,8 @@ def verify(spec: ModelSpec, measurement: StepMeasurement, *, census: tuple[Any, 
             measured["reserved"] = float(max(reserved)) if reserved else None
         # At its forward/backward peak the estimate holds the gradients made by then and, beside
         # the held activations, the working set (``transient``): the pair to the measured column.
-        absent = max(0.0, static + st.activations_bytes + st.comm_bytes + st.transient_bytes
-                     - st.forward_backward_bytes)
-        estimate_at_peak: dict[str, float | None] = {"grads": st.grads_bytes - absent, "transient": st.transient_bytes}
+        estimate_at_peak: dict[str, float | None] = {"grads": st.grads_bytes - st.unmade_bytes,
+                                                     "transient": st.transient_bytes}
         rows = tuple(
             Row(key, label, float(estimates[key]), measured[key], at_peak[key], estimate_at_peak.get(key))
             for key, label in ROWS

@@ -72,16 +72,23 @@ class StageReport:
     static_by_kind: dict[str, float]
     activations_by_kind: dict[str, float]
     chunks: tuple[ChunkReport, ...] = ()
-    #: params + gradients as the optimizer step holds them + optimizer states + its temporaries
-    #: (None: the static categories + ``optimizer_step_bytes``)
-    optimizer_step_peak_bytes: float | None = None
+
+    @property
+    def static_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
     def step_peak_bytes(self) -> float:
-        """The optimizer step's peak (allocated is the larger of it and the forward/backward peak)."""
-        if self.optimizer_step_peak_bytes is not None:
-            return self.optimizer_step_peak_bytes
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.optimizer_step_bytes
+        """The optimizer step's peak: static + its temporaries (allocated is the larger of it and
+        the forward/backward peak)."""
+        return self.static_bytes + self.optimizer_step_bytes
+
+    @property
+    def unmade_bytes(self) -> float:
+        """Gradients the backward has not made at the forward/backward peak (one micro-batch, a
+        deferred FSDP reduce): the categories' sum less that peak."""
+        return max(0.0, self.static_bytes + self.activations_bytes + self.comm_bytes + self.transient_bytes
+                   - self.forward_backward_bytes)
 
     @property
     def overhead_bytes(self) -> float:
@@ -190,8 +197,6 @@ class MemoryReport:
         p = s.precision
         stage = self.stages[self.peak_stage]
         tokens = s.micro_batch_size * s.seq_length / s.cp
-        absent = (stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes + stage.activations_bytes
-                  + stage.comm_bytes + stage.transient_bytes - stage.forward_backward_bytes)
         shards = "dp·cp" if not s.shard_group else "shard_group"
         if self.model.is_moe and not s.shard_group:  # experts replicate over the ranks of their EP·ETP group
             shards += "; experts / dp·cp·tp/(ep·etp)"
@@ -229,7 +234,7 @@ class MemoryReport:
             f"split backward, full recompute) a weight-gradient step's rebuilt copies, per layer groups × "
             f"unread bytes = {format_bytes(stage.transient_bytes)}",
             f"fwd/bwd    = static + activations + comm + transient − not yet created "
-            f"({format_bytes(max(absent, 0.0))}: gradients the backward has not made at that moment) "
+            f"({format_bytes(stage.unmade_bytes)}: gradients the backward has not made at that moment) "
             f"= {format_bytes(stage.forward_backward_bytes)}",
             f"allocated  = max(fwd/bwd, optimizer-step peak {format_bytes(stage.step_peak_bytes)} = static"
             f" + optimizer step {format_bytes(stage.optimizer_step_bytes)}) = {format_bytes(stage.allocated_bytes)}",
@@ -287,8 +292,6 @@ def estimate(
             static_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["static"].items()},
             activations_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["activations"].items()},
             chunks=tuple(c for c in chunks if placement.stage_of[c.model_chunk] == s),
-            optimizer_step_peak_bytes=None if memory.optimizer_step_peak is None
-            else float(memory.optimizer_step_peak[0, s]),
         ))
     return MemoryReport(model, strategy, hardware, options, tuple(stages))
 

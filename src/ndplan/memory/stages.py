@@ -140,10 +140,6 @@ class StageMemory:
     allocated: np.ndarray
     reserved: np.ndarray
     device: np.ndarray
-    #: The optimizer step's peak: params + gradients as the step holds them + optimizer states +
-    #: its temporaries (under a deferred FSDP reduce the gradients are sharded again by then,
-    #: while ``grads`` holds the unsharded ones of the forward/backward peak).
-    optimizer_step_peak: np.ndarray | None = None
     by_kind: dict[str, dict[str, np.ndarray]] | None = None
 
     @property
@@ -861,7 +857,7 @@ def stage_memory(
     options = options or MemoryOptions()
     n = len(batch)
     max_pp = int(batch.pp.max())
-    names = (*CATEGORIES, "optimizer_step", "forward_backward", "allocated", "reserved", "device", "optimizer_step_peak")
+    names = (*CATEGORIES, "optimizer_step", "forward_backward", "allocated", "reserved", "device")
     result = {name: np.zeros((n, max_pp)) for name in names}
     kinds: dict[str, dict[str, np.ndarray]] | None = None
     if breakdown:
@@ -1437,11 +1433,10 @@ def _evaluate_group(
         device = overhead.reserved(allocated)
         device += overhead.fixed_bytes
         return {"device": device.T}
-    step_peak = expand(static + out["optimizer_step"])
-    allocated = np.maximum(forward_backward, step_peak)
+    allocated = np.maximum(forward_backward, expand(static + out["optimizer_step"]))
     reserved = overhead.reserved(allocated)
     by_stage = {"activations": held, "forward_backward": forward_backward, "allocated": allocated,
-                "reserved": reserved, "device": reserved + overhead.fixed_bytes, "optimizer_step_peak": step_peak}
+                "reserved": reserved, "device": reserved + overhead.fixed_bytes}
     for name, values in by_stage.items():
         out[name] = values.T
     for name in ("params", "grads", "optimizer", "comm", "transient", "optimizer_step"):

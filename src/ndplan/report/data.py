@@ -748,8 +748,7 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         })
 
     perf_bars = []
-    perf = find_perf(balanced) if kind == "balance" and isinstance(balanced, Mapping) and find_perf(balanced) \
-        else find_perf(data)
+    perf = (find_perf(balanced) if kind == "balance" and isinstance(balanced, Mapping) else None) or find_perf(data)
     if perf is not None:
         segments = perf_segments(perf)
         if segments:

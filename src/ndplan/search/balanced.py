@@ -188,7 +188,8 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             times.setdefault(key, np.zeros(len(candidates)))[positions] = value
     rows = []
     for i, candidate in enumerate(candidates):
-        row = _row(space.strategy(int(candidate)), int(candidate), float(peak[i]), int(stage[i]),
+        strategy, modules = space.strategy(int(candidate)), space.selective_modules(int(candidate))
+        row = _row(strategy, int(candidate), float(peak[i]), int(stage[i]),
                    {k: float(np.asarray(v)[i]) for k, v in times.items()}, options)
         found = plans.get(int(candidate))
         if found is not None:
@@ -217,23 +218,21 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             problem = found["problem"]
             settings, settings_cost = best_settings_plan(
                 problem, found["plan"], uniform_plan(problem, baseline_option(problem)),
-                plans_expressible(expressible, space.strategy(int(candidate)), space.selective_modules(int(candidate))))
-            strategy = plan_strategy(space.strategy(int(candidate)), settings, space.selective_modules(int(candidate)))
-            estimated = plan_stage_bytes(model, space.strategy(int(candidate)), settings, options,
-                                         space.selective_modules(int(candidate)))
+                plans_expressible(expressible, strategy, modules))
+            written = plan_strategy(strategy, settings, modules)
+            estimated = plan_stage_bytes(model, strategy, settings, options, modules)
             row["balanced_settings"] = {
-                "label": strategy.short(), "stage_layers": list(settings.stage_layers),
+                "label": written.short(), "stage_layers": list(settings.stage_layers),
                 # the full estimator's peak of these settings (what --emit writes), and its stage
                 "estimated_peak_bytes": round(float(estimated.max())), "estimated_peak_stage": int(np.argmax(estimated)),
                 "step_s": found["scale"] * settings_cost.step_s,
                 # The ranking scales the step without recompute by the balancer's composed ratio; what
                 # `ndplan estimate` gives for these settings (the pipeline simulated) is beside it.
-                "estimated_step_s": estimate_time(model, strategy, cluster, **options.time_keywords()).step_s,
-                "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
+                "estimated_step_s": estimate_time(model, written, cluster, **options.time_keywords()).step_s,
+                "strategy": written.model_dump(mode="json", exclude={"precision"}),
                 "is_the_plan": settings == found["plan"],  # the plan took one setting already
             }
-            row["label"] = _balanced_label(space.strategy(int(candidate)), found["plan"].recompute,
-                                           space.selective_modules(int(candidate)))
+            row["label"] = _balanced_label(strategy, found["plan"].recompute, modules)
         rows.append(row)
     return rows
 
