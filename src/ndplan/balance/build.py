@@ -6,7 +6,9 @@ Costs come from the same code the estimator and the time model run:
 * its activation bytes per micro-batch: the runtime profile (or census) bytes per token times the
   tokens of a micro-batch on a rank, under each recompute option;
 * its static bytes: parameters, gradients and optimizer states per rank after TP/EP/ZeRO;
-* what does not move with layers (buffers, transients, runtime overhead) from the estimator.
+* what does not move with layers (buffers, transients, runtime overhead) from the estimator;
+* the optimizer step's peak apart: its fixed bytes, and per layer its static bytes with the
+  update's temporaries (a layer moved onto a stage raises that peak whatever it recomputes).
 Memory is scaled by the allocator slack the runtime profile states, so that the limit compares
 with device totals as the estimator reports them.
 """
@@ -125,8 +127,14 @@ def build_problems(
     elements = layer_elements(model, head.tp.astype(float), head.ep.astype(float), head.etp.astype(float))
     shards = sharding_factors(head.dp, head.cp, head.tp, head.ep, head.etp, head.zero, head.shard_group)
     # The estimator's stages under uniform placement with no and with full recompute, one batch.
-    uniform_device = stage_memory(
-        model, StrategyBatch.of([s.with_recompute(o) for o in ("none", "full") for s in strategies]), options).device
+    uniform = stage_memory(
+        model, StrategyBatch.of([s.with_recompute(o) for o in ("none", "full") for s in strategies]), options)
+    # The device's two peaks apart, so that each moves with its own layer terms: the forward/
+    # backward one and the optimizer step's (device = the larger, each with the allocator's
+    # slack and the runtime's fixed overhead).
+    overhead_bytes = uniform.device - uniform.reserved
+    forward_backward_device = uniform.forward_backward * slack + overhead_bytes
+    step_device = (uniform.params + uniform.grads + uniform.optimizer + uniform.optimizer_step) * slack + overhead_bytes
     p = strategies[0].precision
     optimizer = np.where(head.optimizer_offload > 0, 0.0, p.optimizer_bytes)
     # Bytes per element of a non-expert and of an expert weight (parameters, gradients, states).
@@ -135,6 +143,12 @@ def build_problems(
                           + optimizer / shards.expert_optimizer)
     static_of = {kind: elements.non_expert[kind] * per_element + elements.expert[kind] * per_expert_element
                  for kind in ("dense", "moe")}
+    # The update's temporaries per element the rank's optimizer holds (``stages.stage_memory``).
+    temp_bytes = np.where(head.optimizer_offload > 0, 0.0,
+                          options.profile.optimizer_temp_copies * (p.master_weight_bytes or p.param_bytes))
+    step_of = {kind: static_of[kind] + temp_bytes * (elements.non_expert[kind] / shards.optimizer
+                                                     + elements.expert[kind] / shards.expert_optimizer)
+               for kind in ("dense", "moe")}
     problems = []
     for j, strategy in enumerate(strategies):
         tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
@@ -151,8 +165,9 @@ def build_problems(
                     static_bytes=static * slack,
                 )
         # What moves with neither layers nor recompute choices (buffers, transients, overhead): the
-        # estimator's stages minus the layer terms, for uniform placement with no and with full
-        # recompute (recompute adds a rebuild transient); the larger of the two is kept.
+        # estimator's forward/backward peaks minus the layer terms, for uniform placement with no
+        # and with full recompute (recompute adds a rebuild transient); the larger of the two is
+        # kept. The optimizer step's likewise, from its own peak (the same under either).
         placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule)
         flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
         emb_static = float(model.vocab_size * model.hidden_size / strategy.tp) * float(per_element[j]) * slack
@@ -161,8 +176,15 @@ def build_problems(
         first_extra = LayerCost(float(seconds["emb"][j]), 8.0 * tokens * slack, emb_static)
         last_extra = LayerCost(float(seconds["head"][j]), out_activation, head_static)
         fixed_of = {}
+        step_layer = {kind: float(step_of[kind][j]) * slack for kind in ("dense", "moe")}
+        step_moving = np.zeros(strategy.pp)
+        for v in range(placement.num_virtual_stages):
+            stage = int(placement.stage_of[v])
+            step_moving[stage] += (placement.dense_layers[v] * step_layer["dense"]
+                                   + placement.moe_layers[v] * step_layer["moe"])
+        step_fixed = step_device[j, : strategy.pp] - step_moving
         for u, option in enumerate(("none", "full")):
-            device = uniform_device[u * n + j, : strategy.pp]
+            device = forward_backward_device[u * n + j, : strategy.pp]
             moving = np.zeros(strategy.pp)
             for v in range(placement.num_virtual_stages):
                 stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
@@ -180,6 +202,7 @@ def build_problems(
             costs=costs, stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=np.asarray(flight.peak),
             num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
             fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
+            step_fixed_bytes=step_fixed, step_layer_bytes=step_layer,
         ))
     return problems
 

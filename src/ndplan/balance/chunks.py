@@ -186,6 +186,9 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     first = np.where(seconds == least[:, j_of], np.arange(len(j_of))[None], len(j_of))
     best = np.minimum.reduceat(first, starts, axis=1)  # [pp, J]
     chosen = mixes[np.minimum(best, len(j_of) - 1)]  # [pp, J, R]
+    room = problem.step_room()
+    if room is not None:  # a total whose layers overflow the optimizer step never fits
+        least = np.where(totals[None, :] * problem.step_bytes_of([kind])[0] > room[:, None], np.inf, least)
     return least, chosen, layers
 
 

@@ -141,6 +141,11 @@ class _StageModel:
         transient = (np.zeros(V) if problem.recompute_transient_bytes is None
                      else np.asarray(problem.recompute_transient_bytes, dtype=float)[stages])
         self.budget = problem.memory_limit_bytes - fixed - extra_bytes  # [V]
+        # The optimizer step's room per virtual stage and each kind's bytes there: a query over
+        # it costs +inf whatever its recompute (``solve``).
+        room = problem.step_room()
+        self.step_room = None if room is None else room[stages]
+        self.step_bytes = problem.step_bytes_of(self.kinds)
         self.budget_rc = self.budget - transient
         self.p = int(np.argmin(self.time[-1]))  # fastest option of the major kind
         others = [r for r in range(len(options)) if r != self.p]
@@ -202,6 +207,15 @@ class _StageModel:
         Returns the optimum per query, each row's minor splits ([S_c, G − 1, R] layer counts per
         kind and option) and the major kind's tail counts ([K, R − 2]).
         """
+        found, splits, tails = self._solve(stage, rows, row, low, N)
+        if self.step_room is not None:  # stages whose layers overflow the optimizer step never fit
+            held = (rows[row] @ self.step_bytes[:-1])[:, None] + np.arange(low, low + N)[None, :] * self.step_bytes[-1]
+            found.time[(held > self.step_room[stage][:, None]).reshape(-1)] = np.inf
+        return found, splits, tails
+
+    def _solve(self, stage: np.ndarray, rows: np.ndarray, row: np.ndarray, low: int, N: int
+               ) -> tuple[_Best, list[np.ndarray], np.ndarray]:
+        """``solve`` under the forward/backward memory only."""
         needed = set(row.tolist())  # rows no pair uses need no splits
         splits = [self._minor_splits(tuple(int(c) for c in r)) if i in needed else np.zeros((0,))
                   for i, r in enumerate(rows)]

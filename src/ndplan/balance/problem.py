@@ -9,6 +9,10 @@ virtual stage also holds the embedding, the last the output head, loss and MTP m
 Memory of a physical stage s (bytes):
     fixed[s] + Σ_{layers on s} static + Σ_{chunks c of s} peak_in_flight[s, c] · Σ_{layers in c} activation
              + [any layer on s recomputes] · recompute_transient[s]
+and, at the optimizer step (activations gone; parameters, gradients, states and the update's
+temporaries held), step_fixed[s] + Σ_{layers on s} step_layer_bytes[kind]: a stage fits when
+both are under the limit, and its peak is the larger. The step's bytes move with the layers
+only, so they bound how many layers a stage may hold whatever its recompute. The first
 which over-states interleaved stages slightly (chunks peak at different instants) and is exact
 for one chunk per stage. Step time (seconds), with v chunks per stage (v = vpp) and
 T_s = Σ_{chunks of s} Σ_{layers} time:
@@ -34,10 +38,15 @@ Over random chunk times within ±50% of each other the formula is within −4…
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
+#: Of the limit, kept free at the optimizer step by the solvers against rounding (80 bytes of
+#: 80 GB), so that ``evaluate``'s own float sums never land just over it.
+STEP_MARGIN = 1e-9
 
 
 @dataclass(frozen=True)
@@ -63,9 +72,34 @@ class BalanceProblem:
     fixed_bytes: np.ndarray  # [pp] buffers, transients and overhead that do not move with layers
     memory_limit_bytes: float
     recompute_transient_bytes: np.ndarray | None = None  # [pp] added once where any layer recomputes
+    #: The optimizer step's peak of stage s: step_fixed_bytes[s] (the embedding and head
+    #: included, as they never move) + Σ_{layers on s} step_layer_bytes[kind]. None: not priced
+    #: (problems built by hand), the step never binds.
+    step_fixed_bytes: np.ndarray | None = None  # [pp]
+    step_layer_bytes: dict[str, float] | None = None  # kind -> bytes
 
     def recompute_transient(self, stage: int) -> float:
         return 0.0 if self.recompute_transient_bytes is None else float(self.recompute_transient_bytes[stage])
+
+    def step_room(self, margin: float = STEP_MARGIN) -> np.ndarray | None:
+        """[pp] bytes a stage's layers may hold at the optimizer step: the limit (less a hair,
+        ``margin`` of it, against rounding) less the step's fixed bytes; None where not priced."""
+        if self.step_fixed_bytes is None or self.step_layer_bytes is None:
+            return None
+        return self.memory_limit_bytes * (1 - margin) - np.asarray(self.step_fixed_bytes, dtype=float)
+
+    def step_bytes_of(self, kinds: Sequence[str]) -> np.ndarray:
+        """[G] each kind's bytes per layer at the optimizer step (zeros where not priced)."""
+        table = self.step_layer_bytes or {}
+        return np.array([float(table.get(kind, 0.0)) for kind in kinds])
+
+    def step_fits(self, stage: np.ndarray, held: np.ndarray, kinds: Sequence[str]) -> np.ndarray | None:
+        """[Q] whether stage ``stage[q]`` holding ``held[q]`` [G] layers of each of ``kinds``
+        fits at the optimizer step; None where the step is not priced (everything fits)."""
+        room = self.step_room()
+        if room is None:
+            return None
+        return np.asarray(held, dtype=float) @ self.step_bytes_of(kinds) <= room[stage]
 
     @property
     def num_layers(self) -> int:
@@ -143,13 +177,15 @@ def cost_columns(problem: BalanceProblem) -> np.ndarray:
 
 class EvaluationConstants(NamedTuple):
     """What ``evaluate_codes`` takes from the problem whatever the plan: [V] each virtual stage's
-    physical stage and micro-batches in flight, [pp] the fixed bytes, and (stage, bytes, seconds)
-    of the embedding and of the head, in that order."""
+    physical stage and micro-batches in flight, [pp] the fixed bytes, (stage, bytes, seconds)
+    of the embedding and of the head, in that order, and the optimizer step's terms."""
 
     stage_of: np.ndarray
     flight: np.ndarray
     fixed: np.ndarray
     extras: tuple[tuple[int, float, float], ...]
+    step_fixed: np.ndarray | None = None  # [pp] the optimizer step's fixed bytes (None: not priced)
+    step_layer: np.ndarray | None = None  # [L] each layer's bytes at the optimizer step
 
 
 def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
@@ -158,7 +194,12 @@ def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
     flight = problem.in_flight_of_virtual().astype(float)  # [V]
     extras = tuple((int(problem.stage_of[v]), extra.static_bytes + flight[v] * extra.activation_bytes, extra.time_s)
                    for v, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)))
-    return EvaluationConstants(np.asarray(problem.stage_of), flight, problem.fixed_bytes.astype(float), extras)
+    step_fixed = step_layer = None
+    if problem.step_fixed_bytes is not None and problem.step_layer_bytes is not None:
+        step_fixed = np.asarray(problem.step_fixed_bytes, dtype=float)
+        step_layer = np.array([problem.step_layer_bytes[kind] for kind in problem.layer_kinds], dtype=float)
+    return EvaluationConstants(np.asarray(problem.stage_of), flight, problem.fixed_bytes.astype(float), extras,
+                               step_fixed, step_layer)
 
 
 def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray, columns: np.ndarray,
@@ -182,6 +223,9 @@ def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.n
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(stage, weights=recomputing, minlength=pp) > 0
         np.add(memory, problem.recompute_transient_bytes, out=memory, where=recomputes)
+    if constants.step_fixed is not None:  # the optimizer step's peak, where it is the larger
+        np.maximum(memory, constants.step_fixed + np.bincount(stage, weights=constants.step_layer, minlength=pp),
+                   out=memory)
     return PlanCost(memory, time, composed_step_s(problem, time), bool((memory <= problem.memory_limit_bytes).all()))
 
 
@@ -206,6 +250,9 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
         np.add(memory, problem.recompute_transient_bytes, out=memory, where=recomputes)
+    if constants.step_fixed is not None:  # the same placement for all: one step peak
+        step = constants.step_fixed + np.bincount(constants.stage_of[virtual], weights=constants.step_layer, minlength=pp)
+        np.maximum(memory, step, out=memory)
     fits = np.logical_and.reduce(memory <= problem.memory_limit_bytes, axis=1).tolist()
     steps = composed_steps_s(problem, time).tolist()
     return [PlanCost(memory[n], time[n], steps[n], bool(fits[n])) for n in range(N)]

@@ -123,6 +123,9 @@ class _Greedy:
         self.recomputes, self.head_recomputes, self.none = _option_flags(options)
         self.base_bytes, self.base_time, self.transient = stage_bases(problem, self.evaluation)
         self.limit = problem.memory_limit_bytes
+        # The optimizer step's room per stage and each kind's bytes there (``_step_mask``).
+        self.step_room = problem.step_room(_MARGIN)
+        self.step_bytes = problem.step_bytes_of(self.kinds)
         # Hull walk per (stage, chunk, kind): from the fastest option (least bytes among ties),
         # step to the option of least seconds per byte saved, while one saves bytes.
         order = np.lexsort((memory, time), axis=-1)
@@ -232,12 +235,19 @@ class _Greedy:
         greedy = time + spent + partial * unit_time
         np.putmask(greedy, ~fits, np.inf)  # in place: cheaper than np.where at these sizes
         if self.none is None:
+            self._step_mask(greedy, stage, counts)
             return greedy, np.zeros(Q, dtype=bool), whole, partial.astype(np.int64)
         plain_bytes = base_plain + sums[3]
         plain_time = base_time + sums[2]
         plain = (plain_bytes <= limit) & (plain_time <= greedy)
         np.putmask(greedy, plain, plain_time)
+        self._step_mask(greedy, stage, counts)
         return greedy, plain, whole, partial.astype(np.int64)
+
+    def _step_mask(self, seconds: np.ndarray, stage: np.ndarray | slice, counts: np.ndarray) -> None:
+        """+inf in place where a stage's layers (``counts`` [Q, v, G]) overflow the optimizer step."""
+        if self.step_room is not None:
+            np.putmask(seconds, counts.sum(axis=1) @ self.step_bytes > self.step_room[stage], np.inf)
 
     def options(self, stage: int, counts: np.ndarray, plain: bool, whole: int, partial: int) -> np.ndarray:
         """[v, G, R] layers of each chunk and kind on each option, from ``solve``'s answer for
@@ -472,7 +482,9 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
     choice = np.empty((S, v, G, R), dtype=np.int64)
     choice[stage[:, None, None, None], order[:, None, None, :], np.arange(G)[None, :, None, None],
            greedy.by_activation[None, :, :, None]] = dealt[1] - dealt[0]
-    return choice, seconds[stage, mix] + greedy.base_time[stages]  # the least, at ``mix``
+    least = seconds[stage, mix] + greedy.base_time[stages]  # the least, at ``mix``
+    greedy._step_mask(least, stages, counts)  # a stage overflowing the optimizer step: none fits
+    return choice, least
 
 
 class _Solved(NamedTuple):

@@ -69,6 +69,15 @@ def _splits(n: int, parts: int) -> Iterator[tuple[int, ...]]:
             yield (first, *rest)
 
 
+def _step_fits(problem: BalanceProblem, members: list[tuple[int, int]], stage: int) -> bool:
+    """The stage's layers (``_stage_layers``' pairs) fit at the optimizer step, whatever they
+    recompute."""
+    kinds = sorted(set(problem.layer_kinds))
+    held = [sum(problem.layer_kinds[layer] == kind for _, layer in members) for kind in kinds]
+    fits = problem.step_fits(np.array([stage]), np.array([held]), kinds)
+    return fits is None or bool(fits[0])
+
+
 def _recomputes(problem: BalanceProblem, split: tuple[int, ...]) -> bool:
     """Some layer of the split (counts per option) runs an option other than "none"."""
     return any(n and option != "none" for option, n in zip(problem.options, split, strict=True))
@@ -79,6 +88,8 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
     stage time, stage memory), or None if no assignment fits."""
     in_flight = problem.in_flight_of_virtual()
     members = _stage_layers(problem, counts)[stage]
+    if not _step_fits(problem, members, stage):
+        return None
     bases = stage_bases(problem)
     base_memory, base_time = float(bases[0][stage]), float(bases[1][stage])
     # Group interchangeable layers: same kind and same in-flight weight (same chunk).
@@ -137,6 +148,8 @@ def dealt_knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int
 
     in_flight = problem.in_flight_of_virtual()
     members = _stage_layers(problem, counts)[stage]
+    if not _step_fits(problem, members, stage):
+        return None
     bases = stage_bases(problem)
     base_memory, base_time = float(bases[0][stage]), float(bases[1][stage])
     chunks = np.flatnonzero(problem.stage_of == stage)  # virtual stages of this stage, by local chunk
@@ -401,6 +414,11 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
         # "optimal" points (seen on 25-layer instances, 13 % off the DP's optimum).
         add({i: c / 2**30 for i, c in memory.items()}, -np.inf, (problem.memory_limit_bytes - fixed_memory) / 2**30)
         add(time, -np.inf, -fixed_time)
+        room = problem.step_room()
+        if room is not None:  # the optimizer step's peak: the stage's layers, whatever they recompute
+            step_bytes = problem.step_bytes_of(kinds)
+            add({k(virtual, g, r): step_bytes[g] / 2**30 for virtual in (int(i) for i in np.flatnonzero(problem.stage_of == s))
+                 for g in range(G) for r in range(R)}, -np.inf, float(room[s]) / 2**30)
         for virtual in (int(i) for i in np.flatnonzero(problem.stage_of == s)):
             for g in range(G):
                 for r, option in enumerate(problem.options):
