@@ -88,6 +88,48 @@ def _common_fields(r: _Reader) -> dict[str, Any]:
     }
 
 
+_SPANS = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _attention_spans(r: _Reader, num_layers: int, window: int | None,
+                     sliding: Callable[[int], bool]) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_attention_spans`` as transformers builds the layers: the
+    config's ``layer_types`` where the model type reads it (``sliding`` is None where it does
+    not), else layer i slides where ``sliding(i)``; no window, no sliding layer."""
+    if not window:
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise NdplanError(f"{r.source}: field 'sliding_window' must be a positive integer or null, got {window!r}")
+    types = r.config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in _SPANS for t in types):
+            raise NdplanError(f"{r.source}: field 'layer_types' must list {num_layers} entries, each one of "
+                              f"{', '.join(_SPANS)}; got {types!r}")
+        spans = tuple(_SPANS[t] for t in types)
+    else:
+        spans = tuple("sliding" if sliding(i) else "full" for i in range(num_layers))
+    return {"sliding_window": window, "layer_attention_spans": spans} if "sliding" in spans else {}
+
+
+def _every_layer_window(r: _Reader, default: int | None) -> dict[str, Any]:
+    """Mistral, Mixtral, Qwen3-MoE: every layer attends the last ``sliding_window`` keys when it
+    is set (transformers ignores ``layer_types`` for them)."""
+    window = r.get("sliding_window", default)
+    if r.model_type == "qwen3_moe" and not r.flag("use_sliding_window", False):
+        window = None
+    config = {k: v for k, v in r.config.items() if k != "layer_types"}
+    return _attention_spans(_Reader(config, r.source), r.integer("num_hidden_layers"), window, lambda i: True)
+
+
+def _qwen_window(r: _Reader, sliding: Callable[[int, int], bool]) -> dict[str, Any]:
+    """Qwen2, Qwen3 and Qwen2-MoE: a window only with ``use_sliding_window``, on the layers
+    ``layer_types`` names, else ``sliding(i, max_window_layers)``."""
+    if not r.flag("use_sliding_window", False):
+        return {}
+    top = r.integer("max_window_layers", 28)
+    return _attention_spans(r, r.integer("num_hidden_layers"), r.get("sliding_window", 4096), lambda i: sliding(i, top))
+
+
 def _llama(r: _Reader) -> dict[str, Any]:
     bias = r.flag("attention_bias", False)
     return {
@@ -100,12 +142,13 @@ def _llama(r: _Reader) -> dict[str, Any]:
 
 
 def _mistral(r: _Reader) -> dict[str, Any]:
-    return {**_common_fields(r), "ffn_hidden_size": r.integer("intermediate_size")}
+    return {**_common_fields(r), "ffn_hidden_size": r.integer("intermediate_size"), **_every_layer_window(r, 4096)}
 
 
 def _qwen2(r: _Reader) -> dict[str, Any]:
     # Qwen2 always has q/k/v biases and no o_proj bias.
-    return {**_common_fields(r), "ffn_hidden_size": r.integer("intermediate_size"), "qkv_bias": True}
+    return {**_common_fields(r), "ffn_hidden_size": r.integer("intermediate_size"), "qkv_bias": True,
+            **_qwen_window(r, lambda i, top: i >= top)}
 
 
 def _qwen3(r: _Reader) -> dict[str, Any]:
@@ -116,6 +159,7 @@ def _qwen3(r: _Reader) -> dict[str, Any]:
         "qkv_bias": bias,
         "o_bias": bias,
         "qk_norm": True,
+        **_qwen_window(r, lambda i, top: i >= top),
     }
 
 
@@ -127,6 +171,7 @@ def _mixtral(r: _Reader) -> dict[str, Any]:
         "num_experts": r.integer("num_local_experts"),
         "num_experts_per_tok": r.integer("num_experts_per_tok"),
         "moe_ffn_hidden_size": width,
+        **_every_layer_window(r, None),
     }
 
 
@@ -156,6 +201,8 @@ def _qwen2_moe(r: _Reader) -> dict[str, Any]:
         "shared_expert_ffn_hidden_size": shared_width,
         "shared_expert_gate": bool(shared_width),
         "layer_mlp_kinds": _qwen_moe_kinds(r, fields["num_layers"], experts),
+        # transformers slides every other layer below max_window_layers, from the first
+        **_qwen_window(r, lambda i, top: i % 2 == 0 and i < top),
     }
 
 
@@ -173,6 +220,7 @@ def _qwen3_moe(r: _Reader) -> dict[str, Any]:
         "num_experts_per_tok": r.integer("num_experts_per_tok"),
         "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
         "layer_mlp_kinds": _qwen_moe_kinds(r, fields["num_layers"], experts),
+        **_every_layer_window(r, 4096),
     }
 
 

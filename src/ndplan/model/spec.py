@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MlpKind = Literal["dense", "moe"]
+AttentionSpan = Literal["full", "sliding"]
 AttentionKind = Literal["mha", "gqa", "mqa", "mla"]
 
 
@@ -19,7 +20,9 @@ class ModelSpec(BaseModel):
 
     Widths are element counts (not bytes). ``layer_mlp_kinds[i]`` says whether body layer ``i``
     has a dense MLP or a mixture of experts; MTP modules (``mtp_depth``) follow the body and use
-    the kind of the last body layer, as DeepSeek-V3 does.
+    the kind of the last body layer, as DeepSeek-V3 does. ``layer_attention_spans[i]`` says
+    whether its queries attend every earlier key ("full") or the last ``sliding_window`` keys
+    only ("sliding", Mistral's sliding-window attention); MTP modules attend in full.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -63,6 +66,9 @@ class ModelSpec(BaseModel):
 
     mtp_depth: int = Field(default=0, ge=0, description="multi-token-prediction modules")
     max_position_embeddings: int = Field(default=0, ge=0)
+    sliding_window: int = Field(default=0, ge=0, description="keys a sliding layer's query attends, itself "
+                                                            "included (0: no sliding layers)")
+    layer_attention_spans: tuple[AttentionSpan, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -74,6 +80,11 @@ class ModelSpec(BaseModel):
                 data = {**data, "layer_mlp_kinds": (kind,) * int(data["num_layers"])}
             except (TypeError, ValueError):
                 pass  # the field validator reports the bad num_layers
+        if isinstance(data, dict) and not data.get("layer_attention_spans") and "num_layers" in data:
+            try:
+                data = {**data, "layer_attention_spans": ("full",) * int(data["num_layers"])}
+            except (TypeError, ValueError):
+                pass
         return data
 
     @model_validator(mode="after")
@@ -98,6 +109,12 @@ class ModelSpec(BaseModel):
                 raise ValueError(
                     f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"
                 )
+        if len(self.layer_attention_spans) != self.num_layers:
+            raise ValueError(
+                f"layer_attention_spans has {len(self.layer_attention_spans)} entries but num_layers={self.num_layers}"
+            )
+        if "sliding" in self.layer_attention_spans and not self.sliding_window:
+            raise ValueError("layer_attention_spans names 'sliding' layers but sliding_window=0")
         if "dense" in self.layer_mlp_kinds and not self.ffn_hidden_size:
             raise ValueError("dense layers need ffn_hidden_size > 0")
         if self.num_shared_experts and not self.shared_expert_ffn_hidden_size:

@@ -20,7 +20,9 @@ Sharding per device (tokens T = b·s per micro-batch; t = tp, c = cp, e = ep, x 
 Attention core, causal: query i attends to keys 0..i, so a sequence has s(s+1)/2 (query, key)
 pairs: the lower triangle with its diagonal, counted exactly (not s²/2). QK^T costs 2·d_qk and
 PV 2·d_v FLOPs per pair and head; a device holds a/t heads and 1/c of the pairs (ring CP with
-load-balanced chunks, or Ulysses over heads: the same share).
+load-balanced chunks, or Ulysses over heads: the same share). A sliding-window layer keeps
+min(i + 1, w) keys for query i (``causal_pairs``), as FlashAttention skips the blocks outside
+the window.
 """
 
 from __future__ import annotations
@@ -174,17 +176,44 @@ def mtp_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
     return [Gemm("mtp_proj", sh.tokens, h / sh.tp, 2 * h)]
 
 
-def causal_pairs(seq: Array | float) -> Array | float:
-    """(query, key) pairs a causal mask keeps in one sequence: s(s+1)/2."""
-    return seq * (seq + 1) / 2.0
+def causal_pairs(seq: Array | float, window: int = 0) -> Array | float:
+    """(query, key) pairs a causal mask keeps in one sequence: s(s+1)/2. With a sliding window
+    of w keys (the query's own included), query i keeps min(i + 1, w):
+    w(w+1)/2 + (s − w)·w once s > w."""
+    if not window:
+        return seq * (seq + 1) / 2.0
+    kept = np.minimum(seq, window)
+    return kept * (kept + 1) / 2.0 + (seq - kept) * kept
 
 
-def attention_core_flops(model: ModelSpec, sh: Sharding, *, causal: bool = True) -> Array | float:
-    """Forward FLOPs of QK^T and PV on a device: 2·(d_qk + d_v) per kept pair and local head.
+def attention_pairs(model: ModelSpec, seq: Array | float, kind: MlpKind | None = None) -> Array | float:
+    """Kept (query, key) pairs per sequence of a decoder layer, the mean over the model's layers
+    (of MLP ``kind``, where given): full layers keep s(s+1)/2, sliding ones their window's
+    (``causal_pairs``). Exact for the model's total; a stage holding more sliding layers than
+    the mean does a little less."""
+    if not model.sliding_window or "sliding" not in model.layer_attention_spans:
+        return causal_pairs(seq)
+    spans = [span for span, k in zip(model.layer_attention_spans, model.layer_mlp_kinds, strict=True)
+             if kind is None or k == kind]
+    sliding = spans.count("sliding")
+    if not sliding:
+        return causal_pairs(seq)
+    return ((len(spans) - sliding) * causal_pairs(seq) + sliding * causal_pairs(seq, model.sliding_window)) / len(spans)
 
-    ``causal=False`` counts the full s×s square, as an unfused (masked) kernel computes it.
+
+def attention_core_flops(model: ModelSpec, sh: Sharding, *, causal: bool = True, kind: MlpKind | None = None,
+                         windowed: bool = True) -> Array | float:
+    """Forward FLOPs of QK^T and PV on a device: 2·(d_qk + d_v) per kept pair and local head,
+    the pairs of a decoder layer (of ``kind``: ``attention_pairs``), or with ``windowed=False``
+    of full causal attention (MTP modules).
+
+    ``causal=False`` counts the full s×s square, as an unfused (masked) kernel computes it,
+    sliding window or not.
     """
-    pairs = causal_pairs(sh.seq) if causal else sh.seq * sh.seq
+    if not causal:
+        pairs = sh.seq * sh.seq
+    else:
+        pairs = attention_pairs(model, sh.seq, kind) if windowed else causal_pairs(sh.seq)
     heads = model.num_attention_heads / sh.tp
     return 2.0 * sh.micro_batch * heads * (model.qk_head_dim + model.value_head_dim) * pairs / sh.cp
 
@@ -259,7 +288,7 @@ def model_flops_per_micro_batch(
     per_kind = {kind: gemm_flops(layer_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
     layers = sum((per_kind[k] for k in model.layer_mlp_kinds), 0.0)
     head = gemm_flops(head_gemms(model, sh))
-    attention = attention_core_flops(model, sh)
+    attention = attention_core_flops(model, sh)  # a decoder layer's, the mean over layers
     mtp = model.mtp_depth * (
         gemm_flops(mtp_gemms(model, sh)) + gemm_flops(layer_gemms(model, sh, model.mtp_mlp_kind)) + head
     )
@@ -280,6 +309,6 @@ def model_flops_per_micro_batch(
     recompute = recompute_full_fraction * (layers + layers_attention) + recompute_selective_fraction * selective
     return ModelFlops(
         matmul_forward=layers + head + mtp,
-        attention_forward=layers_attention + model.mtp_depth * attention,
+        attention_forward=layers_attention + model.mtp_depth * attention_core_flops(model, sh, windowed=False),
         recompute_forward=recompute,
     )

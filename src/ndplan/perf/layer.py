@@ -165,11 +165,13 @@ def fp8_cast_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[Array | floa
     return per * forward, per * backward
 
 
-def attention_core_seconds(ctx: LayerContext, sh: Sharding) -> tuple[Array | float, Array | float]:
-    """(forward, backward) seconds of the attention core on a device."""
+def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None = None
+                           ) -> tuple[Array | float, Array | float]:
+    """(forward, backward) seconds of the attention core on a device, in a layer of ``kind``
+    (sliding-window layers among them do less: ``flops.attention_pairs``)."""
     model = ctx.model
     if ctx.eff.flash_attention:
-        flops = attention_core_flops(model, sh)
+        flops = attention_core_flops(model, sh, kind=kind)
         return flops / ctx.rates.attention_rate, FLASH_BACKWARD_FACTOR * flops / ctx.rates.attention_rate
     # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
     count = sh.micro_batch * model.num_attention_heads / sh.tp
@@ -360,7 +362,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     gemms = layer_gemms(model, sh, kind)
     gemm, forward_of = _pass_gemm_seconds(ctx, gemms)
     cast_f, cast_b = fp8_cast_seconds(ctx, gemms)
-    attn_f, attn_b = attention_core_seconds(ctx, sh)
+    attn_f, attn_b = attention_core_seconds(ctx, sh, kind)
     sort = _chunk_sort(ctx, cols) if kind == "moe" else 0.0
     ew_bytes, ew_rc_bytes = layer_bytes(model, sh, cols["sequence_parallel"], kind, beta, sort)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate

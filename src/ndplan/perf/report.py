@@ -32,6 +32,20 @@ from ndplan.strategy.strategy import Strategy
 COMM_KEYS = ("tp", "cp", "ep", "dp", "offload", "pp")
 
 
+def _pairs_formula(model: ModelSpec, kind: str) -> str:
+    """The kept (query, key) pairs of a layer of ``kind`` as the explain line writes them."""
+    if not model.sliding_window or "sliding" not in model.layer_attention_spans:
+        return "s(s+1)/2"
+    spans = [span for span, k in zip(model.layer_attention_spans, model.layer_mlp_kinds, strict=True) if k == kind]
+    sliding = spans.count("sliding")
+    if not sliding:
+        return "s(s+1)/2"
+    windowed = f"(w(w+1)/2 + (s−w)·w, w = min(s, {model.sliding_window:,}))"
+    if sliding == len(spans):
+        return windowed
+    return f"({len(spans) - sliding}·s(s+1)/2 + {sliding}·{windowed})/{len(spans)}"
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.3f} ms"
 
@@ -186,12 +200,12 @@ def explain_lines(r: TimeReport) -> list[str]:
         gemms = layer_gemms(model, sh, kind)  # type: ignore[arg-type]
         per_pass = {ps: float(np.asarray(sum(gemms_seconds(gemms, rates, ps), 0.0)).reshape(-1)[0]) for ps in PASS_NAMES}
         flops = float(gemm_flops(gemms))
-        attn = float(attention_core_flops(model, sh))
+        attn = float(attention_core_flops(model, sh, kind=kind))  # type: ignore[arg-type]
         p = pieces[kind]
         lines.append(
             f"{kind} layer, one micro-batch on one device: matmul FLOPs fwd = Σ 2·M·N·K = {flops / 1e9:,.1f} GFLOP "
             f"(GEMMs F {_ms(per_pass['F'])}, B {_ms(per_pass['B'])}, W {_ms(per_pass['W'])}); attention core fwd = "
-            f"2·b·(a/t)·(d_qk+d_v)·s(s+1)/2/c = {attn / 1e9:,.1f} GFLOP"
+            f"2·b·(a/t)·(d_qk+d_v)·{_pairs_formula(model, kind)}/c = {attn / 1e9:,.1f} GFLOP"
         )
         for pass_ in ("F", "B", "W"):
             parts = ", ".join(

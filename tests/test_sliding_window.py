@@ -1,0 +1,117 @@
+"""Sliding-window attention: read from HF configs as transformers builds the layers, and priced
+in FLOPs and time (memory does not change: FlashAttention keeps no scores, eager ones the full square)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ndplan.errors import NdplanError
+from ndplan.hardware import get_device
+from ndplan.model import get_preset, spec_from_hf_config
+from ndplan.perf import estimate_time
+from ndplan.perf.flops import (
+    Sharding,
+    attention_core_flops,
+    attention_pairs,
+    causal_pairs,
+    model_flops_per_micro_batch,
+)
+from ndplan.strategy import Strategy
+
+QWEN2 = {
+    "model_type": "qwen2", "num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 96,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+}
+
+
+def full_attention(model):
+    return model.model_copy(update={"sliding_window": 0, "layer_attention_spans": ("full",) * model.num_layers})
+
+
+def test_windowed_pairs_count_min_of_position_and_window():
+    # s = 8, w = 3: queries keep 1, 2, 3, 3, 3, 3, 3, 3 keys.
+    assert causal_pairs(8, 3) == 21 == sum(min(i + 1, 3) for i in range(8))
+    assert causal_pairs(4096, 4096) == causal_pairs(4096) and causal_pairs(100, 4096) == causal_pairs(100)
+    np.testing.assert_array_equal(causal_pairs(np.array([2.0, 8.0]), 3), [3.0, 21.0])
+
+
+def test_mistral_slides_every_layer_and_qwen2_only_with_use_sliding_window():
+    mistral = get_preset("mistral-7b")
+    assert mistral.sliding_window == 4096 and set(mistral.layer_attention_spans) == {"sliding"}
+    assert spec_from_hf_config(QWEN2, name="q").layer_attention_spans == ("full",) * 6
+    # transformers' Qwen2: layers from max_window_layers on slide, with the window's default 4096.
+    qwen = spec_from_hf_config({**QWEN2, "use_sliding_window": True, "max_window_layers": 4}, name="q")
+    assert qwen.sliding_window == 4096 and qwen.layer_attention_spans == ("full",) * 4 + ("sliding",) * 2
+    # layer_types, where given, say it layer by layer.
+    types = ["sliding_attention", "full_attention"] * 3
+    qwen = spec_from_hf_config({**QWEN2, "use_sliding_window": True, "sliding_window": 512, "layer_types": types},
+                               name="q")
+    assert qwen.sliding_window == 512 and qwen.layer_attention_spans == ("sliding", "full") * 3
+
+
+def test_qwen2_moe_slides_every_other_layer_below_max_window_layers():
+    config = {**QWEN2, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32, "use_sliding_window": True, "sliding_window": 256, "max_window_layers": 4}
+    spans = spec_from_hf_config(config, name="m").layer_attention_spans
+    assert spans == ("sliding", "full", "sliding", "full", "full", "full")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("layer_types", ["full_attention"] * 5, "field 'layer_types' must list 6 entries"),
+    ("layer_types", ["global"] * 6, "each one of full_attention, sliding_attention"),
+    ("sliding_window", -4, "field 'sliding_window' must be a positive integer or null"),
+])
+def test_bad_window_fields_are_named(field, value, message):
+    config = {**QWEN2, "use_sliding_window": True, field: value}
+    with pytest.raises(NdplanError, match=message):
+        spec_from_hf_config(config, name="q")
+
+
+def test_a_spec_with_sliding_layers_needs_a_window():
+    mistral = get_preset("mistral-7b")
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        type(mistral)(**{**mistral.model_dump(), "sliding_window": 0})
+
+
+def test_mistral_attention_flops_follow_the_window_beyond_it():
+    mistral = get_preset("mistral-7b")
+    full = full_attention(mistral)
+    short, long = Sharding(1, 4096), Sharding(1, 16384)
+    assert attention_core_flops(mistral, short) == attention_core_flops(full, short)
+    # 2·b·a·(d_qk + d_v)·pairs per layer: 32 heads of 128, w = 4096 keys of 16384.
+    pairs = 4096 * 4097 / 2 + (16384 - 4096) * 4096
+    assert attention_core_flops(mistral, long) == pytest.approx(2 * 32 * 256 * pairs)
+    assert attention_core_flops(mistral, long) / attention_core_flops(full, long) == pytest.approx(pairs / (16384 * 16385 / 2))
+    flops, flops_full = model_flops_per_micro_batch(mistral, 1, 16384), model_flops_per_micro_batch(full, 1, 16384)
+    assert flops.matmul_forward == flops_full.matmul_forward
+    assert flops.attention_forward == pytest.approx(32 * 2 * 32 * 256 * pairs)
+    # The unfused kernel computes the whole square, window or not.
+    assert attention_core_flops(mistral, long, causal=False) == attention_core_flops(full, long, causal=False)
+
+
+def test_a_mixed_model_prices_the_mean_of_its_layers():
+    qwen = spec_from_hf_config({**QWEN2, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 4},
+                               name="q")
+    assert attention_pairs(qwen, 32) == pytest.approx((4 * causal_pairs(32) + 2 * causal_pairs(32, 8)) / 6)
+
+
+def test_the_window_shortens_the_step_of_long_sequences_only():
+    mistral = get_preset("mistral-7b")
+    device = get_device("h100-sxm")
+    long = Strategy(dp=8, seq_length=32768, num_micro_batches=4, recompute="selective")
+    windowed, full = estimate_time(mistral, long, device), estimate_time(full_attention(mistral), long, device)
+    assert windowed.step_s < 0.75 * full.step_s and windowed.model_flops < full.model_flops
+    short = long.model_copy(update={"seq_length": 4096})
+    assert estimate_time(mistral, short, device).step_s == estimate_time(full_attention(mistral), short, device).step_s
+
+
+def test_preset_configs_carry_their_window_fields():
+    """The shipped Mistral config states its window; the Qwen ones switch it off."""
+    from importlib.resources import files
+
+    presets = files("ndplan.model") / "presets"
+    assert json.loads((presets / "mistral-7b.json").read_text())["sliding_window"] == 4096
+    assert json.loads((presets / "qwen2.5-7b.json").read_text())["use_sliding_window"] is False
