@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from ndplan.errors import NdplanError
 from ndplan.io import emit, read_config
 from ndplan.io.common import EXTRA_POLICIES, canonical_strategy
 from ndplan.model import ModelSpec, count_parameters, get_preset, preset_names
@@ -197,7 +198,37 @@ def test_megatron_model_flags_round_trip(name: str, tmp_path: Path) -> None:
         return
     assert count_parameters(result.model).total == count_parameters(model).total
     assert result.model.layer_mlp_kinds == model.layer_mlp_kinds and result.model.mtp_depth == model.mtp_depth
+    assert result.model.sliding_window == model.sliding_window  # Mistral's 4,096 keys: --window-size 4095,0
+    assert result.model.layer_attention_spans == model.layer_attention_spans
     assert result.warnings == []
+
+
+@pytest.mark.parametrize("spans", [("sliding", "sliding", "sliding", "full") * 2, ("full",) * 4 + ("sliding",) * 4])
+def test_megatron_window_pattern_round_trips(spans: tuple[str, ...], tmp_path: Path) -> None:
+    """A mix of sliding and full layers: --window-size with --window-attn-skip-freq's list."""
+    base = get_preset("llama-3.1-8b")
+    model = base.model_copy(update={"num_layers": 8, "layer_mlp_kinds": ("dense",) * 8, "sliding_window": 1024,
+                                    "layer_attention_spans": spans})
+    text = emit(model, Strategy(dp=2, micro_batch_size=1, num_micro_batches=2), "megatron")
+    assert "--window-size 1023,0" in text and "--window-attn-skip-freq" in text
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    read = read_config(path).model
+    assert read is not None and read.sliding_window == 1024 and read.layer_attention_spans == spans
+
+
+def test_megatron_window_skip_frequency_reads_every_nth_layer_full(tmp_path: Path) -> None:
+    """--window-attn-skip-freq 4: layers 4, 8, … (1-based) attend in full, as Megatron-Core's."""
+    path = tmp_path / "run.sh"
+    path.write_text("torchrun pretrain_gpt.py --num-layers 8 --hidden-size 256 --num-attention-heads 4 "
+                    "--window-size 127,0 --window-attn-skip-freq 4 --padded-vocab-size 1000 "
+                    "--tensor-model-parallel-size 1\n")
+    model = read_config(path).model
+    assert model is not None and model.sliding_window == 128
+    assert model.layer_attention_spans == ("sliding", "sliding", "sliding", "full") * 2
+    path.write_text(path.read_text().replace("127,0", "127,5"))
+    with pytest.raises(NdplanError, match="only a causal window"):
+        read_config(path)
 
 
 @pytest.mark.parametrize("overlap", [

@@ -518,6 +518,10 @@ def merge_model(
         _warn_conflicts(stated, base, warnings, origin, tolerate)
         if "layer_mlp_kinds" not in values and merged["num_layers"] != base.num_layers:
             merged["layer_mlp_kinds"] = resize_kinds(base.layer_mlp_kinds, merged["num_layers"])
+        if "layer_attention_spans" not in values and merged["num_layers"] != base.num_layers:
+            # The pattern repeats (Megatron's and transformers' patterns are periodic).
+            spans = base.layer_attention_spans
+            merged["layer_attention_spans"] = tuple(spans[i % len(spans)] for i in range(merged["num_layers"]))
         merged["name"] = base.name
     else:
         missing = [f for f in required if f not in values]
@@ -531,6 +535,8 @@ def merge_model(
         merged = {**(defaults(values) if defaults else {}), **values, "name": name, "model_type": model_type}
     if "moe" not in (merged.get("layer_mlp_kinds") or ()) and not merged.get("num_experts"):
         merged.pop("layer_mlp_kinds", None)
+    if "sliding" not in (merged.get("layer_attention_spans") or ()):
+        merged.pop("layer_attention_spans", None)
     try:
         return ModelSpec(**merged)
     except ValidationError as error:

@@ -227,6 +227,12 @@ def _model(m: ModelSpec, lost: list[str]) -> Flags:
             lost.append("the shared-expert gate")
         if m.num_dense_layers:
             flags.append(("--moe-layer-freq", _pattern(m.layer_mlp_kinds)))
+    if "sliding" in m.layer_attention_spans:
+        # TransformerEngine's window (left, right): keys i − left … i + right, so w keys causal.
+        flags.append(("--window-size", f"{m.sliding_window - 1},0"))
+        if "full" in m.layer_attention_spans:
+            bits = tuple("moe" if span == "sliding" else "dense" for span in m.layer_attention_spans)
+            flags.append(("--window-attn-skip-freq", _pattern(bits)))  # 1: slides, 0: full
     if m.mtp_depth:
         flags.append(("--mtp-num-layers", m.mtp_depth))
     return flags

@@ -104,6 +104,50 @@ def _moe_kinds(args: Args, slots: int, experts: int) -> tuple[MlpKind, ...]:
     return tuple("moe" if experts and flag and i >= first_dense else "dense" for i, flag in enumerate(pattern))
 
 
+def _window(args: Args, put: Callable[[str, Any, str], None], slots: int | None, noop: frozenset[int],
+            defines: bool) -> None:
+    """--window-size L,R (TransformerEngine's: query i attends keys i − L … i + R, so L + 1 keys
+    causal) and --window-attn-skip-freq (an integer N: every N-th layer slot, 1-based, attends
+    in full; a list: 1 slides, 0 full), as ``sliding_window`` and ``layer_attention_spans``
+    (MindSpeed's noop slots dropped)."""
+    layers = slots
+    size = args.get("--window-size")
+    if size is None or not size.values:
+        args.get("--window-attn-skip-freq")
+        if defines:
+            put("sliding_window", 0, "no --window-size")
+            if layers is not None:
+                put("layer_attention_spans", ("full",) * (layers - len(noop)), "no --window-size")
+        return
+    text = "".join(size.values).strip("()")
+    parts = text.split(",")
+    if len(parts) != 2 or not all(re.fullmatch(r"-?\d+", p.strip()) for p in parts):
+        raise args.error(size, f"must be two integers 'left,right', got {text!r}")
+    left, right = (int(p) for p in parts)
+    if left < 0 or right != 0:
+        raise args.error(size, f"only a causal window 'left,0' with left >= 0 is modelled, got {text!r}")
+    put("sliding_window", left + 1, "--window-size")
+    if layers is None:
+        return
+    freq = args.get("--window-attn-skip-freq")
+    if freq is None or not freq.values:
+        pattern = [1] * layers
+    elif re.fullmatch(r"\d+", freq.values[0]):
+        n = int(freq.values[0])
+        if n < 1:
+            raise args.error(freq, f"must be >= 1, got {n}")
+        pattern = [0 if (i + 1) % n == 0 else 1 for i in range(layers)]
+    else:
+        try:
+            pattern = parse_pattern("".join(freq.values))
+        except ValueError as error:
+            raise args.error(freq, str(error)) from None
+        if len(pattern) != layers:
+            raise args.error(freq, f"pattern has {len(pattern)} entries but --num-layers is {layers}")
+    spans = tuple("sliding" if bit else "full" for i, bit in enumerate(pattern) if i not in noop)
+    put("layer_attention_spans", spans, "--window-attn-skip-freq")
+
+
 def _noop_layers(args: Args, slots: int | None) -> frozenset[int]:
     arg = args.get("--noop-layers")
     if arg is None:
@@ -274,6 +318,8 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
         put("num_experts", 0, "no --num-experts")
         if base is not None and base.is_moe:
             put("layer_mlp_kinds", ("dense",) * (slots - len(noop) if slots else base.num_layers), "no --num-experts")
+
+    _window(args, put, slots if slots is not None else (base.num_layers if base else None), noop, defines)
 
     mtp = args.integer("--mtp-num-layers", "--num-nextn-predict-layers", minimum=0)
     if mtp is not None:
