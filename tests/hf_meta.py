@@ -18,6 +18,7 @@ _BLOCK_RULES = [
     (re.compile(r"\.mlp\.(shared_expert|shared_experts|shared_expert_gate)\b"), "shared_experts"),
     (re.compile(r"\.mlp\.experts\."), "routed_experts"),
     (re.compile(r"\.mlp\.gate\.(weight|bias)$"), "router"),
+    (re.compile(r"\.mlp\.router\.(weight|bias)$"), "router"),  # gpt-oss
     (re.compile(r"\.mlp\."), "mlp"),
 ]
 

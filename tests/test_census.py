@@ -385,3 +385,19 @@ def test_instruments_on_a_tiny_graph(policy):
     else:  # selective keeps the mm output, recomputes relu
         assert saved == {"input": 2 * T * h, "aten.mm": 2 * T * n}
         assert r.live_only == 1
+
+
+TINY_GPT_OSS = dict(
+    model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+    sliding_window=8,
+)
+
+
+@needs_torch
+def test_a_model_without_an_sdpa_path_says_to_run_eager():
+    """transformers builds gpt-oss with eager attention only: the census says so, no traceback."""
+    from ndplan.census import run_census
+
+    with pytest.raises(NdplanError, match="cannot build 'gpt_oss' with attention 'sdpa'; try --attention eager"):
+        run_census(TINY_GPT_OSS, seq_length=SEQ)

@@ -57,6 +57,18 @@ def test_published_totals(name, total):
     assert count_parameters(get_preset(name)).total == total
 
 
+@pytest.mark.parametrize("name,total,active", [("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)])
+def test_gpt_oss_matches_its_model_card(name, total, active):
+    """The model card's table (to 10M): total, and active per token counting the unembedding
+    but not the embedding (ndplan's active counts both). Biases on attention, router and
+    experts and one sink per head are parameters too: without them 20b would count 20.90B."""
+    counts = count_parameters(get_preset(name))
+    assert round(counts.total / 1e7) == round(total / 1e7)
+    assert round((counts.active - counts.embedding) / 1e7) == round(active / 1e7)
+    spec = get_preset(name)
+    assert spec.sliding_window == 128 and spec.layer_attention_spans[:2] == ("sliding", "full")
+
+
 def test_moe_active_parameters_match_published_rounded_figures():
     # DeepSeek-V3: 671B total, 37B activated; Qwen3-30B-A3B: 30.5B / 3.3B; Mixtral-8x7B: 12.9B active.
     v3 = count_parameters(get_preset("deepseek-v3"))

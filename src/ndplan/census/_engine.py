@@ -413,8 +413,14 @@ def build_meta_model(config: Any) -> Any:
     experts = getattr(config, "census_experts", None)
     if experts and model_cls._can_set_experts_implementation():
         config._experts_implementation = experts
-    with torch.device("meta"), _quiet_transformers():
-        model = model_cls(config)
+    try:
+        with torch.device("meta"), _quiet_transformers():
+            model = model_cls(config)
+    except ValueError as error:  # transformers refuses an attention kernel the model lacks
+        attention = getattr(config, "_attn_implementation", None)
+        hint = "; try --attention eager" if attention == "sdpa" else ""
+        raise NdplanError(f"census: transformers cannot build {config.model_type!r} with attention "
+                          f"{attention!r}{hint} ({str(error).splitlines()[0][:160]})") from None
     if getattr(model.config, "_attn_implementation", None) != config._attn_implementation:
         raise NdplanError(
             f"census: transformers chose attention {model.config._attn_implementation!r}, "

@@ -210,12 +210,19 @@ def _model(m: ModelSpec, lost: list[str]) -> Flags:
         flags.append(("--squared-relu", None))
     elif m.gated_mlp or not m.activation.startswith("gelu"):
         lost.append(f"activation {m.activation}{' (gated)' if m.gated_mlp else ''}")
-    if not (m.qkv_bias or m.o_bias or m.mlp_bias):
+    # Megatron's add_bias_linear covers every linear layer, experts included: dense MLP biases
+    # count where the model has dense layers, expert biases where it has experts.
+    mlp_biases = ([m.mlp_bias] if m.num_dense_layers else []) + ([m.expert_bias] if m.is_moe else [])
+    if not (m.qkv_bias or m.o_bias or any(mlp_biases)):
         flags.append(("--disable-bias-linear", None))
-    elif m.qkv_bias and not m.o_bias and not m.mlp_bias:
+    elif m.qkv_bias and not m.o_bias and not any(mlp_biases):
         flags += [("--disable-bias-linear", None), ("--add-qkv-bias", None)]
-    elif not (m.qkv_bias and m.o_bias and m.mlp_bias):
-        lost.append(f"biases qkv={m.qkv_bias} o={m.o_bias} mlp={m.mlp_bias}")
+    elif not (m.qkv_bias and m.o_bias and all(mlp_biases)):
+        lost.append(f"biases qkv={m.qkv_bias} o={m.o_bias} mlp={m.mlp_bias} experts={m.expert_bias}")
+    if m.router_bias:
+        lost.append("the router bias")
+    if m.attention_sinks:
+        flags.append(("--softmax-type", "learnable"))
     if not m.tie_word_embeddings:
         flags.append(("--untie-embeddings-and-output-weights", None))
     if m.is_moe:

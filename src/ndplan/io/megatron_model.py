@@ -278,9 +278,17 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
         label = "--disable-bias-linear" if no_bias else "Megatron's default (no --disable-bias-linear)"
         put("o_bias", not no_bias, label)
         put("mlp_bias", not no_bias, label)
+        put("expert_bias", not no_bias, label)  # Megatron-Core's experts take add_bias_linear too
         put("qkv_bias", not no_bias or args.has("--add-qkv-bias"), "--add-qkv-bias" if no_bias else label)
     elif args.has("--add-qkv-bias"):
         put("qkv_bias", True, "--add-qkv-bias")
+    softmax = args.text("--softmax-type")
+    if softmax is not None:
+        if softmax not in ("vanilla", "learnable"):
+            raise args.error("--softmax-type", f"must be vanilla or learnable (modelled), got {softmax!r}")
+        put("attention_sinks", softmax == "learnable", "--softmax-type")
+    elif defines:
+        put("attention_sinks", False, "no --softmax-type")
     if args.has("--qk-layernorm") and not mla:
         put("qk_norm", True, "--qk-layernorm")
     elif defines and not mla:

@@ -224,6 +224,30 @@ def _qwen3_moe(r: _Reader) -> dict[str, Any]:
     }
 
 
+def _gpt_oss(r: _Reader) -> dict[str, Any]:
+    """gpt-oss: biases on every attention projection, the router and the experts, a learned
+    sink logit per head, and sliding-window layers every other one from the first (transformers'
+    default ``layer_types``). Its clamped SwiGLU (alpha 1.702, limit 7, up + 1) is priced as a
+    plain gated SiLU MLP: the same matmuls, slightly different element-wise passes."""
+    fields = _common_fields(r)
+    bias = r.flag("attention_bias", True)
+    layers = fields["num_layers"]
+    experts = r.integer("num_local_experts")
+    return {
+        **fields,
+        "ffn_hidden_size": 0,
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "attention_sinks": True,
+        "num_experts": experts,
+        "num_experts_per_tok": r.integer("num_experts_per_tok", 4),
+        "moe_ffn_hidden_size": r.integer("intermediate_size"),
+        "router_bias": True,
+        "expert_bias": True,
+        **_attention_spans(r, layers, r.get("sliding_window", 128), lambda i: i % 2 == 0),
+    }
+
+
 def _deepseek(r: _Reader) -> dict[str, Any]:
     fields = _common_fields(r)
     if r.flag("mlp_bias", False):
@@ -272,6 +296,7 @@ READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe,
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
+    "gpt_oss": _gpt_oss,
 }
 
 

@@ -69,7 +69,8 @@ def attention_params(spec: ModelSpec) -> int:
     qkv = h * (q_width + 2 * kv_width) + ((q_width + 2 * kv_width) if spec.qkv_bias else 0)
     output = q_width * h + (h if spec.o_bias else 0)
     qk_norm = 2 * d if spec.qk_norm else 0
-    return qkv + output + qk_norm
+    sinks = heads if spec.attention_sinks else 0
+    return qkv + output + qk_norm + sinks
 
 
 def mlp_params(spec: ModelSpec, width: int, *, bias: bool) -> int:
@@ -86,9 +87,9 @@ def layer_params(spec: ModelSpec, kind: MlpKind) -> LayerParams:
     norms = 2 * norm_params(spec, h)
     if kind == "dense":
         return LayerParams(attention, norms, mlp_params(spec, spec.ffn_hidden_size, bias=spec.mlp_bias), 0, 0, 0)
-    router = spec.num_experts * h
-    # Expert weights are stacked 3-D tensors in transformers, without biases.
-    routed = spec.num_experts * mlp_params(spec, spec.moe_ffn_hidden_size, bias=False)
+    router = spec.num_experts * (h + (1 if spec.router_bias else 0))
+    # Expert weights are stacked 3-D tensors in transformers, without biases but in gpt-oss.
+    routed = spec.num_experts * mlp_params(spec, spec.moe_ffn_hidden_size, bias=spec.expert_bias)
     shared = spec.num_shared_experts * mlp_params(spec, spec.shared_expert_ffn_hidden_size, bias=False)
     if spec.shared_expert_gate:
         shared += h

@@ -47,6 +47,7 @@ class ModelSpec(BaseModel):
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    attention_sinks: bool = False  # a learned logit per head joining each softmax (gpt-oss)
 
     # Multi-head latent attention (DeepSeek-V2/V3). kv_lora_rank > 0 switches it on.
     q_lora_rank: int = Field(default=0, ge=0, description="0: queries are not compressed")
@@ -62,6 +63,8 @@ class ModelSpec(BaseModel):
     num_shared_experts: int = Field(default=0, ge=0)
     shared_expert_ffn_hidden_size: int = Field(default=0, ge=0, description="width of each shared expert")
     shared_expert_gate: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False  # biases on every routed expert's projections (gpt-oss)
     layer_mlp_kinds: tuple[MlpKind, ...] = ()
 
     mtp_depth: int = Field(default=0, ge=0, description="multi-token-prediction modules")
