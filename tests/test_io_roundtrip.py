@@ -254,3 +254,17 @@ def test_megatron_overlap_flags_round_trip(overlap: str, tmp_path: Path) -> None
     for switch in ("dp_grad_reduce", "dp_param_gather", "tp", "ep_dispatch"):
         assert getattr(read, switch) == getattr(config, switch), switch
     assert read.ep is (True if config.ep is True else None)
+
+
+def test_megatron_softmax_type_reads_sinks(tmp_path: Path) -> None:
+    """--softmax-type learnable: a learned sink logit per head (gpt-oss); other kinds are refused by name."""
+    path = tmp_path / "run.sh"
+    flags = ("torchrun pretrain_gpt.py --num-layers 2 --hidden-size 256 --num-attention-heads 4 "
+             "--padded-vocab-size 1000 --tensor-model-parallel-size 1 --softmax-type {}\n")
+    path.write_text(flags.format("learnable"))
+    model = read_config(path).model
+    assert model is not None and model.attention_sinks
+    assert count_parameters(model).attention == 2 * (4 * 256 * 256 + 4 * 256 + 4)  # q k v o with biases, 4 sinks
+    path.write_text(flags.format("off-by-one"))
+    with pytest.raises(NdplanError, match="--softmax-type.*must be vanilla or learnable"):
+        read_config(path)
