@@ -144,7 +144,7 @@ def build_problems(
     static_of = {kind: elements.non_expert[kind] * per_element + elements.expert[kind] * per_expert_element
                  for kind in ("dense", "moe")}
     # The update's temporaries per element the rank's optimizer holds (``stages.stage_memory``).
-    temp_bytes = np.where(head.optimizer_offload > 0, 0.0,
+    temp_bytes = np.where((head.optimizer_offload > 0) | (p.optimizer_bytes == 0), 0.0,
                           options.profile.optimizer_temp_copies * (p.master_weight_bytes or p.param_bytes))
     step_of = {kind: static_of[kind] + temp_bytes * (elements.non_expert[kind] / shards.optimizer
                                                      + elements.expert[kind] / shards.expert_optimizer)
@@ -168,7 +168,11 @@ def build_problems(
         # estimator's forward/backward peaks minus the layer terms, for uniform placement with no
         # and with full recompute (recompute adds a rebuild transient); the larger of the two is
         # kept. The optimizer step's likewise, from its own peak (the same under either).
-        placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule)
+        # The placement the estimator priced (the strategy's own stage_layers, or its uniform one
+        # with the embedding or head counted as a layer): its layer terms come off its totals.
+        placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule, strategy.stage_layers,
+                                 embedding_as_layer=strategy.embedding_as_layer,
+                                 output_as_layer=strategy.output_as_layer)
         flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
         emb_static = float(model.vocab_size * model.hidden_size / strategy.tp) * float(per_element[j]) * slack
         out_activation = float(acts.output[j] + model.mtp_depth * acts.mtp_extra[j]) * tokens * slack

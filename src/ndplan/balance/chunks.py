@@ -171,13 +171,17 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     ends = np.cumsum(mixes[:, by_activation[:-1]], axis=1)  # [K, R − 1] slots used after each option
     falling = activation[by_activation]
     steps = falling[:-1] - falling[1:]
-    if R - 1 < 8:  # the sum over options term by term: what .sum(axis=2) adds, in its order, without a gather of [pp, K, R − 1]
+    held_all = slots[:, j_of, totals[j_of]] * falling[-1]  # every slot at the last option's bytes
+    if R == 1:  # one option (activation offload beside interleaving leaves "none" alone)
+        act_bytes = held_all
+    elif R - 1 < 8:  # the sum over options term by term: what .sum(axis=2) adds, in its order, without a gather of [pp, K, R − 1]
         act_bytes = slots[:, j_of, ends[:, 0]] * steps[0]  # [pp, K]
         for r in range(1, R - 1):
             act_bytes = act_bytes + slots[:, j_of, ends[:, r]] * steps[r]
+        act_bytes += held_all
     else:  # numpy sums eight terms or more pairwise
         act_bytes = (slots[:, j_of[:, None], ends] * steps).sum(axis=2)
-    act_bytes += slots[:, j_of, totals[j_of]] * falling[-1]
+        act_bytes += held_all
     memory = base_bytes[:, None] + (mixes @ static)[None] + act_bytes
     memory = memory + np.where((mixes @ recomputes) > 0, transient[:, None], 0.0)
     seconds = np.where(memory <= limit, base_time[:, None] + (mixes @ time)[None], np.inf)  # [pp, K]
