@@ -183,3 +183,27 @@ def test_built_problem_places_layers_as_the_estimator_did():
             plan = Plan(counts, (option,) * 36)
             np.testing.assert_allclose(evaluate(problem, plan).stage_memory_bytes,
                                        plan_stage_bytes(model, strategy, plan, options), rtol=1e-9)
+
+
+def test_a_step_that_cannot_bind_is_left_out():
+    """Megatron's update keeps no temporaries: the step (static bytes) never exceeds the
+    forward/backward, so the problem carries no step and the solvers skip its masks; PyTorch's
+    fp32 temporary can make it the peak, so there it stays."""
+    from ndplan.balance import build_problem
+    from ndplan.balance.problem import step_never_binds
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import MemoryOptions
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    model, strategy = get_preset("qwen3-8b"), Strategy(pp=4, num_micro_batches=8, seq_length=2048)
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=4)
+    megatron = build_problem(model, strategy, cluster, 80 * GIB, MemoryOptions(runtime="megatron"))
+    pytorch = build_problem(model, strategy, cluster, 80 * GIB, MemoryOptions(runtime="pytorch"))
+    assert megatron.step_fixed_bytes is None and megatron.step_layer_bytes is None
+    assert pytorch.step_fixed_bytes is not None and not step_never_binds(pytorch)
+    # The rule itself: a layer whose step bytes exceed what it holds through the backward binds.
+    bound = with_step(random_problem(("dense",) * 8, 2, 40, seed=1), 1, [0, 0])
+    assert not step_never_binds(bound)
+    loose = replace(bound, step_fixed_bytes=np.zeros(2), step_layer_bytes={"dense": 0.0})
+    assert step_never_binds(loose)

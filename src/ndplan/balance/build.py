@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time as clock
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from ndplan.balance.problem import (
     PlanCost,
     evaluate,
     simulated_step_s,
+    step_never_binds,
     uniform_plan,
 )
 from ndplan.balance.solve import exact_method, solve_exact, solve_heuristic
@@ -201,13 +202,16 @@ def build_problems(
             fixed_of[option] = device - moving
         fixed = fixed_of["none"]
         transient = np.maximum(fixed_of["full"] - fixed_of["none"], 0.0)
-        problems.append(BalanceProblem(
+        problem = BalanceProblem(
             layer_kinds=model.layer_mlp_kinds, options=runnable_options(strategy, options, selective_modules),
             costs=costs, stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=np.asarray(flight.peak),
             num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
             fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
             step_fixed_bytes=step_fixed, step_layer_bytes=step_layer,
-        ))
+        )
+        # A step that can never be the peak (Megatron's) is left out: the solvers skip its masks.
+        problems.append(replace(problem, step_fixed_bytes=None, step_layer_bytes=None)
+                        if step_never_binds(problem) else problem)
     return problems
 
 

@@ -276,6 +276,24 @@ def stage_bases(problem: BalanceProblem, constants: EvaluationConstants | None =
     return bytes_, seconds, transient
 
 
+def step_never_binds(problem: BalanceProblem) -> bool:
+    """The optimizer step's peak stays at or under the forward/backward one for every plan, so
+    the solvers may leave it out: each layer holds at least its step bytes through the
+    forward/backward under any option (its static bytes and its activations at the fewest
+    micro-batches any chunk holds), and each stage's fixed step bytes are at most its fixed
+    forward/backward bytes with the embedding and head. Megatron's update keeps no temporaries,
+    so there it never binds."""
+    if problem.step_fixed_bytes is None or problem.step_layer_bytes is None:
+        return True
+    fewest = float(np.asarray(problem.peak_in_flight).min())
+    for kind in set(problem.layer_kinds):
+        held = min(problem.costs[(kind, option)].static_bytes + fewest * problem.costs[(kind, option)].activation_bytes
+                   for option in problem.options)
+        if problem.step_layer_bytes[kind] > held:
+            return False
+    return bool((np.asarray(problem.step_fixed_bytes, dtype=float) <= stage_bases(problem)[0]).all())
+
+
 def composed_step_s(problem: BalanceProblem, stage_time_s: np.ndarray) -> float:
     """(m − 1/v)·max_s T_s + (1/v)·Σ_s T_s seconds (module docstring), T_s per micro-batch."""
     v = problem.chunks_per_stage
