@@ -196,10 +196,30 @@ def test_bad_plan_files(tmp_path, capsys):
     for text, words in [("tp: two", "setting 'tp' must be a whole number, got 'two'"),
                         ("devices: 8.0", "setting 'devices' must be a whole number, got 8.0"),
                         ("devices: 0", "setting 'devices' must be at least 1, got 0"),
-                        ("sp: true\ngbs: yes", "setting 'gbs' must be a whole number, got True")]:
+                        ("sp: true\ngbs: yes", "setting 'gbs' must be a whole number, got True"),
+                        # a quoted "false" once turned ZeRO-3 on: fsdp decides zero before validation
+                        ('fsdp: "false"', "setting 'fsdp' must be true or false, got 'false'")]:
         plan.write_text(f"model: llama-3.1-8b\nhardware: h100-sxm\n{text}\n")
         code, _, err = run(["estimate", "--plan", str(plan)], capsys)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_file_names_must_be_text(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("hardware: 5\n")
+    code, _, err = run(["check", "--model", "llama-3.1-8b", "--devices", "8", "--plan", str(plan)], capsys)
+    assert code == 2 and "setting 'hardware' must be a name or a path, got 5" in err
+
+
+@pytest.mark.parametrize("flag", ["--model", "--hardware", "--plan", "--efficiency", "--census"])
+def test_a_file_that_is_not_text_is_named(flag, tmp_path, capsys):
+    binary = tmp_path / "blob.json"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    argv = {"--model": "llama-3.1-8b", "--hardware": "h100-sxm"}
+    argv[flag] = str(binary)
+    flags = [x for pair in argv.items() for x in pair]
+    code, _, err = run(["estimate", *flags, "--devices", "8", "--gbs", "8"], capsys)
+    assert code == 2 and f"{binary}: not a UTF-8 text file" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_bad_numbers_and_paths_are_one_line_errors(tmp_path, capsys):

@@ -115,3 +115,18 @@ def test_preset_configs_carry_their_window_fields():
     presets = files("ndplan.model") / "presets"
     assert json.loads((presets / "mistral-7b.json").read_text())["sliding_window"] == 4096
     assert json.loads((presets / "qwen2.5-7b.json").read_text())["use_sliding_window"] is False
+
+
+def test_a_spec_with_a_window_and_no_pattern_slides_every_layer(tmp_path):
+    from ndplan.model import load_model
+
+    spec = tmp_path / "mine.yaml"
+    spec.write_text("num_layers: 4\nhidden_size: 64\nffn_hidden_size: 96\nnum_attention_heads: 4\nnum_kv_heads: 2\n"
+                    "head_dim: 16\nvocab_size: 100\nsliding_window: 512\n")
+    assert load_model(str(spec)).layer_attention_spans == ("sliding",) * 4
+
+
+def test_layer_types_of_the_wrong_type_are_named():
+    config = {**QWEN2, "use_sliding_window": True, "layer_types": [["sliding_attention"]] * 6}
+    with pytest.raises(NdplanError, match="field 'layer_types' must list 6 entries"):
+        spec_from_hf_config(config, name="q")

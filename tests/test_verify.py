@@ -137,6 +137,11 @@ def test_cli_verify_malformed_file(run, tmp_path: Path) -> None:
     bad.write_text(json.dumps({"model": "llama-3.1-8b", "strategy": {"pp": 2}, "ranks": [{"stage": 0}]}))
     code, _, err = run("verify", "--measured", bad)
     assert code == 2 and "ranks[0]: missing 'allocated_bytes'" in err
+    # A zero peak made the error infinite and the JSON invalid ("Infinity").
+    bad.write_text(json.dumps({"model": "llama-3.1-8b", "strategy": {"pp": 2},
+                               "ranks": [{"stage": 0, "allocated_bytes": 0}]}))
+    code, _, err = run("verify", "--measured", bad, "--json")
+    assert code == 2 and "'allocated_bytes' must be above 0" in err
 
 
 def test_missing_torch_names_the_extra(run, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -123,6 +123,12 @@ def read_plan_file(path: Path) -> dict[str, Any]:
             raise NdplanError(f"{path}: setting '{key}' must be a whole number, got {value!r}")
     if isinstance(data.get("devices"), int) and data["devices"] < 1:
         raise NdplanError(f"{path}: setting 'devices' must be at least 1, got {data['devices']}")
+    # fsdp decides the ZeRO stage before the Strategy validates it: a quoted "false" is not true.
+    if data.get("fsdp") is not None and not isinstance(data["fsdp"], bool):
+        raise NdplanError(f"{path}: setting 'fsdp' must be true or false, got {data['fsdp']!r}")
+    for key in sorted({"model", "hardware", "efficiency"} & set(data)):
+        if data[key] is not None and not isinstance(data[key], str):
+            raise NdplanError(f"{path}: setting '{key}' must be a name or a path, got {data[key]!r}")
     return data
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -19,3 +21,12 @@ def by_name_or_object(value: object, kind: type, load: Callable[[str], Any], wha
     if not isinstance(value, kind):
         raise NdplanError(f"{what} must be a {kind.__name__} or a {noun} name, got {type(value).__name__}")
     return value
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """A user's file as UTF-8 text: one that is not text (a binary, another encoding) is an
+    ``NdplanError`` naming it, not a UnicodeDecodeError."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise NdplanError(f"{path}: not a UTF-8 text file ({error.reason} at byte {error.start})") from None

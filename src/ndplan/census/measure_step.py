@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, read_text
 from ndplan.strategy import Strategy
 
 #: The schema of a measured-memory JSON file (written by ``ndplan measure --out``, or by hand from
@@ -260,6 +260,8 @@ def measurement_from_dict(data: Any, source: str = "measured file") -> StepMeasu
             raise NdplanError(f"{where}: stage {stage} does not exist with pp={strategy.pp}")
         allocated = _int_field(entry, "allocated_bytes", where, required=True)
         assert allocated is not None
+        if allocated == 0:  # a training step holds at least its parameters
+            raise NdplanError(f"{where}: 'allocated_bytes' must be above 0 (a step holds its parameters at least)")
         categories = entry.get("categories") or {}
         if not isinstance(categories, dict):
             raise NdplanError(f"{where}: 'categories' must be an object of bytes")
@@ -292,7 +294,7 @@ def measurement_from_dict(data: Any, source: str = "measured file") -> StepMeasu
 def load_measurement(path: str | Path) -> StepMeasurement:
     p = Path(path)
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = json.loads(read_text(p))
     except OSError as error:
         raise NdplanError(f"{p}: cannot read: {error.strerror or error}") from None
     except json.JSONDecodeError as error:

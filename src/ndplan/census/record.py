@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, read_text
 
 SCHEMA_VERSION = 1
 
@@ -187,7 +187,7 @@ def load_census_file(path: str | Path) -> list[CensusRecord]:
     """Read a census JSON file; NdplanError (naming the field) if it is malformed."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_text(p)
     except OSError as e:
         raise NdplanError(f"cannot read census file {p}: {e.strerror or e}") from None
     return from_json(text, source=f"census file {p}")

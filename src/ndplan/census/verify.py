@@ -12,6 +12,7 @@ comparing with a measured JSON file needs neither torch nor transformers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -116,7 +117,8 @@ class Verification:
             "strategy": self.measurement.strategy.model_dump(mode="json", exclude_defaults=True)
             | {"precision": self.measurement.strategy.precision.name},
             "measurement_source": self.measurement.source,
-            "worst_error_pct": None if worst is None or worst.error_pct is None else round(worst.error_pct, 3),
+            "worst_error_pct": None if worst is None or worst.error_pct is None or math.isinf(worst.error_pct)
+            else round(worst.error_pct, 3),
             "stages": [
                 {"stage": s.stage, "layers": s.layers, "measured_ranks": s.measured_ranks,
                  "rows": [r.to_dict() for r in s.rows]}

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError, by_name_or_object
+from ndplan.errors import NdplanError, by_name_or_object, read_text
 from ndplan.hardware.device import Device
 
 _PRESET_FILE = "devices.yaml"
@@ -89,7 +89,7 @@ def load_device_file(path: str | Path) -> Device | list[Device]:
     """
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_text(path)
     except OSError as exc:
         raise NdplanError(f"{source}: cannot read hardware file ({exc.strerror or exc})") from exc
     data = _parse(text, source, json_syntax=source.lower().endswith(".json"))

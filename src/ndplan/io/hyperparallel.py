@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from ndplan.errors import read_text
 from ndplan.io.common import (
     ReadResult,
     Section,
@@ -117,7 +118,7 @@ def _model(section: Section, path: Path, base: ModelSpec | None, warnings: list[
                 break
         if config_file is not None:
             try:
-                config = json.loads(config_file.read_text())
+                config = json.loads(read_text(config_file))
             except json.JSONDecodeError as error:
                 raise src.error(section.label(where), f"{config_file}:{error.lineno}: malformed JSON: {error.msg}",
                                 section.line(where)) from None

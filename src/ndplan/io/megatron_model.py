@@ -28,6 +28,9 @@ class FlagModel:
     noop: frozenset[int]
 
 
+_MOST_PATTERN_LAYERS = 100_000  # no model has nearly as many layers
+
+
 def parse_pattern(text: str) -> list[int]:
     """Megatron's layer-pattern expressions, e.g. ``([0]*3+[1]*58)`` or ``[1,0]*4``, without eval.
 
@@ -60,7 +63,10 @@ def parse_pattern(text: str) -> list[int]:
         out = atom()
         while peek() == "*":
             take("*")
-            out = out * int(take())
+            times = int(take())
+            if len(out) * times > _MOST_PATTERN_LAYERS:  # refused before the list is built
+                raise ValueError(f"pattern of over {_MOST_PATTERN_LAYERS:,} layers: {text!r}")
+            out = out * times
         return out
 
     def atom() -> list[int]:
@@ -119,7 +125,7 @@ def _window(args: Args, put: Callable[[str, Any, str], None], slots: int | None,
             if layers is not None:
                 put("layer_attention_spans", ("full",) * (layers - len(noop)), "no --window-size")
         return
-    text = "".join(size.values).strip("()")
+    text = ",".join(v.strip(",") for v in size.values if v.strip(",")).strip("()")
     parts = text.split(",")
     if len(parts) != 2 or not all(re.fullmatch(r"-?\d+", p.strip()) for p in parts):
         raise args.error(size, f"must be two integers 'left,right', got {text!r}")
@@ -144,6 +150,8 @@ def _window(args: Args, put: Callable[[str, Any, str], None], slots: int | None,
             raise args.error(freq, str(error)) from None
         if len(pattern) != layers:
             raise args.error(freq, f"pattern has {len(pattern)} entries but --num-layers is {layers}")
+        if any(bit not in (0, 1) for bit in pattern):
+            raise args.error(freq, "a pattern's entries are 1 (sliding) or 0 (full)")
     spans = tuple("sliding" if bit else "full" for i, bit in enumerate(pattern) if i not in noop)
     put("layer_attention_spans", spans, "--window-attn-skip-freq")
 

@@ -102,7 +102,7 @@ def _attention_spans(r: _Reader, num_layers: int, window: int | None,
         raise NdplanError(f"{r.source}: field 'sliding_window' must be a positive integer or null, got {window!r}")
     types = r.config.get("layer_types")
     if types is not None:
-        if not isinstance(types, list) or len(types) != num_layers or any(t not in _SPANS for t in types):
+        if not isinstance(types, list) or len(types) != num_layers or any(not isinstance(t, str) or t not in _SPANS for t in types):
             raise NdplanError(f"{r.source}: field 'layer_types' must list {num_layers} entries, each one of "
                               f"{', '.join(_SPANS)}; got {types!r}")
         spans = tuple(_SPANS[t] for t in types)

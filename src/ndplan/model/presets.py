@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError, by_name_or_object
+from ndplan.errors import NdplanError, by_name_or_object, read_text
 from ndplan.model.hf import first_validation_error, spec_from_hf_config
 from ndplan.model.spec import ModelSpec
 
@@ -62,7 +62,7 @@ def read_structured_file(path: Path) -> Any:
     """Parse a JSON or YAML file; a syntax error names the file and line."""
     if not path.is_file():
         raise NdplanError(f"{path}: no such file")
-    text = path.read_text()
+    text = read_text(path)
     try:
         if path.suffix.lower() == ".json":
             return json.loads(text)

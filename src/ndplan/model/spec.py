@@ -84,8 +84,10 @@ class ModelSpec(BaseModel):
             except (TypeError, ValueError):
                 pass  # the field validator reports the bad num_layers
         if isinstance(data, dict) and not data.get("layer_attention_spans") and "num_layers" in data:
+            # A window without a pattern slides on every layer, as Mistral's config means it.
+            span = "sliding" if data.get("sliding_window") else "full"
             try:
-                data = {**data, "layer_attention_spans": ("full",) * int(data["num_layers"])}
+                data = {**data, "layer_attention_spans": (span,) * int(data["num_layers"])}
             except (TypeError, ValueError):
                 pass
         return data

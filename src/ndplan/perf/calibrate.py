@@ -32,7 +32,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, read_text
 from ndplan.hardware.device import Cluster, Device
 from ndplan.hardware.presets import get_device
 from ndplan.model.presets import get_preset
@@ -178,7 +178,7 @@ def load_runs(path: str | Path) -> list[MeasuredRun]:
     """Read runs from YAML/JSON: a list, or a mapping with a ``runs:`` list."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_text(path)
         data = json.loads(text) if source.endswith(".json") else yaml.safe_load(text)
     except OSError as exc:
         raise NdplanError(f"{source}: cannot read runs ({exc.strerror or exc})") from exc

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, read_text
 from ndplan.hardware.device import Device
 
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -282,7 +282,7 @@ def load_efficiency(path: str | Path, base: EfficiencyProfile | None = None) -> 
     """
     source = str(path)
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = yaml.safe_load(read_text(path))
     except OSError as exc:
         raise NdplanError(f"{source}: cannot read efficiency profile ({exc.strerror or exc})") from exc
     except yaml.YAMLError as exc:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, read_text
 
 
 def add_report_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -54,7 +54,7 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 def load_result(source: str) -> dict[str, Any]:
     """A saved result: a JSON object from a file, or from stdin for '-'."""
     try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+        text = sys.stdin.read() if source == "-" else read_text(source)
     except OSError as error:
         raise NdplanError(f"cannot read {source}: {error.strerror or error}") from None
     try:
