@@ -276,3 +276,15 @@ def test_megatron_softmax_type_reads_sinks(tmp_path: Path) -> None:
     path.write_text(flags.format("off-by-one"))
     with pytest.raises(NdplanError, match="--softmax-type.*must be vanilla or learnable"):
         read_config(path)
+
+
+def test_formats_naming_a_preset_say_when_they_lose_its_window() -> None:
+    """torchtitan names a flavour, HyperParallel a Hub repo: a window the named model lacks is
+    listed as lost; Mistral's own window travels with its repo's config."""
+    strategy = Strategy(dp=2, micro_batch_size=1, num_micro_batches=2)
+    base = get_preset("llama-3.1-8b")
+    windowed = base.model_copy(update={"sliding_window": 4096, "layer_attention_spans": ("sliding",) * base.num_layers})
+    assert "sliding-window attention (32 of 32 layers, 4,096 keys)" in emit(windowed, strategy, "torchtitan")
+    assert "sliding-window attention" in emit(windowed, strategy, "hyperparallel")
+    assert "sliding-window" not in emit(get_preset("mistral-7b"), strategy, "hyperparallel")
+    assert "sliding-window" not in emit(base, strategy, "torchtitan")

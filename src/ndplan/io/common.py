@@ -493,6 +493,20 @@ def _shared_total(fields: Mapping[str, Any]) -> int:
     return int(fields.get("num_shared_experts") or 0) * int(fields.get("shared_expert_ffn_hidden_size") or 0)
 
 
+def window_lost(model: ModelSpec, preset_name: str, builds: str) -> str | None:
+    """What a format that names its model by a preset (torchtitan's flavour, HyperParallel's
+    Hub repo) loses of the model's sliding-window layers, where they differ from that preset's;
+    None where they agree."""
+    from ndplan.model import get_preset
+
+    preset = get_preset(preset_name)
+    if (model.sliding_window, model.layer_attention_spans) == (preset.sliding_window, preset.layer_attention_spans):
+        return None
+    sliding = model.layer_attention_spans.count("sliding")
+    return (f"sliding-window attention ({sliding} of {model.num_layers} layers, {model.sliding_window:,} keys): "
+            f"{builds} builds {preset_name}'s attention")
+
+
 def merge_model(
     src: Source,
     stated: Stated,

@@ -36,6 +36,7 @@ from ndplan.io.common import (
     policy_of,
     precision_setting,
     set_placement,
+    window_lost,
 )
 from ndplan.io.mindformers import counts_from_offset, offsets_for
 from ndplan.model.hf import spec_from_hf_config
@@ -444,6 +445,10 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
     repo = preset_index().get(model.name, {}).get("hf_repo") if model is not None else None
     if repo:
         model_doc["pretrained_model_name_or_path"] = repo
+        assert model is not None  # a repo comes from the model's preset
+        windows = window_lost(model, model.name, f"the config of {repo}")
+        if windows:
+            lost.append(windows)
     p = policy_of(s.precision)
     mixed: dict[str, Any] = {"enabled": False}
     fp32_main = False

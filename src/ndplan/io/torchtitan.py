@@ -29,6 +29,7 @@ from ndplan.io.common import (
     policy_of,
     precision_setting,
     set_placement,
+    window_lost,
 )
 from ndplan.model.presets import get_preset
 from ndplan.model.spec import ModelSpec
@@ -440,6 +441,9 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
         notes.append(f"torchtitan's {flavour[0]} {flavour[1]} builds no MTP module; {model.name}'s MTP is left out")
     if flavour is not None:
         tables["model"] = {"name": flavour[0], "flavor": flavour[1]}
+        windows = window_lost(model, FLAVOURS[flavour], f"torchtitan's {flavour[0]} {flavour[1]}") if model else None
+        if windows:
+            lost.append(windows)
     p = policy_of(s.precision)
     training: dict[str, Any] = {}
     if p.name in ("fsdp-bf16", "fsdp-fp8") or (p.param_bytes == 4 and p.master_weight_bytes == 0 and p.compute_dtype in ("bf16", "fp8")
