@@ -517,3 +517,13 @@ def test_search_balance_for_torchtitan_ranks_settings_torchtitan_writes(capsys):
     assert megatron["balanced_settings"]["strategy"]["recompute_layers"] > 0
     assert titan["balanced_settings"]["strategy"]["recompute_layers"] == 0
     assert titan["step_s"] >= megatron["step_s"]
+
+
+def test_search_with_a_fixed_value_no_cluster_allows_says_so(capsys):
+    """tp=3 never divides a power-of-two cluster: more devices cannot help, and the search says
+    that rather than "no strategy fits even on 512 devices"."""
+    code, out, _ = run(["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--seq", "4096",
+                        "--fix", "tp=3"], capsys)
+    text = " ".join(out.split())
+    assert "no candidate is valid on up to 512 devices either: more devices do not help" in text
+    assert "fits even on" not in text

@@ -681,6 +681,8 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
         notes.append("no candidate is valid: each breaks a rule, counted above at the first it breaks")
     from ndplan.search import run_search
 
+    valid_anywhere = [result.evaluated > 0]
+
     def best_on(count: int) -> str | None:
         try:
             trial_space = space_on(count)
@@ -688,6 +690,7 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
             return None
         trial = run_search(model, device, trial_space, memory_limit_bytes=result.memory_limit_bytes,
                            options=options, top=1)
+        valid_anywhere[0] = valid_anywhere[0] or trial.evaluated > 0
         return trial.ranked[0]["label"] if trial.ranked else None
 
     # Doubling finds a cluster that fits; bisection over whole nodes (or multiples of the count
@@ -704,7 +707,11 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
         low = devices * factor
         factor *= 2
     if found is None:
-        notes.append(f"no strategy fits even on {low} devices")
+        if valid_anywhere[0]:
+            notes.append(f"no strategy fits even on {low} devices")
+        else:  # more devices do not lift the rule: a fixed value breaks it everywhere
+            notes.append(f"no candidate is valid on up to {low} devices either: more devices do not help; "
+                         "check the --fix values against the rules counted above")
         return notes
     high, label = found
     while (high - low) // step > 1:  # fits at high, not at low (in step multiples)
