@@ -222,3 +222,13 @@ def test_calibrate_names_the_run_whose_strategy_is_broken(strategy: str, words: 
     runs.write_text("runs:\n" + entry.format("r1", good) + entry.format("r2", strategy))
     with pytest.raises(NdplanError, match=words.replace("(", r"\(")):
         load_runs(runs)
+
+
+def test_calibrate_refuses_a_measurement_faster_than_the_peak(tmp_path: Path):
+    """1e6 TFLOP/s per A100 (a unit slip) once calibrated to 'worst 621449%'."""
+    runs = tmp_path / "runs.yaml"
+    runs.write_text("runs:\n  - id: slip\n    source: me\n    model: llama-3.1-8b\n    device: a100-80gb\n"
+                    "    num_devices: 8\n    strategy: {dp: 8, micro_batch_size: 1, num_micro_batches: 4, "
+                    "seq_length: 4096, zero: 1}\n    measured: {tflops_per_device: 1.0e+6, flops_formula: ndplan}\n")
+    with pytest.raises(NdplanError, match=r"run slip: the measured figure means [\d,]+% of the device's peak"):
+        load_runs(runs)

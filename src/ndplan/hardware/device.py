@@ -25,7 +25,7 @@ REQUIRED_DTYPE = "bf16"
 Runtime = Literal["cuda", "rocm", "cann"]
 
 PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 _NUMERIC_FIELDS = (
     "memory_bytes",

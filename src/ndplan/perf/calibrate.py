@@ -219,6 +219,12 @@ def _check_run(run: MeasuredRun, where: str) -> None:
     broken = check_strategy(strategy, model, run.num_devices)
     if broken:
         raise NdplanError(f"{where}: {'; '.join(v.message for v in broken)}")
+    # A measurement faster than the device's peak is a wrong unit or field, not a run.
+    peak = run.device_spec().peak_flops_for(strategy.precision.compute_dtype)
+    mfu = step_flops(run, "ndplan") / (measured_step_s(run) * run.num_devices * peak)
+    if mfu > 1.0:
+        raise NdplanError(f"{where}: the measured figure means {100 * mfu:,.0f}% of the device's peak "
+                          f"({peak / 1e12:,.0f} TFLOP/s {strategy.precision.compute_dtype}): check its unit")
 
 
 def predict_step_s(run: MeasuredRun, profile: EfficiencyProfile) -> float:
