@@ -224,7 +224,8 @@ def test_a_file_that_is_not_text_is_named(flag, tmp_path, capsys):
 
 def test_bad_numbers_and_paths_are_one_line_errors(tmp_path, capsys):
     for command in (["estimate", "--model", "llama-3.1-8b", "--devices", "-8"],
-                    ["search", "--model", "llama-3.1-8b", "--devices", "8", "--gbs", "0"]):
+                    ["search", "--model", "llama-3.1-8b", "--devices", "8", "--gbs", "0"],
+                    ["estimate", "--model", "llama-3.1-8b", "--devices", "8", "--gbs", "0"]):  # was ignored
         with pytest.raises(SystemExit) as exit_:
             main(command)
         assert exit_.value.code == 2 and "expected at least 1" in capsys.readouterr().err

@@ -88,7 +88,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     batch = parser.add_argument_group("batch")
     batch.add_argument("--seq", type=int, help="sequence length in tokens (default 4096)")
     batch.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
-    batch.add_argument("--gbs", type=int, help="global batch size in sequences")
+    batch.add_argument("--gbs", type=positive_int, help="global batch size in sequences")
     batch.add_argument("--num-micro-batches", type=int, help="micro-batches per step (default: gbs / (dp·mbs))")
 
 
