@@ -546,3 +546,17 @@ def test_explain_states_where_fsdp_and_expert_sharding_go():
     assert (after + inside) / 1e3 == pytest.approx(report.breakdown["comm_exposed"]["dp"], abs=2e-6) and inside > 0
     moe = estimate(get_preset("qwen3-30b-a3b"), Strategy(dp=64, ep=8, zero=1), "h100-sxm", num_devices=64)
     assert any(x.startswith("optimizer") and "experts / dp·cp·tp/(ep·etp)" in x for x in moe.explain())
+
+
+def test_moe_imbalance_option_prices_the_busiest_rank_in_time_too():
+    """``MemoryOptions.moe_imbalance`` (--moe-imbalance) holds the busiest rank's expert
+    activations in memory; time waits for that rank's experts as well (it once raised memory only)."""
+    from ndplan.memory import MemoryOptions
+    from ndplan.model import get_preset
+    from ndplan.perf import estimate_time
+
+    model = get_preset("mixtral-8x7b")
+    strategy = Strategy(dp=8, ep=8, num_micro_batches=8, seq_length=4096)
+    balanced = estimate_time(model, strategy, "h100-sxm", options=MemoryOptions())
+    skewed = estimate_time(model, strategy, "h100-sxm", options=MemoryOptions(moe_imbalance=1.5))
+    assert skewed.step_s > 1.2 * balanced.step_s

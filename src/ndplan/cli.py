@@ -920,7 +920,8 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--census", help="census JSON: measured activations replace the formulas for its layer kinds")
     group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack")
     group.add_argument("--moe-imbalance", type=float, default=1.0,
-                       help="routed tokens on the busiest rank relative to balanced routing (default 1.0)")
+                       help="routed tokens on the busiest rank relative to balanced routing (default 1.0): "
+                            "its expert activations and its expert compute and all-to-all")
     group.add_argument("--overlap", metavar="SPEC",
                        help="what communication hides (step time): a preset (megatron, megatron-tp-overlap, torchtitan, "
                             "deepspeed, plain) and/or switches, e.g. 'tp=on,ep=on,ep_dispatch=node_dedup' "

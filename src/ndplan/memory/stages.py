@@ -112,9 +112,11 @@ class MemoryOptions:
         needs of this runtime, so that time prices what memory assumes: its rebuilds per
         parameter group in a split backward's W, what its selective recompute re-runs, whether
         its attention kernel is flash (``attention``), and what it hides."""
-        return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group,
-                "software": {"selective_recompute": self.profile.selective_policy,
-                             "flash_attention": self.attention != "eager"},  # SDPA runs a flash kernel
+        software: dict[str, Any] = {"selective_recompute": self.profile.selective_policy,
+                                    "flash_attention": self.attention != "eager"}  # SDPA runs a flash kernel
+        if self.moe_imbalance != 1.0:  # the busiest rank computes and receives as much more as it holds
+            software["moe_imbalance"] = self.moe_imbalance
+        return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,
                 "overlap": self.overlap}
 
 

@@ -308,14 +308,15 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 
 
 #: The figures that describe the software rather than the device: what a runtime states of itself.
-SOFTWARE_FIELDS = ("selective_recompute", "flash_attention")
+SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "moe_imbalance")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:
     """``efficiency`` with the runtime's facts (``SOFTWARE_FIELDS``: its selective recompute
-    policy, whether its attention is flash; None: as it is). Each is stated once where the
-    runtime is (its memory profile, the attention option), so that memory and time price the
-    same re-runs and the same kernels."""
+    policy, whether its attention is flash, the busiest rank's routed tokens where the user
+    states them; None: as it is). Each is stated once where the runtime is (its memory profile,
+    the attention and MoE options), so that memory and time price the same re-runs, the same
+    kernels and the same busiest rank."""
     if not software:
         return efficiency
     unknown = sorted(set(software) - set(SOFTWARE_FIELDS))
