@@ -89,23 +89,32 @@ def parse_pattern(text: str) -> list[int]:
     return result
 
 
-def _moe_kinds(args: Args, slots: int, experts: int) -> tuple[MlpKind, ...]:
-    freq = args.get("--moe-layer-freq")
-    pattern: list[int]
+def _frequency_pattern(args: Args, flag: str, slots: int, every: Callable[[int, int], int]) -> list[int]:
+    """A Megatron layer-frequency flag (--moe-layer-freq, --window-attn-skip-freq) as 0/1 per
+    layer slot: absent, all 1; an integer N, ``every(i, N)`` for slot i; else a list expression
+    (``parse_pattern``) of --num-layers entries, each 0 or 1."""
+    freq = args.get(flag)
     if freq is None or not freq.values:
-        pattern = [1] * slots
-    elif re.fullmatch(r"\d+", freq.values[0]):
+        return [1] * slots
+    if re.fullmatch(r"\d+", freq.values[0]):
         n = int(freq.values[0])
         if n < 1:
             raise args.error(freq, f"must be >= 1, got {n}")
-        pattern = [1 if i % n == 0 else 0 for i in range(slots)]
-    else:
-        try:
-            pattern = parse_pattern("".join(freq.values))
-        except ValueError as error:
-            raise args.error(freq, str(error)) from None
-        if len(pattern) != slots:
-            raise args.error(freq, f"pattern has {len(pattern)} entries but --num-layers is {slots}")
+        return [every(i, n) for i in range(slots)]
+    try:
+        pattern = parse_pattern("".join(freq.values))
+    except ValueError as error:
+        raise args.error(freq, str(error)) from None
+    if len(pattern) != slots:
+        raise args.error(freq, f"pattern has {len(pattern)} entries but --num-layers is {slots}")
+    if any(bit not in (0, 1) for bit in pattern):
+        raise args.error(freq, "a pattern's entries are 0 or 1")
+    return pattern
+
+
+def _moe_kinds(args: Args, slots: int, experts: int) -> tuple[MlpKind, ...]:
+    # An integer N: every N-th layer from the first is MoE.
+    pattern = _frequency_pattern(args, "--moe-layer-freq", slots, lambda i, n: 1 if i % n == 0 else 0)
     first_dense = args.integer("--first-k-dense-replace", default=0, minimum=0) or 0
     return tuple("moe" if experts and flag and i >= first_dense else "dense" for i, flag in enumerate(pattern))
 
@@ -135,23 +144,8 @@ def _window(args: Args, put: Callable[[str, Any, str], None], slots: int | None,
     put("sliding_window", left + 1, "--window-size")
     if layers is None:
         return
-    freq = args.get("--window-attn-skip-freq")
-    if freq is None or not freq.values:
-        pattern = [1] * layers
-    elif re.fullmatch(r"\d+", freq.values[0]):
-        n = int(freq.values[0])
-        if n < 1:
-            raise args.error(freq, f"must be >= 1, got {n}")
-        pattern = [0 if (i + 1) % n == 0 else 1 for i in range(layers)]
-    else:
-        try:
-            pattern = parse_pattern("".join(freq.values))
-        except ValueError as error:
-            raise args.error(freq, str(error)) from None
-        if len(pattern) != layers:
-            raise args.error(freq, f"pattern has {len(pattern)} entries but --num-layers is {layers}")
-        if any(bit not in (0, 1) for bit in pattern):
-            raise args.error(freq, "a pattern's entries are 1 (sliding) or 0 (full)")
+    # An integer N: every N-th layer (1-based) attends in full, the others slide.
+    pattern = _frequency_pattern(args, "--window-attn-skip-freq", layers, lambda i, n: 0 if (i + 1) % n == 0 else 1)
     spans = tuple("sliding" if bit else "full" for i, bit in enumerate(pattern) if i not in noop)
     put("layer_attention_spans", spans, "--window-attn-skip-freq")
 
