@@ -175,7 +175,9 @@ def test_cli_search_says_why_nothing_is_ranked(capsys):
                  "--fix", "tp=16", "--dims", "tp", "pp", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 1 and data["evaluated"] == 0
-    assert data["notes"][0].startswith("no candidate is valid") and "even on 512 devices" in data["notes"][-1]
+    # tp=16 breaks a rule on every cluster (8 KV heads): more devices do not help, and the note says so
+    assert data["notes"][0].startswith("no candidate is valid")
+    assert "valid on up to 512 devices either: more devices do not help" in data["notes"][-1]
     code = main(["search", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "9",
                  "--dims", "tp", "pp", "zero", "recompute", "--json"])
     data = json.loads(capsys.readouterr().out)
