@@ -349,6 +349,11 @@ def test_cli_errors_are_ndplan_errors(tmp_path: Path) -> None:
         with pytest.raises(NdplanError, match="not a result of estimate, search or balance"):
             args.func(args)
         assert not (tmp_path / "x.html").exists()
+    # A measured-memory file has a model and a strategy too: it was drawn as "llama-3.1-8b on ?".
+    measured = Path(__file__).parent / "data" / "measured" / "example-cluster.json"
+    args = parser.parse_args(["report", str(measured), "-o", str(tmp_path / "x.html")])
+    with pytest.raises(NdplanError, match="is a measured-memory file.*ndplan verify --measured"):
+        args.func(args)
 
 
 def test_reproduce_command_parses_back_to_the_same_strategy(est: dict[str, Any]) -> None:

@@ -66,6 +66,10 @@ def load_result(source: str) -> dict[str, Any]:
                           f"got {type(data).__name__})")
     from ndplan.report.data import shows_something
 
+    if "ranks" in data and "stages" not in data:  # what `ndplan measure` writes, not a result
+        raise NdplanError(f"{source} is a measured-memory file (per-rank peaks); `ndplan verify --measured "
+                          f"{source}` compares it with the estimate, and `ndplan report` draws a result of "
+                          "estimate, search or balance --json")
     if not shows_something(data):
         raise NdplanError(f"{source} is not a result of estimate, search or balance (it has no per-stage memory "
                           f"'stages', no ranked rows, no candidates and no model with a strategy; save one with `ndplan estimate|search|balance "
