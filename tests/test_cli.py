@@ -196,6 +196,7 @@ def test_bad_plan_files(tmp_path, capsys):
     for text, words in [("tp: two", "setting 'tp' must be a whole number, got 'two'"),
                         ("devices: 8.0", "setting 'devices' must be a whole number, got 8.0"),
                         ("devices: 0", "setting 'devices' must be at least 1, got 0"),
+                        ("gbs: 0", "setting 'gbs' must be at least 1, got 0"),  # was read as not given
                         ("sp: true\ngbs: yes", "setting 'gbs' must be a whole number, got True"),
                         # a quoted "false" once turned ZeRO-3 on: fsdp decides zero before validation
                         ('fsdp: "false"', "setting 'fsdp' must be true or false, got 'false'")]:

@@ -235,6 +235,13 @@ def test_megatron_window_skip_frequency_reads_every_nth_layer_full(tmp_path: Pat
     path.write_text(path.read_text().replace("127,0", "127,5"))
     with pytest.raises(NdplanError, match="only a causal window"):
         read_config(path)
+    # Every layer full (skip frequency 1), or TransformerEngine's unlimited window -1: no window at all
+    # (a pattern without a sliding layer once came back as every layer sliding).
+    for flags in ("--window-size 127,0 --window-attn-skip-freq 1", "--window-size -1,0"):
+        path.write_text(path.read_text().replace("--window-size 127,5 --window-attn-skip-freq 4", flags))
+        model = read_config(path).model
+        assert model is not None and model.sliding_window == 0 and set(model.layer_attention_spans) == {"full"}
+        path.write_text(path.read_text().replace(flags, "--window-size 127,5 --window-attn-skip-freq 4"))
     # A pattern is refused before it is built (this one once ran out of memory), and its entries are 0/1.
     for pattern, words in (('"[1]*100000000000"', "pattern of over 100,000 layers"), ('"[2]*8"', "entries are 0 or 1")):
         path.write_text(path.read_text().replace("127,5", "127,0").replace("--window-attn-skip-freq 4",
@@ -273,8 +280,11 @@ def test_megatron_softmax_type_reads_sinks(tmp_path: Path) -> None:
     model = read_config(path).model
     assert model is not None and model.attention_sinks
     assert count_parameters(model).attention == 2 * (4 * 256 * 256 + 4 * 256 + 4)  # q k v o with biases, 4 sinks
-    path.write_text(flags.format("off-by-one"))
-    with pytest.raises(NdplanError, match="--softmax-type.*must be vanilla or learnable"):
+    path.write_text(flags.format("off-by-one"))  # Megatron's third kind: no parameter
+    model = read_config(path).model
+    assert model is not None and not model.attention_sinks
+    path.write_text(flags.format("bogus"))
+    with pytest.raises(NdplanError, match="--softmax-type.*must be vanilla, off-by-one or learnable"):
         read_config(path)
 
 
@@ -288,3 +298,8 @@ def test_formats_naming_a_preset_say_when_they_lose_its_window() -> None:
     assert "sliding-window attention" in emit(windowed, strategy, "hyperparallel")
     assert "sliding-window" not in emit(get_preset("mistral-7b"), strategy, "hyperparallel")
     assert "sliding-window" not in emit(base, strategy, "torchtitan")
+    # The other way round: the named model has a window the planned one lacks.
+    mistral = get_preset("mistral-7b")
+    full = mistral.model_copy(update={"sliding_window": 0, "layer_attention_spans": ("full",) * mistral.num_layers})
+    assert ("full attention on every layer: the config of mistralai/Mistral-7B-v0.1 builds mistral-7b's "
+            "sliding-window attention (32 of 32 layers, 4,096 keys)") in emit(full, strategy, "hyperparallel")

@@ -130,3 +130,27 @@ def test_layer_types_of_the_wrong_type_are_named():
     config = {**QWEN2, "use_sliding_window": True, "layer_types": [["sliding_attention"]] * 6}
     with pytest.raises(NdplanError, match="field 'layer_types' must list 6 entries"):
         spec_from_hf_config(config, name="q")
+
+
+def test_mtp_modules_attend_in_full_in_time_as_in_flops():
+    """An MTP module's layer attends in full (FLOPs said so; its time took the sliding mean)."""
+    from ndplan.balance.build import piece_seconds
+    from ndplan.hardware import Cluster
+    from ndplan.strategy import StrategyBatch
+
+    base = get_preset("qwen3-8b").model_copy(update={"mtp_depth": 1})
+    windowed = base.model_copy(update={"sliding_window": 512, "layer_attention_spans": ("sliding",) * base.num_layers})
+    batch = StrategyBatch.of(Strategy(dp=8, seq_length=32768, num_micro_batches=4))
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=8)
+    full_head = piece_seconds(base, batch, cluster)["head"]
+    windowed_pieces = piece_seconds(windowed, batch, cluster)
+    np.testing.assert_allclose(windowed_pieces["head"], full_head, rtol=1e-12)
+    assert windowed_pieces["dense"][0] < 0.8 * piece_seconds(base, batch, cluster)["dense"][0]
+
+
+def test_a_measured_model_cut_to_fewer_layers_keeps_its_pattern():
+    from ndplan.census.measure_step import trimmed_spec
+
+    cut = trimmed_spec(get_preset("gpt-oss-20b"), 4)
+    assert cut.layer_attention_spans == ("sliding", "full") * 2
+    assert type(cut).model_validate(cut.model_dump()) == cut

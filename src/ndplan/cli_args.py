@@ -121,8 +121,9 @@ def read_plan_file(path: Path) -> dict[str, Any]:
         value = data[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise NdplanError(f"{path}: setting '{key}' must be a whole number, got {value!r}")
-    if isinstance(data.get("devices"), int) and data["devices"] < 1:
-        raise NdplanError(f"{path}: setting 'devices' must be at least 1, got {data['devices']}")
+    for key in ("devices", "gbs"):  # 0 would read as "not given"
+        if isinstance(data.get(key), int) and data[key] < 1:
+            raise NdplanError(f"{path}: setting '{key}' must be at least 1, got {data[key]}")
     # fsdp decides the ZeRO stage before the Strategy validates it: a quoted "false" is not true.
     if data.get("fsdp") is not None and not isinstance(data["fsdp"], bool):
         raise NdplanError(f"{path}: setting 'fsdp' must be true or false, got {data['fsdp']!r}")

@@ -169,9 +169,10 @@ def build_problems(
         # estimator's forward/backward peaks minus the layer terms, for uniform placement with no
         # and with full recompute (recompute adds a rebuild transient); the larger of the two is
         # kept. The optimizer step's likewise, from its own peak (the same under either).
-        # The placement the estimator priced (the strategy's own stage_layers, or its uniform one
-        # with the embedding or head counted as a layer): its layer terms come off its totals.
-        placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule, strategy.stage_layers,
+        # The placement the estimator priced above (uniform, with the embedding or head counted
+        # as a layer where the strategy says so; ``stage_memory`` got no stage_layers): its layer
+        # terms come off its totals.
+        placement = place_layers(model, strategy.pp, strategy.vpp, strategy.schedule,
                                  embedding_as_layer=strategy.embedding_as_layer,
                                  output_as_layer=strategy.output_as_layer)
         flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)

@@ -388,6 +388,7 @@ def trimmed_spec(spec: Any, num_layers: int) -> Any:
     return spec.model_copy(update={
         "num_layers": num_layers,
         "layer_mlp_kinds": tuple(spec.layer_mlp_kinds[:num_layers]),
+        "layer_attention_spans": tuple(spec.layer_attention_spans[:num_layers]),
         "mtp_depth": 0,
     })
 

@@ -502,9 +502,13 @@ def window_lost(model: ModelSpec, preset_name: str, builds: str) -> str | None:
     preset = get_preset(preset_name)
     if (model.sliding_window, model.layer_attention_spans) == (preset.sliding_window, preset.layer_attention_spans):
         return None
-    sliding = model.layer_attention_spans.count("sliding")
-    return (f"sliding-window attention ({sliding} of {model.num_layers} layers, {model.sliding_window:,} keys): "
-            f"{builds} builds {preset_name}'s attention")
+
+    def spans(spec: ModelSpec) -> str:
+        sliding = spec.layer_attention_spans.count("sliding")
+        if not sliding:
+            return "full attention on every layer"
+        return f"sliding-window attention ({sliding} of {spec.num_layers} layers, {spec.sliding_window:,} keys)"
+    return f"{spans(model)}: {builds} builds {preset_name}'s {spans(preset)}"
 
 
 def merge_model(
@@ -550,6 +554,8 @@ def merge_model(
     if "moe" not in (merged.get("layer_mlp_kinds") or ()) and not merged.get("num_experts"):
         merged.pop("layer_mlp_kinds", None)
     if "sliding" not in (merged.get("layer_attention_spans") or ()):
+        if merged.get("layer_attention_spans"):  # every layer full: a window no layer uses
+            merged["sliding_window"] = 0
         merged.pop("layer_attention_spans", None)
     try:
         return ModelSpec(**merged)

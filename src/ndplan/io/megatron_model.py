@@ -139,8 +139,14 @@ def _window(args: Args, put: Callable[[str, Any, str], None], slots: int | None,
     if len(parts) != 2 or not all(re.fullmatch(r"-?\d+", p.strip()) for p in parts):
         raise args.error(size, f"must be two integers 'left,right', got {text!r}")
     left, right = (int(p) for p in parts)
+    if left == -1 and right in (0, -1):  # TransformerEngine's unlimited window: full causal attention
+        put("sliding_window", 0, "--window-size -1 (unlimited)")
+        if slots is not None:
+            put("layer_attention_spans", ("full",) * (slots - len(noop)), "--window-size -1 (unlimited)")
+        return
     if left < 0 or right != 0:
-        raise args.error(size, f"only a causal window 'left,0' with left >= 0 is modelled, got {text!r}")
+        raise args.error(size, f"only a causal window 'left,0' with left >= 0 (or -1: unlimited) is modelled, "
+                         f"got {text!r}")
     put("sliding_window", left + 1, "--window-size")
     if layers is None:
         return
@@ -286,9 +292,9 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
         put("qkv_bias", True, "--add-qkv-bias")
     softmax = args.text("--softmax-type")
     if softmax is not None:
-        if softmax not in ("vanilla", "learnable"):
-            raise args.error("--softmax-type", f"must be vanilla or learnable (modelled), got {softmax!r}")
-        put("attention_sinks", softmax == "learnable", "--softmax-type")
+        if softmax not in ("vanilla", "off-by-one", "learnable"):
+            raise args.error("--softmax-type", f"must be vanilla, off-by-one or learnable, got {softmax!r}")
+        put("attention_sinks", softmax == "learnable", "--softmax-type")  # off-by-one adds no parameter
     elif defines:
         put("attention_sinks", False, "no --softmax-type")
     if args.has("--qk-layernorm") and not mla:

@@ -165,13 +165,14 @@ def fp8_cast_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[Array | floa
     return per * forward, per * backward
 
 
-def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None = None
+def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None = None, full: bool = False
                            ) -> tuple[Array | float, Array | float]:
     """(forward, backward) seconds of the attention core on a device, in a layer of ``kind``
-    (sliding-window layers among them do less: ``flops.attention_pairs``)."""
+    (sliding-window layers among them do less: ``flops.attention_pairs``; ``full``: every layer
+    attends in full, as MTP modules do)."""
     model = ctx.model
     if ctx.eff.flash_attention:
-        flops = attention_core_flops(model, sh, kind=kind)
+        flops = attention_core_flops(model, sh, kind=kind, windowed=not full)
         return flops / ctx.rates.attention_rate, FLASH_BACKWARD_FACTOR * flops / ctx.rates.attention_rate
     # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
     count = sh.micro_batch * model.num_attention_heads / sh.tp
@@ -355,14 +356,17 @@ def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) ->
     return layer_activations(ctx.model, batch, options).offloaded[kind]
 
 
-def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind) -> tuple[PieceTimes, PieceTimes]:
-    """(the layer, what recomputing it adds) for one decoder layer of ``kind``."""
+def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
+                  full_attention: bool = False) -> tuple[PieceTimes, PieceTimes]:
+    """(the layer, what recomputing it adds) for one decoder layer of ``kind`` (its attention the
+    mean of the model's layers of that kind, sliding ones included; ``full_attention``: full
+    causal attention, as an MTP module's layer)."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
     gemms = layer_gemms(model, sh, kind)
     gemm, forward_of = _pass_gemm_seconds(ctx, gemms)
     cast_f, cast_b = fp8_cast_seconds(ctx, gemms)
-    attn_f, attn_b = attention_core_seconds(ctx, sh, kind)
+    attn_f, attn_b = attention_core_seconds(ctx, sh, kind, full_attention)
     sort = _chunk_sort(ctx, cols) if kind == "moe" else 0.0
     ew_bytes, ew_rc_bytes = layer_bytes(model, sh, cols["sequence_parallel"], kind, beta, sort)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
@@ -565,5 +569,8 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
         pieces[kind] = layer
         pieces[f"rc_{kind}"] = rc
     pieces["emb"] = embedding_piece(ctx, cols, sh)
-    pieces["head"] = head_piece(ctx, cols, sh, pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes())
+    mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
+    if model.mtp_depth and "sliding" in model.layer_attention_spans:  # MTP modules attend in full
+        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True)[0]
+    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer)
     return pieces
