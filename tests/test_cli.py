@@ -393,6 +393,8 @@ ESTIMATE_8 = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8"]
      "busiest rank holds at most 4× a balanced share"),
     (["estimate", *MIXTRAL, "--hardware", "h100-sxm", "--devices", "8", "--moe-imbalance", "1.2"],
      "with ep=1 every rank holds all 8 experts"),
+    (["balance", *MIXTRAL, "--hardware", "h100-sxm", "--devices", "8", "--pp", "2", "--gbs", "64",
+      "--moe-imbalance", "3", "--memory-limit", "80GiB"], "with ep=1 every rank holds all 8 experts"),
 ])
 def test_bad_values_are_one_line_errors(argv, words, capsys):
     code, _, err = run(argv, capsys)

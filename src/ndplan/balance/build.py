@@ -310,6 +310,9 @@ def balance(
 
     ``expressible``: whether a target format can write a one-setting strategy (``ndplan balance
     --emit`` passes a round trip through the format); the one-setting plan is chosen among those."""
+    from ndplan.memory.report import check_moe_imbalance
+
+    check_moe_imbalance(model, strategy, options or MemoryOptions())
     own = strategy.recompute_modules
     policies: list[tuple[str, ...] | None] = [None, *dict.fromkeys(
         p for p in (Strategy(recompute="selective", recompute_modules=p).recompute_modules for p in selective_policies)

@@ -244,6 +244,23 @@ class MemoryReport:
         return lines
 
 
+def check_moe_imbalance(model: ModelSpec, strategy: Strategy, options: MemoryOptions) -> None:
+    """Refuse a ``moe_imbalance`` routing cannot produce: each token's k copies go to k distinct
+    experts, at most min(k, E/ep) of them on one rank of the ep that share the tokens, so the
+    busiest rank holds at most ep·min(k, E/ep)/k balanced shares (1 without EP)."""
+    if not model.is_moe:
+        return
+    k, experts = model.num_experts_per_tok, model.num_experts
+    most = strategy.ep * min(k, experts // strategy.ep) / k
+    if options.moe_imbalance > most * (1 + 1e-9):
+        local = experts // strategy.ep
+        reason = (f"with ep=1 every rank holds all {experts} experts, so routing loads every rank alike (at most 1)"
+                  if strategy.ep == 1 else
+                  f"with ep={strategy.ep} and top-{k} of {experts} experts the busiest rank holds at most "
+                  f"{most:g}× a balanced share (every token's copies on its {local} expert{'s' * (local > 1)})")
+        raise NdplanError(f"moe_imbalance {options.moe_imbalance:g} is more than routing can put on one rank: {reason}")
+
+
 def estimate(
     model: ModelSpec | str,
     strategy: Strategy,
@@ -263,18 +280,7 @@ def estimate(
         raise NdplanError(f"estimate needs a Strategy, got {type(strategy).__name__}")
     validate_strategy(strategy, model, num_devices)
     options = options or MemoryOptions()
-    if model.is_moe:
-        # Each token's k copies go to k distinct experts, at most min(k, E/ep) of them on one rank
-        # of the ep that share the tokens: the busiest rank holds at most ep·min(k, E/ep)/k shares.
-        k, experts = model.num_experts_per_tok, model.num_experts
-        most = strategy.ep * min(k, experts // strategy.ep) / k
-        if options.moe_imbalance > most * (1 + 1e-9):
-            local = experts // strategy.ep
-            reason = (f"with ep=1 every rank holds all {experts} experts, so routing loads every rank alike (at most 1)"
-                      if strategy.ep == 1 else
-                      f"with ep={strategy.ep} and top-{k} of {experts} experts the busiest rank holds at most "
-                      f"{most:g}× a balanced share (every token's copies on its {local} expert{'s' * (local > 1)})")
-            raise NdplanError(f"moe_imbalance {options.moe_imbalance:g} is more than routing can put on one rank: {reason}")
+    check_moe_imbalance(model, strategy, options)
     memory: StageMemory = stage_memory(
         model, StrategyBatch.of(strategy), options, breakdown=True, stage_layers=strategy.stage_layers
     )
