@@ -417,3 +417,20 @@ def test_cli_search_explains_the_winner(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"the winner, {best['label']}, explained" in out and "MFU = model FLOPs" in out
+
+
+def test_a_moe_imbalance_routing_cannot_produce_rejects_its_candidates():
+    """moe_imbalance 3 on Mixtral (top-2 of 8): only ep 4 and ep 8 can load a rank three times a
+    balanced share (ep·min(2, 8/ep)/2 = 1, 2, 4, 4 for ep 1, 2, 4, 8); the others are counted
+    under their own reason, and every ranked candidate prices an imbalance it can have."""
+    from ndplan.memory import MemoryOptions
+    from ndplan.model import get_preset
+    from ndplan.search.run import IMPOSSIBLE_IMBALANCE
+
+    model = get_preset("mixtral-8x7b")
+    space = default_space(model, DEVICE, 16, 64, 4096, get_precision("megatron-bf16"))
+    result = run_search(model, DEVICE, space, step_time_batch, options=MemoryOptions(moe_imbalance=3.0), top=20)
+    assert result.rejected[IMPOSSIBLE_IMBALANCE] > 0 and result.ranked
+    assert sum(result.rejected.values()) + result.fitting == space.size
+    assert all(space.strategy(row["candidate"]).ep >= 4 for row in result.ranked)
+    assert IMPOSSIBLE_IMBALANCE not in run_search(model, DEVICE, space, step_time_batch, top=1).rejected

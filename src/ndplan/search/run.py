@@ -31,6 +31,9 @@ DUPLICATE = "duplicate_candidate"
 #: Combinations the memory options' runtime cannot execute (PyTorch: selective activation
 #: checkpointing under a split backward raises "backward an extra time", measured).
 NOT_RUNNABLE = "not_runnable_in_runtime"
+#: Candidates whose expert parallelism cannot load a rank as unevenly as the memory options'
+#: ``moe_imbalance`` says (``memory.report.check_moe_imbalance``: ep·min(k, E/ep)/k at most).
+IMPOSSIBLE_IMBALANCE = "moe_imbalance_beyond_routing"
 
 
 @dataclass
@@ -179,6 +182,9 @@ def run_search(
     rejected = {DUPLICATE: 0} | {rule.name: 0 for rule in RULES} | {NOT_RUNNABLE: 0, OVER_MEMORY: 0}
     runtime = (options or MemoryOptions()).runtime
     profile = (options or MemoryOptions()).profile
+    imbalance = (options or MemoryOptions()).moe_imbalance
+    if model.is_moe and imbalance > 1.0:
+        rejected[IMPOSSIBLE_IMBALANCE] = 0
     kept_index, kept_time, kept_peak, kept_stage = [], [], [], []
     kept_extra: dict[str, list[np.ndarray]] = {}
     bounded_index: list[np.ndarray] = []  # rejected by the static bound, with that bound
@@ -198,6 +204,12 @@ def run_search(
             runnable &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
         rejected[NOT_RUNNABLE] += int(np.count_nonzero(alive & ~runnable))
         alive &= runnable
+        if IMPOSSIBLE_IMBALANCE in rejected:
+            k, experts = model.num_experts_per_tok, model.num_experts
+            most = batch.ep * np.minimum(k, experts // batch.ep) / k
+            possible = imbalance <= most * (1 + 1e-9)
+            rejected[IMPOSSIBLE_IMBALANCE] += int(np.count_nonzero(alive & ~possible))
+            alive &= possible
         valid = np.flatnonzero(alive)
         done += len(batch)
         if len(valid):
