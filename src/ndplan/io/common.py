@@ -504,7 +504,7 @@ def window_lost(model: ModelSpec, preset_name: str, builds: str) -> str | None:
         return None
 
     def spans(spec: ModelSpec) -> str:
-        sliding = spec.layer_attention_spans.count("sliding")
+        sliding = spec.sliding_layers()[0]
         if not sliding:
             return "full attention on every layer"
         return f"sliding-window attention ({sliding} of {spec.num_layers} layers, {spec.sliding_window:,} keys)"

@@ -92,15 +92,15 @@ _SPANS = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
 def _attention_spans(r: _Reader, num_layers: int, window: int | None,
-                     sliding: Callable[[int], bool]) -> dict[str, Any]:
+                     sliding: Callable[[int], bool], *, reads_layer_types: bool = True) -> dict[str, Any]:
     """``sliding_window`` and ``layer_attention_spans`` as transformers builds the layers: the
-    config's ``layer_types`` where the model type reads it (``sliding`` is None where it does
-    not), else layer i slides where ``sliding(i)``; no window, no sliding layer."""
+    config's ``layer_types`` where the model type reads it (``reads_layer_types``), else layer i
+    slides where ``sliding(i)``; no window, no sliding layer."""
     if not window:
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise NdplanError(f"{r.source}: field 'sliding_window' must be a positive integer or null, got {window!r}")
-    types = r.config.get("layer_types")
+    types = r.config.get("layer_types") if reads_layer_types else None
     if types is not None:
         if not isinstance(types, list) or len(types) != num_layers or any(not isinstance(t, str) or t not in _SPANS for t in types):
             raise NdplanError(f"{r.source}: field 'layer_types' must list {num_layers} entries, each one of "
@@ -117,8 +117,7 @@ def _every_layer_window(r: _Reader, default: int | None) -> dict[str, Any]:
     window = r.get("sliding_window", default)
     if r.model_type == "qwen3_moe" and not r.flag("use_sliding_window", False):
         window = None
-    config = {k: v for k, v in r.config.items() if k != "layer_types"}
-    return _attention_spans(_Reader(config, r.source), r.integer("num_hidden_layers"), window, lambda i: True)
+    return _attention_spans(r, r.integer("num_hidden_layers"), window, lambda i: True, reads_layer_types=False)
 
 
 def _qwen_window(r: _Reader, sliding: Callable[[int, int], bool]) -> dict[str, Any]:

@@ -150,6 +150,15 @@ class ModelSpec(BaseModel):
     def num_dense_layers(self) -> int:
         return self.layer_mlp_kinds.count("dense")
 
+    def sliding_layers(self, kind: MlpKind | None = None) -> tuple[int, int]:
+        """(sliding-window layers, layers) among the decoder layers (of MLP ``kind``, where given);
+        no sliding layer where the model has no window."""
+        if not self.sliding_window:
+            return 0, sum(1 for k in self.layer_mlp_kinds if kind is None or k == kind)
+        spans = [span for span, k in zip(self.layer_attention_spans, self.layer_mlp_kinds, strict=True)
+                 if kind is None or k == kind]
+        return spans.count("sliding"), len(spans)
+
     @property
     def mtp_mlp_kind(self) -> MlpKind:
         return self.layer_mlp_kinds[-1]

@@ -193,14 +193,10 @@ def attention_pairs(model: ModelSpec, seq: Array | float, kind: MlpKind | None =
     cluster (Qwen2's full first layers) a stage's time is off by their share, e.g. Qwen2.5-7B
     with its first half full and a 4,096-key window at 32k tokens on pp2: stage 0 takes 1.19×
     the mean's time and stage 1 0.81×, which the pipeline and the balancer do not see."""
-    if not model.sliding_window or "sliding" not in model.layer_attention_spans:
-        return causal_pairs(seq)
-    spans = [span for span, k in zip(model.layer_attention_spans, model.layer_mlp_kinds, strict=True)
-             if kind is None or k == kind]
-    sliding = spans.count("sliding")
+    sliding, layers = model.sliding_layers(kind)
     if not sliding:
         return causal_pairs(seq)
-    return ((len(spans) - sliding) * causal_pairs(seq) + sliding * causal_pairs(seq, model.sliding_window)) / len(spans)
+    return ((layers - sliding) * causal_pairs(seq) + sliding * causal_pairs(seq, model.sliding_window)) / layers
 
 
 def attention_core_flops(model: ModelSpec, sh: Sharding, *, causal: bool = True, kind: MlpKind | None = None,

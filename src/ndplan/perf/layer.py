@@ -570,7 +570,7 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
         pieces[f"rc_{kind}"] = rc
     pieces["emb"] = embedding_piece(ctx, cols, sh)
     mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
-    if model.mtp_depth and "sliding" in model.layer_attention_spans:  # MTP modules attend in full
+    if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
         mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True)[0]
     pieces["head"] = head_piece(ctx, cols, sh, mtp_layer)
     return pieces

@@ -34,16 +34,13 @@ COMM_KEYS = ("tp", "cp", "ep", "dp", "offload", "pp")
 
 def _pairs_formula(model: ModelSpec, kind: str) -> str:
     """The kept (query, key) pairs of a layer of ``kind`` as the explain line writes them."""
-    if not model.sliding_window or "sliding" not in model.layer_attention_spans:
-        return "s(s+1)/2"
-    spans = [span for span, k in zip(model.layer_attention_spans, model.layer_mlp_kinds, strict=True) if k == kind]
-    sliding = spans.count("sliding")
+    sliding, layers = model.sliding_layers(kind)  # type: ignore[arg-type]
     if not sliding:
         return "s(s+1)/2"
     windowed = f"(w(w+1)/2 + (s−w)·w, w = min(s, {model.sliding_window:,}))"
-    if sliding == len(spans):
+    if sliding == layers:
         return windowed
-    return f"({len(spans) - sliding}·s(s+1)/2 + {sliding}·{windowed})/{len(spans)}"
+    return f"({layers - sliding}·s(s+1)/2 + {sliding}·{windowed})/{layers}"
 
 
 def _ms(seconds: float) -> str:
