@@ -156,9 +156,20 @@ def _measure(args: argparse.Namespace) -> Any:
     from ndplan.strategy import validate_strategy
 
     validate_strategy(strategy, trimmed_spec(spec, layers))
+    cuda = getattr(args, "backend", "fake") == "cuda"
+    if cuda:
+        from ndplan.census.measure_cuda import check_single_device
+
+        if getattr(args, "timeline", None):
+            raise NdplanError("--timeline needs --backend fake (a real step's allocator keeps no per-tensor record)")
+        check_single_device(strategy)
     _require_extra(f"ndplan {args.command}")
     # A config path is kept as given, so that `verify --measured` can load the model again.
     label = args.model if Path(args.model).is_file() else name
+    if cuda:
+        from ndplan.census.measure_cuda import measure_step_cuda
+
+        return measure_step_cuda(cfg, strategy, num_layers=layers, attention=args.attention, name=label)
     return measure_step(cfg, strategy, num_layers=layers, attention=args.attention, name=label,
                         timeline=bool(getattr(args, "timeline", None)))
 
@@ -188,17 +199,24 @@ def cmd_measure(args: argparse.Namespace) -> int:
             "params", "grads", "optimizer", "activations", "comm", "transient", "optimizer_step")),
             _bytes(r.forward_backward_peak_bytes), _bytes(r.optimizer_step_peak_bytes), _bytes(r.allocated_bytes))
     console.print(table)
-    at_peak = Table(title="what the peak is made of: live at the instant of each rank's peak "
-                          "(forward tensors count as activations, backward ones as temporaries)")
-    for col in ["stage", "params", "grads", "optimizer", "activations", "comm", "temporaries", "total"]:
-        at_peak.add_column(col, justify="right")
-    for r in result.ranks:
-        a = r.at_peak
-        at_peak.add_row(str(r.stage), *(_bytes(a.get(k)) for k in (
-            "params", "grads", "optimizer", "activations", "comm", "transient")), _bytes(r.allocated_bytes))
-    console.print(at_peak)
-    console.print("measured: every tensor PyTorch allocates (fake tensors, exact bytes); not seen: CUDA context, "
-                  "NCCL buffers, allocator fragmentation and 512-byte block rounding.")
+    if any(r.at_peak for r in result.ranks):
+        at_peak = Table(title="what the peak is made of: live at the instant of each rank's peak "
+                              "(forward tensors count as activations, backward ones as temporaries)")
+        for col in ["stage", "params", "grads", "optimizer", "activations", "comm", "temporaries", "total"]:
+            at_peak.add_column(col, justify="right")
+        for r in result.ranks:
+            a = r.at_peak
+            at_peak.add_row(str(r.stage), *(_bytes(a.get(k)) for k in (
+                "params", "grads", "optimizer", "activations", "comm", "transient")), _bytes(r.allocated_bytes))
+        console.print(at_peak)
+    if args.backend == "cuda":
+        reserved = max(r.reserved_bytes or 0 for r in result.ranks)
+        console.print(f"measured on {result.provenance.get('device')}: torch.cuda.max_memory_allocated; peak "
+                      f"reserved {_bytes(reserved)}. Not seen: the CUDA context and what is allocated outside "
+                      "PyTorch's allocator.")
+    else:
+        console.print("measured: every tensor PyTorch allocates (fake tensors, exact bytes); not seen: CUDA context, "
+                      "NCCL buffers, allocator fragmentation and 512-byte block rounding.")
     for path in (args.out, args.timeline):
         if path:
             console.print(f"wrote {path}")
@@ -307,6 +325,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- registration
+def _add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=("fake", "cuda"), default="fake",
+                        help="fake: fake tensors on CPU, any parallel layout (default); cuda: a real step on "
+                             "this machine's GPU, one device, torch.cuda.max_memory_allocated/reserved")
+
+
 def add_census_commands(subparsers: Any) -> None:
     """Register `census`, `measure` and `verify` on ndplan's subcommand parser."""
     from ndplan.census.measure import ATTENTIONS, EXPERTS
@@ -325,6 +349,7 @@ def add_census_commands(subparsers: Any) -> None:
     p.add_argument("model", metavar="MODEL", help="preset name or config.json path")
     add_step_arguments(p)
     p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    _add_backend_argument(p)
     p.add_argument("--out", help="write the measurement (measured-memory JSON) to this file")
     p.add_argument("--timeline", metavar="CSV",
                    help="write what was live on each rank as the step went (bytes by category) to this CSV file")
@@ -335,6 +360,7 @@ def add_census_commands(subparsers: Any) -> None:
     p.add_argument("model", metavar="MODEL", nargs="?", help="preset name or config.json path (optional with --measured)")
     add_step_arguments(p)
     p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    _add_backend_argument(p)
     p.add_argument("--measured", help="measured-memory JSON (e.g. from a real cluster) instead of measuring")
     p.add_argument("--tolerance", type=float, help="exit 1 if a stage's peak misses the measurement by more than PCT percent")
     p.add_argument("--census", help="census JSON: measured activations replace the profile's formulas")
