@@ -545,3 +545,37 @@ def test_no_category_reads_below_zero(model_name, settings):
         for value in (stage.params_bytes, stage.grads_bytes, stage.optimizer_bytes, stage.activations_bytes,
                       stage.comm_bytes, stage.transient_bytes):
             assert value >= 0
+
+
+def test_cublas_workspace_is_allocated_in_every_phase_where_overhead_is_counted():
+    """The pytorch profile's 64 MiB workspace (measured on an H200: tests/data/measured/cuda) adds
+    to the forward/backward and optimizer-step peaks alike; without overhead (what a fake-tensor
+    step sees) it is absent, and the megatron profile has none measured."""
+    model = get_preset("llama-3.1-8b")
+    for strategy in (Strategy(pp=2, num_micro_batches=4, global_batch_size=4), Strategy(seq_length=2048)):
+        with_ws = estimate(model, strategy, None, MemoryOptions())
+        without = estimate(model, strategy, None, MemoryOptions(include_overhead=False))
+        for a, b in zip(with_ws.stages, without.stages, strict=True):
+            assert a.allocated_bytes - b.allocated_bytes == 64 * 2**20
+            assert a.forward_backward_bytes - b.forward_backward_bytes == 64 * 2**20
+            assert a.step_peak_bytes - b.step_peak_bytes == 64 * 2**20
+        megatron = estimate(model, strategy, None, MemoryOptions(runtime="megatron"))
+        bare = estimate(model, strategy, None, MemoryOptions(runtime="megatron", include_overhead=False))
+        assert [s.allocated_bytes for s in megatron.stages] == [s.allocated_bytes for s in bare.stages]
+
+
+@pytest.mark.parametrize("overhead, needle", [
+    ("{worksapce_bytes: 1}", "unknown overhead constant 'worksapce_bytes'; known: allocator_slack, context_bytes"),
+    ("{workspace_bytes: -1}", "overhead workspace_bytes must be a finite number >= 0, got -1"),
+    ("{workspace_bytes: true}", "overhead workspace_bytes must be a finite number >= 0, got True"),
+    ("[1, 2]", "overhead must be a mapping of allocator_slack"),
+])
+def test_profile_overhead_constants_are_checked(tmp_path: Path, overhead: str, needle: str):
+    from ndplan.memory.profile import get_profile
+
+    shipped = Path(__file__).parents[1] / "src" / "ndplan" / "memory" / "profiles" / "pytorch.yaml"
+    text = shipped.read_text().split("\noverhead:")[0] + f"\noverhead: {overhead}\n"
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(NdplanError, match=needle.replace("(", r"\(").replace("[", r"\[")):
+        get_profile(str(path))

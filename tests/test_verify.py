@@ -57,10 +57,12 @@ def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
 
 
 def allocated_estimates(path: Path) -> list[float]:
+    """What verify compares a measurement with: allocated bytes, plus the cuBLAS workspace for a
+    real run (the overhead's allocated figures), not for a fake-tensor step."""
     m = load_measurement(path)
     spec = trimmed_spec(get_preset(m.model), m.num_layers) if m.num_layers else get_preset(m.model)
-    report = estimate(spec, m.strategy, None, MemoryOptions(include_overhead=False, attention="sdpa"))
-    return [s.allocated_bytes for s in report.stages]
+    options = MemoryOptions(include_overhead=not m.on_fake_tensors, attention="sdpa")
+    return [s.allocated_bytes for s in estimate(spec, m.strategy, None, options).stages]
 
 
 # ------------------------------------------------------------------------------ verify (no torch)
@@ -68,6 +70,9 @@ def test_errors_are_estimate_against_measured_per_stage() -> None:
     m = load_measurement(CLUSTER)
     result = verify(get_preset(m.model), m)
     expected = allocated_estimates(CLUSTER)
+    bare = estimate(trimmed_spec(get_preset(m.model), m.num_layers) if m.num_layers else get_preset(m.model),
+                    m.strategy, None, MemoryOptions(include_overhead=False, attention="sdpa"))
+    assert expected[0] - bare.stages[0].allocated_bytes == 64 * 2**20  # a cluster's run holds the workspace
     for stage, est in zip(result.stages, expected, strict=True):
         row = stage.row("allocated")
         assert row is not None and row.estimate == pytest.approx(est)
@@ -239,3 +244,45 @@ def test_fsdp_under_a_pipeline_prices_the_optimizer_step_with_sharded_gradients(
     for stage in verify(get_preset(m.model), m).compared:
         row = stage.row("optimizer_step_peak")
         assert row is not None and row.measured and abs(row.error_pct) < 2.0, (stage.stage, row)
+
+
+@needs_torch
+def test_sdpa_fallback_kernels_priced_as_the_fake_step_keeps_them(run, tmp_path: Path) -> None:
+    """Where CUDA's SDPA has no flash kernel, transformers' attention keeps more: a sliding window
+    at seq >= window gets an explicit mask (an additive bias and K/V repeated to every head), and
+    fp32 with grouped KV heads runs the math path (fp32 probabilities). The fake step runs the
+    kernels CUDA would; the estimate prices both (measured on an H200 too: test_measured_cuda)."""
+
+    def activations(config: dict, *flags: object) -> tuple[int, int]:
+        folder = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        code, out, err = run("verify", folder / "config.json", "--layers", "2", "--json", *flags)
+        assert code == 0, err
+        rows = {r["key"]: r for r in json.loads(out)["stages"][0]["rows"]}
+        return rows["activations"]["estimate_bytes"], rows["activations"]["measured_bytes"]
+
+    full = activations(TINY, "--seq", 64)
+    window = dict(TINY, model_type="mistral", sliding_window=32)
+    masked = activations(window, "--seq", 64)
+    # per layer: a 64 x 64 bf16 bias and 2 of 4 KV heads repeated (K and V: 2 * 2 * 16 per token)
+    mask_bytes = 2 * (64 * 64 * 2 + 64 * 2 * 2 * 16 * 2)
+    assert masked[0] - full[0] == masked[1] - full[1] == mask_bytes
+    below = activations(window, "--seq", 16)  # shorter than the window: no mask
+    assert below[0] - activations(TINY, "--seq", 16)[0] == 0
+    estimate, measured = activations(TINY, "--seq", 64, "--precision", "fp32")
+    assert abs(estimate - measured) / measured < 0.01  # 4 heads x 64 x 64 fp32 probabilities per layer priced
+
+
+@needs_torch
+def test_cuda_backend_without_a_gpu_says_so(run, tiny_config: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, _, err = run("measure", tiny_config, "--layers", "2", "--seq", "32", "--backend", "cuda")
+    assert code == 2 and "PyTorch sees no CUDA device here (use --backend fake)" in err
+    code, _, err = run("measure", tiny_config, "--layers", "2", "--backend", "cuda", "--tp", "2")
+    assert code == 2 and "runs one GPU: tp=2 needs --backend fake" in err
+    code, _, err = run("measure", tiny_config, "--layers", "2", "--backend", "cuda", "--timeline", "t.csv")
+    assert code == 2 and "--timeline needs --backend fake" in err

@@ -304,12 +304,17 @@ def gpu_sdpa_kernels(used: list[str]) -> Iterator[None]:
     """Patch ``F.scaled_dot_product_attention`` for the census.
 
     On CPU, SDPA runs ``_scaled_dot_product_flash_attention_for_cpu``, which saves what CUDA flash
-    attention saves (q, k, v, out, logsumexp). Where the CPU kernel cannot run it (MLA: the value
-    head dim differs from the query/key head dim) the CPU falls back to the math path, which saves
-    the full s x s attention probabilities in fp32, while a GPU runs the memory-efficient kernel.
-    Under FakeTensorMode the CUDA kernels' meta implementations run on CPU tensors, so in that case
-    this calls ``aten._scaled_dot_product_efficient_attention`` as the GPU would. ``used`` collects
-    a note each time it does.
+    attention saves (q, k, v, out, logsumexp). Two cases differ from CUDA:
+
+    * fp32 with grouped KV heads and no mask: CUDA has no fused kernel (flash takes 16-bit only,
+      memory-efficient no grouped heads) and runs the math path, which keeps the s x s
+      probabilities; so does this.
+    * MLA (the value head dim differs from the query/key head dim): the CPU kernel cannot run it
+      and falls back to the math path, while a GPU runs the memory-efficient kernel. Under
+      FakeTensorMode the CUDA kernels' meta implementations run on CPU tensors, so this calls
+      ``aten._scaled_dot_product_efficient_attention`` as the GPU would.
+
+    ``used`` collects a note (a sentence) each time either emulation runs.
     """
     import torch.nn.functional as F
 
@@ -320,11 +325,23 @@ def gpu_sdpa_kernels(used: list[str]) -> Iterator[None]:
              enable_gqa: bool = False) -> torch.Tensor:
         # The CPU flash kernel needs one head dim for q, k and v (``torch._fused_sdp_choice`` cannot
         # tell under FakeTensorMode: its fake kernel always answers "math").
+        if (enable_gqa and attn_mask is None and query.dtype == torch.float32
+                and key.shape[-3] != query.shape[-3]):
+            # CUDA has no fused kernel for this (flash: 16-bit only; memory-efficient: no grouped
+            # KV heads), so SDPA runs its math path there; the CPU's flash kernel would take it.
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            used.append("SDPA ran its math path as CUDA does for fp32 with grouped KV heads "
+                        "(the CPU's flash kernel would take it)")
+            with sdpa_kernel(SDPBackend.MATH):
+                return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                scale=scale, enable_gqa=enable_gqa)
         cpu_math = value.shape[-1] != query.shape[-1]
         same_heads = query.shape[-3] == key.shape[-3] == value.shape[-3]
         if (cpu_math and query.shape[-1] == key.shape[-1] and query.dtype in (torch.float16, torch.bfloat16)
                 and same_heads and query.shape[-1] % 8 == 0 and value.shape[-1] % 8 == 0):
-            used.append("aten._scaled_dot_product_efficient_attention")
+            used.append("SDPA ran aten._scaled_dot_product_efficient_attention as a GPU would "
+                        "(the CPU kernel would fall back to the math path)")
             out = torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
             )

@@ -122,9 +122,8 @@ def run_census(
             notes = list(tp_notes)
             if is_moe:
                 notes.append(f"MoE experts_implementation={experts}: static shapes, T*top_k rows whatever the routing")
-            if emulated:
-                notes.append(f"SDPA ran {emulated[0]} as a GPU would: the CPU kernel would fall back to the math path")
-                emulated.clear()
+            notes.extend(dict.fromkeys(emulated))
+            emulated.clear()
             records.append(
                 _record(runs, kind, count, s_main, s_half, b, attention, notes, common,
                         experts=experts if is_moe else "")

@@ -56,6 +56,9 @@ from ndplan.strategy import Strategy
 MEASURED_SCHEMA = "ndplan.measured-memory"
 MEASURED_SCHEMA_VERSION = 1
 
+#: ``StepMeasurement.source`` of a fake-tensor measurement.
+FAKE_SOURCE = "ndplan measure: FakeTensorMode step on a fake process group, MemTracker/FSDPMemTracker"
+
 #: Categories, with the estimator's names and meanings (see ``ndplan.memory.stages``).
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient", "optimizer_step")
 
@@ -175,6 +178,11 @@ class StepMeasurement:
     @property
     def allocated_bytes(self) -> int:
         return max(r.allocated_bytes for r in self.ranks)
+
+    @property
+    def on_fake_tensors(self) -> bool:
+        """Measured by ``measure_step``: only the tensors ops return, no math-library workspace."""
+        return self.source == FAKE_SOURCE
 
     def stage_ranks(self, stage: int) -> list[RankMemory]:
         return [r for r in self.ranks if r.stage == stage]
@@ -468,7 +476,7 @@ def measure_step(
         ranks=tuple(ranks),
         num_layers=num_layers,
         attention=attention,
-        source="ndplan measure: FakeTensorMode step on a fake process group, MemTracker/FSDPMemTracker",
+        source=FAKE_SOURCE,
         notes=tuple(dict.fromkeys(notes)),
         provenance={
             "experts": experts,
@@ -554,9 +562,7 @@ def _patched(E: Any, notes: list[str]) -> Iterator[None]:
     finally:
         for owner, attr, value in reversed(saved):
             setattr(owner, attr, value)
-        if emulated:
-            notes.append("MLA attention ran aten._scaled_dot_product_efficient_attention as a GPU would "
-                         "(the CPU would fall back to the math path)")
+        notes.extend(dict.fromkeys(emulated))
 
 
 def _reset_dtensor_caches() -> None:

@@ -1,9 +1,11 @@
 """Compare ndplan's memory estimate with a measurement of the same step, category by category.
 
 The estimate is ``ndplan.memory.stages`` with the PyTorch runtime profile and
-``MemoryOptions(include_overhead=False)``: *allocated* bytes, what ``torch.cuda.max_memory_allocated``
-reports and what ``ndplan.census.measure_step`` measures (no CUDA context, NCCL buffers or allocator
-slack). Where a measurement has ``reserved_bytes`` (a real run's ``torch.cuda.max_memory_reserved``),
+``MemoryOptions(include_overhead=False)``: *allocated* bytes, what ``ndplan.census.measure_step``
+measures on fake tensors (no CUDA context, NCCL buffers, allocator slack or math-library workspace).
+A real run's measurement (``ndplan measure --backend cuda``, a cluster's
+``torch.cuda.max_memory_allocated``) is compared with the allocated bytes plus the runtime's
+workspaces. Where a measurement has ``reserved_bytes`` (a real run's ``torch.cuda.max_memory_reserved``),
 it is compared with the estimate's reserved bytes (allocated times the profile's allocator slack).
 
 Error is ``(estimate - measured) / measured``: positive when ndplan over-estimates. Pure Python:
@@ -150,7 +152,10 @@ def verify(spec: ModelSpec, measurement: StepMeasurement, *, census: tuple[Any, 
         if r.stage >= strategy.pp:
             raise NdplanError(f"verify: measured stage {r.stage} does not exist with pp={strategy.pp}")
     stages = []
-    for st, st_over in zip(allocated.stages, with_overhead.stages, strict=True):
+    # A real run's allocator also holds the math libraries' workspaces, which fake tensors never
+    # see: it is compared with the estimate that counts them (the overhead's allocated figures).
+    basis = allocated if measurement.on_fake_tensors else with_overhead
+    for st, st_over in zip(basis.stages, with_overhead.stages, strict=True):
         ranks = measurement.stage_ranks(st.stage)
         peak_rank = max(ranks, key=lambda r: r.allocated_bytes) if ranks else None
         reserved = [r.reserved_bytes for r in ranks if r.reserved_bytes is not None]

@@ -35,8 +35,8 @@ SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "expert_tokens", "expert_width", "
 _SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 BLOCKS: tuple[str, ...] = (
-    "norm", "attention", "attention_mla", "eager_scores", "mlp", "moe", "layer_input", "output",
-    "output_transient", "backward_extra", "moe_backward_extra", "output_backward_extra",
+    "norm", "attention", "attention_mla", "eager_scores", "sdpa_masked", "sdpa_math", "mlp", "moe", "layer_input",
+    "output", "output_transient", "backward_extra", "moe_backward_extra", "output_backward_extra",
     "weight_grad_outputs", "moe_weight_grad_outputs",
 )
 
@@ -208,7 +208,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         first_stage_backward_at_w=bool(data.get("first_stage_backward_at_w", False)),
         selective_policy=_selective_policy(data.get("selective_policy", "megatron"), source),
         schedules=_schedules(data.get("schedules", list(SCHEDULES)), source),
-        overhead={k: float(v) for k, v in (data.get("overhead") or {}).items()},
+        overhead=_overhead(data.get("overhead"), source),
         recompute_modules=tuple(m for m in RECOMPUTE_MODULES
                                 if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),
         offloads=any(t.offloaded_by for entries in blocks.values() for t in entries),
@@ -216,6 +216,24 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
 
 
 SELECTIVE_POLICIES = ("megatron", "keep-matmuls", "torchtitan-op")
+
+
+def _overhead(raw: Any, source: str) -> dict[str, float]:
+    """The profile's ``overhead`` section: known constants, each a finite number >= 0."""
+    from ndplan.memory.overhead import DEFAULTS
+
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise NdplanError(f"{source}: overhead must be a mapping of {', '.join(DEFAULTS)}")
+    out = {}
+    for key, value in raw.items():
+        if key not in DEFAULTS:
+            raise NdplanError(f"{source}: unknown overhead constant {key!r}; known: {', '.join(DEFAULTS)}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise NdplanError(f"{source}: overhead {key} must be a finite number >= 0, got {value!r}")
+        out[key] = float(value)
+    return out
 
 
 def _schedules(value: Any, source: str) -> tuple[str, ...]:

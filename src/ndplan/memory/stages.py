@@ -244,6 +244,24 @@ def _measured(record: CensusRecord | Recompute, tp: np.ndarray, seq: np.ndarray)
 ACTIVATION_FIELDS = ("tp", "etp", "sequence_parallel", "seq_length", "recompute")
 
 
+def _sdpa_fallbacks(model: ModelSpec, batch: StrategyBatch) -> dict[MlpKind, tuple[np.ndarray, np.ndarray]]:
+    """Per MLP kind, per strategy: the share of its layers where transformers' SDPA runs the
+    memory-efficient kernel with an explicit mask (sliding-window layers once seq >= window:
+    transformers skips the mask only below the window), and the share where it runs the math path
+    (fp32 with grouped KV heads and no mask). The profile's ``sdpa_masked`` and ``sdpa_math``
+    blocks price what each keeps; the rest of the layers run the flash kernel."""
+    fp32 = np.asarray(batch.precision.activation_bytes, dtype=float) >= 4
+    grouped = model.num_kv_heads < model.num_attention_heads
+    out: dict[MlpKind, tuple[np.ndarray, np.ndarray]] = {}
+    kind: MlpKind
+    for kind in ("dense", "moe"):
+        sliding, layers = model.sliding_layers(kind)
+        masked = np.where(batch.seq_length >= max(model.sliding_window, 1), sliding / max(layers, 1), 0.0)
+        math = np.where(fp32 & grouped, 1.0 - masked, 0.0)
+        out[kind] = (masked, math)
+    return out
+
+
 def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions) -> LayerActivations:
     """Bytes per token per rank of each layer variant, per strategy (a function of
     ``ACTIVATION_FIELDS`` alone)."""
@@ -272,17 +290,25 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         return _per_rank(blocks.get(name, empty), inverse, seq, part)
 
     attention_name = "attention_mla" if model.is_mla else "attention"
-    norm, attention = block("norm"), block(attention_name)
-    norm_kept, attention_kept = block("norm", "kept"), block(attention_name, "kept")
+    norm, norm_kept = block("norm"), block("norm", "kept")
+    # Per MLP kind: the kinds' layers may differ in attention span (sliding windows).
+    attention = dict.fromkeys(("dense", "moe"), block(attention_name))
+    attention_kept = dict.fromkeys(("dense", "moe"), block(attention_name, "kept"))
     if options.attention == "eager":
-        attention = attention + block("eager_scores")
-        attention_kept = attention_kept + block("eager_scores", "kept")
+        for k in ("dense", "moe"):
+            attention[k] = attention[k] + block("eager_scores")
+            attention_kept[k] = attention_kept[k] + block("eager_scores", "kept")
+    if options.attention == "sdpa":
+        for k, (masked, math) in _sdpa_fallbacks(model, batch).items():
+            attention[k] = attention[k] + masked * block("sdpa_masked") + math * block("sdpa_math")
+            attention_kept[k] = (attention_kept[k] + masked * block("sdpa_masked", "kept")
+                                 + math * block("sdpa_math", "kept"))
     mlp, moe = block("mlp"), block("moe")
-    full = {"dense": 2 * norm + attention + mlp, "moe": 2 * norm + attention + moe}
+    full = {"dense": 2 * norm + attention["dense"] + mlp, "moe": 2 * norm + attention["moe"] + moe}
     checkpoint_input = block("layer_input") if profile.selective_keeps_layer_input else 0.0
     selective = {
-        "dense": 2 * norm_kept + attention_kept + block("mlp", "kept") + checkpoint_input,
-        "moe": 2 * norm_kept + attention_kept + block("moe", "kept") + checkpoint_input,
+        "dense": 2 * norm_kept + attention_kept["dense"] + block("mlp", "kept") + checkpoint_input,
+        "moe": 2 * norm_kept + attention_kept["moe"] + block("moe", "kept") + checkpoint_input,
     }
     weight_input = {
         "dense": block(attention_name, "weight_input") + block("mlp", "weight_input"),
@@ -329,8 +355,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # the offload is netted out below.
     rebuilt = {k: full[k] - recomputed[k] for k in ("dense", "moe")}
     offloaded = {k: np.zeros_like(tp) for k in ("dense", "moe")}
-    by_block = {"dense": {"attention": attention, "norm": 2 * norm, "mlp": mlp},
-                "moe": {"attention": attention, "norm": 2 * norm, "moe": moe}}
+    by_block = {"dense": {"attention": attention["dense"], "norm": 2 * norm, "mlp": mlp},
+                "moe": {"attention": attention["moe"], "norm": 2 * norm, "moe": moe}}
     for k in ("dense", "moe"):
         formula = sum(by_block[k].values())
         if _census_for(options, k) is not None:  # measured: the blocks in the formulas' proportions
@@ -1387,12 +1413,18 @@ def _evaluate_group(
     other_comm = overlapping_with_pp + kept_gathered + receive
     out["comm"] = other_comm + fsdp_gathers
     out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0))[sharded_rows]
+    overhead = overhead_model(options.profile, batch, options.include_overhead)
+    # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
+    # first matmul and stay: part of every working set, forward/backward and optimizer step alike.
+    out["transient"] += overhead.workspace_bytes
+    layer_transient += overhead.workspace_bytes
 
     # ---- optimizer step temporaries (activations are gone by then)
     local_elements = out["optimizer"] / max(optimizer_bytes, 1)
     # Temporaries of the update, in the dtype of the weights the optimizer updates.
     updated_bytes = precision.master_weight_bytes or precision.param_bytes
-    out["optimizer_step"] = local_elements * options.profile.optimizer_temp_copies * updated_bytes + receive
+    out["optimizer_step"] = (local_elements * options.profile.optimizer_temp_copies * updated_bytes + receive
+                             + overhead.workspace_bytes)
 
     static = out["params"] + out["grads"] + out["optimizer"]
     # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
@@ -1428,7 +1460,6 @@ def _evaluate_group(
             backward_end = np.where(zero3[single, None], static_single + other_comm[single] + fsdp.last_unit[single],
                                     backward_end)
             forward_backward[:, single] = np.maximum(loss_phase, expand(backward_end))
-    overhead = overhead_model(options.profile, batch, options.include_overhead)
     if device_only:  # in place: the figures in between are not kept
         shape.combine_by_stage(forward_backward, static + out["optimizer_step"], np.maximum)
         allocated = forward_backward

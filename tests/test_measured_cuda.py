@@ -1,0 +1,119 @@
+"""The estimator against real training steps measured on an NVIDIA H200.
+
+tests/data/measured/cuda holds, per case of benchmarks/accuracy/cuda_steps.py, a real one-GPU step
+(``ndplan measure --backend cuda``: torch.cuda.max_memory_allocated/reserved; torch 2.11,
+transformers 5.24, CUDA 13) and, for the first 15 cases, the same step on fake tensors
+(``--backend fake``). These tests read the files; none needs a GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from ndplan.census.measure_step import load_measurement
+from ndplan.census.verify import verify
+from ndplan.errors import NdplanError
+from ndplan.model import load_model
+from ndplan.strategy import Strategy
+
+DATA = Path(__file__).parent / "data" / "measured" / "cuda"
+REAL = sorted(DATA.glob("*-cuda.json"))
+MiB = 2**20
+
+#: fp32 with grouped KV heads: SDPA's math path. Its activations are priced (checked below); the
+#: real forward/backward peak is 5% above the estimate for a reason not found (memory.report's
+#: known gaps say so to the user).
+FP32_GQA = "llama8b-s4k-fp32"
+
+
+def _case(path: Path) -> str:
+    return path.name.rsplit("-", 1)[0]
+
+
+def _verified(path: Path):
+    measurement = load_measurement(path)
+    return verify(load_model(measurement.model), measurement)
+
+
+def _error(result, key: str) -> float:
+    row = result.stages[0].row(key)
+    assert row is not None and row.error_pct is not None
+    return row.error_pct
+
+
+def test_the_data_is_there():
+    assert len(REAL) == 26
+    assert len(list(DATA.glob("*-fake.json"))) == 15
+
+
+@pytest.mark.parametrize("path", [p for p in REAL if _case(p) != FP32_GQA], ids=_case)
+def test_peak_allocated_of_a_real_step_within_one_percent(path):
+    # Before the sliding-window mask was priced, Mistral at 8k/16k tokens missed by -4.1/-7.8%;
+    # before the cuBLAS workspace, every case was ~64 MiB short.
+    assert abs(_error(_verified(path), "allocated")) <= 1.0
+
+
+def test_real_steps_median_error_is_a_tenth_of_a_percent():
+    errors = [abs(_error(_verified(p), "allocated")) for p in REAL if _case(p) != FP32_GQA]
+    assert statistics.median(errors) <= 0.1
+
+
+def test_fp32_grouped_heads_activations_priced_peak_still_short():
+    result = _verified(DATA / f"{FP32_GQA}-cuda.json")
+    assert abs(_error(result, "activations")) <= 0.1  # 2 GiB of fp32 probabilities per layer, priced
+    assert -6.0 <= _error(result, "allocated") <= -4.0  # the known, unexplained backward gap
+
+
+@pytest.mark.parametrize("path", [p for p in REAL if load_measurement(p).num_layers >= 12], ids=_case)
+def test_reserved_at_depth_within_five_percent(path):
+    # Whole models (12-36 layers): the allocator kept 0.5-7% beyond allocated; the profile's slack is 5%.
+    assert abs(_error(_verified(path), "reserved")) <= 5.0
+
+
+def test_fake_step_sees_everything_but_the_workspace():
+    """Each real step allocated the fake step's bytes plus cuBLAS's 64 MiB workspace (within
+    512-byte block rounding and, for MLA, 32 MiB of the memory-efficient kernel's)."""
+    for fake_path in sorted(DATA.glob("*-fake.json")):
+        case = _case(fake_path)
+        fake, real = load_measurement(fake_path), load_measurement(DATA / f"{case}-cuda.json")
+        assert fake.on_fake_tensors and not real.on_fake_tensors
+        fake_rank, real_rank = fake.ranks[0], real.ranks[0]
+        assert real_rank.categories["activations"] == pytest.approx(fake_rank.categories["activations"], rel=0.012)
+        if case == FP32_GQA:
+            continue
+        extra = real_rank.allocated_bytes - fake_rank.allocated_bytes
+        assert 63 * MiB <= extra <= 100 * MiB, case
+
+
+def test_verify_adds_the_workspace_only_for_real_steps():
+    real = load_measurement(DATA / "llama8b-s4k-cuda.json")
+    fake = load_measurement(DATA / "llama8b-s4k-fake.json")
+    model = load_model(real.model)
+    for_real = verify(model, real).stages[0].row("allocated")
+    for_fake = verify(model, fake).stages[0].row("allocated")
+    assert for_real is not None and for_fake is not None
+    assert for_real.estimate - for_fake.estimate == 64 * MiB
+
+
+def test_cuda_backend_refuses_what_one_gpu_cannot_run():
+    from ndplan.census.measure_cuda import check_single_device
+
+    with pytest.raises(NdplanError, match=r"runs one GPU: tp=2 needs --backend fake"):
+        check_single_device(Strategy(tp=2))
+    with pytest.raises(NdplanError, match=r"precision must be one of bf16-pure, fp32, got 'fsdp-bf16'"):
+        check_single_device(Strategy(precision="fsdp-bf16"))
+    check_single_device(Strategy(precision="fp32"))
+
+
+def test_estimate_names_the_fp32_math_path_gap():
+    from ndplan.memory import MemoryOptions
+    from ndplan.memory.report import known_gaps
+
+    model = load_model("llama-3.1-8b")
+    fp32 = Strategy(precision="fp32")
+    assert any("math path" in gap for gap in known_gaps(fp32, MemoryOptions(attention="sdpa"), model))
+    assert not any("math path" in gap for gap in known_gaps(fp32, MemoryOptions(attention="flash"), model))
+    assert not any("math path" in gap for gap in known_gaps(Strategy(), MemoryOptions(attention="sdpa"), model))
