@@ -108,6 +108,25 @@ def test_the_window_shortens_the_step_of_long_sequences_only():
     assert estimate_time(mistral, short, device).step_s == estimate_time(full_attention(mistral), short, device).step_s
 
 
+def test_a_window_given_to_sdpa_as_a_mask_computes_the_whole_square():
+    """transformers' SDPA hands the window to the memory-efficient kernel as a mask from seq >=
+    window on: every (query, key) pair is computed, so the step is slower than a kernel that
+    skips outside the window (FlashAttention), and slower than full causal attention."""
+    from ndplan.memory import MemoryOptions
+
+    qwen = spec_from_hf_config({**QWEN2, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 4},
+                               name="q")
+    assert attention_pairs(qwen, 32, masked_window=True) == pytest.approx((4 * causal_pairs(32) + 2 * 32 * 32) / 6)
+    assert attention_pairs(qwen, 6, masked_window=True) == attention_pairs(qwen, 6)  # below the window: no mask
+    mistral, device = get_preset("mistral-7b"), get_device("h100-sxm")
+    long = Strategy(dp=8, seq_length=32768, num_micro_batches=4, recompute="selective")
+    flash = estimate_time(mistral, long, device, options=MemoryOptions(attention="flash"))
+    sdpa = estimate_time(mistral, long, device, options=MemoryOptions(attention="sdpa"))
+    causal = estimate_time(full_attention(mistral), long, device, options=MemoryOptions(attention="sdpa"))
+    assert flash.step_s < causal.step_s < sdpa.step_s
+    assert sdpa.model_flops == flash.model_flops  # the model's FLOPs are the window's either way
+
+
 def test_preset_configs_carry_their_window_fields():
     """The shipped Mistral config states its window; the Qwen ones switch it off."""
     from importlib.resources import files

@@ -113,7 +113,9 @@ class MemoryOptions:
         parameter group in a split backward's W, what its selective recompute re-runs, whether
         its attention kernel is flash (``attention``), and what it hides."""
         software: dict[str, Any] = {"selective_recompute": self.profile.selective_policy,
-                                    "flash_attention": self.attention != "eager"}  # SDPA runs a flash kernel
+                                    "flash_attention": self.attention != "eager",  # SDPA runs a flash kernel
+                                    # ... but a sliding window reaches SDPA as a mask (sdpa_masked)
+                                    "window_kernel": self.attention != "sdpa"}
         if self.moe_imbalance != 1.0:  # the busiest rank computes and receives as much more as it holds
             software["moe_imbalance"] = self.moe_imbalance
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,

@@ -50,6 +50,9 @@ class EfficiencyProfile(BaseModel):
     ``attention_efficiency`` of peak; the backward counts 2.5x the forward FLOPs (the kernel
     recomputes the scores). With ``flash_attention`` False (pre-2022 Megatron), scores are
     materialised: two batched GEMMs over the full s×s square plus memory-bound softmax passes.
+    ``window_kernel`` False: a sliding-window layer runs a fused kernel given an explicit mask
+    (transformers' SDPA once seq >= window), which computes every (query, key) pair of the
+    square rather than skipping the blocks outside the window.
 
     Memory-bound ops (norms, activations, rotary, residuals, loss, optimizer update) move bytes
     at ``hbm_bandwidth · hbm_efficiency``.
@@ -117,6 +120,7 @@ class EfficiencyProfile(BaseModel):
     grouped_gemm_factor: float = Field(default=0.9, gt=0.0, le=1.0)
     attention_efficiency: Fraction
     flash_attention: bool = True
+    window_kernel: bool = True
     selective_recompute: Literal["megatron", "torchtitan-op", "keep-matmuls"] = "megatron"
     hbm_efficiency: Fraction
     scaleup_efficiency: Fraction
@@ -308,7 +312,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 
 
 #: The figures that describe the software rather than the device: what a runtime states of itself.
-SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "moe_imbalance")
+SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

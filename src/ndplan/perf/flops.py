@@ -186,24 +186,31 @@ def causal_pairs(seq: Array | float, window: int = 0) -> Array | float:
     return kept * (kept + 1) / 2.0 + (seq - kept) * kept
 
 
-def attention_pairs(model: ModelSpec, seq: Array | float, kind: MlpKind | None = None) -> Array | float:
+def attention_pairs(model: ModelSpec, seq: Array | float, kind: MlpKind | None = None,
+                    masked_window: bool = False) -> Array | float:
     """Kept (query, key) pairs per sequence of a decoder layer, the mean over the model's layers
     (of MLP ``kind``, where given): full layers keep s(s+1)/2, sliding ones their window's
     (``causal_pairs``). Exact for the model's total, not per stage: where the sliding layers
     cluster (Qwen2's full first layers) a stage's time is off by their share, e.g. Qwen2.5-7B
     with its first half full and a 4,096-key window at 32k tokens on pp2: stage 0 takes 1.19×
-    the mean's time and stage 1 0.81×, which the pipeline and the balancer do not see."""
+    the mean's time and stage 1 0.81×, which the pipeline and the balancer do not see.
+
+    ``masked_window``: the window reaches the kernel as an explicit mask (transformers' SDPA
+    from seq >= window on), so a sliding layer computes the whole s×s square there."""
     sliding, layers = model.sliding_layers(kind)
     if not sliding:
         return causal_pairs(seq)
-    return ((layers - sliding) * causal_pairs(seq) + sliding * causal_pairs(seq, model.sliding_window)) / layers
+    window = causal_pairs(seq, model.sliding_window)
+    if masked_window:
+        window = np.where(np.asarray(seq) >= model.sliding_window, np.asarray(seq, dtype=float) ** 2, window)
+    return ((layers - sliding) * causal_pairs(seq) + sliding * window) / layers
 
 
 def attention_core_flops(model: ModelSpec, sh: Sharding, *, causal: bool = True, kind: MlpKind | None = None,
-                         windowed: bool = True) -> Array | float:
+                         windowed: bool = True, masked_window: bool = False) -> Array | float:
     """Forward FLOPs of QK^T and PV on a device: 2·(d_qk + d_v) per kept pair and local head,
-    the pairs of a decoder layer (of ``kind``: ``attention_pairs``), or with ``windowed=False``
-    of full causal attention (MTP modules).
+    the pairs of a decoder layer (of ``kind``: ``attention_pairs``, ``masked_window`` passed on),
+    or with ``windowed=False`` of full causal attention (MTP modules).
 
     ``causal=False`` counts the full s×s square, as an unfused (masked) kernel computes it,
     sliding window or not.
@@ -211,7 +218,7 @@ def attention_core_flops(model: ModelSpec, sh: Sharding, *, causal: bool = True,
     if not causal:
         pairs = sh.seq * sh.seq
     else:
-        pairs = attention_pairs(model, sh.seq, kind) if windowed else causal_pairs(sh.seq)
+        pairs = attention_pairs(model, sh.seq, kind, masked_window) if windowed else causal_pairs(sh.seq)
     heads = model.num_attention_heads / sh.tp
     return 2.0 * sh.micro_batch * heads * (model.qk_head_dim + model.value_head_dim) * pairs / sh.cp
 

@@ -172,7 +172,7 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
     attends in full, as MTP modules do)."""
     model = ctx.model
     if ctx.eff.flash_attention:
-        flops = attention_core_flops(model, sh, kind=kind, windowed=not full)
+        flops = attention_core_flops(model, sh, kind=kind, windowed=not full, masked_window=not ctx.eff.window_kernel)
         return flops / ctx.rates.attention_rate, FLASH_BACKWARD_FACTOR * flops / ctx.rates.attention_rate
     # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
     count = sh.micro_batch * model.num_attention_heads / sh.tp

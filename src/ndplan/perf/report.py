@@ -32,12 +32,14 @@ from ndplan.strategy.strategy import Strategy
 COMM_KEYS = ("tp", "cp", "ep", "dp", "offload", "pp")
 
 
-def _pairs_formula(model: ModelSpec, kind: str) -> str:
+def _pairs_formula(model: ModelSpec, kind: str, masked_window: bool = False) -> str:
     """The kept (query, key) pairs of a layer of ``kind`` as the explain line writes them."""
     sliding, layers = model.sliding_layers(kind)  # type: ignore[arg-type]
     if not sliding:
         return "s(s+1)/2"
     windowed = f"(w(w+1)/2 + (s−w)·w, w = min(s, {model.sliding_window:,}))"
+    if masked_window:  # the window reaches the kernel as a mask: the whole square from s >= w on
+        windowed = f"(s² if s ≥ {model.sliding_window:,}, else s(s+1)/2)"
     if sliding == layers:
         return windowed
     return f"({layers - sliding}·s(s+1)/2 + {sliding}·{windowed})/{layers}"
@@ -197,12 +199,13 @@ def explain_lines(r: TimeReport) -> list[str]:
         gemms = layer_gemms(model, sh, kind)  # type: ignore[arg-type]
         per_pass = {ps: float(np.asarray(sum(gemms_seconds(gemms, rates, ps), 0.0)).reshape(-1)[0]) for ps in PASS_NAMES}
         flops = float(gemm_flops(gemms))
-        attn = float(attention_core_flops(model, sh, kind=kind))  # type: ignore[arg-type]
+        masked = not r.efficiency.window_kernel
+        attn = float(attention_core_flops(model, sh, kind=kind, masked_window=masked))  # type: ignore[arg-type]
         p = pieces[kind]
         lines.append(
             f"{kind} layer, one micro-batch on one device: matmul FLOPs fwd = Σ 2·M·N·K = {flops / 1e9:,.1f} GFLOP "
             f"(GEMMs F {_ms(per_pass['F'])}, B {_ms(per_pass['B'])}, W {_ms(per_pass['W'])}); attention core fwd = "
-            f"2·b·(a/t)·(d_qk+d_v)·{_pairs_formula(model, kind)}/c = {attn / 1e9:,.1f} GFLOP"
+            f"2·b·(a/t)·(d_qk+d_v)·{_pairs_formula(model, kind, masked)}/c = {attn / 1e9:,.1f} GFLOP"
         )
         for pass_ in ("F", "B", "W"):
             parts = ", ".join(
