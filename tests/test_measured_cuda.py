@@ -117,3 +117,17 @@ def test_estimate_names_the_fp32_math_path_gap():
     assert any("math path" in gap for gap in known_gaps(fp32, MemoryOptions(attention="sdpa"), model))
     assert not any("math path" in gap for gap in known_gaps(fp32, MemoryOptions(attention="flash"), model))
     assert not any("math path" in gap for gap in known_gaps(Strategy(), MemoryOptions(attention="sdpa"), model))
+
+
+def test_estimate_names_what_the_sdpa_mask_pricing_leaves_out():
+    from ndplan.memory import MemoryOptions
+    from ndplan.memory.report import known_gaps
+
+    mistral, sdpa = load_model("mistral-7b"), MemoryOptions(attention="sdpa")
+    selective = Strategy(seq_length=8192, recompute="selective")
+    assert any("boolean sliding-window mask" in gap and "64.00 MiB" in gap
+               for gap in known_gaps(selective, sdpa, mistral))
+    assert not any("sliding-window" in gap for gap in known_gaps(Strategy(seq_length=8192), sdpa, mistral))
+    assert not any("sliding-window" in gap for gap in known_gaps(selective, MemoryOptions(), mistral))
+    assert not any("sliding-window" in gap for gap in known_gaps(selective.model_copy(update={"seq_length": 2048}),
+                                                                  sdpa, mistral))

@@ -552,7 +552,12 @@ def test_cublas_workspace_is_allocated_in_every_phase_where_overhead_is_counted(
     to the forward/backward and optimizer-step peaks alike; without overhead (what a fake-tensor
     step sees) it is absent, and the megatron profile has none measured."""
     model = get_preset("llama-3.1-8b")
-    for strategy in (Strategy(pp=2, num_micro_batches=4, global_batch_size=4), Strategy(seq_length=2048)):
+    one_micro_batch = [  # the backward's end bounds the peak: the whole embedding gradient (tp), FSDP's last unit
+        Strategy(tp=2, pp=2, schedule="gpipe", zero=1, precision="fp32", seq_length=512),
+        Strategy(dp=8, zero=3, fsdp=True, precision="fsdp-bf16", seq_length=2048, recompute="full", global_batch_size=8),
+    ]
+    for strategy in (Strategy(pp=2, num_micro_batches=4, global_batch_size=4), Strategy(seq_length=2048),
+                     *one_micro_batch):
         with_ws = estimate(model, strategy, None, MemoryOptions())
         without = estimate(model, strategy, None, MemoryOptions(include_overhead=False))
         for a, b in zip(with_ws.stages, without.stages, strict=True):

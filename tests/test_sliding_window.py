@@ -125,6 +125,10 @@ def test_a_window_given_to_sdpa_as_a_mask_computes_the_whole_square():
     causal = estimate_time(full_attention(mistral), long, device, options=MemoryOptions(attention="sdpa"))
     assert flash.step_s < causal.step_s < sdpa.step_s
     assert sdpa.model_flops == flash.model_flops  # the model's FLOPs are the window's either way
+    # Megatron runs no transformers SDPA: the option prices nothing different there, in time as in memory
+    megatron = {a: estimate_time(mistral, long, device, options=MemoryOptions(runtime="megatron", attention=a))
+                for a in ("flash", "sdpa")}
+    assert megatron["sdpa"].step_s == megatron["flash"].step_s
 
 
 def test_preset_configs_carry_their_window_fields():

@@ -287,6 +287,9 @@ class BlockBytes:
     #: those selective recompute keeps (a rebuilt tensor is never saved, so never moved).
     offloaded: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
     offloaded_kept: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
+    #: The part of ``kept`` that grows with the attended sequence: ``kept[r] + kept_per_seq[r]·seq``
+    #: (SDPA's math-path probabilities, which selective recompute keeps).
+    kept_per_seq: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
 
 
 def _kept(tensor: SavedTensor, modules: tuple[str, ...]) -> bool:
@@ -305,6 +308,7 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
     past_weights = dict.fromkeys(SHARDS, 0.0)
     offloaded = dict.fromkeys(SHARDS, 0.0)
     offloaded_kept = dict.fromkeys(SHARDS, 0.0)
+    kept_per_seq = dict.fromkeys(SHARDS, 0.0)
     for tensor in entries:
         width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
@@ -313,6 +317,7 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
         per_seq[tensor.shard] += slope * width
         if _kept(tensor, modules):
             kept[tensor.shard] += at_zero * width
+            kept_per_seq[tensor.shard] += slope * width
         if tensor.weight_input:
             weight_input[tensor.shard] += at_zero * width
         if tensor.read_last:
@@ -323,7 +328,8 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
             offloaded[tensor.shard] += at_zero * width
             if _kept(tensor, modules):
                 offloaded_kept[tensor.shard] += at_zero * width
-    return BlockBytes(base, per_seq, kept, weight_input, read_last, past_weights, offloaded, offloaded_kept)
+    return BlockBytes(base, per_seq, kept, weight_input, read_last, past_weights, offloaded, offloaded_kept,
+                      kept_per_seq)
 
 
 @lru_cache(maxsize=256)

@@ -114,8 +114,10 @@ class MemoryOptions:
         its attention kernel is flash (``attention``), and what it hides."""
         software: dict[str, Any] = {"selective_recompute": self.profile.selective_policy,
                                     "flash_attention": self.attention != "eager",  # SDPA runs a flash kernel
-                                    # ... but a sliding window reaches SDPA as a mask (sdpa_masked)
-                                    "window_kernel": self.attention != "sdpa"}
+                                    # ... but a sliding window reaches transformers' SDPA as a mask
+                                    # (where the runtime prices that mask's memory: sdpa_masked)
+                                    "window_kernel": not (self.attention == "sdpa"
+                                                          and "sdpa_masked" in self.profile.blocks)}
         if self.moe_imbalance != 1.0:  # the busiest rank computes and receives as much more as it holds
             software["moe_imbalance"] = self.moe_imbalance
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,
@@ -167,6 +169,8 @@ def _per_rank(block: BlockBytes, inverse: dict[str, np.ndarray], seq: np.ndarray
             total = total + table[r] * inverse[r]
         if part == "base" and block.per_seq[r]:
             total = total + block.per_seq[r] * inverse[r] * seq
+        if part == "kept" and block.kept_per_seq[r]:
+            total = total + block.kept_per_seq[r] * inverse[r] * seq
     return total
 
 
@@ -251,7 +255,9 @@ def _sdpa_fallbacks(model: ModelSpec, batch: StrategyBatch) -> dict[MlpKind, tup
     memory-efficient kernel with an explicit mask (sliding-window layers once seq >= window:
     transformers skips the mask only below the window), and the share where it runs the math path
     (fp32 with grouped KV heads and no mask). The profile's ``sdpa_masked`` and ``sdpa_math``
-    blocks price what each keeps; the rest of the layers run the flash kernel."""
+    blocks price what each keeps; the rest of the layers run the flash kernel. A share is the
+    model's, not a stage's: exact where sliding layers are spread evenly (all, or alternating),
+    not where they cluster (``known_gaps`` says so beside such a plan)."""
     fp32 = np.asarray(batch.precision.activation_bytes, dtype=float) >= 4
     grouped = model.num_kv_heads < model.num_attention_heads
     out: dict[MlpKind, tuple[np.ndarray, np.ndarray]] = {}
@@ -1419,7 +1425,6 @@ def _evaluate_group(
     # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
     # first matmul and stay: part of every working set, forward/backward and optimizer step alike.
     out["transient"] += overhead.workspace_bytes
-    layer_transient += overhead.workspace_bytes
 
     # ---- optimizer step temporaries (activations are gone by then)
     local_elements = out["optimizer"] / max(optimizer_bytes, 1)
@@ -1461,6 +1466,7 @@ def _evaluate_group(
             # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
             backward_end = np.where(zero3[single, None], static_single + other_comm[single] + fsdp.last_unit[single],
                                     backward_end)
+            backward_end += overhead.workspace_bytes
             forward_backward[:, single] = np.maximum(loss_phase, expand(backward_end))
     if device_only:  # in place: the figures in between are not kept
         shape.combine_by_stage(forward_backward, static + out["optimizer_step"], np.maximum)
