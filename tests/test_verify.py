@@ -257,7 +257,8 @@ def test_sdpa_fallback_kernels_priced_as_the_fake_step_keeps_them(run, tmp_path:
         folder = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config))
-        code, out, err = run("verify", folder / "config.json", "--layers", "2", "--json", *flags)
+        layers = () if "--layers" in flags else ("--layers", "2")
+        code, out, err = run("verify", folder / "config.json", *layers, "--json", *flags)
         assert code == 0, err
         rows = {r["key"]: r for r in json.loads(out)["stages"][0]["rows"]}
         return rows["activations"]["estimate_bytes"], rows["activations"]["measured_bytes"]
@@ -270,6 +271,12 @@ def test_sdpa_fallback_kernels_priced_as_the_fake_step_keeps_them(run, tmp_path:
     assert masked[0] - full[0] == masked[1] - full[1] == mask_bytes
     below = activations(window, "--seq", 16)  # shorter than the window: no mask
     assert below[0] - activations(TINY, "--seq", 16)[0] == 0
+    # Under recompute, pipeline stages too: each keeps the boolean mask its checkpoints were given,
+    # one 64 x 64 per micro-batch in flight (two on stage 0 of 1F1B with two micro-batches).
+    staged = ("--layers", 4, "--pp", 2, "--num-micro-batches", 2, "--recompute", "full", "--seq", 64)
+    deep = {"num_hidden_layers": 4}
+    llama_staged, mistral_staged = activations({**TINY, **deep}, *staged), activations({**window, **deep}, *staged)
+    assert mistral_staged[0] - llama_staged[0] == mistral_staged[1] - llama_staged[1] == 2 * 64 * 64
     for recompute in ("none", "selective"):  # selective keeps them too (a matmul's output)
         estimate, measured = activations(TINY, "--seq", 64, "--precision", "fp32", "--recompute", recompute)
         assert abs(estimate - measured) / measured < 0.02, recompute  # 4 x 64 x 64 fp32 probabilities a layer

@@ -176,8 +176,9 @@ What the rows say:
   (`overhead.workspace_bytes`) wherever overhead is included.
 * A sliding window at seq ≥ window (Mistral at 8k and 16k) costs each layer an s × s additive
   bias and K/V repeated to every head under transformers' SDPA: 224 MiB per layer at 8k, 704 MiB
-  at 16k, now priced (before: −4.1% and −7.8%). Under recompute they are rebuilt, but the
-  checkpoint keeps the boolean mask once (64 MiB at 8k): mistral-s8k-sel reads −0.76%.
+  at 16k, now priced (before: −4.1% and −7.8%). Under recompute they are rebuilt, but each
+  chunk's checkpoints keep the boolean mask once per micro-batch (64 MiB at 8k), priced too
+  (mistral-s8k-sel read −0.76% before).
 * Over-estimates, on the safe side: gpt-oss-20b under eager attention keeps less than the eager
   profile prices (activations +44%, forward/backward peak +7%; its peak is the optimizer
   step's, within 0.01%), and whole models under full recompute read +1.4–1.9% at the

@@ -566,6 +566,27 @@ def position_inputs(model: Any, config: Any, x: torch.Tensor) -> dict[str, Any]:
     return extra
 
 
+def sliding_inputs(config: Any, x: torch.Tensor, extra: dict[str, Any]) -> dict[str, Any] | None:
+    """``extra`` with the mask transformers gives sliding-window layers instead of the causal one
+    (None where the config has no window): what a sliding layer receives from the model's forward."""
+    if not getattr(config, "sliding_window", None):
+        return None
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    mask = create_sliding_window_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None)
+    return {**extra, "attention_mask": mask}
+
+
+def layer_slides(layer: torch.nn.Module, config: Any) -> bool:
+    """Whether transformers gives ``layer`` the sliding-window mask: per its attention's
+    ``layer_type`` where the model has layer types (Qwen2/3, gpt-oss), else every layer of a
+    config with a window (Mistral)."""
+    attention = next((m for name, m in layer.named_modules() if name.endswith("self_attn")), None)
+    if attention is not None and hasattr(attention, "layer_type"):
+        return bool(attention.layer_type == "sliding_attention")
+    return bool(getattr(config, "sliding_window", None))
+
+
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -599,6 +620,8 @@ __all__ = [
     "decoder_layers",
     "find_module",
     "gpu_sdpa_kernels",
+    "layer_slides",
+    "sliding_inputs",
     "keep_fp32_patterns",
     "layer_kinds",
     "make_config",

@@ -836,8 +836,10 @@ def _make_stage_module(E: Any, torch: Any, model: Any, layer_ids: Sequence[int],
             embed: Any = self.embed_tokens
             h = embed(x) if embed is not None else x
             extra = E.position_inputs(model, config, h)
+            sliding = E.sliding_inputs(config, h, extra)  # as the model's own forward hands them out
             for layer in self.layers:
-                h = E.call_layer_fn(layer, extra)(h)
+                h = E.call_layer_fn(layer, sliding if sliding is not None and E.layer_slides(layer, config)
+                                    else extra)(h)
             head: Any = self.lm_head
             norm: Any = self.norm
             if head is not None:

@@ -354,11 +354,6 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
                         "per stage: a stage holding more than its share of sliding layers is under-estimated "
                         "(Qwen2.5-7B sliding from layer 14, pp2, 16k tokens, 4 micro-batches: its second stage by "
                         "about 4.8 GiB)")
-        if strategy.recompute != "none":
-            mask = strategy.micro_batch_size * strategy.seq_length ** 2
-            gaps.append(f"under recompute the checkpoints keep the boolean sliding-window mask they were given "
-                        f"({format_bytes(mask)} per micro-batch in flight), which is not priced (Mistral-7B at 8k "
-                        "tokens with selective recompute, measured on an H200: peak -0.76%)")
     grouped = model is not None and model.num_kv_heads < model.num_attention_heads
     if options.attention == "sdpa" and grouped and strategy.precision.activation_bytes >= 4:
         gaps.append("fp32 attention with grouped KV heads runs SDPA's math path on CUDA: its s x s probabilities "

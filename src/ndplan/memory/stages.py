@@ -270,6 +270,16 @@ def _sdpa_fallbacks(model: ModelSpec, batch: StrategyBatch) -> dict[MlpKind, tup
     return out
 
 
+def _sdpa_mask_bytes(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions) -> np.ndarray:
+    """Bytes of the boolean mask transformers' SDPA path builds for sliding-window layers, per
+    micro-batch: mbs·s² where seq >= window and the runtime prices that mask (``sdpa_masked``),
+    else 0."""
+    if options.attention != "sdpa" or "sdpa_masked" not in options.profile.blocks or not model.sliding_layers()[0]:
+        return np.zeros(len(batch))
+    seq = batch.seq_length.astype(float)
+    return np.where(seq >= model.sliding_window, batch.micro_batch_size * seq * seq, 0.0)
+
+
 def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions) -> LayerActivations:
     """Bytes per token per rank of each layer variant, per strategy (a function of
     ``ACTIVATION_FIELDS`` alone)."""
@@ -1150,6 +1160,11 @@ def _evaluate_group(
     per_b_virtual[:, 0] += embedding_held
     per_b_virtual[:, -1] += output_held
     per_b_virtual[:, -1] += mtp_held
+    # Under recompute each chunk's checkpoints keep the boolean mask they were given, once per
+    # micro-batch (their layers share it): transformers' SDPA masks sliding layers from seq >= window.
+    checkpoint_mask = np.where(recompute_on, _sdpa_mask_bytes(model, batch, options), 0.0)
+    checkpoint_mask_virtual = np.multiply.outer(checkpoint_mask, ((dense_layers + moe_layers) > 0).astype(float))
+    per_b_virtual += checkpoint_mask_virtual
     profile = options.profile
     # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
     # runtime keeps per micro-batch (below), the head's and the pipeline's.
@@ -1331,7 +1346,7 @@ def _evaluate_group(
                           {"embedding": np.multiply.outer(embedding_held, first_virtual),
                            "output": np.multiply.outer(output_held, last_virtual) + kept_logits,
                            "mtp": np.multiply.outer(mtp_held, last_virtual),
-                           "pipeline": kept_hidden},
+                           "pipeline": kept_hidden, "checkpoint_mask": checkpoint_mask_virtual},
                           np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
 
 
@@ -1775,7 +1790,8 @@ def _activation_kinds(
         "norm": t * (plain_dense * dense["norm"][:, None] + plain_moe * moe["norm"][:, None]),
         "mlp": t * plain_dense * dense["mlp"][:, None],
         "moe": t * plain_moe * moe["moe"][:, None],
-        "recompute": t * (recomputed_dense * acts.recomputed["dense"][:, None] + recomputed_moe * acts.recomputed["moe"][:, None]),
+        "recompute": t * (recomputed_dense * acts.recomputed["dense"][:, None] + recomputed_moe * acts.recomputed["moe"][:, None])
+        + per_virtual["checkpoint_mask"],
         "embedding": per_virtual["embedding"],
         "output": per_virtual["output"],
         "mtp": per_virtual["mtp"],
