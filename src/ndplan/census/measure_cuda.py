@@ -36,8 +36,8 @@ from ndplan.census.measure_step import (
     _param_groups,
     _warm_up_optimizer,
     _wrap_recompute,
-    check_measurable,
-    trimmed_hf_config,
+    checked_step_config,
+    step_model_name,
 )
 from ndplan.errors import NdplanError
 from ndplan.strategy import Strategy
@@ -76,14 +76,9 @@ def measure_step_cuda(
 ) -> StepMeasurement:
     """Run ``STEPS`` training steps of ``hf_config`` trimmed to ``num_layers`` decoder layers on
     ``cuda:0`` and report the last one's memory, in bytes, by the categories of the module doc."""
-    from ndplan.census.measure import ATTENTIONS, EXPERTS, _require_torch
+    from ndplan.census.measure import _require_torch
 
-    if attention not in ATTENTIONS:
-        raise NdplanError(f"measure: attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
-    if experts not in EXPERTS:
-        raise NdplanError(f"measure: experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
-    cfg = trimmed_hf_config(hf_config, num_layers)
-    check_measurable(strategy, num_layers, cfg)
+    cfg = checked_step_config(hf_config, strategy, num_layers, attention, experts)
     check_single_device(strategy)
     torch, transformers = _require_torch()
     if not torch.cuda.is_available():
@@ -100,9 +95,8 @@ def measure_step_cuda(
         msg = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise NdplanError(f"measure --backend cuda failed: {type(error).__name__}: {msg}") from error
     elapsed = time.perf_counter() - t0
-    model_name = str(name or hf_config.get("name") or hf_config.get("_name_or_path") or hf_config.get("model_type"))
     return StepMeasurement(
-        model=model_name,
+        model=step_model_name(hf_config, name),
         strategy=strategy,
         ranks=(rank,),
         num_layers=num_layers,

@@ -433,6 +433,26 @@ def stage_to_rank(strategy: Strategy) -> dict[int, int]:
 # the measurement
 
 
+def checked_step_config(hf_config: dict[str, Any], strategy: Strategy, num_layers: int, attention: str,
+                        experts: str) -> dict[str, Any]:
+    """The config trimmed to ``num_layers``, once the inputs of a measured step are checked."""
+    from ndplan.census.measure import ATTENTIONS, EXPERTS
+
+    if not isinstance(hf_config, dict):
+        raise NdplanError("measure: hf_config must be a dict (a Hugging Face config.json)")
+    if attention not in ATTENTIONS:
+        raise NdplanError(f"measure: attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    if experts not in EXPERTS:
+        raise NdplanError(f"measure: experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
+    cfg = trimmed_hf_config(hf_config, num_layers)
+    check_measurable(strategy, num_layers, cfg)
+    return cfg
+
+
+def step_model_name(hf_config: dict[str, Any], name: str | None) -> str:
+    return str(name or hf_config.get("name") or hf_config.get("_name_or_path") or hf_config.get("model_type"))
+
+
 def measure_step(
     hf_config: dict[str, Any],
     strategy: Strategy,
@@ -447,22 +467,15 @@ def measure_step(
     """Measure one training step of ``hf_config`` trimmed to ``num_layers`` decoder layers under
     ``strategy``: one rank per pipeline stage (all stages, or those in ``stages``). With
     ``timeline``, each rank also records what was live as the step went (``RankMemory.timeline``)."""
-    from ndplan.census.measure import ATTENTIONS, EXPERTS, _require_torch
+    from ndplan.census.measure import _require_torch
 
-    if not isinstance(hf_config, dict):
-        raise NdplanError("measure: hf_config must be a dict (a Hugging Face config.json)")
-    if attention not in ATTENTIONS:
-        raise NdplanError(f"measure: attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
-    if experts not in EXPERTS:
-        raise NdplanError(f"measure: experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
-    cfg = trimmed_hf_config(hf_config, num_layers)
-    check_measurable(strategy, num_layers, cfg)
+    cfg = checked_step_config(hf_config, strategy, num_layers, attention, experts)
     wanted = sorted(set(stages)) if stages is not None else list(range(strategy.pp))
     if not wanted or any(not 0 <= s < strategy.pp for s in wanted):
         raise NdplanError(f"measure: stages must be in 0..{strategy.pp - 1}, got {list(stages or [])}")
     torch, transformers = _require_torch()
     t0 = time.perf_counter()
-    model_name = str(name or hf_config.get("name") or hf_config.get("_name_or_path") or hf_config.get("model_type"))
+    model_name = step_model_name(hf_config, name)
     notes: list[str] = []
     ranks = []
     for stage in wanted:
