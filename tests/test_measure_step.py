@@ -247,3 +247,24 @@ def test_timeline_records_the_step_up_to_its_peak(tmp_path: Path) -> None:
     rows = list(csv.DictReader(out.open()))
     assert {row["stage"] for row in rows} == {"0", "1"}
     assert set(rows[0]) >= {"phase", "in_backward", "total_bytes", "activations_bytes", "comm_bytes"}
+
+
+@needs_torch
+@pytest.mark.parametrize("config, sliding", [
+    (dict(model_type="mistral", sliding_window=8), [True] * 4),
+    (dict(model_type="llama"), [False] * 4),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2), [False, False, True, True]),
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=8, max_window_layers=2), [False] * 4),
+    # Qwen2-MoE slides every other layer below max_window_layers; its attention has no layer_type
+    (dict(model_type="qwen2_moe", use_sliding_window=True, sliding_window=8, max_window_layers=4, num_experts=4,
+          num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+     [True, False, True, False]),
+])
+def test_pipeline_stages_give_each_layer_the_mask_the_model_would(config: dict, sliding: list[bool]) -> None:
+    from ndplan.census import _engine as E
+
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=4, vocab_size=100, head_dim=16)
+    hf = E.make_config({**base, **config}, attention="sdpa", experts="eager")
+    model = E.build_meta_model(hf)
+    assert [E.layer_slides(layer, hf) for layer in model.model.layers] == sliding

@@ -333,3 +333,20 @@ def test_html_stage_table_shows_host_memory_only_with_offload():
         html = stage_table({"stages": stages, "capacity_bytes": report["capacity_bytes"]})
         assert ("host (offload)" in html) == bool(offload)
         assert (stages[0]["host_activation_bytes"] > 0) == bool(offload)
+
+
+def test_offloading_the_core_attention_moves_eager_scores_too():
+    """Under eager attention the core keeps its s x s scores (Megatron's unfused softmax: fp32 and
+    the activation-width probabilities per head); offloading core_attn moves them with q, k, v.
+    Before, only the per-token part moved and the scores stayed on the device."""
+    eager = MemoryOptions(runtime="megatron", attention="eager", include_overhead=False)
+    seq = 64
+    strategy = Strategy(offload_modules=("core_attn",), seq_length=seq)
+    moved = float(layer_activations(TINY_DENSE, StrategyBatch.of(strategy), eager).offloaded["dense"][0])
+    flash = float(layer_activations(TINY_DENSE, StrategyBatch.of(strategy), MEGATRON).offloaded["dense"][0])
+    scores = moved - flash
+    assert scores > 0
+    model = TINY_DENSE.model_copy(update={"num_layers": 4})
+    plain = estimate(model, Strategy(seq_length=seq), None, eager).stages[0]
+    offloaded = estimate(model, strategy, None, eager).stages[0]
+    assert plain.activations_bytes - offloaded.activations_bytes > 2 * scores * seq  # all but the two kept layers

@@ -578,12 +578,14 @@ def sliding_inputs(config: Any, x: torch.Tensor, extra: dict[str, Any]) -> dict[
 
 
 def layer_slides(layer: torch.nn.Module, config: Any) -> bool:
-    """Whether transformers gives ``layer`` the sliding-window mask: per its attention's
-    ``layer_type`` where the model has layer types (Qwen2/3, gpt-oss), else every layer of a
-    config with a window (Mistral)."""
+    """Whether transformers gives ``layer`` the sliding-window mask: ``config.layer_types`` at
+    the layer's index where the model has layer types (Qwen2/3, Qwen2-MoE, gpt-oss), else every
+    layer of a config with a window (Mistral)."""
+    types = getattr(config, "layer_types", None)
     attention = next((m for name, m in layer.named_modules() if name.endswith("self_attn")), None)
-    if attention is not None and hasattr(attention, "layer_type"):
-        return bool(attention.layer_type == "sliding_attention")
+    index = getattr(attention, "layer_idx", None)
+    if types and isinstance(index, int) and 0 <= index < len(types):
+        return bool(types[index] == "sliding_attention")
     return bool(getattr(config, "sliding_window", None))
 
 

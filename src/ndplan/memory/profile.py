@@ -287,9 +287,16 @@ class BlockBytes:
     #: those selective recompute keeps (a rebuilt tensor is never saved, so never moved).
     offloaded: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
     offloaded_kept: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
-    #: The part of ``kept`` that grows with the attended sequence: ``kept[r] + kept_per_seq[r]·seq``
-    #: (SDPA's math-path probabilities, which selective recompute keeps).
+    #: The parts of ``kept``, ``offloaded`` and ``offloaded_kept`` that grow with the attended
+    #: sequence, as ``per_seq`` is ``base``'s (attention scores: eager's, SDPA's math path's).
     kept_per_seq: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
+    offloaded_per_seq: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
+    offloaded_kept_per_seq: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARDS, 0.0))
+
+    def seq_part(self, part: str) -> dict[str, float] | None:
+        """The per-sequence companion of the table ``part`` (None where it has none)."""
+        return {"base": self.per_seq, "kept": self.kept_per_seq, "offloaded": self.offloaded_per_seq,
+                "offloaded_kept": self.offloaded_kept_per_seq}.get(part)
 
 
 def _kept(tensor: SavedTensor, modules: tuple[str, ...]) -> bool:
@@ -309,6 +316,8 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
     offloaded = dict.fromkeys(SHARDS, 0.0)
     offloaded_kept = dict.fromkeys(SHARDS, 0.0)
     kept_per_seq = dict.fromkeys(SHARDS, 0.0)
+    offloaded_per_seq = dict.fromkeys(SHARDS, 0.0)
+    offloaded_kept_per_seq = dict.fromkeys(SHARDS, 0.0)
     for tensor in entries:
         width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
@@ -326,10 +335,12 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
             past_weights[tensor.shard] += at_zero * width
         if tensor.offloaded_by & set(offload):
             offloaded[tensor.shard] += at_zero * width
+            offloaded_per_seq[tensor.shard] += slope * width
             if _kept(tensor, modules):
                 offloaded_kept[tensor.shard] += at_zero * width
+                offloaded_kept_per_seq[tensor.shard] += slope * width
     return BlockBytes(base, per_seq, kept, weight_input, read_last, past_weights, offloaded, offloaded_kept,
-                      kept_per_seq)
+                      kept_per_seq, offloaded_per_seq, offloaded_kept_per_seq)
 
 
 @lru_cache(maxsize=256)

@@ -353,7 +353,8 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
             gaps.append("the SDPA mask of sliding-window layers is priced at the mean over the model's layers, not "
                         "per stage: a stage holding more than its share of sliding layers is under-estimated "
                         "(Qwen2.5-7B sliding from layer 14, pp2, 16k tokens, 4 micro-batches: its second stage by "
-                        "about 4.8 GiB)")
+                        "about 4.8 GiB), one holding fewer over-estimated (under recompute, its checkpoints are "
+                        "charged the boolean mask whether or not its layers slide)")
     grouped = model is not None and model.num_kv_heads < model.num_attention_heads
     if options.attention == "sdpa" and grouped and strategy.precision.activation_bytes >= 4:
         gaps.append("fp32 attention with grouped KV heads runs SDPA's math path on CUDA: its s x s probabilities "

@@ -162,15 +162,13 @@ class StageMemory:
 def _per_rank(block: BlockBytes, inverse: dict[str, np.ndarray], seq: np.ndarray, part: str = "base") -> np.ndarray:
     """Bytes per token of a block on one rank: Σ over shard rules of coefficient / divisor
     (``inverse`` holds 1/divisor per rule; rules with no bytes cost nothing)."""
-    table = getattr(block, part)
+    table, per_seq = getattr(block, part), block.seq_part(part)
     total = np.zeros_like(seq)
     for r in SHARDS:
         if table[r]:
             total = total + table[r] * inverse[r]
-        if part == "base" and block.per_seq[r]:
-            total = total + block.per_seq[r] * inverse[r] * seq
-        if part == "kept" and block.kept_per_seq[r]:
-            total = total + block.kept_per_seq[r] * inverse[r] * seq
+        if per_seq is not None and per_seq[r]:
+            total = total + per_seq[r] * inverse[r] * seq
     return total
 
 
@@ -1214,6 +1212,8 @@ def _evaluate_group(
                 whole_graph = tokens * (acts.full["dense"] * dense + acts.full["moe"] * moe)
                 graph_for_w = np.where(recompute_on, whole_graph, layers_held[:, column])
             per_w_virtual[:, column] = graph_for_w + tokens * (outputs_dense * dense + outputs_moe * moe) + logits_gradient * last
+        # The checkpoints stay in that graph until W, and with them the mask they keep.
+        per_w_virtual += checkpoint_mask_virtual
         if profile.first_stage_backward_at_w:
             # The pipeline's first stage has no input gradient to make: torch skips its B and runs
             # one whole backward at W, so what its forward kept stays until then, and no more.
