@@ -159,7 +159,10 @@ transformers {first.get("transformers_version")}, measured by `ndplan measure --
 optimizer warm-up, each case in a fresh process), and compared by `ndplan verify --measured`
 with the estimate of the same step (the `pytorch` runtime, SDPA attention, the cuBLAS
 workspace counted). Error is (estimate − measured) / measured. The files are
-tests/data/measured/cuda; tests/test_measured_cuda.py holds the estimator to them.
+tests/data/measured/cuda; tests/test_measured_cuda.py holds the estimator to them. To measure
+again on a machine with a GPU: `python benchmarks/accuracy/cuda_steps.py --out DIR` (each case
+in a fresh process, the fake step of the same case beside it), then
+`python benchmarks/accuracy/cuda_steps.py --split DIR tests/data/measured/cuda`.
 
 | case | model | step | measured GiB | estimate GiB | activations | fwd/bwd peak | peak allocated | peak reserved | reserved / allocated |
 | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
