@@ -268,3 +268,49 @@ def test_pipeline_stages_give_each_layer_the_mask_the_model_would(config: dict, 
     hf = E.make_config({**base, **config}, attention="sdpa", experts="eager")
     model = E.build_meta_model(hf)
     assert [E.layer_slides(layer, hf) for layer in model.model.layers] == sliding
+
+
+@needs_torch
+def test_the_cuda_backend_reads_what_the_fake_step_measures() -> None:
+    """``measure --backend cuda`` runs the step for real and reads the allocator's counters. Run
+    on CPU with counters that track live storages (as the caching allocator counts its blocks),
+    its categories match the fake-tensor step's to a few bytes: the AdamW step counters (fp32
+    scalars the fake step counts on the device; a real run keeps them on the host) and the loss."""
+    from ndplan.census import _engine as E
+    from ndplan.census.measure_cuda import _run
+    from ndplan.census.measure_step import measure_step
+
+    class LiveCounters:  # torch.cuda's memory functions over E.LiveTracker
+        def __init__(self, tracker: E.LiveTracker) -> None:
+            self.tracker = tracker
+
+        def synchronize(self) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+        def memory_allocated(self) -> int:
+            return self.tracker.current
+
+        def max_memory_allocated(self) -> int:
+            return self.tracker.peak
+
+        max_memory_reserved = max_memory_allocated
+
+        def reset_peak_memory_stats(self) -> None:
+            self.tracker.peak = self.tracker.current
+
+    import torch
+
+    s = Strategy(seq_length=SEQ, precision="bf16-pure", num_micro_batches=2, global_batch_size=2,
+                 recompute="selective")
+    tracker = E.LiveTracker(E.ModuleStack(), set())
+    with tracker:
+        real = _run(torch, trimmed_hf_config(dict(TINY), 2), s, "sdpa", "grouped_mm", 0, device="cpu",
+                    counters=LiveCounters(tracker))
+    fake = measure_step(dict(TINY), s, num_layers=2).ranks[0]
+    for key in ("params", "grads", "optimizer", "activations", "optimizer_step"):
+        assert abs(real.categories[key] - fake.categories[key]) <= 128, key
+    assert real.forward_backward_peak_bytes == pytest.approx(fake.forward_backward_peak_bytes, abs=128)
+    assert real.allocated_bytes == pytest.approx(fake.allocated_bytes, abs=128)
