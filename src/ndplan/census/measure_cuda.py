@@ -157,12 +157,10 @@ def _run(torch: Any, cfg: dict[str, Any], s: Strategy, attention: str, experts: 
 
     b, seq, m = s.micro_batch_size, s.seq_length, s.num_micro_batches
     vocab = int(model.config.vocab_size)
-    reserved = 0
-    figures: dict[str, int] = {}
-    for _ in range(STEPS):
+    reserved = forward_backward_peak = step_peak = grads = activations = 0
+    for _ in range(STEPS):  # the figures of the last step are reported, reserved of all
         cuda.reset_peak_memory_stats()
         before = cuda.memory_allocated()
-        activations = 0
         for micro in range(m):
             # Random tokens route MoE tokens as real text would, spread over the experts.
             ids = torch.randint(0, vocab, (b, seq), device=device)
@@ -182,30 +180,27 @@ def _run(torch: Any, cfg: dict[str, Any], s: Strategy, attention: str, experts: 
         cuda.synchronize()
         step_peak = cuda.max_memory_allocated()
         reserved = max(reserved, cuda.max_memory_reserved())
-        figures = {"forward_backward_peak": forward_backward_peak, "step_peak": step_peak, "grads": grads,
-                   "activations": activations}
 
     categories = {
         "params": params_bytes,
-        "grads": figures["grads"],
+        "grads": grads,
         "optimizer": optimizer_bytes,
-        "activations": figures["activations"],
+        "activations": activations,
         "comm": 0,
-        "transient": figures["forward_backward_peak"] - params_bytes - optimizer_bytes - figures["grads"]
-        - figures["activations"],
+        "transient": forward_backward_peak - params_bytes - optimizer_bytes - grads - activations,
         # All of the step's peak beyond the static state, as the estimator's optimizer_step (the
         # math libraries' workspace included: it is allocated before the step and stays).
-        "optimizer_step": figures["step_peak"] - params_bytes - optimizer_bytes - figures["grads"],
+        "optimizer_step": step_peak - params_bytes - optimizer_bytes - grads,
     }
     return RankMemory(
         stage=0,
         rank=0,
-        allocated_bytes=max(figures["forward_backward_peak"], figures["step_peak"]),
+        allocated_bytes=max(forward_backward_peak, step_peak),
         reserved_bytes=reserved,
         layers=int(cfg["num_hidden_layers"]),
         virtual_stages=(0,),
-        forward_backward_peak_bytes=figures["forward_backward_peak"],
-        optimizer_step_peak_bytes=figures["step_peak"],
+        forward_backward_peak_bytes=forward_backward_peak,
+        optimizer_step_peak_bytes=step_peak,
         categories=categories,
     )
 
