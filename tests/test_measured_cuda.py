@@ -2,7 +2,7 @@
 
 tests/data/measured/cuda holds, per case of benchmarks/accuracy/cuda_steps.py, a real one-GPU step
 (``ndplan measure --backend cuda``: torch.cuda.max_memory_allocated/reserved; torch 2.11,
-transformers 5.24, CUDA 13) and, for the first 15 cases, the same step on fake tensors
+transformers 5.24, CUDA 13) and, for 17 of the cases, the same step on fake tensors
 (``--backend fake``). These tests read the files; none needs a GPU.
 """
 
@@ -23,10 +23,11 @@ DATA = Path(__file__).parent / "data" / "measured" / "cuda"
 REAL = sorted(DATA.glob("*-cuda.json"))
 MiB = 2**20
 
-#: fp32 with grouped KV heads: SDPA's math path. Its activations are priced (checked below); the
-#: real forward/backward peak is 5% above the estimate for a reason not found (memory.report's
-#: known gaps say so to the user).
+#: Cases whose attention materialises the s x s scores: fp32 with grouped KV heads (SDPA's math
+#: path) and eager attention. CUDA's softmax backward keeps a temporary product beside its output
+#: there, which fake tensors do not see (benchmarks/accuracy/cuda_probe.py's allocator record).
 FP32_GQA = "llama8b-s4k-fp32"
+SCORES = {FP32_GQA: 32, "llama8b-s4k-eager": 32, "llama8b-s8k-eager-full": 32}  # case -> heads
 
 
 def _case(path: Path) -> str:
@@ -45,26 +46,30 @@ def _error(result, key: str) -> float:
 
 
 def test_the_data_is_there():
-    assert len(REAL) == 26
-    assert len(list(DATA.glob("*-fake.json"))) == 15
+    assert len(REAL) == 28
+    assert len(list(DATA.glob("*-fake.json"))) == 17
 
 
-@pytest.mark.parametrize("path", [p for p in REAL if _case(p) != FP32_GQA], ids=_case)
+@pytest.mark.parametrize("path", REAL, ids=_case)
 def test_peak_allocated_of_a_real_step_within_one_percent(path):
     # Before the sliding-window mask was priced, Mistral at 8k/16k tokens missed by -4.1/-7.8%;
-    # before the cuBLAS workspace, every case was ~64 MiB short.
+    # before the cuBLAS workspace, every case was ~64 MiB short; before the attention backward's
+    # working set where the scores are materialised, fp32 GQA read -5.0% and eager attention under
+    # full recompute at 8k -37.9%.
     assert abs(_error(_verified(path), "allocated")) <= 1.0
 
 
 def test_real_steps_median_error_is_a_tenth_of_a_percent():
-    errors = [abs(_error(_verified(p), "allocated")) for p in REAL if _case(p) != FP32_GQA]
+    errors = [abs(_error(_verified(p), "allocated")) for p in REAL]
     assert statistics.median(errors) <= 0.1
 
 
-def test_fp32_grouped_heads_activations_priced_peak_still_short():
+def test_fp32_grouped_heads_probabilities_and_their_backward_priced():
     result = _verified(DATA / f"{FP32_GQA}-cuda.json")
-    assert abs(_error(result, "activations")) <= 0.1  # 2 GiB of fp32 probabilities per layer, priced
-    assert -6.0 <= _error(result, "allocated") <= -4.0  # the known, unexplained backward gap
+    assert abs(_error(result, "activations")) <= 0.1  # 2 GiB of fp32 probabilities per layer
+    # The peak is the last layer's attention backward: the probabilities' gradient, softmax's
+    # gradient and CUDA's temporary product, 3 x 2 GiB, beside the head's and MLP's gradients.
+    assert abs(_error(result, "allocated")) <= 0.5
 
 
 @pytest.mark.parametrize("path", [p for p in REAL if load_measurement(p).num_layers >= 12], ids=_case)
@@ -75,17 +80,17 @@ def test_reserved_at_depth_within_five_percent(path):
 
 def test_fake_step_sees_everything_but_the_workspace():
     """Each real step allocated the fake step's bytes plus cuBLAS's 64 MiB workspace (within
-    512-byte block rounding and, for MLA, 32 MiB of the memory-efficient kernel's)."""
+    512-byte block rounding and, for MLA, 32 MiB of the memory-efficient kernel's); where the
+    scores are materialised, at most CUDA softmax's temporary product more (heads·s² fp32)."""
     for fake_path in sorted(DATA.glob("*-fake.json")):
         case = _case(fake_path)
         fake, real = load_measurement(fake_path), load_measurement(DATA / f"{case}-cuda.json")
         assert fake.on_fake_tensors and not real.on_fake_tensors
         fake_rank, real_rank = fake.ranks[0], real.ranks[0]
         assert real_rank.categories["activations"] == pytest.approx(fake_rank.categories["activations"], rel=0.012)
-        if case == FP32_GQA:
-            continue
         extra = real_rank.allocated_bytes - fake_rank.allocated_bytes
-        assert 63 * MiB <= extra <= 100 * MiB, case
+        product = SCORES.get(case, 0) * real.strategy.seq_length**2 * 4
+        assert 63 * MiB <= extra <= 100 * MiB + product, case
 
 
 def test_verify_adds_the_workspace_only_for_real_steps():
@@ -106,17 +111,6 @@ def test_cuda_backend_refuses_what_one_gpu_cannot_run():
     with pytest.raises(NdplanError, match=r"precision must be one of bf16-pure, fp32, got 'fsdp-bf16'"):
         check_single_device(Strategy(precision="fsdp-bf16"))
     check_single_device(Strategy(precision="fp32"))
-
-
-def test_estimate_names_the_fp32_math_path_gap():
-    from ndplan.memory import MemoryOptions
-    from ndplan.memory.report import known_gaps
-
-    model = load_model("llama-3.1-8b")
-    fp32 = Strategy(precision="fp32")
-    assert any("math path" in gap for gap in known_gaps(fp32, MemoryOptions(attention="sdpa"), model))
-    assert not any("math path" in gap for gap in known_gaps(fp32, MemoryOptions(attention="flash"), model))
-    assert not any("math path" in gap for gap in known_gaps(Strategy(), MemoryOptions(attention="sdpa"), model))
 
 
 def test_checkpoints_keep_the_boolean_sliding_mask_once_per_micro_batch():

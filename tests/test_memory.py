@@ -149,6 +149,36 @@ def test_eager_attention_is_quadratic_flash_linear():
     assert acts("eager", 8192) > 2.5 * acts("eager", 4096)
 
 
+def test_attention_backward_working_set_where_the_scores_are_materialised():
+    """Per token, per head·seq element (measured on an H200: tests/data/measured/cuda): eager
+    attention's backward holds the probabilities' gradient in fp32, softmax's fp32 gradient and
+    CUDA's fp32 temporary product (4 + 4 + 4 B) once the bf16 probabilities (2 B) are freed, 10 B;
+    the fp32 math path (fp32, grouped KV heads) 12 B; flash kernels none. TP divides the heads."""
+    from ndplan.memory.stages import layer_activations
+
+    def working(attention: str, tp: int = 1, precision: str = "bf16-pure") -> float:
+        batch = StrategyBatch.of(Strategy(seq_length=8, tp=tp, precision=precision))
+        acts = layer_activations(TINY, batch, MemoryOptions(attention=attention))
+        return float(acts.attention_backward["dense"][0])
+
+    heads_seq = TINY.num_attention_heads * 8
+    assert working("eager") == 10 * heads_seq
+    assert working("eager", tp=2) == 10 * heads_seq / 2
+    assert working("sdpa", precision="fp32") == 12 * heads_seq
+    assert working("sdpa") == working("flash") == working("flash", precision="fp32") == 0
+
+
+def test_attention_backward_sets_the_peak_of_long_eager_sequences():
+    """Llama-3.1-8B, 8k tokens, eager, full recompute, one micro-batch: the peak is the attention
+    backward of a layer, ~24 GiB of s² working set beyond the rebuilt scores, far above the MLP's."""
+    model = get_preset("llama-3.1-8b")
+    s = Strategy(seq_length=8192, recompute="full", precision="bf16-pure")
+    flash = estimate(model, s, options=MemoryOptions(attention="flash")).stages[0]
+    eager = estimate(model, s, options=MemoryOptions(attention="eager")).stages[0]
+    working = 10 * model.num_attention_heads * 8192 * 8192
+    assert eager.forward_backward_bytes - flash.forward_backward_bytes > working
+
+
 def test_offload_removes_optimizer_states():
     s = Strategy(dp=2, zero=1, optimizer_offload=True)
     assert estimate(TINY, s, options=NO_OVERHEAD).stages[0].optimizer_bytes == 0

@@ -60,6 +60,9 @@ CASES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "llama8b-32l-s4k-sel-expandable": ("llama-3.1-8b", 32, ("--seq", "4096", "--recompute", "selective")),
     "llama8b-s16k-full-expandable": ("llama-3.1-8b", 2, ("--seq", "16384", "--recompute", "full")),
     "qwen3-moe-s4k-mbs2-expandable": ("qwen3-30b-a3b", 2, ("--seq", "4096", "--mbs", "2")),
+    # eager attention: the s x s softmax and its backward on CUDA
+    "llama8b-s4k-eager": ("llama-3.1-8b", 2, ("--seq", "4096", "--attention", "eager")),
+    "llama8b-s8k-eager-full": ("llama-3.1-8b", 2, ("--seq", "8192", "--attention", "eager", "--recompute", "full")),
 }
 
 _MAIN = "import sys; from ndplan.cli import main; sys.exit(main())"
@@ -170,13 +173,18 @@ in a fresh process, the fake step of the same case beside it), then
 
 What the rows say:
 
-* Peak allocated is within 1% in every case but fp32 with grouped KV heads (llama8b-s4k-fp32),
-  where SDPA runs its math path: the fp32 probabilities it keeps are priced (activations
-  within 0.1%), but the real backward peak is 5% above the estimate and above the same step on
-  fake tensors, for a reason not yet found. `ndplan estimate` says so beside such a plan.
+* Peak allocated is within 1% in every case. Where the attention materialises its s × s
+  scores (fp32 with grouped KV heads, where SDPA runs its math path; eager attention), the
+  peak is a layer's attention backward: the probabilities' gradient, softmax's gradient and,
+  on CUDA, a temporary product of the same size that softmax's backward allocates beside its
+  output (found with the allocator's record, `benchmarks/accuracy/cuda_probe.py history`).
+  Before that working set was priced, fp32 GQA read −5.0% and eager attention under full
+  recompute at 8k −37.9%.
 * The same steps on fake tensors (`*-fake.json`) allocate exactly what the real ones do but
   64 MiB: cuBLAS's and cuBLASLt's workspaces, which the `pytorch` profile now counts
-  (`overhead.workspace_bytes`) wherever overhead is included.
+  (`overhead.workspace_bytes`) wherever overhead is included; and, where the scores are
+  materialised and their backward sets the peak, CUDA softmax's temporary product, which a
+  fake kernel does not allocate (8 GiB for eager attention at 8k).
 * A sliding window at seq ≥ window (Mistral at 8k and 16k) costs each layer an s × s additive
   bias and K/V repeated to every head under transformers' SDPA: 224 MiB per layer at 8k, 704 MiB
   at 16k, now priced (before: −4.1% and −7.8%). Under recompute they are rebuilt, but each
@@ -189,7 +197,7 @@ What the rows say:
 * Reserved over allocated is 1.005–1.073 for whole models (12–36 layers), where the profile's
   5% slack is within ±5%; short two-layer models at long sequences reach 1.10–1.20 (their
   transient s × s blocks fragment the cache), where the estimate of reserved is up to 10% short
-  (17% with fp32's math path). Expandable segments (`PYTORCH_CUDA_ALLOC_CONF`) lower it at
+  (9–15% where the scores are materialised: fp32's math path, eager attention). Expandable segments (`PYTORCH_CUDA_ALLOC_CONF`) lower it at
   depth (1.019 → 1.007 for Llama-3.1-8B with selective recompute) and hardly at all on short models.
 """
     target.write_text(text)

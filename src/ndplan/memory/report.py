@@ -355,12 +355,6 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
                         "(Qwen2.5-7B sliding from layer 14, pp2, 16k tokens, 4 micro-batches: its second stage by "
                         "about 4.8 GiB), one holding fewer over-estimated (under recompute, its checkpoints are "
                         "charged the boolean mask whether or not its layers slide)")
-    grouped = model is not None and model.num_kv_heads < model.num_attention_heads
-    if options.attention == "sdpa" and grouped and strategy.precision.activation_bytes >= 4:
-        gaps.append("fp32 attention with grouped KV heads runs SDPA's math path on CUDA: its s x s probabilities "
-                    "are priced, but a real H200 step's forward/backward peak was 5% above the estimate (and "
-                    "above the same step on fake tensors) at seq 4096, for a reason not yet found "
-                    "(tests/data/measured/cuda)")
     return gaps
 
 

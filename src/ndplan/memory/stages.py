@@ -194,6 +194,9 @@ class LayerActivations:
     output: np.ndarray
     output_transient: np.ndarray
     backward_extra: dict[str, np.ndarray]  # kind -> one layer's backward working set
+    #: kind -> the attention backward's working set beyond what is saved, where the scores are
+    #: materialised (eager, the SDPA math path; 0 elsewhere)
+    attention_backward: dict[str, np.ndarray]
     mtp_extra: np.ndarray
     #: kind -> what recompute rebuilds on the device in backward (full − recomputed before offload)
     rebuilt: dict[str, np.ndarray]
@@ -310,15 +313,19 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # Per MLP kind: the kinds' layers may differ in attention span (sliding windows).
     attention = dict.fromkeys(("dense", "moe"), block(attention_name))
     attention_kept = dict.fromkeys(("dense", "moe"), block(attention_name, "kept"))
+    # The attention backward's working set where the scores are materialised (s² per head).
+    attention_backward = dict.fromkeys(("dense", "moe"), 0.0 * tp)
     if options.attention == "eager":
         for k in ("dense", "moe"):
             attention[k] = attention[k] + block("eager_scores")
             attention_kept[k] = attention_kept[k] + block("eager_scores", "kept")
+            attention_backward[k] = block("eager_backward_extra")
     if options.attention == "sdpa":
         for k, (masked, math) in _sdpa_fallbacks(model, batch).items():
             attention[k] = attention[k] + masked * block("sdpa_masked") + math * block("sdpa_math")
             attention_kept[k] = (attention_kept[k] + masked * block("sdpa_masked", "kept")
                                  + math * block("sdpa_math", "kept"))
+            attention_backward[k] = np.where(math > 0, block("sdpa_math_backward_extra"), 0.0)
     mlp, moe = block("mlp"), block("moe")
     full = {"dense": 2 * norm + attention["dense"] + mlp, "moe": 2 * norm + attention["moe"] + moe}
     checkpoint_input = block("layer_input") if profile.selective_keeps_layer_input else 0.0
@@ -409,7 +416,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         weight_unread=weight_unread, weight_read_last=weight_read_last, weight_past=weight_past,
         dense_blocks=by_block["dense"], moe_blocks=by_block["moe"], output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
-        backward_extra=backward_extra, mtp_extra=mtp_extra, rebuilt=rebuilt, offloaded=offloaded,
+        backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra, rebuilt=rebuilt,
+        offloaded=offloaded,
     )
 
 
@@ -1255,17 +1263,30 @@ def _evaluate_group(
     loss_per_token = tokens * acts.output_transient
     # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
     layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
+    scores_moments: dict[tuple[bool, bool, bool, bool], ScoresMoments] = {}
+    head_elements = table * head_on_output + final_norm
+    # The embedding's own gradient is made last, after every layer's backward (a tied table's
+    # gradient is made with the head's).
+    untied_table_grad = 0.0 if model.tie_word_embeddings else table * grad_bytes
     layer_transient = np.empty((n, patterns))
+    scores_during, scores_grads = np.empty((n, patterns)), np.empty((n, patterns))
     out["transient"] = np.empty((n, patterns))
-    for column, (moe_here, dense_here, last) in enumerate(
-            zip(has_moe.tolist(), has_dense.tolist(), last_stage.tolist(), strict=True)):
+    for column, (moe_here, dense_here, first, last) in enumerate(
+            zip(has_moe.tolist(), has_dense.tolist(), first_stage.tolist(), last_stage.tolist(), strict=True)):
         layer = layer_by_kinds.get((moe_here, dense_here))
         if layer is None:
             backward_extra = moe_backward_extra if moe_here else acts.backward_extra["dense"]
             rebuilt = np.maximum(moe_rebuilt if moe_here else 0.0, dense_rebuilt if dense_here else 0.0)
             layer = layer_by_kinds[moe_here, dense_here] = tokens * (backward_extra + np.where(recompute_on, rebuilt, 0.0))
-        layer_transient[:, column] = layer
-        out["transient"][:, column] = np.maximum(layer, loss_per_token * last)
+        moment = scores_moments.get((moe_here, dense_here, first, last))
+        if moment is None:
+            moment = scores_moments[moe_here, dense_here, first, last] = _scores_backward_moments(
+                acts, layers, tokens, output_held, recompute_on, head_elements, grad_bytes,
+                kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
+                table_grad=untied_table_grad * first)
+        scores_during[:, column], scores_grads[:, column] = moment.during, moment.grads_made
+        layer_transient[:, column] = np.maximum(layer, moment.at_end)
+        out["transient"][:, column] = np.maximum(np.maximum(layer, moment.during), loss_per_token * last)
     # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
     # table (the scatter of token gradients is dense) and adds it to the kept one; by then that
     # micro-batch's first-chunk activations are gone. FSDP gradients are new each micro-batch
@@ -1386,8 +1407,9 @@ def _evaluate_group(
                 "head": pick(table * head_on_output + final_norm),
             },
             working={
-                "dense": pick(t[:, 0] * (acts.backward_extra["dense"] + np.where(recompute_on, acts.rebuilt["dense"], 0.0))),
-                "moe": pick(t[:, 0] * (acts.backward_extra["moe"] + np.where(recompute_on, acts.rebuilt["moe"], 0.0))),
+                kind: pick(t[:, 0] * (np.maximum(acts.backward_extra[kind], acts.attention_backward[kind])
+                                      + np.where(recompute_on, acts.rebuilt[kind], 0.0)))
+                for kind in ("dense", "moe")
             },
             loss_working=pick(t[:, 0] * acts.output_transient),
             expert_elements=pick(layers.expert["moe"]),
@@ -1483,6 +1505,13 @@ def _evaluate_group(
                                     backward_end)
             backward_end += overhead.workspace_bytes
             forward_backward[:, single] = np.maximum(loss_phase, expand(backward_end))
+            # Where the scores are materialised, the first layer's attention backward: the loss's
+            # activations are gone, the head's and that layer's MLP gradients made (FSDP prices
+            # its moments with its units).
+            scores_phase = expand(static_single - out["grads"][single] + comm_single
+                                  + scores_during[single] + np.where(zero3[single, None], 0.0, scores_grads[single]))
+            scores_phase += held[:, single]
+            forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
     if device_only:  # in place: the figures in between are not kept
         shape.combine_by_stage(forward_backward, static + out["optimizer_step"], np.maximum)
         allocated = forward_backward
@@ -1510,6 +1539,44 @@ def _evaluate_group(
         out["comm"] = out["comm"].copy()
         out["comm"][deferred_rows] += np.maximum(rows - others, 0.0)
     return out
+
+
+@dataclass(frozen=True)
+class ScoresMoments:
+    """The attention backward of a layer whose scores are materialised (eager, the SDPA math
+    path), on a stage, [n] bytes: ``during`` beside what the stage holds (the working set, net of
+    the layer's MLP and second norm, which its backward has freed, and on the last stage of the
+    micro-batch's loss activations, freed before any layer's backward); ``grads_made`` the
+    gradients that exist by then under a single micro-batch whose gradients the backward creates
+    (the head's, on the last stage, and the layer's MLP's); ``at_end`` the first layer's, at the
+    backward's end, where nothing else is held (its own saved tensors with the working set), less
+    the embedding's gradient on the first stage (``table_grad``), made after it.
+    Zeros where no layer on the stage materialises its scores."""
+
+    during: np.ndarray
+    grads_made: np.ndarray
+    at_end: np.ndarray
+
+
+def _scores_backward_moments(acts: LayerActivations, layers: Any, tokens: np.ndarray, output_held: np.ndarray,
+                             recompute_on: np.ndarray, head_elements: np.ndarray, grad_bytes: float,
+                             kinds: tuple[str, ...], last: bool, table_grad: Any) -> ScoresMoments:
+    zero = np.zeros_like(tokens)
+    during, grads_made, at_end = zero, zero, zero
+    for kind in kinds:
+        working = acts.attention_backward[kind]
+        if not np.any(working > 0):
+            continue
+        blocks = acts.dense_blocks if kind == "dense" else acts.moe_blocks
+        mlp_name = "mlp" if kind == "dense" else "moe"
+        freed = blocks[mlp_name] + 0.5 * blocks["norm"]
+        rebuilt = np.where(recompute_on, acts.rebuilt[kind], 0.0)
+        here = working > 0
+        during = np.maximum(during, np.where(here, tokens * (working - freed + rebuilt) - output_held * last, 0.0))
+        at_end = np.maximum(at_end, np.where(here, tokens * (working - freed + acts.full[kind]) - table_grad, 0.0))
+        mlp_elements = layers.by_kind[kind][mlp_name] + 0.5 * layers.by_kind[kind]["norm"]
+        grads_made = np.maximum(grads_made, np.where(here, (mlp_elements + head_elements * last) * grad_bytes, 0.0))
+    return ScoresMoments(during=during, grads_made=grads_made, at_end=at_end)
 
 
 @dataclass(frozen=True)
