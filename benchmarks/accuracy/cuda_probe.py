@@ -65,7 +65,11 @@ TIMED: dict[str, tuple[str, int, dict[str, Any]]] = {
     "dsv2-lite-12l-s4k-full": ("deepseek-v2-lite", 12, {"seq_length": 4096, "recompute": "full"}),
     "qwen3-moe-8l-s4k-mbs2": ("qwen3-30b-a3b", 8, {"seq_length": 4096, "micro_batch_size": 2}),
 }
-HISTORY_CASE = ("llama-3.1-8b", 2, {"seq_length": 4096, "precision": "fp32"})
+#: name -> (preset, layers, strategy settings, attention) of the allocator records.
+HISTORY_CASES: dict[str, tuple[str, int, dict[str, Any], str]] = {
+    "fp32-gqa": ("llama-3.1-8b", 2, {"seq_length": 4096, "precision": "fp32"}, "sdpa"),
+    "eager": ("llama-3.1-8b", 2, {"seq_length": 4096}, "eager"),
+}
 
 
 def _events_median(fn: Any, *args: Any, repeats: int = 10, calls: int = 10, **kwargs: Any) -> float:
@@ -291,7 +295,8 @@ def _strategy(settings: dict[str, Any]) -> Any:
     return Strategy(**{"precision": "bf16-pure", **settings})
 
 
-def _setup(preset: str, layers: int, settings: dict[str, Any]) -> tuple[Any, Any, Any, list[Any]]:
+def _setup(preset: str, layers: int, settings: dict[str, Any],
+           attention: str = "sdpa") -> tuple[Any, Any, Any, list[Any]]:
     from ndplan.census import _engine as E
     from ndplan.census.measure import load_hf_config
     from ndplan.census.measure_cuda import _build
@@ -305,9 +310,9 @@ def _setup(preset: str, layers: int, settings: dict[str, Any]) -> tuple[Any, Any
 
     s = _strategy(settings)
     _, hf = load_hf_config(preset)
-    cfg = checked_step_config(hf, s, layers, "sdpa", "grouped_mm")
+    cfg = checked_step_config(hf, s, layers, attention, "grouped_mm")
     torch.manual_seed(0)
-    model = _build(torch, cfg, "sdpa", "grouped_mm", _param_dtype(torch, s), "cuda")
+    model = _build(torch, cfg, attention, "grouped_mm", _param_dtype(torch, s), "cuda")
     _wrap_recompute(model, range(layers), s.recompute, E)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(_param_groups(params), lr=1e-4, foreach=True)
@@ -370,8 +375,12 @@ def _frame_key(frames: list[dict[str, Any]]) -> str:
 
 
 def history(out: Path) -> None:
-    preset, layers, settings = HISTORY_CASE
-    s, model, optimizer, _ = _setup(preset, layers, settings)
+    for name, (preset, layers, settings, attention) in HISTORY_CASES.items():
+        _history(out, name, preset, layers, settings, attention)
+
+
+def _history(out: Path, name: str, preset: str, layers: int, settings: dict[str, Any], attention: str) -> None:
+    s, model, optimizer, _ = _setup(preset, layers, settings, attention)
     _forward_backward(s, model)  # one step first: lazy state (cuBLAS workspace) is made before recording
     optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
@@ -383,6 +392,7 @@ def history(out: Path) -> None:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak = torch.cuda.max_memory_allocated()
+    del model, optimizer
     trace = snapshot["device_traces"][0]
     live: dict[int, tuple[int, str, int]] = {}
     total = best = 0
@@ -415,11 +425,13 @@ def history(out: Path) -> None:
             continue
         born[event["addr"]] = index
         names = [f["name"] for f in event.get("frames", [])]
-        ops = [n for n in names if "at::" in n or "autograd" in n or "Function" in n][:10]
+        # The dispatcher's op wrappers and autograd's backward nodes name what allocated it.
+        ops = [n.split("(")[0] for n in names if "_ops::" in n or "generated::" in n][:6]
         py = [f"{f['filename'].split('/')[-1]}:{f['line']}" for f in event.get("frames", [])
               if f.get("filename", "").endswith(".py")][:3]
         lines.append(f"  {index:5d} alloc {event['size'] / 2**20:7.0f} MiB  {' | '.join(ops)}  py: {' <- '.join(py)}")
-    (out / "history.txt").write_text("\n".join(lines) + "\n")
+    (out / f"history-{name}.txt").write_text("\n".join(lines) + "\n")
+    torch.cuda.empty_cache()
     print("\n".join(lines[:60]), flush=True)
 
 
