@@ -25,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "accuracy"))
+
+from h200_time import section as h200_section  # noqa: E402
 
 from ndplan.perf.calibrate import MeasuredRun, calibrate, load_runs, measured_step_s, spearman  # noqa: E402
 from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, device_family  # noqa: E402
@@ -120,6 +123,7 @@ def main() -> None:
             fitted[r.id] = predict(r, fitted_profiles[family])
 
     lines = write_report(runs, measured, default, fitted, train, test, fitted_profiles, fit_reports)
+    lines += ["", *h200_section()]
     args.output.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {args.output} ({len(runs)} runs, {time.perf_counter() - started:.0f} s)")
 
@@ -337,7 +341,8 @@ COMMENTARY = [
     "* torchtitan's selective checkpointing is its per-op policy (recompute every second matmul, keep",
     "  attention), now modelled (`selective_recompute: torchtitan-op`, +2). These rows ran at a 500 W",
     "  power limit on HBM2e H100s whose peak the source places between H100 SXM (989 TFLOP/s) and NVL",
-    "  (835): ndplan uses the SXM peak, an upper bound, and stays about 30% optimistic.",
+    "  (835): ndplan uses the SXM peak, an upper bound. With eager elementwise kernels priced at 4.5",
+    "  passes (measured on an H200, below; it was 3, a guess) they read -16% and -18% (were -29%, -31%).",
     "* Assumed settings (micro-batch size, schedule, recompute where a source is silent) are listed",
     "  per run above; they are the same within a table.",
     "* Not all of this is a blind test. The A100 rows matched within 10% on the first comparison and",
@@ -351,7 +356,10 @@ COMMENTARY = [
     "  recompute policy were added, each from the frameworks' code or configuration and hardware",
     "  bytes, none tuned per row (BF16 dispatch made the Qwen3-235B H100 row worse and was kept). The",
     "  reduction-depth term came last, its knees from GEMM microbenchmark tables, not from these rows",
-    "  (it made the Qwen3-235B and DeepSeek-V3 H100 rows worse by 2-3 points and was kept). The",
+    "  (it made the Qwen3-235B and DeepSeek-V3 H100 rows worse by 2-3 points and was kept). Then an",
+    "  H200 measured kernels directly (benchmarks/accuracy/cuda_probe.py): cuDNN's flash attention ran",
+    "  at 0.42-0.54 of peak, so Hopper's `attention_efficiency` went from 0.55 to 0.45 (every row moved",
+    "  by what that kernel takes, none was fitted), and eager elementwise kernels at 4.5 passes. The",
     "  held-out columns of the fitted profiles are the clean out-of-sample measure.",
 ]
 

@@ -401,25 +401,37 @@ def test_runtime_selective_policy_prices_what_its_memory_profile_keeps(tmp_path)
     s = Strategy(dp=8, micro_batch_size=2, num_micro_batches=4, seq_length=8192, zero=3, fsdp=True,
                  recompute="selective", precision="fsdp-bf16")
     cluster = _cluster(8)
-    kept = estimate_time(LLAMA8, s, cluster, **pytorch.time_keywords())
+    keywords = pytorch.time_keywords()
+    kept = estimate_time(LLAMA8, s, cluster, **keywords)
     assert kept.hardware_flops == kept.model_flops and kept.hfu == kept.mfu
-    core = estimate_time(LLAMA8, s, cluster, **megatron.time_keywords())
-    plain = estimate_time(LLAMA8, s.with_recompute("none"), cluster)
+    assert estimate_time(LLAMA8, s.with_recompute("none"), cluster, **keywords).step_s < kept.step_s
+    # With fused elementwise kernels, between no recompute and Megatron's attention-core replay
+    # (eager ones, 4.5 passes each, make the elementwise replay the dearer at 8k tokens)
+    fused = {**keywords, "software": {**keywords["software"], "elementwise_passes": 1.0}}
+    kept = estimate_time(LLAMA8, s, cluster, **fused)
+    core = estimate_time(LLAMA8, s, cluster, **{**fused, "software": {**fused["software"], "selective_recompute": "megatron"}})
+    plain = estimate_time(LLAMA8, s.with_recompute("none"), cluster, **fused)
     assert core.hardware_flops > core.model_flops
     assert plain.step_s < kept.step_s < core.step_s
     assert any("keep-matmuls policy: re-runs the norms and activations" in line for line in kept.explain())
     # the search's and the balancer's prices are the same policy's
     searched = runtime_step_time(pytorch)(LLAMA8, StrategyBatch.of(s), cluster)
     assert float(searched["hfu"][0]) == pytest.approx(float(searched["mfu"][0]), rel=1e-12)
-    problem = build_problem(LLAMA8, s, cluster, 1e15, pytorch)
-    assert problem.costs[("dense", "selective")].time_s < build_problem(LLAMA8, s, cluster, 1e15, megatron).costs[
-        ("dense", "selective")].time_s
+    text = Path(__file__).resolve().parents[1].joinpath("src/ndplan/memory/profiles/pytorch.yaml").read_text()
+    core_policy = tmp_path / "core.yaml"  # the same runtime but for Megatron's policy
+    core_policy.write_text(text.replace("selective_policy: keep-matmuls", "selective_policy: megatron"))
+
+    def selective_cost(options: MemoryOptions) -> float:
+        return build_problem(LLAMA8, s, cluster, 1e15, options).costs[("dense", "selective")].time_s
+
+    keep_matmuls = selective_cost(pytorch)
+    assert keep_matmuls != selective_cost(MemoryOptions(runtime=str(core_policy)))
+    assert keep_matmuls > build_problem(LLAMA8, s, cluster, 1e15, pytorch).costs[("dense", "none")].time_s
     # eager attention is the runtime's kernel for time as for memory: the full s² square, unfused
     eager = MemoryOptions(runtime="pytorch", attention="eager").time_keywords()
     assert eager["software"]["flash_attention"] is False and pytorch.time_keywords()["software"]["flash_attention"]
-    assert estimate_time(LLAMA8, s, cluster, **eager).step_s > kept.step_s
+    assert estimate_time(LLAMA8, s, cluster, **eager).step_s > estimate_time(LLAMA8, s, cluster, **keywords).step_s
     # a profile YAML naming an unknown policy is refused with the allowed ones
-    text = Path(__file__).resolve().parents[1].joinpath("src/ndplan/memory/profiles/pytorch.yaml").read_text()
     bad = tmp_path / "bad.yaml"
     bad.write_text(text.replace("selective_policy: keep-matmuls", "selective_policy: everything"))
     with pytest.raises(NdplanError, match="selective_policy is 'everything'; allowed: megatron, keep-matmuls, torchtitan-op"):
@@ -560,3 +572,31 @@ def test_moe_imbalance_option_prices_the_busiest_rank_in_time_too():
     balanced = estimate_time(model, strategy, "h100-sxm", options=MemoryOptions())
     skewed = estimate_time(model, strategy, "h100-sxm", options=MemoryOptions(moe_imbalance=1.5))
     assert skewed.step_s > 1.2 * balanced.step_s
+
+
+def test_runtime_kernel_facts_reach_the_step_time_and_are_checked(tmp_path: Path):
+    """A runtime profile states its kernels (the pytorch one: eager elementwise ops, one grouped
+    GEMM for all experts, foreach AdamW); time_keywords hands them to the step-time model, and a
+    wrong fact in a profile YAML is refused with what is allowed."""
+    from ndplan.memory import MemoryOptions
+    from ndplan.memory.profile import get_profile
+
+    software = MemoryOptions(runtime="pytorch").time_keywords()["software"]
+    assert software["elementwise_passes"] == 4.5
+    assert software["expert_gemm"] == "grouped" and software["optimizer_kernel"] == "foreach"
+    assert "expert_gemm" not in MemoryOptions(runtime="megatron").time_keywords()["software"]
+    # foreach AdamW moves more bytes than a fused one: the optimizer takes longer
+    s = Strategy(dp=8, seq_length=4096, num_micro_batches=4)
+    cluster = _cluster(8)
+    fused = estimate_time(LLAMA8, s, cluster, software={"optimizer_kernel": "fused"})
+    foreach = estimate_time(LLAMA8, s, cluster, software={"optimizer_kernel": "foreach"})
+    assert foreach.breakdown["optimizer"] > fused.breakdown["optimizer"]
+    text = Path(__file__).resolve().parents[1].joinpath("src/ndplan/memory/profiles/pytorch.yaml").read_text()
+    for old, new, message in (
+        ("expert_gemm: grouped", "expert_gemm: magic", r"kernels: invalid efficiency figure.*per-expert.*grouped"),
+        ("optimizer_kernel: foreach", "optimiser: foreach", "unknown kernel fact 'optimiser'; known: elementwise_passes"),
+    ):
+        bad = tmp_path / f"{new.split(':')[0]}.yaml"
+        bad.write_text(text.replace(old, new))
+        with pytest.raises(NdplanError, match=message):
+            get_profile(str(bad))

@@ -13,7 +13,7 @@ from ndplan.memory import MemoryOptions, estimate
 from ndplan.model import ModelSpec
 from ndplan.perf import step_time_batch
 from ndplan.schedule import SPLIT_BACKWARD
-from ndplan.search import OVER_MEMORY, default_space, pareto_front, run_search
+from ndplan.search import OVER_MEMORY, default_space, pareto_front, run_search, runtime_step_time
 from ndplan.search.run import DUPLICATE, NOT_RUNNABLE
 from ndplan.strategy import RULES, StrategyBatch, check_strategy, get_precision
 
@@ -23,6 +23,10 @@ TINY_MOE = ModelSpec(
     layer_mlp_kinds=("dense", "moe", "moe", "moe"),
 )
 DEVICE = get_device("h100-sxm")
+#: The runtime the balanced rankings run (fused kernels: recompute is cheap enough that balanced
+#: plans reach the top) and its step time; a balanced ranking and its reference use the same.
+BALANCE_OPTIONS = MemoryOptions(runtime="megatron")
+RUNTIME_TIME = runtime_step_time(BALANCE_OPTIONS)
 
 
 def _space(devices=8, gbs=16, seq=1024, dims=None):
@@ -253,7 +257,7 @@ def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
         strategy = space.strategy(int(candidate))
         value = float(step)
         if strategy.pp >= 2:
-            problem = build_problem(model, strategy, cluster, limit, MemoryOptions())
+            problem = build_problem(model, strategy, cluster, limit, BALANCE_OPTIONS)
             found = solve_heuristic(problem)
             if found is not None and one_setting:
                 found = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
@@ -262,7 +266,7 @@ def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
             if found is not None:  # scaled from the same layout without recompute, where it gains
                 plain = StrategyBatch.of(strategy.with_recompute("none").model_copy(
                     update={"precision": space.precision}))
-                reference = float(step_time_batch(model, plain, cluster)["step_s"][0])
+                reference = float(RUNTIME_TIME(model, plain, cluster)["step_s"][0])
                 scaled = reference * found[1].step_s / evaluate(problem, uniform_plan(problem, "none")).step_s
                 if scaled < value:
                     value, ran = scaled, found[0]
@@ -286,9 +290,11 @@ def test_balanced_ranking_equals_balancing_every_candidate():
 
     space = _space(dims=("tp", "pp", "schedule", "recompute", "mbs"))
     limit = 3 * 2**30
-    result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=10)
+    result = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=limit, top=10,
+                        options=BALANCE_OPTIONS)
     every = _balance_every_candidate(TINY_MOE, space, result, limit)
-    rows, balanced = rank_balanced(TINY_MOE, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=10)
+    rows, balanced = rank_balanced(TINY_MOE, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=10,
+                                   options=BALANCE_OPTIONS)
     assert [r["candidate"] for r in rows] == [c for _, c in every[:10]]
     assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:10]], rel=1e-12)
     # one row per plan: no two rows run the same placement and recompute
@@ -329,7 +335,7 @@ def test_balanced_ranking_equals_balancing_every_candidate():
 
         cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
         assert one["estimated_step_s"] == pytest.approx(estimate_time(TINY_MOE, strategy.model_copy(
-            update={"precision": space.precision}), cluster, **MemoryOptions().time_keywords()).step_s, rel=1e-12)
+            update={"precision": space.precision}), cluster, **BALANCE_OPTIONS.time_keywords()).step_s, rel=1e-12)
 
 
 def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():
@@ -344,17 +350,18 @@ def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():
     space = default_space(model, DEVICE, 8, 32, 4096, get_precision("megatron-bf16"),
                           dims=("tp", "pp", "schedule", "recompute", "zero"))
     limit = 30 * 2**30
-    result = run_search(model, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=5)
+    result = run_search(model, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=limit, top=5, options=BALANCE_OPTIONS)
     every = _balance_every_candidate(model, space, result, limit, one_setting=True)
-    rows, _ = rank_balanced(model, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=5,
-                            one_setting=True)
+    rows, _ = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
+                            one_setting=True, options=BALANCE_OPTIONS)
     assert [r["candidate"] for r in rows] == [c for _, c in every[:5]]
     assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:5]], rel=1e-12)
     for row in rows:
         if "balanced_settings" in row:  # the ranked plan is itself one setting
             assert row["balanced_settings"]["is_the_plan"]
             Strategy(**row["balanced_settings"]["strategy"])
-    per_layer, _ = rank_balanced(model, DEVICE, space, result, step_time_batch, memory_limit_bytes=limit, top=5)
+    per_layer, _ = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
+                                 options=BALANCE_OPTIONS)
     assert [r["candidate"] for r in per_layer] != [r["candidate"] for r in rows]
 
 

@@ -155,6 +155,9 @@ class RuntimeProfile:
     recompute_modules: tuple[str, ...] = ()
     #: Whether the runtime offloads activations by module (its entries name ``offloaded_by``).
     offloads: bool = False
+    #: Facts about its kernels for the step-time model (``ndplan.perf.efficiency``'s software
+    #: facts: elementwise_passes, expert_gemm, optimizer_kernel), stated beside what it saves.
+    kernels: dict[str, Any] = field(default_factory=dict)
 
 
 def _parse_profile(data: Any, source: str) -> RuntimeProfile:
@@ -213,7 +216,30 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         recompute_modules=tuple(m for m in RECOMPUTE_MODULES
                                 if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),
         offloads=any(t.offloaded_by for entries in blocks.values() for t in entries),
+        kernels=_kernels(data.get("kernels"), source),
     )
+
+
+#: The software facts a profile's ``kernels`` may state (the rest follow from other settings).
+KERNEL_FACTS = ("elementwise_passes", "expert_gemm", "optimizer_kernel")
+
+
+def _kernels(raw: Any, source: str) -> dict[str, Any]:
+    """The profile's ``kernels`` section, each fact checked as the step-time model takes it."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise NdplanError(f"{source}: kernels must be a mapping of {', '.join(KERNEL_FACTS)}")
+    unknown = sorted(set(raw) - set(KERNEL_FACTS))
+    if unknown:
+        raise NdplanError(f"{source}: unknown kernel fact {unknown[0]!r}; known: {', '.join(KERNEL_FACTS)}")
+    from ndplan.perf.efficiency import FAMILY_DEFAULTS
+
+    try:
+        FAMILY_DEFAULTS["generic"].replace(**raw)
+    except NdplanError as error:
+        raise NdplanError(f"{source}: kernels: {error}") from None
+    return dict(raw)
 
 
 SELECTIVE_POLICIES = ("megatron", "keep-matmuls", "torchtitan-op")

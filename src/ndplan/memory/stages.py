@@ -118,6 +118,7 @@ class MemoryOptions:
                                     # (where the runtime prices that mask's memory: sdpa_masked)
                                     "window_kernel": not (self.attention == "sdpa"
                                                           and "sdpa_masked" in self.profile.blocks)}
+        software.update(self.profile.kernels)
         if self.moe_imbalance != 1.0:  # the busiest rank computes and receives as much more as it holds
             software["moe_imbalance"] = self.moe_imbalance
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,

@@ -44,7 +44,13 @@ class EfficiencyProfile(BaseModel):
     Routed-expert GEMMs are grouped GEMMs; ``grouped_gemm_factor`` multiplies their efficiency,
     and each local expert's GEMM costs at least ``expert_gemm_latency_s`` more (kernel prologue,
     epilogue and the partial last wave of a small per-expert GEMM, plus its per-expert fp8
-    quantisation kernel): grouped GEMMs over many small experts are latency-bound.
+    quantisation kernel): grouped GEMMs over many small experts are latency-bound. That holds
+    where the runtime launches a GEMM per expert (``expert_gemm`` 'per-expert': Transformer
+    Engine's GroupedLinear); with 'grouped' one kernel runs every local expert
+    (torch._grouped_mm, a CUTLASS grouped GEMM: transformers' and torchtitan's MoE), which on an
+    H200 costs no more per expert than the roofline (benchmarks/accuracy/cuda_probe.py, bf16,
+    16-128 experts of 64-4096 tokens), and the host launches no per-expert kernels
+    (``host_expert_s`` is 0 there too).
 
     Attention core (QK^T, softmax, PV): FlashAttention-style fused kernels at
     ``attention_efficiency`` of peak; the backward counts 2.5x the forward FLOPs (the kernel
@@ -67,8 +73,11 @@ class EfficiencyProfile(BaseModel):
     forward casts the activation [m, k], the backward the output gradient [m, n].
 
     Elementwise kernels: ``elementwise_passes`` multiplies their bytes; 1 for fused kernels
-    (Megatron/Transformer Engine, torch.compile), about 3 for eager PyTorch (RMSNorm, SwiGLU
-    and rotary as chains of separate fp32 kernels).
+    (Megatron/Transformer Engine, torch.compile), about 4.5 for eager PyTorch (RMSNorm, SwiGLU
+    and rotary as chains of separate fp32 kernels): in real steps of transformers' Llama-3.1-8B,
+    Mistral-7B, Qwen3-30B-A3B and DeepSeek-V2-Lite on an H200, the kernels that are neither GEMMs
+    nor attention took 4.4-5.4 times the seconds of one pass over the bytes counted here
+    (torch.profiler, tests/data/measured/h200/profile.json).
 
     Selective recompute (``Strategy.recompute = 'selective'``) differs by framework, a fact of
     the software like ``flash_attention``: ``selective_recompute`` 'megatron' re-runs the
@@ -103,6 +112,13 @@ class EfficiencyProfile(BaseModel):
     all-to-all's duration (an all-to-all of X seconds hidden under compute C takes
     C + X·share, not C). 0 where the SM budget is not sourced.
 
+    Optimizer: Adam's update is memory-bound, at ``hbm_bandwidth · optimizer_efficiency``
+    (``hbm_efficiency`` when unset): its multi-tensor kernels reach less of the bandwidth than a
+    bulk copy (on an H200 a 2 GiB copy ran at 0.87 of the datasheet rate, AdamW's update at
+    0.49-0.72 and clip_grad_norm_ at 0.45). ``optimizer_kernel`` 'fused' is one pass (Apex/TE
+    fused Adam, torch's fused=True); 'foreach' is torch.optim.AdamW(foreach=True), eight
+    multi-tensor kernels that each read and write whole tensors (step.py counts their bytes).
+
     Host link (PCIe or equivalent): copies to and from pinned host memory move at
     ``host_link_bandwidth · host_link_efficiency`` per direction (activation and optimizer
     offload). 0.8 is an assumption, not a measurement: pinned copies reach about 80-85% of a
@@ -118,6 +134,9 @@ class EfficiencyProfile(BaseModel):
     fp8_gemm_depth_knee: float = Field(default=0.0, ge=0.0, description="elements of the reduction dimension")
     gemm_depth_knee: float = Field(default=0.0, ge=0.0, description="elements of the reduction dimension")
     grouped_gemm_factor: float = Field(default=0.9, gt=0.0, le=1.0)
+    expert_gemm: Literal["per-expert", "grouped"] = "per-expert"
+    optimizer_kernel: Literal["fused", "foreach"] = "fused"
+    optimizer_efficiency: Fraction | None = None
     attention_efficiency: Fraction
     flash_attention: bool = True
     window_kernel: bool = True
@@ -141,6 +160,16 @@ class EfficiencyProfile(BaseModel):
                                          description="share of the SMs a hidden expert all-to-all holds")
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
+
+    @property
+    def expert_gemm_latency(self) -> float:
+        """Seconds per local expert per routed-expert GEMM: 0 where one kernel runs them all."""
+        return self.expert_gemm_latency_s if self.expert_gemm == "per-expert" else 0.0
+
+    @property
+    def host_expert(self) -> float:
+        """Host seconds per local expert per forward: 0 where one kernel runs them all."""
+        return self.host_expert_s if self.expert_gemm == "per-expert" else 0.0
 
     def replace(self, **changes: Any) -> EfficiencyProfile:
         """A copy with some figures changed (validated)."""
@@ -194,9 +223,14 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
     # Expert all-to-all SMs: DeepSeek-V3's report (arXiv 2412.19437, sec. 3.2.2) gives its
     # overlapped dispatch/combine kernels 20 of the H800's 132 SMs; DeepEP's and Megatron-Core's
     # default (--moe-deepep-num-sms) is the same 20. NCCL's all-to-all is taken to hold as many.
+    # Measured on an H200 (benchmarks/accuracy/cuda_probe.py, tests/data/measured/h200): cuDNN's
+    # fused flash attention, which torch's SDPA and Transformer Engine both run, reached 0.42-0.54
+    # of the bf16 peak forward+backward (causal, 4k-16k tokens, 32-64 heads of 128; 0.45 inside a
+    # Llama-3.1-8B step at 4k), hence 0.45 (it was 0.55, FlashAttention-3's figure); AdamW's
+    # update and clip_grad_norm_ 0.45-0.72 of HBM, hence optimizer_efficiency 0.6.
     "hopper": EfficiencyProfile(
-        family="hopper", gemm_efficiency=0.75, fp8_gemm_efficiency=0.5, attention_efficiency=0.55,
-        hbm_efficiency=0.8, scaleup_efficiency=0.8, scaleout_efficiency=0.85,
+        family="hopper", gemm_efficiency=0.75, fp8_gemm_efficiency=0.5, attention_efficiency=0.45,
+        hbm_efficiency=0.8, scaleup_efficiency=0.8, scaleout_efficiency=0.85, optimizer_efficiency=0.6,
         gemm_depth_knee=240.0, fp8_gemm_depth_knee=720.0, ep_comm_compute_share=20 / 132,
     ),
     # B200: cuBLAS bf16 ~1.6 of 2.25 PFLOP/s; FP8 in training ~1.35x BF16 (~0.5 of 4.5 PFLOP/s);
@@ -312,7 +346,8 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 
 
 #: The figures that describe the software rather than the device: what a runtime states of itself.
-SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance")
+SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "elementwise_passes",
+                   "expert_gemm", "optimizer_kernel")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

@@ -378,8 +378,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     floor_f: Array | float = host_f
     if kind == "moe":
         local_experts = model.num_experts / cols["ep"]
-        host_f = eff.host_moe_layer_s + local_experts * eff.host_expert_s
-        host_b = eff.host_moe_layer_s + 2.0 * local_experts * eff.host_expert_s
+        host_f = eff.host_moe_layer_s + local_experts * eff.host_expert
+        host_b = eff.host_moe_layer_s + 2.0 * local_experts * eff.host_expert
         # Dropless dispatch syncs the host on the per-expert token counts mid-forward: the GPU
         # drains what was queued before (attention block and router, g_pre) while the host
         # waits, then runs the rest as the host launches it. Launching the part before the

@@ -68,6 +68,7 @@ from ndplan.perf.pipeline import (
 from ndplan.perf.topology import Fabric, group_link
 from ndplan.schedule.pairing import unpaired_forwards
 from ndplan.strategy.batch import CODES, StrategyBatch
+from ndplan.strategy.precision import PrecisionPolicy
 
 Array = np.ndarray
 PipelineMethod = Literal["simulate", "closed_form"]
@@ -117,9 +118,10 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
         attention_rate=attention_peak * eff.attention_efficiency,
         hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
         operand_bytes=1.0 if fp8 else 2.0,
-        expert_latency=eff.expert_gemm_latency_s,
+        expert_latency=eff.expert_gemm_latency,
         wgrad_accum_bytes=2.0 * batch.precision.grad_bytes,
         depth_knee=eff.fp8_gemm_depth_knee if fp8 else eff.gemm_depth_knee,
+        optimizer_rate=device.hbm_bandwidth_bytes_per_s * (eff.optimizer_efficiency or eff.hbm_efficiency),
     )
 
 
@@ -235,12 +237,34 @@ def _exposed_step(comm: Array, cover: Array, floor_share: Array, hide: bool) -> 
     return np.asarray(np.maximum(comm - cover, comm * floor_share))
 
 
+def optimizer_bytes_per_param(precision: PrecisionPolicy, kernel: str, clip: bool = True) -> float:
+    """HBM bytes Adam's update moves per local parameter, with gradient clipping (``clip``).
+
+    fused (one pass): read the gradient, both states and the master weights, write the states and
+    the master weights (and the bf16 copy where a master is kept); clipping reads the gradient
+    and the runtime zeroes it for the next step (2 gradient widths).
+    foreach (torch.optim.AdamW(foreach=True), one multi-tensor kernel per op): weight decay and
+    the final addcdiv read and write the weights (4 widths), lerp_ and addcdiv the first moment
+    (3), mul_, addcmul_ and sqrt the second (5), sqrt's temporary is written, divided, shifted and
+    read (6, state width), lerp_ and addcmul_ read the gradient (2); clip_grad_norm_ reads the
+    gradient and scales it in place (3); zero_grad(set_to_none) writes nothing.
+    """
+    master = precision.master_weight_bytes or precision.param_bytes
+    bf16_copy = precision.param_bytes if precision.master_weight_bytes else 0
+    grad = precision.grad_bytes
+    if kernel == "foreach":
+        return 4 * master + 14 * precision.optimizer_state_bytes + 2 * grad + bf16_copy + (3 * grad if clip else 0)
+    states = precision.optimizer_states * precision.optimizer_state_bytes
+    return grad + 2 * (states + master) + bf16_copy + (2 * grad if clip else 0)
+
+
 def _dp_raw(
-    batch: StrategyBatch, c: dict[str, Array], ne: Array, ex: Array, fabric: Fabric, hbm_rate: float,
-    host_bw: float, cpu_params_per_s: float,
+    batch: StrategyBatch, c: dict[str, Array], ne: Array, ex: Array, fabric: Fabric, optimizer_rate: float,
+    host_bw: float, cpu_params_per_s: float, foreach: bool = False,
 ) -> tuple[Array, Array, Array]:
     """(gradient collective, parameter all-gather, optimizer) seconds per step, before overlap,
-    of a stage holding ``ne`` non-expert and ``ex`` expert parameters per device."""
+    of a stage holding ``ne`` non-expert and ``ex`` expert parameters per device; the update moves
+    its bytes at ``optimizer_rate`` (``foreach``: torch's multi-kernel AdamW, else a fused one)."""
     prec = batch.precision
     t, e, x = c["tp"], c["ep"], c["etp"]
     replicas = c["dp"] * c["cp"]
@@ -260,11 +284,8 @@ def _dp_raw(
     params_ag = np.where((zero >= 1) & ~sharded3, gather, 0.0)
 
     local = ne / np.where(zero >= 1, replicas, 1.0) + ex / np.where(zero >= 1, edp, 1.0)
-    master = prec.master_weight_bytes or prec.param_bytes
-    states = prec.optimizer_states * prec.optimizer_state_bytes
-    per_param = (prec.grad_bytes + states + master) + (states + master + (prec.param_bytes if prec.master_weight_bytes else 0))
-    per_param += 2 * prec.grad_bytes  # clip-norm read, zeroing write
-    update = local * per_param / hbm_rate
+    per_param = optimizer_bytes_per_param(prec, "foreach" if foreach else "fused")
+    update = local * per_param / optimizer_rate
     offload = local * (prec.grad_bytes + prec.param_bytes) / host_bw + local / cpu_params_per_s
     update = np.where(c["optimizer_offload"] > 0, offload, update)
     world = c["dp"] * c["cp"] * c["tp"] * c["pp"]
@@ -383,7 +404,8 @@ def _price_group(
         heavy = np.zeros(g, dtype=np.int64)
     grad_raw, gather_raw, optimizer_u = _dp_raw(
         pr.batch, cu, ne_stage[heavy_u] / cu["tp"], ex_stage[heavy_u] / (cu["ep"] * cu["etp"]),
-        pr.fabric, pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
+        pr.fabric, pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
+        foreach=pr.eff.optimizer_kernel == "foreach",
     )
     share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy], 1.0)
     grad = _exposed_step(grad_raw[dp_code], b[rows, heavy] + w[rows, heavy], share, pr.overlap.dp_grad_reduce)

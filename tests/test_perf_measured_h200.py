@@ -1,0 +1,69 @@
+"""The step-time model against kernels and one-GPU training steps measured on an H200.
+
+tests/data/measured/h200 holds what benchmarks/accuracy/cuda_probe.py measured; the comparison
+(benchmarks/accuracy/h200_time.py) is printed into docs/accuracy_time.md. None of this needs a GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy"))
+import h200_time  # noqa: E402
+
+
+def _median_abs(rows) -> float:
+    return statistics.median(abs(r.error) for r in rows)
+
+
+def test_dense_gemm_passes_within_six_percent_median():
+    rows = h200_time.gemms()["dense"]
+    assert len(rows) == 90
+    assert _median_abs(rows) <= 0.06
+    # Every side 2048 or more, the bulk of a training step's GEMM time: every pass within 15%.
+    big = [r for r in rows if min(int(x) for x in r.name.split()[0].split("x")) >= 2048]
+    assert max(abs(r.error) for r in big) <= 0.15
+
+
+def test_grouped_gemms_have_no_per_expert_cost_under_torch_grouped_mm():
+    one_kernel = h200_time.gemms("grouped")["grouped"]
+    per_expert = h200_time.gemms("per-expert")["grouped"]
+    assert _median_abs(one_kernel) <= 0.08
+    # Transformer Engine's per-expert launches priced on a kernel that has none: far too slow.
+    assert statistics.median(r.error for r in per_expert) > 0.25
+
+
+def test_sdpa_attention_efficiency_brackets_the_hopper_figure():
+    fractions = dict(h200_time.attention())
+    causal = [f for name, f in fractions.items() if "window" not in name and "2k" not in name]
+    assert min(causal) <= 0.45 <= max(causal)
+    assert fractions["mistral-s8k-window"] < 0.45  # a mask runs the whole square, slower
+
+
+def test_optimizer_kernels_within_a_quarter():
+    rows = h200_time.optimizer()
+    assert len(rows) == 6
+    assert all(abs(r.error) <= 0.26 for r in rows), [(r.name, round(r.error, 3)) for r in rows]
+    foreach = next(r for r in rows if r.name == "bf16 AdamW foreach")
+    assert foreach.error == pytest.approx(0.0, abs=0.05)  # the pytorch runtime's own kernel
+
+
+def test_one_gpu_steps_median_within_six_percent():
+    rows = {r.name: r for r in h200_time.steps()}
+    assert len(rows) == 9
+    assert _median_abs(rows.values()) <= 0.06
+    # Dense models without a sliding-window mask: within 6% each.
+    for name in ("llama8b-32l-s4k-full", "llama8b-32l-s4k-sel", "llama8b-32l-s4k", "llama8b-16l-s8k-m2",
+                 "qwen3-8b-36l-s4k-full"):
+        assert abs(rows[name].error) <= 0.06, name
+    assert max(abs(r.error) for r in rows.values()) <= 0.16
+
+
+def test_eager_elementwise_passes_from_the_profiled_kernels():
+    passes = h200_time.elementwise_passes()
+    assert len(passes) == 4
+    assert min(passes.values()) <= 4.5 <= max(passes.values())
