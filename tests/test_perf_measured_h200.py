@@ -52,15 +52,24 @@ def test_optimizer_kernels_within_a_quarter():
     assert foreach.error == pytest.approx(0.0, abs=0.05)  # the pytorch runtime's own kernel
 
 
-def test_one_gpu_steps_median_within_six_percent():
+def test_one_gpu_steps_median_within_five_percent():
     rows = {r.name: r for r in h200_time.steps()}
-    assert len(rows) == 9
-    assert _median_abs(rows.values()) <= 0.06
-    # Dense models without a sliding-window mask: within 6% each.
+    assert len(rows) == 16
+    assert _median_abs(rows.values()) <= 0.05
+    # Dense models at 2k-8k tokens (Mistral's masked window included): within 6% each.
     for name in ("llama8b-32l-s4k-full", "llama8b-32l-s4k-sel", "llama8b-32l-s4k", "llama8b-16l-s8k-m2",
-                 "qwen3-8b-36l-s4k-full"):
+                 "qwen3-8b-36l-s4k-full", "mistral-32l-s8k-sel", "mistral-32l-s4k", "llama8b-32l-s2k-mbs4-sel"):
         assert abs(rows[name].error) <= 0.06, name
-    assert max(abs(r.error) for r in rows.values()) <= 0.16
+    # DeepSeek-V2-Lite's 12-layer step is host-bound, which the host floor does not fully price
+    assert max(abs(r.error) for r in rows.values()) <= 0.15
+
+
+def test_held_out_steps_within_ten_percent():
+    """Seven steps measured after the figures were chosen (from kernels, none fitted to a step)."""
+    held_out = {row["name"] for row in h200_time._load("times")["steps"] if row.get("held_out")}
+    rows = [r for r in h200_time.steps() if r.name in held_out]
+    assert len(rows) == 7
+    assert max(abs(r.error) for r in rows) <= 0.10
 
 
 def test_eager_elementwise_passes_from_the_profiled_kernels():

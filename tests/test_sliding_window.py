@@ -131,6 +131,31 @@ def test_a_window_given_to_sdpa_as_a_mask_computes_the_whole_square():
     assert megatron["sdpa"].step_s == megatron["flash"].step_s
 
 
+def test_the_masked_square_runs_at_the_masked_kernel_efficiency():
+    """Only the sliding layers' masked squares run at ``masked_attention_efficiency`` (0.31 on
+    Hopper, measured): unset, they run at the causal kernel's; a flash window, or a sequence
+    below the window, does not read it."""
+    from ndplan.perf import default_efficiency
+    from ndplan.perf.flops import masked_pairs
+
+    mistral, device = get_preset("mistral-7b"), get_device("h100-sxm")
+    hopper = default_efficiency(device)
+    assert hopper.masked_attention_efficiency == 0.31
+    masked = {"window_kernel": False}
+
+    def seconds(seq: int, software: dict, **figures: float) -> float:
+        strategy = Strategy(dp=8, seq_length=seq)
+        eff = hopper.replace(**figures) if figures else hopper
+        return estimate_time(mistral, strategy, device, efficiency=eff, software=software).step_s
+
+    unset = seconds(8192, masked, masked_attention_efficiency=None)
+    assert seconds(8192, masked) > unset == seconds(8192, masked, masked_attention_efficiency=0.45)
+    assert seconds(8192, {}) == seconds(8192, {}, masked_attention_efficiency=0.9)  # flash skips the mask
+    assert seconds(2048, masked) == seconds(2048, masked, masked_attention_efficiency=0.9)  # below the window
+    # every Mistral layer slides: the whole square from the window on, nothing below it
+    assert masked_pairs(mistral, 8192) == 8192**2 and masked_pairs(mistral, 2048) == 0
+
+
 def test_preset_configs_carry_their_window_fields():
     """The shipped Mistral config states its window; the Qwen ones switch it off."""
     from importlib.resources import files

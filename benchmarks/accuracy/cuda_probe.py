@@ -1,19 +1,26 @@
-"""Three measurements on one GPU, for the time model and one memory gap (run where CUDA is):
+"""Kernels, training steps and the allocator's record on one GPU, for the time model and the
+memory estimate (run where CUDA is):
 
 * ``gemm``: seconds of bf16 GEMMs (torch.matmul) and of grouped expert GEMMs
   (torch._grouped_mm) over shapes of the preset models, each pass (F: X·W, B: dY·Wᵀ,
-  W: Xᵀ·dY) timed in CUDA graphs (no host dispatch), the median of 10 replays. ``perf/gemm.py`` is checked
-  against this table (tests/test_gemm_measured.py).
+  W: Xᵀ·dY) timed in CUDA graphs (no host dispatch), the median of 10 replays.
+* ``attention``: torch's SDPA forward and forward+backward as transformers calls it.
+* ``bandwidth``: a bulk copy, a foreach add, AdamW's step (foreach and fused), clip_grad_norm_.
 * ``times``: seconds of real one-GPU training steps (the model ``ndplan measure --backend cuda``
   builds), forward+backward and the optimizer step apart, median of 3 after 2 warm-up steps.
+* ``profile``: kernel seconds of four of those steps by kind (GEMM, attention, other).
 * ``history``: the allocator's record (torch.cuda.memory._record_memory_history) of one
-  forward+backward of a case, and the live blocks at its peak, grouped by the Python line that
-  allocated them: what a step holds that the estimate does not.
+  forward+backward of a case, the live blocks at its peak grouped by the Python line that
+  allocated them, and every large allocation with the op that made it.
 
-    python benchmarks/accuracy/cuda_probe.py --out DIR [gemm] [times] [history]
+tests/data/measured/h200 keeps the results; benchmarks/accuracy/h200_time.py compares the time
+model with them (tests/test_perf_measured_h200.py).
 
-Each writes ``DIR/<name>.json`` (and ``history.txt``), rewritten after each item so that a run cut
-short keeps what it finished.
+    python benchmarks/accuracy/cuda_probe.py --out DIR [gemm] [times [--only STEP ...]] [attention]
+        [bandwidth] [profile] [history]
+
+Each writes ``DIR/<name>.json`` (``history-<case>.txt``), rewritten after each item so that a run
+cut short keeps what it finished.
 """
 
 from __future__ import annotations
@@ -64,6 +71,16 @@ TIMED: dict[str, tuple[str, int, dict[str, Any]]] = {
     "qwen3-moe-12l-s4k-full": ("qwen3-30b-a3b", 12, {"seq_length": 4096, "recompute": "full"}),
     "dsv2-lite-12l-s4k-full": ("deepseek-v2-lite", 12, {"seq_length": 4096, "recompute": "full"}),
     "qwen3-moe-8l-s4k-mbs2": ("qwen3-30b-a3b", 8, {"seq_length": 4096, "micro_batch_size": 2}),
+    # measured after the model was set from the ones above: a held-out check
+    "llama8b-16l-s16k-full": ("llama-3.1-8b", 16, {"seq_length": 16384, "recompute": "full"}),
+    "llama8b-32l-s2k-mbs4-sel": ("llama-3.1-8b", 32, {"seq_length": 2048, "micro_batch_size": 4,
+                                                      "recompute": "selective"}),
+    "qwen3-8b-36l-s8k-sel": ("qwen3-8b", 36, {"seq_length": 8192, "recompute": "selective"}),
+    "mistral-32l-s4k": ("mistral-7b", 32, {"seq_length": 4096}),
+    "qwen3-moe-12l-s8k-full": ("qwen3-30b-a3b", 12, {"seq_length": 8192, "recompute": "full"}),
+    "dsv2-lite-16l-s4k-mbs2-full": ("deepseek-v2-lite", 16, {"seq_length": 4096, "micro_batch_size": 2,
+                                                             "recompute": "full"}),
+    "llama8b-8l-s4k-m4": ("llama-3.1-8b", 8, {"seq_length": 4096, "num_micro_batches": 4}),
 }
 #: name -> (preset, layers, strategy settings, attention) of the allocator records.
 HISTORY_CASES: dict[str, tuple[str, int, dict[str, Any], str]] = {
@@ -327,13 +344,15 @@ def _forward_backward(s: Any, model: Any) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
 
 
-def times(out: Path) -> None:
+def times(out: Path, only: list[str] | None = None) -> None:
     doc: dict[str, Any] = {**_device(), "method": "wall seconds with torch.cuda.synchronize, median of 3 steps "
                            "after 2 warm-up steps; AdamW foreach; transformers SDPA attention", "steps": []}
     import transformers
 
     doc["transformers"] = str(transformers.__version__)
     for name, (preset, layers, settings) in TIMED.items():
+        if only and name not in only:
+            continue
         row: dict[str, Any] = {"name": name, "model": preset, "layers": layers, **settings}
         try:
             s, model, optimizer, _ = _setup(preset, layers, settings)
@@ -438,14 +457,19 @@ def _history(out: Path, name: str, preset: str, layers: int, settings: dict[str,
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("what", nargs="*", default=["history", "gemm", "times"])
+    parser.add_argument("what", nargs="*", default=["history", "gemm", "times"],
+                        choices=["history", "gemm", "times", "attention", "bandwidth", "profile"])
+    parser.add_argument("--only", nargs="+", choices=sorted(TIMED), help="the steps `times` runs (default: all)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for what in args.what:
         t0 = time.perf_counter()
         try:
-            {"gemm": gemm, "times": times, "history": history, "attention": attention, "bandwidth": bandwidth,
-             "profile": profile}[what](args.out)
+            if what == "times":
+                times(args.out, args.only)
+            else:
+                {"gemm": gemm, "history": history, "attention": attention, "bandwidth": bandwidth,
+                 "profile": profile}[what](args.out)
         except Exception:  # one probe failing leaves the others to run
             traceback.print_exc()
         print(f"== {what} took {time.perf_counter() - t0:.1f} s", flush=True)

@@ -58,7 +58,9 @@ class EfficiencyProfile(BaseModel):
     materialised: two batched GEMMs over the full s×s square plus memory-bound softmax passes.
     ``window_kernel`` False: a sliding-window layer runs a fused kernel given an explicit mask
     (transformers' SDPA once seq >= window), which computes every (query, key) pair of the
-    square rather than skipping the blocks outside the window.
+    square rather than skipping the blocks outside the window, at ``masked_attention_efficiency``
+    (``attention_efficiency`` when unset): reading the mask, the kernel runs slower than causal
+    flash attention.
 
     Memory-bound ops (norms, activations, rotary, residuals, loss, optimizer update) move bytes
     at ``hbm_bandwidth · hbm_efficiency``.
@@ -138,6 +140,7 @@ class EfficiencyProfile(BaseModel):
     optimizer_kernel: Literal["fused", "foreach"] = "fused"
     optimizer_efficiency: Fraction | None = None
     attention_efficiency: Fraction
+    masked_attention_efficiency: Fraction | None = None
     flash_attention: bool = True
     window_kernel: bool = True
     selective_recompute: Literal["megatron", "torchtitan-op", "keep-matmuls"] = "megatron"
@@ -226,10 +229,12 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
     # Measured on an H200 (benchmarks/accuracy/cuda_probe.py, tests/data/measured/h200): cuDNN's
     # fused flash attention, which torch's SDPA and Transformer Engine both run, reached 0.42-0.54
     # of the bf16 peak forward+backward (causal, 4k-16k tokens, 32-64 heads of 128; 0.45 inside a
-    # Llama-3.1-8B step at 4k), hence 0.45 (it was 0.55, FlashAttention-3's figure); AdamW's
+    # Llama-3.1-8B step at 4k), hence 0.45 (it was 0.55, FlashAttention-3's figure); given a
+    # sliding window as a boolean mask (32 heads, 8k tokens) 0.31 over the whole square; AdamW's
     # update and clip_grad_norm_ 0.45-0.72 of HBM, hence optimizer_efficiency 0.6.
     "hopper": EfficiencyProfile(
         family="hopper", gemm_efficiency=0.75, fp8_gemm_efficiency=0.5, attention_efficiency=0.45,
+        masked_attention_efficiency=0.31,
         hbm_efficiency=0.8, scaleup_efficiency=0.8, scaleout_efficiency=0.85, optimizer_efficiency=0.6,
         gemm_depth_knee=240.0, fp8_gemm_depth_knee=720.0, ep_comm_compute_share=20 / 132,
     ),

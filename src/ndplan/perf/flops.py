@@ -206,6 +206,17 @@ def attention_pairs(model: ModelSpec, seq: Array | float, kind: MlpKind | None =
     return ((layers - sliding) * causal_pairs(seq) + sliding * window) / layers
 
 
+def masked_pairs(model: ModelSpec, seq: Array | float, kind: MlpKind | None = None) -> Array | float:
+    """Of ``attention_pairs(masked_window=True)``, the pairs the masked kernel computes: the
+    whole s×s square of the sliding layers (mean over the layers of ``kind``) where seq >= window,
+    else 0."""
+    sliding, layers = model.sliding_layers(kind)
+    if not sliding:
+        return 0.0 * np.asarray(seq, dtype=float)
+    square = np.asarray(seq, dtype=float) ** 2
+    return np.where(np.asarray(seq) >= model.sliding_window, square * sliding / layers, 0.0)
+
+
 def attention_core_flops(model: ModelSpec, sh: Sharding, *, causal: bool = True, kind: MlpKind | None = None,
                          windowed: bool = True, masked_window: bool = False) -> Array | float:
     """Forward FLOPs of QK^T and PV on a device: 2·(d_qk + d_v) per kept pair and local head,

@@ -72,6 +72,7 @@ class ComputeRates:
     operand_bytes: bytes per GEMM input element (1 for fp8, else 2).
     expert_latency: seconds per local expert per routed-expert GEMM (see EfficiencyProfile).
     optimizer_rate: bytes/s the optimizer's update kernels reach (0: ``hbm_rate``).
+    masked_attention_rate: FLOP/s of an attention kernel given an explicit mask (0: ``attention_rate``).
     wgrad_accum_bytes: bytes per weight element the weight-gradient GEMM reads and writes in
         the gradient buffer (2 · the precision's grad_bytes: 8 for fp32 main gradients).
     """
@@ -88,6 +89,7 @@ class ComputeRates:
     depth_knee: float = 0.0
     depth_ref: float = DEPTH_REFERENCE
     optimizer_rate: float = 0.0
+    masked_attention_rate: float = 0.0
 
 
 def gemm_bytes(g: Gemm, r: ComputeRates, pass_: Pass = "F") -> Array | float:

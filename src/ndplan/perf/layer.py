@@ -62,6 +62,7 @@ from ndplan.perf.flops import (
     attention_gemms,
     head_gemms,
     layer_gemms,
+    masked_pairs,
     module_gemms,
     mtp_gemms,
 )
@@ -172,8 +173,15 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
     attends in full, as MTP modules do)."""
     model = ctx.model
     if ctx.eff.flash_attention:
-        flops = attention_core_flops(model, sh, kind=kind, windowed=not full, masked_window=not ctx.eff.window_kernel)
-        return flops / ctx.rates.attention_rate, FLASH_BACKWARD_FACTOR * flops / ctx.rates.attention_rate
+        masked_window = not ctx.eff.window_kernel
+        flops = attention_core_flops(model, sh, kind=kind, windowed=not full, masked_window=masked_window)
+        seconds = flops / ctx.rates.attention_rate
+        if masked_window and not full and ctx.rates.masked_attention_rate:
+            # the sliding layers' squares run the masked kernel, at its own rate
+            masked = (2.0 * sh.micro_batch * model.num_attention_heads / sh.tp
+                      * (model.qk_head_dim + model.value_head_dim) * masked_pairs(model, sh.seq, kind) / sh.cp)
+            seconds = seconds + masked * (1.0 / ctx.rates.masked_attention_rate - 1.0 / ctx.rates.attention_rate)
+        return seconds, FLASH_BACKWARD_FACTOR * seconds
     # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
     count = sh.micro_batch * model.num_attention_heads / sh.tp
     queries = sh.seq / sh.cp

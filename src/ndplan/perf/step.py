@@ -116,6 +116,7 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
         knee=eff.gemm_knee,
         grouped_factor=eff.grouped_gemm_factor,
         attention_rate=attention_peak * eff.attention_efficiency,
+        masked_attention_rate=attention_peak * (eff.masked_attention_efficiency or eff.attention_efficiency),
         hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
         operand_bytes=1.0 if fp8 else 2.0,
         expert_latency=eff.expert_gemm_latency,
