@@ -614,3 +614,20 @@ def test_profile_overhead_constants_are_checked(tmp_path: Path, overhead: str, n
     path.write_text(text)
     with pytest.raises(NdplanError, match=needle.replace("(", r"\(").replace("[", r"\[")):
         get_profile(str(path))
+
+
+def test_scores_backward_moment_counts_only_the_gradients_made_by_then():
+    """Eager attention at 8k under full recompute, one micro-batch, pp2: on stage 0 the embedding's
+    gradient is made after every layer's backward, tied table or not (the head keeps its own copy
+    on stage 1), so stage 0's peak is the same either way; ZeRO-2 keeps the gradients made by
+    then sharded, so its peak is below ZeRO-1's."""
+    model = get_preset("llama-3.1-8b")
+    options = MemoryOptions(attention="eager")
+    s = Strategy(pp=2, seq_length=8192, recompute="full", precision="bf16-pure")
+    tied = model.model_copy(update={"tie_word_embeddings": True})
+    untied_stage0 = estimate(model, s, options=options).stages[0].forward_backward_bytes
+    assert estimate(tied, s, options=options).stages[0].forward_backward_bytes == untied_stage0
+    z1 = Strategy(dp=8, zero=1, seq_length=8192, recompute="full", precision="bf16-pure")
+    z2 = z1.model_copy(update={"zero": 2})
+    one, two = (estimate(model, z, options=options, num_devices=8).stages[0] for z in (z1, z2))
+    assert two.forward_backward_bytes < one.forward_backward_bytes

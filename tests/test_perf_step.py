@@ -600,3 +600,31 @@ def test_runtime_kernel_facts_reach_the_step_time_and_are_checked(tmp_path: Path
         bad.write_text(text.replace(old, new))
         with pytest.raises(NdplanError, match=message):
             get_profile(str(bad))
+
+
+def test_software_facts_are_checked_and_coerced(tmp_path: Path):
+    """A software fact given to the step-time model is validated (a typo in a value names the
+    field and the allowed values); a runtime profile's quoted number is taken as a number; a
+    run's software section takes software facts only; foreach AdamW is counted for Adam alone."""
+    from ndplan.memory.profile import get_profile
+    from ndplan.perf.calibrate import load_runs
+    from ndplan.perf.step import optimizer_bytes_per_param
+    from ndplan.strategy import get_precision
+
+    cluster = _cluster(8)
+    with pytest.raises(NdplanError, match=r"expert_gemm='Per-Expert'.*'per-expert' or 'grouped'"):
+        estimate_time(LLAMA8, Strategy(dp=8), cluster, software={"expert_gemm": "Per-Expert"})
+    with pytest.raises(NdplanError, match=r"elementwise_passes=-3"):
+        estimate_time(LLAMA8, Strategy(dp=8), cluster, software={"elementwise_passes": -3})
+    text = Path(__file__).resolve().parents[1].joinpath("src/ndplan/memory/profiles/pytorch.yaml").read_text()
+    quoted = tmp_path / "quoted.yaml"
+    quoted.write_text(text.replace("elementwise_passes: 4.5", 'elementwise_passes: "4.5"'))
+    assert get_profile(str(quoted)).kernels["elementwise_passes"] == 4.5
+    runs = tmp_path / "runs.yaml"
+    runs.write_text("runs:\n  - {id: x, source: s, model: llama-3.1-8b, device: h100-sxm, num_devices: 8,\n"
+                    "     strategy: {dp: 8}, software: {gemm_efficiency: 0.5}, measured: {step_s: 1.0}}\n")
+    with pytest.raises(NdplanError, match="'gemm_efficiency' is not a software fact"):
+        load_runs(runs)
+    adam, sgd = get_precision("bf16-pure"), get_precision("bf16-pure").model_copy(update={"optimizer_states": 1})
+    assert optimizer_bytes_per_param(adam, "foreach") == 46 and optimizer_bytes_per_param(adam, "fused") == 18
+    assert optimizer_bytes_per_param(sgd, "foreach") == optimizer_bytes_per_param(sgd, "fused")

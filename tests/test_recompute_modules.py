@@ -251,7 +251,7 @@ def test_replayed_modules_rerun_their_collectives_and_launches():
     replayed = estimate_time(moe, Strategy(dp=8, ep=8, pp=2, num_micro_batches=16, recompute="selective",
                                            recompute_modules=("moe",)), small)
     eff = replayed.efficiency
-    floor = eff.host_moe_layer_s + (moe.num_experts / 8) * eff.host_expert_s - eff.host_layer_s
+    floor = eff.host_moe_layer_s + (moe.num_experts / 8) * eff.host_expert - eff.host_layer_s
     layers_per_micro_batch = moe.num_layers / 2  # a stage's layers, one micro-batch each
     extra_compute = replayed.breakdown["compute"] - plain.breakdown["compute"]
     assert extra_compute >= 16 * layers_per_micro_batch * floor * 0.99

@@ -62,7 +62,7 @@ def _rates(kernels: dict | None = None) -> tuple[ComputeRates, float]:
         expert_latency=eff.expert_gemm_latency,
         wgrad_accum_bytes=2.0,  # a plain matmul writes its bf16 result: no fp32 accumulation buffer
         depth_knee=eff.gemm_depth_knee,
-        optimizer_rate=device.hbm_bandwidth_bytes_per_s * (eff.optimizer_efficiency or eff.hbm_efficiency),
+        optimizer_rate=device.hbm_bandwidth_bytes_per_s * eff.figure("optimizer_efficiency"),
     )
     return rates, device.hbm_bandwidth_bytes_per_s
 

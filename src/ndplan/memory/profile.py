@@ -236,10 +236,10 @@ def _kernels(raw: Any, source: str) -> dict[str, Any]:
     from ndplan.perf.efficiency import FAMILY_DEFAULTS
 
     try:
-        FAMILY_DEFAULTS["generic"].replace(**raw)
+        checked = FAMILY_DEFAULTS["generic"].replace(**raw)
     except NdplanError as error:
         raise NdplanError(f"{source}: kernels: {error}") from None
-    return dict(raw)
+    return {key: getattr(checked, key) for key in raw}  # as the model takes them ("4.5" -> 4.5)
 
 
 SELECTIVE_POLICIES = ("megatron", "keep-matmuls", "torchtitan-op")

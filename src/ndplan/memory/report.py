@@ -230,7 +230,9 @@ class MemoryReport:
             f"comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
             f"unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
             f"EP dispatch) = {format_bytes(stage.comm_bytes)}",
-            f"transient  = the worst working set beside them: one layer's backward (+ recompute rebuild), the "
+            f"transient  = the worst working set beside them: one layer's backward (+ recompute rebuild; "
+            f"where the s² scores are materialised, eager or SDPA's math path, its attention backward: the "
+            f"probabilities' gradient, softmax's gradient and CUDA's temporary product), the "
             f"logits around the loss, a new gradient being accumulated, FSDP's unit moments, or (PyTorch, "
             f"split backward, full recompute) a weight-gradient step's rebuilt copies, per layer groups × "
             f"unread bytes = {format_bytes(stage.transient_bytes)}",

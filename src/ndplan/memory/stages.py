@@ -1265,10 +1265,13 @@ def _evaluate_group(
     # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
     layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
     scores_moments: dict[tuple[bool, bool, bool, bool], ScoresMoments] = {}
-    head_elements = table * head_on_output + final_norm
-    # The embedding's own gradient is made last, after every layer's backward (a tied table's
-    # gradient is made with the head's).
-    untied_table_grad = 0.0 if model.tie_word_embeddings else table * grad_bytes
+    # Gradient bytes per element as the stage keeps them (ZeRO-2 shards them as they are made).
+    grad_width = grad_bytes / shards.grads
+    # The head's weight gradient exists from the head's backward on (its own table, or the tied
+    # one where both ends share a stage). The embedding's gradient is made last, after every
+    # layer's backward, unless it is that same shared table.
+    head_grad_bytes = (table + final_norm) * grad_width
+    table_made_last = 0.0 if model.tie_word_embeddings and not tables_apart else table * grad_width
     layer_transient = np.empty((n, patterns))
     scores_during, scores_grads = np.empty((n, patterns)), np.empty((n, patterns))
     out["transient"] = np.empty((n, patterns))
@@ -1282,9 +1285,10 @@ def _evaluate_group(
         moment = scores_moments.get((moe_here, dense_here, first, last))
         if moment is None:
             moment = scores_moments[moe_here, dense_here, first, last] = _scores_backward_moments(
-                acts, layers, tokens, output_held, recompute_on, head_elements, grad_bytes,
+                acts, layers, tokens, output_held, recompute_on, head_grad_bytes,
+                (grad_width, grad_bytes / shards.expert_grads),
                 kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
-                table_grad=untied_table_grad * first)
+                table_grad=table_made_last * first)
         scores_during[:, column], scores_grads[:, column] = moment.during, moment.grads_made
         layer_transient[:, column] = np.maximum(layer, moment.at_end)
         out["transient"][:, column] = np.maximum(np.maximum(layer, moment.during), loss_per_token * last)
@@ -1509,7 +1513,7 @@ def _evaluate_group(
             # Where the scores are materialised, the first layer's attention backward: the loss's
             # activations are gone, the head's and that layer's MLP gradients made (FSDP prices
             # its moments with its units).
-            scores_phase = expand(static_single - out["grads"][single] + comm_single
+            scores_phase = expand(static_single - out["grads"][single] + comm_single + overhead.workspace_bytes
                                   + scores_during[single] + np.where(zero3[single, None], 0.0, scores_grads[single]))
             scores_phase += held[:, single]
             forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
@@ -1560,8 +1564,12 @@ class ScoresMoments:
 
 
 def _scores_backward_moments(acts: LayerActivations, layers: Any, tokens: np.ndarray, output_held: np.ndarray,
-                             recompute_on: np.ndarray, head_elements: np.ndarray, grad_bytes: float,
-                             kinds: tuple[str, ...], last: bool, table_grad: Any) -> ScoresMoments:
+                             recompute_on: np.ndarray, head_grad_bytes: np.ndarray,
+                             grad_widths: tuple[np.ndarray, np.ndarray], kinds: tuple[str, ...], last: bool,
+                             table_grad: Any) -> ScoresMoments:
+    """``ScoresMoments`` of a stage holding layers of ``kinds`` (``last``: the pipeline's last
+    stage); ``grad_widths``: gradient bytes per non-expert and per expert element as the stage
+    keeps them, ``head_grad_bytes`` the head's, ``table_grad`` the embedding's made after it."""
     zero = np.zeros_like(tokens)
     during, grads_made, at_end = zero, zero, zero
     for kind in kinds:
@@ -1575,8 +1583,10 @@ def _scores_backward_moments(acts: LayerActivations, layers: Any, tokens: np.nda
         here = working > 0
         during = np.maximum(during, np.where(here, tokens * (working - freed + rebuilt) - output_held * last, 0.0))
         at_end = np.maximum(at_end, np.where(here, tokens * (working - freed + acts.full[kind]) - table_grad, 0.0))
-        mlp_elements = layers.by_kind[kind][mlp_name] + 0.5 * layers.by_kind[kind]["norm"]
-        grads_made = np.maximum(grads_made, np.where(here, (mlp_elements + head_elements * last) * grad_bytes, 0.0))
+        experts = layers.expert[kind]
+        mlp_grads = ((layers.by_kind[kind][mlp_name] - experts + 0.5 * layers.by_kind[kind]["norm"]) * grad_widths[0]
+                     + experts * grad_widths[1])
+        grads_made = np.maximum(grads_made, np.where(here, mlp_grads + head_grad_bytes * last, 0.0))
     return ScoresMoments(during=during, grads_made=grads_made, at_end=at_end)
 
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ndplan.errors import NdplanError, read_text
 from ndplan.hardware.device import Cluster, Device
@@ -38,7 +38,10 @@ from ndplan.hardware.presets import get_device
 from ndplan.model.presets import get_preset
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import (
+    FAMILY_DEFAULTS,
     FITTABLE,
+    SOFTWARE_FIELDS,
+    UNSET_MEANS,
     EfficiencyProfile,
     default_efficiency,
     device_family,
@@ -89,6 +92,19 @@ class MeasuredRun(BaseModel):
     software: dict[str, Any] = Field(default_factory=dict, description="EfficiencyProfile fields that are facts of the run's software, e.g. flash_attention: false")
     measured: Measured
     notes: str = ""
+
+    @field_validator("software")
+    @classmethod
+    def _software_facts(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - set(SOFTWARE_FIELDS))
+        if unknown:
+            raise ValueError(f"'{unknown[0]}' is not a software fact; allowed: {', '.join(SOFTWARE_FIELDS)} "
+                             "(device figures belong in the efficiency profile)")
+        try:
+            FAMILY_DEFAULTS["generic"].replace(**value)
+        except NdplanError as error:
+            raise ValueError(str(error)) from None
+        return value
 
     def model_spec(self) -> ModelSpec:
         if isinstance(self.model, str):
@@ -324,7 +340,7 @@ def calibrate(
     measured = np.array([measured_step_s(r) for r in chosen])
     lo = np.array([FITTABLE[n][0] for n in names])
     hi = np.array([FITTABLE[n][1] for n in names])
-    x0 = np.clip(np.array([float(getattr(start, n)) for n in names]), lo, hi)
+    x0 = np.clip(np.array([start.figure(n) if n in UNSET_MEANS else float(getattr(start, n)) for n in names]), lo, hi)
 
     def profile(x: np.ndarray) -> EfficiencyProfile:
         return start.replace(**{n: float(v) for n, v in zip(names, x, strict=True)})

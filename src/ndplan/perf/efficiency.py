@@ -164,6 +164,12 @@ class EfficiencyProfile(BaseModel):
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
 
+    def figure(self, name: str) -> float:
+        """A figure's value, where an unset one (None) takes the figure it defaults to
+        (``UNSET_MEANS``: the optimizer's efficiency the HBM's, the masked kernel's the causal's)."""
+        value = getattr(self, name)
+        return float(value if value is not None else getattr(self, UNSET_MEANS[name]))
+
     @property
     def expert_gemm_latency(self) -> float:
         """Seconds per local expert per routed-expert GEMM: 0 where one kernel runs them all."""
@@ -179,11 +185,18 @@ class EfficiencyProfile(BaseModel):
         try:
             return EfficiencyProfile.model_validate({**self.model_dump(), **changes})
         except ValidationError as error:
-            raise NdplanError(f"invalid efficiency figure: {error.errors()[0]['msg']}") from None
+            first = error.errors()[0]
+            field = ".".join(str(part) for part in first["loc"]) or "?"
+            raise NdplanError(f"invalid efficiency figure {field}={first.get('input')!r}: {first['msg']}") from None
 
+
+#: Optional figures and the figure an unset one takes (``EfficiencyProfile.figure``).
+UNSET_MEANS = {"optimizer_efficiency": "hbm_efficiency", "masked_attention_efficiency": "attention_efficiency"}
 
 #: Fields that calibration may fit, with their bounds (all efficiencies are fractions).
 FITTABLE: dict[str, tuple[float, float]] = {
+    "optimizer_efficiency": (0.1, 1.0),
+    "masked_attention_efficiency": (0.1, 1.0),
     "gemm_efficiency": (0.2, 1.0),
     "fp8_gemm_efficiency": (0.15, 1.0),
     "attention_efficiency": (0.1, 1.0),
@@ -352,7 +365,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 
 #: The figures that describe the software rather than the device: what a runtime states of itself.
 SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "elementwise_passes",
-                   "expert_gemm", "optimizer_kernel")
+                   "expert_gemm", "optimizer_kernel", "fp8_cast_bytes")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:
@@ -367,4 +380,4 @@ def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | N
     if unknown:
         raise NdplanError(f"software fact '{unknown[0]}' is not one of {', '.join(SOFTWARE_FIELDS)}")
     changed = {k: v for k, v in software.items() if getattr(efficiency, k) != v}
-    return efficiency.model_copy(update=changed) if changed else efficiency
+    return efficiency.replace(**changed) if changed else efficiency

@@ -23,7 +23,7 @@ from ndplan.perf.flops import (
 from ndplan.perf.gemm import PASS_NAMES, gemms_seconds
 from ndplan.perf.layer import CATEGORIES, LayerContext, offloaded_bytes, piece_times
 from ndplan.perf.overlap import OverlapConfig, default_overlap
-from ndplan.perf.step import compute_rates, evaluate, strategy_columns
+from ndplan.perf.step import compute_rates, evaluate, optimizer_bytes_per_param, strategy_columns
 from ndplan.perf.topology import Fabric, group_link
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import validate_strategy
@@ -192,9 +192,22 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"({rates.depth_ref:.0f}+{rates.depth_knee:.0f})/{rates.depth_ref:.0f}), R the pass's reduction: K in F, N in B, M in W); "
         f"roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective, "
         f"each pass with its own bytes (W read-modify-writes {rates.wgrad_accum_bytes:.0f} B per weight of gradient)",
-        f"attention core rate = peak · attention_eff = {rates.attention_rate / 1e12:,.1f} TFLOP/s "
-        f"({'FlashAttention: backward = 2.5× forward FLOPs' if r.efficiency.flash_attention else 'unfused: full s² square + softmax bytes'})",
+        (f"attention core rate = peak · attention_eff = {rates.attention_rate / 1e12:,.1f} TFLOP/s "
+         "(fused flash kernel: backward = 2.5× forward FLOPs)"
+         + ("" if r.efficiency.window_kernel else
+            f"; a sliding window given as a mask: its whole square at peak · masked_attention_eff = "
+            f"{rates.masked_attention_rate / 1e12:,.1f} TFLOP/s")
+         if r.efficiency.flash_attention else
+         "attention core unfused: QKᵀ and PV as GEMMs over the full s² square at the GEMM rate, plus the "
+         "softmax's bytes at HBM rate; backward = 2× forward"),
+        f"elementwise ops (norms, activations, rotary, residuals, loss): bytes · elementwise_passes "
+        f"{r.efficiency.elementwise_passes:g} / HBM {rates.hbm_rate / 1e12:,.2f} TB/s"
+        + (" (eager kernels: each op a pass)" if r.efficiency.elementwise_passes > 1 else " (fused kernels)"),
     ]
+    if model.is_moe:
+        lines.append(
+            f"routed experts: {'one grouped GEMM kernel for all local experts (no per-expert cost)' if r.efficiency.expert_gemm == 'grouped' else f'a GEMM per local expert: + {r.efficiency.expert_gemm_latency_s * 1e6:g} µs each per GEMM and pass, host {r.efficiency.host_expert_s * 1e6:g} µs each per forward'}"
+        )
     for kind in sorted(set(model.layer_mlp_kinds)):
         gemms = layer_gemms(model, sh, kind)  # type: ignore[arg-type]
         per_pass = {ps: float(np.asarray(sum(gemms_seconds(gemms, rates, ps), 0.0)).reshape(-1)[0]) for ps in PASS_NAMES}
@@ -241,7 +254,10 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"{_ms(d['dp_step_s'])}" + (f" (FSDP's per-layer gathers and reduces exposed inside the passes above: "
                                     f"{_ms(r.breakdown['comm_exposed']['dp'] - d['dp_step_s'])}, in the step's dp "
                                     f"term)" if s.zero == 3 else ""),
-        f"optimizer (Adam over the local shard, memory-bound) + grad-norm all-reduce: {_ms(d['optimizer_update_s'])}",
+        f"optimizer (Adam over the local shard, {r.efficiency.optimizer_kernel}: "
+        f"{optimizer_bytes_per_param(s.precision, r.efficiency.optimizer_kernel):g} B per parameter with clipping, at "
+        f"HBM · {r.efficiency.figure('optimizer_efficiency'):.2f} = "
+        f"{rates.optimizer_rate / 1e12:,.2f} TB/s) + grad-norm all-reduce: {_ms(d['optimizer_update_s'])}",
         f"step = compute {_ms(r.breakdown['compute'])} + comm exposed "
         + ", ".join(f"{k} {_ms(v)}" for k, v in r.breakdown["comm_exposed"].items())
         + f" + bubble {_ms(r.breakdown['bubble'])} + optimizer {_ms(r.breakdown['optimizer'])} = {_ms(r.step_s)}",

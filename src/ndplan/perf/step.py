@@ -116,13 +116,14 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
         knee=eff.gemm_knee,
         grouped_factor=eff.grouped_gemm_factor,
         attention_rate=attention_peak * eff.attention_efficiency,
-        masked_attention_rate=attention_peak * (eff.masked_attention_efficiency or eff.attention_efficiency),
+        # never faster than the causal kernel (a fitted attention_efficiency may fall below it)
+        masked_attention_rate=attention_peak * min(eff.figure("masked_attention_efficiency"), eff.attention_efficiency),
         hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
         operand_bytes=1.0 if fp8 else 2.0,
         expert_latency=eff.expert_gemm_latency,
         wgrad_accum_bytes=2.0 * batch.precision.grad_bytes,
         depth_knee=eff.fp8_gemm_depth_knee if fp8 else eff.gemm_depth_knee,
-        optimizer_rate=device.hbm_bandwidth_bytes_per_s * (eff.optimizer_efficiency or eff.hbm_efficiency),
+        optimizer_rate=device.hbm_bandwidth_bytes_per_s * eff.figure("optimizer_efficiency"),
     )
 
 
@@ -248,12 +249,13 @@ def optimizer_bytes_per_param(precision: PrecisionPolicy, kernel: str, clip: boo
     the final addcdiv read and write the weights (4 widths), lerp_ and addcdiv the first moment
     (3), mul_, addcmul_ and sqrt the second (5), sqrt's temporary is written, divided, shifted and
     read (6, state width), lerp_ and addcmul_ read the gradient (2); clip_grad_norm_ reads the
-    gradient and scales it in place (3); zero_grad(set_to_none) writes nothing.
+    gradient and scales it in place (3); zero_grad(set_to_none) writes nothing. Counted for
+    Adam's two states; an optimizer with other states is priced as one fused pass.
     """
     master = precision.master_weight_bytes or precision.param_bytes
     bf16_copy = precision.param_bytes if precision.master_weight_bytes else 0
     grad = precision.grad_bytes
-    if kernel == "foreach":
+    if kernel == "foreach" and precision.optimizer_states == 2:  # counted for Adam; others as one pass
         return 4 * master + 14 * precision.optimizer_state_bytes + 2 * grad + bf16_copy + (3 * grad if clip else 0)
     states = precision.optimizer_states * precision.optimizer_state_bytes
     return grad + 2 * (states + master) + bf16_copy + (2 * grad if clip else 0)
