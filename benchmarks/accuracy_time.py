@@ -357,9 +357,9 @@ COMMENTARY = [
     "  bytes, none tuned per row (BF16 dispatch made the Qwen3-235B H100 row worse and was kept). The",
     "  reduction-depth term came last, its knees from GEMM microbenchmark tables, not from these rows",
     "  (it made the Qwen3-235B and DeepSeek-V3 H100 rows worse by 2-3 points and was kept). Then an",
-    "  H200 measured kernels directly (benchmarks/accuracy/cuda_probe.py): cuDNN's flash attention ran",
-    "  at 0.42-0.54 of peak, so Hopper's `attention_efficiency` went from 0.55 to 0.45 (every row moved",
-    "  by what that kernel takes, none was fitted), and eager elementwise kernels at 4.5 passes. The",
+    "  H200 measured kernels directly (benchmarks/accuracy/cuda_probe.py): cuDNN's flash attention takes",
+    "  its FLOPs at 0.55 of peak plus 0.2 ms per call (Hopper's `attention_call_s`, new), and eager",
+    "  elementwise kernels 4.5 passes (torchtitan's rows; both from kernels, none fitted to a row). The",
     "  held-out columns of the fitted profiles are the clean out-of-sample measure.",
 ]
 

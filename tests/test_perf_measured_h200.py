@@ -37,11 +37,13 @@ def test_grouped_gemms_have_no_per_expert_cost_under_torch_grouped_mm():
     assert statistics.median(r.error for r in per_expert) > 0.25
 
 
-def test_sdpa_attention_efficiency_brackets_the_hopper_figure():
-    fractions = dict(h200_time.attention())
-    causal = [f for name, f in fractions.items() if "window" not in name and "2k" not in name]
-    assert min(causal) <= 0.45 <= max(causal)
-    assert fractions["mistral-s8k-window"] < 0.45  # a mask runs the whole square, slower
+def test_sdpa_attention_is_flops_at_the_rate_plus_a_call():
+    """4k-16k tokens, 32-64 heads of 128 (causal and masked): within 8% each."""
+    rows = {r.name: r for r in h200_time.attention()}
+    for name, row in rows.items():
+        if "2k" in name or "mla" in name:  # the host's dispatch; MLA's head dims (documented)
+            continue
+        assert abs(row.error) <= 0.08, name
 
 
 def test_optimizer_kernels_within_a_quarter():

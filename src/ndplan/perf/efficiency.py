@@ -54,7 +54,8 @@ class EfficiencyProfile(BaseModel):
 
     Attention core (QK^T, softmax, PV): FlashAttention-style fused kernels at
     ``attention_efficiency`` of peak; the backward counts 2.5x the forward FLOPs (the kernel
-    recomputes the scores). With ``flash_attention`` False (pre-2022 Megatron), scores are
+    recomputes the scores); each layer's call costs ``attention_call_s`` more, forward and
+    backward together (the backward's pre- and post-processing kernels), split as the FLOPs. With ``flash_attention`` False (pre-2022 Megatron), scores are
     materialised: two batched GEMMs over the full s×s square plus memory-bound softmax passes.
     ``window_kernel`` False: a sliding-window layer runs a fused kernel given an explicit mask
     (transformers' SDPA once seq >= window), which computes every (query, key) pair of the
@@ -62,8 +63,8 @@ class EfficiencyProfile(BaseModel):
     (``attention_efficiency`` when unset): reading the mask, the kernel runs slower than causal
     flash attention.
 
-    Memory-bound ops (norms, activations, rotary, residuals, loss, optimizer update) move bytes
-    at ``hbm_bandwidth · hbm_efficiency``.
+    Memory-bound ops (norms, activations, rotary, residuals, loss) move bytes at
+    ``hbm_bandwidth · hbm_efficiency``; the optimizer's update at its own rate (below).
 
     Collectives: alpha-beta; a step costs ``*_latency_s`` and bytes move at
     ``bandwidth · *_efficiency`` (NCCL bus bandwidth over link rate).
@@ -141,6 +142,7 @@ class EfficiencyProfile(BaseModel):
     optimizer_efficiency: Fraction | None = None
     attention_efficiency: Fraction
     masked_attention_efficiency: Fraction | None = None
+    attention_call_s: float = Field(default=0.0, ge=0.0, description="fixed seconds of a layer's attention core, fwd+bwd")
     flash_attention: bool = True
     window_kernel: bool = True
     selective_recompute: Literal["megatron", "torchtitan-op", "keep-matmuls"] = "megatron"
@@ -240,14 +242,14 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
     # overlapped dispatch/combine kernels 20 of the H800's 132 SMs; DeepEP's and Megatron-Core's
     # default (--moe-deepep-num-sms) is the same 20. NCCL's all-to-all is taken to hold as many.
     # Measured on an H200 (benchmarks/accuracy/cuda_probe.py, tests/data/measured/h200): cuDNN's
-    # fused flash attention, which torch's SDPA and Transformer Engine both run, reached 0.42-0.54
-    # of the bf16 peak forward+backward (causal, 4k-16k tokens, 32-64 heads of 128; 0.45 inside a
-    # Llama-3.1-8B step at 4k), hence 0.45 (it was 0.55, FlashAttention-3's figure); given a
-    # sliding window as a boolean mask (32 heads, 8k tokens) 0.31 over the whole square; AdamW's
-    # update and clip_grad_norm_ 0.45-0.72 of HBM, hence optimizer_efficiency 0.6.
+    # fused flash attention, which torch's SDPA and Transformer Engine both run, took
+    # forward+backward FLOPs / (peak · 0.55) + 0.2 ms per call within 4% (causal, 4k-16k tokens,
+    # 32-64 heads of 128): 0.42 of peak at 4k, 0.54 at 16k; given a sliding window as a boolean
+    # mask (32 heads, 8k tokens) 0.31 over the whole square; AdamW's update and clip_grad_norm_
+    # 0.45-0.72 of HBM, hence optimizer_efficiency 0.6.
     "hopper": EfficiencyProfile(
-        family="hopper", gemm_efficiency=0.75, fp8_gemm_efficiency=0.5, attention_efficiency=0.45,
-        masked_attention_efficiency=0.31,
+        family="hopper", gemm_efficiency=0.75, fp8_gemm_efficiency=0.5, attention_efficiency=0.55,
+        attention_call_s=2e-4, masked_attention_efficiency=0.31,
         hbm_efficiency=0.8, scaleup_efficiency=0.8, scaleout_efficiency=0.85, optimizer_efficiency=0.6,
         gemm_depth_knee=240.0, fp8_gemm_depth_knee=720.0, ep_comm_compute_share=20 / 132,
     ),

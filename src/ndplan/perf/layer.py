@@ -181,7 +181,9 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
             masked = (2.0 * sh.micro_batch * model.num_attention_heads / sh.tp
                       * (model.qk_head_dim + model.value_head_dim) * masked_pairs(model, sh.seq, kind) / sh.cp)
             seconds = seconds + masked * (1.0 / ctx.rates.masked_attention_rate - 1.0 / ctx.rates.attention_rate)
-        return seconds, FLASH_BACKWARD_FACTOR * seconds
+        # each call's fixed cost (the backward's pre- and post-processing kernels), split as the FLOPs
+        call = ctx.eff.attention_call_s / (1.0 + FLASH_BACKWARD_FACTOR)
+        return seconds + call, FLASH_BACKWARD_FACTOR * (seconds + call)
     # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
     count = sh.micro_batch * model.num_attention_heads / sh.tp
     queries = sh.seq / sh.cp
