@@ -199,8 +199,10 @@ def section(data: Path = DATA) -> list[str]:
                  f"profile's default) would read median {statistics.median(errors) * 100:.0f}%, worst "
                  f"{max(errors) * 100:.0f}% too slow: torch._grouped_mm has no per-expert cost, so the `pytorch` "
                  "runtime states `expert_gemm: grouped`.")
+    eff = default_efficiency(get_device(DEVICE))
     lines.append("* torch's SDPA (cuDNN flash attention) forward+backward, timed eagerly, against FLOPs / (peak · "
-                 "0.55, or 0.31 given a sliding window as a mask) + 0.2 ms per call: " + ", ".join(
+                 f"{eff.attention_efficiency:g}, or {eff.figure('masked_attention_efficiency'):g} given a sliding "
+                 f"window as a mask) + {eff.attention_call_s * 1e3:g} ms per call: " + ", ".join(
                      f"{r.name} {r.measured_s * 1e3:.2f} ms ({_pct(r.error)})" for r in attention(data))
                  + ". At 2k the eager timing measures the host's dispatch; MLA's 192/128 head dims run slower.")
     lines.append("* Optimizer kernels (0.84 B parameters): " + ", ".join(
@@ -221,7 +223,8 @@ def section(data: Path = DATA) -> list[str]:
               "The kernels that are neither GEMMs nor attention (torch.profiler, profile.json) took "
               + ", ".join(f"{value:.1f}" for value in passes.values())
               + f" times one pass over the elementwise bytes the model counts in {', '.join(passes)}: the "
-              f"`pytorch` runtime's `elementwise_passes` is 4.5. DeepSeek-V2-Lite reads low because the host, "
+              f"`pytorch` runtime's `elementwise_passes` is {OPTIONS.profile.kernels['elementwise_passes']:g}. "
+              "DeepSeek-V2-Lite reads low because the host, "
               f"not its kernels, set the pace (kernels {dsv2['kernel_s']:.3f} s of a "
               f"{dsv2['forward_backward_wall_s']:.3f} s profiled step).", ""]
     return lines
