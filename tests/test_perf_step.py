@@ -628,3 +628,30 @@ def test_software_facts_are_checked_and_coerced(tmp_path: Path):
     adam, sgd = get_precision("bf16-pure"), get_precision("bf16-pure").model_copy(update={"optimizer_states": 1})
     assert optimizer_bytes_per_param(adam, "foreach") == 46 and optimizer_bytes_per_param(adam, "fused") == 18
     assert optimizer_bytes_per_param(sgd, "foreach") == optimizer_bytes_per_param(sgd, "fused")
+
+
+def test_attention_call_cost_once_per_kernel_call():
+    """Hopper's attention_call_s (0.2 ms, measured on an H200) is paid per call of the attention
+    kernel, split 1:2.5 between forward and backward; ring attention calls it once per ring step,
+    Ulysses once (ring_steps: cp over the Ulysses degree)."""
+    from ndplan.perf import default_efficiency
+    from ndplan.perf.flops import Sharding
+    from ndplan.perf.layer import FLASH_BACKWARD_FACTOR, LayerContext, attention_core_seconds, ring_steps
+    from ndplan.perf.overlap import default_overlap
+    from ndplan.perf.step import compute_rates
+    from ndplan.perf.topology import Fabric
+
+    cluster = _cluster(8)
+    eff = default_efficiency(cluster.device)
+    assert eff.attention_call_s == 2e-4
+    batch = StrategyBatch.of(Strategy(dp=8))
+    ctx = LayerContext(LLAMA8, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff,
+                       default_overlap(cluster.device), batch.precision, False, (), ())
+    sh = Sharding(1.0, 4096.0)
+    one_f, one_b = attention_core_seconds(ctx, sh)
+    eight_f, eight_b = attention_core_seconds(ctx, sh, calls=8.0)
+    share = eff.attention_call_s / (1 + FLASH_BACKWARD_FACTOR)
+    assert eight_f - one_f == pytest.approx(7 * share) and eight_b - one_b == pytest.approx(7 * share * FLASH_BACKWARD_FACTOR)
+    cols = {"cp": np.array([8.0, 8.0, 8.0, 1.0]), "cp_kind": np.array([0, 1, 2, 0]),
+            "ulysses_degree": np.array([1.0, 8.0, 2.0, 1.0])}
+    assert ring_steps(cols).tolist() == [8.0, 1.0, 4.0, 1.0]

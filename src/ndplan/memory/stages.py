@@ -1268,9 +1268,12 @@ def _evaluate_group(
     # Gradient bytes per element as the stage keeps them (ZeRO-2 shards them as they are made).
     grad_width = grad_bytes / shards.grads
     # The head's weight gradient exists from the head's backward on (its own table, or the tied
-    # one where both ends share a stage). The embedding's gradient is made last, after every
-    # layer's backward, unless it is that same shared table.
-    head_grad_bytes = (table + final_norm) * grad_width
+    # one where both ends share a stage), and the MTP modules', whose backward comes before any
+    # decoder layer's (with the embedding copy they keep apart from the first stage). The
+    # embedding's gradient is made last, after every layer's backward, unless it is that same
+    # shared table.
+    head_grad_bytes = ((table * (1 + embedding_copy_for_mtp) + final_norm + model.mtp_depth * mtp_layer) * grad_width
+                       + model.mtp_depth * layers.expert[mtp_kind] * grad_bytes / shards.expert_grads)
     table_made_last = 0.0 if model.tie_word_embeddings and not tables_apart else table * grad_width
     layer_transient = np.empty((n, patterns))
     scores_during, scores_grads = np.empty((n, patterns)), np.empty((n, patterns))

@@ -339,8 +339,12 @@ def calibrate(
         raise NdplanError(f"cannot fit '{unknown[0]}'; fittable: {', '.join(FITTABLE)}")
     measured = np.array([measured_step_s(r) for r in chosen])
     lo = np.array([FITTABLE[n][0] for n in names])
-    hi = np.array([FITTABLE[n][1] for n in names])
+    # The masked kernel is priced no faster than the causal one: its fit ends at that figure, and
+    # starts below it (at the cap the fit would see no slope).
+    hi = np.array([min(FITTABLE[n][1], start.attention_efficiency) if n == "masked_attention_efficiency"
+                   else FITTABLE[n][1] for n in names])
     x0 = np.clip(np.array([start.figure(n) if n in UNSET_MEANS else float(getattr(start, n)) for n in names]), lo, hi)
+    x0 = np.where([n == "masked_attention_efficiency" for n in names], np.minimum(x0, 0.95 * hi), x0)
 
     def profile(x: np.ndarray) -> EfficiencyProfile:
         return start.replace(**{n: float(v) for n, v in zip(names, x, strict=True)})

@@ -166,8 +166,8 @@ def fp8_cast_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[Array | floa
     return per * forward, per * backward
 
 
-def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None = None, full: bool = False
-                           ) -> tuple[Array | float, Array | float]:
+def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None = None, full: bool = False,
+                           calls: Array | float = 1.0) -> tuple[Array | float, Array | float]:
     """(forward, backward) seconds of the attention core on a device, in a layer of ``kind``
     (sliding-window layers among them do less: ``flops.attention_pairs``; ``full``: every layer
     attends in full, as MTP modules do)."""
@@ -181,8 +181,9 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
             masked = (2.0 * sh.micro_batch * model.num_attention_heads / sh.tp
                       * (model.qk_head_dim + model.value_head_dim) * masked_pairs(model, sh.seq, kind) / sh.cp)
             seconds = seconds + masked * (1.0 / ctx.rates.masked_attention_rate - 1.0 / ctx.rates.attention_rate)
-        # each call's fixed cost (the backward's pre- and post-processing kernels), split as the FLOPs
-        call = ctx.eff.attention_call_s / (1.0 + FLASH_BACKWARD_FACTOR)
+        # each call's fixed cost (the backward's pre- and post-processing kernels), split as the
+        # FLOPs; ring attention calls the kernel once per ring step (``calls``)
+        call = calls * ctx.eff.attention_call_s / (1.0 + FLASH_BACKWARD_FACTOR)
         return seconds + call, FLASH_BACKWARD_FACTOR * (seconds + call)
     # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
     count = sh.micro_batch * model.num_attention_heads / sh.tp
@@ -214,15 +215,21 @@ def _cp_seconds(
     wq, wk, wv, wo = _kv_widths(ctx.model)
     tok = sh.tokens
     kv = tok * (wk + wv) / t * beta
-    kind = cols["cp_kind"]  # 0 ring, 1 ulysses, 2 hybrid (codes of CP_KINDS)
-    u = np.where(kind == 1, c, np.where(kind == 2, cols["ulysses_degree"], 1.0))
-    ring_n = c / u
+    ring_n = ring_steps(cols)
+    u = c / ring_n
     ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
     ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
     ring_b = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(2.0 * kv, ring_link), 0.0)
     a2a_link = group_link(u, t, ctx.fabric, "all_to_all")
     a2a = sum((coll.all_to_all_s(tok * w / t * beta, u, a2a_link) for w in (wq, wk, wv, wo)), 0.0)
     return ring_f, ring_b, a2a
+
+
+def ring_steps(cols: dict[str, Array]) -> Array:
+    """Ranks of each strategy's CP ring (cp / the Ulysses degree): the attention kernel's calls
+    per layer and pass, one per ring step (1 without CP or under pure Ulysses)."""
+    c, kind = cols["cp"], cols["cp_kind"]  # kind: 0 ring, 1 ulysses, 2 hybrid (codes of CP_KINDS)
+    return c / np.where(kind == 1, c, np.where(kind == 2, cols["ulysses_degree"], 1.0))
 
 
 def remote_nodes_per_token(nodes: Array | float, k: float, limit: int | None = None) -> Array | float:
@@ -376,7 +383,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     gemms = layer_gemms(model, sh, kind)
     gemm, forward_of = _pass_gemm_seconds(ctx, gemms)
     cast_f, cast_b = fp8_cast_seconds(ctx, gemms)
-    attn_f, attn_b = attention_core_seconds(ctx, sh, kind, full_attention)
+    attn_f, attn_b = attention_core_seconds(ctx, sh, kind, full_attention, calls=ring_steps(cols))
     sort = _chunk_sort(ctx, cols) if kind == "moe" else 0.0
     ew_bytes, ew_rc_bytes = layer_bytes(model, sh, cols["sequence_parallel"], kind, beta, sort)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
