@@ -536,3 +536,15 @@ def test_search_with_a_fixed_value_no_cluster_allows_says_so(capsys):
     text = " ".join(out.split())
     assert "no candidate is valid on up to 512 devices either: more devices do not help" in text
     assert "fits even on" not in text
+
+
+def test_estimate_names_the_kernels_its_runtime_prices(capsys):
+    """The step time prices the runtime's kernels: the pytorch runtime states its own (eager
+    elementwise ops, one grouped GEMM, foreach AdamW); Megatron's are the device profile's."""
+    base = ["estimate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8"]
+    code, out, _ = run(base, capsys)
+    assert code == 0
+    assert ("kernels (pytorch runtime; another runtime with --runtime): elementwise_passes 4.5, expert_gemm grouped, "
+            "optimizer_kernel foreach") in out
+    code, out, _ = run([*base, "--runtime", "megatron"], capsys)
+    assert code == 0 and "kernels (" not in out

@@ -231,6 +231,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}",
                   markup=False)
+    if options.profile.kernels:
+        kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
+        console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(emitted, markup=False)
