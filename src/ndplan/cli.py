@@ -231,9 +231,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}",
                   markup=False)
-    if options.profile.kernels:
-        kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
-        console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
+    _print_kernels(options)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(emitted, markup=False)
@@ -462,6 +460,13 @@ def _memory_limit(text: str | None, device: Any) -> int | None:
     return limit
 
 
+def _print_kernels(options: Any) -> None:
+    """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any."""
+    if options.profile.kernels:
+        kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
+        console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
+
+
 def _efficiency_entry(path: str | None) -> dict[str, str]:
     """The JSON entry naming an --efficiency profile, where one was given."""
     return {"efficiency": str(path)} if path else {}
@@ -603,6 +608,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     _print_search(result, model, device, space)
     console.print(f"step times with overlap {'as given' if options.overlap else 'defaults (set with --overlap)'}: "
                   f"{overlap.describe()}", markup=False)
+    _print_kernels(options)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings of the winner:")
         console.print(data["emitted"], markup=False)
