@@ -153,12 +153,13 @@ def test_attention_backward_working_set_where_the_scores_are_materialised():
     """Per token, per head·seq element (measured on an H200: tests/data/measured/cuda): eager
     attention's backward holds the probabilities' gradient in fp32, softmax's fp32 gradient and
     CUDA's fp32 temporary product (4 + 4 + 4 B) once the bf16 probabilities (2 B) are freed, 10 B;
-    the fp32 math path (fp32, grouped KV heads) 12 B; flash kernels none. TP divides the heads."""
+    the fp32 math path (fp32, grouped KV heads) 12 B; flash kernels none. TP divides the heads.
+    The product is a CUDA kernel's scratch: counted with the overhead, like cuBLAS's workspace."""
     from ndplan.memory.stages import layer_activations
 
-    def working(attention: str, tp: int = 1, precision: str = "bf16-pure") -> float:
+    def working(attention: str, tp: int = 1, precision: str = "bf16-pure", overhead: bool = True) -> float:
         batch = StrategyBatch.of(Strategy(seq_length=8, tp=tp, precision=precision))
-        acts = layer_activations(TINY, batch, MemoryOptions(attention=attention))
+        acts = layer_activations(TINY, batch, MemoryOptions(attention=attention, include_overhead=overhead))
         return float(acts.attention_backward["dense"][0])
 
     heads_seq = TINY.num_attention_heads * 8
@@ -166,6 +167,9 @@ def test_attention_backward_working_set_where_the_scores_are_materialised():
     assert working("eager", tp=2) == 10 * heads_seq / 2
     assert working("sdpa", precision="fp32") == 12 * heads_seq
     assert working("sdpa") == working("flash") == working("flash", precision="fp32") == 0
+    # without overhead, as fake tensors measure it: no CUDA product (4 B)
+    assert working("eager", overhead=False) == 6 * heads_seq
+    assert working("sdpa", precision="fp32", overhead=False) == 8 * heads_seq
 
 
 def test_attention_backward_sets_the_peak_of_long_eager_sequences():

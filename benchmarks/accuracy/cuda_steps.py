@@ -184,7 +184,8 @@ What the rows say:
   64 MiB: cuBLAS's and cuBLASLt's workspaces, which the `pytorch` profile now counts
   (`overhead.workspace_bytes`) wherever overhead is included; and, where the scores are
   materialised and their backward sets the peak, CUDA softmax's temporary product, which a
-  fake kernel does not allocate (8 GiB for eager attention at 8k).
+  fake kernel does not allocate (8 GiB for eager attention at 8k). Both count as overhead, so
+  `verify` leaves them out of a fake step's estimate: every fake step reads within 1% too.
 * A sliding window at seq ≥ window (Mistral at 8k and 16k) costs each layer an s × s additive
   bias and K/V repeated to every head under transformers' SDPA: 224 MiB per layer at 8k, 704 MiB
   at 16k, now priced (before: −4.1% and −7.8%). Under recompute they are rebuilt, but each

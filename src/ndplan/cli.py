@@ -929,7 +929,8 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep logits vocab-sharded through the loss")
     group.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
     group.add_argument("--census", help="census JSON: measured activations replace the formulas for its layer kinds")
-    group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack")
+    group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack, and CUDA kernels' own scratch "
+                       "(cuBLAS workspace, softmax backward's product)")
     group.add_argument("--moe-imbalance", type=float, default=1.0,
                        help="routed tokens on the busiest rank relative to balanced routing (default 1.0): "
                             "its expert activations and its expert compute and all-to-all")

@@ -314,19 +314,21 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # Per MLP kind: the kinds' layers may differ in attention span (sliding windows).
     attention = dict.fromkeys(("dense", "moe"), block(attention_name))
     attention_kept = dict.fromkeys(("dense", "moe"), block(attention_name, "kept"))
-    # The attention backward's working set where the scores are materialised (s² per head).
+    # The attention backward's working set where the scores are materialised (s² per head), with
+    # CUDA softmax's scratch where overhead is counted (fake tensors do not see it).
     attention_backward = dict.fromkeys(("dense", "moe"), 0.0 * tp)
+    product = block("softmax_backward_product") if options.include_overhead else 0.0
     if options.attention == "eager":
         for k in ("dense", "moe"):
             attention[k] = attention[k] + block("eager_scores")
             attention_kept[k] = attention_kept[k] + block("eager_scores", "kept")
-            attention_backward[k] = block("eager_backward_extra")
+            attention_backward[k] = block("eager_backward_extra") + product
     if options.attention == "sdpa":
         for k, (masked, math) in _sdpa_fallbacks(model, batch).items():
             attention[k] = attention[k] + masked * block("sdpa_masked") + math * block("sdpa_math")
             attention_kept[k] = (attention_kept[k] + masked * block("sdpa_masked", "kept")
                                  + math * block("sdpa_math", "kept"))
-            attention_backward[k] = np.where(math > 0, block("sdpa_math_backward_extra"), 0.0)
+            attention_backward[k] = np.where(math > 0, block("sdpa_math_backward_extra") + product, 0.0)
     mlp, moe = block("mlp"), block("moe")
     full = {"dense": 2 * norm + attention["dense"] + mlp, "moe": 2 * norm + attention["moe"] + moe}
     checkpoint_input = block("layer_input") if profile.selective_keeps_layer_input else 0.0
