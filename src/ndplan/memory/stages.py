@@ -1278,7 +1278,9 @@ def _evaluate_group(
                        + model.mtp_depth * layers.expert[mtp_kind] * grad_bytes / shards.expert_grads)
     table_made_last = 0.0 if model.tie_word_embeddings and not tables_apart else table * grad_width
     layer_transient = np.empty((n, patterns))
-    scores_during, scores_grads = np.empty((n, patterns)), np.empty((n, patterns))
+    # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
+    scores = any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
+    scores_during, scores_grads = (np.empty((n, patterns)), np.empty((n, patterns))) if scores else (None, None)
     out["transient"] = np.empty((n, patterns))
     for column, (moe_here, dense_here, first, last) in enumerate(
             zip(has_moe.tolist(), has_dense.tolist(), first_stage.tolist(), last_stage.tolist(), strict=True)):
@@ -1287,6 +1289,10 @@ def _evaluate_group(
             backward_extra = moe_backward_extra if moe_here else acts.backward_extra["dense"]
             rebuilt = np.maximum(moe_rebuilt if moe_here else 0.0, dense_rebuilt if dense_here else 0.0)
             layer = layer_by_kinds[moe_here, dense_here] = tokens * (backward_extra + np.where(recompute_on, rebuilt, 0.0))
+        if scores_during is None or scores_grads is None:
+            layer_transient[:, column] = layer
+            out["transient"][:, column] = np.maximum(layer, loss_per_token * last)
+            continue
         moment = scores_moments.get((moe_here, dense_here, first, last))
         if moment is None:
             moment = scores_moments[moe_here, dense_here, first, last] = _scores_backward_moments(
@@ -1518,10 +1524,12 @@ def _evaluate_group(
             # Where the scores are materialised, the first layer's attention backward: the loss's
             # activations are gone, the head's and that layer's MLP gradients made (FSDP prices
             # its moments with its units).
-            scores_phase = expand(static_single - out["grads"][single] + comm_single + overhead.workspace_bytes
-                                  + scores_during[single] + np.where(zero3[single, None], 0.0, scores_grads[single]))
-            scores_phase += held[:, single]
-            forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
+            if scores_during is not None and scores_grads is not None:
+                scores_phase = expand(static_single - out["grads"][single] + comm_single + overhead.workspace_bytes
+                                      + scores_during[single]
+                                      + np.where(zero3[single, None], 0.0, scores_grads[single]))
+                scores_phase += held[:, single]
+                forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
     if device_only:  # in place: the figures in between are not kept
         shape.combine_by_stage(forward_backward, static + out["optimizer_step"], np.maximum)
         allocated = forward_backward
