@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ndplan.census.measure_step import trimmed_spec
-from ndplan.hardware import get_device
+from ndplan.hardware import Cluster, get_device
 from ndplan.memory import MemoryOptions
 from ndplan.model import ModelSpec, load_model
 from ndplan.perf.efficiency import default_efficiency, with_software
 from ndplan.perf.flops import Gemm
 from ndplan.perf.gemm import PASS_NAMES, ComputeRates, gemm_seconds
 from ndplan.perf.report import estimate_time
-from ndplan.perf.step import optimizer_bytes_per_param
-from ndplan.strategy import Strategy
+from ndplan.perf.step import compute_rates, optimizer_bytes_per_param
+from ndplan.strategy import Strategy, StrategyBatch
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "measured" / "h200"
 DEVICE = "h200"
@@ -51,27 +51,21 @@ def _load(name: str, data: Path = DATA) -> dict:
     return json.loads((data / f"{name}.json").read_text())
 
 
-def _rates(kernels: dict | None = None) -> tuple[ComputeRates, float]:
-    """bf16 rates of the device's profile under ``kernels`` (software facts), and its HBM bytes/s."""
+def _rates(kernels: dict | None = None) -> ComputeRates:
+    """The step-time model's bf16 rates on one device of the profile under ``kernels`` (software
+    facts), but for the weight-gradient pass writing a plain bf16 result, as torch.matmul does
+    (no fp32 accumulation into a gradient buffer)."""
     device = get_device(DEVICE)
     eff = with_software(default_efficiency(device), kernels)
-    rates = ComputeRates(
-        peak_flops=device.peak_flops_for("bf16"), gemm_eff=eff.gemm_efficiency, knee=eff.gemm_knee,
-        grouped_factor=eff.grouped_gemm_factor, attention_rate=device.peak_flops_for("bf16") * eff.attention_efficiency,
-        hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency, operand_bytes=2.0,
-        expert_latency=eff.expert_gemm_latency,
-        wgrad_accum_bytes=2.0,  # a plain matmul writes its bf16 result: no fp32 accumulation buffer
-        depth_knee=eff.gemm_depth_knee,
-        optimizer_rate=device.hbm_bandwidth_bytes_per_s * eff.figure("optimizer_efficiency"),
-    )
-    return rates, device.hbm_bandwidth_bytes_per_s
+    batch = StrategyBatch.of(Strategy(precision="bf16-pure"))
+    return replace(compute_rates(Cluster(device=device, num_devices=1), batch, eff), wgrad_accum_bytes=2.0)
 
 
 def gemms(expert_gemm: str = "grouped", data: Path = DATA) -> dict[str, list[Compared]]:
     """Every measured pass of every GEMM: 'dense' (torch.matmul) and 'grouped' (torch._grouped_mm,
     priced as ``expert_gemm`` runs them)."""
     doc = _load("gemm", data)
-    rates, _ = _rates({"expert_gemm": expert_gemm})
+    rates = _rates({"expert_gemm": expert_gemm})
     out: dict[str, list[Compared]] = {"dense": [], "grouped": []}
     for row in doc["dense"]:
         g = Gemm("dense", row["m"], row["n"], row["k"])
@@ -112,14 +106,15 @@ def optimizer(data: Path = DATA) -> list[Compared]:
     from ndplan.strategy.precision import get_precision
 
     doc = _load("bandwidth", data)
-    rates, _ = _rates()
+    rates = _rates()
     out = []
     for label, precision in (("bf16", "bf16-pure"), ("fp32", "fp32")):
         prec, params = get_precision(precision), doc[f"{label}_params"]
         for kernel in ("foreach", "fused"):
             predicted = params * optimizer_bytes_per_param(prec, kernel, clip=False) / rates.optimizer_rate
             out.append(Compared(f"{label} AdamW {kernel}", doc[f"{label}_adamw_{kernel}_s"], predicted))
-        clip = 3 * prec.grad_bytes  # foreach norm (read) and scale in place (read, write)
+        # torch's clip_grad_norm_: the gradient bytes foreach AdamW's count adds for clipping
+        clip = optimizer_bytes_per_param(prec, "foreach") - optimizer_bytes_per_param(prec, "foreach", clip=False)
         out.append(Compared(f"{label} clip_grad_norm_", doc[f"{label}_clip_grad_norm_s"],
                             params * clip / rates.optimizer_rate))
     return out
