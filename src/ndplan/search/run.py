@@ -92,6 +92,10 @@ def runtime_step_time(options: MemoryOptions | None = None) -> TimeFunction:
     return partial(step_time_batch, **options.time_keywords())
 
 
+def _shares_batch_fields(a: StrategyBatch, b: StrategyBatch) -> bool:
+    return (a.precision, a.recompute_modules, a.offload_modules) == (b.precision, b.recompute_modules, b.offload_modules)
+
+
 def pareto_front(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
     """Indices of the points no other point beats in both step time and peak memory,
     ordered by time."""
@@ -192,6 +196,34 @@ def run_search(
     evaluated = 0
     smallest_peak = np.inf
     rejected[DUPLICATE] = done = space.unlisted_duplicates
+    # The survivors of the rules and the static bound wait until a block's worth has gathered:
+    # each pricing call has a fixed cost (layer prices, schedule frontiers per group), which
+    # the few thousand survivors of one enumerated block would pay many times over.
+    pending: list[tuple[np.ndarray, StrategyBatch]] = []
+    pending_count = 0
+
+    def price_pending() -> None:
+        nonlocal pending_count, smallest_peak
+        if not pending:
+            return
+        index_part = np.concatenate([i for i, _ in pending])
+        survivors = StrategyBatch.concat([b for _, b in pending])
+        pending.clear()
+        pending_count = 0
+        peak, stage = peak_memory(model, survivors, options)
+        smallest_peak = min(smallest_peak, float(peak.min()))
+        fits = peak <= limit
+        rejected[OVER_MEMORY] += int(np.count_nonzero(~fits))
+        if fits.any():
+            fitting = survivors.take(np.flatnonzero(fits))
+            times = time_function(model, fitting, cluster)
+            kept_index.append(index_part[fits])
+            kept_time.append(np.asarray(times["step_s"], dtype=float))
+            kept_peak.append(peak[fits])
+            kept_stage.append(stage[fits])
+            for key, value in times.items():
+                kept_extra.setdefault(key, []).append(np.asarray(value, dtype=float))
+
     for index, batch in space.blocks(block_size):
         alive = ~space.duplicates(index)
         rejected[DUPLICATE] += int(np.count_nonzero(~alive))
@@ -224,22 +256,15 @@ def run_search(
                 bounded_lower.append(lower[cannot])
             valid = valid[~cannot]
         if len(valid):
-            survivors = batch.take(valid)
-            peak, stage = peak_memory(model, survivors, options)
-            smallest_peak = min(smallest_peak, float(peak.min()))
-            fits = peak <= limit
-            rejected[OVER_MEMORY] += int(np.count_nonzero(~fits))
-            if fits.any():
-                fitting = survivors.take(np.flatnonzero(fits))
-                times = time_function(model, fitting, cluster)
-                kept_index.append(index[valid][fits])
-                kept_time.append(np.asarray(times["step_s"], dtype=float))
-                kept_peak.append(peak[fits])
-                kept_stage.append(stage[fits])
-                for key, value in times.items():
-                    kept_extra.setdefault(key, []).append(np.asarray(value, dtype=float))
+            if pending and not _shares_batch_fields(pending[-1][1], batch):
+                price_pending()  # a batch holds one precision and one set of modules
+            pending.append((index[valid], batch.take(valid)))
+            pending_count += len(valid)
+        if pending_count >= block_size:
+            price_pending()
         if progress:
             progress(done, space.size)
+    price_pending()
     if not kept_index:
         smallest_peak = _smallest_peak(model, space, options, smallest_peak, bounded_index, bounded_lower, block_size)
         return SearchResult(

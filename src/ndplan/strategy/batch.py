@@ -115,6 +115,21 @@ class StrategyBatch:
         columns = {name: [getattr(s, name) for s in items] for name in cls.array_fields()}
         return cls.from_columns(columns, precision, recompute_modules=modules, offload_modules=offload)
 
+    @classmethod
+    def concat(cls, batches: Sequence[StrategyBatch]) -> StrategyBatch:
+        """The strategies of ``batches`` one after another (they share the batch-wide fields)."""
+        if not batches:
+            raise ValueError("concatenating no batches makes no batch")
+        first = batches[0]
+        shared = (first.precision, first.recompute_modules, first.offload_modules)
+        if any((b.precision, b.recompute_modules, b.offload_modules) != shared for b in batches[1:]):
+            raise ValueError("batches to concatenate share one precision policy and module sets")
+        if len(batches) == 1:
+            return first
+        return cls(**{n: np.concatenate([getattr(b, n) for b in batches]) for n in cls.array_fields()},
+                   precision=first.precision, recompute_modules=first.recompute_modules,
+                   offload_modules=first.offload_modules)
+
     def __len__(self) -> int:
         return int(self.dp.shape[0])
 
