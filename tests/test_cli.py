@@ -340,6 +340,7 @@ def test_overlap_switches_reach_the_step_time(capsys):
     ("tp=maybe", "overlap: tp must be on or off, got 'maybe'"),
     ("speed=on", "overlap: unknown switch 'speed'; known: dp_grad_reduce"),
     ("ep_dispatch=nvlink", "overlap: ep_dispatch must be one of all_to_all, node_dedup, got 'nvlink'"),
+    ("ep_routing=random", "overlap: ep_routing must be one of uniform, contiguous, got 'random'"),
     ("fastest", "unknown overlap preset 'fastest'; known: megatron"),
 ])
 def test_bad_overlap_is_a_one_line_error(spec, words, capsys):

@@ -266,12 +266,12 @@ def test_node_dedup_dispatch_cuts_multi_node_ep_traffic_only():
     plain = estimate_time(DSV3, Strategy(**common), cluster, overlap=OverlapConfig(ep=False))
     dedup = estimate_time(DSV3, Strategy(**common), cluster, overlap=OverlapConfig(ep=False, ep_dispatch="node_dedup"))
     assert dedup.to_dict()["breakdown"]["comm_exposed"]["ep"] < 0.8 * plain.to_dict()["breakdown"]["comm_exposed"]["ep"]
-    # EP inside one NVLink domain: both dispatchers move the same bytes over the links (the
-    # all-to-all dispatcher's extra chunk sort is local HBM traffic, in compute)
+    # EP inside one NVLink domain: DeepEP still sends a token once per destination rank (below);
+    # the all-to-all dispatcher's extra chunk sort is local HBM traffic, in compute
     inside = dict(common, ep=8)
     a = estimate_time(DSV3, Strategy(**inside), cluster, overlap=OverlapConfig(ep=False))
     b = estimate_time(DSV3, Strategy(**inside), cluster, overlap=OverlapConfig(ep=False, ep_dispatch="node_dedup"))
-    assert a.breakdown["comm_exposed"]["ep"] == pytest.approx(b.breakdown["comm_exposed"]["ep"])
+    assert b.breakdown["comm_exposed"]["ep"] < a.breakdown["comm_exposed"]["ep"]
     assert a.breakdown["compute"] > b.breakdown["compute"]
 
 
@@ -304,6 +304,35 @@ def test_fp8_dispatch_moves_one_byte_per_element_instead_of_two():
     fp8 = estimate_time(TINY_MOE, s, cluster, overlap=OverlapConfig(ep=False, ep_dispatch_fp8=True))
     expected = 2 * 4096 * 4 * 1024 * (7 / 8) / (450e9 * 0.8)
     assert bf16.breakdown["comm_exposed"]["ep"] - fp8.breakdown["comm_exposed"]["ep"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_deduplicating_dispatch_sends_a_token_once_per_destination_rank():
+    """DeepEP/HybridEP send a token once to each rank holding any of its k experts (the rank
+    copies it to its local experts itself): D = R·(1 - (1 - 1/R)^k) copies instead of k.
+    TINY_MOE (16 experts, top-4) over 8 ranks of one node: D = 8·(1 - (7/8)^4) = 3.3105. Each
+    of a layer's 4 all-to-alls (dispatch and combine, forward and backward) moves the (n-1)/n
+    share of T·k·h·2 bytes over NVLink (450 GB/s x 0.8) with the all-to-all dispatcher, D/k of
+    it deduplicated; 2 layers, 1 micro-batch. With the contiguous routing of a benchmarking
+    gate (experts 4t..4t+3, two per rank) a token reaches D = 2 ranks."""
+    from ndplan.perf.layer import ranks_per_token
+
+    assert ranks_per_token(8.0, 4.0) == pytest.approx(8 * (1 - (7 / 8) ** 4), rel=1e-12)
+    assert ranks_per_token(64.0, 8.0, 16.0) == pytest.approx(16 * (1 - (15 / 16) ** 8), rel=1e-12)
+    s = Strategy(dp=8, ep=8, micro_batch_size=1, num_micro_batches=1, seq_length=4096, zero=1)
+    cluster = _cluster(8)
+
+    def ep_seconds(**overlap: object) -> float:
+        report = estimate_time(TINY_MOE, s, cluster, overlap=OverlapConfig(ep=False, **overlap))
+        return float(report.breakdown["comm_exposed"]["ep"])
+
+    plain = ep_seconds()
+    one = 4096 * 4 * 1024 * 2 * (7 / 8) / (450e9 * 0.8)  # one all-to-all's bytes, plain
+    uniform = 8 * (1 - (7 / 8) ** 4)
+    assert plain - ep_seconds(ep_dispatch="node_dedup") == pytest.approx(2 * 4 * one * (1 - uniform / 4), rel=1e-9)
+    assert plain - ep_seconds(ep_dispatch="node_dedup", ep_routing="contiguous") == pytest.approx(
+        2 * 4 * one * (1 - 2 / 4), rel=1e-9)
+    # the all-to-all dispatcher sends every copy whatever the routing
+    assert ep_seconds(ep_routing="contiguous") == pytest.approx(plain, rel=1e-12)
 
 
 def test_node_limited_routing_reaches_fewer_remote_nodes():

@@ -28,7 +28,10 @@ device (T = b·s):
   ``OverlapConfig.ep_dispatch = 'node_dedup'`` (DeepEP/HybridEP) a token crosses the network
   once per distinct remote node, (N-1)·(1-(1-1/N)^k) times for N nodes in the EP group
   (L·(1-(1-1/L)^k)·(N-1)/N with node-limited routing to L nodes, ``ep_node_limit``), and
-  every copy that does not land on the receiving GPU crosses NVLink once: (g-1)/g of them.
+  NVLink once per distinct destination rank other than the one the network delivered it to,
+  D·(g-1)/g times, D = R·(1-(1-1/R)^k) the ranks its k experts lie on (R = L·g ranks it can
+  reach; with ``ep_routing`` 'contiguous', max(1, k·ep/E)); the receiving rank copies a token
+  to each of its local experts itself.
 * FSDP / ZeRO-3: all-gather the layer's parameter shard forward (param_gather_bytes), again in
   backward when resharding after forward, and reduce-scatter its gradient (grad_bytes), over
   the shard group (non-expert: shard_group or dp·cp ranks at stride tp; experts: the
@@ -246,24 +249,37 @@ def remote_nodes_per_token(nodes: Array | float, k: float, limit: int | None = N
     return big_l * (1.0 - (1.0 - 1.0 / big_l) ** k) * (n - 1.0) / n
 
 
+def ranks_per_token(ranks: Array | float, k: float, limit_ranks: Array | float | None = None) -> Array | float:
+    """Expected distinct ranks one token's k experts lie on, spread uniformly over R =
+    min(``limit_ranks``, ``ranks``) ranks: R·(1 - (1 - 1/R)^k)."""
+    r = np.asarray(ranks, dtype=np.float64)
+    big_r = r if limit_ranks is None else np.minimum(limit_ranks, r)
+    return big_r * (1.0 - (1.0 - 1.0 / np.maximum(big_r, 1.0)) ** k)
+
+
 def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | float) -> Array | float:
     """One expert all-to-all of an ``nbytes`` send buffer (all routed copies of the device's
     tokens) over the ep ranks at stride etp, with the run's dispatcher (OverlapConfig.ep_dispatch)."""
     e, x = cols["ep"], cols["etp"]
-    link = group_link(e, x, ctx.fabric, "all_to_all")
-    plain = coll.all_to_all_s(nbytes, e, link)
     if ctx.overlap.ep_dispatch != "node_dedup":
-        return plain
+        return coll.all_to_all_s(nbytes, e, group_link(e, x, ctx.fabric, "all_to_all"))
     fabric = ctx.fabric
     k = float(ctx.model.num_experts_per_tok)
     g = members_per_domain(e, x, fabric.domain)
     nodes = np.maximum(e / g, 1.0)
-    remote = remote_nodes_per_token(nodes, k, ctx.overlap.ep_node_limit)
+    limit = ctx.overlap.ep_node_limit
+    if ctx.overlap.ep_routing == "contiguous":
+        # k consecutive experts from a multiple of k: E/ep per rank, E/ep·g per node.
+        per_rank = float(ctx.model.num_experts) / np.maximum(e, 1.0)
+        distinct = np.maximum(1.0, k / per_rank)
+        remote = np.maximum(1.0, k / (per_rank * g)) * (nodes - 1.0) / nodes
+    else:
+        distinct = ranks_per_token(e, k, None if limit is None else np.minimum(float(limit), nodes) * g)
+        remote = remote_nodes_per_token(nodes, k, limit)
     outside = nbytes / k * remote / fabric.scaleout_bw
-    inside = nbytes * (g - 1.0) / g / inside_bandwidth(fabric, g)
+    inside = nbytes / k * distinct * (g - 1.0) / g / inside_bandwidth(fabric, g)
     latency = (nodes - 1.0) * fabric.scaleout_latency + (g - 1.0) * fabric.scaleup_latency
-    dedup = np.where(e > 1, latency + np.maximum(inside, outside), 0.0)
-    return np.where(fits_in_domain(e, x, fabric.domain), plain, dedup)
+    return np.where(e > 1, latency + np.maximum(inside, outside), 0.0)
 
 
 def _layer_param_split(model: ModelSpec, kind: MlpKind) -> tuple[float, float]:

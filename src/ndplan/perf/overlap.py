@@ -45,6 +45,12 @@ class OverlapConfig(BaseModel):
         a token reaches at most this many nodes, L·(1-(1-1/L)^k) of them on average, with
         'node_dedup' dispatch. None: no limit. Set it only when the routing groups align with
         nodes.
+    ep_routing: where a token's k experts lie. 'uniform' (a trained router, or Megatron's
+        --moe-router-force-load-balancing, which draws random scores): spread over the EP ranks
+        at random. 'contiguous': k consecutive experts starting at a multiple of k (NeMo
+        AutoModel's FakeBalancedGate, a benchmarking gate), so a token's copies land on
+        max(1, k/(E/ep)) ranks of one node (when E/ep·g >= k). Only the deduplicating dispatch
+        ('node_dedup') sends fewer bytes for it.
     ep_dispatch_fp8: the dispatch all-to-all carries tokens already quantised to fp8 (1 byte
         per element; DeepSeek-V3's framework quantises before dispatching). Off, tokens travel
         in the activation dtype and are quantised inside the expert GEMM, as in Megatron-Core
@@ -62,6 +68,7 @@ class OverlapConfig(BaseModel):
     ep: bool | None = None
     ep_dispatch: Literal["all_to_all", "node_dedup"] = "all_to_all"
     ep_node_limit: int | None = Field(default=None, ge=1)
+    ep_routing: Literal["uniform", "contiguous"] = "uniform"
     ep_dispatch_fp8: bool = False
 
     def describe(self) -> str:
@@ -74,7 +81,8 @@ class OverlapConfig(BaseModel):
         elif self.ep:
             on.append("ep")
         dispatch = self.ep_dispatch.replace("_", "-") + (", fp8" if self.ep_dispatch_fp8 else "") + (
-            f", at most {self.ep_node_limit} nodes per token" if self.ep_node_limit else "")
+            f", at most {self.ep_node_limit} nodes per token" if self.ep_node_limit else "") + (
+            ", contiguous experts per token" if self.ep_routing == "contiguous" else "")
         return f"hidden: {', '.join(on) or 'nothing'}; expert dispatch {dispatch}"
 
 
@@ -171,6 +179,11 @@ def _overlap_value(key: str, value: Any) -> Any:
         word = word.replace("-", "_")
         if word not in allowed:
             raise NdplanError(f"overlap: ep_dispatch must be one of {', '.join(allowed)}, got '{value}'")
+        return word
+    if key == "ep_routing":
+        routings = ("uniform", "contiguous")
+        if word not in routings:
+            raise NdplanError(f"overlap: ep_routing must be one of {', '.join(routings)}, got '{value}'")
         return word
     if word in ON_WORDS:
         return True
