@@ -231,7 +231,10 @@ def write_report(runs, measured, default, fitted, train, test, profiles, reports
             lines.append(f"* **{r.source}**: {r.url}")
         if r.notes:
             lines.append(f"  * {r.id}: {r.notes}")
-    lines += ["", "## What the errors say", ""] + COMMENTARY
+    # The commentary's per-row figures come from this run's predictions, so they cannot go stale.
+    errors = {r.id: _pct(default[r.id]["step_s"] / measured[r.id] - 1) for r in runs}
+    seconds = {r.id: f"{default[r.id]['step_s']:.1f} s" for r in runs}
+    lines += ["", "## What the errors say", ""] + [line.format(e=errors, s=seconds) for line in COMMENTARY]
     return lines
 
 
@@ -266,6 +269,12 @@ COMMENTARY = [
     "    limited routing (DeepSeek-V3: 4 of 8 groups, one group per node at EP 64 over 8 nodes) sends a",
     "    token to 3.15 remote nodes instead of 4.59 (`ep_node_limit`): the H100 Megatron-Bridge row went",
     "    from +24% to +7%.",
+    "  * Deduplicating dispatch: DeepEP and HybridEP send a token once to each rank that holds any of",
+    "    its experts (the rank copies it to its local experts itself), D = R*(1-(1-1/R)^k) copies",
+    "    instead of k: inside one node 0.66 of the all-to-all dispatcher's bytes for top-8 over 8",
+    "    ranks. It moved the DeepEP rows with EP 8 inside a node by -1 to -5 points (the",
+    "    forced-balance long-context rows from +2.3%, +3.2%, +2.0%, -0.7%), and none across nodes,",
+    "    where the network leg, already once per node, binds.",
     "  * Host: dropless dispatch copies the token counts to the host mid-forward; the GPU work queued",
     "    before that sync (attention block, router) now adds to the expert launches after it (+2 on",
     "    Qwen3-235B).",
@@ -292,7 +301,7 @@ COMMENTARY = [
     "  grouped linear layers, so the default is not raised. The fitted profiles lower",
     "  `grouped_gemm_factor` (and raise `host_moe_layer_s` on Blackwell) to absorb it; the defaults stay",
     "  first-principles.",
-    "* Qwen3-235B on H100 (-9%) runs with its expert all-to-all over InfiniBand (EP 32 over 4 nodes)",
+    "* Qwen3-235B on H100 ({e[bridge2511-h100-qwen3-235b-a22b]}) runs with its expert all-to-all over InfiniBand (EP 32 over 4 nodes)",
     "  hidden where a partner micro-batch allows: its recipe sets `moe_a2a_overlap=True`",
     "  (Megatron-Core's --overlap-moe-expert-parallel-comm) and counts the embedding and loss in the",
     "  pipeline split, which the entry now states; with the all-to-all exposed ndplan predicted 27.3 s",
@@ -302,7 +311,7 @@ COMMENTARY = [
     "  correlation 0.46). Three of its layouts ran Megatron's norm and MoE-activation recompute",
     "  (`--recompute-modules layernorm moe_act`), now priced as such: +0.1 s on each, from replaying",
     "  memory-bound norms and activations. Row by row:",
-    "  * DeepEP with EP 32 over 4 nodes: -6.4%. Megatron-Bridge 25.11 ran this layout in FP8 with the",
+    "  * DeepEP with EP 32 over 4 nodes: {e[modelzoo-qwen3-235b-deepep-ep32]}. Megatron-Bridge 25.11 ran this layout in FP8 with the",
     "    all-to-all dispatcher and its recipe's `moe_a2a_overlap=True` in 20.8 s (ndplan 19.0 s).",
     "  * The same with the source's '+1f1b overlap' (`--overlap-moe-expert-parallel-comm`): measured",
     "    2.1 s faster, 17.6 s. ndplan's EP-overlap switch hides the all-to-all of the passes that have",
@@ -313,9 +322,9 @@ COMMENTARY = [
     "    all-to-all exposed (`schedule.pairing`; -26.5% before, and DeepSeek-V3's row, where",
     "    DualPipeV leaves 47 of 240 forwards unpaired at pp 16, moved from +4.5% to +8.3%; +7.7% since",
     "    Megatron's default selective recompute replays the attention core alone, as core_attn does):",
-    "    1.35 s of exposed all-to-all, 13.4 s predicted (-23.7%). Not modelled: the host driving two",
+    "    1.35 s of exposed all-to-all, {s[modelzoo-qwen3-235b-deepep-ep32-a2a-overlap]} predicted ({e[modelzoo-qwen3-235b-deepep-ep32-a2a-overlap]}). Not modelled: the host driving two",
     "    micro-batches at once.",
-    "  * Megatron-FSDP with EP 8 inside a node: +33% (+55% before the exposed NVLink all-to-all and TP",
+    "  * Megatron-FSDP with EP 8 inside a node: {e[modelzoo-qwen3-235b-fsdp-ep8]} (+55% before the exposed NVLink all-to-all and TP",
     "    collectives counted as cover for FSDP's InfiniBand traffic, which runs on its own stream; +73%",
     "    before the recomputed forward counted in the backward's window). ndplan gathers each layer's",
     "    676 MB shard over 32 nodes twice per micro-batch and reduce-scatters FP32 gradients: about",
@@ -326,23 +335,46 @@ COMMENTARY = [
     "    +4.8%. The row keeps Megatron's FP32 reduction, since choosing the assumption after seeing",
     "    the error would be fitting it.",
     "  * All-to-all dispatcher with one layer per virtual stage (pp 32, vpp 3, the embedding and loss",
-    "    counted as layers): -30.0%. Megatron-Bridge's Qwen3-30B H100 row (-55%) also has one layer per",
+    "    counted as layers): {e[modelzoo-qwen3-235b-a2a-pp32]}. Megatron-Bridge's Qwen3-30B H100 row ({e[bridge2511-h100-qwen3-30b-a3b]}) also has one layer per",
     "    virtual stage, also with this dispatcher, whose dropless host sync ndplan underprices (above).",
-    "  * DeepEP with TP 4 and EP 8: -16.5%.",
+    "  * DeepEP with TP 4 and EP 8: {e[modelzoo-qwen3-235b-deepep-tp4]}.",
     "* The same source's long-context table (Qwen3-235B, TP 4, EP 8, PP 8 with VPP 4, CP 1 to 8 for 16K",
     "  to 128K tokens, `--recompute-modules layernorm moe`) ran every length twice: dropless, and with",
     "  routing forced to balance (`--moe-router-force-load-balancing`). Its TFLOP/s are converted with",
     "  Megatron-Core's own formula, which reproduces the 4K table's step times and TFLOP/s within 0.6%.",
-    "  ndplan assumes balanced experts (`moe_imbalance` 1.0) and lands +1.6%, +2.0%, +0.4% and -2.7% from",
+    "  ndplan assumes balanced experts (`moe_imbalance` 1.0) and lands {e[modelzoo-qwen3-235b-long-16k-forced-balance]}, "
+    "{e[modelzoo-qwen3-235b-long-32k-forced-balance]}, {e[modelzoo-qwen3-235b-long-64k-forced-balance]} and "
+    "{e[modelzoo-qwen3-235b-long-128k-forced-balance]} from",
     "  the forced-balance runs: long-context MoE with context parallelism is priced right. The dropless",
     "  runs are 9-25% slower than those, the cost of uneven routing, shrinking as attention's share grows",
-    "  with length; ndplan does not predict it (-18.4% at 16K to -10.7% at 128K). Rank correlation is",
+    "  with length; ndplan does not predict it ({e[modelzoo-qwen3-235b-long-16k]} at 16K to {e[modelzoo-qwen3-235b-long-128k]} at 128K). "
+    "Rank correlation is",
     "  trivial in both tables (the length orders them).",
     "* torchtitan's selective checkpointing is its per-op policy (recompute every second matmul, keep",
     "  attention), now modelled (`selective_recompute: torchtitan-op`, +2). These rows ran at a 500 W",
     "  power limit on HBM2e H100s whose peak the source places between H100 SXM (989 TFLOP/s) and NVL",
     "  (835): ndplan uses the SXM peak, an upper bound. With eager elementwise kernels priced at 4.5",
-    "  passes (measured on an H200, below; it was 3, a guess) they read -16% and -18% (were -29%, -31%).",
+    "  passes (measured on an H200, below; it was 3, a guess) they read {e[torchtitan-8b-fsdp-8gpu]} and "
+    "{e[torchtitan-8b-fsdp-128gpu]} (were -29%, -31%).",
+    "* NeMo AutoModel's table (PyTorch-native: FSDP2, torch.distributed.pipelining, DeepEP, Transformer",
+    "  Engine kernels; H100, BF16) was added after every figure above was chosen. Each row's settings",
+    "  are read off the benchmark config the table links and AutoModel's code: bf16 parameters and",
+    "  Adam states with FP32 gradient reduction (its MoE parallelizer's mixed-precision policy), no",
+    "  MTP module in its DeepSeek-V3, whole-layer activation checkpointing where the config sets it.",
+    "  Priced first with the `pytorch` runtime's eager kernels (4.5 elementwise passes, measured on",
+    "  transformers models) and experts drawn at random, Qwen3-30B read +106% and DeepSeek-V3 +54%.",
+    "  AutoModel's MoE layers run",
+    "  Megatron-Core's fused permutation (moe_permute_fusion) and fused weighted SwiGLU, and TE's",
+    "  norms, rotary and attention: the default profile's fused kernels (1 pass) describe them. Its",
+    "  benchmark gate (FakeBalancedGate) gives token t the experts t*k .. t*k+k-1, which lie on one",
+    "  rank (Qwen3-30B, 16 experts per rank) or two ranks of one node (DeepSeek-V3), and DeepEP sends",
+    "  a token once per rank (`ep_routing: contiguous`). So priced: Qwen3-30B {e[automodel-qwen3-30b-a3b-8gpu]},",
+    "  DeepSeek-V3 on 256 GPUs {e[automodel-deepseek-v3-256gpu]}, GPT-OSS-20B {e[automodel-gpt-oss-20b-8gpu]}, "
+    "GPT-OSS-120B {e[automodel-gpt-oss-120b-64gpu]}. The GPT-OSS",
+    "  rows run FlexAttention (head dimension 64, attention sinks) where ndplan prices a flash kernel's",
+    "  efficiency, and GPT-OSS's experts use a clamped SwiGLU with biases, whose kernels the source does",
+    "  not describe; neither is priced apart. DeepSeek-V3 on 1024 GPUs and Kimi K2 are left out: their",
+    "  local batches (GA 4 and 2) each run their own pipeline schedule, and ndplan prices one per step.",
     "* Assumed settings (micro-batch size, schedule, recompute where a source is silent) are listed",
     "  per run above; they are the same within a table.",
     "* Not all of this is a blind test. The A100 rows matched within 10% on the first comparison and",

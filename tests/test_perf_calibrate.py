@@ -136,6 +136,22 @@ def test_measured_quantity_must_be_exactly_one():
         MeasuredRun(**base, measured={"mfu": 0.4})
 
 
+def test_a_run_model_can_be_a_preset_with_changed_fields(tmp_path: Path):
+    """NeMo AutoModel builds DeepSeek-V3 without its MTP module: the preset less mtp_depth."""
+    base = dict(id="x", source="s", device="h100-sxm", num_devices=8, strategy={"dp": 8, "ep": 8},
+                measured={"step_s": 10.0})
+    run = MeasuredRun(**base, model={"preset": "deepseek-v3", "mtp_depth": 0})
+    preset = get_preset("deepseek-v3")
+    assert run.model_spec().mtp_depth == 0 and preset.mtp_depth == 1
+    assert run.model_spec().num_experts == preset.num_experts == 256
+    for model, words in (({"preset": "deepseek-v3", "mtp_depth": -1}, "field 'model.mtp_depth'"),
+                         ({"preset": "no-such-model"}, "no-such-model")):
+        path = tmp_path / "runs.yaml"
+        path.write_text(yaml.safe_dump({"runs": [dict(base, model=model)]}))
+        with pytest.raises(NdplanError, match=words):
+            load_runs(path)
+
+
 def test_efficiency_profiles_round_trip_through_yaml(tmp_path: Path):
     profile = default_efficiency(H100).replace(gemm_efficiency=0.66, host_moe_layer_s=3e-3)
     path = tmp_path / "profile.yaml"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -107,8 +107,15 @@ class MeasuredRun(BaseModel):
         return value
 
     def model_spec(self) -> ModelSpec:
+        """The run's model: a preset's name, a ModelSpec's fields, or ``{preset: name, ...}``,
+        a preset with the fields the run's software changes (``mtp_depth: 0`` where the framework
+        builds no MTP modules)."""
         if isinstance(self.model, str):
             return get_preset(self.model)
+        if "preset" in self.model:
+            fields = dict(self.model)
+            base = get_preset(str(fields.pop("preset")))
+            return ModelSpec.model_validate(base.model_dump() | fields)
         return ModelSpec.model_validate(self.model)
 
     def device_spec(self) -> Device:
@@ -222,16 +229,19 @@ def _check_run(run: MeasuredRun, where: str) -> None:
     error that names the run (what ``estimate_time`` would otherwise raise without it)."""
     from ndplan.strategy.rules import check_strategy
 
-    try:
-        strategy = run.strategy_obj()
-        model = run.model_spec()
-        run.device_spec()
-    except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise NdplanError(f"{where}: field 'strategy.{field}': {first['msg']}") from None
-    except NdplanError as error:
-        raise NdplanError(f"{where}: {error}") from None
+    def resolved(part: str, build: Callable[[], Any]) -> Any:
+        try:
+            return build()
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            raise NdplanError(f"{where}: field '{part}.{field}': {first['msg']}") from None
+        except NdplanError as error:
+            raise NdplanError(f"{where}: {error}") from None
+
+    strategy = resolved("strategy", run.strategy_obj)
+    model = resolved("model", run.model_spec)
+    resolved("device", run.device_spec)
     broken = check_strategy(strategy, model, run.num_devices)
     if broken:
         raise NdplanError(f"{where}: {'; '.join(v.message for v in broken)}")
