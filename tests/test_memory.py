@@ -635,3 +635,19 @@ def test_scores_backward_moment_counts_only_the_gradients_made_by_then():
     z2 = z1.model_copy(update={"zero": 2})
     one, two = (estimate(model, z, options=options, num_devices=8).stages[0] for z in (z1, z2))
     assert two.forward_backward_bytes < one.forward_backward_bytes
+
+
+@pytest.mark.parametrize("ep", [8, 2])
+def test_fsdp_kept_gathered_parameters_are_the_stage_elements_whole(ep):
+    """FSDP without resharding after forward keeps every parameter of the stage gathered: the
+    non-expert ones whole, the routed experts as ep splits them (E/ep experts), at the gather
+    width (2 B), whatever group each kind is sharded over: experts over dp·cp·tp/(ep·etp) =
+    8/ep ranks, the rest over 8. (It read the experts' bytes times the non-expert divisor: 8x
+    the local experts when ep = 8.)"""
+    model = get_preset("qwen3-30b-a3b").model_copy(update={"num_layers": 2, "layer_mlp_kinds": ("moe", "moe")})
+    counts = count_parameters(model)
+    common = dict(dp=8, ep=ep, zero=3, fsdp=True, seq_length=1024, precision="fsdp-bf16")
+    kept = estimate(model, Strategy(**common, reshard_after_forward=False), options=NO_OVERHEAD).stages[0]
+    resharded = estimate(model, Strategy(**common, reshard_after_forward=True), options=NO_OVERHEAD).stages[0]
+    whole = counts.total - counts.routed_experts + counts.routed_experts / ep
+    assert kept.comm_bytes - resharded.comm_bytes == pytest.approx(2 * whole, rel=1e-12)

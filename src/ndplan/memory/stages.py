@@ -1452,7 +1452,9 @@ def _evaluate_group(
     kept_gathered = np.zeros((len(batch), patterns))
     kept_rows = np.flatnonzero(zero3 & (batch.reshard_after_forward == 0))
     if kept_rows.size:
-        stage_elements = out["params"][kept_rows] * shards.params[kept_rows, None] / param_bytes
+        # Every element whole on the device (non-expert /tp, experts /ep·etp): the two kinds
+        # are sharded over different groups, so the sharded bytes do not give them back.
+        stage_elements = non_expert_stage[kept_rows] + expert_stage[kept_rows]
         kept_gathered[kept_rows] = stage_elements * precision.param_gather_bytes
     receive = np.zeros((len(batch), patterns))
     if options.profile.pipeline_stage_output and virtual > 1:
