@@ -64,6 +64,22 @@ def test_search_equals_brute_force_with_the_single_strategy_api():
         assert row["peak_bytes"] == round(peak)
 
 
+def test_progress_counts_candidates_once_their_survivors_are_priced():
+    """Survivors wait until a block's worth has gathered; the progress reported never runs ahead
+    of the pricing, never goes back, and ends at the space's size. The result is the same
+    whatever the block size (survivors priced in one batch or in many)."""
+    space = _space(dims=("tp", "sp", "ep", "pp", "schedule", "zero", "recompute"))
+    calls: list[tuple[int, int]] = []
+    small = run_search(TINY_MOE, DEVICE, space, step_time_batch, top=10**9, block_size=97,
+                       progress=lambda done, size: calls.append((done, size)))
+    done = [d for d, _ in calls]
+    assert all(size == space.size for _, size in calls)
+    assert done == sorted(done) and done[-1] == space.size and len(calls) > 3
+    large = run_search(TINY_MOE, DEVICE, space, step_time_batch, top=10**9, block_size=1 << 16)
+    assert [r["candidate"] for r in small.ranked] == [r["candidate"] for r in large.ranked]
+    assert small.rejected == large.rejected and small.evaluated == large.evaluated
+
+
 @pytest.mark.parametrize("inner", [1, 3, 7, 500, 5000])
 def test_periodic_column_is_the_digit_of_each_position(inner):
     from ndplan.search.space import _periodic

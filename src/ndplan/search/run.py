@@ -201,9 +201,11 @@ def run_search(
     # the few thousand survivors of one enumerated block would pay many times over.
     pending: list[tuple[np.ndarray, StrategyBatch]] = []
     pending_count = 0
+    waiting = 0  # candidates enumerated whose survivors wait in ``pending``: not done yet
 
     def price_pending() -> None:
-        nonlocal pending_count, smallest_peak
+        nonlocal pending_count, smallest_peak, waiting
+        waiting = 0
         if not pending:
             return
         index_part = np.concatenate([i for i, _ in pending])
@@ -260,11 +262,14 @@ def run_search(
                 price_pending()  # a batch holds one precision and one set of modules
             pending.append((index[valid], batch.take(valid)))
             pending_count += len(valid)
+        waiting = waiting + len(batch) if pending else 0
         if pending_count >= block_size:
             price_pending()
         if progress:
-            progress(done, space.size)
+            progress(done - waiting, space.size)
     price_pending()
+    if progress:
+        progress(done, space.size)
     if not kept_index:
         smallest_peak = _smallest_peak(model, space, options, smallest_peak, bounded_index, bounded_lower, block_size)
         return SearchResult(
