@@ -92,6 +92,8 @@ RULE_CASES = [
     ([*LLAMA, "--dp", "8", "--fsdp", "--zero", "1"], "fsdp_is_zero3", "needs zero=3, got zero=1"),
     ([*LLAMA, "--dp", "8", "--zero", "3", "--shard-group", "3"], "shard_group_divides_dp", "shard_group=3 does not divide"),
     ([*LLAMA, "--dp", "8", "--shard-group", "4"], "shard_group_needs_zero", "nothing to shard with zero=0"),
+    ([*MIXTRAL, "--dp", "8", "--ep", "4", "--zero", "3", "--shard-group", "2"], "shard_group_holds_expert_groups",
+     "shard_group=2 · tp=1 is not a multiple of ep·etp = 4"),
     ([*LLAMA, "--recompute", "full", "--recompute-layers", "40"], "recompute_layers_fit_stage", "exceeds the 32 layers"),
     ([*LLAMA, "--recompute-layers", "2"], "recompute_layers_need_recompute", "needs recompute 'selective' or 'full'"),
     ([*LLAMA, "--pp", "2", "--stage-layers", "10,10,12"], "stage_layers_length", "has 3 entries but pp·vpp = 2"),

@@ -651,3 +651,18 @@ def test_fsdp_kept_gathered_parameters_are_the_stage_elements_whole(ep):
     resharded = estimate(model, Strategy(**common, reshard_after_forward=True), options=NO_OVERHEAD).stages[0]
     whole = counts.total - counts.routed_experts + counts.routed_experts / ep
     assert kept.comm_bytes - resharded.comm_bytes == pytest.approx(2 * whole, rel=1e-12)
+
+
+def test_hsdp_shards_experts_over_the_expert_ranks_of_a_shard_group():
+    """HSDP with expert parallelism: expert parallelism is carved out of the shard group, so the
+    experts shard over shard_group·tp/(ep·etp) ranks (torchtitan's dp_shard_mod_ep mesh,
+    Megatron's expert group per distributed-optimizer instance) and the rest over shard_group.
+    dp 8, ep 2, shard_group 4: non-expert /4, experts /ep /2; fsdp-bf16 keeps 4 B parameters.
+    (The experts were sharded over gcd(shard_group, dp·tp/(ep·etp)) = 4 ranks.)"""
+    model = get_preset("qwen3-30b-a3b").model_copy(update={"num_layers": 2, "layer_mlp_kinds": ("moe", "moe")})
+    counts = count_parameters(model)
+    strategy = Strategy(dp=8, ep=2, zero=3, fsdp=True, shard_group=4, seq_length=1024, precision="fsdp-bf16")
+    stage = estimate(model, strategy, options=NO_OVERHEAD).stages[0]
+    non_expert = counts.total - counts.routed_experts
+    assert stage.params_bytes == pytest.approx(4 * (non_expert / 4 + counts.routed_experts / 2 / 2), rel=1e-12)
+    assert check_strategy(strategy.model_copy(update={"ep": 8}), model, 8)[0].rule == "shard_group_holds_expert_groups"

@@ -259,7 +259,7 @@ def test_evaluate_details_and_user_efficiency():
     assert slower["step_s"][0] > 1.3 * fast["step_s"][0]
 
 
-def test_node_dedup_dispatch_cuts_multi_node_ep_traffic_only():
+def test_node_dedup_dispatch_cuts_ep_traffic():
     """DeepEP/HybridEP: a token crosses the network once per distinct remote node."""
     cluster = _cluster(1024)
     common = dict(dp=64, pp=16, ep=64, num_micro_batches=32, seq_length=4096, zero=1)
@@ -308,16 +308,21 @@ def test_fp8_dispatch_moves_one_byte_per_element_instead_of_two():
 
 def test_deduplicating_dispatch_sends_a_token_once_per_destination_rank():
     """DeepEP/HybridEP send a token once to each rank holding any of its k experts (the rank
-    copies it to its local experts itself): D = R·(1 - (1 - 1/R)^k) copies instead of k.
-    TINY_MOE (16 experts, top-4) over 8 ranks of one node: D = 8·(1 - (7/8)^4) = 3.3105. Each
+    copies it to its local experts itself): D = R·(1 - C(E - E/R, k)/C(E, k)) copies instead of k.
+    TINY_MOE (16 experts, top-4) over 8 ranks of one node: D = 8·(1 - C(14, 4)/C(16, 4)) = 3.6. Each
     of a layer's 4 all-to-alls (dispatch and combine, forward and backward) moves the (n-1)/n
     share of T·k·h·2 bytes over NVLink (450 GB/s x 0.8) with the all-to-all dispatcher, D/k of
     it deduplicated; 2 layers, 1 micro-batch. With the contiguous routing of a benchmarking
     gate (experts 4t..4t+3, two per rank) a token reaches D = 2 ranks."""
+    from math import comb
+
     from ndplan.perf.layer import ranks_per_token
 
-    assert ranks_per_token(8.0, 4.0) == pytest.approx(8 * (1 - (7 / 8) ** 4), rel=1e-12)
-    assert ranks_per_token(64.0, 8.0, 16.0) == pytest.approx(16 * (1 - (15 / 16) ** 8), rel=1e-12)
+    assert ranks_per_token(8.0, 4.0, 16.0) == pytest.approx(8 * (1 - comb(14, 4) / comb(16, 4)), rel=1e-12)
+    # 64 ranks of 4 experts, routing limited to 16 of them (64 experts): C(60, 8)/C(64, 8)
+    assert ranks_per_token(64.0, 8.0, 256.0, 16.0) == pytest.approx(16 * (1 - comb(60, 8) / comb(64, 8)), rel=1e-12)
+    # one expert per rank (Mixtral over ep 8): a token's 2 experts are 2 ranks, nothing to save
+    assert ranks_per_token(8.0, 2.0, 8.0) == pytest.approx(2.0, rel=1e-12)
     s = Strategy(dp=8, ep=8, micro_batch_size=1, num_micro_batches=1, seq_length=4096, zero=1)
     cluster = _cluster(8)
 
@@ -327,7 +332,7 @@ def test_deduplicating_dispatch_sends_a_token_once_per_destination_rank():
 
     plain = ep_seconds()
     one = 4096 * 4 * 1024 * 2 * (7 / 8) / (450e9 * 0.8)  # one all-to-all's bytes, plain
-    uniform = 8 * (1 - (7 / 8) ** 4)
+    uniform = 8 * (1 - comb(14, 4) / comb(16, 4))
     assert plain - ep_seconds(ep_dispatch="node_dedup") == pytest.approx(2 * 4 * one * (1 - uniform / 4), rel=1e-9)
     assert plain - ep_seconds(ep_dispatch="node_dedup", ep_routing="contiguous") == pytest.approx(
         2 * 4 * one * (1 - 2 / 4), rel=1e-9)
@@ -336,16 +341,20 @@ def test_deduplicating_dispatch_sends_a_token_once_per_destination_rank():
 
 
 def test_node_limited_routing_reaches_fewer_remote_nodes():
+    from math import comb
+
     from ndplan.perf.layer import remote_nodes_per_token
 
-    # 8 nodes, top-8: 7·(1 - (7/8)^8) = 7·(1 - 5764801/16777216) remote nodes on average
-    assert remote_nodes_per_token(8.0, 8.0) == pytest.approx(7 * (1 - 5764801 / 16777216), rel=1e-12)
-    assert remote_nodes_per_token(8.0, 8.0) == pytest.approx(4.594737589, rel=1e-9)
-    # at most 4 of the 8 nodes (DeepSeek-V3): 4·(1 - 0.75^8)·7/8
-    assert remote_nodes_per_token(8.0, 8.0, 4) == pytest.approx(4 * (1 - 0.75**8) * 7 / 8, rel=1e-12)
-    assert remote_nodes_per_token(8.0, 8.0, 4) == pytest.approx(3.149604797, rel=1e-9)
-    assert remote_nodes_per_token(8.0, 8.0, 16) == pytest.approx(remote_nodes_per_token(8.0, 8.0))
-    assert remote_nodes_per_token(1.0, 8.0) == 0.0
+    # 8 nodes of 32 of DeepSeek-V3's 256 experts, 8 distinct experts per token: a node is missed
+    # with probability C(224, 8)/C(256, 8); 7/8 of the nodes reached are remote
+    assert remote_nodes_per_token(8.0, 8.0, 256.0) == pytest.approx(8 * (1 - comb(224, 8) / comb(256, 8)) * 7 / 8, rel=1e-12)
+    assert remote_nodes_per_token(8.0, 8.0, 256.0) == pytest.approx(4.6328, abs=1e-4)
+    # at most 4 of the 8 nodes (DeepSeek-V3): the 128 experts of those 4, 32 per node
+    assert remote_nodes_per_token(8.0, 8.0, 256.0, 4) == pytest.approx(4 * (1 - comb(96, 8) / comb(128, 8)) * 7 / 8, rel=1e-12)
+    assert remote_nodes_per_token(8.0, 8.0, 256.0, 16) == pytest.approx(remote_nodes_per_token(8.0, 8.0, 256.0))
+    assert remote_nodes_per_token(1.0, 8.0, 256.0) == 0.0
+    # one expert per node: every expert on its own node, k of them
+    assert remote_nodes_per_token(8.0, 2.0, 8.0) == pytest.approx(2 * 7 / 8, rel=1e-12)
     # through the step: fewer network copies, less exposed EP time
     cluster = _cluster(1024)
     s = Strategy(dp=64, pp=16, ep=64, num_micro_batches=32, seq_length=4096, zero=1)
@@ -684,3 +693,24 @@ def test_attention_call_cost_once_per_kernel_call():
     cols = {"cp": np.array([8.0, 8.0, 8.0, 1.0]), "cp_kind": np.array([0, 1, 2, 0]),
             "ulysses_degree": np.array([1.0, 8.0, 2.0, 1.0])}
     assert ring_steps(cols).tolist() == [8.0, 1.0, 4.0, 1.0]
+
+
+def test_optimizer_updates_the_shard_its_group_holds():
+    """The optimizer updates the local shard: non-expert elements over the shard group (dp·cp
+    without HSDP), experts over the expert ranks of a shard group (shard_group·tp/(ep·etp)).
+    Under FSDP with dp 8 and ep 2 the shard groups are (8, 4), (4, 2) and (2, 1) for
+    shard_group none, 4 and 2; update = rate·local + a grad-norm latency the three share, so
+    (u4 - u0) / (u2 - u0) = (L4 - L0) / (L2 - L0)."""
+    from ndplan.model import count_parameters
+
+    model = TINY_MOE
+    counts = count_parameters(model)
+    non_expert, expert = counts.total - counts.routed_experts, counts.routed_experts / 2
+
+    def update(shard_group: int) -> float:
+        s = Strategy(dp=8, ep=2, zero=3, fsdp=True, shard_group=shard_group, seq_length=1024)
+        return float(evaluate(model, StrategyBatch.of(s), _cluster(8), details=True)["optimizer_update_s"][0])
+
+    local = {0: non_expert / 8 + expert / 4, 4: non_expert / 4 + expert / 2, 2: non_expert / 2 + expert / 1}
+    assert (update(4) - update(0)) / (update(2) - update(0)) == pytest.approx(
+        (local[4] - local[0]) / (local[2] - local[0]), rel=1e-9)

@@ -121,7 +121,8 @@ def test_every_rejection_reason_is_reachable_and_counted():
     result = run_search(RULES_MODEL, DEVICE, space, step_time_batch, memory_limit_bytes=300 * 2**20)
     assert sum(result.rejected.values()) + result.fitting == space.size
     reached = {name for name, count in result.rejected.items() if count}
-    unreachable_here = {"shard_group_divides_dp", "shard_group_needs_zero", "recompute_layers_fit_stage",
+    unreachable_here = {"shard_group_divides_dp", "shard_group_needs_zero", "shard_group_holds_expert_groups",
+                        "recompute_layers_fit_stage",
                         "recompute_layers_need_recompute", "seq_chunks_need_seq1f1b", "fsdp_is_zero3",
                         "cp_hybrid_degree", "tp_divides_ffn", "tp_divides_shared_experts", "ep_needs_experts",
                         "vpp_needs_virtual_schedule", "interleaved_needs_vpp", "v_schedule_needs_vpp2",

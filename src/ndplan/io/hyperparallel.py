@@ -15,7 +15,6 @@ dp_shard_size-sized shard groups.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from ndplan.io.common import (
     window_lost,
 )
 from ndplan.io.mindformers import counts_from_offset, offsets_for
+from ndplan.memory.static import shard_groups
 from ndplan.model.hf import spec_from_hf_config
 from ndplan.model.presets import get_preset, preset_index
 from ndplan.model.spec import ModelSpec
@@ -286,8 +286,8 @@ def _data_parallel(src: Source, acc: Section, fsdp: Section, context: Section, s
     settings["reshard"] = bool(fsdp.boolean("reshard_after_forward", default=True)) if settings["zero"] == 3 else True
     edp = fsdp.integer("edp_shard_size")
     if edp is not None and settings["zero"] == 3 and "dp" in settings:
-        expert_ranks = settings["dp"] * cp * tp // (settings["ep"] * settings["etp"])
-        ndplan_shards = math.gcd(settings["shard_group"], expert_ranks) if settings["shard_group"] else expert_ranks
+        _, expert_shards = shard_groups(settings["dp"], cp, tp, settings["ep"], settings["etp"], settings["shard_group"])
+        ndplan_shards = int(expert_shards)
         if edp != ndplan_shards:
             warnings.append(f"{src.where(fsdp.line('edp_shard_size'))}: fsdp_config.edp_shard_size {edp}: ndplan "
                             f"shards expert parameters over {ndplan_shards} ranks")

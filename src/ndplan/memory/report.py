@@ -198,8 +198,8 @@ class MemoryReport:
         stage = self.stages[self.peak_stage]
         tokens = s.micro_batch_size * s.seq_length / s.cp
         shards = "dp·cp" if not s.shard_group else "shard_group"
-        if self.model.is_moe and not s.shard_group:  # experts replicate over the ranks of their EP·ETP group
-            shards += "; experts / dp·cp·tp/(ep·etp)"
+        if self.model.is_moe:  # experts replicate over the ranks of their EP·ETP group
+            shards += "; experts / dp·cp·tp/(ep·etp)" if not s.shard_group else "; experts / shard_group·tp/(ep·etp)"
         workspace = self.options.profile.overhead.get("workspace_bytes", 0.0) if self.options.include_overhead else 0.0
         lines = [
             f"stage {stage.stage} of {s.pp} holds {stage.layers} decoder layers; tokens per micro-batch per rank "

@@ -1414,14 +1414,16 @@ def _evaluate_group(
         def pick(values: Any) -> np.ndarray:
             return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
 
+        made_by_now = (batch.num_micro_batches == 1) & ~deferred & grads_in_schedule
+        unit_parts: dict[str, tuple[Any, Any]] = {  # (non-expert, expert) elements of each FSDP unit
+            "embedding": (table, 0.0),
+            "dense": (layers.non_expert["dense"], layers.expert["dense"]),
+            "moe": (layers.non_expert["moe"], layers.expert["moe"]),
+            "head": (table * head_on_output + final_norm, 0.0),
+        }
         sharded = _fsdp_unit_phases(
             placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, pick(np.where(deferred, 0.0, grad_bytes)),
-            units={
-                "embedding": pick(table),
-                "dense": pick(layers.non_expert["dense"] + layers.expert["dense"]),
-                "moe": pick(layers.non_expert["moe"] + layers.expert["moe"]),
-                "head": pick(table * head_on_output + final_norm),
-            },
+            units={kind: pick(non_expert + expert) for kind, (non_expert, expert) in unit_parts.items()},
             working={
                 kind: pick(t[:, 0] * (np.maximum(acts.backward_extra[kind], acts.attention_backward[kind])
                                       + np.where(recompute_on, acts.rebuilt[kind], 0.0)))
@@ -1431,8 +1433,9 @@ def _evaluate_group(
             expert_elements=pick(layers.expert["moe"]),
             # One micro-batch under FSDP (and no deferred reduce): the units already reduced have
             # their sharded gradients; the single-micro-batch peak below counts no others.
-            grads_made_bytes=pick(np.where((batch.num_micro_batches == 1) & ~deferred & grads_in_schedule,
-                                           grad_bytes / shards.grads, 0.0)),
+            unit_grads={kind: pick(np.where(made_by_now, non_expert * grad_bytes / shards.grads
+                                            + expert * grad_bytes / shards.expert_grads, 0.0))
+                        for kind, (non_expert, expert) in unit_parts.items()},
             expert_working=pick(t[:, 0] * model.num_experts_per_tok * precision.activation_bytes * (
                 2 * model.moe_ffn_hidden_size / etp * np.where(recompute_on, 2.0, 1.0)
                 + np.where(recompute_on, model.hidden_size, 0.0)
@@ -1644,7 +1647,7 @@ class _WorstMoment:
 def _fsdp_unit_phases(
     placement: Placement, on_stage: np.ndarray, stages: np.ndarray, gather_bytes: int, reduce_bytes: np.ndarray,
     units: dict[str, np.ndarray], working: dict[str, np.ndarray], loss_working: np.ndarray,
-    expert_elements: np.ndarray, expert_working: np.ndarray, grads_made_bytes: np.ndarray,
+    expert_elements: np.ndarray, expert_working: np.ndarray, unit_grads: dict[str, np.ndarray],
     one_micro_batch: np.ndarray, one_micro_batch_loss: np.ndarray, one_micro_batch_layers: np.ndarray,
     kept_after_backward: np.ndarray,
 ) -> FsdpPhases:
@@ -1679,7 +1682,8 @@ def _fsdp_unit_phases(
     (``one_micro_batch_loss``), freed by the loss's backward.
 
     With one micro-batch, the sharded gradients of the units after k exist at k's moments
-    (``grads_made_bytes`` per element of them; 0 where gradients are priced otherwise).
+    (``unit_grads``: a unit's sharded gradient bytes, its experts at their own shard width; 0
+    where gradients are priced otherwise).
 
     The arrays returned have one column per stage in ``stages`` (``on_stage`` [pp, pp·vpp]).
     """
@@ -1690,7 +1694,7 @@ def _fsdp_unit_phases(
     size = {k: np.broadcast_to(units[k], (n,)).astype(float) for k in kinds}
     size[""] = zero
     expert = np.broadcast_to(expert_elements, (n,)).astype(float)
-    grads_width = np.broadcast_to(grads_made_bytes, (n,)).astype(float)
+    grads_of = {k: np.broadcast_to(unit_grads[k], (n,)).astype(float) for k in kinds}
     buffers = np.zeros((n, columns))
     work = np.zeros((n, columns))
     last_unit = np.zeros((n, columns))
@@ -1718,6 +1722,7 @@ def _fsdp_unit_phases(
         consider = moments.consider
 
         later = zero.copy()  # elements of the units after the current run, forward order
+        later_grads = zero.copy()  # and their sharded gradients' bytes
         for index in range(len(runs) - 1, -1, -1):
             kind, count = runs[index]
             previous = runs[index - 1][0] if index else ""
@@ -1729,21 +1734,21 @@ def _fsdp_unit_phases(
                 consider((2 * g + r) * n_k + g * size[previous])
             elif kind == "embedding":
                 # Whatever follows has made its gradients (single micro-batch: sharded by now).
-                made = grads_width * later
+                made = later_grads
                 for buf in (g * n_k + r * size[following], 2 * g * n_k + r * size[following], (g + r) * n_k):
                     moment = np.maximum(buf + made - one_micro_batch, 0.0)
                     consider(moment, None, np.minimum(made, moment))
             else:
                 # Three positions cover a run: its last unit (first in backward), a middle one
                 # and its first, each with its neighbours and the units after it.
-                positions = [(kind if count > 1 else previous, following, later)]
+                grads_k = grads_of[kind]
+                positions = [(kind if count > 1 else previous, following, later_grads)]
                 if count > 2:
-                    positions.append((kind, kind, later + n_k))
+                    positions.append((kind, kind, later_grads + grads_k))
                 if count > 1:
-                    positions.append((previous, kind, later + (count - 1) * n_k))
-                for before_kind, after_kind, after_elements in positions:
+                    positions.append((previous, kind, later_grads + (count - 1) * grads_k))
+                for before_kind, after_kind, made in positions:
                     before, after = size[before_kind], size[after_kind]
-                    made = grads_width * after_elements
                     credit = one_micro_batch_loss if placement.stage_of[-1] == s else zero
                     if before_kind == "embedding":
                         # The first layer's backward comes after the rest of its chunk's
@@ -1759,6 +1764,7 @@ def _fsdp_unit_phases(
                     moment = np.maximum((g + r) * n_k + g * before + made - credit, 0.0)
                     consider(moment, None, np.minimum(made, moment))
             later = later + count * n_k
+            later_grads = later_grads + count * grads_of[kind]
         if runs:
             # Deferred reduce: after a backward the stage's units stay gathered until their next
             # forward, which all-gathers the first unit again.

@@ -113,21 +113,38 @@ class ShardingFactors:
     expert_data_shards: np.ndarray
 
 
+def shard_groups(
+    dp: np.ndarray, cp: np.ndarray, tp: np.ndarray, ep: np.ndarray, etp: np.ndarray, shard_group: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(non-expert, expert) ranks that ZeRO/FSDP shard one replica over (floats).
+
+    Non-expert weights: the dp·cp ranks that hold the same replica, or the ``shard_group``
+    (HSDP; Megatron's distributed-optimizer instances). Experts: the expert-data-parallel ranks
+    dp·cp·tp/(ep·etp), or under HSDP the expert ranks inside one shard group,
+    shard_group·tp/(ep·etp): expert parallelism is carved out of the shard group (torchtitan's
+    dp_shard_mod_ep mesh; Megatron's expert data-parallel group split into the same instances).
+    The rule ``shard_group_holds_expert_groups`` keeps that a whole number."""
+    replicas = np.asarray(dp * cp, dtype=np.float64)
+    expert_width = np.asarray(ep * etp, dtype=np.float64)
+    expert_replicas = np.maximum(np.floor(replicas * tp / expert_width), 1.0)
+    hsdp = np.asarray(shard_group) > 0
+    if not hsdp.any():
+        return replicas, expert_replicas
+    groups = np.asarray(shard_group, dtype=np.float64)
+    shards = np.where(hsdp, np.minimum(groups, replicas), replicas)
+    expert_shards = np.where(hsdp, np.maximum(np.floor(shards * tp / expert_width), 1.0), expert_replicas)
+    return shards, expert_shards
+
+
 def sharding_factors(
     dp: np.ndarray, cp: np.ndarray, tp: np.ndarray, ep: np.ndarray, etp: np.ndarray,
     zero: np.ndarray, shard_group: np.ndarray,
 ) -> ShardingFactors:
     """ZeRO stage z shards optimizer states (z >= 1), gradients (z >= 2) and parameters (z = 3)
-    over the ranks that hold the same replica: dp·cp for non-expert weights, dp·cp·tp/(ep·etp)
-    for experts; HSDP (``shard_group`` > 0) limits the shard group to that many ranks."""
-    replicas = dp * cp
-    expert_replicas = np.maximum(replicas * tp // (ep * etp), 1)
-    shards, expert_shards = replicas, expert_replicas
-    hsdp = shard_group > 0
-    if hsdp.any():
-        shards = np.where(hsdp, np.minimum(shard_group, replicas), replicas)
-        expert_shards = np.where(hsdp, np.gcd(np.maximum(shard_group, 1), expert_replicas), expert_replicas)
-    shards, expert_shards = shards.astype(float), expert_shards.astype(float)
+    over the ranks that hold the same replica (``shard_groups``): dp·cp for non-expert weights,
+    dp·cp·tp/(ep·etp) for experts, or under HSDP (``shard_group`` > 0) shard_group and
+    shard_group·tp/(ep·etp)."""
+    shards, expert_shards = shard_groups(dp, cp, tp, ep, etp, shard_group)
     stage3, stage2, stage1 = zero >= 3, zero >= 2, zero >= 1
     return ShardingFactors(
         params=np.where(stage3, shards, 1.0),

@@ -26,12 +26,13 @@ device (T = b·s):
   ``OverlapConfig.ep_dispatch_fp8`` the dispatch carries fp8, 1 byte), over the ep ranks at
   stride etp (× moe_imbalance). With
   ``OverlapConfig.ep_dispatch = 'node_dedup'`` (DeepEP/HybridEP) a token crosses the network
-  once per distinct remote node, (N-1)·(1-(1-1/N)^k) times for N nodes in the EP group
-  (L·(1-(1-1/L)^k)·(N-1)/N with node-limited routing to L nodes, ``ep_node_limit``), and
-  NVLink once per distinct destination rank other than the one the network delivered it to,
-  D·(g-1)/g times, D = R·(1-(1-1/R)^k) the ranks its k experts lie on (R = L·g ranks it can
-  reach; with ``ep_routing`` 'contiguous', max(1, k·ep/E)); the receiving rank copies a token
-  to each of its local experts itself.
+  once per distinct remote node and NVLink once per distinct destination rank other than the
+  one the network delivered it to, D·(g-1)/g times; the receiving rank copies it to each of its
+  local experts itself. Its k distinct experts drawn uniformly from the E (or from those of the
+  L nodes node-limited routing allows, ``ep_node_limit``), a group of G holding E/G of them is
+  missed with probability C(E - E/G, k)/C(E, k): N nodes give N·(1 - that)·(N-1)/N remote ones,
+  R = L·g ranks D = R·(1 - that). With ``ep_routing`` 'contiguous' (k consecutive experts from a
+  multiple of k) D = max(1, k·ep/E) and max(1, k·ep/(E·g))·(N-1)/N remote nodes.
 * FSDP / ZeRO-3: all-gather the layer's parameter shard forward (param_gather_bytes), again in
   backward when resharding after forward, and reduce-scatter its gradient (grad_bytes), over
   the shard group (non-expert: shard_group or dp·cp ranks at stride tp; experts: the
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ndplan.memory.stages import ACTIVATION_FIELDS, MemoryOptions, layer_activations
+from ndplan.memory.static import shard_groups
 from ndplan.model.params import layer_params, weight_grad_groups
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.perf import collectives as coll
@@ -235,26 +237,40 @@ def ring_steps(cols: dict[str, Array]) -> Array:
     return c / np.where(kind == 1, c, np.where(kind == 2, cols["ulysses_degree"], 1.0))
 
 
-def remote_nodes_per_token(nodes: Array | float, k: float, limit: int | None = None) -> Array | float:
+def _groups_reached(groups: Array | float, experts: Array | float, k: float) -> Array:
+    """Expected distinct groups that k distinct experts, drawn uniformly from ``experts`` split
+    evenly into ``groups`` groups, fall in: G·(1 - C(E - E/G, k) / C(E, k)), the ratio as
+    the product over i < k of (E - E/G - i) / (E - i)."""
+    g = np.asarray(groups, dtype=np.float64)
+    e = np.asarray(experts, dtype=np.float64)
+    missed = np.ones(np.broadcast(g, e).shape)
+    for i in range(int(k)):
+        missed = missed * np.clip((e - e / g - i) / np.maximum(e - i, 1.0), 0.0, None)
+    return np.asarray(g * (1.0 - missed))
+
+
+def ranks_per_token(ranks: Array | float, k: float, experts: float, limit_ranks: Array | float | None = None) -> Array:
+    """Expected distinct ranks one token's k experts lie on: the k distinct experts drawn
+    uniformly from the ``experts`` on R = min(``limit_ranks``, ``ranks``) ranks (E/ranks each),
+    ``_groups_reached``. One expert per rank gives k; many per rank, fewer."""
+    r = np.asarray(ranks, dtype=np.float64)
+    reach = r if limit_ranks is None else np.minimum(limit_ranks, r)
+    return _groups_reached(reach, experts * reach / r, k)
+
+
+def remote_nodes_per_token(nodes: Array | float, k: float, experts: float, limit: int | None = None) -> Array:
     """Expected distinct remote nodes one token's k routed copies reach, over N = ``nodes``.
 
-    The k experts spread uniformly over L = min(limit, N) nodes (node-limited routing picks L
-    of them; without a limit L = N), and those L are uniform among the N, so the token's own
-    node is one of them with probability L/N:
+    The k distinct experts are drawn uniformly from those of L = min(limit, N) nodes (node-limited
+    routing picks L of them; without a limit L = N), E·L/N experts, E/N per node
+    (``_groups_reached``), and those L are uniform among the N, so the token's own node is one of
+    them with probability L/N:
 
-        remote = L·(1 - (1 - 1/L)^k)·(N - 1)/N        (= (N - 1)·(1 - (1 - 1/N)^k) when L = N)
+        remote = L·(1 - C(E·L/N - E/N, k) / C(E·L/N, k))·(N - 1)/N
     """
     n = np.asarray(nodes, dtype=np.float64)
     big_l = n if limit is None else np.minimum(float(limit), n)
-    return big_l * (1.0 - (1.0 - 1.0 / big_l) ** k) * (n - 1.0) / n
-
-
-def ranks_per_token(ranks: Array | float, k: float, limit_ranks: Array | float | None = None) -> Array | float:
-    """Expected distinct ranks one token's k experts lie on, spread uniformly over R =
-    min(``limit_ranks``, ``ranks``) ranks: R·(1 - (1 - 1/R)^k)."""
-    r = np.asarray(ranks, dtype=np.float64)
-    big_r = r if limit_ranks is None else np.minimum(limit_ranks, r)
-    return big_r * (1.0 - (1.0 - 1.0 / np.maximum(big_r, 1.0)) ** k)
+    return _groups_reached(big_l, experts * big_l / n, k) * (n - 1.0) / n
 
 
 def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | float) -> Array | float:
@@ -274,8 +290,9 @@ def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | 
         distinct = np.maximum(1.0, k / per_rank)
         remote = np.maximum(1.0, k / (per_rank * g)) * (nodes - 1.0) / nodes
     else:
-        distinct = ranks_per_token(e, k, None if limit is None else np.minimum(float(limit), nodes) * g)
-        remote = remote_nodes_per_token(nodes, k, limit)
+        experts = float(ctx.model.num_experts)
+        distinct = ranks_per_token(e, k, experts, None if limit is None else np.minimum(float(limit), nodes) * g)
+        remote = remote_nodes_per_token(nodes, k, experts, limit)
     outside = nbytes / k * remote / fabric.scaleout_bw
     inside = nbytes / k * distinct * (g - 1.0) / g / inside_bandwidth(fabric, g)
     latency = (nodes - 1.0) * fabric.scaleout_latency + (g - 1.0) * fabric.scaleup_latency
@@ -289,11 +306,9 @@ def _layer_param_split(model: ModelSpec, kind: MlpKind) -> tuple[float, float]:
 
 
 def _fsdp_groups(cols: dict[str, Array]) -> tuple[Array, Array]:
-    """(non-expert, expert) FSDP shard group sizes: the shard group (or dp·cp ranks, at stride
-    tp) and the expert-data-parallel ranks (at stride ep·etp)."""
-    replicas = cols["dp"] * cols["cp"]
-    shard = np.where(cols["shard_group"] > 0, cols["shard_group"], replicas)
-    return shard, replicas * cols["tp"] / (cols["ep"] * cols["etp"])
+    """(non-expert, expert) FSDP shard group sizes (``memory.static.shard_groups``): the shard
+    group or dp·cp ranks, at stride tp, and the expert ranks of one shard group, at stride ep·etp."""
+    return shard_groups(cols["dp"], cols["cp"], cols["tp"], cols["ep"], cols["etp"], cols["shard_group"])
 
 
 def _fsdp_seconds(

@@ -40,6 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ndplan.hardware.device import Cluster
+from ndplan.memory.static import shard_groups
 from ndplan.model.params import layer_params, mtp_extra_params
 from ndplan.model.spec import ModelSpec
 from ndplan.perf import collectives as coll
@@ -274,19 +275,24 @@ def _dp_raw(
     edp = replicas * t / (e * x)
     zero = c["zero"]
     sharded3 = (zero >= 3) | (c["fsdp"] > 0)
-    ne_link = group_link(replicas, t, fabric, "ring")
-    ex_link = group_link(edp, e * x, fabric, "ring")
     g_ne, g_ex = ne * prec.grad_bytes, ex * prec.grad_bytes
-    all_reduce = coll.all_reduce_s(g_ne, replicas, ne_link) + coll.all_reduce_s(g_ex, edp, ex_link)
-    reduce_scatter = coll.reduce_scatter_s(g_ne, replicas, ne_link) + coll.reduce_scatter_s(g_ex, edp, ex_link)
-    gather = coll.all_gather_s(ne * prec.param_bytes, replicas, ne_link) + coll.all_gather_s(ex * prec.param_bytes, edp, ex_link)
-    shard = np.where(c["shard_group"] > 0, c["shard_group"], replicas)
-    hsdp_n = replicas / shard
-    hsdp = coll.all_reduce_s(g_ne / shard, hsdp_n, group_link(hsdp_n, t * shard, fabric, "ring"))
-    grad = np.where(sharded3, hsdp, np.where(zero == 0, all_reduce, reduce_scatter))
+    all_reduce = (coll.all_reduce_s(g_ne, replicas, group_link(replicas, t, fabric, "ring"))
+                  + coll.all_reduce_s(g_ex, edp, group_link(edp, e * x, fabric, "ring")))
+    # ZeRO shards over the shard groups (HSDP / distributed-optimizer instances: the replica's
+    # ranks split into groups), then all-reduces each shard across the groups.
+    shard, expert_shard = shard_groups(c["dp"], c["cp"], t, e, x, c["shard_group"])
+    ne_link = group_link(shard, t, fabric, "ring")
+    ex_link = group_link(expert_shard, e * x, fabric, "ring")
+    groups = replicas / shard
+    across = group_link(groups, t * shard, fabric, "ring")
+    cross = coll.all_reduce_s(g_ne / shard, groups, across) + coll.all_reduce_s(g_ex / expert_shard, groups, across)
+    reduce_scatter = coll.reduce_scatter_s(g_ne, shard, ne_link) + coll.reduce_scatter_s(g_ex, expert_shard, ex_link)
+    gather = (coll.all_gather_s(ne * prec.param_bytes, shard, ne_link)
+              + coll.all_gather_s(ex * prec.param_bytes, expert_shard, ex_link))
+    grad = np.where(sharded3, cross, np.where(zero == 0, all_reduce, reduce_scatter + cross))
     params_ag = np.where((zero >= 1) & ~sharded3, gather, 0.0)
 
-    local = ne / np.where(zero >= 1, replicas, 1.0) + ex / np.where(zero >= 1, edp, 1.0)
+    local = ne / np.where(zero >= 1, shard, 1.0) + ex / np.where(zero >= 1, expert_shard, 1.0)
     per_param = optimizer_bytes_per_param(prec, "foreach" if foreach else "fused")
     update = local * per_param / optimizer_rate
     offload = local * (prec.grad_bytes + prec.param_bytes) / host_bw + local / cpu_params_per_s

@@ -245,6 +245,12 @@ RULES: tuple[Rule, ...] = (
         lambda s, c: f"shard_group={s.shard_group} does not divide the dp·cp = {s.dp * s.cp} ranks that hold replicas",
     ),
     Rule(
+        "shard_group_holds_expert_groups",
+        lambda b, c: (b.shard_group == 0) | _divides(b.ep * b.etp, b.shard_group * b.tp),
+        lambda s, c: f"shard_group={s.shard_group} · tp={s.tp} is not a multiple of ep·etp = {s.ep * s.etp}: "
+                     f"the experts shard over the expert ranks inside a shard group, shard_group·tp/(ep·etp)",
+    ),
+    Rule(
         "shard_group_needs_zero",
         lambda b, c: (b.shard_group == 0) | (b.zero > 0),
         lambda s, c: f"shard_group={s.shard_group} has nothing to shard with zero=0",
