@@ -144,12 +144,31 @@ def test_a_run_model_can_be_a_preset_with_changed_fields(tmp_path: Path):
     preset = get_preset("deepseek-v3")
     assert run.model_spec().mtp_depth == 0 and preset.mtp_depth == 1
     assert run.model_spec().num_experts == preset.num_experts == 256
+    trimmed = MeasuredRun(**base, model={"preset": "deepseek-v3", "num_layers": 4}).model_spec()
+    assert trimmed.layer_mlp_kinds == ("dense", "dense", "dense", "moe")  # the preset's first four
     for model, words in (({"preset": "deepseek-v3", "mtp_depth": -1}, "field 'model.mtp_depth'"),
-                         ({"preset": "no-such-model"}, "no-such-model")):
+                         ({"preset": "no-such-model"}, "no-such-model"),
+                         ({"preset": "qwen3-8b", "num_layers": 99}, "more than preset qwen3-8b's 36")):
         path = tmp_path / "runs.yaml"
         path.write_text(yaml.safe_dump({"runs": [dict(base, model=model)]}))
         with pytest.raises(NdplanError, match=words):
             load_runs(path)
+
+
+@pytest.mark.parametrize("overlap,words", [
+    ({"ep_routing": "random"}, "ep_routing must be one of uniform, contiguous, got 'random'"),
+    ({"ep_routng": "contiguous"}, "unknown switch 'ep_routng'"),
+    ("fastest", "unknown overlap preset 'fastest'"),
+])
+def test_a_run_overlap_is_checked_when_the_runs_load(tmp_path: Path, overlap, words):
+    run = dict(id="x", source="s", model="qwen3-30b-a3b", device="h100-sxm", num_devices=8,
+               strategy={"dp": 8, "ep": 8}, measured={"step_s": 10.0}, overlap=overlap)
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"runs": [run]}))
+    with pytest.raises(NdplanError, match=f"run x: .*{words}"):
+        load_runs(path)
+    good = MeasuredRun(**{**run, "overlap": "torchtitan,ep_dispatch=node_dedup,ep_routing=contiguous"})
+    assert good.overlap_config().ep_routing == "contiguous" and good.overlap_config().ep_dispatch == "node_dedup"
 
 
 def test_efficiency_profiles_round_trip_through_yaml(tmp_path: Path):

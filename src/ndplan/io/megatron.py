@@ -135,7 +135,7 @@ def _overlap(args: Args, notes: list[str]) -> dict[str, Any]:
     kind = dispatcher.values[0] if dispatcher is not None and dispatcher.values else "allgather"
     backend = args.get("--moe-flex-dispatcher-backend")
     if kind == "flex" or args.has("--moe-enable-deepep"):
-        # DeepEP and HybridEP send a token once per destination node and fan it out there.
+        # DeepEP and HybridEP send a token once per destination node and rank, not per expert.
         overlap["ep_dispatch"] = "node_dedup"
         name = backend.values[0] if backend is not None and backend.values else "deepep"
         notes.append(f"expert dispatch: {name} (flex dispatcher), one network copy per destination node")

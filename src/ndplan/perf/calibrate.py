@@ -48,7 +48,7 @@ from ndplan.perf.efficiency import (
     dump_efficiency,
 )
 from ndplan.perf.flops import model_flops_per_micro_batch
-from ndplan.perf.overlap import OverlapConfig, get_overlap
+from ndplan.perf.overlap import OverlapConfig, parse_overlap
 from ndplan.strategy.strategy import Strategy
 
 FlopsFormula = Literal["megatron-2021", "megatron-2022", "megatron-core", "ndplan"]
@@ -115,6 +115,14 @@ class MeasuredRun(BaseModel):
         if "preset" in self.model:
             fields = dict(self.model)
             base = get_preset(str(fields.pop("preset")))
+            layers = fields.get("num_layers", base.num_layers)
+            if isinstance(layers, int) and layers != base.num_layers:
+                # The preset's first layers, as a trimmed model keeps them.
+                if layers > base.num_layers:
+                    raise NdplanError(f"model: num_layers={layers} is more than preset {base.name}'s "
+                                      f"{base.num_layers}; give layer_mlp_kinds and layer_attention_spans too")
+                for name in ("layer_mlp_kinds", "layer_attention_spans"):
+                    fields.setdefault(name, getattr(base, name)[:layers])
             return ModelSpec.model_validate(base.model_dump() | fields)
         return ModelSpec.model_validate(self.model)
 
@@ -130,7 +138,10 @@ class MeasuredRun(BaseModel):
         return Strategy(**self.strategy)
 
     def overlap_config(self) -> OverlapConfig:
-        return get_overlap(self.overlap) if isinstance(self.overlap, str) else OverlapConfig(**self.overlap)
+        """The run's overlap switches, read as ``--overlap`` and a plan file read them."""
+        config = parse_overlap(self.overlap)
+        assert config is not None
+        return config
 
     def efficiency(self, base: EfficiencyProfile) -> EfficiencyProfile:
         return base.replace(**self.software) if self.software else base
@@ -242,6 +253,7 @@ def _check_run(run: MeasuredRun, where: str) -> None:
     strategy = resolved("strategy", run.strategy_obj)
     model = resolved("model", run.model_spec)
     resolved("device", run.device_spec)
+    resolved("overlap", run.overlap_config)
     broken = check_strategy(strategy, model, run.num_devices)
     if broken:
         raise NdplanError(f"{where}: {'; '.join(v.message for v in broken)}")

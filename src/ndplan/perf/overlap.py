@@ -37,20 +37,22 @@ class OverlapConfig(BaseModel):
         its expert is on another node. 'node_dedup' (DeepEP, HybridEP): a token routed to
         several experts on one node crosses the network once, to the GPU with the same local
         index there, and is fanned out over NVLink (the combine reduces on the node first, the
-        mirror image). With k experts spread uniformly over the N nodes of an EP group a token
-        reaches N·(1-(1-1/N)^k) distinct nodes, (N-1)·(1-(1-1/N)^k) of them remote. Inside
-        one scale-up domain both dispatchers move the same bytes.
+        mirror image); on a node it goes once to each rank that holds any of its experts,
+        which copies it to them. With k distinct experts spread uniformly over the N nodes of an
+        EP group a token reaches N·(1 - C(E - E/N, k)/C(E, k)) distinct nodes, (N-1)/N of them
+        remote, and inside one scale-up domain the ranks D = g·(1 - C(E - E/g, k)/C(E, k)) of
+        them: D/k of the all-to-all dispatcher's bytes.
     ep_node_limit: node-limited routing (DeepSeek-V3: each token's experts come from at most
         topk_group = 4 of n_group = 8 expert groups, one group per node when ep spans 8 nodes):
-        a token reaches at most this many nodes, L·(1-(1-1/L)^k) of them on average, with
-        'node_dedup' dispatch. None: no limit. Set it only when the routing groups align with
-        nodes.
+        a token reaches at most this many nodes, L·(1 - C(E·L/N - E/N, k)/C(E·L/N, k)) of them
+        on average, with 'node_dedup' dispatch. None: no limit. Set it only when the routing
+        groups align with nodes.
     ep_routing: where a token's k experts lie. 'uniform' (a trained router, or Megatron's
         --moe-router-force-load-balancing, which draws random scores): spread over the EP ranks
         at random. 'contiguous': k consecutive experts starting at a multiple of k (NeMo
         AutoModel's FakeBalancedGate, a benchmarking gate), so a token's copies land on
-        max(1, k/(E/ep)) ranks of one node (when E/ep·g >= k). Only the deduplicating dispatch
-        ('node_dedup') sends fewer bytes for it.
+        max(1, k/(E/ep)) ranks and max(1, k/(E/ep·g)) nodes. Only the deduplicating dispatch
+        ('node_dedup') sends fewer bytes for it; it ignores ``ep_node_limit``.
     ep_dispatch_fp8: the dispatch all-to-all carries tokens already quantised to fp8 (1 byte
         per element; DeepSeek-V3's framework quantises before dispatching). Off, tokens travel
         in the activation dtype and are quantised inside the expert GEMM, as in Megatron-Core

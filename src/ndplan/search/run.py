@@ -258,8 +258,9 @@ def run_search(
                 bounded_lower.append(lower[cannot])
             valid = valid[~cannot]
         if len(valid):
-            if pending and not _shares_batch_fields(pending[-1][1], batch):
-                price_pending()  # a batch holds one precision and one set of modules
+            if pending and (not _shares_batch_fields(pending[-1][1], batch) or pending_count + len(valid) > block_size):
+                # A batch holds one precision and one set of modules, and at most a block's worth.
+                price_pending()
             pending.append((index[valid], batch.take(valid)))
             pending_count += len(valid)
         waiting = waiting + len(batch) if pending else 0
