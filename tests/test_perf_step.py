@@ -714,3 +714,22 @@ def test_optimizer_updates_the_shard_its_group_holds():
     local = {0: non_expert / 8 + expert / 4, 4: non_expert / 4 + expert / 2, 2: non_expert / 2 + expert / 1}
     assert (update(4) - update(0)) / (update(2) - update(0)) == pytest.approx(
         (local[4] - local[0]) / (local[2] - local[0]), rel=1e-9)
+
+
+def test_pieces_keep_the_parameters_tensor_parallelism_leaves_whole():
+    """The time model's parameters per piece split as the memory model's do: norms, routers and
+    MLA's down-projections stay whole on every tensor-parallel rank (DeepSeek-V3: about 15M of
+    a layer's 187M attention elements), so DP traffic and the optimizer's shard count them
+    whole; the rest is divided by tp."""
+    from ndplan.memory.static import layer_elements
+    from ndplan.perf.step import piece_params
+
+    tp = np.array([1.0, 2.0, 8.0])
+    ones = np.ones(3)
+    elements = layer_elements(DSV3, tp, ones, ones)
+    params = piece_params(DSV3)
+    for kind in ("dense", "moe"):
+        split, whole, routed = params[kind]
+        assert whole > 1e7
+        np.testing.assert_allclose(split / tp + whole, elements.non_expert[kind], rtol=1e-12)
+        assert routed == pytest.approx(float(elements.expert[kind][0]), rel=1e-12)

@@ -53,6 +53,27 @@ def shared_expert_split(model: ModelSpec) -> TpSplit:
     return TpSplit(total - whole, whole)
 
 
+def non_expert_split(model: ModelSpec, kind: MlpKind) -> TpSplit:
+    """A decoder layer's elements outside its routed experts, split as tensor parallelism splits
+    them (what ``layer_elements`` gives per rank): attention, norms (whole), and the dense MLP or
+    the router (whole) and shared experts."""
+    attention = attention_split(model)
+    norms = 2 * norm_params(model, model.hidden_size)
+    if kind == "dense":
+        mlp = mlp_split(model)
+        return TpSplit(attention.sharded + mlp.sharded, attention.whole + norms + mlp.whole)
+    shared = shared_expert_split(model)
+    router = layer_params(model, "moe").router
+    return TpSplit(attention.sharded + shared.sharded, attention.whole + norms + router + shared.whole)
+
+
+def mtp_extra_split(model: ModelSpec) -> TpSplit:
+    """An MTP module besides its decoder layer: the column-parallel 2h -> h projection, and
+    norms (whole)."""
+    h = model.hidden_size
+    return TpSplit(2 * h * h, mtp_extra_params(model) - 2 * h * h)
+
+
 @dataclass(frozen=True)
 class LayerElements:
     """Per-rank elements of one decoder layer of each kind, for a batch of strategies.
@@ -77,6 +98,7 @@ def layer_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.nda
         experts = moe.routed_experts / (ep * etp)
     else:
         moe_non_expert, experts = zeros, zeros
+    # The same sums as non_expert_split(model, kind).per_rank(tp), kept apart for by_kind.
     return LayerElements(
         non_expert={"dense": attention + norms + dense_mlp, "moe": attention + norms + moe_non_expert},
         expert={"dense": zeros, "moe": experts},
@@ -94,9 +116,7 @@ def embedding_elements(model: ModelSpec, tp: np.ndarray) -> np.ndarray:
 
 def mtp_extra_elements(model: ModelSpec, tp: np.ndarray) -> np.ndarray:
     """An MTP module besides its decoder layer: the 2h -> h projection (column-parallel) and norms."""
-    h = model.hidden_size
-    norms = mtp_extra_params(model) - 2 * h * h
-    return 2 * h * h / tp + norms
+    return mtp_extra_split(model).per_rank(tp)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ndplan.memory.stages import ACTIVATION_FIELDS, MemoryOptions, layer_activations
-from ndplan.memory.static import shard_groups
+from ndplan.memory.static import TpSplit, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, weight_grad_groups
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.perf import collectives as coll
@@ -299,10 +299,9 @@ def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | 
     return np.where(e > 1, latency + np.maximum(inside, outside), 0.0)
 
 
-def _layer_param_split(model: ModelSpec, kind: MlpKind) -> tuple[float, float]:
-    """(non-expert, routed-expert) parameters of one layer."""
-    p = layer_params(model, kind)
-    return float(p.non_expert + p.shared_experts), float(p.routed_experts)
+def _layer_param_split(model: ModelSpec, kind: MlpKind) -> tuple[TpSplit, float]:
+    """(non-expert as tensor parallelism splits it, routed-expert) parameters of one layer."""
+    return non_expert_split(model, kind), float(layer_params(model, kind).routed_experts)
 
 
 def _fsdp_groups(cols: dict[str, Array]) -> tuple[Array, Array]:
@@ -312,9 +311,10 @@ def _fsdp_groups(cols: dict[str, Array]) -> tuple[Array, Array]:
 
 
 def _fsdp_seconds(
-    ctx: LayerContext, cols: dict[str, Array], non_expert: float, expert: float
+    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float
 ) -> tuple[Array | float, Array | float]:
-    """(forward, backward) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces."""
+    """(forward, backward) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces
+    (its non-expert parameters per tensor-parallel rank, its routed experts per ep·etp rank)."""
     t, e, x = cols["tp"], cols["ep"], cols["etp"]
     sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
     shard, edp = _fsdp_groups(cols)
@@ -322,7 +322,7 @@ def _fsdp_seconds(
     grad = ctx.precision.grad_bytes
     ne_link = group_link(shard, t, ctx.fabric, "ring")
     ex_link = group_link(edp, e * x, ctx.fabric, "ring")
-    ne, ex = non_expert / t, expert / (e * x)
+    ne, ex = non_expert.per_rank(t), expert / (e * x)
     ag = coll.all_gather_s(ne * gather, shard, ne_link) + coll.all_gather_s(ex * gather, edp, ex_link)
     rs = coll.reduce_scatter_s(ne * grad, shard, ne_link) + coll.reduce_scatter_s(ex * grad, edp, ex_link)
     forward = np.where(sharded, ag, 0.0)
@@ -555,7 +555,7 @@ def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> 
     link = group_link(t, 1.0, ctx.fabric, "ring")
     sp = cols["sequence_parallel"] > 0
     out.add("F", "tp", np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link)))
-    table = float(model.vocab_size * model.hidden_size)
+    table = TpSplit(model.vocab_size * model.hidden_size, 0)  # vocabulary-parallel
     fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0)
     out.add("F", "dp", _exposed(fs_f, 0.0, False))
     out.add("B", "dp", _exposed(fs_b, bwd_bytes / ctx.rates.hbm_rate, ctx.overlap.fsdp_prefetch))
@@ -586,7 +586,7 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     one.add("W", "compute", head_s["W"])
     one.add("F", "tp", _exposed(tp_f, head_s["F"], ctx.overlap.tp))
     one.add("B", "tp", _exposed(tp_b, head_s["B"], ctx.overlap.tp))
-    table = 0.0 if model.tie_word_embeddings else float(model.vocab_size * model.hidden_size)
+    table = TpSplit(0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size, 0)
     fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0)
     one.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
     one.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))

@@ -40,8 +40,8 @@ from typing import Any, Literal
 import numpy as np
 
 from ndplan.hardware.device import Cluster
-from ndplan.memory.static import shard_groups
-from ndplan.model.params import layer_params, mtp_extra_params
+from ndplan.memory.static import mtp_extra_split, non_expert_split, shard_groups
+from ndplan.model.params import layer_params
 from ndplan.model.spec import ModelSpec
 from ndplan.perf import collectives as coll
 from ndplan.perf.codes import dense_codes, first_of_codes, row_codes
@@ -170,24 +170,25 @@ def strategy_columns(model: ModelSpec, batch: StrategyBatch, overlap: OverlapCon
     return cols
 
 
-def piece_params(model: ModelSpec) -> dict[str, tuple[float, float]]:
-    """(non-expert, routed-expert) parameters of each piece kind (dense, moe, emb, head+MTP)."""
-    out: dict[str, tuple[float, float]] = {}
+def piece_params(model: ModelSpec) -> dict[str, tuple[float, float, float]]:
+    """Parameters of each piece kind (dense, moe, emb, head+MTP): (non-expert that tensor
+    parallelism splits, non-expert every tensor-parallel rank keeps whole, routed experts)."""
+    out: dict[str, tuple[float, float, float]] = {}
     for kind in ("dense", "moe"):
         if kind in model.layer_mlp_kinds or (model.mtp_depth and model.mtp_mlp_kind == kind):
-            p = layer_params(model, kind)  # type: ignore[arg-type]
-            out[kind] = (float(p.total - p.routed_experts), float(p.routed_experts))
+            split = non_expert_split(model, kind)  # type: ignore[arg-type]
+            routed = layer_params(model, kind).routed_experts  # type: ignore[arg-type]
+            out[kind] = (float(split.sharded), float(split.whole), float(routed))
         else:
-            out[kind] = (0.0, 0.0)
-    table = float(model.vocab_size * model.hidden_size)
-    out["emb"] = (table, 0.0)
-    head_ne = model.hidden_size + (0.0 if model.tie_word_embeddings else table)
-    mtp_ne, mtp_ex = 0.0, 0.0
+            out[kind] = (0.0, 0.0, 0.0)
+    table = float(model.vocab_size * model.hidden_size)  # vocabulary-parallel
+    out["emb"] = (table, 0.0, 0.0)
+    head = (0.0 if model.tie_word_embeddings else table, float(model.hidden_size), 0.0)  # final norm: whole
     if model.mtp_depth:
-        ne, ex = out[model.mtp_mlp_kind]
-        mtp_ne = model.mtp_depth * (mtp_extra_params(model) + ne)
-        mtp_ex = model.mtp_depth * ex
-    out["head"] = (head_ne + mtp_ne, mtp_ex)
+        layer, extra = out[model.mtp_mlp_kind], mtp_extra_split(model)
+        head = (head[0] + model.mtp_depth * (extra.sharded + layer[0]),
+                head[1] + model.mtp_depth * (extra.whole + layer[1]), model.mtp_depth * layer[2])
+    out["head"] = head
     return out
 
 
@@ -316,7 +317,7 @@ class _Priced:
     per_pass: dict[tuple[str, str], Array]  # [configs] seconds per (piece, pass), all categories
     per_cat: dict[tuple[str, str], Array]  # [configs] seconds per (piece, category), all passes
     table: Array  # [configs, quantities (F, B, W, categories), pieces] of the two above
-    params: dict[str, tuple[float, float]]
+    params: dict[str, tuple[float, float, float]]
     host_bw: float
     pipeline: PipelineMethod
     dp_columns: dict[str, Array]  # _DP_FIELDS as floats, in the caller's row order
@@ -399,20 +400,22 @@ def _price_group(
 
     # DP and optimizer: on the stage holding the most parameters per device, priced once per
     # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy.
-    ne_stage = sum((pr.params[p][0] * v for p, v in counts.items()), np.zeros(len(layout.profile_count)))
-    ex_stage = sum((pr.params[p][1] * v for p, v in counts.items()), np.zeros(len(layout.profile_count)))
+    zero_stages = np.zeros(len(layout.profile_count))
+    split_stage, whole_stage, ex_stage = (sum((pr.params[p][i] * v for p, v in counts.items()), zero_stages)
+                                          for i in range(3))
     dp_code, dp_count = dense_codes(cols["dp_config"].astype(np.int64))
     first = first_of_codes(dp_code, dp_count)
     cu = {name: pr.dp_columns[name][cols["row"][first].astype(np.int64)] for name in _DP_FIELDS}
     if len(layout.profile_count) > 1:  # the heaviest stage depends on tp and ep·etp only
-        per_device = np.multiply.outer(1.0 / cu["tp"], ne_stage) + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage)
+        per_device = (np.multiply.outer(1.0 / cu["tp"], split_stage) + whole_stage
+                      + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage))
         heavy_u = np.argmax(per_device, axis=1)
         heavy = heavy_u[dp_code]
     else:
         heavy_u = np.zeros(dp_count, dtype=np.int64)
         heavy = np.zeros(g, dtype=np.int64)
     grad_raw, gather_raw, optimizer_u = _dp_raw(
-        pr.batch, cu, ne_stage[heavy_u] / cu["tp"], ex_stage[heavy_u] / (cu["ep"] * cu["etp"]),
+        pr.batch, cu, split_stage[heavy_u] / cu["tp"] + whole_stage[heavy_u], ex_stage[heavy_u] / (cu["ep"] * cu["etp"]),
         pr.fabric, pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
         foreach=pr.eff.optimizer_kernel == "foreach",
     )
