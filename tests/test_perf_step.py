@@ -733,3 +733,34 @@ def test_pieces_keep_the_parameters_tensor_parallelism_leaves_whole():
         assert whole > 1e7
         np.testing.assert_allclose(split / tp + whole, elements.non_expert[kind], rtol=1e-12)
         assert routed == pytest.approx(float(elements.expert[kind][0]), rel=1e-12)
+
+
+def test_contiguous_routing_across_nodes_reaches_one_node_and_two_ranks():
+    """DeepSeek-V3's 256 experts over ep 64 (8 nodes of 8): with contiguous routing token t's
+    experts 8t..8t+7 lie on 2 ranks (4 experts each) of one node (32 experts each), remote for
+    7/8 of the tokens. One all-to-all of S bytes (all k copies): the network carries
+    S/k·7/8, NVLink S/k·2·7/8 (the two ranks, less the one the network delivered to), the
+    slower sets the time after the latencies; spread uniformly they would reach
+    7·(1 - C(224, 8)/C(256, 8)) remote nodes."""
+    from math import comb
+    from types import SimpleNamespace
+
+    from ndplan.perf.efficiency import default_efficiency
+    from ndplan.perf.layer import _ep_all_to_all_s
+    from ndplan.perf.topology import Fabric, inside_bandwidth
+
+    cluster = _cluster(512)
+    fabric = Fabric.of(cluster, default_efficiency(cluster.device))
+    cols = {"ep": np.array([64.0]), "etp": np.array([1.0])}
+    nbytes = 4096 * 8 * 7168 * 2.0
+
+    def seconds(**overlap: object) -> float:
+        ctx = SimpleNamespace(model=DSV3, fabric=fabric, overlap=OverlapConfig(ep_dispatch="node_dedup", **overlap))
+        return float(_ep_all_to_all_s(ctx, cols, nbytes)[0])  # type: ignore[arg-type]
+
+    latency = 7 * fabric.scaleout_latency + 7 * fabric.scaleup_latency
+    outside = nbytes / 8 * 7 / 8 / fabric.scaleout_bw
+    inside = nbytes / 8 * 2 * 7 / 8 / float(inside_bandwidth(fabric, 8.0))
+    assert seconds(ep_routing="contiguous") == pytest.approx(latency + max(inside, outside), rel=1e-12)
+    uniform = nbytes / 8 * 8 * (1 - comb(224, 8) / comb(256, 8)) * 7 / 8 / fabric.scaleout_bw
+    assert seconds() >= latency + uniform * (1 - 1e-12)
