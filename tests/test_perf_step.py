@@ -764,3 +764,40 @@ def test_contiguous_routing_across_nodes_reaches_one_node_and_two_ranks():
     assert seconds(ep_routing="contiguous") == pytest.approx(latency + max(inside, outside), rel=1e-12)
     uniform = nbytes / 8 * 8 * (1 - comb(224, 8) / comb(256, 8)) * 7 / 8 / fabric.scaleout_bw
     assert seconds() >= latency + uniform * (1 - 1e-12)
+
+
+def test_a_tied_table_apart_from_the_embedding_counts_on_the_output_stage():
+    """With the embedding and the head on different stages, the output stage keeps its own copy
+    of a tied table (and MTP modules one of the embedding), as the memory model holds: per
+    stage, a tied model then has an untied one's parameters, and the same DP and optimizer time
+    (it had none of the table on the last stage)."""
+    tied = TINY_MOE.model_copy(update={"tie_word_embeddings": True, "vocab_size": 65536})
+    untied = tied.model_copy(update={"tie_word_embeddings": False})
+    s = StrategyBatch.of(Strategy(dp=4, pp=2, ep=4, zero=1, num_micro_batches=4, seq_length=1024))
+    a = evaluate(tied, s, _cluster(8), details=True)
+    b = evaluate(untied, s, _cluster(8), details=True)
+    for key in ("optimizer_update_s", "dp_step_s"):
+        assert a[key][0] == pytest.approx(b[key][0], rel=1e-12)
+
+
+def test_zero2_reduce_scatters_every_micro_batch_and_all_reduces_across_groups_once():
+    """ZeRO-2 with shard groups of 2 over dp 8 (Megatron's distributed-optimizer instances):
+    each micro-batch's gradients are reduce-scattered inside the group, and the shard is
+    all-reduced across the 4 groups once per step. With nothing overlapped, ZeRO-2 at m = 4 pays
+    3 more reduce-scatters than ZeRO-1 and no more all-reduces: the difference is 3 x the
+    reduce-scatter of Llama-8B's fp32 gradients over 2 ranks of one node."""
+    from ndplan.model import count_parameters
+    from ndplan.perf import collectives as coll
+    from ndplan.perf.topology import Fabric, group_link
+
+    cluster = _cluster(8)
+    quiet = OverlapConfig(dp_grad_reduce=False, dp_param_gather=False)
+
+    def dp_step(zero: int) -> float:
+        s = Strategy(dp=8, zero=zero, shard_group=2, num_micro_batches=4, seq_length=1024)
+        return float(evaluate(LLAMA8, StrategyBatch.of(s), cluster, overlap=quiet, details=True)["dp_step_s"][0])
+
+    fabric = Fabric.of(cluster, default_efficiency(cluster.device))
+    grads = count_parameters(LLAMA8).total * 4.0
+    reduce_scatter = float(coll.reduce_scatter_s(grads, 2.0, group_link(2.0, 1.0, fabric, "ring")))
+    assert dp_step(2) - dp_step(1) == pytest.approx(3 * reduce_scatter, rel=1e-9)

@@ -133,8 +133,11 @@ class ShardingFactors:
     expert_data_shards: np.ndarray
 
 
+Degrees = np.ndarray | float
+
+
 def shard_groups(
-    dp: np.ndarray, cp: np.ndarray, tp: np.ndarray, ep: np.ndarray, etp: np.ndarray, shard_group: np.ndarray,
+    dp: Degrees, cp: Degrees, tp: Degrees, ep: Degrees, etp: Degrees, shard_group: Degrees,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(non-expert, expert) ranks that ZeRO/FSDP shard one replica over (floats).
 

@@ -118,10 +118,11 @@ class MeasuredRun(BaseModel):
             layers = fields.get("num_layers", base.num_layers)
             if isinstance(layers, int) and layers != base.num_layers:
                 # The preset's first layers, as a trimmed model keeps them.
-                if layers > base.num_layers:
+                per_layer = ("layer_mlp_kinds", "layer_attention_spans")
+                if layers > base.num_layers and not all(name in fields for name in per_layer):
                     raise NdplanError(f"model: num_layers={layers} is more than preset {base.name}'s "
                                       f"{base.num_layers}; give layer_mlp_kinds and layer_attention_spans too")
-                for name in ("layer_mlp_kinds", "layer_attention_spans"):
+                for name in per_layer:
                     fields.setdefault(name, getattr(base, name)[:layers])
             return ModelSpec.model_validate(base.model_dump() | fields)
         return ModelSpec.model_validate(self.model)

@@ -323,8 +323,11 @@ def _fsdp_seconds(
     ne_link = group_link(shard, t, ctx.fabric, "ring")
     ex_link = group_link(edp, e * x, ctx.fabric, "ring")
     ne, ex = non_expert.per_rank(t), expert / (e * x)
-    ag = coll.all_gather_s(ne * gather, shard, ne_link) + coll.all_gather_s(ex * gather, edp, ex_link)
-    rs = coll.reduce_scatter_s(ne * grad, shard, ne_link) + coll.reduce_scatter_s(ex * grad, edp, ex_link)
+    ag = coll.all_gather_s(ne * gather, shard, ne_link)
+    rs = coll.reduce_scatter_s(ne * grad, shard, ne_link)
+    if expert:  # a piece without experts runs no expert collectives (not even their latencies)
+        ag = ag + coll.all_gather_s(ex * gather, edp, ex_link)
+        rs = rs + coll.reduce_scatter_s(ex * grad, edp, ex_link)
     forward = np.where(sharded, ag, 0.0)
     backward = np.where(sharded, np.where(cols["reshard_after_forward"] > 0, ag, 0.0) + rs, 0.0)
     return forward, backward

@@ -11,6 +11,7 @@ import numpy as np
 from ndplan.errors import NdplanError
 from ndplan.hardware.device import Cluster, Device
 from ndplan.memory.stages import MemoryOptions
+from ndplan.memory.static import shard_groups
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, with_software
 from ndplan.perf.flops import (
@@ -314,5 +315,15 @@ def _communication_lines(r: TimeReport) -> list[str]:
     if replicas > 1:
         how = ("FSDP all-gather/reduce-scatter per layer" if s.zero >= 3 or s.fsdp else
                "all-reduce" if s.zero == 0 else "reduce-scatter + parameter all-gather")
-        out.append(f"DP: {how} over dp·cp={replicas} at stride tp ({_link_text(replicas, s.tp, fabric)})")
+        if s.shard_group and s.zero:
+            groups = replicas // s.shard_group
+            line = (f"DP: {how} over shard_group={s.shard_group} at stride tp ({_link_text(s.shard_group, s.tp, fabric)}), "
+                    f"then an all-reduce of each shard across the {groups} groups "
+                    f"({_link_text(groups, s.tp * s.shard_group, fabric)})")
+        else:
+            line = f"DP: {how} over dp·cp={replicas} at stride tp ({_link_text(replicas, s.tp, fabric)})"
+        if model.is_moe and s.zero:
+            _, expert_shard = shard_groups(s.dp, s.cp, s.tp, s.ep, s.etp, s.shard_group)
+            line += f"; experts over {int(expert_shard)} ranks at stride ep·etp"
+        out.append(line)
     return out

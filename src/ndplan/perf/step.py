@@ -41,7 +41,7 @@ import numpy as np
 
 from ndplan.hardware.device import Cluster
 from ndplan.memory.static import mtp_extra_split, non_expert_split, shard_groups
-from ndplan.model.params import layer_params
+from ndplan.model.params import layer_params, norm_params
 from ndplan.model.spec import ModelSpec
 from ndplan.perf import collectives as coll
 from ndplan.perf.codes import dense_codes, first_of_codes, row_codes
@@ -183,7 +183,7 @@ def piece_params(model: ModelSpec) -> dict[str, tuple[float, float, float]]:
             out[kind] = (0.0, 0.0, 0.0)
     table = float(model.vocab_size * model.hidden_size)  # vocabulary-parallel
     out["emb"] = (table, 0.0, 0.0)
-    head = (0.0 if model.tie_word_embeddings else table, float(model.hidden_size), 0.0)  # final norm: whole
+    head = (0.0 if model.tie_word_embeddings else table, float(norm_params(model, model.hidden_size)), 0.0)  # final norm: whole
     if model.mtp_depth:
         layer, extra = out[model.mtp_mlp_kind], mtp_extra_split(model)
         head = (head[0] + model.mtp_depth * (extra.sharded + layer[0]),
@@ -266,8 +266,9 @@ def optimizer_bytes_per_param(precision: PrecisionPolicy, kernel: str, clip: boo
 def _dp_raw(
     batch: StrategyBatch, c: dict[str, Array], ne: Array, ex: Array, fabric: Fabric, optimizer_rate: float,
     host_bw: float, cpu_params_per_s: float, foreach: bool = False,
-) -> tuple[Array, Array, Array]:
-    """(gradient collective, parameter all-gather, optimizer) seconds per step, before overlap,
+) -> tuple[Array, Array, Array, Array]:
+    """(gradient collectives, the part of them across shard groups, parameter all-gather,
+    optimizer) seconds per step, before overlap,
     of a stage holding ``ne`` non-expert and ``ex`` expert parameters per device; the update moves
     its bytes at ``optimizer_rate`` (``foreach``: torch's multi-kernel AdamW, else a fused one)."""
     prec = batch.precision
@@ -277,8 +278,9 @@ def _dp_raw(
     zero = c["zero"]
     sharded3 = (zero >= 3) | (c["fsdp"] > 0)
     g_ne, g_ex = ne * prec.grad_bytes, ex * prec.grad_bytes
+    experts = np.asarray(ex) > 0  # no expert collectives (not even their latencies) without experts
     all_reduce = (coll.all_reduce_s(g_ne, replicas, group_link(replicas, t, fabric, "ring"))
-                  + coll.all_reduce_s(g_ex, edp, group_link(edp, e * x, fabric, "ring")))
+                  + np.where(experts, coll.all_reduce_s(g_ex, edp, group_link(edp, e * x, fabric, "ring")), 0.0))
     # ZeRO shards over the shard groups (HSDP / distributed-optimizer instances: the replica's
     # ranks split into groups), then all-reduces each shard across the groups.
     shard, expert_shard = shard_groups(c["dp"], c["cp"], t, e, x, c["shard_group"])
@@ -286,10 +288,12 @@ def _dp_raw(
     ex_link = group_link(expert_shard, e * x, fabric, "ring")
     groups = replicas / shard
     across = group_link(groups, t * shard, fabric, "ring")
-    cross = coll.all_reduce_s(g_ne / shard, groups, across) + coll.all_reduce_s(g_ex / expert_shard, groups, across)
-    reduce_scatter = coll.reduce_scatter_s(g_ne, shard, ne_link) + coll.reduce_scatter_s(g_ex, expert_shard, ex_link)
+    cross = coll.all_reduce_s(g_ne / shard, groups, across) + np.where(
+        experts, coll.all_reduce_s(g_ex / expert_shard, groups, across), 0.0)
+    reduce_scatter = coll.reduce_scatter_s(g_ne, shard, ne_link) + np.where(
+        experts, coll.reduce_scatter_s(g_ex, expert_shard, ex_link), 0.0)
     gather = (coll.all_gather_s(ne * prec.param_bytes, shard, ne_link)
-              + coll.all_gather_s(ex * prec.param_bytes, expert_shard, ex_link))
+              + np.where(experts, coll.all_gather_s(ex * prec.param_bytes, expert_shard, ex_link), 0.0))
     grad = np.where(sharded3, cross, np.where(zero == 0, all_reduce, reduce_scatter + cross))
     params_ag = np.where((zero >= 1) & ~sharded3, gather, 0.0)
 
@@ -300,7 +304,7 @@ def _dp_raw(
     update = np.where(c["optimizer_offload"] > 0, offload, update)
     world = c["dp"] * c["cp"] * c["tp"] * c["pp"]
     norm = 2.0 * np.ceil(np.log2(np.maximum(world, 2.0))) * fabric.scaleout_latency
-    return grad, params_ag, update + norm
+    return grad, np.where(zero >= 1, cross, 0.0), params_ag, update + norm
 
 
 @dataclass(frozen=True)
@@ -403,6 +407,12 @@ def _price_group(
     zero_stages = np.zeros(len(layout.profile_count))
     split_stage, whole_stage, ex_stage = (sum((pr.params[p][i] * v for p, v in counts.items()), zero_stages)
                                           for i in range(3))
+    if "emb" in counts and "head" in counts and not np.any((prof["emb"] > 0) & (prof["head"] > 0)):
+        # Ends on different stages: the output stage keeps its own copy of a tied table, or (MTP)
+        # of the embedding its modules read (memory.stages: head_on_output, embedding_copy_for_mtp).
+        model = pr.model
+        if model.tie_word_embeddings or model.mtp_depth:
+            split_stage = split_stage + float(model.vocab_size * model.hidden_size) * prof["head"]
     dp_code, dp_count = dense_codes(cols["dp_config"].astype(np.int64))
     first = first_of_codes(dp_code, dp_count)
     cu = {name: pr.dp_columns[name][cols["row"][first].astype(np.int64)] for name in _DP_FIELDS}
@@ -414,14 +424,18 @@ def _price_group(
     else:
         heavy_u = np.zeros(dp_count, dtype=np.int64)
         heavy = np.zeros(g, dtype=np.int64)
-    grad_raw, gather_raw, optimizer_u = _dp_raw(
+    grad_raw, cross_raw, gather_raw, optimizer_u = _dp_raw(
         pr.batch, cu, split_stage[heavy_u] / cu["tp"] + whole_stage[heavy_u], ex_stage[heavy_u] / (cu["ep"] * cu["etp"]),
         pr.fabric, pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
         foreach=pr.eff.optimizer_kernel == "foreach",
     )
     share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy], 1.0)
-    grad = _exposed_step(grad_raw[dp_code], b[rows, heavy] + w[rows, heavy], share, pr.overlap.dp_grad_reduce)
-    grad = np.where(cols["zero"] == 2, m * grad, grad)  # ZeRO-2 reduces every micro-batch
+    window = b[rows, heavy] + w[rows, heavy]
+    grad = _exposed_step(grad_raw[dp_code], window, share, pr.overlap.dp_grad_reduce)
+    # ZeRO-2 reduce-scatters every micro-batch; the all-reduce across shard groups, once a step.
+    per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], window, share, pr.overlap.dp_grad_reduce)
+    once = _exposed_step(cross_raw[dp_code], window, share, pr.overlap.dp_grad_reduce)
+    grad = np.where(cols["zero"] == 2, m * per_micro_batch + once, grad)
     dp_step = grad + _exposed_step(gather_raw[dp_code], f[rows, heavy], share, pr.overlap.dp_param_gather)
     optimizer = optimizer_u[dp_code]
 
