@@ -532,3 +532,39 @@ def test_an_argument_file_of_any_name_and_a_folder(tmp_path):
     assert read_config(args).format == "megatron"
     with pytest.raises(NdplanError, match="a folder; give the config file in it"):
         read_config(tmp_path)
+
+
+@pytest.mark.parametrize("mp, ep, words, shard_group", [
+    # dp16·tp4 = 64 expert ranks over ep 8 and etp 1: ndplan's groups of 8 hold 8·4/8 = 4 expert
+    # ranks each; MindSpore shards each expert over 8 of its 8 data-parallel ranks.
+    (4, 8, "MindSpore shards the experts' states over 8 of their 8 data-parallel ranks "
+           "(optimizer_weight_shard_size 8); ndplan prices 4", 8),
+    # tp 1, ep 16: a shard group of 8 cannot hold an expert group of 16 ranks
+    (1, 16, "optimizer_weight_shard_size 8: ndplan shards over whole expert groups", 0),
+])
+def test_mindformers_shard_size_with_expert_parallelism_is_priced_and_said(tmp_path, mp, ep, words, shard_group):
+    """MindSpore shards each parameter over its own data-parallel group; ndplan's shard groups
+    hold whole expert groups (torchtitan, Megatron). Where they differ the reader says so, and
+    a size that cannot hold an expert group is priced over every data-parallel rank."""
+    text = fixture("mindformers_deepseek3_671b.yaml").read_text()
+    text = text.replace("  model_parallel: 4\n", f"  model_parallel: {mp}\n")
+    text = text.replace("  expert_parallel: 8\n", f"  expert_parallel: {ep}\n")
+    text = text.replace("    gradient_accumulation_shard: True\n",
+                        "    gradient_accumulation_shard: True\n    optimizer_weight_shard_size: 8\n")
+    config = tmp_path / "mf.yaml"
+    config.write_text(text)
+    result = read_config(config)
+    s = result.strategy()
+    assert any(words in w for w in result.warnings), result.warnings
+    assert s.shard_group == shard_group and check_strategy(s, result.model) == []
+
+
+def test_flags_repeating_a_config_value_keep_what_it_derives():
+    """--devices equal to the file's own world size changes nothing, so the file's shard group
+    (derived from the degrees) stays; a different device count drops it to be derived again."""
+    from ndplan.io.cli import merge_settings
+
+    result = read_config(fixture("hyperparallel_qwen3_moe_hsdp.yaml"))
+    assert merge_settings(result, {"devices": 64})["shard_group"] == 8
+    assert merge_settings(result, {"devices": 64, "tp": 2})["shard_group"] == 8
+    assert "shard_group" not in merge_settings(result, {"devices": 128})

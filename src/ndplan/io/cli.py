@@ -64,8 +64,11 @@ def merge_settings(result: ReadResult | None, settings: dict[str, Any]) -> dict[
     merged = dict(result.strategy_settings)
     if result.devices and "devices" not in given:
         merged["devices"] = result.devices
+    # Only flags that change a value of the file's make its derived values stale.
+    own = {**result.strategy_settings, **({"devices": result.devices} if result.devices else {})}
+    changed = {k for k, v in given.items() if own.get(k) != v}
     for key, inputs in _DERIVED.items():
-        if key not in given and inputs & set(given):
+        if key not in given and inputs & changed:
             merged.pop(key, None)
     if given.get("recompute", "selective") != "selective" and "recompute_modules" not in given:
         merged.pop("recompute_modules", None)  # a recompute that is not selective re-runs no modules

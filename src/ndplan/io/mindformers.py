@@ -413,7 +413,24 @@ def _sharding(par: Section, settings: dict[str, Any], warnings: list[str]) -> No
     if zero and group and group > 0 and group < replicas:
         if replicas % group:
             raise opt.error("optimizer_weight_shard_size", f"{group} does not divide the {replicas} data-parallel ranks")
+        where = par.src.where(opt.line("optimizer_weight_shard_size"))
+        expert_width = settings["ep"] * settings["etp"]
+        expert_ranks = replicas * settings["tp"] // expert_width
+        if expert_width > 1 and (group * settings["tp"]) % expert_width:
+            # ndplan's shard groups hold whole expert groups (torchtitan, Megatron); MindSpore
+            # shards each parameter over its own data-parallel group instead.
+            warnings.append(f"{where}: optimizer_weight_shard_size {group}: ndplan shards over whole expert groups "
+                            f"(shard_group·tp a multiple of ep·etp = {expert_width}); priced over all {replicas} "
+                            "data-parallel ranks, which under-states the optimizer states per device")
+            return
         settings["shard_group"] = group
+        if expert_width > 1:
+            mindspore = group if expert_ranks % group == 0 else expert_ranks
+            ndplan = group * settings["tp"] // expert_width
+            if mindspore != ndplan:
+                warnings.append(f"{where}: MindSpore shards the experts' states over {mindspore} of their "
+                                f"{expert_ranks} data-parallel ranks (optimizer_weight_shard_size {group}); ndplan "
+                                f"prices {ndplan}, shard_group·tp/(ep·etp)")
 
 
 def _virtual_counts(settings: dict[str, Any], model: ModelSpec | None) -> list[int]:
