@@ -267,7 +267,7 @@ COMMENTARY = [
     "    so the dispatch now moves 2 bytes per element (+1 on intra-node rows, +4.5 on DeepSeek-V3 and +9",
     "    on Qwen3-235B over H100 nodes); DeepSeek-V3's own framework quantises first (`ep_dispatch_fp8`). Group-",
     "    limited routing (DeepSeek-V3: 4 of 8 groups, one group per node at EP 64 over 8 nodes) sends a",
-    "    token to 3.15 remote nodes instead of 4.59 (`ep_node_limit`): the H100 Megatron-Bridge row went",
+    "    token to 3.18 remote nodes instead of 4.63 (`ep_node_limit`): the H100 Megatron-Bridge row went",
     "    from +24% to +7%.",
     "  * Deduplicating dispatch: DeepEP and HybridEP send a token once to each rank that holds any of",
     "    its experts (the rank copies it to its local experts itself), D = R*(1 - C(E-E/R, k)/C(E, k))",
