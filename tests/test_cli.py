@@ -336,6 +336,8 @@ def test_overlap_switches_reach_the_step_time(capsys):
     assert hidden["step_s"] < default["step_s"]
     code, out, _ = run([*base, "--overlap", "plain"], capsys)
     assert code == 0 and "overlap (as given): hidden: nothing; expert dispatch all-to-all" in out
+    code, out, _ = run([*base, "--overlap", "plain,ep_routing=contiguous"], capsys)
+    assert code == 0 and "all-to-all (contiguous routing moves the same bytes through it)" in out
 
 
 @pytest.mark.parametrize("spec,words", [

@@ -84,7 +84,8 @@ class OverlapConfig(BaseModel):
             on.append("ep")
         dispatch = self.ep_dispatch.replace("_", "-") + (", fp8" if self.ep_dispatch_fp8 else "") + (
             f", at most {self.ep_node_limit} nodes per token" if self.ep_node_limit else "") + (
-            ", contiguous experts per token" if self.ep_routing == "contiguous" else "")
+            "" if self.ep_routing != "contiguous" else ", contiguous experts per token"
+            if self.ep_dispatch == "node_dedup" else " (contiguous routing moves the same bytes through it)")
         return f"hidden: {', '.join(on) or 'nothing'}; expert dispatch {dispatch}"
 
 
