@@ -69,6 +69,18 @@ def test_batch_round_trip_and_masks():
     assert valid_mask(batch, RuleContext(LLAMA)).tolist() == [True, True]
 
 
+def test_concat_keeps_order_and_refuses_mixed_batch_fields():
+    a = [Strategy(dp=2, tp=2), Strategy(dp=4)]
+    b = [Strategy(dp=8, recompute="full")]
+    joined = StrategyBatch.concat([StrategyBatch.of(a), StrategyBatch.of(b)])
+    assert list(joined.rows()) == a + b
+    assert StrategyBatch.concat([StrategyBatch.of(a)]) is not None
+    with pytest.raises(ValueError, match="share one precision policy"):
+        StrategyBatch.concat([StrategyBatch.of(a), StrategyBatch.of([Strategy(precision="fsdp-bf16")])])
+    with pytest.raises(ValueError, match="no batches"):
+        StrategyBatch.concat([])
+
+
 def test_from_columns_broadcasts_scalars_and_names():
     batch = StrategyBatch.from_columns({"tp": np.array([1, 2, 4]), "schedule": "gpipe", "dp": 2})
     assert len(batch) == 3 and batch.etp.tolist() == [1, 2, 4]
