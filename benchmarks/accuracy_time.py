@@ -371,9 +371,10 @@ COMMENTARY = [
     "  a token once per rank (`ep_routing: contiguous`). So priced: Qwen3-30B {e[automodel-qwen3-30b-a3b-8gpu]},",
     "  DeepSeek-V3 on 256 GPUs {e[automodel-deepseek-v3-256gpu]}, GPT-OSS-20B {e[automodel-gpt-oss-20b-8gpu]}, "
     "GPT-OSS-120B {e[automodel-gpt-oss-120b-64gpu]}. The GPT-OSS",
-    "  rows run FlexAttention (head dimension 64, attention sinks) where ndplan prices a flash kernel's",
-    "  efficiency, and GPT-OSS's experts use a clamped SwiGLU with biases, whose kernels the source does",
-    "  not describe; neither is priced apart. DeepSeek-V3 on 1024 GPUs and Kimi K2 are left out: their",
+    "  rows run FlexAttention (head dimension 64, attention sinks), which ndplan prices at a flash",
+    "  kernel's efficiency; their experts' clamped activation is one compiled kernel in AutoModel's",
+    "  code today (torch.compile), as the fused default assumes. What makes them slower is not",
+    "  found. DeepSeek-V3 on 1024 GPUs and Kimi K2 are left out: their",
     "  local batches (GA 4 and 2) each run their own pipeline schedule, and ndplan prices one per step.",
     "* Assumed settings (micro-batch size, schedule, recompute where a source is silent) are listed",
     "  per run above; they are the same within a table.",
