@@ -801,3 +801,21 @@ def test_zero2_reduce_scatters_every_micro_batch_and_all_reduces_across_groups_o
     grads = count_parameters(LLAMA8).total * 4.0
     reduce_scatter = float(coll.reduce_scatter_s(grads, 2.0, group_link(2.0, 1.0, fabric, "ring")))
     assert dp_step(2) - dp_step(1) == pytest.approx(3 * reduce_scatter, rel=1e-9)
+
+
+def test_explain_says_what_the_deduplicating_dispatch_sends():
+    """--explain states the ranks and remote nodes a token reaches, as the step prices them:
+    DeepSeek-V3 over ep 64 (8 nodes) with routing limited to 4 nodes reaches 3.18 remote nodes
+    (4·(1 - C(96, 8)/C(128, 8))·7/8) and, of the 32 ranks on 4 nodes holding 128 experts,
+    32·(1 - C(124, 8)/C(128, 8)) = 7.36 ranks."""
+    from math import comb
+
+    s = Strategy(dp=64, pp=16, ep=64, num_micro_batches=32, seq_length=4096, zero=1)
+    lines = estimate_time(DSV3, s, _cluster(1024),
+                          overlap=OverlapConfig(ep_dispatch="node_dedup", ep_node_limit=4)).explain()
+    line = next(line for line in lines if "EP per MoE layer" in line)
+    ranks = 32 * (1 - comb(124, 8) / comb(128, 8))
+    remote = 4 * (1 - comb(96, 8) / comb(128, 8)) * 7 / 8
+    assert f"reach {ranks:.2f} ranks ({ranks * 7 / 8:.2f} sends over the scale-up links) on {remote:.2f} remote nodes" in line
+    plain = estimate_time(DSV3, s, _cluster(1024), overlap=OverlapConfig()).explain()
+    assert not any("node-dedup" in line for line in plain)

@@ -22,10 +22,17 @@ from ndplan.perf.flops import (
     model_flops_per_micro_batch,
 )
 from ndplan.perf.gemm import PASS_NAMES, gemms_seconds
-from ndplan.perf.layer import CATEGORIES, LayerContext, offloaded_bytes, piece_times
+from ndplan.perf.layer import (
+    CATEGORIES,
+    LayerContext,
+    offloaded_bytes,
+    piece_times,
+    ranks_per_token,
+    remote_nodes_per_token,
+)
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, evaluate, optimizer_bytes_per_param, strategy_columns
-from ndplan.perf.topology import Fabric, group_link
+from ndplan.perf.topology import Fabric, group_link, members_per_domain
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import validate_strategy
 from ndplan.strategy.strategy import Strategy
@@ -282,6 +289,27 @@ def _link_text(size: float, stride: float, fabric: Fabric, pattern: str = "ring"
     return f"{float(link.bandwidth) / 1e9:,.0f} GB/s {level}"
 
 
+def _dedup_text(r: TimeReport, fabric: Fabric) -> str:
+    """What the deduplicating dispatch sends of a token's k copies (``layer._ep_all_to_all_s``)."""
+    s, model = r.strategy, r.model
+    k, experts = model.num_experts_per_tok, model.num_experts
+    g = float(members_per_domain(s.ep, s.etp, fabric.domain))
+    nodes = max(s.ep / g, 1.0)
+    limit = r.overlap.ep_node_limit
+    if r.overlap.ep_routing == "contiguous":
+        per_rank = experts / s.ep
+        ranks, remote = max(1.0, k / per_rank), max(1.0, k / (per_rank * g)) * (nodes - 1) / nodes
+        how = "contiguous experts"
+    else:
+        reach = None if limit is None else min(float(limit), nodes) * g
+        ranks = float(ranks_per_token(float(s.ep), k, experts, reach))
+        remote = float(remote_nodes_per_token(nodes, k, experts, limit))
+        how = "k distinct experts at random" + (f", at most {limit} nodes" if limit else "")
+    return (f"node-dedup dispatch ({how}): a token's {k} copies reach {ranks:.2f} ranks "
+            f"({ranks * (g - 1) / g:.2f} sends over the scale-up links) on {remote:.2f} remote nodes "
+            "(one network send each)")
+
+
 def _communication_lines(r: TimeReport) -> list[str]:
     """Volumes, groups and links of each collective (before overlap)."""
     s, model, prec = r.strategy, r.model, r.strategy.precision
@@ -302,10 +330,11 @@ def _communication_lines(r: TimeReport) -> list[str]:
         )
     if model.is_moe and s.ep > 1:
         copies = tokens * model.num_experts_per_tok / s.tp * model.hidden_size
-        out.append(
-            f"EP per MoE layer: dispatch + combine all-to-all of (b·s/c)·k/t·h = {copies / 1e6:,.1f} M elements over "
-            f"ep={s.ep} at stride etp={s.etp} ({_link_text(s.ep, s.etp, fabric, 'all_to_all')})"
-        )
+        line = (f"EP per MoE layer: dispatch + combine all-to-all of (b·s/c)·k/t·h = {copies / 1e6:,.1f} M elements over "
+                f"ep={s.ep} at stride etp={s.etp} ({_link_text(s.ep, s.etp, fabric, 'all_to_all')})")
+        if r.overlap.ep_dispatch == "node_dedup":
+            line += "; " + _dedup_text(r, fabric)
+        out.append(line)
     if s.pp > 1:
         out.append(
             f"PP send per micro-batch and boundary: [mbs, seq/cp{'/tp' if s.sequence_parallel else ''}, h] over "
