@@ -529,19 +529,9 @@ def _steady_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) 
             turn = s == pp - 1
             handovers = stage.forwards_done[:, :1] + stage.backwards_done[:, 1:2]
             counts.append(handovers if turn else np.zeros_like(handovers))
-        held = np.hstack(counts)
-        # grads_ready only turns on, chunk by chunk: a few patterns. The skyline of each
-        # pattern's rows keeps every row that can be a maximum (a superset of the exact
-        # frontier, so the same peaks), at the cost of the held columns alone.
-        code = stage.grads_ready @ (2.0 ** np.arange(vpp))
-        rows = []
-        for value in np.unique(code):
-            members = code == value
-            pattern = stage.grads_ready[int(np.argmax(members))]
-            skyline = _undominated(held[members])
-            rows.append(np.hstack([skyline[:, : 2 * vpp], np.broadcast_to(pattern, (len(skyline), vpp)),
-                                   skyline[:, 2 * vpp:]]))
-        frontiers.append(np.vstack(rows))
+        # One skyline over every column, grads_ready's included (its weights, gradient bytes,
+        # are non-negative like the rest): the rows that can be a maximum.
+        frontiers.append(_undominated(np.hstack([counts[0], counts[1], stage.grads_ready, *counts[2:]])))
     return tuple(frontiers)
 
 
