@@ -37,11 +37,13 @@ class _Order:
         self.seq.append(seq)
         self.step_len.append(1)
 
-    def extend(self, kind: NDArray[np.int64], mb: NDArray[np.int64], seq: NDArray[np.int64] | None = None) -> None:
-        """Append one-op steps on chunk 0 from arrays (for orders written in closed form)."""
+    def extend(self, kind: NDArray[np.int64], mb: NDArray[np.int64], seq: NDArray[np.int64] | None = None,
+               chunk: NDArray[np.int64] | None = None) -> None:
+        """Append one-op steps (on chunk 0 unless ``chunk`` says) from arrays (for orders
+        written in closed form)."""
         self.kind.extend(kind.tolist())
         self.mb.extend(mb.tolist())
-        self.chunk.extend([0] * len(kind))
+        self.chunk.extend([0] * len(kind) if chunk is None else chunk.tolist())
         self.seq.extend([0] * len(kind) if seq is None else seq.tolist())
         self.step_len.extend([1] * len(kind))
 
@@ -118,22 +120,14 @@ def _interleaved(pp: int, vpp: int, m: int) -> list[_Order]:
     # same micro-batch. Warm-up = min(m*vpp, (pp-rank-1)*2 + (vpp-1)*pp) forwards, then
     # 1F1B (forward k+warmup, backward k), then the remaining backwards.
     total = m * vpp
-    mbs = []
-    chunks = []
-    for k in range(total):
-        group, within = divmod(k, pp * vpp)
-        mbs.append(group * pp + within % pp)
-        chunks.append(within // pp)
+    group, within = np.divmod(np.arange(total, dtype=np.int64), pp * vpp)
+    mbs = group * pp + within % pp
+    chunks = within // pp
     plan = []
     for s in range(pp):
         o = _Order()
-        warm = min(total, (pp - s - 1) * 2 + (vpp - 1) * pp)
-        for k in range(warm):
-            o.op(F, mbs[k], chunks[k])
-        for k in range(total):
-            if k < total - warm:
-                o.op(F, mbs[k + warm], chunks[k + warm])
-            o.op(B, mbs[k], vpp - 1 - chunks[k])
+        kinds, units = _warm_up_then_alternate(min(total, (pp - s - 1) * 2 + (vpp - 1) * pp), total)
+        o.extend(kinds, mbs[units], chunk=np.where(kinds == F, chunks[units], vpp - 1 - chunks[units]))
         plan.append(o)
     return plan
 
