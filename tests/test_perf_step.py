@@ -773,11 +773,15 @@ def test_a_tied_table_apart_from_the_embedding_counts_on_the_output_stage():
     (it had none of the table on the last stage)."""
     tied = TINY_MOE.model_copy(update={"tie_word_embeddings": True, "vocab_size": 65536})
     untied = tied.model_copy(update={"tie_word_embeddings": False})
-    s = StrategyBatch.of(Strategy(dp=4, pp=2, ep=4, zero=1, num_micro_batches=4, seq_length=1024))
-    a = evaluate(tied, s, _cluster(8), details=True)
-    b = evaluate(untied, s, _cluster(8), details=True)
-    for key in ("optimizer_update_s", "dp_step_s"):
-        assert a[key][0] == pytest.approx(b[key][0], rel=1e-12)
+    for zero in ({"zero": 1}, {"zero": 3, "fsdp": True}):  # under FSDP its gathers and reduces too
+        strategy = Strategy(dp=4, pp=2, ep=4, num_micro_batches=4, seq_length=1024, **zero)
+        s = StrategyBatch.of(strategy)
+        a = evaluate(tied, s, _cluster(8), details=True)
+        b = evaluate(untied, s, _cluster(8), details=True)
+        for key in ("optimizer_update_s", "dp_step_s", "dp_s", "step_s"):
+            assert a[key][0] == pytest.approx(b[key][0], rel=1e-12), (zero, key)
+        simulated = [estimate_time(model, strategy, _cluster(8)).step_s for model in (tied, untied)]
+        assert simulated[0] == pytest.approx(simulated[1], rel=1e-12)
 
 
 def test_zero2_reduce_scatters_every_micro_batch_and_all_reduces_across_groups_once():
@@ -819,3 +823,45 @@ def test_explain_says_what_the_deduplicating_dispatch_sends():
     assert f"reach {ranks:.2f} ranks ({ranks * 7 / 8:.2f} sends over the scale-up links) on {remote:.2f} remote nodes" in line
     plain = estimate_time(DSV3, s, _cluster(1024), overlap=OverlapConfig()).explain()
     assert not any("node-dedup" in line for line in plain)
+
+
+def test_zero2_costs_at_least_zero1_under_overlap():
+    """ZeRO-2 runs ZeRO-1's gradient collectives plus m - 1 more reduce-scatters: with one
+    micro-batch it is ZeRO-1, with more it never costs less (shard groups of 8 over dp 64, the
+    default overlap)."""
+    cluster = _cluster(64)
+
+    def dp_step(zero: int, m: int) -> float:
+        s = Strategy(dp=64, zero=zero, shard_group=8, num_micro_batches=m, seq_length=4096)
+        return float(evaluate(LLAMA8, StrategyBatch.of(s), cluster, details=True)["dp_step_s"][0])
+
+    assert dp_step(2, 1) == pytest.approx(dp_step(1, 1), rel=1e-12)
+    for m in (2, 4):
+        assert dp_step(2, m) >= dp_step(1, m)
+
+
+def test_contiguous_reach_counts_blocks_that_straddle_groups():
+    """k consecutive experts from a multiple of k span the groups of E/ep experts they touch:
+    DeepSeek-V3's 8 over ranks of 4 always 2; DeepSeek-V2-Lite's 6 over ranks of 8, counted over
+    every start 6t mod 64, 1.5 on average."""
+    from ndplan.perf.layer import contiguous_reach
+
+    def brute(experts: int, k: int, per_group: int) -> float:
+        starts = sorted({t * k % experts for t in range(experts)})
+        return float(np.mean([len({(s + i) // per_group for i in range(k)}) for s in starts]))
+
+    assert float(contiguous_reach(256, 8, 4.0)) == 2.0
+    assert float(contiguous_reach(64, 6, 8.0)) == pytest.approx(brute(64, 6, 8), rel=1e-12)
+    assert float(contiguous_reach(64, 6, 8.0)) == pytest.approx(1.5, rel=1e-12)
+    np.testing.assert_allclose(contiguous_reach(128, 8, np.array([16.0, 8.0, 4.0])), [1.0, 1.0, 2.0])
+
+
+def test_explain_names_shard_groups_only_where_there_are_several():
+    """A shard group of every data-parallel rank is no HSDP: the DP lines name dp·cp alone;
+    groups of 8 over dp 64 are named with the all-reduce across the 8 groups."""
+    cluster = _cluster(64)
+    whole = estimate_time(LLAMA8, Strategy(dp=64, zero=1, shard_group=64, seq_length=4096), cluster).explain()
+    assert not any("groups" in line for line in whole if line.lstrip().startswith("DP"))
+    groups = estimate_time(LLAMA8, Strategy(dp=64, zero=1, shard_group=8, seq_length=4096), cluster).explain()
+    assert any("shard_group = 8, all-reduced across 8 groups" in line for line in groups)
+    assert any("across the 8 groups" in line for line in groups)

@@ -421,7 +421,9 @@ def _sharding(par: Section, settings: dict[str, Any], warnings: list[str]) -> No
             # shards each parameter over its own data-parallel group instead.
             warnings.append(f"{where}: optimizer_weight_shard_size {group}: ndplan shards over whole expert groups "
                             f"(shard_group·tp a multiple of ep·etp = {expert_width}); priced over all {replicas} "
-                            "data-parallel ranks, which under-states the optimizer states per device")
+                            "data-parallel ranks, which under-states the sharded states per device (optimizer "
+                            "states; with gradient_accumulation_shard also parameters and gradients) and leaves "
+                            "out the all-reduce across shard groups")
             return
         settings["shard_group"] = group
         if expert_width > 1:

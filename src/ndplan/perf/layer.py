@@ -49,6 +49,7 @@ the sync (attention projections, attention core, router GEMM and their fp8 casts
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,7 +92,7 @@ SPLIT_SCHEDULE_CODES = np.array([CODES["schedule"].index(name) for name in sorte
 Array = np.ndarray
 PASSES = ("F", "B", "W")
 CATEGORIES = ("compute", "tp", "cp", "ep", "dp", "offload")
-PIECES = ("dense", "moe", "emb", "head", "rc_dense", "rc_moe")
+PIECES = ("dense", "moe", "emb", "head", "rc_dense", "rc_moe", "table_copy")
 
 #: FlashAttention's backward runs 5 matmul-sized products per forward's 2 (it recomputes the
 #: scores): 2.5x the forward FLOPs.
@@ -258,6 +259,17 @@ def ranks_per_token(ranks: Array | float, k: float, experts: float, limit_ranks:
     return _groups_reached(reach, experts * reach / r, k)
 
 
+def contiguous_reach(experts: int, k: int, per_group: Array | float) -> Array:
+    """Mean groups of ``per_group`` consecutive experts that k consecutive experts starting at a
+    multiple of k (mod E) span, over the E/gcd(E, k) distinct starts: 1 where the blocks align
+    (DeepSeek-V3's 8 over ranks of 4: 2), more where they straddle (6 over groups of 8: 1.5)."""
+    starts = (np.arange(experts // math.gcd(experts, k)) * k) % experts
+    groups = np.asarray(per_group, dtype=np.float64)
+    values, inverse = np.unique(groups, return_inverse=True)
+    spans = np.array([float(np.mean((starts + k - 1) // int(q) - starts // int(q) + 1)) for q in values])
+    return np.asarray(spans[inverse].reshape(groups.shape))
+
+
 def remote_nodes_per_token(nodes: Array | float, k: float, experts: float, limit: int | None = None) -> Array:
     """Expected distinct remote nodes one token's k routed copies reach, over N = ``nodes``.
 
@@ -287,8 +299,8 @@ def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | 
     if ctx.overlap.ep_routing == "contiguous":
         # k consecutive experts from a multiple of k: E/ep per rank, E/ep·g per node.
         per_rank = float(ctx.model.num_experts) / np.maximum(e, 1.0)
-        distinct = np.maximum(1.0, k / per_rank)
-        remote = np.maximum(1.0, k / (per_rank * g)) * (nodes - 1.0) / nodes
+        distinct = contiguous_reach(ctx.model.num_experts, int(k), per_rank)
+        remote = contiguous_reach(ctx.model.num_experts, int(k), per_rank * g) * (nodes - 1.0) / nodes
     else:
         experts = float(ctx.model.num_experts)
         distinct = ranks_per_token(e, k, experts, None if limit is None else np.minimum(float(limit), nodes) * g)
@@ -565,6 +577,19 @@ def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> 
     return out
 
 
+def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> PieceTimes:
+    """The output stage's own copy of a tied table, or of the embedding MTP modules read, where
+    the two ends sit on different stages (the step counts it there): its FSDP gather and
+    reduce-scatter, hidden under the head's passes as an untied head's table is."""
+    model = ctx.model
+    head_s = {p: gemms_seconds(head_gemms(model, sh), ctx.rates, p)[0] for p in PASS_NAMES}
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0)
+    out = PieceTimes()
+    out.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
+    out.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
+    return out
+
+
 def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes) -> PieceTimes:
     """Final norm, output head and loss, plus each MTP module (projection, its decoder layer
     ``mtp_layer`` and the shared head again)."""
@@ -624,4 +649,5 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
         mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True)[0]
     pieces["head"] = head_piece(ctx, cols, sh, mtp_layer)
+    pieces["table_copy"] = table_copy_piece(ctx, cols, sh)
     return pieces

@@ -25,6 +25,7 @@ from ndplan.perf.gemm import PASS_NAMES, gemms_seconds
 from ndplan.perf.layer import (
     CATEGORIES,
     LayerContext,
+    contiguous_reach,
     offloaded_bytes,
     piece_times,
     ranks_per_token,
@@ -253,14 +254,17 @@ def explain_lines(r: TimeReport) -> list[str]:
         total = {ps: float(np.asarray(p.total(ps)).reshape(-1)[0]) for ps in ("F", "B", "W")}
         lines.append(f"{label}: F {_ms(total['F'])}, B {_ms(total['B'])}, W {_ms(total['W'])}")
     m = s.num_micro_batches
+    grouped = bool(s.shard_group and s.zero and s.shard_group < s.dp * s.cp)
     lines += [
         f"bottleneck stage {int(d['bottleneck_stage'])}: per micro-batch F {_ms(d['stage_forward_s'])}, "
         f"B {_ms(d['stage_backward_s'])}, W {_ms(d['stage_weight_grad_s'])}; p2p per transfer {_ms(d['p2p_s'])}",
         f"pipeline ({s.schedule}, pp {s.pp}, vpp {s.vpp}, m {m}, simulated): makespan {_ms(d['makespan_s'])} = "
         f"m·T* {_ms(m * (d['stage_forward_s'] + d['stage_backward_s'] + d['stage_weight_grad_s']))} + bubble "
         f"{_ms(d['bubble_s'])} + p2p on critical path {_ms(d['pp_s'])}",
-        f"DP per step (grad {'all-reduce' if s.zero == 0 else 'reduce-scatter'} over dp·cp = {s.dp * s.cp}"
-        f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}), exposed after the pipeline: "
+        f"DP per step (grad {'all-reduce' if s.zero == 0 else 'reduce-scatter'} over "
+        f"{f'shard_group = {s.shard_group}, all-reduced across {s.dp * s.cp // s.shard_group} groups' if grouped else f'dp·cp = {s.dp * s.cp}'}"
+        f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}"
+        f"{f', {m} times (ZeRO-2)' if s.zero == 2 and m > 1 else ''}), exposed after the pipeline: "
         f"{_ms(d['dp_step_s'])}" + (f" (FSDP's per-layer gathers and reduces exposed inside the passes above: "
                                     f"{_ms(r.breakdown['comm_exposed']['dp'] - d['dp_step_s'])}, in the step's dp "
                                     f"term)" if s.zero == 3 else ""),
@@ -298,7 +302,8 @@ def _dedup_text(r: TimeReport, fabric: Fabric) -> str:
     limit = r.overlap.ep_node_limit
     if r.overlap.ep_routing == "contiguous":
         per_rank = experts / s.ep
-        ranks, remote = max(1.0, k / per_rank), max(1.0, k / (per_rank * g)) * (nodes - 1) / nodes
+        ranks = float(contiguous_reach(experts, k, per_rank))
+        remote = float(contiguous_reach(experts, k, per_rank * g)) * (nodes - 1) / nodes
         how = "contiguous experts"
     else:
         reach = None if limit is None else min(float(limit), nodes) * g
@@ -344,7 +349,7 @@ def _communication_lines(r: TimeReport) -> list[str]:
     if replicas > 1:
         how = ("FSDP all-gather/reduce-scatter per layer" if s.zero >= 3 or s.fsdp else
                "all-reduce" if s.zero == 0 else "reduce-scatter + parameter all-gather")
-        if s.shard_group and s.zero:
+        if s.shard_group and s.zero and s.shard_group < replicas:
             groups = replicas // s.shard_group
             line = (f"DP: {how} over shard_group={s.shard_group} at stride tp ({_link_text(s.shard_group, s.tp, fabric)}), "
                     f"then an all-reduce of each shard across the {groups} groups "

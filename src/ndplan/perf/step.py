@@ -346,6 +346,14 @@ def _piece_table(per_pass: dict[tuple[str, str], Array], per_cat: dict[tuple[str
     return table
 
 
+def _keeps_table_copy(model: ModelSpec, prof: dict[str, Array]) -> float:
+    """1 where the output stage keeps its own copy of the token table: the embedding and the head
+    on different stages, and the table tied or read by MTP modules (memory.stages: head_on_output,
+    embedding_copy_for_mtp); else 0."""
+    apart = not np.any((prof["emb"] > 0) & (prof["head"] > 0))
+    return float(apart and bool(model.tie_word_embeddings or model.mtp_depth))
+
+
 def _price_group(
     pr: _Priced, layout: StageLayout, cols: dict[str, Array], config: Array, schedule: Array,
     recompute_layers: Array, p2p: Array,
@@ -362,7 +370,8 @@ def _price_group(
     # get a correction.
     local, u = dense_codes(config)
     group_configs = config[first_of_codes(local, u)]
-    piece_counts = np.stack([prof["dense"], prof["moe"], prof["emb"], prof["head"], prof["dense"], prof["moe"]])
+    piece_counts = np.stack([prof["dense"], prof["moe"], prof["emb"], prof["head"], prof["dense"], prof["moe"],
+                             prof["head"] * _keeps_table_copy(pr.model, prof)])
     tables = pr.table[group_configs] @ piece_counts  # [u, quantities, P]
     rc_on = cols["recompute"] > 0
     partial = np.flatnonzero(rc_on & (recompute_layers > 0))
@@ -389,7 +398,8 @@ def _price_group(
     else:
         makespan, p2p_part = np.zeros(g), np.zeros(g)
         for j in range(g):
-            fc, bc, wc = _chunk_times(layout, pr.pieces, int(config[j]), int(recompute_layers[j]), bool(rc_on[j]))
+            fc, bc, wc = _chunk_times(layout, pr.pieces, int(config[j]), int(recompute_layers[j]), bool(rc_on[j]),
+                                      pr.model)
             makespan[j], p2p_part[j] = simulated_makespan(
                 CODES["schedule"][int(schedule[j])], pp, vpp, int(m[j]), int(k[j]), fc, bc, wc, float(p2p[j]),
             )
@@ -407,12 +417,9 @@ def _price_group(
     zero_stages = np.zeros(len(layout.profile_count))
     split_stage, whole_stage, ex_stage = (sum((pr.params[p][i] * v for p, v in counts.items()), zero_stages)
                                           for i in range(3))
-    if "emb" in counts and "head" in counts and not np.any((prof["emb"] > 0) & (prof["head"] > 0)):
-        # Ends on different stages: the output stage keeps its own copy of a tied table, or (MTP)
-        # of the embedding its modules read (memory.stages: head_on_output, embedding_copy_for_mtp).
-        model = pr.model
-        if model.tie_word_embeddings or model.mtp_depth:
-            split_stage = split_stage + float(model.vocab_size * model.hidden_size) * prof["head"]
+    # The output stage's own copy of a tied table (or of the embedding MTP modules read).
+    split_stage = split_stage + (float(pr.model.vocab_size * pr.model.hidden_size) * prof["head"]
+                                 * _keeps_table_copy(pr.model, prof))
     dp_code, dp_count = dense_codes(cols["dp_config"].astype(np.int64))
     first = first_of_codes(dp_code, dp_count)
     cu = {name: pr.dp_columns[name][cols["row"][first].astype(np.int64)] for name in _DP_FIELDS}
@@ -432,10 +439,10 @@ def _price_group(
     share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy], 1.0)
     window = b[rows, heavy] + w[rows, heavy]
     grad = _exposed_step(grad_raw[dp_code], window, share, pr.overlap.dp_grad_reduce)
-    # ZeRO-2 reduce-scatters every micro-batch; the all-reduce across shard groups, once a step.
+    # ZeRO-2 reduce-scatters every micro-batch: m - 1 more than ZeRO-1, each under its own
+    # backward; the last one and the all-reduce across shard groups run as ZeRO-1's do.
     per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], window, share, pr.overlap.dp_grad_reduce)
-    once = _exposed_step(cross_raw[dp_code], window, share, pr.overlap.dp_grad_reduce)
-    grad = np.where(cols["zero"] == 2, m * per_micro_batch + once, grad)
+    grad = np.where(cols["zero"] == 2, (m - 1) * per_micro_batch + grad, grad)
     dp_step = grad + _exposed_step(gather_raw[dp_code], f[rows, heavy], share, pr.overlap.dp_param_gather)
     optimizer = optimizer_u[dp_code]
 
@@ -563,7 +570,7 @@ def evaluate(
 
 
 def _chunk_times(layout: StageLayout, pieces: dict[str, PieceTimes], config: int, recompute_layers: int,
-                 recompute_on: bool) -> tuple[Array, Array, Array]:
+                 recompute_on: bool, pieces_model: ModelSpec) -> tuple[Array, Array, Array]:
     """[pp, vpp] F, B, W seconds of every chunk for layer configuration ``config`` (simulator
     input)."""
     def total(name: str, pass_: str) -> float:
@@ -579,10 +586,12 @@ def _chunk_times(layout: StageLayout, pieces: dict[str, PieceTimes], config: int
     first[0] = 1.0
     last = np.zeros_like(nv)
     last[-1] = 1.0
+    copy = float(layout.stage_of[0] != layout.stage_of[-1] and bool(pieces_model.tie_word_embeddings
+                                                                    or pieces_model.mtp_depth))
     per_chunk = {}
     for pass_ in PASSES:
         v = layout.chunk_dense * total("dense", pass_) + layout.chunk_moe * total("moe", pass_)
-        v = v + first * total("emb", pass_) + last * total("head", pass_)
+        v = v + first * total("emb", pass_) + last * (total("head", pass_) + copy * total("table_copy", pass_))
         if pass_ in ("B", "W"):
             v = v + share * (layout.chunk_dense * total("rc_dense", pass_) + layout.chunk_moe * total("rc_moe", pass_))
         grid = np.zeros((layout.pp, layout.vpp))
