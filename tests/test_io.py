@@ -534,19 +534,23 @@ def test_an_argument_file_of_any_name_and_a_folder(tmp_path):
         read_config(tmp_path)
 
 
-@pytest.mark.parametrize("mp, ep, words, shard_group", [
+@pytest.mark.parametrize("dp, mp, ep, words, shard_group", [
     # dp16·tp4 = 64 expert ranks over ep 8 and etp 1: ndplan's groups of 8 hold 8·4/8 = 4 expert
     # ranks each; MindSpore shards each expert over 8 of its 8 data-parallel ranks.
-    (4, 8, "MindSpore shards the experts' states over 8 of their 8 data-parallel ranks "
-           "(optimizer_weight_shard_size 8); ndplan prices 4", 8),
-    # tp 1, ep 16: a shard group of 8 cannot hold an expert group of 16 ranks
-    (1, 16, "optimizer_weight_shard_size 8: ndplan shards over whole expert groups", 0),
+    (16, 4, 8, "MindSpore shards the experts' states over 8 of their 8 data-parallel ranks "
+               "(optimizer_weight_shard_size 8); ndplan prices 4", 8),
+    # tp 1, ep 16: a shard group of 8 cannot hold an expert group of 16 ranks; the smallest that
+    # can, 16, is every data-parallel rank of dp 16 (priced without groups) or half of dp 32
+    (16, 1, 16, "optimizer_weight_shard_size 8: ndplan shards over whole expert groups "
+                "(shard_group·tp a multiple of ep·etp = 16); priced over all 16 data-parallel ranks", 0),
+    (32, 1, 16, "priced over shard groups of 16", 16),
 ])
-def test_mindformers_shard_size_with_expert_parallelism_is_priced_and_said(tmp_path, mp, ep, words, shard_group):
+def test_mindformers_shard_size_with_expert_parallelism_is_priced_and_said(tmp_path, dp, mp, ep, words, shard_group):
     """MindSpore shards each parameter over its own data-parallel group; ndplan's shard groups
     hold whole expert groups (torchtitan, Megatron). Where they differ the reader says so, and
     a size that cannot hold an expert group is priced over every data-parallel rank."""
     text = fixture("mindformers_deepseek3_671b.yaml").read_text()
+    text = text.replace("  data_parallel: &dp 16\n", f"  data_parallel: &dp {dp}\n")
     text = text.replace("  model_parallel: 4\n", f"  model_parallel: {mp}\n")
     text = text.replace("  expert_parallel: 8\n", f"  expert_parallel: {ep}\n")
     text = text.replace("    gradient_accumulation_shard: True\n",

@@ -418,12 +418,18 @@ def _sharding(par: Section, settings: dict[str, Any], warnings: list[str]) -> No
         expert_ranks = replicas * settings["tp"] // expert_width
         if expert_width > 1 and (group * settings["tp"]) % expert_width:
             # ndplan's shard groups hold whole expert groups (torchtitan, Megatron); MindSpore
-            # shards each parameter over its own data-parallel group instead.
+            # shards each parameter over its own data-parallel group instead. The smallest group
+            # that holds them and divides the replicas prices closest.
+            tp = settings["tp"]
+            larger = math.lcm(group * tp, expert_width) // tp
+            fits = larger < replicas and replicas % larger == 0
+            priced = f"shard groups of {larger}" if fits else f"all {replicas} data-parallel ranks"
             warnings.append(f"{where}: optimizer_weight_shard_size {group}: ndplan shards over whole expert groups "
-                            f"(shard_group·tp a multiple of ep·etp = {expert_width}); priced over all {replicas} "
-                            "data-parallel ranks, which under-states the sharded states per device (optimizer "
-                            "states; with gradient_accumulation_shard also parameters and gradients) and leaves "
-                            "out the all-reduce across shard groups")
+                            f"(shard_group·tp a multiple of ep·etp = {expert_width}); priced over {priced}, which "
+                            "under-states the sharded states per device (optimizer states; with "
+                            "gradient_accumulation_shard also parameters and gradients)")
+            if fits:
+                settings["shard_group"] = larger
             return
         settings["shard_group"] = group
         if expert_width > 1:
