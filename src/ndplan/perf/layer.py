@@ -285,6 +285,23 @@ def remote_nodes_per_token(nodes: Array | float, k: float, experts: float, limit
     return _groups_reached(big_l, experts * big_l / n, k) * (n - 1.0) / n
 
 
+def token_reach(model: ModelSpec, overlap: OverlapConfig, ep: Array | float, g: Array | float) -> tuple[Array, Array]:
+    """(distinct ranks, distinct remote nodes) one token's k experts lie on, over ``ep`` ranks of
+    ``g`` per node, with the run's routing (``OverlapConfig.ep_routing``, ``ep_node_limit``)."""
+    k = model.num_experts_per_tok
+    e = np.asarray(ep, dtype=np.float64)
+    nodes = np.maximum(e / g, 1.0)
+    if overlap.ep_routing == "contiguous":
+        # k consecutive experts from a multiple of k: E/ep per rank, E/ep·g per node.
+        per_rank = model.num_experts / np.maximum(e, 1.0)
+        return (contiguous_reach(model.num_experts, k, per_rank),
+                contiguous_reach(model.num_experts, k, per_rank * g) * (nodes - 1.0) / nodes)
+    limit = overlap.ep_node_limit
+    experts = float(model.num_experts)
+    return (ranks_per_token(e, k, experts, None if limit is None else np.minimum(float(limit), nodes) * g),
+            remote_nodes_per_token(nodes, k, experts, limit))
+
+
 def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | float) -> Array | float:
     """One expert all-to-all of an ``nbytes`` send buffer (all routed copies of the device's
     tokens) over the ep ranks at stride etp, with the run's dispatcher (OverlapConfig.ep_dispatch)."""
@@ -295,16 +312,7 @@ def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | 
     k = float(ctx.model.num_experts_per_tok)
     g = members_per_domain(e, x, fabric.domain)
     nodes = np.maximum(e / g, 1.0)
-    limit = ctx.overlap.ep_node_limit
-    if ctx.overlap.ep_routing == "contiguous":
-        # k consecutive experts from a multiple of k: E/ep per rank, E/ep·g per node.
-        per_rank = float(ctx.model.num_experts) / np.maximum(e, 1.0)
-        distinct = contiguous_reach(ctx.model.num_experts, int(k), per_rank)
-        remote = contiguous_reach(ctx.model.num_experts, int(k), per_rank * g) * (nodes - 1.0) / nodes
-    else:
-        experts = float(ctx.model.num_experts)
-        distinct = ranks_per_token(e, k, experts, None if limit is None else np.minimum(float(limit), nodes) * g)
-        remote = remote_nodes_per_token(nodes, k, experts, limit)
+    distinct, remote = token_reach(ctx.model, ctx.overlap, e, g)
     outside = nbytes / k * remote / fabric.scaleout_bw
     inside = nbytes / k * distinct * (g - 1.0) / g / inside_bandwidth(fabric, g)
     latency = (nodes - 1.0) * fabric.scaleout_latency + (g - 1.0) * fabric.scaleup_latency

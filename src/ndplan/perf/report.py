@@ -25,11 +25,9 @@ from ndplan.perf.gemm import PASS_NAMES, gemms_seconds
 from ndplan.perf.layer import (
     CATEGORIES,
     LayerContext,
-    contiguous_reach,
     offloaded_bytes,
     piece_times,
-    ranks_per_token,
-    remote_nodes_per_token,
+    token_reach,
 )
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, evaluate, optimizer_bytes_per_param, strategy_columns
@@ -296,20 +294,11 @@ def _link_text(size: float, stride: float, fabric: Fabric, pattern: str = "ring"
 def _dedup_text(r: TimeReport, fabric: Fabric) -> str:
     """What the deduplicating dispatch sends of a token's k copies (``layer._ep_all_to_all_s``)."""
     s, model = r.strategy, r.model
-    k, experts = model.num_experts_per_tok, model.num_experts
+    k, limit = model.num_experts_per_tok, r.overlap.ep_node_limit
     g = float(members_per_domain(s.ep, s.etp, fabric.domain))
-    nodes = max(s.ep / g, 1.0)
-    limit = r.overlap.ep_node_limit
-    if r.overlap.ep_routing == "contiguous":
-        per_rank = experts / s.ep
-        ranks = float(contiguous_reach(experts, k, per_rank))
-        remote = float(contiguous_reach(experts, k, per_rank * g)) * (nodes - 1) / nodes
-        how = "contiguous experts"
-    else:
-        reach = None if limit is None else min(float(limit), nodes) * g
-        ranks = float(ranks_per_token(float(s.ep), k, experts, reach))
-        remote = float(remote_nodes_per_token(nodes, k, experts, limit))
-        how = "k distinct experts at random" + (f", at most {limit} nodes" if limit else "")
+    ranks, remote = (float(v) for v in token_reach(model, r.overlap, float(s.ep), g))
+    how = ("contiguous experts" if r.overlap.ep_routing == "contiguous"
+           else "k distinct experts at random" + (f", at most {limit} nodes" if limit else ""))
     return (f"node-dedup dispatch ({how}): a token's {k} copies reach {ranks:.2f} ranks "
             f"({ranks * (g - 1) / g:.2f} sends over the scale-up links) on {remote:.2f} remote nodes "
             "(one network send each)")

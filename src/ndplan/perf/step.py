@@ -346,11 +346,11 @@ def _piece_table(per_pass: dict[tuple[str, str], Array], per_cat: dict[tuple[str
     return table
 
 
-def _keeps_table_copy(model: ModelSpec, prof: dict[str, Array]) -> float:
+def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
     """1 where the output stage keeps its own copy of the token table: the embedding and the head
     on different stages, and the table tied or read by MTP modules (memory.stages: head_on_output,
     embedding_copy_for_mtp); else 0."""
-    apart = not np.any((prof["emb"] > 0) & (prof["head"] > 0))
+    apart = layout.stage_of[0] != layout.stage_of[-1]
     return float(apart and bool(model.tie_word_embeddings or model.mtp_depth))
 
 
@@ -371,7 +371,7 @@ def _price_group(
     local, u = dense_codes(config)
     group_configs = config[first_of_codes(local, u)]
     piece_counts = np.stack([prof["dense"], prof["moe"], prof["emb"], prof["head"], prof["dense"], prof["moe"],
-                             prof["head"] * _keeps_table_copy(pr.model, prof)])
+                             prof["head"] * _keeps_table_copy(pr.model, layout)])
     tables = pr.table[group_configs] @ piece_counts  # [u, quantities, P]
     rc_on = cols["recompute"] > 0
     partial = np.flatnonzero(rc_on & (recompute_layers > 0))
@@ -419,7 +419,7 @@ def _price_group(
                                           for i in range(3))
     # The output stage's own copy of a tied table (or of the embedding MTP modules read).
     split_stage = split_stage + (float(pr.model.vocab_size * pr.model.hidden_size) * prof["head"]
-                                 * _keeps_table_copy(pr.model, prof))
+                                 * _keeps_table_copy(pr.model, layout))
     dp_code, dp_count = dense_codes(cols["dp_config"].astype(np.int64))
     first = first_of_codes(dp_code, dp_count)
     cu = {name: pr.dp_columns[name][cols["row"][first].astype(np.int64)] for name in _DP_FIELDS}
@@ -586,8 +586,7 @@ def _chunk_times(layout: StageLayout, pieces: dict[str, PieceTimes], config: int
     first[0] = 1.0
     last = np.zeros_like(nv)
     last[-1] = 1.0
-    copy = float(layout.stage_of[0] != layout.stage_of[-1] and bool(pieces_model.tie_word_embeddings
-                                                                    or pieces_model.mtp_depth))
+    copy = _keeps_table_copy(pieces_model, layout)
     per_chunk = {}
     for pass_ in PASSES:
         v = layout.chunk_dense * total("dense", pass_) + layout.chunk_moe * total("moe", pass_)
