@@ -63,6 +63,10 @@ def test_check_plan_file_and_flags_override(tmp_path, capsys):
 RULE_CASES = [
     ([*LLAMA, "--devices", "8", "--tp", "2", "--dp", "2"], "world_size", "but the cluster has 8 devices"),
     ([*LLAMA, "--dp", "2", "--mbs", "2", "--num-micro-batches", "3", "--gbs", "16"], "global_batch", "global_batch_size=16"),
+    ([*LLAMA, "--dp", "2", "--pp", "2", "--num-micro-batches", "4", "--pipeline-runs", "3", "--gbs", "16"], "global_batch",
+     "is not dp·micro_batch_size·num_micro_batches·pipeline_runs = 2·1·4·3 = 24"),
+    ([*LLAMA, "--dp", "2", "--num-micro-batches", "4", "--pipeline-runs", "2"], "pipeline_runs_need_pipeline",
+     "pipeline_runs=2 needs a pipeline (pp > 1); without one a step is 8 micro-batches"),
     ([*LLAMA, "--tp", "3"], "tp_divides_heads", "tp=3 does not divide num_attention_heads=32"),
     ([*LLAMA, "--tp", "16"], "tp_divides_kv_heads", "tp=16 does not divide num_key_value_heads=8"),
     (["--model", "MODEL_FFN24", "--tp", "16"], "tp_divides_ffn", "tp=16 does not divide ffn_hidden_size=24"),

@@ -184,8 +184,11 @@ def test_torchtitan_llama3_fsdp_tp_pp():
     assert s.zero == 3 and s.fsdp and s.shard_group == 0 and s.sequence_parallel
     assert not s.reshard_after_forward  # "default" keeps parameters gathered under PP
     assert s.embedding_as_layer and s.output_as_layer  # torchtitan's first/last stage weights of 1
-    # local batch 16 in micro-batches of 1, global 1024 over dp 8: 8 accumulation steps.
-    assert (s.micro_batch_size, s.num_micro_batches, s.global_batch_size, s.seq_length) == (1, 128, 1024, 8192)
+    # local batch 16 in micro-batches of 1, global 1024 over dp 8: 8 accumulation steps, each one
+    # run of the pipeline schedule over 16 micro-batches (torchtitan's train step).
+    assert (s.micro_batch_size, s.num_micro_batches, s.pipeline_runs, s.global_batch_size, s.seq_length) == (
+        1, 16, 8, 1024, 8192)
+    assert any("8 gradient-accumulation steps, each one run of the pipeline schedule over 16" in n for n in result.notes)
     assert s.recompute == "full" and s.precision.name == "fsdp-bf16"
     # enable_async_tensor_parallel = true: the TP collectives overlap their GEMMs in the step time.
     assert result.runtime_settings == {"loss_parallel": True, "overlap": {"preset": "torchtitan", "tp": True}}
@@ -422,7 +425,7 @@ def test_inspect_json_summary(capsys):
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["format"] == "torchtitan" and data["model"]["name"] == "llama-3.1-70b"
     assert data["cluster"]["devices"] == 256
-    assert data["strategy"]["short"] == "dp8 tp8 sp pp4 vpp2 fsdp3 mbs1 m128 interleaved rc-full"
+    assert data["strategy"]["short"] == "dp8 tp8 sp pp4 vpp2 fsdp3 mbs1 m16x8 interleaved rc-full"
 
 
 def test_inspect_table_and_conversion(capsys):

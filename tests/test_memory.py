@@ -666,3 +666,21 @@ def test_hsdp_shards_experts_over_the_expert_ranks_of_a_shard_group():
     non_expert = counts.total - counts.routed_experts
     assert stage.params_bytes == pytest.approx(4 * (non_expert / 4 + counts.routed_experts / 2 / 2), rel=1e-12)
     assert check_strategy(strategy.model_copy(update={"ep": 8}), model, 8)[0].rule == "shard_group_holds_expert_groups"
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_a_later_pipeline_run_starts_with_the_gradients_the_first_made(runtime):
+    """Gradient accumulation outside the pipeline (torchtitan, AutoModel): a step runs GPipe twice
+    over 4 micro-batches. The first run's peak, every forward held, has no gradients where the
+    backward creates them (pytorch); the second run starts with the first's: its peak is that
+    peak plus the stage's gradients exactly. Where gradients are static (megatron) nothing moves.
+    The held micro-batches are one run's either way."""
+    model = TINY.model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4})
+    options = MemoryOptions(include_overhead=False, runtime=runtime)
+    one, two = (estimate(model, Strategy(seq_length=256, pp=2, num_micro_batches=4, pipeline_runs=runs, schedule="gpipe"),
+                         options=options) for runs in (1, 2))
+    assert two.strategy.global_batch_size == 2 * one.strategy.global_batch_size
+    for a, b in zip(one.stages, two.stages, strict=True):
+        assert b.activations_bytes == a.activations_bytes
+        added = a.grads_bytes if runtime == "pytorch" else 0.0
+        assert a.grads_bytes > 0 and b.forward_backward_bytes == a.forward_backward_bytes + added

@@ -109,6 +109,7 @@ strategy_values = st.fixed_dictionaries({
     "recompute_layers": st.sampled_from([0, 1, 2, 40]),
     "micro_batch_size": st.sampled_from([1, 2]),
     "num_micro_batches": st.sampled_from([1, 3, 4, 8, 16]),
+    "pipeline_runs": st.sampled_from([1, 1, 2]),
     "seq_length": st.sampled_from([2048, 4096, 4100, 6144]),
 })
 

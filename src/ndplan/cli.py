@@ -558,6 +558,12 @@ def cmd_search(args: argparse.Namespace) -> int:
             model, device, space, step_time, memory_limit_bytes=limit, options=options, top=args.top,
             progress=lambda done, total: progress.update(task, completed=done),
         )
+    runs = int((read.strategy_settings if read is not None else {}).get("pipeline_runs", 1) or 1)
+    if runs > 1:
+        result.notes.append(
+            f"the config runs its pipeline schedule {runs} times a step (gradient accumulation outside it); the "
+            "search schedules each candidate's micro-batches in one run (one bubble a step), which a framework "
+            "that accumulates outside the pipeline reaches with one accumulation step")
     if not result.ranked:
         result.notes.extend(_what_would_fit(result, model, device, args.devices, space_on, options))
     elif args.balance:

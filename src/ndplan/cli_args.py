@@ -35,7 +35,7 @@ EFFICIENCY_HELP = ("step-time efficiency profile YAML (what `ndplan calibrate` w
 #: validates them, so a plan file's value is checked as it is read).
 _WHOLE_NUMBER_KEYS = {
     "devices", "dp", "tp", "pp", "cp", "ep", "etp", "vpp", "ulysses_degree", "seq_chunks", "zero", "shard_group",
-    "recompute_layers", "mbs", "num_micro_batches", "gbs", "seq",
+    "recompute_layers", "mbs", "num_micro_batches", "pipeline_runs", "gbs", "seq",
 }
 
 
@@ -89,7 +89,12 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--seq", type=int, help="sequence length in tokens (default 4096)")
     batch.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
     batch.add_argument("--gbs", type=positive_int, help="global batch size in sequences")
-    batch.add_argument("--num-micro-batches", type=int, help="micro-batches per step (default: gbs / (dp·mbs))")
+    batch.add_argument("--num-micro-batches", type=int,
+                       help="micro-batches per pipeline run (default: gbs / (dp·mbs·pipeline runs))")
+    batch.add_argument("--pipeline-runs", type=positive_int,
+                       help="times the pipeline schedule runs per step, its gradients accumulated (torchtitan and "
+                            "NeMo AutoModel with gradient accumulation and pp > 1; default 1: every micro-batch in "
+                            "one schedule, as Megatron runs it)")
 
 
 def positive_int(text: str) -> int:
@@ -170,7 +175,7 @@ def strategy_from_settings(settings: dict[str, Any]) -> Strategy:
         fields["zero"] = 3
     gbs = fields.get("global_batch_size")
     if gbs and "num_micro_batches" not in fields:
-        per_micro = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1))
+        per_micro = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1)) * int(fields.get("pipeline_runs", 1))
         if per_micro >= 1:
             fields["num_micro_batches"] = max(1, gbs // per_micro)
     try:

@@ -27,7 +27,7 @@ from ndplan.strategy.strategy import Strategy
 #: Settings derived from others; a flag that changes their inputs makes the file's value stale.
 _DERIVED = {
     "dp": {"tp", "pp", "cp", "devices"},
-    "num_micro_batches": {"dp", "tp", "pp", "cp", "devices", "mbs", "gbs"},
+    "num_micro_batches": {"dp", "tp", "pp", "cp", "devices", "mbs", "gbs", "pipeline_runs"},
     "stage_layers": {"pp", "vpp"},  # --model is the read's base model: the file's split counts its layers
     "shard_group": {"dp", "tp", "pp", "cp", "devices"},
 }

@@ -32,7 +32,8 @@ PLAN_TO_FIELD: dict[str, str] = {
     "shard_group": "shard_group", "reshard": "reshard_after_forward", "optimizer_offload": "optimizer_offload",
     "recompute": "recompute", "recompute_layers": "recompute_layers", "recompute_modules": "recompute_modules",
     "offload_modules": "offload_modules", "mbs": "micro_batch_size",
-    "num_micro_batches": "num_micro_batches", "gbs": "global_batch_size", "seq": "seq_length",
+    "num_micro_batches": "num_micro_batches", "pipeline_runs": "pipeline_runs", "gbs": "global_batch_size",
+    "seq": "seq_length",
     "precision": "precision", "embedding_as_layer": "embedding_as_layer", "output_as_layer": "output_as_layer",
 }
 FIELD_TO_PLAN: dict[str, str] = {v: k for k, v in PLAN_TO_FIELD.items()}
@@ -75,11 +76,11 @@ class ReadResult:
                               "does not state; give --devices")
         gbs = fields.get("global_batch_size")
         if gbs and "num_micro_batches" not in fields:
-            per_step = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1))
+            runs = int(fields.get("pipeline_runs", 1))
+            per_step = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1)) * runs
             if gbs % per_step:
-                raise NdplanError(
-                    f"{self.source}: global batch {gbs} is not a multiple of dp·micro_batch_size = {per_step}"
-                )
+                names = "dp·micro_batch_size" + ("·pipeline_runs" if runs > 1 else "")
+                raise NdplanError(f"{self.source}: global batch {gbs} is not a multiple of {names} = {per_step}")
             fields["num_micro_batches"] = gbs // per_step
         return fields
 

@@ -440,6 +440,9 @@ def _batch(root: Section, training: Section, acc: Section, settings: dict[str, A
 # ---------------------------------------------------------------- writing
 def emit(model: ModelSpec | None, s: Strategy) -> str:
     lost: list[str] = []
+    if s.pipeline_runs > 1:
+        lost.append(f"pipeline_runs={s.pipeline_runs} (its micro_batch_num schedules all of a step's micro-batches "
+                    "in one pipeline run)")
     doc: dict[str, Any] = {}
     model_doc: dict[str, Any] = {}
     repo = preset_index().get(model.name, {}).get("hf_repo") if model is not None else None
@@ -476,7 +479,7 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
     doc["model"] = model_doc
     doc["context"] = {"device_num": s.world_size}
     doc["training"] = {"global_batch_size": s.global_batch_size, "micro_batch_size": s.micro_batch_size,
-                       "micro_batch_num": s.num_micro_batches}
+                       "micro_batch_num": s.micro_batches_per_step}
     acc: dict[str, Any] = {"tp_size": s.tp, "cp_size": s.cp, "ep_size": s.ep, "pp_size": s.pp}
     if s.etp != (1 if s.ep > 1 else s.tp):
         acc["expert_tensor_parallel_degree"] = s.etp

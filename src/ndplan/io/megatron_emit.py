@@ -86,6 +86,9 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
         lost.append(f"schedule {s.schedule!r} (Megatron-LM runs 1F1B, interleaved 1F1B, or MindSpeed's DualPipeV)")
     if s.seq_chunks > 1:
         lost.append(f"seq_chunks={s.seq_chunks}")
+    if s.pipeline_runs > 1:
+        lost.append(f"pipeline_runs={s.pipeline_runs} (Megatron schedules all of a step's micro-batches in one "
+                    "pipeline run)")
     flags += _placement(s, model, lost)
     if s.cp > 1:
         flags.append(("--context-parallel-size", s.cp))

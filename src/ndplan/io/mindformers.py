@@ -525,7 +525,10 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
             pc["ulysses_degree_in_cp"] = s.ulysses_degree
     if s.ep > 1:
         pc["expert_parallel"] = s.ep
-    pc["micro_batch_num"] = s.num_micro_batches if s.pp > 1 else 1
+    pc["micro_batch_num"] = s.micro_batches_per_step if s.pp > 1 else 1
+    if s.pipeline_runs > 1:
+        lost.append(f"pipeline_runs={s.pipeline_runs} (MindFormers schedules all of a step's micro-batches in one "
+                    "pipeline run)")
     pc["use_seq_parallel"] = s.sequence_parallel
     pc["vocab_emb_dp"] = False
     if s.schedule == "seq1f1b":

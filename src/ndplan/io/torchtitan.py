@@ -408,10 +408,14 @@ def _batch(training: Section, parallel: Section, settings: dict[str, Any], warni
     if gbs % (local * dp):
         raise training.error("global_batch_size", f"{gbs} is not divisible by local_batch_size·dp = {local}·{dp}")
     accumulation = gbs // (local * dp)
-    if accumulation > 1 and pp > 1:
-        notes.append(f"{accumulation} gradient-accumulation steps of {per_pipeline} pipeline micro-batches are "
-                     f"scheduled as one pipeline of {accumulation * per_pipeline}")
     settings["gbs"] = gbs
+    if accumulation > 1 and pp > 1:
+        # torchtitan's train step runs the pipeline schedule once per gradient-accumulation step.
+        notes.append(f"{accumulation} gradient-accumulation steps, each one run of the pipeline schedule over "
+                     f"{per_pipeline} micro-batches (pipeline_runs {accumulation})")
+        settings["num_micro_batches"] = per_pipeline
+        settings["pipeline_runs"] = accumulation
+        return
     settings["num_micro_batches"] = micro_batches(
         training.src, gbs=gbs, dp=dp, mbs=local, gbs_field="training.global_batch_size",
         gbs_line=training.line("global_batch_size"), accumulation=per_pipeline,

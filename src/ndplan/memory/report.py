@@ -178,7 +178,7 @@ class MemoryReport:
         """The grads line's extra term where the runtime accumulates the embedding's gradient
         whole (``stages.whole_embedding_grad_extra``, on the embedding's stage)."""
         s = self.strategy
-        elements = float(whole_embedding_grad_extra(self.model, self.options.profile, s.tp, s.zero, s.num_micro_batches))
+        elements = float(whole_embedding_grad_extra(self.model, self.options.profile, s.tp, s.zero, s.micro_batches_per_step))
         if stage.stage != 0 or not elements:
             return ""
         extra = elements * s.precision.grad_bytes

@@ -61,6 +61,7 @@ PIPELINE_SHAPE = ("schedule", "pp", "vpp", "seq_chunks", "embedding_as_layer", "
 #: the runtime overhead read, and with them ``static_lower_bound`` (a test perturbs the others).
 STATIC_FIELDS = (
     *PIPELINE_SHAPE, "tp", "cp", "dp", "ep", "etp", "zero", "shard_group", "optimizer_offload", "num_micro_batches",
+    "pipeline_runs",
 )
 
 
@@ -1101,7 +1102,7 @@ def _evaluate_group(
             # DTensor: once a second micro-batch's embedding gradient is added, the accumulated
             # gradient is the whole table, not the rank's vocabulary shard.
             whole_embedding_extra = whole_embedding_grad_extra(
-                model, options.profile, batch.tp, batch.zero, batch.num_micro_batches) * width
+                model, options.profile, batch.tp, batch.zero, batch.micro_batches_per_step) * width
             value[:, 0] += whole_embedding_extra
             grads_virtual = value
             value = _to_stages(value, chunks)
@@ -1237,13 +1238,19 @@ def _evaluate_group(
     # unsharded gradients from its first backward on (accumulated in the reduce dtype), and no
     # sharded ones until then.
     deferred = zero3 & profile.pipeline_defers_fsdp_reduce & (virtual > 1)
+    # From a step's second pipeline run on, the gradients the first made are there from the run's
+    # start (the runs accumulate into them): static, and that run's peak is the step's. Under a
+    # deferred FSDP reduce those are the sharded ones, and each run makes its unsharded ones anew.
+    later_runs = (batch.pipeline_runs > 1) if grads_in_schedule else np.zeros(n, dtype=bool)
     extra: list[np.ndarray | None] | None = None
     if grads_in_schedule:
         per_grads = grads_virtual
         deferred_rows = np.flatnonzero(deferred)
-        if deferred_rows.size:
+        static_rows = np.flatnonzero(later_runs & ~deferred)
+        if deferred_rows.size or static_rows.size:
             per_grads = grads_virtual.copy()
             per_grads[deferred_rows] = (non_expert_total[deferred_rows] + expert_total[deferred_rows]) * grad_bytes
+            per_grads[static_rows] = 0.0
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
     has_moe = moe_per_stage > 0
@@ -1297,7 +1304,7 @@ def _evaluate_group(
     # table (the scatter of token gradients is dense) and adds it to the kept one; by then that
     # micro-batch's first-chunk activations are gone. FSDP gradients are new each micro-batch
     # and priced with its unit buffers.
-    accumulates = (batch.num_micro_batches > 1) & (batch.zero < 3)
+    accumulates = (batch.micro_batches_per_step > 1) & (batch.zero < 3)
     if profile.grads_created_in_backward and model.is_moe:
         # Likewise the fused experts' new gate_up gradient (one tensor for all local experts)
         # exists beside the kept one until it is added, with the output gradient it is computed
@@ -1404,7 +1411,7 @@ def _evaluate_group(
         def pick(values: Any) -> np.ndarray:
             return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
 
-        made_by_now = (batch.num_micro_batches == 1) & ~deferred & grads_in_schedule
+        made_by_now = (batch.micro_batches_per_step == 1) & ~deferred & grads_in_schedule
         unit_parts: dict[str, tuple[Any, Any]] = {  # (non-expert, expert) elements of each FSDP unit
             "embedding": (table, 0.0),
             "dense": (layers.non_expert["dense"], layers.expert["dense"]),
@@ -1492,6 +1499,8 @@ def _evaluate_group(
     forward_backward = held_with_extra if device_only and held_with_extra is not held else held_with_extra.copy()
     if not grads_in_schedule:
         shape.combine_by_stage(forward_backward, out["grads"])
+    elif later_runs.any():
+        shape.combine_by_stage(forward_backward, out["grads"] * later_runs[:, None])
     shape.combine_by_stage(forward_backward, out["params"] + out["optimizer"])
     shape.combine_by_stage(forward_backward, out["comm"])
     if hands_over:
@@ -1501,7 +1510,7 @@ def _evaluate_group(
         # zero_grad(set_to_none=True): with one micro-batch the gradients appear during the
         # backward as the activations go, so the loss (all activations, no gradients) and the end
         # of the backward (all gradients, one layer's working set) are the two candidate peaks.
-        single = np.flatnonzero(batch.num_micro_batches == 1)  # priced on those rows alone
+        single = np.flatnonzero(batch.micro_batches_per_step == 1)  # priced on those rows alone
         if single.size:
             static_single, comm_single = static[single], out["comm"][single]
             loss_phase = expand(static_single - out["grads"][single]) + held[:, single]
@@ -1549,6 +1558,7 @@ def _evaluate_group(
         # made by that reduce, as not yet created; the categories then add up to the peak.
         rows = out["forward_backward"][deferred_rows]
         others = sum(out[name][deferred_rows] for name in ("params", "optimizer", "activations", "comm", "transient"))
+        others = others + out["grads"][deferred_rows] * later_runs[deferred_rows, None]  # a later run's
         out["comm"] = out["comm"].copy()
         out["comm"][deferred_rows] += np.maximum(rows - others, 0.0)
     return out

@@ -193,7 +193,8 @@ def explain_lines(r: TimeReport) -> list[str]:
     gemm_eff = rates.gemm_eff
     lines = [
         f"strategy: {s.short()} on {r.cluster.num_devices}× {dev.name}; {model.name}, seq {s.seq_length}, "
-        f"global batch {s.global_batch_size} = dp {s.dp} · mbs {s.micro_batch_size} · m {s.num_micro_batches}",
+        f"global batch {s.global_batch_size} = dp {s.dp} · mbs {s.micro_batch_size} · m {s.num_micro_batches}"
+        + (f" · pipeline runs {s.pipeline_runs}" if s.pipeline_runs > 1 else ""),
         f"GEMM rate = peak[{dtype}] · gemm_eff · min(1, min(M,N,K)/knee) · depth(R) = {rates.peak_flops / 1e12:,.1f} TFLOP/s · "
         f"{gemm_eff:.3f} (knee {r.efficiency.gemm_knee:.0f}; depth(R) = min(1, R/(R+{rates.depth_knee:.0f})·"
         f"({rates.depth_ref:.0f}+{rates.depth_knee:.0f})/{rates.depth_ref:.0f}), R the pass's reduction: K in F, N in B, M in W); "
@@ -251,18 +252,22 @@ def explain_lines(r: TimeReport) -> list[str]:
         p = pieces[name]
         total = {ps: float(np.asarray(p.total(ps)).reshape(-1)[0]) for ps in ("F", "B", "W")}
         lines.append(f"{label}: F {_ms(total['F'])}, B {_ms(total['B'])}, W {_ms(total['W'])}")
-    m = s.num_micro_batches
+    m, runs = s.num_micro_batches, s.pipeline_runs
     grouped = bool(s.shard_group and s.zero and s.shard_group < s.dp * s.cp)
     lines += [
         f"bottleneck stage {int(d['bottleneck_stage'])}: per micro-batch F {_ms(d['stage_forward_s'])}, "
         f"B {_ms(d['stage_backward_s'])}, W {_ms(d['stage_weight_grad_s'])}; p2p per transfer {_ms(d['p2p_s'])}",
-        f"pipeline ({s.schedule}, pp {s.pp}, vpp {s.vpp}, m {m}, simulated): makespan {_ms(d['makespan_s'])} = "
-        f"m·T* {_ms(m * (d['stage_forward_s'] + d['stage_backward_s'] + d['stage_weight_grad_s']))} + bubble "
+        f"pipeline ({s.schedule}, pp {s.pp}, vpp {s.vpp}, m {m}, simulated): makespan "
+        + (f"{_ms(d['makespan_s'])} = " if runs == 1 else
+           f"{_ms(d['makespan_s'])} = {runs} runs of the schedule, each {_ms(d['makespan_s'] / runs)}; together ")
+        + f"{'m·runs' if runs > 1 else 'm'}·T* "
+        f"{_ms(m * runs * (d['stage_forward_s'] + d['stage_backward_s'] + d['stage_weight_grad_s']))} + bubble "
         f"{_ms(d['bubble_s'])} + p2p on critical path {_ms(d['pp_s'])}",
         f"DP per step (grad {'all-reduce' if s.zero == 0 else 'reduce-scatter'} over "
         f"{f'shard_group = {s.shard_group}, all-reduced across {s.dp * s.cp // s.shard_group} groups' if grouped else f'dp·cp = {s.dp * s.cp}'}"
         f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}"
-        f"{f', {m} times (ZeRO-2)' if s.zero == 2 and m > 1 else ''}), exposed after the pipeline: "
+        f"{f', {m} times (ZeRO-2)' if s.zero == 2 and m > 1 else ''}"
+        f"{f'; once per pipeline run, {runs} times' if runs > 1 else ''}), exposed after the pipeline: "
         f"{_ms(d['dp_step_s'])}" + (f" (FSDP's per-layer gathers and reduces exposed inside the passes above: "
                                     f"{_ms(r.breakdown['comm_exposed']['dp'] - d['dp_step_s'])}, in the step's dp "
                                     f"term)" if s.zero == 3 else ""),

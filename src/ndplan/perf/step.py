@@ -98,7 +98,7 @@ _GROUP_KEYS = (
 _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_kind", "ulysses_degree",
                  "sequence_parallel", "recompute", "ep_overlap", "ep_pairing")
 #: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy.
-_STEP_FIELDS = ("dp", "tp", "cp", "ep", "etp", "zero", "recompute", "num_micro_batches", "seq_chunks")
+_STEP_FIELDS = ("dp", "tp", "cp", "ep", "etp", "zero", "recompute", "num_micro_batches", "pipeline_runs", "seq_chunks")
 #: Strategy fields the per-step DP and optimizer terms read (besides the stage's parameters).
 _DP_FIELDS = ("tp", "ep", "etp", "dp", "cp", "pp", "zero", "fsdp", "shard_group", "optimizer_offload")
 
@@ -385,7 +385,9 @@ def _price_group(
                                       + pr.per_pass[("rc_moe", pass_)][config[partial], None] * delta_m)
     f, b, w = stage["F"], stage["B"], stage["W"]
 
-    m, k = cols["num_micro_batches"], cols["seq_chunks"]
+    # A step runs the schedule ``runs`` times over m micro-batches each (gradient accumulation
+    # outside the pipeline): the makespan and its parts are one run's, paid ``runs`` times.
+    m, k, runs = cols["num_micro_batches"], cols["seq_chunks"], cols["pipeline_runs"]
     pp, vpp = layout.pp, layout.vpp
     per_mb = f + b + w
     star = np.argmax(per_mb, axis=1) if per_mb.shape[1] > 1 else np.zeros(g, dtype=np.int64)
@@ -410,7 +412,7 @@ def _price_group(
         if len(partial):
             at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
                                  + pr.per_cat[("rc_moe", cat)][config[partial]] * delta_m[np.arange(len(partial)), star[partial]])
-        out["compute_s" if cat == "compute" else f"{cat}_s"] = m * at_star
+        out["compute_s" if cat == "compute" else f"{cat}_s"] = (m * runs) * at_star
 
     # DP and optimizer: on the stage holding the most parameters per device, priced once per
     # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy.
@@ -443,14 +445,16 @@ def _price_group(
     # backward; the last one and the all-reduce across shard groups run as ZeRO-1's do.
     per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], window, share, pr.overlap.dp_grad_reduce)
     grad = np.where(cols["zero"] == 2, (m - 1) * per_micro_batch + grad, grad)
-    dp_step = grad + _exposed_step(gather_raw[dp_code], f[rows, heavy], share, pr.overlap.dp_param_gather)
+    # Each pipeline run ends in its own gradient reduce (the pipeline runtime syncs the gradients
+    # at a run's last backward); the parameters are gathered once, after the update.
+    dp_step = runs * grad + _exposed_step(gather_raw[dp_code], f[rows, heavy], share, pr.overlap.dp_param_gather)
     optimizer = optimizer_u[dp_code]
 
     out["dp_s"] = out["dp_s"] + dp_step
     out["dp_step_s"] = dp_step
-    out["pp_s"] = p2p_part
-    out["bubble_s"] = np.maximum(makespan - m * t_star - p2p_part, 0.0)
-    out["makespan_s"] = makespan
+    out["pp_s"] = runs * p2p_part
+    out["bubble_s"] = runs * np.maximum(makespan - m * t_star - p2p_part, 0.0)
+    out["makespan_s"] = runs * makespan
     out["optimizer_update_s"] = optimizer
     out["optimizer_s"] = optimizer + pr.eff.step_overhead_s
     out["stage_forward_s"] = f[rows, star]

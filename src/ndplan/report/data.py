@@ -421,7 +421,7 @@ def _stage_arrays(stage: Any) -> dict[str, list[Any]]:
 
 def simulate_timeline(strategy: Mapping[str, Any], compute_s: float | None = None,
                       durations: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """Simulate the strategy's pipeline schedule.
+    """Simulate one run of the strategy's pipeline schedule (a step runs it ``pipeline_runs`` times).
 
     With ``durations`` (the step-time model's per-micro-batch seconds of the bottleneck stage:
     ``stage_forward_s``, ``stage_backward_s``, ``stage_weight_grad_s``, ``p2p_s``) every stage
@@ -438,6 +438,9 @@ def simulate_timeline(strategy: Mapping[str, Any], compute_s: float | None = Non
     vpp = int(strategy.get("vpp") or 1)
     m = int(strategy.get("num_micro_batches") or 1)
     seq_chunks = int(strategy.get("seq_chunks") or 1)
+    # One run of the schedule: a step that runs it several times computes compute_s over them all.
+    runs = int(strategy.get("pipeline_runs") or 1)
+    compute_s = None if compute_s is None else compute_s / runs
     if durations is not None:
         sim = schedule_to_dict(simulate(
             schedule, pp, vpp, m, seq_chunks=seq_chunks, forward_s=durations["stage_forward_s"] / vpp,

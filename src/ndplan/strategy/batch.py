@@ -54,6 +54,7 @@ class StrategyBatch:
     recompute_layers: IntArray
     micro_batch_size: IntArray
     num_micro_batches: IntArray
+    pipeline_runs: IntArray
     global_batch_size: IntArray
     seq_length: IntArray
     precision: PrecisionPolicy = PRECISION_PRESETS["megatron-bf16"]
@@ -92,7 +93,8 @@ class StrategyBatch:
         else:
             arrays["etp"] = np.where(arrays["etp"] == 0, arrays["tp"], arrays["etp"])
         if "global_batch_size" not in columns:
-            arrays["global_batch_size"] = arrays["dp"] * arrays["micro_batch_size"] * arrays["num_micro_batches"]
+            arrays["global_batch_size"] = (arrays["dp"] * arrays["micro_batch_size"] * arrays["num_micro_batches"]
+                                           * arrays["pipeline_runs"])
         return cls(**arrays, precision=precision or defaults.precision, recompute_modules=tuple(recompute_modules),
                    offload_modules=tuple(offload_modules))
 
@@ -132,6 +134,11 @@ class StrategyBatch:
 
     def __len__(self) -> int:
         return int(self.dp.shape[0])
+
+    @property
+    def micro_batches_per_step(self) -> IntArray:
+        """Micro-batches a pipeline rank runs per step, over all its pipeline runs."""
+        return self.num_micro_batches * self.pipeline_runs
 
     def take(self, index: IntArray | slice) -> StrategyBatch:
         """The strategies at ``index`` (an integer array, a boolean mask, or a slice: views)."""

@@ -99,11 +99,22 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "global_batch",
-        lambda b, c: b.global_batch_size == b.dp * b.micro_batch_size * b.num_micro_batches,
+        lambda b, c: b.global_batch_size == b.dp * b.micro_batch_size * b.micro_batches_per_step,
         lambda s, c: (
             f"global_batch_size={s.global_batch_size} is not dp·micro_batch_size·num_micro_batches = "
             f"{s.dp}·{s.micro_batch_size}·{s.num_micro_batches} = {s.dp * s.micro_batch_size * s.num_micro_batches}"
+            if s.pipeline_runs == 1 else
+            f"global_batch_size={s.global_batch_size} is not dp·micro_batch_size·num_micro_batches·pipeline_runs = "
+            f"{s.dp}·{s.micro_batch_size}·{s.num_micro_batches}·{s.pipeline_runs} = "
+            f"{s.dp * s.micro_batch_size * s.micro_batches_per_step}"
         ),
+    ),
+    Rule(
+        "pipeline_runs_need_pipeline",
+        lambda b, c: (b.pipeline_runs == 1) | (b.pp > 1),
+        lambda s, c: (f"pipeline_runs={s.pipeline_runs} needs a pipeline (pp > 1); without one a step is "
+                      f"{s.micro_batches_per_step} micro-batches one after another: "
+                      f"num_micro_batches={s.micro_batches_per_step}, pipeline_runs=1"),
     ),
     Rule(
         "tp_divides_heads",

@@ -76,8 +76,11 @@ class Strategy(BaseModel):
     Degrees: ``dp`` data, ``tp`` tensor, ``pp`` pipeline, ``cp`` context; the world is
     dp·tp·pp·cp. Experts are laid out over the same dp·tp·cp ranks of a stage ("MoE parallel
     folding"): ``ep`` expert-parallel and ``etp`` expert-tensor-parallel (default: tp).
-    Batch: ``global_batch_size`` = dp · ``micro_batch_size`` · ``num_micro_batches`` sequences of
-    ``seq_length`` tokens. ``zero`` is the ZeRO stage over the dp·cp ranks (1: optimizer states,
+    Batch: ``global_batch_size`` = dp · ``micro_batch_size`` · ``num_micro_batches`` ·
+    ``pipeline_runs`` sequences of ``seq_length`` tokens: the pipeline schedule runs
+    ``pipeline_runs`` times a step, each run over ``num_micro_batches`` micro-batches (gradient
+    accumulation outside the schedule, as torchtitan and NeMo AutoModel do with a pipeline; Megatron
+    schedules every micro-batch of a step in one run: 1). ``zero`` is the ZeRO stage over the dp·cp ranks (1: optimizer states,
     2: + gradients, 3: + parameters; Megatron's distributed optimizer is ZeRO-1); ``fsdp`` says the
     sharding is torch FSDP, and ``shard_group`` limits it to groups of that many ranks (HSDP).
     ``recompute_layers`` limits full/selective recompute to that many layers per (virtual) stage.
@@ -122,8 +125,10 @@ class Strategy(BaseModel):
         default=(), description="modules whose saved activations go to host memory (Megatron-Core's --offload-modules)")
 
     micro_batch_size: int = Field(default=1, ge=1)
-    num_micro_batches: int = Field(default=1, ge=1)
-    global_batch_size: int = Field(default=0, ge=0, description="0: dp·micro_batch_size·num_micro_batches")
+    num_micro_batches: int = Field(default=1, ge=1, description="micro-batches per pipeline run")
+    pipeline_runs: int = Field(default=1, ge=1, description="pipeline schedule runs per step (accumulated)")
+    global_batch_size: int = Field(default=0, ge=0,
+                                   description="0: dp·micro_batch_size·num_micro_batches·pipeline_runs")
     seq_length: int = Field(default=4096, ge=1)
 
     precision: PrecisionPolicy = PRECISION_PRESETS["megatron-bf16"]
@@ -145,6 +150,7 @@ class Strategy(BaseModel):
             try:
                 data["global_batch_size"] = (
                     int(data.get("dp", 1)) * int(data.get("micro_batch_size", 1)) * int(data.get("num_micro_batches", 1))
+                    * int(data.get("pipeline_runs", 1))
                 )
             except (TypeError, ValueError):
                 pass  # the field validators name the bad value
@@ -187,6 +193,11 @@ class Strategy(BaseModel):
         return self.pp * self.vpp
 
     @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches a pipeline rank runs per step, over all its pipeline runs."""
+        return self.num_micro_batches * self.pipeline_runs
+
+    @property
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch_size * self.seq_length
 
@@ -205,7 +216,9 @@ class Strategy(BaseModel):
         if self.zero:
             parts.append(("fsdp" if self.fsdp else "zero") + str(self.zero))
         # Seq1F1B's chunks per sequence: seq1f1b/4 splits each sequence in four
-        parts += [f"mbs{self.micro_batch_size}", f"m{self.num_micro_batches}",
+        # m8x2: two pipeline runs of eight micro-batches each per step
+        parts += [f"mbs{self.micro_batch_size}",
+                  f"m{self.num_micro_batches}" + (f"x{self.pipeline_runs}" if self.pipeline_runs > 1 else ""),
                   self.schedule + (f"/{self.seq_chunks}" if self.seq_chunks > 1 else "")]
         if self.recompute != "none":
             # rc-full:2 recomputes the first two layers of each virtual stage
