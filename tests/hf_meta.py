@@ -36,7 +36,10 @@ def meta_block_counts(config: dict[str, Any]) -> Counter[str]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = {k: v for k, v in config.items() if k not in {"model_type", "architectures", "auto_map"}}
-    hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    # Kimi K2's own model_type runs DeepSeek-V3's modeling code (its remote code), which
+    # transformers ships as deepseek_v3.
+    model_type = {"kimi_k2": "deepseek_v3"}.get(config["model_type"], config["model_type"])
+    hf_config = AutoConfig.for_model(model_type, **fields)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     counts: Counter[str] = Counter()

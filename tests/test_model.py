@@ -181,3 +181,14 @@ def test_qwen2_moe_without_qkv_bias_counts_as_transformers_builds_it():
     assert {k: v for k, v in ours.items() if v} == dict(meta_block_counts(config))
     with_bias = count_parameters(get_preset("qwen1.5-moe-a2.7b")).total
     assert with_bias - count_parameters(spec_from_hf_config(config, name="no-bias")).total == 24 * 3 * 2048
+
+
+def test_kimi_k2_reads_as_deepseek_v3_architecture():
+    """Kimi K2's config (model_type kimi_k2) is DeepSeek-V3's architecture: one dense layer, 384
+    routed experts, 64 MLA heads, no MTP. Its model card rounds to 1T total, 32B activated (the
+    activated count without the embedding, as DeepSeek's card counts its 37B)."""
+    spec = get_preset("kimi-k2")
+    counts = count_parameters(spec)
+    assert spec.is_mla and spec.mtp_depth == 0 and spec.layer_mlp_kinds[:2] == ("dense", "moe")
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.num_attention_heads) == (384, 8, 64)
+    assert round(counts.total / 1e12) == 1 and round((counts.active - counts.embedding) / 1e9) == 32

@@ -295,6 +295,9 @@ READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe,
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
+    # Moonshot's Kimi K2 ships its own model_type with DeepSeek-V3's architecture and code
+    # (architectures DeepseekV3ForCausalLM, loaded with trust_remote_code).
+    "kimi_k2": _deepseek,
     "gpt_oss": _gpt_oss,
 }
 
