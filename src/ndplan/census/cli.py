@@ -91,8 +91,8 @@ def cmd_census(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- strategy flags
-_FLAG_KEYS = ("dp", "tp", "pp", "vpp", "schedule", "mbs", "num_micro_batches", "seq", "zero", "fsdp", "recompute",
-              "precision", "reshard")
+_FLAG_KEYS = ("dp", "tp", "pp", "vpp", "schedule", "mbs", "num_micro_batches", "pipeline_runs", "seq", "zero", "fsdp",
+              "recompute", "precision", "reshard")
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +107,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         par.add_argument(f"--{flag}", type=int, help=text)
     par.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
     par.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
-    par.add_argument("--num-micro-batches", type=int, help="micro-batches per step (default 1)")
+    par.add_argument("--num-micro-batches", type=int, help="micro-batches per pipeline run (default 1)")
+    par.add_argument("--pipeline-runs", type=int,
+                     help="runs of the pipeline schedule per step, gradients accumulated (default 1; needs --pp > 1)")
     par.add_argument("--seq", type=int, help="sequence length (default 4096)")
     par.add_argument("--zero", type=int, choices=[0, 3], help="0: no sharding; 3: FSDP2")
     par.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 fully_shard over dp (zero 3)")

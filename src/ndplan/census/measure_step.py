@@ -982,10 +982,13 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
             kwargs: dict[str, Any] = {"return_outputs": False}
             if target is not None:
                 kwargs["target"] = target
-            if inputs is not None:
-                schedule.step(inputs, **kwargs)
-            else:
-                schedule.step(**kwargs)
+            # A step of several pipeline runs (gradient accumulation outside the schedule, as
+            # torchtitan's train step): the same schedule again, adding to the same gradients.
+            for _ in range(s.pipeline_runs):
+                if inputs is not None:
+                    schedule.step(inputs, **kwargs)
+                else:
+                    schedule.step(**kwargs)
             del inputs, target, kwargs
         E.collect()
         tracker.begin("optimizer")
