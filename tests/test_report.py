@@ -510,3 +510,18 @@ def test_stacked_memory_bars_sum_to_the_peak_when_gradients_are_not_all_made(arg
     for stage in prepare(data)["memory"][0]["stages"]:
         assert sum(stage["categories"].values()) == pytest.approx(stage["peak_bytes"], rel=1e-9)
         assert sum(stage["kinds"].values()) == pytest.approx(stage["peak_bytes"], rel=1e-9)
+
+
+def test_timeline_draws_one_of_several_pipeline_runs() -> None:
+    from ndplan.report.data import simulate_timeline, strategy_short
+
+    strategy = Strategy(dp=2, pp=4, num_micro_batches=8, pipeline_runs=3).model_dump(mode="json")
+    assert strategy_short(strategy).endswith("m8x3")
+    one_run = simulate_timeline({**strategy, "pipeline_runs": 1}, compute_s=2.0)
+    three = simulate_timeline(strategy, compute_s=6.0)  # the step's compute, over its three runs
+    assert three["how"] == "scaled" and max(three["busy_s"]) == pytest.approx(2.0)
+    assert three["makespan_s"] == pytest.approx(one_run["makespan_s"])
+    from ndplan.report.html import timeline_spec
+
+    assert "(one of the step's 3 runs)" in timeline_spec(three)["title"]
+    assert "runs" not in timeline_spec(one_run)["title"]

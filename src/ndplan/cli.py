@@ -328,7 +328,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
     console.print(f"step {base_cost.step_s:.3f} s → {result.cost.step_s:.3f} s "
                   f"({_faster(base_cost.step_s, result.cost.step_s)}{unfit}), composed from the stage times; the "
                   f"pipeline simulator gives {result.simulated_s[0]:.3f} s → {result.simulated_s[1]:.3f} s "
-                  f"({_faster(*result.simulated_s)})")
+                  f"({_faster(*result.simulated_s)})"
+                  + (f"; both of one pipeline run, {strategy.pipeline_runs} a step" if strategy.pipeline_runs > 1 else ""))
     if result.settings is not None:
         # --emit (and frameworks generally) take one recompute setting, not a per-layer mix.
         plan, cost, simulated = result.settings

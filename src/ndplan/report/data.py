@@ -151,7 +151,8 @@ def strategy_short(strategy: Mapping[str, Any]) -> str:
         parts.append(f"mbs{mbs}")
     m = strategy.get("num_micro_batches")
     if m is not None:
-        parts.append(f"m{m}")
+        runs = int(strategy.get("pipeline_runs") or 1)
+        parts.append(f"m{m}" + (f"x{runs}" if runs > 1 else ""))
     return " ".join(parts)
 
 
@@ -449,6 +450,7 @@ def simulate_timeline(strategy: Mapping[str, Any], compute_s: float | None = Non
         ))
         sim["unit"] = "s"
         sim["how"] = "durations"
+        sim["pipeline_runs"] = runs
         return sim
     sim = schedule_to_dict(simulate(schedule, pp, vpp, m, seq_chunks=seq_chunks))
     busiest = max(sim["busy_s"]) if sim["busy_s"] else 0.0
@@ -464,6 +466,7 @@ def simulate_timeline(strategy: Mapping[str, Any], compute_s: float | None = Non
     else:
         sim["unit"] = "forward"
         sim["how"] = "ratios"
+    sim["pipeline_runs"] = runs
     return sim
 
 

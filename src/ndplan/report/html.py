@@ -167,7 +167,8 @@ def timeline_spec(tl: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "type": "gantt",
         "title": f"Pipeline timeline: {tl['schedule']}, pp={tl['pp']}, vpp={vpp}, "
-                 f"{tl['num_micro_batches']} micro-batches",
+                 f"{tl['num_micro_batches']} micro-batches"
+                 + (f" (one of the step's {tl['pipeline_runs']} runs)" if int(tl.get("pipeline_runs") or 1) > 1 else ""),
         "xlabel": xlabel, "unit": unit, "makespan": round(makespan, decimals), "vpp": vpp, "kinds": kinds,
         "colors": [[style.chunk_color(k, c, vpp) for c in range(vpp)] for k in kinds],
         "rows": rows, "legend": legend,

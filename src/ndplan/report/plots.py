@@ -222,8 +222,10 @@ def _draw_timeline(fig: Any, tl: Mapping[str, Any], context: str) -> None:
     seconds = tl.get("unit", "s") == "s"
     ax.set_xlabel("time from the start of the step (s)" if seconds else "time (unit: one micro-batch forward)")
     ax.spines[["top", "right"]].set_visible(False)
+    runs = int(tl.get("pipeline_runs") or 1)
     ax.set_title(f"Pipeline timeline: {tl['schedule']}, pp={tl['pp']}, vpp={vpp}, {tl['num_micro_batches']} "
-                 f"micro-batches; bubble {100 * tl['bubble_fraction']:.1f}%", fontsize=11)
+                 f"micro-batches{f' (one of {runs} runs)' if runs > 1 else ''}; bubble {100 * tl['bubble_fraction']:.1f}%",
+                 fontsize=11)
     if context:
         fig.suptitle(context, fontsize=11.5, fontweight="bold")
 
