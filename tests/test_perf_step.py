@@ -893,3 +893,41 @@ def test_pipeline_runs_repeat_the_schedule_and_its_gradient_reduce():
     assert report.step_s == pytest.approx(two["step_s"][0], rel=0.05)
     text = "\n".join(report.explain())
     assert "2 runs of the schedule, each" in text and "pipeline runs 2" in text and "once per pipeline run, 2 times" in text
+
+
+def test_a_pipeline_that_defers_fsdps_reduce_reduces_once_a_run():
+    """torch.distributed.pipelining (the pytorch runtime) runs every micro-batch's backward
+    without FSDP's reduce and reduces a chunk's gradients after its last backward, exposed; where
+    parameters stay gathered after forward it gathers them once a run. So: no FSDP traffic in the
+    passes, a per-step DP term that grows with the runs and not with the micro-batches. Without
+    the deferral (Megatron's FSDP) every micro-batch reduces inside its backward."""
+    cluster = _cluster(32)
+    deferred = {"pipeline_defers_fsdp_reduce": True}
+
+    def price(m: int = 4, runs: int = 1, reshard: bool = False, software: dict | None = None,
+              overlap: OverlapConfig | None = None) -> dict[str, float]:
+        s = Strategy(dp=16, pp=2, zero=3, fsdp=True, reshard_after_forward=reshard, num_micro_batches=m,
+                     pipeline_runs=runs, seq_length=4096)
+        out = evaluate(LLAMA8, StrategyBatch.of(s), cluster, details=True, software=software, overlap=overlap)
+        return {k: float(v[0]) for k, v in out.items()}
+
+    kept = price(software=deferred)
+    assert kept["dp_step_s"] > 0 and kept["dp_s"] == pytest.approx(kept["dp_step_s"], rel=1e-12)  # nothing per pass
+    assert price(m=8, software=deferred)["dp_step_s"] == pytest.approx(kept["dp_step_s"], rel=1e-12)
+    assert price(runs=2, software=deferred)["dp_step_s"] == pytest.approx(2 * kept["dp_step_s"], rel=1e-12)
+    # Resharding after forward: gathers every pass again (in the passes), the reduce still once a run.
+    resharded = price(reshard=True, software=deferred)
+    assert resharded["dp_step_s"] < kept["dp_step_s"] and resharded["dp_s"] >= resharded["dp_step_s"]
+    # Megatron's FSDP: the reduce-scatters ride in every micro-batch's backward (hidden under it by
+    # default; exposed without prefetch, twice as long for twice the micro-batches), none per step.
+    assert price()["dp_step_s"] == 0.0
+    exposed = OverlapConfig(fsdp_prefetch=False)
+    assert price(m=8, overlap=exposed)["dp_s"] == pytest.approx(2 * price(overlap=exposed)["dp_s"], rel=1e-12)
+    # The pytorch runtime states the fact; Megatron's does not; --explain says it.
+    from ndplan.memory import MemoryOptions
+
+    assert MemoryOptions(runtime="pytorch").time_keywords()["software"]["pipeline_defers_fsdp_reduce"] is True
+    assert MemoryOptions(runtime="megatron").time_keywords()["software"]["pipeline_defers_fsdp_reduce"] is False
+    s = Strategy(dp=16, pp=2, zero=3, fsdp=True, reshard_after_forward=False, num_micro_batches=4, seq_length=4096)
+    text = "\n".join(estimate_time(LLAMA8, s, cluster, software=deferred).explain())
+    assert "the pipeline defers FSDP's reduce" in text and "parameters gathered once a run" in text

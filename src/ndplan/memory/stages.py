@@ -120,6 +120,7 @@ class MemoryOptions:
                                     "window_kernel": not (self.attention == "sdpa"
                                                           and "sdpa_masked" in self.profile.blocks)}
         software.update(self.profile.kernels)
+        software["pipeline_defers_fsdp_reduce"] = self.profile.pipeline_defers_fsdp_reduce
         if self.moe_imbalance != 1.0:  # the busiest rank computes and receives as much more as it holds
             software["moe_imbalance"] = self.moe_imbalance
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,

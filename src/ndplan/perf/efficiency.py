@@ -122,6 +122,13 @@ class EfficiencyProfile(BaseModel):
     fused Adam, torch's fused=True); 'foreach' is torch.optim.AdamW(foreach=True), eight
     multi-tensor kernels that each read and write whole tensors (step.py counts their bytes).
 
+    FSDP under a pipeline: ``pipeline_defers_fsdp_reduce`` (torch.distributed.pipelining, the
+    ``pytorch`` runtime's fact) runs every micro-batch's backward without gradient sync or
+    resharding and reduces each chunk's gradients once, after its last backward
+    (``perform_reduce_grad``, which makes the compute stream wait for the reduce): no reduce-scatter
+    per micro-batch, one exposed per run; and parameters gathered for a run stay gathered until
+    then, so without resharding after forward they are gathered once a run, not per micro-batch.
+
     Host link (PCIe or equivalent): copies to and from pinned host memory move at
     ``host_link_bandwidth · host_link_efficiency`` per direction (activation and optimizer
     offload). 0.8 is an assumption, not a measurement: pinned copies reach about 80-85% of a
@@ -139,6 +146,7 @@ class EfficiencyProfile(BaseModel):
     grouped_gemm_factor: float = Field(default=0.9, gt=0.0, le=1.0)
     expert_gemm: Literal["per-expert", "grouped"] = "per-expert"
     optimizer_kernel: Literal["fused", "foreach"] = "fused"
+    pipeline_defers_fsdp_reduce: bool = False
     optimizer_efficiency: Fraction | None = None
     attention_efficiency: Fraction
     masked_attention_efficiency: Fraction | None = None
@@ -367,7 +375,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 
 #: The figures that describe the software rather than the device: what a runtime states of itself.
 SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "elementwise_passes",
-                   "expert_gemm", "optimizer_kernel", "fp8_cast_bytes")
+                   "expert_gemm", "optimizer_kernel", "fp8_cast_bytes", "pipeline_defers_fsdp_reduce")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

@@ -334,7 +334,10 @@ def _fsdp_seconds(
     ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float
 ) -> tuple[Array | float, Array | float]:
     """(forward, backward) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces
-    (its non-expert parameters per tensor-parallel rank, its routed experts per ep·etp rank)."""
+    per micro-batch (its non-expert parameters per tensor-parallel rank, its routed experts per
+    ep·etp rank). Under a pipeline that defers FSDP's reduce (``pipeline_defers_fsdp_reduce``)
+    a micro-batch reduces nothing, and without resharding after forward gathers nothing either:
+    both come once a run (``step._dp_raw``)."""
     t, e, x = cols["tp"], cols["ep"], cols["etp"]
     sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
     shard, edp = _fsdp_groups(cols)
@@ -348,8 +351,10 @@ def _fsdp_seconds(
     if expert:  # a piece without experts runs no expert collectives (not even their latencies)
         ag = ag + coll.all_gather_s(ex * gather, edp, ex_link)
         rs = rs + coll.reduce_scatter_s(ex * grad, edp, ex_link)
-    forward = np.where(sharded, ag, 0.0)
-    backward = np.where(sharded, np.where(cols["reshard_after_forward"] > 0, ag, 0.0) + rs, 0.0)
+    reshard = cols["reshard_after_forward"] > 0
+    deferred = (cols["pp"] > 1) & ctx.eff.pipeline_defers_fsdp_reduce
+    forward = np.where(sharded & (reshard | ~deferred), ag, 0.0)
+    backward = np.where(sharded, np.where(reshard, ag, 0.0) + np.where(deferred, 0.0, rs), 0.0)
     return forward, backward
 
 

@@ -253,6 +253,7 @@ def explain_lines(r: TimeReport) -> list[str]:
         total = {ps: float(np.asarray(p.total(ps)).reshape(-1)[0]) for ps in ("F", "B", "W")}
         lines.append(f"{label}: F {_ms(total['F'])}, B {_ms(total['B'])}, W {_ms(total['W'])}")
     m, runs = s.num_micro_batches, s.pipeline_runs
+    deferred = s.zero == 3 and s.pp > 1 and r.efficiency.pipeline_defers_fsdp_reduce
     grouped = bool(s.shard_group and s.zero and s.shard_group < s.dp * s.cp)
     lines += [
         f"bottleneck stage {int(d['bottleneck_stage'])}: per micro-batch F {_ms(d['stage_forward_s'])}, "
@@ -268,9 +269,14 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}"
         f"{f', {m} times (ZeRO-2)' if s.zero == 2 and m > 1 else ''}"
         f"{f'; once per pipeline run, {runs} times' if runs > 1 else ''}), exposed after the pipeline: "
-        f"{_ms(d['dp_step_s'])}" + (f" (FSDP's per-layer gathers and reduces exposed inside the passes above: "
-                                    f"{_ms(r.breakdown['comm_exposed']['dp'] - d['dp_step_s'])}, in the step's dp "
-                                    f"term)" if s.zero == 3 else ""),
+        f"{_ms(d['dp_step_s'])}" + (
+            (" (the pipeline defers FSDP's reduce: each chunk's gradients reduce-scattered once a run, after its "
+             "last backward, the compute stream waiting for it"
+             + ("; parameters gathered once a run, kept gathered between micro-batches" if not s.reshard_after_forward
+                else "") + ")" if deferred else "")
+            + (f" (FSDP's per-layer gathers and reduces exposed inside the passes above: "
+               f"{_ms(r.breakdown['comm_exposed']['dp'] - d['dp_step_s'])}, in the step's dp term)"
+               if s.zero == 3 else "")),
         f"optimizer (Adam over the local shard, {r.efficiency.optimizer_kernel}: "
         f"{optimizer_bytes_per_param(s.precision, r.efficiency.optimizer_kernel):g} B per parameter with clipping, at "
         f"HBM · {r.efficiency.figure('optimizer_efficiency'):.2f} = "

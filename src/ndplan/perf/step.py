@@ -100,7 +100,8 @@ _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_
 #: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy.
 _STEP_FIELDS = ("dp", "tp", "cp", "ep", "etp", "zero", "recompute", "num_micro_batches", "pipeline_runs", "seq_chunks")
 #: Strategy fields the per-step DP and optimizer terms read (besides the stage's parameters).
-_DP_FIELDS = ("tp", "ep", "etp", "dp", "cp", "pp", "zero", "fsdp", "shard_group", "optimizer_offload")
+_DP_FIELDS = ("tp", "ep", "etp", "dp", "cp", "pp", "zero", "fsdp", "shard_group", "optimizer_offload",
+              "reshard_after_forward")
 
 
 def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile) -> ComputeRates:
@@ -192,12 +193,14 @@ def piece_params(model: ModelSpec) -> dict[str, tuple[float, float, float]]:
     return out
 
 
-def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = False) -> tuple[Array, Array]:
+def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = False,
+                           defers_fsdp_reduce: bool = False) -> tuple[Array, Array]:
     """(first row of each distinct layer configuration, the configuration code of every row).
 
     FSDP's data-parallel size and shard group only matter when parameters are sharded, so they
     are zeroed otherwise; whether the schedule splits the backward only under full recompute
-    with ``weight_grad_rebuilds`` (W's rebuilds, ``layer.decoder_layer``).
+    with ``weight_grad_rebuilds`` (W's rebuilds, ``layer.decoder_layer``); whether a pipeline
+    defers FSDP's reduce only where it does (``defers_fsdp_reduce``, ``layer._fsdp_seconds``).
     """
     sharded = (ints["zero"] >= 3) | (ints["fsdp"] > 0)
     rebuilt = np.isin(ints["schedule"], SPLIT_SCHEDULE_CODES) & (ints["recompute"] == 2) & weight_grad_rebuilds
@@ -207,6 +210,7 @@ def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = 
         ints["dp"] * ints["cp"] * sharded,
         ints["shard_group"] * sharded,
         ints["reshard_after_forward"] * sharded,
+        sharded & (ints["pp"] > 1) & defers_fsdp_reduce,
     ]
     config, count = row_codes(columns)
     return first_of_codes(config, count), config
@@ -265,12 +269,15 @@ def optimizer_bytes_per_param(precision: PrecisionPolicy, kernel: str, clip: boo
 
 def _dp_raw(
     batch: StrategyBatch, c: dict[str, Array], ne: Array, ex: Array, fabric: Fabric, optimizer_rate: float,
-    host_bw: float, cpu_params_per_s: float, foreach: bool = False,
+    host_bw: float, cpu_params_per_s: float, foreach: bool = False, defers_fsdp_reduce: bool = False,
 ) -> tuple[Array, Array, Array, Array]:
     """(gradient collectives, the part of them across shard groups, parameter all-gather,
-    optimizer) seconds per step, before overlap,
+    optimizer) seconds, before overlap,
     of a stage holding ``ne`` non-expert and ``ex`` expert parameters per device; the update moves
-    its bytes at ``optimizer_rate`` (``foreach``: torch's multi-kernel AdamW, else a fused one)."""
+    its bytes at ``optimizer_rate`` (``foreach``: torch's multi-kernel AdamW, else a fused one).
+    The gradient collectives come once per pipeline run, the rest once per step; but FSDP under a
+    pipeline that defers its reduce (``defers_fsdp_reduce``) reduce-scatters the stage's gradients
+    once per run and, without resharding after forward, gathers its parameters once per run."""
     prec = batch.precision
     t, e, x = c["tp"], c["ep"], c["etp"]
     replicas = c["dp"] * c["cp"]
@@ -296,6 +303,12 @@ def _dp_raw(
               + np.where(experts, coll.all_gather_s(ex * prec.param_bytes, expert_shard, ex_link), 0.0))
     grad = np.where(sharded3, cross, np.where(zero == 0, all_reduce, reduce_scatter + cross))
     params_ag = np.where((zero >= 1) & ~sharded3, gather, 0.0)
+    if defers_fsdp_reduce:
+        deferred = sharded3 & (c["pp"] > 1)
+        grad = np.where(deferred, reduce_scatter + cross, grad)
+        fsdp_gather = (coll.all_gather_s(ne * prec.param_gather_bytes, shard, ne_link)
+                       + np.where(experts, coll.all_gather_s(ex * prec.param_gather_bytes, expert_shard, ex_link), 0.0))
+        params_ag = np.where(deferred & (c["reshard_after_forward"] == 0), fsdp_gather, params_ag)
 
     local = ne / np.where(zero >= 1, shard, 1.0) + ex / np.where(zero >= 1, expert_shard, 1.0)
     per_param = optimizer_bytes_per_param(prec, "foreach" if foreach else "fused")
@@ -436,7 +449,7 @@ def _price_group(
     grad_raw, cross_raw, gather_raw, optimizer_u = _dp_raw(
         pr.batch, cu, split_stage[heavy_u] / cu["tp"] + whole_stage[heavy_u], ex_stage[heavy_u] / (cu["ep"] * cu["etp"]),
         pr.fabric, pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
-        foreach=pr.eff.optimizer_kernel == "foreach",
+        foreach=pr.eff.optimizer_kernel == "foreach", defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce,
     )
     share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy], 1.0)
     window = b[rows, heavy] + w[rows, heavy]
@@ -445,9 +458,18 @@ def _price_group(
     # backward; the last one and the all-reduce across shard groups run as ZeRO-1's do.
     per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], window, share, pr.overlap.dp_grad_reduce)
     grad = np.where(cols["zero"] == 2, (m - 1) * per_micro_batch + grad, grad)
+    gather = _exposed_step(gather_raw[dp_code], f[rows, heavy], share, pr.overlap.dp_param_gather)
+    if pr.eff.pipeline_defers_fsdp_reduce and pp > 1:
+        # FSDP under torch.distributed.pipelining: a chunk's reduce runs after its last backward
+        # and the compute stream waits for it (exposed); a run's gathers, where parameters stay
+        # gathered, come before its first forward, prefetched unit by unit (the first exposed).
+        deferred = cols["zero"] >= 3
+        grad = np.where(deferred, grad_raw[dp_code], grad)
+        gather = np.where(deferred, runs * _exposed_step(gather_raw[dp_code], f[rows, heavy], share,
+                                                          pr.overlap.fsdp_prefetch), gather)
     # Each pipeline run ends in its own gradient reduce (the pipeline runtime syncs the gradients
-    # at a run's last backward); the parameters are gathered once, after the update.
-    dp_step = runs * grad + _exposed_step(gather_raw[dp_code], f[rows, heavy], share, pr.overlap.dp_param_gather)
+    # at a run's last backward); ZeRO-1/2 gather the parameters once, after the update.
+    dp_step = runs * grad + gather
     optimizer = optimizer_u[dp_code]
 
     out["dp_s"] = out["dp_s"] + dp_step
@@ -498,7 +520,7 @@ def evaluate(
     ints = {name: getattr(batch, name) for name in StrategyBatch.array_fields()}
     ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
     ints["ep_unpaired"], ints["ep_passes"], ints["ep_pairing"] = ep_pairing(model, batch, ints["ep_overlap"])
-    first, config = distinct_layer_configs(ints, weight_grad_rebuilds)
+    first, config = distinct_layer_configs(ints, weight_grad_rebuilds, eff.pipeline_defers_fsdp_reduce)
     ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules,
                        batch.offload_modules)
     pieces = piece_times(ctx, {name: v[first].astype(np.float64) for name, v in ints.items()})
