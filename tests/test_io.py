@@ -189,6 +189,15 @@ def test_torchtitan_llama3_fsdp_tp_pp():
     assert (s.micro_batch_size, s.num_micro_batches, s.pipeline_runs, s.global_batch_size, s.seq_length) == (
         1, 16, 8, 1024, 8192)
     assert any("8 gradient-accumulation steps, each one run of the pipeline schedule over 16" in n for n in result.notes)
+    # The runs follow the data-parallel degree and the global batch, known later or changed by flags:
+    # a run's micro-batches are the local batch's.
+    unsized = read_config(fixture("torchtitan_llama3_70b.toml"))
+    assert unsized.strategy(256).short() == s.short()
+    from ndplan.cli_args import strategy_from_settings
+
+    for flags, short in (({"devices": 256, "gbs": 512}, "m16x4"), ({"devices": 512}, "m16x4"), ({"dp": 8}, "m16x8")):
+        merged = merge_settings(unsized, flags)
+        assert short in strategy_from_settings(merged).short(), flags
     assert s.recompute == "full" and s.precision.name == "fsdp-bf16"
     # enable_async_tensor_parallel = true: the TP collectives overlap their GEMMs in the step time.
     assert result.runtime_settings == {"loss_parallel": True, "overlap": {"preset": "torchtitan", "tp": True}}

@@ -112,6 +112,7 @@ def test_malformed_measurement_names_the_field(patch: dict, needle: str) -> None
     (Strategy(precision="fsdp-bf16"), "needs --fsdp"),
     (Strategy(pp=2, schedule="zb-h1", precision="bf16-pure"), "zb-h1"),
     (Strategy(dp=2, zero=1, precision="bf16-pure"), "zero=1"),
+    (Strategy(num_micro_batches=2, pipeline_runs=2, precision="bf16-pure"), "num_micro_batches=4"),
 ])
 def test_unmeasurable_strategies_are_refused(strategy: Strategy, needle: str) -> None:
     with pytest.raises(NdplanError, match=needle):

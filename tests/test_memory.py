@@ -684,3 +684,16 @@ def test_a_later_pipeline_run_starts_with_the_gradients_the_first_made(runtime):
         assert b.activations_bytes == a.activations_bytes
         added = a.grads_bytes if runtime == "pytorch" else 0.0
         assert a.grads_bytes > 0 and b.forward_backward_bytes == a.forward_backward_bytes + added
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), [("1f1b", 1), ("interleaved", 2), ("zbv", 2)])
+def test_fsdp_under_a_pipeline_holds_its_sharded_gradients_from_the_second_run(schedule, vpp):
+    """torch.distributed.pipelining defers FSDP's reduce to a run's end: in the first run a stage
+    holds its unsharded gradients (in comm) and no sharded ones; from the second run the sharded
+    ones the first run's reduce made stay beside them. The peak grows by exactly those."""
+    model = get_preset("llama-3.1-8b")
+    one, two = (estimate(model, Strategy(dp=4, pp=2, vpp=vpp, schedule=schedule, zero=3, fsdp=True, num_micro_batches=4,
+                                         pipeline_runs=runs, seq_length=4096), options=NO_OVERHEAD) for runs in (1, 2))
+    for a, b in zip(one.stages, two.stages, strict=True):
+        assert b.comm_bytes == a.comm_bytes and b.grads_bytes == a.grads_bytes > 0
+        assert b.forward_backward_bytes == a.forward_backward_bytes + a.grads_bytes

@@ -885,6 +885,12 @@ def test_pipeline_runs_repeat_the_schedule_and_its_gradient_reduce():
         assert two[part][0] == pytest.approx((1 if part == "optimizer_s" else 2) * one[part][0], rel=1e-12), part
     assert two["step_s"][0] == pytest.approx(2 * one["step_s"][0] - one["optimizer_s"][0], rel=1e-12)
     assert two["model_flops"][0] == pytest.approx(2 * one["model_flops"][0], rel=1e-12)
+    # ZeRO-1: each run reduce-scatters its gradients, the parameters are gathered once a step.
+    sharded = [evaluate(LLAMA8, StrategyBatch.of(Strategy(dp=8, pp=4, zero=1, num_micro_batches=4, pipeline_runs=r,
+                                                           seq_length=4096)), cluster, details=True)["dp_step_s"][0]
+               for r in (1, 2, 3)]
+    assert sharded[2] - sharded[1] == pytest.approx(sharded[1] - sharded[0], rel=1e-9)
+    assert sharded[0] < sharded[1] < 2 * sharded[0]
     assert merged["compute_s"][0] == pytest.approx(two["compute_s"][0], rel=1e-12)
     assert merged["bubble_s"][0] < two["bubble_s"][0] and merged["step_s"][0] < two["step_s"][0]
     # The simulated schedule agrees with the closed form, and --explain says how the step runs.

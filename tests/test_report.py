@@ -524,4 +524,9 @@ def test_timeline_draws_one_of_several_pipeline_runs() -> None:
     from ndplan.report.html import timeline_spec
 
     assert "(one of the step's 3 runs)" in timeline_spec(three)["title"]
+    from ndplan.report.html import reproduce_command
+
+    command, missing = reproduce_command({"model": "llama-3.1-8b", "hardware": "h100-sxm", "devices": 8,
+                                          "strategy": strategy})
+    assert "--pipeline-runs 3 --gbs 48" in command and "pipeline_runs" not in " ".join(missing)
     assert "runs" not in timeline_spec(one_run)["title"]

@@ -559,7 +559,12 @@ def cmd_search(args: argparse.Namespace) -> int:
             model, device, space, step_time, memory_limit_bytes=limit, options=options, top=args.top,
             progress=lambda done, total: progress.update(task, completed=done),
         )
-    runs = int((read.strategy_settings if read is not None else {}).get("pipeline_runs", 1) or 1)
+    runs = 1
+    if read is not None and "pipeline_runs" in read.strategy_settings:
+        try:
+            runs = read.strategy(args.devices).pipeline_runs
+        except NdplanError:
+            pass  # the file's batch does not fit these devices: the search says what it can
     if runs > 1:
         result.notes.append(
             f"the config runs its pipeline schedule {runs} times a step (gradient accumulation outside it); the "

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ndplan.errors import NdplanError
-from ndplan.io.common import PLAN_TO_FIELD
+from ndplan.io.common import PLAN_TO_FIELD, derive_batch
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import read_structured_file
 from ndplan.strategy.precision import PRECISION_PRESETS
@@ -91,21 +91,31 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--gbs", type=positive_int, help="global batch size in sequences")
     batch.add_argument("--num-micro-batches", type=int,
                        help="micro-batches per pipeline run (default: gbs / (dp·mbs·pipeline runs))")
-    batch.add_argument("--pipeline-runs", type=positive_int,
+    batch.add_argument("--pipeline-runs", type=non_negative_int,
                        help="times the pipeline schedule runs per step, its gradients accumulated (torchtitan and "
                             "NeMo AutoModel with gradient accumulation and pp > 1; default 1: every micro-batch in "
-                            "one schedule, as Megatron runs it)")
+                            "one schedule, as Megatron runs it; 0: as many as --gbs needs with "
+                            "--num-micro-batches per run)")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
+def _whole_number(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected at least {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    return _whole_number(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number of at least 0."""
+    return _whole_number(text, 0)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -173,6 +183,7 @@ def strategy_from_settings(settings: dict[str, Any]) -> Strategy:
         fields["dp"] = max(1, devices // (tp * pp * cp)) if devices % (tp * pp * cp) == 0 else 1
     if fields.get("fsdp") and "zero" not in fields:
         fields["zero"] = 3
+    derive_batch(fields)
     gbs = fields.get("global_batch_size")
     if gbs and "num_micro_batches" not in fields:
         per_micro = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1)) * int(fields.get("pipeline_runs", 1))

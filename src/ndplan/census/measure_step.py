@@ -343,6 +343,9 @@ def check_measurable(strategy: Strategy, num_layers: int, hf_config: dict[str, A
         problems.append("optimizer offload is not measured")
     if s.shard_group:
         problems.append("HSDP (shard_group) is not measured")
+    if s.pipeline_runs > 1 and s.pp == 1:
+        problems.append(f"pipeline_runs={s.pipeline_runs} needs a pipeline (pp > 1); without one give "
+                        f"num_micro_batches={s.micro_batches_per_step}")
     if s.recompute_layers:
         problems.append("recompute_layers is not measured (recompute applies to every layer)")
     if s.embedding_as_layer or s.output_as_layer:

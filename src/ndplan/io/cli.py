@@ -68,6 +68,10 @@ def merge_settings(result: ReadResult | None, settings: dict[str, Any]) -> dict[
     own = {**result.strategy_settings, **({"devices": result.devices} if result.devices else {})}
     changed = {k for k, v in given.items() if own.get(k) != v}
     for key, inputs in _DERIVED.items():
+        if key == "num_micro_batches" and merged.get("pipeline_runs") == 0:
+            # Runs derived from the global batch (torchtitan): a run's micro-batches are the
+            # file's local batch, whatever the degrees or the global batch become.
+            inputs = {"mbs", "pp"}
         if key not in given and inputs & changed:
             merged.pop(key, None)
     if given.get("recompute", "selective") != "selective" and "recompute_modules" not in given:

@@ -39,6 +39,19 @@ PLAN_TO_FIELD: dict[str, str] = {
 FIELD_TO_PLAN: dict[str, str] = {v: k for k, v in PLAN_TO_FIELD.items()}
 
 
+def derive_batch(fields: dict[str, Any]) -> None:
+    """Resolve ``pipeline_runs`` 0, "as many runs as the global batch needs" (torchtitan's
+    gradient-accumulation steps, each one run over the local batch's micro-batches), in Strategy
+    keyword arguments: gbs / (dp·micro_batch_size·num_micro_batches), at least 1 (a remainder is
+    left for the global_batch rule to name); 1 where the global batch or the per-run micro-batch
+    count is not stated (every micro-batch in one run)."""
+    if fields.get("pipeline_runs") != 0:
+        return
+    gbs, m = fields.get("global_batch_size"), fields.get("num_micro_batches")
+    per_run = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1)) * int(m or 1)
+    fields["pipeline_runs"] = max(1, int(gbs) // per_run) if gbs and m and per_run >= 1 else 1
+
+
 @dataclass
 class ReadResult:
     """What ndplan understood from one config file.
@@ -75,6 +88,12 @@ class ReadResult:
             raise NdplanError(f"{self.source}: the data-parallel degree depends on the world size, which the file "
                               "does not state; give --devices")
         gbs = fields.get("global_batch_size")
+        if gbs and fields.get("pipeline_runs") == 0 and "num_micro_batches" in fields:
+            per_run = int(fields["dp"]) * int(fields.get("micro_batch_size", 1)) * int(fields["num_micro_batches"])
+            if gbs % per_run:
+                raise NdplanError(f"{self.source}: global batch {gbs} is not a multiple of "
+                                  f"dp·micro_batch_size·num_micro_batches = {per_run}")
+        derive_batch(fields)
         if gbs and "num_micro_batches" not in fields:
             runs = int(fields.get("pipeline_runs", 1))
             per_step = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1)) * runs

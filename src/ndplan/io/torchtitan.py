@@ -402,20 +402,27 @@ def _batch(training: Section, parallel: Section, settings: dict[str, Any], warni
             settings["gbs"] = local * dp
             settings["num_micro_batches"] = per_pipeline
         return
+    if pp > 1:
+        # torchtitan's train step runs the pipeline schedule once per gradient-accumulation step,
+        # over the local batch's micro-batches: the runs are gbs / (local·dp), derived once dp is
+        # known (a flag may change it, or the global batch).
+        settings["gbs"] = gbs
+        settings["num_micro_batches"] = per_pipeline
+        settings["pipeline_runs"] = 0
+        if dp is not None:
+            if gbs % (local * dp):
+                raise training.error("global_batch_size",
+                                     f"{gbs} is not divisible by local_batch_size·dp = {local}·{dp}")
+            if gbs > local * dp:
+                notes.append(f"{gbs // (local * dp)} gradient-accumulation steps, each one run of the pipeline "
+                             f"schedule over {per_pipeline} micro-batches (pipeline_runs {gbs // (local * dp)})")
+        return
     if dp is None:
         settings["gbs"] = gbs
         return
     if gbs % (local * dp):
         raise training.error("global_batch_size", f"{gbs} is not divisible by local_batch_size·dp = {local}·{dp}")
-    accumulation = gbs // (local * dp)
     settings["gbs"] = gbs
-    if accumulation > 1 and pp > 1:
-        # torchtitan's train step runs the pipeline schedule once per gradient-accumulation step.
-        notes.append(f"{accumulation} gradient-accumulation steps, each one run of the pipeline schedule over "
-                     f"{per_pipeline} micro-batches (pipeline_runs {accumulation})")
-        settings["num_micro_batches"] = per_pipeline
-        settings["pipeline_runs"] = accumulation
-        return
     settings["num_micro_batches"] = micro_batches(
         training.src, gbs=gbs, dp=dp, mbs=local, gbs_field="training.global_batch_size",
         gbs_line=training.line("global_batch_size"), accumulation=per_pipeline,

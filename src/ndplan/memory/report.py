@@ -209,7 +209,13 @@ class MemoryReport:
             f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
             + self._whole_embedding_grad_term(stage) + f" = {format_bytes(stage.grads_bytes)}"
             + (" (made by the step's end reduce-scatter: the pipeline defers FSDP's reduce, so until then each "
-               "chunk keeps its unsharded gradient, counted in comm)" if self._deferred_fsdp_reduce() else ""),
+               "chunk keeps its unsharded gradient, counted in comm)"
+               if self._deferred_fsdp_reduce() and s.pipeline_runs == 1 else
+               f" (made by each pipeline run's end reduce-scatter, so held from the second of {s.pipeline_runs} runs "
+               "on, beside the unsharded gradients each run accumulates again, counted in comm)"
+               if self._deferred_fsdp_reduce() else
+               f" (held from the second of {s.pipeline_runs} pipeline runs on: the first made them)"
+               if s.pipeline_runs > 1 and self.options.profile.grads_created_in_backward else ""),
             f"optimizer  = elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + {p.master_weight_bytes}) B"
             + (f" / {shards} (ZeRO≥1)" if s.zero >= 1 else "")
             + (" → offloaded" if s.optimizer_offload else "") + f" = {format_bytes(stage.optimizer_bytes)}",

@@ -171,7 +171,7 @@ def enrich(result: dict[str, Any]) -> dict[str, Any]:
 
 def _given_strategy_flags(args: argparse.Namespace) -> list[str]:
     names = ("model", "hardware", "plan", "devices", "dp", "tp", "pp", "cp", "ep", "vpp", "schedule", "mbs", "gbs",
-             "num_micro_batches", "seq", "zero", "recompute")
+             "num_micro_batches", "pipeline_runs", "seq", "zero", "recompute")
     return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is not None]
 
 
