@@ -33,8 +33,12 @@ def _space(devices=8, gbs=16, seq=1024, dims=None):
     return default_space(TINY_MOE, DEVICE, devices, gbs, seq, get_precision("megatron-bf16"), dims=dims)
 
 
-def test_search_equals_brute_force_with_the_single_strategy_api():
-    space = _space(dims=("tp", "sp", "ep", "etp", "pp", "schedule", "zero", "recompute"))
+@pytest.mark.parametrize("dims", [
+    ("tp", "sp", "ep", "etp", "pp", "schedule", "zero", "recompute"),
+    ("ep", "pp", "schedule", "zero", "pipeline_runs"),  # runs of the schedule a step (opt-in)
+])
+def test_search_equals_brute_force_with_the_single_strategy_api(dims):
+    space = _space(dims=dims)
     limit = 2 * 2**30
     options = MemoryOptions()
     result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, options=options,
@@ -62,6 +66,8 @@ def test_search_equals_brute_force_with_the_single_strategy_api():
     for row, (step, peak, _) in zip(result.ranked, expected, strict=True):
         assert row["step_s"] == pytest.approx(step, rel=1e-12)
         assert row["peak_bytes"] == round(peak)
+    if "pipeline_runs" in dims:
+        assert {row["pipeline_runs"] for row in result.ranked} == set(space.pipeline_runs) == {1, 2, 4, 8}
 
 
 def test_progress_counts_candidates_once_their_survivors_are_priced():

@@ -567,9 +567,12 @@ def cmd_search(args: argparse.Namespace) -> int:
             pass  # the file's batch does not fit these devices: the search says what it can
     if runs > 1:
         result.notes.append(
-            f"the config runs its pipeline schedule {runs} times a step (gradient accumulation outside it); the "
-            "search schedules each candidate's micro-batches in one run (one bubble a step), which a framework "
-            "that accumulates outside the pipeline reaches with one accumulation step")
+            f"the config runs its pipeline schedule {runs} times a step (gradient accumulation outside it)"
+            + ("; runs searched: each candidate's micro-batches in one run or several (--dims ... pipeline_runs)"
+               if len(space.pipeline_runs) > 1 else
+               "; the search schedules each candidate's micro-batches in one run (one bubble a step), which a "
+               "framework that accumulates outside the pipeline reaches with one accumulation step; search the "
+               "runs with --dims ... pipeline_runs"))
     if not result.ranked:
         result.notes.extend(_what_would_fit(result, model, device, args.devices, space_on, options))
     elif args.balance:

@@ -72,6 +72,7 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "recompute_modules": "+".join(strategy.recompute_modules),
         "offload_modules": "+".join(strategy.offload_modules),
         "mbs": strategy.micro_batch_size, "num_micro_batches": strategy.num_micro_batches,
+        "pipeline_runs": strategy.pipeline_runs,
         "peak_bytes": round(peak), "peak_stage": int(stage),
         **{k: float(v) for k, v in time.items()},
         "strategy": strategy.model_dump(mode="json", exclude={"precision"}),

@@ -32,13 +32,15 @@ from ndplan.strategy.strategy import (
     canonical_offload,
 )
 
-#: Dimensions a user can search or fix (``--dims`` / ``--fix``). The last two, what selective
-#: recompute re-runs and what goes to host memory, are searched only where asked for (see
-#: ``default_space``).
+#: Dimensions a user can search or fix (``--dims`` / ``--fix``). The last three, how many runs of
+#: the pipeline schedule a step takes, what selective recompute re-runs and what goes to host
+#: memory, are searched only where asked for (see ``default_space``).
 DIMENSIONS: tuple[str, ...] = (
-    "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute", "recompute_modules",
-    "offload_modules",
+    "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute", "pipeline_runs",
+    "recompute_modules", "offload_modules",
 )
+#: Dimensions searched only where ``dims`` names them.
+OPT_IN_DIMENSIONS: tuple[str, ...] = ("pipeline_runs", "recompute_modules", "offload_modules")
 #: Dimensions whose values are module sets, one per batch (``StrategyBatch.recompute_modules``,
 #: ``StrategyBatch.offload_modules``).
 SET_DIMENSIONS: tuple[str, ...] = ("recompute_modules", "offload_modules")
@@ -102,6 +104,9 @@ class SearchSpace:
     zero: tuple[int, ...]
     mbs: tuple[int, ...]
     recompute: tuple[str, ...]
+    #: Runs of the pipeline schedule a step takes (``Strategy.pipeline_runs``), each over
+    #: gbs / (dp·mbs·runs) micro-batches; at pp = 1 every value but 1 is a duplicate of 1.
+    pipeline_runs: tuple[int, ...]
     num_devices: int
     global_batch_size: int
     seq_length: int
@@ -206,7 +211,8 @@ class SearchSpace:
         # maps to a well-formed Strategy.
         dp = np.maximum(self.num_devices // (tp * pp * cp), 1)
         mbs = column.pop("mbs")
-        micro_batches = np.maximum(self.global_batch_size // (dp * mbs), 1)
+        runs = column["pipeline_runs"]
+        micro_batches = np.maximum(self.global_batch_size // (dp * mbs * runs), 1)
         etp = column.pop("etp")
         shared = {}
         for name in SET_DIMENSIONS:
@@ -233,8 +239,9 @@ class SearchSpace:
         tp = 1 (etp = 1 is listed too), a Ulysses context group of size 1 (cp = 1 is ring), and
         a one-chunk pipeline schedule other than 1F1B at pp = 1 (without a pipeline a step is
         gradient accumulation, one micro-batch after another, which 1F1B at pp = 1 stands for;
-        where the space lists 1F1B), and a recompute other than selective under any module set
-        but the first (it re-runs no modules)."""
+        where the space lists 1F1B), several pipeline runs at pp = 1 (again gradient accumulation,
+        which one run stands for, where the space lists one), and a recompute other than selective
+        under any module set but the first (it re-runs no modules)."""
         # Each condition is a per-value table of one dimension, looked up at the candidate's digit
         # of that dimension alone (not every dimension's: a search asks this of every candidate).
         stride = dict(zip(DIMENSIONS, _strides(list(self.sizes)), strict=True))
@@ -253,6 +260,8 @@ class SearchSpace:
         # (Schedules of several chunks need pp >= 2 by a rule of their own, which counts them.)
         single = np.asarray([option[1] == 1 and option != ("1f1b", 1, 1) for option in self.schedule])
         no_pipeline = where("pp", self._codes("pp") == 1) & where("schedule", single & (("1f1b", 1, 1) in self.schedule))
+        runs = self._codes("pipeline_runs")
+        no_pipeline = no_pipeline | (where("pp", self._codes("pp") == 1) & where("pipeline_runs", (runs > 1) & (1 in runs)))
         selective = encode("recompute", "selective")
         no_modules = (where("recompute", self._codes("recompute") != selective)
                       & where("recompute_modules", self._codes("recompute_modules") > 0))
@@ -324,7 +333,7 @@ def default_space(
         offloads = (parse_offload_set(str(fixed["offload_modules"])),)
     searched = set(DIMENSIONS if dims is None else dims)
     if dims is None:
-        searched -= set(SET_DIMENSIONS)
+        searched -= set(OPT_IN_DIMENSIONS)
     unknown = (searched | set(fixed)) - set(DIMENSIONS)
     if unknown:
         raise NdplanError(f"unknown search dimension '{sorted(unknown)[0]}'; known: {', '.join(DIMENSIONS)}")
@@ -344,12 +353,16 @@ def default_space(
         "zero": (0, 1, 2, 3),
         "mbs": tuple(d for d in (1, 2, 4) if global_batch_size % d == 0),
         "recompute": ("none", "selective", "full"),
+        # torchtitan and NeMo AutoModel accumulate gradients over runs of the schedule: fewer
+        # micro-batches in flight and fewer receive buffers, a bubble per run.
+        "pipeline_runs": tuple(d for d in (1, 2, 4, 8) if global_batch_size % d == 0),
         "recompute_modules": given if len(given) > 1 else _distinct((*given, *module_sets(model, "common"))),
         "offload_modules": offloads if len(offloads) > 1 else _distinct((*offloads, *offload_sets(model))),
     }
     defaults: dict[str, tuple] = {
         "tp": (1,), "sp": (0,), "cp": (1,), "cp_kind": ("ring",), "ep": (1,), "etp": (0,), "pp": (1,),
-        "schedule": (("1f1b", 1, 1),), "zero": (1,), "mbs": (1,), "recompute": ("none",), "recompute_modules": given,
+        "schedule": (("1f1b", 1, 1),), "zero": (1,), "mbs": (1,), "recompute": ("none",), "pipeline_runs": (1,),
+        "recompute_modules": given,
         "offload_modules": offloads,
     }
     for name, sets in (("recompute_modules", given), ("offload_modules", offloads)):
