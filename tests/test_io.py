@@ -195,9 +195,17 @@ def test_torchtitan_llama3_fsdp_tp_pp():
     assert unsized.strategy(256).short() == s.short()
     from ndplan.cli_args import strategy_from_settings
 
-    for flags, short in (({"devices": 256, "gbs": 512}, "m16x4"), ({"devices": 512}, "m16x4"), ({"dp": 8}, "m16x8")):
+    # A new micro-batch size splits the local batch anew; a new pipeline degree keeps it; given runs
+    # or micro-batches win; without a pipeline a step is one run.
+    for flags, short in (({"devices": 256, "gbs": 512}, "m16x4"), ({"devices": 512}, "m16x4"), ({"dp": 8}, "m16x8"),
+                         ({"devices": 256, "mbs": 2}, "mbs2 m8x8"), ({"devices": 256, "pp": 2}, "m16x4"),
+                         ({"devices": 256, "pipeline_runs": 2}, "m64x2"), ({"devices": 256, "num_micro_batches": 32},
+                                                                         "m32x4"),
+                         ({"devices": 256, "pp": 1, "vpp": 1, "schedule": "1f1b"}, "mbs1 m32 ")):
         merged = merge_settings(unsized, flags)
-        assert short in strategy_from_settings(merged).short(), flags
+        assert short in strategy_from_settings(merged).short() + " ", flags
+    with pytest.raises(NdplanError, match="--mbs 3 does not divide the config's local batch of 16"):
+        merge_settings(unsized, {"devices": 256, "mbs": 3})
     assert s.recompute == "full" and s.precision.name == "fsdp-bf16"
     # enable_async_tensor_parallel = true: the TP collectives overlap their GEMMs in the step time.
     assert result.runtime_settings == {"loss_parallel": True, "overlap": {"preset": "torchtitan", "tp": True}}

@@ -929,6 +929,19 @@ def test_a_pipeline_that_defers_fsdps_reduce_reduces_once_a_run():
     assert price()["dp_step_s"] == 0.0
     exposed = OverlapConfig(fsdp_prefetch=False)
     assert price(m=8, overlap=exposed)["dp_s"] == pytest.approx(2 * price(overlap=exposed)["dp_s"], rel=1e-12)
+    # Four chunks a rank, one more than torch keeps gathered: 15 gathers of a chunk a run at pp 4 and
+    # 16 micro-batches (schedule.unshard), not 4; exposed without prefetch (3.75 times the
+    # gathers of two chunks, each gathered once), hidden under the run's compute with it.
+    def gathers(vpp: int, prefetch: bool) -> float:
+        def step(reshard: bool) -> float:
+            s = Strategy(dp=8, pp=4, vpp=vpp, schedule="interleaved", zero=3, fsdp=True, num_micro_batches=16,
+                         reshard_after_forward=reshard, seq_length=4096)
+            return float(evaluate(LLAMA8, StrategyBatch.of(s), cluster, details=True, software=deferred,
+                                  overlap=OverlapConfig(fsdp_prefetch=prefetch))["dp_step_s"][0])
+        return step(False) - step(True)  # the reduce is the same either way
+
+    assert gathers(4, prefetch=False) == pytest.approx(15 / 4 * gathers(2, prefetch=False), rel=1e-9)
+    assert gathers(4, prefetch=True) == pytest.approx(gathers(2, prefetch=True), rel=1e-9)
     # The pytorch runtime states the fact; Megatron's does not; --explain says it.
     from ndplan.memory import MemoryOptions
 
@@ -936,4 +949,4 @@ def test_a_pipeline_that_defers_fsdps_reduce_reduces_once_a_run():
     assert MemoryOptions(runtime="megatron").time_keywords()["software"]["pipeline_defers_fsdp_reduce"] is False
     s = Strategy(dp=16, pp=2, zero=3, fsdp=True, reshard_after_forward=False, num_micro_batches=4, seq_length=4096)
     text = "\n".join(estimate_time(LLAMA8, s, cluster, software=deferred).explain())
-    assert "the pipeline defers FSDP's reduce" in text and "parameters gathered once a run" in text
+    assert "the pipeline defers FSDP's reduce" in text and "gathered once a run, prefetched" in text

@@ -435,3 +435,35 @@ def test_simulation_is_fast_for_large_pipelines() -> None:
         best = min(best, time.perf_counter() - t0)
     assert sum(len(o) for o in r.ops) == 2 * 16 * 4 * 256
     assert best < 0.05
+
+
+@pytest.mark.parametrize("schedule, pp, vpp, m", [
+    ("interleaved", 4, 2, 8), ("interleaved", 4, 3, 8), ("zbv", 4, 2, 8), ("dualpipev", 4, 2, 8),
+])
+def test_up_to_three_chunks_are_gathered_once_a_run(schedule, pp, vpp, m):
+    from ndplan.schedule.unshard import chunk_gathers
+
+    assert chunk_gathers(schedule, pp, vpp, m) == vpp
+
+
+def test_more_chunks_than_torch_keeps_gathered_are_gathered_again_as_torch_does():
+    """torch.distributed.pipelining inserts FSDP's gathers into its multi-chunk schedules
+    (``_add_unshard_reshard``, three chunks kept ahead): counted from torch's own interleaved
+    1F1B op lists and that function, the rank that gathers most, against ndplan's count from its
+    op order (pp 4, 16 micro-batches, 4 chunks: 15 gathers, not 4)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from ndplan.schedule.unshard import chunk_gathers
+
+    def torch_count(pp: int, vpp: int, m: int) -> int:
+        order = schedules.ScheduleInterleaved1F1B.__new__(schedules.ScheduleInterleaved1F1B)
+        order.n_local_stages, order.pp_group_size, order._n_microbatches = vpp, pp, m
+        order.number_of_rounds = max(1, m // pp)
+        order.microbatches_per_round = m // order.number_of_rounds
+        return max(sum(1 for a in schedules._add_unshard_reshard(order._calculate_single_rank_operations(rank))
+                       if a is not None and a.computation_type == schedules.UNSHARD) for rank in range(pp))
+
+    assert chunk_gathers("interleaved", 4, 4, 16) == torch_count(4, 4, 16) == 15
+    for pp in (2, 4, 8):
+        for vpp in (2, 3, 4, 5, 6):
+            for m in (pp, 2 * pp, 4 * pp):
+                assert chunk_gathers("interleaved", pp, vpp, m) == torch_count(pp, vpp, m), (pp, vpp, m)

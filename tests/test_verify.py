@@ -293,3 +293,22 @@ def test_cuda_backend_without_a_gpu_says_so(run, tiny_config: Path, monkeypatch:
     assert code == 2 and "runs one GPU: tp=2 needs --backend fake" in err
     code, _, err = run("measure", tiny_config, "--layers", "2", "--backend", "cuda", "--timeline", "t.csv")
     assert code == 2 and "--timeline needs --backend fake" in err
+
+
+def test_verify_from_a_torchtitan_config_measures_its_pipeline_runs() -> None:
+    """A torchtitan config's runs follow from its global batch and the data-parallel degree
+    measured (gbs 1024 = local batch 16 · dp 8 · 8 runs); without dp they cannot be known."""
+    from ndplan.census.cli import _apply_from, add_step_arguments, strategy_from_args
+    from ndplan.errors import NdplanError
+    from ndplan.io.cli import add_from_argument
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", nargs="?")
+    add_step_arguments(parser)
+    add_from_argument(parser)
+    config = Path(__file__).parent / "fixtures" / "io" / "torchtitan_llama3_70b.toml"
+    args = parser.parse_args(["--from", str(config), "--dp", "8"])
+    _apply_from(args)
+    assert "mbs1 m16x8 interleaved" in strategy_from_args(args).short()
+    with pytest.raises(NdplanError, match="give --dp or --pipeline-runs"):
+        _apply_from(parser.parse_args(["--from", str(config)]))

@@ -561,9 +561,11 @@ def cmd_search(args: argparse.Namespace) -> int:
         )
     runs = 1
     if read is not None and "pipeline_runs" in read.strategy_settings:
-        try:
-            runs = read.strategy(args.devices).pipeline_runs
-        except NdplanError:
+        from ndplan.io.cli import merge_settings
+
+        try:  # the file's runs on the devices and global batch searched
+            runs = strategy_from_settings(merge_settings(read, {"devices": args.devices, "gbs": args.gbs})).pipeline_runs
+        except (NdplanError, ValidationError):
             pass  # the file's batch does not fit these devices: the search says what it can
     if runs > 1:
         result.notes.append(

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ndplan.cli_args import positive_int
 from ndplan.errors import NdplanError
 from ndplan.units import format_bytes
 
@@ -108,7 +109,7 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
     par.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
     par.add_argument("--num-micro-batches", type=int, help="micro-batches per pipeline run (default 1)")
-    par.add_argument("--pipeline-runs", type=int,
+    par.add_argument("--pipeline-runs", type=positive_int,
                      help="runs of the pipeline schedule per step, gradients accumulated (default 1; needs --pp > 1)")
     par.add_argument("--seq", type=int, help="sequence length (default 4096)")
     par.add_argument("--zero", type=int, choices=[0, 3], help="0: no sharding; 3: FSDP2")
@@ -266,6 +267,14 @@ def _apply_from(args: argparse.Namespace) -> None:
     if result.devices and getattr(args, "dp", None) is None:
         per_replica = (args.tp or 1) * (args.pp or 1)
         args.dp = max(result.devices // per_replica, 1)
+    if getattr(args, "pipeline_runs", None) == 0:
+        # Runs derived from the file's global batch (torchtitan's accumulation steps): as many as
+        # the data-parallel degree measured leaves, gbs / (local batch · dp).
+        world = result.devices or (args.dp * (args.tp or 1) * (args.pp or 1) if args.dp else None)
+        if world is None:
+            raise NdplanError(f"{result.source}: its pipeline runs follow from the global batch and the "
+                              "data-parallel degree: give --dp or --pipeline-runs")
+        args.pipeline_runs = result.strategy_fields(world)["pipeline_runs"]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -67,17 +67,35 @@ def merge_settings(result: ReadResult | None, settings: dict[str, Any]) -> dict[
     # Only flags that change a value of the file's make its derived values stale.
     own = {**result.strategy_settings, **({"devices": result.devices} if result.devices else {})}
     changed = {k for k, v in given.items() if own.get(k) != v}
+    local_batch = merged.get("pipeline_runs") == 0 and "pipeline_runs" not in given and "num_micro_batches" not in given
     for key, inputs in _DERIVED.items():
-        if key == "num_micro_batches" and merged.get("pipeline_runs") == 0:
-            # Runs derived from the global batch (torchtitan): a run's micro-batches are the
-            # file's local batch, whatever the degrees or the global batch become.
-            inputs = {"mbs", "pp"}
+        if key == "num_micro_batches" and local_batch:
+            continue  # the file's local batch, kept below
         if key not in given and inputs & changed:
             merged.pop(key, None)
+    if local_batch:
+        _keep_local_batch(result, merged, given)
     if given.get("recompute", "selective") != "selective" and "recompute_modules" not in given:
         merged.pop("recompute_modules", None)  # a recompute that is not selective re-runs no modules
     merged.update(given)
     return merged
+
+
+def _keep_local_batch(result: ReadResult, merged: dict[str, Any], given: dict[str, Any]) -> None:
+    """Runs derived from the global batch (torchtitan's gradient-accumulation steps): each run is
+    the file's local batch (micro-batch size × micro-batches), whatever the degrees or the global
+    batch become; a new micro-batch size splits it anew, and without a pipeline a step is one run."""
+    file = result.strategy_settings
+    local = int(file.get("mbs", 1)) * int(file.get("num_micro_batches", 1))
+    mbs = int(given.get("mbs", file.get("mbs", 1)))
+    if int(given.get("pp", file.get("pp", 1))) <= 1:
+        merged.pop("num_micro_batches", None)
+        merged["pipeline_runs"] = 1
+        return
+    if mbs < 1 or local % mbs:
+        raise NdplanError(f"{result.source}: --mbs {mbs} does not divide the config's local batch of {local} "
+                          "sequences (local_batch_size), which each run of its pipeline schedule takes")
+    merged["num_micro_batches"] = local // mbs
 
 
 def model_for(settings: dict[str, Any], result: ReadResult | None) -> ModelSpec:
@@ -179,6 +197,8 @@ def cmd_inspect(args: argparse.Namespace, console: Console | None = None) -> int
             value = f"{value['name']} (param {value['param_bytes']} B, grad {value['grad_bytes']} B, master "\
                     f"{value['master_weight_bytes']} B, optimizer {value['optimizer_states']}×{value['optimizer_state_bytes']} B, "\
                     f"{value['compute_dtype']})"
+        if key == "pipeline_runs" and value == 0:
+            value = "0 (as many as the global batch needs, once dp is known)"
         table.add_row(key, str(value))
     console.print(table)
     for warning in result.warnings:

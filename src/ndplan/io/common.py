@@ -44,12 +44,17 @@ def derive_batch(fields: dict[str, Any]) -> None:
     gradient-accumulation steps, each one run over the local batch's micro-batches), in Strategy
     keyword arguments: gbs / (dp·micro_batch_size·num_micro_batches), at least 1 (a remainder is
     left for the global_batch rule to name); 1 where the global batch or the per-run micro-batch
-    count is not stated (every micro-batch in one run)."""
+    count is not stated (every micro-batch in one run), or where there is no pipeline (its
+    micro-batches run one after another: one run of them all)."""
     if fields.get("pipeline_runs") != 0:
         return
     gbs, m = fields.get("global_batch_size"), fields.get("num_micro_batches")
     per_run = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1)) * int(m or 1)
     fields["pipeline_runs"] = max(1, int(gbs) // per_run) if gbs and m and per_run >= 1 else 1
+    if int(fields.get("pp", 1)) <= 1 and fields["pipeline_runs"] > 1:
+        # Without a pipeline the runs are micro-batches one after another: one run of them all.
+        fields["num_micro_batches"] = int(m or 1) * fields["pipeline_runs"]
+        fields["pipeline_runs"] = 1
 
 
 @dataclass

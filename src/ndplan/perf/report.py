@@ -32,6 +32,7 @@ from ndplan.perf.layer import (
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, evaluate, optimizer_bytes_per_param, strategy_columns
 from ndplan.perf.topology import Fabric, group_link, members_per_domain
+from ndplan.schedule.unshard import ACTIVE_CHUNKS, chunk_gathers
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import validate_strategy
 from ndplan.strategy.strategy import Strategy
@@ -170,6 +171,36 @@ _POLICY_REPLAYS = {
 }
 
 
+def _dp_line(s: Strategy, r: TimeReport, d: Mapping[str, float], deferred: bool, grouped: bool) -> str:
+    """The per-step data-parallel term, as the time model composes it (step._price_group)."""
+    m, runs = s.num_micro_batches, s.pipeline_runs
+    over = (f"shard_group = {s.shard_group}, all-reduced across {s.dp * s.cp // s.shard_group} groups" if grouped
+            else f"dp·cp = {s.dp * s.cp}") + ("; experts over their own shard groups" if s.ep > 1 else "")
+    per_layer = r.breakdown["comm_exposed"]["dp"] - d["dp_step_s"]
+    if deferred:
+        if s.reshard_after_forward:
+            gathers = ""
+        elif s.vpp > ACTIVE_CHUNKS:
+            count = chunk_gathers(s.schedule, s.pp, s.vpp, m, s.seq_chunks)
+            gathers = (f"; parameters stay gathered between micro-batches, {ACTIVE_CHUNKS} of the rank's {s.vpp} "
+                       f"chunks at a time: {count} chunk gathers a run ({s.vpp} once each, the rest again, "
+                       "prefetched under the run's compute)")
+        else:
+            gathers = "; parameters stay gathered between micro-batches: gathered once a run, prefetched under its first forward"
+        return (f"DP per step: the pipeline defers FSDP's reduce, so each chunk's gradients are reduce-scattered "
+                f"over {over} once a run, after its last backward, the compute stream waiting for it" + gathers
+                + (f"; {runs} runs" if runs > 1 else "") + f": {_ms(d['dp_step_s'])} exposed"
+                + (f"; FSDP's per-micro-batch gathers (resharded after forward) exposed inside the passes above: "
+                   f"{_ms(per_layer)}, in the step's dp term" if s.reshard_after_forward else ""))
+    return (f"DP per step (grad {'all-reduce' if s.zero == 0 else 'reduce-scatter'} over {over}"
+            f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}"
+            f"{f', {m} times (ZeRO-2)' if s.zero == 2 and m > 1 else ''}"
+            f"{f'; once per pipeline run, {runs} times' if runs > 1 else ''}), exposed after the pipeline: "
+            f"{_ms(d['dp_step_s'])}"
+            + (f" (FSDP's per-layer gathers and reduces exposed inside the passes above: {_ms(per_layer)}, in the "
+               "step's dp term)" if s.zero == 3 else ""))
+
+
 def _replays(strategy: Strategy, efficiency: EfficiencyProfile) -> str:
     """What a selective recompute re-runs, for the explain line (empty for other recompute)."""
     if strategy.recompute != "selective":
@@ -264,19 +295,7 @@ def explain_lines(r: TimeReport) -> list[str]:
         + f"{'m·runs' if runs > 1 else 'm'}·T* "
         f"{_ms(m * runs * (d['stage_forward_s'] + d['stage_backward_s'] + d['stage_weight_grad_s']))} + bubble "
         f"{_ms(d['bubble_s'])} + p2p on critical path {_ms(d['pp_s'])}",
-        f"DP per step (grad {'all-reduce' if s.zero == 0 else 'reduce-scatter'} over "
-        f"{f'shard_group = {s.shard_group}, all-reduced across {s.dp * s.cp // s.shard_group} groups' if grouped else f'dp·cp = {s.dp * s.cp}'}"
-        f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}"
-        f"{f', {m} times (ZeRO-2)' if s.zero == 2 and m > 1 else ''}"
-        f"{f'; once per pipeline run, {runs} times' if runs > 1 else ''}), exposed after the pipeline: "
-        f"{_ms(d['dp_step_s'])}" + (
-            (" (the pipeline defers FSDP's reduce: each chunk's gradients reduce-scattered once a run, after its "
-             "last backward, the compute stream waiting for it"
-             + ("; parameters gathered once a run, kept gathered between micro-batches" if not s.reshard_after_forward
-                else "") + ")" if deferred else "")
-            + (f" (FSDP's per-layer gathers and reduces exposed inside the passes above: "
-               f"{_ms(r.breakdown['comm_exposed']['dp'] - d['dp_step_s'])}, in the step's dp term)"
-               if s.zero == 3 else "")),
+        _dp_line(s, r, d, deferred, grouped),
         f"optimizer (Adam over the local shard, {r.efficiency.optimizer_kernel}: "
         f"{optimizer_bytes_per_param(s.precision, r.efficiency.optimizer_kernel):g} B per parameter with clipping, at "
         f"HBM · {r.efficiency.figure('optimizer_efficiency'):.2f} = "

@@ -68,6 +68,7 @@ from ndplan.perf.pipeline import (
 )
 from ndplan.perf.topology import Fabric, group_link
 from ndplan.schedule.pairing import unpaired_forwards
+from ndplan.schedule.unshard import ACTIVE_CHUNKS, chunk_gathers
 from ndplan.strategy.batch import CODES, StrategyBatch
 from ndplan.strategy.precision import PrecisionPolicy
 
@@ -465,8 +466,17 @@ def _price_group(
         # gathered, come before its first forward, prefetched unit by unit (the first exposed).
         deferred = cols["zero"] >= 3
         grad = np.where(deferred, grad_raw[dp_code], grad)
-        gather = np.where(deferred, runs * _exposed_step(gather_raw[dp_code], f[rows, heavy], share,
-                                                          pr.overlap.fsdp_prefetch), gather)
+        per_run = _exposed_step(gather_raw[dp_code], f[rows, heavy], share, pr.overlap.fsdp_prefetch)
+        if vpp > ACTIVE_CHUNKS and np.any(gather_raw > 0):
+            # More chunks on a rank than torch keeps gathered: some are freed and gathered again
+            # within the run (schedule.unshard), prefetched under the run's compute.
+            name = CODES["schedule"][int(schedule[0])]
+            by_count = {int(c): chunk_gathers(name, pp, vpp, int(c), int(k[0])) for c in np.unique(m)}
+            again = np.array([by_count[int(c)] for c in m], dtype=np.float64) - vpp
+            extra = gather_raw[dp_code] * again / vpp
+            cover = m * per_mb[rows, heavy]
+            per_run = per_run + (np.maximum(extra - cover, 0.0) if pr.overlap.fsdp_prefetch else extra)
+        gather = np.where(deferred, runs * per_run, gather)
     # Each pipeline run ends in its own gradient reduce (the pipeline runtime syncs the gradients
     # at a run's last backward); ZeRO-1/2 gather the parameters once, after the update.
     dp_step = runs * grad + gather
