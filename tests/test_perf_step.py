@@ -921,13 +921,21 @@ def test_a_pipeline_that_defers_fsdps_reduce_reduces_once_a_run():
     assert kept["dp_step_s"] > 0 and kept["dp_s"] == pytest.approx(kept["dp_step_s"], rel=1e-12)  # nothing per pass
     assert price(m=8, software=deferred)["dp_step_s"] == pytest.approx(kept["dp_step_s"], rel=1e-12)
     assert price(runs=2, software=deferred)["dp_step_s"] == pytest.approx(2 * kept["dp_step_s"], rel=1e-12)
-    # Resharding after forward: gathers every pass again (in the passes), the reduce still once a run.
+    # Resharding after forward: a layer is gathered again for each backward (in the passes; the
+    # next forward finds it gathered), the reduce still once a run. Without the deferral each
+    # micro-batch gathers twice and reduces too.
     resharded = price(reshard=True, software=deferred)
     assert resharded["dp_step_s"] < kept["dp_step_s"] and resharded["dp_s"] >= resharded["dp_step_s"]
+    exposed = OverlapConfig(fsdp_prefetch=False)
+    in_passes = {d: price(reshard=True, software={"pipeline_defers_fsdp_reduce": d}, overlap=exposed)
+                 for d in (True, False)}
+    one_gather = in_passes[True]["dp_s"] - in_passes[True]["dp_step_s"]
+    assert 0 < one_gather < (in_passes[False]["dp_s"] - in_passes[False]["dp_step_s"]) / 2
+    assert price(software=deferred, overlap=exposed)["dp_s"] == pytest.approx(
+        price(software=deferred, overlap=exposed)["dp_step_s"], rel=1e-12)
     # Megatron's FSDP: the reduce-scatters ride in every micro-batch's backward (hidden under it by
     # default; exposed without prefetch, twice as long for twice the micro-batches), none per step.
     assert price()["dp_step_s"] == 0.0
-    exposed = OverlapConfig(fsdp_prefetch=False)
     assert price(m=8, overlap=exposed)["dp_s"] == pytest.approx(2 * price(overlap=exposed)["dp_s"], rel=1e-12)
     # Four chunks a rank, one more than torch keeps gathered: 15 gathers of a chunk a run at pp 4 and
     # 16 micro-batches (schedule.unshard), not 4; exposed without prefetch (3.75 times the

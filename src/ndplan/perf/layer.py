@@ -336,8 +336,9 @@ def _fsdp_seconds(
     """(forward, backward) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces
     per micro-batch (its non-expert parameters per tensor-parallel rank, its routed experts per
     ep·etp rank). Under a pipeline that defers FSDP's reduce (``pipeline_defers_fsdp_reduce``)
-    a micro-batch reduces nothing, and without resharding after forward gathers nothing either:
-    both come once a run (``step._dp_raw``)."""
+    a micro-batch reduces nothing and gathers once (for its backward) where parameters are
+    resharded after forward, never where they are not: the reduce, and then the gathers, come
+    once a run (``step._dp_raw``)."""
     t, e, x = cols["tp"], cols["ep"], cols["etp"]
     sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
     shard, edp = _fsdp_groups(cols)
@@ -353,7 +354,10 @@ def _fsdp_seconds(
         rs = rs + coll.reduce_scatter_s(ex * grad, edp, ex_link)
     reshard = cols["reshard_after_forward"] > 0
     deferred = (cols["pp"] > 1) & ctx.eff.pipeline_defers_fsdp_reduce
-    forward = np.where(sharded & (reshard | ~deferred), ag, 0.0)
+    # A deferring pipeline keeps parameters gathered after each backward: resharded after forward,
+    # a layer is gathered again for its backward and the next forward finds it gathered (one
+    # gather a micro-batch, priced in the backward); not resharded, never (once a run, step.py).
+    forward = np.where(sharded & ~deferred, ag, 0.0)
     backward = np.where(sharded, np.where(reshard, ag, 0.0) + np.where(deferred, 0.0, rs), 0.0)
     return forward, backward
 

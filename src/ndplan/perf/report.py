@@ -190,8 +190,9 @@ def _dp_line(s: Strategy, r: TimeReport, d: Mapping[str, float], deferred: bool,
         return (f"DP per step: the pipeline defers FSDP's reduce, so each chunk's gradients are reduce-scattered "
                 f"over {over} once a run, after its last backward, the compute stream waiting for it" + gathers
                 + (f"; {runs} runs" if runs > 1 else "") + f": {_ms(d['dp_step_s'])} exposed"
-                + (f"; FSDP's per-micro-batch gathers (resharded after forward) exposed inside the passes above: "
-                   f"{_ms(per_layer)}, in the step's dp term" if s.reshard_after_forward else ""))
+                + (f"; resharded after forward, each layer is gathered again for every micro-batch's backward "
+                   f"(the next forward finds it gathered), exposed inside the passes above: {_ms(per_layer)}, in the "
+                   "step's dp term" if s.reshard_after_forward else ""))
     return (f"DP per step (grad {'all-reduce' if s.zero == 0 else 'reduce-scatter'} over {over}"
             f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}"
             f"{f', {m} times (ZeRO-2)' if s.zero == 2 and m > 1 else ''}"
