@@ -41,6 +41,7 @@ from ndplan.model.params import weight_grad_groups, weight_grad_peak_group
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
+from ndplan.schedule.unshard import ACTIVE_CHUNKS
 from ndplan.strategy.batch import CODES, StrategyBatch, radix_key
 from ndplan.strategy.strategy import OFFLOAD_MODULES
 
@@ -1456,6 +1457,12 @@ def _evaluate_group(
         # Every element whole on the device (non-expert /tp, experts /ep·etp): the two kinds
         # are sharded over different groups, so the sharded bytes do not give them back.
         stage_elements = non_expert_stage[kept_rows] + expert_stage[kept_rows]
+        if vpp > ACTIVE_CHUNKS and profile.pipeline_defers_fsdp_reduce:
+            # torch.distributed.pipelining keeps at most three of a rank's chunks gathered
+            # (schedule.unshard): the largest three at the worst moment.
+            per_chunk = np.stack([_chunk_column(non_expert_total[kept_rows] + expert_total[kept_rows], chunks, c)
+                                  for c in range(vpp)], axis=-1)
+            stage_elements = np.sort(per_chunk, axis=-1)[..., -ACTIVE_CHUNKS:].sum(axis=-1)
         kept_gathered[kept_rows] = stage_elements * precision.param_gather_bytes
     receive = np.zeros((len(batch), patterns))
     if options.profile.pipeline_stage_output and virtual > 1:
