@@ -879,6 +879,13 @@ def _chunk_column(values: np.ndarray, chunks: np.ndarray, c: int) -> np.ndarray:
     return values[:, chunks[:, c]]
 
 
+def _largest_chunks(values: np.ndarray, chunks: np.ndarray, vpp: int, count: int = ACTIVE_CHUNKS) -> np.ndarray:
+    """Per stage [n, pp], the sum of its ``count`` largest chunks' values [n, pp·vpp]: what
+    torch.distributed.pipelining keeps gathered at once of a rank's FSDP chunks (schedule.unshard)."""
+    per_chunk = np.stack([_chunk_column(values, chunks, c) for c in range(vpp)], axis=-1)
+    return np.sort(per_chunk, axis=-1)[..., -count:].sum(axis=-1)
+
+
 def _to_stages(values: np.ndarray, chunks: np.ndarray) -> np.ndarray:
     """Per stage [n, pp], the sum of its chunks' values [n, pp·vpp] (``chunks`` from
     ``_chunk_table``; may be ``values`` itself: do not write to it)."""
@@ -1443,6 +1450,8 @@ def _evaluate_group(
             one_micro_batch_layers=pick(layers_held[:, 0]),
             one_micro_batch_loss=pick(output_held),
             kept_after_backward=np.broadcast_to(deferred, (len(batch),))[sharded_rows],
+            kept_elements=_largest_chunks(non_expert_total[sharded_rows] + expert_total[sharded_rows], chunks, vpp)
+            if vpp > ACTIVE_CHUNKS else None,
         )
         for name in ("buffers", "working", "last_unit", "grads_made"):
             getattr(fsdp, name)[sharded_rows] = getattr(sharded, name)
@@ -1450,19 +1459,15 @@ def _evaluate_group(
     # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
     # neither category reads below zero (the sum, the moment, is the same).
     fsdp_gathers = np.maximum(fsdp.buffers, 0.0)
-    # FSDP without resharding after forward keeps the stage's gathered parameters.
+    # FSDP without resharding after forward keeps the stage's gathered parameters (under a
+    # deferring pipeline every unit stays gathered after its backward whatever the setting: the
+    # unit moments hold them, _fsdp_unit_phases' kept_after_backward).
     kept_gathered = np.zeros((len(batch), patterns))
-    kept_rows = np.flatnonzero(zero3 & (batch.reshard_after_forward == 0))
+    kept_rows = np.flatnonzero(zero3 & (batch.reshard_after_forward == 0) & ~deferred)
     if kept_rows.size:
         # Every element whole on the device (non-expert /tp, experts /ep·etp): the two kinds
         # are sharded over different groups, so the sharded bytes do not give them back.
         stage_elements = non_expert_stage[kept_rows] + expert_stage[kept_rows]
-        if vpp > ACTIVE_CHUNKS and profile.pipeline_defers_fsdp_reduce:
-            # torch.distributed.pipelining keeps at most three of a rank's chunks gathered
-            # (schedule.unshard): the largest three at the worst moment.
-            per_chunk = np.stack([_chunk_column(non_expert_total[kept_rows] + expert_total[kept_rows], chunks, c)
-                                  for c in range(vpp)], axis=-1)
-            stage_elements = np.sort(per_chunk, axis=-1)[..., -ACTIVE_CHUNKS:].sum(axis=-1)
         kept_gathered[kept_rows] = stage_elements * precision.param_gather_bytes
     receive = np.zeros((len(batch), patterns))
     if options.profile.pipeline_stage_output and virtual > 1:
@@ -1657,7 +1662,7 @@ def _fsdp_unit_phases(
     units: dict[str, np.ndarray], working: dict[str, np.ndarray], loss_working: np.ndarray,
     expert_elements: np.ndarray, expert_working: np.ndarray, unit_grads: dict[str, np.ndarray],
     one_micro_batch: np.ndarray, one_micro_batch_loss: np.ndarray, one_micro_batch_layers: np.ndarray,
-    kept_after_backward: np.ndarray,
+    kept_after_backward: np.ndarray, kept_elements: np.ndarray | None = None,
 ) -> FsdpPhases:
     """FSDP2 (torchtitan's wrapping: the embedding, each decoder layer, and [final norm, head]
     are units) holds, besides the sharded state, the buffers of at most three units at once.
@@ -1680,7 +1685,9 @@ def _fsdp_unit_phases(
     FSDP2 steps: MoE layers next to smaller units were over-estimated by the largest-unit rule).
     ``reduce_bytes`` is 0 where a pipeline defers the reduce to the end of the step: then no
     reduce input lives beside a backward (the unsharded gradients are priced as gradients), and
-    (``kept_after_backward``) every unit stays gathered from its backward to its next forward.
+    (``kept_after_backward``) every unit stays gathered from its backward to its next forward,
+    or, where torch keeps only some chunks gathered (``kept_elements`` [n, stages]: the elements of
+    the largest three), those.
 
     The embedding's moments come at the end of a micro-batch's backward or the start of its
     forward, when that micro-batch's first-chunk activations (``one_micro_batch`` bytes) are not
@@ -1778,7 +1785,8 @@ def _fsdp_unit_phases(
             # forward, which all-gathers the first unit again.
             first = runs[0][0]
             if kept_after_backward.any():
-                counted = g * (later + size[first]) - one_micro_batch * (first == "embedding")
+                kept = later if kept_elements is None else np.minimum(later, kept_elements[:, column])
+                counted = g * (kept + size[first]) - one_micro_batch * (first == "embedding")
                 consider(np.maximum(np.where(kept_after_backward, counted, 0.0), 0.0))
             else:
                 consider(zero)  # nothing kept: the moment is empty
