@@ -296,8 +296,9 @@ def test_cuda_backend_without_a_gpu_says_so(run, tiny_config: Path, monkeypatch:
 
 
 def test_verify_from_a_torchtitan_config_measures_its_pipeline_runs() -> None:
-    """A torchtitan config's runs follow from its global batch and the data-parallel degree
-    measured (gbs 1024 = local batch 16 · dp 8 · 8 runs); without dp they cannot be known."""
+    """A torchtitan config's runs follow from its global batch and the degrees measured (gbs 1024 =
+    local batch 16 · dp 8 · 8 runs; dp 4: 16 runs; micro-batches of 2: 8 a run; without a pipeline
+    one run of 128), as `estimate --from` derives them; without dp they cannot be known."""
     from ndplan.census.cli import _apply_from, add_step_arguments, strategy_from_args
     from ndplan.errors import NdplanError
     from ndplan.io.cli import add_from_argument
@@ -307,8 +308,12 @@ def test_verify_from_a_torchtitan_config_measures_its_pipeline_runs() -> None:
     add_step_arguments(parser)
     add_from_argument(parser)
     config = Path(__file__).parent / "fixtures" / "io" / "torchtitan_llama3_70b.toml"
-    args = parser.parse_args(["--from", str(config), "--dp", "8"])
-    _apply_from(args)
-    assert "mbs1 m16x8 interleaved" in strategy_from_args(args).short()
+    for flags, short in ((["--dp", "8"], "dp8 tp8 pp4 vpp2 fsdp3 mbs1 m16x8 "), (["--dp", "4"], "dp4 tp8 pp4 vpp2 fsdp3 mbs1 m16x16 "),
+                         (["--dp", "8", "--mbs", "2"], "mbs2 m8x8 "),
+                         (["--dp", "8", "--pp", "1", "--vpp", "1", "--schedule", "1f1b"], "pp1 fsdp3 mbs1 m128 ")):
+        args = parser.parse_args(["--from", str(config), *flags])
+        _apply_from(args)
+        strategy = strategy_from_args(args)
+        assert short in strategy.short() + " " and strategy.global_batch_size == 1024, flags
     with pytest.raises(NdplanError, match="give --dp or --pipeline-runs"):
         _apply_from(parser.parse_args(["--from", str(config)]))

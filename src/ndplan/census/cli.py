@@ -253,7 +253,8 @@ def _apply_from(args: argparse.Namespace) -> None:
     framework's launch config (the measurement needs a preset or config.json model)."""
     if not getattr(args, "from_config", None):
         return
-    from ndplan.io.cli import print_messages, read_from_args
+    from ndplan.io.cli import merge_settings, print_messages, read_from_args
+    from ndplan.io.common import derive_batch
 
     result = read_from_args(args)
     print_messages(result)
@@ -261,7 +262,9 @@ def _apply_from(args: argparse.Namespace) -> None:
         return
     if args.model is None and result.model is not None:
         args.model = result.model.name
-    for key, value in result.strategy_settings.items():
+    # The file's settings under the flags, what they change derived again (as estimate does).
+    merged = merge_settings(result, {key: getattr(args, key) for key in _FLAG_KEYS if getattr(args, key, None) is not None})
+    for key, value in merged.items():
         if key in _FLAG_KEYS and getattr(args, key, None) is None and not isinstance(value, dict):
             setattr(args, key, value if key != "precision" or isinstance(value, str) else None)
     if result.devices and getattr(args, "dp", None) is None:
@@ -269,12 +272,17 @@ def _apply_from(args: argparse.Namespace) -> None:
         args.dp = max(result.devices // per_replica, 1)
     if getattr(args, "pipeline_runs", None) == 0:
         # Runs derived from the file's global batch (torchtitan's accumulation steps): as many as
-        # the data-parallel degree measured leaves, gbs / (local batch · dp).
-        world = result.devices or (args.dp * (args.tp or 1) * (args.pp or 1) if args.dp else None)
-        if world is None:
+        # the measured degrees leave, gbs / (dp · micro-batch size · micro-batches a run).
+        if args.dp is None:
             raise NdplanError(f"{result.source}: its pipeline runs follow from the global batch and the "
                               "data-parallel degree: give --dp or --pipeline-runs")
-        args.pipeline_runs = result.strategy_fields(world)["pipeline_runs"]
+        fields = {"global_batch_size": merged.get("gbs"), "dp": args.dp, "pp": args.pp or 1, "pipeline_runs": 0,
+                  "micro_batch_size": args.mbs or 1, "num_micro_batches": args.num_micro_batches}
+        derive_batch(fields)
+        args.pipeline_runs, args.num_micro_batches = fields["pipeline_runs"], fields["num_micro_batches"]
+    elif args.num_micro_batches is None and merged.get("gbs") and args.dp:
+        # Micro-batches the flags made stale: the file's global batch over the measured degrees.
+        args.num_micro_batches = max(1, int(merged["gbs"]) // (args.dp * (args.mbs or 1) * (args.pipeline_runs or 1)))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
