@@ -464,3 +464,20 @@ def test_a_moe_imbalance_routing_cannot_produce_rejects_its_candidates():
     assert sum(result.rejected.values()) + result.fitting == space.size
     assert all(space.strategy(row["candidate"]).ep >= 4 for row in result.ranked)
     assert IMPOSSIBLE_IMBALANCE not in run_search(model, DEVICE, space, step_time_batch, top=1).rejected
+
+
+def test_fsdp_candidates_reshard_under_a_pipeline_as_the_runtime_does():
+    """torchtitan's default policy keeps parameters gathered after forward under a pipeline (the
+    pytorch runtime: torch pipelining keeps them gathered for the run anyway); Megatron-FSDP
+    reshards. The space follows the runtime it is given, and the CLI gives its runtime."""
+    from ndplan.search.space import runtime_reshard_under_pipeline
+
+    assert runtime_reshard_under_pipeline(MemoryOptions(runtime="pytorch")) is False
+    assert runtime_reshard_under_pipeline(MemoryOptions(runtime="megatron")) is True
+    for reshard in (False, True):
+        space = default_space(TINY_MOE, DEVICE, 8, 16, 1024, dims=("pp", "zero"), reshard_under_pipeline=reshard)
+        batch = space.batch(np.arange(space.size))
+        sharded = batch.zero == 3
+        assert np.all(batch.reshard_after_forward[sharded & (batch.pp == 1)] == 1)
+        assert np.all(batch.reshard_after_forward[sharded & (batch.pp > 1)] == int(reshard))
+        assert (sharded & (batch.pp > 1)).any()

@@ -512,6 +512,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ndplan.search import default_space, run_search, runtime_step_time
+    from ndplan.search.space import runtime_reshard_under_pipeline
     from ndplan.strategy import get_precision
 
     if args.top < 1:
@@ -541,15 +542,17 @@ def cmd_search(args: argparse.Namespace) -> int:
         fixed.update({name: int(value) if isinstance(value, bool) else value for name, value in kept.items()})
     offload_sets = _searched_sets(args, read, model, "offload")
 
+    options = _memory_options(args, {"overlap": args.overlap}, read)
+
     def space_on(devices: int) -> Any:
         """The space the flags describe, on ``devices`` devices (the degrees it enumerates depend on them)."""
         return default_space(model, device, devices, args.gbs, args.seq, get_precision(args.precision),
                              dims=tuple(args.dims) if args.dims else None, fixed=fixed,
-                             recompute_modules=recompute_sets, offload_modules=offload_sets)
+                             recompute_modules=recompute_sets, offload_modules=offload_sets,
+                             reshard_under_pipeline=runtime_reshard_under_pipeline(options))
 
     space = space_on(args.devices)
     limit = _memory_limit(args.memory_limit, device)
-    options = _memory_options(args, {"overlap": args.overlap}, read)
     step_time = runtime_step_time(options)  # the runtime's step-time model, as memory follows its profile
     quiet = args.json or not sys.stderr.isatty()
     with Progress(TextColumn("searching {task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),

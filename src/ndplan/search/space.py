@@ -16,7 +16,7 @@ import numpy as np
 
 from ndplan.errors import NdplanError
 from ndplan.hardware import Device
-from ndplan.memory.stages import applicable_offload_modules
+from ndplan.memory.stages import MemoryOptions, applicable_offload_modules
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.overlap import OFF_WORDS, ON_WORDS
 from ndplan.strategy.batch import StrategyBatch, encode
@@ -120,6 +120,10 @@ class SearchSpace:
     #: set, or several to search. Candidates Megatron-Core would not run with theirs (full
     #: recompute, other schedules) fail rule ``offload_runs``.
     offload_modules: tuple[ModuleSet, ...] = ((),)
+    #: Whether FSDP candidates with a pipeline reshard parameters after forward; without one they
+    #: always do. torchtitan's default policy does not under a pipeline (each micro-batch would
+    #: gather again), which the pytorch runtime follows (``default_space``).
+    reshard_under_pipeline: bool = True
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -231,6 +235,7 @@ class SearchSpace:
             "global_batch_size": self.global_batch_size,
             "seq_length": self.seq_length,
             "fsdp": (column["zero"] == 3).astype(np.int64),
+            "reshard_after_forward": 1 if self.reshard_under_pipeline else (pp == 1).astype(np.int64),
         }
         return StrategyBatch.from_columns(columns, self.precision, owned=True, **shared)
 
@@ -299,6 +304,7 @@ def default_space(
     fixed: dict[str, int | str] | None = None,
     recompute_modules: Sequence[str] | Sequence[Sequence[str]] = (),
     offload_modules: Sequence[str] | Sequence[Sequence[str]] = (),
+    reshard_under_pipeline: bool = True,
 ) -> SearchSpace:
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
@@ -314,7 +320,9 @@ def default_space(
     has no modules. ``offload_modules``, likewise: what the candidates offload to host memory
     (Megatron-Core's ``--offload-modules``, runtime megatron), one set of names or several sets
     to search (() offloads nothing); ``dims`` naming "offload_modules" searches
-    ``offload_sets(model)``."""
+    ``offload_sets(model)``. ``reshard_under_pipeline``: whether FSDP candidates with a pipeline
+    reshard parameters after forward (Megatron-FSDP does; torchtitan's default policy, and so the
+    pytorch runtime, does not: ``runtime_reshard_under_pipeline``)."""
     from ndplan.hardware import as_device
     from ndplan.model import as_model
 
@@ -396,8 +404,15 @@ def default_space(
     return SearchSpace(
         **{name: tuple(chosen[name]) for name in DIMENSIONS},
         num_devices=num_devices, global_batch_size=global_batch_size, seq_length=seq_length,
-        precision=precision, fixed=fixed,
+        precision=precision, fixed=fixed, reshard_under_pipeline=reshard_under_pipeline,
     )
+
+
+def runtime_reshard_under_pipeline(options: MemoryOptions) -> bool:
+    """Whether the runtime's FSDP reshards parameters after forward under a pipeline: not under
+    torch.distributed.pipelining (torchtitan's default policy, where gathered parameters stay for
+    the run anyway, ``pipeline_defers_fsdp_reduce``), else yes."""
+    return not options.profile.pipeline_defers_fsdp_reduce
 
 
 def _switch(name: str, value: int | str) -> int:
