@@ -358,6 +358,13 @@ COMMENTARY = [
     "  (835): ndplan uses the SXM peak, an upper bound. With eager elementwise kernels priced at 4.5",
     "  passes (measured on an H200, below; it was 3, a guess) they read {e[torchtitan-8b-fsdp-8gpu]} and "
     "{e[torchtitan-8b-fsdp-128gpu]} (were -29%, -31%).",
+    "* The same page's 3D rows (Llama 3.1 405B on 512 of those GPUs: FSDP 8, TP 8, PP 8, Float8,",
+    "  torch.compile, AsyncTP) were added with torch pipelining's FSDP behaviour (reduce deferred to a",
+    "  run's end, parameters kept gathered) and priced blind: 1F1B {e[torchtitan-405b-3d-1f1b]}, Interleaved",
+    "  1F1B {e[torchtitan-405b-3d-interleaved]}, about the 8B rows' offset (the power limit); the",
+    "  schedules' ratio, measured 1.28, predicted {t[torchtitan-405b-3d-interleaved]} / "
+    "{t[torchtitan-405b-3d-1f1b]} tokens/s per GPU. Their micro-batches",
+    "  (8 of 4 sequences, torchtitan's default then) and compiled elementwise kernels (1 pass) are assumed.",
     "* NeMo AutoModel's table (PyTorch-native: FSDP2, torch.distributed.pipelining, DeepEP, Transformer",
     "  Engine kernels; H100, BF16) was added after every figure above was chosen. Each row's settings",
     "  are read off the benchmark config the table links and AutoModel's code: bf16 parameters and",
