@@ -289,6 +289,18 @@ def test_mindformers_deepseek3_yaml():
     assert check_strategy(s, model) == []
 
 
+def test_mindformers_gradient_accumulation_has_no_effect_under_a_pipeline(tmp_path):
+    """MindFormers: under pipeline parallelism gradient accumulation does not take effect
+    (micro_batch_num plays its part; docs/feature_cards/Training_Algorithms.md): said, not priced."""
+    text = fixture("mindformers_deepseek3_671b.yaml").read_text()
+    piped = tmp_path / "piped.yaml"
+    piped.write_text(text.replace("  batch_size: 1\n", "  batch_size: 1\n  gradient_accumulation_steps: 4\n", 1))
+    result = read_config(piped)
+    assert result.strategy().num_micro_batches == 32 and result.strategy().global_batch_size == 512
+    assert any("gradient_accumulation_steps 4 does not take effect with pipeline parallelism" in w
+               for w in result.warnings)
+
+
 def test_hf_config_is_a_model_only(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf_config("qwen3-8b")))

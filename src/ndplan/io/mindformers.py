@@ -498,7 +498,18 @@ def _batch(pc: Section, runner: Section, root: Section, cfg: Section, settings: 
     settings["mbs"] = mbs
     accumulation = runner.integer("gradient_accumulation_steps") or root.integer("gradient_accumulation_steps", default=1) or 1
     micro = pc.integer("micro_batch_num", default=1) or 1
-    settings["num_micro_batches"] = (micro if settings["pp"] > 1 else 1) * accumulation
+    if settings["pp"] > 1:
+        # MindFormers' gradient accumulation does not take effect under pipeline parallelism, where
+        # micro_batch_num plays its part (docs/feature_cards/Training_Algorithms.md).
+        if accumulation > 1:
+            key = "gradient_accumulation_steps"
+            where = runner if key in runner else root
+            warnings.append(f"{where.src.where(where.line(key))}: {where.label(key)} {accumulation} does not take "
+                            "effect with pipeline parallelism (MindFormers: micro_batch_num sets the micro-batches); "
+                            f"the step has {micro} micro-batches")
+        settings["num_micro_batches"] = micro
+    else:
+        settings["num_micro_batches"] = accumulation
     settings["gbs"] = settings["dp"] * mbs * settings["num_micro_batches"]
     seq = cfg.integer("seq_length")
     if seq is None:
