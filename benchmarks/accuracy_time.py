@@ -361,9 +361,9 @@ COMMENTARY = [
     "* The same page's 3D rows (Llama 3.1 405B on 512 of those GPUs: FSDP 8, TP 8, PP 8, Float8,",
     "  torch.compile, AsyncTP) were added with torch pipelining's FSDP behaviour (reduce deferred to a",
     "  run's end, parameters kept gathered) and priced blind: 1F1B {e[torchtitan-405b-3d-1f1b]}, Interleaved",
-    "  1F1B {e[torchtitan-405b-3d-interleaved]}, about the 8B rows' offset (the power limit); the",
-    "  schedules' ratio, measured 1.28, predicted {t[torchtitan-405b-3d-interleaved]} / "
-    "{t[torchtitan-405b-3d-1f1b]} tokens/s per GPU. Their micro-batches",
+    "  1F1B {e[torchtitan-405b-3d-interleaved]}, about the 8B rows' offset (the power limit); "
+    "interleaved against 1F1B, predicted {t[torchtitan-405b-3d-interleaved]}",
+    "  against {t[torchtitan-405b-3d-1f1b]} tokens/s per GPU, measured 128 against 100. Their micro-batches",
     "  (8 of 4 sequences, torchtitan's default then) and compiled elementwise kernels (1 pass) are assumed.",
     "* NeMo AutoModel's table (PyTorch-native: FSDP2, torch.distributed.pipelining, DeepEP, Transformer",
     "  Engine kernels; H100, BF16) was added after every figure above was chosen. Each row's settings",

@@ -440,6 +440,12 @@ def test_emit_lists_what_the_format_cannot_express():
     assert "precision 'fsdp-bf16'" in text
     with pytest.raises(NdplanError, match="unknown output format"):
         emit(None, s, "deepspeed")
+    # Megatron refuses torch FSDP2 beside a pipeline: kept-gathered FSDP is written as
+    # Megatron-FSDP, which reshards, and said; and the runs a step of torchtitan's takes are lost.
+    kept = Strategy(dp=4, pp=2, zero=3, fsdp=True, reshard_after_forward=False, num_micro_batches=4, pipeline_runs=2)
+    text = emit(get_preset("llama-3.1-8b"), kept, "megatron")
+    assert "--use-megatron-fsdp" in text and "--torch-fsdp2-no-reshard-after-forward" not in text
+    assert "written as Megatron-FSDP, which reshards" in text and "pipeline_runs=2" in text
 
 
 # ---------------------------------------------------------------- CLI pieces

@@ -480,4 +480,5 @@ def test_fsdp_candidates_reshard_under_a_pipeline_as_the_runtime_does():
         sharded = batch.zero == 3
         assert np.all(batch.reshard_after_forward[sharded & (batch.pp == 1)] == 1)
         assert np.all(batch.reshard_after_forward[sharded & (batch.pp > 1)] == int(reshard))
+        assert np.all(batch.reshard_after_forward[~sharded] == 1)  # nothing to reshard: the canonical value
         assert (sharded & (batch.pp > 1)).any()

@@ -315,5 +315,13 @@ def test_verify_from_a_torchtitan_config_measures_its_pipeline_runs() -> None:
         _apply_from(args)
         strategy = strategy_from_args(args)
         assert short in strategy.short() + " " and strategy.global_batch_size == 1024, flags
+    args = parser.parse_args(["--from", str(config), "--dp", "3"])
+    with pytest.raises(NdplanError, match="global batch 1024 is not dp·mbs·num_micro_batches·pipeline_runs"):
+        _apply_from(args)
+    for flags, short in ((["--dp", "4", "--num-micro-batches", "4"], "dp4 tp8 pp4 vpp2 fsdp3 mbs1 m4x64 "),
+                         (["--dp", "3", "--num-micro-batches", "4", "--pipeline-runs", "2"], "dp3 tp8 pp4 vpp2 fsdp3 mbs1 m4x2 ")):
+        args = parser.parse_args(["--from", str(config), *flags])  # given values win
+        _apply_from(args)
+        assert short in strategy_from_args(args).short() + " ", flags
     with pytest.raises(NdplanError, match="give --dp or --pipeline-runs"):
         _apply_from(parser.parse_args(["--from", str(config)]))

@@ -549,7 +549,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         return default_space(model, device, devices, args.gbs, args.seq, get_precision(args.precision),
                              dims=tuple(args.dims) if args.dims else None, fixed=fixed,
                              recompute_modules=recompute_sets, offload_modules=offload_sets,
-                             reshard_under_pipeline=runtime_reshard_under_pipeline(options))
+                             # Megatron runs FSDP under a pipeline only resharding (Megatron-FSDP)
+                             reshard_under_pipeline=runtime_reshard_under_pipeline(options) or args.emit == "megatron")
 
     space = space_on(args.devices)
     limit = _memory_limit(args.memory_limit, device)

@@ -263,14 +263,16 @@ def _apply_from(args: argparse.Namespace) -> None:
     if args.model is None and result.model is not None:
         args.model = result.model.name
     # The file's settings under the flags, what they change derived again (as estimate does).
-    merged = merge_settings(result, {key: getattr(args, key) for key in _FLAG_KEYS if getattr(args, key, None) is not None})
+    given = {key: getattr(args, key) for key in _FLAG_KEYS if getattr(args, key, None) is not None}
+    merged = merge_settings(result, given)
     for key, value in merged.items():
         if key in _FLAG_KEYS and getattr(args, key, None) is None and not isinstance(value, dict):
             setattr(args, key, value if key != "precision" or isinstance(value, str) else None)
     if result.devices and getattr(args, "dp", None) is None:
         per_replica = (args.tp or 1) * (args.pp or 1)
         args.dp = max(result.devices // per_replica, 1)
-    if getattr(args, "pipeline_runs", None) == 0:
+    derived_runs = getattr(args, "pipeline_runs", None) == 0
+    if derived_runs:
         # Runs derived from the file's global batch (torchtitan's accumulation steps): as many as
         # the measured degrees leave, gbs / (dp · micro-batch size · micro-batches a run).
         if args.dp is None:
@@ -283,6 +285,16 @@ def _apply_from(args: argparse.Namespace) -> None:
     elif args.num_micro_batches is None and merged.get("gbs") and args.dp:
         # Micro-batches the flags made stale: the file's global batch over the measured degrees.
         args.num_micro_batches = max(1, int(merged["gbs"]) // (args.dp * (args.mbs or 1) * (args.pipeline_runs or 1)))
+    gbs = merged.get("gbs")
+    if gbs and args.dp and "pipeline_runs" not in given and (derived_runs or "num_micro_batches" not in given):
+        # Derived from the file's global batch, the micro-batches and runs must give it back (given
+        # ones win).
+        step = args.dp * (args.mbs or 1) * (args.num_micro_batches or 1) * (args.pipeline_runs or 1)
+        if step != int(gbs):
+            raise NdplanError(f"{result.source}: its global batch {gbs} is not dp·mbs·num_micro_batches·pipeline_runs = "
+                              f"{args.dp}·{args.mbs or 1}·{args.num_micro_batches or 1}·{args.pipeline_runs or 1} = "
+                              f"{step} with these flags; give --num-micro-batches and --pipeline-runs to measure "
+                              "another batch")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -115,12 +115,15 @@ def _memory(s: Strategy, lost: list[str]) -> Flags:
     elif s.zero == 2:
         flags += [("--use-distributed-optimizer", None), ("--use-megatron-fsdp", None),
                   ("--data-parallel-sharding-strategy", "optim_grads"), ("--ckpt-format", "fsdp_dtensor")]
-    elif s.zero == 3 and not s.reshard_after_forward:
+    elif s.zero == 3 and not s.reshard_after_forward and s.pp == 1 and s.ep == 1:
         flags += [("--use-torch-fsdp2", None), ("--torch-fsdp2-no-reshard-after-forward", None),
                   ("--ckpt-format", "torch_dist")]
-        if s.pp > 1 or s.ep > 1:
-            lost.append("FSDP2 without resharding together with pipeline or expert parallelism (Megatron refuses it)")
     elif s.zero == 3:
+        if not s.reshard_after_forward:
+            # Megatron refuses torch FSDP2 beside a pipeline or experts: Megatron-FSDP instead,
+            # which reshards.
+            lost.append("FSDP without resharding after forward together with pipeline or expert parallelism "
+                        "(Megatron refuses torch FSDP2 there; written as Megatron-FSDP, which reshards)")
         flags += [("--use-distributed-optimizer", None), ("--use-megatron-fsdp", None),
                   ("--data-parallel-sharding-strategy", "optim_grads_params"), ("--ckpt-format", "fsdp_dtensor")]
     if s.zero == 3 and not s.fsdp:

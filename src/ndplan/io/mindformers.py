@@ -51,6 +51,7 @@ _TOP_LEVEL = {
     "only_save_strategy", "resume_training", "use_parallel", "run_mode", "trainer", "runner_config", "optimizer",
     "lr_schedule", "train_dataset", "train_dataset_task", "eval_dataset", "eval_dataset_task", "context",
     "parallel_config", "micro_batch_interleave_num", "parallel", "recompute_config", "model", "moe_config",
+    "gradient_accumulation_steps",
     "callbacks", "runner_wrapper", "profile", "profile_start_step", "profile_stop_step", "init_start_profile",
     "profile_communication", "profile_memory", "metric", "processor", "do_eval", "eval_step_interval",
     "eval_epoch_interval", "transform_process_num", "remove_redundancy", "swap_config", "monitor_config",

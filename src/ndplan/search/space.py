@@ -235,7 +235,8 @@ class SearchSpace:
             "global_batch_size": self.global_batch_size,
             "seq_length": self.seq_length,
             "fsdp": (column["zero"] == 3).astype(np.int64),
-            "reshard_after_forward": 1 if self.reshard_under_pipeline else (pp == 1).astype(np.int64),
+            "reshard_after_forward": 1 if self.reshard_under_pipeline else
+            ((column["zero"] != 3) | (pp == 1)).astype(np.int64),
         }
         return StrategyBatch.from_columns(columns, self.precision, owned=True, **shared)
 
