@@ -211,6 +211,8 @@ def test_batch_equals_single_evaluations():
         Strategy(dp=2, tp=1, pp=4, vpp=2, schedule="interleaved", num_micro_batches=8, recompute="full"),
         Strategy(dp=16, ep=4, zero=3, fsdp=True, recompute="selective", micro_batch_size=2),
         Strategy(dp=2, pp=4, vpp=2, schedule="zbv", num_micro_batches=8),
+        Strategy(dp=2, pp=4, vpp=2, schedule="interleaved", num_micro_batches=4, pipeline_runs=2, zero=3, fsdp=True),
+        Strategy(dp=2, pp=4, num_micro_batches=4, pipeline_runs=3, reshard_after_forward=False, zero=3, fsdp=True),
     ]
     together = stage_memory(model, StrategyBatch.of(strategies))
     for i, s in enumerate(strategies):

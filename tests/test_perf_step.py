@@ -61,8 +61,11 @@ def test_invalid_strategy_is_refused_with_the_rules_it_breaks():
 @pytest.mark.parametrize(("model", "devices"), [(LLAMA70, 256), (DSV3, 512)])
 def test_a_batch_prices_each_strategy_as_it_would_alone(model, devices):
     """Deduplication and grouping must not change any number: every row of a mixed batch
-    equals the same strategy priced as a batch of one."""
+    equals the same strategy priced as a batch of one (some with several pipeline runs)."""
     batch = mixed_strategies(model, devices, 120, seed=3)
+    runs = np.where((batch.pp > 1) & (np.arange(len(batch)) % 3 == 0), 2, 1)
+    batch = StrategyBatch.from_columns({**{n: getattr(batch, n) for n in batch.array_fields()}, "pipeline_runs": runs,
+                                        "global_batch_size": batch.global_batch_size * runs}, batch.precision)
     cluster = _cluster(devices)
     together = step_time_batch(model, batch, cluster)
     for i in range(len(batch)):
