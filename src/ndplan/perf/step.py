@@ -471,8 +471,9 @@ def _price_group(
             # More chunks on a rank than torch keeps gathered: some are freed and gathered again
             # within the run (schedule.unshard), prefetched under the run's compute.
             name = CODES["schedule"][int(schedule[0])]
-            by_count = {int(c): chunk_gathers(name, pp, vpp, int(c), int(k[0])) for c in np.unique(m)}
-            again = np.array([by_count[int(c)] for c in m], dtype=np.float64) - vpp
+            run_sizes, row_size = np.unique(m, return_inverse=True)
+            again = np.array([chunk_gathers(name, pp, vpp, int(c), int(k[0])) for c in run_sizes],
+                             dtype=np.float64)[row_size] - vpp
             extra = gather_raw[dp_code] * again / vpp
             cover = m * per_mb[rows, heavy]
             per_run = per_run + (np.maximum(extra - cover, 0.0) if pr.overlap.fsdp_prefetch else extra)
