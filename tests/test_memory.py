@@ -554,15 +554,16 @@ def test_weight_gradient_step_is_torch_pipelining_only(schedule, vpp):
 def test_megatron_routes_each_ranks_sequence_shard_under_sp():
     """Megatron-Core's MoE layer takes [s/tp, b, h] under SP and its dispatcher gathers only over
     the expert-TP group, so a rank's experts see s·etp/tp routed copies: the full-width copies
-    (permuted tokens, unpermute input: 2·k·h per routed token) divide by tp/etp, the ffn-wide
-    ones by tp whatever etp. Mixtral (k = 2, h = 4096), bf16, tp 4 with SP."""
+    (the permuted tokens, k·h per routed token, and the probabilities the experts weight by, k
+    fp32 values) divide by tp/etp, the ffn-wide ones by tp whatever etp. Mixtral (k = 2, h = 4096),
+    bf16, tp 4 with SP."""
     from ndplan.memory.stages import layer_activations
 
     model = get_preset("mixtral-8x7b")
     options = MemoryOptions(runtime="megatron")
     strategies = [Strategy(tp=4, sequence_parallel=True, ep=2, etp=etp, dp=2) for etp in (1, 4)]
     moe = layer_activations(model, StrategyBatch.of(strategies), options).full["moe"]
-    copies = 2 * 2 * 4096 * 2  # permuted + unpermuted tokens: 2 tensors · k · h · 2 B per token
+    copies = 2 * 4096 * 2 + 2 * 4  # permuted tokens k · h · 2 B and probabilities k · 4 B per token
     # etp 4 gathers the 4 ranks' shards (s routed copies a rank), etp 1 routes its own (s/4); the
     # ffn-wide tensors are the same bytes either way, so the whole difference is the copies.
     assert moe[1] - moe[0] == pytest.approx(copies * (1 - 1 / 4))
@@ -699,3 +700,30 @@ def test_fsdp_under_a_pipeline_holds_its_sharded_gradients_from_the_second_run(s
     for a, b in zip(one.stages, two.stages, strict=True):
         assert b.comm_bytes == a.comm_bytes and b.grads_bytes == a.grads_bytes > 0
         assert b.forward_backward_bytes == a.forward_backward_bytes + a.grads_bytes
+
+
+def test_megatron_keeps_fp8_copies_of_linear_inputs_under_fp8_gemms():
+    """Transformer Engine's fp8 linears keep their input quantised (1 byte): per token of a
+    Llama-3.1-8B layer (h = q = 4096, ffn 14336), tp 1, the QKV and fc1 inputs (the norm-fused
+    linears' normalised input) and fc2's input save a byte an element each; the attention
+    output is kept twice, the core's bf16 copy and the projection's fp8 one (3 bytes, a byte
+    more). 4096 + 4096 + 14336 - 4096 = 18432 bytes less. torchao's float8 linears (the
+    pytorch profile) save the high-precision input: no change."""
+    from ndplan.memory.stages import layer_activations
+
+    model = get_preset("llama-3.1-8b")
+    strategies = [Strategy(precision="megatron-bf16-grad16"), Strategy(precision="megatron-fp8-grad16")]
+    for runtime, saved in (("megatron", 18432.0), ("pytorch", 0.0)):
+        dense = [layer_activations(model, StrategyBatch.of(s), MemoryOptions(runtime=runtime)).full["dense"][0]
+                 for s in strategies]
+        assert dense[0] - dense[1] == pytest.approx(saved)
+
+
+def test_bf16_gradient_presets_halve_the_gradient_buffer():
+    """NVIDIA's performance recipes reduce gradients in bf16 (grad_reduce_in_fp32 = False):
+    2 bytes a gradient instead of 4, parameters and optimizer as megatron-bf16's."""
+    model = get_preset("llama-3.1-8b")
+    fp32, bf16 = (estimate(model, Strategy(precision=name), options=NO_OVERHEAD).stages[0]
+                  for name in ("megatron-bf16", "megatron-bf16-grad16"))
+    assert bf16.grads_bytes == pytest.approx(fp32.grads_bytes / 2)
+    assert (bf16.params_bytes, bf16.optimizer_bytes) == (fp32.params_bytes, fp32.optimizer_bytes)

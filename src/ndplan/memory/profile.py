@@ -123,6 +123,10 @@ class SavedTensor:
     #: memory after the forward and back before its backward (Megatron-Core's saved-tensor hooks
     #: around the module: what the module saves moves, where it is kept at all).
     offloaded_by: frozenset[str] = frozenset()
+    #: Bytes per element when the layer's GEMMs run in fp8, where that differs from ``bytes``:
+    #: Transformer Engine's fp8 linears keep the quantised copy of their input for the weight
+    #: gradient (1 byte), not the bf16 one.
+    fp8_bytes: float | None = None
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
@@ -180,6 +184,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                     past_weights=bool(entry.get("past_weights", False)),
                     recomputed_by=frozenset(entry.get("recomputed_by") or ()),
                     offloaded_by=frozenset(entry.get("offloaded_by") or ()),
+                    fp8_bytes=None if entry.get("fp8_bytes") is None else float(entry["fp8_bytes"]),
                 )
             except (KeyError, TypeError) as error:
                 raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
@@ -333,7 +338,7 @@ def _kept(tensor: SavedTensor, modules: tuple[str, ...]) -> bool:
 
 
 def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int,
-                 modules: tuple[str, ...] = (), offload: tuple[str, ...] = ()) -> BlockBytes:
+                 modules: tuple[str, ...] = (), offload: tuple[str, ...] = (), fp8: bool = False) -> BlockBytes:
     base = dict.fromkeys(SHARDS, 0.0)
     per_seq = dict.fromkeys(SHARDS, 0.0)
     kept = dict.fromkeys(SHARDS, 0.0)
@@ -346,7 +351,10 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
     offloaded_per_seq = dict.fromkeys(SHARDS, 0.0)
     offloaded_kept_per_seq = dict.fromkeys(SHARDS, 0.0)
     for tensor in entries:
-        width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
+        if fp8 and tensor.fp8_bytes is not None:
+            width = tensor.fp8_bytes
+        else:
+            width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
         slope = evaluate(tensor.elements, {**symbols, "seq": 1.0}) - at_zero
         base[tensor.shard] += at_zero * width
@@ -372,11 +380,12 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
 
 @lru_cache(maxsize=256)
 def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_bytes: int,
-                       recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = ()
-                       ) -> dict[str, BlockBytes]:
+                       recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = (),
+                       fp8: bool = False) -> dict[str, BlockBytes]:
     """Every block of the profile, evaluated for ``model`` (cached per model and profile); the
     bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``,
-    the bytes moved to the host (``BlockBytes.offloaded``) those of ``offload_modules``."""
+    the bytes moved to the host (``BlockBytes.offloaded``) those of ``offload_modules``; with
+    ``fp8`` (the GEMMs run in fp8) an entry's ``fp8_bytes`` replace its width."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
@@ -384,5 +393,5 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
         raise NdplanError(f"offload modules ({' '.join(offload_modules)}) are Megatron-Core's fine-grained activation "
                           f"offloading; runtime '{profile.name}' has no such feature (use runtime megatron)")
     symbols = model_symbols(model)
-    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules)
+    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8)
             for block, entries in profile.blocks.items()}

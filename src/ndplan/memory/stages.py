@@ -291,7 +291,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     profile = options.profile
     act_bytes = batch.precision.activation_bytes
     offload = batch.offload_modules
-    blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload)
+    blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload,
+                                fp8=batch.precision.compute_dtype == "fp8")
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
