@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "accuracy"))
 
 from h200_time import section as h200_section  # noqa: E402
 
+from ndplan.memory.report import estimate as estimate_memory  # noqa: E402
+from ndplan.memory.stages import MemoryOptions  # noqa: E402
 from ndplan.perf.calibrate import MeasuredRun, calibrate, load_runs, measured_step_s, spearman  # noqa: E402
 from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, device_family  # noqa: E402
 from ndplan.perf.report import estimate_time  # noqa: E402
@@ -123,6 +125,7 @@ def main() -> None:
             fitted[r.id] = predict(r, fitted_profiles[family])
 
     lines = write_report(runs, measured, default, fitted, train, test, fitted_profiles, fit_reports)
+    lines += ["", *memory_section(runs)]
     lines += ["", *h200_section()]
     args.output.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {args.output} ({len(runs)} runs, {time.perf_counter() - started:.0f} s)")
@@ -240,6 +243,91 @@ def write_report(runs, measured, default, fitted, train, test, profiles, reports
     return lines
 
 
+def memory_section(runs: list[MeasuredRun]) -> list[str]:
+    """Every published run ran, so it fitted in its devices' memory: the estimate of its
+    largest stage must not exceed the device's memory. A one-sided check (a run may have
+    fitted with room to spare), but the one a search depends on: a strategy priced over the
+    limit is never recommended."""
+    rows = []
+    for r in runs:
+        report = estimate_memory(r.model_spec(), r.strategy_obj(), r.device_spec(), MemoryOptions(runtime=r.runtime),
+                                 num_devices=r.num_devices)
+        worst = max(report.stages, key=lambda stage: stage.peak_bytes)
+        rows.append((r, worst, r.device_spec().memory_bytes))
+    over = [(r, w, cap) for r, w, cap in rows if w.peak_bytes > cap]
+    gib = 2.0**30
+    lines = [
+        "## Memory: do the published runs fit?",
+        "",
+        "Each run above ran, so each fitted in its devices' memory. ndplan's estimate of the run's",
+        "fullest stage (`ndplan.memory.estimate`, the run's framework's runtime profile, overhead",
+        "included) should therefore not exceed the device's memory. It is a one-sided check: a run may",
+        "have fitted with room to spare, so a low estimate passes it. It is the check a search needs:",
+        "a strategy estimated over the limit is never recommended.",
+        "",
+        f"**{len(rows) - len(over)} of {len(rows)} runs are estimated to fit**; "
+        f"{len(over)} are estimated over their devices' memory:",
+        "",
+        "| run | runtime profile | device memory (GiB) | estimated peak (GiB) | over by | fullest stage: activations, static (GiB) |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for r, w, cap in over:
+        static = w.params_bytes + w.grads_bytes + w.optimizer_bytes
+        lines.append(f"| {r.id} | {r.runtime} | {cap / gib:.1f} | {w.peak_bytes / gib:.1f} | "
+                     f"{w.peak_bytes / cap - 1:+.1%} | stage {w.stage}: {w.activations_bytes / gib:.1f}, "
+                     f"{static / gib:.1f} |")
+    # The commentary's figures come from this run's estimates, so they cannot go stale.
+    share = {r.id: f"{w.peak_bytes / cap - 1:+.1%}" for r, w, cap in rows}
+    lines += [""] + [line.format(m=share) for line in MEMORY_COMMENTARY] + [
+        "",
+        "<details><summary>Every run's estimated peak</summary>",
+        "",
+        "| run | runtime profile | device memory (GiB) | estimated peak (GiB) | share of memory |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r, w, cap in rows:
+        lines.append(f"| {r.id} | {r.runtime} | {cap / gib:.1f} | {w.peak_bytes / gib:.1f} | {w.peak_bytes / cap:.0%} |")
+    lines += ["", "</details>"]
+    return lines
+
+
+MEMORY_COMMENTARY = [
+    "When this check was added, 22 of the 64 runs were estimated over their devices' memory. It found",
+    "settings the entries left out and two things the Megatron profile priced wrong, each taken from",
+    "the frameworks' code or recipes, not fitted to these rows:",
+    "",
+    "* NVIDIA's performance recipes (every Megatron-Bridge model's `..._llm_pretrain.py`) set",
+    "  `grad_reduce_in_fp32 = False`: bf16 main gradients (precision `megatron-fp8-grad16`), half the",
+    "  gradient buffer. DeepSeek-V3's recipes also recompute `mla_up_proj` (and `mlp` on H100) and lay",
+    "  the H100 pipeline out as `Et|(tt|)*30mL`; the entries now say so.",
+    "* Transformer Engine's fp8 linears keep the quantised copy of their input for the weight",
+    "  gradient, 1 byte an element, not the bf16 input (the profile's `fp8_bytes`).",
+    "* Megatron-Core (0.13 on) weights the experts' activation by the routing probabilities",
+    "  (`weighted_bias_swiglu`) and un-permutes without them, so the un-permute keeps no copy of the",
+    "  experts' output (k x h per token, the largest MoE tensor the profile had).",
+    "",
+    "What is still over:",
+    "",
+    "* Frameworks ndplan has no profile of: Meta's (Llama 3 405B; the paper states no activation",
+    "  settings, so no recompute is assumed, as for the step time) and DeepSeek's HAI-LLM (DeepSeek-V3",
+    "  on H800: its report recomputes every norm and the MLA up-projections, caches some activations",
+    "  in fp8 and keeps the EMA on the host, none of which the Megatron profile describes).",
+    "* NeMo 24.07's rows (GPT-3 20B {m[nemo2407-gpt3-20b]}, GPT-3 175B on 512 GPUs {m[nemo2407-gpt3-175b-512]}, "
+    "Llama 3 8B {m[nemo2407-llama3-8b]}):",
+    "  NeMo 1 ran Apex's distributed Adam, whose gradient-buffer dtype the table does not state;",
+    "  ndplan keeps Megatron's fp32 gradients (bf16 ones would bring all three under).",
+    "* The `pytorch` profile's rows: NeMo AutoModel (Qwen3-30B {m[automodel-qwen3-30b-a3b-8gpu]}, "
+    "Kimi K2 {m[automodel-kimi-k2-256gpu]}, GPT-OSS",
+    "  {m[automodel-gpt-oss-20b-8gpu]} and {m[automodel-gpt-oss-120b-64gpu]}) runs Transformer Engine's "
+    "modules and FlexAttention, whose saved",
+    "  tensors the profile (eager modules) does not describe. torchtitan's 405B rows are "
+    "{m[torchtitan-405b-3d-1f1b]} and {m[torchtitan-405b-3d-interleaved]} over.",
+    "* Megatron-Bridge's Qwen3-30B-A3B on H100 ({m[bridge2511-h100-qwen3-30b-a3b]}; one layer per virtual stage, "
+    "48 micro-batch",
+    "  chunks in flight on the first stage): not explained.",
+]
+
+
 COMMENTARY = [
     "* Dense models on A100 (Narayanan et al. 2021, Korthikanti et al. 2022) are predicted from first",
     "  principles within 10%, including the pipeline bubble, unfused attention and full or selective",
@@ -283,11 +371,16 @@ COMMENTARY = [
     "  * Load imbalance: the Megatron-Bridge benchmarks force-balance routing (random scores), so the",
     "    busiest of ep ranks carries about sigma*sqrt(2 ln ep) more tokens than the mean,",
     "    sigma = sqrt((1-1/ep)/copies per rank): 0.7-2% of the expert share here; not modelled.",
+    "* DeepSeek-V3 on Megatron-Bridge ({e[bridge2509-h100-deepseek-v3]} on H100, {e[bridge2511-b200-deepseek-v3]} on B200): its recipes, read for",
+    "  the memory check below, recompute `mla_up_proj` (and `mlp` on H100; +1.4 points there), reduce",
+    "  gradients in bf16 and unoverlapped, and on H100 give MTP and the loss a virtual stage of their",
+    "  own (`Et|(tt|)*30mL`). Under the default even layout the last virtual stage held two decoder",
+    "  layers besides them and set the pipeline's pace: +13.3% with the recompute, +11.9% without.",
     "* What is left is not explained by FLOPs, bytes or link rates, and the source shows why. Its 25.09",
     "  table ran the same configurations token-drop (same FLOPs, bytes and all-to-all volumes, no host",
-    "  sync): Qwen3-30B-A3B on H100 at 12.5 s per step against 24.8 s dropless (ndplan 11.2 s, 10% under",
-    "  the token-drop run), on B200 at 14.5 s against 28.2 s (ndplan 19.3 s; 11.2 s GPU-only), Qwen3-235B",
-    "  on B200 at 16.0 s against 20.0 s (ndplan 11.5 s with EP overlap, as that run had it: Megatron-Bridge",
+    "  sync): Qwen3-30B-A3B on H100 at 12.5 s per step against 24.8 s dropless (ndplan {s[bridge2511-h100-qwen3-30b-a3b]}, under",
+    "  the token-drop run), on B200 at 14.5 s against 28.2 s (ndplan {s[bridge2511-b200-qwen3-30b-a3b]}; 11.2 s GPU-only), Qwen3-235B",
+    "  on B200 at 16.0 s against 20.0 s (ndplan {s[bridge2511-b200-qwen3-235b-a22b]} with EP overlap, as that run had it: Megatron-Bridge",
     "  PR #1760 then disabled it 'due to CPU overhead', 20.1 s to 16.9 s). Megatron-Core's all-to-all dispatcher only syncs",
     "  the host on the token counts when it is not `drop_and_pad` (`_maybe_dtoh_and_synchronize`), so",
     "  the 2x of the Qwen3-30B rows is the dropless path's host cost, on both H100 and B200. The",
@@ -314,7 +407,7 @@ COMMENTARY = [
     "  (`--recompute-modules layernorm moe_act`), now priced as such: +0.1 s on each, from replaying",
     "  memory-bound norms and activations. Row by row:",
     "  * DeepEP with EP 32 over 4 nodes: {e[modelzoo-qwen3-235b-deepep-ep32]}. Megatron-Bridge 25.11 ran this layout in FP8 with the",
-    "    all-to-all dispatcher and its recipe's `moe_a2a_overlap=True` in 20.8 s (ndplan 19.0 s).",
+    "    all-to-all dispatcher and its recipe's `moe_a2a_overlap=True` in 20.8 s (ndplan {s[bridge2511-h100-qwen3-235b-a22b]}).",
     "  * The same with the source's '+1f1b overlap' (`--overlap-moe-expert-parallel-comm`): measured",
     "    2.1 s faster, 17.6 s. ndplan's EP-overlap switch hides the all-to-all of the passes that have",
     "    a partner micro-batch, but for the 20 of 132 SMs its kernels hold meanwhile",

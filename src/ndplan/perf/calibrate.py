@@ -90,8 +90,21 @@ class MeasuredRun(BaseModel):
     strategy: dict[str, Any]
     overlap: str | dict[str, Any] = "megatron"
     software: dict[str, Any] = Field(default_factory=dict, description="EfficiencyProfile fields that are facts of the run's software, e.g. flash_attention: false")
+    runtime: str = Field(default="megatron", description="the memory profile of the run's framework "
+                         "(ndplan.memory.profile: megatron, pytorch): what the memory check prices")
     measured: Measured
     notes: str = ""
+
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, value: str) -> str:
+        from ndplan.memory.profile import get_profile
+
+        try:
+            get_profile(value)
+        except NdplanError as error:
+            raise ValueError(str(error)) from None
+        return value
 
     @field_validator("software")
     @classmethod
