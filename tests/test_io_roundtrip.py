@@ -35,6 +35,8 @@ SPACES: dict[str, dict[str, Any]] = {
     "megatron": {
         "schedules": ("1f1b", "interleaved", "dualpipev"), "cp_kinds": ("ring", "ulysses", "hybrid"),
         "zero": (0, 1, 2, 3), "precisions": (PRECISION_PRESETS["megatron-bf16"], PRECISION_PRESETS["megatron-fp8"],
+                                             PRECISION_PRESETS["megatron-bf16-grad16"],
+                                             PRECISION_PRESETS["megatron-fp8-grad16"],
                                              PRECISION_PRESETS["fp32"], EXTRA_POLICIES["megatron-fp16"]),
         "recompute_layers": ("full",), "offload": True, "activation_offload": True,
     },

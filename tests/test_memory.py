@@ -705,18 +705,23 @@ def test_fsdp_under_a_pipeline_holds_its_sharded_gradients_from_the_second_run(s
 def test_megatron_keeps_fp8_copies_of_linear_inputs_under_fp8_gemms():
     """Transformer Engine's fp8 linears keep their input quantised (1 byte): per token of a
     Llama-3.1-8B layer (h = q = 4096, ffn 14336), tp 1, the QKV and fc1 inputs (the norm-fused
-    linears' normalised input) and fc2's input save a byte an element each; the attention
-    output is kept twice, the core's bf16 copy and the projection's fp8 one (3 bytes, a byte
-    more). 4096 + 4096 + 14336 - 4096 = 18432 bytes less. torchao's float8 linears (the
-    pytorch profile) save the high-precision input: no change."""
+    linears' normalised input) and fc2's input save a byte an element each, 4096 + 4096 + 14336
+    = 22528 bytes; the attention output stays the core's bf16 tensor (non-delayed recipes).
+    DeepSeek-V3's MoE layer (h 7168, top-8 of experts 2048 wide, one shared expert 2048 wide,
+    MLA latents 1536 and 512): the permuted tokens 8·7168 and the experts' fc2 input 8·2048, the
+    shared expert's fc2 input 2048 and the latents' normed copies 1536 + 512 save a byte each;
+    the shared expert's fc1 keeps a 1-byte copy of the router's input (+7168); the two
+    down-projections keep a byte each of the normed input (2 bytes, as bf16). torchao's float8
+    linears (the pytorch profile) save the high-precision input: no change."""
     from ndplan.memory.stages import layer_activations
 
-    model = get_preset("llama-3.1-8b")
     strategies = [Strategy(precision="megatron-bf16-grad16"), Strategy(precision="megatron-fp8-grad16")]
-    for runtime, saved in (("megatron", 18432.0), ("pytorch", 0.0)):
-        dense = [layer_activations(model, StrategyBatch.of(s), MemoryOptions(runtime=runtime)).full["dense"][0]
-                 for s in strategies]
-        assert dense[0] - dense[1] == pytest.approx(saved)
+    for name, kind, megatron_saves in (("llama-3.1-8b", "dense", 22528.0),
+                                       ("deepseek-v3", "moe", 8 * 7168 + 8 * 2048 + 2048 + 1536 + 512 - 7168)):
+        for runtime, saved in (("megatron", megatron_saves), ("pytorch", 0.0)):
+            per_token = [layer_activations(get_preset(name), StrategyBatch.of(s), MemoryOptions(runtime=runtime)).full[kind][0]
+                         for s in strategies]
+            assert per_token[0] - per_token[1] == pytest.approx(saved)
 
 
 def test_bf16_gradient_presets_halve_the_gradient_buffer():

@@ -165,6 +165,8 @@ def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: An
     stated (its loss parallelism too, where no flag sets it)."""
     if read is not None and getattr(args, "loss_parallel", None) is None:
         args.loss_parallel = read.runtime_settings.get("loss_parallel")
+    if read is not None and getattr(args, "loss_upcast", None) is None:
+        args.loss_upcast = read.runtime_settings.get("loss_upcast")
     return runtime_options(args, settings, read.runtime_settings if read is not None else None)
 
 
@@ -949,6 +951,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--loss-parallel", dest="loss_parallel", action="store_true", default=None,
                        help="keep logits vocab-sharded through the loss")
     group.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
+    group.add_argument("--no-loss-upcast", dest="loss_upcast", action="store_false", default=None,
+                       help="the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
+                            "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
     group.add_argument("--census", help="census JSON: measured activations replace the formulas for its layer kinds")
     group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack, and CUDA kernels' own scratch "
                        "(cuBLAS workspace, softmax backward's product)")

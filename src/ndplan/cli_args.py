@@ -216,6 +216,7 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
     return MemoryOptions(
         runtime=runtime, attention=getattr(args, "attention", "flash"),
         loss_parallel=getattr(args, "loss_parallel", None), include_overhead=not getattr(args, "no_overhead", False),
+        loss_upcast=getattr(args, "loss_upcast", None) is not False,
         moe_imbalance=getattr(args, "moe_imbalance", 1.0), moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
         census=census, overlap=parse_overlap(overlap),
     )

@@ -382,12 +382,17 @@ def same_bytes(a: PrecisionPolicy, b: PrecisionPolicy) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in _POLICY_FIELDS)
 
 
+#: Presets a reader's policy becomes only under their own name: their bytes are also those of
+#: other frameworks' policies (HyperParallel's bf16 with fp32 main parameters), which keep theirs.
+NAMED_ONLY = frozenset({"megatron-bf16-grad16", "megatron-fp8-grad16"})
+
+
 def make_policy(name: str, **fields: Any) -> PrecisionPolicy:
     """A precision policy by its bytes: the preset with exactly these bytes if there is one (so
     files round-trip to preset names), else a policy named ``name``."""
     policy = PrecisionPolicy(name=name, **fields)
     for preset in (*PRECISION_PRESETS.values(), *EXTRA_POLICIES.values()):
-        if same_bytes(policy, preset):
+        if same_bytes(policy, preset) and (preset.name not in NAMED_ONLY or preset.name == name):
             return preset
     return policy
 

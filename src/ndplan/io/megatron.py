@@ -111,12 +111,26 @@ def interpret(
     _batch(args, settings, dp, warnings, notes)
     overlap = _overlap(args, notes)
     notes.append("runtime: megatron, what Megatron-Core keeps for backward (--runtime overrides)")
+    runtime_settings: dict[str, Any] = {"overlap": overlap, "runtime": "megatron"}
+    # Transformer Engine's cross-entropy works on the bf16 logits (no fp32 copy); Megatron's own
+    # (native, or unfused) upcasts them.
+    fusion_impl = args.text("--cross-entropy-fusion-impl", default="native")
+    if fusion_impl not in ("native", "te", "linear"):
+        raise args.error("--cross-entropy-fusion-impl",
+                         f"unknown implementation {fusion_impl!r}; known: native, te, linear")
+    if args.has("--cross-entropy-loss-fusion") and fusion_impl == "te":
+        runtime_settings["loss_upcast"] = False
+        notes.append("--cross-entropy-fusion-impl te: the loss keeps the bf16 logits, no fp32 copy (--no-loss-upcast)")
+    elif args.has("--cross-entropy-loss-fusion") and fusion_impl == "linear":
+        warnings.append(f"{args.src.where(args.line('--cross-entropy-fusion-impl'))}: --cross-entropy-fusion-impl "
+                        "linear (the head fused with the loss, logits never whole) is not modelled; ndplan prices "
+                        "Megatron's native fp32 loss, an upper bound")
 
     warnings.extend(args.leftovers())
     return ReadResult(
         format=FORMAT, source=src.name, model=model, strategy_settings=settings,
         devices=settings.get("dp", 0) * tp * pp * cp or world or devices or None,
-        devices_per_node=per_node, warnings=warnings, notes=notes, runtime_settings={"overlap": overlap, "runtime": "megatron"},
+        devices_per_node=per_node, warnings=warnings, notes=notes, runtime_settings=runtime_settings,
     )
 
 

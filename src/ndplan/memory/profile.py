@@ -66,6 +66,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "kv_up": heads * (model.qk_nope_head_dim + model.v_head_dim),
         "qk_norm": 1 if model.qk_norm else 0,
         "has_q_lora": 1 if model.q_lora_rank else 0,
+        "has_shared": 1 if model.num_shared_experts else 0,
         # DeepSeek's HF router casts its input to fp32 before the gate matmul.
         "router_upcast": model.hidden_size if model.model_type.startswith("deepseek") else 0,
         "q_lora": model.q_lora_rank,
@@ -77,7 +78,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
 
 SYMBOLS: tuple[str, ...] = (
     "h", "q", "k", "v", "o", "heads", "kv_heads", "ffn", "moe_ffn", "topk", "experts", "shared_ffn",
-    "ffn_or_moe", "kv_up", "qk_norm", "has_q_lora", "router_upcast", "q_lora", "kv_lora", "rope", "vocab", "seq",
+    "ffn_or_moe", "kv_up", "qk_norm", "has_q_lora", "has_shared", "router_upcast", "q_lora", "kv_lora", "rope", "vocab", "seq",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -126,7 +127,11 @@ class SavedTensor:
     #: Bytes per element when the layer's GEMMs run in fp8, where that differs from ``bytes``:
     #: Transformer Engine's fp8 linears keep the quantised copy of their input for the weight
     #: gradient (1 byte), not the bf16 one.
-    fp8_bytes: float | None = None
+    fp8_bytes: str | float | None = None
+    #: Bytes per element (a number or ``act``) when the loss runs on the activation dtype
+    #: instead of upcasting the logits to fp32 (``MemoryOptions.loss_upcast`` off): 0 for the
+    #: upcast copy itself, ``act`` for what the loss then keeps or makes at that width.
+    no_upcast_bytes: str | float | None = None
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
@@ -184,7 +189,8 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                     past_weights=bool(entry.get("past_weights", False)),
                     recomputed_by=frozenset(entry.get("recomputed_by") or ()),
                     offloaded_by=frozenset(entry.get("offloaded_by") or ()),
-                    fp8_bytes=None if entry.get("fp8_bytes") is None else float(entry["fp8_bytes"]),
+                    fp8_bytes=_width_or_act(entry.get("fp8_bytes"), source, str(entry.get("name"))),
+                    no_upcast_bytes=_width_or_act(entry.get("no_upcast_bytes"), source, str(entry.get("name"))),
                 )
             except (KeyError, TypeError) as error:
                 raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
@@ -337,8 +343,19 @@ def _kept(tensor: SavedTensor, modules: tuple[str, ...]) -> bool:
     return tensor.keep if not modules else not (tensor.recomputed_by & set(modules))
 
 
+def _width_or_act(value: Any, source: str, name: str) -> str | float | None:
+    """A width given as ``act`` or a number of bytes (None: not given)."""
+    if value is None or value == "act":
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise NdplanError(f"{source}: entry '{name}' has width {value!r}; give a number of bytes or 'act'") from None
+
+
 def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int,
-                 modules: tuple[str, ...] = (), offload: tuple[str, ...] = (), fp8: bool = False) -> BlockBytes:
+                 modules: tuple[str, ...] = (), offload: tuple[str, ...] = (), fp8: bool = False,
+                 loss_upcast: bool = True) -> BlockBytes:
     base = dict.fromkeys(SHARDS, 0.0)
     per_seq = dict.fromkeys(SHARDS, 0.0)
     kept = dict.fromkeys(SHARDS, 0.0)
@@ -351,8 +368,10 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
     offloaded_per_seq = dict.fromkeys(SHARDS, 0.0)
     offloaded_kept_per_seq = dict.fromkeys(SHARDS, 0.0)
     for tensor in entries:
-        if fp8 and tensor.fp8_bytes is not None:
-            width = tensor.fp8_bytes
+        if not loss_upcast and tensor.no_upcast_bytes is not None:
+            width = activation_bytes if tensor.no_upcast_bytes == "act" else float(tensor.no_upcast_bytes)
+        elif fp8 and tensor.fp8_bytes is not None:
+            width = activation_bytes if tensor.fp8_bytes == "act" else float(tensor.fp8_bytes)
         else:
             width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
@@ -381,11 +400,12 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
 @lru_cache(maxsize=256)
 def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_bytes: int,
                        recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = (),
-                       fp8: bool = False) -> dict[str, BlockBytes]:
+                       fp8: bool = False, loss_upcast: bool = True) -> dict[str, BlockBytes]:
     """Every block of the profile, evaluated for ``model`` (cached per model and profile); the
     bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``,
     the bytes moved to the host (``BlockBytes.offloaded``) those of ``offload_modules``; with
-    ``fp8`` (the GEMMs run in fp8) an entry's ``fp8_bytes`` replace its width."""
+    ``fp8`` (the GEMMs run in fp8) an entry's ``fp8_bytes`` replace its width, without
+    ``loss_upcast`` its ``no_upcast_bytes``."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
@@ -393,5 +413,5 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
         raise NdplanError(f"offload modules ({' '.join(offload_modules)}) are Megatron-Core's fine-grained activation "
                           f"offloading; runtime '{profile.name}' has no such feature (use runtime megatron)")
     symbols = model_symbols(model)
-    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8)
+    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8, loss_upcast)
             for block, entries in profile.blocks.items()}

@@ -167,6 +167,7 @@ class MemoryReport:
             # The other options the figures depend on, so that a report can say how to reproduce them.
             "include_overhead": self.options.include_overhead,
             "loss_parallel": self.options.loss_parallel,
+            "loss_upcast": self.options.loss_upcast,
             "moe_imbalance": self.options.moe_imbalance,
             "moe_capacity_factor": self.options.moe_capacity_factor,
             "census_records": len(self.options.census),

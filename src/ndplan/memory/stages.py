@@ -75,7 +75,9 @@ class MemoryOptions:
     token-dropping MoE instead: every expert's buffer holds capacity_factor × its balanced share
     of tokens (padded when fewer come, dropped beyond), so routed-expert bytes are exactly that
     multiple whatever the routing. ``census`` replaces the profile's formulas for the layer kinds
-    it measured. ``overlap`` says which communication the runtime hides; the memory model does
+    it measured. ``loss_upcast`` off: the loss works on the logits' own dtype (NeMo AutoModel's
+    MaskedCrossEntropy(fp32_upcast=False); Megatron with Transformer Engine's cross-entropy,
+    which writes the gradient into the logits) instead of an fp32 copy. ``overlap`` says which communication the runtime hides; the memory model does
     not read it, the step-time model and the balancer do (None: the device runtime's defaults,
     ``ndplan.perf.overlap.default_overlap``), so the options a command builds carry it to both.
     """
@@ -86,6 +88,7 @@ class MemoryOptions:
     include_overhead: bool = True
     moe_imbalance: float = 1.0
     moe_capacity_factor: float | None = None
+    loss_upcast: bool = True
     census: tuple[CensusRecord, ...] = field(default=())
     overlap: OverlapConfig | None = None
 
@@ -122,6 +125,8 @@ class MemoryOptions:
                                                           and "sdpa_masked" in self.profile.blocks)}
         software.update(self.profile.kernels)
         software["pipeline_defers_fsdp_reduce"] = self.profile.pipeline_defers_fsdp_reduce
+        if not self.loss_upcast:
+            software["loss_upcast"] = False
         if self.moe_imbalance != 1.0:  # the busiest rank computes and receives as much more as it holds
             software["moe_imbalance"] = self.moe_imbalance
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,
@@ -292,7 +297,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     act_bytes = batch.precision.activation_bytes
     offload = batch.offload_modules
     blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload,
-                                fp8=batch.precision.compute_dtype == "fp8")
+                                fp8=batch.precision.compute_dtype == "fp8", loss_upcast=options.loss_upcast)
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)

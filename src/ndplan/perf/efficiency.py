@@ -61,7 +61,8 @@ class EfficiencyProfile(BaseModel):
     (transformers' SDPA once seq >= window), which computes every (query, key) pair of the
     square rather than skipping the blocks outside the window, at ``masked_attention_efficiency``
     (``attention_efficiency`` when unset): reading the mask, the kernel runs slower than causal
-    flash attention.
+    flash attention. ``loss_upcast`` False: the cross-entropy works on the logits' own dtype
+    (memory_ops.head_bytes), as the memory option of that name says.
 
     Memory-bound ops (norms, activations, rotary, residuals, loss) move bytes at
     ``hbm_bandwidth · hbm_efficiency``; the optimizer's update at its own rate (below).
@@ -153,6 +154,7 @@ class EfficiencyProfile(BaseModel):
     attention_call_s: float = Field(default=0.0, ge=0.0, description="fixed seconds of a layer's attention core, fwd+bwd")
     flash_attention: bool = True
     window_kernel: bool = True
+    loss_upcast: bool = True
     selective_recompute: Literal["megatron", "torchtitan-op", "keep-matmuls"] = "megatron"
     hbm_efficiency: Fraction
     scaleup_efficiency: Fraction
@@ -375,7 +377,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 
 #: The figures that describe the software rather than the device: what a runtime states of itself.
 SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "elementwise_passes",
-                   "expert_gemm", "optimizer_kernel", "fp8_cast_bytes", "pipeline_defers_fsdp_reduce")
+                   "expert_gemm", "optimizer_kernel", "fp8_cast_bytes", "pipeline_defers_fsdp_reduce", "loss_upcast")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

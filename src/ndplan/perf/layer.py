@@ -615,7 +615,8 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     head = head_gemms(model, sh)
     head_s = {p: gemms_seconds(head, rates, p)[0] for p in PASS_NAMES}
     cast_f, cast_b = fp8_cast_seconds(ctx, head)
-    loss_s = ctx.eff.elementwise_passes * head_bytes(model, sh, cols["sequence_parallel"], beta) / rates.hbm_rate
+    loss_s = ctx.eff.elementwise_passes * head_bytes(model, sh, cols["sequence_parallel"], beta,
+                                                     ctx.eff.loss_upcast) / rates.hbm_rate
     t = cols["tp"]
     link = group_link(t, 1.0, ctx.fabric, "ring")
     sp = cols["sequence_parallel"] > 0

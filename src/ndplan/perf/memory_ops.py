@@ -29,7 +29,8 @@ Per decoder layer, forward:
 Unfused attention (no FlashAttention): per score element b·(a/t)·(s/c)·s: GEMM writes scores 2,
 softmax reads 2 writes 2, dropout reads 2 writes 2 plus a 1-byte mask -> 11 bytes forward.
 Output head + loss: the vocab-parallel cross-entropy reads the bf16 logits, works in fp32
-(write 4, read 4) -> 10 bytes per logit forward, 10 backward; final norm 2·T_n·h.
+(write 4, read 4) -> 10 bytes per logit forward, 10 backward; final norm 2·T_n·h. A loss on
+the logits' own dtype (``loss_upcast`` off) reads 2, writes 2, reads 2 -> 6.
 Embedding: gather, read + write h per token forward; the backward scatter-adds into an fp32
 gradient (read 2, read-modify-write 4 + 4) -> 10 bytes per element.
 """
@@ -49,6 +50,8 @@ Array = np.ndarray
 UNFUSED_SCORE_BYTES = 11.0
 #: Bytes per logit of the fp32 cross-entropy, forward (the backward moves the same).
 LOSS_BYTES_PER_LOGIT = 10.0
+#: The same without the upcast: read the logits, write and read their log-softmax, in bf16.
+LOSS_BYTES_PER_LOGIT_NO_UPCAST = 6.0
 #: Bytes per embedding element of the backward scatter-add into an fp32 gradient.
 EMBEDDING_GRAD_BYTES = 10.0
 #: Bytes per (token, expert) router element: softmax/top-k, routing map, probabilities, aux loss.
@@ -174,10 +177,12 @@ def unfused_score_bytes(model: ModelSpec, sh: Sharding) -> Array | float:
     return UNFUSED_SCORE_BYTES * elements
 
 
-def head_bytes(model: ModelSpec, sh: Sharding, sp: Array | float, act_bytes: float) -> Array | float:
+def head_bytes(model: ModelSpec, sh: Sharding, sp: Array | float, act_bytes: float,
+               loss_upcast: bool = True) -> Array | float:
     """Final norm and cross-entropy, forward (the backward moves the same)."""
     logits = sh.tokens * model.vocab_size / sh.tp
-    return act_bytes * 2.0 * norm_tokens(sh, sp) * model.hidden_size + LOSS_BYTES_PER_LOGIT * logits
+    per_logit = LOSS_BYTES_PER_LOGIT if loss_upcast else LOSS_BYTES_PER_LOGIT_NO_UPCAST
+    return act_bytes * 2.0 * norm_tokens(sh, sp) * model.hidden_size + per_logit * logits
 
 
 def embedding_bytes(model: ModelSpec, sh: Sharding, act_bytes: float) -> tuple[Array | float, Array | float]:

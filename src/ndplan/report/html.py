@@ -452,6 +452,8 @@ def reproduce_command(inputs: Mapping[str, Any]) -> tuple[str, list[str]]:
         args.append("--no-overhead")
     if inputs.get("loss_parallel") is not None:
         args.append("--loss-parallel" if inputs["loss_parallel"] else "--no-loss-parallel")
+    if inputs.get("loss_upcast") is False:
+        args.append("--no-loss-upcast")
     if inputs.get("moe_imbalance") not in (None, 1, 1.0):
         args += ["--moe-imbalance", str(inputs["moe_imbalance"])]
     if inputs.get("moe_capacity_factor") is not None:

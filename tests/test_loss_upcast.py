@@ -1,0 +1,115 @@
+"""A loss on the logits' own dtype (--no-loss-upcast) against one on an fp32 copy of them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ndplan.cli import main
+from ndplan.errors import NdplanError
+from ndplan.io import read_config
+from ndplan.memory.stages import MemoryOptions, layer_activations
+from ndplan.model import get_preset
+from ndplan.perf.flops import Sharding
+from ndplan.perf.memory_ops import head_bytes
+from ndplan.strategy import Strategy, StrategyBatch
+
+MODEL = get_preset("qwen3-30b-a3b")  # vocabulary 151,936: the logits dominate the head
+BF16 = Strategy(precision="bf16-pure")
+
+
+def _output(runtime: str, upcast: bool) -> tuple[float, float]:
+    """(kept, transient) bytes per token of the final norm, head and loss."""
+    acts = layer_activations(MODEL, StrategyBatch.of(BF16), MemoryOptions(runtime=runtime, loss_upcast=upcast))
+    return float(acts.output[0]), float(acts.output_transient[0])
+
+
+def test_pytorch_loss_without_upcast_keeps_a_bf16_log_softmax():
+    """F.cross_entropy on fp32 logits keeps their fp32 log-softmax (4 bytes a logit) and its
+    backward makes two fp32 gradients; on the bf16 logits all three are 2 bytes and the fp32 copy
+    of the logits (4 bytes, alive around the loss) is never made."""
+    vocab = MODEL.vocab_size
+    kept_fp32, transient_fp32 = _output("pytorch", True)
+    kept_bf16, transient_bf16 = _output("pytorch", False)
+    assert kept_fp32 - kept_bf16 == pytest.approx(2 * vocab)
+    # around the loss: logits (2) + fp32 copy (4) upcast, logits (2) alone; backward 4 + 4 against 2 + 2
+    assert (transient_fp32, transient_bf16) == pytest.approx((8 * vocab, 4 * vocab))
+
+
+def test_megatron_te_cross_entropy_keeps_only_the_logits():
+    """Transformer Engine's cross-entropy writes the gradient into the bf16 logits and keeps them:
+    2 bytes a logit kept instead of the fp32 softmax's 4, nothing but the logits around the loss,
+    no gradient buffer in the backward."""
+    vocab = MODEL.vocab_size
+    kept_fp32, transient_fp32 = _output("megatron", True)
+    kept_te, transient_te = _output("megatron", False)
+    assert kept_fp32 - kept_te == pytest.approx(2 * vocab)
+    assert (transient_fp32, transient_te) == pytest.approx((6 * vocab, 2 * vocab))
+
+
+def test_the_profile_matches_what_torch_saves_for_a_bf16_loss():
+    """The pytorch profile's head and loss, without upcast, against the tensors autograd saves
+    for a bf16 head and F.cross_entropy (distinct storages: the head's input, the log-softmax,
+    the labels)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    tokens, hidden, vocab = 16, 64, 1000
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    storages: dict[int, int] = {}
+
+    def pack(t):  # type: ignore[no-untyped-def]
+        if t.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():  # a parameter, not saved activation
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(x @ weight.t(), labels)
+    measured = sum(n for n in storages.values() if n >= tokens)  # leave out the scalar loss statistics
+    tiny = get_preset("qwen3-30b-a3b").model_copy(update={"hidden_size": hidden, "vocab_size": vocab})
+    acts = layer_activations(tiny, StrategyBatch.of(BF16), MemoryOptions(loss_upcast=False))
+    norm = float(layer_activations(tiny, StrategyBatch.of(BF16), MemoryOptions()).output[0]) - (
+        2 * hidden + 4 * vocab + 8)  # the final norm's share, the same either way
+    assert float(acts.output[0]) - norm == pytest.approx(measured / tokens)
+
+
+def test_head_time_reads_fewer_bytes_without_upcast():
+    sharding = Sharding(micro_batch=1.0, seq=4096.0, tp=1.0, cp=1.0)
+    logits = 4096 * MODEL.vocab_size
+    upcast = head_bytes(MODEL, sharding, 0.0, 2.0)
+    plain = head_bytes(MODEL, sharding, 0.0, 2.0, loss_upcast=False)
+    assert upcast - plain == pytest.approx(4.0 * logits)  # 10 bytes a logit against 6
+
+
+def test_megatron_reader_takes_te_cross_entropy_as_no_upcast(tmp_path):
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 128 --padded-vocab-size 256 --position-embedding-type rope --micro-batch-size 1 --global-batch-size 8 --bf16 ")
+    script.write_text(base + "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te\n")
+    result = read_config(script, devices=8)
+    assert result.runtime_settings["loss_upcast"] is False and result.warnings == []
+    script.write_text(base + "--cross-entropy-loss-fusion\n")  # Megatron's native fused loss upcasts
+    assert "loss_upcast" not in read_config(script, devices=8).runtime_settings
+    script.write_text(base + "--cross-entropy-loss-fusion --cross-entropy-fusion-impl linear\n")
+    linear = read_config(script, devices=8)
+    assert "loss_upcast" not in linear.runtime_settings
+    assert any("linear" in w and "upper bound" in w for w in linear.warnings)
+    script.write_text(base + "--cross-entropy-loss-fusion --cross-entropy-fusion-impl triton\n")
+    with pytest.raises(NdplanError, match="--cross-entropy-fusion-impl.*unknown implementation 'triton'; "
+                                          "known: native, te, linear"):
+        read_config(script, devices=8)
+
+
+def test_cli_flag_reaches_memory_time_and_json(capsys):
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "8", "--ep", "8",
+            "--mbs", "2", "--seq", "4096", "--json"]
+    assert main(args) == 0
+    upcast = json.loads(capsys.readouterr().out)
+    assert main([*args, "--no-loss-upcast"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert upcast["loss_upcast"] is True and plain["loss_upcast"] is False
+    assert plain["peak_bytes"] < upcast["peak_bytes"]
+    assert plain["time"]["step_s"] < upcast["time"]["step_s"]
