@@ -29,8 +29,6 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "accuracy"))
 
 from h200_time import section as h200_section  # noqa: E402
 
-from ndplan.memory.report import estimate as estimate_memory  # noqa: E402
-from ndplan.memory.stages import MemoryOptions  # noqa: E402
 from ndplan.perf.calibrate import MeasuredRun, calibrate, load_runs, measured_step_s, spearman  # noqa: E402
 from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, device_family  # noqa: E402
 from ndplan.perf.report import estimate_time  # noqa: E402
@@ -238,9 +236,25 @@ def write_report(runs, measured, default, fitted, train, test, profiles, reports
     errors = {r.id: _pct(default[r.id]["step_s"] / measured[r.id] - 1) for r in runs}
     seconds = {r.id: f"{default[r.id]['step_s']:.1f} s" for r in runs}
     per_device = {r.id: f"{default[r.id]['tokens_per_s_per_device']:,.0f}" for r in runs}
-    lines += ["", "## What the errors say", ""] + [line.format(e=errors, s=seconds, t=per_device)
+    variants = _variant_errors({r.id: r for r in runs}, measured)
+    lines += ["", "## What the errors say", ""] + [line.format(e=errors, s=seconds, t=per_device, v=variants)
                                                     for line in COMMENTARY]
     return lines
+
+
+def _variant_errors(runs: dict[str, MeasuredRun], measured: dict[str, float]) -> dict[str, str]:
+    """Errors of a run priced with a setting changed, which the commentary compares (defaults)."""
+    deepseek = runs["bridge2509-h100-deepseek-v3"]
+    changes = {
+        "deepseek-h100-even": {"stage_layers": None},
+        "deepseek-h100-even-no-recompute": {"stage_layers": None, "recompute": "none", "recompute_modules": ()},
+    }
+    out = {}
+    for name, change in changes.items():
+        varied = deepseek.model_copy(update={"strategy": {**deepseek.strategy, **change}})
+        step = predict(varied, default_efficiency(varied.device_spec()))["step_s"]
+        out[name] = _pct(step / measured[deepseek.id] - 1)
+    return out
 
 
 def memory_section(runs: list[MeasuredRun]) -> list[str]:
@@ -248,12 +262,7 @@ def memory_section(runs: list[MeasuredRun]) -> list[str]:
     largest stage must not exceed the device's memory. A one-sided check (a run may have
     fitted with room to spare), but the one a search depends on: a strategy priced over the
     limit is never recommended."""
-    rows = []
-    for r in runs:
-        report = estimate_memory(r.model_spec(), r.strategy_obj(), r.device_spec(), MemoryOptions(runtime=r.runtime),
-                                 num_devices=r.num_devices)
-        worst = max(report.stages, key=lambda stage: stage.peak_bytes)
-        rows.append((r, worst, r.device_spec().memory_bytes))
+    rows = [(r, r.fullest_stage(), r.device_spec().memory_bytes) for r in runs]
     over = [(r, w, cap) for r, w, cap in rows if w.peak_bytes > cap]
     gib = 2.0**30
     lines = [
@@ -277,8 +286,8 @@ def memory_section(runs: list[MeasuredRun]) -> list[str]:
                      f"{w.peak_bytes / cap - 1:+.1%} | stage {w.stage}: {w.activations_bytes / gib:.1f}, "
                      f"{static / gib:.1f} |")
     # The commentary's figures come from this run's estimates, so they cannot go stale.
-    share = {r.id: f"{w.peak_bytes / cap - 1:+.1%}" for r, w, cap in rows}
-    lines += [""] + [line.format(m=share) for line in MEMORY_COMMENTARY] + [
+    over_by = {r.id: f"{w.peak_bytes / cap - 1:+.1%}" for r, w, cap in rows}
+    lines += [""] + [line.format(m=over_by) for line in MEMORY_COMMENTARY] + [
         "",
         "<details><summary>Every run's estimated peak</summary>",
         "",
@@ -292,8 +301,8 @@ def memory_section(runs: list[MeasuredRun]) -> list[str]:
 
 
 MEMORY_COMMENTARY = [
-    "When this check was added, 22 of the 64 runs were estimated over their devices' memory. It found",
-    "settings the entries left out and two things the Megatron profile priced wrong, each taken from",
+    "When this check was added, 21 of the 64 runs were estimated over their devices' memory. It found",
+    "settings the entries left out and three things the memory model priced wrong, each taken from",
     "the frameworks' code or recipes, not fitted to these rows:",
     "",
     "* NVIDIA's performance recipes (every Megatron-Bridge model's `..._llm_pretrain.py`) set",
@@ -301,10 +310,14 @@ MEMORY_COMMENTARY = [
     "  gradient buffer. DeepSeek-V3's recipes also recompute `mla_up_proj` (and `mlp` on H100) and lay",
     "  the H100 pipeline out as `Et|(tt|)*30mL`; the entries now say so.",
     "* Transformer Engine's fp8 linears keep the quantised copy of their input for the weight",
-    "  gradient, 1 byte an element, not the bf16 input (the profile's `fp8_bytes`).",
+    "  gradient, 1 byte an element, not the bf16 input (the Megatron profile's `fp8_bytes`).",
     "* Megatron-Core (0.13 on) weights the experts' activation by the routing probabilities",
     "  (`weighted_bias_swiglu`) and un-permutes without them, so the un-permute keeps no copy of the",
     "  experts' output (k x h per token, the largest MoE tensor the profile had).",
+    "* NeMo AutoModel's benchmark configs compute the loss on the bf16 logits",
+    "  (`MaskedCrossEntropy(fp32_upcast: false)`), which ndplan priced as an fp32 upcast: now the",
+    "  `loss_upcast` option (`--no-loss-upcast`; Megatron's `--cross-entropy-fusion-impl te` too).",
+    "  AutoModel's Qwen3-30B went from +4.1% to {m[automodel-qwen3-30b-a3b-8gpu]}.",
     "",
     "What is still over:",
     "",
@@ -316,15 +329,15 @@ MEMORY_COMMENTARY = [
     "Llama 3 8B {m[nemo2407-llama3-8b]}):",
     "  NeMo 1 ran Apex's distributed Adam, whose gradient-buffer dtype the table does not state;",
     "  ndplan keeps Megatron's fp32 gradients (bf16 ones would bring all three under).",
-    "* The `pytorch` profile's rows: NeMo AutoModel (Qwen3-30B {m[automodel-qwen3-30b-a3b-8gpu]}, "
-    "Kimi K2 {m[automodel-kimi-k2-256gpu]}, GPT-OSS",
-    "  {m[automodel-gpt-oss-20b-8gpu]} and {m[automodel-gpt-oss-120b-64gpu]}) runs Transformer Engine's "
-    "modules and FlexAttention, whose saved",
-    "  tensors the profile (eager modules) does not describe. torchtitan's 405B rows are "
-    "{m[torchtitan-405b-3d-1f1b]} and {m[torchtitan-405b-3d-interleaved]} over.",
-    "* Megatron-Bridge's Qwen3-30B-A3B on H100 ({m[bridge2511-h100-qwen3-30b-a3b]}; one layer per virtual stage, "
-    "48 micro-batch",
-    "  chunks in flight on the first stage): not explained.",
+    "* NeMo AutoModel's Kimi K2 ({m[automodel-kimi-k2-256gpu]}) and GPT-OSS ({m[automodel-gpt-oss-20b-8gpu]}, "
+    "{m[automodel-gpt-oss-120b-64gpu]}) run Transformer",
+    "  Engine's norms and linears and FlexAttention, whose saved tensors the `pytorch` profile (eager",
+    "  modules: fp32 norm copies) does not describe.",
+    "* Not explained: Megatron-Bridge's Qwen3-30B-A3B on H100 ({m[bridge2511-h100-qwen3-30b-a3b]}; the last stage, "
+    "47 micro-batch",
+    "  chunks of one layer in flight beside the output head) and torchtitan's 405B rows",
+    "  ({m[torchtitan-405b-3d-1f1b]}, {m[torchtitan-405b-3d-interleaved]}; Float8, torch.compile, "
+    "parameters kept gathered under the pipeline).",
 ]
 
 
@@ -372,10 +385,12 @@ COMMENTARY = [
     "    busiest of ep ranks carries about sigma*sqrt(2 ln ep) more tokens than the mean,",
     "    sigma = sqrt((1-1/ep)/copies per rank): 0.7-2% of the expert share here; not modelled.",
     "* DeepSeek-V3 on Megatron-Bridge ({e[bridge2509-h100-deepseek-v3]} on H100, {e[bridge2511-b200-deepseek-v3]} on B200): its recipes, read for",
-    "  the memory check below, recompute `mla_up_proj` (and `mlp` on H100; +1.4 points there), reduce",
-    "  gradients in bf16 and unoverlapped, and on H100 give MTP and the loss a virtual stage of their",
-    "  own (`Et|(tt|)*30mL`). Under the default even layout the last virtual stage held two decoder",
-    "  layers besides them and set the pipeline's pace: +13.3% with the recompute, +11.9% without.",
+    "  the memory check below, recompute `mla_up_proj` (and `mlp` on H100), reduce gradients in bf16",
+    "  and unoverlapped, and on H100 give MTP and the loss a virtual stage of their own",
+    "  (`Et|(tt|)*30mL`). Under the default even layout (61 layers over 32 virtual stages) the last",
+    "  one held a decoder layer besides them and set the pipeline's pace: the H100 row would read",
+    "  {v[deepseek-h100-even]} with the recompute, {v[deepseek-h100-even-no-recompute]} without (it read +11.9% before "
+    "the recipe was read).",
     "* What is left is not explained by FLOPs, bytes or link rates, and the source shows why. Its 25.09",
     "  table ran the same configurations token-drop (same FLOPs, bytes and all-to-all volumes, no host",
     "  sync): Qwen3-30B-A3B on H100 at 12.5 s per step against 24.8 s dropless (ndplan {s[bridge2511-h100-qwen3-30b-a3b]}, under",

@@ -285,24 +285,15 @@ def test_a_run_names_a_known_runtime_profile(tmp_path: Path):
 #: removes from it, must say so there.
 OVER_THEIR_MEMORY = {
     "nemo2407-gpt3-20b", "nemo2407-gpt3-175b-512", "nemo2407-llama3-8b",  # NeMo 1's gradient dtype unstated
-    "bridge2511-h100-qwen3-30b-a3b",  # +3.0%, not explained
     "llama3-405b-8192gpu", "llama3-405b-16384gpu", "deepseek-v3-h800",  # frameworks without a profile
-    "torchtitan-405b-3d-1f1b", "torchtitan-405b-3d-interleaved",
-    "automodel-qwen3-30b-a3b-8gpu", "automodel-kimi-k2-256gpu", "automodel-gpt-oss-20b-8gpu",
-    "automodel-gpt-oss-120b-64gpu",
+    "automodel-kimi-k2-256gpu", "automodel-gpt-oss-20b-8gpu", "automodel-gpt-oss-120b-64gpu",  # TE modules, FlexAttention
+    # not explained: +1.0%, +2.1%, +1.1%
+    "bridge2511-h100-qwen3-30b-a3b", "torchtitan-405b-3d-1f1b", "torchtitan-405b-3d-interleaved",
 }
 
 
 def test_published_runs_are_estimated_to_fit_their_devices():
     """Every published run ran, so fitted: its fullest stage's estimate must stay within the
     device's memory, but for the runs listed (and explained) above."""
-    from ndplan.memory.report import estimate
-    from ndplan.memory.stages import MemoryOptions
-
-    over = set()
-    for run in load_runs(RUNS):
-        report = estimate(run.model_spec(), run.strategy_obj(), run.device_spec(), MemoryOptions(runtime=run.runtime),
-                          num_devices=run.num_devices)
-        if max(stage.peak_bytes for stage in report.stages) > run.device_spec().memory_bytes:
-            over.add(run.id)
+    over = {run.id for run in load_runs(RUNS) if run.fullest_stage().peak_bytes > run.device_spec().memory_bytes}
     assert over == OVER_THEIR_MEMORY

@@ -91,7 +91,8 @@ class MeasuredRun(BaseModel):
     overlap: str | dict[str, Any] = "megatron"
     software: dict[str, Any] = Field(default_factory=dict, description="EfficiencyProfile fields that are facts of the run's software, e.g. flash_attention: false")
     runtime: str = Field(default="megatron", description="the memory profile of the run's framework "
-                         "(ndplan.memory.profile: megatron, pytorch): what the memory check prices")
+                         "(ndplan.memory.profile: megatron, pytorch): what the memory check prices. Unlike "
+                         "MemoryOptions (pytorch), a run defaults to megatron, as most published runs are")
     measured: Measured
     notes: str = ""
 
@@ -159,6 +160,22 @@ class MeasuredRun(BaseModel):
 
     def efficiency(self, base: EfficiencyProfile) -> EfficiencyProfile:
         return base.replace(**self.software) if self.software else base
+
+    def memory_options(self) -> Any:
+        """The memory model's options for this run: its runtime profile, and the software facts
+        memory shares with time (the loss's upcast)."""
+        from ndplan.memory.stages import MemoryOptions
+
+        return MemoryOptions(runtime=self.runtime, loss_upcast=bool(self.software.get("loss_upcast", True)))
+
+    def fullest_stage(self) -> Any:
+        """The memory estimate (``ndplan.memory.report.StageReport``) of the run's stage with the
+        highest peak: a run that ran fitted, so this must stay within its device's memory."""
+        from ndplan.memory.report import estimate
+
+        report = estimate(self.model_spec(), self.strategy_obj(), self.device_spec(), self.memory_options(),
+                          num_devices=self.num_devices)
+        return max(report.stages, key=lambda stage: stage.peak_bytes)
 
 
 def _megatron_flops(model: ModelSpec, batch: float, seq: float, recompute_forward: float, vocab_div: float) -> float:
