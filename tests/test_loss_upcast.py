@@ -113,3 +113,18 @@ def test_cli_flag_reaches_memory_time_and_json(capsys):
     assert upcast["loss_upcast"] is True and plain["loss_upcast"] is False
     assert plain["peak_bytes"] < upcast["peak_bytes"]
     assert plain["time"]["step_s"] < upcast["time"]["step_s"]
+
+
+def test_emitted_megatron_launch_reads_back_without_upcast(tmp_path):
+    """--emit megatron writes Transformer Engine's cross-entropy, which reads back as no upcast;
+    torchtitan's loss always upcasts, which its config's header says."""
+    from ndplan.io import emit
+
+    model = get_preset("llama-3.1-8b")
+    strategy = Strategy(dp=8)
+    script = tmp_path / "train.sh"
+    script.write_text(emit(model, strategy, "megatron", loss_upcast=False))
+    assert read_config(script, devices=8).runtime_settings["loss_upcast"] is False
+    script.write_text(emit(model, strategy, "megatron"))
+    assert "loss_upcast" not in read_config(script, devices=8).runtime_settings
+    assert "left out: the loss on the bf16 logits" in emit(model, strategy, "torchtitan", loss_upcast=False)

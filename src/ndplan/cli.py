@@ -192,7 +192,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.emit:
         from ndplan.io import emit
 
-        emitted = emit(model, strategy, args.emit, overlap)
+        emitted = emit(model, strategy, args.emit, overlap, loss_upcast=options.loss_upcast)
     if args.json:
         _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
                     "devices": strategy.world_size,
@@ -288,7 +288,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
         from ndplan.io import emit
         from ndplan.perf import default_overlap
 
-        data["emitted"] = emit(model, emitted, args.emit, options.overlap or default_overlap(device.runtime))
+        data["emitted"] = emit(model, emitted, args.emit, options.overlap or default_overlap(device.runtime),
+                               loss_upcast=options.loss_upcast)
         data["emitted_check"] = _read_back(model, emitted, data["emitted"], args.emit, cluster, options, limit)
     # Balancing is worth running only where the full estimators agree it gains on the strategy as given.
     balanced_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
@@ -621,7 +622,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         from ndplan.io import emit
         from ndplan.perf import default_overlap
 
-        data["emitted"] = emit(model, winner, args.emit, options.overlap or default_overlap(device.runtime))
+        data["emitted"] = emit(model, winner, args.emit, options.overlap or default_overlap(device.runtime),
+                               loss_upcast=options.loss_upcast)
     explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
     if explained is not None:
         data["explain"] = explained

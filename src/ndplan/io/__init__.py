@@ -156,11 +156,13 @@ def _normalise(result: ReadResult) -> None:
 
 
 def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str,
-         overlap: Any = None) -> str:
+         overlap: Any = None, *, loss_upcast: bool = True) -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
     Megatron's overlap flags, so that reading the launch back prices the same step.
+    ``loss_upcast`` False (the loss on the bf16 logits) becomes Megatron's Transformer Engine
+    cross-entropy; the other formats' frameworks upcast, which their header says.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -172,6 +174,10 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
     if fmt == "megatron":
         from ndplan.io.megatron_emit import emit_megatron
 
-        return emit_megatron(model, strategy, overlap)
-    return _emitters()[fmt](model, strategy)
+        return emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast)
+    text = _emitters()[fmt](model, strategy)
+    if not loss_upcast:  # every other format is TOML or YAML: '#' comments
+        text = (f"# ndplan: not expressible in {fmt}, left out: the loss on the bf16 logits (--no-loss-upcast); "
+                "its loss upcasts them to fp32\n") + text
+    return text
 
