@@ -30,8 +30,9 @@ def _output(runtime: str, upcast: bool) -> tuple[float, float]:
     # alone; its backward two fp32 gradients (4 + 4), or two bf16 ones (2 + 2).
     ("pytorch", 8, 4),
     # Megatron's own loss: logits (2) and fp32 copy (4), its backward a fp32 gradient (4); TE's
-    # writes the gradient into the bf16 logits in the forward: the logits alone, nothing more.
-    ("megatron", 6, 2),
+    # writes the gradient into the bf16 logits in the forward and keeps them (counted as kept):
+    # nothing more around the loss or in its backward.
+    ("megatron", 6, 0),
 ])
 def test_a_loss_without_upcast_keeps_bf16_logits(runtime, transient_upcast, transient_plain):
     """Kept for backward: the fp32 (log-)softmax, 4 bytes a logit, against 2 on the bf16 logits."""
@@ -42,32 +43,39 @@ def test_a_loss_without_upcast_keeps_bf16_logits(runtime, transient_upcast, tran
     assert (transient_fp32, transient_bf16) == pytest.approx((transient_upcast * vocab, transient_plain * vocab))
 
 
-def test_the_profile_matches_what_torch_saves_for_a_bf16_loss():
-    """The pytorch profile's head and loss, without upcast, against the tensors autograd saves
-    for a bf16 head and F.cross_entropy (distinct storages: the head's input, the log-softmax,
-    the labels)."""
+@pytest.mark.parametrize("upcast", [True, False])
+def test_the_profile_matches_what_torch_saves_for_the_loss(upcast):
+    """The pytorch profile's head and loss against the tensors autograd saves for a bf16 head and
+    F.cross_entropy, on the logits or on an fp32 copy (distinct storages, per token). Two
+    vocabularies: the difference is the loss's bytes per logit, whatever else both keep."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
-    tokens, hidden, vocab = 16, 64, 1000
-    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
-    labels = torch.randint(0, vocab, (tokens,))
-    storages: dict[int, int] = {}
+    tokens, hidden = 16, 64
 
-    def pack(t):  # type: ignore[no-untyped-def]
-        if t.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():  # a parameter, not saved activation
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+    def measured(vocab: int) -> float:
+        x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, vocab, (tokens,))
+        storages: dict[int, int] = {}
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        F.cross_entropy(x @ weight.t(), labels)
-    measured = sum(n for n in storages.values() if n >= tokens)  # leave out the scalar loss statistics
-    tiny = get_preset("qwen3-30b-a3b").model_copy(update={"hidden_size": hidden, "vocab_size": vocab})
-    acts = layer_activations(tiny, StrategyBatch.of(BF16), MemoryOptions(loss_upcast=False))
-    norm = float(layer_activations(tiny, StrategyBatch.of(BF16), MemoryOptions()).output[0]) - (
-        2 * hidden + 4 * vocab + 8)  # the final norm's share, the same either way
-    assert float(acts.output[0]) - norm == pytest.approx(measured / tokens)
+        def pack(t):  # type: ignore[no-untyped-def]
+            pointer = t.untyped_storage().data_ptr()
+            if pointer != weight.untyped_storage().data_ptr():  # a parameter, not a saved activation
+                storages[pointer] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = x @ weight.t()
+            F.cross_entropy(logits.float() if upcast else logits, labels)
+        return sum(storages.values()) / tokens
+
+    def profiled(vocab: int) -> float:
+        model = MODEL.model_copy(update={"hidden_size": hidden, "vocab_size": vocab})
+        return float(layer_activations(model, StrategyBatch.of(BF16), MemoryOptions(loss_upcast=upcast)).output[0])
+
+    assert profiled(3000) - profiled(1000) == pytest.approx(measured(3000) - measured(1000))
+    assert measured(3000) - measured(1000) == 2000 * (4 if upcast else 2)
 
 
 def test_head_time_reads_fewer_bytes_without_upcast():
@@ -122,3 +130,29 @@ def test_emitted_megatron_launch_reads_back_without_upcast(tmp_path):
     script.write_text(emit(model, strategy, "megatron"))
     assert "loss_upcast" not in read_config(script, devices=8).runtime_settings
     assert "left out: the loss on the bf16 logits" in emit(model, strategy, "torchtitan", loss_upcast=False)
+
+
+def test_search_records_the_loss_and_emits_it(capsys):
+    """The option reaches a search's JSON (which `report` re-estimates with) and its emitted
+    Megatron launch; a --from config's TE loss is overridden by --loss-upcast."""
+    args = ["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64",
+            "--seq", "8192", "--runtime", "megatron", "--top", "1", "--dims", "tp", "mbs", "--emit", "megatron", "--json"]
+    assert main([*args, "--no-loss-upcast"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["loss_upcast"] is False and "--cross-entropy-fusion-impl te" in data["emitted"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["loss_upcast"] is True and "--cross-entropy-fusion-impl" not in data["emitted"]
+
+
+def test_loss_upcast_overrides_a_config_with_te_cross_entropy(tmp_path, capsys):
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 "
+                      "--num-attention-heads 4 --seq-length 128 --padded-vocab-size 256 --position-embedding-type rope "
+                      "--micro-batch-size 1 --global-batch-size 8 --bf16 --cross-entropy-loss-fusion "
+                      "--cross-entropy-fusion-impl te\n")
+    base = ["estimate", "--from", str(script), "--hardware", "h100-sxm", "--devices", "8", "--json"]
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["loss_upcast"] is False
+    assert main([*base, "--loss-upcast"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss_upcast"] is True

@@ -263,7 +263,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
     result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic, selective_policies=policies,
                      expressible=expressible)
     data = {"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
-            "devices": strategy.world_size, "runtime": options.runtime,
+            "devices": strategy.world_size, "runtime": options.runtime, "loss_upcast": options.loss_upcast,
             "strategy": strategy.model_dump(mode="json"), "memory_limit_bytes": limit, **result.to_dict()}
     emitted = plan_strategy(strategy, result.emitted_plan, result.emitted_modules)
     from ndplan.perf import estimate_time
@@ -613,6 +613,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     data = search_result_dict(result, model, device, space)
     data["overlap"] = overlap.model_dump(mode="json")
     data["runtime"] = options.runtime
+    data["loss_upcast"] = options.loss_upcast
     if args.csv:
         _write_csv(args.csv, result.ranked)
     # A balanced winner is written (and explained) as the settings one recompute setting expresses.
@@ -953,7 +954,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--loss-parallel", dest="loss_parallel", action="store_true", default=None,
                        help="keep logits vocab-sharded through the loss")
     group.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
-    group.add_argument("--no-loss-upcast", dest="loss_upcast", action="store_false", default=None,
+    group.add_argument("--loss-upcast", dest="loss_upcast", action="store_true", default=None,
+                       help="the loss works on an fp32 copy of the logits (the default; overrides a --from config)")
+    group.add_argument("--no-loss-upcast", dest="loss_upcast", action="store_false",
                        help="the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
                             "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
     group.add_argument("--census", help="census JSON: measured activations replace the formulas for its layer kinds")

@@ -125,8 +125,7 @@ class MemoryOptions:
                                                           and "sdpa_masked" in self.profile.blocks)}
         software.update(self.profile.kernels)
         software["pipeline_defers_fsdp_reduce"] = self.profile.pipeline_defers_fsdp_reduce
-        if not self.loss_upcast:
-            software["loss_upcast"] = False
+        software["loss_upcast"] = self.loss_upcast
         if self.moe_imbalance != 1.0:  # the busiest rank computes and receives as much more as it holds
             software["moe_imbalance"] = self.moe_imbalance
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,

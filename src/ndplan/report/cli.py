@@ -154,7 +154,8 @@ def enrich(result: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(precision, dict):
             fields["precision"] = precision
         options = MemoryOptions(runtime=str(result.get("runtime") or "pytorch"),
-                                attention=result.get("attention") or "flash")
+                                attention=result.get("attention") or "flash",
+                                loss_upcast=result.get("loss_upcast") is not False)
         report = estimate(load_model(str(result["model"])), Strategy(**fields), resolve_device(str(result["hardware"])),
                           options, num_devices=result.get("devices"))
     except Exception as error:  # noqa: BLE001 - the report of the search stands without it
