@@ -244,16 +244,18 @@ def write_report(runs, measured, default, fitted, train, test, profiles, reports
 
 def _variant_errors(runs: dict[str, MeasuredRun], measured: dict[str, float]) -> dict[str, str]:
     """Errors of a run priced with a setting changed, which the commentary compares (defaults)."""
-    deepseek = runs["bridge2509-h100-deepseek-v3"]
     changes = {
-        "deepseek-h100-even": {"stage_layers": None},
-        "deepseek-h100-even-no-recompute": {"stage_layers": None, "recompute": "none", "recompute_modules": ()},
+        "deepseek-h100-even": ("bridge2509-h100-deepseek-v3", {"stage_layers": None}),
+        "deepseek-h100-even-no-recompute": ("bridge2509-h100-deepseek-v3",
+                                            {"stage_layers": None, "recompute": "none", "recompute_modules": ()}),
+        "modelzoo-fsdp-bf16-grads": ("modelzoo-qwen3-235b-fsdp-ep8", {"precision": "megatron-bf16-grad16"}),
     }
     out = {}
-    for name, change in changes.items():
-        varied = deepseek.model_copy(update={"strategy": {**deepseek.strategy, **change}})
+    for name, (run_id, change) in changes.items():
+        run = runs[run_id]
+        varied = run.model_copy(update={"strategy": {**run.strategy, **change}})
         step = predict(varied, default_efficiency(varied.device_spec()))["step_s"]
-        out[name] = _pct(step / measured[deepseek.id] - 1)
+        out[name] = _pct(step / measured[run_id] - 1)
     return out
 
 
@@ -442,7 +444,7 @@ COMMENTARY = [
     "    Megatron-FSDP therefore moves fewer bytes (BF16 gradient reduction, or the forward's gathered",
     "    parameters kept for the backward); the source does not say which. Megatron-FSDP's user guide",
     "    recommends `--grad-reduce-in-bf16`; priced so (gradients of 2 bytes), the row would read",
-    "    +4.8%. The row keeps Megatron's FP32 reduction, since choosing the assumption after seeing",
+    "    {v[modelzoo-fsdp-bf16-grads]}. The row keeps Megatron's FP32 reduction, since choosing the assumption after seeing",
     "    the error would be fitting it.",
     "  * All-to-all dispatcher with one layer per virtual stage (pp 32, vpp 3, the embedding and loss",
     "    counted as layers): {e[modelzoo-qwen3-235b-a2a-pp32]}. Megatron-Bridge's Qwen3-30B H100 row ({e[bridge2511-h100-qwen3-30b-a3b]}) also has one layer per",
