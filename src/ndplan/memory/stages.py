@@ -77,9 +77,10 @@ class MemoryOptions:
     multiple whatever the routing. ``census`` replaces the profile's formulas for the layer kinds
     it measured. ``loss_upcast`` off: the loss works on the logits' own dtype (NeMo AutoModel's
     MaskedCrossEntropy(fp32_upcast=False); Megatron with Transformer Engine's cross-entropy,
-    which writes the gradient into the logits) instead of an fp32 copy. ``overlap`` says which communication the runtime hides; the memory model does
-    not read it, the step-time model and the balancer do (None: the device runtime's defaults,
-    ``ndplan.perf.overlap.default_overlap``), so the options a command builds carry it to both.
+    which writes the gradient into the logits) instead of an fp32 copy. ``overlap`` says which
+    communication the runtime hides; the memory model does not read it, the step-time model and
+    the balancer do (None: the device runtime's defaults, ``ndplan.perf.overlap.default_overlap``),
+    so the options a command builds carry it to both.
     """
 
     runtime: str = "pytorch"
