@@ -388,7 +388,8 @@ COMMENTARY = [
     "    sigma = sqrt((1-1/ep)/copies per rank): 0.7-2% of the expert share here; not modelled.",
     "* DeepSeek-V3 on Megatron-Bridge ({e[bridge2509-h100-deepseek-v3]} on H100, {e[bridge2511-b200-deepseek-v3]} on B200): its recipes, read for",
     "  the memory check below, recompute `mla_up_proj` (and `mlp` on H100), reduce gradients in bf16",
-    "  and unoverlapped, and on H100 give MTP and the loss a virtual stage of their own",
+    "  and unoverlapped, run TE's cross-entropy on the bf16 logits, and on H100 give MTP and the loss",
+    "  a virtual stage of their own",
     "  (`Et|(tt|)*30mL`). Under the default even layout (61 layers over 32 virtual stages) the last",
     "  one held a decoder layer besides them and set the pipeline's pace: the H100 row would read",
     "  {v[deepseek-h100-even]} with the recompute, {v[deepseek-h100-even-no-recompute]} without (it read +11.9% before "
