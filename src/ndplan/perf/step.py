@@ -607,7 +607,7 @@ def evaluate(
 
 
 def _chunk_times(layout: StageLayout, pieces: dict[str, PieceTimes], config: int, recompute_layers: int,
-                 recompute_on: bool, pieces_model: ModelSpec) -> tuple[Array, Array, Array]:
+                 recompute_on: bool, model: ModelSpec) -> tuple[Array, Array, Array]:
     """[pp, vpp] F, B, W seconds of every chunk for layer configuration ``config`` (simulator
     input)."""
     def total(name: str, pass_: str) -> float:
@@ -623,7 +623,7 @@ def _chunk_times(layout: StageLayout, pieces: dict[str, PieceTimes], config: int
     first[0] = 1.0
     last = np.zeros_like(nv)
     last[-1] = 1.0
-    copy = _keeps_table_copy(pieces_model, layout)
+    copy = _keeps_table_copy(model, layout)
     per_chunk = {}
     for pass_ in PASSES:
         v = layout.chunk_dense * total("dense", pass_) + layout.chunk_moe * total("moe", pass_)
