@@ -284,7 +284,6 @@ def test_a_run_names_a_known_runtime_profile(tmp_path: Path):
 #: section of docs/accuracy_time.md says why each is): a change that adds to this list, or
 #: removes from it, must say so there.
 OVER_THEIR_MEMORY = {
-    "nemo2407-gpt3-20b", "nemo2407-gpt3-175b-512", "nemo2407-llama3-8b",  # NeMo 1's gradient dtype unstated
     "llama3-405b-8192gpu", "llama3-405b-16384gpu", "deepseek-v3-h800",  # frameworks without a profile
     "automodel-kimi-k2-256gpu", "automodel-gpt-oss-20b-8gpu", "automodel-gpt-oss-120b-64gpu",  # TE modules, FlexAttention
     # not explained: +1.0%, +2.1%, +1.1%
