@@ -374,3 +374,9 @@ def test_cluster_rejects_bad_input(changes: dict[str, Any]) -> None:
     arguments: dict[str, Any] = {"device": get_device("h100-sxm"), "num_devices": 8, **changes}
     with pytest.raises(ValidationError):
         Cluster(**arguments)
+
+
+@pytest.mark.parametrize(("typed", "suggested"), [("h100", "h100-sxm"), ("H200x", "h200"), ("a100-80", "a100-80gb")])
+def test_unknown_preset_suggests_the_closest_name(typed: str, suggested: str) -> None:
+    with pytest.raises(NdplanError, match=rf"unknown hardware '{typed}' \(did you mean '{suggested}'\?\); known: "):
+        get_device(typed)

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 
 class NdplanError(ValueError):
     """A problem with the user's input. The CLI prints its message on one line and exits 2."""
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """" (did you mean 'x'?)" for the known name closest to a mistyped ``name``, or "": a prefix
+    first (``h100`` is ``h100-sxm``), then difflib's closest match at ratio 0.6 or more."""
+    choices = list(known)
+    wanted = name.strip().lower()
+    prefixed = [choice for choice in choices if wanted and choice.lower().startswith(wanted)]
+    if len(prefixed) == 1:
+        return f" (did you mean '{prefixed[0]}'?)"
+    lowered = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(wanted, list(lowered), n=1, cutoff=0.6)
+    return f" (did you mean '{lowered[close[0]]}'?)" if close else ""
 
 
 def by_name_or_object(value: object, kind: type, load: Callable[[str], Any], what: str, noun: str) -> Any:

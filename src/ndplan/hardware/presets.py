@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError, by_name_or_object, read_text
+from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, read_text
 from ndplan.hardware.device import Device
 
 _PRESET_FILE = "devices.yaml"
@@ -59,8 +59,8 @@ def get_device(name: str) -> Device:
     for device in _presets():
         if device.name.lower() == wanted:
             return device
-    known = ", ".join(device.name for device in _presets())
-    raise NdplanError(f"unknown hardware '{name}'; known: {known}")
+    names = [device.name for device in _presets()]
+    raise NdplanError(f"unknown hardware '{name}'{did_you_mean(name, names)}; known: {', '.join(names)}")
 
 
 def resolve_device(name_or_path: str) -> Device:

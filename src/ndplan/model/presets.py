@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError, by_name_or_object, read_text
+from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, read_text
 from ndplan.model.hf import first_validation_error, spec_from_hf_config
 from ndplan.model.spec import ModelSpec
 
@@ -47,7 +47,8 @@ def hf_config(name: str) -> dict[str, Any]:
     files = _preset_files()
     key = name.lower()
     if key not in files:
-        raise NdplanError(f"unknown model '{name}'; presets: {', '.join(preset_names())} (or give a path to a config file)")
+        raise NdplanError(f"unknown model '{name}'{did_you_mean(name, preset_names())}; presets: "
+                          f"{', '.join(preset_names())} (or give a path to a config file)")
     config: dict[str, Any] = json.loads(files[key].read_text())
     return config
 
@@ -105,7 +106,8 @@ def load_model(name_or_path: str) -> ModelSpec:
             raise NdplanError(f"{name_or_path}: a model folder needs a config.json (Hugging Face layout); none there")
         return load_model_file(config)
     raise NdplanError(
-        f"unknown model '{name_or_path}'; presets: {', '.join(preset_names())} (or give a path to a config file)"
+        f"unknown model '{name_or_path}'{did_you_mean(name_or_path, preset_names())}; presets: "
+        f"{', '.join(preset_names())} (or give a path to a config file)"
     )
 
 

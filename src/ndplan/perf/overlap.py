@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, did_you_mean
 
 
 class OverlapConfig(BaseModel):
@@ -115,7 +115,8 @@ def default_overlap(runtime: str) -> OverlapConfig:
 def get_overlap(name: str) -> OverlapConfig:
     key = name.lower()
     if key not in OVERLAP_PRESETS:
-        raise NdplanError(f"unknown overlap preset '{name}'; known: {', '.join(OVERLAP_PRESETS)}")
+        raise NdplanError(f"unknown overlap preset '{name}'{did_you_mean(name, OVERLAP_PRESETS)}; "
+                          f"known: {', '.join(OVERLAP_PRESETS)}")
     return OVERLAP_PRESETS[key]
 
 

@@ -14,7 +14,7 @@ from math import prod
 
 import numpy as np
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, did_you_mean
 from ndplan.hardware import Device
 from ndplan.memory.stages import MemoryOptions, applicable_offload_modules
 from ndplan.model.spec import ModelSpec
@@ -345,7 +345,8 @@ def default_space(
         searched -= set(OPT_IN_DIMENSIONS)
     unknown = (searched | set(fixed)) - set(DIMENSIONS)
     if unknown:
-        raise NdplanError(f"unknown search dimension '{sorted(unknown)[0]}'; known: {', '.join(DIMENSIONS)}")
+        first = sorted(unknown)[0]
+        raise NdplanError(f"unknown search dimension '{first}'{did_you_mean(first, DIMENSIONS)}; known: {', '.join(DIMENSIONS)}")
     domain = min(device.scaleup_domain_size, num_devices)
     moe = model.is_moe
     values: dict[str, tuple] = {

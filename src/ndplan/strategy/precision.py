@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, did_you_mean
 
 ComputeDtype = Literal["bf16", "fp16", "fp8", "fp32"]
 
@@ -79,5 +79,6 @@ PRECISION_PRESETS: dict[str, PrecisionPolicy] = {
 def get_precision(name: str) -> PrecisionPolicy:
     key = name.lower()
     if key not in PRECISION_PRESETS:
-        raise NdplanError(f"unknown precision policy '{name}'; known: {', '.join(PRECISION_PRESETS)}")
+        raise NdplanError(f"unknown precision policy '{name}'{did_you_mean(name, PRECISION_PRESETS)}; "
+                          f"known: {', '.join(PRECISION_PRESETS)}")
     return PRECISION_PRESETS[key]
