@@ -112,6 +112,36 @@ def test_mindspeed_deepseek3_script_with_noop_layers():
     assert check_strategy(s, model) == []
 
 
+def test_megatron_attention_backend_sets_the_attention_kernel(tmp_path, capsys):
+    """TE's unfused attention and Megatron's own keep the s x s scores (--attention eager); flash,
+    cuDNN's fused attention and auto keep O(s) statistics. An --attention flag still wins."""
+    from ndplan.cli import main
+
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 512 --padded-vocab-size 256 --position-embedding-type rope --micro-batch-size 1 "
+            "--global-batch-size 8 --bf16 ")
+    for backend, kernel in (("unfused", "eager"), ("local", "eager"), ("flash", None), ("fused", None), ("auto", None)):
+        script.write_text(base + f"--attention-backend {backend}\n")
+        result = read_config(script, devices=8)
+        assert result.runtime_settings.get("attention") == kernel and result.warnings == []
+    script.write_text(base + "--attention-backend sdpa\n")
+    with pytest.raises(NdplanError, match="--attention-backend.*unknown backend 'sdpa'; known: auto, flash, fused, unfused, local"):
+        read_config(script, devices=8)
+
+    def estimate(*extra: str) -> dict:
+        assert main(["estimate", "--from", str(script), "--hardware", "h100-sxm", "--devices", "8", "--json", *extra]) == 0
+        data: dict = json.loads(capsys.readouterr().out)
+        return data
+
+    script.write_text(base + "--attention-backend unfused\n")
+    unfused = estimate()
+    assert unfused["attention"] == "eager" and estimate("--attention", "flash")["attention"] == "flash"
+    script.write_text(base)
+    flash = estimate()
+    assert flash["attention"] == "flash" and flash["peak_bytes"] < unfused["peak_bytes"]
+
+
 def test_megatron_argument_file(tmp_path):
     path = tmp_path / "args.json"
     path.write_text(json.dumps({

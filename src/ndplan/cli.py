@@ -947,10 +947,11 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("runtime")
     group.add_argument("--runtime", help=f"runtime profile: {', '.join(profile_names())} or a YAML path "
                                          "(default: megatron for a Megatron config read with --from, else pytorch)")
-    group.add_argument("--attention", choices=["flash", "sdpa", "eager"], default="flash",
+    group.add_argument("--attention", choices=["flash", "sdpa", "eager"], default=None,
                        help="attention kernel: flash keeps O(s) statistics (a sliding window built in); sdpa is "
                             "PyTorch's SDPA as transformers calls it (flash, but a sliding window becomes an s² mask "
-                            "and fp32 with grouped KV heads runs the math path); eager keeps s² scores")
+                            "and fp32 with grouped KV heads runs the math path); eager keeps s² scores (default: "
+                            "what a --from config states, else flash)")
     group.add_argument("--loss-parallel", dest="loss_parallel", action="store_true", default=None,
                        help="keep logits vocab-sharded through the loss")
     group.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")

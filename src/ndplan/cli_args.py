@@ -214,7 +214,8 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         overlap = (runtime_settings or {}).get("overlap")
     runtime = getattr(args, "runtime", None) or (runtime_settings or {}).get("runtime") or "pytorch"
     return MemoryOptions(
-        runtime=runtime, attention=getattr(args, "attention", "flash"),
+        runtime=runtime,
+        attention=getattr(args, "attention", None) or (runtime_settings or {}).get("attention") or "flash",
         loss_parallel=getattr(args, "loss_parallel", None), include_overhead=not getattr(args, "no_overhead", False),
         loss_upcast=getattr(args, "loss_upcast", None) is not False,
         moe_imbalance=getattr(args, "moe_imbalance", 1.0), moe_capacity_factor=getattr(args, "moe_capacity_factor", None),

@@ -126,6 +126,16 @@ def interpret(
                         "linear (the head fused with the loss, logits never whole) is not modelled; ndplan prices "
                         "Megatron's native fp32 loss, an upper bound")
 
+    # Megatron-Core's AttnBackend: TE's unfused attention and Megatron's own ("local") keep the
+    # s x s scores and softmax; flash and cuDNN's fused attention (and auto, which picks one of
+    # them) keep O(s) statistics.
+    backend = args.text("--attention-backend", default="auto")
+    if backend not in ("auto", "flash", "fused", "unfused", "local"):
+        raise args.error("--attention-backend", f"unknown backend {backend!r}; known: auto, flash, fused, unfused, local")
+    if backend in ("unfused", "local"):
+        runtime_settings["attention"] = "eager"
+        notes.append(f"--attention-backend {backend}: attention keeps its s x s scores (--attention eager)")
+
     warnings.extend(args.leftovers())
     return ReadResult(
         format=FORMAT, source=src.name, model=model, strategy_settings=settings,
