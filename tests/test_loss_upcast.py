@@ -29,10 +29,10 @@ def _output(runtime: str, upcast: bool) -> tuple[float, float]:
     # F.cross_entropy: around the loss the logits (2) and their fp32 copy (4), or the logits
     # alone; its backward two fp32 gradients (4 + 4), or two bf16 ones (2 + 2).
     ("pytorch", 8, 4),
-    # Megatron's own loss: logits (2) and fp32 copy (4), its backward a fp32 gradient (4); TE's
-    # writes the gradient into the bf16 logits in the forward and keeps them (counted as kept):
-    # nothing more around the loss or in its backward.
-    ("megatron", 6, 0),
+    # Megatron's own loss: the bf16 logits (2) beside its fp32 copy, which it turns into the kept
+    # softmax in place; its backward casts the gradient back (2). TE's writes the gradient into
+    # the bf16 logits in the forward and keeps them (counted as kept): nothing more.
+    ("megatron", 2, 0),
 ])
 def test_a_loss_without_upcast_keeps_bf16_logits(runtime, transient_upcast, transient_plain):
     """Kept for backward: the fp32 (log-)softmax, 4 bytes a logit, against 2 on the bf16 logits."""

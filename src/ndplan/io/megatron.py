@@ -129,12 +129,18 @@ def interpret(
     # Megatron-Core's AttnBackend: TE's unfused attention and Megatron's own ("local") keep the
     # s x s scores and softmax; flash and cuDNN's fused attention (and auto, which picks one of
     # them) keep O(s) statistics.
+    # --transformer-impl local builds Megatron's own layers, whose attention is always unfused.
     backend = args.text("--attention-backend", default="auto")
     if backend not in ("auto", "flash", "fused", "unfused", "local"):
         raise args.error("--attention-backend", f"unknown backend {backend!r}; known: auto, flash, fused, unfused, local")
-    if backend in ("unfused", "local"):
+    impl = args.text("--transformer-impl", default="transformer_engine")
+    if impl not in ("transformer_engine", "local", "inference_optimized"):
+        raise args.error("--transformer-impl", f"unknown implementation {impl!r}; known: transformer_engine, local, "
+                                               "inference_optimized")
+    if backend in ("unfused", "local") or impl == "local":
         runtime_settings["attention"] = "eager"
-        notes.append(f"--attention-backend {backend}: attention keeps its s x s scores (--attention eager)")
+        why = "--transformer-impl local" if impl == "local" else f"--attention-backend {backend}"
+        notes.append(f"{why}: attention keeps its s x s softmax (--attention eager)")
 
     warnings.extend(args.leftovers())
     return ReadResult(

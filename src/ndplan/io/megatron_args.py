@@ -77,6 +77,17 @@ class Args:
                 raise self.error(arg, f"must be >= {minimum}, got {value}") from None
             raise self.error(arg, f"expected an integer, got {value!r}{why}") from None
 
+    def number(self, *flags: str, default: float | None = None) -> float | None:
+        """A real-valued flag (a probability, a factor)."""
+        arg = self.get(*flags)
+        if arg is None:
+            return default
+        value = self._value(arg)
+        try:
+            return float(value)
+        except ValueError:
+            raise self.error(arg, f"expected a number, got {value!r}") from None
+
     def text(self, *flags: str, default: str | None = None) -> str | None:
         arg = self.get(*flags)
         if arg is None:

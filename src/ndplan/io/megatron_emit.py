@@ -231,6 +231,8 @@ def _model(m: ModelSpec, lost: list[str]) -> Flags:
         flags.append(("--softmax-type", "learnable"))
     if not m.tie_word_embeddings:
         flags.append(("--untie-embeddings-and-output-weights", None))
+    # Stated even at 0: Megatron's defaults are 0.1, whose masks the estimate would then miss.
+    flags += [("--hidden-dropout", f"{m.hidden_dropout:g}"), ("--attention-dropout", f"{m.attention_dropout:g}")]
     if m.is_moe:
         flags += [("--num-experts", m.num_experts), ("--moe-router-topk", m.num_experts_per_tok),
                   ("--moe-ffn-hidden-size", m.moe_ffn_hidden_size)]

@@ -18,6 +18,9 @@ from ndplan.io.common import Stated, merge_model, pad_vocab
 from ndplan.io.megatron_args import Args
 from ndplan.model.spec import MlpKind, ModelSpec
 
+#: Tokens of GPT-2's byte-pair encoding (Megatron's GPT2BPETokenizer).
+GPT2_BPE_TOKENS = 50257
+
 
 @dataclass
 class FlagModel:
@@ -247,10 +250,14 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
     multiple = (args.integer("--make-vocab-size-divisible-by", default=128) or 128) * tp
     padded = args.integer("--padded-vocab-size")
     vocab = args.integer("--vocab-size")
+    tokenizer = args.text("--tokenizer-type")
     if padded is not None:
         put("vocab_size", padded, "--padded-vocab-size")
     elif vocab is not None:
         put("vocab_size", vocab, "--vocab-size")
+    elif tokenizer == "GPT2BPETokenizer" or (tokenizer is None and args.has("--merge-file") and defines):
+        # GPT-2's byte-pair encoding, pretrain_gpt.py's tokenizer when only its files are given.
+        put("vocab_size", GPT2_BPE_TOKENS, "GPT2BPETokenizer's vocabulary")
 
     if args.has("--untie-embeddings-and-output-weights"):
         put("tie_word_embeddings", False, "--untie-embeddings-and-output-weights")
@@ -290,6 +297,15 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
         put("qkv_bias", not no_bias or args.has("--add-qkv-bias"), "--add-qkv-bias" if no_bias else label)
     elif args.has("--add-qkv-bias"):
         put("qkv_bias", True, "--add-qkv-bias")
+    for flag, name in (("--hidden-dropout", "hidden_dropout"), ("--attention-dropout", "attention_dropout")):
+        probability = args.number(flag)
+        if probability is not None:
+            if not 0.0 <= probability < 1.0:
+                raise args.error(flag, f"must be a probability in [0, 1), got {probability:g}")
+            put(name, probability, flag)
+        elif defines:
+            put(name, 0.1, f"Megatron's default {flag} 0.1")
+            notes.append(f"{flag} not given: Megatron's default 0.1, whose masks are kept for backward")
     softmax = args.text("--softmax-type")
     if softmax is not None:
         if softmax not in ("vanilla", "off-by-one", "learnable"):

@@ -67,6 +67,9 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "qk_norm": 1 if model.qk_norm else 0,
         "has_q_lora": 1 if model.q_lora_rank else 0,
         "has_shared": 1 if model.num_shared_experts else 0,
+        "fc1_widths": 2 if model.gated_mlp else 1,
+        "hidden_dropout_on": 1 if model.hidden_dropout > 0 else 0,
+        "attention_dropout_on": 1 if model.attention_dropout > 0 else 0,
         # DeepSeek's HF router casts its input to fp32 before the gate matmul.
         "router_upcast": model.hidden_size if model.model_type.startswith("deepseek") else 0,
         "q_lora": model.q_lora_rank,
@@ -78,7 +81,8 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
 
 SYMBOLS: tuple[str, ...] = (
     "h", "q", "k", "v", "o", "heads", "kv_heads", "ffn", "moe_ffn", "topk", "experts", "shared_ffn",
-    "ffn_or_moe", "kv_up", "qk_norm", "has_q_lora", "has_shared", "router_upcast", "q_lora", "kv_lora", "rope", "vocab", "seq",
+    "ffn_or_moe", "kv_up", "qk_norm", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast",
+    "q_lora", "kv_lora", "rope", "vocab", "seq",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

@@ -48,6 +48,10 @@ class ModelSpec(BaseModel):
     mlp_bias: bool = False
     qk_norm: bool = False
     attention_sinks: bool = False  # a learned logit per head joining each softmax (gpt-oss)
+    # Dropout probabilities in training. They cost memory where a runtime keeps the masks for
+    # backward (Megatron's bias-dropout-add; unfused attention's dropout); 0 keeps none.
+    hidden_dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="on each residual branch's output")
+    attention_dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="on the attention probabilities")
 
     # Multi-head latent attention (DeepSeek-V2/V3). kv_lora_rank > 0 switches it on.
     q_lora_rank: int = Field(default=0, ge=0, description="0: queries are not compressed")

@@ -1,0 +1,85 @@
+"""Dropout, GeLU MLPs and unfused attention in the Megatron-Core profile, by hand, and how the
+Megatron reader states them (docs/accuracy_megatron.md measured the whole against Megatron-LM's
+own tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ndplan.errors import NdplanError
+from ndplan.io import read_config
+from ndplan.memory.stages import MemoryOptions, layer_activations
+from ndplan.model.spec import ModelSpec
+from ndplan.strategy import Strategy, StrategyBatch
+
+H, FFN, HEADS, SEQ, VOCAB = 512, 2048, 8, 1024, 50304
+GPT = dict(name="gpt-tiny", num_layers=12, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+           num_kv_heads=HEADS, head_dim=H // HEADS, vocab_size=VOCAB, tie_word_embeddings=True, norm="layernorm",
+           norm_bias=True, activation="gelu", gated_mlp=False, qkv_bias=True, o_bias=True, mlp_bias=True)
+
+
+def _dense_bytes(attention: str, **fields: object) -> float:
+    """Bytes per token one dense layer keeps, Megatron profile, TP 1, bf16 activations."""
+    model = ModelSpec(**{**GPT, **fields})  # type: ignore[arg-type]
+    batch = StrategyBatch.of(Strategy(seq_length=SEQ, precision="bf16-pure"))
+    acts = layer_activations(model, batch, MemoryOptions(runtime="megatron", attention=attention))
+    return float(acts.full["dense"][0])
+
+
+def test_a_gelu_mlp_keeps_one_width_of_its_first_projection():
+    # fc1's input h, its output ffn (GeLU's input), fc2's input ffn: bf16 each
+    gelu = _dense_bytes("flash")
+    swiglu = _dense_bytes("flash", activation="silu", gated_mlp=True)
+    assert swiglu - gelu == pytest.approx(2 * FFN)  # SwiGLU's fc1 output is two widths
+
+
+def test_hidden_dropout_keeps_a_byte_mask_after_each_residual_branch():
+    assert _dense_bytes("flash", hidden_dropout=0.1) - _dense_bytes("flash") == pytest.approx(2 * H)
+
+
+def test_unfused_attention_keeps_the_softmax_and_with_dropout_its_mask_and_output():
+    # Per token: heads x seq probabilities; the softmax's bf16 output (2 bytes), and under dropout
+    # the 1-byte mask and the dropped bf16 probabilities (2 + 1 + 2 = Korthikanti et al.'s 5as^2b).
+    scores = HEADS * SEQ
+    assert _dense_bytes("eager") - _dense_bytes("flash") == pytest.approx(2 * scores, rel=1e-3)
+    with_dropout = _dense_bytes("eager", attention_dropout=0.1) - _dense_bytes("flash", attention_dropout=0.1)
+    assert with_dropout == pytest.approx(5 * scores, rel=1e-3)
+    # flash attention draws its dropout from the RNG state: nothing more kept
+    assert _dense_bytes("flash", attention_dropout=0.1) == _dense_bytes("flash")
+
+
+BASE = ("torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+        "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 8 --bf16 ")
+
+
+def test_the_reader_takes_megatrons_dropout_defaults_and_gpt2_vocabulary(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text(BASE + "--vocab-file vocab.json --merge-file merges.txt\n")
+    result = read_config(script, devices=8)
+    assert result.model is not None
+    assert (result.model.hidden_dropout, result.model.attention_dropout) == (0.1, 0.1)
+    assert any("--hidden-dropout not given: Megatron's default 0.1" in n for n in result.notes)
+    assert result.model.vocab_size == 50304  # GPT-2's 50,257 tokens padded to a multiple of 128
+    script.write_text(BASE + "--hidden-dropout 0.0 --attention-dropout 0 --tokenizer-type GPT2BPETokenizer\n")
+    model = read_config(script, devices=8).model
+    assert model is not None and (model.hidden_dropout, model.attention_dropout, model.vocab_size) == (0.0, 0.0, 50304)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--hidden-dropout 1.5", "--hidden-dropout.*must be a probability in \\[0, 1\\), got 1.5"),
+    ("--attention-dropout lots", "--attention-dropout.*expected a number, got 'lots'"),
+    ("--transformer-impl fast", "--transformer-impl.*unknown implementation 'fast'; known: transformer_engine, local"),
+])
+def test_the_reader_names_a_bad_value(tmp_path, flags, message):
+    script = tmp_path / "train.sh"
+    script.write_text(BASE + "--padded-vocab-size 256 " + flags + "\n")
+    with pytest.raises(NdplanError, match=message):
+        read_config(script, devices=8)
+
+
+def test_megatrons_local_layers_keep_the_softmax(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text(BASE + "--padded-vocab-size 256 --transformer-impl local\n")
+    result = read_config(script, devices=8)
+    assert result.runtime_settings["attention"] == "eager"
+    assert any("--transformer-impl local" in n for n in result.notes)
