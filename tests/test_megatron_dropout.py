@@ -83,3 +83,14 @@ def test_megatrons_local_layers_keep_the_softmax(tmp_path):
     result = read_config(script, devices=8)
     assert result.runtime_settings["attention"] == "eager"
     assert any("--transformer-impl local" in n for n in result.notes)
+
+
+def test_unfused_attention_time_reads_the_dropout_bytes_only_with_dropout():
+    from ndplan.perf.flops import Sharding
+    from ndplan.perf.memory_ops import unfused_score_bytes
+
+    sharding = Sharding(micro_batch=1.0, seq=float(SEQ), tp=1.0, cp=1.0)
+    elements = HEADS * SEQ * SEQ
+    # scores written 2, softmax read 2 written 2; dropout reads 2, writes 2 and a 1-byte mask
+    assert unfused_score_bytes(ModelSpec(**GPT), sharding) == pytest.approx(6 * elements)  # type: ignore[arg-type]
+    assert unfused_score_bytes(ModelSpec(**{**GPT, "attention_dropout": 0.1}), sharding) == pytest.approx(11 * elements)  # type: ignore[arg-type]

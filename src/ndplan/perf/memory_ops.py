@@ -27,7 +27,8 @@ Per decoder layer, forward:
   4·R·h, R = (T·k/t)·etp rows received (etp ranks share each expert's tokens). DeepEP and
   HybridEP permute on arrival instead (no extra pass).
 Unfused attention (no FlashAttention): per score element b·(a/t)·(s/c)·s: GEMM writes scores 2,
-softmax reads 2 writes 2, dropout reads 2 writes 2 plus a 1-byte mask -> 11 bytes forward.
+softmax reads 2 writes 2 -> 6 bytes forward; attention dropout reads 2 writes 2 plus a 1-byte
+mask -> 11.
 Output head + loss: the vocab-parallel cross-entropy reads the bf16 logits, works in fp32
 (write 4, read 4) -> 10 bytes per logit forward, 10 backward; final norm 2·T_n·h. A loss on
 the logits' own dtype (``loss_upcast`` off) reads 2, writes 2, reads 2 -> 6.
@@ -46,8 +47,10 @@ from ndplan.perf.flops import Sharding
 
 Array = np.ndarray
 
-#: Bytes per attention-score element of an unfused (materialised) softmax, forward.
+#: Bytes per attention-score element of an unfused (materialised) softmax, forward, with
+#: attention dropout and without.
 UNFUSED_SCORE_BYTES = 11.0
+UNFUSED_SCORE_BYTES_NO_DROPOUT = 6.0
 #: Bytes per logit of the fp32 cross-entropy, forward (the backward moves the same).
 LOSS_BYTES_PER_LOGIT = 10.0
 #: The same without the upcast: read the logits, write and read their log-softmax, in bf16.
@@ -174,7 +177,7 @@ def module_replay_bytes(
 def unfused_score_bytes(model: ModelSpec, sh: Sharding) -> Array | float:
     """Forward bytes of a materialised softmax (+dropout) over the full s×s score square."""
     elements = sh.micro_batch * (model.num_attention_heads / sh.tp) * (sh.seq / sh.cp) * sh.seq
-    return UNFUSED_SCORE_BYTES * elements
+    return (UNFUSED_SCORE_BYTES if model.attention_dropout > 0 else UNFUSED_SCORE_BYTES_NO_DROPOUT) * elements
 
 
 def head_bytes(model: ModelSpec, sh: Sharding, sp: Array | float, act_bytes: float,
