@@ -607,6 +607,19 @@ def test_cublas_workspace_is_allocated_in_every_phase_where_overhead_is_counted(
             96 * 2**20] * len(bare.stages)
 
 
+def test_grouped_gemm_workspaces_count_on_stages_with_experts():
+    """The megatron profile adds Transformer Engine's four grouped-GEMM workspaces (128 MiB) where a
+    stage runs MoE layers: DeepSeek-V2-Lite's first layer is dense, so with its one-layer first
+    stage only the later stages hold them."""
+    model = get_preset("deepseek-v2-lite")
+    layers = (1, 13, 13)
+    strategy = Strategy(pp=3, ep=1, num_micro_batches=3, global_batch_size=3, stage_layers=layers, seq_length=1024)
+    megatron = estimate(model, strategy, None, MemoryOptions(runtime="megatron"))
+    bare = estimate(model, strategy, None, MemoryOptions(runtime="megatron", include_overhead=False))
+    extra = [a.allocated_bytes - b.allocated_bytes for a, b in zip(megatron.stages, bare.stages, strict=True)]
+    assert extra == [96 * 2**20, (96 + 128) * 2**20, (96 + 128) * 2**20]
+
+
 @pytest.mark.parametrize("overhead, needle", [
     ("{worksapce_bytes: 1}", "unknown overhead constant 'worksapce_bytes'; known: allocator_slack, context_bytes"),
     ("{workspace_bytes: -1}", "overhead workspace_bytes must be a finite number >= 0, got -1"),

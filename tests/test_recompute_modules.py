@@ -135,7 +135,7 @@ def test_modelzoo_layouts_that_ran_on_80gb():
                   seq_length=4096, embedding_as_layer=True, output_as_layer=True)
     layouts = {"ep32": dict(dp=16, pp=8, vpp=4, ep=32, num_micro_batches=128),
                "pp32": dict(dp=4, pp=32, vpp=3, ep=8, num_micro_batches=512)}
-    expected_gib = {"ep32": (70.9, 63.6), "pp32": (75.3, 67.1)}
+    expected_gib = {"ep32": (71.0, 63.8), "pp32": (75.4, 67.3)}
     for name, layout in layouts.items():
         peaks = []
         for extra in ({}, {"recompute": "selective", "recompute_modules": ("layernorm", "moe_act")}):

@@ -1,6 +1,7 @@
 """What the device holds beyond the tensors a framework allocates.
 
     allocated += workspace_bytes                          math libraries' workspaces, in every phase
+               + expert_workspace_bytes                   and a grouped GEMM's own, on stages with MoE layers
     reserved = allocated · (1 + allocator_slack)          caching-allocator segments not in use
     device   = reserved + context_bytes + communicators · communicator_bytes
 
@@ -23,7 +24,8 @@ import numpy as np
 from ndplan.memory.profile import RuntimeProfile
 from ndplan.strategy.batch import StrategyBatch
 
-DEFAULTS = {"allocator_slack": 0.0, "context_bytes": 0.0, "communicator_bytes": 0.0, "workspace_bytes": 0.0}
+DEFAULTS = {"allocator_slack": 0.0, "context_bytes": 0.0, "communicator_bytes": 0.0, "workspace_bytes": 0.0,
+            "expert_workspace_bytes": 0.0}
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class RuntimeOverhead:
     allocator_slack: float
     fixed_bytes: np.ndarray  # per strategy: context + communicator buffers
     workspace_bytes: float = 0.0  # allocated, in every phase of the step
+    expert_workspace_bytes: float = 0.0  # allocated too, where a stage runs experts' grouped GEMMs
 
     def reserved(self, allocated: np.ndarray) -> np.ndarray:
         return allocated * (1.0 + self.allocator_slack)
@@ -49,4 +52,4 @@ def overhead_model(profile: RuntimeProfile, batch: StrategyBatch, include: bool)
         return RuntimeOverhead(0.0, np.zeros(len(batch)))
     fixed = constants["context_bytes"] + communicator_count(batch) * constants["communicator_bytes"]
     return RuntimeOverhead(constants["allocator_slack"], np.asarray(fixed, dtype=float),
-                           float(constants["workspace_bytes"]))
+                           float(constants["workspace_bytes"]), float(constants["expert_workspace_bytes"]))

@@ -1498,14 +1498,16 @@ def _evaluate_group(
     overhead = overhead_model(options.profile, batch, options.include_overhead)
     # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
     # first matmul and stay: part of every working set, forward/backward and optimizer step alike.
-    out["transient"] += overhead.workspace_bytes
+    # A runtime's grouped GEMM may take its own at its first expert layer (per stage pattern).
+    workspaces = overhead.workspace_bytes + overhead.expert_workspace_bytes * (moe_per_stage > 0)
+    out["transient"] += workspaces
 
     # ---- optimizer step temporaries (activations are gone by then)
     local_elements = out["optimizer"] / max(optimizer_bytes, 1)
     # Temporaries of the update, in the dtype of the weights the optimizer updates.
     updated_bytes = precision.master_weight_bytes or precision.param_bytes
     out["optimizer_step"] = (local_elements * options.profile.optimizer_temp_copies * updated_bytes + receive
-                             + overhead.workspace_bytes)
+                             + workspaces)
 
     static = out["params"] + out["grads"] + out["optimizer"]
     # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
