@@ -45,7 +45,8 @@ CP_HYBRID = "gpt3_mcore_te_tp1_pp2_resume_torch_dist_cp4_a2a_p2p_nondeterministi
 
 
 def test_dense_cases_are_within_two_percent(comparisons):
-    """Up to 7B at 8k tokens (53-56 GiB measured); hierarchical CP reads high, not explained."""
+    """Up to 7B at 8k tokens (53-56 GiB measured); hierarchical CP's A100 run reads high by about the
+    Hopper-sized workspaces it does not take (its test leaves PyTorch's default cuBLAS workspace)."""
     dense = {key: c.error for key, c in comparisons.items() if not c.is_moe}
     assert len(dense) == 15
     assert all(abs(error) < 0.02 for key, error in dense.items() if key != CP_HYBRID), dense
