@@ -67,3 +67,33 @@ def test_moe_cases_within_six_percent(comparisons):
 def test_the_generated_page_is_current(comparisons):
     text = megatron_goldens.DOC.read_text()
     assert text == megatron_goldens.document([comparisons[case["id"]] for case in CASES])
+
+
+def test_verify_takes_a_launch_script_and_a_clusters_peaks(tmp_path, capsys, comparisons):
+    """`ndplan verify --from train.sh --measured peaks.json`: the script's model, strategy and
+    runtime (megatron, its attention kernel), the file's peaks per global rank; the same figure
+    as the goldens' comparison."""
+    import json
+
+    from ndplan.cli import main
+
+    case = next(c for c in CASES if c["id"] == "gpt3_7b_tp1_pp4_memory_speed")
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun --nproc-per-node 8 pretrain_gpt.py " + " ".join(case["args"]) + "\n")
+    peaks = tmp_path / "peaks.json"
+    peaks.write_text(json.dumps({"schema": "ndplan.measured-memory", "schema_version": 1, "source": "golden",
+                                 "ranks": [{"rank": 7, "allocated_bytes": case["max_allocated_bytes"]}]}))
+    assert main(["verify", "--from", str(script), "--measured", str(peaks), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (stage,) = [s for s in data["stages"] if s["measured_ranks"]]
+    assert stage["stage"] == 3  # rank 7 of 8 with pp 4: the last stage
+    row = next(r for r in stage["rows"] if r["key"] == "allocated")
+    assert row["estimate_bytes"] == pytest.approx(comparisons[case["id"]].estimate_bytes)
+    assert main(["verify", "--from", str(script), "--measured", str(peaks), "--tolerance", "0.1"]) == 1
+    # One source for the model and strategy: the config, not the file or the flags as well.
+    capsys.readouterr()
+    peaks.write_text(json.dumps({"model": "llama-3.1-8b", "ranks": [{"rank": 7, "allocated_bytes": 1}]}))
+    assert main(["verify", "--from", str(script), "--measured", str(peaks)]) == 2
+    assert "states 'model', which the launch config (--from) gives: leave it out" in capsys.readouterr().err
+    assert main(["verify", "--from", str(script), "--measured", str(peaks), "--tp", "2"]) == 2
+    assert "model and strategy come from the config; drop MODEL and the strategy flags" in capsys.readouterr().err

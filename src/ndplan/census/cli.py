@@ -297,13 +297,40 @@ def _apply_from(args: argparse.Namespace) -> None:
                               "another batch")
 
 
+def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``--from CONFIG --measured FILE``: the model, strategy and runtime of a launch config (a
+    Megatron script estimates with the megatron profile and its attention kernel and loss), the
+    measured peaks per rank of the file, whose global ranks map to stages as the frameworks lay
+    them out (pipeline-parallel ranks outermost)."""
+    from ndplan.census.measure_step import load_measurement
+    from ndplan.io.cli import print_messages, read_from_args
+    from ndplan.memory import MemoryOptions
+
+    if args.model or _strategy_given(args):
+        raise NdplanError("with --from and --measured the model and strategy come from the config; drop MODEL "
+                          "and the strategy flags")
+    result = read_from_args(args)
+    assert result is not None
+    print_messages(result)
+    if result.model is None:
+        raise NdplanError(f"{args.from_config} does not describe the whole model; verify needs it from the config")
+    strategy = result.strategy(result.devices)
+    measurement = load_measurement(args.measured, model=result.model.name, strategy=strategy)
+    settings = result.runtime_settings
+    options = MemoryOptions(runtime=settings.get("runtime", "pytorch"), attention=settings.get("attention", "flash"),
+                            loss_parallel=settings.get("loss_parallel"), loss_upcast=settings.get("loss_upcast", True))
+    return result.model, measurement, options
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from ndplan.census.verify import verify
 
-    _apply_from(args)
     if args.tolerance is not None and args.tolerance < 0:
         raise NdplanError(f"--tolerance must be >= 0, got {args.tolerance}")
-    if args.measured:
+    options = None
+    if args.measured and getattr(args, "from_config", None):
+        spec, measurement, options = _measured_from_config(args)
+    elif args.measured:
         from ndplan.census.measure_step import load_measurement
         from ndplan.model import load_model
 
@@ -314,6 +341,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise NdplanError(f"{args.measured} measured model {measurement.model!r}, not {args.model!r}")
         spec = load_model(measurement.model)
     else:
+        _apply_from(args)
         if not args.model:
             raise NdplanError("give MODEL (a preset or config.json) to measure, or --measured FILE.json")
         measurement = _measure(args)
@@ -323,7 +351,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from ndplan.census.record import load_census_file
 
         census = tuple(load_census_file(args.census))
-    result = verify(spec, measurement, census=census)
+    result = verify(spec, measurement, census=census, options=options)
     ok = args.tolerance is None or result.within(args.tolerance)
     if args.json:
         _emit_json(result.to_dict() | {"tolerance_pct": args.tolerance, "within_tolerance": ok})
@@ -392,7 +420,9 @@ def add_census_commands(subparsers: Any) -> None:
     add_step_arguments(p)
     p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
     _add_backend_argument(p)
-    p.add_argument("--measured", help="measured-memory JSON (e.g. from a real cluster) instead of measuring")
+    p.add_argument("--measured", help="measured-memory JSON (e.g. from a real cluster) instead of measuring; with "
+                                      "--from, only its ranks' peaks: model, strategy and runtime come from the "
+                                      "launch config")
     p.add_argument("--tolerance", type=float, help="exit 1 if a stage's peak misses the measurement by more than PCT percent")
     p.add_argument("--census", help="census JSON: measured activations replace the profile's formulas")
     from ndplan.io.cli import add_from_argument

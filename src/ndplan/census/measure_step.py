@@ -219,8 +219,11 @@ def _int_field(entry: dict[str, Any], key: str, where: str, *, required: bool = 
     return int(value)
 
 
-def measurement_from_dict(data: Any, source: str = "measured file") -> StepMeasurement:
-    """Read the measured-memory JSON format (docs/accuracy.md); an NdplanError names the bad field."""
+def measurement_from_dict(data: Any, source: str = "measured file", *, model: str | None = None,
+                          strategy: Strategy | None = None) -> StepMeasurement:
+    """Read the measured-memory JSON format (docs/accuracy.md); an NdplanError names the bad field.
+    ``model`` and ``strategy``, where a launch config gave them, stand for the file's own (which
+    must then leave them out: one source for each)."""
     if not isinstance(data, dict):
         raise NdplanError(f"{source}: expected a JSON object")
     schema = data.get("schema", MEASURED_SCHEMA)
@@ -229,23 +232,17 @@ def measurement_from_dict(data: Any, source: str = "measured file") -> StepMeasu
     version = data.get("schema_version", MEASURED_SCHEMA_VERSION)
     if version != MEASURED_SCHEMA_VERSION:
         raise NdplanError(f"{source}: schema_version {version!r} is not supported (this ndplan reads {MEASURED_SCHEMA_VERSION})")
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise NdplanError(f"{source}: missing 'model' (a preset name or a config.json path)")
-    raw_strategy = data.get("strategy")
-    if not isinstance(raw_strategy, dict):
-        raise NdplanError(f"{source}: missing 'strategy' (an object of Strategy fields: dp, tp, pp, ...)")
-    from pydantic import ValidationError
-
-    from ndplan.model.hf import first_validation_error
-
-    fields = dict(raw_strategy)
-    if fields.get("fsdp") and "zero" not in fields:
-        fields["zero"] = 3
-    try:
-        strategy = Strategy(**fields)
-    except ValidationError as error:
-        raise NdplanError(f"{source}: strategy: {first_validation_error(error)}") from None
+    if model is not None or strategy is not None:
+        stated = [key for key in ("model", "strategy", "num_layers") if key in data]
+        if stated:
+            raise NdplanError(f"{source}: states '{stated[0]}', which the launch config (--from) gives: "
+                              "leave it out of the file")
+    else:
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise NdplanError(f"{source}: missing 'model' (a preset name or a config.json path)")
+        strategy = _strategy_from(data.get("strategy"), source)
+    assert model is not None and strategy is not None
     num_layers = data.get("num_layers")
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
         raise NdplanError(f"{source}: 'num_layers' must be a positive integer, got {num_layers!r}")
@@ -299,7 +296,23 @@ def measurement_from_dict(data: Any, source: str = "measured file") -> StepMeasu
     )
 
 
-def load_measurement(path: str | Path) -> StepMeasurement:
+def _strategy_from(raw_strategy: Any, source: str) -> Strategy:
+    if not isinstance(raw_strategy, dict):
+        raise NdplanError(f"{source}: missing 'strategy' (an object of Strategy fields: dp, tp, pp, ...)")
+    from pydantic import ValidationError
+
+    from ndplan.model.hf import first_validation_error
+
+    fields = dict(raw_strategy)
+    if fields.get("fsdp") and "zero" not in fields:
+        fields["zero"] = 3
+    try:
+        return Strategy(**fields)
+    except ValidationError as error:
+        raise NdplanError(f"{source}: strategy: {first_validation_error(error)}") from None
+
+
+def load_measurement(path: str | Path, *, model: str | None = None, strategy: Strategy | None = None) -> StepMeasurement:
     p = Path(path)
     try:
         data = json.loads(read_text(p))
@@ -307,7 +320,7 @@ def load_measurement(path: str | Path) -> StepMeasurement:
         raise NdplanError(f"{p}: cannot read: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
         raise NdplanError(f"{p}:{error.lineno}: malformed JSON: {error.msg}") from None
-    return measurement_from_dict(data, str(p))
+    return measurement_from_dict(data, str(p), model=model, strategy=strategy)
 
 
 def save_measurement(path: str | Path, measurement: StepMeasurement) -> None:

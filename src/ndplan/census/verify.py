@@ -15,12 +15,15 @@ comparing with a measured JSON file needs neither torch nor transformers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 from ndplan.census.measure_step import StepMeasurement, trimmed_spec
 from ndplan.errors import NdplanError
 from ndplan.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ndplan.memory import MemoryOptions
 
 #: (row key, label) in display order. Categories first, then the two phase peaks and the peak.
 ROWS: tuple[tuple[str, str], ...] = (
@@ -137,17 +140,19 @@ def estimator_spec(spec: ModelSpec, measurement: StepMeasurement) -> ModelSpec:
 
 
 def verify(spec: ModelSpec, measurement: StepMeasurement, *, census: tuple[Any, ...] = (),
-           runtime: str = "pytorch") -> Verification:
-    """Estimate ``measurement``'s model and strategy and pair every stage's figures with it."""
+           runtime: str = "pytorch", options: MemoryOptions | None = None) -> Verification:
+    """Estimate ``measurement``'s model and strategy and pair every stage's figures with it:
+    with ``runtime`` and the measurement's attention kernel, or as ``options`` say (a launch
+    config's runtime, attention and loss)."""
     from ndplan.memory import MemoryOptions, estimate
 
     model = estimator_spec(spec, measurement)
     strategy = measurement.strategy
-    attention: Literal["sdpa", "eager"] = "eager" if measurement.attention == "eager" else "sdpa"
-    allocated = estimate(model, strategy, None, MemoryOptions(
-        runtime=runtime, attention=attention, include_overhead=False, census=census))
-    with_overhead = estimate(model, strategy, None, MemoryOptions(
-        runtime=runtime, attention=attention, include_overhead=True, census=census))
+    if options is None:
+        attention: Literal["sdpa", "eager"] = "eager" if measurement.attention == "eager" else "sdpa"
+        options = MemoryOptions(runtime=runtime, attention=attention)
+    allocated = estimate(model, strategy, None, replace(options, include_overhead=False, census=census))
+    with_overhead = estimate(model, strategy, None, replace(options, include_overhead=True, census=census))
     for r in measurement.ranks:
         if r.stage >= strategy.pp:
             raise NdplanError(f"verify: measured stage {r.stage} does not exist with pp={strategy.pp}")
