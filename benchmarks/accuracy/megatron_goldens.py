@@ -101,7 +101,9 @@ def document(comparisons: list[Comparison]) -> str:
         "script, as `ndplan estimate --from` reads one, and estimated with the `megatron` runtime profile;",
         "the last stage's `allocated` (tensors and the math libraries' workspaces) is compared with the",
         "measured steady peak (from step 2 on; step 1's peak comes before Adam creates its states).",
-        "Error = estimate / measured - 1. Nothing was fitted to these numbers.",
+        "Error = estimate / measured - 1. Nothing was fitted to these numbers. The same comparison for",
+        "one's own run: `ndplan verify --from train.sh --measured peaks.json` (the file lists each",
+        "rank's `max_memory_allocated`; the script gives the model, strategy and runtime).",
         "",
         f"**Dense cases: median |error| {s['dense_median']:.1%}, worst {s['dense_worst']:.1%}. "
         f"MoE cases: median {s['moe_median']:.1%}, worst {s['moe_worst']:.1%}.**",
