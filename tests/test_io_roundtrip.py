@@ -208,7 +208,23 @@ def test_megatron_model_flags_round_trip(name: str, tmp_path: Path) -> None:
     assert result.model.layer_mlp_kinds == model.layer_mlp_kinds and result.model.mtp_depth == model.mtp_depth
     assert result.model.sliding_window == model.sliding_window  # Mistral's 4,096 keys: --window-size 4095,0
     assert result.model.layer_attention_spans == model.layer_attention_spans
+    # Dropout stated at 0 (Megatron's defaults are 0.1, whose masks the estimate would then miss).
+    assert (result.model.hidden_dropout, result.model.attention_dropout) == (0.0, 0.0)
+    assert "--hidden-dropout 0 " in text or "--hidden-dropout 0\n" in text
     assert result.warnings == []
+
+
+def test_megatron_launch_keeps_dropout_and_the_attention_kernel(tmp_path: Path) -> None:
+    """A model with dropout, estimated with eager attention, emits both; read back, the same."""
+    model = get_preset("llama-3.1-8b").model_copy(update={"hidden_dropout": 0.1, "attention_dropout": 0.05})
+    text = emit(model, Strategy(dp=2, micro_batch_size=1, num_micro_batches=2), "megatron", attention="eager")
+    assert "--attention-backend unfused" in text
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    result = read_config(path)
+    assert result.model is not None and (result.model.hidden_dropout, result.model.attention_dropout) == (0.1, 0.05)
+    assert result.runtime_settings["attention"] == "eager"
+    assert "--attention-backend" not in emit(model, Strategy(dp=2, micro_batch_size=1, num_micro_batches=2), "megatron")
 
 
 @pytest.mark.parametrize("spans", [("sliding", "sliding", "sliding", "full") * 2, ("full",) * 4 + ("sliding",) * 4])

@@ -97,3 +97,33 @@ def test_verify_takes_a_launch_script_and_a_clusters_peaks(tmp_path, capsys, com
     assert "states 'model', which the launch config (--from) gives: leave it out" in capsys.readouterr().err
     assert main(["verify", "--from", str(script), "--measured", str(peaks), "--tp", "2"]) == 2
     assert "model and strategy come from the config; drop MODEL and the strategy flags" in capsys.readouterr().err
+
+
+def test_verify_from_a_script_without_its_world_size_takes_devices(tmp_path, capsys):
+    """A script launched without torchrun's counts (srun, a job file) needs --devices; --attention
+    overrides the script's kernel."""
+    import json
+
+    from ndplan.cli import main
+
+    case = next(c for c in CASES if c["id"] == "gpt3_mcore_te_tp2_pp2")
+    script = tmp_path / "train.sh"
+    script.write_text("python pretrain_gpt.py " + " ".join(case["args"]) + "\n")
+    peaks = tmp_path / "peaks.json"
+    peaks.write_text(json.dumps({"ranks": [{"rank": 7, "allocated_bytes": case["max_allocated_bytes"]}]}))
+    args = ["verify", "--from", str(script), "--measured", str(peaks), "--json"]
+    assert main(args) == 2
+    assert "--devices" in capsys.readouterr().err
+    assert main([*args, "--devices", "8"]) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert main([*args, "--devices", "8", "--attention", "sdpa"]) == 0
+    flash_like = json.loads(capsys.readouterr().out)
+
+    def allocated(data: dict) -> float:
+        stage = data["stages"][-1]
+        return float(next(r for r in stage["rows"] if r["key"] == "allocated")["estimate_bytes"])
+
+    assert allocated(flash_like) < allocated(eager)  # the script's unfused attention keeps s x s
+    peaks.write_text(json.dumps({"attention": "eager", "ranks": [{"rank": 7, "allocated_bytes": 1}]}))
+    assert main([*args, "--devices", "8"]) == 2
+    assert "states 'attention'" in capsys.readouterr().err

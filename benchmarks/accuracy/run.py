@@ -414,6 +414,11 @@ a file filled in by hand from a real run is checked the same way:
 * `ndplan verify --tolerance PCT` exits 1 when a measured stage's peak allocated (or reserved,
   when given; compared with the estimate's allocated times the allocator slack) misses by more
   than PCT percent.
+* `ndplan verify --from train.sh --measured FILE`: the launch config (a Megatron-LM script, a
+  torchtitan TOML, ...) gives the model, strategy and runtime, so the file holds only `ranks`
+  (and `source`); it must leave `model`, `strategy`, `num_layers` and `attention` out. A Megatron
+  script is estimated with the `megatron` profile, as docs/accuracy_megatron.md compares
+  Megatron-LM's own measured peaks.
 
 A small example: `tests/data/measured/`.
 """

@@ -192,7 +192,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.emit:
         from ndplan.io import emit
 
-        emitted = emit(model, strategy, args.emit, overlap, loss_upcast=options.loss_upcast)
+        emitted = emit(model, strategy, args.emit, overlap, loss_upcast=options.loss_upcast, attention=options.attention)
     if args.json:
         _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
                     "devices": strategy.world_size,
@@ -289,7 +289,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
         from ndplan.perf import default_overlap
 
         data["emitted"] = emit(model, emitted, args.emit, options.overlap or default_overlap(device.runtime),
-                               loss_upcast=options.loss_upcast)
+                               loss_upcast=options.loss_upcast, attention=options.attention)
         data["emitted_check"] = _read_back(model, emitted, data["emitted"], args.emit, cluster, options, limit)
     # Balancing is worth running only where the full estimators agree it gains on the strategy as given.
     balanced_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
@@ -624,7 +624,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         from ndplan.perf import default_overlap
 
         data["emitted"] = emit(model, winner, args.emit, options.overlap or default_overlap(device.runtime),
-                               loss_upcast=options.loss_upcast)
+                               loss_upcast=options.loss_upcast, attention=options.attention)
     explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
     if explained is not None:
         data["explain"] = explained
@@ -951,7 +951,7 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                        help="attention kernel: flash keeps O(s) statistics (a sliding window built in); sdpa is "
                             "PyTorch's SDPA as transformers calls it (flash, but a sliding window becomes an s² mask "
                             "and fp32 with grouped KV heads runs the math path); eager keeps s² scores (default: "
-                            "what a --from config states, else flash)")
+                            "flash, or what a --from config states)")
     group.add_argument("--loss-parallel", dest="loss_parallel", action="store_true", default=None,
                        help="keep logits vocab-sharded through the loss")
     group.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")

@@ -14,7 +14,7 @@ class NdplanError(ValueError):
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """" (did you mean 'x'?)" for the known name closest to a mistyped ``name``, or "": a prefix
+    """The suffix " (did you mean 'x'?)" for the known name closest to a mistyped ``name``, or "": a prefix
     first (``h100`` is ``h100-sxm``), then difflib's closest match at ratio 0.6 or more."""
     choices = list(known)
     wanted = name.strip().lower()

@@ -317,7 +317,8 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     strategy = result.strategy(result.devices)
     measurement = load_measurement(args.measured, model=result.model.name, strategy=strategy)
     settings = result.runtime_settings
-    options = MemoryOptions(runtime=settings.get("runtime", "pytorch"), attention=settings.get("attention", "flash"),
+    options = MemoryOptions(runtime=settings.get("runtime", "pytorch"),
+                            attention=args.attention or settings.get("attention", "flash"),
                             loss_parallel=settings.get("loss_parallel"), loss_upcast=settings.get("loss_upcast", True))
     return result.model, measurement, options
 
@@ -336,11 +337,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
         if _strategy_given(args):
             raise NdplanError("with --measured the model, layers and strategy come from the file; drop the strategy flags")
+        if args.devices is not None:
+            raise NdplanError("--devices goes with --from: a measured file states its strategy")
         measurement = load_measurement(args.measured)
         if args.model and args.model != measurement.model:
             raise NdplanError(f"{args.measured} measured model {measurement.model!r}, not {args.model!r}")
         spec = load_model(measurement.model)
     else:
+        if args.devices is not None:
+            raise NdplanError("--devices goes with --from and --measured; a measured step takes its degrees as flags")
+        args.attention = args.attention or "sdpa"
         _apply_from(args)
         if not args.model:
             raise NdplanError("give MODEL (a preset or config.json) to measure, or --measured FILE.json")
@@ -418,8 +424,10 @@ def add_census_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("verify", help="compare the memory estimate with a measurement (fake-tensor step or a JSON file)")
     p.add_argument("model", metavar="MODEL", nargs="?", help="preset name or config.json path (optional with --measured)")
     add_step_arguments(p)
-    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="attention kernel (default: sdpa; with --from and --measured, what the config states)")
     _add_backend_argument(p)
+    p.add_argument("--devices", type=int, help="world size, with --from and --measured when the config does not state it")
     p.add_argument("--measured", help="measured-memory JSON (e.g. from a real cluster) instead of measuring; with "
                                       "--from, only its ranks' peaks: model, strategy and runtime come from the "
                                       "launch config")

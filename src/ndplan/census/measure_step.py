@@ -233,7 +233,7 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
     if version != MEASURED_SCHEMA_VERSION:
         raise NdplanError(f"{source}: schema_version {version!r} is not supported (this ndplan reads {MEASURED_SCHEMA_VERSION})")
     if model is not None or strategy is not None:
-        stated = [key for key in ("model", "strategy", "num_layers") if key in data]
+        stated = [key for key in ("model", "strategy", "num_layers", "attention") if key in data]
         if stated:
             raise NdplanError(f"{source}: states '{stated[0]}', which the launch config (--from) gives: "
                               "leave it out of the file")

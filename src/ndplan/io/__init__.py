@@ -156,13 +156,14 @@ def _normalise(result: ReadResult) -> None:
 
 
 def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str,
-         overlap: Any = None, *, loss_upcast: bool = True) -> str:
+         overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash") -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
     Megatron's overlap flags, so that reading the launch back prices the same step.
     ``loss_upcast`` False (the loss on the bf16 logits) becomes Megatron's Transformer Engine
-    cross-entropy; the other formats' frameworks upcast, which their header says.
+    cross-entropy; the other formats' frameworks upcast, which their header says. ``attention``
+    "eager" (the s x s scores kept) becomes Megatron's ``--attention-backend unfused``.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -174,7 +175,7 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
     if fmt == "megatron":
         from ndplan.io.megatron_emit import emit_megatron
 
-        return emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast)
+        return emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast, attention=attention)
     text = _emitters()[fmt](model, strategy)
     if not loss_upcast:  # every other format is TOML or YAML: '#' comments
         text = (f"# ndplan: not expressible in {fmt}, left out: the loss on the bf16 logits (--no-loss-upcast); "

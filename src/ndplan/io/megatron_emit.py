@@ -302,10 +302,12 @@ def _overlap(s: Strategy, overlap: Any) -> Flags:
     return flags
 
 
-def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None, *, loss_upcast: bool = True) -> str:
+def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None, *, loss_upcast: bool = True,
+                  attention: str = "flash") -> str:
     """A bash launch for the strategy; the model's architecture flags too when a model is given;
     ``overlap``'s switches as Megatron's overlap flags (``_overlap``); without ``loss_upcast``
-    Transformer Engine's cross-entropy, which works on the bf16 logits."""
+    Transformer Engine's cross-entropy, which works on the bf16 logits; eager ``attention`` as TE's
+    unfused attention (Megatron's default picks a fused kernel)."""
     lost: list[str] = []
     s = strategy
     model_flags = _model(model, lost) if model is not None else []
@@ -313,6 +315,8 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     memory = _memory(s, lost)
     if not loss_upcast:
         memory += [("--cross-entropy-loss-fusion", None), ("--cross-entropy-fusion-impl", "te")]
+    if attention == "eager":
+        memory.append(("--attention-backend", "unfused"))
     batch: Flags = [("--micro-batch-size", s.micro_batch_size), ("--global-batch-size", s.global_batch_size),
                     ("--seq-length", s.seq_length)]
     world = s.world_size

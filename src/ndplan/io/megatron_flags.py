@@ -15,7 +15,7 @@ from __future__ import annotations
 NO_EFFECT: frozenset[str] = frozenset("""
 --adlr-autoresume --adlr-autoresume-interval --allow-ambiguous-pad-tokens
 --app-tag-run-name --app-tag-run-version --apply-layernorm-1p --apply-query-key-layer-scaling --apply-rope-fusion
---async-save --async-tensor-model-parallel-allreduce --attention-backend --attention-dropout
+--async-save --async-tensor-model-parallel-allreduce
 --attention-softmax-in-fp32 --auto-detect-ckpt-format --barrier-with-l1-time --bert-binary-head
 --bias-dropout-fusion --bias-gelu-fusion --bias-swiglu-fusion --calc-ft-timeouts --calculate-per-token-loss
 --check-for-large-grads --check-for-nan-in-loss-and-grad --check-for-spiky-loss
@@ -34,7 +34,7 @@ NO_EFFECT: frozenset[str] = frozenset("""
 --exit-duration-in-mins --exit-interval --exit-on-missing-checkpoint --exit-signal-handler --finetune
 --fp8-amax-compute-algo --fp8-amax-history-len --fp8-interval --fp8-margin --fp8-recipe --fp8-wgrad
 --full-validation --gradient-accumulation-fusion --gradient-reduce-div-fusion --high-priority-stream-groups
---hidden-dropout --hysteresis --init-method-std --init-method-xavier-uniform --initial-loss-scale
+--hysteresis --init-method-std --init-method-xavier-uniform --initial-loss-scale
 --inference-rng-tracker --iterations-to-skip --legacy-tokenizer --load --load-main-params-from-ckpt
 --local-rank --log-energy --log-interval --log-loss-scale-to-tensorboard --log-memory-to-tensorboard
 --log-num-zeros-in-grad --log-params-norm --log-progress --log-straggler --log-throughput
@@ -72,10 +72,10 @@ NO_EFFECT: frozenset[str] = frozenset("""
 --start-weight-decay --straggler-ctrlr-port --straggler-minmax-count --tensorboard-dir
 --tensorboard-log-interval --tensorboard-queue-size --test-data-path --test-mode --tiktoken-num-special-tokens
 --tiktoken-pattern --tiktoken-special-tokens --timing-log-level --timing-log-option --tokenizer-metadata
---tokenizer-model --tokenizer-type --tp-comm-bootstrap-backend --tp-comm-bulk-dgrad --tp-comm-bulk-wgrad
+--tokenizer-model --tp-comm-bootstrap-backend --tp-comm-bulk-dgrad --tp-comm-bulk-wgrad
 --tp-comm-overlap --tp-comm-overlap-ag --tp-comm-overlap-cfg --tp-comm-overlap-rs --tp-comm-overlap-rs-dgrad
 --tp-comm-split-ag --tp-comm-split-rs --train-data-path --train-iters --train-samples --train-sync-interval
---transformer-impl --trust-remote-code --use-checkpoint-args --use-checkpoint-opt-param-scheduler
+--trust-remote-code --use-checkpoint-args --use-checkpoint-opt-param-scheduler
 --use-cpu-initialization --use-dist-ckpt --use-flash-attn --use-mcore-models --use-legacy-models
 --use-mp-args-from-checkpoint-args --use-nccl-ub --use-persistent-ckpt-worker --use-pytorch-profiler
 --use-ring-exchange-p2p --use-rope-scaling --use-sharp --sharp-enabled-group --use-te-activation-func

@@ -258,6 +258,9 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
     elif tokenizer == "GPT2BPETokenizer" or (tokenizer is None and args.has("--merge-file") and defines):
         # GPT-2's byte-pair encoding, pretrain_gpt.py's tokenizer when only its files are given.
         put("vocab_size", GPT2_BPE_TOKENS, "GPT2BPETokenizer's vocabulary")
+        if tokenizer is None:
+            notes.append(f"--merge-file without --tokenizer-type: GPT-2's BPE ({GPT2_BPE_TOKENS:,} tokens), "
+                         "pretrain_gpt.py's default; give --vocab-size or --model for another vocabulary")
 
     if args.has("--untie-embeddings-and-output-weights"):
         put("tie_word_embeddings", False, "--untie-embeddings-and-output-weights")

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ndplan.errors import NdplanError, read_text
+from ndplan.errors import NdplanError, did_you_mean, read_text
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, SCHEDULES
 
@@ -304,7 +304,8 @@ def get_profile(name: str) -> RuntimeProfile:
             raise NdplanError(f"{path}: no such runtime profile file")
         return _parse_profile(yaml.load(read_text(path), Loader=_SAFE_LOADER), str(path))
     if name not in profile_names():
-        raise NdplanError(f"unknown runtime '{name}'; known: {', '.join(profile_names())} (or a profile YAML path)")
+        raise NdplanError(f"unknown runtime '{name}'{did_you_mean(name, profile_names())}; known: "
+                          f"{', '.join(profile_names())} (or a profile YAML path)")
     text = resources.files("ndplan.memory").joinpath("profiles", f"{name}.yaml").read_text()
     return _parse_profile(yaml.load(text, Loader=_SAFE_LOADER), f"runtime profile {name}")
 
