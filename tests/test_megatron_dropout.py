@@ -100,3 +100,27 @@ def test_unfused_attention_time_reads_the_dropout_bytes_only_with_dropout():
     # scores written 2, softmax read 2 written 2; dropout reads 2, writes 2 and a 1-byte mask
     assert unfused_score_bytes(ModelSpec(**GPT), sharding) == pytest.approx(6 * elements)  # type: ignore[arg-type]
     assert unfused_score_bytes(ModelSpec(**{**GPT, "attention_dropout": 0.1}), sharding) == pytest.approx(11 * elements)  # type: ignore[arg-type]
+
+
+def test_experts_without_grouped_gemm_hold_no_grouped_gemm_workspaces(tmp_path):
+    """Megatron's experts run TE's grouped GEMM (four workspaces of its own) only with
+    --moe-grouped-gemm; SequentialMLP takes none, which the reader passes on."""
+    from ndplan.cli_args import runtime_options
+    from ndplan.memory import estimate
+
+    script = tmp_path / "train.sh"
+    moe = BASE + "--padded-vocab-size 256 --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2 "
+    script.write_text(moe + "\n")
+    sequential = read_config(script, devices=8)
+    assert sequential.runtime_settings["grouped_gemm"] is False
+    script.write_text(moe + "--moe-grouped-gemm\n")
+    grouped = read_config(script, devices=8)
+    assert "grouped_gemm" not in grouped.runtime_settings
+    assert sequential.model is not None
+    peaks = []
+    for result in (sequential, grouped):
+        import argparse
+
+        options = runtime_options(argparse.Namespace(), None, result.runtime_settings)
+        peaks.append(estimate(sequential.model, result.strategy(8), None, options).stages[-1].allocated_bytes)
+    assert peaks[1] - peaks[0] == 128 * 2**20

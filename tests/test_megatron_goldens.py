@@ -59,7 +59,7 @@ def test_moe_cases_within_six_percent(comparisons):
     """ndplan assumes balanced experts; the measured MoE peaks creep up with the routing."""
     moe = {key: c.error for key, c in comparisons.items() if c.is_moe}
     assert len(moe) == 7
-    assert all(-0.06 < error < 0.02 for error in moe.values()), moe
+    assert all(-0.06 < error < 0.0 for error in moe.values()), moe
     # The DeepSeek-like proxy (MLA, 32 experts, MTP, interleaved PP) at 53 GiB measured.
     assert abs(comparisons["gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed"].error) < 0.02
 

@@ -220,4 +220,5 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         loss_upcast=getattr(args, "loss_upcast", None) is not False,
         moe_imbalance=getattr(args, "moe_imbalance", 1.0), moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
         census=census, overlap=parse_overlap(overlap),
+        grouped_gemm=(runtime_settings or {}).get("grouped_gemm", True),
     )

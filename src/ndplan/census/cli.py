@@ -319,7 +319,8 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     settings = result.runtime_settings
     options = MemoryOptions(runtime=settings.get("runtime", "pytorch"),
                             attention=args.attention or settings.get("attention", "flash"),
-                            loss_parallel=settings.get("loss_parallel"), loss_upcast=settings.get("loss_upcast", True))
+                            loss_parallel=settings.get("loss_parallel"), loss_upcast=settings.get("loss_upcast", True),
+                            grouped_gemm=settings.get("grouped_gemm", True))
     return result.model, measurement, options
 
 

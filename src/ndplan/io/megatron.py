@@ -145,6 +145,13 @@ def interpret(
         why = "--transformer-impl local" if impl == "local" else f"--attention-backend {backend}"
         notes.append(f"{why}: attention keeps its s x s softmax (--attention eager)")
 
+    # Megatron's experts run one grouped GEMM (TE's GroupedLinear) only with --moe-grouped-gemm;
+    # without it, or with Megatron's own layers, one GEMM per expert (SequentialMLP).
+    grouped = args.has("--moe-grouped-gemm") and impl != "local"
+    if model is not None and model.is_moe and not grouped:
+        runtime_settings["grouped_gemm"] = False
+        notes.append("experts without --moe-grouped-gemm (SequentialMLP): no grouped-GEMM workspaces")
+
     warnings.extend(args.leftovers())
     return ReadResult(
         format=FORMAT, source=src.name, model=model, strategy_settings=settings,

@@ -43,7 +43,7 @@ NO_EFFECT: frozenset[str] = frozenset("""
 --lr-warmup-init --lr-warmup-iters --lr-warmup-samples --lr-wsd-decay-iters --lr-wsd-decay-samples
 --lr-wsd-decay-style --manual-gc --manual-gc-eval --manual-gc-interval --masked-softmax-fusion --merge-file
 --microbatch-group-size-per-virtual-pipeline-stage --mid-level-dataset-surplus --min-loss-scale --min-lr
---mmap-bin-files --mock-data --moe-aux-loss-coeff --moe-deepep-num-sms --moe-enable-deepep --moe-grouped-gemm
+--mmap-bin-files --mock-data --moe-aux-loss-coeff --moe-deepep-num-sms --moe-enable-deepep
 --moe-input-jitter-eps --moe-per-layer-logging --moe-permute-fusion --moe-router-bias-update-rate
 --moe-router-dtype --moe-router-enable-expert-bias --moe-router-force-load-balancing --moe-router-fusion
 --moe-router-group-topk --moe-router-load-balancing-type --moe-router-num-groups --moe-router-padding-for-fp8

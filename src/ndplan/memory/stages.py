@@ -80,7 +80,9 @@ class MemoryOptions:
     which writes the gradient into the logits) instead of an fp32 copy. ``overlap`` says which
     communication the runtime hides; the memory model does not read it, the step-time model and
     the balancer do (None: the device runtime's defaults, ``ndplan.perf.overlap.default_overlap``),
-    so the options a command builds carry it to both.
+    so the options a command builds carry it to both. ``grouped_gemm`` off: the experts run one
+    GEMM each (Megatron's SequentialMLP, without --moe-grouped-gemm), so the profile's
+    ``expert_workspace_bytes`` (a grouped GEMM's own workspaces) are not held.
     """
 
     runtime: str = "pytorch"
@@ -92,6 +94,7 @@ class MemoryOptions:
     loss_upcast: bool = True
     census: tuple[CensusRecord, ...] = field(default=())
     overlap: OverlapConfig | None = None
+    grouped_gemm: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in get_args(Attention):
@@ -1499,7 +1502,7 @@ def _evaluate_group(
     # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
     # first matmul and stay: part of every working set, forward/backward and optimizer step alike.
     # A runtime's grouped GEMM may take its own at its first expert layer (per stage pattern).
-    workspaces = overhead.workspace_bytes + overhead.expert_workspace_bytes * (moe_per_stage > 0)
+    workspaces = overhead.workspace_bytes + overhead.expert_workspace_bytes * options.grouped_gemm * (moe_per_stage > 0)
     out["transient"] += workspaces
 
     # ---- optimizer step temporaries (activations are gone by then)
