@@ -125,6 +125,10 @@ def test_megatron_attention_backend_sets_the_attention_kernel(tmp_path, capsys):
         script.write_text(base + f"--attention-backend {backend}\n")
         result = read_config(script, devices=8)
         assert result.runtime_settings.get("attention") == kernel and result.warnings == []
+    script.write_text(base + "--use-legacy-models\n")  # legacy models: flash only with --use-flash-attn
+    assert read_config(script, devices=8).runtime_settings.get("attention") == "eager"
+    script.write_text(base + "--use-legacy-models --use-flash-attn\n")
+    assert "attention" not in read_config(script, devices=8).runtime_settings
     script.write_text(base + "--attention-backend AttnBackend.unfused\n")  # as an argument dump writes it
     assert read_config(script, devices=8).runtime_settings.get("attention") == "eager"
     script.write_text(base + "--attention-backend sdpa\n")

@@ -140,9 +140,12 @@ def interpret(
     if impl not in ("transformer_engine", "local", "inference_optimized"):
         warnings.append(f"{src.where(args.line('--transformer-impl'))}: --transformer-impl {impl!r} is not one ndplan "
                         "knows (transformer_engine, local, inference_optimized); priced as transformer_engine")
-    if backend in ("unfused", "local") or impl == "local":
+    # Megatron's legacy models run flash attention only with --use-flash-attn.
+    legacy_unfused = args.has("--use-legacy-models") and not args.has("--use-flash-attn")
+    if backend in ("unfused", "local") or impl == "local" or legacy_unfused:
         runtime_settings["attention"] = "eager"
-        why = "--transformer-impl local" if impl == "local" else f"--attention-backend {backend}"
+        why = ("--transformer-impl local" if impl == "local" else "--use-legacy-models without --use-flash-attn"
+               if legacy_unfused else f"--attention-backend {backend}")
         notes.append(f"{why}: attention keeps its s x s softmax (--attention eager)")
 
     # Megatron's experts run one grouped GEMM (TE's GroupedLinear) only with --moe-grouped-gemm;
