@@ -31,8 +31,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+from ndplan.cli_args import runtime_options  # noqa: E402
 from ndplan.io import read_config  # noqa: E402
-from ndplan.memory import MemoryOptions, estimate  # noqa: E402
+from ndplan.memory import estimate  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "measured" / "megatron_goldens.yaml"
 DOC = ROOT / "docs" / "accuracy_megatron.md"
@@ -67,9 +68,7 @@ def compare(case: dict[str, Any]) -> Comparison:
         read = read_config(script, devices=case["devices"])
     assert read.model is not None, f"{case['id']}: the arguments describe no model"
     strategy = read.strategy(case["devices"])
-    settings = read.runtime_settings
-    options = MemoryOptions(runtime="megatron", attention=settings.get("attention", "flash"),
-                            loss_upcast=settings.get("loss_upcast", True), grouped_gemm=settings.get("grouped_gemm", True))
+    options = runtime_options(argparse.Namespace(), None, read.runtime_settings)  # as `estimate --from` builds them
     # The device only sets the memory limit; allocated does not depend on it.
     result = estimate(read.model, strategy, "h100-sxm", options=options)
     last = result.stages[-1]

@@ -162,11 +162,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- estimate
 def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: Any) -> Any:
     """The runtime options of a command (``cli_args.runtime_options``), with what a --from config
-    stated (its loss parallelism too, where no flag sets it)."""
-    if read is not None and getattr(args, "loss_parallel", None) is None:
-        args.loss_parallel = read.runtime_settings.get("loss_parallel")
-    if read is not None and getattr(args, "loss_upcast", None) is None:
-        args.loss_upcast = read.runtime_settings.get("loss_upcast")
+    stated where no flag sets it."""
     return runtime_options(args, settings, read.runtime_settings if read is not None else None)
 
 

@@ -212,13 +212,17 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
     overlap = (settings or {}).get("overlap")
     if overlap is None:
         overlap = (runtime_settings or {}).get("overlap")
-    runtime = getattr(args, "runtime", None) or (runtime_settings or {}).get("runtime") or "pytorch"
+    stated = runtime_settings or {}
+    # A flag wins; else what the config stated; else the default.
+    loss_parallel = getattr(args, "loss_parallel", None)
+    loss_upcast = getattr(args, "loss_upcast", None)
     return MemoryOptions(
-        runtime=runtime,
-        attention=getattr(args, "attention", None) or (runtime_settings or {}).get("attention") or "flash",
-        loss_parallel=getattr(args, "loss_parallel", None), include_overhead=not getattr(args, "no_overhead", False),
-        loss_upcast=getattr(args, "loss_upcast", None) is not False,
+        runtime=getattr(args, "runtime", None) or stated.get("runtime") or "pytorch",
+        attention=getattr(args, "attention", None) or stated.get("attention") or "flash",
+        loss_parallel=stated.get("loss_parallel") if loss_parallel is None else loss_parallel,
+        include_overhead=not getattr(args, "no_overhead", False),
+        loss_upcast=(stated.get("loss_upcast") if loss_upcast is None else loss_upcast) is not False,
         moe_imbalance=getattr(args, "moe_imbalance", 1.0), moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
         census=census, overlap=parse_overlap(overlap),
-        grouped_gemm=(runtime_settings or {}).get("grouped_gemm", True),
+        grouped_gemm=stated.get("grouped_gemm", True),
     )

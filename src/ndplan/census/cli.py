@@ -303,8 +303,8 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     measured peaks per rank of the file, whose global ranks map to stages as the frameworks lay
     them out (pipeline-parallel ranks outermost)."""
     from ndplan.census.measure_step import load_measurement
+    from ndplan.cli_args import runtime_options
     from ndplan.io.cli import print_messages, read_from_args
-    from ndplan.memory import MemoryOptions
 
     if args.model or _strategy_given(args):
         raise NdplanError("with --from and --measured the model and strategy come from the config; drop MODEL "
@@ -316,12 +316,9 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise NdplanError(f"{args.from_config} does not describe the whole model; verify needs it from the config")
     strategy = result.strategy(result.devices)
     measurement = load_measurement(args.measured, model=result.model.name, strategy=strategy)
-    settings = result.runtime_settings
-    options = MemoryOptions(runtime=settings.get("runtime", "pytorch"),
-                            attention=args.attention or settings.get("attention", "flash"),
-                            loss_parallel=settings.get("loss_parallel"), loss_upcast=settings.get("loss_upcast", True),
-                            grouped_gemm=settings.get("grouped_gemm", True))
-    return result.model, measurement, options
+    # --attention may override the config's kernel; census files go to verify itself.
+    flags = argparse.Namespace(attention=args.attention)
+    return result.model, measurement, runtime_options(flags, None, result.runtime_settings)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
