@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
+
 from ndplan.schedule.builders import build_plan
 
 #: Chunks torch keeps gathered ahead (``_add_unshard_reshard``'s ``max_active_stages``).
@@ -28,21 +30,31 @@ def chunk_gathers(schedule: str, pp: int, vpp: int, num_micro_batches: int, seq_
     the chunks all stay gathered, more where ``vpp`` exceeds ``active``."""
     most = 0
     for plan in build_plan(schedule, pp, vpp, num_micro_batches, seq_chunks):
-        chunks = plan.chunk.tolist()
-        # The distinct chunks from each position on, in order of first use: built backwards.
-        upcoming: list[list[int]] = [[] for _ in chunks]
-        ahead: list[int] = []
-        for i in range(len(chunks) - 1, -1, -1):
-            ahead = [chunks[i], *(c for c in ahead if c != chunks[i])][:active]
-            upcoming[i] = ahead
-        gathered: set[int] = set()
-        count = 0
-        for wanted in upcoming:
-            gathered &= set(wanted)  # freed: not among the next chunks
-            count += sum(1 for c in wanted if c not in gathered)
-            gathered |= set(wanted)
-        most = max(most, count)
+        chunks = np.asarray(plan.chunk)
+        # Ops in a row on one chunk see the same chunks ahead: one stands for them all.
+        changes = np.flatnonzero(chunks[1:] != chunks[:-1]) + 1
+        most = max(most, _gathers(chunks[np.concatenate([[0], changes])].tolist(), active) if len(chunks) else 0)
     return most
+
+
+def _gathers(chunks: list[int], active: int) -> int:
+    """Gathers under the keep-the-next-``active``-chunks policy for one rank's chunk order.
+
+    With U_i the first ``active`` distinct chunks from op i on (what is gathered while op i
+    runs), U_i is chunks[i] followed by U_{i+1} without it, cut to ``active``. So U_{i+1} holds
+    a chunk U_i lacks only where chunks[i] is not in a full U_{i+1}: U_i then drops U_{i+1}'s
+    last chunk, which is gathered (again) after op i. The gathers are U_0's chunks plus one per
+    such op, counted walking the order backwards."""
+    ahead: list[int] = []  # U_{i+1}, in order of first use
+    count = 0
+    for chunk in reversed(chunks):
+        if chunk in ahead:
+            ahead.remove(chunk)
+        elif len(ahead) == active:
+            ahead.pop()
+            count += 1
+        ahead.insert(0, chunk)
+    return count + len(ahead)
 
 
 __all__ = ["ACTIVE_CHUNKS", "chunk_gathers"]
