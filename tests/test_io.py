@@ -150,6 +150,27 @@ def test_megatron_attention_backend_sets_the_attention_kernel(tmp_path, capsys):
     assert flash["attention"] == "flash" and flash["peak_bytes"] < unfused["peak_bytes"]
 
 
+def test_mindspeed_runs_flash_attention_only_with_use_flash_attn(tmp_path):
+    """A script with a flag only MindSpeed defines runs on MindSpeed: the NPU's fused attention
+    with --use-flash-attn (whatever --transformer-impl says; on an NPU every layer is Megatron's
+    own), else Megatron's DotProductAttention, which keeps the s x s scores. A Megatron script
+    with the same model keeps reading as flash (Transformer Engine's auto backend)."""
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 512 --padded-vocab-size 256 --position-embedding-type rope --micro-batch-size 1 "
+            "--global-batch-size 8 --bf16 ")
+    script.write_text(base + "--use-fused-rmsnorm --use-fused-swiglu\n")
+    unfused = read_config(script, devices=8)
+    assert unfused.runtime_settings.get("attention") == "eager"
+    assert any("MindSpeed (--use-fused-rmsnorm) without --use-flash-attn: attention keeps its s x s softmax" in n
+               for n in unfused.notes)
+    script.write_text(base + "--use-fused-rmsnorm --use-flash-attn --transformer-impl local\n")
+    assert "attention" not in read_config(script, devices=8).runtime_settings
+    script.write_text(base)  # no MindSpeed flag: Megatron-Core with TE picks a fused kernel
+    assert "attention" not in read_config(script, devices=8).runtime_settings
+    assert "attention" not in read_config(fixture("mindspeed_deepseek3.sh")).runtime_settings
+
+
 def test_megatron_argument_file(tmp_path):
     path = tmp_path / "args.json"
     path.write_text(json.dumps({

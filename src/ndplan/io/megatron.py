@@ -44,6 +44,16 @@ _CP_ALGOS = {  # MindSpeed --context-parallel-algo
     "kvallgather_cp_algo": "ring",  # all-gathers K/V: priced as ring's traffic, a warning says so
 }
 _CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "ring", "a2a+p2p": "hybrid"}
+#: Flags that only MindSpeed / MindSpeed-LLM define (Megatron-LM's parser rejects them): a script
+#: that sets any of them runs on MindSpeed, whose attention rules differ (``_attention``).
+MINDSPEED_ONLY = (
+    "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--npu-deterministic",
+    "--use-mc2", "--use-ascend-mc2", "--use-fusion-attn-v2", "--noop-layers", "--moe-tp-extend-ep",
+    "--reuse-fp32-param", "--swap-attention", "--recompute-in-advance", "--moe-alltoall-overlap-comm",
+    "--moe-fb-overlap", "--context-parallel-algo", "--use-fused-moe-token-permute-and-unpermute",
+    "--moe-permutation-async-comm", "--use-fused-ring-attention-update", "--use-cp-send-recv-overlap",
+    "--sparse-mode", "--pre-tockens", "--next-tockens", "--shape-order",
+)
 _SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 #: ``--offload-modules`` Megatron-Core accepts that ndplan does not price: left out with a warning.
 _UNPRICED_OFFLOAD: tuple[str, ...] = ("fused_group_mlp", "shortcut_post_norm")
@@ -126,27 +136,14 @@ def interpret(
                         "linear (the head fused with the loss, logits never whole) is not modelled; ndplan prices "
                         "Megatron's native fp32 loss, an upper bound")
 
-    # Megatron-Core's AttnBackend: TE's unfused attention and Megatron's own ("local") keep the
-    # s x s scores and softmax; flash and cuDNN's fused attention (and auto, which picks one of
-    # them) keep O(s) statistics.
-    # --transformer-impl local builds Megatron's own layers, whose attention is always unfused.
-    # An argument dump writes the enum as "AttnBackend.unfused"; a value ndplan does not know (a
-    # later Megatron's) is priced as the fused kernels are, and said so.
-    backend = (args.text("--attention-backend", default="auto") or "auto").removeprefix("AttnBackend.")
-    if backend not in ("auto", "flash", "fused", "unfused", "local"):
-        warnings.append(f"{src.where(args.line('--attention-backend'))}: --attention-backend {backend!r} is not one "
-                        "ndplan knows (auto, flash, fused, unfused, local); priced as flash attention")
     impl = args.text("--transformer-impl", default="transformer_engine")
     if impl not in ("transformer_engine", "local", "inference_optimized"):
         warnings.append(f"{src.where(args.line('--transformer-impl'))}: --transformer-impl {impl!r} is not one ndplan "
                         "knows (transformer_engine, local, inference_optimized); priced as transformer_engine")
-    # Megatron's legacy models run flash attention only with --use-flash-attn.
-    legacy_unfused = args.has("--use-legacy-models") and not args.has("--use-flash-attn")
-    if backend in ("unfused", "local") or impl == "local" or legacy_unfused:
+    unfused = _unfused_attention(args, impl, warnings)
+    if unfused:
         runtime_settings["attention"] = "eager"
-        why = ("--transformer-impl local" if impl == "local" else "--use-legacy-models without --use-flash-attn"
-               if legacy_unfused else f"--attention-backend {backend}")
-        notes.append(f"{why}: attention keeps its s x s softmax (--attention eager)")
+        notes.append(f"{unfused}: attention keeps its s x s softmax (--attention eager)")
 
     # Megatron's experts run one grouped GEMM (TE's GroupedLinear) only with --moe-grouped-gemm;
     # without it, or with Megatron's own layers, one GEMM per expert (SequentialMLP).
@@ -161,6 +158,34 @@ def interpret(
         devices=settings.get("dp", 0) * tp * pp * cp or world or devices or None,
         devices_per_node=per_node, warnings=warnings, notes=notes, runtime_settings=runtime_settings,
     )
+
+
+def _unfused_attention(args: Args, impl: str, warnings: list[str]) -> str | None:
+    """Why the launch runs unfused attention (which keeps the s x s scores), or None where it
+    runs a fused kernel (flash or cuDNN's, which keep O(s) statistics).
+
+    MindSpeed (a script with a flag only MindSpeed defines, ``MINDSPEED_ONLY``) runs the NPU's
+    fused attention only with --use-flash-attn, and otherwise Megatron's DotProductAttention,
+    whatever --transformer-impl says (on an NPU every layer is Megatron's own). Megatron-Core:
+    TE's unfused attention and Megatron's own (``--attention-backend unfused|local``, or
+    ``--transformer-impl local``, whose attention is always unfused) keep the scores; flash,
+    fused and auto (which picks one of them) do not. An argument dump writes the enum as
+    "AttnBackend.unfused"; a value ndplan does not know (a later Megatron's) is priced as the
+    fused kernels are, and said so. Megatron's legacy models run flash only with --use-flash-attn."""
+    mindspeed = next((flag for flag in MINDSPEED_ONLY if args.has(flag)), None)
+    if mindspeed is not None:
+        return None if args.has("--use-flash-attn") else f"MindSpeed ({mindspeed}) without --use-flash-attn"
+    backend = (args.text("--attention-backend", default="auto") or "auto").removeprefix("AttnBackend.")
+    if backend not in ("auto", "flash", "fused", "unfused", "local"):
+        warnings.append(f"{args.src.where(args.line('--attention-backend'))}: --attention-backend {backend!r} is not "
+                        "one ndplan knows (auto, flash, fused, unfused, local); priced as flash attention")
+    if impl == "local":
+        return "--transformer-impl local"
+    if backend in ("unfused", "local"):
+        return f"--attention-backend {backend}"
+    if args.has("--use-legacy-models") and not args.has("--use-flash-attn"):
+        return "--use-legacy-models without --use-flash-attn"
+    return None
 
 
 def _overlap(args: Args, notes: list[str]) -> dict[str, Any]:
