@@ -136,7 +136,7 @@ def interpret(
                         "linear (the head fused with the loss, logits never whole) is not modelled; ndplan prices "
                         "Megatron's native fp32 loss, an upper bound")
 
-    impl = args.text("--transformer-impl", default="transformer_engine")
+    impl = args.text("--transformer-impl", default="transformer_engine") or "transformer_engine"
     if impl not in ("transformer_engine", "local", "inference_optimized"):
         warnings.append(f"{src.where(args.line('--transformer-impl'))}: --transformer-impl {impl!r} is not one ndplan "
                         "knows (transformer_engine, local, inference_optimized); priced as transformer_engine")
