@@ -37,6 +37,29 @@ def test_hidden_dropout_keeps_a_byte_mask_after_each_residual_branch():
     assert _dense_bytes("flash", hidden_dropout=0.1) - _dense_bytes("flash") == pytest.approx(2 * H)
 
 
+
+def test_the_embedding_dropout_keeps_its_mask_on_the_first_stage():
+    """Megatron's embedding applies hidden_dropout after the scatter to the sequence-parallel
+    region: a byte per element of [s/tp, b, h] beside the int64 token ids, on the first stage of a
+    pipeline (and per MTP module); the last stage holds none of it."""
+    from ndplan.memory.stages import stage_memory
+
+    tp, mbs = 4, 2
+    strategy = Strategy(tp=tp, pp=2, sequence_parallel=True, micro_batch_size=mbs, num_micro_batches=4,
+                        seq_length=SEQ, precision="bf16-pure")
+    kept = {}
+    for dropout in (0.0, 0.1):
+        model = ModelSpec(**{**GPT, "hidden_dropout": dropout})  # type: ignore[arg-type]
+        options = MemoryOptions(runtime="megatron")
+        acts = layer_activations(model, StrategyBatch.of(strategy), options)
+        assert float(acts.embedding[0]) == (H / tp if dropout else 0.0)
+        kept[dropout] = stage_memory(model, StrategyBatch.of(strategy), options, breakdown=True)
+    tokens = mbs * SEQ
+    in_flight = 2  # 1F1B: the first of two stages holds two micro-batches at its peak
+    first = kept[0.1].by_kind["activations"]["embedding"][0] - kept[0.0].by_kind["activations"]["embedding"][0]
+    assert first[0] == pytest.approx(in_flight * tokens * H / tp) and first[1] == 0.0
+
+
 def test_unfused_attention_keeps_the_softmax_and_with_dropout_its_mask_and_output():
     # Per token: heads x seq probabilities; the softmax's bf16 output (2 bytes), and under dropout
     # the 1-byte mask and the dropped bf16 probabilities (2 + 1 + 2 = Korthikanti et al.'s 5as^2b).

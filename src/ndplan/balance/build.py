@@ -179,7 +179,7 @@ def build_problems(
         emb_static = float(model.vocab_size * model.hidden_size / strategy.tp) * float(per_element[j]) * slack
         out_activation = float(acts.output[j] + model.mtp_depth * acts.mtp_extra[j]) * tokens * slack
         head_static = 0.0 if model.tie_word_embeddings and strategy.pp == 1 else emb_static
-        first_extra = LayerCost(float(seconds["emb"][j]), 8.0 * tokens * slack, emb_static)
+        first_extra = LayerCost(float(seconds["emb"][j]), (8.0 + float(acts.embedding[j])) * tokens * slack, emb_static)
         last_extra = LayerCost(float(seconds["head"][j]), out_activation, head_static)
         fixed_of = {}
         step_layer = {kind: float(step_of[kind][j]) * slack for kind in ("dense", "moe")}

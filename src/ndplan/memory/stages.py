@@ -203,6 +203,8 @@ class LayerActivations:
     #: replaced the formulas (a census measures whole layers).
     dense_blocks: dict[str, np.ndarray]
     moe_blocks: dict[str, np.ndarray]
+    #: what the embedding keeps beside the token ids (the profile's ``embedding`` block)
+    embedding: np.ndarray
     output: np.ndarray
     output_transient: np.ndarray
     backward_extra: dict[str, np.ndarray]  # kind -> one layer's backward working set
@@ -419,17 +421,18 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     weight_read_last = {"dense": norms_read_last + block("mlp", "read_last"),
                         "moe": norms_read_last + block("moe", "read_last")}
     weight_past = {"dense": block("mlp", "past_weights"), "moe": block("moe", "past_weights")}
+    embedding = 0.0 * tp + block("embedding")
     output = 0.0 * tp + block("norm") + block("output")
     measured_output = _census_for(options, "output")
     if measured_output is not None:
         output = _measured(measured_output, tp, seq)
     # MTP module: embedding of the shifted tokens, two input norms, the concatenated 2h input of
     # its projection, then its own output norm, head and loss.
-    mtp_extra = 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
+    mtp_extra = embedding + 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
     return LayerActivations(
         full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
         weight_unread=weight_unread, weight_read_last=weight_read_last, weight_past=weight_past,
-        dense_blocks=by_block["dense"], moe_blocks=by_block["moe"], output=output,
+        dense_blocks=by_block["dense"], moe_blocks=by_block["moe"], embedding=embedding, output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
         backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra, rebuilt=rebuilt,
         offloaded=offloaded,
@@ -1167,9 +1170,9 @@ def _evaluate_group(
             plain_dense * acts.full["dense"][rows, None] + plain_moe * acts.full["moe"][rows, None]
             + recomputed_dense * acts.recomputed["dense"][rows, None] + recomputed_moe * acts.recomputed["moe"][rows, None]
         )
-    # One-column entries [n]: the int64 token ids on the first virtual stage; the loss, and the
-    # MTP modules (their layer as the strategy keeps it), on the last.
-    embedding_held = tokens * 8.0
+    # One-column entries [n]: the int64 token ids (and what the embedding keeps) on the first
+    # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
+    embedding_held = tokens * (8.0 + acts.embedding)
     output_held = tokens * acts.output
     mtp_held = tokens * model.mtp_depth * (acts.mtp_extra + np.where(recompute_on, acts.recomputed[mtp_kind], acts.full[mtp_kind]))
     # Bytes of one micro-batch per virtual stage, held until its backward: the sum of the entries
