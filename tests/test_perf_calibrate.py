@@ -245,6 +245,23 @@ def test_calibration_recovers_the_host_link_efficiency_from_offloaded_runs():
     assert report.median_abs_error_after < 1e-3 < report.median_abs_error_before
 
 
+
+def test_calibration_recovers_the_routing_imbalance_of_dropless_runs():
+    """Runs with real routing, whose busiest expert-parallel rank takes more than its share, pin
+    ``moe_imbalance``; the balanced figure (1.0) reads them fast."""
+    truth = default_efficiency(H100).replace(moe_imbalance=1.6)
+    runs = []
+    for name, ep, seq in (("ep8", 8, 4096), ("ep4", 4, 8192)):
+        draft = MeasuredRun(id=name, source="synthetic", model="qwen3-30b-a3b", device="h100-sxm", num_devices=8,
+                            strategy={"dp": 8, "ep": ep, "num_micro_batches": 4, "seq_length": seq},
+                            measured={"step_s": 1.0})
+        step = predict_step_s(draft, truth)
+        assert step > predict_step_s(draft, default_efficiency(H100))
+        runs.append(draft.model_copy(update={"measured": draft.measured.model_copy(update={"step_s": step})}))
+    fitted, report = calibrate(runs, H100, fit=["moe_imbalance"])
+    assert fitted.moe_imbalance == pytest.approx(1.6, rel=0.01)
+    assert report.median_abs_error_after < 1e-3 < report.median_abs_error_before
+
 @pytest.mark.parametrize("strategy,words", [
     ("{tp: 0, dp: 8}", "run r2: field 'strategy.tp': Input should be greater than or equal to 1"),
     ("{tp: 3, dp: 4}", "run r2: dp·tp·pp·cp = 4·3·1·1 = 12 but the cluster has 8 devices"),
