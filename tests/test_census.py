@@ -401,3 +401,27 @@ def test_a_model_without_an_sdpa_path_says_to_run_eager():
 
     with pytest.raises(NdplanError, match="cannot build 'gpt_oss' with attention 'sdpa'; try --attention eager"):
         run_census(TINY_GPT_OSS, seq_length=SEQ)
+
+
+@needs_torch
+def test_torchtitan_per_op_checkpointing_keeps_the_odd_matmuls():
+    """torchtitan's per-op selective checkpointing (selective_ac_option "op") saves the attention
+    kernel's outputs and every second matmul's, counting from the first of each layer: of a
+    Llama layer q, v, gate and down; k, o_proj's output and up are rebuilt. Measured on the
+    transformers layer, and the pytorch profile's op_keep flags give the same bytes."""
+    from ndplan.census.measure import measure_policy
+    from ndplan.memory.stages import MemoryOptions, layer_activations
+    from ndplan.model.hf import spec_from_hf_config
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    measured = measure_policy(TINY_LLAMA, "torchtitan-op", seq_length=SEQ)["dense"]
+    kept_matmuls = (NH * HD + NKV * HD + FFN + H) * 2  # q, v, gate, down
+    assert measured == 2 * H + kept_matmuls + 2 * NH * HD + 4 * NH  # + the input, SDPA's output and logsumexp
+    model = spec_from_hf_config(TINY_LLAMA, name="tiny-llama")
+    acts = layer_activations(model, StrategyBatch.of(Strategy(recompute="selective", seq_length=SEQ)),
+                             MemoryOptions(selective_policy="torchtitan-op"))
+    assert acts.recomputed["dense"][0] == measured
+    # ... less than torch's keep-every-matmul policy (the census's own), by k, o_proj's output and up
+    everything = layer_activations(model, StrategyBatch.of(Strategy(recompute="selective", seq_length=SEQ)),
+                                   MemoryOptions())
+    assert everything.recomputed["dense"][0] - measured == (NKV * HD + H + FFN) * 2

@@ -527,15 +527,28 @@ def test_balance_emit_chooses_settings_the_format_can_write(capsys):
 
 def test_search_balance_for_torchtitan_ranks_settings_torchtitan_writes(capsys):
     """search --balance one-setting --emit torchtitan ranks plans torchtitan can write (no
-    first-k-layers recompute), where for Megatron the same search ranks rc-full:k first."""
+    first-k-layers recompute), where for Megatron the same search ranks rc-full:k first. (--emit
+    torchtitan prices selective recompute as torchtitan's per-op policy, which it writes, unless
+    told otherwise: both searches price the runtime's own here, so that only what each can write
+    differs.)"""
     argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--fix", "tp=2", "pp=4",
-            "schedule=1f1b", "--memory-limit", "30GiB", "--balance", "one-setting", "--json"]
+            "schedule=1f1b", "--memory-limit", "30GiB", "--balance", "one-setting", "--json",
+            "--selective-policy", "keep-matmuls"]
     megatron = json.loads(run([*argv, "--emit", "megatron"], capsys)[1])["ranked"][0]
     titan = json.loads(run([*argv, "--emit", "torchtitan"], capsys)[1])["ranked"][0]
     assert megatron["balanced_settings"]["strategy"]["recompute_layers"] > 0
     assert titan["balanced_settings"]["strategy"]["recompute_layers"] == 0
     assert titan["step_s"] >= megatron["step_s"]
 
+
+def test_emitting_torchtitan_prices_the_selective_policy_it_writes(capsys):
+    """--emit torchtitan writes selective recompute as torchtitan's per-op policy, so the command
+    prices that policy unless --selective-policy names another; other emitters keep the runtime's."""
+    argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--top", "1", "--json"]
+    assert json.loads(run([*argv, "--emit", "torchtitan"], capsys)[1])["selective_policy"] == "torchtitan-op"
+    assert json.loads(run([*argv, "--emit", "megatron"], capsys)[1])["selective_policy"] is None
+    chosen = run([*argv, "--emit", "torchtitan", "--selective-policy", "keep-matmuls"], capsys)[1]
+    assert json.loads(chosen)["selective_policy"] == "keep-matmuls"
 
 def test_search_with_a_fixed_value_no_cluster_allows_says_so(capsys):
     """tp=3 never divides a power-of-two cluster: more devices cannot help, and the search says

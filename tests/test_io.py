@@ -22,6 +22,7 @@ from ndplan.io.cli import (
     model_for,
     read_from_args,
 )
+from ndplan.memory.stages import MemoryOptions
 from ndplan.model import count_parameters, get_preset, hf_config
 from ndplan.strategy import Strategy, check_strategy
 
@@ -234,6 +235,33 @@ def test_torchtitan_defaults_checkpoint_every_second_layer(tmp_path):
     assert (s.micro_batch_size, s.seq_length) == (8, 2048)  # local_batch_size 8, seq_len 2048 by default
     assert any("selective_ac_option 2 checkpoints one layer in 2" in w for w in result.warnings)
 
+
+def test_torchtitan_per_op_checkpointing_prices_its_own_policy(tmp_path, capsys):
+    """selective_ac_option "op" is torchtitan's per-op policy (every second matmul rebuilt): the
+    reader says so, and memory and step time both price it, below and above the pytorch runtime's
+    own keep-every-matmul policy."""
+    from ndplan.cli import main
+
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 8\n'
+                    '[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "op"\n')
+    result = read_config(path)
+    assert result.strategy().recompute == "selective"
+    assert result.runtime_settings["selective_policy"] == "torchtitan-op"
+
+    def estimate(*extra: str) -> dict:
+        assert main(["estimate", "--from", str(path), "--hardware", "h100-sxm", "--json", *extra]) == 0
+        data: dict = json.loads(capsys.readouterr().out)
+        return data
+
+    op, matmuls = estimate(), estimate("--selective-policy", "keep-matmuls")
+    assert op["peak_bytes"] < matmuls["peak_bytes"] and op["time"]["step_s"] > matmuls["time"]["step_s"]
+    # k, o_proj's output and up of each of 32 layers, 8 x 2048 tokens, bf16: what the op policy rebuilds
+    per_layer = (1024 + 4096 + 14336) * 2 * 8 * 2048
+    assert matmuls["stages"][0]["activations_bytes"] - op["stages"][0]["activations_bytes"] == 32 * per_layer
+    with pytest.raises(NdplanError, match="selective_policy 'torchtitan-op' is not one runtime 'megatron' prices; "
+                                          "allowed: megatron"):
+        MemoryOptions(runtime="megatron", selective_policy="torchtitan-op")
 
 def test_torchtitan_llama3_fsdp_tp_pp():
     result = read_config(fixture("torchtitan_llama3_70b.toml"), devices=256)

@@ -162,8 +162,16 @@ def cmd_check(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- estimate
 def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: Any) -> Any:
     """The runtime options of a command (``cli_args.runtime_options``), with what a --from config
-    stated where no flag sets it."""
-    return runtime_options(args, settings, read.runtime_settings if read is not None else None)
+    stated where no flag sets it. Where the command writes a torchtitan config (``--emit
+    torchtitan``), selective recompute is priced as the per-op policy that config runs, unless a
+    flag or the config chose another."""
+    from dataclasses import replace
+
+    options = runtime_options(args, settings, read.runtime_settings if read is not None else None)
+    if (getattr(args, "emit", None) == "torchtitan" and options.selective_policy is None
+            and "torchtitan-op" in options.profile.selective_policies):
+        options = replace(options, selective_policy="torchtitan-op")
+    return options
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -260,6 +268,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
                      expressible=expressible)
     data = {"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
             "devices": strategy.world_size, "runtime": options.runtime, "loss_upcast": options.loss_upcast,
+            "selective_policy": options.selective_policy,
             "strategy": strategy.model_dump(mode="json"), "memory_limit_bytes": limit, **result.to_dict()}
     emitted = plan_strategy(strategy, result.emitted_plan, result.emitted_modules)
     from ndplan.perf import estimate_time
@@ -461,10 +470,14 @@ def _memory_limit(text: str | None, device: Any) -> int | None:
 
 
 def _print_kernels(options: Any) -> None:
-    """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any."""
+    """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any,
+    and the selective policy where it is not the runtime's own."""
     if options.profile.kernels:
         kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
         console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
+    if options.selective_policy not in (None, options.profile.selective_policy):
+        console.print(f"selective recompute priced as {options.selective_policy} (--selective-policy; the "
+                      f"{options.profile.name} runtime's own: {options.profile.selective_policy})", markup=False)
 
 
 def _efficiency_entry(path: str | None) -> dict[str, str]:
@@ -610,6 +623,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     data["overlap"] = overlap.model_dump(mode="json")
     data["runtime"] = options.runtime
     data["loss_upcast"] = options.loss_upcast
+    data["selective_policy"] = options.selective_policy
     if args.csv:
         _write_csv(args.csv, result.ranked)
     # A balanced winner is written (and explained) as the settings one recompute setting expresses.
@@ -956,6 +970,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-loss-upcast", dest="loss_upcast", action="store_false",
                        help="the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
                             "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
+    group.add_argument("--selective-policy", choices=["megatron", "keep-matmuls", "torchtitan-op"], default=None,
+                       help="what selective recompute keeps, where the runtime can run more than its own policy: "
+                            "torchtitan-op is torchtitan's per-op checkpointing (every second matmul rebuilt; "
+                            "pytorch runtime) (default: the runtime's own, or what a --from config states)")
     group.add_argument("--census", help="census JSON: measured activations replace the formulas for its layer kinds")
     group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack, and CUDA kernels' own scratch "
                        "(cuBLAS workspace, softmax backward's product)")

@@ -225,4 +225,5 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         moe_imbalance=getattr(args, "moe_imbalance", 1.0), moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
         census=census, overlap=parse_overlap(overlap),
         grouped_gemm=stated.get("grouped_gemm", True),
+        selective_policy=getattr(args, "selective_policy", None) or stated.get("selective_policy"),
     )

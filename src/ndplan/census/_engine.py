@@ -223,6 +223,34 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+#: torchtitan's per-op selective checkpointing (selective_ac_option "op", its ``_save_list``): it
+#: saves these ops' outputs, but of the matmuls only the odd-numbered ones of each layer's forward.
+_OP_SAC_SAVE_NAMES = ("mm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                      "_scaled_dot_product_flash_attention_for_cpu", "abs", "max")
+
+
+def _op_sac_contexts() -> Any:
+    """A fresh torchtitan per-op policy for one checkpointed call (its matmul count restarts)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = {getattr(torch.ops.aten, name) for name in _OP_SAC_SAVE_NAMES if hasattr(torch.ops.aten, name)}
+    reduce_scatter = getattr(getattr(torch.ops, "_c10d_functional", None), "reduce_scatter_tensor", None)
+    if reduce_scatter is not None:
+        saved.add(reduce_scatter)
+    count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op.overloadpacket is torch.ops.aten.mm:
+            count[mode] += 1
+            keep = count[mode] % 2 == 1
+        else:
+            keep = op.overloadpacket in saved
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return torch_checkpoint.create_selective_checkpoint_contexts(policy)
+
+
 def _wrap(fn: Callable[[torch.Tensor], torch.Tensor], policy: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if policy == "none":
         return fn
@@ -232,6 +260,10 @@ def _wrap(fn: Callable[[torch.Tensor], torch.Tensor], policy: str) -> Callable[[
         context_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _selective_policy)
         return lambda x: torch_checkpoint.checkpoint(
             fn, x, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn
+        )
+    if policy == "torchtitan-op":
+        return lambda x: torch_checkpoint.checkpoint(
+            fn, x, use_reentrant=False, preserve_rng_state=False, context_fn=_op_sac_contexts
         )
     raise NdplanError(f"unknown recompute policy {policy!r}")
 

@@ -104,20 +104,9 @@ def run_census(
         for kind, idx, count in kinds:
             runs: dict[tuple[int, int, str], Any] = {}
             for tp, model, cfg in ((1, model1, config), (2, model2, config2)):
-                layer = E.decoder_layers(model)[idx]
-                prefix = _module_name(model, layer)
-                E.materialize(layer, dt, prefix, fp32)
-                layer.train()
-                params = E.module_storages(layer)
-                for s in (s_main, s_half) if tp == 1 else (s_main,):
-                    x = torch.empty(b, s, h, dtype=dt, requires_grad=True)
-                    extra = E.position_inputs(model, cfg, x)
-                    shared = {E.storage_key(t) for t in E.tensors_in(extra)}
-                    fn = E.call_layer_fn(layer, extra)
-                    for policy in POLICIES:
-                        runs[(tp, s, policy)] = _measure(E, fn, x, layer, params, shared, policy, b * s, kind)
-                    del x, extra, fn
-                _release(E, layer)
+                seqs = (s_main, s_half) if tp == 1 else (s_main,)
+                for (s, policy), run in _layer_runs(E, model, cfg, idx, kind, dt, fp32, b, seqs, POLICIES).items():
+                    runs[(tp, s, policy)] = run
             is_moe = "moe" in kind
             notes = list(tp_notes)
             if is_moe:
@@ -163,6 +152,56 @@ def run_census(
     E.collect()
     elapsed = time.perf_counter() - t_start
     return [_with_note(r, f"census took {elapsed:.1f} s") for r in records]
+
+
+def _layer_runs(E: Any, model: Any, cfg: Any, idx: int, kind: str, dt: Any, fp32: list[str], b: int,
+                seqs: tuple[int, ...], policies: tuple[str, ...]) -> dict[tuple[int, str], Any]:
+    """Forward and backward of decoder layer ``idx`` (fake tensors), per sequence length and
+    recompute policy; the layer's parameters are released after."""
+    import torch
+
+    layer = E.decoder_layers(model)[idx]
+    E.materialize(layer, dt, _module_name(model, layer), fp32)
+    layer.train()
+    params = E.module_storages(layer)
+    runs = {}
+    for s in seqs:
+        x = torch.empty(b, s, int(cfg.hidden_size), dtype=dt, requires_grad=True)
+        extra = E.position_inputs(model, cfg, x)
+        shared = {E.storage_key(t) for t in E.tensors_in(extra)}
+        fn = E.call_layer_fn(layer, extra)
+        for policy in policies:
+            runs[(s, policy)] = _measure(E, fn, x, layer, params, shared, policy, b * s, kind)
+        del x, extra, fn
+    _release(E, layer)
+    return runs
+
+
+def measure_policy(hf_config: dict[str, Any], policy: str, *, seq_length: int = 4096, micro_batch_size: int = 1,
+                   dtype: str = "bfloat16", attention: str = "sdpa", experts: str = "grouped_mm") -> dict[str, float]:
+    """Bytes per token each decoder-layer kind of ``hf_config`` keeps for backward under one
+    recompute policy ('none', 'full', 'selective' or 'torchtitan-op': torchtitan's per-op
+    checkpointing), at TP 1: what ``run_census`` measures per policy, for a policy its records
+    do not hold."""
+    _check_args(seq_length, micro_batch_size, dtype, attention, experts)
+    torch, _ = _require_torch()
+    from ndplan.census import _engine as E
+
+    config = E.make_config(hf_config, attention=attention, experts=experts)
+    model = E.build_meta_model(config)
+    dt = E.DTYPES[dtype]
+    fp32 = E.keep_fp32_patterns(model, dt)
+    out = {}
+    with E.FakeTensorMode(), E.gpu_sdpa_kernels([]):
+        rotary = E.find_module(model, "rotary_emb")
+        if rotary is not None:
+            E.materialize(rotary, dt, "model.rotary_emb", fp32)
+        for kind, idx, _count in E.layer_kinds(model):
+            run = _layer_runs(E, model, config, idx, kind, dt, fp32, micro_batch_size, (seq_length,), (policy,))
+            out[kind] = run[(seq_length, policy)].saved_bytes / (micro_batch_size * seq_length)
+    del model
+    E.collect()
+    return out
 
 
 def _module_name(model: Any, target: Any) -> str:
@@ -331,4 +370,4 @@ def load_hf_config(path_or_preset: str) -> tuple[str, dict[str, Any]]:
     return name, data
 
 
-__all__ = ["EXTRA_MESSAGE", "run_census", "load_hf_config"]
+__all__ = ["EXTRA_MESSAGE", "run_census", "load_hf_config", "measure_policy"]

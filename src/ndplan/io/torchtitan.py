@@ -198,7 +198,7 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
                  "enable_compiled_autograd", "enable_sequence_parallel")
 
     _pipeline(parallel, settings, model, warnings)
-    _recompute(ac, settings, model, warnings, notes)
+    selective_policy = _recompute(ac, settings, model, warnings, notes)
     _precision(model_section, training, root, settings, warnings)
     _batch(training, parallel, settings, warnings, notes)
     if training.boolean("enable_cpu_offload", default=False):
@@ -214,7 +214,8 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     return ReadResult(
         format=FORMAT, source=src.name, model=model, strategy_settings=settings, devices=world,
         warnings=warnings, notes=notes,
-        runtime_settings={"loss_parallel": loss_parallel, "overlap": {"preset": "torchtitan", **overlap}},
+        runtime_settings={"loss_parallel": loss_parallel, "overlap": {"preset": "torchtitan", **overlap},
+                          **({"selective_policy": selective_policy} if selective_policy else {})},
     )
 
 
@@ -297,12 +298,15 @@ def _weighted_counts(layers: int, stages: int, first: int, last: int) -> list[in
 
 
 def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, warnings: list[str],
-               notes: list[str]) -> None:
+               notes: list[str]) -> str | None:
+    """The strategy's recompute settings; returns the selective policy where the config names one
+    (torchtitan's per-op checkpointing), else None."""
     mode = ac.get("mode", default="selective")
     if mode is False or mode is None:
         mode = "none"
     mode = str(mode)
     settings["recompute_layers"] = 0
+    policy = None
     if mode == "none":
         settings["recompute"] = "none"
     elif mode == "full":
@@ -315,7 +319,10 @@ def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, w
         option = str(ac.get("selective_ac_option", default="2"))
         if option == "op":
             settings["recompute"] = "selective"
-            notes.append("selective op-level checkpointing is priced as ndplan's selective recompute")
+            notes.append("selective_ac_option op: torchtitan's per-op checkpointing, which keeps the attention "
+                         "kernel's outputs and every second matmul's (--selective-policy torchtitan-op; MoE and "
+                         "MLA layers priced as keeping every matmul's output)")
+            policy = "torchtitan-op"
         elif re.fullmatch(r"\d+", option) and int(option) >= 1:
             every = int(option)
             settings["recompute"] = "full"
@@ -325,7 +332,7 @@ def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, w
                                     f"activation_checkpoint.selective_ac_option {every} checkpoints one layer in "
                                     f"{every}; pricing it needs the model's layer count: give --model (priced as "
                                     "full recompute of every layer meanwhile)")
-                    return
+                    return None
                 counts = settings.get("stage_layers") or uniform_layer_counts(
                     model.num_layers, settings["pp"] * settings["vpp"],
                     embedding_as_layer=settings.get("embedding_as_layer", False),
@@ -340,6 +347,7 @@ def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, w
         raise ac.error("mode", f"expected none, selective, full or memory_budget, got {mode!r}")
     ac.get("per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
            "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug")
+    return policy
 
 
 def _float8_all_gather(root: Section) -> bool:

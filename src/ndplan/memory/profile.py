@@ -136,6 +136,9 @@ class SavedTensor:
     #: instead of upcasting the logits to fp32 (``MemoryOptions.loss_upcast`` off): 0 for the
     #: upcast copy itself, ``act`` for what the loss then keeps or makes at that width.
     no_upcast_bytes: str | float | None = None
+    #: Whether torchtitan's per-op selective checkpointing (``torchtitan-op``) keeps it, where
+    #: that differs from ``keep`` (None: as ``keep``).
+    op_keep: bool | None = None
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
@@ -168,6 +171,9 @@ class RuntimeProfile:
     recompute_modules: tuple[str, ...] = ()
     #: Whether the runtime offloads activations by module (its entries name ``offloaded_by``).
     offloads: bool = False
+    #: The selective policies it can price: its own, and 'torchtitan-op' where entries state
+    #: ``op_keep`` (``MemoryOptions.selective_policy``).
+    selective_policies: tuple[str, ...] = ()
     #: Facts about its kernels for the step-time model (``ndplan.perf.efficiency``'s software
     #: facts: elementwise_passes, expert_gemm, optimizer_kernel), stated beside what it saves.
     kernels: dict[str, Any] = field(default_factory=dict)
@@ -195,6 +201,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                     offloaded_by=frozenset(entry.get("offloaded_by") or ()),
                     fp8_bytes=_width_or_act(entry.get("fp8_bytes"), source, str(entry.get("name"))),
                     no_upcast_bytes=_width_or_act(entry.get("no_upcast_bytes"), source, str(entry.get("name"))),
+                    op_keep=_op_keep(entry.get("op_keep"), source, str(entry.get("name"))),
                 )
             except (KeyError, TypeError) as error:
                 raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
@@ -232,6 +239,9 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                                 if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),
         offloads=any(t.offloaded_by for entries in blocks.values() for t in entries),
         kernels=_kernels(data.get("kernels"), source),
+        selective_policies=tuple(dict.fromkeys(
+            [_selective_policy(data.get("selective_policy", "megatron"), source)]
+            + (["torchtitan-op"] if any(t.op_keep is not None for entries in blocks.values() for t in entries) else []))),
     )
 
 
@@ -342,10 +352,24 @@ class BlockBytes:
                 "offloaded_kept": self.offloaded_kept_per_seq}.get(part)
 
 
-def _kept(tensor: SavedTensor, modules: tuple[str, ...]) -> bool:
-    """Whether selective recompute keeps ``tensor``: with no modules named, the runtime's own
-    policy (its ``keep`` flag); else unless one of the modules rebuilds it."""
-    return tensor.keep if not modules else not (tensor.recomputed_by & set(modules))
+def _kept(tensor: SavedTensor, modules: tuple[str, ...], policy: str | None = None) -> bool:
+    """Whether selective recompute keeps ``tensor``: with modules named, unless one of them
+    rebuilds it; under torchtitan's per-op policy (``policy`` 'torchtitan-op') its ``op_keep``
+    where the profile states one; else the runtime's own policy (its ``keep`` flag)."""
+    if modules:
+        return not (tensor.recomputed_by & set(modules))
+    if policy == "torchtitan-op" and tensor.op_keep is not None:
+        return tensor.op_keep
+    return tensor.keep
+
+
+def _op_keep(value: Any, source: str, name: str) -> bool | None:
+    """An entry's ``op_keep``: keep or recompute (None where not given)."""
+    if value is None:
+        return None
+    if value not in ("keep", "recompute"):
+        raise NdplanError(f"{source}: entry '{name}' has op_keep {value!r}; give keep or recompute")
+    return bool(value == "keep")
 
 
 def _width_or_act(value: Any, source: str, name: str) -> str | float | None:
@@ -360,7 +384,7 @@ def _width_or_act(value: Any, source: str, name: str) -> str | float | None:
 
 def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int,
                  modules: tuple[str, ...] = (), offload: tuple[str, ...] = (), fp8: bool = False,
-                 loss_upcast: bool = True) -> BlockBytes:
+                 loss_upcast: bool = True, policy: str | None = None) -> BlockBytes:
     base = dict.fromkeys(SHARDS, 0.0)
     per_seq = dict.fromkeys(SHARDS, 0.0)
     kept = dict.fromkeys(SHARDS, 0.0)
@@ -383,7 +407,7 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
         slope = evaluate(tensor.elements, {**symbols, "seq": 1.0}) - at_zero
         base[tensor.shard] += at_zero * width
         per_seq[tensor.shard] += slope * width
-        if _kept(tensor, modules):
+        if _kept(tensor, modules, policy):
             kept[tensor.shard] += at_zero * width
             kept_per_seq[tensor.shard] += slope * width
         if tensor.weight_input:
@@ -395,7 +419,7 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
         if tensor.offloaded_by & set(offload):
             offloaded[tensor.shard] += at_zero * width
             offloaded_per_seq[tensor.shard] += slope * width
-            if _kept(tensor, modules):
+            if _kept(tensor, modules, policy):
                 offloaded_kept[tensor.shard] += at_zero * width
                 offloaded_kept_per_seq[tensor.shard] += slope * width
     return BlockBytes(base, per_seq, kept, weight_input, read_last, past_weights, offloaded, offloaded_kept,
@@ -405,12 +429,14 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
 @lru_cache(maxsize=256)
 def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_bytes: int,
                        recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = (),
-                       fp8: bool = False, loss_upcast: bool = True) -> dict[str, BlockBytes]:
+                       fp8: bool = False, loss_upcast: bool = True,
+                       selective_policy: str | None = None) -> dict[str, BlockBytes]:
     """Every block of the profile, evaluated for ``model`` (cached per model and profile); the
     bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``,
     the bytes moved to the host (``BlockBytes.offloaded``) those of ``offload_modules``; with
     ``fp8`` (the GEMMs run in fp8) an entry's ``fp8_bytes`` replace its width, without
-    ``loss_upcast`` its ``no_upcast_bytes``."""
+    ``loss_upcast`` its ``no_upcast_bytes``; ``selective_policy`` 'torchtitan-op' keeps the
+    entries' ``op_keep`` where they state one."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
@@ -418,5 +444,6 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
         raise NdplanError(f"offload modules ({' '.join(offload_modules)}) are Megatron-Core's fine-grained activation "
                           f"offloading; runtime '{profile.name}' has no such feature (use runtime megatron)")
     symbols = model_symbols(model)
-    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8, loss_upcast)
+    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8, loss_upcast,
+                                selective_policy)
             for block, entries in profile.blocks.items()}

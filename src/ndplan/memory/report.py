@@ -170,6 +170,7 @@ class MemoryReport:
             "loss_upcast": self.options.loss_upcast,
             "moe_imbalance": self.options.moe_imbalance,
             "moe_capacity_factor": self.options.moe_capacity_factor,
+            "selective_policy": self.options.selective_policy,
             "census_records": len(self.options.census),
             "stages": [s.to_dict() for s in self.stages],
             "caveats": self.caveats,

@@ -83,6 +83,9 @@ class MemoryOptions:
     so the options a command builds carry it to both. ``grouped_gemm`` off: the experts run one
     GEMM each (Megatron's SequentialMLP, without --moe-grouped-gemm), so the profile's
     ``expert_workspace_bytes`` (a grouped GEMM's own workspaces) are not held.
+    ``selective_policy`` says what selective recompute keeps where the runtime can run more than
+    its own policy (None: the profile's): 'torchtitan-op' is torchtitan's per-op checkpointing
+    (every second matmul rebuilt), for the pytorch profile; memory and step time both follow it.
     """
 
     runtime: str = "pytorch"
@@ -95,6 +98,7 @@ class MemoryOptions:
     census: tuple[CensusRecord, ...] = field(default=())
     overlap: OverlapConfig | None = None
     grouped_gemm: bool = True
+    selective_policy: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in get_args(Attention):
@@ -106,6 +110,18 @@ class MemoryOptions:
                               f"got {self.moe_imbalance}")
         if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < float("inf"):
             raise NdplanError(f"moe_capacity_factor must be a finite number > 0, got {self.moe_capacity_factor}")
+        allowed = self.profile.selective_policies or (self.profile.selective_policy,)
+        if self.selective_policy is not None and self.selective_policy not in allowed:
+            raise NdplanError(f"selective_policy {self.selective_policy!r} is not one runtime '{self.runtime}' prices; "
+                              f"allowed: {', '.join(allowed)}")
+        if self.census and self.selective_policy not in (None, self.profile.selective_policy):
+            raise NdplanError(f"a census measures the runtime's own selective recompute "
+                              f"({self.profile.selective_policy}), not {self.selective_policy}: leave out one or the other")
+
+    @property
+    def recompute_policy(self) -> str:
+        """What selective recompute keeps: ``selective_policy``, else the runtime's own."""
+        return self.selective_policy or self.profile.selective_policy
 
     @property
     def routed_token_factor(self) -> float:
@@ -121,7 +137,7 @@ class MemoryOptions:
         needs of this runtime, so that time prices what memory assumes: its rebuilds per
         parameter group in a split backward's W, what its selective recompute re-runs, whether
         its attention kernel is flash (``attention``), and what it hides."""
-        software: dict[str, Any] = {"selective_recompute": self.profile.selective_policy,
+        software: dict[str, Any] = {"selective_recompute": self.recompute_policy,
                                     "flash_attention": self.attention != "eager",  # SDPA runs a flash kernel
                                     # ... but a sliding window reaches transformers' SDPA as a mask
                                     # (where the runtime prices that mask's memory: sdpa_masked)
@@ -302,7 +318,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     act_bytes = batch.precision.activation_bytes
     offload = batch.offload_modules
     blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload,
-                                fp8=batch.precision.compute_dtype == "fp8", loss_upcast=options.loss_upcast)
+                                fp8=batch.precision.compute_dtype == "fp8", loss_upcast=options.loss_upcast,
+                                selective_policy=options.recompute_policy)
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)

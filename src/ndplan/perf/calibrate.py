@@ -163,10 +163,12 @@ class MeasuredRun(BaseModel):
 
     def memory_options(self) -> Any:
         """The memory model's options for this run: its runtime profile, and the software facts
-        memory shares with time (the loss's upcast)."""
+        memory shares with time (the loss's upcast; torchtitan's per-op selective checkpointing)."""
         from ndplan.memory.stages import MemoryOptions
 
-        return MemoryOptions(runtime=self.runtime, loss_upcast=bool(self.software.get("loss_upcast", True)))
+        policy = self.software.get("selective_recompute")
+        return MemoryOptions(runtime=self.runtime, loss_upcast=bool(self.software.get("loss_upcast", True)),
+                             selective_policy=policy if policy == "torchtitan-op" else None)
 
     def fullest_stage(self) -> Any:
         """The memory estimate (``ndplan.memory.report.StageReport``) of the run's stage with the

@@ -458,6 +458,8 @@ def reproduce_command(inputs: Mapping[str, Any]) -> tuple[str, list[str]]:
         args += ["--moe-imbalance", str(inputs["moe_imbalance"])]
     if inputs.get("moe_capacity_factor") is not None:
         args += ["--moe-capacity-factor", str(inputs["moe_capacity_factor"])]
+    if inputs.get("selective_policy") is not None:
+        args += ["--selective-policy", str(inputs["selective_policy"])]
     overlap = inputs.get("overlap")
     if isinstance(overlap, Mapping):  # every switch as priced, whatever the runtime's defaults
         args += ["--overlap", ",".join(f"{key}={_overlap_word(key, value)}" for key, value in overlap.items())]
