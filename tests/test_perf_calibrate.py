@@ -303,8 +303,18 @@ def test_a_run_names_a_known_runtime_profile(tmp_path: Path):
 OVER_THEIR_MEMORY = {
     "llama3-405b-8192gpu", "llama3-405b-16384gpu", "deepseek-v3-h800",  # frameworks without a profile
     "automodel-kimi-k2-256gpu", "automodel-gpt-oss-20b-8gpu", "automodel-gpt-oss-120b-64gpu",  # TE modules, FlexAttention
-    "torchtitan-405b-3d-1f1b", "torchtitan-405b-3d-interleaved",  # not explained: +2.1%, +1.1%
 }
+
+
+def test_the_torchtitan_rows_memory_reads_low_against_what_the_page_measured():
+    """torchtitan's page reports each run's peak reserved memory: ndplan's estimate stays within
+    11-27% below it (docs/accuracy_time.md says what it leaves out); the band pins the gap, so a
+    change that closes it, or widens it, shows here."""
+    runs = [run for run in load_runs(RUNS) if run.reserved_gib is not None]
+    assert len(runs) == 4
+    for run in runs:
+        ratio = run.fullest_stage().reserved_bytes / (run.reserved_gib * 2**30)
+        assert 0.73 < ratio < 0.89, run.id
 
 
 def test_published_runs_are_estimated_to_fit_their_devices():

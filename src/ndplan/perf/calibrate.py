@@ -94,6 +94,10 @@ class MeasuredRun(BaseModel):
                          "(ndplan.memory.profile: megatron, pytorch): what the memory check prices. Unlike "
                          "MemoryOptions (pytorch), a run defaults to megatron, as most published runs are")
     measured: Measured
+    loss_parallel: bool | None = Field(default=None, description="memory: the loss on vocab-sharded logits "
+                                       "(torchtitan's default with TP); None: the runtime profile's")
+    reserved_gib: float | None = Field(default=None, gt=0, description="memory the source measured: the caching "
+                                       "allocator's peak reserved bytes, in GiB (max over ranks), where it says")
     notes: str = ""
 
     @field_validator("runtime")
@@ -162,13 +166,15 @@ class MeasuredRun(BaseModel):
         return base.replace(**self.software) if self.software else base
 
     def memory_options(self) -> Any:
-        """The memory model's options for this run: its runtime profile, and the software facts
-        memory shares with time (the loss's upcast; torchtitan's per-op selective checkpointing)."""
+        """The memory model's options for this run: its runtime profile, the software facts
+        memory shares with time (the loss's upcast; torchtitan's per-op selective checkpointing),
+        and whether its loss is vocab-parallel."""
         from ndplan.memory.stages import MemoryOptions
 
         policy = self.software.get("selective_recompute")
         return MemoryOptions(runtime=self.runtime, loss_upcast=bool(self.software.get("loss_upcast", True)),
-                             selective_policy=policy if policy == "torchtitan-op" else None)
+                             selective_policy=policy if policy == "torchtitan-op" else None,
+                             loss_parallel=self.loss_parallel)
 
     def fullest_stage(self) -> Any:
         """The memory estimate (``ndplan.memory.report.StageReport``) of the run's stage with the
