@@ -353,24 +353,35 @@ def memory_section(runs: list[MeasuredRun]) -> list[str]:
             measured_gib = float(r.reserved_gib or 0.0)
             lines.append(f"| {r.id} | {measured_gib:.1f} | {w.reserved_bytes / gib:.1f} | "
                          f"{w.reserved_bytes / gib / measured_gib - 1:+.1%} | {w.allocated_bytes / gib:.1f} |")
-        errors = {r.id: f"{w.reserved_bytes / gib / float(r.reserved_gib or 1.0) - 1:+.1%}" for r, w in reported}
+        ratios = {r.id: w.reserved_bytes / gib / float(r.reserved_gib or 1.0) - 1 for r, w in reported}
+        errors = {key: f"{value:+.1%}" for key, value in ratios.items()}
+        errors |= {"count": str(len(ratios)), "least": f"{max(ratios.values()):+.1%}",
+                   "most": f"{min(ratios.values()):+.1%}", "median": f"{statistics.median(ratios.values()):+.1%}"}
+        for prefix in ("torchtitan-8b-cp", "torchtitan-405b"):  # a table's range: "-x% to -y%"
+            group = sorted((v for k, v in ratios.items() if k.startswith(prefix)), reverse=True)
+            errors[prefix] = f"{group[0]:+.1%} to {group[-1]:+.1%}" if group else "n/a"
         lines += [""] + [line.format(r=errors) for line in MEASURED_MEMORY_COMMENTARY]
     return lines
 
 
 MEASURED_MEMORY_COMMENTARY = [
-    "torchtitan's benchmark page (Grand Teton H100, 96 GB) gives each run's memory. ndplan reads",
-    "every one low: Llama 3.1 8B under FSDP with torchtitan's per-op checkpointing {r[torchtitan-8b-fsdp-8gpu]} on 8 GPUs and",
-    "{r[torchtitan-8b-fsdp-128gpu]} on 128, Llama 3.1 405B over FSDP 8, TP 8 and PP 8 (Float8, full recompute)",
-    "{r[torchtitan-405b-3d-1f1b]} under 1F1B and {r[torchtitan-405b-3d-interleaved]} interleaved. The layers' own bytes are measured (the",
-    "census, for the per-op policy too), so what is missing lies around them: the allocator's",
-    "fragmentation beyond the 5% slack (the 8B runs free and allocate 4-8 GiB logits and their",
-    "fp32 gradients every step), and, for the 3D runs, what torch.compile, Float8 and AsyncTP's",
-    "symmetric-memory buffers hold. ndplan's estimate for a torchtitan run at this scale is therefore",
-    "not a safe upper bound: leave 15-25% of the device free, or measure (`ndplan verify`).",
-    "These rows read high before: the 8B rows priced torchtitan's per-op checkpointing as keeping",
-    "every matmul's output (+10%, +19%), the 405B rows replicated the logits over TP (+18%, +33%);",
-    "each error had hidden the other.",
+    "torchtitan's benchmark page (Grand Teton H100, 96 GB) gives each run's memory, and ndplan reads",
+    "every one of its {r[count]} rows low, from {r[least]} to {r[most]} (median {r[median]}): the eager 8B rows under FSDP",
+    "with the per-op checkpointing {r[torchtitan-8b-fsdp-8gpu]} and {r[torchtitan-8b-fsdp-128gpu]}, the 8B at 32K-256K tokens "
+    "{r[torchtitan-8b-cp]}, the 70B",
+    "over FSDP and TP {r[torchtitan-70b-2d]}, the 405B over FSDP, TP and PP {r[torchtitan-405b]}. "
+    "The compiled 8B rows read",
+    "{r[torchtitan-8b-fsdp-compile-8gpu]} and {r[torchtitan-8b-fsdp-compile-128gpu]} against an estimate of eager modules (torch.compile's fused blocks keep",
+    "fewer tensors: measured about 5 GiB below eager's), so their gap is larger than it reads. The layers'",
+    "own bytes are measured (the census, for the per-op policy too), so what is missing lies around",
+    "them: the caching allocator's fragmentation beyond the profile's 5% slack (the runs at 16K-32K",
+    "tokens a rank free and allocate logits and their fp32 gradients of 4-16 GiB every step), and,",
+    "for the 3D and 4D runs, what Float8, torch.compile and AsyncTP's symmetric-memory buffers hold.",
+    "ndplan's estimate of a torchtitan run at this scale is therefore not a safe upper bound: leave",
+    "a fifth of the device free, or measure (`ndplan verify`). Two rows read high before this",
+    "comparison existed, each error hiding another: the 8B rows priced torchtitan's per-op",
+    "checkpointing as keeping every matmul's output (+10%, +19%), and the 405B rows replicated the",
+    "logits over TP where torchtitan shards them (+18%, +33%).",
 ]
 
 
@@ -565,6 +576,29 @@ COMMENTARY = [
     "interleaved against 1F1B, predicted {t[torchtitan-405b-3d-interleaved]}",
     "  against {t[torchtitan-405b-3d-1f1b]} tokens/s per GPU, measured 128 against 100. Their micro-batches",
     "  (8 of 4 sequences, torchtitan's default then) and compiled elementwise kernels (1 pass) are assumed.",
+    "* The page's other tables were added in the fourteenth session, after every figure above was",
+    "  chosen: the 8B rows with torch.compile and Float8 (tables 1 and 3), the 8B at 32K-256K tokens",
+    "  with CP 1-8 (table 2), the 70B over FSDP 32 and TP 8 with and without AsyncTP (table 4) and the",
+    "  405B at 32K-256K with CP 1-8 over TP 8 and PP 8 (table 6). First priced, the long-context rows",
+    "  read 40-64% fast. Their cause, sourced apart from them: torchtitan calls SDPA, which in the",
+    "  torch nightlies of that month ran FlashAttention-2 on H100 (cuDNN's kernel deprioritised,",
+    "  pytorch#141133; 329 TFLOP/s against cuDNN's 631 in pytorch#142132), 0.33 of the peak where the",
+    "  Hopper default, 0.55, is cuDNN's kernel measured on an H200 today: every row of the page now",
+    "  states `attention_efficiency: 0.33` (the existing rows moved by +3 to +5 points). What is left:",
+    "  * The long-context rows still read fast, more so with more CP ranks: the 8B from",
+    "    {e[torchtitan-8b-cp1-32k]} at CP 1 to {e[torchtitan-8b-cp8-256k]} at CP 8, the 405B from {e[torchtitan-405b-4d-cp1-32k]} to "
+    "{e[torchtitan-405b-4d-cp8-256k]}. At CP 1 that is the",
+    "    power limit and the kernel's long-sequence rate; beyond, torch's experimental context",
+    "    parallelism (SDPA on each K/V shard, the shards all-gathered) costs more than ndplan's",
+    "    ring, whose exchange hides under balanced causal attention. The ranking within each table is",
+    "    right (the length orders it).",
+    "  * torch.compile: ndplan prices the compiled blocks' fused elementwise kernels (1 pass against",
+    "    eager's 4.5) and predicts a larger gain than measured (8 GPUs: {t[torchtitan-8b-fsdp-compile-8gpu]} tokens/s per GPU",
+    "    predicted against 6,667 measured, {e[torchtitan-8b-fsdp-compile-8gpu]}, where eager reads {e[torchtitan-8b-fsdp-8gpu]}); Float8 on top reads",
+    "    {e[torchtitan-8b-fsdp-compile-float8-8gpu]} and {e[torchtitan-8b-fsdp-compile-float8-128gpu]}.",
+    "  * AsyncTP: the 70B over TP 8 reads {e[torchtitan-70b-2d]} without it and {e[torchtitan-70b-2d-asynctp]} with it: ndplan's TP",
+    "    overlap hides every TP collective under its matmuls, where torch's symmetric-memory",
+    "    all-gather-matmul gained 5.7% here (829 to 876 tokens/s per GPU).",
     "* NeMo AutoModel's table (PyTorch-native: FSDP2, torch.distributed.pipelining, DeepEP, Transformer",
     "  Engine kernels; H100, BF16) was added after every figure above was chosen. Each row's settings",
     "  are read off the benchmark config the table links and AutoModel's code: bf16 parameters and",
