@@ -576,7 +576,7 @@ COMMENTARY = [
     "interleaved against 1F1B, predicted {t[torchtitan-405b-3d-interleaved]}",
     "  against {t[torchtitan-405b-3d-1f1b]} tokens/s per GPU, measured 128 against 100. Their micro-batches",
     "  (8 of 4 sequences, torchtitan's default then) and compiled elementwise kernels (1 pass) are assumed.",
-    "* The page's other tables were added in the fourteenth session, after every figure above was",
+    "* The page's other tables were added in the twenty-second session, after every figure above was",
     "  chosen: the 8B rows with torch.compile and Float8 (tables 1 and 3), the 8B at 32K-256K tokens",
     "  with CP 1-8 (table 2), the 70B over FSDP 32 and TP 8 with and without AsyncTP (table 4) and the",
     "  405B at 32K-256K with CP 1-8 over TP 8 and PP 8 (table 6). First priced, the long-context rows",
