@@ -570,3 +570,24 @@ def test_estimate_names_the_kernels_its_runtime_prices(capsys):
             "optimizer_kernel foreach") in out
     code, out, _ = run([*base, "--runtime", "megatron"], capsys)
     assert code == 0 and "kernels (" not in out
+
+
+def test_a_calibrated_moe_imbalance_prices_memory_and_time_alike(tmp_path, capsys):
+    """An --efficiency profile holding moe_imbalance (calibrate can fit it) raises the busiest
+    rank's expert memory as --moe-imbalance does, not the step time alone; an explicit
+    --moe-imbalance wins over the file for both."""
+    profile = tmp_path / "fitted.yaml"
+    profile.write_text("moe_imbalance: 1.6\n")
+    base = ["estimate", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "8", "--ep", "8",
+            "--gbs", "16", "--json"]
+
+    def figures(*extra: str) -> tuple[float, float]:
+        code, out, _ = run([*base, *extra], capsys)
+        assert code == 0
+        data = json.loads(out)
+        return data["peak_bytes"], data["time"]["step_s"]
+
+    plain, fitted = figures(), figures("--efficiency", str(profile))
+    assert figures("--moe-imbalance", "1.6") == fitted
+    assert fitted[0] > plain[0] and fitted[1] > plain[1]
+    assert figures("--efficiency", str(profile), "--moe-imbalance", "1.0") == plain

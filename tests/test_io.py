@@ -170,6 +170,12 @@ def test_mindspeed_runs_flash_attention_only_with_use_flash_attn(tmp_path):
     script.write_text(base)  # no MindSpeed flag: Megatron-Core with TE picks a fused kernel
     assert "attention" not in read_config(script, devices=8).runtime_settings
     assert "attention" not in read_config(fixture("mindspeed_deepseek3.sh")).runtime_settings
+    # Telling MindSpeed apart reads no flag: --swap-attention still warns that it is not modelled,
+    # and MindSpeed's --attention-backend (its attention follows --use-flash-attn) is no unknown flag.
+    script.write_text(base + "--use-flash-attn --swap-attention --attention-backend sdpa\n")
+    warned = read_config(script, devices=8).warnings
+    assert any("--swap-attention" in w and "not modelled" in w for w in warned)
+    assert not any("--attention-backend" in w for w in warned)
 
 
 def test_megatron_argument_file(tmp_path):
@@ -262,6 +268,19 @@ def test_torchtitan_per_op_checkpointing_prices_its_own_policy(tmp_path, capsys)
     with pytest.raises(NdplanError, match="selective_policy 'torchtitan-op' is not one runtime 'megatron' prices; "
                                           "allowed: megatron"):
         MemoryOptions(runtime="megatron", selective_policy="torchtitan-op")
+    # The config's policy where the runtime cannot price it (or a census replaces the formulas):
+    # the runtime's own, not an error; only the flag's is refused.
+    assert estimate("--runtime", "megatron")["selective_policy"] is None
+    assert main(["estimate", "--from", str(path), "--hardware", "h100-sxm", "--runtime", "megatron",
+                 "--selective-policy", "torchtitan-op"]) == 2
+    capsys.readouterr()
+    # --emit torchtitan writes the per-op policy: a plan priced otherwise says what it left out
+    from ndplan.io import emit
+
+    text = emit(get_preset("llama-3.1-8b"), result.strategy(), "torchtitan", selective_policy="keep-matmuls")
+    assert text.startswith("# ndplan: not expressible in torchtitan, left out: selective recompute as keep-matmuls")
+    assert "not expressible" not in emit(get_preset("llama-3.1-8b"), result.strategy(), "torchtitan",
+                                         selective_policy="torchtitan-op")
 
 def test_torchtitan_llama3_fsdp_tp_pp():
     result = read_config(fixture("torchtitan_llama3_70b.toml"), devices=256)

@@ -220,6 +220,15 @@ def test_calibrate_reports_a_bad_runs_file(tmp_path: Path):
         load_runs(bad)
 
 
+def test_a_run_under_torchtitans_per_op_policy_needs_a_runtime_that_prices_it(tmp_path: Path):
+    bad = tmp_path / "runs.yaml"
+    bad.write_text("runs:\n  - {id: r, source: s, model: llama-3.1-8b, device: h100-sxm, num_devices: 8, runtime: megatron,\n"
+                   "     strategy: {dp: 8, recompute: selective}, software: {selective_recompute: torchtitan-op},\n"
+                   "     measured: {step_s: 1.0}}\n")
+    with pytest.raises(NdplanError, match="selective_recompute torchtitan-op needs a runtime whose profile prices it "
+                                          r"\(pytorch\), not megatron"):
+        load_runs(bad)
+
 def test_strategy_and_model_of_a_run():
     run = load_runs(RUNS)[0]
     assert isinstance(run.strategy_obj(), Strategy)

@@ -160,15 +160,15 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- estimate
-def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: Any) -> Any:
+def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: Any, device: Any = None) -> Any:
     """The runtime options of a command (``cli_args.runtime_options``), with what a --from config
     stated where no flag sets it. Where the command writes a torchtitan config (``--emit
     torchtitan``), selective recompute is priced as the per-op policy that config runs, unless a
     flag or the config chose another."""
     from dataclasses import replace
 
-    options = runtime_options(args, settings, read.runtime_settings if read is not None else None)
-    if (getattr(args, "emit", None) == "torchtitan" and options.selective_policy is None
+    options = runtime_options(args, settings, read.runtime_settings if read is not None else None, device)
+    if (getattr(args, "emit", None) == "torchtitan" and options.selective_policy is None and not options.census
             and "torchtitan-op" in options.profile.selective_policies):
         options = replace(options, selective_policy="torchtitan-op")
     return options
@@ -180,7 +180,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     settings, model, read = _settings_and_model(args)
     device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
-    options = _memory_options(args, settings, read)
+    options = _memory_options(args, settings, read, device)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
     from ndplan.hardware import Cluster
     from ndplan.perf import default_overlap, estimate_time
@@ -196,7 +196,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.emit:
         from ndplan.io import emit
 
-        emitted = emit(model, strategy, args.emit, overlap, loss_upcast=options.loss_upcast, attention=options.attention)
+        emitted = emit(model, strategy, args.emit, overlap, loss_upcast=options.loss_upcast, attention=options.attention,
+                       selective_policy=options.selective_policy)
     if args.json:
         _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
                     "devices": strategy.world_size,
@@ -261,7 +262,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
     strategy = strategy_from_settings(settings)
     limit = _memory_limit(args.memory_limit, device) or device.memory_bytes
     cluster = Cluster(device=device, num_devices=strategy.world_size)
-    options = _memory_options(args, settings, read)
+    options = _memory_options(args, settings, read, device)
     policies = _module_sets_argument(model, args.recompute_module_sets) if args.recompute_module_sets else ()
     expressible = _round_trips(model, args.emit, cluster, options) if args.emit else None
     result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic, selective_policies=policies,
@@ -294,7 +295,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
         from ndplan.perf import default_overlap
 
         data["emitted"] = emit(model, emitted, args.emit, options.overlap or default_overlap(device.runtime),
-                               loss_upcast=options.loss_upcast, attention=options.attention)
+                               loss_upcast=options.loss_upcast, attention=options.attention,
+                               selective_policy=options.selective_policy)
         data["emitted_check"] = _read_back(model, emitted, data["emitted"], args.emit, cluster, options, limit)
     # Balancing is worth running only where the full estimators agree it gains on the strategy as given.
     balanced_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
@@ -476,8 +478,8 @@ def _print_kernels(options: Any) -> None:
         kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
         console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
     if options.selective_policy not in (None, options.profile.selective_policy):
-        console.print(f"selective recompute priced as {options.selective_policy} (--selective-policy; the "
-                      f"{options.profile.name} runtime's own: {options.profile.selective_policy})", markup=False)
+        console.print(f"selective recompute priced as {options.selective_policy} (the {options.profile.name} "
+                      f"runtime's own: {options.profile.selective_policy}; set with --selective-policy)", markup=False)
 
 
 def _efficiency_entry(path: str | None) -> dict[str, str]:
@@ -554,7 +556,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         fixed.update({name: int(value) if isinstance(value, bool) else value for name, value in kept.items()})
     offload_sets = _searched_sets(args, read, model, "offload")
 
-    options = _memory_options(args, {"overlap": args.overlap}, read)
+    options = _memory_options(args, {"overlap": args.overlap}, read, device)
 
     def space_on(devices: int) -> Any:
         """The space the flags describe, on ``devices`` devices (the degrees it enumerates depend on them)."""
@@ -634,7 +636,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         from ndplan.perf import default_overlap
 
         data["emitted"] = emit(model, winner, args.emit, options.overlap or default_overlap(device.runtime),
-                               loss_upcast=options.loss_upcast, attention=options.attention)
+                               loss_upcast=options.loss_upcast, attention=options.attention,
+                               selective_policy=options.selective_policy)
     explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
     if explained is not None:
         data["explain"] = explained
@@ -977,9 +980,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--census", help="census JSON: measured activations replace the formulas for its layer kinds")
     group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack, and CUDA kernels' own scratch "
                        "(cuBLAS workspace, softmax backward's product)")
-    group.add_argument("--moe-imbalance", type=float, default=1.0,
-                       help="routed tokens on the busiest rank relative to balanced routing (default 1.0): "
-                            "its expert activations and its expert compute and all-to-all")
+    group.add_argument("--moe-imbalance", type=float, default=None,
+                       help="routed tokens on the busiest rank relative to balanced routing (default: an "
+                            "--efficiency profile's, else 1.0): its expert activations and its expert compute "
+                            "and all-to-all")
     group.add_argument("--overlap", metavar="SPEC",
                        help="what communication hides (step time): a preset (megatron, megatron-tp-overlap, torchtitan, "
                             "deepspeed, plain) and/or switches, e.g. 'tp=on,ep=on,ep_dispatch=node_dedup' "

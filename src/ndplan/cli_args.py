@@ -196,12 +196,17 @@ def strategy_from_settings(settings: dict[str, Any]) -> Strategy:
 
 
 def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = None,
-                    runtime_settings: dict[str, Any] | None = None) -> Any:
+                    runtime_settings: dict[str, Any] | None = None, device: Any = None) -> Any:
     """The MemoryOptions the runtime flags describe (``add_runtime_arguments``), with the overlap
     switches from ``--overlap``, else a plan file's ``overlap:``, else what a framework config
     stated (``runtime_settings["overlap"]``), else the device runtime's defaults; the runtime
-    profile from ``--runtime``, else the config's (a Megatron launch: megatron), else pytorch."""
+    profile from ``--runtime``, else the config's (a Megatron launch: megatron), else pytorch.
+    ``--moe-imbalance`` where given, else ``device``'s efficiency profile's (a calibrated one may
+    hold it), so that memory and time price the same busiest rank. A selective policy a config
+    states applies where its runtime prices it and no census replaces the formulas (the flag's is
+    checked as given)."""
     from ndplan.memory import MemoryOptions
+    from ndplan.memory.profile import get_profile
     from ndplan.perf.overlap import parse_overlap
 
     census: tuple[Any, ...] = ()
@@ -216,14 +221,23 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
     # A flag wins; else what the config stated; else the default.
     loss_parallel = getattr(args, "loss_parallel", None)
     loss_upcast = getattr(args, "loss_upcast", None)
+    runtime = getattr(args, "runtime", None) or stated.get("runtime") or "pytorch"
+    policy = getattr(args, "selective_policy", None)
+    if policy is None and stated.get("selective_policy") in get_profile(runtime).selective_policies and not census:
+        policy = stated["selective_policy"]
+    imbalance = getattr(args, "moe_imbalance", None)
+    if imbalance is None:
+        from ndplan.perf.efficiency import default_efficiency
+
+        imbalance = default_efficiency(device).moe_imbalance if device is not None else 1.0
     return MemoryOptions(
-        runtime=getattr(args, "runtime", None) or stated.get("runtime") or "pytorch",
+        runtime=runtime,
         attention=getattr(args, "attention", None) or stated.get("attention") or "flash",
         loss_parallel=stated.get("loss_parallel") if loss_parallel is None else loss_parallel,
         include_overhead=not getattr(args, "no_overhead", False),
         loss_upcast=(stated.get("loss_upcast") if loss_upcast is None else loss_upcast) is not False,
-        moe_imbalance=getattr(args, "moe_imbalance", 1.0), moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
+        moe_imbalance=imbalance, moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
         census=census, overlap=parse_overlap(overlap),
         grouped_gemm=stated.get("grouped_gemm", True),
-        selective_policy=getattr(args, "selective_policy", None) or stated.get("selective_policy"),
+        selective_policy=policy,
     )

@@ -223,10 +223,13 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-#: torchtitan's per-op selective checkpointing (selective_ac_option "op", its ``_save_list``): it
-#: saves these ops' outputs, but of the matmuls only the odd-numbered ones of each layer's forward.
+#: torchtitan's per-op selective checkpointing (selective_ac_option "op", its ``_op_sac_save_list``):
+#: it saves these ops' outputs, but of the matmuls only the odd-numbered ones of each layer's
+#: forward. The CPU flash kernel stands in for the CUDA one on the census's fake tensors.
 _OP_SAC_SAVE_NAMES = ("mm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-                      "_scaled_dot_product_flash_attention_for_cpu", "abs", "max")
+                      "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
+                      "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_flash_attention_for_cpu",
+                      "max")
 
 
 def _op_sac_contexts() -> Any:

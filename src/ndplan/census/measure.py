@@ -183,6 +183,10 @@ def measure_policy(hf_config: dict[str, Any], policy: str, *, seq_length: int = 
     recompute policy ('none', 'full', 'selective' or 'torchtitan-op': torchtitan's per-op
     checkpointing), at TP 1: what ``run_census`` measures per policy, for a policy its records
     do not hold."""
+    if not isinstance(hf_config, dict):
+        raise NdplanError("census: hf_config must be a dict (a Hugging Face config.json)")
+    if policy not in ("none", "full", "selective", "torchtitan-op"):
+        raise NdplanError(f"census: unknown recompute policy {policy!r}; known: none, full, selective, torchtitan-op")
     _check_args(seq_length, micro_batch_size, dtype, attention, experts)
     torch, _ = _require_torch()
     from ndplan.census import _engine as E

@@ -156,7 +156,8 @@ def _normalise(result: ReadResult) -> None:
 
 
 def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str,
-         overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash") -> str:
+         overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash",
+         selective_policy: str | None = None) -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
@@ -164,6 +165,8 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
     ``loss_upcast`` False (the loss on the bf16 logits) becomes Megatron's Transformer Engine
     cross-entropy; the other formats' frameworks upcast, which their header says. ``attention``
     "eager" (the s x s scores kept) becomes Megatron's ``--attention-backend unfused``.
+    ``selective_policy`` is what selective recompute was priced as (None: the runtime's own):
+    torchtitan runs its per-op policy, and its header says so where another was priced.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -180,5 +183,8 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
     if not loss_upcast:  # every other format is TOML or YAML: '#' comments
         text = (f"# ndplan: not expressible in {fmt}, left out: the loss on the bf16 logits (--no-loss-upcast); "
                 "its loss upcasts them to fp32\n") + text
+    if fmt == "torchtitan" and strategy.recompute == "selective" and selective_policy not in (None, "torchtitan-op"):
+        text = (f"# ndplan: not expressible in torchtitan, left out: selective recompute as {selective_policy} "
+                "(--selective-policy); torchtitan runs its per-op policy (selective_ac_option op)\n") + text
     return text
 

@@ -172,8 +172,10 @@ def _unfused_attention(args: Args, impl: str, warnings: list[str]) -> str | None
     fused and auto (which picks one of them) do not. An argument dump writes the enum as
     "AttnBackend.unfused"; a value ndplan does not know (a later Megatron's) is priced as the
     fused kernels are, and said so. Megatron's legacy models run flash only with --use-flash-attn."""
-    mindspeed = next((flag for flag in MINDSPEED_ONLY if args.has(flag)), None)
+    # Looked up without marking the flag read: it still gets its own "not modelled" warning.
+    mindspeed = next((flag for flag in MINDSPEED_ONLY if flag in args.entries), None)
     if mindspeed is not None:
+        args.get("--attention-backend")  # MindSpeed's attention follows --use-flash-attn alone
         return None if args.has("--use-flash-attn") else f"MindSpeed ({mindspeed}) without --use-flash-attn"
     backend = (args.text("--attention-backend", default="auto") or "auto").removeprefix("AttnBackend.")
     if backend not in ("auto", "flash", "fused", "unfused", "local"):

@@ -146,8 +146,9 @@ class MemoryOptions:
         software.update(self.profile.kernels)
         software["pipeline_defers_fsdp_reduce"] = self.profile.pipeline_defers_fsdp_reduce
         software["loss_upcast"] = self.loss_upcast
-        if self.moe_imbalance != 1.0:  # the busiest rank computes and receives as much more as it holds
-            software["moe_imbalance"] = self.moe_imbalance
+        # The busiest rank computes and receives as much more as it holds (1.0 too: the options,
+        # not a device profile's figure, say what memory priced).
+        software["moe_imbalance"] = self.moe_imbalance
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,
                 "overlap": self.overlap}
 
@@ -317,9 +318,15 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     profile = options.profile
     act_bytes = batch.precision.activation_bytes
     offload = batch.offload_modules
+    # The profile's op_keep flags describe a dense layer with standard attention (its matmuls in
+    # Llama's order); a MoE or MLA model keeps the runtime's own flags, an upper bound (its
+    # matmuls come in another order, and the experts' grouped GEMMs are not in torchtitan's list).
+    policy = options.recompute_policy
+    if policy == "torchtitan-op" and (model.is_moe or model.is_mla):
+        policy = profile.selective_policy
     blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload,
                                 fp8=batch.precision.compute_dtype == "fp8", loss_upcast=options.loss_upcast,
-                                selective_policy=options.recompute_policy)
+                                selective_policy=policy)
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)

@@ -124,6 +124,18 @@ class MeasuredRun(BaseModel):
             raise ValueError(str(error)) from None
         return value
 
+    @model_validator(mode="after")
+    def _policy_runtime(self) -> MeasuredRun:
+        """torchtitan's per-op checkpointing (``selective_recompute: torchtitan-op``) is priced in
+        memory by a runtime profile that states it: checked here, not at the first estimate."""
+        from ndplan.memory.profile import get_profile
+
+        if (self.software.get("selective_recompute") == "torchtitan-op"
+                and "torchtitan-op" not in get_profile(self.runtime).selective_policies):
+            raise ValueError(f"selective_recompute torchtitan-op needs a runtime whose profile prices it "
+                             f"(pytorch), not {self.runtime}")
+        return self
+
     def model_spec(self) -> ModelSpec:
         """The run's model: a preset's name, a ModelSpec's fields, or ``{preset: name, ...}``,
         a preset with the fields the run's software changes (``mtp_depth: 0`` where the framework

@@ -90,7 +90,7 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     model = load_model(settings["model"])
     device = device_from(settings["hardware"], settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
-    options = runtime_options(args, settings)
+    options = runtime_options(args, settings, device=device)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
     result: dict[str, Any] = {"model": model.name, "hardware": device.name}
     if settings.get("efficiency"):

@@ -45,6 +45,8 @@ def _gathers(chunks: list[int], active: int) -> int:
     a chunk U_i lacks only where chunks[i] is not in a full U_{i+1}: U_i then drops U_{i+1}'s
     last chunk, which is gathered (again) after op i. The gathers are U_0's chunks plus one per
     such op, counted walking the order backwards."""
+    if active < 1:
+        return 0  # nothing is kept gathered, so nothing is counted (as U_i is empty)
     ahead: list[int] = []  # U_{i+1}, in order of first use
     count = 0
     for chunk in reversed(chunks):
