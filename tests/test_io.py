@@ -574,6 +574,9 @@ def test_inspect_table_and_conversion(capsys):
     out = capsys.readouterr().out
     assert "dp32 tp2 sp pp16 ep64 etp1 zero1 mbs1 m256 1f1b rc-selective(layernorm+moe_act+mla_up_proj)" in out
     assert "1024 devices = 128 nodes × 8" in out
+    # the runtime settings the config states, beside the strategy
+    assert "runtime settings: overlap dp_grad_reduce=True, dp_param_gather=True, tp=False, ep_dispatch=node_dedup; " \
+           "runtime megatron" in " ".join(out.split())
     assert cmd_inspect(_inspect_args(str(fixture("megatron_deepseek_v3.sh")), "--to", "torchtitan")) == 0
     converted = capsys.readouterr()
     assert "expert_parallel_degree = 64" in converted.out and converted.err == ""

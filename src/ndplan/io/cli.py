@@ -158,6 +158,13 @@ def inspect_summary(result: ReadResult, devices: int | None = None) -> dict[str,
     }
 
 
+def _setting(value: Any) -> str:
+    """A runtime setting as inspect prints it: a mapping as key=value pairs."""
+    if isinstance(value, dict):
+        return ", ".join(f"{key}={item}" for key, item in value.items()) or "(none)"
+    return str(value)
+
+
 def cmd_inspect(args: argparse.Namespace, console: Console | None = None) -> int:
     """``ndplan inspect CONFIG``: the model, cluster and strategy ndplan reads from a config."""
     console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -201,6 +208,11 @@ def cmd_inspect(args: argparse.Namespace, console: Console | None = None) -> int
             value = "0 (as many as the global batch needs, once dp is known)"
         table.add_row(key, str(value))
     console.print(table)
+    if result.runtime_settings:
+        # What the estimate prices beside the strategy: the runtime profile, attention kernel, loss,
+        # selective policy and the overlap switches the config states.
+        stated = "; ".join(f"{key} {_setting(value)}" for key, value in result.runtime_settings.items())
+        console.print(f"runtime settings: {stated}", markup=False)
     for warning in result.warnings:
         console.print(f"warning: {warning}", style="yellow", markup=False)
     for note in result.notes:
