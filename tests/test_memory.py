@@ -495,6 +495,15 @@ def test_measured_gaps_are_told_beside_the_estimate():
     split_selective = estimate(model, Strategy(pp=2, vpp=2, schedule="zbv", num_micro_batches=8, seq_length=2048,
                                                recompute="selective"), options=NO_OVERHEAD)
     assert any("cannot run" in c for c in split_selective.caveats)
+    # What published or functional-test measurements found: torchtitan's FSDP runs read low, and
+    # Megatron's MoE tests (one caveat each, where it applies)
+    fsdp = estimate(model, Strategy(dp=8, zero=3, fsdp=True, seq_length=2048), options=NO_OVERHEAD)
+    assert any("4-28% more peak reserved memory" in c for c in fsdp.caveats)
+    moe = get_preset("qwen3-30b-a3b")
+    megatron = estimate(moe, Strategy(seq_length=2048), options=MemoryOptions(runtime="megatron"))
+    assert any("1.6-5.6% low" in c for c in megatron.caveats)
+    assert not any("1.6-5.6% low" in c for c in estimate(model, Strategy(seq_length=2048),
+                                                          options=MemoryOptions(runtime="megatron")).caveats)
 
 
 def test_weight_gradient_groups_of_a_layer():
