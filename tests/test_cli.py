@@ -591,3 +591,18 @@ def test_a_calibrated_moe_imbalance_prices_memory_and_time_alike(tmp_path, capsy
     assert figures("--moe-imbalance", "1.6") == fitted
     assert fitted[0] > plain[0] and fitted[1] > plain[1]
     assert figures("--efficiency", str(profile), "--moe-imbalance", "1.0") == plain
+
+
+def test_search_emits_the_fastest_candidate_the_framework_writes_as_priced(capsys):
+    """torchtitan shards with FSDP only: where the fastest candidates use ZeRO-2, --emit writes the
+    first ranked one that reads back as priced, and says which and why; with Megatron, #1."""
+    argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--seq", "8192",
+            "--top", "5", "--json"]
+    titan = json.loads(run([*argv, "--emit", "torchtitan", "--precision", "fsdp-bf16"], capsys)[1])
+    rank = titan["emitted_rank"]
+    assert rank > 1 and titan["ranked"][0]["strategy"]["zero"] == 2
+    assert titan["emitted_check"]["same"] and titan["ranked"][rank - 1]["strategy"]["zero"] in (0, 3)
+    assert titan["emitted_check"]["strategy"] == titan["ranked"][rank - 1]["label"]
+    assert any(f"the fastest candidate torchtitan writes as priced is #{rank}" in note for note in titan["notes"])
+    megatron = json.loads(run([*argv, "--emit", "megatron"], capsys)[1])
+    assert megatron["emitted_rank"] == 1 and megatron["emitted_check"]["same"]

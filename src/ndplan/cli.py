@@ -631,13 +631,23 @@ def cmd_search(args: argparse.Namespace) -> int:
     # A balanced winner is written (and explained) as the settings one recompute setting expresses.
     winner = (Strategy(**result.best.get("balanced_settings", result.best)["strategy"],
                        precision=get_precision(args.precision)) if result.best else None)
+    emitted_rank = 1
     if args.emit and winner is not None:
-        from ndplan.io import emit
-        from ndplan.perf import default_overlap
+        from ndplan.hardware import Cluster
 
-        data["emitted"] = emit(model, winner, args.emit, options.overlap or default_overlap(device.runtime),
-                               loss_upcast=options.loss_upcast, attention=options.attention,
-                               selective_policy=options.selective_policy)
+        emitted_rank, text, check, first_check = _first_written_as_priced(
+            model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
+            get_precision(args.precision), limit or device.memory_bytes)
+        data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
+        if emitted_rank != 1:
+            data["notes"].append(
+                f"--emit {args.emit}: the fastest candidate {args.emit} writes as priced is #{emitted_rank}, "
+                f"{check['strategy']} ({result.ranked[emitted_rank - 1]['step_s']:.3f} s); #1, "
+                f"{result.ranked[0]['label']}, would be written as {first_check['strategy']}"
+                if emitted_rank else
+                f"--emit {args.emit}: none of the {len(result.ranked)} ranked candidates is written as priced; the "
+                f"winner's settings below run {check['strategy']} ({check['step_s']:.3f} s, peak "
+                f"{format_bytes(check['peak_bytes'])}, {'fits' if check['fits'] else 'over the limit'})")
     explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
     if explained is not None:
         data["explain"] = explained
@@ -649,7 +659,8 @@ def cmd_search(args: argparse.Namespace) -> int:
                   f"{overlap.describe()}", markup=False)
     _print_kernels(options)
     if data.get("emitted"):
-        console.print(f"\n[bold]{args.emit}[/] settings of the winner:")
+        whose = "the winner" if data.get("emitted_rank") in (1, 0) else f"#{data['emitted_rank']}"
+        console.print(f"\n[bold]{args.emit}[/] settings of {whose}:")
         console.print(data["emitted"], markup=False)
     if explained is not None and winner is not None:
         console.print(f"\n[bold]the winner, {winner.short()}, explained[/] (as `ndplan estimate --explain`)")
@@ -663,6 +674,32 @@ def cmd_search(args: argparse.Namespace) -> int:
             for line in explained[part]:
                 console.print("  " + line, markup=False)
     return 0 if result.ranked else 1
+
+
+#: Ranked candidates --emit reads back at most, looking for one the format writes as priced.
+_WRITTEN_CHECKED = 20
+
+
+def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt: str, cluster: Any, options: Any,
+                             precision: Any, limit: float) -> tuple[int, str, dict[str, Any], dict[str, Any]]:
+    """(rank from 1, settings, what they run, what the winner's settings run) of the fastest ranked
+    candidate that ``fmt`` writes so that reading it back gives the strategy that was priced
+    (torchtitan has no ZeRO-1/2, MindFormers no interleaved Seq1F1B, ...); rank 0 and the
+    winner's settings where none of the first ``_WRITTEN_CHECKED`` is."""
+    from ndplan.io import emit
+    from ndplan.perf import default_overlap
+
+    overlap = options.overlap or default_overlap(cluster.device.runtime)
+    written: list[tuple[str, dict[str, Any]]] = []
+    for row in ranked[:_WRITTEN_CHECKED]:
+        candidate = Strategy(**row.get("balanced_settings", row)["strategy"], precision=precision)
+        text = emit(model, candidate, fmt, overlap, loss_upcast=options.loss_upcast, attention=options.attention,
+                    selective_policy=options.selective_policy)
+        check = _read_back(model, candidate, text, fmt, cluster, options, limit)
+        written.append((text, check))
+        if check["same"]:
+            return len(written), text, check, written[0][1]
+    return 0, written[0][0], written[0][1], written[0][1]
 
 
 def _explain_winner(model: ModelSpec, strategy: Strategy, device: Any, options: Any) -> dict[str, Any]:
