@@ -378,7 +378,7 @@ MEASURED_MEMORY_COMMENTARY = [
     "tokens a rank free and allocate logits and their fp32 gradients of 4-16 GiB every step), and,",
     "for the 3D and 4D runs, what Float8, torch.compile and AsyncTP's symmetric-memory buffers hold.",
     "ndplan's estimate of a torchtitan run at this scale is therefore not a safe upper bound: leave",
-    "a fifth of the device free, or measure (`ndplan verify`). Two rows read high before this",
+    "a fifth of the device free, or measure (`ndplan verify`). Four rows read high before this",
     "comparison existed, each error hiding another: the 8B rows priced torchtitan's per-op",
     "checkpointing as keeping every matmul's output (+10%, +19%), and the 405B rows replicated the",
     "logits over TP where torchtitan shards them (+18%, +33%).",

@@ -45,7 +45,7 @@ _CP_ALGOS = {  # MindSpeed --context-parallel-algo
 }
 _CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "ring", "a2a+p2p": "hybrid"}
 #: Flags that only MindSpeed / MindSpeed-LLM define (Megatron-LM's parser rejects them): a script
-#: that sets any of them runs on MindSpeed, whose attention rules differ (``_attention``).
+#: that sets any of them runs on MindSpeed, whose attention rules differ (``_unfused_attention``).
 MINDSPEED_ONLY = (
     "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--npu-deterministic",
     "--use-mc2", "--use-ascend-mc2", "--use-fusion-attn-v2", "--noop-layers", "--moe-tp-extend-ep",
