@@ -504,6 +504,16 @@ COMMENTARY = [
     "  grouped linear layers, so the default is not raised. The fitted profiles lower",
     "  `grouped_gemm_factor` (and raise `host_moe_layer_s` on Blackwell) to absorb it; the defaults stay",
     "  first-principles.",
+    "* The 26.02 table (added in the twenty-second session, each row with its 25.11 twin's",
+    "  assumptions) runs Qwen3-30B no faster: {e[bridge2602-h100-qwen3-30b-a3b]} on H100 and "
+    "{e[bridge2602-b200-qwen3-30b-a3b]} on B200, so the dropless",
+    "  path's cost stayed. The B200 Qwen3-235B without VP and EP overlap reads {e[bridge2602-b200-qwen3-235b-a22b]} "
+    "(25.11's, with both,",
+    "  {e[bridge2511-b200-qwen3-235b-a22b]}); DeepSeek-V3 on B200 at twice the global batch {e[bridge2602-b200-deepseek-v3]} "
+    "(25.11: {e[bridge2511-b200-deepseek-v3]}: the release",
+    "  sped it up 26% per GPU, more than its halved bubble explains). The dense H100 rows at 2-3x the",
+    "  global batch read {e[bridge2602-h100-llama3-70b]} and {e[bridge2602-h100-llama31-405b]} "
+    "(25.11: {e[bridge2511-h100-llama3-70b]}, {e[bridge2511-h100-llama31-405b]}): the bubble's share is priced right.",
     "* Qwen3-235B on H100 ({e[bridge2511-h100-qwen3-235b-a22b]}) runs with its expert all-to-all over InfiniBand (EP 32 over 4 nodes)",
     "  hidden where a partner micro-batch allows: its recipe sets `moe_a2a_overlap=True`",
     "  (Megatron-Core's --overlap-moe-expert-parallel-comm) and counts the embedding and loss in the",
