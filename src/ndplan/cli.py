@@ -635,7 +635,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.emit and winner is not None:
         from ndplan.hardware import Cluster
 
-        emitted_rank, text, check, first_check = _first_written_as_priced(
+        emitted_rank, text, check, first_written = _first_written_as_priced(
             model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
             get_precision(args.precision), limit or device.memory_bytes)
         data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
@@ -643,7 +643,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             data["notes"].append(
                 f"--emit {args.emit}: the fastest candidate {args.emit} writes as priced is #{emitted_rank}, "
                 f"{check['strategy']} ({result.ranked[emitted_rank - 1]['step_s']:.3f} s); #1, "
-                f"{result.ranked[0]['label']}, would be written as {first_check['strategy']}"
+                f"{result.ranked[0]['label']}, would be written as {first_written}"
                 if emitted_rank else
                 f"--emit {args.emit}: none of the {len(result.ranked)} ranked candidates is written as priced; the "
                 f"winner's settings below run {check['strategy']} ({check['step_s']:.3f} s, peak "
@@ -681,25 +681,29 @@ _WRITTEN_CHECKED = 20
 
 
 def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt: str, cluster: Any, options: Any,
-                             precision: Any, limit: float) -> tuple[int, str, dict[str, Any], dict[str, Any]]:
-    """(rank from 1, settings, what they run, what the winner's settings run) of the fastest ranked
+                             precision: Any, limit: float) -> tuple[int, str, dict[str, Any], str]:
+    """(rank from 1, settings, what they run, how the winner is written) of the fastest ranked
     candidate that ``fmt`` writes so that reading it back gives the strategy that was priced
     (torchtitan has no ZeRO-1/2, MindFormers no interleaved Seq1F1B, ...); rank 0 and the
-    winner's settings where none of the first ``_WRITTEN_CHECKED`` is."""
+    winner's settings where none of the first ``_WRITTEN_CHECKED`` is. Only the settings
+    chosen are priced again (the full estimators, ``_read_back``)."""
     from ndplan.io import emit
+    from ndplan.io.common import canonical_strategy
     from ndplan.perf import default_overlap
 
     overlap = options.overlap or default_overlap(cluster.device.runtime)
-    written: list[tuple[str, dict[str, Any]]] = []
-    for row in ranked[:_WRITTEN_CHECKED]:
+    first: tuple[Strategy, str, str] | None = None
+    for rank, row in enumerate(ranked[:_WRITTEN_CHECKED], start=1):
         candidate = Strategy(**row.get("balanced_settings", row)["strategy"], precision=precision)
         text = emit(model, candidate, fmt, overlap, loss_upcast=options.loss_upcast, attention=options.attention,
                     selective_policy=options.selective_policy)
-        check = _read_back(model, candidate, text, fmt, cluster, options, limit)
-        written.append((text, check))
-        if check["same"]:
-            return len(written), text, check, written[0][1]
-    return 0, written[0][0], written[0][1], written[0][1]
+        written = _written_strategy(model, candidate, text, fmt, cluster)
+        if first is None:
+            first = (candidate, text, str(written.short()))
+        if written == canonical_strategy(candidate, model):
+            return rank, text, _read_back(model, candidate, text, fmt, cluster, options, limit), first[2]
+    assert first is not None  # a search with ranked rows
+    return 0, first[1], _read_back(model, first[0], first[1], fmt, cluster, options, limit), first[2]
 
 
 def _explain_winner(model: ModelSpec, strategy: Strategy, device: Any, options: Any) -> dict[str, Any]:
