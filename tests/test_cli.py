@@ -606,3 +606,14 @@ def test_search_emits_the_fastest_candidate_the_framework_writes_as_priced(capsy
     assert any(f"the fastest candidate torchtitan writes as priced is #{rank}" in note for note in titan["notes"])
     megatron = json.loads(run([*argv, "--emit", "megatron"], capsys)[1])
     assert megatron["emitted_rank"] == 1 and megatron["emitted_check"]["same"]
+
+
+def test_search_emit_says_when_no_ranked_candidate_is_written_as_priced(capsys):
+    """Every candidate ZeRO-2, which torchtitan cannot write: the winner's settings are written,
+    with what they run instead (FSDP), and the note says none of the ranked ones round-trips."""
+    argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--seq", "8192",
+            "--top", "3", "--fix", "zero=2", "--emit", "torchtitan", "--precision", "fsdp-bf16", "--json"]
+    data = json.loads(run(argv, capsys)[1])
+    assert data["emitted_rank"] == 0 and not data["emitted_check"]["same"]
+    assert "fsdp3" in data["emitted_check"]["strategy"]
+    assert any("none of the first 3 ranked candidates is written as priced" in note for note in data["notes"])

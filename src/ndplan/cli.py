@@ -645,9 +645,11 @@ def cmd_search(args: argparse.Namespace) -> int:
                 f"{check['strategy']} ({result.ranked[emitted_rank - 1]['step_s']:.3f} s); #1, "
                 f"{result.ranked[0]['label']}, would be written as {first_written}"
                 if emitted_rank else
-                f"--emit {args.emit}: none of the {len(result.ranked)} ranked candidates is written as priced; the "
-                f"winner's settings below run {check['strategy']} ({check['step_s']:.3f} s, peak "
-                f"{format_bytes(check['peak_bytes'])}, {'fits' if check['fits'] else 'over the limit'})")
+                f"--emit {args.emit}: none of the first {min(len(result.ranked), _WRITTEN_CHECKED)} ranked candidates "
+                f"is written as priced; the winner's settings below "
+                + (f"run {check['strategy']} ({check['step_s']:.3f} s, peak {format_bytes(check['peak_bytes'])}, "
+                   f"{'fits' if check['fits'] else 'over the limit'})" if check["step_s"] == check["step_s"]
+                   else f"are {check['strategy']}"))
     explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
     if explained is not None:
         data["explain"] = explained
@@ -697,13 +699,24 @@ def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt
         candidate = Strategy(**row.get("balanced_settings", row)["strategy"], precision=precision)
         text = emit(model, candidate, fmt, overlap, loss_upcast=options.loss_upcast, attention=options.attention,
                     selective_policy=options.selective_policy)
-        written = _written_strategy(model, candidate, text, fmt, cluster)
+        try:
+            written = _written_strategy(model, candidate, text, fmt, cluster)
+        except (NdplanError, ValidationError) as error:  # the format's reader refuses what was written
+            label = f"settings its reader refuses ({first_validation_error(error) if isinstance(error, ValidationError) else error})"
+        else:
+            label = str(written.short())
+            if written == canonical_strategy(candidate, model):
+                return rank, text, _read_back(model, candidate, text, fmt, cluster, options, limit), \
+                    first[2] if first is not None else label
         if first is None:
-            first = (candidate, text, str(written.short()))
-        if written == canonical_strategy(candidate, model):
-            return rank, text, _read_back(model, candidate, text, fmt, cluster, options, limit), first[2]
+            first = (candidate, text, label)
     assert first is not None  # a search with ranked rows
-    return 0, first[1], _read_back(model, first[0], first[1], fmt, cluster, options, limit), first[2]
+    try:
+        check = _read_back(model, first[0], first[1], fmt, cluster, options, limit)
+    except (NdplanError, ValidationError):
+        check = {"same": False, "strategy": first[2], "stage_layers": [], "peak_bytes": 0, "fits": False,
+                 "step_s": float("nan")}
+    return 0, first[1], check, first[2]
 
 
 def _explain_winner(model: ModelSpec, strategy: Strategy, device: Any, options: Any) -> dict[str, Any]:
