@@ -610,10 +610,30 @@ def test_search_emits_the_fastest_candidate_the_framework_writes_as_priced(capsy
 
 def test_search_emit_says_when_no_ranked_candidate_is_written_as_priced(capsys):
     """Every candidate ZeRO-2, which torchtitan cannot write: the winner's settings are written,
-    with what they run instead (FSDP), and the note says none of the ranked ones round-trips."""
+    with what they run instead (FSDP), and the note says none of the ranked ones round-trips.
+    A format whose reader refuses what was written (Megatron's even split, DeepSeek-V3's 61
+    layers under DualPipeV) is skipped the same way, never fatal."""
     argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--seq", "8192",
             "--top", "3", "--fix", "zero=2", "--emit", "torchtitan", "--precision", "fsdp-bf16", "--json"]
     data = json.loads(run(argv, capsys)[1])
     assert data["emitted_rank"] == 0 and not data["emitted_check"]["same"]
     assert "fsdp3" in data["emitted_check"]["strategy"]
-    assert any("none of the first 3 ranked candidates is written as priced" in note for note in data["notes"])
+    # --emit reads back up to 20 ranked candidates, whatever --top lists
+    assert any("none of the first 20 ranked candidates is written as priced" in note for note in data["notes"])
+    assert len(data["ranked"]) == 3
+    megatron = ["search", "--model", "deepseek-v3", "--hardware", "h100-sxm", "--devices", "1024", "--gbs", "2048",
+                "--seq", "4096", "--runtime", "megatron", "--fix", "schedule=dualpipev", "pp=8", "--top", "2",
+                "--emit", "megatron", "--json"]
+    code, out, _ = run(megatron, capsys)
+    refused = json.loads(out)
+    assert code == 0 and refused["emitted_rank"] == 0 and "settings its reader refuses" in refused["emitted_check"]["strategy"]
+    assert "emitted.sh" not in refused["emitted_check"]["strategy"] and refused["emitted_check"]["step_s"] is None
+
+
+def test_search_rows_carry_the_model_dependent_caveats(capsys):
+    """A ranked row's caveats are the estimate's, model-dependent ones included (Megatron's MoE
+    tests read low)."""
+    argv = ["search", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32",
+            "--runtime", "megatron", "--top", "2", "--json"]
+    rows = json.loads(run(argv, capsys)[1])["ranked"]
+    assert rows and all(any("1.6-5.6% low" in c for c in row["caveats"]) for row in rows)

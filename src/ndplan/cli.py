@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -414,8 +415,12 @@ def _round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: 
                bool(normal.recompute_layers), normal.stage_layers is not None) if by_shape else None
         if key is not None and key in answers:
             return answers[key]
-        written = _written_strategy(model, strategy, emit(model, strategy, fmt, overlap), fmt, cluster)
-        answer = all(getattr(written, name) == getattr(normal, name) for name in _BALANCED_FIELDS)
+        try:
+            written = _written_strategy(model, strategy, emit(model, strategy, fmt, overlap), fmt, cluster)
+        except (NdplanError, ValidationError):  # the format's reader refuses what was written
+            answer = False
+        else:
+            answer = all(getattr(written, name) == getattr(normal, name) for name in _BALANCED_FIELDS)
         if key is not None:
             answers[key] = answer
         return answer
@@ -568,13 +573,15 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     space = space_on(args.devices)
     limit = _memory_limit(args.memory_limit, device)
+    # --emit reads the ranked candidates back until one is written as priced: rank enough of them.
+    ranked_top = max(args.top, _WRITTEN_CHECKED) if args.emit else args.top
     step_time = runtime_step_time(options)  # the runtime's step-time model, as memory follows its profile
     quiet = args.json or not sys.stderr.isatty()
     with Progress(TextColumn("searching {task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
                   TimeElapsedColumn(), console=Console(stderr=True), disable=quiet) as progress:
         task = progress.add_task(f"{space.size:,} candidates", total=space.size)
         result = run_search(
-            model, device, space, step_time, memory_limit_bytes=limit, options=options, top=args.top,
+            model, device, space, step_time, memory_limit_bytes=limit, options=options, top=ranked_top,
             progress=lambda done, total: progress.update(task, completed=done),
         )
     runs = 1
@@ -605,7 +612,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                                    by_shape=True) if args.emit else None
         result.ranked, balanced = rank_balanced(
             model, device, space, result, step_time, memory_limit_bytes=limit or device.memory_bytes,
-            options=options, top=args.top, one_setting=one_setting_only, expressible=expressible,
+            options=options, top=ranked_top, one_setting=one_setting_only, expressible=expressible,
         )
         plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
         result.notes.append(
@@ -631,25 +638,31 @@ def cmd_search(args: argparse.Namespace) -> int:
     # A balanced winner is written (and explained) as the settings one recompute setting expresses.
     winner = (Strategy(**result.best.get("balanced_settings", result.best)["strategy"],
                        precision=get_precision(args.precision)) if result.best else None)
-    emitted_rank = 1
     if args.emit and winner is not None:
         from ndplan.hardware import Cluster
 
-        emitted_rank, text, check, first_written = _first_written_as_priced(
+        emitted_rank, text, check, first_written, first_same = _first_written_as_priced(
             model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
             get_precision(args.precision), limit or device.memory_bytes)
         data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
-        if emitted_rank != 1:
+        as_written = [row.get("balanced_settings", row) for row in result.ranked]  # what one setting writes
+        if emitted_rank > 1:
             data["notes"].append(
                 f"--emit {args.emit}: the fastest candidate {args.emit} writes as priced is #{emitted_rank}, "
-                f"{check['strategy']} ({result.ranked[emitted_rank - 1]['step_s']:.3f} s); #1, "
-                f"{result.ranked[0]['label']}, would be written as {first_written}"
-                if emitted_rank else
+                f"{check['strategy']} ({as_written[emitted_rank - 1]['step_s']:.3f} s); "
+                + (f"#1's one recompute setting, {as_written[0]['label']}, runs {as_written[0]['step_s']:.3f} s"
+                   if first_same else f"#1, {as_written[0]['label']}, would be written as {first_written}"))
+        elif emitted_rank == 0:
+            data["notes"].append(
                 f"--emit {args.emit}: none of the first {min(len(result.ranked), _WRITTEN_CHECKED)} ranked candidates "
                 f"is written as priced; the winner's settings below "
                 + (f"run {check['strategy']} ({check['step_s']:.3f} s, peak {format_bytes(check['peak_bytes'])}, "
-                   f"{'fits' if check['fits'] else 'over the limit'})" if check["step_s"] == check["step_s"]
-                   else f"are {check['strategy']}"))
+                   f"{'fits' if check['fits'] else 'over the limit'})" if check["step_s"] is not None
+                   else f"are {check['strategy']}")
+                + f"; --fix what {args.emit} runs")
+    if len(result.ranked) > args.top:  # the rows --emit read back beyond --top are not listed
+        del result.ranked[args.top:]
+        data["ranked"] = result.ranked
     explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
     if explained is not None:
         data["explain"] = explained
@@ -680,43 +693,51 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 #: Ranked candidates --emit reads back at most, looking for one the format writes as priced.
 _WRITTEN_CHECKED = 20
+#: The temporary file a read-back names in its errors ("/tmp/.../emitted.sh:5: ").
+_WRITTEN_FILE = re.compile(r"^\S*emitted\.\w+:(\d+:)? ?")
 
 
 def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt: str, cluster: Any, options: Any,
-                             precision: Any, limit: float) -> tuple[int, str, dict[str, Any], str]:
-    """(rank from 1, settings, what they run, how the winner is written) of the fastest ranked
-    candidate that ``fmt`` writes so that reading it back gives the strategy that was priced
-    (torchtitan has no ZeRO-1/2, MindFormers no interleaved Seq1F1B, ...); rank 0 and the
-    winner's settings where none of the first ``_WRITTEN_CHECKED`` is. Only the settings
-    chosen are priced again (the full estimators, ``_read_back``)."""
+                             precision: Any, limit: float) -> tuple[int, str, dict[str, Any], str, bool]:
+    """(rank from 1, settings, what they run; how #1 is written, whether as priced) of the fastest
+    ranked candidate that ``fmt`` writes so that reading it back gives the strategy that was
+    priced (torchtitan has no ZeRO-1/2, MindFormers no interleaved Seq1F1B, ...), a balanced row
+    as its one recompute setting, fastest by that setting's step; rank 0 and #1's settings where
+    none of the first ``_WRITTEN_CHECKED`` is. Only the settings chosen are priced again (the full
+    estimators, ``_read_back``)."""
     from ndplan.io import emit
     from ndplan.io.common import canonical_strategy
     from ndplan.perf import default_overlap
 
     overlap = options.overlap or default_overlap(cluster.device.runtime)
-    first: tuple[Strategy, str, str] | None = None
-    for rank, row in enumerate(ranked[:_WRITTEN_CHECKED], start=1):
-        candidate = Strategy(**row.get("balanced_settings", row)["strategy"], precision=precision)
+
+    def written(k: int) -> tuple[Strategy, str, str, bool]:
+        """Ranked row k's settings as ``fmt`` writes them: the strategy, the text, how it reads
+        back, and whether that is the strategy priced."""
+        candidate = Strategy(**ranked[k].get("balanced_settings", ranked[k])["strategy"], precision=precision)
         text = emit(model, candidate, fmt, overlap, loss_upcast=options.loss_upcast, attention=options.attention,
                     selective_policy=options.selective_policy)
         try:
-            written = _written_strategy(model, candidate, text, fmt, cluster)
+            back = _written_strategy(model, candidate, text, fmt, cluster)
         except (NdplanError, ValidationError) as error:  # the format's reader refuses what was written
-            label = f"settings its reader refuses ({first_validation_error(error) if isinstance(error, ValidationError) else error})"
-        else:
-            label = str(written.short())
-            if written == canonical_strategy(candidate, model):
-                return rank, text, _read_back(model, candidate, text, fmt, cluster, options, limit), \
-                    first[2] if first is not None else label
-        if first is None:
-            first = (candidate, text, label)
-    assert first is not None  # a search with ranked rows
+            reason = first_validation_error(error) if isinstance(error, ValidationError) else str(error)
+            reason = _WRITTEN_FILE.sub("", reason)  # the temporary file's name says nothing to the user
+            return candidate, text, f"settings its reader refuses ({reason})", False
+        return candidate, text, str(back.short()), back == canonical_strategy(candidate, model)
+
+    first = written(0)
+    order = sorted(range(min(len(ranked), _WRITTEN_CHECKED)),
+                   key=lambda k: ranked[k].get("balanced_settings", ranked[k])["step_s"])
+    for k in order:
+        candidate, text, _label, same = first if k == 0 else written(k)
+        if same:
+            return k + 1, text, _read_back(model, candidate, text, fmt, cluster, options, limit), first[2], first[3]
     try:
         check = _read_back(model, first[0], first[1], fmt, cluster, options, limit)
     except (NdplanError, ValidationError):
-        check = {"same": False, "strategy": first[2], "stage_layers": [], "peak_bytes": 0, "fits": False,
-                 "step_s": float("nan")}
-    return 0, first[1], check, first[2]
+        check = {"same": False, "strategy": first[2], "stage_layers": [], "peak_bytes": None, "fits": None,
+                 "step_s": None}
+    return 0, first[1], check, first[2], first[3]
 
 
 def _explain_winner(model: ModelSpec, strategy: Strategy, device: Any, options: Any) -> dict[str, Any]:
@@ -999,7 +1020,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--emit, one that format writes back: torchtitan has no recompute of the first k layers)")
     p.add_argument("--csv", help="write the ranked rows to a CSV file")
     p.add_argument("--emit", choices=EMIT_FORMATS,
-                   help="print the winner as that framework's settings")
+                   help="print the fastest ranked candidate that framework writes as priced (each read back to "
+                        "check; the first 20 at most) as its settings")
     p.add_argument("--explain", action="store_true",
                    help="print the winner's memory (peak stage) and time term by term, with formulas")
     add_runtime_arguments(p)

@@ -42,6 +42,9 @@ def _placement(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
         flags.append(("--schedules-method", "dualpipev"))
         if s.stage_layers is not None:
             lost.append(f"explicit stage_layers {list(s.stage_layers)} with DualPipeV (MindSpeed splits evenly)")
+        elif model is not None and model.num_layers % (2 * s.pp):
+            lost.append(f"{model.num_layers} layers over DualPipeV's {2 * s.pp} chunks (MindSpeed splits evenly: pad "
+                        "the layer count with --noop-layers, which changes the placement priced)")
         return flags
     if s.pp == 1:
         return flags

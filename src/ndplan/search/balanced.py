@@ -190,7 +190,7 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
     for i, candidate in enumerate(candidates):
         strategy, modules = space.strategy(int(candidate)), space.selective_modules(int(candidate))
         row = _row(strategy, int(candidate), float(peak[i]), int(stage[i]),
-                   {k: float(np.asarray(v)[i]) for k, v in times.items()}, options)
+                   {k: float(np.asarray(v)[i]) for k, v in times.items()}, options, model)
         found = plans.get(int(candidate))
         if found is not None:
             ratio = found["step_s"] / row["step_s"]

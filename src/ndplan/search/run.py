@@ -61,7 +61,7 @@ class SearchResult:
 
 
 def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str, float],
-         options: MemoryOptions | None = None) -> dict[str, Any]:
+         options: MemoryOptions | None = None, model: ModelSpec | None = None) -> dict[str, Any]:
     return {
         "candidate": int(index),
         "label": strategy.short(),
@@ -76,7 +76,7 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "peak_bytes": round(peak), "peak_stage": int(stage),
         **{k: float(v) for k, v in time.items()},
         "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
-        "caveats": known_gaps(strategy, options or MemoryOptions()),
+        "caveats": known_gaps(strategy, options or MemoryOptions(), model),
     }
 
 
@@ -297,7 +297,7 @@ def run_search(
         for p in positions:
             strategy = space.strategy(int(index_all[p]))
             out.append(_row(strategy, int(index_all[p]), float(peak_all[p]), int(stage_all[p]),
-                            {k: v[by_index[p]] for k, v in extra.items()}, options))
+                            {k: v[by_index[p]] for k, v in extra.items()}, options, model))
         return out
 
     front = _front(order, peak_all)
