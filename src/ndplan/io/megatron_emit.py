@@ -40,11 +40,9 @@ def _placement(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
     flags: Flags = []
     if s.schedule == "dualpipev":
         flags.append(("--schedules-method", "dualpipev"))
-        if s.stage_layers is not None:
-            lost.append(f"explicit stage_layers {list(s.stage_layers)} with DualPipeV (MindSpeed splits evenly)")
-        elif model is not None and model.num_layers % (2 * s.pp):
-            lost.append(f"{model.num_layers} layers over DualPipeV's {2 * s.pp} chunks (MindSpeed splits evenly: pad "
-                        "the layer count with --noop-layers, which changes the placement priced)")
+        if model is None and (s.stage_layers is not None or s.embedding_as_layer or s.output_as_layer):
+            lost.append("the layer placement under DualPipeV without the model (MindSpeed splits evenly; with the "
+                        "model, no-op layers pad it)")
         return flags
     if s.pp == 1:
         return flags
@@ -182,8 +180,32 @@ def _precision(s: Strategy, lost: list[str]) -> Flags:
     return flags
 
 
-def _model(m: ModelSpec, lost: list[str]) -> Flags:
-    flags: Flags = [("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size)]
+def _dualpipev_noop(m: ModelSpec, s: Strategy) -> tuple[int, ...]:
+    """MindSpeed's DualPipeV splits the layer slots evenly over its 2·pp chunks: a placement with
+    fewer layers in some chunks (61 over 16, or the embedding or loss counted as layers) is
+    written as that many more slots, the missing ones no-op layers (``--noop-layers``) at the
+    end of their chunks, which MindSpeed builds as identities and the reader drops again."""
+    if s.schedule != "dualpipev":
+        return ()
+    counts = layer_counts(s, m.num_layers)
+    width = max(counts)
+    return tuple(v * width + c + j for v, c in enumerate(counts) for j in range(width - c))
+
+
+def _with_noop(kinds: tuple[str, ...], noop: tuple[int, ...]) -> tuple[str, ...]:
+    """Per layer slot: the layers' kinds with each no-op slot taking its predecessor's (dropped
+    by the reader)."""
+    out: list[str] = []
+    layers = iter(kinds)
+    for slot in range(len(kinds) + len(noop)):
+        out.append((out[-1] if out else kinds[0]) if slot in noop else next(layers))
+    return tuple(out)
+
+
+def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = ()) -> Flags:
+    flags: Flags = [("--num-layers", m.num_layers + len(noop)), ("--hidden-size", m.hidden_size)]
+    if noop:
+        flags.append(("--noop-layers", ",".join(str(slot) for slot in noop)))
     if m.ffn_hidden_size:
         flags.append(("--ffn-hidden-size", m.ffn_hidden_size))
     flags.append(("--num-attention-heads", m.num_attention_heads))
@@ -244,13 +266,13 @@ def _model(m: ModelSpec, lost: list[str]) -> Flags:
         if m.shared_expert_gate:
             lost.append("the shared-expert gate")
         if m.num_dense_layers:
-            flags.append(("--moe-layer-freq", _pattern(m.layer_mlp_kinds)))
+            flags.append(("--moe-layer-freq", _pattern(_with_noop(m.layer_mlp_kinds, noop))))
     if "sliding" in m.layer_attention_spans:
         # TransformerEngine's window (left, right): keys i − left … i + right, so w keys causal.
         flags.append(("--window-size", f"{m.sliding_window - 1},0"))
         if "full" in m.layer_attention_spans:
             bits = tuple("moe" if span == "sliding" else "dense" for span in m.layer_attention_spans)
-            flags.append(("--window-attn-skip-freq", _pattern(bits)))  # 1: slides, 0: full
+            flags.append(("--window-attn-skip-freq", _pattern(_with_noop(bits, noop))))  # 1: slides, 0: full
     if m.mtp_depth:
         flags.append(("--mtp-num-layers", m.mtp_depth))
     return flags
@@ -313,7 +335,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     unfused attention (Megatron's default picks a fused kernel)."""
     lost: list[str] = []
     s = strategy
-    model_flags = _model(model, lost) if model is not None else []
+    model_flags = _model(model, lost, _dualpipev_noop(model, s)) if model is not None else []
     parallel = _parallel(s, model, lost)
     memory = _memory(s, lost)
     if not loss_upcast:
