@@ -646,6 +646,8 @@ def test_megatron_writes_dualpipev_with_noop_layers_that_read_back_as_priced(cap
     strategy = Strategy(dp=64, pp=8, vpp=2, schedule="dualpipev", ep=64, num_micro_batches=32, seq_length=4096)
     text = emit(get_preset("deepseek-v3"), strategy, "megatron")
     assert "--num-layers 64" in text and "--noop-layers 55,59,63" in text and "not expressible" not in text
+    # a MindSpeed launch (DualPipeV, no-op layers) runs fused attention only with --use-flash-attn
+    assert "--use-flash-attn" in text
     argv = ["search", "--model", "deepseek-v3", "--hardware", "h100-sxm", "--devices", "4096", "--gbs", "4096",
             "--seq", "4096", "--runtime", "megatron", "--emit", "megatron", "--top", "2", "--json"]
     data = json.loads(run(argv, capsys)[1])

@@ -52,7 +52,7 @@ MINDSPEED_ONLY = (
     "--reuse-fp32-param", "--swap-attention", "--recompute-in-advance", "--moe-alltoall-overlap-comm",
     "--moe-fb-overlap", "--context-parallel-algo", "--use-fused-moe-token-permute-and-unpermute",
     "--moe-permutation-async-comm", "--use-fused-ring-attention-update", "--use-cp-send-recv-overlap",
-    "--sparse-mode", "--pre-tockens", "--next-tockens", "--shape-order",
+    "--sparse-mode", "--pre-tockens", "--next-tockens", "--shape-order", "--schedules-method",
 )
 _SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 #: ``--offload-modules`` Megatron-Core accepts that ndplan does not price: left out with a warning.

@@ -10,6 +10,7 @@ from typing import Any
 
 from ndplan import __version__
 from ndplan.io.common import canonical_placement, layer_counts, policy_of
+from ndplan.io.megatron import MINDSPEED_ONLY
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.strategy import Strategy
 
@@ -342,6 +343,10 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         memory += [("--cross-entropy-loss-fusion", None), ("--cross-entropy-fusion-impl", "te")]
     if attention == "eager":
         memory.append(("--attention-backend", "unfused"))
+    elif any(flag in MINDSPEED_ONLY for flag, _ in model_flags + parallel + memory):
+        # A launch with MindSpeed's flags (DualPipeV, no-op layers) runs on MindSpeed, whose
+        # attention is fused only with --use-flash-attn (the reader reads it so too).
+        memory.append(("--use-flash-attn", None))
     batch: Flags = [("--micro-batch-size", s.micro_batch_size), ("--global-batch-size", s.global_batch_size),
                     ("--seq-length", s.seq_length)]
     world = s.world_size
