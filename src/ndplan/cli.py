@@ -617,7 +617,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
         result.notes.append(
             f"--balance: every fitting candidate ranked by its balanced plan (pipelines: layers per stage and "
-            f"chunk, {plans}); {balanced:,} balanced, the others' lower bound already above the top {args.top}; "
+            f"chunk, {plans}); {balanced:,} balanced, the others' lower bound already above the top {ranked_top}; "
             f"a plan reached from several starting recompute settings is listed once")
         one_setting = result.ranked[0].get("balanced_settings") if result.ranked else None
         if one_setting is not None and not one_setting["is_the_plan"]:
