@@ -633,8 +633,6 @@ def cmd_search(args: argparse.Namespace) -> int:
     data["runtime"] = options.runtime
     data["loss_upcast"] = options.loss_upcast
     data["selective_policy"] = options.selective_policy
-    if args.csv:
-        _write_csv(args.csv, result.ranked)
     # A balanced winner is written (and explained) as the settings one recompute setting expresses.
     winner = (Strategy(**result.best.get("balanced_settings", result.best)["strategy"],
                        precision=get_precision(args.precision)) if result.best else None)
@@ -663,6 +661,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     if len(result.ranked) > args.top:  # the rows --emit read back beyond --top are not listed
         del result.ranked[args.top:]
         data["ranked"] = result.ranked
+    if args.csv:
+        _write_csv(args.csv, result.ranked)
     explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
     if explained is not None:
         data["explain"] = explained
