@@ -193,12 +193,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from ndplan.report.plots import plot_memory
 
         plot_memory(report, args.plot)
-    emitted = None
-    if args.emit:
-        from ndplan.io import emit
-
-        emitted = emit(model, strategy, args.emit, overlap, loss_upcast=options.loss_upcast, attention=options.attention,
-                       selective_policy=options.selective_policy)
+    emitted = _emit_settings(model, strategy, args.emit, options, device) if args.emit else None
     if args.json:
         _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
                     "devices": strategy.world_size,
@@ -292,12 +287,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
                         "strategy": emitted.model_dump(mode="json"), "time": emitted_time.to_dict()}
     data["kind"] = "balance"
     if args.emit:
-        from ndplan.io import emit
-        from ndplan.perf import default_overlap
-
-        data["emitted"] = emit(model, emitted, args.emit, options.overlap or default_overlap(device.runtime),
-                               loss_upcast=options.loss_upcast, attention=options.attention,
-                               selective_policy=options.selective_policy)
+        data["emitted"] = _emit_settings(model, emitted, args.emit, options, device)
         data["emitted_check"] = _read_back(model, emitted, data["emitted"], args.emit, cluster, options, limit)
     # Balancing is worth running only where the full estimators agree it gains on the strategy as given.
     balanced_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
@@ -399,11 +389,8 @@ def _round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: 
     ``by_shape``: answer once per shape of setting (schedule, degrees, recompute, whether a
     limit and an uneven placement are set), as a search asks it of hundreds of plans and
     what a format can write depends on those, not on the layer counts."""
-    from ndplan.io import emit
     from ndplan.io.common import canonical_strategy
-    from ndplan.perf import default_overlap
 
-    overlap = options.overlap or default_overlap(cluster.device.runtime)
     answers: dict[tuple[Any, ...], bool] = {}
 
     def round_trips(strategy: Strategy) -> bool:
@@ -416,7 +403,8 @@ def _round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: 
         if key is not None and key in answers:
             return answers[key]
         try:
-            written = _written_strategy(model, strategy, emit(model, strategy, fmt, overlap), fmt, cluster)
+            written = _written_strategy(model, strategy, _emit_settings(model, strategy, fmt, options, cluster.device),
+                                        fmt, cluster)
         except (NdplanError, ValidationError):  # the format's reader refuses what was written
             answer = False
         else:
@@ -425,6 +413,16 @@ def _round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: 
             answers[key] = answer
         return answer
     return round_trips
+
+
+def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any) -> str:
+    """``fmt``'s settings for ``strategy`` as the options priced it: their overlap (else the
+    device runtime's defaults), loss, attention kernel and selective-recompute policy."""
+    from ndplan.io import emit
+    from ndplan.perf import default_overlap
+
+    return emit(model, strategy, fmt, options.overlap or default_overlap(device.runtime), loss_upcast=options.loss_upcast,
+                attention=options.attention, selective_policy=options.selective_policy)
 
 
 def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any) -> Any:
@@ -705,18 +703,13 @@ def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt
     as its one recompute setting, fastest by that setting's step; rank 0 and #1's settings where
     none of the first ``_WRITTEN_CHECKED`` is. Only the settings chosen are priced again (the full
     estimators, ``_read_back``)."""
-    from ndplan.io import emit
     from ndplan.io.common import canonical_strategy
-    from ndplan.perf import default_overlap
-
-    overlap = options.overlap or default_overlap(cluster.device.runtime)
 
     def written(k: int) -> tuple[Strategy, str, str, bool]:
         """Ranked row k's settings as ``fmt`` writes them: the strategy, the text, how it reads
         back, and whether that is the strategy priced."""
         candidate = Strategy(**ranked[k].get("balanced_settings", ranked[k])["strategy"], precision=precision)
-        text = emit(model, candidate, fmt, overlap, loss_upcast=options.loss_upcast, attention=options.attention,
-                    selective_policy=options.selective_policy)
+        text = _emit_settings(model, candidate, fmt, options, cluster.device)
         try:
             back = _written_strategy(model, candidate, text, fmt, cluster)
         except (NdplanError, ValidationError) as error:  # the format's reader refuses what was written
