@@ -256,9 +256,8 @@ def _imbalance(runs: dict[str, MeasuredRun], measured: dict[str, float]) -> dict
     and the errors of the 4K table's rows priced at that mean (defaults otherwise)."""
 
     def step(run: MeasuredRun, factor: float) -> float:
-        profile = run.efficiency(default_efficiency(run.device_spec())).model_copy(update={"moe_imbalance": factor})
-        return estimate_time(run.model_spec(), run.strategy_obj(), run.cluster(), efficiency=profile,
-                             overlap=run.overlap_config()).step_s
+        # (a run that states its routing, a forced-balance one, keeps its own factor)
+        return predict(run, default_efficiency(run.device_spec()).replace(moe_imbalance=factor))["step_s"]
 
     out: dict[str, str] = {}
     factors = []
