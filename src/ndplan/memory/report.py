@@ -85,8 +85,10 @@ class StageReport:
 
     @property
     def unmade_bytes(self) -> float:
-        """Gradients the backward has not made at the forward/backward peak (one micro-batch, a
-        deferred FSDP reduce): the categories' sum less that peak."""
+        """What the categories count but the forward/backward peak's moment lacks: gradients the
+        backward has not made (one micro-batch, a deferred FSDP reduce) and activations already
+        freed (an FSDP unit's moment after a micro-batch's loss or later layers): the categories'
+        sum less that peak."""
         return max(0.0, self.static_bytes + self.activations_bytes + self.comm_bytes + self.transient_bytes
                    - self.forward_backward_bytes)
 
@@ -245,7 +247,8 @@ class MemoryReport:
             f"split backward, full recompute) a weight-gradient step's rebuilt copies, per layer groups × "
             f"unread bytes = {format_bytes(stage.transient_bytes)}",
             f"fwd/bwd    = static + activations + comm + transient − not yet created "
-            f"({format_bytes(stage.unmade_bytes)}: gradients the backward has not made at that moment) "
+            f"({format_bytes(stage.unmade_bytes)}: gradients the backward has not made, or activations "
+            f"it has freed, at that moment) "
             f"= {format_bytes(stage.forward_backward_bytes)}",
             f"allocated  = max(fwd/bwd, optimizer-step peak {format_bytes(stage.step_peak_bytes)} = static"
             f" + optimizer step {format_bytes(stage.optimizer_step_bytes)}) = {format_bytes(stage.allocated_bytes)}",

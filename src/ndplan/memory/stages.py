@@ -1308,6 +1308,7 @@ def _evaluate_group(
     loss_per_token = tokens * acts.output_transient
     # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
     layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
+    last_layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
     scores_moments: dict[tuple[bool, bool, bool, bool], ScoresMoments] = {}
     # Gradient bytes per element as the stage keeps them (ZeRO-2 shards them as they are made).
     grad_width = grad_bytes / shards.grads
@@ -1331,8 +1332,13 @@ def _evaluate_group(
             backward_extra = moe_backward_extra if moe_here else acts.backward_extra["dense"]
             rebuilt = np.maximum(moe_rebuilt if moe_here else 0.0, dense_rebuilt if dense_here else 0.0)
             layer = layer_by_kinds[moe_here, dense_here] = tokens * (backward_extra + np.where(recompute_on, rebuilt, 0.0))
+            # The backward's last layer, when nothing else is held: its saved tensors (kept, or
+            # kept and rebuilt: the whole layer either way) with the working set.
+            whole = np.maximum(acts.full["moe"] if moe_here else 0.0, acts.full["dense"] if dense_here else 0.0)
+            last_layer_by_kinds[moe_here, dense_here] = tokens * (backward_extra + whole)
+        last_layer = last_layer_by_kinds[moe_here, dense_here]
         if scores_during is None or scores_grads is None:
-            layer_transient[:, column] = layer
+            layer_transient[:, column] = last_layer
             out["transient"][:, column] = np.maximum(layer, loss_per_token * last)
             continue
         moment = scores_moments.get((moe_here, dense_here, first, last))
@@ -1343,7 +1349,7 @@ def _evaluate_group(
                 kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
                 table_grad=table_made_last * first)
         scores_during[:, column], scores_grads[:, column] = moment.during, moment.grads_made
-        layer_transient[:, column] = np.maximum(layer, moment.at_end)
+        layer_transient[:, column] = np.maximum(last_layer, moment.at_end)
         out["transient"][:, column] = np.maximum(np.maximum(layer, moment.during), loss_per_token * last)
     # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
     # table (the scatter of token gradients is dense) and adds it to the kept one; by then that
@@ -1478,10 +1484,8 @@ def _evaluate_group(
             unit_grads={kind: pick(np.where(made_by_now, non_expert * grad_bytes / shards.grads
                                             + expert * grad_bytes / shards.expert_grads, 0.0))
                         for kind, (non_expert, expert) in unit_parts.items()},
-            expert_working=pick(t[:, 0] * model.num_experts_per_tok * precision.activation_bytes * (
-                2 * model.moe_ffn_hidden_size / etp * np.where(recompute_on, 2.0, 1.0)
-                + np.where(recompute_on, model.hidden_size, 0.0)
-            )),
+            expert_working=pick(t[:, 0] * _expert_weight_grad_working(model, precision.activation_bytes, etp,
+                                                                     np.where(recompute_on, acts.rebuilt["moe"], 0.0))),
             one_micro_batch=pick(per_b_virtual[:, 0]),
             one_micro_batch_layers=pick(layers_held[:, 0]),
             one_micro_batch_loss=pick(output_held),
@@ -1597,6 +1601,10 @@ def _evaluate_group(
                 "reserved": reserved, "device": reserved + overhead.fixed_bytes}
     for name, values in by_stage.items():
         out[name] = values.T
+    # An FSDP moment whose freed activations outweigh its buffers and working set (the credit
+    # above) lowers the peak's sum, which is priced; as a category the transient stays >= 0, and
+    # what the moment lacks is read as not there at the peak (``unmade_bytes``).
+    out["transient"] = np.maximum(out["transient"], 0.0)
     for name in ("params", "grads", "optimizer", "comm", "transient", "optimizer_step"):
         out[name] = shape.expand(out[name])
     if weight_step_extra is not None:
@@ -1657,6 +1665,19 @@ def _scores_backward_moments(acts: LayerActivations, layers: Any, tokens: np.nda
                      + experts * grad_widths[1])
         grads_made = np.maximum(grads_made, np.where(here, mlp_grads + head_grad_bytes * last, 0.0))
     return ScoresMoments(during=during, grads_made=grads_made, at_end=at_end)
+
+
+def _expert_weight_grad_working(model: ModelSpec, activation_bytes: int, etp: np.ndarray,
+                                rebuilt: np.ndarray) -> np.ndarray:
+    """Bytes per token beside the buffers while a MoE layer's fused gate_up weight gradient is
+    made: the gradient of the gate_up output, k·2f/etp, and what recompute rebuilt of the experts,
+    the gate_up output and their input, k·(2f/etp + h), but never more than the layer's
+    ``rebuilt`` bytes per token (Megatron's default selective recompute rebuilds the attention
+    core alone, not the experts; 0 without recompute). k experts a token, f their width."""
+    per_expert_token = model.num_experts_per_tok * activation_bytes
+    gradient = per_expert_token * 2 * model.moe_ffn_hidden_size / etp
+    rebuilt_experts = per_expert_token * (2 * model.moe_ffn_hidden_size / etp + model.hidden_size)
+    return gradient + np.minimum(rebuilt_experts, rebuilt)
 
 
 @dataclass(frozen=True)
