@@ -555,7 +555,9 @@ def test_fsdp_across_nodes_hides_under_nvlink_collectives_too(monkeypatch):
     across = estimate_time(model, Strategy(dp=32, **common), _cluster(32)).breakdown["comm_exposed"]
     inside = estimate_time(model, Strategy(dp=8, **common), _cluster(8)).breakdown["comm_exposed"]
     nothing = np.zeros(1, dtype=bool)
-    monkeypatch.setattr(layer, "_fsdp_beside_scaleup", lambda ctx, cols: (nothing, nothing, nothing))
+    beside_and_sharing = layer._fsdp_beside_scaleup
+    monkeypatch.setattr(layer, "_fsdp_beside_scaleup",
+                        lambda ctx, cols: ((nothing, nothing, nothing), beside_and_sharing(ctx, cols)[1]))
     across_uncovered = estimate_time(model, Strategy(dp=32, **common), _cluster(32)).breakdown["comm_exposed"]
     inside_uncovered = estimate_time(model, Strategy(dp=8, **common), _cluster(8)).breakdown["comm_exposed"]
     assert across["ep"] > 0.1

@@ -333,7 +333,16 @@ def _fsdp_groups(cols: dict[str, Array]) -> tuple[Array, Array]:
 def _fsdp_seconds(
     ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float
 ) -> tuple[Array | float, Array | float]:
-    """(forward, backward) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces
+    """(forward, backward) FSDP/ZeRO-3 seconds (``_fsdp_pass_seconds``, the backward's gather and
+    reduce together)."""
+    forward, gather, reduce = _fsdp_pass_seconds(ctx, cols, non_expert, expert)
+    return forward, gather + reduce
+
+
+def _fsdp_pass_seconds(
+    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float
+) -> tuple[Array | float, Array | float, Array | float]:
+    """(forward, backward gather, backward reduce) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces
     per micro-batch (its non-expert parameters per tensor-parallel rank, its routed experts per
     ep·etp rank). Under a pipeline that defers FSDP's reduce (``pipeline_defers_fsdp_reduce``)
     a micro-batch reduces nothing and gathers once (for its backward) where parameters are
@@ -358,23 +367,29 @@ def _fsdp_seconds(
     # a layer is gathered again for its backward and the next forward finds it gathered (one
     # gather a micro-batch, priced in the backward); not resharded, never (once a run, step.py).
     forward = np.where(sharded & ~deferred, ag, 0.0)
-    backward = np.where(sharded, np.where(reshard, ag, 0.0) + np.where(deferred, 0.0, rs), 0.0)
-    return forward, backward
+    return (forward, np.where(sharded & reshard, ag, 0.0), np.where(sharded & ~deferred, rs, 0.0))
 
 
-def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[Array, Array, Array]:
-    """Where the main stream's TP, CP and EP collectives can cover FSDP transfers: (tp, cp, ep)
-    masks, true where FSDP's shard groups all cross the scale-up domain (their traffic is on
-    the scale-out network) and that dimension's group stays inside it (its traffic is on the
-    scale-up links). FSDP runs on its own stream, so it proceeds while the main stream waits
-    on an NVLink collective; where both use the same links they share them, and the
-    collective covers nothing."""
+def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[tuple[Array, Array, Array],
+                                                                              tuple[Array, Array, Array]]:
+    """How the main stream's TP, CP and EP collectives stand to FSDP's transfers, as two triples
+    of (tp, cp, ep) masks. Beside: FSDP's shard groups all cross the scale-up domain (their
+    traffic is on the scale-out network) and that dimension's group stays inside it (its traffic
+    is on the scale-up links); FSDP runs on its own stream, so it proceeds while the main stream
+    waits on such a collective, which covers it. Sharing: both on the same links (both inside
+    the domain, or both across it), where the time a collective spends hidden under compute is
+    link time FSDP cannot have; otherwise (FSDP inside, the dimension across) neither."""
     domain = ctx.fabric.domain
     cp, t, e, x = cols["cp"], cols["tp"], cols["ep"], cols["etp"]
     shard, edp = _fsdp_groups(cols)
-    out = ((shard <= 1) | ~fits_in_domain(shard, t, domain)) & ((edp <= 1) | ~fits_in_domain(edp, e * x, domain))
-    return (out & fits_in_domain(t, 1.0, domain), out & fits_in_domain(cp, t, domain),
-            out & fits_in_domain(e, x, domain))
+    fsdp_inside = fits_in_domain(shard, t, domain) & ((edp <= 1) | fits_in_domain(edp, e * x, domain))
+    fsdp_out = ((shard <= 1) | ~fits_in_domain(shard, t, domain)) & ((edp <= 1) | ~fits_in_domain(edp, e * x, domain))
+    tp_in, cp_in, ep_in = fits_in_domain(t, 1.0, domain), fits_in_domain(cp, t, domain), fits_in_domain(e, x, domain)
+
+    def sharing(group_inside: Array) -> Array:
+        return (fsdp_inside & group_inside) | (fsdp_out & ~group_inside)
+
+    return (fsdp_out & tp_in, fsdp_out & cp_in, fsdp_out & ep_in), (sharing(tp_in), sharing(cp_in), sharing(ep_in))
 
 
 def _pass_gemm_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[dict[str, Array | float], dict[str, Array | float]]:
@@ -555,14 +570,34 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # backward (the hook gathers once, the replay finds the parameters whole), so it hides them too.
     # So do the main stream's collectives on other links (_fsdp_beside_scaleup).
     non_expert, expert = _layer_param_split(model, kind)
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, non_expert, expert)
-    by_tp, by_cp, by_ep = _fsdp_beside_scaleup(ctx, cols)
+    fs_f, fs_gather_b, fs_reduce_b = _fsdp_pass_seconds(ctx, cols, non_expert, expert)
+    (by_tp, by_cp, by_ep), (sharing_tp, sharing_cp, sharing_ep) = _fsdp_beside_scaleup(ctx, cols)
     replays = np.where(full, 1.0, 0.0)
     stream_f = np.where(by_tp, tp_f, 0.0) + np.where(by_cp, cp_f, 0.0) + np.where(by_ep, ep_f, 0.0)
     stream_b = (np.where(by_tp, tp_b, 0.0) + np.where(by_cp, cp_b, 0.0) + np.where(by_ep, ep_b, 0.0)
                 + replays * stream_f)
-    out.add("F", "dp", _exposed(fs_f, compute_f + stream_f, ctx.overlap.fsdp_prefetch))
-    out.add("B", "dp", _exposed(fs_b, compute_b + compute_w + recomputed_s + stream_b, ctx.overlap.fsdp_prefetch))
+    # A collective hidden under the same compute on FSDP's links holds those links meanwhile:
+    # that compute covers FSDP for what is left, so that the two together never hide more than
+    # the compute lasts (counted apart, a faster device, less cover, exposed both and ran slower).
+    ep_hidden_f: Array | float = 0.0
+    ep_hidden_b: Array | float = 0.0
+    if kind == "moe":
+        paired = np.where(hide_ep, 1.0 - unpaired, 0.0)
+        ep_hidden_f = paired * np.minimum(forward, compute_f)
+        ep_hidden_b = paired * np.minimum(backward, compute_b + compute_w)
+    held_f = (np.where(sharing_tp, tp - tp_f, 0.0) + np.where(sharing_cp, ring_f + a2a - cp_f, 0.0)
+              + np.where(sharing_ep, ep_hidden_f, 0.0))
+    held_b = (np.where(sharing_tp, tp - tp_b, 0.0) + np.where(sharing_cp, ring_b + a2a - cp_b, 0.0)
+              + np.where(sharing_ep, ep_hidden_b, 0.0) + replays * held_f)
+    cover_f = np.maximum(compute_f + stream_f - held_f, 0.0)
+    cover_b = np.maximum(compute_b + recomputed_s + stream_b - held_b, 0.0)
+    out.add("F", "dp", _exposed(fs_f, cover_f, ctx.overlap.fsdp_prefetch))
+    # A split backward runs W later, apart from B: B's gather hides under B alone and the
+    # reduce, of the gradients W makes, under W; elsewhere both under the whole backward.
+    split = np.isin(cols["schedule"], SPLIT_SCHEDULE_CODES)
+    together = _exposed(fs_gather_b + fs_reduce_b, cover_b + compute_w, ctx.overlap.fsdp_prefetch)
+    out.add("B", "dp", np.where(split, _exposed(fs_gather_b, cover_b, ctx.overlap.fsdp_prefetch), together))
+    out.add("W", "dp", np.where(split, _exposed(fs_reduce_b, compute_w, ctx.overlap.fsdp_prefetch), 0.0))
     if ctx.weight_grad_rebuilds:
         # A split backward's W calls autograd once per parameter group, and each call replays
         # the checkpointed layer's forward: G more forwards per layer and micro-batch (traced

@@ -200,11 +200,13 @@ def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = 
 
     FSDP's data-parallel size and shard group only matter when parameters are sharded, so they
     are zeroed otherwise; whether the schedule splits the backward only under full recompute
-    with ``weight_grad_rebuilds`` (W's rebuilds, ``layer.decoder_layer``); whether a pipeline
-    defers FSDP's reduce only where it does (``defers_fsdp_reduce``, ``layer._fsdp_seconds``).
+    with ``weight_grad_rebuilds`` (W's rebuilds, ``layer.decoder_layer``) or with sharded
+    parameters (W's reduce, apart from B's gather); whether a pipeline defers FSDP's reduce only
+    where it does (``defers_fsdp_reduce``, ``layer._fsdp_seconds``).
     """
     sharded = (ints["zero"] >= 3) | (ints["fsdp"] > 0)
-    rebuilt = np.isin(ints["schedule"], SPLIT_SCHEDULE_CODES) & (ints["recompute"] == 2) & weight_grad_rebuilds
+    split = np.isin(ints["schedule"], SPLIT_SCHEDULE_CODES)
+    rebuilt = split & (ints["recompute"] == 2) & weight_grad_rebuilds
     columns = [ints[name] for name in _LAYER_FIELDS] + [
         rebuilt,
         sharded,
@@ -212,6 +214,7 @@ def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = 
         ints["shard_group"] * sharded,
         ints["reshard_after_forward"] * sharded,
         sharded & (ints["pp"] > 1) & defers_fsdp_reduce,
+        sharded & split,
     ]
     config, count = row_codes(columns)
     return first_of_codes(config, count), config
