@@ -541,6 +541,19 @@ def test_emitting_torchtitan_prices_the_selective_policy_it_writes(capsys):
     chosen = run([*argv, "--emit", "torchtitan", "--selective-policy", "keep-matmuls"], capsys)[1]
     assert json.loads(chosen)["selective_policy"] == "keep-matmuls"
 
+def test_emitted_settings_are_printed_unwrapped(capsys):
+    """Settings to paste are never wrapped at the console's width: a wrapped Megatron line split
+    its --recompute-modules (a shell syntax error) and a wrapped TOML comment broke the file."""
+    argv = ["estimate", "--model", "deepseek-v3", "--hardware", "h100-sxm", "--devices", "512", "--tp", "2",
+            "--pp", "8", "--vpp", "2", "--schedule", "interleaved", "--ep", "64", "--etp", "1", "--gbs", "1024",
+            "--sp", "--zero", "1", "--runtime", "megatron", "--recompute", "selective",
+            "--recompute-modules", "mla_up_proj", "moe_act", "layernorm", "--emit", "megatron"]
+    out = run(argv, capsys)[1]
+    header = [line for line in out.splitlines() if line.startswith("# Megatron-LM arguments written by ndplan")]
+    assert len(header) == 1 and header[0].endswith("rc-selective(layernorm+moe_act+mla_up_proj)")
+    assert any(len(line) > 160 for line in out.splitlines())  # longer than the console's 160 columns
+
+
 def test_search_with_a_fixed_value_no_cluster_allows_says_so(capsys):
     """tp=3 never divides a power-of-two cluster: more devices cannot help, and the search says
     that rather than "no strategy fits even on 512 devices"."""

@@ -237,7 +237,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     _print_kernels(options)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
-        console.print(emitted, markup=False)
+        console.print(emitted, markup=False, soft_wrap=True)  # settings to paste: never wrapped
     if args.explain:
         console.print("memory, peak stage:")
         for line in report.explain():
@@ -368,7 +368,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
         console.print(f"priced for the pytorch runtime; add --runtime megatron to price what a {args.emit} launch runs")
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
-        console.print(data["emitted"], markup=False)
+        console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
     return 0
 
 
@@ -674,7 +674,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if data.get("emitted"):
         whose = "the winner" if data.get("emitted_rank") in (1, 0) else f"#{data['emitted_rank']}"
         console.print(f"\n[bold]{args.emit}[/] settings of {whose}:")
-        console.print(data["emitted"], markup=False)
+        console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
     if explained is not None and winner is not None:
         console.print(f"\n[bold]the winner, {winner.short()}, explained[/] (as `ndplan estimate --explain`)")
         ranked = result.best["step_s"] if result.best and "balanced_settings" not in result.best else None
