@@ -520,16 +520,31 @@ def test_search_balance_for_torchtitan_ranks_settings_torchtitan_writes(capsys):
     """search --balance one-setting --emit torchtitan ranks plans torchtitan can write (no
     first-k-layers recompute), where for Megatron the same search ranks rc-full:k first. (--emit
     torchtitan prices selective recompute as torchtitan's per-op policy, which it writes, unless
-    told otherwise: both searches price the runtime's own here, so that only what each can write
-    differs.)"""
+    told otherwise: both searches price the runtime's own here, and one precision, so that only
+    what each can write differs.)"""
     argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--fix", "tp=2", "pp=4",
             "schedule=1f1b", "--memory-limit", "30GiB", "--balance", "one-setting", "--json",
-            "--selective-policy", "keep-matmuls"]
+            "--selective-policy", "keep-matmuls", "--precision", "megatron-bf16"]
     megatron = json.loads(run([*argv, "--emit", "megatron"], capsys)[1])["ranked"][0]
     titan = json.loads(run([*argv, "--emit", "torchtitan"], capsys)[1])["ranked"][0]
     assert megatron["balanced_settings"]["strategy"]["recompute_layers"] > 0
     assert titan["balanced_settings"]["strategy"]["recompute_layers"] == 0
     assert titan["step_s"] >= megatron["step_s"]
+
+
+def test_search_emit_prices_the_precision_the_format_writes(capsys):
+    """MindSpore keeps parameters, gradients and states in one dtype: --emit mindformers prices the
+    candidates so (fsdp-bf16) unless --precision says otherwise, and then the check prices the file
+    in its own precision and says it is not as priced (it said "same", 69.8 GiB, where the file
+    runs 83.5 GiB, over the device)."""
+    argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "16", "--gbs", "64", "--json",
+            "--emit", "mindformers"]
+    native = json.loads(run(argv, capsys)[1])
+    assert native["emitted_check"]["precision"] == "fsdp-bf16" and native["emitted_check"]["same"]
+    assert native["emitted_check"]["fits"]
+    forced = json.loads(run([*argv, "--precision", "megatron-bf16"], capsys)[1])
+    check = forced["emitted_check"]
+    assert check["precision"] == "fsdp-bf16" and not check["same"] and not check["fits"]
 
 
 def test_emitting_torchtitan_prices_the_selective_policy_it_writes(capsys):
@@ -629,7 +644,7 @@ def test_search_emit_says_when_no_ranked_candidate_is_written_as_priced(capsys, 
     # before no-op layers padded it) skips the candidate, never fatal; no temporary file named.
     import ndplan.cli as cli
 
-    def refuse(*_: object) -> None:
+    def refuse(*_: object, **__: object) -> None:
         raise NdplanError("/tmp/tmpabc/emitted.sh:5: --num-layers: 61 layers do not split evenly")
 
     monkeypatch.setattr(cli, "_written_strategy", refuse)

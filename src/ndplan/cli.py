@@ -252,6 +252,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_balance(args: argparse.Namespace) -> int:
     from ndplan.balance import balance, plan_strategy
     from ndplan.hardware import Cluster
+    from ndplan.io.common import policy_of
 
     settings, model, read = _settings_and_model(args)
     device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
@@ -360,8 +361,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       + ("" if given["fits"] else ", which does not fit"))
     check = data.get("emitted_check")
     if check and not check["same"]:
-        console.print(f"[bold red]the {args.emit} settings written run {check['strategy']}[/] ({args.emit} cannot "
-                      f"express all of {emitted.short()}, layers {list(emitted.stage_layers or ())}): by the full "
+        console.print(f"[bold red]the {args.emit} settings written run {check['strategy']}[/] in {check['precision']} "
+                      f"({args.emit} cannot express all of {emitted.short()} in {policy_of(emitted.precision).name}, "
+                      f"layers {list(emitted.stage_layers or ())}): by the full "
                       f"estimators, peak {format_bytes(check['peak_bytes'])} "
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
     if options.runtime == "pytorch" and args.emit in ("megatron", "mindformers"):
@@ -425,8 +427,9 @@ def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, devic
                 attention=options.attention, selective_policy=options.selective_policy)
 
 
-def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any) -> Any:
-    """The strategy ``fmt`` settings ``text`` describe, read back as --from reads them (normal form)."""
+def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:
+    """The strategy ``fmt`` settings ``text`` describe, read back as --from reads them (normal form),
+    with ``emitted``'s precision (the structure compared) or, ``own_precision``, the file's."""
     import tempfile
 
     from ndplan.io import read_config
@@ -437,23 +440,40 @@ def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: An
         path = Path(folder) / f"emitted{suffix}"
         path.write_text(text)
         read = read_config(path, model, cluster.num_devices, fmt)
-    return canonical_strategy(read.strategy(cluster.num_devices).model_copy(update={"precision": emitted.precision}),
+    strategy = read.strategy(cluster.num_devices)
+    return canonical_strategy(strategy if own_precision else strategy.model_copy(update={"precision": emitted.precision}),
                               model)
+
+
+def _written_precision(model: Any, fmt: str, options: Any, device: Any) -> Any:
+    """The precision ``fmt`` writes where it cannot write Megatron's (torchtitan's FSDP keeps fp32
+    shards, MindSpore one dtype for parameters, gradients and states): read back from the
+    settings it writes for one device."""
+    from ndplan.hardware import Cluster
+    from ndplan.io.common import policy_of
+
+    plain = Strategy()
+    text = _emit_settings(model, plain, fmt, options, device)
+    return policy_of(_written_strategy(model, plain, text, fmt, Cluster(device=device, num_devices=1),
+                                       own_precision=True).precision)
 
 
 def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, options: Any, limit: float) -> dict[str, Any]:
     """What the written ``fmt`` settings run, read back as ``--from`` reads them and priced by the
     full estimators; ``same``: they are the balanced settings (a format may not express an
     uneven placement under some schedules, or recompute on some layers only)."""
-    from ndplan.io.common import canonical_strategy
+    from ndplan.io.common import canonical_strategy, policy_of, same_bytes
     from ndplan.memory import estimate
     from ndplan.perf import estimate_time
 
-    written = _written_strategy(model, emitted, text, fmt, cluster)
-    same = written == canonical_strategy(emitted, model)
+    written = _written_strategy(model, emitted, text, fmt, cluster, own_precision=True)
+    # The settings run in the precision the file states, which a format may not write as priced.
+    precision = policy_of(written.precision)
+    same = written.model_copy(update={"precision": emitted.precision}) == canonical_strategy(emitted, model)
     peak = estimate(model, written, cluster.device, options, num_devices=cluster.num_devices).peak_bytes
     step = estimate_time(model, written, cluster, **options.time_keywords()).step_s
-    return {"same": same, "strategy": written.short(), "stage_layers": list(written.stage_layers or ()),
+    return {"same": same and same_bytes(precision, policy_of(emitted.precision)), "strategy": written.short(),
+            "stage_layers": list(written.stage_layers or ()), "precision": precision.name,
             "peak_bytes": round(peak), "fits": peak <= limit, "step_s": step}
 
 
@@ -528,6 +548,7 @@ def search_result_dict(result: Any, model: ModelSpec, device: Any, space: Any) -
 def cmd_search(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ndplan.io.common import policy_of
     from ndplan.search import default_space, run_search, runtime_step_time
     from ndplan.search.space import runtime_reshard_under_pipeline
     from ndplan.strategy import get_precision
@@ -560,10 +581,20 @@ def cmd_search(args: argparse.Namespace) -> int:
     offload_sets = _searched_sets(args, read, model, "offload")
 
     options = _memory_options(args, {"overlap": args.overlap}, read, device)
+    # Priced as the user's framework runs: a file states its precision; a format that cannot
+    # write Megatron's (torchtitan's fp32 FSDP shards, MindSpore's one dtype) runs its own.
+    if args.precision is not None:
+        precision = get_precision(args.precision)
+    elif read is not None and "precision" in read.strategy_settings:
+        precision = policy_of(read.strategy_settings["precision"])
+    elif args.emit:
+        precision = _written_precision(model, args.emit, options, device)
+    else:
+        precision = get_precision("megatron-bf16")
 
     def space_on(devices: int) -> Any:
         """The space the flags describe, on ``devices`` devices (the degrees it enumerates depend on them)."""
-        return default_space(model, device, devices, args.gbs, args.seq, get_precision(args.precision),
+        return default_space(model, device, devices, args.gbs, args.seq, precision,
                              dims=tuple(args.dims) if args.dims else None, fixed=fixed,
                              recompute_modules=recompute_sets, offload_modules=offload_sets,
                              # Megatron runs FSDP under a pipeline only resharding (Megatron-FSDP)
@@ -633,14 +664,19 @@ def cmd_search(args: argparse.Namespace) -> int:
     data["selective_policy"] = options.selective_policy
     # A balanced winner is written (and explained) as the settings one recompute setting expresses.
     winner = (Strategy(**result.best.get("balanced_settings", result.best)["strategy"],
-                       precision=get_precision(args.precision)) if result.best else None)
+                       precision=precision) if result.best else None)
     if args.emit and winner is not None:
         from ndplan.hardware import Cluster
 
         emitted_rank, text, check, first_written, first_same = _first_written_as_priced(
             model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
-            get_precision(args.precision), limit or device.memory_bytes)
+            precision, limit or device.memory_bytes)
         data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
+        if check.get("precision") and check["precision"] != precision.name and check["step_s"] is not None:
+            data["notes"].append(
+                f"--emit {args.emit} writes precision {check['precision']}, not {precision.name} as priced: the file "
+                f"runs peak {format_bytes(check['peak_bytes'])} ({'fits' if check['fits'] else 'over the limit'}), "
+                f"step {check['step_s']:.3f} s (search with --precision {check['precision']} to rank as it runs)")
         as_written = [row.get("balanced_settings", row) for row in result.ranked]  # what one setting writes
         if emitted_rank > 1:
             data["notes"].append(
@@ -989,7 +1025,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
     p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b")
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
-    p.add_argument("--precision", choices=sorted(PRECISION_PRESETS), default="megatron-bf16")
+    p.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
+                   help="the candidates' precision (default: the --from file's, else the one --emit's format "
+                        "writes, else megatron-bf16)")
     p.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
                    help="what the selective-recompute candidates re-run (Megatron-Core's --recompute-modules; "
                         "runtime megatron); default: the runtime's own policy")
