@@ -64,3 +64,18 @@ def test_selective_recompute_matches_census(name):
         kind = record.layer_kind.split("-")[-1]
         if kind != "output":
             assert acts.recomputed[kind][0] == pytest.approx(record.selective.saved_bytes_per_token, rel=0.05), kind
+
+
+def test_a_census_of_another_model_is_refused() -> None:
+    """A census's bytes per token belong to the layers it measured: given for another model (the
+    same hidden size included: Llama-3.1-8B's for Qwen3-8B) the estimate refused nothing and
+    priced the wrong layers (Llama-3.1-70B's activations 52.4 GiB read 25.5)."""
+    from ndplan.errors import NdplanError
+    from ndplan.memory import estimate
+
+    text = resources.files("ndplan.memory").joinpath("census", "llama-3.1-8b.json").read_text()
+    options = MemoryOptions(census=tuple(from_json(text)))
+    estimate(get_preset("llama-3.1-8b"), Strategy(), None, options)  # its own model: fine
+    for other in ("llama-3.1-70b", "qwen3-8b"):
+        with pytest.raises(NdplanError, match=rf"measured on llama-3.1-8b \(hidden size 4096\), not on {other}"):
+            estimate(get_preset(other), Strategy(), None, options)

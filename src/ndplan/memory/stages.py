@@ -261,9 +261,16 @@ def shipped_census(model: ModelSpec) -> tuple[CensusRecord, ...]:
     return tuple(r for r in records if r.hidden_size == model.hidden_size)
 
 
-def _census_for(options: MemoryOptions, kind: str) -> CensusRecord | None:
+def _census_for(options: MemoryOptions, kind: str, model: ModelSpec | None = None) -> CensusRecord | None:
+    """The census record of layer ``kind`` among ``options.census``; with ``model``, refused where
+    it was measured on another model (its bytes per token would price the wrong layers)."""
     for record in options.census:
         if record.layer_kind == kind or record.layer_kind.endswith(f"-{kind}"):
+            if model is not None and (record.model != model.name or record.hidden_size != model.hidden_size):
+                raise NdplanError(
+                    f"the census record of layer kind '{record.layer_kind}' was measured on {record.model} (hidden "
+                    f"size {record.hidden_size}), not on {model.name} (hidden size {model.hidden_size}): measure "
+                    f"this model with `ndplan census {model.name}`, or leave out --census")
             return record
     return None
 
@@ -395,7 +402,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             backward_extra[shipped_kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
     kind: MlpKind
     for kind in ("dense", "moe"):
-        measured = _census_for(options, kind)
+        measured = _census_for(options, kind, model)
         if measured is not None:
             if offload:
                 raise NdplanError("a census measures what a layer keeps on the device, not activation offload "
@@ -447,7 +454,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     weight_past = {"dense": block("mlp", "past_weights"), "moe": block("moe", "past_weights")}
     embedding = 0.0 * tp + block("embedding")
     output = 0.0 * tp + block("norm") + block("output")
-    measured_output = _census_for(options, "output")
+    measured_output = _census_for(options, "output", model)
     if measured_output is not None:
         output = _measured(measured_output, tp, seq)
     # MTP module: embedding of the shifted tokens, two input norms, the concatenated 2h input of
