@@ -648,6 +648,36 @@ def test_profile_overhead_constants_are_checked(tmp_path: Path, overhead: str, n
         get_profile(str(path))
 
 
+@pytest.mark.parametrize("text, needle", [
+    ("foo: [1, 2\n", r"mine.yaml:2: malformed runtime profile YAML \(did not find expected ',' or '\]'\)"),
+    ("blocks: 5\n", "a runtime profile needs a 'blocks' mapping"),
+    ("blocks: {}\n", "blocks norm, attention, mlp, layer_input, output are missing or empty"),
+])
+def test_a_malformed_runtime_profile_is_refused_by_name(tmp_path: Path, text: str, needle: str):
+    """A --runtime YAML that does not parse, or states no blocks, is refused naming the file (it
+    raised yaml's and Python's own errors, or priced layers that keep nothing)."""
+    from ndplan.memory.profile import get_profile
+
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(NdplanError, match=needle):
+        get_profile(str(path))
+
+
+def test_a_profile_block_is_a_list_of_saved_tensors(tmp_path: Path):
+    import yaml
+
+    from ndplan.memory.profile import get_profile
+
+    shipped = Path(__file__).parents[1] / "src" / "ndplan" / "memory" / "profiles" / "pytorch.yaml"
+    data = yaml.safe_load(shipped.read_text())
+    data["blocks"]["sdpa_masked"] = 7
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(NdplanError, match="block 'sdpa_masked' is a list of saved tensors"):
+        get_profile(str(path))
+
+
 def test_scores_backward_moment_counts_only_the_gradients_made_by_then():
     """Eager attention at 8k under full recompute, one micro-batch, pp2: on stage 0 the embedding's
     gradient is made after every layer's backward, tied table or not (the head keeps its own copy

@@ -34,6 +34,8 @@ SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "expert_tokens", "expert_width", "
 #: which is most of ``ndplan estimate``'s start-up), else the pure-Python one. Both are safe.
 _SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
+#: The blocks every layer has: a profile must say what each keeps.
+REQUIRED_BLOCKS: tuple[str, ...] = ("norm", "attention", "mlp", "layer_input", "output")
 BLOCKS: tuple[str, ...] = (
     "norm", "attention", "attention_mla", "eager_scores", "sdpa_masked", "sdpa_math", "eager_backward_extra",
     "sdpa_math_backward_extra", "softmax_backward_product", "mlp", "moe", "layer_input", "embedding",
@@ -180,13 +182,21 @@ class RuntimeProfile:
 
 
 def _parse_profile(data: Any, source: str) -> RuntimeProfile:
-    if not isinstance(data, dict) or "blocks" not in data:
-        raise NdplanError(f"{source}: a runtime profile needs a 'blocks' mapping")
+    if not isinstance(data, dict) or not isinstance(data.get("blocks"), dict):
+        raise NdplanError(f"{source}: a runtime profile needs a 'blocks' mapping (block name: list of saved tensors)")
+    # Without these the layers would keep nothing for backward: an estimate, silently far low.
+    missing = [block for block in REQUIRED_BLOCKS if not data["blocks"].get(block)]
+    if missing:
+        raise NdplanError(f"{source}: blocks {', '.join(missing)} are missing or empty; every profile states what "
+                          f"{', '.join(REQUIRED_BLOCKS)} keep")
     linear = data.get("linear_input_shard", "sp")
     blocks: dict[str, tuple[SavedTensor, ...]] = {}
     for block, entries in data["blocks"].items():
         if block not in BLOCKS:
             raise NdplanError(f"{source}: unknown block '{block}'; known: {', '.join(BLOCKS)}")
+        if entries is not None and not (isinstance(entries, list) and all(isinstance(e, dict) for e in entries)):
+            raise NdplanError(f"{source}: block '{block}' is a list of saved tensors ({{name, elements, bytes, shard, "
+                              f"keep}} each), got {entries!r}")
         parsed = []
         for entry in entries or []:
             try:
@@ -312,7 +322,14 @@ def get_profile(name: str) -> RuntimeProfile:
         path = Path(name)
         if not path.is_file():
             raise NdplanError(f"{path}: no such runtime profile file")
-        return _parse_profile(yaml.load(read_text(path), Loader=_SAFE_LOADER), str(path))
+        try:
+            data = yaml.load(read_text(path), Loader=_SAFE_LOADER)
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            line = f":{where.line + 1}" if where is not None else ""
+            raise NdplanError(f"{path}{line}: malformed runtime profile YAML "
+                              f"({getattr(error, 'problem', None) or error})") from None
+        return _parse_profile(data, str(path))
     if name not in profile_names():
         raise NdplanError(f"unknown runtime '{name}'{did_you_mean(name, profile_names())}; known: "
                           f"{', '.join(profile_names())} (or a profile YAML path)")
