@@ -482,3 +482,16 @@ def test_fsdp_candidates_reshard_under_a_pipeline_as_the_runtime_does():
         assert np.all(batch.reshard_after_forward[sharded & (batch.pp > 1)] == int(reshard))
         assert np.all(batch.reshard_after_forward[~sharded] == 1)  # nothing to reshard: the canonical value
         assert (sharded & (batch.pp > 1)).any()
+
+
+def test_long_sequences_search_as_many_context_ranks_as_keep_8k_tokens_each():
+    """Context parallelism was capped at 16 ranks: a 1M-token Llama-3.1-8B fitted nowhere, and
+    the search said so for any cluster size (with --fix cp=64, 32 strategies fit)."""
+    from ndplan.model import get_preset
+
+    model = get_preset("llama-3.1-8b")
+    assert default_space(model, DEVICE, 512, 32, 4096, get_precision("megatron-bf16")).cp[-1] == 16
+    space = default_space(model, DEVICE, 512, 32, 1 << 20, get_precision("megatron-bf16"))
+    assert space.cp[-1] == 128
+    result = run_search(model, DEVICE, space, step_time_batch, top=1)
+    assert result.fitting > 0 and result.ranked[0]["strategy"]["cp"] >= 32

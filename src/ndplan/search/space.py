@@ -354,7 +354,9 @@ def default_space(
         # so the search can say how many candidates each rule removed.
         "tp": tuple(_divisors(num_devices, domain)),
         "sp": (0, 1),
-        "cp": tuple(_divisors(num_devices, 16)),
+        # Context parallelism up to 16 ranks, more for long sequences: as many as keep 8K tokens
+        # each (a 1M-token sequence fits nowhere on 16).
+        "cp": tuple(_divisors(num_devices, max(16, seq_length // 8192))),
         "cp_kind": ("ring", "ulysses"),
         "ep": tuple(_divisors(num_devices, model.num_experts)) if moe else (1,),
         "etp": (1, 0) if moe else (0,),
