@@ -337,6 +337,8 @@ def test_balanced_ranking_equals_balancing_every_candidate():
             r["unbalanced_tokens_per_s"] * r["unbalanced_step_s"] if "unbalanced_tokens_per_s" in r
             else space.global_batch_size * space.seq_length, rel=1e-12)
         assert "compute_s" not in r and "hfu" not in r and "unbalanced_compute_s" in r and "unbalanced_hfu" in r
+        # the candidate's own strategy too (it read as the row's, recompute full, no placement)
+        assert "strategy" not in r and r["unbalanced_strategy"]["recompute"] == r["unbalanced_recompute"]
     # The label states the plan's recompute, layer counts per option, not the candidate's setting.
     for row in balanced_rows:
         options = [r["option"] for r in row["balanced_recompute"] for _ in range(r["count"])]

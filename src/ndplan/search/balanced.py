@@ -206,6 +206,9 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
             row["tokens_per_s_per_device"] = row["tokens_per_s_per_device"] / ratio
             row["mfu"] = row["mfu"] / ratio
             row["unbalanced_recompute"], row["recompute"] = row["recompute"], "per-layer"
+            # The candidate before balancing, apart too: the plan is balanced_stage_layers with
+            # balanced_recompute, and the settings one recompute setting writes balanced_settings'.
+            row["unbalanced_strategy"] = row.pop("strategy")
             plan_bytes = found["cost"].stage_memory_bytes
             row["balanced_peak_bytes"] = round(float(plan_bytes.max()))
             # Its peak by the balancer's per-layer figures (the full estimator prices one recompute
