@@ -227,6 +227,18 @@ def test_megatron_launch_keeps_dropout_and_the_attention_kernel(tmp_path: Path) 
     assert "--attention-backend" not in emit(model, Strategy(dp=2, micro_batch_size=1, num_micro_batches=2), "megatron")
 
 
+def test_megatron_launch_runs_the_experts_as_priced(tmp_path: Path) -> None:
+    """A MoE launch runs its experts as one grouped GEMM, as ndplan prices them by default: the
+    launch lacked --moe-grouped-gemm, so it read back as SequentialMLP (0.13 GiB less)."""
+    model, strategy = get_preset("qwen3-30b-a3b"), Strategy(dp=2, ep=2, micro_batch_size=1, num_micro_batches=2)
+    for grouped in (True, False):
+        text = emit(model, strategy, "megatron", grouped_gemm=grouped)
+        assert ("--moe-grouped-gemm" in text) is grouped
+        path = tmp_path / "run.sh"
+        path.write_text(text)
+        assert read_config(path).runtime_settings.get("grouped_gemm", True) is grouped
+
+
 @pytest.mark.parametrize("spans", [("sliding", "sliding", "sliding", "full") * 2, ("full",) * 4 + ("sliding",) * 4])
 def test_megatron_window_pattern_round_trips(spans: tuple[str, ...], tmp_path: Path) -> None:
     """A mix of sliding and full layers: --window-size with --window-attn-skip-freq's list."""

@@ -419,12 +419,14 @@ def _round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: 
 
 def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any) -> str:
     """``fmt``'s settings for ``strategy`` as the options priced it: their overlap (else the
-    device runtime's defaults), loss, attention kernel and selective-recompute policy."""
+    device runtime's defaults), loss, attention kernel, selective-recompute policy and experts'
+    GEMM."""
     from ndplan.io import emit
     from ndplan.perf import default_overlap
 
     return emit(model, strategy, fmt, options.overlap or default_overlap(device.runtime), loss_upcast=options.loss_upcast,
-                attention=options.attention, selective_policy=options.selective_policy)
+                attention=options.attention, selective_policy=options.selective_policy,
+                grouped_gemm=options.grouped_gemm)
 
 
 def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:

@@ -157,7 +157,7 @@ def _normalise(result: ReadResult) -> None:
 
 def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str,
          overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash",
-         selective_policy: str | None = None) -> str:
+         selective_policy: str | None = None, grouped_gemm: bool = True) -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
@@ -167,6 +167,7 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
     "eager" (the s x s scores kept) becomes Megatron's ``--attention-backend unfused``.
     ``selective_policy`` is what selective recompute was priced as (None: the runtime's own):
     torchtitan runs its per-op policy, and its header says so where another was priced.
+    ``grouped_gemm`` (a MoE model's experts as one grouped GEMM) becomes ``--moe-grouped-gemm``.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -178,7 +179,8 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
     if fmt == "megatron":
         from ndplan.io.megatron_emit import emit_megatron
 
-        return emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast, attention=attention)
+        return emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast, attention=attention,
+                             grouped_gemm=grouped_gemm)
     text = _emitters()[fmt](model, strategy)
     if not loss_upcast:  # every other format is TOML or YAML: '#' comments
         text = (f"# ndplan: not expressible in {fmt}, left out: the loss on the bf16 logits (--no-loss-upcast); "

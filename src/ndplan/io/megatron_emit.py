@@ -329,11 +329,12 @@ def _overlap(s: Strategy, overlap: Any) -> Flags:
 
 
 def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None, *, loss_upcast: bool = True,
-                  attention: str = "flash") -> str:
+                  attention: str = "flash", grouped_gemm: bool = True) -> str:
     """A bash launch for the strategy; the model's architecture flags too when a model is given;
     ``overlap``'s switches as Megatron's overlap flags (``_overlap``); without ``loss_upcast``
     Transformer Engine's cross-entropy, which works on the bf16 logits; eager ``attention`` as TE's
-    unfused attention (Megatron's default picks a fused kernel)."""
+    unfused attention (Megatron's default picks a fused kernel); a MoE model's experts as one
+    grouped GEMM (``--moe-grouped-gemm``) unless ``grouped_gemm`` is off (SequentialMLP)."""
     lost: list[str] = []
     s = strategy
     model_flags = _model(model, lost, _dualpipev_noop(model, s)) if model is not None else []
@@ -341,6 +342,8 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     memory = _memory(s, lost)
     if not loss_upcast:
         memory += [("--cross-entropy-loss-fusion", None), ("--cross-entropy-fusion-impl", "te")]
+    if model is not None and model.is_moe and grouped_gemm:
+        memory.append(("--moe-grouped-gemm", None))
     if attention == "eager":
         memory.append(("--attention-backend", "unfused"))
     elif any(flag in MINDSPEED_ONLY for flag, _ in model_flags + parallel + memory):
