@@ -547,6 +547,17 @@ def test_search_emit_prices_the_precision_the_format_writes(capsys):
     assert check["precision"] == "fsdp-bf16" and not check["same"] and not check["fits"]
 
 
+def test_search_emit_says_when_the_format_reads_back_under_another_runtime(capsys):
+    """balance said so; search did not: a Megatron launch reads back under the megatron runtime,
+    a torchtitan TOML under pytorch (its memory and step differ from what was ranked)."""
+    argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "16", "--gbs", "64", "--top", "1", "--json"]
+    notes = json.loads(run([*argv, "--emit", "megatron"], capsys)[1])["notes"]
+    assert any("priced for the pytorch runtime; megatron's settings read back under the megatron runtime" in n
+               for n in notes)
+    notes = json.loads(run([*argv, "--emit", "megatron", "--runtime", "megatron"], capsys)[1])["notes"]
+    assert not any("read back under" in n for n in notes)
+
+
 def test_emitting_torchtitan_prices_the_selective_policy_it_writes(capsys):
     """--emit torchtitan writes selective recompute as torchtitan's per-op policy, so the command
     prices that policy unless --selective-policy names another; other emitters keep the runtime's."""

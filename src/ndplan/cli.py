@@ -366,8 +366,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"layers {list(emitted.stage_layers or ())}): by the full "
                       f"estimators, peak {format_bytes(check['peak_bytes'])} "
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
-    if options.runtime == "pytorch" and args.emit in ("megatron", "mindformers"):
-        console.print(f"priced for the pytorch runtime; add --runtime megatron to price what a {args.emit} launch runs")
+    if args.emit and (note := _runtime_note(options, args.emit)):
+        console.print(note)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
@@ -415,6 +415,21 @@ def _round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: 
             answers[key] = answer
         return answer
     return round_trips
+
+
+#: The runtime profile each --emit format's reader prices its settings under (a Megatron launch
+#: states megatron; the other readers state none, so the default).
+_FORMAT_RUNTIME = {"megatron": "megatron", "torchtitan": "pytorch", "hyperparallel": "pytorch", "mindformers": "pytorch"}
+
+
+def _runtime_note(options: Any, fmt: str) -> str | None:
+    """What to say where the settings were priced under another runtime than ``fmt``'s reader
+    prices them (their memory and step differ)."""
+    theirs = _FORMAT_RUNTIME[fmt]
+    if options.runtime == theirs:
+        return None
+    return (f"priced for the {options.runtime} runtime; {fmt}'s settings read back under the {theirs} runtime "
+            f"(add --runtime {theirs} to price what they run)")
 
 
 def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any) -> str:
@@ -674,6 +689,8 @@ def cmd_search(args: argparse.Namespace) -> int:
             model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
             precision, limit or device.memory_bytes)
         data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
+        if note := _runtime_note(options, args.emit):
+            data["notes"].append(f"--emit {args.emit}: {note}")
         if check.get("precision") and check["precision"] != precision.name and check["step_s"] is not None:
             data["notes"].append(
                 f"--emit {args.emit} writes precision {check['precision']}, not {precision.name} as priced: the file "
