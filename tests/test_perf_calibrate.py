@@ -209,6 +209,10 @@ def test_calibrate_subcommand_writes_a_profile(tmp_path: Path, capsys: pytest.Ca
     assert report["device_family"] == "hopper"
     assert report["fitted"]["gemm_efficiency"] == pytest.approx(0.62, rel=0.01)
     assert load_efficiency(out).gemm_efficiency == pytest.approx(0.62, rel=0.01)
+    # Which runtime priced the runs (a run states none: megatron), in the report and the profile,
+    # since an estimate reproduces the fitted steps only under it.
+    assert {r["runtime"] for r in report["runs"]} == {"megatron"}
+    assert "priced under the megatron runtime (estimate with --runtime megatron" in out.read_text()
     with pytest.raises(SystemExit):
         parser.parse_args(["calibrate", str(runs_file)])  # -o is required
 

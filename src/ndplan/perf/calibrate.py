@@ -366,9 +366,14 @@ class CalibrationReport:
 
     def summary(self) -> str:
         changed = ", ".join(f"{k} {self.initial[k]:.4g} -> {v:.4g}" for k, v in self.fitted.items())
+        # A run's step is priced under its runtime profile (a run that states none: megatron);
+        # an estimate reproduces the fitted steps under the same (--runtime).
+        runtimes = sorted({str(r.get("runtime", "megatron")) for r in self.runs})
         return (
             f"{len(self.runs)} runs ({self.device_family}); median |error| {self.median_abs_error_before:.1%} -> "
-            f"{self.median_abs_error_after:.1%}, worst {self.max_abs_error_after:.1%}; {changed}"
+            f"{self.median_abs_error_after:.1%}, worst {self.max_abs_error_after:.1%}; {changed}; priced under the "
+            f"{' and '.join(runtimes)} runtime{'s' if len(runtimes) > 1 else ''} (estimate with --runtime "
+            f"{runtimes[0]} to reproduce them)"
         )
 
 
@@ -451,7 +456,7 @@ def calibrate(
     )
     for run, t, r0, r1 in zip(chosen, measured, before, after, strict=True):
         report.runs.append({
-            "id": run.id, "measured_step_s": float(t),
+            "id": run.id, "runtime": run.runtime, "measured_step_s": float(t),
             "predicted_before_s": float(t * math.exp(r0)), "predicted_after_s": float(t * math.exp(r1)),
             "error_after": float(math.expm1(r1)),
         })

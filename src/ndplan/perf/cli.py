@@ -72,10 +72,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return 0
     console = Console(highlight=False)
     table = Table(title=f"calibration on {len(report.runs)} runs ({report.device_family})")
-    for col in ("run", "measured s", "before s", "after s", "error after"):
-        table.add_column(col, justify="left" if col == "run" else "right")
+    for col in ("run", "runtime", "measured s", "before s", "after s", "error after"):
+        table.add_column(col, justify="left" if col in ("run", "runtime") else "right")
     for r in report.runs:
-        table.add_row(r["id"], f"{r['measured_step_s']:.3f}", f"{r['predicted_before_s']:.3f}",
+        table.add_row(r["id"], r["runtime"], f"{r['measured_step_s']:.3f}", f"{r['predicted_before_s']:.3f}",
                       f"{r['predicted_after_s']:.3f}", f"{r['error_after']:+.1%}")
     console.print(table)
     console.print(report.summary())
