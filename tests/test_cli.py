@@ -558,6 +558,22 @@ def test_search_emit_says_when_the_format_reads_back_under_another_runtime(capsy
     assert not any("read back under" in n for n in notes)
 
 
+def test_balance_recommends_only_settings_the_written_file_fits(capsys):
+    """balance --emit mindformers balanced in Megatron's precision and recommended settings whose
+    file (one fp32 dtype) ran 37.3 GiB over a 36 GiB limit. Now it balances in the precision the
+    file writes, and where told another, the verdict counts what the file runs; the read-back
+    prices what `estimate --from` would (torchtitan's loss vocabulary-parallel under TP)."""
+    argv = ["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--tp", "8",
+            "--pp", "4", "--sp", "--zero", "1", "--gbs", "256", "--memory-limit", "36GiB", "--json"]
+    native = json.loads(run([*argv, "--emit", "mindformers"], capsys)[1])
+    assert native["recommended"] == "balanced" and native["emitted_check"]["same"] and native["emitted_check"]["fits"]
+    forced = json.loads(run([*argv, "--emit", "mindformers", "--precision", "megatron-bf16"], capsys)[1])
+    assert forced["recommended"] == "neither" and not forced["emitted_check"]["fits"]
+    assert "precision fsdp-bf16" in forced["emitted_check"]["differs"]
+    titan = json.loads(run([*argv, "--emit", "torchtitan"], capsys)[1])["emitted_check"]
+    assert titan["differs"] == [f"the strategy, {titan['strategy']}"]  # ZeRO-1 written as FSDP, nothing else
+
+
 def test_emitting_torchtitan_prices_the_selective_policy_it_writes(capsys):
     """--emit torchtitan writes selective recompute as torchtitan's per-op policy, so the command
     prices that policy unless --selective-policy names another; other emitters keep the runtime's."""
@@ -634,8 +650,11 @@ def test_search_emits_the_fastest_candidate_the_framework_writes_as_priced(capsy
     assert titan["emitted_check"]["same"] and titan["ranked"][rank - 1]["strategy"]["zero"] in (0, 3)
     assert titan["emitted_check"]["strategy"] == titan["ranked"][rank - 1]["label"]
     assert any(f"the fastest candidate torchtitan writes as priced is #{rank}" in note for note in titan["notes"])
-    megatron = json.loads(run([*argv, "--emit", "megatron"], capsys)[1])
+    megatron = json.loads(run([*argv, "--emit", "megatron", "--runtime", "megatron"], capsys)[1])
     assert megatron["emitted_rank"] == 1 and megatron["emitted_check"]["same"]
+    # Priced under the pytorch runtime, the launch reads back under Megatron's: not as priced.
+    other = json.loads(run([*argv, "--emit", "megatron"], capsys)[1])["emitted_check"]
+    assert not other["same"] and "runtime 'megatron' (priced 'pytorch')" in other["differs"]
 
 
 def test_search_emit_says_when_no_ranked_candidate_is_written_as_priced(capsys, monkeypatch):
@@ -658,7 +677,7 @@ def test_search_emit_says_when_no_ranked_candidate_is_written_as_priced(capsys, 
     def refuse(*_: object, **__: object) -> None:
         raise NdplanError("/tmp/tmpabc/emitted.sh:5: --num-layers: 61 layers do not split evenly")
 
-    monkeypatch.setattr(cli, "_written_strategy", refuse)
+    monkeypatch.setattr(cli, "_read_written", refuse)
     code, out, _ = run(argv, capsys)
     refused = json.loads(out)
     assert code == 0 and refused["emitted_rank"] == 0 and refused["emitted_check"]["step_s"] is None

@@ -164,14 +164,18 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: Any, device: Any = None) -> Any:
     """The runtime options of a command (``cli_args.runtime_options``), with what a --from config
     stated where no flag sets it. Where the command writes a torchtitan config (``--emit
-    torchtitan``), selective recompute is priced as the per-op policy that config runs, unless a
-    flag or the config chose another."""
+    torchtitan``), selective recompute is priced as the per-op policy that config runs and the
+    loss as vocabulary-parallel under TP (torchtitan's default), unless a flag or the config
+    chose otherwise."""
     from dataclasses import replace
 
     options = runtime_options(args, settings, read.runtime_settings if read is not None else None, device)
-    if (getattr(args, "emit", None) == "torchtitan" and options.selective_policy is None and not options.census
-            and "torchtitan-op" in options.profile.selective_policies):
-        options = replace(options, selective_policy="torchtitan-op")
+    if getattr(args, "emit", None) == "torchtitan":
+        if (options.selective_policy is None and not options.census
+                and "torchtitan-op" in options.profile.selective_policies):
+            options = replace(options, selective_policy="torchtitan-op")
+        if options.loss_parallel is None:
+            options = replace(options, loss_parallel=True)
     return options
 
 
@@ -256,10 +260,13 @@ def cmd_balance(args: argparse.Namespace) -> int:
 
     settings, model, read = _settings_and_model(args)
     device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
+    options = _memory_options(args, settings, read, device)
+    if args.emit and settings.get("precision") is None:
+        # Balanced as the framework will run it: in the precision its settings state (as search).
+        settings["precision"] = _written_precision(model, args.emit, options, device)
     strategy = strategy_from_settings(settings)
     limit = _memory_limit(args.memory_limit, device) or device.memory_bytes
     cluster = Cluster(device=device, num_devices=strategy.world_size)
-    options = _memory_options(args, settings, read, device)
     policies = _module_sets_argument(model, args.recompute_module_sets) if args.recompute_module_sets else ()
     expressible = _round_trips(model, args.emit, cluster, options) if args.emit else None
     result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic, selective_policies=policies,
@@ -290,8 +297,11 @@ def cmd_balance(args: argparse.Namespace) -> int:
     if args.emit:
         data["emitted"] = _emit_settings(model, emitted, args.emit, options, device)
         data["emitted_check"] = _read_back(model, emitted, data["emitted"], args.emit, cluster, options, limit)
-    # Balancing is worth running only where the full estimators agree it gains on the strategy as given.
+    # Balancing is worth running only where the full estimators agree it gains on the strategy as given
+    # (and, with --emit, where the settings written fit as they read back).
     balanced_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
+    if args.emit and data["emitted_check"]["fits"] is False:
+        balanced_fits = False
     data["recommended"] = ("given" if data["given"]["fits"] and (
         not balanced_fits or data["estimated_step_s"] >= data["given"]["step_s"])
         else "balanced" if balanced_fits else "neither")
@@ -361,9 +371,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       + ("" if given["fits"] else ", which does not fit"))
     check = data.get("emitted_check")
     if check and not check["same"]:
-        console.print(f"[bold red]the {args.emit} settings written run {check['strategy']}[/] in {check['precision']} "
-                      f"({args.emit} cannot express all of {emitted.short()} in {policy_of(emitted.precision).name}, "
-                      f"layers {list(emitted.stage_layers or ())}): by the full "
+        console.print(f"[bold red]the {args.emit} settings written run {check['strategy']}[/], not as priced "
+                      f"({emitted.short()} in {policy_of(emitted.precision).name}, layers "
+                      f"{list(emitted.stage_layers or ())}): {'; '.join(check['differs'])}; by the full "
                       f"estimators, peak {format_bytes(check['peak_bytes'])} "
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
     if args.emit and (note := _runtime_note(options, args.emit)):
@@ -447,19 +457,24 @@ def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, devic
 def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:
     """The strategy ``fmt`` settings ``text`` describe, read back as --from reads them (normal form),
     with ``emitted``'s precision (the structure compared) or, ``own_precision``, the file's."""
+    from ndplan.io.common import canonical_strategy
+
+    strategy = _read_written(model, text, fmt, cluster).strategy(cluster.num_devices)
+    return canonical_strategy(strategy if own_precision else strategy.model_copy(update={"precision": emitted.precision}),
+                              model)
+
+
+def _read_written(model: Any, text: str, fmt: str, cluster: Any) -> Any:
+    """``fmt`` settings ``text`` read as ``--from`` reads a file (``ndplan.io.ReadResult``)."""
     import tempfile
 
     from ndplan.io import read_config
-    from ndplan.io.common import canonical_strategy
 
     suffix = {"megatron": ".sh", "torchtitan": ".toml"}.get(fmt, ".yaml")
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / f"emitted{suffix}"
         path.write_text(text)
-        read = read_config(path, model, cluster.num_devices, fmt)
-    strategy = read.strategy(cluster.num_devices)
-    return canonical_strategy(strategy if own_precision else strategy.model_copy(update={"precision": emitted.precision}),
-                              model)
+        return read_config(path, model, cluster.num_devices, fmt)
 
 
 def _written_precision(model: Any, fmt: str, options: Any, device: Any) -> Any:
@@ -476,20 +491,42 @@ def _written_precision(model: Any, fmt: str, options: Any, device: Any) -> Any:
 
 
 def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, options: Any, limit: float) -> dict[str, Any]:
-    """What the written ``fmt`` settings run, read back as ``--from`` reads them and priced by the
-    full estimators; ``same``: they are the balanced settings (a format may not express an
-    uneven placement under some schedules, or recompute on some layers only)."""
+    """What the written ``fmt`` settings run, read back and priced as ``ndplan estimate --from``
+    prices the file on this cluster (the model, runtime settings and precision the file states:
+    torchtitan's vocabulary-parallel loss, an AutoModel config without MTP modules) by the full
+    estimators; ``same``: they are what was priced (a format may not express an uneven placement
+    under some schedules, recompute on some layers only, or a precision); ``differs``: how not."""
     from ndplan.io.common import canonical_strategy, policy_of, same_bytes
     from ndplan.memory import estimate
     from ndplan.perf import estimate_time
 
-    written = _written_strategy(model, emitted, text, fmt, cluster, own_precision=True)
-    # The settings run in the precision the file states, which a format may not write as priced.
+    read = _read_written(model, text, fmt, cluster)
+    written = canonical_strategy(read.strategy(cluster.num_devices), model)
+    run_model = read.model or model
+    run_options = _memory_options(argparse.Namespace(), {}, read, cluster.device)
     precision = policy_of(written.precision)
-    same = written.model_copy(update={"precision": emitted.precision}) == canonical_strategy(emitted, model)
-    peak = estimate(model, written, cluster.device, options, num_devices=cluster.num_devices).peak_bytes
-    step = estimate_time(model, written, cluster, **options.time_keywords()).step_s
-    return {"same": same and same_bytes(precision, policy_of(emitted.precision)), "strategy": written.short(),
+    differs = [] if written.model_copy(update={"precision": emitted.precision}) == canonical_strategy(emitted, model) \
+        else [f"the strategy, {written.short()}"]
+    if not same_bytes(precision, policy_of(emitted.precision)):
+        differs.append(f"precision {precision.name}")
+    differs += [f"{name} {getattr(run_model, name)!r} (priced {getattr(model, name)!r})"
+                for name in type(model).model_fields if getattr(run_model, name) != getattr(model, name)]
+    def stated(opts: Any) -> dict[str, Any]:
+        """The settings that price a run, each resolved (None: the runtime profile's own)."""
+        out = {name: getattr(opts, name) for name in ("runtime", "loss_upcast", "attention")}
+        if run_model.is_moe:
+            out["grouped_gemm"] = opts.grouped_gemm
+        if written.tp > 1:  # a vocabulary-parallel loss shards over TP only
+            out["loss_parallel"] = opts.profile.loss_parallel if opts.loss_parallel is None else opts.loss_parallel
+        if written.recompute == "selective":  # the policy prices nothing else
+            out["selective_policy"] = opts.recompute_policy
+        return out
+
+    ran, priced = stated(run_options), stated(options)
+    differs += [f"{name} {ran[name]!r} (priced {priced[name]!r})" for name in ran if ran[name] != priced[name]]
+    peak = estimate(run_model, written, cluster.device, run_options, num_devices=cluster.num_devices).peak_bytes
+    step = estimate_time(run_model, written, cluster, **run_options.time_keywords()).step_s
+    return {"same": not differs, "differs": differs, "strategy": written.short(),
             "stage_layers": list(written.stage_layers or ()), "precision": precision.name,
             "peak_bytes": round(peak), "fits": peak <= limit, "step_s": step}
 
