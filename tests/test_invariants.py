@@ -134,7 +134,8 @@ def test_megatron_selective_recompute_rebuilds_no_experts_under_zero3() -> None:
 
 def test_one_micro_batch_backward_end_holds_the_last_layer_whatever_the_recompute() -> None:
     """With one micro-batch the backward's end (every gradient made, one layer's backward) is a
-    candidate peak; its layer holds what it saved, kept or rebuilt: the whole layer either way."""
+    candidate peak, the same whatever the recompute: it counted what recompute rebuilds but no
+    saved tensor without recompute (measured: neither is there, tests/test_measured_cuda.py)."""
     model, options = get_preset("mixtral-8x7b"), MemoryOptions(runtime="pytorch")
     plain = Strategy(dp=16, pp=8, zero=1, micro_batch_size=2)
     peaks = [estimate(model, plain.with_recompute(policy), DEVICE, options).peak_bytes
