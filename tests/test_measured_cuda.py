@@ -155,3 +155,18 @@ def test_estimate_names_the_per_stage_sliding_share_gap():
     assert not any("not per stage" in gap for gap in known_gaps(Strategy(seq_length=32), sdpa, qwen))
     assert not any("not per stage" in gap for gap in known_gaps(pipelined, MemoryOptions(), qwen))
     assert not any("not per stage" in gap for gap in known_gaps(pipelined, sdpa, load_model("mistral-7b")))
+
+
+def test_the_generated_page_is_current(tmp_path):
+    """docs/accuracy_cuda.md is cuda_steps.py's report of these files: a change to the estimator
+    that moves a figure must regenerate it (a review found Mixtral's fwd/bwd row stale by 5 points)."""
+    import importlib.util
+
+    script = Path(__file__).parents[1] / "benchmarks" / "accuracy" / "cuda_steps.py"
+    spec = importlib.util.spec_from_file_location("cuda_steps", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    page = tmp_path / "accuracy_cuda.md"
+    module.report(DATA, page)
+    assert page.read_text() == (Path(__file__).parents[1] / "docs" / "accuracy_cuda.md").read_text()
