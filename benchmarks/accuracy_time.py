@@ -22,6 +22,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -279,18 +280,20 @@ def _imbalance(runs: dict[str, MeasuredRun], measured: dict[str, float]) -> dict
 
 def _variant_errors(runs: dict[str, MeasuredRun], measured: dict[str, float]) -> dict[str, str]:
     """Errors of a run priced with a setting changed, which the commentary compares (defaults)."""
-    changes = {
-        "deepseek-h100-even": ("bridge2509-h100-deepseek-v3", {"stage_layers": None}),
+    changes: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {  # (run, strategy change, run change)
+        "deepseek-h100-even": ("bridge2509-h100-deepseek-v3", {"stage_layers": None}, {}),
         "deepseek-h100-even-no-recompute": ("bridge2509-h100-deepseek-v3",
-                                            {"stage_layers": None, "recompute": "none", "recompute_modules": ()}),
-        "modelzoo-fsdp-bf16-grads": ("modelzoo-qwen3-235b-fsdp-ep8", {"precision": "megatron-bf16-grad16"}),
+                                            {"stage_layers": None, "recompute": "none", "recompute_modules": ()}, {}),
+        "modelzoo-fsdp-bf16-grads": ("modelzoo-qwen3-235b-fsdp-ep8", {"precision": "megatron-bf16-grad16"}, {}),
+        "qwen3-235b-h100-a2a-exposed": ("bridge2511-h100-qwen3-235b-a22b", {}, {"overlap": {"tp": True, "ep": False}}),
     }
     out = {}
-    for name, (run_id, change) in changes.items():
+    for name, (run_id, change, run_change) in changes.items():
         run = runs[run_id]
-        varied = run.model_copy(update={"strategy": {**run.strategy, **change}})
+        varied = run.model_copy(update={"strategy": {**run.strategy, **change}, **run_change})
         step = predict(varied, default_efficiency(varied.device_spec()))["step_s"]
         out[name] = _pct(step / measured[run_id] - 1)
+        out[f"{name}-s"] = f"{step:.1f} s"
     return out
 
 
@@ -412,7 +415,7 @@ MEMORY_COMMENTARY = [
     "  the three read {m[nemo2407-gpt3-20b]}, {m[nemo2407-gpt3-175b-512]} and {m[nemo2407-llama3-8b]} against",
     "  their memory; the step times above use the same precision (a halved gradient reduce-scatter).",
     "* Megatron-LM's own functional tests, whose measured peaks the Megatron profile now meets within",
-    "  2% on dense models (docs/accuracy_megatron.md), showed that Megatron's cross-entropy turns its",
+    "  2% on 14 of 15 dense cases (docs/accuracy_megatron.md), showed that Megatron's cross-entropy turns its",
     "  fp32 copy of the logits into the kept softmax in place, where the profile had counted a second",
     "  fp32 copy around the loss: Megatron-Bridge's Qwen3-30B-A3B on H100, whose last stage holds the",
     "  output head beside 47 micro-batch chunks, went from +1.0% to {m[bridge2511-h100-qwen3-30b-a3b]}.",
@@ -435,7 +438,7 @@ MEMORY_COMMENTARY = [
 
 COMMENTARY = [
     "* Dense models on A100 (Narayanan et al. 2021, Korthikanti et al. 2022) are predicted from first",
-    "  principles within 10%, including the pipeline bubble, unfused attention and full or selective",
+    "  principles within about 10% (the 1T run reads {e[narayanan21-1008b]}, just past it), including the pipeline bubble, unfused attention and full or selective",
     "  recompute, and the ranking within each table is right.",
     "* Dense FP8 runs on H100 and B200 (NeMo, Megatron-Bridge) fall within 15% with the default FP8",
     "  efficiency (FP8 training GEMMs at ~1.3-1.4x BF16 speed, plus the quantisation casts).",
@@ -454,7 +457,7 @@ COMMENTARY = [
     "    gradient over the 1-4 K tokens of its expert. Priced per pass (`fp8_gemm_depth_knee`,",
     "    normalised so the quoted efficiencies hold at depth 8,192): +0.5 to +3.5 on the MoE rows (the",
     "    expert GEMMs are a small share of these steps), and dense FP8 rows with shallow TP-split",
-    "    reductions move +1 to +7 (NeMo H100 median 6.8% -> 4.0%).",
+    "    reductions move +1 to +7 (NeMo H100 median 6.8% -> 4.0% then; now in the summary above).",
     "  * Memory-bound MoE passes: Megatron's all-to-all dispatcher also sorts the received rows by local",
     "    expert and back (4 elements per row and hidden unit): +2 to +4 on its rows, none where the",
     "    host floor binds (Qwen3-30B on B200).",
@@ -519,8 +522,8 @@ COMMENTARY = [
     "* Qwen3-235B on H100 ({e[bridge2511-h100-qwen3-235b-a22b]}) runs with its expert all-to-all over InfiniBand (EP 32 over 4 nodes)",
     "  hidden where a partner micro-batch allows: its recipe sets `moe_a2a_overlap=True`",
     "  (Megatron-Core's --overlap-moe-expert-parallel-comm) and counts the embedding and loss in the",
-    "  pipeline split, which the entry now states; with the all-to-all exposed ndplan predicted 27.3 s",
-    "  (+31%). The same configuration token-drop in the 25.09 table took 27.2 s.",
+    "  pipeline split, which the entry now states; with the all-to-all exposed ndplan predicts",
+    "  {v[qwen3-235b-h100-a2a-exposed-s]} ({v[qwen3-235b-h100-a2a-exposed]}). The same configuration token-drop in the 25.09 table took 27.2 s.",
     "* Megatron-MoE-ModelZoo's Qwen3-235B table (five layouts of one model on the same 256 H100s, BF16)",
     "  is the direct test of ranking MoE layouts, what the search does, and ndplan fails it (rank",
     "  correlation 0.46). Three of its layouts ran Megatron's norm and MoE-activation recompute",
@@ -535,8 +538,9 @@ COMMENTARY = [
     "    from -32% and DeepSeek-V3's own DualPipe row from +1.0% to +4.5%). The first stage's 38",
     "    warm-up forwards of 512 and as many cool-down backwards have no partner and run their",
     "    all-to-all exposed (`schedule.pairing`; -26.5% before, and DeepSeek-V3's row, where",
-    "    DualPipeV leaves 47 of 240 forwards unpaired at pp 16, moved from +4.5% to +8.3%; +7.7% since",
-    "    Megatron's default selective recompute replays the attention core alone, as core_attn does):",
+    "    DualPipeV leaves 47 of 240 forwards unpaired at pp 16, moved from +4.5% to +8.3%; +7.7% once",
+    "    Megatron's default selective recompute replayed the attention core alone, as core_attn does;",
+    "    {e[deepseek-v3-h800]} now):",
     "    1.35 s of exposed all-to-all, {s[modelzoo-qwen3-235b-deepep-ep32-a2a-overlap]} predicted ({e[modelzoo-qwen3-235b-deepep-ep32-a2a-overlap]}). Not modelled: the host driving two",
     "    micro-batches at once.",
     "  * Megatron-FSDP with EP 8 inside a node: {e[modelzoo-qwen3-235b-fsdp-ep8]} (+55% before the exposed NVLink all-to-all and TP",

@@ -125,7 +125,8 @@ def document(comparisons: list[Comparison]) -> str:
 COMMENTARY = [
     "The cases: twelve small GPT tests (12 layers, hidden 512) over TP, PP, interleaving, CP with SP,",
     "the distributed optimizer, full recompute, unfused and flash attention, Megatron's own (`local`)",
-    "layers and three small MoE layouts; then two 7B-class runs at 8,192 tokens (TP 4, and PP 4 with",
+    "layers and three small MoE layouts (and a fourth under TP 4 with expert TP 2 and the distributed",
+    "optimizer); then two 7B-class runs at 8,192 tokens (TP 4, and PP 4 with",
     "one layer per virtual stage: 53-56 GiB measured), MLA, SwiGLU, RoPE, hierarchical CP",
     "(`a2a+p2p`), and a DeepSeek-like MoE proxy (MLA, 32 experts top-4 with a shared expert, MTP,",
     "interleaved PP, 53 GiB measured) plain, with FP8 and with selective recompute of",
