@@ -105,3 +105,40 @@ def test_entry_points_take_names_and_estimate_time_takes_the_runtime_options():
         ndplan.estimate_time(model, strategy, 8)
     with pytest.raises(NdplanError, match="device must be a Device or a device name, got int"):
         ndplan.default_space(model, 8, 8, 16, 4096)
+
+
+def test_every_public_name_says_what_it_does():
+    """A review found get_preset, get_precision, preset_names and seven methods without a docstring."""
+    import inspect
+
+    import ndplan
+
+    missing = [name for name in ndplan.__all__ if callable(getattr(ndplan, name))
+               and not (getattr(ndplan, name).__doc__ or "").strip()]
+    for name in ndplan.__all__:
+        obj = getattr(ndplan, name)
+        if inspect.isclass(obj):
+            missing += [f"{name}.{k}" for k, v in vars(obj).items()
+                        if not k.startswith("_") and inspect.isfunction(v) and not (v.__doc__ or "").strip()]
+    assert missing == []
+
+
+def test_wrong_argument_types_are_ndplan_errors():
+    """They raised AttributeError ('NoneType' object has no attribute 'lower') or TypeError."""
+    import pytest
+
+    import ndplan
+
+    calls = {
+        "preset name must be a name": lambda: ndplan.get_preset(None),
+        "device name must be a name": lambda: ndplan.get_device(None),
+        "precision name must be a name": lambda: ndplan.get_precision(None),
+        "model must be a ModelSpec or a model name": lambda: ndplan.count_parameters(None),
+        "space must be a SearchSpace": lambda: ndplan.run_search("llama-3.1-8b", "h100-sxm", None),
+        "options must be a MemoryOptions": lambda: ndplan.estimate("llama-3.1-8b", ndplan.Strategy(), "h100-sxm",
+                                                                   "megatron"),
+    }
+    for message, call in calls.items():
+        with pytest.raises(ndplan.NdplanError, match=message):
+            call()
+    assert ndplan.count_parameters("llama-3.1-8b").total == 8_030_261_248

@@ -26,6 +26,14 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f" (did you mean '{lowered[close[0]]}'?)" if close else ""
 
 
+def require_name(value: object, what: str) -> str:
+    """``value`` where it is a name (a str); else an NdplanError naming argument ``what`` (the API
+    said ``'NoneType' object has no attribute 'lower'``)."""
+    if not isinstance(value, str):
+        raise NdplanError(f"{what} must be a name (a str), got {type(value).__name__}")
+    return value
+
+
 def by_name_or_object(value: object, kind: type, load: Callable[[str], Any], what: str, noun: str) -> Any:
     """``value`` if it is a ``kind``, ``load(value)`` if it is a name; else an NdplanError saying
     that argument ``what`` takes a ``kind`` or a ``noun`` name (the API's entry points take a

@@ -255,6 +255,7 @@ class BalanceResult:
         return 1.0 - self.cost.step_s / self.baseline[1].step_s
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as JSON-ready data: the plan, its per-stage figures and the baseline's (what --json prints)."""
         base_plan, base_cost = self.baseline
         return {
             "solver": self.solver,

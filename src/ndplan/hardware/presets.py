@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, read_text
+from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, read_text, require_name
 from ndplan.hardware.device import Device
 
 _PRESET_FILE = "devices.yaml"
@@ -55,7 +55,7 @@ def get_device(name: str) -> Device:
     Raises:
         NdplanError: no preset has that name; the message lists the known ones.
     """
-    wanted = name.strip().lower()
+    wanted = require_name(name, "device name").strip().lower()
     for device in _presets():
         if device.name.lower() == wanted:
             return device
@@ -65,7 +65,7 @@ def get_device(name: str) -> Device:
 
 def resolve_device(name_or_path: str) -> Device:
     """A preset name, or a path ending .yaml/.yml/.json that holds exactly one device."""
-    if not name_or_path.lower().endswith(_FILE_SUFFIXES):
+    if not require_name(name_or_path, "device").lower().endswith(_FILE_SUFFIXES):
         return get_device(name_or_path)
     loaded = load_device_file(name_or_path)
     if isinstance(loaded, Device):

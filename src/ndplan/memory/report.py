@@ -159,6 +159,7 @@ class MemoryReport:
         return None if self.device is None else self.peak_bytes <= self.device.memory_bytes
 
     def to_dict(self) -> dict[str, Any]:
+        """Every stage's figures and breakdown as JSON-ready data (what --json prints)."""
         return {
             "peak_bytes": round(self.peak_bytes),
             "peak_stage": self.peak_stage,
@@ -295,6 +296,9 @@ def estimate(
     hardware = None if hardware is None else as_device(hardware, "hardware")
     if not isinstance(strategy, Strategy):
         raise NdplanError(f"estimate needs a Strategy, got {type(strategy).__name__}")
+    if options is not None and not isinstance(options, MemoryOptions):
+        raise NdplanError(f"options must be a MemoryOptions (e.g. MemoryOptions(runtime='megatron')), "
+                          f"got {type(options).__name__}")
     validate_strategy(strategy, model, num_devices)
     options = options or MemoryOptions()
     check_moe_imbalance(model, strategy, options)

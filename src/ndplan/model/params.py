@@ -138,8 +138,12 @@ class ParameterCounts:
         return out
 
 
-def count_parameters(spec: ModelSpec) -> ParameterCounts:
-    """Sum per-layer counts over the body; active = total minus the routed experts a token skips."""
+def count_parameters(spec: ModelSpec | str) -> ParameterCounts:
+    """Sum per-layer counts over the body; active = total minus the routed experts a token skips.
+    ``spec``: a ModelSpec, or a preset name, config path or model folder."""
+    from ndplan.model.presets import as_model
+
+    spec = as_model(spec)
     per_kind = {kind: layer_params(spec, kind) for kind in set(spec.layer_mlp_kinds)}
     sums = dict.fromkeys(("attention", "norms", "mlp", "router", "routed_experts", "shared_experts"), 0)
     for kind in spec.layer_mlp_kinds:

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, read_text
+from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, read_text, require_name
 from ndplan.model.hf import first_validation_error, spec_from_hf_config
 from ndplan.model.spec import ModelSpec
 
@@ -29,6 +29,7 @@ def _preset_files() -> dict[str, Any]:
 
 @lru_cache(maxsize=1)
 def preset_names() -> tuple[str, ...]:
+    """The names of the shipped model presets, sorted."""
     return tuple(sorted(_preset_files()))
 
 
@@ -55,7 +56,8 @@ def hf_config(name: str) -> dict[str, Any]:
 
 @lru_cache(maxsize=64)
 def get_preset(name: str) -> ModelSpec:
-    key = name.lower()
+    """The shipped preset called ``name`` (case-insensitive), read from its Hugging Face config."""
+    key = require_name(name, "preset name").lower()
     return spec_from_hf_config(hf_config(key), name=key, source=f"preset {key}")
 
 
@@ -96,7 +98,7 @@ def load_model_file(path: str | Path) -> ModelSpec:
 def load_model(name_or_path: str) -> ModelSpec:
     """A preset name, a path to a config file, or a model folder holding a config.json (as a
     Hugging Face checkpoint is laid out)."""
-    if name_or_path.lower() in preset_names():
+    if require_name(name_or_path, "model").lower() in preset_names():
         return get_preset(name_or_path)
     if Path(name_or_path).suffix.lower() in {".json", ".yaml", ".yml"}:
         return load_model_file(name_or_path)

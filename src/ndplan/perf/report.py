@@ -85,6 +85,7 @@ class TimeReport:
     weight_grad_rebuilds: bool = False
 
     def to_dict(self) -> dict[str, Any]:
+        """The step time, throughput, MFU and breakdown as JSON-ready data (what --json prints under "time")."""
         return {
             "step_s": self.step_s,
             "tokens_per_s": self.tokens_per_s,
@@ -138,6 +139,9 @@ def estimate_time(
     if isinstance(cluster, Device):
         cluster = Cluster(device=cluster, num_devices=strategy.world_size)
     if options is not None:
+        if not hasattr(options, "time_keywords"):
+            raise NdplanError(f"options must be a MemoryOptions (e.g. MemoryOptions(runtime='megatron')), "
+                              f"got {type(options).__name__}")
         runtime = options.time_keywords()
         weight_grad_rebuilds = runtime["weight_grad_rebuilds"] if weight_grad_rebuilds is None else weight_grad_rebuilds
         software = runtime["software"] if software is None else software

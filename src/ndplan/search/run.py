@@ -170,6 +170,8 @@ def run_search(
     from ndplan.model import as_model
 
     model, device = as_model(model), as_device(device)
+    if not isinstance(space, SearchSpace):
+        raise NdplanError(f"space must be a SearchSpace (ndplan.search.default_space), got {type(space).__name__}")
     if isinstance(memory_limit_bytes, str):
         from ndplan.units import parse_bytes
 

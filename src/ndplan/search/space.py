@@ -284,6 +284,7 @@ class SearchSpace:
         return np.asarray(values, dtype=np.int64)
 
     def strategy(self, candidate: int) -> Strategy:
+        """The strategy at index ``candidate`` of the space (enumeration order)."""
         return self.batch(np.asarray([candidate])).row(0)
 
     def selective_modules(self, candidate: int) -> ModuleSet:

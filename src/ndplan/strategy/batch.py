@@ -146,6 +146,7 @@ class StrategyBatch:
                              recompute_modules=self.recompute_modules, offload_modules=self.offload_modules)
 
     def row(self, i: int) -> Strategy:
+        """Strategy ``i`` of the batch."""
         values: dict[str, Any] = {}
         for name in self.array_fields():
             value = int(getattr(self, name)[i])
@@ -159,6 +160,7 @@ class StrategyBatch:
         return Strategy(**values, precision=self.precision, recompute_modules=modules, offload_modules=self.offload_modules)
 
     def rows(self) -> Iterator[Strategy]:
+        """Every strategy of the batch, in order."""
         return (self.row(i) for i in range(len(self)))
 
     def groups(self, names: Sequence[str]) -> list[tuple[tuple[int, ...], np.ndarray]]:
@@ -213,6 +215,7 @@ class StrategyBatch:
         return np.asarray(getattr(self, name) == CODES[name].index(label))
 
     def is_in(self, name: str, labels: Sequence[str]) -> np.ndarray:
+        """Per strategy, whether its ``name`` field (a coded label: schedule, recompute, ...) is one of ``labels``."""
         return np.isin(getattr(self, name), [CODES[name].index(label) for label in labels])
 
 

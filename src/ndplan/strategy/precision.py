@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ndplan.errors import NdplanError, did_you_mean
+from ndplan.errors import NdplanError, did_you_mean, require_name
 
 ComputeDtype = Literal["bf16", "fp16", "fp8", "fp32"]
 
@@ -77,7 +77,9 @@ PRECISION_PRESETS: dict[str, PrecisionPolicy] = {
 
 
 def get_precision(name: str) -> PrecisionPolicy:
-    key = name.lower()
+    """The precision preset called ``name`` (case-insensitive): bytes per parameter, gradient,
+    master weight, optimizer state and activation."""
+    key = require_name(name, "precision name").lower()
     if key not in PRECISION_PRESETS:
         raise NdplanError(f"unknown precision policy '{name}'{did_you_mean(name, PRECISION_PRESETS)}; "
                           f"known: {', '.join(PRECISION_PRESETS)}")
