@@ -290,7 +290,7 @@ def test_balance_like_result_draws_each_memory_source(est: dict[str, Any]) -> No
            "baseline": {"stages": est["stages"]}, "balanced": {"stages": est["stages"][::-1]},
            "stage_layers": [8, 8, 8, 8]}
     d = prepare(res)
-    assert [m["name"] for m in d["memory"]] == ["baseline", "balanced"]
+    assert [m["name"] for m in d["memory"]] == ["balanced", "baseline"]  # the plan first
     text = render_html(res)
     assert "chart-memory-1-1" in text
 
@@ -476,7 +476,9 @@ def test_the_reproduce_line_reproduces_an_estimate_with_non_default_options(caps
 
 def test_a_balance_result_reports_the_strategy_as_given_and_the_balanced_settings(capsys):
     """ndplan balance --json draws both memory sources by the full estimator, and its step,
-    timeline and Reproduce line are the balanced settings' (the uneven placement included)."""
+    timeline and Reproduce line are the balanced settings' (the uneven placement included). The
+    headline peak is theirs too, against the limit balance ran under (it showed the strategy as
+    given beside the balanced step, and the device's memory as the limit)."""
     import html
 
     from ndplan.cli import main
@@ -488,10 +490,13 @@ def test_a_balance_result_reports_the_strategy_as_given_and_the_balanced_setting
     data = json.loads(capsys.readouterr().out)
     prepared = prepare(data)
     assert prepared["kind"] == "balance"
-    assert [m["name"] for m in prepared["memory"]] == ["as given", "balanced"]
-    balanced_peak = max(st["peak_bytes"] for st in prepared["memory"][1]["stages"])
+    assert data["recommended"] == "balanced"
+    assert [m["name"] for m in prepared["memory"]] == ["balanced", "as given"]
+    balanced_peak = max(st["peak_bytes"] for st in prepared["memory"][0]["stages"])
     assert balanced_peak == data["balanced"]["peak_bytes"]
+    assert prepared["memory"][0]["capacity_bytes"] == 50 * 2**30
     page = render_html(data)
+    assert "of 50.00 GiB memory limit" in page
     command = html.unescape(re.search(r'<pre class="cmd">(.*?)</pre>', page, re.S).group(1))
     layers = ",".join(str(n) for n in data["balanced"]["strategy"]["stage_layers"])
     assert f"--stage-layers {layers}" in command

@@ -750,9 +750,14 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
     for name, source in _memory_sources(data, rows):
         memory.append({
             "name": name,
-            "capacity_bytes": finite(_first(source, LIMIT_KEYS)) or limit,
+            # the limit a search or balance ran under, else what the source states (the device's)
+            "capacity_bytes": finite(data.get("memory_limit_bytes")) or finite(_first(source, LIMIT_KEYS)) or limit,
             "stages": memory_stages(source["stages"]),
         })
+    if kind == "balance" and data.get("recommended") != "given":
+        # The headline is the plan the step and throughput tiles price: the balanced settings
+        # (the strategy as given first only where balance recommends it).
+        memory.sort(key=lambda entry: entry["name"] != "balanced")
 
     perf_bars = []
     perf = (find_perf(balanced) if kind == "balance" and isinstance(balanced, Mapping) else None) or find_perf(data)
@@ -833,6 +838,8 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         "peak_bytes": finite(data.get("peak_bytes")),
         "peak_stage": data.get("peak_stage"),
         "limit_bytes": limit,
+        # search and balance state the limit they ran under (--memory-limit, else the device's)
+        "user_limit": finite(data.get("memory_limit_bytes")) is not None,
         "memory": memory,
         "perf": jsonable(perf) if perf else None,
         "perf_bars": perf_bars,

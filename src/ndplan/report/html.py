@@ -511,7 +511,8 @@ def render_html(result: Any, *, top: int = 50, max_points: int = 4000, title: st
         if cap:
             margin = cap - peak["peak_bytes"]
             kpis.append(("memory", _kpi("fits: headroom" if margin >= 0 else "does not fit: over by",
-                                        fmt_gib(abs(margin)), f"of {fmt_gib(cap)} device memory",
+                                        fmt_gib(abs(margin)),
+                                        f"of {fmt_gib(cap)} {'memory limit' if d['user_limit'] else 'device memory'}",
                                         "ok" if margin >= 0 else "bad")))
     if perf:
         if perf.get("step_s") is not None:
