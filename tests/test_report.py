@@ -232,7 +232,7 @@ def test_every_string_is_escaped(tmp_path: Path) -> None:
     res["rows"][0]["schedule"] = evil
     res["rows"][0]["note"] = evil
     res["search"]["objective"] = evil
-    res["stages"] = [{"stage": 0, "peak_bytes": 10 * GIB, "layers": evil}]
+    res["stages"] = [{"stage": 0, "peak_bytes": 10 * GIB, "layers": 4}]  # numbers only: junk there is refused
     text = render_html(res)
     assert evil not in text
     assert "<script>alert" not in text
@@ -537,3 +537,19 @@ def test_timeline_draws_one_of_several_pipeline_runs() -> None:
                                           "strategy": strategy})
     assert "--pipeline-runs 3 --gbs 48" in command and "pipeline_runs" not in " ".join(missing)
     assert "runs" not in timeline_spec(one_run)["title"]
+
+
+@pytest.mark.parametrize("result, message", [
+    ({"stages": [{"peak_bytes": "abc"}]}, "stage 0: peak_bytes must be a number of bytes >= 0, got 'abc'"),
+    ({"stages": [{"peak_bytes": 1e40}]}, "stage 0: peak_bytes must be a number of bytes >= 0"),
+    ({"stages": [{"peak_bytes": 5.0, "layers": -3}]}, "stage 0: layers must be a whole number >= 0, got -3"),
+    ({"stages": [{"peak_bytes": 5.0, "stage": "x"}]}, "stage 0: stage must be a whole number >= 0, got 'x'"),
+    ({"stages": [{"peak_bytes": 5.0}], "capacity_bytes": -5}, "capacity_bytes must be a number of bytes > 0, got -5"),
+    ({"model": "llama-3.1-8b", "strategy": {"tp": "abc"}}, "the result's strategy is not one: field 'tp'"),
+])
+def test_junk_input_is_refused_not_drawn(result: dict[str, Any], message: str) -> None:
+    """These drew pages of zeros, negative percentages or a 'tpabc' header and exited 0."""
+    from ndplan.errors import NdplanError
+
+    with pytest.raises(NdplanError, match=re.escape(message)):
+        render_html(result)

@@ -157,6 +157,28 @@ def strategy_short(strategy: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------ memory
+def _check_strategy(fields: Mapping[str, Any]) -> None:
+    """A result's strategy must be one (a report of junk degrees drew a 'tpabc' header)."""
+    from pydantic import ValidationError
+
+    from ndplan.model.hf import first_validation_error
+    from ndplan.strategy import Strategy
+
+    try:
+        Strategy(**{k: v for k, v in fields.items() if k != "precision" or isinstance(v, (str, Mapping))})
+    except ValidationError as error:
+        raise NdplanError(f"the result's strategy is not one: {first_validation_error(error)}") from None
+    except TypeError as error:
+        raise NdplanError(f"the result's strategy is not one: {error}") from None
+
+
+def _plain_bytes(value: Any) -> bool:
+    """Whether ``value`` is a byte count a report can draw: a finite number, >= 0 (a category
+    may read below zero only by rounding), below an exabyte."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and -1e6 < value < 1e18)
+
+
 def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per stage: the category stack and the layer-kind stack, each summing to the peak.
 
@@ -168,6 +190,15 @@ def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """
     out = []
     for index, stage in enumerate(stages):
+        for key, value in stage.items():
+            # A figure the input states must be one: junk read as 0 drew a page of zeros.
+            if key.endswith("_bytes") and value is not None and not _plain_bytes(value):
+                raise NdplanError(f"stage {stage.get('stage', index)}: {key} must be a number of bytes >= 0, "
+                                  f"got {value!r}")
+        for key in ("layers", "stage"):
+            count = stage.get(key)
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+                raise NdplanError(f"stage {index}: {key} must be a whole number >= 0, got {count!r}")
         cats = {k: finite(stage.get(f"{k}_bytes")) or 0.0 for k in MEMORY_CATEGORY_KEYS}
         base = sum(cats.values())
         peak = finite(stage.get("peak_bytes"))
@@ -260,6 +291,11 @@ def _per_stage_peaks(row: Mapping[str, Any]) -> list[float] | None:
 
 
 def memory_limit(result: Mapping[str, Any]) -> float | None:
+    """The memory limit a result states (its own, else a memory source's), in bytes."""
+    for key in LIMIT_KEYS:
+        value = result.get(key)
+        if value is not None and not (_plain_bytes(value) and value > 0):
+            raise NdplanError(f"{key} must be a number of bytes > 0, got {value!r}")
     limit = finite(_first(result, LIMIT_KEYS))
     if limit is None:
         for key in MEMORY_SOURCE_KEYS:
@@ -738,6 +774,8 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         flat.setdefault("rank", i)
     limit = memory_limit(data)
     strategy = data.get("strategy") if isinstance(data.get("strategy"), Mapping) else None
+    if strategy is not None:
+        _check_strategy(strategy)
     balanced = data.get("balanced")
     if kind == "balance" and isinstance(balanced, Mapping) and isinstance(balanced.get("strategy"), Mapping):
         # A balance result is reported (timeline, step, reproduce line) as its balanced settings.
