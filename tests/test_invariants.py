@@ -170,3 +170,17 @@ def test_a_faster_device_never_slows_the_step(name: str, runtime: str, devices: 
     steps = [estimate_time(model, strategy, Cluster(device=get_device(d), num_devices=devices), **keywords).step_s
              for d in ("h100-sxm", "h200", "b200")]
     assert steps[0] >= steps[1] >= steps[2]  # were 1.201, -, 1.279 s and 740.5, 762.9, 783.2 ms
+
+
+def test_settings_that_change_nothing_are_said() -> None:
+    """--recompute-modules moe_act, --moe-imbalance and --no-reshard on a dense model without FSDP
+    were accepted in silence (a review): each is now a caveat beside the estimate."""
+    model = get_preset("llama-3.1-8b")
+    strategy = Strategy(dp=8, recompute="selective", recompute_modules=("moe_act", "mlp"), reshard_after_forward=False)
+    caveats = estimate(model, strategy, DEVICE, MemoryOptions(runtime="megatron", moe_imbalance=2.0)).caveats
+    assert any(c.startswith("recompute modules moe_act re-run nothing in llama-3.1-8b") for c in caveats)
+    assert any(c.startswith("--moe-imbalance 2 changes nothing") for c in caveats)
+    assert any(c.startswith("reshard_after_forward off (--no-reshard) changes nothing") for c in caveats)
+    plain = estimate(model, Strategy(dp=8, recompute="selective", recompute_modules=("mlp",)), DEVICE,
+                     MemoryOptions(runtime="megatron")).caveats
+    assert not any("changes nothing" in c or "re-run nothing" in c for c in plain)

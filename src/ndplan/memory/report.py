@@ -14,6 +14,7 @@ from ndplan.memory.stages import (
     STATIC_KINDS,
     MemoryOptions,
     StageMemory,
+    applicable_modules,
     applicable_offload_modules,
     layer_activations,
     stage_memory,
@@ -348,6 +349,8 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
         if idle:
             gaps.append(f"offload modules {' '.join(idle)} move nothing in {model.name if model else 'this model'}: "
                         + "; ".join(dict.fromkeys(_IDLE_REASONS[m] for m in idle)))
+    if model is not None:
+        gaps += _inert_settings(strategy, options, model)
     if strategy.pp > 1 and strategy.schedule not in options.profile.schedules:
         gaps.append(f"the {options.runtime} runtime does not run the {strategy.schedule} schedule (it runs "
                     f"{', '.join(options.profile.schedules)}): priced as a what-if, which the search does not recommend")
@@ -384,6 +387,21 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
                     "loads some experts more; docs/accuracy_megatron.md): treat a plan within ~6% of the limit as "
                     "unverified, or price uneven routing with --moe-imbalance")
     return gaps
+
+
+def _inert_settings(strategy: Strategy, options: MemoryOptions, model: ModelSpec) -> list[str]:
+    """Settings given that change nothing for this model and strategy (said, since a user who
+    set them expects them priced)."""
+    out = []
+    idle = [m for m in strategy.recompute_modules if m not in applicable_modules(model)]
+    if idle and strategy.recompute == "selective":
+        out.append(f"recompute modules {' '.join(idle)} re-run nothing in {model.name} (its layers have no such "
+                   f"module: {', '.join(applicable_modules(model))} apply)")
+    if options.moe_imbalance != 1.0 and not model.is_moe:
+        out.append(f"--moe-imbalance {options.moe_imbalance:g} changes nothing: {model.name} has no experts")
+    if not strategy.reshard_after_forward and not (strategy.zero == 3 or strategy.fsdp):
+        out.append("reshard_after_forward off (--no-reshard) changes nothing without FSDP/ZeRO-3 sharded parameters")
+    return out
 
 
 _IDLE_REASONS = {

@@ -43,7 +43,7 @@ from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
 from ndplan.schedule.unshard import ACTIVE_CHUNKS
 from ndplan.strategy.batch import CODES, StrategyBatch, radix_key
-from ndplan.strategy.strategy import OFFLOAD_MODULES
+from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
 
 if TYPE_CHECKING:
     from ndplan.perf.overlap import OverlapConfig
@@ -483,6 +483,23 @@ def whole_embedding_grad_extra(model: ModelSpec, profile: RuntimeProfile, tp: An
     0 elsewhere."""
     accumulated = makes_whole_embedding_grad(profile, tp, zero) & (np.asarray(micro_batches) > 1)
     return np.where(accumulated, model.vocab_size * model.hidden_size - embedding_elements(model, tp), 0.0)
+
+
+def applicable_modules(model: ModelSpec) -> tuple[str, ...]:
+    """The recompute modules that re-run something in ``model``: the attention core always;
+    the norms where one stands apart from the linear layer after it (the router's input in a
+    MoE layer, MLA's down-projection input; Megatron fuses the others into the next linear);
+    MLA's up-projections with MLA; the dense MLP where a layer (or an MTP module) has one; the
+    experts' activation and the MoE block with experts; the shared experts where there are
+    some."""
+    kinds = set(model.layer_mlp_kinds) | ({model.mtp_mlp_kind} if model.mtp_depth else set())
+    mla = model.attention_kind == "mla"
+    has = {
+        "core_attn": True, "layernorm": model.is_moe or mla, "mla_up_proj": mla,
+        "mlp": "dense" in kinds, "moe_act": model.is_moe, "moe": model.is_moe,
+        "shared_experts": model.is_moe and model.num_shared_experts > 0,
+    }
+    return tuple(m for m in RECOMPUTE_MODULES if has[m])
 
 
 def applicable_offload_modules(model: ModelSpec) -> tuple[str, ...]:

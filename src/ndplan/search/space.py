@@ -16,7 +16,7 @@ import numpy as np
 
 from ndplan.errors import NdplanError, did_you_mean
 from ndplan.hardware import Device
-from ndplan.memory.stages import MemoryOptions, applicable_offload_modules
+from ndplan.memory.stages import MemoryOptions, applicable_modules, applicable_offload_modules
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.overlap import OFF_WORDS, ON_WORDS
 from ndplan.strategy.batch import StrategyBatch, encode
@@ -515,23 +515,6 @@ def _module_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[Module
 
 def _distinct(sets: tuple[ModuleSet, ...]) -> tuple[ModuleSet, ...]:
     return tuple(dict.fromkeys(sets))
-
-
-def applicable_modules(model: ModelSpec) -> ModuleSet:
-    """The recompute modules that re-run something in ``model``: the attention core always;
-    the norms where one stands apart from the linear layer after it (the router's input in a
-    MoE layer, MLA's down-projection input; Megatron fuses the others into the next linear);
-    MLA's up-projections with MLA; the dense MLP where a layer (or an MTP module) has one; the
-    experts' activation and the MoE block with experts; the shared experts where there are
-    some."""
-    kinds = set(model.layer_mlp_kinds) | ({model.mtp_mlp_kind} if model.mtp_depth else set())
-    mla = model.attention_kind == "mla"
-    has = {
-        "core_attn": True, "layernorm": model.is_moe or mla, "mla_up_proj": mla,
-        "mlp": "dense" in kinds, "moe_act": model.is_moe, "moe": model.is_moe,
-        "shared_experts": model.is_moe and model.num_shared_experts > 0,
-    }
-    return tuple(m for m in RECOMPUTE_MODULES if has[m])
 
 
 def module_sets(model: ModelSpec, which: str = "common") -> tuple[ModuleSet, ...]:
