@@ -131,3 +131,34 @@ def test_1f1b_p2p_on_the_critical_path_follows_the_simulator_with_unequal_stages
                                                f[None, :], b[None, :], np.zeros((1, pp)), np.array([p2p]))
         errors.append(abs(float(part[0]) - (simulated - without)) / simulated)
     assert float(np.median(errors)) < 0.001 and max(errors) < 0.02  # as a share of the step
+
+
+def test_unequal_chunks_stall_interleaving_and_the_closed_form_counts_it():
+    """A stage whose interleaved chunks hold different layer counts stalls every micro-batch (the
+    simulator): 3, 3, 2, 2 layers lose half a layer's time on 10, chunks of 6 and 2 at pp 8 2.75
+    on 8; equal chunks none. The search's closed form measures the share once per layout, so
+    that it ranks such layouts as `estimate` prices them (Llama-3.1-70B, 80 layers over pp 8 ×
+    vpp 4 under FSDP: -3.1% before, the bubble 0.16 s against 0.56 s)."""
+    import numpy as np
+
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import MemoryOptions
+    from ndplan.model import get_preset
+    from ndplan.perf import estimate_time, step_time_batch
+    from ndplan.perf.pipeline import interleaved_stall
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    def unit(layers: list[int], pp: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        grid = np.tile(np.asarray(layers, dtype=float), (pp, 1))
+        return grid / 3, grid * 2 / 3, np.zeros_like(grid)
+
+    assert interleaved_stall(*unit([3, 3, 2, 2])) == pytest.approx(0.5 / 10)
+    assert interleaved_stall(*unit([6, 2])) == pytest.approx(2.75 / 8)
+    assert interleaved_stall(*unit([4, 4])) == 0.0
+    model, keywords = get_preset("llama-3.1-70b"), MemoryOptions(runtime="megatron").time_keywords()
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=64)
+    for zero in (1, 3):
+        strategy = Strategy(dp=2, tp=2, sequence_parallel=True, pp=8, vpp=4, cp=2, cp_kind="ulysses", zero=zero,
+                            fsdp=zero == 3, num_micro_batches=128, schedule="interleaved")
+        ranked = float(step_time_batch(model, StrategyBatch.of(strategy), cluster, **keywords)["step_s"][0])
+        assert ranked == pytest.approx(estimate_time(model, strategy, cluster, **keywords).step_s, rel=0.01)

@@ -243,6 +243,24 @@ def closed_form_makespan(
     return m * t_star + bubble + p2p_part, p2p_part, star
 
 
+def interleaved_stall(f: Array, b: Array, w: Array) -> float:
+    """The fraction of the bottleneck stage's time per micro-batch that the interleaved schedule
+    loses in its steady state where a stage's chunks differ (f, b, w: [pp, vpp] seconds of each
+    chunk); 0 where every stage's chunks are equal. The closed form takes them as equal; the
+    simulator finds a stall constant per micro-batch (80 layers over pp 8 × vpp 4, chunks of 3,
+    3, 2, 2 layers: 5% of the stage's time; 61 over pp 8 × vpp 2, chunks of 6 and 2: 34%), less
+    where the other stages' slack absorbs it (docs/time.md): measured from two runs of the
+    simulator, at 2·pp and 4·pp micro-batches."""
+    total = np.asarray(f) + np.asarray(b) + np.asarray(w)
+    pp, vpp = total.shape
+    if pp < 2 or vpp < 2 or bool(np.allclose(total, total[:, :1], rtol=1e-9, atol=0.0)):
+        return 0.0
+    runs = [simulate("interleaved", pp, vpp, m, forward_s=f, backward_s=b, weight_grad_s=w,
+                     overlap_f_and_b=False).makespan_s for m in (2 * pp, 4 * pp)]
+    bottleneck = float(total.sum(axis=1).max())
+    return max((runs[1] - runs[0]) / (2 * pp) / bottleneck - 1.0, 0.0)
+
+
 # ----------------------------------------------------------------- simulation
 
 def simulated_makespan(

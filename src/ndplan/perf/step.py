@@ -61,6 +61,7 @@ from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.pipeline import (
     StageLayout,
     closed_form_makespan,
+    interleaved_stall,
     is_v_shape,
     recomputed_layers,
     simulated_makespan,
@@ -410,10 +411,16 @@ def _price_group(
     star = np.argmax(per_mb, axis=1) if per_mb.shape[1] > 1 else np.zeros(g, dtype=np.int64)
     t_star = per_mb[rows, star]
     if pr.pipeline == "closed_form":  # a group shares one schedule
+        name = CODES["schedule"][int(schedule[0])]
         makespan, p2p_part, _ = closed_form_makespan(
-            CODES["schedule"][int(schedule[0])], np.full(g, float(pp)), np.full(g, float(vpp)), m, k,
-            f, b, w, p2p, layout.profile_count, star,
+            name, np.full(g, float(pp)), np.full(g, float(vpp)), m, k, f, b, w, p2p, layout.profile_count, star,
         )
+        if name == "interleaved" and vpp > 1 and len(set((layout.chunk_dense + layout.chunk_moe).tolist())) > 1:
+            # Unequal chunks on a stage stall the steady state every micro-batch: the simulator's
+            # share of the bottleneck stage, for the group's first strategy, taken for all.
+            fc, bc, wc = _chunk_times(layout, pr.pieces, int(config[0]), int(recompute_layers[0]), bool(rc_on[0]),
+                                      pr.model)
+            makespan = makespan + m * t_star * interleaved_stall(fc, bc, wc)
     else:
         makespan, p2p_part = np.zeros(g), np.zeros(g)
         for j in range(g):
