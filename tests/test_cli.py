@@ -574,6 +574,24 @@ def test_balance_recommends_only_settings_the_written_file_fits(capsys):
     assert titan["differs"] == [f"the strategy, {titan['strategy']}"]  # ZeRO-1 written as FSDP, nothing else
 
 
+def test_the_read_back_keeps_what_no_file_states_and_compares_what_prices(capsys):
+    """A review of the read-back: it dropped --no-overhead (balance then said 'neither fits' under
+    a check line that fit), and it compared every model field, so a Mixtral launch read as not
+    priced (ffn_hidden_size of a model without dense layers). A search's JSON names its precision."""
+    argv = ["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--tp", "8",
+            "--pp", "4", "--sp", "--zero", "1", "--gbs", "256", "--memory-limit", "34GiB", "--no-overhead",
+            "--emit", "megatron", "--runtime", "megatron", "--json"]
+    data = json.loads(run(argv, capsys)[1])
+    assert data["emitted_check"]["same"] and data["emitted_check"]["fits"] and data["recommended"] == "balanced"
+    argv = ["balance", "--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--devices", "16", "--pp", "2", "--ep", "8",
+            "--zero", "1", "--gbs", "64", "--runtime", "megatron", "--memory-limit", "60GiB", "--emit", "megatron",
+            "--json"]
+    assert json.loads(run(argv, capsys)[1])["emitted_check"]["differs"] == []
+    search = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--top", "1", "--json"]
+    assert json.loads(run([*search, "--emit", "torchtitan"], capsys)[1])["precision"] == "fsdp-bf16"
+    assert json.loads(run(search, capsys)[1])["precision"] == "megatron-bf16"
+
+
 def test_emitting_torchtitan_prices_the_selective_policy_it_writes(capsys):
     """--emit torchtitan writes selective recompute as torchtitan's per-op policy, so the command
     prices that policy unless --selective-policy names another; other emitters keep the runtime's."""

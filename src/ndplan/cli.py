@@ -496,21 +496,37 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
     torchtitan's vocabulary-parallel loss, an AutoModel config without MTP modules) by the full
     estimators; ``same``: they are what was priced (a format may not express an uneven placement
     under some schedules, recompute on some layers only, or a precision); ``differs``: how not."""
+    from dataclasses import replace
+
     from ndplan.io.common import canonical_strategy, policy_of, same_bytes
     from ndplan.memory import estimate
+    from ndplan.model import count_parameters
     from ndplan.perf import estimate_time
 
     read = _read_written(model, text, fmt, cluster)
     written = canonical_strategy(read.strategy(cluster.num_devices), model)
     run_model = read.model or model
-    run_options = _memory_options(argparse.Namespace(), {}, read, cluster.device)
+    # What the file states (runtime, loss, attention, kernels, overlap) as --from reads it; what no
+    # file states (overhead, routing imbalance, capacity factor, a census) as the command priced.
+    run_options = replace(_memory_options(argparse.Namespace(), {}, read, cluster.device),
+                          include_overhead=options.include_overhead, moe_imbalance=options.moe_imbalance,
+                          moe_capacity_factor=options.moe_capacity_factor, census=options.census)
+    if "overlap" not in (read.runtime_settings or {}):
+        run_options = replace(run_options, overlap=options.overlap)
     precision = policy_of(written.precision)
     differs = [] if written.model_copy(update={"precision": emitted.precision}) == canonical_strategy(emitted, model) \
         else [f"the strategy, {written.short()}"]
     if not same_bytes(precision, policy_of(emitted.precision)):
         differs.append(f"precision {precision.name}")
-    differs += [f"{name} {getattr(run_model, name)!r} (priced {getattr(model, name)!r})"
-                for name in type(model).model_fields if getattr(run_model, name) != getattr(model, name)]
+    # The model as the file builds it, where that changes what is priced (not a field that prices
+    # nothing, such as a dense width in a model without dense layers, or one shared expert of twice
+    # the width for two): its layers, modules and parameter counts.
+    counts, priced_counts = count_parameters(run_model), count_parameters(model)
+    if run_model.mtp_depth != model.mtp_depth:
+        differs.append(f"mtp_depth {run_model.mtp_depth} (priced {model.mtp_depth})")
+    elif (counts.total, counts.active) != (priced_counts.total, priced_counts.active):
+        differs.append(f"the model, {counts.total:,} parameters ({counts.active:,} active; priced "
+                       f"{priced_counts.total:,}, {priced_counts.active:,})")
     def stated(opts: Any) -> dict[str, Any]:
         """The settings that price a run, each resolved (None: the runtime profile's own)."""
         out = {name: getattr(opts, name) for name in ("runtime", "loss_upcast", "attention")}
@@ -591,6 +607,7 @@ def search_result_dict(result: Any, model: ModelSpec, device: Any, space: Any) -
     return {
         "model": model.name, "hardware": device.name, "devices": space.num_devices,
         "global_batch_size": space.global_batch_size, "seq_length": space.seq_length,
+        "precision": space.precision.name,
         "space_size": result.space_size, "evaluated": result.evaluated, "fitting": result.fitting,
         "seconds": round(result.seconds, 3), "memory_limit_bytes": result.memory_limit_bytes,
         "rejected": result.rejected, "ranked": result.ranked, "pareto": result.pareto, "notes": result.notes,
@@ -728,6 +745,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
         if note := _runtime_note(options, args.emit):
             data["notes"].append(f"--emit {args.emit}: {note}")
+        if check["fits"] is False:
+            data["notes"].append(f"--emit {args.emit}: the settings written run over the limit as they read back "
+                                 f"(peak {format_bytes(check['peak_bytes'])}): {'; '.join(check['differs'])}")
         if check.get("precision") and check["precision"] != precision.name and check["step_s"] is not None:
             data["notes"].append(
                 f"--emit {args.emit} writes precision {check['precision']}, not {precision.name} as priced: the file "
@@ -760,6 +780,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         _emit_json(data)
         return 0 if result.ranked else 1
     _print_search(result, model, device, space)
+    if args.precision is None and args.emit:
+        console.print(f"candidates priced in {precision.name}, the precision {args.emit} writes (--precision to choose)")
     console.print(f"step times with overlap {'as given' if options.overlap else 'defaults (set with --overlap)'}: "
                   f"{overlap.describe()}", markup=False)
     _print_kernels(options)
@@ -820,8 +842,8 @@ def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt
     try:
         check = _read_back(model, first[0], first[1], fmt, cluster, options, limit)
     except (NdplanError, ValidationError):
-        check = {"same": False, "strategy": first[2], "stage_layers": [], "peak_bytes": None, "fits": None,
-                 "step_s": None}
+        check = {"same": False, "differs": [f"the strategy, {first[2]}"], "strategy": first[2], "stage_layers": [],
+                 "precision": None, "peak_bytes": None, "fits": None, "step_s": None}
     return 0, first[1], check, first[2], first[3]
 
 

@@ -792,9 +792,9 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
             "capacity_bytes": finite(data.get("memory_limit_bytes")) or finite(_first(source, LIMIT_KEYS)) or limit,
             "stages": memory_stages(source["stages"]),
         })
-    if kind == "balance" and data.get("recommended") != "given":
-        # The headline is the plan the step and throughput tiles price: the balanced settings
-        # (the strategy as given first only where balance recommends it).
+    if kind == "balance":
+        # The headline is the plan the step, throughput, timeline and Reproduce line are: the
+        # balanced settings (the verdict, even where it keeps the strategy as given, says so apart).
         memory.sort(key=lambda entry: entry["name"] != "balanced")
 
     perf_bars = []
