@@ -415,12 +415,18 @@ def _price_group(
         makespan, p2p_part, _ = closed_form_makespan(
             name, np.full(g, float(pp)), np.full(g, float(vpp)), m, k, f, b, w, p2p, layout.profile_count, star,
         )
-        if name == "interleaved" and vpp > 1 and len(set((layout.chunk_dense + layout.chunk_moe).tolist())) > 1:
-            # Unequal chunks on a stage stall the steady state every micro-batch: the simulator's
-            # share of the bottleneck stage, for the group's first strategy, taken for all.
-            fc, bc, wc = _chunk_times(layout, pr.pieces, int(config[0]), int(recompute_layers[0]), bool(rc_on[0]),
-                                      pr.model)
-            makespan = makespan + m * t_star * interleaved_stall(fc, bc, wc)
+        if name == "interleaved" and vpp > 1:
+            # Unequal chunks on a stage stall the steady state every micro-batch: the layout's
+            # stall (the simulator's, per unit layer), less what the bottleneck's margin over the
+            # next stage absorbs (docs/time.md). A function of the strategy alone.
+            grid = np.zeros((pp, vpp))
+            grid[layout.stage_of, layout.chunk_of] = layout.chunk_dense + layout.chunk_moe
+            stall = interleaved_stall(pp, tuple(grid.ravel().tolist()))
+            if stall > 0:
+                others = np.where(np.arange(per_mb.shape[1])[None, :] == star[:, None],
+                                  np.where(layout.profile_count[star] > 1, per_mb[rows, star], 0.0)[:, None], per_mb)
+                margin = 1.0 - others.max(axis=1) / t_star
+                makespan = makespan + m * t_star * np.maximum(stall - margin, 0.0)
     else:
         makespan, p2p_part = np.zeros(g), np.zeros(g)
         for j in range(g):
