@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -590,6 +591,24 @@ def test_the_read_back_keeps_what_no_file_states_and_compares_what_prices(capsys
     search = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--top", "1", "--json"]
     assert json.loads(run([*search, "--emit", "torchtitan"], capsys)[1])["precision"] == "fsdp-bf16"
     assert json.loads(run(search, capsys)[1])["precision"] == "megatron-bf16"
+
+
+def test_the_read_back_of_a_census_search_for_torchtitan_does_not_fail(capsys):
+    """With --census the search prices the runtime's own selective policy; the torchtitan file it
+    writes runs the per-op one, which a census cannot price: the read-back raised that error and
+    the command failed (a review). It now prices the file without the census and says so; and the
+    torchtitan file's overlap, which it states, is compared with the one priced."""
+    census = Path(__file__).parents[1] / "src" / "ndplan" / "memory" / "census" / "llama-3.1-8b.json"
+    argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32", "--census", str(census),
+            "--fix", "recompute=selective", "--emit", "torchtitan", "--top", "1", "--json"]
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    assert any(d.startswith("the census left out") for d in json.loads(out)["emitted_check"]["differs"])
+    argv = ["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--pp", "4", "--tp", "8",
+            "--sp", "--fsdp", "--num-micro-batches", "8", "--recompute", "full", "--emit", "torchtitan",
+            "--memory-limit", "60GiB", "--overlap", "plain", "--json"]
+    check = json.loads(run(argv, capsys)[1])["emitted_check"]
+    assert not check["same"] and any(d.startswith("overlap ") for d in check["differs"])
 
 
 def test_emitting_torchtitan_prices_the_selective_policy_it_writes(capsys):

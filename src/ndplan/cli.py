@@ -501,7 +501,7 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
     from ndplan.io.common import canonical_strategy, policy_of, same_bytes
     from ndplan.memory import estimate
     from ndplan.model import count_parameters
-    from ndplan.perf import estimate_time
+    from ndplan.perf import default_overlap, estimate_time
 
     read = _read_written(model, text, fmt, cluster)
     written = canonical_strategy(read.strategy(cluster.num_devices), model)
@@ -510,12 +510,18 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
     # file states (overhead, routing imbalance, capacity factor, a census) as the command priced.
     run_options = replace(_memory_options(argparse.Namespace(), {}, read, cluster.device),
                           include_overhead=options.include_overhead, moe_imbalance=options.moe_imbalance,
-                          moe_capacity_factor=options.moe_capacity_factor, census=options.census)
+                          moe_capacity_factor=options.moe_capacity_factor)
     if "overlap" not in (read.runtime_settings or {}):
         run_options = replace(run_options, overlap=options.overlap)
+    differs: list[str] = []
+    try:
+        run_options = replace(run_options, census=options.census)
+    except NdplanError:  # a census prices the runtime's own selective policy, not the one the file runs
+        differs.append(f"the census left out: it measures the runtime's own selective recompute, not the file's "
+                       f"{run_options.selective_policy}")
     precision = policy_of(written.precision)
-    differs = [] if written.model_copy(update={"precision": emitted.precision}) == canonical_strategy(emitted, model) \
-        else [f"the strategy, {written.short()}"]
+    if written.model_copy(update={"precision": emitted.precision}) != canonical_strategy(emitted, model):
+        differs.append(f"the strategy, {written.short()}")
     if not same_bytes(precision, policy_of(emitted.precision)):
         differs.append(f"precision {precision.name}")
     # The model as the file builds it, where that changes what is priced (not a field that prices
@@ -536,12 +542,20 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
             out["loss_parallel"] = opts.profile.loss_parallel if opts.loss_parallel is None else opts.loss_parallel
         if written.recompute == "selective":  # the policy prices nothing else
             out["selective_policy"] = opts.recompute_policy
+        # what the step hides (the file's overlap where it states one, over the runtime's defaults)
+        out["overlap"] = (opts.overlap or default_overlap(cluster.device.runtime)).describe()
         return out
 
     ran, priced = stated(run_options), stated(options)
-    differs += [f"{name} {ran[name]!r} (priced {priced[name]!r})" for name in ran if ran[name] != priced[name]]
     peak = estimate(run_model, written, cluster.device, run_options, num_devices=cluster.num_devices).peak_bytes
     step = estimate_time(run_model, written, cluster, **run_options.time_keywords()).step_s
+    if ran["overlap"] != priced["overlap"]:
+        # A switch only counts where the strategy has something it hides (no parameter gather
+        # to overlap without a distributed optimizer, ...): the same step with the priced overlap.
+        as_priced = replace(run_options, overlap=options.overlap or default_overlap(cluster.device.runtime))
+        if estimate_time(run_model, written, cluster, **as_priced.time_keywords()).step_s == step:
+            ran["overlap"] = priced["overlap"]
+    differs += [f"{name} {ran[name]!r} (priced {priced[name]!r})" for name in ran if ran[name] != priced[name]]
     return {"same": not differs, "differs": differs, "strategy": written.short(),
             "stage_layers": list(written.stage_layers or ()), "precision": precision.name,
             "peak_bytes": round(peak), "fits": peak <= limit, "step_s": step}

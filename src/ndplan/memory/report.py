@@ -398,7 +398,8 @@ def _inert_settings(strategy: Strategy, options: MemoryOptions, model: ModelSpec
         out.append(f"recompute modules {' '.join(idle)} re-run nothing in {model.name} (its layers have no such "
                    f"module: {', '.join(applicable_modules(model))} apply)")
     if options.moe_imbalance != 1.0 and not model.is_moe:
-        out.append(f"--moe-imbalance {options.moe_imbalance:g} changes nothing: {model.name} has no experts")
+        out.append(f"a MoE imbalance of {options.moe_imbalance:g} (--moe-imbalance, or the efficiency profile's) "
+                   f"changes nothing: {model.name} has no experts")
     if not strategy.reshard_after_forward and not (strategy.zero == 3 or strategy.fsdp):
         out.append("reshard_after_forward off (--no-reshard) changes nothing without FSDP/ZeRO-3 sharded parameters")
     return out

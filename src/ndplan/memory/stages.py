@@ -266,9 +266,9 @@ def _census_for(options: MemoryOptions, kind: str, model: ModelSpec | None = Non
     it was measured on another model (its bytes per token would price the wrong layers)."""
     for record in options.census:
         if record.layer_kind == kind or record.layer_kind.endswith(f"-{kind}"):
-            # Another name with the same architecture (a renamed checkpoint folder) is the same model.
-            if model is not None and (record.hidden_size != model.hidden_size or (
-                    record.model != model.name and record.model_type != model.model_type)):
+            # The name in any case (a checkpoint folder's spelling of a preset) is the same model.
+            if model is not None and (record.hidden_size != model.hidden_size
+                                      or record.model.lower() != model.name.lower()):
                 raise NdplanError(
                     f"the census record of layer kind '{record.layer_kind}' was measured on {record.model} (hidden "
                     f"size {record.hidden_size}), not on {model.name} (hidden size {model.hidden_size}): measure "
