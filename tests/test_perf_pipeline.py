@@ -139,8 +139,6 @@ def test_unequal_chunks_stall_interleaving_and_the_closed_form_counts_it():
     on 8; equal chunks none. The search's closed form measures the share once per layout, so
     that it ranks such layouts as `estimate` prices them (Llama-3.1-70B, 80 layers over pp 8 ×
     vpp 4 under FSDP: -3.1% before, the bubble 0.16 s against 0.56 s)."""
-    import numpy as np
-
     from ndplan.hardware import Cluster, get_device
     from ndplan.memory import MemoryOptions
     from ndplan.model import get_preset
@@ -148,14 +146,9 @@ def test_unequal_chunks_stall_interleaving_and_the_closed_form_counts_it():
     from ndplan.perf.pipeline import interleaved_stall
     from ndplan.strategy import Strategy, StrategyBatch
 
-    def unit(layers: list[int], pp: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        grid = np.tile(np.asarray(layers, dtype=float), (pp, 1))
-        return grid / 3, grid * 2 / 3, np.zeros_like(grid)
-
-    # measured on chunk times rounded to 2% of the stage: 6 and 2 of 8 (0.75, 0.25) read 0.76, 0.24
-    assert interleaved_stall(*unit([3, 3, 2, 2])) == pytest.approx(0.5 / 10, abs=0.005)
-    assert interleaved_stall(*unit([6, 2])) == pytest.approx(2.75 / 8, abs=0.02)
-    assert interleaved_stall(*unit([4, 4])) == 0.0
+    assert interleaved_stall(8, (3, 3, 2, 2) * 8) == pytest.approx(0.5 / 10)
+    assert interleaved_stall(8, (6, 2) * 8) == pytest.approx(2.75 / 8)
+    assert interleaved_stall(8, (4, 4) * 8) == 0.0
     model, keywords = get_preset("llama-3.1-70b"), MemoryOptions(runtime="megatron").time_keywords()
     cluster = Cluster(device=get_device("h100-sxm"), num_devices=64)
     for zero in (1, 3):
@@ -183,4 +176,4 @@ def test_the_interleaved_stall_of_a_strategy_does_not_depend_on_its_batch():
     for order in (strategies, strategies[::-1]):
         together = step_time_batch(model, StrategyBatch.concat([StrategyBatch.of(s) for s in order]), cluster)["step_s"]
         expected = alone if order is strategies else alone[::-1]
-        assert together.tolist() == pytest.approx(expected, rel=1e-12)
+        assert together.tolist() == pytest.approx(expected, rel=1e-12)  # the last bit may differ, as any batch's

@@ -243,30 +243,19 @@ def closed_form_makespan(
     return m * t_star + bubble + p2p_part, p2p_part, star
 
 
-def interleaved_stall(f: Array, b: Array, w: Array) -> float:
-    """The fraction of the bottleneck stage's time per micro-batch that the interleaved schedule
-    loses in its steady state where a stage's chunks differ (f, b, w: [pp, vpp] seconds of each
-    chunk: layer counts, the embedding and head, recompute on some layers); 0 where every stage's
-    chunks are equal. The closed form takes them as equal; the simulator finds a stall constant
-    per micro-batch (80 layers over pp 8 × vpp 4, chunks of 3, 3, 2, 2: 5% of equal stages; 61
-    over pp 8 × vpp 2, chunks of 6 and 2: 34%), less where the other stages' slack absorbs it, and
-    nearly independent of the forward's share (docs/time.md). Measured from two simulator runs
-    (2·pp and 4·pp micro-batches) on the chunks' times relative to the bottleneck stage, rounded
-    to 2%, with the forward a third of each: once per such shape, whichever strategy has it."""
-    total = np.asarray(f) + np.asarray(b) + np.asarray(w)
-    pp, vpp = total.shape
-    if pp < 2 or vpp < 2 or bool(np.allclose(total, total[:, :1], rtol=1e-9, atol=0.0)):
+@lru_cache(maxsize=1024)
+def interleaved_stall(pp: int, chunk_layers: tuple[float, ...]) -> float:
+    """The fraction of a stage's time per micro-batch that the interleaved schedule loses in its
+    steady state where a stage's chunks hold different layer counts (``chunk_layers``: [pp·vpp]
+    stage-major, layers of each chunk); 0 where every stage's chunks are equal. The closed form
+    takes them as equal; the simulator, fed one layer's forward and backward as 1/3 and 2/3 of a
+    unit, finds a stall constant per micro-batch and nearly independent of the forward's share
+    (80 layers over pp 8 × vpp 4, chunks of 3, 3, 2, 2: 5%; 61 over pp 8 × vpp 2, chunks of 6 and
+    2: 34%), measured here once per layout from two runs (2·pp and 4·pp micro-batches)."""
+    grid = np.asarray(chunk_layers, dtype=np.float64).reshape(pp, -1)
+    if pp < 2 or grid.shape[1] < 2 or bool(np.all(grid == grid[:, :1])):
         return 0.0
-    relative = total / float(total.sum(axis=1).max())
-    return _stall(pp, vpp, tuple((np.round(relative * 50) / 50).ravel().tolist()))
-
-
-@lru_cache(maxsize=8192)
-def _stall(pp: int, vpp: int, relative: tuple[float, ...]) -> float:
-    grid = np.asarray(relative, dtype=np.float64).reshape(pp, vpp)
-    if bool(np.all(grid == grid[:, :1])):
-        return 0.0
-    runs = [simulate("interleaved", pp, vpp, m, forward_s=grid / 3.0, backward_s=grid * (2.0 / 3.0),
+    runs = [simulate("interleaved", pp, grid.shape[1], m, forward_s=grid / 3.0, backward_s=grid * (2.0 / 3.0),
                      weight_grad_s=np.zeros_like(grid), overlap_f_and_b=False).makespan_s for m in (2 * pp, 4 * pp)]
     return max((runs[1] - runs[0]) / (2 * pp) / float(grid.sum(axis=1).max()) - 1.0, 0.0)
 

@@ -415,15 +415,18 @@ def _price_group(
         makespan, p2p_part, _ = closed_form_makespan(
             name, np.full(g, float(pp)), np.full(g, float(vpp)), m, k, f, b, w, p2p, layout.profile_count, star,
         )
-        if name == "interleaved" and vpp > 1 and len(set((layout.chunk_dense + layout.chunk_moe).tolist())) > 1:
-            # Unequal chunks on a stage stall the steady state every micro-batch: the simulator's
-            # share of the bottleneck stage for each strategy's own chunk times (whatever else
-            # the batch holds), once per distinct layer pricing.
-            keys = np.stack([config, recompute_layers, rc_on.astype(np.int64)], axis=1)
-            distinct, which = np.unique(keys, axis=0, return_inverse=True)
-            stall = np.array([interleaved_stall(*_chunk_times(layout, pr.pieces, int(c), int(r), bool(on), pr.model))
-                              for c, r, on in distinct.tolist()])
-            makespan = makespan + m * t_star * stall[which.reshape(-1)]
+        if name == "interleaved" and vpp > 1:
+            # Unequal chunks on a stage stall the steady state every micro-batch: the layout's
+            # stall (the simulator's, per unit layer), less what the bottleneck's margin over the
+            # next stage absorbs (docs/time.md). A function of the strategy alone.
+            grid = np.zeros((pp, vpp))
+            grid[layout.stage_of, layout.chunk_of] = layout.chunk_dense + layout.chunk_moe
+            stall = interleaved_stall(pp, tuple(grid.ravel().tolist()))
+            if stall > 0:
+                others = np.where(np.arange(per_mb.shape[1])[None, :] == star[:, None],
+                                  np.where(layout.profile_count[star] > 1, per_mb[rows, star], 0.0)[:, None], per_mb)
+                margin = 1.0 - others.max(axis=1) / t_star
+                makespan = makespan + m * t_star * np.maximum(stall - margin, 0.0)
     else:
         makespan, p2p_part = np.zeros(g), np.zeros(g)
         for j in range(g):
