@@ -418,7 +418,7 @@ def _price_group(
         if name == "interleaved" and vpp > 1:
             # Unequal chunks on a stage stall the steady state every micro-batch: the layout's
             # stall (the simulator's, per unit layer), less what the bottleneck's margin over the
-            # next stage absorbs (docs/time.md). A function of the strategy alone.
+            # largest other stage absorbs (docs/time.md). A function of the strategy alone.
             grid = np.zeros((pp, vpp))
             grid[layout.stage_of, layout.chunk_of] = layout.chunk_dense + layout.chunk_moe
             stall = interleaved_stall(pp, tuple(grid.ravel().tolist()))
