@@ -134,7 +134,7 @@ def report(data: Path, target: Path) -> None:
 
     gib = 2**30
     rows = []
-    # (layers, recompute, eager, scores materialised, errors by row key, reserved / allocated) per case:
+    # (layers, recompute, eager attention, errors by row key, reserved / allocated) per case:
     # the commentary's figures come from these, so that they cannot go stale.
     facts: dict[str, tuple[int, str, bool, dict[str, float], float]] = {}
     for path in sorted(data.glob("*-cuda.json")):

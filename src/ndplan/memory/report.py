@@ -26,7 +26,6 @@ from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, in_flight
 from ndplan.strategy import Strategy, StrategyBatch
 from ndplan.strategy.rules import validate_strategy
-from ndplan.strategy.strategy import OFFLOAD_MODULES
 from ndplan.units import format_bytes
 
 
@@ -344,11 +343,6 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
         gaps.append("activation offload is priced from Megatron-Core's code (what each module saves, two layers kept on "
                     "the device, copies at 0.8 of the host link's rate), not yet checked against a measured run "
                     "(docs/time.md)")
-        applicable = applicable_offload_modules(model) if model is not None else OFFLOAD_MODULES
-        idle = tuple(m for m in strategy.offload_modules if m not in applicable)
-        if idle:
-            gaps.append(f"offload modules {' '.join(idle)} move nothing in {model.name if model else 'this model'}: "
-                        + "; ".join(dict.fromkeys(_IDLE_REASONS[m] for m in idle)))
     if model is not None:
         gaps += _inert_settings(strategy, options, model)
     if strategy.pp > 1 and strategy.schedule not in options.profile.schedules:
@@ -393,6 +387,10 @@ def _inert_settings(strategy: Strategy, options: MemoryOptions, model: ModelSpec
     """Settings given that change nothing for this model and strategy (said, since a user who
     set them expects them priced)."""
     out = []
+    moved_nothing = [m for m in strategy.offload_modules if m not in applicable_offload_modules(model)]
+    if moved_nothing:
+        out.append(f"offload modules {' '.join(moved_nothing)} move nothing in {model.name}: "
+                   + "; ".join(dict.fromkeys(_IDLE_REASONS[m] for m in moved_nothing)))
     idle = [m for m in strategy.recompute_modules if m not in applicable_modules(model)]
     if idle and strategy.recompute == "selective":
         out.append(f"recompute modules {' '.join(idle)} re-run nothing in {model.name} (its layers have no such "
