@@ -6,6 +6,7 @@ The census records ship with ndplan (src/ndplan/memory/census/, regenerate with
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 
 import pytest
@@ -79,3 +80,45 @@ def test_a_census_of_another_model_is_refused() -> None:
     for other in ("llama-3.1-70b", "qwen3-8b"):
         with pytest.raises(NdplanError, match=rf"measured on llama-3.1-8b \(hidden size 4096\), not on {other}"):
             estimate(get_preset(other), Strategy(), None, options)
+
+
+def test_a_census_is_matched_by_layer_architecture_not_name() -> None:
+    """A census of a checkpoint folder named after its HF repo (Meta-Llama-3.1-8B) was refused for
+    the llama-3.1-8b preset, whose layers it measured: the record carries the layer architecture
+    it measured, which decides whatever the names; a model with other layers is refused by field."""
+    from dataclasses import replace
+
+    from ndplan.census.measure import _architecture
+    from ndplan.census.record import to_json
+    from ndplan.errors import NdplanError
+    from ndplan.memory import estimate
+    from ndplan.model.presets import hf_config
+
+    preset = get_preset("llama-3.1-8b")
+    architecture = _architecture(hf_config("llama-3.1-8b"), "Meta-Llama-3.1-8B")
+    assert architecture == preset.layer_architecture()
+    text = resources.files("ndplan.memory").joinpath("census", "llama-3.1-8b.json").read_text()
+    measured = [replace(r, model="Meta-Llama-3.1-8B", architecture=architecture) for r in from_json(text)]
+    read_back = from_json(to_json(measured))
+    assert read_back == measured
+    options = MemoryOptions(census=tuple(read_back))
+    plain = estimate(preset, Strategy(), None, MemoryOptions(census=tuple(from_json(text))))
+    assert estimate(preset, Strategy(), None, options).peak_bytes == plain.peak_bytes
+    with pytest.raises(NdplanError, match=r"whose layers differ from llama-3.1-70b's: ffn_hidden_size 14336 \(census\) "
+                                          r"vs 28672, hidden_size 4096 \(census\) vs 8192, num_attention_heads 32"):
+        estimate(get_preset("llama-3.1-70b"), Strategy(), None, options)
+    # Only the stack differs (fewer layers): the same layers, accepted.
+    estimate(preset.model_copy(update={"num_layers": 16, "layer_mlp_kinds": ("dense",) * 16,
+                                       "layer_attention_spans": ("full",) * 16, "name": "mine"}),
+             Strategy(), None, options)
+
+
+def test_a_census_architecture_field_is_checked() -> None:
+    from ndplan.census.record import to_json
+    from ndplan.errors import NdplanError
+
+    text = resources.files("ndplan.memory").joinpath("census", "llama-3.1-8b.json").read_text()
+    data = json.loads(to_json(from_json(text)))
+    data["records"][0]["architecture"] = ["hidden_size", 4096]
+    with pytest.raises(NdplanError, match=r"record 0: field 'architecture' must be an object of model fields"):
+        from_json(json.dumps(data))

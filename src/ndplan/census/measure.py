@@ -82,6 +82,7 @@ def run_census(
     records: list[CensusRecord] = []
     common = dict(
         model=str(model_name),
+        architecture=_architecture(hf_config, str(model_name)),
         model_type=str(config.model_type),
         hidden_size=h,
         seq_length=seq_length,
@@ -307,6 +308,17 @@ def _figures(runs: dict[tuple[int, int, str], Any], policy: str, s_main: int, s_
         backward_peak_extra_bytes_per_token_per_seq=(e1 - eh) / (s_main - s_half),
         saved_constant_bytes=const1,
     )
+
+
+def _architecture(hf_config: dict[str, Any], name: str) -> tuple[tuple[str, Any], ...]:
+    """The measured model's layer architecture as ndplan reads its config; () for a model_type
+    ndplan has no reader for (the record is then matched by name)."""
+    from ndplan.model.hf import spec_from_hf_config
+
+    try:
+        return spec_from_hf_config(hf_config, name=name).layer_architecture()
+    except NdplanError:
+        return ()
 
 
 def _attention_kernel(ops: list[str], attention: str) -> str:

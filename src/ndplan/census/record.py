@@ -104,6 +104,10 @@ class CensusRecord:
     attention_kernel: str = ""  # the aten attention op that ran, e.g. "aten._scaled_dot_product_flash_attention_for_cpu"
     saved_ops: tuple[SavedOp, ...] = ()
     notes: str = ""
+    #: The measured model's ``ModelSpec.layer_architecture()``: what decides whether the record
+    #: prices another model's layers, whatever its name. () where the census could not read the
+    #: config as a ModelSpec (the name decides then).
+    architecture: tuple[tuple[str, Any], ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -146,6 +150,7 @@ class CensusRecord:
         d["saved_ops"] = [
             {k: (list(v) if k == "shape" else v) for k, v in asdict(op).items()} for op in self.saved_ops
         ]
+        d["architecture"] = dict(self.architecture)
         # schema_version first, for humans reading the file.
         return {"schema_version": d.pop("schema_version"), **d}
 
@@ -323,8 +328,18 @@ def _record_from_dict(d: Any, where: str) -> CensusRecord:
         attention_kernel=_str(d, "attention_kernel", where, default="", nonempty=False),
         saved_ops=tuple(_op_from(op, f"{where}: saved_ops[{i}]") for i, op in enumerate(ops)),
         notes=_str(d, "notes", where, default="", nonempty=False),
+        architecture=_architecture_from(d, where),
         schema_version=SCHEMA_VERSION,
     )
+
+
+def _architecture_from(d: dict[str, Any], where: str) -> tuple[tuple[str, Any], ...]:
+    value = _get(d, "architecture", where, default={})
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (str, int, float)) for k, v in value.items()):
+        raise NdplanError(f"{where}: field 'architecture' must be an object of model fields to numbers, "
+                          f"booleans or strings, got {value!r}")
+    return tuple(sorted(value.items()))
 
 
 __all__ = [

@@ -266,15 +266,30 @@ def _census_for(options: MemoryOptions, kind: str, model: ModelSpec | None = Non
     it was measured on another model (its bytes per token would price the wrong layers)."""
     for record in options.census:
         if record.layer_kind == kind or record.layer_kind.endswith(f"-{kind}"):
-            # The name in any case (a checkpoint folder's spelling of a preset) is the same model.
-            if model is not None and (record.hidden_size != model.hidden_size
-                                      or record.model.lower() != model.name.lower()):
-                raise NdplanError(
-                    f"the census record of layer kind '{record.layer_kind}' was measured on {record.model} (hidden "
-                    f"size {record.hidden_size}), not on {model.name} (hidden size {model.hidden_size}): measure "
-                    f"this model with `ndplan census {model.name}`, or leave out --census")
+            if model is not None:
+                _check_census_model(record, model)
             return record
     return None
+
+
+def _check_census_model(record: CensusRecord, model: ModelSpec) -> None:
+    """Refuse a record measured on another model. Its layer architecture decides where the record
+    carries one (a checkpoint folder named Meta-Llama-3.1-8B measures the llama-3.1-8b preset's
+    layers); an older record without it must carry the model's name, in any case."""
+    advice = f"measure this model with `ndplan census {model.name}`, or leave out --census"
+    where = f"the census record of layer kind '{record.layer_kind}' was measured on {record.model}"
+    if record.architecture:
+        measured, priced = dict(record.architecture), dict(model.layer_architecture())
+        differ = [name for name in sorted(measured.keys() | priced.keys()) if measured.get(name) != priced.get(name)]
+        if differ:
+            shown = ", ".join(f"{name} {measured.get(name, 'unset')} (census) vs {priced.get(name, 'unset')}"
+                              for name in differ[:4])
+            more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+            raise NdplanError(f"{where}, whose layers differ from {model.name}'s: {shown}{more}: {advice}")
+    elif record.hidden_size != model.hidden_size or record.model.lower() != model.name.lower():
+        raise NdplanError(
+            f"{where} (hidden size {record.hidden_size}), not on {model.name} (hidden size {model.hidden_size}): "
+            f"{advice}")
 
 
 def _measured(record: CensusRecord | Recompute, tp: np.ndarray, seq: np.ndarray) -> np.ndarray:

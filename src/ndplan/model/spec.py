@@ -6,13 +6,19 @@ model from a Hugging Face config, a preset or a user's YAML file is priced by th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MlpKind = Literal["dense", "moe"]
 AttentionSpan = Literal["full", "sliding"]
 AttentionKind = Literal["mha", "gqa", "mqa", "mla"]
+
+
+#: ModelSpec fields that do not shape any one layer's tensors: the model's name and its stack
+#: (how many layers, of which MLP and attention kind, the MTP depth, the longest position).
+_NOT_LAYER_SHAPE = ("name", "num_layers", "layer_mlp_kinds", "layer_attention_spans", "mtp_depth",
+                    "max_position_embeddings")
 
 
 class ModelSpec(BaseModel):
@@ -175,6 +181,13 @@ class ModelSpec(BaseModel):
     @property
     def value_head_dim(self) -> int:
         return self.v_head_dim if self.is_mla else self.head_dim
+
+    def layer_architecture(self) -> tuple[tuple[str, Any], ...]:
+        """The fields that shape one layer's tensors, as sorted (field, value) pairs: every field
+        but the name and how many layers of which kind the model stacks. Two models that agree on
+        these keep the same bytes per token in a layer of the same kind (a census's business)."""
+        return tuple(sorted((name, value) for name, value in self.model_dump().items()
+                            if name not in _NOT_LAYER_SHAPE))
 
     @property
     def mlp_matrices(self) -> int:
