@@ -438,10 +438,12 @@ def get_device_dict(name):
 def test_memory_limit_errors_name_the_flag_and_a_limit_above_the_device_is_said(command, capsys):
     argv = [command, *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "16"]
     argv += ["--pp", "2"] if command == "balance" else ["--dims", "tp", "zero"]
-    for bad, message in (("abc", "cannot read 'abc' as a size"), ("0GiB", "a size must be positive")):
+    # A negative size after a space: argparse had taken it for an option ("expected one argument").
+    for bad, message in (("abc", "cannot read 'abc' as a size"), ("0GiB", "a size must be positive"),
+                         ("-5GiB", "a size must be positive")):
         code, _, err = run([*argv, "--memory-limit", bad], capsys)
         assert code == 2 and err.strip() == f"ndplan: error: --memory-limit: {message}" + (
-            "; write e.g. 70GiB, 80GB or 85899345920" if bad == "abc" else ", got '0GiB'")
+            "; write e.g. 70GiB, 80GB or 85899345920" if bad == "abc" else f", got '{bad}'")
     code, _, err = run([*argv, "--memory-limit", "300GiB", "--json"], capsys)
     assert code == 0
     assert "ndplan: warning: --memory-limit 300.00 GiB is above the h100-sxm's 79.18 GiB" in err

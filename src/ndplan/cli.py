@@ -1192,9 +1192,23 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "(replaces --moe-imbalance for memory)")
 
 
+def _signed_values_attached(argv: Sequence[str]) -> list[str]:
+    """``--memory-limit -5GiB`` as ``--memory-limit=-5GiB``: argparse takes a token that starts
+    with "-" and is not a plain number for an option and says only "expected one argument"; the
+    option's own check then names the bad value."""
+    out: list[str] = []
+    for token in argv:
+        if (out and re.match(r"-\d", token) and out[-1].startswith("--") and "=" not in out[-1]
+                and out[-1] != "--"):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_signed_values_attached(sys.argv[1:] if argv is None else argv))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
