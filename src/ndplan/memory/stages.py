@@ -814,7 +814,7 @@ def _outer_sum(terms: list[StaticTerm], n: int, width: int) -> np.ndarray:
         if per_virtual.any():
             known = factors.get(id(per_virtual))
             factors[id(per_virtual)] = (per_virtual, per_strategy if known is None else known[1] + per_strategy)
-    total = np.zeros((n, width))
+    total = np.zeros((n, width), order="F")
     for per_virtual, per_strategy in factors.values():
         hot = np.flatnonzero(per_virtual)
         if len(hot) == 1 and per_virtual[hot[0]] == 1.0:
@@ -1116,7 +1116,14 @@ def _evaluate_group(
 
     Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
     arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
-    stages where the held peak joins them."""
+    stages where the held peak joins them.
+
+    Those arrays are column-major (order="F"): they are filled and read column by column (see
+    ``_outer_sum``), and a column-major column is contiguous, where a row-major one is strided
+    through every cache line of the array; their transposes, the stage-major [P, n] rows that
+    the held peak and ``_GroupShape.by_stage`` take, are then contiguous too. Elementwise
+    results keep their operands' layout (one row-major operand makes them row-major), so the
+    arrays made here are made column-major."""
     schedule_code, pp, vpp, seq_chunks, embedding_as_layer, output_as_layer = key
     schedule = CODES["schedule"][schedule_code]
     hands_over_enabled = bool(options.profile.pipeline_stage_output)
@@ -1179,7 +1186,7 @@ def _evaluate_group(
     expert_total = _outer_sum(expert_terms, n, computed)
     non_expert_stage, expert_stage = _to_stages(non_expert_total, chunks), _to_stages(expert_total, chunks)
     whole_embedding_grad_tp = makes_whole_embedding_grad(options.profile, batch.tp, batch.zero)
-    grads_virtual = np.zeros((n, computed))
+    grads_virtual = np.zeros((n, computed), order="F")
     for category, width in states.items():
         non_expert_div = getattr(shards, category)[:, None]
         expert_div = getattr(shards, f"expert_{category}")[:, None]
@@ -1222,7 +1229,7 @@ def _evaluate_group(
     # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
     kept_dense, kept_moe = (np.where(recompute_on, acts.recomputed[k], acts.full[k]) for k in ("dense", "moe"))
     # Column by column (see _outer_sum): the same products, in passes over the strategies.
-    layers_held = np.empty((len(batch), computed))
+    layers_held = np.empty((len(batch), computed), order="F")
     for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
         layers_held[:, column] = tokens * (kept_dense * dense + kept_moe * moe)
     limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
@@ -1242,14 +1249,15 @@ def _evaluate_group(
     mtp_held = tokens * model.mtp_depth * (acts.mtp_extra + np.where(recompute_on, acts.recomputed[mtp_kind], acts.full[mtp_kind]))
     # Bytes of one micro-batch per virtual stage, held until its backward: the sum of the entries
     # (in this order, so that the sums are those of the breakdown's entries).
-    per_b_virtual = layers_held.copy()
+    per_b_virtual = layers_held.copy(order="F")
     per_b_virtual[:, 0] += embedding_held
     per_b_virtual[:, -1] += output_held
     per_b_virtual[:, -1] += mtp_held
     # Under recompute each chunk's checkpoints keep the boolean mask they were given, once per
     # micro-batch (their layers share it): transformers' SDPA masks sliding layers from seq >= window.
     checkpoint_mask = np.where(recompute_on, _sdpa_mask_bytes(model, batch, options), 0.0)
-    checkpoint_mask_virtual = np.multiply.outer(checkpoint_mask, ((dense_layers + moe_layers) > 0).astype(float))
+    checkpoint_mask_virtual = np.multiply(checkpoint_mask[:, None], ((dense_layers + moe_layers) > 0).astype(float),
+                                          out=np.empty((n, computed), order="F"))
     per_b_virtual += checkpoint_mask_virtual
     profile = options.profile
     # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
@@ -1290,7 +1298,7 @@ def _evaluate_group(
         logits_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         logits_gradient = tokens * model.vocab_size * precision.activation_bytes / logits_div
         outputs_dense, outputs_moe = acts.weight_grad_outputs["dense"], acts.weight_grad_outputs["moe"]
-        per_w_virtual = np.empty((n, computed))
+        per_w_virtual = np.empty((n, computed), order="F")
         # Column by column (see _outer_sum): the same products, in passes over the strategies.
         for column, (dense, moe, last) in enumerate(
                 zip(dense_layers.tolist(), moe_layers.tolist(), last_virtual.tolist(), strict=True)):
@@ -1308,7 +1316,7 @@ def _evaluate_group(
             per_w_virtual[:, first_virtual > 0] = per_b_virtual[:, first_virtual > 0]
     else:
         # W needs the linear layers' inputs and their output gradients (about as large).
-        per_w_virtual = np.empty((n, computed))
+        per_w_virtual = np.empty((n, computed), order="F")
         # Column by column (see _outer_sum): the same products, in passes over the strategies.
         for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
             per_w_virtual[:, column] = 2 * tokens * (acts.weight_input["dense"] * dense + acts.weight_input["moe"] * moe)
@@ -1334,7 +1342,7 @@ def _evaluate_group(
         deferred_rows = np.flatnonzero(deferred)
         static_rows = np.flatnonzero(later_runs & ~deferred)
         if deferred_rows.size or static_rows.size:
-            per_grads = grads_virtual.copy()
+            per_grads = grads_virtual.copy(order="F")
             per_grads[deferred_rows] = (non_expert_total[deferred_rows] + expert_total[deferred_rows]) * grad_bytes
             per_grads[static_rows] = 0.0
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
@@ -1361,11 +1369,11 @@ def _evaluate_group(
     head_grad_bytes = ((table * (1 + embedding_copy_for_mtp) + final_norm + model.mtp_depth * mtp_layer) * grad_width
                        + model.mtp_depth * layers.expert[mtp_kind] * grad_bytes / shards.expert_grads)
     table_made_last = 0.0 if model.tie_word_embeddings and not tables_apart else table * grad_width
-    layer_transient = np.empty((n, patterns))
+    layer_transient = np.empty((n, patterns), order="F")
     # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
     scores = any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
-    scores_during, scores_grads = (np.empty((n, patterns)), np.empty((n, patterns))) if scores else (None, None)
-    out["transient"] = np.empty((n, patterns))
+    scores_during, scores_grads = (np.empty((n, patterns), order="F"), np.empty((n, patterns), order="F")) if scores else (None, None)
+    out["transient"] = np.empty((n, patterns), order="F")
     for column, (moe_here, dense_here, first, last) in enumerate(
             zip(has_moe.tolist(), has_dense.tolist(), first_stage.tolist(), last_stage.tolist(), strict=True)):
         layer = layer_by_kinds.get((moe_here, dense_here))
@@ -1448,10 +1456,10 @@ def _evaluate_group(
             first_step = [None if step is None else np.maximum(_chunk_column(made_in_step, chunks, c) - new_grad, 0.0)
                           for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
         extra += first_step
-    handed_over = np.zeros((len(batch), patterns))
+    handed_over = np.zeros((len(batch), patterns), order="F")
     if hands_over:
         one_hand_over = tokens * model.hidden_size * precision.activation_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
-        per_handover = np.zeros((len(batch), patterns))
+        per_handover = np.zeros((len(batch), patterns), order="F")
         per_handover[:, shape.turn] = one_hand_over  # the frontier's hand-over column: the V's turn
         extra = [*(extra or [None] * vpp), per_handover]
         count = on_stage @ (hands_forward.astype(float) + hands_backward)
@@ -1495,12 +1503,12 @@ def _evaluate_group(
     pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
     # Column by column (see _outer_sum): the buffers alive while a layer runs, and with them the
     # pipeline's (the first two terms of the communication sum below).
-    overlapping_with_pp = np.empty((n, patterns))
+    overlapping_with_pp = np.empty((n, patterns), order="F")
     sp_or_cp = np.maximum(sp_gather, cp_buffers)
     for column, moe_here in enumerate(has_moe.tolist()):
         overlapping_with_pp[:, column] = np.maximum(sp_or_cp, ep_buffers * float(moe_here)) + pp_buffers
     # Only FSDP strategies have unit moments: price those rows alone.
-    fsdp = FsdpPhases(*(np.zeros((len(batch), patterns)) for _ in range(4)))
+    fsdp = FsdpPhases(*(np.zeros((len(batch), patterns), order="F") for _ in range(4)))
     sharded_rows = np.flatnonzero(zero3)
     if sharded_rows.size:
         def pick(values: Any) -> np.ndarray:
@@ -1546,14 +1554,14 @@ def _evaluate_group(
     # FSDP without resharding after forward keeps the stage's gathered parameters (under a
     # deferring pipeline every unit stays gathered after its backward whatever the setting: the
     # unit moments hold them, _fsdp_unit_phases' kept_after_backward).
-    kept_gathered = np.zeros((len(batch), patterns))
+    kept_gathered = np.zeros((len(batch), patterns), order="F")
     kept_rows = np.flatnonzero(zero3 & (batch.reshard_after_forward == 0) & ~deferred)
     if kept_rows.size:
         # Every element whole on the device (non-expert /tp, experts /ep·etp): the two kinds
         # are sharded over different groups, so the sharded bytes do not give them back.
         stage_elements = non_expert_stage[kept_rows] + expert_stage[kept_rows]
         kept_gathered[kept_rows] = stage_elements * precision.param_gather_bytes
-    receive = np.zeros((len(batch), patterns))
+    receive = np.zeros((len(batch), patterns), order="F")
     if options.profile.pipeline_stage_output and virtual > 1:
         # torch.distributed.pipelining allocates one receive buffer per micro-batch up front, for
         # the activations a later chunk receives and the gradients an earlier chunk receives; they
@@ -1563,7 +1571,7 @@ def _evaluate_group(
         directions = receives_from_peer.astype(float) + sends_to_peer
         one_receive = batch.num_micro_batches * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
         # Column by column (see _outer_sum): the same products, in passes over the strategies.
-        receive_virtual = np.empty((n, computed))
+        receive_virtual = np.empty((n, computed), order="F")
         for column, direction in enumerate(directions.tolist()):
             receive_virtual[:, column] = one_receive * direction
         receive = _to_stages(receive_virtual, chunks)
@@ -1813,10 +1821,10 @@ def _fsdp_unit_phases(
     size[""] = zero
     expert = np.broadcast_to(expert_elements, (n,)).astype(float)
     grads_of = {k: np.broadcast_to(unit_grads[k], (n,)).astype(float) for k in kinds}
-    buffers = np.zeros((n, columns))
-    work = np.zeros((n, columns))
-    last_unit = np.zeros((n, columns))
-    grads_made = np.zeros((n, columns))
+    buffers = np.zeros((n, columns), order="F")
+    work = np.zeros((n, columns), order="F")
+    last_unit = np.zeros((n, columns), order="F")
+    grads_made = np.zeros((n, columns), order="F")
     first_chunk_layers = max(float(placement.dense_layers[0] + placement.moe_layers[0]), 1.0)
     g, r = float(gather_bytes), np.broadcast_to(np.asarray(reduce_bytes, dtype=float), (n,))
     priced: dict[tuple[tuple[tuple[str, int], ...], bool], int] = {}  # signature -> a column priced with it
