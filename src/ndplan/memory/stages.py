@@ -759,12 +759,13 @@ def _held_peak(
     n = len(micro_batches)
     held = tuple(c for c, w in enumerate(weights) if w is not None)
     grown = tuple(len(weights) + c for c, w in enumerate(extra or ()) if w is not None)
-    # Stage-major copies [pp, columns, n]: per stage, (rows × columns) @ (columns × strategies)
-    # gives every row's value in a [rows, n] block whose maximum runs over the leading axis.
-    held_weights = np.stack([w.T for w in weights if w is not None], axis=1) if held else np.zeros((pp, 0, n))
-    extra_weights = np.stack([w.T for w in extra or () if w is not None], axis=1) if grown else np.zeros((pp, 0, n))
-    peak = np.zeros((pp, n))
-    with_extra = np.zeros((pp, n)) if extra is not None else peak
+    # Stage-major [pp, columns, n]: per stage, (rows × columns) @ (columns × strategies) gives
+    # every row's value in a [rows, n] block whose maximum runs over the leading axis.
+    held_weights = _stage_major([w for w in weights if w is not None], pp, n)
+    extra_weights = _stage_major([w for w in extra or () if w is not None], pp, n)
+    # (Every stage's row is written below: one run of micro-batch counts covers the strategies.)
+    peak = np.empty((pp, n))
+    with_extra = np.empty((pp, n)) if extra is not None else peak
     chosen: np.ndarray | None = None
     for m, subset in _runs_of(micro_batches):
         frontier = _frontier_columns(schedule, pp, vpp, int(m), seq_chunks, held, grown)
@@ -774,14 +775,32 @@ def _held_peak(
             p = s if pattern_of is None else pattern_of[s]
             step = max(1, _PRODUCT_BLOCK // (held_rows.shape[0] * max(held_rows.shape[1], grown_rows.shape[1], 1)))
             for block in _blocks(subset, step):
+                if len(held_rows) == 1 and isinstance(block, slice) and not keep_rows:
+                    # One frontier row (most micro-batch counts, past the warm-up): its value is
+                    # the peak, the products written in place (the same sum: v + g = g + v).
+                    np.matmul(held_rows, held_weights[p][:, block], out=peak[s:s + 1, block])
+                    if extra is not None:
+                        np.matmul(grown_rows, extra_weights[p][:, block], out=with_extra[s:s + 1, block])
+                        with_extra[s, block] += peak[s, block]
+                    continue
                 values = held_rows @ held_weights[p][:, block]
-                peak[s, block] = values.max(axis=0)
+                values.max(axis=0, out=peak[s, block])
                 if keep_rows and chosen is not None:
                     chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][row_index[np.argmax(values, axis=0)]]
                 if extra is not None:
                     values += grown_rows @ extra_weights[p][:, block]
-                    with_extra[s, block] = values.max(axis=0)
+                    values.max(axis=0, out=with_extra[s, block])
     return peak, with_extra, chosen
+
+
+def _stage_major(columns: list[np.ndarray], pp: int, n: int) -> np.ndarray:
+    """[pp, len(columns), n] from [n, pp] arrays: one column-major array's transpose as a view
+    (no copy), several stacked."""
+    if not columns:
+        return np.zeros((pp, 0, n))
+    if len(columns) == 1 and columns[0].flags.f_contiguous:
+        return columns[0].T[:, None, :]
+    return np.stack([w.T for w in columns], axis=1)
 
 
 def _recomputed_layers(
