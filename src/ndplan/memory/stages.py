@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, reduce
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -1117,51 +1117,19 @@ def _first_max(by_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return top, first
 
 
-def _evaluate_group(
-    model: ModelSpec,
-    batch: StrategyBatch,
-    options: MemoryOptions,
-    key: tuple[int, ...],
-    index: np.ndarray,
-    kinds: dict[str, dict[str, np.ndarray]] | None,
-    stage_layers: tuple[int, ...] | None,
-    acts: LayerActivations | None,
-    *,
-    device_only: bool = False,
-) -> dict[str, np.ndarray]:
-    """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
-    ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
-    ``device_only``: only "device", the figures of the stages in between are not expanded).
-
-    Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
-    arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
-    stages where the held peak joins them.
-
-    Those arrays are column-major (order="F"): they are filled and read column by column (see
-    ``_outer_sum``), and a column-major column is contiguous, where a row-major one is strided
-    through every cache line of the array; their transposes, the stage-major [P, n] rows that
-    the held peak and ``_GroupShape.by_stage`` take, are then contiguous too. Elementwise
-    results keep their operands' layout (one row-major operand makes them row-major), so the
-    arrays made here are made column-major."""
-    schedule_code, pp, vpp, seq_chunks, embedding_as_layer, output_as_layer = key
-    schedule = CODES["schedule"][schedule_code]
-    hands_over_enabled = bool(options.profile.pipeline_stage_output)
-    shape = _group_shape(model, schedule, pp, vpp, stage_layers, bool(embedding_as_layer), bool(output_as_layer),
-                         hands_over_enabled, kinds is None)
+def _static_state(
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, shape: _GroupShape, *, scores: bool,
+    kinds: dict[str, dict[str, np.ndarray]] | None = None, index: np.ndarray | None = None,
+) -> _StaticState:
+    """``_StaticState`` of a group's strategies (``scores``: with ``mlp_grads``); with ``kinds``,
+    each kind's parameters, gradients and optimizer states are added to the breakdown's rows
+    ``index``."""
     placement = shape.placement
-    virtual = pp * vpp
-    computed, patterns = len(shape.used), len(shape.reps)  # virtual stages and stage patterns priced
-    on_stage, chunks = shape.on_stage, shape.chunks
-    first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
-    receives_from_peer, sends_to_peer = shape.receives_from_peer, shape.sends_to_peer
-    hands_over = hands_over_enabled and schedule in V_SHAPE and virtual > 1
-    hands_forward, hands_backward = shape.hands_forward, shape.hands_backward
-    moe_per_stage = shape.moe_per_stage
-    dense_layers, moe_layers = shape.dense, shape.moe  # per virtual stage computed
-
+    pp, vpp = len(shape.pattern_of), shape.chunks.shape[1]
+    computed, chunks = len(shape.used), shape.chunks
+    dense_layers, moe_layers = shape.dense, shape.moe
     precision = batch.precision
     tp, ep, etp = (batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
-    cp = batch.cp.astype(float)
     layers = layer_elements(model, tp, ep, etp)
     shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
 
@@ -1233,9 +1201,195 @@ def _evaluate_group(
             kinds["static"][static_kind][index, :pp] += shape.expand(
                 np.where(offload, 0.0, share) if category == "optimizer" else share)
 
+    # What the rest of the model reads of the above, all functions of the same fields.
+    profile = options.profile
+    deferred = (batch.zero == 3) & profile.pipeline_defers_fsdp_reduce & (pp * vpp > 1)
+    # Gradient bytes per element as the stage keeps them (ZeRO-2 shards them as they are made).
+    grad_width = grad_bytes / shards.grads
+    # The head's weight gradient exists from the head's backward on (its own table, or the tied
+    # one where both ends share a stage), and the MTP modules', whose backward comes before any
+    # decoder layer's (with the embedding copy they keep apart from the first stage). The
+    # embedding's gradient is made last, after every layer's backward, unless it is that same
+    # shared table.
+    head_grad_bytes = ((table * (1 + embedding_copy_for_mtp) + final_norm + model.mtp_depth * mtp_layer) * grad_width
+                       + model.mtp_depth * layers.expert[mtp_kind] * grad_bytes / shards.expert_grads)
+    table_made_last = 0.0 if model.tie_word_embeddings and not tables_apart else table * grad_width
+    # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
+    # table (the scatter of token gradients is dense) and adds it to the kept one. FSDP gradients
+    # are new each micro-batch and priced with its unit buffers. Under DTensor tensor parallelism
+    # that new gradient is the whole table, [vocab, h], before it becomes the rank's shard, with
+    # one micro-batch too.
+    accumulates = (batch.micro_batches_per_step > 1) & (batch.zero < 3)
+    whole_table = float(model.vocab_size * model.hidden_size)
+    embedding_gradient = np.where(
+        whole_embedding_grad_tp, whole_table, np.where(accumulates, table, 0.0)
+    ) * precision.param_bytes
+    # One micro-batch under FSDP (and no deferred reduce): the units already reduced have
+    # their sharded gradients; the single-micro-batch peak counts no others.
+    made_by_now = (batch.micro_batches_per_step == 1) & ~deferred & profile.grads_created_in_backward
+    unit_parts: dict[str, tuple[Any, Any]] = {  # (non-expert, expert) elements of each FSDP unit
+        "embedding": (table, 0.0),
+        "dense": (layers.non_expert["dense"], layers.expert["dense"]),
+        "moe": (layers.non_expert["moe"], layers.expert["moe"]),
+        "head": (table * head_on_output + final_norm, 0.0),
+    }
+    # The gradients of a layer's MLP and second norm, made before its attention backward.
+    mlp_grads: dict[str, np.ndarray] = {}
+    kind: MlpKind
+    for kind, mlp_name in (("dense", "mlp"), ("moe", "moe")) if scores else ():
+        experts = layers.expert[kind]
+        mlp_grads[kind] = ((layers.by_kind[kind][mlp_name] - experts + 0.5 * layers.by_kind[kind]["norm"]) * grad_width
+                           + experts * (grad_bytes / shards.expert_grads))
+    return _StaticState(
+        params=out["params"], grads=out["grads"], optimizer=out["optimizer"], grads_virtual=grads_virtual,
+        unit_elements={kind: non_expert + expert for kind, (non_expert, expert) in unit_parts.items()},
+        unit_grads={kind: np.where(made_by_now, non_expert * grad_bytes / shards.grads
+                                   + expert * grad_bytes / shards.expert_grads, 0.0)
+                    for kind, (non_expert, expert) in unit_parts.items()},
+        expert_elements=layers.expert["moe"], head_grad_bytes=head_grad_bytes, table_made_last=table_made_last,
+        embedding_gradient=embedding_gradient, mlp_grads=mlp_grads,
+        overhead=overhead_model(options.profile, batch, options.include_overhead),
+        distinct_elements_virtual=non_expert_total + expert_total,
+        distinct_stage_elements=non_expert_stage + expert_stage,
+    )
+
+
+@dataclass(frozen=True)
+class _StaticState:
+    """A group's parameters, gradients and optimizer states and what is made of them alone (all
+    functions of STATIC_FIELDS): per stage pattern [n, P] bytes ``params``, ``grads`` and
+    ``optimizer`` (0 where offloaded), per virtual stage [n, U] ``grads_virtual``; per strategy
+    [n]: the elements of each FSDP unit (``unit_elements``), the bytes of their sharded
+    gradients where a unit's moments count them (``unit_grads``: one micro-batch, no deferred
+    reduce; else 0), the routed experts' elements of a MoE layer (``expert_elements``), the
+    gradient bytes of the head and the MTP modules (``head_grad_bytes``), of the embedding made
+    after every layer (``table_made_last``), of a new embedding gradient
+    (``embedding_gradient``), and per layer kind of its MLP and second norm (``mlp_grads``, only
+    where the scores are materialised); ``overhead`` the runtime overhead. The elements per
+    virtual stage and per pattern (non-expert + expert) are read for a few rows:
+    ``elements_virtual(rows)``, ``stage_elements(rows)``."""
+
+    params: np.ndarray
+    grads: np.ndarray
+    optimizer: np.ndarray
+    grads_virtual: np.ndarray
+    unit_elements: dict[str, np.ndarray]
+    unit_grads: dict[str, np.ndarray]
+    expert_elements: np.ndarray
+    head_grad_bytes: np.ndarray
+    table_made_last: Any
+    embedding_gradient: np.ndarray
+    mlp_grads: dict[str, np.ndarray]
+    overhead: RuntimeOverhead
+    distinct_elements_virtual: np.ndarray  # [combinations, U], at the rows ``index`` gives
+    distinct_stage_elements: np.ndarray    # [combinations, P]
+    index: np.ndarray | None = None        # per strategy its combination (None: one each)
+
+    def take(self, index: np.ndarray) -> _StaticState:
+        """The figures of the strategies whose combinations are ``index`` (column-major where
+        they have columns)."""
+        values: dict[str, Any] = {}
+        for name, value in vars(self).items():
+            if name.startswith("distinct_") or name == "index":
+                values[name] = value
+            elif isinstance(value, dict):
+                values[name] = {k: _rows_of(v, index) for k, v in value.items()}
+            elif isinstance(value, RuntimeOverhead):
+                values[name] = replace(value, fixed_bytes=value.fixed_bytes[index])
+            else:
+                values[name] = _rows_of(value, index)
+        values["index"] = index if self.index is None else self.index[index]
+        return _StaticState(**values)
+
+    def elements_virtual(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), U] elements per virtual stage of the strategies at ``rows``."""
+        return self.distinct_elements_virtual[rows if self.index is None else self.index[rows]]
+
+    def stage_elements(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), P] elements per stage pattern of the strategies at ``rows``."""
+        return self.distinct_stage_elements[rows if self.index is None else self.index[rows]]
+
+
+def _rows_of(values: Any, index: np.ndarray) -> Any:
+    """``values`` [combinations] or [combinations, k] at ``index`` (a number as it is), 2-D
+    arrays column-major: a column gathered at a time, contiguous."""
+    if not isinstance(values, np.ndarray):
+        return values
+    if values.ndim == 1:
+        return values[index]
+    out = np.empty((len(index), values.shape[1]), order="F")
+    for column in range(values.shape[1]):
+        np.take(values[:, column], index, out=out[:, column])
+    return out
+
+
+def _evaluate_group(
+    model: ModelSpec,
+    batch: StrategyBatch,
+    options: MemoryOptions,
+    key: tuple[int, ...],
+    index: np.ndarray,
+    kinds: dict[str, dict[str, np.ndarray]] | None,
+    stage_layers: tuple[int, ...] | None,
+    acts: LayerActivations | None,
+    *,
+    device_only: bool = False,
+) -> dict[str, np.ndarray]:
+    """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
+    ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
+    ``device_only``: only "device", the figures of the stages in between are not expanded).
+
+    Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
+    arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
+    stages where the held peak joins them.
+
+    Those arrays are column-major (order="F"): they are filled and read column by column (see
+    ``_outer_sum``), and a column-major column is contiguous, where a row-major one is strided
+    through every cache line of the array; their transposes, the stage-major [P, n] rows that
+    the held peak and ``_GroupShape.by_stage`` take, are then contiguous too. Elementwise
+    results keep their operands' layout (one row-major operand makes them row-major), so the
+    arrays made here are made column-major."""
+    schedule_code, pp, vpp, seq_chunks, embedding_as_layer, output_as_layer = key
+    schedule = CODES["schedule"][schedule_code]
+    hands_over_enabled = bool(options.profile.pipeline_stage_output)
+    shape = _group_shape(model, schedule, pp, vpp, stage_layers, bool(embedding_as_layer), bool(output_as_layer),
+                         hands_over_enabled, kinds is None)
+    placement = shape.placement
+    virtual = pp * vpp
+    computed, patterns = len(shape.used), len(shape.reps)  # virtual stages and stage patterns priced
+    on_stage, chunks = shape.on_stage, shape.chunks
+    first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
+    receives_from_peer, sends_to_peer = shape.receives_from_peer, shape.sends_to_peer
+    hands_over = hands_over_enabled and schedule in V_SHAPE and virtual > 1
+    hands_forward, hands_backward = shape.hands_forward, shape.hands_backward
+    moe_per_stage = shape.moe_per_stage
+    dense_layers, moe_layers = shape.dense, shape.moe  # per virtual stage computed
+
+    precision = batch.precision
+    tp, etp, cp = batch.tp.astype(float), batch.etp.astype(float), batch.cp.astype(float)
+    grad_bytes, optimizer_bytes = precision.grad_bytes, precision.optimizer_bytes
+    n = len(batch)
+    first_virtual, last_virtual = shape.first, shape.last
+    mtp_kind = model.mtp_mlp_kind
+    # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
+    scores = acts is not None and any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
+    static_of: np.ndarray | None = None
+    if acts is not None and kinds is None:
+        # The static state is a function of STATIC_FIELDS, which a group's strategies share
+        # many at a time (they differ in micro-batch size, recompute, sequence parallelism, ...):
+        # priced once per combination and gathered, where that is much less than the group.
+        static_rows, static_of = batch.distinct(STATIC_FIELDS)
+        if 2 * len(static_rows) > n:
+            static_of = None
+    if static_of is None:
+        static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
+    else:
+        static = _static_state(model, batch.take(static_rows), options, shape, scores=scores).take(static_of)
+    out: dict[str, np.ndarray] = {"params": static.params, "grads": static.grads, "optimizer": static.optimizer}
+    overhead = static.overhead
+
     if acts is None:
         # allocated >= params + grads + optimizer, and the device total grows with allocated.
-        overhead = overhead_model(options.profile, batch, options.include_overhead)
         static_state = out["params"] + out["grads"] + out["optimizer"]
         return {"device": shape.expand(overhead.reserved(static_state) + overhead.fixed_bytes[:, None])}
 
@@ -1357,12 +1511,12 @@ def _evaluate_group(
     later_runs = (batch.pipeline_runs > 1) if grads_in_schedule else np.zeros(n, dtype=bool)
     extra: list[np.ndarray | None] | None = None
     if grads_in_schedule:
-        per_grads = grads_virtual
+        per_grads = static.grads_virtual
         deferred_rows = np.flatnonzero(deferred)
         static_rows = np.flatnonzero(later_runs & ~deferred)
         if deferred_rows.size or static_rows.size:
-            per_grads = grads_virtual.copy(order="F")
-            per_grads[deferred_rows] = (non_expert_total[deferred_rows] + expert_total[deferred_rows]) * grad_bytes
+            per_grads = per_grads.copy(order="F")
+            per_grads[deferred_rows] = static.elements_virtual(deferred_rows) * grad_bytes
             per_grads[static_rows] = 0.0
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
@@ -1378,19 +1532,7 @@ def _evaluate_group(
     layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
     last_layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
     scores_moments: dict[tuple[bool, bool, bool, bool], ScoresMoments] = {}
-    # Gradient bytes per element as the stage keeps them (ZeRO-2 shards them as they are made).
-    grad_width = grad_bytes / shards.grads
-    # The head's weight gradient exists from the head's backward on (its own table, or the tied
-    # one where both ends share a stage), and the MTP modules', whose backward comes before any
-    # decoder layer's (with the embedding copy they keep apart from the first stage). The
-    # embedding's gradient is made last, after every layer's backward, unless it is that same
-    # shared table.
-    head_grad_bytes = ((table * (1 + embedding_copy_for_mtp) + final_norm + model.mtp_depth * mtp_layer) * grad_width
-                       + model.mtp_depth * layers.expert[mtp_kind] * grad_bytes / shards.expert_grads)
-    table_made_last = 0.0 if model.tie_word_embeddings and not tables_apart else table * grad_width
     layer_transient = np.empty((n, patterns), order="F")
-    # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
-    scores = any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
     scores_during, scores_grads = (np.empty((n, patterns), order="F"), np.empty((n, patterns), order="F")) if scores else (None, None)
     out["transient"] = np.empty((n, patterns), order="F")
     for column, (moe_here, dense_here, first, last) in enumerate(
@@ -1415,10 +1557,9 @@ def _evaluate_group(
         moment = scores_moments.get((moe_here, dense_here, first, last))
         if moment is None:
             moment = scores_moments[moe_here, dense_here, first, last] = _scores_backward_moments(
-                acts, layers, tokens, output_held, recompute_on, head_grad_bytes,
-                (grad_width, grad_bytes / shards.expert_grads),
+                acts, static.mlp_grads, tokens, output_held, recompute_on, static.head_grad_bytes,
                 kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
-                table_grad=table_made_last * first)
+                table_grad=static.table_made_last * first)
         scores_during[:, column], scores_grads[:, column] = moment.during, moment.grads_made
         layer_transient[:, column] = np.maximum(last_layer, moment.at_end)
         out["transient"][:, column] = np.maximum(np.maximum(layer, moment.during), loss_per_token * last)
@@ -1442,12 +1583,9 @@ def _evaluate_group(
         for column, (moe_here, last) in enumerate(zip(has_moe.tolist(), last_stage.tolist(), strict=True)):
             new_gradient = np.where(accumulates, expert_gradient - output_held * last, 0.0) if moe_here else 0.0
             out["transient"][:, column] = np.maximum(out["transient"][:, column], new_gradient)
-    # Under DTensor tensor parallelism that new gradient is the whole table, [vocab, h], before
-    # it becomes the rank's shard, with one micro-batch too.
-    whole_table = float(model.vocab_size * model.hidden_size)
-    embedding_gradient = np.where(
-        whole_embedding_grad_tp, whole_table, np.where(accumulates, table, 0.0)
-    ) * precision.param_bytes
+    # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
+    # the rank's shard, with one micro-batch too (``_static_state``).
+    embedding_gradient = static.embedding_gradient
     embedding_accumulate = np.maximum(embedding_gradient - per_b_virtual[:, 0], 0.0)
     # Column by column (see _outer_sum): the same values, in passes over the strategies.
     for column, first in enumerate(first_stage.tolist()):
@@ -1533,35 +1671,24 @@ def _evaluate_group(
         def pick(values: Any) -> np.ndarray:
             return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
 
-        made_by_now = (batch.micro_batches_per_step == 1) & ~deferred & grads_in_schedule
-        unit_parts: dict[str, tuple[Any, Any]] = {  # (non-expert, expert) elements of each FSDP unit
-            "embedding": (table, 0.0),
-            "dense": (layers.non_expert["dense"], layers.expert["dense"]),
-            "moe": (layers.non_expert["moe"], layers.expert["moe"]),
-            "head": (table * head_on_output + final_norm, 0.0),
-        }
         sharded = _fsdp_unit_phases(
             placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, pick(np.where(deferred, 0.0, grad_bytes)),
-            units={kind: pick(non_expert + expert) for kind, (non_expert, expert) in unit_parts.items()},
+            units={kind: pick(elements) for kind, elements in static.unit_elements.items()},
             working={
                 kind: pick(t[:, 0] * (np.maximum(acts.backward_extra[kind], acts.attention_backward[kind])
                                       + np.where(recompute_on, acts.rebuilt[kind], 0.0)))
                 for kind in ("dense", "moe")
             },
             loss_working=pick(t[:, 0] * acts.output_transient),
-            expert_elements=pick(layers.expert["moe"]),
-            # One micro-batch under FSDP (and no deferred reduce): the units already reduced have
-            # their sharded gradients; the single-micro-batch peak below counts no others.
-            unit_grads={kind: pick(np.where(made_by_now, non_expert * grad_bytes / shards.grads
-                                            + expert * grad_bytes / shards.expert_grads, 0.0))
-                        for kind, (non_expert, expert) in unit_parts.items()},
+            expert_elements=pick(static.expert_elements),
+            unit_grads={kind: pick(grads) for kind, grads in static.unit_grads.items()},
             expert_working=pick(t[:, 0] * _expert_weight_grad_working(model, precision.activation_bytes, etp,
                                                                      np.where(recompute_on, acts.rebuilt["moe"], 0.0))),
             one_micro_batch=pick(per_b_virtual[:, 0]),
             one_micro_batch_layers=pick(layers_held[:, 0]),
             one_micro_batch_loss=pick(output_held),
             kept_after_backward=np.broadcast_to(deferred, (len(batch),))[sharded_rows],
-            kept_elements=_largest_chunks(non_expert_total[sharded_rows] + expert_total[sharded_rows], chunks, vpp)
+            kept_elements=_largest_chunks(static.elements_virtual(sharded_rows), chunks, vpp)
             if vpp > ACTIVE_CHUNKS else None,
         )
         for name in ("buffers", "working", "last_unit", "grads_made"):
@@ -1578,8 +1705,7 @@ def _evaluate_group(
     if kept_rows.size:
         # Every element whole on the device (non-expert /tp, experts /ep·etp): the two kinds
         # are sharded over different groups, so the sharded bytes do not give them back.
-        stage_elements = non_expert_stage[kept_rows] + expert_stage[kept_rows]
-        kept_gathered[kept_rows] = stage_elements * precision.param_gather_bytes
+        kept_gathered[kept_rows] = static.stage_elements(kept_rows) * precision.param_gather_bytes
     receive = np.zeros((len(batch), patterns), order="F")
     if options.profile.pipeline_stage_output and virtual > 1:
         # torch.distributed.pipelining allocates one receive buffer per micro-batch up front, for
@@ -1600,7 +1726,6 @@ def _evaluate_group(
     other_comm = overlapping_with_pp + kept_gathered + receive
     out["comm"] = other_comm + fsdp_gathers
     out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0))[sharded_rows]
-    overhead = overhead_model(options.profile, batch, options.include_overhead)
     # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
     # first matmul and stay: part of every working set, forward/backward and optimizer step alike.
     # A runtime's grouped GEMM may take its own at its first expert layer (per stage pattern).
@@ -1711,13 +1836,13 @@ class ScoresMoments:
     at_end: np.ndarray
 
 
-def _scores_backward_moments(acts: LayerActivations, layers: Any, tokens: np.ndarray, output_held: np.ndarray,
-                             recompute_on: np.ndarray, head_grad_bytes: np.ndarray,
-                             grad_widths: tuple[np.ndarray, np.ndarray], kinds: tuple[str, ...], last: bool,
-                             table_grad: Any) -> ScoresMoments:
+def _scores_backward_moments(acts: LayerActivations, mlp_grads: dict[str, np.ndarray], tokens: np.ndarray,
+                             output_held: np.ndarray, recompute_on: np.ndarray, head_grad_bytes: np.ndarray,
+                             kinds: tuple[str, ...], last: bool, table_grad: Any) -> ScoresMoments:
     """``ScoresMoments`` of a stage holding layers of ``kinds`` (``last``: the pipeline's last
-    stage); ``grad_widths``: gradient bytes per non-expert and per expert element as the stage
-    keeps them, ``head_grad_bytes`` the head's, ``table_grad`` the embedding's made after it."""
+    stage); ``mlp_grads``: per layer kind the gradient bytes of its MLP and second norm as the
+    stage keeps them (``_StaticState``), ``head_grad_bytes`` the head's, ``table_grad`` the
+    embedding's made after it."""
     zero = np.zeros_like(tokens)
     during, grads_made, at_end = zero, zero, zero
     for kind in kinds:
@@ -1731,10 +1856,7 @@ def _scores_backward_moments(acts: LayerActivations, layers: Any, tokens: np.nda
         here = working > 0
         during = np.maximum(during, np.where(here, tokens * (working - freed + rebuilt) - output_held * last, 0.0))
         at_end = np.maximum(at_end, np.where(here, tokens * (working - freed + acts.full[kind]) - table_grad, 0.0))
-        experts = layers.expert[kind]
-        mlp_grads = ((layers.by_kind[kind][mlp_name] - experts + 0.5 * layers.by_kind[kind]["norm"]) * grad_widths[0]
-                     + experts * grad_widths[1])
-        grads_made = np.maximum(grads_made, np.where(here, mlp_grads + head_grad_bytes * last, 0.0))
+        grads_made = np.maximum(grads_made, np.where(here, mlp_grads[kind] + head_grad_bytes * last, 0.0))
     return ScoresMoments(during=during, grads_made=grads_made, at_end=at_end)
 
 
