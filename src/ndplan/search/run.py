@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,10 @@ from ndplan.memory.report import known_gaps
 from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
+from ndplan.search.screen import Check, screened_blocks
 from ndplan.search.space import SearchSpace
 from ndplan.strategy.batch import StrategyBatch
-from ndplan.strategy.rules import RULES, RuleContext
+from ndplan.strategy.rules import RULES, Rule, RuleContext
 from ndplan.strategy.strategy import Strategy
 
 TimeFunction = Callable[[ModelSpec, StrategyBatch, Cluster], dict[str, np.ndarray]]
@@ -91,6 +93,27 @@ def runtime_step_time(options: MemoryOptions | None = None) -> TimeFunction:
 
     options = options or MemoryOptions()
     return partial(step_time_batch, **options.time_keywords())
+
+
+def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray:
+    """``rule`` as a check of ``screened_blocks``."""
+    return rule.holds(batch, context)
+
+
+def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str) -> np.ndarray:
+    """Where the runtime can run the strategy: a schedule it has, and under PyTorch no selective
+    recompute in a split backward."""
+    runnable = batch.is_in("schedule", schedules)
+    if runtime == "pytorch":
+        runnable &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
+    return runnable
+
+
+def _reaches_imbalance(batch: StrategyBatch, model: ModelSpec, imbalance: float) -> np.ndarray:
+    """Where expert parallelism can load a rank as unevenly as ``imbalance`` (``IMPOSSIBLE_IMBALANCE``)."""
+    k, experts = model.num_experts_per_tok, model.num_experts
+    most = batch.ep * np.minimum(k, experts // batch.ep) / k
+    return np.asarray(imbalance <= most * (1 + 1e-9))
 
 
 def _shares_batch_fields(a: StrategyBatch, b: StrategyBatch) -> bool:
@@ -229,35 +252,29 @@ def run_search(
             for key, value in times.items():
                 kept_extra.setdefault(key, []).append(np.asarray(value, dtype=float))
 
-    for index, batch in space.blocks(block_size):
-        alive = ~space.duplicates(index)
-        rejected[DUPLICATE] += int(np.count_nonzero(~alive))
-        for rule in RULES:  # in order: each candidate is charged to the first rule it breaks
-            holds = rule.holds(batch, context)
-            rejected[rule.name] += int(np.count_nonzero(alive & ~holds))
-            alive &= holds
-        runnable = batch.is_in("schedule", list(profile.schedules))
-        if runtime == "pytorch":
-            runnable &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
-        rejected[NOT_RUNNABLE] += int(np.count_nonzero(alive & ~runnable))
-        alive &= runnable
-        if IMPOSSIBLE_IMBALANCE in rejected:
-            k, experts = model.num_experts_per_tok, model.num_experts
-            most = batch.ep * np.minimum(k, experts // batch.ep) / k
-            possible = imbalance <= most * (1 + 1e-9)
-            rejected[IMPOSSIBLE_IMBALANCE] += int(np.count_nonzero(alive & ~possible))
-            alive &= possible
-        valid = np.flatnonzero(alive)
-        done += len(batch)
+    # Each candidate is charged to the first reason it breaks: a duplicate, the rules in order,
+    # then what the runtime cannot run and (for MoE models) the imbalance routing cannot reach.
+    checks: list[Check] = [partial(_holds, rule=rule, context=context) for rule in RULES]
+    reasons = [DUPLICATE, *(rule.name for rule in RULES), NOT_RUNNABLE]
+    checks.append(partial(_runnable, schedules=list(profile.schedules), runtime=runtime))
+    if IMPOSSIBLE_IMBALANCE in rejected:
+        reasons.append(IMPOSSIBLE_IMBALANCE)
+        checks.append(partial(_reaches_imbalance, model=model, imbalance=imbalance))
+    for block in screened_blocks(space, checks, block_size):
+        for reason, count in zip(reasons, block.rejected.tolist(), strict=True):
+            rejected[reason] += count
+        index, batch = block.index, block.batch
+        done += block.listed
+        valid = np.arange(len(batch))
         if len(valid):
             # The static state alone (a lower bound of the peak) already rejects many; the full
             # memory model prices the rest. The fitting set is the same.
-            lower = static_lower_bound(model, batch.take(valid), options)
+            lower = static_lower_bound(model, batch, options)
             cannot = lower > limit
             evaluated += len(valid)
             rejected[OVER_MEMORY] += int(np.count_nonzero(cannot))
             if cannot.any():
-                bounded_index.append(index[valid][cannot])
+                bounded_index.append(index[cannot])
                 bounded_lower.append(lower[cannot])
             valid = valid[~cannot]
         if len(valid):
@@ -266,7 +283,7 @@ def run_search(
                 price_pending()
             pending.append((index[valid], batch.take(valid)))
             pending_count += len(valid)
-        waiting = waiting + len(batch) if pending else 0
+        waiting = waiting + block.listed if pending else 0
         if pending_count >= block_size:
             price_pending()
         if progress:
