@@ -21,7 +21,7 @@ from ndplan.memory.report import known_gaps
 from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
-from ndplan.search.screen import Check, screened_blocks
+from ndplan.search.screen import Check, PartFields, screened_blocks
 from ndplan.search.space import SearchSpace
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import RULES, Rule, RuleContext
@@ -114,10 +114,6 @@ def _reaches_imbalance(batch: StrategyBatch, model: ModelSpec, imbalance: float)
     k, experts = model.num_experts_per_tok, model.num_experts
     most = batch.ep * np.minimum(k, experts // batch.ep) / k
     return np.asarray(imbalance <= most * (1 + 1e-9))
-
-
-def _shares_batch_fields(a: StrategyBatch, b: StrategyBatch) -> bool:
-    return (a.precision, a.recompute_modules, a.offload_modules) == (b.precision, b.recompute_modules, b.offload_modules)
 
 
 def pareto_front(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
@@ -225,7 +221,7 @@ def run_search(
     # The survivors of the rules and the static bound wait until a block's worth has gathered:
     # each pricing call has a fixed cost (layer prices, schedule frontiers per group), which
     # the few thousand survivors of one enumerated block would pay many times over.
-    pending: list[tuple[np.ndarray, StrategyBatch]] = []
+    pending: list[tuple[np.ndarray, np.ndarray, PartFields]] = []  # (indices, positions, their part)
     pending_count = 0
     waiting = 0  # candidates enumerated whose survivors wait in ``pending``: not done yet
 
@@ -234,8 +230,9 @@ def run_search(
         waiting = 0
         if not pending:
             return
-        index_part = np.concatenate([i for i, _ in pending])
-        survivors = StrategyBatch.concat([b for _, b in pending])
+        index_part = np.concatenate([index for index, _, _ in pending])
+        # Built from the part's tables at once rather than gathered from each block's batch and joined.
+        survivors = pending[0][2].batch(np.concatenate([position for _, position, _ in pending]))
         pending.clear()
         pending_count = 0
         peak, stage = peak_memory(model, survivors, options)
@@ -278,10 +275,11 @@ def run_search(
                 bounded_lower.append(lower[cannot])
             valid = valid[~cannot]
         if len(valid):
-            if pending and (not _shares_batch_fields(pending[-1][1], batch) or pending_count + len(valid) > block_size):
-                # A batch holds one precision and one set of modules, and at most a block's worth.
+            if pending and (pending[-1][2] is not block.part or pending_count + len(valid) > block_size):
+                # A batch holds one part's candidates (one precision, one set of modules each), and
+                # at most a block's worth.
                 price_pending()
-            pending.append((index[valid], batch.take(valid)))
+            pending.append((index[valid], block.position[valid], block.part))
             pending_count += len(valid)
         waiting = waiting + block.listed if pending else 0
         if pending_count >= block_size:

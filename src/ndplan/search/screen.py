@@ -47,6 +47,10 @@ class ScreenedBlock:
     #: The survivors' candidate indices and their batch, in the block's order.
     index: np.ndarray
     batch: StrategyBatch
+    #: The survivors' positions in their part of the space, and that part's fields by position:
+    #: ``part.batch(position[keep])`` equals ``batch.take(keep)``, built rather than gathered.
+    position: np.ndarray
+    part: PartFields
 
 
 def screened_blocks(space: SearchSpace, checks: Sequence[Check], block_size: int) -> Iterator[ScreenedBlock]:
@@ -74,7 +78,7 @@ def screened_blocks(space: SearchSpace, checks: Sequence[Check], block_size: int
             in_block = first.reshape(-1)[start - slots[0] * slot:stop - slots[0] * slot]
             rejected = np.bincount(in_block, minlength=passed + 1)[:passed]
             position = start + np.flatnonzero(in_block == passed)  # the survivors' positions in the part
-            yield ScreenedBlock(stop - start, rejected, fields.index(position), fields.batch(position))
+            yield ScreenedBlock(stop - start, rejected, fields.index(position), fields.batch(position), position, fields)
 
 
 def _slot_rows(table: np.ndarray, slot_digits: tuple[np.ndarray, ...], lead: int) -> np.ndarray:
@@ -97,7 +101,7 @@ class _Tables:
         self._products: dict[tuple, StrategyBatch] = {}
         self._reads: dict[int, list[tuple[dict[str, Any], set[str]]]] = {}
         self._verdicts: dict[tuple, np.ndarray] = {}
-        self._fields: dict[tuple, _PartFields] = {}
+        self._fields: dict[tuple, PartFields] = {}
 
     def product(self, digits: dict[str, np.ndarray], dims: set[str]) -> StrategyBatch:
         """The batch of every combination of the part's digits of ``dims``, in BLOCK_ORDER (the
@@ -110,11 +114,11 @@ class _Tables:
                                                        for axis, name in enumerate(BLOCK_ORDER)})
         return self._products[key]
 
-    def fields(self, digits: dict[str, np.ndarray]) -> _PartFields:
-        """The part's ``_PartFields``, but for the module sets those of a part with the same digits."""
+    def fields(self, digits: dict[str, np.ndarray]) -> PartFields:
+        """The part's ``PartFields``, but for the module sets those of a part with the same digits."""
         key = _key(digits, set(DIMENSIONS) - set(SET_DIMENSIONS))
         if key not in self._fields:
-            self._fields[key] = _PartFields(self, digits)
+            self._fields[key] = PartFields(self, digits)
         return self._fields[key].for_sets(digits, self.product(digits, set()))
 
     def reads(self, code: int, digits: dict[str, np.ndarray]) -> set[str]:
@@ -184,11 +188,11 @@ def _key(digits: dict[str, np.ndarray], dims: set[str]) -> tuple:
     return tuple((name, digits[name].tobytes()) for name in BLOCK_ORDER if name in dims)
 
 
-#: The most combinations of the fastest dimensions ``_PartFields`` tabulates fields over.
+#: The most combinations of the fastest dimensions ``PartFields`` tabulates fields over.
 INNER_LIMIT = 1 << 12
 
 
-class _PartFields:
+class PartFields:
     """The candidate index and every batch field of one part's candidates (``SearchSpace.parts``),
     tabulated, so that the survivors' fields cost a lookup or two each rather than digits and
     arithmetic. A position in the part splits into an outer row (of the slower dimensions of
@@ -240,7 +244,7 @@ class _PartFields:
                     self.by_key[name] = (outer_key * prod(sizes[a] for a in inner_axes), inner_key, values)
         self.shared: dict[str, Any] = {}
 
-    def for_sets(self, digits: dict[str, np.ndarray], batch: StrategyBatch) -> _PartFields:
+    def for_sets(self, digits: dict[str, np.ndarray], batch: StrategyBatch) -> PartFields:
         """These tables for a part of the same digits but for the module sets: ``digits``'s,
         whose batches share the precision and the module sets of ``batch``."""
         other = copy.copy(self)
