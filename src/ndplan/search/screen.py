@@ -18,6 +18,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import combinations
 from math import prod
 from typing import Any
 
@@ -87,6 +88,10 @@ def _slot_rows(table: np.ndarray, slot_digits: tuple[np.ndarray, ...], lead: int
     if all(table.shape[axis] == 1 for axis in range(lead)):
         return table[(0,) * lead][np.newaxis]
     return table[tuple(slot_digits[axis] if table.shape[axis] > 1 else 0 for axis in range(lead))]
+
+
+#: The most combinations a group of ``_Tables.first_rejections`` is joined up to.
+JOINED_GROUP_LIMIT = 1 << 16
 
 
 class _Tables:
@@ -180,6 +185,16 @@ class _Tables:
         for code in range(1, passed):
             dims, holds = self.verdict(code, digits, varied)
             charge(dims, np.where(holds, code_type(passed), code_type(code)))
+        # Each group costs a pass over every block: join the two whose joint table is smallest
+        # while it stays small.
+        while len(groups) > 1:
+            size, i, j = min((prod(len(digits[name]) for name in groups[i][0] | groups[j][0]), i, j)
+                             for i, j in combinations(range(len(groups)), 2))
+            if size > JOINED_GROUP_LIMIT:
+                break
+            (dims_i, table_i), (dims_j, table_j) = groups[i], groups[j]
+            groups[:] = [g for k, g in enumerate(groups) if k not in (i, j)] + [(dims_i | dims_j,
+                                                                                 np.minimum(table_i, table_j))]
         return [table for _, table in groups]
 
 
