@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -15,7 +16,10 @@ from ndplan.perf import step_time_batch
 from ndplan.schedule import SPLIT_BACKWARD
 from ndplan.search import OVER_MEMORY, default_space, pareto_front, run_search, runtime_step_time
 from ndplan.search.run import DUPLICATE, NOT_RUNNABLE
-from ndplan.strategy import RULES, StrategyBatch, check_strategy, get_precision
+from ndplan.search.screen import fields_read, screened_blocks
+from ndplan.search.space import DIMENSIONS, FIELD_DIMENSIONS
+from ndplan.strategy import RULES, Strategy, StrategyBatch, check_strategy, get_precision
+from ndplan.strategy.rules import RuleContext
 
 TINY_MOE = ModelSpec(
     name="tiny-moe", num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_kv_heads=4,
@@ -497,3 +501,62 @@ def test_long_sequences_search_as_many_context_ranks_as_keep_8k_tokens_each():
     assert space.cp[-1] == 128
     result = run_search(model, DEVICE, space, step_time_batch, top=1)
     assert result.fitting > 0 and result.ranked[0]["strategy"]["cp"] >= 32
+
+
+def _small_space(**values):
+    """A space of every dimension, each over a few values (the rules reject many candidates)."""
+    space = default_space(RULES_MODEL, DEVICE, 24, 36, 1026, get_precision("megatron-bf16"), dims=DIMENSIONS)
+    few = {"tp": (1, 2, 4), "cp": (1, 2), "ep": (1, 2), "pp": (1, 2, 4), "zero": (1, 3), "mbs": (1, 2),
+           "pipeline_runs": (1, 2), "recompute_modules": space.recompute_modules[:2],
+           "offload_modules": space.offload_modules[:2]}
+    return dataclasses.replace(space, **(few | values))
+
+
+def test_each_field_depends_on_its_field_dimensions_alone():
+    """``FIELD_DIMENSIONS`` agrees with the batches a space builds: candidates that share their
+    values of a field's dimensions share the field (fields named nowhere take one value)."""
+    space = _small_space(offload_modules=((),), reshard_under_pipeline=False)
+    candidates = np.arange(space.size)
+    digits = dict(zip(DIMENSIONS, np.unravel_index(candidates, space.sizes), strict=True))
+    fields = {name: [] for name in StrategyBatch.array_fields()}
+    for positions, batch in space.batches(candidates):
+        for name in fields:
+            fields[name].append(np.zeros(space.size, dtype=np.int64))
+            fields[name][-1][positions] = getattr(batch, name)
+    for name, parts in fields.items():
+        dims = FIELD_DIMENSIONS.get(name, ())
+        key = np.ravel_multi_index([digits[d] for d in dims], [len(getattr(space, d)) for d in dims]) if dims else 0
+        pairs = np.unique(np.stack(np.broadcast_arrays(key, sum(parts))), axis=1)
+        assert len(np.unique(pairs[0])) == pairs.shape[1], name
+
+
+@pytest.mark.parametrize("block_size", [37, 1000, 1 << 18])
+def test_screened_blocks_equal_each_rule_on_each_candidate(block_size):
+    """Screening decides each rule on the combinations of the dimensions it reads: the same
+    survivors, in the same order, and the same first rejection of each candidate, as every rule
+    on every candidate of ``blocks``."""
+    space = _small_space(zero=(1,), mbs=(1,))
+    context = RuleContext(RULES_MODEL, space.num_devices)
+    checks = [lambda batch, rule=rule: rule.holds(batch, context) for rule in RULES]
+    screened = list(screened_blocks(space, checks, block_size))
+    listed = list(space.blocks(block_size))
+    assert len(screened) == len(listed)
+    for block, (index, batch) in zip(screened, listed, strict=True):
+        first = np.full(len(index), len(RULES) + 1)
+        for code, check in reversed(list(enumerate(checks, start=1))):
+            first = np.where(~check(batch), code, first)
+        first[space.duplicates(index)] = 0
+        assert block.listed == len(index)
+        np.testing.assert_array_equal(block.rejected, np.bincount(first, minlength=len(RULES) + 2)[:-1])
+        survive = first == len(RULES) + 1
+        np.testing.assert_array_equal(block.index, index[survive])
+        for name in batch.array_fields():
+            np.testing.assert_array_equal(getattr(block.batch, name), getattr(batch, name)[survive], err_msg=name)
+        assert (block.batch.recompute_modules, block.batch.offload_modules) == (batch.recompute_modules,
+                                                                                batch.offload_modules)
+
+
+def test_fields_read_follows_properties_and_lookups():
+    batch = StrategyBatch.of(Strategy())
+    assert fields_read(lambda b: b.micro_batches_per_step > 1, batch) == {"num_micro_batches", "pipeline_runs"}
+    assert fields_read(lambda b: b.is_("schedule", "1f1b") | (b.tp > 1), batch) == {"schedule", "tp"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,10 @@ from ndplan.memory.report import known_gaps
 from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
+from ndplan.search.screen import Check, PartFields, screened_blocks
 from ndplan.search.space import SearchSpace
 from ndplan.strategy.batch import StrategyBatch
-from ndplan.strategy.rules import RULES, RuleContext
+from ndplan.strategy.rules import RULES, Rule, RuleContext
 from ndplan.strategy.strategy import Strategy
 
 TimeFunction = Callable[[ModelSpec, StrategyBatch, Cluster], dict[str, np.ndarray]]
@@ -93,8 +95,25 @@ def runtime_step_time(options: MemoryOptions | None = None) -> TimeFunction:
     return partial(step_time_batch, **options.time_keywords())
 
 
-def _shares_batch_fields(a: StrategyBatch, b: StrategyBatch) -> bool:
-    return (a.precision, a.recompute_modules, a.offload_modules) == (b.precision, b.recompute_modules, b.offload_modules)
+def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray:
+    """``rule`` as a check of ``screened_blocks``."""
+    return rule.holds(batch, context)
+
+
+def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str) -> np.ndarray:
+    """Where the runtime can run the strategy: a schedule it has, and under PyTorch no selective
+    recompute in a split backward."""
+    runnable = batch.is_in("schedule", schedules)
+    if runtime == "pytorch":
+        runnable &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
+    return runnable
+
+
+def _reaches_imbalance(batch: StrategyBatch, model: ModelSpec, imbalance: float) -> np.ndarray:
+    """Where expert parallelism can load a rank as unevenly as ``imbalance`` (``IMPOSSIBLE_IMBALANCE``)."""
+    k, experts = model.num_experts_per_tok, model.num_experts
+    most = batch.ep * np.minimum(k, experts // batch.ep) / k
+    return np.asarray(imbalance <= most * (1 + 1e-9))
 
 
 def pareto_front(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
@@ -106,8 +125,10 @@ def pareto_front(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
 def by_time_then_peak(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
     """The stable order by step time, then peak: ``np.lexsort((peak, time_s))``. One sort by
     time, and a second by (time, peak) over the points whose time another shares alone (few):
-    a lexsort sorts every point by each key in turn."""
-    order = np.argsort(time_s, kind="stable")
+    a lexsort sorts every point by each key in turn. The first need not be stable (numpy's
+    default sort is several times faster): the second orders the tied points by their position
+    too."""
+    order = np.argsort(time_s)
     sorted_time = time_s[order]
     same = sorted_time[1:] == sorted_time[:-1]
     same |= np.isnan(sorted_time[1:]) & np.isnan(sorted_time[:-1])  # NaNs sort last, as one run
@@ -202,7 +223,7 @@ def run_search(
     # The survivors of the rules and the static bound wait until a block's worth has gathered:
     # each pricing call has a fixed cost (layer prices, schedule frontiers per group), which
     # the few thousand survivors of one enumerated block would pay many times over.
-    pending: list[tuple[np.ndarray, StrategyBatch]] = []
+    pending: list[tuple[np.ndarray, np.ndarray, PartFields]] = []  # (indices, positions, their part)
     pending_count = 0
     waiting = 0  # candidates enumerated whose survivors wait in ``pending``: not done yet
 
@@ -211,8 +232,9 @@ def run_search(
         waiting = 0
         if not pending:
             return
-        index_part = np.concatenate([i for i, _ in pending])
-        survivors = StrategyBatch.concat([b for _, b in pending])
+        index_part = np.concatenate([index for index, _, _ in pending])
+        # Built from the part's tables at once rather than gathered from each block's batch and joined.
+        survivors = pending[0][2].batch(np.concatenate([position for _, position, _ in pending]))
         pending.clear()
         pending_count = 0
         peak, stage = peak_memory(model, survivors, options)
@@ -229,44 +251,39 @@ def run_search(
             for key, value in times.items():
                 kept_extra.setdefault(key, []).append(np.asarray(value, dtype=float))
 
-    for index, batch in space.blocks(block_size):
-        alive = ~space.duplicates(index)
-        rejected[DUPLICATE] += int(np.count_nonzero(~alive))
-        for rule in RULES:  # in order: each candidate is charged to the first rule it breaks
-            holds = rule.holds(batch, context)
-            rejected[rule.name] += int(np.count_nonzero(alive & ~holds))
-            alive &= holds
-        runnable = batch.is_in("schedule", list(profile.schedules))
-        if runtime == "pytorch":
-            runnable &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
-        rejected[NOT_RUNNABLE] += int(np.count_nonzero(alive & ~runnable))
-        alive &= runnable
-        if IMPOSSIBLE_IMBALANCE in rejected:
-            k, experts = model.num_experts_per_tok, model.num_experts
-            most = batch.ep * np.minimum(k, experts // batch.ep) / k
-            possible = imbalance <= most * (1 + 1e-9)
-            rejected[IMPOSSIBLE_IMBALANCE] += int(np.count_nonzero(alive & ~possible))
-            alive &= possible
-        valid = np.flatnonzero(alive)
-        done += len(batch)
+    # Each candidate is charged to the first reason it breaks: a duplicate, the rules in order,
+    # then what the runtime cannot run and (for MoE models) the imbalance routing cannot reach.
+    checks: list[Check] = [partial(_holds, rule=rule, context=context) for rule in RULES]
+    reasons = [DUPLICATE, *(rule.name for rule in RULES), NOT_RUNNABLE]
+    checks.append(partial(_runnable, schedules=list(profile.schedules), runtime=runtime))
+    if IMPOSSIBLE_IMBALANCE in rejected:
+        reasons.append(IMPOSSIBLE_IMBALANCE)
+        checks.append(partial(_reaches_imbalance, model=model, imbalance=imbalance))
+    for block in screened_blocks(space, checks, block_size):
+        for reason, count in zip(reasons, block.rejected.tolist(), strict=True):
+            rejected[reason] += count
+        index, batch = block.index, block.batch
+        done += block.listed
+        valid = np.arange(len(batch))
         if len(valid):
             # The static state alone (a lower bound of the peak) already rejects many; the full
             # memory model prices the rest. The fitting set is the same.
-            lower = static_lower_bound(model, batch.take(valid), options)
+            lower = static_lower_bound(model, batch, options)
             cannot = lower > limit
             evaluated += len(valid)
             rejected[OVER_MEMORY] += int(np.count_nonzero(cannot))
             if cannot.any():
-                bounded_index.append(index[valid][cannot])
+                bounded_index.append(index[cannot])
                 bounded_lower.append(lower[cannot])
             valid = valid[~cannot]
         if len(valid):
-            if pending and (not _shares_batch_fields(pending[-1][1], batch) or pending_count + len(valid) > block_size):
-                # A batch holds one precision and one set of modules, and at most a block's worth.
+            if pending and (pending[-1][2] is not block.part or pending_count + len(valid) > block_size):
+                # A batch holds one part's candidates (one precision, one set of modules each), and
+                # at most a block's worth.
                 price_pending()
-            pending.append((index[valid], batch.take(valid)))
+            pending.append((index[valid], block.position[valid], block.part))
             pending_count += len(valid)
-        waiting = waiting + len(batch) if pending else 0
+        waiting = waiting + block.listed if pending else 0
         if pending_count >= block_size:
             price_pending()
         if progress:
@@ -284,7 +301,7 @@ def run_search(
         )
     # In candidate order, whatever order the blocks ran in (ties in the Pareto front and the
     # candidate arrays a report plots then come out as a plain loop over the space gives them).
-    by_index = np.argsort(np.concatenate(kept_index), kind="stable")
+    by_index = np.argsort(np.concatenate(kept_index))  # (indices are distinct: any sort is stable)
     index_all = np.concatenate(kept_index)[by_index]
     time_all = np.concatenate(kept_time)[by_index]
     peak_all = np.concatenate(kept_peak)[by_index]

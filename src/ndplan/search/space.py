@@ -85,6 +85,19 @@ def _periodic(values: np.ndarray, inner: int, start: int, stop: int) -> np.ndarr
     return np.tile(one, -(-(offset + count) // len(one)))[offset:offset + count]
 
 
+#: The dimensions each ``StrategyBatch`` field of a listed candidate is a function of
+#: (``SearchSpace._assemble``); fields named nowhere here take one value in a whole space. The
+#: search evaluates each rule on the combinations of the dimensions behind the fields it reads
+#: (``search.screen``).
+FIELD_DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",), "sequence_parallel": ("sp",), "cp": ("cp",), "cp_kind": ("cp_kind",), "ep": ("ep",),
+    "etp": ("etp", "tp"), "pp": ("pp",), "schedule": ("schedule",), "vpp": ("schedule",),
+    "seq_chunks": ("schedule",), "zero": ("zero",), "fsdp": ("zero",), "reshard_after_forward": ("zero", "pp"),
+    "micro_batch_size": ("mbs",), "recompute": ("recompute",), "pipeline_runs": ("pipeline_runs",),
+    "dp": ("tp", "pp", "cp"), "num_micro_batches": ("tp", "pp", "cp", "mbs", "pipeline_runs"),
+}
+
+
 def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
 
@@ -151,16 +164,7 @@ class SearchSpace:
         sizes = dict(zip(DIMENSIONS, self.sizes, strict=True))
         index_stride = dict(zip(DIMENSIONS, _strides([sizes[name] for name in DIMENSIONS]), strict=True))
         pipeline = self._pipeline_options()
-        selective = [i for i, value in enumerate(self.recompute) if value == "selective"]
-        for module_set, offload_set in np.ndindex(sizes["recompute_modules"], sizes["offload_modules"]):
-            if module_set and not selective:
-                continue
-            # The digits each dimension takes in this part of the product.
-            digits = {name: np.arange(sizes[name], dtype=np.int64) for name in DIMENSIONS}
-            digits["recompute_modules"] = np.array([module_set], dtype=np.int64)
-            digits["offload_modules"] = np.array([offload_set], dtype=np.int64)
-            if module_set:
-                digits["recompute"] = np.array(selective, dtype=np.int64)
+        for digits in self.parts():
             block_stride = dict(zip(BLOCK_ORDER, _strides([len(digits[name]) for name in BLOCK_ORDER]), strict=True))
             total = prod(len(d) for d in digits.values())
             for start in range(0, total, block_size):
@@ -174,6 +178,23 @@ class SearchSpace:
                     column[name] = _periodic(values, block_stride["schedule"], start, stop)
                 yield index, self._assemble(column)
 
+    def parts(self) -> Iterator[dict[str, np.ndarray]]:
+        """The parts of the product ``blocks`` lists, one per pair of module sets in index order:
+        per dimension, the digits (positions in its value list) the part's candidates take. Under
+        every recompute module set but the first only the selective recompute values are listed
+        (the others are duplicates, ``unlisted_duplicates``)."""
+        sizes = dict(zip(DIMENSIONS, self.sizes, strict=True))
+        selective = [i for i, value in enumerate(self.recompute) if value == "selective"]
+        for module_set, offload_set in np.ndindex(sizes["recompute_modules"], sizes["offload_modules"]):
+            if module_set and not selective:
+                continue
+            digits = {name: np.arange(sizes[name], dtype=np.int64) for name in DIMENSIONS}
+            digits["recompute_modules"] = np.array([module_set], dtype=np.int64)
+            digits["offload_modules"] = np.array([offload_set], dtype=np.int64)
+            if module_set:
+                digits["recompute"] = np.array(selective, dtype=np.int64)
+            yield digits
+
     @property
     def unlisted_duplicates(self) -> int:
         """Candidates ``blocks`` leaves out: those that do not recompute selectively, under every
@@ -186,9 +207,13 @@ class SearchSpace:
     def batch(self, index: np.ndarray) -> StrategyBatch:
         """The candidates ``index`` as a batch; they must share their module sets (``batches``
         groups any candidates by theirs)."""
-        digits = np.unravel_index(index, self.sizes)
-        column = {name: self._codes(name)[d] for name, d in zip(DIMENSIONS, digits, strict=True) if name != "schedule"}
-        pipeline = self._pipeline_options()[digits[DIMENSIONS.index("schedule")]]
+        return self.batch_at(dict(zip(DIMENSIONS, np.unravel_index(index, self.sizes), strict=True)))
+
+    def batch_at(self, digits: dict[str, np.ndarray]) -> StrategyBatch:
+        """The batch of the candidates whose digit in each dimension (the position of its value in
+        the dimension's list) is ``digits[name]``, arrays of one length."""
+        column = {name: self._codes(name)[d] for name, d in digits.items() if name != "schedule"}
+        pipeline = self._pipeline_options()[digits["schedule"]]
         column |= {"schedule": pipeline[:, 0], "vpp": pipeline[:, 1], "seq_chunks": pipeline[:, 2]}
         return self._assemble(column)
 
@@ -259,19 +284,31 @@ class SearchSpace:
                 return bool(table.any())
             return table[(index // stride[name]) % len(table)]
 
+        found: np.ndarray | bool = False
+        for term in self.duplicate_terms():
+            holds: np.ndarray | bool = True
+            for name, table in term.items():
+                holds = holds & where(name, table)
+            found = found | holds
+        return np.broadcast_to(found, index.shape).copy()
+
+    def duplicate_terms(self) -> list[dict[str, np.ndarray]]:
+        """What ``duplicates`` says, as terms of which a duplicate meets at least one: each a
+        table per value of a few dimensions, all of which the candidate's values must meet."""
         tp, etp, cp = self._codes("tp"), self._codes("etp"), self._codes("cp")
-        same_etp = where("etp", (etp == 0) & (1 in self.etp)) & where("tp", tp == 1)
         ring = encode("cp_kind", "ring")
-        same_cp = where("cp", cp == 1) & where("cp_kind", (self._codes("cp_kind") != ring) & (ring in self._codes("cp_kind")))
         # (Schedules of several chunks need pp >= 2 by a rule of their own, which counts them.)
         single = np.asarray([option[1] == 1 and option != ("1f1b", 1, 1) for option in self.schedule])
-        no_pipeline = where("pp", self._codes("pp") == 1) & where("schedule", single & (("1f1b", 1, 1) in self.schedule))
         runs = self._codes("pipeline_runs")
-        no_pipeline = no_pipeline | (where("pp", self._codes("pp") == 1) & where("pipeline_runs", (runs > 1) & (1 in runs)))
+        no_pipeline = self._codes("pp") == 1
         selective = encode("recompute", "selective")
-        no_modules = (where("recompute", self._codes("recompute") != selective)
-                      & where("recompute_modules", self._codes("recompute_modules") > 0))
-        return np.broadcast_to(same_etp | same_cp | no_pipeline | no_modules, index.shape).copy()
+        return [
+            {"etp": (etp == 0) & (1 in self.etp), "tp": tp == 1},
+            {"cp": cp == 1, "cp_kind": (self._codes("cp_kind") != ring) & (ring in self._codes("cp_kind"))},
+            {"pp": no_pipeline, "schedule": single & (("1f1b", 1, 1) in self.schedule)},
+            {"pp": no_pipeline, "pipeline_runs": (runs > 1) & (1 in runs)},
+            {"recompute": self._codes("recompute") != selective, "recompute_modules": self._codes("recompute_modules") > 0},
+        ]
 
     def _codes(self, name: str) -> np.ndarray:
         """The dimension's values as integers (categorical names as their codes; the pipeline
