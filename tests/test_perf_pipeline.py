@@ -177,3 +177,67 @@ def test_the_interleaved_stall_of_a_strategy_does_not_depend_on_its_batch():
         together = step_time_batch(model, StrategyBatch.concat([StrategyBatch.of(s) for s in order]), cluster)["step_s"]
         expected = alone if order is strategies else alone[::-1]
         assert together.tolist() == pytest.approx(expected, rel=1e-12)  # the last bit may differ, as any batch's
+
+
+def test_zero_bubble_closed_forms_hold_only_in_their_steady_state():
+    """Below ZB-H1's m = p and ZB-V's m = 2p - 1 the warm-up and drain overlap: the closed forms
+    priced such steps far too fast (a 16384-GPU Llama-3.1-405B row, pp 32 m 8 ZB-V, at 4.15 s where
+    the simulator takes 7.92 s). ``closed_form_holds`` marks them and the search simulates them."""
+    from ndplan.perf.pipeline import closed_form_holds
+
+    f, b, w = 1.0, 1.0, 1.0
+    for schedule, vpp, pp, m in (("zbv", 2, 8, 4), ("zbv", 2, 16, 12), ("zb-h1", 1, 8, 3), ("zb-h1", 1, 16, 9)):
+        assert not closed_form_holds(schedule, pp, np.array([m]))[0]
+        simulated = simulate(schedule, pp, vpp, m, forward_s=f / vpp, backward_s=b / vpp, weight_grad_s=w / vpp,
+                             overlap_f_and_b=False).makespan_s
+        assert _closed(schedule, pp, vpp, m, 1, [f] * pp, [b] * pp, [w] * pp) < 0.93 * simulated
+    assert closed_form_holds("zbv", 8, np.array([15]))[0] and closed_form_holds("zb-h1", 8, np.array([8]))[0]
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_the_search_prices_short_zero_bubble_runs_as_the_simulator(runtime: str):
+    """The search's path (step_time_batch) and estimate (the simulator) agree to 1e-9 on ZB-V and
+    ZB-H1 steps with too few micro-batches for the closed form: unequal stages (DeepSeek-V3's 61
+    layers), a recompute limit per chunk, p2p on the critical path, in one batch."""
+    from ndplan.memory.stages import MemoryOptions
+    from ndplan.model import get_preset
+    from ndplan.perf.step import evaluate
+
+    options = MemoryOptions(runtime=runtime)
+    for name, devices, strategies in (
+        ("llama-3.1-70b", 64, [
+            Strategy(dp=4, tp=4, pp=4, vpp=2, num_micro_batches=3, schedule="zbv", recompute="full"),
+            Strategy(dp=4, tp=4, pp=4, vpp=2, num_micro_batches=3, schedule="zbv", recompute="full", recompute_layers=2),
+            Strategy(dp=2, tp=4, pp=8, num_micro_batches=5, schedule="zb-h1"),
+            Strategy(dp=2, tp=4, pp=8, num_micro_batches=16, schedule="zb-h1"),  # the closed form's own
+        ]),
+        ("deepseek-v3", 1024, [Strategy(dp=8, tp=2, pp=16, vpp=2, ep=8, num_micro_batches=20, schedule="zbv",
+                                        recompute="full")]),
+    ):
+        model, cluster = get_preset(name), Cluster(device=get_device("h100-sxm"), num_devices=devices)
+        strategies = [s.model_copy(update={"seq_length": 4096}) for s in strategies]
+        batch = StrategyBatch.of(strategies)
+        searched = step_time_batch(model, batch, cluster, **options.time_keywords())
+        for i, strategy in enumerate(strategies):
+            if not (strategy.schedule == "zb-h1" and strategy.num_micro_batches >= strategy.pp):
+                one = evaluate(model, StrategyBatch.of(strategy), cluster, pipeline="simulate",
+                               **options.time_keywords())
+                for key in ("step_s", "bubble_s", "pp_s"):
+                    assert searched[key][i] == pytest.approx(one[key][0], rel=1e-9), (strategy.short(), key)
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), SCHEDULES)
+def test_a_batch_timed_by_depth_equals_the_simulator_strategy_by_strategy(schedule: str, vpp: int):
+    from ndplan.perf.pipeline import simulated_makespan_batch
+
+    rng = np.random.default_rng(5)
+    pp = 4
+    m = 2 * pp if schedule in ("dualpipev", "interleaved") else 5
+    k = 2 if schedule == "seq1f1b" else 1
+    f, b, w = (rng.uniform(0.1, 1.0, (6, pp, vpp)) for _ in range(3))
+    p2p = np.array([0.0, 0.05, 0.2, 0.0, 0.01, 0.3])
+    span, part = simulated_makespan_batch(schedule, pp, vpp, m, k, f, b, w, p2p)
+    for i in range(6):
+        one = [simulate(schedule, pp, vpp, m, seq_chunks=k, forward_s=f[i], backward_s=b[i], weight_grad_s=w[i],
+                        p2p_s=x, overlap_f_and_b=False).makespan_s for x in (float(p2p[i]), 0.0)]
+        assert span[i] == pytest.approx(one[0], rel=1e-12) and part[i] == pytest.approx(one[0] - one[1], abs=1e-12)

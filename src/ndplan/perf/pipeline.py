@@ -11,7 +11,7 @@ Two methods, one interface (``makespan``):
       gpipe, 1f1b           M = (m + p - 1)·T                       T = f + b + w per stage
       interleaved (v)       M = (m + (p - 1)/v)·T
       seq1f1b (k chunks)    M = (m + (p - 1)/k)·T
-      zb-h1                 M = m·T + (p - 1)·max(f, b, f + b - w)
+      zb-h1 (m >= p)        M = m·T + (p - 1)·max(f, b, f + b - w)
       zbv (m >= 2p - 1)     M = m·T + max over 8 linear pieces in (f, b, w), q = p - 1:
                                 (0, 1/2, (q-1)/2), (0, q/2, 0), (0, q, -q), (1/2, 0, (q-1)/2),
                                 (q-1/2, -(q-1)/2, 0), (q-1/2, 1/2, -q), (q, -q/2, -1/2), (q, 0, -q-1/2)
@@ -19,7 +19,9 @@ Two methods, one interface (``makespan``):
                                 (q, q/2, -q/2)
 
   (the zero-bubble pieces are the critical paths the simulator finds: each is one chain of ops
-  that must run back to back, so their maximum is the makespan). Unequal stages: the bottleneck
+  that must run back to back, so their maximum is the makespan). Below those counts of
+  micro-batches no closed form holds (``closed_form_holds``); ``simulated_makespan_batch`` times
+  such strategies together on the simulator's graph. Unequal stages: the bottleneck
   stage (largest T) sets the steady state and the others shorten the fill and drain in
   proportion to their slack:
 
@@ -260,7 +262,42 @@ def interleaved_stall(pp: int, chunk_layers: tuple[float, ...]) -> float:
     return max((runs[1] - runs[0]) / (2 * pp) / float(grid.sum(axis=1).max()) - 1.0, 0.0)
 
 
+def closed_form_holds(schedule: str, pp: int, m: Array) -> Array:
+    """Per micro-batch count, whether the schedule's closed form (identical stages) is its
+    makespan: the zero-bubble forms assume a steady state, which ZB-H1 reaches with m >= p and
+    ZB-V with m >= 2p - 1; below, the warm-up and drain overlap and the forms price up to 40%
+    (ZB-H1) and 60% (ZB-V) too fast (tests/test_perf_pipeline.py). The others hold for every m
+    the rules allow (DualPipeV needs m >= 2p, interleaving m >= p)."""
+    m = np.asarray(m)
+    if schedule == "zbv":
+        return m >= 2 * pp - 1
+    if schedule == "zb-h1":
+        return m >= pp
+    return np.ones(m.shape, dtype=bool)
+
+
 # ----------------------------------------------------------------- simulation
+
+def simulated_makespan_batch(
+    schedule: str, pp: int, vpp: int, m: int, seq_chunks: int, f: Array, b: Array, w: Array, p2p: Array,
+) -> tuple[Array, Array]:
+    """``simulated_makespan`` for N strategies sharing one schedule shape, timed together
+    (``ndplan.schedule.graph.time_steps_batch``): f, b, w [N, pp, vpp] per-chunk seconds as the
+    simulator takes them, p2p [N]. Returns (makespan, p2p part), [N] each."""
+    from ndplan.schedule import SPLIT_BACKWARD
+    from ndplan.schedule.graph import time_steps_batch
+
+    if schedule not in SPLIT_BACKWARD:
+        b, w = b + w, np.zeros_like(w)  # B runs the whole backward
+    op_s = np.stack([f / seq_chunks, b / seq_chunks, w], axis=-1).reshape(len(f), -1)
+    p2p = np.asarray(p2p, dtype=np.float64)
+    with_p2p = time_steps_batch(schedule, pp, vpp, m, seq_chunks, op_s, p2p)
+    paid = np.flatnonzero(p2p > 0)
+    without = with_p2p.copy()
+    if len(paid):
+        without[paid] = time_steps_batch(schedule, pp, vpp, m, seq_chunks, op_s[paid], np.zeros(len(paid)))
+    return with_p2p, with_p2p - without
+
 
 def simulated_makespan(
     schedule: str, pp: int, vpp: int, m: int, seq_chunks: int,

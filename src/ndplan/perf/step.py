@@ -60,11 +60,13 @@ from ndplan.perf.layer import (
 from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.pipeline import (
     StageLayout,
+    closed_form_holds,
     closed_form_makespan,
     interleaved_stall,
     is_v_shape,
     recomputed_layers,
     simulated_makespan,
+    simulated_makespan_batch,
     stage_layout,
 )
 from ndplan.perf.topology import Fabric, group_link
@@ -415,6 +417,22 @@ def _price_group(
         makespan, p2p_part, _ = closed_form_makespan(
             name, np.full(g, float(pp)), np.full(g, float(vpp)), m, k, f, b, w, p2p, layout.profile_count, star,
         )
+        # Too few micro-batches for the closed form's steady state: the simulator's timeline, for
+        # these strategies together, one per distinct (m, layer configuration, recompute, p2p).
+        short = np.flatnonzero(~closed_form_holds(name, pp, m))
+        if len(short):
+            makespan, p2p_part = makespan.copy(), p2p_part.copy()
+            keys = np.stack([m[short], config[short], recompute_layers[short], p2p[short], k[short]], axis=1)
+            distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
+            inverse = inverse.reshape(-1)
+            for (mb, chunks), members in _by_columns(distinct[:, [0, 4]]):
+                fc, bc, wc = _chunk_seconds(pr, layout, distinct[members, 1].astype(np.int64),
+                                            distinct[members, 2].astype(np.int64))
+                span, part = simulated_makespan_batch(name, pp, vpp, int(mb), int(chunks), fc, bc, wc,
+                                                      distinct[members, 3])
+                for j, member in enumerate(members.tolist()):
+                    makespan[short[inverse == member]] = span[j]
+                    p2p_part[short[inverse == member]] = part[j]
         if name == "interleaved" and vpp > 1:
             # Unequal chunks on a stage stall the steady state every micro-batch: the layout's
             # stall (the simulator's, per unit layer), less what the bottleneck's margin over the
@@ -620,6 +638,35 @@ def evaluate(
     back[order] = np.arange(n)
     keys = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
     return {key: out[key][back] for key in keys}
+
+
+def _by_columns(values: Array) -> list[tuple[tuple[float, ...], Array]]:
+    """The rows of ``values`` [n, c] grouped by their whole row: (row, indices), in row order."""
+    distinct, inverse = np.unique(values, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return [(tuple(row.tolist()), np.flatnonzero(inverse == i)) for i, row in enumerate(distinct)]
+
+
+def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> tuple[Array, Array, Array]:
+    """[n, pp, vpp] F, B, W seconds of every chunk for each layer configuration of ``config``
+    and recompute limit (0: every layer of a recomputing chunk): ``_chunk_times`` for many at once."""
+    nv = layout.chunk_dense + layout.chunk_moe
+    ends = np.zeros((2, len(nv)))
+    ends[0, 0] = ends[1, -1] = 1.0
+    copy = _keeps_table_copy(pr.model, layout)
+    counts = np.stack([layout.chunk_dense, layout.chunk_moe, ends[0], ends[1], layout.chunk_dense, layout.chunk_moe,
+                       ends[1] * copy])  # [pieces, chunks in model order]
+    table = pr.table[config][:, :len(PASSES), :]  # [n, passes, pieces]
+    per_chunk = table @ counts  # [n, passes, chunks]
+    limit = np.asarray(recompute_layers, dtype=np.float64)[:, None]
+    # A limit recomputes min(limit, layers) of a chunk's layers: the recompute pieces scaled.
+    share = np.where(limit > 0, np.divide(np.minimum(limit, nv), nv, out=np.zeros((len(limit), len(nv))),
+                                          where=nv > 0), 1.0)
+    for piece, layers in ((PIECES.index("rc_dense"), layout.chunk_dense), (PIECES.index("rc_moe"), layout.chunk_moe)):
+        per_chunk += table[:, :, piece, None] * ((share - 1.0) * layers)[:, None, :]
+    grid = np.zeros((len(config), len(PASSES), layout.pp, layout.vpp))
+    grid[:, :, layout.stage_of, layout.chunk_of] = per_chunk
+    return grid[:, 0], grid[:, 1], grid[:, 2]
 
 
 def _chunk_times(layout: StageLayout, pieces: dict[str, PieceTimes], config: int, recompute_layers: int,

@@ -244,3 +244,74 @@ def time_steps(
     start = np.maximum(start, ends[graph.b] + graph.xb * p2p_s)
     start = np.maximum(start, ends[graph.c])
     return start, ends[:n]
+
+
+@dataclass(frozen=True)
+class Levels:
+    """A graph's steps grouped by depth (a step's inputs all lie in earlier groups), and what a
+    batch of strategies needs to time them: each op's [stage, local chunk, kind] slot and where
+    each step's ops start in the op order (steps numbered as in ``Graph``)."""
+
+    groups: tuple[NDArray[np.int64], ...]
+    op_slot: NDArray[np.int64]
+    step_first_op: NDArray[np.int64]
+
+
+@lru_cache(maxsize=256, typed=True)
+def build_levels(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Levels:
+    """The depth groups of ``build_graph(schedule, pp, vpp, m, k)`` (cached)."""
+    graph = build_graph(schedule, pp, vpp, m, k)
+    plan = build_plan(schedule, pp, vpp, m, k)
+    n = graph.n
+    depth = [0] * (n + 1)
+    prev, a, b, c = (graph.prev.tolist(), graph.a.tolist(), graph.b.tolist(), graph.c.tolist())
+    for i in graph.order.tolist():
+        depth[i] = 1 + max(depth[prev[i]], depth[a[i]], depth[b[i]], depth[c[i]])
+    by_depth = np.array(depth[:n], dtype=np.int64)
+    order = np.argsort(by_depth, kind="stable")
+    bounds = np.flatnonzero(np.diff(by_depth[order])) + 1
+    slots, firsts, ops = [], [], 0
+    for s, st in enumerate(plan):
+        slots.append((s * vpp + st.chunk) * 3 + st.kind)
+        firsts.append(ops + np.concatenate(([0], np.cumsum(st.step_len)[:-1])))
+        ops += len(st)
+    return Levels(groups=tuple(np.split(order, bounds)), op_slot=np.concatenate(slots),
+                  step_first_op=np.concatenate(firsts))
+
+
+def time_steps_batch(
+    schedule: str, pp: int, vpp: int, m: int, k: int, op_s: NDArray[np.float64], p2p_s: NDArray[np.float64],
+) -> NDArray[np.float64]:
+    """Makespan (seconds) of each of N strategies sharing one schedule shape, timed as
+    ``time_steps`` times one: ``op_s`` [N, pp·vpp·3] holds each strategy's seconds per op of
+    [stage, local chunk, kind F/B/W] (as the op runs: seq chunks and a whole backward already
+    applied), ``p2p_s`` [N] its seconds per transfer. Every step of a depth group is timed at
+    once, so the Python loop runs over depths (about 2·(m·vpp + pp)), not steps; strategies go
+    in slices that keep the [steps, strategies] timeline near 32 MiB."""
+    graph = build_graph(schedule, pp, vpp, m, k)
+    levels = build_levels(schedule, pp, vpp, m, k)
+    op_s = np.asarray(op_s, dtype=np.float64)
+    p2p_all = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (op_s.shape[0],))
+    makespan = np.zeros(op_s.shape[0])
+    if graph.n == 0:
+        return makespan
+    uses_b, uses_c = bool(np.any(graph.b != graph.n)), bool(np.any(graph.c != graph.n))
+    # Per depth group, the inputs' rows and hop flags, gathered once for every slice.
+    inputs = [(steps, graph.prev[steps], graph.a[steps], graph.xa[steps][:, None], graph.b[steps],
+               graph.xb[steps][:, None], graph.c[steps]) for steps in levels.groups]
+    width = max(1, (32 << 20) // (8 * (graph.n + 1)))
+    for lo in range(0, op_s.shape[0], width):
+        part = slice(lo, lo + width)
+        # [steps, strategies]: a depth group gathers whole rows.
+        step_s = np.add.reduceat(op_s[part, levels.op_slot], levels.step_first_op, axis=1).T
+        p2p = p2p_all[part][None, :]
+        end = np.zeros((graph.n + 1, step_s.shape[1]))  # the last row is the sentinel, done at 0
+        for steps, prev, a, xa, b, xb, c in inputs:
+            start = np.maximum(end[prev], end[a] + xa * p2p)
+            if uses_b:
+                np.maximum(start, end[b] + xb * p2p, out=start)
+            if uses_c:
+                np.maximum(start, end[c], out=start)
+            end[steps] = start + step_s[steps]
+        makespan[part] = end[:graph.n].max(axis=0)
+    return makespan
