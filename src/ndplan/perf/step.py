@@ -421,18 +421,16 @@ def _price_group(
         # these strategies together, one per distinct (m, layer configuration, recompute, p2p).
         short = np.flatnonzero(~closed_form_holds(name, pp, m))
         if len(short):
-            makespan, p2p_part = makespan.copy(), p2p_part.copy()
             keys = np.stack([m[short], config[short], recompute_layers[short], p2p[short], k[short]], axis=1)
             distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
-            inverse = inverse.reshape(-1)
+            span, part = np.zeros(len(distinct)), np.zeros(len(distinct))
             for (mb, chunks), members in _by_columns(distinct[:, [0, 4]]):
                 fc, bc, wc = _chunk_seconds(pr, layout, distinct[members, 1].astype(np.int64),
                                             distinct[members, 2].astype(np.int64))
-                span, part = simulated_makespan_batch(name, pp, vpp, int(mb), int(chunks), fc, bc, wc,
-                                                      distinct[members, 3])
-                for j, member in enumerate(members.tolist()):
-                    makespan[short[inverse == member]] = span[j]
-                    p2p_part[short[inverse == member]] = part[j]
+                span[members], part[members] = simulated_makespan_batch(name, pp, vpp, int(mb), int(chunks), fc, bc,
+                                                                        wc, distinct[members, 3])
+            makespan, p2p_part = makespan.copy(), p2p_part.copy()
+            makespan[short], p2p_part[short] = span[inverse.reshape(-1)], part[inverse.reshape(-1)]
         if name == "interleaved" and vpp > 1:
             # Unequal chunks on a stage stall the steady state every micro-batch: the layout's
             # stall (the simulator's, per unit layer), less what the bottleneck's margin over the
