@@ -265,8 +265,9 @@ def interleaved_stall(pp: int, chunk_layers: tuple[float, ...]) -> float:
 def closed_form_holds(schedule: str, pp: int, m: Array) -> Array:
     """Per micro-batch count, whether the schedule's closed form (identical stages) is its
     makespan: the zero-bubble forms assume a steady state, which ZB-H1 reaches with m >= p and
-    ZB-V with m >= 2p - 1; below, the warm-up and drain overlap and the forms price up to 40%
-    (ZB-H1) and 60% (ZB-V) too fast (tests/test_perf_pipeline.py). The others hold for every m
+    ZB-V with m >= 2p - 1; below, the warm-up and drain overlap and the forms are off, most often
+    too fast (with equal f, b, w by up to 41% for ZB-H1, 62% for ZB-V; a W three times F reads
+    ZB-V at pp 8, m 8 5% too slow; tests/test_perf_pipeline.py). The others hold for every m
     the rules allow (DualPipeV needs m >= 2p, interleaving m >= p)."""
     m = np.asarray(m)
     if schedule == "zbv":

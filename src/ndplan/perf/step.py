@@ -421,6 +421,7 @@ def _price_group(
         # these strategies together, one per distinct (m, layer configuration, recompute, p2p).
         short = np.flatnonzero(~closed_form_holds(name, pp, m))
         if len(short):
+            # One float64 key per row: the integer columns (counts, codes) stay exact in it.
             keys = np.stack([m[short], config[short], recompute_layers[short], p2p[short], k[short]], axis=1)
             distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
             span, part = np.zeros(len(distinct)), np.zeros(len(distinct))
