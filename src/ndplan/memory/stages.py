@@ -1079,19 +1079,25 @@ def _gathered(values: np.ndarray, first: np.ndarray, then: np.ndarray) -> np.nda
     return values[first][then]
 
 
-def static_lower_bound(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None) -> np.ndarray:
+def static_lower_bound(
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None, *, distinct: bool = False
+) -> np.ndarray:
     """Per strategy, a lower bound of ``peak_memory``'s peak (bytes): the device total of the
     largest stage's parameters, gradients and optimizer states alone, as every stage holds them
-    at its optimizer step. A fraction of the full model's work: the search rejects with it first."""
+    at its optimizer step. A fraction of the full model's work: the search rejects with it first.
+    ``distinct``: the caller knows that no two strategies of ``batch`` share their values of
+    STATIC_FIELDS (they are not looked for)."""
     options = options or MemoryOptions()
-    # A function of STATIC_FIELDS alone, which a search's candidates share many at a time (they
-    # differ in sequence parallelism, context-parallel kind, recompute, ...): priced once each.
-    rows, combination = batch.distinct(STATIC_FIELDS)
-    distinct = batch.take(rows)
-    bound = np.zeros(len(distinct))
-    for _key, index, out in _sorted_groups(model, distinct, options, None, static_only=True):
+    combination: np.ndarray | None = None
+    if not distinct:
+        # A function of STATIC_FIELDS alone, which a search's candidates share many at a time (they
+        # differ in sequence parallelism, context-parallel kind, recompute, ...): priced once each.
+        rows, combination = batch.distinct(STATIC_FIELDS)
+        batch = batch.take(rows)
+    bound = np.zeros(len(batch))
+    for _key, index, out in _sorted_groups(model, batch, options, None, static_only=True):
         bound[index] = out["device"].max(axis=1)
-    return bound[combination]
+    return bound if combination is None else bound[combination]
 
 
 def peak_memory(
