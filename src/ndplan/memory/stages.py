@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from functools import lru_cache, reduce
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property, lru_cache, reduce
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
@@ -240,18 +240,31 @@ class LayerActivations:
         combinations (``ACTIVATION_FIELDS``), taken for thousands of strategies each, and a third
         of the figures do not vary over them."""
         n = self.output.shape[0]
-        taken = len(np.arange(n)[index]) if isinstance(index, slice) else len(index)
-
-        def rows_of(value: Any) -> np.ndarray:
-            value = np.broadcast_to(value, (n,))
-            if n and _one_value(value):
-                return np.broadcast_to(value[:1], (taken,))
-            return value[index]
-
+        taken = len(range(n)[index]) if isinstance(index, slice) else len(index)
         values: dict[str, Any] = {}
-        for name, value in vars(self).items():
-            values[name] = {k: rows_of(v) for k, v in value.items()} if isinstance(value, dict) else rows_of(value)
+        for (name, key), value in self._figures.items():
+            rows = np.broadcast_to(value[:1], (taken,)) if (name, key) in self._one_valued else value[index]
+            if key is None:
+                values[name] = rows
+            else:
+                values.setdefault(name, {})[key] = rows
         return LayerActivations(**values)
+
+    @cached_property
+    def _figures(self) -> dict[tuple[str, str | None], np.ndarray]:
+        """Every figure as an [n] array, by (field, kind or None); taken many times, found once."""
+        n = self.output.shape[0]
+        out: dict[tuple[str, str | None], np.ndarray] = {}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            for key, figure in value.items() if isinstance(value, dict) else ((None, value),):
+                out[item.name, key] = np.broadcast_to(figure, (n,))
+        return out
+
+    @cached_property
+    def _one_valued(self) -> frozenset[tuple[str, str | None]]:
+        """The figures (``_figures``' keys) that hold one value for every strategy."""
+        return frozenset(key for key, value in self._figures.items() if len(value) and _one_value(value))
 
 
 def _one_value(values: np.ndarray) -> bool:
