@@ -163,6 +163,24 @@ def test_distinct_renumbers_when_many_fields_span_a_large_key():
     np.testing.assert_array_equal(columns[rows[codes]], columns)
 
 
+@pytest.mark.parametrize("in_runs", [True, False])
+def test_groups_in_key_order_with_ascending_rows(in_runs):
+    # Rows that run group by group (in any order of the groups) are split without a sort: the
+    # same groups, in the same order, as the sort gives rows spread over the batch.
+    rng = np.random.default_rng(3)
+    keys = rng.permutation([(tp, pp) for tp in (1, 2, 4) for pp in (1, 3)])
+    counts = rng.integers(1, 50, len(keys))
+    columns = {"tp": np.repeat(keys[:, 0], counts), "pp": np.repeat(keys[:, 1], counts)}
+    if not in_runs:
+        order = rng.permutation(int(counts.sum()))
+        columns = {name: values[order] for name, values in columns.items()}
+    batch = StrategyBatch.from_columns(columns)
+    groups = batch.groups(("tp", "pp"))
+    assert [key for key, _ in groups] == sorted({(int(tp), int(pp)) for tp, pp in keys})
+    for (tp, pp), index in groups:
+        np.testing.assert_array_equal(index, np.flatnonzero((batch.tp == tp) & (batch.pp == pp)))
+
+
 def test_divides_by_lookup_matches_one_division_per_element():
     from ndplan.strategy.rules import _divides, _divides_each
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from functools import lru_cache, reduce
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property, lru_cache, reduce
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
@@ -235,15 +235,45 @@ class LayerActivations:
     offloaded: dict[str, np.ndarray]
 
     def take(self, index: np.ndarray | slice) -> LayerActivations:
-        """The same figures for a subset of the strategies."""
-        values: dict[str, Any] = {}
+        """The same figures for a subset of the strategies (read-only). A figure of one value
+        for every strategy is that value broadcast, not gathered: a search's are a few dozen
+        combinations (``ACTIVATION_FIELDS``), taken for thousands of strategies each, and a third
+        of the figures do not vary over them."""
         n = self.output.shape[0]
-        for name, value in vars(self).items():
-            if isinstance(value, dict):
-                values[name] = {k: np.broadcast_to(v, (n,))[index] for k, v in value.items()}
+        taken = len(range(n)[index]) if isinstance(index, slice) else len(index)
+        values: dict[str, Any] = {}
+        for (name, key), value in self._figures.items():
+            rows = np.broadcast_to(value[:1], (taken,)) if (name, key) in self._one_valued else value[index]
+            if key is None:
+                values[name] = rows
             else:
-                values[name] = np.broadcast_to(value, (n,))[index]
+                values.setdefault(name, {})[key] = rows
         return LayerActivations(**values)
+
+    @cached_property
+    def _figures(self) -> dict[tuple[str, str | None], np.ndarray]:
+        """Every figure as an [n] array, by (field, kind or None); taken many times, found once."""
+        n = self.output.shape[0]
+        out: dict[tuple[str, str | None], np.ndarray] = {}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            for key, figure in value.items() if isinstance(value, dict) else ((None, value),):
+                out[item.name, key] = np.broadcast_to(figure, (n,))
+        return out
+
+    @cached_property
+    def _one_valued(self) -> frozenset[tuple[str, str | None]]:
+        """The figures (``_figures``' keys) that hold one value for every strategy."""
+        return frozenset(key for key, value in self._figures.items() if len(value) and _one_value(value))
+
+
+def _one_value(values: np.ndarray) -> bool:
+    """Whether every element of ``values`` (not empty) is the first, bit for bit (0.0 and -0.0
+    differ: one stands for the other in no result)."""
+    same = values == values[:1]
+    if values.dtype.kind == "f":
+        same &= np.signbit(values) == np.signbit(values[:1])
+    return bool(same.all())
 
 
 @lru_cache(maxsize=64)
@@ -1044,18 +1074,22 @@ def _sorted_groups(
     starts = np.cumsum([0, *sizes])
     # Within a group, rows by micro-batch count: each count's schedule frontier prices a slice.
     # Gathered in two steps, by group (ascending rows) then within each group's block, for the
-    # cache's sake: one random permutation of the whole batch costs more than the two.
+    # cache's sake: one random permutation of the whole batch costs more than the two; but
+    # where each group is one run of the batch (a search's are), one gather stays in each run.
     within = np.concatenate([
         start + np.argsort(radix_key(batch.num_micro_batches[index]), kind="stable")
         for start, (_, index) in zip(starts[:-1], groups, strict=True)
     ])
     order = by_group[within]
+    runs = all(index[-1] - index[0] + 1 == len(index) for _, index in groups)
+    first, then = (None, order) if runs else (by_group, within)
     groups = [(key, order[a:b]) for (key, _), a, b in zip(groups, starts[:-1], starts[1:], strict=True)]
-    # The pipeline shape's fields are the groups' keys: repeated, not gathered; so are the
-    # fields one value fills (a search fixes many).
+    # The pipeline shape's fields are the groups' keys: repeated, not gathered; the fields one
+    # value fills (a search fixes many) are that value broadcast (read-only, as every field is
+    # read here), neither gathered nor written.
     ordered = StrategyBatch(**{
-        name: np.repeat(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), sizes)
-        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), by_group, within)
+        name: _repeated(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), sizes)
+        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), first, then)
         for name in batch.array_fields()
     }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules)
     if not static_only:
@@ -1071,27 +1105,40 @@ def _sorted_groups(
                                           None if static_only else acts.take(combination[part]), device_only=device_only)
 
 
-def _gathered(values: np.ndarray, first: np.ndarray, then: np.ndarray) -> np.ndarray:
-    """values[first][then], or the one value repeated where ``values`` holds one (two passes
-    over it in order cost less than the two gathers)."""
+def _gathered(values: np.ndarray, first: np.ndarray | None, then: np.ndarray) -> np.ndarray:
+    """values[first][then] (``first`` None: values[then]), or the one value broadcast
+    (read-only) where ``values`` holds one."""
     if len(values) and values.min() == values.max():
-        return np.full(len(then), values[0], dtype=values.dtype)
-    return values[first][then]
+        return np.broadcast_to(values[:1], (len(then),))
+    return values.take(then) if first is None else values[first][then]
 
 
-def static_lower_bound(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None) -> np.ndarray:
+def _repeated(values: np.ndarray, counts: list[int]) -> np.ndarray:
+    """np.repeat(values, counts), or the one value broadcast (read-only) where all are one."""
+    if len(values) and values.min() == values.max():
+        return np.broadcast_to(values[:1], (sum(counts),))
+    return np.repeat(values, counts)
+
+
+def static_lower_bound(
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None, *, distinct: bool = False
+) -> np.ndarray:
     """Per strategy, a lower bound of ``peak_memory``'s peak (bytes): the device total of the
     largest stage's parameters, gradients and optimizer states alone, as every stage holds them
-    at its optimizer step. A fraction of the full model's work: the search rejects with it first."""
+    at its optimizer step. A fraction of the full model's work: the search rejects with it first.
+    ``distinct``: the caller knows that no two strategies of ``batch`` share their values of
+    STATIC_FIELDS (they are not looked for)."""
     options = options or MemoryOptions()
-    # A function of STATIC_FIELDS alone, which a search's candidates share many at a time (they
-    # differ in sequence parallelism, context-parallel kind, recompute, ...): priced once each.
-    rows, combination = batch.distinct(STATIC_FIELDS)
-    distinct = batch.take(rows)
-    bound = np.zeros(len(distinct))
-    for _key, index, out in _sorted_groups(model, distinct, options, None, static_only=True):
+    combination: np.ndarray | None = None
+    if not distinct:
+        # A function of STATIC_FIELDS alone, which a search's candidates share many at a time (they
+        # differ in sequence parallelism, context-parallel kind, recompute, ...): priced once each.
+        rows, combination = batch.distinct(STATIC_FIELDS)
+        batch = batch.take(rows)
+    bound = np.zeros(len(batch))
+    for _key, index, out in _sorted_groups(model, batch, options, None, static_only=True):
         bound[index] = out["device"].max(axis=1)
-    return bound[combination]
+    return bound if combination is None else bound[combination]
 
 
 def peak_memory(

@@ -18,11 +18,11 @@ from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.report import known_gaps
-from ndplan.memory.stages import peak_memory, static_lower_bound
+from ndplan.memory.stages import STATIC_FIELDS, peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
 from ndplan.search.screen import Check, PartFields, screened_blocks
-from ndplan.search.space import SearchSpace
+from ndplan.search.space import FIELD_DIMENSIONS, SearchSpace
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import RULES, Rule, RuleContext
 from ndplan.strategy.strategy import Strategy
@@ -150,6 +150,39 @@ def _front(order: np.ndarray, peak: np.ndarray) -> np.ndarray:
     return order[improves]
 
 
+#: The dimensions of a search whose values the fields of ``static_lower_bound`` depend on (the
+#: others are the same for every candidate of a part of the space).
+STATIC_DIMENSIONS = frozenset(dim for name in STATIC_FIELDS for dim in FIELD_DIMENSIONS.get(name, ()))
+
+
+class _StaticBounds:
+    """``static_lower_bound`` of a part's candidates, by position: a function of STATIC_FIELDS,
+    so of the candidate's combination of STATIC_DIMENSIONS, priced once per combination the
+    first time a candidate of it needs it and looked up after (the survivors of a block share
+    combinations many at a time, and blocks share them with the next ones)."""
+
+    def __init__(self, model: ModelSpec, options: MemoryOptions | None):
+        self.model, self.options = model, options
+        self.part: PartFields | None = None
+        self.bound, self.known = np.zeros(0), np.zeros(0, dtype=bool)
+
+    def at(self, part: PartFields, position: np.ndarray) -> np.ndarray:
+        """The bound of the candidates at ``position`` in ``part``."""
+        combination, count = part.combination(position, STATIC_DIMENSIONS)
+        if part is not self.part:
+            self.part, self.bound, self.known = part, np.zeros(count), np.zeros(count, dtype=bool)
+        missing = ~self.known.take(combination)
+        if missing.any():
+            # One candidate of each combination not priced yet stands for it (any: they share
+            # the fields the bound reads).
+            stand_in = np.full(count, -1, dtype=np.int64)
+            stand_in[combination[missing]] = position[missing]
+            new = np.flatnonzero(stand_in >= 0)
+            self.bound[new] = static_lower_bound(self.model, part.batch(stand_in[new]), self.options, distinct=True)
+            self.known[new] = True
+        return self.bound.take(combination)
+
+
 def _smallest_peak(
     model: ModelSpec, space: SearchSpace, options: MemoryOptions | None, smallest: float,
     bounded_index: list[np.ndarray], bounded_lower: list[np.ndarray], block_size: int,
@@ -259,16 +292,17 @@ def run_search(
     if IMPOSSIBLE_IMBALANCE in rejected:
         reasons.append(IMPOSSIBLE_IMBALANCE)
         checks.append(partial(_reaches_imbalance, model=model, imbalance=imbalance))
+    static_bounds = _StaticBounds(model, options)
     for block in screened_blocks(space, checks, block_size):
         for reason, count in zip(reasons, block.rejected.tolist(), strict=True):
             rejected[reason] += count
-        index, batch = block.index, block.batch
+        index = block.index
         done += block.listed
-        valid = np.arange(len(batch))
+        valid = np.arange(len(index))
         if len(valid):
             # The static state alone (a lower bound of the peak) already rejects many; the full
             # memory model prices the rest. The fitting set is the same.
-            lower = static_lower_bound(model, batch, options)
+            lower = static_bounds.at(block.part, block.position)
             cannot = lower > limit
             evaluated += len(valid)
             rejected[OVER_MEMORY] += int(np.count_nonzero(cannot))

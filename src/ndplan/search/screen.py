@@ -45,13 +45,18 @@ class ScreenedBlock:
     listed: int
     #: Per reason, the candidates charged to it: duplicates first, then each check in order.
     rejected: np.ndarray
-    #: The survivors' candidate indices and their batch, in the block's order.
+    #: The survivors' candidate indices, in the block's order.
     index: np.ndarray
-    batch: StrategyBatch
     #: The survivors' positions in their part of the space, and that part's fields by position:
     #: ``part.batch(position[keep])`` equals ``batch.take(keep)``, built rather than gathered.
     position: np.ndarray
     part: PartFields
+
+    @property
+    def batch(self) -> StrategyBatch:
+        """The survivors' batch (built on request: a search builds only the part of it that
+        its static bound lets through, ``part.batch``)."""
+        return self.part.batch(self.position)
 
 
 def screened_blocks(space: SearchSpace, checks: Sequence[Check], block_size: int) -> Iterator[ScreenedBlock]:
@@ -79,7 +84,7 @@ def screened_blocks(space: SearchSpace, checks: Sequence[Check], block_size: int
             in_block = first.reshape(-1)[start - slots[0] * slot:stop - slots[0] * slot]
             rejected = np.bincount(in_block, minlength=passed + 1)[:passed]
             position = start + np.flatnonzero(in_block == passed)  # the survivors' positions in the part
-            yield ScreenedBlock(stop - start, rejected, fields.index(position), fields.batch(position), position, fields)
+            yield ScreenedBlock(stop - start, rejected, fields.index(position), position, fields)
 
 
 def _slot_rows(table: np.ndarray, slot_digits: tuple[np.ndarray, ...], lead: int) -> np.ndarray:
@@ -224,6 +229,8 @@ class PartFields:
         outer = np.unravel_index(np.arange(prod(sizes[:split])), sizes[:split]) if split else ()
         inner = np.unravel_index(np.arange(self.inner_size), sizes[split:])
         at = {name: outer[axis] if axis < split else inner[axis - split] for axis, name in enumerate(BLOCK_ORDER)}
+        self.sizes, self.split, self.at = sizes, split, at
+        self._combinations: dict[frozenset[str], tuple[np.ndarray, np.ndarray, int]] = {}
         # The index without the module sets' digits (the part's own, ``for_sets``).
         self.stride = dict(zip(DIMENSIONS, np.cumprod([1, *space.sizes[:0:-1]])[::-1], strict=True))
         stride = {name: 0 if name in SET_DIMENSIONS else self.stride[name] for name in DIMENSIONS}
@@ -271,6 +278,23 @@ class PartFields:
         """The candidate indices at ``position`` in the part."""
         row, inner = np.divmod(position, self.inner_size)
         return self.outer_index.take(row) + self.inner_index.take(inner)
+
+    def combination(self, position: np.ndarray, dims: frozenset[str]) -> tuple[np.ndarray, int]:
+        """Per candidate at ``position`` in the part, its combination of the part's digits of
+        ``dims`` (its position in their product), and how many combinations there are: where
+        two candidates share one, they share every field of those dimensions alone."""
+        if dims not in self._combinations:
+            sizes, split, at = self.sizes, self.split, self.at
+            axes = [axis for axis, name in enumerate(BLOCK_ORDER) if name in dims]
+            outer_axes, inner_axes = [a for a in axes if a < split], [a for a in axes if a >= split]
+            inner_count = prod(sizes[a] for a in inner_axes)
+            outer_key = np.ravel_multi_index([at[BLOCK_ORDER[a]] for a in outer_axes], [sizes[a] for a in outer_axes])
+            inner_key = np.ravel_multi_index([at[BLOCK_ORDER[a]] for a in inner_axes], [sizes[a] for a in inner_axes])
+            self._combinations[dims] = (np.broadcast_to(outer_key * inner_count, (len(self.outer_index),)),
+                                        np.broadcast_to(inner_key, (self.inner_size,)), prod(sizes[a] for a in axes))
+        outer_key, inner_key, count = self._combinations[dims]
+        row, inner = np.divmod(position, self.inner_size)
+        return outer_key.take(row) + inner_key.take(inner), count
 
     def batch(self, position: np.ndarray) -> StrategyBatch:
         """The batch of the candidates at ``position`` in the part."""
