@@ -560,3 +560,12 @@ def test_fields_read_follows_properties_and_lookups():
     batch = StrategyBatch.of(Strategy())
     assert fields_read(lambda b: b.micro_batches_per_step > 1, batch) == {"num_micro_batches", "pipeline_runs"}
     assert fields_read(lambda b: b.is_("schedule", "1f1b") | (b.tp > 1), batch) == {"schedule", "tp"}
+
+
+def test_a_space_with_an_empty_value_list_enumerates_nothing():
+    """A hand-built SearchSpace may leave a list empty; the screened enumeration crashed on it
+    (a reduction over an empty table) where the plain loop found an empty space."""
+    space = default_space("llama-3.1-8b", "h100-sxm", 8, 8, 4096, get_precision("megatron-bf16"), dims=("tp", "pp"))
+    for name in ("tp", "schedule"):
+        result = run_search("llama-3.1-8b", "h100-sxm", dataclasses.replace(space, **{name: ()}), top=1)
+        assert (result.space_size, result.evaluated, result.fitting, result.ranked) == (0, 0, 0, [])

@@ -63,6 +63,8 @@ def screened_blocks(space: SearchSpace, checks: Sequence[Check], block_size: int
     """The blocks of ``space.blocks(block_size)`` (the same candidates, in the same order), each
     with the candidates no check rejects and, per reason, how many others each was the first to
     reject: ``space.duplicates``, then ``checks`` in order."""
+    if space.size == 0:  # a value list left empty (a hand-built space): nothing to enumerate
+        return
     passed = len(checks) + 1  # the code of a candidate that every check lets through
     tables = _Tables(space, checks)
     for digits in space.parts():
