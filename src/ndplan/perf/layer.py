@@ -59,6 +59,7 @@ from ndplan.memory.static import TpSplit, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, weight_grad_groups
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.perf import collectives as coll
+from ndplan.perf.codes import first_of_codes, row_codes
 from ndplan.perf.efficiency import EfficiencyProfile
 from ndplan.perf.flops import (
     Gemm,
@@ -139,6 +140,34 @@ class LayerContext:
     recompute_modules: tuple[str, ...] = ()
     #: ``Strategy.offload_modules`` of the batch: what goes to host memory and back.
     offload_modules: tuple[str, ...] = ()
+
+
+#: The strategy columns a ``Sharding`` reads (in its field order).
+SHARDING_FIELDS = ("micro_batch_size", "seq_length", "tp", "cp", "ep", "etp")
+
+
+@dataclass(frozen=True)
+class ShardingRows:
+    """The distinct shardings among the rows priced: a GEMM's shape depends on the sharding
+    alone, so GEMMs are priced once per distinct sharding (a few hundred among the tens of
+    thousands of layer configurations of a search) and ``spread`` back to the rows."""
+
+    distinct: Sharding
+    #: [rows] the entry of ``distinct`` each row has; None: ``distinct`` is the rows themselves.
+    codes: Array | None = None
+
+    def spread(self, value: Array | float) -> Array | float:
+        """``value`` per distinct sharding, per row (scalars as they are)."""
+        if self.codes is None or np.ndim(value) == 0:
+            return value
+        return np.asarray(value)[self.codes]
+
+
+def sharding_rows(cols: dict[str, Array]) -> ShardingRows:
+    """The distinct shardings among the rows of ``cols``."""
+    codes, count = row_codes([cols[name] for name in SHARDING_FIELDS])
+    first = first_of_codes(codes, count)
+    return ShardingRows(Sharding(*(np.asarray(cols[name])[first] for name in SHARDING_FIELDS)), codes)
 
 
 def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, share: float = 0.0) -> Array | float:
@@ -414,19 +443,21 @@ def _chunk_sort(ctx: LayerContext, cols: dict[str, Array]) -> Array | float:
     return np.where((cols["ep"] > 1) & (ctx.model.num_experts > cols["ep"]), 1.0, 0.0)
 
 
-def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind, gemms: list[Gemm],
-                           forward_of: dict[str, Array | float], attn_f: Array | float,
-                           host_f: Array | float) -> tuple[Array | float, bool]:
+def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, shardings: ShardingRows,
+                           kind: MlpKind, gemms: list[Gemm], forward_of: dict[str, Array | float],
+                           attn_f: Array | float, host_f: Array | float) -> tuple[Array | float, bool]:
     """(seconds the recompute modules replay in one layer's backward, whether they replay the
     expert dispatch): ``core_attn`` the attention core's forward, the modules' GEMMs
     (``flops.MODULE_GEMMS``, with their fp8 casts, routed experts at ``moe_imbalance``) and
     elementwise bytes (``memory_ops.module_replay_bytes``); ``moe`` re-runs the dispatch and
     combine all-to-alls too (returned apart, as expert-parallel communication). ``host_f``: the
-    layer's forward host time (``decoder_layer``)."""
+    layer's forward host time (``decoder_layer``). ``gemms`` and ``forward_of`` are per distinct
+    sharding of ``shardings``; the rest per row."""
     modules = ctx.recompute_modules
     replayed = module_gemms(gemms, modules)
     cast_f, _ = fp8_cast_seconds(ctx, replayed)
-    seconds = sum((forward_of[g.name] * (ctx.eff.moe_imbalance if g.expert else 1.0) for g in replayed), 0.0) + cast_f
+    seconds = shardings.spread(
+        sum((forward_of[g.name] * (ctx.eff.moe_imbalance if g.expert else 1.0) for g in replayed), 0.0) + cast_f)
     if "core_attn" in modules:
         seconds = seconds + attn_f
     replay_bytes = module_replay_bytes(ctx.model, sh, cols["sequence_parallel"], kind, ctx.precision.activation_bytes, modules)
@@ -452,15 +483,18 @@ def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) ->
 
 
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
-                  full_attention: bool = False) -> tuple[PieceTimes, PieceTimes]:
+                  full_attention: bool = False, shardings: ShardingRows | None = None) -> tuple[PieceTimes, PieceTimes]:
     """(the layer, what recomputing it adds) for one decoder layer of ``kind`` (its attention the
     mean of the model's layers of that kind, sliding ones included; ``full_attention``: full
-    causal attention, as an MTP module's layer)."""
+    causal attention, as an MTP module's layer). ``shardings``: the distinct shardings of ``sh``
+    (``sharding_rows``), on which the GEMMs are priced; None prices them on ``sh``."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
-    gemms = layer_gemms(model, sh, kind)
-    gemm, forward_of = _pass_gemm_seconds(ctx, gemms)
-    cast_f, cast_b = fp8_cast_seconds(ctx, gemms)
+    shardings = shardings or ShardingRows(sh)
+    gemms = layer_gemms(model, shardings.distinct, kind)  # per distinct sharding, as forward_of
+    gemm_distinct, forward_of = _pass_gemm_seconds(ctx, gemms)
+    gemm = {pass_: shardings.spread(value) for pass_, value in gemm_distinct.items()}
+    cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, gemms))
     attn_f, attn_b = attention_core_seconds(ctx, sh, kind, full_attention, calls=ring_steps(cols))
     sort = _chunk_sort(ctx, cols) if kind == "moe" else 0.0
     ew_bytes, ew_rc_bytes = layer_bytes(model, sh, cols["sequence_parallel"], kind, beta, sort)
@@ -480,9 +514,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # waits, then runs the rest as the host launches it. Launching the part before the
         # sync costs about a dense layer's host time, so the forward takes at least
         # (host_f - host_layer_s) + g_pre.
-        pre_sync = attention_gemms(model, sh) + [g for g in gemms if g.name == "router"]
+        pre_sync = attention_gemms(model, shardings.distinct) + [g for g in gemms if g.name == "router"]
         pre_cast, _ = fp8_cast_seconds(ctx, pre_sync)
-        g_pre = sum((forward_of[g.name] for g in pre_sync), 0.0) + pre_cast + attn_f
+        g_pre = shardings.spread(sum((forward_of[g.name] for g in pre_sync), 0.0) + pre_cast) + attn_f
         floor_f = np.maximum(host_f, np.maximum(host_f - eff.host_layer_s, 0.0) + g_pre)
 
     out = PieceTimes()
@@ -544,12 +578,13 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     selective = cols["recompute"] == 1
     selective_ep: Array | float = 0.0
     if ctx.recompute_modules:
-        selective_s, replays_dispatch = _module_replay_seconds(ctx, cols, sh, kind, gemms, forward_of, attn_f, host_f)
+        selective_s, replays_dispatch = _module_replay_seconds(ctx, cols, sh, shardings, kind, gemms, forward_of,
+                                                               attn_f, host_f)
         selective_ep = ep_f if replays_dispatch else 0.0
     elif eff.selective_recompute == "torchtitan-op":
-        replayed = alternate_recomputed_gemms(model, sh, kind)
+        replayed = alternate_recomputed_gemms(model, shardings.distinct, kind)
         replay_cast, _ = fp8_cast_seconds(ctx, replayed)
-        selective_s = gemms_seconds(replayed, rates, "F")[0] + replay_cast + ew_rc
+        selective_s = shardings.spread(gemms_seconds(replayed, rates, "F")[0] + replay_cast) + ew_rc
     elif eff.selective_recompute == "keep-matmuls":  # the elementwise ops layer_bytes deems recomputable
         selective_s = ew_rc
     else:  # Megatron's default module list: the attention core alone
@@ -629,12 +664,15 @@ def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> 
     return out
 
 
-def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> PieceTimes:
+def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
+                     shardings: ShardingRows | None = None) -> PieceTimes:
     """The output stage's own copy of a tied table, or of the embedding MTP modules read, where
     the two ends sit on different stages (the step counts it there): its FSDP gather and
     reduce-scatter, hidden under the head's passes as an untied head's table is."""
     model = ctx.model
-    head_s = {p: gemms_seconds(head_gemms(model, sh), ctx.rates, p)[0] for p in PASS_NAMES}
+    shardings = shardings or ShardingRows(sh)
+    head = head_gemms(model, shardings.distinct)
+    head_s = {p: shardings.spread(gemms_seconds(head, ctx.rates, p)[0]) for p in PASS_NAMES}
     fs_f, fs_b = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0)
     out = PieceTimes()
     out.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
@@ -642,14 +680,17 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) ->
     return out
 
 
-def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes) -> PieceTimes:
+def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes,
+               shardings: ShardingRows | None = None) -> PieceTimes:
     """Final norm, output head and loss, plus each MTP module (projection, its decoder layer
-    ``mtp_layer`` and the shared head again)."""
+    ``mtp_layer`` and the shared head again). GEMMs priced per distinct sharding (``shardings``,
+    as in ``decoder_layer``)."""
     model, rates = ctx.model, ctx.rates
     beta = ctx.precision.activation_bytes
-    head = head_gemms(model, sh)
-    head_s = {p: gemms_seconds(head, rates, p)[0] for p in PASS_NAMES}
-    cast_f, cast_b = fp8_cast_seconds(ctx, head)
+    shardings = shardings or ShardingRows(sh)
+    head = head_gemms(model, shardings.distinct)
+    head_s = {p: shardings.spread(gemms_seconds(head, rates, p)[0]) for p in PASS_NAMES}
+    cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, head))
     loss_s = ctx.eff.elementwise_passes * head_bytes(model, sh, cols["sequence_parallel"], beta,
                                                      ctx.eff.loss_upcast) / rates.hbm_rate
     t = cols["tp"]
@@ -675,12 +716,12 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     out = PieceTimes()
     out.scaled_add(one, 1.0)
     if model.mtp_depth:
-        proj = mtp_gemms(model, sh)
+        proj = mtp_gemms(model, shardings.distinct)
         module = PieceTimes()
         module.scaled_add(mtp_layer, 1.0)
         module.scaled_add(one, 1.0)
         for pass_ in PASS_NAMES:
-            module.add(pass_, "compute", gemms_seconds(proj, rates, pass_)[0])
+            module.add(pass_, "compute", shardings.spread(gemms_seconds(proj, rates, pass_)[0]))
         out.scaled_add(module, float(model.mtp_depth))
     return out
 
@@ -688,11 +729,12 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
 def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTimes]:
     """Every piece of a stage, for the strategies in ``cols`` (float arrays, see step.py)."""
     model = ctx.model
-    sh = Sharding(cols["micro_batch_size"], cols["seq_length"], cols["tp"], cols["cp"], cols["ep"], cols["etp"])
+    sh = Sharding(*(cols[name] for name in SHARDING_FIELDS))
+    shardings = sharding_rows(cols)
     pieces: dict[str, PieceTimes] = {}
     for kind in ("dense", "moe"):
         if kind in model.layer_mlp_kinds or (model.mtp_depth and model.mtp_mlp_kind == kind):
-            layer, rc = decoder_layer(ctx, cols, sh, kind)  # type: ignore[arg-type]
+            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=shardings)  # type: ignore[arg-type]
         else:
             layer, rc = PieceTimes(), PieceTimes()
         pieces[kind] = layer
@@ -700,7 +742,7 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     pieces["emb"] = embedding_piece(ctx, cols, sh)
     mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
     if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
-        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True)[0]
-    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer)
-    pieces["table_copy"] = table_copy_piece(ctx, cols, sh)
+        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=shardings)[0]
+    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings)
+    pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings)
     return pieces
