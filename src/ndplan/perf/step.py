@@ -354,14 +354,16 @@ def _piece_table(per_pass: dict[tuple[str, str], Array], per_cat: dict[tuple[str
     (quantities: PASSES + ``categories``). Recompute pieces count in B (the rebuilt forward), W
     (a runtime's rebuilds per parameter group) and in the categories."""
     quantities = PASSES + categories
-    table = np.zeros((n, len(quantities), len(PIECES)))
+    # Filled as contiguous [quantity, piece] rows, then transposed in one copy: writing each
+    # strided column of [configs, quantities, pieces] directly takes twice as long.
+    by_quantity = np.zeros((len(quantities), len(PIECES), n))
     for j, piece in enumerate(PIECES):
         for i, name in enumerate(quantities):
             values = per_pass if name in PASSES else per_cat
             if piece.startswith("rc_") and name == "F":
                 continue
-            table[:, i, j] = values[(piece, name)]
-    return table
+            by_quantity[i, j] = values[(piece, name)]
+    return np.ascontiguousarray(by_quantity.transpose(2, 0, 1))
 
 
 def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
