@@ -392,7 +392,10 @@ def _price_group(
     group_configs = config[first_of_codes(local, u)]
     piece_counts = np.stack([prof["dense"], prof["moe"], prof["emb"], prof["head"], prof["dense"], prof["moe"],
                              prof["head"] * _keeps_table_copy(pr.model, layout)])
-    tables = pr.table[group_configs] @ piece_counts  # [u, quantities, P]
+    quantities = pr.table.shape[1]
+    # [u, quantities, P] as one 2-D product (a stack of [quantities, pieces] matrices would
+    # run a tiny product per configuration)
+    tables = (pr.table[group_configs].reshape(u * quantities, -1) @ piece_counts).reshape(u, quantities, -1)
     rc_on = cols["recompute"] > 0
     partial = np.flatnonzero(rc_on & (recompute_layers > 0))
     if len(partial):
