@@ -359,44 +359,67 @@ def _fsdp_groups(cols: dict[str, Array]) -> tuple[Array, Array]:
     return shard_groups(cols["dp"], cols["cp"], cols["tp"], cols["ep"], cols["etp"], cols["shard_group"])
 
 
+@dataclass(frozen=True)
+class FsdpGroups:
+    """What the FSDP/ZeRO-3 collectives of every piece share (``fsdp_groups``), worked out once
+    for the configurations priced rather than once per piece: the (non-expert, expert) shard
+    groups (``_fsdp_groups``) and their links, and the masks of the three passes' collectives."""
+
+    shard: Array
+    expert_shard: Array
+    ne_link: coll.Link
+    ex_link: coll.Link
+    #: parameters sharded and the reduce not deferred (the forward's gather, the backward's reduce)
+    per_micro_batch: Array
+    #: parameters sharded and resharded after forward (the backward's gather)
+    regathered: Array
+
+
+def fsdp_groups(ctx: LayerContext, cols: dict[str, Array]) -> FsdpGroups:
+    """The shared part of ``_fsdp_pass_seconds`` for the rows of ``cols``."""
+    t, e, x = cols["tp"], cols["ep"], cols["etp"]
+    sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
+    shard, edp = _fsdp_groups(cols)
+    reshard = cols["reshard_after_forward"] > 0
+    deferred = (cols["pp"] > 1) & ctx.eff.pipeline_defers_fsdp_reduce
+    return FsdpGroups(shard, edp, group_link(shard, t, ctx.fabric, "ring"), group_link(edp, e * x, ctx.fabric, "ring"),
+                      sharded & ~deferred, sharded & reshard)
+
+
 def _fsdp_seconds(
-    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float
+    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float, groups: FsdpGroups | None = None,
 ) -> tuple[Array | float, Array | float]:
     """(forward, backward) FSDP/ZeRO-3 seconds (``_fsdp_pass_seconds``, the backward's gather and
     reduce together)."""
-    forward, gather, reduce = _fsdp_pass_seconds(ctx, cols, non_expert, expert)
+    forward, gather, reduce = _fsdp_pass_seconds(ctx, cols, non_expert, expert, groups)
     return forward, gather + reduce
 
 
 def _fsdp_pass_seconds(
-    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float
+    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float, groups: FsdpGroups | None = None,
 ) -> tuple[Array | float, Array | float, Array | float]:
     """(forward, backward gather, backward reduce) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces
     per micro-batch (its non-expert parameters per tensor-parallel rank, its routed experts per
     ep·etp rank). Under a pipeline that defers FSDP's reduce (``pipeline_defers_fsdp_reduce``)
     a micro-batch reduces nothing and gathers once (for its backward) where parameters are
     resharded after forward, never where they are not: the reduce, and then the gathers, come
-    once a run (``step._dp_raw``)."""
+    once a run (``step._dp_raw``). ``groups``: ``fsdp_groups`` of ``cols``, where the caller has it."""
     t, e, x = cols["tp"], cols["ep"], cols["etp"]
-    sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
-    shard, edp = _fsdp_groups(cols)
+    groups = groups or fsdp_groups(ctx, cols)
+    shard, edp, ne_link, ex_link = groups.shard, groups.expert_shard, groups.ne_link, groups.ex_link
     gather = ctx.precision.param_gather_bytes
     grad = ctx.precision.grad_bytes
-    ne_link = group_link(shard, t, ctx.fabric, "ring")
-    ex_link = group_link(edp, e * x, ctx.fabric, "ring")
     ne, ex = non_expert.per_rank(t), expert / (e * x)
     ag = coll.all_gather_s(ne * gather, shard, ne_link)
     rs = coll.reduce_scatter_s(ne * grad, shard, ne_link)
     if expert:  # a piece without experts runs no expert collectives (not even their latencies)
         ag = ag + coll.all_gather_s(ex * gather, edp, ex_link)
         rs = rs + coll.reduce_scatter_s(ex * grad, edp, ex_link)
-    reshard = cols["reshard_after_forward"] > 0
-    deferred = (cols["pp"] > 1) & ctx.eff.pipeline_defers_fsdp_reduce
     # A deferring pipeline keeps parameters gathered after each backward: resharded after forward,
     # a layer is gathered again for its backward and the next forward finds it gathered (one
     # gather a micro-batch, priced in the backward); not resharded, never (once a run, step.py).
-    forward = np.where(sharded & ~deferred, ag, 0.0)
-    return (forward, np.where(sharded & reshard, ag, 0.0), np.where(sharded & ~deferred, rs, 0.0))
+    forward = np.where(groups.per_micro_batch, ag, 0.0)
+    return (forward, np.where(groups.regathered, ag, 0.0), np.where(groups.per_micro_batch, rs, 0.0))
 
 
 def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[tuple[Array, Array, Array],
@@ -483,11 +506,13 @@ def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) ->
 
 
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
-                  full_attention: bool = False, shardings: ShardingRows | None = None) -> tuple[PieceTimes, PieceTimes]:
+                  full_attention: bool = False, shardings: ShardingRows | None = None,
+                  fsdp: FsdpGroups | None = None) -> tuple[PieceTimes, PieceTimes]:
     """(the layer, what recomputing it adds) for one decoder layer of ``kind`` (its attention the
     mean of the model's layers of that kind, sliding ones included; ``full_attention``: full
     causal attention, as an MTP module's layer). ``shardings``: the distinct shardings of ``sh``
-    (``sharding_rows``), on which the GEMMs are priced; None prices them on ``sh``."""
+    (``sharding_rows``), on which the GEMMs are priced; None prices them on ``sh``. ``fsdp``:
+    ``fsdp_groups`` of ``cols``, where the caller has it."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
     shardings = shardings or ShardingRows(sh)
@@ -605,7 +630,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # backward (the hook gathers once, the replay finds the parameters whole), so it hides them too.
     # So do the main stream's collectives on other links (_fsdp_beside_scaleup).
     non_expert, expert = _layer_param_split(model, kind)
-    fs_f, fs_gather_b, fs_reduce_b = _fsdp_pass_seconds(ctx, cols, non_expert, expert)
+    fs_f, fs_gather_b, fs_reduce_b = _fsdp_pass_seconds(ctx, cols, non_expert, expert, fsdp)
     (by_tp, by_cp, by_ep), (sharing_tp, sharing_cp, sharing_ep) = _fsdp_beside_scaleup(ctx, cols)
     replays = np.where(full, 1.0, 0.0)
     stream_f = np.where(by_tp, tp_f, 0.0) + np.where(by_cp, cp_f, 0.0) + np.where(by_ep, ep_f, 0.0)
@@ -644,7 +669,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     return out, rc
 
 
-def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> PieceTimes:
+def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, fsdp: FsdpGroups | None = None) -> PieceTimes:
     """Embedding lookup (vocab-parallel: an all-reduce, or a reduce-scatter with SP)."""
     model = ctx.model
     beta = ctx.precision.activation_bytes
@@ -658,14 +683,14 @@ def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> 
     sp = cols["sequence_parallel"] > 0
     out.add("F", "tp", np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link)))
     table = TpSplit(model.vocab_size * model.hidden_size, 0)  # vocabulary-parallel
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0)
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     out.add("F", "dp", _exposed(fs_f, 0.0, False))
     out.add("B", "dp", _exposed(fs_b, bwd_bytes / ctx.rates.hbm_rate, ctx.overlap.fsdp_prefetch))
     return out
 
 
 def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
-                     shardings: ShardingRows | None = None) -> PieceTimes:
+                     shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None) -> PieceTimes:
     """The output stage's own copy of a tied table, or of the embedding MTP modules read, where
     the two ends sit on different stages (the step counts it there): its FSDP gather and
     reduce-scatter, hidden under the head's passes as an untied head's table is."""
@@ -673,7 +698,7 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
     shardings = shardings or ShardingRows(sh)
     head = head_gemms(model, shardings.distinct)
     head_s = {p: shardings.spread(gemms_seconds(head, ctx.rates, p)[0]) for p in PASS_NAMES}
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0)
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0, fsdp)
     out = PieceTimes()
     out.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
     out.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
@@ -681,7 +706,7 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
 
 
 def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes,
-               shardings: ShardingRows | None = None) -> PieceTimes:
+               shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None) -> PieceTimes:
     """Final norm, output head and loss, plus each MTP module (projection, its decoder layer
     ``mtp_layer`` and the shared head again). GEMMs priced per distinct sharding (``shardings``,
     as in ``decoder_layer``)."""
@@ -709,7 +734,7 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     one.add("F", "tp", _exposed(tp_f, head_s["F"], ctx.overlap.tp))
     one.add("B", "tp", _exposed(tp_b, head_s["B"], ctx.overlap.tp))
     table = TpSplit(0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size, 0)
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0)
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     one.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
     one.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
 
@@ -731,18 +756,20 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     model = ctx.model
     sh = Sharding(*(cols[name] for name in SHARDING_FIELDS))
     shardings = sharding_rows(cols)
+    fsdp = fsdp_groups(ctx, cols)  # every piece's FSDP collectives run over the same groups
     pieces: dict[str, PieceTimes] = {}
     for kind in ("dense", "moe"):
         if kind in model.layer_mlp_kinds or (model.mtp_depth and model.mtp_mlp_kind == kind):
-            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=shardings)  # type: ignore[arg-type]
+            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=shardings, fsdp=fsdp)  # type: ignore[arg-type]
         else:
             layer, rc = PieceTimes(), PieceTimes()
         pieces[kind] = layer
         pieces[f"rc_{kind}"] = rc
-    pieces["emb"] = embedding_piece(ctx, cols, sh)
+    pieces["emb"] = embedding_piece(ctx, cols, sh, fsdp)
     mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
     if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
-        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=shardings)[0]
-    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings)
-    pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings)
+        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=shardings,
+                                  fsdp=fsdp)[0]
+    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp)
+    pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings, fsdp)
     return pieces
