@@ -401,7 +401,7 @@ def _price_group(
     if len(partial):
         rd, rm = recomputed_layers(layout, recompute_layers[partial])
         delta_d, delta_m = rd - prof["dense"], rm - prof["moe"]
-    stage = {p: tables[local, i] for i, p in enumerate(PASSES)}
+    stage = {p: np.take(tables[:, i], local, axis=0) for i, p in enumerate(PASSES)}
     if len(partial):
         for pass_ in ("B", "W"):
             stage[pass_][partial] += (pr.per_pass[("rc_dense", pass_)][config[partial], None] * delta_d
@@ -442,8 +442,11 @@ def _price_group(
             )
 
     out: dict[str, Array] = {} if "offload" in pr.categories else {"offload_s": np.zeros(g)}
+    # Each strategy's quantities on its bottleneck stage, taken at flat positions of tables
+    # (~2.5x faster than the mixed fancy index tables[local, i, star]).
+    star_at = local * (tables.shape[1] * tables.shape[2]) + star
     for i, cat in enumerate(pr.categories, start=len(PASSES)):
-        at_star = tables[local, i, star]
+        at_star = np.take(tables, star_at + i * tables.shape[2])
         if len(partial):
             at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
                                  + pr.per_cat[("rc_moe", cat)][config[partial]] * delta_m[np.arange(len(partial)), star[partial]])
@@ -457,9 +460,9 @@ def _price_group(
     # The output stage's own copy of a tied table (or of the embedding MTP modules read).
     split_stage = split_stage + (float(pr.model.vocab_size * pr.model.hidden_size) * prof["head"]
                                  * _keeps_table_copy(pr.model, layout))
-    dp_code, dp_count = dense_codes(cols["dp_config"].astype(np.int64))
+    dp_code, dp_count = dense_codes(cols["dp_config"])
     first = first_of_codes(dp_code, dp_count)
-    cu = {name: pr.dp_columns[name][cols["row"][first].astype(np.int64)] for name in _DP_FIELDS}
+    cu = {name: pr.dp_columns[name][cols["row"][first]] for name in _DP_FIELDS}
     if len(layout.profile_count) > 1:  # the heaviest stage depends on tp and ep·etp only
         per_device = (np.multiply.outer(1.0 / cu["tp"], split_stage) + whole_stage
                       + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage))
@@ -581,8 +584,9 @@ def evaluate(
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
     bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
     cols = {name: ints[name][order].astype(np.float64) for name in _STEP_FIELDS}
-    cols["dp_config"] = dp_config[order].astype(np.float64)
-    cols["row"] = order.astype(np.float64)
+    # indices, kept integral (the step columns above are floats)
+    cols["dp_config"] = dp_config[order]
+    cols["row"] = order
     config = config[order]
     schedule = batch.schedule[order]
     recompute_layers = batch.recompute_layers[order]
