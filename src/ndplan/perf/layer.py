@@ -260,6 +260,25 @@ def _cp_seconds(
     return ring_f, ring_b, a2a
 
 
+@dataclass(frozen=True)
+class LayerComm:
+    """A decoder layer's raw TP and CP seconds, the same for every kind of layer (dense, MoE,
+    an MTP module's), so worked out once per call (``layer_comm``)."""
+
+    #: forward (= backward) TP seconds: two all-reduce equivalents of the layer's activation
+    tp: Array | float
+    #: CP ring forward, ring backward and Ulysses all-to-alls per pass (``_cp_seconds``)
+    ring_f: Array | float
+    ring_b: Array | float
+    a2a: Array | float
+
+
+def layer_comm(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> LayerComm:
+    """``LayerComm`` of the rows of ``cols``."""
+    activation = sh.tokens * ctx.model.hidden_size * ctx.precision.activation_bytes
+    return LayerComm(_tp_seconds(ctx, cols, activation, 2.0), *_cp_seconds(ctx, cols, sh))
+
+
 def ring_steps(cols: dict[str, Array]) -> Array:
     """Ranks of each strategy's CP ring (cp / the Ulysses degree): the attention kernel's calls
     per layer and pass, one per ring step (1 without CP or under pure Ulysses)."""
@@ -507,12 +526,12 @@ def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) ->
 
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
                   full_attention: bool = False, shardings: ShardingRows | None = None,
-                  fsdp: FsdpGroups | None = None) -> tuple[PieceTimes, PieceTimes]:
+                  fsdp: FsdpGroups | None = None, comm: LayerComm | None = None) -> tuple[PieceTimes, PieceTimes]:
     """(the layer, what recomputing it adds) for one decoder layer of ``kind`` (its attention the
     mean of the model's layers of that kind, sliding ones included; ``full_attention``: full
     causal attention, as an MTP module's layer). ``shardings``: the distinct shardings of ``sh``
     (``sharding_rows``), on which the GEMMs are priced; None prices them on ``sh``. ``fsdp``:
-    ``fsdp_groups`` of ``cols``, where the caller has it."""
+    ``fsdp_groups`` of ``cols``, ``comm`` its ``layer_comm``, where the caller has them."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
     shardings = shardings or ShardingRows(sh)
@@ -553,14 +572,14 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     out.add("B", "compute", compute_b)
     out.add("W", "compute", compute_w)
 
-    activation = sh.tokens * model.hidden_size * beta
-    tp = _tp_seconds(ctx, cols, activation, 2.0)
+    comm = comm or layer_comm(ctx, cols, sh)
+    tp = comm.tp
     tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
     tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
     out.add("F", "tp", tp_f)
     out.add("B", "tp", tp_b)
 
-    ring_f, ring_b, a2a = _cp_seconds(ctx, cols, sh)
+    ring_f, ring_b, a2a = comm.ring_f, comm.ring_b, comm.a2a
     cp_f = _exposed(ring_f, attn_f, ctx.overlap.cp_ring) + a2a
     cp_b = _exposed(ring_b, attn_b, ctx.overlap.cp_ring) + a2a
     out.add("F", "cp", cp_f)
@@ -757,10 +776,12 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     sh = Sharding(*(cols[name] for name in SHARDING_FIELDS))
     shardings = sharding_rows(cols)
     fsdp = fsdp_groups(ctx, cols)  # every piece's FSDP collectives run over the same groups
+    comm = layer_comm(ctx, cols, sh)  # and every kind of layer moves the same activations
     pieces: dict[str, PieceTimes] = {}
     for kind in ("dense", "moe"):
         if kind in model.layer_mlp_kinds or (model.mtp_depth and model.mtp_mlp_kind == kind):
-            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=shardings, fsdp=fsdp)  # type: ignore[arg-type]
+            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=shardings, fsdp=fsdp,  # type: ignore[arg-type]
+                                      comm=comm)
         else:
             layer, rc = PieceTimes(), PieceTimes()
         pieces[kind] = layer
@@ -769,7 +790,7 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
     if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
         mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=shardings,
-                                  fsdp=fsdp)[0]
+                                  fsdp=fsdp, comm=comm)[0]
     pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp)
     pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings, fsdp)
     return pieces
