@@ -25,10 +25,14 @@ def dense_codes(values: Array) -> tuple[Array, int]:
     # A presence table of up to twice the rows still beats sorting them (~10x at one row per
     # entry, even at two).
     if values.size and values.min() >= 0 and top < max(_TABLE, 2 * values.size):
-        present = np.zeros(top + 1, dtype=np.int64)
-        present[values] = 1
-        code_of = np.cumsum(present) - 1
-        return code_of[values], int(code_of[-1]) + 1
+        present = np.zeros(top + 1, dtype=bool)
+        present[values] = True
+        # The code of a value is its rank among the present ones: numbered where present (a
+        # running sum over the whole table costs ~3x more); entries never present are never read.
+        distinct = np.flatnonzero(present)
+        code_of = np.empty(top + 1, dtype=np.int64)
+        code_of[distinct] = np.arange(len(distinct))
+        return code_of[values], len(distinct)
     uniq, inverse = np.unique(values, return_inverse=True)
     return inverse.reshape(-1), len(uniq)
 
@@ -57,6 +61,7 @@ def row_codes(columns: list[Array]) -> tuple[Array, int]:
             codes, count = dense_codes(column)
         if span * count >= _TABLE:
             key, span = dense_codes(key)
-        key = key * count + codes
+        key *= count  # in place: key is this function's own (zeros, or dense_codes' result)
+        key += codes
         span *= count
     return dense_codes(key)

@@ -59,6 +59,7 @@ from ndplan.memory.static import TpSplit, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, weight_grad_groups
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.perf import collectives as coll
+from ndplan.perf.codes import first_of_codes, row_codes
 from ndplan.perf.efficiency import EfficiencyProfile
 from ndplan.perf.flops import (
     Gemm,
@@ -139,6 +140,34 @@ class LayerContext:
     recompute_modules: tuple[str, ...] = ()
     #: ``Strategy.offload_modules`` of the batch: what goes to host memory and back.
     offload_modules: tuple[str, ...] = ()
+
+
+#: The strategy columns a ``Sharding`` reads (in its field order).
+SHARDING_FIELDS = ("micro_batch_size", "seq_length", "tp", "cp", "ep", "etp")
+
+
+@dataclass(frozen=True)
+class ShardingRows:
+    """The distinct shardings among the rows priced: a GEMM's shape depends on the sharding
+    alone, so GEMMs are priced once per distinct sharding (a few hundred among the tens of
+    thousands of layer configurations of a search) and ``spread`` back to the rows."""
+
+    distinct: Sharding
+    #: [rows] the entry of ``distinct`` each row has; None: ``distinct`` is the rows themselves.
+    codes: Array | None = None
+
+    def spread(self, value: Array | float) -> Array | float:
+        """``value`` per distinct sharding, per row (scalars as they are)."""
+        if self.codes is None or np.ndim(value) == 0:
+            return value
+        return np.asarray(value)[self.codes]
+
+
+def sharding_rows(cols: dict[str, Array]) -> ShardingRows:
+    """The distinct shardings among the rows of ``cols``."""
+    codes, count = row_codes([cols[name] for name in SHARDING_FIELDS])
+    first = first_of_codes(codes, count)
+    return ShardingRows(Sharding(*(np.asarray(cols[name])[first] for name in SHARDING_FIELDS)), codes)
 
 
 def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, share: float = 0.0) -> Array | float:
@@ -229,6 +258,25 @@ def _cp_seconds(
     a2a_link = group_link(u, t, ctx.fabric, "all_to_all")
     a2a = sum((coll.all_to_all_s(tok * w / t * beta, u, a2a_link) for w in (wq, wk, wv, wo)), 0.0)
     return ring_f, ring_b, a2a
+
+
+@dataclass(frozen=True)
+class LayerComm:
+    """A decoder layer's raw TP and CP seconds, the same for every kind of layer (dense, MoE,
+    an MTP module's), so worked out once per call (``layer_comm``)."""
+
+    #: forward (= backward) TP seconds: two all-reduce equivalents of the layer's activation
+    tp: Array | float
+    #: CP ring forward, ring backward and Ulysses all-to-alls per pass (``_cp_seconds``)
+    ring_f: Array | float
+    ring_b: Array | float
+    a2a: Array | float
+
+
+def layer_comm(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> LayerComm:
+    """``LayerComm`` of the rows of ``cols``."""
+    activation = sh.tokens * ctx.model.hidden_size * ctx.precision.activation_bytes
+    return LayerComm(_tp_seconds(ctx, cols, activation, 2.0), *_cp_seconds(ctx, cols, sh))
 
 
 def ring_steps(cols: dict[str, Array]) -> Array:
@@ -330,44 +378,67 @@ def _fsdp_groups(cols: dict[str, Array]) -> tuple[Array, Array]:
     return shard_groups(cols["dp"], cols["cp"], cols["tp"], cols["ep"], cols["etp"], cols["shard_group"])
 
 
+@dataclass(frozen=True)
+class FsdpGroups:
+    """What the FSDP/ZeRO-3 collectives of every piece share (``fsdp_groups``), worked out once
+    for the configurations priced rather than once per piece: the (non-expert, expert) shard
+    groups (``_fsdp_groups``) and their links, and the masks of the three passes' collectives."""
+
+    shard: Array
+    expert_shard: Array
+    ne_link: coll.Link
+    ex_link: coll.Link
+    #: parameters sharded and the reduce not deferred (the forward's gather, the backward's reduce)
+    per_micro_batch: Array
+    #: parameters sharded and resharded after forward (the backward's gather)
+    regathered: Array
+
+
+def fsdp_groups(ctx: LayerContext, cols: dict[str, Array]) -> FsdpGroups:
+    """The shared part of ``_fsdp_pass_seconds`` for the rows of ``cols``."""
+    t, e, x = cols["tp"], cols["ep"], cols["etp"]
+    sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
+    shard, edp = _fsdp_groups(cols)
+    reshard = cols["reshard_after_forward"] > 0
+    deferred = (cols["pp"] > 1) & ctx.eff.pipeline_defers_fsdp_reduce
+    return FsdpGroups(shard, edp, group_link(shard, t, ctx.fabric, "ring"), group_link(edp, e * x, ctx.fabric, "ring"),
+                      sharded & ~deferred, sharded & reshard)
+
+
 def _fsdp_seconds(
-    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float
+    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float, groups: FsdpGroups | None = None,
 ) -> tuple[Array | float, Array | float]:
     """(forward, backward) FSDP/ZeRO-3 seconds (``_fsdp_pass_seconds``, the backward's gather and
     reduce together)."""
-    forward, gather, reduce = _fsdp_pass_seconds(ctx, cols, non_expert, expert)
+    forward, gather, reduce = _fsdp_pass_seconds(ctx, cols, non_expert, expert, groups)
     return forward, gather + reduce
 
 
 def _fsdp_pass_seconds(
-    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float
+    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float, groups: FsdpGroups | None = None,
 ) -> tuple[Array | float, Array | float, Array | float]:
     """(forward, backward gather, backward reduce) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces
     per micro-batch (its non-expert parameters per tensor-parallel rank, its routed experts per
     ep·etp rank). Under a pipeline that defers FSDP's reduce (``pipeline_defers_fsdp_reduce``)
     a micro-batch reduces nothing and gathers once (for its backward) where parameters are
     resharded after forward, never where they are not: the reduce, and then the gathers, come
-    once a run (``step._dp_raw``)."""
+    once a run (``step._dp_raw``). ``groups``: ``fsdp_groups`` of ``cols``, where the caller has it."""
     t, e, x = cols["tp"], cols["ep"], cols["etp"]
-    sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
-    shard, edp = _fsdp_groups(cols)
+    groups = groups or fsdp_groups(ctx, cols)
+    shard, edp, ne_link, ex_link = groups.shard, groups.expert_shard, groups.ne_link, groups.ex_link
     gather = ctx.precision.param_gather_bytes
     grad = ctx.precision.grad_bytes
-    ne_link = group_link(shard, t, ctx.fabric, "ring")
-    ex_link = group_link(edp, e * x, ctx.fabric, "ring")
     ne, ex = non_expert.per_rank(t), expert / (e * x)
     ag = coll.all_gather_s(ne * gather, shard, ne_link)
     rs = coll.reduce_scatter_s(ne * grad, shard, ne_link)
     if expert:  # a piece without experts runs no expert collectives (not even their latencies)
         ag = ag + coll.all_gather_s(ex * gather, edp, ex_link)
         rs = rs + coll.reduce_scatter_s(ex * grad, edp, ex_link)
-    reshard = cols["reshard_after_forward"] > 0
-    deferred = (cols["pp"] > 1) & ctx.eff.pipeline_defers_fsdp_reduce
     # A deferring pipeline keeps parameters gathered after each backward: resharded after forward,
     # a layer is gathered again for its backward and the next forward finds it gathered (one
     # gather a micro-batch, priced in the backward); not resharded, never (once a run, step.py).
-    forward = np.where(sharded & ~deferred, ag, 0.0)
-    return (forward, np.where(sharded & reshard, ag, 0.0), np.where(sharded & ~deferred, rs, 0.0))
+    forward = np.where(groups.per_micro_batch, ag, 0.0)
+    return (forward, np.where(groups.regathered, ag, 0.0), np.where(groups.per_micro_batch, rs, 0.0))
 
 
 def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[tuple[Array, Array, Array],
@@ -414,19 +485,21 @@ def _chunk_sort(ctx: LayerContext, cols: dict[str, Array]) -> Array | float:
     return np.where((cols["ep"] > 1) & (ctx.model.num_experts > cols["ep"]), 1.0, 0.0)
 
 
-def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind, gemms: list[Gemm],
-                           forward_of: dict[str, Array | float], attn_f: Array | float,
-                           host_f: Array | float) -> tuple[Array | float, bool]:
+def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, shardings: ShardingRows,
+                           kind: MlpKind, gemms: list[Gemm], forward_of: dict[str, Array | float],
+                           attn_f: Array | float, host_f: Array | float) -> tuple[Array | float, bool]:
     """(seconds the recompute modules replay in one layer's backward, whether they replay the
     expert dispatch): ``core_attn`` the attention core's forward, the modules' GEMMs
     (``flops.MODULE_GEMMS``, with their fp8 casts, routed experts at ``moe_imbalance``) and
     elementwise bytes (``memory_ops.module_replay_bytes``); ``moe`` re-runs the dispatch and
     combine all-to-alls too (returned apart, as expert-parallel communication). ``host_f``: the
-    layer's forward host time (``decoder_layer``)."""
+    layer's forward host time (``decoder_layer``). ``gemms`` and ``forward_of`` are per distinct
+    sharding of ``shardings``; the rest per row."""
     modules = ctx.recompute_modules
     replayed = module_gemms(gemms, modules)
     cast_f, _ = fp8_cast_seconds(ctx, replayed)
-    seconds = sum((forward_of[g.name] * (ctx.eff.moe_imbalance if g.expert else 1.0) for g in replayed), 0.0) + cast_f
+    seconds = shardings.spread(
+        sum((forward_of[g.name] * (ctx.eff.moe_imbalance if g.expert else 1.0) for g in replayed), 0.0) + cast_f)
     if "core_attn" in modules:
         seconds = seconds + attn_f
     replay_bytes = module_replay_bytes(ctx.model, sh, cols["sequence_parallel"], kind, ctx.precision.activation_bytes, modules)
@@ -452,15 +525,20 @@ def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) ->
 
 
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
-                  full_attention: bool = False) -> tuple[PieceTimes, PieceTimes]:
+                  full_attention: bool = False, shardings: ShardingRows | None = None,
+                  fsdp: FsdpGroups | None = None, comm: LayerComm | None = None) -> tuple[PieceTimes, PieceTimes]:
     """(the layer, what recomputing it adds) for one decoder layer of ``kind`` (its attention the
     mean of the model's layers of that kind, sliding ones included; ``full_attention``: full
-    causal attention, as an MTP module's layer)."""
+    causal attention, as an MTP module's layer). ``shardings``: the distinct shardings of ``sh``
+    (``sharding_rows``), on which the GEMMs are priced; None prices them on ``sh``. ``fsdp``:
+    ``fsdp_groups`` of ``cols``, ``comm`` its ``layer_comm``, where the caller has them."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
-    gemms = layer_gemms(model, sh, kind)
-    gemm, forward_of = _pass_gemm_seconds(ctx, gemms)
-    cast_f, cast_b = fp8_cast_seconds(ctx, gemms)
+    shardings = shardings or ShardingRows(sh)
+    gemms = layer_gemms(model, shardings.distinct, kind)  # per distinct sharding, as forward_of
+    gemm_distinct, forward_of = _pass_gemm_seconds(ctx, gemms)
+    gemm = {pass_: shardings.spread(value) for pass_, value in gemm_distinct.items()}
+    cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, gemms))
     attn_f, attn_b = attention_core_seconds(ctx, sh, kind, full_attention, calls=ring_steps(cols))
     sort = _chunk_sort(ctx, cols) if kind == "moe" else 0.0
     ew_bytes, ew_rc_bytes = layer_bytes(model, sh, cols["sequence_parallel"], kind, beta, sort)
@@ -480,9 +558,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # waits, then runs the rest as the host launches it. Launching the part before the
         # sync costs about a dense layer's host time, so the forward takes at least
         # (host_f - host_layer_s) + g_pre.
-        pre_sync = attention_gemms(model, sh) + [g for g in gemms if g.name == "router"]
+        pre_sync = attention_gemms(model, shardings.distinct) + [g for g in gemms if g.name == "router"]
         pre_cast, _ = fp8_cast_seconds(ctx, pre_sync)
-        g_pre = sum((forward_of[g.name] for g in pre_sync), 0.0) + pre_cast + attn_f
+        g_pre = shardings.spread(sum((forward_of[g.name] for g in pre_sync), 0.0) + pre_cast) + attn_f
         floor_f = np.maximum(host_f, np.maximum(host_f - eff.host_layer_s, 0.0) + g_pre)
 
     out = PieceTimes()
@@ -494,14 +572,14 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     out.add("B", "compute", compute_b)
     out.add("W", "compute", compute_w)
 
-    activation = sh.tokens * model.hidden_size * beta
-    tp = _tp_seconds(ctx, cols, activation, 2.0)
+    comm = comm or layer_comm(ctx, cols, sh)
+    tp = comm.tp
     tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
     tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
     out.add("F", "tp", tp_f)
     out.add("B", "tp", tp_b)
 
-    ring_f, ring_b, a2a = _cp_seconds(ctx, cols, sh)
+    ring_f, ring_b, a2a = comm.ring_f, comm.ring_b, comm.a2a
     cp_f = _exposed(ring_f, attn_f, ctx.overlap.cp_ring) + a2a
     cp_b = _exposed(ring_b, attn_b, ctx.overlap.cp_ring) + a2a
     out.add("F", "cp", cp_f)
@@ -544,12 +622,13 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     selective = cols["recompute"] == 1
     selective_ep: Array | float = 0.0
     if ctx.recompute_modules:
-        selective_s, replays_dispatch = _module_replay_seconds(ctx, cols, sh, kind, gemms, forward_of, attn_f, host_f)
+        selective_s, replays_dispatch = _module_replay_seconds(ctx, cols, sh, shardings, kind, gemms, forward_of,
+                                                               attn_f, host_f)
         selective_ep = ep_f if replays_dispatch else 0.0
     elif eff.selective_recompute == "torchtitan-op":
-        replayed = alternate_recomputed_gemms(model, sh, kind)
+        replayed = alternate_recomputed_gemms(model, shardings.distinct, kind)
         replay_cast, _ = fp8_cast_seconds(ctx, replayed)
-        selective_s = gemms_seconds(replayed, rates, "F")[0] + replay_cast + ew_rc
+        selective_s = shardings.spread(gemms_seconds(replayed, rates, "F")[0] + replay_cast) + ew_rc
     elif eff.selective_recompute == "keep-matmuls":  # the elementwise ops layer_bytes deems recomputable
         selective_s = ew_rc
     else:  # Megatron's default module list: the attention core alone
@@ -570,7 +649,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # backward (the hook gathers once, the replay finds the parameters whole), so it hides them too.
     # So do the main stream's collectives on other links (_fsdp_beside_scaleup).
     non_expert, expert = _layer_param_split(model, kind)
-    fs_f, fs_gather_b, fs_reduce_b = _fsdp_pass_seconds(ctx, cols, non_expert, expert)
+    fs_f, fs_gather_b, fs_reduce_b = _fsdp_pass_seconds(ctx, cols, non_expert, expert, fsdp)
     (by_tp, by_cp, by_ep), (sharing_tp, sharing_cp, sharing_ep) = _fsdp_beside_scaleup(ctx, cols)
     replays = np.where(full, 1.0, 0.0)
     stream_f = np.where(by_tp, tp_f, 0.0) + np.where(by_cp, cp_f, 0.0) + np.where(by_ep, ep_f, 0.0)
@@ -609,7 +688,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     return out, rc
 
 
-def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> PieceTimes:
+def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, fsdp: FsdpGroups | None = None) -> PieceTimes:
     """Embedding lookup (vocab-parallel: an all-reduce, or a reduce-scatter with SP)."""
     model = ctx.model
     beta = ctx.precision.activation_bytes
@@ -623,33 +702,39 @@ def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> 
     sp = cols["sequence_parallel"] > 0
     out.add("F", "tp", np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link)))
     table = TpSplit(model.vocab_size * model.hidden_size, 0)  # vocabulary-parallel
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0)
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     out.add("F", "dp", _exposed(fs_f, 0.0, False))
     out.add("B", "dp", _exposed(fs_b, bwd_bytes / ctx.rates.hbm_rate, ctx.overlap.fsdp_prefetch))
     return out
 
 
-def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> PieceTimes:
+def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
+                     shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None) -> PieceTimes:
     """The output stage's own copy of a tied table, or of the embedding MTP modules read, where
     the two ends sit on different stages (the step counts it there): its FSDP gather and
     reduce-scatter, hidden under the head's passes as an untied head's table is."""
     model = ctx.model
-    head_s = {p: gemms_seconds(head_gemms(model, sh), ctx.rates, p)[0] for p in PASS_NAMES}
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0)
+    shardings = shardings or ShardingRows(sh)
+    head = head_gemms(model, shardings.distinct)
+    head_s = {p: shardings.spread(gemms_seconds(head, ctx.rates, p)[0]) for p in PASS_NAMES}
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0, fsdp)
     out = PieceTimes()
     out.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
     out.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
     return out
 
 
-def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes) -> PieceTimes:
+def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes,
+               shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None) -> PieceTimes:
     """Final norm, output head and loss, plus each MTP module (projection, its decoder layer
-    ``mtp_layer`` and the shared head again)."""
+    ``mtp_layer`` and the shared head again). GEMMs priced per distinct sharding (``shardings``,
+    as in ``decoder_layer``)."""
     model, rates = ctx.model, ctx.rates
     beta = ctx.precision.activation_bytes
-    head = head_gemms(model, sh)
-    head_s = {p: gemms_seconds(head, rates, p)[0] for p in PASS_NAMES}
-    cast_f, cast_b = fp8_cast_seconds(ctx, head)
+    shardings = shardings or ShardingRows(sh)
+    head = head_gemms(model, shardings.distinct)
+    head_s = {p: shardings.spread(gemms_seconds(head, rates, p)[0]) for p in PASS_NAMES}
+    cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, head))
     loss_s = ctx.eff.elementwise_passes * head_bytes(model, sh, cols["sequence_parallel"], beta,
                                                      ctx.eff.loss_upcast) / rates.hbm_rate
     t = cols["tp"]
@@ -668,19 +753,19 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     one.add("F", "tp", _exposed(tp_f, head_s["F"], ctx.overlap.tp))
     one.add("B", "tp", _exposed(tp_b, head_s["B"], ctx.overlap.tp))
     table = TpSplit(0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size, 0)
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0)
+    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     one.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
     one.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
 
     out = PieceTimes()
     out.scaled_add(one, 1.0)
     if model.mtp_depth:
-        proj = mtp_gemms(model, sh)
+        proj = mtp_gemms(model, shardings.distinct)
         module = PieceTimes()
         module.scaled_add(mtp_layer, 1.0)
         module.scaled_add(one, 1.0)
         for pass_ in PASS_NAMES:
-            module.add(pass_, "compute", gemms_seconds(proj, rates, pass_)[0])
+            module.add(pass_, "compute", shardings.spread(gemms_seconds(proj, rates, pass_)[0]))
         out.scaled_add(module, float(model.mtp_depth))
     return out
 
@@ -688,19 +773,24 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
 def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTimes]:
     """Every piece of a stage, for the strategies in ``cols`` (float arrays, see step.py)."""
     model = ctx.model
-    sh = Sharding(cols["micro_batch_size"], cols["seq_length"], cols["tp"], cols["cp"], cols["ep"], cols["etp"])
+    sh = Sharding(*(cols[name] for name in SHARDING_FIELDS))
+    shardings = sharding_rows(cols)
+    fsdp = fsdp_groups(ctx, cols)  # every piece's FSDP collectives run over the same groups
+    comm = layer_comm(ctx, cols, sh)  # and every kind of layer moves the same activations
     pieces: dict[str, PieceTimes] = {}
     for kind in ("dense", "moe"):
         if kind in model.layer_mlp_kinds or (model.mtp_depth and model.mtp_mlp_kind == kind):
-            layer, rc = decoder_layer(ctx, cols, sh, kind)  # type: ignore[arg-type]
+            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=shardings, fsdp=fsdp,  # type: ignore[arg-type]
+                                      comm=comm)
         else:
             layer, rc = PieceTimes(), PieceTimes()
         pieces[kind] = layer
         pieces[f"rc_{kind}"] = rc
-    pieces["emb"] = embedding_piece(ctx, cols, sh)
+    pieces["emb"] = embedding_piece(ctx, cols, sh, fsdp)
     mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
     if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
-        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True)[0]
-    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer)
-    pieces["table_copy"] = table_copy_piece(ctx, cols, sh)
+        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=shardings,
+                                  fsdp=fsdp, comm=comm)[0]
+    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp)
+    pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings, fsdp)
     return pieces
