@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -61,3 +62,16 @@ def record_or_compare(action: str, path: str, now: dict[str, Any], what: str) ->
             differing += 1
     print(f"{len(before)} {what}, {differing} differences")
     sys.exit(1 if differing else 0)
+
+
+def array_figures_main(doc: str, figures: Callable[[int], dict[str, Any]], default_count: int) -> None:
+    """The command line of a script whose ``figures(count)`` prices ``count`` strategies per model:
+    ``record|compare PATH [--count N]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("action", choices=("record", "compare"))
+    parser.add_argument("path", help="pickle of the cases' figures")
+    parser.add_argument("--count", type=int, default=default_count, help="strategies per model")
+    args = parser.parse_args()
+    record_or_compare(args.action, args.path, figures(args.count), "arrays")

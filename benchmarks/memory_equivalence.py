@@ -13,7 +13,6 @@ must be equal, floats equal or within 1e-12 relative. It exits 1 if any differs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_memory import random_batch  # noqa: E402
-from equivalence import record_or_compare  # noqa: E402
+from equivalence import array_figures_main  # noqa: E402
 
 from ndplan.memory import MemoryOptions, stage_memory  # noqa: E402
 from ndplan.memory.stages import peak_memory, static_lower_bound  # noqa: E402
@@ -56,12 +55,8 @@ def figures(count: int) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("record", "compare"))
-    parser.add_argument("path", help="pickle of the cases' figures")
-    parser.add_argument("--count", type=int, default=200_000, help="strategies per model")
-    args = parser.parse_args()
-    record_or_compare(args.action, args.path, figures(args.count), "arrays")
+    array_figures_main(__doc__ or "", figures, 200_000)
+
 
 if __name__ == "__main__":
     main()

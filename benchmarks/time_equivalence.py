@@ -17,7 +17,6 @@ equal, floats equal or within 1e-12 relative. It exits 1 if any differs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_time import mixed_strategies  # noqa: E402
-from equivalence import record_or_compare  # noqa: E402
+from equivalence import array_figures_main  # noqa: E402
 
 from ndplan.hardware import get_device  # noqa: E402
 from ndplan.hardware.device import Cluster  # noqa: E402
@@ -85,12 +84,7 @@ def rarer_paths(batch: StrategyBatch, num_layers: int, seed: int = 1) -> Strateg
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("record", "compare"))
-    parser.add_argument("path", help="pickle of the cases' figures")
-    parser.add_argument("--count", type=int, default=100_000, help="strategies per model")
-    args = parser.parse_args()
-    record_or_compare(args.action, args.path, figures(args.count), "arrays")
+    array_figures_main(__doc__ or "", figures, 100_000)
 
 
 if __name__ == "__main__":
