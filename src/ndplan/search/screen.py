@@ -136,12 +136,12 @@ class _Tables:
     def reads(self, code: int, digits: dict[str, np.ndarray]) -> set[str]:
         """The fields ``checks[code - 1]`` reads in the part (the same in every part where it
         finds the same values in the fields shared by a batch, where it reads any)."""
-        anyone = self.product(digits, set())
+        probe = self.product(digits, set())
         for shared, fields in self._reads.setdefault(code, []):
-            if all(getattr(anyone, name) == value for name, value in shared.items()):
+            if all(getattr(probe, name) == value for name, value in shared.items()):
                 return fields
-        fields = fields_read(self.checks[code - 1], anyone)
-        shared = {name: getattr(anyone, name) for name in fields & SHARED_FIELDS}
+        fields = fields_read(self.checks[code - 1], probe)
+        shared = {name: getattr(probe, name) for name in fields & SHARED_FIELDS}
         self._reads[code].append((shared, fields))
         return fields
 
@@ -150,8 +150,12 @@ class _Tables:
         BLOCK_ORDER axes, size 1 along the others) where it holds."""
         reads = self.reads(code, digits)
         dims = {dim for field in reads for dim in FIELD_DIMENSIONS.get(field, ())} & varied
-        anyone = self.product(digits, set())
-        key = (code, _key(digits, dims), tuple(getattr(anyone, name) for name in sorted(reads & SHARED_FIELDS)))
+        probe = self.product(digits, set())  # one candidate of the part: its shared fields
+        # A dimension left out of the key is one the check does not read, or one of a single
+        # digit, the same in every part that reaches the key: parts differ only in their module
+        # sets (shared fields, in the key where read) and in listing only the selective recompute
+        # values after the first part, whose recompute then varies (so its key names recompute).
+        key = (code, _key(digits, dims), tuple(getattr(probe, name) for name in sorted(reads & SHARED_FIELDS)))
         if key not in self._verdicts:
             batch = self.product(digits, dims)
             shape = [len(digits[name]) if name in dims else 1 for name in BLOCK_ORDER]
