@@ -302,8 +302,10 @@ def time_steps_batch(
     width = max(1, (32 << 20) // (8 * (graph.n + 1)))
     for lo in range(0, op_s.shape[0], width):
         part = slice(lo, lo + width)
-        # [steps, strategies]: a depth group gathers whole rows.
-        step_s = np.add.reduceat(op_s[part, levels.op_slot], levels.step_first_op, axis=1).T
+        # [steps, strategies], contiguous: a depth group gathers whole rows. Most schedules run
+        # one op a step, and then the steps' seconds are their ops'.
+        by_slot = np.ascontiguousarray(op_s[part].T)[levels.op_slot]
+        step_s = by_slot if len(levels.op_slot) == graph.n else np.add.reduceat(by_slot, levels.step_first_op, axis=0)
         p2p = p2p_all[part][None, :]
         end = np.zeros((graph.n + 1, step_s.shape[1]))  # the last row is the sentinel, done at 0
         for steps, prev, a, xa, b, xb, c in inputs:
