@@ -54,7 +54,6 @@ from ndplan.perf.layer import (
     PIECES,
     SPLIT_SCHEDULE_CODES,
     LayerContext,
-    PieceTimes,
     piece_times,
 )
 from ndplan.perf.overlap import OverlapConfig, default_overlap
@@ -337,7 +336,6 @@ class _Priced:
     overlap: OverlapConfig
     rates: ComputeRates
     fabric: Fabric
-    pieces: dict[str, PieceTimes]
     per_pass: dict[tuple[str, str], Array]  # [configs] seconds per (piece, pass), all categories
     per_cat: dict[tuple[str, str], Array]  # [configs] seconds per (piece, category), all passes
     table: Array  # [configs, quantities (F, B, W, categories), pieces] of the two above
@@ -433,7 +431,8 @@ def _price_group(
             keys = np.stack([m[short], config[short], recompute_layers[short], p2p[short], k[short]], axis=1)
             distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
             span, part = np.zeros(len(distinct)), np.zeros(len(distinct))
-            for (mb, chunks), members in _by_columns(distinct[:, [0, 4]]):
+            for mb, chunks in np.unique(distinct[:, [0, 4]], axis=0).tolist():
+                members = np.flatnonzero((distinct[:, 0] == mb) & (distinct[:, 4] == chunks))
                 fc, bc, wc = _chunk_seconds(pr, layout, distinct[members, 1].astype(np.int64),
                                             distinct[members, 2].astype(np.int64))
                 span[members], part[members] = simulated_makespan_batch(name, pp, vpp, int(mb), int(chunks), fc, bc,
@@ -454,11 +453,10 @@ def _price_group(
                 makespan = makespan + m * t_star * np.maximum(stall - margin, 0.0)
     else:
         makespan, p2p_part = np.zeros(g), np.zeros(g)
+        fc, bc, wc = _chunk_seconds(pr, layout, config, recompute_layers)
         for j in range(g):
-            fc, bc, wc = _chunk_times(layout, pr.pieces, int(config[j]), int(recompute_layers[j]), bool(rc_on[j]),
-                                      pr.model)
             makespan[j], p2p_part[j] = simulated_makespan(
-                CODES["schedule"][int(schedule[j])], pp, vpp, int(m[j]), int(k[j]), fc, bc, wc, float(p2p[j]),
+                CODES["schedule"][int(schedule[j])], pp, vpp, int(m[j]), int(k[j]), fc[j], bc[j], wc[j], float(p2p[j]),
             )
 
     out: dict[str, Array] = {} if "offload" in pr.categories else {"offload_s": np.zeros(g)}
@@ -589,7 +587,7 @@ def evaluate(
     # Distinct DP configurations (the parameters' stage is added per group).
     dp_config, _ = row_codes([ints[name] for name in _DP_FIELDS])
     dp_columns = {name: ints[name].astype(np.float64) for name in _DP_FIELDS}
-    priced = _Priced(model, batch, eff, ov, rates, fabric, pieces, per_pass, per_cat,
+    priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat,
                      _piece_table(per_pass, per_cat, len(first), categories), piece_params(model),
                      fabric.host_bw, pipeline, dp_columns, categories)
 
@@ -653,16 +651,9 @@ def evaluate(
     return {key: out[key][back] for key in keys}
 
 
-def _by_columns(values: Array) -> list[tuple[tuple[float, ...], Array]]:
-    """The rows of ``values`` [n, c] grouped by their whole row: (row, indices), in row order."""
-    distinct, inverse = np.unique(values, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    return [(tuple(row.tolist()), np.flatnonzero(inverse == i)) for i, row in enumerate(distinct)]
-
-
 def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> tuple[Array, Array, Array]:
     """[n, pp, vpp] F, B, W seconds of every chunk for each layer configuration of ``config``
-    and recompute limit (0: every layer of a recomputing chunk): ``_chunk_times`` for many at once."""
+    and recompute limit (0: every layer of a recomputing chunk), the simulator's input."""
     nv = layout.chunk_dense + layout.chunk_moe
     ends = np.zeros((2, len(nv)))
     ends[0, 0] = ends[1, -1] = 1.0
@@ -680,36 +671,6 @@ def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_la
     grid = np.zeros((len(config), len(PASSES), layout.pp, layout.vpp))
     grid[:, :, layout.stage_of, layout.chunk_of] = per_chunk
     return grid[:, 0], grid[:, 1], grid[:, 2]
-
-
-def _chunk_times(layout: StageLayout, pieces: dict[str, PieceTimes], config: int, recompute_layers: int,
-                 recompute_on: bool, model: ModelSpec) -> tuple[Array, Array, Array]:
-    """[pp, vpp] F, B, W seconds of every chunk for layer configuration ``config`` (simulator
-    input)."""
-    def total(name: str, pass_: str) -> float:
-        return float(sum(np.asarray(v).reshape(-1)[config] if np.ndim(v) else v
-                         for (p, _), v in pieces[name].seconds.items() if p == pass_))
-
-    nv = layout.chunk_dense + layout.chunk_moe
-    recomputed = np.zeros_like(nv)
-    if recompute_on:
-        recomputed = np.where(recompute_layers > 0, np.minimum(recompute_layers, nv), nv)
-    share = np.divide(recomputed, nv, out=np.zeros_like(nv), where=nv > 0)
-    first = np.zeros_like(nv)
-    first[0] = 1.0
-    last = np.zeros_like(nv)
-    last[-1] = 1.0
-    copy = _keeps_table_copy(model, layout)
-    per_chunk = {}
-    for pass_ in PASSES:
-        v = layout.chunk_dense * total("dense", pass_) + layout.chunk_moe * total("moe", pass_)
-        v = v + first * total("emb", pass_) + last * (total("head", pass_) + copy * total("table_copy", pass_))
-        if pass_ in ("B", "W"):
-            v = v + share * (layout.chunk_dense * total("rc_dense", pass_) + layout.chunk_moe * total("rc_moe", pass_))
-        grid = np.zeros((layout.pp, layout.vpp))
-        grid[layout.stage_of, layout.chunk_of] = v
-        per_chunk[pass_] = grid
-    return per_chunk["F"], per_chunk["B"], per_chunk["W"]
 
 
 def step_time_batch(
