@@ -298,18 +298,18 @@ def run_search(
             rejected[reason] += count
         index = block.index
         done += block.listed
-        valid = np.arange(len(index))
-        if len(valid):
+        valid = index[:0]
+        if len(index):
             # The static state alone (a lower bound of the peak) already rejects many; the full
             # memory model prices the rest. The fitting set is the same.
             lower = static_bounds.at(block.part, block.position)
             cannot = lower > limit
-            evaluated += len(valid)
+            evaluated += len(index)
             rejected[OVER_MEMORY] += int(np.count_nonzero(cannot))
             if cannot.any():
                 bounded_index.append(index[cannot])
                 bounded_lower.append(lower[cannot])
-            valid = valid[~cannot]
+            valid = np.flatnonzero(~cannot)
         if len(valid):
             if pending and (pending[-1][2] is not block.part or pending_count + len(valid) > block_size):
                 # A batch holds one part's candidates (one precision, one set of modules each), and

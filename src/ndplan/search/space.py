@@ -148,7 +148,9 @@ class SearchSpace:
 
     def blocks(self, block_size: int = 1 << 20) -> Iterator[tuple[np.ndarray, StrategyBatch]]:
         """(candidate indices, batch) for blocks that cover the product once each, but for the
-        ``unlisted_duplicates``.
+        ``unlisted_duplicates``: every candidate built, duplicates included. The search takes
+        ``search.screen.screened_blocks`` instead, the same blocks with only the candidates its
+        checks let through built; this plain enumeration is what tests hold it to.
 
         Blocks run through the pipeline dimensions (pp, then the schedule) slowest, so that each
         holds a few pipeline shapes: the memory model pays a fixed cost per shape in a block,
