@@ -257,20 +257,28 @@ class PartFields:
         self.by_key: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for axes, names in by_axes.items():
             probe = tables.product(digits, {BLOCK_ORDER[a] for a in axes})
-            outer_axes, inner_axes = [a for a in axes if a < split], [a for a in axes if a >= split]
-            outer_key = np.ravel_multi_index([at[BLOCK_ORDER[a]] for a in outer_axes], [sizes[a] for a in outer_axes])
-            inner_key = np.ravel_multi_index([at[BLOCK_ORDER[a]] for a in inner_axes], [sizes[a] for a in inner_axes])
+            outer_key, inner_key, inner_count = self._split_keys(axes)
             for name in names:
                 values = getattr(probe, name)
                 if values.min() == values.max():
                     self.constants[name] = int(values[0])
-                elif not inner_axes:
+                elif not any(a >= split for a in axes):
                     self.by_row[name] = values[outer_key]
-                elif not outer_axes:
+                elif not any(a < split for a in axes):
                     self.by_inner[name] = values[inner_key]
                 else:
-                    self.by_key[name] = (outer_key * prod(sizes[a] for a in inner_axes), inner_key, values)
+                    self.by_key[name] = (outer_key * inner_count, inner_key, values)
         self.shared: dict[str, Any] = {}
+
+    def _split_keys(self, axes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int]:
+        """Per outer row and per inner position, its combination of the digits along ``axes``
+        (BLOCK_ORDER axes) on that side of the split, and the inner side's count of them: a
+        candidate's combination over ``axes`` is outer_key[row] · count + inner_key[inner]."""
+        sizes, split, at = self.sizes, self.split, self.at
+        outer_axes, inner_axes = [a for a in axes if a < split], [a for a in axes if a >= split]
+        outer_key = np.ravel_multi_index([at[BLOCK_ORDER[a]] for a in outer_axes], [sizes[a] for a in outer_axes])
+        inner_key = np.ravel_multi_index([at[BLOCK_ORDER[a]] for a in inner_axes], [sizes[a] for a in inner_axes])
+        return outer_key, inner_key, prod(sizes[a] for a in inner_axes)
 
     def for_sets(self, digits: dict[str, np.ndarray], batch: StrategyBatch) -> PartFields:
         """These tables for a part of the same digits but for the module sets: ``digits``'s,
@@ -290,14 +298,11 @@ class PartFields:
         ``dims`` (its position in their product), and how many combinations there are: where
         two candidates share one, they share every field of those dimensions alone."""
         if dims not in self._combinations:
-            sizes, split, at = self.sizes, self.split, self.at
             axes = [axis for axis, name in enumerate(BLOCK_ORDER) if name in dims]
-            outer_axes, inner_axes = [a for a in axes if a < split], [a for a in axes if a >= split]
-            inner_count = prod(sizes[a] for a in inner_axes)
-            outer_key = np.ravel_multi_index([at[BLOCK_ORDER[a]] for a in outer_axes], [sizes[a] for a in outer_axes])
-            inner_key = np.ravel_multi_index([at[BLOCK_ORDER[a]] for a in inner_axes], [sizes[a] for a in inner_axes])
+            outer_key, inner_key, inner_count = self._split_keys(axes)
             self._combinations[dims] = (np.broadcast_to(outer_key * inner_count, (len(self.outer_index),)),
-                                        np.broadcast_to(inner_key, (self.inner_size,)), prod(sizes[a] for a in axes))
+                                        np.broadcast_to(inner_key, (self.inner_size,)),
+                                        prod(self.sizes[a] for a in axes))
         outer_key, inner_key, count = self._combinations[dims]
         row, inner = np.divmod(position, self.inner_size)
         return outer_key.take(row) + inner_key.take(inner), count
