@@ -1108,14 +1108,14 @@ def _sorted_groups(
 def _gathered(values: np.ndarray, first: np.ndarray | None, then: np.ndarray) -> np.ndarray:
     """values[first][then] (``first`` None: values[then]), or the one value broadcast
     (read-only) where ``values`` holds one."""
-    if len(values) and values.min() == values.max():
+    if len(values) and _one_value(values):
         return np.broadcast_to(values[:1], (len(then),))
     return values.take(then) if first is None else values[first][then]
 
 
 def _repeated(values: np.ndarray, counts: list[int]) -> np.ndarray:
     """np.repeat(values, counts), or the one value broadcast (read-only) where all are one."""
-    if len(values) and values.min() == values.max():
+    if len(values) and _one_value(values):
         return np.broadcast_to(values[:1], (sum(counts),))
     return np.repeat(values, counts)
 
