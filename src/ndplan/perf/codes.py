@@ -10,31 +10,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from ndplan.strategy.batch import dense_codes as ranks
+
 Array = np.ndarray
 
-#: Presence tables up to this many entries (or a quarter of the data, if larger) are used
-#: instead of a sort.
+#: ``row_codes`` re-densifies its packed key before it would span this many values.
 _TABLE = 1 << 16
 
 
 def dense_codes(values: Array) -> tuple[Array, int]:
-    """(codes, k): codes 0..k-1 of the distinct values of a non-negative integer array, in
-    increasing value order."""
-    values = np.asarray(values, dtype=np.int64)
-    top = int(values.max(initial=0))
-    # A presence table of up to twice the rows still beats sorting them (~10x at one row per
-    # entry, even at two).
-    if values.size and values.min() >= 0 and top < max(_TABLE, 2 * values.size):
-        present = np.zeros(top + 1, dtype=bool)
-        present[values] = True
-        # The code of a value is its rank among the present ones: numbered where present (a
-        # running sum over the whole table costs ~3x more); entries never present are never read.
-        distinct = np.flatnonzero(present)
-        code_of = np.empty(top + 1, dtype=np.int64)
-        code_of[distinct] = np.arange(len(distinct))
-        return code_of[values], len(distinct)
-    uniq, inverse = np.unique(values, return_inverse=True)
-    return inverse.reshape(-1), len(uniq)
+    """(codes, k): codes 0..k-1 of the distinct values of an integer array, in increasing value
+    order (``ndplan.strategy.batch.dense_codes``)."""
+    return ranks(np.asarray(values, dtype=np.int64))
 
 
 def first_of_codes(codes: Array, count: int) -> Array:
