@@ -1064,10 +1064,12 @@ def stage_memory(
 
 def _sorted_groups(
     model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, stage_layers: tuple[int, ...] | None,
-    *, static_only: bool = False, device_only: bool = False,
+    *, static_only: bool = False, device_only: bool = False, over: float | None = None,
 ) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray]]]:
     """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays; only
-    "device" with ``static_only`` or ``device_only``)."""
+    "device" with ``static_only`` or ``device_only``). With ``over`` (and ``device_only``), the
+    strategies whose held lower bound (``_held_lower_bound``) is above ``over`` are not priced
+    in full: their "device" is that bound, and "priced" [n] says which rows were."""
     groups = batch.groups(PIPELINE_SHAPE)
     by_group = np.concatenate([index for _, index in groups])
     sizes = [len(index) for _, index in groups]
@@ -1101,8 +1103,24 @@ def _sorted_groups(
         part = slice(start, start + len(index))
         start += len(index)
         rows = np.arange(part.start, part.stop)
-        yield key, index, _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
-                                          None if static_only else acts.take(combination[part]), device_only=device_only)
+        group, group_acts = ordered.take(part), None if static_only else acts.take(combination[part])
+        if over is None or group_acts is None:
+            yield key, index, _evaluate_group(model, group, options, key, rows, None, stage_layers, group_acts,
+                                              device_only=device_only)
+            continue
+        # Most strategies a search rejects are over the limit by their activations: a bound from
+        # a few of the terms rejects them before the rest are priced.
+        bound = _evaluate_group(model, group, options, key, rows, None, stage_layers, group_acts, bound_only=True)
+        device = bound["device"]
+        priced = device.max(axis=1) <= over
+        kept = np.flatnonzero(priced)
+        if len(kept):
+            static_base, static_of = bound["static_parts"]
+            device[kept] = _evaluate_group(
+                model, group.take(kept), options, key, rows[kept], None, stage_layers,
+                acts.take(combination[part.start + kept]), device_only=True, static_parts=(static_base, static_of[kept]),
+            )["device"]
+        yield key, index, {"device": device, "priced": priced}
 
 
 def _gathered(values: np.ndarray, first: np.ndarray | None, then: np.ndarray) -> np.ndarray:
@@ -1142,15 +1160,21 @@ def static_lower_bound(
 
 
 def peak_memory(
-    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None, *, over: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per strategy: the largest device total over its stages (bytes) and that stage. The same
-    numbers as ``stage_memory(...).peak()``, without keeping every stage of every strategy."""
+    numbers as ``stage_memory(...).peak()``, without keeping every stage of every strategy.
+
+    ``over`` (bytes): where a lower bound of a strategy's peak is already above it, that bound
+    (> ``over``) and stage -1 instead, the strategy not priced in full (a search's limit: it
+    rejects the strategy either way)."""
     options = options or MemoryOptions()
     peak = np.zeros(len(batch))
     stage = np.zeros(len(batch), dtype=np.int64)
-    for _key, index, out in _sorted_groups(model, batch, options, None, device_only=True):
+    for _key, index, out in _sorted_groups(model, batch, options, None, device_only=True, over=over):
         peak[index], stage[index] = _first_max(out["device"].T)
+        if "priced" in out:
+            stage[index[~out["priced"]]] = -1
     return peak, stage
 
 
@@ -1370,6 +1394,43 @@ def _rows_of(values: Any, index: np.ndarray) -> Any:
     return out
 
 
+#: The held lower bound is rounded down by this part of itself: its terms are those of the full
+#: figure, summed in another order, so where the full figure has nothing else they may round
+#: apart by an ulp; the margin keeps the bound a bound.
+_BOUND_MARGIN = 1e-12
+
+
+def _held_lower_bound(
+    schedule: str, pp: int, vpp: int, seq_chunks: int, batch: StrategyBatch, shape: _GroupShape,
+    static: _StaticState, per_b_virtual: np.ndarray, grads_in_schedule: bool,
+) -> np.ndarray:
+    """A lower bound of the device total per stage [n, pp] (bytes), from what ``_evaluate_group``
+    adds up at the forward/backward peak, its terms that are not >= 0 by construction left out:
+
+        reserved(params + optimizer (+ grads where static) + held until B) + fixed
+
+    with the held peak over the frontier's B columns alone. Left out, each >= 0: what is held
+    until W (and the frontier rows W alone kept, dominated here), the gradients a schedule
+    makes, the communication buffers (net of what a V's turn hands over), the transient working
+    set, the FSDP unit moments (their worst is >= 0 counting the activations they credit, and
+    with one micro-batch the gradients made by then are added back); a single micro-batch's two
+    candidate peaks both hold the loss phase's terms. The optimizer step holds params + grads +
+    optimizer (+ its temporaries): the larger of the two is the bound. The device total grows
+    with the allocation."""
+    weights: list[np.ndarray | None] = [_chunk_column(per_b_virtual, shape.chunks, c) for c in range(vpp)]
+    held, _, _ = _held_peak(schedule, pp, vpp, seq_chunks, batch.num_micro_batches, [*weights, *([None] * vpp)],
+                            None, shape.pattern_of)
+    always = static.params + static.optimizer
+    if not grads_in_schedule:
+        always = always + static.grads
+    shape.combine_by_stage(held, always)
+    shape.combine_by_stage(held, static.params + static.grads + static.optimizer, np.maximum)
+    held *= 1.0 - _BOUND_MARGIN
+    device = static.overhead.reserved(held)
+    device += static.overhead.fixed_bytes
+    return device.T
+
+
 def _evaluate_group(
     model: ModelSpec,
     batch: StrategyBatch,
@@ -1381,10 +1442,14 @@ def _evaluate_group(
     acts: LayerActivations | None,
     *,
     device_only: bool = False,
-) -> dict[str, np.ndarray]:
+    bound_only: bool = False,
+    static_parts: tuple[_StaticState, np.ndarray] | None = None,
+) -> dict[str, Any]:
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
     ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
-    ``device_only``: only "device", the figures of the stages in between are not expanded).
+    ``device_only``: only "device", the figures of the stages in between are not expanded; with
+    ``bound_only``: "device" the held lower bound, ``_held_lower_bound``, and "static_parts" the
+    static state as priced, which ``static_parts`` hands to a later call on some of the rows).
 
     Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
     arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
@@ -1421,17 +1486,22 @@ def _evaluate_group(
     # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
     scores = acts is not None and any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
     static_of: np.ndarray | None = None
-    if acts is not None and kinds is None:
-        # The static state is a function of STATIC_FIELDS, which a group's strategies share
-        # many at a time (they differ in micro-batch size, recompute, sequence parallelism, ...):
-        # priced once per combination and gathered, where that is much less than the group.
-        static_rows, static_of = batch.distinct(STATIC_FIELDS)
-        if 2 * len(static_rows) > n:
-            static_of = None
-    if static_of is None:
-        static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
+    if static_parts is not None:
+        static_base, static_of = static_parts
+        static = static_base.take(static_of)
     else:
-        static = _static_state(model, batch.take(static_rows), options, shape, scores=scores).take(static_of)
+        if acts is not None and kinds is None:
+            # The static state is a function of STATIC_FIELDS, which a group's strategies share
+            # many at a time (they differ in micro-batch size, recompute, sequence parallelism, ...):
+            # priced once per combination and gathered, where that is much less than the group.
+            static_rows, static_of = batch.distinct(STATIC_FIELDS)
+            if 2 * len(static_rows) > n:
+                static_of = None
+        if static_of is None:
+            static = static_base = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
+        else:
+            static_base = _static_state(model, batch.take(static_rows), options, shape, scores=scores)
+            static = static_base.take(static_of)
     out: dict[str, np.ndarray] = {"params": static.params, "grads": static.grads, "optimizer": static.optimizer}
     overhead = static.overhead
 
@@ -1480,6 +1550,12 @@ def _evaluate_group(
                                           out=np.empty((n, computed), order="F"))
     per_b_virtual += checkpoint_mask_virtual
     profile = options.profile
+    if bound_only:
+        # With the static state, as (what was priced, the rows of it each strategy takes): the
+        # strategies then priced in full take theirs.
+        return {"device": _held_lower_bound(schedule, pp, vpp, seq_chunks, batch, shape, static, per_b_virtual,
+                                            profile.grads_created_in_backward),
+                "static_parts": (static_base, np.arange(n) if static_of is None else static_of)}
     # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
     # runtime keeps per micro-batch (below), the head's and the pipeline's.
     kept_logits = kept_hidden = np.zeros_like(per_b_virtual)

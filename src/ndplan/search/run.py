@@ -270,8 +270,14 @@ def run_search(
         survivors = pending[0][2].batch(np.concatenate([position for _, position, _ in pending]))
         pending.clear()
         pending_count = 0
-        peak, stage = peak_memory(model, survivors, options)
-        smallest_peak = min(smallest_peak, float(peak.min()))
+        # Those whose held lower bound is over the limit come back unpriced (stage -1), with that bound.
+        peak, stage = peak_memory(model, survivors, options, over=limit)
+        bounded = stage < 0
+        if bounded.any():
+            bounded_index.append(index_part[bounded])
+            bounded_lower.append(peak[bounded])
+        if not bounded.all():
+            smallest_peak = min(smallest_peak, float(peak[~bounded].min()))
         fits = peak <= limit
         rejected[OVER_MEMORY] += int(np.count_nonzero(~fits))
         if fits.any():
