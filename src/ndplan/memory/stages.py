@@ -1064,12 +1064,10 @@ def stage_memory(
 
 def _sorted_groups(
     model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, stage_layers: tuple[int, ...] | None,
-    *, static_only: bool = False, device_only: bool = False, over: float | None = None,
+    *, static_only: bool = False, device_only: bool = False, bound_only: bool = False,
 ) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray]]]:
     """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays; only
-    "device" with ``static_only`` or ``device_only``). With ``over`` (and ``device_only``), the
-    strategies whose held lower bound (``_held_lower_bound``) is above ``over`` are not priced
-    in full: their "device" is that bound, and "priced" [n] says which rows were."""
+    "device" with ``static_only``, ``device_only`` or ``bound_only``, the held lower bound)."""
     groups = batch.groups(PIPELINE_SHAPE)
     by_group = np.concatenate([index for _, index in groups])
     sizes = [len(index) for _, index in groups]
@@ -1103,24 +1101,9 @@ def _sorted_groups(
         part = slice(start, start + len(index))
         start += len(index)
         rows = np.arange(part.start, part.stop)
-        group, group_acts = ordered.take(part), None if static_only else acts.take(combination[part])
-        if over is None or group_acts is None:
-            yield key, index, _evaluate_group(model, group, options, key, rows, None, stage_layers, group_acts,
-                                              device_only=device_only)
-            continue
-        # Most strategies a search rejects are over the limit by their activations: a bound from
-        # a few of the terms rejects them before the rest are priced.
-        bound = _evaluate_group(model, group, options, key, rows, None, stage_layers, group_acts, bound_only=True)
-        device = bound["device"]
-        priced = device.max(axis=1) <= over
-        kept = np.flatnonzero(priced)
-        if len(kept):
-            static_base, static_of = bound["static_parts"]
-            device[kept] = _evaluate_group(
-                model, group.take(kept), options, key, rows[kept], None, stage_layers,
-                acts.take(combination[part.start + kept]), device_only=True, static_parts=(static_base, static_of[kept]),
-            )["device"]
-        yield key, index, {"device": device, "priced": priced}
+        yield key, index, _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
+                                          None if static_only else acts.take(combination[part]), device_only=device_only,
+                                          bound_only=bound_only)
 
 
 def _gathered(values: np.ndarray, first: np.ndarray | None, then: np.ndarray) -> np.ndarray:
@@ -1160,22 +1143,35 @@ def static_lower_bound(
 
 
 def peak_memory(
-    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None, *, over: float | None = None,
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per strategy: the largest device total over its stages (bytes) and that stage. The same
-    numbers as ``stage_memory(...).peak()``, without keeping every stage of every strategy.
-
-    ``over`` (bytes): where a lower bound of a strategy's peak is already above it, that bound
-    (> ``over``) and stage -1 instead, the strategy not priced in full (a search's limit: it
-    rejects the strategy either way)."""
+    numbers as ``stage_memory(...).peak()``, without keeping every stage of every strategy."""
     options = options or MemoryOptions()
     peak = np.zeros(len(batch))
     stage = np.zeros(len(batch), dtype=np.int64)
-    for _key, index, out in _sorted_groups(model, batch, options, None, device_only=True, over=over):
+    for _key, index, out in _sorted_groups(model, batch, options, None, device_only=True):
         peak[index], stage[index] = _first_max(out["device"].T)
-        if "priced" in out:
-            stage[index[~out["priced"]]] = -1
     return peak, stage
+
+
+#: The fields of a strategy that ``held_lower_bound`` reads (a test perturbs the others): all but
+#: the kind of context parallelism, which changes only its communication buffers.
+HELD_FIELDS = tuple(name for name in StrategyBatch.array_fields() if name not in ("cp_kind", "ulysses_degree"))
+
+
+def held_lower_bound(
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None
+) -> np.ndarray:
+    """Per strategy, a lower bound of ``peak_memory``'s peak (bytes) from the static state and the
+    activations and gradients held at the schedule's worst moment (``_held_lower_bound``), the
+    rest of the forward/backward terms left out: at a fraction of the full model's work, most of
+    the strategies a search finds over its limit are found so by this. A function of HELD_FIELDS."""
+    options = options or MemoryOptions()
+    bound = np.zeros(len(batch))
+    for _key, index, out in _sorted_groups(model, batch, options, None, bound_only=True):
+        bound[index] = out["device"].max(axis=1)
+    return bound
 
 
 def _first_max(by_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1402,24 +1398,34 @@ _BOUND_MARGIN = 1e-12
 
 def _held_lower_bound(
     schedule: str, pp: int, vpp: int, seq_chunks: int, batch: StrategyBatch, shape: _GroupShape,
-    static: _StaticState, per_b_virtual: np.ndarray, grads_in_schedule: bool,
+    static: _StaticState, per_b_virtual: np.ndarray, grads: list[np.ndarray | None] | None, grads_in_schedule: bool,
 ) -> np.ndarray:
     """A lower bound of the device total per stage [n, pp] (bytes), from what ``_evaluate_group``
     adds up at the forward/backward peak, its terms that are not >= 0 by construction left out:
 
-        reserved(params + optimizer (+ grads where static) + held until B) + fixed
+        reserved(params + optimizer (+ grads where static) + held) + fixed
 
-    with the held peak over the frontier's B columns alone. Left out, each >= 0: what is held
-    until W (and the frontier rows W alone kept, dominated here), the gradients a schedule
-    makes, the communication buffers (net of what a V's turn hands over), the transient working
-    set, the FSDP unit moments (their worst is >= 0 counting the activations they credit, and
-    with one micro-batch the gradients made by then are added back); a single micro-batch's two
-    candidate peaks both hold the loss phase's terms. The optimizer step holds params + grads +
-    optimizer (+ its temporaries): the larger of the two is the bound. The device total grows
-    with the allocation."""
+    with "held" the peak over the frontier's columns of what is held until B and of the
+    gradients a schedule makes (``grads``: the frontier's gradient columns, None where they are
+    static). Left out, each >= 0: what is held until W (and the frontier rows W alone kept,
+    dominated here), the weight-gradient steps, the communication buffers (net of what a V's
+    turn hands over), the transient working set, the FSDP unit moments (their worst is >= 0
+    counting the activations they credit, and with one micro-batch the gradients made by then
+    are added back). A single micro-batch's two candidate peaks, the loss phase and the
+    backward's end, hold params + optimizer + held until B and params + grads + optimizer. The
+    optimizer step holds params + grads + optimizer (+ its temporaries): the larger of the two
+    is the bound. The device total grows with the allocation."""
     weights: list[np.ndarray | None] = [_chunk_column(per_b_virtual, shape.chunks, c) for c in range(vpp)]
-    held, _, _ = _held_peak(schedule, pp, vpp, seq_chunks, batch.num_micro_batches, [*weights, *([None] * vpp)],
-                            None, shape.pattern_of)
+    single = np.flatnonzero(batch.micro_batches_per_step == 1)
+    if grads is not None and single.size:
+        # One micro-batch's peak is the loss phase or the backward's end, neither of which holds a
+        # chunk's activations beside another's gradients: none are counted with the held ones.
+        grads = [None if g is None else g.copy(order="F") for g in grads]
+        for g in grads:
+            if g is not None:
+                g[single] = 0.0
+    _, held, _ = _held_peak(schedule, pp, vpp, seq_chunks, batch.num_micro_batches, [*weights, *([None] * vpp)],
+                            grads, shape.pattern_of)
     always = static.params + static.optimizer
     if not grads_in_schedule:
         always = always + static.grads
@@ -1443,13 +1449,11 @@ def _evaluate_group(
     *,
     device_only: bool = False,
     bound_only: bool = False,
-    static_parts: tuple[_StaticState, np.ndarray] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, np.ndarray]:
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
     ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
     ``device_only``: only "device", the figures of the stages in between are not expanded; with
-    ``bound_only``: "device" the held lower bound, ``_held_lower_bound``, and "static_parts" the
-    static state as priced, which ``static_parts`` hands to a later call on some of the rows).
+    ``bound_only``: only "device", the held lower bound, ``_held_lower_bound``).
 
     Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
     arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
@@ -1486,22 +1490,17 @@ def _evaluate_group(
     # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
     scores = acts is not None and any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
     static_of: np.ndarray | None = None
-    if static_parts is not None:
-        static_base, static_of = static_parts
-        static = static_base.take(static_of)
+    if acts is not None and kinds is None:
+        # The static state is a function of STATIC_FIELDS, which a group's strategies share
+        # many at a time (they differ in micro-batch size, recompute, sequence parallelism, ...):
+        # priced once per combination and gathered, where that is much less than the group.
+        static_rows, static_of = batch.distinct(STATIC_FIELDS)
+        if 2 * len(static_rows) > n:
+            static_of = None
+    if static_of is None:
+        static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
     else:
-        if acts is not None and kinds is None:
-            # The static state is a function of STATIC_FIELDS, which a group's strategies share
-            # many at a time (they differ in micro-batch size, recompute, sequence parallelism, ...):
-            # priced once per combination and gathered, where that is much less than the group.
-            static_rows, static_of = batch.distinct(STATIC_FIELDS)
-            if 2 * len(static_rows) > n:
-                static_of = None
-        if static_of is None:
-            static = static_base = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
-        else:
-            static_base = _static_state(model, batch.take(static_rows), options, shape, scores=scores)
-            static = static_base.take(static_of)
+        static = _static_state(model, batch.take(static_rows), options, shape, scores=scores).take(static_of)
     out: dict[str, np.ndarray] = {"params": static.params, "grads": static.grads, "optimizer": static.optimizer}
     overhead = static.overhead
 
@@ -1550,12 +1549,6 @@ def _evaluate_group(
                                           out=np.empty((n, computed), order="F"))
     per_b_virtual += checkpoint_mask_virtual
     profile = options.profile
-    if bound_only:
-        # With the static state, as (what was priced, the rows of it each strategy takes): the
-        # strategies then priced in full take theirs.
-        return {"device": _held_lower_bound(schedule, pp, vpp, seq_chunks, batch, shape, static, per_b_virtual,
-                                            profile.grads_created_in_backward),
-                "static_parts": (static_base, np.arange(n) if static_of is None else static_of)}
     # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
     # runtime keeps per micro-batch (below), the head's and the pipeline's.
     kept_logits = kept_hidden = np.zeros_like(per_b_virtual)
@@ -1580,6 +1573,31 @@ def _evaluate_group(
         if kinds is not None:
             kept_logits = np.multiply.outer(token_bytes * logits_per_token, logits_kept.astype(float))
             kept_hidden = np.multiply.outer(token_bytes * hidden_per_token, hidden_kept.astype(float))
+    # Gradients created in the backward (set_to_none) do not exist before a chunk's first
+    # backward: GPipe's peak, all forwards held, has none. Elsewhere they are static.
+    grads_in_schedule = profile.grads_created_in_backward
+    zero3 = batch.zero == 3
+    # torch.distributed.pipelining defers FSDP's reduce to the end of the step: a chunk keeps its
+    # unsharded gradients from its first backward on (accumulated in the reduce dtype), and no
+    # sharded ones until then.
+    deferred = zero3 & profile.pipeline_defers_fsdp_reduce & (virtual > 1)
+    # From a step's second pipeline run on, the gradients the first made are there from the run's
+    # start (the runs accumulate into them): static, and that run's peak is the step's. Under a
+    # deferred FSDP reduce those are the sharded ones, and each run makes its unsharded ones anew.
+    later_runs = (batch.pipeline_runs > 1) if grads_in_schedule else np.zeros(n, dtype=bool)
+    extra: list[np.ndarray | None] | None = None
+    if grads_in_schedule:
+        per_grads = static.grads_virtual
+        deferred_rows = np.flatnonzero(deferred)
+        static_rows = np.flatnonzero(later_runs & ~deferred)
+        if deferred_rows.size or static_rows.size:
+            per_grads = per_grads.copy(order="F")
+            per_grads[deferred_rows] = static.elements_virtual(deferred_rows) * grad_bytes
+            per_grads[static_rows] = 0.0
+        extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
+    if bound_only:
+        return {"device": _held_lower_bound(schedule, pp, vpp, seq_chunks, batch, shape, static, per_b_virtual,
+                                            extra, grads_in_schedule)}
     split = schedule in SPLIT_BACKWARD
     per_w_virtual: np.ndarray | None = None  # nothing waits for W without a split backward
     if not split:
@@ -1620,28 +1638,6 @@ def _evaluate_group(
     # per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
     weights: list[np.ndarray | None] = [_chunk_column(per_b_virtual, chunks, c) for c in range(vpp)]
     weights += [None if per_w_virtual is None else _chunk_column(per_w_virtual, chunks, c) for c in range(vpp)]
-    # Gradients created in the backward (set_to_none) do not exist before a chunk's first
-    # backward: GPipe's peak, all forwards held, has none. Elsewhere they are static.
-    grads_in_schedule = profile.grads_created_in_backward
-    zero3 = batch.zero == 3
-    # torch.distributed.pipelining defers FSDP's reduce to the end of the step: a chunk keeps its
-    # unsharded gradients from its first backward on (accumulated in the reduce dtype), and no
-    # sharded ones until then.
-    deferred = zero3 & profile.pipeline_defers_fsdp_reduce & (virtual > 1)
-    # From a step's second pipeline run on, the gradients the first made are there from the run's
-    # start (the runs accumulate into them): static, and that run's peak is the step's. Under a
-    # deferred FSDP reduce those are the sharded ones, and each run makes its unsharded ones anew.
-    later_runs = (batch.pipeline_runs > 1) if grads_in_schedule else np.zeros(n, dtype=bool)
-    extra: list[np.ndarray | None] | None = None
-    if grads_in_schedule:
-        per_grads = static.grads_virtual
-        deferred_rows = np.flatnonzero(deferred)
-        static_rows = np.flatnonzero(later_runs & ~deferred)
-        if deferred_rows.size or static_rows.size:
-            per_grads = per_grads.copy(order="F")
-            per_grads[deferred_rows] = static.elements_virtual(deferred_rows) * grad_bytes
-            per_grads[static_rows] = 0.0
-        extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
     has_moe = moe_per_stage > 0
     has_dense = (on_stage @ dense_layers) > 0
@@ -2305,5 +2301,5 @@ def _activation_kinds(
 
 __all__ = [
     "ACTIVATION_KINDS", "CATEGORIES", "STATIC_KINDS", "MemoryOptions", "RuntimeOverhead", "StageMemory",
-    "peak_memory", "stage_memory",
+    "held_lower_bound", "peak_memory", "stage_memory",
 ]
