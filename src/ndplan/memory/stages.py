@@ -1067,7 +1067,7 @@ def _sorted_groups(
     *, static_only: bool = False, device_only: bool = False, bound_only: bool = False,
 ) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray]]]:
     """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays; only
-    "device" with ``static_only``, ``device_only`` or ``bound_only``, the held lower bound)."""
+    "device" with ``static_only`` or ``device_only``; only "bound" with ``bound_only``)."""
     groups = batch.groups(PIPELINE_SHAPE)
     by_group = np.concatenate([index for _, index in groups])
     sizes = [len(index) for _, index in groups]
@@ -1170,7 +1170,7 @@ def held_lower_bound(
     options = options or MemoryOptions()
     bound = np.zeros(len(batch))
     for _key, index, out in _sorted_groups(model, batch, options, None, bound_only=True):
-        bound[index] = out["device"].max(axis=1)
+        bound[index] = out["bound"]
     return bound
 
 
@@ -1400,7 +1400,7 @@ def _held_lower_bound(
     schedule: str, pp: int, vpp: int, seq_chunks: int, batch: StrategyBatch, shape: _GroupShape,
     static: _StaticState, per_b_virtual: np.ndarray, grads: list[np.ndarray | None] | None, grads_in_schedule: bool,
 ) -> np.ndarray:
-    """A lower bound of the device total per stage [n, pp] (bytes), from what ``_evaluate_group``
+    """A lower bound of the device peak over the stages [n] (bytes), from what ``_evaluate_group``
     adds up at the forward/backward peak, its terms that are not >= 0 by construction left out:
 
         reserved(params + optimizer (+ grads where static) + held) + fixed
@@ -1430,11 +1430,13 @@ def _held_lower_bound(
     if not grads_in_schedule:
         always = always + static.grads
     shape.combine_by_stage(held, always)
-    shape.combine_by_stage(held, static.params + static.grads + static.optimizer, np.maximum)
-    held *= 1.0 - _BOUND_MARGIN
-    device = static.overhead.reserved(held)
+    # The device total is reserved(allocated) + fixed, which grows with the allocation: its
+    # largest stage is the one of the largest allocation, taken first (over [n], not [pp, n]).
+    allocated = np.maximum(held.max(axis=0), (static.params + static.grads + static.optimizer).max(axis=1))
+    allocated *= 1.0 - _BOUND_MARGIN
+    device = static.overhead.reserved(allocated)
     device += static.overhead.fixed_bytes
-    return device.T
+    return device
 
 
 def _evaluate_group(
@@ -1453,7 +1455,7 @@ def _evaluate_group(
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
     ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
     ``device_only``: only "device", the figures of the stages in between are not expanded; with
-    ``bound_only``: only "device", the held lower bound, ``_held_lower_bound``).
+    ``bound_only``: only "bound" [n], the held lower bound of the peak, ``_held_lower_bound``).
 
     Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
     arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
@@ -1596,7 +1598,7 @@ def _evaluate_group(
             per_grads[static_rows] = 0.0
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
     if bound_only:
-        return {"device": _held_lower_bound(schedule, pp, vpp, seq_chunks, batch, shape, static, per_b_virtual,
+        return {"bound": _held_lower_bound(schedule, pp, vpp, seq_chunks, batch, shape, static, per_b_virtual,
                                             extra, grads_in_schedule)}
     split = schedule in SPLIT_BACKWARD
     per_w_virtual: np.ndarray | None = None  # nothing waits for W without a split backward
