@@ -1390,6 +1390,72 @@ def _rows_of(values: Any, index: np.ndarray) -> Any:
     return out
 
 
+def _layer_working_set(acts: LayerActivations, tokens: np.ndarray, recompute_on: np.ndarray, moe_here: bool,
+                       dense_here: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(layer, last layer) [n] bytes, on a stage holding MoE (``moe_here``) and dense layers: one
+    layer's backward working set, with what recompute rebuilds beside what a layer keeps (full −
+    kept of the layer's own kind, the largest over the kinds the stage holds); and the
+    backward's last layer's, when nothing else is held: its working set beside every gradient,
+    neither its saved nor its rebuilt tensors (the same whatever the recompute: its weight
+    gradients are made as they go). Measured on real one-GPU steps (tests/data/measured/cuda):
+    Mixtral none -0.68%, the 12-36-layer full-recompute steps +0.13% to +0.50%; counting the
+    whole layer read +4.8% and +1.5%, counting what recompute rebuilds (alone) +1.4% to +1.7%
+    and priced recompute above none."""
+    backward_extra = (np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"]) if moe_here
+                      else acts.backward_extra["dense"])
+    rebuilt = np.maximum(acts.rebuilt["moe"] if moe_here else 0.0, acts.rebuilt["dense"] if dense_here else 0.0)
+    return tokens * (backward_extra + np.where(recompute_on, rebuilt, 0.0)), tokens * backward_extra
+
+
+def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, tokens: np.ndarray, pp: int,
+                   has_moe: np.ndarray, *, cp_kind_known: bool = True) -> np.ndarray:
+    """[n, P] bytes: the communication buffers alive while a layer runs (the sequence-parallel
+    gather or the context-parallel K/V (Ulysses: Q/K/V/O) exchange, the larger, or on a stage
+    with MoE layers the expert all-to-all's, if larger), and the pipeline's send and receive.
+    ``cp_kind_known`` False: the context-parallel buffers of the smaller kind (ring's), a lower
+    bound for any."""
+    act_bytes = batch.precision.activation_bytes
+    h = model.hidden_size
+    tp, cp = batch.tp.astype(float), batch.cp.astype(float)
+    sp_gather = np.where(batch.sequence_parallel > 0, tokens * h * act_bytes, 0.0)
+    widths = model_symbols(model)
+    ring = 2 * (widths["k"] + widths["v"])
+    per_token = np.where(batch.is_("cp_kind", "ulysses"), 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
+                         ring) if cp_kind_known else ring
+    cp_buffers = np.where(cp > 1, per_token * tokens * act_bytes / tp, 0.0)
+    # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
+    ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.routed_token_factor, 0.0)
+    pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
+    # Column by column (see _outer_sum): the buffers alive while a layer runs, and with them the
+    # pipeline's (the first two terms of the communication sum in _evaluate_group).
+    buffers = np.empty((len(batch), len(has_moe)), order="F")
+    sp_or_cp = np.maximum(sp_gather, cp_buffers)
+    for column, moe_here in enumerate(has_moe.tolist()):
+        buffers[:, column] = np.maximum(sp_or_cp, ep_buffers * float(moe_here)) + pp_buffers
+    return buffers
+
+
+def _receive_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, shape: _GroupShape,
+                     tokens: np.ndarray) -> np.ndarray:
+    """[n, P] bytes: the receive buffers torch.distributed.pipelining allocates up front, one per
+    micro-batch, for the activations a later chunk receives and the gradients an earlier chunk
+    receives; they stay for the whole step, the optimizer's included. Chunks next to each other
+    on one rank (a V schedule's turn) hand tensors over directly: their up-front buffers are
+    replaced by the tensors themselves. Zero for runtimes that keep no stage outputs."""
+    n, patterns = len(batch), len(shape.reps)
+    virtual = len(shape.pattern_of) * shape.chunks.shape[1]
+    if not (options.profile.pipeline_stage_output and virtual > 1):
+        return np.zeros((n, patterns), order="F")
+    directions = shape.receives_from_peer.astype(float) + shape.sends_to_peer
+    sp_div = np.where(batch.sequence_parallel > 0, batch.tp.astype(float), 1.0)
+    one_receive = batch.num_micro_batches * tokens * model.hidden_size * batch.precision.activation_bytes / sp_div
+    # Column by column (see _outer_sum): the same products, in passes over the strategies.
+    receive_virtual = np.empty((n, len(directions)), order="F")
+    for column, direction in enumerate(directions.tolist()):
+        receive_virtual[:, column] = one_receive * direction
+    return _to_stages(receive_virtual, shape.chunks)
+
+
 #: The held lower bound is rounded down by this part of itself: its terms are those of the full
 #: figure, summed in another order, so where the full figure has nothing else they may round
 #: apart by an ulp; the margin keeps the bound a bound.
@@ -1477,7 +1543,7 @@ def _evaluate_group(
     computed, patterns = len(shape.used), len(shape.reps)  # virtual stages and stage patterns priced
     on_stage, chunks = shape.on_stage, shape.chunks
     first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
-    receives_from_peer, sends_to_peer = shape.receives_from_peer, shape.sends_to_peer
+    receives_from_peer = shape.receives_from_peer
     hands_over = hands_over_enabled and schedule in V_SHAPE and virtual > 1
     hands_forward, hands_backward = shape.hands_forward, shape.hands_backward
     moe_per_stage = shape.moe_per_stage
@@ -1646,8 +1712,6 @@ def _evaluate_group(
     # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
     # Recompute rebuilds, beside what a layer keeps, the rest of its activations: full − kept of
     # the layer's own kind, the largest over the kinds the stage holds.
-    moe_backward_extra = np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"])
-    moe_rebuilt, dense_rebuilt = acts.rebuilt["moe"], acts.rebuilt["dense"]
     loss_per_token = tokens * acts.output_transient
     # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
     layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
@@ -1660,16 +1724,9 @@ def _evaluate_group(
             zip(has_moe.tolist(), has_dense.tolist(), first_stage.tolist(), last_stage.tolist(), strict=True)):
         layer = layer_by_kinds.get((moe_here, dense_here))
         if layer is None:
-            backward_extra = moe_backward_extra if moe_here else acts.backward_extra["dense"]
-            rebuilt = np.maximum(moe_rebuilt if moe_here else 0.0, dense_rebuilt if dense_here else 0.0)
-            layer = layer_by_kinds[moe_here, dense_here] = tokens * (backward_extra + np.where(recompute_on, rebuilt, 0.0))
-            # The backward's last layer, when nothing else is held: its working set beside every
-            # gradient, and neither its saved nor its rebuilt tensors (the same whatever the
-            # recompute: its weight gradients are made as they go). Measured on real one-GPU steps
-            # (tests/data/measured/cuda): Mixtral none -0.68%, the 12-36-layer full-recompute
-            # steps +0.13% to +0.50%; counting the whole layer read +4.8% and +1.5%, counting what
-            # recompute rebuilds (alone) +1.4% to +1.7% and priced recompute above none.
-            last_layer_by_kinds[moe_here, dense_here] = tokens * backward_extra
+            layer_by_kinds[moe_here, dense_here], last_layer_by_kinds[moe_here, dense_here] = _layer_working_set(
+                acts, tokens, recompute_on, moe_here, dense_here)
+            layer = layer_by_kinds[moe_here, dense_here]
         last_layer = last_layer_by_kinds[moe_here, dense_here]
         if scores_during is None or scores_grads is None:
             layer_transient[:, column] = last_layer
@@ -1766,25 +1823,7 @@ def _evaluate_group(
 
 
     # ---- communication buffers alive while a layer runs
-    act_bytes = precision.activation_bytes
-    h = model.hidden_size
-    sp_gather = np.where(batch.sequence_parallel > 0, tokens * h * act_bytes, 0.0)
-    widths = model_symbols(model)
-    cp_buffers = np.where(
-        cp > 1,
-        np.where(batch.is_("cp_kind", "ulysses"), 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
-                 2 * (widths["k"] + widths["v"])) * tokens * act_bytes / tp,
-        0.0,
-    )
-    # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
-    ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.routed_token_factor, 0.0)
-    pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
-    # Column by column (see _outer_sum): the buffers alive while a layer runs, and with them the
-    # pipeline's (the first two terms of the communication sum below).
-    overlapping_with_pp = np.empty((n, patterns), order="F")
-    sp_or_cp = np.maximum(sp_gather, cp_buffers)
-    for column, moe_here in enumerate(has_moe.tolist()):
-        overlapping_with_pp[:, column] = np.maximum(sp_or_cp, ep_buffers * float(moe_here)) + pp_buffers
+    overlapping_with_pp = _layer_buffers(model, batch, options, tokens, pp, has_moe)
     # Only FSDP strategies have unit moments: price those rows alone.
     fsdp = FsdpPhases(*(np.zeros((len(batch), patterns), order="F") for _ in range(4)))
     sharded_rows = np.flatnonzero(zero3)
@@ -1827,20 +1866,7 @@ def _evaluate_group(
         # Every element whole on the device (non-expert /tp, experts /ep·etp): the two kinds
         # are sharded over different groups, so the sharded bytes do not give them back.
         kept_gathered[kept_rows] = static.stage_elements(kept_rows) * precision.param_gather_bytes
-    receive = np.zeros((len(batch), patterns), order="F")
-    if options.profile.pipeline_stage_output and virtual > 1:
-        # torch.distributed.pipelining allocates one receive buffer per micro-batch up front, for
-        # the activations a later chunk receives and the gradients an earlier chunk receives; they
-        # stay for the whole step, the optimizer's included.
-        # Chunks next to each other on one rank (a V schedule's turn) hand tensors over directly:
-        # their up-front buffers are replaced by the tensors themselves.
-        directions = receives_from_peer.astype(float) + sends_to_peer
-        one_receive = batch.num_micro_batches * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
-        # Column by column (see _outer_sum): the same products, in passes over the strategies.
-        receive_virtual = np.empty((n, computed), order="F")
-        for column, direction in enumerate(directions.tolist()):
-            receive_virtual[:, column] = one_receive * direction
-        receive = _to_stages(receive_virtual, chunks)
+    receive = _receive_buffers(model, batch, options, shape, tokens)
     # The tensors handed over at a V's turn are reported with the receive buffers (all m of
     # them, as at the step's end); the forward/backward peak counts those handed over by then.
     receive = receive + handed_over
