@@ -1408,20 +1408,17 @@ def _layer_working_set(acts: LayerActivations, tokens: np.ndarray, recompute_on:
 
 
 def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, tokens: np.ndarray, pp: int,
-                   has_moe: np.ndarray, *, cp_kind_known: bool = True) -> np.ndarray:
+                   has_moe: np.ndarray) -> np.ndarray:
     """[n, P] bytes: the communication buffers alive while a layer runs (the sequence-parallel
     gather or the context-parallel K/V (Ulysses: Q/K/V/O) exchange, the larger, or on a stage
-    with MoE layers the expert all-to-all's, if larger), and the pipeline's send and receive.
-    ``cp_kind_known`` False: the context-parallel buffers of the smaller kind (ring's), a lower
-    bound for any."""
+    with MoE layers the expert all-to-all's, if larger), and the pipeline's send and receive."""
     act_bytes = batch.precision.activation_bytes
     h = model.hidden_size
     tp, cp = batch.tp.astype(float), batch.cp.astype(float)
     sp_gather = np.where(batch.sequence_parallel > 0, tokens * h * act_bytes, 0.0)
     widths = model_symbols(model)
-    ring = 2 * (widths["k"] + widths["v"])
     per_token = np.where(batch.is_("cp_kind", "ulysses"), 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
-                         ring) if cp_kind_known else ring
+                         2 * (widths["k"] + widths["v"]))
     cp_buffers = np.where(cp > 1, per_token * tokens * act_bytes / tp, 0.0)
     # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
     ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.routed_token_factor, 0.0)
@@ -1466,8 +1463,8 @@ def _held_lower_bound(
     schedule: str, pp: int, vpp: int, seq_chunks: int, batch: StrategyBatch, shape: _GroupShape,
     static: _StaticState, per_b_virtual: np.ndarray, grads: list[np.ndarray | None] | None, grads_in_schedule: bool,
 ) -> np.ndarray:
-    """A lower bound of the device peak over the stages [n] (bytes), from what ``_evaluate_group``
-    adds up at the forward/backward peak, its terms that are not >= 0 by construction left out:
+    """A lower bound of the device peak over the stages [n] (bytes): what ``_evaluate_group``
+    adds up at the forward/backward peak, less terms that are >= 0 by construction:
 
         reserved(params + optimizer (+ grads where static) + held) + fixed
 
