@@ -658,7 +658,7 @@ def _undominated(rows: np.ndarray) -> np.ndarray:
         keep = np.concatenate([[True], b[order][1:] > best_b[:-1]])
         return rows[order[keep]]
     rows = _distinct_sorted(rows[_locally_undominated(rows[:, used])])
-    return rows[_undominated_index(rows[:, used])]  # the all-zero columns never decide
+    return rows[_undominated_sorted_index(rows[:, used])]  # the all-zero columns never decide
 
 
 def _locally_undominated(rows: np.ndarray) -> np.ndarray:
@@ -740,11 +740,31 @@ def _undominated_index(rows: np.ndarray) -> np.ndarray:
     """Indices of the rows of ``rows`` that no other row is >= in every column and > in one
     (equal rows all stay: a maximum is the same whichever is taken)."""
     dominated = np.zeros(len(rows), bool)
+    columns = np.ascontiguousarray(rows.T)
     for start in range(0, len(rows), 256):  # chunks bound the R x R comparison's memory
-        block = rows[start:start + 256]
-        at_least = np.all(rows[:, None, :] >= block[None, :, :], axis=2)
-        above = np.any(rows[:, None, :] > block[None, :, :], axis=2)
-        dominated[start:start + 256] = np.any(at_least & above, axis=0)
+        block = slice(start, start + 256)
+        # Column by column on [R, block] arrays: numpy reduces a short last axis slowly.
+        at_least = np.ones((len(rows), min(256, len(rows) - start)), bool)
+        above = np.zeros_like(at_least)
+        for column in columns:
+            at_least &= column[:, None] >= column[block]
+            above |= column[:, None] > column[block]
+        dominated[block] = np.any(at_least & above, axis=0)
+    return np.flatnonzero(~dominated)
+
+
+def _undominated_sorted_index(rows: np.ndarray) -> np.ndarray:
+    """``_undominated_index`` of distinct rows in lexicographic order, for less work: a row that
+    dominates another is lexicographically greater, so only later rows need comparing, and a
+    row other than itself that is >= in every column is > in one."""
+    dominated = np.zeros(len(rows), bool)
+    columns = np.ascontiguousarray(rows.T)
+    for start in range(0, len(rows), 256):  # chunks bound the R x R comparison's memory
+        block = slice(start, start + 256)
+        at_least = np.ones((len(rows) - start, min(256, len(rows) - start)), bool)
+        for column in columns:
+            at_least &= column[start:, None] >= column[block]
+        dominated[block] = np.count_nonzero(at_least, axis=0) > 1  # more than the row itself
     return np.flatnonzero(~dominated)
 
 
