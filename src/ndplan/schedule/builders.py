@@ -96,29 +96,21 @@ class _Steps:
     a few rounds repeated: no Python work per op.
     """
 
-    __slots__ = ("kind", "chunk", "step_len")
+    __slots__ = ("rounds",)
 
     def __init__(self) -> None:
-        self.kind: list[int] = []
-        self.chunk: list[int] = []
-        self.step_len: list[int] = []
+        #: (count, steps): ``count`` rounds of the steps, each a tuple of (kind, chunk) ops.
+        self.rounds: list[tuple[int, tuple[tuple[_Slot, ...], ...]]] = []
 
     def steps(self, count: int, *steps: Sequence[_Slot]) -> None:
         """Append ``count`` rounds of ``steps`` (none where ``count`` <= 0); a step is a sequence
         of ops run as one unit, ordered F, B, W."""
-        if count <= 0:
-            return
-        self.kind += [kind for step in steps for kind, _ in step] * count
-        self.chunk += [chunk for step in steps for _, chunk in step] * count
-        self.step_len += [len(step) for step in steps] * count
+        if count > 0:
+            self.rounds.append((count, tuple(tuple(step) for step in steps)))
 
     def ops(self, count: int, *ops: _Slot) -> None:
         """Append ``count`` rounds of ``ops``, each op a step of its own."""
         self.steps(count, *((op,) for op in ops))
-
-
-def _flat(lists: list[list[int]]) -> NDArray[np.int64]:
-    return np.array(list(chain.from_iterable(lists)), dtype=np.int64)
 
 
 def _plans(stages: list[_Steps], micro_batches: int | None = None) -> list[StagePlan]:
@@ -126,12 +118,19 @@ def _plans(stages: list[_Steps], micro_batches: int | None = None) -> list[Stage
     of its kind on its chunk and stage. Where ``micro_batches`` is given, less the ops of
     micro-batches from it on (and the steps they leave empty).
 
-    The stages are numbered together, as one array each plan's arrays are views of: a plan of
-    many stages then costs a few numpy calls, not a few per stage."""
-    kind = _flat([o.kind for o in stages])
-    chunk = _flat([o.chunk for o in stages])
-    step_len = _flat([o.step_len for o in stages])
-    stage = np.repeat(np.arange(len(stages), dtype=np.int64), [len(o.kind) for o in stages])
+    All stages are expanded and numbered together, in arrays each stage's plan holds views of:
+    a plan of many stages costs a few numpy calls, not a few per stage or per op."""
+    # Each distinct round once in a table of ops (kind, chunk) and one of step lengths; the
+    # stages' rounds are then runs of table entries, repeated.
+    table: dict[tuple[tuple[_Slot, ...], ...], int] = {}
+    runs = [(s, count, table.setdefault(steps, len(table))) for s, o in enumerate(stages) for count, steps in o.rounds]
+    slots = [[op for step in steps for op in step] for steps in table]
+    lengths = [[len(step) for step in steps] for steps in table]
+    run_stage, count, pattern = (np.array(column, dtype=np.int64).reshape(-1) for column in zip(*runs, strict=True))
+    op_index = _runs(count, pattern, [len(ops) for ops in slots])
+    kind, chunk = np.array([op for ops in slots for op in ops], dtype=np.int64).reshape(-1, 2)[op_index].T
+    step_len = np.array([n for steps in lengths for n in steps], dtype=np.int64)[_runs(count, pattern, [len(n) for n in lengths])]
+    stage = np.repeat(run_stage, count * np.array([len(ops) for ops in slots], dtype=np.int64)[pattern])
     micro_batch = _rank_in_group((stage * 3 + kind) * (int(chunk.max(initial=0)) + 1) + chunk)
     step = np.repeat(np.arange(len(step_len), dtype=np.int64), step_len)  # across the stages
     if micro_batches is not None and np.any(micro_batch >= micro_batches):
@@ -143,10 +142,22 @@ def _plans(stages: list[_Steps], micro_batches: int | None = None) -> list[Stage
     op_at = np.searchsorted(stage, np.arange(len(stages) + 1)).tolist()  # each stage's first op
     step_at = [0, *(step[op_at[1:-1]] if len(step) else np.zeros(len(stages) - 1, np.int64)).tolist(), len(step_len)]
     return [
-        StagePlan(kind[a:b], micro_batch[a:b], chunk[a:b], np.zeros(b - a, dtype=np.int64),
-                  step_len[first:last], step[a:b] - first)
+        StagePlan(np.ascontiguousarray(kind[a:b]), micro_batch[a:b], np.ascontiguousarray(chunk[a:b]),
+                  np.zeros(b - a, dtype=np.int64), step_len[first:last], step[a:b] - first)
         for a, b, first, last in zip(op_at[:-1], op_at[1:], step_at[:-1], step_at[1:], strict=True)
     ]
+
+
+def _runs(count: NDArray[np.int64], pattern: NDArray[np.int64], sizes: list[int]) -> NDArray[np.int64]:
+    """Indices into a table of patterns laid end to end (pattern p has ``sizes[p]`` entries):
+    run i is ``count[i]`` times pattern ``pattern[i]``, the runs one after another."""
+    size = np.array(sizes, dtype=np.int64)[pattern]
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)[pattern]
+    length = count * size
+    run = np.repeat(np.arange(len(length)), length)
+    within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
+    index: NDArray[np.int64] = first[run] + within % size[run]
+    return index
 
 
 def _rank_in_group(group: NDArray[np.int64]) -> NDArray[np.int64]:
