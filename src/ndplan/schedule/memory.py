@@ -66,6 +66,9 @@ class InFlight:
     peak_total: [pp] peak over time of the sum across chunks of held_until_b (the chunks
         peak at different instants, so this can be less than peak.sum(axis=1)).
     stages: the op-boundary series, for weighting chunks of different sizes.
+    groups: the same series stacked for the stages that run as many ops (in most schedules,
+        all of them), ([stages, boundaries, chunks]), each with its stages' indices: for
+        callers that process every stage at once. The per-stage series are views of these.
     """
 
     schedule: str
@@ -77,6 +80,7 @@ class InFlight:
     peak_w: NDArray[np.float64]
     peak_total: NDArray[np.float64]
     stages: tuple[StageInFlight, ...]
+    groups: tuple[tuple[tuple[int, ...], StageInFlight], ...] = ()
 
     def peak_weighted(self, per_b: ArrayLike, per_w: ArrayLike = 0.0) -> NDArray[np.float64]:
         """Peak over time, per stage, of sum_c held_until_b*per_b[s, c] + held_until_w*per_w[s, c].
@@ -116,6 +120,7 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
     peak = np.zeros((pp, vpp))
     peak_w = np.zeros((pp, vpp))
     peak_total = np.zeros(pp)
+    groups = []
     # Stages that run as many ops are counted together, as one [stages, ops, chunks] array (in
     # most schedules every stage runs 2 or 3 ops per micro-batch and chunk: one array for all).
     lengths = np.array([len(st.kind) for st in plan])
@@ -125,6 +130,7 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
         series = tuple(_frozen(array) for array in _stage_series([plan[s] for s in members], n, vpp, seq_chunks, split))
         for i, s in enumerate(members.tolist()):
             stages[s] = StageInFlight(*(array[i] for array in series))
+        groups.append((tuple(members.tolist()), StageInFlight(*series)))
         held_b = series[0]
         peak[members] = held_b.max(axis=1)
         peak_w[members] = series[1].max(axis=1)
@@ -139,6 +145,7 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
         peak_w=_frozen(peak_w),
         peak_total=_frozen(peak_total),
         stages=tuple(st for st in stages if st is not None),
+        groups=tuple(groups),
     )
 
 
