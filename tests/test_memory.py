@@ -360,6 +360,31 @@ def test_skyline_of_a_time_series_equals_brute_force():
             assert {tuple(r) for r in got} == {tuple(r) for r in expected}
 
 
+def test_skylines_of_stages_together_equal_each_stage_alone():
+    """The skylines of several stages' series, pruned, sorted and compared together, are each
+    stage's own: its distinct undominated rows, lexicographic (or by the first used column
+    descending where at most two columns are used), whatever the other stages hold."""
+    from ndplan.memory.stages import _skylines
+
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        stages, length, width = int(rng.integers(1, 6)), int(rng.integers(2, 60)), int(rng.integers(2, 6))
+        steps = rng.integers(-1, 2, size=(stages, length, width))
+        steps[:, :, rng.integers(0, width)] *= trial % 2  # sometimes a column unused everywhere
+        series = np.maximum(np.cumsum(steps, axis=1), 0).astype(float)
+        series[0, :, 1:] *= trial % 3 != 0  # sometimes a stage that uses one column only
+        rows = series.reshape(-1, width)
+        stage = np.repeat(np.arange(stages), length)
+        got = _skylines(rows, stage, stages)
+        for s in range(stages):
+            distinct = np.unique(series[s], axis=0)
+            beaten = [any(np.all(o >= r) and np.any(o > r) for o in distinct) for r in distinct]
+            expected = distinct[~np.asarray(beaten)]
+            if np.count_nonzero(series[s].any(axis=0)) <= 2:
+                expected = expected[::-1]
+            np.testing.assert_array_equal(got[s], expected)
+
+
 @pytest.mark.parametrize("schedule,pp,vpp", [("zbv", 4, 2), ("dualpipev", 4, 2), ("dualpipev", 2, 2)])
 def test_v_frontier_past_the_steady_count_equals_the_full_simulation(schedule, pp, vpp):
     """A V schedule's frontier is pruned at the steady micro-batch count and its hand-over column

@@ -627,64 +627,138 @@ def _steady_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) 
         # no gradient exists yet; after the first backward, m - 1 and the gradients.
         return tuple(np.array([[float(m), 0.0, 0.0], [float(m - 1), 0.0, 1.0]]) for _ in range(pp))
     flight = in_flight(schedule, pp, vpp, m, seq_chunks)
-    frontiers = []
-    for s, stage in enumerate(flight.stages):
-        counts = [stage.held_until_b, stage.held_until_w]
+    frontiers: list[np.ndarray] = [np.empty(0)] * pp
+    # The stages with as many op boundaries (in most schedules, all of them) are done together.
+    for members, group in flight.groups:
+        counts = [group.held_until_b, group.held_until_w, group.grads_ready]  # [stages, boundaries, chunks]
         if schedule in SPLIT_BACKWARD:
-            counts += [stage.starts_w, stage.starts_first_w]
+            counts += [group.starts_w, group.starts_first_w]
         if schedule in V_SHAPE:
             # Hand-overs at the V's turn (the last stage: its first chunk's F hands the output
             # to its second, whose B hands the gradient back) so far, one column; zero on the
             # other stages, whose rows then stay dominated as before.
-            turn = s == pp - 1
-            handovers = stage.forwards_done[:, :1] + stage.backwards_done[:, 1:2]
-            counts.append(handovers if turn else np.zeros_like(handovers))
+            handovers = np.zeros((*group.held_until_b.shape[:2], 1))
+            if members[-1] == pp - 1:
+                handovers[-1, :, 0] = group.forwards_done[-1, :, 0] + group.backwards_done[-1, :, 1]
+            counts.append(handovers)
         # One skyline over every column, grads_ready's included (its weights, gradient bytes,
-        # are non-negative like the rest): the rows that can be a maximum.
-        frontiers.append(_undominated(np.hstack([counts[0], counts[1], stage.grads_ready, *counts[2:]])))
+        # are non-negative like the rest): the rows that can be a maximum. Rows a neighbour
+        # dominates go first, over every stage's series at once.
+        boundaries = group.held_until_b.shape[1]
+        kept = np.flatnonzero(_locally_undominated_columns([count[:, :, c] for count in counts
+                                                             for c in range(count.shape[2])]))
+        rows = np.concatenate([count.reshape(-1, count.shape[2])[kept] for count in counts], axis=1)
+        for s, frontier in zip(members, _skylines(rows, kept // boundaries, len(members)), strict=True):
+            frontiers[s] = frontier
     return tuple(frontiers)
 
 
 def _undominated(rows: np.ndarray) -> np.ndarray:
-    """The rows of ``rows`` that no other row is >= in every column (the skyline), with the
-    all-zero columns kept so the width is unchanged."""
-    used = np.flatnonzero(rows.any(axis=0))
-    if len(used) <= 1:
-        return rows[[int(np.argmax(rows[:, used[0]] if len(used) else np.zeros(len(rows))))]]
-    if len(used) == 2:  # duplicates fall to the strict comparison below
-        a, b = rows[:, used[0]], rows[:, used[1]]
-        order = np.lexsort((-b, -a))  # by a descending, then b descending
-        best_b = np.maximum.accumulate(b[order])
-        keep = np.concatenate([[True], b[order][1:] > best_b[:-1]])
-        return rows[order[keep]]
-    rows = _distinct_sorted(rows[_locally_undominated(rows[:, used])])
-    return rows[_undominated_index(rows[:, used])]  # the all-zero columns never decide
+    """The rows of ``rows`` (a time series, one row per op boundary) that no other row is >= in
+    every column (the skyline), with the all-zero columns kept so the width is unchanged."""
+    kept = np.flatnonzero(_locally_undominated_columns([column[None, :] for column in rows.T]))
+    return _skylines(rows[kept], np.zeros(len(kept), np.int64), 1)[0]
 
 
-def _locally_undominated(rows: np.ndarray) -> np.ndarray:
-    """Indices of the rows not dominated by a neighbour: row i goes where row i + 1 is >= it in
-    every column, or where row i - 1 is >= it in every column and > in one.
+#: Weights of a row's columns in the sort key that brings equal rows together (any weights do,
+#: repeated for wider rows: rows with equal keys are compared in full).
+_GROUPING_WEIGHTS = np.random.default_rng(0).random(64)
+
+
+def _skylines(rows: np.ndarray, stage: np.ndarray, stages: int) -> list[np.ndarray]:
+    """Per stage, the skyline of its rows (``rows[stage == s]``, in time order): the distinct
+    rows no other row of the stage is >= in every column, in lexicographic order, or by the first
+    used column descending where at most two columns are used (not all zero).
+
+    The stages are sorted and compared together, not one by one: a search asks for a few
+    thousand stages' skylines, of a few dozen rows each, where numpy's cost per call would be
+    most of the work."""
+    # Equal rows together, by stage and a weighted sum (one sort key, not one per column); the
+    # first of each run of equal rows kept: the distinct rows, a few twice where sums collide.
+    order = np.lexsort((rows @ np.resize(_GROUPING_WEIGHTS, rows.shape[1]), stage))
+    rows, stage = rows[order], stage[order]
+    fresh = np.ones(len(rows), bool)
+    fresh[1:] = (stage[1:] != stage[:-1]) | np.any(rows[1:] != rows[:-1], axis=1)
+    rows, stage = rows[fresh], stage[fresh]
+    # Distinct rows sorted by stage, then lexicographically (np.unique(axis=0) per stage).
+    order = np.lexsort((*rows.T[::-1], stage))
+    rows, stage = rows[order], stage[order]
+    fresh = np.ones(len(rows), bool)
+    fresh[1:] = (stage[1:] != stage[:-1]) | np.any(rows[1:] != rows[:-1], axis=1)
+    rows, stage = rows[fresh], stage[fresh]
+    # Most dominated rows are dominated by one of the next few in this order: dropped in O(rows)
+    # first, they leave the O(rows²) comparison few rows (its maxima, which dominate the rest,
+    # all stay).
+    near = ~_dominated_by_next(rows, stage, 4)
+    rows, stage = rows[near], stage[near]
+    undominated = ~_dominated_in_stage(rows, np.searchsorted(stage, np.arange(stages + 1)).tolist())
+    rows, stage = rows[undominated], stage[undominated]
+    bounds = np.searchsorted(stage, np.arange(stages + 1)).tolist()
+    # Every stage keeps a row (its largest stays), so no stage's run of rows is empty.
+    used = np.count_nonzero(np.logical_or.reduceat(rows != 0, bounds[:-1], axis=0), axis=1).tolist()
+    return [(rows[a:b] if count > 2 else rows[a:b][::-1]).copy()  # else the first used column descending
+            for a, b, count in zip(bounds[:-1], bounds[1:], used, strict=True)]
+
+
+def _locally_undominated_columns(columns: list[np.ndarray]) -> np.ndarray:
+    """[stages, rows] mask of the rows not dominated by a neighbour in their stage's series,
+    given column by column ([stages, rows] each): row i goes where row i + 1 is >= it in every
+    column, or where row i - 1 is >= it in every column and > in one.
 
     The rows are a time series, one per op boundary, and an op changes few columns, so most rows
     fall here in O(rows) rather than the skyline's O(rows²). Every row dropped is at most its
     kept neighbour's (following drops, which point one way along a run: i <= i + 1 and
-    i + 1 < i cannot both hold), so the distinct undominated rows all stay."""
-    below_next = np.zeros(len(rows), bool)
-    below_next[:-1] = np.all(rows[:-1] <= rows[1:], axis=1)
-    below_previous = np.zeros(len(rows), bool)
-    below_previous[1:] = np.all(rows[1:] <= rows[:-1], axis=1) & np.any(rows[1:] < rows[:-1], axis=1)
-    return np.flatnonzero(~(below_next | below_previous))
+    i + 1 < i cannot both hold), so the distinct undominated rows all stay. Column by column on
+    [stages, rows] arrays: numpy reduces a row's few columns slowly."""
+    shape = columns[0].shape
+    below_next = np.ones((shape[0], shape[1] - 1), bool)  # row i <= row i + 1 in every column
+    at_least_next = below_next.copy()  # row i >= row i + 1 in every column
+    above_next = np.zeros_like(below_next)  # row i > row i + 1 in some column
+    for column in columns:
+        this, after = column[:, :-1], column[:, 1:]
+        below_next &= this <= after
+        at_least_next &= this >= after
+        above_next |= this > after
+    kept = np.ones(shape, bool)
+    kept[:, :-1] &= ~below_next
+    kept[:, 1:] &= ~(at_least_next & above_next)
+    return kept
 
 
-def _distinct_sorted(rows: np.ndarray) -> np.ndarray:
-    """The distinct rows of ``rows`` in lexicographic order (``np.unique(rows, axis=0)``, which
-    sorts a structured copy: this sorts the few rows left by index)."""
-    if len(rows) <= 1:
-        return rows
-    rows = rows[np.lexsort(rows.T[::-1])]
-    fresh = np.ones(len(rows), bool)
-    fresh[1:] = np.any(rows[1:] != rows[:-1], axis=1)
-    return rows[fresh]
+def _dominated_by_next(rows: np.ndarray, stage: np.ndarray, reach: int) -> np.ndarray:
+    """Whether one of the next ``reach`` rows, in the same stage, is >= each row in every column,
+    for distinct rows (then it is > in one)."""
+    dominated = np.zeros(len(rows), bool)
+    for k in range(1, min(reach, len(rows) - 1) + 1):
+        dominated[:-k] |= (stage[k:] == stage[:-k]) & np.all(rows[k:] >= rows[:-k], axis=1)
+    return dominated
+
+
+def _dominated_in_stage(rows: np.ndarray, bounds: list[int]) -> np.ndarray:
+    """Whether another row of the same stage is >= each row in every column, for distinct rows
+    (then it is > in one) grouped by stage: stage s's rows are ``rows[bounds[s]:bounds[s + 1]]``.
+
+    Stages of alike sizes (the same power of two, at most) are compared together, each padded
+    to their largest with rows of -inf, which are >= no row: a few numpy calls for many stages,
+    each comparing its rows with one another only."""
+    dominated = np.zeros(len(rows), bool)
+    columns = np.ascontiguousarray(rows.T)
+    starts, sizes = np.array(bounds[:-1]), np.diff(bounds)
+    size_class = np.ceil(np.log2(sizes)).astype(np.int64)
+    for c in np.unique(size_class).tolist():
+        members = np.flatnonzero(size_class == c)
+        width = int(sizes[members].max())
+        # Stages at a time so that a [stages, width, width] comparison stays within 4M entries.
+        for part in np.array_split(members, -(-len(members) * width * width // (1 << 22))):
+            index = starts[part, None] + np.arange(width)  # [stages, width]
+            real = np.arange(width) < sizes[part, None]
+            padded = columns[:, np.where(real, index, 0)]  # [columns, stages, width]
+            padded[:, ~real] = -np.inf
+            at_least = np.ones((len(part), width, width), bool)  # [stage, j, i]: row j >= row i
+            for column in padded:  # column by column: numpy reduces a row's few columns slowly
+                at_least &= column[:, :, None] >= column[:, None, :]
+            dominated[index[real]] = (np.count_nonzero(at_least, axis=1) > 1)[real]  # more than itself
+    return dominated
 
 
 def _runs_of(values: np.ndarray) -> Iterator[tuple[int, slice | np.ndarray]]:
@@ -740,11 +814,16 @@ def _undominated_index(rows: np.ndarray) -> np.ndarray:
     """Indices of the rows of ``rows`` that no other row is >= in every column and > in one
     (equal rows all stay: a maximum is the same whichever is taken)."""
     dominated = np.zeros(len(rows), bool)
+    columns = np.ascontiguousarray(rows.T)
     for start in range(0, len(rows), 256):  # chunks bound the R x R comparison's memory
-        block = rows[start:start + 256]
-        at_least = np.all(rows[:, None, :] >= block[None, :, :], axis=2)
-        above = np.any(rows[:, None, :] > block[None, :, :], axis=2)
-        dominated[start:start + 256] = np.any(at_least & above, axis=0)
+        block = slice(start, start + 256)
+        # Column by column on [R, block] arrays: numpy reduces a short last axis slowly.
+        at_least = np.ones((len(rows), min(256, len(rows) - start)), bool)
+        above = np.zeros_like(at_least)
+        for column in columns:
+            at_least &= column[:, None] >= column[block]
+            above |= column[:, None] > column[block]
+        dominated[block] = np.any(at_least & above, axis=0)
     return np.flatnonzero(~dominated)
 
 

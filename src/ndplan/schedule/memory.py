@@ -66,6 +66,9 @@ class InFlight:
     peak_total: [pp] peak over time of the sum across chunks of held_until_b (the chunks
         peak at different instants, so this can be less than peak.sum(axis=1)).
     stages: the op-boundary series, for weighting chunks of different sizes.
+    groups: the same series stacked for the stages that run as many ops (in most schedules,
+        all of them), ([stages, boundaries, chunks]), each with its stages' indices: for
+        callers that process every stage at once. The per-stage series are views of these.
     """
 
     schedule: str
@@ -77,6 +80,7 @@ class InFlight:
     peak_w: NDArray[np.float64]
     peak_total: NDArray[np.float64]
     stages: tuple[StageInFlight, ...]
+    groups: tuple[tuple[tuple[int, ...], StageInFlight], ...] = ()
 
     def peak_weighted(self, per_b: ArrayLike, per_w: ArrayLike = 0.0) -> NDArray[np.float64]:
         """Peak over time, per stage, of sum_c held_until_b*per_b[s, c] + held_until_w*per_w[s, c].
@@ -116,14 +120,17 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
     peak = np.zeros((pp, vpp))
     peak_w = np.zeros((pp, vpp))
     peak_total = np.zeros(pp)
+    groups = []
     # Stages that run as many ops are counted together, as one [stages, ops, chunks] array (in
     # most schedules every stage runs 2 or 3 ops per micro-batch and chunk: one array for all).
     lengths = np.array([len(st.kind) for st in plan])
     for n in np.unique(lengths).tolist():
         members = np.flatnonzero(lengths == n)
-        series = _stage_series([plan[s] for s in members], n, vpp, seq_chunks, split)
+        # Read-only once per series: each stage's rows are views of it, read-only as well.
+        series = tuple(_frozen(array) for array in _stage_series([plan[s] for s in members], n, vpp, seq_chunks, split))
         for i, s in enumerate(members.tolist()):
-            stages[s] = StageInFlight(*(_frozen(array[i]) for array in series))
+            stages[s] = StageInFlight(*(array[i] for array in series))
+        groups.append((tuple(members.tolist()), StageInFlight(*series)))
         held_b = series[0]
         peak[members] = held_b.max(axis=1)
         peak_w[members] = series[1].max(axis=1)
@@ -138,6 +145,7 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
         peak_w=_frozen(peak_w),
         peak_total=_frozen(peak_total),
         stages=tuple(st for st in stages if st is not None),
+        groups=tuple(groups),
     )
 
 
@@ -168,15 +176,22 @@ def _stage_series(
         out[stage, rows, chunk] = values
         return out
 
-    held_b = np.cumsum(per_op(is_f.astype(np.float64) - is_b), axis=1) / seq_chunks
-    delta_w = per_op((is_b & ~b_with_w).astype(np.float64) - (is_w & ~w_with_b)) if split else np.zeros((count, n + 1, vpp))
-    held_w = np.cumsum(delta_w, axis=1) / seq_chunks
+    def held(values: NDArray[np.float64]) -> NDArray[np.float64]:
+        """Running total of each op's ``values`` in its chunk, in micro-batches (x / 1 is x:
+        whole micro-batches skip the division)."""
+        total = np.cumsum(per_op(values), axis=1)
+        return total / seq_chunks if seq_chunks != 1 else total
+
+    zeros = np.zeros((count, n + 1, vpp))
+    held_b = held(is_f.astype(np.float64) - is_b)
+    # Where the backward is not split, nothing waits for a W and no W starts: zero throughout.
+    held_w = held((is_b & ~b_with_w).astype(np.float64) - (is_w & ~w_with_b)) if split else zeros
     grads_ready = (np.cumsum(per_op((is_w if split else is_b).astype(np.float64)), axis=1) > 0).astype(np.float64)
-    forwards_done = np.cumsum(per_op(is_f.astype(np.float64)), axis=1) / seq_chunks
-    backwards_done = np.cumsum(per_op(is_b.astype(np.float64)), axis=1) / seq_chunks
-    starts_w = np.zeros((count, n + 1, vpp))
+    forwards_done = held(is_f.astype(np.float64))
+    backwards_done = held(is_b.astype(np.float64))
+    starts_w = np.zeros((count, n + 1, vpp)) if split else zeros
     if split:
         at_stage, at_op = np.nonzero(is_w & ~w_with_b)
         starts_w[at_stage, at_op, chunk[at_stage, at_op]] = 1.0  # op i starts at boundary i
-    starts_first_w = starts_w * (1.0 - grads_ready)
+    starts_first_w = starts_w * (1.0 - grads_ready) if split else zeros
     return held_b, held_w, grads_ready, forwards_done, backwards_done, starts_w, starts_first_w
