@@ -18,7 +18,7 @@ from ndplan.search import OVER_MEMORY, default_space, pareto_front, run_search, 
 from ndplan.search.run import DUPLICATE, NOT_RUNNABLE
 from ndplan.search.screen import fields_read, screened_blocks
 from ndplan.search.space import DIMENSIONS, FIELD_DIMENSIONS
-from ndplan.strategy import RULES, Strategy, StrategyBatch, check_strategy, get_precision, valid_mask
+from ndplan.strategy import RULES, Strategy, StrategyBatch, check_strategy, get_precision
 from ndplan.strategy.rules import RuleContext
 
 TINY_MOE = ModelSpec(
@@ -268,28 +268,6 @@ def test_static_bound_is_a_function_of_the_static_fields(runtime):
         each[index] = out["device"].max(axis=1)
     assert len(batch.distinct(STATIC_FIELDS)[0]) < len(batch) // 4
     np.testing.assert_array_equal(static_lower_bound(TINY_MOE, batch, options), each)
-
-
-@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
-def test_held_bound_is_a_function_of_the_held_fields(runtime):
-    """A search prices held_lower_bound once per combination of HELD_FIELDS' dimensions: the
-    fields it leaves out (the kind of context parallelism) must not move it."""
-    from ndplan.memory.stages import HELD_FIELDS, held_lower_bound
-
-    space = _space(dims=("tp", "sp", "cp", "ep", "pp", "schedule", "zero", "recompute"))
-    batch = space.batch(np.arange(space.size))
-    batch = batch.take(np.flatnonzero(valid_mask(batch, RuleContext(TINY_MOE, space.num_devices))))
-    options = MemoryOptions(runtime=runtime)
-    reference = held_lower_bound(TINY_MOE, batch, options)
-    rng = np.random.default_rng(1)
-    left_out = [name for name in batch.array_fields() if name not in HELD_FIELDS]
-    assert left_out == ["cp_kind", "ulysses_degree"]
-    varied = StrategyBatch(**{
-        name: rng.integers(0, 3, len(batch)) if name == "cp_kind" else rng.choice([1, 2], len(batch))
-        if name == "ulysses_degree" else getattr(batch, name) for name in batch.array_fields()
-    }, precision=batch.precision)
-    assert np.any(varied.cp_kind != batch.cp_kind) and np.any(batch.cp > 1)
-    np.testing.assert_array_equal(held_lower_bound(TINY_MOE, varied, options), reference)
 
 
 def _balance_every_candidate(model, space, result, limit, *, one_setting=False):

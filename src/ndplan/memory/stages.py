@@ -1143,10 +1143,10 @@ def stage_memory(
 
 def _sorted_groups(
     model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, stage_layers: tuple[int, ...] | None,
-    *, static_only: bool = False, device_only: bool = False, bound_only: bool = False,
+    *, static_only: bool = False, device_only: bool = False,
 ) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray]]]:
     """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays; only
-    "device" with ``static_only`` or ``device_only``; only "bound" with ``bound_only``)."""
+    "device" with ``static_only`` or ``device_only``)."""
     groups = batch.groups(PIPELINE_SHAPE)
     by_group = np.concatenate([index for _, index in groups])
     sizes = [len(index) for _, index in groups]
@@ -1181,8 +1181,7 @@ def _sorted_groups(
         start += len(index)
         rows = np.arange(part.start, part.stop)
         yield key, index, _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
-                                          None if static_only else acts.take(combination[part]), device_only=device_only,
-                                          bound_only=bound_only)
+                                          None if static_only else acts.take(combination[part]), device_only=device_only)
 
 
 def _gathered(values: np.ndarray, first: np.ndarray | None, then: np.ndarray) -> np.ndarray:
@@ -1232,25 +1231,6 @@ def peak_memory(
     for _key, index, out in _sorted_groups(model, batch, options, None, device_only=True):
         peak[index], stage[index] = _first_max(out["device"].T)
     return peak, stage
-
-
-#: The fields of a strategy that ``held_lower_bound`` reads (a test perturbs the others): all but
-#: the kind of context parallelism, which changes only its communication buffers.
-HELD_FIELDS = tuple(name for name in StrategyBatch.array_fields() if name not in ("cp_kind", "ulysses_degree"))
-
-
-def held_lower_bound(
-    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None
-) -> np.ndarray:
-    """Per strategy, a lower bound of ``peak_memory``'s peak (bytes) from the static state and the
-    activations and gradients held at the schedule's worst moment (``_held_lower_bound``), the
-    rest of the forward/backward terms left out: at a fraction of the full model's work, most of
-    the strategies a search finds over its limit are found so by this. A function of HELD_FIELDS."""
-    options = options or MemoryOptions()
-    bound = np.zeros(len(batch))
-    for _key, index, out in _sorted_groups(model, batch, options, None, bound_only=True):
-        bound[index] = out["bound"]
-    return bound
 
 
 def _first_max(by_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1532,55 +1512,6 @@ def _receive_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOpti
     return _to_stages(receive_virtual, shape.chunks)
 
 
-#: The held lower bound is rounded down by this part of itself: its terms are those of the full
-#: figure, summed in another order, so where the full figure has nothing else they may round
-#: apart by an ulp; the margin keeps the bound a bound.
-_BOUND_MARGIN = 1e-12
-
-
-def _held_lower_bound(
-    schedule: str, pp: int, vpp: int, seq_chunks: int, batch: StrategyBatch, shape: _GroupShape,
-    static: _StaticState, per_b_virtual: np.ndarray, grads: list[np.ndarray | None] | None, grads_in_schedule: bool,
-) -> np.ndarray:
-    """A lower bound of the device peak over the stages [n] (bytes): what ``_evaluate_group``
-    adds up at the forward/backward peak, less terms that are >= 0 by construction:
-
-        reserved(params + optimizer (+ grads where static) + held) + fixed
-
-    with "held" the peak over the frontier's columns of what is held until B and of the
-    gradients a schedule makes (``grads``: the frontier's gradient columns, None where they are
-    static). Left out, each >= 0: what is held until W (and the frontier rows W alone kept,
-    dominated here), the weight-gradient steps, the communication buffers (net of what a V's
-    turn hands over), the transient working set, the FSDP unit moments (their worst is >= 0
-    counting the activations they credit, and with one micro-batch the gradients made by then
-    are added back). A single micro-batch's two candidate peaks, the loss phase and the
-    backward's end, hold params + optimizer + held until B and params + grads + optimizer. The
-    optimizer step holds params + grads + optimizer (+ its temporaries): the larger of the two
-    is the bound. The device total grows with the allocation."""
-    weights: list[np.ndarray | None] = [_chunk_column(per_b_virtual, shape.chunks, c) for c in range(vpp)]
-    single = np.flatnonzero(batch.micro_batches_per_step == 1)
-    if grads is not None and single.size:
-        # One micro-batch's peak is the loss phase or the backward's end, neither of which holds a
-        # chunk's activations beside another's gradients: none are counted with the held ones.
-        grads = [None if g is None else g.copy(order="F") for g in grads]
-        for g in grads:
-            if g is not None:
-                g[single] = 0.0
-    _, held, _ = _held_peak(schedule, pp, vpp, seq_chunks, batch.num_micro_batches, [*weights, *([None] * vpp)],
-                            grads, shape.pattern_of)
-    always = static.params + static.optimizer
-    if not grads_in_schedule:
-        always = always + static.grads
-    shape.combine_by_stage(held, always)
-    # The device total is reserved(allocated) + fixed, which grows with the allocation: its
-    # largest stage is the one of the largest allocation, taken first (over [n], not [pp, n]).
-    allocated = np.maximum(held.max(axis=0), (static.params + static.grads + static.optimizer).max(axis=1))
-    allocated *= 1.0 - _BOUND_MARGIN
-    device = static.overhead.reserved(allocated)
-    device += static.overhead.fixed_bytes
-    return device
-
-
 def _evaluate_group(
     model: ModelSpec,
     batch: StrategyBatch,
@@ -1592,12 +1523,10 @@ def _evaluate_group(
     acts: LayerActivations | None,
     *,
     device_only: bool = False,
-    bound_only: bool = False,
 ) -> dict[str, np.ndarray]:
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
     ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
-    ``device_only``: only "device", the figures of the stages in between are not expanded; with
-    ``bound_only``: only "bound" [n], the held lower bound of the peak, ``_held_lower_bound``).
+    ``device_only``: only "device", the figures of the stages in between are not expanded).
 
     Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
     arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
@@ -1739,9 +1668,6 @@ def _evaluate_group(
             per_grads[deferred_rows] = static.elements_virtual(deferred_rows) * grad_bytes
             per_grads[static_rows] = 0.0
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
-    if bound_only:
-        return {"bound": _held_lower_bound(schedule, pp, vpp, seq_chunks, batch, shape, static, per_b_virtual,
-                                            extra, grads_in_schedule)}
     split = schedule in SPLIT_BACKWARD
     per_w_virtual: np.ndarray | None = None  # nothing waits for W without a split backward
     if not split:
@@ -2405,5 +2331,5 @@ def _activation_kinds(
 
 __all__ = [
     "ACTIVATION_KINDS", "CATEGORIES", "STATIC_KINDS", "MemoryOptions", "RuntimeOverhead", "StageMemory",
-    "held_lower_bound", "peak_memory", "stage_memory",
+    "peak_memory", "stage_memory",
 ]

@@ -18,7 +18,7 @@ from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.report import known_gaps
-from ndplan.memory.stages import HELD_FIELDS, STATIC_FIELDS, held_lower_bound, peak_memory, static_lower_bound
+from ndplan.memory.stages import STATIC_FIELDS, peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
 from ndplan.search.screen import Check, PartFields, screened_blocks
@@ -150,29 +150,25 @@ def _front(order: np.ndarray, peak: np.ndarray) -> np.ndarray:
     return order[improves]
 
 
-def _dimensions(fields: tuple[str, ...]) -> frozenset[str]:
-    """The dimensions of a search whose values ``fields`` depend on (the others are the same for
-    every candidate of a part of the space)."""
-    return frozenset(dim for name in fields for dim in FIELD_DIMENSIONS.get(name, ()))
+#: The dimensions of a search whose values the fields of ``static_lower_bound`` depend on (the
+#: others are the same for every candidate of a part of the space).
+STATIC_DIMENSIONS = frozenset(dim for name in STATIC_FIELDS for dim in FIELD_DIMENSIONS.get(name, ()))
 
 
-class _CombinationBounds:
-    """A lower bound of a part's candidates' peaks, by position, that is a function of a few of
-    their fields (``fields``), so of the candidate's combination of the dimensions they depend
-    on: priced once per combination the first time a candidate of it needs it and looked up
-    after (the survivors of a block share combinations many at a time, and blocks share them
-    with the next ones). ``bound(model, batch, options)`` prices one strategy per row."""
+class _StaticBounds:
+    """``static_lower_bound`` of a part's candidates, by position: a function of STATIC_FIELDS,
+    so of the candidate's combination of STATIC_DIMENSIONS, priced once per combination the
+    first time a candidate of it needs it and looked up after (the survivors of a block share
+    combinations many at a time, and blocks share them with the next ones)."""
 
-    def __init__(self, bound: Callable[[ModelSpec, StrategyBatch, MemoryOptions | None], np.ndarray],
-                 fields: tuple[str, ...], model: ModelSpec, options: MemoryOptions | None):
-        self.function, self.dimensions = bound, _dimensions(fields)
+    def __init__(self, model: ModelSpec, options: MemoryOptions | None):
         self.model, self.options = model, options
         self.part: PartFields | None = None
         self.bound, self.known = np.zeros(0), np.zeros(0, dtype=bool)
 
     def at(self, part: PartFields, position: np.ndarray) -> np.ndarray:
         """The bound of the candidates at ``position`` in ``part``."""
-        combination, count = part.combination(position, self.dimensions)
+        combination, count = part.combination(position, STATIC_DIMENSIONS)
         if part is not self.part:
             self.part, self.bound, self.known = part, np.zeros(count), np.zeros(count, dtype=bool)
         missing = ~self.known.take(combination)
@@ -182,7 +178,7 @@ class _CombinationBounds:
             stand_in = np.full(count, -1, dtype=np.int64)
             stand_in[combination[missing]] = position[missing]
             new = np.flatnonzero(stand_in >= 0)
-            self.bound[new] = self.function(self.model, part.batch(stand_in[new]), self.options)
+            self.bound[new] = static_lower_bound(self.model, part.batch(stand_in[new]), self.options, distinct=True)
             self.known[new] = True
         return self.bound.take(combination)
 
@@ -296,12 +292,7 @@ def run_search(
     if IMPOSSIBLE_IMBALANCE in rejected:
         reasons.append(IMPOSSIBLE_IMBALANCE)
         checks.append(partial(_reaches_imbalance, model=model, imbalance=imbalance))
-    # Two lower bounds of the peak reject first, each priced once per combination of the fields
-    # it reads: the static state alone (few combinations), then with the activations and gradients
-    # held at the schedule's worst moment (most of the rest over the limit). The full memory
-    # model prices what is left; the fitting set is the same.
-    static_bounds = _CombinationBounds(partial(static_lower_bound, distinct=True), STATIC_FIELDS, model, options)
-    held_bounds = _CombinationBounds(held_lower_bound, HELD_FIELDS, model, options)
+    static_bounds = _StaticBounds(model, options)
     for block in screened_blocks(space, checks, block_size):
         for reason, count in zip(reasons, block.rejected.tolist(), strict=True):
             rejected[reason] += count
@@ -309,16 +300,16 @@ def run_search(
         done += block.listed
         valid = index[:0]
         if len(index):
+            # The static state alone (a lower bound of the peak) already rejects many; the full
+            # memory model prices the rest. The fitting set is the same.
+            lower = static_bounds.at(block.part, block.position)
+            cannot = lower > limit
             evaluated += len(index)
-            valid = np.arange(len(index))
-            for bounds in (static_bounds, held_bounds):
-                lower = bounds.at(block.part, block.position[valid])
-                cannot = lower > limit
-                rejected[OVER_MEMORY] += int(np.count_nonzero(cannot))
-                if cannot.any():
-                    bounded_index.append(index[valid[cannot]])
-                    bounded_lower.append(lower[cannot])
-                valid = valid[~cannot]
+            rejected[OVER_MEMORY] += int(np.count_nonzero(cannot))
+            if cannot.any():
+                bounded_index.append(index[cannot])
+                bounded_lower.append(lower[cannot])
+            valid = np.flatnonzero(~cannot)
         if len(valid):
             if pending and (pending[-1][2] is not block.part or pending_count + len(valid) > block_size):
                 # A batch holds one part's candidates (one precision, one set of modules each), and

@@ -141,13 +141,9 @@ class StrategyBatch:
         return self.num_micro_batches * self.pipeline_runs
 
     def take(self, index: IntArray | slice) -> StrategyBatch:
-        """The strategies at ``index`` (an integer array, a boolean mask, or a slice: views). A
-        field that is one value broadcast (read-only) stays one, not gathered."""
-        taken = len(range(len(self))[index]) if isinstance(index, slice) else (
-            int(np.count_nonzero(index)) if np.asarray(index).dtype == bool else len(index))
-        return StrategyBatch(**{n: _taken(getattr(self, n), index, taken) for n in self.array_fields()},
-                             precision=self.precision, recompute_modules=self.recompute_modules,
-                             offload_modules=self.offload_modules)
+        """The strategies at ``index`` (an integer array, a boolean mask, or a slice: views)."""
+        return StrategyBatch(**{n: getattr(self, n)[index] for n in self.array_fields()}, precision=self.precision,
+                             recompute_modules=self.recompute_modules, offload_modules=self.offload_modules)
 
     def row(self, i: int) -> Strategy:
         """Strategy ``i`` of the batch."""
@@ -239,14 +235,6 @@ class StrategyBatch:
 
 #: Field values spanning fewer than this many are coded by value in ``StrategyBatch.distinct``.
 _SMALL_RANGE = 16
-
-
-def _taken(values: IntArray, index: IntArray | slice, taken: int) -> IntArray:
-    """``values[index]``, or where ``values`` is one value broadcast (stride 0), that value
-    broadcast to the ``taken`` rows: not gathered into a new array."""
-    if values.ndim == 1 and values.strides == (0,):
-        return np.broadcast_to(values[:1], (taken,))
-    return values[index]
 
 
 def dense_codes(values: IntArray, low: int | None = None, high: int | None = None) -> tuple[np.ndarray, int]:
