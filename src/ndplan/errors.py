@@ -6,7 +6,9 @@ import difflib
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class NdplanError(ValueError):
@@ -52,3 +54,14 @@ def read_text(path: str | os.PathLike[str]) -> str:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise NdplanError(f"{path}: not a UTF-8 text file ({error.reason} at byte {error.start})") from None
+
+
+def parse_nested(parse: Callable[[str], T], text: str, source: object, syntax: str) -> T:
+    """``parse(text)`` (json.loads, yaml.safe_load, tomllib.loads); a document nested deeper than
+    the parser's recursion allows (``[[[[...`` a hundred thousand times) is an NdplanError naming
+    ``source`` instead of a RecursionError traceback. Real configs nest a few levels."""
+    try:
+        return parse(text)
+    except RecursionError:
+        raise NdplanError(f"{source}: malformed {syntax}: nested too deeply to read (lists or mappings "
+                          "inside each other hundreds of levels down; a config nests a few)") from None

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ndplan.census.record import CensusRecord, Recompute, SavedOp
-from ndplan.errors import NdplanError, read_text
+from ndplan.errors import NdplanError, parse_nested, read_text
 
 EXTRA_MESSAGE = "census needs the optional extra: pip install 'ndplan[census]' (torch==2.13.0, transformers)"
 
@@ -378,7 +378,7 @@ def load_hf_config(path_or_preset: str) -> tuple[str, dict[str, Any]]:
     else:
         name = p.stem if p.name != "config.json" else p.parent.name
     try:
-        data = json.loads(read_text(p))
+        data = parse_nested(json.loads, read_text(p), f"census: {p}", "JSON")
     except (OSError, json.JSONDecodeError) as e:
         raise NdplanError(f"census: cannot read {p}: {e}") from None
     if not isinstance(data, dict):

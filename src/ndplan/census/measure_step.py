@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ndplan.errors import NdplanError, read_text
+from ndplan.errors import NdplanError, parse_nested, read_text
 from ndplan.strategy import Strategy
 
 #: The schema of a measured-memory JSON file (written by ``ndplan measure --out``, or by hand from
@@ -315,7 +315,7 @@ def _strategy_from(raw_strategy: Any, source: str) -> Strategy:
 def load_measurement(path: str | Path, *, model: str | None = None, strategy: Strategy | None = None) -> StepMeasurement:
     p = Path(path)
     try:
-        data = json.loads(read_text(p))
+        data = parse_nested(json.loads, read_text(p), p, "JSON")
     except OSError as error:
         raise NdplanError(f"{p}: cannot read: {error.strerror or error}") from None
     except json.JSONDecodeError as error:

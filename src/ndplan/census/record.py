@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ndplan.errors import NdplanError, read_text
+from ndplan.errors import NdplanError, parse_nested, read_text
 
 SCHEMA_VERSION = 1
 
@@ -170,7 +170,7 @@ def to_json(records: list[CensusRecord] | CensusRecord, *, indent: int | None = 
 def from_json(text: str, *, source: str = "census JSON") -> list[CensusRecord]:
     """Parse a census file's text (the ``to_json`` form, a bare list of records, or one record)."""
     try:
-        data = json.loads(text)
+        data = parse_nested(json.loads, text, source, "JSON")
     except json.JSONDecodeError as e:
         raise NdplanError(f"{source}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if isinstance(data, dict) and "records" in data:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, parse_nested
 from ndplan.model.hf import first_validation_error
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import uniform_layer_counts
@@ -138,7 +138,7 @@ class LineIndex:
         lines: dict[tuple[str, ...], int] = {}
         try:
             root = yaml.compose(text, Loader=yaml.SafeLoader)
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError):  # the loader reports it
             return cls()
 
         def walk(node: Any, path: tuple[str, ...]) -> None:
@@ -328,7 +328,7 @@ def read_text(path: Path) -> str:
 
 def load_yaml(path: Path, text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return parse_nested(yaml.safe_load, text, path, "YAML")
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -338,7 +338,7 @@ def load_yaml(path: Path, text: str) -> Any:
 
 def load_json(path: Path, text: str) -> Any:
     try:
-        return json.loads(text)
+        return parse_nested(json.loads, text, path, "JSON")
     except json.JSONDecodeError as error:
         raise NdplanError(f"{path}:{error.lineno}: malformed JSON: {error.msg}") from None
 
@@ -349,7 +349,7 @@ def load_toml(path: Path, text: str) -> dict[str, Any]:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
     try:
-        return tomllib.loads(text)
+        return parse_nested(tomllib.loads, text, path, "TOML")
     except tomllib.TOMLDecodeError as error:
         message = str(error)
         found = re.search(r"\(at line (\d+), column \d+\)", message)

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from ndplan.errors import read_text
+from ndplan.errors import parse_nested, read_text
 from ndplan.io.common import (
     ReadResult,
     Section,
@@ -119,7 +119,7 @@ def _model(section: Section, path: Path, base: ModelSpec | None, warnings: list[
                 break
         if config_file is not None:
             try:
-                config = json.loads(read_text(config_file))
+                config = parse_nested(json.loads, read_text(config_file), config_file, "JSON")
             except json.JSONDecodeError as error:
                 raise src.error(section.label(where), f"{config_file}:{error.lineno}: malformed JSON: {error.msg}",
                                 section.line(where)) from None

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ndplan.errors import NdplanError, did_you_mean, read_text
+from ndplan.errors import NdplanError, did_you_mean, parse_nested, read_text
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, SCHEDULES
 
@@ -323,7 +323,7 @@ def get_profile(name: str) -> RuntimeProfile:
         if not path.is_file():
             raise NdplanError(f"{path}: no such runtime profile file")
         try:
-            data = yaml.load(read_text(path), Loader=_SAFE_LOADER)
+            data = parse_nested(lambda text: yaml.load(text, Loader=_SAFE_LOADER), read_text(path), path, "YAML")
         except yaml.YAMLError as error:
             where = getattr(error, "problem_mark", None)
             line = f":{where.line + 1}" if where is not None else ""

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, read_text, require_name
+from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, parse_nested, read_text, require_name
 from ndplan.model.hf import first_validation_error, spec_from_hf_config
 from ndplan.model.spec import ModelSpec
 
@@ -68,8 +68,8 @@ def read_structured_file(path: Path) -> Any:
     text = read_text(path)
     try:
         if path.suffix.lower() == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
+            return parse_nested(json.loads, text, path, "JSON")
+        return parse_nested(yaml.safe_load, text, path, "YAML")
     except json.JSONDecodeError as error:
         raise NdplanError(f"{path}:{error.lineno}: malformed JSON: {error.msg}") from None
     except yaml.YAMLError as error:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ndplan.errors import NdplanError, read_text
+from ndplan.errors import NdplanError, parse_nested, read_text
 
 
 def add_report_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -58,7 +58,7 @@ def load_result(source: str) -> dict[str, Any]:
     except OSError as error:
         raise NdplanError(f"cannot read {source}: {error.strerror or error}") from None
     try:
-        data = json.loads(text)
+        data = parse_nested(json.loads, text, source, "JSON")
     except json.JSONDecodeError as error:
         raise NdplanError(f"{source} is not valid JSON (line {error.lineno}: {error.msg})") from None
     if not isinstance(data, dict):
