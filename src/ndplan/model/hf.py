@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ndplan.errors import NdplanError
-from ndplan.model.spec import MlpKind, ModelSpec
+from ndplan.model.spec import MAX_LAYERS, MAX_SIZE, MlpKind, ModelSpec
 
 HfConfig = Mapping[str, Any]
 
@@ -23,8 +23,11 @@ _MISSING = object()
 _AT_LEAST_ONE = frozenset({
     "num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers", "vocab_size",
     "intermediate_size", "num_local_experts", "decoder_sparse_step", "moe_layer_freq", "moe_intermediate_size",
-    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
+    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "head_dim",
 })
+
+#: Counts of layers, bounded by MAX_LAYERS (every other field by MAX_SIZE).
+_LAYER_COUNTS = frozenset({"num_hidden_layers", "num_nextn_predict_layers"})
 
 
 class _Reader:
@@ -52,6 +55,9 @@ class _Reader:
         least = 1 if key in _AT_LEAST_ONE else 0
         if value < least:
             raise NdplanError(f"{self.source}: field '{key}' must be at least {least}, got {value}")
+        most = MAX_LAYERS if key in _LAYER_COUNTS else MAX_SIZE
+        if value > most:
+            raise NdplanError(f"{self.source}: field '{key}' must be at most {most:,}, got {value}")
         return value
 
     def flag(self, key: str, default: bool) -> bool:
@@ -66,7 +72,16 @@ class _Reader:
 def _attention_fields(r: _Reader) -> dict[str, Any]:
     heads = r.integer("num_attention_heads")
     hidden = r.integer("hidden_size")
-    head_dim = r.config.get("head_dim") or hidden // heads
+    # transformers takes hidden_size // num_attention_heads where head_dim is absent, null or 0.
+    stated = r.config.get("head_dim")
+    if not (stated is None or type(stated) is int and stated == 0):
+        head_dim = r.integer("head_dim")
+    else:
+        head_dim = hidden // heads
+        if head_dim < 1:
+            raise NdplanError(f"{r.source}: no field 'head_dim', and hidden_size / num_attention_heads = "
+                              f"{hidden} / {heads} gives 0; hidden_size must be at least num_attention_heads "
+                              "(or give head_dim)")
     return {
         "num_attention_heads": heads,
         "num_kv_heads": r.integer("num_key_value_heads", heads),
@@ -76,13 +91,16 @@ def _attention_fields(r: _Reader) -> dict[str, Any]:
 
 def _common_fields(r: _Reader) -> dict[str, Any]:
     act = r.get("hidden_act", "silu")
+    if not isinstance(act, str):
+        raise NdplanError(f"{r.source}: field 'hidden_act' must be an activation name (a string such as 'silu'), "
+                          f"got {act!r}")
     return {
         "model_type": r.model_type,
         "num_layers": r.integer("num_hidden_layers"),
         "hidden_size": r.integer("hidden_size"),
         "vocab_size": r.integer("vocab_size"),
         "tie_word_embeddings": r.flag("tie_word_embeddings", False),
-        "activation": str(act),
+        "activation": act,
         "max_position_embeddings": r.integer("max_position_embeddings", 0),
         **_attention_fields(r),
     }
@@ -98,8 +116,9 @@ def _attention_spans(r: _Reader, num_layers: int, window: int | None,
     slides where ``sliding(i)``; no window, no sliding layer."""
     if not window:
         return {}
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise NdplanError(f"{r.source}: field 'sliding_window' must be a positive integer or null, got {window!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_SIZE:
+        raise NdplanError(f"{r.source}: field 'sliding_window' must be a positive integer or null "
+                          f"(at most {MAX_SIZE:,}), got {window!r}")
     types = r.config.get("layer_types") if reads_layer_types else None
     if types is not None:
         if not isinstance(types, list) or len(types) != num_layers or any(not isinstance(t, str) or t not in _SPANS for t in types):
@@ -175,7 +194,11 @@ def _mixtral(r: _Reader) -> dict[str, Any]:
 
 
 def _qwen_moe_kinds(r: _Reader, num_layers: int, num_experts: int) -> tuple[MlpKind, ...]:
-    dense_only = set(r.get("mlp_only_layers", []) or [])
+    listed = r.get("mlp_only_layers", []) or []
+    if not isinstance(listed, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in listed):
+        raise NdplanError(f"{r.source}: field 'mlp_only_layers' must be a list of layer indices (integers, "
+                          f"e.g. [0, 1]), got {listed!r}")
+    dense_only = set(listed)
     step = r.integer("decoder_sparse_step", 1)
     if step < 1:
         raise NdplanError(f"{r.source}: field 'decoder_sparse_step' must be >= 1, got {step}")
@@ -307,7 +330,7 @@ def spec_from_hf_config(config: HfConfig, *, name: str, source: str = "config.js
     if not isinstance(config, Mapping):
         raise NdplanError(f"{source}: expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
-    if model_type not in READERS:
+    if not isinstance(model_type, str) or model_type not in READERS:
         raise NdplanError(
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(READERS)} "
             "(for another architecture write an ndplan model spec in YAML/JSON)"

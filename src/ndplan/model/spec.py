@@ -10,6 +10,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+#: The most decoder layers (and MTP modules) a model may have. No model comes near (DeepSeek-V3
+#: has 61); the bound keeps a typo'd count from building per-layer tuples of billions of entries.
+MAX_LAYERS = 100_000
+
+#: The largest width or count (hidden size, head_dim, vocabulary, experts, window...) a model may
+#: state: far above any real model, and low enough that the memory and time formulas stay within
+#: 64-bit integers instead of overflowing.
+MAX_SIZE = 2**32
+
 MlpKind = Literal["dense", "moe"]
 AttentionSpan = Literal["full", "sliding"]
 AttentionKind = Literal["mha", "gqa", "mqa", "mla"]
@@ -36,7 +45,7 @@ class ModelSpec(BaseModel):
     name: str = Field(min_length=1)
     model_type: str = "custom"
 
-    num_layers: int = Field(gt=0)
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
     hidden_size: int = Field(gt=0)
     ffn_hidden_size: int = Field(ge=0, description="width of the dense MLP (0 if every layer is MoE)")
     num_attention_heads: int = Field(gt=0)
@@ -77,7 +86,7 @@ class ModelSpec(BaseModel):
     expert_bias: bool = False  # biases on every routed expert's projections (gpt-oss)
     layer_mlp_kinds: tuple[MlpKind, ...] = ()
 
-    mtp_depth: int = Field(default=0, ge=0, description="multi-token-prediction modules")
+    mtp_depth: int = Field(default=0, ge=0, le=MAX_LAYERS, description="multi-token-prediction modules")
     max_position_embeddings: int = Field(default=0, ge=0)
     sliding_window: int = Field(default=0, ge=0, description="keys a sliding layer's query attends, itself "
                                                             "included (0: no sliding layers)")
@@ -87,23 +96,23 @@ class ModelSpec(BaseModel):
     @classmethod
     def _default_layer_kinds(cls, data: object) -> object:
         # A spec without per-layer kinds is homogeneous: all MoE if it has experts, else dense.
-        if isinstance(data, dict) and not data.get("layer_mlp_kinds") and "num_layers" in data:
-            kind = "moe" if data.get("num_experts", 0) else "dense"
-            try:
-                data = {**data, "layer_mlp_kinds": (kind,) * int(data["num_layers"])}
-            except (TypeError, ValueError):
-                pass  # the field validator reports the bad num_layers
-        if isinstance(data, dict) and not data.get("layer_attention_spans") and "num_layers" in data:
+        # A bad num_layers (not a count, or over MAX_LAYERS: gigabytes of tuple) builds nothing;
+        # its field validator reports it.
+        if not isinstance(data, dict) or not _countable(data.get("num_layers")):
+            return data
+        layers = int(data["num_layers"])
+        if not data.get("layer_mlp_kinds"):
+            data = {**data, "layer_mlp_kinds": ("moe" if data.get("num_experts", 0) else "dense",) * layers}
+        if not data.get("layer_attention_spans"):
             # A window without a pattern slides on every layer, as Mistral's config means it.
-            span = "sliding" if data.get("sliding_window") else "full"
-            try:
-                data = {**data, "layer_attention_spans": (span,) * int(data["num_layers"])}
-            except (TypeError, ValueError):
-                pass
+            data = {**data, "layer_attention_spans": ("sliding" if data.get("sliding_window") else "full",) * layers}
         return data
 
     @model_validator(mode="after")
     def _check_consistency(self) -> ModelSpec:
+        for field_name, value in self:
+            if type(value) is int and value > MAX_SIZE:
+                raise ValueError(f"field '{field_name}' must be at most {MAX_SIZE:,} (2^32), got {value}")
         if len(self.layer_mlp_kinds) != self.num_layers:
             raise ValueError(
                 f"layer_mlp_kinds has {len(self.layer_mlp_kinds)} entries but num_layers={self.num_layers}"
@@ -193,3 +202,11 @@ class ModelSpec(BaseModel):
     def mlp_matrices(self) -> int:
         """Weight matrices per MLP: gate, up and down when gated (SwiGLU), up and down otherwise."""
         return 3 if self.gated_mlp else 2
+
+
+def _countable(num_layers: object) -> bool:
+    """Whether ``num_layers`` is a layer count per-layer tuples can be built for."""
+    try:
+        return 0 < int(num_layers) <= MAX_LAYERS  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return False
