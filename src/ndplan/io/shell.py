@@ -69,6 +69,11 @@ class ShellSyntaxError(Exception):
         self.message = message
 
 
+#: The most one word, variable or command may expand to (characters plus pieces): a launch
+#: script's hold a few kB; ``A=$A$A$A$A$A$A$A$A`` repeated would grow eightfold a line, for
+#: minutes and gigabytes. Checked while expanding, so nothing much larger is ever built.
+MAX_EXPANSION = 100_000
+
 _KEYWORDS = {"if", "then", "else", "elif", "fi", "do", "done", "while", "until", "for", "case", "esac",
              "function", "{", "}", "!", "in"}
 _DECLARE = {"export", "local", "declare", "readonly", "typeset"}
@@ -381,8 +386,16 @@ class _Lexer:
 # ---------------------------------------------------------------- expansion
 _ARITH_OPS: dict[type, Callable[[int, int], int]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.FloorDiv: lambda a, b: int(a / b), ast.Mod: lambda a, b: a - int(a / b) * b, ast.Pow: operator.pow,
+    ast.FloorDiv: lambda a, b: int(a / b), ast.Mod: lambda a, b: a - int(a / b) * b, ast.Pow: lambda a, b: _power(a, b),
 }
+
+
+def _power(base: int, exponent: int) -> int:
+    """``base ** exponent`` where bash's 64-bit arithmetic could hold it; else ValueError (``9**9**9**9``
+    would compute forever)."""
+    if exponent < 0 or abs(base) > 1 and exponent * abs(base).bit_length() > 64:
+        raise ValueError(f"{base}**{exponent}")
+    return int(base**exponent)
 
 
 def _arith(expression: str) -> int:
@@ -428,8 +441,12 @@ class Shell:
             if declared or assigned == len(words):
                 continue
             expanded: list[Word] = []
+            size = 0
             for word in words[assigned:]:
-                expanded.extend(self._fields(word.parts))
+                fields = self._fields(word.parts)
+                size += _size(fields)
+                _check_size(size, word.line)
+                expanded.extend(fields)
             if expanded:
                 commands.append(expanded)
         return commands
@@ -461,6 +478,7 @@ class Shell:
             elements = [self._fields(w.parts) for w in word.array]
             values = [[Chunk(f.text, f.line, note=f.note)] for fields in elements for f in fields]
             self.arrays[name] = (self.arrays.get(name, []) if append else []) + values
+            _check_size(sum(_size(element) for element in self.arrays[name]), word.line)
             self.strings.pop(name, None)
             return
         prefix = self._literal_prefix(word)
@@ -473,11 +491,13 @@ class Shell:
         rest[0] = _Part("lit", first.text[consumed:], first.line, first.quoted)
         value = [Chunk(c.text, c.line, False, c.note) for c in self._chunks(rest)]
         self.strings[name] = (self.strings.get(name, []) if append else []) + value
+        _check_size(_size(self.strings[name]), word.line)
         self.arrays.pop(name, None)
 
     # -- expansion of one word into chunks, then into fields
     def _chunks(self, parts: list[_Part]) -> list[Chunk]:
         out: list[Chunk] = []
+        size = 0
         for part in parts:
             if part.kind == "lit":
                 out.append(Chunk(part.text, part.line))
@@ -486,7 +506,10 @@ class Shell:
             elif part.kind == "arith":
                 out.append(self._arith_chunk(part))
             else:
-                out.extend(self._var(part))
+                value = self._var(part)
+                size += _size(value)
+                _check_size(size, part.line)
+                out.extend(value)
         return out
 
     def _arith_chunk(self, part: _Part) -> Chunk:
@@ -596,6 +619,17 @@ class Shell:
         # An unset variable alone still leaves an empty word behind (with its note) so a flag
         # that expected a value can say where the value went; drop empty words without a note.
         return [f for f in fields if f.text or f.note or _had_quotes(parts)]
+
+
+def _size(value: list[Chunk] | list[Word]) -> int:
+    """Characters plus pieces: empty pieces (unset variables) count too."""
+    return len(value) + sum(len(c.text) for c in value)
+
+
+def _check_size(size: int, line: int) -> None:
+    if size > MAX_EXPANSION:
+        raise ShellSyntaxError(line, f"expands to over {MAX_EXPANSION:,} characters (a launch script's "
+                                     "variables hold a few thousand): a variable built from itself?")
 
 
 def _had_quotes(parts: list[_Part]) -> bool:
