@@ -133,3 +133,119 @@ def test_an_own_spec_with_a_huge_layer_count_is_refused_at_once(tmp_path: Path) 
     path.write_text(path.read_text().replace("2147483648", "2").replace("64", str(2**40)))
     with pytest.raises(NdplanError, match=r"model.yaml: field 'hidden_size' must be at most 4,294,967,296"):
         load_model(str(path))
+
+
+# ---------------------------------------------------------------- framework configs
+FIXTURES = Path(__file__).parent / "fixtures" / "io"
+
+
+def _variant(tmp_path: Path, fixture: str, old: str, new: str) -> Path:
+    text = (FIXTURES / fixture).read_text()
+    assert old in text
+    path = tmp_path / fixture
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def _refused_quickly(path: Path, message: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(NdplanError, match=rf"{path.name}:\d+: {message}"):
+        read_config(path)
+    assert time.monotonic() - start < 5
+
+
+def test_a_huge_layer_count_in_a_launch_script_is_refused(tmp_path: Path) -> None:
+    path = _variant(tmp_path, "mindspeed_deepseek3.sh", "NUM_LAYERS=64", "NUM_LAYERS=2147483648")
+    _refused_quickly(path, r"--num-layers: must be >= 1 and <= 100,000, got 2147483648")
+
+
+def test_a_huge_parallel_degree_in_a_launch_script_is_refused(tmp_path: Path) -> None:
+    path = _variant(tmp_path, "megatron_llama3_70b.sh", "PP=4", "PP=99999999999")
+    _refused_quickly(path, r"--pipeline-model-parallel-size: must be >= 1 and <= 1,048,576, got 99999999999")
+
+
+def test_a_huge_layer_count_in_mindformers_yaml_is_refused(tmp_path: Path) -> None:
+    path = _variant(tmp_path, "mindformers_deepseek3_671b.yaml", "num_layers: 61", "num_layers: 99999999999999999999")
+    _refused_quickly(path, r"model.model_config.num_layers: must be <= 100,000, got 99999999999999999999")
+
+
+def test_a_huge_pipeline_degree_in_torchtitan_toml_is_refused(tmp_path: Path) -> None:
+    path = _variant(tmp_path, "torchtitan_llama3_70b.toml", "pipeline_parallel_degree = 4",
+                    "pipeline_parallel_degree = 99999999999999999999")
+    _refused_quickly(path, r"parallelism.pipeline_parallel_degree: must be <= 1,048,576")
+
+
+@pytest.mark.parametrize("value", ['"8"', "8.0", "true"])
+def test_torchtitan_degrees_are_whole_numbers(tmp_path: Path, value: str) -> None:
+    path = _variant(tmp_path, "torchtitan_llama3_70b.toml", "tensor_parallel_degree = 8",
+                    f"tensor_parallel_degree = {value}")
+    with pytest.raises(NdplanError, match=r"parallelism.tensor_parallel_degree: expected an integer, got"):
+        read_config(path)
+
+
+@pytest.mark.parametrize("value", ["nan", "[1]", "3"])
+def test_torchtitan_converters_must_be_names(tmp_path: Path, value: str) -> None:
+    path = _variant(tmp_path, "torchtitan_deepseek_v3_16b.toml", 'converters = ["quantize.linear.float8"]',
+                    f"converters = {value}")
+    with pytest.raises(NdplanError, match=r":18: model.converters: expected a list of names \(strings\) or one "
+                                          r"comma-separated string"):
+        read_config(path)
+
+
+def test_torchtitan_split_points_must_be_names(tmp_path: Path) -> None:
+    path = _variant(tmp_path, "torchtitan_llama3_70b.toml", "pipeline_parallel_degree = 4",
+                    "pipeline_parallel_degree = 4\npipeline_parallel_split_points = 5")
+    with pytest.raises(NdplanError, match=r"parallelism.pipeline_parallel_split_points: expected a list of names"):
+        read_config(path)
+
+
+def _script(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "train.sh"
+    path.write_text(text + "\ntorchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 32 --hidden-size 1024 "
+                           "--num-attention-heads 16 --seq-length 4096 --micro-batch-size 1 --global-batch-size 8 "
+                           "--vocab-size 32000 --ffn-hidden-size 4096 $EXTRA\n")
+    return path
+
+
+def test_a_huge_pipeline_layout_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    path = _script(tmp_path, "EXTRA=\"--pipeline-model-parallel-size 2 "
+                             "--pipeline-model-parallel-layout Et*99999999999|t*16L\"")
+    _refused_quickly(path, r"--pipeline-model-parallel-layout: expands to over 100,000 layer symbols")
+
+
+def test_a_variable_built_from_itself_is_refused_quickly(tmp_path: Path) -> None:
+    path = _script(tmp_path, "A=x\n" + "A=$A$A$A$A$A$A$A$A\n" * 8 + "EXTRA=")
+    _refused_quickly(path, r"malformed shell script: expands to over 100,000 characters")
+
+
+def test_an_array_built_from_itself_is_refused_quickly(tmp_path: Path) -> None:
+    path = _script(tmp_path, "B=(a b)\n" + 'B=( "${B[@]}" "${B[@]}" )\n' * 30 + "EXTRA=")
+    _refused_quickly(path, r"malformed shell script: expands to over 100,000 characters")
+
+
+def test_a_huge_power_is_not_evaluated(tmp_path: Path) -> None:
+    start = time.monotonic()
+    result = read_config(_script(tmp_path, "EXTRA=--train-iters=$((9**9**9**9))"))
+    assert time.monotonic() - start < 5
+    assert result.model is not None
+
+
+@pytest.mark.parametrize("pp, flags, message", [
+    (2, "--decoder-first-pipeline-num-layers 40",
+     r"--decoder-first-pipeline-num-layers 40 is more than the 32 layers of --num-layers"),
+    (4, "--decoder-first-pipeline-num-layers 20 --decoder-last-pipeline-num-layers 20",
+     r"--decoder-first-pipeline-num-layers 20 \+ --decoder-last-pipeline-num-layers 20 is more than the 32 layers"),
+    (2, "--decoder-first-pipeline-num-layers 10 --decoder-last-pipeline-num-layers 10",
+     r"pp=2 leaves no middle stage, so --decoder-first-pipeline-num-layers 10 \+ "
+     r"--decoder-last-pipeline-num-layers 10 must be the 32 layers of --num-layers, not 20"),
+])
+def test_uneven_first_and_last_stages_say_what_is_wrong(tmp_path: Path, pp: int, flags: str, message: str) -> None:
+    path = _script(tmp_path, f'EXTRA="--pipeline-model-parallel-size {pp} {flags}"')
+    with pytest.raises(NdplanError, match=rf"train.sh:\d+: --decoder-first-pipeline-num-layers: {message}"):
+        read_config(path)
+
+
+def test_uneven_first_and_last_stages_that_fit_are_read(tmp_path: Path) -> None:
+    path = _script(tmp_path, 'EXTRA="--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 10 '
+                             '--decoder-last-pipeline-num-layers 22"')
+    assert read_config(path).strategy_settings["stage_layers"] == (10, 22)

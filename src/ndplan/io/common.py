@@ -200,7 +200,13 @@ class Source:
         return self.error(".".join(path), message, self.lines.line(path))
 
 
-def as_int(src: Source, value: Any, field_name: str, line: int | None = None, *, minimum: int | None = 1) -> int:
+#: The largest parallel degree (and device count) a config file may state: far above any cluster,
+#: and low enough that the loops and products over stages and ranks stay small.
+MAX_DEGREE = 2**20
+
+
+def as_int(src: Source, value: Any, field_name: str, line: int | None = None, *, minimum: int | None = 1,
+           maximum: int | None = None) -> int:
     """An integer field; strings of digits are accepted (shell arguments are strings)."""
     if isinstance(value, bool):
         raise src.error(field_name, f"expected an integer, got {value!r}", line)
@@ -215,6 +221,8 @@ def as_int(src: Source, value: Any, field_name: str, line: int | None = None, *,
         raise src.error(field_name, f"expected an integer, got {value!r}", line)
     if minimum is not None and value < minimum:
         raise src.error(field_name, f"must be >= {minimum}, got {value}", line)
+    if maximum is not None and value > maximum:
+        raise src.error(field_name, f"must be <= {maximum:,}, got {value}", line)
     return value
 
 
@@ -278,11 +286,30 @@ class Section:
         key = self.first(*keys)
         return self.data[key] if key else default
 
-    def integer(self, *keys: str, default: int | None = None, minimum: int | None = 1) -> int | None:
+    def integer(self, *keys: str, default: int | None = None, minimum: int | None = 1,
+                maximum: int | None = None) -> int | None:
+        """A whole number as the document's own type: ``8``, not ``"8"`` or ``8.0`` (the
+        frameworks read these fields as ints, as they reject ``true``)."""
         key = self.first(*keys)
         if key is None:
             return default
-        return as_int(self.src, self.data[key], self.label(key), self.line(key), minimum=minimum)
+        value = self.data[key]
+        if not isinstance(value, int):
+            raise self.error(key, f"expected an integer, got {value!r}")
+        return as_int(self.src, value, self.label(key), self.line(key), minimum=minimum, maximum=maximum)
+
+    def names(self, *keys: str) -> list[str] | None:
+        """A list of strings, or one comma-separated string (as the frameworks' command lines give
+        them); anything else (``nan``, ``[1]``) names the field."""
+        key = self.first(*keys)
+        if key is None:
+            return None
+        value = self.data[key]
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        if isinstance(value, list) and all(isinstance(name, str) for name in value):
+            return list(value)
+        raise self.error(key, f"expected a list of names (strings) or one comma-separated string, got {value!r}")
 
     def boolean(self, *keys: str, default: bool | None = None) -> bool | None:
         key = self.first(*keys)

@@ -22,6 +22,7 @@ import yaml
 
 from ndplan.errors import parse_nested, read_text
 from ndplan.io.common import (
+    MAX_DEGREE,
     ReadResult,
     Section,
     Source,
@@ -166,11 +167,11 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     model = _model(model_section, path, base, warnings, notes)
     settings: dict[str, Any] = {}
 
-    tp = acc.integer("tp_size", "tp_degree", "tensor_parallel_degree", default=1) or 1
-    pp = acc.integer("pp_size", "pp_degree", "pipeline_parallel_degree", default=1) or 1
-    cp = acc.integer("cp_size", "cp_degree", "context_parallel_degree", default=1) or 1
-    ep = acc.integer("ep_size", "ep_degree", "expert_parallel_degree", default=1) or 1
-    etp = acc.integer("etp_size", "expert_tensor_parallel_degree")
+    tp = acc.integer("tp_size", "tp_degree", "tensor_parallel_degree", default=1, maximum=MAX_DEGREE) or 1
+    pp = acc.integer("pp_size", "pp_degree", "pipeline_parallel_degree", default=1, maximum=MAX_DEGREE) or 1
+    cp = acc.integer("cp_size", "cp_degree", "context_parallel_degree", default=1, maximum=MAX_DEGREE) or 1
+    ep = acc.integer("ep_size", "ep_degree", "expert_parallel_degree", default=1, maximum=MAX_DEGREE) or 1
+    etp = acc.integer("etp_size", "expert_tensor_parallel_degree", maximum=MAX_DEGREE)
     settings.update(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp if etp is not None else (1 if ep > 1 else tp))
     _data_parallel(src, acc, fsdp, context, settings, devices, warnings)
     settings["sp"] = bool(acc.boolean("sequence_parallel", "use_seq_parallel", default=False)) and tp > 1
@@ -296,7 +297,7 @@ def _data_parallel(src: Source, acc: Section, fsdp: Section, context: Section, s
 def _pipeline(acc: Section, model_section: Section, settings: dict[str, Any], model: ModelSpec | None,
               warnings: list[str]) -> None:
     pp = settings["pp"]
-    vpp = acc.integer("pp_interleave_num", "pp_vpp", default=1) or 1
+    vpp = acc.integer("pp_interleave_num", "pp_vpp", default=1, maximum=MAX_DEGREE) or 1
     name = (acc.text("pp_schedule", "pipeline_scheduler", default="1f1b") or "1f1b").lower()
     if name not in _SCHEDULES:
         raise acc.error("pp_schedule", f"unknown schedule {name!r}; known: {', '.join(sorted(set(_SCHEDULES)))}")

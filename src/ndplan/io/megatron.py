@@ -19,6 +19,7 @@ from typing import Any
 
 from ndplan.errors import NdplanError
 from ndplan.io.common import (
+    MAX_DEGREE,
     LineIndex,
     ReadResult,
     Source,
@@ -31,7 +32,7 @@ from ndplan.io.common import (
 )
 from ndplan.io.megatron_args import Arg, Args, file_entries, flag_entries, parse_script, world_from_launcher
 from ndplan.io.megatron_model import FlagModel, model_from_flags
-from ndplan.model.spec import ModelSpec
+from ndplan.model.spec import MAX_LAYERS, ModelSpec
 from ndplan.placement import uniform_layer_counts
 from ndplan.strategy.precision import PrecisionPolicy
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, canonical_offload, offload_conflict
@@ -88,11 +89,11 @@ def interpret(
     notes: list[str] = []
     settings: dict[str, Any] = {}
 
-    tp = args.integer("--tensor-model-parallel-size", default=1) or 1
-    pp = args.integer("--pipeline-model-parallel-size", default=1) or 1
-    cp = args.integer("--context-parallel-size", default=1) or 1
-    ep = args.integer("--expert-model-parallel-size", default=1) or 1
-    etp = args.integer("--expert-tensor-parallel-size")
+    tp = args.integer("--tensor-model-parallel-size", default=1, maximum=MAX_DEGREE) or 1
+    pp = args.integer("--pipeline-model-parallel-size", default=1, maximum=MAX_DEGREE) or 1
+    cp = args.integer("--context-parallel-size", default=1, maximum=MAX_DEGREE) or 1
+    ep = args.integer("--expert-model-parallel-size", default=1, maximum=MAX_DEGREE) or 1
+    etp = args.integer("--expert-tensor-parallel-size", maximum=MAX_DEGREE)
     if args.has("--moe-tp-extend-ep"):
         # MindSpeed lends the TP ranks to expert parallelism: experts are not TP-split.
         ep, etp = ep * tp, 1
@@ -224,7 +225,7 @@ def _world(
     src = args.src
     tp, pp, cp = settings["tp"], settings["pp"], settings["cp"]
     model_ranks = tp * pp * cp
-    dp_stated = args.integer("--data-parallel-size")
+    dp_stated = args.integer("--data-parallel-size", maximum=MAX_DEGREE)
     if world and devices and world != devices:
         raise src.error("world size", f"the launch command gives {world} devices but --devices is {devices}", world_line)
     world = world or devices
@@ -294,14 +295,23 @@ def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: l
 def parse_layout(text: str) -> list[str]:
     """Megatron's --pipeline-model-parallel-layout: stages (model order) of E/t/m/L symbols."""
     text = text.replace(",", "")
-    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
-    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = _repeat(r"\(([^)]+)\)\*(\d+)", text)
+    text = _repeat(r"(.)\*(\d+)", text)
     stages = text.split("|")
     for stage in stages:
         bad = set(stage) - set("EtmL")
         if bad:
             raise ValueError(f"unknown layer symbol {sorted(bad)[0]!r} (known: E, t, m, L)")
     return stages
+
+
+def _repeat(pattern: str, text: str) -> str:
+    """Each ``pattern`` match (``X*n``) replaced by group 1 repeated group 2 times; over MAX_LAYERS
+    symbols in all is a ValueError before the text is built (``t*99999999999`` took all memory)."""
+    matches = list(re.finditer(pattern, text))
+    if len(text) + sum(len(m.group(1)) * (int(m.group(2)) - 1) for m in matches) > MAX_LAYERS:
+        raise ValueError(f"expands to over {MAX_LAYERS:,} layer symbols (no model has as many layers)")
+    return re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
 
 
 def _pipeline(args: Args, settings: dict[str, Any], flag_model: FlagModel, warnings: list[str]) -> None:
@@ -312,11 +322,12 @@ def _pipeline(args: Args, settings: dict[str, Any], flag_model: FlagModel, warni
     emb = args.has("--account-for-embedding-in-pipeline-split")
     loss = args.has("--account-for-loss-in-pipeline-split")
     layout = args.get("--pipeline-model-parallel-layout")
-    first = args.integer("--decoder-first-pipeline-num-layers", minimum=0)
-    last = args.integer("--decoder-last-pipeline-num-layers", minimum=0)
+    first = args.integer("--decoder-first-pipeline-num-layers", minimum=0, maximum=MAX_LAYERS)
+    last = args.integer("--decoder-last-pipeline-num-layers", minimum=0, maximum=MAX_LAYERS)
     layer_list = args.get("--num-layer-list")
-    per_virtual = args.integer("--num-layers-per-virtual-pipeline-stage")
-    vpp = args.integer("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size")
+    per_virtual = args.integer("--num-layers-per-virtual-pipeline-stage", maximum=MAX_LAYERS)
+    vpp = args.integer("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
+                       maximum=MAX_DEGREE)
     dualpipe = args.text("--schedules-method")
     if dualpipe is not None and dualpipe != "dualpipev":
         raise args.error("--schedules-method", f"unknown method {dualpipe!r}; known: dualpipev")
@@ -387,9 +398,19 @@ def _first_last_counts(args: Args, slots: int, pp: int, vpp: int, first: int | N
     """Megatron's uneven first/last stages: the rest spreads evenly over the middle stages, and
     each stage's layers split evenly over its virtual chunks (transformer_layer.py)."""
     flag = "--decoder-first-pipeline-num-layers" if first is not None else "--decoder-last-pipeline-num-layers"
+    stated = " + ".join(f"{name} {n}" for name, n in (("--decoder-first-pipeline-num-layers", first),
+                                                       ("--decoder-last-pipeline-num-layers", last)) if n is not None)
     middle_stages = pp - (first is not None) - (last is not None)
     middle = slots - (first or 0) - (last or 0)
-    if middle < 0 or (middle_stages == 0 and middle != 0) or (middle_stages and middle % middle_stages):
+    if middle_stages < 0:  # pp=1: one stage is both first and last
+        raise args.error(flag, f"pp={pp} has one stage; give --decoder-first-pipeline-num-layers or "
+                               "--decoder-last-pipeline-num-layers, not both")
+    if middle < 0:
+        raise args.error(flag, f"{stated} is more than the {slots} layers of --num-layers")
+    if middle_stages == 0 and middle:
+        raise args.error(flag, f"pp={pp} leaves no middle stage, so {stated} must be the {slots} layers of "
+                               f"--num-layers, not {slots - middle}")
+    if middle_stages and middle % middle_stages:
         raise args.error(flag, f"the other {middle} layers do not split evenly over {middle_stages} middle stages")
     per_stage = [middle // middle_stages if middle_stages else 0] * pp
     if first is not None:

@@ -64,17 +64,19 @@ class Args:
             raise self.error(arg, "expects a value")
         return arg.values[0]
 
-    def integer(self, *flags: str, default: int | None = None, minimum: int | None = 1) -> int | None:
+    def integer(self, *flags: str, default: int | None = None, minimum: int | None = 1,
+                maximum: int | None = None) -> int | None:
         arg = self.get(*flags)
         if arg is None:
             return default
         value = self._value(arg)
         try:
-            return as_int(self.src, value, arg.flag, arg.line, minimum=minimum)
+            return as_int(self.src, value, arg.flag, arg.line, minimum=minimum, maximum=maximum)
         except NdplanError:
             why = f" ({arg.note()})" if arg.note() else ""
-            if minimum is not None and re.fullmatch(r"[+-]?\d+", value.strip()):
-                raise self.error(arg, f"must be >= {minimum}, got {value}") from None
+            if re.fullmatch(r"[+-]?\d+", value.strip()):
+                bounds = [f">= {minimum}"] * (minimum is not None) + [f"<= {maximum:,}"] * (maximum is not None)
+                raise self.error(arg, f"must be {' and '.join(bounds)}, got {value}") from None
             raise self.error(arg, f"expected an integer, got {value!r}{why}") from None
 
     def number(self, *flags: str, default: float | None = None) -> float | None:

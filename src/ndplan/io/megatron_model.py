@@ -16,7 +16,7 @@ from typing import Any
 
 from ndplan.io.common import Stated, merge_model, pad_vocab
 from ndplan.io.megatron_args import Args
-from ndplan.model.spec import MlpKind, ModelSpec
+from ndplan.model.spec import MAX_LAYERS, MlpKind, ModelSpec
 
 #: Tokens of GPT-2's byte-pair encoding (Megatron's GPT2BPETokenizer).
 GPT2_BPE_TOKENS = 50257
@@ -29,9 +29,6 @@ class FlagModel:
     model: ModelSpec | None
     slots: int | None
     noop: frozenset[int]
-
-
-_MOST_PATTERN_LAYERS = 100_000  # no model has nearly as many layers
 
 
 def parse_pattern(text: str) -> list[int]:
@@ -67,8 +64,8 @@ def parse_pattern(text: str) -> list[int]:
         while peek() == "*":
             take("*")
             times = int(take())
-            if len(out) * times > _MOST_PATTERN_LAYERS:  # refused before the list is built
-                raise ValueError(f"pattern of over {_MOST_PATTERN_LAYERS:,} layers: {text!r}")
+            if len(out) * times > MAX_LAYERS:  # refused before the list is built
+                raise ValueError(f"pattern of over {MAX_LAYERS:,} layers: {text!r}")
             out = out * times
         return out
 
@@ -200,7 +197,7 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
         stated[name] = (value, label)
 
     defines = args.has("--hidden-size")
-    slots = args.integer("--num-layers")
+    slots = args.integer("--num-layers", maximum=MAX_LAYERS)
     noop = _noop_layers(args, slots)
     if slots is not None:
         put("num_layers", slots - len(noop), "--num-layers" + (" minus --noop-layers" if noop else ""))

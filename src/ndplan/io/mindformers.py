@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from ndplan.io.common import (
+    MAX_DEGREE,
     ReadResult,
     Section,
     Source,
@@ -33,7 +34,7 @@ from ndplan.io.common import (
     precision_setting,
     set_placement,
 )
-from ndplan.model.spec import ModelSpec
+from ndplan.model.spec import MAX_LAYERS, ModelSpec
 from ndplan.strategy.strategy import Strategy
 
 FORMAT = "mindformers"
@@ -141,7 +142,7 @@ def _model(cfg: Section, moe: Section, base: ModelSpec | None, src: Source, name
         if value is not None:
             stated[key] = (value, f"{cfg.label(label) if label in cfg.data else label}")
 
-    layers = cfg.integer("num_layers", "num_hidden_layers")
+    layers = cfg.integer("num_layers", "num_hidden_layers", maximum=MAX_LAYERS)
     hidden = cfg.integer("hidden_size")
     heads = cfg.integer("num_heads", "num_attention_heads")
     put("num_layers", layers, "num_layers")
@@ -183,7 +184,7 @@ def _model(cfg: Section, moe: Section, base: ModelSpec | None, src: Source, name
     put("tie_word_embeddings", cfg.boolean("tie_word_embeddings"), "tie_word_embeddings")
     if not kv_lora:
         put("qk_norm", cfg.boolean("qk_layernorm", "qk_norm", "use_qk_norm"), "qk_layernorm")
-    mtp = cfg.integer("mtp_depth", "num_nextn_predict_layers", minimum=0)
+    mtp = cfg.integer("mtp_depth", "num_nextn_predict_layers", minimum=0, maximum=MAX_LAYERS)
     put("mtp_depth", mtp, "mtp_depth")
     activation = cfg.text("hidden_act")
     if activation is not None:
@@ -291,15 +292,15 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     model = _model(cfg, moe, base, src, name, warnings)
     settings: dict[str, Any] = {}
 
-    dp = pc.integer("data_parallel", default=1) or 1
-    tp = pc.integer("model_parallel", default=1) or 1
-    pp = pc.integer("pipeline_stage", default=1) or 1
-    cp = pc.integer("context_parallel", default=1) or 1
-    ep = pc.integer("expert_parallel", default=1) or 1
+    dp = pc.integer("data_parallel", default=1, maximum=MAX_DEGREE) or 1
+    tp = pc.integer("model_parallel", default=1, maximum=MAX_DEGREE) or 1
+    pp = pc.integer("pipeline_stage", default=1, maximum=MAX_DEGREE) or 1
+    cp = pc.integer("context_parallel", default=1, maximum=MAX_DEGREE) or 1
+    ep = pc.integer("expert_parallel", default=1, maximum=MAX_DEGREE) or 1
     world = dp * tp * pp * cp
     if devices is not None and devices != world:
         raise pc.error("data_parallel", f"data·model·pipeline·context parallel = {world} but --devices is {devices}")
-    etp = moe.integer("expert_model_parallel")
+    etp = moe.integer("expert_model_parallel", maximum=MAX_DEGREE)
     settings.update(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp if etp is not None else tp)
     sp = bool(pc.boolean("use_seq_parallel", default=False))
     if sp and tp == 1:
@@ -357,7 +358,7 @@ def _pipeline(pc: Section, par: Section, cfg: Section, settings: dict[str, Any],
     pp = settings["pp"]
     pipeline = par.sub("pipeline_config")
     interleave = pipeline.boolean("pipeline_interleave", default=False)
-    vpp = cfg.integer("pp_interleave_num", default=1) or 1
+    vpp = cfg.integer("pp_interleave_num", default=1, maximum=MAX_DEGREE) or 1
     if vpp > 1 and not interleave:
         warnings.append(f"{cfg.src.where(cfg.line('pp_interleave_num'))}: pp_interleave_num {vpp} without "
                         "parallel.pipeline_config.pipeline_interleave: MindSpore ignores it")
@@ -389,7 +390,7 @@ def _pipeline(pc: Section, par: Section, cfg: Section, settings: dict[str, Any],
                             "give --model")
         set_placement(settings, None, None)
         return
-    mtp = cfg.integer("mtp_depth", minimum=0) or 0  # counted in the offsets (num_nextn_predict_layers is not)
+    mtp = cfg.integer("mtp_depth", minimum=0, maximum=MAX_LAYERS) or 0  # counted in the offsets (num_nextn_predict_layers is not)
     units = model.num_layers + mtp
     counts = counts_from_offset(cfg, "offset", 0 if offset is None else offset, units, pp, vpp)
     counts[-1] -= mtp

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ndplan.io.common import (
+    MAX_DEGREE,
     ReadResult,
     Section,
     canonical_placement,
@@ -140,7 +141,7 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     def degree(key: str, default: int, minimum: int = 1) -> tuple[int, Section]:
         # Old torchtitan versions kept the degrees under [training].
         for section in (parallel, training):
-            value = section.integer(key, minimum=minimum)
+            value = section.integer(key, minimum=minimum, maximum=MAX_DEGREE)
             if value is not None:
                 return value, section
         return default, parallel
@@ -149,9 +150,9 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     shard, shard_section = degree("data_parallel_shard_degree", -1, minimum=-1)
     tp, _ = degree("tensor_parallel_degree", 1)
     pp, _ = degree("pipeline_parallel_degree", 1)
-    cp = parallel.integer("context_parallel_degree", default=1) or 1
-    ep = parallel.integer("expert_parallel_degree", default=1) or 1
-    etp = parallel.integer("expert_tensor_parallel_degree", default=1) or 1
+    cp = parallel.integer("context_parallel_degree", default=1, maximum=MAX_DEGREE) or 1
+    ep = parallel.integer("expert_parallel_degree", default=1, maximum=MAX_DEGREE) or 1
+    etp = parallel.integer("expert_tensor_parallel_degree", default=1, maximum=MAX_DEGREE) or 1
     if shard == 0:
         raise shard_section.error("data_parallel_shard_degree", "must be -1 or >= 1, got 0")
     if shard == -1:
@@ -227,7 +228,7 @@ def _pipeline(parallel: Section, settings: dict[str, Any], model: ModelSpec | No
     last_w = parallel.integer("pipeline_parallel_last_stage_less_layers", default=1, minimum=0)
     per_stage = parallel.integer("pipeline_parallel_layers_per_stage")
     parts = parallel.get("module_fqns_per_model_part")
-    splits = parallel.get("pipeline_parallel_split_points")
+    splits = parallel.names("pipeline_parallel_split_points")
     if pp == 1:
         settings.update(vpp=1, schedule="1f1b")
         settings["embedding_as_layer"] = settings["output_as_layer"] = False
@@ -250,7 +251,7 @@ def _pipeline(parallel: Section, settings: dict[str, Any], model: ModelSpec | No
         counts = [sum(1 for name_ in part if re.fullmatch(r"layers\.\d+", str(name_))) for part in parts]
         stages = len(parts)
     elif splits is not None:
-        indices = [int(m.group(1)) for s in splits if (m := re.fullmatch(r"layers\.(\d+)", str(s)))]
+        indices = [int(m.group(1)) for s in splits if (m := re.fullmatch(r"layers\.(\d+)", s))]
         if len(indices) != len(splits) or indices != sorted(indices):
             raise parallel.error("pipeline_parallel_split_points", f"expected increasing 'layers.N' names, got {splits}")
         if layers is None:
@@ -361,10 +362,8 @@ def _float8_all_gather(root: Section) -> bool:
 
 
 def _precision(model: Section, training: Section, root: Section, settings: dict[str, Any], warnings: list[str]) -> None:
-    converters = model.get("converters", default=[]) or []
-    if isinstance(converters, str):
-        converters = [c.strip() for c in converters.split(",")]
-    fp8 = any(re.search(r"float8|mx", str(c)) for c in converters)
+    converters = model.names("converters") or []
+    fp8 = any(re.search(r"float8|mx", c) for c in converters)
     dtype = training.text("dtype", default="float32")
     param = training.text("mixed_precision_param", default="bfloat16")
     training.get("mixed_precision_reduce")
