@@ -142,3 +142,20 @@ def test_wrong_argument_types_are_ndplan_errors():
         with pytest.raises(ndplan.NdplanError, match=message):
             call()
     assert ndplan.count_parameters("llama-3.1-8b").total == 8_030_261_248
+
+
+def test_estimate_time_names_a_bad_efficiency_overlap_or_software():
+    """A fuzzing review: efficiency="x" and overlap="x" raised AttributeError deep in the time
+    model, software=5 a TypeError. An overlap written as the CLI writes it is read."""
+    strategy = ndplan.Strategy(dp=8, num_micro_batches=4)
+    calls = {
+        r"efficiency must be an EfficiencyProfile .* got str": dict(efficiency="x"),
+        r"unknown overlap preset 'x'.*known: megatron": dict(overlap="x"),
+        r"overlap: expected a preset name, key=value pairs or a mapping, got int": dict(overlap=5),
+        r"software must be a mapping of selective_recompute, .* got int": dict(software=5),
+    }
+    for message, keywords in calls.items():
+        with pytest.raises(ndplan.NdplanError, match=message):
+            ndplan.estimate_time("llama-3.1-8b", strategy, "h100-sxm", **keywords)
+    plain = ndplan.estimate_time("llama-3.1-8b", strategy, "h100-sxm", overlap="plain")
+    assert plain.overlap == ndplan.perf.get_overlap("plain")
