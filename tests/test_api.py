@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import ndplan
@@ -159,3 +160,30 @@ def test_estimate_time_names_a_bad_efficiency_overlap_or_software():
             ndplan.estimate_time("llama-3.1-8b", strategy, "h100-sxm", **keywords)
     plain = ndplan.estimate_time("llama-3.1-8b", strategy, "h100-sxm", overlap="plain")
     assert plain.overlap == ndplan.perf.get_overlap("plain")
+
+
+def test_run_search_names_a_bad_limit_block_size_options_or_time_function():
+    """A fuzzing review: an infinite limit raised OverflowError, a list TypeError, block_size 0
+    "generator raised StopIteration", options='megatron' AttributeError and a time function
+    returning {} KeyError 'step_s'."""
+    model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
+    space = ndplan.default_space(model, device, 8, 32, 4096, dims=("tp",))
+    calls = {
+        r"memory_limit_bytes must be > 0 and below 8 EiB: a number of bytes or a size such as '70GiB', or None "
+        r"for the device's memory; got inf": dict(memory_limit_bytes=float("inf")),
+        r"memory_limit_bytes must be > 0 .* got nan": dict(memory_limit_bytes=float("nan")),
+        r"memory_limit_bytes must be > 0 .* got \[1\]": dict(memory_limit_bytes=[1]),
+        r"memory_limit_bytes: cannot read 'lots' as a size": dict(memory_limit_bytes="lots"),
+        r"block_size must be a whole number >= 1, got 0": dict(block_size=0),
+        r"block_size must be a whole number >= 1, got -1": dict(block_size=-1),
+        r"block_size must be a whole number >= 1, got 1.5": dict(block_size=1.5),
+        r"options must be a MemoryOptions \(e.g. MemoryOptions\(runtime='megatron'\)\), got str": dict(options="megatron"),
+        r"time_function must return a dict of arrays with 'step_s' \(seconds per strategy of the batch, \d+ here\), "
+        r"got keys \[\]": dict(time_function=lambda *_: {}),
+        r"time_function must return .* got NoneType": dict(time_function=lambda *_: None),
+    }
+    for message, keywords in calls.items():
+        with pytest.raises(ndplan.NdplanError, match=message):
+            ndplan.run_search(model, device, space, **keywords)
+    # numpy's integers are whole numbers too
+    assert ndplan.run_search(model, device, space, top=np.int64(2), block_size=np.int64(64)).best is not None
