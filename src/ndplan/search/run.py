@@ -238,7 +238,8 @@ def run_search(
     model, device = as_model(model), as_device(device)
     if not isinstance(space, SearchSpace):
         raise NdplanError(f"space must be a SearchSpace (ndplan.search.default_space), got {type(space).__name__}")
-    given_limit = memory_limit(memory_limit_bytes, "memory_limit_bytes", none_means="the device's memory")
+    given_limit = None if memory_limit_bytes is None else memory_limit(
+        memory_limit_bytes, "memory_limit_bytes", none_means="the device's memory")
     for name, count in (("top", top), ("block_size", block_size)):
         if isinstance(count, bool) or not isinstance(count, Integral) or count < 1:
             raise NdplanError(f"{name} must be a whole number >= 1, got {count!r}")
