@@ -187,3 +187,32 @@ def test_run_search_names_a_bad_limit_block_size_options_or_time_function():
             ndplan.run_search(model, device, space, **keywords)
     # numpy's integers are whole numbers too
     assert ndplan.run_search(model, device, space, top=np.int64(2), block_size=np.int64(64)).best is not None
+
+
+def test_default_space_bounds_its_sizes_and_takes_numpy_integers():
+    """A fuzzing review: seq_length 2^62 hung listing the context-parallel degrees (a scan up to
+    seq/8192), devices or a fixed degree of 2^70 were accepted and overflowed int64 in the search,
+    and np.int64(8) devices were refused where ``estimate`` takes them."""
+    from ndplan.search.space import _divisors
+
+    model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
+    calls = {
+        "seq_length must be at most 16,777,216, got 4611686018427387904": (8, 32, 2**62, {}),
+        "num_devices must be at most 1,048,576, got 1180591620717411303424": (2**70, 32, 4096, {}),
+        "global_batch_size must be at most 1,073,741,824": (8, 2**40, 4096, {}),
+        "num_devices must be a whole number >= 1, got 8.0": (8.0, 32, 4096, {}),
+        "tp must be at least 1 and at most 1,048,576": (8, 32, 4096, {"fixed": {"tp": 2**70}}),
+        "etp must be at least 0 and at most 1,048,576": (8, 32, 4096, {"fixed": {"etp": 2**21}}),
+        r"fixed must be a mapping of dimension names to values \(e.g. \{'tp': 8\}\), got list": (8, 32, 4096,
+                                                                                                {"fixed": [1]}),
+    }
+    for message, (devices, gbs, seq, keywords) in calls.items():
+        with pytest.raises(ndplan.NdplanError, match=message):
+            ndplan.default_space(model, device, devices, gbs, seq, **keywords)
+    numpy_sized = ndplan.default_space(model, device, np.int64(8), np.int64(32), np.int64(4096))
+    assert numpy_sized == ndplan.default_space(model, device, 8, 32, 4096)
+    # the largest sizes make a space the search runs without overflow
+    largest = ndplan.default_space(model, device, 2**20, 2**30, 2**24, dims=("tp", "pp"), fixed={"cp": 2**20})
+    assert ndplan.run_search(model, device, largest).rejected["world_size"] > 0
+    assert _divisors(2**20, 2**11) == [2**k for k in range(12)] and _divisors(720, 16) == [1, 2, 3, 4, 5, 6, 8, 9,
+                                                                                           10, 12, 15, 16]

@@ -386,6 +386,12 @@ ESTIMATE_8 = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8"]
     ([*SEARCH_8, "--fix", "cp_kind=bogus"], "allowed values are ring, ulysses, hybrid"),
     ([*SEARCH_8, "--fix", "sp=maybe"], "--fix sp=maybe: write one of 1, true, yes, on or 0, false, no, off"),
     ([*SEARCH_8, "--fix", "tp=2", "tp=4"], "--fix tp is given twice (2 and 4)"),
+    # past int64 these overflowed in numpy; a long --seq hung listing its context-parallel divisors
+    ([*SEARCH_8, "--fix", "tp=99999999999999999999"], "--fix tp=99999999999999999999: tp must be at least 1 and at "
+                                                      "most 1,048,576"),
+    ([*SEARCH_8, "--seq", "100000000000000"], "--seq must be at most 16,777,216, got 100000000000000"),
+    ([*SEARCH_8, "--devices", "4611686018427387904"], "--devices must be at most 1,048,576, got 4611686018427387904"),
+    ([*SEARCH_8, "--gbs", "1099511627776"], "--gbs must be at most 1,073,741,824, got 1099511627776"),
     ([*SEARCH_8, "--top", "0"], "--top must be at least 1, got 0"),
     ([*ESTIMATE_8, "--moe-imbalance", "nan"], "moe_imbalance must be a finite number >= 1.0"),
     ([*ESTIMATE_8, "--moe-capacity-factor", "inf"], "moe_capacity_factor must be a finite number > 0, got inf"),

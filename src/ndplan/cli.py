@@ -635,7 +635,13 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     from ndplan.io.common import policy_of
     from ndplan.search import default_space, run_search, runtime_step_time
-    from ndplan.search.space import runtime_reshard_under_pipeline
+    from ndplan.search.space import (
+        MAX_DEVICES,
+        MAX_GLOBAL_BATCH,
+        MAX_SEQ_LENGTH,
+        runtime_reshard_under_pipeline,
+        whole_size,
+    )
     from ndplan.strategy import get_precision
 
     if args.top < 1:
@@ -656,6 +662,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
         _require(vars(args), key, flag)
     args.seq = args.seq or 4096
+    for flag, value, largest in (("--devices", args.devices, MAX_DEVICES), ("--gbs", args.gbs, MAX_GLOBAL_BATCH),
+                                 ("--seq", args.seq, MAX_SEQ_LENGTH)):
+        whole_size(value, flag, largest)  # named as the flag, not as default_space's argument
     device = device_from(args.hardware, args.efficiency)
     fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
     if read is not None and args.dims:
