@@ -216,3 +216,21 @@ def test_default_space_bounds_its_sizes_and_takes_numpy_integers():
     assert ndplan.run_search(model, device, largest).rejected["world_size"] > 0
     assert _divisors(2**20, 2**11) == [2**k for k in range(12)] and _divisors(720, 16) == [1, 2, 3, 4, 5, 6, 8, 9,
                                                                                            10, 12, 15, 16]
+
+
+def test_a_str_where_a_list_is_expected_is_one_item_not_its_characters():
+    """A fuzzing review: dims="tp" said "unknown search dimension 'p'", recompute_modules=
+    "core_attn" "unknown recompute module 'c'", offload_modules="attn_norm" "unknown offload
+    module '_'"."""
+    model, device = ndplan.get_preset("qwen3-30b-a3b"), ndplan.get_device("h100-sxm")
+    assert ndplan.Strategy(recompute="selective", recompute_modules="layernorm").recompute_modules == ("layernorm",)
+    assert ndplan.Strategy(offload_modules="attn_norm").offload_modules == ("attn_norm",)
+    space = ndplan.default_space(model, device, 8, 32, 4096, dims="tp", recompute_modules="layernorm+moe_act",
+                                 offload_modules="expert_fc1")
+    assert space == ndplan.default_space(model, device, 8, 32, 4096, dims=("tp",),
+                                         recompute_modules=("layernorm", "moe_act"), offload_modules=("expert_fc1",))
+    assert len(space.tp) > 1 and space.zero == (1,)
+    with pytest.raises(ndplan.NdplanError, match="recompute module set 'core_attn\\+bogus': unknown module 'bogus'"):
+        ndplan.default_space(model, device, 8, 32, 4096, recompute_modules="core_attn+bogus")
+    with pytest.raises(ValueError, match="recompute_modules.0\n.*Input should be 'core_attn'"):
+        ndplan.Strategy(recompute="selective", recompute_modules="bogus")

@@ -364,7 +364,7 @@ def default_space(
     seq_length: int,
     precision: PrecisionPolicy | None = None,
     *,
-    dims: tuple[str, ...] | None = None,
+    dims: Sequence[str] | None = None,
     fixed: dict[str, int | str] | None = None,
     recompute_modules: Sequence[str] | Sequence[Sequence[str]] = (),
     offload_modules: Sequence[str] | Sequence[Sequence[str]] = (),
@@ -373,11 +373,13 @@ def default_space(
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
     never competitive), EP and ETP follow the expert count, PP the layer count. ``precision``
-    defaults to Strategy's (megatron-bf16).
+    defaults to Strategy's (megatron-bf16). ``dims``: the dimensions searched (one may be given
+    as a str).
 
     ``recompute_modules``: what the selective-recompute candidates re-run (Megatron-Core's
     ``--recompute-modules``, runtime megatron): one set of names, or several sets to search
-    (each validated as ``Strategy.recompute_modules``; () is the runtime's own policy). The
+    (each validated as ``Strategy.recompute_modules``; () is the runtime's own policy; a str is
+    one set's label, "layernorm+moe_act", as ``parse_module_set`` reads it). The
     module sets are searched where several are given, or where ``dims`` names
     "recompute_modules" (then ``module_sets(model, "common")``); without ``dims`` they are
     not, as each set prices the selective candidates again and the default runtime (pytorch)
@@ -405,7 +407,7 @@ def default_space(
     offloads = _offload_sets(offload_modules)
     if "offload_modules" in fixed:
         offloads = (parse_offload_set(str(fixed["offload_modules"])),)
-    searched = set(DIMENSIONS if dims is None else dims)
+    searched = set(DIMENSIONS if dims is None else (dims,) if isinstance(dims, str) else dims)  # "tp": one dimension
     if dims is None:
         searched -= set(OPT_IN_DIMENSIONS)
     unknown = (searched | set(fixed)) - set(DIMENSIONS)
@@ -531,7 +533,10 @@ def parse_offload_set(text: str) -> ModuleSet:
 
 
 def _offload_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[ModuleSet, ...]:
-    """One offload set (names) or several (sequences of names) as distinct canonical sets."""
+    """One offload set (names, or one label as ``parse_offload_set`` reads it: a str is not split
+    into characters) or several (sequences of names) as distinct canonical sets."""
+    if isinstance(value, str):
+        return (parse_offload_set(value),)
     if all(isinstance(item, str) for item in value):
         return (_offload_set(value),)  # type: ignore[arg-type]
     return _distinct(tuple(_offload_set(names) for names in value))
@@ -566,7 +571,10 @@ def parse_module_set(text: str) -> ModuleSet:
 
 
 def _module_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[ModuleSet, ...]:
-    """One set (names) or several (sequences of names) as distinct canonical sets."""
+    """One set (names, or one label as ``parse_module_set`` reads it: a str is not split into
+    characters) or several (sequences of names) as distinct canonical sets."""
+    if isinstance(value, str):
+        return (parse_module_set(value),)
     if all(isinstance(item, str) for item in value):
         sets: list[Sequence[str]] = [tuple(value)]  # type: ignore[arg-type]
     else:
