@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -755,3 +756,29 @@ def test_megatron_writes_dualpipev_with_noop_layers_that_read_back_as_priced(cap
             "--seq", "4096", "--runtime", "megatron", "--emit", "megatron", "--top", "2", "--json"]
     data = json.loads(run(argv, capsys)[1])
     assert data["ranked"][0]["schedule"] == "dualpipev" and data["emitted_rank"] == 1 and data["emitted_check"]["same"]
+
+
+def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path, capsys):
+    """A fuzzing review: a folder or /dev/null as --plan said "no such file", a model file with
+    another extension "unknown model ...; presets: ...", a JSON runtime profile "unknown runtime",
+    --model "" "a model folder needs a config.json", --plot-dir /dev/null "File exists"."""
+    (tmp_path / "model.txt").write_text("{}")
+    (tmp_path / "model").write_text("{}")
+    (tmp_path / "profile.json").write_text("{}")
+    check = ["check", "--model", "llama-3.1-8b", "--devices", "8"]
+    cases = [
+        ([*check, "--plan", str(tmp_path)], f"{tmp_path}: a folder, not a file"),
+        ([*check, "--plan", os.devnull], f"{os.devnull}: not a regular file"),
+        (["models", "--model", str(tmp_path / "model.txt")],
+         "model.txt: a model file is read by its extension, .json, .yaml, .yml (a config.json or a spec in ndplan's "
+         "field names); '.txt' is not one of them"),
+        (["models", "--model", str(tmp_path / "model")], "; this one has none"),
+        ([*ESTIMATE_8, "--runtime", str(tmp_path / "profile.json")],
+         "profile.json: a runtime profile is a YAML file (.yaml or .yml); known runtimes: megatron, pytorch"),
+        (["check", "--model", "", "--devices", "8"], "model: the name is empty; give a preset"),
+        (["report", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--plot-dir", os.devnull],
+         f"{os.devnull}: not a folder; the figures are written into one"),
+    ]
+    for argv, words in cases:
+        code, _, err = run(argv, capsys)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
