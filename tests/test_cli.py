@@ -13,7 +13,7 @@ import yaml
 
 from ndplan.cli import main
 from ndplan.errors import NdplanError
-from ndplan.model import get_preset
+from ndplan.model import get_preset, load_model
 from ndplan.strategy import RULES, Strategy
 
 LLAMA = ["--model", "llama-3.1-8b"]
@@ -775,10 +775,39 @@ def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path, capsys):
         (["models", "--model", str(tmp_path / "model")], "; this one has none"),
         ([*ESTIMATE_8, "--runtime", str(tmp_path / "profile.json")],
          "profile.json: a runtime profile is a YAML file (.yaml or .yml); known runtimes: megatron, pytorch"),
-        (["check", "--model", "", "--devices", "8"], "model: the name is empty; give a preset"),
         (["report", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--plot-dir", os.devnull],
          f"{os.devnull}: not a folder; the figures are written into one"),
     ]
     for argv, words in cases:
         code, _, err = run(argv, capsys)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+    with pytest.raises(NdplanError, match="model: the name is empty; give a preset"):
+        load_model("")  # the CLI refuses an empty --model before (test_an_empty_value_names_its_option)
+
+
+@pytest.mark.parametrize("argv,words", [
+    ([*SEARCH_8, "--memory-limit", ""], "--memory-limit is empty; give a value (see `ndplan search --help`) or leave it out"),
+    ([*SEARCH_8, "--memory-limit="], "--memory-limit is empty"),
+    ([*SEARCH_8, "--csv", ""], "--csv is empty"),
+    ([*SEARCH_8, "--runtime", ""], "--runtime is empty"),
+    ([*SEARCH_8, "--efficiency", ""], "--efficiency is empty"),
+    ([*SEARCH_8, "--fix", "tp=2", " "], "--fix is empty"),
+    (["hardware", ""], "hardware NAME is empty; give a value (see `ndplan hardware --help`) or leave it out"),
+    (["models", "--model", ""], "--model is empty; give a value (see `ndplan models --help`) or leave it out"),
+    (["check", "--model", "", "--devices", "8"], "--model is empty"),
+])
+def test_an_empty_value_names_its_option(argv, words, capsys):
+    """A fuzzing review: an empty value was read as a missing one (no limit, no CSV, the default
+    runtime and profile; `hardware ""` and `models --model ""` listed everything)."""
+    code, out, err = run(argv, capsys)
+    assert code == 2 and words in err and not out, err
+
+
+def test_overlap_switches_given_twice_and_fixed_dims_are_said(capsys):
+    """--overlap tp=on,tp=off took the last silently (--fix refuses a repeat); --dims tp with
+    --fix tp=2 searched tp=2 alone without a word."""
+    code, _, err = run([*ESTIMATE_8, "--overlap", "megatron,tp=on,tp=off"], capsys)
+    assert code == 2 and "overlap: 'tp' is given twice (on and off); give each switch once" in err
+    code, out, _ = run([*SEARCH_8, "--dims", "tp", "pp", "--fix", "tp=2", "--top", "1", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ranked"][0]["tp"] == 2 and "--dims tp: fixed by --fix tp=2, so not searched" in data["notes"]
