@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import ndplan
@@ -142,3 +143,94 @@ def test_wrong_argument_types_are_ndplan_errors():
         with pytest.raises(ndplan.NdplanError, match=message):
             call()
     assert ndplan.count_parameters("llama-3.1-8b").total == 8_030_261_248
+
+
+def test_estimate_time_names_a_bad_efficiency_overlap_or_software():
+    """A fuzzing review: efficiency="x" and overlap="x" raised AttributeError deep in the time
+    model, software=5 a TypeError. An overlap written as the CLI writes it is read."""
+    strategy = ndplan.Strategy(dp=8, num_micro_batches=4)
+    calls = {
+        r"efficiency must be an EfficiencyProfile .* got str": dict(efficiency="x"),
+        r"unknown overlap preset 'x'.*known: megatron": dict(overlap="x"),
+        r"overlap: expected a preset name, key=value pairs or a mapping, got int": dict(overlap=5),
+        r"software must be a mapping of selective_recompute, .* got int": dict(software=5),
+    }
+    for message, keywords in calls.items():
+        with pytest.raises(ndplan.NdplanError, match=message):
+            ndplan.estimate_time("llama-3.1-8b", strategy, "h100-sxm", **keywords)
+    plain = ndplan.estimate_time("llama-3.1-8b", strategy, "h100-sxm", overlap="plain")
+    assert plain.overlap == ndplan.perf.get_overlap("plain")
+
+
+def test_run_search_names_a_bad_limit_block_size_options_or_time_function():
+    """A fuzzing review: an infinite limit raised OverflowError, a list TypeError, block_size 0
+    "generator raised StopIteration", options='megatron' AttributeError and a time function
+    returning {} KeyError 'step_s'."""
+    model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
+    space = ndplan.default_space(model, device, 8, 32, 4096, dims=("tp",))
+    calls = {
+        r"memory_limit_bytes must be > 0 and below 8 EiB: a number of bytes or a size such as '70GiB', or None "
+        r"for the device's memory; got inf": dict(memory_limit_bytes=float("inf")),
+        r"memory_limit_bytes must be > 0 .* got nan": dict(memory_limit_bytes=float("nan")),
+        r"memory_limit_bytes must be > 0 .* got \[1\]": dict(memory_limit_bytes=[1]),
+        r"memory_limit_bytes: cannot read 'lots' as a size": dict(memory_limit_bytes="lots"),
+        r"block_size must be a whole number >= 1, got 0": dict(block_size=0),
+        r"block_size must be a whole number >= 1, got -1": dict(block_size=-1),
+        r"block_size must be a whole number >= 1, got 1.5": dict(block_size=1.5),
+        r"options must be a MemoryOptions \(e.g. MemoryOptions\(runtime='megatron'\)\), got str": dict(options="megatron"),
+        r"time_function must return a dict of arrays with 'step_s' \(seconds per strategy of the batch, \d+ here\), "
+        r"got keys \[\]": dict(time_function=lambda *_: {}),
+        r"time_function must return .* got NoneType": dict(time_function=lambda *_: None),
+    }
+    for message, keywords in calls.items():
+        with pytest.raises(ndplan.NdplanError, match=message):
+            ndplan.run_search(model, device, space, **keywords)
+    # numpy's integers are whole numbers too
+    assert ndplan.run_search(model, device, space, top=np.int64(2), block_size=np.int64(64)).best is not None
+
+
+def test_default_space_bounds_its_sizes_and_takes_numpy_integers():
+    """A fuzzing review: seq_length 2^62 hung listing the context-parallel degrees (a scan up to
+    seq/8192), devices or a fixed degree of 2^70 were accepted and overflowed int64 in the search,
+    and np.int64(8) devices were refused where ``estimate`` takes them."""
+    from ndplan.search.space import _divisors
+
+    model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
+    calls = {
+        "seq_length must be at most 16,777,216, got 4611686018427387904": (8, 32, 2**62, {}),
+        "num_devices must be at most 1,048,576, got 1180591620717411303424": (2**70, 32, 4096, {}),
+        "global_batch_size must be at most 1,073,741,824": (8, 2**40, 4096, {}),
+        "num_devices must be a whole number >= 1, got 8.0": (8.0, 32, 4096, {}),
+        "tp must be at least 1 and at most 1,048,576": (8, 32, 4096, {"fixed": {"tp": 2**70}}),
+        "etp must be at least 0 and at most 1,048,576": (8, 32, 4096, {"fixed": {"etp": 2**21}}),
+        r"fixed must be a mapping of dimension names to values \(e.g. \{'tp': 8\}\), got list": (8, 32, 4096,
+                                                                                                {"fixed": [1]}),
+    }
+    for message, (devices, gbs, seq, keywords) in calls.items():
+        with pytest.raises(ndplan.NdplanError, match=message):
+            ndplan.default_space(model, device, devices, gbs, seq, **keywords)
+    numpy_sized = ndplan.default_space(model, device, np.int64(8), np.int64(32), np.int64(4096))
+    assert numpy_sized == ndplan.default_space(model, device, 8, 32, 4096)
+    # the largest sizes make a space the search runs without overflow
+    largest = ndplan.default_space(model, device, 2**20, 2**30, 2**24, dims=("tp", "pp"), fixed={"cp": 2**20})
+    assert ndplan.run_search(model, device, largest).rejected["world_size"] > 0
+    assert _divisors(2**20, 2**11) == [2**k for k in range(12)] and _divisors(720, 16) == [1, 2, 3, 4, 5, 6, 8, 9,
+                                                                                           10, 12, 15, 16]
+
+
+def test_a_str_where_a_list_is_expected_is_one_item_not_its_characters():
+    """A fuzzing review: dims="tp" said "unknown search dimension 'p'", recompute_modules=
+    "core_attn" "unknown recompute module 'c'", offload_modules="attn_norm" "unknown offload
+    module '_'"."""
+    model, device = ndplan.get_preset("qwen3-30b-a3b"), ndplan.get_device("h100-sxm")
+    assert ndplan.Strategy(recompute="selective", recompute_modules="layernorm").recompute_modules == ("layernorm",)
+    assert ndplan.Strategy(offload_modules="attn_norm").offload_modules == ("attn_norm",)
+    space = ndplan.default_space(model, device, 8, 32, 4096, dims="tp", recompute_modules="layernorm+moe_act",
+                                 offload_modules="expert_fc1")
+    assert space == ndplan.default_space(model, device, 8, 32, 4096, dims=("tp",),
+                                         recompute_modules=("layernorm", "moe_act"), offload_modules=("expert_fc1",))
+    assert len(space.tp) > 1 and space.zero == (1,)
+    with pytest.raises(ndplan.NdplanError, match="recompute module set 'core_attn\\+bogus': unknown module 'bogus'"):
+        ndplan.default_space(model, device, 8, 32, 4096, recompute_modules="core_attn+bogus")
+    with pytest.raises(ValueError, match="recompute_modules.0\n.*Input should be 'core_attn'"):
+        ndplan.Strategy(recompute="selective", recompute_modules="bogus")

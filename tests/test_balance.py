@@ -224,3 +224,30 @@ def test_problems_built_in_one_batch_equal_those_built_one_at_a_time():
                 assert mine == theirs, field.name
     # Different strategies do give different problems (the comparison above can fail).
     assert together[0].costs != together[3].costs
+
+
+def test_balance_takes_names_and_sizes_and_names_a_bad_limit():
+    """A fuzzing review: balance(..., "30GiB") raised ValueError, None TypeError, a device name
+    for the cluster AttributeError, and limits 0, -1 and NaN were balanced and reported as
+    "fits -0.00 GiB" / "fits nan GiB". Now as run_search: sizes and names read, the rest named."""
+    from ndplan.balance import balance
+    from ndplan.errors import NdplanError
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.strategy import Strategy
+
+    strategy = Strategy(dp=2, pp=4, zero=1, num_micro_batches=8, seq_length=2048)
+    by_name = balance("llama-3.1-8b", strategy, "h100-sxm", "60GiB", exact=False)
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=8)
+    assert by_name.plan == balance("llama-3.1-8b", strategy, cluster, 60 * GIB, exact=False).plan
+    for limit in (None, 0, -1, float("nan"), float("inf"), [1], True):
+        with pytest.raises(NdplanError, match=r"memory_limit_bytes must be > 0 and below 8 EiB: a number of bytes "
+                                              r"or a size such as '70GiB'; got"):
+            balance("llama-3.1-8b", strategy, cluster, limit)
+    with pytest.raises(NdplanError, match="memory_limit_bytes: a size must be positive, got '-3GiB'"):
+        balance("llama-3.1-8b", strategy, cluster, "-3GiB")
+    with pytest.raises(NdplanError, match="cluster must be a Device or a device name, got int"):
+        balance("llama-3.1-8b", strategy, 8, 40 * GIB)
+    with pytest.raises(NdplanError, match="balance needs a Strategy, got dict"):
+        balance("llama-3.1-8b", {"pp": 4}, cluster, 40 * GIB)
+    with pytest.raises(NdplanError, match="options must be a MemoryOptions"):
+        balance("llama-3.1-8b", strategy, cluster, 40 * GIB, "megatron")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import yaml
 
 from ndplan.cli import main
 from ndplan.errors import NdplanError
-from ndplan.model import get_preset
+from ndplan.model import get_preset, load_model
 from ndplan.strategy import RULES, Strategy
 
 LLAMA = ["--model", "llama-3.1-8b"]
@@ -386,6 +387,12 @@ ESTIMATE_8 = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8"]
     ([*SEARCH_8, "--fix", "cp_kind=bogus"], "allowed values are ring, ulysses, hybrid"),
     ([*SEARCH_8, "--fix", "sp=maybe"], "--fix sp=maybe: write one of 1, true, yes, on or 0, false, no, off"),
     ([*SEARCH_8, "--fix", "tp=2", "tp=4"], "--fix tp is given twice (2 and 4)"),
+    # past int64 these overflowed in numpy; a long --seq hung listing its context-parallel divisors
+    ([*SEARCH_8, "--fix", "tp=99999999999999999999"], "--fix tp=99999999999999999999: tp must be at least 1 and at "
+                                                      "most 1,048,576"),
+    ([*SEARCH_8, "--seq", "100000000000000"], "--seq must be at most 16,777,216, got 100000000000000"),
+    ([*SEARCH_8, "--devices", "4611686018427387904"], "--devices must be at most 1,048,576, got 4611686018427387904"),
+    ([*SEARCH_8, "--gbs", "1099511627776"], "--gbs must be at most 1,073,741,824, got 1099511627776"),
     ([*SEARCH_8, "--top", "0"], "--top must be at least 1, got 0"),
     ([*ESTIMATE_8, "--moe-imbalance", "nan"], "moe_imbalance must be a finite number >= 1.0"),
     ([*ESTIMATE_8, "--moe-capacity-factor", "inf"], "moe_capacity_factor must be a finite number > 0, got inf"),
@@ -749,3 +756,58 @@ def test_megatron_writes_dualpipev_with_noop_layers_that_read_back_as_priced(cap
             "--seq", "4096", "--runtime", "megatron", "--emit", "megatron", "--top", "2", "--json"]
     data = json.loads(run(argv, capsys)[1])
     assert data["ranked"][0]["schedule"] == "dualpipev" and data["emitted_rank"] == 1 and data["emitted_check"]["same"]
+
+
+def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path, capsys):
+    """A fuzzing review: a folder or /dev/null as --plan said "no such file", a model file with
+    another extension "unknown model ...; presets: ...", a JSON runtime profile "unknown runtime",
+    --model "" "a model folder needs a config.json", --plot-dir /dev/null "File exists"."""
+    (tmp_path / "model.txt").write_text("{}")
+    (tmp_path / "model").write_text("{}")
+    (tmp_path / "profile.json").write_text("{}")
+    check = ["check", "--model", "llama-3.1-8b", "--devices", "8"]
+    cases = [
+        ([*check, "--plan", str(tmp_path)], f"{tmp_path}: a folder, not a file"),
+        ([*check, "--plan", os.devnull], f"{os.devnull}: not a regular file"),
+        (["models", "--model", str(tmp_path / "model.txt")],
+         "model.txt: a model file is read by its extension, .json, .yaml, .yml (a config.json or a spec in ndplan's "
+         "field names); '.txt' is not one of them"),
+        (["models", "--model", str(tmp_path / "model")], "; this one has none"),
+        ([*ESTIMATE_8, "--runtime", str(tmp_path / "profile.json")],
+         "profile.json: a runtime profile is a YAML file (.yaml or .yml); known runtimes: megatron, pytorch"),
+        (["report", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--plot-dir", os.devnull],
+         f"{os.devnull}: not a folder; the figures are written into one"),
+    ]
+    for argv, words in cases:
+        code, _, err = run(argv, capsys)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+    with pytest.raises(NdplanError, match="model: the name is empty; give a preset"):
+        load_model("")  # the CLI refuses an empty --model before (test_an_empty_value_names_its_option)
+
+
+@pytest.mark.parametrize("argv,words", [
+    ([*SEARCH_8, "--memory-limit", ""], "--memory-limit is empty; give a value (see `ndplan search --help`) or leave it out"),
+    ([*SEARCH_8, "--memory-limit="], "--memory-limit is empty"),
+    ([*SEARCH_8, "--csv", ""], "--csv is empty"),
+    ([*SEARCH_8, "--runtime", ""], "--runtime is empty"),
+    ([*SEARCH_8, "--efficiency", ""], "--efficiency is empty"),
+    ([*SEARCH_8, "--fix", "tp=2", " "], "--fix is empty"),
+    (["hardware", ""], "hardware NAME is empty; give a value (see `ndplan hardware --help`) or leave it out"),
+    (["models", "--model", ""], "--model is empty; give a value (see `ndplan models --help`) or leave it out"),
+    (["check", "--model", "", "--devices", "8"], "--model is empty"),
+])
+def test_an_empty_value_names_its_option(argv, words, capsys):
+    """A fuzzing review: an empty value was read as a missing one (no limit, no CSV, the default
+    runtime and profile; `hardware ""` and `models --model ""` listed everything)."""
+    code, out, err = run(argv, capsys)
+    assert code == 2 and words in err and not out, err
+
+
+def test_overlap_switches_given_twice_and_fixed_dims_are_said(capsys):
+    """--overlap tp=on,tp=off took the last silently (--fix refuses a repeat); --dims tp with
+    --fix tp=2 searched tp=2 alone without a word."""
+    code, _, err = run([*ESTIMATE_8, "--overlap", "megatron,tp=on,tp=off"], capsys)
+    assert code == 2 and "overlap: 'tp' is given twice (on and off); give each switch once" in err
+    code, out, _ = run([*SEARCH_8, "--dims", "tp", "pp", "--fix", "tp=2", "--top", "1", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ranked"][0]["tp"] == 2 and "--dims tp: fixed by --fix tp=2, so not searched" in data["notes"]

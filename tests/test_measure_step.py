@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -96,12 +97,20 @@ def test_committed_examples_load() -> None:
     ({"ranks": [{"allocated_bytes": 1}]}, "'stage' (pipeline stage) or 'rank'"),
     ({"ranks": [{"stage": 3, "allocated_bytes": 1}]}, "stage 3 does not exist"),
     ({"ranks": [{"stage": 0, "allocated_bytes": -5}]}, "non-negative"),
+    # a rank or stage is not bytes; a strategy of the wrong type is not missing; ranks the strategy
+    # does not have name it (they said "stage 1 does not exist with pp=1")
+    ({"ranks": [{"rank": -1, "allocated_bytes": 1}]}, "ranks[0]: 'rank' must be a whole number >= 0, got -1"),
+    ({"ranks": [{"stage": 0.5, "allocated_bytes": 1}]}, "ranks[0]: 'stage' must be a whole number >= 0, got 0.5"),
+    ({"strategy": "x"}, "'strategy' must be an object of Strategy fields (dp, tp, pp, ...), got str"),
+    ({"strategy": {"tp": 3}, "ranks": [{"rank": 3, "allocated_bytes": 1}]},
+     "ranks[0]: rank 3 is not among the 3 ranks (dp·tp·pp·cp) of the file's 'strategy' (dp1 tp3 pp1 "),
+    ({"ranks": [{"stage": 2, "allocated_bytes": 1}]}, "stage 2 does not exist with pp=2, the file's 'strategy' (dp1 tp1 pp2"),
     ({"schema_version": 2}, "schema_version"),
 ])
 def test_malformed_measurement_names_the_field(patch: dict, needle: str) -> None:
     data = {"model": "llama-3.1-8b", "strategy": {"pp": 2}, "ranks": [{"stage": 0, "allocated_bytes": 1}]}
     data.update(patch)
-    with pytest.raises(NdplanError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(NdplanError, match=re.escape(needle)):
         measurement_from_dict(data, "m.json")
 
 

@@ -635,7 +635,13 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     from ndplan.io.common import policy_of
     from ndplan.search import default_space, run_search, runtime_step_time
-    from ndplan.search.space import runtime_reshard_under_pipeline
+    from ndplan.search.space import (
+        MAX_DEVICES,
+        MAX_GLOBAL_BATCH,
+        MAX_SEQ_LENGTH,
+        runtime_reshard_under_pipeline,
+        whole_size,
+    )
     from ndplan.strategy import get_precision
 
     if args.top < 1:
@@ -656,6 +662,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
         _require(vars(args), key, flag)
     args.seq = args.seq or 4096
+    for flag, value, largest in (("--devices", args.devices, MAX_DEVICES), ("--gbs", args.gbs, MAX_GLOBAL_BATCH),
+                                 ("--seq", args.seq, MAX_SEQ_LENGTH)):
+        whole_size(value, flag, largest)  # named as the flag, not as default_space's argument
     device = device_from(args.hardware, args.efficiency)
     fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
     if read is not None and args.dims:
@@ -739,6 +748,9 @@ def cmd_search(args: argparse.Namespace) -> int:
                 f"the winner's per-layer recompute needs a framework that sets it layer by layer; as one recompute "
                 f"setting (what --emit writes) it is {one_setting['label']}, layers {one_setting['stage_layers']}, "
                 f"step {one_setting['step_s']:.3f} s")
+    # --fix wins over --dims (a file's settings too): say so rather than search the value alone.
+    result.notes.extend(f"--dims {name}: fixed by --fix {name}={fixed[name]}, so not searched"
+                        for name in args.dims or () if name in fixed)
     from ndplan.perf import default_overlap
 
     overlap = options.overlap or default_overlap(device.runtime)
@@ -1206,11 +1218,25 @@ def _signed_values_attached(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An NdplanError naming the first option (or argument) given as "": the commands read an
+    empty value as a missing one (``if args.csv:``), so --memory-limit "" searched without a limit,
+    --csv "" wrote nothing and `hardware ""` listed every device."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in subparsers.choices[args.command]._actions:
+        value = getattr(args, action.dest, None)
+        if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
+            name = max(action.option_strings, key=len) if action.option_strings else \
+                f"{args.command} {action.metavar or action.dest.upper()}"
+            raise NdplanError(f"{name} is empty; give a value (see `ndplan {args.command} --help`) or leave it out")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_signed_values_attached(sys.argv[1:] if argv is None else argv))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        _refuse_empty_values(parser, args)
         return func(args)
     except NdplanError as error:
         print(f"ndplan: error: {error}", file=sys.stderr)

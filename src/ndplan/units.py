@@ -47,3 +47,24 @@ def parse_bytes(text: str) -> int:
     if number == cleaned and value < MIB:  # no unit: bytes, and too few to be meant
         raise NdplanError(f"'{text}' is {value:g} bytes; give a unit, e.g. {text.strip()}GiB or {text.strip()}GB")
     return int(value * size)
+
+
+def memory_limit(value: object, what: str, none_means: str = "") -> float:
+    """A memory limit an API caller gives: bytes (a number > 0 below 8 EiB) or a size as
+    ``parse_bytes`` reads it ("70GiB", as the CLI does). Else an NdplanError naming argument
+    ``what`` (and what None stands for where the caller takes it): NaN, inf or a list leaked as
+    OverflowError or TypeError from deep inside, and 0, -1 or NaN were "fits -0.00 GiB"."""
+    from numbers import Real
+
+    from ndplan.errors import NdplanError
+
+    if isinstance(value, str):
+        try:
+            return float(parse_bytes(value))
+        except NdplanError as error:
+            raise NdplanError(f"{what}: {error}") from None
+    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < float(value) < 2**63:
+        default = f", or None for {none_means}" if none_means else ""
+        raise NdplanError(f"{what} must be > 0 and below 8 EiB: a number of bytes or a size such as '70GiB'{default}; "
+                          f"got {value!r}")
+    return float(value)

@@ -34,7 +34,7 @@ from ndplan.balance.problem import (
 )
 from ndplan.balance.solve import exact_method, solve_exact, solve_heuristic
 from ndplan.errors import NdplanError
-from ndplan.hardware import Cluster
+from ndplan.hardware import Cluster, Device
 from ndplan.memory.overhead import DEFAULTS
 from ndplan.memory.stages import MemoryOptions, layer_activations, stage_memory
 from ndplan.memory.static import layer_elements, sharding_factors
@@ -289,10 +289,10 @@ class BalanceResult:
 
 
 def balance(
-    model: ModelSpec,
+    model: ModelSpec | str,
     strategy: Strategy,
-    cluster: Cluster,
-    memory_limit_bytes: float,
+    cluster: Cluster | Device | str,
+    memory_limit_bytes: float | str,
     options: MemoryOptions | None = None,
     *,
     exact: bool = True,
@@ -310,9 +310,22 @@ def balance(
     policy as an option per layer multiplies the solvers' work (a minute per plan with seven).
 
     ``expressible``: whether a target format can write a one-setting strategy (``ndplan balance
-    --emit`` passes a round trip through the format); the one-setting plan is chosen among those."""
-    from ndplan.memory.report import check_moe_imbalance
+    --emit`` passes a round trip through the format); the one-setting plan is chosen among those.
 
+    As the other entry points: ``model`` may be a preset name or path, ``cluster`` a Device or
+    device name (then the strategy's world size), ``memory_limit_bytes`` a size ("30GiB")."""
+    from ndplan.hardware import as_device
+    from ndplan.memory.report import check_moe_imbalance, check_options
+    from ndplan.model import as_model
+    from ndplan.units import memory_limit
+
+    model = as_model(model)
+    if not isinstance(strategy, Strategy):
+        raise NdplanError(f"balance needs a Strategy, got {type(strategy).__name__}")
+    if not isinstance(cluster, Cluster):
+        cluster = Cluster(device=as_device(cluster, "cluster"), num_devices=strategy.world_size)
+    memory_limit_bytes = memory_limit(memory_limit_bytes, "memory_limit_bytes")
+    check_options(options)
     check_moe_imbalance(model, strategy, options or MemoryOptions())
     own = strategy.recompute_modules
     policies: list[tuple[str, ...] | None] = [None, *dict.fromkeys(

@@ -208,14 +208,18 @@ class StepMeasurement:
         return out
 
 
-def _int_field(entry: dict[str, Any], key: str, where: str, *, required: bool = False) -> int | None:
+def _int_field(entry: dict[str, Any], key: str, where: str, *, required: bool = False, bytes_: bool = True
+               ) -> int | None:
+    """A field of bytes (``bytes_``), or a count or index (rank, stage, layers: whole numbers)."""
     value = entry.get(key)
     if value is None:
         if required:
             raise NdplanError(f"{where}: missing '{key}'")
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
-        raise NdplanError(f"{where}: '{key}' must be a non-negative number of bytes, got {value!r}")
+    kinds = (int, float) if bytes_ else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < 0 or not math.isfinite(value):
+        what = "a non-negative number of bytes" if bytes_ else "a whole number >= 0"
+        raise NdplanError(f"{where}: '{key}' must be {what}, got {value!r}")
     return int(value)
 
 
@@ -243,6 +247,9 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
             raise NdplanError(f"{source}: missing 'model' (a preset name or a config.json path)")
         strategy = _strategy_from(data.get("strategy"), source)
     assert model is not None and strategy is not None
+    # Ranks and stages that do not fit the strategy are its fault as much as theirs: name it.
+    whose = f"the launch config's strategy ({strategy.short()})" if "strategy" not in data else \
+        f"the file's 'strategy' ({strategy.short()})"
     num_layers = data.get("num_layers")
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
         raise NdplanError(f"{source}: 'num_layers' must be a positive integer, got {num_layers!r}")
@@ -255,14 +262,16 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
         where = f"{source}: ranks[{i}]"
         if not isinstance(entry, dict):
             raise NdplanError(f"{where}: expected an object")
-        rank = _int_field(entry, "rank", where)
-        stage = _int_field(entry, "stage", where)
+        rank = _int_field(entry, "rank", where, bytes_=False)
+        stage = _int_field(entry, "stage", where, bytes_=False)
+        if rank is not None and rank >= strategy.world_size:
+            raise NdplanError(f"{where}: rank {rank} is not among the {strategy.world_size} ranks (dp·tp·pp·cp) of {whose}")
         if stage is None:
             if rank is None:
                 raise NdplanError(f"{where}: give 'stage' (pipeline stage) or 'rank' (global rank)")
             stage = rank // per_stage  # pipeline-parallel ranks outermost (torchtitan, Megatron)
         if stage >= strategy.pp:
-            raise NdplanError(f"{where}: stage {stage} does not exist with pp={strategy.pp}")
+            raise NdplanError(f"{where}: stage {stage} does not exist with pp={strategy.pp}, {whose}")
         allocated = _int_field(entry, "allocated_bytes", where, required=True)
         assert allocated is not None
         if allocated == 0:  # a training step holds at least its parameters
@@ -275,7 +284,7 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
             rank=rank,
             allocated_bytes=allocated,
             reserved_bytes=_int_field(entry, "reserved_bytes", where),
-            layers=_int_field(entry, "layers", where),
+            layers=_int_field(entry, "layers", where, bytes_=False),
             virtual_stages=tuple(int(v) for v in entry.get("virtual_stages") or ()),
             forward_backward_peak_bytes=_int_field(entry, "forward_backward_peak_bytes", where),
             optimizer_step_peak_bytes=_int_field(entry, "optimizer_step_peak_bytes", where),
@@ -297,8 +306,11 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
 
 
 def _strategy_from(raw_strategy: Any, source: str) -> Strategy:
-    if not isinstance(raw_strategy, dict):
+    if raw_strategy is None:
         raise NdplanError(f"{source}: missing 'strategy' (an object of Strategy fields: dp, tp, pp, ...)")
+    if not isinstance(raw_strategy, dict):
+        raise NdplanError(f"{source}: 'strategy' must be an object of Strategy fields (dp, tp, pp, ...), "
+                          f"got {type(raw_strategy).__name__}")
     from pydantic import ValidationError
 
     from ndplan.model.hf import first_validation_error

@@ -321,7 +321,7 @@ def get_profile(name: str) -> RuntimeProfile:
     if name.endswith((".yaml", ".yml")):
         path = Path(name)
         if not path.is_file():
-            raise NdplanError(f"{path}: no such runtime profile file")
+            raise NdplanError(f"{path}: " + ("not a file" if path.exists() else "no such runtime profile file"))
         try:
             data = parse_nested(lambda text: yaml.load(text, Loader=_SAFE_LOADER), read_text(path), path, "YAML")
         except yaml.YAMLError as error:
@@ -330,6 +330,9 @@ def get_profile(name: str) -> RuntimeProfile:
             raise NdplanError(f"{path}{line}: malformed runtime profile YAML "
                               f"({getattr(error, 'problem', None) or error})") from None
         return _parse_profile(data, str(path))
+    if name not in profile_names() and Path(name).is_file():
+        raise NdplanError(f"{name}: a runtime profile is a YAML file (.yaml or .yml); known runtimes: "
+                          f"{', '.join(profile_names())}")
     if name not in profile_names():
         raise NdplanError(f"unknown runtime '{name}'{did_you_mean(name, profile_names())}; known: "
                           f"{', '.join(profile_names())} (or a profile YAML path)")

@@ -279,6 +279,14 @@ def check_moe_imbalance(model: ModelSpec, strategy: Strategy, options: MemoryOpt
         raise NdplanError(f"moe_imbalance {options.moe_imbalance:g} is more than routing can put on one rank: {reason}")
 
 
+def check_options(options: object) -> None:
+    """An NdplanError unless ``options`` is a MemoryOptions or None: the entry points take it
+    (a runtime name given there raised AttributeError deep inside)."""
+    if options is not None and not isinstance(options, MemoryOptions):
+        raise NdplanError(f"options must be a MemoryOptions (e.g. MemoryOptions(runtime='megatron')), "
+                          f"got {type(options).__name__}")
+
+
 def estimate(
     model: ModelSpec | str,
     strategy: Strategy,
@@ -296,9 +304,7 @@ def estimate(
     hardware = None if hardware is None else as_device(hardware, "hardware")
     if not isinstance(strategy, Strategy):
         raise NdplanError(f"estimate needs a Strategy, got {type(strategy).__name__}")
-    if options is not None and not isinstance(options, MemoryOptions):
-        raise NdplanError(f"options must be a MemoryOptions (e.g. MemoryOptions(runtime='megatron')), "
-                          f"got {type(options).__name__}")
+    check_options(options)
     validate_strategy(strategy, model, num_devices)
     options = options or MemoryOptions()
     check_moe_imbalance(model, strategy, options)

@@ -64,7 +64,8 @@ def get_preset(name: str) -> ModelSpec:
 def read_structured_file(path: Path) -> Any:
     """Parse a JSON or YAML file; a syntax error names the file and line."""
     if not path.is_file():
-        raise NdplanError(f"{path}: no such file")
+        what = "a folder, not a file" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
+        raise NdplanError(f"{path}: {what}")
     text = read_text(path)
     try:
         if path.suffix.lower() == ".json":
@@ -95,13 +96,25 @@ def load_model_file(path: str | Path) -> ModelSpec:
         raise NdplanError(f"{path}: {first_validation_error(error)}") from None
 
 
+#: The extensions of the model files ``load_model`` reads (JSON or YAML).
+MODEL_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
 def load_model(name_or_path: str) -> ModelSpec:
     """A preset name, a path to a config file, or a model folder holding a config.json (as a
     Hugging Face checkpoint is laid out)."""
     if require_name(name_or_path, "model").lower() in preset_names():
         return get_preset(name_or_path)
-    if Path(name_or_path).suffix.lower() in {".json", ".yaml", ".yml"}:
+    if not name_or_path.strip():  # Path("") is the current folder
+        raise NdplanError(f"model: the name is empty; give a preset ({', '.join(preset_names()[:3])}, ...), "
+                          "a config file or a model folder")
+    if Path(name_or_path).suffix.lower() in MODEL_FILE_SUFFIXES:
         return load_model_file(name_or_path)
+    if Path(name_or_path).is_file():
+        suffix = Path(name_or_path).suffix
+        raise NdplanError(f"{name_or_path}: a model file is read by its extension, {', '.join(MODEL_FILE_SUFFIXES)} "
+                          f"(a config.json or a spec in ndplan's field names); "
+                          + (f"'{suffix}' is not one of them" if suffix else "this one has none"))
     if Path(name_or_path).is_dir():
         config = Path(name_or_path) / "config.json"
         if not config.is_file():

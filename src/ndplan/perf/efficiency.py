@@ -393,6 +393,9 @@ def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | N
     states them; None: as it is). Each is stated once where the runtime is (its memory profile,
     the attention and MoE options), so that memory and time price the same re-runs, the same
     kernels and the same busiest rank."""
+    if software is not None and not isinstance(software, Mapping):
+        raise NdplanError(f"software must be a mapping of {', '.join(SOFTWARE_FIELDS)} to values (or None), "
+                          f"got {type(software).__name__}")
     if not software:
         return efficiency
     unknown = sorted(set(software) - set(SOFTWARE_FIELDS))

@@ -143,6 +143,8 @@ def parse_overlap(spec: str | Mapping[str, Any] | OverlapConfig | None) -> Overl
             if "=" not in part:
                 raise NdplanError(f"overlap: '{part}' is not key=value (only the first item may name a preset)")
             key, value = (x.strip() for x in part.split("=", 1))
+            if key in fields:  # the last silently won; --fix refuses a repeat the same way
+                raise NdplanError(f"overlap: '{key}' is given twice ({fields[key]} and {value}); give each switch once")
             fields[key] = value
         return _overlap_from(preset, fields)
     if isinstance(spec, Mapping):

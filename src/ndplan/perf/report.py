@@ -13,7 +13,7 @@ from ndplan.hardware.device import Cluster, Device
 from ndplan.memory.stages import MemoryOptions
 from ndplan.memory.static import shard_groups
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, with_software
+from ndplan.perf.efficiency import EfficiencyProfile
 from ndplan.perf.flops import (
     Sharding,
     attention_core_flops,
@@ -29,8 +29,14 @@ from ndplan.perf.layer import (
     piece_times,
     token_reach,
 )
-from ndplan.perf.overlap import OverlapConfig, default_overlap
-from ndplan.perf.step import compute_rates, evaluate, optimizer_bytes_per_param, strategy_columns
+from ndplan.perf.overlap import OverlapConfig
+from ndplan.perf.step import (
+    compute_rates,
+    evaluate,
+    optimizer_bytes_per_param,
+    pricing_settings,
+    strategy_columns,
+)
 from ndplan.perf.topology import Fabric, group_link, members_per_domain
 from ndplan.schedule.unshard import ACTIVE_CHUNKS, chunk_gathers
 from ndplan.strategy.batch import StrategyBatch
@@ -112,7 +118,7 @@ def estimate_time(
     *,
     options: MemoryOptions | None = None,
     efficiency: EfficiencyProfile | None = None,
-    overlap: OverlapConfig | None = None,
+    overlap: OverlapConfig | str | Mapping[str, Any] | None = None,
     weight_grad_rebuilds: bool | None = None,
     software: Mapping[str, Any] | None = None,
 ) -> TimeReport:
@@ -124,7 +130,8 @@ def estimate_time(
     ``time_keywords()``: rebuilds, selective policy, attention kernel, overlap; a keyword given
     here wins). Without options or those keywords, the device profile's own figures and the
     device runtime's overlap, as the published-run comparison uses them. ``model`` may be a
-    preset name or path, ``cluster`` a Device or device name (then the strategy's world size).
+    preset name or path, ``cluster`` a Device or device name (then the strategy's world size),
+    ``overlap`` an OverlapConfig or what ``parse_overlap`` reads ("megatron,tp=on").
 
     Raises NdplanError listing every rule the strategy breaks for this model and cluster.
     """
@@ -148,8 +155,7 @@ def estimate_time(
         overlap = runtime["overlap"] if overlap is None else overlap
     weight_grad_rebuilds = bool(weight_grad_rebuilds)
     validate_strategy(strategy, model, cluster.num_devices)
-    eff = with_software(efficiency or default_efficiency(cluster.device), software)
-    ov = overlap or default_overlap(cluster.device.runtime)
+    eff, ov = pricing_settings(cluster, efficiency, overlap, software)
     batch = StrategyBatch.of(strategy)
     out = evaluate(model, batch, cluster, efficiency=eff, overlap=ov, pipeline="simulate",
                    stage_layers=strategy.stage_layers, details=True, weight_grad_rebuilds=weight_grad_rebuilds)

@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ndplan.errors import NdplanError
 from ndplan.hardware.device import Cluster
 from ndplan.memory.static import mtp_extra_split, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, norm_params
@@ -56,7 +57,7 @@ from ndplan.perf.layer import (
     LayerContext,
     piece_times,
 )
-from ndplan.perf.overlap import OverlapConfig, default_overlap
+from ndplan.perf.overlap import OverlapConfig, default_overlap, parse_overlap
 from ndplan.perf.pipeline import (
     StageLayout,
     closed_form_holds,
@@ -545,6 +546,18 @@ def _price_group(
     return out
 
 
+def pricing_settings(cluster: Cluster, efficiency: Any, overlap: Any, software: Any) -> tuple[EfficiencyProfile, OverlapConfig]:
+    """The efficiency profile (with the runtime's ``software`` facts) and overlap switches a
+    pricing runs with, the device's defaults where None. The overlap may be written as
+    ``parse_overlap`` reads it (a preset name, ``key=value`` pairs, a mapping). Anything else is
+    an NdplanError naming the argument, not an AttributeError from deep in the time model."""
+    if efficiency is not None and not isinstance(efficiency, EfficiencyProfile):
+        raise NdplanError(f"efficiency must be an EfficiencyProfile (e.g. ndplan.perf.load_efficiency('profile.yaml')) "
+                          f"or None (the device's), got {type(efficiency).__name__}")
+    eff = with_software(efficiency or default_efficiency(cluster.device), software)
+    return eff, parse_overlap(overlap) or default_overlap(cluster.device.runtime)
+
+
 def evaluate(
     model: ModelSpec,
     batch: StrategyBatch,
@@ -565,8 +578,7 @@ def evaluate(
     runtime profile), which full recompute then pays under ZB-H1, ZB-V and DualPipeV.
     ``software``: facts of the runtime (``MemoryOptions.time_keywords``: what its selective
     recompute re-runs, whether its attention is flash) that replace the efficiency profile's."""
-    eff = with_software(efficiency or default_efficiency(cluster.device), software)
-    ov = overlap or default_overlap(cluster.device.runtime)
+    eff, ov = pricing_settings(cluster, efficiency, overlap, software)
     n = len(batch)
     rates = compute_rates(cluster, batch, eff)
     fabric = Fabric.of(cluster, eff)

@@ -388,6 +388,8 @@ def write_plots(result: Any, directory: str | Path, *, fmt: str = "png", top: in
     written as ``memory-<name>.<fmt>``. Returns the paths written.
     """
     out = Path(directory)
+    if out.exists() and not out.is_dir():  # mkdir said only "File exists"
+        raise NdplanError(f"{out}: not a folder; the figures are written into one (give a new or existing folder)")
     out.mkdir(parents=True, exist_ok=True)
     data = prepare(result, top=top, max_points=max_points)
     written: list[Path] = []

@@ -7,9 +7,10 @@ space with the single-strategy API (a test checks this).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from numbers import Integral
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
-from ndplan.memory.report import known_gaps
+from ndplan.memory.report import check_options, known_gaps
 from ndplan.memory.stages import STATIC_FIELDS, peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
@@ -26,6 +27,7 @@ from ndplan.search.space import FIELD_DIMENSIONS, SearchSpace
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import RULES, Rule, RuleContext
 from ndplan.strategy.strategy import Strategy
+from ndplan.units import memory_limit
 
 TimeFunction = Callable[[ModelSpec, StrategyBatch, Cluster], dict[str, np.ndarray]]
 OVER_MEMORY = "over_memory_limit"
@@ -93,6 +95,16 @@ def runtime_step_time(options: MemoryOptions | None = None) -> TimeFunction:
 
     options = options or MemoryOptions()
     return partial(step_time_batch, **options.time_keywords())
+
+
+def _step_times(times: Any, count: int) -> Mapping[str, Any]:
+    """What a time function returned, where it is what ``run_search`` ranks by: a mapping with
+    "step_s", one figure per candidate (a custom one returning {} raised KeyError 'step_s')."""
+    if not isinstance(times, Mapping) or "step_s" not in times or np.shape(times["step_s"]) != (count,):
+        got = f"keys {sorted(times)}" if isinstance(times, Mapping) else type(times).__name__
+        raise NdplanError(f"time_function must return a dict of arrays with 'step_s' (seconds per strategy of the "
+                          f"batch, {count} here), got {got}")
+    return times
 
 
 def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray:
@@ -226,18 +238,16 @@ def run_search(
     model, device = as_model(model), as_device(device)
     if not isinstance(space, SearchSpace):
         raise NdplanError(f"space must be a SearchSpace (ndplan.search.default_space), got {type(space).__name__}")
-    if isinstance(memory_limit_bytes, str):
-        from ndplan.units import parse_bytes
-
-        memory_limit_bytes = parse_bytes(memory_limit_bytes)  # "70GiB", as the CLI reads it
-    if memory_limit_bytes is not None and not memory_limit_bytes > 0:
-        raise NdplanError(f"memory_limit_bytes must be > 0 (None: the device's memory), got {memory_limit_bytes!r}")
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise NdplanError(f"top must be a whole number >= 1, got {top!r}")
+    given_limit = None if memory_limit_bytes is None else memory_limit(
+        memory_limit_bytes, "memory_limit_bytes", none_means="the device's memory")
+    for name, count in (("top", top), ("block_size", block_size)):
+        if isinstance(count, bool) or not isinstance(count, Integral) or count < 1:
+            raise NdplanError(f"{name} must be a whole number >= 1, got {count!r}")
+    check_options(options)
     time_function = time_function or runtime_step_time(options)
 
     started = clock.perf_counter()
-    limit = int(memory_limit_bytes or device.memory_bytes)
+    limit = int(given_limit or device.memory_bytes)
     cluster = Cluster(device=device, num_devices=space.num_devices)
     context = RuleContext(model, space.num_devices)
     rejected = {DUPLICATE: 0} | {rule.name: 0 for rule in RULES} | {NOT_RUNNABLE: 0, OVER_MEMORY: 0}
@@ -276,7 +286,7 @@ def run_search(
         rejected[OVER_MEMORY] += int(np.count_nonzero(~fits))
         if fits.any():
             fitting = survivors.take(np.flatnonzero(fits))
-            times = time_function(model, fitting, cluster)
+            times = _step_times(time_function(model, fitting, cluster), len(fitting))
             kept_index.append(index_part[fits])
             kept_time.append(np.asarray(times["step_s"], dtype=float))
             kept_peak.append(peak[fits])

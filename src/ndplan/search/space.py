@@ -7,10 +7,11 @@ memory stays bounded whatever the size of the space.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
-from math import prod
+from math import isqrt, prod
+from numbers import Integral
 
 import numpy as np
 
@@ -99,7 +100,29 @@ FIELD_DIMENSIONS: dict[str, tuple[str, ...]] = {
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
-    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+    """The divisors of ``n`` up to ``limit`` (default ``n``), ascending: found in pairs (d, n/d)
+    with d up to √n, since a scan up to the limit hung on a limit of 10^10 (a long --seq)."""
+    small = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
+    return sorted(d for d in {*small, *(n // d for d in small)} if d <= (limit or n))
+
+
+#: The largest devices, global batch and sequence ``default_space`` takes: generous beyond any
+#: cluster or context, the caps of Strategy's own fields (degrees and devices 2^20, a sequence
+#: 2^24 tokens; a batch of 2^30 sequences). Past them the space's int64 columns overflowed.
+MAX_DEVICES = 2**20
+MAX_GLOBAL_BATCH = 2**30
+MAX_SEQ_LENGTH = 2**24
+
+
+def whole_size(value: object, name: str, largest: int) -> int:
+    """``value`` as an int where it is a whole number from 1 to ``largest`` (numpy's integers
+    too, as ``estimate`` takes them); else an NdplanError naming ``name`` (an argument of
+    ``default_space`` or the CLI's flag for it)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 1:
+        raise NdplanError(f"{name} must be a whole number >= 1, got {value!r}")
+    if int(value) > largest:
+        raise NdplanError(f"{name} must be at most {largest:,}, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -341,7 +364,7 @@ def default_space(
     seq_length: int,
     precision: PrecisionPolicy | None = None,
     *,
-    dims: tuple[str, ...] | None = None,
+    dims: Sequence[str] | None = None,
     fixed: dict[str, int | str] | None = None,
     recompute_modules: Sequence[str] | Sequence[Sequence[str]] = (),
     offload_modules: Sequence[str] | Sequence[Sequence[str]] = (),
@@ -350,11 +373,13 @@ def default_space(
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
     never competitive), EP and ETP follow the expert count, PP the layer count. ``precision``
-    defaults to Strategy's (megatron-bf16).
+    defaults to Strategy's (megatron-bf16). ``dims``: the dimensions searched (one may be given
+    as a str).
 
     ``recompute_modules``: what the selective-recompute candidates re-run (Megatron-Core's
     ``--recompute-modules``, runtime megatron): one set of names, or several sets to search
-    (each validated as ``Strategy.recompute_modules``; () is the runtime's own policy). The
+    (each validated as ``Strategy.recompute_modules``; () is the runtime's own policy; a str is
+    one set's label, "layernorm+moe_act", as ``parse_module_set`` reads it). The
     module sets are searched where several are given, or where ``dims`` names
     "recompute_modules" (then ``module_sets(model, "common")``); without ``dims`` they are
     not, as each set prices the selective candidates again and the default runtime (pytorch)
@@ -368,11 +393,13 @@ def default_space(
     from ndplan.model import as_model
 
     model, device = as_model(model), as_device(device)
-    for name, count in (("num_devices", num_devices), ("global_batch_size", global_batch_size),
-                        ("seq_length", seq_length)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise NdplanError(f"{name} must be a whole number >= 1, got {count!r}")
+    num_devices = whole_size(num_devices, "num_devices", MAX_DEVICES)
+    global_batch_size = whole_size(global_batch_size, "global_batch_size", MAX_GLOBAL_BATCH)
+    seq_length = whole_size(seq_length, "seq_length", MAX_SEQ_LENGTH)
     precision = precision or Strategy().precision
+    if fixed is not None and not isinstance(fixed, Mapping):
+        raise NdplanError(f"fixed must be a mapping of dimension names to values (e.g. {{'tp': 8}}), "
+                          f"got {type(fixed).__name__}")
     fixed = dict(fixed or {})
     given = _module_sets(recompute_modules)
     if "recompute_modules" in fixed:
@@ -380,7 +407,7 @@ def default_space(
     offloads = _offload_sets(offload_modules)
     if "offload_modules" in fixed:
         offloads = (parse_offload_set(str(fixed["offload_modules"])),)
-    searched = set(DIMENSIONS if dims is None else dims)
+    searched = set(DIMENSIONS if dims is None else (dims,) if isinstance(dims, str) else dims)  # "tp": one dimension
     if dims is None:
         searched -= set(OPT_IN_DIMENSIONS)
     unknown = (searched | set(fixed)) - set(DIMENSIONS)
@@ -468,14 +495,15 @@ def _switch(name: str, value: int | str) -> int:
 
 
 def _fixed_degree(name: str, value: int | str) -> int:
-    """A --fix whole-number value in its range (zero 0–3, etp ≥ 0: 0 means tp; others ≥ 1)."""
-    low, high = {"zero": (0, 3), "etp": (0, None)}.get(name, (1, None))
+    """A --fix whole-number value in its range (zero 0–3, etp 0–2^20: 0 means tp; others 1–2^20,
+    ``MAX_DEVICES``: a degree above the devices never holds, and past int64 it overflowed)."""
+    low, high = {"zero": (0, 3), "etp": (0, MAX_DEVICES)}.get(name, (1, MAX_DEVICES))
     try:
         number = int(str(value).strip())
     except ValueError:
         raise NdplanError(f"--fix {name}={value}: a whole number is needed") from None
-    if number < low or (high is not None and number > high):
-        bounds = f"{low}–{high}" if high is not None else f"at least {low}"
+    if not low <= number <= high:
+        bounds = f"{low}–{high}" if name == "zero" else f"at least {low} and at most {high:,}"
         raise NdplanError(f"--fix {name}={value}: {name} must be {bounds}")
     return number
 
@@ -505,7 +533,10 @@ def parse_offload_set(text: str) -> ModuleSet:
 
 
 def _offload_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[ModuleSet, ...]:
-    """One offload set (names) or several (sequences of names) as distinct canonical sets."""
+    """One offload set (names, or one label as ``parse_offload_set`` reads it: a str is not split
+    into characters) or several (sequences of names) as distinct canonical sets."""
+    if isinstance(value, str):
+        return (parse_offload_set(value),)
     if all(isinstance(item, str) for item in value):
         return (_offload_set(value),)  # type: ignore[arg-type]
     return _distinct(tuple(_offload_set(names) for names in value))
@@ -540,7 +571,10 @@ def parse_module_set(text: str) -> ModuleSet:
 
 
 def _module_sets(value: Sequence[str] | Sequence[Sequence[str]]) -> tuple[ModuleSet, ...]:
-    """One set (names) or several (sequences of names) as distinct canonical sets."""
+    """One set (names, or one label as ``parse_module_set`` reads it: a str is not split into
+    characters) or several (sequences of names) as distinct canonical sets."""
+    if isinstance(value, str):
+        return (parse_module_set(value),)
     if all(isinstance(item, str) for item in value):
         sets: list[Sequence[str]] = [tuple(value)]  # type: ignore[arg-type]
     else:

@@ -156,6 +156,13 @@ class Strategy(BaseModel):
                 pass  # the field validators name the bad value
         return data
 
+    @field_validator("recompute_modules", "offload_modules", mode="before")
+    @classmethod
+    def _one_module(cls, value: Any) -> Any:
+        """One name is a set of one module: a str is a sequence too, which validated as its
+        characters ("unknown recompute module 'c'")."""
+        return (value,) if isinstance(value, str) else value
+
     @field_validator("recompute_modules", mode="after")
     @classmethod
     def _canonical_modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
