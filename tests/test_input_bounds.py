@@ -1,0 +1,84 @@
+"""Values too large (or too small, or not finite) to compute with: each is refused with a message
+that names the field or flag and its range, rather than wrapping int64, dividing into inf or NaN,
+or running out of time and memory."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+import ndplan
+from ndplan.cli import main
+from ndplan.strategy import Strategy
+from ndplan.strategy.strategy import MAX_DEGREE, MAX_SEQ_LENGTH, MAX_SEQUENCES
+
+LLAMA = ["--model", "llama-3.1-8b", "--hardware", "h100-sxm"]
+HUGE = "99999999999999999999"  # past 2^63
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("field, value, bound", [
+    ("tp", 2**70, MAX_DEGREE), ("dp", 2**63, MAX_DEGREE), ("vpp", MAX_DEGREE + 1, MAX_DEGREE),
+    ("recompute_layers", 2**63, MAX_DEGREE), ("seq_length", 2**63 - 1, MAX_SEQ_LENGTH),
+    ("micro_batch_size", 2**62, MAX_SEQUENCES), ("num_micro_batches", 2**40, MAX_SEQUENCES),
+    ("global_batch_size", 2**62, MAX_SEQUENCES),
+])
+def test_strategy_fields_are_bounded(field, value, bound):
+    with pytest.raises(ValidationError, match=f"(?s){field}.*less than or equal to {bound}"):
+        Strategy(**{field: value})
+
+
+def test_the_global_batch_the_factors_make_is_bounded():
+    with pytest.raises(ValidationError, match=r"dp·micro_batch_size·num_micro_batches·pipeline_runs = "
+                                              r"1048576·1048576·1·1 = 1099511627776 .* at most 1073741824"):
+        Strategy(dp=2**20, micro_batch_size=2**20)
+
+
+def test_a_huge_micro_batch_no_longer_prices_zero_activations():
+    model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
+    with pytest.raises(ValidationError, match="micro_batch_size"):
+        ndplan.estimate(model, Strategy(micro_batch_size=2**62), device)
+    # at the bound the numbers are finite and grow with the batch
+    small = ndplan.estimate(model, Strategy(micro_batch_size=1), device)
+    big = ndplan.estimate(model, Strategy(micro_batch_size=MAX_SEQUENCES), device)
+    assert small.peak_bytes < big.peak_bytes < float("inf")
+
+
+@pytest.mark.parametrize("flag, field", [
+    ("--tp", "tp"), ("--pp", "pp"), ("--ulysses-degree", "ulysses_degree"), ("--seq-chunks", "seq_chunks"),
+    ("--shard-group", "shard_group"), ("--seq", "seq_length"), ("--mbs", "micro_batch_size"),
+    ("--num-micro-batches", "num_micro_batches"), ("--pipeline-runs", "pipeline_runs"),
+])
+def test_cli_strategy_flags_past_int64_are_one_line(flag, field, capsys):
+    code, _, err = run(["estimate", *LLAMA, "--devices", "8", flag, HUGE], capsys)
+    assert code == 2 and f"field '{field}'" in err and "less than or equal to" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command, flag, bound", [
+    ("estimate", "--devices", MAX_DEGREE), ("estimate", "--gbs", MAX_SEQUENCES),
+    ("search", "--devices", MAX_DEGREE), ("search", "--gbs", MAX_SEQUENCES), ("search", "--seq", MAX_SEQ_LENGTH),
+])
+def test_cli_cluster_and_batch_flags_are_bounded(command, flag, bound, capsys):
+    # (estimate's --seq goes to the Strategy, whose message names seq_length: tested above)
+    argv = [command, *LLAMA, "--devices", "8", "--gbs", "8", flag, "9223372036854775807"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag}: expected 1 to {bound}" in err, err
+
+
+def test_plan_file_values_are_bounded(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    for text, words in [("tp: 99999999999999999999", "field 'tp': Input should be less than or equal to 1048576"),
+                        ("devices: 99999999999999999999", "setting 'devices' must be 1 to 1048576"),
+                        ("gbs: 99999999999999999999", "setting 'gbs' must be 1 to 1073741824")]:
+        plan.write_text(f"model: llama-3.1-8b\nhardware: h100-sxm\ndevices: 8\n{text}\n")
+        code, _, err = run(["estimate", "--plan", str(plan)], capsys)
+        assert code == 2 and words in err, err
+
