@@ -9,6 +9,8 @@ from pydantic import ValidationError
 
 import ndplan
 from ndplan.cli import main
+from ndplan.errors import NdplanError
+from ndplan.schedule.ops import MAX_SIMULATED_PASSES
 from ndplan.strategy import Strategy
 from ndplan.strategy.strategy import MAX_DEGREE, MAX_SEQ_LENGTH, MAX_SEQUENCES
 
@@ -82,3 +84,14 @@ def test_plan_file_values_are_bounded(tmp_path, capsys):
         code, _, err = run(["estimate", "--plan", str(plan)], capsys)
         assert code == 2 and words in err, err
 
+
+
+def test_the_schedule_simulation_is_bounded(capsys):
+    # A billion sequences on 8 devices once simulated 125M micro-batches op by op (22 GB, no end).
+    code, _, err = run(["estimate", *LLAMA, "--devices", "8", "--gbs", "1000000000"], capsys)
+    assert code == 2 and f"at most {MAX_SIMULATED_PASSES} micro-batch passes" in err, err
+    assert "at most 262144 micro-batches per pipeline run" in err
+    model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
+    with pytest.raises(NdplanError, match=r"num_micro_batches=131072: .* at pp·vpp·seq_chunks = 4·1·1 at most "
+                                          r"65536 micro-batches per pipeline run.*pipeline_runs"):
+        ndplan.estimate(model, Strategy(pp=4, num_micro_batches=2**17), device)
