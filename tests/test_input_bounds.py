@@ -95,3 +95,22 @@ def test_the_schedule_simulation_is_bounded(capsys):
     with pytest.raises(NdplanError, match=r"num_micro_batches=131072: .* at pp·vpp·seq_chunks = 4·1·1 at most "
                                           r"65536 micro-batches per pipeline run.*pipeline_runs"):
         ndplan.estimate(model, Strategy(pp=4, num_micro_batches=2**17), device)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("peak_flops", {"bf16": 1e-300}, "peak_flops.bf16': Input should be greater than or equal to 1000000000"),
+    ("hbm_bandwidth_bytes_per_s", 1e-300, "hbm_bandwidth_bytes_per_s': Input should be greater than or equal to 1000000"),
+    ("scaleup_bandwidth_bytes_per_s", 1e-300, "scaleup_bandwidth_bytes_per_s': Input should be greater than or equal"),
+    ("scaleout_bandwidth_bytes_per_s", 1.0, "scaleout_bandwidth_bytes_per_s': Input should be greater than or equal"),
+])
+def test_device_rates_have_a_physical_floor(field, value, words, tmp_path, capsys):
+    # A rate of 1e-300 passed validation and made the step time and MFU NaN.
+    import yaml
+
+    device = ndplan.get_device("h100-sxm").model_dump(mode="json") | {"name": "tiny", field: value}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(device))
+    for command in ("estimate", "search"):
+        code, _, err = run([command, "--model", "llama-3.1-8b", "--hardware", str(path), "--devices", "8",
+                            "--gbs", "8"], capsys)
+        assert code == 2 and words in err, err
