@@ -114,3 +114,17 @@ def test_device_rates_have_a_physical_floor(field, value, words, tmp_path, capsy
         code, _, err = run([command, "--model", "llama-3.1-8b", "--hardware", str(path), "--devices", "8",
                             "--gbs", "8"], capsys)
         assert code == 2 and words in err, err
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("--moe-capacity-factor", "moe_capacity_factor must be a finite number > 0 and <= 1024, got 1e+300"),
+    ("--moe-imbalance", "moe_imbalance must be a finite number >= 1.0 and <= 1024"),
+])
+def test_moe_factors_are_bounded(flag, words, capsys):
+    # 1e300 printed 'inf TiB' with overflow warnings, and --json an OverflowError traceback.
+    for extra in ([], ["--json"]):
+        code, out, err = run(["estimate", "--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--devices", "8",
+                              "--ep", "8", "--gbs", "8", flag, "1e300", *extra], capsys)
+        assert code == 2 and words in err and not out, err
+    with pytest.raises(NdplanError, match="moe_capacity_factor must be a finite number > 0 and <= 1024, got '2'"):
+        ndplan.MemoryOptions(moe_capacity_factor="2")
