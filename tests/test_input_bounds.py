@@ -128,3 +128,24 @@ def test_moe_factors_are_bounded(flag, words, capsys):
         assert code == 2 and words in err and not out, err
     with pytest.raises(NdplanError, match="moe_capacity_factor must be a finite number > 0 and <= 1024, got '2'"):
         ndplan.MemoryOptions(moe_capacity_factor="2")
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "inf"])
+def test_verify_tolerance_is_finite(tolerance, capsys):
+    # nan printed "exceeds ±nan%", inf "within ±inf%".
+    code, _, err = run(["verify", "llama-3.1-8b", "--layers", "1", "--seq", "256", "--tolerance", tolerance], capsys)
+    assert code == 2 and f"--tolerance must be a finite number >= 0 (percent), got {tolerance}" in err, err
+
+
+@pytest.mark.parametrize("measured", ["{step_s: .inf}", "{tokens_per_s_per_device: .inf}",
+                                      "{tflops_per_device: .inf, flops_formula: ndplan}", "{step_s: .nan}"])
+def test_calibrate_measured_figures_are_finite(measured, tmp_path):
+    # step_s: .inf reached log() in the fit: "ValueError: math domain error".
+    from ndplan.perf import load_runs
+
+    runs = tmp_path / "runs.yaml"
+    runs.write_text("runs:\n  - {id: r, source: s, model: llama-3.1-8b, device: h100-sxm, num_devices: 8,\n"
+                    f"     strategy: {{dp: 8}}, measured: {measured}}}\n")
+    field = measured[1:measured.index(":")]
+    with pytest.raises(NdplanError, match=f"run r.*measured.{field}.*finite number"):
+        load_runs(runs)
