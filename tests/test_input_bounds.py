@@ -149,3 +149,14 @@ def test_calibrate_measured_figures_are_finite(measured, tmp_path):
     field = measured[1:measured.index(":")]
     with pytest.raises(NdplanError, match=f"run r.*measured.{field}.*finite number"):
         load_runs(runs)
+
+
+@pytest.mark.parametrize("num_devices", ["1", 0, -8, 1.5, True, 2**70])
+def test_num_devices_is_a_whole_number_in_range(num_devices):
+    # "1" said "dp·tp·pp·cp = 1·1·1·1 = 1 but the cluster has 1 devices".
+    model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
+    with pytest.raises(NdplanError, match=rf"num_devices must be a whole number from 1 to {MAX_DEGREE}, got "):
+        ndplan.estimate(model, Strategy(), device, num_devices=num_devices)
+    with pytest.raises(NdplanError, match="num_devices must be a whole number"):
+        ndplan.check_strategy(Strategy(), model, num_devices)
+    assert ndplan.check_strategy(Strategy(dp=8), model, 8) == []
