@@ -160,3 +160,16 @@ def test_num_devices_is_a_whole_number_in_range(num_devices):
     with pytest.raises(NdplanError, match="num_devices must be a whole number"):
         ndplan.check_strategy(Strategy(), model, num_devices)
     assert ndplan.check_strategy(Strategy(dp=8), model, 8) == []
+
+
+def test_sizes_read_in_the_unit_their_bound_is_said_in(capsys):
+    # '7EiB' was "cannot read as a size" while the bound said "below 8 EiB".
+    from ndplan.units import parse_bytes
+
+    assert parse_bytes("7EiB") == 7 * 2**60 and parse_bytes("1.5 EB") == 15 * 10**17
+    with pytest.raises(NdplanError, match="below 8 EiB, got '8EiB'"):
+        parse_bytes("8EiB")
+    code, _, err = run(["search", *LLAMA, "--devices", "8", "--gbs", "8", "--memory-limit", "8EiB"], capsys)
+    assert code == 2 and "--memory-limit: a size must be a finite number of bytes below 8 EiB" in err, err
+    code, out, err = run(["search", *LLAMA, "--devices", "8", "--gbs", "8", "--memory-limit", "7EiB", "--json"], capsys)
+    assert code == 0, err
