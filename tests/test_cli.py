@@ -395,7 +395,7 @@ ESTIMATE_8 = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8"]
     ([*SEARCH_8, "--gbs", "1099511627776"], "--gbs must be at most 1,073,741,824, got 1099511627776"),
     ([*SEARCH_8, "--top", "0"], "--top must be at least 1, got 0"),
     ([*ESTIMATE_8, "--moe-imbalance", "nan"], "moe_imbalance must be a finite number >= 1.0"),
-    ([*ESTIMATE_8, "--moe-capacity-factor", "inf"], "moe_capacity_factor must be a finite number > 0, got inf"),
+    ([*ESTIMATE_8, "--moe-capacity-factor", "inf"], "moe_capacity_factor must be a finite number > 0 and <= 1024, got inf"),
     # routing cannot load a rank more than with every token's copies on its experts (once: 2.75 TiB)
     (["estimate", *MIXTRAL, "--hardware", "h100-sxm", "--devices", "8", "--ep", "8", "--moe-imbalance", "100"],
      "busiest rank holds at most 4× a balanced share"),

@@ -305,14 +305,14 @@ def test_unknown_field(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("changes", "field", "reason"),
     [
-        ({"hbm_bandwidth_bytes_per_s": -3.35e12}, "hbm_bandwidth_bytes_per_s", "greater than 0"),
-        ({"scaleout_bandwidth_bytes_per_s": 0}, "scaleout_bandwidth_bytes_per_s", "greater than 0"),
+        ({"hbm_bandwidth_bytes_per_s": -3.35e12}, "hbm_bandwidth_bytes_per_s", "greater than or equal to 1000000"),
+        ({"scaleout_bandwidth_bytes_per_s": 0}, "scaleout_bandwidth_bytes_per_s", "greater than or equal to 1000000"),
         ({"memory_bytes": "lots"}, "memory_bytes", "valid integer"),
         ({"devices_per_node": True}, "devices_per_node", "expected a number, got True"),
         ({"runtime": "opencl"}, "runtime", "'cuda', 'rocm' or 'cann'"),
         ({"peak_flops": {"fp16": 1e12}}, "peak_flops", "'bf16' is required"),
         ({"peak_flops": {"bf16": 1e12, "fp4": 2e12}}, "peak_flops", "unknown dtype 'fp4'"),
-        ({"peak_flops": {"bf16": -1e12}}, "peak_flops.bf16", "greater than 0"),
+        ({"peak_flops": {"bf16": -1e12}}, "peak_flops.bf16", "greater than or equal to 1000000000"),
     ],
 )
 def test_invalid_value_names_the_field(

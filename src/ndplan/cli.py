@@ -22,10 +22,12 @@ from ndplan import __version__
 from ndplan.cli_args import (
     EFFICIENCY_HELP,
     add_strategy_arguments,
+    device_count,
     device_from,
     gather_settings,
-    positive_int,
     runtime_options,
+    sequence_count,
+    sequence_length,
     strategy_from_settings,
 )
 from ndplan.errors import NdplanError
@@ -1122,9 +1124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="preset name, a config.json / spec YAML path, or a model folder with a config.json")
     p.add_argument("--hardware", help="device preset or device YAML path")
     p.add_argument("--efficiency", help=EFFICIENCY_HELP)
-    p.add_argument("--devices", type=positive_int, help="number of devices")
-    p.add_argument("--gbs", type=positive_int, help="global batch size in sequences")
-    p.add_argument("--seq", type=positive_int, help="sequence length in tokens (default 4096)")
+    p.add_argument("--devices", type=device_count, help="number of devices")
+    p.add_argument("--gbs", type=sequence_count, help="global batch size in sequences")
+    p.add_argument("--seq", type=sequence_length, help="sequence length in tokens (default 4096)")
     add_from_argument(p)
     p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
     p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b")

@@ -18,6 +18,9 @@ from ndplan.model.presets import read_structured_file
 from ndplan.strategy.precision import PRECISION_PRESETS
 from ndplan.strategy.strategy import (
     CP_KINDS,
+    MAX_DEGREE,
+    MAX_SEQ_LENGTH,
+    MAX_SEQUENCES,
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
     RECOMPUTES,
@@ -45,7 +48,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", help="preset name (see `ndplan models`), a config.json / spec YAML path, or a model folder with a config.json")
     group.add_argument("--hardware", help="device preset (see `ndplan hardware`) or a device YAML path")
     group.add_argument("--efficiency", help=EFFICIENCY_HELP)
-    group.add_argument("--devices", type=positive_int, help="number of devices in the cluster")
+    group.add_argument("--devices", type=device_count, help="number of devices in the cluster")
     group.add_argument("--plan", type=Path, help="YAML/JSON file with any of these settings (flags win)")
 
     par = parser.add_argument_group("parallelism")
@@ -88,7 +91,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     batch = parser.add_argument_group("batch")
     batch.add_argument("--seq", type=int, help="sequence length in tokens (default 4096)")
     batch.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
-    batch.add_argument("--gbs", type=positive_int, help="global batch size in sequences")
+    batch.add_argument("--gbs", type=sequence_count, help="global batch size in sequences")
     batch.add_argument("--num-micro-batches", type=int,
                        help="micro-batches per pipeline run (default: gbs / (dp·mbs·pipeline runs))")
     batch.add_argument("--pipeline-runs", type=non_negative_int,
@@ -98,13 +101,15 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                             "--num-micro-batches per run)")
 
 
-def _whole_number(text: str, minimum: int) -> int:
+def _whole_number(text: str, minimum: int, maximum: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
     if value < minimum:
         raise argparse.ArgumentTypeError(f"expected at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise argparse.ArgumentTypeError(f"expected {minimum} to {maximum}, got {value}")
     return value
 
 
@@ -116,6 +121,24 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """argparse type: a whole number of at least 0."""
     return _whole_number(text, 0)
+
+
+# The flags that do arithmetic before a Strategy validates anything (dp from --devices, the
+# micro-batch count from --gbs, a search's space from them and --seq) are bounded as they are read,
+# as the Strategy fields are (strategy.py says why), so that the error names the flag.
+def device_count(text: str) -> int:
+    """argparse type: a number of devices, 1 to ``MAX_DEGREE``."""
+    return _whole_number(text, 1, MAX_DEGREE)
+
+
+def sequence_count(text: str) -> int:
+    """argparse type: a global batch in sequences, 1 to ``MAX_SEQUENCES``."""
+    return _whole_number(text, 1, MAX_SEQUENCES)
+
+
+def sequence_length(text: str) -> int:
+    """argparse type: tokens per sequence, 1 to ``MAX_SEQ_LENGTH``."""
+    return _whole_number(text, 1, MAX_SEQ_LENGTH)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -136,9 +159,11 @@ def read_plan_file(path: Path) -> dict[str, Any]:
         value = data[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise NdplanError(f"{path}: setting '{key}' must be a whole number, got {value!r}")
-    for key in ("devices", "gbs"):  # 0 would read as "not given"
+    for key, most in (("devices", MAX_DEGREE), ("gbs", MAX_SEQUENCES)):  # 0 would read as "not given"
         if isinstance(data.get(key), int) and data[key] < 1:
             raise NdplanError(f"{path}: setting '{key}' must be at least 1, got {data[key]}")
+        if isinstance(data.get(key), int) and data[key] > most:  # the bounds of the flags
+            raise NdplanError(f"{path}: setting '{key}' must be 1 to {most}, got {data[key]}")
     # fsdp decides the ZeRO stage before the Strategy validates it: a quoted "false" is not true.
     if data.get("fsdp") is not None and not isinstance(data["fsdp"], bool):
         raise NdplanError(f"{path}: setting 'fsdp' must be true or false, got {data['fsdp']!r}")

@@ -25,11 +25,12 @@ def format_count(value: float) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """'70GiB', '80 GB', '1.5TiB', '123456' -> bytes. GB/TB are decimal, GiB/TiB binary."""
+    """'70GiB', '80 GB', '1.5TiB', '123456' -> bytes. GB/TB are decimal, GiB/TiB binary. Up to
+    EiB/EB, since the bound (below 2^63 bytes, 8 EiB) is said in EiB."""
     from ndplan.errors import NdplanError
 
-    units = {"pib": 1024**5, "tib": 1024**4, "gib": GIB, "mib": MIB, "kib": 1024,
-             "pb": 10**15, "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+    units = {"eib": 1024**6, "pib": 1024**5, "tib": 1024**4, "gib": GIB, "mib": MIB, "kib": 1024,
+             "eb": 10**18, "pb": 10**15, "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
     cleaned = text.strip().lower().replace(" ", "").replace("_", "")
     number, size = cleaned, 1
     for suffix, unit_size in units.items():

@@ -324,8 +324,9 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ndplan.census.verify import verify
 
-    if args.tolerance is not None and args.tolerance < 0:
-        raise NdplanError(f"--tolerance must be >= 0, got {args.tolerance}")
+    # (a comparison NaN fails: nan and inf read "exceeds ±nan%" and "within ±inf%")
+    if args.tolerance is not None and not 0 <= args.tolerance < float("inf"):
+        raise NdplanError(f"--tolerance must be a finite number >= 0 (percent), got {args.tolerance}")
     options = None
     if args.measured and getattr(args, "from_config", None):
         spec, measurement, options = _measured_from_config(args)

@@ -25,7 +25,14 @@ REQUIRED_DTYPE = "bf16"
 Runtime = Literal["cuda", "rocm", "cann"]
 
 PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+# Rates are divided by: a tiny positive one (1e-300) made every time inf and the step's sums
+# NaN. The floors are far below any accelerator (a GFLOP/s, a MB/s) and keep times finite.
+#: Least peak rate, FLOP/s.
+MIN_FLOPS = 1e9
+#: Least bandwidth, bytes/s.
+MIN_BYTES_PER_S = 1e6
+FlopRate = Annotated[float, Field(ge=MIN_FLOPS, allow_inf_nan=False)]
+ByteRate = Annotated[float, Field(ge=MIN_BYTES_PER_S, allow_inf_nan=False)]
 
 _NUMERIC_FIELDS = (
     "memory_bytes",
@@ -71,13 +78,13 @@ class Device(BaseModel):
     name: str = Field(min_length=1)
     runtime: Runtime
     memory_bytes: PositiveInt
-    peak_flops: Mapping[str, PositiveFloat]
-    hbm_bandwidth_bytes_per_s: PositiveFloat
-    scaleup_bandwidth_bytes_per_s: PositiveFloat
+    peak_flops: Mapping[str, FlopRate]
+    hbm_bandwidth_bytes_per_s: ByteRate
+    scaleup_bandwidth_bytes_per_s: ByteRate
     scaleup_domain_size: PositiveInt
-    scaleout_bandwidth_bytes_per_s: PositiveFloat
+    scaleout_bandwidth_bytes_per_s: ByteRate
     devices_per_node: PositiveInt
-    host_link_bandwidth_bytes_per_s: PositiveFloat
+    host_link_bandwidth_bytes_per_s: ByteRate
     efficiency: Mapping[str, Any] | None = None
 
     @field_validator(*_NUMERIC_FIELDS, mode="before")

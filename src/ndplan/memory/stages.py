@@ -66,6 +66,17 @@ STATIC_FIELDS = (
 )
 
 
+#: Most routed tokens on a rank, or in an expert's buffer, over the balanced share that
+#: ``moe_imbalance`` and ``moe_capacity_factor`` may give: past every model's num_experts/top-k
+#: (all tokens on one expert: 384/8 = 48 for Kimi K2), and small enough that no byte count
+#: overflows.
+MAX_MOE_FACTOR = 1024.0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class MemoryOptions:
     """How the runtime behaves: its saved-tensor profile, attention kernel, loss, overhead.
@@ -104,12 +115,14 @@ class MemoryOptions:
         if self.attention not in get_args(Attention):
             raise NdplanError(f"attention must be one of {', '.join(get_args(Attention))}, got {self.attention!r}")
         get_profile(self.runtime)  # an unknown runtime is an error here, not at first use
-        # (comparisons that NaN fails, and a finite bound: an infinite factor prices nothing)
-        if not 1.0 <= self.moe_imbalance < float("inf"):
-            raise NdplanError(f"moe_imbalance must be a finite number >= 1.0 (busiest rank over balanced routing), "
-                              f"got {self.moe_imbalance}")
-        if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < float("inf"):
-            raise NdplanError(f"moe_capacity_factor must be a finite number > 0, got {self.moe_capacity_factor}")
+        # (comparisons that NaN fails, and a bound: 1e300 overflowed the byte counts to inf)
+        if not _is_number(self.moe_imbalance) or not 1.0 <= self.moe_imbalance <= MAX_MOE_FACTOR:
+            raise NdplanError(f"moe_imbalance must be a finite number >= 1.0 and <= {MAX_MOE_FACTOR:g} (busiest rank over "
+                              f"balanced routing), got {self.moe_imbalance!r}")
+        if self.moe_capacity_factor is not None and (
+                not _is_number(self.moe_capacity_factor) or not 0 < self.moe_capacity_factor <= MAX_MOE_FACTOR):
+            raise NdplanError(f"moe_capacity_factor must be a finite number > 0 and <= {MAX_MOE_FACTOR:g}, "
+                              f"got {self.moe_capacity_factor!r}")
         allowed = self.profile.selective_policies or (self.profile.selective_policy,)
         if self.selective_policy is not None and self.selective_policy not in allowed:
             raise NdplanError(f"selective_policy {self.selective_policy!r} is not one runtime '{self.runtime}' prices; "

@@ -59,10 +59,11 @@ class Measured(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    step_s: float | None = Field(default=None, gt=0)
-    tokens_per_s_per_device: float | None = Field(default=None, gt=0)
-    tflops_per_device: float | None = Field(default=None, gt=0)
-    mfu: float | None = Field(default=None, gt=0, le=1)
+    # Finite: an infinite step time reached log() in the fit ("math domain error").
+    step_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    tokens_per_s_per_device: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    tflops_per_device: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    mfu: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     flops_formula: FlopsFormula | None = None
 
     @model_validator(mode="after")
@@ -96,7 +97,7 @@ class MeasuredRun(BaseModel):
     measured: Measured
     loss_parallel: bool | None = Field(default=None, description="memory: the loss on vocab-sharded logits "
                                        "(torchtitan's default with TP); None: the runtime profile's")
-    reserved_gib: float | None = Field(default=None, gt=0, description="memory the source measured: the caching "
+    reserved_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="memory the source measured: the caching "
                                        "allocator's peak reserved bytes, in GiB (max over ranks), where it says")
     notes: str = ""
 

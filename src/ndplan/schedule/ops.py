@@ -38,6 +38,14 @@ SPLIT_BACKWARD: frozenset[str] = frozenset({"zb-h1", "zbv", "dualpipev"})
 #: down the pipeline, chunk 1 = model chunk 2*pp-1-s coming back up.
 V_SHAPE: frozenset[str] = frozenset({"zbv", "dualpipev"})
 
+#: Most micro-batch passes (num_micro_batches · seq_chunks · pp · vpp: a forward and a backward
+#: of each on every stage's every chunk) one schedule is built and simulated for. The simulator
+#: walks them op by op, in time and memory that grow faster than linearly: 2^18 passes take
+#: about 2 s and 0.4 GB (interleaved at pp 8, vpp 4 and 8192 micro-batches), 2^20 over a
+#: minute and 8 GB, and a billion did not finish. Real runs need far fewer (the search prices
+#: its candidates in closed form and simulates no more than a few pipeline depths).
+MAX_SIMULATED_PASSES = 2**18
+
 
 class Op(NamedTuple):
     """One op with its simulated times (seconds from the start of the step)."""
@@ -102,6 +110,15 @@ def validate(
         raise NdplanError(
             f"seq_chunks must be >= 1 (seq1f1b splits each micro-batch into seq_chunks), got {seq_chunks}"
         )
+    passes = num_micro_batches * seq_chunks * pp * vpp
+    if passes > MAX_SIMULATED_PASSES:
+        most = MAX_SIMULATED_PASSES // (seq_chunks * pp * vpp)
+        shape = f"pp·vpp·seq_chunks = {pp}·{vpp}·{seq_chunks}"
+        raise NdplanError(
+            f"num_micro_batches={num_micro_batches}: the pipeline schedule is simulated op by op, for at most "
+            f"{MAX_SIMULATED_PASSES} micro-batch passes (num_micro_batches·pp·vpp·seq_chunks), so at {shape} at most "
+            f"{most} micro-batches per pipeline run; raise micro_batch_size or dp"
+            + (", or split the step into pipeline_runs" if pp > 1 else ""))
     if seq_chunks != 1 and schedule != "seq1f1b":
         raise NdplanError(f"seq_chunks > 1 needs schedule 'seq1f1b'; {schedule!r} runs whole micro-batches")
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from numbers import Integral
 
 import numpy as np
 
 from ndplan.errors import NdplanError
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import CODES, StrategyBatch
-from ndplan.strategy.strategy import VIRTUAL_SCHEDULES, Strategy, offload_conflict
+from ndplan.strategy.strategy import MAX_DEGREE, VIRTUAL_SCHEDULES, Strategy, offload_conflict
 
 
 @dataclass(frozen=True)
@@ -328,6 +329,10 @@ def check_strategy(strategy: Strategy, model: ModelSpec, num_devices: int | None
     if not isinstance(strategy, Strategy) or not isinstance(model, ModelSpec):
         raise NdplanError(f"check_strategy(strategy, model, num_devices) takes a Strategy and a ModelSpec, got "
                           f"{type(strategy).__name__} and {type(model).__name__}")
+    # A str, 0 or 1.5 read as "the cluster has N devices", 2^70 as an OverflowError.
+    if num_devices is not None and (isinstance(num_devices, bool) or not isinstance(num_devices, Integral)
+                                    or not 1 <= num_devices <= MAX_DEGREE):
+        raise NdplanError(f"num_devices must be a whole number from 1 to {MAX_DEGREE}, got {num_devices!r}")
     ctx = RuleContext(model, num_devices)
     batch = StrategyBatch.of(strategy)
     # An explicit placement is checked by its own widest stage (_placement_violations), not the

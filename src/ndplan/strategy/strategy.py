@@ -33,6 +33,18 @@ OFFLOAD_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
 #: Schedules that place more than one model chunk on a stage.
 VIRTUAL_SCHEDULES: tuple[str, ...] = ("interleaved", "zbv", "dualpipev")
 
+# Upper bounds of the integer fields. The formulas run on int64 arrays (StrategyBatch): a value
+# past 2^63 does not convert, and products such as dp·micro_batch_size·num_micro_batches or
+# global_batch_size·seq_length would wrap into silently wrong (even negative) figures. The bounds
+# are far above any real run and keep every such product below 2^63.
+#: Parallel degrees, chunk counts and layer counts: 2^20, a million devices.
+MAX_DEGREE = 2**20
+#: Tokens per sequence: 2^24, sixteen million.
+MAX_SEQ_LENGTH = 2**24
+#: Sequences in a global batch (and so in a micro-batch, micro-batches and runs): 2^30, a billion;
+#: with MAX_SEQ_LENGTH a step's tokens stay below 2^54.
+MAX_SEQUENCES = 2**30
+
 
 def canonical_modules(names: Iterable[str]) -> tuple[str, ...]:
     """One spelling per module set, Megatron's order without repeats, so that equal sets are
@@ -93,18 +105,18 @@ class Strategy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    dp: int = Field(default=1, ge=1)
-    tp: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1)
-    cp: int = Field(default=1, ge=1)
+    dp: int = Field(default=1, ge=1, le=MAX_DEGREE)
+    tp: int = Field(default=1, ge=1, le=MAX_DEGREE)
+    pp: int = Field(default=1, ge=1, le=MAX_DEGREE)
+    cp: int = Field(default=1, ge=1, le=MAX_DEGREE)
     cp_kind: CpKind = "ring"
-    ulysses_degree: int = Field(default=1, ge=1, description="Ulysses part of a hybrid CP group")
-    ep: int = Field(default=1, ge=1)
-    etp: int = Field(default=0, ge=0, description="expert tensor parallel; 0 means the same as tp")
+    ulysses_degree: int = Field(default=1, ge=1, le=MAX_DEGREE, description="Ulysses part of a hybrid CP group")
+    ep: int = Field(default=1, ge=1, le=MAX_DEGREE)
+    etp: int = Field(default=0, ge=0, le=MAX_DEGREE, description="expert tensor parallel; 0 means the same as tp")
     sequence_parallel: bool = False
-    vpp: int = Field(default=1, ge=1)
+    vpp: int = Field(default=1, ge=1, le=MAX_DEGREE)
     schedule: Schedule = "1f1b"
-    seq_chunks: int = Field(default=1, ge=1, description="Seq1F1B: sub-sequences per micro-batch")
+    seq_chunks: int = Field(default=1, ge=1, le=MAX_DEGREE, description="Seq1F1B: sub-sequences per micro-batch")
     stage_layers: tuple[int, ...] | None = Field(
         default=None, description="decoder layers per virtual stage, in model order (pp·vpp entries)"
     )
@@ -113,23 +125,24 @@ class Strategy(BaseModel):
 
     zero: int = Field(default=0, ge=0, le=3)
     fsdp: bool = False
-    shard_group: int = Field(default=0, ge=0, description="HSDP shard-group size; 0 means all dp·cp ranks")
+    shard_group: int = Field(default=0, ge=0, le=MAX_DEGREE, description="HSDP shard-group size; 0 means all dp·cp ranks")
     reshard_after_forward: bool = True
     optimizer_offload: bool = False
 
     recompute: Recompute = "none"
-    recompute_layers: int = Field(default=0, ge=0, description="layers per stage recomputed; 0 means all")
+    recompute_layers: int = Field(default=0, ge=0, le=MAX_DEGREE, description="layers per stage recomputed; 0 means all")
     recompute_modules: tuple[RecomputeModule, ...] = Field(
         default=(), description="modules selective recompute re-runs (Megatron-Core); empty: the runtime's policy")
     offload_modules: tuple[OffloadModule, ...] = Field(
         default=(), description="modules whose saved activations go to host memory (Megatron-Core's --offload-modules)")
 
-    micro_batch_size: int = Field(default=1, ge=1)
-    num_micro_batches: int = Field(default=1, ge=1, description="micro-batches per pipeline run")
-    pipeline_runs: int = Field(default=1, ge=1, description="pipeline schedule runs per step (accumulated)")
-    global_batch_size: int = Field(default=0, ge=0,
+    micro_batch_size: int = Field(default=1, ge=1, le=MAX_SEQUENCES)
+    num_micro_batches: int = Field(default=1, ge=1, le=MAX_SEQUENCES, description="micro-batches per pipeline run")
+    pipeline_runs: int = Field(default=1, ge=1, le=MAX_SEQUENCES,
+                               description="pipeline schedule runs per step (accumulated)")
+    global_batch_size: int = Field(default=0, ge=0, le=MAX_SEQUENCES,
                                    description="0: dp·micro_batch_size·num_micro_batches·pipeline_runs")
-    seq_length: int = Field(default=4096, ge=1)
+    seq_length: int = Field(default=4096, ge=1, le=MAX_SEQ_LENGTH)
 
     precision: PrecisionPolicy = PRECISION_PRESETS["megatron-bf16"]
 
@@ -148,12 +161,15 @@ class Strategy(BaseModel):
             data["etp"] = data.get("tp", 1)
         if not data.get("global_batch_size"):
             try:
-                data["global_batch_size"] = (
+                product = (
                     int(data.get("dp", 1)) * int(data.get("micro_batch_size", 1)) * int(data.get("num_micro_batches", 1))
                     * int(data.get("pipeline_runs", 1))
                 )
             except (TypeError, ValueError):
                 pass  # the field validators name the bad value
+            else:
+                if product <= MAX_SEQUENCES:  # else _batch_bounded names the factors, not a field never given
+                    data["global_batch_size"] = product
         return data
 
     @field_validator("recompute_modules", "offload_modules", mode="before")
@@ -172,6 +188,17 @@ class Strategy(BaseModel):
     @classmethod
     def _canonical_offload(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return canonical_offload(value)
+
+    @model_validator(mode="after")
+    def _batch_bounded(self) -> Strategy:
+        # Each factor is bounded by its field; their product is the global batch, bounded too.
+        product = self.dp * self.micro_batch_size * self.num_micro_batches * self.pipeline_runs
+        if product > MAX_SEQUENCES:
+            raise ValueError(
+                f"dp·micro_batch_size·num_micro_batches·pipeline_runs = {self.dp}·{self.micro_batch_size}·"
+                f"{self.num_micro_batches}·{self.pipeline_runs} = {product} sequences a step; at most "
+                f"{MAX_SEQUENCES} (2^30) are allowed")
+        return self
 
     @model_validator(mode="after")
     def _modules_need_selective(self) -> Strategy:
