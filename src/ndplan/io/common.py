@@ -22,6 +22,7 @@ from ndplan.model.hf import first_validation_error
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import uniform_layer_counts
 from ndplan.strategy.precision import PRECISION_PRESETS, PrecisionPolicy
+from ndplan.strategy.strategy import MAX_DEGREE as MAX_DEGREE  # the readers bound degrees by it
 from ndplan.strategy.strategy import Strategy
 
 #: Plan-file keys (as ``cli_args`` and plan files read them) and the Strategy field each one sets.
@@ -200,9 +201,9 @@ class Source:
         return self.error(".".join(path), message, self.lines.line(path))
 
 
-#: The largest parallel degree (and device count) a config file may state: far above any cluster,
-#: and low enough that the loops and products over stages and ranks stay small.
-MAX_DEGREE = 2**20
+# The largest parallel degree (and device count) a config file may state is Strategy's own cap,
+# MAX_DEGREE: far above any cluster, and low enough that the loops and products over stages and
+# ranks stay small.
 
 
 def as_int(src: Source, value: Any, field_name: str, line: int | None = None, *, minimum: int | None = 1,

@@ -24,6 +24,9 @@ from ndplan.strategy.batch import StrategyBatch, encode
 from ndplan.strategy.precision import PrecisionPolicy
 from ndplan.strategy.strategy import (
     CP_KINDS,
+    MAX_DEGREE,
+    MAX_SEQ_LENGTH,
+    MAX_SEQUENCES,
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
     RECOMPUTES,
@@ -106,12 +109,9 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
     return sorted(d for d in {*small, *(n // d for d in small)} if d <= (limit or n))
 
 
-#: The largest devices, global batch and sequence ``default_space`` takes: generous beyond any
-#: cluster or context, the caps of Strategy's own fields (degrees and devices 2^20, a sequence
-#: 2^24 tokens; a batch of 2^30 sequences). Past them the space's int64 columns overflowed.
-MAX_DEVICES = 2**20
-MAX_GLOBAL_BATCH = 2**30
-MAX_SEQ_LENGTH = 2**24
+#: The largest devices, global batch and sequence ``default_space`` takes: the caps of Strategy's
+#: own fields (strategy.py says why). Past them the space's int64 columns overflowed.
+MAX_DEVICES, MAX_GLOBAL_BATCH = MAX_DEGREE, MAX_SEQUENCES
 
 
 def whole_size(value: object, name: str, largest: int) -> int:
