@@ -13,9 +13,12 @@ from ndplan.census.measure import load_hf_config
 from ndplan.census.measure_step import load_measurement
 from ndplan.census.record import load_census_file
 from ndplan.errors import NdplanError
+from ndplan.hardware.presets import load_device_file
 from ndplan.io import read_config
 from ndplan.memory.profile import get_profile
 from ndplan.model.presets import load_model
+from ndplan.perf.calibrate import load_runs
+from ndplan.perf.efficiency import load_efficiency
 from ndplan.report.cli import load_result
 
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
@@ -32,13 +35,19 @@ DEEP_JSON = "[" * 100_000 + "]" * 100_000
     ("hf.json", DEEP_JSON),
     ("result.json", DEEP_JSON),
     ("profile.yaml", DEEP_JSON),
+    ("device.json", DEEP_JSON),
+    ("device.yaml", DEEP_JSON),
+    ("efficiency.yaml", DEEP_JSON),
+    ("runs.json", DEEP_JSON),
+    ("runs.yaml", DEEP_JSON),
 ])
 def test_a_deeply_nested_file_is_an_error_naming_it(tmp_path: Path, name: str, text: str) -> None:
     path = tmp_path / name
     path.write_text(text)
     read = {"config.json": load_model, "model.yaml": load_model, "census.json": load_census_file,
             "measured.json": load_measurement, "hf.json": load_hf_config, "result.json": load_result,
-            "profile.yaml": get_profile}.get(name, read_config)
+            "profile.yaml": get_profile, "device.json": load_device_file, "device.yaml": load_device_file,
+            "efficiency.yaml": load_efficiency, "runs.json": load_runs, "runs.yaml": load_runs}.get(name, read_config)
     with pytest.raises(NdplanError, match=rf"{name}(:\d+)?: malformed (runtime profile )?(JSON|YAML|TOML)"):
         read(str(path))
 

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, read_text, require_name
+from ndplan.errors import NdplanError, by_name_or_object, did_you_mean, parse_nested, read_text, require_name
 from ndplan.hardware.device import Device
 
 _PRESET_FILE = "devices.yaml"
@@ -106,13 +106,14 @@ def _presets() -> tuple[Device, ...]:
 def _parse(text: str, source: str, *, json_syntax: bool) -> Any:
     if json_syntax:
         try:
-            return json.loads(text)
+            return parse_nested(json.loads, text, source, "JSON")
         except json.JSONDecodeError as exc:
             raise NdplanError(
                 f"{source}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
             ) from exc
     try:
-        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader: no object construction
+        # _Loader is a SafeLoader: no object construction
+        return parse_nested(lambda document: yaml.load(document, Loader=_Loader), text, source, "YAML")
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)

@@ -32,7 +32,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ndplan.errors import NdplanError, read_text
+from ndplan.errors import NdplanError, parse_nested, read_text
 from ndplan.hardware.device import Cluster, Device
 from ndplan.hardware.presets import get_device
 from ndplan.model.presets import get_preset
@@ -265,7 +265,8 @@ def load_runs(path: str | Path) -> list[MeasuredRun]:
     source = str(path)
     try:
         text = read_text(path)
-        data = json.loads(text) if source.endswith(".json") else yaml.safe_load(text)
+        data = (parse_nested(json.loads, text, source, "JSON") if source.endswith(".json")
+                else parse_nested(yaml.safe_load, text, source, "YAML"))
     except OSError as exc:
         raise NdplanError(f"{source}: cannot read runs ({exc.strerror or exc})") from exc
     except (json.JSONDecodeError, yaml.YAMLError) as exc:

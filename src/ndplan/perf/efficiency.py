@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ndplan.errors import NdplanError, read_text
+from ndplan.errors import NdplanError, parse_nested, read_text
 from ndplan.hardware.device import Device
 
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -353,7 +353,7 @@ def load_efficiency(path: str | Path, base: EfficiencyProfile | None = None) -> 
     """
     source = str(path)
     try:
-        data = yaml.safe_load(read_text(path))
+        data = parse_nested(yaml.safe_load, read_text(path), source, "YAML/JSON")
     except OSError as exc:
         raise NdplanError(f"{source}: cannot read efficiency profile ({exc.strerror or exc})") from exc
     except yaml.YAMLError as exc:
