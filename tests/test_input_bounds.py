@@ -4,6 +4,8 @@ or running out of time and memory."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -173,3 +175,30 @@ def test_sizes_read_in_the_unit_their_bound_is_said_in(capsys):
     assert code == 2 and "--memory-limit: a size must be a finite number of bytes below 8 EiB" in err, err
     code, out, err = run(["search", *LLAMA, "--devices", "8", "--gbs", "8", "--memory-limit", "7EiB", "--json"], capsys)
     assert code == 0, err
+
+
+def test_search_explain_past_the_simulator_says_why(capsys):
+    """A search ranks a pipeline in closed form whatever its micro-batches; --explain prices the
+    winner with the single-strategy API, which simulates the schedule and refuses one too long:
+    the ranking stands and a note says why the explanation is missing."""
+    code, out, err = run(["search", *LLAMA, "--devices", "8", "--gbs", str(2**22), "--dims", "pp", "zero", "recompute",
+                          "--fix", "mbs=1", "tp=1", "--explain", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ranked"] and "explain" not in data
+    note = next(note for note in data["notes"] if note.startswith("--explain"))
+    assert f"at most {MAX_SIMULATED_PASSES} micro-batch passes" in note and "raise micro_batch_size or dp" in note
+
+
+def test_balance_names_a_small_limit_in_its_own_unit(capsys):
+    code, _, err = run(["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64",
+                        "--gbs", "256", "--pp", "4", "--tp", "8", "--memory-limit", "1MiB"], capsys)
+    assert code != 0 and "fits 1.00 MiB per device" in err and "0.00 GiB" not in err
+
+
+def test_inspect_bounds_devices(capsys):
+    from pathlib import Path
+
+    config = str(Path(__file__).parent / "fixtures" / "io" / "torchtitan_llama3_70b.toml")
+    with pytest.raises(SystemExit):
+        main(["inspect", config, "--devices", HUGE])
+    assert f"--devices: expected 1 to {MAX_DEGREE}" in capsys.readouterr().err

@@ -801,7 +801,14 @@ def cmd_search(args: argparse.Namespace) -> int:
         data["ranked"] = result.ranked
     if args.csv:
         _write_csv(args.csv, result.ranked)
-    explained = _explain_winner(model, winner, device, options) if args.explain and winner is not None else None
+    explained = None
+    if args.explain and winner is not None:
+        try:
+            explained = _explain_winner(model, winner, device, options)
+        except NdplanError as error:
+            # The search prices a pipeline in closed form; estimate simulates it, and a schedule too
+            # long to simulate is refused there: the ranking stands, the explanation cannot be made.
+            result.notes.append(f"--explain: the winner cannot be priced on its own: {error}")
     if explained is not None:
         data["explain"] = explained
     if args.json:

@@ -49,6 +49,7 @@ from ndplan.schedule import SPLIT_BACKWARD, in_flight
 from ndplan.strategy import Strategy, StrategyBatch
 from ndplan.strategy.rules import validate_strategy
 from ndplan.strategy.strategy import offload_conflict
+from ndplan.units import format_bytes
 
 OPTIONS = ("none", "selective", "full")
 
@@ -360,7 +361,7 @@ def balance(
         option = baseline_option(own_problem)
         needs = evaluate(own_problem, uniform_plan(own_problem, option)).stage_memory_bytes.max()
         raise NdplanError(
-            f"no placement and recompute plan fits {memory_limit_bytes / 2**30:,.2f} GiB per device for "
+            f"no placement and recompute plan fits {format_bytes(memory_limit_bytes)} per device for "
             f"{strategy.short()}; uniform {option} recompute needs {needs / 2**30:,.2f} GiB"
         )
     problem, found = best["problem"], best["found"]

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from ndplan.cli_args import positive_int
+from ndplan.cli_args import device_count
 from ndplan.errors import NdplanError
 from ndplan.io import EMIT_FORMATS, READ_FORMATS, ReadResult, emit, read_config
 from ndplan.model.hf import first_validation_error
@@ -125,7 +125,7 @@ def print_messages(result: ReadResult | None, stream: Any = None) -> None:
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, help="a launch script, job TOML, training YAML or config.json")
     parser.add_argument("--model", help="preset or config.json completing or overriding the config's model")
-    parser.add_argument("--devices", type=positive_int, help="world size, when the config does not state it")
+    parser.add_argument("--devices", type=device_count, help="world size, when the config does not state it")
     parser.add_argument("--from-format", choices=READ_FORMATS, help="the config's format (default: detected)")
     parser.add_argument("--to", choices=EMIT_FORMATS, help="print the strategy in this framework's format instead")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
