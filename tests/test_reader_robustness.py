@@ -258,3 +258,17 @@ def test_uneven_first_and_last_stages_that_fit_are_read(tmp_path: Path) -> None:
     path = _script(tmp_path, 'EXTRA="--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 10 '
                              '--decoder-last-pipeline-num-layers 22"')
     assert read_config(path).strategy_settings["stage_layers"] == (10, 22)
+
+
+def test_inspect_shows_a_long_stage_list_cut(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file with a million pipeline stages (the cap) reads in a second; its layer count per stage
+    is shown as its first items and a count, not as pages the table took 16 s to lay out."""
+    from ndplan.cli import main
+
+    path = _variant(tmp_path, "torchtitan_llama3_70b.toml", "pipeline_parallel_degree = 4",
+                    "pipeline_parallel_degree = 1048576")
+    started = time.perf_counter()
+    main(["inspect", str(path)])
+    out = capsys.readouterr().out
+    assert time.perf_counter() - started < 10
+    assert "2,097,088 more: 2,097,152 in all)" in out

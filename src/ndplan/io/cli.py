@@ -165,6 +165,18 @@ def _setting(value: Any) -> str:
     return str(value)
 
 
+#: Items of a list setting (stage_layers) the inspect table shows before it says how many more.
+SHOWN_ITEMS = 64
+
+
+def _shown(value: object) -> str:
+    """A setting as the table shows it: a long list (a layer count per pipeline stage of a file
+    with thousands of stages) cut to its first SHOWN_ITEMS items and a count, rather than pages."""
+    if isinstance(value, (list, tuple)) and len(value) > SHOWN_ITEMS:
+        return f"({', '.join(map(str, value[:SHOWN_ITEMS]))}, ... {len(value) - SHOWN_ITEMS:,} more: {len(value):,} in all)"
+    return str(value)
+
+
 def cmd_inspect(args: argparse.Namespace, console: Console | None = None) -> int:
     """``ndplan inspect CONFIG``: the model, cluster and strategy ndplan reads from a config."""
     console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -206,7 +218,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console | None = None) -> int
                     f"{value['compute_dtype']})"
         if key == "pipeline_runs" and value == 0:
             value = "0 (as many as the global batch needs, once dp is known)"
-        table.add_row(key, str(value))
+        table.add_row(key, _shown(value))
     console.print(table)
     if result.runtime_settings:
         # What the estimate prices beside the strategy: the runtime profile, attention kernel, loss,
