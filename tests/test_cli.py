@@ -796,9 +796,12 @@ def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path, capsys):
     ([*SEARCH_8, "--runtime", ""], "--runtime is empty"),
     ([*SEARCH_8, "--efficiency", ""], "--efficiency is empty"),
     ([*SEARCH_8, "--fix", "tp=2", " "], "--fix is empty"),
-    (["hardware", ""], "hardware NAME is empty; give a value (see `ndplan hardware --help`) or leave it out"),
+    (["hardware", ""], "an argument of `ndplan hardware` is empty; give a value (see `ndplan hardware --help`) or "
+                       "leave it out"),
     (["models", "--model", ""], "--model is empty; give a value (see `ndplan models --help`) or leave it out"),
     (["check", "--model", "", "--devices", "8"], "--model is empty"),
+    # a path option once read "" as the current folder
+    (["report", "result.json", "-o", "report.html", "--plot-dir", ""], "--plot-dir is empty"),
 ])
 def test_an_empty_value_names_its_option(argv, words, capsys):
     """A fuzzing review: an empty value was read as a missing one (no limit, no CSV, the default

@@ -269,3 +269,17 @@ def test_inspect_shows_a_long_stage_list_cut(tmp_path: Path, capsys: pytest.Capt
                     "pipeline_parallel_degree = 1048576")
     main(["inspect", str(path)])
     assert "2,097,088 more: 2,097,152 in all)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("base, exponent, value", [(2, 33, 2**33), (2, 62, 2**62), (10, 17, 10**17), (-2, 63, -(2**63)),
+                                                   (2, 63, None), (3, 40, None), (9, 9**9, None)])
+def test_shell_powers_are_those_bash_holds(base: int, exponent: int, value: int | None) -> None:
+    """Bash's arithmetic is 64-bit: a power it holds is evaluated (2**33 was refused by a bound
+    that overestimated the bits), one it does not is left unevaluated, without computing it."""
+    from ndplan.io.shell import _power
+
+    if value is None:
+        with pytest.raises(ValueError):
+            _power(base, exponent)
+    else:
+        assert _power(base, exponent) == value

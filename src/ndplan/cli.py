@@ -637,13 +637,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     from ndplan.io.common import policy_of
     from ndplan.search import default_space, run_search, runtime_step_time
-    from ndplan.search.space import (
-        MAX_DEVICES,
-        MAX_GLOBAL_BATCH,
-        MAX_SEQ_LENGTH,
-        runtime_reshard_under_pipeline,
-        whole_size,
-    )
+    from ndplan.search.space import runtime_reshard_under_pipeline
     from ndplan.strategy import get_precision
 
     if args.top < 1:
@@ -664,9 +658,6 @@ def cmd_search(args: argparse.Namespace) -> int:
     for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
         _require(vars(args), key, flag)
     args.seq = args.seq or 4096
-    for flag, value, largest in (("--devices", args.devices, MAX_DEVICES), ("--gbs", args.gbs, MAX_GLOBAL_BATCH),
-                                 ("--seq", args.seq, MAX_SEQ_LENGTH)):
-        whole_size(value, flag, largest)  # named as the flag, not as default_space's argument
     device = device_from(args.hardware, args.efficiency)
     fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
     if read is not None and args.dims:
@@ -1227,17 +1218,22 @@ def _signed_values_attached(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """An NdplanError naming the first option (or argument) given as "": the commands read an
-    empty value as a missing one (``if args.csv:``), so --memory-limit "" searched without a limit,
-    --csv "" wrote nothing and `hardware ""` listed every device."""
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for action in subparsers.choices[args.command]._actions:
-        value = getattr(args, action.dest, None)
-        if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
-            name = max(action.option_strings, key=len) if action.option_strings else \
-                f"{args.command} {action.metavar or action.dest.upper()}"
-            raise NdplanError(f"{name} is empty; give a value (see `ndplan {args.command} --help`) or leave it out")
+def _refuse_empty_values(argv: Sequence[str], command: str) -> None:
+    """An NdplanError naming the first option (or argument) given as "" (or blanks), as the user
+    typed it: the commands read an empty value as a missing one (``if args.csv:``), so
+    --memory-limit "" searched without a limit, --csv "" wrote nothing, `hardware ""` listed every
+    device, and a path option read "" as the current folder."""
+    for at, token in enumerate(argv):
+        name, equals, value = token.partition("=")
+        if token.startswith("--") and equals and not value.strip():
+            empty = name
+        elif not token.strip():
+            # The value of the nearest option before it (one of several, for --fix a b c), else an argument.
+            options = [t.partition("=")[0] for t in argv[:at] if t.startswith("-") and t != "-"]
+            empty = options[-1] if options else f"an argument of `ndplan {command}`"
+        else:
+            continue
+        raise NdplanError(f"{empty} is empty; give a value (see `ndplan {command} --help`) or leave it out")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1245,7 +1241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(_signed_values_attached(sys.argv[1:] if argv is None else argv))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        _refuse_empty_values(parser, args)
+        _refuse_empty_values(list(sys.argv[1:] if argv is None else argv), args.command)
         return func(args)
     except NdplanError as error:
         print(f"ndplan: error: {error}", file=sys.stderr)

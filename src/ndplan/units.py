@@ -64,7 +64,8 @@ def memory_limit(value: object, what: str, none_means: str = "") -> float:
             return float(parse_bytes(value))
         except NdplanError as error:
             raise NdplanError(f"{what}: {error}") from None
-    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < float(value) < 2**63:
+    # Compared as it is, not as a float: a huge int overflowed float() (an OverflowError).
+    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < 2**63:  # type: ignore[operator]
         default = f", or None for {none_means}" if none_means else ""
         raise NdplanError(f"{what} must be > 0 and below 8 EiB: a number of bytes or a size such as '70GiB'{default}; "
                           f"got {value!r}")

@@ -362,7 +362,7 @@ def balance(
         needs = evaluate(own_problem, uniform_plan(own_problem, option)).stage_memory_bytes.max()
         raise NdplanError(
             f"no placement and recompute plan fits {format_bytes(memory_limit_bytes)} per device for "
-            f"{strategy.short()}; uniform {option} recompute needs {needs / 2**30:,.2f} GiB"
+            f"{strategy.short()}; uniform {option} recompute needs {format_bytes(needs)}"
         )
     problem, found = best["problem"], best["found"]
     baseline_plan = uniform_plan(problem, baseline_option(problem))

@@ -391,11 +391,16 @@ _ARITH_OPS: dict[type, Callable[[int, int], int]] = {
 
 
 def _power(base: int, exponent: int) -> int:
-    """``base ** exponent`` where bash's 64-bit arithmetic could hold it; else ValueError (``9**9**9**9``
-    would compute forever)."""
-    if exponent < 0 or abs(base) > 1 and exponent * abs(base).bit_length() > 64:
+    """``base ** exponent`` where bash's 64-bit arithmetic holds it; else ValueError. |base| is at
+    least 2^(bits - 1), so (bits - 1)·exponent >= 64 is past 64 bits without computing it
+    (``9**9**9**9`` would compute forever); below that the power has under 128 bits, computed and
+    checked exactly (2**62 holds, 2**63 does not)."""
+    if exponent < 0 or abs(base) > 1 and exponent * (abs(base).bit_length() - 1) >= 64:
         raise ValueError(f"{base}**{exponent}")
-    return int(base**exponent)
+    result = int(base**exponent)
+    if not -(2**63) <= result < 2**63:
+        raise ValueError(f"{base}**{exponent}")
+    return result
 
 
 def _arith(expression: str) -> int:

@@ -17,6 +17,7 @@ placement and the schedule simulation are computed once; everything else is nump
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
@@ -74,7 +75,8 @@ MAX_MOE_FACTOR = 1024.0
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,12 @@ V_SHAPE: frozenset[str] = frozenset({"zbv", "dualpipev"})
 
 #: Most micro-batch passes (num_micro_batches · seq_chunks · pp · vpp: a forward and a backward
 #: of each on every stage's every chunk) one schedule is built and simulated for. The simulator
-#: walks them op by op, in time and memory that grow faster than linearly: 2^18 passes take
-#: about 2 s and 0.4 GB (interleaved at pp 8, vpp 4 and 8192 micro-batches), 2^20 over a
-#: minute and 8 GB, and a billion did not finish. Real runs need far fewer (the search prices
-#: its candidates in closed form and simulates no more than a few pipeline depths).
-MAX_SIMULATED_PASSES = 2**18
+#: walks them op by op: `ndplan estimate` at 2^21 passes (1F1B, pp 32, 65,536 micro-batches)
+#: took 9.5 s and 1.6 GB, at 2^20 5.2 s and 0.9 GB, at 2^19 (interleaved, pp 8, vpp 4) 2.2 s;
+#: a billion did not finish. The cap holds pp 128 with vpp 8 and 2,048 micro-batches, or pp 64
+#: with 32,768. A search prices its candidates in closed form (its memory frontiers simulate a
+#: few pipeline depths); estimate, --balance and --emit simulate the strategy they price.
+MAX_SIMULATED_PASSES = 2**21
 
 
 class Op(NamedTuple):

@@ -495,9 +495,11 @@ def _switch(name: str, value: int | str) -> int:
 
 
 def _fixed_degree(name: str, value: int | str) -> int:
-    """A --fix whole-number value in its range (zero 0–3, etp 0–2^20: 0 means tp; others 1–2^20,
-    ``MAX_DEVICES``: a degree above the devices never holds, and past int64 it overflowed)."""
-    low, high = {"zero": (0, 3), "etp": (0, MAX_DEVICES)}.get(name, (1, MAX_DEVICES))
+    """A --fix whole-number value in its range (zero 0–3, etp 0–2^20: 0 means tp; mbs and
+    pipeline_runs 1–2^30, as Strategy's fields; other degrees 1–2^20, ``MAX_DEVICES``: a degree
+    above the devices never holds, and past int64 it overflowed)."""
+    low, high = {"zero": (0, 3), "etp": (0, MAX_DEVICES), "mbs": (1, MAX_SEQUENCES),
+                 "pipeline_runs": (1, MAX_SEQUENCES)}.get(name, (1, MAX_DEVICES))
     try:
         number = int(str(value).strip())
     except ValueError:

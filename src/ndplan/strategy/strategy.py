@@ -42,7 +42,7 @@ MAX_DEGREE = 2**20
 #: Tokens per sequence: 2^24, sixteen million.
 MAX_SEQ_LENGTH = 2**24
 #: Sequences in a global batch (and so in a micro-batch, micro-batches and runs): 2^30, a billion;
-#: with MAX_SEQ_LENGTH a step's tokens stay below 2^54.
+#: with MAX_SEQ_LENGTH a step's tokens stay at most 2^54.
 MAX_SEQUENCES = 2**30
 
 
