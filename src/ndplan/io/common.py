@@ -22,7 +22,7 @@ from ndplan.model.hf import first_validation_error
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import uniform_layer_counts
 from ndplan.strategy.precision import PRECISION_PRESETS, PrecisionPolicy
-from ndplan.strategy.strategy import MAX_DEGREE as MAX_DEGREE  # the readers bound degrees by it
+from ndplan.strategy.strategy import MAX_DEGREE as MAX_DEGREE  # the readers' bound on degrees (see there)
 from ndplan.strategy.strategy import Strategy
 
 #: Plan-file keys (as ``cli_args`` and plan files read them) and the Strategy field each one sets.
@@ -199,11 +199,6 @@ class Source:
 
     def key_error(self, path: Sequence[str], message: str) -> NdplanError:
         return self.error(".".join(path), message, self.lines.line(path))
-
-
-# The largest parallel degree (and device count) a config file may state is Strategy's own cap,
-# MAX_DEGREE: far above any cluster, and low enough that the loops and products over stages and
-# ranks stay small.
 
 
 def as_int(src: Source, value: Any, field_name: str, line: int | None = None, *, minimum: int | None = 1,

@@ -384,12 +384,6 @@ class _Lexer:
 
 
 # ---------------------------------------------------------------- expansion
-_ARITH_OPS: dict[type, Callable[[int, int], int]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.FloorDiv: lambda a, b: int(a / b), ast.Mod: lambda a, b: a - int(a / b) * b, ast.Pow: lambda a, b: _power(a, b),
-}
-
-
 def _power(base: int, exponent: int) -> int:
     """``base ** exponent`` where bash's 64-bit arithmetic holds it; else ValueError. |base| is at
     least 2^(bits - 1), so (bits - 1)·exponent >= 64 is past 64 bits without computing it
@@ -401,6 +395,12 @@ def _power(base: int, exponent: int) -> int:
     if not -(2**63) <= result < 2**63:
         raise ValueError(f"{base}**{exponent}")
     return result
+
+
+_ARITH_OPS: dict[type, Callable[[int, int], int]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.FloorDiv: lambda a, b: int(a / b), ast.Mod: lambda a, b: a - int(a / b) * b, ast.Pow: _power,
+}
 
 
 def _arith(expression: str) -> int:

@@ -109,11 +109,6 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
     return sorted(d for d in {*small, *(n // d for d in small)} if d <= (limit or n))
 
 
-#: The largest devices, global batch and sequence ``default_space`` takes: the caps of Strategy's
-#: own fields (strategy.py says why). Past them the space's int64 columns overflowed.
-MAX_DEVICES, MAX_GLOBAL_BATCH = MAX_DEGREE, MAX_SEQUENCES
-
-
 def whole_size(value: object, name: str, largest: int) -> int:
     """``value`` as an int where it is a whole number from 1 to ``largest`` (numpy's integers
     too, as ``estimate`` takes them); else an NdplanError naming ``name`` (an argument of
@@ -393,8 +388,9 @@ def default_space(
     from ndplan.model import as_model
 
     model, device = as_model(model), as_device(device)
-    num_devices = whole_size(num_devices, "num_devices", MAX_DEVICES)
-    global_batch_size = whole_size(global_batch_size, "global_batch_size", MAX_GLOBAL_BATCH)
+    # Strategy's caps (strategy.py says why): past them the space's int64 columns overflowed.
+    num_devices = whole_size(num_devices, "num_devices", MAX_DEGREE)
+    global_batch_size = whole_size(global_batch_size, "global_batch_size", MAX_SEQUENCES)
     seq_length = whole_size(seq_length, "seq_length", MAX_SEQ_LENGTH)
     precision = precision or Strategy().precision
     if fixed is not None and not isinstance(fixed, Mapping):
@@ -496,10 +492,10 @@ def _switch(name: str, value: int | str) -> int:
 
 def _fixed_degree(name: str, value: int | str) -> int:
     """A --fix whole-number value in its range (zero 0–3, etp 0–2^20: 0 means tp; mbs and
-    pipeline_runs 1–2^30, as Strategy's fields; other degrees 1–2^20, ``MAX_DEVICES``: a degree
+    pipeline_runs 1–2^30, as Strategy's fields; other degrees 1–2^20, ``MAX_DEGREE``: a degree
     above the devices never holds, and past int64 it overflowed)."""
-    low, high = {"zero": (0, 3), "etp": (0, MAX_DEVICES), "mbs": (1, MAX_SEQUENCES),
-                 "pipeline_runs": (1, MAX_SEQUENCES)}.get(name, (1, MAX_DEVICES))
+    low, high = {"zero": (0, 3), "etp": (0, MAX_DEGREE), "mbs": (1, MAX_SEQUENCES),
+                 "pipeline_runs": (1, MAX_SEQUENCES)}.get(name, (1, MAX_DEGREE))
     try:
         number = int(str(value).strip())
     except ValueError:
