@@ -190,6 +190,31 @@ def test_search_explain_past_the_simulator_says_why(capsys):
     assert f"at most {MAX_SIMULATED_PASSES} micro-batch passes" in note and "raise micro_batch_size or dp" in note
 
 
+def test_search_balance_and_emit_past_the_simulator_rank_and_write(capsys):
+    """--balance builds a problem per pipeline candidate and --emit reads the settings back with
+    the full estimators; both simulate the schedule, which once aborted the whole search on one
+    candidate too long to simulate. Such candidates keep the search's closed-form figures (counted
+    in a note) and their settings are written with a note that they are not checked."""
+    argv = ["search", "--model", "llama-2-7b", "--hardware", "h100-sxm", "--devices", "4", "--gbs", str(2**22),
+            "--seq", "64", "--fix", "pp=2", "tp=2", "mbs=1", "--runtime", "megatron", "--json"]
+    code, out, err = run([*argv, "--balance"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ranked"], err
+    assert all(row["pp"] == 2 and "balanced_settings" not in row for row in data["ranked"])
+    note = next(note for note in data["notes"] if note.startswith("--balance"))
+    assert "0 balanced" in note and f"longer than the simulator takes: {MAX_SIMULATED_PASSES:,}" in note
+    unsimulated = int(note.split(" ranked unbalanced")[0].split(", ")[-1].replace(",", ""))
+    assert unsimulated >= len(data["ranked"])
+
+    code, out, err = run([*argv, "--emit", "megatron"], capsys)
+    data = json.loads(out)
+    assert code == 0 and "--pipeline-model-parallel-size 2" in data["emitted"], err
+    check = data["emitted_check"]
+    assert check["same"] and check["peak_bytes"] is None and check["step_s"] is None
+    assert f"at most {MAX_SIMULATED_PASSES} micro-batch passes" in check["unpriced"]
+    assert any(note.startswith("--emit megatron: the settings written are not checked") for note in data["notes"])
+
+
 def test_balance_names_a_small_limit_in_its_own_unit(capsys):
     code, _, err = run(["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64",
                         "--gbs", "256", "--pp", "4", "--tp", "8", "--memory-limit", "1MiB"], capsys)

@@ -321,7 +321,7 @@ def test_balanced_ranking_equals_balancing_every_candidate():
     result = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=limit, top=10,
                         options=BALANCE_OPTIONS)
     every = _balance_every_candidate(TINY_MOE, space, result, limit)
-    rows, balanced = rank_balanced(TINY_MOE, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=10,
+    rows, balanced, _ = rank_balanced(TINY_MOE, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=10,
                                    options=BALANCE_OPTIONS)
     assert [r["candidate"] for r in rows] == [c for _, c in every[:10]]
     assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:10]], rel=1e-12)
@@ -382,7 +382,7 @@ def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():
     limit = 30 * 2**30
     result = run_search(model, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=limit, top=5, options=BALANCE_OPTIONS)
     every = _balance_every_candidate(model, space, result, limit, one_setting=True)
-    rows, _ = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
+    rows, _, _ = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
                             one_setting=True, options=BALANCE_OPTIONS)
     assert [r["candidate"] for r in rows] == [c for _, c in every[:5]]
     assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:5]], rel=1e-12)
@@ -390,7 +390,7 @@ def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():
         if "balanced_settings" in row:  # the ranked plan is itself one setting
             assert row["balanced_settings"]["is_the_plan"]
             Strategy(**row["balanced_settings"]["strategy"])
-    per_layer, _ = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
+    per_layer, _, _ = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
                                  options=BALANCE_OPTIONS)
     assert [r["candidate"] for r in per_layer] != [r["candidate"] for r in rows]
 

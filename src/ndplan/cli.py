@@ -549,8 +549,15 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
         return out
 
     ran, priced = stated(run_options), stated(options)
-    peak = estimate(run_model, written, cluster.device, run_options, num_devices=cluster.num_devices).peak_bytes
-    step = estimate_time(run_model, written, cluster, **run_options.time_keywords()).step_s
+    try:
+        peak = estimate(run_model, written, cluster.device, run_options, num_devices=cluster.num_devices).peak_bytes
+        step = estimate_time(run_model, written, cluster, **run_options.time_keywords()).step_s
+    except NdplanError as error:
+        # The search prices a pipeline in closed form; the full estimators simulate it and refuse
+        # a schedule too long to simulate: the settings stand, their check cannot be made.
+        return {"same": not differs, "differs": differs, "strategy": written.short(),
+                "stage_layers": list(written.stage_layers or ()), "precision": precision.name,
+                "peak_bytes": None, "fits": None, "step_s": None, "unpriced": str(error)}
     if ran["overlap"] != priced["overlap"]:
         # A switch only counts where the strategy has something it hides (no parameter gather
         # to overlap without a distributed optimizer, ...): the same step with the priced overlap.
@@ -719,6 +726,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if not result.ranked:
         result.notes.extend(_what_would_fit(result, model, device, args.devices, space_on, options))
     elif args.balance:
+        from ndplan.schedule.ops import MAX_SIMULATED_PASSES
         from ndplan.search.balanced import rank_balanced
 
         one_setting_only = args.balance == "one-setting"
@@ -726,15 +734,19 @@ def cmd_search(args: argparse.Namespace) -> int:
 
         expressible = _round_trips(model, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
                                    by_shape=True) if args.emit else None
-        result.ranked, balanced = rank_balanced(
+        result.ranked, balanced, unsimulated = rank_balanced(
             model, device, space, result, step_time, memory_limit_bytes=limit or device.memory_bytes,
             options=options, top=ranked_top, one_setting=one_setting_only, expressible=expressible,
         )
         plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
+        # Balancing simulates a pipeline's schedule, which the simulator refuses past its cap.
+        too_long = (f"{unsimulated:,} ranked unbalanced, as the search priced them (their schedule is longer than "
+                    f"the simulator takes: {MAX_SIMULATED_PASSES:,} micro-batch passes, "
+                    f"num_micro_batches·pp·vpp·seq_chunks), " if unsimulated else "")
         result.notes.append(
             f"--balance: every fitting candidate ranked by its balanced plan (pipelines: layers per stage and "
-            f"chunk, {plans}); {balanced:,} balanced, the others' lower bound already above the top {ranked_top}; "
-            f"a plan reached from several starting recompute settings is listed once")
+            f"chunk, {plans}); {balanced:,} balanced, {too_long}the others' lower bound already above the top "
+            f"{ranked_top}; a plan reached from several starting recompute settings is listed once")
         one_setting = result.ranked[0].get("balanced_settings") if result.ranked else None
         if one_setting is not None and not one_setting["is_the_plan"]:
             result.notes.append(
@@ -764,6 +776,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
         if note := _runtime_note(options, args.emit):
             data["notes"].append(f"--emit {args.emit}: {note}")
+        if check.get("unpriced"):
+            data["notes"].append(f"--emit {args.emit}: the settings written are not checked by the full estimators "
+                                 f"(they read back as {check['strategy']}): {check['unpriced']}")
         if check["fits"] is False:
             data["notes"].append(f"--emit {args.emit}: the settings written run over the limit as they read back "
                                  f"(peak {format_bytes(check['peak_bytes'])}): {'; '.join(check['differs'])}")

@@ -21,7 +21,7 @@ same step). Ops inside a step are always ordered F, B, W.
 from __future__ import annotations
 
 from numbers import Integral
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ndplan.errors import NdplanError
 
@@ -46,6 +46,12 @@ V_SHAPE: frozenset[str] = frozenset({"zbv", "dualpipev"})
 #: with 32,768. A search prices its candidates in closed form (its memory frontiers simulate a
 #: few pipeline depths); estimate, --balance and --emit simulate the strategy they price.
 MAX_SIMULATED_PASSES = 2**21
+
+
+def simulated_passes(num_micro_batches: Any, pp: Any, vpp: Any, seq_chunks: Any) -> Any:
+    """Micro-batch passes one pipeline run's schedule is simulated for: m · seq_chunks · pp · vpp
+    (scalars or numpy arrays alike); above ``MAX_SIMULATED_PASSES`` the simulator refuses it."""
+    return num_micro_batches * seq_chunks * pp * vpp
 
 
 class Op(NamedTuple):
@@ -111,7 +117,7 @@ def validate(
         raise NdplanError(
             f"seq_chunks must be >= 1 (seq1f1b splits each micro-batch into seq_chunks), got {seq_chunks}"
         )
-    passes = num_micro_batches * seq_chunks * pp * vpp
+    passes = simulated_passes(num_micro_batches, pp, vpp, seq_chunks)
     if passes > MAX_SIMULATED_PASSES:
         most = MAX_SIMULATED_PASSES // (seq_chunks * pp * vpp)
         shape = f"pp·vpp·seq_chunks = {pp}·{vpp}·{seq_chunks}"

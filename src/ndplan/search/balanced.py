@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from ndplan.memory import MemoryOptions
 from ndplan.memory.stages import peak_memory
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.report import estimate_time
+from ndplan.schedule.ops import MAX_SIMULATED_PASSES, simulated_passes
 from ndplan.search.run import SearchResult, _row
 from ndplan.search.space import SearchSpace
 from ndplan.strategy import Strategy, StrategyBatch
@@ -46,6 +47,16 @@ _BLOCK = 1 << 16  # candidates per vectorised bound evaluation: bounds temporary
 _FIRST_CHUNK, _LAST_CHUNK = 8, 128  # pipeline candidates whose problems are built in one batch
 #: A uniform candidate's figures that a balanced plan does not share (besides its step's parts).
 _UNBALANCED_ONLY = ("hfu", "hardware_flops")
+
+
+class BalancedRanking(NamedTuple):
+    """``rank_balanced``'s answer: the rows, how many pipeline candidates were balanced to know
+    them, and how many were left as they are because their schedule is too long to simulate
+    (more than ``MAX_SIMULATED_PASSES`` micro-batch passes: a balancing problem simulates it)."""
+
+    rows: list[dict[str, Any]]
+    balanced: int
+    unsimulated: int
 
 
 def rank_balanced(
@@ -60,9 +71,10 @@ def rank_balanced(
     top: int = 10,
     one_setting: bool = False,
     expressible: Callable[[Strategy], bool] | None = None,
-) -> tuple[list[dict[str, Any]], int]:
+) -> BalancedRanking:
     """The ``top`` candidates of ``result`` by balanced step (rows as the search's, pipelines
-    with their balanced plan), and how many pipeline candidates were balanced to know it.
+    with their balanced plan), and how many pipeline candidates were balanced to know it. A
+    pipeline whose schedule is too long to simulate keeps its uniform step (and is counted).
     With ``one_setting`` a pipeline's plan is the fastest one recompute setting expresses
     (``balance.build.best_settings_plan`` of the heuristic's plan): what Megatron and torchtitan
     run. Its step is never below the per-layer plan's, so the same lower bound prunes.
@@ -73,17 +85,22 @@ def rank_balanced(
     index = np.asarray(result.candidates_index, dtype=np.int64)
     step = np.asarray(result.candidates_time_s, dtype=float)
     if not len(index):
-        return [], 0
+        return BalancedRanking([], 0, 0)
     lower = step.copy()
     # What a pipeline's balanced step scales: its step with no recompute, the same for every
     # recompute setting of one parallel layout, so that one plan reached from several starting
     # settings gets one step (scaling each candidate's own step, it got several, 0.3% apart).
     reference = step.copy()
     pipeline = np.zeros(len(index), dtype=bool)
+    unsimulated = 0
     for start in range(0, len(index), _BLOCK):
         for positions, batch in space.batches(index[start:start + _BLOCK]):
             at = start + positions
-            piped = np.flatnonzero(batch.pp >= 2)
+            # The search priced these pipelines in closed form; a balancing problem simulates
+            # the schedule, which the simulator refuses past its cap: those stay as they are.
+            too_long = simulated_passes(batch.num_micro_batches, batch.pp, batch.vpp, batch.seq_chunks) > MAX_SIMULATED_PASSES
+            piped = np.flatnonzero((batch.pp >= 2) & ~too_long)
+            unsimulated += int(np.count_nonzero((batch.pp >= 2) & too_long))
             pipeline[at[piped]] = True
             if len(piped):
                 plain = _without_recompute(batch.take(piped))
@@ -140,7 +157,8 @@ def rank_balanced(
         elif entry > kept[0]:
             heapq.heapreplace(kept, entry)
     best = sorted(kept, key=lambda e: (-e[0], -e[1]))
-    return _rows(model, space, best, plans, cluster, time_function, options, expressible), balanced
+    return BalancedRanking(_rows(model, space, best, plans, cluster, time_function, options, expressible), balanced,
+                           unsimulated)
 
 
 def plan_key(strategy: Strategy, plan: Plan, modules: tuple[str, ...]) -> tuple[Any, ...]:
@@ -249,4 +267,4 @@ def _balanced_label(strategy: Strategy, recompute: tuple[str, ...], modules: tup
     return f"{strategy.with_recompute('none').short()} (balanced; recompute per layer: {counts})"
 
 
-__all__ = ["rank_balanced"]
+__all__ = ["BalancedRanking", "rank_balanced"]
