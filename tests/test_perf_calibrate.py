@@ -70,6 +70,29 @@ def test_calibration_recovers_known_efficiencies(tmp_path: Path):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02), name
     assert report.median_abs_error_after < 1e-3 < report.median_abs_error_before
     assert report.success and len(report.runs) == len(runs)
+    assert report.warnings == []  # 8 runs, 4 figures inside their ranges, every run reproduced
+
+
+def test_a_fit_that_cannot_be_trusted_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """One run measured 50x slower than ndplan prices it: five figures fitted to one step (any
+    split of the error fits), every one pinned at its lower bound, and still -95% off. The
+    optimiser reports success; the report, the profile's header and the command say otherwise."""
+    run = _synthetic_runs(default_efficiency(H100))[0]
+    slow = run.model_copy(update={"measured": run.measured.model_copy(update={"step_s": 50 * run.measured.step_s})})
+    _, report = calibrate([slow], H100)
+    underdetermined, at_bounds, left = report.warnings
+    assert underdetermined.startswith("1 run for 5 figures: the fit is underdetermined")
+    assert at_bounds.startswith("at the end of its range: gemm_efficiency lower bound (0.2), ")
+    assert left.startswith("the fit leaves an error of 9") and "(more than 25%)" in left
+
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text(yaml.safe_dump({"runs": [slow.model_dump(mode="json")]}))
+    parser = argparse.ArgumentParser(prog="ndplan")
+    add_calibrate_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["calibrate", str(runs_file), "-o", str(tmp_path / "profile.yaml"), "--json"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == report.warnings
+    assert f"# warning: {underdetermined}" in (tmp_path / "profile.yaml").read_text()
 
 
 def test_calibration_skips_other_device_families_and_rejects_unknown_figures():

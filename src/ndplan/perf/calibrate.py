@@ -365,6 +365,8 @@ class CalibrationReport:
     max_abs_error_after: float = float("nan")
     success: bool = True
     message: str = ""
+    #: What makes the fitted figures untrustworthy, said with the fit (see ``_fit_warnings``).
+    warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         changed = ", ".join(f"{k} {self.initial[k]:.4g} -> {v:.4g}" for k, v in self.fitted.items())
@@ -372,11 +374,40 @@ class CalibrationReport:
         # an estimate reproduces the fitted steps under the same (--runtime).
         runtimes = sorted({str(r.get("runtime", "megatron")) for r in self.runs})
         return (
-            f"{len(self.runs)} runs ({self.device_family}); median |error| {self.median_abs_error_before:.1%} -> "
+            f"{len(self.runs)} run{'s' if len(self.runs) != 1 else ''} ({self.device_family}); median |error| {self.median_abs_error_before:.1%} -> "
             f"{self.median_abs_error_after:.1%}, worst {self.max_abs_error_after:.1%}; {changed}; priced under the "
             f"{' and '.join(runtimes)} runtime{'s' if len(runtimes) > 1 else ''} (estimate with --runtime "
             f"{runtimes[0]} to reproduce them)"
         )
+
+
+#: The worst error a fit may leave before it is said: beyond, the figures absorb something the
+#: model does not price (the step-time target's worst error, docs/accuracy_time.md).
+WORST_FITTED_ERROR = 0.25
+
+
+def _fit_warnings(names: Sequence[str], fitted: np.ndarray, lower: np.ndarray, upper: np.ndarray, runs: int,
+                  prior_weight: float, worst_error: float) -> list[str]:
+    """What a user must know before trusting a fitted profile: fewer runs than figures (without a
+    prior the figures split the error arbitrarily), a figure ended at a bound of its range (the
+    runs asked for a value outside it), and a worst error left above ``WORST_FITTED_ERROR``."""
+    warnings = []
+    if runs < len(names) and prior_weight <= 0:
+        warnings.append(f"{runs} run{'s' if runs > 1 else ''} for {len(names)} figures: the fit is underdetermined "
+                        f"and the figures share the error arbitrarily; fit fewer (--fit), add runs, or keep "
+                        f"the figures near their defaults (--prior-weight)")
+    # The optimiser stops a hair inside a bound (0.2 ends as 0.20000000000000007).
+    margin = 1e-6 * (upper - lower)
+    ends = [f"{name} {'lower' if value <= low + m else 'upper'} bound ({value:.3g})"
+            for name, value, low, high, m in zip(names, fitted, lower, upper, margin, strict=True)
+            if value <= low + m or value >= high - m]
+    if ends:
+        warnings.append(f"at the end of its range: {', '.join(ends)}; the runs ask for a figure outside it, so the "
+                        f"model misses something they run (check each run's strategy, runtime and measurement)")
+    if worst_error > WORST_FITTED_ERROR:
+        warnings.append(f"the fit leaves an error of {worst_error:.1%} (more than {WORST_FITTED_ERROR:.0%}): the "
+                        f"figures cannot explain every run")
+    return warnings
 
 
 def calibrate(
@@ -456,6 +487,7 @@ def calibrate(
         success=bool(result.success),
         message=str(result.message),
     )
+    report.warnings = _fit_warnings(names, result.x, lo, hi, len(chosen), prior_weight, report.max_abs_error_after)
     for run, t, r0, r1 in zip(chosen, measured, before, after, strict=True):
         report.runs.append({
             "id": run.id, "runtime": run.runtime, "measured_step_s": float(t),

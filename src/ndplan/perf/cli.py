@@ -60,6 +60,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     comment = (
         f"ndplan calibrate {args.runs} (device family {report.device_family})\n{report.summary()}\n"
         f"runs: {', '.join(r['id'] for r in report.runs)}"
+        + "".join(f"\nwarning: {warning}" for warning in report.warnings)
     )
     dump_efficiency(profile, args.output, comment)
     if args.json:
@@ -67,11 +68,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "profile": str(args.output), "device_family": report.device_family, "fitted": report.fitted,
             "initial": report.initial, "median_abs_error_before": report.median_abs_error_before,
             "median_abs_error_after": report.median_abs_error_after, "max_abs_error_after": report.max_abs_error_after,
-            "runs": report.runs, "skipped": report.skipped, "success": report.success,
+            "runs": report.runs, "skipped": report.skipped, "success": report.success, "warnings": report.warnings,
         }, indent=2))
         return 0
     console = Console(highlight=False)
-    table = Table(title=f"calibration on {len(report.runs)} runs ({report.device_family})")
+    table = Table(title=f"calibration on {len(report.runs)} run{'s' if len(report.runs) != 1 else ''} "
+                        f"({report.device_family})")
     for col in ("run", "runtime", "measured s", "before s", "after s", "error after"):
         table.add_column(col, justify="left" if col in ("run", "runtime") else "right")
     for r in report.runs:
@@ -81,5 +83,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     console.print(report.summary())
     if report.skipped:
         console.print(f"skipped (other device families): {', '.join(report.skipped)}")
+    for warning in report.warnings:
+        console.print(f"[bold yellow]warning:[/] {warning}")
     console.print(f"wrote {args.output}")
     return 0
