@@ -375,6 +375,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             table.add_row(row.label, _bytes(row.estimate), _bytes(row.measured), _pct(row.error_pct),
                           _bytes(row.at_peak), style="bold" if bold else None)
         console.print(table)
+    below_zero = any(row.key == "transient" and row.estimate < 0 for stage in result.stages for row in stage.rows)
+    if below_zero:
+        # The categories above it need not all exist at the forward/backward peak.
+        console.print("rest of fwd/bwd peak: that peak less the categories above it, below zero where the gradients "
+                      "the backward has not made yet at that moment (and activations it has freed) outweigh the "
+                      "working set; `ndplan estimate --explain` gives both terms")
     console.print(f"measurement: {measurement.source or 'measured file'}")
     peak = result.peak_row()
     if peak is not None:
