@@ -656,6 +656,17 @@ def test_search_with_a_fixed_value_no_cluster_allows_says_so(capsys):
     assert "fits even on" not in text
 
 
+def test_search_table_says_its_pipeline_steps_are_closed_forms(capsys):
+    """A ranked pipeline's step is the closed-form makespan, which `ndplan estimate` (the schedule
+    simulated) does not repeat exactly: the table says so where it lists a pipeline, only there."""
+    base = ["search", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--gbs", "256", "--top", "3"]
+    caption = "step: a pipeline's makespan in closed form (mean error within 2% of the simulated schedule"
+    code, out, _ = run([*base, "--fix", "pp=4"], capsys)
+    assert code == 0 and caption in " ".join(out.split())
+    code, out, _ = run([*base, "--fix", "pp=1"], capsys)
+    assert code == 0 and "closed form" not in out
+
+
 def test_estimate_names_the_kernels_its_runtime_prices(capsys):
     """The step time prices the runtime's kernels: the pytorch runtime states its own (eager
     elementwise ops, one grouped GEMM, foreach AdamW); Megatron's are the device profile's."""
