@@ -101,8 +101,10 @@ _GROUP_KEYS = (
 #: overlapped expert passes, which ``ep_pairing``'s code stands for).
 _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_kind", "ulysses_degree",
                  "sequence_parallel", "recompute", "ep_overlap", "ep_pairing")
-#: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy.
-_STEP_FIELDS = ("dp", "tp", "cp", "ep", "etp", "zero", "recompute", "num_micro_batches", "pipeline_runs", "seq_chunks")
+#: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy: counts they
+#: multiply by (as floats) and modes they only compare (kept integral: no float conversion).
+_STEP_FIELDS = ("num_micro_batches", "pipeline_runs", "seq_chunks")
+_STEP_MODES = ("zero", "recompute")
 #: Strategy fields the per-step DP and optimizer terms read (besides the stage's parameters).
 _DP_FIELDS = ("tp", "ep", "etp", "dp", "cp", "pp", "zero", "fsdp", "shard_group", "optimizer_offload",
               "reshard_after_forward")
@@ -428,18 +430,22 @@ def _price_group(
         # these strategies together, one per distinct (m, layer configuration, recompute, p2p).
         short = np.flatnonzero(~closed_form_holds(name, pp, m))
         if len(short):
-            # One float64 key per row: the integer columns (counts, codes) stay exact in it.
-            keys = np.stack([m[short], config[short], recompute_layers[short], p2p[short], k[short]], axis=1)
-            distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
-            span, part = np.zeros(len(distinct)), np.zeros(len(distinct))
-            for mb, chunks in np.unique(distinct[:, [0, 4]], axis=0).tolist():
-                members = np.flatnonzero((distinct[:, 0] == mb) & (distinct[:, 4] == chunks))
-                fc, bc, wc = _chunk_seconds(pr, layout, distinct[members, 1].astype(np.int64),
-                                            distinct[members, 2].astype(np.int64))
-                span[members], part[members] = simulated_makespan_batch(name, pp, vpp, int(mb), int(chunks), fc, bc,
-                                                                        wc, distinct[members, 3])
+            # Integer codes of the rows (p2p by its rank among the distinct values): a packed key
+            # rather than np.unique(axis=0) over float rows, which sorts them (~4x slower). Each
+            # strategy's simulated time depends on its own row alone, so the order does not matter.
+            _, p2p_rank = np.unique(p2p[short], return_inverse=True)
+            code, count = row_codes([m[short], k[short], config[short], recompute_layers[short], p2p_rank.ravel()])
+            distinct = short[first_of_codes(code, count)]  # a strategy of each distinct row
+            span, part = np.zeros(count), np.zeros(count)
+            shape, shapes = row_codes([m[distinct], k[distinct]])
+            for j in range(shapes):
+                members = np.flatnonzero(shape == j)
+                at = distinct[members]
+                fc, bc, wc = _chunk_seconds(pr, layout, config[at], recompute_layers[at])
+                span[members], part[members] = simulated_makespan_batch(name, pp, vpp, int(m[at[0]]), int(k[at[0]]),
+                                                                        fc, bc, wc, p2p[at])
             makespan, p2p_part = makespan.copy(), p2p_part.copy()
-            makespan[short], p2p_part[short] = span[inverse.reshape(-1)], part[inverse.reshape(-1)]
+            makespan[short], p2p_part[short] = span[code], part[code]
         if name == "interleaved" and vpp > 1:
             # Unequal chunks on a stage stall the steady state every micro-batch: the layout's
             # stall (the simulator's, per unit layer), less what the bottleneck's margin over the
@@ -608,7 +614,6 @@ def evaluate(
     p2p_bytes = (batch.micro_batch_size * batch.seq_length) / (batch.cp * t_sp) * (model.hidden_size * batch.precision.activation_bytes)
     p2p = coll.p2p_s(p2p_bytes, group_link(batch.pp, batch.tp * batch.cp * batch.dp, fabric, "p2p"))
     p2p = np.where(batch.pp > 1, p2p, 0.0)
-    tokens = (batch.global_batch_size * batch.seq_length).astype(np.float64)
 
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
@@ -616,13 +621,14 @@ def evaluate(
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
     bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
     cols = {name: ints[name][order].astype(np.float64) for name in _STEP_FIELDS}
-    # indices, kept integral (the step columns above are floats)
+    # modes and indices, kept integral
+    cols.update({name: ints[name][order] for name in _STEP_MODES})
     cols["dp_config"] = dp_config[order]
     cols["row"] = order
     config = config[order]
     schedule = batch.schedule[order]
     recompute_layers = batch.recompute_layers[order]
-    p2p = p2p[order]
+    p2p_sorted = p2p[order]
 
     out = {key: np.empty(n) for key in _GROUP_KEYS}
     for gi in range(group_count):
@@ -633,34 +639,37 @@ def evaluate(
             stage_layers, bool(batch.embedding_as_layer[i0]), bool(batch.output_as_layer[i0]),
         )
         group = _price_group(priced, layout, {k: v[sl] for k, v in cols.items()}, config[sl], schedule[sl],
-                             recompute_layers[sl], p2p[sl])
+                             recompute_layers[sl], p2p_sorted[sl])
         for key, value in group.items():
             out[key][sl] = value
-    out["p2p_s"] = p2p
 
-    # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts
-    out["step_s"] = (
-        out["compute_s"] + out["tp_s"] + out["cp_s"] + out["ep_s"] + out["dp_s"] + out["offload_s"] + out["pp_s"]
-        + out["bubble_s"] + out["optimizer_s"]
-    )
-    out["tokens_per_s"] = tokens[order] / out["step_s"]
-    out["tokens_per_s_per_device"] = out["tokens_per_s"] * (1.0 / cluster.num_devices)
-    recomputed = out.pop("recomputed_fraction")
-    full = (cols["recompute"] == 2) * recomputed
-    selective = (cols["recompute"] == 1) * recomputed
-    model_flops, hardware_flops = _seq_flops(model, batch.seq_length[order], full, selective, eff.selective_recompute,
-                                             batch.recompute_modules)
-    gbs = batch.global_batch_size[order]
-    out["model_flops"] = gbs * model_flops
-    out["hardware_flops"] = gbs * hardware_flops
-    capacity = out["step_s"] * (cluster.num_devices * rates.peak_flops)
-    out["mfu"] = out["model_flops"] / capacity
-    out["hfu"] = out["hardware_flops"] / capacity
-
+    # Back to the batch's order: only the arrays the groups filled and the caller reads; the
+    # step and the figures derived from it are worked out in that order (element-wise, the same
+    # values), which spares gathering each of them and their inputs.
     back = np.empty_like(order)
     back[order] = np.arange(n)
-    keys = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
-    return {key: out[key][back] for key in keys}
+    wanted = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
+    res = {key: out[key][back] for key in _GROUP_KEYS if key in wanted or key == "recomputed_fraction"}
+    res["p2p_s"] = p2p
+    # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts
+    res["step_s"] = (
+        res["compute_s"] + res["tp_s"] + res["cp_s"] + res["ep_s"] + res["dp_s"] + res["offload_s"] + res["pp_s"]
+        + res["bubble_s"] + res["optimizer_s"]
+    )
+    tokens = (batch.global_batch_size * batch.seq_length).astype(np.float64)
+    res["tokens_per_s"] = tokens / res["step_s"]
+    res["tokens_per_s_per_device"] = res["tokens_per_s"] * (1.0 / cluster.num_devices)
+    recomputed = res.pop("recomputed_fraction")
+    full = (batch.recompute == 2) * recomputed
+    selective = (batch.recompute == 1) * recomputed
+    model_flops, hardware_flops = _seq_flops(model, batch.seq_length, full, selective, eff.selective_recompute,
+                                             batch.recompute_modules)
+    res["model_flops"] = batch.global_batch_size * model_flops
+    res["hardware_flops"] = batch.global_batch_size * hardware_flops
+    capacity = res["step_s"] * (cluster.num_devices * rates.peak_flops)
+    res["mfu"] = res["model_flops"] / capacity
+    res["hfu"] = res["hardware_flops"] / capacity
+    return {key: res[key] for key in wanted}
 
 
 def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> tuple[Array, Array, Array]:
