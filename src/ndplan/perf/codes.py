@@ -14,8 +14,11 @@ from ndplan.strategy.batch import dense_codes as ranks
 
 Array = np.ndarray
 
-#: ``row_codes`` re-densifies its packed key before it would span this many values.
+#: ``row_codes`` re-densifies its packed key before it would span this many values, or twice
+#: the rows where that is more (up to ``_TABLE_MAX``): a presence table over the key costs
+#: O(span), so it may grow with the rows, and each re-densification is a pass over them.
 _TABLE = 1 << 16
+_TABLE_MAX = 1 << 20
 
 
 def dense_codes(values: Array) -> tuple[Array, int]:
@@ -33,22 +36,29 @@ def first_of_codes(codes: Array, count: int) -> Array:
 
 def row_codes(columns: list[Array]) -> tuple[Array, int]:
     """(codes, k) of the distinct rows of several non-negative integer (or integral float)
-    columns. Columns are packed into one integer key (small values are their own codes),
-    re-densified whenever the key would outgrow a small presence table."""
-    key = np.zeros(len(columns[0]), dtype=np.int64)
-    span = 1
+    columns, numbered in the rows' lexicographic order. Columns are packed into one integer key
+    (small values and booleans are their own codes), re-densified whenever the key would
+    outgrow a presence table; whenever that happens, the codes are the same (ranks of the
+    packed rows)."""
+    rows = len(columns[0])
+    table = max(_TABLE, min(_TABLE_MAX, 2 * rows))
+    key = np.zeros(rows, dtype=np.int64)
+    span = 1  # the key lies in [0, span): dense_codes is told so rather than scanning for it
     for column in columns:
         column = np.asarray(column)
-        if column.dtype.kind in "fb":
-            column = column.astype(np.int64)
-        top = int(column.max(initial=0))
-        if 0 <= top < 64 and column.min(initial=0) >= 0:
-            codes, count = column, top + 1
+        if column.dtype.kind == "b":  # its own code: no conversion, no scan for its range
+            codes, count = column, 2
         else:
-            codes, count = dense_codes(column)
-        if span * count >= _TABLE:
-            key, span = dense_codes(key)
+            if column.dtype.kind == "f":
+                column = column.astype(np.int64)
+            top = int(column.max(initial=0))
+            if 0 <= top < 64 and column.min(initial=0) >= 0:
+                codes, count = column, top + 1
+            else:
+                codes, count = dense_codes(column)
+        if span * count >= table:
+            key, span = ranks(key, 0, span - 1)
         key *= count  # in place: key is this function's own (zeros, or dense_codes' result)
         key += codes
         span *= count
-    return dense_codes(key)
+    return ranks(key, 0, span - 1)

@@ -1,0 +1,27 @@
+"""row_codes numbers distinct rows in their lexicographic order, however it packs them."""
+
+import numpy as np
+import pytest
+
+from ndplan.perf.codes import first_of_codes, row_codes
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 5000, 300_000])
+def test_row_codes_are_the_ranks_of_the_rows(rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    columns = [
+        rng.integers(0, 3, rows),  # small: its own code
+        rng.random(rows) < 0.5,  # boolean
+        rng.choice([4096, 8192, 32768], rows).astype(np.float64),  # integral floats, far from 0
+        rng.integers(-5, 5, rows),  # negative values
+        rng.integers(0, 40, rows) * 1000,  # many distinct values: re-densifies the key
+        rng.integers(0, 200, rows),
+        np.zeros(rows, dtype=bool),  # a boolean never set
+    ]
+    codes, count = row_codes(columns)
+    stacked = np.stack([np.asarray(c, dtype=np.int64) for c in columns], axis=1)
+    distinct, inverse = np.unique(stacked, axis=0, return_inverse=True)
+    assert count == len(distinct)
+    np.testing.assert_array_equal(codes, inverse.reshape(-1))
+    if rows:
+        np.testing.assert_array_equal(stacked[first_of_codes(codes, count)], distinct)
