@@ -170,7 +170,7 @@ def _dualpipev_pieces(q: float) -> Array:
     return np.array([((q - 1) / 2, q / 2, 0), ((q - 1) / 2, q, -q / 2), (q, 0, 0), (q, q / 2, -q / 2)])
 
 
-def identical_bubble(schedule: str, pp: Array, vpp: Array, m: Array, k: Array, f: Array, b: Array, w: Array) -> Array:
+def identical_bubble(schedule: str, pp: Array, vpp: Array | float, m: Array, k: Array, f: Array, b: Array, w: Array) -> Array:
     """Seconds the makespan exceeds m·(f + b + w) when every stage takes (f, b, w)."""
     q = pp - 1.0
     total = f + b + w
@@ -190,11 +190,16 @@ def identical_bubble(schedule: str, pp: Array, vpp: Array, m: Array, k: Array, f
         sel = q == qv if len(q_values) > 1 else slice(None)
         x = np.stack([np.broadcast_to(f, out.shape)[sel], np.broadcast_to(b, out.shape)[sel],
                       np.broadcast_to(w, out.shape)[sel]], axis=-1)
-        out[sel] = (x @ pieces.T).max(axis=-1)
+        lines = x @ pieces.T  # [n, pieces]: each critical path's seconds
+        # The longest, column by column: .max(axis=-1) over a short row costs ~2.5x as much.
+        longest = lines[:, 0].copy()
+        for j in range(1, lines.shape[1]):
+            np.maximum(longest, lines[:, j], out=longest)
+        out[sel] = longest
     return out
 
 
-def p2p_hops(schedule: str, pp: Array, vpp: Array, m: Array, k: Array, w: Array) -> Array:
+def p2p_hops(schedule: str, pp: Array, vpp: Array | float, m: Array, k: Array, w: Array) -> Array:
     """Transfers on the critical path (coefficient of p2p_s), see the module docstring."""
     steady = 2.0 * np.maximum(pp - 1.0 - k, 0.0) + 2.0 * m * k * (pp - 1.0) / pp
     if schedule == "gpipe":
@@ -211,34 +216,39 @@ def p2p_hops(schedule: str, pp: Array, vpp: Array, m: Array, k: Array, w: Array)
 
 
 def closed_form_makespan(
-    schedule: str, pp: Array, vpp: Array, m: Array, k: Array, f: Array, b: Array, w: Array, p2p: Array,
-    stage_count: Array | None = None, star: Array | None = None,
+    schedule: str, pp: Array | float, vpp: Array | float, m: Array, k: Array, f: Array, b: Array, w: Array,
+    p2p: Array, stage_count: Array | None = None, star: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """(makespan, p2p part, bottleneck column) for strategies sharing one schedule.
 
-    f, b, w: [n, S] per-stage seconds of one micro-batch (all chunks of a stage); p2p: [n].
+    f, b, w: [n, S] per-stage seconds of one micro-batch (all chunks of a stage); p2p: [n];
+    pp and vpp: [n], or one number for all (as strategies sharing a layout have).
     Columns may be stage profiles standing for ``stage_count[q]`` identical stages each;
     ``star``, the bottleneck column, may be given when the caller has it.
     """
     total = f + b + w
     if star is None:
         star = np.argmax(total, axis=1)
-    rows = np.arange(total.shape[0])
-    t_star = total[rows, star]
+    # Each row read at its bottleneck column: np.take at flat positions (~2.5x faster than the
+    # fancy index [rows, star]).
+    at = np.arange(total.shape[0]) * total.shape[1] + star
+    t_star = np.take(total, at)
+    w_star = np.take(w, at)
     pp_f = np.asarray(pp, dtype=np.float64)
-    bubble = identical_bubble(schedule, pp_f, vpp, m, k, f[rows, star], b[rows, star], w[rows, star])
+    bubble = identical_bubble(schedule, pp_f, vpp, m, k, np.take(f, at), np.take(b, at), w_star)
     weight = np.ones(total.shape[1]) if stage_count is None else stage_count
-    slack = t_star * weight.sum() - total @ weight
+    stages_s = total @ weight
+    slack = t_star * weight.sum() - stages_s
     fill = np.where(pp_f > 1, 1.0 - slack / np.maximum((pp_f - 1.0) * t_star, 1e-30), 0.0)
     bubble = np.where(pp_f > 1, bubble * np.clip(fill, 0.0, 1.0), 0.0)
-    p2p_part = np.where(pp_f > 1, p2p_hops(schedule, pp_f, vpp, m, k, w[rows, star]) * p2p, 0.0)
+    p2p_part = np.where(pp_f > 1, p2p_hops(schedule, pp_f, vpp, m, k, w_star) * p2p, 0.0)
     if schedule in ("1f1b", "seq1f1b"):
         # Unequal stages: each steady 1F1B period the forward and backward chains cross every
         # stage once, 2k(pp-1)/pp hops per stage on average, and the stages faster than the
         # bottleneck absorb them: a period lasts max(t*, t_mean + 2k(pp-1)/pp·p2p). The warm-up's
         # 2(pp-1-k) hops stay, and the fill and drain never take fewer than 2(pp-1). Equal stages
         # give p2p_hops' count (a test holds the simulator to both).
-        t_mean = (total @ weight) / weight.sum()
+        t_mean = stages_s / weight.sum()
         steady = m * np.maximum(0.0, t_mean - t_star + 2.0 * k * (pp_f - 1.0) / pp_f * p2p)
         warm = 2.0 * np.maximum(pp_f - 1.0 - k, 0.0) * p2p
         p2p_part = np.where(pp_f > 1, np.maximum(warm + steady, 2.0 * (pp_f - 1.0) * p2p), 0.0)
