@@ -175,13 +175,20 @@ class StrategyBatch:
             bits = max(int(column.max()).bit_length(), 1)
             key = (key << bits) | column
         run_starts = np.flatnonzero(np.diff(key, prepend=key[0] - 1))
-        if len(np.unique(key[run_starts])) == len(run_starts):
+        # (Many more runs than keys can hold: not one run per key, and no need to look.)
+        if len(run_starts) <= int(key.max()) + 1 and len(np.unique(key[run_starts])) == len(run_starts):
             # Each group's strategies are one run (a search's batches run group by group): the
             # runs in the order of their keys are what the sort gives, without sorting.
             run_ends = np.append(run_starts[1:], len(key))
             return [(tuple(int(c[run_starts[r]]) for c in columns), np.arange(run_starts[r], run_ends[r]))
                     for r in np.argsort(key[run_starts]).tolist()]
-        # A stable sort's order is unique; on keys of at most 16 bits numpy sorts by radix.
+        # A stable sort's order is unique; on keys of at most 16 bits numpy sorts by radix. The
+        # keys' ranks (dense codes) sort alike, and fit 16 bits wherever the groups are fewer
+        # than 65536 (1M mixed strategies: groups in 39-43 ms, against 89-94 ms sorting 17-bit keys).
+        if key.max() >= 1 << 16:
+            ranks, count = dense_codes(key)
+            if count <= 1 << 16:
+                key = ranks
         order = np.argsort(radix_key(key), kind="stable")
         sorted_key = key[order]
         starts = np.flatnonzero(np.diff(sorted_key, prepend=sorted_key[0] - 1))
