@@ -1167,23 +1167,20 @@ def _sorted_groups(
     sizes = [len(index) for _, index in groups]
     starts = np.cumsum([0, *sizes])
     # Within a group, rows by micro-batch count: each count's schedule frontier prices a slice.
-    # Gathered in two steps, by group (ascending rows) then within each group's block, for the
-    # cache's sake: one random permutation of the whole batch costs more than the two; but
-    # where each group is one run of the batch (a search's are), one gather stays in each run.
+    # Each field is gathered once, by the whole order (measured on 1M mixed strategies: 65-73 ms
+    # for 14 fields, against 103-106 ms gathered by group, then within each group's block).
     within = np.concatenate([
         start + np.argsort(radix_key(batch.num_micro_batches[index]), kind="stable")
         for start, (_, index) in zip(starts[:-1], groups, strict=True)
     ])
     order = by_group[within]
-    runs = all(index[-1] - index[0] + 1 == len(index) for _, index in groups)
-    first, then = (None, order) if runs else (by_group, within)
     groups = [(key, order[a:b]) for (key, _), a, b in zip(groups, starts[:-1], starts[1:], strict=True)]
     # The pipeline shape's fields are the groups' keys: repeated, not gathered; the fields one
     # value fills (a search fixes many) are that value broadcast (read-only, as every field is
     # read here), neither gathered nor written.
     ordered = StrategyBatch(**{
         name: _repeated(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), sizes)
-        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), first, then)
+        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), order)
         for name in batch.array_fields()
     }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules)
     if not static_only:
@@ -1199,12 +1196,11 @@ def _sorted_groups(
                                           None if static_only else acts.take(combination[part]), device_only=device_only)
 
 
-def _gathered(values: np.ndarray, first: np.ndarray | None, then: np.ndarray) -> np.ndarray:
-    """values[first][then] (``first`` None: values[then]), or the one value broadcast
-    (read-only) where ``values`` holds one."""
+def _gathered(values: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """values[order], or the one value broadcast (read-only) where ``values`` holds one."""
     if len(values) and _one_value(values):
-        return np.broadcast_to(values[:1], (len(then),))
-    return values.take(then) if first is None else values[first][then]
+        return np.broadcast_to(values[:1], (len(order),))
+    return values.take(order)
 
 
 def _repeated(values: np.ndarray, counts: list[int]) -> np.ndarray:
