@@ -812,3 +812,20 @@ def test_bf16_gradient_presets_halve_the_gradient_buffer():
                   for name in ("megatron-bf16", "megatron-bf16-grad16"))
     assert bf16.grads_bytes == pytest.approx(fp32.grads_bytes / 2)
     assert (bf16.params_bytes, bf16.optimizer_bytes) == (fp32.params_bytes, fp32.optimizer_bytes)
+
+
+def test_distinct_rows_bit_for_bit():
+    """FSDP moments are priced once per distinct row of their inputs: rows equal bit for bit
+    share one (0.0 and -0.0 do not), and each row's own reproduces it."""
+    from ndplan.memory.stages import _distinct_rows
+
+    a = np.array([1.0, 2.0, 1.0, 0.0, -0.0, 2.0])
+    b = np.array([5.0, 5.0, 5.0, 5.0, 5.0, 6.0])
+    kept = np.array([True, True, True, True, True, False])
+    found = _distinct_rows([a, b, kept])
+    assert found is not None
+    first, inverse = found
+    assert len(first) == 5
+    for column in (a, b, kept):
+        assert np.array_equal(column[first][inverse].view(np.uint8), column.view(np.uint8))
+    assert _distinct_rows([]) is None

@@ -866,7 +866,7 @@ def _blocks(subset: slice | np.ndarray, step: int) -> Iterator[slice | np.ndarra
 def _held_peak(
     schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray,
     weights: list[np.ndarray | None], extra: list[np.ndarray | None] | None, pattern_of: np.ndarray | None = None,
-    *, keep_rows: bool = False,
+    *, keep_rows: bool = False, held_read: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Per stage, stage-major [pp, n]: the peak over the schedule of the held activations, and of
     the held activations plus what else appears during the step.
@@ -879,7 +879,9 @@ def _held_peak(
     second result is the first. A stage's peak is max over its frontier rows of
     Σ_c weight_c · row_c. With ``keep_rows``, per strategy and stage the frontier row of the
     activation peak. Strategies are priced per distinct micro-batch count, whose schedule
-    simulation they share."""
+    simulation they share. ``held_read`` [n] (bool; None: all): the strategies whose first
+    result is read where there is ``extra``; elsewhere it may hold anything (a block of
+    strategies none of which reads it skips one pass over its [rows, strategies] values)."""
     n = len(micro_batches)
     held = tuple(c for c, w in enumerate(weights) if w is not None)
     grown = tuple(len(weights) + c for c, w in enumerate(extra or ()) if w is not None)
@@ -908,7 +910,8 @@ def _held_peak(
                         with_extra[s, block] += peak[s, block]
                     continue
                 values = held_rows @ held_weights[p][:, block]
-                values.max(axis=0, out=peak[s, block])
+                if extra is None or held_read is None or held_read[block].any():
+                    values.max(axis=0, out=peak[s, block])
                 if keep_rows and chosen is not None:
                     chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][row_index[np.argmax(values, axis=0)]]
                 if extra is not None:
@@ -1812,9 +1815,14 @@ def _evaluate_group(
         extra = [*(extra or [None] * vpp), per_handover]
         count = on_stage @ (hands_forward.astype(float) + hands_backward)
         handed_over = (batch.num_micro_batches * one_hand_over)[:, None] * count[None, :]
+    # The device total alone reads the held peak without the extra columns only at a single
+    # micro-batch's loss (below); the rest of its rows are left unpriced.
+    held_read = None
+    if device_only:
+        held_read = (batch.micro_batches_per_step == 1) & profile.grads_created_in_backward
     held, held_with_extra, chosen = _held_peak(  # stage-major [pp, n]
         schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, extra, shape.pattern_of,
-        keep_rows=kinds is not None,
+        keep_rows=kinds is not None, held_read=held_read,
     )
     # What the weight-gradient steps add to the peak, reported with the transient (the rest of the
     # forward/backward peak): the same peak without their columns, subtracted. Not needed for the
@@ -1844,8 +1852,8 @@ def _evaluate_group(
         def pick(values: Any) -> np.ndarray:
             return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
 
-        sharded = _fsdp_unit_phases(
-            placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, pick(np.where(deferred, 0.0, grad_bytes)),
+        inputs: dict[str, Any] = dict(
+            reduce_bytes=pick(np.where(deferred, 0.0, grad_bytes)),
             units={kind: pick(elements) for kind, elements in static.unit_elements.items()},
             working={
                 kind: pick(t[:, 0] * (np.maximum(acts.backward_extra[kind], acts.attention_backward[kind])
@@ -1864,8 +1872,19 @@ def _evaluate_group(
             kept_elements=_largest_chunks(static.elements_virtual(sharded_rows), chunks, vpp)
             if vpp > ACTIVE_CHUNKS else None,
         )
+        # A strategy's moments are a function of these inputs alone, which the sharded rows share
+        # many at a time (they differ in what the moments do not read: the context-parallel
+        # kind, the data-parallel degree past one micro-batch, ...): priced once per distinct
+        # combination and gathered, where that is at most half the rows.
+        distinct = _distinct_rows(_leaves(inputs))
+        if distinct is not None and 2 * len(distinct[0]) > len(sharded_rows):
+            distinct = None
+        if distinct is not None:
+            inputs = _taken(inputs, distinct[0])
+        sharded = _fsdp_unit_phases(placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, **inputs)
         for name in ("buffers", "working", "last_unit", "grads_made"):
-            getattr(fsdp, name)[sharded_rows] = getattr(sharded, name)
+            values = getattr(sharded, name)
+            getattr(fsdp, name)[sharded_rows] = values if distinct is None else values[distinct[1]]
     # Zero where nothing is sharded. A moment that frees a micro-batch's activations is credited
     # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
     # neither category reads below zero (the sum, the moment, is the same).
@@ -2059,7 +2078,9 @@ class _WorstMoment:
         """A moment: buffers, working set (None: none), and (inside ``buf``) gradients made by then."""
         total = buf if wrk is None else buf + wrk
         worse = total > self.total
-        np.copyto(self.total, total, where=worse)
+        # The larger of the two where ``worse`` (fmax: a NaN total is not taken, as ``worse``
+        # does not take it), several times faster than a masked copy.
+        np.fmax(self.total, total, out=self.total)
         np.copyto(self.buffers, buf, where=worse)
         np.copyto(self.work, 0.0 if wrk is None else wrk, where=worse)
         np.copyto(self.made, 0.0 if made is None else made, where=worse)
@@ -2296,6 +2317,49 @@ def _weight_grad_step(
     if len(rows) < len(batch):
         step, new_grad = (_placed(values, rows, len(batch)) for values in (step, new_grad))
     return [_chunk_column(step, chunks, c) for c in range(vpp)], [_chunk_column(new_grad, chunks, c) for c in range(vpp)]
+
+
+def _leaves(values: Any) -> list[np.ndarray]:
+    """The arrays in ``values`` (nested dicts of arrays, or None), columns of 2-D ones apart."""
+    if values is None:
+        return []
+    if isinstance(values, dict):
+        return [leaf for value in values.values() for leaf in _leaves(value)]
+    return [values] if values.ndim == 1 else list(values.T)
+
+
+def _taken(values: Any, rows: np.ndarray) -> Any:
+    """``values`` (as ``_leaves`` reads them) at ``rows``."""
+    if values is None:
+        return None
+    if isinstance(values, dict):
+        return {name: _taken(value, rows) for name, value in values.items()}
+    return values[rows]
+
+
+def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The distinct rows of ``columns`` ([n] arrays, bit for bit): (a row of each, and per row
+    the index of its own), or None where there are no columns or the hash that finds them
+    collides.
+
+    Each row's bits are hashed into one 64-bit word (a polynomial in a large odd number, mod
+    2^64), the words' distinct values found by one sort of n, and every column is checked to
+    equal its representative's, bit for bit: a collision gives None, never a wrong answer."""
+    if not columns:
+        return None
+    words = [np.ascontiguousarray(column).view(np.uint64) if column.dtype.itemsize == 8
+             else np.ascontiguousarray(column, dtype=np.uint64) for column in columns]
+    digest = words[0].copy()
+    for word in words[1:]:
+        digest *= np.uint64(0x9E3779B97F4A7C15)
+        digest += word
+    _, first, inverse = np.unique(digest, return_index=True, return_inverse=True)
+    inverse = inverse.ravel()
+    representative = first.take(inverse)
+    for word in words:
+        if not (word.take(representative) == word).all():
+            return None
+    return first, inverse
 
 
 def _placed(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
