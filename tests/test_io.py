@@ -355,7 +355,7 @@ def test_hyperparallel_hsdp_job():
     assert s.recompute == "full" and s.sequence_parallel
     p = s.precision
     assert (p.param_bytes, p.grad_bytes, p.master_weight_bytes, p.optimizer_state_bytes) == (2, 2, 4, 4)
-    assert result.runtime_settings == {"loss_parallel": True}
+    assert result.runtime_settings == {"loss_parallel": True, "attention": "sdpa"}  # attn_implementation sdpa
     assert len(result.warnings) == 1 and "edp_shard_size" in result.warnings[0]
     assert check_strategy(s, result.model) == []
 

@@ -166,18 +166,19 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: Any, device: Any = None) -> Any:
     """The runtime options of a command (``cli_args.runtime_options``), with what a --from config
     stated where no flag sets it. Where the command writes a torchtitan config (``--emit
-    torchtitan``), selective recompute is priced as the per-op policy that config runs and the
-    loss as vocabulary-parallel under TP (torchtitan's default), unless a flag or the config
-    chose otherwise."""
+    torchtitan``), selective recompute is priced as the per-op policy that config runs. Where it
+    writes a torchtitan, Megatron or MindFormers config, the loss is priced vocabulary-parallel
+    under TP (torchtitan's default; Megatron's and MindFormers' only loss), unless a flag or the
+    config chose otherwise."""
     from dataclasses import replace
 
     options = runtime_options(args, settings, read.runtime_settings if read is not None else None, device)
-    if getattr(args, "emit", None) == "torchtitan":
-        if (options.selective_policy is None and not options.census
-                and "torchtitan-op" in options.profile.selective_policies):
-            options = replace(options, selective_policy="torchtitan-op")
-        if options.loss_parallel is None:
-            options = replace(options, loss_parallel=True)
+    fmt = getattr(args, "emit", None)
+    if fmt == "torchtitan" and (options.selective_policy is None and not options.census
+                                and "torchtitan-op" in options.profile.selective_policies):
+        options = replace(options, selective_policy="torchtitan-op")
+    if fmt in ("torchtitan", "megatron", "mindformers") and options.loss_parallel is None:
+        options = replace(options, loss_parallel=True)
     return options
 
 
@@ -446,14 +447,16 @@ def _runtime_note(options: Any, fmt: str) -> str | None:
 
 def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any) -> str:
     """``fmt``'s settings for ``strategy`` as the options priced it: their overlap (else the
-    device runtime's defaults), loss, attention kernel, selective-recompute policy and experts'
-    GEMM."""
+    device runtime's defaults), loss (its dtype, and vocabulary-parallel or not: the option, else
+    the runtime profile's, as ``_read_back`` resolves it), attention kernel, selective-recompute
+    policy and experts' GEMM."""
     from ndplan.io import emit
     from ndplan.perf import default_overlap
 
+    loss_parallel = options.profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     return emit(model, strategy, fmt, options.overlap or default_overlap(device.runtime), loss_upcast=options.loss_upcast,
                 attention=options.attention, selective_policy=options.selective_policy,
-                grouped_gemm=options.grouped_gemm)
+                grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel)
 
 
 def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:

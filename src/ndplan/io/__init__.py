@@ -39,7 +39,7 @@ __all__ = [
 READ_FORMATS: tuple[str, ...] = ("megatron", "torchtitan", "hyperparallel", "mindformers", "hf")
 EMIT_FORMATS: tuple[str, ...] = ("megatron", "torchtitan", "hyperparallel", "mindformers")
 
-def _emitters() -> dict[str, Callable[[ModelSpec | None, Strategy], str]]:
+def _emitters() -> dict[str, Callable[..., str]]:
     # The framework modules load on first use: the CLI imports this package for its plan-file
     # keys on every command, and most commands read or write no framework config.
     from ndplan.io import hyperparallel, mindformers, torchtitan
@@ -157,14 +157,20 @@ def _normalise(result: ReadResult) -> None:
 
 def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str,
          overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash",
-         selective_policy: str | None = None, grouped_gemm: bool = True) -> str:
+         selective_policy: str | None = None, grouped_gemm: bool = True, loss_parallel: bool | None = None) -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
     Megatron's overlap flags, so that reading the launch back prices the same step.
     ``loss_upcast`` False (the loss on the bf16 logits) becomes Megatron's Transformer Engine
     cross-entropy; the other formats' frameworks upcast, which their header says. ``attention``
-    "eager" (the s x s scores kept) becomes Megatron's ``--attention-backend unfused``.
+    (the kernel priced: flash, sdpa or eager, which keeps the s x s scores) becomes Megatron's
+    ``--attention-backend unfused``, HyperParallel's ``model.attn_implementation`` and
+    MindFormers' ``use_flash_attention``; torchtitan's job config has no such setting (its
+    header says so). ``loss_parallel`` (the priced loss: True vocabulary-parallel over TP, False
+    on whole logits; None: not stated, the format's default) becomes torchtitan's
+    ``disable_loss_parallel`` and HyperParallel's ``accelerator.loss_parallel``; Megatron's and
+    MindFormers' loss is always vocabulary-parallel (their header says where another was priced).
     ``selective_policy`` is what selective recompute was priced as (None: the runtime's own):
     torchtitan runs its per-op policy, and its header says so where another was priced.
     ``grouped_gemm`` (a MoE model's experts as one grouped GEMM) becomes ``--moe-grouped-gemm``.
@@ -180,8 +186,8 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
         from ndplan.io.megatron_emit import emit_megatron
 
         return emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast, attention=attention,
-                             grouped_gemm=grouped_gemm)
-    text = _emitters()[fmt](model, strategy)
+                             grouped_gemm=grouped_gemm, loss_parallel=loss_parallel)
+    text = _emitters()[fmt](model, strategy, attention=attention, loss_parallel=loss_parallel)
     if not loss_upcast:  # every other format is TOML or YAML: '#' comments
         text = (f"# ndplan: not expressible in {fmt}, left out: the loss on the bf16 logits (--no-loss-upcast); "
                 "its loss upcasts them to fp32\n") + text
@@ -189,4 +195,3 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
         text = (f"# ndplan: not expressible in torchtitan, left out: selective recompute as {selective_policy} "
                 "(--selective-policy); torchtitan runs its per-op policy (selective_ac_option op)\n") + text
     return text
-

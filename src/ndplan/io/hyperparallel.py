@@ -204,6 +204,10 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
                         "gradients too; ndplan prices only the optimizer state on the host")
     _batch(root, training, acc, settings, model, warnings)
     loss_parallel = bool(acc.boolean("loss_parallel", default=False))
+    runtime: dict[str, Any] = {"loss_parallel": loss_parallel}
+    attention = _attention(model_section, warnings)
+    if attention is not None:
+        runtime["attention"] = attention
     fsdp.get("replicate_params", "reshard_after_backward", "defer_fsdp_grad_sync", "requires_grad_sync",
              "forward_prefetch_depth", "backward_prefetch_depth", "comm_fusion")
     acc.check_known(_ACCELERATOR)
@@ -214,7 +218,26 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
         warnings.append(f"{src.where(model_section.line(key))}: model.{key}: unknown to ndplan; ignored")
     world = settings["dp"] * tp * pp * cp if "dp" in settings else devices
     return ReadResult(format=FORMAT, source=src.name, model=model, strategy_settings=settings, devices=world,
-                      warnings=warnings, notes=notes, runtime_settings={"loss_parallel": loss_parallel})
+                      warnings=warnings, notes=notes, runtime_settings=runtime)
+
+
+def _attention(model_section: Section, warnings: list[str]) -> str | None:
+    """The attention kernel ``model.attn_implementation`` (transformers' names) runs: eager keeps
+    the s x s scores, sdpa is PyTorch's SDPA as transformers calls it, the flash kernels (and
+    flex attention, which keeps O(s) statistics too) are flash; None where the YAML has none
+    (priced as flash). A name ndplan does not know is priced as flash, with a warning."""
+    name = model_section.text("attn_implementation")
+    if name is None:
+        return None
+    key = name.lower()
+    if key in ("eager", "sdpa"):
+        return key
+    if "flash" in key or key.startswith("flex"):
+        return "flash"
+    warnings.append(f"{model_section.src.where(model_section.line('attn_implementation'))}: model.attn_implementation "
+                    f"{name!r} is not one ndplan knows (eager, sdpa, flash_attention_2/3, flex_attention); priced as "
+                    "flash attention")
+    return None
 
 
 def _cp_from_overrides(data: dict[str, Any]) -> tuple[str | None, int | None]:
@@ -439,7 +462,10 @@ def _batch(root: Section, training: Section, acc: Section, settings: dict[str, A
 
 
 # ---------------------------------------------------------------- writing
-def emit(model: ModelSpec | None, s: Strategy) -> str:
+def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss_parallel: bool | None = None) -> str:
+    """HyperParallel training YAML: ``attention`` eager or sdpa as ``model.attn_implementation``
+    (flash: none, as the reader prices a config without one), ``loss_parallel`` (None: not
+    stated) as ``accelerator.loss_parallel`` under TP."""
     lost: list[str] = []
     if s.pipeline_runs > 1:
         lost.append(f"pipeline_runs={s.pipeline_runs} (its micro_batch_num schedules all of a step's micro-batches "
@@ -477,6 +503,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
             model_doc["offset"] = offsets
     elif s.pp > 1 and (s.stage_layers is not None or s.embedding_as_layer or s.output_as_layer):
         lost.append("the uneven layer placement (offsets need the model's layer count)")
+    if attention != "flash":
+        model_doc["attn_implementation"] = attention  # transformers' "eager" and "sdpa"
     doc["model"] = model_doc
     doc["context"] = {"device_num": s.world_size}
     doc["training"] = {"global_batch_size": s.global_batch_size, "micro_batch_size": s.micro_batch_size,
@@ -490,6 +518,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
         if s.schedule == "seq1f1b":
             acc["seq_split_num"] = s.seq_chunks
     acc["sequence_parallel"] = s.sequence_parallel
+    if s.tp > 1 and loss_parallel is not None:
+        acc["loss_parallel"] = loss_parallel
     if s.cp > 1:
         acc["context_parallel_algo"] = s.cp_kind
         if s.cp_kind == "hybrid":

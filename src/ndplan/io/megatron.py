@@ -122,7 +122,10 @@ def interpret(
     _batch(args, settings, dp, warnings, notes)
     overlap = _overlap(args, notes)
     notes.append("runtime: megatron, what Megatron-Core keeps for backward (--runtime overrides)")
-    runtime_settings: dict[str, Any] = {"overlap": overlap, "runtime": "megatron"}
+    # Megatron's cross-entropy is always vocabulary-parallel over TP (no flag turns it off): a
+    # fact of the launch, stated as the attention kernel and the loss dtype are, so that another
+    # --runtime prices the loss Megatron runs.
+    runtime_settings: dict[str, Any] = {"overlap": overlap, "runtime": "megatron", "loss_parallel": True}
     # Transformer Engine's cross-entropy works on the bf16 logits (no fp32 copy); Megatron's own
     # (native, or unfused) upcasts them.
     fusion_impl = args.text("--cross-entropy-fusion-impl", default="native")

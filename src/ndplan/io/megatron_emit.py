@@ -329,14 +329,19 @@ def _overlap(s: Strategy, overlap: Any) -> Flags:
 
 
 def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None, *, loss_upcast: bool = True,
-                  attention: str = "flash", grouped_gemm: bool = True) -> str:
+                  attention: str = "flash", grouped_gemm: bool = True, loss_parallel: bool | None = None) -> str:
     """A bash launch for the strategy; the model's architecture flags too when a model is given;
     ``overlap``'s switches as Megatron's overlap flags (``_overlap``); without ``loss_upcast``
     Transformer Engine's cross-entropy, which works on the bf16 logits; eager ``attention`` as TE's
     unfused attention (Megatron's default picks a fused kernel); a MoE model's experts as one
-    grouped GEMM (``--moe-grouped-gemm``) unless ``grouped_gemm`` is off (SequentialMLP)."""
+    grouped GEMM (``--moe-grouped-gemm``) unless ``grouped_gemm`` is off (SequentialMLP).
+    Megatron's cross-entropy is always vocabulary-parallel: ``loss_parallel`` False under TP (the
+    loss priced on whole logits) is said in the header."""
     lost: list[str] = []
     s = strategy
+    if loss_parallel is False and s.tp > 1:
+        lost.append("the loss on whole logits (--no-loss-parallel); Megatron's cross-entropy is always "
+                    "vocabulary-parallel over TP")
     model_flags = _model(model, lost, _dualpipev_noop(model, s)) if model is not None else []
     parallel = _parallel(s, model, lost)
     memory = _memory(s, lost)

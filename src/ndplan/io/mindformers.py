@@ -333,6 +333,13 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     settings["optimizer_offload"] = False
     _batch(pc, runner, root, cfg, settings, warnings)
 
+    runtime: dict[str, Any] = {}
+    if cfg.boolean("use_flash_attention") is False:
+        runtime["attention"] = "eager"
+        notes.append("use_flash_attention false: attention keeps its s x s softmax (--attention eager)")
+    # MindFormers' head shards the logits over model_parallel unless vocab_emb_dp keeps the
+    # embedding (and head) whole, and its cross-entropy works on them sharded (dp·cp, mp).
+    runtime["loss_parallel"] = not pc.boolean("vocab_emb_dp", default=True)
     interleave = root.integer("micro_batch_interleave_num", default=1) or 1
     if interleave > 1:
         warnings.append(f"{src.where(root.line('micro_batch_interleave_num'))}: micro_batch_interleave_num "
@@ -350,7 +357,7 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
         if key not in _TOP_LEVEL:
             warnings.append(f"{src.where(root.line(key))}: {key}: unknown section; ignored")
     return ReadResult(format=FORMAT, source=src.name, model=model, strategy_settings=settings, devices=world,
-                      warnings=warnings, notes=notes)
+                      warnings=warnings, notes=notes, runtime_settings=runtime)
 
 
 def _pipeline(pc: Section, par: Section, cfg: Section, settings: dict[str, Any], model: ModelSpec | None,
@@ -527,9 +534,19 @@ def _batch(pc: Section, runner: Section, root: Section, cfg: Section, settings: 
 
 
 # ---------------------------------------------------------------- writing
-def emit(model: ModelSpec | None, s: Strategy) -> str:
+def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss_parallel: bool | None = None) -> str:
+    """MindFormers training YAML: ``attention`` as ``use_flash_attention`` (eager: false; sdpa,
+    PyTorch's kernel, has no MindSpore counterpart and is said); MindFormers' loss is
+    vocabulary-parallel over model_parallel (with vocab_emb_dp false, as written), so
+    ``loss_parallel`` False under TP is said."""
     lost: list[str] = []
     notes: list[str] = []
+    if attention == "sdpa":
+        lost.append("sdpa attention (--attention sdpa, PyTorch's SDPA as transformers calls it); MindFormers runs "
+                    "its flash attention (use_flash_attention)")
+    if loss_parallel is False and s.tp > 1:
+        lost.append("the loss on whole logits (--no-loss-parallel); MindFormers' cross-entropy is vocabulary-parallel "
+                    "over model_parallel (vocab_emb_dp false)")
     pc: dict[str, Any] = {"data_parallel": s.dp, "model_parallel": s.tp, "pipeline_stage": s.pp}
     if s.cp > 1:
         pc["context_parallel"] = s.cp
@@ -585,7 +602,7 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
     if s.offload_modules:
         lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
 
-    cfg: dict[str, Any] = {"seq_length": s.seq_length}
+    cfg: dict[str, Any] = {"seq_length": s.seq_length, "use_flash_attention": attention != "eager"}
     p = policy_of(s.precision)
     if p.param_bytes == 4 and p.master_weight_bytes == 0 and p.grad_bytes == 4 and p.optimizer_state_bytes == 4:
         cfg["param_init_type"] = "float32"

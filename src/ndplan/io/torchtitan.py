@@ -449,9 +449,18 @@ def _toml_value(value: Any) -> str:
     raise TypeError(value)
 
 
-def emit(model: ModelSpec | None, s: Strategy) -> str:
-    """The [model], [training], [parallelism] and [activation_checkpoint] tables of a job TOML."""
+def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss_parallel: bool | None = None) -> str:
+    """The [model], [training], [parallelism] and [activation_checkpoint] tables of a job TOML.
+    ``loss_parallel`` False under TP: ``disable_loss_parallel`` (torchtitan's loss is
+    vocabulary-parallel by default). The attention kernel is the model's (torchtitan calls SDPA,
+    which picks cuDNN/flash/memory-efficient kernels): the job config has no setting for it, so
+    any other ``attention`` than flash is said in the header."""
     lost: list[str] = []
+    if attention != "flash":
+        lost.append(f"{attention} attention (--attention {attention}"
+                    + ("; the s x s scores kept" if attention == "eager" else "")
+                    + "): torchtitan's job config has no attention setting; its models call SDPA with "
+                    "causal masking (fused kernels, read back as flash)")
     tables: dict[str, dict[str, Any]] = {}
     flavour = next(((n, f) for (n, f), preset in FLAVOURS.items() if model is not None and preset == model.name), None)
     notes: list[str] = []
@@ -507,6 +516,8 @@ def emit(model: ModelSpec | None, s: Strategy) -> str:
         if s.reshard_after_forward != default:
             par["fsdp_reshard_after_forward"] = "always" if s.reshard_after_forward else "never"
     par["tensor_parallel_degree"] = s.tp
+    if s.tp > 1 and loss_parallel is False:
+        par["disable_loss_parallel"] = True
     if s.sequence_parallel != (s.tp > 1):
         lost.append(f"sequence_parallel={s.sequence_parallel} (torchtitan always shards sequences with TP)")
     par.update(_pipeline_keys(model, s, lost))

@@ -1,0 +1,132 @@
+"""What the written configs say of the runtime settings priced beside the strategy: the attention
+kernel and the vocabulary-parallel loss. Each format writes them where it has a setting and reads
+them back; where it has none, the header says so (nothing dropped silently)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ndplan.cli import main
+from ndplan.io import emit, read_config
+from ndplan.model import get_preset
+from ndplan.strategy import Strategy
+
+SUFFIX = {"megatron": ".sh", "torchtitan": ".toml", "hyperparallel": ".yaml", "mindformers": ".yaml"}
+MODEL = get_preset("qwen3-8b")
+TP2 = Strategy(dp=4, tp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=2, precision="fsdp-bf16")
+
+
+def _read(text: str, fmt: str, tmp_path: Path):
+    path = tmp_path / f"config{SUFFIX[fmt]}"
+    path.write_text(text)
+    return read_config(path, model=MODEL, fmt=fmt)
+
+
+def _lost(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "not expressible" in line]
+
+
+@pytest.mark.parametrize("fmt", ["hyperparallel", "mindformers"])
+def test_eager_attention_is_written_and_read_back(fmt: str, tmp_path: Path) -> None:
+    """--attention eager --emit hyperparallel|mindformers wrote nothing about attention and read
+    back as flash (qwen3-8b dp8 tp2: 146.8 GiB priced, 90.1 GiB read back)."""
+    text = emit(MODEL, TP2, fmt, attention="eager")
+    assert ("attn_implementation: eager" if fmt == "hyperparallel" else "use_flash_attention: false") in text
+    assert _lost(text) == []
+    assert _read(text, fmt, tmp_path).runtime_settings["attention"] == "eager"
+    flash = emit(MODEL, TP2, fmt)
+    assert "attention" not in _read(flash, fmt, tmp_path).runtime_settings
+
+
+def test_hyperparallel_reads_attn_implementation(tmp_path: Path) -> None:
+    """transformers' names: eager and sdpa as themselves, the flash kernels (and flex) as flash;
+    one ndplan does not know is priced as flash, with a warning naming the line."""
+    text = emit(MODEL, TP2, "hyperparallel", attention="sdpa")
+    assert "attn_implementation: sdpa" in text and _lost(text) == []
+    assert _read(text, "hyperparallel", tmp_path).runtime_settings["attention"] == "sdpa"
+    for name, kernel in (("flash_attention_2", "flash"), ("flash_attention_3", "flash"), ("flex_attention", "flash")):
+        result = _read(text.replace("attn_implementation: sdpa", f"attn_implementation: {name}"), "hyperparallel",
+                       tmp_path)
+        assert result.runtime_settings["attention"] == kernel and result.warnings == []
+    odd = _read(text.replace("attn_implementation: sdpa", "attn_implementation: paged"), "hyperparallel", tmp_path)
+    assert "attention" not in odd.runtime_settings
+    assert any("model.attn_implementation 'paged'" in w and "priced as flash" in w for w in odd.warnings)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_torchtitan_says_it_has_no_attention_setting(attention: str, tmp_path: Path) -> None:
+    """torchtitan's job config has no attention setting (its models call SDPA): a kernel other
+    than flash is a header line, and the file reads back as flash."""
+    text = emit(MODEL, TP2, "torchtitan", attention=attention)
+    lost = _lost(text)
+    assert len(lost) == 1 and f"{attention} attention" in lost[0] and "no attention setting" in lost[0]
+    assert "attention" not in _read(text, "torchtitan", tmp_path).runtime_settings
+    assert _lost(emit(MODEL, TP2, "torchtitan")) == []
+
+
+def test_mindformers_says_it_runs_no_sdpa(tmp_path: Path) -> None:
+    text = emit(MODEL, TP2, "mindformers", attention="sdpa")
+    assert "use_flash_attention: true" in text
+    assert len(_lost(text)) == 1 and "sdpa attention" in _lost(text)[0]
+
+
+@pytest.mark.parametrize("loss_parallel", [True, False])
+@pytest.mark.parametrize("fmt", ["torchtitan", "hyperparallel"])
+def test_loss_parallel_is_written_and_read_back(fmt: str, loss_parallel: bool, tmp_path: Path) -> None:
+    """emit had no loss-parallel argument: HyperParallel never wrote accelerator.loss_parallel
+    (read back off: 76.6 -> 78.4 GiB under the megatron runtime), torchtitan never wrote
+    disable_loss_parallel (--no-loss-parallel: 90.1 -> 86.5 GiB)."""
+    text = emit(MODEL, TP2, fmt, loss_parallel=loss_parallel)
+    assert _lost(text) == []
+    assert _read(text, fmt, tmp_path).runtime_settings["loss_parallel"] is loss_parallel
+    # Without TP there is no vocabulary to shard: nothing is written.
+    plain = emit(MODEL, Strategy(dp=8, micro_batch_size=1, num_micro_batches=2), fmt, loss_parallel=False)
+    assert "loss_parallel" not in plain
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "mindformers"])
+def test_an_always_vocabulary_parallel_loss_says_so(fmt: str, tmp_path: Path) -> None:
+    """Megatron's and MindFormers' cross-entropy is always vocabulary-parallel over TP: the loss
+    priced on whole logits is a header line, and the file reads back as vocabulary-parallel (a
+    Megatron launch read with --runtime pytorch priced whole logits, which Megatron never runs)."""
+    text = emit(MODEL, TP2, fmt, loss_parallel=False)
+    assert any("the loss on whole logits (--no-loss-parallel)" in line for line in _lost(text))
+    assert _read(text, fmt, tmp_path).runtime_settings["loss_parallel"] is True
+    assert not any("whole logits" in line for line in _lost(emit(MODEL, TP2, fmt, loss_parallel=True)))
+    assert not any("whole logits" in line for line in _lost(emit(MODEL, TP2, fmt)))
+
+
+def test_mindformers_vocab_emb_dp_keeps_whole_logits(tmp_path: Path) -> None:
+    """vocab_emb_dp true (MindFormers' default) keeps the head whole over model_parallel: its
+    logits are not vocabulary-parallel."""
+    text = emit(MODEL, TP2, "mindformers").replace("vocab_emb_dp: false", "vocab_emb_dp: true")
+    assert _read(text, "mindformers", tmp_path).runtime_settings["loss_parallel"] is False
+
+
+def _peak(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[float, str]:
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    return data["peak_bytes"], data.get("emitted", "")
+
+
+@pytest.mark.parametrize(("fmt", "flags"), [
+    ("hyperparallel", ["--attention", "eager"]), ("mindformers", ["--attention", "eager"]),
+    ("hyperparallel", ["--runtime", "megatron"]), ("hyperparallel", ["--loss-parallel"]),
+    ("torchtitan", ["--no-loss-parallel"]), ("megatron", ["--runtime", "pytorch", "--precision", "megatron-bf16"]),
+])
+def test_estimate_emit_reads_back_at_the_priced_peak(fmt: str, flags: list[str], capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path) -> None:
+    """estimate --emit FMT, then estimate --from the file with the same runtime: the same peak."""
+    base = ["--model", "qwen3-8b", "--hardware", "h100-sxm", "--devices", "16"]
+    runtime = flags[flags.index("--runtime") + 1] if "--runtime" in flags else "pytorch"
+    precision = [] if "--precision" in flags else ["--precision", "fsdp-bf16"]
+    priced, text = _peak(["estimate", *base, *precision, "--tp", "2", "--sp", "--gbs", "64", "--seq", "4096", *flags,
+                          "--emit", fmt], capsys)
+    assert _lost(text) == []
+    path = tmp_path / f"emitted{SUFFIX[fmt]}"
+    path.write_text(text)
+    ran, _ = _peak(["estimate", "--from", str(path), *base, "--runtime", runtime], capsys)
+    assert ran == priced
