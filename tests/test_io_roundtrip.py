@@ -123,17 +123,13 @@ def strategies(draw: st.DrawFn, fmt: str) -> tuple[ModelSpec, Strategy]:
     zero = draw(st.sampled_from(space["zero"]))
     if fmt == "torchtitan" and zero == 0:
         assume(cp == 1)  # torchtitan shards with FSDP over the CP ranks
-    if fmt in ("torchtitan", "hyperparallel") and zero == 3:
-        assume(dp * cp > 1)  # one rank has nothing to shard: reads back as no FSDP
     fields["zero"] = zero
     fields["fsdp"] = zero == 3 and fmt != "mindformers"
     if zero:
         replicas = dp * cp
         groups = [g for g in _divisors(replicas) if g < replicas]
-        if fmt == "torchtitan":
-            groups = [g for g in groups if g % cp == 0 and g // cp > 1]
-        if fmt == "hyperparallel":
-            groups = [g for g in groups if g > 1]
+        if fmt == "torchtitan":  # (a group of one: FSDP over one rank, said in the header; see test_round_trip)
+            groups = [g for g in groups if g % cp == 0 and (g // cp > 1 or g == 1)]
         if groups and draw(st.booleans()):
             fields["shard_group"] = draw(st.sampled_from(groups))
         if zero == 3 and fmt != "mindformers":
@@ -168,6 +164,14 @@ def comparable(strategy: Strategy, model: ModelSpec) -> dict[str, Any]:
     return data
 
 
+def one_rank_sharding(fmt: str, strategy: Strategy) -> bool:
+    """torchtitan's and HyperParallel's FSDP over one rank (dp·cp = 1, or a shard group of 1):
+    their degree of 1 runs no FSDP, while ndplan prices it (a MoE model's experts sharded over
+    their expert-data-parallel ranks, FSDP's gathers)."""
+    return fmt in ("torchtitan", "hyperparallel") and strategy.zero > 0 and (strategy.shard_group or
+                                                                               strategy.dp * strategy.cp) == 1
+
+
 def round_trip(fmt: str, model: ModelSpec, strategy: Strategy) -> Strategy:
     text = emit(model, strategy, fmt)
     with tempfile.TemporaryDirectory() as folder:
@@ -183,7 +187,15 @@ def round_trip(fmt: str, model: ModelSpec, strategy: Strategy) -> Strategy:
 def test_round_trip(fmt: str, data: st.DataObject) -> None:
     model, strategy = data.draw(strategies(fmt))
     text = emit(model, strategy, fmt)
-    assert "not expressible" not in text, text
+    if one_rank_sharding(fmt, strategy):
+        # Said in the header (it once read back as ZeRO-0 silently: mixtral-8x7b dp1 tp8 pp8 ep2
+        # etp1 fsdp3, 29.7 GiB priced, 57.2 GiB run); the rest comes back.
+        lost = [line for line in text.splitlines() if "not expressible" in line]
+        assert len(lost) == 1 and "over one rank" in lost[0] and "read back as ZeRO-0" in lost[0], text
+        strategy = strategy.model_copy(update={"zero": 0, "fsdp": False, "shard_group": 0,
+                                               "reshard_after_forward": True})
+    else:
+        assert "not expressible" not in text, text
     assert comparable(round_trip(fmt, model, strategy), model) == comparable(strategy, model)
 
 
@@ -333,3 +345,4 @@ def test_formats_naming_a_preset_say_when_they_lose_its_window() -> None:
     full = mistral.model_copy(update={"sliding_window": 0, "layer_attention_spans": ("full",) * mistral.num_layers})
     assert ("full attention on every layer: the config of mistralai/Mistral-7B-v0.1 builds mistral-7b's "
             "sliding-window attention (32 of 32 layers, 4,096 keys)") in emit(full, strategy, "hyperparallel")
+

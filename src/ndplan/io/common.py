@@ -483,6 +483,25 @@ def canonical_strategy(strategy: Strategy, model: ModelSpec | None) -> Strategy:
     return strategy.model_copy(update=update)
 
 
+def one_rank_sharding(model: ModelSpec | None, s: Strategy, runs: str) -> str:
+    """What a format that shards only over more than one rank (torchtitan's and HyperParallel's
+    FSDP degree 1 is no FSDP) loses of ZeRO/FSDP over a shard group of one rank: priced, such a
+    strategy still shards a MoE model's experts over their expert-data-parallel ranks (and FSDP
+    prices its gathers), which the written degree of 1 does not run. ``runs``: what the file
+    runs instead."""
+    from ndplan.memory.static import shard_groups
+
+    one = "dp·cp = 1" if s.dp * s.cp == 1 else "shard_group 1"
+    what = f"ZeRO-{s.zero}{' with FSDP' if s.fsdp else ''} over one rank ({one})"
+    if model is not None and model.is_moe:
+        _, experts = shard_groups(s.dp, s.cp, s.tp, s.ep, s.etp, s.shard_group)
+        if int(experts) > 1:
+            states = {1: "optimizer states", 2: "gradients and optimizer states"}.get(
+                s.zero, "parameters, gradients and optimizer states")
+            what += f", priced with the experts' {states} sharded over their {int(experts)} expert-data-parallel ranks"
+    return f"{what}: {runs} (read back as ZeRO-0)"
+
+
 def set_placement(
     settings: dict[str, Any], counts: Sequence[int] | None, num_layers: int | None, *,
     embedding_as_layer: bool = False, output_as_layer: bool = False,

@@ -33,6 +33,7 @@ from ndplan.io.common import (
     make_policy,
     merge_model,
     micro_batches,
+    one_rank_sharding,
     policy_of,
     precision_setting,
     set_placement,
@@ -529,9 +530,12 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
     if s.zero == 0:
         fsdp["dp_shard_size"] = 1
     else:
-        if s.zero != 3:
+        shard = s.shard_group or s.dp * s.cp
+        if shard == 1:
+            lost.append(one_rank_sharding(model, s, "fsdp_config.dp_shard_size 1 applies no FSDP"))
+        elif s.zero != 3:
             lost.append(f"ZeRO-{s.zero} (HyperParallel shards with FSDP: ZeRO-3)")
-        fsdp["dp_shard_size"] = s.shard_group or s.dp * s.cp
+        fsdp["dp_shard_size"] = shard
         fsdp["reshard_after_forward"] = s.reshard_after_forward
     doc["fsdp_config"] = fsdp
     doc["mixed_precision"] = mixed

@@ -27,6 +27,7 @@ from ndplan.io.common import (
     load_toml,
     make_policy,
     micro_batches,
+    one_rank_sharding,
     policy_of,
     precision_setting,
     set_placement,
@@ -504,9 +505,11 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
         if s.cp > 1:
             lost.append("no sharding with CP (torchtitan applies FSDP over the CP ranks)")
     else:
-        if s.zero != 3 or not s.fsdp:
-            lost.append(f"ZeRO-{s.zero}{'' if s.fsdp else ' without FSDP'} (torchtitan shards with FSDP2, ZeRO-3)")
         group = s.shard_group or s.dp * s.cp
+        if group == 1 and s.cp == 1:  # (a group of one with CP > 1 is not a multiple of cp: below)
+            lost.append(one_rank_sharding(model, s, "data_parallel_shard_degree = 1 (with cp 1) applies no FSDP"))
+        elif s.zero != 3 or not s.fsdp:
+            lost.append(f"ZeRO-{s.zero}{'' if s.fsdp else ' without FSDP'} (torchtitan shards with FSDP2, ZeRO-3)")
         if group % s.cp:
             lost.append(f"shard_group={s.shard_group} not a multiple of cp")
             group = s.dp * s.cp
