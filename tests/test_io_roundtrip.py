@@ -346,3 +346,13 @@ def test_formats_naming_a_preset_say_when_they_lose_its_window() -> None:
     assert ("full attention on every layer: the config of mistralai/Mistral-7B-v0.1 builds mistral-7b's "
             "sliding-window attention (32 of 32 layers, 4,096 keys)") in emit(full, strategy, "hyperparallel")
 
+
+def test_hyperparallel_says_zero3_without_fsdp_becomes_fsdp() -> None:
+    """HyperParallel shards parameters with FSDP only: ZeRO-3 without the fsdp flag (priced the
+    same) is written as FSDP, which the header says, as Megatron's and MindFormers' say theirs."""
+    model = get_preset("llama-3.1-8b")
+    text = emit(model, Strategy(dp=4, zero=3, fsdp=False, precision="fsdp-bf16"), "hyperparallel")
+    assert [line for line in text.splitlines() if "not expressible" in line] == [
+        "# ndplan: not expressible in HyperParallel, left out: ZeRO-3 without FSDP (HyperParallel shards parameters "
+        "with FSDP; priced the same)"]
+    assert "not expressible" not in emit(model, Strategy(dp=4, zero=3, fsdp=True, precision="fsdp-bf16"), "hyperparallel")

@@ -535,6 +535,8 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
             lost.append(one_rank_sharding(model, s, "fsdp_config.dp_shard_size 1 applies no FSDP"))
         elif s.zero != 3:
             lost.append(f"ZeRO-{s.zero} (HyperParallel shards with FSDP: ZeRO-3)")
+        elif not s.fsdp:
+            lost.append("ZeRO-3 without FSDP (HyperParallel shards parameters with FSDP; priced the same)")
         fsdp["dp_shard_size"] = shard
         fsdp["reshard_after_forward"] = s.reshard_after_forward
     doc["fsdp_config"] = fsdp
