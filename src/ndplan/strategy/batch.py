@@ -206,29 +206,7 @@ class StrategyBatch:
         would outgrow a table about the batch's length, they are renumbered densely, in order,
         through one, rather than sorting the key the fields span together (millions of values for
         a dozen fields) at the end; by sorting otherwise."""
-        if not len(self):
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        key, span = np.zeros(len(self), dtype=np.int64), 1
-        table_size = max(len(self), 1 << 16)
-        for name in names:
-            values = getattr(self, name)
-            low, high = int(values.min()), int(values.max())
-            if low == high:
-                continue  # one value: one code, the key unchanged
-            if high - low < _SMALL_RANGE:
-                # Codes by value rather than by rank: the same order of the combinations, a
-                # few passes less (most fields: tp, cp, recompute, ...).
-                codes, count = values - low, high - low + 1
-            else:
-                codes, count = dense_codes(values, low, high)
-            if span * count > table_size:  # (this also keeps the key far from overflowing)
-                key, span = dense_codes(key, 0, span - 1)
-            key *= count
-            key += codes
-            span *= count
-        codes, count = dense_codes(key, 0, span - 1)
-        rows = np.zeros(count, dtype=np.int64)
-        rows[codes] = np.arange(len(self))  # any row of a combination stands for it
+        rows, codes, _ = distinct_columns([getattr(self, name) for name in names], len(self))
         return rows, codes
 
     def is_(self, name: str, label: str) -> np.ndarray:
@@ -242,6 +220,44 @@ class StrategyBatch:
 
 #: Field values spanning fewer than this many are coded by value in ``StrategyBatch.distinct``.
 _SMALL_RANGE = 16
+
+
+def distinct_columns(
+    columns: Sequence[IntArray], n: int, prefix: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``StrategyBatch.distinct`` of integer ``columns`` (``n`` values each, the first the most
+    significant): (a row of each combination, and per row the index of its combination, the
+    combinations numbered in the order of their values); and with ``prefix``, per row the
+    index of its combination of the first ``prefix`` columns alone (as ``distinct`` of those
+    numbers them), found on the way."""
+    if not n:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    key, span = np.zeros(n, dtype=np.int64), 1
+    table_size = max(n, 1 << 16)
+    prefix_codes: np.ndarray | None = None
+    for column, values in enumerate(columns):
+        if prefix and column == prefix:
+            prefix_codes, _ = dense_codes(key, 0, span - 1)
+        low, high = int(values.min()), int(values.max())
+        if low == high:
+            continue  # one value: one code, the key unchanged
+        if high - low < _SMALL_RANGE:
+            # Codes by value rather than by rank: the same order of the combinations, a
+            # few passes less (most fields: tp, cp, recompute, ...).
+            codes, count = values - low, high - low + 1
+        else:
+            codes, count = dense_codes(values, low, high)
+        if span * count > table_size:  # (this also keeps the key far from overflowing)
+            key, span = dense_codes(key, 0, span - 1)
+        key *= count
+        key += codes
+        span *= count
+    codes, count = dense_codes(key, 0, span - 1)
+    rows = np.zeros(count, dtype=np.int64)
+    rows[codes] = np.arange(n)  # any row of a combination stands for it
+    if prefix and prefix_codes is None:  # (no columns past the prefix)
+        prefix_codes = codes
+    return rows, codes, prefix_codes
 
 
 def dense_codes(values: IntArray, low: int | None = None, high: int | None = None) -> tuple[np.ndarray, int]:
