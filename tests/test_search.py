@@ -265,10 +265,38 @@ def test_static_bound_is_a_function_of_the_static_fields(runtime):
                           precision=batch.precision)
     options = MemoryOptions(runtime=runtime)
     each = np.zeros(len(batch))
-    for _key, index, out in _sorted_groups(TINY_MOE, batch, options, None, static_only=True):
+    for _key, index, out, _ in _sorted_groups(TINY_MOE, batch, options, None, static_only=True):
         each[index] = out["device"].max(axis=1)
     assert len(batch.distinct(STATIC_FIELDS)[0]) < len(batch) // 4
     np.testing.assert_array_equal(static_lower_bound(TINY_MOE, batch, options), each)
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_peak_memory_prices_strategies_alike_once_and_the_same(runtime):
+    """peak_memory prices one strategy of each kind alike in every field that the model reads
+    (the context-parallel kind counts only where its exchange is the largest buffer): the same
+    peaks and stages, bit for bit, as pricing each strategy on its own."""
+    from ndplan.memory.stages import PIPELINE_SHAPE, _alike, _sorted_groups, peak_memory
+    from ndplan.strategy import valid_mask
+
+    space = _space(devices=16, seq=8192, dims=("tp", "sp", "cp", "ep", "pp", "schedule", "zero", "recompute"))
+    batch = space.batch(np.arange(space.size))
+    batch = batch.take(np.flatnonzero(valid_mask(batch, RuleContext(TINY_MOE, space.num_devices))))
+    cp = np.flatnonzero(batch.cp > 1)
+    batch = batch.take(np.sort(np.random.default_rng(0).choice(cp, 60, replace=False)))
+    # Every strategy in each kind of context parallelism, and one twice: some alike, some not.
+    batch = StrategyBatch.concat([
+        StrategyBatch(**{**{name: getattr(batch, name) for name in batch.array_fields()},
+                         "cp_kind": np.full(len(batch), kind)}, precision=batch.precision)
+        for kind in range(3)] + [batch.take(np.arange(1))])
+    options = MemoryOptions(runtime=runtime)
+    _, alike = _alike(TINY_MOE, batch, options, batch.groups(PIPELINE_SHAPE), None)
+    assert alike is not None and len(batch) // 3 < len(alike[0]) < len(batch)
+    assert any(of is not None for *_, of in _sorted_groups(TINY_MOE, batch, options, None, device_only=True))
+    peak, stage = peak_memory(TINY_MOE, batch, options)
+    for i in range(len(batch)):
+        alone = peak_memory(TINY_MOE, batch.take(np.arange(i, i + 1)), options)
+        assert (peak[i], stage[i]) == (alone[0][0], alone[1][0]), batch.row(i)
 
 
 def _balance_every_candidate(model, space, result, limit, *, one_setting=False):

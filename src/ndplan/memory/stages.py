@@ -43,7 +43,7 @@ from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
 from ndplan.schedule.unshard import ACTIVE_CHUNKS
-from ndplan.strategy.batch import CODES, StrategyBatch, radix_key
+from ndplan.strategy.batch import CODES, StrategyBatch, distinct_columns, radix_key
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
 
 if TYPE_CHECKING:
@@ -1145,10 +1145,10 @@ def stage_memory(
         }
     if kinds is None:
         # Sorted by pipeline shape once, every group is a slice: its columns are views, not copies.
-        for _key, rows, out in _sorted_groups(model, batch, options, stage_layers):
+        for _key, rows, out, of in _sorted_groups(model, batch, options, stage_layers):
             pp = out["device"].shape[1]
             for name in names:
-                result[name][rows, :pp] = out[name]
+                result[name][rows, :pp] = out[name] if of is None else out[name][of]
         return StageMemory(**result, by_kind=None)
     acts = layer_activations(model, batch, options)
     for key, index in batch.groups(PIPELINE_SHAPE):
@@ -1162,41 +1162,115 @@ def stage_memory(
 def _sorted_groups(
     model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, stage_layers: tuple[int, ...] | None,
     *, static_only: bool = False, device_only: bool = False,
-) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray]]]:
+) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray], np.ndarray | None]]:
     """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays; only
-    "device" with ``static_only`` or ``device_only``)."""
+    "device" with ``static_only`` or ``device_only``; and per row of the group, its row of the
+    arrays, or None where they have a row each, in order). Strategies alike in every field the
+    model reads share a row (``_alike``)."""
     groups = batch.groups(PIPELINE_SHAPE)
     by_group = np.concatenate([index for _, index in groups])
     sizes = [len(index) for _, index in groups]
     starts = np.cumsum([0, *sizes])
     # Within a group, rows by micro-batch count: each count's schedule frontier prices a slice.
-    # Each field is gathered once, by the whole order (measured on 1M mixed strategies: 65-73 ms
-    # for 14 fields, against 103-106 ms gathered by group, then within each group's block).
     within = np.concatenate([
         start + np.argsort(radix_key(batch.num_micro_batches[index]), kind="stable")
         for start, (_, index) in zip(starts[:-1], groups, strict=True)
     ])
     order = by_group[within]
     groups = [(key, order[a:b]) for (key, _), a, b in zip(groups, starts[:-1], starts[1:], strict=True)]
+    priced_row: np.ndarray | None = None  # per row of ``order``, its row of ``priced``
+    priced, priced_sizes = order, sizes  # the rows of ``batch`` priced, group by group
+    if not static_only:
+        # The bytes per token of each layer depend on a few fields: priced once per combination;
+        # the static state likewise on STATIC_FIELDS (per group, where each group's are few).
+        # The combinations are numbered by the fields' values, whatever the rows' order.
+        distinct, combination = batch.distinct(ACTIVATION_FIELDS)
+        acts = layer_activations(model, batch.take(distinct), options)
+        static_code, alike = _alike(model, batch, options, groups, stage_layers)
+        if alike is not None:
+            alike_rows, kinds = alike
+            # A row of each kind, in ``order``'s order: the same order, fewer rows.
+            in_order = kinds[order]
+            place = np.empty(len(order), dtype=np.int64)
+            place[order] = np.arange(len(order))
+            first = np.zeros(len(order), dtype=bool)
+            first[place[alike_rows]] = True
+            kept = np.flatnonzero(first)
+            priced = order[kept]
+            priced_sizes = np.diff(np.searchsorted(kept, starts)).tolist()
+            position = np.empty(len(kept), dtype=np.int64)
+            position[in_order[kept]] = np.arange(len(kept))
+            priced_row = position[in_order]
+        combination, static_code = combination[priced], static_code[priced]
+        static_rows = np.empty(int(static_code.max(initial=-1)) + 1, dtype=np.int64)
+        static_rows[static_code] = np.arange(len(priced))
+    # Each field is gathered once, by the whole order (measured on 1M mixed strategies: 65-73 ms
+    # for 14 fields, against 103-106 ms gathered by group, then within each group's block).
     # The pipeline shape's fields are the groups' keys: repeated, not gathered; the fields one
     # value fills (a search fixes many) are that value broadcast (read-only, as every field is
     # read here), neither gathered nor written.
     ordered = StrategyBatch(**{
-        name: _repeated(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), sizes)
-        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), order)
+        name: _repeated(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), priced_sizes)
+        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), priced)
         for name in batch.array_fields()
     }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules)
-    if not static_only:
-        # The bytes per token of each layer depend on a few fields: priced once per combination.
-        distinct, combination = ordered.distinct(ACTIVATION_FIELDS)
-        acts = layer_activations(model, ordered.take(distinct), options)
-    start = 0
-    for key, index in groups:
-        part = slice(start, start + len(index))
-        start += len(index)
+    start = priced_start = 0
+    for (key, index), size in zip(groups, priced_sizes, strict=True):
+        part = slice(priced_start, priced_start + size)
         rows = np.arange(part.start, part.stop)
-        yield key, index, _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
-                                          None if static_only else acts.take(combination[part]), device_only=device_only)
+        static_of = None if static_only else _group_combinations(static_rows, static_code, part)
+        out = _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
+                              None if static_only else acts.take(combination[part]), device_only=device_only,
+                              static_of=static_of)
+        yield key, index, out, None if priced_row is None else priced_row[start:start + len(index)] - priced_start
+        start += len(index)
+        priced_start += size
+
+
+def _alike(
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, groups: list[tuple[tuple[int, ...], np.ndarray]],
+    stage_layers: tuple[int, ...] | None,
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """Per strategy of ``batch`` (in the pipeline-shape ``groups``: (key, rows)), its combination
+    of STATIC_FIELDS (as ``batch.distinct`` numbers them); and (a row of each kind of strategies
+    alike in every field the model reads, per strategy its kind), or None where fewer than one
+    in twenty of the strategies is alike another (so few rows less would not pay for gathering
+    the fields and the figures by the kinds).
+
+    A kind is a combination of every field but the context-parallel kind, and of that where the
+    model reads it (``_cp_kind_read``): a search prices its candidates' step times in each kind
+    of context parallelism, whose exchange is mostly not the largest buffer. Every figure of a
+    strategy is a function of those fields, computed row by row: a row of each kind stands for
+    the others, bit for bit. STATIC_FIELDS come first, their combinations found on the way."""
+    hands_over_enabled = bool(options.profile.pipeline_stage_output)
+    all_moe = np.zeros(len(batch), dtype=bool)
+    for key, rows in groups:
+        shape = _group_shape(model, CODES["schedule"][key[0]], key[1], key[2], stage_layers, bool(key[4]),
+                             bool(key[5]), hands_over_enabled, True)
+        all_moe[rows] = bool((shape.moe_per_stage > 0).all())
+    read = _cp_kind_read(model, batch, options, all_moe)
+    others = [name for name in batch.array_fields() if name not in STATIC_FIELDS and name != "cp_kind"]
+    rows, kinds, static_code = distinct_columns(
+        [*(getattr(batch, name) for name in (*STATIC_FIELDS, *others)), np.where(read, batch.cp_kind, -1)],
+        len(batch), prefix=len(STATIC_FIELDS))
+    assert static_code is not None
+    return static_code, None if 20 * len(rows) > 19 * len(batch) else (rows, kinds)
+
+
+def _group_combinations(rows: np.ndarray, codes: np.ndarray, part: slice) -> tuple[np.ndarray, np.ndarray] | None:
+    """``StrategyBatch.distinct``'s (a row of each combination, each row's combination) of the
+    rows ``part`` alone, from those of the whole batch, whose combinations are numbered in the
+    order of the fields' values: the pipeline shape, a group's key, comes first among
+    STATIC_FIELDS, so a group's combinations are one run of numbers, [low, high): checked, as
+    every number of the run has its row in the group; None where that fails."""
+    if part.start == part.stop:
+        return None
+    group_codes = codes[part]
+    low, high = int(group_codes.min()), int(group_codes.max()) + 1
+    group_rows = rows[low:high]
+    if group_rows.min() < part.start or group_rows.max() >= part.stop:
+        return None
+    return group_rows - part.start, group_codes - low
 
 
 def _gathered(values: np.ndarray, order: np.ndarray) -> np.ndarray:
@@ -1229,7 +1303,7 @@ def static_lower_bound(
         rows, combination = batch.distinct(STATIC_FIELDS)
         batch = batch.take(rows)
     bound = np.zeros(len(batch))
-    for _key, index, out in _sorted_groups(model, batch, options, None, static_only=True):
+    for _key, index, out, _ in _sorted_groups(model, batch, options, None, static_only=True):
         bound[index] = out["device"].max(axis=1)
     return bound if combination is None else bound[combination]
 
@@ -1242,8 +1316,9 @@ def peak_memory(
     options = options or MemoryOptions()
     peak = np.zeros(len(batch))
     stage = np.zeros(len(batch), dtype=np.int64)
-    for _key, index, out in _sorted_groups(model, batch, options, None, device_only=True):
-        peak[index], stage[index] = _first_max(out["device"].T)
+    for _key, index, out, of in _sorted_groups(model, batch, options, None, device_only=True):
+        top, first = _first_max(out["device"].T)
+        peak[index], stage[index] = (top, first) if of is None else (top[of], first[of])
     return peak, stage
 
 
@@ -1380,8 +1455,14 @@ def _static_state(
         experts = layers.expert[kind]
         mlp_grads[kind] = ((layers.by_kind[kind][mlp_name] - experts + 0.5 * layers.by_kind[kind]["norm"]) * grad_width
                            + experts * (grad_bytes / shards.expert_grads))
+    params_optimizer = out["params"] + out["optimizer"]
+    # The optimizer step's temporaries of the update, in the dtype of the weights it updates.
+    updated_bytes = precision.master_weight_bytes or precision.param_bytes
+    optimizer_update = out["optimizer"] / max(optimizer_bytes, 1) * profile.optimizer_temp_copies * updated_bytes
     return _StaticState(
-        params=out["params"], grads=out["grads"], optimizer=out["optimizer"], grads_virtual=grads_virtual,
+        params=out["params"], grads=out["grads"], optimizer=out["optimizer"], params_optimizer=params_optimizer,
+        total=out["params"] + out["grads"] + out["optimizer"], optimizer_update=optimizer_update,
+        grads_virtual=grads_virtual,
         unit_elements={kind: non_expert + expert for kind, (non_expert, expert) in unit_parts.items()},
         unit_grads={kind: np.where(made_by_now, non_expert * grad_bytes / shards.grads
                                    + expert * grad_bytes / shards.expert_grads, 0.0)
@@ -1389,30 +1470,43 @@ def _static_state(
         expert_elements=layers.expert["moe"], head_grad_bytes=head_grad_bytes, table_made_last=table_made_last,
         embedding_gradient=embedding_gradient, mlp_grads=mlp_grads,
         overhead=overhead_model(options.profile, batch, options.include_overhead),
-        distinct_elements_virtual=non_expert_total + expert_total,
-        distinct_stage_elements=non_expert_stage + expert_stage,
+        elements_virtual=non_expert_total + expert_total, stage_elements=non_expert_stage + expert_stage,
     )
 
 
 @dataclass(frozen=True)
 class _StaticState:
     """A group's parameters, gradients and optimizer states and what is made of them alone (all
-    functions of STATIC_FIELDS): per stage pattern [n, P] bytes ``params``, ``grads`` and
-    ``optimizer`` (0 where offloaded), per virtual stage [n, U] ``grads_virtual``; per strategy
-    [n]: the elements of each FSDP unit (``unit_elements``), the bytes of their sharded
+    functions of STATIC_FIELDS), per combination of those fields: ``index`` gives each strategy's
+    (None: one each, in order); ``at`` reads a figure per strategy.
+
+    Per stage pattern [combinations, P] bytes: ``params``, ``grads`` and ``optimizer`` (0 where
+    offloaded), ``params_optimizer`` = params + optimizer, ``total`` = params + grads +
+    optimizer (summed in that order), ``optimizer_update`` = optimizer / max(optimizer bytes, 1)
+    · optimizer_temp_copies · the updated weights' bytes (the optimizer step's temporaries of
+    the update); per virtual stage [combinations, U] ``grads_virtual``; the elements per virtual
+    stage and per pattern (non-expert + expert: ``elements_virtual``, ``stage_elements``); per
+    combination: the elements of each FSDP unit (``unit_elements``), the bytes of their sharded
     gradients where a unit's moments count them (``unit_grads``: one micro-batch, no deferred
     reduce; else 0), the routed experts' elements of a MoE layer (``expert_elements``), the
     gradient bytes of the head and the MTP modules (``head_grad_bytes``), of the embedding made
     after every layer (``table_made_last``), of a new embedding gradient
     (``embedding_gradient``), and per layer kind of its MLP and second norm (``mlp_grads``, only
-    where the scores are materialised); ``overhead`` the runtime overhead. The elements per
-    virtual stage and per pattern (non-expert + expert) are read for a few rows:
-    ``elements_virtual(rows)``, ``stage_elements(rows)``."""
+    where the scores are materialised); ``overhead`` the runtime overhead.
+
+    Strategies share these many at a time (they differ in micro-batch size, recompute, sequence
+    parallelism, ...): each figure is gathered where it is read, and only there (the FSDP
+    unit figures at the sharded strategies alone), sums of figures summed per combination."""
 
     params: np.ndarray
     grads: np.ndarray
     optimizer: np.ndarray
+    params_optimizer: np.ndarray
+    total: np.ndarray
+    optimizer_update: np.ndarray
     grads_virtual: np.ndarray
+    elements_virtual: np.ndarray
+    stage_elements: np.ndarray
     unit_elements: dict[str, np.ndarray]
     unit_grads: dict[str, np.ndarray]
     expert_elements: np.ndarray
@@ -1421,33 +1515,16 @@ class _StaticState:
     embedding_gradient: np.ndarray
     mlp_grads: dict[str, np.ndarray]
     overhead: RuntimeOverhead
-    distinct_elements_virtual: np.ndarray  # [combinations, U], at the rows ``index`` gives
-    distinct_stage_elements: np.ndarray    # [combinations, P]
-    index: np.ndarray | None = None        # per strategy its combination (None: one each)
+    index: np.ndarray | None = None  # per strategy its combination (None: one each)
 
-    def take(self, index: np.ndarray) -> _StaticState:
-        """The figures of the strategies whose combinations are ``index`` (column-major where
-        they have columns)."""
-        values: dict[str, Any] = {}
-        for name, value in vars(self).items():
-            if name.startswith("distinct_") or name == "index":
-                values[name] = value
-            elif isinstance(value, dict):
-                values[name] = {k: _rows_of(v, index) for k, v in value.items()}
-            elif isinstance(value, RuntimeOverhead):
-                values[name] = replace(value, fixed_bytes=value.fixed_bytes[index])
-            else:
-                values[name] = _rows_of(value, index)
-        values["index"] = index if self.index is None else self.index[index]
-        return _StaticState(**values)
-
-    def elements_virtual(self, rows: np.ndarray) -> np.ndarray:
-        """[len(rows), U] elements per virtual stage of the strategies at ``rows``."""
-        return self.distinct_elements_virtual[rows if self.index is None else self.index[rows]]
-
-    def stage_elements(self, rows: np.ndarray) -> np.ndarray:
-        """[len(rows), P] elements per stage pattern of the strategies at ``rows``."""
-        return self.distinct_stage_elements[rows if self.index is None else self.index[rows]]
+    def at(self, values: Any, rows: np.ndarray | None = None) -> Any:
+        """``values``, one of the figures above (per combination, or a number for all), per
+        strategy: at the strategies ``rows`` (None: every one; 2-D figures column-major)."""
+        if not isinstance(values, np.ndarray) or values.ndim == 0:
+            return values
+        if self.index is not None:
+            rows = self.index if rows is None else self.index[rows]
+        return values if rows is None else _rows_of(values, rows)
 
 
 def _rows_of(values: Any, index: np.ndarray) -> Any:
@@ -1487,14 +1564,9 @@ def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOption
     with MoE layers the expert all-to-all's, if larger), and the pipeline's send and receive."""
     act_bytes = batch.precision.activation_bytes
     h = model.hidden_size
-    tp, cp = batch.tp.astype(float), batch.cp.astype(float)
-    sp_gather = np.where(batch.sequence_parallel > 0, tokens * h * act_bytes, 0.0)
-    widths = model_symbols(model)
-    per_token = np.where(batch.is_("cp_kind", "ulysses"), 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
-                         2 * (widths["k"] + widths["v"]))
-    cp_buffers = np.where(cp > 1, per_token * tokens * act_bytes / tp, 0.0)
-    # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
-    ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.routed_token_factor, 0.0)
+    tp = batch.tp.astype(float)
+    sp_gather, ep_buffers = _exchange_buffers(model, batch, options, tokens)
+    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"))
     pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
     # Column by column (see _outer_sum): the buffers alive while a layer runs, and with them the
     # pipeline's (the first two terms of the communication sum in _evaluate_group).
@@ -1503,6 +1575,47 @@ def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOption
     for column, moe_here in enumerate(has_moe.tolist()):
         buffers[:, column] = np.maximum(sp_or_cp, ep_buffers * float(moe_here)) + pp_buffers
     return buffers
+
+
+def _exchange_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions,
+                      tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[n] bytes of two of the buffers alive while a layer runs: the sequence-parallel gather
+    (tokens · h · activation bytes) and, where the experts are spread over several ranks, the
+    all-to-all dispatch and combine buffers (2 · tokens · top-k · h · activation bytes · the
+    routed-token factor)."""
+    act_bytes = batch.precision.activation_bytes
+    h = model.hidden_size
+    sp_gather = np.where(batch.sequence_parallel > 0, tokens * h * act_bytes, 0.0)
+    # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
+    ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.routed_token_factor, 0.0)
+    return sp_gather, ep_buffers
+
+
+def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulysses: Any) -> np.ndarray:
+    """[n] bytes of the context-parallel exchange while a layer runs: per token 2 · (K + V)
+    widths, under Ulysses (``ulysses``: bool, or per strategy) 2 · (Q + K + V + O), times the
+    activation bytes / tp; 0 without context parallelism."""
+    widths = model_symbols(model)
+    per_token = np.where(ulysses, 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
+                         2 * (widths["k"] + widths["v"]))
+    tp = batch.tp.astype(float)
+    return np.where(batch.cp > 1, per_token * tokens * batch.precision.activation_bytes / tp, 0.0)
+
+
+def _cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, all_moe: np.ndarray) -> np.ndarray:
+    """[n] bool: the strategies whose figures depend on their context-parallel kind, which the
+    model reads only in the buffers alive while a layer runs (``_layer_buffers``): per stage
+    max(sequence-parallel gather, context-parallel exchange, expert all-to-all where the stage
+    holds MoE layers), the same bits whatever the kind without context parallelism, or where
+    every kind's exchange is no larger than the larger other buffer on every stage
+    (``all_moe`` [n]: every stage of the strategy's pipeline holds MoE layers; else the gather
+    alone). The largest exchange is Ulysses' (Q and O on top of K and V per token): the same
+    products of positive numbers, with a larger first factor, rounded, are no smaller."""
+    tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / batch.cp.astype(float)
+    sp_gather, ep_buffers = _exchange_buffers(model, batch, options, tokens)
+    largest = _cp_buffers(model, batch, tokens, True)
+    floor = np.maximum(sp_gather, np.where(all_moe, ep_buffers, 0.0))
+    return (batch.cp > 1) & ~(largest <= floor)
 
 
 def _receive_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, shape: _GroupShape,
@@ -1537,10 +1650,12 @@ def _evaluate_group(
     acts: LayerActivations | None,
     *,
     device_only: bool = False,
+    static_of: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
     ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
     ``device_only``: only "device", the figures of the stages in between are not expanded).
+    ``static_of``: the group's ``batch.distinct(STATIC_FIELDS)``, where the caller has it.
 
     Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
     arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
@@ -1570,31 +1685,29 @@ def _evaluate_group(
 
     precision = batch.precision
     tp, etp, cp = batch.tp.astype(float), batch.etp.astype(float), batch.cp.astype(float)
-    grad_bytes, optimizer_bytes = precision.grad_bytes, precision.optimizer_bytes
+    grad_bytes = precision.grad_bytes
     n = len(batch)
     first_virtual, last_virtual = shape.first, shape.last
     mtp_kind = model.mtp_mlp_kind
     # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
     scores = acts is not None and any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
-    static_of: np.ndarray | None = None
-    if acts is not None and kinds is None:
+    if acts is not None and kinds is None and static_of is None:
         # The static state is a function of STATIC_FIELDS, which a group's strategies share
         # many at a time (they differ in micro-batch size, recompute, sequence parallelism, ...):
-        # priced once per combination and gathered, where that is much less than the group.
-        static_rows, static_of = batch.distinct(STATIC_FIELDS)
-        if 2 * len(static_rows) > n:
-            static_of = None
-    if static_of is None:
+        # priced once per combination and read through its index, where that is much less than
+        # the group.
+        static_of = batch.distinct(STATIC_FIELDS)
+    if static_of is None or kinds is not None or 2 * len(static_of[0]) > n:
         static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
     else:
-        static = _static_state(model, batch.take(static_rows), options, shape, scores=scores).take(static_of)
-    out: dict[str, np.ndarray] = {"params": static.params, "grads": static.grads, "optimizer": static.optimizer}
-    overhead = static.overhead
+        static = replace(_static_state(model, batch.take(static_of[0]), options, shape, scores=scores),
+                         index=static_of[1])
+    overhead = replace(static.overhead, fixed_bytes=static.at(static.overhead.fixed_bytes))
+    out: dict[str, np.ndarray] = {}
 
     if acts is None:
         # allocated >= params + grads + optimizer, and the device total grows with allocated.
-        static_state = out["params"] + out["grads"] + out["optimizer"]
-        return {"device": shape.expand(overhead.reserved(static_state) + overhead.fixed_bytes[:, None])}
+        return {"device": shape.expand(overhead.reserved(static.at(static.total)) + overhead.fixed_bytes[:, None])}
 
     # ---- activations held across the schedule
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
@@ -1674,12 +1787,12 @@ def _evaluate_group(
     later_runs = (batch.pipeline_runs > 1) if grads_in_schedule else np.zeros(n, dtype=bool)
     extra: list[np.ndarray | None] | None = None
     if grads_in_schedule:
-        per_grads = static.grads_virtual
+        per_grads = static.at(static.grads_virtual)
         deferred_rows = np.flatnonzero(deferred)
         static_rows = np.flatnonzero(later_runs & ~deferred)
         if deferred_rows.size or static_rows.size:
             per_grads = per_grads.copy(order="F")
-            per_grads[deferred_rows] = static.elements_virtual(deferred_rows) * grad_bytes
+            per_grads[deferred_rows] = static.at(static.elements_virtual, deferred_rows) * grad_bytes
             per_grads[static_rows] = 0.0
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
     split = schedule in SPLIT_BACKWARD
@@ -1751,9 +1864,10 @@ def _evaluate_group(
         moment = scores_moments.get((moe_here, dense_here, first, last))
         if moment is None:
             moment = scores_moments[moe_here, dense_here, first, last] = _scores_backward_moments(
-                acts, static.mlp_grads, tokens, output_held, recompute_on, static.head_grad_bytes,
+                acts, {k: static.at(v) for k, v in static.mlp_grads.items()}, tokens, output_held, recompute_on,
+                static.at(static.head_grad_bytes),
                 kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
-                table_grad=static.table_made_last * first)
+                table_grad=static.at(static.table_made_last) * first)
         scores_during[:, column], scores_grads[:, column] = moment.during, moment.grads_made
         layer_transient[:, column] = np.maximum(last_layer, moment.at_end)
         out["transient"][:, column] = np.maximum(np.maximum(layer, moment.during), loss_per_token * last)
@@ -1779,7 +1893,7 @@ def _evaluate_group(
             out["transient"][:, column] = np.maximum(out["transient"][:, column], new_gradient)
     # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
     # the rank's shard, with one micro-batch too (``_static_state``).
-    embedding_gradient = static.embedding_gradient
+    embedding_gradient = static.at(static.embedding_gradient)
     embedding_accumulate = np.maximum(embedding_gradient - per_b_virtual[:, 0], 0.0)
     # Column by column (see _outer_sum): the same values, in passes over the strategies.
     for column, first in enumerate(first_stage.tolist()):
@@ -1852,24 +1966,27 @@ def _evaluate_group(
         def pick(values: Any) -> np.ndarray:
             return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
 
+        def pick_static(values: Any) -> np.ndarray:  # a figure of the static state
+            return np.broadcast_to(np.asarray(static.at(values, sharded_rows), dtype=float), (len(sharded_rows),))
+
         inputs: dict[str, Any] = dict(
             reduce_bytes=pick(np.where(deferred, 0.0, grad_bytes)),
-            units={kind: pick(elements) for kind, elements in static.unit_elements.items()},
+            units={kind: pick_static(elements) for kind, elements in static.unit_elements.items()},
             working={
                 kind: pick(t[:, 0] * (np.maximum(acts.backward_extra[kind], acts.attention_backward[kind])
                                       + np.where(recompute_on, acts.rebuilt[kind], 0.0)))
                 for kind in ("dense", "moe")
             },
             loss_working=pick(t[:, 0] * acts.output_transient),
-            expert_elements=pick(static.expert_elements),
-            unit_grads={kind: pick(grads) for kind, grads in static.unit_grads.items()},
+            expert_elements=pick_static(static.expert_elements),
+            unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
             expert_working=pick(t[:, 0] * _expert_weight_grad_working(model, precision.activation_bytes, etp,
                                                                      np.where(recompute_on, acts.rebuilt["moe"], 0.0))),
             one_micro_batch=pick(per_b_virtual[:, 0]),
             one_micro_batch_layers=pick(layers_held[:, 0]),
             one_micro_batch_loss=pick(output_held),
             kept_after_backward=np.broadcast_to(deferred, (len(batch),))[sharded_rows],
-            kept_elements=_largest_chunks(static.elements_virtual(sharded_rows), chunks, vpp)
+            kept_elements=_largest_chunks(static.at(static.elements_virtual, sharded_rows), chunks, vpp)
             if vpp > ACTIVE_CHUNKS else None,
         )
         # A strategy's moments are a function of these inputs alone, which the sharded rows share
@@ -1897,7 +2014,7 @@ def _evaluate_group(
     if kept_rows.size:
         # Every element whole on the device (non-expert /tp, experts /ep·etp): the two kinds
         # are sharded over different groups, so the sharded bytes do not give them back.
-        kept_gathered[kept_rows] = static.stage_elements(kept_rows) * precision.param_gather_bytes
+        kept_gathered[kept_rows] = static.at(static.stage_elements, kept_rows) * precision.param_gather_bytes
     receive = _receive_buffers(model, batch, options, shape, tokens)
     # The tensors handed over at a V's turn are reported with the receive buffers (all m of
     # them, as at the step's end); the forward/backward peak counts those handed over by then.
@@ -1912,13 +2029,14 @@ def _evaluate_group(
     out["transient"] += workspaces
 
     # ---- optimizer step temporaries (activations are gone by then)
-    local_elements = out["optimizer"] / max(optimizer_bytes, 1)
-    # Temporaries of the update, in the dtype of the weights the optimizer updates.
-    updated_bytes = precision.master_weight_bytes or precision.param_bytes
-    out["optimizer_step"] = (local_elements * options.profile.optimizer_temp_copies * updated_bytes + receive
-                             + workspaces)
+    out["optimizer_step"] = static.at(static.optimizer_update) + receive + workspaces
 
-    static = out["params"] + out["grads"] + out["optimizer"]
+    # The static state per strategy: its sums, each gathered once, and its parts where the
+    # figures of every category are kept.
+    total = static.at(static.total)
+    if not device_only:
+        for name in ("params", "grads", "optimizer"):
+            out[name] = static.at(getattr(static, name))
     # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
     # + transient, every term but the held peak expanded from its patterns to the stages; summed
     # in this order, term by term, so that stages of equal totals tie exactly (the peak stage is
@@ -1928,10 +2046,10 @@ def _evaluate_group(
     # (Summed in place where nothing else reads the held peak with the extra columns.)
     forward_backward = held_with_extra if device_only and held_with_extra is not held else held_with_extra.copy()
     if not grads_in_schedule:
-        shape.combine_by_stage(forward_backward, out["grads"])
+        shape.combine_by_stage(forward_backward, static.at(static.grads))
     elif later_runs.any():
-        shape.combine_by_stage(forward_backward, out["grads"] * later_runs[:, None])
-    shape.combine_by_stage(forward_backward, out["params"] + out["optimizer"])
+        shape.combine_by_stage(forward_backward, static.at(static.grads) * later_runs[:, None])
+    shape.combine_by_stage(forward_backward, static.at(static.params_optimizer))
     shape.combine_by_stage(forward_backward, out["comm"])
     if hands_over:
         shape.combine_by_stage(forward_backward, handed_over, np.subtract)
@@ -1942,8 +2060,9 @@ def _evaluate_group(
         # of the backward (all gradients, one layer's working set) are the two candidate peaks.
         single = np.flatnonzero(batch.micro_batches_per_step == 1)  # priced on those rows alone
         if single.size:
-            static_single, comm_single = static[single], out["comm"][single]
-            loss_phase = expand(static_single - out["grads"][single]) + held[:, single]
+            static_single, comm_single = total[single], out["comm"][single]
+            grads_single = static.at(static.grads, single)
+            loss_phase = expand(static_single - grads_single) + held[:, single]
             loss_phase += expand(comm_single)
             loss_phase += expand(out["transient"][single])
             loss_phase += expand(fsdp.grads_made[single])
@@ -1959,18 +2078,18 @@ def _evaluate_group(
             # activations are gone, the head's and that layer's MLP gradients made (FSDP prices
             # its moments with its units).
             if scores_during is not None and scores_grads is not None:
-                scores_phase = expand(static_single - out["grads"][single] + comm_single + overhead.workspace_bytes
+                scores_phase = expand(static_single - grads_single + comm_single + overhead.workspace_bytes
                                       + scores_during[single]
                                       + np.where(zero3[single, None], 0.0, scores_grads[single]))
                 scores_phase += held[:, single]
                 forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
     if device_only:  # in place: the figures in between are not kept
-        shape.combine_by_stage(forward_backward, static + out["optimizer_step"], np.maximum)
+        shape.combine_by_stage(forward_backward, total + out["optimizer_step"], np.maximum)
         allocated = forward_backward
         device = overhead.reserved(allocated)
         device += overhead.fixed_bytes
         return {"device": device.T}
-    allocated = np.maximum(forward_backward, expand(static + out["optimizer_step"]))
+    allocated = np.maximum(forward_backward, expand(total + out["optimizer_step"]))
     reserved = overhead.reserved(allocated)
     by_stage = {"activations": held, "forward_backward": forward_backward, "allocated": allocated,
                 "reserved": reserved, "device": reserved + overhead.fixed_bytes}
