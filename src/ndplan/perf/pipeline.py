@@ -302,11 +302,16 @@ def simulated_makespan_batch(
         b, w = b + w, np.zeros_like(w)  # B runs the whole backward
     op_s = np.stack([f / seq_chunks, b / seq_chunks, w], axis=-1).reshape(len(f), -1)
     p2p = np.asarray(p2p, dtype=np.float64)
-    with_p2p = time_steps_batch(schedule, pp, vpp, m, seq_chunks, op_s, p2p)
+    # The p2p part is the makespan less the same timeline without transfers: the strategies that
+    # pay any go again, p2p 0, in the same call (each strategy is timed on its own column, so
+    # one pass over the graph's depth groups serves both).
+    n = len(op_s)
     paid = np.flatnonzero(p2p > 0)
+    times = time_steps_batch(schedule, pp, vpp, m, seq_chunks, np.concatenate([op_s, op_s[paid]]),
+                             np.concatenate([p2p, np.zeros(len(paid))]))
+    with_p2p = times[:n]
     without = with_p2p.copy()
-    if len(paid):
-        without[paid] = time_steps_batch(schedule, pp, vpp, m, seq_chunks, op_s[paid], np.zeros(len(paid)))
+    without[paid] = times[n:]
     return with_p2p, with_p2p - without
 
 

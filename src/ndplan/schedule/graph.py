@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -250,11 +251,44 @@ def time_steps(
 class Levels:
     """A graph's steps grouped by depth (a step's inputs all lie in earlier groups), and what a
     batch of strategies needs to time them: each op's [stage, local chunk, kind] slot and where
-    each step's ops start in the op order (steps numbered as in ``Graph``)."""
+    each step's ops start in the op order (steps numbered as in ``Graph``).
+
+    A batch's timeline keeps its rows in depth order (``order``: the groups one after another),
+    so that a group reads and writes one slice of it rather than gathering and scattering rows;
+    ``inputs`` holds, per group, that slice and its steps' inputs as rows of that timeline."""
 
     groups: tuple[NDArray[np.int64], ...]
     op_slot: NDArray[np.int64]
     step_first_op: NDArray[np.int64]
+    #: the steps in depth order
+    order: NDArray[np.int64]
+    #: per group: its rows [lo, hi) of the depth-ordered timeline; the rows of its steps' previous
+    #: step and input a (``Graph.prev``, ``Graph.a``; row n: the sentinel); the hop flags xa as
+    #: [steps, 1], or 1.0 where every input a comes from another stage and None where none does;
+    #: and (input b, its flags xb) and input c, each None where no step of the group has one
+    inputs: tuple[tuple[int, int, NDArray[np.int64], NDArray[np.int64], NDArray[np.float64] | float | None,
+                        tuple[NDArray[np.int64], NDArray[np.float64]] | None, NDArray[np.int64] | None], ...]
+
+
+def _level_inputs(graph: Graph, groups: tuple[NDArray[np.int64], ...], order: NDArray[np.int64]) -> tuple[Any, ...]:
+    """``Levels.inputs`` of ``groups`` (see there)."""
+    n = graph.n
+    row = np.empty(n + 1, dtype=np.int64)
+    row[order] = np.arange(n)
+    row[n] = n  # the sentinel keeps its row
+    out = []
+    lo = 0
+    for steps in groups:
+        hi = lo + len(steps)
+        xa = graph.xa[steps]
+        hop = 1.0 if np.all(xa == 1.0) else (None if not np.any(xa) else xa[:, None])
+        has_b = bool(np.any(graph.b[steps] != n))
+        has_c = bool(np.any(graph.c[steps] != n))
+        out.append((lo, hi, row[graph.prev[steps]], row[graph.a[steps]], hop,
+                    (row[graph.b[steps]], graph.xb[steps][:, None]) if has_b else None,
+                    row[graph.c[steps]] if has_c else None))
+        lo = hi
+    return tuple(out)
 
 
 @lru_cache(maxsize=256, typed=True)
@@ -275,8 +309,9 @@ def build_levels(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Levels
         slots.append((s * vpp + st.chunk) * 3 + st.kind)
         firsts.append(ops + np.concatenate(([0], np.cumsum(st.step_len)[:-1])))
         ops += len(st)
-    return Levels(groups=tuple(np.split(order, bounds)), op_slot=np.concatenate(slots),
-                  step_first_op=np.concatenate(firsts))
+    groups = tuple(np.split(order, bounds))
+    return Levels(groups=groups, op_slot=np.concatenate(slots), step_first_op=np.concatenate(firsts), order=order,
+                  inputs=_level_inputs(graph, groups, order))
 
 
 def time_steps_batch(
@@ -295,25 +330,28 @@ def time_steps_batch(
     makespan = np.zeros(op_s.shape[0])
     if graph.n == 0:
         return makespan
-    uses_b, uses_c = bool(np.any(graph.b != graph.n)), bool(np.any(graph.c != graph.n))
-    # Per depth group, the inputs' rows and hop flags, gathered once for every slice.
-    inputs = [(steps, graph.prev[steps], graph.a[steps], graph.xa[steps][:, None], graph.b[steps],
-               graph.xb[steps][:, None], graph.c[steps]) for steps in levels.groups]
+    one_op_steps = len(levels.op_slot) == graph.n
+    # With one op a step, the ops' slots read in depth order give the timeline's rows directly.
+    slot_by_depth = levels.op_slot[levels.order] if one_op_steps else None
     width = max(1, (32 << 20) // (8 * (graph.n + 1)))
     for lo in range(0, op_s.shape[0], width):
         part = slice(lo, lo + width)
-        # [steps, strategies], contiguous: a depth group gathers whole rows. Most schedules run
-        # one op a step, and then the steps' seconds are their ops'.
-        by_slot = np.ascontiguousarray(op_s[part].T)[levels.op_slot]
-        step_s = by_slot if len(levels.op_slot) == graph.n else np.add.reduceat(by_slot, levels.step_first_op, axis=0)
+        # [steps in depth order, strategies], contiguous: a depth group is a slice of rows. Most
+        # schedules run one op a step, and then the steps' seconds are their ops'.
+        by_op = np.ascontiguousarray(op_s[part].T)
+        if one_op_steps:
+            step_s = by_op[slot_by_depth]
+        else:
+            step_s = np.add.reduceat(by_op[levels.op_slot], levels.step_first_op, axis=0)[levels.order]
         p2p = p2p_all[part][None, :]
         end = np.zeros((graph.n + 1, step_s.shape[1]))  # the last row is the sentinel, done at 0
-        for steps, prev, a, xa, b, xb, c in inputs:
-            start = np.maximum(end[prev], end[a] + xa * p2p)
-            if uses_b:
-                np.maximum(start, end[b] + xb * p2p, out=start)
-            if uses_c:
+        for first, stop, prev, a, xa, b, c in levels.inputs:
+            # an input made on another stage arrives p2p later (xa None: no step's is)
+            start = np.maximum(end[prev], end[a] if xa is None else end[a] + xa * p2p)
+            if b is not None:
+                np.maximum(start, end[b[0]] + b[1] * p2p, out=start)
+            if c is not None:
                 np.maximum(start, end[c], out=start)
-            end[steps] = start + step_s[steps]
+            np.add(start, step_s[first:stop], out=end[first:stop])
         makespan[part] = end[:graph.n].max(axis=0)
     return makespan
