@@ -392,6 +392,10 @@ class FsdpGroups:
     per_micro_batch: Array
     #: parameters sharded and resharded after forward (the backward's gather)
     regathered: Array
+    #: how the main stream's (tp, cp, ep) collectives stand to FSDP's: (beside, sharing) masks
+    #: (``_fsdp_beside_scaleup``), the same for every kind of layer
+    beside: tuple[Array, Array, Array]
+    sharing: tuple[Array, Array, Array]
 
 
 def fsdp_groups(ctx: LayerContext, cols: dict[str, Array]) -> FsdpGroups:
@@ -401,8 +405,9 @@ def fsdp_groups(ctx: LayerContext, cols: dict[str, Array]) -> FsdpGroups:
     shard, edp = _fsdp_groups(cols)
     reshard = cols["reshard_after_forward"] > 0
     deferred = (cols["pp"] > 1) & ctx.eff.pipeline_defers_fsdp_reduce
+    beside, sharing = _fsdp_beside_scaleup(ctx, cols)
     return FsdpGroups(shard, edp, group_link(shard, t, ctx.fabric, "ring"), group_link(edp, e * x, ctx.fabric, "ring"),
-                      sharded & ~deferred, sharded & reshard)
+                      sharded & ~deferred, sharded & reshard, beside, sharing)
 
 
 def _fsdp_seconds(
@@ -594,8 +599,12 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # returns them in activation width; the backward moves gradients both ways.
         copies = sh.tokens * model.num_experts_per_tok / t * model.hidden_size
         dispatch_bytes = rates.operand_bytes if ctx.overlap.ep_dispatch_fp8 else beta
-        forward = _ep_all_to_all_s(ctx, cols, copies * dispatch_bytes) + _ep_all_to_all_s(ctx, cols, copies * beta)
-        backward = 2.0 * _ep_all_to_all_s(ctx, cols, copies * beta)
+        # (each all-to-all priced once: the combine's serves the backward's two, and the
+        # dispatch where it sends at activation width too)
+        combine = _ep_all_to_all_s(ctx, cols, copies * beta)
+        dispatch = combine if dispatch_bytes == beta else _ep_all_to_all_s(ctx, cols, copies * dispatch_bytes)
+        forward = dispatch + combine
+        backward = 2.0 * combine
         hide_ep = cols["ep_overlap"] > 0
         share = eff.ep_comm_compute_share
         # Warm-up forwards and cool-down backwards have no partner micro-batch to hide under
@@ -649,8 +658,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # backward (the hook gathers once, the replay finds the parameters whole), so it hides them too.
     # So do the main stream's collectives on other links (_fsdp_beside_scaleup).
     non_expert, expert = _layer_param_split(model, kind)
+    fsdp = fsdp or fsdp_groups(ctx, cols)
     fs_f, fs_gather_b, fs_reduce_b = _fsdp_pass_seconds(ctx, cols, non_expert, expert, fsdp)
-    (by_tp, by_cp, by_ep), (sharing_tp, sharing_cp, sharing_ep) = _fsdp_beside_scaleup(ctx, cols)
+    (by_tp, by_cp, by_ep), (sharing_tp, sharing_cp, sharing_ep) = fsdp.beside, fsdp.sharing
     replays = np.where(full, 1.0, 0.0)
     stream_f = np.where(by_tp, tp_f, 0.0) + np.where(by_cp, cp_f, 0.0) + np.where(by_ep, ep_f, 0.0)
     stream_b = (np.where(by_tp, tp_b, 0.0) + np.where(by_cp, cp_b, 0.0) + np.where(by_ep, ep_b, 0.0)

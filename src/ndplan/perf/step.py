@@ -55,6 +55,7 @@ from ndplan.perf.layer import (
     PIECES,
     SPLIT_SCHEDULE_CODES,
     LayerContext,
+    PieceTimes,
     piece_times,
 )
 from ndplan.perf.overlap import OverlapConfig, default_overlap, parse_overlap
@@ -225,6 +226,21 @@ def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = 
     return first_of_codes(config, count), config
 
 
+class _RowColumns(dict[str, Array]):
+    """The strategy columns at ``rows`` as float arrays, each gathered the first time it is read:
+    the layer prices read about half of the batch's fields (~5% of their time went to gathering
+    and converting the others)."""
+
+    def __init__(self, columns: Mapping[str, Array], rows: Array):
+        super().__init__()
+        self._columns, self._rows = columns, rows
+
+    def __missing__(self, name: str) -> Array:
+        value = self._columns[name][self._rows].astype(np.float64)
+        self[name] = value
+        return value
+
+
 def _group_key(batch: StrategyBatch) -> Array:
     """One small integer per strategy for (pp, vpp, schedule, embedding/output as layer): the
     stage layout and the pipeline formula, shared by a group."""
@@ -351,22 +367,38 @@ class _Priced:
     categories: tuple[str, ...] = CATEGORIES
 
 
-def _piece_table(per_pass: dict[tuple[str, str], Array], per_cat: dict[tuple[str, str], Array], n: int,
-                 categories: tuple[str, ...]) -> Array:
-    """[configs, quantities, pieces] seconds: every pass (F, B, W) and category of each piece
-    (quantities: PASSES + ``categories``). Recompute pieces count in B (the rebuilt forward), W
-    (a runtime's rebuilds per parameter group) and in the categories."""
+def _piece_table(pieces: Mapping[str, PieceTimes], n: int, categories: tuple[str, ...]) -> tuple[
+        Array, dict[tuple[str, str], Array], dict[tuple[str, str], Array]]:
+    """([configs, quantities, pieces] seconds, per_pass, per_cat): every pass (F, B, W) and
+    category of each piece (quantities: PASSES + ``categories``); per_pass[(piece, pass)] sums
+    the pass's categories, per_cat[(piece, category)] the category's passes (F + B + W), [configs]
+    each. Recompute pieces count in B (the rebuilt forward), W (a runtime's rebuilds per
+    parameter group) and in the categories."""
     quantities = PASSES + categories
-    # Filled as contiguous [quantity, piece] rows, then transposed in one copy: writing each
-    # strided column of [configs, quantities, pieces] directly takes twice as long.
+    # Summed in place into contiguous [quantity, piece] rows, then transposed in one copy:
+    # writing each strided column of [configs, quantities, pieces] directly takes twice as long.
+    # The sums run in the order PieceTimes.total and a plain sum from 0.0 take, the same bits.
     by_quantity = np.zeros((len(quantities), len(PIECES), n))
-    for j, piece in enumerate(PIECES):
-        for i, name in enumerate(quantities):
-            values = per_pass if name in PASSES else per_cat
-            if piece.startswith("rc_") and name == "F":
-                continue
-            by_quantity[i, j] = values[(piece, name)]
-    return np.ascontiguousarray(by_quantity.transpose(2, 0, 1))
+    for j, name in enumerate(PIECES):
+        piece = pieces[name]
+        for i, quantity in enumerate(quantities):
+            if quantity in PASSES:
+                terms = [value for (pass_, _), value in piece.seconds.items() if pass_ == quantity]
+            else:
+                terms = [piece.get(pass_, quantity) for pass_ in PASSES]
+            if name.startswith("rc_") and quantity == "F":
+                continue  # recompute adds nothing to the forward (its entry stays 0)
+            row = by_quantity[i, j]
+            for value in terms:
+                # A term 0.0 leaves the sum as it is (the sum, from +0.0, is never -0.0).
+                if np.ndim(value) or value != 0.0:
+                    np.add(row, value, out=row)
+    table = np.ascontiguousarray(by_quantity.transpose(2, 0, 1))
+    # per_pass and per_cat as (strided) views of the table: the groups gather a few rows of them
+    per_pass = {(name, quantity): table[:, i, j] for j, name in enumerate(PIECES) for i, quantity in enumerate(PASSES)}
+    per_cat = {(name, quantity): table[:, i, j] for j, name in enumerate(PIECES)
+               for i, quantity in enumerate(quantities) if quantity not in PASSES}
+    return table, per_pass, per_cat
 
 
 def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
@@ -596,17 +628,13 @@ def evaluate(
     first, config = distinct_layer_configs(ints, weight_grad_rebuilds, eff.pipeline_defers_fsdp_reduce)
     ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules,
                        batch.offload_modules)
-    pieces = piece_times(ctx, {name: v[first].astype(np.float64) for name, v in ints.items()})
-    per_pass = {(name, p): np.broadcast_to(np.asarray(piece.total(p), dtype=np.float64), (len(first),))
-                for name, piece in pieces.items() for p in PASSES}
+    pieces = piece_times(ctx, _RowColumns(ints, first))
     categories = CATEGORIES if batch.offload_modules else tuple(c for c in CATEGORIES if c != "offload")
-    per_cat = {(name, c): np.broadcast_to(np.asarray(sum((piece.get(p, c) for p in PASSES), 0.0), dtype=np.float64), (len(first),))
-               for name, piece in pieces.items() for c in categories}
+    table, per_pass, per_cat = _piece_table(pieces, len(first), categories)
     # Distinct DP configurations (the parameters' stage is added per group).
     dp_config, _ = row_codes([ints[name] for name in _DP_FIELDS])
     dp_columns = {name: ints[name].astype(np.float64) for name in _DP_FIELDS}
-    priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat,
-                     _piece_table(per_pass, per_cat, len(first), categories), piece_params(model),
+    priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
                      fabric.host_bw, pipeline, dp_columns, categories)
 
     # Point-to-point activation of one micro-batch between stages: [mbs, seq/cp, h] (/tp with SP).
