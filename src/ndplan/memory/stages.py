@@ -911,13 +911,24 @@ def _held_peak(
                     continue
                 values = held_rows @ held_weights[p][:, block]
                 if extra is None or held_read is None or held_read[block].any():
-                    values.max(axis=0, out=peak[s, block])
+                    _store_max(values, peak[s], block)
                 if keep_rows and chosen is not None:
                     chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][row_index[np.argmax(values, axis=0)]]
                 if extra is not None:
                     values += grown_rows @ extra_weights[p][:, block]
-                    values.max(axis=0, out=with_extra[s, block])
+                    _store_max(values, with_extra[s], block)
     return peak, with_extra, chosen
+
+
+def _store_max(values: np.ndarray, row: np.ndarray, block: slice | np.ndarray) -> None:
+    """row[block] = the maximum of each column of ``values``: written in place where ``block`` is
+    a slice (``row[block]`` is a view), scattered where it is an index array (``row[block]`` is
+    then a copy, which ``out=`` would fill and drop: the strategies of a batch not sorted by
+    micro-batch count lost their held peak that way)."""
+    if isinstance(block, slice):
+        values.max(axis=0, out=row[block])
+    else:
+        row[block] = values.max(axis=0)
 
 
 def _stage_major(columns: list[np.ndarray], pp: int, n: int) -> np.ndarray:
