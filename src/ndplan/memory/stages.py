@@ -904,20 +904,30 @@ def _held_peak(
                 if len(held_rows) == 1 and isinstance(block, slice) and not keep_rows:
                     # One frontier row (most micro-batch counts, past the warm-up): its value is
                     # the peak, the products written in place (the same sum: v + g = g + v).
-                    np.matmul(held_rows, held_weights[p][:, block], out=peak[s:s + 1, block])
+                    _product(held_rows, held_weights[p][:, block], out=peak[s:s + 1, block])
                     if extra is not None:
-                        np.matmul(grown_rows, extra_weights[p][:, block], out=with_extra[s:s + 1, block])
+                        _product(grown_rows, extra_weights[p][:, block], out=with_extra[s:s + 1, block])
                         with_extra[s, block] += peak[s, block]
                     continue
-                values = held_rows @ held_weights[p][:, block]
+                values = _product(held_rows, held_weights[p][:, block])
                 if extra is None or held_read is None or held_read[block].any():
                     _store_max(values, peak[s], block)
                 if keep_rows and chosen is not None:
                     chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][row_index[np.argmax(values, axis=0)]]
                 if extra is not None:
-                    values += grown_rows @ extra_weights[p][:, block]
+                    values += _product(grown_rows, extra_weights[p][:, block])
                     _store_max(values, with_extra[s], block)
     return peak, with_extra, chosen
+
+
+def _product(rows: np.ndarray, columns: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """rows @ columns ([r, k] @ [k, n]), into ``out`` where given. With k = 1 (1F1B and GPipe:
+    one column held, one grown) the outer product, broadcast: the same products, each rounded
+    once, faster than the matrix product's kernel for so few rows (a DeepSeek-V3 search's
+    _held_peak calls: 66-68 ms -> 57-59 ms)."""
+    if rows.shape[1] == 1:
+        return np.multiply(rows, columns, out=out)
+    return np.matmul(rows, columns, out=out)
 
 
 def _store_max(values: np.ndarray, row: np.ndarray, block: slice | np.ndarray) -> None:
