@@ -2484,7 +2484,10 @@ def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] |
 
     Each row's bits are hashed into one 64-bit word (a polynomial in a large odd number, mod
     2^64), the words' distinct values found by one sort of n, and every column is checked to
-    equal its representative's, bit for bit: a collision gives None, never a wrong answer."""
+    equal its representative's, bit for bit: a collision gives None, never a wrong answer.
+    Any row of a kind represents it (they are alike bit for bit): the sort need not be stable,
+    which the first of each would need (np.unique's return_index: a search's FSDP inputs,
+    ~200k rows, sorted stably in 17-21 ms, unstably in 6-7 ms)."""
     if not columns:
         return None
     words = [np.ascontiguousarray(column).view(np.uint64) if column.dtype.itemsize == 8
@@ -2493,8 +2496,10 @@ def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] |
     for word in words[1:]:
         digest *= np.uint64(0x9E3779B97F4A7C15)
         digest += word
-    _, first, inverse = np.unique(digest, return_index=True, return_inverse=True)
+    distinct, inverse = np.unique(digest, return_inverse=True)
     inverse = inverse.ravel()
+    first = np.empty(len(distinct), dtype=np.int64)
+    first[inverse] = np.arange(len(inverse))  # (the last row of each kind)
     representative = first.take(inverse)
     for word in words:
         if not (word.take(representative) == word).all():
