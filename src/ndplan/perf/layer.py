@@ -170,6 +170,40 @@ def sharding_rows(cols: dict[str, Array]) -> ShardingRows:
     return ShardingRows(Sharding(*(np.asarray(cols[name])[first] for name in SHARDING_FIELDS)), codes)
 
 
+#: The strategy columns the sharding part of a decoder layer reads (``BaseRows``): its GEMMs,
+#: attention core, elementwise bytes, raw TP/CP/EP collectives and what they expose on their own.
+BASE_FIELDS = SHARDING_FIELDS + ("sequence_parallel", "cp_kind", "ulysses_degree")
+
+
+@dataclass(frozen=True)
+class BaseRows:
+    """The distinct ``BASE_FIELDS`` rows among the layer configurations priced (~3k among ~25k
+    in a DeepSeek-V3 search): what a layer computes and moves, and how much of it a pass exposes
+    before recompute, EP pairing and FSDP enter, depends on them alone, so ``decoder_layer``
+    prices it once per base row and ``spread``s it to the rows (the same operations on the same
+    values: the same bits)."""
+
+    #: BASE_FIELDS at the base rows (float arrays), and their Sharding
+    cols: dict[str, Array]
+    sh: Sharding
+    #: [rows] the base row each row has; None: the base rows are the rows themselves.
+    codes: Array | None = None
+
+    def spread(self, value: Array | float) -> Array | float:
+        """``value`` per base row, per row (scalars as they are)."""
+        if self.codes is None or np.ndim(value) == 0:
+            return value
+        return np.asarray(value)[self.codes]
+
+
+def base_rows(cols: dict[str, Array]) -> BaseRows:
+    """The distinct ``BASE_FIELDS`` rows of ``cols``."""
+    codes, count = row_codes([cols[name] for name in BASE_FIELDS])
+    first = first_of_codes(codes, count)
+    base = {name: np.asarray(cols[name])[first] for name in BASE_FIELDS}
+    return BaseRows(base, Sharding(*(base[name] for name in SHARDING_FIELDS)), codes)
+
+
 def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, share: float = 0.0) -> Array | float:
     """What the step pays for ``comm`` running under ``cover`` seconds of compute: the part that
     outlasts the compute, plus ``share`` of the part that hides (the compute it slows by holding
@@ -531,22 +565,29 @@ def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) ->
 
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
                   full_attention: bool = False, shardings: ShardingRows | None = None,
-                  fsdp: FsdpGroups | None = None, comm: LayerComm | None = None) -> tuple[PieceTimes, PieceTimes]:
+                  fsdp: FsdpGroups | None = None, comm: LayerComm | None = None,
+                  base: BaseRows | None = None) -> tuple[PieceTimes, PieceTimes]:
     """(the layer, what recomputing it adds) for one decoder layer of ``kind`` (its attention the
     mean of the model's layers of that kind, sliding ones included; ``full_attention``: full
     causal attention, as an MTP module's layer). ``shardings``: the distinct shardings of ``sh``
     (``sharding_rows``), on which the GEMMs are priced; None prices them on ``sh``. ``fsdp``:
-    ``fsdp_groups`` of ``cols``, ``comm`` its ``layer_comm``, where the caller has them."""
+    ``fsdp_groups`` of ``cols``, ``comm`` its ``layer_comm``, where the caller has them.
+    ``base``: ``base_rows`` of ``cols``, on which the sharding part is priced (then
+    ``shardings`` and ``comm`` are of its rows); None prices it on the rows."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
-    shardings = shardings or ShardingRows(sh)
+    # The sharding part, on the base rows (bc, bsh), spread to the rows (up) where recompute,
+    # EP pairing and FSDP enter.
+    base = base or BaseRows(cols, sh)
+    bc, bsh, up = base.cols, base.sh, base.spread
+    shardings = shardings or ShardingRows(bsh)
     gemms = layer_gemms(model, shardings.distinct, kind)  # per distinct sharding, as forward_of
     gemm_distinct, forward_of = _pass_gemm_seconds(ctx, gemms)
     gemm = {pass_: shardings.spread(value) for pass_, value in gemm_distinct.items()}
     cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, gemms))
-    attn_f, attn_b = attention_core_seconds(ctx, sh, kind, full_attention, calls=ring_steps(cols))
-    sort = _chunk_sort(ctx, cols) if kind == "moe" else 0.0
-    ew_bytes, ew_rc_bytes = layer_bytes(model, sh, cols["sequence_parallel"], kind, beta, sort)
+    attn_f, attn_b = attention_core_seconds(ctx, bsh, kind, full_attention, calls=ring_steps(bc))
+    sort = _chunk_sort(ctx, bc) if kind == "moe" else 0.0
+    ew_bytes, ew_rc_bytes = layer_bytes(model, bsh, bc["sequence_parallel"], kind, beta, sort)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
     overhead = eff.layer_overhead_s
@@ -555,7 +596,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     host_b: Array | float = eff.host_layer_s
     floor_f: Array | float = host_f
     if kind == "moe":
-        local_experts = model.num_experts / cols["ep"]
+        local_experts = model.num_experts / bc["ep"]
         host_f = eff.host_moe_layer_s + local_experts * eff.host_expert
         host_b = eff.host_moe_layer_s + 2.0 * local_experts * eff.host_expert
         # Dropless dispatch syncs the host on the per-expert token counts mid-forward: the GPU
@@ -568,52 +609,78 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         g_pre = shardings.spread(sum((forward_of[g.name] for g in pre_sync), 0.0) + pre_cast) + attn_f
         floor_f = np.maximum(host_f, np.maximum(host_f - eff.host_layer_s, 0.0) + g_pre)
 
-    out = PieceTimes()
     # The GPU cannot run a layer faster than the host enqueues it (see EfficiencyProfile).
     compute_f = np.maximum(gpu_f, floor_f)
     compute_b = np.maximum(gemm["B"] + cast_b + attn_b + 2.0 * ew_f + overhead, host_b)
     compute_w = gemm["W"]
-    out.add("F", "compute", compute_f)
-    out.add("B", "compute", compute_b)
-    out.add("W", "compute", compute_w)
 
-    comm = comm or layer_comm(ctx, cols, sh)
+    comm = comm or layer_comm(ctx, bc, bsh)
     tp = comm.tp
     tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
     tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
-    out.add("F", "tp", tp_f)
-    out.add("B", "tp", tp_b)
 
     ring_f, ring_b, a2a = comm.ring_f, comm.ring_b, comm.a2a
     cp_f = _exposed(ring_f, attn_f, ctx.overlap.cp_ring) + a2a
     cp_b = _exposed(ring_b, attn_b, ctx.overlap.cp_ring) + a2a
+
+    if kind == "moe":
+        t = bc["tp"]
+        # Dispatch sends the routed copies in the activation dtype (Megatron-Core quantises
+        # inside the expert GEMM) or, with ep_dispatch_fp8, at fp8 GEMM operand width; combine
+        # returns them in activation width; the backward moves gradients both ways.
+        copies = bsh.tokens * model.num_experts_per_tok / t * model.hidden_size
+        dispatch_bytes = rates.operand_bytes if ctx.overlap.ep_dispatch_fp8 else beta
+        # (each all-to-all priced once: the combine's serves the backward's two, and the
+        # dispatch where it sends at activation width too)
+        combine = _ep_all_to_all_s(ctx, bc, copies * beta)
+        dispatch = combine if dispatch_bytes == beta else _ep_all_to_all_s(ctx, bc, copies * dispatch_bytes)
+        forward = dispatch + combine
+        backward = 2.0 * combine
+        share = eff.ep_comm_compute_share
+        forward, backward = forward * eff.moe_imbalance, backward * eff.moe_imbalance
+        # Overlapped: what a paired pass exposes, and what it hides (holding the links FSDP uses).
+        paired_exposed_f = up(_exposed(forward, compute_f, True, share))
+        paired_exposed_b = up(_exposed(backward, compute_b + compute_w, True, share))
+        paired_hidden_f = up(np.minimum(forward, compute_f))
+        paired_hidden_b = up(np.minimum(backward, compute_b + compute_w))
+        forward, backward = up(forward), up(backward)
+
+    # Selective recompute's replay (below) reads the sharding part alone too.
+    if ctx.recompute_modules:
+        selective_s, replays_dispatch = _module_replay_seconds(ctx, bc, bsh, shardings, kind, gemms, forward_of,
+                                                               attn_f, host_f)
+    elif eff.selective_recompute == "torchtitan-op":
+        replayed = alternate_recomputed_gemms(model, shardings.distinct, kind)
+        replay_cast, _ = fp8_cast_seconds(ctx, replayed)
+        selective_s = shardings.spread(gemms_seconds(replayed, rates, "F")[0] + replay_cast) + ew_rc
+    elif eff.selective_recompute == "keep-matmuls":  # the elementwise ops layer_bytes deems recomputable
+        selective_s = ew_rc
+    else:  # Megatron's default module list: the attention core alone
+        selective_s = attn_f
+    selective_s = up(selective_s)
+
+    compute_f, compute_b, compute_w = up(compute_f), up(compute_b), up(compute_w)
+    tp, tp_f, tp_b = up(tp), up(tp_f), up(tp_b)
+    ring_f, ring_b, a2a, cp_f, cp_b = up(ring_f), up(ring_b), up(a2a), up(cp_f), up(cp_b)
+
+    out = PieceTimes()
+    out.add("F", "compute", compute_f)
+    out.add("B", "compute", compute_b)
+    out.add("W", "compute", compute_w)
+    out.add("F", "tp", tp_f)
+    out.add("B", "tp", tp_b)
     out.add("F", "cp", cp_f)
     out.add("B", "cp", cp_b)
 
     ep_f: Array | float = 0.0
     ep_b: Array | float = 0.0
     if kind == "moe":
-        t = cols["tp"]
-        # Dispatch sends the routed copies in the activation dtype (Megatron-Core quantises
-        # inside the expert GEMM) or, with ep_dispatch_fp8, at fp8 GEMM operand width; combine
-        # returns them in activation width; the backward moves gradients both ways.
-        copies = sh.tokens * model.num_experts_per_tok / t * model.hidden_size
-        dispatch_bytes = rates.operand_bytes if ctx.overlap.ep_dispatch_fp8 else beta
-        # (each all-to-all priced once: the combine's serves the backward's two, and the
-        # dispatch where it sends at activation width too)
-        combine = _ep_all_to_all_s(ctx, cols, copies * beta)
-        dispatch = combine if dispatch_bytes == beta else _ep_all_to_all_s(ctx, cols, copies * dispatch_bytes)
-        forward = dispatch + combine
-        backward = 2.0 * combine
         hide_ep = cols["ep_overlap"] > 0
-        share = eff.ep_comm_compute_share
         # Warm-up forwards and cool-down backwards have no partner micro-batch to hide under
         # (schedule.pairing): that share of the passes runs its all-to-all exposed.
         unpaired = cols["ep_unpaired"] / cols["ep_passes"]
-        forward, backward = forward * eff.moe_imbalance, backward * eff.moe_imbalance
-        ep_f = np.where(hide_ep, unpaired * forward + (1.0 - unpaired) * _exposed(forward, compute_f, True, share), forward)
-        ep_b = np.where(hide_ep, unpaired * backward
-                        + (1.0 - unpaired) * _exposed(backward, compute_b + compute_w, True, share), backward)
+        ep_f = np.where(hide_ep, unpaired * forward + (1.0 - unpaired) * paired_exposed_f, forward)
+        ep_b = np.where(hide_ep, unpaired * backward + (1.0 - unpaired) * paired_exposed_b, backward)
         out.add("F", "ep", ep_f)
         out.add("B", "ep", ep_b)
 
@@ -631,17 +698,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     selective = cols["recompute"] == 1
     selective_ep: Array | float = 0.0
     if ctx.recompute_modules:
-        selective_s, replays_dispatch = _module_replay_seconds(ctx, cols, sh, shardings, kind, gemms, forward_of,
-                                                               attn_f, host_f)
         selective_ep = ep_f if replays_dispatch else 0.0
-    elif eff.selective_recompute == "torchtitan-op":
-        replayed = alternate_recomputed_gemms(model, shardings.distinct, kind)
-        replay_cast, _ = fp8_cast_seconds(ctx, replayed)
-        selective_s = shardings.spread(gemms_seconds(replayed, rates, "F")[0] + replay_cast) + ew_rc
-    elif eff.selective_recompute == "keep-matmuls":  # the elementwise ops layer_bytes deems recomputable
-        selective_s = ew_rc
-    else:  # Megatron's default module list: the attention core alone
-        selective_s = attn_f
     recomputed_s = np.where(full, compute_f, np.where(selective, selective_s, 0.0))
     rc.add("B", "compute", recomputed_s)
     # Replayed modules re-run their collectives: the MLP block's TP/SP one (half the layer's)
@@ -672,8 +729,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     ep_hidden_b: Array | float = 0.0
     if kind == "moe":
         paired = np.where(hide_ep, 1.0 - unpaired, 0.0)
-        ep_hidden_f = paired * np.minimum(forward, compute_f)
-        ep_hidden_b = paired * np.minimum(backward, compute_b + compute_w)
+        ep_hidden_f = paired * paired_hidden_f
+        ep_hidden_b = paired * paired_hidden_b
     held_f = (np.where(sharing_tp, tp - tp_f, 0.0) + np.where(sharing_cp, ring_f + a2a - cp_f, 0.0)
               + np.where(sharing_ep, ep_hidden_f, 0.0))
     held_b = (np.where(sharing_tp, tp - tp_b, 0.0) + np.where(sharing_cp, ring_b + a2a - cp_b, 0.0)
@@ -784,14 +841,19 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     """Every piece of a stage, for the strategies in ``cols`` (float arrays, see step.py)."""
     model = ctx.model
     sh = Sharding(*(cols[name] for name in SHARDING_FIELDS))
-    shardings = sharding_rows(cols)
+    # The decoder layers' sharding part on the distinct base rows (BaseRows), with their
+    # shardings; the other pieces read the shardings of the rows.
+    base = base_rows(cols)
+    base_shardings = sharding_rows(base.cols)
+    codes = base_shardings.codes  # (never None from sharding_rows)
+    shardings = ShardingRows(base_shardings.distinct, None if codes is None else np.asarray(base.spread(codes)))
     fsdp = fsdp_groups(ctx, cols)  # every piece's FSDP collectives run over the same groups
-    comm = layer_comm(ctx, cols, sh)  # and every kind of layer moves the same activations
+    comm = layer_comm(ctx, base.cols, base.sh)  # and every kind of layer moves the same activations
     pieces: dict[str, PieceTimes] = {}
     for kind in ("dense", "moe"):
         if kind in model.layer_mlp_kinds or (model.mtp_depth and model.mtp_mlp_kind == kind):
-            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=shardings, fsdp=fsdp,  # type: ignore[arg-type]
-                                      comm=comm)
+            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=base_shardings, fsdp=fsdp,  # type: ignore[arg-type]
+                                      comm=comm, base=base)
         else:
             layer, rc = PieceTimes(), PieceTimes()
         pieces[kind] = layer
@@ -799,8 +861,8 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     pieces["emb"] = embedding_piece(ctx, cols, sh, fsdp)
     mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
     if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
-        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=shardings,
-                                  fsdp=fsdp, comm=comm)[0]
+        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=base_shardings,
+                                  fsdp=fsdp, comm=comm, base=base)[0]
     pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp)
     pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings, fsdp)
     return pieces
