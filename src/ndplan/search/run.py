@@ -356,12 +356,10 @@ def run_search(
     order = by_time_then_peak(time_all, peak_all)  # ties in both by index: index_all ascends
 
     def rows(positions: np.ndarray) -> list[dict[str, Any]]:
-        out = []
-        for p in positions:
-            strategy = space.strategy(int(index_all[p]))
-            out.append(_row(strategy, int(index_all[p]), float(peak_all[p]), int(stage_all[p]),
-                            {k: v[by_index[p]] for k, v in extra.items()}, options, model))
-        return out
+        strategies = space.strategies(index_all[positions])
+        return [_row(strategy, int(index_all[p]), float(peak_all[p]), int(stage_all[p]),
+                     {k: v[by_index[p]] for k, v in extra.items()}, options, model)
+                for strategy, p in zip(strategies, positions, strict=True)]
 
     front = _front(order, peak_all)
     shown = front[evenly_spread(len(front), PARETO_ROWS)]

@@ -344,6 +344,15 @@ class SearchSpace:
         """The strategy at index ``candidate`` of the space (enumeration order)."""
         return self.batch(np.asarray([candidate])).row(0)
 
+    def strategies(self, index: np.ndarray) -> list[Strategy]:
+        """The strategies at ``index`` (enumeration order), in that order: one batch per pair of
+        module sets rather than one per candidate (building a batch costs ~0.1 ms however short)."""
+        out: list[Strategy | None] = [None] * len(index)
+        for positions, batch in self.batches(np.asarray(index, dtype=np.int64)):
+            for i, position in enumerate(positions.tolist()):
+                out[position] = batch.row(i)
+        return [strategy for strategy in out if strategy is not None]
+
     def selective_modules(self, candidate: int) -> ModuleSet:
         """What selective recompute re-runs for ``candidate`` (where it recomputes otherwise, the
         first set's: a balancer's selective option for it)."""
