@@ -755,35 +755,43 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     return out, rc
 
 
-def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, fsdp: FsdpGroups | None = None) -> PieceTimes:
-    """Embedding lookup (vocab-parallel: an all-reduce, or a reduce-scatter with SP)."""
+def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, fsdp: FsdpGroups | None = None,
+                    base: BaseRows | None = None) -> PieceTimes:
+    """Embedding lookup (vocab-parallel: an all-reduce, or a reduce-scatter with SP). ``base``:
+    ``base_rows`` of ``cols``, on which the lookup and its TP collective are priced."""
     model = ctx.model
     beta = ctx.precision.activation_bytes
-    fwd_bytes, bwd_bytes = embedding_bytes(model, sh, beta)
+    base = base or BaseRows(cols, sh)
+    bc, bsh, up = base.cols, base.sh, base.spread
+    fwd_bytes, bwd_bytes = embedding_bytes(model, bsh, beta)
+    backward_s = up(bwd_bytes / ctx.rates.hbm_rate)
     out = PieceTimes()
-    out.add("F", "compute", fwd_bytes / ctx.rates.hbm_rate)
-    out.add("B", "compute", bwd_bytes / ctx.rates.hbm_rate)
-    activation = sh.tokens * model.hidden_size * beta
-    t = cols["tp"]
+    out.add("F", "compute", up(fwd_bytes / ctx.rates.hbm_rate))
+    out.add("B", "compute", backward_s)
+    activation = bsh.tokens * model.hidden_size * beta
+    t = bc["tp"]
     link = group_link(t, 1.0, ctx.fabric, "ring")
-    sp = cols["sequence_parallel"] > 0
-    out.add("F", "tp", np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link)))
+    sp = bc["sequence_parallel"] > 0
+    out.add("F", "tp", up(np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))))
     table = TpSplit(model.vocab_size * model.hidden_size, 0)  # vocabulary-parallel
     fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     out.add("F", "dp", _exposed(fs_f, 0.0, False))
-    out.add("B", "dp", _exposed(fs_b, bwd_bytes / ctx.rates.hbm_rate, ctx.overlap.fsdp_prefetch))
+    out.add("B", "dp", _exposed(fs_b, backward_s, ctx.overlap.fsdp_prefetch))
     return out
 
 
 def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
-                     shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None) -> PieceTimes:
+                     shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None,
+                     base: BaseRows | None = None) -> PieceTimes:
     """The output stage's own copy of a tied table, or of the embedding MTP modules read, where
     the two ends sit on different stages (the step counts it there): its FSDP gather and
-    reduce-scatter, hidden under the head's passes as an untied head's table is."""
+    reduce-scatter, hidden under the head's passes as an untied head's table is. ``shardings``
+    and ``base`` as in ``head_piece``."""
     model = ctx.model
-    shardings = shardings or ShardingRows(sh)
+    base = base or BaseRows(cols, sh)
+    shardings = shardings or ShardingRows(base.sh)
     head = head_gemms(model, shardings.distinct)
-    head_s = {p: shardings.spread(gemms_seconds(head, ctx.rates, p)[0]) for p in PASS_NAMES}
+    head_s = {p: base.spread(shardings.spread(gemms_seconds(head, ctx.rates, p)[0])) for p in PASS_NAMES}
     fs_f, fs_b = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0, fsdp)
     out = PieceTimes()
     out.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
@@ -792,33 +800,37 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
 
 
 def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes,
-               shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None) -> PieceTimes:
+               shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None,
+               base: BaseRows | None = None) -> PieceTimes:
     """Final norm, output head and loss, plus each MTP module (projection, its decoder layer
     ``mtp_layer`` and the shared head again). GEMMs priced per distinct sharding (``shardings``,
-    as in ``decoder_layer``)."""
+    as in ``decoder_layer``), the head's compute and TP on ``base`` (as there)."""
     model, rates = ctx.model, ctx.rates
     beta = ctx.precision.activation_bytes
-    shardings = shardings or ShardingRows(sh)
+    base = base or BaseRows(cols, sh)
+    bc, bsh, up = base.cols, base.sh, base.spread
+    shardings = shardings or ShardingRows(bsh)
     head = head_gemms(model, shardings.distinct)
     head_s = {p: shardings.spread(gemms_seconds(head, rates, p)[0]) for p in PASS_NAMES}
     cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, head))
-    loss_s = ctx.eff.elementwise_passes * head_bytes(model, sh, cols["sequence_parallel"], beta,
+    loss_s = ctx.eff.elementwise_passes * head_bytes(model, bsh, bc["sequence_parallel"], beta,
                                                      ctx.eff.loss_upcast) / rates.hbm_rate
-    t = cols["tp"]
+    t = bc["tp"]
     link = group_link(t, 1.0, ctx.fabric, "ring")
-    sp = cols["sequence_parallel"] > 0
-    activation = sh.tokens * model.hidden_size * beta
+    sp = bc["sequence_parallel"] > 0
+    activation = bsh.tokens * model.hidden_size * beta
     # vocab-parallel cross-entropy: three all-reduces of one fp32 number per token
-    ce = 3.0 * coll.all_reduce_s(sh.tokens * 4.0, t, link)
+    ce = 3.0 * coll.all_reduce_s(bsh.tokens * 4.0, t, link)
     tp_f = np.where(sp, coll.all_gather_s(activation, t, link), 0.0) + ce
     tp_b = np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))
 
     one = PieceTimes()
-    one.add("F", "compute", head_s["F"] + cast_f + loss_s)
-    one.add("B", "compute", head_s["B"] + cast_b + loss_s)
-    one.add("W", "compute", head_s["W"])
-    one.add("F", "tp", _exposed(tp_f, head_s["F"], ctx.overlap.tp))
-    one.add("B", "tp", _exposed(tp_b, head_s["B"], ctx.overlap.tp))
+    one.add("F", "compute", up(head_s["F"] + cast_f + loss_s))
+    one.add("B", "compute", up(head_s["B"] + cast_b + loss_s))
+    one.add("W", "compute", up(head_s["W"]))
+    one.add("F", "tp", up(_exposed(tp_f, head_s["F"], ctx.overlap.tp)))
+    one.add("B", "tp", up(_exposed(tp_b, head_s["B"], ctx.overlap.tp)))
+    head_s = {p: up(value) for p, value in head_s.items()}
     table = TpSplit(0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size, 0)
     fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     one.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
@@ -832,7 +844,7 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
         module.scaled_add(mtp_layer, 1.0)
         module.scaled_add(one, 1.0)
         for pass_ in PASS_NAMES:
-            module.add(pass_, "compute", shardings.spread(gemms_seconds(proj, rates, pass_)[0]))
+            module.add(pass_, "compute", up(shardings.spread(gemms_seconds(proj, rates, pass_)[0])))
         out.scaled_add(module, float(model.mtp_depth))
     return out
 
@@ -841,28 +853,25 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     """Every piece of a stage, for the strategies in ``cols`` (float arrays, see step.py)."""
     model = ctx.model
     sh = Sharding(*(cols[name] for name in SHARDING_FIELDS))
-    # The decoder layers' sharding part on the distinct base rows (BaseRows), with their
-    # shardings; the other pieces read the shardings of the rows.
+    # Every piece's sharding part on the distinct base rows (BaseRows), with their shardings.
     base = base_rows(cols)
-    base_shardings = sharding_rows(base.cols)
-    codes = base_shardings.codes  # (never None from sharding_rows)
-    shardings = ShardingRows(base_shardings.distinct, None if codes is None else np.asarray(base.spread(codes)))
+    shardings = sharding_rows(base.cols)
     fsdp = fsdp_groups(ctx, cols)  # every piece's FSDP collectives run over the same groups
     comm = layer_comm(ctx, base.cols, base.sh)  # and every kind of layer moves the same activations
     pieces: dict[str, PieceTimes] = {}
     for kind in ("dense", "moe"):
         if kind in model.layer_mlp_kinds or (model.mtp_depth and model.mtp_mlp_kind == kind):
-            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=base_shardings, fsdp=fsdp,  # type: ignore[arg-type]
+            layer, rc = decoder_layer(ctx, cols, sh, kind, shardings=shardings, fsdp=fsdp,  # type: ignore[arg-type]
                                       comm=comm, base=base)
         else:
             layer, rc = PieceTimes(), PieceTimes()
         pieces[kind] = layer
         pieces[f"rc_{kind}"] = rc
-    pieces["emb"] = embedding_piece(ctx, cols, sh, fsdp)
+    pieces["emb"] = embedding_piece(ctx, cols, sh, fsdp, base)
     mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
     if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
-        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=base_shardings,
+        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=shardings,
                                   fsdp=fsdp, comm=comm, base=base)[0]
-    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp)
-    pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings, fsdp)
+    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp, base)
+    pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings, fsdp, base)
     return pieces
