@@ -277,7 +277,9 @@ def run_search(
             return
         index_part = np.concatenate([index for index, _, _ in pending])
         # Built from the part's tables at once rather than gathered from each block's batch and joined.
-        survivors = pending[0][2].batch(np.concatenate([position for _, position, _ in pending]))
+        part = pending[0][2]
+        position = np.concatenate([position for _, position, _ in pending])
+        survivors = part.batch(position)
         pending.clear()
         pending_count = 0
         peak, stage = peak_memory(model, survivors, options)
@@ -285,7 +287,9 @@ def run_search(
         fits = peak <= limit
         rejected[OVER_MEMORY] += int(np.count_nonzero(~fits))
         if fits.any():
-            fitting = survivors.take(np.flatnonzero(fits))
+            # Built again from the part's tables rather than gathered from the survivors' batch:
+            # one gather per field from small tables instead of one from the survivors' columns.
+            fitting = part.batch(position[fits])
             times = _step_times(time_function(model, fitting, cluster), len(fitting))
             kept_index.append(index_part[fits])
             kept_time.append(np.asarray(times["step_s"], dtype=float))
