@@ -251,7 +251,7 @@ class PartFields:
             by_axes.setdefault(tuple(a for a in varied if BLOCK_ORDER[a] in dims), []).append(name)
         # Per field, one of: its value; its value by outer row; by inner position; by the key
         # of its own dimensions' product, the sum of a key by outer row and one by inner position.
-        self.constants: dict[str, int] = {}
+        self.constants: dict[str, np.ndarray] = {}
         self.by_row: dict[str, np.ndarray] = {}
         self.by_inner: dict[str, np.ndarray] = {}
         self.by_key: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -261,7 +261,7 @@ class PartFields:
             for name in names:
                 values = getattr(probe, name)
                 if values.min() == values.max():
-                    self.constants[name] = int(values[0])
+                    self.constants[name] = np.asarray(values[0], dtype=np.int64)
                 elif not any(a >= split for a in axes):
                     self.by_row[name] = values[outer_key]
                 elif not any(a < split for a in axes):
@@ -310,7 +310,9 @@ class PartFields:
     def batch(self, position: np.ndarray) -> StrategyBatch:
         """The batch of the candidates at ``position`` in the part."""
         row, inner = np.divmod(position, self.inner_size)
-        arrays: dict[str, Any] = {name: np.full(len(position), value, dtype=np.int64) for name, value in self.constants.items()}
+        # A field the whole part holds at one value stays a read-only broadcast view (no memory
+        # written per candidate; gathering or computing from it reads one cached value).
+        arrays: dict[str, Any] = {name: np.broadcast_to(value, (len(position),)) for name, value in self.constants.items()}
         arrays |= {name: table.take(row) for name, table in self.by_row.items()}
         arrays |= {name: table.take(inner) for name, table in self.by_inner.items()}
         arrays |= {name: values.take(outer_key.take(row) + inner_key.take(inner))
