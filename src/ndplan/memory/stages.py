@@ -1981,7 +1981,6 @@ def _evaluate_group(
     # ---- communication buffers alive while a layer runs
     overlapping_with_pp = _layer_buffers(model, batch, options, tokens, pp, has_moe)
     # Only FSDP strategies have unit moments: price those rows alone.
-    fsdp = FsdpPhases(*(np.zeros((len(batch), patterns), order="F") for _ in range(4)))
     sharded_rows = np.flatnonzero(zero3)
     if sharded_rows.size:
         def pick(values: Any) -> np.ndarray:
@@ -2020,9 +2019,18 @@ def _evaluate_group(
         if distinct is not None:
             inputs = _taken(inputs, distinct[0])
         sharded = _fsdp_unit_phases(placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, **inputs)
-        for name in ("buffers", "working", "last_unit", "grads_made"):
-            values = getattr(sharded, name)
-            getattr(fsdp, name)[sharded_rows] = values if distinct is None else values[distinct[1]]
+        # Per row of the batch, its row of the moments, or one past them (a row of zeros) where
+        # nothing is sharded: each figure is then one gather, not a gather by the distinct
+        # rows and a scatter to the sharded ones.
+        computed_rows = len(sharded.buffers)
+        source = np.full(len(batch), computed_rows)
+        source[sharded_rows] = np.arange(computed_rows) if distinct is None else distinct[1]
+        fsdp = FsdpPhases(*(
+            np.concatenate([values, np.zeros((1, patterns))]).take(source, axis=0)
+            for values in (sharded.buffers, sharded.working, sharded.last_unit, sharded.grads_made)
+        ))
+    else:
+        fsdp = FsdpPhases(*(np.zeros((len(batch), patterns), order="F") for _ in range(4)))
     # Zero where nothing is sharded. A moment that frees a micro-batch's activations is credited
     # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
     # neither category reads below zero (the sum, the moment, is the same).
