@@ -987,8 +987,11 @@ def _outer_sum(terms: list[StaticTerm], n: int, width: int) -> np.ndarray:
         if len(hot) == 1 and per_virtual[hot[0]] == 1.0:
             total[:, hot[0]] += per_strategy
         else:
-            for column, factor in enumerate(per_virtual.tolist()):
-                total[:, column] += per_strategy * factor
+            # Columns of a zero factor are skipped: the element counts are finite, so each would
+            # add ±0, which leaves every sum as it is (a total starts at +0 and never reads -0).
+            # A DeepSeek-like model's dense layers fill the first virtual stage alone.
+            for column in hot.tolist():
+                total[:, column] += per_strategy * per_virtual[column]
     return total
 
 
