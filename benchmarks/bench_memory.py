@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/bench_memory.py [--count 1000000]
 
-Strategies are drawn at random from the full space and kept if valid (the rule masks are part
-of the search, not of this figure); the timer covers the memory model over the valid batch only:
+Strategies are drawn at random from the full space and kept if valid and not drawn before (the
+rule masks are part of the search, not of this figure; a repeated strategy is priced once); the
+timer covers the memory model over the valid batch only:
 stage_memory (every stage, every category) cold and warm, and peak_memory (each strategy's
 largest stage, what the search asks for).
 """
@@ -24,25 +25,28 @@ from ndplan.strategy import RuleContext, StrategyBatch, valid_mask
 def random_batch(model_name: str, count: int, devices: int, seed: int = 0) -> StrategyBatch:
     rng = np.random.default_rng(seed)
     model = get_preset(model_name)
-    n = count * 6  # oversample: many random combinations break a rule
+    n = count * 6  # oversample: many random combinations break a rule, some repeat
     tp = rng.choice([1, 2, 4, 8], n)
     pp = rng.choice([1, 2, 4, 8, 16], n)
-    cp = rng.choice([1, 2], n)
+    cp = rng.choice([1, 2, 4], n)
     dp = np.maximum(devices // (tp * pp * cp), 1)
     schedule = rng.choice([0, 1, 2, 3, 5], n)  # 1f1b, interleaved, zb-h1, zbv, gpipe
     vpp = np.where(schedule == 1, rng.choice([2, 4], n), np.where(schedule == 3, 2, 1))
-    mbs = rng.choice([1, 2], n)
-    m = np.maximum(rng.choice([1, 2, 4, 8], n) * pp, 1)
+    mbs = rng.choice([1, 2, 4], n)
+    m = np.maximum(rng.choice([1, 2, 3, 4, 6, 8, 12, 16], n) * pp, 1)
     columns = {
         "dp": dp, "tp": tp, "pp": pp, "cp": cp, "vpp": vpp, "schedule": schedule,
         "ep": rng.choice([1, 8, 32, 64], n) if model.is_moe else 1, "etp": 1 if model.is_moe else tp,
         "sequence_parallel": (tp > 1) & rng.choice([True, False], n), "zero": rng.choice([0, 1, 2, 3], n),
         "recompute": rng.choice([0, 1, 2], n), "micro_batch_size": mbs, "num_micro_batches": m,
-        "seq_length": 4096,
+        "seq_length": rng.choice([2048, 4096, 8192], n), "cp_kind": rng.integers(0, 2, n),
     }
     batch = StrategyBatch.from_columns(columns)
-    valid = np.flatnonzero(valid_mask(batch, RuleContext(model, devices)))[:count]
-    return batch.take(valid)
+    batch = batch.take(np.flatnonzero(valid_mask(batch, RuleContext(model, devices))))
+    # Distinct strategies only: the memory model prices a repeated strategy once, which would
+    # flatter the rate (the first draw of each, in the order drawn).
+    first, _ = batch.distinct(StrategyBatch.array_fields())
+    return batch.take(np.sort(first)[:count])
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def mixed_strategies(model: ModelSpec, devices: int, size: int, *, seed: int = 0) -> StrategyBatch:
-    """``size`` valid strategies drawn at random over every dimension."""
+    """``size`` distinct valid strategies drawn at random over every dimension."""
     rng = np.random.default_rng(seed)
     ctx = RuleContext(model, devices)
     kept: list[StrategyBatch] = []
@@ -74,11 +74,17 @@ def mixed_strategies(model: ModelSpec, devices: int, size: int, *, seed: int = 0
             "micro_batch_size": mbs, "num_micro_batches": m, "seq_length": rng.choice([4096, 8192], n),
         }
         batch = StrategyBatch.from_columns(columns)
-        keep = np.flatnonzero(valid_mask(batch, ctx))
-        kept.append(batch.take(keep))
-        have += len(keep)
-    merged = {name: np.concatenate([getattr(b, name) for b in kept])[:size] for name in StrategyBatch.array_fields()}
-    return StrategyBatch(**merged)
+        kept.append(batch.take(np.flatnonzero(valid_mask(batch, ctx))))
+        merged = StrategyBatch(**{name: np.concatenate([getattr(b, name) for b in kept])
+                                  for name in StrategyBatch.array_fields()})
+        # Distinct strategies only: the memory model prices a repeated strategy once, which would
+        # flatter the rate (the first draw of each, in the order drawn).
+        first, _ = merged.distinct(StrategyBatch.array_fields())
+        if len(first) < have + size // 100:
+            break  # the space holds fewer distinct valid strategies than asked: all of them
+        have = len(first)
+        kept = [merged.take(np.sort(first))]
+    return merged.take(np.sort(first)[:size])
 
 
 def bench(name: str, devices: int, size: int, repeats: int = 3) -> None:
