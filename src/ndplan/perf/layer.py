@@ -158,9 +158,15 @@ class ShardingRows:
 
     def spread(self, value: Array | float) -> Array | float:
         """``value`` per distinct sharding, per row (scalars as they are)."""
-        if self.codes is None or np.ndim(value) == 0:
-            return value
-        return np.asarray(value)[self.codes]
+        return _spread(value, self.codes)
+
+
+def _spread(value: Array | float, codes: Array | None) -> Array | float:
+    """``value`` given per distinct row, per row: ``value[codes]`` (``codes`` None: the distinct
+    rows are the rows; a scalar is every row's)."""
+    if codes is None or np.ndim(value) == 0:
+        return value
+    return np.asarray(value)[codes]
 
 
 def sharding_rows(cols: dict[str, Array]) -> ShardingRows:
@@ -191,9 +197,7 @@ class BaseRows:
 
     def spread(self, value: Array | float) -> Array | float:
         """``value`` per base row, per row (scalars as they are)."""
-        if self.codes is None or np.ndim(value) == 0:
-            return value
-        return np.asarray(value)[self.codes]
+        return _spread(value, self.codes)
 
 
 def base_rows(cols: dict[str, Array]) -> BaseRows:
