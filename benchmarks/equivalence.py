@@ -1,7 +1,12 @@
 """What the record/compare equivalence scripts share: a tolerant equality and the two actions.
 
 Floats may differ by 1e-12 relative (RTOL); everything else (integers, shapes, kinds, labels,
-keys) must be equal.
+keys) must be equal. To record with older code, run these scripts with that code first on the
+path (each says which ndplan it imported):
+
+    git worktree add --detach /tmp/old <commit>
+    PYTHONPATH=/tmp/old/src .venv/bin/python benchmarks/time_equivalence.py record before.pkl
+    .venv/bin/python benchmarks/time_equivalence.py compare before.pkl
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import pickle
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +45,10 @@ def close(a: Any, b: Any) -> bool:
 def record_or_compare(action: str, path: str, now: dict[str, Any], what: str) -> None:
     """``record``: store ``now`` at ``path``. ``compare``: report each stored entry that ``now``
     lacks or that differs (per key, one level down where entries are dicts) and exit 1 if any."""
+    import ndplan
+
+    # Which code priced them: a record made with the code it is compared with proves nothing.
+    print(f"ndplan imported from {Path(ndplan.__file__).parent}")
     if action == "record":
         with open(path, "wb") as f:
             pickle.dump(now, f)
