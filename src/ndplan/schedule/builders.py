@@ -179,20 +179,30 @@ def _gpipe(pp: int, m: int) -> list[StagePlan]:
     ]
 
 
-def _warm_up_then_alternate(warm: int, total: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-    """(kinds, units) of ``warm`` forwards, then F of unit warm + i beside B of unit i while
-    forwards remain, then the remaining backwards: the 1F1B order over ``total`` units."""
-    steady = total - warm
-    units = np.arange(total, dtype=np.int64)
-    kinds = np.concatenate([np.full(warm, F), np.tile(np.array([F, B]), steady), np.full(warm, B)]).astype(np.int64)
-    order = np.concatenate([units[:warm], np.stack([units[warm:], units[:steady]], axis=1).ravel(), units[steady:]])
-    return kinds, order
+def _warm_up_then_alternate(warm: NDArray[np.int64], total: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """(kinds, units), [stages, 2·total] each, of the 1F1B order over ``total`` units on stages
+    of ``warm`` [stages] warm-up forwards each: the warm-up forwards, then F of unit warm + i
+    beside B of unit i while forwards remain, then the remaining backwards.
+
+    Every stage at once, by position p in its order (q = p - warm): a warm-up F of unit p, then
+    alternately F of warm + q/2 and B of (q - 1)/2, then in the last ``warm`` positions B of
+    p - total. One array for all stages, not a few numpy calls per stage: a search builds a few
+    hundred such schedules of up to 64 stages."""
+    position = np.arange(2 * total, dtype=np.int64)[None, :]
+    warm = warm[:, None]
+    q = position - warm
+    half, odd = np.divmod(q, 2)
+    in_warm_up, in_tail = q < 0, position >= 2 * total - warm
+    kinds = np.where(in_warm_up, F, np.where(in_tail | (odd == 1), B, F)).astype(np.int64)
+    units = np.where(in_warm_up, position, np.where(in_tail, position - total, np.where(odd == 1, half, warm + half)))
+    return kinds, units.astype(np.int64)
 
 
 def _one_f_one_b(pp: int, m: int) -> list[StagePlan]:
     # PipeDream-flush / Megatron forward_backward_pipelining_without_interleaving:
     # stage s runs pp-s-1 warm-up forwards, then alternates F and B, then drains the Bs.
-    return [StagePlan(*_warm_up_then_alternate(min(pp - s - 1, m), m)) for s in range(pp)]
+    kinds, units = _warm_up_then_alternate(np.minimum(pp - 1 - np.arange(pp, dtype=np.int64), m), m)
+    return [StagePlan(kinds[s], units[s]) for s in range(pp)]
 
 
 def _zb_h1(pp: int, m: int) -> list[StagePlan]:
@@ -224,11 +234,11 @@ def _interleaved(pp: int, vpp: int, m: int) -> list[StagePlan]:
     group, within = np.divmod(np.arange(total, dtype=np.int64), pp * vpp)
     mbs = group * pp + within % pp
     chunks = within // pp
-    plan = []
-    for s in range(pp):
-        kinds, units = _warm_up_then_alternate(min(total, (pp - s - 1) * 2 + (vpp - 1) * pp), total)
-        plan.append(StagePlan(kinds, mbs[units], np.where(kinds == F, chunks[units], vpp - 1 - chunks[units])))
-    return plan
+    kinds, units = _warm_up_then_alternate(
+        np.minimum(total, (pp - 1 - np.arange(pp, dtype=np.int64)) * 2 + (vpp - 1) * pp), total)
+    chunk = np.where(kinds == F, chunks[units], vpp - 1 - chunks[units])
+    micro_batch = mbs[units]
+    return [StagePlan(kinds[s], micro_batch[s], chunk[s]) for s in range(pp)]
 
 
 def _zbv(pp: int, m: int) -> list[StagePlan]:
@@ -299,11 +309,10 @@ def _seq1f1b(pp: int, m: int, k: int) -> list[StagePlan]:
     # sub-sequence order within each micro-batch (causal attention: chunk j's K/V gradient
     # needs the later chunks' backward first).
     total = m * k
-    plan = []
-    for s in range(pp):
-        kinds, units = _warm_up_then_alternate(min(pp - s - 2 + k, total), total)
-        plan.append(StagePlan(kinds, units // k, seq_chunk=np.where(kinds == F, units % k, k - 1 - units % k)))
-    return plan
+    kinds, units = _warm_up_then_alternate(np.minimum(pp - 2 + k - np.arange(pp, dtype=np.int64), total), total)
+    micro_batch, sub = np.divmod(units, k)
+    seq_chunk = np.where(kinds == F, sub, k - 1 - sub)
+    return [StagePlan(kinds[s], micro_batch[s], seq_chunk=seq_chunk[s]) for s in range(pp)]
 
 
 _BUILDERS: dict[str, Callable[[int, int, int, int], list[StagePlan]]] = {
