@@ -16,8 +16,9 @@ Units: micro-batches of the stage's chunk. A Seq1F1B sub-sequence counts 1/seq_c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -61,10 +62,6 @@ class StageInFlight:
 class InFlight:
     """What the memory model needs from a schedule: how many activations a stage holds.
 
-    peak: [pp, vpp] peak of held_until_b per stage and chunk (each chunk on its own).
-    peak_w: [pp, vpp] peak of held_until_w (activations past B, waiting for their W).
-    peak_total: [pp] peak over time of the sum across chunks of held_until_b (the chunks
-        peak at different instants, so this can be less than peak.sum(axis=1)).
     stages: the op-boundary series, for weighting chunks of different sizes.
     groups: the same series stacked for the stages that run as many ops (in most schedules,
         all of them), ([stages, boundaries, chunks]), each with its stages' indices: for
@@ -76,11 +73,34 @@ class InFlight:
     vpp: int
     num_micro_batches: int
     seq_chunks: int
-    peak: NDArray[np.float64]
-    peak_w: NDArray[np.float64]
-    peak_total: NDArray[np.float64]
     stages: tuple[StageInFlight, ...]
     groups: tuple[tuple[tuple[int, ...], StageInFlight], ...] = ()
+
+    # The peaks are reduced on first use, not with the series: the strategy search reads the
+    # series of a few hundred schedules (their memory frontiers) and none of these.
+    @cached_property
+    def peak(self) -> NDArray[np.float64]:
+        """[pp, vpp] peak of held_until_b per stage and chunk (each chunk on its own)."""
+        return self._peaks(lambda st: st.held_until_b.max(axis=1), (self.pp, self.vpp))
+
+    @cached_property
+    def peak_w(self) -> NDArray[np.float64]:
+        """[pp, vpp] peak of held_until_w (activations past B, waiting for their W)."""
+        return self._peaks(lambda st: st.held_until_w.max(axis=1), (self.pp, self.vpp))
+
+    @cached_property
+    def peak_total(self) -> NDArray[np.float64]:
+        """[pp] peak over time of the sum across chunks of held_until_b (the chunks peak at
+        different instants, so this can be less than peak.sum(axis=1))."""
+        return self._peaks(lambda st: st.held_until_b.sum(axis=2).max(axis=1), (self.pp,))
+
+    def _peaks(self, reduce: Callable[[StageInFlight], NDArray[np.float64]], shape: tuple[int, ...]) -> NDArray[np.float64]:
+        """``reduce`` of each group's stacked series ([stages, ...] -> ``shape`` less its first
+        axis), placed at its stages' rows of a read-only ``shape`` array."""
+        out = np.zeros(shape)
+        for members, group in self.groups:
+            out[list(members)] = reduce(group)
+        return _frozen(out)
 
     def peak_weighted(self, per_b: ArrayLike, per_w: ArrayLike = 0.0) -> NDArray[np.float64]:
         """Peak over time, per stage, of sum_c held_until_b*per_b[s, c] + held_until_w*per_w[s, c].
@@ -117,9 +137,6 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
     plan = build_plan(schedule, pp, vpp, m, seq_chunks)
     split = schedule in SPLIT_BACKWARD
     stages: list[StageInFlight | None] = [None] * pp
-    peak = np.zeros((pp, vpp))
-    peak_w = np.zeros((pp, vpp))
-    peak_total = np.zeros(pp)
     groups = []
     # Stages that run as many ops are counted together, as one [stages, ops, chunks] array (in
     # most schedules every stage runs 2 or 3 ops per micro-batch and chunk: one array for all).
@@ -131,19 +148,12 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
         for i, s in enumerate(members.tolist()):
             stages[s] = StageInFlight(*(array[i] for array in series))
         groups.append((tuple(members.tolist()), StageInFlight(*series)))
-        held_b = series[0]
-        peak[members] = held_b.max(axis=1)
-        peak_w[members] = series[1].max(axis=1)
-        peak_total[members] = held_b.sum(axis=2).max(axis=1)
     return InFlight(
         schedule=schedule,
         pp=pp,
         vpp=vpp,
         num_micro_batches=m,
         seq_chunks=seq_chunks,
-        peak=_frozen(peak),
-        peak_w=_frozen(peak_w),
-        peak_total=_frozen(peak_total),
         stages=tuple(st for st in stages if st is not None),
         groups=tuple(groups),
     )
