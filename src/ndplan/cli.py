@@ -552,25 +552,28 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
         return out
 
     ran, priced = stated(run_options), stated(options)
+    peak: float | None = None
+    step: float | None = None
+    unpriced = None
     try:
         peak = estimate(run_model, written, cluster.device, run_options, num_devices=cluster.num_devices).peak_bytes
         step = estimate_time(run_model, written, cluster, **run_options.time_keywords()).step_s
     except NdplanError as error:
         # The search prices a pipeline in closed form; the full estimators simulate it and refuse
-        # a schedule too long to simulate: the settings stand, their check cannot be made.
-        return {"same": not differs, "differs": differs, "strategy": written.short(),
-                "stage_layers": list(written.stage_layers or ()), "precision": precision.name,
-                "peak_bytes": None, "fits": None, "step_s": None, "unpriced": str(error)}
+        # a schedule too long to simulate: the settings stand, their figures cannot be checked.
+        unpriced = str(error)
     if ran["overlap"] != priced["overlap"]:
         # A switch only counts where the strategy has something it hides (no parameter gather
         # to overlap without a distributed optimizer, ...): the same step with the priced overlap.
+        # Unpriced, that cannot be told, and the overlap is left out of the comparison.
         as_priced = replace(run_options, overlap=options.overlap or default_overlap(cluster.device.runtime))
-        if estimate_time(run_model, written, cluster, **as_priced.time_keywords()).step_s == step:
+        if step is None or estimate_time(run_model, written, cluster, **as_priced.time_keywords()).step_s == step:
             ran["overlap"] = priced["overlap"]
     differs += [f"{name} {ran[name]!r} (priced {priced[name]!r})" for name in ran if ran[name] != priced[name]]
     return {"same": not differs, "differs": differs, "strategy": written.short(),
             "stage_layers": list(written.stage_layers or ()), "precision": precision.name,
-            "peak_bytes": round(peak), "fits": peak <= limit, "step_s": step}
+            "peak_bytes": None if peak is None else round(peak), "fits": None if peak is None else peak <= limit,
+            "step_s": step, **({"unpriced": unpriced} if unpriced else {})}
 
 
 def _memory_limit(text: str | None, device: Any) -> int | None:
