@@ -103,6 +103,21 @@ def test_calibration_skips_other_device_families_and_rejects_unknown_figures():
         calibrate(runs, H100, fit=["flash_attention"])
 
 
+def test_runs_reported_regressed_are_listed_but_not_fitted():
+    """A run measured on software its developers report as regressed would teach the figures the
+    regression: one measured 2x slow leaves the fit alone, and is named in the report."""
+    truth = default_efficiency(H100).replace(gemm_efficiency=0.6)
+    runs = _synthetic_runs(truth)[:3]
+    slow = runs[0].model_copy(update={
+        "id": "regressed", "known_regression": "https://example.org/issue: 2x slower than the last release",
+        "measured": runs[0].measured.model_copy(update={"step_s": 2 * runs[0].measured.step_s})})
+    fitted, report = calibrate([*runs, slow], H100, fit=["gemm_efficiency"])
+    assert fitted.gemm_efficiency == pytest.approx(0.6, rel=0.02)
+    assert report.regressed == ["regressed"] and [r["id"] for r in report.runs] == [r.id for r in runs]
+    with pytest.raises(NdplanError, match="except 1 whose software is reported as regressed"):
+        calibrate([slow], H100)
+
+
 def test_published_runs_are_valid_configurations_with_their_sources():
     runs = load_runs(RUNS)
     assert len(runs) >= 15

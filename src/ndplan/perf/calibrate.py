@@ -100,6 +100,10 @@ class MeasuredRun(BaseModel):
     reserved_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="memory the source measured: the caching "
                                        "allocator's peak reserved bytes, in GiB (max over ranks), where it says")
     notes: str = ""
+    known_regression: str = Field(default="", description="where the run's own developers report this "
+                                  "measurement as a performance regression of their software (a link and what it "
+                                  "says): the run is priced and listed, but not fitted, since a fit would teach the "
+                                  "figures the regression")
 
     @field_validator("runtime")
     @classmethod
@@ -360,6 +364,9 @@ class CalibrationReport:
     bounds: dict[str, tuple[float, float]]
     runs: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    #: Runs on the family that were not fitted: their software is reported as regressed
+    #: (``MeasuredRun.known_regression``).
+    regressed: list[str] = field(default_factory=list)
     median_abs_error_before: float = float("nan")
     median_abs_error_after: float = float("nan")
     max_abs_error_after: float = float("nan")
@@ -424,7 +431,9 @@ def calibrate(
 
     fit: names from ``FITTABLE`` (default: gemm, attention, HBM, scale-up and scale-out
     efficiencies, plus fp8 GEMM efficiency when a run computes in fp8). Runs on other device
-    families are skipped (listed in the report). Residual per run: log(predicted / measured).
+    families are skipped (listed in the report), and so are runs whose software is reported as
+    regressed (``known_regression``; ``report.regressed``). Residual per run:
+    log(predicted / measured).
     initial: the starting profile (default: the device family's); with ``prior_weight`` > 0
     each fitted figure also pays prior_weight·(x - x0)/x0 (x0 its initial value, or the bound
     width for a zero start), which keeps poorly determined figures near their documented
@@ -437,10 +446,14 @@ def calibrate(
     family = device_family(dev)
     start = initial or default_efficiency(dev)
     all_runs = load_runs(runs) if isinstance(runs, (str, Path)) else list(runs)
-    chosen = [r for r in all_runs if device_family(r.device_spec()) == family]
+    on_family = [r for r in all_runs if device_family(r.device_spec()) == family]
     skipped = [r.id for r in all_runs if device_family(r.device_spec()) != family]
+    chosen = [r for r in on_family if not r.known_regression]
+    regressed = [r.id for r in on_family if r.known_regression]
     if not chosen:
-        raise NdplanError(f"no run is on a {family} device like '{dev.name}'; nothing to calibrate")
+        raise NdplanError(f"no run is on a {family} device like '{dev.name}'"
+                          + (f" except {len(regressed)} whose software is reported as regressed (known_regression)"
+                             if regressed else "") + "; nothing to calibrate")
     names = list(fit) if fit else ["gemm_efficiency", "attention_efficiency", "hbm_efficiency",
                                    "scaleup_efficiency", "scaleout_efficiency"]
     if not fit and any(r.strategy_obj().precision.compute_dtype == "fp8" for r in chosen):
@@ -481,6 +494,7 @@ def calibrate(
         initial={n: float(v) for n, v in zip(names, x0, strict=True)},
         bounds={n: FITTABLE[n] for n in names},
         skipped=skipped,
+        regressed=regressed,
         median_abs_error_before=float(np.median(np.abs(np.expm1(before)))),
         median_abs_error_after=float(np.median(np.abs(np.expm1(after)))),
         max_abs_error_after=float(np.max(np.abs(np.expm1(after)))),

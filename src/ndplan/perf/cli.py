@@ -68,7 +68,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "profile": str(args.output), "device_family": report.device_family, "fitted": report.fitted,
             "initial": report.initial, "median_abs_error_before": report.median_abs_error_before,
             "median_abs_error_after": report.median_abs_error_after, "max_abs_error_after": report.max_abs_error_after,
-            "runs": report.runs, "skipped": report.skipped, "success": report.success, "warnings": report.warnings,
+            "runs": report.runs, "skipped": report.skipped,
+            "not_fitted_regressed": report.regressed, "success": report.success, "warnings": report.warnings,
         }, indent=2))
         return 0
     console = Console(highlight=False)
@@ -83,6 +84,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     console.print(report.summary())
     if report.skipped:
         console.print(f"skipped (other device families): {', '.join(report.skipped)}")
+    if report.regressed:
+        console.print(f"not fitted (their software is reported as regressed): {', '.join(report.regressed)}")
     for warning in report.warnings:
         console.print(f"[bold yellow]warning:[/] {warning}")
     console.print(f"wrote {args.output}")
