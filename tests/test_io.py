@@ -198,6 +198,21 @@ def test_megatron_argument_file(tmp_path):
     assert result.warnings == []
 
 
+def test_megatron_full_recompute_of_zero_layers(tmp_path):
+    """Megatron-Core checks only that --recompute-num-layers is given: with block, 0 recomputes
+    the first 0 layers of each stage (none); with uniform its loop never advances."""
+    base = ("--tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 16 --seq-length 4096 "
+            "--recompute-granularity full --recompute-num-layers 0 ")
+    path = tmp_path / "block.sh"
+    path.write_text(base + "--recompute-method block\n")
+    result = read_config(path, model="llama-3.1-8b", devices=8)
+    assert result.strategy().recompute == "none"
+    assert any("checkpoints no layer" in w and "priced as no recompute" in w for w in result.warnings)
+    path.write_text(base + "--recompute-method uniform\n")
+    with pytest.raises(NdplanError, match="uniform loop advances by that many layers and never ends"):
+        read_config(path, model="llama-3.1-8b", devices=8)
+
+
 def test_megatron_unknown_and_unmodelled_flags_are_warnings(tmp_path):
     path = tmp_path / "train.sh"
     path.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py \\\n  --tensor-model-parallel-size 2 \\\n"
@@ -240,6 +255,21 @@ def test_torchtitan_defaults_checkpoint_every_second_layer(tmp_path):
     assert s.recompute == "full" and s.recompute_layers == 16  # torchtitan's default: selective, every 2nd layer
     assert (s.micro_batch_size, s.seq_length) == (8, 2048)  # local_batch_size 8, seq_len 2048 by default
     assert any("selective_ac_option 2 checkpoints one layer in 2" in w for w in result.warnings)
+
+
+@pytest.mark.parametrize("option, recompute, layers, words", [
+    ("0", "full", 0, None),  # `not every`: every layer
+    ("32", "full", 1, "checkpoints one layer in 32"),
+    ("100", "none", 0, "which holds at most 32: no layer is checkpointed"),  # 32 % 100 never 0
+])
+def test_torchtitan_layer_frequency_edges(option, recompute, layers, words, tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 8\n'
+                    f'[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "{option}"\n')
+    result = read_config(path)
+    s = result.strategy()
+    assert (s.recompute, s.recompute_layers) == (recompute, layers)
+    assert words is None or any(words in w for w in result.warnings)
 
 
 def test_torchtitan_per_op_checkpointing_prices_its_own_policy(tmp_path, capsys):
@@ -393,6 +423,21 @@ def test_mindformers_deepseek3_yaml():
     assert len(result.warnings) == 2 and "per-stage counts" in result.warnings[0]
     assert "recompute_slice_activation splits the saved recompute inputs" in result.warnings[1]
     assert check_strategy(s, model) == []
+
+
+@pytest.mark.parametrize("counts, recompute, layers", [
+    ("[5, 5]", "full", 5), ("[16, 16]", "full", 0), ("[20, 16]", "full", 0),
+    # Not one count: the first stage's, whether below its 16 layers or all of them.
+    ("[15, 5]", "full", 15), ("[16, 5]", "full", 0), ("[16, 0]", "full", 0), ("[0, 16]", "none", 0),
+])
+def test_mindformers_per_stage_recompute_counts(counts, recompute, layers, tmp_path):
+    path = tmp_path / "mf.yaml"
+    path.write_text("parallel_config: {data_parallel: 2, model_parallel: 2, pipeline_stage: 2, micro_batch_num: 4}\n"
+                    f"recompute_config: {{recompute: {counts}}}\nmodel: {{model_config: {{seq_length: 4096}}}}\n")
+    result = read_config(path, model="llama-3.1-8b")  # 32 layers: 16 per stage
+    assert (result.strategy().recompute, result.strategy().recompute_layers) == (recompute, layers)
+    representable = counts in ("[5, 5]", "[16, 16]", "[20, 16]")
+    assert representable == (not any("not representable" in w for w in result.warnings))
 
 
 def test_mindformers_gradient_accumulation_has_no_effect_under_a_pipeline(tmp_path):

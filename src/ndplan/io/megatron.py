@@ -508,6 +508,16 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
                              args.line("--recompute-granularity"))
     if layers is None:
         raise args.error("--recompute-granularity", "full recompute needs --recompute-num-layers")
+    # Megatron-Core checks only that the count is given (its message asks for 1 to the layers per
+    # pipeline rank): 0 passes, and then its loops do nothing, or never end.
+    if layers == 0 and name == "uniform":
+        raise args.error("--recompute-num-layers", "0 with --recompute-method uniform: Megatron-Core's uniform loop "
+                         "advances by that many layers and never ends; give 1 up to the layers per pipeline rank")
+    if layers == 0:
+        warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-method block with "
+                        "--recompute-num-layers 0 checkpoints no layer (Megatron-Core recomputes the first 0 "
+                        "layers of each stage): priced as no recompute")
+        return
     settings["recompute"] = "full"
     if name == "block":
         settings["recompute_layers"] = layers

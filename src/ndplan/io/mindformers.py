@@ -258,17 +258,15 @@ def _recompute_layers(section: Section, key: str, value: Any, counts: list[int],
     exact = {v for v, total in zip(wanted, totals, strict=True) if v < total}
     if not exact:
         return "all"
-    if len(exact) > 1:
-        warnings.append(f"{section.src.where(section.line(key))}: {section.label(key)}: per-stage counts "
-                        f"{value} are not representable; ndplan recomputes {math.ceil(wanted[0] / per_chunk)} "
-                        "layers on every stage (the first stage's count, where 1F1B keeps the most micro-batches)")
-        return math.ceil(wanted[0] / per_chunk) or "none"
-    limit = exact.pop()
-    if any(v >= total and total > limit for v, total in zip(wanted, totals, strict=True)):
-        warnings.append(f"{section.src.where(section.line(key))}: {section.label(key)}: per-stage counts "
-                        f"{value} are not representable; ndplan recomputes {math.ceil(limit / per_chunk)} layers "
-                        "on every stage")
-    return math.ceil(limit / per_chunk) or "none"
+    limit = min(exact)
+    if len(exact) == 1 and all(v < total or total <= limit for v, total in zip(wanted, totals, strict=True)):
+        return math.ceil(limit / per_chunk) or "none"  # one count is every stage's
+    # Not one count: the first stage's, where 1F1B keeps the most micro-batches (the peak's stage).
+    first = "all" if wanted[0] >= totals[0] else math.ceil(wanted[0] / per_chunk) or "none"
+    warnings.append(f"{section.src.where(section.line(key))}: {section.label(key)}: per-stage counts {value} are not "
+                    f"representable; ndplan recomputes {'no' if first == 'none' else first} layers on every stage "
+                    "(the first stage's count, where 1F1B keeps the most micro-batches)")
+    return first
 
 
 def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> ReadResult:

@@ -325,9 +325,13 @@ def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, w
                          "kernel's outputs and every second matmul's (--selective-policy torchtitan-op; MoE and "
                          "MLA layers priced as keeping every matmul's output)")
             policy = "torchtitan-op"
-        elif re.fullmatch(r"\d+", option) and int(option) >= 1:
+        elif re.fullmatch(r"\d+", option):
+            # torchtitan checkpoints a layer where `not every or count % every == 0`, its count
+            # running from 1 over the layers a rank builds: 0 checkpoints every layer.
             every = int(option)
             settings["recompute"] = "full"
+            if every == 0:
+                notes.append("selective_ac_option 0: torchtitan checkpoints every layer (full recompute)")
             if every > 1:
                 if model is None:
                     warnings.append(f"{ac.src.where(ac.line('selective_ac_option'))}: "
@@ -339,12 +343,21 @@ def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, w
                     model.num_layers, settings["pp"] * settings["vpp"],
                     embedding_as_layer=settings.get("embedding_as_layer", False),
                     output_as_layer=settings.get("output_as_layer", False))
+                # A rank counts the layers of all its chunks (virtual stage v runs on rank v mod pp).
+                per_rank = max(sum(counts[rank::settings["pp"]]) for rank in range(settings["pp"]))
                 settings["recompute_layers"] = max(1, max(counts) // every)
-                warnings.append(f"{ac.src.where(ac.line('selective_ac_option'))}: "
-                                f"activation_checkpoint.selective_ac_option {every} checkpoints one layer in {every}; "
-                                f"priced as full recompute of {settings['recompute_layers']} layers per stage")
+                where = ac.src.where(ac.line('selective_ac_option'))
+                if per_rank < every:
+                    settings["recompute"], settings["recompute_layers"] = "none", 0
+                    warnings.append(f"{where}: activation_checkpoint.selective_ac_option {every} checkpoints one layer "
+                                    f"in {every}, counted on each rank, which holds at most {per_rank}: no layer "
+                                    "is checkpointed; priced as no recompute")
+                else:
+                    warnings.append(f"{where}: activation_checkpoint.selective_ac_option {every} checkpoints one layer "
+                                    f"in {every}; priced as full recompute of {settings['recompute_layers']} layers "
+                                    "per stage")
         else:
-            raise ac.error("selective_ac_option", f"expected 'op' or a positive integer, got {option!r}")
+            raise ac.error("selective_ac_option", f"expected 'op' or a whole number of layers, got {option!r}")
     else:
         raise ac.error("mode", f"expected none, selective, full or memory_budget, got {mode!r}")
     ac.get("per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
