@@ -205,10 +205,14 @@ def test_default_space_bounds_its_sizes_and_takes_numpy_integers():
         "etp must be at least 0 and at most 1,048,576": (8, 32, 4096, {"fixed": {"etp": 2**21}}),
         r"fixed must be a mapping of dimension names to values \(e.g. \{'tp': 8\}\), got list": (8, 32, 4096,
                                                                                                 {"fixed": [1]}),
+        "unknown precision policy 'bogus'; known: megatron-bf16": (8, 32, 4096, {"precision": "bogus"}),
+        "precision must be a precision policy or its name, got 3": (8, 32, 4096, {"precision": 3}),
     }
     for message, (devices, gbs, seq, keywords) in calls.items():
         with pytest.raises(ndplan.NdplanError, match=message):
             ndplan.default_space(model, device, devices, gbs, seq, **keywords)
+    # a precision's name, as Strategy and the CLI take it
+    assert ndplan.default_space(model, device, 8, 32, 4096, precision="fp32").precision == ndplan.get_precision("fp32")
     numpy_sized = ndplan.default_space(model, device, np.int64(8), np.int64(32), np.int64(4096))
     assert numpy_sized == ndplan.default_space(model, device, 8, 32, 4096)
     # the largest sizes make a space the search runs without overflow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -21,6 +22,7 @@ from ndplan.census.record import (
     to_json,
 )
 from ndplan.errors import NdplanError
+from ndplan.memory import MemoryOptions
 
 SEQ = 32
 
@@ -95,6 +97,31 @@ def test_record_json_round_trip(tmp_path):
     assert data["records"][0]["schema_version"] == SCHEMA_VERSION
     # A bare list of records reads too.
     assert from_json(json.dumps(data["records"])) == recs
+
+
+def test_memory_options_take_a_census_files_path_and_refuse_other_types(tmp_path):
+    """The Python API takes what --census takes (a path) besides loaded records; anything else
+    is an NdplanError naming the field, not an AttributeError deep in the model."""
+    recs = [_record()]
+    path = tmp_path / "census.json"
+    save_census_file(path, recs)
+    assert MemoryOptions(census=str(path)).census == tuple(recs) == MemoryOptions(census=path).census
+    assert MemoryOptions(census=recs).census == tuple(recs)
+    with pytest.raises(NdplanError, match="census must be census records .* got int 1"):
+        MemoryOptions(census=[1])
+    with pytest.raises(NdplanError, match="cannot read census file"):
+        MemoryOptions(census=str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("runtime", None, "runtime must be a runtime's name or a profile YAML's path, got None"),
+    ("include_overhead", "no", "include_overhead must be True or False, got 'no'"),
+    ("loss_upcast", 0, "loss_upcast must be True or False, got 0"),
+    ("loss_parallel", "yes", "loss_parallel must be True or False (or None: the runtime's choice)"),
+])
+def test_memory_options_refuse_values_of_the_wrong_type(field, value, words):
+    with pytest.raises(NdplanError, match=re.escape(words)):
+        MemoryOptions(**{field: value})
 
 
 def test_record_saved_at_tp_and_policy():

@@ -22,6 +22,7 @@ import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, lru_cache, reduce
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
@@ -114,6 +115,24 @@ class MemoryOptions:
     selective_policy: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.runtime, str):
+            raise NdplanError(f"runtime must be a runtime's name or a profile YAML's path, got {self.runtime!r}")
+        for name in ("include_overhead", "loss_upcast", "grouped_gemm", "loss_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)) and not (value is None and name == "loss_parallel"):
+                also = " (or None: the runtime's choice)" if name == "loss_parallel" else ""
+                raise NdplanError(f"{name} must be True or False{also}, got {value!r}")
+        if isinstance(self.census, (str, Path)):  # a census file's path, as the CLI's --census takes
+            from ndplan.census.record import load_census_file
+
+            object.__setattr__(self, "census", tuple(load_census_file(self.census)))
+        elif isinstance(self.census, list):
+            object.__setattr__(self, "census", tuple(self.census))
+        wrong = [r for r in self.census if not isinstance(r, CensusRecord)] \
+            if isinstance(self.census, tuple) else [self.census]
+        if wrong:
+            raise NdplanError("census must be census records (ndplan.census) or a census file's path, "
+                              f"got {type(wrong[0]).__name__} {wrong[0]!r:.60}")
         if self.attention not in get_args(Attention):
             raise NdplanError(f"attention must be one of {', '.join(get_args(Attention))}, got {self.attention!r}")
         get_profile(self.runtime)  # an unknown runtime is an error here, not at first use

@@ -21,7 +21,7 @@ from ndplan.memory.stages import MemoryOptions, applicable_modules, applicable_o
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.overlap import OFF_WORDS, ON_WORDS
 from ndplan.strategy.batch import StrategyBatch, encode
-from ndplan.strategy.precision import PrecisionPolicy
+from ndplan.strategy.precision import PrecisionPolicy, get_precision
 from ndplan.strategy.strategy import (
     CP_KINDS,
     MAX_DEGREE,
@@ -366,7 +366,7 @@ def default_space(
     num_devices: int,
     global_batch_size: int,
     seq_length: int,
-    precision: PrecisionPolicy | None = None,
+    precision: PrecisionPolicy | str | None = None,
     *,
     dims: Sequence[str] | None = None,
     fixed: dict[str, int | str] | None = None,
@@ -401,7 +401,10 @@ def default_space(
     num_devices = whole_size(num_devices, "num_devices", MAX_DEGREE)
     global_batch_size = whole_size(global_batch_size, "global_batch_size", MAX_SEQUENCES)
     seq_length = whole_size(seq_length, "seq_length", MAX_SEQ_LENGTH)
-    precision = precision or Strategy().precision
+    # A name, as Strategy and the CLI take it (an unknown one is an error naming the known ones).
+    precision = get_precision(precision) if isinstance(precision, str) else precision or Strategy().precision
+    if not isinstance(precision, PrecisionPolicy):
+        raise NdplanError(f"precision must be a precision policy or its name, got {precision!r}")
     if fixed is not None and not isinstance(fixed, Mapping):
         raise NdplanError(f"fixed must be a mapping of dimension names to values (e.g. {{'tp': 8}}), "
                           f"got {type(fixed).__name__}")
