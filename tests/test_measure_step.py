@@ -106,6 +106,18 @@ def test_committed_examples_load() -> None:
      "ranks[0]: rank 3 is not among the 3 ranks (dp·tp·pp·cp) of the file's 'strategy' (dp1 tp3 pp1 "),
     ({"ranks": [{"stage": 2, "allocated_bytes": 1}]}, "stage 2 does not exist with pp=2, the file's 'strategy' (dp1 tp1 pp2"),
     ({"schema_version": 2}, "schema_version"),
+    # a review found these crashing (ValueError, TypeError, AttributeError) or read silently
+    ({"ranks": [{"stage": 0, "allocated_bytes": 1, "categories": {"params": "x"}}]},
+     "ranks[0]: categories: 'params' must be a number of bytes, got 'x'"),
+    ({"ranks": [{"stage": 0, "allocated_bytes": 1, "categories": {"params": None}}]},
+     "ranks[0]: categories: 'params' must be a number of bytes, got None"),
+    ({"ranks": [{"stage": 0, "allocated_bytes": 1, "at_peak": "x"}]}, "'at_peak' must be an object of bytes by name"),
+    ({"ranks": [{"stage": 0, "allocated_bytes": 1, "virtual_stages": [0, "a"]}]},
+     "'virtual_stages' must be a list of whole numbers >= 0"),
+    ({"ranks": [{"stage": 0, "allocated_bytes": 10, "reserved_bytes": 5}]},
+     "'reserved_bytes' 5 is below 'allocated_bytes' 10"),
+    ({"attention": "bogus"}, "'attention' must be one of flash, sdpa, eager"),
+    ({"model": ["x"]}, "'model' must be a name or a path, got ['x']"),
 ])
 def test_malformed_measurement_names_the_field(patch: dict, needle: str) -> None:
     data = {"model": "llama-3.1-8b", "strategy": {"pp": 2}, "ranks": [{"stage": 0, "allocated_bytes": 1}]}

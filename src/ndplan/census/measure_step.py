@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from ndplan.errors import NdplanError, parse_nested, read_text
 from ndplan.strategy import Strategy
@@ -223,6 +223,27 @@ def _int_field(entry: dict[str, Any], key: str, where: str, *, required: bool = 
     return int(value)
 
 
+def _bytes_map(entry: dict[str, Any], key: str, where: str) -> dict[str, int]:
+    """An object of byte counts by name (categories, what was live at a peak), each a finite number."""
+    value = entry.get(key) or {}
+    if not isinstance(value, dict):
+        raise NdplanError(f"{where}: '{key}' must be an object of bytes by name, got {type(value).__name__}")
+    counts = {}
+    for name, count in value.items():
+        # Signed: a category measured as the rest of a peak (transient) can come out below 0.
+        if isinstance(count, bool) or not isinstance(count, (int, float)) or not math.isfinite(count):
+            raise NdplanError(f"{where}: {key}: '{name}' must be a number of bytes, got {count!r}")
+        counts[str(name)] = int(count)
+    return counts
+
+
+def _whole_numbers(entry: dict[str, Any], key: str, where: str) -> tuple[int, ...]:
+    value = entry.get(key) or []
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
+        raise NdplanError(f"{where}: '{key}' must be a list of whole numbers >= 0, got {value!r}")
+    return tuple(value)
+
+
 def measurement_from_dict(data: Any, source: str = "measured file", *, model: str | None = None,
                           strategy: Strategy | None = None) -> StepMeasurement:
     """Read the measured-memory JSON format (docs/accuracy.md); an NdplanError names the bad field.
@@ -244,7 +265,9 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
     else:
         model = data.get("model")
         if not isinstance(model, str) or not model:
-            raise NdplanError(f"{source}: missing 'model' (a preset name or a config.json path)")
+            raise NdplanError(f"{source}: " + ("missing 'model'" if model is None else
+                                               f"'model' must be a name or a path, got {model!r}")
+                              + " (a preset name or a config.json path)")
         strategy = _strategy_from(data.get("strategy"), source)
     assert model is not None and strategy is not None
     # Ranks and stages that do not fit the strategy are its fault as much as theirs: name it.
@@ -276,31 +299,37 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
         assert allocated is not None
         if allocated == 0:  # a training step holds at least its parameters
             raise NdplanError(f"{where}: 'allocated_bytes' must be above 0 (a step holds its parameters at least)")
-        categories = entry.get("categories") or {}
-        if not isinstance(categories, dict):
-            raise NdplanError(f"{where}: 'categories' must be an object of bytes")
+        reserved = _int_field(entry, "reserved_bytes", where)
+        if reserved is not None and reserved < allocated:  # the allocator reserves what it hands out
+            raise NdplanError(f"{where}: 'reserved_bytes' {reserved:,} is below 'allocated_bytes' {allocated:,}; "
+                              "the caching allocator reserves at least what it allocated")
         ranks.append(RankMemory(
             stage=stage,
             rank=rank,
             allocated_bytes=allocated,
-            reserved_bytes=_int_field(entry, "reserved_bytes", where),
+            reserved_bytes=reserved,
             layers=_int_field(entry, "layers", where, bytes_=False),
-            virtual_stages=tuple(int(v) for v in entry.get("virtual_stages") or ()),
+            virtual_stages=_whole_numbers(entry, "virtual_stages", where),
             forward_backward_peak_bytes=_int_field(entry, "forward_backward_peak_bytes", where),
             optimizer_step_peak_bytes=_int_field(entry, "optimizer_step_peak_bytes", where),
-            categories={str(k): int(v) for k, v in categories.items()},
-            at_peak={str(k): int(v) for k, v in (entry.get("at_peak") or {}).items()},
-            tracker_at_peak={str(k): int(v) for k, v in (entry.get("tracker_at_peak") or {}).items()},
-            at_forward_backward_peak={
-                str(k): int(v) for k, v in (entry.get("at_forward_backward_peak") or {}).items()},
-            category_maxima={str(k): int(v) for k, v in (entry.get("category_maxima") or {}).items()},
+            categories=_bytes_map(entry, "categories", where),
+            at_peak=_bytes_map(entry, "at_peak", where),
+            tracker_at_peak=_bytes_map(entry, "tracker_at_peak", where),
+            at_forward_backward_peak=_bytes_map(entry, "at_forward_backward_peak", where),
+            category_maxima=_bytes_map(entry, "category_maxima", where),
         ))
+    from ndplan.memory.stages import Attention
+
+    attention = data.get("attention", "sdpa")
+    if attention not in get_args(Attention):
+        raise NdplanError(f"{source}: 'attention' must be one of {', '.join(get_args(Attention))} (the kernel the "
+                          f"measured run used), got {attention!r}")
     known = {"schema", "schema_version", "model", "num_layers", "strategy", "attention", "source", "ranks", "notes"}
     provenance = {k: v for k, v in data.items() if k not in known}
     notes = data.get("notes") or ()
     return StepMeasurement(
         model=model, strategy=strategy, ranks=tuple(ranks), num_layers=num_layers,
-        attention=str(data.get("attention", "sdpa")), source=str(data.get("source", "")),
+        attention=attention, source=str(data.get("source", "")),
         notes=tuple(str(n) for n in notes), provenance=provenance,
     )
 
