@@ -633,6 +633,15 @@ def test_emitting_torchtitan_prices_the_selective_policy_it_writes(capsys):
     chosen = run([*argv, "--emit", "torchtitan", "--selective-policy", "keep-matmuls"], capsys)[1]
     assert json.loads(chosen)["selective_policy"] == "keep-matmuls"
 
+def test_emitting_a_vocabulary_parallel_loss_says_so_beside_the_peak(capsys):
+    """--emit megatron prices the loss Megatron runs (vocabulary-parallel under TP), which moves
+    the peak: the estimate says why, and says nothing where the runtime's own loss is priced."""
+    argv = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--tp", "2", "--gbs", "16"]
+    said = "loss priced vocabulary-parallel under TP (the pytorch runtime's own: on whole logits"
+    assert said in run([*argv, "--emit", "megatron"], capsys)[1]
+    assert "loss priced" not in run(argv, capsys)[1]
+
+
 def test_emitted_settings_are_printed_unwrapped(capsys):
     """Settings to paste are never wrapped at the console's width: a wrapped Megatron line split
     its --recompute-modules (a shell syntax error) and a wrapped TOML comment broke the file."""

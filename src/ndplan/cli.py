@@ -595,13 +595,22 @@ def _memory_limit(text: str | None, device: Any) -> int | None:
 
 def _print_kernels(options: Any) -> None:
     """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any,
-    and the selective policy where it is not the runtime's own."""
+    and the selective policy and the loss where they are not the runtime's own."""
     if options.profile.kernels:
         kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
         console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
     if options.selective_policy not in (None, options.profile.selective_policy):
         console.print(f"selective recompute priced as {options.selective_policy} (the {options.profile.name} "
                       f"runtime's own: {options.profile.selective_policy}; set with --selective-policy)", markup=False)
+    if options.loss_parallel not in (None, options.profile.loss_parallel):
+        # --emit torchtitan/megatron/mindformers turns it on: a peak that moves with the output
+        # flag says why.
+        def kind(parallel: bool) -> str:
+            return "vocabulary-parallel under TP" if parallel else "on whole logits"
+
+        console.print(f"loss priced {kind(options.loss_parallel)} (the {options.profile.name} runtime's own: "
+                      f"{kind(options.profile.loss_parallel)}; set with --loss-parallel/--no-loss-parallel)",
+                      markup=False)
 
 
 def _efficiency_entry(path: str | None) -> dict[str, str]:
