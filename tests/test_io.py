@@ -628,9 +628,16 @@ def test_inspect_table_and_conversion(capsys):
     assert "left out: Megatron's recompute modules (layernorm moe_act mla_up_proj)" in converted.out
 
 
-def test_inspect_summary_of_an_incomplete_config():
+def test_inspect_summary_of_an_incomplete_config(tmp_path, capsys):
     summary = inspect_summary(read_config(fixture("torchtitan_llama3_70b.toml")))
     assert summary["strategy"] is None and summary["cluster"]["devices"] is None
+    # An incomplete strategy's precision (a policy, not a preset's name) is shown as a complete one's.
+    path = tmp_path / "fp16.sh"
+    path.write_text("--tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 16 --fp16\n")
+    assert cmd_inspect(_inspect_args(str(path))) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "strategy: incomplete" in out
+    assert "megatron-fp16-grad16 (param 2 B, grad 2 B, master 4 B, optimizer 2×4 B, fp16)" in out
 
 
 def test_from_argument_and_merging():

@@ -212,6 +212,8 @@ def cmd_inspect(args: argparse.Namespace, console: Console | None = None) -> int
     table.add_column("field")
     table.add_column("value")
     for key, value in shown.items():
+        if key == "precision" and hasattr(value, "model_dump"):  # a policy no preset names (incomplete strategy)
+            value = value.model_dump(mode="json")
         if key == "precision" and isinstance(value, dict):
             value = f"{value['name']} (param {value['param_bytes']} B, grad {value['grad_bytes']} B, master "\
                     f"{value['master_weight_bytes']} B, optimizer {value['optimizer_states']}×{value['optimizer_state_bytes']} B, "\
