@@ -349,6 +349,16 @@ def test_cli_errors_are_ndplan_errors(tmp_path: Path) -> None:
         with pytest.raises(NdplanError, match="not a result of estimate, search or balance"):
             args.func(args)
         assert not (tmp_path / "x.html").exists()
+    # Refused before anything is written: a page named as a figure, a figure folder that is a file.
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for extra, match in [(["-o", str(tmp_path / "x.svg")], r"the report is one HTML page; name it \.html"),
+                         (["-o", str(tmp_path / "y.html"), "--plot-dir", str(a_file)], "a file, not a folder")]:
+        args = parser.parse_args(["report", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
+                                  "--gbs", "16", *extra])
+        with pytest.raises(NdplanError, match=match):
+            args.func(args)
+    assert not (tmp_path / "x.svg").exists() and not (tmp_path / "y.html").exists()
     # A measured-memory file has a model and a strategy too: it was drawn as "llama-3.1-8b on ?".
     measured = Path(__file__).parent / "data" / "measured" / "example-cluster.json"
     args = parser.parse_args(["report", str(measured), "-o", str(tmp_path / "x.html")])

@@ -193,6 +193,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     output = args.output
     if output is None and args.plot_dir is None:
         output = Path("plan.html")
+    # Checked before anything is written: a figure's suffix on the page, or a folder that is a
+    # file, would leave half the output behind an error.
+    if output is not None and output.suffix.lower() not in (".html", ".htm"):
+        raise NdplanError(f"-o {output}: the report is one HTML page; name it .html "
+                          "(figures as png, svg or pdf files: --plot-dir DIR --plot-format FORMAT)")
+    if args.plot_dir is not None and args.plot_dir.exists() and not args.plot_dir.is_dir():
+        raise NdplanError(f"--plot-dir {args.plot_dir}: a file, not a folder")
     if output is not None:
         path = write_html(result, output, top=args.top, max_points=args.max_points, title=args.title)
         print(f"wrote {path} ({format_bytes(path.stat().st_size)})")
