@@ -434,6 +434,9 @@ def test_a_calibrated_profile_reaches_estimate_search_and_balance(tmp_path, caps
     bad.write_text("gemm_efficiency: 4\n")
     code, _, err = run([*ESTIMATE_8, "--efficiency", str(bad)], capsys)
     assert code == 2 and "bad.yaml: field 'gemm_efficiency': Input should be less than or equal to 1" in err
+    bad.write_text("family: ampere\ngemm_efficiency: 0.7\n")  # fitted on A100s, given to an H100
+    code, _, err = run([*ESTIMATE_8, "--efficiency", str(bad)], capsys)
+    assert code == 2 and "a profile of the ampere family, and h100-sxm is hopper" in err
     device.write_text(yaml.safe_dump({**preset, "name": "h100-sxm-fitted", "efficiency": {"gemm_speed": 0.4}}))
     code, _, err = run(["estimate", *LLAMA, "--hardware", str(device), "--devices", "8"], capsys)
     assert code == 2 and "device h100-sxm-fitted: efficiency field 'gemm_speed'" in err

@@ -342,7 +342,13 @@ def _stated(device: str, family: str, figures: tuple[tuple[str, Any], ...]) -> E
 def device_with_efficiency(device: Device, path: str | Path) -> Device:
     """``device`` with the efficiency profile in ``path`` (``ndplan calibrate``'s output, or
     any profile YAML/JSON: figures it omits keep the device family's)."""
-    profile = load_efficiency(path, base=default_efficiency(device))
+    base = default_efficiency(device)
+    profile = load_efficiency(path, base=base)
+    if profile.family != base.family:
+        # Figures fitted on another family's kernels and links price this one wrongly, silently.
+        raise NdplanError(f"{path}: a profile of the {profile.family} family, and {device.name} is {base.family}: "
+                          f"calibrate on runs of {base.family} devices, or set 'family: {base.family}' in the "
+                          "profile to apply its figures anyway")
     return device.model_copy(update={"efficiency": profile.model_dump()})
 
 
