@@ -186,19 +186,26 @@ def _stage_series(
         out[stage, rows, chunk] = values
         return out
 
-    def held(values: NDArray[np.float64]) -> NDArray[np.float64]:
-        """Running total of each op's ``values`` in its chunk, in micro-batches (x / 1 is x:
-        whole micro-batches skip the division)."""
-        total = np.cumsum(per_op(values), axis=1)
+    def running(values: NDArray[np.float64]) -> NDArray[np.float64]:
+        """Running total of each op's ``values`` (whole numbers: exact) in its chunk."""
+        return np.cumsum(per_op(values), axis=1)
+
+    def in_micro_batches(total: NDArray[np.float64]) -> NDArray[np.float64]:
+        """A running total of sub-sequence ops in micro-batches (x / 1 is x: whole micro-batches
+        skip the division)."""
         return total / seq_chunks if seq_chunks != 1 else total
 
     zeros = np.zeros((count, n + 1, vpp))
-    held_b = held(is_f.astype(np.float64) - is_b)
+    forwards = running(is_f.astype(np.float64))
+    backwards = running(is_b.astype(np.float64))
+    # What is held until B is the forwards done less the backwards: whole numbers, so the
+    # difference of the two running totals is exactly the running total of each op's change.
+    held_b = in_micro_batches(forwards - backwards)
     # Where the backward is not split, nothing waits for a W and no W starts: zero throughout.
-    held_w = held((is_b & ~b_with_w).astype(np.float64) - (is_w & ~w_with_b)) if split else zeros
-    grads_ready = (np.cumsum(per_op((is_w if split else is_b).astype(np.float64)), axis=1) > 0).astype(np.float64)
-    forwards_done = held(is_f.astype(np.float64))
-    backwards_done = held(is_b.astype(np.float64))
+    held_w = in_micro_batches(running((is_b & ~b_with_w).astype(np.float64) - (is_w & ~w_with_b))) if split else zeros
+    grads_ready = ((running(is_w.astype(np.float64)) if split else backwards) > 0).astype(np.float64)
+    forwards_done = in_micro_batches(forwards)
+    backwards_done = in_micro_batches(backwards)
     starts_w = np.zeros((count, n + 1, vpp)) if split else zeros
     if split:
         at_stage, at_op = np.nonzero(is_w & ~w_with_b)
