@@ -833,14 +833,27 @@ def _steady_frontier_columns(
     schedule: str, pp: int, vpp: int, m: int, seq_chunks: int, held: tuple[int, ...], grown: tuple[int, ...],
 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
     """``_frontier_columns`` at a steady micro-batch count."""
+    frontiers = _steady_frontier(schedule, pp, vpp, m, seq_chunks)
+    priced = list(held) + list(grown)
+    # Every stage's rows at once, split where a stage keeps them all: a few numpy calls per
+    # frontier rather than a few per stage (each of a few rows, where the calls are the cost).
+    bounds = np.cumsum([0, *(len(rows) for rows in frontiers)]).tolist()
+    rows = np.concatenate(frontiers)
+    # C-contiguous, as each stage's block is the left operand of its products (a matrix product's
+    # sums may run in another order on another layout).
+    held_rows, grown_rows = (np.ascontiguousarray(rows[:, part]) for part in (list(held), list(grown)))
+    # Per stage, the columns something is held in but nothing is priced for (every stage
+    # keeps a row, so no run of rows is empty).
+    unused = np.logical_or.reduceat(rows != 0, bounds[:-1], axis=0)
+    unused[:, priced] = False
+    pruned = (unused.any(axis=1) & (np.diff(bounds) > 1)).tolist()
     out = []
-    for rows in _steady_frontier(schedule, pp, vpp, m, seq_chunks):
-        used = rows[:, list(held) + list(grown)]
-        unused = np.asarray(rows.any(axis=0))  # the columns something is held in but nothing is priced for
-        unused[list(held) + list(grown)] = False
-        index = _undominated_index(used) if len(rows) > 1 and unused.any() else np.arange(len(rows))
-        out.append((np.ascontiguousarray(used[index][:, :len(held)]),
-                    np.ascontiguousarray(used[index][:, len(held):]), index))
+    for a, b, prune in zip(bounds[:-1], bounds[1:], pruned, strict=True):
+        if prune:
+            index = _undominated_index(rows[a:b, priced])
+            out.append((held_rows[a:b][index], grown_rows[a:b][index], index))
+        else:
+            out.append((held_rows[a:b], grown_rows[a:b], np.arange(b - a)))
     return tuple(out)
 
 
