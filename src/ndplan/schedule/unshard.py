@@ -18,6 +18,7 @@ from functools import lru_cache
 import numpy as np
 
 from ndplan.schedule.builders import build_plan
+from ndplan.schedule.ops import validate
 
 #: Chunks torch keeps gathered ahead (``_add_unshard_reshard``'s ``max_active_stages``).
 ACTIVE_CHUNKS = 3
@@ -27,9 +28,27 @@ ACTIVE_CHUNKS = 3
 def chunk_gathers(schedule: str, pp: int, vpp: int, num_micro_batches: int, seq_chunks: int = 1,
                   active: int = ACTIVE_CHUNKS) -> int:
     """Gathers of one chunk's parameters per run, on the rank that gathers most: ``vpp`` where
-    the chunks all stay gathered, more where ``vpp`` exceeds ``active``."""
+    the chunks all stay gathered, more where ``vpp`` exceeds ``active``.
+
+    Past its warm-up the interleaved order repeats every pp micro-batches (a forward and a
+    backward on each of the rank's chunks, in the same order), and each repetition adds as many
+    gathers: from 4·pp·vpp micro-batches on (the memory model's steady count; the repetition
+    holds from 2·pp on, as a test checks on a grid of shapes against the full order) the count
+    is the cap's plus, per pp micro-batches more, the cap + pp count less the cap's. A search
+    would otherwise build orders of thousands of micro-batches to count them."""
+    pp, vpp, m, seq_chunks = validate(schedule, pp, vpp, num_micro_batches, seq_chunks)
+    cap = 4 * pp * vpp
+    if schedule == "interleaved" and m > cap and m % pp == 0:
+        at_cap = _counted(schedule, pp, vpp, cap, seq_chunks, active)
+        return at_cap + (m - cap) // pp * (_counted(schedule, pp, vpp, cap + pp, seq_chunks, active) - at_cap)
+    return _counted(schedule, pp, vpp, m, seq_chunks, active)
+
+
+@lru_cache(maxsize=1024)
+def _counted(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int, active: int) -> int:
+    """``chunk_gathers`` counted from the schedule's op order, rank by rank."""
     most = 0
-    for plan in build_plan(schedule, pp, vpp, num_micro_batches, seq_chunks):
+    for plan in build_plan(schedule, pp, vpp, m, seq_chunks):
         chunks = np.asarray(plan.chunk)
         # Ops in a row on one chunk see the same chunks ahead: one stands for them all.
         changes = np.flatnonzero(chunks[1:] != chunks[:-1]) + 1
