@@ -58,22 +58,25 @@ def _op_inputs(
     g: NDArray[np.int64],
     q: NDArray[np.int64],
     step: NDArray[np.int64],
-    remote: NDArray[np.bool_],
+    stage: NDArray[np.int64],
+    stage_of: NDArray[np.int64],
     n_chunks: int,
     k: int,
 ) -> tuple[NDArray[np.int64], NDArray[np.bool_], NDArray[np.int64]]:
-    """Per op of one stage: (input that may be remote, whether it is, same-stage input).
+    """Per op, every stage's ops together: (input that may be remote, whether it is, same-stage
+    input).
 
-    Ops are named by ``base*3 + kind`` with base = (mb*G + g)*k + q; -1 means none.
-    ``remote[g]`` says whether model chunk g lives on another stage.
+    Ops are named by ``base*3 + kind`` with base = (mb*G + g)*k + q; -1 means none. ``stage``
+    is each op's stage, ``stage_of[g]`` the stage that runs model chunk g; ``step`` numbers the
+    steps across the stages (so a stage's last step and the next one's first never match).
     """
     is_f = kind == F
     is_b = kind == B
     last = g == n_chunks - 1
     dep1 = np.where(is_f & (g > 0), (base - k) * 3 + F, -1)
-    cross = is_f & (g > 0) & remote[np.maximum(g - 1, 0)]
+    cross = is_f & (g > 0) & (stage_of[np.maximum(g - 1, 0)] != stage)
     dep1 = np.where(is_b, np.where(last, base * 3 + F, (base + k) * 3 + B), dep1)
-    cross |= is_b & ~last & remote[np.minimum(g + 1, n_chunks - 1)]
+    cross |= is_b & ~last & (stage_of[np.minimum(g + 1, n_chunks - 1)] != stage)
     # W waits for its B unless that B sits just before it in the same step.
     key = base * 3 + kind
     b_beside = np.zeros(len(kind), dtype=bool)
@@ -94,31 +97,26 @@ def build_graph(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Graph:
     for s in range(pp):
         stage_of[table[s]] = s
 
-    keys, dep1s, crosses, dep2s, step_ids, firsts = [], [], [], [], [], []
-    offsets = [0]
-    n_ops = 0
-    for s, st in enumerate(plan):
-        g = table[s][st.chunk]
-        base = (st.micro_batch * n_chunks + g) * k + st.seq_chunk
-        dep1, cross, dep2 = _op_inputs(st.kind, base, g, st.seq_chunk, st.step, stage_of != s, n_chunks, k)
-        keys.append(base * 3 + st.kind)
-        dep1s.append(dep1)
-        crosses.append(cross)
-        dep2s.append(dep2)
-        step_ids.append(st.step + offsets[-1])
-        firsts.append(n_ops + np.concatenate(([0], np.cumsum(st.step_len)[:-1])))
-        n_ops += len(st)
-        offsets.append(offsets[-1] + len(st.step_len))
+    # Every stage's ops at once, laid end to end (numpy's cost per call, not per op, is most of
+    # a graph's: one set of calls rather than one per stage), steps numbered across the stages.
+    step_counts = [len(st.step_len) for st in plan]
+    offsets = np.cumsum([0, *step_counts]).tolist()
+    op_counts = [len(st) for st in plan]
+    stage = np.repeat(np.arange(pp), op_counts)
+    kind, chunk, micro_batch, seq_chunk, step, step_len = (
+        np.concatenate([getattr(st, name) for st in plan])
+        for name in ("kind", "chunk", "micro_batch", "seq_chunk", "step", "step_len"))
+    step = step + np.repeat(offsets[:-1], op_counts)
+    g = table[stage, chunk]
+    base = (micro_batch * n_chunks + g) * k + seq_chunk
+    dep1, cross, dep2 = _op_inputs(kind, base, g, seq_chunk, step, stage, stage_of, n_chunks, k)
+    n_ops = len(kind)
     n = offsets[-1]
-    dep1 = np.concatenate(dep1s)
-    cross = np.concatenate(crosses)
-    dep2 = np.concatenate(dep2s)
-    first = np.concatenate(firsts)
-    step_len = np.diff(np.append(first, n_ops))
+    first = np.cumsum(step_len) - step_len  # each step's first op
 
     # Inputs as step numbers; an input of -1 reads the last slot, which holds the sentinel n.
     step_of_op = np.full(3 * m * n_chunks * k + 1, n, dtype=np.int64)
-    step_of_op[np.concatenate(keys)] = np.concatenate(step_ids)
+    step_of_op[base * 3 + kind] = step
     dep1_step = step_of_op[dep1]
     # A step has at most two ops with an input (DualPipeV's F&B pair; its third op, the W,
     # waits on the B beside it) and a same-stage input only when it has one op (Seq1F1B).
