@@ -153,9 +153,7 @@ def simulate(
     b = b / seq_chunks
 
     graph = build_graph(schedule, pp, vpp, num_micro_batches, seq_chunks)
-    step_s = np.concatenate(
-        [_step_seconds(st, f[s], b[s], w[s], overlap_f_and_b) for s, st in enumerate(plan)]
-    )
+    step_s = _step_seconds(plan, f, b, w, overlap_f_and_b)
     starts, ends = time_steps(graph, step_s, float(p2p_s))
 
     stage_ops = []
@@ -206,12 +204,16 @@ def _durations(name: str, value: ArrayLike | None, default: float, pp: int, vpp:
 
 
 def _step_seconds(
-    st: StagePlan, f: NDArray[np.float64], b: NDArray[np.float64], w: NDArray[np.float64], overlap: bool
+    plan: tuple[StagePlan, ...], f: NDArray[np.float64], b: NDArray[np.float64], w: NDArray[np.float64], overlap: bool
 ) -> NDArray[np.float64]:
-    """Seconds of each step of one stage: the sum of its ops, or max(F, B+W) for an overlapped pair."""
-    is_f = st.kind == F
-    op_s = np.where(is_f, f[st.chunk], np.where(st.kind == B, b[st.chunk], w[st.chunk]))
-    first = np.concatenate(([0], np.cumsum(st.step_len)[:-1]))
+    """Seconds of every step, stage after stage (as the graph numbers them): the sum of its ops,
+    or max(F, B+W) for an overlapped pair; f, b, w [pp, vpp]. Every stage's ops at once (one
+    set of numpy calls, not one per stage: their cost, not the ops', is most of it)."""
+    stage = np.repeat(np.arange(len(plan)), [len(st) for st in plan])
+    kind, chunk, step_len = (np.concatenate([getattr(st, name) for st in plan]) for name in ("kind", "chunk", "step_len"))
+    is_f = kind == F
+    op_s = np.where(is_f, f[stage, chunk], np.where(kind == B, b[stage, chunk], w[stage, chunk]))
+    first = np.cumsum(step_len) - step_len
     fwd = np.add.reduceat(np.where(is_f, op_s, 0.0), first)
     bwd = np.add.reduceat(np.where(is_f, 0.0, op_s), first)
     if not overlap:
