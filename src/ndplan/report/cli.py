@@ -199,7 +199,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise NdplanError(f"-o {output}: the report is one HTML page; name it .html "
                           "(figures as png, svg or pdf files: --plot-dir DIR --plot-format FORMAT)")
     if args.plot_dir is not None and args.plot_dir.exists() and not args.plot_dir.is_dir():
-        raise NdplanError(f"--plot-dir {args.plot_dir}: a file, not a folder")
+        raise NdplanError(f"{args.plot_dir}: not a folder; the figures are written into one "
+                          "(give a new or existing folder)")
     if output is not None:
         path = write_html(result, output, top=args.top, max_points=args.max_points, title=args.title)
         print(f"wrote {path} ({format_bytes(path.stat().st_size)})")
