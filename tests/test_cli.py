@@ -841,3 +841,14 @@ def test_overlap_switches_given_twice_and_fixed_dims_are_said(capsys):
     code, out, _ = run([*SEARCH_8, "--dims", "tp", "pp", "--fix", "tp=2", "--top", "1", "--json"], capsys)
     data = json.loads(out)
     assert code == 0 and data["ranked"][0]["tp"] == 2 and "--dims tp: fixed by --fix tp=2, so not searched" in data["notes"]
+
+
+def test_runs_derived_from_the_global_batch_are_not_quoted_as_given(capsys):
+    """--pipeline-runs 0 (as many runs as the global batch holds): a global batch that is no whole
+    number of runs was refused quoting pipeline_runs 2, a count the user never gave."""
+    argv = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--pp", "2", "--pipeline-runs", "0",
+            "--num-micro-batches", "3"]
+    code, _, err = run([*argv, "--gbs", "32"], capsys)
+    assert code == 2 and "pipeline_runs 0 runs the pipeline as often as the global batch needs, but " \
+        "global_batch_size=32 is not a whole number of runs of dp·micro_batch_size·num_micro_batches = 4·1·3 = 12" in err
+    assert run([*argv, "--gbs", "24"], capsys)[0] == 0

@@ -208,12 +208,21 @@ def strategy_from_settings(settings: dict[str, Any]) -> Strategy:
         fields["dp"] = max(1, devices // (tp * pp * cp)) if devices % (tp * pp * cp) == 0 else 1
     if fields.get("fsdp") and "zero" not in fields:
         fields["zero"] = 3
+    derived_runs = fields.get("pipeline_runs") == 0
     derive_batch(fields)
     gbs = fields.get("global_batch_size")
     if gbs and "num_micro_batches" not in fields:
         per_micro = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1)) * int(fields.get("pipeline_runs", 1))
         if per_micro >= 1:
             fields["num_micro_batches"] = max(1, gbs // per_micro)
+    if derived_runs and gbs and "num_micro_batches" in fields:
+        # Said here, not by the global-batch rule: its message would quote a run count no one gave.
+        per_run = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1)) * int(fields["num_micro_batches"])
+        if per_run >= 1 and int(gbs) % per_run:
+            raise NdplanError(f"pipeline_runs 0 runs the pipeline as often as the global batch needs, but "
+                              f"global_batch_size={gbs} is not a whole number of runs of dp·micro_batch_size·"
+                              f"num_micro_batches = {fields.get('dp', 1)}·{fields.get('micro_batch_size', 1)}·"
+                              f"{fields['num_micro_batches']} = {per_run}")
     try:
         return Strategy(**fields)
     except ValidationError as error:
