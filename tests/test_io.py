@@ -213,6 +213,16 @@ def test_megatron_full_recompute_of_zero_layers(tmp_path):
         read_config(path, model="llama-3.1-8b", devices=8)
 
 
+def test_megatron_cp_comm_types_are_one_per_layer(tmp_path):
+    path = tmp_path / "cp.sh"
+    flags = "--context-parallel-size 2 --micro-batch-size 1 --global-batch-size 8 --seq-length 4096 --cp-comm-type"
+    path.write_text(f"{flags} p2p a2a\n")  # Megatron-Core asserts one type per layer when several are given
+    with pytest.raises(NdplanError, match="--cp-comm-type: 2 types, one per layer, but the model has 32 layers"):
+        read_config(path, model="llama-3.1-8b", devices=8)
+    path.write_text(f"{flags} {' '.join(['a2a'] * 32)}\n")
+    assert read_config(path, model="llama-3.1-8b", devices=8).strategy().cp_kind == "ulysses"
+
+
 def test_megatron_unknown_and_unmodelled_flags_are_warnings(tmp_path):
     path = tmp_path / "train.sh"
     path.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py \\\n  --tensor-model-parallel-size 2 \\\n"

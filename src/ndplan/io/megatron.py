@@ -113,7 +113,7 @@ def interpret(
         notes.append("--sequence-parallel has no effect with tp=1 (Megatron turns it off)")
         sp = False
     settings["sp"] = sp
-    _context_parallel(args, settings, cp, warnings)
+    _context_parallel(args, settings, cp, warnings, model.num_layers if model is not None else None)
     _pipeline(args, settings, flag_model, warnings)
     _sharding(args, settings, warnings, notes)
     _recompute(args, settings, warnings, notes)
@@ -248,7 +248,8 @@ def _world(
                         "give --devices so ndplan can derive the data-parallel degree")
 
 
-def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: list[str]) -> None:
+def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: list[str],
+                      num_layers: int | None) -> None:
     algo = args.get("--context-parallel-algo")
     comm = args.get("--cp-comm-type")
     ulysses = args.integer("--ulysses-degree-in-cp")
@@ -265,6 +266,9 @@ def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: l
                             "ring attention")
     elif comm is not None and comm.values:
         types = [v for v in comm.values if v]
+        if len(types) > 1 and num_layers is not None and len(types) != num_layers:
+            # Megatron-Core asserts one type per layer when several are given.
+            raise args.error(comm, f"{len(types)} types, one per layer, but the model has {num_layers} layers")
         if len(set(types)) > 1:
             warnings.append(f"{args.src.where(comm.line)}: --cp-comm-type differs per layer ({' '.join(types)}); "
                             f"ndplan uses {types[0]!r} for every layer")
