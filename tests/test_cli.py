@@ -55,6 +55,19 @@ def test_check_valid(capsys):
     assert code == 0 and data["valid"] and data["strategy"]["dp"] == 4 and data["strategy"]["num_micro_batches"] == 8
 
 
+def test_plan_file_stage_layers_as_the_flag_takes_them(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    for layers, words in (('"16,16"', None), ("[16, 16]", None),
+                          ('"16,x"', "plan.yaml: setting 'stage_layers': expected comma-separated integers, got '16,x'"),
+                          ("16", "plan.yaml: setting 'stage_layers' must be a list of whole numbers")):
+        plan.write_text(f"model: llama-3.1-8b\ndevices: 8\npp: 2\nstage_layers: {layers}\n")
+        code, out, err = run(["check", "--plan", str(plan), "--json"], capsys)
+        if words is None:
+            assert code == 0 and json.loads(out)["strategy"]["stage_layers"] == [16, 16]
+        else:
+            assert code == 2 and words in err
+
+
 def test_check_plan_file_and_flags_override(tmp_path, capsys):
     plan = tmp_path / "plan.yaml"
     plan.write_text("model: llama-3.1-8b\ndevices: 16\ntp: 4\npp: 2\nsp: true\ngbs: 32\n")

@@ -167,6 +167,16 @@ def read_plan_file(path: Path) -> dict[str, Any]:
     # fsdp decides the ZeRO stage before the Strategy validates it: a quoted "false" is not true.
     if data.get("fsdp") is not None and not isinstance(data["fsdp"], bool):
         raise NdplanError(f"{path}: setting 'fsdp' must be true or false, got {data['fsdp']!r}")
+    layers = data.get("stage_layers")
+    if isinstance(layers, str):  # "16,16", as --stage-layers takes it
+        try:
+            data["stage_layers"] = _int_list(layers)
+        except argparse.ArgumentTypeError as error:
+            raise NdplanError(f"{path}: setting 'stage_layers': {error}") from None
+    elif layers is not None and (not isinstance(layers, list)
+                                 or any(isinstance(v, bool) or not isinstance(v, int) for v in layers)):
+        raise NdplanError(f"{path}: setting 'stage_layers' must be a list of whole numbers (or \"16,16\"), "
+                          f"got {layers!r}")
     for key in sorted({"model", "hardware", "efficiency"} & set(data)):
         if data[key] is not None and not isinstance(data[key], str):
             raise NdplanError(f"{path}: setting '{key}' must be a name or a path, got {data[key]!r}")
