@@ -290,3 +290,17 @@ def test_search_balance_prices_the_selective_option_with_the_modules():
     placed = plan_strategy(candidate, uniform_plan(searched, "selective"), modules)
     assert placed.recompute == "selective" and placed.recompute_modules == modules
     assert plan_strategy(candidate, uniform_plan(searched, "full"), modules).recompute_modules == ()
+
+
+def test_a_searched_module_set_the_model_does_not_have_is_refused():
+    """A review found rc-selective(mla_up_proj) ranked beside each Llama candidate without it,
+    with the same figures (the set re-runs nothing); an offload set likewise moves nothing."""
+    from ndplan.search import default_space
+
+    model, device = get_preset("llama-3.1-8b"), get_device("h100-sxm")
+    with pytest.raises(NdplanError, match="recompute module set 'mla_up_proj': mla_up_proj recomputes nothing in "
+                                          "llama-3.1-8b .*; its modules: core_attn, mlp"):
+        default_space(model, device, 8, 32, 4096, recompute_modules=[(), ("mla_up_proj",)])
+    with pytest.raises(NdplanError, match="offload module set 'expert_fc1': expert_fc1 offloads nothing"):
+        default_space(model, device, 8, 32, 4096, offload_modules=[(), ("expert_fc1",)])
+    assert default_space(model, device, 8, 32, 4096, recompute_modules=[(), ("mlp",)]).recompute_modules == ((), ("mlp",))

@@ -415,6 +415,15 @@ def default_space(
     offloads = _offload_sets(offload_modules)
     if "offload_modules" in fixed:
         offloads = (parse_offload_set(str(fixed["offload_modules"])),)
+    # A module the model does not have re-runs (or moves) nothing: its set would be ranked beside
+    # the strategies without it, with the same figures.
+    for what, sets, applicable in (("recompute", given, applicable_modules(model)),
+                                   ("offload", offloads, applicable_offload_modules(model))):
+        for module_set in sets:
+            absent = [m for m in module_set if m not in applicable]
+            if absent:
+                raise NdplanError(f"{what} module set '{'+'.join(module_set)}': {absent[0]} {what}s nothing in "
+                                  f"{model.name} (it has no such module); its modules: {', '.join(applicable)}")
     searched = set(DIMENSIONS if dims is None else (dims,) if isinstance(dims, str) else dims)  # "tp": one dimension
     if dims is None:
         searched -= set(OPT_IN_DIMENSIONS)
