@@ -116,10 +116,13 @@ def test_hidden_act_must_be_a_name(tmp_path: Path) -> None:
         load_model(str(_hf(tmp_path, LLAMA, hidden_act=["silu"])))
 
 
-def test_a_derived_head_dim_of_zero_names_the_fields_that_give_it(tmp_path: Path) -> None:
-    with pytest.raises(NdplanError, match=r"config.json: no field 'head_dim', and hidden_size / num_attention_heads "
-                                          r"= 16 / 32 gives 0; hidden_size must be at least num_attention_heads"):
+def test_a_hidden_size_below_the_head_count_names_the_fields(tmp_path: Path) -> None:
+    with pytest.raises(NdplanError, match=r"config.json: hidden_size \(16\) is not a multiple of "
+                                          r"num_attention_heads \(32\); transformers rejects that"):
         load_model(str(_hf(tmp_path, LLAMA, hidden_size=16)))
+    with pytest.raises(NdplanError, match=r"config.json: no field 'head_dim', and hidden_size \(16\) is not a "
+                                          r"multiple of num_attention_heads \(32\); give head_dim"):
+        load_model(str(_hf(tmp_path, QWEN3_MOE, hidden_size=16, head_dim=None)))
 
 
 def test_a_huge_layer_count_is_refused_at_once(tmp_path: Path) -> None:

@@ -422,10 +422,13 @@ def make_config(hf_config: dict[str, Any], *, attention: str, experts: str) -> A
     if not isinstance(model_type, str) or not model_type:
         raise NdplanError("census: the config has no 'model_type'")
     fields = {k: v for k, v in hf_config.items() if k not in _DROP_CONFIG_KEYS}
+    from huggingface_hub.errors import StrictDataclassError  # transformers' config validation
+
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError, TypeError) as e:
-        raise NdplanError(f"census: transformers cannot build a {model_type!r} config: {e}") from None
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:
+        message = " ".join(str(e).split())  # one line: strict validation reports span several
+        raise NdplanError(f"census: transformers cannot build a {model_type!r} config: {message}") from None
     config._attn_implementation = attention
     config.use_cache = False
     config.census_experts = experts  # applied in build_meta_model where the model supports it

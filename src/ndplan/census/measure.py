@@ -64,11 +64,12 @@ def run_census(
     if not isinstance(hf_config, dict):
         raise NdplanError("census: hf_config must be a dict (a Hugging Face config.json)")
     _check_args(seq_length, micro_batch_size, dtype, attention, experts)
+    model_name = name or hf_config.get("name") or hf_config.get("_name_or_path") or hf_config.get("model_type")
+    _check_readable(hf_config, str(model_name))
     torch, transformers = _require_torch()
     from ndplan.census import _engine as E
 
     t_start = time.perf_counter()
-    model_name = name or hf_config.get("name") or hf_config.get("_name_or_path") or hf_config.get("model_type")
     config = E.make_config(hf_config, attention=attention, experts=experts)
     config2, tp_notes = E.tp2_config(config)
     model1 = E.build_meta_model(config)
@@ -308,6 +309,15 @@ def _figures(runs: dict[tuple[int, int, str], Any], policy: str, s_main: int, s_
         backward_peak_extra_bytes_per_token_per_seq=(e1 - eh) / (s_main - s_half),
         saved_constant_bytes=const1,
     )
+
+
+def _check_readable(hf_config: dict[str, Any], name: str) -> None:
+    """A config of a model_type ndplan reads must read (a hidden_size its heads do not divide, a
+    missing field...): its NdplanError, before transformers builds a model it rejects or cannot run."""
+    from ndplan.model.hf import READERS, spec_from_hf_config
+
+    if hf_config.get("model_type") in READERS:
+        spec_from_hf_config(hf_config, name=name, source=f"census: {name}")
 
 
 def _architecture(hf_config: dict[str, Any], name: str) -> tuple[tuple[str, Any], ...]:

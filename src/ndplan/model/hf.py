@@ -1,7 +1,8 @@
 """Read a Hugging Face ``config.json`` into a ModelSpec.
 
 Each supported ``model_type`` is mapped field by field as its transformers modeling code reads
-the config (defaults included), so that parameter counts match what transformers builds.
+the config, with transformers' defaults for the fields a config may leave out (HF_DEFAULTS), so
+that parameter counts match what transformers builds.
 """
 
 from __future__ import annotations
@@ -69,24 +70,69 @@ class _Reader:
         return value
 
 
+#: What transformers' config class for each model_type fills in where config.json leaves a field
+#: out (transformers 5.24.0, models/<type>/configuration_<type>.py; kimi_k2 runs DeepSeek-V3's
+#: code, so it takes deepseek_v3's), for the fields ndplan reads with a fallback. ``None`` for
+#: num_key_value_heads: num_attention_heads; for head_dim: hidden_size // num_attention_heads.
+#: No head_dim entry: the type's head widths come from other fields (DeepSeek's MLA dims).
+#: Fields a model cannot be sized without (hidden_size, num_hidden_layers, intermediate_size,
+#: expert counts and widths, MLA ranks...) stay required: a missing one is an error, not
+#: transformers' example model's value.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"num_key_value_heads": None, "head_dim": None},
+    "mistral": {"num_key_value_heads": 8, "head_dim": None, "sliding_window": 4096},
+    "mixtral": {"num_key_value_heads": 8, "head_dim": None, "sliding_window": None},
+    "qwen2": {"num_key_value_heads": 32, "head_dim": None},
+    "qwen2_moe": {"num_key_value_heads": 16, "head_dim": None, "shared_expert_intermediate_size": 5632},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
+    "qwen3_moe": {"num_key_value_heads": 4, "head_dim": None, "sliding_window": 4096},
+    # num_experts_per_tok: DeepseekV2Config's default is None (no router top-k), so it is required.
+    "deepseek_v2": {"num_key_value_heads": None, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "q_lora_rank": 1536, "first_k_dense_replace": 0, "num_experts_per_tok": _MISSING,
+                    "num_nextn_predict_layers": 0},
+    # num_nextn_predict_layers is DeepseekV3Config's num_mtp_layers (attribute_map), default 1.
+    "deepseek_v3": {"num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "q_lora_rank": 1536, "first_k_dense_replace": 3, "num_experts_per_tok": 8,
+                    "num_nextn_predict_layers": 1},
+    "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128, "num_experts_per_tok": 4},
+}
+HF_DEFAULTS["kimi_k2"] = HF_DEFAULTS["deepseek_v3"]
+
+#: Model types whose transformers config rejects a hidden_size that num_attention_heads does not
+#: divide, even where head_dim is given (LlamaConfig, DeepseekV2Config.validate_architecture).
+_HIDDEN_DIVIDES_BY_HEADS = frozenset({"llama", "deepseek_v2"})
+
+
 def _attention_fields(r: _Reader) -> dict[str, Any]:
+    defaults = HF_DEFAULTS[r.model_type]
     heads = r.integer("num_attention_heads")
     hidden = r.integer("hidden_size")
-    # transformers takes hidden_size // num_attention_heads where head_dim is absent, null or 0.
+    if r.model_type in _HIDDEN_DIVIDES_BY_HEADS and hidden % heads:
+        raise NdplanError(f"{r.source}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); "
+                          f"transformers rejects that for model_type '{r.model_type}'")
+    # A num_key_value_heads of null is num_attention_heads, as transformers' __post_init__ reads it.
+    given_kv = "num_key_value_heads" in r.config
+    kv_default = defaults["num_key_value_heads"]
+    kv = r.integer("num_key_value_heads", heads if kv_default is None or given_kv else kv_default)
+    if not given_kv and heads % kv:
+        raise NdplanError(f"{r.source}: no field 'num_key_value_heads', and transformers' default for "
+                          f"model_type '{r.model_type}' ({kv}) does not divide num_attention_heads ({heads}); "
+                          "give num_key_value_heads")
+    fields = {"num_attention_heads": heads, "num_kv_heads": kv}
+    if "head_dim" not in defaults:
+        return fields  # MLA: the reader sets head_dim from the query/key dims
+    # head_dim absent, null or 0 takes the type's default (transformers' config or modeling code).
     stated = r.config.get("head_dim")
     if not (stated is None or type(stated) is int and stated == 0):
-        head_dim = r.integer("head_dim")
+        fields["head_dim"] = r.integer("head_dim")
+    elif defaults["head_dim"] is not None:
+        fields["head_dim"] = defaults["head_dim"]
+    elif hidden % heads:
+        raise NdplanError(f"{r.source}: no field 'head_dim', and hidden_size ({hidden}) is not a multiple of "
+                          f"num_attention_heads ({heads}); give head_dim or make hidden_size a multiple")
     else:
-        head_dim = hidden // heads
-        if head_dim < 1:
-            raise NdplanError(f"{r.source}: no field 'head_dim', and hidden_size / num_attention_heads = "
-                              f"{hidden} / {heads} gives 0; hidden_size must be at least num_attention_heads "
-                              "(or give head_dim)")
-    return {
-        "num_attention_heads": heads,
-        "num_kv_heads": r.integer("num_key_value_heads", heads),
-        "head_dim": head_dim,
-    }
+        fields["head_dim"] = hidden // heads
+    return fields
 
 
 def _common_fields(r: _Reader) -> dict[str, Any]:
@@ -101,6 +147,8 @@ def _common_fields(r: _Reader) -> dict[str, Any]:
         "vocab_size": r.integer("vocab_size"),
         "tie_word_embeddings": r.flag("tie_word_embeddings", False),
         "activation": act,
+        # Absent: 0, not transformers' placeholder (RoPE has no position table to size), which
+        # --emit would pass to Megatron, whose max_position_embeddings >= seq_length check it can fail.
         "max_position_embeddings": r.integer("max_position_embeddings", 0),
         **_attention_fields(r),
     }
@@ -130,10 +178,10 @@ def _attention_spans(r: _Reader, num_layers: int, window: int | None,
     return {"sliding_window": window, "layer_attention_spans": spans} if "sliding" in spans else {}
 
 
-def _every_layer_window(r: _Reader, default: int | None) -> dict[str, Any]:
+def _every_layer_window(r: _Reader) -> dict[str, Any]:
     """Mistral, Mixtral, Qwen3-MoE: every layer attends the last ``sliding_window`` keys when it
     is set (transformers ignores ``layer_types`` for them)."""
-    window = r.get("sliding_window", default)
+    window = r.get("sliding_window", HF_DEFAULTS[r.model_type]["sliding_window"])
     if r.model_type == "qwen3_moe" and not r.flag("use_sliding_window", False):
         window = None
     return _attention_spans(r, r.integer("num_hidden_layers"), window, lambda i: True, reads_layer_types=False)
@@ -160,7 +208,7 @@ def _llama(r: _Reader) -> dict[str, Any]:
 
 
 def _mistral(r: _Reader) -> dict[str, Any]:
-    return {**_common_fields(r), "ffn_hidden_size": r.integer("intermediate_size"), **_every_layer_window(r, 4096)}
+    return {**_common_fields(r), "ffn_hidden_size": r.integer("intermediate_size"), **_every_layer_window(r)}
 
 
 def _qwen2(r: _Reader) -> dict[str, Any]:
@@ -189,7 +237,7 @@ def _mixtral(r: _Reader) -> dict[str, Any]:
         "num_experts": r.integer("num_local_experts"),
         "num_experts_per_tok": r.integer("num_experts_per_tok"),
         "moe_ffn_hidden_size": width,
-        **_every_layer_window(r, None),
+        **_every_layer_window(r),
     }
 
 
@@ -211,7 +259,8 @@ def _qwen_moe_kinds(r: _Reader, num_layers: int, num_experts: int) -> tuple[MlpK
 def _qwen2_moe(r: _Reader) -> dict[str, Any]:
     fields = _common_fields(r)
     experts = r.integer("num_experts")
-    shared_width = r.integer("shared_expert_intermediate_size", 0)
+    shared_width = r.integer("shared_expert_intermediate_size",
+                             HF_DEFAULTS["qwen2_moe"]["shared_expert_intermediate_size"])
     return {
         **fields,
         "ffn_hidden_size": r.integer("intermediate_size"),
@@ -242,7 +291,7 @@ def _qwen3_moe(r: _Reader) -> dict[str, Any]:
         "num_experts_per_tok": r.integer("num_experts_per_tok"),
         "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
         "layer_mlp_kinds": _qwen_moe_kinds(r, fields["num_layers"], experts),
-        **_every_layer_window(r, 4096),
+        **_every_layer_window(r),
     }
 
 
@@ -262,11 +311,12 @@ def _gpt_oss(r: _Reader) -> dict[str, Any]:
         "o_bias": bias,
         "attention_sinks": True,
         "num_experts": experts,
-        "num_experts_per_tok": r.integer("num_experts_per_tok", 4),
+        "num_experts_per_tok": r.integer("num_experts_per_tok", HF_DEFAULTS["gpt_oss"]["num_experts_per_tok"]),
         "moe_ffn_hidden_size": r.integer("intermediate_size"),
         "router_bias": True,
         "expert_bias": True,
-        **_attention_spans(r, layers, r.get("sliding_window", 128), lambda i: i % 2 == 0),
+        **_attention_spans(r, layers, r.get("sliding_window", HF_DEFAULTS["gpt_oss"]["sliding_window"]),
+                           lambda i: i % 2 == 0),
     }
 
 
@@ -277,34 +327,39 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
         # experts); no published DeepSeek model sets it, and ndplan does not count it.
         raise NdplanError(f"{r.source}: field 'mlp_bias' true is not supported for {r.model_type} "
                           "(allowed: false, as every published DeepSeek config)")
+    defaults = HF_DEFAULTS[r.model_type]
     bias = r.flag("attention_bias", False)
-    experts = r.integer("n_routed_experts", 0)
-    first_dense = r.integer("first_k_dense_replace", 3 if r.model_type == "deepseek_v3" else 0)
+    experts = r.integer("n_routed_experts", defaults["n_routed_experts"])
+    first_dense = r.integer("first_k_dense_replace", defaults["first_k_dense_replace"])
+    # transformers' DeepSeek code reads no moe_layer_freq (every layer from first_k_dense_replace
+    # on is MoE); DeepSeek's own code does, default 1.
     frequency = r.integer("moe_layer_freq", 1)
     kinds: tuple[MlpKind, ...] = tuple(
         "moe" if experts and i >= first_dense and i % frequency == 0 else "dense"
         for i in range(fields["num_layers"])
     )
     moe_width = r.integer("moe_intermediate_size")
-    shared = r.integer("n_shared_experts", 0)
+    shared = r.integer("n_shared_experts", defaults["n_shared_experts"])
+    # q_lora_rank null: queries are not compressed (DeepSeek-V2-Lite); absent: transformers' default.
+    q_lora_rank = r.integer("q_lora_rank", 0) if "q_lora_rank" in r.config else defaults["q_lora_rank"]
     return {
         **fields,
         "ffn_hidden_size": r.integer("intermediate_size"),
         "qkv_bias": bias,
         "o_bias": bias,
-        "q_lora_rank": r.integer("q_lora_rank", 0),
+        "q_lora_rank": q_lora_rank,
         "kv_lora_rank": r.integer("kv_lora_rank"),
         "qk_rope_head_dim": r.integer("qk_rope_head_dim"),
         "qk_nope_head_dim": r.integer("qk_nope_head_dim"),
         "v_head_dim": r.integer("v_head_dim"),
         "head_dim": r.integer("qk_rope_head_dim") + r.integer("qk_nope_head_dim"),
         "num_experts": experts,
-        "num_experts_per_tok": r.integer("num_experts_per_tok", 0) if experts else 0,
+        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]) if experts else 0,
         "moe_ffn_hidden_size": moe_width,
         "num_shared_experts": shared,
         "shared_expert_ffn_hidden_size": moe_width if shared else 0,
         "layer_mlp_kinds": kinds,
-        "mtp_depth": r.integer("num_nextn_predict_layers", 0),
+        "mtp_depth": r.integer("num_nextn_predict_layers", defaults["num_nextn_predict_layers"]),
     }
 
 

@@ -1,0 +1,155 @@
+"""A config.json that leaves out fields reads with transformers' defaults for its model_type.
+
+Each MINIMAL config gives only the fields ndplan requires, so every field ndplan can fall back on
+(num_key_value_heads, head_dim, shared-expert widths, DeepSeek's q_lora_rank, routed and shared
+expert counts...) takes its default; ndplan must count what transformers builds from it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ndplan.cli import main
+from ndplan.errors import NdplanError
+from ndplan.model import count_parameters, spec_from_hf_config
+from ndplan.model.hf import READERS
+
+_DENSE = {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512, "vocab_size": 1000}
+_MLA = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 1000, "moe_intermediate_size": 64,
+        "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
+
+# Head counts are chosen so the default num_key_value_heads divides them (qwen2/qwen3 32,
+# qwen2_moe 16, qwen3_moe 4, mistral/mixtral/gpt_oss 8, deepseek_v3 128, llama/deepseek_v2 = heads).
+MINIMAL: dict[str, dict] = {
+    "llama": {"model_type": "llama", **_DENSE, "num_attention_heads": 8},
+    "mistral": {"model_type": "mistral", **_DENSE, "num_attention_heads": 16},
+    "mixtral": {"model_type": "mixtral", **_DENSE, "num_attention_heads": 16, "num_local_experts": 4,
+                "num_experts_per_tok": 2},
+    "qwen2": {"model_type": "qwen2", **_DENSE, "num_attention_heads": 32},
+    "qwen2_moe": {"model_type": "qwen2_moe", **_DENSE, "num_attention_heads": 16, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    "qwen3": {"model_type": "qwen3", **_DENSE, "num_attention_heads": 32},
+    "qwen3_moe": {"model_type": "qwen3_moe", **_DENSE, "num_attention_heads": 8, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    "deepseek_v2": {"model_type": "deepseek_v2", **_MLA, "num_hidden_layers": 2, "num_attention_heads": 8,
+                    "num_experts_per_tok": 2},
+    "deepseek_v3": {"model_type": "deepseek_v3", **_MLA, "num_hidden_layers": 4, "num_attention_heads": 128},
+    "kimi_k2": {"model_type": "kimi_k2", **_MLA, "num_hidden_layers": 4, "num_attention_heads": 128},
+    "gpt_oss": {"model_type": "gpt_oss", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 128,
+                "vocab_size": 1000, "num_attention_heads": 16, "num_local_experts": 8},
+}
+
+# Parameters transformers 5.24.0 builds for each MINIMAL config (AutoConfig.for_model, then
+# AutoModelForCausalLM.from_config on the meta device; tests/hf_meta.py), without DeepSeek's
+# MTP module, which transformers does not build. Hard-coded so the check runs without torch.
+TRANSFORMERS_COUNTS = {
+    "llama": 1_824_000, "mistral": 1_692_928, "mixtral": 4_054_272, "qwen2": 1_825_536,
+    "qwen2_moe": 10_478_848, "qwen3": 9_688_832, "qwen3_moe": 1_695_104, "deepseek_v2": 9_191_744,
+    "deepseek_v3": 59_011_456, "kimi_k2": 59_011_456, "gpt_oss": 3_675_952,
+}
+
+# The MTP module ndplan adds where transformers' default num_nextn_predict_layers (1) applies.
+MTP_DEPTH = {"deepseek_v3": 1, "kimi_k2": 1}
+
+
+def _count(config: dict) -> tuple[int, int]:
+    """(parameters without MTP, MTP parameters) ndplan counts for ``config``."""
+    counts = count_parameters(spec_from_hf_config(config, name=config["model_type"]))
+    return counts.total, counts.mtp
+
+
+def test_every_model_type_is_covered():
+    assert set(MINIMAL) == set(READERS) == set(TRANSFORMERS_COUNTS)
+
+
+@pytest.mark.parametrize("model_type", sorted(MINIMAL))
+def test_defaults_count_what_transformers_builds(model_type):
+    body, mtp = _count(MINIMAL[model_type])
+    assert body == TRANSFORMERS_COUNTS[model_type]
+    assert spec_from_hf_config(MINIMAL[model_type], name="m").mtp_depth == MTP_DEPTH.get(model_type, 0)
+    assert (mtp > 0) == (model_type in MTP_DEPTH)
+
+
+@pytest.mark.parametrize("model_type", sorted(MINIMAL))
+def test_defaults_match_transformers_live(model_type):
+    """The same, block by block, against the transformers installed (the census extra)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_meta import meta_block_counts
+
+    ours = count_parameters(spec_from_hf_config(MINIMAL[model_type], name="m")).blocks()
+    ours.pop("mtp")
+    assert {k: v for k, v in ours.items() if v} == dict(meta_block_counts(MINIMAL[model_type]))
+
+
+def test_qwen3_without_head_dim_takes_128():
+    """Qwen3Config's head_dim defaults to 128, not hidden_size / num_attention_heads (64 here)."""
+    config = {"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "num_hidden_layers": 28, "intermediate_size": 3072, "vocab_size": 151936,
+              "tie_word_embeddings": True}
+    spec = spec_from_hf_config(config, name="q")
+    assert spec.head_dim == 128
+    assert count_parameters(spec).total == 596_049_920  # transformers 5.24.0 on the meta device
+
+
+def test_deepseek_q_lora_rank_null_means_uncompressed_queries():
+    """Absent, q_lora_rank is transformers' 1536; null (DeepSeek-V2-Lite) means no query LoRA."""
+    assert spec_from_hf_config(MINIMAL["deepseek_v2"], name="m").q_lora_rank == 1536
+    assert spec_from_hf_config({**MINIMAL["deepseek_v2"], "q_lora_rank": None}, name="m").q_lora_rank == 0
+
+
+def test_null_num_key_value_heads_is_num_attention_heads():
+    spec = spec_from_hf_config({**MINIMAL["qwen2"], "num_attention_heads": 16, "num_key_value_heads": None},
+                               name="m")
+    assert spec.num_kv_heads == 16
+
+
+def test_a_default_num_key_value_heads_that_does_not_divide_the_heads_is_named():
+    with pytest.raises(NdplanError, match=r"no field 'num_key_value_heads', and transformers' default for "
+                                          r"model_type 'qwen2' \(32\) does not divide num_attention_heads \(16\)"):
+        spec_from_hf_config({**MINIMAL["qwen2"], "num_attention_heads": 16}, name="m")
+
+
+# hidden_size 1024 with 12 heads: transformers' LlamaConfig and DeepseekV2Config reject it even
+# with head_dim given; the other types derive head_dim = 1024 // 12 only without one, and
+# qwen3, gpt_oss and DeepSeek-V3 (MLA) have a head width of their own.
+_UNEVEN = {"hidden_size": 1024, "num_attention_heads": 12, "num_key_value_heads": 4}
+ALWAYS_REJECTED = ["llama", "deepseek_v2"]
+REJECTED_WITHOUT_HEAD_DIM = ["mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe"]
+ACCEPTED = ["qwen3", "gpt_oss", "deepseek_v3", "kimi_k2"]
+
+
+@pytest.mark.parametrize("model_type", ALWAYS_REJECTED)
+@pytest.mark.parametrize("head_dim", [{}, {"head_dim": 64}])
+def test_hidden_size_heads_do_not_divide_rejected_as_transformers_does(model_type, head_dim):
+    with pytest.raises(NdplanError, match=rf"config.json: hidden_size \(1024\) is not a multiple of "
+                                          rf"num_attention_heads \(12\); transformers rejects that for "
+                                          rf"model_type '{model_type}'$"):
+        spec_from_hf_config({**MINIMAL[model_type], **_UNEVEN, **head_dim}, name="m")
+
+
+@pytest.mark.parametrize("model_type", REJECTED_WITHOUT_HEAD_DIM)
+def test_a_head_dim_derived_from_uneven_sizes_is_rejected(model_type):
+    with pytest.raises(NdplanError, match=r"config.json: no field 'head_dim', and hidden_size \(1024\) is not a "
+                                          r"multiple of num_attention_heads \(12\); give head_dim"):
+        spec_from_hf_config({**MINIMAL[model_type], **_UNEVEN}, name="m")
+    assert spec_from_hf_config({**MINIMAL[model_type], **_UNEVEN, "head_dim": 64}, name="m").head_dim == 64
+
+
+@pytest.mark.parametrize("model_type", ACCEPTED)
+def test_types_with_their_own_head_width_accept_uneven_sizes(model_type):
+    spec_from_hf_config({**MINIMAL[model_type], **_UNEVEN}, name="m")
+
+
+def test_census_names_the_uneven_fields_on_one_line(tmp_path: Path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    path = tmp_path / "uneven.json"
+    path.write_text(json.dumps({**MINIMAL["llama"], **_UNEVEN}))
+    assert main(["census", str(path), "--seq", "128"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert "hidden_size (1024) is not a multiple of num_attention_heads (12)" in err
