@@ -51,8 +51,8 @@ TRANSFORMERS_COUNTS = {
     "deepseek_v3": 59_011_456, "kimi_k2": 59_011_456, "gpt_oss": 3_675_952,
 }
 
-# The MTP module ndplan adds where transformers' default num_nextn_predict_layers (1) applies.
-MTP_DEPTH = {"deepseek_v3": 1, "kimi_k2": 1}
+# No MTP module where num_nextn_predict_layers is not stated (transformers builds none).
+MTP_DEPTH: dict[str, int] = {}
 
 
 def _count(config: dict) -> tuple[int, int]:

@@ -90,10 +90,12 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"num_key_value_heads": None, "n_routed_experts": 64, "n_shared_experts": 2,
                     "q_lora_rank": 1536, "first_k_dense_replace": 0, "num_experts_per_tok": _MISSING,
                     "num_nextn_predict_layers": 0},
-    # num_nextn_predict_layers is DeepseekV3Config's num_mtp_layers (attribute_map), default 1.
+    # num_nextn_predict_layers absent: no MTP module. DeepseekV3Config defaults its num_mtp_layers
+    # to 1, but transformers builds no MTP module whatever it says, and training runs one only
+    # where asked (Megatron's --mtp-num-layers): a config that does not state it gets none.
     "deepseek_v3": {"num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
                     "q_lora_rank": 1536, "first_k_dense_replace": 3, "num_experts_per_tok": 8,
-                    "num_nextn_predict_layers": 1},
+                    "num_nextn_predict_layers": 0},
     "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128, "num_experts_per_tok": 4},
 }
 HF_DEFAULTS["kimi_k2"] = HF_DEFAULTS["deepseek_v3"]
