@@ -153,3 +153,17 @@ def test_census_names_the_uneven_fields_on_one_line(tmp_path: Path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1
     assert "hidden_size (1024) is not a multiple of num_attention_heads (12)" in err
+
+
+def test_census_of_a_type_ndplan_does_not_read_names_what_torch_refused(tmp_path: Path, capsys):
+    """A model type only transformers reads (gemma): a size torch cannot allocate is one line."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    path = tmp_path / "gemma.json"
+    path.write_text(json.dumps({"model_type": "gemma", "hidden_size": 64, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "head_dim": -4, "num_hidden_layers": 2,
+                                "intermediate_size": 128, "vocab_size": 100}))
+    assert main(["census", str(path), "--seq", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert "census: transformers cannot build 'gemma' from this config: Trying to create tensor with negative" in err

@@ -476,6 +476,9 @@ def build_meta_model(config: Any) -> Any:
         hint = "; try --attention eager" if attention == "sdpa" else ""
         raise NdplanError(f"census: transformers cannot build {config.model_type!r} with attention "
                           f"{attention!r}{hint} ({str(error).splitlines()[0][:160]})") from None
+    except RuntimeError as error:  # torch refuses a size the config gives (a negative head_dim, ...)
+        raise NdplanError(f"census: transformers cannot build {config.model_type!r} from this config: "
+                          f"{str(error).splitlines()[0][:160]}") from None
     if getattr(model.config, "_attn_implementation", None) != config._attn_implementation:
         raise NdplanError(
             f"census: transformers chose attention {model.config._attn_implementation!r}, "
