@@ -299,6 +299,36 @@ def test_peak_memory_prices_strategies_alike_once_and_the_same(runtime):
         assert (peak[i], stage[i]) == (alone[0][0], alone[1][0]), batch.row(i)
 
 
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_memory_reads_none_of_the_unread_fields(runtime):
+    """Strategies that differ only in UNREAD_FIELDS have the same figures, every one of every
+    stage (so ``_alike`` may price them once), and peak_memory prices them alike."""
+    from ndplan.memory.stages import PIPELINE_SHAPE, UNREAD_FIELDS, _alike, peak_memory, stage_memory
+    from ndplan.strategy import valid_mask
+
+    space = _space(devices=16, seq=8192, dims=("tp", "sp", "cp", "ep", "pp", "schedule", "zero", "recompute"))
+    batch = space.batch(np.arange(space.size))
+    batch = batch.take(np.flatnonzero(valid_mask(batch, RuleContext(TINY_MOE, space.num_devices))))
+    batch = batch.take(np.sort(np.random.default_rng(0).choice(len(batch), 60, replace=False)))
+    rng = np.random.default_rng(1)
+    varied = {"fsdp": (batch.zero == 3) & (rng.random(len(batch)) < 0.5), "ulysses_degree": rng.choice([1, 2], len(batch)),
+              "global_batch_size": rng.choice([64, 128], len(batch))}
+    assert set(varied) == set(UNREAD_FIELDS)
+    perturbed = StrategyBatch(**{name: varied.get(name, getattr(batch, name)) for name in batch.array_fields()},
+                              precision=batch.precision)
+    options = MemoryOptions(runtime=runtime)
+    every, every_perturbed = (stage_memory(TINY_MOE, b, options, breakdown=True) for b in (batch, perturbed))
+    for name in ("device", "activations", "transient", "comm", "optimizer_step"):
+        np.testing.assert_array_equal(getattr(every, name), getattr(every_perturbed, name))
+    both = StrategyBatch.concat([batch, perturbed])
+    _, alike = _alike(TINY_MOE, both, options, both.groups(PIPELINE_SHAPE), None)
+    assert alike is not None and len(alike[0]) <= len(batch)
+    peak, stage = peak_memory(TINY_MOE, both, options)
+    np.testing.assert_array_equal(peak[:len(batch)], peak[len(batch):])
+    np.testing.assert_array_equal(stage[:len(batch)], stage[len(batch):])
+    np.testing.assert_array_equal(peak[:len(batch)], every.device.max(axis=1))
+
+
 def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
     """(balanced step, candidate) for every fitting candidate, sorted: each pipeline balanced by
     the heuristic (as one recompute setting with ``one_setting``), its step scaled by the plan's

@@ -66,6 +66,11 @@ STATIC_FIELDS = (
     *PIPELINE_SHAPE, "tp", "cp", "dp", "ep", "etp", "zero", "shard_group", "optimizer_offload", "num_micro_batches",
     "pipeline_runs",
 )
+#: The fields of a strategy that no figure of the memory model reads: FSDP is priced as the
+#: ZeRO-3 that a valid strategy with ``fsdp`` has, a hybrid context-parallel group's buffers by
+#: its kind, and the global batch is dp · micro-batch size · micro-batches per step. Strategies
+#: that differ only in these are priced once (``_alike``; a test perturbs them).
+UNREAD_FIELDS = ("fsdp", "ulysses_degree", "global_batch_size")
 
 
 #: Most routed tokens on a rank, or in an expert's buffer, over the balanced share that
@@ -1303,11 +1308,13 @@ def _alike(
     in twenty of the strategies is alike another (so few rows less would not pay for gathering
     the fields and the figures by the kinds).
 
-    A kind is a combination of every field but the context-parallel kind, and of that where the
-    model reads it (``_cp_kind_read``): a search prices its candidates' step times in each kind
-    of context parallelism, whose exchange is mostly not the largest buffer. Every figure of a
-    strategy is a function of those fields, computed row by row: a row of each kind stands for
-    the others, bit for bit. STATIC_FIELDS come first, their combinations found on the way."""
+    A kind is a combination of every field but UNREAD_FIELDS and the context-parallel kind, and
+    of that where the model reads it (``_cp_kind_read``): a search prices its candidates' step
+    times in each kind of context parallelism, whose exchange is mostly not the largest buffer;
+    a mixed batch holds strategies with and without ``fsdp`` (on 1M DeepSeek-V3 strategies,
+    908k kinds with it, 863k without; 656k Llama-3.1-405B ones, 516k and 418k). Every figure
+    of a strategy is a function of those fields, computed row by row: a row of each kind stands
+    for the others, bit for bit. STATIC_FIELDS come first, their combinations found on the way."""
     hands_over_enabled = bool(options.profile.pipeline_stage_output)
     all_moe = np.zeros(len(batch), dtype=bool)
     for key, rows in groups:
@@ -1315,7 +1322,8 @@ def _alike(
                              bool(key[5]), hands_over_enabled, True)
         all_moe[rows] = bool((shape.moe_per_stage > 0).all())
     read = _cp_kind_read(model, batch, options, all_moe)
-    others = [name for name in batch.array_fields() if name not in STATIC_FIELDS and name != "cp_kind"]
+    others = [name for name in batch.array_fields()
+              if name not in STATIC_FIELDS and name not in UNREAD_FIELDS and name != "cp_kind"]
     rows, kinds, static_code = distinct_columns(
         [*(getattr(batch, name) for name in (*STATIC_FIELDS, *others)), np.where(read, batch.cp_kind, -1)],
         len(batch), prefix=len(STATIC_FIELDS))
