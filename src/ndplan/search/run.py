@@ -121,6 +121,12 @@ def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str) -> np.nd
     return runnable
 
 
+def _zero_has_group(batch: StrategyBatch) -> np.ndarray:
+    """Where ZeRO stage 1 or 2 has a group to shard over (dp·cp > 1): without one it is ZeRO 0
+    under another name, every figure the same, charged as a duplicate of the ZeRO 0 candidate."""
+    return np.asarray(~((batch.zero == 1) | (batch.zero == 2)) | (batch.dp * batch.cp > 1))
+
+
 def _reaches_imbalance(batch: StrategyBatch, model: ModelSpec, imbalance: float) -> np.ndarray:
     """Where expert parallelism can load a rank as unevenly as ``imbalance`` (``IMPOSSIBLE_IMBALANCE``)."""
     k, experts = model.num_experts_per_tok, model.num_experts
@@ -303,6 +309,9 @@ def run_search(
     checks: list[Check] = [partial(_holds, rule=rule, context=context) for rule in RULES]
     reasons = [DUPLICATE, *(rule.name for rule in RULES), NOT_RUNNABLE]
     checks.append(partial(_runnable, schedules=list(profile.schedules), runtime=runtime))
+    if 0 in space.zero and (1 in space.zero or 2 in space.zero):  # the ZeRO 0 candidate stands for them
+        reasons.append(DUPLICATE)
+        checks.append(_zero_has_group)
     if IMPOSSIBLE_IMBALANCE in rejected:
         reasons.append(IMPOSSIBLE_IMBALANCE)
         checks.append(partial(_reaches_imbalance, model=model, imbalance=imbalance))

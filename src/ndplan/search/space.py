@@ -292,7 +292,9 @@ class SearchSpace:
         gradient accumulation, one micro-batch after another, which 1F1B at pp = 1 stands for;
         where the space lists 1F1B), several pipeline runs at pp = 1 (again gradient accumulation,
         which one run stands for, where the space lists one), and a recompute other than selective
-        under any module set but the first (it re-runs no modules)."""
+        under any module set but the first (it re-runs no modules). (ZeRO 1 and 2 without a
+        data-parallel group, dp·cp = 1, are ZeRO 0 too: dp is no dimension of the space, so
+        ``run_search`` finds those by a check, charged as duplicates.)"""
         # Each condition is a per-value table of one dimension, looked up at the candidate's digit
         # of that dimension alone (not every dimension's: a search asks this of every candidate).
         stride = dict(zip(DIMENSIONS, _strides(list(self.sizes)), strict=True))
