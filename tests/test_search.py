@@ -222,9 +222,19 @@ def test_cli_search_says_why_nothing_is_ranked(capsys):
                  "--dims", "tp", "pp", "zero", "recompute", "--memory-limit", limit, "--json"]) == 0
     capsys.readouterr()
     # the fewest devices: doubling to 16 (none) and 32 (some), then bisection over nodes of 8: 24
-    assert data["notes"][-1].startswith("with 24 devices (the fewest that fit, in multiples of 8 from 8")
+    assert data["notes"][-1].startswith("with 24 devices (the fewest that fit, in whole nodes of 8")
     assert main(["search", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "24", "--gbs", "9",
                  "--dims", "tp", "pp", "zero", "recompute", "--json"]) == 0
+    capsys.readouterr()
+    # A count that is no whole number of nodes: whole nodes are tried (28 + 8k skipped 32, which fits).
+    assert main(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "28", "--gbs", "8",
+                 "--memory-limit", "10GiB", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["notes"][-1].startswith("with 32 devices (the fewest that fit")
+    assert main(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "24", "--gbs", "8",
+                 "--memory-limit", "10GiB", "--json"]) == 1
+    capsys.readouterr()
+    assert main(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "32", "--gbs", "8",
+                 "--memory-limit", "10GiB", "--json"]) == 0
 
 
 def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact():

@@ -979,18 +979,20 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
         valid_anywhere[0] = valid_anywhere[0] or trial.evaluated > 0
         return trial.ranked[0]["label"] if trial.ranked else None
 
-    # Doubling finds a cluster that fits; bisection over whole nodes (or multiples of the count
-    # given, below a node) then finds the fewest devices between it and the last that did not.
+    # Doubling finds a cluster that fits; bisection then finds the fewest devices between it and
+    # the last that did not, over whole nodes (or multiples of the count given, below a node):
+    # counts of whole nodes, not the count given plus nodes (28 + 8k skipped 32).
     step = device.devices_per_node if devices >= device.devices_per_node else devices
     low, found = devices, None
     largest = max(devices * 2, min(devices * 64, 1 << 17))
     factor = 2
     while devices * factor <= largest:
-        label = best_on(devices * factor)
+        count = -(-devices * factor // step) * step
+        label = best_on(count)
         if label is not None:
-            found = (devices * factor, label)
+            found = (count, label)
             break
-        low = devices * factor
+        low = count
         factor *= 2
     if found is None:
         if valid_anywhere[0]:
@@ -1000,15 +1002,18 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
                          "check the --fix values against the rules counted above")
         return notes
     high, label = found
-    while (high - low) // step > 1:  # fits at high, not at low (in step multiples)
-        middle = low + ((high - low) // step // 2) * step
-        trial_label = best_on(middle)
+    # In units of step: fits at high, not at low (nor, more never fitting less, at any fewer).
+    low_units, high_units = low // step, high // step
+    while high_units - low_units > 1:
+        middle = (low_units + high_units) // 2
+        trial_label = best_on(middle * step)
         if trial_label is not None:
-            high, label = middle, trial_label
+            high_units, label = middle, trial_label
         else:
-            low = middle
-    notes.append(f"with {high} devices (the fewest that fit, in multiples of {step} from {devices}, "
-                 f"assuming more never fits less) the best fitting strategy is {label}")
+            low_units = middle
+    unit = f"whole nodes of {step}" if step == device.devices_per_node else f"multiples of {step}"
+    notes.append(f"with {high_units * step} devices (the fewest that fit, in {unit}, assuming more never fits "
+                 f"less) the best fitting strategy is {label}")
     return notes
 
 
