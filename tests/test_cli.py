@@ -527,7 +527,7 @@ def test_balance_says_slower_and_neither_plainly(capsys):
     code, out, _ = run(argv, capsys)
     text = " ".join(out.split())
     assert code == 0 and not re.search(r"-\d+\.\d% (faster|slower)", text)
-    assert "slower; the baseline does not fit), composed from the stage times" in text
+    assert "slower than the baseline, uniform full recompute; the baseline does not fit), composed from the stage times" in text
     assert "verdict: neither the strategy as given nor the balanced settings fit by the full estimators" in text
 
 
