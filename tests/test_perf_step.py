@@ -34,7 +34,7 @@ def test_report_fields_and_breakdown_sum_to_the_step():
     s = Strategy(dp=2, tp=4, pp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=8, seq_length=8192, zero=1)
     r = estimate_time(LLAMA70, s, _cluster(16))
     d = r.to_dict()
-    assert set(d) == {"step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "breakdown"}
+    assert set(d) == {"step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "breakdown", "chunk_seconds"}
     assert set(d["breakdown"]) == {"compute", "comm_exposed", "bubble", "optimizer"}
     assert set(d["breakdown"]["comm_exposed"]) == {"tp", "cp", "ep", "dp", "offload", "pp"}
     b = d["breakdown"]
@@ -963,3 +963,19 @@ def test_a_pipeline_that_defers_fsdps_reduce_reduces_once_a_run():
     s = Strategy(dp=16, pp=2, zero=3, fsdp=True, reshard_after_forward=False, num_micro_batches=4, seq_length=4096)
     text = "\n".join(estimate_time(LLAMA8, s, cluster, software=deferred).explain())
     assert "the pipeline defers FSDP's reduce" in text and "gathered once a run, prefetched" in text
+
+
+def test_chunk_seconds_are_what_the_step_simulated():
+    """A timeline drawn from ``chunk_seconds`` (as the HTML report draws one) has the step's
+    makespan, uneven chunks included: the report drew every stage at the bottleneck's times."""
+    from ndplan.schedule import simulate
+
+    s = Strategy(dp=2, tp=2, sequence_parallel=True, pp=4, vpp=4, schedule="interleaved", zero=1, micro_batch_size=2,
+                 num_micro_batches=16, stage_layers=(2, 2, 2, 1, 2, 2, 2, 2, 2, 3, 2, 2, 2, 2, 3, 1))
+    r = estimate_time(get_preset("llama-3.1-8b"), s, _cluster(16))
+    chunks = {k: np.asarray(v) for k, v in r.chunk_seconds.items()}
+    assert all(v.shape == (4, 4) for v in chunks.values())
+    assert chunks["forward"][3, 0] < chunks["forward"][0, 1] < chunks["forward"][2, 3]  # 1, 2 and 3 layers
+    timeline = simulate("interleaved", 4, 4, 16, forward_s=chunks["forward"], backward_s=chunks["backward"],
+                        weight_grad_s=chunks["weight_grad"], p2p_s=r.details["p2p_s"], overlap_f_and_b=False)
+    assert timeline.makespan_s == pytest.approx(r.details["makespan_s"], rel=1e-12)

@@ -89,6 +89,10 @@ class TimeReport:
     details: dict[str, float] = field(default_factory=dict)
     #: Priced with the runtime's rebuilds per parameter group in a split backward's W.
     weight_grad_rebuilds: bool = False
+    #: Seconds per micro-batch of each stage's chunks, [pp][vpp] lists for "forward", "backward"
+    #: (B: the whole backward where the schedule does not split it, else its input-gradient
+    #: part) and "weight_grad": what the pipeline simulation ran (a timeline can be drawn from it).
+    chunk_seconds: dict[str, list[list[float]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The step time, throughput, MFU and breakdown as JSON-ready data (what --json prints under "time")."""
@@ -104,6 +108,7 @@ class TimeReport:
                 "bubble": self.breakdown["bubble"],
                 "optimizer": self.breakdown["optimizer"],
             },
+            "chunk_seconds": self.chunk_seconds,
         }
 
     def explain(self) -> list[str]:
@@ -159,6 +164,7 @@ def estimate_time(
     batch = StrategyBatch.of(strategy)
     out = evaluate(model, batch, cluster, efficiency=eff, overlap=ov, pipeline="simulate",
                    stage_layers=strategy.stage_layers, details=True, weight_grad_rebuilds=weight_grad_rebuilds)
+    chunks = out.pop("chunk_seconds")[0]  # [F/B/W, pp, vpp]: what the simulator ran
     v = {k: float(a[0]) for k, a in out.items()}
     breakdown = {
         "compute": v["compute_s"],
@@ -171,6 +177,7 @@ def estimate_time(
         step_s=v["step_s"], tokens_per_s=v["tokens_per_s"], tokens_per_s_per_device=v["tokens_per_s_per_device"],
         mfu=v["mfu"], hfu=v["hfu"], model_flops=v["model_flops"], hardware_flops=v["hardware_flops"],
         breakdown=breakdown, details=v, weight_grad_rebuilds=weight_grad_rebuilds,
+        chunk_seconds={name: chunks[i].tolist() for i, name in enumerate(("forward", "backward", "weight_grad"))},
     )
 
 

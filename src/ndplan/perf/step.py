@@ -497,6 +497,7 @@ def _price_group(
             makespan[j], p2p_part[j] = simulated_makespan(
                 CODES["schedule"][int(schedule[j])], pp, vpp, int(m[j]), int(k[j]), fc[j], bc[j], wc[j], float(p2p[j]),
             )
+        chunk_seconds = np.stack([fc, bc, wc], axis=1)  # what the simulator ran: [g, F/B/W, pp, vpp]
 
     out: dict[str, Array] = {} if "offload" in pr.categories else {"offload_s": np.zeros(g)}
     # Each strategy's quantities on its bottleneck stage, taken at flat positions of tables
@@ -571,6 +572,8 @@ def _price_group(
     out["pp_s"] = runs * p2p_part
     out["bubble_s"] = runs * np.maximum(makespan - m * t_star - p2p_part, 0.0)
     out["makespan_s"] = runs * makespan
+    if pr.pipeline != "closed_form":
+        out["chunk_seconds"] = chunk_seconds
     out["optimizer_update_s"] = optimizer
     out["optimizer_s"] = optimizer + pr.eff.step_overhead_s
     out["stage_forward_s"] = np.take(f, star_at)
@@ -610,7 +613,9 @@ def evaluate(
     software: Mapping[str, Any] | None = None,
 ) -> dict[str, Array]:
     """Step time and its parts for every strategy of ``batch`` (OUTPUT_KEYS, plus DETAIL_KEYS
-    with ``details``). ``stage_layers`` overrides the uniform placement (a batch of one).
+    with ``details``; and, for a batch of one with the pipeline simulated, ``chunk_seconds``
+    [1, 3, pp, vpp]: the F, B and W seconds per micro-batch of each stage's chunks the simulator
+    ran). ``stage_layers`` overrides the uniform placement (a batch of one).
     ``weight_grad_rebuilds``: the runtime replays a checkpointed layer's forward once per
     parameter group in a split backward's W (torch.distributed.pipelining, the ``pytorch``
     runtime profile), which full recompute then pays under ZB-H1, ZB-V and DualPipeV.
@@ -659,6 +664,7 @@ def evaluate(
     p2p_sorted = p2p[order]
 
     out = {key: np.empty(n) for key in _GROUP_KEYS}
+    chunk_seconds: Array | None = None
     for gi in range(group_count):
         sl = slice(int(bounds[gi]), int(bounds[gi + 1]))
         i0 = int(order[sl.start])
@@ -669,6 +675,9 @@ def evaluate(
         group = _price_group(priced, layout, {k: v[sl] for k, v in cols.items()}, config[sl], schedule[sl],
                              recompute_layers[sl], p2p_sorted[sl])
         for key, value in group.items():
+            if key == "chunk_seconds":  # per stage and chunk: kept for a batch of one (estimate_time)
+                chunk_seconds = value if n == 1 else None
+                continue
             out[key][sl] = value
 
     # Back to the batch's order: only the arrays the groups filled and the caller reads; the
@@ -676,7 +685,7 @@ def evaluate(
     # values), which spares gathering each of them and their inputs.
     back = np.empty_like(order)
     back[order] = np.arange(n)
-    wanted = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
+    wanted: tuple[str, ...] = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
     res = {key: out[key][back] for key in _GROUP_KEYS if key in wanted or key == "recomputed_fraction"}
     res["p2p_s"] = p2p
     # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts
@@ -697,6 +706,9 @@ def evaluate(
     capacity = res["step_s"] * (cluster.num_devices * rates.peak_flops)
     res["mfu"] = res["model_flops"] / capacity
     res["hfu"] = res["hardware_flops"] / capacity
+    if details and chunk_seconds is not None:
+        res["chunk_seconds"] = chunk_seconds
+        wanted += ("chunk_seconds",)
     return {key: res[key] for key in wanted}
 
 

@@ -457,12 +457,17 @@ def _stage_arrays(stage: Any) -> dict[str, list[Any]]:
 
 
 def simulate_timeline(strategy: Mapping[str, Any], compute_s: float | None = None,
-                      durations: Mapping[str, float] | None = None) -> dict[str, Any]:
+                      durations: Mapping[str, float] | None = None,
+                      chunk_seconds: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Simulate one run of the strategy's pipeline schedule (a step runs it ``pipeline_runs`` times).
 
-    With ``durations`` (the step-time model's per-micro-batch seconds of the bottleneck stage:
-    ``stage_forward_s``, ``stage_backward_s``, ``stage_weight_grad_s``, ``p2p_s``) every stage
-    runs at those times, split evenly over its chunks: seconds (``how`` = "durations").
+    With ``chunk_seconds`` (the step-time model's seconds per micro-batch of each stage's chunks,
+    ``forward``, ``backward``, ``weight_grad`` as [pp][vpp] lists: ``TimeReport.chunk_seconds``)
+    each chunk runs at its own times, as the step time's simulation ran them, with the p2p of
+    ``durations``: seconds (``how`` = "chunks"). Else, with ``durations`` (the step-time model's
+    per-micro-batch seconds of the bottleneck stage: ``stage_forward_s``, ``stage_backward_s``,
+    ``stage_weight_grad_s``, ``p2p_s``) every stage runs at those times, split evenly over its
+    chunks: seconds (``how`` = "durations").
     Otherwise F:B:W = 1:1:1 where the schedule splits the backward, F:B = 1:2 elsewhere; with
     ``compute_s`` (compute seconds per step on the busiest device) scaled so the busiest stage
     computes that long (seconds, ``how`` = "scaled"), else in units of one forward of one
@@ -478,6 +483,18 @@ def simulate_timeline(strategy: Mapping[str, Any], compute_s: float | None = Non
     # One run of the schedule: a step that runs it several times computes compute_s over them all.
     runs = int(strategy.get("pipeline_runs") or 1)
     compute_s = None if compute_s is None else compute_s / runs
+    parts = [np.asarray(chunk_seconds.get(name, ()), dtype=float) for name in ("forward", "backward", "weight_grad")] \
+        if isinstance(chunk_seconds, Mapping) else []
+    if parts and all(part.shape == (pp, vpp) for part in parts):
+        sim = schedule_to_dict(simulate(
+            schedule, pp, vpp, m, seq_chunks=seq_chunks, forward_s=parts[0], backward_s=parts[1],
+            weight_grad_s=parts[2], p2p_s=float((durations or {}).get("p2p_s", 0.0)),
+            overlap_f_and_b=False,  # as the step time's simulation runs it
+        ))
+        sim["unit"] = "s"
+        sim["how"] = "chunks"
+        sim["pipeline_runs"] = runs
+        return sim
     if durations is not None:
         sim = schedule_to_dict(simulate(
             schedule, pp, vpp, m, seq_chunks=seq_chunks, forward_s=durations["stage_forward_s"] / vpp,
@@ -824,8 +841,9 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         source_perf = perf if strategy is not None else (find_perf(rows[0]) if rows else None)
         compute = finite((source_perf.get("breakdown") or {}).get("compute")) if source_perf else None
         durations = _durations(source_perf) or (_durations(rows[0]) if rows and strategy is None else None)
+        chunks = source_perf.get("chunk_seconds") if isinstance(source_perf, Mapping) else None
         try:
-            timeline = simulate_timeline(best_strategy, compute, durations)
+            timeline = simulate_timeline(best_strategy, compute, durations, chunks)
         except NdplanError as error:
             timeline_note = f"no timeline: {error}"
     if timeline is not None:

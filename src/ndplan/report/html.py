@@ -159,6 +159,8 @@ def timeline_spec(tl: Mapping[str, Any]) -> dict[str, Any]:
         "time (unit: one micro-batch forward on one chunk)"
     ratios = "F:B:W = 1:1:1" if tl["schedule"] in ("zb-h1", "zbv", "dualpipev") else "F:B = 1:2"
     how = {
+        "chunks": "simulated with the step-time model's forward, backward, weight-gradient and p2p times "
+                  "of every stage's chunks, as its step time was",
         "durations": "simulated with the step-time model's forward, backward, weight-gradient and p2p times "
                      "of the bottleneck stage",
         "scaled": f"simulated with {ratios}, scaled so the busiest stage computes as long as the step-time model says",
