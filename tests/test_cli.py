@@ -865,3 +865,10 @@ def test_runs_derived_from_the_global_batch_are_not_quoted_as_given(capsys):
     assert code == 2 and "pipeline_runs 0 runs the pipeline as often as the global batch needs, but " \
         "global_batch_size=32 is not a whole number of runs of dp·micro_batch_size·num_micro_batches = 4·1·3 = 12" in err
     assert run([*argv, "--gbs", "24"], capsys)[0] == 0
+
+
+def test_an_fp8_mfu_says_which_peak_it_is_of(capsys):
+    """MFU is taken against the compute dtype's peak: an fp8 step's reads about half a bf16 one's."""
+    argv = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "16"]
+    assert "(of the fp8 peak)" in run([*argv, "--precision", "megatron-fp8"], capsys)[1]
+    assert "(of the fp8 peak)" not in run(argv, capsys)[1]
