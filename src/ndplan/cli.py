@@ -95,6 +95,9 @@ def cmd_models(args: argparse.Namespace) -> int:
             f"{r['num_attention_heads']}/{r['num_kv_heads']}", experts, format_count(r["total_params"]),
             format_count(r["active_params"]), format_count(r["mtp_params"]) if r["mtp_params"] else "-",
         )
+    # Vendors count "active" differently (OpenAI's GPT-OSS figures leave the input embedding out).
+    table.caption = ("active: every parameter a token's step reads, all but the routed experts it skips "
+                     "(the input embedding included); MTP: the multi-token prediction modules, beside the total")
     console.print(table)
     return 0
 
