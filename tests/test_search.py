@@ -342,20 +342,26 @@ def test_memory_reads_none_of_the_unread_fields(runtime):
     np.testing.assert_array_equal(peak[:len(batch)], every.device.max(axis=1))
 
 
-def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
-    """(balanced step, candidate) for every fitting candidate, sorted: each pipeline balanced by
-    the heuristic (as one recompute setting with ``one_setting``), its step scaled by the plan's
-    composed step over the uniform plan's."""
+def _balance_every_candidate(model, space, result, limit, top, *, one_setting=False):
+    """(shown step, candidate) of the ``top`` rows balancing every fitting candidate gives: each
+    pipeline balanced by the heuristic (as one recompute setting with ``one_setting``), its step
+    scaled by the plan's composed step over the uniform plan's where that gains; the plan kept
+    only where what --emit writes of it fits by the full memory estimator and, where that is the
+    plan itself, the full time estimator finds it faster than the candidate. One row per plan (the
+    first by composed step, then index); the ``walk_width(top)`` first re-ranked by the step shown
+    (the full estimate of a one-setting plan, else the composed step), cut to ``top``."""
     from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
-    from ndplan.balance.build import best_settings_plan, settings_plan
-    from ndplan.search.balanced import plan_key
+    from ndplan.balance.build import best_settings_plan, plan_stage_bytes, plan_strategy, settings_plan
+    from ndplan.perf import estimate_time
+    from ndplan.search.balanced import plan_key, walk_width
 
     cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
     every = []
     for candidate, step in zip(result.candidates_index, result.candidates_time_s, strict=True):
         strategy = space.strategy(int(candidate))
-        value = float(step)
+        value = shown = float(step)
         if strategy.pp >= 2:
+            modules = space.selective_modules(int(candidate))
             problem = build_problem(model, strategy, cluster, limit, BALANCE_OPTIONS)
             found = solve_heuristic(problem)
             if found is not None and one_setting:
@@ -367,19 +373,25 @@ def _balance_every_candidate(model, space, result, limit, *, one_setting=False):
                     update={"precision": space.precision}))
                 reference = float(RUNTIME_TIME(model, plain, cluster)["step_s"][0])
                 scaled = reference * found[1].step_s / evaluate(problem, uniform_plan(problem, "none")).step_s
-                if scaled < value:
+                settings, _ = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
+                fits = scaled < value and plan_stage_bytes(model, strategy, settings, BALANCE_OPTIONS,
+                                                           modules).max() <= limit
+                estimated = estimate_time(model, plan_strategy(strategy, settings, modules), cluster,
+                                          **BALANCE_OPTIONS.time_keywords()).step_s if fits else value
+                if fits and (settings != found[0] or estimated < value):
                     value, ran = scaled, found[0]
-            key = plan_key(strategy, ran, space.selective_modules(int(candidate)))
+                    shown = estimated if settings == found[0] else scaled
+            key = plan_key(strategy, ran, modules)
         else:
             key = (int(candidate),)
-        every.append((value, int(candidate), key))
+        every.append((value, int(candidate), key, shown))
     # one row per plan: the first of those that run the same plan
     seen, unique = set(), []
-    for value, candidate, key in sorted(every):
+    for _value, candidate, key, shown in sorted(every):
         if key not in seen:
             seen.add(key)
-            unique.append((value, candidate))
-    return unique
+            unique.append((shown, candidate))
+    return sorted(unique[:walk_width(top)])[:top]
 
 
 def test_balanced_ranking_equals_balancing_every_candidate():
@@ -391,28 +403,37 @@ def test_balanced_ranking_equals_balancing_every_candidate():
     limit = 3 * 2**30
     result = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=limit, top=10,
                         options=BALANCE_OPTIONS)
-    every = _balance_every_candidate(TINY_MOE, space, result, limit)
-    rows, balanced, _ = rank_balanced(TINY_MOE, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=10,
-                                   options=BALANCE_OPTIONS)
-    assert [r["candidate"] for r in rows] == [c for _, c in every[:10]]
-    assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:10]], rel=1e-12)
+    every = _balance_every_candidate(TINY_MOE, space, result, limit, 10)
+    rows, balanced, *_ = rank_balanced(TINY_MOE, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit,
+                                       top=10, options=BALANCE_OPTIONS)
+    assert [r["candidate"] for r in rows] == [c for _, c in every]
+    assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every], rel=1e-12)
     # one row per plan: no two rows run the same placement and recompute
     assert len({(r["label"], str(r.get("balanced_stage_layers"))) for r in rows}) == len(rows)
     pipelines = sum(1 for c in result.candidates_index if space.strategy(int(c)).pp >= 2)
     assert 0 < balanced < pipelines  # the bound spared some balancing
     # Every balanced row carries the full estimator's check of its plan beside the balancer's own figure.
-    balanced_rows = [r for r in rows if "balanced_peak_bytes" in r]
-    assert balanced_rows and all(r["balanced_settings"]["estimated_peak_bytes"] > 0 for r in balanced_rows)
-    # The row is the balanced plan's throughout: its peak (what its step is), its throughput; the
-    # uniform candidate's figures that the plan does not share are kept apart as unbalanced_*.
-    assert all(r["peak_bytes"] == r["balanced_peak_bytes"] <= limit for r in balanced_rows)
+    balanced_rows = [r for r in rows if "balanced_settings" in r]
+    assert balanced_rows and all(0 < r["balanced_settings"]["estimated_peak_bytes"] <= limit for r in balanced_rows)
+    # The row is the balanced plan's throughout: its peak (what its step is), its throughput, the
+    # full estimators' where the plan is one recompute setting, else the balancer's composed ones;
+    # the uniform candidate's figures that the plan does not share are kept apart as unbalanced_*.
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    for r in balanced_rows:
+        estimated = r["figures"] == "estimated"
+        assert estimated == r["balanced_settings"]["is_the_plan"]
+        assert r["peak_bytes"] == (r["balanced_settings"]["estimated_peak_bytes"] if estimated
+                                   else r["composed_peak_bytes"])
+        assert r["step_s"] == (r["balanced_settings"]["estimated_step_s"] if estimated else r["composed_step_s"])
+        assert r["composed_step_s"] < r["unbalanced_step_s"] and r["composed_peak_bytes"] <= limit
+        assert ("hfu" in r) == estimated  # the estimate's; a composed plan's recompute FLOPs are not priced
     for r in balanced_rows:
         assert "unbalanced_peak_bytes" in r and r["recompute"] == "per-layer"
         assert r["tokens_per_s_per_device"] * space.num_devices == pytest.approx(r["tokens_per_s"], rel=1e-12)
         assert r["tokens_per_s"] * r["step_s"] == pytest.approx(
             r["unbalanced_tokens_per_s"] * r["unbalanced_step_s"] if "unbalanced_tokens_per_s" in r
             else space.global_batch_size * space.seq_length, rel=1e-12)
-        assert "compute_s" not in r and "hfu" not in r and "unbalanced_compute_s" in r and "unbalanced_hfu" in r
+        assert "compute_s" not in r and "unbalanced_compute_s" in r and "unbalanced_hfu" in r
         # the candidate's own strategy too (it read as the row's, recompute full, no placement)
         assert "strategy" not in r and r["unbalanced_strategy"]["recompute"] == r["unbalanced_recompute"]
     # The label states the plan's recompute, layer counts per option, not the candidate's setting.
@@ -428,8 +449,8 @@ def test_balanced_ranking_equals_balancing_every_candidate():
         strategy = Strategy(**one["strategy"])
         assert sum(strategy.stage_layers) == TINY_MOE.num_layers and list(strategy.stage_layers) == one["stage_layers"]
         assert (strategy.tp, strategy.pp, strategy.vpp) == (row["tp"], row["pp"], row["vpp"]) and one["step_s"] > 0
-        if one["is_the_plan"]:  # the plan took one setting already: the same step
-            assert one["step_s"] == pytest.approx(row["step_s"], rel=1e-12)
+        if one["is_the_plan"]:  # the plan took one setting already: the same composed step
+            assert one["step_s"] == pytest.approx(row["composed_step_s"], rel=1e-12)
         # the full estimator's step of those settings, as `ndplan estimate` gives it
         from ndplan.hardware import Cluster
         from ndplan.perf import estimate_time
@@ -451,18 +472,67 @@ def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():
                           dims=("tp", "pp", "schedule", "recompute", "zero"))
     limit = 30 * 2**30
     result = run_search(model, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=limit, top=5, options=BALANCE_OPTIONS)
-    every = _balance_every_candidate(model, space, result, limit, one_setting=True)
-    rows, _, _ = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
-                            one_setting=True, options=BALANCE_OPTIONS)
-    assert [r["candidate"] for r in rows] == [c for _, c in every[:5]]
-    assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every[:5]], rel=1e-12)
+    every = _balance_every_candidate(model, space, result, limit, 5, one_setting=True)
+    rows = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
+                         one_setting=True, options=BALANCE_OPTIONS).rows
+    assert [r["candidate"] for r in rows] == [c for _, c in every]
+    assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every], rel=1e-12)
     for row in rows:
-        if "balanced_settings" in row:  # the ranked plan is itself one setting
-            assert row["balanced_settings"]["is_the_plan"]
+        if "balanced_settings" in row:  # the ranked plan is itself one setting: the full estimators' figures
+            assert row["balanced_settings"]["is_the_plan"] and row["figures"] == "estimated"
             Strategy(**row["balanced_settings"]["strategy"])
-    per_layer, _, _ = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
-                                 options=BALANCE_OPTIONS)
+    per_layer = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
+                              options=BALANCE_OPTIONS).rows
     assert [r["candidate"] for r in per_layer] != [r["candidate"] for r in rows]
+
+
+def test_search_balance_shows_what_estimate_gives_for_one_setting_plans(capsys):
+    """A balanced row whose plan is one recompute setting (what --emit writes) shows the full
+    estimators' figures of it, as `ndplan estimate` gives them, and the rows are ranked by them;
+    no row lists a plan whose written settings run over the limit by the full memory estimator.
+    Llama-3.1-8B at tp2 pp4 on 16 devices: the balancer's composed step was 7% below the
+    estimate there, and ranked #1 a plan that the estimate put behind #4."""
+    argv = ["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "16", "--gbs", "64",
+            "--fix", "tp=2", "sp=1", "pp=4", "--balance", "--top", "5", "--runtime", "megatron", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows, limit = data["ranked"], data["memory_limit_bytes"]
+    assert len(rows) == 5 and [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    settings = [r["balanced_settings"] for r in rows if "balanced_settings" in r]
+    assert settings and all(s["estimated_peak_bytes"] <= limit for s in settings)
+    assert all(r["peak_bytes"] <= limit for r in rows)
+    written = [r for r in rows if r.get("balanced_settings", {}).get("is_the_plan")]
+    assert written
+    for row in written:
+        assert row["figures"] == "estimated" and row["composed_step_s"] > 0
+        strategy = row["balanced_settings"]["strategy"]
+        flags = ["--dp", "--tp", "--pp", "--vpp", "--zero", "--mbs", "--num-micro-batches", "--recompute-layers"]
+        fields = ["dp", "tp", "pp", "vpp", "zero", "micro_batch_size", "num_micro_batches", "recompute_layers"]
+        assert strategy["cp"] == 1 and strategy["sequence_parallel"] and not strategy["shard_group"]  # flags below
+        assert main(["estimate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "16", "--gbs", "64",
+                     "--sp", *(["--fsdp"] if strategy["fsdp"] else []), "--schedule", strategy["schedule"],
+                     "--recompute", strategy["recompute"],
+                     "--stage-layers", ",".join(map(str, strategy["stage_layers"])),
+                     *[x for flag, name in zip(flags, fields, strict=True) for x in (flag, str(strategy[name]))],
+                     "--runtime", "megatron", "--json"]) == 0
+        estimated = json.loads(capsys.readouterr().out)
+        assert row["step_s"] == pytest.approx(estimated["time"]["step_s"], rel=1e-9)
+        assert row["tokens_per_s"] == pytest.approx(estimated["time"]["tokens_per_s"], rel=1e-9)
+        assert row["mfu"] == pytest.approx(estimated["time"]["mfu"], rel=1e-9)
+
+
+def test_search_balance_lists_no_plan_over_the_limit_by_the_full_estimator(capsys):
+    """Llama-3.1-70B on 64 devices: plans the balancer's per-layer figures put at 78.8-79.0 GiB
+    write settings the full memory estimator puts over the 79.18 GiB limit; those candidates keep
+    their uniform form instead of being listed as fitting."""
+    assert main(["search", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--gbs", "256",
+                 "--balance", "--top", "20", "--runtime", "megatron", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows, limit = data["ranked"], data["memory_limit_bytes"]
+    assert len(rows) == 20 and [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    assert all(r.get("balanced_settings", r)["estimated_peak_bytes" if "balanced_settings" in r else "peak_bytes"]
+               <= limit for r in rows)
+    assert "over the limit by the full memory estimator" in " ".join(data["notes"])
 
 
 def test_cli_balance_one_setting_emits_what_it_ranked(capsys):

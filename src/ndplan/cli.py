@@ -756,25 +756,35 @@ def cmd_search(args: argparse.Namespace) -> int:
 
         expressible = _round_trips(model, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
                                    by_shape=True) if args.emit else None
-        result.ranked, balanced, unsimulated = rank_balanced(
+        ranking = rank_balanced(
             model, device, space, result, step_time, memory_limit_bytes=limit or device.memory_bytes,
             options=options, top=ranked_top, one_setting=one_setting_only, expressible=expressible,
         )
+        result.ranked, balanced, unsimulated = ranking.rows, ranking.balanced, ranking.unsimulated
         plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
         # Balancing simulates a pipeline's schedule, which the simulator refuses past its cap.
         too_long = (f"{unsimulated:,} ranked unbalanced, as the search priced them (their schedule is longer than "
                     f"the simulator takes: {MAX_SIMULATED_PASSES:,} micro-batch passes, "
                     f"num_micro_batches·pp·vpp·seq_chunks), " if unsimulated else "")
+        kept_uniform = [f"{ranking.over_limit:,} over the limit by the full memory estimator"] if ranking.over_limit else []
+        kept_uniform += [f"{ranking.slower:,} no faster by the full time estimator"] if ranking.slower else []
         result.notes.append(
             f"--balance: every fitting candidate ranked by its balanced plan (pipelines: layers per stage and "
-            f"chunk, {plans}); {balanced:,} balanced, {too_long}the others' lower bound already above the top "
-            f"{ranked_top}; a plan reached from several starting recompute settings is listed once")
+            f"chunk, {plans}); {balanced:,} balanced, {too_long}the others' lower bound already above the "
+            f"{ranking.walk}th composed step; a plan reached from several starting recompute settings is listed once")
+        result.notes.append(
+            f"--balance ranking: the {ranking.walk} fastest by the balancer's composed step (exactly those balancing "
+            f"every candidate gives) re-ranked by the step shown, the full estimators' (`ndplan estimate`, the "
+            f"pipeline simulated) where the plan is one recompute setting; a candidate outside those {ranking.walk} "
+            f"whose full estimate is below its composed step can be missed"
+            + (f"; plans kept in their uniform form: {', '.join(kept_uniform)}" if kept_uniform else ""))
         one_setting = result.ranked[0].get("balanced_settings") if result.ranked else None
         if one_setting is not None and not one_setting["is_the_plan"]:
             result.notes.append(
-                f"the winner's per-layer recompute needs a framework that sets it layer by layer; as one recompute "
-                f"setting (what --emit writes) it is {one_setting['label']}, layers {one_setting['stage_layers']}, "
-                f"step {one_setting['step_s']:.3f} s")
+                f"the winner's per-layer recompute needs a framework that sets it layer by layer (its figures are the "
+                f"balancer's composed ones); as one recompute setting (what --emit writes) it is "
+                f"{one_setting['label']}, layers {one_setting['stage_layers']}, step "
+                f"{one_setting['estimated_step_s']:.3f} s by `ndplan estimate`")
     # --fix wins over --dims (a file's settings too): say so rather than search the value alone.
     result.notes.extend(f"--dims {name}: fixed by --fix {name}={fixed[name]}, so not searched"
                         for name in args.dims or () if name in fixed)
@@ -813,8 +823,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         if emitted_rank > 1:
             data["notes"].append(
                 f"--emit {args.emit}: the fastest candidate {args.emit} writes as priced is #{emitted_rank}, "
-                f"{check['strategy']} ({as_written[emitted_rank - 1]['step_s']:.3f} s); "
-                + (f"#1's one recompute setting, {as_written[0]['label']}, runs {as_written[0]['step_s']:.3f} s"
+                f"{check['strategy']} ({_written_step(result.ranked[emitted_rank - 1]):.3f} s); "
+                + (f"#1's one recompute setting, {as_written[0]['label']}, runs {_written_step(result.ranked[0]):.3f} s"
                    if first_same else f"#1, {as_written[0]['label']}, would be written as {first_written}"))
         elif emitted_rank == 0:
             data["notes"].append(
@@ -872,6 +882,13 @@ _WRITTEN_CHECKED = 20
 _WRITTEN_FILE = re.compile(r"^\S*emitted\.\w+:(\d+:)? ?")
 
 
+def _written_step(row: dict[str, Any]) -> float:
+    """The step of what --emit writes of a ranked row: `ndplan estimate`'s of a balanced row's one
+    recompute setting, the row's own otherwise."""
+    settings = row.get("balanced_settings")
+    return float(settings["estimated_step_s"] if settings else row["step_s"])
+
+
 def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt: str, cluster: Any, options: Any,
                              precision: Any, limit: float) -> tuple[int, str, dict[str, Any], str, bool]:
     """(rank from 1, settings, what they run; how #1 is written, whether as priced) of the fastest
@@ -896,8 +913,7 @@ def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt
         return candidate, text, str(back.short()), back == canonical_strategy(candidate, model)
 
     first = written(0)
-    order = sorted(range(min(len(ranked), _WRITTEN_CHECKED)),
-                   key=lambda k: ranked[k].get("balanced_settings", ranked[k])["step_s"])
+    order = sorted(range(min(len(ranked), _WRITTEN_CHECKED)), key=lambda k: _written_step(ranked[k]))
     for k in order:
         candidate, text, _label, same = first if k == 0 else written(k)
         if same:
@@ -1045,19 +1061,33 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
     )
     if result.ranked:
         table = Table(title=f"Fastest strategies that fit in {format_bytes(result.memory_limit_bytes)}")
-        # Balanced rows step with a per-layer recompute mix; what one recompute setting (--emit) gets beside it.
+        # Balanced rows: what one recompute setting (--emit) runs by `ndplan estimate` beside the row's step;
+        # a per-layer recompute mix the full estimators cannot price keeps the balancer's composed figures (*).
         settings = any("balanced_settings" in row for row in result.ranked)
+        composed = any(row.get("figures") == "composed" for row in result.ranked)
         columns = ["#", "strategy", "peak", "stage", "step", *(["one setting"] if settings else []), "tokens/s", "MFU"]
         for col in columns:
             table.add_column(col, justify="left" if col == "strategy" else "right")
         for i, row in enumerate(result.ranked, 1):
-            one = [f"{row['balanced_settings']['step_s']:.3f} s" if "balanced_settings" in row else "-"] if settings else []
-            table.add_row(str(i), row["label"], format_bytes(row["peak_bytes"]), str(row["peak_stage"]),
-                          f"{row['step_s']:.3f} s", *one, f"{row.get('tokens_per_s', 0):,.0f}", f"{100 * row.get('mfu', 0):.1f}%")
-        if any(row["pp"] > 1 for row in result.ranked):
+            one = [f"{row['balanced_settings']['estimated_step_s']:.3f} s" if "balanced_settings" in row else "-"
+                   ] if settings else []
+            mark = "*" if row.get("figures") == "composed" else ""
+            table.add_row(str(i), row["label"], format_bytes(row["peak_bytes"]) + mark, str(row["peak_stage"]),
+                          f"{row['step_s']:.3f} s{mark}", *one, f"{row.get('tokens_per_s', 0):,.0f}{mark}",
+                          f"{100 * row.get('mfu', 0):.1f}%{mark}")
+        captions = []
+        if any(row["pp"] > 1 and row.get("figures") is None for row in result.ranked):
             # The same strategy's step by `ndplan estimate` differs by the closed form's error.
-            table.caption = ("step: a pipeline's makespan in closed form (mean error within 2% of the simulated "
-                             "schedule that `ndplan estimate` runs; docs/time.md)")
+            captions.append("step: a pipeline's makespan in closed form (mean error within 2% of the simulated "
+                            "schedule that `ndplan estimate` runs; docs/time.md)")
+        if settings:
+            captions.append("a balanced plan of one recompute setting: `ndplan estimate`'s figures (the pipeline "
+                            "simulated); one setting: `ndplan estimate`'s step of what --emit writes")
+        if composed:
+            captions.append("*: recompute per layer, not one strategy the full estimators price: the balancer's "
+                            "composed figures (its step ranks the row)")
+        if captions:
+            table.caption = "\n".join(captions)
         console.print(table)
         from ndplan.search.run import evenly_spread
 

@@ -1,15 +1,32 @@
 """Rank every fitting candidate of a search by its balanced plan, without balancing them all.
 
-A pipeline candidate's balanced step is its step without recompute × the balancer's composed
+A pipeline candidate's composed step is its step without recompute × the balancer's composed
 time of its plan / of the uniform plan without recompute (the balancer's heuristic plan: layers
 per stage and chunk, and recompute per layer; about a millisecond each, interleaved and V
-schedules included), where that is below its own step; other candidates keep their step. The
-reference is the same for every recompute setting of a layout, so one plan gets one step, and
-one row (``plan_key``).
-``balance.bound`` gives every pipeline candidate a lower bound of that balanced
-step at once, so candidates are balanced in order of their bound and the walk stops once the
-bound reaches the ``top``-th balanced step found: no candidate left can enter the top, and
-the top equals what balancing every candidate would give.
+schedules included). The reference is the same for every recompute setting of a layout, so one
+plan gets one step, and one row (``plan_key``).
+
+A candidate takes its plan where the plan's composed step is below its own step and what --emit
+writes of it (the fastest plan one recompute setting expresses) fits by the full memory
+estimator; where that plan is one recompute setting (the plan itself is written), also only where
+the full time estimator (``estimate_time``, the pipeline simulated) gives it a step below the
+candidate's own. Otherwise the candidate keeps its uniform form and its search step.
+
+A row's figures are the full estimators' (``estimate_time``, ``plan_stage_bytes``) wherever the
+plan is one recompute setting (``"figures": "estimated"``, the composed ones beside them as
+``composed_*``); a plan that mixes recompute settings per layer is not one strategy the full
+estimators price, so its row keeps the composed figures (``"figures": "composed"``).
+
+Ranking: ``balance.bound`` gives every pipeline candidate a lower bound of its composed step at
+once, so candidates are balanced in order of their bound, queued by their composed step, and
+taken fastest first once no unwalked bound is below it; a plan is checked by the full
+estimators when it is the fastest queued (a rejected one goes back at its candidate's own step,
+never below the composed one). The walk stops at ``walk = top + max(top, 10)`` rows: those rows
+equal what balancing and checking every candidate would give, by the composed step (ties by
+index). They are then re-ranked by the step each row shows and cut to ``top``. The full estimate
+of a one-setting plan is not bounded by the composed bound, so a candidate outside the walk's
+rows whose full estimate would place it within the ``top`` is missed: the ranking by the shown
+step is exact among the walk's rows only.
 """
 
 from __future__ import annotations
@@ -51,12 +68,23 @@ _UNBALANCED_ONLY = ("hfu", "hardware_flops")
 
 class BalancedRanking(NamedTuple):
     """``rank_balanced``'s answer: the rows, how many pipeline candidates were balanced to know
-    them, and how many were left as they are because their schedule is too long to simulate
-    (more than ``MAX_SIMULATED_PASSES`` micro-batch passes: a balancing problem simulates it)."""
+    them, how many were left as they are because their schedule is too long to simulate
+    (more than ``MAX_SIMULATED_PASSES`` micro-batch passes: a balancing problem simulates it),
+    how many fastest by the composed step were re-ranked by the shown step (``walk``), and how
+    many candidates kept their uniform form because the full estimators found their plan over the
+    memory limit (``over_limit``) or no faster than the candidate (``slower``)."""
 
     rows: list[dict[str, Any]]
     balanced: int
     unsimulated: int
+    walk: int = 0
+    over_limit: int = 0
+    slower: int = 0
+
+
+def walk_width(top: int) -> int:
+    """How many candidates, fastest by the composed step, are re-ranked by the shown step."""
+    return top + max(top, 10)
 
 
 def rank_balanced(
@@ -72,8 +100,10 @@ def rank_balanced(
     one_setting: bool = False,
     expressible: Callable[[Strategy], bool] | None = None,
 ) -> BalancedRanking:
-    """The ``top`` candidates of ``result`` by balanced step (rows as the search's, pipelines
-    with their balanced plan), and how many pipeline candidates were balanced to know it. A
+    """The ``top`` candidates of ``result`` by the step their rows show, among the
+    ``walk_width(top)`` fastest by the composed balanced step (rows as the search's, pipelines
+    with their balanced plan; the module docstring says what each figure is), and how many
+    pipeline candidates were balanced to know it. A
     pipeline whose schedule is too long to simulate keeps its uniform step (and is counted).
     With ``one_setting`` a pipeline's plan is the fastest one recompute setting expresses
     (``balance.build.best_settings_plan`` of the heuristic's plan): what Megatron and torchtitan
@@ -115,50 +145,98 @@ def rank_balanced(
     ahead = order[pipeline[order]]
     built: dict[int, tuple[BalanceProblem, Strategy]] = {}
     next_ahead, chunk = 0, _FIRST_CHUNK
-    kept: list[tuple[float, int, int]] = []  # max-heap by (−step, −candidate): the worst kept on top
+    # Candidates walked, a min-heap by (step, candidate): a plan's composed step until the full
+    # estimators check it (``pending``), then its step for good (the composed step where the plan
+    # stands, the candidate's own where it does not: never below the composed step).
+    queue: list[tuple[float, int, int]] = []
+    pending: dict[int, tuple[dict[str, Any], Strategy]] = {}
+    keys: dict[int, tuple[Any, ...]] = {}  # a pipeline's plan_key, as it runs for now
     plans: dict[int, dict[str, Any]] = {}
-    balanced = 0
+    listed: list[int] = []
+    balanced = over_limit = slower = walked = 0
     seen: set[tuple[Any, ...]] = set()
-    for position in order:
-        if len(kept) >= top and lower[position] > -kept[0][0]:
-            break  # no remaining candidate can be faster than the top-th found
-        value = float(step[position])
-        candidate = int(index[position])
-        if pipeline[position]:
-            if int(position) not in built:
-                positions = ahead[next_ahead:next_ahead + chunk]
-                next_ahead, chunk = next_ahead + len(positions), min(2 * chunk, _LAST_CHUNK)
-                built.update(_build_chunk(model, space, cluster, index[positions], positions,
-                                          memory_limit_bytes, options))
-            problem, strategy = built.pop(int(position))
-            found = solve_heuristic(problem)
-            balanced += 1
-            if found is not None and one_setting:
-                found = best_settings_plan(problem, found[0], uniform_plan(problem, baseline_option(problem)),
-                                           plans_expressible(expressible, strategy, space.selective_modules(candidate)))
-            if found is not None:
-                # seconds per composed second: the reference over the uniform plan without recompute
-                scale = float(reference[position]) / evaluate(problem, uniform_plan(problem, "none")).step_s
-                if scale * found[1].step_s < value:  # else balancing gains nothing on the candidate as it is
-                    value = scale * found[1].step_s
-                    plans[candidate] = {"step_s": value, "scale": scale, "plan": found[0], "cost": found[1],
-                                        "problem": problem}
-            # One row per plan: the same layout reached from several starting recompute settings
-            # (balanced, or a candidate that already is the plan) has one step; the first listed
-            # (the lowest bound, then the lowest index) stands for them.
-            ran = plans[candidate]["plan"] if candidate in plans else uniform_plan(problem, strategy.recompute)
-            key = plan_key(strategy, ran, space.selective_modules(candidate))
-            if key in seen:
+    walk = walk_width(top)
+    while len(listed) < walk:
+        # Walk every candidate whose bound is not above the best step queued: none left unwalked
+        # can come before it.
+        while walked < len(order) and (not queue or lower[order[walked]] <= queue[0][0]):
+            position = int(order[walked])
+            walked += 1
+            value = float(step[position])
+            candidate = int(index[position])
+            if pipeline[position]:
+                if position not in built:
+                    positions = ahead[next_ahead:next_ahead + chunk]
+                    next_ahead, chunk = next_ahead + len(positions), min(2 * chunk, _LAST_CHUNK)
+                    built.update(_build_chunk(model, space, cluster, index[positions], positions,
+                                              memory_limit_bytes, options))
+                problem, strategy = built.pop(position)
+                found = solve_heuristic(problem)
+                balanced += 1
+                modules = space.selective_modules(candidate)
+                if found is not None and one_setting:
+                    found = best_settings_plan(problem, found[0], uniform_plan(problem, baseline_option(problem)),
+                                               plans_expressible(expressible, strategy, modules))
+                keys[candidate] = plan_key(strategy, uniform_plan(problem, strategy.recompute), modules)
+                if found is not None:
+                    # seconds per composed second: the reference over the uniform plan without recompute
+                    scale = float(reference[position]) / evaluate(problem, uniform_plan(problem, "none")).step_s
+                    if scale * found[1].step_s < value:  # else balancing gains nothing on the candidate as it is
+                        value = scale * found[1].step_s
+                        pending[candidate] = ({"step_s": value, "scale": scale, "plan": found[0], "cost": found[1],
+                                               "problem": problem}, strategy)
+            heapq.heappush(queue, (value, candidate, position))
+        if not queue:
+            break
+        value, candidate, position = heapq.heappop(queue)
+        if candidate in pending:
+            # The fastest queued is a plan not yet checked: the full estimators check it now.
+            plan, strategy = pending.pop(candidate)
+            modules = space.selective_modules(candidate)
+            verdict = _check(model, strategy, plan, cluster, options, memory_limit_bytes, float(step[position]),
+                             plans_expressible(expressible, strategy, modules), modules)
+            if verdict is not None:  # the candidate keeps its uniform form, and its step
+                over_limit += verdict == "over_limit"
+                slower += verdict == "slower"
+                heapq.heappush(queue, (float(step[position]), candidate, position))
                 continue
-            seen.add(key)
-        entry = (-value, -candidate, int(position))
-        if len(kept) < top:
-            heapq.heappush(kept, entry)
-        elif entry > kept[0]:
-            heapq.heapreplace(kept, entry)
-    best = sorted(kept, key=lambda e: (-e[0], -e[1]))
-    return BalancedRanking(_rows(model, space, best, plans, cluster, time_function, options, expressible), balanced,
-                           unsimulated)
+            plans[candidate] = plan
+            keys[candidate] = plan_key(strategy, plan["plan"], modules)
+        # One row per plan: the same layout reached from several starting recompute settings
+        # (balanced, or a candidate that already is the plan) has one step; the first by step,
+        # then index, stands for them.
+        if candidate in keys:
+            if keys[candidate] in seen:
+                continue
+            seen.add(keys[candidate])
+        listed.append(candidate)
+    rows = _rows(model, space, listed, plans, cluster, time_function, options)
+    # The walk's candidates re-ranked by the step each row shows (the full estimate of a
+    # one-setting plan), then cut to the top.
+    rows.sort(key=lambda row: (row["step_s"], row["candidate"]))
+    return BalancedRanking(rows[:top], balanced, unsimulated, walk, over_limit, slower)
+
+
+def _check(model: ModelSpec, strategy: Strategy, plan: dict[str, Any], cluster: Cluster, options: MemoryOptions,
+           memory_limit_bytes: float, step_s: float, expressible: Callable[[Plan], bool] | None,
+           modules: tuple[str, ...]) -> str | None:
+    """The full estimators' check of a candidate's plan (adding what they found to ``plan``):
+    "over_limit" where what --emit writes (the fastest plan one recompute setting expresses) runs
+    over the memory limit, "slower" where that is the plan itself and its step, the pipeline
+    simulated, is not below the candidate's own ``step_s``; None where the plan stands."""
+    problem = plan["problem"]
+    settings, settings_cost = best_settings_plan(problem, plan["plan"], uniform_plan(problem, baseline_option(problem)),
+                                                 expressible)
+    written = plan_strategy(strategy, settings, modules)
+    estimated = plan_stage_bytes(model, strategy, settings, options, modules)
+    plan.update(settings=settings, settings_cost=settings_cost, written=written, estimated_bytes=estimated)
+    if float(estimated.max()) > memory_limit_bytes:
+        return "over_limit"
+    if settings == plan["plan"]:
+        plan["estimate"] = estimate_time(model, written, cluster, **options.time_keywords())
+        if plan["estimate"].step_s >= step_s:
+            return "slower"
+    return None
 
 
 def plan_key(strategy: Strategy, plan: Plan, modules: tuple[str, ...]) -> tuple[Any, ...]:
@@ -192,12 +270,11 @@ def _build_chunk(model: ModelSpec, space: SearchSpace, cluster: Cluster, candida
     return out
 
 
-def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int]], plans: dict[int, dict[str, Any]],
-          cluster: Cluster, time_function: Callable[..., dict[str, Any]], options: MemoryOptions,
-          expressible: Callable[[Strategy], bool] | None = None) -> list[dict[str, Any]]:
-    if not best:
+def _rows(model: ModelSpec, space: SearchSpace, listed: list[int], plans: dict[int, dict[str, Any]],
+          cluster: Cluster, time_function: Callable[..., dict[str, Any]], options: MemoryOptions) -> list[dict[str, Any]]:
+    if not listed:
         return []
-    candidates = np.array([-c for _, c, _ in best], dtype=np.int64)
+    candidates = np.array(listed, dtype=np.int64)
     peak, stage = np.zeros(len(candidates)), np.zeros(len(candidates), dtype=np.int64)
     times: dict[str, np.ndarray] = {}
     for positions, batch in space.batches(candidates):
@@ -211,45 +288,50 @@ def _rows(model: ModelSpec, space: SearchSpace, best: list[tuple[float, int, int
                    {k: float(np.asarray(v)[i]) for k, v in times.items()}, options, model)
         found = plans.get(int(candidate))
         if found is not None:
-            ratio = found["step_s"] / row["step_s"]
-            # The row is the balanced plan's: its step (the uniform step × the composed ratio) and
-            # what follows from it; the uniform candidate's figures the plan does not determine
-            # (the step's parts, hardware FLOPs: the plan recomputes other layers) are kept beside
-            # it as unbalanced_*, never mixed with the plan's.
+            # The uniform candidate's figures the plan does not determine (the step's parts,
+            # hardware FLOPs: the plan recomputes other layers) are kept beside it as unbalanced_*,
+            # never mixed with the plan's.
             for key in [k for k in row if k in _UNBALANCED_ONLY or (k.endswith("_s") and k not in ("step_s", "tokens_per_s"))]:
                 row[f"unbalanced_{key}"] = row.pop(key)
-            row["unbalanced_step_s"] = row["step_s"]
-            row["step_s"] = found["step_s"]
-            row["tokens_per_s"] = row["tokens_per_s"] / ratio
-            row["tokens_per_s_per_device"] = row["tokens_per_s_per_device"] / ratio
-            row["mfu"] = row["mfu"] / ratio
-            row["unbalanced_recompute"], row["recompute"] = row["recompute"], "per-layer"
-            # The candidate before balancing, apart too: the plan is balanced_stage_layers with
-            # balanced_recompute, and the settings one recompute setting writes balanced_settings'.
-            row["unbalanced_strategy"] = row.pop("strategy")
+            for key in ("step_s", "tokens_per_s", "mfu", "peak_bytes", "peak_stage", "recompute", "strategy"):
+                row[f"unbalanced_{key}"] = row.pop(key)
+            # The balancer's composed figures: the uniform step × the composed ratio and what follows
+            # from it, the peak by its per-layer figures.
+            ratio = found["step_s"] / row["unbalanced_step_s"]
             plan_bytes = found["cost"].stage_memory_bytes
-            row["balanced_peak_bytes"] = round(float(plan_bytes.max()))
-            # Its peak by the balancer's per-layer figures (the full estimator prices one recompute
-            # setting only: balanced_settings has its check of what --emit writes).
-            row["unbalanced_peak_bytes"], row["unbalanced_peak_stage"] = row["peak_bytes"], row["peak_stage"]
-            row["peak_bytes"], row["peak_stage"] = row["balanced_peak_bytes"], int(np.argmax(plan_bytes))
+            composed = {"step_s": found["step_s"], "tokens_per_s": row["unbalanced_tokens_per_s"] / ratio,
+                        "tokens_per_s_per_device": row.pop("tokens_per_s_per_device") / ratio,
+                        "mfu": row["unbalanced_mfu"] / ratio, "peak_bytes": round(float(plan_bytes.max())),
+                        "peak_stage": int(np.argmax(plan_bytes))}
+            settings, estimated, written = found["settings"], found["estimated_bytes"], found["written"]
+            estimate = found.get("estimate")
+            if estimate is None:  # a plan that mixes settings: only what --emit writes of it is priced
+                estimate = estimate_time(model, written, cluster, **options.time_keywords())
+            if settings == found["plan"]:
+                # The plan is one recompute setting, what --emit writes: the full estimators' figures.
+                row["figures"] = "estimated"
+                row.update(step_s=estimate.step_s, tokens_per_s=estimate.tokens_per_s,
+                           tokens_per_s_per_device=estimate.tokens_per_s_per_device, mfu=estimate.mfu,
+                           hfu=estimate.hfu, peak_bytes=round(float(estimated.max())),
+                           peak_stage=int(np.argmax(estimated)))
+            else:
+                # Recompute per layer: one strategy each, the full estimators cannot price it.
+                row["figures"] = "composed"
+                row.update(composed)
+            row.update({f"composed_{k}": v for k, v in composed.items()})
+            row["recompute"] = "per-layer"
+            # The plan is balanced_stage_layers with balanced_recompute, and the settings one
+            # recompute setting writes balanced_settings'.
             row["balanced_stage_layers"] = list(found["plan"].stage_layers)
             row["balanced_recompute"] = [{"first": a, "count": n, "option": o} for a, n, o in found["plan"].ranges()]
             # What --emit writes: the fastest plan one recompute setting expresses, priced alike.
-            problem = found["problem"]
-            settings, settings_cost = best_settings_plan(
-                problem, found["plan"], uniform_plan(problem, baseline_option(problem)),
-                plans_expressible(expressible, strategy, modules))
-            written = plan_strategy(strategy, settings, modules)
-            estimated = plan_stage_bytes(model, strategy, settings, options, modules)
             row["balanced_settings"] = {
                 "label": written.short(), "stage_layers": list(settings.stage_layers),
                 # the full estimator's peak of these settings (what --emit writes), and its stage
                 "estimated_peak_bytes": round(float(estimated.max())), "estimated_peak_stage": int(np.argmax(estimated)),
-                "step_s": found["scale"] * settings_cost.step_s,
-                # The ranking scales the step without recompute by the balancer's composed ratio; what
-                # `ndplan estimate` gives for these settings (the pipeline simulated) is beside it.
-                "estimated_step_s": estimate_time(model, written, cluster, **options.time_keywords()).step_s,
+                # the balancer's composed step of these settings, and `ndplan estimate`'s (simulated)
+                "step_s": found["scale"] * found["settings_cost"].step_s,
+                "estimated_step_s": estimate.step_s,
                 "strategy": written.model_dump(mode="json", exclude={"precision"}),
                 "is_the_plan": settings == found["plan"],  # the plan took one setting already
             }
