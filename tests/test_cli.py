@@ -872,3 +872,6 @@ def test_an_fp8_mfu_says_which_peak_it_is_of(capsys):
     argv = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "16"]
     assert "(of the fp8 peak)" in run([*argv, "--precision", "megatron-fp8"], capsys)[1]
     assert "(of the fp8 peak)" not in run(argv, capsys)[1]
+    search = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "16", "--top", "1"]
+    assert "MFU: of the fp8 peak" in run([*search, "--precision", "megatron-fp8"], capsys)[1]
+    assert "MFU: of the fp8 peak" not in run(search, capsys)[1]

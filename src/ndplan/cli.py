@@ -1086,6 +1086,8 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
         if composed:
             captions.append("*: recompute per layer, not one strategy the full estimators price: the balancer's "
                             "composed figures (its step ranks the row)")
+        if space.precision.compute_dtype == "fp8":
+            captions.append("MFU: of the fp8 peak (about half what the same speed reads against the bf16 peak)")
         if captions:
             table.caption = "\n".join(captions)
         console.print(table)
