@@ -723,3 +723,17 @@ def test_zero_without_a_group_to_shard_over_is_ranked_once():
     only = run_search(model, DEVICE, default_space(model, DEVICE, 8, 16, 4096, fixed={"tp": 4, "pp": 2, "zero": 1}),
                       step_time_batch)
     assert {row["zero"] for row in only.ranked} == {1}
+
+
+def test_a_winner_inside_the_margin_its_caution_asks_for_says_so(capsys):
+    """A review: the search ranked a Megatron MoE winner at 79.16 of 79.18 GiB under a caution
+    to treat plans within ~6% of the limit as unverified; it now names the limit that leaves it."""
+    from ndplan.memory.report import headroom
+
+    assert headroom(Strategy(dp=8, zero=3, fsdp=True), MemoryOptions()) == 0.30
+    assert headroom(Strategy(dp=8, ep=8), MemoryOptions(runtime="megatron"), TINY_MOE) == 0.06
+    assert headroom(Strategy(dp=8), MemoryOptions(runtime="megatron"), get_preset("llama-3.1-8b")) == 0.0
+    assert main(["search", "--model", "deepseek-v3", "--hardware", "h100-sxm", "--devices", "4096", "--gbs", "4096",
+                 "--seq", "4096", "--runtime", "megatron", "--top", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "less than the 6% the caution above asks for; --memory-limit 74.43GiB ranks only strategies that leave it" in out

@@ -1114,6 +1114,13 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
     if result.best:
         for caveat in result.best.get("caveats", []):
             console.print(f"[bold yellow]caution, the winner[/]: {caveat}")
+        free = result.best.get("headroom", 0.0)
+        if free and result.best["peak_bytes"] > (1 - free) * result.memory_limit_bytes:
+            # The ranking fills the limit; the caution's margin is the user's to choose.
+            console.print(f"[bold yellow]caution, the winner[/]: it leaves {format_bytes(result.memory_limit_bytes - result.best['peak_bytes'])} "
+                          f"of {format_bytes(result.memory_limit_bytes)} free, less than the {free:.0%} the caution "
+                          f"above asks for; --memory-limit {format_bytes((1 - free) * result.memory_limit_bytes).replace(' ', '')} "
+                          "ranks only strategies that leave it")
 
 
 # ---------------------------------------------------------------- main

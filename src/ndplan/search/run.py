@@ -18,7 +18,7 @@ import numpy as np
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
-from ndplan.memory.report import check_options, known_gaps
+from ndplan.memory.report import check_options, headroom, known_gaps
 from ndplan.memory.stages import STATIC_FIELDS, peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
@@ -81,6 +81,7 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         **{k: float(v) for k, v in time.items()},
         "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
         "caveats": known_gaps(strategy, options or MemoryOptions(), model),
+        "headroom": headroom(strategy, options or MemoryOptions(), model),
     }
 
 
