@@ -262,6 +262,22 @@ def test_llama_tp2_split(llama):
 
 
 @needs_torch
+def test_tp2_split_of_a_config_without_head_dim():
+    """A review: qwen2 (and mixtral, qwen2_moe) configs state no head_dim, and transformers takes
+    hidden_size / heads: the census's TP-2 run halved the heads, doubled head_dim, and shrank no
+    projection (the shipped qwen2.5-7b census put 16 KB/token of attention in the replicated part).
+    The split equals that of the same config with its head_dim stated."""
+    from ndplan.census import run_census
+
+    qwen2 = dict(TINY_LLAMA, model_type="qwen2", head_dim=None)
+    del qwen2["head_dim"]
+    implicit = _by_kind(run_census(qwen2, seq_length=SEQ))["dense"]
+    stated = _by_kind(run_census(dict(qwen2, head_dim=HD), seq_length=SEQ))["dense"]
+    assert implicit.saved_tp_scaled_bytes_per_token == stated.saved_tp_scaled_bytes_per_token
+    assert implicit.saved_replicated_bytes_per_token == stated.saved_replicated_bytes_per_token
+
+
+@needs_torch
 def test_llama_full_recompute_saves_the_layer_input(llama):
     r = llama["dense"]
     assert r.full_recompute.saved_bytes_per_token == 2 * H  # b*s*h bf16 elements / (b*s)

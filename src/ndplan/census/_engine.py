@@ -443,6 +443,10 @@ def tp2_config(config: Any) -> tuple[Any, list[str]]:
     if not isinstance(heads, int) or heads % 2:
         raise NdplanError(f"census: cannot simulate TP 2 with {heads} attention heads (needs an even count)")
     kv = getattr(c, "num_key_value_heads", None)
+    # A config without head_dim takes hidden_size / heads in transformers' modeling code (qwen2,
+    # mixtral, qwen2_moe): halving the heads would double it, and no projection would shrink.
+    if not getattr(c, "head_dim", None) and isinstance(getattr(c, "hidden_size", None), int):
+        c.head_dim = c.hidden_size // heads
     c.num_attention_heads = heads // 2
     if isinstance(kv, int):
         if kv % 2 == 0:
