@@ -113,6 +113,33 @@ def test_memory_options_take_a_census_files_path_and_refuse_other_types(tmp_path
         MemoryOptions(census=str(tmp_path / "missing.json"))
 
 
+def test_a_census_of_several_models_serves_each_and_refuses_another_width_or_kernel():
+    """A review: a census file of two models served only the first (the second was refused as
+    measured on another model); a bfloat16 census priced fp32 activations at half, and an eager
+    one a fused kernel (or the reverse), silently."""
+    from ndplan.memory.stages import _census_for, _check_census_runtime
+    from ndplan.model import ModelSpec
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    other, mine = _record(model="other", hidden_size=128), _record(model="m")
+    spec = ModelSpec(name="m", num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
+                     num_kv_heads=2, head_dim=16, vocab_size=100)
+    assert _census_for(MemoryOptions(census=(other, mine)), "dense", spec) is mine
+    with pytest.raises(NdplanError, match="measured on other"):
+        _census_for(MemoryOptions(census=(other,)), "dense", spec)
+    # A model without dense layers looks up none: another model's dense record is no concern.
+    moe_only = spec.model_copy(update={"num_experts": 4, "num_experts_per_tok": 2, "moe_ffn_hidden_size": 32,
+                                       "layer_mlp_kinds": ("moe", "moe")})
+    assert _census_for(MemoryOptions(census=(other,)), "dense", moe_only) is None
+    bf16 = StrategyBatch.of(Strategy())
+    _check_census_runtime(mine, bf16, MemoryOptions(attention="sdpa"))  # as measured: no error
+    _check_census_runtime(mine, bf16, MemoryOptions())  # flash keeps what SDPA's fused kernels keep
+    with pytest.raises(NdplanError, match=r"the census measured bfloat16 activations \(2 B\), and precision fp32"):
+        _check_census_runtime(mine, StrategyBatch.of(Strategy(precision="fp32")), MemoryOptions())
+    with pytest.raises(NdplanError, match="the census measured sdpa attention, and the estimate prices eager"):
+        _check_census_runtime(mine, bf16, MemoryOptions(attention="eager"))
+
+
 @pytest.mark.parametrize("field, value, words", [
     ("runtime", None, "runtime must be a runtime's name or a profile YAML's path, got None"),
     ("include_overhead", "no", "include_overhead must be True or False, got 'no'"),

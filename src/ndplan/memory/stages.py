@@ -333,12 +333,40 @@ def shipped_census(model: ModelSpec) -> tuple[CensusRecord, ...]:
 def _census_for(options: MemoryOptions, kind: str, model: ModelSpec | None = None) -> CensusRecord | None:
     """The census record of layer ``kind`` among ``options.census``; with ``model``, refused where
     it was measured on another model (its bytes per token would price the wrong layers)."""
-    for record in options.census:
-        if record.layer_kind == kind or record.layer_kind.endswith(f"-{kind}"):
-            if model is not None:
-                _check_census_model(record, model)
-            return record
-    return None
+    of_kind = [r for r in options.census if r.layer_kind == kind or r.layer_kind.endswith(f"-{kind}")]
+    if model is None or not of_kind:
+        return of_kind[0] if of_kind else None
+    if kind in ("dense", "moe") and kind not in {*model.layer_mlp_kinds, *((model.mtp_mlp_kind,) if model.mtp_depth else ())}:
+        return None  # no layer of that kind to price (another model's record of it is no concern)
+    # A file may hold several models' records (`ndplan census A B --out f.json`): this model's.
+    refusals = []
+    for record in of_kind:
+        try:
+            _check_census_model(record, model)
+        except NdplanError as error:
+            refusals.append(error)
+            continue
+        return record
+    raise refusals[0]
+
+
+#: Bytes per element of the activation dtypes a census names.
+_CENSUS_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _check_census_runtime(record: CensusRecord, batch: StrategyBatch, options: MemoryOptions) -> None:
+    """Refuse a record measured with another activation width or attention kind than priced:
+    its bytes per token would be the other run's (a bf16 census on fp32 activations reads half;
+    an eager one keeps the s x s scores a fused kernel does not)."""
+    width = _CENSUS_DTYPE_BYTES.get(record.dtype)
+    if width is not None and width != batch.precision.activation_bytes:
+        raise NdplanError(f"the census measured {record.dtype} activations ({width} B), and precision "
+                          f"{batch.precision.name} keeps {batch.precision.activation_bytes:g} B ones: leave out "
+                          "--census (a census runs in bfloat16)")
+    if (record.attention == "eager") != (options.attention == "eager"):
+        raise NdplanError(f"the census measured {record.attention} attention, and the estimate prices "
+                          f"{options.attention}: measure with `ndplan census --attention {options.attention if options.attention != 'flash' else 'sdpa'}` "
+                          "or price --attention as measured")
 
 
 def _check_census_model(record: CensusRecord, model: ModelSpec) -> None:
@@ -497,6 +525,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                 raise NdplanError("a census measures the runtime's own selective recompute, not recompute modules "
                                   f"({' '.join(batch.recompute_modules)}): leave out one or the other")
             record = measured
+            _check_census_runtime(record, batch, options)
             # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run.
             full[kind] = _measured(record, tp, seq)
             selective[kind] = _measured(record.selective, tp, seq)
@@ -516,7 +545,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                 "moe": {"attention": attention["moe"], "norm": 2 * norm, "moe": moe}}
     for k in ("dense", "moe"):
         formula = sum(by_block[k].values())
-        if _census_for(options, k) is not None:  # measured: the blocks in the formulas' proportions
+        if _census_for(options, k, model) is not None:  # measured: the blocks in the formulas' proportions
             share = np.divide(full[k], formula, out=np.zeros_like(tp), where=formula > 0)
             by_block[k] = {name: value * share for name, value in by_block[k].items()}
     if offload:
