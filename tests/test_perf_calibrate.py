@@ -103,6 +103,14 @@ def test_calibration_skips_other_device_families_and_rejects_unknown_figures():
         calibrate(runs, H100, fit=["flash_attention"])
 
 
+def test_a_starting_profile_of_another_family_is_refused():
+    """A review: --initial with a Blackwell profile fitted H100 runs and wrote 'family: blackwell'."""
+    runs = _synthetic_runs(default_efficiency(H100))[:2]
+    with pytest.raises(NdplanError, match="the starting profile is of the blackwell family, and the runs to fit "
+                                          "are on hopper devices"):
+        calibrate(runs, H100, initial=default_efficiency(get_device("b200")), fit=["gemm_efficiency"])
+
+
 def test_runs_reported_regressed_are_listed_but_not_fitted():
     """A run measured on software its developers report as regressed would teach the figures the
     regression: one measured 2x slow leaves the fit alone, and is named in the report."""

@@ -445,6 +445,9 @@ def calibrate(
     dev = get_device(device) if isinstance(device, str) else device
     family = device_family(dev)
     start = initial or default_efficiency(dev)
+    if start.family != family:  # the fit would write the runs' figures under the other family's name
+        raise NdplanError(f"the starting profile is of the {start.family} family, and the runs to fit are on "
+                          f"{family} devices: start from a {family} profile (or none: the family's defaults)")
     all_runs = load_runs(runs) if isinstance(runs, (str, Path)) else list(runs)
     on_family = [r for r in all_runs if device_family(r.device_spec()) == family]
     skipped = [r.id for r in all_runs if device_family(r.device_spec()) != family]
