@@ -502,3 +502,32 @@ def test_torchtitan_per_op_checkpointing_keeps_the_odd_matmuls():
     batch = StrategyBatch.of(Strategy(recompute="selective", seq_length=SEQ))
     assert (layer_activations(moe, batch, MemoryOptions(selective_policy="torchtitan-op")).recomputed["moe"][0]
             == layer_activations(moe, batch, MemoryOptions()).recomputed["moe"][0])
+
+
+@needs_torch
+def test_a_census_prices_only_the_sharding_it_measured(llama):
+    """A review: a census was applied under sequence parallelism (its TP-2 run has none: --sp
+    changed nothing) and to a loss on whole logits as if vocabulary-parallel. Where a strategy
+    shards otherwise, the formulas price its layers; the output keeps its TP-1 bytes on whole logits."""
+    from ndplan.memory.stages import MemoryOptions, layer_activations
+    from ndplan.model.hf import spec_from_hf_config
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    model = spec_from_hf_config(TINY_LLAMA, name="tiny-llama")
+    census = MemoryOptions(census=tuple(llama.values()), attention="sdpa")
+    formulas = MemoryOptions(attention="sdpa")
+    plain = StrategyBatch.of(Strategy(tp=2, seq_length=SEQ))
+    sharded = StrategyBatch.of(Strategy(tp=2, sequence_parallel=True, seq_length=SEQ))
+    assert layer_activations(model, plain, census).full["dense"][0] == llama["dense"].saved_at(tp=2)
+    assert (layer_activations(model, sharded, census).full["dense"][0]
+            == layer_activations(model, sharded, formulas).full["dense"][0])
+    whole = layer_activations(model, plain, census).output[0]  # the pytorch runtime: whole logits
+    split = layer_activations(model, plain, MemoryOptions(census=tuple(llama.values()), attention="sdpa",
+                                                          loss_parallel=True)).output[0]
+    assert whole == llama["output"].saved_bytes_per_token and split == llama["output"].saved_at(tp=2) < whole
+    # and says so beside the estimate
+    from ndplan.memory.report import known_gaps
+
+    said = known_gaps(Strategy(tp=2, sequence_parallel=True, seq_length=SEQ), census, model)
+    assert any("otherwise than the census's TP-2 run did (sequence parallelism): the formulas price" in g for g in said)
+    assert not any("census's TP-2 run" in g for g in known_gaps(Strategy(tp=2, seq_length=SEQ), census, model))

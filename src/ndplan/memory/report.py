@@ -356,6 +356,14 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
     """Measured misses of the estimator for this kind of strategy (docs/accuracy.md), and what
     it prices unmeasured, so that a user sees them beside the number rather than in a document."""
     gaps = []
+    if options.census and strategy.tp > 1:
+        # layer_activations' census_applies: its TP-2 run has no SP, and splits experts as the heads.
+        other = ["sequence parallelism"] if strategy.sequence_parallel else []
+        if model is not None and model.is_moe and strategy.etp not in (0, strategy.tp):
+            other.append(f"experts split {strategy.etp}-way, not with the {strategy.tp}-way heads")
+        if other:
+            gaps.append(f"this strategy shards its layers otherwise than the census's TP-2 run did ({'; '.join(other)}): "
+                        "the formulas price its layers, not the census (the output's census still applies)")
     if strategy.offload_modules:
         gaps.append("activation offload is priced from Megatron-Core's code (what each module saves, two layers kept on "
                     "the device, copies at 0.8 of the host link's rate), not yet checked against a measured run "

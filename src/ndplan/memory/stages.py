@@ -514,6 +514,11 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         shipped_kind = record.layer_kind.split("-")[-1]
         if shipped_kind in backward_extra:
             backward_extra[shipped_kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
+    # The census's TP-2 run splits heads and widths, experts' too, without sequence parallelism:
+    # where a strategy shards otherwise (SP, experts by another degree) the formulas price it.
+    sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
+    census_applies = {"dense": ~sequence_sharded,
+                      "moe": ~sequence_sharded & (np.where(batch.etp == 0, tp, batch.etp) == tp)}
     kind: MlpKind
     for kind in ("dense", "moe"):
         measured = _census_for(options, kind, model)
@@ -527,10 +532,11 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             record = measured
             _check_census_runtime(record, batch, options)
             # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run.
-            full[kind] = _measured(record, tp, seq)
-            selective[kind] = _measured(record.selective, tp, seq)
-            rebuilt_input[kind] = _measured(record.full_recompute, tp, seq)
-            backward_extra[kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
+            applies = census_applies[kind]
+            full[kind] = np.where(applies, _measured(record, tp, seq), full[kind])
+            selective[kind] = np.where(applies, _measured(record.selective, tp, seq), selective[kind])
+            rebuilt_input[kind] = np.where(applies, _measured(record.full_recompute, tp, seq), rebuilt_input[kind])
+            backward_extra[kind] = np.where(applies, record.backward_peak_extra_bytes_per_token, backward_extra[kind])
     is_full, is_selective = batch.is_("recompute", "full"), batch.is_("recompute", "selective")
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
     # What no weight gradient of the layer reads: the whole layer (measured, where a census
@@ -571,7 +577,10 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     output = 0.0 * tp + block("norm") + block("output")
     measured_output = _census_for(options, "output", model)
     if measured_output is not None:
-        output = _measured(measured_output, tp, seq)
+        # Its TP-2 run halves the vocabulary (a vocabulary-parallel head and loss): a loss on
+        # whole logits keeps the TP-1 bytes.
+        vocab_parallel = options.loss_parallel if options.loss_parallel is not None else profile.loss_parallel
+        output = _measured(measured_output, tp if vocab_parallel else np.ones_like(tp), seq)
     # MTP module: embedding of the shifted tokens, two input norms, the concatenated 2h input of
     # its projection, then its own output norm, head and loss.
     mtp_extra = embedding + 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
