@@ -531,3 +531,21 @@ def test_a_census_prices_only_the_sharding_it_measured(llama):
     said = known_gaps(Strategy(tp=2, sequence_parallel=True, seq_length=SEQ), census, model)
     assert any("otherwise than the census's TP-2 run did (sequence parallelism): the formulas price" in g for g in said)
     assert not any("census's TP-2 run" in g for g in known_gaps(Strategy(tp=2, seq_length=SEQ), census, model))
+
+
+@needs_torch
+def test_a_census_keeps_megatrons_selective_recompute_to_the_formulas(llama):
+    """A review: under the megatron runtime a census put torch's keep-every-matmul figures where
+    Megatron's core-attention recompute was asked for; its selective figures apply to that policy only."""
+    from ndplan.memory.stages import MemoryOptions, layer_activations
+    from ndplan.model.hf import spec_from_hf_config
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    model = spec_from_hf_config(TINY_LLAMA, name="tiny-llama")
+    batch = StrategyBatch.of(Strategy(recompute="selective", seq_length=SEQ))
+    megatron = layer_activations(model, batch, MemoryOptions(runtime="megatron", attention="sdpa",
+                                                             census=tuple(llama.values())))
+    formulas = layer_activations(model, batch, MemoryOptions(runtime="megatron", attention="sdpa"))
+    assert megatron.recomputed["dense"][0] == formulas.recomputed["dense"][0]
+    torch_sac = layer_activations(model, batch, MemoryOptions(attention="sdpa", census=tuple(llama.values())))
+    assert torch_sac.recomputed["dense"][0] == llama["dense"].selective.saved_bytes_per_token

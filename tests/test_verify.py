@@ -300,10 +300,29 @@ def test_cuda_backend_without_a_gpu_says_so(run, tiny_config: Path, monkeypatch:
     assert code == 2 and "--timeline needs --backend fake" in err
 
 
+def test_verify_from_a_config_refuses_what_a_measured_step_does_not_run(tmp_path: Path) -> None:
+    """A review: `verify MODEL --from CONFIG` dropped the config's context, expert and sequence
+    parallelism and verified another strategy (dp2 tp2 for a tp2 cp2 config), with rc 0."""
+    from ndplan.census.cli import _apply_from, add_step_arguments
+    from ndplan.errors import NdplanError
+    from ndplan.io.cli import add_from_argument
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", nargs="?")
+    add_step_arguments(parser)
+    add_from_argument(parser)
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 2\n'
+                      "context_parallel_degree = 2\n[training]\nseq_len = 4096\n")
+    with pytest.raises(NdplanError, match="job.toml: runs context parallelism, which a measured step does not"):
+        _apply_from(parser.parse_args(["--from", str(config)]))
+
+
 def test_verify_from_a_torchtitan_config_measures_its_pipeline_runs() -> None:
     """A torchtitan config's runs follow from its global batch and the degrees measured (gbs 1024 =
     local batch 16 · dp 8 · 8 runs; dp 4: 16 runs; micro-batches of 2: 8 a run; without a pipeline
-    one run of 128), as `estimate --from` derives them; without dp they cannot be known."""
+    one run of 128), as `estimate --from` derives them; without dp they cannot be known. Measured at
+    --tp 1: the config's TP runs sequence parallelism, which a measured step does not."""
     from ndplan.census.cli import _apply_from, add_step_arguments, strategy_from_args
     from ndplan.errors import NdplanError
     from ndplan.io.cli import add_from_argument
@@ -313,20 +332,20 @@ def test_verify_from_a_torchtitan_config_measures_its_pipeline_runs() -> None:
     add_step_arguments(parser)
     add_from_argument(parser)
     config = Path(__file__).parent / "fixtures" / "io" / "torchtitan_llama3_70b.toml"
-    for flags, short in ((["--dp", "8"], "dp8 tp8 pp4 vpp2 fsdp3 mbs1 m16x8 "), (["--dp", "4"], "dp4 tp8 pp4 vpp2 fsdp3 mbs1 m16x16 "),
+    for flags, short in ((["--dp", "8"], "dp8 tp1 pp4 vpp2 fsdp3 mbs1 m16x8 "), (["--dp", "4"], "dp4 tp1 pp4 vpp2 fsdp3 mbs1 m16x16 "),
                          (["--dp", "8", "--mbs", "2"], "mbs2 m8x8 "),
                          (["--dp", "8", "--pp", "1", "--vpp", "1", "--schedule", "1f1b"], "pp1 fsdp3 mbs1 m128 ")):
-        args = parser.parse_args(["--from", str(config), *flags])
+        args = parser.parse_args(["--from", str(config), "--tp", "1", *flags])
         _apply_from(args)
         strategy = strategy_from_args(args)
         assert short in strategy.short() + " " and strategy.global_batch_size == 1024, flags
-    args = parser.parse_args(["--from", str(config), "--dp", "3"])
+    args = parser.parse_args(["--from", str(config), "--tp", "1", "--dp", "3"])
     with pytest.raises(NdplanError, match="global batch 1024 is not dp·mbs·num_micro_batches·pipeline_runs"):
         _apply_from(args)
-    for flags, short in ((["--dp", "4", "--num-micro-batches", "4"], "dp4 tp8 pp4 vpp2 fsdp3 mbs1 m4x64 "),
-                         (["--dp", "3", "--num-micro-batches", "4", "--pipeline-runs", "2"], "dp3 tp8 pp4 vpp2 fsdp3 mbs1 m4x2 ")):
-        args = parser.parse_args(["--from", str(config), *flags])  # given values win
+    for flags, short in ((["--dp", "4", "--num-micro-batches", "4"], "dp4 tp1 pp4 vpp2 fsdp3 mbs1 m4x64 "),
+                         (["--dp", "3", "--num-micro-batches", "4", "--pipeline-runs", "2"], "dp3 tp1 pp4 vpp2 fsdp3 mbs1 m4x2 ")):
+        args = parser.parse_args(["--from", str(config), "--tp", "1", *flags])  # given values win
         _apply_from(args)
         assert short in strategy_from_args(args).short() + " ", flags
     with pytest.raises(NdplanError, match="give --dp or --pipeline-runs"):
-        _apply_from(parser.parse_args(["--from", str(config)]))
+        _apply_from(parser.parse_args(["--from", str(config), "--tp", "1"]))

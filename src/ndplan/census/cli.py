@@ -265,6 +265,15 @@ def _apply_from(args: argparse.Namespace) -> None:
     # The file's settings under the flags, what they change derived again (as estimate does).
     given = {key: getattr(args, key) for key in _FLAG_KEYS if getattr(args, key, None) is not None}
     merged = merge_settings(result, given)
+    # What the config runs that a measured step has no flag for: refused rather than dropped (the
+    # step measured would be another strategy than the config's).
+    unmeasured = [what for key, what in (("cp", "context parallelism"), ("ep", "expert parallelism"))
+                  if int(merged.get(key) or 1) > 1]
+    if merged.get("sp") and int(merged.get("tp") or 1) > 1:
+        unmeasured.append("sequence parallelism")
+    if unmeasured:
+        raise NdplanError(f"{result.source}: runs {' and '.join(unmeasured)}, which a measured step does not: "
+                          f"measure the strategy without {'them' if len(unmeasured) > 1 else 'it'}, by flags")
     for key, value in merged.items():
         if key in _FLAG_KEYS and getattr(args, key, None) is None and not isinstance(value, dict):
             setattr(args, key, value if key != "precision" or isinstance(value, str) else None)

@@ -11,6 +11,7 @@ from ndplan.errors import NdplanError
 from ndplan.hardware import Device
 from ndplan.memory.stages import (
     ACTIVATION_KINDS,
+    CENSUS_SELECTIVE_POLICY,
     STATIC_KINDS,
     MemoryOptions,
     StageMemory,
@@ -356,6 +357,9 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
     """Measured misses of the estimator for this kind of strategy (docs/accuracy.md), and what
     it prices unmeasured, so that a user sees them beside the number rather than in a document."""
     gaps = []
+    if options.census and strategy.recompute == "selective" and options.recompute_policy != CENSUS_SELECTIVE_POLICY:
+        gaps.append(f"the census measured torch's keep-every-matmul selective recompute; this runtime's "
+                    f"({options.recompute_policy}) is priced by the formulas")
     if options.census and strategy.tp > 1:
         # layer_activations' census_applies: its TP-2 run has no SP, and splits experts as the heads.
         other = ["sequence parallelism"] if strategy.sequence_parallel else []

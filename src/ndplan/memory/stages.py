@@ -350,6 +350,9 @@ def _census_for(options: MemoryOptions, kind: str, model: ModelSpec | None = Non
     raise refusals[0]
 
 
+#: The selective recompute a census measures (torch's SAC keeping every matmul's output).
+CENSUS_SELECTIVE_POLICY = "keep-matmuls"
+
 #: Bytes per element of the activation dtypes a census names.
 _CENSUS_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -534,7 +537,10 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run.
             applies = census_applies[kind]
             full[kind] = np.where(applies, _measured(record, tp, seq), full[kind])
-            selective[kind] = np.where(applies, _measured(record.selective, tp, seq), selective[kind])
+            # Its selective figures are torch's keep-every-matmul checkpointing: another policy
+            # (Megatron's core-attention recompute) keeps the formulas'.
+            if options.recompute_policy == CENSUS_SELECTIVE_POLICY:
+                selective[kind] = np.where(applies, _measured(record.selective, tp, seq), selective[kind])
             rebuilt_input[kind] = np.where(applies, _measured(record.full_recompute, tp, seq), rebuilt_input[kind])
             backward_extra[kind] = np.where(applies, record.backward_peak_extra_bytes_per_token, backward_extra[kind])
     is_full, is_selective = batch.is_("recompute", "full"), batch.is_("recompute", "selective")
