@@ -130,3 +130,21 @@ def test_estimate_emit_reads_back_at_the_priced_peak(fmt: str, flags: list[str],
     path.write_text(text)
     ran, _ = _peak(["estimate", "--from", str(path), *base, "--runtime", runtime], capsys)
     assert ran == priced
+
+
+def test_an_expert_capacity_factor_is_written_and_read_back(tmp_path: Path) -> None:
+    """A review: --moe-capacity-factor was neither written (the read-back priced dropless routing,
+    26.86 -> 25.08 GB) nor read from Megatron's --moe-expert-capacity-factor (a warning said token
+    dropping was not modelled, though it is priced)."""
+    model = get_preset("qwen3-30b-a3b")
+    strategy = Strategy(dp=8, ep=8, etp=1, micro_batch_size=1, num_micro_batches=8, seq_length=4096)
+    path = tmp_path / "train.sh"
+    path.write_text(emit(model, strategy, "megatron", moe_capacity_factor=1.25))
+    read = read_config(path, model=model)
+    assert read.runtime_settings["moe_capacity_factor"] == 1.25
+    assert not any("capacity" in w for w in read.warnings)
+    unpadded = tmp_path / "unpadded.sh"
+    unpadded.write_text(path.read_text().replace("--moe-pad-expert-input-to-capacity", ""))
+    assert any("an upper bound" in n for n in read_config(unpadded, model=model).notes)
+    toml = emit(model, strategy, "torchtitan", moe_capacity_factor=1.25)
+    assert "left out: an expert capacity factor of 1.25 (--moe-capacity-factor" in toml

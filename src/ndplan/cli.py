@@ -463,7 +463,8 @@ def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, devic
     loss_parallel = options.profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     return emit(model, strategy, fmt, options.overlap or default_overlap(device.runtime), loss_upcast=options.loss_upcast,
                 attention=options.attention, selective_policy=options.selective_policy,
-                grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel)
+                grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel,
+                moe_capacity_factor=options.moe_capacity_factor)
 
 
 def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:

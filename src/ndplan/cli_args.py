@@ -280,7 +280,9 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         loss_parallel=stated.get("loss_parallel") if loss_parallel is None else loss_parallel,
         include_overhead=not getattr(args, "no_overhead", False),
         loss_upcast=(stated.get("loss_upcast") if loss_upcast is None else loss_upcast) is not False,
-        moe_imbalance=imbalance, moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
+        moe_imbalance=imbalance,
+        moe_capacity_factor=(stated.get("moe_capacity_factor") if getattr(args, "moe_capacity_factor", None) is None
+                             else args.moe_capacity_factor),
         census=census, overlap=parse_overlap(overlap),
         grouped_gemm=stated.get("grouped_gemm", True),
         selective_policy=policy,

@@ -157,7 +157,8 @@ def _normalise(result: ReadResult) -> None:
 
 def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str,
          overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash",
-         selective_policy: str | None = None, grouped_gemm: bool = True, loss_parallel: bool | None = None) -> str:
+         selective_policy: str | None = None, grouped_gemm: bool = True, loss_parallel: bool | None = None,
+         moe_capacity_factor: float | None = None) -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
@@ -174,6 +175,8 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
     ``selective_policy`` is what selective recompute was priced as (None: the runtime's own):
     torchtitan runs its per-op policy, and its header says so where another was priced.
     ``grouped_gemm`` (a MoE model's experts as one grouped GEMM) becomes ``--moe-grouped-gemm``.
+    ``moe_capacity_factor`` (token dropping priced; None: dropless) becomes Megatron's
+    ``--moe-expert-capacity-factor``; the other formats' headers say it is left out.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -186,8 +189,12 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
         from ndplan.io.megatron_emit import emit_megatron
 
         return emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast, attention=attention,
-                             grouped_gemm=grouped_gemm, loss_parallel=loss_parallel)
+                             grouped_gemm=grouped_gemm, loss_parallel=loss_parallel,
+                             moe_capacity_factor=moe_capacity_factor)
     text = _emitters()[fmt](model, strategy, attention=attention, loss_parallel=loss_parallel)
+    if moe_capacity_factor is not None and (model is None or model.is_moe):
+        text = (f"# ndplan: not expressible in {fmt}, left out: an expert capacity factor of "
+                f"{moe_capacity_factor:g} (--moe-capacity-factor, token dropping priced); the experts run dropless\n") + text
     if not loss_upcast:  # every other format is TOML or YAML: '#' comments
         text = (f"# ndplan: not expressible in {fmt}, left out: the loss on the bf16 logits (--no-loss-upcast); "
                 "its loss upcasts them to fp32\n") + text

@@ -149,6 +149,18 @@ def interpret(
         runtime_settings["attention"] = "eager"
         notes.append(f"{unfused}: attention keeps its s x s softmax (--attention eager)")
 
+    # Token dropping: every expert's buffer sized capacity x its balanced share (MemoryOptions.
+    # moe_capacity_factor, which prices it padded; without the pad flag fewer may come: an upper bound).
+    capacity = args.number("--moe-expert-capacity-factor")
+    padded = args.has("--moe-pad-expert-input-to-capacity")
+    if capacity is not None and capacity > 0:
+        runtime_settings["moe_capacity_factor"] = capacity
+        notes.append(f"--moe-expert-capacity-factor {capacity:g}: expert buffers priced at {capacity:g}x the balanced "
+                     "share of tokens" + ("" if padded else " (without --moe-pad-expert-input-to-capacity an expert "
+                                          "gets at most that many: an upper bound)") + " (--moe-capacity-factor)")
+    elif padded:
+        warnings.append(f"{args.src.where(args.line('--moe-pad-expert-input-to-capacity'))}: "
+                        "--moe-pad-expert-input-to-capacity without --moe-expert-capacity-factor: nothing to pad to")
     # Megatron's experts run one grouped GEMM (TE's GroupedLinear) only with --moe-grouped-gemm;
     # without it, or with Megatron's own layers, one GEMM per expert (SequentialMLP).
     grouped = args.has("--moe-grouped-gemm") and impl != "local"

@@ -329,14 +329,17 @@ def _overlap(s: Strategy, overlap: Any) -> Flags:
 
 
 def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None, *, loss_upcast: bool = True,
-                  attention: str = "flash", grouped_gemm: bool = True, loss_parallel: bool | None = None) -> str:
+                  attention: str = "flash", grouped_gemm: bool = True, loss_parallel: bool | None = None,
+                  moe_capacity_factor: float | None = None) -> str:
     """A bash launch for the strategy; the model's architecture flags too when a model is given;
     ``overlap``'s switches as Megatron's overlap flags (``_overlap``); without ``loss_upcast``
     Transformer Engine's cross-entropy, which works on the bf16 logits; eager ``attention`` as TE's
     unfused attention (Megatron's default picks a fused kernel); a MoE model's experts as one
     grouped GEMM (``--moe-grouped-gemm``) unless ``grouped_gemm`` is off (SequentialMLP).
     Megatron's cross-entropy is always vocabulary-parallel: ``loss_parallel`` False under TP (the
-    loss priced on whole logits) is said in the header."""
+    loss priced on whole logits) is said in the header. ``moe_capacity_factor`` (token dropping,
+    priced as every expert's buffer padded to capacity) becomes ``--moe-expert-capacity-factor``
+    with ``--moe-pad-expert-input-to-capacity``."""
     lost: list[str] = []
     s = strategy
     if loss_parallel is False and s.tp > 1:
@@ -349,6 +352,8 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         memory += [("--cross-entropy-loss-fusion", None), ("--cross-entropy-fusion-impl", "te")]
     if model is not None and model.is_moe and grouped_gemm:
         memory.append(("--moe-grouped-gemm", None))
+    if moe_capacity_factor is not None and (model is None or model.is_moe):
+        memory += [("--moe-expert-capacity-factor", f"{moe_capacity_factor:g}"), ("--moe-pad-expert-input-to-capacity", None)]
     if attention == "eager":
         memory.append(("--attention-backend", "unfused"))
     elif any(flag in MINDSPEED_ONLY for flag, _ in model_flags + parallel + memory):

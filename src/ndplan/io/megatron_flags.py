@@ -126,8 +126,6 @@ UNMODELLED: dict[str, str] = {
     "--cpu-offloading-num-layers": "activation offloading to the host is not modelled",
     "--cpu-offloading": "activation offloading to the host is not modelled",
     "--distribute-saved-activations": "recomputation inputs split over the tensor-parallel group are not modelled",
-    "--moe-expert-capacity-factor": "expert capacity (token dropping) is not modelled; ndplan assumes dropless routing",
-    "--moe-pad-expert-input-to-capacity": "expert capacity padding is not modelled",
     "--fp8-param-gather": "fp8 parameter copies are not modelled; ndplan prices bf16 parameters",
     "--fp4-format": "fp4 compute is not modelled",
     "--fp4-param-gather": "fp4 parameter copies are not modelled",
