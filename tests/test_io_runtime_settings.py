@@ -148,3 +148,16 @@ def test_an_expert_capacity_factor_is_written_and_read_back(tmp_path: Path) -> N
     assert any("an upper bound" in n for n in read_config(unpadded, model=model).notes)
     toml = emit(model, strategy, "torchtitan", moe_capacity_factor=1.25)
     assert "left out: an expert capacity factor of 1.25 (--moe-capacity-factor" in toml
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "torchtitan", "mindformers", "hyperparallel"])
+def test_a_priced_routing_imbalance_is_stated_in_the_emitted_file(fmt: str, tmp_path: Path) -> None:
+    """A pricing assumption no framework sets: said at the top, so a read-back is priced alike."""
+    model = get_preset("qwen3-30b-a3b")
+    strategy = Strategy(dp=8, ep=8, etp=1, micro_batch_size=1, num_micro_batches=8, seq_length=4096)
+    text = emit(model, strategy, fmt, moe_imbalance=1.3)
+    assert "# ndplan: priced with --moe-imbalance 1.3 (the busiest rank's routed tokens" in text
+    assert "--moe-imbalance" not in emit(model, strategy, fmt)
+    path = tmp_path / {"megatron": "train.sh", "torchtitan": "job.toml"}.get(fmt, "job.yaml")
+    path.write_text(text)
+    assert read_config(path, model=model).strategy(8).ep == 8  # still reads as the same launch

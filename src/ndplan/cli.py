@@ -464,7 +464,7 @@ def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, devic
     return emit(model, strategy, fmt, options.overlap or default_overlap(device.runtime), loss_upcast=options.loss_upcast,
                 attention=options.attention, selective_policy=options.selective_policy,
                 grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel,
-                moe_capacity_factor=options.moe_capacity_factor)
+                moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance)
 
 
 def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:

@@ -158,7 +158,7 @@ def _normalise(result: ReadResult) -> None:
 def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str,
          overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash",
          selective_policy: str | None = None, grouped_gemm: bool = True, loss_parallel: bool | None = None,
-         moe_capacity_factor: float | None = None) -> str:
+         moe_capacity_factor: float | None = None, moe_imbalance: float = 1.0) -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
@@ -177,6 +177,8 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
     ``grouped_gemm`` (a MoE model's experts as one grouped GEMM) becomes ``--moe-grouped-gemm``.
     ``moe_capacity_factor`` (token dropping priced; None: dropless) becomes Megatron's
     ``--moe-expert-capacity-factor``; the other formats' headers say it is left out.
+    ``moe_imbalance`` (the busiest rank's routed tokens over balanced routing, a pricing
+    assumption no framework sets) is stated in a comment where it is not 1.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -185,13 +187,19 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
     if fmt not in EMIT_FORMATS:
         raise NdplanError(f"unknown output format '{fmt}'; known: {', '.join(EMIT_FORMATS)}")
     model = model if isinstance(model, ModelSpec) else None
+    # A pricing assumption, not a setting: said so that a read-back is priced alike.
+    imbalance = (f"# ndplan: priced with --moe-imbalance {moe_imbalance:g} (the busiest rank's routed tokens over "
+                 "balanced routing), an assumption no setting here holds: give it again to price this file\n"
+                 if moe_imbalance != 1.0 and (model is None or model.is_moe) else "")
     if fmt == "megatron":
         from ndplan.io.megatron_emit import emit_megatron
 
-        return emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast, attention=attention,
+        text = emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast, attention=attention,
                              grouped_gemm=grouped_gemm, loss_parallel=loss_parallel,
                              moe_capacity_factor=moe_capacity_factor)
-    text = _emitters()[fmt](model, strategy, attention=attention, loss_parallel=loss_parallel)
+        shebang, _, rest = text.partition("\n")  # the comment below the #! line
+        return f"{shebang}\n{imbalance}{rest}" if imbalance else text
+    text = imbalance + _emitters()[fmt](model, strategy, attention=attention, loss_parallel=loss_parallel)
     if moe_capacity_factor is not None and (model is None or model.is_moe):
         text = (f"# ndplan: not expressible in {fmt}, left out: an expert capacity factor of "
                 f"{moe_capacity_factor:g} (--moe-capacity-factor, token dropping priced); the experts run dropless\n") + text
