@@ -549,3 +549,18 @@ def test_a_census_keeps_megatrons_selective_recompute_to_the_formulas(llama):
     assert megatron.recomputed["dense"][0] == formulas.recomputed["dense"][0]
     torch_sac = layer_activations(model, batch, MemoryOptions(attention="sdpa", census=tuple(llama.values())))
     assert torch_sac.recomputed["dense"][0] == llama["dense"].selective.saved_bytes_per_token
+
+
+@needs_torch
+def test_one_model_failing_keeps_the_others_census(tmp_path, capsys):
+    """A review: one model transformers cannot run (GPT-OSS under SDPA) aborted the whole census
+    and discarded the models already measured; they are written, and the command fails naming it."""
+    from ndplan.cli import main
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    out = tmp_path / "census.json"
+    assert main(["census", "--seq", str(SEQ), str(config), "gpt-oss-20b", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "census of 1 model failed (the others' records are in" in err and "gpt-oss-20b: census:" in err
+    assert {r.layer_kind for r in load_census_file(out)} == {"dense", "output"}

@@ -58,13 +58,22 @@ def cmd_census(args: argparse.Namespace) -> int:
     from ndplan.census.measure import run_census
 
     records = []
+    failed: list[str] = []
     for name, cfg in names_configs:
-        records += run_census(cfg, seq_length=args.seq, micro_batch_size=args.mbs, attention=args.attention,
-                              experts=args.experts, name=name)
-    if args.out:
+        # One model transformers cannot run (an attention kernel it lacks, ...) does not discard
+        # the others' measurements: they are written, and the command then fails naming it.
+        try:
+            records += run_census(cfg, seq_length=args.seq, micro_batch_size=args.mbs, attention=args.attention,
+                                  experts=args.experts, name=name)
+        except NdplanError as error:
+            if len(names_configs) == 1:
+                raise
+            failed.append(f"{name}: {error}")
+    if args.out and records:
         save_census_file(args.out, records)
     if args.json:
         print(to_json(records))
+        _raise_failed(failed, args.out if records else None)
         return 0
     for model in dict.fromkeys(r.model for r in records):
         rows = [r for r in records if r.model == model]
@@ -86,9 +95,18 @@ def cmd_census(args: argparse.Namespace) -> int:
                   if r.saved_bytes_per_token_per_seq]
         if extras:
             console.print("  s² attention term: " + "; ".join(extras))
-    if args.out:
+    if args.out and records:
         console.print(f"wrote {len(records)} records to {args.out}")
+    _raise_failed(failed, args.out if records else None)
     return 0
+
+
+def _raise_failed(failed: list[str], written: str | None) -> None:
+    """The census's failures, after the other models' records are out: one error naming them."""
+    if failed:
+        kept = f" (the others' records are in {written})" if written else ""
+        raise NdplanError(f"census of {len(failed)} model{'s' if len(failed) > 1 else ''} failed{kept}: "
+                          + "; ".join(failed))
 
 
 # ---------------------------------------------------------------- strategy flags
