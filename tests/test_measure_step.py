@@ -134,6 +134,8 @@ def test_malformed_measurement_names_the_field(patch: dict, needle: str) -> None
     (Strategy(pp=2, schedule="zb-h1", precision="bf16-pure"), "zb-h1"),
     (Strategy(dp=2, zero=1, precision="bf16-pure"), "zero=1"),
     (Strategy(num_micro_batches=2, pipeline_runs=2, precision="bf16-pure"), "num_micro_batches=4"),
+    # torch refused it mid-run, at the first stage
+    (Strategy(pp=2, num_micro_batches=1, precision="bf16-pure"), r"give --num-micro-batches >= 2 \(got 1\)"),
 ])
 def test_unmeasurable_strategies_are_refused(strategy: Strategy, needle: str) -> None:
     with pytest.raises(NdplanError, match=needle):

@@ -397,6 +397,10 @@ def check_measurable(strategy: Strategy, num_layers: int, hf_config: dict[str, A
         problems.append("optimizer offload is not measured")
     if s.shard_group:
         problems.append("HSDP (shard_group) is not measured")
+    if s.pp > 1 and s.num_micro_batches < s.pp:
+        # torch.distributed.pipelining's schedules refuse it (at the first stage, mid-run).
+        problems.append(f"pp={s.pp} runs at least one micro-batch per stage: give --num-micro-batches >= {s.pp} "
+                        f"(got {s.num_micro_batches})")
     if s.pipeline_runs > 1 and s.pp == 1:
         problems.append(f"pipeline_runs={s.pipeline_runs} needs a pipeline (pp > 1); without one give "
                         f"num_micro_batches={s.micro_batches_per_step}")
