@@ -381,3 +381,15 @@ def test_published_runs_are_estimated_to_fit_their_devices():
     device's memory, but for the runs listed (and explained) above."""
     over = {run.id for run in load_runs(RUNS) if run.fullest_stage().peak_bytes > run.device_spec().memory_bytes}
     assert over == OVER_THEIR_MEMORY
+
+
+def test_a_run_names_its_model_by_a_config_path_too(tmp_path: Path):
+    """A review: a runs file's model took presets and spec fields, not the config.json path its
+    own error message offered."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 4,
+                                  "intermediate_size": 4096, "num_attention_heads": 8, "num_key_value_heads": 8,
+                                  "vocab_size": 32000}))
+    run = MeasuredRun(id="r", source="s", model=str(config), device="h100-sxm", num_devices=8,
+                      strategy={"dp": 8}, measured={"step_s": 1.0})
+    assert run.model_spec().hidden_size == 1024 and run.model_spec().num_layers == 4

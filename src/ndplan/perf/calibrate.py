@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ndplan.errors import NdplanError, parse_nested, read_text
 from ndplan.hardware.device import Cluster, Device
 from ndplan.hardware.presets import get_device
-from ndplan.model.presets import get_preset
+from ndplan.model.presets import get_preset, load_model
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import (
     FAMILY_DEFAULTS,
@@ -142,11 +142,12 @@ class MeasuredRun(BaseModel):
         return self
 
     def model_spec(self) -> ModelSpec:
-        """The run's model: a preset's name, a ModelSpec's fields, or ``{preset: name, ...}``,
-        a preset with the fields the run's software changes (``mtp_depth: 0`` where the framework
-        builds no MTP modules)."""
+        """The run's model: a preset's name or a config file's path (as ``--model`` takes them,
+        a path from the current folder), a ModelSpec's fields, or ``{preset: name, ...}``, a preset
+        with the fields the run's software changes (``mtp_depth: 0`` where the framework builds no
+        MTP modules)."""
         if isinstance(self.model, str):
-            return get_preset(self.model)
+            return load_model(self.model)
         if "preset" in self.model:
             fields = dict(self.model)
             base = get_preset(str(fields.pop("preset")))
