@@ -80,10 +80,12 @@ def test_a_fit_that_cannot_be_trusted_says_why(tmp_path: Path, capsys: pytest.Ca
     run = _synthetic_runs(default_efficiency(H100))[0]
     slow = run.model_copy(update={"measured": run.measured.model_copy(update={"step_s": 50 * run.measured.step_s})})
     _, report = calibrate([slow], H100)
-    underdetermined, at_bounds, left = report.warnings
-    assert underdetermined.startswith("1 run for 5 figures: the fit is underdetermined")
+    underdetermined, at_bounds, left, idle = report.warnings
+    # One node: no step depends on the scale-out links (not counted among the figures it splits)
+    assert underdetermined.startswith("1 run for 4 figures: the fit is underdetermined")
     assert at_bounds.startswith("at the end of its range: gemm_efficiency lower bound (0.2), ")
     assert left.startswith("the fit leaves an error of 9") and "(more than 25%)" in left
+    assert idle.startswith("scaleout_efficiency: no run's step depends on it") and "left at the start" in idle
 
     runs_file = tmp_path / "runs.yaml"
     runs_file.write_text(yaml.safe_dump({"runs": [slow.model_dump(mode="json")]}))

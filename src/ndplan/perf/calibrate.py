@@ -505,7 +505,15 @@ def calibrate(
         success=bool(result.success),
         message=str(result.message),
     )
-    report.warnings = _fit_warnings(names, result.x, lo, hi, len(chosen), prior_weight, report.max_abs_error_after)
+    # A figure no run's step depends on (fp8 GEMMs in bf16 runs, routing imbalance in dense ones):
+    # the fit cannot move it, and a bound it sits at is no message from the runs.
+    moves = np.any(np.abs(np.asarray(result.jac)[:len(chosen)]) > 1e-12, axis=0)
+    report.warnings = _fit_warnings([n for n, m in zip(names, moves, strict=True) if m], result.x[moves], lo[moves],
+                                    hi[moves], len(chosen), prior_weight, report.max_abs_error_after)
+    idle = [n for n, m in zip(names, moves, strict=True) if not m]
+    if idle:
+        report.warnings.append(f"{', '.join(idle)}: no run's step depends on {'it' if len(idle) == 1 else 'them'} "
+                               "(none of the runs uses what it prices): left at the start, not fitted")
     for run, t, r0, r1 in zip(chosen, measured, before, after, strict=True):
         report.runs.append({
             "id": run.id, "runtime": run.runtime, "measured_step_s": float(t),
