@@ -342,14 +342,18 @@ def estimate(
     return MemoryReport(model, strategy, hardware, options, tuple(stages))
 
 
+#: The device fractions ``known_gaps`` asks to leave free: the pytorch runtime's FSDP (published
+#: runs measured up to 1.39x the estimate), a Megatron MoE priced with balanced routing (1.6-5.6%
+#: low against Megatron's tests).
+FSDP_HEADROOM, BALANCED_MOE_HEADROOM = 0.30, 0.06
+
+
 def headroom(strategy: Strategy, options: MemoryOptions, model: ModelSpec | None = None) -> float:
-    """The fraction of the device ``known_gaps`` asks to leave free for this strategy (0: none):
-    30% for the pytorch runtime's FSDP, whose published runs measured up to 1.39x the estimate,
-    6% for a Megatron MoE priced with balanced routing (1.6-5.6% low against Megatron's tests)."""
+    """The fraction of the device ``known_gaps`` asks to leave free for this strategy (0: none)."""
     if options.runtime == "pytorch" and strategy.fsdp:
-        return 0.30
+        return FSDP_HEADROOM
     if options.runtime == "megatron" and model is not None and model.is_moe and options.moe_imbalance == 1.0:
-        return 0.06
+        return BALANCED_MOE_HEADROOM
     return 0.0
 
 
@@ -400,12 +404,13 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
                         "charged the boolean mask whether or not its layers slide)")
     # (the figures of docs/accuracy_time.md's two-sided memory table, whose band
     # tests/test_perf_calibrate.py pins: a change that moves them must move these words too)
-    if options.runtime == "pytorch" and strategy.fsdp:
+    free = headroom(strategy, options, model)
+    if free == FSDP_HEADROOM:
         gaps.append("for torchtitan's published FSDP runs (8B to 405B with TP, PP and CP, 8 to 512 H100s) this model "
                     "estimates 4-28% less than their measured peak reserved memory, median 15% (the measured peak is "
                     "up to 1.39x the estimate; docs/accuracy_time.md, not explained): leave 30% of the device free, or "
                     "measure one step (`ndplan verify`)")
-    if options.runtime == "megatron" and model is not None and model.is_moe and options.moe_imbalance == 1.0:
+    if free == BALANCED_MOE_HEADROOM:
         gaps.append("against Megatron-LM's own MoE tests the estimate reads 1.6-5.6% low (the routing of a real run "
                     "loads some experts more; docs/accuracy_megatron.md): treat a plan within ~6% of the limit as "
                     "unverified, or price uneven routing with --moe-imbalance")

@@ -336,7 +336,7 @@ def _census_for(options: MemoryOptions, kind: str, model: ModelSpec | None = Non
     of_kind = [r for r in options.census if r.layer_kind == kind or r.layer_kind.endswith(f"-{kind}")]
     if model is None or not of_kind:
         return of_kind[0] if of_kind else None
-    if kind in ("dense", "moe") and kind not in {*model.layer_mlp_kinds, *((model.mtp_mlp_kind,) if model.mtp_depth else ())}:
+    if kind in ("dense", "moe") and kind not in model.mlp_kinds:
         return None  # no layer of that kind to price (another model's record of it is no concern)
     # A file may hold several models' records (`ndplan census A B --out f.json`): this model's.
     refusals = []
@@ -364,8 +364,8 @@ def _check_census_runtime(record: CensusRecord, batch: StrategyBatch, options: M
     width = _CENSUS_DTYPE_BYTES.get(record.dtype)
     if width is not None and width != batch.precision.activation_bytes:
         raise NdplanError(f"the census measured {record.dtype} activations ({width} B), and precision "
-                          f"{batch.precision.name} keeps {batch.precision.activation_bytes:g} B ones: leave out "
-                          "--census (a census runs in bfloat16)")
+                          f"{batch.precision.name} keeps {batch.precision.activation_bytes:g} B ones: measure it in "
+                          "that dtype (`python -m ndplan.census --dtype ...`) or leave out --census")
     if (record.attention == "eager") != (options.attention == "eager"):
         raise NdplanError(f"the census measured {record.attention} attention, and the estimate prices "
                           f"{options.attention}: measure with `ndplan census --attention {options.attention if options.attention != 'flash' else 'sdpa'}` "
@@ -517,11 +517,6 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         shipped_kind = record.layer_kind.split("-")[-1]
         if shipped_kind in backward_extra:
             backward_extra[shipped_kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
-    # The census's TP-2 run splits heads and widths, experts' too, without sequence parallelism:
-    # where a strategy shards otherwise (SP, experts by another degree) the formulas price it.
-    sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
-    census_applies = {"dense": ~sequence_sharded,
-                      "moe": ~sequence_sharded & (np.where(batch.etp == 0, tp, batch.etp) == tp)}
     kind: MlpKind
     for kind in ("dense", "moe"):
         measured = _census_for(options, kind, model)
@@ -534,8 +529,12 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                                   f"({' '.join(batch.recompute_modules)}): leave out one or the other")
             record = measured
             _check_census_runtime(record, batch, options)
-            # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run.
-            applies = census_applies[kind]
+            # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run,
+            # which splits heads and widths, experts' too, without sequence parallelism: where a
+            # strategy shards otherwise (SP, experts by another degree) the formulas price it.
+            applies = ~((batch.sequence_parallel > 0) & (tp > 1))
+            if kind == "moe":
+                applies &= np.where(batch.etp == 0, tp, batch.etp) == tp
             full[kind] = np.where(applies, _measured(record, tp, seq), full[kind])
             # Its selective figures are torch's keep-every-matmul checkpointing: another policy
             # (Megatron's core-attention recompute) keeps the formulas'.
@@ -622,11 +621,10 @@ def applicable_modules(model: ModelSpec) -> tuple[str, ...]:
     MLA's up-projections with MLA; the dense MLP where a layer (or an MTP module) has one; the
     experts' activation and the MoE block with experts; the shared experts where there are
     some."""
-    kinds = set(model.layer_mlp_kinds) | ({model.mtp_mlp_kind} if model.mtp_depth else set())
     mla = model.attention_kind == "mla"
     has = {
         "core_attn": True, "layernorm": model.is_moe or mla, "mla_up_proj": mla,
-        "mlp": "dense" in kinds, "moe_act": model.is_moe, "moe": model.is_moe,
+        "mlp": "dense" in model.mlp_kinds, "moe_act": model.is_moe, "moe": model.is_moe,
         "shared_experts": model.is_moe and model.num_shared_experts > 0,
     }
     return tuple(m for m in RECOMPUTE_MODULES if has[m])

@@ -183,6 +183,11 @@ class ModelSpec(BaseModel):
         return self.layer_mlp_kinds[-1]
 
     @property
+    def mlp_kinds(self) -> frozenset[MlpKind]:
+        """The MLP kinds the model runs: its decoder layers' and, with MTP, its modules'."""
+        return frozenset((*self.layer_mlp_kinds, *((self.mtp_mlp_kind,) if self.mtp_depth else ())))
+
+    @property
     def qk_head_dim(self) -> int:
         """Width of one query/key head: nope + rope parts for MLA, head_dim otherwise."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
