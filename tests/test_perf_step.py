@@ -74,6 +74,22 @@ def test_a_batch_prices_each_strategy_as_it_would_alone(model, devices):
             assert together[key][i] == pytest.approx(alone[key][0], rel=1e-12, abs=1e-15), (i, key)
 
 
+def test_layouts_whose_degrees_once_packed_alike_are_priced_apart():
+    """pp 2 × vpp 66 and pp 3 × vpp 2 once shared a group key (pp·64 + vpp = 194 both), so a
+    batch holding both priced the second on the first's stage layout (0.2918 s for its 0.2234 s
+    alone). Each row of the batch must be what it is alone."""
+    from ndplan.model.spec import ModelSpec
+
+    deep = ModelSpec(name="deep", num_layers=132, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=8,
+                     num_kv_heads=8, head_dim=128, vocab_size=32000)
+    a = Strategy(dp=3, pp=2, vpp=66, schedule="interleaved", num_micro_batches=4, seq_length=1024)
+    b = Strategy(dp=2, pp=3, vpp=2, schedule="interleaved", num_micro_batches=6, seq_length=1024)
+    cluster = _cluster(6)
+    together = step_time_batch(deep, StrategyBatch.of([a, b]), cluster)["step_s"]
+    for i, s in enumerate((a, b)):
+        assert together[i] == step_time_batch(deep, StrategyBatch.of(s), cluster)["step_s"][0]
+
+
 @pytest.mark.parametrize(("model", "devices"), [(LLAMA70, 256), (DSV3, 512)])
 def test_batch_outputs_are_finite_and_parts_sum_to_the_step(model, devices):
     batch = mixed_strategies(model, devices, 2000, seed=1)

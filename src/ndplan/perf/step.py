@@ -241,12 +241,16 @@ class _RowColumns(dict[str, Array]):
         return value
 
 
-def _group_key(batch: StrategyBatch) -> Array:
-    """One small integer per strategy for (pp, vpp, schedule, embedding/output as layer): the
-    stage layout and the pipeline formula, shared by a group."""
-    key = batch.pp.astype(np.int64) * 64 + batch.vpp
-    key = (key * len(CODES["schedule"]) + batch.schedule) * 4 + batch.embedding_as_layer * 2 + batch.output_as_layer
-    return np.asarray(key)
+#: The strategy fields a group shares: the stage layout and the pipeline formula.
+_GROUP_FIELDS = ("pp", "vpp", "schedule", "embedding_as_layer", "output_as_layer")
+
+
+def _group_codes(batch: StrategyBatch) -> tuple[Array, int]:
+    """(codes, count): one code per distinct (pp, vpp, schedule, embedding/output as layer), in
+    that lexicographic order. ``row_codes`` gives each field its own radix, so no two tuples
+    share a code whatever the degrees (a packed ``pp·64 + vpp`` made pp 2 × vpp 66 and pp 3 ×
+    vpp 2 one group, priced on one layout)."""
+    return row_codes([getattr(batch, name) for name in _GROUP_FIELDS])
 
 
 def _seq_flops(model: ModelSpec, seq: Array, full: Array, selective: Array, policy: str = "megatron",
@@ -650,7 +654,7 @@ def evaluate(
 
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
-    group_code, group_count = dense_codes(_group_key(batch))
+    group_code, group_count = _group_codes(batch)
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
     bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
     cols = {name: ints[name][order].astype(np.float64) for name in _STEP_FIELDS}
