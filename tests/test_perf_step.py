@@ -737,6 +737,20 @@ def test_optimizer_updates_the_shard_its_group_holds():
         (local[4] - local[0]) / (local[2] - local[0]), rel=1e-9)
 
 
+def test_the_gradient_norm_all_reduce_costs_nothing_on_one_device():
+    """A fused Adam moves 38 bytes per parameter under megatron-bf16 (gradient 4, states and
+    master 2·(8 + 4), the bf16 copy 2, clipping's read and zeroing 2·4) at 0.6 of the H100's
+    3.35 TB/s; the gradient norm's all-reduce adds 2·ceil(log2(world)) steps of 10 µs, none on
+    one device (it cost 20 µs there) and 2 on two."""
+    from ndplan.model import count_parameters
+
+    update = count_parameters(LLAMA8).total * 38 / (3.35e12 * 0.6)
+    for dp, norm in ((1, 0.0), (2, 2 * 10e-6)):
+        s = Strategy(dp=dp, seq_length=1024)
+        got = evaluate(LLAMA8, StrategyBatch.of(s), _cluster(dp), details=True)["optimizer_update_s"][0]
+        assert got == pytest.approx(update + norm, rel=1e-12)
+
+
 def test_pieces_keep_the_parameters_tensor_parallelism_leaves_whole():
     """The time model's parameters per piece split as the memory model's do: norms, routers and
     MLA's down-projections stay whole on every tensor-parallel rank (DeepSeek-V3: about 15M of

@@ -16,9 +16,9 @@
 * optimizer: Adam over the local parameter shard (/dp·cp with ZeRO >= 1), memory-bound:
   reads gradient, states and master weights, writes states, master and the bf16 copy, plus
   one gradient read for clipping and one write to zero the gradient; a latency-bound
-  all-reduce of the gradient norm (tree: 2·log2(world) steps). With optimizer offload: the
-  gradient goes to the host and the parameters come back over the host link, and a CPU Adam
-  runs at ``cpu_optimizer_params_per_s``.
+  all-reduce of the gradient norm (tree: 2·ceil(log2(world)) steps; none on one device).
+  With optimizer offload: the gradient goes to the host and the parameters come back over the
+  host link, and a CPU Adam runs at ``cpu_optimizer_params_per_s``.
 
 Breakdown (seconds, summing to step_s), on the bottleneck stage s* (largest per-micro-batch
 time): compute = m·compute(s*), comm_exposed tp/cp/ep = m·exposed(s*), dp = m·FSDP(s*) + the
@@ -344,8 +344,10 @@ def _dp_raw(
     update = local * per_param / optimizer_rate
     offload = local * (prec.grad_bytes + prec.param_bytes) / host_bw + local / cpu_params_per_s
     update = np.where(c["optimizer_offload"] > 0, offload, update)
+    # The gradient norm's all-reduce: latency-bound, 2·ceil(log2(world)) tree steps; a world of
+    # one rank has nothing to reduce.
     world = c["dp"] * c["cp"] * c["tp"] * c["pp"]
-    norm = 2.0 * np.ceil(np.log2(np.maximum(world, 2.0))) * fabric.scaleout_latency
+    norm = np.where(world > 1, 2.0 * np.ceil(np.log2(np.maximum(world, 2.0))) * fabric.scaleout_latency, 0.0)
     return grad, np.where(zero >= 1, cross, 0.0), params_ag, update + norm
 
 
