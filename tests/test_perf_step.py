@@ -737,6 +737,17 @@ def test_optimizer_updates_the_shard_its_group_holds():
         (local[4] - local[0]) / (local[2] - local[0]), rel=1e-9)
 
 
+def test_seq1f1b_sends_each_sub_sequence_on_its_own():
+    """Seq1F1B's k sub-sequences each cross a stage boundary as [1, 8192/k, 4096] bf16: over
+    the H100's NIC (pp groups of stride 8 span nodes; 50 GB/s at 0.85) a transfer takes
+    10 µs + 8192/k·4096·2 / 42.5e9 s: 1.589, 0.800, 0.405 ms for k 1, 2, 4 (each was priced
+    as the whole micro-batch's 1.589 ms, while the schedule counts a transfer per sub-sequence)."""
+    for k in (1, 2, 4):
+        s = Strategy(dp=8, pp=4, schedule="seq1f1b", seq_chunks=k, num_micro_batches=8, seq_length=8192)
+        got = evaluate(LLAMA8, StrategyBatch.of(s), _cluster(32), details=True)["p2p_s"][0]
+        assert got == pytest.approx(10e-6 + 8192 / k * 4096 * 2 / (50e9 * 0.85), rel=1e-12)
+
+
 def test_the_gradient_norm_all_reduce_costs_nothing_on_one_device():
     """A fused Adam moves 38 bytes per parameter under megatron-bf16 (gradient 4, states and
     master 2·(8 + 4), the bf16 copy 2, clipping's read and zeroing 2·4) at 0.6 of the H100's

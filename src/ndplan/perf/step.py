@@ -648,9 +648,12 @@ def evaluate(
     priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
                      fabric.host_bw, pipeline, dp_columns, categories)
 
-    # Point-to-point activation of one micro-batch between stages: [mbs, seq/cp, h] (/tp with SP).
+    # Point-to-point activation of one op between stages: [mbs, seq/(cp·k), h] (/tp with SP),
+    # k = seq_chunks: Seq1F1B sends each of a micro-batch's k sub-sequences on its own (the
+    # schedule's ops and its transfer count, pipeline.p2p_hops, are per sub-sequence); 1 elsewhere.
     t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
-    p2p_bytes = (batch.micro_batch_size * batch.seq_length) / (batch.cp * t_sp) * (model.hidden_size * batch.precision.activation_bytes)
+    p2p_bytes = ((batch.micro_batch_size * batch.seq_length) / (batch.cp * t_sp * batch.seq_chunks)
+                 * (model.hidden_size * batch.precision.activation_bytes))
     p2p = coll.p2p_s(p2p_bytes, group_link(batch.pp, batch.tp * batch.cp * batch.dp, fabric, "p2p"))
     p2p = np.where(batch.pp > 1, p2p, 0.0)
 
