@@ -737,6 +737,46 @@ def test_optimizer_updates_the_shard_its_group_holds():
         (local[4] - local[0]) / (local[2] - local[0]), rel=1e-9)
 
 
+def _pieces(model, strategies, devices, overlap=None, software=None, efficiency=None):
+    """``layer.piece_times`` of ``strategies`` (one Strategy or several) on ``devices`` H100s,
+    with the device's efficiency profile and ``software`` facts over it; {piece: {(pass,
+    category): seconds per strategy}}."""
+    from ndplan.perf.efficiency import with_software
+    from ndplan.perf.layer import LayerContext, piece_times
+    from ndplan.perf.overlap import default_overlap
+    from ndplan.perf.step import compute_rates, strategy_columns
+    from ndplan.perf.topology import Fabric
+
+    batch = StrategyBatch.of(strategies)
+    cluster = _cluster(devices)
+    eff = with_software(efficiency or default_efficiency(cluster.device), software)
+    overlap = overlap or default_overlap(cluster.device.runtime)
+    ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap,
+                       batch.precision)
+    pieces = piece_times(ctx, strategy_columns(model, batch, overlap))
+    return {name: {key: np.broadcast_to(value, (len(batch),)) for key, value in piece.seconds.items()}
+            for name, piece in pieces.items()}
+
+
+#: Scale-up rate and latency of an H100 group inside one node: 450 GB/s at 0.8, 3 µs a step.
+NVLINK, NVLINK_LATENCY = 450e9 * 0.8, 3e-6
+
+
+def test_sequence_parallel_embedding_all_gathers_its_gradient():
+    """With SP the embedding reduce-scatters its partial lookups to the sequence shards; the
+    backward of that all-gathers the output gradient, the same A = 2048·4096·2 bytes: over tp 8
+    on NVLink 7·3 µs + 7/8·A/360e9 = 61.8 µs. Without SP the forward's all-reduce has an
+    identity backward: nothing."""
+    activation = 2048 * 4096 * 2
+    gather = 7 * NVLINK_LATENCY + 7 / 8 * activation / NVLINK
+    emb = _pieces(LLAMA8, [Strategy(tp=8, sequence_parallel=sp, seq_length=2048) for sp in (True, False)], 8)["emb"]
+    assert emb[("F", "tp")][0] == pytest.approx(gather, rel=1e-12)  # the reduce-scatter moves as much
+    backward = emb.get(("B", "tp"), np.zeros(2))
+    assert backward[0] == pytest.approx(gather, rel=1e-12)
+    assert backward[1] == 0.0
+    assert emb[("F", "tp")][1] == pytest.approx(14 * NVLINK_LATENCY + 2 * 7 / 8 * activation / NVLINK, rel=1e-12)
+
+
 def test_seq1f1b_sends_each_sub_sequence_on_its_own():
     """Seq1F1B's k sub-sequences each cross a stage boundary as [1, 8192/k, 4096] bf16: over
     the H100's NIC (pp groups of stride 8 span nodes; 50 GB/s at 0.85) a transfer takes

@@ -761,8 +761,11 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
 
 def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, fsdp: FsdpGroups | None = None,
                     base: BaseRows | None = None) -> PieceTimes:
-    """Embedding lookup (vocab-parallel: an all-reduce, or a reduce-scatter with SP). ``base``:
-    ``base_rows`` of ``cols``, on which the lookup and its TP collective are priced."""
+    """Embedding lookup (vocab-parallel). Its TP collective: without SP an all-reduce of the
+    partial lookups forward, whose backward is the identity (reduce_from_tensor_model_parallel
+    _region); with SP a reduce-scatter to the sequence shards forward, whose backward all-gathers
+    the output gradient, the same A bytes (reduce_scatter_to_sequence_parallel_region). ``base``:
+    ``base_rows`` of ``cols``, on which the lookup and its TP collectives are priced."""
     model = ctx.model
     beta = ctx.precision.activation_bytes
     base = base or BaseRows(cols, sh)
@@ -777,6 +780,7 @@ def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, fsd
     link = group_link(t, 1.0, ctx.fabric, "ring")
     sp = bc["sequence_parallel"] > 0
     out.add("F", "tp", up(np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))))
+    out.add("B", "tp", up(np.where(sp, coll.all_gather_s(activation, t, link), 0.0)))
     table = TpSplit(model.vocab_size * model.hidden_size, 0)  # vocabulary-parallel
     fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     out.add("F", "dp", _exposed(fs_f, 0.0, False))
