@@ -369,6 +369,18 @@ def test_cluster_node_size_override_and_partial_nodes() -> None:
     assert small.scaleup_domain_size == 64  # the whole job sits inside the supernode
 
 
+def test_a_smaller_node_holds_a_smaller_scaleup_domain() -> None:
+    """An H100's NVLink domain is its 8-GPU node: a 4-GPU instance of it has a domain of 4 (it
+    stayed 8, so TP 8 over two such nodes was priced on NVLink). A domain that spans nodes
+    (CloudMatrix384's 768 dies over nodes of 16) is not bounded by the node size."""
+    h100 = get_device("h100-sxm")
+    assert Cluster(device=h100, num_devices=8, devices_per_node=4).scaleup_domain_size == 4
+    assert Cluster(device=h100, num_devices=8, devices_per_node=1).scaleup_domain_size == 1
+    assert Cluster(device=h100, num_devices=16, devices_per_node=16).scaleup_domain_size == 8
+    assert Cluster(device=h100, num_devices=2, devices_per_node=4).scaleup_domain_size == 2
+    assert Cluster(device=get_device("ascend-910c"), num_devices=64, devices_per_node=8).scaleup_domain_size == 64
+
+
 @pytest.mark.parametrize("changes", [{"num_devices": 0}, {"devices_per_node": -8}, {"racks": 2}])
 def test_cluster_rejects_bad_input(changes: dict[str, Any]) -> None:
     arguments: dict[str, Any] = {"device": get_device("h100-sxm"), "num_devices": 8, **changes}

@@ -68,6 +68,18 @@ def test_a_ring_spanning_nodes_uses_every_members_nic():
     assert coll.all_to_all_s(GB, 16, a2a) == pytest.approx(15 * a2a.latency + GB * per_byte)
 
 
+def test_tensor_parallelism_over_smaller_nodes_crosses_them():
+    """On H100 instances of 4 GPUs (devices_per_node=4) TP 8 spans two nodes: a ring over 4
+    members' NICs, min(450e9·0.8, 4·50e9·0.85) = 170 GB/s at the 10 µs scale-out latency, not
+    the NVLink rate of an 8-GPU node."""
+    device = get_device("h100-sxm")
+    fabric = Fabric.of(Cluster(device=device, num_devices=8, devices_per_node=4), default_efficiency(device))
+    assert fabric.domain == 4
+    link = group_link(8, 1, fabric)
+    assert float(link.bandwidth) == pytest.approx(4 * 50e9 * 0.85, rel=1e-12)
+    assert float(link.latency) == 10e-6
+
+
 def test_misaligned_groups_do_not_fit():
     assert fits_in_domain(np.array([8.0, 3.0, 4.0, 16.0]), np.array([1.0, 1.0, 2.0, 1.0]), 8).tolist() == [
         True, False, True, False,

@@ -168,5 +168,14 @@ class Cluster(BaseModel):
 
     @property
     def scaleup_domain_size(self) -> int:
-        """Devices that share one scale-up fabric, capped by the cluster's size."""
-        return min(self.device.scaleup_domain_size, self.num_devices)
+        """Devices that share one scale-up fabric, capped by the cluster's size.
+
+        A domain no larger than the part's node (an HGX baseboard's NVLink) lies inside one
+        node, so a node of fewer devices (``devices_per_node``: a 4-GPU instance of an 8-GPU
+        part) holds a domain of that many: min(domain, node size). A domain that spans nodes
+        (CloudMatrix384's UB fabric across its 16-NPU nodes) joins nodes, and a node size does
+        not bound it."""
+        domain = self.device.scaleup_domain_size
+        if domain <= self.device.devices_per_node:
+            domain = min(domain, self.node_size)
+        return min(domain, self.num_devices)
