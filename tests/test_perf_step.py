@@ -633,6 +633,29 @@ def test_moe_imbalance_option_prices_the_busiest_rank_in_time_too():
     assert skewed.step_s > 1.2 * balanced.step_s
 
 
+def test_a_capacity_factor_prices_the_padded_buffers_in_time_too():
+    """A token-dropping MoE padded to capacity (--moe-capacity-factor, Megatron's
+    --moe-pad-expert-input-to-capacity) gives every expert capacity_factor × its balanced share:
+    the expert GEMMs and the all-to-alls move that multiple, whatever the routing imbalance
+    (the factor once changed memory only). Mixtral dp8 ep8 at 4096 tokens: a balanced
+    all-to-all sends 4096·2·4096·2 bytes over NVLink, 7·3 µs + 7/8·S/360e9 = 184.1 µs, dispatch
+    and combine forward 368.2 µs; capacity 1.5 moves 1.5 times that, 0.5 half."""
+    from ndplan.memory import MemoryOptions
+
+    mixtral = get_preset("mixtral-8x7b")
+    balanced = 2 * (7 * NVLINK_LATENCY + 7 / 8 * 4096 * 2 * 4096 * 2 / NVLINK)
+    assert balanced == pytest.approx(368.2e-6, rel=1e-4)
+    s = Strategy(dp=8, ep=8, seq_length=4096)
+    for factor in (0.5, 1.5):
+        software = MemoryOptions(runtime="megatron", moe_capacity_factor=factor, moe_imbalance=1.2).time_keywords()
+        moe = _pieces(mixtral, s, 8, software=software["software"])["moe"]
+        assert moe[("F", "ep")][0] == pytest.approx(factor * balanced, rel=1e-12)
+    strategy = Strategy(dp=8, ep=8, zero=1, num_micro_batches=8, seq_length=4096)
+    capacity = estimate_time(mixtral, strategy, "h100-sxm", options=MemoryOptions(moe_capacity_factor=1.5))
+    skewed = estimate_time(mixtral, strategy, "h100-sxm", options=MemoryOptions(moe_imbalance=1.5))
+    assert capacity.step_s == pytest.approx(skewed.step_s, rel=1e-12)
+
+
 def test_runtime_kernel_facts_reach_the_step_time_and_are_checked(tmp_path: Path):
     """A runtime profile states its kernels (the pytorch one: eager elementwise ops, one grouped
     GEMM for all experts, foreach AdamW); time_keywords hands them to the step-time model, and a

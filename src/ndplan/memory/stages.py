@@ -186,8 +186,10 @@ class MemoryOptions:
         software["pipeline_defers_fsdp_reduce"] = self.profile.pipeline_defers_fsdp_reduce
         software["loss_upcast"] = self.loss_upcast
         # The busiest rank computes and receives as much more as it holds (1.0 too: the options,
-        # not a device profile's figure, say what memory priced).
+        # not a device profile's figure, say what memory priced); a capacity factor, where
+        # given, sets it instead (buffers padded to capacity: routed_token_factor), in time too.
         software["moe_imbalance"] = self.moe_imbalance
+        software["moe_capacity_factor"] = self.moe_capacity_factor
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,
                 "overlap": self.overlap}
 

@@ -109,7 +109,13 @@ class EfficiencyProfile(BaseModel):
     Overheads: ``layer_overhead_s`` per decoder layer per pass on the GPU (kernel tails,
     synchronisation); ``step_overhead_s`` once per step (data loading, logging).
     ``moe_imbalance`` >= 1 scales routed-expert compute and all-to-all: the busiest rank of an
-    expert-parallel group sets the pace.
+    expert-parallel group sets the pace. ``moe_capacity_factor`` (None: dropless) prices a
+    token-dropping MoE padded to capacity instead (Megatron's --moe-expert-capacity-factor with
+    --moe-pad-expert-input-to-capacity): every expert's buffer holds capacity_factor × its
+    balanced share, whatever the routing, so its GEMMs and the all-to-alls that fill and empty
+    it (even splits of capacity rows per expert) move that multiple, as the memory option of
+    that name holds (``routed_token_factor``). Without padding no more than that comes, but
+    fewer may: an upper bound then, as on the memory side.
 
     Hidden expert all-to-all still costs compute: its kernels hold ``ep_comm_compute_share`` of
     the GPU's SMs while they run, so the compute they hide under loses that share of the
@@ -171,6 +177,8 @@ class EfficiencyProfile(BaseModel):
     layer_overhead_s: float = Field(default=20e-6, ge=0.0)
     step_overhead_s: float = Field(default=0.0, ge=0.0)
     moe_imbalance: float = Field(default=1.0, ge=1.0)
+    moe_capacity_factor: float | None = Field(default=None, gt=0.0, le=1024.0,
+                                              description="token dropping, padded to capacity (None: dropless)")
     ep_comm_compute_share: float = Field(default=0.0, ge=0.0, lt=1.0,
                                          description="share of the SMs a hidden expert all-to-all holds")
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
@@ -181,6 +189,14 @@ class EfficiencyProfile(BaseModel):
         (``UNSET_MEANS``: the optimizer's efficiency the HBM's, the masked kernel's the causal's)."""
         value = getattr(self, name)
         return float(value if value is not None else getattr(self, UNSET_MEANS[name]))
+
+    @property
+    def routed_token_factor(self) -> float:
+        """Routed tokens on the busiest rank over balanced routing, which its expert GEMMs and
+        all-to-alls move: the capacity factor where tokens are dropped and padded to capacity
+        (every expert's buffer holds exactly that multiple of its share), else ``moe_imbalance``
+        (``memory.stages.MemoryOptions.routed_token_factor``, the same rule)."""
+        return self.moe_capacity_factor if self.moe_capacity_factor is not None else self.moe_imbalance
 
     @property
     def expert_gemm_latency(self) -> float:
@@ -388,7 +404,8 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 #: ``attention_efficiency`` is one where the software picks another attention kernel than the
 #: family's default assumes (torch's SDPA ran FlashAttention-2 on Hopper before cuDNN's kernel
 #: became its choice there: about 0.33 of the peak, against cuDNN's 0.55).
-SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "elementwise_passes",
+SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "moe_capacity_factor",
+                   "elementwise_passes",
                    "expert_gemm", "optimizer_kernel", "fp8_cast_bytes", "pipeline_defers_fsdp_reduce", "loss_upcast",
                    "attention_efficiency")
 

@@ -24,7 +24,8 @@ device (T = b·s):
 * EP: dispatch and combine all-to-alls of the (T/c)·k/t routed copies of h forward, both
   backward, at activation width (Megatron-Core quantises inside the expert GEMM; with
   ``OverlapConfig.ep_dispatch_fp8`` the dispatch carries fp8, 1 byte), over the ep ranks at
-  stride etp (× moe_imbalance). With
+  stride etp (× moe_imbalance, or the capacity factor of a token-dropping MoE padded to
+  capacity: EfficiencyProfile.routed_token_factor). With
   ``OverlapConfig.ep_dispatch = 'node_dedup'`` (DeepEP/HybridEP) a token crosses the network
   once per distinct remote node and NVLink once per distinct destination rank other than the
   one the network delivered it to, D·(g-1)/g times; the receiving rank copies it to each of its
@@ -507,13 +508,14 @@ def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[tup
 
 
 def _pass_gemm_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[dict[str, Array | float], dict[str, Array | float]]:
-    """(seconds of ``gemms`` per pass F, B, W, routed experts scaled by ``moe_imbalance``;
+    """(seconds of ``gemms`` per pass F, B, W, routed experts scaled by the busiest rank's routed
+    tokens over a balanced share, ``EfficiencyProfile.routed_token_factor``;
     forward seconds of each GEMM by name)."""
     total: dict[str, Array | float] = {p: 0.0 for p in PASS_NAMES}
     forward: dict[str, Array | float] = {}
     for g in gemms:
         times = gemm_pass_seconds(g, ctx.rates)
-        scale = ctx.eff.moe_imbalance if g.expert else 1.0
+        scale = ctx.eff.routed_token_factor if g.expert else 1.0
         for pass_, value in times.items():
             total[pass_] = total[pass_] + scale * value
         forward[g.name] = times["F"]
@@ -533,7 +535,7 @@ def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardi
                            attn_f: Array | float, host_f: Array | float) -> tuple[Array | float, bool]:
     """(seconds the recompute modules replay in one layer's backward, whether they replay the
     expert dispatch): ``core_attn`` the attention core's forward, the modules' GEMMs
-    (``flops.MODULE_GEMMS``, with their fp8 casts, routed experts at ``moe_imbalance``) and
+    (``flops.MODULE_GEMMS``, with their fp8 casts, routed experts at ``routed_token_factor``) and
     elementwise bytes (``memory_ops.module_replay_bytes``); ``moe`` re-runs the dispatch and
     combine all-to-alls too (returned apart, as expert-parallel communication). ``host_f``: the
     layer's forward host time (``decoder_layer``). ``gemms`` and ``forward_of`` are per distinct
@@ -542,7 +544,7 @@ def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardi
     replayed = module_gemms(gemms, modules)
     cast_f, _ = fp8_cast_seconds(ctx, replayed)
     seconds = shardings.spread(
-        sum((forward_of[g.name] * (ctx.eff.moe_imbalance if g.expert else 1.0) for g in replayed), 0.0) + cast_f)
+        sum((forward_of[g.name] * (ctx.eff.routed_token_factor if g.expert else 1.0) for g in replayed), 0.0) + cast_f)
     if "core_attn" in modules:
         seconds = seconds + attn_f
     replay_bytes = module_replay_bytes(ctx.model, sh, cols["sequence_parallel"], kind, ctx.precision.activation_bytes, modules)
@@ -641,7 +643,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         forward = dispatch + combine
         backward = 2.0 * combine
         share = eff.ep_comm_compute_share
-        forward, backward = forward * eff.moe_imbalance, backward * eff.moe_imbalance
+        # the busiest rank's routed copies: moe_imbalance, or the capacity factor of padded buffers
+        factor = eff.routed_token_factor
+        forward, backward = forward * factor, backward * factor
         # Overlapped: what a paired pass exposes, and what it hides (holding the links FSDP uses).
         paired_exposed_f = up(_exposed(forward, compute_f, True, share))
         paired_exposed_b = up(_exposed(backward, compute_b + compute_w, True, share))
