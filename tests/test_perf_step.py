@@ -800,6 +800,31 @@ def test_sequence_parallel_embedding_all_gathers_its_gradient():
     assert emb[("F", "tp")][1] == pytest.approx(14 * NVLINK_LATENCY + 2 * 7 / 8 * activation / NVLINK, rel=1e-12)
 
 
+def test_a_loss_on_replicated_logits_gathers_them_and_reads_them_all():
+    """Without the vocabulary-parallel loss (the pytorch runtime's default: torchtitan's output
+    layer then returns Replicate logits) each of tp 8 ranks all-gathers the T·V bf16 logits
+    forward, 7·3 µs + 7/8·2048·128256·2/360e9 (its backward keeps the local shard: nothing),
+    and the loss reads all T·V logits, 10 bytes each at 0.8 of 3.35 TB/s, not T·V/8; the three
+    per-token fp32 all-reduces of the vocabulary-parallel loss go (once priced whatever the
+    loss, as were its T·V/8 logits)."""
+    from ndplan.memory import MemoryOptions
+
+    tokens, vocab = 2048, 128256
+    assert MemoryOptions(runtime="pytorch").time_keywords()["software"]["loss_parallel"] is False
+    assert MemoryOptions(runtime="pytorch", loss_parallel=True).time_keywords()["software"]["loss_parallel"] is True
+    assert MemoryOptions(runtime="megatron").time_keywords()["software"]["loss_parallel"] is True
+    s = Strategy(tp=8, seq_length=tokens)
+    parallel = _pieces(LLAMA8, s, 8, software={"loss_parallel": True})["head"]
+    gathered = _pieces(LLAMA8, s, 8, software={"loss_parallel": False})["head"]
+    ce = 3 * (14 * NVLINK_LATENCY + 2 * 7 / 8 * tokens * 4 / NVLINK)
+    assert parallel[("F", "tp")][0] == pytest.approx(ce, rel=1e-12)
+    assert gathered[("F", "tp")][0] == pytest.approx(7 * NVLINK_LATENCY + 7 / 8 * tokens * vocab * 2 / NVLINK, rel=1e-12)
+    assert gathered[("B", "tp")][0] == pytest.approx(parallel[("B", "tp")][0], rel=1e-12)  # the input's all-reduce
+    extra = 10 * tokens * vocab * (1 - 1 / 8) / (3.35e12 * 0.8)
+    for pass_ in ("F", "B"):
+        assert gathered[(pass_, "compute")][0] - parallel[(pass_, "compute")][0] == pytest.approx(extra, rel=1e-9)
+
+
 def test_seq1f1b_sends_each_sub_sequence_on_its_own():
     """Seq1F1B's k sub-sequences each cross a stage boundary as [1, 8192/k, 4096] bf16: over
     the H100's NIC (pp groups of stride 8 span nodes; 50 GB/s at 0.85) a transfer takes

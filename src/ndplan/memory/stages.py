@@ -185,6 +185,9 @@ class MemoryOptions:
         software.update(self.profile.kernels)
         software["pipeline_defers_fsdp_reduce"] = self.profile.pipeline_defers_fsdp_reduce
         software["loss_upcast"] = self.loss_upcast
+        # Whether the loss is vocabulary-parallel, or runs on logits gathered whole to every
+        # tensor-parallel rank (the option, else the runtime's choice), as memory holds them.
+        software["loss_parallel"] = self.profile.loss_parallel if self.loss_parallel is None else self.loss_parallel
         # The busiest rank computes and receives as much more as it holds (1.0 too: the options,
         # not a device profile's figure, say what memory priced); a capacity factor, where
         # given, sets it instead (buffers padded to capacity: routed_token_factor), in time too.

@@ -95,8 +95,9 @@ class MeasuredRun(BaseModel):
                          "(ndplan.memory.profile: megatron, pytorch): what the memory check prices. Unlike "
                          "MemoryOptions (pytorch), a run defaults to megatron, as most published runs are")
     measured: Measured
-    loss_parallel: bool | None = Field(default=None, description="memory: the loss on vocab-sharded logits "
-                                       "(torchtitan's default with TP); None: the runtime profile's")
+    loss_parallel: bool | None = Field(default=None, description="the loss on vocab-sharded logits (torchtitan's "
+                                       "default with TP), in memory and time; None: the runtime profile's in "
+                                       "memory, the vocabulary-parallel loss in time")
     reserved_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="memory the source measured: the caching "
                                        "allocator's peak reserved bytes, in GiB (max over ranks), where it says")
     notes: str = ""
@@ -181,7 +182,12 @@ class MeasuredRun(BaseModel):
         return config
 
     def efficiency(self, base: EfficiencyProfile) -> EfficiencyProfile:
-        return base.replace(**self.software) if self.software else base
+        """``base`` with the run's software facts, and its loss vocabulary-parallel or not where
+        the run says (``loss_parallel``, which memory reads too; unsaid: the profile's)."""
+        facts = dict(self.software)
+        if self.loss_parallel is not None:
+            facts["loss_parallel"] = self.loss_parallel
+        return base.replace(**facts) if facts else base
 
     def memory_options(self) -> Any:
         """The memory model's options for this run: its runtime profile, the software facts

@@ -62,7 +62,10 @@ class EfficiencyProfile(BaseModel):
     square rather than skipping the blocks outside the window, at ``masked_attention_efficiency``
     (``attention_efficiency`` when unset): reading the mask, the kernel runs slower than causal
     flash attention. ``loss_upcast`` False: the cross-entropy works on the logits' own dtype
-    (memory_ops.head_bytes), as the memory option of that name says.
+    (memory_ops.head_bytes), as the memory option of that name says. ``loss_parallel`` False:
+    the output layer all-gathers the logits to every tensor-parallel rank and the loss reads all
+    T·V of them (torchtitan without loss parallelism, the ``pytorch`` runtime's default) rather
+    than the vocabulary-parallel loss on T·V/t with its three per-token all-reduces (layer.py).
 
     Memory-bound ops (norms, activations, rotary, residuals, loss) move bytes at
     ``hbm_bandwidth · hbm_efficiency``; the optimizer's update at its own rate (below).
@@ -161,6 +164,7 @@ class EfficiencyProfile(BaseModel):
     flash_attention: bool = True
     window_kernel: bool = True
     loss_upcast: bool = True
+    loss_parallel: bool = True
     selective_recompute: Literal["megatron", "torchtitan-op", "keep-matmuls"] = "megatron"
     hbm_efficiency: Fraction
     scaleup_efficiency: Fraction
@@ -405,9 +409,8 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 #: family's default assumes (torch's SDPA ran FlashAttention-2 on Hopper before cuDNN's kernel
 #: became its choice there: about 0.33 of the peak, against cuDNN's 0.55).
 SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "moe_capacity_factor",
-                   "elementwise_passes",
-                   "expert_gemm", "optimizer_kernel", "fp8_cast_bytes", "pipeline_defers_fsdp_reduce", "loss_upcast",
-                   "attention_efficiency")
+                   "elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
+                   "pipeline_defers_fsdp_reduce", "loss_upcast", "loss_parallel", "attention_efficiency")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

@@ -816,7 +816,15 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
                base: BaseRows | None = None) -> PieceTimes:
     """Final norm, output head and loss, plus each MTP module (projection, its decoder layer
     ``mtp_layer`` and the shared head again). GEMMs priced per distinct sharding (``shardings``,
-    as in ``decoder_layer``), the head's compute and TP on ``base`` (as there)."""
+    as in ``decoder_layer``), the head's compute and TP on ``base`` (as there).
+
+    TP, A = T·h·act_bytes the head's input: with SP an all-gather of A forward and a
+    reduce-scatter of its gradient backward, without SP an all-reduce of that gradient (the
+    vocabulary shards' partial sums). The loss: vocabulary-parallel (``loss_parallel``, Megatron's
+    and torchtitan's with TP) on the T·V/t local logits, with three all-reduces of one fp32
+    number per token forward (max, sum of exponentials, target logit); otherwise the output
+    layer all-gathers the logits, T·V·act_bytes, to every rank forward (its backward keeps the
+    local shard of the gradient: no communication) and the loss runs on all T·V of them."""
     model, rates = ctx.model, ctx.rates
     beta = ctx.precision.activation_bytes
     base = base or BaseRows(cols, sh)
@@ -825,15 +833,18 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     head = head_gemms(model, shardings.distinct)
     head_s = {p: shardings.spread(gemms_seconds(head, rates, p)[0]) for p in PASS_NAMES}
     cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, head))
+    vocab_parallel = ctx.eff.loss_parallel
     loss_s = ctx.eff.elementwise_passes * head_bytes(model, bsh, bc["sequence_parallel"], beta,
-                                                     ctx.eff.loss_upcast) / rates.hbm_rate
+                                                     ctx.eff.loss_upcast, vocab_parallel) / rates.hbm_rate
     t = bc["tp"]
     link = group_link(t, 1.0, ctx.fabric, "ring")
     sp = bc["sequence_parallel"] > 0
     activation = bsh.tokens * model.hidden_size * beta
-    # vocab-parallel cross-entropy: three all-reduces of one fp32 number per token
-    ce = 3.0 * coll.all_reduce_s(bsh.tokens * 4.0, t, link)
-    tp_f = np.where(sp, coll.all_gather_s(activation, t, link), 0.0) + ce
+    if vocab_parallel:  # vocab-parallel cross-entropy: three all-reduces of one fp32 number per token
+        loss_tp = 3.0 * coll.all_reduce_s(bsh.tokens * 4.0, t, link)
+    else:  # the logits all-gathered whole to every rank (the backward's split moves nothing)
+        loss_tp = coll.all_gather_s(bsh.tokens * model.vocab_size * beta, t, link)
+    tp_f = np.where(sp, coll.all_gather_s(activation, t, link), 0.0) + loss_tp
     tp_b = np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))
 
     one = PieceTimes()

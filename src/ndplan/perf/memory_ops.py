@@ -181,9 +181,11 @@ def unfused_score_bytes(model: ModelSpec, sh: Sharding) -> Array | float:
 
 
 def head_bytes(model: ModelSpec, sh: Sharding, sp: Array | float, act_bytes: float,
-               loss_upcast: bool = True) -> Array | float:
-    """Final norm and cross-entropy, forward (the backward moves the same)."""
-    logits = sh.tokens * model.vocab_size / sh.tp
+               loss_upcast: bool = True, loss_parallel: bool = True) -> Array | float:
+    """Final norm and cross-entropy, forward (the backward moves the same). The loss reads
+    T·V/t logits where it is vocabulary-parallel (``loss_parallel``), else the T·V logits the
+    output layer's all-gather replicated on every tensor-parallel rank."""
+    logits = sh.tokens * model.vocab_size / (sh.tp if loss_parallel else 1.0)
     per_logit = LOSS_BYTES_PER_LOGIT if loss_upcast else LOSS_BYTES_PER_LOGIT_NO_UPCAST
     return act_bytes * 2.0 * norm_tokens(sh, sp) * model.hidden_size + per_logit * logits
 
