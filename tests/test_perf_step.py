@@ -325,6 +325,18 @@ def test_fp8_dispatch_moves_one_byte_per_element_instead_of_two():
     assert bf16.breakdown["comm_exposed"]["ep"] - fp8.breakdown["comm_exposed"]["ep"] == pytest.approx(expected, rel=1e-9)
 
 
+def test_fp8_dispatch_is_refused_for_bf16_experts():
+    """ep_dispatch_fp8 sends the fp8 its expert GEMMs read; under bf16 GEMMs no runtime
+    dispatches fp8 (Megatron-Core's, DeepEP's and HybridEP's dispatchers send bf16), and the
+    switch priced 2 bytes as though off (Mixtral dp8 ep8: 368.2 µs forward either way): it is
+    refused, naming the switch. A dense model has no dispatch for it to act on."""
+    s = Strategy(dp=8, ep=8, seq_length=4096, zero=1)
+    with pytest.raises(NdplanError, match="ep_dispatch_fp8.*megatron-bf16"):
+        estimate_time(TINY_MOE, s, _cluster(8), overlap=OverlapConfig(ep_dispatch_fp8=True))
+    dense = Strategy(dp=8, seq_length=4096, zero=1)
+    assert estimate_time(LLAMA8, dense, _cluster(8), overlap=OverlapConfig(ep_dispatch_fp8=True)).step_s > 0
+
+
 def test_deduplicating_dispatch_sends_a_token_once_per_destination_rank():
     """DeepEP/HybridEP send a token once to each rank holding any of its k experts (the rank
     copies it to its local experts itself): D = R·(1 - C(E - E/R, k)/C(E, k)) copies instead of k.

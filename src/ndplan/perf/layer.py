@@ -23,7 +23,8 @@ device (T = b·s):
   Hybrid: Ulysses over ulysses_degree ranks, then a ring over cp/ulysses_degree.
 * EP: dispatch and combine all-to-alls of the (T/c)·k/t routed copies of h forward, both
   backward, at activation width (Megatron-Core quantises inside the expert GEMM; with
-  ``OverlapConfig.ep_dispatch_fp8`` the dispatch carries fp8, 1 byte), over the ep ranks at
+  ``OverlapConfig.ep_dispatch_fp8`` the dispatch carries fp8, 1 byte, for fp8 GEMMs only:
+  ``ep_dispatch_bytes``), over the ep ranks at
   stride etp (× moe_imbalance, or the capacity factor of a token-dropping MoE padded to
   capacity: EfficiencyProfile.routed_token_factor). With
   ``OverlapConfig.ep_dispatch = 'node_dedup'`` (DeepEP/HybridEP) a token crosses the network
@@ -55,6 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ndplan.errors import NdplanError
 from ndplan.memory.stages import ACTIVATION_FIELDS, MemoryOptions, layer_activations
 from ndplan.memory.static import TpSplit, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, weight_grad_groups
@@ -406,6 +408,25 @@ def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | 
     return np.where(e > 1, latency + np.maximum(inside, outside), 0.0)
 
 
+def ep_dispatch_bytes(ctx: LayerContext) -> float:
+    """Bytes per element the dispatch all-to-all sends: the activation dtype, or with
+    ``OverlapConfig.ep_dispatch_fp8`` one byte, the fp8 the expert GEMMs read (DeepSeek-V3's
+    framework quantises before dispatching rather than inside the GEMM).
+
+    Refused where the GEMMs do not run in fp8: a bf16 expert GEMM cannot read an fp8 dispatch,
+    and no training runtime we know of sends one to dequantise on arrival (Megatron-Core's
+    all-to-all, DeepEP and HybridEP dispatchers send the activation dtype; HybridEP refuses fp8
+    dispatch outright), so the switch said 1 byte while the price stayed 2 (a silent no-op)."""
+    if not ctx.overlap.ep_dispatch_fp8:
+        return ctx.precision.activation_bytes
+    if ctx.rates.operand_bytes != 1.0:
+        raise NdplanError(
+            f"ep_dispatch_fp8 sends the expert dispatch in fp8 for expert GEMMs that run in fp8 (DeepSeek-V3's "
+            f"framework); precision '{ctx.precision.name}' runs them in {ctx.precision.compute_dtype}, and no runtime "
+            f"dispatches fp8 to bf16 experts: turn ep_dispatch_fp8 off or price an fp8 precision (e.g. megatron-fp8)")
+    return 1.0
+
+
 def _layer_param_split(model: ModelSpec, kind: MlpKind) -> tuple[TpSplit, float]:
     """(non-expert as tensor parallelism splits it, routed-expert) parameters of one layer."""
     return non_expert_split(model, kind), float(layer_params(model, kind).routed_experts)
@@ -635,7 +656,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # inside the expert GEMM) or, with ep_dispatch_fp8, at fp8 GEMM operand width; combine
         # returns them in activation width; the backward moves gradients both ways.
         copies = bsh.tokens * model.num_experts_per_tok / t * model.hidden_size
-        dispatch_bytes = rates.operand_bytes if ctx.overlap.ep_dispatch_fp8 else beta
+        dispatch_bytes = ep_dispatch_bytes(ctx)
         # (each all-to-all priced once: the combine's serves the backward's two, and the
         # dispatch where it sends at activation width too)
         combine = _ep_all_to_all_s(ctx, bc, copies * beta)

@@ -57,7 +57,8 @@ class OverlapConfig(BaseModel):
         per element; DeepSeek-V3's framework quantises before dispatching). Off, tokens travel
         in the activation dtype and are quantised inside the expert GEMM, as in Megatron-Core
         (its all-to-all, DeepEP and HybridEP dispatchers all send bf16). The combine and the
-        backward all-to-alls always move the activation dtype.
+        backward all-to-alls always move the activation dtype. Only for fp8 expert GEMMs (an
+        fp8 precision); refused under bf16 (``layer.ep_dispatch_bytes``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
