@@ -787,7 +787,7 @@ def _pieces(model, strategies, devices, overlap=None, software=None, efficiency=
     eff = with_software(efficiency or default_efficiency(cluster.device), software)
     overlap = overlap or default_overlap(cluster.device.runtime)
     ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap,
-                       batch.precision)
+                       batch.precision, recompute_modules=batch.recompute_modules)
     pieces = piece_times(ctx, strategy_columns(model, batch, overlap))
     return {name: {key: np.broadcast_to(value, (len(batch),)) for key, value in piece.seconds.items()}
             for name, piece in pieces.items()}
@@ -835,6 +835,37 @@ def test_a_loss_on_replicated_logits_gathers_them_and_reads_them_all():
     extra = 10 * tokens * vocab * (1 - 1 / 8) / (3.35e12 * 0.8)
     for pass_ in ("F", "B"):
         assert gathered[(pass_, "compute")][0] - parallel[(pass_, "compute")][0] == pytest.approx(extra, rel=1e-9)
+
+
+def test_a_moe_block_pays_the_tp_collectives_of_what_it_runs_under_tp():
+    """Megatron-Core runs the MoE block on the sequence shard: the attention's TP group moves
+    only its AG+RS pair around attention, plus one around the shared experts (an MLP over that
+    group) where the model has them; expert tensor parallelism all-gathers the received copies
+    over the etp group and reduce-scatters them back. Every layer once paid a dense layer's two
+    pairs, whatever etp. Mixtral (no shared experts) at 4096 tokens, tp 2 with SP, on NVLink
+    (360 GB/s, 3 µs a step): A = 4096·4096·2, a pair 2·(3 µs + A/2/360e9) = 99.2 µs (was
+    198.4 µs); with etp 2 the etp group moves T·k·etp/t = 8192 copies of h, 2·(3 µs +
+    8192·4096·2/2/360e9) = 192.4 µs more; recomputing the moe module replays those. DeepSeek-V2-
+    Lite (2 shared experts, h 2048): two pairs at etp 1."""
+    def pair(nbytes: float) -> float:
+        return 2 * (NVLINK_LATENCY + nbytes / 2 / NVLINK)
+
+    mixtral = get_preset("mixtral-8x7b")
+    attention = pair(4096 * 4096 * 2)
+    gather = pair(4096 * 2 * 2 / 2 * 4096 * 2)
+    assert attention == pytest.approx(99.2e-6, rel=1e-3) and gather == pytest.approx(192.4e-6, rel=1e-3)
+    strategies = [Strategy(dp=4, tp=2, ep=8, etp=1, sequence_parallel=True, seq_length=4096),
+                  Strategy(dp=4, tp=2, ep=4, etp=2, sequence_parallel=True, seq_length=4096, recompute="selective",
+                           recompute_modules=("moe",))]
+    for strategy, block in zip(strategies, (0.0, gather), strict=True):
+        pieces = _pieces(mixtral, strategy, 8)
+        for pass_ in ("F", "B"):
+            assert pieces["moe"][(pass_, "tp")][0] == pytest.approx(attention + block, rel=1e-12)
+    assert pieces["rc_moe"][("B", "tp")][0] == pytest.approx(gather, rel=1e-12)
+    lite = _pieces(get_preset("deepseek-v2-lite"), Strategy(dp=4, tp=2, ep=8, etp=1, sequence_parallel=True,
+                                                            seq_length=4096), 8)
+    assert lite["moe"][("F", "tp")][0] == pytest.approx(2 * pair(4096 * 2048 * 2), rel=1e-12)
+    assert lite["dense"][("F", "tp")][0] == pytest.approx(2 * pair(4096 * 2048 * 2), rel=1e-12)
 
 
 def test_seq1f1b_sends_each_sub_sequence_on_its_own():

@@ -303,21 +303,65 @@ def _cp_seconds(
 
 @dataclass(frozen=True)
 class LayerComm:
-    """A decoder layer's raw TP and CP seconds, the same for every kind of layer (dense, MoE,
-    an MTP module's), so worked out once per call (``layer_comm``)."""
+    """A decoder layer's raw TP and CP seconds, for every kind of layer (dense, MoE, an MTP
+    module's), worked out once per call (``layer_comm``)."""
 
-    #: forward (= backward) TP seconds: two all-reduce equivalents of the layer's activation
+    #: forward (= backward) TP seconds of a dense layer: two all-reduce equivalents of the
+    #: layer's activation (after attention, after the MLP)
     tp: Array | float
     #: CP ring forward, ring backward and Ulysses all-to-alls per pass (``_cp_seconds``)
     ring_f: Array | float
     ring_b: Array | float
     a2a: Array | float
+    #: forward (= backward) TP seconds of a MoE layer's MLP block, the attention's pair apart
+    #: (``_moe_block_tp_seconds``), and the part of it the shared experts move; 0 for a model
+    #: without MoE layers
+    moe_block: Array | float = 0.0
+    moe_shared: Array | float = 0.0
+
+
+def _moe_block_tp_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
+                          activation: Array | float) -> tuple[Array | float, Array | float]:
+    """(the MoE block's tensor-parallel seconds per pass, the shared experts' part of them).
+
+    Megatron-Core runs the MoE block on each rank's sequence shard (it requires SP with TP;
+    without TP every rank has its own tokens): the router and dispatcher take the T/t local
+    tokens, the all-to-all sends their T·k/t routed copies over the EP group, and no collective
+    of the attention's TP group touches them. What does:
+
+    * shared experts (SharedExpertMLP, an MLP over the attention's TP group): an all-gather of
+      the activation A before them and a reduce-scatter after, as a dense MLP under SP;
+    * expert tensor parallelism (etp > 1, MoEAlltoAllTokenDispatcher): after the all-to-all the
+      received copies are all-gathered over the etp group (etp consecutive ranks) and
+      reduce-scattered back before the combine, a buffer of T·k·etp/t copies of h (the
+      tokens the local experts' GEMMs take, ``flops.expert_tokens``) at the busiest rank's
+      ``routed_token_factor``.
+
+    The backward runs each collective's transpose, the same bytes. Without SP and with tp > 1
+    (which Megatron-Core refuses for MoE training; ``memory.stages`` then holds every token's
+    copies on each rank) the block is priced as before, one all-reduce of A like a dense MLP."""
+    model, t, x = ctx.model, cols["tp"], cols["etp"]
+    sp = cols["sequence_parallel"] > 0
+    link = group_link(t, 1.0, ctx.fabric, "ring")
+    pair = coll.all_gather_s(activation, t, link) + coll.reduce_scatter_s(activation, t, link)
+    shared = pair if model.num_shared_experts else 0.0
+    routed = (sh.tokens * model.num_experts_per_tok * x / t * model.hidden_size * ctx.precision.activation_bytes
+              * ctx.eff.routed_token_factor)
+    x_link = group_link(x, 1.0, ctx.fabric, "ring")
+    gather = coll.all_gather_s(routed, x, x_link) + coll.reduce_scatter_s(routed, x, x_link)
+    sharded = sp | (t <= 1)
+    return (np.where(sharded, shared + gather, _tp_seconds(ctx, cols, activation, 1.0)),
+            np.where(sharded, shared, 0.0))
 
 
 def layer_comm(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> LayerComm:
     """``LayerComm`` of the rows of ``cols``."""
     activation = sh.tokens * ctx.model.hidden_size * ctx.precision.activation_bytes
-    return LayerComm(_tp_seconds(ctx, cols, activation, 2.0), *_cp_seconds(ctx, cols, sh))
+    moe_block: Array | float = 0.0
+    moe_shared: Array | float = 0.0
+    if "moe" in ctx.model.layer_mlp_kinds or (ctx.model.mtp_depth and ctx.model.mtp_mlp_kind == "moe"):
+        moe_block, moe_shared = _moe_block_tp_seconds(ctx, cols, sh, activation)
+    return LayerComm(_tp_seconds(ctx, cols, activation, 2.0), *_cp_seconds(ctx, cols, sh), moe_block, moe_shared)
 
 
 def ring_steps(cols: dict[str, Array]) -> Array:
@@ -643,6 +687,17 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
 
     comm = comm or layer_comm(ctx, bc, bsh)
     tp = comm.tp
+    # What selective recompute's replay of the MLP block's modules re-runs of the TP seconds:
+    # a dense layer's MLP collective is half its TP (mlp; moe and shared_experts too, as
+    # before); a MoE layer's block collectives are its own (_moe_block_tp_seconds): moe re-runs
+    # them all, shared_experts the shared experts' pair.
+    modules = set(ctx.recompute_modules)
+    replays_mlp_tp: Array | float = 0.5 if {"mlp", "moe", "shared_experts"} & modules else 0.0
+    if kind == "moe":
+        attention = 0.5 * comm.tp  # the attention's pair: one all-reduce equivalent of A
+        tp = attention + comm.moe_block
+        block_replay = comm.moe_block if "moe" in modules else comm.moe_shared if "shared_experts" in modules else 0.0
+        replays_mlp_tp = np.divide(block_replay, tp, out=np.zeros(np.shape(tp)), where=np.asarray(tp) > 0)
     tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
     tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
 
@@ -689,7 +744,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     selective_s = up(selective_s)
 
     compute_f, compute_b, compute_w = up(compute_f), up(compute_b), up(compute_w)
-    tp, tp_f, tp_b = up(tp), up(tp_f), up(tp_b)
+    tp, tp_f, tp_b, replays_mlp_tp = up(tp), up(tp_f), up(tp_b), up(replays_mlp_tp)
     ring_f, ring_b, a2a, cp_f, cp_b = up(ring_f), up(ring_b), up(a2a), up(cp_f), up(cp_b)
 
     out = PieceTimes()
@@ -730,11 +785,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         selective_ep = ep_f if replays_dispatch else 0.0
     recomputed_s = np.where(full, compute_f, np.where(selective, selective_s, 0.0))
     rc.add("B", "compute", recomputed_s)
-    # Replayed modules re-run their collectives: the MLP block's TP/SP one (half the layer's)
-    # with mlp, moe or shared_experts; the attention core's CP exchange with core_attn (also
-    # Megatron's default policy).
-    modules = ctx.recompute_modules
-    replays_mlp_tp = 0.5 if {"mlp", "moe", "shared_experts"} & set(modules) else 0.0
+    # Replayed modules re-run their collectives: the MLP block's TP/SP ones (replays_mlp_tp of
+    # the layer's, above); the attention core's CP exchange with core_attn (also Megatron's
+    # default policy).
     replays_core = "core_attn" in modules or (not modules and eff.selective_recompute == "megatron")
     rc.add("B", "tp", np.where(full, tp_f, np.where(selective, replays_mlp_tp * tp_f, 0.0)))
     rc.add("B", "cp", np.where(full, cp_f, np.where(selective & replays_core, cp_f, 0.0)))

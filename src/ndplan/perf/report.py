@@ -359,12 +359,27 @@ def _communication_lines(r: TimeReport) -> list[str]:
     tokens = s.micro_batch_size * s.seq_length / s.cp
     activation = tokens * model.hidden_size * prec.activation_bytes
     out = [f"ranks: tp innermost, then cp, dp, pp; scale-up domain {fabric.domain} devices"]
-    if s.tp > 1:
+    # A MoE layer runs its block on the sequence shard under SP (or without TP): its own TP line.
+    moe_apart = model.is_moe and bool(s.sequence_parallel or s.tp == 1)
+    if s.tp > 1 and (not moe_apart or "dense" in model.layer_mlp_kinds):
         kind = "all-gather + reduce-scatter" if s.sequence_parallel else "all-reduce"
         out.append(
-            f"TP per layer and pass: 2 × {kind} of A = (b·s/c)·h·{prec.activation_bytes} B = {activation / 1e6:,.1f} MB "
-            f"over tp={s.tp} ({_link_text(s.tp, 1, fabric)}); overlap {'on' if r.overlap.tp else 'off'}"
+            f"TP per {'dense ' if moe_apart else ''}layer and pass: 2 × {kind} of A = (b·s/c)·h·"
+            f"{prec.activation_bytes} B = {activation / 1e6:,.1f} MB over tp={s.tp} ({_link_text(s.tp, 1, fabric)}); "
+            f"overlap {'on' if r.overlap.tp else 'off'}"
         )
+    if moe_apart and (s.tp > 1 or s.etp > 1):
+        parts = []
+        if s.tp > 1:
+            what = "attention, shared experts" if model.num_shared_experts else "attention"
+            pairs = 2 if model.num_shared_experts else 1
+            parts.append(f"{pairs} × all-gather + reduce-scatter of A = {activation / 1e6:,.1f} MB ({what}; the routed "
+                         f"experts run on the sequence shard)")
+        if s.etp > 1:
+            copies = tokens * model.num_experts_per_tok * s.etp / s.tp * model.hidden_size
+            parts.append(f"all-gather + reduce-scatter of the (b·s/c)·k·etp/t·h = {copies / 1e6:,.1f} M elements of "
+                         f"routed copies over etp={s.etp} ({_link_text(s.etp, 1, fabric)})")
+        out.append("TP per MoE layer and pass: " + ", and ".join(parts))
     if s.cp > 1:
         out.append(
             f"CP ({s.cp_kind}) over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')}); "
