@@ -848,3 +848,51 @@ def test_the_breakdown_prices_a_batch_in_any_order():
         alone = stage_memory(MODEL, StrategyBatch.of(strategy), breakdown=True)
         for name in ("activations", "device"):
             np.testing.assert_array_equal(getattr(by_kind, name)[i], getattr(alone, name)[0], err_msg=name)
+
+
+def test_seq1f1b_ops_run_on_one_sub_sequence():
+    """Seq1F1B runs every forward, backward and loss on one of the seq_chunks sub-sequences of a
+    micro-batch, so each op's working set and its exchange buffers are a sub-sequence's, while
+    the held activations stay counted per micro-batch (a held sub-sequence is 1/k of one).
+    Megatron profile, no overhead; 4 dense layers over pp 2 (h 64, ffn 128, vocab 1024, bf16),
+    64 tokens a micro-batch, k sub-sequences of 64/k tokens:
+      loss (last stage)  the logits, 2·vocab = 2048 B a token          → 64/k · 2048
+      layer backward     fc1's gradient 2·ffn + fc2's input's ffn, ×2 B = 768 B a token → 64/k · 768
+      pipeline buffers   send + receive of the hidden states, 2 · 2h    → 64/k · 256
+    Before, every k read the whole micro-batch's: 131072, 49152 and 16384 B."""
+    model = TINY.model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4, "vocab_size": 1024})
+    options = MemoryOptions(runtime="megatron", include_overhead=False)
+    for k in (1, 2, 4):
+        report = estimate(model, Strategy(pp=2, schedule="seq1f1b", seq_chunks=k, num_micro_batches=4, seq_length=64),
+                          options=options)
+        first, last = report.stages
+        assert last.transient_bytes == 64 // k * 2048
+        assert first.comm_bytes == last.comm_bytes == 64 // k * 256
+        if k < 4:
+            # (At k = 4 the first stage's worst moment is the embedding's backward: a new bf16 table
+            # gradient, 1024·64·2 B, beside what it holds less the one sub-sequence it has freed.)
+            assert first.transient_bytes == 64 // k * 768
+    held = [estimate(model, Strategy(pp=2, schedule="seq1f1b", seq_chunks=k, num_micro_batches=4, seq_length=64),
+                     options=options).stages[1].activations_bytes for k in (1, 4)]
+    assert held[0] == held[1]  # the last stage holds its one micro-batch's sub-sequences all at once
+
+
+def test_seq1f1b_search_path_prices_as_the_estimate_does():
+    """The search's path (one batch, strategies alike priced once) and ``estimate`` give each
+    Seq1F1B strategy the same bytes, with sequence, context and expert parallelism and FSDP
+    reading per-op tokens or micro-batch tokens as the estimate does."""
+    from ndplan.memory.stages import peak_memory
+
+    strategies = [
+        Strategy(dp=2, tp=2, pp=2, ep=4, etp=1, sequence_parallel=True, schedule="seq1f1b", seq_chunks=k,
+                 num_micro_batches=4, seq_length=4096, recompute=r, cp=cp, cp_kind=kind, zero=zero, fsdp=zero == 3)
+        for k in (1, 2, 4) for r in ("none", "full") for cp, kind in ((1, "ring"), (2, "ring"), (2, "ulysses"))
+        for zero in (1, 3)
+    ]
+    for runtime in ("pytorch", "megatron"):
+        options = MemoryOptions(runtime=runtime)
+        valid = [s for s in strategies if not check_strategy(s, MODEL)]
+        assert len(valid) == len(strategies)
+        peak, _ = peak_memory(MODEL, StrategyBatch.of(valid), options)
+        alone = [estimate(MODEL, s, get_device("h100-sxm"), options).peak_bytes for s in valid]
+        np.testing.assert_array_equal(peak, np.array(alone), err_msg=runtime)
