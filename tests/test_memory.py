@@ -896,3 +896,23 @@ def test_seq1f1b_search_path_prices_as_the_estimate_does():
         peak, _ = peak_memory(MODEL, StrategyBatch.of(valid), options)
         alone = [estimate(MODEL, s, get_device("h100-sxm"), options).peak_bytes for s in valid]
         np.testing.assert_array_equal(peak, np.array(alone), err_msg=runtime)
+
+
+def test_chunk_activations_count_only_the_layers_recompute_layers_recomputes():
+    """The per-chunk figure (``--json`` chunks) holds what ``stage_memory`` holds: under full
+    recompute limited to N layers, a chunk's first N layers keep their input and the others every
+    activation. PyTorch profile, 4 layers over pp 2 (2 per chunk), 8 tokens, per token a plain
+    layer 2456 B and a recomputed one its 2h = 128 B input (test_tiny_activations_by_hand):
+      recompute_layers 1  8 · (128 + 2456) = 20672   (before: 8 · 2 · 128 = 2048, as if both were)
+      recompute_layers 2  8 · 2 · 128      = 2048
+    and the first stage's two micro-batches in flight add its token ids and the hidden state
+    torch pipelining keeps (8 + 2h a token): 2 · (20672 + 8 · (8 + 128)) = 43520."""
+    model = TINY.model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4})
+    for layers, per_micro_batch in ((1, 8 * (128 + 2456)), (2, 8 * 2 * 128), (0, 8 * 2 * 128)):
+        report = estimate(model, Strategy(seq_length=8, pp=2, num_micro_batches=8, recompute="full",
+                                          recompute_layers=layers), options=NO_OVERHEAD)
+        for stage in report.stages:
+            assert stage.chunks[0].activation_bytes_per_micro_batch == per_micro_batch
+        first = report.stages[0]
+        assert first.chunks[0].peak_in_flight == 2
+        assert first.activations_bytes == 2 * (per_micro_batch + 8 * (8 + 128))
