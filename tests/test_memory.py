@@ -916,3 +916,28 @@ def test_chunk_activations_count_only_the_layers_recompute_layers_recomputes():
         first = report.stages[0]
         assert first.chunks[0].peak_in_flight == 2
         assert first.activations_bytes == 2 * (per_micro_batch + 8 * (8 + 128))
+
+
+def test_expert_groups_of_their_own_hold_a_communicator_each():
+    """A rank holds a communicator per group of size > 1 it runs collectives in; the experts run
+    theirs over the expert-tensor group and reduce their gradients over the expert-data group
+    (dp·cp·tp / (ep·etp)). Those are groups of their own where the experts are laid out
+    otherwise than the dense layers; before, the expert-TP group was never counted and the
+    expert-data group only with ep > 1.
+      dp 4, tp 1, ep 1, etp 2: dp 4, expert-TP 2, expert-data 4·1/2 = 2       → 3 (was 1)
+      dp 4, tp 1, ep 2, etp 2: dp 4, ep 2, expert-TP 2, expert-data 4/4 = 1   → 3 (was 2)
+      dp 4, tp 2, ep 1, etp 1: tp 2, dp 4, expert-data 4·2/1 = 8              → 3 (was 2)
+      dp 8, tp 2, ep 2, etp 1: tp 2, dp 8, ep 2, expert-data 8·2/2 = 8        → 4 (as before)
+      dp 4, tp 2, ep 1, etp 2: tp 2, dp 4; the expert groups are TP's and DP's → 2 (as before)"""
+    from ndplan.memory.overhead import communicator_count
+
+    cases = [(dict(dp=4, tp=1, ep=1, etp=2), 3), (dict(dp=4, tp=1, ep=2, etp=2), 3), (dict(dp=4, tp=2, ep=1, etp=1), 3),
+             (dict(dp=8, tp=2, ep=2, etp=1), 4), (dict(dp=4, tp=2, ep=1, etp=2), 2)]
+    batch = StrategyBatch.of([Strategy(**settings) for settings, _ in cases])
+    assert communicator_count(batch).tolist() == [count for _, count in cases]
+    # On the device: the Megatron profile's 512 MiB context and 64 MiB a communicator, beside
+    # what the allocator reserves.
+    model = get_preset("qwen3-30b-a3b")
+    report = estimate(model, Strategy(dp=4, tp=1, ep=1, etp=2), get_device("h100-sxm"), MemoryOptions(runtime="megatron"))
+    stage = report.stages[0]
+    assert stage.peak_bytes - stage.reserved_bytes == 512 * 2**20 + 3 * 64 * 2**20
