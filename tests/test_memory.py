@@ -848,3 +848,96 @@ def test_the_breakdown_prices_a_batch_in_any_order():
         alone = stage_memory(MODEL, StrategyBatch.of(strategy), breakdown=True)
         for name in ("activations", "device"):
             np.testing.assert_array_equal(getattr(by_kind, name)[i], getattr(alone, name)[0], err_msg=name)
+
+
+def test_seq1f1b_ops_run_on_one_sub_sequence():
+    """Seq1F1B runs every forward, backward and loss on one of the seq_chunks sub-sequences of a
+    micro-batch, so each op's working set and its exchange buffers are a sub-sequence's, while
+    the held activations stay counted per micro-batch (a held sub-sequence is 1/k of one).
+    Megatron profile, no overhead; 4 dense layers over pp 2 (h 64, ffn 128, vocab 1024, bf16),
+    64 tokens a micro-batch, k sub-sequences of 64/k tokens:
+      loss (last stage)  the logits, 2·vocab = 2048 B a token          → 64/k · 2048
+      layer backward     fc1's gradient 2·ffn + fc2's input's ffn, ×2 B = 768 B a token → 64/k · 768
+      pipeline buffers   send + receive of the hidden states, 2 · 2h    → 64/k · 256
+    Before, every k read the whole micro-batch's: 131072, 49152 and 16384 B."""
+    model = TINY.model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4, "vocab_size": 1024})
+    options = MemoryOptions(runtime="megatron", include_overhead=False)
+    for k in (1, 2, 4):
+        report = estimate(model, Strategy(pp=2, schedule="seq1f1b", seq_chunks=k, num_micro_batches=4, seq_length=64),
+                          options=options)
+        first, last = report.stages
+        assert last.transient_bytes == 64 // k * 2048
+        assert first.comm_bytes == last.comm_bytes == 64 // k * 256
+        if k < 4:
+            # (At k = 4 the first stage's worst moment is the embedding's backward: a new bf16 table
+            # gradient, 1024·64·2 B, beside what it holds less the one sub-sequence it has freed.)
+            assert first.transient_bytes == 64 // k * 768
+    held = [estimate(model, Strategy(pp=2, schedule="seq1f1b", seq_chunks=k, num_micro_batches=4, seq_length=64),
+                     options=options).stages[1].activations_bytes for k in (1, 4)]
+    assert held[0] == held[1]  # the last stage holds its one micro-batch's sub-sequences all at once
+
+
+def test_seq1f1b_search_path_prices_as_the_estimate_does():
+    """The search's path (one batch, strategies alike priced once) and ``estimate`` give each
+    Seq1F1B strategy the same bytes, with sequence, context and expert parallelism and FSDP
+    reading per-op tokens or micro-batch tokens as the estimate does."""
+    from ndplan.memory.stages import peak_memory
+
+    strategies = [
+        Strategy(dp=2, tp=2, pp=2, ep=4, etp=1, sequence_parallel=True, schedule="seq1f1b", seq_chunks=k,
+                 num_micro_batches=4, seq_length=4096, recompute=r, cp=cp, cp_kind=kind, zero=zero, fsdp=zero == 3)
+        for k in (1, 2, 4) for r in ("none", "full") for cp, kind in ((1, "ring"), (2, "ring"), (2, "ulysses"))
+        for zero in (1, 3)
+    ]
+    for runtime in ("pytorch", "megatron"):
+        options = MemoryOptions(runtime=runtime)
+        valid = [s for s in strategies if not check_strategy(s, MODEL)]
+        assert len(valid) == len(strategies)
+        peak, _ = peak_memory(MODEL, StrategyBatch.of(valid), options)
+        alone = [estimate(MODEL, s, get_device("h100-sxm"), options).peak_bytes for s in valid]
+        np.testing.assert_array_equal(peak, np.array(alone), err_msg=runtime)
+
+
+def test_chunk_activations_count_only_the_layers_recompute_layers_recomputes():
+    """The per-chunk figure (``--json`` chunks) holds what ``stage_memory`` holds: under full
+    recompute limited to N layers, a chunk's first N layers keep their input and the others every
+    activation. PyTorch profile, 4 layers over pp 2 (2 per chunk), 8 tokens, per token a plain
+    layer 2456 B and a recomputed one its 2h = 128 B input (test_tiny_activations_by_hand):
+      recompute_layers 1  8 · (128 + 2456) = 20672   (before: 8 · 2 · 128 = 2048, as if both were)
+      recompute_layers 2  8 · 2 · 128      = 2048
+    and the first stage's two micro-batches in flight add its token ids and the hidden state
+    torch pipelining keeps (8 + 2h a token): 2 · (20672 + 8 · (8 + 128)) = 43520."""
+    model = TINY.model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4})
+    for layers, per_micro_batch in ((1, 8 * (128 + 2456)), (2, 8 * 2 * 128), (0, 8 * 2 * 128)):
+        report = estimate(model, Strategy(seq_length=8, pp=2, num_micro_batches=8, recompute="full",
+                                          recompute_layers=layers), options=NO_OVERHEAD)
+        for stage in report.stages:
+            assert stage.chunks[0].activation_bytes_per_micro_batch == per_micro_batch
+        first = report.stages[0]
+        assert first.chunks[0].peak_in_flight == 2
+        assert first.activations_bytes == 2 * (per_micro_batch + 8 * (8 + 128))
+
+
+def test_expert_groups_of_their_own_hold_a_communicator_each():
+    """A rank holds a communicator per group of size > 1 it runs collectives in; the experts run
+    theirs over the expert-tensor group and reduce their gradients over the expert-data group
+    (dp·cp·tp / (ep·etp)). Those are groups of their own where the experts are laid out
+    otherwise than the dense layers; before, the expert-TP group was never counted and the
+    expert-data group only with ep > 1.
+      dp 4, tp 1, ep 1, etp 2: dp 4, expert-TP 2, expert-data 4·1/2 = 2       → 3 (was 1)
+      dp 4, tp 1, ep 2, etp 2: dp 4, ep 2, expert-TP 2, expert-data 4/4 = 1   → 3 (was 2)
+      dp 4, tp 2, ep 1, etp 1: tp 2, dp 4, expert-data 4·2/1 = 8              → 3 (was 2)
+      dp 8, tp 2, ep 2, etp 1: tp 2, dp 8, ep 2, expert-data 8·2/2 = 8        → 4 (as before)
+      dp 4, tp 2, ep 1, etp 2: tp 2, dp 4; the expert groups are TP's and DP's → 2 (as before)"""
+    from ndplan.memory.overhead import communicator_count
+
+    cases = [(dict(dp=4, tp=1, ep=1, etp=2), 3), (dict(dp=4, tp=1, ep=2, etp=2), 3), (dict(dp=4, tp=2, ep=1, etp=1), 3),
+             (dict(dp=8, tp=2, ep=2, etp=1), 4), (dict(dp=4, tp=2, ep=1, etp=2), 2)]
+    batch = StrategyBatch.of([Strategy(**settings) for settings, _ in cases])
+    assert communicator_count(batch).tolist() == [count for _, count in cases]
+    # On the device: the Megatron profile's 512 MiB context and 64 MiB a communicator, beside
+    # what the allocator reserves.
+    model = get_preset("qwen3-30b-a3b")
+    report = estimate(model, Strategy(dp=4, tp=1, ep=1, etp=2), get_device("h100-sxm"), MemoryOptions(runtime="megatron"))
+    stage = report.stages[0]
+    assert stage.peak_bytes - stage.reserved_bytes == 512 * 2**20 + 3 * 64 * 2**20

@@ -15,6 +15,7 @@ from ndplan.memory.stages import (
     STATIC_KINDS,
     MemoryOptions,
     StageMemory,
+    _recomputed_layers,
     applicable_modules,
     applicable_offload_modules,
     layer_activations,
@@ -32,8 +33,10 @@ from ndplan.units import format_bytes
 
 @dataclass(frozen=True)
 class ChunkReport:
-    """One virtual stage (model chunk) of a stage: its layers, what one micro-batch of it keeps
-    for backward, and how many micro-batches of it the schedule holds at once at its peak."""
+    """One virtual stage (model chunk) of a stage: its layers, what one micro-batch of its layers
+    keeps for backward (under recompute of N layers, the first N keep what recompute keeps and
+    the others every activation), and how many micro-batches of it the schedule holds at once
+    at its peak."""
 
     chunk: int
     model_chunk: int
@@ -463,8 +466,16 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
         return float((non_expert + expert)[0])
 
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
-    recompute = strategy.recompute != "none"
-    per_layer = {k: float((acts.recomputed[k] if recompute else acts.full[k])[0]) * tokens for k in ("dense", "moe")}
+    # A chunk keeps t · Σ_kinds (plain layers · full bytes + recomputed layers · kept bytes) per
+    # micro-batch, as stage_memory holds it: under recompute_layers = N only each chunk's first N
+    # layers are recomputed (``_recomputed_layers``, the one definition of which), the rest keep
+    # every activation.
+    plain_dense, plain_moe, recomputed_dense, recomputed_moe = (counts[0] for counts in _recomputed_layers(
+        ~batch.is_("recompute", "none"), batch.recompute_layers, placement.dense_layers, placement.moe_layers))
+    full = {k: float(acts.full[k][0]) for k in ("dense", "moe")}
+    kept = {k: float(acts.recomputed[k][0]) for k in ("dense", "moe")}
+    per_chunk = tokens * (plain_dense * full["dense"] + plain_moe * full["moe"]
+                          + recomputed_dense * kept["dense"] + recomputed_moe * kept["moe"])
     moved = {k: float(acts.offloaded[k][0]) * tokens for k in ("dense", "moe")}
     flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
     out = []
@@ -474,7 +485,7 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
         out.append(ChunkReport(
             chunk=chunk, model_chunk=v, dense_layers=dense, moe_layers=moe,
             layer_static_bytes=dense * layer_static("dense") + moe * layer_static("moe"),
-            activation_bytes_per_micro_batch=dense * per_layer["dense"] + moe * per_layer["moe"],
+            activation_bytes_per_micro_batch=float(per_chunk[v]),
             peak_in_flight=float(flight.peak[stage, chunk]),
             offloaded_bytes_per_micro_batch=dense * moved["dense"] + moe * moved["moe"],
         ))

@@ -8,6 +8,10 @@ Per stage s of a strategy (all in bytes, per device):
                      K/V exchange, EP dispatch, PP send/recv)
     transient(s)   = the backward's working set of one layer (plus what recompute rebuilds),
                      or the logits and their gradients around the loss, whichever is larger
+
+The held activations are per micro-batch; a working set, and the buffers a layer's exchanges
+and the pipeline's send and receive take, are per op: a micro-batch's tokens, or under Seq1F1B
+one sub-sequence's, tokens / seq_chunks (``_per_op``).
     allocated(s)   = max(static + held + comm + transient, static + optimizer-step temporaries)
     device(s)      = allocated · (1 + allocator slack) + runtime context + communicator buffers
 
@@ -1678,17 +1682,41 @@ def _layer_working_set(acts: LayerActivations, tokens: np.ndarray, recompute_on:
     return tokens * (backward_extra + np.where(recompute_on, rebuilt, 0.0)), tokens * backward_extra
 
 
-def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, tokens: np.ndarray, pp: int,
-                   has_moe: np.ndarray) -> np.ndarray:
+def _per_op(values: np.ndarray, seq_chunks: int) -> np.ndarray:
+    """``values`` (bytes of a micro-batch's tokens) for what one forward, backward or loss op
+    runs on or frees: the micro-batch, or under Seq1F1B one of its ``seq_chunks`` sub-sequences,
+    values / seq_chunks (the same array where there is one).
+
+    Seq1F1B (Sun et al. 2024, arXiv 2406.03488) splits each micro-batch's sequence into
+    seq_chunks sub-sequences and runs every op on one: the layers, the loss on its logits, the
+    pipeline send and receive (thunlp/Seq1F1B; MindSpeed's implementation gives each sub-sequence
+    the same length by default, ``--seq1f1b-balance-method average``, as the time model's
+    f / seq_chunks per op assumes; its ``uniform_comp`` split makes the first sub-sequence the
+    longest, whose ops this reads short). Each op's working set, its exchange buffers and the
+    activations it frees are then a sub-sequence's. Not priced: a sub-sequence's attention reads
+    the K/V of every earlier one (MindSpeed's ``Seq1F1BCache`` concatenates them, and its backward
+    carries their gradients to the earlier sub-sequences' backwards), so each held sub-sequence
+    keeps its prefix's K/V rather than its own, and the backward carries a prefix's dK/dV."""
+    return values if seq_chunks == 1 else values / seq_chunks
+
+
+def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, op_tokens: np.ndarray,
+                   tokens: np.ndarray, pp: int, has_moe: np.ndarray) -> np.ndarray:
     """[n, P] bytes: the communication buffers alive while a layer runs (the sequence-parallel
     gather or the context-parallel K/V (Ulysses: Q/K/V/O) exchange, the larger, or on a stage
-    with MoE layers the expert all-to-all's, if larger), and the pipeline's send and receive."""
+    with MoE layers the expert all-to-all's, if larger), and the pipeline's send and receive.
+
+    The gather, the all-to-all and the pipeline's buffers carry the tokens of one op
+    (``op_tokens``, a Seq1F1B sub-sequence's: ``_per_op``); the context-parallel exchange those of
+    the micro-batch (``tokens``): under Seq1F1B a sub-sequence's attention reads the K/V of the
+    sub-sequences before it, the last one the whole micro-batch's (no Seq1F1B implementation runs
+    context parallelism to say otherwise: MindSpeed lists it as unsupported)."""
     act_bytes = batch.precision.activation_bytes
     h = model.hidden_size
     tp = batch.tp.astype(float)
-    sp_gather, ep_buffers = _exchange_buffers(model, batch, options, tokens)
+    sp_gather, ep_buffers = _exchange_buffers(model, batch, options, op_tokens)
     cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"))
-    pp_buffers = np.where(pp > 1, 2 * tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
+    pp_buffers = np.where(pp > 1, 2 * op_tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
     # Column by column (see _outer_sum): the buffers alive while a layer runs, and with them the
     # pipeline's (the first two terms of the communication sum in _evaluate_group).
     buffers = np.empty((len(batch), len(has_moe)), order="F")
@@ -1733,7 +1761,9 @@ def _cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions
     alone). The largest exchange is Ulysses' (Q and O on top of K and V per token): the same
     products of positive numbers, with a larger first factor, rounded, are no smaller."""
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / batch.cp.astype(float)
-    sp_gather, ep_buffers = _exchange_buffers(model, batch, options, tokens)
+    # As _layer_buffers reads them: the gather and the all-to-all per op (tokens / seq_chunks,
+    # the same bits as _per_op's), the exchange per micro-batch.
+    sp_gather, ep_buffers = _exchange_buffers(model, batch, options, tokens / batch.seq_chunks)
     largest = _cp_buffers(model, batch, tokens, True)
     floor = np.maximum(sp_gather, np.where(all_moe, ep_buffers, 0.0))
     return (batch.cp > 1) & ~(largest <= floor)
@@ -1834,6 +1864,10 @@ def _evaluate_group(
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
     recompute_on = ~batch.is_("recompute", "none")
     t = tokens[:, None]
+    # What one forward, backward or loss runs on (``_per_op``): a micro-batch, or under Seq1F1B
+    # one of its seq_chunks sub-sequences, tokens / seq_chunks. The held activations stay per
+    # micro-batch: the schedule counts a held sub-sequence as 1/seq_chunks of one.
+    op_tokens = _per_op(tokens, seq_chunks)
     # A chunk's layers hold t · Σ_kinds (plain layers · full bytes + recomputed layers · kept
     # bytes) per micro-batch. Without a recompute limit a chunk recomputes all its layers or none:
     # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
@@ -1962,7 +1996,7 @@ def _evaluate_group(
     # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
     # Recompute rebuilds, beside what a layer keeps, the rest of its activations: full − kept of
     # the layer's own kind, the largest over the kinds the stage holds.
-    loss_per_token = tokens * acts.output_transient
+    loss_per_token = op_tokens * acts.output_transient
     # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
     layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
     last_layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
@@ -1975,7 +2009,7 @@ def _evaluate_group(
         layer = layer_by_kinds.get((moe_here, dense_here))
         if layer is None:
             layer_by_kinds[moe_here, dense_here], last_layer_by_kinds[moe_here, dense_here] = _layer_working_set(
-                acts, tokens, recompute_on, moe_here, dense_here)
+                acts, op_tokens, recompute_on, moe_here, dense_here)
             layer = layer_by_kinds[moe_here, dense_here]
         last_layer = last_layer_by_kinds[moe_here, dense_here]
         if scores_during is None or scores_grads is None:
@@ -1985,7 +2019,8 @@ def _evaluate_group(
         moment = scores_moments.get((moe_here, dense_here, first, last))
         if moment is None:
             moment = scores_moments[moe_here, dense_here, first, last] = _scores_backward_moments(
-                acts, {k: static.at(v) for k, v in static.mlp_grads.items()}, tokens, output_held, recompute_on,
+                acts, {k: static.at(v) for k, v in static.mlp_grads.items()}, op_tokens, _per_op(output_held, seq_chunks),
+                recompute_on,
                 static.at(static.head_grad_bytes),
                 kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
                 table_grad=static.at(static.table_made_last) * first)
@@ -2006,16 +2041,17 @@ def _evaluate_group(
         local_experts = model.num_experts / np.maximum(batch.ep, 1)
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
-            + t[:, 0] * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes / etp
+            + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes / etp
         )
+        loss_freed = _per_op(output_held, seq_chunks)
         # Column by column (see _outer_sum): the same values, in passes over the strategies.
         for column, (moe_here, last) in enumerate(zip(has_moe.tolist(), last_stage.tolist(), strict=True)):
-            new_gradient = np.where(accumulates, expert_gradient - output_held * last, 0.0) if moe_here else 0.0
+            new_gradient = np.where(accumulates, expert_gradient - loss_freed * last, 0.0) if moe_here else 0.0
             out["transient"][:, column] = np.maximum(out["transient"][:, column], new_gradient)
     # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
     # the rank's shard, with one micro-batch too (``_static_state``).
     embedding_gradient = static.at(static.embedding_gradient)
-    embedding_accumulate = np.maximum(embedding_gradient - per_b_virtual[:, 0], 0.0)
+    embedding_accumulate = np.maximum(embedding_gradient - _per_op(per_b_virtual[:, 0], seq_chunks), 0.0)
     # Column by column (see _outer_sum): the same values, in passes over the strategies.
     for column, first in enumerate(first_stage.tolist()):
         out["transient"][:, column] = np.maximum(out["transient"][:, column], embedding_accumulate * first)
@@ -2079,7 +2115,7 @@ def _evaluate_group(
 
 
     # ---- communication buffers alive while a layer runs
-    overlapping_with_pp = _layer_buffers(model, batch, options, tokens, pp, has_moe)
+    overlapping_with_pp = _layer_buffers(model, batch, options, op_tokens, tokens, pp, has_moe)
     # Only FSDP strategies have unit moments: price those rows alone.
     sharded_rows = np.flatnonzero(zero3)
     if sharded_rows.size:
@@ -2093,18 +2129,19 @@ def _evaluate_group(
             reduce_bytes=pick(np.where(deferred, 0.0, grad_bytes)),
             units={kind: pick_static(elements) for kind, elements in static.unit_elements.items()},
             working={
-                kind: pick(t[:, 0] * (np.maximum(acts.backward_extra[kind], acts.attention_backward[kind])
-                                      + np.where(recompute_on, acts.rebuilt[kind], 0.0)))
+                kind: pick(op_tokens * (np.maximum(acts.backward_extra[kind], acts.attention_backward[kind])
+                                        + np.where(recompute_on, acts.rebuilt[kind], 0.0)))
                 for kind in ("dense", "moe")
             },
-            loss_working=pick(t[:, 0] * acts.output_transient),
+            loss_working=pick(op_tokens * acts.output_transient),
             expert_elements=pick_static(static.expert_elements),
             unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
-            expert_working=pick(t[:, 0] * _expert_weight_grad_working(model, precision.activation_bytes, etp,
+            expert_working=pick(op_tokens * _expert_weight_grad_working(model, precision.activation_bytes, etp,
                                                                      np.where(recompute_on, acts.rebuilt["moe"], 0.0))),
-            one_micro_batch=pick(per_b_virtual[:, 0]),
-            one_micro_batch_layers=pick(layers_held[:, 0]),
-            one_micro_batch_loss=pick(output_held),
+            # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
+            one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
+            one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
+            one_micro_batch_loss=pick(_per_op(output_held, seq_chunks)),
             kept_after_backward=np.broadcast_to(deferred, (len(batch),))[sharded_rows],
             kept_elements=_largest_chunks(static.at(static.elements_virtual, sharded_rows), chunks, vpp)
             if vpp > ACTIVE_CHUNKS else None,
