@@ -38,8 +38,11 @@ from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
     PlanCost,
+    cost_columns,
+    cost_index,
     end_units,
     evaluate,
+    evaluate_codes_many,
     even_chunks,
     layer_units,
     load_spread,
@@ -259,11 +262,13 @@ def with_uniform(problem: BalanceProblem, found: tuple[Plan, PlanCost] | None) -
     if problem.num_layers < problem.num_virtual_stages:  # a virtual stage would be empty
         return best
     counts = uniform_counts(problem)
-    for option in problem.options:
-        plan = Plan(counts, (option,) * problem.num_layers)
-        cost = evaluate(problem, plan)
+    index = cost_index(problem)
+    codes = np.array([[index[(kind, option)] for kind in problem.layer_kinds] for option in problem.options])
+    # One pass for every option (the same sums as ``evaluate`` of each).
+    costs = evaluate_codes_many(problem, counts, cost_columns(problem), codes)
+    for option, cost in zip(problem.options, costs, strict=True):
         if cost.fits and (best is None or cost.step_s < best[1].step_s):
-            best = (plan, cost)
+            best = (Plan(counts, (option,) * problem.num_layers), cost)
     return best
 
 
