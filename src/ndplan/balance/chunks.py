@@ -21,7 +21,8 @@ that fits, enumerates every (N_r) with Σ_r N_r = T (``_stage_costs``); exact ov
 A recompute option switches the stage's transient on.
 
 The heuristic (``window``) only costs totals within ⌊L/pp⌋ − v … ⌈L/pp⌉ + v (one layer per chunk);
-it falls back to every total when nothing there fits.
+it widens that window (doubling, then every total) while its plan recomputes and a stage sits at
+an edge (``problem.window_binds``), and falls back to every total when nothing there fits.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from ndplan.balance.problem import (
     end_units,
     evaluate_codes,
     even_chunks,
+    heuristic_windows,
     stage_bases,
     uniform_counts,
+    window_binds,
 )
 from ndplan.balance.rounds import uniform_candidates
 
@@ -238,10 +241,21 @@ def solve_chunks(problem: BalanceProblem, window: int | None = None) -> tuple[Pl
     shortest, longest = v, L - (pp - 1) * v
     found = None
     if window is not None:
-        low, high = max(shortest, L // pp - window * v), min(longest, -(-L // pp) + window * v)
-        found = _solve(problem, np.arange(low, high + 1))
-        if found is None and (low, high) != (shortest, longest):
-            found = _solve(problem, np.arange(shortest, longest + 1))
+        # Near uniform first, wider while the window binds (``window_binds``), every total if
+        # nothing near fits.
+        for width in heuristic_windows(window):
+            low, high = max(shortest, L // pp - width * v), min(longest, -(-L // pp) + width * v)
+            found = _solve(problem, np.arange(low, high + 1))
+            if (low, high) == (shortest, longest):
+                break
+            if found is None:
+                found = _solve(problem, np.arange(shortest, longest + 1))
+                break
+            if not window_binds(problem, found[0], low, high):
+                break
+        else:
+            wider = _solve(problem, np.arange(shortest, longest + 1))
+            found = wider if found is None or (wider is not None and wider[1].step_s < found[1].step_s) else found
     else:
         found = _solve(problem, np.arange(shortest, longest + 1))
     # A uniform placement with even loads is among the plans the DP weighs (its totals are in

@@ -26,7 +26,8 @@ S(Z_j) + (m − 1)·Z_{i+1} (S does not increase), which prunes a bisection over
 candidates; in practice a handful of DP passes settle it. Each pass sums a split's costs in
 stage order whatever Z is, so S is monotone in floating point too.
 
-The heuristic (``window``) keeps only segments of about L / V layers and runs two passes: the
+The heuristic (``window``) keeps only segments of about L / V layers (wider while its plan
+recomputes with a stage at the window's edge, ``problem.window_binds``) and runs two passes: the
 least bottleneck Z*, then the least sum under it, S(Z*); it returns that split or the uniform
 one (which is in the window) if uniform is better, so it is never slower than uniform. With
 nothing in the window fitting it falls back to the exact search, so it finds a plan whenever
@@ -47,7 +48,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate
+from ndplan.balance.problem import BalanceProblem, Plan, PlanCost, evaluate, heuristic_windows, window_binds
 
 _CHUNK = 1 << 18  # cells (queries × minor splits × tails) per vectorised batch: bounds temporary memory
 _ROUNDING = 1e-9  # a quotient this close above an integer may be that integer rounded up
@@ -821,18 +822,24 @@ def solve_dp(problem: BalanceProblem, window: int | None = None) -> tuple[Plan, 
 
 
 def _windowed(problem: BalanceProblem, model: _StageModel, window: int) -> tuple[Plan, PlanCost] | None:
-    """The heuristic's plan (module docstring), or None if no split of its lengths fits."""
+    """The heuristic's plan (module docstring), or None if no split of its lengths fits. The
+    window widens (``heuristic_windows``) while its plan recomputes with a stage at an edge
+    (``window_binds``): a faster plan may lie just outside it."""
     L, V = problem.num_layers, problem.num_virtual_stages
-    lengths = np.arange(max(1, L // V - window), min(L - V + 1, -(-L // V) + window) + 1)
-    seg = _segments(model, problem, lengths)
-    if seg is None:
-        return None
     base, extra = divmod(L, V)
-    counts = _search(seg, problem.num_micro_batches, tuple(base + (1 if v < extra else 0) for v in range(V)))
-    if counts is None:
-        return None
-    plan = _plan(problem, model, seg, counts)
-    return plan, evaluate(problem, plan)
+    found = None
+    for width in heuristic_windows(window):
+        low, high = max(1, L // V - width), min(L - V + 1, -(-L // V) + width)
+        seg = _segments(model, problem, np.arange(low, high + 1))
+        counts = None if seg is None else _search(
+            seg, problem.num_micro_batches, tuple(base + (1 if v < extra else 0) for v in range(V)))
+        if seg is None or counts is None:
+            return found
+        plan = _plan(problem, model, seg, counts)
+        found = (plan, evaluate(problem, plan))
+        if (low, high) == (1, L - V + 1) or not window_binds(problem, plan, low, high):
+            break
+    return found
 
 
 def _longest_useful(problem: BalanceProblem, model: _StageModel, incumbent_s: float) -> int:

@@ -38,12 +38,16 @@ from ndplan.balance.problem import (
     BalanceProblem,
     Plan,
     PlanCost,
+    cost_columns,
+    cost_index,
     end_units,
     evaluate,
+    evaluate_codes_many,
     even_chunks,
     layer_units,
     load_spread,
     stage_bases,
+    uniform_counts,
 )
 from ndplan.balance.rounds import solve_rounds
 
@@ -231,12 +235,41 @@ def solve_heuristic(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
     MoE ones) the same DP tracking that run (``ndplan.balance.prefix``); else the periodic-plan
     DP with a greedy knapsack (``ndplan.balance.rounds``).
     """
+    return with_uniform(problem, _heuristic(problem))
+
+
+def _heuristic(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
     if one_chunk_per_stage(problem):
         return solve_dp(problem, window=HEURISTIC_WINDOW)
     if one_layer_kind(problem):
         return solve_chunks(problem, window=CHUNKS_WINDOW)
     found = solve_prefixed(problem) if leading_run(problem) is not None else solve_rounds(problem)
     return found if found is not None else _milp_dealt(problem, FALLBACK_MILP_SECONDS)
+
+
+def with_uniform(problem: BalanceProblem, found: tuple[Plan, PlanCost] | None) -> tuple[Plan, PlanCost] | None:
+    """``found`` or the uniform placement under one recompute option on every layer, whichever
+    is faster among those that fit by ``evaluate`` (ties to ``found``).
+
+    One definition of "fits" for what a solver returns: ``evaluate``'s, memory ≤ the limit. The
+    solvers search under the limit less a hair (``STEP_MARGIN``, ``chunks``' and ``rounds``'
+    1e-9 of it) so that their float sums never land a plan just over it; a uniform plan whose
+    peak is the limit itself (a limit set to a uniform plan's estimated peak) then fell outside
+    their search: "no plan fits" though uniform full recompute fits (Llama-3.1-8B pp8 vpp4 at
+    its uniform full-recompute peak), or a plan slower than a uniform one that fits. Checking
+    the uniform plans by ``evaluate`` itself makes the promise hold whatever the margins."""
+    best = found if found is not None and found[1].fits else None
+    if problem.num_layers < problem.num_virtual_stages:  # a virtual stage would be empty
+        return best
+    counts = uniform_counts(problem)
+    index = cost_index(problem)
+    codes = np.array([[index[(kind, option)] for kind in problem.layer_kinds] for option in problem.options])
+    # One pass for every option (the same sums as ``evaluate`` of each).
+    costs = evaluate_codes_many(problem, counts, cost_columns(problem), codes)
+    for option, cost in zip(problem.options, costs, strict=True):
+        if cost.fits and (best is None or cost.step_s < best[1].step_s):
+            best = (Plan(counts, (option,) * problem.num_layers), cost)
+    return best
 
 
 def exact_method(problem: BalanceProblem) -> str:
@@ -256,12 +289,12 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
     gives the bound that measures how far the answer can be from the optimum.
     """
     if one_chunk_per_stage(problem):
-        return solve_dp(problem)
+        return with_uniform(problem, solve_dp(problem))
     if one_layer_kind(problem):
-        return solve_chunks(problem)
+        return with_uniform(problem, solve_chunks(problem))
     if leading_run(problem) is not None:
-        return solve_prefixed_exact(problem)
-    fallback = solve_heuristic(problem)
+        return with_uniform(problem, solve_prefixed_exact(problem))
+    fallback = solve_heuristic(problem)  # with the uniform plans that fit
     # The heuristic's step as a cutoff: HiGHS prunes every branch that cannot beat it.
     found = _milp_dealt(problem, time_limit_s, None if fallback is None else fallback[1].step_s)
     candidates = [c for c in (found, fallback) if c is not None and c[1].fits]
