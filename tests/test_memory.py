@@ -941,3 +941,23 @@ def test_expert_groups_of_their_own_hold_a_communicator_each():
     report = estimate(model, Strategy(dp=4, tp=1, ep=1, etp=2), get_device("h100-sxm"), MemoryOptions(runtime="megatron"))
     stage = report.stages[0]
     assert stage.peak_bytes - stage.reserved_bytes == 512 * 2**20 + 3 * 64 * 2**20
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_recomputing_k_of_a_stages_layers_saves_k_shares_of_recomputing_all(schedule: str):
+    """Each layer a chunk recomputes swaps its full activations for its checkpoint in every
+    micro-batch the stage holds, until B or (split backward) until W: recomputing k of a stage's
+    L equal layers saves k/L of what recomputing all of them saves. Under PyTorch's split
+    backward the plain layers' graphs were dropped from what waits for W (recompute 1 of 8
+    layers of Llama-3.1-8B over pp 4, ZB-H1: 47% of the saving, the last stage 9 GiB low)."""
+    model = get_preset("llama-3.1-8b")  # 32 equal layers: 8 a stage over pp 4
+
+    def activations(recompute: str, layers: int) -> np.ndarray:
+        strategy = Strategy(dp=2, tp=2, sequence_parallel=True, pp=4, schedule=schedule, num_micro_batches=32,
+                            seq_length=4096, recompute=recompute, recompute_layers=layers)
+        report = estimate(model, strategy, "h100-sxm", MemoryOptions(runtime="pytorch"))
+        return np.array([stage.activations_bytes for stage in report.stages], dtype=float)
+
+    plain, every = activations("none", 0), activations("full", 0)
+    for k in (1, 2, 4):
+        assert np.allclose(plain - activations("full", k), k / 8 * (plain - every), rtol=0.01)

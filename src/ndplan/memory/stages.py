@@ -1877,15 +1877,22 @@ def _evaluate_group(
     for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
         layers_held[:, column] = tokens * (kept_dense * dense + kept_moe * moe)
     limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
+    # The layers a recompute limit leaves plain, their full bytes: their autograd graph is held
+    # from the forward to the weight gradient like any layer's without recompute (0 where every
+    # layer of a chunk recomputes).
+    plain_held: np.ndarray | None = None
     if limited.size or kinds is not None:
         # With a limit, only the first recompute_layers layers of each chunk are recomputed.
         rows = np.arange(len(batch)) if kinds is not None else limited
         plain_dense, plain_moe, recomputed_dense, recomputed_moe = _recomputed_layers(
             recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
-        layers_held[rows] = t[rows] * (
-            plain_dense * acts.full["dense"][rows, None] + plain_moe * acts.full["moe"][rows, None]
-            + recomputed_dense * acts.recomputed["dense"][rows, None] + recomputed_moe * acts.recomputed["moe"][rows, None]
+        plain = t[rows] * (plain_dense * acts.full["dense"][rows, None] + plain_moe * acts.full["moe"][rows, None])
+        layers_held[rows] = plain + t[rows] * (
+            recomputed_dense * acts.recomputed["dense"][rows, None] + recomputed_moe * acts.recomputed["moe"][rows, None]
         )
+        if limited.size:
+            plain_held = np.zeros((len(batch), computed))
+            plain_held[rows] = np.where(recompute_on[rows, None], plain, 0.0)
     # One-column entries [n]: the int64 token ids (and what the embedding keeps) on the first
     # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
     embedding_held = tokens * (8.0 + acts.embedding)
@@ -1969,7 +1976,9 @@ def _evaluate_group(
         for column, (dense, moe, last) in enumerate(
                 zip(dense_layers.tolist(), moe_layers.tolist(), last_virtual.tolist(), strict=True)):
             if profile.weight_grad_recomputes_per_group:
-                graph_for_w = np.where(recompute_on, 0.0, layers_held[:, column])
+                # A recomputed layer's rebuilt copy is gone after B; a plain one's graph is not.
+                graph_for_w = np.where(recompute_on, 0.0 if plain_held is None else plain_held[:, column],
+                                       layers_held[:, column])
             else:
                 whole_graph = tokens * (acts.full["dense"] * dense + acts.full["moe"] * moe)
                 graph_for_w = np.where(recompute_on, whole_graph, layers_held[:, column])
