@@ -129,8 +129,11 @@ def build_problems(
     elements = layer_elements(model, head.tp.astype(float), head.ep.astype(float), head.etp.astype(float))
     shards = sharding_factors(head.dp, head.cp, head.tp, head.ep, head.etp, head.zero, head.shard_group)
     # The estimator's stages under uniform placement with no and with full recompute, one batch.
-    uniform = stage_memory(
-        model, StrategyBatch.of([s.with_recompute(o) for o in ("none", "full") for s in strategies]), options)
+    # Then, for the recompute options, every layer and the first layer of each chunk recomputing:
+    # the two points each option's per-layer term and the stage's transient are fitted to.
+    calibrated = (("none", 0), ("full", 0), ("selective", 0), ("full", 1), ("selective", 1))
+    uniform = stage_memory(model, StrategyBatch.of([s.with_recompute(o, k, selective_modules)
+                                                    for o, k in calibrated for s in strategies]), options)
     # The device's two peaks apart, so that each moves with its own layer terms: the forward/
     # backward one and the optimizer step's (device = the larger, each with the allocator's
     # slack and the runtime's fixed overhead).
@@ -190,31 +193,67 @@ def build_problems(
             step_moving[stage] += (placement.dense_layers[v] * step_layer["dense"]
                                    + placement.moe_layers[v] * step_layer["moe"])
         step_fixed = step_device[j, : strategy.pp] - step_moving
-        for u, option in enumerate(("none", "full")):
+        recomputed_of = {}  # (option, layers per chunk) -> [pp] layers the stage recomputes
+        for u, (option, limit) in enumerate(calibrated):
             device = forward_backward_device[u * n + j, : strategy.pp]
             moving = np.zeros(strategy.pp)
+            recomputed = np.zeros(strategy.pp)
             for v in range(placement.num_virtual_stages):
                 stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
-                for kind, count in (("dense", placement.dense_layers[v]), ("moe", placement.moe_layers[v])):
-                    cost = costs[(kind, option)]
-                    moving[stage] += float(count) * (cost.static_bytes + flight.peak[stage, chunk] * cost.activation_bytes)
+                # A limit recomputes a chunk's first layers, dense ones first (``stages._recomputed_layers``).
+                dense, moe = int(placement.dense_layers[v]), int(placement.moe_layers[v])
+                on = dense + moe if option == "none" or limit == 0 else min(limit, dense + moe)
+                dense_on = min(on, dense)
+                for kind, plain, again in (("dense", dense - dense_on, dense_on), ("moe", moe - (on - dense_on), on - dense_on)):
+                    for count, held_as in ((plain, "none"), (again, option)):
+                        cost = costs[(kind, held_as)]
+                        moving[stage] += float(count) * (cost.static_bytes + flight.peak[stage, chunk] * cost.activation_bytes)
+                recomputed[stage] += 0 if option == "none" else on
             for v, end in ((0, first_extra), (placement.num_virtual_stages - 1, last_extra)):
                 stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
                 moving[stage] += end.static_bytes + flight.peak[stage, chunk] * end.activation_bytes
-            fixed_of[option] = device - moving
-        fixed = fixed_of["none"]
-        transient = np.maximum(fixed_of["full"] - fixed_of["none"], 0.0)
+            fixed_of[option, limit] = device - moving
+            recomputed_of[option, limit] = recomputed
+        fixed = fixed_of["none", 0]
+        runnable = runnable_options(strategy, options, selective_modules)
+        transient, per_layer = recompute_terms(
+            {option: (fixed_of[option, 1] - fixed, recomputed_of[option, 1], fixed_of[option, 0] - fixed,
+                      recomputed_of[option, 0]) for option in ("selective", "full") if option in runnable},
+            strategy.pp)
         problem = BalanceProblem(
-            layer_kinds=model.layer_mlp_kinds, options=runnable_options(strategy, options, selective_modules),
+            layer_kinds=model.layer_mlp_kinds, options=runnable,
             costs=costs, stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=np.asarray(flight.peak),
             num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
             fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
+            recompute_layer_bytes=per_layer,
             step_fixed_bytes=step_fixed, step_layer_bytes=step_layer,
         )
         # A step that can never be the peak (Megatron's) is left out: the solvers skip its masks.
         problems.append(replace(problem, step_fixed_bytes=None, step_layer_bytes=None)
                         if step_never_binds(problem) else problem)
     return problems
+
+
+def recompute_terms(points: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], pp: int
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The stage's recompute transient [pp] and each option's bytes per recomputed layer [pp],
+    from what the estimator holds beyond the layer terms and the no-recompute fixed bytes at
+    two points per option (``points``: option -> (extra, layers recomputed) with the first layer
+    of each chunk recomputing, and with every layer): per stage, one line b + n·e_option through
+    both points of every option, b shared (the solvers switch one transient on where any layer
+    recomputes), the larger of the options' own intercepts and at least 0, so that every
+    option is exact where all layers recompute and at or over the estimator where one per chunk
+    does. Between the two points the estimator's extra is a max over the schedule's timeline,
+    not a line: see docs/balance.md for how far it lies from it."""
+    intercepts = [np.zeros(pp)]
+    for one, n_one, every, n_every in points.values():
+        span = n_every - n_one
+        slope = np.divide(every - one, span, out=np.zeros_like(every), where=span > 0)
+        intercepts.append(np.where(span > 0, one - n_one * slope, every))
+    transient = np.maximum(np.max(intercepts, axis=0), 0.0)
+    per_layer = {option: np.divide(every - transient, n_every, out=np.zeros_like(every), where=n_every > 0)
+                 for option, (_, _, every, n_every) in points.items()}
+    return transient, per_layer
 
 
 @dataclass(frozen=True)

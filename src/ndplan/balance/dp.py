@@ -129,6 +129,10 @@ class _StageModel:
         static = np.array([[c.static_bytes for c in row] for row in costs])
         activation = np.array([[c.activation_bytes for c in row] for row in costs])
         self.memory = static[None] + in_flight[:, None, None] * activation[None]  # [V, G, R]
+        # What recomputing layers adds per layer on their stage (``BalanceProblem.layer_extra``).
+        self.extra = None if problem.recompute_layer_bytes is None else problem.layer_extra(self.kinds)
+        if self.extra is not None:
+            self.memory = self.memory + self.extra[np.asarray(problem.stage_of).astype(int)]
         self.static, self.activation = static, activation
         self.none = options.index("none") if "none" in options else None
         self.recomputes = np.array([option != "none" for option in options])
@@ -184,7 +188,7 @@ class _StageModel:
         """[splits, R] of ``count`` layers of minor kind g, dominated splits dropped when there
         are many (a few are cheaper to keep than to sort)."""
         splits = _compositions(count, self.memory.shape[2])
-        if len(splits) <= _PRUNE_FROM:
+        if len(splits) <= _PRUNE_FROM or self.extra is not None:  # per-stage bytes: no split dominates everywhere
             return splits
         time, static, activation = splits @ self.time[g], splits @ self.static[g], splits @ self.activation[g]
         if np.ptp(self.static[g]) == 0:  # the usual case: every split holds the same static bytes

@@ -9,6 +9,7 @@ virtual stage also holds the embedding, the last the output head, loss and MTP m
 Memory of a physical stage s (bytes):
     fixed[s] + Σ_{layers on s} static + Σ_{chunks c of s} peak_in_flight[s, c] · Σ_{layers in c} activation
              + [any layer on s recomputes] · recompute_transient[s]
+             + Σ_{layers on s recomputing under option r} recompute_layer_bytes[r][s]
 and, at the optimizer step (activations gone; parameters, gradients, states and the update's
 temporaries held), step_fixed[s] + Σ_{layers on s} step_layer_bytes[kind]: a stage fits when
 both are under the limit, and its peak is the larger. The step's bytes move with the layers
@@ -72,11 +73,26 @@ class BalanceProblem:
     fixed_bytes: np.ndarray  # [pp] buffers, transients and overhead that do not move with layers
     memory_limit_bytes: float
     recompute_transient_bytes: np.ndarray | None = None  # [pp] added once where any layer recomputes
+    #: option -> [pp] bytes each layer recomputing under that option adds on stage s besides its
+    #: own static and activation bytes (what recompute rebuilds, and under a split backward the
+    #: weight-gradient step's rebuilt copies, grow with the layers a stage recomputes). None: nothing.
+    recompute_layer_bytes: dict[str, np.ndarray] | None = None
     #: The optimizer step's peak of stage s: step_fixed_bytes[s] (the embedding and head
     #: included, as they never move) + Σ_{layers on s} step_layer_bytes[kind]. None: not priced
     #: (problems built by hand), the step never binds.
     step_fixed_bytes: np.ndarray | None = None  # [pp]
     step_layer_bytes: dict[str, float] | None = None  # kind -> bytes
+
+    def layer_extra(self, kinds: Sequence[str], options: Sequence[str] | None = None) -> np.ndarray:
+        """[pp, G, R] bytes a layer of each of ``kinds`` under each of ``options`` (default the
+        problem's) adds on each stage besides its ``LayerCost`` bytes (``recompute_layer_bytes``;
+        zeros without). Every solver adds it to its per-layer bytes, as ``evaluate`` does."""
+        options = self.options if options is None else options
+        out = np.zeros((self.pp, len(kinds), len(options)))
+        for r, option in enumerate(options):
+            if self.recompute_layer_bytes is not None and option in self.recompute_layer_bytes:
+                out[:, :, r] = np.asarray(self.recompute_layer_bytes[option], dtype=float)[:, None]
+        return out
 
     def recompute_transient(self, stage: int) -> float:
         return 0.0 if self.recompute_transient_bytes is None else float(self.recompute_transient_bytes[stage])
@@ -175,6 +191,17 @@ def cost_columns(problem: BalanceProblem) -> np.ndarray:
                      [option != "none" for _, option in problem.costs]], dtype=float)
 
 
+def extra_columns(problem: BalanceProblem) -> np.ndarray | None:
+    """[pp, (kind, option)] ``BalanceProblem.layer_extra`` of each entry of ``problem.costs`` in
+    its order (the codes ``evaluate_codes`` takes); None where the problem has none."""
+    if problem.recompute_layer_bytes is None:
+        return None
+    pairs = list(problem.costs)
+    options = tuple(dict.fromkeys(option for _, option in pairs))
+    table = problem.layer_extra(["_"], options)[:, 0, :]  # [pp, options]: the same for every kind
+    return table[:, [options.index(option) for _, option in pairs]]
+
+
 class EvaluationConstants(NamedTuple):
     """What ``evaluate_codes`` takes from the problem whatever the plan: [V] each virtual stage's
     physical stage and micro-batches in flight, [pp] the fixed bytes, (stage, bytes, seconds)
@@ -186,6 +213,7 @@ class EvaluationConstants(NamedTuple):
     extras: tuple[tuple[int, float, float], ...]
     step_fixed: np.ndarray | None = None  # [pp] the optimizer step's fixed bytes (None: not priced)
     step_layer: np.ndarray | None = None  # [L] each layer's bytes at the optimizer step
+    extra: np.ndarray | None = None  # [pp, (kind, option)] ``extra_columns``
 
 
 def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
@@ -199,7 +227,7 @@ def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
         step_fixed = np.asarray(problem.step_fixed_bytes, dtype=float)
         step_layer = np.array([problem.step_layer_bytes[kind] for kind in problem.layer_kinds], dtype=float)
     return EvaluationConstants(np.asarray(problem.stage_of), flight, problem.fixed_bytes.astype(float), extras,
-                               step_fixed, step_layer)
+                               step_fixed, step_layer, extra_columns(problem))
 
 
 def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray, columns: np.ndarray,
@@ -215,7 +243,10 @@ def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.n
     virtual = np.arange(V).repeat(stage_layers)  # virtual stage of each layer
     stage = constants.stage_of[virtual]
     seconds, static, activation, recomputing = columns[:, codes]  # [L] each
-    memory = constants.fixed + np.bincount(stage, weights=static + constants.flight[virtual] * activation, minlength=pp)
+    held = static + constants.flight[virtual] * activation
+    if constants.extra is not None:
+        held = held + constants.extra[stage, codes]
+    memory = constants.fixed + np.bincount(stage, weights=held, minlength=pp)
     time = np.bincount(stage, weights=seconds, minlength=pp)
     for s, extra_bytes, extra_s in constants.extras:  # the embedding's, then the head's
         memory[s] += extra_bytes
@@ -241,7 +272,10 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     virtual = np.arange(V).repeat(stage_layers)  # virtual stage of each layer
     bins = (pp * np.arange(N)[:, None] + constants.stage_of[virtual]).reshape(-1)  # [N·L]
     seconds, static, activation, recomputing = columns[:, codes]  # [N, L] each
-    held = np.bincount(bins, weights=(static + constants.flight[virtual] * activation).reshape(-1), minlength=N * pp)
+    layer_bytes = static + constants.flight[virtual] * activation
+    if constants.extra is not None:
+        layer_bytes = layer_bytes + constants.extra[constants.stage_of[virtual][None, :], codes]
+    held = np.bincount(bins, weights=layer_bytes.reshape(-1), minlength=N * pp)
     memory: np.ndarray = constants.fixed + held.reshape(N, pp)
     time: np.ndarray = np.bincount(bins, weights=seconds.reshape(-1), minlength=N * pp).reshape(N, pp)
     for s, extra_bytes, extra_s in constants.extras:  # the embedding's, then the head's
@@ -287,8 +321,9 @@ def step_never_binds(problem: BalanceProblem) -> bool:
         return True
     fewest = float(np.asarray(problem.peak_in_flight).min())
     for kind in set(problem.layer_kinds):
+        extra = problem.layer_extra([kind]).min(axis=0)[0]  # [R] the least any stage adds
         held = min(problem.costs[(kind, option)].static_bytes + fewest * problem.costs[(kind, option)].activation_bytes
-                   for option in problem.options)
+                   + float(extra[r]) for r, option in enumerate(problem.options))
         if problem.step_layer_bytes[kind] > held:
             return False
     return bool((np.asarray(problem.step_fixed_bytes, dtype=float) <= stage_bases(problem)[0]).all())

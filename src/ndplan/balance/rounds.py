@@ -112,6 +112,10 @@ class _Greedy:
         time[:] = self.time
         np.multiply(weight[:, :, None, None], activation, out=memory)
         memory += static  # static + in-flight bytes (float addition commutes exactly)
+        # What recomputing adds per layer on each stage (``BalanceProblem.layer_extra``) [pp, G, R].
+        self.extra = None if problem.recompute_layer_bytes is None else problem.layer_extra(self.kinds)
+        if self.extra is not None:
+            memory += self.extra[:, None]
         self.memory = memory
         # For dealing options over chunks (``_dealt_mixes``): micro-batches in flight per chunk,
         # chunks fewest first, each kind's options most bytes first, and which recompute.
@@ -444,6 +448,8 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
         last = first_slot[:, g] + ends
         weight = slots.take(last) - slots.take(last - ordered)  # [S, K, R]
         kind_bytes = mixes @ greedy.static[g] + weight @ greedy.falling_activation[g]
+        if greedy.extra is not None:  # what recomputing adds per layer on each stage
+            kind_bytes = kind_bytes + (mixes * greedy.extra[stages, g][:, None, :]).sum(axis=2)
         shape = (S,) + (1,) * g + (-1,) + (1,) * (G - 1 - g)
         np.putmask(kind_bytes, rest < 0, np.inf)  # a void mix holds +inf bytes: it never fits
         bytes_total = bytes_total + kind_bytes.reshape(shape)

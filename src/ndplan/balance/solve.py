@@ -105,10 +105,11 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
         choices = []
         for split in _splits(len(layers), len(problem.options)):
             time = memory = 0.0
-            for option, n in zip(problem.options, split, strict=True):
+            extra = problem.layer_extra([kind])[stage, 0]  # [R] what recomputing adds per layer on the stage
+            for r, (option, n) in enumerate(zip(problem.options, split, strict=True)):
                 cost = problem.costs[(kind, option)]
                 time += n * cost.time_s
-                memory += n * (cost.static_bytes + weight * cost.activation_bytes)
+                memory += n * (cost.static_bytes + weight * cost.activation_bytes + float(extra[r]))
             choices.append((time, memory, split))
         choices.sort()
         # Keep the (time, memory) Pareto front of this group, separately for the splits that
@@ -177,10 +178,11 @@ def dealt_knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int
         for (kind, slots), mix in zip(per_kind, combo, strict=True):
             by_bytes = sorted(range(len(problem.options)), key=lambda r: -problem.costs[(kind, problem.options[r])].activation_bytes)
             queue = [r for r in by_bytes for _ in range(mix[r])]
+            extra = problem.layer_extra([kind])[stage, 0]  # [R] what recomputing adds per layer on the stage
             for (layer, weight), r in zip(slots, queue, strict=True):
                 cost = problem.costs[(kind, problem.options[r])]
                 time += cost.time_s
-                memory += cost.static_bytes + weight * cost.activation_bytes
+                memory += cost.static_bytes + weight * cost.activation_bytes + float(extra[r])
                 recomputes |= problem.options[r] != "none"
                 assignment[layer] = problem.options[r]
         if recomputes:
@@ -426,6 +428,7 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
                         coefficients[y(layer, v)] = -1.0
                 add(coefficients, 0, 0)
     objective = np.zeros(n)
+    layer_extra = problem.layer_extra(kinds)  # [pp, G, R]
     for s in range(problem.pp):
         memory: dict[int, float] = {}
         time: dict[int, float] = {z: -1.0}
@@ -435,7 +438,8 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
             for g, kind in enumerate(kinds):
                 for r, option in enumerate(problem.options):
                     cost = problem.costs[(kind, option)]
-                    memory[k(virtual, g, r)] = cost.static_bytes + in_flight[virtual] * cost.activation_bytes
+                    memory[k(virtual, g, r)] = (cost.static_bytes + in_flight[virtual] * cost.activation_bytes
+                                                + float(layer_extra[s, g, r]))
                     time[k(virtual, g, r)] = cost.time_s
                     objective[k(virtual, g, r)] += cost.time_s / v_chunks
             for end, extra in ((0, problem.first_extra), (V - 1, problem.last_extra)):

@@ -1,0 +1,67 @@
+"""The balancer's stage memory against the full estimator of the written plan, where recompute
+grows with the layers a stage recomputes (docs/balance.md, "The problem in numbers")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ndplan.balance import build_problem, evaluate
+from ndplan.balance.build import _leading_layers_plan, plan_stage_bytes
+from ndplan.hardware import Cluster, get_device
+from ndplan.memory.stages import MemoryOptions
+from ndplan.model import get_preset
+from ndplan.strategy import Strategy
+
+GIB = 2**30
+
+
+def _both(name: str, runtime: str, modules: tuple[str, ...] | None, layers: tuple[int, ...], option: str, k: int,
+          **fields: object) -> tuple[np.ndarray, np.ndarray]:
+    model, strategy, options = get_preset(name), Strategy(**fields), MemoryOptions(runtime=runtime)
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=strategy.world_size)
+    problem = build_problem(model, strategy, cluster, 80 * GIB, options, modules)
+    plan = _leading_layers_plan(layers, option, k)
+    return evaluate(problem, plan).stage_memory_bytes, plan_stage_bytes(model, strategy, plan, options, modules)
+
+
+LLAMA_8B_ZBH1 = dict(dp=2, tp=2, sequence_parallel=True, pp=4, schedule="zb-h1", num_micro_batches=32)
+MIXTRAL_DUALPIPEV = dict(dp=8, tp=2, sequence_parallel=True, pp=4, vpp=2, schedule="dualpipev", ep=8, zero=1,
+                         num_micro_batches=16)
+LLAMA_70B_DUALPIPEV = dict(dp=2, tp=8, sequence_parallel=True, pp=4, vpp=2, schedule="dualpipev", zero=1,
+                           num_micro_batches=16)
+
+
+def test_one_recomputed_layer_per_chunk_under_a_split_backward() -> None:
+    """ZB-H1 under PyTorch, full recompute on one layer per stage: the weight-gradient step's
+    rebuilt copies grow with the recomputed layers, so the transient of every layer recomputing
+    over-stated it (48.77 GiB on stage 1 against the estimator's 35.37). Now per recomputed layer:
+    within 0.1% on every stage but the last (the head's, over by 3.8%: conservative)."""
+    balancer, estimator = _both("llama-3.1-8b", "pytorch", None, (8,) * 4, "full", 1, **LLAMA_8B_ZBH1)
+    assert np.allclose(balancer[:3], estimator[:3], rtol=1e-3)
+    assert (balancer >= estimator * (1 - 1e-6)).all() and (balancer <= estimator * 1.05).all()
+
+
+def test_uniform_selective_on_a_v_schedule() -> None:
+    """Mixtral DualPipeV under Megatron, selective recompute on every layer: the selective
+    option no longer pays full recompute's transient (25.20 GiB against 22.46); exact."""
+    balancer, estimator = _both("mixtral-8x7b", "megatron", ("layernorm", "moe"), (4,) * 8, "selective", 0,
+                                **MIXTRAL_DUALPIPEV)
+    assert np.allclose(balancer, estimator, rtol=1e-6)
+
+
+def test_a_longer_chunk_under_full_recompute_is_seen() -> None:
+    """Llama-3.1-70B DualPipeV, full recompute, a chunk one layer longer than uniform: its
+    rebuilt copies grow, which a per-stage constant missed (41.76 GiB against 43.00). Per
+    recomputed layer of the stage, 42.41: within 1.5% (the estimator's copies grow with the
+    longest chunk, the balancer's with the stage's layers)."""
+    balancer, estimator = _both("llama-3.1-70b", "pytorch", None, (10, 10, 10, 9, 10, 10, 11, 10), "full", 0,
+                                **LLAMA_70B_DUALPIPEV)
+    assert balancer[1] > 42.2 * GIB  # the repro's limit: the plan no longer looks as if it fits
+    assert np.allclose(balancer, estimator, rtol=0.015)
+
+
+@pytest.mark.parametrize("option", ["none", "full"])
+def test_uniform_plans_stay_exact(option: str) -> None:
+    balancer, estimator = _both("llama-3.1-70b", "pytorch", None, (10,) * 8, option, 0, **LLAMA_70B_DUALPIPEV)
+    assert np.allclose(balancer, estimator, rtol=1e-9)
