@@ -397,7 +397,7 @@ ESTIMATE_8 = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8"]
     ([*SEARCH_8, "--fix", "tp=0"], "--fix tp=0: tp must be at least 1"),
     ([*SEARCH_8, "--fix", "zero=5"], "--fix zero=5: zero must be 0–3"),
     ([*SEARCH_8, "--fix", "recompute=partial"], "--fix recompute=partial: allowed values are none, selective, full"),
-    ([*SEARCH_8, "--fix", "cp_kind=bogus"], "allowed values are ring, ulysses, hybrid"),
+    ([*SEARCH_8, "--fix", "cp_kind=bogus"], "allowed values are ring, ulysses"),
     ([*SEARCH_8, "--fix", "sp=maybe"], "--fix sp=maybe: write one of 1, true, yes, on or 0, false, no, off"),
     ([*SEARCH_8, "--fix", "tp=2", "tp=4"], "--fix tp is given twice (2 and 4)"),
     # past int64 these overflowed in numpy; a long --seq hung listing its context-parallel divisors

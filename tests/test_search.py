@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ndplan.cli import main
+from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, get_device
 from ndplan.memory import MemoryOptions, estimate
 from ndplan.model import ModelSpec, get_preset
@@ -737,3 +738,46 @@ def test_a_winner_inside_the_margin_its_caution_asks_for_says_so(capsys):
                  "--seq", "4096", "--runtime", "megatron", "--top", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "less than the 6% the caution above asks for; --memory-limit 74.43GiB ranks only strategies that leave it" in out
+
+
+def test_a_fixed_vpp_narrows_the_pipeline_options_or_makes_one(tmp_path, capsys):
+    """A launch file's vpp 5 (80 layers, pp 4, 4 layers a virtual stage) was none of the searched
+    pipeline options: `search --from FILE --dims zero` ranked its layout at vpp 2 and 4 and never
+    priced the file's own. The file's vpp and seq_chunks now stay with its schedule, and
+    --fix vpp / seq_chunks narrow the options (or, with the schedule fixed, make one)."""
+    from pathlib import Path
+
+    source = Path(__file__).parent / "fixtures" / "io" / "megatron_llama3_70b.sh"
+    launch = tmp_path / "vpp5.sh"
+    launch.write_text(source.read_text().replace("LAYERS_PER_VP=5", "LAYERS_PER_VP=4"))
+    assert main(["search", "--from", str(launch), "--model", "llama-3.1-70b", "--hardware", "h100-sxm",
+                 "--dims", "zero", "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked and {row["strategy"]["vpp"] for row in ranked} == {5}
+    llama = get_preset("llama-3.1-8b")
+    space = default_space(llama, DEVICE, 8, 16, 4096, dims=["pp", "schedule"], fixed={"vpp": 4})
+    assert space.schedule == (("interleaved", 4, 1),)
+    space = default_space(llama, DEVICE, 8, 16, 4096, dims=["pp"], fixed={"schedule": "interleaved", "vpp": 8})
+    assert space.schedule == (("interleaved", 8, 1),)
+    with pytest.raises(NdplanError, match=r"--fix vpp=5: no pipeline option of this space has it .*fix the schedule"):
+        default_space(llama, DEVICE, 8, 16, 4096, dims=["pp", "schedule"], fixed={"vpp": 5})
+
+
+def test_hybrid_context_parallelism_is_not_taken_as_a_fixed_kind():
+    """--fix cp_kind=hybrid searched ring attention labelled hybrid (Ulysses degree 1: the
+    search does not vary the degree): refused, naming the kinds it takes."""
+    with pytest.raises(NdplanError, match="--fix cp_kind=hybrid: allowed values are ring, ulysses"):
+        default_space(get_preset("llama-3.1-8b"), DEVICE, 8, 16, 4096, dims=["tp"], fixed={"cp": 2, "cp_kind": "hybrid"})
+
+
+def test_module_sets_bring_selective_recompute_with_them():
+    """Fixing or searching the recompute module sets with recompute neither searched nor fixed
+    priced no module set at all (no candidate was selective); now selective joins, and a
+    recompute fixed to another mode is refused."""
+    llama = get_preset("llama-3.1-8b")
+    space = default_space(llama, DEVICE, 8, 16, 4096, dims=["tp"], fixed={"recompute_modules": "mlp"})
+    assert space.recompute == ("selective",) and space.recompute_modules == (("mlp",),)
+    space = default_space(llama, DEVICE, 8, 16, 4096, dims=["tp", "recompute_modules"])
+    assert space.recompute == ("none", "selective") and len(space.recompute_modules) > 1
+    with pytest.raises(NdplanError, match="recompute is fixed to full: fix recompute=selective"):
+        default_space(llama, DEVICE, 8, 16, 4096, dims=["tp"], fixed={"recompute": "full", "recompute_modules": "mlp"})

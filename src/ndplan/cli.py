@@ -694,6 +694,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         # The dimensions not searched keep the file's values (--fix wins), not ndplan's defaults.
         kept = {name: read.strategy_settings[name] for name in _FILE_FIXABLE
                 if name not in args.dims and name not in fixed and name in read.strategy_settings}
+        if "schedule" in kept:  # the file's whole pipeline option: its vpp (5 is none of the searched ones)
+            kept.update({name: read.strategy_settings[name] for name in ("vpp", "seq_chunks")
+                         if name not in fixed and name in read.strategy_settings})
         fixed.update({name: int(value) if isinstance(value, bool) else value for name, value in kept.items()})
     offload_sets = _searched_sets(args, read, model, "offload")
 
@@ -1213,7 +1216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=sequence_length, help="sequence length in tokens (default 4096)")
     add_from_argument(p)
     p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
-    p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b")
+    p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b (also vpp=N and seq_chunks=N, the "
+                   "pipeline option's other parts)")
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
                    help="the candidates' precision (default: the --from file's, else the one --emit's format "

@@ -23,7 +23,6 @@ from ndplan.perf.overlap import OFF_WORDS, ON_WORDS
 from ndplan.strategy.batch import StrategyBatch, encode
 from ndplan.strategy.precision import PrecisionPolicy, get_precision
 from ndplan.strategy.strategy import (
-    CP_KINDS,
     MAX_DEGREE,
     MAX_SEQ_LENGTH,
     MAX_SEQUENCES,
@@ -48,6 +47,10 @@ OPT_IN_DIMENSIONS: tuple[str, ...] = ("pipeline_runs", "recompute_modules", "off
 #: Dimensions whose values are module sets, one per batch (``StrategyBatch.recompute_modules``,
 #: ``StrategyBatch.offload_modules``).
 SET_DIMENSIONS: tuple[str, ...] = ("recompute_modules", "offload_modules")
+#: What ``fixed`` may also set: the parts of a pipeline option besides its schedule.
+PIPELINE_SHAPE: tuple[str, ...] = ("vpp", "seq_chunks")
+#: The context-parallel kinds a search varies or takes fixed (hybrid needs a Ulysses degree).
+SEARCHED_CP_KINDS: tuple[str, ...] = ("ring", "ulysses")
 
 #: The order ``SearchSpace.blocks`` runs through the dimensions, slowest first: the module sets
 #: first, as a batch shares them.
@@ -429,10 +432,16 @@ def default_space(
     searched = set(DIMENSIONS if dims is None else (dims,) if isinstance(dims, str) else dims)  # "tp": one dimension
     if dims is None:
         searched -= set(OPT_IN_DIMENSIONS)
-    unknown = (searched | set(fixed)) - set(DIMENSIONS)
+    unknown = (searched - set(DIMENSIONS)) | (set(fixed) - set(DIMENSIONS) - set(PIPELINE_SHAPE))
     if unknown:
         first = sorted(unknown)[0]
-        raise NdplanError(f"unknown search dimension '{first}'{did_you_mean(first, DIMENSIONS)}; known: {', '.join(DIMENSIONS)}")
+        known = (*DIMENSIONS, *PIPELINE_SHAPE) if first in fixed else DIMENSIONS
+        raise NdplanError(f"unknown search dimension '{first}'{did_you_mean(first, known)}; known: {', '.join(known)}"
+                          + ("" if first in fixed else f" (--fix also takes {' and '.join(PIPELINE_SHAPE)})"))
+    # A pipeline option is (schedule, vpp, seq_chunks): a fixed vpp or seq_chunks narrows the
+    # schedules to the options with it, or, with the schedule fixed too, makes that option (a
+    # launch file's vpp 5 is no option of the searched ones).
+    shape = {name: _fixed_degree(name, fixed[name]) for name in PIPELINE_SHAPE if name in fixed}
     domain = min(device.scaleup_domain_size, num_devices)
     moe = model.is_moe
     values: dict[str, tuple] = {
@@ -470,15 +479,18 @@ def default_space(
             searched.discard(name)
     chosen = {name: values[name] if name in searched else defaults[name] for name in DIMENSIONS}
     for name, value in fixed.items():
-        if name in SET_DIMENSIONS:
+        if name in SET_DIMENSIONS or name in PIPELINE_SHAPE:
             continue  # parsed above
         if name == "schedule":
             options = tuple(o for o in PIPELINE_OPTIONS if o[0] == value)
             if not options:
                 raise NdplanError(f"--fix schedule={value}: known schedules: {', '.join(SCHEDULES)}")
+            if shape:
+                options = ((str(value), shape.get("vpp", options[0][1]), shape.get("seq_chunks", options[0][2])),)
             chosen[name] = options
         elif name in ("cp_kind", "recompute"):
-            allowed = CP_KINDS if name == "cp_kind" else RECOMPUTES
+            # Hybrid context parallelism needs a Ulysses degree, which the search does not vary.
+            allowed = SEARCHED_CP_KINDS if name == "cp_kind" else RECOMPUTES
             if str(value) not in allowed:
                 raise NdplanError(f"--fix {name}={value}: allowed values are {', '.join(allowed)}")
             chosen[name] = (str(value),)
@@ -486,6 +498,24 @@ def default_space(
             chosen[name] = (_switch(name, value),)
         else:
             chosen[name] = (_fixed_degree(name, value),)
+    if shape and "schedule" not in fixed:
+        options = chosen["schedule"]
+        chosen["schedule"] = tuple(o for o in options
+                                   if o[1] == shape.get("vpp", o[1]) and o[2] == shape.get("seq_chunks", o[2]))
+        if not chosen["schedule"]:
+            given = " ".join(f"{name}={value}" for name, value in shape.items())
+            listed = ", ".join(f"{o[0]} vpp {o[1]}" + (f", {o[2]} sub-sequences" if o[2] > 1 else "") for o in options)
+            how = "fix the schedule too (e.g. schedule=interleaved)" if "schedule" in searched else "search the schedule"
+            raise NdplanError(f"--fix {given}: no pipeline option of this space has it ({listed}); {how}")
+    # Module sets re-run modules only under selective recompute: chosen (fixed or searched) with
+    # recompute neither searched nor fixed, selective joins; with recompute fixed otherwise, the
+    # sets would be priced as nothing at all.
+    sets_chosen = "recompute_modules" in fixed or "recompute_modules" in searched
+    if sets_chosen and "selective" not in chosen["recompute"]:
+        if "recompute" in fixed:
+            raise NdplanError(f"recompute modules are re-run by selective recompute only, and recompute is fixed to "
+                              f"{fixed['recompute']}: fix recompute=selective, or search recompute")
+        chosen["recompute"] = ("selective",) if "recompute_modules" in fixed else (*chosen["recompute"], "selective")
     if chosen["cp"] == (1,):
         chosen["cp_kind"] = ("ring",)  # the kind means nothing without context parallelism
     empty = [name for name in DIMENSIONS if not chosen[name]]
