@@ -103,6 +103,24 @@ def test_optimizer_step_phase_shows_as_its_own_segment() -> None:
     assert sum(st["categories"].values()) == 60
 
 
+def test_a_peak_the_optimizer_step_sets_stacks_the_state_and_its_temporaries() -> None:
+    """Llama-3.1-8B on 8 H100 with ZeRO 1: the optimizer step sets allocated (59.89 GiB: params
+    14.96 + grads 29.92 + states 11.22 + 3.80 of the step's temporaries) above the forward/backward
+    peak (56.75). The bar dropped the gradients as "not made yet at the forward/backward peak"
+    and drew the activations freed by then; it now stacks what the step holds."""
+    report = estimate(load_model("llama-3.1-8b"), Strategy(dp=8, zero=1, num_micro_batches=1, seq_length=4096),
+                      "h100-sxm").to_dict()
+    (st, *_) = memory_stages(report["stages"])
+    stage = report["stages"][0]
+    assert stage["allocated_bytes"] > stage["forward_backward_bytes"]
+    cats = st["categories"]
+    assert cats["grads"] == stage["grads_bytes"] and not any(cats.get(k) for k in ("activations", "comm", "transient"))
+    assert cats["optimizer_step"] == pytest.approx(stage["optimizer_step_bytes"])
+    assert sum(cats.values()) == pytest.approx(stage["peak_bytes"])
+    state = stage["params_bytes"] + stage["grads_bytes"] + stage["optimizer_bytes"]
+    assert sum(v for k, v in st["kinds"].items() if k not in ("optimizer_step", "overhead", "buffers")) == pytest.approx(state)
+
+
 def test_stage_with_only_a_peak() -> None:
     (st,) = memory_stages([{"peak_bytes": 7 * GIB}])
     assert st["categories"] == {"unbroken": 7 * GIB}
@@ -420,6 +438,25 @@ def real_search() -> dict[str, Any]:
                      "--json"])
     assert code == 0
     return json.loads(out.getvalue())
+
+
+def test_the_plot_folder_draws_as_many_points_as_the_page(real_search: dict[str, Any], tmp_path: Path) -> None:
+    """--max-points bounded the page's scatter but not the --plot-dir figure (drawn at its own
+    default, 20,000): both now draw the same sample."""
+    saved = tmp_path / "search.json"
+    saved.write_text(json.dumps(real_search))
+    args = _parser().parse_args(["report", str(saved), "-o", str(tmp_path / "s.html"), "--max-points", "50",
+                                 "--plot-dir", str(tmp_path / "plots"), "--plot-format", "svg"])
+    assert args.func(args) == 0
+    title = re.search(r"([\d,]+) drawn of ([\d,]+) evaluated", (tmp_path / "plots" / "pareto.svg").read_text())
+    assert title and int(title.group(1).replace(",", "")) <= 50 < real_search["fitting"]
+
+
+def test_per_element_widths_read_as_bytes_in_the_inputs_table() -> None:
+    from ndplan.report.html import kv_table
+
+    assert "2 B" in kv_table({"param_bytes": 2}) and "GiB" not in kv_table({"param_bytes": 2})
+    assert "(1.00 GiB)" in kv_table({"memory_bytes": GIB})
 
 
 def test_report_of_ndplan_search_json(real_search: dict[str, Any], tmp_path: Path) -> None:

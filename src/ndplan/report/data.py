@@ -211,10 +211,18 @@ def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             categories["unbroken"] = total
             kinds["unbroken"] = total
         else:
-            # Gradients not made yet at the forward/backward peak (one micro-batch, a deferred FSDP
-            # reduce) are in the grads category but not in the peak: the bar shows those made.
             forward_backward = finite(stage.get("forward_backward_bytes"))
-            if forward_backward is not None and base > forward_backward:
+            # The optimizer step sets the stage's peak where allocated exceeds the forward/backward
+            # peak: activations, buffers and transients are gone by then and every gradient made,
+            # so the bar stacks parameters, gradients, states and the step's temporaries.
+            step_sets_peak = forward_backward is not None and allocated is not None and allocated > forward_backward
+            if step_sets_peak:
+                for key in ("activations", "comm", "transient"):
+                    cats[key] = 0.0
+                base = sum(cats.values())
+            elif forward_backward is not None and base > forward_backward:
+                # Gradients not made yet at the forward/backward peak (one micro-batch, a deferred
+                # FSDP reduce) are in the grads category but not in the peak: the bar shows those made.
                 cut = min(base - forward_backward, cats["grads"])
                 cats["grads"] -= cut
                 base -= cut
@@ -226,7 +234,8 @@ def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             overhead = max(0.0, overhead)
             total = base + step_extra + overhead
             categories = {**cats, "optimizer_step": step_extra, "overhead": overhead}
-            by_kind = {str(k): finite(v) or 0.0 for k, v in (stage.get("by_layer_kind") or {}).items()}
+            kind_key = "static_by_layer_kind" if step_sets_peak and "static_by_layer_kind" in stage else "by_layer_kind"
+            by_kind = {str(k): finite(v) or 0.0 for k, v in (stage.get(kind_key) or {}).items()}
             state = cats["params"] + cats["grads"] + cats["optimizer"] + cats["activations"]
             if sum(by_kind.values()) > state > 0:  # the kinds' gradients include those not made yet
                 scale = state / sum(by_kind.values())
