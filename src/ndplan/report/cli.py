@@ -207,6 +207,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.plot_dir is not None:
         from ndplan.report.plots import write_plots
 
-        for figure in write_plots(result, args.plot_dir, fmt=args.plot_format, top=args.top):
+        for figure in write_plots(result, args.plot_dir, fmt=args.plot_format, top=args.top, max_points=args.max_points):
             print(f"wrote {figure}")
     return 0

@@ -369,7 +369,8 @@ def kv_table(items: Mapping[str, Any]) -> str:
             continue
         text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
         if key.endswith("_bytes") and isinstance(value, (int, float)) and not isinstance(value, bool):
-            text = f"{value:,.0f} ({value / GIB:,.2f} GiB)"
+            # A total in GiB beside its bytes; a per-element width (precision.param_bytes 2) as bytes.
+            text = f"{value:,.0f} ({value / GIB:,.2f} GiB)" if value >= 1024 else f"{value:g} B"
         out.append(f"<tr><th>{esc(key)}</th><td>{esc(text)}</td></tr>")
     out.append("</table>")
     return "".join(out)
