@@ -296,6 +296,13 @@ def load_runs(path: str | Path) -> list[MeasuredRun]:
             label = entry.get("id", f"#{i + 1}") if isinstance(entry, dict) else f"#{i + 1}"
             raise NdplanError(f"{source}: run {label}: field '{where}': {first['msg']}") from None
         _check_run(runs[-1], f"{source}: run {runs[-1].id}")
+    # One run listed twice would count as two pieces of evidence (and a fit of fewer figures).
+    seen: dict[str, int] = {}
+    for i, run in enumerate(runs, start=1):
+        if run.id in seen:
+            raise NdplanError(f"{source}: run id '{run.id}' is listed twice (runs #{seen[run.id]} and #{i}); "
+                              "give each measured run once, with an id of its own")
+        seen[run.id] = i
     return runs
 
 
@@ -496,11 +503,24 @@ def calibrate(
 
     before = residuals(x0)
     result = least_squares(objective, x0, bounds=(lo, hi), method="trf", x_scale="jac", max_nfev=max_nfev)
-    fitted = profile(result.x)
-    after = residuals(result.x)
+    # A figure no run's step depends on at the fit (fp8 GEMMs in bf16 runs, routing imbalance in
+    # dense ones, a scale-out efficiency past where the runs' DP traffic hides): the fit cannot
+    # place it. Where the runs' steps are the same with it at its start, it is left there;
+    # otherwise the fit moved it into a region where any further value fits as well, and says so.
+    moves = np.any(np.abs(np.asarray(result.jac)[:len(chosen)]) > 1e-12, axis=0)
+    x = np.array(result.x, dtype=float)
+    idle_moved: list[str] = []
+    if not moves.all():
+        at_start = np.where(moves, x, x0)
+        if np.allclose(residuals(at_start), residuals(x), rtol=0.0, atol=1e-9):
+            x = at_start
+        else:
+            idle_moved = [n for n, m, a, b in zip(names, moves, x0, x, strict=True) if not m and a != b]
+    fitted = profile(x)
+    after = residuals(x)
     report = CalibrationReport(
         device_family=family,
-        fitted={n: float(v) for n, v in zip(names, result.x, strict=True)},
+        fitted={n: float(v) for n, v in zip(names, x, strict=True)},
         initial={n: float(v) for n, v in zip(names, x0, strict=True)},
         bounds={n: FITTABLE[n] for n in names},
         skipped=skipped,
@@ -511,15 +531,19 @@ def calibrate(
         success=bool(result.success),
         message=str(result.message),
     )
-    # A figure no run's step depends on (fp8 GEMMs in bf16 runs, routing imbalance in dense ones):
-    # the fit cannot move it, and a bound it sits at is no message from the runs.
-    moves = np.any(np.abs(np.asarray(result.jac)[:len(chosen)]) > 1e-12, axis=0)
-    report.warnings = _fit_warnings([n for n, m in zip(names, moves, strict=True) if m], result.x[moves], lo[moves],
+    # An idle figure's bound is no message from the runs.
+    report.warnings = _fit_warnings([n for n, m in zip(names, moves, strict=True) if m], x[moves], lo[moves],
                                     hi[moves], len(chosen), prior_weight, report.max_abs_error_after)
-    idle = [n for n, m in zip(names, moves, strict=True) if not m]
+    idle = [n for n, m in zip(names, moves, strict=True) if not m and n not in idle_moved]
     if idle:
         report.warnings.append(f"{', '.join(idle)}: no run's step depends on {'it' if len(idle) == 1 else 'them'} "
-                               "(none of the runs uses what it prices): left at the start, not fitted")
+                               "(none of the runs uses what it prices, or it is hidden there): left at the start, not fitted")
+    for name in idle_moved:
+        value = float(x[names.index(name)])
+        report.warnings.append(
+            f"{name}: fitted to {value:.3g}, where the runs' steps stop depending on it (what it prices is hidden "
+            f"there): the runs fit any value {'above' if value > x0[names.index(name)] else 'below'} it as well, so "
+            f"it is a bound, not a measurement")
     for run, t, r0, r1 in zip(chosen, measured, before, after, strict=True):
         report.runs.append({
             "id": run.id, "runtime": run.runtime, "measured_step_s": float(t),
