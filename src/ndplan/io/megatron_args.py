@@ -75,7 +75,8 @@ class Args:
         except NdplanError:
             why = f" ({arg.note()})" if arg.note() else ""
             if re.fullmatch(r"[+-]?\d+", value.strip()):
-                bounds = [f">= {minimum}"] * (minimum is not None) + [f"<= {maximum:,}"] * (maximum is not None)
+                bounds = ([f">= {minimum}"] if minimum is not None else []) + (
+                    [f"<= {maximum:,}"] if maximum is not None else [])
                 raise self.error(arg, f"must be {' and '.join(bounds)}, got {value}") from None
             raise self.error(arg, f"expected an integer, got {value!r}{why}") from None
 
