@@ -228,6 +228,19 @@ def test_bad_plan_files(tmp_path, capsys):
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("command", ["estimate", "check", "balance", "report"])
+@pytest.mark.parametrize("key", ["tp", "pp", "cp", "dp", "mbs"])
+def test_a_null_degree_in_a_plan_file_is_named(key, command, tmp_path, capsys):
+    """A fuzzing review: ``tp: null`` was int(None), a TypeError traceback; null is refused with
+    the setting's name (as ``zero: null`` was, by the Strategy), not read as "not given"."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"{key}: null\n")
+    code, _, err = run([command, "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
+                        "--gbs", "32", "--plan", str(plan)], capsys)
+    assert code == 2 and f"setting '{key}' must be a whole number, got null" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_plan_file_names_must_be_text(tmp_path, capsys):
     plan = tmp_path / "plan.yaml"
     plan.write_text("hardware: 5\n")
