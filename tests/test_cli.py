@@ -891,3 +891,14 @@ def test_an_fp8_mfu_says_which_peak_it_is_of(capsys):
     search = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "16", "--top", "1"]
     assert "MFU: of the fp8 peak" in run([*search, "--precision", "megatron-fp8"], capsys)[1]
     assert "MFU: of the fp8 peak" not in run(search, capsys)[1]
+
+
+def test_search_says_where_a_missing_setting_comes_from(capsys):
+    """A fuzzing review: search said "give it ... in the --plan file", but search has no --plan."""
+    code, _, err = run(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8"], capsys)
+    assert code == 2 and "missing --gbs (give it as a flag, or --from a config that sets it)" in err, err
+    assert "--plan" not in err
+    code, _, err = run(["search", "--model", "llama-3.1-8b", "--devices", "8", "--gbs", "8"], capsys)
+    assert code == 2 and "missing --hardware (give it as a flag)" in err, err
+    code, _, err = run(["estimate", "--model", "llama-3.1-8b", "--devices", "8"], capsys)
+    assert code == 2 and "missing --hardware (give it as a flag or in the --plan file)" in err, err

@@ -46,9 +46,10 @@ def _emit_json(data: Any) -> None:
     print(json.dumps(data, indent=2))
 
 
-def _require(settings: dict[str, Any], key: str, flag: str) -> Any:
+def _require(settings: dict[str, Any], key: str, flag: str, elsewhere: str = " or in the --plan file") -> Any:
+    """``elsewhere``: where else the command reads the setting from (each command its own)."""
     if settings.get(key) is None:
-        raise NdplanError(f"missing {flag} (give it as a flag or in the --plan file)")
+        raise NdplanError(f"missing {flag} (give it as a flag{elsewhere})")
     return settings[key]
 
 
@@ -684,9 +685,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         args.gbs = args.gbs or settings.get("gbs")
         args.seq = args.seq or settings.get("seq")
     else:
-        model = load_model(_require(vars(args), "model", "--model"))
+        model = load_model(_require(vars(args), "model", "--model", ", or --from a config"))
     for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
-        _require(vars(args), key, flag)
+        _require(vars(args), key, flag, "" if key == "hardware" else ", or --from a config that sets it")
     args.seq = args.seq or 4096
     device = device_from(args.hardware, args.efficiency)
     fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
