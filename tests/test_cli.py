@@ -902,3 +902,12 @@ def test_search_says_where_a_missing_setting_comes_from(capsys):
     assert code == 2 and "missing --hardware (give it as a flag)" in err, err
     code, _, err = run(["estimate", "--model", "llama-3.1-8b", "--devices", "8"], capsys)
     assert code == 2 and "missing --hardware (give it as a flag or in the --plan file)" in err, err
+
+
+def test_search_csv_with_nothing_fitting_has_the_header(tmp_path, capsys):
+    """A fuzzing review: --csv wrote an empty file (not even the header) when nothing fit."""
+    fits, empty = tmp_path / "fits.csv", tmp_path / "empty.csv"
+    base = ["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32"]
+    run([*base, "--csv", str(fits)], capsys)
+    run([*base, "--memory-limit", "1GiB", "--csv", str(empty)], capsys)
+    assert empty.read_text().splitlines() == [fits.read_text().splitlines()[0]]

@@ -1045,12 +1045,23 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
     return notes
 
 
+#: A search's CSV columns where nothing fits (no row to take them from): the header alone,
+#: so that a script reading the file finds the columns and no rows, not an empty file.
+_CSV_COLUMNS = (
+    "candidate", "label", "dp", "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "vpp", "schedule", "seq_chunks",
+    "zero", "fsdp", "recompute", "recompute_modules", "offload_modules", "mbs", "num_micro_batches",
+    "pipeline_runs", "peak_bytes", "peak_stage", "step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
+    "model_flops", "hardware_flops", "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s",
+    "optimizer_s", "caveats", "headroom",
+)
+
+
 def _write_csv(path: str, rows: list[dict[str, Any]]) -> None:
     """One line per ranked row; every column any row has (balanced rows add some), lists and
     mappings (caveats, a balanced plan's recompute ranges) as JSON."""
     import csv
 
-    columns = list(dict.fromkeys(k for row in rows for k in row if k != "strategy"))
+    columns = list(dict.fromkeys(k for row in rows for k in row if k != "strategy")) or list(_CSV_COLUMNS)
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
