@@ -609,6 +609,16 @@ def test_emit_lists_what_the_format_cannot_express():
     assert "written as Megatron-FSDP, which reshards" in text and "pipeline_runs=2" in text
 
 
+@pytest.mark.parametrize("fmt", ["megatron", "torchtitan", "hyperparallel", "mindformers"])
+def test_emit_takes_a_preset_name_for_the_model(fmt):
+    """A fuzzing review: emit("llama-3.1-8b", ...) dropped the name and wrote a model-less file."""
+    s = Strategy(dp=2, tp=2, pp=2, micro_batch_size=1, num_micro_batches=4)
+    assert emit("llama-3.1-8b", s, fmt) == emit(get_preset("llama-3.1-8b"), s, fmt)
+    with pytest.raises(NdplanError, match="emit's model must be a ModelSpec, a preset name or a model file path, "
+                                          "got int"):
+        emit(8, s, fmt)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------- CLI pieces
 def _inspect_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
