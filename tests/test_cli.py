@@ -911,3 +911,17 @@ def test_search_csv_with_nothing_fitting_has_the_header(tmp_path, capsys):
     run([*base, "--csv", str(fits)], capsys)
     run([*base, "--memory-limit", "1GiB", "--csv", str(empty)], capsys)
     assert empty.read_text().splitlines() == [fits.read_text().splitlines()[0]]
+
+
+def test_search_emit_torchtitan_prices_deepseek_without_mtp(capsys):
+    """A fuzzing review: search --emit torchtitan ranked deepseek-v3 with MTP (38.99 GiB, 26.589 s)
+    though the file it writes builds none (33.11 GiB, 24.175 s by `estimate --from`)."""
+    code, out, _ = run(["search", "--model", "deepseek-v3", "--hardware", "h100-sxm", "--devices", "1024", "--gbs",
+                        "2048", "--fix", "ep=64", "pp=16", "tp=1", "cp=1", "schedule=1f1b", "recompute=full",
+                        "zero=3", "mbs=1", "--emit", "torchtitan", "--json"], capsys)
+    data = json.loads(out)
+    best, check = data["ranked"][0], data["emitted_check"]
+    assert code == 0 and check["same"], check
+    assert best["peak_bytes"] == pytest.approx(check["peak_bytes"], rel=1e-3)
+    assert round(best["peak_bytes"] / 2**30, 2) == 33.11
+    assert any("priced without MTP (mtp_depth 0)" in note for note in data["notes"])

@@ -700,6 +700,10 @@ def cmd_search(args: argparse.Namespace) -> int:
                          if name not in fixed and name in read.strategy_settings})
         fixed.update({name: int(value) if isinstance(value, bool) else value for name, value in kept.items()})
     offload_sets = _searched_sets(args, read, model, "offload")
+    # Priced as the framework builds the model: torchtitan's model classes have no MTP module.
+    no_mtp = args.emit == "torchtitan" and model.mtp_depth > 0
+    if no_mtp:
+        model = model.model_copy(update={"mtp_depth": 0})
 
     options = _memory_options(args, {"overlap": args.overlap}, read, device)
     # Priced as the user's framework runs: a file states its precision; a format that cannot
@@ -750,6 +754,9 @@ def cmd_search(args: argparse.Namespace) -> int:
                "; the search schedules each candidate's micro-batches in one run (one bubble a step), which a "
                "framework that accumulates outside the pipeline reaches with one accumulation step; search the "
                "runs with --dims ... pipeline_runs"))
+    if no_mtp:
+        result.notes.append("candidates priced without MTP (mtp_depth 0): torchtitan builds no multi-token-prediction "
+                            "module, so the settings --emit torchtitan writes run none")
     if not result.ranked:
         result.notes.extend(_what_would_fit(result, model, device, args.devices, space_on, options))
     elif args.balance:
