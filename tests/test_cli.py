@@ -925,3 +925,16 @@ def test_search_emit_torchtitan_prices_deepseek_without_mtp(capsys):
     assert best["peak_bytes"] == pytest.approx(check["peak_bytes"], rel=1e-3)
     assert round(best["peak_bytes"] / 2**30, 2) == 33.11
     assert any("priced without MTP (mtp_depth 0)" in note for note in data["notes"])
+
+
+def test_zero_flag_overrides_a_files_fsdp(capsys):
+    """A fuzzing review: --from a config with FSDP, --zero 1 was refused ("fsdp ... needs zero=3,
+    got zero=1") though the user never typed --fsdp, and no flag turns FSDP off: the flag wins."""
+    config = str(Path(__file__).parent / "fixtures" / "io" / "torchtitan_llama3_70b.toml")
+    code, out, err = run(["estimate", "--from", config, "--hardware", "h100-sxm", "--devices", "64", "--zero", "1",
+                          "--json"], capsys)
+    assert code == 0, err
+    strategy = json.loads(out)["strategy"]
+    assert strategy["zero"] == 1 and strategy["fsdp"] is False
+    code, out, err = run(["estimate", "--from", config, "--hardware", "h100-sxm", "--devices", "64", "--json"], capsys)
+    assert code == 0 and json.loads(out)["strategy"]["fsdp"] is True, err

@@ -77,6 +77,8 @@ def merge_settings(result: ReadResult | None, settings: dict[str, Any]) -> dict[
         _keep_local_batch(result, merged, given)
     if given.get("recompute", "selective") != "selective" and "recompute_modules" not in given:
         merged.pop("recompute_modules", None)  # a recompute that is not selective re-runs no modules
+    if given.get("zero", 3) != 3 and "fsdp" not in given:
+        merged.pop("fsdp", None)  # --zero 1 over a file's FSDP: the flag wins (FSDP is ZeRO-3 only)
     merged.update(given)
     return merged
 
