@@ -813,3 +813,15 @@ def test_torchtitan_with_a_deepseek_model_given_builds_no_mtp(tmp_path):
     check = _read_back(model, s, emit(model, s, "torchtitan"), "torchtitan", Cluster(device=device, num_devices=1024),
                        MemoryOptions(runtime="pytorch"), device.memory_bytes)
     assert "mtp_depth 0 (priced 1)" in check["differs"]
+
+
+def test_an_unset_node_count_leaves_the_world_size_to_devices(tmp_path):
+    """A fuzzing review: `--nnodes $NNODES` (unset) read as one node, so --devices 16, which the
+    warning advised, was refused as "the launch command gives 8 devices"."""
+    path = tmp_path / "launch.sh"
+    path.write_text("torchrun --nproc_per_node 8 --nnodes $NNODES pretrain_gpt.py --num-layers 32\n")
+    read = read_config(path, model="llama-3.1-8b", devices=16)
+    assert read.devices == 16 and read.strategy(16).dp == 16
+    assert any("--nnodes ''" in w and "give --devices" in w for w in read.warnings), read.warnings
+    with pytest.raises(NdplanError, match="--devices 12 is not a whole number of nodes of --nproc_per_node 8 devices"):
+        read_config(path, model="llama-3.1-8b", devices=12)

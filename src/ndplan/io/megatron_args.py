@@ -215,10 +215,13 @@ def world_from_launcher(src: Source, launcher: Sequence[Word], warnings: list[st
         return None, None
     per_node = _launcher_int(src, _option(launcher, "--nproc_per_node", "--nproc-per-node", "--num_gpus", "--num-gpus",
                                           "--local_worker_num"), "--nproc_per_node", warnings)
-    nodes = _launcher_int(src, _option(launcher, "--nnodes", "--num_nodes", "--num-nodes"), "--nnodes", warnings)
+    nodes_word = _option(launcher, "--nnodes", "--num_nodes", "--num-nodes")
+    nodes = _launcher_int(src, nodes_word, "--nnodes", warnings)
     total = _launcher_int(src, _option(launcher, "--worker_num"), "--worker_num", warnings)
     if total:
         return total, per_node
+    if per_node and nodes_word is not None and nodes is None:
+        return None, per_node  # an unreadable node count ($NNODES unset): --devices gives the world size
     if per_node:
         return per_node * (nodes or 1), per_node
     return None, None
