@@ -503,10 +503,10 @@ def default_space(
         chosen["schedule"] = tuple(o for o in options
                                    if o[1] == shape.get("vpp", o[1]) and o[2] == shape.get("seq_chunks", o[2]))
         if not chosen["schedule"]:
-            given = " ".join(f"{name}={value}" for name, value in shape.items())
+            shape_given = " ".join(f"{name}={value}" for name, value in shape.items())
             listed = ", ".join(f"{o[0]} vpp {o[1]}" + (f", {o[2]} sub-sequences" if o[2] > 1 else "") for o in options)
             how = "fix the schedule too (e.g. schedule=interleaved)" if "schedule" in searched else "search the schedule"
-            raise NdplanError(f"--fix {given}: no pipeline option of this space has it ({listed}); {how}")
+            raise NdplanError(f"--fix {shape_given}: no pipeline option of this space has it ({listed}); {how}")
     # Module sets re-run modules only under selective recompute: chosen (fixed or searched) with
     # recompute neither searched nor fixed, selective joins; with recompute fixed otherwise, the
     # sets would be priced as nothing at all.
