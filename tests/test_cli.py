@@ -938,3 +938,14 @@ def test_zero_flag_overrides_a_files_fsdp(capsys):
     assert strategy["zero"] == 1 and strategy["fsdp"] is False
     code, out, err = run(["estimate", "--from", config, "--hardware", "h100-sxm", "--devices", "64", "--json"], capsys)
     assert code == 0 and json.loads(out)["strategy"]["fsdp"] is True, err
+
+
+def test_balance_emit_exits_nonzero_when_the_written_file_does_not_fit(capsys):
+    """A fuzzing review: balance --emit mindformers wrote a plan over --memory-limit (by the full
+    estimators' read-back) and exited 0."""
+    argv = ["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--tp", "8", "--pp",
+            "4", "--sp", "--zero", "1", "--gbs", "256", "--memory-limit", "36GiB", "--emit", "mindformers"]
+    code, _, err = run(argv, capsys)
+    assert code == 1 and "the mindformers settings written run over the limit as they read back" in err, err
+    code, out, _ = run([*argv, "--json"], capsys)
+    assert code == 1 and json.loads(out)["emitted_check"]["fits"] is False

@@ -314,9 +314,11 @@ def cmd_balance(args: argparse.Namespace) -> int:
     data["recommended"] = ("given" if data["given"]["fits"] and (
         not balanced_fits or data["estimated_step_s"] >= data["given"]["step_s"])
         else "balanced" if balanced_fits else "neither")
+    # The file written does not fit as it reads back: said, and the exit status says it too.
+    written_unfit = bool(args.emit) and data["emitted_check"]["fits"] is False
     if args.json:
         _emit_json(data)
-        return 0
+        return 1 if written_unfit else 0
     table = Table(title=f"{model.name} — {strategy.short()} — balanced under {format_bytes(limit)} ({result.solver}, "
                         f"{result.solve_seconds:.2f} s)")
     for col in ["stage", "layers before", "memory before", "time before", "layers after", "memory after", "time after"]:
@@ -392,6 +394,12 @@ def cmd_balance(args: argparse.Namespace) -> int:
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
+    if written_unfit:
+        check = data["emitted_check"]
+        print(f"ndplan: warning: the {args.emit} settings written run over the limit as they read back (peak "
+              f"{format_bytes(check['peak_bytes'])} of {format_bytes(limit)} by the full estimators); exit status 1",
+              file=sys.stderr)
+        return 1
     return 0
 
 
