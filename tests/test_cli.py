@@ -949,3 +949,13 @@ def test_balance_emit_exits_nonzero_when_the_written_file_does_not_fit(capsys):
     assert code == 1 and "the mindformers settings written run over the limit as they read back" in err, err
     code, out, _ = run([*argv, "--json"], capsys)
     assert code == 1 and json.loads(out)["emitted_check"]["fits"] is False
+
+
+def test_search_from_names_the_file_settings_it_drops(capsys):
+    """A fuzzing review: search --from a HyperParallel HSDP file ranked its strategy with
+    shard_group 0 (26.10 GiB where `estimate --from` gives 32.63 GiB) and said nothing."""
+    config = str(Path(__file__).parent / "fixtures" / "io" / "hyperparallel_qwen3_moe_hsdp.yaml")
+    code, out, _ = run(["search", "--from", config, "--hardware", "h100-sxm", "--dims", "tp", "--json"], capsys)
+    notes = json.loads(out)["notes"]
+    assert any("--from: the search cannot carry these settings of the file, so its candidates run without them "
+               "(ndplan's defaults): shard_group 8" in note for note in notes), notes

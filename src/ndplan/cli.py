@@ -641,6 +641,9 @@ def _seconds_or_unfit(value: float | None) -> str:
 
 # ---------------------------------------------------------------- search
 #: Search dimensions a config file read by --from sets (plan-file keys, as the space names them).
+#: A --from file's settings no search dimension holds: dropped from the candidates, each named.
+_FILE_DROPPED = ("shard_group", "reshard", "recompute_layers", "ulysses_degree", "optimizer_offload", "stage_layers",
+                 "embedding_as_layer", "output_as_layer")
 _FILE_FIXABLE = ("tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute")
 
 
@@ -707,6 +710,12 @@ def cmd_search(args: argparse.Namespace) -> int:
             kept.update({name: read.strategy_settings[name] for name in ("vpp", "seq_chunks")
                          if name not in fixed and name in read.strategy_settings})
         fixed.update({name: int(value) if isinstance(value, bool) else value for name, value in kept.items()})
+    from ndplan.io.common import PLAN_TO_FIELD
+
+    # What a search space cannot carry: the file's value is dropped, and said (not priced silently as the default).
+    dropped = [f"{name} {read.strategy_settings[name]!r}" for name in _FILE_DROPPED
+               if read is not None and name in read.strategy_settings
+               and read.strategy_settings[name] != getattr(Strategy(), PLAN_TO_FIELD[name])]
     offload_sets = _searched_sets(args, read, model, "offload")
     # Priced as the framework builds the model: torchtitan's model classes have no MTP module.
     no_mtp = args.emit == "torchtitan" and model.mtp_depth > 0
@@ -762,6 +771,9 @@ def cmd_search(args: argparse.Namespace) -> int:
                "; the search schedules each candidate's micro-batches in one run (one bubble a step), which a "
                "framework that accumulates outside the pipeline reaches with one accumulation step; search the "
                "runs with --dims ... pipeline_runs"))
+    if dropped:
+        result.notes.append(f"--from: the search cannot carry these settings of the file, so its candidates run "
+                            f"without them (ndplan's defaults): {', '.join(dropped)}")
     if no_mtp:
         result.notes.append("candidates priced without MTP (mtp_depth 0): torchtitan builds no multi-token-prediction "
                             "module, so the settings --emit torchtitan writes run none")

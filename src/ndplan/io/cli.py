@@ -40,7 +40,8 @@ def add_from_argument(parser: argparse.ArgumentParser) -> None:
                        help="read model, strategy and cluster from a Megatron-LM/MindSpeed launch script or argument "
                             "file, a torchtitan TOML, a HyperParallel or MindFormers YAML, or a config.json "
                             "(flags and --plan settings win; in a search with --dims, the dimensions not "
-                            "searched keep the file's values)")
+                            "searched keep the file's values; the settings a search cannot carry (HSDP shard group, reshard, "
+                            "recompute of some layers, ...) are dropped, each named in a note)")
     group.add_argument("--from-format", choices=READ_FORMATS, help="the config's format (default: detected)")
 
 
