@@ -228,6 +228,19 @@ def test_bad_plan_files(tmp_path, capsys):
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("command", ["estimate", "check", "balance", "report"])
+@pytest.mark.parametrize("key", ["tp", "pp", "cp", "dp", "mbs"])
+def test_a_null_degree_in_a_plan_file_is_named(key, command, tmp_path, capsys):
+    """A fuzzing review: ``tp: null`` was int(None), a TypeError traceback; null is refused with
+    the setting's name (as ``zero: null`` was, by the Strategy), not read as "not given"."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"{key}: null\n")
+    code, _, err = run([command, "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
+                        "--gbs", "32", "--plan", str(plan)], capsys)
+    assert code == 2 and f"setting '{key}' must be a whole number, got null" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_plan_file_names_must_be_text(tmp_path, capsys):
     plan = tmp_path / "plan.yaml"
     plan.write_text("hardware: 5\n")
@@ -878,3 +891,71 @@ def test_an_fp8_mfu_says_which_peak_it_is_of(capsys):
     search = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "16", "--top", "1"]
     assert "MFU: of the fp8 peak" in run([*search, "--precision", "megatron-fp8"], capsys)[1]
     assert "MFU: of the fp8 peak" not in run(search, capsys)[1]
+
+
+def test_search_says_where_a_missing_setting_comes_from(capsys):
+    """A fuzzing review: search said "give it ... in the --plan file", but search has no --plan."""
+    code, _, err = run(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8"], capsys)
+    assert code == 2 and "missing --gbs (give it as a flag, or --from a config that sets it)" in err, err
+    assert "--plan" not in err
+    code, _, err = run(["search", "--model", "llama-3.1-8b", "--devices", "8", "--gbs", "8"], capsys)
+    assert code == 2 and "missing --hardware (give it as a flag)" in err, err
+    code, _, err = run(["estimate", "--model", "llama-3.1-8b", "--devices", "8"], capsys)
+    assert code == 2 and "missing --hardware (give it as a flag or in the --plan file)" in err, err
+
+
+def test_search_csv_with_nothing_fitting_has_the_header(tmp_path, capsys):
+    """A fuzzing review: --csv wrote an empty file (not even the header) when nothing fit."""
+    fits, empty = tmp_path / "fits.csv", tmp_path / "empty.csv"
+    base = ["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32"]
+    run([*base, "--csv", str(fits)], capsys)
+    run([*base, "--memory-limit", "1GiB", "--csv", str(empty)], capsys)
+    assert empty.read_text().splitlines() == [fits.read_text().splitlines()[0]]
+
+
+def test_search_emit_torchtitan_prices_deepseek_without_mtp(capsys):
+    """A fuzzing review: search --emit torchtitan ranked deepseek-v3 with MTP (38.99 GiB, 26.589 s)
+    though the file it writes builds none (33.11 GiB, 24.175 s by `estimate --from`)."""
+    code, out, _ = run(["search", "--model", "deepseek-v3", "--hardware", "h100-sxm", "--devices", "1024", "--gbs",
+                        "2048", "--fix", "ep=64", "pp=16", "tp=1", "cp=1", "schedule=1f1b", "recompute=full",
+                        "zero=3", "mbs=1", "--emit", "torchtitan", "--json"], capsys)
+    data = json.loads(out)
+    best, check = data["ranked"][0], data["emitted_check"]
+    assert code == 0 and check["same"], check
+    assert best["peak_bytes"] == pytest.approx(check["peak_bytes"], rel=1e-3)
+    assert round(best["peak_bytes"] / 2**30, 2) == 33.11
+    assert any("priced without MTP (mtp_depth 0)" in note for note in data["notes"])
+
+
+def test_zero_flag_overrides_a_files_fsdp(capsys):
+    """A fuzzing review: --from a config with FSDP, --zero 1 was refused ("fsdp ... needs zero=3,
+    got zero=1") though the user never typed --fsdp, and no flag turns FSDP off: the flag wins."""
+    config = str(Path(__file__).parent / "fixtures" / "io" / "torchtitan_llama3_70b.toml")
+    code, out, err = run(["estimate", "--from", config, "--hardware", "h100-sxm", "--devices", "64", "--zero", "1",
+                          "--json"], capsys)
+    assert code == 0, err
+    strategy = json.loads(out)["strategy"]
+    assert strategy["zero"] == 1 and strategy["fsdp"] is False
+    code, out, err = run(["estimate", "--from", config, "--hardware", "h100-sxm", "--devices", "64", "--json"], capsys)
+    assert code == 0 and json.loads(out)["strategy"]["fsdp"] is True, err
+
+
+def test_balance_emit_exits_nonzero_when_the_written_file_does_not_fit(capsys):
+    """A fuzzing review: balance --emit mindformers wrote a plan over --memory-limit (by the full
+    estimators' read-back) and exited 0."""
+    argv = ["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--tp", "8", "--pp",
+            "4", "--sp", "--zero", "1", "--gbs", "256", "--memory-limit", "36GiB", "--emit", "mindformers"]
+    code, _, err = run(argv, capsys)
+    assert code == 1 and "the mindformers settings written run over the limit as they read back" in err, err
+    code, out, _ = run([*argv, "--json"], capsys)
+    assert code == 1 and json.loads(out)["emitted_check"]["fits"] is False
+
+
+def test_search_from_names_the_file_settings_it_drops(capsys):
+    """A fuzzing review: search --from a HyperParallel HSDP file ranked its strategy with
+    shard_group 0 (26.10 GiB where `estimate --from` gives 32.63 GiB) and said nothing."""
+    config = str(Path(__file__).parent / "fixtures" / "io" / "hyperparallel_qwen3_moe_hsdp.yaml")
+    code, out, _ = run(["search", "--from", config, "--hardware", "h100-sxm", "--dims", "tp", "--json"], capsys)
+    notes = json.loads(out)["notes"]
+    assert any("--from: the search cannot carry these settings of the file, so its candidates run without them "
+               "(ndplan's defaults): shard_group 8" in note for note in notes), notes

@@ -609,6 +609,16 @@ def test_emit_lists_what_the_format_cannot_express():
     assert "written as Megatron-FSDP, which reshards" in text and "pipeline_runs=2" in text
 
 
+@pytest.mark.parametrize("fmt", ["megatron", "torchtitan", "hyperparallel", "mindformers"])
+def test_emit_takes_a_preset_name_for_the_model(fmt):
+    """A fuzzing review: emit("llama-3.1-8b", ...) dropped the name and wrote a model-less file."""
+    s = Strategy(dp=2, tp=2, pp=2, micro_batch_size=1, num_micro_batches=4)
+    assert emit("llama-3.1-8b", s, fmt) == emit(get_preset("llama-3.1-8b"), s, fmt)
+    with pytest.raises(NdplanError, match="emit's model must be a ModelSpec, a preset name or a model file path, "
+                                          "got int"):
+        emit(8, s, fmt)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------- CLI pieces
 def _inspect_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
@@ -781,3 +791,37 @@ def test_flags_repeating_a_config_value_keep_what_it_derives():
     assert merge_settings(result, {"devices": 64})["shard_group"] == 8
     assert merge_settings(result, {"devices": 64, "tp": 2})["shard_group"] == 8
     assert "shard_group" not in merge_settings(result, {"devices": 128})
+
+
+def test_torchtitan_with_a_deepseek_model_given_builds_no_mtp(tmp_path):
+    """A fuzzing review: --model deepseek-v3 over a torchtitan file priced MTP, which torchtitan's
+    DeepSeek-V3 does not build (and the emit check could not see the difference)."""
+    text = (Path(__file__).parent / "fixtures" / "io" / "torchtitan_deepseek_v3_16b.toml").read_text()
+    path = tmp_path / "job.toml"
+    path.write_text(text.replace('flavor = "16B"', 'flavor = "671B"'))
+    read = read_config(path, model="deepseek-v3")
+    assert read.model is not None and read.model.mtp_depth == 0
+    assert any("torchtitan's deepseek_v3 model builds no MTP module; --model deepseek-v3's mtp_depth 1 is left out"
+               in w for w in read.warnings), read.warnings
+    # the emit check now sees it: the file runs mtp_depth 0 where MTP was priced
+    from ndplan.cli import _read_back
+    from ndplan.hardware import Cluster, resolve_device
+
+    model, device = get_preset("deepseek-v3"), resolve_device("h100-sxm")
+    s = Strategy(dp=64, pp=16, ep=64, zero=3, fsdp=True, recompute="full", num_micro_batches=32,
+                 global_batch_size=2048, precision="fsdp-bf16")
+    check = _read_back(model, s, emit(model, s, "torchtitan"), "torchtitan", Cluster(device=device, num_devices=1024),
+                       MemoryOptions(runtime="pytorch"), device.memory_bytes)
+    assert "mtp_depth 0 (priced 1)" in check["differs"]
+
+
+def test_an_unset_node_count_leaves_the_world_size_to_devices(tmp_path):
+    """A fuzzing review: `--nnodes $NNODES` (unset) read as one node, so --devices 16, which the
+    warning advised, was refused as "the launch command gives 8 devices"."""
+    path = tmp_path / "launch.sh"
+    path.write_text("torchrun --nproc_per_node 8 --nnodes $NNODES pretrain_gpt.py --num-layers 32\n")
+    read = read_config(path, model="llama-3.1-8b", devices=16)
+    assert read.devices == 16 and read.strategy(16).dp == 16
+    assert any("--nnodes ''" in w and "give --devices" in w for w in read.warnings), read.warnings
+    with pytest.raises(NdplanError, match="--devices 12 is not a whole number of nodes of --nproc_per_node 8 devices"):
+        read_config(path, model="llama-3.1-8b", devices=12)

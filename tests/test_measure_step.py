@@ -77,6 +77,18 @@ def test_json_round_trip() -> None:
     assert back.num_layers == 4 and back.allocated_bytes == 12
 
 
+def test_notes_that_are_not_a_list_are_named() -> None:
+    """A fuzzing review: ``notes: 1`` in a measure --out file was a TypeError traceback in verify."""
+    m = StepMeasurement(model="llama-3.1-8b", strategy=Strategy(precision="bf16-pure"),
+                        ranks=(RankMemory(stage=0, rank=0, allocated_bytes=10),), num_layers=4, source="test")
+    data = json.loads(json.dumps(m.to_dict()))
+    data["notes"] = 1
+    with pytest.raises(NdplanError, match=r"m.json: 'notes' must be a list of text, got 1"):
+        measurement_from_dict(data, "m.json")
+    data["notes"] = "one note"
+    assert measurement_from_dict(data).notes == ("one note",)
+
+
 def test_committed_examples_load() -> None:
     cluster = load_measurement(DATA / "example-cluster.json")
     assert cluster.strategy.pp == 2 and cluster.strategy.dp == 2

@@ -176,6 +176,14 @@ def test_a_huge_parallel_degree_in_a_launch_script_is_refused(tmp_path: Path) ->
     _refused_quickly(path, r"--pipeline-model-parallel-size: must be >= 1 and <= 1,048,576, got 99999999999")
 
 
+@pytest.mark.parametrize("flag, value", [("--micro-batch-size", "0"), ("--seq-length", "-5"),
+                                         ("--ffn-hidden-size", "0"), ("--num-attention-heads", "0")])
+def test_an_out_of_range_flag_without_an_upper_bound_names_the_flag(tmp_path: Path, flag: str, value: str) -> None:
+    path = tmp_path / "launch.sh"
+    path.write_text(f"torchrun --nproc_per_node 8 pretrain_gpt.py {flag} {value}\n")
+    _refused_quickly(path, rf"{flag}: must be >= 1, got {value}")
+
+
 def test_a_huge_layer_count_in_mindformers_yaml_is_refused(tmp_path: Path) -> None:
     path = _variant(tmp_path, "mindformers_deepseek3_671b.yaml", "num_layers: 61", "num_layers: 99999999999999999999")
     _refused_quickly(path, r"model.model_config.num_layers: must be <= 100,000, got 99999999999999999999")

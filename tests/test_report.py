@@ -618,3 +618,20 @@ def test_junk_input_is_refused_not_drawn(result: dict[str, Any], message: str) -
 
     with pytest.raises(NdplanError, match=re.escape(message)):
         render_html(result)
+
+
+def test_malformed_report_json_names_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fuzzing review: a null stage was an AttributeError, a quoted step_s a TypeError."""
+    from ndplan.cli import main
+
+    bad = tmp_path / "r.json"
+    bad.write_text('{"model": "llama-3.1-8b", "stages": [null]}')
+    assert main(["report", str(bad), "-o", str(tmp_path / "r.html")]) == 2
+    assert "stages[0] must be a mapping of a stage's figures, got null" in capsys.readouterr().err
+    assert main(["estimate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    data["time"]["step_s"] = "1.2"
+    bad.write_text(json.dumps(data))
+    assert main(["report", str(bad), "-o", str(tmp_path / "r.html")]) == 2
+    assert "time.step_s must be a number of seconds, got '1.2'" in capsys.readouterr().err

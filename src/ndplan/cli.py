@@ -46,9 +46,10 @@ def _emit_json(data: Any) -> None:
     print(json.dumps(data, indent=2))
 
 
-def _require(settings: dict[str, Any], key: str, flag: str) -> Any:
+def _require(settings: dict[str, Any], key: str, flag: str, elsewhere: str = " or in the --plan file") -> Any:
+    """``elsewhere``: where else the command reads the setting from (each command its own)."""
     if settings.get(key) is None:
-        raise NdplanError(f"missing {flag} (give it as a flag or in the --plan file)")
+        raise NdplanError(f"missing {flag} (give it as a flag{elsewhere})")
     return settings[key]
 
 
@@ -313,9 +314,11 @@ def cmd_balance(args: argparse.Namespace) -> int:
     data["recommended"] = ("given" if data["given"]["fits"] and (
         not balanced_fits or data["estimated_step_s"] >= data["given"]["step_s"])
         else "balanced" if balanced_fits else "neither")
+    # The file written does not fit as it reads back: said, and the exit status says it too.
+    written_unfit = bool(args.emit) and data["emitted_check"]["fits"] is False
     if args.json:
         _emit_json(data)
-        return 0
+        return 1 if written_unfit else 0
     table = Table(title=f"{model.name} — {strategy.short()} — balanced under {format_bytes(limit)} ({result.solver}, "
                         f"{result.solve_seconds:.2f} s)")
     for col in ["stage", "layers before", "memory before", "time before", "layers after", "memory after", "time after"]:
@@ -391,6 +394,12 @@ def cmd_balance(args: argparse.Namespace) -> int:
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
+    if written_unfit:
+        check = data["emitted_check"]
+        print(f"ndplan: warning: the {args.emit} settings written run over the limit as they read back (peak "
+              f"{format_bytes(check['peak_bytes'])} of {format_bytes(limit)} by the full estimators); exit status 1",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -632,6 +641,9 @@ def _seconds_or_unfit(value: float | None) -> str:
 
 # ---------------------------------------------------------------- search
 #: Search dimensions a config file read by --from sets (plan-file keys, as the space names them).
+#: A --from file's settings no search dimension holds: dropped from the candidates, each named.
+_FILE_DROPPED = ("shard_group", "reshard", "recompute_layers", "ulysses_degree", "optimizer_offload", "stage_layers",
+                 "embedding_as_layer", "output_as_layer")
 _FILE_FIXABLE = ("tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute")
 
 
@@ -684,9 +696,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         args.gbs = args.gbs or settings.get("gbs")
         args.seq = args.seq or settings.get("seq")
     else:
-        model = load_model(_require(vars(args), "model", "--model"))
+        model = load_model(_require(vars(args), "model", "--model", ", or --from a config"))
     for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
-        _require(vars(args), key, flag)
+        _require(vars(args), key, flag, "" if key == "hardware" else ", or --from a config that sets it")
     args.seq = args.seq or 4096
     device = device_from(args.hardware, args.efficiency)
     fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
@@ -698,7 +710,17 @@ def cmd_search(args: argparse.Namespace) -> int:
             kept.update({name: read.strategy_settings[name] for name in ("vpp", "seq_chunks")
                          if name not in fixed and name in read.strategy_settings})
         fixed.update({name: int(value) if isinstance(value, bool) else value for name, value in kept.items()})
+    from ndplan.io.common import PLAN_TO_FIELD
+
+    # What a search space cannot carry: the file's value is dropped, and said (not priced silently as the default).
+    dropped = [f"{name} {read.strategy_settings[name]!r}" for name in _FILE_DROPPED
+               if read is not None and name in read.strategy_settings
+               and read.strategy_settings[name] != getattr(Strategy(), PLAN_TO_FIELD[name])]
     offload_sets = _searched_sets(args, read, model, "offload")
+    # Priced as the framework builds the model: torchtitan's model classes have no MTP module.
+    no_mtp = args.emit == "torchtitan" and model.mtp_depth > 0
+    if no_mtp:
+        model = model.model_copy(update={"mtp_depth": 0})
 
     options = _memory_options(args, {"overlap": args.overlap}, read, device)
     # Priced as the user's framework runs: a file states its precision; a format that cannot
@@ -749,6 +771,12 @@ def cmd_search(args: argparse.Namespace) -> int:
                "; the search schedules each candidate's micro-batches in one run (one bubble a step), which a "
                "framework that accumulates outside the pipeline reaches with one accumulation step; search the "
                "runs with --dims ... pipeline_runs"))
+    if dropped:
+        result.notes.append(f"--from: the search cannot carry these settings of the file, so its candidates run "
+                            f"without them (ndplan's defaults): {', '.join(dropped)}")
+    if no_mtp:
+        result.notes.append("candidates priced without MTP (mtp_depth 0): torchtitan builds no multi-token-prediction "
+                            "module, so the settings --emit torchtitan writes run none")
     if not result.ranked:
         result.notes.extend(_what_would_fit(result, model, device, args.devices, space_on, options))
     elif args.balance:
@@ -1044,12 +1072,23 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
     return notes
 
 
+#: A search's CSV columns where nothing fits (no row to take them from): the header alone,
+#: so that a script reading the file finds the columns and no rows, not an empty file.
+_CSV_COLUMNS = (
+    "candidate", "label", "dp", "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "vpp", "schedule", "seq_chunks",
+    "zero", "fsdp", "recompute", "recompute_modules", "offload_modules", "mbs", "num_micro_batches",
+    "pipeline_runs", "peak_bytes", "peak_stage", "step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
+    "model_flops", "hardware_flops", "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s",
+    "optimizer_s", "caveats", "headroom",
+)
+
+
 def _write_csv(path: str, rows: list[dict[str, Any]]) -> None:
     """One line per ranked row; every column any row has (balanced rows add some), lists and
     mappings (caveats, a balanced plan's recompute ranges) as JSON."""
     import csv
 
-    columns = list(dict.fromkeys(k for row in rows for k in row if k != "strategy"))
+    columns = list(dict.fromkeys(k for row in rows for k in row if k != "strategy")) or list(_CSV_COLUMNS)
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

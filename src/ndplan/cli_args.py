@@ -157,6 +157,9 @@ def read_plan_file(path: Path) -> dict[str, Any]:
         raise NdplanError(f"{path}: unknown setting '{unknown[0]}'; known: {', '.join(sorted(_PLAN_KEYS))}")
     for key in sorted(_WHOLE_NUMBER_KEYS & set(data)):
         value = data[key]
+        if value is None and key not in ("devices", "gbs"):  # (devices and gbs: null reads as not given)
+            raise NdplanError(f"{path}: setting '{key}' must be a whole number, got null (leave it out for "
+                              f"the default)")
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise NdplanError(f"{path}: setting '{key}' must be a whole number, got {value!r}")
     for key, most in (("devices", MAX_DEGREE), ("gbs", MAX_SEQUENCES)):  # 0 would read as "not given"

@@ -327,6 +327,10 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
     known = {"schema", "schema_version", "model", "num_layers", "strategy", "attention", "source", "ranks", "notes"}
     provenance = {k: v for k, v in data.items() if k not in known}
     notes = data.get("notes") or ()
+    if isinstance(notes, str):
+        notes = (notes,)
+    elif not isinstance(notes, (list, tuple)):  # notes: 1 was a TypeError traceback in verify
+        raise NdplanError(f"{source}: 'notes' must be a list of text, got {notes!r}")
     return StepMeasurement(
         model=model, strategy=strategy, ranks=tuple(ranks), num_layers=num_layers,
         attention=attention, source=str(data.get("source", "")),

@@ -155,7 +155,7 @@ def _normalise(result: ReadResult) -> None:
         result.strategy_settings["precision"] = precision_setting(normal.precision)
 
 
-def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | None, fmt: str,
+def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | ModelSpec | None, fmt: str,
          overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash",
          selective_policy: str | None = None, grouped_gemm: bool = True, loss_parallel: bool | None = None,
          moe_capacity_factor: float | None = None, moe_imbalance: float = 1.0) -> str:
@@ -186,7 +186,11 @@ def emit(model: ModelSpec | Strategy | None, strategy: Strategy | ModelSpec | No
         raise NdplanError("emit needs a Strategy")
     if fmt not in EMIT_FORMATS:
         raise NdplanError(f"unknown output format '{fmt}'; known: {', '.join(EMIT_FORMATS)}")
-    model = model if isinstance(model, ModelSpec) else None
+    if isinstance(model, (str, Path)):
+        model = load_model(str(model))  # a preset name or a model file, as read_config takes it
+    elif model is not None and not isinstance(model, ModelSpec):
+        raise NdplanError(f"emit's model must be a ModelSpec, a preset name or a model file path, "
+                          f"got {type(model).__name__}")
     # A pricing assumption, not a setting: said so that a read-back is priced alike.
     imbalance = (f"# ndplan: priced with --moe-imbalance {moe_imbalance:g} (the busiest rank's routed tokens over "
                  "balanced routing), an assumption no setting here holds: give it again to price this file\n"

@@ -40,7 +40,8 @@ def add_from_argument(parser: argparse.ArgumentParser) -> None:
                        help="read model, strategy and cluster from a Megatron-LM/MindSpeed launch script or argument "
                             "file, a torchtitan TOML, a HyperParallel or MindFormers YAML, or a config.json "
                             "(flags and --plan settings win; in a search with --dims, the dimensions not "
-                            "searched keep the file's values)")
+                            "searched keep the file's values; the settings a search cannot carry (HSDP shard group, reshard, "
+                            "recompute of some layers, ...) are dropped, each named in a note)")
     group.add_argument("--from-format", choices=READ_FORMATS, help="the config's format (default: detected)")
 
 
@@ -77,6 +78,8 @@ def merge_settings(result: ReadResult | None, settings: dict[str, Any]) -> dict[
         _keep_local_batch(result, merged, given)
     if given.get("recompute", "selective") != "selective" and "recompute_modules" not in given:
         merged.pop("recompute_modules", None)  # a recompute that is not selective re-runs no modules
+    if given.get("zero", 3) != 3 and "fsdp" not in given:
+        merged.pop("fsdp", None)  # --zero 1 over a file's FSDP: the flag wins (FSDP is ZeRO-3 only)
     merged.update(given)
     return merged
 

@@ -105,6 +105,9 @@ def interpret(
 
     flag_model = model_from_flags(args, base, tp, warnings, notes)
     model = flag_model.model
+    if world is None and devices and per_node and devices % per_node:
+        raise args.src.error("world size", f"--devices {devices} is not a whole number of nodes of "
+                             f"--nproc_per_node {per_node} devices", world_line)
     _world(args, settings, devices, world, world_line, notes, warnings)
     dp = settings.get("dp")
 

@@ -75,7 +75,8 @@ class Args:
         except NdplanError:
             why = f" ({arg.note()})" if arg.note() else ""
             if re.fullmatch(r"[+-]?\d+", value.strip()):
-                bounds = [f">= {minimum}"] * (minimum is not None) + [f"<= {maximum:,}"] * (maximum is not None)
+                bounds = ([f">= {minimum}"] if minimum is not None else []) + (
+                    [f"<= {maximum:,}"] if maximum is not None else [])
                 raise self.error(arg, f"must be {' and '.join(bounds)}, got {value}") from None
             raise self.error(arg, f"expected an integer, got {value!r}{why}") from None
 
@@ -214,10 +215,13 @@ def world_from_launcher(src: Source, launcher: Sequence[Word], warnings: list[st
         return None, None
     per_node = _launcher_int(src, _option(launcher, "--nproc_per_node", "--nproc-per-node", "--num_gpus", "--num-gpus",
                                           "--local_worker_num"), "--nproc_per_node", warnings)
-    nodes = _launcher_int(src, _option(launcher, "--nnodes", "--num_nodes", "--num-nodes"), "--nnodes", warnings)
+    nodes_word = _option(launcher, "--nnodes", "--num_nodes", "--num-nodes")
+    nodes = _launcher_int(src, nodes_word, "--nnodes", warnings)
     total = _launcher_int(src, _option(launcher, "--worker_num"), "--worker_num", warnings)
     if total:
         return total, per_node
+    if per_node and nodes_word is not None and nodes is None:
+        return None, per_node  # an unreadable node count ($NNODES unset): --devices gives the world size
     if per_node:
         return per_node * (nodes or 1), per_node
     return None, None

@@ -109,6 +109,11 @@ def _model(model: Section, base: ModelSpec | None, warnings: list[str], notes: l
             warnings.append(f"{model.src.where(model.line('flavor'))}: model {name} {flavor} has "
                             f"{get_preset(preset).num_layers} layers but --model {base.name} has {base.num_layers}; "
                             "using --model")
+        if base.mtp_depth and name in {n for n, _ in FLAVOURS}:
+            # torchtitan's model classes build no multi-token-prediction module, whatever --model says.
+            warnings.append(f"{model.src.where(model.line('name'))}: torchtitan's {name} model builds no MTP module; "
+                            f"--model {base.name}'s mtp_depth {base.mtp_depth} is left out (priced with mtp_depth 0)")
+            return base.model_copy(update={"mtp_depth": 0})
         return base
     if preset is None:
         warnings.append(f"{model.src.where(model.line('flavor'))}: model.flavor: no ndplan preset for torchtitan "

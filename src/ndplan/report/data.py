@@ -190,6 +190,9 @@ def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """
     out = []
     for index, stage in enumerate(stages):
+        if not isinstance(stage, Mapping):  # null or a number for a stage: named, not an AttributeError
+            raise NdplanError(f"stages[{index}] must be a mapping of a stage's figures, got "
+                              f"{'null' if stage is None else type(stage).__name__}")
         for key, value in stage.items():
             # A figure the input states must be one: junk read as 0 drew a page of zeros.
             if key.endswith("_bytes") and value is not None and not _plain_bytes(value):
@@ -356,13 +359,18 @@ def find_perf(result: Mapping[str, Any]) -> dict[str, Any] | None:
     """The step-time report in a result or a row: nested (``breakdown``) or flat (``compute_s`` ...)."""
     perf = _first(result, PERF_KEYS)
     if isinstance(perf, Mapping) and ("step_s" in perf or "breakdown" in perf):
-        return _with_breakdown(perf)
+        where = next((f"{key}." for key in PERF_KEYS if result.get(key) is perf), "")
+        return _with_breakdown(perf, where)
     if "step_s" in result and (isinstance(result.get("breakdown"), Mapping) or "compute_s" in result):
         return _with_breakdown(result)
     return None
 
 
-def _with_breakdown(perf: Mapping[str, Any]) -> dict[str, Any]:
+def _with_breakdown(perf: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    step = perf.get("step_s")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))):
+        # a quoted "1.2" was a TypeError traceback where the page formats it
+        raise NdplanError(f"{where}step_s must be a number of seconds, got {step!r}")
     out = dict(perf)
     if not isinstance(out.get("breakdown"), Mapping) and "compute_s" in out:
         out["breakdown"] = {
