@@ -951,11 +951,74 @@ def test_balance_emit_exits_nonzero_when_the_written_file_does_not_fit(capsys):
     assert code == 1 and json.loads(out)["emitted_check"]["fits"] is False
 
 
-def test_search_from_names_the_file_settings_it_drops(capsys):
+def _ranked_row(out: str, strategy: dict) -> dict:
+    """The ranked row of a search's JSON whose strategy is ``strategy`` (an estimate's)."""
+    for row in json.loads(out)["ranked"]:
+        if all(row["strategy"][name] == strategy[name] for name in row["strategy"] if name != "stage_layers"):
+            return row
+    raise AssertionError(f"no ranked row runs {strategy}")
+
+
+def _search_matches_estimate(argv, capsys, step_rel=1e-9):
+    code, out, _ = run(["search", *argv, "--json"], capsys)
+    assert code == 0
+    code, estimated, _ = run(["estimate", *[a for a in argv if a not in ("--dims", "tp")], "--json"], capsys)
+    assert code == 0
+    estimate = json.loads(estimated)
+    row = _ranked_row(out, estimate["strategy"])
+    assert row["peak_bytes"] == estimate["peak_bytes"]
+    assert row["step_s"] == pytest.approx(estimate["time"]["step_s"], rel=step_rel)
+    return json.loads(out), row
+
+
+def test_search_from_carries_the_hsdp_shard_group(capsys):
     """A fuzzing review: search --from a HyperParallel HSDP file ranked its strategy with
-    shard_group 0 (26.10 GiB where `estimate --from` gives 32.63 GiB) and said nothing."""
+    shard_group 0 (26.10 GiB / 8.521 s where `estimate --from` gives 32.63 GiB / 8.565 s)."""
     config = str(Path(__file__).parent / "fixtures" / "io" / "hyperparallel_qwen3_moe_hsdp.yaml")
-    code, out, _ = run(["search", "--from", config, "--hardware", "h100-sxm", "--dims", "tp", "--json"], capsys)
-    notes = json.loads(out)["notes"]
-    assert any("--from: the search cannot carry these settings of the file, so its candidates run without them "
-               "(ndplan's defaults): shard_group 8" in note for note in notes), notes
+    result, row = _search_matches_estimate(["--from", config, "--hardware", "h100-sxm", "--dims", "tp"], capsys)
+    assert row["strategy"]["shard_group"] == 8 and row["peak_bytes"] == 35036858394
+    assert any("every candidate keeps these settings of the file" in note and "shard_group 8" in note
+               for note in result["notes"]), result["notes"]
+    assert not any("cannot carry" in note for note in result["notes"]), result["notes"]
+
+
+def test_search_from_hsdp_rejects_the_pipelines_the_shard_group_does_not_divide(capsys):
+    """pp searched: at pp 8 the dp·cp = 4 replicas hold no shard group of 8, which the rule rejects."""
+    config = str(Path(__file__).parent / "fixtures" / "io" / "hyperparallel_qwen3_moe_hsdp.yaml")
+    code, out, _ = run(["search", "--from", config, "--hardware", "h100-sxm", "--dims", "pp", "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0 and result["rejected"]["shard_group_divides_dp"] == 2
+    assert {row["strategy"]["shard_group"] for row in result["ranked"]} == {8}
+    assert {row["pp"] for row in result["ranked"]} == {1, 2, 4}
+
+
+def _megatron_recompute_script(tmp_path: Path, layers: int) -> str:
+    text = (Path(__file__).parent / "fixtures" / "io" / "megatron_llama3_70b.sh").read_text()
+    assert "    --recompute-activations\n" in text
+    path = tmp_path / "pretrain_recompute_block.sh"
+    path.write_text(text.replace("    --recompute-activations\n", "    --recompute-granularity full --recompute-method "
+                                 f"block --recompute-num-layers {layers}\n"))
+    return str(path)
+
+
+def test_search_from_carries_megatron_block_recompute(capsys, tmp_path):
+    """--recompute-num-layers 2 (block) was searched as full recompute of every layer."""
+    script = _megatron_recompute_script(tmp_path, 2)
+    argv = ["--from", script, "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--dims", "tp"]
+    # (estimate --from times this script 1 ms longer than the search, with or without the limit.)
+    _, row = _search_matches_estimate(argv, capsys, step_rel=1e-4)
+    assert row["strategy"]["recompute"] == "full" and row["strategy"]["recompute_layers"] == 2
+    code, out, _ = run(["search", *argv[:-1], "recompute", "--json"], capsys)
+    limits = {row["recompute"]: row["strategy"]["recompute_layers"] for row in json.loads(out)["ranked"]}
+    assert code == 0 and limits == {"none": 0, "selective": 2, "full": 2}, limits
+
+
+def test_search_from_recompute_limit_rejects_the_stages_it_exceeds(capsys, tmp_path):
+    """pp searched: a limit of 4 layers exceeds pp 8's stages (80 layers in 32 virtual stages:
+    3 at most), which the rule rejects; the others keep it."""
+    script = _megatron_recompute_script(tmp_path, 4)
+    code, out, _ = run(["search", "--from", script, "--model", "llama-3.1-70b", "--hardware", "h100-sxm",
+                        "--dims", "pp", "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0 and result["rejected"]["recompute_layers_fit_stage"] == 1
+    assert {(row["pp"], row["strategy"]["recompute_layers"]) for row in result["ranked"]} == {(2, 4), (4, 4)}

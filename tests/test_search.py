@@ -781,3 +781,30 @@ def test_module_sets_bring_selective_recompute_with_them():
     assert space.recompute == ("none", "selective") and len(space.recompute_modules) > 1
     with pytest.raises(NdplanError, match="recompute is fixed to full: fix recompute=selective"):
         default_space(llama, DEVICE, 8, 16, 4096, dims=["tp"], fixed={"recompute": "full", "recompute_modules": "mlp"})
+
+
+def test_carried_settings_apply_where_they_mean_something_and_the_rules_judge_the_rest():
+    """A space's carried settings (a --from file's) are every candidate's where they mean
+    something; a hybrid cp_kind is a whole setting with a carried Ulysses degree, and the cp
+    values it does not divide are rejected by the rule."""
+    model, device = get_preset("llama-3.1-8b"), get_device("h100-sxm")
+    space = default_space(model, device, 64, 64, 32768, dims=("cp", "zero", "recompute"),
+                          fixed={"cp_kind": "hybrid", "tp": 2},
+                          carried={"ulysses_degree": 2, "shard_group": 4, "recompute_layers": 3,
+                                   "optimizer_offload": True})
+    batch = StrategyBatch.concat([b for _, b in space.blocks()])
+    hybrid, recomputes = batch.is_("cp_kind", "hybrid"), ~batch.is_("recompute", "none")
+    assert hybrid.all() and (batch.ulysses_degree == 2).all()
+    assert ((batch.shard_group == 4) == (batch.zero > 0)).all()
+    assert ((batch.recompute_layers == 3) == recomputes).all()
+    assert (batch.optimizer_offload == 1).all()
+    result = run_search(model, device, space)
+    assert result.rejected["cp_hybrid_degree"] > 0 and result.rejected["shard_group_needs_zero"] == 0
+    for row in result.ranked:
+        strategy = Strategy(**row["strategy"])
+        assert strategy.cp >= 2 and strategy.ulysses_degree == 2 and strategy.optimizer_offload
+        assert check_strategy(strategy, model, 64) == []
+    with pytest.raises(NdplanError, match="did you mean 'shard_group'"):
+        default_space(model, device, 64, 64, 4096, carried={"shardgroup": 2})
+    with pytest.raises(NdplanError, match="allowed values are ring, ulysses"):
+        default_space(model, device, 64, 64, 4096, fixed={"cp_kind": "hybrid"})

@@ -641,10 +641,22 @@ def _seconds_or_unfit(value: float | None) -> str:
 
 # ---------------------------------------------------------------- search
 #: Search dimensions a config file read by --from sets (plan-file keys, as the space names them).
-#: A --from file's settings no search dimension holds: dropped from the candidates, each named.
-_FILE_DROPPED = ("shard_group", "reshard", "recompute_layers", "ulysses_degree", "optimizer_offload", "stage_layers",
+#: A --from file's settings no search dimension holds, carried to every candidate as constants of
+#: the space (``SearchSpace.carried``; plan-file keys), each where it means something.
+_FILE_CARRIED = ("shard_group", "reshard", "recompute_layers", "ulysses_degree", "optimizer_offload",
                  "embedding_as_layer", "output_as_layer")
+#: A --from file's settings the search cannot carry: dropped from the candidates, each named.
+_FILE_DROPPED = ("stage_layers",)
 _FILE_FIXABLE = ("tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute")
+
+
+def _carried_note(name: str, value: Any) -> str:
+    """How the search applies a --from file's setting it carries (plan-file key ``name``)."""
+    where = {"shard_group": "where zero > 0; dp·cp must be a multiple of it",
+             "reshard": "the ZeRO-3 candidates, under a pipeline or not",
+             "recompute_layers": "where the candidate recomputes; a stage must hold that many layers",
+             "ulysses_degree": "under hybrid context parallelism; it must divide cp"}.get(name)
+    return f"{name} {value!r}" + (f" ({where})" if where else "")
 
 
 def _parse_fix(items: list[str]) -> dict[str, int | str]:
@@ -712,10 +724,14 @@ def cmd_search(args: argparse.Namespace) -> int:
         fixed.update({name: int(value) if isinstance(value, bool) else value for name, value in kept.items()})
     from ndplan.io.common import PLAN_TO_FIELD
 
-    # What a search space cannot carry: the file's value is dropped, and said (not priced silently as the default).
-    dropped = [f"{name} {read.strategy_settings[name]!r}" for name in _FILE_DROPPED
-               if read is not None and name in read.strategy_settings
-               and read.strategy_settings[name] != getattr(Strategy(), PLAN_TO_FIELD[name])]
+    # The file's settings no dimension holds: carried as constants of the space where it can,
+    # else dropped, and said (not priced silently as the default).
+    file_settings = read.strategy_settings if read is not None else {}
+    stated = {name: file_settings[name] for name in (*_FILE_CARRIED, *_FILE_DROPPED)
+              if name != "reshard" and name in file_settings
+              and file_settings[name] != getattr(Strategy(), PLAN_TO_FIELD[name])}
+    carried = {PLAN_TO_FIELD[name]: value for name, value in stated.items() if name in _FILE_CARRIED}
+    dropped = [f"{name} {value!r}" for name, value in stated.items() if name in _FILE_DROPPED]
     offload_sets = _searched_sets(args, read, model, "offload")
     # Priced as the framework builds the model: torchtitan's model classes have no MTP module.
     no_mtp = args.emit == "torchtitan" and model.mtp_depth > 0
@@ -723,6 +739,13 @@ def cmd_search(args: argparse.Namespace) -> int:
         model = model.model_copy(update={"mtp_depth": 0})
 
     options = _memory_options(args, {"overlap": args.overlap}, read, device)
+    # Megatron runs FSDP under a pipeline only resharding (Megatron-FSDP)
+    reshard_under_pipeline = runtime_reshard_under_pipeline(options) or args.emit == "megatron"
+    # A ZeRO-3 file's resharding, where the runtime's policy gives its own strategy another
+    # (a torchtitan "always" or "never"; a policy that follows the pipeline stays the runtime's).
+    if file_settings.get("zero") == 3 and "reshard" in file_settings \
+            and bool(file_settings["reshard"]) != (reshard_under_pipeline or file_settings.get("pp", 1) == 1):
+        stated["reshard"] = carried["reshard_after_forward"] = bool(file_settings["reshard"])
     # Priced as the user's framework runs: a file states its precision; a format that cannot
     # write Megatron's (torchtitan's fp32 FSDP shards, MindSpore's one dtype) runs its own.
     if args.precision is not None:
@@ -739,8 +762,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         return default_space(model, device, devices, args.gbs, args.seq, precision,
                              dims=tuple(args.dims) if args.dims else None, fixed=fixed,
                              recompute_modules=recompute_sets, offload_modules=offload_sets,
-                             # Megatron runs FSDP under a pipeline only resharding (Megatron-FSDP)
-                             reshard_under_pipeline=runtime_reshard_under_pipeline(options) or args.emit == "megatron")
+                             reshard_under_pipeline=reshard_under_pipeline, carried=carried)
 
     space = space_on(args.devices)
     limit = _memory_limit(args.memory_limit, device)
@@ -771,6 +793,11 @@ def cmd_search(args: argparse.Namespace) -> int:
                "; the search schedules each candidate's micro-batches in one run (one bubble a step), which a "
                "framework that accumulates outside the pipeline reaches with one accumulation step; search the "
                "runs with --dims ... pipeline_runs"))
+    if carried:
+        result.notes.append("--from: every candidate keeps these settings of the file, which no search dimension "
+                            "holds: " + "; ".join(_carried_note(name, value) for name, value in stated.items()
+                                                  if name in _FILE_CARRIED)
+                            + " (a candidate they are invalid for is rejected by the rule named in 'rejected')")
     if dropped:
         result.notes.append(f"--from: the search cannot carry these settings of the file, so its candidates run "
                             f"without them (ndplan's defaults): {', '.join(dropped)}")

@@ -40,8 +40,12 @@ def add_from_argument(parser: argparse.ArgumentParser) -> None:
                        help="read model, strategy and cluster from a Megatron-LM/MindSpeed launch script or argument "
                             "file, a torchtitan TOML, a HyperParallel or MindFormers YAML, or a config.json "
                             "(flags and --plan settings win; in a search with --dims, the dimensions not "
-                            "searched keep the file's values; the settings a search cannot carry (HSDP shard group, reshard, "
-                            "recompute of some layers, ...) are dropped, each named in a note)")
+                            "searched keep the file's values; the file's settings no dimension holds (HSDP shard "
+                            "group, reshard, recompute of some layers, Ulysses degree, optimizer offload, embedding "
+                            "and output as layers) are kept by every candidate where they mean something, and a "
+                            "candidate they are invalid for (a shard group not dividing dp·cp, a limit above its "
+                            "stages' layers) is rejected by the rule, counted; its stage_layers are dropped, named "
+                            "in a note)")
     group.add_argument("--from-format", choices=READ_FORMATS, help="the config's format (default: detected)")
 
 

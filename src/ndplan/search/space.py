@@ -102,7 +102,21 @@ FIELD_DIMENSIONS: dict[str, tuple[str, ...]] = {
     "seq_chunks": ("schedule",), "zero": ("zero",), "fsdp": ("zero",), "reshard_after_forward": ("zero", "pp"),
     "micro_batch_size": ("mbs",), "recompute": ("recompute",), "pipeline_runs": ("pipeline_runs",),
     "dp": ("tp", "pp", "cp"), "num_micro_batches": ("tp", "pp", "cp", "mbs", "pipeline_runs"),
+    # The settings a space carries (``SearchSpace.carried``) apply where the candidate's values give them a meaning.
+    "shard_group": ("zero",), "recompute_layers": ("recompute",), "ulysses_degree": ("cp_kind",),
 }
+
+#: Strategy fields no dimension searches that a space may carry, one value for every candidate
+#: (``SearchSpace.carried``: a launch file's, read by ``search --from``). Each applies where it
+#: means something: the HSDP shard group to the candidates that shard (zero > 0), the recompute
+#: limit to those that recompute, the Ulysses degree to hybrid context parallelism, resharding off
+#: to ZeRO-3; where the candidate's other values make it invalid (a shard group that does not
+#: divide dp·cp, a limit above a stage's layers, a Ulysses degree that does not divide cp) the
+#: rules reject the candidate, counted under the rule's name.
+CARRIED_FIELDS: tuple[str, ...] = (
+    "shard_group", "reshard_after_forward", "optimizer_offload", "recompute_layers", "ulysses_degree",
+    "embedding_as_layer", "output_as_layer",
+)
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
@@ -158,6 +172,9 @@ class SearchSpace:
     #: always do. torchtitan's default policy does not under a pipeline (each micro-batch would
     #: gather again), which the pytorch runtime follows (``default_space``).
     reshard_under_pipeline: bool = True
+    #: Settings no dimension searches, each one value for the whole space (``CARRIED_FIELDS``:
+    #: Strategy field names, booleans as 0/1); absent ones take Strategy's defaults.
+    carried: dict[str, int] = field(default_factory=dict)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -286,7 +303,26 @@ class SearchSpace:
             "reshard_after_forward": 1 if self.reshard_under_pipeline else
             ((column["zero"] != 3) | (pp == 1)).astype(np.int64),
         }
+        if self.carried:
+            columns |= self._carried_columns(columns)
         return StrategyBatch.from_columns(columns, self.precision, owned=True, **shared)
+
+    def _carried_columns(self, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray | int]:
+        """The ``carried`` settings' columns for the candidates of ``columns``: each where it means
+        something (``CARRIED_FIELDS``), else the default; the rules judge the rest."""
+        out: dict[str, np.ndarray | int] = {}
+        for name, value in self.carried.items():
+            if name == "shard_group":
+                out[name] = np.where(columns["zero"] > 0, value, 0)
+            elif name == "recompute_layers":
+                out[name] = np.where(columns["recompute"] != encode("recompute", "none"), value, 0)
+            elif name == "ulysses_degree":
+                out[name] = np.where(columns["cp_kind"] == encode("cp_kind", "hybrid"), value, 1)
+            elif name == "reshard_after_forward":  # on: every candidate; off: the ZeRO-3 ones keep parameters
+                out[name] = value or (columns["zero"] != 3).astype(np.int64)
+            else:
+                out[name] = value
+        return out
 
     def duplicates(self, index: np.ndarray) -> np.ndarray:
         """Candidates that are another candidate under a second name: etp "same as tp" when
@@ -378,6 +414,7 @@ def default_space(
     recompute_modules: Sequence[str] | Sequence[Sequence[str]] = (),
     offload_modules: Sequence[str] | Sequence[Sequence[str]] = (),
     reshard_under_pipeline: bool = True,
+    carried: Mapping[str, int | bool] | None = None,
 ) -> SearchSpace:
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
@@ -397,7 +434,10 @@ def default_space(
     to search (() offloads nothing); ``dims`` naming "offload_modules" searches
     ``offload_sets(model)``. ``reshard_under_pipeline``: whether FSDP candidates with a pipeline
     reshard parameters after forward (Megatron-FSDP does; torchtitan's default policy, and so the
-    pytorch runtime, does not: ``runtime_reshard_under_pipeline``)."""
+    pytorch runtime, does not: ``runtime_reshard_under_pipeline``). ``carried``: settings no
+    dimension searches, one value for every candidate (``CARRIED_FIELDS``, Strategy field names:
+    a launch file's HSDP shard group, recompute limit, ...), each applied where the candidate's
+    values give it a meaning; the rules reject the candidates it is invalid for."""
     from ndplan.hardware import as_device
     from ndplan.model import as_model
 
@@ -414,6 +454,7 @@ def default_space(
         raise NdplanError(f"fixed must be a mapping of dimension names to values (e.g. {{'tp': 8}}), "
                           f"got {type(fixed).__name__}")
     fixed = dict(fixed or {})
+    constants = _carried(carried or {})
     given = _module_sets(recompute_modules)
     if "recompute_modules" in fixed:
         given = (parse_module_set(str(fixed["recompute_modules"])),)
@@ -491,6 +532,8 @@ def default_space(
         elif name in ("cp_kind", "recompute"):
             # Hybrid context parallelism needs a Ulysses degree, which the search does not vary.
             allowed = SEARCHED_CP_KINDS if name == "cp_kind" else RECOMPUTES
+            if name == "cp_kind" and constants.get("ulysses_degree", 1) > 1:
+                allowed = (*allowed, "hybrid")  # the carried Ulysses degree makes hybrid a whole setting
             if str(value) not in allowed:
                 raise NdplanError(f"--fix {name}={value}: allowed values are {', '.join(allowed)}")
             chosen[name] = (str(value),)
@@ -524,8 +567,28 @@ def default_space(
     return SearchSpace(
         **{name: tuple(chosen[name]) for name in DIMENSIONS},
         num_devices=num_devices, global_batch_size=global_batch_size, seq_length=seq_length,
-        precision=precision, fixed=fixed, reshard_under_pipeline=reshard_under_pipeline,
+        precision=precision, fixed=fixed, reshard_under_pipeline=reshard_under_pipeline, carried=constants,
     )
+
+
+def _carried(carried: Mapping[str, int | bool]) -> dict[str, int]:
+    """``carried`` as ints (booleans 0/1) in Strategy's ranges, leaving out Strategy's defaults;
+    an unknown name or a bad value is an NdplanError."""
+    if not isinstance(carried, Mapping):
+        raise NdplanError(f"carried must be a mapping of Strategy field names to values, got {type(carried).__name__}")
+    out: dict[str, int] = {}
+    for name, value in carried.items():
+        if name not in CARRIED_FIELDS:
+            raise NdplanError(f"a search space carries none of '{name}'{did_you_mean(name, CARRIED_FIELDS)}; "
+                              f"it carries {', '.join(CARRIED_FIELDS)}")
+        try:
+            checked = getattr(Strategy(**{name: value}), name)
+        except ValueError as error:  # pydantic's ValidationError is a ValueError
+            raise NdplanError(f"carried {name}={value!r}: {error}") from None
+        # (Resharding on is the default of a strategy, not of a space: ``reshard_under_pipeline``.)
+        if checked != getattr(Strategy(), name) or name == "reshard_after_forward":
+            out[name] = int(checked)
+    return out
 
 
 def runtime_reshard_under_pipeline(options: MemoryOptions) -> bool:
