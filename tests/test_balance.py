@@ -255,3 +255,21 @@ def test_balance_takes_names_and_sizes_and_names_a_bad_limit():
         balance("llama-3.1-8b", {"pp": 4}, cluster, 40 * GIB)
     with pytest.raises(NdplanError, match="options must be a MemoryOptions"):
         balance("llama-3.1-8b", strategy, cluster, 40 * GIB, "megatron")
+
+
+def test_stepped_settings_step_toward_more_memory_saving_along_the_settings_axis():
+    """The steps ``step_up_settings`` tries, nearest first: rc-full:k to k + 1 ... every layer;
+    selective to full; none to selective (where runnable) then full; full everywhere: none."""
+    from ndplan.balance.build import _leading_layers_plan, _one_setting, stepped_settings
+
+    layers = (3, 4)
+    def settings(plan):
+        return [_one_setting(p) for p in stepped_settings(plan)]
+    assert settings(_leading_layers_plan(layers, "full", 2)) == [("full", 3), ("full", 0)]
+    assert settings(_leading_layers_plan(layers, "full", 3)) == [("full", 0)]
+    assert settings(_leading_layers_plan(layers, "full", 0)) == []
+    assert settings(_leading_layers_plan(layers, "selective", 0)) == [("full", 0)]
+    assert settings(_leading_layers_plan(layers, "none", 0)) == [("selective", 0), ("full", 0)]
+    assert [_one_setting(p) for p in stepped_settings(_leading_layers_plan(layers, "none", 0), ("none", "full"))] == [
+        ("full", 0)]
+    assert all(p.stage_layers == layers for p in stepped_settings(_leading_layers_plan(layers, "full", 1)))

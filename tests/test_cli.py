@@ -940,15 +940,43 @@ def test_zero_flag_overrides_a_files_fsdp(capsys):
     assert code == 0 and json.loads(out)["strategy"]["fsdp"] is True, err
 
 
-def test_balance_emit_exits_nonzero_when_the_written_file_does_not_fit(capsys):
-    """A fuzzing review: balance --emit mindformers wrote a plan over --memory-limit (by the full
-    estimators' read-back) and exited 0."""
-    argv = ["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--tp", "8", "--pp",
-            "4", "--sp", "--zero", "1", "--gbs", "256", "--memory-limit", "36GiB", "--emit", "mindformers"]
-    code, _, err = run(argv, capsys)
+_STEP_UP_ARGV = ["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--tp", "8",
+                 "--pp", "4", "--sp", "--zero", "1", "--gbs", "256", "--emit", "mindformers"]
+
+
+def test_balance_emit_steps_up_a_setting_the_full_estimator_finds_over_the_limit(capsys, tmp_path):
+    """The balancer's memory model put rc-full:16 under 36 GiB; the full estimator, reading the
+    written file back, 29.55 MiB over (it exited 1). One more recomputed layer a stage fits
+    (35.11 GiB): written, said, and exit 0."""
+    argv = [*_STEP_UP_ARGV, "--memory-limit", "36GiB"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "stepped up from rc-full:16 to rc-full:17: the balancer's plan was 29.55 MiB over by the full estimator" in out
+    code, out, err = run([*argv, "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["stepped_up"]["from"] == "rc-full:16" and data["stepped_up"]["to"] == "rc-full:17", err
+    assert data["stepped_up"]["estimated_peak_bytes"] > 36 * 2**30 and data["emitted_check"]["fits"] is True
+    assert data["balanced"]["strategy"]["recompute_layers"] == 17 and data["recommended"] == "balanced"
+    # The file written, read back and priced by the full estimator: it fits.
+    config = tmp_path / "emitted.yaml"
+    config.write_text(data["emitted"])
+    code, out, err = run(["estimate", "--model", "llama-3.1-70b", "--from", str(config), "--hardware", "h100-sxm",
+                          "--devices", "64", "--json"], capsys)
+    estimated = json.loads(out)
+    assert code == 0 and estimated["strategy"]["recompute_layers"] == 17, err
+    assert estimated["peak_bytes"] <= 36 * 2**30
+
+
+def test_balance_emit_exits_nonzero_when_no_step_up_fits(capsys):
+    """At 34 GiB the written rc-full:18 is over by the full estimator and so is every setting
+    saving more on its placement (rc-full:19, :20, every layer): the warning, exit status 1."""
+    argv = [*_STEP_UP_ARGV, "--memory-limit", "34GiB"]
+    code, out, err = run(argv, capsys)
     assert code == 1 and "the mindformers settings written run over the limit as they read back" in err, err
+    assert "stepped up" not in out
     code, out, _ = run([*argv, "--json"], capsys)
-    assert code == 1 and json.loads(out)["emitted_check"]["fits"] is False
+    data = json.loads(out)
+    assert code == 1 and data["emitted_check"]["fits"] is False and data["stepped_up"] is None
 
 
 def _ranked_row(out: str, strategy: dict) -> dict:

@@ -303,6 +303,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
     data["balanced"] = {**estimate(model, emitted, device, options, num_devices=strategy.world_size).to_dict(),
                         "strategy": emitted.model_dump(mode="json"), "time": emitted_time.to_dict()}
     data["kind"] = "balance"
+    stepped_up = _stepped_up_line(strategy, result, limit)
+    if stepped_up is not None:
+        data["stepped_up"] = {**data["stepped_up"], "from": stepped_up[0], "to": stepped_up[1], "note": stepped_up[2]}
     if args.emit:
         data["emitted"] = _emit_settings(model, emitted, args.emit, options, device)
         data["emitted_check"] = _read_back(model, emitted, data["emitted"], args.emit, cluster, options, limit)
@@ -363,6 +366,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"simulated {simulated:.3f} s), largest stage {format_bytes(float(cost.stage_memory_bytes.max()))} "
                       f"by the balancer's per-layer figures (the check below runs the full estimator); "
                       f"the per-layer mix above needs a framework that sets recompute layer by layer")
+    if stepped_up is not None:
+        console.print(stepped_up[2])
     if result.estimated_stage_bytes is not None:
         worst = float(result.estimated_stage_bytes.max())
         verdict = "fits" if worst <= limit else f"[bold red]over the limit by {format_bytes(worst - limit)}[/]"
@@ -401,6 +406,22 @@ def cmd_balance(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _stepped_up_line(strategy: Strategy, result: Any, limit: float) -> tuple[str, str, str] | None:
+    """(from, to, what to say) where the balancer's one-setting plan ran over the limit by the full
+    estimator and a setting saving more was written instead (``balance.build.step_up_settings``)."""
+    from ndplan.balance import plan_strategy
+    from ndplan.balance.build import settings_label
+
+    if result.stepped_from is None:
+        return None
+    plan, peak = result.stepped_from
+    before = settings_label(plan_strategy(strategy, plan, result.emitted_modules))
+    after = settings_label(plan_strategy(strategy, result.emitted_plan, result.emitted_modules))
+    return before, after, (f"stepped up from {before} to {after}: the balancer's plan was {format_bytes(peak - limit)} "
+                           f"over by the full estimator ({format_bytes(peak)} of {format_bytes(limit)}; the "
+                           f"balancer's memory model approximates it)")
 
 
 def _faster(before_s: float, after_s: float) -> str:

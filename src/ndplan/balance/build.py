@@ -278,6 +278,10 @@ class BalanceResult:
     #: With several selective policies tried: per policy ('+'-joined modules, "default" for the
     #: runtime's own), the step of its plan and of its one-setting plan (None where none fits).
     policy_steps: dict[str, tuple[float | None, float | None]] | None = None
+    #: Where the balancer's one-setting plan ran over the limit by the full estimator and a setting
+    #: saving more on the same placement fits (``step_up_settings``; ``settings`` is then that
+    #: one): the balancer's plan and the full estimator's peak of it (bytes).
+    stepped_from: tuple[Plan, float] | None = None
 
     @property
     def emitted_plan(self) -> Plan:
@@ -324,6 +328,11 @@ class BalanceResult:
                 "step_s": self.settings[1].step_s, "fits": self.settings[1].fits,
                 "gain": 1.0 - self.settings[1].step_s / base_cost.step_s,
                 "simulated_step_s": self.settings[2],
+            },
+            "stepped_up": None if self.stepped_from is None else {
+                "stage_layers": list(self.stepped_from[0].stage_layers),
+                "recompute_ranges": [{"first": a, "count": n, "option": o} for a, n, o in self.stepped_from[0].ranges()],
+                "estimated_peak_bytes": round(self.stepped_from[1]),
             },
         }
 
@@ -413,11 +422,63 @@ def balance(
     settings = None if as_settings[0] == found[0] and chosen is best else (
         *as_settings, simulated_step_s(chosen["problem"], as_settings[0], strategy.schedule))
     # The full estimator checks what a framework will run: the settings --emit writes.
-    estimated = plan_stage_bytes(model, strategy, found[0] if settings is None else settings[0], options,
-                                 best["modules"] if settings is None else chosen["modules"])
+    written, written_modules = (found[0], best["modules"]) if settings is None else (settings[0], chosen["modules"])
+    estimated = plan_stage_bytes(model, strategy, written, options, written_modules)
+    stepped_from = None
+    if float(estimated.max()) > memory_limit_bytes:
+        # The balancer's memory model missed near the limit: a setting saving more, if one fits.
+        written_problem = problem if settings is None else chosen["problem"]
+        stepped = step_up_settings(model, strategy, written_problem, written, memory_limit_bytes, options,
+                                   written_modules, plans_expressible(expressible, strategy, written_modules))
+        if stepped is not None:
+            stepped_from = (written, float(estimated.max()))
+            written, estimated = stepped
+            settings = (written, evaluate(written_problem, written),
+                        simulated_step_s(written_problem, written, strategy.schedule))
     return BalanceResult(problem, baseline, found[0], found[1], exact_method(problem) if exact else "heuristic",
                          solve_seconds, simulated, estimated, settings, best["modules"], chosen["modules"],
-                         policy_steps if len(policies) > 1 else None)
+                         policy_steps if len(policies) > 1 else None, stepped_from)
+
+
+def stepped_settings(plan: Plan, runnable: Sequence[str] = OPTIONS) -> list[Plan]:
+    """The one-setting plans on ``plan``'s placement that save more memory than its own setting
+    (``_one_setting``), nearest first, each saving at least as much as the one before on every
+    stage: full on the first k layers of each virtual stage steps to k + 1, ... then to every
+    layer; selective on every layer to full on every layer; no recompute to selective (where
+    ``runnable``) and then full. Full on the first k layers is not among the steps from no or
+    selective recompute: it need not save more than selective on every layer."""
+    option, k = _one_setting(plan)
+    widest = max(plan.stage_layers)
+    if option == "full":
+        steps = [("full", n) for n in range(k + 1, widest)] + [("full", 0)] if k else []
+    elif option == "selective":
+        steps = [("full", 0)]
+    else:
+        steps = [("selective", 0), ("full", 0)]
+    return [_leading_layers_plan(plan.stage_layers, o, n) for o, n in steps if o in runnable]
+
+
+def step_up_settings(model: ModelSpec, strategy: Strategy, problem: BalanceProblem, plan: Plan,
+                     memory_limit_bytes: float, options: MemoryOptions | None = None,
+                     selective_modules: tuple[str, ...] | None = None,
+                     expressible: Callable[[Plan], bool] | None = None) -> tuple[Plan, np.ndarray] | None:
+    """Where the one-setting ``plan`` (what --emit writes) runs over ``memory_limit_bytes`` by the
+    full estimator (``plan_stage_bytes``; the balancer's memory model approximates it, so near the
+    limit its plan can miss): the first of ``stepped_settings`` (options the problem runs and,
+    where ``expressible`` is given, the format writes) that fits by the full estimator, with its
+    per-stage bytes; None where none does. A full-estimator call per step tried."""
+    for candidate in stepped_settings(plan, problem.options):
+        if expressible is not None and not expressible(candidate):
+            continue
+        estimated = plan_stage_bytes(model, strategy, candidate, options, selective_modules)
+        if float(estimated.max()) <= memory_limit_bytes:
+            return candidate, estimated
+    return None
+
+
+def settings_label(strategy: Strategy) -> str:
+    """A one-setting strategy's recompute as ``Strategy.short`` writes it ('rc-full:16'; 'rc-none')."""
+    return next((part for part in strategy.short().split() if part.startswith("rc-")), "rc-none")
 
 
 def plans_expressible(expressible: Callable[[Strategy], bool] | None, strategy: Strategy,

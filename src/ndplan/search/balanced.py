@@ -10,7 +10,11 @@ A candidate takes its plan where the plan's composed step is below its own step 
 writes of it (the fastest plan one recompute setting expresses) fits by the full memory
 estimator; where that plan is one recompute setting (the plan itself is written), also only where
 the full time estimator (``estimate_time``, the pipeline simulated) gives it a step below the
-candidate's own. Otherwise the candidate keeps its uniform form and its search step.
+candidate's own. Otherwise the candidate keeps its uniform form and its search step. Where the
+written setting runs over the limit by the full estimator, the next settings saving more on the
+same placement are tried first (``balance.build.step_up_settings``: rc-full:k to k + 1, ...) and
+the first that fits is written instead (a plan that was that setting becomes the stepped one;
+``balanced_settings.stepped_up_from`` says so).
 
 A row's figures are the full estimators' (``estimate_time``, ``plan_stage_bytes``) wherever the
 plan is one recompute setting (``"figures": "estimated"``, the composed ones beside them as
@@ -47,6 +51,8 @@ from ndplan.balance.build import (
     plan_stage_bytes,
     plan_strategy,
     plans_expressible,
+    settings_label,
+    step_up_settings,
 )
 from ndplan.balance.problem import BalanceProblem, Plan
 from ndplan.hardware import Cluster, Device
@@ -229,9 +235,21 @@ def _check(model: ModelSpec, strategy: Strategy, plan: dict[str, Any], cluster: 
                                                  expressible)
     written = plan_strategy(strategy, settings, modules)
     estimated = plan_stage_bytes(model, strategy, settings, options, modules)
-    plan.update(settings=settings, settings_cost=settings_cost, written=written, estimated_bytes=estimated)
     if float(estimated.max()) > memory_limit_bytes:
-        return "over_limit"
+        # The balancer's memory model missed near the limit: a setting saving more, if one fits.
+        stepped = step_up_settings(model, strategy, problem, settings, memory_limit_bytes, options, modules, expressible)
+        if stepped is None:
+            plan.update(settings=settings, settings_cost=settings_cost, written=written, estimated_bytes=estimated)
+            return "over_limit"
+        plan["stepped_from"] = (settings_label(written), float(estimated.max()))
+        if settings == plan["plan"]:  # the plan is the setting written: it becomes the stepped one
+            plan["plan"] = stepped[0]
+            plan["cost"] = evaluate(problem, stepped[0])
+            plan["step_s"] = plan["scale"] * plan["cost"].step_s
+        settings, estimated = stepped
+        settings_cost = evaluate(problem, settings)
+        written = plan_strategy(strategy, settings, modules)
+    plan.update(settings=settings, settings_cost=settings_cost, written=written, estimated_bytes=estimated)
     if settings == plan["plan"]:
         plan["estimate"] = estimate_time(model, written, cluster, **options.time_keywords())
         if plan["estimate"].step_s >= step_s:
@@ -335,6 +353,11 @@ def _rows(model: ModelSpec, space: SearchSpace, listed: list[int], plans: dict[i
                 "strategy": written.model_dump(mode="json", exclude={"precision"}),
                 "is_the_plan": settings == found["plan"],  # the plan took one setting already
             }
+            if "stepped_from" in found:
+                # The balancer's setting ran over the limit by the full estimator: this one saves more.
+                stepped_label, stepped_peak = found["stepped_from"]
+                row["balanced_settings"]["stepped_up_from"] = {"label": stepped_label,
+                                                            "estimated_peak_bytes": round(stepped_peak)}
             row["label"] = _balanced_label(strategy, found["plan"].recompute, modules)
         rows.append(row)
     return rows
