@@ -946,8 +946,9 @@ def test_contiguous_routing_across_nodes_reaches_one_node_and_two_ranks():
 def test_a_tied_table_apart_from_the_embedding_counts_on_the_output_stage():
     """With the embedding and the head on different stages, the output stage keeps its own copy
     of a tied table (and MTP modules one of the embedding), as the memory model holds: per
-    stage, a tied model then has an untied one's parameters, and the same DP and optimizer time
-    (it had none of the table on the last stage)."""
+    stage, a tied model then has an untied one's parameters, and the same optimizer time (it had
+    none of the table on the last stage); its DP time adds the two copies' gradient sum, once a
+    step (test_a_table_the_output_stage_copies_is_summed_between_the_two_stages)."""
     tied = TINY_MOE.model_copy(update={"tie_word_embeddings": True, "vocab_size": 65536})
     untied = tied.model_copy(update={"tie_word_embeddings": False})
     for zero in ({"zero": 1}, {"zero": 3, "fsdp": True}):  # under FSDP its gathers and reduces too
@@ -955,10 +956,13 @@ def test_a_tied_table_apart_from_the_embedding_counts_on_the_output_stage():
         s = StrategyBatch.of(strategy)
         a = evaluate(tied, s, _cluster(8), details=True)
         b = evaluate(untied, s, _cluster(8), details=True)
-        for key in ("optimizer_update_s", "dp_step_s", "dp_s", "step_s"):
-            assert a[key][0] == pytest.approx(b[key][0], rel=1e-12), (zero, key)
+        assert a["optimizer_update_s"][0] == pytest.approx(b["optimizer_update_s"][0], rel=1e-12), zero
+        summed = a["dp_step_s"][0] - b["dp_step_s"][0]
+        assert summed > 0
+        for key in ("dp_s", "step_s"):
+            assert a[key][0] - b[key][0] == pytest.approx(summed, rel=1e-9), (zero, key)
         simulated = [estimate_time(model, strategy, _cluster(8)).step_s for model in (tied, untied)]
-        assert simulated[0] == pytest.approx(simulated[1], rel=1e-12)
+        assert simulated[0] - simulated[1] == pytest.approx(summed, rel=1e-9)
 
 
 def test_zero2_reduce_scatters_every_micro_batch_and_all_reduces_across_groups_once():
@@ -1151,3 +1155,31 @@ def test_chunk_seconds_are_what_the_step_simulated():
     timeline = simulate("interleaved", 4, 4, 16, forward_s=chunks["forward"], backward_s=chunks["backward"],
                         weight_grad_s=chunks["weight_grad"], p2p_s=r.details["p2p_s"], overlap_f_and_b=False)
     assert timeline.makespan_s == pytest.approx(r.details["makespan_s"], rel=1e-12)
+
+
+def test_a_table_the_output_stage_copies_is_summed_between_the_two_stages():
+    """Llama-3.1-8B with its embedding tied to the head, over pp 4: the first and the last stage
+    each hold the table, and its gradient is all-reduced between them once the backward is done
+    (Megatron-Core's embedding group), exposed: vocab·h/tp fp32 gradient bytes over the two ranks'
+    link, once a step; nothing where the table is not shared (untied), or where one stage holds
+    both ends (DualPipeV's V), or without a pipeline."""
+    from ndplan.perf import collectives as coll
+    from ndplan.perf.topology import Fabric, group_link
+
+    llama = get_preset("llama-3.1-8b")
+    tied = llama.model_copy(update={"tie_word_embeddings": True})
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=16)
+
+    def dp_step(model, **settings):
+        strategy = Strategy(dp=2, tp=2, pp=4, num_micro_batches=16, seq_length=4096, **settings)
+        return float(evaluate(model, StrategyBatch.of(strategy), cluster, details=True)["dp_step_s"][0])
+
+    table = llama.vocab_size * llama.hidden_size / 2 * 4  # /tp, fp32 gradients (megatron-bf16)
+    link = group_link(np.array([4.0]), np.array([4.0]), Fabric.of(cluster, default_efficiency(cluster.device)), "p2p")
+    expected = float(np.asarray(coll.all_reduce_s(table, 2.0, link))[0])
+    assert expected > 0.01  # 525 MB over the pipeline's (cross-node) link
+    assert dp_step(tied) - dp_step(llama) == pytest.approx(expected, rel=1e-9)
+    # In a V both ends sit on stage 0: no sum between stages (what differs is the shared table's
+    # smaller data-parallel reduce, a fraction of the sum).
+    v = {"schedule": "dualpipev", "vpp": 2}
+    assert abs(dp_step(tied, **v) - dp_step(llama, **v)) < 0.1 * expected

@@ -571,6 +571,16 @@ def _price_group(
     # Each pipeline run ends in its own gradient reduce (the pipeline runtime syncs the gradients
     # at a run's last backward); ZeRO-1/2 gather the parameters once, after the update.
     dp_step = runs * grad + gather
+    if _keeps_table_copy(pr.model, layout):
+        # The embedding's table and the output stage's copy of it (tied, or read by the MTP
+        # modules) take one gradient: summed between the two stages once the backward is done
+        # (Megatron-Core's embedding group, finalize_model_grads), before the update, so exposed.
+        # Sharded gradients (ZeRO-3/FSDP) are summed shard by shard.
+        shards = np.where(cu["zero"] >= 3, cu["dp"] * cu["cp"], 1.0)
+        table_bytes = (pr.model.vocab_size * pr.model.hidden_size / (cu["tp"] * shards)
+                       * pr.batch.precision.grad_bytes)
+        link = group_link(cu["pp"], cu["tp"] * cu["cp"] * cu["dp"], pr.fabric, "p2p")
+        dp_step = dp_step + np.asarray(coll.all_reduce_s(table_bytes, 2.0, link))[dp_code]
     optimizer = optimizer_u[dp_code]
 
     out["dp_s"] = out["dp_s"] + dp_step
