@@ -710,7 +710,7 @@ def search_result_dict(result: Any, model: ModelSpec, device: Any, space: Any) -
 def cmd_search(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ndplan.io.common import policy_of
+    from ndplan.io.common import PLAN_TO_FIELD, policy_of
     from ndplan.search import default_space, run_search, runtime_step_time
     from ndplan.search.space import runtime_reshard_under_pipeline
     from ndplan.strategy import get_precision
@@ -743,8 +743,6 @@ def cmd_search(args: argparse.Namespace) -> int:
             kept.update({name: read.strategy_settings[name] for name in ("vpp", "seq_chunks")
                          if name not in fixed and name in read.strategy_settings})
         fixed.update({name: int(value) if isinstance(value, bool) else value for name, value in kept.items()})
-    from ndplan.io.common import PLAN_TO_FIELD
-
     # The file's settings no dimension holds: carried as constants of the space where it can,
     # else dropped, and said (not priced silently as the default).
     file_settings = read.strategy_settings if read is not None else {}

@@ -103,9 +103,9 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
     fronts = []
     for (kind, weight), layers in groups.items():
         choices = []
+        extra = problem.layer_extra([kind])[stage, 0]  # [R] what recomputing adds per layer on the stage
         for split in _splits(len(layers), len(problem.options)):
             time = memory = 0.0
-            extra = problem.layer_extra([kind])[stage, 0]  # [R] what recomputing adds per layer on the stage
             for r, (option, n) in enumerate(zip(problem.options, split, strict=True)):
                 cost = problem.costs[(kind, option)]
                 time += n * cost.time_s
