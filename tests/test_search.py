@@ -348,10 +348,12 @@ def _balance_every_candidate(model, space, result, limit, top, *, one_setting=Fa
     pipeline balanced by the heuristic (as one recompute setting with ``one_setting``), its step
     scaled by the plan's composed step over the uniform plan's where that gains; the plan kept
     only where what --emit writes of it fits by the full memory estimator and, where that is the
-    plan itself, the full time estimator finds it faster than the candidate. One row per plan (the
+    plan itself, the full time estimator finds it faster than the candidate (else its step with
+    the schedule simulated, scaled alike, does). One row per plan (the
     first by composed step, then index); the ``walk_width(top)`` first re-ranked by the step shown
-    (the full estimate of a one-setting plan, else the composed step), cut to ``top``."""
-    from ndplan.balance import build_problem, evaluate, solve_heuristic, uniform_plan
+    (the full estimate of a one-setting plan, else the plan's step with the schedule simulated on the
+    balancer's stage times, scaled like the composed one), cut to ``top``."""
+    from ndplan.balance import build_problem, evaluate, simulated_step_s, solve_heuristic, uniform_plan
     from ndplan.balance.build import best_settings_plan, plan_stage_bytes, plan_strategy, settings_plan
     from ndplan.perf import estimate_time
     from ndplan.search.balanced import plan_key, walk_width
@@ -379,9 +381,11 @@ def _balance_every_candidate(model, space, result, limit, top, *, one_setting=Fa
                                                            modules).max() <= limit
                 estimated = estimate_time(model, plan_strategy(strategy, settings, modules), cluster,
                                           **BALANCE_OPTIONS.time_keywords()).step_s if fits else value
-                if fits and (settings != found[0] or estimated < value):
+                simulated = reference * simulated_step_s(problem, found[0], strategy.schedule) / simulated_step_s(
+                    problem, uniform_plan(problem, "none"), strategy.schedule)
+                if fits and (estimated if settings == found[0] else simulated) < value:
                     value, ran = scaled, found[0]
-                    shown = estimated if settings == found[0] else scaled
+                    shown = estimated if settings == found[0] else simulated
             key = plan_key(strategy, ran, modules)
         else:
             key = (int(candidate),)
@@ -425,7 +429,9 @@ def test_balanced_ranking_equals_balancing_every_candidate():
         assert estimated == r["balanced_settings"]["is_the_plan"]
         assert r["peak_bytes"] == (r["balanced_settings"]["estimated_peak_bytes"] if estimated
                                    else r["composed_peak_bytes"])
-        assert r["step_s"] == (r["balanced_settings"]["estimated_step_s"] if estimated else r["composed_step_s"])
+        if estimated:
+            assert r["step_s"] == r["balanced_settings"]["estimated_step_s"]
+        assert r["step_s"] < r["unbalanced_step_s"]
         assert r["composed_step_s"] < r["unbalanced_step_s"] and r["composed_peak_bytes"] <= limit
         assert ("hfu" in r) == estimated  # the estimate's; a composed plan's recompute FLOPs are not priced
     for r in balanced_rows:
@@ -485,6 +491,16 @@ def test_one_setting_ranking_equals_balancing_every_candidate_to_one_setting():
     per_layer = rank_balanced(model, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit, top=5,
                               options=BALANCE_OPTIONS).rows
     assert [r["candidate"] for r in per_layer] != [r["candidate"] for r in rows]
+    # Per layer, rows that recompute per layer show the plan's step with the schedule simulated on
+    # the balancer's stage times, not the composition (which read this top's interleaved plans up
+    # to 3% apart either way and ranked them otherwise).
+    every = _balance_every_candidate(model, space, result, limit, 5)
+    assert [r["candidate"] for r in per_layer] == [c for _, c in every]
+    assert [r["step_s"] for r in per_layer] == pytest.approx([v for v, _ in every], rel=1e-12)
+    mixed = [r for r in per_layer if r.get("figures") == "composed"]
+    assert mixed and any(abs(r["step_s"] / r["composed_step_s"] - 1) > 0.01 for r in mixed)
+    for r in mixed:
+        assert r["tokens_per_s"] * r["step_s"] == pytest.approx(space.global_batch_size * space.seq_length, rel=1e-12)
 
 
 def test_search_balance_shows_what_estimate_gives_for_one_setting_plans(capsys):

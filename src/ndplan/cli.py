@@ -845,7 +845,8 @@ def cmd_search(args: argparse.Namespace) -> int:
                     f"the simulator takes: {MAX_SIMULATED_PASSES:,} micro-batch passes, "
                     f"num_micro_batches·pp·vpp·seq_chunks), " if unsimulated else "")
         kept_uniform = [f"{ranking.over_limit:,} over the limit by the full memory estimator"] if ranking.over_limit else []
-        kept_uniform += [f"{ranking.slower:,} no faster by the full time estimator"] if ranking.slower else []
+        kept_uniform += [f"{ranking.slower:,} no faster by the full time estimator (per layer: with the schedule "
+                         f"simulated)"] if ranking.slower else []
         result.notes.append(
             f"--balance: every fitting candidate ranked by its balanced plan (pipelines: layers per stage and "
             f"chunk, {plans}); {balanced:,} balanced, {too_long}the others' lower bound already above the "
@@ -853,14 +854,15 @@ def cmd_search(args: argparse.Namespace) -> int:
         result.notes.append(
             f"--balance ranking: the {ranking.walk} fastest by the balancer's composed step (exactly those balancing "
             f"every candidate gives) re-ranked by the step shown, the full estimators' (`ndplan estimate`, the "
-            f"pipeline simulated) where the plan is one recompute setting; a candidate outside those {ranking.walk} "
+            f"pipeline simulated) where the plan is one recompute setting, else the balancer's stage times with "
+            f"the schedule simulated; a candidate outside those {ranking.walk} "
             f"whose full estimate is below its composed step can be missed"
             + (f"; plans kept in their uniform form: {', '.join(kept_uniform)}" if kept_uniform else ""))
         one_setting = result.ranked[0].get("balanced_settings") if result.ranked else None
         if one_setting is not None and not one_setting["is_the_plan"]:
             result.notes.append(
                 f"the winner's per-layer recompute needs a framework that sets it layer by layer (its figures are the "
-                f"balancer's composed ones); as one recompute setting (what --emit writes) it is "
+                f"balancer's, the schedule simulated); as one recompute setting (what --emit writes) it is "
                 f"{one_setting['label']}, layers {one_setting['stage_layers']}, step "
                 f"{one_setting['estimated_step_s']:.3f} s by `ndplan estimate`")
     # --fix wins over --dims (a file's settings too): say so rather than search the value alone.
@@ -1151,7 +1153,7 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
     if result.ranked:
         table = Table(title=f"Fastest strategies that fit in {format_bytes(result.memory_limit_bytes)}")
         # Balanced rows: what one recompute setting (--emit) runs by `ndplan estimate` beside the row's step;
-        # a per-layer recompute mix the full estimators cannot price keeps the balancer's composed figures (*).
+        # a per-layer recompute mix the full estimators cannot price keeps the balancer's figures (*).
         settings = any("balanced_settings" in row for row in result.ranked)
         composed = any(row.get("figures") == "composed" for row in result.ranked)
         columns = ["#", "strategy", "peak", "stage", "step", *(["one setting"] if settings else []), "tokens/s", "MFU"]
@@ -1174,7 +1176,7 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
                             "simulated); one setting: `ndplan estimate`'s step of what --emit writes")
         if composed:
             captions.append("*: recompute per layer, not one strategy the full estimators price: the balancer's "
-                            "composed figures (its step ranks the row)")
+                            "figures (its stage times, the schedule simulated)")
         if space.precision.compute_dtype == "fp8":
             captions.append("MFU: of the fp8 peak (about half what the same speed reads against the bf16 peak)")
         if captions:
