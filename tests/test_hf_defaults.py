@@ -167,3 +167,49 @@ def test_census_of_a_type_ndplan_does_not_read_names_what_torch_refused(tmp_path
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1
     assert "census: transformers cannot build 'gemma' from this config: Trying to create tensor with negative" in err
+
+
+# A null count is not the field left out: transformers' configs reject null for these (DeepSeek's
+# own modeling code reads a null n_routed_experts as a dense model and a null n_shared_experts as
+# none), so ndplan must not price transformers' example model's value in its place (64 or 256
+# routed experts, 1 or 2 shared, a 5632-wide shared expert...).
+NULL_REFUSED = [
+    ("deepseek_v2", "n_routed_experts"), ("deepseek_v3", "n_routed_experts"), ("kimi_k2", "n_routed_experts"),
+    ("deepseek_v2", "n_shared_experts"), ("deepseek_v3", "n_shared_experts"),
+    ("deepseek_v2", "first_k_dense_replace"), ("deepseek_v3", "first_k_dense_replace"),
+    ("deepseek_v3", "num_experts_per_tok"), ("gpt_oss", "num_experts_per_tok"),
+    ("qwen2_moe", "shared_expert_intermediate_size"), ("qwen2_moe", "decoder_sparse_step"),
+    ("qwen3_moe", "decoder_sparse_step"),
+]
+
+
+@pytest.mark.parametrize("model_type,field", NULL_REFUSED)
+def test_a_null_count_is_refused_not_defaulted(model_type, field):
+    with pytest.raises(NdplanError, match=rf"^config.json: field '{field}' must be an integer \(at least \d\), "
+                                          r"got null$"):
+        spec_from_hf_config({**MINIMAL[model_type], field: None}, name="m")
+
+
+def test_nulls_that_mean_none_or_the_default_still_read():
+    """null num_key_value_heads: the head count; q_lora_rank: uncompressed queries; the MTP
+    depth and the position limit: none; head_dim: the type's default."""
+    v3 = spec_from_hf_config({**MINIMAL["deepseek_v3"], "num_nextn_predict_layers": None, "q_lora_rank": None,
+                              "max_position_embeddings": None, "num_key_value_heads": None}, name="m")
+    assert (v3.mtp_depth, v3.q_lora_rank, v3.max_position_embeddings, v3.num_kv_heads) == (0, 0, 0, 128)
+    assert spec_from_hf_config({**MINIMAL["llama"], "head_dim": None}, name="m").head_dim == 32
+
+
+def test_deepseek_zero_q_lora_rank_is_refused():
+    """q_lora_rank 0 is not null: transformers and DeepSeek's code build a rank-0 query LoRA
+    (no query weights at all), where ndplan would count a full uncompressed q_proj."""
+    with pytest.raises(NdplanError, match=r"^config.json: field 'q_lora_rank' must be null \(queries not "
+                                          r"compressed\) or at least 1, got 0$"):
+        spec_from_hf_config({**MINIMAL["deepseek_v2"], "q_lora_rank": 0}, name="m")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_zero_routed_experts_is_refused(model_type):
+    """n_routed_experts 0: transformers builds MoE blocks with no routed experts (only the shared
+    ones, and a top-k over nothing), ndplan would count dense MLPs of intermediate_size."""
+    with pytest.raises(NdplanError, match=r"^config.json: field 'n_routed_experts' must be at least 1, got 0$"):
+        spec_from_hf_config({**MINIMAL[model_type], "n_routed_experts": 0}, name="m")

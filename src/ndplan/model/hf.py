@@ -24,7 +24,17 @@ _MISSING = object()
 _AT_LEAST_ONE = frozenset({
     "num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers", "vocab_size",
     "intermediate_size", "num_local_experts", "decoder_sparse_step", "moe_layer_freq", "moe_intermediate_size",
-    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "head_dim",
+    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "head_dim", "n_routed_experts",
+})
+
+#: Fields whose null reads as their default (absent). Elsewhere a null is refused: transformers'
+#: configs reject null for the other counts, and DeepSeek's own code reads a null
+#: n_routed_experts as a dense model and a null n_shared_experts as none, so transformers'
+#: example value (64 or 256 routed experts, 1 or 2 shared...) would be a silently wrong count.
+_NULL_IS_DEFAULT = frozenset({
+    "num_key_value_heads",  # null: num_attention_heads, as transformers' __post_init__ reads it
+    "max_position_embeddings", "num_nextn_predict_layers",  # null: none
+    "moe_layer_freq",  # transformers does not read it
 })
 
 #: Counts of layers, bounded by MAX_LAYERS (every other field by MAX_SIZE).
@@ -49,11 +59,13 @@ class _Reader:
 
     def integer(self, key: str, default: Any = _MISSING) -> int:
         value = self.get(key, default)
+        least = 1 if key in _AT_LEAST_ONE else 0
         if value is None and default is not _MISSING:
+            if key not in _NULL_IS_DEFAULT:
+                raise NdplanError(f"{self.source}: field '{key}' must be an integer (at least {least}), got null")
             value = default
         if isinstance(value, bool) or not isinstance(value, int):
             raise NdplanError(f"{self.source}: field '{key}' must be an integer, got {value!r}")
-        least = 1 if key in _AT_LEAST_ONE else 0
         if value < least:
             raise NdplanError(f"{self.source}: field '{key}' must be at least {least}, got {value}")
         most = MAX_LAYERS if key in _LAYER_COUNTS else MAX_SIZE
@@ -337,13 +349,19 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
     # on is MoE); DeepSeek's own code does, default 1.
     frequency = r.integer("moe_layer_freq", 1)
     kinds: tuple[MlpKind, ...] = tuple(
-        "moe" if experts and i >= first_dense and i % frequency == 0 else "dense"
-        for i in range(fields["num_layers"])
+        "moe" if i >= first_dense and i % frequency == 0 else "dense" for i in range(fields["num_layers"])
     )
     moe_width = r.integer("moe_intermediate_size")
     shared = r.integer("n_shared_experts", defaults["n_shared_experts"])
     # q_lora_rank null: queries are not compressed (DeepSeek-V2-Lite); absent: transformers' default.
-    q_lora_rank = r.integer("q_lora_rank", 0) if "q_lora_rank" in r.config else defaults["q_lora_rank"]
+    # 0 is not null there: transformers and DeepSeek's code build a rank-0 query LoRA (no query
+    # weights at all) where ndplan would count a full q_proj, so it is refused.
+    q_lora_rank = defaults["q_lora_rank"]
+    if r.config.get("q_lora_rank", _MISSING) is None:
+        q_lora_rank = 0
+    elif "q_lora_rank" in r.config and (q_lora_rank := r.integer("q_lora_rank")) == 0:
+        raise NdplanError(f"{r.source}: field 'q_lora_rank' must be null (queries not compressed) or "
+                          "at least 1, got 0")
     return {
         **fields,
         "ffn_hidden_size": r.integer("intermediate_size"),
@@ -356,7 +374,7 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
         "v_head_dim": r.integer("v_head_dim"),
         "head_dim": r.integer("qk_rope_head_dim") + r.integer("qk_nope_head_dim"),
         "num_experts": experts,
-        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]) if experts else 0,
+        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
         "moe_ffn_hidden_size": moe_width,
         "num_shared_experts": shared,
         "shared_expert_ffn_hidden_size": moe_width if shared else 0,
