@@ -49,6 +49,9 @@ EXACT_TOTALS = {
     "mistral-7b": 7_241_732_096,
     "mixtral-8x7b": 46_702_792_704,
     "qwen2.5-7b": 7_615_616_512,
+    # GGUF general.parameter_count of the MXFP4 checkpoints (logical elements, not packed bytes).
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 
 
@@ -193,3 +196,36 @@ def test_kimi_k2_reads_as_deepseek_v3_architecture():
     assert spec.is_mla and spec.mtp_depth == 0 and spec.layer_mlp_kinds[:2] == ("dense", "moe")
     assert (spec.num_experts, spec.num_experts_per_tok, spec.num_attention_heads) == (384, 8, 64)
     assert round(counts.total / 1e12) == 1 and round((counts.active - counts.embedding) / 1e9) == 32
+
+
+def test_deepseek_v3_reproduces_the_hub_safetensors_split_to_the_digit():
+    """The Hub's safetensors metadata for deepseek-ai/DeepSeek-V3 (BF16 3,918,786,560; F8_E4M3
+    680,571,043,840; F32 41,555,600; total 684,531,386,000) is ndplan's count plus what the
+    checkpoint stores beside the parameters ndplan trains: the MTP layer's own copies of the
+    embedding and output head (shared in training), one FP32 scale per 128x128 block of every
+    FP8 weight, and the router's e_score_correction_bias (a buffer in transformers)."""
+    spec = get_preset("deepseek-v3")
+    counts = count_parameters(spec)
+    h, heads, vocab = spec.hidden_size, spec.num_attention_heads, spec.vocab_size
+    moe_layers = spec.num_moe_layers + spec.mtp_depth  # the MTP module's layer is MoE
+
+    def blocks(rows: int, cols: int) -> int:
+        return -(-rows // 128) * -(-cols // 128)
+
+    attention = (blocks(spec.q_lora_rank, h) + blocks(heads * spec.qk_head_dim, spec.q_lora_rank)
+                 + blocks(spec.kv_lora_rank + spec.qk_rope_head_dim, h)
+                 + blocks(heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank)
+                 + blocks(h, heads * spec.v_head_dim))
+
+    def mlp(width: int) -> int:
+        return 2 * blocks(width, h) + blocks(h, width)
+
+    scales = ((spec.num_layers + spec.mtp_depth) * attention + spec.num_dense_layers * mlp(spec.ffn_hidden_size)
+              + moe_layers * (spec.num_experts + spec.num_shared_experts) * mlp(spec.moe_ffn_hidden_size))
+    bias_buffers = moe_layers * spec.num_experts
+    assert scales + bias_buffers == 41_555_600
+    layer_norms = (spec.num_layers + spec.mtp_depth) * (2 * h + spec.q_lora_rank + spec.kv_lora_rank)
+    bf16 = (4 * vocab * h + layer_norms + h + 3 * h  # tables (and the MTP copies), norms
+            + moe_layers * spec.num_experts * h + 2 * h * h)  # routers, the MTP's eh_proj
+    assert bf16 == 3_918_786_560
+    assert counts.total_with_mtp + 2 * vocab * h - bf16 == 680_571_043_840
