@@ -213,3 +213,20 @@ def test_deepseek_zero_routed_experts_is_refused(model_type):
     ones, and a top-k over nothing), ndplan would count dense MLPs of intermediate_size."""
     with pytest.raises(NdplanError, match=r"^config.json: field 'n_routed_experts' must be at least 1, got 0$"):
         spec_from_hf_config({**MINIMAL[model_type], "n_routed_experts": 0}, name="m")
+
+
+@pytest.mark.parametrize("model_type", sorted(MINIMAL))
+def test_attention_dropout_is_read(model_type):
+    """Every supported transformers model applies config.attention_dropout to the attention
+    probabilities in training; eager attention keeps its mask for backward, so the spec must
+    carry it (it read 0 whatever the config said)."""
+    assert spec_from_hf_config({**MINIMAL[model_type], "attention_dropout": 0.1}, name="m").attention_dropout == 0.1
+    assert spec_from_hf_config({**MINIMAL[model_type], "attention_dropout": None}, name="m").attention_dropout == 0
+    assert spec_from_hf_config(MINIMAL[model_type], name="m").attention_dropout == 0
+
+
+@pytest.mark.parametrize("value", [1.0, -0.1, "0.1", True])
+def test_a_bad_attention_dropout_is_named(value):
+    with pytest.raises(NdplanError, match=r"^config.json: field 'attention_dropout' must be a probability in "
+                                          rf"\[0, 1\), got {value!r}$"):
+        spec_from_hf_config({**MINIMAL["llama"], "attention_dropout": value}, name="m")

@@ -73,6 +73,15 @@ class _Reader:
             raise NdplanError(f"{self.source}: field '{key}' must be at most {most:,}, got {value}")
         return value
 
+    def probability(self, key: str) -> float:
+        """A dropout probability: absent or null is none (0)."""
+        value = self.config.get(key)
+        if value is None:
+            return 0.0
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise NdplanError(f"{self.source}: field '{key}' must be a probability in [0, 1), got {value!r}")
+        return float(value)
+
     def flag(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
         if value is None:
@@ -164,6 +173,9 @@ def _common_fields(r: _Reader) -> dict[str, Any]:
         # Absent: 0, not transformers' placeholder (RoPE has no position table to size), which
         # --emit would pass to Megatron, whose max_position_embeddings >= seq_length check it can fail.
         "max_position_embeddings": r.integer("max_position_embeddings", 0),
+        # Every supported model applies it to the attention probabilities in training (eager
+        # attention keeps the mask for backward); none has residual dropout.
+        "attention_dropout": r.probability("attention_dropout"),
         **_attention_fields(r),
     }
 
