@@ -230,3 +230,43 @@ def test_a_bad_attention_dropout_is_named(value):
     with pytest.raises(NdplanError, match=r"^config.json: field 'attention_dropout' must be a probability in "
                                           rf"\[0, 1\), got {value!r}$"):
         spec_from_hf_config({**MINIMAL["llama"], "attention_dropout": value}, name="m")
+
+
+# Options the shipped presets and MINIMAL leave at one setting, each turned the other way:
+# biases, explicit head widths, tied tables, sparse steps and dense-only layers, DeepSeek's
+# attention_bias with and without a query LoRA, no shared experts. Totals from transformers
+# 5.24.0 on the meta device (hard-coded, so the check runs without torch).
+VARIANTS: dict[str, tuple[str, dict, int]] = {
+    "llama-biases-tied": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
+                                    "head_dim": 48, "num_key_value_heads": 2}, 1_539_456),
+    "qwen3-attention-bias": ("qwen3", {"attention_bias": True, "head_dim": 16, "num_key_value_heads": 8}, 1_957_184),
+    "qwen2_moe-sparse-step": ("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [1], "num_hidden_layers": 4,
+                                            "shared_expert_intermediate_size": 96, "qkv_bias": False}, 3_210_752),
+    "qwen3_moe-mlp-only": ("qwen3_moe", {"mlp_only_layers": [0], "attention_bias": True, "head_dim": 48}, 1_892_800),
+    "deepseek_v2-bias-q-lora": ("deepseek_v2", {"attention_bias": True, "q_lora_rank": 48, "first_k_dense_replace": 1,
+                                                "n_shared_experts": 0, "n_routed_experts": 4}, 1_354_848),
+    "deepseek_v3-bias-no-q-lora": ("deepseek_v3", {"attention_bias": True, "q_lora_rank": None,
+                                                   "first_k_dense_replace": 1, "n_shared_experts": 2,
+                                                   "n_routed_experts": 8, "num_experts_per_tok": 2,
+                                                   "num_attention_heads": 8, "num_key_value_heads": 8}, 3_159_616),
+    "gpt_oss-no-attention-bias": ("gpt_oss", {"attention_bias": False, "tie_word_embeddings": True}, 3_415_344),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants_count_what_transformers_builds(name):
+    model_type, fields, total = VARIANTS[name]
+    assert _count({**MINIMAL[model_type], **fields}) == (total, 0)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants_match_transformers_live(name):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_meta import meta_block_counts
+
+    model_type, fields, _ = VARIANTS[name]
+    config = {**MINIMAL[model_type], **fields}
+    ours = count_parameters(spec_from_hf_config(config, name="m")).blocks()
+    ours.pop("mtp")
+    assert {k: v for k, v in ours.items() if v} == {k: v for k, v in meta_block_counts(config).items() if v}
