@@ -49,6 +49,16 @@ EXACT_TOTALS = {
     "mistral-7b": 7_241_732_096,
     "mixtral-8x7b": 46_702_792_704,
     "qwen2.5-7b": 7_615_616_512,
+    # The index's other exact figures (Hub safetensors metadata, or GGUF for Qwen2.5 14B-72B).
+    "qwen2.5-14b": 14_770_033_664,
+    "qwen2.5-32b": 32_763_876_352,
+    "qwen2.5-72b": 72_706_203_648,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-32b": 32_762_123_264,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
+    "qwen1.5-moe-a2.7b": 14_315_784_192,
+    "deepseek-v2-lite": 15_706_484_224,
     # GGUF general.parameter_count of the MXFP4 checkpoints (logical elements, not packed bytes).
     "gpt-oss-20b": 20_914_757_184,
     "gpt-oss-120b": 116_829_156_672,
