@@ -239,3 +239,16 @@ def test_deepseek_v3_reproduces_the_hub_safetensors_split_to_the_digit():
             + moe_layers * spec.num_experts * h + 2 * h * h)  # routers, the MTP's eh_proj
     assert bf16 == 3_918_786_560
     assert counts.total_with_mtp + 2 * vocab * h - bf16 == 680_571_043_840
+
+
+@pytest.mark.parametrize("field", ["q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"])
+def test_mla_widths_without_kv_lora_rank_are_refused(tmp_path, field):
+    """kv_lora_rank > 0 is what switches MLA on: a native spec that gives MLA's other widths
+    without it was priced as plain MHA of head_dim, those widths silently dropped."""
+    path = tmp_path / "mla.yaml"
+    path.write_text("num_layers: 2\nhidden_size: 64\nffn_hidden_size: 128\nnum_attention_heads: 4\nnum_kv_heads: 4\n"
+                    f"head_dim: 16\nvocab_size: 100\n{field}: 32\n")
+    with pytest.raises(NdplanError, match=rf"mla.yaml: field '{field}' \(32\) is a multi-head latent attention "
+                                          r"width, but kv_lora_rank=0 \(MLA off\); give kv_lora_rank > 0 or "
+                                          rf"leave {field} 0$"):
+        load_model(str(path))
