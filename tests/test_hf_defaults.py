@@ -22,7 +22,7 @@ _MLA = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 1000, "moe_i
         "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
 
 # Head counts are chosen so the default num_key_value_heads divides them (qwen2/qwen3 32,
-# qwen2_moe 16, qwen3_moe 4, mistral/mixtral/gpt_oss 8, deepseek_v3 128, llama/deepseek_v2 = heads).
+# qwen2_moe 16, qwen3_moe 4, mistral/mixtral/gpt_oss 8, llama = heads; MLA has no KV groups).
 MINIMAL: dict[str, dict] = {
     "llama": {"model_type": "llama", **_DENSE, "num_attention_heads": 8},
     "mistral": {"model_type": "mistral", **_DENSE, "num_attention_heads": 16},
@@ -270,3 +270,20 @@ def test_variants_match_transformers_live(name):
     ours = count_parameters(spec_from_hf_config(config, name="m")).blocks()
     ours.pop("mtp")
     assert {k: v for k, v in ours.items() if v} == {k: v for k, v in meta_block_counts(config).items() if v}
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "kimi_k2"])
+def test_mla_has_a_key_and_value_per_query_head(model_type):
+    """MLA makes every head's key and value out of the shared latent (kv_b_proj), so its KV
+    heads are its query heads whatever num_key_value_heads says: DeepSeek's code does not read
+    the field, transformers' fails in the forward pass unless it equals num_attention_heads (it
+    repeats the per-head K/V again), and the Megatron and MindFormers readers set the same. It
+    was read as GQA groups (a fp32 math-path share in the memory model, a 'lost' note in
+    --emit), and a config leaving it out with fewer heads than the type's default was refused."""
+    grouped = spec_from_hf_config({**MINIMAL[model_type], "num_attention_heads": 8, "num_key_value_heads": 2},
+                                  name="m")
+    assert (grouped.num_kv_heads, grouped.attention_kind) == (8, "mla")
+    absent = {k: v for k, v in MINIMAL[model_type].items() if k != "num_key_value_heads"}
+    assert spec_from_hf_config({**absent, "num_attention_heads": 8}, name="m").num_kv_heads == 8
+    with pytest.raises(NdplanError, match=r"field 'num_key_value_heads' must be an integer, got 'x'"):
+        spec_from_hf_config({**MINIMAL[model_type], "num_key_value_heads": "x"}, name="m")

@@ -95,7 +95,8 @@ class _Reader:
 #: out (transformers 5.24.0, models/<type>/configuration_<type>.py; kimi_k2 runs DeepSeek-V3's
 #: code, so it takes deepseek_v3's), for the fields ndplan reads with a fallback. ``None`` for
 #: num_key_value_heads: num_attention_heads; for head_dim: hidden_size // num_attention_heads.
-#: No head_dim entry: the type's head widths come from other fields (DeepSeek's MLA dims).
+#: No head_dim entry: the type's head widths come from other fields (DeepSeek's MLA dims), and
+#: its KV heads are its query heads (no num_key_value_heads entry either).
 #: Fields a model cannot be sized without (hidden_size, num_hidden_layers, intermediate_size,
 #: expert counts and widths, MLA ranks...) stay required: a missing one is an error, not
 #: transformers' example model's value.
@@ -108,13 +109,13 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
     "qwen3_moe": {"num_key_value_heads": 4, "head_dim": None, "sliding_window": 4096},
     # num_experts_per_tok: DeepseekV2Config's default is None (no router top-k), so it is required.
-    "deepseek_v2": {"num_key_value_heads": None, "n_routed_experts": 64, "n_shared_experts": 2,
+    "deepseek_v2": {"n_routed_experts": 64, "n_shared_experts": 2,
                     "q_lora_rank": 1536, "first_k_dense_replace": 0, "num_experts_per_tok": _MISSING,
                     "num_nextn_predict_layers": 0},
     # num_nextn_predict_layers absent: no MTP module. DeepseekV3Config defaults its num_mtp_layers
     # to 1, but transformers builds no MTP module whatever it says, and training runs one only
     # where asked (Megatron's --mtp-num-layers): a config that does not state it gets none.
-    "deepseek_v3": {"num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+    "deepseek_v3": {"n_routed_experts": 256, "n_shared_experts": 1,
                     "q_lora_rank": 1536, "first_k_dense_replace": 3, "num_experts_per_tok": 8,
                     "num_nextn_predict_layers": 0},
     "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128, "num_experts_per_tok": 4},
@@ -133,6 +134,13 @@ def _attention_fields(r: _Reader) -> dict[str, Any]:
     if r.model_type in _HIDDEN_DIVIDES_BY_HEADS and hidden % heads:
         raise NdplanError(f"{r.source}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); "
                           f"transformers rejects that for model_type '{r.model_type}'")
+    if "head_dim" not in defaults:
+        # MLA (its head widths come from the query/key dims the reader sets): every head's key and
+        # value come out of the shared latent, so there are as many KV heads as query heads.
+        # DeepSeek's code does not read num_key_value_heads; transformers' fails unless it equals
+        # num_attention_heads (it repeats the per-head K/V again). Checked as a count, not used.
+        r.integer("num_key_value_heads", heads)
+        return {"num_attention_heads": heads, "num_kv_heads": heads}
     # A num_key_value_heads of null is num_attention_heads, as transformers' __post_init__ reads it.
     given_kv = "num_key_value_heads" in r.config
     kv_default = defaults["num_key_value_heads"]
@@ -142,8 +150,6 @@ def _attention_fields(r: _Reader) -> dict[str, Any]:
                           f"model_type '{r.model_type}' ({kv}) does not divide num_attention_heads ({heads}); "
                           "give num_key_value_heads")
     fields = {"num_attention_heads": heads, "num_kv_heads": kv}
-    if "head_dim" not in defaults:
-        return fields  # MLA: the reader sets head_dim from the query/key dims
     # head_dim absent, null or 0 takes the type's default (transformers' config or modeling code).
     stated = r.config.get("head_dim")
     if not (stated is None or type(stated) is int and stated == 0):
