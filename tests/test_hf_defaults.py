@@ -250,6 +250,9 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
                                                    "n_routed_experts": 8, "num_experts_per_tok": 2,
                                                    "num_attention_heads": 8, "num_key_value_heads": 8}, 3_159_616),
     "gpt_oss-no-attention-bias": ("gpt_oss", {"attention_bias": False, "tie_word_embeddings": True}, 3_415_344),
+    # Qwen2-MoE builds its shared expert and the expert's sigmoid gate (h -> 1) in every MoE
+    # block whatever the width: at 0 the expert is empty but the gate's h weights remain.
+    "qwen2_moe-no-shared-width": ("qwen2_moe", {"shared_expert_intermediate_size": 0}, 1_828_096),
 }
 
 

@@ -302,7 +302,8 @@ def _qwen2_moe(r: _Reader) -> dict[str, Any]:
         "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
         "num_shared_experts": 1 if shared_width else 0,
         "shared_expert_ffn_hidden_size": shared_width,
-        "shared_expert_gate": bool(shared_width),
+        # transformers builds the gate (h -> 1) in every MoE block, even over a 0-wide shared expert.
+        "shared_expert_gate": True,
         "layer_mlp_kinds": _qwen_moe_kinds(r, fields["num_layers"], experts),
         # transformers slides every other layer below max_window_layers, from the first
         **_qwen_window(r, lambda i, top: i % 2 == 0 and i < top),
