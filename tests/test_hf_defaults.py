@@ -22,7 +22,7 @@ _MLA = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 1000, "moe_i
         "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
 
 # Head counts are chosen so the default num_key_value_heads divides them (qwen2/qwen3 32,
-# qwen2_moe 16, qwen3_moe 4, mistral/mixtral/gpt_oss 8, deepseek_v3 128, llama/deepseek_v2 = heads).
+# qwen2_moe 16, qwen3_moe 4, mistral/mixtral/gpt_oss 8, llama = heads; MLA has no KV groups).
 MINIMAL: dict[str, dict] = {
     "llama": {"model_type": "llama", **_DENSE, "num_attention_heads": 8},
     "mistral": {"model_type": "mistral", **_DENSE, "num_attention_heads": 16},
@@ -167,3 +167,126 @@ def test_census_of_a_type_ndplan_does_not_read_names_what_torch_refused(tmp_path
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1
     assert "census: transformers cannot build 'gemma' from this config: Trying to create tensor with negative" in err
+
+
+# A null count is not the field left out: transformers' configs reject null for these (DeepSeek's
+# own modeling code reads a null n_routed_experts as a dense model and a null n_shared_experts as
+# none), so ndplan must not price transformers' example model's value in its place (64 or 256
+# routed experts, 1 or 2 shared, a 5632-wide shared expert...).
+NULL_REFUSED = [
+    ("deepseek_v2", "n_routed_experts"), ("deepseek_v3", "n_routed_experts"), ("kimi_k2", "n_routed_experts"),
+    ("deepseek_v2", "n_shared_experts"), ("deepseek_v3", "n_shared_experts"),
+    ("deepseek_v2", "first_k_dense_replace"), ("deepseek_v3", "first_k_dense_replace"),
+    ("deepseek_v3", "num_experts_per_tok"), ("gpt_oss", "num_experts_per_tok"),
+    ("qwen2_moe", "shared_expert_intermediate_size"), ("qwen2_moe", "decoder_sparse_step"),
+    ("qwen3_moe", "decoder_sparse_step"),
+]
+
+
+@pytest.mark.parametrize("model_type,field", NULL_REFUSED)
+def test_a_null_count_is_refused_not_defaulted(model_type, field):
+    with pytest.raises(NdplanError, match=rf"^config.json: field '{field}' must be an integer \(at least \d\), "
+                                          r"got null$"):
+        spec_from_hf_config({**MINIMAL[model_type], field: None}, name="m")
+
+
+def test_nulls_that_mean_none_or_the_default_still_read():
+    """null num_key_value_heads: the head count; q_lora_rank: uncompressed queries; the MTP
+    depth and the position limit: none; head_dim: the type's default."""
+    v3 = spec_from_hf_config({**MINIMAL["deepseek_v3"], "num_nextn_predict_layers": None, "q_lora_rank": None,
+                              "max_position_embeddings": None, "num_key_value_heads": None}, name="m")
+    assert (v3.mtp_depth, v3.q_lora_rank, v3.max_position_embeddings, v3.num_kv_heads) == (0, 0, 0, 128)
+    assert spec_from_hf_config({**MINIMAL["llama"], "head_dim": None}, name="m").head_dim == 32
+
+
+def test_deepseek_zero_q_lora_rank_is_refused():
+    """q_lora_rank 0 is not null: transformers and DeepSeek's code build a rank-0 query LoRA
+    (no query weights at all), where ndplan would count a full uncompressed q_proj."""
+    with pytest.raises(NdplanError, match=r"^config.json: field 'q_lora_rank' must be null \(queries not "
+                                          r"compressed\) or at least 1, got 0$"):
+        spec_from_hf_config({**MINIMAL["deepseek_v2"], "q_lora_rank": 0}, name="m")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_zero_routed_experts_is_refused(model_type):
+    """n_routed_experts 0: transformers builds MoE blocks with no routed experts (only the shared
+    ones, and a top-k over nothing), ndplan would count dense MLPs of intermediate_size."""
+    with pytest.raises(NdplanError, match=r"^config.json: field 'n_routed_experts' must be at least 1, got 0$"):
+        spec_from_hf_config({**MINIMAL[model_type], "n_routed_experts": 0}, name="m")
+
+
+@pytest.mark.parametrize("model_type", sorted(MINIMAL))
+def test_attention_dropout_is_read(model_type):
+    """Every supported transformers model applies config.attention_dropout to the attention
+    probabilities in training; eager attention keeps its mask for backward, so the spec must
+    carry it (it read 0 whatever the config said)."""
+    assert spec_from_hf_config({**MINIMAL[model_type], "attention_dropout": 0.1}, name="m").attention_dropout == 0.1
+    assert spec_from_hf_config({**MINIMAL[model_type], "attention_dropout": None}, name="m").attention_dropout == 0
+    assert spec_from_hf_config(MINIMAL[model_type], name="m").attention_dropout == 0
+
+
+@pytest.mark.parametrize("value", [1.0, -0.1, "0.1", True])
+def test_a_bad_attention_dropout_is_named(value):
+    with pytest.raises(NdplanError, match=r"^config.json: field 'attention_dropout' must be a probability in "
+                                          rf"\[0, 1\), got {value!r}$"):
+        spec_from_hf_config({**MINIMAL["llama"], "attention_dropout": value}, name="m")
+
+
+# Options the shipped presets and MINIMAL leave at one setting, each turned the other way:
+# biases, explicit head widths, tied tables, sparse steps and dense-only layers, DeepSeek's
+# attention_bias with and without a query LoRA, no shared experts. Totals from transformers
+# 5.24.0 on the meta device (hard-coded, so the check runs without torch).
+VARIANTS: dict[str, tuple[str, dict, int]] = {
+    "llama-biases-tied": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
+                                    "head_dim": 48, "num_key_value_heads": 2}, 1_539_456),
+    "qwen3-attention-bias": ("qwen3", {"attention_bias": True, "head_dim": 16, "num_key_value_heads": 8}, 1_957_184),
+    "qwen2_moe-sparse-step": ("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [1], "num_hidden_layers": 4,
+                                            "shared_expert_intermediate_size": 96, "qkv_bias": False}, 3_210_752),
+    "qwen3_moe-mlp-only": ("qwen3_moe", {"mlp_only_layers": [0], "attention_bias": True, "head_dim": 48}, 1_892_800),
+    "deepseek_v2-bias-q-lora": ("deepseek_v2", {"attention_bias": True, "q_lora_rank": 48, "first_k_dense_replace": 1,
+                                                "n_shared_experts": 0, "n_routed_experts": 4}, 1_354_848),
+    "deepseek_v3-bias-no-q-lora": ("deepseek_v3", {"attention_bias": True, "q_lora_rank": None,
+                                                   "first_k_dense_replace": 1, "n_shared_experts": 2,
+                                                   "n_routed_experts": 8, "num_experts_per_tok": 2,
+                                                   "num_attention_heads": 8, "num_key_value_heads": 8}, 3_159_616),
+    "gpt_oss-no-attention-bias": ("gpt_oss", {"attention_bias": False, "tie_word_embeddings": True}, 3_415_344),
+    # Qwen2-MoE builds its shared expert and the expert's sigmoid gate (h -> 1) in every MoE
+    # block whatever the width: at 0 the expert is empty but the gate's h weights remain.
+    "qwen2_moe-no-shared-width": ("qwen2_moe", {"shared_expert_intermediate_size": 0}, 1_828_096),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants_count_what_transformers_builds(name):
+    model_type, fields, total = VARIANTS[name]
+    assert _count({**MINIMAL[model_type], **fields}) == (total, 0)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants_match_transformers_live(name):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_meta import meta_block_counts
+
+    model_type, fields, _ = VARIANTS[name]
+    config = {**MINIMAL[model_type], **fields}
+    ours = count_parameters(spec_from_hf_config(config, name="m")).blocks()
+    ours.pop("mtp")
+    assert {k: v for k, v in ours.items() if v} == {k: v for k, v in meta_block_counts(config).items() if v}
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "kimi_k2"])
+def test_mla_has_a_key_and_value_per_query_head(model_type):
+    """MLA makes every head's key and value out of the shared latent (kv_b_proj), so its KV
+    heads are its query heads whatever num_key_value_heads says: DeepSeek's code does not read
+    the field, transformers' fails in the forward pass unless it equals num_attention_heads (it
+    repeats the per-head K/V again), and the Megatron and MindFormers readers set the same. It
+    was read as GQA groups (a fp32 math-path share in the memory model, a 'lost' note in
+    --emit), and a config leaving it out with fewer heads than the type's default was refused."""
+    grouped = spec_from_hf_config({**MINIMAL[model_type], "num_attention_heads": 8, "num_key_value_heads": 2},
+                                  name="m")
+    assert (grouped.num_kv_heads, grouped.attention_kind) == (8, "mla")
+    absent = {k: v for k, v in MINIMAL[model_type].items() if k != "num_key_value_heads"}
+    assert spec_from_hf_config({**absent, "num_attention_heads": 8}, name="m").num_kv_heads == 8
+    with pytest.raises(NdplanError, match=r"field 'num_key_value_heads' must be an integer, got 'x'"):
+        spec_from_hf_config({**MINIMAL[model_type], "num_key_value_heads": "x"}, name="m")

@@ -49,6 +49,19 @@ EXACT_TOTALS = {
     "mistral-7b": 7_241_732_096,
     "mixtral-8x7b": 46_702_792_704,
     "qwen2.5-7b": 7_615_616_512,
+    # The index's other exact figures (Hub safetensors metadata, or GGUF for Qwen2.5 14B-72B).
+    "qwen2.5-14b": 14_770_033_664,
+    "qwen2.5-32b": 32_763_876_352,
+    "qwen2.5-72b": 72_706_203_648,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-32b": 32_762_123_264,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
+    "qwen1.5-moe-a2.7b": 14_315_784_192,
+    "deepseek-v2-lite": 15_706_484_224,
+    # GGUF general.parameter_count of the MXFP4 checkpoints (logical elements, not packed bytes).
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 
 
@@ -70,9 +83,10 @@ def test_gpt_oss_matches_its_model_card(name, total, active):
 
 
 def test_moe_active_parameters_match_published_rounded_figures():
-    # DeepSeek-V3: 671B total, 37B activated; Qwen3-30B-A3B: 30.5B / 3.3B; Mixtral-8x7B: 12.9B active.
+    # DeepSeek-V3: 671B total, 37B activated (without the embedding, as its card counts; with it
+    # ndplan's active is 37.55B); Qwen3-30B-A3B: 30.5B / 3.3B; Mixtral-8x7B: 12.9B active.
     v3 = count_parameters(get_preset("deepseek-v3"))
-    assert round(v3.total / 1e9) == 671 and round(v3.active / 1e9) == 38 - 1 + (v3.active > 37.5e9)
+    assert round(v3.total / 1e9) == 671 and round((v3.active - v3.embedding) / 1e9) == 37
     q3 = count_parameters(get_preset("qwen3-30b-a3b"))
     assert round(q3.total / 1e8) == 305 and round(q3.active / 1e8) in (33, 34)
     assert round(count_parameters(get_preset("mixtral-8x7b")).active / 1e8) == 129
@@ -193,3 +207,49 @@ def test_kimi_k2_reads_as_deepseek_v3_architecture():
     assert spec.is_mla and spec.mtp_depth == 0 and spec.layer_mlp_kinds[:2] == ("dense", "moe")
     assert (spec.num_experts, spec.num_experts_per_tok, spec.num_attention_heads) == (384, 8, 64)
     assert round(counts.total / 1e12) == 1 and round((counts.active - counts.embedding) / 1e9) == 32
+
+
+def test_deepseek_v3_reproduces_the_hub_safetensors_split_to_the_digit():
+    """The Hub's safetensors metadata for deepseek-ai/DeepSeek-V3 (BF16 3,918,786,560; F8_E4M3
+    680,571,043,840; F32 41,555,600; total 684,531,386,000) is ndplan's count plus what the
+    checkpoint stores beside the parameters ndplan trains: the MTP layer's own copies of the
+    embedding and output head (shared in training), one FP32 scale per 128x128 block of every
+    FP8 weight, and the router's e_score_correction_bias (a buffer in transformers)."""
+    spec = get_preset("deepseek-v3")
+    counts = count_parameters(spec)
+    h, heads, vocab = spec.hidden_size, spec.num_attention_heads, spec.vocab_size
+    moe_layers = spec.num_moe_layers + spec.mtp_depth  # the MTP module's layer is MoE
+
+    def blocks(rows: int, cols: int) -> int:
+        return -(-rows // 128) * -(-cols // 128)
+
+    attention = (blocks(spec.q_lora_rank, h) + blocks(heads * spec.qk_head_dim, spec.q_lora_rank)
+                 + blocks(spec.kv_lora_rank + spec.qk_rope_head_dim, h)
+                 + blocks(heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank)
+                 + blocks(h, heads * spec.v_head_dim))
+
+    def mlp(width: int) -> int:
+        return 2 * blocks(width, h) + blocks(h, width)
+
+    scales = ((spec.num_layers + spec.mtp_depth) * attention + spec.num_dense_layers * mlp(spec.ffn_hidden_size)
+              + moe_layers * (spec.num_experts + spec.num_shared_experts) * mlp(spec.moe_ffn_hidden_size))
+    bias_buffers = moe_layers * spec.num_experts
+    assert scales + bias_buffers == 41_555_600
+    layer_norms = (spec.num_layers + spec.mtp_depth) * (2 * h + spec.q_lora_rank + spec.kv_lora_rank)
+    bf16 = (4 * vocab * h + layer_norms + h + 3 * h  # tables (and the MTP copies), norms
+            + moe_layers * spec.num_experts * h + 2 * h * h)  # routers, the MTP's eh_proj
+    assert bf16 == 3_918_786_560
+    assert counts.total_with_mtp + 2 * vocab * h - bf16 == 680_571_043_840
+
+
+@pytest.mark.parametrize("field", ["q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"])
+def test_mla_widths_without_kv_lora_rank_are_refused(tmp_path, field):
+    """kv_lora_rank > 0 is what switches MLA on: a native spec that gives MLA's other widths
+    without it was priced as plain MHA of head_dim, those widths silently dropped."""
+    path = tmp_path / "mla.yaml"
+    path.write_text("num_layers: 2\nhidden_size: 64\nffn_hidden_size: 128\nnum_attention_heads: 4\nnum_kv_heads: 4\n"
+                    f"head_dim: 16\nvocab_size: 100\n{field}: 32\n")
+    with pytest.raises(NdplanError, match=rf"mla.yaml: field '{field}' \(32\) is a multi-head latent attention "
+                                          r"width, but kv_lora_rank=0 \(MLA off\); give kv_lora_rank > 0 or "
+                                          rf"leave {field} 0$"):
+        load_model(str(path))

@@ -24,7 +24,17 @@ _MISSING = object()
 _AT_LEAST_ONE = frozenset({
     "num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers", "vocab_size",
     "intermediate_size", "num_local_experts", "decoder_sparse_step", "moe_layer_freq", "moe_intermediate_size",
-    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "head_dim",
+    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "head_dim", "n_routed_experts",
+})
+
+#: Fields whose null reads as their default (absent). Elsewhere a null is refused: transformers'
+#: configs reject null for the other counts, and DeepSeek's own code reads a null
+#: n_routed_experts as a dense model and a null n_shared_experts as none, so transformers'
+#: example value (64 or 256 routed experts, 1 or 2 shared...) would be a silently wrong count.
+_NULL_IS_DEFAULT = frozenset({
+    "num_key_value_heads",  # null: num_attention_heads, as transformers' __post_init__ reads it
+    "max_position_embeddings", "num_nextn_predict_layers",  # null: none
+    "moe_layer_freq",  # transformers does not read it
 })
 
 #: Counts of layers, bounded by MAX_LAYERS (every other field by MAX_SIZE).
@@ -49,17 +59,28 @@ class _Reader:
 
     def integer(self, key: str, default: Any = _MISSING) -> int:
         value = self.get(key, default)
+        least = 1 if key in _AT_LEAST_ONE else 0
         if value is None and default is not _MISSING:
+            if key not in _NULL_IS_DEFAULT:
+                raise NdplanError(f"{self.source}: field '{key}' must be an integer (at least {least}), got null")
             value = default
         if isinstance(value, bool) or not isinstance(value, int):
             raise NdplanError(f"{self.source}: field '{key}' must be an integer, got {value!r}")
-        least = 1 if key in _AT_LEAST_ONE else 0
         if value < least:
             raise NdplanError(f"{self.source}: field '{key}' must be at least {least}, got {value}")
         most = MAX_LAYERS if key in _LAYER_COUNTS else MAX_SIZE
         if value > most:
             raise NdplanError(f"{self.source}: field '{key}' must be at most {most:,}, got {value}")
         return value
+
+    def probability(self, key: str) -> float:
+        """A dropout probability: absent or null is none (0)."""
+        value = self.config.get(key)
+        if value is None:
+            return 0.0
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise NdplanError(f"{self.source}: field '{key}' must be a probability in [0, 1), got {value!r}")
+        return float(value)
 
     def flag(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
@@ -74,7 +95,8 @@ class _Reader:
 #: out (transformers 5.24.0, models/<type>/configuration_<type>.py; kimi_k2 runs DeepSeek-V3's
 #: code, so it takes deepseek_v3's), for the fields ndplan reads with a fallback. ``None`` for
 #: num_key_value_heads: num_attention_heads; for head_dim: hidden_size // num_attention_heads.
-#: No head_dim entry: the type's head widths come from other fields (DeepSeek's MLA dims).
+#: No head_dim entry: the type's head widths come from other fields (DeepSeek's MLA dims), and
+#: its KV heads are its query heads (no num_key_value_heads entry either).
 #: Fields a model cannot be sized without (hidden_size, num_hidden_layers, intermediate_size,
 #: expert counts and widths, MLA ranks...) stay required: a missing one is an error, not
 #: transformers' example model's value.
@@ -87,13 +109,13 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
     "qwen3_moe": {"num_key_value_heads": 4, "head_dim": None, "sliding_window": 4096},
     # num_experts_per_tok: DeepseekV2Config's default is None (no router top-k), so it is required.
-    "deepseek_v2": {"num_key_value_heads": None, "n_routed_experts": 64, "n_shared_experts": 2,
+    "deepseek_v2": {"n_routed_experts": 64, "n_shared_experts": 2,
                     "q_lora_rank": 1536, "first_k_dense_replace": 0, "num_experts_per_tok": _MISSING,
                     "num_nextn_predict_layers": 0},
     # num_nextn_predict_layers absent: no MTP module. DeepseekV3Config defaults its num_mtp_layers
     # to 1, but transformers builds no MTP module whatever it says, and training runs one only
     # where asked (Megatron's --mtp-num-layers): a config that does not state it gets none.
-    "deepseek_v3": {"num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+    "deepseek_v3": {"n_routed_experts": 256, "n_shared_experts": 1,
                     "q_lora_rank": 1536, "first_k_dense_replace": 3, "num_experts_per_tok": 8,
                     "num_nextn_predict_layers": 0},
     "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128, "num_experts_per_tok": 4},
@@ -112,6 +134,13 @@ def _attention_fields(r: _Reader) -> dict[str, Any]:
     if r.model_type in _HIDDEN_DIVIDES_BY_HEADS and hidden % heads:
         raise NdplanError(f"{r.source}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); "
                           f"transformers rejects that for model_type '{r.model_type}'")
+    if "head_dim" not in defaults:
+        # MLA (its head widths come from the query/key dims the reader sets): every head's key and
+        # value come out of the shared latent, so there are as many KV heads as query heads.
+        # DeepSeek's code does not read num_key_value_heads; transformers' fails unless it equals
+        # num_attention_heads (it repeats the per-head K/V again). Checked as a count, not used.
+        r.integer("num_key_value_heads", heads)
+        return {"num_attention_heads": heads, "num_kv_heads": heads}
     # A num_key_value_heads of null is num_attention_heads, as transformers' __post_init__ reads it.
     given_kv = "num_key_value_heads" in r.config
     kv_default = defaults["num_key_value_heads"]
@@ -121,8 +150,6 @@ def _attention_fields(r: _Reader) -> dict[str, Any]:
                           f"model_type '{r.model_type}' ({kv}) does not divide num_attention_heads ({heads}); "
                           "give num_key_value_heads")
     fields = {"num_attention_heads": heads, "num_kv_heads": kv}
-    if "head_dim" not in defaults:
-        return fields  # MLA: the reader sets head_dim from the query/key dims
     # head_dim absent, null or 0 takes the type's default (transformers' config or modeling code).
     stated = r.config.get("head_dim")
     if not (stated is None or type(stated) is int and stated == 0):
@@ -152,6 +179,9 @@ def _common_fields(r: _Reader) -> dict[str, Any]:
         # Absent: 0, not transformers' placeholder (RoPE has no position table to size), which
         # --emit would pass to Megatron, whose max_position_embeddings >= seq_length check it can fail.
         "max_position_embeddings": r.integer("max_position_embeddings", 0),
+        # Every supported model applies it to the attention probabilities in training (eager
+        # attention keeps the mask for backward); none has residual dropout.
+        "attention_dropout": r.probability("attention_dropout"),
         **_attention_fields(r),
     }
 
@@ -272,7 +302,8 @@ def _qwen2_moe(r: _Reader) -> dict[str, Any]:
         "moe_ffn_hidden_size": r.integer("moe_intermediate_size"),
         "num_shared_experts": 1 if shared_width else 0,
         "shared_expert_ffn_hidden_size": shared_width,
-        "shared_expert_gate": bool(shared_width),
+        # transformers builds the gate (h -> 1) in every MoE block, even over a 0-wide shared expert.
+        "shared_expert_gate": True,
         "layer_mlp_kinds": _qwen_moe_kinds(r, fields["num_layers"], experts),
         # transformers slides every other layer below max_window_layers, from the first
         **_qwen_window(r, lambda i, top: i % 2 == 0 and i < top),
@@ -337,13 +368,19 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
     # on is MoE); DeepSeek's own code does, default 1.
     frequency = r.integer("moe_layer_freq", 1)
     kinds: tuple[MlpKind, ...] = tuple(
-        "moe" if experts and i >= first_dense and i % frequency == 0 else "dense"
-        for i in range(fields["num_layers"])
+        "moe" if i >= first_dense and i % frequency == 0 else "dense" for i in range(fields["num_layers"])
     )
     moe_width = r.integer("moe_intermediate_size")
     shared = r.integer("n_shared_experts", defaults["n_shared_experts"])
     # q_lora_rank null: queries are not compressed (DeepSeek-V2-Lite); absent: transformers' default.
-    q_lora_rank = r.integer("q_lora_rank", 0) if "q_lora_rank" in r.config else defaults["q_lora_rank"]
+    # 0 is not null there: transformers and DeepSeek's code build a rank-0 query LoRA (no query
+    # weights at all) where ndplan would count a full q_proj, so it is refused.
+    q_lora_rank = defaults["q_lora_rank"]
+    if r.config.get("q_lora_rank", _MISSING) is None:
+        q_lora_rank = 0
+    elif "q_lora_rank" in r.config and (q_lora_rank := r.integer("q_lora_rank")) == 0:
+        raise NdplanError(f"{r.source}: field 'q_lora_rank' must be null (queries not compressed) or "
+                          "at least 1, got 0")
     return {
         **fields,
         "ffn_hidden_size": r.integer("intermediate_size"),
@@ -356,7 +393,7 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
         "v_head_dim": r.integer("v_head_dim"),
         "head_dim": r.integer("qk_rope_head_dim") + r.integer("qk_nope_head_dim"),
         "num_experts": experts,
-        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]) if experts else 0,
+        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
         "moe_ffn_hidden_size": moe_width,
         "num_shared_experts": shared,
         "shared_expert_ffn_hidden_size": moe_width if shared else 0,

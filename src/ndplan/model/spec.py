@@ -123,6 +123,11 @@ class ModelSpec(BaseModel):
             )
         if self.is_mla and not (self.qk_rope_head_dim and self.qk_nope_head_dim and self.v_head_dim):
             raise ValueError("MLA (kv_lora_rank > 0) needs qk_rope_head_dim, qk_nope_head_dim and v_head_dim > 0")
+        for width in ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            if not self.is_mla and getattr(self, width):
+                # Without kv_lora_rank the layer is priced as MHA/GQA of head_dim: the width would be dropped.
+                raise ValueError(f"field '{width}' ({getattr(self, width)}) is a multi-head latent attention width, "
+                                 f"but kv_lora_rank=0 (MLA off); give kv_lora_rank > 0 or leave {width} 0")
         has_moe = "moe" in self.layer_mlp_kinds
         if has_moe:
             if not self.num_experts:
