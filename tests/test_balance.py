@@ -273,3 +273,26 @@ def test_stepped_settings_step_toward_more_memory_saving_along_the_settings_axis
     assert [_one_setting(p) for p in stepped_settings(_leading_layers_plan(layers, "none", 0), ("none", "full"))] == [
         ("full", 0)]
     assert all(p.stage_layers == layers for p in stepped_settings(_leading_layers_plan(layers, "full", 1)))
+
+
+def test_a_layers_static_bytes_carry_the_fp8_weight_copies():
+    """The balancer moves a layer's static bytes with it: under Megatron's fp8 GEMMs they include
+    the quantised weight copies Transformer Engine keeps (2 bytes per linear weight element,
+    Llama-3.1-8B: 4096·6144 + 4096·4096 + 3·4096·14336 per layer, / tp 2), as the estimator's
+    stages hold them."""
+    from ndplan.balance import build_problem
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import MemoryOptions
+    from ndplan.memory.overhead import DEFAULTS
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    model = get_preset("llama-3.1-8b")
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=8)
+    options = MemoryOptions(runtime="megatron")
+    static = [build_problem(model, Strategy(dp=2, tp=2, pp=2, zero=1, num_micro_batches=4, seq_length=2048,
+                                            precision=precision), cluster, 80 * GIB, options)
+              .costs[("dense", "none")].static_bytes for precision in ("megatron-bf16", "megatron-fp8")]
+    slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"]
+    linear = 4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336
+    assert static[1] - static[0] == pytest.approx(2 * linear / 2 * slack, rel=1e-12)

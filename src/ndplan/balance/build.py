@@ -36,8 +36,8 @@ from ndplan.balance.solve import exact_method, solve_exact, solve_heuristic
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory.overhead import DEFAULTS
-from ndplan.memory.stages import MemoryOptions, layer_activations, stage_memory
-from ndplan.memory.static import layer_elements, sharding_factors
+from ndplan.memory.stages import MemoryOptions, fp8_weight_cache_width, layer_activations, stage_memory
+from ndplan.memory.static import layer_elements, linear_weight_elements, sharding_factors
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import default_efficiency, with_software
 from ndplan.perf.layer import LayerContext, piece_times
@@ -146,8 +146,11 @@ def build_problems(
     per_element = p.param_bytes / shards.params + p.grad_bytes / shards.grads + optimizer / shards.optimizer
     per_expert_element = (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
                           + optimizer / shards.expert_optimizer)
+    # Under fp8 GEMMs, the quantised copies of the layer's linear weights the runtime keeps.
+    cache_width = fp8_weight_cache_width(options.profile, p.compute_dtype, head.zero)
+    linear = linear_weight_elements(model, head.tp.astype(float), head.ep.astype(float), head.etp.astype(float))
     static_of = {kind: elements.non_expert[kind] * per_element + elements.expert[kind] * per_expert_element
-                 for kind in ("dense", "moe")}
+                 + sum(linear[kind].values()) * cache_width for kind in ("dense", "moe")}
     # The update's temporaries per element the rank's optimizer holds (``stages.stage_memory``).
     temp_bytes = np.where((head.optimizer_offload > 0) | (p.optimizer_bytes == 0), 0.0,
                           options.profile.optimizer_temp_copies * (p.master_weight_bytes or p.param_bytes))

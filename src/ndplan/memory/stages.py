@@ -42,7 +42,14 @@ from ndplan.memory.profile import (
     get_profile,
     model_symbols,
 )
-from ndplan.memory.static import embedding_elements, layer_elements, mtp_extra_elements, sharding_factors
+from ndplan.memory.static import (
+    embedding_elements,
+    layer_elements,
+    linear_weight_elements,
+    mtp_extra_elements,
+    mtp_extra_linear_elements,
+    sharding_factors,
+)
 from ndplan.model.params import weight_grad_groups, weight_grad_peak_group
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
@@ -606,6 +613,15 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra, rebuilt=rebuilt,
         offloaded=offloaded,
     )
+
+
+def fp8_weight_cache_width(profile: RuntimeProfile, compute_dtype: str, zero: Any) -> np.ndarray:
+    """Bytes per linear-weight element (``static.linear_weight_elements``) of the quantised
+    weight copies the runtime keeps across micro-batches under fp8 GEMMs (Transformer Engine's
+    weight workspaces under Megatron: ``fp8_weight_cache_bytes``), whole on the rank whatever
+    ZeRO-1/2 shards; not priced under ZeRO-3, whose weights are gathered per use. Per ``zero``."""
+    width = profile.fp8_weight_cache_bytes if compute_dtype == "fp8" else 0.0
+    return np.where(np.asarray(zero) < 3, width, 0.0)
 
 
 def makes_whole_embedding_grad(profile: RuntimeProfile, tp: Any, zero: Any) -> Any:
@@ -1540,6 +1556,22 @@ def _static_state(
             share = _to_stages(elements_bytes, chunks)
             kinds["static"][static_kind][index, :pp] += shape.expand(
                 np.where(offload, 0.0, share) if category == "optimizer" else share)
+
+    # The quantised copies of the linear weights an fp8 runtime keeps across micro-batches: part
+    # of the weights on the device (params).
+    cache_factor = fp8_weight_cache_width(options.profile, precision.compute_dtype, batch.zero)[:, None]
+    if cache_factor.any():
+        linear = linear_weight_elements(model, tp, ep, etp)
+        layers_of = {"dense": dense_layers, "moe": moe_layers}
+        cache_terms: list[StaticTerm] = [(part, elements, layers_of[linear_kind])
+                                         for linear_kind, parts in linear.items() for part, elements in parts.items()]
+        cache_terms.append(("mtp", model.mtp_depth * (sum(linear[mtp_kind].values()) + mtp_extra_linear_elements(model, tp)),
+                            last_virtual))
+        out["params"] = out["params"] + _to_stages(_outer_sum(cache_terms, n, computed) * cache_factor, chunks)
+        if kinds is not None:
+            for static_kind in STATIC_KINDS:
+                share = _outer_sum([term for term in cache_terms if term[0] == static_kind], n, computed) * cache_factor
+                kinds["static"][static_kind][index, :pp] += shape.expand(_to_stages(share, chunks))
 
     # What the rest of the model reads of the above, all functions of the same fields.
     profile = options.profile

@@ -109,6 +109,35 @@ def layer_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.nda
     )
 
 
+def linear_weight_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.ndarray) -> dict[MlpKind, dict[str, np.ndarray]]:
+    """Per layer kind, the weight elements on one rank of the linears a decoder layer runs its
+    GEMMs through (Transformer Engine's modules under Megatron-Core), keyed like
+    ``LayerElements.by_kind``: the attention projections (MLA's down-projections whole, the rest
+    /tp), the dense MLP (/tp), or the shared experts (/tp) and the routed experts (E/ep of them,
+    /etp). Biases, norms, the router and the shared-expert gate run no GEMM of their own; the
+    embedding and output head are not Transformer Engine modules."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    if model.is_mla:
+        q_up = model.q_lora_rank or h
+        whole = (h * model.q_lora_rank if model.q_lora_rank else 0) + h * (model.kv_lora_rank + model.qk_rope_head_dim)
+        split = (q_up * heads * model.qk_head_dim
+                 + model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim)
+                 + heads * model.v_head_dim * h)
+    else:
+        q_width, kv_width = heads * model.head_dim, model.num_kv_heads * model.head_dim
+        whole, split = 0, h * (q_width + 2 * kv_width) + q_width * h
+    attention = split / tp + whole
+    mlp = model.mlp_matrices * h * model.ffn_hidden_size / tp
+    shared = model.num_shared_experts * model.mlp_matrices * h * model.shared_expert_ffn_hidden_size / tp
+    routed = model.num_experts * model.mlp_matrices * h * model.moe_ffn_hidden_size / (ep * etp)
+    return {"dense": {"attention": attention, "mlp": mlp}, "moe": {"attention": attention, "moe": shared + routed}}
+
+
+def mtp_extra_linear_elements(model: ModelSpec, tp: np.ndarray) -> np.ndarray:
+    """An MTP module's linear besides its decoder layer: the column-parallel 2h -> h projection."""
+    return 2 * model.hidden_size * model.hidden_size / tp
+
+
 def embedding_elements(model: ModelSpec, tp: np.ndarray) -> np.ndarray:
     """The vocabulary-parallel embedding (or output head) table on one rank."""
     return model.vocab_size * model.hidden_size / tp
