@@ -1008,3 +1008,18 @@ def test_fp8_weight_cache_of_an_mla_moe_stage_by_hand():
     per_layer = h * 1536 + h * 576 + 1536 * 6144 // 2 + 512 * 8192 // 2 + 4096 * h // 2 + 3 * h * h // 2 + 8 * 3 * h * h
     assert per_layer == 37_814_272
     assert fp8 - bf16 == 2 * (9 * per_layer + 2 * h * h // 2)
+
+
+def test_expert_tensor_parallelism_keeps_each_experts_down_bias_whole():
+    """A routed expert's down projection is row-parallel over etp: its weight splits, its bias
+    (h, added after the reduction) does not, as a dense MLP's down bias and Megatron's
+    RowParallelLinear / TE's row-parallel grouped linear keep it. gpt-oss-like experts (h 64,
+    8 experts 32 wide with biases) over ep 2, etp 2: 4 experts of (3·64·32 + 2·32)/2 + 64 each."""
+    from ndplan.memory.static import layer_elements
+
+    model = ModelSpec(name="oss", num_layers=1, hidden_size=64, ffn_hidden_size=0, num_attention_heads=4, num_kv_heads=2,
+                      head_dim=16, vocab_size=256, num_experts=8, num_experts_per_tok=2, moe_ffn_hidden_size=32,
+                      expert_bias=True)
+    one = np.ones(1)
+    experts = layer_elements(model, 2 * one, 2 * one, 2 * one).expert["moe"]
+    assert experts[0] == 4 * ((3 * 64 * 32 + 2 * 32) / 2 + 64)

@@ -2,8 +2,9 @@
 
 Tensor parallelism shards column/row-parallel weights and leaves norms, routers, row-parallel
 biases and MLA's down-projections (Megatron-Core builds them "duplicated") whole on every rank.
-Routed experts are divided over ep·etp ranks. What remains is replicated over the data-parallel
-ranks, where ZeRO/FSDP divides it again (``sharding_factors``).
+Routed experts are divided over ep·etp ranks (their down-projection biases over ep alone). What
+remains is replicated over the data-parallel ranks, where ZeRO/FSDP divides it again
+(``sharding_factors``).
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def layer_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.nda
     if model.is_moe:
         moe = layer_params(model, "moe")
         moe_non_expert = moe.router + shared_expert_split(model).per_rank(tp)
-        experts = moe.routed_experts / (ep * etp)
+        # An expert's down-projection bias is added after the etp reduction: whole on each rank.
+        down_biases = model.num_experts * model.hidden_size if model.expert_bias else 0
+        experts = (moe.routed_experts - down_biases) / (ep * etp) + down_biases / ep
     else:
         moe_non_expert, experts = zeros, zeros
     # The same sums as non_expert_split(model, kind).per_rank(tp), kept apart for by_kind.
