@@ -1023,3 +1023,24 @@ def test_expert_tensor_parallelism_keeps_each_experts_down_bias_whole():
     one = np.ones(1)
     experts = layer_elements(model, 2 * one, 2 * one, 2 * one).expert["moe"]
     assert experts[0] == 4 * ((3 * 64 * 32 + 2 * 32) / 2 + 64)
+
+
+def test_torch_ddp_keeps_its_reducer_buckets_beside_the_gradients():
+    """Without ZeRO or FSDP the pytorch runtime's replicas run DDP (torchtitan's ``replicate``,
+    bucket_cap_mb=100, gradient_as_bucket_view left False): the reducer's buckets are flat
+    tensors as large as all the gradients, allocated when DDP wraps the model and kept, and each
+    parameter's .grad is a copy out of them (PyTorch PR 41954: making .grad a view of its bucket
+    saved ~1 GB on a 1 GB-gradient model). TINY's 2·(36864 + 2·64 + ...) elements: the buckets
+    hold grad_bytes per element, through the forward/backward and the optimizer step alike. One
+    replica (dp 1) runs no DDP; Megatron's DDP keeps the gradients in its buffer alone."""
+    elements = count_parameters(TINY).total
+
+    def stage(runtime: str, dp: int):
+        return estimate(TINY, Strategy(dp=dp, seq_length=8), options=MemoryOptions(include_overhead=False,
+                                                                                    runtime=runtime)).stages[0]
+
+    ddp, single = stage("pytorch", 2), stage("pytorch", 1)
+    assert ddp.comm_bytes - single.comm_bytes == 4 * elements
+    assert ddp.optimizer_step_bytes - single.optimizer_step_bytes == 4 * elements
+    assert ddp.allocated_bytes - single.allocated_bytes == 4 * elements
+    assert stage("megatron", 2).comm_bytes == stage("megatron", 1).comm_bytes

@@ -18,6 +18,7 @@ from ndplan.memory.stages import (
     _recomputed_layers,
     applicable_modules,
     applicable_offload_modules,
+    ddp_bucket_width,
     fp8_weight_cache_width,
     layer_activations,
     stage_memory,
@@ -204,6 +205,14 @@ class MemoryReport:
         return (f" + the linears' fp8 weight copies kept across micro-batches (linear weight elements × {width:g} B: "
                 "row-wise and transposed)")
 
+    def _ddp_bucket_term(self) -> str:
+        """The comm line's term where a DDP reducer keeps buckets beside the gradients."""
+        s = self.strategy
+        width = float(ddp_bucket_width(self.options.profile, s.precision.grad_bytes, s.zero, s.dp, s.cp))
+        if not width:
+            return ""
+        return f" + DDP's reducer buckets (elements × {width:g} B, a copy of the gradients, kept)"
+
     def _deferred_fsdp_reduce(self) -> bool:
         """Whether the runtime holds unsharded gradients to the step's end (FSDP under a pipeline
         of several virtual stages, as ``stages`` prices it)."""
@@ -253,9 +262,9 @@ class MemoryReport:
                 f"{format_bytes(stage.host_activation_bytes)}; two layers' worth stay on the device "
                 f"(the next backward's last layer, one reload ahead), counted in the transient")
         lines += [
-            f"comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
-            f"unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
-            f"EP dispatch) = {format_bytes(stage.comm_bytes)}",
+            "comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
+            "unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
+            "EP dispatch)" + self._ddp_bucket_term() + f" = {format_bytes(stage.comm_bytes)}",
             f"transient  = the worst working set beside them: one layer's backward (+ recompute rebuild; "
             f"where the s² scores are materialised, eager or SDPA's math path, its attention backward: the "
             f"probabilities' gradient, softmax's gradient and CUDA's temporary product), the "
@@ -470,13 +479,15 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     optimizer = 0.0 if strategy.optimizer_offload else p.optimizer_bytes
     linear = linear_weight_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
     cache_width = fp8_weight_cache_width(options.profile, p.compute_dtype, batch.zero)
+    buckets = ddp_bucket_width(options.profile, p.grad_bytes, batch.zero, batch.dp, batch.cp)
 
     def layer_static(kind: MlpKind) -> float:
         non_expert = elements.non_expert[kind] * (p.param_bytes / shards.params + p.grad_bytes / shards.grads
                                                   + optimizer / shards.optimizer)
         expert = elements.expert[kind] * (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
                                           + optimizer / shards.expert_optimizer)
-        return float((non_expert + expert + sum(linear[kind].values()) * cache_width)[0])
+        buffers = (elements.non_expert[kind] + elements.expert[kind]) * buckets
+        return float((non_expert + expert + sum(linear[kind].values()) * cache_width + buffers)[0])
 
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
     # A chunk keeps t · Σ_kinds (plain layers · full bytes + recomputed layers · kept bytes) per
