@@ -33,12 +33,12 @@ def attention_split(model: ModelSpec) -> TpSplit:
     total = attention_params(model)
     whole = h if model.o_bias else 0
     if model.qk_norm:
-        whole += 2 * model.head_dim
+        whole += 2 * norm_params(model, model.head_dim)
     if model.is_mla:
         q_rank, kv_down = model.q_lora_rank, model.kv_lora_rank + model.qk_rope_head_dim
         if q_rank:
-            whole += h * q_rank + (q_rank if model.qkv_bias else 0) + q_rank
-        whole += h * kv_down + (kv_down if model.qkv_bias else 0) + model.kv_lora_rank
+            whole += h * q_rank + (q_rank if model.qkv_bias else 0) + norm_params(model, q_rank)
+        whole += h * kv_down + (kv_down if model.qkv_bias else 0) + norm_params(model, model.kv_lora_rank)
     return TpSplit(total - whole, whole)
 
 
