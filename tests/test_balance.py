@@ -273,3 +273,49 @@ def test_stepped_settings_step_toward_more_memory_saving_along_the_settings_axis
     assert [_one_setting(p) for p in stepped_settings(_leading_layers_plan(layers, "none", 0), ("none", "full"))] == [
         ("full", 0)]
     assert all(p.stage_layers == layers for p in stepped_settings(_leading_layers_plan(layers, "full", 1)))
+
+
+def test_a_layers_static_bytes_carry_the_fp8_weight_copies():
+    """The balancer moves a layer's static bytes with it: under Megatron's fp8 GEMMs they include
+    the quantised weight copies Transformer Engine keeps (2 bytes per linear weight element,
+    Llama-3.1-8B: 4096·6144 + 4096·4096 + 3·4096·14336 per layer, / tp 2), as the estimator's
+    stages hold them."""
+    from ndplan.balance import build_problem
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import MemoryOptions
+    from ndplan.memory.overhead import DEFAULTS
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    model = get_preset("llama-3.1-8b")
+    cluster = Cluster(device=get_device("h100-sxm"), num_devices=8)
+    options = MemoryOptions(runtime="megatron")
+    static = [build_problem(model, Strategy(dp=2, tp=2, pp=2, zero=1, num_micro_batches=4, seq_length=2048,
+                                            precision=precision), cluster, 80 * GIB, options)
+              .costs[("dense", "none")].static_bytes for precision in ("megatron-bf16", "megatron-fp8")]
+    slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"]
+    linear = 4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336
+    assert static[1] - static[0] == pytest.approx(2 * linear / 2 * slack, rel=1e-12)
+
+
+def test_a_layers_static_bytes_carry_the_ddp_buckets():
+    """Under DDP (the pytorch runtime's replicas without ZeRO or FSDP) a layer's gradients have a
+    copy in the reducer's buckets that moves with the layer: 4 bytes per element more than one
+    replica's (fp32 gradients of megatron-bf16), Llama-3.1-8B's 218,112,000 elements a layer."""
+    from ndplan.balance import build_problem
+    from ndplan.hardware import Cluster, get_device
+    from ndplan.memory import MemoryOptions
+    from ndplan.memory.overhead import DEFAULTS
+    from ndplan.memory.static import layer_elements
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy
+
+    model = get_preset("llama-3.1-8b")
+    options = MemoryOptions(runtime="pytorch")
+    static = [build_problem(model, Strategy(dp=dp, pp=2, num_micro_batches=4, seq_length=2048),
+                            Cluster(device=get_device("h100-sxm"), num_devices=2 * dp), 80 * GIB, options)
+              .costs[("dense", "none")].static_bytes for dp in (1, 2)]
+    slack = 1.0 + {**DEFAULTS, **options.profile.overhead}["allocator_slack"]
+    elements = float(layer_elements(model, np.ones(1), np.ones(1), np.ones(1)).non_expert["dense"][0])
+    assert elements == 218_112_000
+    assert static[1] - static[0] == pytest.approx(4 * elements * slack, rel=1e-12)

@@ -293,13 +293,13 @@ def test_verify_reads_a_launch_script(tmp_path, capsys):
 
 def test_balance_checks_its_plan_with_the_full_estimator(capsys):
     argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "32", "--tp", "2", "--pp", "4", "--vpp", "2",
-            "--schedule", "zbv", "--num-micro-batches", "16", "--seq", "4096", "--gbs", "64", "--memory-limit", "44GiB"]
+            "--schedule", "zbv", "--num-micro-batches", "16", "--seq", "4096", "--gbs", "64", "--memory-limit", "48GiB"]
     code, out, _ = run(argv, capsys)
     assert code == 0
     assert "check: the full estimator, with the settings --emit writes" in out and ": fits" in out
     code, out, _ = run([*argv, "--json"], capsys)
     data = json.loads(out)
-    assert code == 0 and max(data["estimated_stage_bytes"]) <= 44 * 2**30
+    assert code == 0 and max(data["estimated_stage_bytes"]) <= 48 * 2**30
     # What --emit writes (one recompute setting) is priced too: between the per-layer plan and
     # the uniform full-recompute baseline.
     settings = data["as_settings"]
@@ -316,7 +316,7 @@ def test_balance_checks_its_plan_with_the_full_estimator(capsys):
 
     strategy = Strategy(**data["strategy"])
     cluster = Cluster(device=get_device("h100-sxm"), num_devices=32)
-    result = balance(get_preset("llama-3.1-8b"), strategy, cluster, 44 * 2**30, MemoryOptions())
+    result = balance(get_preset("llama-3.1-8b"), strategy, cluster, 48 * 2**30, MemoryOptions())
     emitted = plan_strategy(strategy, result.emitted_plan, result.emitted_modules)
     expected = estimate_time(get_preset("llama-3.1-8b"), emitted, cluster, **MemoryOptions().time_keywords()).step_s
     assert data["estimated_step_s"] == pytest.approx(expected, rel=1e-12)
@@ -535,10 +535,10 @@ def test_balance_says_slower_and_neither_plainly(capsys):
 
     assert (_faster(2.0, 2.2), _faster(2.2, 2.0)) == ("10.0% slower", "9.1% faster")
     argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--pp", "4", "--vpp", "2", "--schedule",
-            "dualpipev", "--gbs", "64", "--recompute", "full", "--memory-limit", "66GiB"]
+            "dualpipev", "--gbs", "64", "--recompute", "full", "--zero", "1", "--memory-limit", "53GiB"]
     data = json.loads(run([*argv, "--json"], capsys)[1])
     assert not data["before"]["fits"]
-    assert not data["given"]["fits"] and max(data["estimated_stage_bytes"]) > 66 * 2**30
+    assert not data["given"]["fits"] and max(data["estimated_stage_bytes"]) > 53 * 2**30
     assert data["recommended"] == "neither"
     code, out, _ = run(argv, capsys)
     text = " ".join(out.split())

@@ -961,3 +961,86 @@ def test_recomputing_k_of_a_stages_layers_saves_k_shares_of_recomputing_all(sche
     plain, every = activations("none", 0), activations("full", 0)
     for k in (1, 2, 4):
         assert np.allclose(plain - activations("full", k), k / 8 * (plain - every), rtol=0.01)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_caches_the_fp8_copy_of_each_linear_weight(tp):
+    """Megatron passes is_first_microbatch to Transformer Engine's linears (unless
+    disable_parameter_transpose_cache), which then keep the weight's fp8 workspace, row-wise and
+    column-wise (the transpose), from the first micro-batch on: 2 bytes per element of every TE
+    linear's weight on the rank, whatever ZeRO-1 shards. TINY (h 64, q 64, k = v 32, ffn 128):
+    QKV 64·128 + O 64·64 + fc1 64·256 + fc2 128·64 = 36864 per layer, 2 layers, / tp; the
+    embedding, output head and norms are not TE fp8 modules. bf16 GEMMs keep no copy, nor do
+    torchao's float8 linears (the pytorch profile)."""
+    def params(runtime: str, precision: str) -> float:
+        strategy = Strategy(tp=tp, dp=2, zero=1, seq_length=8, precision=precision)
+        return estimate(TINY, strategy, options=MemoryOptions(include_overhead=False, runtime=runtime)).stages[0].params_bytes
+
+    assert params("megatron", "megatron-fp8") - params("megatron", "megatron-bf16") == 2 * 2 * 36864 / tp
+    assert params("pytorch", "megatron-fp8") == params("pytorch", "megatron-bf16")
+    stage = estimate(TINY, Strategy(tp=tp, seq_length=8, precision="megatron-fp8"),
+                     options=MemoryOptions(include_overhead=False, runtime="megatron")).stages[0]
+    assert sum(stage.static_by_kind.values()) == pytest.approx(
+        stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes, rel=1e-12)
+
+
+def test_fp8_weight_cache_of_an_mla_moe_stage_by_hand():
+    """Megatron's DeepSeek-like functional test (MLA q 1536 / kv 512 latents, 32 heads of
+    192/128, 32 experts of 1024 over ep 4, one shared expert 1024 wide, tp 2, etp 1, MTP 1) on its
+    last stage (8 MoE layers and the MTP module): per MoE layer the duplicated q and kv
+    down-projections 1024·1536 + 1024·576, the TP-split q_up 1536·6144/2, kv_up 512·8192/2 and
+    o 4096·1024/2, the shared expert 3·1024·1024/2 and 8 local experts 8·3·1024·1024:
+    37,814,272 elements; MTP's eh_proj adds 2048·1024/2. At 2 bytes: 682,754,048 bytes, what
+    the goldens' memory allocated after the step grows by from the bf16 run
+    (gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed) to the fp8 run of the same arguments
+    (..._mtp_resume_torch_dist_fp8): 6,632,031,744 -> 7,316,095,488, +684,063,744 bytes."""
+    h = 1024
+    model = ModelSpec(name="proxy", num_layers=16, hidden_size=h, ffn_hidden_size=4096, num_attention_heads=32,
+                      num_kv_heads=32, head_dim=192, vocab_size=51712, q_lora_rank=1536, kv_lora_rank=512,
+                      qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=32, num_experts_per_tok=4,
+                      moe_ffn_hidden_size=1024, num_shared_experts=1, shared_expert_ffn_hidden_size=1024,
+                      layer_mlp_kinds=("dense",) + ("moe",) * 15, mtp_depth=1)
+    common = dict(dp=2, tp=2, pp=2, vpp=4, schedule="interleaved", ep=4, etp=1, zero=1, num_micro_batches=4,
+                  seq_length=256)
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+    bf16, fp8 = (estimate(model, Strategy(**common, precision=p), options=options).stages[-1].params_bytes
+                 for p in ("megatron-bf16", "megatron-fp8"))
+    per_layer = h * 1536 + h * 576 + 1536 * 6144 // 2 + 512 * 8192 // 2 + 4096 * h // 2 + 3 * h * h // 2 + 8 * 3 * h * h
+    assert per_layer == 37_814_272
+    assert fp8 - bf16 == 2 * (9 * per_layer + 2 * h * h // 2)
+
+
+def test_expert_tensor_parallelism_keeps_each_experts_down_bias_whole():
+    """A routed expert's down projection is row-parallel over etp: its weight splits, its bias
+    (h, added after the reduction) does not, as a dense MLP's down bias and Megatron's
+    RowParallelLinear / TE's row-parallel grouped linear keep it. gpt-oss-like experts (h 64,
+    8 experts 32 wide with biases) over ep 2, etp 2: 4 experts of (3·64·32 + 2·32)/2 + 64 each."""
+    from ndplan.memory.static import layer_elements
+
+    model = ModelSpec(name="oss", num_layers=1, hidden_size=64, ffn_hidden_size=0, num_attention_heads=4, num_kv_heads=2,
+                      head_dim=16, vocab_size=256, num_experts=8, num_experts_per_tok=2, moe_ffn_hidden_size=32,
+                      expert_bias=True)
+    one = np.ones(1)
+    experts = layer_elements(model, 2 * one, 2 * one, 2 * one).expert["moe"]
+    assert experts[0] == 4 * ((3 * 64 * 32 + 2 * 32) / 2 + 64)
+
+
+def test_torch_ddp_keeps_its_reducer_buckets_beside_the_gradients():
+    """Without ZeRO or FSDP the pytorch runtime's replicas run DDP (torchtitan's ``replicate``,
+    bucket_cap_mb=100, gradient_as_bucket_view left False): the reducer's buckets are flat
+    tensors as large as all the gradients, allocated when DDP wraps the model and kept, and each
+    parameter's .grad is a copy out of them (PyTorch PR 41954: making .grad a view of its bucket
+    saved ~1 GB on a 1 GB-gradient model). TINY's 2·(36864 + 2·64 + ...) elements: the buckets
+    hold grad_bytes per element, through the forward/backward and the optimizer step alike. One
+    replica (dp 1) runs no DDP; Megatron's DDP keeps the gradients in its buffer alone."""
+    elements = count_parameters(TINY).total
+
+    def stage(runtime: str, dp: int):
+        return estimate(TINY, Strategy(dp=dp, seq_length=8), options=MemoryOptions(include_overhead=False,
+                                                                                    runtime=runtime)).stages[0]
+
+    ddp, single = stage("pytorch", 2), stage("pytorch", 1)
+    assert ddp.comm_bytes - single.comm_bytes == 4 * elements
+    assert ddp.optimizer_step_bytes - single.optimizer_step_bytes == 4 * elements
+    assert ddp.allocated_bytes - single.allocated_bytes == 4 * elements
+    assert stage("megatron", 2).comm_bytes == stage("megatron", 1).comm_bytes

@@ -253,3 +253,25 @@ def test_mla_widths_without_kv_lora_rank_are_refused(tmp_path, field):
                                           r"width, but kv_lora_rank=0 \(MLA off\); give kv_lora_rank > 0 or "
                                           rf"leave {field} 0$"):
         load_model(str(path))
+
+
+def test_layernorm_qk_norms_carry_their_biases():
+    """Megatron's --qk-layernorm under --normalization LayerNorm builds its q and k norms as the
+    model's norm (Transformer Engine's LayerNorm: a weight and a bias of head_dim each), and MLA's
+    latent norms likewise: 2·2·d per layer, not 2·d; replicated over TP (the whole part)."""
+    import numpy as np
+
+    from ndplan.memory.static import attention_split
+    from ndplan.model import ModelSpec
+    from ndplan.model.params import attention_params
+
+    base = ModelSpec(name="ln", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=4,
+                     head_dim=16, vocab_size=256, norm="layernorm", norm_bias=True)
+    with_qk = base.model_copy(update={"qk_norm": True})
+    assert attention_params(with_qk) - attention_params(base) == 2 * 2 * 16
+    assert attention_split(with_qk).whole - attention_split(base).whole == 2 * 2 * 16
+    mla = base.model_copy(update={"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                                  "v_head_dim": 16})
+    rms = mla.model_copy(update={"norm": "rmsnorm", "norm_bias": False})
+    assert attention_params(mla) - attention_params(rms) == 32 + 16  # the q and kv latent norms' biases
+    assert attention_split(mla).per_rank(np.array([2.0]))[0] - attention_split(rms).per_rank(np.array([2.0]))[0] == 48

@@ -551,7 +551,7 @@ def test_a_balance_result_reports_the_strategy_as_given_and_the_balanced_setting
     from ndplan.report.html import render_html
 
     assert main(["balance", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--pp", "4",
-                 "--gbs", "64", "--recompute", "full", "--memory-limit", "50GiB", "--heuristic", "--json"]) == 0
+                 "--gbs", "64", "--recompute", "full", "--memory-limit", "58GiB", "--heuristic", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     prepared = prepare(data)
     assert prepared["kind"] == "balance"
@@ -559,9 +559,9 @@ def test_a_balance_result_reports_the_strategy_as_given_and_the_balanced_setting
     assert [m["name"] for m in prepared["memory"]] == ["balanced", "as given"]
     balanced_peak = max(st["peak_bytes"] for st in prepared["memory"][0]["stages"])
     assert balanced_peak == data["balanced"]["peak_bytes"]
-    assert prepared["memory"][0]["capacity_bytes"] == 50 * 2**30
+    assert prepared["memory"][0]["capacity_bytes"] == 58 * 2**30
     page = render_html(data)
-    assert "of 50.00 GiB memory limit" in page
+    assert "of 58.00 GiB memory limit" in page
     command = html.unescape(re.search(r'<pre class="cmd">(.*?)</pre>', page, re.S).group(1))
     layers = ",".join(str(n) for n in data["balanced"]["strategy"]["stage_layers"])
     assert f"--stage-layers {layers}" in command

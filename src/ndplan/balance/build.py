@@ -36,8 +36,14 @@ from ndplan.balance.solve import exact_method, solve_exact, solve_heuristic
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory.overhead import DEFAULTS
-from ndplan.memory.stages import MemoryOptions, layer_activations, stage_memory
-from ndplan.memory.static import layer_elements, sharding_factors
+from ndplan.memory.stages import (
+    MemoryOptions,
+    ddp_bucket_width,
+    fp8_weight_cache_width,
+    layer_activations,
+    stage_memory,
+)
+from ndplan.memory.static import layer_elements, linear_weight_elements, sharding_factors
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import default_efficiency, with_software
 from ndplan.perf.layer import LayerContext, piece_times
@@ -142,12 +148,17 @@ def build_problems(
     step_device = (uniform.params + uniform.grads + uniform.optimizer + uniform.optimizer_step) * slack + overhead_bytes
     p = strategies[0].precision
     optimizer = np.where(head.optimizer_offload > 0, 0.0, p.optimizer_bytes)
-    # Bytes per element of a non-expert and of an expert weight (parameters, gradients, states).
-    per_element = p.param_bytes / shards.params + p.grad_bytes / shards.grads + optimizer / shards.optimizer
+    # Bytes per element of a non-expert and of an expert weight (parameters, gradients, states,
+    # and the buckets a DDP reducer keeps beside the gradients).
+    buckets = ddp_bucket_width(options.profile, p.grad_bytes, head.zero, head.dp, head.cp)
+    per_element = p.param_bytes / shards.params + p.grad_bytes / shards.grads + optimizer / shards.optimizer + buckets
     per_expert_element = (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
-                          + optimizer / shards.expert_optimizer)
+                          + optimizer / shards.expert_optimizer + buckets)
+    # Under fp8 GEMMs, the quantised copies of the layer's linear weights the runtime keeps.
+    cache_width = fp8_weight_cache_width(options.profile, p.compute_dtype, head.zero)
+    linear = linear_weight_elements(model, head.tp.astype(float), head.ep.astype(float), head.etp.astype(float))
     static_of = {kind: elements.non_expert[kind] * per_element + elements.expert[kind] * per_expert_element
-                 for kind in ("dense", "moe")}
+                 + sum(linear[kind].values()) * cache_width for kind in ("dense", "moe")}
     # The update's temporaries per element the rank's optimizer holds (``stages.stage_memory``).
     temp_bytes = np.where((head.optimizer_offload > 0) | (p.optimizer_bytes == 0), 0.0,
                           options.profile.optimizer_temp_copies * (p.master_weight_bytes or p.param_bytes))

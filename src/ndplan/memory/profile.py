@@ -161,6 +161,12 @@ class RuntimeProfile:
     tp_accumulates_whole_embedding_grad: bool = False
     weight_grad_recomputes_per_group: bool = False
     first_stage_backward_at_w: bool = False
+    #: Bytes per linear-weight element of the quantised weight copies its fp8 linears keep from
+    #: one micro-batch to the next (``static.linear_weight_elements``; 0: none kept).
+    fp8_weight_cache_bytes: float = 0.0
+    #: Copies of the gradients its DDP reducer keeps in buckets of its own (replicas without ZeRO
+    #: or FSDP; 0: the gradients live in the buckets, or there are none).
+    ddp_bucket_copies: float = 0.0
     #: What its selective recompute re-runs, for the step-time model
     #: (``EfficiencyProfile.selective_recompute``): 'megatron' the attention core, 'keep-matmuls'
     #: the elementwise ops alone, 'torchtitan-op' every second matmul and the elementwise ops.
@@ -242,6 +248,8 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         tp_accumulates_whole_embedding_grad=bool(data.get("tp_accumulates_whole_embedding_grad", False)),
         weight_grad_recomputes_per_group=bool(data.get("weight_grad_recomputes_per_group", False)),
         first_stage_backward_at_w=bool(data.get("first_stage_backward_at_w", False)),
+        fp8_weight_cache_bytes=float(data.get("fp8_weight_cache_bytes", 0.0)),
+        ddp_bucket_copies=float(data.get("ddp_bucket_copies", 0.0)),
         selective_policy=_selective_policy(data.get("selective_policy", "megatron"), source),
         schedules=_schedules(data.get("schedules", list(SCHEDULES)), source),
         overhead=_overhead(data.get("overhead"), source),

@@ -18,11 +18,13 @@ from ndplan.memory.stages import (
     _recomputed_layers,
     applicable_modules,
     applicable_offload_modules,
+    ddp_bucket_width,
+    fp8_weight_cache_width,
     layer_activations,
     stage_memory,
     whole_embedding_grad_extra,
 )
-from ndplan.memory.static import layer_elements, sharding_factors
+from ndplan.memory.static import layer_elements, linear_weight_elements, sharding_factors
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, in_flight
@@ -194,6 +196,23 @@ class MemoryReport:
         return (f" + the whole embedding gradient's other shards (vocab·h·(1 − 1/tp) × {s.precision.grad_bytes} B "
                 f"= {format_bytes(extra)}: a second micro-batch's gradient leaves DTensor's accumulated one unsharded)")
 
+    def _fp8_weight_cache_term(self) -> str:
+        """The params line's extra term where the runtime keeps fp8 copies of the linear weights."""
+        width = float(fp8_weight_cache_width(self.options.profile, self.strategy.precision.compute_dtype,
+                                             self.strategy.zero))
+        if not width:
+            return ""
+        return (f" + the linears' fp8 weight copies kept across micro-batches (linear weight elements × {width:g} B: "
+                "row-wise and transposed)")
+
+    def _ddp_bucket_term(self) -> str:
+        """The comm line's term where a DDP reducer keeps buckets beside the gradients."""
+        s = self.strategy
+        width = float(ddp_bucket_width(self.options.profile, s.precision.grad_bytes, s.zero, s.dp, s.cp))
+        if not width:
+            return ""
+        return f" + DDP's reducer buckets (elements × {width:g} B, a copy of the gradients, kept)"
+
     def _deferred_fsdp_reduce(self) -> bool:
         """Whether the runtime holds unsharded gradients to the step's end (FSDP under a pipeline
         of several virtual stages, as ``stages`` prices it)."""
@@ -214,7 +233,8 @@ class MemoryReport:
             f"stage {stage.stage} of {s.pp} holds {stage.layers} decoder layers; tokens per micro-batch per rank "
             f"= mbs·seq/cp = {s.micro_batch_size}·{s.seq_length}/{s.cp} = {tokens:,.0f}",
             f"params     = Σ elements/tp (experts /(ep·etp)) × {p.param_bytes} B"
-            + (f" / {shards} (ZeRO-3)" if s.zero >= 3 else "") + f" = {format_bytes(stage.params_bytes)}",
+            + (f" / {shards} (ZeRO-3)" if s.zero >= 3 else "") + self._fp8_weight_cache_term()
+            + f" = {format_bytes(stage.params_bytes)}",
             f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
             + self._whole_embedding_grad_term(stage) + f" = {format_bytes(stage.grads_bytes)}"
             + (" (made by the step's end reduce-scatter: the pipeline defers FSDP's reduce, so until then each "
@@ -242,9 +262,9 @@ class MemoryReport:
                 f"{format_bytes(stage.host_activation_bytes)}; two layers' worth stay on the device "
                 f"(the next backward's last layer, one reload ahead), counted in the transient")
         lines += [
-            f"comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
-            f"unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
-            f"EP dispatch) = {format_bytes(stage.comm_bytes)}",
+            "comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
+            "unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
+            "EP dispatch)" + self._ddp_bucket_term() + f" = {format_bytes(stage.comm_bytes)}",
             f"transient  = the worst working set beside them: one layer's backward (+ recompute rebuild; "
             f"where the s² scores are materialised, eager or SDPA's math path, its attention backward: the "
             f"probabilities' gradient, softmax's gradient and CUDA's temporary product), the "
@@ -457,13 +477,17 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
     p = strategy.precision
     optimizer = 0.0 if strategy.optimizer_offload else p.optimizer_bytes
+    linear = linear_weight_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
+    cache_width = fp8_weight_cache_width(options.profile, p.compute_dtype, batch.zero)
+    buckets = ddp_bucket_width(options.profile, p.grad_bytes, batch.zero, batch.dp, batch.cp)
 
     def layer_static(kind: MlpKind) -> float:
         non_expert = elements.non_expert[kind] * (p.param_bytes / shards.params + p.grad_bytes / shards.grads
                                                   + optimizer / shards.optimizer)
         expert = elements.expert[kind] * (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
                                           + optimizer / shards.expert_optimizer)
-        return float((non_expert + expert)[0])
+        buffers = (elements.non_expert[kind] + elements.expert[kind]) * buckets
+        return float((non_expert + expert + sum(linear[kind].values()) * cache_width + buffers)[0])
 
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
     # A chunk keeps t · Σ_kinds (plain layers · full bytes + recomputed layers · kept bytes) per

@@ -42,7 +42,14 @@ from ndplan.memory.profile import (
     get_profile,
     model_symbols,
 )
-from ndplan.memory.static import embedding_elements, layer_elements, mtp_extra_elements, sharding_factors
+from ndplan.memory.static import (
+    embedding_elements,
+    layer_elements,
+    linear_weight_elements,
+    mtp_extra_elements,
+    mtp_extra_linear_elements,
+    sharding_factors,
+)
 from ndplan.model.params import weight_grad_groups, weight_grad_peak_group
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
@@ -606,6 +613,22 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra, rebuilt=rebuilt,
         offloaded=offloaded,
     )
+
+
+def fp8_weight_cache_width(profile: RuntimeProfile, compute_dtype: str, zero: Any) -> np.ndarray:
+    """Bytes per linear-weight element (``static.linear_weight_elements``) of the quantised
+    weight copies the runtime keeps across micro-batches under fp8 GEMMs (Transformer Engine's
+    weight workspaces under Megatron: ``fp8_weight_cache_bytes``), whole on the rank whatever
+    ZeRO-1/2 shards; not priced under ZeRO-3, whose weights are gathered per use. Per ``zero``."""
+    width = profile.fp8_weight_cache_bytes if compute_dtype == "fp8" else 0.0
+    return np.where(np.asarray(zero) < 3, width, 0.0)
+
+
+def ddp_bucket_width(profile: RuntimeProfile, grad_bytes: float, zero: Any, dp: Any, cp: Any) -> np.ndarray:
+    """Bytes per element of the buckets a DDP reducer keeps beside the gradients
+    (``ddp_bucket_copies`` of them): replicas (dp·cp > 1) without ZeRO or FSDP; 0 elsewhere."""
+    ddp = (np.asarray(zero) == 0) & (np.asarray(dp) * np.asarray(cp) > 1)
+    return np.where(ddp, grad_bytes * profile.ddp_bucket_copies, 0.0)
 
 
 def makes_whole_embedding_grad(profile: RuntimeProfile, tp: Any, zero: Any) -> Any:
@@ -1541,6 +1564,22 @@ def _static_state(
             kinds["static"][static_kind][index, :pp] += shape.expand(
                 np.where(offload, 0.0, share) if category == "optimizer" else share)
 
+    # The quantised copies of the linear weights an fp8 runtime keeps across micro-batches: part
+    # of the weights on the device (params).
+    cache_factor = fp8_weight_cache_width(options.profile, precision.compute_dtype, batch.zero)[:, None]
+    if cache_factor.any():
+        linear = linear_weight_elements(model, tp, ep, etp)
+        layers_of = {"dense": dense_layers, "moe": moe_layers}
+        cache_terms: list[StaticTerm] = [(part, elements, layers_of[linear_kind])
+                                         for linear_kind, parts in linear.items() for part, elements in parts.items()]
+        cache_terms.append(("mtp", model.mtp_depth * (sum(linear[mtp_kind].values()) + mtp_extra_linear_elements(model, tp)),
+                            last_virtual))
+        out["params"] = out["params"] + _to_stages(_outer_sum(cache_terms, n, computed) * cache_factor, chunks)
+        if kinds is not None:
+            for static_kind in STATIC_KINDS:
+                share = _outer_sum([term for term in cache_terms if term[0] == static_kind], n, computed) * cache_factor
+                kinds["static"][static_kind][index, :pp] += shape.expand(_to_stages(share, chunks))
+
     # What the rest of the model reads of the above, all functions of the same fields.
     profile = options.profile
     deferred = (batch.zero == 3) & profile.pipeline_defers_fsdp_reduce & (pp * vpp > 1)
@@ -1580,6 +1619,11 @@ def _static_state(
         experts = layers.expert[kind]
         mlp_grads[kind] = ((layers.by_kind[kind][mlp_name] - experts + 0.5 * layers.by_kind[kind]["norm"]) * grad_width
                            + experts * (grad_bytes / shards.expert_grads))
+    # Replicas without ZeRO or FSDP run DDP: where the runtime's reducer keeps buckets apart from
+    # the gradients (PyTorch's, gradient_as_bucket_view off), they are as large again, allocated
+    # when DDP wraps the model and kept (the comm buffers of every phase).
+    ddp_buckets = (non_expert_stage + expert_stage) * ddp_bucket_width(profile, grad_bytes, batch.zero, batch.dp,
+                                                                       batch.cp)[:, None]
     params_optimizer = out["params"] + out["optimizer"]
     # The optimizer step's temporaries of the update, in the dtype of the weights it updates.
     updated_bytes = precision.master_weight_bytes or precision.param_bytes
@@ -1596,6 +1640,7 @@ def _static_state(
         embedding_gradient=embedding_gradient, mlp_grads=mlp_grads,
         overhead=overhead_model(options.profile, batch, options.include_overhead),
         elements_virtual=non_expert_total + expert_total, stage_elements=non_expert_stage + expert_stage,
+        ddp_buckets=ddp_buckets,
     )
 
 
@@ -1617,7 +1662,8 @@ class _StaticState:
     gradient bytes of the head and the MTP modules (``head_grad_bytes``), of the embedding made
     after every layer (``table_made_last``), of a new embedding gradient
     (``embedding_gradient``), and per layer kind of its MLP and second norm (``mlp_grads``, only
-    where the scores are materialised); ``overhead`` the runtime overhead.
+    where the scores are materialised); ``overhead`` the runtime overhead; per pattern the DDP
+    reducer's buckets kept beside the gradients (``ddp_buckets``, 0 where there are none).
 
     Strategies share these many at a time (they differ in micro-batch size, recompute, sequence
     parallelism, ...): each figure is gathered where it is read, and only there (the FSDP
@@ -1640,6 +1686,7 @@ class _StaticState:
     embedding_gradient: np.ndarray
     mlp_grads: dict[str, np.ndarray]
     overhead: RuntimeOverhead
+    ddp_buckets: np.ndarray
     index: np.ndarray | None = None  # per strategy its combination (None: one each)
 
     def at(self, values: Any, rows: np.ndarray | None = None) -> Any:
@@ -2194,7 +2241,8 @@ def _evaluate_group(
     # The tensors handed over at a V's turn are reported with the receive buffers (all m of
     # them, as at the step's end); the forward/backward peak counts those handed over by then.
     receive = receive + handed_over
-    other_comm = overlapping_with_pp + kept_gathered + receive
+    ddp_buckets = static.at(static.ddp_buckets)
+    other_comm = overlapping_with_pp + kept_gathered + receive + ddp_buckets
     out["comm"] = other_comm + fsdp_gathers
     out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0))[sharded_rows]
     # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
@@ -2204,7 +2252,7 @@ def _evaluate_group(
     out["transient"] += workspaces
 
     # ---- optimizer step temporaries (activations are gone by then)
-    out["optimizer_step"] = static.at(static.optimizer_update) + receive + workspaces
+    out["optimizer_step"] = static.at(static.optimizer_update) + receive + ddp_buckets + workspaces
 
     # The static state per strategy: its sums, each gathered once, and its parts where the
     # figures of every category are kept.

@@ -2,8 +2,9 @@
 
 Tensor parallelism shards column/row-parallel weights and leaves norms, routers, row-parallel
 biases and MLA's down-projections (Megatron-Core builds them "duplicated") whole on every rank.
-Routed experts are divided over ep·etp ranks. What remains is replicated over the data-parallel
-ranks, where ZeRO/FSDP divides it again (``sharding_factors``).
+Routed experts are divided over ep·etp ranks (their down-projection biases over ep alone). What
+remains is replicated over the data-parallel ranks, where ZeRO/FSDP divides it again
+(``sharding_factors``).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ def attention_split(model: ModelSpec) -> TpSplit:
     total = attention_params(model)
     whole = h if model.o_bias else 0
     if model.qk_norm:
-        whole += 2 * model.head_dim
+        whole += 2 * norm_params(model, model.head_dim)
     if model.is_mla:
         q_rank, kv_down = model.q_lora_rank, model.kv_lora_rank + model.qk_rope_head_dim
         if q_rank:
-            whole += h * q_rank + (q_rank if model.qkv_bias else 0) + q_rank
-        whole += h * kv_down + (kv_down if model.qkv_bias else 0) + model.kv_lora_rank
+            whole += h * q_rank + (q_rank if model.qkv_bias else 0) + norm_params(model, q_rank)
+        whole += h * kv_down + (kv_down if model.qkv_bias else 0) + norm_params(model, model.kv_lora_rank)
     return TpSplit(total - whole, whole)
 
 
@@ -95,7 +96,9 @@ def layer_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.nda
     if model.is_moe:
         moe = layer_params(model, "moe")
         moe_non_expert = moe.router + shared_expert_split(model).per_rank(tp)
-        experts = moe.routed_experts / (ep * etp)
+        # An expert's down-projection bias is added after the etp reduction: whole on each rank.
+        down_biases = model.num_experts * model.hidden_size if model.expert_bias else 0
+        experts = (moe.routed_experts - down_biases) / (ep * etp) + down_biases / ep
     else:
         moe_non_expert, experts = zeros, zeros
     # The same sums as non_expert_split(model, kind).per_rank(tp), kept apart for by_kind.
@@ -107,6 +110,35 @@ def layer_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.nda
             "moe": {"attention": attention, "norm": norms, "moe": moe_non_expert + experts},
         },
     )
+
+
+def linear_weight_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.ndarray) -> dict[MlpKind, dict[str, np.ndarray]]:
+    """Per layer kind, the weight elements on one rank of the linears a decoder layer runs its
+    GEMMs through (Transformer Engine's modules under Megatron-Core), keyed like
+    ``LayerElements.by_kind``: the attention projections (MLA's down-projections whole, the rest
+    /tp), the dense MLP (/tp), or the shared experts (/tp) and the routed experts (E/ep of them,
+    /etp). Biases, norms, the router and the shared-expert gate run no GEMM of their own; the
+    embedding and output head are not Transformer Engine modules."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    if model.is_mla:
+        q_up = model.q_lora_rank or h
+        whole = (h * model.q_lora_rank if model.q_lora_rank else 0) + h * (model.kv_lora_rank + model.qk_rope_head_dim)
+        split = (q_up * heads * model.qk_head_dim
+                 + model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim)
+                 + heads * model.v_head_dim * h)
+    else:
+        q_width, kv_width = heads * model.head_dim, model.num_kv_heads * model.head_dim
+        whole, split = 0, h * (q_width + 2 * kv_width) + q_width * h
+    attention = split / tp + whole
+    mlp = model.mlp_matrices * h * model.ffn_hidden_size / tp
+    shared = model.num_shared_experts * model.mlp_matrices * h * model.shared_expert_ffn_hidden_size / tp
+    routed = model.num_experts * model.mlp_matrices * h * model.moe_ffn_hidden_size / (ep * etp)
+    return {"dense": {"attention": attention, "mlp": mlp}, "moe": {"attention": attention, "moe": shared + routed}}
+
+
+def mtp_extra_linear_elements(model: ModelSpec, tp: np.ndarray) -> np.ndarray:
+    """An MTP module's linear besides its decoder layer: the column-parallel 2h -> h projection."""
+    return 2 * model.hidden_size * model.hidden_size / tp
 
 
 def embedding_elements(model: ModelSpec, tp: np.ndarray) -> np.ndarray:

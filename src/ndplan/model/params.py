@@ -51,14 +51,14 @@ def attention_params(spec: ModelSpec) -> int:
         qk = spec.qk_head_dim
         if spec.q_lora_rank:
             q_rank = spec.q_lora_rank
-            query = h * q_rank + (q_rank if spec.qkv_bias else 0) + q_rank + q_rank * heads * qk
+            query = h * q_rank + (q_rank if spec.qkv_bias else 0) + norm_params(spec, q_rank) + q_rank * heads * qk
         else:
             query = h * heads * qk
         kv_down = spec.kv_lora_rank + spec.qk_rope_head_dim
         key_value = (
             h * kv_down
             + (kv_down if spec.qkv_bias else 0)
-            + spec.kv_lora_rank  # kv_a_layernorm
+            + norm_params(spec, spec.kv_lora_rank)  # kv_a_layernorm
             + spec.kv_lora_rank * heads * (spec.qk_nope_head_dim + spec.v_head_dim)
         )
         output = heads * spec.v_head_dim * h + (h if spec.o_bias else 0)
@@ -68,7 +68,7 @@ def attention_params(spec: ModelSpec) -> int:
     kv_width = spec.num_kv_heads * d
     qkv = h * (q_width + 2 * kv_width) + ((q_width + 2 * kv_width) if spec.qkv_bias else 0)
     output = q_width * h + (h if spec.o_bias else 0)
-    qk_norm = 2 * d if spec.qk_norm else 0
+    qk_norm = 2 * norm_params(spec, d) if spec.qk_norm else 0  # q and k norms of the model's kind
     sinks = heads if spec.attention_sinks else 0
     return qkv + output + qk_norm + sinks
 
