@@ -135,7 +135,9 @@ def strategies(draw: st.DrawFn, fmt: str) -> tuple[ModelSpec, Strategy]:
         if zero == 3 and fmt != "mindformers":
             reshard = draw(st.booleans())
             if fmt == "megatron" and not reshard:
-                assume(pp == 1 and fields.get("ep", 1) == 1)  # only torch FSDP2 keeps parameters gathered
+                # Only torch FSDP2 keeps parameters gathered, and Megatron runs it beside no pipeline
+                # or experts, over all of dp·cp (test_megatron_torch_fsdp2_only_where_megatron_runs_it).
+                assume(pp == 1 and fields.get("ep", 1) == 1 and not fields.get("shard_group"))
             fields["reshard_after_forward"] = reshard
     if space["offload"]:
         fields["optimizer_offload"] = draw(st.booleans())
@@ -153,6 +155,8 @@ def strategies(draw: st.DrawFn, fmt: str) -> tuple[ModelSpec, Strategy]:
             offload -= {"core_attn", "attn_proj"}
         fields["offload_modules"] = tuple(offload)
     fields["precision"] = draw(st.sampled_from(space["precisions"]))
+    if fmt == "megatron" and not fields.get("reshard_after_forward", True):
+        assume(fields["precision"].compute_dtype != "fp16")  # nor torch FSDP2 under fp16
     strategy = Strategy(**fields)
     assume(check_strategy(strategy, model) == [])
     return model, strategy
@@ -186,7 +190,13 @@ def round_trip(fmt: str, model: ModelSpec, strategy: Strategy) -> Strategy:
 @given(data=st.data())
 def test_round_trip(fmt: str, data: st.DataObject) -> None:
     model, strategy = data.draw(strategies(fmt))
-    text = emit(model, strategy, fmt)
+    if fmt == "megatron":
+        # Megatron refuses expert parallelism under fp16, and runs grouped-GEMM experts only under
+        # bf16 (test_megatron_launch_passes_megatrons_argument_checks): both said in the header.
+        assume(not (strategy.ep > 1 and policy_of_strategy(strategy) == "fp16"))
+        text = emit(model, strategy, fmt, grouped_gemm=policy_of_strategy(strategy) in ("bf16", "fp8"))
+    else:
+        text = emit(model, strategy, fmt)
     if one_rank_sharding(fmt, strategy):
         # Said in the header (it once read back as ZeRO-0 silently: mixtral-8x7b dp1 tp8 pp8 ep2
         # etp1 fsdp3, 29.7 GiB priced, 57.2 GiB run); the rest comes back.
@@ -356,3 +366,144 @@ def test_hyperparallel_says_zero3_without_fsdp_becomes_fsdp() -> None:
         "# ndplan: not expressible in HyperParallel, left out: ZeRO-3 without FSDP (HyperParallel shards parameters "
         "with FSDP; priced the same)"]
     assert "not expressible" not in emit(model, Strategy(dp=4, zero=3, fsdp=True, precision="fsdp-bf16"), "hyperparallel")
+
+
+# ---------------------------------------------------------------- Megatron-LM's argument checks
+def megatron_launch(text: str) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The flags of an emitted launch (as ndplan's reader sees them) and its exported variables."""
+    from ndplan.io.common import Source
+    from ndplan.io.megatron_args import flag_entries, parse_script
+
+    src = Source(Path("run.sh"))
+    entries = flag_entries(src, parse_script(src, text).arguments, [])
+    return {flag: arg.values for flag, arg in entries.items()}, dict(re.findall(r"^export (\w+)=(\S+)$", text, re.M))
+
+
+def megatron_refusals(text: str) -> list[str]:
+    """What Megatron-LM's validate_args (megatron/training/arguments.py, NVIDIA/Megatron-LM
+    000c4ac) asserts against, for the flags ndplan writes: a launch that trips one stops before
+    its first step."""
+    flags, env = megatron_launch(text)
+    given = flags.__contains__
+
+    def value(flag: str, default: str | None = None) -> str | None:
+        return flags[flag][0] if flags.get(flag) else default
+
+    tp, pp, cp, ep = (int(value(flag, "1") or 1) for flag in (
+        "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+        "--expert-model-parallel-size"))
+    fsdp = given("--use-torch-fsdp2") or given("--use-megatron-fsdp")
+    out = []
+    if given("--overlap-param-gather"):
+        if not (given("--use-distributed-optimizer") or given("--use-megatron-fsdp")):
+            out.append("--overlap-param-gather only supported with distributed optimizer or megatron fsdp")
+        if not given("--overlap-grad-reduce"):
+            out.append("Must use --overlap-param-gather with --overlap-grad-reduce")
+    if given("--use-torch-fsdp2"):
+        if pp > 1 or ep > 1:
+            out.append("--use-torch-fsdp2 is not supported with pipeline or expert parallelism")
+        if given("--use-distributed-optimizer"):
+            out.append("--use-torch-fsdp2 is not supported with MCore's distributed optimizer")
+        if not given("--no-gradient-accumulation-fusion"):
+            out.append("--use-torch-fsdp2 is not supported with gradient accumulation fusion")
+        if value("--ckpt-format", "torch_dist") not in ("torch_dist", "torch_dcp"):
+            out.append("--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
+        if not given("--untie-embeddings-and-output-weights"):
+            out.append("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
+        if given("--fp16"):
+            out.append("--use-torch-fsdp2 not supported with fp16 yet")
+    if given("--use-megatron-fsdp") and value("--ckpt-format") != "fsdp_dtensor":
+        out.append("Megatron FSDP only supports fsdp_dtensor checkpoint format")
+    if given("--tp-comm-overlap") and not (given("--sequence-parallel") and tp > 1):
+        out.append("Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled")
+    if given("--moe-grouped-gemm") and not given("--bf16"):
+        out.append("Currently GroupedGEMM for MoE only supports bf16 dtype.")
+    if ep > 1 and given("--fp16"):
+        out.append("Expert parallelism is not supported with fp16 training.")
+    if given("--optimizer-cpu-offload") and not given("--use-precision-aware-optimizer"):
+        out.append("The optimizer cpu offload must be used in conjunction with `--use-precision-aware-optimizer`")
+    if value("--recompute-granularity") == "selective" and given("--recompute-method"):
+        out.append("recompute method is not yet supported for selective recomputing granularity")
+    if fsdp and env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        out.append("FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than one")
+    if (tp > 1 or cp > 1) and not fsdp and not given("--overlap-moe-expert-parallel-comm") \
+            and env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        out.append("Using tensor model parallelism or context parallelism require setting the environment "
+                   "variable CUDA_DEVICE_MAX_CONNECTIONS to 1")
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(data=st.data())
+def test_megatron_launch_passes_megatrons_argument_checks(data: st.DataObject) -> None:
+    """A written launch runs past Megatron's argument checks (each one an assert in validate_args),
+    with the overlap the step time was priced with; what Megatron refuses outright (expert
+    parallelism under fp16) is said in the header."""
+    from ndplan.perf import parse_overlap
+
+    model, strategy = data.draw(strategies("megatron"))
+    overlap = parse_overlap(data.draw(st.sampled_from(
+        ("megatron", "plain", "megatron,tp=on", "megatron,dp_grad_reduce=off", "megatron,ep=on"))))
+    text = emit(model, strategy, "megatron", overlap)
+    refused = megatron_refusals(text)
+    if strategy.ep > 1 and policy_of_strategy(strategy) == "fp16":
+        assert "Expert parallelism is not supported with fp16 training." in refused
+        assert "Megatron-LM refuses expert parallelism under --fp16" in text, text
+        refused.remove("Expert parallelism is not supported with fp16 training.")
+    assert refused == [], text
+
+
+def policy_of_strategy(strategy: Strategy) -> str:
+    from ndplan.io.common import policy_of
+
+    return policy_of(strategy.precision).compute_dtype
+
+
+def test_megatron_torch_fsdp2_only_where_megatron_runs_it(tmp_path: Path) -> None:
+    """FSDP that keeps parameters gathered after forward is torch FSDP2 in Megatron, which runs
+    only without gradient-accumulation fusion, untied, outside fp16, and over the whole
+    data-parallel group (Megatron builds its mesh from dp·cp: no HSDP); elsewhere the launch is
+    Megatron-FSDP (which reshards), said in the header."""
+    model = get_preset("llama-3.1-8b")
+    fsdp2 = Strategy(dp=8, zero=3, fsdp=True, reshard_after_forward=False, num_micro_batches=2)
+    text = emit(model, fsdp2, "megatron")
+    assert "--use-torch-fsdp2" in text and "--no-gradient-accumulation-fusion" in text
+    assert "not expressible" not in text and megatron_refusals(text) == []
+    tied = model.model_copy(update={"tie_word_embeddings": True})
+    for variant, strategy, words in (
+        (tied, fsdp2, "tied embeddings"),
+        (model, fsdp2.model_copy(update={"precision": "megatron-fp16"}), "fp16"),
+        (model, fsdp2.model_copy(update={"shard_group": 4}), "shard group"),
+    ):
+        text = emit(variant, strategy, "megatron")
+        assert "--use-torch-fsdp2" not in text and "--use-megatron-fsdp" in text, words
+        lost = [line for line in text.splitlines() if "not expressible" in line]
+        assert len(lost) == 1 and "without resharding after forward" in lost[0] and words in lost[0], lost
+        assert megatron_refusals(text) == [], text
+    # Reading: torch FSDP2 shards over all of dp·cp, whatever --num-distributed-optimizer-instances says.
+    path = tmp_path / "run.sh"
+    path.write_text(emit(model, fsdp2, "megatron").replace(
+        "--use-torch-fsdp2", "--use-torch-fsdp2 --num-distributed-optimizer-instances 2"))
+    result = read_config(path)
+    assert result.strategy().shard_group == 0
+    assert any("--num-distributed-optimizer-instances 2" in w and "torch FSDP2" in w for w in result.warnings)
+
+
+def test_megatron_reader_names_the_overlap_megatron_refuses(tmp_path: Path) -> None:
+    """--overlap-param-gather without --overlap-grad-reduce or a sharded optimizer, and
+    --tp-comm-overlap without --sequence-parallel, stop Megatron at its argument check: each is
+    a warning naming the flag and its line."""
+    path = tmp_path / "run.sh"
+    base = ("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 256 --num-attention-heads 4 "
+            "--padded-vocab-size 1000 --tensor-model-parallel-size 2 --micro-batch-size 1 --seq-length 128 {}\n")
+    for flags, words in (
+        ("--use-distributed-optimizer --overlap-param-gather", "without --overlap-grad-reduce"),
+        ("--overlap-grad-reduce --overlap-param-gather", "without --use-distributed-optimizer or --use-megatron-fsdp"),
+        ("--tp-comm-overlap", "without --sequence-parallel"),
+    ):
+        path.write_text(base.format(flags))
+        warnings = read_config(path).warnings
+        assert any(w.startswith(f"{path}:1:") and "Megatron-LM refuses" in w and words in w for w in warnings), warnings
+    path.write_text(base.format("--sequence-parallel --tp-comm-overlap --use-distributed-optimizer "
+                                "--overlap-grad-reduce --overlap-param-gather"))
+    assert not [w for w in read_config(path).warnings if "refuses" in w]

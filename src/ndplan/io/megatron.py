@@ -123,7 +123,7 @@ def interpret(
     _offload(args, settings, warnings, notes)
     settings["precision"] = precision_setting(_precision(args, warnings))
     _batch(args, settings, dp, warnings, notes)
-    overlap = _overlap(args, notes)
+    overlap = _overlap(args, notes, warnings)
     notes.append("runtime: megatron, what Megatron-Core keeps for backward (--runtime overrides)")
     # Megatron's cross-entropy is always vocabulary-parallel over TP (no flag turns it off): a
     # fact of the launch, stated as the attention kernel and the loss dtype are, so that another
@@ -209,7 +209,7 @@ def _unfused_attention(args: Args, impl: str, warnings: list[str]) -> str | None
     return None
 
 
-def _overlap(args: Args, notes: list[str]) -> dict[str, Any]:
+def _overlap(args: Args, notes: list[str], warnings: list[str]) -> dict[str, Any]:
     """The step-time overlap switches (``ndplan.perf.OverlapConfig``) the flags state. Megatron
     overlaps nothing unless asked, so an absent flag means off; expert-parallel overlap stays
     'auto' (on under DualPipeV) unless a flag turns it on."""
@@ -218,6 +218,17 @@ def _overlap(args: Args, notes: list[str]) -> dict[str, Any]:
         "dp_param_gather": args.has("--overlap-param-gather"),
         "tp": args.has("--tp-comm-overlap"),
     }
+    # What validate_args (megatron/training/arguments.py) asserts against: the launch stops there.
+    refused = []
+    if overlap["dp_param_gather"] and not overlap["dp_grad_reduce"]:
+        refused.append(("--overlap-param-gather", "without --overlap-grad-reduce"))
+    if overlap["dp_param_gather"] and not args.has("--use-distributed-optimizer", "--use-megatron-fsdp"):
+        refused.append(("--overlap-param-gather", "without --use-distributed-optimizer or --use-megatron-fsdp"))
+    if overlap["tp"] and not args.has("--sequence-parallel"):
+        refused.append(("--tp-comm-overlap", "without --sequence-parallel"))
+    for flag, why in refused:
+        warnings.append(f"{args.src.where(args.line(flag))}: {flag} {why}: Megatron-LM refuses it (validate_args) "
+                        "and stops before the first step; priced as written")
     if args.has("--overlap-moe-expert-parallel-comm", "--moe-alltoall-overlap-comm", "--moe-fb-overlap"):
         overlap["ep"] = True
     dispatcher = args.get("--moe-token-dispatcher-type")
@@ -478,6 +489,12 @@ def _sharding(args: Args, settings: dict[str, Any], warnings: list[str], notes: 
         if zero == 0:
             warnings.append(f"{args.src.where(args.line('--num-distributed-optimizer-instances'))}: "
                             "--num-distributed-optimizer-instances needs a sharded optimizer; ignored")
+        elif args.has("--use-torch-fsdp2"):
+            # Megatron's torch FSDP2 wrapper builds its mesh from the whole dp·cp group
+            # (core/distributed/torch_fully_sharded_data_parallel.py): no replicas.
+            warnings.append(f"{args.src.where(args.line('--num-distributed-optimizer-instances'))}: "
+                            f"--num-distributed-optimizer-instances {instances}: torch FSDP2 (--use-torch-fsdp2) shards "
+                            "over the whole data-parallel group whatever it says; priced so")
         elif "dp" in settings:
             replicas = settings["dp"] * settings["cp"]
             if replicas % instances:

@@ -110,22 +110,43 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
     return flags
 
 
-def _memory(s: Strategy, lost: list[str]) -> Flags:
+def _torch_fsdp2_refusal(s: Strategy, model: ModelSpec | None) -> str | None:
+    """Why Megatron cannot run this strategy's FSDP as torch FSDP2 (the only Megatron FSDP that
+    keeps parameters gathered after forward), or None where it can. validate_args
+    (megatron/training/arguments.py) refuses --use-torch-fsdp2 beside a pipeline or experts,
+    with tied embeddings and under fp16; Megatron's wrapper (core/distributed/
+    torch_fully_sharded_data_parallel.py) shards over the whole dp·cp group, so no HSDP."""
+    if s.pp > 1 or s.ep > 1:
+        return "together with pipeline or expert parallelism"
+    if model is not None and model.tie_word_embeddings:
+        return "with tied embeddings (it needs --untie-embeddings-and-output-weights)"
+    if policy_of(s.precision).compute_dtype == "fp16":
+        return "under fp16"
+    if s.shard_group:
+        return f"with a shard group of {s.shard_group} (it shards over the whole dp·cp group)"
+    return None
+
+
+def _uses_torch_fsdp2(s: Strategy, model: ModelSpec | None) -> bool:
+    return s.zero == 3 and not s.reshard_after_forward and _torch_fsdp2_refusal(s, model) is None
+
+
+def _memory(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
     flags: Flags = []
     if s.zero == 1:
         flags.append(("--use-distributed-optimizer", None))
     elif s.zero == 2:
         flags += [("--use-distributed-optimizer", None), ("--use-megatron-fsdp", None),
                   ("--data-parallel-sharding-strategy", "optim_grads"), ("--ckpt-format", "fsdp_dtensor")]
-    elif s.zero == 3 and not s.reshard_after_forward and s.pp == 1 and s.ep == 1:
+    elif _uses_torch_fsdp2(s, model):
+        # validate_args refuses torch FSDP2 with gradient-accumulation fusion, which is on by default.
         flags += [("--use-torch-fsdp2", None), ("--torch-fsdp2-no-reshard-after-forward", None),
-                  ("--ckpt-format", "torch_dist")]
+                  ("--no-gradient-accumulation-fusion", None), ("--ckpt-format", "torch_dist")]
     elif s.zero == 3:
         if not s.reshard_after_forward:
-            # Megatron refuses torch FSDP2 beside a pipeline or experts: Megatron-FSDP instead,
-            # which reshards.
-            lost.append("FSDP without resharding after forward together with pipeline or expert parallelism "
-                        "(Megatron refuses torch FSDP2 there; written as Megatron-FSDP, which reshards)")
+            # Megatron refuses torch FSDP2 here: Megatron-FSDP instead, which reshards.
+            lost.append(f"FSDP without resharding after forward {_torch_fsdp2_refusal(s, model)} (Megatron refuses "
+                        "torch FSDP2 there; written as Megatron-FSDP, which reshards)")
         flags += [("--use-distributed-optimizer", None), ("--use-megatron-fsdp", None),
                   ("--data-parallel-sharding-strategy", "optim_grads_params"), ("--ckpt-format", "fsdp_dtensor")]
     if s.zero == 3 and not s.fsdp:
@@ -306,18 +327,29 @@ def _array(name: str, flags: Flags) -> list[str]:
     return lines
 
 
-def _overlap(s: Strategy, overlap: Any) -> Flags:
+def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str]) -> Flags:
     """Megatron's flags for what ``overlap`` (``ndplan.perf.OverlapConfig``) hides, where the
-    strategy has that communication (the reader maps them back: ``megatron._overlap``)."""
+    strategy has that communication (the reader maps them back: ``megatron._overlap``), and
+    where validate_args lets them run: --overlap-param-gather needs --overlap-grad-reduce and the
+    distributed optimizer or Megatron-FSDP (torch FSDP2 prefetches on its own), --tp-comm-overlap
+    needs --sequence-parallel."""
     if overlap is None:
         return []
     flags: Flags = []
     if overlap.dp_grad_reduce and s.dp * s.cp > 1:
         flags.append(("--overlap-grad-reduce", None))
-    if overlap.dp_param_gather and s.dp * s.cp > 1 and s.zero >= 1:  # the distributed optimizer's gather
-        flags.append(("--overlap-param-gather", None))
+    if overlap.dp_param_gather and s.dp * s.cp > 1 and s.zero >= 1 and not _uses_torch_fsdp2(s, model):
+        if overlap.dp_grad_reduce:  # the distributed optimizer's gather
+            flags.append(("--overlap-param-gather", None))
+        elif s.zero < 3:  # (ZeRO-3 gathers per layer: priced by the FSDP prefetch, not this switch)
+            lost.append("the parameter all-gather overlapped while the gradient reduce is not (Megatron's "
+                        "--overlap-param-gather needs --overlap-grad-reduce)")
     if overlap.tp and s.tp > 1:
-        flags.append(("--tp-comm-overlap", None))
+        if s.sequence_parallel:
+            flags.append(("--tp-comm-overlap", None))
+        else:
+            lost.append("tensor-parallel communication overlap without sequence parallelism (Megatron's "
+                        "--tp-comm-overlap needs --sequence-parallel)")
     if s.ep > 1:
         if overlap.ep is True:
             flags.append(("--overlap-moe-expert-parallel-comm", None))
@@ -347,11 +379,19 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
                     "vocabulary-parallel over TP")
     model_flags = _model(model, lost, _dualpipev_noop(model, s)) if model is not None else []
     parallel = _parallel(s, model, lost)
-    memory = _memory(s, lost)
+    memory = _memory(s, model, lost)
+    fp16 = ("--fp16", None) in memory
+    if s.ep > 1 and fp16:
+        lost.append(f"ep={s.ep} under fp16: Megatron-LM refuses expert parallelism under --fp16 (validate_args); "
+                    "written as planned, the launch stops at its argument check")
     if not loss_upcast:
         memory += [("--cross-entropy-loss-fusion", None), ("--cross-entropy-fusion-impl", "te")]
     if model is not None and model.is_moe and grouped_gemm:
-        memory.append(("--moe-grouped-gemm", None))
+        if ("--bf16", None) in memory:
+            memory.append(("--moe-grouped-gemm", None))
+        else:  # validate_args: "Currently GroupedGEMM for MoE only supports bf16 dtype."
+            lost.append("the experts' grouped GEMM outside bf16 (Megatron's --moe-grouped-gemm needs --bf16): "
+                        "written as SequentialMLP, one GEMM per expert")
     if moe_capacity_factor is not None and (model is None or model.is_moe):
         memory += [("--moe-expert-capacity-factor", f"{moe_capacity_factor:g}"), ("--moe-pad-expert-input-to-capacity", None)]
     if attention == "eager":
@@ -360,6 +400,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         # A launch with MindSpeed's flags (DualPipeV, no-op layers) runs on MindSpeed, whose
         # attention is fused only with --use-flash-attn (the reader reads it so too).
         memory.append(("--use-flash-attn", None))
+    overlap_flags = _overlap(s, model, overlap, lost)
     batch: Flags = [("--micro-batch-size", s.micro_batch_size), ("--global-batch-size", s.global_batch_size),
                     ("--seq-length", s.seq_length)]
     world = s.world_size
@@ -378,11 +419,16 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     if model_flags:
         lines += _array("MODEL_ARGS", model_flags) + [""]
         arrays.append("MODEL_ARGS")
-    for name, flags in (("PARALLEL_ARGS", parallel), ("MEMORY_ARGS", memory), ("OVERLAP_ARGS", _overlap(s, overlap)),
+    for name, flags in (("PARALLEL_ARGS", parallel), ("MEMORY_ARGS", memory), ("OVERLAP_ARGS", overlap_flags),
                         ("BATCH_ARGS", batch)):
         if flags:
             lines += _array(name, flags) + [""]
             arrays.append(name)
+    written = [flag for array in (parallel, memory, overlap_flags) for flag, _ in array]
+    if (s.tp > 1 or s.cp > 1) and not {"--use-torch-fsdp2", "--use-megatron-fsdp",
+                                       "--overlap-moe-expert-parallel-comm"} & set(written):
+        # validate_args asserts it before Blackwell under TP or CP (Megatron-LM's example scripts set it).
+        lines += ["export CUDA_DEVICE_MAX_CONNECTIONS=1", ""]
     expansions = " ".join(f'"${{{name}[@]}}"' for name in arrays)
     lines.append(f"torchrun --nproc_per_node {per_node} --nnodes {world // per_node} pretrain_gpt.py {expansions}")
     return "\n".join(lines) + "\n"
