@@ -507,3 +507,42 @@ def test_megatron_reader_names_the_overlap_megatron_refuses(tmp_path: Path) -> N
     path.write_text(base.format("--sequence-parallel --tp-comm-overlap --use-distributed-optimizer "
                                 "--overlap-grad-reduce --overlap-param-gather"))
     assert not [w for w in read_config(path).warnings if "refuses" in w]
+
+
+@pytest.mark.parametrize("stage_layers", [(0, 16, 16, 0), (0, 32), (16, 16, 0), (1, 15, 15, 1)])
+def test_megatron_uneven_edges_are_written_as_megatron_core_takes_them(stage_layers: tuple[int, ...],
+                                                                       tmp_path: Path) -> None:
+    """Megatron-Core refuses --decoder-first/last-pipeline-num-layers 0 ("must be larger than 0",
+    TransformerConfig): a stage that holds no decoder layer is written in the layout instead,
+    and reads back as planned."""
+    model = get_preset("llama-3.1-8b")
+    strategy = Strategy(pp=len(stage_layers), stage_layers=stage_layers, num_micro_batches=8)
+    assert check_strategy(strategy, model) == []
+    text = emit(model, strategy, "megatron")
+    flags, _ = megatron_launch(text)
+    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        assert int(flags.get(flag, ["1"])[0]) > 0, text
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    assert comparable(read_config(path).strategy(), model) == comparable(strategy, model)
+
+
+def test_megatron_reader_refuses_the_edges_megatron_core_refuses(tmp_path: Path) -> None:
+    """--decoder-first/last-pipeline-num-layers must be > 0 and do not mix with the
+    embedding/loss accounting (TransformerConfig raises for both): errors naming the flag."""
+    path = tmp_path / "run.sh"
+    base = ("torchrun --nproc_per_node 4 pretrain_gpt.py --num-layers 8 --hidden-size 256 --num-attention-heads 4 "
+            "--padded-vocab-size 1000 --pipeline-model-parallel-size 4 --micro-batch-size 1 --seq-length 128 {}\n")
+    for flags, words in (
+        ("--decoder-first-pipeline-num-layers 0", "--decoder-first-pipeline-num-layers: must be >= 1"),
+        ("--decoder-last-pipeline-num-layers 0 --decoder-first-pipeline-num-layers 4",
+         "--decoder-last-pipeline-num-layers: must be >= 1"),
+        ("--decoder-first-pipeline-num-layers 2 --account-for-embedding-in-pipeline-split",
+         "--decoder-first-pipeline-num-layers: Megatron-Core does not mix it with "
+         "--account-for-embedding-in-pipeline-split"),
+        ("--decoder-last-pipeline-num-layers 2 --account-for-loss-in-pipeline-split",
+         "--decoder-last-pipeline-num-layers: Megatron-Core does not mix it with --account-for-loss-in-pipeline-split"),
+    ):
+        path.write_text(base.format(flags))
+        with pytest.raises(NdplanError, match=re.escape(f"{path}:1: {words}")):
+            read_config(path)

@@ -355,8 +355,15 @@ def _pipeline(args: Args, settings: dict[str, Any], flag_model: FlagModel, warni
     emb = args.has("--account-for-embedding-in-pipeline-split")
     loss = args.has("--account-for-loss-in-pipeline-split")
     layout = args.get("--pipeline-model-parallel-layout")
-    first = args.integer("--decoder-first-pipeline-num-layers", minimum=0, maximum=MAX_LAYERS)
-    last = args.integer("--decoder-last-pipeline-num-layers", minimum=0, maximum=MAX_LAYERS)
+    # Megatron-Core's TransformerConfig: each edge count > 0, and not mixed with the accounting.
+    first = args.integer("--decoder-first-pipeline-num-layers", minimum=1, maximum=MAX_LAYERS)
+    last = args.integer("--decoder-last-pipeline-num-layers", minimum=1, maximum=MAX_LAYERS)
+    for edge, count in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        for accounting, on in (("--account-for-embedding-in-pipeline-split", emb),
+                               ("--account-for-loss-in-pipeline-split", loss)):
+            if count is not None and on:
+                raise args.error(edge, f"Megatron-Core does not mix it with {accounting} (TransformerConfig refuses "
+                                       "the pair); give the layers of every stage in one of the two ways")
     layer_list = args.get("--num-layer-list")
     per_virtual = args.integer("--num-layers-per-virtual-pipeline-stage", maximum=MAX_LAYERS)
     vpp = args.integer("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",

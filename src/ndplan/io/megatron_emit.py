@@ -73,7 +73,8 @@ def _placement(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
             flags.append(("--num-layers-per-virtual-pipeline-stage", units // stages))
         return flags
     middle = counts[1:-1]
-    if s.vpp == 1 and (not middle or len(set(middle)) == 1):
+    # Megatron-Core takes only edge counts > 0 (TransformerConfig); an empty edge goes in the layout.
+    if s.vpp == 1 and (not middle or len(set(middle)) == 1) and counts[0] > 0 and counts[-1] > 0:
         first, last = counts[0], counts[-1]
         flags.append(("--decoder-first-pipeline-num-layers", first))
         flags.append(("--decoder-last-pipeline-num-layers", last))
