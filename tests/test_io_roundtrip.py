@@ -194,6 +194,7 @@ def test_round_trip(fmt: str, data: st.DataObject) -> None:
         # Megatron refuses expert parallelism under fp16, and runs grouped-GEMM experts only under
         # bf16 (test_megatron_launch_passes_megatrons_argument_checks): both said in the header.
         assume(not (strategy.ep > 1 and policy_of_strategy(strategy) == "fp16"))
+        assume(not (strategy.ep > 1 and strategy.tp > 1 and not strategy.sequence_parallel))
         text = emit(model, strategy, fmt, grouped_gemm=policy_of_strategy(strategy) in ("bf16", "fp8"))
     else:
         text = emit(model, strategy, fmt)
@@ -420,6 +421,8 @@ def megatron_refusals(text: str) -> list[str]:
         out.append("Currently GroupedGEMM for MoE only supports bf16 dtype.")
     if ep > 1 and given("--fp16"):
         out.append("Expert parallelism is not supported with fp16 training.")
+    if ep > 1 and tp > 1 and not given("--sequence-parallel"):  # megatron/core/model_parallel_config.py
+        out.append("When using expert parallelism and tensor parallelism, sequence parallelism must be used")
     if given("--optimizer-cpu-offload") and not given("--use-precision-aware-optimizer"):
         out.append("The optimizer cpu offload must be used in conjunction with `--use-precision-aware-optimizer`")
     if value("--recompute-granularity") == "selective" and given("--recompute-method"):
@@ -450,6 +453,11 @@ def test_megatron_launch_passes_megatrons_argument_checks(data: st.DataObject) -
         assert "Expert parallelism is not supported with fp16 training." in refused
         assert "Megatron-LM refuses expert parallelism under --fp16" in text, text
         refused.remove("Expert parallelism is not supported with fp16 training.")
+    if strategy.ep > 1 and strategy.tp > 1 and not strategy.sequence_parallel:
+        why = "When using expert parallelism and tensor parallelism, sequence parallelism must be used"
+        assert why in refused
+        assert "Megatron-Core refuses expert and tensor parallelism without sequence parallelism" in text, text
+        refused.remove(why)
     assert refused == [], text
 
 
@@ -546,3 +554,16 @@ def test_megatron_reader_refuses_the_edges_megatron_core_refuses(tmp_path: Path)
         path.write_text(base.format(flags))
         with pytest.raises(NdplanError, match=re.escape(f"{path}:1: {words}")):
             read_config(path)
+
+
+def test_megatron_reader_names_expert_and_tensor_parallelism_without_sp(tmp_path: Path) -> None:
+    """Megatron-Core's ModelParallelConfig raises for EP > 1 with TP > 1 and no sequence parallelism."""
+    path = tmp_path / "run.sh"
+    text = ("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 256 --num-attention-heads 4 "
+            "--padded-vocab-size 1000 --num-experts 8 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+            "--micro-batch-size 1 --seq-length 128 {}\n")
+    path.write_text(text.format(""))
+    assert any(w.startswith(f"{path}:1: --expert-model-parallel-size 2") and "Megatron-Core refuses" in w
+               for w in read_config(path).warnings)
+    path.write_text(text.format("--sequence-parallel"))
+    assert not [w for w in read_config(path).warnings if "refuses" in w]

@@ -115,6 +115,11 @@ def interpret(
     if sp and tp == 1:
         notes.append("--sequence-parallel has no effect with tp=1 (Megatron turns it off)")
         sp = False
+    if ep > 1 and tp > 1 and not sp:
+        # megatron/core/model_parallel_config.py: ValueError before the model is built.
+        warnings.append(f"{src.where(args.line('--expert-model-parallel-size'))}: --expert-model-parallel-size {ep} "
+                        f"with --tensor-model-parallel-size {tp} without --sequence-parallel: Megatron-Core refuses "
+                        "the pair (ModelParallelConfig); priced as written")
     settings["sp"] = sp
     _context_parallel(args, settings, cp, warnings, model.num_layers if model is not None else None)
     _pipeline(args, settings, flag_model, warnings)

@@ -104,6 +104,11 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
             flags.append(("--hierarchical-context-parallel-sizes", f"{s.ulysses_degree} {s.cp // s.ulysses_degree}"))
     if s.ep > 1:
         flags.append(("--expert-model-parallel-size", s.ep))
+        if s.tp > 1 and not s.sequence_parallel:
+            # megatron/core/model_parallel_config.py raises for this pair.
+            lost.append(f"ep={s.ep} with tp={s.tp} without sequence parallelism: Megatron-Core refuses expert and "
+                        "tensor parallelism without sequence parallelism (ModelParallelConfig); written as planned, "
+                        "the launch stops building its config")
     if s.etp != s.tp:
         flags.append(("--expert-tensor-parallel-size", s.etp))
     if s.sequence_parallel:
