@@ -567,3 +567,21 @@ def test_megatron_reader_names_expert_and_tensor_parallelism_without_sp(tmp_path
                for w in read_config(path).warnings)
     path.write_text(text.format("--sequence-parallel"))
     assert not [w for w in read_config(path).warnings if "refuses" in w]
+
+
+@pytest.mark.parametrize("name, seq", [("llama-2-7b", 8192), ("kimi-k2", 4096), ("llama-3.1-8b", 8192)])
+def test_megatron_max_position_embeddings_covers_the_sequence(name: str, seq: int, tmp_path: Path) -> None:
+    """validate_args requires --max-position-embeddings (required_args) and asserts it is at least
+    --seq-length; with RoPE it sizes no table, so the launch states the larger of the two, and
+    the model reads back with the same parameters."""
+    model = get_preset(name)
+    strategy = Strategy(dp=64, ep=64 if model.is_moe else 1, seq_length=seq, micro_batch_size=1, num_micro_batches=1)
+    text = emit(model, strategy, "megatron")
+    flags, _ = megatron_launch(text)
+    assert "--max-position-embeddings" in flags, text
+    assert int(flags["--max-position-embeddings"][0]) == max(seq, model.max_position_embeddings)
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    result = read_config(path, model=model)
+    assert result.model is not None and count_parameters(result.model).total == count_parameters(model).total
+    assert not [w for w in result.warnings if "max_position" in w], result.warnings

@@ -230,7 +230,7 @@ def _with_noop(kinds: tuple[str, ...], noop: tuple[int, ...]) -> tuple[str, ...]
     return tuple(out)
 
 
-def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = ()) -> Flags:
+def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length: int = 0) -> Flags:
     flags: Flags = [("--num-layers", m.num_layers + len(noop)), ("--hidden-size", m.hidden_size)]
     if noop:
         flags.append(("--noop-layers", ",".join(str(slot) for slot in noop)))
@@ -253,8 +253,8 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = ()) -> Flags:
         if m.qk_norm:
             flags.append(("--qk-layernorm", None))
     flags += [("--padded-vocab-size", m.vocab_size), ("--position-embedding-type", "rope")]
-    if m.max_position_embeddings:
-        flags.append(("--max-position-embeddings", m.max_position_embeddings))
+    # validate_args requires it and asserts it is >= --seq-length; RoPE sizes no table by it.
+    flags.append(("--max-position-embeddings", max(m.max_position_embeddings, seq_length)))
     if m.norm == "rmsnorm":
         flags.append(("--normalization", "RMSNorm"))
     else:
@@ -383,7 +383,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     if loss_parallel is False and s.tp > 1:
         lost.append("the loss on whole logits (--no-loss-parallel); Megatron's cross-entropy is always "
                     "vocabulary-parallel over TP")
-    model_flags = _model(model, lost, _dualpipev_noop(model, s)) if model is not None else []
+    model_flags = _model(model, lost, _dualpipev_noop(model, s), s.seq_length) if model is not None else []
     parallel = _parallel(s, model, lost)
     memory = _memory(s, model, lost)
     fp16 = ("--fp16", None) in memory
