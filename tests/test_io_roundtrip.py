@@ -22,7 +22,7 @@ from ndplan.io import emit, read_config
 from ndplan.io.common import EXTRA_POLICIES, canonical_strategy
 from ndplan.model import ModelSpec, count_parameters, get_preset, preset_names
 from ndplan.strategy import PRECISION_PRESETS, PrecisionPolicy, Strategy, check_strategy
-from ndplan.strategy.strategy import OFFLOAD_MODULES, OFFLOAD_SCHEDULES
+from ndplan.strategy.strategy import OFFLOAD_MODULES, OFFLOAD_SCHEDULES, RECOMPUTE_MODULES
 
 MODELS = [get_preset(n) for n in ("llama-3.1-8b", "mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3")]
 SUFFIX = {"megatron": ".sh", "torchtitan": ".toml", "hyperparallel": ".yaml", "mindformers": ".yaml"}
@@ -427,6 +427,15 @@ def megatron_refusals(text: str) -> list[str]:
         out.append("The optimizer cpu offload must be used in conjunction with `--use-precision-aware-optimizer`")
     if value("--recompute-granularity") == "selective" and given("--recompute-method"):
         out.append("recompute method is not yet supported for selective recomputing granularity")
+    # megatron/core/transformer/transformer_config.py, __post_init__:
+    modules = set(flags.get("--recompute-modules", ["core_attn"])) if value("--recompute-granularity") == "selective" \
+        else set()
+    if "moe_act" in modules and not given("--moe-grouped-gemm"):
+        out.append("moe_act in recompute_modules is only supported with moe_grouped_gemm.")
+    if "mla_up_proj" in modules and not given("--multi-latent-attention"):
+        out.append("mla_up_proj in recompute_modules is only supported with multi_latent_attention.")
+    if given("--fp8-format") and {"moe_act", "layernorm"} & modules and value("--fp8-recipe", "delayed") == "delayed":
+        out.append("Delayed scaling does not support moe_act and layernorm recompute for fp8.")
     if fsdp and env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         out.append("FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than one")
     if (tp > 1 or cp > 1) and not fsdp and not given("--overlap-moe-expert-parallel-comm") \
@@ -447,7 +456,12 @@ def test_megatron_launch_passes_megatrons_argument_checks(data: st.DataObject) -
     model, strategy = data.draw(strategies("megatron"))
     overlap = parse_overlap(data.draw(st.sampled_from(
         ("megatron", "plain", "megatron,tp=on", "megatron,dp_grad_reduce=off", "megatron,ep=on"))))
-    text = emit(model, strategy, "megatron", overlap)
+    if strategy.recompute == "selective" and data.draw(st.booleans()):
+        modules = data.draw(st.sets(st.sampled_from(RECOMPUTE_MODULES), min_size=1))
+        with_modules = strategy.model_copy(update={"recompute_modules": tuple(sorted(modules))})
+        if check_strategy(with_modules, model) == []:
+            strategy = with_modules
+    text = emit(model, strategy, "megatron", overlap, grouped_gemm=data.draw(st.booleans()))
     refused = megatron_refusals(text)
     if strategy.ep > 1 and policy_of_strategy(strategy) == "fp16":
         assert "Expert parallelism is not supported with fp16 training." in refused
@@ -585,3 +599,30 @@ def test_megatron_max_position_embeddings_covers_the_sequence(name: str, seq: in
     result = read_config(path, model=model)
     assert result.model is not None and count_parameters(result.model).total == count_parameters(model).total
     assert not [w for w in result.warnings if "max_position" in w], result.warnings
+
+
+def test_megatron_recompute_modules_megatron_core_runs(tmp_path: Path) -> None:
+    """TransformerConfig raises for moe_act without --moe-grouped-gemm, mla_up_proj without MLA,
+    and moe_act/layernorm under fp8's delayed scaling: the launch leaves the first two out (said)
+    and writes per-tensor current scaling for the third; the reader warns for each."""
+    mixtral, llama = get_preset("mixtral-8x7b"), get_preset("llama-3.1-8b")
+    selective = Strategy(dp=8, ep=8, recompute="selective", recompute_modules=("layernorm", "moe_act"))
+    text = emit(mixtral, selective, "megatron", grouped_gemm=False)
+    assert "--recompute-modules layernorm\n" in text and "left out: recompute module moe_act" in text
+    assert megatron_refusals(text) == []
+    text = emit(llama, Strategy(dp=8, recompute="selective", recompute_modules=("mla_up_proj",)), "megatron")
+    assert "--recompute-granularity" not in text and "mla_up_proj without multi-latent attention" in text
+    fp8 = selective.model_copy(update={"precision": "megatron-fp8"})
+    text = emit(mixtral, fp8, "megatron")
+    assert "--fp8-recipe tensorwise" in text and megatron_refusals(text) == []
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    assert read_config(path).strategy().recompute_modules == ("layernorm", "moe_act")
+    # Reading: each refusal is a warning at the --recompute-modules line.
+    for old, new, words in (
+        ("    --moe-grouped-gemm\n", "", "moe_act without --moe-grouped-gemm"),
+        ("    --fp8-recipe tensorwise\n", "", "under --fp8-format with delayed scaling"),
+    ):
+        path.write_text(text.replace(old, new))
+        warnings = read_config(path).warnings
+        assert any("--recompute-modules" in w and words in w and "Megatron-Core refuses" in w for w in warnings), warnings

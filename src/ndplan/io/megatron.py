@@ -125,6 +125,7 @@ def interpret(
     _pipeline(args, settings, flag_model, warnings)
     _sharding(args, settings, warnings, notes)
     _recompute(args, settings, warnings, notes)
+    _refused_recompute_modules(args, settings, model, warnings)
     _offload(args, settings, warnings, notes)
     settings["precision"] = precision_setting(_precision(args, warnings))
     _batch(args, settings, dp, warnings, notes)
@@ -573,6 +574,27 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
         warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-method uniform with "
                         f"--recompute-num-layers {layers} checkpoints groups of {layers} layers; "
                         "ndplan keeps one input per layer")
+
+
+def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: ModelSpec | None,
+                               warnings: list[str]) -> None:
+    """--recompute-modules Megatron-Core's TransformerConfig raises for: moe_act without
+    --moe-grouped-gemm, mla_up_proj without MLA, moe_act or layernorm under fp8's delayed
+    scaling (--fp8-recipe's default)."""
+    modules = settings.get("recompute_modules", ())
+    where = args.src.where(args.line("--recompute-modules"))
+    refused = []
+    if "moe_act" in modules and not args.has("--moe-grouped-gemm"):
+        refused.append("moe_act without --moe-grouped-gemm")
+    if "mla_up_proj" in modules and model is not None and not model.is_mla:
+        refused.append("mla_up_proj without --multi-latent-attention")
+    fp8 = args.has("--fp8-format")
+    recipe = args.text("--fp8-recipe", default="delayed")
+    if fp8 and recipe == "delayed" and {"moe_act", "layernorm"} & set(modules):
+        refused.append("moe_act/layernorm under --fp8-format with delayed scaling (--fp8-recipe's default)")
+    for why in refused:
+        warnings.append(f"{where}: --recompute-modules {why}: Megatron-Core refuses it (TransformerConfig) and stops "
+                        "before the first step; priced as written")
 
 
 def _offload(args: Args, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:

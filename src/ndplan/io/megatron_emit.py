@@ -137,7 +137,7 @@ def _uses_torch_fsdp2(s: Strategy, model: ModelSpec | None) -> bool:
     return s.zero == 3 and not s.reshard_after_forward and _torch_fsdp2_refusal(s, model) is None
 
 
-def _memory(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
+def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[str], grouped: bool) -> Flags:
     flags: Flags = []
     if s.zero == 1:
         flags.append(("--use-distributed-optimizer", None))
@@ -168,14 +168,46 @@ def _memory(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
         else:
             flags += [("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     elif s.recompute == "selective":
-        flags.append(("--recompute-granularity", "selective"))
-        if s.recompute_modules:
-            flags.append(("--recompute-modules", tuple(s.recompute_modules)))
-        if s.recompute_layers:
-            lost.append(f"selective recompute limited to {s.recompute_layers} layers per stage")
+        modules = _recompute_modules(s, model, grouped, lost)
+        if modules is not None:
+            flags.append(("--recompute-granularity", "selective"))
+            if modules:
+                flags.append(("--recompute-modules", modules))
+            if s.recompute_layers:
+                lost.append(f"selective recompute limited to {s.recompute_layers} layers per stage")
     if s.offload_modules:
         flags += [("--fine-grained-activation-offloading", None), ("--offload-modules", tuple(s.offload_modules))]
-    return flags + _precision(s, lost)
+    precision = _precision(s, lost)
+    written = dict(flags)
+    if "--fp8-format" in dict(precision) and {"moe_act", "layernorm"} & set(written.get("--recompute-modules", ())):
+        # Megatron-Core refuses these recomputes under fp8's delayed scaling, --fp8-recipe's
+        # default (TransformerConfig): per-tensor current scaling runs them; ndplan prices no recipe.
+        precision.append(("--fp8-recipe", "tensorwise"))
+        said.append("--fp8-recipe tensorwise: Megatron-Core refuses layernorm/moe_act recompute under fp8's default "
+                    "delayed scaling; the recipe is not priced")
+    return flags + precision
+
+
+def _recompute_modules(s: Strategy, model: ModelSpec | None, grouped: bool,
+                       lost: list[str]) -> tuple[str, ...] | None:
+    """The --recompute-modules Megatron-Core runs for the strategy's (TransformerConfig refuses
+    moe_act without --moe-grouped-gemm and mla_up_proj without MLA); each one left out is said.
+    None: none is left, so no selective recompute is written."""
+    kept: list[str] = []
+    for name in s.recompute_modules:
+        if name == "moe_act" and not grouped:
+            lost.append("recompute module moe_act " + ("on a model without experts" if model is not None and not
+                                                       model.is_moe else "without grouped-GEMM experts")
+                        + " (Megatron-Core recomputes the expert activation only with --moe-grouped-gemm)")
+        elif name == "mla_up_proj" and model is not None and not model.is_mla:
+            lost.append("recompute module mla_up_proj without multi-latent attention (Megatron-Core refuses it; "
+                        "the model has no MLA up-projection)")
+        else:
+            kept.append(name)
+    if s.recompute_modules and not kept:
+        lost.append("selective recompute: none of its modules runs here, so none is written")
+        return None
+    return tuple(kept)
 
 
 def _precision(s: Strategy, lost: list[str]) -> Flags:
@@ -385,7 +417,11 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
                     "vocabulary-parallel over TP")
     model_flags = _model(model, lost, _dualpipev_noop(model, s), s.seq_length) if model is not None else []
     parallel = _parallel(s, model, lost)
-    memory = _memory(s, model, lost)
+    said: list[str] = []
+    # Megatron's GroupedGEMM experts run only under --bf16 (validate_args).
+    bf16 = ("--bf16", None) in _precision(s, [])
+    grouped = model is not None and model.is_moe and grouped_gemm and bf16
+    memory = _memory(s, model, lost, said, grouped)
     fp16 = ("--fp16", None) in memory
     if s.ep > 1 and fp16:
         lost.append(f"ep={s.ep} under fp16: Megatron-LM refuses expert parallelism under --fp16 (validate_args); "
@@ -393,7 +429,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     if not loss_upcast:
         memory += [("--cross-entropy-loss-fusion", None), ("--cross-entropy-fusion-impl", "te")]
     if model is not None and model.is_moe and grouped_gemm:
-        if ("--bf16", None) in memory:
+        if grouped:
             memory.append(("--moe-grouped-gemm", None))
         else:  # validate_args: "Currently GroupedGEMM for MoE only supports bf16 dtype."
             lost.append("the experts' grouped GEMM outside bf16 (Megatron's --moe-grouped-gemm needs --bf16): "
@@ -420,6 +456,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         header.append("# No model given: add the architecture flags (--num-layers, --hidden-size, ...).")
     for item in lost:
         header.append(f"# ndplan: not expressible in Megatron-LM, left out: {item}")
+    header += [f"# ndplan: {item}" for item in said]
     lines = header + [""]
     arrays = []
     if model_flags:
