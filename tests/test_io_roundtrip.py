@@ -313,7 +313,9 @@ def test_megatron_overlap_flags_round_trip(overlap: str, tmp_path: Path) -> None
     from ndplan.perf import parse_overlap
 
     model = get_preset("qwen3-30b-a3b")
-    strategy = Strategy(dp=4, tp=2, pp=2, ep=4, sequence_parallel=True, zero=1, num_micro_batches=4)
+    # (interleaved: Megatron-Core overlaps the expert all-to-all under a pipeline only with virtual stages)
+    strategy = Strategy(dp=4, tp=2, pp=2, vpp=2, schedule="interleaved", ep=4, sequence_parallel=True, zero=1,
+                        num_micro_batches=4)
     config = parse_overlap(overlap)
     path = tmp_path / "run.sh"
     path.write_text(emit(model, strategy, "megatron", overlap=config))
@@ -436,6 +438,27 @@ def megatron_refusals(text: str) -> list[str]:
         out.append("mla_up_proj in recompute_modules is only supported with multi_latent_attention.")
     if given("--fp8-format") and {"moe_act", "layernorm"} & modules and value("--fp8-recipe", "delayed") == "delayed":
         out.append("Delayed scaling does not support moe_act and layernorm recompute for fp8.")
+    if given("--overlap-moe-expert-parallel-comm"):  # TransformerConfig.__post_init__
+        from ndplan.io.megatron import parse_layout
+
+        layout = value("--pipeline-model-parallel-layout")
+        virtual = (given("--num-layers-per-virtual-pipeline-stage") or given("--num-virtual-stages-per-pipeline-rank")
+                   or given("--schedules-method") or (layout is not None and len(parse_layout(layout)) > pp))
+        if pp > 1 and not virtual:
+            out.append("If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+                       "pipeline_model_parallel_size > 1")
+        if ep == 1:
+            out.append("overlap_moe_expert_parallel_comm is only supported with expert model parallelism")
+        if value("--moe-token-dispatcher-type", "allgather") not in ("alltoall", "flex"):
+            out.append("overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher")
+        if value("--recompute-granularity") == "full" or given("--recompute-method"):
+            out.append("disable full recomputation when enabling overlap_moe_expert_parallel_comm")
+        if not (given("--bf16") or given("--fp16")):
+            out.append("overlap_moe_expert_parallel_comm is only supported with bf16 or fp16 model")
+        if int(value("--mtp-num-layers", "0") or 0) > 1:
+            out.append("MTP layernum only supports 1 when enabling overlap_moe_expert_parallel_comm.")
+        if "moe" in modules:
+            out.append("disable moe recompute when enabling overlap_moe_expert_parallel_comm")
     if fsdp and env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         out.append("FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than one")
     if (tp > 1 or cp > 1) and not fsdp and not given("--overlap-moe-expert-parallel-comm") \
@@ -626,3 +649,28 @@ def test_megatron_recompute_modules_megatron_core_runs(tmp_path: Path) -> None:
         path.write_text(text.replace(old, new))
         warnings = read_config(path).warnings
         assert any("--recompute-modules" in w and words in w and "Megatron-Core refuses" in w for w in warnings), warnings
+
+
+def test_megatron_expert_overlap_only_where_megatron_core_runs_it(tmp_path: Path) -> None:
+    """--overlap-moe-expert-parallel-comm: TransformerConfig refuses it beside full recompute, a
+    pipeline without virtual stages, fp32 and more than one MTP layer; the launch leaves it out
+    there (said), and the reader warns at its line."""
+    from ndplan.perf import parse_overlap
+
+    model = get_preset("mixtral-8x7b")
+    ep_on = parse_overlap("megatron,ep=on")
+    runs = Strategy(dp=8, ep=8, pp=2, vpp=2, schedule="interleaved", num_micro_batches=4)
+    assert "--overlap-moe-expert-parallel-comm" in megatron_launch(emit(model, runs, "megatron", ep_on))[0]
+    for update, words in (({"recompute": "full"}, "with full recompute"),
+                          ({"vpp": 1, "schedule": "1f1b"}, "with a pipeline of one chunk per stage"),
+                          ({"precision": "fp32"}, "outside bf16/fp16")):
+        text = emit(model, runs.model_copy(update=update), "megatron", ep_on)
+        assert "--overlap-moe-expert-parallel-comm" not in megatron_launch(text)[0]
+        assert f"expert all-to-all overlapped {words}" in text
+        assert megatron_refusals(text) == []
+    path = tmp_path / "run.sh"
+    text = emit(model, runs.model_copy(update={"recompute": "full"}), "megatron")
+    path.write_text(text.replace("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 2 "
+                                                                      "--overlap-moe-expert-parallel-comm"))
+    warnings = read_config(path).warnings
+    assert any("--overlap-moe-expert-parallel-comm with --recompute-granularity full" in w for w in warnings), warnings

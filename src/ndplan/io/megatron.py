@@ -130,6 +130,7 @@ def interpret(
     settings["precision"] = precision_setting(_precision(args, warnings))
     _batch(args, settings, dp, warnings, notes)
     overlap = _overlap(args, notes, warnings)
+    _refused_ep_overlap(args, settings, warnings)
     notes.append("runtime: megatron, what Megatron-Core keeps for backward (--runtime overrides)")
     # Megatron's cross-entropy is always vocabulary-parallel over TP (no flag turns it off): a
     # fact of the launch, stated as the attention kernel and the loss dtype are, so that another
@@ -574,6 +575,26 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
         warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-method uniform with "
                         f"--recompute-num-layers {layers} checkpoints groups of {layers} layers; "
                         "ndplan keeps one input per layer")
+
+
+def _refused_ep_overlap(args: Args, settings: dict[str, Any], warnings: list[str]) -> None:
+    """--overlap-moe-expert-parallel-comm where Megatron-Core's TransformerConfig refuses it:
+    a pipeline without virtual stages, full recompute, the MoE layer recomputed, fp32."""
+    arg = args.get("--overlap-moe-expert-parallel-comm")
+    if arg is None:
+        return
+    refused = []
+    if settings["pp"] > 1 and settings["vpp"] == 1:
+        refused.append("with --pipeline-model-parallel-size > 1 and no virtual stages")
+    if settings["recompute"] == "full":
+        refused.append("with --recompute-granularity full")
+    if "moe" in settings.get("recompute_modules", ()):
+        refused.append("with --recompute-modules moe")
+    if not args.has("--bf16", "--fp16"):
+        refused.append("outside --bf16/--fp16")
+    for why in refused:
+        warnings.append(f"{args.src.where(arg.line)}: --overlap-moe-expert-parallel-comm {why}: Megatron-Core refuses "
+                        "it (TransformerConfig) and stops before the first step; priced as written")
 
 
 def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: ModelSpec | None,

@@ -365,7 +365,23 @@ def _array(name: str, flags: Flags) -> list[str]:
     return lines
 
 
-def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str]) -> Flags:
+def _ep_overlap_refusal(s: Strategy, model: ModelSpec | None, written: dict[str, Any]) -> str | None:
+    """Where Megatron-Core's TransformerConfig refuses --overlap-moe-expert-parallel-comm for the
+    launch written so far (None: it runs it)."""
+    if s.pp > 1 and s.vpp == 1:
+        return "with a pipeline of one chunk per stage (it needs virtual stages)"
+    if written.get("--recompute-granularity") == "full":
+        return "with full recompute"
+    if "moe" in (written.get("--recompute-modules") or ()):
+        return "with the MoE layer recomputed"
+    if "--bf16" not in written and "--fp16" not in written:
+        return "outside bf16/fp16"
+    if model is not None and model.mtp_depth > 1:
+        return f"with {model.mtp_depth} MTP layers (it takes at most one)"
+    return None
+
+
+def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str], written: Flags) -> Flags:
     """Megatron's flags for what ``overlap`` (``ndplan.perf.OverlapConfig``) hides, where the
     strategy has that communication (the reader maps them back: ``megatron._overlap``), and
     where validate_args lets them run: --overlap-param-gather needs --overlap-grad-reduce and the
@@ -390,7 +406,12 @@ def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str]
                         "--tp-comm-overlap needs --sequence-parallel)")
     if s.ep > 1:
         if overlap.ep is True:
-            flags.append(("--overlap-moe-expert-parallel-comm", None))
+            refused = _ep_overlap_refusal(s, model, dict(written))
+            if refused is None:
+                flags.append(("--overlap-moe-expert-parallel-comm", None))
+            else:
+                lost.append(f"the expert all-to-all overlapped {refused} (Megatron-Core refuses "
+                            "--overlap-moe-expert-parallel-comm there)")
         if overlap.ep_dispatch == "node_dedup":
             flags += [("--moe-token-dispatcher-type", "flex"), ("--moe-flex-dispatcher-backend", "deepep")]
         else:
@@ -442,7 +463,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         # A launch with MindSpeed's flags (DualPipeV, no-op layers) runs on MindSpeed, whose
         # attention is fused only with --use-flash-attn (the reader reads it so too).
         memory.append(("--use-flash-attn", None))
-    overlap_flags = _overlap(s, model, overlap, lost)
+    overlap_flags = _overlap(s, model, overlap, lost, parallel + memory)
     batch: Flags = [("--micro-batch-size", s.micro_batch_size), ("--global-batch-size", s.global_batch_size),
                     ("--seq-length", s.seq_length)]
     world = s.world_size
