@@ -674,3 +674,21 @@ def test_megatron_expert_overlap_only_where_megatron_core_runs_it(tmp_path: Path
                                                                       "--overlap-moe-expert-parallel-comm"))
     warnings = read_config(path).warnings
     assert any("--overlap-moe-expert-parallel-comm with --recompute-granularity full" in w for w in warnings), warnings
+
+
+def test_megatron_squared_relu_with_biases_runs_without_the_gelu_fusion(tmp_path: Path) -> None:
+    """TransformerConfig refuses bias_activation_fusion (--bias-gelu-fusion, on by default and off
+    only without biases) for an activation other than gelu, swiglu or quick_geglu: a squared-ReLU
+    model with biases gets --no-bias-gelu-fusion, which reads back as the same model."""
+    base = get_preset("llama-3.1-8b")
+    relu2 = base.model_copy(update={"activation": "relu2", "gated_mlp": False, "qkv_bias": True, "o_bias": True,
+                                    "mlp_bias": True, "expert_bias": True})
+    text = emit(relu2, Strategy(dp=8), "megatron")
+    flags, _ = megatron_launch(text)
+    assert "--squared-relu" in flags and "--disable-bias-linear" not in flags and "--no-bias-gelu-fusion" in flags
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    result = read_config(path, model=relu2)
+    assert result.warnings == [] and result.model == relu2
+    without = relu2.model_copy(update={"qkv_bias": False, "o_bias": False, "mlp_bias": False, "expert_bias": False})
+    assert "--no-bias-gelu-fusion" not in megatron_launch(emit(without, Strategy(dp=8), "megatron"))[0]

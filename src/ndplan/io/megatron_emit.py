@@ -310,6 +310,10 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length
         flags += [("--disable-bias-linear", None), ("--add-qkv-bias", None)]
     elif not (m.qkv_bias and m.o_bias and all(mlp_biases)):
         lost.append(f"biases qkv={m.qkv_bias} o={m.o_bias} mlp={m.mlp_bias} experts={m.expert_bias}")
+    if ("--squared-relu", None) in flags and ("--disable-bias-linear", None) not in flags:
+        # With biases the bias-GeLU fusion stays on (validate_args), which TransformerConfig
+        # refuses for an activation other than gelu, swiglu or quick_geglu.
+        flags.append(("--no-bias-gelu-fusion", None))
     if m.router_bias:
         lost.append("the router bias")
     if m.attention_sinks:
