@@ -195,6 +195,9 @@ def test_round_trip(fmt: str, data: st.DataObject) -> None:
         # bf16 (test_megatron_launch_passes_megatrons_argument_checks): both said in the header.
         assume(not (strategy.ep > 1 and policy_of_strategy(strategy) == "fp16"))
         assume(not (strategy.ep > 1 and strategy.tp > 1 and not strategy.sequence_parallel))
+        # Megatron's optimizer offload runs only with its distributed optimizer (Megatron-FSDP's too).
+        assume(not strategy.optimizer_offload or strategy.zero in (1, 2)
+               or (strategy.zero == 3 and strategy.reshard_after_forward))
         text = emit(model, strategy, fmt, grouped_gemm=policy_of_strategy(strategy) in ("bf16", "fp8"))
     else:
         text = emit(model, strategy, fmt)
@@ -427,6 +430,11 @@ def megatron_refusals(text: str) -> list[str]:
         out.append("When using expert parallelism and tensor parallelism, sequence parallelism must be used")
     if given("--optimizer-cpu-offload") and not given("--use-precision-aware-optimizer"):
         out.append("The optimizer cpu offload must be used in conjunction with `--use-precision-aware-optimizer`")
+    if given("--use-precision-aware-optimizer"):  # megatron/core/optimizer/optimizer_config.py, __post_init__
+        if value("--optimizer", "adam") != "adam":
+            out.append("--use-precision-aware-optimizer only supported with adam")
+        if not given("--use-distributed-optimizer"):
+            out.append("--use-precision-aware-optimizer only supported with distributed optimizer")
     if value("--recompute-granularity") == "selective" and given("--recompute-method"):
         out.append("recompute method is not yet supported for selective recomputing granularity")
     # megatron/core/transformer/transformer_config.py, __post_init__:
@@ -494,6 +502,10 @@ def test_megatron_launch_passes_megatrons_argument_checks(data: st.DataObject) -
         why = "When using expert parallelism and tensor parallelism, sequence parallelism must be used"
         assert why in refused
         assert "Megatron-Core refuses expert and tensor parallelism without sequence parallelism" in text, text
+        refused.remove(why)
+    why = "--use-precision-aware-optimizer only supported with distributed optimizer"
+    if why in refused:  # optimizer offload without the distributed optimizer: said, written as planned
+        assert strategy.optimizer_offload and "without the distributed optimizer" in text, text
         refused.remove(why)
     assert refused == [], text
 
@@ -692,3 +704,24 @@ def test_megatron_squared_relu_with_biases_runs_without_the_gelu_fusion(tmp_path
     assert result.warnings == [] and result.model == relu2
     without = relu2.model_copy(update={"qkv_bias": False, "o_bias": False, "mlp_bias": False, "expert_bias": False})
     assert "--no-bias-gelu-fusion" not in megatron_launch(emit(without, Strategy(dp=8), "megatron"))[0]
+
+
+def test_megatron_precision_aware_optimizer_needs_the_distributed_optimizer_and_adam(tmp_path: Path) -> None:
+    """Megatron-Core's OptimizerConfig asserts the distributed optimizer and Adam for
+    --use-precision-aware-optimizer, which --optimizer-cpu-offload needs: a launch that cannot
+    have them says so in its header, and the reader warns."""
+    model = get_preset("llama-3.1-8b")
+    offload = Strategy(dp=8, zero=0, optimizer_offload=True)
+    text = emit(model, offload, "megatron")
+    assert "optimizer offload without the distributed optimizer: Megatron-Core runs its precision-aware" in text
+    assert "not expressible" not in emit(model, offload.model_copy(update={"zero": 1}), "megatron")
+    one_state = PrecisionPolicy(name="megatron-bf16-sgd", param_bytes=2, grad_bytes=4, master_weight_bytes=4,
+                                optimizer_state_bytes=4, optimizer_states=1)
+    text = emit(model, offload.model_copy(update={"zero": 1, "precision": one_state}), "megatron")
+    assert "with one optimizer state (--optimizer sgd): Megatron-Core runs its precision-aware optimizer only" in text
+    path = tmp_path / "run.sh"
+    path.write_text(text.replace("    --use-distributed-optimizer\n", ""))
+    warnings = read_config(path).warnings
+    for words in ("--use-precision-aware-optimizer without --use-distributed-optimizer",
+                  "--use-precision-aware-optimizer with --optimizer sgd"):
+        assert any(words in w and "Megatron-Core" in w for w in warnings), warnings

@@ -719,6 +719,15 @@ def _precision(args: Args, warnings: list[str]) -> PrecisionPolicy:
                         "matrices and Adam's two for the rest; ndplan prices one state everywhere")
     widths = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
     aware = args.has("--use-precision-aware-optimizer")
+    if aware:
+        # megatron/core/optimizer/optimizer_config.py asserts both when it builds the optimizer.
+        where = args.src.where(args.line("--use-precision-aware-optimizer"))
+        if not args.has("--use-distributed-optimizer"):
+            warnings.append(f"{where}: --use-precision-aware-optimizer without --use-distributed-optimizer: "
+                            "Megatron-Core refuses it (OptimizerConfig) and stops before the first step; priced as written")
+        if optimizer == "sgd":
+            warnings.append(f"{where}: --use-precision-aware-optimizer with --optimizer sgd: Megatron-Core runs it only "
+                            "with Adam (OptimizerConfig) and stops before the first step; priced as written")
     dtypes = [args.text(flag, default="fp32") for flag in
               ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")]
     # Megatron applies these dtypes only with the precision-aware optimizer.

@@ -448,6 +448,18 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     grouped = model is not None and model.is_moe and grouped_gemm and bf16
     memory = _memory(s, model, lost, said, grouped)
     fp16 = ("--fp16", None) in memory
+    written = dict(memory)
+    if "--use-precision-aware-optimizer" in written:
+        # megatron/core/optimizer/optimizer_config.py asserts both for the precision-aware
+        # optimizer, which optimizer offload and low-precision optimizer states go through.
+        needs = "optimizer offload" if s.optimizer_offload else "low-precision main parameters or optimizer states"
+        if "--use-distributed-optimizer" not in written:
+            lost.append(f"{needs} without the distributed optimizer: Megatron-Core runs its precision-aware optimizer "
+                        "only with --use-distributed-optimizer (OptimizerConfig); written as planned, the launch stops "
+                        "building its optimizer")
+        if written.get("--optimizer") == "sgd":
+            lost.append(f"{needs} with one optimizer state (--optimizer sgd): Megatron-Core runs its precision-aware "
+                        "optimizer only with Adam; written as planned, the launch stops building its optimizer")
     if s.ep > 1 and fp16:
         lost.append(f"ep={s.ep} under fp16: Megatron-LM refuses expert parallelism under --fp16 (validate_args); "
                     "written as planned, the launch stops at its argument check")
@@ -492,9 +504,9 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         if flags:
             lines += _array(name, flags) + [""]
             arrays.append(name)
-    written = [flag for array in (parallel, memory, overlap_flags) for flag, _ in array]
+    given = {flag for array in (parallel, memory, overlap_flags) for flag, _ in array}
     if (s.tp > 1 or s.cp > 1) and not {"--use-torch-fsdp2", "--use-megatron-fsdp",
-                                       "--overlap-moe-expert-parallel-comm"} & set(written):
+                                       "--overlap-moe-expert-parallel-comm"} & given:
         # validate_args asserts it before Blackwell under TP or CP (Megatron-LM's example scripts set it).
         lines += ["export CUDA_DEVICE_MAX_CONNECTIONS=1", ""]
     expansions = " ".join(f'"${{{name}[@]}}"' for name in arrays)
