@@ -22,7 +22,7 @@ from ndplan.io import emit, read_config
 from ndplan.io.common import EXTRA_POLICIES, canonical_strategy
 from ndplan.model import ModelSpec, count_parameters, get_preset, preset_names
 from ndplan.strategy import PRECISION_PRESETS, PrecisionPolicy, Strategy, check_strategy
-from ndplan.strategy.strategy import OFFLOAD_MODULES, OFFLOAD_SCHEDULES
+from ndplan.strategy.strategy import OFFLOAD_MODULES, OFFLOAD_SCHEDULES, RECOMPUTE_MODULES
 
 MODELS = [get_preset(n) for n in ("llama-3.1-8b", "mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3")]
 SUFFIX = {"megatron": ".sh", "torchtitan": ".toml", "hyperparallel": ".yaml", "mindformers": ".yaml"}
@@ -135,7 +135,9 @@ def strategies(draw: st.DrawFn, fmt: str) -> tuple[ModelSpec, Strategy]:
         if zero == 3 and fmt != "mindformers":
             reshard = draw(st.booleans())
             if fmt == "megatron" and not reshard:
-                assume(pp == 1 and fields.get("ep", 1) == 1)  # only torch FSDP2 keeps parameters gathered
+                # Only torch FSDP2 keeps parameters gathered, and Megatron runs it beside no pipeline
+                # or experts, over all of dp·cp (test_megatron_torch_fsdp2_only_where_megatron_runs_it).
+                assume(pp == 1 and fields.get("ep", 1) == 1 and not fields.get("shard_group"))
             fields["reshard_after_forward"] = reshard
     if space["offload"]:
         fields["optimizer_offload"] = draw(st.booleans())
@@ -153,6 +155,8 @@ def strategies(draw: st.DrawFn, fmt: str) -> tuple[ModelSpec, Strategy]:
             offload -= {"core_attn", "attn_proj"}
         fields["offload_modules"] = tuple(offload)
     fields["precision"] = draw(st.sampled_from(space["precisions"]))
+    if fmt == "megatron" and not fields.get("reshard_after_forward", True):
+        assume(fields["precision"].compute_dtype != "fp16")  # nor torch FSDP2 under fp16
     strategy = Strategy(**fields)
     assume(check_strategy(strategy, model) == [])
     return model, strategy
@@ -186,7 +190,17 @@ def round_trip(fmt: str, model: ModelSpec, strategy: Strategy) -> Strategy:
 @given(data=st.data())
 def test_round_trip(fmt: str, data: st.DataObject) -> None:
     model, strategy = data.draw(strategies(fmt))
-    text = emit(model, strategy, fmt)
+    if fmt == "megatron":
+        # Megatron refuses expert parallelism under fp16, and runs grouped-GEMM experts only under
+        # bf16 (test_megatron_launch_passes_megatrons_argument_checks): both said in the header.
+        assume(not (strategy.ep > 1 and policy_of_strategy(strategy) == "fp16"))
+        assume(not (strategy.ep > 1 and strategy.tp > 1 and not strategy.sequence_parallel))
+        # Megatron's optimizer offload runs only with its distributed optimizer (Megatron-FSDP's too).
+        assume(not strategy.optimizer_offload or strategy.zero in (1, 2)
+               or (strategy.zero == 3 and strategy.reshard_after_forward))
+        text = emit(model, strategy, fmt, grouped_gemm=policy_of_strategy(strategy) in ("bf16", "fp8"))
+    else:
+        text = emit(model, strategy, fmt)
     if one_rank_sharding(fmt, strategy):
         # Said in the header (it once read back as ZeRO-0 silently: mixtral-8x7b dp1 tp8 pp8 ep2
         # etp1 fsdp3, 29.7 GiB priced, 57.2 GiB run); the rest comes back.
@@ -302,7 +316,9 @@ def test_megatron_overlap_flags_round_trip(overlap: str, tmp_path: Path) -> None
     from ndplan.perf import parse_overlap
 
     model = get_preset("qwen3-30b-a3b")
-    strategy = Strategy(dp=4, tp=2, pp=2, ep=4, sequence_parallel=True, zero=1, num_micro_batches=4)
+    # (interleaved: Megatron-Core overlaps the expert all-to-all under a pipeline only with virtual stages)
+    strategy = Strategy(dp=4, tp=2, pp=2, vpp=2, schedule="interleaved", ep=4, sequence_parallel=True, zero=1,
+                        num_micro_batches=4)
     config = parse_overlap(overlap)
     path = tmp_path / "run.sh"
     path.write_text(emit(model, strategy, "megatron", overlap=config))
@@ -356,3 +372,356 @@ def test_hyperparallel_says_zero3_without_fsdp_becomes_fsdp() -> None:
         "# ndplan: not expressible in HyperParallel, left out: ZeRO-3 without FSDP (HyperParallel shards parameters "
         "with FSDP; priced the same)"]
     assert "not expressible" not in emit(model, Strategy(dp=4, zero=3, fsdp=True, precision="fsdp-bf16"), "hyperparallel")
+
+
+# ---------------------------------------------------------------- Megatron-LM's argument checks
+def megatron_launch(text: str) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The flags of an emitted launch (as ndplan's reader sees them) and its exported variables."""
+    from ndplan.io.common import Source
+    from ndplan.io.megatron_args import flag_entries, parse_script
+
+    src = Source(Path("run.sh"))
+    entries = flag_entries(src, parse_script(src, text).arguments, [])
+    return {flag: arg.values for flag, arg in entries.items()}, dict(re.findall(r"^export (\w+)=(\S+)$", text, re.M))
+
+
+def megatron_refusals(text: str) -> list[str]:
+    """What Megatron-LM's validate_args (megatron/training/arguments.py, NVIDIA/Megatron-LM
+    000c4ac) asserts against, for the flags ndplan writes: a launch that trips one stops before
+    its first step."""
+    flags, env = megatron_launch(text)
+    given = flags.__contains__
+
+    def value(flag: str, default: str | None = None) -> str | None:
+        return flags[flag][0] if flags.get(flag) else default
+
+    tp, pp, cp, ep = (int(value(flag, "1") or 1) for flag in (
+        "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+        "--expert-model-parallel-size"))
+    fsdp = given("--use-torch-fsdp2") or given("--use-megatron-fsdp")
+    out = []
+    if given("--overlap-param-gather"):
+        if not (given("--use-distributed-optimizer") or given("--use-megatron-fsdp")):
+            out.append("--overlap-param-gather only supported with distributed optimizer or megatron fsdp")
+        if not given("--overlap-grad-reduce"):
+            out.append("Must use --overlap-param-gather with --overlap-grad-reduce")
+    if given("--use-torch-fsdp2"):
+        if pp > 1 or ep > 1:
+            out.append("--use-torch-fsdp2 is not supported with pipeline or expert parallelism")
+        if given("--use-distributed-optimizer"):
+            out.append("--use-torch-fsdp2 is not supported with MCore's distributed optimizer")
+        if not given("--no-gradient-accumulation-fusion"):
+            out.append("--use-torch-fsdp2 is not supported with gradient accumulation fusion")
+        if value("--ckpt-format", "torch_dist") not in ("torch_dist", "torch_dcp"):
+            out.append("--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
+        if not given("--untie-embeddings-and-output-weights"):
+            out.append("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
+        if given("--fp16"):
+            out.append("--use-torch-fsdp2 not supported with fp16 yet")
+    if given("--use-megatron-fsdp") and value("--ckpt-format") != "fsdp_dtensor":
+        out.append("Megatron FSDP only supports fsdp_dtensor checkpoint format")
+    if given("--tp-comm-overlap") and not (given("--sequence-parallel") and tp > 1):
+        out.append("Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled")
+    if given("--moe-grouped-gemm") and not given("--bf16"):
+        out.append("Currently GroupedGEMM for MoE only supports bf16 dtype.")
+    if ep > 1 and given("--fp16"):
+        out.append("Expert parallelism is not supported with fp16 training.")
+    if ep > 1 and tp > 1 and not given("--sequence-parallel"):  # megatron/core/model_parallel_config.py
+        out.append("When using expert parallelism and tensor parallelism, sequence parallelism must be used")
+    if given("--optimizer-cpu-offload") and not given("--use-precision-aware-optimizer"):
+        out.append("The optimizer cpu offload must be used in conjunction with `--use-precision-aware-optimizer`")
+    if given("--use-precision-aware-optimizer"):  # megatron/core/optimizer/optimizer_config.py, __post_init__
+        if value("--optimizer", "adam") != "adam":
+            out.append("--use-precision-aware-optimizer only supported with adam")
+        if not given("--use-distributed-optimizer"):
+            out.append("--use-precision-aware-optimizer only supported with distributed optimizer")
+    if value("--recompute-granularity") == "selective" and given("--recompute-method"):
+        out.append("recompute method is not yet supported for selective recomputing granularity")
+    # megatron/core/transformer/transformer_config.py, __post_init__:
+    modules = set(flags.get("--recompute-modules", ["core_attn"])) if value("--recompute-granularity") == "selective" \
+        else set()
+    if "moe_act" in modules and not given("--moe-grouped-gemm"):
+        out.append("moe_act in recompute_modules is only supported with moe_grouped_gemm.")
+    if "mla_up_proj" in modules and not given("--multi-latent-attention"):
+        out.append("mla_up_proj in recompute_modules is only supported with multi_latent_attention.")
+    if given("--fp8-format") and {"moe_act", "layernorm"} & modules and value("--fp8-recipe", "delayed") == "delayed":
+        out.append("Delayed scaling does not support moe_act and layernorm recompute for fp8.")
+    if given("--overlap-moe-expert-parallel-comm"):  # TransformerConfig.__post_init__
+        from ndplan.io.megatron import parse_layout
+
+        layout = value("--pipeline-model-parallel-layout")
+        virtual = (given("--num-layers-per-virtual-pipeline-stage") or given("--num-virtual-stages-per-pipeline-rank")
+                   or given("--schedules-method") or (layout is not None and len(parse_layout(layout)) > pp))
+        if pp > 1 and not virtual:
+            out.append("If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+                       "pipeline_model_parallel_size > 1")
+        if ep == 1:
+            out.append("overlap_moe_expert_parallel_comm is only supported with expert model parallelism")
+        if value("--moe-token-dispatcher-type", "allgather") not in ("alltoall", "flex"):
+            out.append("overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher")
+        if value("--recompute-granularity") == "full" or given("--recompute-method"):
+            out.append("disable full recomputation when enabling overlap_moe_expert_parallel_comm")
+        if not (given("--bf16") or given("--fp16")):
+            out.append("overlap_moe_expert_parallel_comm is only supported with bf16 or fp16 model")
+        if int(value("--mtp-num-layers", "0") or 0) > 1:
+            out.append("MTP layernum only supports 1 when enabling overlap_moe_expert_parallel_comm.")
+        if "moe" in modules:
+            out.append("disable moe recompute when enabling overlap_moe_expert_parallel_comm")
+    if fsdp and env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        out.append("FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than one")
+    if (tp > 1 or cp > 1) and not fsdp and not given("--overlap-moe-expert-parallel-comm") \
+            and env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        out.append("Using tensor model parallelism or context parallelism require setting the environment "
+                   "variable CUDA_DEVICE_MAX_CONNECTIONS to 1")
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(data=st.data())
+def test_megatron_launch_passes_megatrons_argument_checks(data: st.DataObject) -> None:
+    """A written launch runs past Megatron's argument checks (each one an assert in validate_args),
+    with the overlap the step time was priced with; what Megatron refuses outright (expert
+    parallelism under fp16) is said in the header."""
+    from ndplan.perf import parse_overlap
+
+    model, strategy = data.draw(strategies("megatron"))
+    overlap = parse_overlap(data.draw(st.sampled_from(
+        ("megatron", "plain", "megatron,tp=on", "megatron,dp_grad_reduce=off", "megatron,ep=on"))))
+    if strategy.recompute == "selective" and data.draw(st.booleans()):
+        modules = data.draw(st.sets(st.sampled_from(RECOMPUTE_MODULES), min_size=1))
+        with_modules = strategy.model_copy(update={"recompute_modules": tuple(sorted(modules))})
+        if check_strategy(with_modules, model) == []:
+            strategy = with_modules
+    text = emit(model, strategy, "megatron", overlap, grouped_gemm=data.draw(st.booleans()))
+    refused = megatron_refusals(text)
+    if strategy.ep > 1 and policy_of_strategy(strategy) == "fp16":
+        assert "Expert parallelism is not supported with fp16 training." in refused
+        assert "Megatron-LM refuses expert parallelism under --fp16" in text, text
+        refused.remove("Expert parallelism is not supported with fp16 training.")
+    if strategy.ep > 1 and strategy.tp > 1 and not strategy.sequence_parallel:
+        why = "When using expert parallelism and tensor parallelism, sequence parallelism must be used"
+        assert why in refused
+        assert "Megatron-Core refuses expert and tensor parallelism without sequence parallelism" in text, text
+        refused.remove(why)
+    why = "--use-precision-aware-optimizer only supported with distributed optimizer"
+    if why in refused:  # optimizer offload without the distributed optimizer: said, written as planned
+        assert strategy.optimizer_offload and "without the distributed optimizer" in text, text
+        refused.remove(why)
+    assert refused == [], text
+
+
+def policy_of_strategy(strategy: Strategy) -> str:
+    from ndplan.io.common import policy_of
+
+    return policy_of(strategy.precision).compute_dtype
+
+
+def test_megatron_torch_fsdp2_only_where_megatron_runs_it(tmp_path: Path) -> None:
+    """FSDP that keeps parameters gathered after forward is torch FSDP2 in Megatron, which runs
+    only without gradient-accumulation fusion, untied, outside fp16, and over the whole
+    data-parallel group (Megatron builds its mesh from dp·cp: no HSDP); elsewhere the launch is
+    Megatron-FSDP (which reshards), said in the header."""
+    model = get_preset("llama-3.1-8b")
+    fsdp2 = Strategy(dp=8, zero=3, fsdp=True, reshard_after_forward=False, num_micro_batches=2)
+    text = emit(model, fsdp2, "megatron")
+    assert "--use-torch-fsdp2" in text and "--no-gradient-accumulation-fusion" in text
+    assert "not expressible" not in text and megatron_refusals(text) == []
+    tied = model.model_copy(update={"tie_word_embeddings": True})
+    for variant, strategy, words in (
+        (tied, fsdp2, "tied embeddings"),
+        (model, fsdp2.model_copy(update={"precision": "megatron-fp16"}), "fp16"),
+        (model, fsdp2.model_copy(update={"shard_group": 4}), "shard group"),
+    ):
+        text = emit(variant, strategy, "megatron")
+        assert "--use-torch-fsdp2" not in text and "--use-megatron-fsdp" in text, words
+        lost = [line for line in text.splitlines() if "not expressible" in line]
+        assert len(lost) == 1 and "without resharding after forward" in lost[0] and words in lost[0], lost
+        assert megatron_refusals(text) == [], text
+    # Reading: torch FSDP2 shards over all of dp·cp, whatever --num-distributed-optimizer-instances says.
+    path = tmp_path / "run.sh"
+    path.write_text(emit(model, fsdp2, "megatron").replace(
+        "--use-torch-fsdp2", "--use-torch-fsdp2 --num-distributed-optimizer-instances 2"))
+    result = read_config(path)
+    assert result.strategy().shard_group == 0
+    assert any("--num-distributed-optimizer-instances 2" in w and "torch FSDP2" in w for w in result.warnings)
+
+
+def test_megatron_reader_names_the_overlap_megatron_refuses(tmp_path: Path) -> None:
+    """--overlap-param-gather without --overlap-grad-reduce or a sharded optimizer, and
+    --tp-comm-overlap without --sequence-parallel, stop Megatron at its argument check: each is
+    a warning naming the flag and its line."""
+    path = tmp_path / "run.sh"
+    base = ("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 256 --num-attention-heads 4 "
+            "--padded-vocab-size 1000 --tensor-model-parallel-size 2 --micro-batch-size 1 --seq-length 128 {}\n")
+    for flags, words in (
+        ("--use-distributed-optimizer --overlap-param-gather", "without --overlap-grad-reduce"),
+        ("--overlap-grad-reduce --overlap-param-gather", "without --use-distributed-optimizer or --use-megatron-fsdp"),
+        ("--tp-comm-overlap", "without --sequence-parallel"),
+    ):
+        path.write_text(base.format(flags))
+        warnings = read_config(path).warnings
+        assert any(w.startswith(f"{path}:1:") and "Megatron-LM refuses" in w and words in w for w in warnings), warnings
+    path.write_text(base.format("--sequence-parallel --tp-comm-overlap --use-distributed-optimizer "
+                                "--overlap-grad-reduce --overlap-param-gather"))
+    assert not [w for w in read_config(path).warnings if "refuses" in w]
+
+
+@pytest.mark.parametrize("stage_layers", [(0, 16, 16, 0), (0, 32), (16, 16, 0), (1, 15, 15, 1)])
+def test_megatron_uneven_edges_are_written_as_megatron_core_takes_them(stage_layers: tuple[int, ...],
+                                                                       tmp_path: Path) -> None:
+    """Megatron-Core refuses --decoder-first/last-pipeline-num-layers 0 ("must be larger than 0",
+    TransformerConfig): a stage that holds no decoder layer is written in the layout instead,
+    and reads back as planned."""
+    model = get_preset("llama-3.1-8b")
+    strategy = Strategy(pp=len(stage_layers), stage_layers=stage_layers, num_micro_batches=8)
+    assert check_strategy(strategy, model) == []
+    text = emit(model, strategy, "megatron")
+    flags, _ = megatron_launch(text)
+    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        assert int(flags.get(flag, ["1"])[0]) > 0, text
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    assert comparable(read_config(path).strategy(), model) == comparable(strategy, model)
+
+
+def test_megatron_reader_refuses_the_edges_megatron_core_refuses(tmp_path: Path) -> None:
+    """--decoder-first/last-pipeline-num-layers must be > 0 and do not mix with the
+    embedding/loss accounting (TransformerConfig raises for both): errors naming the flag."""
+    path = tmp_path / "run.sh"
+    base = ("torchrun --nproc_per_node 4 pretrain_gpt.py --num-layers 8 --hidden-size 256 --num-attention-heads 4 "
+            "--padded-vocab-size 1000 --pipeline-model-parallel-size 4 --micro-batch-size 1 --seq-length 128 {}\n")
+    for flags, words in (
+        ("--decoder-first-pipeline-num-layers 0", "--decoder-first-pipeline-num-layers: must be >= 1"),
+        ("--decoder-last-pipeline-num-layers 0 --decoder-first-pipeline-num-layers 4",
+         "--decoder-last-pipeline-num-layers: must be >= 1"),
+        ("--decoder-first-pipeline-num-layers 2 --account-for-embedding-in-pipeline-split",
+         "--decoder-first-pipeline-num-layers: Megatron-Core does not mix it with "
+         "--account-for-embedding-in-pipeline-split"),
+        ("--decoder-last-pipeline-num-layers 2 --account-for-loss-in-pipeline-split",
+         "--decoder-last-pipeline-num-layers: Megatron-Core does not mix it with --account-for-loss-in-pipeline-split"),
+    ):
+        path.write_text(base.format(flags))
+        with pytest.raises(NdplanError, match=re.escape(f"{path}:1: {words}")):
+            read_config(path)
+
+
+def test_megatron_reader_names_expert_and_tensor_parallelism_without_sp(tmp_path: Path) -> None:
+    """Megatron-Core's ModelParallelConfig raises for EP > 1 with TP > 1 and no sequence parallelism."""
+    path = tmp_path / "run.sh"
+    text = ("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 256 --num-attention-heads 4 "
+            "--padded-vocab-size 1000 --num-experts 8 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+            "--micro-batch-size 1 --seq-length 128 {}\n")
+    path.write_text(text.format(""))
+    assert any(w.startswith(f"{path}:1: --expert-model-parallel-size 2") and "Megatron-Core refuses" in w
+               for w in read_config(path).warnings)
+    path.write_text(text.format("--sequence-parallel"))
+    assert not [w for w in read_config(path).warnings if "refuses" in w]
+
+
+@pytest.mark.parametrize("name, seq", [("llama-2-7b", 8192), ("kimi-k2", 4096), ("llama-3.1-8b", 8192)])
+def test_megatron_max_position_embeddings_covers_the_sequence(name: str, seq: int, tmp_path: Path) -> None:
+    """validate_args requires --max-position-embeddings (required_args) and asserts it is at least
+    --seq-length; with RoPE it sizes no table, so the launch states the larger of the two, and
+    the model reads back with the same parameters."""
+    model = get_preset(name)
+    strategy = Strategy(dp=64, ep=64 if model.is_moe else 1, seq_length=seq, micro_batch_size=1, num_micro_batches=1)
+    text = emit(model, strategy, "megatron")
+    flags, _ = megatron_launch(text)
+    assert "--max-position-embeddings" in flags, text
+    assert int(flags["--max-position-embeddings"][0]) == max(seq, model.max_position_embeddings)
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    result = read_config(path, model=model)
+    assert result.model is not None and count_parameters(result.model).total == count_parameters(model).total
+    assert not [w for w in result.warnings if "max_position" in w], result.warnings
+
+
+def test_megatron_recompute_modules_megatron_core_runs(tmp_path: Path) -> None:
+    """TransformerConfig raises for moe_act without --moe-grouped-gemm, mla_up_proj without MLA,
+    and moe_act/layernorm under fp8's delayed scaling: the launch leaves the first two out (said)
+    and writes per-tensor current scaling for the third; the reader warns for each."""
+    mixtral, llama = get_preset("mixtral-8x7b"), get_preset("llama-3.1-8b")
+    selective = Strategy(dp=8, ep=8, recompute="selective", recompute_modules=("layernorm", "moe_act"))
+    text = emit(mixtral, selective, "megatron", grouped_gemm=False)
+    assert "--recompute-modules layernorm\n" in text and "left out: recompute module moe_act" in text
+    assert megatron_refusals(text) == []
+    text = emit(llama, Strategy(dp=8, recompute="selective", recompute_modules=("mla_up_proj",)), "megatron")
+    assert "--recompute-granularity" not in text and "mla_up_proj without multi-latent attention" in text
+    fp8 = selective.model_copy(update={"precision": "megatron-fp8"})
+    text = emit(mixtral, fp8, "megatron")
+    assert "--fp8-recipe tensorwise" in text and megatron_refusals(text) == []
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    assert read_config(path).strategy().recompute_modules == ("layernorm", "moe_act")
+    # Reading: each refusal is a warning at the --recompute-modules line.
+    for old, new, words in (
+        ("    --moe-grouped-gemm\n", "", "moe_act without --moe-grouped-gemm"),
+        ("    --fp8-recipe tensorwise\n", "", "under --fp8-format with delayed scaling"),
+    ):
+        path.write_text(text.replace(old, new))
+        warnings = read_config(path).warnings
+        assert any("--recompute-modules" in w and words in w and "Megatron-Core refuses" in w for w in warnings), warnings
+
+
+def test_megatron_expert_overlap_only_where_megatron_core_runs_it(tmp_path: Path) -> None:
+    """--overlap-moe-expert-parallel-comm: TransformerConfig refuses it beside full recompute, a
+    pipeline without virtual stages, fp32 and more than one MTP layer; the launch leaves it out
+    there (said), and the reader warns at its line."""
+    from ndplan.perf import parse_overlap
+
+    model = get_preset("mixtral-8x7b")
+    ep_on = parse_overlap("megatron,ep=on")
+    runs = Strategy(dp=8, ep=8, pp=2, vpp=2, schedule="interleaved", num_micro_batches=4)
+    assert "--overlap-moe-expert-parallel-comm" in megatron_launch(emit(model, runs, "megatron", ep_on))[0]
+    for update, words in (({"recompute": "full"}, "with full recompute"),
+                          ({"vpp": 1, "schedule": "1f1b"}, "with a pipeline of one chunk per stage"),
+                          ({"precision": "fp32"}, "outside bf16/fp16")):
+        text = emit(model, runs.model_copy(update=update), "megatron", ep_on)
+        assert "--overlap-moe-expert-parallel-comm" not in megatron_launch(text)[0]
+        assert f"expert all-to-all overlapped {words}" in text
+        assert megatron_refusals(text) == []
+    path = tmp_path / "run.sh"
+    text = emit(model, runs.model_copy(update={"recompute": "full"}), "megatron")
+    path.write_text(text.replace("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 2 "
+                                                                      "--overlap-moe-expert-parallel-comm"))
+    warnings = read_config(path).warnings
+    assert any("--overlap-moe-expert-parallel-comm with --recompute-granularity full" in w for w in warnings), warnings
+
+
+def test_megatron_squared_relu_with_biases_runs_without_the_gelu_fusion(tmp_path: Path) -> None:
+    """TransformerConfig refuses bias_activation_fusion (--bias-gelu-fusion, on by default and off
+    only without biases) for an activation other than gelu, swiglu or quick_geglu: a squared-ReLU
+    model with biases gets --no-bias-gelu-fusion, which reads back as the same model."""
+    base = get_preset("llama-3.1-8b")
+    relu2 = base.model_copy(update={"activation": "relu2", "gated_mlp": False, "qkv_bias": True, "o_bias": True,
+                                    "mlp_bias": True, "expert_bias": True})
+    text = emit(relu2, Strategy(dp=8), "megatron")
+    flags, _ = megatron_launch(text)
+    assert "--squared-relu" in flags and "--disable-bias-linear" not in flags and "--no-bias-gelu-fusion" in flags
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    result = read_config(path, model=relu2)
+    assert result.warnings == [] and result.model == relu2
+    without = relu2.model_copy(update={"qkv_bias": False, "o_bias": False, "mlp_bias": False, "expert_bias": False})
+    assert "--no-bias-gelu-fusion" not in megatron_launch(emit(without, Strategy(dp=8), "megatron"))[0]
+
+
+def test_megatron_precision_aware_optimizer_needs_the_distributed_optimizer_and_adam(tmp_path: Path) -> None:
+    """Megatron-Core's OptimizerConfig asserts the distributed optimizer and Adam for
+    --use-precision-aware-optimizer, which --optimizer-cpu-offload needs: a launch that cannot
+    have them says so in its header, and the reader warns."""
+    model = get_preset("llama-3.1-8b")
+    offload = Strategy(dp=8, zero=0, optimizer_offload=True)
+    text = emit(model, offload, "megatron")
+    assert "optimizer offload without the distributed optimizer: Megatron-Core runs its precision-aware" in text
+    assert "not expressible" not in emit(model, offload.model_copy(update={"zero": 1}), "megatron")
+    one_state = PrecisionPolicy(name="megatron-bf16-sgd", param_bytes=2, grad_bytes=4, master_weight_bytes=4,
+                                optimizer_state_bytes=4, optimizer_states=1)
+    text = emit(model, offload.model_copy(update={"zero": 1, "precision": one_state}), "megatron")
+    assert "with one optimizer state (--optimizer sgd): Megatron-Core runs its precision-aware optimizer only" in text
+    path = tmp_path / "run.sh"
+    path.write_text(text.replace("    --use-distributed-optimizer\n", ""))
+    warnings = read_config(path).warnings
+    for words in ("--use-precision-aware-optimizer without --use-distributed-optimizer",
+                  "--use-precision-aware-optimizer with --optimizer sgd"):
+        assert any(words in w and "Megatron-Core" in w for w in warnings), warnings

@@ -112,7 +112,7 @@ def test_megatron_flags_round_trip(tmp_path):
         "torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
         "--seq-length 128 --padded-vocab-size 256 --position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
         "--num-experts 8 --moe-ffn-hidden-size 32 --moe-router-topk 2 --expert-model-parallel-size 2 "
-        "--micro-batch-size 1 --global-batch-size 8 --bf16 "
+        "--micro-batch-size 1 --global-batch-size 8 --bf16 --moe-grouped-gemm "  # (moe_act recompute needs it)
         "--recompute-granularity selective --recompute-modules moe_act layernorm\n")
     result = read_config(script, devices=2)
     strategy = result.strategy()

@@ -115,15 +115,22 @@ def interpret(
     if sp and tp == 1:
         notes.append("--sequence-parallel has no effect with tp=1 (Megatron turns it off)")
         sp = False
+    if ep > 1 and tp > 1 and not sp:
+        # megatron/core/model_parallel_config.py: ValueError before the model is built.
+        warnings.append(f"{src.where(args.line('--expert-model-parallel-size'))}: --expert-model-parallel-size {ep} "
+                        f"with --tensor-model-parallel-size {tp} without --sequence-parallel: Megatron-Core refuses "
+                        "the pair (ModelParallelConfig); priced as written")
     settings["sp"] = sp
     _context_parallel(args, settings, cp, warnings, model.num_layers if model is not None else None)
     _pipeline(args, settings, flag_model, warnings)
     _sharding(args, settings, warnings, notes)
     _recompute(args, settings, warnings, notes)
+    _refused_recompute_modules(args, settings, model, warnings)
     _offload(args, settings, warnings, notes)
     settings["precision"] = precision_setting(_precision(args, warnings))
     _batch(args, settings, dp, warnings, notes)
-    overlap = _overlap(args, notes)
+    overlap = _overlap(args, notes, warnings)
+    _refused_ep_overlap(args, settings, warnings)
     notes.append("runtime: megatron, what Megatron-Core keeps for backward (--runtime overrides)")
     # Megatron's cross-entropy is always vocabulary-parallel over TP (no flag turns it off): a
     # fact of the launch, stated as the attention kernel and the loss dtype are, so that another
@@ -209,7 +216,7 @@ def _unfused_attention(args: Args, impl: str, warnings: list[str]) -> str | None
     return None
 
 
-def _overlap(args: Args, notes: list[str]) -> dict[str, Any]:
+def _overlap(args: Args, notes: list[str], warnings: list[str]) -> dict[str, Any]:
     """The step-time overlap switches (``ndplan.perf.OverlapConfig``) the flags state. Megatron
     overlaps nothing unless asked, so an absent flag means off; expert-parallel overlap stays
     'auto' (on under DualPipeV) unless a flag turns it on."""
@@ -218,6 +225,17 @@ def _overlap(args: Args, notes: list[str]) -> dict[str, Any]:
         "dp_param_gather": args.has("--overlap-param-gather"),
         "tp": args.has("--tp-comm-overlap"),
     }
+    # What validate_args (megatron/training/arguments.py) asserts against: the launch stops there.
+    refused = []
+    if overlap["dp_param_gather"] and not overlap["dp_grad_reduce"]:
+        refused.append(("--overlap-param-gather", "without --overlap-grad-reduce"))
+    if overlap["dp_param_gather"] and not args.has("--use-distributed-optimizer", "--use-megatron-fsdp"):
+        refused.append(("--overlap-param-gather", "without --use-distributed-optimizer or --use-megatron-fsdp"))
+    if overlap["tp"] and not args.has("--sequence-parallel"):
+        refused.append(("--tp-comm-overlap", "without --sequence-parallel"))
+    for flag, why in refused:
+        warnings.append(f"{args.src.where(args.line(flag))}: {flag} {why}: Megatron-LM refuses it (validate_args) "
+                        "and stops before the first step; priced as written")
     if args.has("--overlap-moe-expert-parallel-comm", "--moe-alltoall-overlap-comm", "--moe-fb-overlap"):
         overlap["ep"] = True
     dispatcher = args.get("--moe-token-dispatcher-type")
@@ -344,8 +362,15 @@ def _pipeline(args: Args, settings: dict[str, Any], flag_model: FlagModel, warni
     emb = args.has("--account-for-embedding-in-pipeline-split")
     loss = args.has("--account-for-loss-in-pipeline-split")
     layout = args.get("--pipeline-model-parallel-layout")
-    first = args.integer("--decoder-first-pipeline-num-layers", minimum=0, maximum=MAX_LAYERS)
-    last = args.integer("--decoder-last-pipeline-num-layers", minimum=0, maximum=MAX_LAYERS)
+    # Megatron-Core's TransformerConfig: each edge count > 0, and not mixed with the accounting.
+    first = args.integer("--decoder-first-pipeline-num-layers", minimum=1, maximum=MAX_LAYERS)
+    last = args.integer("--decoder-last-pipeline-num-layers", minimum=1, maximum=MAX_LAYERS)
+    for edge, count in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        for accounting, on in (("--account-for-embedding-in-pipeline-split", emb),
+                               ("--account-for-loss-in-pipeline-split", loss)):
+            if count is not None and on:
+                raise args.error(edge, f"Megatron-Core does not mix it with {accounting} (TransformerConfig refuses "
+                                       "the pair); give the layers of every stage in one of the two ways")
     layer_list = args.get("--num-layer-list")
     per_virtual = args.integer("--num-layers-per-virtual-pipeline-stage", maximum=MAX_LAYERS)
     vpp = args.integer("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
@@ -478,6 +503,12 @@ def _sharding(args: Args, settings: dict[str, Any], warnings: list[str], notes: 
         if zero == 0:
             warnings.append(f"{args.src.where(args.line('--num-distributed-optimizer-instances'))}: "
                             "--num-distributed-optimizer-instances needs a sharded optimizer; ignored")
+        elif args.has("--use-torch-fsdp2"):
+            # Megatron's torch FSDP2 wrapper builds its mesh from the whole dp·cp group
+            # (core/distributed/torch_fully_sharded_data_parallel.py): no replicas.
+            warnings.append(f"{args.src.where(args.line('--num-distributed-optimizer-instances'))}: "
+                            f"--num-distributed-optimizer-instances {instances}: torch FSDP2 (--use-torch-fsdp2) shards "
+                            "over the whole data-parallel group whatever it says; priced so")
         elif "dp" in settings:
             replicas = settings["dp"] * settings["cp"]
             if replicas % instances:
@@ -544,6 +575,47 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
         warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-method uniform with "
                         f"--recompute-num-layers {layers} checkpoints groups of {layers} layers; "
                         "ndplan keeps one input per layer")
+
+
+def _refused_ep_overlap(args: Args, settings: dict[str, Any], warnings: list[str]) -> None:
+    """--overlap-moe-expert-parallel-comm where Megatron-Core's TransformerConfig refuses it:
+    a pipeline without virtual stages, full recompute, the MoE layer recomputed, fp32."""
+    arg = args.get("--overlap-moe-expert-parallel-comm")
+    if arg is None:
+        return
+    refused = []
+    if settings["pp"] > 1 and settings["vpp"] == 1:
+        refused.append("with --pipeline-model-parallel-size > 1 and no virtual stages")
+    if settings["recompute"] == "full":
+        refused.append("with --recompute-granularity full")
+    if "moe" in settings.get("recompute_modules", ()):
+        refused.append("with --recompute-modules moe")
+    if not args.has("--bf16", "--fp16"):
+        refused.append("outside --bf16/--fp16")
+    for why in refused:
+        warnings.append(f"{args.src.where(arg.line)}: --overlap-moe-expert-parallel-comm {why}: Megatron-Core refuses "
+                        "it (TransformerConfig) and stops before the first step; priced as written")
+
+
+def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: ModelSpec | None,
+                               warnings: list[str]) -> None:
+    """--recompute-modules Megatron-Core's TransformerConfig raises for: moe_act without
+    --moe-grouped-gemm, mla_up_proj without MLA, moe_act or layernorm under fp8's delayed
+    scaling (--fp8-recipe's default)."""
+    modules = settings.get("recompute_modules", ())
+    where = args.src.where(args.line("--recompute-modules"))
+    refused = []
+    if "moe_act" in modules and not args.has("--moe-grouped-gemm"):
+        refused.append("moe_act without --moe-grouped-gemm")
+    if "mla_up_proj" in modules and model is not None and not model.is_mla:
+        refused.append("mla_up_proj without --multi-latent-attention")
+    fp8 = args.has("--fp8-format")
+    recipe = args.text("--fp8-recipe", default="delayed")
+    if fp8 and recipe == "delayed" and {"moe_act", "layernorm"} & set(modules):
+        refused.append("moe_act/layernorm under --fp8-format with delayed scaling (--fp8-recipe's default)")
+    for why in refused:
+        warnings.append(f"{where}: --recompute-modules {why}: Megatron-Core refuses it (TransformerConfig) and stops "
+                        "before the first step; priced as written")
 
 
 def _offload(args: Args, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:
@@ -647,6 +719,15 @@ def _precision(args: Args, warnings: list[str]) -> PrecisionPolicy:
                         "matrices and Adam's two for the rest; ndplan prices one state everywhere")
     widths = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
     aware = args.has("--use-precision-aware-optimizer")
+    if aware:
+        # megatron/core/optimizer/optimizer_config.py asserts both when it builds the optimizer.
+        where = args.src.where(args.line("--use-precision-aware-optimizer"))
+        if not args.has("--use-distributed-optimizer"):
+            warnings.append(f"{where}: --use-precision-aware-optimizer without --use-distributed-optimizer: "
+                            "Megatron-Core refuses it (OptimizerConfig) and stops before the first step; priced as written")
+        if optimizer == "sgd":
+            warnings.append(f"{where}: --use-precision-aware-optimizer with --optimizer sgd: Megatron-Core runs it only "
+                            "with Adam (OptimizerConfig) and stops before the first step; priced as written")
     dtypes = [args.text(flag, default="fp32") for flag in
               ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")]
     # Megatron applies these dtypes only with the precision-aware optimizer.

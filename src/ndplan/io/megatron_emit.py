@@ -73,7 +73,8 @@ def _placement(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
             flags.append(("--num-layers-per-virtual-pipeline-stage", units // stages))
         return flags
     middle = counts[1:-1]
-    if s.vpp == 1 and (not middle or len(set(middle)) == 1):
+    # Megatron-Core takes only edge counts > 0 (TransformerConfig); an empty edge goes in the layout.
+    if s.vpp == 1 and (not middle or len(set(middle)) == 1) and counts[0] > 0 and counts[-1] > 0:
         first, last = counts[0], counts[-1]
         flags.append(("--decoder-first-pipeline-num-layers", first))
         flags.append(("--decoder-last-pipeline-num-layers", last))
@@ -103,6 +104,11 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
             flags.append(("--hierarchical-context-parallel-sizes", f"{s.ulysses_degree} {s.cp // s.ulysses_degree}"))
     if s.ep > 1:
         flags.append(("--expert-model-parallel-size", s.ep))
+        if s.tp > 1 and not s.sequence_parallel:
+            # megatron/core/model_parallel_config.py raises for this pair.
+            lost.append(f"ep={s.ep} with tp={s.tp} without sequence parallelism: Megatron-Core refuses expert and "
+                        "tensor parallelism without sequence parallelism (ModelParallelConfig); written as planned, "
+                        "the launch stops building its config")
     if s.etp != s.tp:
         flags.append(("--expert-tensor-parallel-size", s.etp))
     if s.sequence_parallel:
@@ -110,22 +116,43 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
     return flags
 
 
-def _memory(s: Strategy, lost: list[str]) -> Flags:
+def _torch_fsdp2_refusal(s: Strategy, model: ModelSpec | None) -> str | None:
+    """Why Megatron cannot run this strategy's FSDP as torch FSDP2 (the only Megatron FSDP that
+    keeps parameters gathered after forward), or None where it can. validate_args
+    (megatron/training/arguments.py) refuses --use-torch-fsdp2 beside a pipeline or experts,
+    with tied embeddings and under fp16; Megatron's wrapper (core/distributed/
+    torch_fully_sharded_data_parallel.py) shards over the whole dp·cp group, so no HSDP."""
+    if s.pp > 1 or s.ep > 1:
+        return "together with pipeline or expert parallelism"
+    if model is not None and model.tie_word_embeddings:
+        return "with tied embeddings (it needs --untie-embeddings-and-output-weights)"
+    if policy_of(s.precision).compute_dtype == "fp16":
+        return "under fp16"
+    if s.shard_group:
+        return f"with a shard group of {s.shard_group} (it shards over the whole dp·cp group)"
+    return None
+
+
+def _uses_torch_fsdp2(s: Strategy, model: ModelSpec | None) -> bool:
+    return s.zero == 3 and not s.reshard_after_forward and _torch_fsdp2_refusal(s, model) is None
+
+
+def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[str], grouped: bool) -> Flags:
     flags: Flags = []
     if s.zero == 1:
         flags.append(("--use-distributed-optimizer", None))
     elif s.zero == 2:
         flags += [("--use-distributed-optimizer", None), ("--use-megatron-fsdp", None),
                   ("--data-parallel-sharding-strategy", "optim_grads"), ("--ckpt-format", "fsdp_dtensor")]
-    elif s.zero == 3 and not s.reshard_after_forward and s.pp == 1 and s.ep == 1:
+    elif _uses_torch_fsdp2(s, model):
+        # validate_args refuses torch FSDP2 with gradient-accumulation fusion, which is on by default.
         flags += [("--use-torch-fsdp2", None), ("--torch-fsdp2-no-reshard-after-forward", None),
-                  ("--ckpt-format", "torch_dist")]
+                  ("--no-gradient-accumulation-fusion", None), ("--ckpt-format", "torch_dist")]
     elif s.zero == 3:
         if not s.reshard_after_forward:
-            # Megatron refuses torch FSDP2 beside a pipeline or experts: Megatron-FSDP instead,
-            # which reshards.
-            lost.append("FSDP without resharding after forward together with pipeline or expert parallelism "
-                        "(Megatron refuses torch FSDP2 there; written as Megatron-FSDP, which reshards)")
+            # Megatron refuses torch FSDP2 here: Megatron-FSDP instead, which reshards.
+            lost.append(f"FSDP without resharding after forward {_torch_fsdp2_refusal(s, model)} (Megatron refuses "
+                        "torch FSDP2 there; written as Megatron-FSDP, which reshards)")
         flags += [("--use-distributed-optimizer", None), ("--use-megatron-fsdp", None),
                   ("--data-parallel-sharding-strategy", "optim_grads_params"), ("--ckpt-format", "fsdp_dtensor")]
     if s.zero == 3 and not s.fsdp:
@@ -141,14 +168,46 @@ def _memory(s: Strategy, lost: list[str]) -> Flags:
         else:
             flags += [("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     elif s.recompute == "selective":
-        flags.append(("--recompute-granularity", "selective"))
-        if s.recompute_modules:
-            flags.append(("--recompute-modules", tuple(s.recompute_modules)))
-        if s.recompute_layers:
-            lost.append(f"selective recompute limited to {s.recompute_layers} layers per stage")
+        modules = _recompute_modules(s, model, grouped, lost)
+        if modules is not None:
+            flags.append(("--recompute-granularity", "selective"))
+            if modules:
+                flags.append(("--recompute-modules", modules))
+            if s.recompute_layers:
+                lost.append(f"selective recompute limited to {s.recompute_layers} layers per stage")
     if s.offload_modules:
         flags += [("--fine-grained-activation-offloading", None), ("--offload-modules", tuple(s.offload_modules))]
-    return flags + _precision(s, lost)
+    precision = _precision(s, lost)
+    written = dict(flags)
+    if "--fp8-format" in dict(precision) and {"moe_act", "layernorm"} & set(written.get("--recompute-modules", ())):
+        # Megatron-Core refuses these recomputes under fp8's delayed scaling, --fp8-recipe's
+        # default (TransformerConfig): per-tensor current scaling runs them; ndplan prices no recipe.
+        precision.append(("--fp8-recipe", "tensorwise"))
+        said.append("--fp8-recipe tensorwise: Megatron-Core refuses layernorm/moe_act recompute under fp8's default "
+                    "delayed scaling; the recipe is not priced")
+    return flags + precision
+
+
+def _recompute_modules(s: Strategy, model: ModelSpec | None, grouped: bool,
+                       lost: list[str]) -> tuple[str, ...] | None:
+    """The --recompute-modules Megatron-Core runs for the strategy's (TransformerConfig refuses
+    moe_act without --moe-grouped-gemm and mla_up_proj without MLA); each one left out is said.
+    None: none is left, so no selective recompute is written."""
+    kept: list[str] = []
+    for name in s.recompute_modules:
+        if name == "moe_act" and not grouped:
+            lost.append("recompute module moe_act " + ("on a model without experts" if model is not None and not
+                                                       model.is_moe else "without grouped-GEMM experts")
+                        + " (Megatron-Core recomputes the expert activation only with --moe-grouped-gemm)")
+        elif name == "mla_up_proj" and model is not None and not model.is_mla:
+            lost.append("recompute module mla_up_proj without multi-latent attention (Megatron-Core refuses it; "
+                        "the model has no MLA up-projection)")
+        else:
+            kept.append(name)
+    if s.recompute_modules and not kept:
+        lost.append("selective recompute: none of its modules runs here, so none is written")
+        return None
+    return tuple(kept)
 
 
 def _precision(s: Strategy, lost: list[str]) -> Flags:
@@ -203,7 +262,7 @@ def _with_noop(kinds: tuple[str, ...], noop: tuple[int, ...]) -> tuple[str, ...]
     return tuple(out)
 
 
-def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = ()) -> Flags:
+def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length: int = 0) -> Flags:
     flags: Flags = [("--num-layers", m.num_layers + len(noop)), ("--hidden-size", m.hidden_size)]
     if noop:
         flags.append(("--noop-layers", ",".join(str(slot) for slot in noop)))
@@ -226,8 +285,8 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = ()) -> Flags:
         if m.qk_norm:
             flags.append(("--qk-layernorm", None))
     flags += [("--padded-vocab-size", m.vocab_size), ("--position-embedding-type", "rope")]
-    if m.max_position_embeddings:
-        flags.append(("--max-position-embeddings", m.max_position_embeddings))
+    # validate_args requires it and asserts it is >= --seq-length; RoPE sizes no table by it.
+    flags.append(("--max-position-embeddings", max(m.max_position_embeddings, seq_length)))
     if m.norm == "rmsnorm":
         flags.append(("--normalization", "RMSNorm"))
     else:
@@ -251,6 +310,10 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = ()) -> Flags:
         flags += [("--disable-bias-linear", None), ("--add-qkv-bias", None)]
     elif not (m.qkv_bias and m.o_bias and all(mlp_biases)):
         lost.append(f"biases qkv={m.qkv_bias} o={m.o_bias} mlp={m.mlp_bias} experts={m.expert_bias}")
+    if ("--squared-relu", None) in flags and ("--disable-bias-linear", None) not in flags:
+        # With biases the bias-GeLU fusion stays on (validate_args), which TransformerConfig
+        # refuses for an activation other than gelu, swiglu or quick_geglu.
+        flags.append(("--no-bias-gelu-fusion", None))
     if m.router_bias:
         lost.append("the router bias")
     if m.attention_sinks:
@@ -306,21 +369,53 @@ def _array(name: str, flags: Flags) -> list[str]:
     return lines
 
 
-def _overlap(s: Strategy, overlap: Any) -> Flags:
+def _ep_overlap_refusal(s: Strategy, model: ModelSpec | None, written: dict[str, Any]) -> str | None:
+    """Where Megatron-Core's TransformerConfig refuses --overlap-moe-expert-parallel-comm for the
+    launch written so far (None: it runs it)."""
+    if s.pp > 1 and s.vpp == 1:
+        return "with a pipeline of one chunk per stage (it needs virtual stages)"
+    if written.get("--recompute-granularity") == "full":
+        return "with full recompute"
+    if "moe" in (written.get("--recompute-modules") or ()):
+        return "with the MoE layer recomputed"
+    if "--bf16" not in written and "--fp16" not in written:
+        return "outside bf16/fp16"
+    if model is not None and model.mtp_depth > 1:
+        return f"with {model.mtp_depth} MTP layers (it takes at most one)"
+    return None
+
+
+def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str], written: Flags) -> Flags:
     """Megatron's flags for what ``overlap`` (``ndplan.perf.OverlapConfig``) hides, where the
-    strategy has that communication (the reader maps them back: ``megatron._overlap``)."""
+    strategy has that communication (the reader maps them back: ``megatron._overlap``), and
+    where validate_args lets them run: --overlap-param-gather needs --overlap-grad-reduce and the
+    distributed optimizer or Megatron-FSDP (torch FSDP2 prefetches on its own), --tp-comm-overlap
+    needs --sequence-parallel."""
     if overlap is None:
         return []
     flags: Flags = []
     if overlap.dp_grad_reduce and s.dp * s.cp > 1:
         flags.append(("--overlap-grad-reduce", None))
-    if overlap.dp_param_gather and s.dp * s.cp > 1 and s.zero >= 1:  # the distributed optimizer's gather
-        flags.append(("--overlap-param-gather", None))
+    if overlap.dp_param_gather and s.dp * s.cp > 1 and s.zero >= 1 and not _uses_torch_fsdp2(s, model):
+        if overlap.dp_grad_reduce:  # the distributed optimizer's gather
+            flags.append(("--overlap-param-gather", None))
+        elif s.zero < 3:  # (ZeRO-3 gathers per layer: priced by the FSDP prefetch, not this switch)
+            lost.append("the parameter all-gather overlapped while the gradient reduce is not (Megatron's "
+                        "--overlap-param-gather needs --overlap-grad-reduce)")
     if overlap.tp and s.tp > 1:
-        flags.append(("--tp-comm-overlap", None))
+        if s.sequence_parallel:
+            flags.append(("--tp-comm-overlap", None))
+        else:
+            lost.append("tensor-parallel communication overlap without sequence parallelism (Megatron's "
+                        "--tp-comm-overlap needs --sequence-parallel)")
     if s.ep > 1:
         if overlap.ep is True:
-            flags.append(("--overlap-moe-expert-parallel-comm", None))
+            refused = _ep_overlap_refusal(s, model, dict(written))
+            if refused is None:
+                flags.append(("--overlap-moe-expert-parallel-comm", None))
+            else:
+                lost.append(f"the expert all-to-all overlapped {refused} (Megatron-Core refuses "
+                            "--overlap-moe-expert-parallel-comm there)")
         if overlap.ep_dispatch == "node_dedup":
             flags += [("--moe-token-dispatcher-type", "flex"), ("--moe-flex-dispatcher-backend", "deepep")]
         else:
@@ -345,13 +440,37 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     if loss_parallel is False and s.tp > 1:
         lost.append("the loss on whole logits (--no-loss-parallel); Megatron's cross-entropy is always "
                     "vocabulary-parallel over TP")
-    model_flags = _model(model, lost, _dualpipev_noop(model, s)) if model is not None else []
+    model_flags = _model(model, lost, _dualpipev_noop(model, s), s.seq_length) if model is not None else []
     parallel = _parallel(s, model, lost)
-    memory = _memory(s, lost)
+    said: list[str] = []
+    # Megatron's GroupedGEMM experts run only under --bf16 (validate_args).
+    bf16 = ("--bf16", None) in _precision(s, [])
+    grouped = model is not None and model.is_moe and grouped_gemm and bf16
+    memory = _memory(s, model, lost, said, grouped)
+    fp16 = ("--fp16", None) in memory
+    written = dict(memory)
+    if "--use-precision-aware-optimizer" in written:
+        # megatron/core/optimizer/optimizer_config.py asserts both for the precision-aware
+        # optimizer, which optimizer offload and low-precision optimizer states go through.
+        needs = "optimizer offload" if s.optimizer_offload else "low-precision main parameters or optimizer states"
+        if "--use-distributed-optimizer" not in written:
+            lost.append(f"{needs} without the distributed optimizer: Megatron-Core runs its precision-aware optimizer "
+                        "only with --use-distributed-optimizer (OptimizerConfig); written as planned, the launch stops "
+                        "building its optimizer")
+        if written.get("--optimizer") == "sgd":
+            lost.append(f"{needs} with one optimizer state (--optimizer sgd): Megatron-Core runs its precision-aware "
+                        "optimizer only with Adam; written as planned, the launch stops building its optimizer")
+    if s.ep > 1 and fp16:
+        lost.append(f"ep={s.ep} under fp16: Megatron-LM refuses expert parallelism under --fp16 (validate_args); "
+                    "written as planned, the launch stops at its argument check")
     if not loss_upcast:
         memory += [("--cross-entropy-loss-fusion", None), ("--cross-entropy-fusion-impl", "te")]
     if model is not None and model.is_moe and grouped_gemm:
-        memory.append(("--moe-grouped-gemm", None))
+        if grouped:
+            memory.append(("--moe-grouped-gemm", None))
+        else:  # validate_args: "Currently GroupedGEMM for MoE only supports bf16 dtype."
+            lost.append("the experts' grouped GEMM outside bf16 (Megatron's --moe-grouped-gemm needs --bf16): "
+                        "written as SequentialMLP, one GEMM per expert")
     if moe_capacity_factor is not None and (model is None or model.is_moe):
         memory += [("--moe-expert-capacity-factor", f"{moe_capacity_factor:g}"), ("--moe-pad-expert-input-to-capacity", None)]
     if attention == "eager":
@@ -360,6 +479,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         # A launch with MindSpeed's flags (DualPipeV, no-op layers) runs on MindSpeed, whose
         # attention is fused only with --use-flash-attn (the reader reads it so too).
         memory.append(("--use-flash-attn", None))
+    overlap_flags = _overlap(s, model, overlap, lost, parallel + memory)
     batch: Flags = [("--micro-batch-size", s.micro_batch_size), ("--global-batch-size", s.global_batch_size),
                     ("--seq-length", s.seq_length)]
     world = s.world_size
@@ -373,16 +493,22 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         header.append("# No model given: add the architecture flags (--num-layers, --hidden-size, ...).")
     for item in lost:
         header.append(f"# ndplan: not expressible in Megatron-LM, left out: {item}")
+    header += [f"# ndplan: {item}" for item in said]
     lines = header + [""]
     arrays = []
     if model_flags:
         lines += _array("MODEL_ARGS", model_flags) + [""]
         arrays.append("MODEL_ARGS")
-    for name, flags in (("PARALLEL_ARGS", parallel), ("MEMORY_ARGS", memory), ("OVERLAP_ARGS", _overlap(s, overlap)),
+    for name, flags in (("PARALLEL_ARGS", parallel), ("MEMORY_ARGS", memory), ("OVERLAP_ARGS", overlap_flags),
                         ("BATCH_ARGS", batch)):
         if flags:
             lines += _array(name, flags) + [""]
             arrays.append(name)
+    given = {flag for array in (parallel, memory, overlap_flags) for flag, _ in array}
+    if (s.tp > 1 or s.cp > 1) and not {"--use-torch-fsdp2", "--use-megatron-fsdp",
+                                       "--overlap-moe-expert-parallel-comm"} & given:
+        # validate_args asserts it before Blackwell under TP or CP (Megatron-LM's example scripts set it).
+        lines += ["export CUDA_DEVICE_MAX_CONNECTIONS=1", ""]
     expansions = " ".join(f'"${{{name}[@]}}"' for name in arrays)
     lines.append(f"torchrun --nproc_per_node {per_node} --nnodes {world // per_node} pretrain_gpt.py {expansions}")
     return "\n".join(lines) + "\n"

@@ -369,7 +369,7 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
     name = base.name if base else src.path.stem
     model = merge_model(
         src, stated, base, name=name, model_type="megatron", defaults=_megatron_defaults,
-        warnings=warnings, origin="the script", tolerate=_is_padding(multiple),
+        warnings=warnings, origin="the script", tolerate=_tolerated(multiple),
     )
     if model is not None and padded is None and (vocab is not None or stated):
         size = pad_vocab(model.vocab_size, multiple)
@@ -380,9 +380,13 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
     return FlagModel(model, slots if slots is not None else (model.num_layers + len(noop) if model else None), noop)
 
 
-def _is_padding(multiple: int) -> Callable[[str, Any, Any], bool]:
-    """A --padded-vocab-size a little above --model's vocabulary is padding, not a conflict."""
+def _tolerated(multiple: int) -> Callable[[str, Any, Any], bool]:
+    """Not conflicts with --model: a --padded-vocab-size a little above its vocabulary (padding),
+    and a --max-position-embeddings above its own (Megatron asserts it covers --seq-length; under
+    RoPE it sizes no table, so a launch raises it to the sequence it runs)."""
     def tolerate(field: str, stated: Any, base: Any) -> bool:
+        if field == "max_position_embeddings":
+            return int(stated) >= int(base)
         return field == "vocab_size" and 0 <= int(stated) - int(base) < max(multiple, 128)
 
     return tolerate
