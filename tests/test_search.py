@@ -77,6 +77,26 @@ def test_search_equals_brute_force_with_the_single_strategy_api(dims):
         assert {row["pipeline_runs"] for row in result.ranked} == set(space.pipeline_runs) == {1, 2, 4, 8}
 
 
+def test_megatron_search_never_ranks_expert_and_tensor_parallelism_without_sequence_parallelism():
+    """Megatron-Core's ModelParallelConfig refuses ep > 1 beside tp > 1 without sequence
+    parallelism, so a search under the megatron runtime must not rank such a strategy (it did, and
+    --emit megatron wrote a launch Megatron stops at); they count as not runnable. PyTorch's runtime
+    runs them."""
+    space = _space(dims=("tp", "sp", "ep", "pp", "zero"))
+
+    def refused(row):
+        return row["ep"] > 1 and row["tp"] > 1 and not row["sp"]
+
+    megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=2 * 2**30, top=10**9,
+                          options=BALANCE_OPTIONS)
+    pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=2 * 2**30, top=10**9,
+                         options=MemoryOptions())
+    assert megatron.ranked and not any(refused(row) for row in megatron.ranked)
+    allowed = sum(refused(row) for row in pytorch.ranked)
+    assert allowed > 0
+    assert megatron.rejected[NOT_RUNNABLE] - pytorch.rejected[NOT_RUNNABLE] >= allowed
+
+
 def test_progress_counts_candidates_once_their_survivors_are_priced():
     """Survivors wait until a block's worth has gathered; the progress reported never runs ahead
     of the pricing, never goes back, and ends at the space's size. The result is the same

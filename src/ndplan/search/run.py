@@ -114,11 +114,15 @@ def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray
 
 
 def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str) -> np.ndarray:
-    """Where the runtime can run the strategy: a schedule it has, and under PyTorch no selective
-    recompute in a split backward."""
+    """Where the runtime can run the strategy: a schedule it has, under PyTorch no selective
+    recompute in a split backward, and under Megatron no expert parallelism beside tensor
+    parallelism without sequence parallelism (Megatron-Core's ModelParallelConfig raises "When
+    using expert parallelism and tensor parallelism, sequence parallelism must be used")."""
     runnable = batch.is_in("schedule", schedules)
     if runtime == "pytorch":
         runnable &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
+    if runtime == "megatron":
+        runnable &= ~((batch.ep > 1) & (batch.tp > 1) & (batch.sequence_parallel == 0))
     return runnable
 
 
