@@ -1330,10 +1330,12 @@ def _sorted_groups(
     # for 14 fields, against 103-106 ms gathered by group, then within each group's block).
     # The pipeline shape's fields are the groups' keys: repeated, not gathered; the fields one
     # value fills (a search fixes many) are that value broadcast (read-only, as every field is
-    # read here), neither gathered nor written.
+    # read here), neither gathered nor written; and so are the fields no figure reads (UNREAD_FIELDS:
+    # the first row's value stands for every row's, as ``_alike``'s kinds let any row stand for
+    # the rows that differ only in them).
     ordered = StrategyBatch(**{
         name: _repeated(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), priced_sizes)
-        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), priced)
+        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), priced, unread=name in UNREAD_FIELDS)
         for name in batch.array_fields()
     }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules)
     start = priced_start = 0
@@ -1398,9 +1400,11 @@ def _group_combinations(rows: np.ndarray, codes: np.ndarray, part: slice) -> tup
     return group_rows - part.start, group_codes - low
 
 
-def _gathered(values: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """values[order], or the one value broadcast (read-only) where ``values`` holds one."""
-    if len(values) and _one_value(values):
+def _gathered(values: np.ndarray, order: np.ndarray, *, unread: bool = False) -> np.ndarray:
+    """values[order], or the one value broadcast (read-only) where ``values`` holds one, or
+    where the field is ``unread`` (its first value: 1M mixed strategies, three fields' gathers
+    less)."""
+    if len(values) and (unread or _one_value(values)):
         return np.broadcast_to(values[:1], (len(order),))
     return values.take(order)
 
