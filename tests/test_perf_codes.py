@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ndplan.perf.codes import first_of_codes, row_codes
+from ndplan.strategy.batch import distinct_columns
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 5000, 300_000])
@@ -25,3 +26,19 @@ def test_row_codes_are_the_ranks_of_the_rows(rows: int) -> None:
     np.testing.assert_array_equal(codes, inverse.reshape(-1))
     if rows:
         np.testing.assert_array_equal(stacked[first_of_codes(codes, count)], distinct)
+
+
+@pytest.mark.parametrize("rows", [1, 3000, 200_000])
+def test_distinct_columns_ranks_many_small_fields_far_from_zero(rows: int) -> None:
+    # Small values join the key as they are and their smallest is carried beside it: thirty
+    # fields of values 10..15 (6^30 combinations, past 2^62) renumber on the way, with that
+    # carried sum large too; the ranks, and those of the first fields alone, are unchanged.
+    rng = np.random.default_rng(rows)
+    columns = [rng.integers(10, 16, rows) for _ in range(30)] + [rng.integers(0, 2, rows).astype(bool)]
+    rows_of, codes, prefix_codes = distinct_columns(columns, rows, prefix=12)
+    stacked = np.stack([np.asarray(c, dtype=np.int64) for c in columns], axis=1)
+    distinct, inverse = np.unique(stacked, axis=0, return_inverse=True)
+    np.testing.assert_array_equal(codes, inverse.reshape(-1))
+    np.testing.assert_array_equal(stacked[rows_of], distinct)
+    _, prefix_inverse = np.unique(stacked[:, :12], axis=0, return_inverse=True)
+    np.testing.assert_array_equal(prefix_codes, prefix_inverse.reshape(-1))

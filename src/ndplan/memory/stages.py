@@ -1353,10 +1353,12 @@ def _sorted_groups(
     # for 14 fields, against 103-106 ms gathered by group, then within each group's block).
     # The pipeline shape's fields are the groups' keys: repeated, not gathered; the fields one
     # value fills (a search fixes many) are that value broadcast (read-only, as every field is
-    # read here), neither gathered nor written.
+    # read here), neither gathered nor written; and so are the fields no figure reads (UNREAD_FIELDS:
+    # the first row's value stands for every row's, as ``_alike``'s kinds let any row stand for
+    # the rows that differ only in them).
     ordered = StrategyBatch(**{
         name: _repeated(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), priced_sizes)
-        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), priced)
+        if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), priced, unread=name in UNREAD_FIELDS)
         for name in batch.array_fields()
     }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules)
     start = priced_start = 0
@@ -1421,9 +1423,11 @@ def _group_combinations(rows: np.ndarray, codes: np.ndarray, part: slice) -> tup
     return group_rows - part.start, group_codes - low
 
 
-def _gathered(values: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """values[order], or the one value broadcast (read-only) where ``values`` holds one."""
-    if len(values) and _one_value(values):
+def _gathered(values: np.ndarray, order: np.ndarray, *, unread: bool = False) -> np.ndarray:
+    """values[order], or the one value broadcast (read-only) where ``values`` holds one, or
+    where the field is ``unread`` (its first value: 1M mixed strategies, three fields' gathers
+    less)."""
+    if len(values) and (unread or _one_value(values)):
         return np.broadcast_to(values[:1], (len(order),))
     return values.take(order)
 
@@ -1781,9 +1785,17 @@ def _exchange_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     routed-token factor)."""
     act_bytes = batch.precision.activation_bytes
     h = model.hidden_size
-    sp_gather = np.where(batch.sequence_parallel > 0, tokens * h * act_bytes, 0.0)
+    # (Products worked out in place, factor by factor in the order written: the same roundings,
+    # fewer [n] temporaries; times 0 where a buffer does not exist, 0.0 as np.where gives: the
+    # bytes are finite and not negative.)
+    sp_gather = tokens * h
+    sp_gather *= act_bytes
+    sp_gather *= batch.sequence_parallel > 0
     # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
-    ep_buffers = np.where(batch.ep > 1, 2 * tokens * model.num_experts_per_tok * h * act_bytes * options.routed_token_factor, 0.0)
+    ep_buffers = 2 * tokens
+    for factor in (model.num_experts_per_tok, h, act_bytes, options.routed_token_factor):
+        ep_buffers *= factor
+    ep_buffers *= batch.ep > 1
     return sp_gather, ep_buffers
 
 
@@ -1794,8 +1806,11 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
     widths = model_symbols(model)
     per_token = np.where(ulysses, 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
                          2 * (widths["k"] + widths["v"]))
-    tp = batch.tp.astype(float)
-    return np.where(batch.cp > 1, per_token * tokens * batch.precision.activation_bytes / tp, 0.0)
+    exchange = per_token * tokens  # (in place below, as in _exchange_buffers)
+    exchange *= batch.precision.activation_bytes
+    exchange /= batch.tp.astype(float)
+    exchange *= batch.cp > 1
+    return exchange
 
 
 def _cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, all_moe: np.ndarray) -> np.ndarray:
@@ -1807,12 +1822,14 @@ def _cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions
     (``all_moe`` [n]: every stage of the strategy's pipeline holds MoE layers; else the gather
     alone). The largest exchange is Ulysses' (Q and O on top of K and V per token): the same
     products of positive numbers, with a larger first factor, rounded, are no smaller."""
-    tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / batch.cp.astype(float)
+    tokens = (batch.micro_batch_size * batch.seq_length).astype(float)
+    tokens /= batch.cp.astype(float)
     # As _layer_buffers reads them: the gather and the all-to-all per op (tokens / seq_chunks,
     # the same bits as _per_op's), the exchange per micro-batch.
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, tokens / batch.seq_chunks)
     largest = _cp_buffers(model, batch, tokens, True)
-    floor = np.maximum(sp_gather, np.where(all_moe, ep_buffers, 0.0))
+    ep_buffers *= all_moe
+    floor = np.maximum(sp_gather, ep_buffers, out=sp_gather)
     return (batch.cp > 1) & ~(largest <= floor)
 
 

@@ -217,16 +217,17 @@ def p2p_hops(schedule: str, pp: Array, vpp: Array | float, m: Array, k: Array, w
 
 def closed_form_makespan(
     schedule: str, pp: Array | float, vpp: Array | float, m: Array, k: Array, f: Array, b: Array, w: Array,
-    p2p: Array, stage_count: Array | None = None, star: Array | None = None,
+    p2p: Array, stage_count: Array | None = None, star: Array | None = None, total: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """(makespan, p2p part, bottleneck column) for strategies sharing one schedule.
 
     f, b, w: [n, S] per-stage seconds of one micro-batch (all chunks of a stage); p2p: [n];
     pp and vpp: [n], or one number for all (as strategies sharing a layout have).
     Columns may be stage profiles standing for ``stage_count[q]`` identical stages each;
-    ``star``, the bottleneck column, may be given when the caller has it.
+    ``star``, the bottleneck column, and ``total``, f + b + w, may be given when the caller has them.
     """
-    total = f + b + w
+    if total is None:
+        total = f + b + w
     if star is None:
         star = np.argmax(total, axis=1)
     # Each row read at its bottleneck column: np.take at flat positions (~2.5x faster than the

@@ -253,18 +253,31 @@ def _group_codes(batch: StrategyBatch) -> tuple[Array, int]:
     return row_codes([getattr(batch, name) for name in _GROUP_FIELDS])
 
 
-def _seq_flops(model: ModelSpec, seq: Array, full: Array, selective: Array, policy: str = "megatron",
+def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, recomputed: Array, policy: str = "megatron",
                modules: tuple[str, ...] = ()) -> tuple[Array, Array]:
-    """(model, hardware) FLOPs of one sequence, priced once per distinct sequence length;
-    ``policy`` is the profile's selective_recompute, ``modules`` the batch's recompute modules."""
+    """(model, hardware) FLOPs of one sequence, priced once per distinct sequence length:
+    hardware = model + full · the full rebuild's + selective · the selective rebuild's, where
+    full (selective) is ``recomputed``, the fraction of layers rebuilt, on the strategies whose
+    ``recompute`` code is 2 (1), else 0; ``policy`` is the profile's selective_recompute,
+    ``modules`` the batch's recompute modules. Worked out in place: each product is the same
+    one rounding (a factor 0 or 1 applied last gives 0 or the product, as it first), each sum
+    the same two addends."""
     codes, count = dense_codes(seq)
     lengths = seq[first_of_codes(codes, count)].astype(np.float64)
-    base = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths).model)[codes]
+    base = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths).model).take(codes)
     extra_full = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths, recompute_full_fraction=1.0).recompute_forward)
     extra_sel = np.asarray(model_flops_per_micro_batch(
         model, 1.0, lengths, recompute_selective_fraction=1.0, selective_policy=policy,
         recompute_modules=modules).recompute_forward)
-    return base, base + full * extra_full[codes] + selective * extra_sel[codes]
+    hardware = extra_full.take(codes)
+    hardware *= recomputed
+    hardware *= recompute == 2
+    hardware += base
+    selective = extra_sel.take(codes)
+    selective *= recomputed
+    selective *= recompute == 1
+    hardware += selective
+    return base, hardware
 
 
 def _exposed_step(comm: Array, cover: Array, floor_share: Array, hide: bool) -> Array:
@@ -367,7 +380,9 @@ class _Priced:
     params: dict[str, tuple[float, float, float]]
     host_bw: float
     pipeline: PipelineMethod
-    dp_columns: dict[str, Array]  # _DP_FIELDS as floats, in the caller's row order
+    #: _DP_FIELDS as the batch holds them (integers), in the caller's row order: a group reads them
+    #: at one row per distinct DP configuration, converted to floats there
+    dp_columns: dict[str, Array]
     #: The categories the table holds: every one but ``offload`` where the batch offloads nothing
     #: (a column of zeros costs ~3% of a search's pricing).
     categories: tuple[str, ...] = CATEGORIES
@@ -405,6 +420,30 @@ def _piece_table(pieces: Mapping[str, PieceTimes], n: int, categories: tuple[str
     per_cat = {(name, quantity): table[:, i, j] for j, name in enumerate(PIECES)
                for i, quantity in enumerate(quantities) if quantity not in PASSES}
     return table, per_pass, per_cat
+
+
+def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric) -> Array:
+    """Per strategy, seconds of one point-to-point send between pipeline stages (0 without a
+    pipeline): one op's activation [mbs, seq/(cp·k), h] (/tp with SP), k = seq_chunks: Seq1F1B
+    sends each of a micro-batch's k sub-sequences on its own (the schedule's ops and its
+    transfer count, pipeline.p2p_hops, are per sub-sequence); 1 elsewhere.
+
+    The link is a function of (pp, tp·cp·dp) alone: priced once per distinct pair (a few dozen
+    in a million strategies) and gathered, rather than through a score of [n] temporaries; the
+    latency and bandwidth gathered are the numbers computed row by row (the same bits)."""
+    t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
+    divisor = batch.cp * t_sp
+    divisor *= batch.seq_chunks
+    p2p_bytes = (batch.micro_batch_size * batch.seq_length) / divisor
+    p2p_bytes *= model.hidden_size * batch.precision.activation_bytes
+    stride = batch.tp * batch.cp
+    stride *= batch.dp
+    link_code, links = row_codes([batch.pp, stride])
+    first = first_of_codes(link_code, links)
+    link = group_link(batch.pp[first], stride[first], fabric, "p2p")
+    latency, bandwidth = (np.broadcast_to(np.asarray(v, dtype=np.float64), (links,)) for v in (link.latency, link.bandwidth))
+    p2p = coll.p2p_s(p2p_bytes, coll.Link(bandwidth=bandwidth.take(link_code), latency=latency.take(link_code)))
+    return np.where(batch.pp > 1, p2p, 0.0)
 
 
 def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
@@ -462,7 +501,7 @@ def _price_group(
     if pr.pipeline == "closed_form":  # a group shares one schedule
         name = CODES["schedule"][int(schedule[0])]
         makespan, p2p_part, _ = closed_form_makespan(
-            name, float(pp), float(vpp), m, k, f, b, w, p2p, layout.profile_count, star,
+            name, float(pp), float(vpp), m, k, f, b, w, p2p, layout.profile_count, star, per_mb,
         )
         # Too few micro-batches for the closed form's steady state: the simulator's timeline, for
         # these strategies together, one per distinct (m, layer configuration, recompute, p2p).
@@ -526,7 +565,8 @@ def _price_group(
                                  * _keeps_table_copy(pr.model, layout))
     dp_code, dp_count = dense_codes(cols["dp_config"])
     first = first_of_codes(dp_code, dp_count)
-    cu = {name: pr.dp_columns[name][cols["row"][first]] for name in _DP_FIELDS}
+    at = cols["row"][first]
+    cu = {name: pr.dp_columns[name][at].astype(np.float64) for name in _DP_FIELDS}
     if len(layout.profile_count) > 1:  # the heaviest stage depends on tp and ep·etp only
         per_device = (np.multiply.outer(1.0 / cu["tp"], split_stage) + whole_stage
                       + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage))
@@ -654,18 +694,11 @@ def evaluate(
     table, per_pass, per_cat = _piece_table(pieces, len(first), categories)
     # Distinct DP configurations (the parameters' stage is added per group).
     dp_config, _ = row_codes([ints[name] for name in _DP_FIELDS])
-    dp_columns = {name: ints[name].astype(np.float64) for name in _DP_FIELDS}
+    dp_columns = {name: ints[name] for name in _DP_FIELDS}
     priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
                      fabric.host_bw, pipeline, dp_columns, categories)
 
-    # Point-to-point activation of one op between stages: [mbs, seq/(cp·k), h] (/tp with SP),
-    # k = seq_chunks: Seq1F1B sends each of a micro-batch's k sub-sequences on its own (the
-    # schedule's ops and its transfer count, pipeline.p2p_hops, are per sub-sequence); 1 elsewhere.
-    t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
-    p2p_bytes = ((batch.micro_batch_size * batch.seq_length) / (batch.cp * t_sp * batch.seq_chunks)
-                 * (model.hidden_size * batch.precision.activation_bytes))
-    p2p = coll.p2p_s(p2p_bytes, group_link(batch.pp, batch.tp * batch.cp * batch.dp, fabric, "p2p"))
-    p2p = np.where(batch.pp > 1, p2p, 0.0)
+    p2p = _p2p_seconds(model, batch, fabric)
 
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
@@ -682,7 +715,10 @@ def evaluate(
     recompute_layers = batch.recompute_layers[order]
     p2p_sorted = p2p[order]
 
-    out = {key: np.empty(n) for key in _GROUP_KEYS}
+    # Only the arrays the caller reads are kept from the groups (without ``details``, 10 of the
+    # 17: 1M strategies, 56 MB less written and gathered back).
+    wanted: tuple[str, ...] = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
+    out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted or key == "recomputed_fraction"}
     chunk_seconds: Array | None = None
     for gi in range(group_count):
         sl = slice(int(bounds[gi]), int(bounds[gi + 1]))
@@ -696,32 +732,33 @@ def evaluate(
         for key, value in group.items():
             if key == "chunk_seconds":  # per stage and chunk: kept for a batch of one (estimate_time)
                 chunk_seconds = value if n == 1 else None
-                continue
-            out[key][sl] = value
+            elif key in out:
+                out[key][sl] = value
 
-    # Back to the batch's order: only the arrays the groups filled and the caller reads; the
-    # step and the figures derived from it are worked out in that order (element-wise, the same
-    # values), which spares gathering each of them and their inputs.
+    # Back to the batch's order (a slice written per group and one gather at the end: scattering
+    # each group's rows into the batch's order instead took twice as long); the step and the
+    # figures derived from it are worked out in that order (element-wise, the same values),
+    # which spares gathering each of them and their inputs.
     back = np.empty_like(order)
     back[order] = np.arange(n)
-    wanted: tuple[str, ...] = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
-    res = {key: out[key][back] for key in _GROUP_KEYS if key in wanted or key == "recomputed_fraction"}
+    res = {key: value[back] for key, value in out.items()}
     res["p2p_s"] = p2p
-    # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts
-    res["step_s"] = (
-        res["compute_s"] + res["tp_s"] + res["cp_s"] + res["ep_s"] + res["dp_s"] + res["offload_s"] + res["pp_s"]
-        + res["bubble_s"] + res["optimizer_s"]
-    )
-    tokens = (batch.global_batch_size * batch.seq_length).astype(np.float64)
-    res["tokens_per_s"] = tokens / res["step_s"]
+    # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts,
+    # summed in place in the order written (the same bits as one expression, fewer temporaries)
+    step = res["compute_s"] + res["tp_s"]
+    for key in ("cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s", "optimizer_s"):
+        step += res[key]
+    res["step_s"] = step
+    # (Products of whole numbers below 2^53 in floats: exact, as the integers' product converted.
+    # The figures below are written into their operands where those are temporaries: a
+    # million strategies' fresh [n] arrays each cost their page faults.)
+    tokens = np.multiply(batch.global_batch_size, batch.seq_length, dtype=np.float64)
+    res["tokens_per_s"] = np.divide(tokens, res["step_s"], out=tokens)
     res["tokens_per_s_per_device"] = res["tokens_per_s"] * (1.0 / cluster.num_devices)
-    recomputed = res.pop("recomputed_fraction")
-    full = (batch.recompute == 2) * recomputed
-    selective = (batch.recompute == 1) * recomputed
-    model_flops, hardware_flops = _seq_flops(model, batch.seq_length, full, selective, eff.selective_recompute,
-                                             batch.recompute_modules)
-    res["model_flops"] = batch.global_batch_size * model_flops
-    res["hardware_flops"] = batch.global_batch_size * hardware_flops
+    model_flops, hardware_flops = _seq_flops(model, batch.seq_length, batch.recompute, res.pop("recomputed_fraction"),
+                                             eff.selective_recompute, batch.recompute_modules)
+    res["model_flops"] = np.multiply(batch.global_batch_size, model_flops, out=model_flops)
+    res["hardware_flops"] = np.multiply(batch.global_batch_size, hardware_flops, out=hardware_flops)
     capacity = res["step_s"] * (cluster.num_devices * rates.peak_flops)
     res["mfu"] = res["model_flops"] / capacity
     res["hfu"] = res["hardware_flops"] / capacity

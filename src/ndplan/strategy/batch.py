@@ -236,36 +236,59 @@ def distinct_columns(
     numbers them), found on the way."""
     if not n:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    key, span = np.zeros(n, dtype=np.int64), 1
+    # Each row's key is its combination's number so far (mixed radix, < span) plus ``base``, the
+    # same for every row: a field of small values joins the key as it is rather than less its
+    # smallest (key · count + value), whose sum ``base`` collects; the ranks are the same (1M
+    # mixed strategies: a pass and a temporary less per field). None until a field varies.
+    key: np.ndarray | None = None
+    span = 1
+    base = 0
     table_size = max(n, 1 << 16)
     prefix_codes: np.ndarray | None = None
     for column, values in enumerate(columns):
         if prefix and column == prefix:
-            prefix_codes, _ = dense_codes(key, 0, span - 1)
+            prefix_codes, _ = _key_codes(key, base, span, n)
         low, high = int(values.min()), int(values.max())
         if low == high:
             continue  # one value: one code, the key unchanged
-        if high - low < _SMALL_RANGE:
+        if 0 <= low and high < _SMALL_RANGE:
             # Codes by value rather than by rank: the same order of the combinations, a
             # few passes less (most fields: tp, cp, recompute, ...).
-            codes, count = values - low, high - low + 1
+            codes, count, shift = values, high - low + 1, low
+        elif high - low < _SMALL_RANGE:
+            codes, count, shift = values - low, high - low + 1, 0
         else:
             codes, count = dense_codes(values, low, high)
+            shift = 0
         # Renumbered only while the key's presence table stays small: past 2^20 values its
         # 8 MB of codes leave the cache, or the renumbering sorts (DeepSeek-V3's 1M mixed
         # strategies, 26 fields: three such renumberings and a sort at the end took 230 ms,
         # one sort at the end 150 ms). The key then grows (mixed radix) until it would overflow.
-        if span * count > table_size and (span <= _RENUMBERED_SPAN or span * count >= 1 << 62):
-            key, span = dense_codes(key, 0, span - 1)
-        key *= count
-        key += codes
+        if key is not None and ((span * count > table_size and span <= _RENUMBERED_SPAN)
+                                or (base + span) * count + shift >= 1 << 62):
+            key, span = dense_codes(key, base, base + span - 1)
+            base = 0
+        if key is None:
+            key = codes.astype(np.int64, copy=codes is values)  # its own array, written in place below
+        else:
+            key *= count
+            key += codes
+        base = base * count + shift
         span *= count
-    codes, count = dense_codes(key, 0, span - 1)
+    codes, count = _key_codes(key, base, span, n)
     rows = np.zeros(count, dtype=np.int64)
     rows[codes] = np.arange(n)  # any row of a combination stands for it
     if prefix and prefix_codes is None:  # (no columns past the prefix)
         prefix_codes = codes
     return rows, codes, prefix_codes
+
+
+def _key_codes(key: IntArray | None, base: int, span: int, n: int) -> tuple[np.ndarray, int]:
+    """``dense_codes`` of ``distinct_columns``' key, whose values lie in [base, base + span)
+    (None: every row alike, code 0)."""
+    if key is None:
+        return np.zeros(n, dtype=np.int64), 1
+    return dense_codes(key, base, base + span - 1)
 
 
 def dense_codes(values: IntArray, low: int | None = None, high: int | None = None) -> tuple[np.ndarray, int]:
@@ -278,11 +301,14 @@ def dense_codes(values: IntArray, low: int | None = None, high: int | None = Non
     if low is None or high is None:
         low, high = int(values.min()), int(values.max())
     if high - low < max(1 << 20, 2 * len(values)):
-        offset = values - low if low else values
-        present = np.zeros(high - low + 1, dtype=bool)
+        # The tables start at 0 where that at most doubles them: indexed by the values as they
+        # are, a pass and a temporary less (sequence lengths, degrees, micro-batch counts).
+        start = 0 if low <= high - low else low
+        offset = values - start if start else values
+        present = np.zeros(high - start + 1, dtype=bool)
         present[offset] = True
         distinct = np.flatnonzero(present)
-        code_of = np.empty(high - low + 1, dtype=np.int64)  # entries never present are never read
+        code_of = np.empty(high - start + 1, dtype=np.int64)  # entries never present are never read
         code_of[distinct] = np.arange(len(distinct))
         return code_of[offset], len(distinct)
     distinct, codes = np.unique(values, return_inverse=True)
