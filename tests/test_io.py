@@ -594,6 +594,15 @@ def test_emitted_configs_parse_as_their_syntax(fmt, tmp_path):
     assert emit(s, model, fmt) == text  # either argument order
 
 
+def test_megatron_emit_says_a_launch_it_writes_as_planned_will_be_refused():
+    """A strategy Megatron refuses (expert beside tensor parallelism without SP) is written as
+    planned: its header says Megatron will refuse the launch, not that something was left out."""
+    s = Strategy(dp=2, tp=2, ep=2, micro_batch_size=1, num_micro_batches=4)
+    text = emit(get_preset("mixtral-8x7b"), s, "megatron")
+    assert ("# ndplan: Megatron-LM will refuse this launch: ep=2 with tp=2 without sequence parallelism" in text)
+    assert "left out: ep=2" not in text and "--expert-model-parallel-size 2" in text
+
+
 def test_emit_lists_what_the_format_cannot_express():
     s = Strategy(dp=2, tp=2, pp=2, schedule="gpipe", micro_batch_size=1, num_micro_batches=4, precision="fsdp-bf16")
     text = emit(get_preset("llama-3.1-8b"), s, "megatron")

@@ -83,7 +83,7 @@ def _placement(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
     return flags
 
 
-def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
+def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str], refused: list[str]) -> Flags:
     flags: Flags = [("--tensor-model-parallel-size", s.tp), ("--pipeline-model-parallel-size", s.pp)]
     if s.schedule in ("gpipe", "zb-h1", "zbv", "seq1f1b"):
         lost.append(f"schedule {s.schedule!r} (Megatron-LM runs 1F1B, interleaved 1F1B, or MindSpeed's DualPipeV)")
@@ -106,9 +106,9 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
         flags.append(("--expert-model-parallel-size", s.ep))
         if s.tp > 1 and not s.sequence_parallel:
             # megatron/core/model_parallel_config.py raises for this pair.
-            lost.append(f"ep={s.ep} with tp={s.tp} without sequence parallelism: Megatron-Core refuses expert and "
-                        "tensor parallelism without sequence parallelism (ModelParallelConfig); written as planned, "
-                        "the launch stops building its config")
+            refused.append(f"ep={s.ep} with tp={s.tp} without sequence parallelism: Megatron-Core refuses expert and "
+                           "tensor parallelism without sequence parallelism (ModelParallelConfig); written as planned, "
+                           "the launch stops building its config")
     if s.etp != s.tp:
         flags.append(("--expert-tensor-parallel-size", s.etp))
     if s.sequence_parallel:
@@ -441,7 +441,8 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         lost.append("the loss on whole logits (--no-loss-parallel); Megatron's cross-entropy is always "
                     "vocabulary-parallel over TP")
     model_flags = _model(model, lost, _dualpipev_noop(model, s), s.seq_length) if model is not None else []
-    parallel = _parallel(s, model, lost)
+    refused: list[str] = []  # written as planned, though Megatron stops at it
+    parallel = _parallel(s, model, lost, refused)
     said: list[str] = []
     # Megatron's GroupedGEMM experts run only under --bf16 (validate_args).
     bf16 = ("--bf16", None) in _precision(s, [])
@@ -454,15 +455,16 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         # optimizer, which optimizer offload and low-precision optimizer states go through.
         needs = "optimizer offload" if s.optimizer_offload else "low-precision main parameters or optimizer states"
         if "--use-distributed-optimizer" not in written:
-            lost.append(f"{needs} without the distributed optimizer: Megatron-Core runs its precision-aware optimizer "
-                        "only with --use-distributed-optimizer (OptimizerConfig); written as planned, the launch stops "
-                        "building its optimizer")
+            refused.append(f"{needs} without the distributed optimizer: Megatron-Core runs its precision-aware "
+                           "optimizer only with --use-distributed-optimizer (OptimizerConfig); written as planned, the "
+                           "launch stops building its optimizer")
         if written.get("--optimizer") == "sgd":
-            lost.append(f"{needs} with one optimizer state (--optimizer sgd): Megatron-Core runs its precision-aware "
-                        "optimizer only with Adam; written as planned, the launch stops building its optimizer")
+            refused.append(f"{needs} with one optimizer state (--optimizer sgd): Megatron-Core runs its "
+                           "precision-aware optimizer only with Adam; written as planned, the launch stops building "
+                           "its optimizer")
     if s.ep > 1 and fp16:
-        lost.append(f"ep={s.ep} under fp16: Megatron-LM refuses expert parallelism under --fp16 (validate_args); "
-                    "written as planned, the launch stops at its argument check")
+        refused.append(f"ep={s.ep} under fp16: Megatron-LM refuses expert parallelism under --fp16 (validate_args); "
+                       "written as planned, the launch stops at its argument check")
     if not loss_upcast:
         memory += [("--cross-entropy-loss-fusion", None), ("--cross-entropy-fusion-impl", "te")]
     if model is not None and model.is_moe and grouped_gemm:
@@ -493,6 +495,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         header.append("# No model given: add the architecture flags (--num-layers, --hidden-size, ...).")
     for item in lost:
         header.append(f"# ndplan: not expressible in Megatron-LM, left out: {item}")
+    header += [f"# ndplan: Megatron-LM will refuse this launch: {item}" for item in refused]
     header += [f"# ndplan: {item}" for item in said]
     lines = header + [""]
     arrays = []
