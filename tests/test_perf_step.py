@@ -1183,3 +1183,32 @@ def test_a_table_the_output_stage_copies_is_summed_between_the_two_stages():
     # smaller data-parallel reduce, a fraction of the sum).
     v = {"schedule": "dualpipev", "vpp": 2}
     assert abs(dp_step(tied, **v) - dp_step(llama, **v)) < 0.1 * expected
+
+
+def test_an_mtp_module_pays_its_embedding_and_projection_tp_collectives():
+    """Megatron's MTP module looks its shifted tokens up in the vocabulary-parallel embedding
+    (reduce-scatter of A forward under SP, all-gather of its gradient backward; without SP an
+    all-reduce forward) and runs eh_proj, a column-parallel 2h -> h: under SP it all-gathers its
+    [s/t, b, 2h] input (2A) forward and reduce-scatters that gradient backward, then
+    gather_from_tensor_model_parallel_region all-gathers the h/t outputs (A) forward and
+    scatter_to_sequence_parallel_region's backward all-gathers A; without SP the input's copy
+    all-reduces its 2A gradient backward and the output gather moves A forward. Llama-3.1-8B
+    with one MTP module, 2048 tokens, tp 8 on NVLink: A = 2048·4096·2. Once the module paid
+    only its layer's and the head's collectives."""
+    mtp = LLAMA8.model_copy(update={"mtp_depth": 1})
+    a = 2048 * 4096 * 2
+
+    def ring(nbytes: float) -> float:  # an all-gather or reduce-scatter of an nbytes buffer over 8
+        return 7 * NVLINK_LATENCY + 7 / 8 * nbytes / NVLINK
+
+    def all_reduce(nbytes: float) -> float:
+        return 2 * ring(nbytes)
+
+    strategies = [Strategy(tp=8, sequence_parallel=sp, seq_length=2048) for sp in (True, False)]
+    with_mtp, without = _pieces(mtp, strategies, 8), _pieces(LLAMA8, strategies, 8)
+    expected = {("F", 0): ring(a) + ring(2 * a) + ring(a), ("B", 0): ring(a) + ring(2 * a) + ring(a),
+                ("F", 1): all_reduce(a) + ring(a), ("B", 1): all_reduce(2 * a)}
+    for (pass_, row), extra in expected.items():
+        module = with_mtp["head"][(pass_, "tp")][row] - without["head"][(pass_, "tp")][row]
+        own = module - without["head"][(pass_, "tp")][row] - with_mtp["dense"][(pass_, "tp")][row]
+        assert own == pytest.approx(extra, rel=1e-9), (pass_, row)

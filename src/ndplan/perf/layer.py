@@ -888,8 +888,8 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
 def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes,
                shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None,
                base: BaseRows | None = None) -> PieceTimes:
-    """Final norm, output head and loss, plus each MTP module (projection, its decoder layer
-    ``mtp_layer`` and the shared head again). GEMMs priced per distinct sharding (``shardings``,
+    """Final norm, output head and loss, plus each MTP module (its embedding lookup, projection,
+    decoder layer ``mtp_layer`` and the shared head again, with their TP collectives). GEMMs priced per distinct sharding (``shardings``,
     as in ``decoder_layer``), the head's compute and TP on ``base`` (as there).
 
     TP, A = T·h·act_bytes the head's input: with SP an all-gather of A forward and a
@@ -937,11 +937,30 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     out.scaled_add(one, 1.0)
     if model.mtp_depth:
         proj = mtp_gemms(model, shardings.distinct)
+        proj_s = {p: shardings.spread(gemms_seconds(proj, rates, p)[0]) for p in PASS_NAMES}
         module = PieceTimes()
         module.scaled_add(mtp_layer, 1.0)
         module.scaled_add(one, 1.0)
         for pass_ in PASS_NAMES:
-            module.add(pass_, "compute", up(shardings.spread(gemms_seconds(proj, rates, pass_)[0])))
+            module.add(pass_, "compute", up(proj_s[pass_]))
+        # The module's own lookup of the shifted tokens in the (vocabulary-parallel) embedding,
+        # its TP collective as the embedding's (embedding_piece), and eh_proj's: a column-
+        # parallel 2h -> h whose SP input all-gather moves 2A forward (its gradient's reduce-
+        # scatter 2A backward; without SP the input copy all-reduces that gradient), then
+        # gather_from_tensor_model_parallel_region all-gathers the h/t outputs, A, forward and
+        # scatter_to_sequence_parallel_region's backward all-gathers A (Megatron-Core's
+        # MultiTokenPredictionLayer._concat_embeddings).
+        lookup_f, lookup_b = embedding_bytes(model, bsh, beta)
+        module.add("F", "compute", up(lookup_f / rates.hbm_rate))
+        module.add("B", "compute", up(lookup_b / rates.hbm_rate))
+        lookup_tp_f = np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))
+        lookup_tp_b = np.where(sp, coll.all_gather_s(activation, t, link), 0.0)
+        output_gather = coll.all_gather_s(activation, t, link)
+        proj_tp_f = np.where(sp, coll.all_gather_s(2.0 * activation, t, link), 0.0) + output_gather
+        proj_tp_b = np.where(sp, coll.reduce_scatter_s(2.0 * activation, t, link) + output_gather,
+                             coll.all_reduce_s(2.0 * activation, t, link))
+        module.add("F", "tp", up(lookup_tp_f + _exposed(proj_tp_f, proj_s["F"], ctx.overlap.tp)))
+        module.add("B", "tp", up(lookup_tp_b + _exposed(proj_tp_b, proj_s["B"], ctx.overlap.tp)))
         out.scaled_add(module, float(model.mtp_depth))
     return out
 
