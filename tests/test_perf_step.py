@@ -846,7 +846,9 @@ def test_a_moe_block_pays_the_tp_collectives_of_what_it_runs_under_tp():
     (360 GB/s, 3 µs a step): A = 4096·4096·2, a pair 2·(3 µs + A/2/360e9) = 99.2 µs (was
     198.4 µs); with etp 2 the etp group moves T·k·etp/t = 8192 copies of h, 2·(3 µs +
     8192·4096·2/2/360e9) = 192.4 µs more; recomputing the moe module replays those. DeepSeek-V2-
-    Lite (2 shared experts, h 2048): two pairs at etp 1."""
+    Lite (2 shared experts, h 2048): two pairs at etp 1, but for its MLA's gather of the
+    inputs of its up-projections and the rope key, T·(h + 512 + 64) (a query without a latent
+    projects the hidden state: test_mla_under_sp_all_gathers_its_latents_not_the_hidden_state)."""
     def pair(nbytes: float) -> float:
         return 2 * (NVLINK_LATENCY + nbytes / 2 / NVLINK)
 
@@ -864,8 +866,10 @@ def test_a_moe_block_pays_the_tp_collectives_of_what_it_runs_under_tp():
     assert pieces["rc_moe"][("B", "tp")][0] == pytest.approx(gather, rel=1e-12)
     lite = _pieces(get_preset("deepseek-v2-lite"), Strategy(dp=4, tp=2, ep=8, etp=1, sequence_parallel=True,
                                                             seq_length=4096), 8)
-    assert lite["moe"][("F", "tp")][0] == pytest.approx(2 * pair(4096 * 2048 * 2), rel=1e-12)
-    assert lite["dense"][("F", "tp")][0] == pytest.approx(2 * pair(4096 * 2048 * 2), rel=1e-12)
+    latents = 4096 * (2048 + 512 + 64) * 2
+    mla = 2 * pair(4096 * 2048 * 2) + (latents - 4096 * 2048 * 2) / 2 / NVLINK
+    assert lite["moe"][("F", "tp")][0] == pytest.approx(mla, rel=1e-12)
+    assert lite["dense"][("F", "tp")][0] == pytest.approx(mla, rel=1e-12)
 
 
 def test_seq1f1b_sends_each_sub_sequence_on_its_own():
@@ -1212,3 +1216,30 @@ def test_an_mtp_module_pays_its_embedding_and_projection_tp_collectives():
         module = with_mtp["head"][(pass_, "tp")][row] - without["head"][(pass_, "tp")][row]
         own = module - without["head"][(pass_, "tp")][row] - with_mtp["dense"][(pass_, "tp")][row]
         assert own == pytest.approx(extra, rel=1e-9), (pass_, row)
+
+
+def test_mla_under_sp_all_gathers_its_latents_not_the_hidden_state():
+    """Under SP Megatron-Core's MLA projects each rank's T/t tokens down (duplicated TELinear),
+    so what the tensor-parallel group all-gathers before the attention is the latents the
+    up-projections take (ColumnParallel over q_lora_rank and kv_lora_rank inputs) and the shared
+    rope key (gather_from_sequence_parallel_region): T·(q_lora + kv_lora + rope) elements, not the
+    hidden state's T·h; the backward reduce-scatters their gradients. The output projection's
+    reduce-scatter of A and the MLP's pair (a MoE layer's shared experts' pair) stay. DeepSeek-V3,
+    4096 tokens, tp 2 on NVLink: latents 4096·(1536 + 512 + 64)·2 bytes against A = 4096·7168·2,
+    per pass 3·(3 µs + A/2/360e9) + (3 µs + latents/2/360e9) = 0.281 ms (was 4·(3 µs +
+    A/2/360e9) = 0.338 ms). Recomputing mla_up_proj replays the up-projections' gathers,
+    T·(q_lora + kv_lora)."""
+    tokens = 4096
+    a = tokens * 7168 * 2
+    latents = tokens * (1536 + 512 + 64) * 2
+
+    def ring(nbytes: float) -> float:  # an all-gather or reduce-scatter over 2
+        return NVLINK_LATENCY + nbytes / 2 / NVLINK
+
+    s = Strategy(dp=4, tp=2, ep=8, etp=1, sequence_parallel=True, seq_length=tokens, recompute="selective",
+                 recompute_modules=("mla_up_proj",))
+    pieces = _pieces(DSV3, s, 8)
+    for pass_ in ("F", "B"):
+        assert pieces["dense"][(pass_, "tp")][0] == pytest.approx(3 * ring(a) + ring(latents), rel=1e-12)
+        assert pieces["moe"][(pass_, "tp")][0] == pytest.approx(3 * ring(a) + ring(latents), rel=1e-12)
+    assert pieces["rc_dense"][("B", "tp")][0] == pytest.approx(ring(tokens * (1536 + 512) * 2), rel=1e-12)

@@ -11,7 +11,10 @@ apart so zero-bubble schedules can run the weight gradient (W) separately.
 Sharding per device (tokens T = b·s per micro-batch; t = tp, c = cp, e = ep, x = etp):
 * attention and dense MLP: heads and FFN width split by t; tokens split by c (context
   parallelism gives each rank s/c queries); M = T/c.
-* MLA down-projections (h -> q_lora, h -> kv_lora + rope) are small and replicated over t.
+* MLA down-projections (h -> q_lora, h -> kv_lora + rope) are replicated over t (duplicated
+  TELinear in Megatron-Core) and fed the attention's input as it arrives: under sequence
+  parallelism each rank projects its own T/(c·t) tokens and the up-projections all-gather the
+  latents; without SP every rank projects all T/c.
 * routed experts: each token goes to k experts; under balanced routing the dp·cp·tp ranks of a
   stage share the T·k token-expert pairs evenly, so a device runs (T/c)·k/t of them, through
   E/e local experts of width f_e/x: tokens per local expert M = (T/c)·k·e·x/(t·E).
@@ -46,11 +49,18 @@ class Sharding:
     cp: Array | float = 1.0
     ep: Array | float = 1.0
     etp: Array | float = 1.0
+    #: sequence parallelism (> 0: on)
+    sp: Array | float = 0.0
 
     @property
     def tokens(self) -> Array | float:
         """T/c: tokens of the micro-batch this device computes."""
         return self.micro_batch * self.seq / self.cp
+
+    @property
+    def shard_tokens(self) -> Array | float:
+        """Tokens of the device's sequence shard: T/(c·t) under SP, else T/c."""
+        return self.tokens / np.where(np.asarray(self.sp) > 0, self.tp, 1.0)
 
 
 @dataclass(frozen=True)
@@ -76,12 +86,13 @@ def attention_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
     if model.is_mla:
         qk = model.qk_head_dim
         out: list[Gemm] = []
+        shard = sh.shard_tokens  # the down-projections' tokens (see the module docstring)
         if model.q_lora_rank:
-            out.append(Gemm("q_down", tok, model.q_lora_rank, h))
+            out.append(Gemm("q_down", shard, model.q_lora_rank, h))
             out.append(Gemm("q_up", tok, a * qk / t, model.q_lora_rank))
         else:
             out.append(Gemm("q_proj", tok, a * qk / t, h))
-        out.append(Gemm("kv_down", tok, model.kv_lora_rank + model.qk_rope_head_dim, h))
+        out.append(Gemm("kv_down", shard, model.kv_lora_rank + model.qk_rope_head_dim, h))
         out.append(Gemm("kv_up", tok, a * (model.qk_nope_head_dim + model.v_head_dim) / t, model.kv_lora_rank))
         out.append(Gemm("o_proj", tok, h, a * model.v_head_dim / t))
         return out

@@ -146,7 +146,7 @@ class LayerContext:
 
 
 #: The strategy columns a ``Sharding`` reads (in its field order).
-SHARDING_FIELDS = ("micro_batch_size", "seq_length", "tp", "cp", "ep", "etp")
+SHARDING_FIELDS = ("micro_batch_size", "seq_length", "tp", "cp", "ep", "etp", "sequence_parallel")
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def sharding_rows(cols: dict[str, Array]) -> ShardingRows:
 
 #: The strategy columns the sharding part of a decoder layer reads (``BaseRows``): its GEMMs,
 #: attention core, elementwise bytes, raw TP/CP/EP collectives and what they expose on their own.
-BASE_FIELDS = SHARDING_FIELDS + ("sequence_parallel", "cp_kind", "ulysses_degree")
+BASE_FIELDS = SHARDING_FIELDS + ("cp_kind", "ulysses_degree")
 
 
 @dataclass(frozen=True)
@@ -306,8 +306,8 @@ class LayerComm:
     """A decoder layer's raw TP and CP seconds, for every kind of layer (dense, MoE, an MTP
     module's), worked out once per call (``layer_comm``)."""
 
-    #: forward (= backward) TP seconds of a dense layer: two all-reduce equivalents of the
-    #: layer's activation (after attention, after the MLP)
+    #: forward (= backward) TP seconds of a dense layer: the attention's collectives and the
+    #: MLP's (``attention`` + one all-reduce equivalent of the layer's activation)
     tp: Array | float
     #: CP ring forward, ring backward and Ulysses all-to-alls per pass (``_cp_seconds``)
     ring_f: Array | float
@@ -318,6 +318,37 @@ class LayerComm:
     #: without MoE layers
     moe_block: Array | float = 0.0
     moe_shared: Array | float = 0.0
+    #: forward (= backward) TP seconds of the attention block (``_attention_tp_seconds``), and
+    #: what recomputing MLA's up-projections (mla_up_proj) replays of them
+    attention: Array | float = 0.0
+    mla_up_replay: Array | float = 0.0
+
+
+def _attention_tp_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
+                          activation: Array | float) -> tuple[Array | float, Array | float]:
+    """(the attention block's TP seconds per pass, the part mla_up_proj's recompute replays).
+
+    One all-reduce equivalent of A (an all-gather of the input and a reduce-scatter of the
+    output under SP, an all-reduce without), but MLA under SP in Megatron-Core: its
+    down-projections (duplicated TELinear) take each rank's sequence shard, so the group
+    all-gathers the latents instead of the hidden state, T·(q_lora + kv_lora) through the
+    up-projections' ColumnParallel input (the hidden state's A for a query projected without a
+    latent, q_lora_rank 0) and the rope key's T·d_rope (gather_from_sequence_parallel_region),
+    and the backward reduce-scatters their gradients; the output projection's reduce-scatter of A
+    stays. Recomputing mla_up_proj replays the up-projections and their gathers. Without SP
+    the pair is priced as for other attention."""
+    model, t = ctx.model, cols["tp"]
+    pair = _tp_seconds(ctx, cols, activation, 1.0)
+    if not model.is_mla:
+        return pair, 0.0
+    link = group_link(t, 1.0, ctx.fabric, "ring")
+    beta = ctx.precision.activation_bytes
+    q_in = model.q_lora_rank or model.hidden_size
+    up_inputs = sh.tokens * (q_in + model.kv_lora_rank) * beta
+    latents = up_inputs + sh.tokens * model.qk_rope_head_dim * beta
+    mla = coll.all_gather_s(latents, t, link) + coll.reduce_scatter_s(activation, t, link)
+    sp = cols["sequence_parallel"] > 0
+    return np.where(sp, mla, pair), np.where(sp, coll.all_gather_s(up_inputs, t, link), 0.0)
 
 
 def _moe_block_tp_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
@@ -361,7 +392,9 @@ def layer_comm(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Layer
     moe_shared: Array | float = 0.0
     if "moe" in ctx.model.layer_mlp_kinds or (ctx.model.mtp_depth and ctx.model.mtp_mlp_kind == "moe"):
         moe_block, moe_shared = _moe_block_tp_seconds(ctx, cols, sh, activation)
-    return LayerComm(_tp_seconds(ctx, cols, activation, 2.0), *_cp_seconds(ctx, cols, sh), moe_block, moe_shared)
+    attention, mla_up_replay = _attention_tp_seconds(ctx, cols, sh, activation)
+    dense = attention + _tp_seconds(ctx, cols, activation, 1.0)
+    return LayerComm(dense, *_cp_seconds(ctx, cols, sh), moe_block, moe_shared, attention, mla_up_replay)
 
 
 def ring_steps(cols: dict[str, Array]) -> Array:
@@ -692,12 +725,14 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # before); a MoE layer's block collectives are its own (_moe_block_tp_seconds): moe re-runs
     # them all, shared_experts the shared experts' pair.
     modules = set(ctx.recompute_modules)
-    replays_mlp_tp: Array | float = 0.5 if {"mlp", "moe", "shared_experts"} & modules else 0.0
+    mlp_tp = comm.tp - comm.attention  # a dense layer's MLP pair
+    replayed_tp: Array | float = mlp_tp if {"mlp", "moe", "shared_experts"} & modules else 0.0
     if kind == "moe":
-        attention = 0.5 * comm.tp  # the attention's pair: one all-reduce equivalent of A
-        tp = attention + comm.moe_block
-        block_replay = comm.moe_block if "moe" in modules else comm.moe_shared if "shared_experts" in modules else 0.0
-        replays_mlp_tp = np.divide(block_replay, tp, out=np.zeros(np.shape(tp)), where=np.asarray(tp) > 0)
+        tp = comm.attention + comm.moe_block
+        replayed_tp = comm.moe_block if "moe" in modules else comm.moe_shared if "shared_experts" in modules else 0.0
+    if "mla_up_proj" in modules:
+        replayed_tp = replayed_tp + comm.mla_up_replay
+    replays_mlp_tp: Array | float = np.divide(replayed_tp, tp, out=np.zeros(np.shape(tp)), where=np.asarray(tp) > 0)
     tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
     tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
 
@@ -785,9 +820,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         selective_ep = ep_f if replays_dispatch else 0.0
     recomputed_s = np.where(full, compute_f, np.where(selective, selective_s, 0.0))
     rc.add("B", "compute", recomputed_s)
-    # Replayed modules re-run their collectives: the MLP block's TP/SP ones (replays_mlp_tp of
-    # the layer's, above); the attention core's CP exchange with core_attn (also Megatron's
-    # default policy).
+    # Replayed modules re-run their collectives: the MLP block's TP/SP ones and MLA's
+    # up-projection gathers (replays_mlp_tp of the layer's, above); the attention core's CP
+    # exchange with core_attn (also Megatron's default policy).
     replays_core = "core_attn" in modules or (not modules and eff.selective_recompute == "megatron")
     rc.add("B", "tp", np.where(full, tp_f, np.where(selective, replays_mlp_tp * tp_f, 0.0)))
     rc.add("B", "cp", np.where(full, cp_f, np.where(selective & replays_core, cp_f, 0.0)))

@@ -237,7 +237,8 @@ def explain_lines(r: TimeReport) -> list[str]:
                        r.weight_grad_rebuilds, batch.recompute_modules,
                        batch.offload_modules)
     pieces = piece_times(ctx, cols)
-    sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp))
+    sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp),
+                  float(s.sequence_parallel))
     dtype = s.precision.compute_dtype
     gemm_eff = rates.gemm_eff
     lines = [
