@@ -151,3 +151,17 @@ def test_mla_down_projections_run_on_the_sequence_shard_under_sp():
     for name in ("q_up", "kv_up", "o_proj"):
         assert sp[name] == whole[name]
     assert sp["q_up"] == 2 * 10 * 24 * 2 * (16 + 8)
+
+
+def test_the_router_takes_the_sequence_shard_under_sp():
+    """Megatron-Core runs the MoE block on each rank's sequence shard (it requires SP with TP):
+    the router's gating GEMM takes the T/t local tokens, 2·(256/2)·64·8 over tp 2, not all 256
+    on every rank; without SP all T/c."""
+    moe = ModelSpec(
+        name="tiny-moe", num_layers=1, hidden_size=64, ffn_hidden_size=0, num_attention_heads=4, num_kv_heads=4,
+        head_dim=16, vocab_size=100, num_experts=8, num_experts_per_tok=2, moe_ffn_hidden_size=32,
+    )
+    routers = [next(g for g in layer_gemms(moe, Sharding(1.0, 256.0, tp=2.0, sp=sp), "moe") if g.name == "router")
+               for sp in (1.0, 0.0)]
+    assert routers[0].flops == 2 * 128 * 64 * 8
+    assert routers[1].flops == 2 * 256 * 64 * 8

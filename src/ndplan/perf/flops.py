@@ -18,6 +18,8 @@ Sharding per device (tokens T = b·s per micro-batch; t = tp, c = cp, e = ep, x 
 * routed experts: each token goes to k experts; under balanced routing the dp·cp·tp ranks of a
   stage share the T·k token-expert pairs evenly, so a device runs (T/c)·k/t of them, through
   E/e local experts of width f_e/x: tokens per local expert M = (T/c)·k·e·x/(t·E).
+* router (and a shared-expert gate): Megatron-Core runs the MoE block on each rank's sequence
+  shard, so under SP a device gates its T/(c·t) tokens; without SP all T/c.
 * output head: vocabulary split by t (vocab-parallel), M = T/c.
 
 Attention core, causal: query i attends to keys 0..i, so a sequence has s(s+1)/2 (query, key)
@@ -120,7 +122,7 @@ def moe_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
     local = model.num_experts / sh.ep
     up_width = (model.mlp_matrices - 1) * model.moe_ffn_hidden_size
     out = [
-        Gemm("router", sh.tokens, model.num_experts, h),
+        Gemm("router", sh.shard_tokens, model.num_experts, h),  # on the sequence shard (see the module docstring)
         Gemm("experts_up", per_expert, up_width / sh.etp, h, count=local, expert=True),
         Gemm("experts_down", per_expert, h, model.moe_ffn_hidden_size / sh.etp, count=local, expert=True),
     ]
@@ -128,7 +130,7 @@ def moe_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
         width = model.num_shared_experts * model.shared_expert_ffn_hidden_size
         out += mlp_gemms(model, sh, width, name="shared", shards=sh.tp)
         if model.shared_expert_gate:
-            out.append(Gemm("shared_gate", sh.tokens, 1.0, h))
+            out.append(Gemm("shared_gate", sh.shard_tokens, 1.0, h))
     return out
 
 
