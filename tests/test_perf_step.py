@@ -1243,3 +1243,37 @@ def test_mla_under_sp_all_gathers_its_latents_not_the_hidden_state():
         assert pieces["dense"][(pass_, "tp")][0] == pytest.approx(3 * ring(a) + ring(latents), rel=1e-12)
         assert pieces["moe"][(pass_, "tp")][0] == pytest.approx(3 * ring(a) + ring(latents), rel=1e-12)
     assert pieces["rc_dense"][("B", "tp")][0] == pytest.approx(ring(tokens * (1536 + 512) * 2), rel=1e-12)
+
+
+def test_full_recompute_of_every_layer_replays_the_mtp_layer_too():
+    """Megatron-Core's MTP module checkpoints its projection and decoder layer under full
+    recompute with the uniform method (MultiTokenPredictionLayer._checkpointed_forward), which
+    recomputing every layer emits; the block method (recompute_layers k) skips it with a warning.
+    Selective recompute acts inside its decoder layer as in any other. So the module's backward
+    adds its layer's recompute (and, recomputed in full, the projection's forward) except under
+    the block method; hardware FLOPs add one forward of the module's projection and layer."""
+    from ndplan.perf.flops import Sharding, attention_core_flops, gemm_flops, layer_gemms, mtp_gemms
+    from ndplan.perf.gemm import gemm_seconds
+    from ndplan.perf.step import compute_rates
+
+    mtp = LLAMA8.model_copy(update={"mtp_depth": 1})
+    strategies = [Strategy(seq_length=2048), Strategy(seq_length=2048, recompute="full"),
+                  Strategy(seq_length=2048, recompute="full", recompute_layers=1),
+                  Strategy(seq_length=2048, recompute="selective")]
+    pieces = _pieces(mtp, strategies, 1)
+    head_b = pieces["head"][("B", "compute")]
+    rc_b = pieces["rc_dense"][("B", "compute")]
+    batch = StrategyBatch.of(strategies[1])
+    rates = compute_rates(_cluster(1), batch, default_efficiency(H100))
+    proj = float(gemm_seconds(mtp_gemms(mtp, Sharding(1.0, 2048.0))[0], rates, "F"))
+    assert head_b[1] - head_b[0] == pytest.approx(rc_b[1] + proj, rel=1e-9)
+    assert head_b[2] == pytest.approx(head_b[0], rel=1e-12)
+    assert head_b[3] - head_b[0] == pytest.approx(rc_b[3], rel=1e-9) and rc_b[3] > 0
+    # hardware FLOPs: the full rebuild of every layer adds the MTP module's projection and layer
+    sh = Sharding(1.0, 2048.0)
+    module = gemm_flops(mtp_gemms(mtp, sh)) + gemm_flops(layer_gemms(mtp, sh, "dense")) + attention_core_flops(mtp, sh)
+    layers = 32 * (gemm_flops(layer_gemms(mtp, sh, "dense")) + attention_core_flops(mtp, sh))
+    out = step_time_batch(mtp, StrategyBatch.of(strategies[:3]), _cluster(1))
+    extra = (out["hardware_flops"] - out["model_flops"]) / StrategyBatch.of(strategies[:3]).global_batch_size
+    assert extra[1] == pytest.approx(layers + module, rel=1e-12)
+    assert extra[2] == pytest.approx(layers / 32, rel=1e-12)  # one layer of the single stage, no MTP

@@ -301,6 +301,8 @@ def model_flops_per_micro_batch(
     recompute_selective_fraction: Array | float = 0.0,
     selective_policy: str = "megatron",
     recompute_modules: tuple[str, ...] = (),
+    recompute_mtp_full: Array | float = 0.0,
+    recompute_mtp_selective: Array | float = 0.0,
 ) -> ModelFlops:
     """FLOPs of one micro-batch through the whole model, not divided by any degree.
 
@@ -311,10 +313,13 @@ def model_flops_per_micro_batch(
     core's forward, with 'torchtitan-op' every second matmul (``alternate_recomputed_gemms``),
     with 'keep-matmuls' none;
     with ``recompute_modules`` what those modules replay (``MODULE_GEMMS``, the attention core
-    for core_attn) whatever the policy.
+    for core_attn) whatever the policy. ``recompute_mtp_*``: the share of the MTP modules
+    rebuilt fully (projection, decoder layer and its full causal attention) or selectively (their
+    decoder layer's part, as above).
     """
     sh = Sharding(micro_batch, seq)
-    per_kind = {kind: gemm_flops(layer_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
+    kinds = set(model.layer_mlp_kinds) | ({model.mtp_mlp_kind} if model.mtp_depth else set())
+    per_kind = {kind: gemm_flops(layer_gemms(model, sh, kind)) for kind in kinds}
     layers = sum((per_kind[k] for k in model.layer_mlp_kinds), 0.0)
     head = gemm_flops(head_gemms(model, sh))
     attention = attention_core_flops(model, sh)  # a decoder layer's, the mean over layers
@@ -322,22 +327,30 @@ def model_flops_per_micro_batch(
         gemm_flops(mtp_gemms(model, sh)) + gemm_flops(layer_gemms(model, sh, model.mtp_mlp_kind)) + head
     )
     layers_attention = model.num_layers * attention
+    mtp_attention = attention_core_flops(model, sh, windowed=False)
     if recompute_modules:
-        per_kind_rc = {kind: gemm_flops(module_gemms(layer_gemms(model, sh, kind), recompute_modules))
-                       for kind in set(model.layer_mlp_kinds)}
-        selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
-        if "core_attn" in recompute_modules:
-            selective = selective + layers_attention
+        per_kind_rc = {kind: gemm_flops(module_gemms(layer_gemms(model, sh, kind), recompute_modules)) for kind in kinds}
+        core = "core_attn" in recompute_modules
     elif selective_policy == "keep-matmuls":
-        selective = 0.0  # every matmul's and the attention core's output is kept
+        per_kind_rc = {kind: 0.0 for kind in kinds}  # every matmul's and the attention core's output is kept
+        core = False
     elif selective_policy == "torchtitan-op":
-        per_kind_rc = {kind: gemm_flops(alternate_recomputed_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
-        selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
+        per_kind_rc = {kind: gemm_flops(alternate_recomputed_gemms(model, sh, kind)) for kind in kinds}
+        core = False
     else:
-        selective = layers_attention
+        per_kind_rc = {kind: 0.0 for kind in kinds}
+        core = True
+    selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
+    if core:
+        selective = selective + layers_attention
     recompute = recompute_full_fraction * (layers + layers_attention) + recompute_selective_fraction * selective
+    if model.mtp_depth:
+        kind = model.mtp_mlp_kind
+        full_mtp = gemm_flops(mtp_gemms(model, sh)) + per_kind[kind] + mtp_attention
+        selective_mtp = per_kind_rc[kind] + (mtp_attention if core else 0.0)
+        recompute = recompute + model.mtp_depth * (recompute_mtp_full * full_mtp + recompute_mtp_selective * selective_mtp)
     return ModelFlops(
         matmul_forward=layers + head + mtp,
-        attention_forward=layers_attention + model.mtp_depth * attention_core_flops(model, sh, windowed=False),
+        attention_forward=layers_attention + model.mtp_depth * mtp_attention,
         recompute_forward=recompute,
     )

@@ -922,9 +922,13 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
 
 def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes,
                shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None,
-               base: BaseRows | None = None) -> PieceTimes:
+               base: BaseRows | None = None, mtp_rc: PieceTimes | None = None) -> PieceTimes:
     """Final norm, output head and loss, plus each MTP module (its embedding lookup, projection,
-    decoder layer ``mtp_layer`` and the shared head again, with their TP collectives). GEMMs priced per distinct sharding (``shardings``,
+    decoder layer ``mtp_layer`` and the shared head again, with their TP collectives, and what
+    recomputing it adds, ``mtp_rc``: Megatron-Core's MTP layer runs selective recompute inside its
+    decoder layer like any other, and under full recompute checkpoints its projection and layer
+    with the uniform method (every layer recomputed, ``recompute_layers`` 0) but not the block
+    method (MultiTokenPredictionLayer._checkpointed_forward)). GEMMs priced per distinct sharding (``shardings``,
     as in ``decoder_layer``), the head's compute and TP on ``base`` (as there).
 
     TP, A = T·h·act_bytes the head's input: with SP an all-gather of A forward and a
@@ -994,8 +998,14 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
         proj_tp_f = np.where(sp, coll.all_gather_s(2.0 * activation, t, link), 0.0) + output_gather
         proj_tp_b = np.where(sp, coll.reduce_scatter_s(2.0 * activation, t, link) + output_gather,
                              coll.all_reduce_s(2.0 * activation, t, link))
-        module.add("F", "tp", up(lookup_tp_f + _exposed(proj_tp_f, proj_s["F"], ctx.overlap.tp)))
+        proj_exposed_f = up(_exposed(proj_tp_f, proj_s["F"], ctx.overlap.tp))
+        module.add("F", "tp", up(lookup_tp_f) + proj_exposed_f)
         module.add("B", "tp", up(lookup_tp_b + _exposed(proj_tp_b, proj_s["B"], ctx.overlap.tp)))
+        if mtp_rc is not None:
+            every = (cols["recompute"] == 2) & (cols["recompute_layers"] <= 0)  # the uniform method
+            module.scaled_add(mtp_rc, np.where((cols["recompute"] == 2) & ~every, 0.0, 1.0))
+            module.add("B", "compute", np.where(every, up(proj_s["F"]), 0.0))
+            module.add("B", "tp", np.where(every, proj_exposed_f, 0.0))
         out.scaled_add(module, float(model.mtp_depth))
     return out
 
@@ -1020,9 +1030,10 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
         pieces[f"rc_{kind}"] = rc
     pieces["emb"] = embedding_piece(ctx, cols, sh, fsdp, base)
     mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
+    mtp_rc = pieces[f"rc_{model.mtp_mlp_kind}"] if model.mtp_depth else None
     if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
-        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=shardings,
-                                  fsdp=fsdp, comm=comm, base=base)[0]
-    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp, base)
+        mtp_layer, mtp_rc = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True,
+                                          shardings=shardings, fsdp=fsdp, comm=comm, base=base)
+    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp, base, mtp_rc)
     pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings, fsdp, base)
     return pieces
