@@ -1277,3 +1277,25 @@ def test_full_recompute_of_every_layer_replays_the_mtp_layer_too():
     extra = (out["hardware_flops"] - out["model_flops"]) / StrategyBatch.of(strategies[:3]).global_batch_size
     assert extra[1] == pytest.approx(layers + module, rel=1e-12)
     assert extra[2] == pytest.approx(layers / 32, rel=1e-12)  # one layer of the single stage, no MTP
+
+
+def test_flash_backward_counts_its_five_products_with_their_own_head_widths():
+    """FlashAttention's backward recomputes S = QKᵀ (2·d_qk per pair and head) and runs
+    dV = Pᵀ·dO (2·d_v), dP = dO·Vᵀ (2·d_v), dQ = dS·K and dK = dSᵀ·Q (2·d_qk each): 2·(3·d_qk +
+    2·d_v) against the forward's 2·(d_qk + d_v). Equal widths give 2.5× the forward; MLA's
+    d_qk 192, d_v 128 give (576 + 256)/320 = 2.6×, not 2.5×."""
+    from ndplan.perf.efficiency import with_software
+    from ndplan.perf.flops import Sharding
+    from ndplan.perf.layer import LayerContext, attention_core_seconds
+    from ndplan.perf.overlap import default_overlap
+    from ndplan.perf.step import compute_rates
+    from ndplan.perf.topology import Fabric
+
+    cluster = _cluster(8)
+    eff = with_software(default_efficiency(cluster.device), {"flash_attention": True}).replace(attention_call_s=0.0)
+    for model, factor in ((LLAMA8, 2.5), (DSV3, 2.6)):
+        batch = StrategyBatch.of(Strategy(seq_length=4096))
+        ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff,
+                           default_overlap("cuda"), batch.precision)
+        forward, backward = attention_core_seconds(ctx, Sharding(1.0, 4096.0))
+        assert backward / forward == pytest.approx(factor, rel=1e-12), model.name

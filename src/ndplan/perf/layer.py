@@ -99,8 +99,18 @@ CATEGORIES = ("compute", "tp", "cp", "ep", "dp", "offload")
 PIECES = ("dense", "moe", "emb", "head", "rc_dense", "rc_moe", "table_copy")
 
 #: FlashAttention's backward runs 5 matmul-sized products per forward's 2 (it recomputes the
-#: scores): 2.5x the forward FLOPs.
+#: scores): 2.5x the forward FLOPs where query/key and value heads are as wide
+#: (``flash_backward_factor``).
 FLASH_BACKWARD_FACTOR = 2.5
+
+
+def flash_backward_factor(model: ModelSpec) -> float:
+    """Backward over forward FLOPs of FlashAttention: the backward recomputes S = QKᵀ (d_qk per
+    pair and head) and runs dV = Pᵀ·dO and dP = dO·Vᵀ (d_v each), dQ = dS·K and dK = dSᵀ·Q (d_qk
+    each), (3·d_qk + 2·d_v)/(d_qk + d_v) of the forward's QKᵀ and PV: 2.5 for equal widths, 2.6
+    for MLA's 192 and 128."""
+    qk, v = model.qk_head_dim, model.value_head_dim
+    return (3.0 * qk + 2.0 * v) / (qk + v)
 
 
 @dataclass
@@ -259,8 +269,9 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
             seconds = seconds + masked * (1.0 / ctx.rates.masked_attention_rate - 1.0 / ctx.rates.attention_rate)
         # each call's fixed cost (the backward's pre- and post-processing kernels), split as the
         # FLOPs; ring attention calls the kernel once per ring step (``calls``)
-        call = calls * ctx.eff.attention_call_s / (1.0 + FLASH_BACKWARD_FACTOR)
-        return seconds + call, FLASH_BACKWARD_FACTOR * (seconds + call)
+        backward = flash_backward_factor(model)
+        call = calls * ctx.eff.attention_call_s / (1.0 + backward)
+        return seconds + call, backward * (seconds + call)
     # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
     count = sh.micro_batch * model.num_attention_heads / sh.tp
     queries = sh.seq / sh.cp
