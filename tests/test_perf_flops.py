@@ -130,3 +130,38 @@ def test_torchtitan_op_policy_recomputes_every_second_matmul():
     base = model_flops_per_micro_batch(TINY, 1, 64)
     op = model_flops_per_micro_batch(TINY, 1, 64, recompute_selective_fraction=1.0, selective_policy="torchtitan-op")
     assert op.hardware - base.model == pytest.approx(2 * 64 * 24_576)
+
+
+def test_mla_down_projections_run_on_the_sequence_shard_under_sp():
+    """Megatron-Core builds the MLA down-projections as duplicated TELinear layers fed the
+    attention's input as it arrives: under SP each tensor-parallel rank projects its own T/t
+    tokens (q_compressed [s/TP, b, q_lora_rank], multi_latent_attention._qkv_down_projection),
+    then the up-projections all-gather the latents; without SP every rank projects all T.
+    10 tokens over tp 2: q_down 2·5·64·24, kv_down 2·5·64·(16 + 8) with SP; twice that without;
+    the up-projections take all 10 tokens and half the heads either way."""
+    mla = ModelSpec(
+        name="tiny-mla", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=4,
+        head_dim=16, vocab_size=100, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16,
+    )
+    sp = {g.name: g.flops for g in layer_gemms(mla, Sharding(1.0, 10.0, tp=2.0, sp=1.0), "dense")}
+    whole = {g.name: g.flops for g in layer_gemms(mla, Sharding(1.0, 10.0, tp=2.0), "dense")}
+    assert sp["q_down"] == 2 * 5 * 64 * 24 and sp["kv_down"] == 2 * 5 * 64 * (16 + 8)
+    assert whole["q_down"] == 2 * 10 * 64 * 24 and whole["kv_down"] == 2 * 10 * 64 * (16 + 8)
+    for name in ("q_up", "kv_up", "o_proj"):
+        assert sp[name] == whole[name]
+    assert sp["q_up"] == 2 * 10 * 24 * 2 * (16 + 8)
+
+
+def test_the_router_takes_the_sequence_shard_under_sp():
+    """Megatron-Core runs the MoE block on each rank's sequence shard (it requires SP with TP):
+    the router's gating GEMM takes the T/t local tokens, 2·(256/2)·64·8 over tp 2, not all 256
+    on every rank; without SP all T/c."""
+    moe = ModelSpec(
+        name="tiny-moe", num_layers=1, hidden_size=64, ffn_hidden_size=0, num_attention_heads=4, num_kv_heads=4,
+        head_dim=16, vocab_size=100, num_experts=8, num_experts_per_tok=2, moe_ffn_hidden_size=32,
+    )
+    routers = [next(g for g in layer_gemms(moe, Sharding(1.0, 256.0, tp=2.0, sp=sp), "moe") if g.name == "router")
+               for sp in (1.0, 0.0)]
+    assert routers[0].flops == 2 * 128 * 64 * 8
+    assert routers[1].flops == 2 * 256 * 64 * 8

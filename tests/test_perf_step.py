@@ -846,7 +846,9 @@ def test_a_moe_block_pays_the_tp_collectives_of_what_it_runs_under_tp():
     (360 GB/s, 3 µs a step): A = 4096·4096·2, a pair 2·(3 µs + A/2/360e9) = 99.2 µs (was
     198.4 µs); with etp 2 the etp group moves T·k·etp/t = 8192 copies of h, 2·(3 µs +
     8192·4096·2/2/360e9) = 192.4 µs more; recomputing the moe module replays those. DeepSeek-V2-
-    Lite (2 shared experts, h 2048): two pairs at etp 1."""
+    Lite (2 shared experts, h 2048): two pairs at etp 1, but for its MLA's gather of the
+    inputs of its up-projections and the rope key, T·(h + 512 + 64) (a query without a latent
+    projects the hidden state: test_mla_under_sp_all_gathers_its_latents_not_the_hidden_state)."""
     def pair(nbytes: float) -> float:
         return 2 * (NVLINK_LATENCY + nbytes / 2 / NVLINK)
 
@@ -864,8 +866,10 @@ def test_a_moe_block_pays_the_tp_collectives_of_what_it_runs_under_tp():
     assert pieces["rc_moe"][("B", "tp")][0] == pytest.approx(gather, rel=1e-12)
     lite = _pieces(get_preset("deepseek-v2-lite"), Strategy(dp=4, tp=2, ep=8, etp=1, sequence_parallel=True,
                                                             seq_length=4096), 8)
-    assert lite["moe"][("F", "tp")][0] == pytest.approx(2 * pair(4096 * 2048 * 2), rel=1e-12)
-    assert lite["dense"][("F", "tp")][0] == pytest.approx(2 * pair(4096 * 2048 * 2), rel=1e-12)
+    latents = 4096 * (2048 + 512 + 64) * 2
+    mla = 2 * pair(4096 * 2048 * 2) + (latents - 4096 * 2048 * 2) / 2 / NVLINK
+    assert lite["moe"][("F", "tp")][0] == pytest.approx(mla, rel=1e-12)
+    assert lite["dense"][("F", "tp")][0] == pytest.approx(mla, rel=1e-12)
 
 
 def test_seq1f1b_sends_each_sub_sequence_on_its_own():
@@ -1183,3 +1187,115 @@ def test_a_table_the_output_stage_copies_is_summed_between_the_two_stages():
     # smaller data-parallel reduce, a fraction of the sum).
     v = {"schedule": "dualpipev", "vpp": 2}
     assert abs(dp_step(tied, **v) - dp_step(llama, **v)) < 0.1 * expected
+
+
+def test_an_mtp_module_pays_its_embedding_and_projection_tp_collectives():
+    """Megatron's MTP module looks its shifted tokens up in the vocabulary-parallel embedding
+    (reduce-scatter of A forward under SP, all-gather of its gradient backward; without SP an
+    all-reduce forward) and runs eh_proj, a column-parallel 2h -> h: under SP it all-gathers its
+    [s/t, b, 2h] input (2A) forward and reduce-scatters that gradient backward, then
+    gather_from_tensor_model_parallel_region all-gathers the h/t outputs (A) forward and
+    scatter_to_sequence_parallel_region's backward all-gathers A; without SP the input's copy
+    all-reduces its 2A gradient backward and the output gather moves A forward. Llama-3.1-8B
+    with one MTP module, 2048 tokens, tp 8 on NVLink: A = 2048·4096·2. Once the module paid
+    only its layer's and the head's collectives."""
+    mtp = LLAMA8.model_copy(update={"mtp_depth": 1})
+    a = 2048 * 4096 * 2
+
+    def ring(nbytes: float) -> float:  # an all-gather or reduce-scatter of an nbytes buffer over 8
+        return 7 * NVLINK_LATENCY + 7 / 8 * nbytes / NVLINK
+
+    def all_reduce(nbytes: float) -> float:
+        return 2 * ring(nbytes)
+
+    strategies = [Strategy(tp=8, sequence_parallel=sp, seq_length=2048) for sp in (True, False)]
+    with_mtp, without = _pieces(mtp, strategies, 8), _pieces(LLAMA8, strategies, 8)
+    expected = {("F", 0): ring(a) + ring(2 * a) + ring(a), ("B", 0): ring(a) + ring(2 * a) + ring(a),
+                ("F", 1): all_reduce(a) + ring(a), ("B", 1): all_reduce(2 * a)}
+    for (pass_, row), extra in expected.items():
+        module = with_mtp["head"][(pass_, "tp")][row] - without["head"][(pass_, "tp")][row]
+        own = module - without["head"][(pass_, "tp")][row] - with_mtp["dense"][(pass_, "tp")][row]
+        assert own == pytest.approx(extra, rel=1e-9), (pass_, row)
+
+
+def test_mla_under_sp_all_gathers_its_latents_not_the_hidden_state():
+    """Under SP Megatron-Core's MLA projects each rank's T/t tokens down (duplicated TELinear),
+    so what the tensor-parallel group all-gathers before the attention is the latents the
+    up-projections take (ColumnParallel over q_lora_rank and kv_lora_rank inputs) and the shared
+    rope key (gather_from_sequence_parallel_region): T·(q_lora + kv_lora + rope) elements, not the
+    hidden state's T·h; the backward reduce-scatters their gradients. The output projection's
+    reduce-scatter of A and the MLP's pair (a MoE layer's shared experts' pair) stay. DeepSeek-V3,
+    4096 tokens, tp 2 on NVLink: latents 4096·(1536 + 512 + 64)·2 bytes against A = 4096·7168·2,
+    per pass 3·(3 µs + A/2/360e9) + (3 µs + latents/2/360e9) = 0.281 ms (was 4·(3 µs +
+    A/2/360e9) = 0.338 ms). Recomputing mla_up_proj replays the up-projections' gathers,
+    T·(q_lora + kv_lora)."""
+    tokens = 4096
+    a = tokens * 7168 * 2
+    latents = tokens * (1536 + 512 + 64) * 2
+
+    def ring(nbytes: float) -> float:  # an all-gather or reduce-scatter over 2
+        return NVLINK_LATENCY + nbytes / 2 / NVLINK
+
+    s = Strategy(dp=4, tp=2, ep=8, etp=1, sequence_parallel=True, seq_length=tokens, recompute="selective",
+                 recompute_modules=("mla_up_proj",))
+    pieces = _pieces(DSV3, s, 8)
+    for pass_ in ("F", "B"):
+        assert pieces["dense"][(pass_, "tp")][0] == pytest.approx(3 * ring(a) + ring(latents), rel=1e-12)
+        assert pieces["moe"][(pass_, "tp")][0] == pytest.approx(3 * ring(a) + ring(latents), rel=1e-12)
+    assert pieces["rc_dense"][("B", "tp")][0] == pytest.approx(ring(tokens * (1536 + 512) * 2), rel=1e-12)
+
+
+def test_full_recompute_of_every_layer_replays_the_mtp_layer_too():
+    """Megatron-Core's MTP module checkpoints its projection and decoder layer under full
+    recompute with the uniform method (MultiTokenPredictionLayer._checkpointed_forward), which
+    recomputing every layer emits; the block method (recompute_layers k) skips it with a warning.
+    Selective recompute acts inside its decoder layer as in any other. So the module's backward
+    adds its layer's recompute (and, recomputed in full, the projection's forward) except under
+    the block method; hardware FLOPs add one forward of the module's projection and layer."""
+    from ndplan.perf.flops import Sharding, attention_core_flops, gemm_flops, layer_gemms, mtp_gemms
+    from ndplan.perf.gemm import gemm_seconds
+    from ndplan.perf.step import compute_rates
+
+    mtp = LLAMA8.model_copy(update={"mtp_depth": 1})
+    strategies = [Strategy(seq_length=2048), Strategy(seq_length=2048, recompute="full"),
+                  Strategy(seq_length=2048, recompute="full", recompute_layers=1),
+                  Strategy(seq_length=2048, recompute="selective")]
+    pieces = _pieces(mtp, strategies, 1)
+    head_b = pieces["head"][("B", "compute")]
+    rc_b = pieces["rc_dense"][("B", "compute")]
+    batch = StrategyBatch.of(strategies[1])
+    rates = compute_rates(_cluster(1), batch, default_efficiency(H100))
+    proj = float(gemm_seconds(mtp_gemms(mtp, Sharding(1.0, 2048.0))[0], rates, "F"))
+    assert head_b[1] - head_b[0] == pytest.approx(rc_b[1] + proj, rel=1e-9)
+    assert head_b[2] == pytest.approx(head_b[0], rel=1e-12)
+    assert head_b[3] - head_b[0] == pytest.approx(rc_b[3], rel=1e-9) and rc_b[3] > 0
+    # hardware FLOPs: the full rebuild of every layer adds the MTP module's projection and layer
+    sh = Sharding(1.0, 2048.0)
+    module = gemm_flops(mtp_gemms(mtp, sh)) + gemm_flops(layer_gemms(mtp, sh, "dense")) + attention_core_flops(mtp, sh)
+    layers = 32 * (gemm_flops(layer_gemms(mtp, sh, "dense")) + attention_core_flops(mtp, sh))
+    out = step_time_batch(mtp, StrategyBatch.of(strategies[:3]), _cluster(1))
+    extra = (out["hardware_flops"] - out["model_flops"]) / StrategyBatch.of(strategies[:3]).global_batch_size
+    assert extra[1] == pytest.approx(layers + module, rel=1e-12)
+    assert extra[2] == pytest.approx(layers / 32, rel=1e-12)  # one layer of the single stage, no MTP
+
+
+def test_flash_backward_counts_its_five_products_with_their_own_head_widths():
+    """FlashAttention's backward recomputes S = QKᵀ (2·d_qk per pair and head) and runs
+    dV = Pᵀ·dO (2·d_v), dP = dO·Vᵀ (2·d_v), dQ = dS·K and dK = dSᵀ·Q (2·d_qk each): 2·(3·d_qk +
+    2·d_v) against the forward's 2·(d_qk + d_v). Equal widths give 2.5× the forward; MLA's
+    d_qk 192, d_v 128 give (576 + 256)/320 = 2.6×, not 2.5×."""
+    from ndplan.perf.efficiency import with_software
+    from ndplan.perf.flops import Sharding
+    from ndplan.perf.layer import LayerContext, attention_core_seconds
+    from ndplan.perf.overlap import default_overlap
+    from ndplan.perf.step import compute_rates
+    from ndplan.perf.topology import Fabric
+
+    cluster = _cluster(8)
+    eff = with_software(default_efficiency(cluster.device), {"flash_attention": True}).replace(attention_call_s=0.0)
+    for model, factor in ((LLAMA8, 2.5), (DSV3, 2.6)):
+        batch = StrategyBatch.of(Strategy(seq_length=4096))
+        ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff,
+                           default_overlap("cuda"), batch.precision)
+        forward, backward = attention_core_seconds(ctx, Sharding(1.0, 4096.0))
+        assert backward / forward == pytest.approx(factor, rel=1e-12), model.name

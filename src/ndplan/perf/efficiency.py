@@ -54,7 +54,7 @@ class EfficiencyProfile(BaseModel):
 
     Attention core (QK^T, softmax, PV): FlashAttention-style fused kernels at
     ``attention_efficiency`` of peak; the backward counts 2.5x the forward FLOPs (the kernel
-    recomputes the scores); each layer's call costs ``attention_call_s`` more, forward and
+    recomputes the scores; (3·d_qk + 2·d_v)/(d_qk + d_v) where the head widths differ, MLA's 2.6x); each layer's call costs ``attention_call_s`` more, forward and
     backward together (the backward's pre- and post-processing kernels), split as the FLOPs. With ``flash_attention`` False (pre-2022 Megatron), scores are
     materialised: two batched GEMMs over the full s×s square plus memory-bound softmax passes.
     ``window_kernel`` False: a sliding-window layer runs a fused kernel given an explicit mask

@@ -11,10 +11,15 @@ apart so zero-bubble schedules can run the weight gradient (W) separately.
 Sharding per device (tokens T = b·s per micro-batch; t = tp, c = cp, e = ep, x = etp):
 * attention and dense MLP: heads and FFN width split by t; tokens split by c (context
   parallelism gives each rank s/c queries); M = T/c.
-* MLA down-projections (h -> q_lora, h -> kv_lora + rope) are small and replicated over t.
+* MLA down-projections (h -> q_lora, h -> kv_lora + rope) are replicated over t (duplicated
+  TELinear in Megatron-Core) and fed the attention's input as it arrives: under sequence
+  parallelism each rank projects its own T/(c·t) tokens and the up-projections all-gather the
+  latents; without SP every rank projects all T/c.
 * routed experts: each token goes to k experts; under balanced routing the dp·cp·tp ranks of a
   stage share the T·k token-expert pairs evenly, so a device runs (T/c)·k/t of them, through
   E/e local experts of width f_e/x: tokens per local expert M = (T/c)·k·e·x/(t·E).
+* router (and a shared-expert gate): Megatron-Core runs the MoE block on each rank's sequence
+  shard, so under SP a device gates its T/(c·t) tokens; without SP all T/c.
 * output head: vocabulary split by t (vocab-parallel), M = T/c.
 
 Attention core, causal: query i attends to keys 0..i, so a sequence has s(s+1)/2 (query, key)
@@ -46,11 +51,18 @@ class Sharding:
     cp: Array | float = 1.0
     ep: Array | float = 1.0
     etp: Array | float = 1.0
+    #: sequence parallelism (> 0: on)
+    sp: Array | float = 0.0
 
     @property
     def tokens(self) -> Array | float:
         """T/c: tokens of the micro-batch this device computes."""
         return self.micro_batch * self.seq / self.cp
+
+    @property
+    def shard_tokens(self) -> Array | float:
+        """Tokens of the device's sequence shard: T/(c·t) under SP, else T/c."""
+        return self.tokens / np.where(np.asarray(self.sp) > 0, self.tp, 1.0)
 
 
 @dataclass(frozen=True)
@@ -76,12 +88,13 @@ def attention_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
     if model.is_mla:
         qk = model.qk_head_dim
         out: list[Gemm] = []
+        shard = sh.shard_tokens  # the down-projections' tokens (see the module docstring)
         if model.q_lora_rank:
-            out.append(Gemm("q_down", tok, model.q_lora_rank, h))
+            out.append(Gemm("q_down", shard, model.q_lora_rank, h))
             out.append(Gemm("q_up", tok, a * qk / t, model.q_lora_rank))
         else:
             out.append(Gemm("q_proj", tok, a * qk / t, h))
-        out.append(Gemm("kv_down", tok, model.kv_lora_rank + model.qk_rope_head_dim, h))
+        out.append(Gemm("kv_down", shard, model.kv_lora_rank + model.qk_rope_head_dim, h))
         out.append(Gemm("kv_up", tok, a * (model.qk_nope_head_dim + model.v_head_dim) / t, model.kv_lora_rank))
         out.append(Gemm("o_proj", tok, h, a * model.v_head_dim / t))
         return out
@@ -109,7 +122,7 @@ def moe_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
     local = model.num_experts / sh.ep
     up_width = (model.mlp_matrices - 1) * model.moe_ffn_hidden_size
     out = [
-        Gemm("router", sh.tokens, model.num_experts, h),
+        Gemm("router", sh.shard_tokens, model.num_experts, h),  # on the sequence shard (see the module docstring)
         Gemm("experts_up", per_expert, up_width / sh.etp, h, count=local, expert=True),
         Gemm("experts_down", per_expert, h, model.moe_ffn_hidden_size / sh.etp, count=local, expert=True),
     ]
@@ -117,7 +130,7 @@ def moe_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
         width = model.num_shared_experts * model.shared_expert_ffn_hidden_size
         out += mlp_gemms(model, sh, width, name="shared", shards=sh.tp)
         if model.shared_expert_gate:
-            out.append(Gemm("shared_gate", sh.tokens, 1.0, h))
+            out.append(Gemm("shared_gate", sh.shard_tokens, 1.0, h))
     return out
 
 
@@ -288,6 +301,8 @@ def model_flops_per_micro_batch(
     recompute_selective_fraction: Array | float = 0.0,
     selective_policy: str = "megatron",
     recompute_modules: tuple[str, ...] = (),
+    recompute_mtp_full: Array | float = 0.0,
+    recompute_mtp_selective: Array | float = 0.0,
 ) -> ModelFlops:
     """FLOPs of one micro-batch through the whole model, not divided by any degree.
 
@@ -298,10 +313,13 @@ def model_flops_per_micro_batch(
     core's forward, with 'torchtitan-op' every second matmul (``alternate_recomputed_gemms``),
     with 'keep-matmuls' none;
     with ``recompute_modules`` what those modules replay (``MODULE_GEMMS``, the attention core
-    for core_attn) whatever the policy.
+    for core_attn) whatever the policy. ``recompute_mtp_*``: the share of the MTP modules
+    rebuilt fully (projection, decoder layer and its full causal attention) or selectively (their
+    decoder layer's part, as above).
     """
     sh = Sharding(micro_batch, seq)
-    per_kind = {kind: gemm_flops(layer_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
+    kinds = set(model.layer_mlp_kinds) | ({model.mtp_mlp_kind} if model.mtp_depth else set())
+    per_kind = {kind: gemm_flops(layer_gemms(model, sh, kind)) for kind in kinds}
     layers = sum((per_kind[k] for k in model.layer_mlp_kinds), 0.0)
     head = gemm_flops(head_gemms(model, sh))
     attention = attention_core_flops(model, sh)  # a decoder layer's, the mean over layers
@@ -309,22 +327,30 @@ def model_flops_per_micro_batch(
         gemm_flops(mtp_gemms(model, sh)) + gemm_flops(layer_gemms(model, sh, model.mtp_mlp_kind)) + head
     )
     layers_attention = model.num_layers * attention
+    mtp_attention = attention_core_flops(model, sh, windowed=False)
     if recompute_modules:
-        per_kind_rc = {kind: gemm_flops(module_gemms(layer_gemms(model, sh, kind), recompute_modules))
-                       for kind in set(model.layer_mlp_kinds)}
-        selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
-        if "core_attn" in recompute_modules:
-            selective = selective + layers_attention
+        per_kind_rc = {kind: gemm_flops(module_gemms(layer_gemms(model, sh, kind), recompute_modules)) for kind in kinds}
+        core = "core_attn" in recompute_modules
     elif selective_policy == "keep-matmuls":
-        selective = 0.0  # every matmul's and the attention core's output is kept
+        per_kind_rc = {kind: 0.0 for kind in kinds}  # every matmul's and the attention core's output is kept
+        core = False
     elif selective_policy == "torchtitan-op":
-        per_kind_rc = {kind: gemm_flops(alternate_recomputed_gemms(model, sh, kind)) for kind in set(model.layer_mlp_kinds)}
-        selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
+        per_kind_rc = {kind: gemm_flops(alternate_recomputed_gemms(model, sh, kind)) for kind in kinds}
+        core = False
     else:
-        selective = layers_attention
+        per_kind_rc = {kind: 0.0 for kind in kinds}
+        core = True
+    selective = sum((per_kind_rc[k] for k in model.layer_mlp_kinds), 0.0)
+    if core:
+        selective = selective + layers_attention
     recompute = recompute_full_fraction * (layers + layers_attention) + recompute_selective_fraction * selective
+    if model.mtp_depth:
+        kind = model.mtp_mlp_kind
+        full_mtp = gemm_flops(mtp_gemms(model, sh)) + per_kind[kind] + mtp_attention
+        selective_mtp = per_kind_rc[kind] + (mtp_attention if core else 0.0)
+        recompute = recompute + model.mtp_depth * (recompute_mtp_full * full_mtp + recompute_mtp_selective * selective_mtp)
     return ModelFlops(
         matmul_forward=layers + head + mtp,
-        attention_forward=layers_attention + model.mtp_depth * attention_core_flops(model, sh, windowed=False),
+        attention_forward=layers_attention + model.mtp_depth * mtp_attention,
         recompute_forward=recompute,
     )

@@ -99,8 +99,18 @@ CATEGORIES = ("compute", "tp", "cp", "ep", "dp", "offload")
 PIECES = ("dense", "moe", "emb", "head", "rc_dense", "rc_moe", "table_copy")
 
 #: FlashAttention's backward runs 5 matmul-sized products per forward's 2 (it recomputes the
-#: scores): 2.5x the forward FLOPs.
+#: scores): 2.5x the forward FLOPs where query/key and value heads are as wide
+#: (``flash_backward_factor``).
 FLASH_BACKWARD_FACTOR = 2.5
+
+
+def flash_backward_factor(model: ModelSpec) -> float:
+    """Backward over forward FLOPs of FlashAttention: the backward recomputes S = QKᵀ (d_qk per
+    pair and head) and runs dV = Pᵀ·dO and dP = dO·Vᵀ (d_v each), dQ = dS·K and dK = dSᵀ·Q (d_qk
+    each), (3·d_qk + 2·d_v)/(d_qk + d_v) of the forward's QKᵀ and PV: 2.5 for equal widths, 2.6
+    for MLA's 192 and 128."""
+    qk, v = model.qk_head_dim, model.value_head_dim
+    return (3.0 * qk + 2.0 * v) / (qk + v)
 
 
 @dataclass
@@ -146,7 +156,7 @@ class LayerContext:
 
 
 #: The strategy columns a ``Sharding`` reads (in its field order).
-SHARDING_FIELDS = ("micro_batch_size", "seq_length", "tp", "cp", "ep", "etp")
+SHARDING_FIELDS = ("micro_batch_size", "seq_length", "tp", "cp", "ep", "etp", "sequence_parallel")
 
 
 @dataclass(frozen=True)
@@ -181,7 +191,7 @@ def sharding_rows(cols: dict[str, Array]) -> ShardingRows:
 
 #: The strategy columns the sharding part of a decoder layer reads (``BaseRows``): its GEMMs,
 #: attention core, elementwise bytes, raw TP/CP/EP collectives and what they expose on their own.
-BASE_FIELDS = SHARDING_FIELDS + ("sequence_parallel", "cp_kind", "ulysses_degree")
+BASE_FIELDS = SHARDING_FIELDS + ("cp_kind", "ulysses_degree")
 
 
 @dataclass(frozen=True)
@@ -259,8 +269,9 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
             seconds = seconds + masked * (1.0 / ctx.rates.masked_attention_rate - 1.0 / ctx.rates.attention_rate)
         # each call's fixed cost (the backward's pre- and post-processing kernels), split as the
         # FLOPs; ring attention calls the kernel once per ring step (``calls``)
-        call = calls * ctx.eff.attention_call_s / (1.0 + FLASH_BACKWARD_FACTOR)
-        return seconds + call, FLASH_BACKWARD_FACTOR * (seconds + call)
+        backward = flash_backward_factor(model)
+        call = calls * ctx.eff.attention_call_s / (1.0 + backward)
+        return seconds + call, backward * (seconds + call)
     # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
     count = sh.micro_batch * model.num_attention_heads / sh.tp
     queries = sh.seq / sh.cp
@@ -306,8 +317,8 @@ class LayerComm:
     """A decoder layer's raw TP and CP seconds, for every kind of layer (dense, MoE, an MTP
     module's), worked out once per call (``layer_comm``)."""
 
-    #: forward (= backward) TP seconds of a dense layer: two all-reduce equivalents of the
-    #: layer's activation (after attention, after the MLP)
+    #: forward (= backward) TP seconds of a dense layer: the attention's collectives and the
+    #: MLP's (``attention`` + one all-reduce equivalent of the layer's activation)
     tp: Array | float
     #: CP ring forward, ring backward and Ulysses all-to-alls per pass (``_cp_seconds``)
     ring_f: Array | float
@@ -318,6 +329,37 @@ class LayerComm:
     #: without MoE layers
     moe_block: Array | float = 0.0
     moe_shared: Array | float = 0.0
+    #: forward (= backward) TP seconds of the attention block (``_attention_tp_seconds``), and
+    #: what recomputing MLA's up-projections (mla_up_proj) replays of them
+    attention: Array | float = 0.0
+    mla_up_replay: Array | float = 0.0
+
+
+def _attention_tp_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
+                          activation: Array | float) -> tuple[Array | float, Array | float]:
+    """(the attention block's TP seconds per pass, the part mla_up_proj's recompute replays).
+
+    One all-reduce equivalent of A (an all-gather of the input and a reduce-scatter of the
+    output under SP, an all-reduce without), but MLA under SP in Megatron-Core: its
+    down-projections (duplicated TELinear) take each rank's sequence shard, so the group
+    all-gathers the latents instead of the hidden state, T·(q_lora + kv_lora) through the
+    up-projections' ColumnParallel input (the hidden state's A for a query projected without a
+    latent, q_lora_rank 0) and the rope key's T·d_rope (gather_from_sequence_parallel_region),
+    and the backward reduce-scatters their gradients; the output projection's reduce-scatter of A
+    stays. Recomputing mla_up_proj replays the up-projections and their gathers. Without SP
+    the pair is priced as for other attention."""
+    model, t = ctx.model, cols["tp"]
+    pair = _tp_seconds(ctx, cols, activation, 1.0)
+    if not model.is_mla:
+        return pair, 0.0
+    link = group_link(t, 1.0, ctx.fabric, "ring")
+    beta = ctx.precision.activation_bytes
+    q_in = model.q_lora_rank or model.hidden_size
+    up_inputs = sh.tokens * (q_in + model.kv_lora_rank) * beta
+    latents = up_inputs + sh.tokens * model.qk_rope_head_dim * beta
+    mla = coll.all_gather_s(latents, t, link) + coll.reduce_scatter_s(activation, t, link)
+    sp = cols["sequence_parallel"] > 0
+    return np.where(sp, mla, pair), np.where(sp, coll.all_gather_s(up_inputs, t, link), 0.0)
 
 
 def _moe_block_tp_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
@@ -361,7 +403,9 @@ def layer_comm(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Layer
     moe_shared: Array | float = 0.0
     if "moe" in ctx.model.layer_mlp_kinds or (ctx.model.mtp_depth and ctx.model.mtp_mlp_kind == "moe"):
         moe_block, moe_shared = _moe_block_tp_seconds(ctx, cols, sh, activation)
-    return LayerComm(_tp_seconds(ctx, cols, activation, 2.0), *_cp_seconds(ctx, cols, sh), moe_block, moe_shared)
+    attention, mla_up_replay = _attention_tp_seconds(ctx, cols, sh, activation)
+    dense = attention + _tp_seconds(ctx, cols, activation, 1.0)
+    return LayerComm(dense, *_cp_seconds(ctx, cols, sh), moe_block, moe_shared, attention, mla_up_replay)
 
 
 def ring_steps(cols: dict[str, Array]) -> Array:
@@ -692,12 +736,14 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # before); a MoE layer's block collectives are its own (_moe_block_tp_seconds): moe re-runs
     # them all, shared_experts the shared experts' pair.
     modules = set(ctx.recompute_modules)
-    replays_mlp_tp: Array | float = 0.5 if {"mlp", "moe", "shared_experts"} & modules else 0.0
+    mlp_tp = comm.tp - comm.attention  # a dense layer's MLP pair
+    replayed_tp: Array | float = mlp_tp if {"mlp", "moe", "shared_experts"} & modules else 0.0
     if kind == "moe":
-        attention = 0.5 * comm.tp  # the attention's pair: one all-reduce equivalent of A
-        tp = attention + comm.moe_block
-        block_replay = comm.moe_block if "moe" in modules else comm.moe_shared if "shared_experts" in modules else 0.0
-        replays_mlp_tp = np.divide(block_replay, tp, out=np.zeros(np.shape(tp)), where=np.asarray(tp) > 0)
+        tp = comm.attention + comm.moe_block
+        replayed_tp = comm.moe_block if "moe" in modules else comm.moe_shared if "shared_experts" in modules else 0.0
+    if "mla_up_proj" in modules:
+        replayed_tp = replayed_tp + comm.mla_up_replay
+    replays_mlp_tp: Array | float = np.divide(replayed_tp, tp, out=np.zeros(np.shape(tp)), where=np.asarray(tp) > 0)
     tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
     tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
 
@@ -785,9 +831,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         selective_ep = ep_f if replays_dispatch else 0.0
     recomputed_s = np.where(full, compute_f, np.where(selective, selective_s, 0.0))
     rc.add("B", "compute", recomputed_s)
-    # Replayed modules re-run their collectives: the MLP block's TP/SP ones (replays_mlp_tp of
-    # the layer's, above); the attention core's CP exchange with core_attn (also Megatron's
-    # default policy).
+    # Replayed modules re-run their collectives: the MLP block's TP/SP ones and MLA's
+    # up-projection gathers (replays_mlp_tp of the layer's, above); the attention core's CP
+    # exchange with core_attn (also Megatron's default policy).
     replays_core = "core_attn" in modules or (not modules and eff.selective_recompute == "megatron")
     rc.add("B", "tp", np.where(full, tp_f, np.where(selective, replays_mlp_tp * tp_f, 0.0)))
     rc.add("B", "cp", np.where(full, cp_f, np.where(selective & replays_core, cp_f, 0.0)))
@@ -887,9 +933,13 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
 
 def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_layer: PieceTimes,
                shardings: ShardingRows | None = None, fsdp: FsdpGroups | None = None,
-               base: BaseRows | None = None) -> PieceTimes:
-    """Final norm, output head and loss, plus each MTP module (projection, its decoder layer
-    ``mtp_layer`` and the shared head again). GEMMs priced per distinct sharding (``shardings``,
+               base: BaseRows | None = None, mtp_rc: PieceTimes | None = None) -> PieceTimes:
+    """Final norm, output head and loss, plus each MTP module (its embedding lookup, projection,
+    decoder layer ``mtp_layer`` and the shared head again, with their TP collectives, and what
+    recomputing it adds, ``mtp_rc``: Megatron-Core's MTP layer runs selective recompute inside its
+    decoder layer like any other, and under full recompute checkpoints its projection and layer
+    with the uniform method (every layer recomputed, ``recompute_layers`` 0) but not the block
+    method (MultiTokenPredictionLayer._checkpointed_forward)). GEMMs priced per distinct sharding (``shardings``,
     as in ``decoder_layer``), the head's compute and TP on ``base`` (as there).
 
     TP, A = T·h·act_bytes the head's input: with SP an all-gather of A forward and a
@@ -937,11 +987,36 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     out.scaled_add(one, 1.0)
     if model.mtp_depth:
         proj = mtp_gemms(model, shardings.distinct)
+        proj_s = {p: shardings.spread(gemms_seconds(proj, rates, p)[0]) for p in PASS_NAMES}
         module = PieceTimes()
         module.scaled_add(mtp_layer, 1.0)
         module.scaled_add(one, 1.0)
         for pass_ in PASS_NAMES:
-            module.add(pass_, "compute", up(shardings.spread(gemms_seconds(proj, rates, pass_)[0])))
+            module.add(pass_, "compute", up(proj_s[pass_]))
+        # The module's own lookup of the shifted tokens in the (vocabulary-parallel) embedding,
+        # its TP collective as the embedding's (embedding_piece), and eh_proj's: a column-
+        # parallel 2h -> h whose SP input all-gather moves 2A forward (its gradient's reduce-
+        # scatter 2A backward; without SP the input copy all-reduces that gradient), then
+        # gather_from_tensor_model_parallel_region all-gathers the h/t outputs, A, forward and
+        # scatter_to_sequence_parallel_region's backward all-gathers A (Megatron-Core's
+        # MultiTokenPredictionLayer._concat_embeddings).
+        lookup_f, lookup_b = embedding_bytes(model, bsh, beta)
+        module.add("F", "compute", up(lookup_f / rates.hbm_rate))
+        module.add("B", "compute", up(lookup_b / rates.hbm_rate))
+        lookup_tp_f = np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))
+        lookup_tp_b = np.where(sp, coll.all_gather_s(activation, t, link), 0.0)
+        output_gather = coll.all_gather_s(activation, t, link)
+        proj_tp_f = np.where(sp, coll.all_gather_s(2.0 * activation, t, link), 0.0) + output_gather
+        proj_tp_b = np.where(sp, coll.reduce_scatter_s(2.0 * activation, t, link) + output_gather,
+                             coll.all_reduce_s(2.0 * activation, t, link))
+        proj_exposed_f = up(_exposed(proj_tp_f, proj_s["F"], ctx.overlap.tp))
+        module.add("F", "tp", up(lookup_tp_f) + proj_exposed_f)
+        module.add("B", "tp", up(lookup_tp_b + _exposed(proj_tp_b, proj_s["B"], ctx.overlap.tp)))
+        if mtp_rc is not None:
+            every = (cols["recompute"] == 2) & (cols["recompute_layers"] <= 0)  # the uniform method
+            module.scaled_add(mtp_rc, np.where((cols["recompute"] == 2) & ~every, 0.0, 1.0))
+            module.add("B", "compute", np.where(every, up(proj_s["F"]), 0.0))
+            module.add("B", "tp", np.where(every, proj_exposed_f, 0.0))
         out.scaled_add(module, float(model.mtp_depth))
     return out
 
@@ -966,9 +1041,10 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
         pieces[f"rc_{kind}"] = rc
     pieces["emb"] = embedding_piece(ctx, cols, sh, fsdp, base)
     mtp_layer = pieces[model.mtp_mlp_kind] if model.mtp_depth else PieceTimes()
+    mtp_rc = pieces[f"rc_{model.mtp_mlp_kind}"] if model.mtp_depth else None
     if model.mtp_depth and model.sliding_layers()[0]:  # MTP modules attend in full
-        mtp_layer = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True, shardings=shardings,
-                                  fsdp=fsdp, comm=comm, base=base)[0]
-    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp, base)
+        mtp_layer, mtp_rc = decoder_layer(ctx, cols, sh, model.mtp_mlp_kind, full_attention=True,
+                                          shardings=shardings, fsdp=fsdp, comm=comm, base=base)
+    pieces["head"] = head_piece(ctx, cols, sh, mtp_layer, shardings, fsdp, base, mtp_rc)
     pieces["table_copy"] = table_copy_piece(ctx, cols, sh, shardings, fsdp, base)
     return pieces

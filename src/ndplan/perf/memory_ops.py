@@ -12,7 +12,8 @@ Per decoder layer, forward:
 * 2 norms: read + write h each        -> 4·T_n·h
 * 2 residual adds: read 2, write 1     -> 6·T_n·h
 * rotary on q and k: read + write      -> 2·T·(a + kv)·d_rope/t   (MLA: the rope part only)
-* QK-norm, MLA latent norms            -> read + write their widths
+* QK-norm, MLA latent norms            -> read + write their widths (the latent norms on T_n:
+                                          MLA's down-projections take the sequence shard)
 * MLP activation: gated reads gate and up, writes one -> 3·T·f/t; plain 2·T·f/t
 * MoE: permute (read + write) and un-permute + weighted combine (read 2, write 1) of the
   T·k/t routed copies of h -> 5·(T·k/t)·h; expert activations 3·(T·k/t)·f_e (gated).
@@ -97,8 +98,8 @@ def layer_bytes(
     extra_norms: Array | float = 0.0
     if model.qk_norm:
         extra_norms = extra_norms + 2.0 * tok * (model.num_attention_heads + model.num_kv_heads) * model.head_dim / t
-    if model.is_mla:
-        extra_norms = extra_norms + 2.0 * tok * (model.q_lora_rank + model.kv_lora_rank)
+    if model.is_mla:  # the latent norms, on the down-projections' tokens (flops.attention_gemms)
+        extra_norms = extra_norms + 2.0 * t_n * (model.q_lora_rank + model.kv_lora_rank)
     activation: Array | float
     shuffle: Array | float
     if kind == "dense":

@@ -25,6 +25,7 @@ from ndplan.perf.gemm import PASS_NAMES, gemms_seconds
 from ndplan.perf.layer import (
     CATEGORIES,
     LayerContext,
+    flash_backward_factor,
     offloaded_bytes,
     piece_times,
     token_reach,
@@ -237,7 +238,8 @@ def explain_lines(r: TimeReport) -> list[str]:
                        r.weight_grad_rebuilds, batch.recompute_modules,
                        batch.offload_modules)
     pieces = piece_times(ctx, cols)
-    sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp))
+    sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp),
+                  float(s.sequence_parallel))
     dtype = s.precision.compute_dtype
     gemm_eff = rates.gemm_eff
     lines = [
@@ -250,9 +252,9 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective, "
         f"each pass with its own bytes (W read-modify-writes {rates.wgrad_accum_bytes:.0f} B per weight of gradient)",
         (f"attention core rate = peak · attention_eff = {rates.attention_rate / 1e12:,.1f} TFLOP/s "
-         "(fused flash kernel: backward = 2.5× forward FLOPs)"
+         f"(fused flash kernel: backward = {flash_backward_factor(model):g}× forward FLOPs)"
          + (f", + attention_call_s {r.efficiency.attention_call_s * 1e3:g} ms per layer call (a ring step's under CP), "
-            "split F:B as 1:2.5" if r.efficiency.attention_call_s else "")
+            f"split F:B as 1:{flash_backward_factor(model):g}" if r.efficiency.attention_call_s else "")
          + ("" if r.efficiency.window_kernel else
             f"; a sliding window given as a mask: its whole square at peak · masked_attention_eff = "
             f"{rates.masked_attention_rate / 1e12:,.1f} TFLOP/s")

@@ -201,14 +201,16 @@ def piece_params(model: ModelSpec) -> dict[str, tuple[float, float, float]]:
 
 
 def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = False,
-                           defers_fsdp_reduce: bool = False) -> tuple[Array, Array]:
+                           defers_fsdp_reduce: bool = False, mtp: bool = False) -> tuple[Array, Array]:
     """(first row of each distinct layer configuration, the configuration code of every row).
 
     FSDP's data-parallel size and shard group only matter when parameters are sharded, so they
     are zeroed otherwise; whether the schedule splits the backward only under full recompute
     with ``weight_grad_rebuilds`` (W's rebuilds, ``layer.decoder_layer``) or with sharded
     parameters (W's reduce, apart from B's gather); whether a pipeline defers FSDP's reduce only
-    where it does (``defers_fsdp_reduce``, ``layer._fsdp_seconds``).
+    where it does (``defers_fsdp_reduce``, ``layer._fsdp_seconds``); whether full recompute
+    limits its layers (``recompute_layers``, Megatron's block method) only for a model with MTP
+    modules (``mtp``), which only the uniform method recomputes (``layer.head_piece``).
     """
     sharded = (ints["zero"] >= 3) | (ints["fsdp"] > 0)
     split = np.isin(ints["schedule"], SPLIT_SCHEDULE_CODES)
@@ -222,6 +224,8 @@ def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = 
         sharded & (ints["pp"] > 1) & defers_fsdp_reduce,
         sharded & split,
     ]
+    if mtp:
+        columns.append((ints["recompute"] == 2) & (ints["recompute_layers"] > 0))
     config, count = row_codes(columns)
     return first_of_codes(config, count), config
 
@@ -254,12 +258,14 @@ def _group_codes(batch: StrategyBatch) -> tuple[Array, int]:
 
 
 def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, recomputed: Array, policy: str = "megatron",
-               modules: tuple[str, ...] = ()) -> tuple[Array, Array]:
+               modules: tuple[str, ...] = (), recompute_layers: Array | None = None) -> tuple[Array, Array]:
     """(model, hardware) FLOPs of one sequence, priced once per distinct sequence length:
     hardware = model + full · the full rebuild's + selective · the selective rebuild's, where
     full (selective) is ``recomputed``, the fraction of layers rebuilt, on the strategies whose
     ``recompute`` code is 2 (1), else 0; ``policy`` is the profile's selective_recompute,
-    ``modules`` the batch's recompute modules. Worked out in place: each product is the same
+    ``modules`` the batch's recompute modules. MTP modules add their own rebuild: selective as
+    in a decoder layer, full where every layer is rebuilt (``recompute_layers`` 0, Megatron's
+    uniform method; the block method skips them). Worked out in place: each product is the same
     one rounding (a factor 0 or 1 applied last gives 0 or the product, as it first), each sum
     the same two addends."""
     codes, count = dense_codes(seq)
@@ -277,6 +283,13 @@ def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, recomputed: Array
     selective *= recomputed
     selective *= recompute == 1
     hardware += selective
+    if model.mtp_depth:
+        mtp_full = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths, recompute_mtp_full=1.0).recompute_forward)
+        mtp_sel = np.asarray(model_flops_per_micro_batch(
+            model, 1.0, lengths, recompute_mtp_selective=1.0, selective_policy=policy,
+            recompute_modules=modules).recompute_forward)
+        every = (recompute == 2) if recompute_layers is None else (recompute == 2) & (recompute_layers == 0)
+        hardware += mtp_full.take(codes) * every + mtp_sel.take(codes) * (recompute == 1)
     return base, hardware
 
 
@@ -686,7 +699,8 @@ def evaluate(
     ints = {name: getattr(batch, name) for name in StrategyBatch.array_fields()}
     ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
     ints["ep_unpaired"], ints["ep_passes"], ints["ep_pairing"] = ep_pairing(model, batch, ints["ep_overlap"])
-    first, config = distinct_layer_configs(ints, weight_grad_rebuilds, eff.pipeline_defers_fsdp_reduce)
+    first, config = distinct_layer_configs(ints, weight_grad_rebuilds, eff.pipeline_defers_fsdp_reduce,
+                                           bool(model.mtp_depth))
     ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules,
                        batch.offload_modules)
     pieces = piece_times(ctx, _RowColumns(ints, first))
@@ -756,7 +770,7 @@ def evaluate(
     res["tokens_per_s"] = np.divide(tokens, res["step_s"], out=tokens)
     res["tokens_per_s_per_device"] = res["tokens_per_s"] * (1.0 / cluster.num_devices)
     model_flops, hardware_flops = _seq_flops(model, batch.seq_length, batch.recompute, res.pop("recomputed_fraction"),
-                                             eff.selective_recompute, batch.recompute_modules)
+                                             eff.selective_recompute, batch.recompute_modules, batch.recompute_layers)
     res["model_flops"] = np.multiply(batch.global_batch_size, model_flops, out=model_flops)
     res["hardware_flops"] = np.multiply(batch.global_batch_size, hardware_flops, out=hardware_flops)
     capacity = res["step_s"] * (cluster.num_devices * rates.peak_flops)
