@@ -59,6 +59,8 @@ def test_search_equals_brute_force_with_the_single_strategy_api(dims):
             continue  # PyTorch cannot run it (the default runtime): rejected as not runnable
         if strategy.schedule not in options.profile.schedules:
             continue  # nor a schedule torch.distributed.pipelining does not have (zb-h1, seq1f1b)
+        if strategy.schedule == "1f1b" and strategy.num_micro_batches < strategy.pp:
+            continue  # nor 1F1B with fewer micro-batches than stages (its Schedule1F1B raises)
         if strategy.zero in (1, 2) and strategy.dp * strategy.cp == 1:
             continue  # ZeRO 0 under another name: nothing to shard over (a duplicate)
         peak = estimate(TINY_MOE, strategy, DEVICE, options, num_devices=space.num_devices).peak_bytes
@@ -269,6 +271,7 @@ def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact()
     valid &= ~space.duplicates(np.arange(space.size))
     valid &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
     valid &= batch.is_in("schedule", list(MemoryOptions().profile.schedules))  # what the runtime runs
+    valid &= ~(batch.is_("schedule", "1f1b") & (batch.num_micro_batches < batch.pp))  # Schedule1F1B's minimum
     valid &= ~(np.isin(batch.zero, (1, 2)) & (batch.dp * batch.cp == 1))  # ZeRO 0 under another name
     batch = batch.take(np.flatnonzero(valid))
     peak, _ = peak_memory(TINY_MOE, batch, MemoryOptions())
@@ -848,3 +851,23 @@ def test_carried_settings_apply_where_they_mean_something_and_the_rules_judge_th
         default_space(model, device, 64, 64, 4096, carried={"shardgroup": 2})
     with pytest.raises(NdplanError, match="allowed values are ring, ulysses"):
         default_space(model, device, 64, 64, 4096, fixed={"cp_kind": "hybrid"})
+
+
+def test_pytorch_search_never_ranks_1f1b_with_fewer_micro_batches_than_stages():
+    """torch.distributed.pipelining's Schedule1F1B raises "Number of microbatches (m) must be
+    greater than or equal to the number of stages (pp)": under the pytorch runtime a 1F1B
+    pipeline with fewer micro-batches than stages is not runnable (it was ranked: 16 sequences on
+    dp 2 at mbs 4 are 2 micro-batches for 4 stages). Megatron's 1F1B runs them (its warm-up is
+    min(pp - rank - 1, m)); GPipe under PyTorch too."""
+    space = _space(dims=("pp", "mbs", "schedule"), gbs=16)
+
+    def refused(row):
+        return row["schedule"] == "1f1b" and row["num_micro_batches"] < row["pp"]
+
+    pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=2 * 2**30, top=10**9,
+                         options=MemoryOptions())
+    megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=2 * 2**30, top=10**9,
+                          options=BALANCE_OPTIONS)
+    assert pytorch.ranked and not any(refused(row) for row in pytorch.ranked)
+    assert any(refused(row) for row in megatron.ranked)
+    assert any(row["schedule"] == "gpipe" and row["num_micro_batches"] < row["pp"] for row in pytorch.ranked)

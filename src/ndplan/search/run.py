@@ -114,13 +114,17 @@ def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray
 
 
 def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str) -> np.ndarray:
-    """Where the runtime can run the strategy: a schedule it has, under PyTorch no selective
-    recompute in a split backward, and under Megatron no expert parallelism beside tensor
-    parallelism without sequence parallelism (Megatron-Core's ModelParallelConfig raises "When
-    using expert parallelism and tensor parallelism, sequence parallelism must be used")."""
+    """Where the runtime can run the strategy: a schedule it has; under PyTorch no selective
+    recompute in a split backward, and 1F1B over a pipeline with at least one micro-batch per
+    stage (torch.distributed.pipelining's Schedule1F1B raises "Number of microbatches (m) must be
+    greater than or equal to the number of stages (pp)"; Megatron's 1F1B runs fewer); under
+    Megatron no expert parallelism beside tensor parallelism without sequence parallelism
+    (Megatron-Core's ModelParallelConfig raises "When using expert parallelism and tensor
+    parallelism, sequence parallelism must be used")."""
     runnable = batch.is_in("schedule", schedules)
     if runtime == "pytorch":
         runnable &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
+        runnable &= ~(batch.is_("schedule", "1f1b") & (batch.pp > 1) & (batch.num_micro_batches < batch.pp))
     if runtime == "megatron":
         runnable &= ~((batch.ep > 1) & (batch.tp > 1) & (batch.sequence_parallel == 0))
     return runnable
