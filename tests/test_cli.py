@@ -1050,3 +1050,33 @@ def test_search_from_recompute_limit_rejects_the_stages_it_exceeds(capsys, tmp_p
     result = json.loads(out)
     assert code == 0 and result["rejected"]["recompute_layers_fit_stage"] == 1
     assert {(row["pp"], row["strategy"]["recompute_layers"]) for row in result["ranked"]} == {(2, 4), (4, 4)}
+
+
+def test_check_names_what_the_runtime_cannot_run(tmp_path, capsys):
+    """`ndplan check` agreed with a plan the search refuses for its runtime: expert with tensor
+    parallelism without SP passed for Megatron, whose ModelParallelConfig stops at it, and 1F1B
+    with fewer micro-batches than stages passed for PyTorch, whose Schedule1F1B raises. With
+    --runtime (or a Megatron launch read with --from) they are violations, worded as the search
+    counts them; without a runtime only the general rules apply."""
+    mixtral = ["--model", "mixtral-8x7b", "--devices", "16", "--dp", "8", "--tp", "2", "--ep", "8"]
+    code, out, _ = run(["check", *mixtral, "--runtime", "megatron", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 2 and not data["valid"]
+    assert [v["rule"] for v in data["violations"]] == ["not_runnable_in_runtime"]
+    assert "needs sequence_parallel" in data["violations"][0]["message"]
+    assert run(["check", *mixtral, "--runtime", "megatron", "--sp"], capsys)[0] == 0
+    assert run(["check", *mixtral], capsys)[0] == 0
+    assert run(["check", *mixtral, "--runtime", "pytorch"], capsys)[0] == 0
+    code, out, _ = run(["check", *LLAMA, "--devices", "8", "--pp", "8", "--num-micro-batches", "4",
+                        "--runtime", "pytorch"], capsys)
+    assert code == 2 and "Schedule1F1B" in out
+    assert run(["check", *LLAMA, "--devices", "8", "--pp", "8", "--num-micro-batches", "4", "--runtime", "megatron"],
+               capsys)[0] == 0
+    code, out, _ = run(["check", *LLAMA, "--devices", "8", "--pp", "8", "--schedule", "zb-h1", "--runtime", "megatron"],
+                       capsys)
+    assert code == 2 and "does not run the zb-h1 schedule" in out
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py --tensor-model-parallel-size 2 \\\n"
+                      "    --expert-model-parallel-size 4 --micro-batch-size 1 --global-batch-size 4 --seq-length 512\n")
+    code, out, _ = run(["check", "--model", "mixtral-8x7b", "--from", str(script), "--json"], capsys)
+    assert code == 2 and [v["rule"] for v in json.loads(out)["violations"]] == ["not_runnable_in_runtime"]

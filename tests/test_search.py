@@ -871,3 +871,20 @@ def test_pytorch_search_never_ranks_1f1b_with_fewer_micro_batches_than_stages():
     assert pytorch.ranked and not any(refused(row) for row in pytorch.ranked)
     assert any(refused(row) for row in megatron.ranked)
     assert any(row["schedule"] == "gpipe" and row["num_micro_batches"] < row["pp"] for row in pytorch.ranked)
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_runtime_refusals_word_what_the_search_counts_not_runnable(runtime):
+    """`ndplan check --runtime` words, strategy by strategy, the same limits the search applies as
+    a mask (RUNTIME_LIMITS): over a space's pipelines, a strategy has a reason exactly where the
+    search would charge it to not_runnable_in_runtime."""
+    from ndplan.search.run import _runnable, runtime_refusals
+
+    options = MemoryOptions(runtime=runtime)
+    space = _space(dims=("tp", "sp", "ep", "pp", "schedule", "mbs", "recompute"))
+    batch = space.batch(np.arange(space.size))
+    piped = np.flatnonzero(batch.pp > 1)
+    mask = _runnable(batch, list(options.profile.schedules), runtime)[piped]
+    refused = np.array([bool(runtime_refusals(s, options)) for s in space.strategies(piped)])
+    assert refused.any() and (~refused).any()
+    assert np.array_equal(refused, ~mask)

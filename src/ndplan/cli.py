@@ -145,11 +145,19 @@ def _settings_and_model(args: argparse.Namespace) -> tuple[dict[str, Any], Model
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    settings, model, _ = _settings_and_model(args)
+    settings, model, read = _settings_and_model(args)
     if settings.get("hardware"):
         device_from(settings["hardware"], settings.get("efficiency"))  # a bad device is an input error here too
     strategy = strategy_from_settings(settings)
     violations = check_strategy(strategy, model, settings.get("devices"))
+    # What the runtime (--runtime, else a Megatron launch's own) cannot run, as the search refuses it.
+    runtime = args.runtime or ((read.runtime_settings or {}).get("runtime") if read is not None else None)
+    if runtime:
+        from ndplan.memory import MemoryOptions
+        from ndplan.search.run import NOT_RUNNABLE, runtime_refusals
+        from ndplan.strategy.rules import Violation
+
+        violations += [Violation(NOT_RUNNABLE, reason) for reason in runtime_refusals(strategy, MemoryOptions(runtime=runtime))]
     if args.json:
         _emit_json({
             "valid": not violations,
@@ -1246,6 +1254,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate a strategy for a model and cluster; print every violated rule")
     add_strategy_arguments(p)
     add_from_argument(p)
+    from ndplan.memory.profile import profile_names
+
+    p.add_argument("--runtime", help=f"also check what this runtime runs, as the search does: {', '.join(profile_names())} "
+                                     "or a YAML path (default: megatron for a Megatron config read with --from, else "
+                                     "none)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)
 
