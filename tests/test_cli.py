@@ -108,6 +108,7 @@ RULE_CASES = [
     ([*LLAMA, "--tp", "8", "--sp", "--seq", "4100"], "sp_divides_seq", "does not divide seq_length=4100"),
     ([*LLAMA, "--cp", "4", "--seq", "4100"], "cp_ring_divides_seq", "divisible by 2·cp = 8"),
     ([*LLAMA, "--cp", "3", "--cp-kind", "ulysses", "--seq", "6144"], "cp_ulysses_heads", "num_attention_heads=32"),
+    ([*LLAMA, "--tp", "8", "--cp", "2", "--cp-kind", "ulysses"], "cp_ulysses_kv_heads", "num_key_value_heads=8"),
     ([*LLAMA, "--cp", "4", "--cp-kind", "hybrid", "--ulysses-degree", "3"], "cp_hybrid_degree", "ulysses_degree=3"),
     ([*LLAMA, "--cp", "2", "--ulysses-degree", "2"], "cp_hybrid_degree", "ulysses_degree=2 needs cp_kind 'hybrid', not 'ring'"),
     ([*LLAMA, "--dp", "8", "--fsdp", "--zero", "1"], "fsdp_is_zero3", "needs zero=3, got zero=1"),
