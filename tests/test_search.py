@@ -888,3 +888,16 @@ def test_runtime_refusals_word_what_the_search_counts_not_runnable(runtime):
     refused = np.array([bool(runtime_refusals(s, options)) for s in space.strategies(piped)])
     assert refused.any() and (~refused).any()
     assert np.array_equal(refused, ~mask)
+
+
+def test_megatron_search_never_ranks_ulysses_with_an_odd_half_chunk():
+    """Megatron runs Ulysses as --cp-comm-type a2a: its batch is cut into 2·cp chunks as for the
+    ring, and Transformer Engine's A2A attention asserts "Sequence length per GPU needs to be
+    divisible by 2!". 1020 tokens split over cp 4 (255 a rank) run under PyTorch's Ulysses but not
+    Megatron's."""
+    space = default_space(TINY_MOE, DEVICE, 8, 16, 1020, get_precision("megatron-bf16"),
+                          dims=("cp", "cp_kind", "tp"), fixed={"cp_kind": "ulysses"})
+    megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, top=10**9, options=BALANCE_OPTIONS)
+    pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, top=10**9, options=MemoryOptions())
+    assert any(row["cp"] == 4 for row in pytorch.ranked)
+    assert megatron.ranked and not any(1020 % (2 * row["cp"]) for row in megatron.ranked)

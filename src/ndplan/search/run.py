@@ -157,6 +157,15 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
         lambda s, _, runtime: (f"ep={s.ep} with tp={s.tp} needs sequence_parallel: Megatron-Core's "
                                "ModelParallelConfig requires it beside expert and tensor parallelism"),
     ),
+    # Megatron's Ulysses is --cp-comm-type a2a (a2a+p2p hybrid): its batch is cut into 2·cp chunks
+    # as for the ring (get_batch_on_this_cp_rank), and Transformer Engine's A2A attention asserts
+    # "Sequence length per GPU needs to be divisible by 2!" of the seq_length/cp tokens a rank holds.
+    RuntimeLimit(
+        "megatron",
+        lambda b, _: (b.cp == 1) | b.is_("cp_kind", "ring") | (np.mod(b.seq_length, 2 * b.cp) == 0),
+        lambda s, _, runtime: (f"{s.cp_kind} context parallelism under Megatron needs seq_length={s.seq_length} "
+                               f"divisible by 2·cp = {2 * s.cp} (each rank's tokens in two chunks, as for the ring)"),
+    ),
 )
 
 
