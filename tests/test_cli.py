@@ -1081,3 +1081,33 @@ def test_check_names_what_the_runtime_cannot_run(tmp_path, capsys):
                       "    --expert-model-parallel-size 4 --micro-batch-size 1 --global-batch-size 4 --seq-length 512\n")
     code, out, _ = run(["check", "--model", "mixtral-8x7b", "--from", str(script), "--json"], capsys)
     assert code == 2 and [v["rule"] for v in json.loads(out)["violations"]] == ["not_runnable_in_runtime"]
+
+
+def test_search_emit_torchtitan_skips_what_its_parallel_dims_refuse(capsys):
+    """torchtitan's ParallelDims._validate lays the experts over the data-parallel shards: with
+    ep > 1, etp = tp needs ep % cp == 0 and (dp_shard·cp) % ep == 0. DDP (zero 0: dp_shard 1) with
+    ep 4 was written as the winner's settings though torchtitan stops at them (ndplan's reader
+    takes experts over any ranks, so the read-back passed them). Such settings are now refused
+    and the next ranked candidate is written; where none is, the note says why."""
+    base = ["search", "--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--devices", "16", "--gbs", "64",
+            "--emit", "torchtitan", "--json"]
+    code, out, _ = run([*base, "--fix", "zero=0", "pp=1"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ranked"][0]["ep"] > 1 and data["ranked"][0]["zero"] == 0
+    assert data["emitted_rank"] == 0
+    assert any("settings torchtitan refuses (expert_parallel_degree" in note for note in data["notes"])
+    from ndplan.cli import _torchtitan_refuses
+
+    code, out, _ = run([*base, "--fix", "pp=1", "--dims", "tp", "sp", "ep", "etp", "zero"], capsys)
+    data = json.loads(out)
+    assert data["emitted_rank"] >= 1 and _torchtitan_refuses(data["emitted"], 16) == ""
+    ddp = "[parallelism]\ndata_parallel_replicate_degree = 4\ndata_parallel_shard_degree = 1\n" \
+          "tensor_parallel_degree = 4\nexpert_parallel_degree = 4\nexpert_tensor_parallel_degree = 4\n"
+    assert "dividing data_parallel_shard_degree·cp = 1" in _torchtitan_refuses(ddp, 16)
+    fsdp = ddp.replace("replicate_degree = 4", "replicate_degree = 1").replace("shard_degree = 1", "shard_degree = -1")
+    assert _torchtitan_refuses(fsdp, 16) == ""
+    assert "a multiple of cp·tp = 4" in _torchtitan_refuses(
+        fsdp.replace("expert_tensor_parallel_degree = 4", "expert_tensor_parallel_degree = 1")
+        .replace("expert_parallel_degree = 4", "expert_parallel_degree = 2"), 16)
+    assert "supports 1 or tensor_parallel_degree" in _torchtitan_refuses(
+        fsdp.replace("expert_tensor_parallel_degree = 4", "expert_tensor_parallel_degree = 2"), 16)

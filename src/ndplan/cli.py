@@ -918,7 +918,8 @@ def cmd_search(args: argparse.Namespace) -> int:
             data["notes"].append(
                 f"--emit {args.emit}: none of the first {min(len(result.ranked), _WRITTEN_CHECKED)} ranked candidates "
                 f"is written as priced; the winner's settings below "
-                + (f"run {check['strategy']} ({check['step_s']:.3f} s, peak {format_bytes(check['peak_bytes'])}, "
+                + (f"are {first_written}" if first_written.startswith("settings ")  # refused: say why
+                   else f"run {check['strategy']} ({check['step_s']:.3f} s, peak {format_bytes(check['peak_bytes'])}, "
                    f"{'fits' if check['fits'] else 'over the limit'})" if check["step_s"] is not None
                    else f"are {check['strategy']}")
                 + f"; --fix what {args.emit} runs")
@@ -970,6 +971,36 @@ _WRITTEN_CHECKED = 20
 _WRITTEN_FILE = re.compile(r"^\S*emitted\.\w+:(\d+:)? ?")
 
 
+def _torchtitan_refuses(text: str, devices: int) -> str:
+    """Why torchtitan stops at the settings ``text`` writes, or '': its ParallelDims._validate
+    (torchtitan/distributed/parallel_dims.py) asserts "Currently we only support ETP=TP or
+    ETP=1" and lays the experts over the data-parallel shards, so that with EP, etp = tp needs
+    ep % cp == 0 and (dp_shard·cp) % ep == 0, and etp = 1 needs ep % (cp·tp) == 0 and
+    (dp_shard·cp·tp) % ep == 0. ndplan's readers take such layouts (experts over any dp·cp·tp
+    ranks), so the read-back alone did not catch them: a DDP candidate (dp_shard 1) with ep 4
+    was written."""
+    from pathlib import Path
+
+    from ndplan.io.common import load_toml
+
+    par = load_toml(Path("emitted.toml"), text).get("parallelism", {})
+    replicate, shard = par.get("data_parallel_replicate_degree", 1), par.get("data_parallel_shard_degree", -1)
+    tp, pp, cp = par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1), \
+        par.get("context_parallel_degree", 1)
+    ep, etp = par.get("expert_parallel_degree", 1), par.get("expert_tensor_parallel_degree", 1)
+    if shard < 0:
+        shard = devices // (replicate * cp * tp * pp)
+    if ep <= 1:
+        return ""
+    if etp not in (1, tp):
+        return f"expert_tensor_parallel_degree {etp}: torchtitan supports 1 or tensor_parallel_degree ({tp})"
+    borrowed, of = (cp, "cp") if etp == tp else (cp * tp, "cp·tp")
+    if ep % borrowed or (shard * borrowed) % ep:
+        return (f"expert_parallel_degree {ep} with etp {etp}: torchtitan's ParallelDims needs ep a multiple of "
+                f"{of} = {borrowed} and dividing data_parallel_shard_degree·{of} = {shard * borrowed}")
+    return ""
+
+
 def _written_step(row: dict[str, Any]) -> float:
     """The step of what --emit writes of a ranked row: `ndplan estimate`'s of a balanced row's one
     recompute setting, the row's own otherwise."""
@@ -992,6 +1023,9 @@ def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt
         back, and whether that is the strategy priced."""
         candidate = Strategy(**ranked[k].get("balanced_settings", ranked[k])["strategy"], precision=precision)
         text = _emit_settings(model, candidate, fmt, options, cluster.device)
+        refused = _torchtitan_refuses(text, cluster.num_devices) if fmt == "torchtitan" else ""
+        if refused:
+            return candidate, text, f"settings torchtitan refuses ({refused})", False
         try:
             back = _written_strategy(model, candidate, text, fmt, cluster)
         except (NdplanError, ValidationError) as error:  # the format's reader refuses what was written
