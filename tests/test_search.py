@@ -901,3 +901,15 @@ def test_megatron_search_never_ranks_ulysses_with_an_odd_half_chunk():
     pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, top=10**9, options=MemoryOptions())
     assert any(row["cp"] == 4 for row in pytorch.ranked)
     assert megatron.ranked and not any(1020 % (2 * row["cp"]) for row in megatron.ranked)
+
+
+def test_what_would_fit_tries_device_counts_the_fixed_degrees_divide(capsys):
+    """With cp fixed to 3, no power-of-two multiple of 8 devices holds a candidate, and the search
+    said "no candidate is valid on up to 512 devices either: more devices do not help", though 24
+    devices run Llama-3.1-8B at cp 3. The counts tried are multiples of the fixed tp·pp·cp too."""
+    argv = ["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--gbs", "16", "--seq", "6144",
+            "--fix", "cp=3", "--json"]
+    assert main([*argv, "--devices", "8"]) == 1
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert notes[-1].startswith("with 24 devices (the fewest that fit, in multiples of 24, as the fixed tp·pp·cp = 3")
+    assert main([*argv, "--devices", "24"]) == 0

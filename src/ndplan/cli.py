@@ -1126,8 +1126,13 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
 
     # Doubling finds a cluster that fits; bisection then finds the fewest devices between it and
     # the last that did not, over whole nodes (or multiples of the count given, below a node):
-    # counts of whole nodes, not the count given plus nodes (28 + 8k skipped 32).
+    # counts of whole nodes, not the count given plus nodes (28 + 8k skipped 32). Counts that are
+    # also multiples of the degrees fixed (--fix cp=3: tp·pp·cp = 3 must divide the world): powers
+    # of two alone never were, and "more devices do not help" was said where 24 fit.
     step = device.devices_per_node if devices >= device.devices_per_node else devices
+    shape = space_on(devices)
+    forced = math.prod(values[0] for values in (shape.tp, shape.pp, shape.cp) if len(values) == 1)
+    node_step, step = step, math.lcm(step, forced)
     low, found = devices, None
     largest = max(devices * 2, min(devices * 64, 1 << 17))
     factor = 2
@@ -1157,6 +1162,8 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
         else:
             low_units = middle
     unit = f"whole nodes of {step}" if step == device.devices_per_node else f"multiples of {step}"
+    if step != node_step:
+        unit += f", as the fixed tp·pp·cp = {forced} needs"
     notes.append(f"with {high_units * step} devices (the fewest that fit, in {unit}, assuming more never fits "
                  f"less) the best fitting strategy is {label}")
     return notes
