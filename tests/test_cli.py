@@ -689,12 +689,13 @@ def test_emitted_settings_are_printed_unwrapped(capsys):
 
 
 def test_search_with_a_fixed_value_no_cluster_allows_says_so(capsys):
-    """tp=3 never divides a power-of-two cluster: more devices cannot help, and the search says
-    that rather than "no strategy fits even on 512 devices"."""
+    """tp=3 divides none of Llama's 32 heads: more devices cannot help, and the search says that
+    rather than "no strategy fits even on 512 devices", after trying counts tp=3 divides
+    (multiples of 24 up to 528; powers of two alone never could hold it)."""
     code, out, _ = run(["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--seq", "4096",
                         "--fix", "tp=3"], capsys)
     text = " ".join(out.split())
-    assert "no candidate is valid on up to 512 devices either: more devices do not help" in text
+    assert "no candidate is valid on up to 528 devices either: more devices do not help" in text
     assert "fits even on" not in text
 
 
