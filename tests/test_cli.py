@@ -1110,5 +1110,7 @@ def test_search_emit_torchtitan_skips_what_its_parallel_dims_refuse(capsys):
     assert "a multiple of cp·tp = 4" in _torchtitan_refuses(
         fsdp.replace("expert_tensor_parallel_degree = 4", "expert_tensor_parallel_degree = 1")
         .replace("expert_parallel_degree = 4", "expert_parallel_degree = 2"), 16)
+    assert "divisible by tp·2·cp = 8" in _torchtitan_refuses("[training]\nseq_len = 4100\n" + fsdp, 16)
+    assert _torchtitan_refuses("[training]\nseq_len = 4096\n" + fsdp, 16) == ""
     assert "supports 1 or tensor_parallel_degree" in _torchtitan_refuses(
         fsdp.replace("expert_tensor_parallel_degree = 4", "expert_tensor_parallel_degree = 2"), 16)
