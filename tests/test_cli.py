@@ -108,6 +108,7 @@ RULE_CASES = [
     ([*LLAMA, "--tp", "8", "--sp", "--seq", "4100"], "sp_divides_seq", "does not divide seq_length=4100"),
     ([*LLAMA, "--cp", "4", "--seq", "4100"], "cp_ring_divides_seq", "divisible by 2·cp = 8"),
     ([*LLAMA, "--cp", "3", "--cp-kind", "ulysses", "--seq", "6144"], "cp_ulysses_heads", "num_attention_heads=32"),
+    ([*LLAMA, "--tp", "8", "--cp", "2", "--cp-kind", "ulysses"], "cp_ulysses_kv_heads", "num_key_value_heads=8"),
     ([*LLAMA, "--cp", "4", "--cp-kind", "hybrid", "--ulysses-degree", "3"], "cp_hybrid_degree", "ulysses_degree=3"),
     ([*LLAMA, "--cp", "2", "--ulysses-degree", "2"], "cp_hybrid_degree", "ulysses_degree=2 needs cp_kind 'hybrid', not 'ring'"),
     ([*LLAMA, "--dp", "8", "--fsdp", "--zero", "1"], "fsdp_is_zero3", "needs zero=3, got zero=1"),
@@ -688,12 +689,13 @@ def test_emitted_settings_are_printed_unwrapped(capsys):
 
 
 def test_search_with_a_fixed_value_no_cluster_allows_says_so(capsys):
-    """tp=3 never divides a power-of-two cluster: more devices cannot help, and the search says
-    that rather than "no strategy fits even on 512 devices"."""
+    """tp=3 divides none of Llama's 32 heads: more devices cannot help, and the search says that
+    rather than "no strategy fits even on 512 devices", after trying counts tp=3 divides
+    (multiples of 24 up to 528; powers of two alone never could hold it)."""
     code, out, _ = run(["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--seq", "4096",
                         "--fix", "tp=3"], capsys)
     text = " ".join(out.split())
-    assert "no candidate is valid on up to 512 devices either: more devices do not help" in text
+    assert "no candidate is valid on up to 528 devices either: more devices do not help" in text
     assert "fits even on" not in text
 
 
@@ -1050,3 +1052,65 @@ def test_search_from_recompute_limit_rejects_the_stages_it_exceeds(capsys, tmp_p
     result = json.loads(out)
     assert code == 0 and result["rejected"]["recompute_layers_fit_stage"] == 1
     assert {(row["pp"], row["strategy"]["recompute_layers"]) for row in result["ranked"]} == {(2, 4), (4, 4)}
+
+
+def test_check_names_what_the_runtime_cannot_run(tmp_path, capsys):
+    """`ndplan check` agreed with a plan the search refuses for its runtime: expert with tensor
+    parallelism without SP passed for Megatron, whose ModelParallelConfig stops at it, and 1F1B
+    with fewer micro-batches than stages passed for PyTorch, whose Schedule1F1B raises. With
+    --runtime (or a Megatron launch read with --from) they are violations, worded as the search
+    counts them; without a runtime only the general rules apply."""
+    mixtral = ["--model", "mixtral-8x7b", "--devices", "16", "--dp", "8", "--tp", "2", "--ep", "8"]
+    code, out, _ = run(["check", *mixtral, "--runtime", "megatron", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 2 and not data["valid"]
+    assert [v["rule"] for v in data["violations"]] == ["not_runnable_in_runtime"]
+    assert "needs sequence_parallel" in data["violations"][0]["message"]
+    assert run(["check", *mixtral, "--runtime", "megatron", "--sp"], capsys)[0] == 0
+    assert run(["check", *mixtral], capsys)[0] == 0
+    assert run(["check", *mixtral, "--runtime", "pytorch"], capsys)[0] == 0
+    code, out, _ = run(["check", *LLAMA, "--devices", "8", "--pp", "8", "--num-micro-batches", "4",
+                        "--runtime", "pytorch"], capsys)
+    assert code == 2 and "Schedule1F1B" in out
+    assert run(["check", *LLAMA, "--devices", "8", "--pp", "8", "--num-micro-batches", "4", "--runtime", "megatron"],
+               capsys)[0] == 0
+    code, out, _ = run(["check", *LLAMA, "--devices", "8", "--pp", "8", "--schedule", "zb-h1", "--runtime", "megatron"],
+                       capsys)
+    assert code == 2 and "does not run the zb-h1 schedule" in out
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py --tensor-model-parallel-size 2 \\\n"
+                      "    --expert-model-parallel-size 4 --micro-batch-size 1 --global-batch-size 4 --seq-length 512\n")
+    code, out, _ = run(["check", "--model", "mixtral-8x7b", "--from", str(script), "--json"], capsys)
+    assert code == 2 and [v["rule"] for v in json.loads(out)["violations"]] == ["not_runnable_in_runtime"]
+
+
+def test_search_emit_torchtitan_skips_what_its_parallel_dims_refuse(capsys):
+    """torchtitan's ParallelDims._validate lays the experts over the data-parallel shards: with
+    ep > 1, etp = tp needs ep % cp == 0 and (dp_shard·cp) % ep == 0. DDP (zero 0: dp_shard 1) with
+    ep 4 was written as the winner's settings though torchtitan stops at them (ndplan's reader
+    takes experts over any ranks, so the read-back passed them). Such settings are now refused
+    and the next ranked candidate is written; where none is, the note says why."""
+    base = ["search", "--model", "mixtral-8x7b", "--hardware", "h100-sxm", "--devices", "16", "--gbs", "64",
+            "--emit", "torchtitan", "--json"]
+    code, out, _ = run([*base, "--fix", "zero=0", "pp=1"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ranked"][0]["ep"] > 1 and data["ranked"][0]["zero"] == 0
+    assert data["emitted_rank"] == 0
+    assert any("settings torchtitan refuses (expert_parallel_degree" in note for note in data["notes"])
+    from ndplan.cli import _torchtitan_refuses
+
+    code, out, _ = run([*base, "--fix", "pp=1", "--dims", "tp", "sp", "ep", "etp", "zero"], capsys)
+    data = json.loads(out)
+    assert data["emitted_rank"] >= 1 and _torchtitan_refuses(data["emitted"], 16) == ""
+    ddp = "[parallelism]\ndata_parallel_replicate_degree = 4\ndata_parallel_shard_degree = 1\n" \
+          "tensor_parallel_degree = 4\nexpert_parallel_degree = 4\nexpert_tensor_parallel_degree = 4\n"
+    assert "dividing data_parallel_shard_degree·cp = 1" in _torchtitan_refuses(ddp, 16)
+    fsdp = ddp.replace("replicate_degree = 4", "replicate_degree = 1").replace("shard_degree = 1", "shard_degree = -1")
+    assert _torchtitan_refuses(fsdp, 16) == ""
+    assert "a multiple of cp·tp = 4" in _torchtitan_refuses(
+        fsdp.replace("expert_tensor_parallel_degree = 4", "expert_tensor_parallel_degree = 1")
+        .replace("expert_parallel_degree = 4", "expert_parallel_degree = 2"), 16)
+    assert "divisible by tp·2·cp = 8" in _torchtitan_refuses("[training]\nseq_len = 4100\n" + fsdp, 16)
+    assert _torchtitan_refuses("[training]\nseq_len = 4096\n" + fsdp, 16) == ""
+    assert "supports 1 or tensor_parallel_degree" in _torchtitan_refuses(
+        fsdp.replace("expert_tensor_parallel_degree = 4", "expert_tensor_parallel_degree = 2"), 16)

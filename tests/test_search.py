@@ -59,6 +59,8 @@ def test_search_equals_brute_force_with_the_single_strategy_api(dims):
             continue  # PyTorch cannot run it (the default runtime): rejected as not runnable
         if strategy.schedule not in options.profile.schedules:
             continue  # nor a schedule torch.distributed.pipelining does not have (zb-h1, seq1f1b)
+        if strategy.schedule == "1f1b" and strategy.num_micro_batches < strategy.pp:
+            continue  # nor 1F1B with fewer micro-batches than stages (its Schedule1F1B raises)
         if strategy.zero in (1, 2) and strategy.dp * strategy.cp == 1:
             continue  # ZeRO 0 under another name: nothing to shard over (a duplicate)
         peak = estimate(TINY_MOE, strategy, DEVICE, options, num_devices=space.num_devices).peak_bytes
@@ -269,6 +271,7 @@ def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact()
     valid &= ~space.duplicates(np.arange(space.size))
     valid &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
     valid &= batch.is_in("schedule", list(MemoryOptions().profile.schedules))  # what the runtime runs
+    valid &= ~(batch.is_("schedule", "1f1b") & (batch.num_micro_batches < batch.pp))  # Schedule1F1B's minimum
     valid &= ~(np.isin(batch.zero, (1, 2)) & (batch.dp * batch.cp == 1))  # ZeRO 0 under another name
     batch = batch.take(np.flatnonzero(valid))
     peak, _ = peak_memory(TINY_MOE, batch, MemoryOptions())
@@ -848,3 +851,65 @@ def test_carried_settings_apply_where_they_mean_something_and_the_rules_judge_th
         default_space(model, device, 64, 64, 4096, carried={"shardgroup": 2})
     with pytest.raises(NdplanError, match="allowed values are ring, ulysses"):
         default_space(model, device, 64, 64, 4096, fixed={"cp_kind": "hybrid"})
+
+
+def test_pytorch_search_never_ranks_1f1b_with_fewer_micro_batches_than_stages():
+    """torch.distributed.pipelining's Schedule1F1B raises "Number of microbatches (m) must be
+    greater than or equal to the number of stages (pp)": under the pytorch runtime a 1F1B
+    pipeline with fewer micro-batches than stages is not runnable (it was ranked: 16 sequences on
+    dp 2 at mbs 4 are 2 micro-batches for 4 stages). Megatron's 1F1B runs them (its warm-up is
+    min(pp - rank - 1, m)); GPipe under PyTorch too."""
+    space = _space(dims=("pp", "mbs", "schedule"), gbs=16)
+
+    def refused(row):
+        return row["schedule"] == "1f1b" and row["num_micro_batches"] < row["pp"]
+
+    pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=2 * 2**30, top=10**9,
+                         options=MemoryOptions())
+    megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=2 * 2**30, top=10**9,
+                          options=BALANCE_OPTIONS)
+    assert pytorch.ranked and not any(refused(row) for row in pytorch.ranked)
+    assert any(refused(row) for row in megatron.ranked)
+    assert any(row["schedule"] == "gpipe" and row["num_micro_batches"] < row["pp"] for row in pytorch.ranked)
+
+
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_runtime_refusals_word_what_the_search_counts_not_runnable(runtime):
+    """`ndplan check --runtime` words, strategy by strategy, the same limits the search applies as
+    a mask (RUNTIME_LIMITS): over a space's pipelines, a strategy has a reason exactly where the
+    search would charge it to not_runnable_in_runtime."""
+    from ndplan.search.run import _runnable, runtime_refusals
+
+    options = MemoryOptions(runtime=runtime)
+    space = _space(dims=("tp", "sp", "ep", "pp", "schedule", "mbs", "recompute"))
+    batch = space.batch(np.arange(space.size))
+    piped = np.flatnonzero(batch.pp > 1)
+    mask = _runnable(batch, list(options.profile.schedules), runtime)[piped]
+    refused = np.array([bool(runtime_refusals(s, options)) for s in space.strategies(piped)])
+    assert refused.any() and (~refused).any()
+    assert np.array_equal(refused, ~mask)
+
+
+def test_megatron_search_never_ranks_ulysses_with_an_odd_half_chunk():
+    """Megatron runs Ulysses as --cp-comm-type a2a: its batch is cut into 2·cp chunks as for the
+    ring, and Transformer Engine's A2A attention asserts "Sequence length per GPU needs to be
+    divisible by 2!". 1020 tokens split over cp 4 (255 a rank) run under PyTorch's Ulysses but not
+    Megatron's."""
+    space = default_space(TINY_MOE, DEVICE, 8, 16, 1020, get_precision("megatron-bf16"),
+                          dims=("cp", "cp_kind", "tp"), fixed={"cp_kind": "ulysses"})
+    megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, top=10**9, options=BALANCE_OPTIONS)
+    pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, top=10**9, options=MemoryOptions())
+    assert any(row["cp"] == 4 for row in pytorch.ranked)
+    assert megatron.ranked and not any(1020 % (2 * row["cp"]) for row in megatron.ranked)
+
+
+def test_what_would_fit_tries_device_counts_the_fixed_degrees_divide(capsys):
+    """With cp fixed to 3, no power-of-two multiple of 8 devices holds a candidate, and the search
+    said "no candidate is valid on up to 512 devices either: more devices do not help", though 24
+    devices run Llama-3.1-8B at cp 3. The counts tried are multiples of the fixed tp·pp·cp too."""
+    argv = ["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--gbs", "16", "--seq", "6144",
+            "--fix", "cp=3", "--json"]
+    assert main([*argv, "--devices", "8"]) == 1
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert notes[-1].startswith("with 24 devices (the fewest that fit, in multiples of 24, as the fixed tp·pp·cp = 3")
+    assert main([*argv, "--devices", "24"]) == 0

@@ -59,7 +59,7 @@ def test_named_precision():
 def test_batch_round_trip_and_masks():
     strategies = [
         Strategy(dp=2, tp=2, pp=2, vpp=2, schedule="interleaved", num_micro_batches=4, zero=1),
-        Strategy(tp=8, cp=2, cp_kind="ulysses", ep=1, recompute="full", recompute_layers=2),
+        Strategy(tp=4, cp=2, cp_kind="ulysses", ep=1, recompute="full", recompute_layers=2),
     ]
     batch = StrategyBatch.of(strategies)
     assert list(batch.rows()) == strategies
@@ -235,3 +235,22 @@ def test_recompute_layers_are_checked_against_an_explicit_placement():
     broken = check_strategy(Strategy(**base, recompute_layers=5), model, 1024)
     assert [v.rule for v in broken] == ["recompute_layers_fit_stage"]
     assert "exceeds the 4 layers of the widest stage" in broken[0].message
+
+
+def test_ulysses_splits_the_key_value_heads_over_its_group():
+    """Ulysses scatters each tensor-parallel rank's key/value heads over its all-to-all group
+    (Transformer Engine's AttnFuncWithCPAndQKVOA2A asserts "The number of attention heads needs
+    to be divisible by CP size!" of K as of Q): Llama-3.1-8B's 8 KV heads, 1 per rank at tp 8,
+    do not split over cp 2, though its 32 query heads do. Ring attention sends whole KV blocks;
+    MLA's keys and values have num_attention_heads heads."""
+    ulysses = Strategy(tp=8, cp=2, cp_kind="ulysses")
+    broken = check_strategy(ulysses, LLAMA, 16)
+    assert [v.rule for v in broken] == ["cp_ulysses_kv_heads"]
+    assert "tp·cp = 16; it does not divide num_key_value_heads=8" in broken[0].message
+    assert check_strategy(Strategy(tp=4, cp=2, cp_kind="ulysses"), LLAMA, 8) == []
+    assert check_strategy(Strategy(tp=8, cp=2, cp_kind="ring"), LLAMA, 16) == []
+    hybrid = check_strategy(Strategy(tp=4, cp=4, cp_kind="hybrid", ulysses_degree=4), LLAMA, 16)
+    assert [v.rule for v in hybrid] == ["cp_ulysses_kv_heads"]
+    assert "tp·ulysses_degree = 16" in hybrid[0].message
+    assert check_strategy(Strategy(tp=4, cp=4, cp_kind="hybrid", ulysses_degree=2), LLAMA, 16) == []
+    assert check_strategy(Strategy(tp=8, cp=4, cp_kind="ulysses", ep=8, etp=1), DSV3, 32) == []

@@ -145,11 +145,19 @@ def _settings_and_model(args: argparse.Namespace) -> tuple[dict[str, Any], Model
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    settings, model, _ = _settings_and_model(args)
+    settings, model, read = _settings_and_model(args)
     if settings.get("hardware"):
         device_from(settings["hardware"], settings.get("efficiency"))  # a bad device is an input error here too
     strategy = strategy_from_settings(settings)
     violations = check_strategy(strategy, model, settings.get("devices"))
+    # What the runtime (--runtime, else a Megatron launch's own) cannot run, as the search refuses it.
+    runtime = args.runtime or ((read.runtime_settings or {}).get("runtime") if read is not None else None)
+    if runtime:
+        from ndplan.memory import MemoryOptions
+        from ndplan.search.run import NOT_RUNNABLE, runtime_refusals
+        from ndplan.strategy.rules import Violation
+
+        violations += [Violation(NOT_RUNNABLE, reason) for reason in runtime_refusals(strategy, MemoryOptions(runtime=runtime))]
     if args.json:
         _emit_json({
             "valid": not violations,
@@ -910,7 +918,8 @@ def cmd_search(args: argparse.Namespace) -> int:
             data["notes"].append(
                 f"--emit {args.emit}: none of the first {min(len(result.ranked), _WRITTEN_CHECKED)} ranked candidates "
                 f"is written as priced; the winner's settings below "
-                + (f"run {check['strategy']} ({check['step_s']:.3f} s, peak {format_bytes(check['peak_bytes'])}, "
+                + (f"are {first_written}" if first_written.startswith("settings ")  # refused: say why
+                   else f"run {check['strategy']} ({check['step_s']:.3f} s, peak {format_bytes(check['peak_bytes'])}, "
                    f"{'fits' if check['fits'] else 'over the limit'})" if check["step_s"] is not None
                    else f"are {check['strategy']}")
                 + f"; --fix what {args.emit} runs")
@@ -962,6 +971,41 @@ _WRITTEN_CHECKED = 20
 _WRITTEN_FILE = re.compile(r"^\S*emitted\.\w+:(\d+:)? ?")
 
 
+def _torchtitan_refuses(text: str, devices: int) -> str:
+    """Why torchtitan stops at the settings ``text`` writes, or '': its ParallelDims._validate
+    (torchtitan/distributed/parallel_dims.py) asserts "Currently we only support ETP=TP or
+    ETP=1" and lays the experts over the data-parallel shards, so that with EP, etp = tp needs
+    ep % cp == 0 and (dp_shard·cp) % ep == 0, and etp = 1 needs ep % (cp·tp) == 0 and
+    (dp_shard·cp·tp) % ep == 0; and its models' parallelize functions assert seq_len % (tp·2·cp)
+    == 0 (ParallelDims.seq_len_divisor). ndplan's readers take such layouts (experts over any dp·cp·tp
+    ranks), so the read-back alone did not catch them: a DDP candidate (dp_shard 1) with ep 4
+    was written."""
+    from pathlib import Path
+
+    from ndplan.io.common import load_toml
+
+    settings = load_toml(Path("emitted.toml"), text)
+    par, seq = settings.get("parallelism", {}), settings.get("training", {}).get("seq_len")
+    replicate, shard = par.get("data_parallel_replicate_degree", 1), par.get("data_parallel_shard_degree", -1)
+    tp, pp, cp = par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1), \
+        par.get("context_parallel_degree", 1)
+    ep, etp = par.get("expert_parallel_degree", 1), par.get("expert_tensor_parallel_degree", 1)
+    if shard < 0:
+        shard = devices // (replicate * cp * tp * pp)
+    if seq is not None and seq % (tp * 2 * cp):
+        # The models' parallelize functions assert it (ParallelDims.seq_len_divisor).
+        return f"seq_len {seq}: torchtitan needs it divisible by tp·2·cp = {tp * 2 * cp}"
+    if ep <= 1:
+        return ""
+    if etp not in (1, tp):
+        return f"expert_tensor_parallel_degree {etp}: torchtitan supports 1 or tensor_parallel_degree ({tp})"
+    borrowed, of = (cp, "cp") if etp == tp else (cp * tp, "cp·tp")
+    if ep % borrowed or (shard * borrowed) % ep:
+        return (f"expert_parallel_degree {ep} with etp {etp}: torchtitan's ParallelDims needs ep a multiple of "
+                f"{of} = {borrowed} and dividing data_parallel_shard_degree·{of} = {shard * borrowed}")
+    return ""
+
+
 def _written_step(row: dict[str, Any]) -> float:
     """The step of what --emit writes of a ranked row: `ndplan estimate`'s of a balanced row's one
     recompute setting, the row's own otherwise."""
@@ -984,6 +1028,9 @@ def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt
         back, and whether that is the strategy priced."""
         candidate = Strategy(**ranked[k].get("balanced_settings", ranked[k])["strategy"], precision=precision)
         text = _emit_settings(model, candidate, fmt, options, cluster.device)
+        refused = _torchtitan_refuses(text, cluster.num_devices) if fmt == "torchtitan" else ""
+        if refused:
+            return candidate, text, f"settings torchtitan refuses ({refused})", False
         try:
             back = _written_strategy(model, candidate, text, fmt, cluster)
         except (NdplanError, ValidationError) as error:  # the format's reader refuses what was written
@@ -1084,8 +1131,13 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
 
     # Doubling finds a cluster that fits; bisection then finds the fewest devices between it and
     # the last that did not, over whole nodes (or multiples of the count given, below a node):
-    # counts of whole nodes, not the count given plus nodes (28 + 8k skipped 32).
+    # counts of whole nodes, not the count given plus nodes (28 + 8k skipped 32). Counts that are
+    # also multiples of the degrees fixed (--fix cp=3: tp·pp·cp = 3 must divide the world): powers
+    # of two alone never were, and "more devices do not help" was said where 24 fit.
     step = device.devices_per_node if devices >= device.devices_per_node else devices
+    shape = space_on(devices)
+    forced = math.prod(values[0] for values in (shape.tp, shape.pp, shape.cp) if len(values) == 1)
+    node_step, step = step, math.lcm(step, forced)
     low, found = devices, None
     largest = max(devices * 2, min(devices * 64, 1 << 17))
     factor = 2
@@ -1115,6 +1167,8 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
         else:
             low_units = middle
     unit = f"whole nodes of {step}" if step == device.devices_per_node else f"multiples of {step}"
+    if step != node_step:
+        unit += f", as the fixed tp·pp·cp = {forced} needs"
     notes.append(f"with {high_units * step} devices (the fewest that fit, in {unit}, assuming more never fits "
                  f"less) the best fitting strategy is {label}")
     return notes
@@ -1246,6 +1300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate a strategy for a model and cluster; print every violated rule")
     add_strategy_arguments(p)
     add_from_argument(p)
+    from ndplan.memory.profile import profile_names
+
+    p.add_argument("--runtime", help=f"also check what this runtime runs, as the search does: {', '.join(profile_names())} "
+                                     "or a YAML path (default: megatron for a Megatron config read with --from, else "
+                                     "none)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)
 

@@ -113,17 +113,84 @@ def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray
     return rule.holds(batch, context)
 
 
+@dataclass(frozen=True)
+class RuntimeLimit:
+    """A combination a runtime cannot run: ``holds`` (a mask over a batch, True where it runs,
+    given the schedules the runtime's profile has) and ``explain`` (why not, for one strategy).
+    ``runtime``: the runtime it applies to (None: every runtime, by its schedules)."""
+
+    runtime: str | None
+    holds: Callable[[StrategyBatch, tuple[str, ...]], np.ndarray]
+    explain: Callable[[Strategy, tuple[str, ...], str], str]
+
+
+#: What ``_runnable`` refuses, each with its source.
+RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
+    RuntimeLimit(
+        None,
+        lambda b, schedules: b.is_in("schedule", list(schedules)),
+        lambda s, schedules, runtime: (f"the {runtime} runtime does not run the {s.schedule} schedule (it runs "
+                                       f"{', '.join(schedules)})"),
+    ),
+    # Measured: torch.distributed.pipelining raises "backward an extra time" (memory.report).
+    RuntimeLimit(
+        "pytorch",
+        lambda b, _: ~(b.is_in("schedule", sorted(SPLIT_BACKWARD)) & b.is_("recompute", "selective")),
+        lambda s, _, runtime: (f"selective recompute with the split backward of '{s.schedule}': "
+                               "torch.distributed.pipelining raises 'backward an extra time'"),
+    ),
+    # torch.distributed.pipelining's Schedule1F1B.__init__ raises "Number of microbatches (m) must
+    # be greater than or equal to the number of stages (pp)"; Megatron's 1F1B runs fewer (its
+    # warm-up is min(pp - rank - 1, m)), ScheduleGPipe has no such check.
+    RuntimeLimit(
+        "pytorch",
+        lambda b, _: ~(b.is_("schedule", "1f1b") & (b.pp > 1) & (b.num_micro_batches < b.pp)),
+        lambda s, _, runtime: (f"schedule '1f1b' with num_micro_batches={s.num_micro_batches} < pp={s.pp}: "
+                               "torch.distributed.pipelining's Schedule1F1B needs at least one micro-batch per "
+                               "stage"),
+    ),
+    # Megatron-Core's ModelParallelConfig raises "When using expert parallelism and tensor
+    # parallelism, sequence parallelism must be used".
+    RuntimeLimit(
+        "megatron",
+        lambda b, _: ~((b.ep > 1) & (b.tp > 1) & (b.sequence_parallel == 0)),
+        lambda s, _, runtime: (f"ep={s.ep} with tp={s.tp} needs sequence_parallel: Megatron-Core's "
+                               "ModelParallelConfig requires it beside expert and tensor parallelism"),
+    ),
+    # Megatron's Ulysses is --cp-comm-type a2a (a2a+p2p hybrid): its batch is cut into 2·cp chunks
+    # as for the ring (get_batch_on_this_cp_rank), and Transformer Engine's A2A attention asserts
+    # "Sequence length per GPU needs to be divisible by 2!" of the seq_length/cp tokens a rank holds.
+    RuntimeLimit(
+        "megatron",
+        lambda b, _: (b.cp == 1) | b.is_("cp_kind", "ring") | (np.mod(b.seq_length, 2 * b.cp) == 0),
+        lambda s, _, runtime: (f"{s.cp_kind} context parallelism under Megatron needs seq_length={s.seq_length} "
+                               f"divisible by 2·cp = {2 * s.cp} (each rank's tokens in two chunks, as for the ring)"),
+    ),
+)
+
+
 def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str) -> np.ndarray:
-    """Where the runtime can run the strategy: a schedule it has, under PyTorch no selective
-    recompute in a split backward, and under Megatron no expert parallelism beside tensor
-    parallelism without sequence parallelism (Megatron-Core's ModelParallelConfig raises "When
-    using expert parallelism and tensor parallelism, sequence parallelism must be used")."""
-    runnable = batch.is_in("schedule", schedules)
-    if runtime == "pytorch":
-        runnable &= ~(batch.is_in("schedule", sorted(SPLIT_BACKWARD)) & batch.is_("recompute", "selective"))
-    if runtime == "megatron":
-        runnable &= ~((batch.ep > 1) & (batch.tp > 1) & (batch.sequence_parallel == 0))
+    """Where the runtime can run the strategy (``RUNTIME_LIMITS``): a schedule it has; under
+    PyTorch no selective recompute in a split backward, and 1F1B over a pipeline with at least
+    one micro-batch per stage; under Megatron no expert parallelism beside tensor parallelism
+    without sequence parallelism."""
+    runnable = np.ones(len(batch), bool)
+    for limit in RUNTIME_LIMITS:
+        if limit.runtime is None or limit.runtime == runtime:
+            runnable &= limit.holds(batch, tuple(schedules))
     return runnable
+
+
+def runtime_refusals(strategy: Strategy, options: MemoryOptions | None = None) -> list[str]:
+    """Why the runtime of ``options`` cannot run ``strategy`` (what the search counts as
+    ``NOT_RUNNABLE``), one reason per limit it breaks; [] where it runs. A schedule matters
+    only with a pipeline (pp > 1)."""
+    options = options or MemoryOptions()
+    schedules = tuple(options.profile.schedules)
+    batch = StrategyBatch.of(strategy)
+    return [limit.explain(strategy, schedules, options.runtime) for limit in RUNTIME_LIMITS
+            if (limit.runtime is None or limit.runtime == options.runtime)
+            and not (limit.runtime is None and strategy.pp == 1) and not limit.holds(batch, schedules)[0]]
 
 
 def _zero_has_group(batch: StrategyBatch) -> np.ndarray:

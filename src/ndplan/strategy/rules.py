@@ -234,6 +234,21 @@ RULES: tuple[Rule, ...] = (
         lambda s, c: f"Ulysses splits heads over tp·cp = {s.tp * s.cp}; it does not divide num_attention_heads={c.model.num_attention_heads}",
     ),
     Rule(
+        "cp_ulysses_kv_heads",
+        # Ulysses (Megatron's --cp-comm-type a2a: Transformer Engine's AttnFuncWithCPAndQKVOA2A,
+        # "The number of attention heads needs to be divisible by CP size!") scatters the key and
+        # value heads of a tensor-parallel rank over its all-to-all group as well as the query
+        # heads: tp·cp (hybrid: tp·ulysses_degree) must divide the KV heads too. MLA expands its
+        # keys and values to num_attention_heads heads, which cp_ulysses_heads checks.
+        lambda b, c: np.ones(len(b), bool) if c.model.is_mla else (
+            ~b.is_in("cp_kind", ("ulysses", "hybrid")) | (b.cp == 1)
+            | _divides(b.tp * np.where(b.is_("cp_kind", "hybrid"), b.ulysses_degree, b.cp), c.model.num_kv_heads)),
+        lambda s, c: (
+            f"Ulysses splits the key/value heads over tp·{'ulysses_degree' if s.cp_kind == 'hybrid' else 'cp'} = "
+            f"{s.tp * (s.ulysses_degree if s.cp_kind == 'hybrid' else s.cp)}; it does not divide "
+            f"num_key_value_heads={c.model.num_kv_heads}"),
+    ),
+    Rule(
         "cp_hybrid_degree",
         lambda b, c: np.where(
             b.is_("cp_kind", "hybrid"),
