@@ -149,13 +149,15 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
                                "torch.distributed.pipelining's Schedule1F1B needs at least one micro-batch per "
                                "stage"),
     ),
-    # Megatron-Core's ModelParallelConfig raises "When using expert parallelism and tensor
-    # parallelism, sequence parallelism must be used".
+    # Megatron-Core's ModelParallelConfig raised "When using expert parallelism and tensor
+    # parallelism, sequence parallelism must be used" (its newest release warns that training
+    # must use it), and Megatron-LM's argument check asserts SP for MoE under TP: refused.
     RuntimeLimit(
         "megatron",
         lambda b, _: ~((b.ep > 1) & (b.tp > 1) & (b.sequence_parallel == 0)),
         lambda s, _, runtime: (f"ep={s.ep} with tp={s.tp} needs sequence_parallel: Megatron-Core's "
-                               "ModelParallelConfig requires it beside expert and tensor parallelism"),
+                               "ModelParallelConfig requires it for training beside expert and tensor "
+                               "parallelism"),
     ),
     # Megatron's Ulysses is --cp-comm-type a2a (a2a+p2p hybrid): its batch is cut into 2·cp chunks
     # as for the ring (get_batch_on_this_cp_rank), and Transformer Engine's A2A attention asserts
