@@ -603,6 +603,21 @@ def test_megatron_emit_says_a_launch_it_writes_as_planned_will_be_refused():
     assert "left out: ep=2" not in text and "--expert-model-parallel-size 2" in text
 
 
+def test_torchtitan_emit_says_settings_its_parallel_dims_refuse():
+    """torchtitan lays experts over the data-parallel shards (ParallelDims._validate): plain DDP
+    (no shards) with ep 4 is refused there, and seq_len must divide by tp·2·cp; the written job
+    says so (search --emit skipped such rows, estimate --emit wrote them silently)."""
+    ddp = Strategy(dp=16, ep=4, micro_batch_size=1, num_micro_batches=1, global_batch_size=16)
+    text = emit(get_preset("mixtral-8x7b"), ddp, "torchtitan")
+    assert "# ndplan: torchtitan will refuse these settings: expert_parallel_degree 4 with etp 1" in text
+    fsdp = ddp.model_copy(update={"zero": 3, "fsdp": True})
+    assert "will refuse" not in emit(get_preset("mixtral-8x7b"), fsdp, "torchtitan")
+    odd = Strategy(dp=2, tp=4, sequence_parallel=True, seq_length=4100, micro_batch_size=1, num_micro_batches=1,
+                   global_batch_size=2)
+    assert "seq_len 4100: torchtitan needs it divisible by tp·2·cp = 8" in emit(get_preset("llama-3.1-8b"), odd,
+                                                                                 "torchtitan")
+
+
 def test_emit_lists_what_the_format_cannot_express():
     s = Strategy(dp=2, tp=2, pp=2, schedule="gpipe", micro_batch_size=1, num_micro_batches=4, precision="fsdp-bf16")
     text = emit(get_preset("llama-3.1-8b"), s, "megatron")

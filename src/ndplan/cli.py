@@ -972,38 +972,13 @@ _WRITTEN_FILE = re.compile(r"^\S*emitted\.\w+:(\d+:)? ?")
 
 
 def _torchtitan_refuses(text: str, devices: int) -> str:
-    """Why torchtitan stops at the settings ``text`` writes, or '': its ParallelDims._validate
-    (torchtitan/distributed/parallel_dims.py) asserts "Currently we only support ETP=TP or
-    ETP=1" and lays the experts over the data-parallel shards, so that with EP, etp = tp needs
-    ep % cp == 0 and (dp_shard·cp) % ep == 0, and etp = 1 needs ep % (cp·tp) == 0 and
-    (dp_shard·cp·tp) % ep == 0; and its models' parallelize functions assert seq_len % (tp·2·cp)
-    == 0 (ParallelDims.seq_len_divisor). ndplan's readers take such layouts (experts over any dp·cp·tp
-    ranks), so the read-back alone did not catch them: a DDP candidate (dp_shard 1) with ep 4
-    was written."""
+    """Why torchtitan stops at the settings ``text`` writes, or '' (``io.torchtitan.refusal``)."""
     from pathlib import Path
 
     from ndplan.io.common import load_toml
+    from ndplan.io.torchtitan import refusal
 
-    settings = load_toml(Path("emitted.toml"), text)
-    par, seq = settings.get("parallelism", {}), settings.get("training", {}).get("seq_len")
-    replicate, shard = par.get("data_parallel_replicate_degree", 1), par.get("data_parallel_shard_degree", -1)
-    tp, pp, cp = par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1), \
-        par.get("context_parallel_degree", 1)
-    ep, etp = par.get("expert_parallel_degree", 1), par.get("expert_tensor_parallel_degree", 1)
-    if shard < 0:
-        shard = devices // (replicate * cp * tp * pp)
-    if seq is not None and seq % (tp * 2 * cp):
-        # The models' parallelize functions assert it (ParallelDims.seq_len_divisor).
-        return f"seq_len {seq}: torchtitan needs it divisible by tp·2·cp = {tp * 2 * cp}"
-    if ep <= 1:
-        return ""
-    if etp not in (1, tp):
-        return f"expert_tensor_parallel_degree {etp}: torchtitan supports 1 or tensor_parallel_degree ({tp})"
-    borrowed, of = (cp, "cp") if etp == tp else (cp * tp, "cp·tp")
-    if ep % borrowed or (shard * borrowed) % ep:
-        return (f"expert_parallel_degree {ep} with etp {etp}: torchtitan's ParallelDims needs ep a multiple of "
-                f"{of} = {borrowed} and dividing data_parallel_shard_degree·{of} = {shard * borrowed}")
-    return ""
+    return refusal(load_toml(Path("emitted.toml"), text), devices)
 
 
 def _written_step(row: dict[str, Any]) -> float:

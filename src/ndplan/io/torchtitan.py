@@ -577,12 +577,43 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
     if flavour is None:
         lines.append("# [model]: no torchtitan flavour for this model; set name and flavor by hand")
     lines += [f"# ndplan: not expressible in torchtitan, left out: {item}" for item in lost]
+    refused = refusal(tables, s.world_size)
+    if refused:
+        lines.append(f"# ndplan: torchtitan will refuse these settings: {refused}")
     lines += [f"# ndplan: {item}" for item in notes]
     for name, values in tables.items():
         lines.append("")
         lines.append(f"[{name}]")
         lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def refusal(settings: dict[str, Any], devices: int) -> str:
+    """Why torchtitan stops at job ``settings`` (a TOML's tables) on ``devices`` GPUs, or ''.
+    Its ParallelDims._validate (torchtitan/distributed/parallel_dims.py) asserts "Currently we
+    only support ETP=TP or ETP=1" and lays the experts over the data-parallel shards, so that with
+    EP, etp = tp needs ep % cp == 0 and (dp_shard·cp) % ep == 0, and etp = 1 needs
+    ep % (cp·tp) == 0 and (dp_shard·cp·tp) % ep == 0; its models' parallelize functions assert
+    seq_len % (tp·2·cp) == 0 (ParallelDims.seq_len_divisor). ndplan's reader takes such layouts
+    (experts over any dp·cp·tp ranks), so a read-back alone does not catch them."""
+    par, seq = settings.get("parallelism", {}), settings.get("training", {}).get("seq_len")
+    replicate, shard = par.get("data_parallel_replicate_degree", 1), par.get("data_parallel_shard_degree", -1)
+    tp, pp, cp = (par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1),
+                  par.get("context_parallel_degree", 1))
+    ep, etp = par.get("expert_parallel_degree", 1), par.get("expert_tensor_parallel_degree", 1)
+    if shard < 0:
+        shard = devices // (replicate * cp * tp * pp)
+    if seq is not None and seq % (tp * 2 * cp):
+        return f"seq_len {seq}: torchtitan needs it divisible by tp·2·cp = {tp * 2 * cp}"
+    if ep <= 1:
+        return ""
+    if etp not in (1, tp):
+        return f"expert_tensor_parallel_degree {etp}: torchtitan supports 1 or tensor_parallel_degree ({tp})"
+    borrowed, of = (cp, "cp") if etp == tp else (cp * tp, "cp·tp")
+    if ep % borrowed or (shard * borrowed) % ep:
+        return (f"expert_parallel_degree {ep} with etp {etp}: torchtitan's ParallelDims needs ep a multiple of "
+                f"{of} = {borrowed} and dividing data_parallel_shard_degree·{of} = {shard * borrowed}")
+    return ""
 
 
 def _pipeline_keys(model: ModelSpec | None, s: Strategy, lost: list[str]) -> dict[str, Any]:
