@@ -1044,3 +1044,40 @@ def test_torch_ddp_keeps_its_reducer_buckets_beside_the_gradients():
     assert ddp.optimizer_step_bytes - single.optimizer_step_bytes == 4 * elements
     assert ddp.allocated_bytes - single.allocated_bytes == 4 * elements
     assert stage("megatron", 2).comm_bytes == stage("megatron", 1).comm_bytes
+
+
+def test_megatron_mtp_module_keeps_three_norms_by_hand():
+    """Megatron-Core's MultiTokenPredictionLayer (megatron/core/transformer/multi_token_prediction.py)
+    runs enorm on the shifted tokens' embedding, hnorm on the decoder's output, eh_proj on their
+    concatenation (2h), its transformer layer and its final_layernorm, then the shared head and
+    loss: three norms, the last being the one before the head. Megatron profile, TINY (h=64),
+    flash, no dropout, per token:
+      norm   = 2h (input) + 4 (rsigma)                                             = 132
+      layer  = 2·norm + attention 528 + mlp 896                                    = 1688
+      output = norm + 2h (head input) + 4·vocab (fp32 softmax) + 8 (labels)        = 1292
+      MTP    = enorm + hnorm + 2·2h (eh_proj input) + layer + output               = 3500
+    8 tokens: 28,000 bytes (a fourth norm read 29,056)."""
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+    model = TINY.model_copy(update={"mtp_depth": 1})
+    stage = estimate(model, Strategy(seq_length=8), options=options).stages[0]
+    assert stage.activations_by_kind["output"] == 8 * 1292
+    assert stage.activations_by_kind["mtp"] == 8 * (2 * 132 + 2 * 2 * 64 + 1688 + 1292) == 28000
+
+
+@pytest.mark.parametrize(("recompute_layers", "per_token"), [
+    # uniform: the module checkpointed whole keeps its two inputs (2h each) and the head and loss
+    # outside it (output less the final_layernorm it rebuilds): 2·128 + 1292 - 132
+    (0, 2 * 128 + 1292 - 132),
+    # block: Megatron skips the MTP module's recompute, so it keeps what it keeps without recompute
+    (1, 2 * 132 + 2 * 2 * 64 + 1688 + 1292),
+])
+def test_megatron_mtp_module_under_full_recompute(recompute_layers, per_token):
+    """MultiTokenPredictionLayer.forward checkpoints the module (_checkpointed_forward) under
+    --recompute-granularity full: with --recompute-method uniform all of _proj_and_transformer_layer
+    (eh_proj, the layer, the final_layernorm), with block not at all ("not supported for MTP yet.
+    Skipping recompute."). Figures per token as in the test above."""
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+    model = TINY.model_copy(update={"mtp_depth": 1})
+    strategy = Strategy(seq_length=8, recompute="full", recompute_layers=recompute_layers)
+    stage = estimate(model, strategy, options=options).stages[0]
+    assert stage.activations_by_kind["mtp"] == 8 * per_token

@@ -284,6 +284,9 @@ class LayerActivations:
     #: materialised (eager, the SDPA math path; 0 elsewhere)
     attention_backward: dict[str, np.ndarray]
     mtp_extra: np.ndarray
+    #: One MTP module under full recompute of every layer (Megatron's uniform method), which
+    #: checkpoints the module whole: its two inputs, what the embedding keeps, the head and loss.
+    mtp_checkpointed: np.ndarray
     #: kind -> what recompute rebuilds on the device in backward (full − recomputed before offload)
     rebuilt: dict[str, np.ndarray]
     #: kind -> what activation offload moves to the host per layer (``full``/``recomputed`` are net of it)
@@ -602,15 +605,24 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         # whole logits keeps the TP-1 bytes.
         vocab_parallel = options.loss_parallel if options.loss_parallel is not None else profile.loss_parallel
         output = _measured(measured_output, tp if vocab_parallel else np.ones_like(tp), seq)
-    # MTP module: embedding of the shifted tokens, two input norms, the concatenated 2h input of
-    # its projection, then its own output norm, head and loss.
-    mtp_extra = embedding + 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
+    # MTP module (Megatron-Core's MultiTokenPredictionLayer): embedding of the shifted tokens, two
+    # input norms (enorm, hnorm), the concatenated 2h input of its projection, then its own output
+    # norm, head and loss, which ``output`` holds (its norm is the final_layernorm): three norms.
+    hidden_per_token = model.hidden_size * act_bytes / divisors["sp"]
+    mtp_extra = embedding + 2 * norm + 2 * hidden_per_token + output
+    # Under full recompute with --recompute-method uniform Megatron checkpoints the module's
+    # projection, layer and final_layernorm as one (MultiTokenPredictionLayer._checkpointed_forward):
+    # it keeps its inputs, the decoder's hidden states and the shifted tokens' embedding (h each,
+    # sequence-sharded under SP), beside the embedding's dropout mask and the head and loss outside
+    # it (``output`` less the norm, which the checkpoint rebuilds).
+    mtp_checkpointed = embedding + 2 * hidden_per_token + output - norm
     return LayerActivations(
         full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
         weight_unread=weight_unread, weight_read_last=weight_read_last, weight_past=weight_past,
         dense_blocks=by_block["dense"], moe_blocks=by_block["moe"], embedding=embedding, output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
-        backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra, rebuilt=rebuilt,
+        backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra,
+        mtp_checkpointed=mtp_checkpointed, rebuilt=rebuilt,
         offloaded=offloaded,
     )
 
@@ -1961,7 +1973,15 @@ def _evaluate_group(
     # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
     embedding_held = tokens * (8.0 + acts.embedding)
     output_held = tokens * acts.output
-    mtp_held = tokens * model.mtp_depth * (acts.mtp_extra + np.where(recompute_on, acts.recomputed[mtp_kind], acts.full[mtp_kind]))
+    # Megatron-Core's MTP modules (multi_token_prediction.py) under full recompute: the uniform
+    # method checkpoints each module whole; the block method (a recompute limit) skips their
+    # recompute ("not supported for MTP yet"), so the layer keeps everything. Selective recompute
+    # runs in the module's TransformerLayer as in any other.
+    full_recompute = batch.is_("recompute", "full")
+    mtp_limited = full_recompute & (batch.recompute_layers > 0)
+    mtp_layer = np.where(recompute_on & ~mtp_limited, acts.recomputed[mtp_kind], acts.full[mtp_kind])
+    mtp_module = np.where(full_recompute & ~mtp_limited, acts.mtp_checkpointed, acts.mtp_extra + mtp_layer)
+    mtp_held = tokens * model.mtp_depth * mtp_module
     # Bytes of one micro-batch per virtual stage, held until its backward: the sum of the entries
     # (in this order, so that the sums are those of the breakdown's entries).
     per_b_virtual = layers_held.copy(order="F")
