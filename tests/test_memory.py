@@ -1081,3 +1081,18 @@ def test_megatron_mtp_module_under_full_recompute(recompute_layers, per_token):
     strategy = Strategy(seq_length=8, recompute="full", recompute_layers=recompute_layers)
     stage = estimate(model, strategy, options=options).stages[0]
     assert stage.activations_by_kind["mtp"] == 8 * per_token
+
+
+def test_megatron_mtp_module_rebuilt_whole_in_its_backward():
+    """Under full recompute (uniform) the MTP checkpoint's backward rebuilds the whole module
+    at once: its layer (1688 per token), enorm's and hnorm's statistics, their 2h concatenation
+    (eh_proj's input) and the final_layernorm's input (3 norms' bytes, 3·132), beside the layer's
+    working set (fc1's gradient 2·2·ffn and fc2's input gradient 2·ffn: 768). 8 tokens:
+    8·(3·132 + 1688 + 768) = 22,816 bytes, above a decoder layer's rebuild
+    8·(1688 - 128 + 768) = 18,624 (the transient without MTP, and with it before)."""
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+    strategy = Strategy(seq_length=8, recompute="full")
+    plain = estimate(TINY, strategy, options=options).stages[0]
+    assert plain.transient_bytes == 8 * (1688 - 128 + 768) == 18624
+    with_mtp = estimate(TINY.model_copy(update={"mtp_depth": 1}), strategy, options=options).stages[0]
+    assert with_mtp.transient_bytes == 8 * (3 * 132 + 1688 + 768) == 22816

@@ -287,6 +287,9 @@ class LayerActivations:
     #: One MTP module under full recompute of every layer (Megatron's uniform method), which
     #: checkpoints the module whole: its two inputs, what the embedding keeps, the head and loss.
     mtp_checkpointed: np.ndarray
+    #: What that checkpoint rebuilds in the module's backward (its layer whole, its norms and
+    #: eh_proj's input): the module less what it keeps.
+    mtp_rebuilt: np.ndarray
     #: kind -> what recompute rebuilds on the device in backward (full − recomputed before offload)
     rebuilt: dict[str, np.ndarray]
     #: kind -> what activation offload moves to the host per layer (``full``/``recomputed`` are net of it)
@@ -622,7 +625,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         dense_blocks=by_block["dense"], moe_blocks=by_block["moe"], embedding=embedding, output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
         backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra,
-        mtp_checkpointed=mtp_checkpointed, rebuilt=rebuilt,
+        mtp_checkpointed=mtp_checkpointed, mtp_rebuilt=mtp_extra + full[model.mtp_mlp_kind] - mtp_checkpointed,
+        rebuilt=rebuilt,
         offloaded=offloaded,
     )
 
@@ -2148,6 +2152,15 @@ def _evaluate_group(
     # Column by column (see _outer_sum): the same values, in passes over the strategies.
     for column, first in enumerate(first_stage.tolist()):
         out["transient"][:, column] = np.maximum(out["transient"][:, column], embedding_accumulate * first)
+    if model.mtp_depth:
+        # An MTP module checkpointed whole (full recompute, uniform) rebuilds its layer, norms and
+        # eh_proj input at once in its backward, beside that layer's working set: more than one
+        # decoder layer's rebuild, on the stage that holds the modules.
+        mtp_rebuild = np.where(full_recompute & ~mtp_limited,
+                               op_tokens * (acts.mtp_rebuilt + acts.backward_extra[mtp_kind]), 0.0)
+        for column, last in enumerate(last_stage.tolist()):
+            if last:
+                out["transient"][:, column] = np.maximum(out["transient"][:, column], mtp_rebuild)
 
     if split:
         # The frontier's columns after the gradients: each chunk's weight-gradient step while it
