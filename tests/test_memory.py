@@ -1096,3 +1096,41 @@ def test_megatron_mtp_module_rebuilt_whole_in_its_backward():
     assert plain.transient_bytes == 8 * (1688 - 128 + 768) == 18624
     with_mtp = estimate(TINY.model_copy(update={"mtp_depth": 1}), strategy, options=options).stages[0]
     assert with_mtp.transient_bytes == 8 * (3 * 132 + 1688 + 768) == 22816
+
+
+def test_torchtitan_expert_tp_1_splits_the_routed_tokens_over_the_tp_ranks():
+    """torchtitan with EP borrowing the TP ranks (expert TP 1, sequence parallel) applies
+    ReordererSequenceParallel: each TP rank dispatches 1/tp of the router's tokens, so every
+    routed tensor is halved at tp 2; with expert TP = tp each rank routes all of them through
+    experts half as wide. PyTorch profile, a MoE layer (h 64, 4 experts top-2 of width 32), bf16,
+    per token: routed = expert input 2·64·2 + gate/up 2·2·32·2 + activation and down input
+    2·(2·32·2) + weighted output 2·64·2 = 1024; the rest (MoE input 128, router probabilities 16,
+    top-k ids 16, weights 12, sort keys 48) = 220 on every rank. tp 1: 1244; tp 2 etp 1:
+    220 + 1024/2 = 732 (read 1244 before: nothing split); tp 2 etp 2: 220 + 512 + 256 = 988."""
+    from ndplan.memory.stages import layer_activations
+
+    model = ModelSpec(name="tm", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                      moe_ffn_hidden_size=32, layer_mlp_kinds=("moe",))
+
+    def moe_bytes(**fields):
+        acts = layer_activations(model, StrategyBatch.of(Strategy(seq_length=8, ep=2, **fields)), NO_OVERHEAD)
+        return acts.moe_blocks["moe"][0], acts.backward_extra["moe"][0]
+
+    assert moe_bytes(dp=2) == (1244, 3 * 2 * 64 * 2)
+    assert moe_bytes(tp=2, etp=1, sequence_parallel=True) == (732, 3 * 2 * 64 * 2 / 2)
+    assert moe_bytes(tp=2, etp=2, sequence_parallel=True, dp=2) == (988, 3 * 2 * 64 * 2)
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_fsdp_expert_weight_gradient_working_set_takes_the_ranks_routed_tokens(etp):
+    """Under FSDP the fused experts' gate_up weight gradient is made beside the gradient of their
+    output: per routed token on the rank k·2f/etp elements. Under sequence parallelism a rank's
+    routed tokens are its sequence shard's, gathered over the expert-TP group (etp/tp of them),
+    so that gradient is k·2f/tp per token whatever etp. 1024 tokens, k 2, f 512, tp 2, bf16:
+    1024 · 2·2·2·512/2 = 2,097,152 bytes (etp 1 read 4,194,304: every token of the sequence)."""
+    model = ModelSpec(name="tm", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                      moe_ffn_hidden_size=512, layer_mlp_kinds=("moe", "moe"))
+    strategy = Strategy(seq_length=1024, tp=2, ep=2, etp=etp, sequence_parallel=True, dp=2, zero=3, fsdp=True)
+    assert estimate(model, strategy, options=NO_OVERHEAD).stages[0].transient_bytes == 1024 * 2 * 2 * 2 * 512 / 2

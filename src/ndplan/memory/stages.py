@@ -2242,8 +2242,9 @@ def _evaluate_group(
             loss_working=pick(op_tokens * acts.output_transient),
             expert_elements=pick_static(static.expert_elements),
             unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
-            expert_working=pick(op_tokens * _expert_weight_grad_working(model, precision.activation_bytes, etp,
-                                                                     np.where(recompute_on, acts.rebuilt["moe"], 0.0))),
+            expert_working=pick(op_tokens * _expert_weight_grad_working(
+                model, precision.activation_bytes, etp, np.where(recompute_on, acts.rebuilt["moe"], 0.0),
+                np.where((batch.sequence_parallel > 0) & (tp > 1), etp / tp, 1.0))),
             # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
             one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
             one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
@@ -2432,13 +2433,16 @@ def _scores_backward_moments(acts: LayerActivations, mlp_grads: dict[str, np.nda
 
 
 def _expert_weight_grad_working(model: ModelSpec, activation_bytes: int, etp: np.ndarray,
-                                rebuilt: np.ndarray) -> np.ndarray:
+                                rebuilt: np.ndarray, token_share: Any = 1.0) -> np.ndarray:
     """Bytes per token beside the buffers while a MoE layer's fused gate_up weight gradient is
     made: the gradient of the gate_up output, k·2f/etp, and what recompute rebuilt of the experts,
     the gate_up output and their input, k·(2f/etp + h), but never more than the layer's
     ``rebuilt`` bytes per token (Megatron's default selective recompute rebuilds the attention
-    core alone, not the experts; 0 without recompute). k experts a token, f their width."""
-    per_expert_token = model.num_experts_per_tok * activation_bytes
+    core alone, not the experts; 0 without recompute). k experts a token, f their width.
+    ``token_share``: the rank's share of the routed tokens, etp/tp under sequence parallelism (each
+    TP rank routes its own sequence shard, gathered over the expert-TP group: the profiles'
+    ``expert_tokens`` shard), else 1."""
+    per_expert_token = model.num_experts_per_tok * activation_bytes * token_share
     gradient = per_expert_token * 2 * model.moe_ffn_hidden_size / etp
     rebuilt_experts = per_expert_token * (2 * model.moe_ffn_hidden_size / etp + model.hidden_size)
     return gradient + np.minimum(rebuilt_experts, rebuilt)
