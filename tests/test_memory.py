@@ -1134,3 +1134,27 @@ def test_fsdp_expert_weight_gradient_working_set_takes_the_ranks_routed_tokens(e
                       moe_ffn_hidden_size=512, layer_mlp_kinds=("moe", "moe"))
     strategy = Strategy(seq_length=1024, tp=2, ep=2, etp=etp, sequence_parallel=True, dp=2, zero=3, fsdp=True)
     assert estimate(model, strategy, options=NO_OVERHEAD).stages[0].transient_bytes == 1024 * 2 * 2 * 2 * 512 / 2
+
+
+def test_megatron_expert_tp_without_tp_gathers_the_routed_tokens():
+    """Megatron's all-to-all dispatcher gathers the routed tokens over the expert-TP group
+    (gather_from_sequence_parallel_region on its tp_group, the etp ranks) whatever the attention's
+    TP: at tp 1, etp 2 each rank runs the tokens of two ranks through experts half as wide (the
+    step-time model's expert GEMMs take tokens·k·etp/tp likewise). Megatron profile, a MoE layer
+    (h 64, 4 experts top-2 of 32), bf16, per token: router input 128 + logits 2·4·4 = 32, then
+    routed: permuted tokens 2·64·2 = 256, fc1 output 2·2·32·2 = 256, fc2 input 128, probabilities
+    2·4 = 8. etp 1: 808; etp 2: 160 + 2·256 + 256 + 128 + 2·8 = 1072 (read 616: the tokens
+    unsplit and the widths halved)."""
+    from ndplan.memory.stages import layer_activations
+
+    model = ModelSpec(name="tm", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                      moe_ffn_hidden_size=32, layer_mlp_kinds=("moe",))
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+
+    def moe_bytes(etp):
+        batch = StrategyBatch.of(Strategy(seq_length=8, tp=1, ep=2, etp=etp, dp=4))
+        return layer_activations(model, batch, options).moe_blocks["moe"][0]
+
+    assert moe_bytes(1) == 808
+    assert moe_bytes(2) == 128 + 32 + 2 * 256 + 256 + 128 + 2 * 8 == 1072

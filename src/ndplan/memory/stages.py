@@ -476,12 +476,18 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
+    # Routed tokens: each rank routes its own tokens (its sequence shard under SP; all of its own
+    # without TP) and the dispatcher gathers them over the expert-TP group (Megatron's all-to-all
+    # dispatcher: gather_from_sequence_parallel_region over the etp group), etp/tp of the
+    # sequence's, through experts 1/etp wide. Only TP without SP routes tokens every TP rank
+    # holds (tensor-parallel experts, no gather).
+    own_tokens = sequence_sharded | (tp == 1)
     divisors = {
         "tp": tp,
         "sp": np.where(sequence_sharded, tp, 1.0),
         "etp": etp / options.routed_token_factor,
-        "expert_tokens": np.where(sequence_sharded, tp / etp, 1.0) / options.routed_token_factor,
-        "expert_width": np.where(sequence_sharded, tp, etp) / options.routed_token_factor,
+        "expert_tokens": np.where(own_tokens, tp / etp, 1.0) / options.routed_token_factor,
+        "expert_width": np.where(own_tokens, tp, etp) / options.routed_token_factor,
         "vocab": tp if loss_parallel else np.ones_like(tp),
         "none": np.ones_like(tp),
     }
@@ -2244,7 +2250,7 @@ def _evaluate_group(
             unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
             expert_working=pick(op_tokens * _expert_weight_grad_working(
                 model, precision.activation_bytes, etp, np.where(recompute_on, acts.rebuilt["moe"], 0.0),
-                np.where((batch.sequence_parallel > 0) & (tp > 1), etp / tp, 1.0))),
+                np.where(((batch.sequence_parallel > 0) & (tp > 1)) | (tp == 1), etp / tp, 1.0))),
             # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
             one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
             one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
@@ -2439,9 +2445,9 @@ def _expert_weight_grad_working(model: ModelSpec, activation_bytes: int, etp: np
     the gate_up output and their input, k·(2f/etp + h), but never more than the layer's
     ``rebuilt`` bytes per token (Megatron's default selective recompute rebuilds the attention
     core alone, not the experts; 0 without recompute). k experts a token, f their width.
-    ``token_share``: the rank's share of the routed tokens, etp/tp under sequence parallelism (each
-    TP rank routes its own sequence shard, gathered over the expert-TP group: the profiles'
-    ``expert_tokens`` shard), else 1."""
+    ``token_share``: the rank's share of the routed tokens, etp/tp where each rank routes its own
+    tokens (under sequence parallelism, or without TP), gathered over the expert-TP group (the
+    profiles' ``expert_tokens`` shard), else 1."""
     per_expert_token = model.num_experts_per_tok * activation_bytes * token_share
     gradient = per_expert_token * 2 * model.moe_ffn_hidden_size / etp
     rebuilt_experts = per_expert_token * (2 * model.moe_ffn_hidden_size / etp + model.hidden_size)
