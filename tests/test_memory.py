@@ -1158,3 +1158,19 @@ def test_megatron_expert_tp_without_tp_gathers_the_routed_tokens():
 
     assert moe_bytes(1) == 808
     assert moe_bytes(2) == 128 + 32 + 2 * 256 + 256 + 128 + 2 * 8 == 1072
+
+
+@pytest.mark.parametrize(("etp", "weights"), [(1, 2 * 2 * 512 * 64 * 2), (2, 2 * 2 * 512 * 64 * 2 // 2)])
+def test_new_expert_gradient_beside_the_kept_one_takes_the_ranks_routed_tokens(etp, weights):
+    """From a step's second micro-batch torch makes the fused experts' gate_up weight gradient
+    anew beside the kept one (2 local experts · 2f·h/etp, 2 bytes), from the gradient of their
+    output: the rank's routed tokens through experts 1/etp wide, k·2f/tp per token under SP
+    whatever etp (torchtitan's ReordererSequenceParallel at etp 1). First of two stages, 1024
+    tokens, k 2, f 512, tp 2: weights + 1024·2·2·512·2/2 = weights + 2,097,152 (etp 1 read
+    4,194,304 for the gradient: every token of the sequence)."""
+    model = ModelSpec(name="tm", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                      moe_ffn_hidden_size=512, layer_mlp_kinds=("moe", "moe"))
+    strategy = Strategy(seq_length=1024, tp=2, ep=2, etp=etp, sequence_parallel=True, dp=2, num_micro_batches=2, pp=2)
+    first = estimate(model, strategy, options=NO_OVERHEAD).stages[0]
+    assert first.transient_bytes == weights + 1024 * 2 * 2 * 512 * 2 / 2

@@ -2142,9 +2142,13 @@ def _evaluate_group(
         # layers' largest weights are a few percent of a layer's activations: not priced.)
         # Megatron fuses the accumulation into its main-grad buffer.
         local_experts = model.num_experts / np.maximum(batch.ep, 1)
+        # (The output gradient is the rank's routed tokens' through experts 1/etp wide: k·2f/tp per
+        # token where each rank routes its own tokens, as the profiles' expert_width shard.)
+        routed_width = np.where(((batch.sequence_parallel > 0) & (tp > 1)) | (tp == 1), tp, etp)
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
-            + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes / etp
+            + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes
+            / routed_width
         )
         loss_freed = _per_op(output_held, seq_chunks)
         # Column by column (see _outer_sum): the same values, in passes over the strategies.
