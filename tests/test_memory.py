@@ -1044,3 +1044,133 @@ def test_torch_ddp_keeps_its_reducer_buckets_beside_the_gradients():
     assert ddp.optimizer_step_bytes - single.optimizer_step_bytes == 4 * elements
     assert ddp.allocated_bytes - single.allocated_bytes == 4 * elements
     assert stage("megatron", 2).comm_bytes == stage("megatron", 1).comm_bytes
+
+
+def test_megatron_mtp_module_keeps_three_norms_by_hand():
+    """Megatron-Core's MultiTokenPredictionLayer (megatron/core/transformer/multi_token_prediction.py)
+    runs enorm on the shifted tokens' embedding, hnorm on the decoder's output, eh_proj on their
+    concatenation (2h), its transformer layer and its final_layernorm, then the shared head and
+    loss: three norms, the last being the one before the head. Megatron profile, TINY (h=64),
+    flash, no dropout, per token:
+      norm   = 2h (input) + 4 (rsigma)                                             = 132
+      layer  = 2·norm + attention 528 + mlp 896                                    = 1688
+      output = norm + 2h (head input) + 4·vocab (fp32 softmax) + 8 (labels)        = 1292
+      MTP    = enorm + hnorm + 2·2h (eh_proj input) + layer + output               = 3500
+    8 tokens: 28,000 bytes (a fourth norm read 29,056)."""
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+    model = TINY.model_copy(update={"mtp_depth": 1})
+    stage = estimate(model, Strategy(seq_length=8), options=options).stages[0]
+    assert stage.activations_by_kind["output"] == 8 * 1292
+    assert stage.activations_by_kind["mtp"] == 8 * (2 * 132 + 2 * 2 * 64 + 1688 + 1292) == 28000
+
+
+@pytest.mark.parametrize(("recompute_layers", "per_token"), [
+    # uniform: the module checkpointed whole keeps its two inputs (2h each) and the head and loss
+    # outside it (output less the final_layernorm it rebuilds): 2·128 + 1292 - 132
+    (0, 2 * 128 + 1292 - 132),
+    # block: Megatron skips the MTP module's recompute, so it keeps what it keeps without recompute
+    (1, 2 * 132 + 2 * 2 * 64 + 1688 + 1292),
+])
+def test_megatron_mtp_module_under_full_recompute(recompute_layers, per_token):
+    """MultiTokenPredictionLayer.forward checkpoints the module (_checkpointed_forward) under
+    --recompute-granularity full: with --recompute-method uniform all of _proj_and_transformer_layer
+    (eh_proj, the layer, the final_layernorm), with block not at all ("not supported for MTP yet.
+    Skipping recompute."). Figures per token as in the test above."""
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+    model = TINY.model_copy(update={"mtp_depth": 1})
+    strategy = Strategy(seq_length=8, recompute="full", recompute_layers=recompute_layers)
+    stage = estimate(model, strategy, options=options).stages[0]
+    assert stage.activations_by_kind["mtp"] == 8 * per_token
+
+
+def test_megatron_mtp_module_rebuilt_whole_in_its_backward():
+    """Under full recompute (uniform) the MTP checkpoint's backward rebuilds the whole module
+    at once: its layer (1688 per token), enorm's and hnorm's statistics, their 2h concatenation
+    (eh_proj's input) and the final_layernorm's input (3 norms' bytes, 3·132), beside the layer's
+    working set (fc1's gradient 2·2·ffn and fc2's input gradient 2·ffn: 768). 8 tokens:
+    8·(3·132 + 1688 + 768) = 22,816 bytes, above a decoder layer's rebuild
+    8·(1688 - 128 + 768) = 18,624 (the transient without MTP, and with it before)."""
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+    strategy = Strategy(seq_length=8, recompute="full")
+    plain = estimate(TINY, strategy, options=options).stages[0]
+    assert plain.transient_bytes == 8 * (1688 - 128 + 768) == 18624
+    with_mtp = estimate(TINY.model_copy(update={"mtp_depth": 1}), strategy, options=options).stages[0]
+    assert with_mtp.transient_bytes == 8 * (3 * 132 + 1688 + 768) == 22816
+
+
+def test_torchtitan_expert_tp_1_splits_the_routed_tokens_over_the_tp_ranks():
+    """torchtitan with EP borrowing the TP ranks (expert TP 1, sequence parallel) applies
+    ReordererSequenceParallel: each TP rank dispatches 1/tp of the router's tokens, so every
+    routed tensor is halved at tp 2; with expert TP = tp each rank routes all of them through
+    experts half as wide. PyTorch profile, a MoE layer (h 64, 4 experts top-2 of width 32), bf16,
+    per token: routed = expert input 2·64·2 + gate/up 2·2·32·2 + activation and down input
+    2·(2·32·2) + weighted output 2·64·2 = 1024; the rest (MoE input 128, router probabilities 16,
+    top-k ids 16, weights 12, sort keys 48) = 220 on every rank. tp 1: 1244; tp 2 etp 1:
+    220 + 1024/2 = 732 (read 1244 before: nothing split); tp 2 etp 2: 220 + 512 + 256 = 988."""
+    from ndplan.memory.stages import layer_activations
+
+    model = ModelSpec(name="tm", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                      moe_ffn_hidden_size=32, layer_mlp_kinds=("moe",))
+
+    def moe_bytes(**fields):
+        acts = layer_activations(model, StrategyBatch.of(Strategy(seq_length=8, ep=2, **fields)), NO_OVERHEAD)
+        return acts.moe_blocks["moe"][0], acts.backward_extra["moe"][0]
+
+    assert moe_bytes(dp=2) == (1244, 3 * 2 * 64 * 2)
+    assert moe_bytes(tp=2, etp=1, sequence_parallel=True) == (732, 3 * 2 * 64 * 2 / 2)
+    assert moe_bytes(tp=2, etp=2, sequence_parallel=True, dp=2) == (988, 3 * 2 * 64 * 2)
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_fsdp_expert_weight_gradient_working_set_takes_the_ranks_routed_tokens(etp):
+    """Under FSDP the fused experts' gate_up weight gradient is made beside the gradient of their
+    output: per routed token on the rank k·2f/etp elements. Under sequence parallelism a rank's
+    routed tokens are its sequence shard's, gathered over the expert-TP group (etp/tp of them),
+    so that gradient is k·2f/tp per token whatever etp. 1024 tokens, k 2, f 512, tp 2, bf16:
+    1024 · 2·2·2·512/2 = 2,097,152 bytes (etp 1 read 4,194,304: every token of the sequence)."""
+    model = ModelSpec(name="tm", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                      moe_ffn_hidden_size=512, layer_mlp_kinds=("moe", "moe"))
+    strategy = Strategy(seq_length=1024, tp=2, ep=2, etp=etp, sequence_parallel=True, dp=2, zero=3, fsdp=True)
+    assert estimate(model, strategy, options=NO_OVERHEAD).stages[0].transient_bytes == 1024 * 2 * 2 * 2 * 512 / 2
+
+
+def test_megatron_expert_tp_without_tp_gathers_the_routed_tokens():
+    """Megatron's all-to-all dispatcher gathers the routed tokens over the expert-TP group
+    (gather_from_sequence_parallel_region on its tp_group, the etp ranks) whatever the attention's
+    TP: at tp 1, etp 2 each rank runs the tokens of two ranks through experts half as wide (the
+    step-time model's expert GEMMs take tokens·k·etp/tp likewise). Megatron profile, a MoE layer
+    (h 64, 4 experts top-2 of 32), bf16, per token: router input 128 + logits 2·4·4 = 32, then
+    routed: permuted tokens 2·64·2 = 256, fc1 output 2·2·32·2 = 256, fc2 input 128, probabilities
+    2·4 = 8. etp 1: 808; etp 2: 160 + 2·256 + 256 + 128 + 2·8 = 1072 (read 616: the tokens
+    unsplit and the widths halved)."""
+    from ndplan.memory.stages import layer_activations
+
+    model = ModelSpec(name="tm", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                      moe_ffn_hidden_size=32, layer_mlp_kinds=("moe",))
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+
+    def moe_bytes(etp):
+        batch = StrategyBatch.of(Strategy(seq_length=8, tp=1, ep=2, etp=etp, dp=4))
+        return layer_activations(model, batch, options).moe_blocks["moe"][0]
+
+    assert moe_bytes(1) == 808
+    assert moe_bytes(2) == 128 + 32 + 2 * 256 + 256 + 128 + 2 * 8 == 1072
+
+
+@pytest.mark.parametrize(("etp", "weights"), [(1, 2 * 2 * 512 * 64 * 2), (2, 2 * 2 * 512 * 64 * 2 // 2)])
+def test_new_expert_gradient_beside_the_kept_one_takes_the_ranks_routed_tokens(etp, weights):
+    """From a step's second micro-batch torch makes the fused experts' gate_up weight gradient
+    anew beside the kept one (2 local experts · 2f·h/etp, 2 bytes), from the gradient of their
+    output: the rank's routed tokens through experts 1/etp wide, k·2f/tp per token under SP
+    whatever etp (torchtitan's ReordererSequenceParallel at etp 1). First of two stages, 1024
+    tokens, k 2, f 512, tp 2: weights + 1024·2·2·512·2/2 = weights + 2,097,152 (etp 1 read
+    4,194,304 for the gradient: every token of the sequence)."""
+    model = ModelSpec(name="tm", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                      moe_ffn_hidden_size=512, layer_mlp_kinds=("moe", "moe"))
+    strategy = Strategy(seq_length=1024, tp=2, ep=2, etp=etp, sequence_parallel=True, dp=2, num_micro_batches=2, pp=2)
+    first = estimate(model, strategy, options=NO_OVERHEAD).stages[0]
+    assert first.transient_bytes == weights + 1024 * 2 * 2 * 512 * 2 / 2

@@ -284,6 +284,12 @@ class LayerActivations:
     #: materialised (eager, the SDPA math path; 0 elsewhere)
     attention_backward: dict[str, np.ndarray]
     mtp_extra: np.ndarray
+    #: One MTP module under full recompute of every layer (Megatron's uniform method), which
+    #: checkpoints the module whole: its two inputs, what the embedding keeps, the head and loss.
+    mtp_checkpointed: np.ndarray
+    #: What that checkpoint rebuilds in the module's backward (its layer whole, its norms and
+    #: eh_proj's input): the module less what it keeps.
+    mtp_rebuilt: np.ndarray
     #: kind -> what recompute rebuilds on the device in backward (full − recomputed before offload)
     rebuilt: dict[str, np.ndarray]
     #: kind -> what activation offload moves to the host per layer (``full``/``recomputed`` are net of it)
@@ -470,12 +476,18 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
+    # Routed tokens: each rank routes its own tokens (its sequence shard under SP; all of its own
+    # without TP) and the dispatcher gathers them over the expert-TP group (Megatron's all-to-all
+    # dispatcher: gather_from_sequence_parallel_region over the etp group), etp/tp of the
+    # sequence's, through experts 1/etp wide. Only TP without SP routes tokens every TP rank
+    # holds (tensor-parallel experts, no gather).
+    own_tokens = sequence_sharded | (tp == 1)
     divisors = {
         "tp": tp,
         "sp": np.where(sequence_sharded, tp, 1.0),
         "etp": etp / options.routed_token_factor,
-        "expert_tokens": np.where(sequence_sharded, tp / etp, 1.0) / options.routed_token_factor,
-        "expert_width": np.where(sequence_sharded, tp, etp) / options.routed_token_factor,
+        "expert_tokens": np.where(own_tokens, tp / etp, 1.0) / options.routed_token_factor,
+        "expert_width": np.where(own_tokens, tp, etp) / options.routed_token_factor,
         "vocab": tp if loss_parallel else np.ones_like(tp),
         "none": np.ones_like(tp),
     }
@@ -602,15 +614,25 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         # whole logits keeps the TP-1 bytes.
         vocab_parallel = options.loss_parallel if options.loss_parallel is not None else profile.loss_parallel
         output = _measured(measured_output, tp if vocab_parallel else np.ones_like(tp), seq)
-    # MTP module: embedding of the shifted tokens, two input norms, the concatenated 2h input of
-    # its projection, then its own output norm, head and loss.
-    mtp_extra = embedding + 3 * norm + 2 * model.hidden_size * act_bytes / divisors["sp"] + output
+    # MTP module (Megatron-Core's MultiTokenPredictionLayer): embedding of the shifted tokens, two
+    # input norms (enorm, hnorm), the concatenated 2h input of its projection, then its own output
+    # norm, head and loss, which ``output`` holds (its norm is the final_layernorm): three norms.
+    hidden_per_token = model.hidden_size * act_bytes / divisors["sp"]
+    mtp_extra = embedding + 2 * norm + 2 * hidden_per_token + output
+    # Under full recompute with --recompute-method uniform Megatron checkpoints the module's
+    # projection, layer and final_layernorm as one (MultiTokenPredictionLayer._checkpointed_forward):
+    # it keeps its inputs, the decoder's hidden states and the shifted tokens' embedding (h each,
+    # sequence-sharded under SP), beside the embedding's dropout mask and the head and loss outside
+    # it (``output`` less the norm, which the checkpoint rebuilds).
+    mtp_checkpointed = embedding + 2 * hidden_per_token + output - norm
     return LayerActivations(
         full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
         weight_unread=weight_unread, weight_read_last=weight_read_last, weight_past=weight_past,
         dense_blocks=by_block["dense"], moe_blocks=by_block["moe"], embedding=embedding, output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
-        backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra, rebuilt=rebuilt,
+        backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra,
+        mtp_checkpointed=mtp_checkpointed, mtp_rebuilt=mtp_extra + full[model.mtp_mlp_kind] - mtp_checkpointed,
+        rebuilt=rebuilt,
         offloaded=offloaded,
     )
 
@@ -1961,7 +1983,15 @@ def _evaluate_group(
     # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
     embedding_held = tokens * (8.0 + acts.embedding)
     output_held = tokens * acts.output
-    mtp_held = tokens * model.mtp_depth * (acts.mtp_extra + np.where(recompute_on, acts.recomputed[mtp_kind], acts.full[mtp_kind]))
+    # Megatron-Core's MTP modules (multi_token_prediction.py) under full recompute: the uniform
+    # method checkpoints each module whole; the block method (a recompute limit) skips their
+    # recompute ("not supported for MTP yet"), so the layer keeps everything. Selective recompute
+    # runs in the module's TransformerLayer as in any other.
+    full_recompute = batch.is_("recompute", "full")
+    mtp_limited = full_recompute & (batch.recompute_layers > 0)
+    mtp_layer = np.where(recompute_on & ~mtp_limited, acts.recomputed[mtp_kind], acts.full[mtp_kind])
+    mtp_module = np.where(full_recompute & ~mtp_limited, acts.mtp_checkpointed, acts.mtp_extra + mtp_layer)
+    mtp_held = tokens * model.mtp_depth * mtp_module
     # Bytes of one micro-batch per virtual stage, held until its backward: the sum of the entries
     # (in this order, so that the sums are those of the breakdown's entries).
     per_b_virtual = layers_held.copy(order="F")
@@ -2112,9 +2142,13 @@ def _evaluate_group(
         # layers' largest weights are a few percent of a layer's activations: not priced.)
         # Megatron fuses the accumulation into its main-grad buffer.
         local_experts = model.num_experts / np.maximum(batch.ep, 1)
+        # (The output gradient is the rank's routed tokens' through experts 1/etp wide: k·2f/tp per
+        # token where each rank routes its own tokens, as the profiles' expert_width shard.)
+        routed_width = np.where(((batch.sequence_parallel > 0) & (tp > 1)) | (tp == 1), tp, etp)
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
-            + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes / etp
+            + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes
+            / routed_width
         )
         loss_freed = _per_op(output_held, seq_chunks)
         # Column by column (see _outer_sum): the same values, in passes over the strategies.
@@ -2128,6 +2162,15 @@ def _evaluate_group(
     # Column by column (see _outer_sum): the same values, in passes over the strategies.
     for column, first in enumerate(first_stage.tolist()):
         out["transient"][:, column] = np.maximum(out["transient"][:, column], embedding_accumulate * first)
+    if model.mtp_depth:
+        # An MTP module checkpointed whole (full recompute, uniform) rebuilds its layer, norms and
+        # eh_proj input at once in its backward, beside that layer's working set: more than one
+        # decoder layer's rebuild, on the stage that holds the modules.
+        mtp_rebuild = np.where(full_recompute & ~mtp_limited,
+                               op_tokens * (acts.mtp_rebuilt + acts.backward_extra[mtp_kind]), 0.0)
+        for column, last in enumerate(last_stage.tolist()):
+            if last:
+                out["transient"][:, column] = np.maximum(out["transient"][:, column], mtp_rebuild)
 
     if split:
         # The frontier's columns after the gradients: each chunk's weight-gradient step while it
@@ -2209,8 +2252,9 @@ def _evaluate_group(
             loss_working=pick(op_tokens * acts.output_transient),
             expert_elements=pick_static(static.expert_elements),
             unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
-            expert_working=pick(op_tokens * _expert_weight_grad_working(model, precision.activation_bytes, etp,
-                                                                     np.where(recompute_on, acts.rebuilt["moe"], 0.0))),
+            expert_working=pick(op_tokens * _expert_weight_grad_working(
+                model, precision.activation_bytes, etp, np.where(recompute_on, acts.rebuilt["moe"], 0.0),
+                np.where(((batch.sequence_parallel > 0) & (tp > 1)) | (tp == 1), etp / tp, 1.0))),
             # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
             one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
             one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
@@ -2399,13 +2443,16 @@ def _scores_backward_moments(acts: LayerActivations, mlp_grads: dict[str, np.nda
 
 
 def _expert_weight_grad_working(model: ModelSpec, activation_bytes: int, etp: np.ndarray,
-                                rebuilt: np.ndarray) -> np.ndarray:
+                                rebuilt: np.ndarray, token_share: Any = 1.0) -> np.ndarray:
     """Bytes per token beside the buffers while a MoE layer's fused gate_up weight gradient is
     made: the gradient of the gate_up output, k·2f/etp, and what recompute rebuilt of the experts,
     the gate_up output and their input, k·(2f/etp + h), but never more than the layer's
     ``rebuilt`` bytes per token (Megatron's default selective recompute rebuilds the attention
-    core alone, not the experts; 0 without recompute). k experts a token, f their width."""
-    per_expert_token = model.num_experts_per_tok * activation_bytes
+    core alone, not the experts; 0 without recompute). k experts a token, f their width.
+    ``token_share``: the rank's share of the routed tokens, etp/tp where each rank routes its own
+    tokens (under sequence parallelism, or without TP), gathered over the expert-TP group (the
+    profiles' ``expert_tokens`` shard), else 1."""
+    per_expert_token = model.num_experts_per_tok * activation_bytes * token_share
     gradient = per_expert_token * 2 * model.moe_ffn_hidden_size / etp
     rebuilt_experts = per_expert_token * (2 * model.moe_ffn_hidden_size / etp + model.hidden_size)
     return gradient + np.minimum(rebuilt_experts, rebuilt)
