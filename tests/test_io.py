@@ -235,6 +235,22 @@ def test_megatron_unknown_and_unmodelled_flags_are_warnings(tmp_path):
     assert not any("--log-interval" in w for w in warnings)
 
 
+def test_megatron_flags_that_hold_more_than_priced_warn(tmp_path):
+    """A micro-batch group other than pp deepens Megatron's interleaved warm-up, and deferred
+    embedding weight gradients keep the head's input and logits gradient per deferred micro-batch:
+    both hold more than ndplan prices, so reading them warns (they were read as no effect)."""
+    path = tmp_path / "train.sh"
+    path.write_text("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 \\\n"
+                    "  --num-layers-per-virtual-pipeline-stage 2 --micro-batch-size 1 --seq-length 4096 \\\n"
+                    "  --microbatch-group-size-per-virtual-pipeline-stage 8 \\\n"
+                    "  --defer-embedding-wgrad-compute --wgrad-deferral-limit 4\n")
+    warnings = read_config(path, model="llama-3.1-8b", devices=16).warnings
+    assert any("--microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule's micro-batch group"
+               in w and "(vpp - 1)·(g - pp) more" in w for w in warnings), warnings
+    assert any("--defer-embedding-wgrad-compute: deferred output-layer weight gradients are not modelled" in w
+               for w in warnings), warnings
+
+
 def test_megatron_world_size_from_devices_when_the_script_has_none(tmp_path):
     path = tmp_path / "args.sh"
     path.write_text("--tensor-model-parallel-size 2 \\\n--micro-batch-size 1 --global-batch-size 16 --seq-length 2048\n")

@@ -23,7 +23,7 @@ NO_EFFECT: frozenset[str] = frozenset("""
 --config-logger-dir --create-attention-mask-in-dataloader --cross-entropy-fusion-impl --cross-entropy-loss-fusion
 --data-args-path --data-cache-path --data-parallel-random-init --data-path --data-sharding --dataloader-type
 --ddp-average-in-collective --ddp-bucket-size --ddp-num-buckets --ddp-pad-buckets-for-high-nccl-busbw
---ddp-reduce-scatter-with-fp32-accumulation --decoupled-lr --decoupled-min-lr --defer-embedding-wgrad-compute
+--ddp-reduce-scatter-with-fp32-accumulation --decoupled-lr --decoupled-min-lr
 --delay-wgrad-compute --deprecated-use-mcore-models --deterministic-mode --disable-bias-linear-fusion
 --disable-straggler-on-startup --disable-tp-comm-bulk-dgrad --disable-tp-comm-bulk-wgrad
 --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs --disable-tp-comm-split-ag --disable-tp-comm-split-rs
@@ -42,7 +42,7 @@ NO_EFFECT: frozenset[str] = frozenset("""
 --loss-scale --loss-scale-window --lr --lr-decay-iters --lr-decay-samples --lr-decay-style --lr-warmup-fraction
 --lr-warmup-init --lr-warmup-iters --lr-warmup-samples --lr-wsd-decay-iters --lr-wsd-decay-samples
 --lr-wsd-decay-style --manual-gc --manual-gc-eval --manual-gc-interval --masked-softmax-fusion --merge-file
---microbatch-group-size-per-virtual-pipeline-stage --mid-level-dataset-surplus --min-loss-scale --min-lr
+--mid-level-dataset-surplus --min-loss-scale --min-lr
 --mmap-bin-files --mock-data --moe-aux-loss-coeff --moe-deepep-num-sms --moe-enable-deepep
 --moe-input-jitter-eps --moe-per-layer-logging --moe-permute-fusion --moe-router-bias-update-rate
 --moe-router-dtype --moe-router-enable-expert-bias --moe-router-force-load-balancing --moe-router-fusion
@@ -126,7 +126,15 @@ UNMODELLED: dict[str, str] = {
     "--cpu-offloading-num-layers": "activation offloading to the host is not modelled",
     "--cpu-offloading": "activation offloading to the host is not modelled",
     "--distribute-saved-activations": "recomputation inputs split over the tensor-parallel group are not modelled",
-    "--fp8-param-gather": "fp8 parameter copies are not modelled; ndplan prices bf16 parameters",
+    "--fp8-param-gather": ("fp8 parameters are not modelled: ndplan prices bf16 parameters and Transformer Engine's "
+                           "fp8 copies of the weights (2 B an element) beside them, more than this run holds"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": (
+        "the interleaved schedule's micro-batch group is priced at its default, pp: a larger group g holds "
+        "(vpp - 1)·(g - pp) more chunk micro-batches on every rank in the warm-up (get_pp_rank_microbatches), "
+        "so the estimate reads low"),
+    "--defer-embedding-wgrad-compute": (
+        "deferred output-layer weight gradients are not modelled: the last stage keeps the output layer's input "
+        "and its logits gradient for each deferred micro-batch until the flush, so the estimate reads low"),
     "--fp4-format": "fp4 compute is not modelled",
     "--fp4-param-gather": "fp4 parameter copies are not modelled",
     "--reuse-fp32-param": "MindSpeed's reuse of the fp32 parameter buffer is not modelled",
