@@ -93,3 +93,23 @@ def test_full_mesh_gives_a_small_group_only_its_direct_links():
     full = float(group_link(8, 1, fabric).bandwidth)
     pair = float(group_link(2, 1, fabric).bandwidth)
     assert pair == pytest.approx(full / 7)
+
+
+@pytest.mark.parametrize(("name", "link_one_way"), [("mi300x", 64e9), ("ascend-910b", 28e9)])
+@pytest.mark.parametrize(("num_devices", "node"), [(2, None), (4, None), (16, None), (8, 4)])
+def test_a_mesh_pair_gets_one_link_however_few_devices_the_job_has(
+    name: str, link_one_way: float, num_devices: int, node: int | None
+) -> None:
+    """A full mesh's per-device figure sums its D-1 direct links (MI300X: 7 xGMI links of 64 GB/s
+    each way, Ascend 910B: 7 HCCS links of 28 GB/s). A pair of devices talks over one of them
+    whether the job holds 2, 4 or 16 devices: the share was (n-1)/(domain-1) of the cluster's
+    capped domain, so a 2-device MI300X job priced its pair at all 7 links (448 GB/s, 7x)."""
+    device = get_device(name)
+    eff = default_efficiency(device)
+    fabric = Fabric.of(Cluster(device=device, num_devices=num_devices, devices_per_node=node), eff)
+    assert device.scaleup_bandwidth_bytes_per_s == pytest.approx(7 * link_one_way)
+    one = link_one_way * eff.scaleup_efficiency
+    assert float(group_link(2, 1, fabric).bandwidth) == pytest.approx(one)
+    assert float(group_link(2, 1, fabric, "p2p").bandwidth) == pytest.approx(one)
+    if fabric.domain >= 4:
+        assert float(group_link(4, 1, fabric).bandwidth) == pytest.approx(3 * one)

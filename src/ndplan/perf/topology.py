@@ -14,7 +14,9 @@ over each device's own scale-out NIC. For a group of n ranks at stride st (span 
 
 * fits: the span divides the domain size -> every group lies inside one domain: scale-up.
   Switched fabrics give each device its full scale-up bandwidth; a full mesh (MI300X, Ascend
-  910B) gives a group of n only its n-1 direct links: (n-1)/(D-1) of it.
+  910B) gives a group of n only its n-1 direct links: (n-1)/(D-1) of it, D the device's own
+  ``scaleup_domain_size`` (its D-1 links are what the per-device figure sums), not the
+  cluster's domain, which a small job or a smaller node caps.
 * spans domains with g = members per domain: ring collectives (all-reduce, reduce-scatter,
   all-gather) cross domains once per ring, and NCCL-style multi-channel rings spread those
   crossings over the g members' NICs: bandwidth min(scale-up, g·scale-out). All-to-all sends
@@ -51,6 +53,9 @@ class Fabric:
     mesh: bool
     #: device-to-host link, bytes/s per direction (activation and optimizer offload)
     host_bw: float = 0.0
+    #: direct links per device in a full mesh (the device's own domain less one), over which
+    #: ``scaleup_bw`` is summed; 0: ``domain - 1``
+    mesh_links: int = 0
 
     @classmethod
     def of(cls, cluster: Cluster, eff: EfficiencyProfile) -> Fabric:
@@ -63,6 +68,7 @@ class Fabric:
             scaleout_latency=eff.scaleout_latency_s,
             mesh=eff.scaleup_topology == "mesh",
             host_bw=device.host_link_bandwidth_bytes_per_s * eff.host_link_efficiency,
+            mesh_links=max(device.scaleup_domain_size - 1, 1),
         )
 
 
@@ -100,7 +106,8 @@ def _inside_bw(fabric: Fabric, members: Array | float) -> Array | float:
     if not fabric.mesh or fabric.domain <= 1:
         return fabric.scaleup_bw
     links = np.maximum(np.asarray(members, dtype=np.float64) - 1.0, 1.0)
-    return fabric.scaleup_bw * links / (fabric.domain - 1)
+    # per link: the device's figure over ITS links; a 2-device job's pair still has one of 7
+    return fabric.scaleup_bw * links / (fabric.mesh_links or fabric.domain - 1)
 
 
 def inside_bandwidth(fabric: Fabric, members: Array | float) -> Array | float:
