@@ -564,3 +564,26 @@ def test_one_model_failing_keeps_the_others_census(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "census of 1 model failed (the others' records are in" in err and "gpt-oss-20b: census:" in err
     assert {r.layer_kind for r in load_census_file(out)} == {"dense", "output"}
+
+
+@needs_torch
+def test_an_eager_census_prices_its_s2_term_once_and_splits_it_by_tp():
+    """A review: the estimator added ``saved_bytes_per_token_per_seq * seq`` to the headline
+    bytes per token, which already hold that term at the measured length (the s^2 attention
+    probabilities counted twice), and did not split it by TP. Priced at the measured length the
+    estimate is the record's own figure; elsewhere, ``saved_at``'s slope."""
+    from ndplan.census import run_census
+    from ndplan.memory.stages import MemoryOptions, layer_activations
+    from ndplan.model.hf import spec_from_hf_config
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    records = run_census(TINY_LLAMA, seq_length=SEQ, attention="eager")
+    dense = _by_kind(records)["dense"]
+    assert dense.saved_bytes_per_token_per_seq > 0
+    model = spec_from_hf_config(TINY_LLAMA, name="tiny-llama")
+    options = MemoryOptions(census=tuple(records), attention="eager")
+    for tp, seq in ((1, SEQ), (2, SEQ), (1, 2 * SEQ), (2, 2 * SEQ)):
+        acts = layer_activations(model, StrategyBatch.of(Strategy(tp=tp, seq_length=seq)), options)
+        assert acts.full["dense"][0] == pytest.approx(dense.saved_at(tp=tp, seq_length=seq))
+    at_measured = layer_activations(model, StrategyBatch.of(Strategy(seq_length=SEQ)), options)
+    assert at_measured.full["dense"][0] == pytest.approx(dense.saved_bytes_per_token)
