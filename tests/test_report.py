@@ -635,3 +635,13 @@ def test_malformed_report_json_names_the_field(tmp_path: Path, capsys: pytest.Ca
     bad.write_text(json.dumps(data))
     assert main(["report", str(bad), "-o", str(tmp_path / "r.html")]) == 2
     assert "time.step_s must be a number of seconds, got '1.2'" in capsys.readouterr().err
+
+
+def test_a_search_rows_headroom_is_a_share_of_the_device():
+    """A review: a ranked row's ``headroom`` (the fraction of the device a caveat asks to leave
+    free, 0.3 for FSDP) showed as a bare "0.3" in the table; `ndplan search` says 30%."""
+    from ndplan.report.html import cell, column_label
+
+    assert cell("headroom", 0.3)[0] == "30%"
+    assert cell("headroom", 0.0)[0] == "0%"
+    assert column_label("headroom") == "headroom to leave"

@@ -219,6 +219,8 @@ _LABELS = {
     "rank": "#", "micro_batch_size": "mbs", "num_micro_batches": "micro-batches", "seq_length": "seq",
     "tokens_per_s": "tokens/s", "tokens_per_s_per_device": "tokens/s/device", "mfu": "MFU", "hfu": "HFU",
     "step_s": "step (s)", "peak_bytes": "peak (GiB)", "sequence_parallel": "sp", "global_batch_size": "gbs",
+    # search's fraction of the device a caveat asks to leave free (memory.report.headroom)
+    "headroom": "headroom to leave",
 }
 
 
@@ -262,6 +264,8 @@ def cell(key: str, value: Any) -> tuple[str, str, str]:
         if key.endswith("_s"):
             text = f"{number:,.1f}" if abs(number) >= 100 else f"{number:.3f}" if abs(number) >= 1 else f"{number:.4g}"
             return text, _key(number), ""
+        if key == "headroom":  # a fraction of the device, as `ndplan search` prints it
+            return f"{100 * number:.0f}%", _key(number), ""
         if key in ("mfu", "hfu") or key.endswith("_fraction"):
             return (f"{100 * number:.1f}%" if abs(number) <= 1.5 else f"{number:.4g}"), _key(number), ""
         return fmt_number(number), _key(number), ""
