@@ -645,3 +645,24 @@ def test_a_search_rows_headroom_is_a_share_of_the_device():
     assert cell("headroom", 0.3)[0] == "30%"
     assert cell("headroom", 0.0)[0] == "0%"
     assert column_label("headroom") == "headroom to leave"
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"step_s": "fast"}, "ranked[0]: step_s must be a number, got 'fast'"),
+    ({"step_s": 3.5, "tokens_per_s": "many"}, "ranked[0]: tokens_per_s must be a number, got 'many'"),
+    ({"step_s": 3.5, "mfu": [0.4]}, "ranked[0]: mfu must be a number, got [0.4]"),
+    ({"step_s": 3.5, "peak_bytes": True}, "ranked[0]: peak_bytes must be a number, got True"),
+])
+def test_a_ranked_rows_junk_figure_is_named(row: dict[str, Any], message: str) -> None:
+    """A fuzzing review: a quoted step time in a search's ranked row was a TypeError traceback
+    where the page's headline formats it (the step's own step_s already said so)."""
+    from ndplan.errors import NdplanError
+
+    with pytest.raises(NdplanError, match=re.escape(message)):
+        render_html({"ranked": [row]})
+
+
+def test_a_ranked_rows_non_finite_figures_read_as_missing() -> None:
+    """NaN (which Python's json reads) printed 'nan µs' as the best step time."""
+    page = render_html({"ranked": [{"step_s": float("nan"), "tokens_per_s": float("inf"), "mfu": float("nan")}]})
+    assert "nan µs" not in page and "nan%" not in page and "inf tok" not in page
