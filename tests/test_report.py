@@ -389,7 +389,10 @@ def test_cli_errors_are_ndplan_errors(tmp_path: Path) -> None:
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     for extra, match in [(["-o", str(tmp_path / "x.svg")], r"the report is one HTML page; name it \.html"),
-                         (["-o", str(tmp_path / "y.html"), "--plot-dir", str(a_file)], "a_file: not a folder")]:
+                         (["-o", str(tmp_path / "y.html"), "--plot-dir", str(a_file)], "a_file: not a folder"),
+                         # a folder under a file: y.html was written, then the figures failed
+                         (["-o", str(tmp_path / "y.html"), "--plot-dir", str(a_file / "figs")],
+                          "a_file: not a folder")]:
         args = parser.parse_args(["report", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
                                   "--gbs", "16", *extra])
         with pytest.raises(NdplanError, match=match):
