@@ -363,3 +363,14 @@ def test_cli_verify_a_measured_files_bad_field_is_named(run, tmp_path: Path, fie
                                "ranks": [{"stage": 0, "allocated_bytes": 10**10}], **fields}))
     code, _, err = run("verify", "--measured", bad)
     assert code == 2 and needle in err and "--layers" not in err, err
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (("--attention", "eager"), "--attention: the measured file states the kernel its run used"),
+    (("--backend", "cuda"), "--backend measures a step"),
+])
+def test_cli_verify_measured_refuses_flags_it_would_ignore(run, flags: tuple, needle: str) -> None:
+    """A review: with --measured FILE, --attention eager and --backend cuda were dropped without
+    a word (the file's own kernel was estimated, nothing was measured)."""
+    code, _, err = run("verify", "--measured", CLUSTER, *flags)
+    assert code == 2 and needle in err, err
