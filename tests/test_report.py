@@ -669,3 +669,21 @@ def test_a_ranked_rows_non_finite_figures_read_as_missing() -> None:
     """NaN (which Python's json reads) printed 'nan µs' as the best step time."""
     page = render_html({"ranked": [{"step_s": float("nan"), "tokens_per_s": float("inf"), "mfu": float("nan")}]})
     assert "nan µs" not in page and "nan%" not in page and "inf tok" not in page
+
+
+def test_a_verify_result_is_refused_not_drawn_as_zeros(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A review: `ndplan verify --json` output has 'stages' (of estimate-vs-measured rows), and the
+    report drew it as an estimate of 0.00 GiB per stage on '?' devices; a stage with no memory
+    figure at all did the same."""
+    from ndplan.cli import main
+    from ndplan.errors import NdplanError
+
+    measured = Path(__file__).parent / "data" / "measured" / "example-cluster.json"
+    assert main(["verify", "--measured", str(measured), "--json"]) == 0
+    saved = tmp_path / "verify.json"
+    saved.write_text(capsys.readouterr().out)
+    assert main(["report", str(saved), "-o", str(tmp_path / "v.html")]) == 2
+    assert "is a result of ndplan verify" in capsys.readouterr().err
+    assert not (tmp_path / "v.html").exists()
+    with pytest.raises(NdplanError, match=re.escape("stage 0 has no memory figure (peak_bytes, allocated_bytes")):
+        render_html({"stages": [{"stage": 0, "layers": 2}]})

@@ -70,6 +70,12 @@ def load_result(source: str) -> dict[str, Any]:
         raise NdplanError(f"{source} is a measured-memory file (per-rank peaks); `ndplan verify --measured "
                           f"{source}` compares it with the estimate, and `ndplan report` draws a result of "
                           "estimate, search or balance --json")
+    stages = data.get("stages")
+    if isinstance(stages, list) and stages and isinstance(stages[0], dict) and "rows" in stages[0] \
+            and "measured_ranks" in stages[0]:  # `ndplan verify --json`: estimate-vs-measured rows per stage
+        raise NdplanError(f"{source} is a result of ndplan verify (the estimate against a measurement, per stage), "
+                          "not of estimate, search or balance: `ndplan verify` prints it; `ndplan report` draws "
+                          "`ndplan estimate --json` of the same model and strategy")
     if not shows_something(data):
         raise NdplanError(f"{source} is not a result of estimate, search or balance (it has no per-stage memory "
                           f"'stages', no ranked rows, no candidates and no model with a strategy; save one with `ndplan estimate|search|balance "

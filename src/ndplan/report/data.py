@@ -179,6 +179,10 @@ def _plain_bytes(value: Any) -> bool:
             and -1e6 < value < 1e18)
 
 
+#: A stage's figures the memory charts draw: at least one must be given.
+_STAGE_FIGURES = ("peak_bytes", "allocated_bytes", "reserved_bytes", *(f"{k}_bytes" for k in MEMORY_CATEGORY_KEYS))
+
+
 def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per stage: the category stack and the layer-kind stack, each summing to the peak.
 
@@ -202,6 +206,10 @@ def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             count = stage.get(key)
             if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
                 raise NdplanError(f"stage {index}: {key} must be a whole number >= 0, got {count!r}")
+        if not any(finite(stage.get(key)) is not None for key in _STAGE_FIGURES):
+            # nothing to draw: a page of 0.00 GiB bars read as an estimate of nothing
+            raise NdplanError(f"stage {stage.get('stage', index)} has no memory figure ("
+                              f"{', '.join(_STAGE_FIGURES[:3])} or a category's bytes)")
         cats = {k: finite(stage.get(f"{k}_bytes")) or 0.0 for k in MEMORY_CATEGORY_KEYS}
         base = sum(cats.values())
         peak = finite(stage.get("peak_bytes"))
