@@ -587,3 +587,16 @@ def test_an_eager_census_prices_its_s2_term_once_and_splits_it_by_tp():
         assert acts.full["dense"][0] == pytest.approx(dense.saved_at(tp=tp, seq_length=seq))
     at_measured = layer_activations(model, StrategyBatch.of(Strategy(seq_length=SEQ)), options)
     assert at_measured.full["dense"][0] == pytest.approx(dense.saved_bytes_per_token)
+
+
+@needs_torch
+def test_a_model_type_transformers_lacks_is_one_short_line():
+    """A review: transformers' 'Unrecognized model identifier' lists all of its ~900 model types,
+    and the census quoted the 10 KB list whole as its one-line error."""
+    from ndplan.census import run_census
+
+    with pytest.raises(NdplanError) as error:
+        run_census({**TINY_LLAMA, "model_type": "nosuch"}, seq_length=SEQ)
+    message = str(error.value)
+    assert "transformers cannot build a 'nosuch' config: Unrecognized model identifier: nosuch" in message
+    assert len(message) < 400, len(message)
