@@ -600,3 +600,14 @@ def test_a_model_type_transformers_lacks_is_one_short_line():
     message = str(error.value)
     assert "transformers cannot build a 'nosuch' config: Unrecognized model identifier: nosuch" in message
     assert len(message) < 400, len(message)
+
+
+def test_a_yaml_model_spec_is_named_as_not_measurable(tmp_path):
+    """A review: `ndplan census spec.yaml` said 'cannot read spec.yaml: Expecting value: line 1
+    column 1 (char 0)', a JSON parser's words for a file ndplan itself reads as a model."""
+    from ndplan.census.measure import load_hf_config
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: x\nhidden_size: 64\n")
+    with pytest.raises(NdplanError, match="not a Hugging Face config.json .*line 1"):
+        load_hf_config(str(spec))
