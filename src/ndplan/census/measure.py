@@ -393,9 +393,9 @@ def load_hf_config(path_or_preset: str) -> tuple[str, dict[str, Any]]:
         raise NdplanError(f"census: cannot read {p}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         # transformers builds the model from its HF config: an ndplan YAML spec has none
-        raise NdplanError(f"census: {p} is not a Hugging Face config.json ({e.msg} at line {e.lineno}); the "
-                          "measurement builds the model with transformers from its config, so an ndplan YAML "
-                          "model spec cannot be measured") from None
+        why = ("; the measurement builds the model with transformers from its config, so an ndplan YAML "
+               "model spec cannot be measured") if p.suffix.lower() in (".yaml", ".yml") else ""
+        raise NdplanError(f"census: {p} is not a Hugging Face config.json ({e.msg} at line {e.lineno}){why}") from None
     if not isinstance(data, dict):
         raise NdplanError(f"census: {p} is not a JSON object")
     return name, data
