@@ -687,3 +687,14 @@ def test_a_verify_result_is_refused_not_drawn_as_zeros(tmp_path: Path, capsys: p
     assert not (tmp_path / "v.html").exists()
     with pytest.raises(NdplanError, match=re.escape("stage 0 has no memory figure (peak_bytes, allocated_bytes")):
         render_html({"stages": [{"stage": 0, "layers": 2}]})
+
+
+def test_each_memory_sources_table_names_its_source() -> None:
+    """A review: a balance report has two stage tables (balanced, as given) one under the other;
+    only the charts, drawn by script, said which was which, so the tables read alike."""
+    stage = {"stage": 0, "layers": 2, "params_bytes": 2**30, "peak_bytes": 2**31}
+    page = render_html({"kind": "balance", "balanced": {"stages": [stage]},
+                        "given": {"stages": [{**stage, "peak_bytes": 2**32}]}})
+    assert "<caption>balanced</caption>" in page and "<caption>as given</caption>" in page
+    single = render_html({"stages": [stage]})
+    assert "<caption>" not in single

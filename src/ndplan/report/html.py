@@ -273,10 +273,10 @@ def cell(key: str, value: Any) -> tuple[str, str, str]:
 
 
 def _table(headers: Sequence[tuple[str, str]], rows: Sequence[Sequence[tuple[str, str, str, str]]],
-           *, sortable: bool, row_classes: Sequence[str] | None = None, table_id: str = "") -> str:
+           *, sortable: bool, row_classes: Sequence[str] | None = None, table_id: str = "", caption: str = "") -> str:
     """headers: (label, class); cells: (display, sort value, title, class)."""
     out = [f'<table class="ndp{" sortable" if sortable else ""}"{f" id={chr(34)}{esc(table_id)}{chr(34)}" if table_id else ""}>',
-           "<thead><tr>"]
+           *([f"<caption>{esc(caption)}</caption>"] if caption else []), "<thead><tr>"]
     out += [f'<th class="{esc(cls)}" scope="col">{esc(label)}</th>' for label, cls in headers]
     out.append("</tr></thead><tbody>")
     for i, row in enumerate(rows):
@@ -326,7 +326,8 @@ def stage_table(memory: Mapping[str, Any]) -> str:
         if cap and st["peak_bytes"] > cap:
             cls += " over"
         classes.append(cls.strip())
-    return _table(headers, rows, sortable=False, row_classes=classes)
+    # where a result has several memory sources (balanced and as given), which one this is
+    return _table(headers, rows, sortable=False, row_classes=classes, caption=str(memory.get("name") or ""))
 
 
 def rows_table(rows: Sequence[Mapping[str, Any]], limit: float | None) -> tuple[str, str]:
