@@ -698,3 +698,12 @@ def test_each_memory_sources_table_names_its_source() -> None:
     assert "<caption>balanced</caption>" in page and "<caption>as given</caption>" in page
     single = render_html({"stages": [stage]})
     assert "<caption>" not in single
+
+
+def test_the_inputs_tables_times_carry_their_unit() -> None:
+    """A review: a balance result's estimated_step_s and solve_seconds read as bare floats
+    (17.077534216098208, 0.001114342001528712) in the Inputs table."""
+    from ndplan.report.html import kv_table
+
+    table = kv_table({"estimated_step_s": 17.077534216098208, "solve_seconds": 0.001114342001528712, "dp": 2})
+    assert "<td>17.0775 s</td>" in table and "<td>0.00111434 s</td>" in table and "<td>2</td>" in table

@@ -376,6 +376,8 @@ def kv_table(items: Mapping[str, Any]) -> str:
         if key.endswith("_bytes") and isinstance(value, (int, float)) and not isinstance(value, bool):
             # A total in GiB beside its bytes; a per-element width (precision.param_bytes 2) as bytes.
             text = f"{value:,.0f} ({value / GIB:,.2f} GiB)" if value >= 1024 else f"{value:g} B"
+        elif key.endswith(("_s", "_seconds")) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            text = f"{value:g} s"  # a balance's estimated_step_s, solve_seconds
         out.append(f"<tr><th>{esc(key)}</th><td>{esc(text)}</td></tr>")
     out.append("</table>")
     return "".join(out)
