@@ -611,3 +611,16 @@ def test_a_yaml_model_spec_is_named_as_not_measurable(tmp_path):
     spec.write_text("name: x\nhidden_size: 64\n")
     with pytest.raises(NdplanError, match="not a Hugging Face config.json .*line 1"):
         load_hf_config(str(spec))
+
+
+def test_python_m_census_out_to_a_missing_folder_is_an_error_line(tmp_path, monkeypatch, capsys):
+    """A review: `python -m ndplan.census MODEL --out missing/x.json` measured, printed its table,
+    then ended in a FileNotFoundError traceback; save_census_file now raises an NdplanError."""
+    from ndplan.census import __main__ as census_main
+    from ndplan.census.record import save_census_file
+
+    with pytest.raises(NdplanError, match="cannot write census file .*missing"):
+        save_census_file(tmp_path / "missing" / "x.json", [])
+    monkeypatch.setattr(census_main, "run_census", lambda *a, **k: [])
+    assert census_main.main(["llama-3.1-8b", "--out", str(tmp_path / "missing" / "x.json")]) == 2
+    assert "cannot write census file" in capsys.readouterr().err
