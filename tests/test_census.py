@@ -564,3 +564,63 @@ def test_one_model_failing_keeps_the_others_census(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "census of 1 model failed (the others' records are in" in err and "gpt-oss-20b: census:" in err
     assert {r.layer_kind for r in load_census_file(out)} == {"dense", "output"}
+
+
+@needs_torch
+def test_an_eager_census_prices_its_s2_term_once_and_splits_it_by_tp():
+    """A review: the estimator added ``saved_bytes_per_token_per_seq * seq`` to the headline
+    bytes per token, which already hold that term at the measured length (the s^2 attention
+    probabilities counted twice), and did not split it by TP. Priced at the measured length the
+    estimate is the record's own figure; elsewhere, ``saved_at``'s slope."""
+    from ndplan.census import run_census
+    from ndplan.memory.stages import MemoryOptions, layer_activations
+    from ndplan.model.hf import spec_from_hf_config
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    records = run_census(TINY_LLAMA, seq_length=SEQ, attention="eager")
+    dense = _by_kind(records)["dense"]
+    assert dense.saved_bytes_per_token_per_seq > 0
+    model = spec_from_hf_config(TINY_LLAMA, name="tiny-llama")
+    options = MemoryOptions(census=tuple(records), attention="eager")
+    for tp, seq in ((1, SEQ), (2, SEQ), (1, 2 * SEQ), (2, 2 * SEQ)):
+        acts = layer_activations(model, StrategyBatch.of(Strategy(tp=tp, seq_length=seq)), options)
+        assert acts.full["dense"][0] == pytest.approx(dense.saved_at(tp=tp, seq_length=seq))
+    at_measured = layer_activations(model, StrategyBatch.of(Strategy(seq_length=SEQ)), options)
+    assert at_measured.full["dense"][0] == pytest.approx(dense.saved_bytes_per_token)
+
+
+@needs_torch
+def test_a_model_type_transformers_lacks_is_one_short_line():
+    """A review: transformers' 'Unrecognized model identifier' lists all of its ~900 model types,
+    and the census quoted the 10 KB list whole as its one-line error."""
+    from ndplan.census import run_census
+
+    with pytest.raises(NdplanError) as error:
+        run_census({**TINY_LLAMA, "model_type": "nosuch"}, seq_length=SEQ)
+    message = str(error.value)
+    assert "transformers cannot build a 'nosuch' config: Unrecognized model identifier: nosuch" in message
+    assert len(message) < 400, len(message)
+
+
+def test_a_yaml_model_spec_is_named_as_not_measurable(tmp_path):
+    """A review: `ndplan census spec.yaml` said 'cannot read spec.yaml: Expecting value: line 1
+    column 1 (char 0)', a JSON parser's words for a file ndplan itself reads as a model."""
+    from ndplan.census.measure import load_hf_config
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: x\nhidden_size: 64\n")
+    with pytest.raises(NdplanError, match="not a Hugging Face config.json .*line 1"):
+        load_hf_config(str(spec))
+
+
+def test_python_m_census_out_to_a_missing_folder_is_an_error_line(tmp_path, monkeypatch, capsys):
+    """A review: `python -m ndplan.census MODEL --out missing/x.json` measured, printed its table,
+    then ended in a FileNotFoundError traceback; save_census_file now raises an NdplanError."""
+    from ndplan.census import __main__ as census_main
+    from ndplan.census.record import save_census_file
+
+    with pytest.raises(NdplanError, match="cannot write census file .*missing"):
+        save_census_file(tmp_path / "missing" / "x.json", [])
+    monkeypatch.setattr(census_main, "run_census", lambda *a, **k: [])
+    assert census_main.main(["llama-3.1-8b", "--out", str(tmp_path / "missing" / "x.json")]) == 2
+    assert "cannot write census file" in capsys.readouterr().err

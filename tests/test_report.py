@@ -389,7 +389,10 @@ def test_cli_errors_are_ndplan_errors(tmp_path: Path) -> None:
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     for extra, match in [(["-o", str(tmp_path / "x.svg")], r"the report is one HTML page; name it \.html"),
-                         (["-o", str(tmp_path / "y.html"), "--plot-dir", str(a_file)], "a_file: not a folder")]:
+                         (["-o", str(tmp_path / "y.html"), "--plot-dir", str(a_file)], "a_file: not a folder"),
+                         # a folder under a file: y.html was written, then the figures failed
+                         (["-o", str(tmp_path / "y.html"), "--plot-dir", str(a_file / "figs")],
+                          "a_file: not a folder")]:
         args = parser.parse_args(["report", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
                                   "--gbs", "16", *extra])
         with pytest.raises(NdplanError, match=match):
@@ -635,3 +638,72 @@ def test_malformed_report_json_names_the_field(tmp_path: Path, capsys: pytest.Ca
     bad.write_text(json.dumps(data))
     assert main(["report", str(bad), "-o", str(tmp_path / "r.html")]) == 2
     assert "time.step_s must be a number of seconds, got '1.2'" in capsys.readouterr().err
+
+
+def test_a_search_rows_headroom_is_a_share_of_the_device():
+    """A review: a ranked row's ``headroom`` (the fraction of the device a caveat asks to leave
+    free, 0.3 for FSDP) showed as a bare "0.3" in the table; `ndplan search` says 30%."""
+    from ndplan.report.html import cell, column_label
+
+    assert cell("headroom", 0.3)[0] == "30%"
+    assert cell("headroom", 0.0)[0] == "0%"
+    assert column_label("headroom") == "headroom to leave"
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"step_s": "fast"}, "ranked[0]: step_s must be a number, got 'fast'"),
+    ({"step_s": 3.5, "tokens_per_s": "many"}, "ranked[0]: tokens_per_s must be a number, got 'many'"),
+    ({"step_s": 3.5, "mfu": [0.4]}, "ranked[0]: mfu must be a number, got [0.4]"),
+    ({"step_s": 3.5, "peak_bytes": True}, "ranked[0]: peak_bytes must be a number, got True"),
+])
+def test_a_ranked_rows_junk_figure_is_named(row: dict[str, Any], message: str) -> None:
+    """A fuzzing review: a quoted step time in a search's ranked row was a TypeError traceback
+    where the page's headline formats it (the step's own step_s already said so)."""
+    from ndplan.errors import NdplanError
+
+    with pytest.raises(NdplanError, match=re.escape(message)):
+        render_html({"ranked": [row]})
+
+
+def test_a_ranked_rows_non_finite_figures_read_as_missing() -> None:
+    """NaN (which Python's json reads) printed 'nan µs' as the best step time."""
+    page = render_html({"ranked": [{"step_s": float("nan"), "tokens_per_s": float("inf"), "mfu": float("nan")}]})
+    assert "nan µs" not in page and "nan%" not in page and "inf tok" not in page
+
+
+def test_a_verify_result_is_refused_not_drawn_as_zeros(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A review: `ndplan verify --json` output has 'stages' (of estimate-vs-measured rows), and the
+    report drew it as an estimate of 0.00 GiB per stage on '?' devices; a stage with no memory
+    figure at all did the same."""
+    from ndplan.cli import main
+    from ndplan.errors import NdplanError
+
+    measured = Path(__file__).parent / "data" / "measured" / "example-cluster.json"
+    assert main(["verify", "--measured", str(measured), "--json"]) == 0
+    saved = tmp_path / "verify.json"
+    saved.write_text(capsys.readouterr().out)
+    assert main(["report", str(saved), "-o", str(tmp_path / "v.html")]) == 2
+    assert "is a result of ndplan verify" in capsys.readouterr().err
+    assert not (tmp_path / "v.html").exists()
+    with pytest.raises(NdplanError, match=re.escape("stage 0 has no memory figure (peak_bytes, allocated_bytes")):
+        render_html({"stages": [{"stage": 0, "layers": 2}]})
+
+
+def test_each_memory_sources_table_names_its_source() -> None:
+    """A review: a balance report has two stage tables (balanced, as given) one under the other;
+    only the charts, drawn by script, said which was which, so the tables read alike."""
+    stage = {"stage": 0, "layers": 2, "params_bytes": 2**30, "peak_bytes": 2**31}
+    page = render_html({"kind": "balance", "balanced": {"stages": [stage]},
+                        "given": {"stages": [{**stage, "peak_bytes": 2**32}]}})
+    assert "<caption>balanced</caption>" in page and "<caption>as given</caption>" in page
+    single = render_html({"stages": [stage]})
+    assert "<caption>" not in single
+
+
+def test_the_inputs_tables_times_carry_their_unit() -> None:
+    """A review: a balance result's estimated_step_s and solve_seconds read as bare floats
+    (17.077534216098208, 0.001114342001528712) in the Inputs table."""
+    from ndplan.report.html import kv_table
+
+    table = kv_table({"estimated_step_s": 17.077534216098208, "solve_seconds": 0.001114342001528712, "dp": 2})
+    assert "<td>17.0775 s</td>" in table and "<td>0.00111434 s</td>" in table and "<td>2</td>" in table

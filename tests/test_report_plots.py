@@ -110,3 +110,17 @@ def test_plot_errors_are_one_line(est: dict[str, Any], tmp_path: Path) -> None:
         plot_time({"stages": est["stages"]}, tmp_path / "t.png")
     with pytest.raises(NdplanError, match="no candidates"):
         plot_pareto({"candidates": None}, tmp_path / "p.png")
+
+
+def test_a_timeline_in_forward_units_names_the_chunk_as_the_page_does() -> None:
+    """The figure said 'one micro-batch forward' where the page says 'on one chunk': under vpp a
+    unit is one chunk's forward, a vpp-th of a micro-batch's."""
+    from matplotlib.figure import Figure
+
+    from ndplan.report.data import schedule_to_dict
+    from ndplan.report.plots import _draw_timeline
+
+    tl = {**schedule_to_dict(simulate("interleaved", 2, 2, 4)), "unit": "forward"}
+    fig = Figure()
+    _draw_timeline(fig, tl, "")
+    assert fig.axes[0].get_xlabel() == "time (unit: one micro-batch forward on one chunk)"

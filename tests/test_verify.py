@@ -349,3 +349,28 @@ def test_verify_from_a_torchtitan_config_measures_its_pipeline_runs() -> None:
         assert short in strategy_from_args(args).short() + " ", flags
     with pytest.raises(NdplanError, match="give --dp or --pipeline-runs"):
         _apply_from(parser.parse_args(["--from", str(config), "--tp", "1"]))
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    # A file's depth beyond the model's blamed a --layers flag nobody gave.
+    ({"num_layers": 100}, "'num_layers' 100 exceeds llama-3.1-8b's 32 layers"),
+    # true == 1 in Python: a boolean version was read as version 1.
+    ({"schema_version": True}, "schema_version True is not supported"),
+])
+def test_cli_verify_a_measured_files_bad_field_is_named(run, tmp_path: Path, fields: dict, needle: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": "llama-3.1-8b", "strategy": {},
+                               "ranks": [{"stage": 0, "allocated_bytes": 10**10}], **fields}))
+    code, _, err = run("verify", "--measured", bad)
+    assert code == 2 and needle in err and "--layers" not in err, err
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (("--attention", "eager"), "--attention: the measured file states the kernel its run used"),
+    (("--backend", "cuda"), "--backend measures a step"),
+])
+def test_cli_verify_measured_refuses_flags_it_would_ignore(run, flags: tuple, needle: str) -> None:
+    """A review: with --measured FILE, --attention eager and --backend cuda were dropped without
+    a word (the file's own kernel was estimated, nothing was measured)."""
+    code, _, err = run("verify", "--measured", CLUSTER, *flags)
+    assert code == 2 and needle in err, err

@@ -428,6 +428,8 @@ def make_config(hf_config: dict[str, Any], *, attention: str, experts: str) -> A
         config = transformers.AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError, TypeError, StrictDataclassError) as e:
         message = " ".join(str(e).split())  # one line: strict validation reports span several
+        # An unknown model_type lists every type transformers knows (~900, 10 KB): name a few.
+        message = message if len(message) <= 300 else message[:300].rsplit(" ", 1)[0] + " ..."
         raise NdplanError(f"census: transformers cannot build a {model_type!r} config: {message}") from None
     config._attn_implementation = attention
     config.use_cache = False

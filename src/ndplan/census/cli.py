@@ -355,6 +355,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.tolerance is not None and not 0 <= args.tolerance < float("inf"):
         raise NdplanError(f"--tolerance must be a finite number >= 0 (percent), got {args.tolerance}")
     options = None
+    if args.measured and getattr(args, "backend", "fake") != "fake":
+        raise NdplanError("--backend measures a step; with --measured the measurement is the file's: drop one")
     if args.measured and getattr(args, "from_config", None):
         spec, measurement, options = _measured_from_config(args)
     elif args.measured:
@@ -365,6 +367,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise NdplanError("with --measured the model, layers and strategy come from the file; drop the strategy flags")
         if args.devices is not None:
             raise NdplanError("--devices goes with --from: a measured file states its strategy")
+        if args.attention is not None:  # estimated as the file's 'attention' says, whatever the flag
+            raise NdplanError("--attention: the measured file states the kernel its run used ('attention'); "
+                              "drop the flag")
         measurement = load_measurement(args.measured)
         if args.model and args.model != measurement.model:
             raise NdplanError(f"{args.measured} measured model {measurement.model!r}, not {args.model!r}")

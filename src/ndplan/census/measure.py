@@ -389,8 +389,13 @@ def load_hf_config(path_or_preset: str) -> tuple[str, dict[str, Any]]:
         name = p.stem if p.name != "config.json" else p.parent.name
     try:
         data = parse_nested(json.loads, read_text(p), f"census: {p}", "JSON")
-    except (OSError, json.JSONDecodeError) as e:
-        raise NdplanError(f"census: cannot read {p}: {e}") from None
+    except OSError as e:
+        raise NdplanError(f"census: cannot read {p}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        # transformers builds the model from its HF config: an ndplan YAML spec has none
+        why = ("; the measurement builds the model with transformers from its config, so an ndplan YAML "
+               "model spec cannot be measured") if p.suffix.lower() in (".yaml", ".yml") else ""
+        raise NdplanError(f"census: {p} is not a Hugging Face config.json ({e.msg} at line {e.lineno}){why}") from None
     if not isinstance(data, dict):
         raise NdplanError(f"census: {p} is not a JSON object")
     return name, data

@@ -255,7 +255,7 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
     if schema != MEASURED_SCHEMA:
         raise NdplanError(f"{source}: 'schema' is {schema!r}, expected {MEASURED_SCHEMA!r}")
     version = data.get("schema_version", MEASURED_SCHEMA_VERSION)
-    if version != MEASURED_SCHEMA_VERSION:
+    if isinstance(version, bool) or version != MEASURED_SCHEMA_VERSION:  # true == 1 in Python
         raise NdplanError(f"{source}: schema_version {version!r} is not supported (this ndplan reads {MEASURED_SCHEMA_VERSION})")
     if model is not None or strategy is not None:
         stated = [key for key in ("model", "strategy", "num_layers", "attention") if key in data]

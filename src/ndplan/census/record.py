@@ -199,7 +199,11 @@ def load_census_file(path: str | Path) -> list[CensusRecord]:
 
 
 def save_census_file(path: str | Path, records: list[CensusRecord]) -> None:
-    Path(path).write_text(to_json(records) + "\n", encoding="utf-8")
+    p = Path(path)
+    try:
+        p.write_text(to_json(records) + "\n", encoding="utf-8")
+    except OSError as e:  # a missing folder was a traceback from `python -m ndplan.census --out`
+        raise NdplanError(f"cannot write census file {p}: {e.strerror or e}") from None
 
 
 # --------------------------------------------------------------------------------------------------

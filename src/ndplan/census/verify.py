@@ -136,6 +136,9 @@ def estimator_spec(spec: ModelSpec, measurement: StepMeasurement) -> ModelSpec:
     """The model the measurement ran: trimmed to its ``num_layers`` (MTP dropped) when given."""
     if measurement.num_layers is None or measurement.num_layers == spec.num_layers and not spec.mtp_depth:
         return spec
+    if measurement.num_layers > spec.num_layers:  # a file's field, not the --layers flag trimmed_spec names
+        raise NdplanError(f"the measurement's 'num_layers' {measurement.num_layers} exceeds {spec.name}'s "
+                          f"{spec.num_layers} layers")
     return trimmed_spec(spec, measurement.num_layers)
 
 

@@ -414,12 +414,14 @@ def _check_census_model(record: CensusRecord, model: ModelSpec) -> None:
             f"{advice}")
 
 
-def _measured(record: CensusRecord | Recompute, tp: np.ndarray, seq: np.ndarray) -> np.ndarray:
-    """Census bytes per token on a TP rank: the replicated part plus the TP-scaled part / tp
-    (plus the quadratic attention term when the census measured eager attention)."""
+def _measured(record: CensusRecord | Recompute, tp: np.ndarray, seq: np.ndarray, measured_seq: int) -> np.ndarray:
+    """Census bytes per token on a TP rank at sequence length ``seq``: the replicated part plus the
+    TP-scaled part / tp, both as measured at ``measured_seq`` (the record's), moved along the
+    quadratic attention term's slope when the census measured eager attention (per head, so split
+    by TP too): ``CensusRecord.saved_at``, per strategy."""
     return np.asarray(
         record.saved_replicated_bytes_per_token + record.saved_tp_scaled_bytes_per_token / tp
-        + record.saved_bytes_per_token_per_seq * seq,
+        + record.saved_bytes_per_token_per_seq * (seq - measured_seq) / tp,
         dtype=float,
     )
 
@@ -563,12 +565,14 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             applies = ~((batch.sequence_parallel > 0) & (tp > 1))
             if kind == "moe":
                 applies &= np.where(batch.etp == 0, tp, batch.etp) == tp
-            full[kind] = np.where(applies, _measured(record, tp, seq), full[kind])
+            full[kind] = np.where(applies, _measured(record, tp, seq, record.seq_length), full[kind])
             # Its selective figures are torch's keep-every-matmul checkpointing: another policy
             # (Megatron's core-attention recompute) keeps the formulas'.
             if options.recompute_policy == CENSUS_SELECTIVE_POLICY:
-                selective[kind] = np.where(applies, _measured(record.selective, tp, seq), selective[kind])
-            rebuilt_input[kind] = np.where(applies, _measured(record.full_recompute, tp, seq), rebuilt_input[kind])
+                selective[kind] = np.where(applies, _measured(record.selective, tp, seq, record.seq_length),
+                                           selective[kind])
+            rebuilt_input[kind] = np.where(applies, _measured(record.full_recompute, tp, seq, record.seq_length),
+                                           rebuilt_input[kind])
             backward_extra[kind] = np.where(applies, record.backward_peak_extra_bytes_per_token, backward_extra[kind])
     is_full, is_selective = batch.is_("recompute", "full"), batch.is_("recompute", "selective")
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
@@ -613,7 +617,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         # Its TP-2 run halves the vocabulary (a vocabulary-parallel head and loss): a loss on
         # whole logits keeps the TP-1 bytes.
         vocab_parallel = options.loss_parallel if options.loss_parallel is not None else profile.loss_parallel
-        output = _measured(measured_output, tp if vocab_parallel else np.ones_like(tp), seq)
+        output = _measured(measured_output, tp if vocab_parallel else np.ones_like(tp), seq,
+                           measured_output.seq_length)
     # MTP module (Megatron-Core's MultiTokenPredictionLayer): embedding of the shifted tokens, two
     # input norms (enorm, hnorm), the concatenated 2h input of its projection, then its own output
     # norm, head and loss, which ``output`` holds (its norm is the final_layernorm): three norms.

@@ -70,6 +70,12 @@ def load_result(source: str) -> dict[str, Any]:
         raise NdplanError(f"{source} is a measured-memory file (per-rank peaks); `ndplan verify --measured "
                           f"{source}` compares it with the estimate, and `ndplan report` draws a result of "
                           "estimate, search or balance --json")
+    stages = data.get("stages")
+    if isinstance(stages, list) and stages and isinstance(stages[0], dict) and "rows" in stages[0] \
+            and "measured_ranks" in stages[0]:  # `ndplan verify --json`: estimate-vs-measured rows per stage
+        raise NdplanError(f"{source} is a result of ndplan verify (the estimate against a measurement, per stage), "
+                          "not of estimate, search or balance: `ndplan verify` prints it; `ndplan report` draws "
+                          "`ndplan estimate --json` of the same model and strategy")
     if not shows_something(data):
         raise NdplanError(f"{source} is not a result of estimate, search or balance (it has no per-stage memory "
                           f"'stages', no ranked rows, no candidates and no model with a strategy; save one with `ndplan estimate|search|balance "
@@ -177,6 +183,17 @@ def _given_strategy_flags(args: argparse.Namespace) -> list[str]:
     return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is not None]
 
 
+def _file_in_the_way(folder: Path | None) -> Path | None:
+    """The nearest existing path at or above ``folder`` where it is not a folder (the folder
+    cannot be made there), else None."""
+    if folder is None:
+        return None
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return None if path.is_dir() else path
+    return None
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from ndplan.report.html import write_html
     from ndplan.units import format_bytes
@@ -198,9 +215,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     if output is not None and output.suffix.lower() not in (".html", ".htm"):
         raise NdplanError(f"-o {output}: the report is one HTML page; name it .html "
                           "(figures as png, svg or pdf files: --plot-dir DIR --plot-format FORMAT)")
-    if args.plot_dir is not None and args.plot_dir.exists() and not args.plot_dir.is_dir():
-        raise NdplanError(f"{args.plot_dir}: not a folder; the figures are written into one "
-                          "(give a new or existing folder)")
+    for folder, what in ((args.plot_dir, "the figures are written into one"),
+                         (output.parent if output is not None else None, "the page is written into one")):
+        blocker = _file_in_the_way(folder)
+        if blocker is not None:
+            raise NdplanError(f"{blocker}: not a folder; {what} (give a new or existing folder)")
     if output is not None:
         path = write_html(result, output, top=args.top, max_points=args.max_points, title=args.title)
         print(f"wrote {path} ({format_bytes(path.stat().st_size)})")

@@ -179,6 +179,10 @@ def _plain_bytes(value: Any) -> bool:
             and -1e6 < value < 1e18)
 
 
+#: A stage's figures the memory charts draw: at least one must be given.
+_STAGE_FIGURES = ("peak_bytes", "allocated_bytes", "reserved_bytes", *(f"{k}_bytes" for k in MEMORY_CATEGORY_KEYS))
+
+
 def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per stage: the category stack and the layer-kind stack, each summing to the peak.
 
@@ -202,6 +206,10 @@ def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             count = stage.get(key)
             if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
                 raise NdplanError(f"stage {index}: {key} must be a whole number >= 0, got {count!r}")
+        if not any(finite(stage.get(key)) is not None for key in _STAGE_FIGURES):
+            # nothing to draw: a page of 0.00 GiB bars read as an estimate of nothing
+            raise NdplanError(f"stage {stage.get('stage', index)} has no memory figure ("
+                              f"{', '.join(_STAGE_FIGURES[:3])} or a category's bytes)")
         cats = {k: finite(stage.get(f"{k}_bytes")) or 0.0 for k in MEMORY_CATEGORY_KEYS}
         base = sum(cats.values())
         peak = finite(stage.get("peak_bytes"))
@@ -656,6 +664,15 @@ ROW_HIDDEN = frozenset({
 ROW_ALIASES = {"micro_batch_size": "mbs", "sequence_parallel": "sp"}
 
 
+#: A ranked row's figures the page formats as numbers (headline tiles, table cells).
+_ROW_NUMBERS = ("step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "peak_bytes")
+
+
+def _rows_name(data: Mapping[str, Any]) -> str:
+    """The name the result gives its ranked rows (``ranked`` for a search), for messages."""
+    return next((key for key in ROW_KEYS if data.get(key) is not None), "rows")
+
+
 def flatten_row(row: Mapping[str, Any]) -> dict[str, Any]:
     """One level of nesting lifted into columns (``degrees``/``strategy``); settings a row already
     has at the top level are not repeated; breakdowns and per-stage lists of dicts left out."""
@@ -803,6 +820,14 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
     if not isinstance(raw_rows, list):
         raise NdplanError("search rows must be a list of dicts")
     rows = [dict(r) for r in raw_rows if isinstance(r, Mapping)][: max(top, 0)]
+    for i, row in enumerate(rows):
+        for key in _ROW_NUMBERS:
+            # the page formats these as numbers: a quoted "3.5" was a TypeError traceback
+            value = row.get(key)
+            if key == "peak_bytes" and isinstance(value, list):  # per stage: the table shows the largest
+                continue
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise NdplanError(f"{_rows_name(data)}[{i}]: {key} must be a number, got {value!r}")
     flat_rows = [flatten_row(r) for r in rows]
     for i, flat in enumerate(flat_rows, start=1):
         flat.setdefault("rank", i)

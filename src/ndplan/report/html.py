@@ -219,6 +219,8 @@ _LABELS = {
     "rank": "#", "micro_batch_size": "mbs", "num_micro_batches": "micro-batches", "seq_length": "seq",
     "tokens_per_s": "tokens/s", "tokens_per_s_per_device": "tokens/s/device", "mfu": "MFU", "hfu": "HFU",
     "step_s": "step (s)", "peak_bytes": "peak (GiB)", "sequence_parallel": "sp", "global_batch_size": "gbs",
+    # search's fraction of the device a caveat asks to leave free (memory.report.headroom)
+    "headroom": "headroom to leave",
 }
 
 
@@ -262,6 +264,8 @@ def cell(key: str, value: Any) -> tuple[str, str, str]:
         if key.endswith("_s"):
             text = f"{number:,.1f}" if abs(number) >= 100 else f"{number:.3f}" if abs(number) >= 1 else f"{number:.4g}"
             return text, _key(number), ""
+        if key == "headroom":  # a fraction of the device, as `ndplan search` prints it
+            return f"{100 * number:.0f}%", _key(number), ""
         if key in ("mfu", "hfu") or key.endswith("_fraction"):
             return (f"{100 * number:.1f}%" if abs(number) <= 1.5 else f"{number:.4g}"), _key(number), ""
         return fmt_number(number), _key(number), ""
@@ -269,10 +273,10 @@ def cell(key: str, value: Any) -> tuple[str, str, str]:
 
 
 def _table(headers: Sequence[tuple[str, str]], rows: Sequence[Sequence[tuple[str, str, str, str]]],
-           *, sortable: bool, row_classes: Sequence[str] | None = None, table_id: str = "") -> str:
+           *, sortable: bool, row_classes: Sequence[str] | None = None, table_id: str = "", caption: str = "") -> str:
     """headers: (label, class); cells: (display, sort value, title, class)."""
     out = [f'<table class="ndp{" sortable" if sortable else ""}"{f" id={chr(34)}{esc(table_id)}{chr(34)}" if table_id else ""}>',
-           "<thead><tr>"]
+           *([f"<caption>{esc(caption)}</caption>"] if caption else []), "<thead><tr>"]
     out += [f'<th class="{esc(cls)}" scope="col">{esc(label)}</th>' for label, cls in headers]
     out.append("</tr></thead><tbody>")
     for i, row in enumerate(rows):
@@ -322,7 +326,8 @@ def stage_table(memory: Mapping[str, Any]) -> str:
         if cap and st["peak_bytes"] > cap:
             cls += " over"
         classes.append(cls.strip())
-    return _table(headers, rows, sortable=False, row_classes=classes)
+    # where a result has several memory sources (balanced and as given), which one this is
+    return _table(headers, rows, sortable=False, row_classes=classes, caption=str(memory.get("name") or ""))
 
 
 def rows_table(rows: Sequence[Mapping[str, Any]], limit: float | None) -> tuple[str, str]:
@@ -371,6 +376,8 @@ def kv_table(items: Mapping[str, Any]) -> str:
         if key.endswith("_bytes") and isinstance(value, (int, float)) and not isinstance(value, bool):
             # A total in GiB beside its bytes; a per-element width (precision.param_bytes 2) as bytes.
             text = f"{value:,.0f} ({value / GIB:,.2f} GiB)" if value >= 1024 else f"{value:g} B"
+        elif key.endswith(("_s", "_seconds")) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            text = f"{value:g} s"  # a balance's estimated_step_s, solve_seconds
         out.append(f"<tr><th>{esc(key)}</th><td>{esc(text)}</td></tr>")
     out.append("</table>")
     return "".join(out)

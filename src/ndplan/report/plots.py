@@ -220,7 +220,8 @@ def _draw_timeline(fig: Any, tl: Mapping[str, Any], context: str) -> None:
     ax.set_ylim(pp - 0.5, -0.5)
     ax.set_xlim(0, makespan)
     seconds = tl.get("unit", "s") == "s"
-    ax.set_xlabel("time from the start of the step (s)" if seconds else "time (unit: one micro-batch forward)")
+    ax.set_xlabel("time from the start of the step (s)" if seconds
+                  else "time (unit: one micro-batch forward on one chunk)")
     ax.spines[["top", "right"]].set_visible(False)
     runs = int(tl.get("pipeline_runs") or 1)
     ax.set_title(f"Pipeline timeline: {tl['schedule']}, pp={tl['pp']}, vpp={vpp}, {tl['num_micro_batches']} "
