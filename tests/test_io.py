@@ -865,3 +865,28 @@ def test_an_unset_node_count_leaves_the_world_size_to_devices(tmp_path):
     assert any("--nnodes ''" in w and "give --devices" in w for w in read.warnings), read.warnings
     with pytest.raises(NdplanError, match="--devices 12 is not a whole number of nodes of --nproc_per_node 8 devices"):
         read_config(path, model="llama-3.1-8b", devices=12)
+
+
+@pytest.mark.parametrize("parallel, precision", [
+    ("data_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 1\ntensor_parallel_degree = 4\n", "fp32"),
+    ("data_parallel_replicate_degree = 4\ndata_parallel_shard_degree = 1\npipeline_parallel_degree = 2\n", "fp32"),
+    ("data_parallel_replicate_degree = 8\ndata_parallel_shard_degree = 1\n", "fsdp-bf16"),  # DDP: autocast
+    ("data_parallel_shard_degree = 2\ntensor_parallel_degree = 4\n", "fsdp-bf16"),  # FSDP's policy
+])
+def test_torchtitan_tp_or_pp_without_fsdp_trains_in_fp32(parallel, precision, tmp_path):
+    # torchtitan/distributed/utils.py maybe_enable_amp: without FSDP, TP or PP disables mixed
+    # precision ("Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled").
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nmixed_precision_param = "bfloat16"\n'
+                    f"[parallelism]\n{parallel}")
+    result = read_config(path, devices=8)
+    assert result.strategy_settings["precision"] == precision
+    assert (precision == "fp32") == any("mixed precision" in w for w in result.warnings)
+
+
+def test_torchtitan_emit_says_bf16_without_fsdp_under_tp_runs_fp32():
+    text = emit("llama-3.1-8b", Strategy(dp=2, tp=4, sequence_parallel=True, precision="fsdp-bf16"), "torchtitan")
+    assert "disables it under TP or PP without FSDP" in text
+    assert "without FSDP" not in emit("llama-3.1-8b", Strategy(dp=8, precision="fsdp-bf16"), "torchtitan")
+    assert "without FSDP" not in emit("llama-3.1-8b", Strategy(dp=2, tp=4, sequence_parallel=True, zero=3, fsdp=True,
+                                                                precision="fsdp-bf16"), "torchtitan")

@@ -17,6 +17,8 @@ from ndplan.strategy import Strategy
 SUFFIX = {"megatron": ".sh", "torchtitan": ".toml", "hyperparallel": ".yaml", "mindformers": ".yaml"}
 MODEL = get_preset("qwen3-8b")
 TP2 = Strategy(dp=4, tp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=2, precision="fsdp-bf16")
+# torchtitan applies bf16 mixed precision through FSDP; TP without it trains in fp32 (said in the header).
+TP2_FSDP = TP2.model_copy(update={"zero": 3, "fsdp": True})
 
 
 def _read(text: str, fmt: str, tmp_path: Path):
@@ -60,11 +62,11 @@ def test_hyperparallel_reads_attn_implementation(tmp_path: Path) -> None:
 def test_torchtitan_says_it_has_no_attention_setting(attention: str, tmp_path: Path) -> None:
     """torchtitan's job config has no attention setting (its models call SDPA): a kernel other
     than flash is a header line, and the file reads back as flash."""
-    text = emit(MODEL, TP2, "torchtitan", attention=attention)
+    text = emit(MODEL, TP2_FSDP, "torchtitan", attention=attention)
     lost = _lost(text)
     assert len(lost) == 1 and f"{attention} attention" in lost[0] and "no attention setting" in lost[0]
     assert "attention" not in _read(text, "torchtitan", tmp_path).runtime_settings
-    assert _lost(emit(MODEL, TP2, "torchtitan")) == []
+    assert _lost(emit(MODEL, TP2_FSDP, "torchtitan")) == []
 
 
 def test_mindformers_says_it_runs_no_sdpa(tmp_path: Path) -> None:
@@ -79,7 +81,7 @@ def test_loss_parallel_is_written_and_read_back(fmt: str, loss_parallel: bool, t
     """emit had no loss-parallel argument: HyperParallel never wrote accelerator.loss_parallel
     (read back off: 76.6 -> 78.4 GiB under the megatron runtime), torchtitan never wrote
     disable_loss_parallel (--no-loss-parallel: 90.1 -> 86.5 GiB)."""
-    text = emit(MODEL, TP2, fmt, loss_parallel=loss_parallel)
+    text = emit(MODEL, TP2_FSDP if fmt == "torchtitan" else TP2, fmt, loss_parallel=loss_parallel)
     assert _lost(text) == []
     assert _read(text, fmt, tmp_path).runtime_settings["loss_parallel"] is loss_parallel
     # Without TP there is no vocabulary to shard: nothing is written.
@@ -115,7 +117,7 @@ def _peak(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[float, s
 @pytest.mark.parametrize(("fmt", "flags"), [
     ("hyperparallel", ["--attention", "eager"]), ("mindformers", ["--attention", "eager"]),
     ("hyperparallel", ["--runtime", "megatron"]), ("hyperparallel", ["--loss-parallel"]),
-    ("torchtitan", ["--no-loss-parallel"]), ("megatron", ["--runtime", "pytorch", "--precision", "megatron-bf16"]),
+    ("torchtitan", ["--no-loss-parallel", "--fsdp"]), ("megatron", ["--runtime", "pytorch", "--precision", "megatron-bf16"]),
 ])
 def test_estimate_emit_reads_back_at_the_priced_peak(fmt: str, flags: list[str], capsys: pytest.CaptureFixture[str],
                                                       tmp_path: Path) -> None:

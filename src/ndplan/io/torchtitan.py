@@ -389,7 +389,14 @@ def _precision(model: Section, training: Section, root: Section, settings: dict[
     if dtype == "bfloat16":
         policy = make_policy("bf16-pure", param_bytes=2, grad_bytes=2, master_weight_bytes=0, optimizer_state_bytes=2,
                              compute_dtype="fp8" if fp8 else "bf16")
-    elif param == "float32":
+    elif param == "float32" or (param == "bfloat16" and not settings["fsdp"] and (settings["tp"] > 1 or settings["pp"] > 1)):
+        if param == "bfloat16":
+            # torchtitan/distributed/utils.py maybe_enable_amp: FSDP applies the mixed precision;
+            # without it, autocast only serves DDP or one device, and TP or PP trains in fp32.
+            warnings.append(f"{training.src.where(training.line('mixed_precision_param'))}: "
+                            "training.mixed_precision_param bfloat16 takes effect through FSDP (data_parallel_shard_degree "
+                            "> 1 or context_parallel_degree > 1), or autocast without TP and PP: torchtitan disables "
+                            "mixed precision for TP or PP without FSDP; priced as fp32")
         policy = make_policy("fp32", param_bytes=4, grad_bytes=4, master_weight_bytes=0, optimizer_state_bytes=4,
                              activation_bytes=4, compute_dtype="fp32", param_gather_bytes=4)
     elif param == "bfloat16":
@@ -537,6 +544,11 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
         if s.reshard_after_forward != default:
             par["fsdp_reshard_after_forward"] = "always" if s.reshard_after_forward else "never"
     par["tensor_parallel_degree"] = s.tp
+    fsdp = par["data_parallel_shard_degree"] > 1 or s.cp > 1  # ParallelDims.fsdp_enabled
+    if not fsdp and (s.tp > 1 or s.pp > 1) and training.get("mixed_precision_param") == "bfloat16":
+        # torchtitan/distributed/utils.py maybe_enable_amp: without FSDP, TP or PP trains in fp32.
+        lost.append(f"precision {p.name!r} without FSDP (torchtitan applies bf16 mixed precision through FSDP, "
+                    "and disables it under TP or PP without FSDP: it trains in fp32)")
     if s.tp > 1 and loss_parallel is False:
         par["disable_loss_parallel"] = True
     if s.sequence_parallel != (s.tp > 1):
