@@ -890,3 +890,24 @@ def test_torchtitan_emit_says_bf16_without_fsdp_under_tp_runs_fp32():
     assert "without FSDP" not in emit("llama-3.1-8b", Strategy(dp=8, precision="fsdp-bf16"), "torchtitan")
     assert "without FSDP" not in emit("llama-3.1-8b", Strategy(dp=2, tp=4, sequence_parallel=True, zero=3, fsdp=True,
                                                                 precision="fsdp-bf16"), "torchtitan")
+
+
+@pytest.mark.parametrize("name, vpp, schedule", [
+    ("PipelineScheduleSingle", 1, "1f1b"), ("PipelineScheduleMulti", 2, "interleaved"),
+    ("pipelineschedulemulti", 2, "interleaved"),  # torch's get_schedule_class is case-insensitive
+])
+def test_torchtitan_csv_schedule_names(name, vpp, schedule, tmp_path):
+    # torchtitan's pipeline_parallel_schedule_csv "must be either PipelineScheduleSingle,
+    # PipelineScheduleMulti, or _PipelineScheduleRuntime" (job_config.py); the name decides the
+    # stages per rank (single: 1, multi: 2) while the CSV's actions run.
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 8\n[parallelism]\n'
+                    f'data_parallel_shard_degree = 2\npipeline_parallel_degree = 4\npipeline_parallel_schedule = "{name}"\n'
+                    'pipeline_parallel_schedule_csv = "sched.csv"\n')
+    result = read_config(path)
+    s = result.strategy()
+    assert (s.vpp, s.schedule) == (vpp, schedule)
+    assert any("CSV schedule is priced as" in w for w in result.warnings)
+    path.write_text(path.read_text().replace('pipeline_parallel_schedule_csv = "sched.csv"\n', ""))
+    with pytest.raises(NdplanError, match=r"pipeline_parallel_schedule.*pipeline_parallel_schedule_csv"):
+        read_config(path)

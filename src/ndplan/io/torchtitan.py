@@ -59,7 +59,10 @@ SCHEDULES: dict[str, str] = {
     "1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved", "zbvzerobubble": "zbv",
     "dualpipev": "dualpipev", "loopedbfs": "interleaved", "interleavedzerobubble": "interleaved",
     "flexibleinterleaved1f1b": "interleaved",
+    # The base classes, named with pipeline_parallel_schedule_csv: one stage per rank, or several.
+    "pipelineschedulesingle": "1f1b", "pipelineschedulemulti": "interleaved",
 }
+_CSV_ONLY = {"pipelineschedulesingle", "pipelineschedulemulti"}
 _WRITE_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B", "zbv": "ZBVZeroBubble",
                     "dualpipev": "DualPipeV"}
 _MULTI_STAGE = {"interleaved", "zbv", "dualpipev"}
@@ -239,9 +242,16 @@ def _pipeline(parallel: Section, settings: dict[str, Any], model: ModelSpec | No
         settings.update(vpp=1, schedule="1f1b")
         settings["embedding_as_layer"] = settings["output_as_layer"] = False
         return
-    key = name.replace("Schedule", "").lower()
+    key = name.lower()
     if key not in SCHEDULES:
-        raise parallel.error("pipeline_parallel_schedule", f"unknown schedule {name!r}; known: {', '.join(_WRITE_SCHEDULES.values())}")
+        key = key.replace("schedule", "")
+    if key not in SCHEDULES:
+        raise parallel.error("pipeline_parallel_schedule", f"unknown schedule {name!r}; known: "
+                             f"{', '.join(_WRITE_SCHEDULES.values())}, LoopedBFS, InterleavedZeroBubble, and "
+                             "PipelineScheduleSingle or PipelineScheduleMulti with pipeline_parallel_schedule_csv")
+    if key in _CSV_ONLY and not csv:
+        raise parallel.error("pipeline_parallel_schedule", f"{name} is a base class that runs the actions of "
+                             "pipeline_parallel_schedule_csv, which is not set")
     schedule = SCHEDULES[key]
     if csv:
         warnings.append(f"{parallel.src.where(parallel.line('pipeline_parallel_schedule_csv'))}: a CSV schedule is "
