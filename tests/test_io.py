@@ -911,3 +911,20 @@ def test_torchtitan_csv_schedule_names(name, vpp, schedule, tmp_path):
     path.write_text(path.read_text().replace('pipeline_parallel_schedule_csv = "sched.csv"\n', ""))
     with pytest.raises(NdplanError, match=r"pipeline_parallel_schedule.*pipeline_parallel_schedule_csv"):
         read_config(path)
+
+
+@pytest.mark.parametrize("pp, micro", [(1, 1), (2, 4)])
+def test_mindformers_micro_batch_interleave_multiplies_the_batch(pp, micro, tmp_path):
+    # MindFormers base_trainer (_check_global_batch_size_for_auto_parallel): global_batch_size =
+    # batch_size · data_parallel · micro_batch_num · micro_batch_interleave_num (pipeline) or
+    # batch_size · data_parallel · micro_batch_interleave_num · gradient_accumulation_steps; each
+    # micro-batch of batch_size·n is split n ways by MicroBatchInterleaved inside one graph.
+    path = tmp_path / "mf.yaml"
+    path.write_text(f"parallel_config: {{data_parallel: 4, model_parallel: 2, pipeline_stage: {pp}, "
+                    f"micro_batch_num: {micro}}}\nmicro_batch_interleave_num: 2\nrunner_config: {{batch_size: 3}}\n"
+                    "model: {model_config: {seq_length: 4096}}\n")
+    result = read_config(path, model="llama-3.1-8b")
+    s = result.strategy()
+    assert s.global_batch_size == 3 * 4 * micro * 2
+    assert (s.micro_batch_size, s.num_micro_batches) == (6, micro)
+    assert any("micro_batch_interleave_num 2" in w for w in result.warnings)

@@ -329,7 +329,8 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     _recompute(rc, pc, settings, _virtual_counts(settings, model), warnings)
     settings["precision"] = precision_setting(_precision(cfg))
     settings["optimizer_offload"] = False
-    _batch(pc, runner, root, cfg, settings, warnings)
+    interleave = root.integer("micro_batch_interleave_num", default=1, maximum=MAX_DEGREE) or 1
+    _batch(pc, runner, root, cfg, settings, warnings, interleave)
 
     runtime: dict[str, Any] = {}
     if cfg.boolean("use_flash_attention") is False:
@@ -338,10 +339,11 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     # MindFormers' head shards the logits over model_parallel unless vocab_emb_dp keeps the
     # embedding (and head) whole, and its cross-entropy works on them sharded (dp·cp, mp).
     runtime["loss_parallel"] = not pc.boolean("vocab_emb_dp", default=True)
-    interleave = root.integer("micro_batch_interleave_num", default=1) or 1
     if interleave > 1:
         warnings.append(f"{src.where(root.line('micro_batch_interleave_num'))}: micro_batch_interleave_num "
-                        f"{interleave} splits each micro-batch for overlap; not modelled")
+                        f"{interleave} feeds batch_size·{interleave} samples per micro-batch and splits them "
+                        f"{interleave} ways inside one graph for overlap; priced as micro-batches of "
+                        f"{settings['mbs']} (the overlap is not modelled)")
     swap = root.get("swap_config")
     if isinstance(swap, dict) and swap.get("swap"):
         warnings.append(f"{src.where(root.line('swap_config'))}: swap_config: activation swapping to the host is "
@@ -500,8 +502,12 @@ def _precision(cfg: Section) -> Any:
 
 
 def _batch(pc: Section, runner: Section, root: Section, cfg: Section, settings: dict[str, Any],
-           warnings: list[str]) -> None:
-    mbs = runner.integer("batch_size", default=1) or 1
+           warnings: list[str], interleave: int) -> None:
+    # MindFormers' global batch is batch_size · data_parallel · micro_batch_interleave_num times
+    # micro_batch_num (pipeline) or gradient_accumulation_steps (base_trainer
+    # _check_global_batch_size_for_auto_parallel): MicroBatchInterleaved splits each micro-batch
+    # of batch_size·n into n slices run within the same graph, whose activations live together.
+    mbs = (runner.integer("batch_size", default=1) or 1) * interleave
     settings["mbs"] = mbs
     accumulation = runner.integer("gradient_accumulation_steps") or root.integer("gradient_accumulation_steps", default=1) or 1
     micro = pc.integer("micro_batch_num", default=1) or 1
