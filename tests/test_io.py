@@ -928,3 +928,13 @@ def test_mindformers_micro_batch_interleave_multiplies_the_batch(pp, micro, tmp_
     assert s.global_batch_size == 3 * 4 * micro * 2
     assert (s.micro_batch_size, s.num_micro_batches) == (6, micro)
     assert any("micro_batch_interleave_num 2" in w for w in result.warnings)
+
+
+def test_mindformers_hybrid_cp_defaults_to_one_ulysses_rank(tmp_path):
+    # TransformerOpParallelConfig(..., context_parallel_algo="colossalai_cp", ulysses_degree_in_cp=1):
+    # hybrid_cp without ulysses_degree_in_cp runs with its default of 1, which MindFormers accepts.
+    path = tmp_path / "mf.yaml"
+    path.write_text("parallel_config: {data_parallel: 2, model_parallel: 1, context_parallel: 4, "
+                    "context_parallel_algo: hybrid_cp}\nmodel: {model_config: {seq_length: 8192}}\n")
+    s = read_config(path, model="llama-3.1-8b").strategy()
+    assert (s.cp, s.cp_kind, s.ulysses_degree) == (4, "hybrid", 1)

@@ -317,10 +317,8 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
         if algo == "colossalai_cp":
             notes.append("context_parallel_algo colossalai_cp is priced as ring attention")
         if algo == "hybrid_cp":
-            ulysses = pc.integer("ulysses_degree_in_cp")
-            if ulysses is None:
-                raise pc.error("context_parallel_algo", "hybrid_cp needs ulysses_degree_in_cp")
-            settings["ulysses_degree"] = ulysses
+            # TransformerOpParallelConfig's default ulysses_degree_in_cp is 1.
+            settings["ulysses_degree"] = pc.integer("ulysses_degree_in_cp", default=1, maximum=MAX_DEGREE) or 1
     pc.get("context_parallel_algo", "ulysses_degree_in_cp", "gradient_aggregation_group", "mem_coeff",
            "optimizer_shard", "use_pipeline_zero")
 
