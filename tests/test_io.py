@@ -938,3 +938,21 @@ def test_mindformers_hybrid_cp_defaults_to_one_ulysses_rank(tmp_path):
                     "context_parallel_algo: hybrid_cp}\nmodel: {model_config: {seq_length: 8192}}\n")
     s = read_config(path, model="llama-3.1-8b").strategy()
     assert (s.cp, s.cp_kind, s.ulysses_degree) == (4, "hybrid", 1)
+
+
+@pytest.mark.parametrize("compile_, refused", [
+    ("", True), ("[compile]\nenable = false\n", True), ('[compile]\nenable = true\ncomponents = ["loss"]\n', True),
+    ("[compile]\nenable = true\n", False), ('[compile]\nenable = true\ncomponents = ["model"]\n', False),
+])
+def test_torchtitan_async_tp_needs_the_model_compiled(compile_, refused, tmp_path):
+    # torchtitan's parallelize functions: `if parallelism.enable_async_tensor_parallel and not
+    # model_compile_enabled: raise RuntimeError("Async TP requires torch.compile")`, with
+    # model_compile_enabled = compile.enable and "model" in compile.components (default model, loss).
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 2\n'
+                    f"tensor_parallel_degree = 4\nenable_async_tensor_parallel = true\n{compile_}")
+    if refused:
+        with pytest.raises(NdplanError, match=r"enable_async_tensor_parallel.*\[compile\] enable"):
+            read_config(path)
+    else:
+        assert read_config(path).runtime_settings["overlap"]["tp"] is True

@@ -202,6 +202,11 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     loss_parallel = tp > 1 and not parallel.boolean("disable_loss_parallel", default=False)
     # Async TP overlaps the tensor-parallel collectives with the GEMMs; FSDP2 prefetches (on by default).
     overlap: dict[str, Any] = {"tp": tp > 1 and bool(parallel.boolean("enable_async_tensor_parallel", default=False))}
+    if overlap["tp"] and not _model_compiled(root, training):
+        # torchtitan's parallelize functions: "Async TP requires torch.compile" (a RuntimeError).
+        raise parallel.error("enable_async_tensor_parallel", "torchtitan runs async TP only on a compiled model: "
+                             "set [compile] enable = true with \"model\" in components (the default), or "
+                             "enable_async_tensor_parallel = false")
     if parallel.boolean("pipeline_parallel_expert_parallel_overlap", default=False):
         overlap["ep"] = True
     parallel.get("context_parallel_rotate_method", "context_parallel_load_balancer", "expert_parallel_comm_backend",
@@ -378,6 +383,18 @@ def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, w
     ac.get("per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
            "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug")
     return policy
+
+
+def _model_compiled(root: Section, training: Section) -> bool:
+    """torchtitan's model_compile_enabled: ``[compile] enable`` with "model" in ``components``
+    (default ["model", "loss"]), or ``training.compile`` in older versions."""
+    section = root.get("compile")
+    if isinstance(section, dict) and section.get("enable") is True:
+        components = section.get("components", ["model", "loss"])
+        if isinstance(components, str):  # the command line's comma-separated form
+            components = components.split(",")
+        return isinstance(components, list) and "model" in components
+    return training.get("compile") is True
 
 
 def _float8_all_gather(root: Section) -> bool:
