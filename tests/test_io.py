@@ -956,3 +956,10 @@ def test_torchtitan_async_tp_needs_the_model_compiled(compile_, refused, tmp_pat
             read_config(path)
     else:
         assert read_config(path).runtime_settings["overlap"]["tp"] is True
+
+
+def test_mindformers_a_bad_params_dtype_is_named_as_written(tmp_path):
+    path = tmp_path / "mf.yaml"
+    path.write_text("parallel_config: {data_parallel: 8}\nmodel: {model_config: {seq_length: 4096, params_dtype: int8}}\n")
+    with pytest.raises(NdplanError, match=r"model\.model_config\.params_dtype: expected float32, bfloat16 or float16"):
+        read_config(path, model="llama-3.1-8b")

@@ -486,7 +486,8 @@ def _recompute(rc: Section, pc: Section, settings: dict[str, Any], counts: list[
 def _precision(cfg: Section) -> Any:
     param = cfg.text("param_init_type", "params_dtype", default="float32") or "float32"
     compute = cfg.text("compute_dtype", default="bfloat16") or "bfloat16"
-    for key, value in (("param_init_type", param), ("compute_dtype", compute)):
+    param_key = cfg.first("param_init_type", "params_dtype") or "param_init_type"
+    for key, value in ((param_key, param), ("compute_dtype", compute)):
         if value not in _DTYPE_BYTES:
             raise cfg.error(key, f"expected float32, bfloat16 or float16, got {value!r}")
     width = _DTYPE_BYTES[param]
