@@ -260,3 +260,36 @@ def test_a_batch_timed_by_depth_equals_the_simulator_strategy_by_strategy(schedu
         one = [simulate(schedule, pp, vpp, m, seq_chunks=k, forward_s=f[i], backward_s=b[i], weight_grad_s=w[i],
                         p2p_s=x, overlap_f_and_b=False).makespan_s for x in (float(p2p[i]), 0.0)]
         assert span[i] == pytest.approx(one[0], rel=1e-12) and part[i] == pytest.approx(one[0] - one[1], abs=1e-12)
+
+
+def test_1f1b_closed_form_charges_an_early_bottlenecks_warm_up_again():
+    """A single bottleneck s* before the last stage runs its min(p-1-s*, m) warm-up forwards inside
+    the fill, which the slack-scaled fill charges again: the closed form reads exactly that many f*
+    too slow, and the simulator sits on the lower bound max_s (m-1)·T_s + ΣT - min(p-1-s, m)·f_s
+    (the documented limits of the 1F1B form, perf/pipeline.py)."""
+    pp, m = 8, 16
+    for heavy in (0, 3, pp - 1):
+        f = np.ones(pp)
+        f[heavy] = 1.5
+        b = 2.0 * f
+        simulated = simulate("1f1b", pp, 1, m, forward_s=f[:, None], backward_s=b[:, None]).makespan_s
+        closed = _closed("1f1b", pp, 1, m, 1, f, b, np.zeros(pp))
+        assert closed - simulated == pytest.approx((pp - 1 - heavy) * f[heavy])
+        t, s = f + b, np.arange(pp)
+        assert simulated == pytest.approx(float(np.max((m - 1) * t + t.sum() - np.minimum(pp - 1 - s, m) * f)))
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_1f1b_p2p_count_is_a_line_through_the_simulators_staircase(pp: int):
+    """Identical stages: the simulator's transfers on the critical path are
+    2(p-1) + 2(m-1) - 2·floor((m+p-2)/p); the closed form's 2·max(0, p-2) + 2m(p-1)/p equals it at
+    m a multiple of p and stays within 2 transfers between."""
+    c = 1e-3
+    for m in range(1, 4 * pp + 1):
+        hops = (simulate("1f1b", pp, 1, m, p2p_s=c).makespan_s - simulate("1f1b", pp, 1, m).makespan_s) / c
+        assert hops == pytest.approx(2 * (pp - 1) + 2 * (m - 1) - 2 * ((m + pp - 2) // pp))
+        closed = (_closed("1f1b", pp, 1, m, 1, np.ones(pp), np.full(pp, 2.0), np.zeros(pp), c)
+                  - _closed("1f1b", pp, 1, m, 1, np.ones(pp), np.full(pp, 2.0), np.zeros(pp))) / c
+        if m % pp == 0:
+            assert closed == pytest.approx(hops)
+        assert abs(closed - hops) < 2

@@ -483,3 +483,146 @@ def test_gathers_past_the_steady_count_equal_the_full_order():
                     assert chunk_gathers("interleaved", pp, vpp, m, 1, active) == _counted("interleaved", pp, vpp, m, 1, active)
                 counts = [_counted("interleaved", pp, vpp, j * pp, 1, active) for j in range(2, 4 * vpp + 3)]
                 assert len({b - a for a, b in zip(counts, counts[1:], strict=False)}) == 1, (pp, vpp, active)
+
+
+# --------------------------------------------------------------------------- reference orders
+# Each framework's order written out again from its source, step by step, and compared with the
+# builders' on a grid of shapes (the pinned cases above check a few by hand).
+
+Ref = list[tuple[int, int, int]]  # (kind 0/1/2 = F/B/W, micro-batch, local chunk)
+
+
+def _megatron_interleaved(pp: int, vpp: int, m: int, rank: int) -> Ref:
+    # megatron/core/pipeline_parallel/schedules.py: get_schedule_table (group size pp),
+    # get_pp_rank_microbatches' warm-up, the backward on chunk vpp-1-c of the same table entry.
+    table = []
+    for lo in range(0, m, pp):
+        hi = m if lo + pp >= m else lo + pp
+        table += [(mb, c) for c in range(vpp) for mb in range(lo, hi)]
+    total, warm = m * vpp, min((pp - rank - 1) * 2 + (vpp - 1) * pp, m * vpp)
+    ops = [(0, *table[i]) for i in range(warm)]
+    for i in range(total - warm):
+        ops += [(0, *table[i + warm]), (1, table[i][0], vpp - 1 - table[i][1])]
+    return ops + [(1, table[i][0], vpp - 1 - table[i][1]) for i in range(total - warm, total)]
+
+
+def _torch_zb1p(pp: int, m: int, rank: int) -> Ref:
+    # torch.distributed.pipelining: ScheduleInterleavedZeroBubble with one stage per rank
+    # (warm-up pp-1-rank, num_1f1b_microbatches = rank) through _get_1f1b_rank_ops.
+    warm = min(pp - 1 - rank, m)
+    ops: Ref = [(0, i, 0) for i in range(warm)]
+    weights = 0
+    for i in range(m):
+        ops += ([(0, warm + i, 0)] if warm + i < m else []) + [(1, i, 0)]
+        if i >= rank:
+            ops.append((2, weights, 0))
+            weights += 1
+    return ops + [(2, j, 0) for j in range(weights, m)]
+
+
+def _torch_zbv(pp: int, m: int, rank: int) -> Ref:
+    # torch.distributed.pipelining: ScheduleZBVZeroBubble._calculate_single_rank_operations.
+    n = max(2 * pp - 1, m)
+    ops: Ref = []
+    count = {(k, c): 0 for k in range(3) for c in range(2)}
+
+    def add(*slots: tuple[int, int]) -> None:
+        for k, c in slots:
+            ops.append((k, count[k, c], c))
+            count[k, c] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        add((0, 0))
+    for _ in range(rank):
+        add((0, 1), (0, 0))
+    for _ in range(pp - rank):
+        add((0, 1), (1, 1), (2, 1))
+    while count[0, 1] < count[0, 0] or count[0, 0] < n:
+        add(*([(0, 0)] if count[0, 0] < n else []), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1))
+    for _ in range(rank):
+        add((1, 0), (1, 1))
+    for _ in range(pp - rank):
+        add((1, 0), (2, 0))
+    while count[2, 1] < count[1, 1]:
+        add((2, 1))
+    while count[2, 0] < count[1, 0]:
+        add((2, 0))
+    return [op for op in ops if op[1] < m]
+
+
+def _deepseek_dualpipev(pp: int, m: int, rank: int) -> list[Ref]:
+    # deepseek-ai/DualPipe dualpipev.py DualPipeV.step(), steps 1-8, as steps: an overlapped
+    # forward-backward chunk is one step, a full backward its B and W, a zero-bubble backward
+    # leaves its W to the FIFO that _weight_chunk pops.
+    count: dict[tuple[int, int], int] = {}
+    fifo: list[int] = []
+
+    def op(k: int, c: int) -> tuple[int, int, int]:
+        mb = count.get((k, c), 0)
+        count[k, c] = mb + 1
+        return (k, mb, c)
+
+    def full(c: int) -> Ref:
+        return [op(1, c), op(2, c)]
+
+    def zero_bubble(c: int) -> Ref:
+        fifo.append(c)
+        return [op(1, c)]
+
+    steps: list[Ref] = [[op(0, 0)] for _ in range((pp - rank - 1) * 2)]
+    for _ in range(rank + 1):
+        steps += [[op(0, 0)], [op(0, 1)]]
+    for _ in range(pp - rank - 1):
+        steps += [zero_bubble(1), [op(2, fifo.pop(0))], [op(0, 1)]]
+    for i in range(m - 2 * pp + rank + 1):
+        steps += [[op(0, 0)], full(1)] if i == 0 and rank == pp - 1 else [[op(0, 0), *full(1)]]
+        steps.append([op(0, 1), *full(0)])
+    for _ in range(pp - rank - 1):
+        steps += [full(1), [op(0, 1), *full(0)]]
+    zb, half = False, (rank + 1) // 2
+    for i in range(rank + 1):
+        zb = zb or (i == half and rank % 2 == 1)
+        steps.append(zero_bubble(1) if zb else full(1))
+        zb = zb or (i == half and rank % 2 == 0)
+        steps.append(zero_bubble(0) if zb else full(0))
+    for _ in range(pp - rank - 1):
+        steps += [[op(2, fifo.pop(0))], zero_bubble(0)]
+    return steps + [[op(2, fifo.pop(0))] for _ in range(rank + 1)]
+
+
+def _sail_seq1f1b(pp: int, m: int, k: int, stage: int) -> list[tuple[int, int, int]]:
+    # sail-sg/zero-bubble-pipeline-parallelism zerobubble/scheduler/seq1f1b.py create_schedule:
+    # (kind, micro-batch, sub-sequence).
+    warm = min(pp - stage - 2 + k, m * k)
+    rest = m * k - warm
+    ops = [(0, i // k, i % k) for i in range(warm)]
+    for i in range(rest):
+        ops += [(0, (warm + i) // k, (warm + i) % k), (1, i // k, k - 1 - i % k)]
+    return ops + [(1, i // k, k - 1 - i % k) for i in range(rest, rest + warm)]
+
+
+def _ops(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> list[list[tuple[int, int, int, int]]]:
+    return [[op for step in st.steps() for op in step] for st in build_plan(schedule, pp, vpp, m, k)]
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 6])
+def test_orders_equal_the_frameworks_written_out_again(pp: int) -> None:
+    for m in range(1, 4 * pp + 3):
+        if m % pp == 0:
+            for vpp in (2, 3):
+                got = _ops("interleaved", pp, vpp, m)
+                assert [[(kd, mb, c) for kd, mb, c, _ in ops] for ops in got] == [
+                    _megatron_interleaved(pp, vpp, m, r) for r in range(pp)], (pp, vpp, m)
+        for schedule, reference in (("zb-h1", _torch_zb1p), ("zbv", _torch_zbv)):
+            got = _ops(schedule, pp, 2 if schedule == "zbv" else 1, m)
+            assert [[(kd, mb, c) for kd, mb, c, _ in ops] for ops in got] == [
+                reference(pp, m, r) for r in range(pp)], (schedule, pp, m)
+        if m >= 2 * pp:
+            plans = build_plan("dualpipev", pp, 2, m)
+            for r in range(pp):
+                assert [[(kd, mb, c) for kd, mb, c, _ in step] for step in plans[r].steps()] == (
+                    _deepseek_dualpipev(pp, m, r)), (pp, m, r)
+        for k in (1, 2, 3):
+            got = _ops("seq1f1b", pp, 1, m, k)
+            assert [[(kd, mb, q) for kd, mb, _, q in ops] for ops in got] == [
+                _sail_seq1f1b(pp, m, k, r) for r in range(pp)], (pp, m, k)
