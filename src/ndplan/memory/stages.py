@@ -543,10 +543,19 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # The backward's working set is a maximum over time that no per-tensor table captures well
     # for MoE layers: where a census of this model ships with ndplan, its measurement is used.
     backward_extra = {"dense": block("backward_extra"), "moe": block("moe_backward_extra")}
+    # A census measures that working set at TP 1 alone: on a TP rank it shrinks as the formula's
+    # does, formula(tp) / formula(TP 1) (the census's TP-2 run, on fake tensors: llama-3.1-8b's
+    # dense layer 28,672 B/token against 57,344 at TP 1, the formula's 2·ffn·2 / tp).
+    unsharded = {rule: np.full_like(tp, options.routed_token_factor if rule in ("etp", "expert_tokens", "expert_width")
+                                    else 1.0) for rule in divisors}
+    backward_tp_share = {
+        k: np.divide(backward_extra[k], at_one, out=np.ones_like(tp), where=at_one > 0)
+        for k, at_one in (("dense", _per_rank(blocks.get("backward_extra", empty), unsharded, seq)),
+                          ("moe", _per_rank(blocks.get("moe_backward_extra", empty), unsharded, seq)))}
     for record in shipped_census(model) if profile.name == "pytorch" else ():
         shipped_kind = record.layer_kind.split("-")[-1]
         if shipped_kind in backward_extra:
-            backward_extra[shipped_kind] = np.full_like(tp, record.backward_peak_extra_bytes_per_token)
+            backward_extra[shipped_kind] = record.backward_peak_extra_bytes_per_token * backward_tp_share[shipped_kind]
     kind: MlpKind
     for kind in ("dense", "moe"):
         measured = _census_for(options, kind, model)
@@ -573,7 +582,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                                            selective[kind])
             rebuilt_input[kind] = np.where(applies, _measured(record.full_recompute, tp, seq, record.seq_length),
                                            rebuilt_input[kind])
-            backward_extra[kind] = np.where(applies, record.backward_peak_extra_bytes_per_token, backward_extra[kind])
+            backward_extra[kind] = np.where(applies, record.backward_peak_extra_bytes_per_token * backward_tp_share[kind],
+                                            backward_extra[kind])
     is_full, is_selective = batch.is_("recompute", "full"), batch.is_("recompute", "selective")
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
     # What no weight gradient of the layer reads: the whole layer (measured, where a census
