@@ -624,3 +624,45 @@ def test_python_m_census_out_to_a_missing_folder_is_an_error_line(tmp_path, monk
     monkeypatch.setattr(census_main, "run_census", lambda *a, **k: [])
     assert census_main.main(["llama-3.1-8b", "--out", str(tmp_path / "missing" / "x.json")]) == 2
     assert "cannot write census file" in capsys.readouterr().err
+
+
+def test_a_shipped_census_backward_working_set_shrinks_with_tp():
+    """A review: the shipped llama-3.1-8b record's backward working set, measured at TP 1 (57,344
+    B/token: two ffn-wide bf16 gradients), replaced the formula at every tp. Its census's TP-2 run
+    measures 28,672 (fake tensors, torch 2.13, seq 1024): at tp it takes the formula's 1/tp."""
+    from ndplan.memory.stages import layer_activations
+    from ndplan.model import get_preset
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    model = get_preset("llama-3.1-8b")
+    for tp, sp, expected in ((1, False, 57344.0), (2, False, 28672.0), (8, False, 7168.0), (8, True, 7168.0)):
+        batch = StrategyBatch.of(Strategy(tp=tp, sequence_parallel=sp, seq_length=4096))
+        assert layer_activations(model, batch, MemoryOptions()).backward_extra["dense"][0] == expected, (tp, sp)
+
+
+@needs_torch
+def test_a_census_backward_working_set_at_tp_2_is_its_tp_2_run(monkeypatch: pytest.MonkeyPatch):
+    """The record keeps the TP-1 run's backward working set alone; the estimate at TP 2 is what
+    the census's own TP-2 run (halved heads and widths) measures."""
+    from ndplan.census import measure, run_census
+    from ndplan.memory.stages import layer_activations
+    from ndplan.model.hf import spec_from_hf_config
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    seen: dict[str, float] = {}
+    figures = measure._figures
+
+    def spy(runs, policy, s_main, s_half, b):
+        for tp in (1, 2):
+            seen.setdefault(f"{policy}-{tp}", runs[(tp, s_main, policy)].backward_peak_extra / (b * s_main))
+        return figures(runs, policy, s_main, s_half, b)
+
+    monkeypatch.setattr(measure, "_figures", spy)
+    config = dict(TINY_LLAMA, intermediate_size=512)  # the MLP's gradients the largest working set
+    records = run_census(config, seq_length=SEQ, name="tiny-llama")
+    dense = _by_kind(records)["dense"]
+    assert dense.backward_peak_extra_bytes_per_token == seen["none-1"] == 2 * 512 * 2
+    options = MemoryOptions(census=tuple(records), attention="sdpa")
+    acts = layer_activations(spec_from_hf_config(config, name="tiny-llama"),
+                             StrategyBatch.of(Strategy(tp=2, seq_length=SEQ)), options)
+    assert acts.backward_extra["dense"][0] == seen["none-2"] == 512 * 2
