@@ -483,7 +483,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # dispatcher: gather_from_sequence_parallel_region over the etp group), etp/tp of the
     # sequence's, through experts 1/etp wide. Only TP without SP routes tokens every TP rank
     # holds (tensor-parallel experts, no gather).
-    own_tokens = sequence_sharded | (tp == 1)
+    own_tokens = routes_own_tokens(batch.sequence_parallel, tp)
     divisors = {
         "tp": tp,
         "sp": np.where(sequence_sharded, tp, 1.0),
@@ -650,6 +650,14 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         rebuilt=rebuilt,
         offloaded=offloaded,
     )
+
+
+def routes_own_tokens(sequence_parallel: Any, tp: Any) -> np.ndarray:
+    """Where each rank routes its own tokens to the experts (its sequence shard under SP, all of
+    them without TP), which the dispatcher gathers over the expert-TP group: etp/tp of the
+    sequence's routed tokens on a rank, through experts 1/etp wide. Elsewhere (TP without SP)
+    every TP rank routes the tokens they all hold."""
+    return ((np.asarray(sequence_parallel) > 0) & (np.asarray(tp) > 1)) | (np.asarray(tp) == 1)
 
 
 def fp8_weight_cache_width(profile: RuntimeProfile, compute_dtype: str, zero: Any) -> np.ndarray:
@@ -2185,7 +2193,7 @@ def _evaluate_group(
         local_experts = model.num_experts / np.maximum(batch.ep, 1)
         # (The output gradient is the rank's routed tokens' through experts 1/etp wide: k·2f/tp per
         # token where each rank routes its own tokens, as the profiles' expert_width shard.)
-        routed_width = np.where(((batch.sequence_parallel > 0) & (tp > 1)) | (tp == 1), tp, etp)
+        routed_width = np.where(routes_own_tokens(batch.sequence_parallel, tp), tp, etp)
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
             + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes
@@ -2303,7 +2311,7 @@ def _evaluate_group(
             unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
             expert_working=pick(op_tokens * _expert_weight_grad_working(
                 model, precision.activation_bytes, etp, np.where(recompute_on, acts.rebuilt["moe"], 0.0),
-                np.where(((batch.sequence_parallel > 0) & (tp > 1)) | (tp == 1), etp / tp, 1.0))),
+                np.where(routes_own_tokens(batch.sequence_parallel, tp), etp / tp, 1.0))),
             # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
             one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
             one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),

@@ -335,11 +335,9 @@ def _rows(model: ModelSpec, space: SearchSpace, listed: list[int], plans: dict[i
                 row[f"unbalanced_{key}"] = row.pop(key)
             # The balancer's composed figures: the uniform step × the composed ratio and what follows
             # from it, the peak by its per-layer figures.
-            ratio = found["step_s"] / row["unbalanced_step_s"]
+            per_device = row.pop("tokens_per_s_per_device")
             plan_bytes = found["cost"].stage_memory_bytes
-            composed = {"step_s": found["step_s"], "tokens_per_s": row["unbalanced_tokens_per_s"] / ratio,
-                        "tokens_per_s_per_device": row.pop("tokens_per_s_per_device") / ratio,
-                        "mfu": row["unbalanced_mfu"] / ratio, "peak_bytes": round(float(plan_bytes.max())),
+            composed = {**_at_step(row, per_device, found["step_s"]), "peak_bytes": round(float(plan_bytes.max())),
                         "peak_stage": int(np.argmax(plan_bytes))}
             settings, estimated, written = found["settings"], found["estimated_bytes"], found["written"]
             estimate = found.get("estimate")
@@ -356,11 +354,7 @@ def _rows(model: ModelSpec, space: SearchSpace, listed: list[int], plans: dict[i
                 # Recompute per layer: one strategy each, the full estimators cannot price it; the
                 # balancer's figures with the schedule simulated (``per_layer_step_s``).
                 row["figures"] = "composed"
-                simulated_ratio = found["simulated_step_s"] / row["unbalanced_step_s"]
-                row.update(composed, step_s=found["simulated_step_s"],
-                           tokens_per_s=row["unbalanced_tokens_per_s"] / simulated_ratio,
-                           tokens_per_s_per_device=composed["tokens_per_s_per_device"] * ratio / simulated_ratio,
-                           mfu=row["unbalanced_mfu"] / simulated_ratio)
+                row.update(composed, **_at_step(row, per_device, found["simulated_step_s"]))
             row.update({f"composed_{k}": v for k, v in composed.items()})
             row["recompute"] = "per-layer"
             # The plan is balanced_stage_layers with balanced_recompute, and the settings one
@@ -386,6 +380,15 @@ def _rows(model: ModelSpec, space: SearchSpace, listed: list[int], plans: dict[i
             row["label"] = _balanced_label(strategy, found["plan"].recompute, modules)
         rows.append(row)
     return rows
+
+
+def _at_step(row: dict[str, Any], per_device: float, step_s: float) -> dict[str, float]:
+    """A balanced row's throughput and MFU at ``step_s``: the uniform candidate's (its
+    ``unbalanced_*`` figures and ``per_device`` tokens/s) scaled by its step over ``step_s``
+    (the same tokens and model FLOPs a step)."""
+    ratio = step_s / row["unbalanced_step_s"]
+    return {"step_s": step_s, "tokens_per_s": row["unbalanced_tokens_per_s"] / ratio,
+            "tokens_per_s_per_device": per_device / ratio, "mfu": row["unbalanced_mfu"] / ratio}
 
 
 def _balanced_label(strategy: Strategy, recompute: tuple[str, ...], modules: tuple[str, ...]) -> str:
