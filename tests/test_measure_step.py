@@ -407,3 +407,32 @@ def test_fsdp_under_a_multi_chunk_schedule_keeps_three_chunks_gathered_either_wa
         assert estimated[False][stage] == estimated[True][stage]
         for reshard in (False, True):
             assert abs(estimated[reshard][stage] / measured[reshard][stage] - 1) < 0.04
+
+
+@needs_torch
+def test_tied_pair_stays_one_table_under_tensor_parallelism() -> None:
+    """parallelize_module gives the embedding and the LM head each its own sharded Parameter:
+    the fake step trained two tables (two gradients, two optimizer states) where a tied model
+    has one. Both are Shard(0) over the vocabulary; the head takes the embedding's again."""
+    from ndplan.census.measure_step import measure_step
+
+    s = Strategy(tp=2, seq_length=SEQ, precision="bf16-pure")
+    tied = measure_step(dict(TINY, tie_word_embeddings=True), s, num_layers=2).ranks[0].categories
+    untied = measure_step(dict(TINY, tie_word_embeddings=False), s, num_layers=2).ranks[0].categories
+    table_shard = VOCAB * H // 2
+    assert untied["params"] - tied["params"] == 2 * table_shard
+    # the table's two bf16 moments and its fp32 step count
+    assert untied["optimizer"] - tied["optimizer"] == 2 * 2 * table_shard + 4
+
+
+@needs_torch
+def test_tied_pair_apart_on_a_pipeline_each_stage_keeps_its_own_table() -> None:
+    """The last stage of a pipeline holds the head but not the embedding: tying its head to the
+    embedding there handed it a meta tensor and the stage's forward failed."""
+    from ndplan.census.measure_step import measure_step
+
+    s = Strategy(pp=2, num_micro_batches=2, seq_length=SEQ, precision="bf16-pure")
+    last = measure_step(dict(TINY, tie_word_embeddings=True), s, num_layers=2, stages=[1]).ranks[0]
+    n, _ = tiny_params(2)
+    per_layer = (n - 2 * VOCAB * H - H) // 2
+    assert last.categories["params"] == 2 * (per_layer + H + VOCAB * H) + 2 * (HD // 2) * 4

@@ -812,7 +812,10 @@ def _build_model(E: Any, torch: Any, cfg: dict[str, Any], attention: str, expert
             break
         if keep is not None and mod_name in keep:
             E.materialize(module, dtype, mod_name, fp32)
-    if getattr(config, "tie_word_embeddings", False):
+    # A pipeline stage that holds only one end of a tied pair keeps its own copy (the other end's
+    # table is not materialised here, and tying to it would hand the head a meta tensor).
+    both_ends = keep is None or {"model.embed_tokens", "lm_head"} <= keep
+    if getattr(config, "tie_word_embeddings", False) and both_ends:
         out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
         if out_emb is not None and in_emb is not None:
             out_emb.weight = in_emb.weight
@@ -878,7 +881,9 @@ def _fully_shard(torch: Any, strategy: Strategy, mesh: Any, root: Any, embed: An
                  head: Sequence[Any], tied: bool) -> None:
     """FSDP2 as torchtitan applies it: the embedding, each decoder layer, and [final norm, LM head]
     are their own groups ([norm, head] not resharded after forward: backward needs them at once),
-    then the root. A tied embedding/head pair stays with the root."""
+    then the root. A tied embedding/head pair is one group with the final norm, [embedding, norm,
+    head], not resharded after forward (torchtitan and accelerate group them so; PyTorch refuses a
+    shared parameter in two groups)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -889,8 +894,8 @@ def _fully_shard(torch: Any, strategy: Strategy, mesh: Any, root: Any, embed: An
         fully_shard(embed, reshard_after_forward=reshard, **kwargs)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
-    if head and not tied:
-        fully_shard(list(head), reshard_after_forward=False, **kwargs)
+    if head:
+        fully_shard([embed, *head] if tied else list(head), reshard_after_forward=False, **kwargs)
     fully_shard(root, **kwargs)
 
 
@@ -996,6 +1001,11 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
 
         _check_tp_modules(model, layer_ids)
         parallelize_module(model, tp_mesh, _tp_plan(model, layer_ids, holds_first, holds_last))
+        if tied and holds_first and holds_last:
+            # parallelize_module gives each module its own sharded Parameter, which unties the
+            # pair (two tables, two gradients); both are Shard(0) over the vocabulary, so the head
+            # takes the embedding's again, as a tied model must train.
+            model.lm_head.weight = model.model.embed_tokens.weight
     _wrap_recompute(model, layer_ids, s.recompute, E)
     layers = _layers(model)
     b, seq, m = s.micro_batch_size, s.seq_length, s.num_micro_batches
