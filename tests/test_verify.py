@@ -396,3 +396,27 @@ def test_head_weight_gradient_of_a_later_micro_batch_priced_beside_the_kept_one(
         assert rows["transient"]["measured_at_peak_bytes"] == vocab * hidden * 2 // tp + tokens * (2 * vocab // tp + 4 * hidden)
         peak = rows["forward_backward_peak"]
         assert abs(peak["error_pct"]) < 0.2, (tp, peak)  # was -11% at tp 1, -4.9% at tp 2
+
+
+@needs_torch
+@pytest.mark.parametrize(("flags", "old_error_pct"), [
+    (("--tp", 2), -5.1),  # the fake step untied the pair: a second table and its gradient
+    (("--dp", 2, "--fsdp"), -3.4),  # the tied table stays gathered beside every layer
+    (("--dp", 2, "--tp", 2, "--fsdp"), -1.9),
+    (("--pp", 2, "--num-micro-batches", 2), None),  # stage 1 could not be measured at all
+])
+def test_tied_embedding_and_head_estimated_as_measured(run, tmp_path: Path, flags: tuple,
+                                                        old_error_pct: float | None) -> None:
+    """A tied embedding/head pair (Llama-3.2-1B, Qwen3-0.6B..4B, Gemma): one table where both
+    ends share a stage. Under FSDP it is one unit with the final norm and the head (torchtitan and
+    accelerate group the three; PyTorch refuses a shared parameter in two units), gathered from
+    the embedding's forward to its backward, so it sits beside every layer's moments. Measured on
+    fake tensors (256 wide, vocabulary 32,000: the table is most of the model)."""
+    config = dict(TINY, hidden_size=256, intermediate_size=688, head_dim=64, vocab_size=32000,
+                  num_hidden_layers=4, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = run("verify", tmp_path / "config.json", "--layers", 4, "--seq", 512, "--mbs", 2, *flags, "--json")
+    assert code == 0, err
+    for stage in json.loads(out)["stages"]:
+        peak = {r["key"]: r for r in stage["rows"]}["forward_backward_peak"]
+        assert abs(peak["error_pct"]) < 0.5, (flags, old_error_pct, stage["stage"], peak)

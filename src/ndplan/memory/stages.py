@@ -25,7 +25,7 @@ import numbers
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
-from functools import cached_property, lru_cache, reduce
+from functools import cached_property, lru_cache, partial, reduce
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -1706,7 +1706,8 @@ def _static_state(
         params=out["params"], grads=out["grads"], optimizer=out["optimizer"], params_optimizer=params_optimizer,
         total=out["params"] + out["grads"] + out["optimizer"], optimizer_update=optimizer_update,
         grads_virtual=grads_virtual,
-        unit_elements={kind: non_expert + expert for kind, (non_expert, expert) in unit_parts.items()},
+        unit_elements={kind: non_expert + expert for kind, (non_expert, expert) in unit_parts.items()}
+        | {"tied": table * (model.tie_word_embeddings and not tables_apart)},
         unit_grads={kind: np.where(made_by_now, non_expert * grad_bytes / shards.grads
                                    + expert * grad_bytes / shards.expert_grads, 0.0)
                     for kind, (non_expert, expert) in unit_parts.items()},
@@ -2549,6 +2550,11 @@ class _WorstMoment:
         self.work.append(self.zero if wrk is None else wrk)
         self.made.append(self.zero if made is None else made)
 
+    def consider_beside(self, held: np.ndarray, buf: np.ndarray, wrk: np.ndarray | None = None,
+                        made: np.ndarray | None = None) -> None:
+        """A moment with ``held`` bytes of buffers more (a unit gathered throughout)."""
+        self.consider(buf + held, wrk, made)
+
     def worst(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(buffers less the gradients made, working set, gradients made) at the worst moment."""
         totals = np.array(self.totals)  # [moments, n]
@@ -2602,6 +2608,12 @@ def _fsdp_unit_phases(
     (``unit_grads``: a unit's sharded gradient bytes, its experts at their own shard width; 0
     where gradients are priced otherwise).
 
+    A tied table on a stage that holds both ends (``units["tied"]`` elements, 0 otherwise) is one
+    unit with the final norm and the head (torchtitan and accelerate group the three; PyTorch
+    refuses a shared parameter in two units): gathered from the embedding's forward to its
+    backward, it sits beside every layer's and the head's moments (g·N_tied), and the head's
+    moments count its own elements (the norm) besides.
+
     The arrays returned have one column per stage in ``stages`` (``on_stage`` [pp, pp·vpp]).
     """
     n = len(loss_working)
@@ -2609,6 +2621,7 @@ def _fsdp_unit_phases(
     kinds = ("embedding", "dense", "moe", "head")
     zero = np.zeros(n)
     size = {k: np.broadcast_to(units[k], (n,)).astype(float) for k in kinds}
+    tied = np.broadcast_to(units.get("tied", 0.0), (n,)).astype(float)
     size[""] = zero
     expert = np.broadcast_to(expert_elements, (n,)).astype(float)
     grads_of = {k: np.broadcast_to(unit_grads[k], (n,)).astype(float) for k in kinds}
@@ -2636,7 +2649,9 @@ def _fsdp_unit_phases(
             continue
         priced[signature] = column
         moments = _WorstMoment(n)
-        consider = moments.consider
+        consider_alone = moments.consider
+        holds_tied_table = bool(runs) and runs[0][0] == "embedding" and runs[-1][0] == "head"
+        consider = partial(moments.consider_beside, g * tied) if holds_tied_table else consider_alone
 
         later = zero.copy()  # elements of the units after the current run, forward order
         later_grads = zero.copy()  # and their sharded gradients' bytes
@@ -2654,7 +2669,7 @@ def _fsdp_unit_phases(
                 made = later_grads
                 for buf in (g * n_k + r * size[following], 2 * g * n_k + r * size[following], (g + r) * n_k):
                     moment = np.maximum(buf + made - one_micro_batch, 0.0)
-                    consider(moment, None, np.minimum(made, moment))
+                    consider_alone(moment, None, np.minimum(made, moment))  # a tied table is its n_k
             else:
                 # Three positions cover a run: its last unit (first in backward), a middle one
                 # and its first, each with its neighbours and the units after it.
@@ -2689,9 +2704,10 @@ def _fsdp_unit_phases(
             if kept_after_backward.any():
                 kept = later if kept_elements is None else np.minimum(later, kept_elements[:, column])
                 counted = g * (kept + size[first]) - one_micro_batch * (first == "embedding")
-                consider(np.maximum(np.where(kept_after_backward, counted, 0.0), 0.0))
+                # (a tied table is the first unit's, counted there)
+                consider_alone(np.maximum(np.where(kept_after_backward, counted, 0.0), 0.0))
             else:
-                consider(zero)  # nothing kept: the moment is empty
+                consider_alone(zero)  # nothing kept: the moment is empty
         buffers[:, column], work[:, column], grads_made[:, column] = moments.worst()
         if runs:
             first, count = runs[0]
