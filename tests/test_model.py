@@ -275,3 +275,16 @@ def test_layernorm_qk_norms_carry_their_biases():
     rms = mla.model_copy(update={"norm": "rmsnorm", "norm_bias": False})
     assert attention_params(mla) - attention_params(rms) == 32 + 16  # the q and kv latent norms' biases
     assert attention_split(mla).per_rank(np.array([2.0]))[0] - attention_split(rms).per_rank(np.array([2.0]))[0] == 48
+
+
+@pytest.mark.parametrize(("name", "hidden", "layers", "heads", "head_dim"), [
+    ("llama-3.2-1b", 2048, 16, 32, 64), ("llama-3.2-3b", 3072, 28, 24, 128)])
+def test_tied_llama_3_2_counts_its_table_once(name: str, hidden: int, layers: int, heads: int, head_dim: int) -> None:
+    """Llama 3.2's embedding and LM head are one [128,256, h] table: 1,235,814,400 and
+    3,212,749,824 parameters (the model cards' 1.23B and 3.21B), by hand."""
+    table, kv = 128_256 * hidden, 8 * head_dim
+    layer = 2 * hidden * heads * head_dim + 2 * hidden * kv + 3 * hidden * 8192 + 2 * hidden
+    model = get_preset(name)
+    assert model.tie_word_embeddings
+    assert count_parameters(model).total == table + layers * layer + hidden == {"llama-3.2-1b": 1_235_814_400,
+                                                                                "llama-3.2-3b": 3_212_749_824}[name]
