@@ -250,6 +250,30 @@ def test_context_parallel_ring_hides_under_attention():
     assert ulysses.breakdown["comm_exposed"]["cp"] > 0
 
 
+def test_context_parallel_ring_hides_only_under_the_steps_it_overlaps():
+    # Transformer Engine's ring: step i's send of the next K/V block runs under step i's
+    # attention, and the last step computes with nothing in flight. With load-balanced causal
+    # chunks every step is the same share, so cp - 1 sends hide under (cp - 1)/cp of the
+    # attention, never under all of it. Hand-derived on 16 A100s (no fixed attention call
+    # cost), Llama-3.1-8B, tp 8, cp 2 (stride 8: the ring crosses nodes), seq 8192, one layer's
+    # forward per micro-batch:
+    #   K,V per step = (8192/2 tokens)·(8 + 8 heads·128)/8·2 B = 2,097,152 B
+    #   send = 10 µs + 2,097,152 B / (25 GB/s · 0.85) = 108.69 µs (1 step)
+    #   attention = 2·(32/8 heads)·(128 + 128)·(8192·8193/2)/2 FLOPs / (312 TFLOP/s · 0.6)
+    #             = 34.36 GFLOP / 187.2 TFLOP/s = 183.55 µs, 91.78 µs a step
+    #   exposed forward = 108.69 - 91.78 = 16.91 µs (all of the attention as cover: 0);
+    #   backward 2·K,V = 207.38 µs under 2.5·183.55·1/2 = 229.44 µs: hidden.
+    s = Strategy(dp=1, tp=8, cp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=2, seq_length=8192)
+    cluster = _cluster(16, "a100-80gb")
+    kv = 4096 * (8 + 8) * 128 / 8 * 2
+    send = 10e-6 + kv / (25e9 * 0.85)
+    attention = 2 * 4 * 256 * (8192 * 8193 / 2) / 2 / (312e12 * 0.6)
+    per_layer = send - attention / 2
+    assert per_layer == pytest.approx(16.91e-6, abs=0.01e-6)
+    r = estimate_time(LLAMA8, s, cluster)
+    assert r.breakdown["comm_exposed"]["cp"] == pytest.approx(2 * 32 * per_layer, rel=1e-6)
+
+
 def test_cross_node_tensor_parallelism_is_slower():
     mha = LLAMA70.model_copy(update={"name": "mha-70b", "num_kv_heads": 64, "num_layers": 8, "layer_mlp_kinds": ("dense",) * 8})
     cluster = _cluster(16)

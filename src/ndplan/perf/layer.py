@@ -748,8 +748,12 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
 
     ring_f, ring_b, a2a = comm.ring_f, comm.ring_b, comm.a2a
-    cp_f = _exposed(ring_f, attn_f, ctx.overlap.cp_ring) + a2a
-    cp_b = _exposed(ring_b, attn_b, ctx.overlap.cp_ring) + a2a
+    # The ring's n - 1 sends each run under one of its n equal attention steps (load-balanced
+    # causal chunks); the last step computes with nothing in flight: (n - 1)/n of it covers.
+    ring_n = ring_steps(bc)
+    ring_cover = (ring_n - 1.0) / ring_n
+    cp_f = _exposed(ring_f, ring_cover * attn_f, ctx.overlap.cp_ring) + a2a
+    cp_b = _exposed(ring_b, ring_cover * attn_b, ctx.overlap.cp_ring) + a2a
 
     if kind == "moe":
         t = bc["tp"]
