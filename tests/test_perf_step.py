@@ -907,6 +907,33 @@ def test_seq1f1b_sends_each_sub_sequence_on_its_own():
         assert got == pytest.approx(10e-6 + 8192 / k * 4096 * 2 / (50e9 * 0.85), rel=1e-12)
 
 
+def test_pipeline_hops_inside_a_node_use_nvlink():
+    """A pipeline of stride tp·cp·dp = 2 over pp 8 on 8-GPU H100 nodes puts stages 0-3 on one
+    node and 4-7 on the next: of 1F1B's 7 hops one (3 -> 4) crosses the network, the rest
+    stay on NVLink, and the critical path's transfers (the fill's chain and every steady-state
+    round trip) cross each hop alike, so a transfer costs their mean. One send [1, 4096/2,
+    4096] bf16 = 16,777,216 B: over NVLink 3 µs + B/(450 GB/s · 0.8) = 49.60 µs, over the NIC
+    10 µs + B/(50 GB/s · 0.85) = 404.76 µs; mean (6·49.60 + 404.76)/7 = 100.34 µs (every hop
+    was priced at the NIC's 404.76 µs). Interleaved over 2 chunks: 15 hops, the crossing one
+    in each chunk and the wrap from stage 7 back to stage 0, 3 of 15: 120.63 µs. A V (ZB-V)
+    turns on stage 7 without a transfer: 14 hops, 2 crossing, as 1F1B's mean. Stride 8 (dp 4):
+    every hop crosses, 404.76 µs; pp 4 over stride 2 fits one node, 49.60 µs."""
+    nbytes = 4096 / 2 * 4096 * 2
+    inside = 3e-6 + nbytes / (450e9 * 0.8)
+    outside = 10e-6 + nbytes / (50e9 * 0.85)
+    assert (inside, outside) == (pytest.approx(49.60e-6, abs=0.01e-6), pytest.approx(404.76e-6, abs=0.01e-6))
+
+    def p2p(devices: int, **settings) -> float:
+        s = Strategy(tp=2, sequence_parallel=True, num_micro_batches=16, seq_length=4096, **settings)
+        return float(evaluate(LLAMA8, StrategyBatch.of(s), _cluster(devices), details=True)["p2p_s"][0])
+
+    assert p2p(16, pp=8) == pytest.approx((6 * inside + outside) / 7, rel=1e-12)
+    assert p2p(16, pp=8, schedule="interleaved", vpp=2) == pytest.approx((12 * inside + 3 * outside) / 15, rel=1e-12)
+    assert p2p(16, pp=8, schedule="zbv", vpp=2) == pytest.approx((12 * inside + 2 * outside) / 14, rel=1e-12)
+    assert p2p(64, pp=8, dp=4) == pytest.approx(outside, rel=1e-12)
+    assert p2p(8, pp=4) == pytest.approx(inside, rel=1e-12)
+
+
 def test_the_gradient_norm_all_reduce_costs_nothing_on_one_device():
     """A fused Adam moves 38 bytes per parameter under megatron-bf16 (gradient 4, states and
     master 2·(8 + 4), the bf16 copy 2, clipping's read and zeroing 2·4) at 0.6 of the H100's

@@ -38,7 +38,7 @@ from ndplan.perf.step import (
     pricing_settings,
     strategy_columns,
 )
-from ndplan.perf.topology import Fabric, group_link, members_per_domain
+from ndplan.perf.topology import Fabric, group_link, members_per_domain, pipeline_crossing_share
 from ndplan.schedule.unshard import ACTIVE_CHUNKS, chunk_gathers
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import validate_strategy
@@ -395,9 +395,15 @@ def _communication_lines(r: TimeReport) -> list[str]:
             line += "; " + _dedup_text(r, fabric)
         out.append(line)
     if s.pp > 1:
+        share = pipeline_crossing_share(s.schedule, s.pp, s.vpp, s.tp * s.cp * s.dp, fabric.domain)
+        if 0.0 < share < 1.0:
+            inside = _link_text(2, 1, fabric, "p2p")
+            outside = f"{fabric.scaleout_bw / 1e9:,.0f} GB/s scale-out"
+            over = f"- {share:.0%} of the hops over {outside}, the rest over {inside} (a transfer: their mean)"
+        else:
+            over = "over " + _link_text(s.pp, s.tp * s.cp * s.dp, fabric, "p2p")
         out.append(
-            f"PP send per micro-batch and boundary: [mbs, seq/cp{'/tp' if s.sequence_parallel else ''}, h] over "
-            f"{_link_text(s.pp, s.tp * s.cp * s.dp, fabric, 'p2p')}"
+            f"PP send per micro-batch and boundary: [mbs, seq/cp{'/tp' if s.sequence_parallel else ''}, h] {over}"
         )
     replicas = s.dp * s.cp
     if replicas > 1:
