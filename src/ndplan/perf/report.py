@@ -417,11 +417,10 @@ def _communication_lines(r: TimeReport) -> list[str]:
         else:
             line = f"DP: {how} over dp·cp={replicas} at stride tp ({_link_text(replicas, s.tp, fabric)})"
         if model.is_moe:
-            _, expert_shard = shard_groups(s.dp, s.cp, s.tp, s.ep, s.etp, s.shard_group)
-            if not s.zero:
-                expert_shard = max(replicas * s.tp // (s.ep * s.etp), 1)
-            line += f"; experts over {int(expert_shard)} ranks at stride ep·etp"
-            if expert_shard > 1:
-                line += f" ({_link_text(float(expert_shard), s.ep * s.etp, fabric)})"
+            _, sharded = shard_groups(s.dp, s.cp, s.tp, s.ep, s.etp, s.shard_group)
+            expert_ranks = int(sharded) if s.zero else max(replicas * s.tp // (s.ep * s.etp), 1)
+            line += f"; experts over {expert_ranks} ranks at stride ep·etp"
+            if expert_ranks > 1:
+                line += f" ({_link_text(float(expert_ranks), s.ep * s.etp, fabric)})"
         out.append(line)
     return out
