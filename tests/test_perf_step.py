@@ -286,6 +286,32 @@ def test_context_parallel_ring_hides_only_under_the_steps_it_overlaps():
     assert r.breakdown["comm_exposed"]["cp"] == pytest.approx(2 * 32 * per_layer, rel=1e-6)
 
 
+def test_context_parallel_ring_backward_sends_under_every_step():
+    # Transformer Engine's ring backward sends at every one of its cp steps, each under that
+    # step's attention backward: the first K,V alone, the middle ones K,V with the dK,dV
+    # accumulated so far, the last dK,dV alone (cp sends, 2(cp - 1) blocks). So the whole
+    # attention backward covers them and each send pays the latency. Hand-derived on 16 A100s,
+    # Llama-3.1-8B, tp 8, cp 2 across nodes, seq 6144, per layer and micro-batch:
+    #   K,V block = 3072·(8 + 8)·128/8·2 B = 1,572,864 B: 74.02 µs over 25 GB/s · 0.85
+    #   forward: 10 + 74.02 = 84.02 µs under half the attention, 2·4·256·(6144·6145/2)/2 FLOPs
+    #            / 187.2 TFLOP/s = 103.26 µs, 51.63 µs: 32.39 µs exposed
+    #   backward: 2·10 + 2·74.02 = 168.03 µs under 2.5·103.26 = 258.15 µs: hidden (under half
+    #            of it, 38.96 µs would show); with the ring's overlap off, all 168.03 µs (the
+    #            backward was priced as one send, 158.03 µs).
+    s = Strategy(dp=1, tp=8, cp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=2, seq_length=6144)
+    cluster = _cluster(16, "a100-80gb")
+    block = 3072 * 16 * 128 / 8 * 2 / (25e9 * 0.85)
+    attention = 2 * 4 * 256 * (6144 * 6145 / 2) / 2 / (312e12 * 0.6)
+    forward = 10e-6 + block - attention / 2
+    backward = 2 * 10e-6 + 2 * block
+    assert (forward, backward, 2.5 * attention) == (
+        pytest.approx(32.39e-6, abs=0.01e-6), pytest.approx(168.03e-6, abs=0.01e-6), pytest.approx(258.15e-6, abs=0.01e-6))
+    hidden = estimate_time(LLAMA8, s, cluster)
+    assert hidden.breakdown["comm_exposed"]["cp"] == pytest.approx(2 * 32 * forward, rel=1e-6)
+    exposed = estimate_time(LLAMA8, s, cluster, overlap=OverlapConfig(cp_ring=False))
+    assert exposed.breakdown["comm_exposed"]["cp"] == pytest.approx(2 * 32 * (10e-6 + block + backward), rel=1e-6)
+
+
 def test_cross_node_tensor_parallelism_is_slower():
     mha = LLAMA70.model_copy(update={"name": "mha-70b", "num_kv_heads": 64, "num_layers": 8, "layer_mlp_kinds": ("dense",) * 8})
     cluster = _cluster(16)
