@@ -274,7 +274,7 @@ def test_context_parallel_ring_hides_only_under_the_steps_it_overlaps():
     #   attention = 2·(32/8 heads)·(128 + 128)·(8192·8193/2)/2 FLOPs / (312 TFLOP/s · 0.6)
     #             = 34.36 GFLOP / 187.2 TFLOP/s = 183.55 µs, 91.78 µs a step
     #   exposed forward = 108.69 - 91.78 = 16.91 µs (all of the attention as cover: 0);
-    #   backward 2·K,V = 207.38 µs under 2.5·183.55·1/2 = 229.44 µs: hidden.
+    #   backward 2 sends, 2·10 µs + 2·98.69 µs = 217.38 µs under 2.5·183.55 = 458.88 µs: hidden.
     s = Strategy(dp=1, tp=8, cp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=2, seq_length=8192)
     cluster = _cluster(16, "a100-80gb")
     kv = 4096 * (8 + 8) * 128 / 8 * 2
