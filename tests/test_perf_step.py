@@ -65,6 +65,23 @@ def test_explain_names_the_expert_data_parallel_link():
         assert "experts over 4 ranks at stride ep·etp (42 GB/s scale-out)" in text
 
 
+def test_explain_names_the_link_each_kind_of_context_parallelism_uses():
+    """On the Ascend 910B's HCCS full mesh (196 GB/s · 0.7 over 7 links per NPU) a ring send
+    takes one link, 19.6 GB/s, and an all-to-all over 4 its 3 links, 58.8 GB/s: Ulysses was
+    explained with the ring's 20 GB/s while priced at 59 (layer._cp_seconds)."""
+    base = dict(dp=2, cp=4, num_micro_batches=1, seq_length=8192)
+    cluster = _cluster(8, "ascend-910b")
+
+    def line(**settings) -> str:
+        text = estimate_time(LLAMA8, Strategy(**base, **settings), cluster).explain()
+        return next(x for x in text if x.strip().startswith("CP ("))
+
+    assert "ring over cp=4 at stride tp (20 GB/s scale-up)" in line()
+    assert "all-to-alls over cp=4 at stride tp (59 GB/s scale-up)" in line(cp_kind="ulysses")
+    hybrid = line(cp_kind="hybrid", ulysses_degree=2)
+    assert "all-to-alls over ulysses_degree=2 at stride tp (20 GB/s" in hybrid and "ring over 2 at stride tp·2" in hybrid
+
+
 def test_invalid_strategy_is_refused_with_the_rules_it_breaks():
     with pytest.raises(NdplanError, match="dp·tp·pp·cp"):
         estimate_time(LLAMA8, Strategy(dp=3, tp=1), _cluster(8))

@@ -383,10 +383,15 @@ def _communication_lines(r: TimeReport) -> list[str]:
                          f"routed copies over etp={s.etp} ({_link_text(s.etp, 1, fabric)})")
         out.append("TP per MoE layer and pass: " + ", and ".join(parts))
     if s.cp > 1:
-        out.append(
-            f"CP ({s.cp_kind}) over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')}); "
-            f"ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
-        )
+        if s.cp_kind == "ulysses":
+            where = f"all-to-alls over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'all_to_all')})"
+        elif s.cp_kind == "hybrid":
+            u = s.ulysses_degree
+            where = (f"all-to-alls over ulysses_degree={u} at stride tp ({_link_text(u, s.tp, fabric, 'all_to_all')}), "
+                     f"ring over {s.cp // u} at stride tp·{u} ({_link_text(s.cp // u, s.tp * u, fabric, 'p2p')})")
+        else:
+            where = f"ring over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')})"
+        out.append(f"CP ({s.cp_kind}): {where}; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}")
     if model.is_moe and s.ep > 1:
         copies = tokens * model.num_experts_per_tok / s.tp * model.hidden_size
         line = (f"EP per MoE layer: dispatch + combine all-to-all of (b·s/c)·k/t·h = {copies / 1e6:,.1f} M elements over "
