@@ -53,6 +53,35 @@ def test_explain_names_every_term_with_values():
     assert all(isinstance(line, str) and line for line in lines)
 
 
+def test_explain_names_the_expert_data_parallel_link():
+    """Qwen3-30B-A3B ep 8 over 32 H100s: the experts' gradients reduce over dp·cp·tp/(ep·etp) =
+    4 ranks at stride 8, one per node: the NIC's 50 GB/s · 0.85 = 42 GB/s, under ZeRO-0's
+    all-reduce too (the explanation said nothing of the experts without ZeRO, and never named
+    their link)."""
+    qwen = get_preset("qwen3-30b-a3b")
+    for zero in (0, 1):
+        s = Strategy(dp=32, ep=8, num_micro_batches=2, seq_length=4096, zero=zero)
+        text = "\n".join(estimate_time(qwen, s, _cluster(32)).explain())
+        assert "experts over 4 ranks at stride ep·etp (42 GB/s scale-out)" in text
+
+
+def test_explain_names_the_link_each_kind_of_context_parallelism_uses():
+    """On the Ascend 910B's HCCS full mesh (196 GB/s · 0.7 over 7 links per NPU) a ring send
+    takes one link, 19.6 GB/s, and an all-to-all over 4 its 3 links, 58.8 GB/s: Ulysses was
+    explained with the ring's 20 GB/s while priced at 59 (layer._cp_seconds)."""
+    base = dict(dp=2, cp=4, num_micro_batches=1, seq_length=8192)
+    cluster = _cluster(8, "ascend-910b")
+
+    def line(**settings) -> str:
+        text = estimate_time(LLAMA8, Strategy(**base, **settings), cluster).explain()
+        return next(x for x in text if x.strip().startswith("CP ("))
+
+    assert "ring over cp=4 at stride tp (20 GB/s scale-up)" in line()
+    assert "all-to-alls over cp=4 at stride tp (59 GB/s scale-up)" in line(cp_kind="ulysses")
+    hybrid = line(cp_kind="hybrid", ulysses_degree=2)
+    assert "all-to-alls over ulysses_degree=2 at stride tp (20 GB/s" in hybrid and "ring over 2 at stride tp·2" in hybrid
+
+
 def test_invalid_strategy_is_refused_with_the_rules_it_breaks():
     with pytest.raises(NdplanError, match="dp·tp·pp·cp"):
         estimate_time(LLAMA8, Strategy(dp=3, tp=1), _cluster(8))
@@ -248,6 +277,56 @@ def test_context_parallel_ring_hides_under_attention():
     assert hidden.breakdown["comm_exposed"]["cp"] < exposed.breakdown["comm_exposed"]["cp"]
     ulysses = estimate_time(LLAMA8, s.model_copy(update={"cp_kind": "ulysses"}), cluster)
     assert ulysses.breakdown["comm_exposed"]["cp"] > 0
+
+
+def test_context_parallel_ring_hides_only_under_the_steps_it_overlaps():
+    # Transformer Engine's ring: step i's send of the next K/V block runs under step i's
+    # attention, and the last step computes with nothing in flight. With load-balanced causal
+    # chunks every step is the same share, so cp - 1 sends hide under (cp - 1)/cp of the
+    # attention, never under all of it. Hand-derived on 16 A100s (no fixed attention call
+    # cost), Llama-3.1-8B, tp 8, cp 2 (stride 8: the ring crosses nodes), seq 8192, one layer's
+    # forward per micro-batch:
+    #   K,V per step = (8192/2 tokens)·(8 + 8 heads·128)/8·2 B = 2,097,152 B
+    #   send = 10 µs + 2,097,152 B / (25 GB/s · 0.85) = 108.69 µs (1 step)
+    #   attention = 2·(32/8 heads)·(128 + 128)·(8192·8193/2)/2 FLOPs / (312 TFLOP/s · 0.6)
+    #             = 34.36 GFLOP / 187.2 TFLOP/s = 183.55 µs, 91.78 µs a step
+    #   exposed forward = 108.69 - 91.78 = 16.91 µs (all of the attention as cover: 0);
+    #   backward 2 sends, 2·10 µs + 2·98.69 µs = 217.38 µs under 2.5·183.55 = 458.88 µs: hidden.
+    s = Strategy(dp=1, tp=8, cp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=2, seq_length=8192)
+    cluster = _cluster(16, "a100-80gb")
+    kv = 4096 * (8 + 8) * 128 / 8 * 2
+    send = 10e-6 + kv / (25e9 * 0.85)
+    attention = 2 * 4 * 256 * (8192 * 8193 / 2) / 2 / (312e12 * 0.6)
+    per_layer = send - attention / 2
+    assert per_layer == pytest.approx(16.91e-6, abs=0.01e-6)
+    r = estimate_time(LLAMA8, s, cluster)
+    assert r.breakdown["comm_exposed"]["cp"] == pytest.approx(2 * 32 * per_layer, rel=1e-6)
+
+
+def test_context_parallel_ring_backward_sends_under_every_step():
+    # Transformer Engine's ring backward sends at every one of its cp steps, each under that
+    # step's attention backward: the first K,V alone, the middle ones K,V with the dK,dV
+    # accumulated so far, the last dK,dV alone (cp sends, 2(cp - 1) blocks). So the whole
+    # attention backward covers them and each send pays the latency. Hand-derived on 16 A100s,
+    # Llama-3.1-8B, tp 8, cp 2 across nodes, seq 6144, per layer and micro-batch:
+    #   K,V block = 3072·(8 + 8)·128/8·2 B = 1,572,864 B: 74.02 µs over 25 GB/s · 0.85
+    #   forward: 10 + 74.02 = 84.02 µs under half the attention, 2·4·256·(6144·6145/2)/2 FLOPs
+    #            / 187.2 TFLOP/s = 103.26 µs, 51.63 µs: 32.39 µs exposed
+    #   backward: 2·10 + 2·74.02 = 168.03 µs under 2.5·103.26 = 258.15 µs: hidden (under half
+    #            of it, 38.96 µs would show); with the ring's overlap off, all 168.03 µs (the
+    #            backward was priced as one send, 158.03 µs).
+    s = Strategy(dp=1, tp=8, cp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=2, seq_length=6144)
+    cluster = _cluster(16, "a100-80gb")
+    block = 3072 * 16 * 128 / 8 * 2 / (25e9 * 0.85)
+    attention = 2 * 4 * 256 * (6144 * 6145 / 2) / 2 / (312e12 * 0.6)
+    forward = 10e-6 + block - attention / 2
+    backward = 2 * 10e-6 + 2 * block
+    assert (forward, backward, 2.5 * attention) == (
+        pytest.approx(32.39e-6, abs=0.01e-6), pytest.approx(168.03e-6, abs=0.01e-6), pytest.approx(258.15e-6, abs=0.01e-6))
+    hidden = estimate_time(LLAMA8, s, cluster)
+    assert hidden.breakdown["comm_exposed"]["cp"] == pytest.approx(2 * 32 * forward, rel=1e-6)
+    exposed = estimate_time(LLAMA8, s, cluster, overlap=OverlapConfig(cp_ring=False))
+    assert exposed.breakdown["comm_exposed"]["cp"] == pytest.approx(2 * 32 * (10e-6 + block + backward), rel=1e-6)
 
 
 def test_cross_node_tensor_parallelism_is_slower():
@@ -881,6 +960,33 @@ def test_seq1f1b_sends_each_sub_sequence_on_its_own():
         s = Strategy(dp=8, pp=4, schedule="seq1f1b", seq_chunks=k, num_micro_batches=8, seq_length=8192)
         got = evaluate(LLAMA8, StrategyBatch.of(s), _cluster(32), details=True)["p2p_s"][0]
         assert got == pytest.approx(10e-6 + 8192 / k * 4096 * 2 / (50e9 * 0.85), rel=1e-12)
+
+
+def test_pipeline_hops_inside_a_node_use_nvlink():
+    """A pipeline of stride tp·cp·dp = 2 over pp 8 on 8-GPU H100 nodes puts stages 0-3 on one
+    node and 4-7 on the next: of 1F1B's 7 hops one (3 -> 4) crosses the network, the rest
+    stay on NVLink, and the critical path's transfers (the fill's chain and every steady-state
+    round trip) cross each hop alike, so a transfer costs their mean. One send [1, 4096/2,
+    4096] bf16 = 16,777,216 B: over NVLink 3 µs + B/(450 GB/s · 0.8) = 49.60 µs, over the NIC
+    10 µs + B/(50 GB/s · 0.85) = 404.76 µs; mean (6·49.60 + 404.76)/7 = 100.34 µs (every hop
+    was priced at the NIC's 404.76 µs). Interleaved over 2 chunks: 15 hops, the crossing one
+    in each chunk and the wrap from stage 7 back to stage 0, 3 of 15: 120.63 µs. A V (ZB-V)
+    turns on stage 7 without a transfer: 14 hops, 2 crossing, as 1F1B's mean. Stride 8 (dp 4):
+    every hop crosses, 404.76 µs; pp 4 over stride 2 fits one node, 49.60 µs."""
+    nbytes = 4096 / 2 * 4096 * 2
+    inside = 3e-6 + nbytes / (450e9 * 0.8)
+    outside = 10e-6 + nbytes / (50e9 * 0.85)
+    assert (inside, outside) == (pytest.approx(49.60e-6, abs=0.01e-6), pytest.approx(404.76e-6, abs=0.01e-6))
+
+    def p2p(devices: int, **settings) -> float:
+        s = Strategy(tp=2, sequence_parallel=True, num_micro_batches=16, seq_length=4096, **settings)
+        return float(evaluate(LLAMA8, StrategyBatch.of(s), _cluster(devices), details=True)["p2p_s"][0])
+
+    assert p2p(16, pp=8) == pytest.approx((6 * inside + outside) / 7, rel=1e-12)
+    assert p2p(16, pp=8, schedule="interleaved", vpp=2) == pytest.approx((12 * inside + 3 * outside) / 15, rel=1e-12)
+    assert p2p(16, pp=8, schedule="zbv", vpp=2) == pytest.approx((12 * inside + 2 * outside) / 14, rel=1e-12)
+    assert p2p(64, pp=8, dp=4) == pytest.approx(outside, rel=1e-12)
+    assert p2p(8, pp=4) == pytest.approx(inside, rel=1e-12)
 
 
 def test_the_gradient_norm_all_reduce_costs_nothing_on_one_device():

@@ -18,8 +18,8 @@ device (T = b·s):
 * TP (t > 1): without SP, 2 all-reduces of A forward (after attention and after the MLP) and 2
   backward; with SP each all-reduce becomes an all-gather + a reduce-scatter of A.
 * CP ring: c-1 point-to-point steps, each passing the local K and V
-  (T/c)·(w_k + w_v)/t·act_bytes forward, and K,V plus dK,dV backward (w: GQA n_kv·d, MLA the
-  expanded a·d_qk and a·d_v). Ulysses: all-to-all of q, k, v and o forward, same backward.
+  (T/c)·(w_k + w_v)/t·act_bytes forward, and K,V plus dK,dV backward in c sends (the first
+  K,V alone, the last dK,dV alone; w: GQA n_kv·d, MLA the expanded a·d_qk and a·d_v). Ulysses: all-to-all of q, k, v and o forward, same backward.
   Hybrid: Ulysses over ulysses_degree ranks, then a ring over cp/ulysses_degree.
 * EP: dispatch and combine all-to-alls of the (T/c)·k/t routed copies of h forward, both
   backward, at activation width (Megatron-Core quantises inside the expert GEMM; with
@@ -306,7 +306,9 @@ def _cp_seconds(
     u = c / ring_n
     ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
     ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
-    ring_b = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(2.0 * kv, ring_link), 0.0)
+    # Transformer Engine's backward sends at each of its n steps: K,V alone first, K,V and the
+    # dK,dV accumulated so far in between, dK,dV alone last: 2(n - 1) blocks in n sends.
+    ring_b = np.where(ring_n > 1, ring_n * ring_link.latency + (ring_n - 1) * 2.0 * kv / ring_link.bandwidth, 0.0)
     a2a_link = group_link(u, t, ctx.fabric, "all_to_all")
     a2a = sum((coll.all_to_all_s(tok * w / t * beta, u, a2a_link) for w in (wq, wk, wv, wo)), 0.0)
     return ring_f, ring_b, a2a
@@ -748,7 +750,11 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
 
     ring_f, ring_b, a2a = comm.ring_f, comm.ring_b, comm.a2a
-    cp_f = _exposed(ring_f, attn_f, ctx.overlap.cp_ring) + a2a
+    # Forward: the ring's n - 1 sends each run under one of its n equal attention steps
+    # (load-balanced causal chunks); the last step computes with nothing in flight, so (n - 1)/n
+    # of it covers. Backward: a send under every step (_cp_seconds), the whole of it.
+    ring_n = ring_steps(bc)
+    cp_f = _exposed(ring_f, (ring_n - 1.0) / ring_n * attn_f, ctx.overlap.cp_ring) + a2a
     cp_b = _exposed(ring_b, attn_b, ctx.overlap.cp_ring) + a2a
 
     if kind == "moe":

@@ -27,7 +27,9 @@ class OverlapConfig(BaseModel):
     fsdp_prefetch: FSDP/ZeRO-3 gathers layer i+1's parameters while layer i computes; per layer
         only max(0, gather - compute) is exposed (forward and backward alike).
     cp_ring: ring attention sends the next K/V block while the current one is computed; only
-        max(0, ring traffic - attention compute) is exposed.
+        max(0, ring traffic - cover) is exposed: in the forward (n-1)/n of the attention, n the
+        ring's ranks (its n-1 sends each run under one of n equal steps, the last step has
+        none), in the backward all of it (a send under each of its n steps).
     tp: tensor-parallel collectives overlap with the GEMMs they feed (Transformer Engine
         userbuffers / async TP); off by default, as in a plain launch.
     ep: expert all-to-all overlaps with other compute. None (default) means "on exactly under

@@ -38,7 +38,7 @@ from ndplan.perf.step import (
     pricing_settings,
     strategy_columns,
 )
-from ndplan.perf.topology import Fabric, group_link, members_per_domain
+from ndplan.perf.topology import Fabric, group_link, members_per_domain, pipeline_crossing_share
 from ndplan.schedule.unshard import ACTIVE_CHUNKS, chunk_gathers
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import validate_strategy
@@ -383,10 +383,15 @@ def _communication_lines(r: TimeReport) -> list[str]:
                          f"routed copies over etp={s.etp} ({_link_text(s.etp, 1, fabric)})")
         out.append("TP per MoE layer and pass: " + ", and ".join(parts))
     if s.cp > 1:
-        out.append(
-            f"CP ({s.cp_kind}) over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')}); "
-            f"ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
-        )
+        if s.cp_kind == "ulysses":
+            where = f"all-to-alls over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'all_to_all')})"
+        elif s.cp_kind == "hybrid":
+            u = s.ulysses_degree
+            where = (f"all-to-alls over ulysses_degree={u} at stride tp ({_link_text(u, s.tp, fabric, 'all_to_all')}), "
+                     f"ring over {s.cp // u} at stride tp·{u} ({_link_text(s.cp // u, s.tp * u, fabric, 'p2p')})")
+        else:
+            where = f"ring over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')})"
+        out.append(f"CP ({s.cp_kind}): {where}; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}")
     if model.is_moe and s.ep > 1:
         copies = tokens * model.num_experts_per_tok / s.tp * model.hidden_size
         line = (f"EP per MoE layer: dispatch + combine all-to-all of (b·s/c)·k/t·h = {copies / 1e6:,.1f} M elements over "
@@ -395,9 +400,15 @@ def _communication_lines(r: TimeReport) -> list[str]:
             line += "; " + _dedup_text(r, fabric)
         out.append(line)
     if s.pp > 1:
+        share = pipeline_crossing_share(s.schedule, s.pp, s.vpp, s.tp * s.cp * s.dp, fabric.domain)
+        if 0.0 < share < 1.0:
+            inside = _link_text(2, 1, fabric, "p2p")
+            outside = f"{fabric.scaleout_bw / 1e9:,.0f} GB/s scale-out"
+            over = f"- {share:.0%} of the hops over {outside}, the rest over {inside} (a transfer: their mean)"
+        else:
+            over = "over " + _link_text(s.pp, s.tp * s.cp * s.dp, fabric, "p2p")
         out.append(
-            f"PP send per micro-batch and boundary: [mbs, seq/cp{'/tp' if s.sequence_parallel else ''}, h] over "
-            f"{_link_text(s.pp, s.tp * s.cp * s.dp, fabric, 'p2p')}"
+            f"PP send per micro-batch and boundary: [mbs, seq/cp{'/tp' if s.sequence_parallel else ''}, h] {over}"
         )
     replicas = s.dp * s.cp
     if replicas > 1:
@@ -410,8 +421,11 @@ def _communication_lines(r: TimeReport) -> list[str]:
                     f"({_link_text(groups, s.tp * s.shard_group, fabric)})")
         else:
             line = f"DP: {how} over dp·cp={replicas} at stride tp ({_link_text(replicas, s.tp, fabric)})"
-        if model.is_moe and s.zero:
-            _, expert_shard = shard_groups(s.dp, s.cp, s.tp, s.ep, s.etp, s.shard_group)
-            line += f"; experts over {int(expert_shard)} ranks at stride ep·etp"
+        if model.is_moe:
+            _, sharded = shard_groups(s.dp, s.cp, s.tp, s.ep, s.etp, s.shard_group)
+            expert_ranks = int(sharded) if s.zero else max(replicas * s.tp // (s.ep * s.etp), 1)
+            line += f"; experts over {expert_ranks} ranks at stride ep·etp"
+            if expert_ranks > 1:
+                line += f" ({_link_text(float(expert_ranks), s.ep * s.etp, fabric)})"
         out.append(line)
     return out

@@ -70,7 +70,7 @@ from ndplan.perf.pipeline import (
     simulated_makespan_batch,
     stage_layout,
 )
-from ndplan.perf.topology import Fabric, group_link
+from ndplan.perf.topology import Fabric, group_link, inside_bandwidth, pipeline_crossing_share
 from ndplan.schedule.pairing import unpaired_forwards
 from ndplan.schedule.unshard import ACTIVE_CHUNKS, chunk_gathers
 from ndplan.strategy.batch import CODES, StrategyBatch
@@ -441,9 +441,15 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric) -> Arra
     sends each of a micro-batch's k sub-sequences on its own (the schedule's ops and its
     transfer count, pipeline.p2p_hops, are per sub-sequence); 1 elsewhere.
 
-    The link is a function of (pp, tp·cp·dp) alone: priced once per distinct pair (a few dozen
-    in a million strategies) and gathered, rather than through a score of [n] temporaries; the
-    latency and bandwidth gathered are the numbers computed row by row (the same bits)."""
+    Where the stages at stride tp·cp·dp share a scale-up domain q at a time (the stride divides
+    the domain, the pipeline spans more than one), only the hops between domains take the
+    network: a transfer costs the mean over the chain's hops (``pipeline_crossing_share`` x of
+    them cross), x·(scale-out send) + (1 - x)·(scale-up send). Before, every hop was priced at
+    the network's rate once any crossed.
+
+    The share is a function of (pp, tp·cp·dp, schedule, vpp) alone: worked out once per
+    distinct row (a few dozen in a million strategies) and gathered, rather than through a
+    score of [n] temporaries."""
     t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
     divisor = batch.cp * t_sp
     divisor *= batch.seq_chunks
@@ -451,11 +457,14 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric) -> Arra
     p2p_bytes *= model.hidden_size * batch.precision.activation_bytes
     stride = batch.tp * batch.cp
     stride *= batch.dp
-    link_code, links = row_codes([batch.pp, stride])
+    link_code, links = row_codes([batch.pp, stride, batch.schedule, batch.vpp])
     first = first_of_codes(link_code, links)
-    link = group_link(batch.pp[first], stride[first], fabric, "p2p")
-    latency, bandwidth = (np.broadcast_to(np.asarray(v, dtype=np.float64), (links,)) for v in (link.latency, link.bandwidth))
-    p2p = coll.p2p_s(p2p_bytes, coll.Link(bandwidth=bandwidth.take(link_code), latency=latency.take(link_code)))
+    share = np.array([pipeline_crossing_share(CODES["schedule"][int(batch.schedule[i])], int(batch.pp[i]),
+                                              int(batch.vpp[i]), int(stride[i]), fabric.domain) for i in first])
+    inside = fabric.scaleup_latency + p2p_bytes / float(inside_bandwidth(fabric, 2.0))
+    outside = fabric.scaleout_latency + p2p_bytes / fabric.scaleout_bw
+    x = share.take(link_code)
+    p2p = np.where(x >= 1.0, outside, np.where(x <= 0.0, inside, x * outside + (1.0 - x) * inside))
     return np.where(batch.pp > 1, p2p, 0.0)
 
 

@@ -23,6 +23,11 @@ over each device's own scale-out NIC. For a group of n ranks at stride st (span 
   (g-1)/n of its data inside the domain and (n-g)/n over the device's own NIC:
   time = max(inside/scale-up, outside/scale-out). Point-to-point: one NIC.
 * latency: scale-up latency inside a domain, scale-out latency otherwise.
+
+Pipeline hops (``pipeline_crossing_share``): a pipeline's stages at stride st = tp·cp·dp put
+q = domain/st consecutive stages in one domain where st divides the domain, so only some hops
+cross it; a transfer on the critical path costs the mean over the hops the chain of virtual
+stages takes (each hop alike in the fill, the drain and every steady-state round trip).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 from ndplan.hardware.device import Cluster
 from ndplan.perf.collectives import Link
 from ndplan.perf.efficiency import EfficiencyProfile
+from ndplan.schedule.ops import model_chunk_table
 
 Array = np.ndarray
 Pattern = Literal["ring", "all_to_all", "p2p"]
@@ -135,3 +141,31 @@ def group_link(size: Array | float, stride: Array | float, fabric: Fabric, patte
     bandwidth = np.where(fits, inside, outside)
     latency = np.where(fits, fabric.scaleup_latency, fabric.scaleout_latency)
     return Link(bandwidth=bandwidth, latency=latency)
+
+
+@lru_cache(maxsize=1024)
+def pipeline_crossing_share(schedule: str, pp: int, vpp: int, stride: int, domain: int) -> float:
+    """Share of the pipeline's hops that leave a scale-up domain, over the chain of its pp·vpp
+    virtual stages in forward order (``schedule.model_chunk_table``): consecutive virtual stages
+    on different stages are one hop each (an interleaved chunk's last stage back to stage 0
+    included; a V's turn on its last stage is no hop). Stage j of a pipeline of ranks
+    r0 + j·stride (r0 < stride) lies in domain j // (domain/stride) where the stride divides the
+    domain; a stride the domain does not hold a multiple of crosses at every hop, and one that
+    fits the whole pipeline at none (``fits_in_domain``, as ``group_link`` decides)."""
+    if pp <= 1:
+        return 0.0
+    if (pp * stride <= domain and domain % (pp * stride) == 0) or stride <= 0:
+        return 0.0
+    if stride >= domain or domain % stride:
+        return 1.0
+    per_domain = domain // stride
+    stage_of = [0] * (pp * vpp)
+    for stage, chunks in enumerate(model_chunk_table(schedule, pp, vpp)):
+        for virtual in chunks:
+            stage_of[virtual] = stage
+    hops = crossing = 0
+    for a, b in zip(stage_of[:-1], stage_of[1:], strict=True):
+        if a != b:
+            hops += 1
+            crossing += a // per_domain != b // per_domain
+    return crossing / hops if hops else 0.0
