@@ -392,8 +392,14 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"(the balancer's composed figures above compare with its own baseline, uniform "
                       f"{base_option} recompute)")
     elif data["recommended"] == "neither":
-        console.print("[bold red]verdict: neither the strategy as given nor the balanced settings fit[/] by the full "
-                      "estimators (see the check); give more memory, devices or pipeline stages")
+        checked_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
+        if written_unfit and checked_fits:  # the check fits: what does not is the file as it reads back
+            why = (f": the {args.emit} settings written run over the limit as they read back "
+                   f"({format_bytes(data['emitted_check']['peak_bytes'])}; below)")
+        else:
+            why = " by the full estimators (see the check)"
+        console.print(f"[bold red]verdict: neither the strategy as given nor the balanced settings fit[/]{why}; "
+                      "give more memory, devices or pipeline stages")
     else:
         console.print(f"verdict: the balanced settings, {versus} than the strategy as given"
                       + ("" if given["fits"] else ", which does not fit"))
