@@ -621,6 +621,41 @@ def test_balance_recommends_only_settings_the_written_file_fits(capsys):
     assert titan["differs"] == [f"the strategy, {titan['strategy']}"]  # ZeRO-1 written as FSDP, nothing else
 
 
+def test_balance_for_torchtitan_prices_the_precision_the_strategy_runs_in(capsys):
+    """torchtitan applies bf16 through FSDP only: without it, TP or PP trains in fp32. balance
+    --emit torchtitan took the precision torchtitan writes for one device (bf16 under FSDP), so
+    Llama-3.1-8B tp2 pp4 vpp2 ZB-V (dp1) under 44 GiB was balanced in bf16 to 43.45 GiB and
+    recommended, and the file written read back fp32, 51.48 GiB. Now it balances in fp32 as the
+    file runs: no plan fits 44 GiB (the least 61.41 GiB); under 70 GiB the plan it writes reads
+    back in the precision priced, and fits."""
+    argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--tp", "2", "--pp", "4", "--vpp", "2",
+            "--schedule", "zbv", "--gbs", "64", "--emit", "torchtitan", "--json"]
+    code, _, err = run([*argv, "--memory-limit", "44GiB"], capsys)
+    assert code == 2 and "no placement and recompute plan fits 44.00 GiB" in err
+    data = json.loads(run([*argv, "--memory-limit", "70GiB"], capsys)[1])
+    assert data["balanced"]["strategy"]["precision"]["name"] == "fp32"
+    check = data["emitted_check"]
+    assert check["fits"] and not any(d.startswith("precision") for d in check["differs"])
+    assert check["peak_bytes"] <= 70 * 2**30 and data["recommended"] == "balanced"
+
+
+def test_balance_verdict_names_the_file_written_where_only_it_runs_over(capsys):
+    """Llama-3.1-70B tp8 pp4 under 37 GiB, --emit mindformers with Megatron's precision forced:
+    the check puts the balanced settings at 35.81 GiB ("fits") and the file, one fp32 dtype,
+    reads back at 37.86 GiB. The verdict said "neither ... fit by the full estimators (see the
+    check)", pointing at a check line that fits; it now names the file read back."""
+    argv = ["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--tp", "8",
+            "--pp", "4", "--sp", "--zero", "1", "--gbs", "256", "--memory-limit", "37GiB", "--emit", "mindformers",
+            "--precision", "megatron-bf16"]
+    code, out, _ = run(argv, capsys)
+    text = " ".join(out.split())
+    assert code == 1
+    assert "puts the largest stage at 35.81 GiB: fits" in text
+    assert ("verdict: neither the strategy as given nor the balanced settings fit: the mindformers settings written "
+            "run over the limit as they read back (37.86 GiB; below)") in text
+    assert "(see the check)" not in text
+
+
 def test_the_read_back_keeps_what_no_file_states_and_compares_what_prices(capsys):
     """A review of the read-back: it dropped --no-overhead (balance then said 'neither fits' under
     a check line that fit), and it compared every model field, so a Mixtral launch read as not

@@ -280,7 +280,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
     options = _memory_options(args, settings, read, device)
     if args.emit and settings.get("precision") is None:
         # Balanced as the framework will run it: in the precision its settings state (as search).
-        settings["precision"] = _written_precision(model, args.emit, options, device)
+        # The strategy's own: torchtitan runs TP or PP without FSDP in fp32 (balanced in its
+        # bf16, the file written read back 51.48 GiB over a 44 GiB limit the plan fit).
+        settings["precision"] = _written_precision(model, args.emit, options, device, strategy_from_settings(settings))
     strategy = strategy_from_settings(settings)
     limit = _memory_limit(args.memory_limit, device) or device.memory_bytes
     cluster = Cluster(device=device, num_devices=strategy.world_size)
@@ -390,8 +392,14 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"(the balancer's composed figures above compare with its own baseline, uniform "
                       f"{base_option} recompute)")
     elif data["recommended"] == "neither":
-        console.print("[bold red]verdict: neither the strategy as given nor the balanced settings fit[/] by the full "
-                      "estimators (see the check); give more memory, devices or pipeline stages")
+        checked_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
+        if written_unfit and checked_fits:  # the check fits: what does not is the file as it reads back
+            why = (f": the {args.emit} settings written run over the limit as they read back "
+                   f"({format_bytes(data['emitted_check']['peak_bytes'])}; below)")
+        else:
+            why = " by the full estimators (see the check)"
+        console.print(f"[bold red]verdict: neither the strategy as given nor the balanced settings fit[/]{why}; "
+                      "give more memory, devices or pipeline stages")
     else:
         console.print(f"verdict: the balanced settings, {versus} than the strategy as given"
                       + ("" if given["fits"] else ", which does not fit"))
@@ -528,16 +536,17 @@ def _read_written(model: Any, text: str, fmt: str, cluster: Any) -> Any:
         return read_config(path, model, cluster.num_devices, fmt)
 
 
-def _written_precision(model: Any, fmt: str, options: Any, device: Any) -> Any:
+def _written_precision(model: Any, fmt: str, options: Any, device: Any, strategy: Any = None) -> Any:
     """The precision ``fmt`` writes where it cannot write Megatron's (torchtitan's FSDP keeps fp32
     shards, MindSpore one dtype for parameters, gradients and states): read back from the
-    settings it writes for one device."""
+    settings it writes for ``strategy`` (default: one device). The strategy matters where the
+    format's precision follows the parallelism: torchtitan without FSDP trains TP or PP in fp32."""
     from ndplan.hardware import Cluster
     from ndplan.io.common import policy_of
 
-    plain = Strategy()
+    plain = strategy if strategy is not None else Strategy()
     text = _emit_settings(model, plain, fmt, options, device)
-    return policy_of(_written_strategy(model, plain, text, fmt, Cluster(device=device, num_devices=1),
+    return policy_of(_written_strategy(model, plain, text, fmt, Cluster(device=device, num_devices=plain.world_size),
                                        own_precision=True).precision)
 
 

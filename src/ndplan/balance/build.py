@@ -32,7 +32,7 @@ from ndplan.balance.problem import (
     step_never_binds,
     uniform_plan,
 )
-from ndplan.balance.solve import exact_method, solve_exact, solve_heuristic
+from ndplan.balance.solve import exact_method, least_peak_plan, solve_exact, solve_heuristic
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory.overhead import DEFAULTS
@@ -348,6 +348,15 @@ class BalanceResult:
         }
 
 
+def _recompute_counts(plan: Plan) -> str:
+    """A plan's recompute in words: "full recompute on every layer", or "recompute full on 20
+    layers, selective on 5, none on 7"."""
+    counts = {option: plan.recompute.count(option) for option in dict.fromkeys(plan.recompute)}
+    if len(counts) == 1:
+        return f"{plan.recompute[0]} recompute on every layer"
+    return "recompute " + ", ".join(f"{option} on {n} layer{'s' if n > 1 else ''}" for option, n in counts.items())
+
+
 def balance(
     model: ModelSpec | str,
     strategy: Strategy,
@@ -419,9 +428,13 @@ def balance(
         assert own_problem is not None  # the strategy's own policy comes first
         option = baseline_option(own_problem)
         needs = evaluate(own_problem, uniform_plan(own_problem, option)).stage_memory_bytes.max()
+        least = least_peak_plan(own_problem)
+        least_text = "" if least is None else (
+            f"the least a plan needs is {format_bytes(least[1].stage_memory_bytes.max())} (layers per virtual stage "
+            f"{list(least[0].stage_layers)}, {_recompute_counts(least[0])}, by the balancer's figures); ")
         raise NdplanError(
             f"no placement and recompute plan fits {format_bytes(memory_limit_bytes)} per device for "
-            f"{strategy.short()}; uniform {option} recompute needs {format_bytes(needs)}"
+            f"{strategy.short()}; {least_text}uniform {option} recompute needs {format_bytes(needs)}"
         )
     problem, found = best["problem"], best["found"]
     baseline_plan = uniform_plan(problem, baseline_option(problem))
