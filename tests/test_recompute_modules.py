@@ -304,3 +304,38 @@ def test_a_searched_module_set_the_model_does_not_have_is_refused():
     with pytest.raises(NdplanError, match="offload module set 'expert_fc1': expert_fc1 offloads nothing"):
         default_space(model, device, 8, 32, 4096, offload_modules=[(), ("expert_fc1",)])
     assert default_space(model, device, 8, 32, 4096, recompute_modules=[(), ("mlp",)]).recompute_modules == ((), ("mlp",))
+
+
+def test_deprecated_moe_layer_recompute_is_read_as_megatron_core_runs_it(tmp_path):
+    """--moe-layer-recompute: Megatron-Core's TransformerConfig sets the granularity selective and
+    adds "moe" to --recompute-modules (default core_attn); beside full recompute it raises. The
+    MoE layer (h 64, 4 heads, top-2 of 8 experts of width 32, no dropout, tp 1, flash) then keeps,
+    per token: its two norms' inputs and rsigma 2·(128 + 4) = 264, the attention's normed input,
+    q, k, v and output 5·128 = 640 (core_attn drops the 16 B of softmax statistics), and of the
+    MoE block only the checkpoint's input, the router's input 128: 1,032 B, where no recompute
+    keeps 1,760 (the block's 840: router input 128, logits 4·2·8 = 64, permuted copies 256,
+    their probabilities 8, expert fc1 output 256 and activation 128)."""
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 128 --padded-vocab-size 256 --position-embedding-type rope --swiglu --normalization RMSNorm "
+            "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --num-experts 8 --moe-ffn-hidden-size 32 "
+            "--moe-router-topk 2 --micro-batch-size 1 --global-batch-size 8 --bf16 --moe-grouped-gemm ")
+    script.write_text(base + "--moe-layer-recompute\n")
+    result = read_config(script, devices=1)
+    strategy = result.strategy()
+    assert strategy.recompute == "selective" and strategy.recompute_modules == ("core_attn", "moe")
+    assert not any("moe-layer-recompute" in w for w in result.warnings)
+    acts = layer_activations(result.model, StrategyBatch.of(strategy), MEGATRON)
+    assert float(acts.recomputed["moe"][0]) == 264 + 640 + 128
+    assert float(acts.full["moe"][0]) == 264 + 640 + 16 + 840
+    assert "--recompute-modules core_attn moe" in emit_megatron(result.model, strategy)
+    # Added to the modules a script names.
+    script.write_text(base + "--recompute-granularity selective --recompute-modules layernorm --moe-layer-recompute\n")
+    assert read_config(script, devices=1).strategy().recompute_modules == ("layernorm", "moe")
+    # Refused beside full recompute: priced as full, with a warning.
+    script.write_text(base + "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+                             "--moe-layer-recompute\n")
+    result = read_config(script, devices=1)
+    assert result.strategy().recompute == "full"
+    assert any("--moe-layer-recompute with --recompute-granularity full: Megatron-Core refuses" in w
+               for w in result.warnings)

@@ -537,6 +537,21 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
     if unknown:
         raise args.error("--recompute-modules", f"unknown module {unknown[0]!r}; known: {', '.join(RECOMPUTE_MODULES)}")
+    given = granularity
+    moe_layer = args.get("--moe-layer-recompute")
+    if moe_layer is not None:
+        # Deprecated: Megatron-Core's TransformerConfig turns it into selective recompute with
+        # "moe" added to --recompute-modules (whose default is core_attn), and refuses it beside
+        # full recompute.
+        if granularity == "full":
+            warnings.append(f"{args.src.where(moe_layer.line)}: --moe-layer-recompute with --recompute-granularity "
+                            "full: Megatron-Core refuses the pair (TransformerConfig) and stops before the first "
+                            "step; priced as full recompute")
+        else:
+            granularity = "selective"
+            modules = (modules or ["core_attn"]) + ([] if "moe" in modules else ["moe"])
+            notes.append(f"--moe-layer-recompute is Megatron-Core's --recompute-granularity selective "
+                         f"--recompute-modules {' '.join(modules)}")
     if granularity != "selective" and modules:
         notes.append("--recompute-modules has no effect without --recompute-granularity selective")
     if granularity is None:
@@ -544,8 +559,10 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
             notes.append("--recompute-method has no effect without --recompute-granularity")
         return
     if granularity == "selective":
-        if method is not None:
+        if method is not None and given == "selective":
             raise args.error(method, "Megatron supports no recompute method with --recompute-granularity selective")
+        if method is not None:  # checked only where the granularity is given (TransformerConfig)
+            notes.append("--recompute-method has no effect with --moe-layer-recompute's selective recompute")
         settings["recompute"] = "selective"
         if modules:  # without them Megatron re-runs core_attn, as ndplan's Megatron policy does
             settings["recompute_modules"] = tuple(modules)
