@@ -339,3 +339,21 @@ def test_deprecated_moe_layer_recompute_is_read_as_megatron_core_runs_it(tmp_pat
     assert result.strategy().recompute == "full"
     assert any("--moe-layer-recompute with --recompute-granularity full: Megatron-Core refuses" in w
                for w in result.warnings)
+
+
+def test_shared_expert_recompute_beside_its_overlap_is_refused(tmp_path):
+    """TransformerConfig raises for --recompute-modules shared_experts with
+    --moe-shared-expert-overlap on a model with shared experts (MoELayer only checkpoints shared
+    experts it computes itself, not those the dispatcher overlaps): the reader warns."""
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 128 --padded-vocab-size 256 --position-embedding-type rope --swiglu --normalization RMSNorm "
+            "--disable-bias-linear --num-experts 8 --moe-ffn-hidden-size 32 --moe-router-topk 2 "
+            "--moe-shared-expert-intermediate-size 48 --micro-batch-size 1 --global-batch-size 8 --bf16 "
+            "--moe-grouped-gemm --recompute-granularity selective --recompute-modules shared_experts ")
+    script.write_text(base + "\n")
+    assert not any("refuses" in w for w in read_config(script, devices=1).warnings)
+    script.write_text(base + "--moe-shared-expert-overlap\n")
+    warnings = read_config(script, devices=1).warnings
+    assert any("--recompute-modules shared_experts with --moe-shared-expert-overlap: Megatron-Core refuses it" in w
+               for w in warnings)

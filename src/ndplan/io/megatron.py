@@ -617,7 +617,8 @@ def _refused_ep_overlap(args: Args, settings: dict[str, Any], warnings: list[str
 def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: ModelSpec | None,
                                warnings: list[str]) -> None:
     """--recompute-modules Megatron-Core's TransformerConfig raises for: moe_act without
-    --moe-grouped-gemm, mla_up_proj without MLA, moe_act or layernorm under fp8's delayed
+    --moe-grouped-gemm, mla_up_proj without MLA, shared_experts beside
+    --moe-shared-expert-overlap (with shared experts), moe_act or layernorm under fp8's delayed
     scaling (--fp8-recipe's default)."""
     modules = settings.get("recompute_modules", ())
     where = args.src.where(args.line("--recompute-modules"))
@@ -626,6 +627,9 @@ def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: Mode
         refused.append("moe_act without --moe-grouped-gemm")
     if "mla_up_proj" in modules and model is not None and not model.is_mla:
         refused.append("mla_up_proj without --multi-latent-attention")
+    if ("shared_experts" in modules and args.has("--moe-shared-expert-overlap")
+            and (args.has("--moe-shared-expert-intermediate-size") or (model is not None and model.num_shared_experts))):
+        refused.append("shared_experts with --moe-shared-expert-overlap")
     fp8 = args.has("--fp8-format")
     recipe = args.text("--fp8-recipe", default="delayed")
     if fp8 and recipe == "delayed" and {"moe_act", "layernorm"} & set(modules):
