@@ -357,3 +357,18 @@ def test_shared_expert_recompute_beside_its_overlap_is_refused(tmp_path):
     warnings = read_config(script, devices=1).warnings
     assert any("--recompute-modules shared_experts with --moe-shared-expert-overlap: Megatron-Core refuses it" in w
                for w in warnings)
+
+
+def test_selective_recompute_with_a_layer_count_is_refused(tmp_path):
+    """TransformerConfig raises for --recompute-num-layers beside --recompute-granularity
+    selective ('recompute_num_layers must be None'): the reader warns and prices every layer
+    selective, as the granularity says."""
+    script = tmp_path / "train.sh"
+    script.write_text(
+        "torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+        "--seq-length 128 --padded-vocab-size 256 --micro-batch-size 1 --global-batch-size 8 --bf16 "
+        "--recompute-granularity selective --recompute-num-layers 2\n")
+    result = read_config(script, devices=1)
+    assert result.strategy().recompute == "selective" and result.strategy().recompute_layers == 0
+    assert any("--recompute-num-layers with --recompute-granularity selective: Megatron-Core refuses it" in w
+               for w in result.warnings)

@@ -563,6 +563,11 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
             raise args.error(method, "Megatron supports no recompute method with --recompute-granularity selective")
         if method is not None:  # checked only where the granularity is given (TransformerConfig)
             notes.append("--recompute-method has no effect with --moe-layer-recompute's selective recompute")
+        if layers is not None and given == "selective":
+            warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-num-layers with "
+                            "--recompute-granularity selective: Megatron-Core refuses it (TransformerConfig: "
+                            "recompute_num_layers must be None) and stops before the first step; priced as "
+                            "selective recompute of every layer")
         settings["recompute"] = "selective"
         if modules:  # without them Megatron re-runs core_attn, as ndplan's Megatron policy does
             settings["recompute_modules"] = tuple(modules)
