@@ -372,3 +372,19 @@ def test_selective_recompute_with_a_layer_count_is_refused(tmp_path):
     assert result.strategy().recompute == "selective" and result.strategy().recompute_layers == 0
     assert any("--recompute-num-layers with --recompute-granularity selective: Megatron-Core refuses it" in w
                for w in result.warnings)
+
+
+def test_uniform_recompute_of_layer_groups_beside_mtp_is_refused(tmp_path):
+    """Megatron-Core's MTP layer asserts 'recompute_num_layers must be 1 for MTP recompute' under
+    --recompute-method uniform: with --mtp-num-layers the reader warns beside its note on groups."""
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 128 --padded-vocab-size 256 --micro-batch-size 1 --global-batch-size 8 --bf16 "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2 ")
+    refused = "--recompute-num-layers 2 and MTP layers: Megatron-Core refuses it"
+    script.write_text(base + "\n")
+    assert not any(refused in w for w in read_config(script, devices=1).warnings)
+    script.write_text(base + "--mtp-num-layers 1\n")
+    result = read_config(script, devices=1)
+    assert result.model.mtp_depth == 1 and result.strategy().recompute == "full"
+    assert any(refused in w for w in result.warnings)

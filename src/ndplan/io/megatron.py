@@ -624,7 +624,8 @@ def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: Mode
     """--recompute-modules Megatron-Core's TransformerConfig raises for: moe_act without
     --moe-grouped-gemm, mla_up_proj without MLA, shared_experts beside
     --moe-shared-expert-overlap (with shared experts), moe_act or layernorm under fp8's delayed
-    scaling (--fp8-recipe's default)."""
+    scaling (--fp8-recipe's default); and full recompute's uniform method over groups of layers
+    beside MTP layers, which their own checkpoint refuses."""
     modules = settings.get("recompute_modules", ())
     where = args.src.where(args.line("--recompute-modules"))
     refused = []
@@ -632,8 +633,8 @@ def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: Mode
         refused.append("moe_act without --moe-grouped-gemm")
     if "mla_up_proj" in modules and model is not None and not model.is_mla:
         refused.append("mla_up_proj without --multi-latent-attention")
-    if ("shared_experts" in modules and args.has("--moe-shared-expert-overlap")
-            and (args.has("--moe-shared-expert-intermediate-size") or (model is not None and model.num_shared_experts))):
+    if "shared_experts" in modules and args.has("--moe-shared-expert-overlap") and (
+            args.has("--moe-shared-expert-intermediate-size") or (model is not None and model.num_shared_experts)):
         refused.append("shared_experts with --moe-shared-expert-overlap")
     fp8 = args.has("--fp8-format")
     recipe = args.text("--fp8-recipe", default="delayed")
@@ -642,6 +643,15 @@ def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: Mode
     for why in refused:
         warnings.append(f"{where}: --recompute-modules {why}: Megatron-Core refuses it (TransformerConfig) and stops "
                         "before the first step; priced as written")
+    # MultiTokenPredictionLayer asserts "recompute_num_layers must be 1 for MTP recompute" under
+    # full recompute's uniform method.
+    method = args.values("--recompute-method") or []
+    groups = args.integer("--recompute-num-layers", minimum=0)
+    if (settings.get("recompute") == "full" and method[:1] == ["uniform"] and groups is not None and groups > 1
+            and model is not None and model.mtp_depth):
+        warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-method uniform with "
+                        f"--recompute-num-layers {groups} and MTP layers: Megatron-Core refuses it (its MTP layer "
+                        "needs recompute_num_layers 1) and stops at the first step; priced as written")
 
 
 def _offload(args: Args, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:
