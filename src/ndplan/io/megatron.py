@@ -120,6 +120,11 @@ def interpret(
         warnings.append(f"{src.where(args.line('--expert-model-parallel-size'))}: --expert-model-parallel-size {ep} "
                         f"with --tensor-model-parallel-size {tp} without --sequence-parallel: Megatron-Core refuses "
                         "the pair (ModelParallelConfig); priced as written")
+    elif tp > 1 and not sp and model is not None and model.is_moe:
+        # MoELayer.forward: ValueError at the first training forward.
+        warnings.append(f"{src.where(args.line('--tensor-model-parallel-size'))}: --tensor-model-parallel-size {tp} "
+                        "without --sequence-parallel on a model with experts: Megatron-Core's MoE layer refuses to "
+                        "train so (MoELayer.forward) and stops at the first forward; priced as written")
     settings["sp"] = sp
     _context_parallel(args, settings, cp, warnings, model.num_layers if model is not None else None)
     _pipeline(args, settings, flag_model, warnings)
