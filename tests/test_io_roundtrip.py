@@ -622,6 +622,24 @@ def test_megatron_reader_names_expert_and_tensor_parallelism_without_sp(tmp_path
     assert not [w for w in read_config(path).warnings if "refuses" in w]
 
 
+def test_experts_under_tensor_parallelism_without_sequence_parallelism_are_refused(tmp_path: Path) -> None:
+    """MoELayer.forward raises in training where tp > 1 without sequence parallelism, whatever the
+    expert parallelism (ModelParallelConfig already refuses it with ep > 1): the reader warns and
+    --emit megatron says the launch stops; a dense model, or SP on, is fine."""
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 128 --padded-vocab-size 256 --micro-batch-size 1 --global-batch-size 8 --bf16 "
+            "--tensor-model-parallel-size 2 ")
+    moe = "--num-experts 8 --moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-grouped-gemm "
+    refused = "without --sequence-parallel on a model with experts: Megatron-Core's MoE layer refuses"
+    for flags, expected in ((moe, True), (moe + "--sequence-parallel", False), ("", False)):
+        script.write_text(base + flags + "\n")
+        result = read_config(script, devices=2)
+        assert any(refused in w for w in result.warnings) == expected, flags
+        assert ("Megatron-LM will refuse this launch: experts with tp=2 without sequence parallelism"
+                in emit(result.model, result.strategy(), "megatron")) == expected, flags
+
+
 @pytest.mark.parametrize("name, seq", [("llama-2-7b", 8192), ("kimi-k2", 4096), ("llama-3.1-8b", 8192)])
 def test_megatron_max_position_embeddings_covers_the_sequence(name: str, seq: int, tmp_path: Path) -> None:
     """validate_args requires --max-position-embeddings (required_args) and asserts it is at least

@@ -20,7 +20,8 @@ from ndplan.strategy.strategy import OFFLOAD_MODULES
 
 MIXTRAL = get_preset("mixtral-8x7b")
 HEAD = ("torchrun --nproc_per_node 8 pretrain_gpt.py \\\n"
-        "  --tensor-model-parallel-size 2 --micro-batch-size 1 --seq-length 4096 --global-batch-size 64 \\\n")
+        "  --tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --seq-length 4096 "
+        "--global-batch-size 64 \\\n")
 
 
 def script(tmp_path: Path, *lines: str) -> Path:
@@ -56,7 +57,7 @@ def test_argument_file_form(tmp_path):
                     "world_size: 8\nfine_grained_activation_offloading: true\n"
                     "offload_modules: [qkv_linear, moe_act]\nmin_offloaded_tensor_size: 1048576\n"
                     "activation_offload_fraction: 1.0\ndelta_offload_bytes_across_pp_ranks: 0\n"
-                    "delay_offload_until_cuda_graph: false\n")
+                    "delay_offload_until_cuda_graph: false\nsequence_parallel: true\n")
     result = read_config(path, model=MIXTRAL)
     assert result.strategy().offload_modules == ("qkv_linear", "moe_act")
     assert result.warnings == []  # every tuning knob at Megatron's default
@@ -65,7 +66,7 @@ def test_argument_file_form(tmp_path):
 def test_argument_file_with_offload_off(tmp_path):
     path = tmp_path / "args.yaml"
     path.write_text("tensor_model_parallel_size: 2\nmicro_batch_size: 1\nseq_length: 4096\nworld_size: 8\n"
-                    "fine_grained_activation_offloading: false\noffload_modules: []\n")
+                    "fine_grained_activation_offloading: false\noffload_modules: []\nsequence_parallel: true\n")
     result = read_config(path, model=MIXTRAL)
     assert result.strategy().offload_modules == ()
     assert result.warnings == []

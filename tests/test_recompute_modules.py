@@ -304,3 +304,87 @@ def test_a_searched_module_set_the_model_does_not_have_is_refused():
     with pytest.raises(NdplanError, match="offload module set 'expert_fc1': expert_fc1 offloads nothing"):
         default_space(model, device, 8, 32, 4096, offload_modules=[(), ("expert_fc1",)])
     assert default_space(model, device, 8, 32, 4096, recompute_modules=[(), ("mlp",)]).recompute_modules == ((), ("mlp",))
+
+
+def test_deprecated_moe_layer_recompute_is_read_as_megatron_core_runs_it(tmp_path):
+    """--moe-layer-recompute: Megatron-Core's TransformerConfig sets the granularity selective and
+    adds "moe" to --recompute-modules (default core_attn); beside full recompute it raises. The
+    MoE layer (h 64, 4 heads, top-2 of 8 experts of width 32, no dropout, tp 1, flash) then keeps,
+    per token: its two norms' inputs and rsigma 2·(128 + 4) = 264, the attention's normed input,
+    q, k, v and output 5·128 = 640 (core_attn drops the 16 B of softmax statistics), and of the
+    MoE block only the checkpoint's input, the router's input 128: 1,032 B, where no recompute
+    keeps 1,760 (the block's 840: router input 128, logits 4·2·8 = 64, permuted copies 256,
+    their probabilities 8, expert fc1 output 256 and activation 128)."""
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 128 --padded-vocab-size 256 --position-embedding-type rope --swiglu --normalization RMSNorm "
+            "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --num-experts 8 --moe-ffn-hidden-size 32 "
+            "--moe-router-topk 2 --micro-batch-size 1 --global-batch-size 8 --bf16 --moe-grouped-gemm ")
+    script.write_text(base + "--moe-layer-recompute\n")
+    result = read_config(script, devices=1)
+    strategy = result.strategy()
+    assert strategy.recompute == "selective" and strategy.recompute_modules == ("core_attn", "moe")
+    assert not any("moe-layer-recompute" in w for w in result.warnings)
+    acts = layer_activations(result.model, StrategyBatch.of(strategy), MEGATRON)
+    assert float(acts.recomputed["moe"][0]) == 264 + 640 + 128
+    assert float(acts.full["moe"][0]) == 264 + 640 + 16 + 840
+    assert "--recompute-modules core_attn moe" in emit_megatron(result.model, strategy)
+    # Added to the modules a script names.
+    script.write_text(base + "--recompute-granularity selective --recompute-modules layernorm --moe-layer-recompute\n")
+    assert read_config(script, devices=1).strategy().recompute_modules == ("layernorm", "moe")
+    # Refused beside full recompute: priced as full, with a warning.
+    script.write_text(base + "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+                             "--moe-layer-recompute\n")
+    result = read_config(script, devices=1)
+    assert result.strategy().recompute == "full"
+    assert any("--moe-layer-recompute with --recompute-granularity full: Megatron-Core refuses" in w
+               for w in result.warnings)
+
+
+def test_shared_expert_recompute_beside_its_overlap_is_refused(tmp_path):
+    """TransformerConfig raises for --recompute-modules shared_experts with
+    --moe-shared-expert-overlap on a model with shared experts (MoELayer only checkpoints shared
+    experts it computes itself, not those the dispatcher overlaps): the reader warns."""
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 128 --padded-vocab-size 256 --position-embedding-type rope --swiglu --normalization RMSNorm "
+            "--disable-bias-linear --num-experts 8 --moe-ffn-hidden-size 32 --moe-router-topk 2 "
+            "--moe-shared-expert-intermediate-size 48 --micro-batch-size 1 --global-batch-size 8 --bf16 "
+            "--moe-grouped-gemm --recompute-granularity selective --recompute-modules shared_experts ")
+    script.write_text(base + "\n")
+    assert not any("refuses" in w for w in read_config(script, devices=1).warnings)
+    script.write_text(base + "--moe-shared-expert-overlap\n")
+    warnings = read_config(script, devices=1).warnings
+    assert any("--recompute-modules shared_experts with --moe-shared-expert-overlap: Megatron-Core refuses it" in w
+               for w in warnings)
+
+
+def test_selective_recompute_with_a_layer_count_is_refused(tmp_path):
+    """TransformerConfig raises for --recompute-num-layers beside --recompute-granularity
+    selective ('recompute_num_layers must be None'): the reader warns and prices every layer
+    selective, as the granularity says."""
+    script = tmp_path / "train.sh"
+    script.write_text(
+        "torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+        "--seq-length 128 --padded-vocab-size 256 --micro-batch-size 1 --global-batch-size 8 --bf16 "
+        "--recompute-granularity selective --recompute-num-layers 2\n")
+    result = read_config(script, devices=1)
+    assert result.strategy().recompute == "selective" and result.strategy().recompute_layers == 0
+    assert any("--recompute-num-layers with --recompute-granularity selective: Megatron-Core refuses it" in w
+               for w in result.warnings)
+
+
+def test_uniform_recompute_of_layer_groups_beside_mtp_is_refused(tmp_path):
+    """Megatron-Core's MTP layer asserts 'recompute_num_layers must be 1 for MTP recompute' under
+    --recompute-method uniform: with --mtp-num-layers the reader warns beside its note on groups."""
+    script = tmp_path / "train.sh"
+    base = ("torchrun pretrain_gpt.py --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+            "--seq-length 128 --padded-vocab-size 256 --micro-batch-size 1 --global-batch-size 8 --bf16 "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2 ")
+    refused = "--recompute-num-layers 2 and MTP layers: Megatron-Core refuses it"
+    script.write_text(base + "\n")
+    assert not any(refused in w for w in read_config(script, devices=1).warnings)
+    script.write_text(base + "--mtp-num-layers 1\n")
+    result = read_config(script, devices=1)
+    assert result.model.mtp_depth == 1 and result.strategy().recompute == "full"
+    assert any(refused in w for w in result.warnings)

@@ -120,6 +120,11 @@ def interpret(
         warnings.append(f"{src.where(args.line('--expert-model-parallel-size'))}: --expert-model-parallel-size {ep} "
                         f"with --tensor-model-parallel-size {tp} without --sequence-parallel: Megatron-Core refuses "
                         "the pair (ModelParallelConfig); priced as written")
+    elif tp > 1 and not sp and model is not None and model.is_moe:
+        # MoELayer.forward: ValueError at the first training forward.
+        warnings.append(f"{src.where(args.line('--tensor-model-parallel-size'))}: --tensor-model-parallel-size {tp} "
+                        "without --sequence-parallel on a model with experts: Megatron-Core's MoE layer refuses to "
+                        "train so (MoELayer.forward) and stops at the first forward; priced as written")
     settings["sp"] = sp
     _context_parallel(args, settings, cp, warnings, model.num_layers if model is not None else None)
     _pipeline(args, settings, flag_model, warnings)
@@ -537,6 +542,21 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
     if unknown:
         raise args.error("--recompute-modules", f"unknown module {unknown[0]!r}; known: {', '.join(RECOMPUTE_MODULES)}")
+    given = granularity
+    moe_layer = args.get("--moe-layer-recompute")
+    if moe_layer is not None:
+        # Deprecated: Megatron-Core's TransformerConfig turns it into selective recompute with
+        # "moe" added to --recompute-modules (whose default is core_attn), and refuses it beside
+        # full recompute.
+        if granularity == "full":
+            warnings.append(f"{args.src.where(moe_layer.line)}: --moe-layer-recompute with --recompute-granularity "
+                            "full: Megatron-Core refuses the pair (TransformerConfig) and stops before the first "
+                            "step; priced as full recompute")
+        else:
+            granularity = "selective"
+            modules = (modules or ["core_attn"]) + ([] if "moe" in modules else ["moe"])
+            notes.append(f"--moe-layer-recompute is Megatron-Core's --recompute-granularity selective "
+                         f"--recompute-modules {' '.join(modules)}")
     if granularity != "selective" and modules:
         notes.append("--recompute-modules has no effect without --recompute-granularity selective")
     if granularity is None:
@@ -544,8 +564,15 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
             notes.append("--recompute-method has no effect without --recompute-granularity")
         return
     if granularity == "selective":
-        if method is not None:
+        if method is not None and given == "selective":
             raise args.error(method, "Megatron supports no recompute method with --recompute-granularity selective")
+        if method is not None:  # checked only where the granularity is given (TransformerConfig)
+            notes.append("--recompute-method has no effect with --moe-layer-recompute's selective recompute")
+        if layers is not None and given == "selective":
+            warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-num-layers with "
+                            "--recompute-granularity selective: Megatron-Core refuses it (TransformerConfig: "
+                            "recompute_num_layers must be None) and stops before the first step; priced as "
+                            "selective recompute of every layer")
         settings["recompute"] = "selective"
         if modules:  # without them Megatron re-runs core_attn, as ndplan's Megatron policy does
             settings["recompute_modules"] = tuple(modules)
@@ -600,8 +627,10 @@ def _refused_ep_overlap(args: Args, settings: dict[str, Any], warnings: list[str
 def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: ModelSpec | None,
                                warnings: list[str]) -> None:
     """--recompute-modules Megatron-Core's TransformerConfig raises for: moe_act without
-    --moe-grouped-gemm, mla_up_proj without MLA, moe_act or layernorm under fp8's delayed
-    scaling (--fp8-recipe's default)."""
+    --moe-grouped-gemm, mla_up_proj without MLA, shared_experts beside
+    --moe-shared-expert-overlap (with shared experts), moe_act or layernorm under fp8's delayed
+    scaling (--fp8-recipe's default); and full recompute's uniform method over groups of layers
+    beside MTP layers, which their own checkpoint refuses."""
     modules = settings.get("recompute_modules", ())
     where = args.src.where(args.line("--recompute-modules"))
     refused = []
@@ -609,6 +638,9 @@ def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: Mode
         refused.append("moe_act without --moe-grouped-gemm")
     if "mla_up_proj" in modules and model is not None and not model.is_mla:
         refused.append("mla_up_proj without --multi-latent-attention")
+    if "shared_experts" in modules and args.has("--moe-shared-expert-overlap") and (
+            args.has("--moe-shared-expert-intermediate-size") or (model is not None and model.num_shared_experts)):
+        refused.append("shared_experts with --moe-shared-expert-overlap")
     fp8 = args.has("--fp8-format")
     recipe = args.text("--fp8-recipe", default="delayed")
     if fp8 and recipe == "delayed" and {"moe_act", "layernorm"} & set(modules):
@@ -616,6 +648,15 @@ def _refused_recompute_modules(args: Args, settings: dict[str, Any], model: Mode
     for why in refused:
         warnings.append(f"{where}: --recompute-modules {why}: Megatron-Core refuses it (TransformerConfig) and stops "
                         "before the first step; priced as written")
+    # MultiTokenPredictionLayer asserts "recompute_num_layers must be 1 for MTP recompute" under
+    # full recompute's uniform method.
+    method = args.values("--recompute-method") or []
+    groups = args.integer("--recompute-num-layers", minimum=0)
+    if (settings.get("recompute") == "full" and method[:1] == ["uniform"] and groups is not None and groups > 1
+            and model is not None and model.mtp_depth):
+        warnings.append(f"{args.src.where(args.line('--recompute-num-layers'))}: --recompute-method uniform with "
+                        f"--recompute-num-layers {groups} and MTP layers: Megatron-Core refuses it (its MTP layer "
+                        "needs recompute_num_layers 1) and stops at the first step; priced as written")
 
 
 def _offload(args: Args, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:

@@ -109,6 +109,11 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str], refused: li
             refused.append(f"ep={s.ep} with tp={s.tp} without sequence parallelism: Megatron-Core refuses expert and "
                            "tensor parallelism without sequence parallelism (ModelParallelConfig); written as planned, "
                            "the launch stops building its config")
+    elif model is not None and model.is_moe and s.tp > 1 and not s.sequence_parallel:
+        # MoELayer.forward raises in training for tensor parallelism without sequence parallelism.
+        refused.append(f"experts with tp={s.tp} without sequence parallelism: Megatron-Core's MoE layer refuses to "
+                       "train under tensor parallelism without sequence parallelism (MoELayer.forward); written as "
+                       "planned, the launch stops at its first forward")
     if s.etp != s.tp:
         flags.append(("--expert-tensor-parallel-size", s.etp))
     if s.sequence_parallel:

@@ -147,7 +147,6 @@ UNMODELLED: dict[str, str] = {
     "--recompute-mtp-norm": "recomputing the MTP norms is not modelled",
     "--recompute-mtp-layer": "recomputing the MTP layers is not modelled",
     "--share-mtp-embedding-and-output-weight": "MTP sharing the embedding and output weights is not modelled",
-    "--moe-layer-recompute": "recomputing only the MoE layer is not modelled",
     "--rampup-batch-size": "a batch-size ramp-up is not modelled; ndplan uses the final global batch",
     "--fp16-lm-cross-entropy": "fp16 logits in the loss are not modelled",
     "--fp32-residual-connection": "fp32 residual activations are not modelled",
