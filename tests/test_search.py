@@ -398,15 +398,19 @@ def _balance_every_candidate(model, space, result, limit, top, *, one_setting=Fa
                 plain = StrategyBatch.of(strategy.with_recompute("none").model_copy(
                     update={"precision": space.precision}))
                 reference = float(RUNTIME_TIME(model, plain, cluster)["step_s"][0])
-                scaled = reference * found[1].step_s / evaluate(problem, uniform_plan(problem, "none")).step_s
+                scaled = reference * (found[1].step_s / evaluate(problem, uniform_plan(problem, "none")).step_s)
                 settings, _ = best_settings_plan(problem, found[0], uniform_plan(problem, "full"))
-                fits = scaled < value and plan_stage_bytes(model, strategy, settings, BALANCE_OPTIONS,
-                                                           modules).max() <= limit
+                # a plan that is the candidate as it runs is no balancing
+                fits = (scaled < value and plan_key(strategy, found[0], modules) != plan_key(strategy, ran, modules)
+                        and plan_stage_bytes(model, strategy, settings, BALANCE_OPTIONS, modules).max() <= limit)
                 estimated = estimate_time(model, plan_strategy(strategy, settings, modules), cluster,
                                           **BALANCE_OPTIONS.time_keywords()).step_s if fits else value
+                own = estimate_time(model, strategy.model_copy(update={"precision": space.precision}), cluster,
+                                    **BALANCE_OPTIONS.time_keywords()).step_s
                 simulated = reference * simulated_step_s(problem, found[0], strategy.schedule) / simulated_step_s(
                     problem, uniform_plan(problem, "none"), strategy.schedule)
-                if fits and (estimated if settings == found[0] else simulated) < value:
+                # a one-setting plan beats the candidate's step and its own estimate (both simulated)
+                if fits and ((estimated < min(value, own)) if settings == found[0] else (simulated < value)):
                     value, ran = scaled, found[0]
                     shown = estimated if settings == found[0] else simulated
             key = plan_key(strategy, ran, modules)
@@ -427,14 +431,21 @@ def test_balanced_ranking_equals_balancing_every_candidate():
     its top must equal balancing every fitting pipeline and ranking them all."""
     from ndplan.search.balanced import rank_balanced
 
-    space = _space(dims=("tp", "pp", "schedule", "recompute", "mbs"))
-    limit = 3 * 2**30
+    space = _space(dims=("tp", "sp", "pp", "schedule", "recompute", "mbs"))
+    # Tight enough that a balanced plan makes the top (at 3 GiB its only "balanced" rows were
+    # plans equal to their candidates, a rounding below them, their simulated step shown).
+    limit = 2**30
     result = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=limit, top=10,
                         options=BALANCE_OPTIONS)
     every = _balance_every_candidate(TINY_MOE, space, result, limit, 10)
     rows, balanced, *_ = rank_balanced(TINY_MOE, DEVICE, space, result, RUNTIME_TIME, memory_limit_bytes=limit,
                                        top=10, options=BALANCE_OPTIONS)
-    assert [r["candidate"] for r in rows] == [c for _, c in every]
+    assert len(rows) == len(every)
+    for row, (_, candidate) in zip(rows, every, strict=True):
+        if row["candidate"] != candidate:
+            # A tie: the row balances another candidate into the reference candidate's own plan
+            # (selective recompute on every layer balanced to none), the same step up to rounding.
+            assert row["label"].startswith(space.strategy(candidate).short() + " (balanced"), (row["label"], candidate)
     assert [r["step_s"] for r in rows] == pytest.approx([v for v, _ in every], rel=1e-12)
     # one row per plan: no two rows run the same placement and recompute
     assert len({(r["label"], str(r.get("balanced_stage_layers"))) for r in rows}) == len(rows)
@@ -889,6 +900,36 @@ def test_runtime_refusals_word_what_the_search_counts_not_runnable(runtime):
     assert refused.any() and (~refused).any()
     assert np.array_equal(refused, ~mask)
 
+
+
+def test_megatron_search_never_ranks_experts_under_tensor_parallelism_without_sequence_parallelism():
+    """Megatron-Core's MoELayer.forward raises in training under tensor parallelism without
+    sequence parallelism whatever the expert parallelism: at ep 1 too, the megatron search counts
+    tp > 1 without SP on an MoE model as not runnable (it ranked them, and --emit megatron wrote a
+    launch Megatron stops at); `ndplan check`'s reason says so; PyTorch's runtime runs them, and
+    a dense model under Megatron too."""
+    from ndplan.search.run import runtime_refusals
+
+    space = _space(dims=("tp", "sp", "pp"))
+
+    def refused(row):
+        return row["tp"] > 1 and not row["sp"]
+
+    megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=2 * 2**30, top=10**9,
+                          options=BALANCE_OPTIONS)
+    pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=2 * 2**30, top=10**9,
+                         options=MemoryOptions())
+    assert megatron.ranked and not any(refused(row) for row in megatron.ranked)
+    allowed = sum(refused(row) for row in pytorch.ranked)
+    assert allowed > 0
+    assert megatron.rejected[NOT_RUNNABLE] - pytorch.rejected[NOT_RUNNABLE] >= allowed
+    strategy = Strategy(tp=2, dp=4)
+    assert runtime_refusals(strategy, BALANCE_OPTIONS, TINY_MOE) == [
+        "experts with tp=2 need sequence_parallel: Megatron-Core's MoE layer refuses to train under tensor "
+        "parallelism without it (MoELayer.forward)"]
+    dense = get_preset("llama-3.1-8b")
+    assert not dense.is_moe and runtime_refusals(strategy, BALANCE_OPTIONS, dense) == []
+    assert runtime_refusals(strategy, MemoryOptions(), TINY_MOE) == []
 
 def test_megatron_search_never_ranks_ulysses_with_an_odd_half_chunk():
     """Megatron runs Ulysses as --cp-comm-type a2a: its batch is cut into 2·cp chunks as for the

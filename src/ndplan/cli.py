@@ -157,7 +157,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         from ndplan.search.run import NOT_RUNNABLE, runtime_refusals
         from ndplan.strategy.rules import Violation
 
-        violations += [Violation(NOT_RUNNABLE, reason) for reason in runtime_refusals(strategy, MemoryOptions(runtime=runtime))]
+        violations += [Violation(NOT_RUNNABLE, reason) for reason in runtime_refusals(strategy, MemoryOptions(runtime=runtime), model)]
     if args.json:
         _emit_json({
             "valid": not violations,

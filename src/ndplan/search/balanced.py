@@ -189,9 +189,15 @@ def rank_balanced(
                 keys[candidate] = plan_key(strategy, uniform_plan(problem, strategy.recompute), modules)
                 if found is not None:
                     # seconds per composed second: the reference over the uniform plan without recompute
-                    scale = float(reference[position]) / evaluate(problem, uniform_plan(problem, "none")).step_s
-                    if scale * found[1].step_s < value:  # else balancing gains nothing on the candidate as it is
-                        value = scale * found[1].step_s
+                    uniform_s = evaluate(problem, uniform_plan(problem, "none")).step_s
+                    scale = float(reference[position]) / uniform_s
+                    # else balancing gains nothing on the candidate as it is (a plan that is the
+                    # candidate's own layout and recompute reads a rounding below it)
+                    # (as a ratio: a plan that is the uniform one scales the reference by exactly 1,
+                    # so it ties with the candidate that runs it as it is, which stands by index)
+                    composed = float(reference[position]) * (found[1].step_s / uniform_s)
+                    if composed < value and plan_key(strategy, found[0], modules) != keys[candidate]:
+                        value = composed
                         pending[candidate] = ({"step_s": value, "scale": scale, "plan": found[0], "cost": found[1],
                                                "problem": problem, "reference_s": float(reference[position])},
                                               strategy)
@@ -256,7 +262,11 @@ def _check(model: ModelSpec, strategy: Strategy, plan: dict[str, Any], cluster: 
     plan.update(settings=settings, settings_cost=settings_cost, written=written, estimated_bytes=estimated)
     if settings == plan["plan"]:
         plan["estimate"] = estimate_time(model, written, cluster, **options.time_keywords())
-        if plan["estimate"].step_s >= step_s:
+        # Faster than the candidate's step (the search's, closed-form pipelines) and than the
+        # candidate's own estimate (simulated, as the plan's is): the closed forms can read a
+        # candidate slow, which its plan's simulated step alone would pass off as a gain.
+        if plan["estimate"].step_s >= min(step_s, estimate_time(model, strategy, cluster,
+                                                                **options.time_keywords()).step_s):
             return "slower"
     else:
         plan["simulated_step_s"] = per_layer_step_s(problem, plan["plan"], strategy.schedule, plan["reference_s"])

@@ -116,11 +116,12 @@ def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray
 @dataclass(frozen=True)
 class RuntimeLimit:
     """A combination a runtime cannot run: ``holds`` (a mask over a batch, True where it runs,
-    given the schedules the runtime's profile has) and ``explain`` (why not, for one strategy).
-    ``runtime``: the runtime it applies to (None: every runtime, by its schedules)."""
+    given the schedules the runtime's profile has and whether the model has experts) and
+    ``explain`` (why not, for one strategy). ``runtime``: the runtime it applies to (None: every
+    runtime, by its schedules)."""
 
     runtime: str | None
-    holds: Callable[[StrategyBatch, tuple[str, ...]], np.ndarray]
+    holds: Callable[[StrategyBatch, tuple[str, ...], bool], np.ndarray]
     explain: Callable[[Strategy, tuple[str, ...], str], str]
 
 
@@ -128,14 +129,14 @@ class RuntimeLimit:
 RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         None,
-        lambda b, schedules: b.is_in("schedule", list(schedules)),
+        lambda b, schedules, _: b.is_in("schedule", list(schedules)),
         lambda s, schedules, runtime: (f"the {runtime} runtime does not run the {s.schedule} schedule (it runs "
                                        f"{', '.join(schedules)})"),
     ),
     # Measured: torch.distributed.pipelining raises "backward an extra time" (memory.report).
     RuntimeLimit(
         "pytorch",
-        lambda b, _: ~(b.is_in("schedule", sorted(SPLIT_BACKWARD)) & b.is_("recompute", "selective")),
+        lambda b, _, __: ~(b.is_in("schedule", sorted(SPLIT_BACKWARD)) & b.is_("recompute", "selective")),
         lambda s, _, runtime: (f"selective recompute with the split backward of '{s.schedule}': "
                                "torch.distributed.pipelining raises 'backward an extra time'"),
     ),
@@ -144,55 +145,62 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     # warm-up is min(pp - rank - 1, m)), ScheduleGPipe has no such check.
     RuntimeLimit(
         "pytorch",
-        lambda b, _: ~(b.is_("schedule", "1f1b") & (b.pp > 1) & (b.num_micro_batches < b.pp)),
+        lambda b, _, __: ~(b.is_("schedule", "1f1b") & (b.pp > 1) & (b.num_micro_batches < b.pp)),
         lambda s, _, runtime: (f"schedule '1f1b' with num_micro_batches={s.num_micro_batches} < pp={s.pp}: "
                                "torch.distributed.pipelining's Schedule1F1B needs at least one micro-batch per "
                                "stage"),
     ),
     # Megatron-Core's ModelParallelConfig raised "When using expert parallelism and tensor
     # parallelism, sequence parallelism must be used" (its newest release warns that training
-    # must use it), and Megatron-LM's argument check asserts SP for MoE under TP: refused.
+    # must use it), and MoELayer.forward raises in training for any MoE layer under tensor
+    # parallelism without it ("During training, performance may degrade if MoE and tensor
+    # parallelism are enabled without also enabling sequence parallelism"), expert parallel or not.
     RuntimeLimit(
         "megatron",
-        lambda b, _: ~((b.ep > 1) & (b.tp > 1) & (b.sequence_parallel == 0)),
+        lambda b, _, experts: ~(((b.ep > 1) | experts) & (b.tp > 1) & (b.sequence_parallel == 0)),
         lambda s, _, runtime: (f"ep={s.ep} with tp={s.tp} needs sequence_parallel: Megatron-Core's "
                                "ModelParallelConfig requires it for training beside expert and tensor "
-                               "parallelism"),
+                               "parallelism" if s.ep > 1 else
+                               f"experts with tp={s.tp} need sequence_parallel: Megatron-Core's MoE layer "
+                               "refuses to train under tensor parallelism without it (MoELayer.forward)"),
     ),
     # Megatron's Ulysses is --cp-comm-type a2a (a2a+p2p hybrid): its batch is cut into 2·cp chunks
     # as for the ring (get_batch_on_this_cp_rank), and Transformer Engine's A2A attention asserts
     # "Sequence length per GPU needs to be divisible by 2!" of the seq_length/cp tokens a rank holds.
     RuntimeLimit(
         "megatron",
-        lambda b, _: (b.cp == 1) | b.is_("cp_kind", "ring") | (np.mod(b.seq_length, 2 * b.cp) == 0),
+        lambda b, _, __: (b.cp == 1) | b.is_("cp_kind", "ring") | (np.mod(b.seq_length, 2 * b.cp) == 0),
         lambda s, _, runtime: (f"{s.cp_kind} context parallelism under Megatron needs seq_length={s.seq_length} "
                                f"divisible by 2·cp = {2 * s.cp} (each rank's tokens in two chunks, as for the ring)"),
     ),
 )
 
 
-def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str) -> np.ndarray:
+def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str, experts: bool = False) -> np.ndarray:
     """Where the runtime can run the strategy (``RUNTIME_LIMITS``): a schedule it has; under
     PyTorch no selective recompute in a split backward, and 1F1B over a pipeline with at least
-    one micro-batch per stage; under Megatron no expert parallelism beside tensor parallelism
-    without sequence parallelism."""
+    one micro-batch per stage; under Megatron no expert parallelism, nor on a model with
+    ``experts`` any tensor parallelism, without sequence parallelism."""
     runnable = np.ones(len(batch), bool)
     for limit in RUNTIME_LIMITS:
         if limit.runtime is None or limit.runtime == runtime:
-            runnable &= limit.holds(batch, tuple(schedules))
+            runnable &= limit.holds(batch, tuple(schedules), experts)
     return runnable
 
 
-def runtime_refusals(strategy: Strategy, options: MemoryOptions | None = None) -> list[str]:
-    """Why the runtime of ``options`` cannot run ``strategy`` (what the search counts as
-    ``NOT_RUNNABLE``), one reason per limit it breaks; [] where it runs. A schedule matters
-    only with a pipeline (pp > 1)."""
+def runtime_refusals(strategy: Strategy, options: MemoryOptions | None = None,
+                     model: ModelSpec | None = None) -> list[str]:
+    """Why the runtime of ``options`` cannot run ``strategy`` of ``model`` (what the search
+    counts as ``NOT_RUNNABLE``), one reason per limit it breaks; [] where it runs. A schedule
+    matters only with a pipeline (pp > 1); without the model, whether it has experts is told
+    by expert parallelism alone."""
     options = options or MemoryOptions()
     schedules = tuple(options.profile.schedules)
     batch = StrategyBatch.of(strategy)
+    experts = model is not None and model.is_moe
     return [limit.explain(strategy, schedules, options.runtime) for limit in RUNTIME_LIMITS
             if (limit.runtime is None or limit.runtime == options.runtime)
-            and not (limit.runtime is None and strategy.pp == 1) and not limit.holds(batch, schedules)[0]]
+            and not (limit.runtime is None and strategy.pp == 1) and not limit.holds(batch, schedules, experts)[0]]
 
 
 def _zero_has_group(batch: StrategyBatch) -> np.ndarray:
@@ -382,7 +390,7 @@ def run_search(
     # then what the runtime cannot run and (for MoE models) the imbalance routing cannot reach.
     checks: list[Check] = [partial(_holds, rule=rule, context=context) for rule in RULES]
     reasons = [DUPLICATE, *(rule.name for rule in RULES), NOT_RUNNABLE]
-    checks.append(partial(_runnable, schedules=list(profile.schedules), runtime=runtime))
+    checks.append(partial(_runnable, schedules=list(profile.schedules), runtime=runtime, experts=model.is_moe))
     if 0 in space.zero and (1 in space.zero or 2 in space.zero):  # the ZeRO 0 candidate stands for them
         reasons.append(DUPLICATE)
         checks.append(_zero_has_group)
