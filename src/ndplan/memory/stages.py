@@ -2433,8 +2433,8 @@ def _evaluate_group(
                 forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
     if device_only:  # in place: the figures in between are not kept
         shape.combine_by_stage(forward_backward, total + out["optimizer_step"], np.maximum)
-        allocated = forward_backward
-        device = overhead.reserved(allocated)
+        # (Scaled in place: the same product, and no [pp, n] array to allocate and fault in.)
+        device = overhead.reserved(forward_backward, out=forward_backward)
         device += overhead.fixed_bytes
         return {"device": device.T}
     allocated = np.maximum(forward_backward, expand(total + out["optimizer_step"]))
