@@ -2063,7 +2063,8 @@ def _evaluate_group(
     profile = options.profile
     # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
     # runtime keeps per micro-batch (below), the head's and the pipeline's.
-    kept_logits = kept_hidden = np.zeros_like(per_b_virtual)
+    # (Zeros only where the breakdown by kind reads them: elsewhere an [n, U] fill for nothing.)
+    kept_logits = kept_hidden = np.zeros_like(per_b_virtual) if kinds is not None else per_b_virtual[:, :0]
     if profile.pipeline_stage_output and virtual > 1:
         # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
         # (sequence-sharded under SP) on every stage but the last, the logits on the last.
