@@ -36,8 +36,9 @@ class RuntimeOverhead:
     workspace_bytes: float = 0.0  # allocated, in every phase of the step
     expert_workspace_bytes: float = 0.0  # allocated too, where a stage runs experts' grouped GEMMs
 
-    def reserved(self, allocated: np.ndarray) -> np.ndarray:
-        return allocated * (1.0 + self.allocator_slack)
+    def reserved(self, allocated: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """allocated · (1 + allocator_slack), into ``out`` where given (it may be ``allocated``)."""
+        return np.multiply(allocated, 1.0 + self.allocator_slack, out=out)
 
 
 def communicator_count(batch: StrategyBatch) -> np.ndarray:
