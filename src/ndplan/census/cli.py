@@ -187,8 +187,8 @@ def _measure(args: argparse.Namespace) -> Any:
             raise NdplanError("--timeline needs --backend fake (a real step's allocator keeps no per-tensor record)")
         check_single_device(strategy)
     _require_extra(f"ndplan {args.command}")
-    # A config path is kept as given, so that `verify --measured` can load the model again.
-    label = args.model if Path(args.model).is_file() else name
+    # A config path (or model folder) is kept as given, so that `verify --measured` can load the model again.
+    label = args.model if Path(args.model).exists() else name
     with working(f"measuring a step of {name} ({layers} layers, {strategy.short()}) "
                  + ("on this GPU" if cuda else "on fake tensors"), quiet=bool(getattr(args, "json", False))):
         if cuda:
