@@ -356,7 +356,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
     console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
     selective = (f"selective({'+'.join(result.selective_modules)})" if result.selective_modules
                  else "selective(default)" if result.selective_modules == () else "selective")
-    console.print("recompute: " + ", ".join(f"layers {a}-{a + n - 1} {selective if o == 'selective' else o}"
+    console.print("recompute: " + ", ".join(f"{f'layer {a}' if n == 1 else f'layers {a}-{a + n - 1}'} "
+                                            f"{selective if o == 'selective' else o}"
                                             for a, n, o in result.plan.ranges()))
     if result.policy_steps:
         console.print("selective policies balanced (step of the per-layer plan / as one setting): " + "; ".join(
