@@ -409,6 +409,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
     if args.emit and (note := _runtime_note(options, args.emit)):
         console.print(note)
+    _print_kernels(options)  # what the step is priced with, and what --emit changed in it (the loss)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
