@@ -613,6 +613,21 @@ def test_a_yaml_model_spec_is_named_as_not_measurable(tmp_path):
         load_hf_config(str(spec))
 
 
+def test_a_model_folder_is_read_as_its_config_json(tmp_path):
+    """A review: `ndplan census|measure|verify FOLDER` said "census: no config file or preset named
+    'FOLDER'" where estimate, search and models read a Hugging Face model folder's config.json."""
+    from ndplan.census.measure import load_hf_config
+
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert load_hf_config(str(folder)) == ("tiny-llama", TINY_LLAMA)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NdplanError, match="a model folder needs a config.json"):
+        load_hf_config(str(empty))
+
+
 def test_python_m_census_out_to_a_missing_folder_is_an_error_line(tmp_path, monkeypatch, capsys):
     """A review: `python -m ndplan.census MODEL --out missing/x.json` measured, printed its table,
     then ended in a FileNotFoundError traceback; save_census_file now raises an NdplanError."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -290,6 +291,35 @@ def test_verify_reads_a_launch_script(tmp_path, capsys):
     data = json.loads(out)
     assert code == 0
     assert data["strategy"]["pp"] == 2 and data["strategy"]["seq_length"] == 512
+
+
+def test_balance_names_a_one_layer_recompute_range_as_one_layer(capsys):
+    """A review: the 70B balance printed 'layers 18-18 none' for a range of one layer."""
+    argv = ["balance", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "64", "--tp", "8", "--pp", "4",
+            "--sp", "--zero", "1", "--gbs", "256", "--memory-limit", "36GiB"]
+    code, out, _ = run(argv, capsys)
+    line = next(line for line in out.splitlines() if line.startswith("recompute: "))
+    data = json.loads(run([*argv, "--json"], capsys)[1])
+    single = [r["first"] for r in data["recompute_ranges"] if r["count"] == 1]
+    assert code == 0 and single  # the plan has one-layer ranges, named so
+    assert all(f"layer {first} " in line for first in single)
+    assert not re.search(r"layers (\d+)-\1\b", line)
+
+
+def test_balance_says_what_emit_changes_in_its_pricing(capsys):
+    """A review: balance --emit megatron priced the strategy as given at 18.080 s (20.362 s without
+    --emit: the loss vocabulary-parallel, as Megatron runs it) and, unlike estimate and search, did
+    not say so."""
+    argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--tp", "2", "--sp", "--pp", "2",
+            "--zero", "1", "--gbs", "32", "--memory-limit", "60GiB"]
+    code, plain, _ = run(argv, capsys)
+    assert code == 0 and "loss priced" not in plain
+    code, emitted, _ = run([*argv, "--emit", "megatron"], capsys)
+    assert code == 0
+    assert ("loss priced vocabulary-parallel under TP (the pytorch runtime's own: on whole logits; set with "
+            "--loss-parallel/--no-loss-parallel)") in emitted
+    given = [json.loads(run([*argv, *extra, "--json"], capsys)[1])["given"]["step_s"] for extra in ([], ["--emit", "megatron"])]
+    assert given[1] < given[0]  # what the note explains
 
 
 def test_balance_checks_its_plan_with_the_full_estimator(capsys):

@@ -307,7 +307,7 @@ def test_unknown_field(tmp_path: Path) -> None:
     [
         ({"hbm_bandwidth_bytes_per_s": -3.35e12}, "hbm_bandwidth_bytes_per_s", "greater than or equal to 1000000"),
         ({"scaleout_bandwidth_bytes_per_s": 0}, "scaleout_bandwidth_bytes_per_s", "greater than or equal to 1000000"),
-        ({"memory_bytes": "lots"}, "memory_bytes", "valid integer"),
+        ({"memory_bytes": "lots"}, "memory_bytes", "cannot read 'lots' as a size"),
         ({"devices_per_node": True}, "devices_per_node", "expected a number, got True"),
         ({"runtime": "opencl"}, "runtime", "'cuda', 'rocm' or 'cann'"),
         ({"peak_flops": {"fp16": 1e12}}, "peak_flops", "'bf16' is required"),
@@ -324,6 +324,28 @@ def test_invalid_value_names_the_field(
     message = _one_line_error(excinfo)
     assert message.startswith(f"{path}: device 'my-gpu': field '{field}': ")
     assert reason in message
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [("80GB", 80_000_000_000), ("81082 MiB", 81082 * 2**20), ("79.18GiB", int(79.18 * GIB)), (85e9, 85_000_000_000)],
+)
+def test_memory_takes_a_size_with_its_unit(tmp_path: Path, written: Any, expected: int) -> None:
+    # The same sizes --memory-limit reads: a device file's "80GB" was "not a valid integer".
+    path = _write_yaml(tmp_path / "unit.yaml", _h100_like(memory_bytes=written))
+    device = load_device_file(path)
+    assert isinstance(device, Device) and device.memory_bytes == expected
+
+
+@pytest.mark.parametrize("written", [80, 80.0, "80"])
+def test_memory_without_a_unit_below_a_mebibyte_is_refused(tmp_path: Path, written: Any) -> None:
+    # memory_bytes: 80 (meant as 80 GB) was read as 80 bytes: every plan "over 80 B by 36.96 GiB".
+    path = _write_yaml(tmp_path / "bytes.yaml", _h100_like(memory_bytes=written))
+    with pytest.raises(NdplanError) as excinfo:
+        load_device_file(path)
+    message = _one_line_error(excinfo)
+    assert message.startswith(f"{path}: device 'my-gpu': field 'memory_bytes': ")
+    assert "is 80 bytes; give a unit, e.g. 80GiB or 80GB" in message
 
 
 def test_negative_bandwidth_reports_the_value(tmp_path: Path) -> None:

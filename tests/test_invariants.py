@@ -184,3 +184,17 @@ def test_settings_that_change_nothing_are_said() -> None:
     plain = estimate(model, Strategy(dp=8, recompute="selective", recompute_modules=("mlp",)), DEVICE,
                      MemoryOptions(runtime="megatron")).caveats
     assert not any("changes nothing" in c or "re-run nothing" in c for c in plain)
+
+
+def test_a_capacity_factor_on_a_dense_model_is_said_to_change_nothing() -> None:
+    """--moe-capacity-factor 1.25 on Llama-3.1-8B was accepted in silence beside --moe-imbalance's
+    caveat (a review): the same estimate, 205.43 GiB, with nothing said."""
+    model, strategy = get_preset("llama-3.1-8b"), Strategy(dp=8)
+    capped = estimate(model, strategy, DEVICE, MemoryOptions(moe_capacity_factor=1.25))
+    plain = estimate(model, strategy, DEVICE, MemoryOptions())
+    assert capped.peak_bytes == plain.peak_bytes
+    assert ("a capacity factor of 1.25 (--moe-capacity-factor) changes nothing: llama-3.1-8b has no experts"
+            in capped.caveats)
+    moe = estimate(get_preset("qwen3-30b-a3b"), Strategy(dp=8, ep=8, etp=1), DEVICE,
+                   MemoryOptions(moe_capacity_factor=1.25)).caveats
+    assert not any("changes nothing" in c for c in moe)

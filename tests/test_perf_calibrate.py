@@ -236,6 +236,27 @@ def test_efficiency_profiles_round_trip_through_yaml(tmp_path: Path):
         profile.replace(hbm_efficiency=0.0)
 
 
+def test_an_efficiency_profiles_unknown_figure_and_bad_syntax_are_named(tmp_path: Path):
+    """A review: a misspelt figure said only "field 'gemm_eff': Extra inputs are not permitted",
+    and a YAML error "malformed YAML/JSON efficiency profile" with no line."""
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("efficiency:\n  gemm_eff: 0.5\n")
+    with pytest.raises(NdplanError) as error:
+        load_efficiency(typo)
+    message = str(error.value)
+    assert message.startswith(f"{typo}: field 'gemm_eff': unknown efficiency figure (did you mean 'gemm_efficiency'?); "
+                              "known: ")
+    assert "attention_efficiency" in message and "hbm_efficiency" in message
+    in_device = get_device("h100-sxm").model_copy(update={"name": "my-gpu", "efficiency": {"gemm_eff": 0.5}})
+    with pytest.raises(NdplanError, match=r"^device my-gpu: efficiency field 'gemm_eff': unknown efficiency figure "
+                                          r"\(did you mean 'gemm_efficiency'\?\); known: "):
+        default_efficiency(in_device)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("efficiency:\n  gemm_efficiency: [0.5\n")
+    with pytest.raises(NdplanError, match=r"broken.yaml:3: malformed YAML/JSON efficiency profile \("):
+        load_efficiency(broken)
+
+
 def test_spearman():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

@@ -193,6 +193,18 @@ def test_cli_measure_then_verify_round_trip(run, tiny_config: Path, tmp_path: Pa
 
 
 @needs_torch
+def test_cli_measures_a_model_folder_and_verifies_it_again(run, tiny_config: Path, tmp_path: Path) -> None:
+    """A model folder (its config.json inside) is measured as estimate reads it, and kept as a path
+    so that `verify --measured` loads the model again (it was "no config file or preset named")."""
+    out_file = tmp_path / "m.json"
+    code, _, err = run("measure", tiny_config.parent, "--layers", "2", "--seq", "32", "--out", out_file)
+    assert code == 0, err
+    assert json.loads(out_file.read_text())["model"] == str(tiny_config.parent)
+    code, out, err = run("verify", "--measured", out_file, "--tolerance", 1000)
+    assert code == 0 and "within" in out, err
+
+
+@needs_torch
 def test_cli_verify_measures_when_no_file(run, tiny_config: Path) -> None:
     code, out, err = run("verify", tiny_config, "--layers", "2", "--seq", "32", "--json")
     assert code == 0, err

@@ -34,6 +34,7 @@ from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import preset_index
+from ndplan.progress import shows_progress
 from ndplan.strategy import Strategy, check_strategy
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
 from ndplan.units import format_bytes, format_count
@@ -288,8 +289,11 @@ def cmd_balance(args: argparse.Namespace) -> int:
     cluster = Cluster(device=device, num_devices=strategy.world_size)
     policies = _module_sets_argument(model, args.recompute_module_sets) if args.recompute_module_sets else ()
     expressible = _round_trips(model, args.emit, cluster, options) if args.emit else None
-    result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic, selective_policies=policies,
-                     expressible=expressible)
+    from ndplan.progress import working
+
+    with working(f"balancing {strategy.short()}", quiet=args.json):
+        result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic,
+                         selective_policies=policies, expressible=expressible)
     data = {"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
             "devices": strategy.world_size, "runtime": options.runtime, "loss_upcast": options.loss_upcast,
             "selective_policy": options.selective_policy,
@@ -354,7 +358,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
     console.print(f"layers per virtual stage: {list(result.plan.stage_layers)}")
     selective = (f"selective({'+'.join(result.selective_modules)})" if result.selective_modules
                  else "selective(default)" if result.selective_modules == () else "selective")
-    console.print("recompute: " + ", ".join(f"layers {a}-{a + n - 1} {selective if o == 'selective' else o}"
+    console.print("recompute: " + ", ".join(f"{f'layer {a}' if n == 1 else f'layers {a}-{a + n - 1}'} "
+                                            f"{selective if o == 'selective' else o}"
                                             for a, n, o in result.plan.ranges()))
     if result.policy_steps:
         console.print("selective policies balanced (step of the per-layer plan / as one setting): " + "; ".join(
@@ -412,6 +417,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
     if args.emit and (note := _runtime_note(options, args.emit)):
         console.print(note)
+    _print_kernels(options)  # what the step is priced with, and what --emit changed in it (the loss)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
@@ -805,7 +811,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     # --emit reads the ranked candidates back until one is written as priced: rank enough of them.
     ranked_top = max(args.top, _WRITTEN_CHECKED) if args.emit else args.top
     step_time = runtime_step_time(options)  # the runtime's step-time model, as memory follows its profile
-    quiet = args.json or not sys.stderr.isatty()
+    quiet = not shows_progress(args.json)
     with Progress(TextColumn("searching {task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
                   TimeElapsedColumn(), console=Console(stderr=True), disable=quiet) as progress:
         task = progress.add_task(f"{space.size:,} candidates", total=space.size)
@@ -851,10 +857,13 @@ def cmd_search(args: argparse.Namespace) -> int:
 
         expressible = _round_trips(model, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
                                    by_shape=True) if args.emit else None
-        ranking = rank_balanced(
-            model, device, space, result, step_time, memory_limit_bytes=limit or device.memory_bytes,
-            options=options, top=ranked_top, one_setting=one_setting_only, expressible=expressible,
-        )
+        from ndplan.progress import working
+
+        with working(f"balancing the {result.fitting:,} fitting candidates", quiet=quiet):
+            ranking = rank_balanced(
+                model, device, space, result, step_time, memory_limit_bytes=limit or device.memory_bytes,
+                options=options, top=ranked_top, one_setting=one_setting_only, expressible=expressible,
+            )
         result.ranked, balanced, unsimulated = ranking.rows, ranking.balanced, ranking.unsimulated
         plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
         # Balancing simulates a pipeline's schedule, which the simulator refuses past its cap.

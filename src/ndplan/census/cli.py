@@ -19,6 +19,7 @@ from rich.table import Table
 
 from ndplan.cli_args import positive_int
 from ndplan.errors import NdplanError
+from ndplan.progress import working
 from ndplan.units import format_bytes
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -63,8 +64,9 @@ def cmd_census(args: argparse.Namespace) -> int:
         # One model transformers cannot run (an attention kernel it lacks, ...) does not discard
         # the others' measurements: they are written, and the command then fails naming it.
         try:
-            records += run_census(cfg, seq_length=args.seq, micro_batch_size=args.mbs, attention=args.attention,
-                                  experts=args.experts, name=name)
+            with working(f"census of {name}: measuring each layer kind on fake tensors", quiet=args.json):
+                records += run_census(cfg, seq_length=args.seq, micro_batch_size=args.mbs, attention=args.attention,
+                                      experts=args.experts, name=name)
         except NdplanError as error:
             if len(names_configs) == 1:
                 raise
@@ -185,14 +187,16 @@ def _measure(args: argparse.Namespace) -> Any:
             raise NdplanError("--timeline needs --backend fake (a real step's allocator keeps no per-tensor record)")
         check_single_device(strategy)
     _require_extra(f"ndplan {args.command}")
-    # A config path is kept as given, so that `verify --measured` can load the model again.
-    label = args.model if Path(args.model).is_file() else name
-    if cuda:
-        from ndplan.census.measure_cuda import measure_step_cuda
+    # A config path (or model folder) is kept as given, so that `verify --measured` can load the model again.
+    label = args.model if Path(args.model).exists() else name
+    with working(f"measuring a step of {name} ({layers} layers, {strategy.short()}) "
+                 + ("on this GPU" if cuda else "on fake tensors"), quiet=bool(getattr(args, "json", False))):
+        if cuda:
+            from ndplan.census.measure_cuda import measure_step_cuda
 
-        return measure_step_cuda(cfg, strategy, num_layers=layers, attention=args.attention, name=label)
-    return measure_step(cfg, strategy, num_layers=layers, attention=args.attention, name=label,
-                        timeline=bool(getattr(args, "timeline", None)))
+            return measure_step_cuda(cfg, strategy, num_layers=layers, attention=args.attention, name=label)
+        return measure_step(cfg, strategy, num_layers=layers, attention=args.attention, name=label,
+                            timeline=bool(getattr(args, "timeline", None)))
 
 
 # ---------------------------------------------------------------- measure

@@ -378,12 +378,18 @@ def _with_note(r: CensusRecord, note: str) -> CensusRecord:
 
 
 def load_hf_config(path_or_preset: str) -> tuple[str, dict[str, Any]]:
-    """A config.json path, or the name of an ndplan preset (src/ndplan/model/presets/<name>.json)."""
+    """A config.json path, a model folder holding one (Hugging Face layout, as ``load_model`` reads
+    it), or the name of an ndplan preset (src/ndplan/model/presets/<name>.json)."""
     p = Path(path_or_preset)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise NdplanError(f"{p}: a model folder needs a config.json (Hugging Face layout); none there")
+        p = p / "config.json"
     if not p.is_file():
         p = Path(__file__).resolve().parent.parent / "model" / "presets" / f"{path_or_preset}.json"
         if not p.is_file():
-            raise NdplanError(f"census: no config file or preset named {path_or_preset!r}")
+            raise NdplanError(f"no config file or preset named {path_or_preset!r} (a preset of `ndplan models`, "
+                              f"a config.json, or a model folder holding one)")
         name = path_or_preset
     else:
         name = p.stem if p.name != "config.json" else p.parent.name

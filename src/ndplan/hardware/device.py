@@ -58,7 +58,8 @@ class Device(BaseModel):
     Attributes:
         name: preset or user-chosen name, e.g. ``"h100-sxm"``.
         runtime: software stack, ``"cuda"``, ``"rocm"`` or ``"cann"``.
-        memory_bytes: device memory the framework reports as its total, in bytes.
+        memory_bytes: device memory the framework reports as its total, in bytes; a file may
+            write it as a size with its unit, as ``--memory-limit`` takes it ("80GB", "81082MiB").
         peak_flops: dense peak FLOP/s per dtype (keys from ``DTYPES``; ``bf16`` required).
         hbm_bandwidth_bytes_per_s: peak device-memory bandwidth, bytes/s.
         scaleup_bandwidth_bytes_per_s: this device's NVLink/xGMI/HCCS/UB bandwidth,
@@ -91,6 +92,23 @@ class Device(BaseModel):
     @classmethod
     def _no_bools(cls, value: Any) -> Any:
         return _reject_bool(value)
+
+    @field_validator("memory_bytes", mode="before")
+    @classmethod
+    def _memory_size(cls, value: Any) -> Any:
+        # A size with its unit ("80GB", "79.18GiB") as --memory-limit reads it; a bare number is
+        # bytes, and one below a MiB is a size whose unit was left out (80 meant as 80 GB), not
+        # a device: refused as parse_bytes refuses it, not priced as "over 80 B".
+        from ndplan.units import MIB, parse_bytes
+
+        if isinstance(value, str):
+            try:
+                return parse_bytes(value)
+            except NdplanError as error:
+                raise ValueError(str(error)) from None
+        if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < MIB:
+            raise ValueError(f"{value!r} is {value:g} bytes; give a unit, e.g. {value:g}GiB or {value:g}GB")
+        return value
 
     @field_validator("peak_flops", mode="before")
     @classmethod

@@ -455,6 +455,9 @@ def _inert_settings(strategy: Strategy, options: MemoryOptions, model: ModelSpec
     if options.moe_imbalance != 1.0 and not model.is_moe:
         out.append(f"a MoE imbalance of {options.moe_imbalance:g} (--moe-imbalance, or the efficiency profile's) "
                    f"changes nothing: {model.name} has no experts")
+    if options.moe_capacity_factor is not None and not model.is_moe:
+        out.append(f"a capacity factor of {options.moe_capacity_factor:g} (--moe-capacity-factor) changes nothing: "
+                   f"{model.name} has no experts")
     if not strategy.reshard_after_forward and not (strategy.zero == 3 or strategy.fsdp):
         out.append("reshard_after_forward off (--no-reshard) changes nothing without FSDP/ZeRO-3 sharded parameters")
     return out

@@ -56,7 +56,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     initial = load_efficiency(args.initial) if args.initial else None
     if not args.prior_weight >= 0 or args.prior_weight == float("inf"):  # NaN fails the first test
         raise NdplanError(f"--prior-weight must be a finite number >= 0, got {args.prior_weight}")
-    profile, report = calibrate(runs, device, fit=fit, initial=initial, prior_weight=args.prior_weight)
+    from ndplan.progress import working
+
+    with working(f"calibrating: fitting {len(runs)} run{'s' if len(runs) != 1 else ''} on {device.name}",
+                 quiet=args.json):
+        profile, report = calibrate(runs, device, fit=fit, initial=initial, prior_weight=args.prior_weight)
     comment = (
         f"ndplan calibrate {args.runs} (device family {report.device_family})\n{report.summary()}\n"
         f"runs: {', '.join(r['id'] for r in report.runs)}"

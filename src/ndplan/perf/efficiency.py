@@ -354,9 +354,23 @@ def _stated(device: str, family: str, figures: tuple[tuple[str, Any], ...]) -> E
     try:
         return EfficiencyProfile.model_validate({**FAMILY_DEFAULTS[family].model_dump(), **dict(figures)})
     except ValidationError as error:
-        first = error.errors()[0]
-        raise NdplanError(f"device {device}: efficiency field '{'.'.join(str(p) for p in first['loc'])}': "
-                          f"{first['msg']}") from None
+        raise NdplanError(f"device {device}: efficiency {_figure_error(error)}") from None
+
+
+def _figure_error(error: ValidationError) -> str:
+    """"field 'NAME': why" of a profile's first invalid figure; a misspelt one is named with the
+    figure meant and every known figure (pydantic's words were "Extra inputs are not permitted")."""
+    first = error.errors()[0]
+    field = ".".join(str(p) for p in first["loc"])
+    if first["type"] != "extra_forbidden":
+        return f"field '{field}': {first['msg']}"
+    import difflib
+
+    known = list(EfficiencyProfile.model_fields)
+    # a shortened name ('gemm_eff') is the figure it starts; else the closest spelling
+    close = [name for name in known if name.startswith(field)][:1] or difflib.get_close_matches(field, known, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"field '{field}': unknown efficiency figure{hint}; known: {', '.join(known)}"
 
 
 def device_with_efficiency(device: Device, path: str | Path) -> Device:
@@ -383,7 +397,10 @@ def load_efficiency(path: str | Path, base: EfficiencyProfile | None = None) -> 
     except OSError as exc:
         raise NdplanError(f"{source}: cannot read efficiency profile ({exc.strerror or exc})") from exc
     except yaml.YAMLError as exc:
-        raise NdplanError(f"{source}: malformed YAML/JSON efficiency profile") from exc
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "not YAML"
+        raise NdplanError(f"{source}{line}: malformed YAML/JSON efficiency profile ({problem})") from None
     if isinstance(data, dict) and "efficiency" in data and isinstance(data["efficiency"], dict):
         data = data["efficiency"]
     if not isinstance(data, dict):
@@ -392,9 +409,7 @@ def load_efficiency(path: str | Path, base: EfficiencyProfile | None = None) -> 
     try:
         return EfficiencyProfile.model_validate(merged)
     except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise NdplanError(f"{source}: field '{field}': {first['msg']}") from None
+        raise NdplanError(f"{source}: {_figure_error(error)}") from None
 
 
 def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str = "") -> None:
