@@ -177,18 +177,17 @@ def _stage_series(
     b_with_w[:, :-1] = is_b[:, :-1] & is_w[:, 1:] & (step[:, :-1] == step[:, 1:])
     w_with_b = np.zeros((count, n), dtype=bool)
     w_with_b[:, 1:] = b_with_w[:, :-1]
-    stage = np.arange(count)[:, None]
-    rows = np.arange(1, n + 1)[None, :]
-
-    def per_op(values: NDArray[np.float64]) -> NDArray[np.float64]:
-        """[stages, n + 1, vpp]: each op's value in its row and chunk, zero elsewhere."""
-        out = np.zeros((count, n + 1, vpp))
-        out[stage, rows, chunk] = values
-        return out
+    # Each op's place (its stage, row i + 1 and chunk) in a flat [stages, n + 1, vpp] array, worked
+    # out once: a fancy index of three broadcast arrays costs that per series.
+    place = ((np.arange(count)[:, None] * (n + 1) + np.arange(1, n + 1)[None, :]) * vpp + chunk).ravel()
 
     def running(values: NDArray[np.float64]) -> NDArray[np.float64]:
-        """Running total of each op's ``values`` (whole numbers: exact) in its chunk."""
-        return np.cumsum(per_op(values), axis=1)
+        """Running total of each op's ``values`` (whole numbers: exact) in its chunk, [stages,
+        n + 1, vpp]: each op's value placed in its row and chunk, summed down the rows in place."""
+        flat = np.zeros(count * (n + 1) * vpp)
+        flat[place] = values.ravel()
+        out = flat.reshape(count, n + 1, vpp)
+        return np.cumsum(out, axis=1, out=out)
 
     def in_micro_batches(total: NDArray[np.float64]) -> NDArray[np.float64]:
         """A running total of sub-sequence ops in micro-batches (x / 1 is x: whole micro-batches
