@@ -150,12 +150,13 @@ def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InF
     groups = []
     # Stages that run as many ops are counted together, as one [stages, ops, chunks] array (in
     # most schedules every stage runs 2 or 3 ops per micro-batch and chunk: one array for all).
-    lengths = np.array([len(st.kind) for st in plan])
-    for n in np.unique(lengths).tolist():
-        members = np.flatnonzero(lengths == n)
+    # (Plain lists: a few dozen stages, where numpy's unique and flatnonzero cost more.)
+    lengths = [len(st.kind) for st in plan]
+    for n in sorted(set(lengths)):
+        members = tuple(s for s, length in enumerate(lengths) if length == n)
         # Read-only once per series: each stage's rows are views of it, read-only as well.
         series = tuple(_frozen(array) for array in _stage_series([plan[s] for s in members], n, vpp, seq_chunks, split))
-        groups.append((tuple(members.tolist()), StageInFlight(*series)))
+        groups.append((members, StageInFlight(*series)))
     return InFlight(schedule=schedule, pp=pp, vpp=vpp, num_micro_batches=m, seq_chunks=seq_chunks, groups=tuple(groups))
 
 
