@@ -134,7 +134,9 @@ def build_graph(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Graph:
     c = step_of_op[dep2[first]]
     prev = np.arange(-1, n - 1)
     prev[np.array(offsets[:-1])] = n
-    order = _topological_order(offsets, a.tolist(), b.tolist(), c.tolist(), n)
+    # Inputs b and c as lists only where a step has one (most schedules: none).
+    only_a = not (np.any(b != n) or np.any(c != n))
+    order = _topological_order(offsets, a.tolist(), [] if only_a else b.tolist(), [] if only_a else c.tolist(), n)
     return Graph(
         n=n,
         offsets=offsets,
@@ -149,7 +151,8 @@ def build_graph(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Graph:
 
 
 def _topological_order(offsets: list[int], a: list[int], b: list[int], c: list[int], n: int) -> list[int]:
-    """Run every stage's steps in its own order, a step once its inputs have run.
+    """Run every stage's steps in its own order, a step once its inputs have run (inputs b and c
+    empty: no step has one).
 
     A stage runs until a step waits for an input not yet run, then parks on that input;
     running the input wakes it. Each step is settled once. A stage left parked means the
@@ -161,7 +164,7 @@ def _topological_order(offsets: list[int], a: list[int], b: list[int], c: list[i
     waiting: dict[int, list[int]] = {}
     ptr = offsets[:-1]
     ready = deque(range(pp))
-    only_a = b.count(n) == n and c.count(n) == n  # most schedules: skip the empty slots
+    only_a = not b  # most schedules: skip the empty slots
     while ready:
         s = ready.popleft()
         i = ptr[s]
