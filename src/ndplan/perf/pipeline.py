@@ -136,7 +136,19 @@ def stage_layout(
         dense_by[j] = np.bincount(stage_of[on], weights=cd[on] / size, minlength=pp)
         moe_by[j] = np.bincount(stage_of[on], weights=cm[on] / size, minlength=pp)
     table = np.vstack([dense, moe, emb, head, dense_by, moe_by])  # [4 + 2J, pp]
-    _, first, which, count = np.unique(table, axis=1, return_index=True, return_inverse=True, return_counts=True)
+    # The distinct stage columns in lexicographic order, each at its first stage, and how many
+    # stages hold each: np.unique(table, axis=1)'s, from the columns as tuples sorted stably
+    # (a few dozen short columns, where np.unique's cost per call was most of a layout's).
+    columns = list(zip(*table.tolist(), strict=True))
+    first_of: list[int] = []
+    counts: list[int] = []
+    for s in sorted(range(pp), key=columns.__getitem__):
+        if first_of and columns[s] == columns[first_of[-1]]:
+            counts[-1] += 1
+        else:
+            first_of.append(s)
+            counts.append(1)
+    first, count = np.array(first_of, dtype=np.intp), np.array(counts, dtype=np.intp)
     distinct = table[:, first]
     j = len(sizes)
     profile = {
@@ -149,7 +161,6 @@ def stage_layout(
     )
     for arr in (dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, *profile.values(), out.profile_count, first):
         arr.flags.writeable = False
-    del which
     return out
 
 
