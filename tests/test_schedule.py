@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ndplan.errors import NdplanError
-from ndplan.schedule import SCHEDULES, SPLIT_BACKWARD, ScheduleResult, in_flight, simulate
+from ndplan.schedule import (
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    ScheduleResult,
+    in_flight,
+    simulate,
+    simulated_makespan_s,
+)
 from ndplan.schedule.builders import build_plan
 
 # --------------------------------------------------------------------------- helpers
@@ -317,6 +324,9 @@ def test_random_durations_keep_dependencies(case: tuple) -> None:
         overlap_f_and_b=overlap,
     )
     check_timeline(r, p2p)
+    # The makespan alone is the same timeline's, to the bit.
+    assert simulated_makespan_s(schedule, pp, vpp, m, seq_chunks=k, forward_s=f, backward_s=b, weight_grad_s=w,
+                                p2p_s=p2p, overlap_f_and_b=overlap) == r.makespan_s
     # Activation counts depend on the order only, never on durations.
     assert np.array_equal(r.peak_in_flight, simulate(schedule, pp, vpp, m, seq_chunks=k).peak_in_flight)
 
@@ -410,6 +420,8 @@ def test_ops_expose_times() -> None:
 def test_validation_errors(args: tuple, kwargs: dict, match: str) -> None:
     with pytest.raises(NdplanError, match=match):
         simulate(*args, **kwargs)
+    with pytest.raises(NdplanError, match=match):
+        simulated_makespan_s(*args, **kwargs)
 
 
 def test_in_flight_validates_too() -> None:

@@ -58,7 +58,7 @@ import numpy as np
 
 from ndplan.model.spec import ModelSpec
 from ndplan.placement import place_layers
-from ndplan.schedule import simulate
+from ndplan.schedule import simulated_makespan_s
 from ndplan.schedule.ops import V_SHAPE
 
 Array = np.ndarray
@@ -136,7 +136,19 @@ def stage_layout(
         dense_by[j] = np.bincount(stage_of[on], weights=cd[on] / size, minlength=pp)
         moe_by[j] = np.bincount(stage_of[on], weights=cm[on] / size, minlength=pp)
     table = np.vstack([dense, moe, emb, head, dense_by, moe_by])  # [4 + 2J, pp]
-    _, first, which, count = np.unique(table, axis=1, return_index=True, return_inverse=True, return_counts=True)
+    # The distinct stage columns in lexicographic order, each at its first stage, and how many
+    # stages hold each: np.unique(table, axis=1)'s, from the columns as tuples sorted stably
+    # (a few dozen short columns, where np.unique's cost per call was most of a layout's).
+    columns = list(zip(*table.tolist(), strict=True))
+    first_of: list[int] = []
+    counts: list[int] = []
+    for s in sorted(range(pp), key=columns.__getitem__):
+        if first_of and columns[s] == columns[first_of[-1]]:
+            counts[-1] += 1
+        else:
+            first_of.append(s)
+            counts.append(1)
+    first, count = np.array(first_of, dtype=np.intp), np.array(counts, dtype=np.intp)
     distinct = table[:, first]
     j = len(sizes)
     profile = {
@@ -149,7 +161,6 @@ def stage_layout(
     )
     for arr in (dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, *profile.values(), out.profile_count, first):
         arr.flags.writeable = False
-    del which
     return out
 
 
@@ -286,8 +297,8 @@ def interleaved_stall(pp: int, chunk_layers: tuple[float, ...]) -> float:
     grid = np.asarray(chunk_layers, dtype=np.float64).reshape(pp, -1)
     if pp < 2 or grid.shape[1] < 2 or bool(np.all(grid == grid[:, :1])):
         return 0.0
-    runs = [simulate("interleaved", pp, grid.shape[1], m, forward_s=grid / 3.0, backward_s=grid * (2.0 / 3.0),
-                     weight_grad_s=np.zeros_like(grid), overlap_f_and_b=False).makespan_s for m in (2 * pp, 4 * pp)]
+    runs = [simulated_makespan_s("interleaved", pp, grid.shape[1], m, forward_s=grid / 3.0, backward_s=grid * (2.0 / 3.0),
+                                 weight_grad_s=np.zeros_like(grid), overlap_f_and_b=False) for m in (2 * pp, 4 * pp)]
     return max((runs[1] - runs[0]) / (2 * pp) / float(grid.sum(axis=1).max()) - 1.0, 0.0)
 
 
@@ -342,8 +353,8 @@ def simulated_makespan(
     if pp == 1:
         return float(m * (f.sum() + b.sum() + w.sum())), 0.0
     kwargs = dict(seq_chunks=seq_chunks, forward_s=f, backward_s=b, weight_grad_s=w, overlap_f_and_b=False)
-    with_p2p = simulate(schedule, pp, vpp, m, p2p_s=p2p, **kwargs).makespan_s  # type: ignore[arg-type]
-    without = simulate(schedule, pp, vpp, m, p2p_s=0.0, **kwargs).makespan_s if p2p > 0 else with_p2p  # type: ignore[arg-type]
+    with_p2p = simulated_makespan_s(schedule, pp, vpp, m, p2p_s=p2p, **kwargs)  # type: ignore[arg-type]
+    without = simulated_makespan_s(schedule, pp, vpp, m, p2p_s=0.0, **kwargs) if p2p > 0 else with_p2p  # type: ignore[arg-type]
     return with_p2p, with_p2p - without
 
 

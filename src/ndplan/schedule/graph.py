@@ -134,7 +134,9 @@ def build_graph(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Graph:
     c = step_of_op[dep2[first]]
     prev = np.arange(-1, n - 1)
     prev[np.array(offsets[:-1])] = n
-    order = _topological_order(offsets, a.tolist(), b.tolist(), c.tolist(), n)
+    # Inputs b and c as lists only where a step has one (most schedules: none).
+    only_a = not (np.any(b != n) or np.any(c != n))
+    order = _topological_order(offsets, a.tolist(), [] if only_a else b.tolist(), [] if only_a else c.tolist(), n)
     return Graph(
         n=n,
         offsets=offsets,
@@ -149,7 +151,8 @@ def build_graph(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Graph:
 
 
 def _topological_order(offsets: list[int], a: list[int], b: list[int], c: list[int], n: int) -> list[int]:
-    """Run every stage's steps in its own order, a step once its inputs have run.
+    """Run every stage's steps in its own order, a step once its inputs have run (inputs b and c
+    empty: no step has one).
 
     A stage runs until a step waits for an input not yet run, then parks on that input;
     running the input wakes it. Each step is settled once. A stage left parked means the
@@ -161,7 +164,7 @@ def _topological_order(offsets: list[int], a: list[int], b: list[int], c: list[i
     waiting: dict[int, list[int]] = {}
     ptr = offsets[:-1]
     ready = deque(range(pp))
-    only_a = b.count(n) == n and c.count(n) == n  # most schedules: skip the empty slots
+    only_a = not b  # most schedules: skip the empty slots
     while ready:
         s = ready.popleft()
         i = ptr[s]
@@ -269,25 +272,32 @@ class Levels:
                         tuple[NDArray[np.int64], NDArray[np.bool_]] | None, NDArray[np.int64] | None], ...]
 
 
-def _level_inputs(graph: Graph, groups: tuple[NDArray[np.int64], ...], order: NDArray[np.int64]) -> tuple[Any, ...]:
-    """``Levels.inputs`` of ``groups`` (see there)."""
+def _level_inputs(graph: Graph, bounds: list[int], order: NDArray[np.int64]) -> tuple[Any, ...]:
+    """``Levels.inputs`` of the depth groups ``order[bounds[i]:bounds[i + 1]]`` (see there).
+
+    Every step's inputs are turned into rows once, in depth order, and each group's are slices
+    (views) of those; which groups hop or have inputs b and c is reduced over every group at
+    once. A search's groups number a few hundred per graph, where numpy's cost per call, not
+    per step, was most of the work."""
     n = graph.n
+    if n == 0:  # one empty group: nothing to read (no hop flag is unset)
+        return ((0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), True, None, None),)
     row = np.empty(n + 1, dtype=np.int64)
     row[order] = np.arange(n)
     row[n] = n  # the sentinel keeps its row
-    out = []
-    lo = 0
-    for steps in groups:
-        hi = lo + len(steps)
-        xa = graph.xa[steps]
-        hop = True if np.all(xa == 1.0) else (None if not np.any(xa) else xa[:, None] == 1.0)
-        has_b = bool(np.any(graph.b[steps] != n))
-        has_c = bool(np.any(graph.c[steps] != n))
-        out.append((lo, hi, row[graph.prev[steps]], row[graph.a[steps]], hop,
-                    (row[graph.b[steps]], graph.xb[steps][:, None] == 1.0) if has_b else None,
-                    row[graph.c[steps]] if has_c else None))
-        lo = hi
-    return tuple(out)
+    prev, a, b, c = (row[links[order]] for links in (graph.prev, graph.a, graph.b, graph.c))
+    hops, b_hops = graph.xa[order] == 1.0, graph.xb[order] == 1.0
+    starts = bounds[:-1]
+    every_hop = np.logical_and.reduceat(hops, starts).tolist()
+    any_hop = np.logical_or.reduceat(graph.xa[order] != 0.0, starts).tolist()
+    has_b = np.logical_or.reduceat(b != n, starts).tolist()
+    has_c = np.logical_or.reduceat(c != n, starts).tolist()
+    hops, b_hops = hops[:, None], b_hops[:, None]
+    return tuple(
+        (lo, hi, prev[lo:hi], a[lo:hi], True if every else (hops[lo:hi] if some else None),
+         (b[lo:hi], b_hops[lo:hi]) if with_b else None, c[lo:hi] if with_c else None)
+        for lo, hi, every, some, with_b, with_c in zip(bounds[:-1], bounds[1:], every_hop, any_hop, has_b, has_c,
+                                                       strict=True))
 
 
 @lru_cache(maxsize=256, typed=True)
@@ -297,20 +307,28 @@ def build_levels(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Levels
     plan = build_plan(schedule, pp, vpp, m, k)
     n = graph.n
     depth = [0] * (n + 1)
-    prev, a, b, c = (graph.prev.tolist(), graph.a.tolist(), graph.b.tolist(), graph.c.tolist())
-    for i in graph.order.tolist():
-        depth[i] = 1 + max(depth[prev[i]], depth[a[i]], depth[b[i]], depth[c[i]])
+    visit = graph.order
+    # Each step one deeper than its deepest input, in topological order: plain lists zipped in
+    # that order, the inputs b and c read only where a step has one (the sentinel's depth is 0).
+    if np.any(graph.b != n) or np.any(graph.c != n):
+        for i, p, x, y, z in zip(visit.tolist(), *(links[visit].tolist() for links in (graph.prev, graph.a, graph.b,
+                                                                                       graph.c)), strict=True):
+            depth[i] = 1 + max(depth[p], depth[x], depth[y], depth[z])
+    else:
+        for i, p, x in zip(visit.tolist(), graph.prev[visit].tolist(), graph.a[visit].tolist(), strict=True):
+            before, after = depth[p], depth[x]
+            depth[i] = (before if before > after else after) + 1
     by_depth = np.array(depth[:n], dtype=np.int64)
     order = np.argsort(by_depth, kind="stable")
-    bounds = np.flatnonzero(np.diff(by_depth[order])) + 1
+    bounds = [0, *(np.flatnonzero(np.diff(by_depth[order])) + 1).tolist(), n]
     slots, firsts, ops = [], [], 0
     for s, st in enumerate(plan):
         slots.append((s * vpp + st.chunk) * 3 + st.kind)
         firsts.append(ops + np.concatenate(([0], np.cumsum(st.step_len)[:-1])))
         ops += len(st)
-    groups = tuple(np.split(order, bounds))
+    groups = tuple(order[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
     return Levels(groups=groups, op_slot=np.concatenate(slots), step_first_op=np.concatenate(firsts), order=order,
-                  inputs=_level_inputs(graph, groups, order))
+                  inputs=_level_inputs(graph, bounds, order))
 
 
 def time_steps_batch(

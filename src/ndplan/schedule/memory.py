@@ -17,7 +17,7 @@ Units: micro-batches of the stage's chunk. A Seq1F1B sub-sequence counts 1/seq_c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -62,10 +62,10 @@ class StageInFlight:
 class InFlight:
     """What the memory model needs from a schedule: how many activations a stage holds.
 
-    stages: the op-boundary series, for weighting chunks of different sizes.
-    groups: the same series stacked for the stages that run as many ops (in most schedules,
-        all of them), ([stages, boundaries, chunks]), each with its stages' indices: for
-        callers that process every stage at once. The per-stage series are views of these.
+    groups: the op-boundary series stacked for the stages that run as many ops (in most
+        schedules, all of them), ([stages, boundaries, chunks]), each with its stages' indices:
+        for callers that process every stage at once.
+    stages: the series per stage (views of the groups'), for weighting chunks of different sizes.
     """
 
     schedule: str
@@ -73,8 +73,19 @@ class InFlight:
     vpp: int
     num_micro_batches: int
     seq_chunks: int
-    stages: tuple[StageInFlight, ...]
-    groups: tuple[tuple[tuple[int, ...], StageInFlight], ...] = ()
+    groups: tuple[tuple[tuple[int, ...], StageInFlight], ...]
+
+    # Made on first use: the strategy search reads the groups alone, and a few thousand stages'
+    # seven views each were an eighth of what its schedules' counts cost.
+    @cached_property
+    def stages(self) -> tuple[StageInFlight, ...]:
+        """Per stage, its op-boundary series (views of its group's)."""
+        out: list[StageInFlight | None] = [None] * self.pp
+        for members, group in self.groups:
+            series = [getattr(group, name.name) for name in fields(StageInFlight)]
+            for i, s in enumerate(members):
+                out[s] = StageInFlight(*(array[i] for array in series))
+        return tuple(st for st in out if st is not None)
 
     # The peaks are reduced on first use, not with the series: the strategy search reads the
     # series of a few hundred schedules (their memory frontiers) and none of these.
@@ -136,27 +147,17 @@ def in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int = 1) -> 
 def _in_flight(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> InFlight:
     plan = build_plan(schedule, pp, vpp, m, seq_chunks)
     split = schedule in SPLIT_BACKWARD
-    stages: list[StageInFlight | None] = [None] * pp
     groups = []
     # Stages that run as many ops are counted together, as one [stages, ops, chunks] array (in
     # most schedules every stage runs 2 or 3 ops per micro-batch and chunk: one array for all).
-    lengths = np.array([len(st.kind) for st in plan])
-    for n in np.unique(lengths).tolist():
-        members = np.flatnonzero(lengths == n)
+    # (Plain lists: a few dozen stages, where numpy's unique and flatnonzero cost more.)
+    lengths = [len(st.kind) for st in plan]
+    for n in sorted(set(lengths)):
+        members = tuple(s for s, length in enumerate(lengths) if length == n)
         # Read-only once per series: each stage's rows are views of it, read-only as well.
         series = tuple(_frozen(array) for array in _stage_series([plan[s] for s in members], n, vpp, seq_chunks, split))
-        for i, s in enumerate(members.tolist()):
-            stages[s] = StageInFlight(*(array[i] for array in series))
-        groups.append((tuple(members.tolist()), StageInFlight(*series)))
-    return InFlight(
-        schedule=schedule,
-        pp=pp,
-        vpp=vpp,
-        num_micro_batches=m,
-        seq_chunks=seq_chunks,
-        stages=tuple(st for st in stages if st is not None),
-        groups=tuple(groups),
-    )
+        groups.append((members, StageInFlight(*series)))
+    return InFlight(schedule=schedule, pp=pp, vpp=vpp, num_micro_batches=m, seq_chunks=seq_chunks, groups=tuple(groups))
 
 
 def _stage_series(
@@ -177,18 +178,17 @@ def _stage_series(
     b_with_w[:, :-1] = is_b[:, :-1] & is_w[:, 1:] & (step[:, :-1] == step[:, 1:])
     w_with_b = np.zeros((count, n), dtype=bool)
     w_with_b[:, 1:] = b_with_w[:, :-1]
-    stage = np.arange(count)[:, None]
-    rows = np.arange(1, n + 1)[None, :]
-
-    def per_op(values: NDArray[np.float64]) -> NDArray[np.float64]:
-        """[stages, n + 1, vpp]: each op's value in its row and chunk, zero elsewhere."""
-        out = np.zeros((count, n + 1, vpp))
-        out[stage, rows, chunk] = values
-        return out
+    # Each op's place (its stage, row i + 1 and chunk) in a flat [stages, n + 1, vpp] array, worked
+    # out once: a fancy index of three broadcast arrays costs that per series.
+    place = ((np.arange(count)[:, None] * (n + 1) + np.arange(1, n + 1)[None, :]) * vpp + chunk).ravel()
 
     def running(values: NDArray[np.float64]) -> NDArray[np.float64]:
-        """Running total of each op's ``values`` (whole numbers: exact) in its chunk."""
-        return np.cumsum(per_op(values), axis=1)
+        """Running total of each op's ``values`` (whole numbers: exact) in its chunk, [stages,
+        n + 1, vpp]: each op's value placed in its row and chunk, summed down the rows in place."""
+        flat = np.zeros(count * (n + 1) * vpp)
+        flat[place] = values.ravel()
+        out = flat.reshape(count, n + 1, vpp)
+        return np.cumsum(out, axis=1, out=out)
 
     def in_micro_batches(total: NDArray[np.float64]) -> NDArray[np.float64]:
         """A running total of sub-sequence ops in micro-batches (x / 1 is x: whole micro-batches
