@@ -406,6 +406,24 @@ def test_a_smaller_node_holds_a_smaller_scaleup_domain() -> None:
     assert Cluster(device=get_device("ascend-910c"), num_devices=64, devices_per_node=8).scaleup_domain_size == 64
 
 
+@pytest.mark.parametrize(
+    ("name", "num_devices", "domain"),
+    [
+        ("gb200-nvl72", 64, 64), ("gb200-nvl72", 72, 72), ("gb200-nvl72", 144, 72),
+        ("gb200-nvl72", 256, 64), ("gb200-nvl72", 8192, 64), ("gb200-nvl72", 5120, 64),
+        ("gb200-nvl72", 96, 48), ("gb300-nvl72", 128, 64),
+        ("gb200-nvl72", 76, 72),  # 19 trays: no even share of half a rack or more; fill in order
+        ("ascend-910c", 1024, 512), ("ascend-910c", 1536, 768), ("ascend-910c", 800, 400),
+    ],
+)
+def test_a_job_over_rack_scale_domains_takes_an_even_share_of_each(name: str, num_devices: int, domain: int) -> None:
+    """The rank layout is aligned on the devices the job takes from each domain: 256 GPUs on
+    NVL72 racks run as 4 x 64 (16 trays a rack), so EP 64 and TP 16 groups each sit in one
+    rack; aligned on 72 (the old domain) the fifth 16-group and the second 64-group straddled
+    two racks, and every 16- or 64-group was priced over the NIC's latency."""
+    assert Cluster(device=get_device(name), num_devices=num_devices).scaleup_domain_size == domain
+
+
 @pytest.mark.parametrize("changes", [{"num_devices": 0}, {"devices_per_node": -8}, {"racks": 2}])
 def test_cluster_rejects_bad_input(changes: dict[str, Any]) -> None:
     arguments: dict[str, Any] = {"device": get_device("h100-sxm"), "num_devices": 8, **changes}
