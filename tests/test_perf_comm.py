@@ -9,7 +9,13 @@ from ndplan.hardware import get_device
 from ndplan.hardware.device import Cluster
 from ndplan.perf import collectives as coll
 from ndplan.perf.efficiency import default_efficiency
-from ndplan.perf.topology import Fabric, fits_in_domain, group_link, members_per_domain
+from ndplan.perf.topology import (
+    Fabric,
+    fits_in_domain,
+    group_link,
+    members_per_domain,
+    pipeline_crossing_share,
+)
 
 LINK = coll.Link(bandwidth=100e9, latency=5e-6)
 GB = 1e9
@@ -146,3 +152,11 @@ def test_an_nvl72_group_across_racks_takes_the_nic():
     # EP 128 over two racks: 63/128 of the buffer on NVLink, 64/128 over the NIC, which sets the time
     ep = group_link(128, 1, NVL72, "all_to_all")
     assert coll.all_to_all_s(1e9, 128, ep) == pytest.approx(13.03471e-3, rel=1e-6)  # 127 x 10 µs + 0.5 GB / 42.5 GB/s
+
+
+def test_pipeline_hops_on_nvl72_cross_only_between_racks():
+    """pp 16 at stride 16 (tp 2 · dp 8) over 256 GPUs: 4 stages a 64-GPU rack share, so 3 of
+    the 15 hops of a 1F1B chain cross racks. Aligned on 72 (no multiple of 16) every hop was
+    priced over the NIC (share 1.0). A stride of 128 puts every stage in its own rack."""
+    assert pipeline_crossing_share("1f1b", 16, 1, 16, NVL72.domain) == pytest.approx(3 / 15)
+    assert pipeline_crossing_share("1f1b", 2, 1, 128, NVL72.domain) == 1.0
