@@ -177,7 +177,8 @@ class Cluster(BaseModel):
         not bound it.
 
         A job larger than such a rack-scale domain takes the same number of devices from each
-        domain it uses (Slurm's ``--segment``): the most, a whole number of nodes and at least
+        domain it uses (Slurm's ``--segment``; Huawei MindCluster's ``sp-block``, a logical SuperPoD of
+        HCCS inside and RoCE between): the most, a whole number of nodes and at least
         half the domain, that divide the job. This is the domain the rank layout is aligned
         on: 256 GPUs on GB200 NVL72 racks are 4 racks of 64 (16 of 18 trays, as NVIDIA's MLPerf
         Training GB200 NVL72 runs of 8,192 and 5,120 GPUs), so an EP 64 or TP 16 group sits in
