@@ -21,6 +21,7 @@ from ndplan.hardware import (
     load_device_file,
     resolve_device,
 )
+from ndplan.perf.efficiency import default_efficiency
 
 PRESET_NAMES = [
     "a100-40gb",
@@ -28,6 +29,8 @@ PRESET_NAMES = [
     "h100-sxm",
     "h200",
     "b200",
+    "gb200-nvl72",
+    "gb300-nvl72",
     "mi300x",
     "ascend-910b",
     "ascend-910c",
@@ -161,6 +164,28 @@ def test_b200_mi300x_and_ascend_figures() -> None:
     assert c.devices_per_node == 16
     assert c.scaleup_domain_size == 768
     assert c.peak_flops_for("bf16") == pytest.approx(752e12 / 2)
+
+
+def test_nvl72_rack_figures() -> None:
+    """GB200/GB300 NVL72: one GPU a device, 4 a compute tray (node), 72 on one NVLink switch
+    fabric across 18 trays. Every figure per GPU: the rack's 576 TB/s HBM and 130 TB/s NVLink
+    over 72, the rack's sparse FP8 (720 PFLOPS) and BF16 (360) over 72 and halved."""
+    gb200, gb300 = get_device("gb200-nvl72"), get_device("gb300-nvl72")
+    for rack in (gb200, gb300):
+        assert rack.runtime == "cuda"
+        assert rack.scaleup_domain_size == 72
+        assert rack.devices_per_node == 4
+        assert rack.scaleup_bandwidth_bytes_per_s == pytest.approx(130e12 / 72 / 2, rel=0.02)  # 900 GB/s each way
+        assert rack.hbm_bandwidth_bytes_per_s == pytest.approx(576e12 / 72)
+        assert rack.peak_flops_for("fp8") == pytest.approx(720e15 / 72 / 2)
+        assert rack.peak_flops_for("bf16") == pytest.approx(360e15 / 72 / 2)
+        assert rack.host_link_bandwidth_bytes_per_s == pytest.approx(900e9 / 2 / 2)  # C2C: one Grace, two GPUs
+    # CUDA's total on a GB200 (CUDA 13.0), 741 MiB under NVML's 189471 MiB
+    assert gb200.memory_bytes == 197_897_748_480 == (189471 - 741) * 2**20
+    assert gb300.memory_bytes == (284208 - 741) * 2**20  # NVML's GB300 total less the same reserve
+    assert gb200.scaleout_bandwidth_bytes_per_s == pytest.approx(400e9 / 8)  # ConnectX-7, one per GPU
+    assert gb300.scaleout_bandwidth_bytes_per_s == pytest.approx(800e9 / 8)  # ConnectX-8, one per GPU
+    assert default_efficiency(gb200).family == default_efficiency(gb300).family == "blackwell"
 
 
 def test_unknown_preset_lists_known_names() -> None:
@@ -401,6 +426,24 @@ def test_a_smaller_node_holds_a_smaller_scaleup_domain() -> None:
     assert Cluster(device=h100, num_devices=16, devices_per_node=16).scaleup_domain_size == 8
     assert Cluster(device=h100, num_devices=2, devices_per_node=4).scaleup_domain_size == 2
     assert Cluster(device=get_device("ascend-910c"), num_devices=64, devices_per_node=8).scaleup_domain_size == 64
+
+
+@pytest.mark.parametrize(
+    ("name", "num_devices", "domain"),
+    [
+        ("gb200-nvl72", 64, 64), ("gb200-nvl72", 72, 72), ("gb200-nvl72", 144, 72),
+        ("gb200-nvl72", 256, 64), ("gb200-nvl72", 8192, 64), ("gb200-nvl72", 5120, 64),
+        ("gb200-nvl72", 96, 48), ("gb300-nvl72", 128, 64),
+        ("gb200-nvl72", 76, 72),  # 19 trays: no even share of half a rack or more; fill in order
+        ("ascend-910c", 1024, 512), ("ascend-910c", 1536, 768), ("ascend-910c", 800, 400),
+    ],
+)
+def test_a_job_over_rack_scale_domains_takes_an_even_share_of_each(name: str, num_devices: int, domain: int) -> None:
+    """The rank layout is aligned on the devices the job takes from each domain: 256 GPUs on
+    NVL72 racks run as 4 x 64 (16 trays a rack), so EP 64 and TP 16 groups each sit in one
+    rack; aligned on 72 (the old domain) the fifth 16-group and the second 64-group straddled
+    two racks, and every 16- or 64-group was priced over the NIC's latency."""
+    assert Cluster(device=get_device(name), num_devices=num_devices).scaleup_domain_size == domain
 
 
 @pytest.mark.parametrize("changes", [{"num_devices": 0}, {"devices_per_node": -8}, {"racks": 2}])

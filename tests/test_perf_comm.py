@@ -9,7 +9,13 @@ from ndplan.hardware import get_device
 from ndplan.hardware.device import Cluster
 from ndplan.perf import collectives as coll
 from ndplan.perf.efficiency import default_efficiency
-from ndplan.perf.topology import Fabric, fits_in_domain, group_link, members_per_domain
+from ndplan.perf.topology import (
+    Fabric,
+    fits_in_domain,
+    group_link,
+    members_per_domain,
+    pipeline_crossing_share,
+)
 
 LINK = coll.Link(bandwidth=100e9, latency=5e-6)
 GB = 1e9
@@ -113,3 +119,44 @@ def test_a_mesh_pair_gets_one_link_however_few_devices_the_job_has(
     assert float(group_link(2, 1, fabric, "p2p").bandwidth) == pytest.approx(one)
     if fabric.domain >= 4:
         assert float(group_link(4, 1, fabric).bandwidth) == pytest.approx(3 * one)
+
+
+GB200 = get_device("gb200-nvl72")
+# 256 GPUs on GB200 NVL72 racks: a job takes the same number of GPUs from each rack, the most
+# (a multiple of the 4-GPU tray) that splits it evenly: 4 racks of 64 (16 trays), as NVIDIA's
+# MLPerf Training GB200 runs (8,192 and 5,120 GPUs) do. NVLink 900e9·0.78 = 702 GB/s, 3 µs a
+# step; ConnectX-7 50e9·0.85 = 42.5 GB/s, 10 µs a step (Blackwell profile).
+NVL72 = Fabric.of(Cluster(device=GB200, num_devices=256), default_efficiency(GB200))
+
+
+def test_an_nvl72_group_of_64_or_16_stays_on_nvlink():
+    """EP 64 and TP 16 inside one NVL72 rack: NVLink bandwidth and latency. With the rank layout
+    aligned on 72-GPU racks, 72 % 64 and 72 % 16 left both groups 'not fitting': every step paid
+    the NIC's 10 µs (EP 64: 2.032 ms for 1 GB instead of 1.591 ms) and TP 16's ring was capped
+    at 16 NICs (680 GB/s)."""
+    assert NVL72.domain == 64, "a rack holds 64 of the job's ranks"
+    ep = group_link(64, 1, NVL72, "all_to_all")
+    # 63 steps x 3 µs + 63/64 of 1 GB at 702 GB/s
+    assert coll.all_to_all_s(1e9, 64, ep) == pytest.approx(1.591244e-3, rel=1e-6)
+    tp = group_link(16, 1, NVL72)
+    # 2·15 steps x 3 µs + 2·15/16 of 1 GB at 702 GB/s
+    assert coll.all_reduce_s(1e9, 16, tp) == pytest.approx(2.760940e-3, rel=1e-6)
+    ep16 = group_link(16, 4, NVL72, "all_to_all")  # EP 16 at stride etp 4: span 64, one rack
+    assert float(ep16.bandwidth) == pytest.approx(702e9) and float(ep16.latency) == 3e-6
+
+
+def test_an_nvl72_group_across_racks_takes_the_nic():
+    # DP over the 4 racks (stride 64): one member a rack, each ring step on its own NIC
+    dp = group_link(4, 64, NVL72)
+    assert coll.all_reduce_s(1e9, 4, dp) == pytest.approx(35.35412e-3, rel=1e-6)  # 6 x 10 µs + 1.5 GB / 42.5 GB/s
+    # EP 128 over two racks: 63/128 of the buffer on NVLink, 64/128 over the NIC, which sets the time
+    ep = group_link(128, 1, NVL72, "all_to_all")
+    assert coll.all_to_all_s(1e9, 128, ep) == pytest.approx(13.03471e-3, rel=1e-6)  # 127 x 10 µs + 0.5 GB / 42.5 GB/s
+
+
+def test_pipeline_hops_on_nvl72_cross_only_between_racks():
+    """pp 16 at stride 16 (tp 2 · dp 8) over 256 GPUs: 4 stages a 64-GPU rack share, so 3 of
+    the 15 hops of a 1F1B chain cross racks. Aligned on 72 (no multiple of 16) every hop was
+    priced over the NIC (share 1.0). A stride of 128 puts every stage in its own rack."""
+    assert pipeline_crossing_share("1f1b", 16, 1, 16, NVL72.domain) == pytest.approx(3 / 15)
+    assert pipeline_crossing_share("1f1b", 2, 1, 128, NVL72.domain) == 1.0

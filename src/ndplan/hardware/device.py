@@ -192,8 +192,23 @@ class Cluster(BaseModel):
         node, so a node of fewer devices (``devices_per_node``: a 4-GPU instance of an 8-GPU
         part) holds a domain of that many: min(domain, node size). A domain that spans nodes
         (CloudMatrix384's UB fabric across its 16-NPU nodes) joins nodes, and a node size does
-        not bound it."""
+        not bound it.
+
+        A job larger than such a rack-scale domain takes the same number of devices from each
+        domain it uses (Slurm's ``--segment``; Huawei MindCluster's ``sp-block``, a logical SuperPoD of
+        HCCS inside and RoCE between): the most, a whole number of nodes and at least
+        half the domain, that divide the job. This is the domain the rank layout is aligned
+        on: 256 GPUs on GB200 NVL72 racks are 4 racks of 64 (16 of 18 trays, as NVIDIA's MLPerf
+        Training GB200 NVL72 runs of 8,192 and 5,120 GPUs), so an EP 64 or TP 16 group sits in
+        one rack; 144 are 2 of 72. Where no such share exists (76 GPUs) the job fills domains
+        in rank order and the last one holds the rest."""
         domain = self.device.scaleup_domain_size
         if domain <= self.device.devices_per_node:
-            domain = min(domain, self.node_size)
-        return min(domain, self.num_devices)
+            return min(domain, self.node_size, self.num_devices)
+        if self.num_devices <= domain:
+            return self.num_devices
+        node = self.node_size
+        for share in range(domain - domain % node, (domain + 1) // 2 - 1, -node):
+            if share > 0 and self.num_devices % share == 0:
+                return share
+        return domain

@@ -9,7 +9,8 @@ expert-tensor group is etp consecutive ranks, an expert-parallel group ep ranks 
 and the expert-data-parallel group (replicas of one expert shard) stride ep·etp.
 
 Network levels: devices within one scale-up domain (NVLink/xGMI/HCCS/UB island of
-``Cluster.scaleup_domain_size`` devices, aligned in rank order) talk over scale-up links, others
+``Cluster.scaleup_domain_size`` devices, aligned in rank order; for a domain of several nodes,
+as an NVL72 rack, the even share of it a larger job takes) talk over scale-up links, others
 over each device's own scale-out NIC. For a group of n ranks at stride st (span n·st):
 
 * fits: the span divides the domain size -> every group lies inside one domain: scale-up.
