@@ -79,6 +79,19 @@ def test_search_equals_brute_force_with_the_single_strategy_api(dims):
         assert {row["pipeline_runs"] for row in result.ranked} == set(space.pipeline_runs) == {1, 2, 4, 8}
 
 
+def _megatron_refuses_what_pytorch_ranks(space, refused):
+    """The megatron search ranks no row ``refused`` says it refuses, and counts as not runnable at
+    least as many as the pytorch search (which runs them) ranks."""
+    megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=2 * 2**30, top=10**9,
+                          options=BALANCE_OPTIONS)
+    pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=2 * 2**30, top=10**9,
+                         options=MemoryOptions())
+    assert megatron.ranked and not any(refused(row) for row in megatron.ranked)
+    allowed = sum(refused(row) for row in pytorch.ranked)
+    assert allowed > 0
+    assert megatron.rejected[NOT_RUNNABLE] - pytorch.rejected[NOT_RUNNABLE] >= allowed
+
+
 def test_megatron_search_never_ranks_expert_and_tensor_parallelism_without_sequence_parallelism():
     """Megatron-Core's ModelParallelConfig refuses ep > 1 beside tp > 1 without sequence
     parallelism, so a search under the megatron runtime must not rank such a strategy (it did, and
@@ -89,14 +102,7 @@ def test_megatron_search_never_ranks_expert_and_tensor_parallelism_without_seque
     def refused(row):
         return row["ep"] > 1 and row["tp"] > 1 and not row["sp"]
 
-    megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=2 * 2**30, top=10**9,
-                          options=BALANCE_OPTIONS)
-    pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=2 * 2**30, top=10**9,
-                         options=MemoryOptions())
-    assert megatron.ranked and not any(refused(row) for row in megatron.ranked)
-    allowed = sum(refused(row) for row in pytorch.ranked)
-    assert allowed > 0
-    assert megatron.rejected[NOT_RUNNABLE] - pytorch.rejected[NOT_RUNNABLE] >= allowed
+    _megatron_refuses_what_pytorch_ranks(space, refused)
 
 
 def test_progress_counts_candidates_once_their_survivors_are_priced():
@@ -901,7 +907,6 @@ def test_runtime_refusals_word_what_the_search_counts_not_runnable(runtime):
     assert np.array_equal(refused, ~mask)
 
 
-
 def test_megatron_search_never_ranks_experts_under_tensor_parallelism_without_sequence_parallelism():
     """Megatron-Core's MoELayer.forward raises in training under tensor parallelism without
     sequence parallelism whatever the expert parallelism: at ep 1 too, the megatron search counts
@@ -915,14 +920,7 @@ def test_megatron_search_never_ranks_experts_under_tensor_parallelism_without_se
     def refused(row):
         return row["tp"] > 1 and not row["sp"]
 
-    megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=2 * 2**30, top=10**9,
-                          options=BALANCE_OPTIONS)
-    pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=2 * 2**30, top=10**9,
-                         options=MemoryOptions())
-    assert megatron.ranked and not any(refused(row) for row in megatron.ranked)
-    allowed = sum(refused(row) for row in pytorch.ranked)
-    assert allowed > 0
-    assert megatron.rejected[NOT_RUNNABLE] - pytorch.rejected[NOT_RUNNABLE] >= allowed
+    _megatron_refuses_what_pytorch_ranks(space, refused)
     strategy = Strategy(tp=2, dp=4)
     assert runtime_refusals(strategy, BALANCE_OPTIONS, TINY_MOE) == [
         "experts with tp=2 need sequence_parallel: Megatron-Core's MoE layer refuses to train under tensor "
@@ -930,6 +928,7 @@ def test_megatron_search_never_ranks_experts_under_tensor_parallelism_without_se
     dense = get_preset("llama-3.1-8b")
     assert not dense.is_moe and runtime_refusals(strategy, BALANCE_OPTIONS, dense) == []
     assert runtime_refusals(strategy, MemoryOptions(), TINY_MOE) == []
+
 
 def test_megatron_search_never_ranks_ulysses_with_an_odd_half_chunk():
     """Megatron runs Ulysses as --cp-comm-type a2a: its batch is cut into 2·cp chunks as for the
