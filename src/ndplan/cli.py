@@ -516,7 +516,8 @@ def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, devic
     return emit(model, strategy, fmt, options.overlap or default_overlap(device.runtime), loss_upcast=options.loss_upcast,
                 attention=options.attention, selective_policy=options.selective_policy,
                 grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel,
-                moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance)
+                moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance,
+                moe_dispatcher=options.moe_dispatcher if fmt == "megatron" else "alltoall")
 
 
 def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:
@@ -604,6 +605,7 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
         out = {name: getattr(opts, name) for name in ("runtime", "loss_upcast", "attention")}
         if run_model.is_moe:
             out["grouped_gemm"] = opts.grouped_gemm
+            out["moe_dispatcher"] = opts.moe_dispatcher
         if written.tp > 1:  # a vocabulary-parallel loss shards over TP only
             out["loss_parallel"] = opts.profile.loss_parallel if opts.loss_parallel is None else opts.loss_parallel
         if written.recompute == "selective":  # the policy prices nothing else

@@ -289,4 +289,5 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         census=census, overlap=parse_overlap(overlap),
         grouped_gemm=stated.get("grouped_gemm", True),
         selective_policy=policy,
+        moe_dispatcher=stated.get("moe_dispatcher", "alltoall") if runtime == "megatron" else "alltoall",
     )
