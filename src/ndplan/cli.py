@@ -254,8 +254,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         + (f", exposed offload copies {host_copies:.3f} s" if strategy.offload_modules else "")
         + f", optimizer {timing.breakdown['optimizer']:.3f} s"
     )
-    console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}",
-                  markup=False)
+    console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
+                  + _dispatcher_note(options, model), markup=False)
     _print_kernels(options)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
@@ -502,6 +502,13 @@ def _runtime_note(options: Any, fmt: str) -> str | None:
         return None
     return (f"priced for the {options.runtime} runtime; {fmt}'s settings read back under the {theirs} runtime "
             f"(add --runtime {theirs} to price what they run)")
+
+
+def _dispatcher_note(options: Any, model: Any) -> str:
+    """What the overlap line adds where Megatron's allgather token dispatcher is priced."""
+    if options.moe_dispatcher != "allgather" or not model.is_moe:
+        return ""
+    return "; token dispatcher allgather (all-gather + reduce-scatter over etp×ep, not the all-to-all)"
 
 
 def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any) -> str:
@@ -965,7 +972,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.precision is None and args.emit:
         console.print(f"candidates priced in {precision.name}, the precision {args.emit} writes (--precision to choose)")
     console.print(f"step times with overlap {'as given' if options.overlap else 'defaults (set with --overlap)'}: "
-                  f"{overlap.describe()}", markup=False)
+                  f"{overlap.describe()}" + _dispatcher_note(options, model), markup=False)
     _print_kernels(options)
     if data.get("emitted"):
         whose = "the winner" if data.get("emitted_rank") in (1, 0) else f"#{data['emitted_rank']}"
@@ -1430,6 +1437,11 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                        help="what communication hides (step time): a preset (megatron, megatron-tp-overlap, torchtitan, "
                             "deepspeed, plain) and/or switches, e.g. 'tp=on,ep=on,ep_dispatch=node_dedup' "
                             "(default: the runtime's defaults, or what a --from config states)")
+    group.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
+                       help="Megatron-Core's token dispatcher (megatron runtime): alltoall sends the routed copies; "
+                            "allgather gathers every token of the expert-TP x EP group into a persistent buffer and "
+                            "reduce-scatters the experts' output in fp32 (default: alltoall, or what a --from "
+                            "Megatron launch runs: allgather where it states no --moe-token-dispatcher-type)")
     group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
                        help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
                             "(replaces --moe-imbalance for memory)")
