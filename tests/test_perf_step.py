@@ -1434,3 +1434,22 @@ def test_allgather_dispatcher_moves_every_token_of_the_group_whatever_the_routin
     sizes = (g * e, g * e * 4, g * h * 2, g * h * 4, g * h * 4, g * h * 2, g * e * 4)
     assert gather == pytest.approx(2 * sum(float(all_gather_s(float(s), 8.0, link)) for s in sizes))
     assert gather > 2.5 * a2a
+
+
+def test_allgather_dispatcher_combine_moves_the_gathered_rows_in_fp32():
+    """T = 256 tokens a rank (tp 1), ep 8: the allgather combine zero-fills the G = 256·8 = 2,048
+    gathered rows (2 B an element), casts them to fp32 (read 2, write 4) and the rank's 256 rows
+    back (read 4, write 2): 2,048·1,024·8 + 256·1,024·6 bytes more than without, and the
+    all-to-all's chunk sort is not run (layer.py passes 0 for it under allgather)."""
+    from ndplan.perf.flops import Sharding
+    from ndplan.perf.memory_ops import layer_bytes
+
+    sh = Sharding(1.0, 256.0, ep=8.0)
+    plain, _ = layer_bytes(TINY_MOE, sh, 0.0, "moe", 2.0)
+    gathered, _ = layer_bytes(TINY_MOE, sh, 0.0, "moe", 2.0, 0.0, 1.0)
+    assert gathered - plain == 2048 * 1024 * 8 + 256 * 1024 * 6
+    # in the step: a GPU-bound layer (8 sequences of 4,096 a micro-batch) computes longer
+    strategy = Strategy(dp=8, ep=8, seq_length=4096, micro_batch_size=8, global_batch_size=64)
+    compute = {d: estimate_time(TINY_MOE, strategy, _cluster(8), software={"moe_dispatcher": d}).breakdown["compute"]
+               for d in ("alltoall", "allgather")}
+    assert compute["allgather"] > compute["alltoall"]

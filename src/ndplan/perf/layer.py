@@ -739,7 +739,10 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, gemms))
     attn_f, attn_b = attention_core_seconds(ctx, bsh, kind, full_attention, calls=ring_steps(bc))
     sort = _chunk_sort(ctx, bc) if kind == "moe" else 0.0
-    ew_bytes, ew_rc_bytes = layer_bytes(model, bsh, bc["sequence_parallel"], kind, beta, sort)
+    gathers: Array | float = 0.0
+    if kind == "moe" and eff.moe_dispatcher == "allgather":
+        gathers = np.where(bc["etp"] * bc["ep"] > 1, 1.0, 0.0)
+    ew_bytes, ew_rc_bytes = layer_bytes(model, bsh, bc["sequence_parallel"], kind, beta, sort, gathers)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
     overhead = eff.layer_overhead_s
