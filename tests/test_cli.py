@@ -1179,3 +1179,32 @@ def test_search_emit_torchtitan_skips_what_its_parallel_dims_refuse(capsys):
     assert _torchtitan_refuses("[training]\nseq_len = 4096\n" + fsdp, 16) == ""
     assert "supports 1 or tensor_parallel_degree" in _torchtitan_refuses(
         fsdp.replace("expert_tensor_parallel_degree = 4", "expert_tensor_parallel_degree = 2"), 16)
+
+
+def test_moe_dispatcher_flag_and_a_megatron_launch_without_one(tmp_path, capsys):
+    """A Megatron launch that states no --moe-token-dispatcher-type runs the allgather dispatcher
+    (priced so: its 8 MiB global buffer and its fp32 combine raise the peak of the golden
+    8experts2parallel layout, 3,018.4 MiB allocated against 2,988.1 as all-to-all);
+    --moe-dispatcher overrides it, and another runtime, which has no such dispatcher, refuses it."""
+    path = tmp_path / "launch.sh"
+    path.write_text("torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers 12 --hidden-size 512 "
+                    "--num-attention-heads 8 --micro-batch-size 4 --global-batch-size 32 --seq-length 1024 "
+                    "--max-position-embeddings 1024 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+                    "--moe-grouped-gemm --disable-bias-linear --sequence-parallel --num-experts 8 --moe-router-topk 1 "
+                    "--bf16 --tokenizer-type GPT2BPETokenizer\n")
+    base = ["estimate", "--from", str(path), "--hardware", "h100-sxm", "--devices", "8"]
+
+    def stage(*extra):
+        code, out, _ = run([*base, *extra, "--json"], capsys)
+        assert code == 0
+        return json.loads(out)["stages"][0]
+
+    gathered, plain = stage(), stage("--moe-dispatcher", "alltoall")
+    # buffer G·h·2 = 8 MiB and working set G·h·6 + r·h·4 = 28 MiB against the all-to-all's 8 MiB
+    assert gathered["comm_bytes"] - plain["comm_bytes"] == 28 * 2**20
+    code, out, _ = run([*base], capsys)
+    assert "token dispatcher allgather" in out
+    code, out, _ = run([*base, "--runtime", "pytorch"], capsys)  # priced as its own, the all-to-all's
+    assert code == 0 and "token dispatcher allgather" not in out
+    code, _, err = run([*base, "--runtime", "pytorch", "--moe-dispatcher", "allgather"], capsys)
+    assert code == 2 and "states no such dispatcher" in err

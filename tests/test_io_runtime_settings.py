@@ -163,3 +163,29 @@ def test_a_priced_routing_imbalance_is_stated_in_the_emitted_file(fmt: str, tmp_
     path = tmp_path / {"megatron": "train.sh", "torchtitan": "job.toml"}.get(fmt, "job.yaml")
     path.write_text(text)
     assert read_config(path, model=model).strategy(8).ep == 8  # still reads as the same launch
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_megatron_token_dispatcher_is_written_and_read_back(dispatcher: str, tmp_path: Path) -> None:
+    """--emit megatron writes the dispatcher priced (MemoryOptions.moe_dispatcher), for every MoE
+    model: a launch without --moe-token-dispatcher-type runs Megatron's default, allgather, which
+    the reader prices so (it was priced as the all-to-all's buffers, the golden
+    gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel -5.4%, -4.0% as allgather)."""
+    from ndplan.perf import OverlapConfig
+
+    moe = get_preset("qwen3-30b-a3b")
+    for strategy in (Strategy(dp=4, tp=2, sequence_parallel=True, ep=8, etp=1, num_micro_batches=2),
+                     Strategy(dp=8, num_micro_batches=2)):  # ep 1: written too
+        text = emit(moe, strategy, "megatron", OverlapConfig(), moe_dispatcher=dispatcher)
+        assert f"--moe-token-dispatcher-type {dispatcher}" in text
+        path = tmp_path / "launch.sh"
+        path.write_text(text)
+        read = read_config(path, model=moe, fmt="megatron")
+        assert read.runtime_settings.get("moe_dispatcher", "alltoall") == dispatcher
+    unstated = "torchrun --nproc-per-node 8 pretrain_gpt.py --num-experts 8 --expert-model-parallel-size 2 --bf16\n"
+    path.write_text(unstated)
+    assert read_config(path, model=moe, fmt="megatron", devices=8).runtime_settings["moe_dispatcher"] == "allgather"
+    flex = unstated.replace("--bf16", "--bf16 --moe-token-dispatcher-type flex")
+    path.write_text(flex)
+    settings = read_config(path, model=moe, fmt="megatron", devices=8).runtime_settings
+    assert "moe_dispatcher" not in settings and settings["overlap"]["ep_dispatch"] == "node_dedup"

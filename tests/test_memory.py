@@ -1174,3 +1174,43 @@ def test_new_expert_gradient_beside_the_kept_one_takes_the_ranks_routed_tokens(e
     strategy = Strategy(seq_length=1024, tp=2, ep=2, etp=etp, sequence_parallel=True, dp=2, num_micro_batches=2, pp=2)
     first = estimate(model, strategy, options=NO_OVERHEAD).stages[0]
     assert first.transient_bytes == weights + 1024 * 2 * 2 * 512 * 2 / 2
+
+
+# Megatron's allgather token dispatcher (MemoryOptions.moe_dispatcher): a tiny MoE layer by hand.
+ALLGATHER_MOE = ModelSpec(name="ag-moe", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                          num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=8, num_experts_per_tok=2,
+                          moe_ffn_hidden_size=32, layer_mlp_kinds=("moe", "moe"))
+
+
+def test_allgather_dispatcher_buffers_and_kept_tensors_by_hand():
+    """tp 2 with SP, ep 2, etp 2, one micro-batch of 16 tokens, h 64, 8 experts, top-2. A rank
+    routes its own r = 16/2 = 8 tokens; the dispatcher gathers G = r·etp·ep = 32 over the
+    expert-TP x EP group:
+      persistent global buffer   G·h·2                       =  4,096 B (comm, for the run)
+      combine working set        G·h·(2 + 4) + r·h·4         = 14,336 B (bf16 un-permuted, its fp32
+                                 cast, the fp32 reduce-scatter output), against the all-to-all's
+                                 2·16·k·h·2 = 8,192 B (both above the SP gather's 16·h·2 = 2,048)
+      kept per layer: the gathered fp32 probabilities of the 4 local experts 4·G·4 = 512 B, their
+      bool mask 4·G = 128 B, the int64 source row of each local copy G·k/2·8 = 256 B: 896 B."""
+    strategy = Strategy(dp=2, tp=2, sequence_parallel=True, ep=2, etp=2, seq_length=16, global_batch_size=2)
+    plain = estimate(ALLGATHER_MOE, strategy, options=MemoryOptions(runtime="megatron", include_overhead=False))
+    gathered = estimate(ALLGATHER_MOE, strategy, options=MemoryOptions(runtime="megatron", include_overhead=False,
+                                                                       moe_dispatcher="allgather"))
+    a, g = plain.stages[0], gathered.stages[0]
+    assert a.comm_bytes == 8192
+    assert g.comm_bytes == 14336 + 4096
+    assert g.activations_bytes - a.activations_bytes == 2 * 896
+    assert g.activations_by_kind["moe"] - a.activations_by_kind["moe"] == 2 * 896
+    # the buffer stays through the optimizer step
+    assert g.optimizer_step_bytes - a.optimizer_step_bytes == 4096
+
+
+def test_allgather_dispatcher_is_megatron_and_not_node_dedup():
+    from ndplan.perf import OverlapConfig
+
+    with pytest.raises(NdplanError, match="allgather"):
+        MemoryOptions(moe_dispatcher="allgather")  # the pytorch profile has no such dispatcher
+    with pytest.raises(NdplanError, match="node_dedup"):
+        MemoryOptions(runtime="megatron", moe_dispatcher="allgather", overlap=OverlapConfig(ep_dispatch="node_dedup"))
+    with pytest.raises(NdplanError, match="moe_dispatcher must be one of"):
+        MemoryOptions(runtime="megatron", moe_dispatcher="flex")  # type: ignore[arg-type]

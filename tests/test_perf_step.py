@@ -1405,3 +1405,51 @@ def test_flash_backward_counts_its_five_products_with_their_own_head_widths():
                            default_overlap("cuda"), batch.precision)
         forward, backward = attention_core_seconds(ctx, Sharding(1.0, 4096.0))
         assert backward / forward == pytest.approx(factor, rel=1e-12), model.name
+
+
+def test_allgather_dispatcher_moves_every_token_of_the_group_whatever_the_routing():
+    """Megatron's allgather dispatcher (software moe_dispatcher): tp 1, ep 8, etp 1 on one NVLink
+    node, 4,096 tokens a rank. It gathers G = 4,096·8 tokens: forward the routing map (G·E
+    bytes), the fp32 probabilities (G·E·4), the hidden states (G·h·2) and the combine's fp32
+    reduce-scatter (G·h·4); backward G·h·4 + G·h·2 + G·E·4: every ring moves (n-1)/n of its
+    buffer. Against the all-to-all's 2·(n-1)/n·4,096·k·h·2 each way, with k = 4 of 16 experts the
+    gather moves G·h·6 / (4,096·k·h·4) = 8·6/16 = 3x the hidden bytes, and none of it scales
+    with the busiest rank's routed tokens (moe_imbalance) as the all-to-all does."""
+    from ndplan.perf.collectives import all_gather_s
+    from ndplan.perf.topology import Fabric, group_link
+
+    cluster = _cluster(8)
+    strategy = Strategy(dp=8, ep=8, seq_length=4096, global_batch_size=8)
+    overlap = OverlapConfig(ep=False)
+
+    def ep_seconds(**software):
+        return estimate_time(TINY_MOE, strategy, cluster, overlap=overlap, software=software).breakdown["comm_exposed"]["ep"]
+
+    gather, a2a = ep_seconds(moe_dispatcher="allgather"), ep_seconds()
+    assert ep_seconds(moe_dispatcher="allgather", moe_imbalance=1.5) == pytest.approx(gather)
+    assert ep_seconds(moe_imbalance=1.5) == pytest.approx(1.5 * a2a)
+    # by hand: seven ring collectives per layer of 2 layers, each (n-1)·latency + (n-1)/n·S/bw
+    link = group_link(8.0, 1.0, Fabric.of(cluster, default_efficiency(cluster.device)), "ring")
+    g, h, e = 4096 * 8, 1024, 16
+    sizes = (g * e, g * e * 4, g * h * 2, g * h * 4, g * h * 4, g * h * 2, g * e * 4)
+    assert gather == pytest.approx(2 * sum(float(all_gather_s(float(s), 8.0, link)) for s in sizes))
+    assert gather > 2.5 * a2a
+
+
+def test_allgather_dispatcher_combine_moves_the_gathered_rows_in_fp32():
+    """T = 256 tokens a rank (tp 1), ep 8: the allgather combine zero-fills the G = 256·8 = 2,048
+    gathered rows (2 B an element), casts them to fp32 (read 2, write 4) and the rank's 256 rows
+    back (read 4, write 2): 2,048·1,024·8 + 256·1,024·6 bytes more than without, and the
+    all-to-all's chunk sort is not run (layer.py passes 0 for it under allgather)."""
+    from ndplan.perf.flops import Sharding
+    from ndplan.perf.memory_ops import layer_bytes
+
+    sh = Sharding(1.0, 256.0, ep=8.0)
+    plain, _ = layer_bytes(TINY_MOE, sh, 0.0, "moe", 2.0)
+    gathered, _ = layer_bytes(TINY_MOE, sh, 0.0, "moe", 2.0, 0.0, 1.0)
+    assert gathered - plain == 2048 * 1024 * 8 + 256 * 1024 * 6
+    # in the step: a GPU-bound layer (8 sequences of 4,096 a micro-batch) computes longer
+    strategy = Strategy(dp=8, ep=8, seq_length=4096, micro_batch_size=8, global_batch_size=64)
+    compute = {d: estimate_time(TINY_MOE, strategy, _cluster(8), software={"moe_dispatcher": d}).breakdown["compute"]
+               for d in ("alltoall", "allgather")}
+    assert compute["allgather"] > compute["alltoall"]

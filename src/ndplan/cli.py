@@ -254,8 +254,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         + (f", exposed offload copies {host_copies:.3f} s" if strategy.offload_modules else "")
         + f", optimizer {timing.breakdown['optimizer']:.3f} s"
     )
-    console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}",
-                  markup=False)
+    console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
+                  + _dispatcher_note(options, model), markup=False)
     _print_kernels(options)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
@@ -504,6 +504,13 @@ def _runtime_note(options: Any, fmt: str) -> str | None:
             f"(add --runtime {theirs} to price what they run)")
 
 
+def _dispatcher_note(options: Any, model: Any) -> str:
+    """What the overlap line adds where Megatron's allgather token dispatcher is priced."""
+    if options.moe_dispatcher != "allgather" or not model.is_moe:
+        return ""
+    return "; token dispatcher allgather (all-gather + reduce-scatter over etp×ep, not the all-to-all)"
+
+
 def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any) -> str:
     """``fmt``'s settings for ``strategy`` as the options priced it: their overlap (else the
     device runtime's defaults), loss (its dtype, and vocabulary-parallel or not: the option, else
@@ -516,7 +523,8 @@ def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, devic
     return emit(model, strategy, fmt, options.overlap or default_overlap(device.runtime), loss_upcast=options.loss_upcast,
                 attention=options.attention, selective_policy=options.selective_policy,
                 grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel,
-                moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance)
+                moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance,
+                moe_dispatcher=options.moe_dispatcher if fmt == "megatron" else "alltoall")
 
 
 def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:
@@ -604,6 +612,7 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
         out = {name: getattr(opts, name) for name in ("runtime", "loss_upcast", "attention")}
         if run_model.is_moe:
             out["grouped_gemm"] = opts.grouped_gemm
+            out["moe_dispatcher"] = opts.moe_dispatcher
         if written.tp > 1:  # a vocabulary-parallel loss shards over TP only
             out["loss_parallel"] = opts.profile.loss_parallel if opts.loss_parallel is None else opts.loss_parallel
         if written.recompute == "selective":  # the policy prices nothing else
@@ -963,7 +972,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.precision is None and args.emit:
         console.print(f"candidates priced in {precision.name}, the precision {args.emit} writes (--precision to choose)")
     console.print(f"step times with overlap {'as given' if options.overlap else 'defaults (set with --overlap)'}: "
-                  f"{overlap.describe()}", markup=False)
+                  f"{overlap.describe()}" + _dispatcher_note(options, model), markup=False)
     _print_kernels(options)
     if data.get("emitted"):
         whose = "the winner" if data.get("emitted_rank") in (1, 0) else f"#{data['emitted_rank']}"
@@ -1428,6 +1437,11 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                        help="what communication hides (step time): a preset (megatron, megatron-tp-overlap, torchtitan, "
                             "deepspeed, plain) and/or switches, e.g. 'tp=on,ep=on,ep_dispatch=node_dedup' "
                             "(default: the runtime's defaults, or what a --from config states)")
+    group.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
+                       help="Megatron-Core's token dispatcher (megatron runtime): alltoall sends the routed copies; "
+                            "allgather gathers every token of the expert-TP x EP group into a persistent buffer and "
+                            "reduce-scatters the experts' output in fp32 (default: alltoall, or what a --from "
+                            "Megatron launch runs: allgather where it states no --moe-token-dispatcher-type)")
     group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
                        help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
                             "(replaces --moe-imbalance for memory)")

@@ -289,4 +289,19 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         census=census, overlap=parse_overlap(overlap),
         grouped_gemm=stated.get("grouped_gemm", True),
         selective_policy=policy,
+        moe_dispatcher=_moe_dispatcher(args, stated, runtime),
     )
+
+
+def _moe_dispatcher(args: argparse.Namespace, stated: dict[str, Any], runtime: str) -> Any:
+    """The token dispatcher to price: --moe-dispatcher; else what a --from launch runs (a
+    Megatron launch's --moe-token-dispatcher-type, allgather where it states none) where the
+    runtime prices that dispatcher (another --runtime prices its own, the all-to-all's); else
+    alltoall."""
+    from ndplan.memory.profile import get_profile
+
+    flag = getattr(args, "moe_dispatcher", None)
+    if flag is not None:
+        return flag  # (MemoryOptions checks the value)
+    launch = stated.get("moe_dispatcher", "alltoall")
+    return launch if "moe_allgather" in get_profile(runtime).blocks else "alltoall"

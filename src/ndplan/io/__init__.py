@@ -158,7 +158,8 @@ def _normalise(result: ReadResult) -> None:
 def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | ModelSpec | None, fmt: str,
          overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash",
          selective_policy: str | None = None, grouped_gemm: bool = True, loss_parallel: bool | None = None,
-         moe_capacity_factor: float | None = None, moe_imbalance: float = 1.0) -> str:
+         moe_capacity_factor: float | None = None, moe_imbalance: float = 1.0,
+         moe_dispatcher: str = "alltoall") -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
@@ -179,6 +180,8 @@ def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | M
     ``--moe-expert-capacity-factor``; the other formats' headers say it is left out.
     ``moe_imbalance`` (the busiest rank's routed tokens over balanced routing, a pricing
     assumption no framework sets) is stated in a comment where it is not 1.
+    ``moe_dispatcher`` (Megatron-Core's token dispatcher priced: alltoall or allgather) becomes
+    ``--moe-token-dispatcher-type``; the other formats have no such setting.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -200,7 +203,7 @@ def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | M
 
         text = emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast, attention=attention,
                              grouped_gemm=grouped_gemm, loss_parallel=loss_parallel,
-                             moe_capacity_factor=moe_capacity_factor)
+                             moe_capacity_factor=moe_capacity_factor, moe_dispatcher=moe_dispatcher)
         shebang, _, rest = text.partition("\n")  # the comment below the #! line
         return f"{shebang}\n{imbalance}{rest}" if imbalance else text
     text = imbalance + _emitters()[fmt](model, strategy, attention=attention, loss_parallel=loss_parallel)

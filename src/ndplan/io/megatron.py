@@ -44,6 +44,8 @@ _CP_ALGOS = {  # MindSpeed --context-parallel-algo
     "hybrid_adaptive_cp_algo": "hybrid", "adaptive_cp_algo": "ring",
     "kvallgather_cp_algo": "ring",  # all-gathers K/V: priced as ring's traffic, a warning says so
 }
+#: Megatron-Core's --moe-token-dispatcher-type values (alltoall_seq: its older all-to-all).
+_DISPATCHERS = ("allgather", "alltoall", "flex", "alltoall_seq")
 _CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "ring", "a2a+p2p": "hybrid"}
 #: Flags that only MindSpeed / MindSpeed-LLM define (Megatron-LM's parser rejects them): a script
 #: that sets any of them runs on MindSpeed, whose attention rules differ (``_unfused_attention``).
@@ -141,6 +143,13 @@ def interpret(
     # fact of the launch, stated as the attention kernel and the loss dtype are, so that another
     # --runtime prices the loss Megatron runs.
     runtime_settings: dict[str, Any] = {"overlap": overlap, "runtime": "megatron", "loss_parallel": True}
+    # Megatron's token dispatcher, priced as it runs: allgather where none is stated (its default)
+    dispatcher = args.get("--moe-token-dispatcher-type")
+    kind = dispatcher.values[0] if dispatcher is not None and dispatcher.values else "allgather"
+    if kind not in _DISPATCHERS:
+        raise args.error("--moe-token-dispatcher-type", f"unknown dispatcher {kind!r}; known: {', '.join(_DISPATCHERS)}")
+    if model is not None and model.is_moe and kind == "allgather" and not args.has("--moe-enable-deepep"):
+        runtime_settings["moe_dispatcher"] = "allgather"
     # Transformer Engine's cross-entropy works on the bf16 logits (no fp32 copy); Megatron's own
     # (native, or unfused) upcasts them.
     fusion_impl = args.text("--cross-entropy-fusion-impl", default="native")
@@ -252,8 +261,9 @@ def _overlap(args: Args, notes: list[str], warnings: list[str]) -> dict[str, Any
         name = backend.values[0] if backend is not None and backend.values else "deepep"
         notes.append(f"expert dispatch: {name} (flex dispatcher), one network copy per destination node")
     elif kind == "allgather" and args.has("--num-experts"):
-        notes.append("--moe-token-dispatcher-type allgather (Megatron's default) is priced as the all-to-all "
-                     "dispatcher's traffic")
+        notes.append("--moe-token-dispatcher-type allgather" + ("" if dispatcher is not None else " (Megatron's default)")
+                     + ": every token of the expert-TP x EP group gathered into a persistent buffer, the experts' output "
+                     "reduce-scattered in fp32")
     hidden = [name for name, on in overlap.items() if on is True]
     notes.append(f"overlap from the flags: {', '.join(hidden) or 'none'} (the step time's switches; --overlap overrides)")
     return overlap

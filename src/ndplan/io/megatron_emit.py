@@ -390,14 +390,15 @@ def _ep_overlap_refusal(s: Strategy, model: ModelSpec | None, written: dict[str,
     return None
 
 
-def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str], written: Flags) -> Flags:
+def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str], written: Flags,
+             moe_dispatcher: str = "alltoall") -> Flags:
     """Megatron's flags for what ``overlap`` (``ndplan.perf.OverlapConfig``) hides, where the
     strategy has that communication (the reader maps them back: ``megatron._overlap``), and
     where validate_args lets them run: --overlap-param-gather needs --overlap-grad-reduce and the
     distributed optimizer or Megatron-FSDP (torch FSDP2 prefetches on its own), --tp-comm-overlap
     needs --sequence-parallel."""
     if overlap is None:
-        return []
+        return [("--moe-token-dispatcher-type", moe_dispatcher)] if model is not None and model.is_moe else []
     flags: Flags = []
     if overlap.dp_grad_reduce and s.dp * s.cp > 1:
         flags.append(("--overlap-grad-reduce", None))
@@ -423,14 +424,19 @@ def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str]
                             "--overlap-moe-expert-parallel-comm there)")
         if overlap.ep_dispatch == "node_dedup":
             flags += [("--moe-token-dispatcher-type", "flex"), ("--moe-flex-dispatcher-backend", "deepep")]
+        elif moe_dispatcher == "allgather":
+            flags.append(("--moe-token-dispatcher-type", "allgather"))
         else:
             flags.append(("--moe-token-dispatcher-type", "alltoall"))
+    elif model is not None and model.is_moe:
+        # (stated: a launch without the flag runs Megatron's default, the allgather dispatcher)
+        flags.append(("--moe-token-dispatcher-type", moe_dispatcher))
     return flags
 
 
 def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None, *, loss_upcast: bool = True,
                   attention: str = "flash", grouped_gemm: bool = True, loss_parallel: bool | None = None,
-                  moe_capacity_factor: float | None = None) -> str:
+                  moe_capacity_factor: float | None = None, moe_dispatcher: str = "alltoall") -> str:
     """A bash launch for the strategy; the model's architecture flags too when a model is given;
     ``overlap``'s switches as Megatron's overlap flags (``_overlap``); without ``loss_upcast``
     Transformer Engine's cross-entropy, which works on the bf16 logits; eager ``attention`` as TE's
@@ -439,7 +445,10 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     Megatron's cross-entropy is always vocabulary-parallel: ``loss_parallel`` False under TP (the
     loss priced on whole logits) is said in the header. ``moe_capacity_factor`` (token dropping,
     priced as every expert's buffer padded to capacity) becomes ``--moe-expert-capacity-factor``
-    with ``--moe-pad-expert-input-to-capacity``."""
+    with ``--moe-pad-expert-input-to-capacity``. ``moe_dispatcher`` (the token dispatcher priced,
+    ``MemoryOptions.moe_dispatcher``) becomes ``--moe-token-dispatcher-type``, written for every
+    MoE model (a launch without it runs Megatron's default, allgather); the flex dispatcher where
+    ``overlap`` sends node-deduplicated (DeepEP)."""
     lost: list[str] = []
     s = strategy
     if loss_parallel is False and s.tp > 1:
@@ -486,7 +495,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         # A launch with MindSpeed's flags (DualPipeV, no-op layers) runs on MindSpeed, whose
         # attention is fused only with --use-flash-attn (the reader reads it so too).
         memory.append(("--use-flash-attn", None))
-    overlap_flags = _overlap(s, model, overlap, lost, parallel + memory)
+    overlap_flags = _overlap(s, model, overlap, lost, parallel + memory, moe_dispatcher)
     batch: Flags = [("--micro-batch-size", s.micro_batch_size), ("--global-batch-size", s.global_batch_size),
                     ("--seq-length", s.seq_length)]
     world = s.world_size

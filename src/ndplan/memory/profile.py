@@ -29,7 +29,10 @@ from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, SCHEDUL
 #: shard under SP and the expert-TP group gathers what it routed (Megatron-Core's dispatchers):
 #: a rank's experts see s·etp/tp routed copies, so a copy of full width (h) divides by tp/etp and
 #: an etp-split width (the expert's ffn) by tp; without SP, as ``none`` and ``etp``.
-SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "expert_tokens", "expert_width", "vocab", "none")
+#: ``gathered``: the tokens Megatron's allgather dispatcher gathers over the expert-TP x EP group,
+#: of which a rank keeps what concerns its own E/ep experts: per expert, etp/tp of the sequence's
+#: tokens where each rank routes its own shard (under SP, or without TP), whatever the routing.
+SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "expert_tokens", "expert_width", "gathered", "vocab", "none")
 #: libyaml's safe loader where PyYAML was built with it (the shipped profile parses ~10x faster,
 #: which is most of ``ndplan estimate``'s start-up), else the pure-Python one. Both are safe.
 _SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -40,7 +43,7 @@ BLOCKS: tuple[str, ...] = (
     "norm", "attention", "attention_mla", "eager_scores", "sdpa_masked", "sdpa_math", "eager_backward_extra",
     "sdpa_math_backward_extra", "softmax_backward_product", "mlp", "moe", "layer_input", "embedding",
     "output", "output_transient", "backward_extra", "moe_backward_extra", "output_backward_extra",
-    "weight_grad_outputs", "moe_weight_grad_outputs",
+    "weight_grad_outputs", "moe_weight_grad_outputs", "moe_allgather",
 )
 
 
@@ -458,13 +461,14 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
 def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_bytes: int,
                        recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = (),
                        fp8: bool = False, loss_upcast: bool = True,
-                       selective_policy: str | None = None) -> dict[str, BlockBytes]:
+                       selective_policy: str | None = None, moe_dispatcher: str = "alltoall") -> dict[str, BlockBytes]:
     """Every block of the profile, evaluated for ``model`` (cached per model and profile); the
     bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``,
     the bytes moved to the host (``BlockBytes.offloaded``) those of ``offload_modules``; with
     ``fp8`` (the GEMMs run in fp8) an entry's ``fp8_bytes`` replace its width, without
     ``loss_upcast`` its ``no_upcast_bytes``; ``selective_policy`` 'torchtitan-op' keeps the
-    entries' ``op_keep`` where they state one."""
+    entries' ``op_keep`` where they state one. ``moe_dispatcher`` 'allgather' adds the
+    ``moe_allgather`` block's tensors (what Megatron's allgather dispatcher keeps) to ``moe``'s."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
@@ -472,6 +476,9 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
         raise NdplanError(f"offload modules ({' '.join(offload_modules)}) are Megatron-Core's fine-grained activation "
                           f"offloading; runtime '{profile.name}' has no such feature (use runtime megatron)")
     symbols = model_symbols(model)
+    blocks = dict(profile.blocks)
+    if moe_dispatcher == "allgather":
+        blocks["moe"] = blocks.get("moe", ()) + blocks.get("moe_allgather", ())
     return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8, loss_upcast,
                                 selective_policy)
-            for block, entries in profile.blocks.items()}
+            for block, entries in blocks.items()}

@@ -213,6 +213,15 @@ class MemoryReport:
             return ""
         return f" + DDP's reducer buckets (elements × {width:g} B, a copy of the gradients, kept)"
 
+    def _allgather_term(self) -> str:
+        """The comm line's terms of Megatron's allgather token dispatcher, where it is priced."""
+        s = self.strategy
+        if self.options.moe_dispatcher != "allgather" or not self.model.is_moe or s.etp * s.ep == 1:
+            return ""
+        return (f"; EP dispatch is the allgather dispatcher's: the G = (b·s/c)/t·etp·ep tokens of the etp×ep "
+                f"group un-permuted, cast to fp32 and reduce-scattered, G·h·({s.precision.activation_bytes:g}+4) + "
+                f"(b·s/c)/t·h·4, and its persistent global buffer G·h·{s.precision.activation_bytes:g}, kept")
+
     def _deferred_fsdp_reduce(self) -> bool:
         """Whether the runtime holds unsharded gradients to the step's end (FSDP under a pipeline
         of several virtual stages, as ``stages`` prices it)."""
@@ -264,7 +273,7 @@ class MemoryReport:
         lines += [
             "comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
             "unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
-            "EP dispatch)" + self._ddp_bucket_term() + f" = {format_bytes(stage.comm_bytes)}",
+            "EP dispatch)" + self._ddp_bucket_term() + self._allgather_term() + f" = {format_bytes(stage.comm_bytes)}",
             f"transient  = the worst working set beside them: one layer's backward (+ recompute rebuild; "
             f"where the s² scores are materialised, eager or SDPA's math path, its attention backward: the "
             f"probabilities' gradient, softmax's gradient and CUDA's temporary product), the "

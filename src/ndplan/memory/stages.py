@@ -62,6 +62,10 @@ if TYPE_CHECKING:
     from ndplan.perf.overlap import OverlapConfig
 
 Attention = Literal["flash", "sdpa", "eager"]
+#: Megatron-Core's token dispatchers (``--moe-token-dispatcher-type``) as memory and time price
+#: them: 'alltoall' (also what the flex dispatcher, DeepEP/HybridEP, is priced as; its network
+#: copies follow ``OverlapConfig.ep_dispatch``) and 'allgather' (Megatron's default).
+MoeDispatcher = Literal["alltoall", "allgather"]
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
 STATIC_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "output", "mtp")
 #: ``pipeline``: the stage inputs and outputs a pipeline runtime keeps per micro-batch until its
@@ -116,6 +120,14 @@ class MemoryOptions:
     ``selective_policy`` says what selective recompute keeps where the runtime can run more than
     its own policy (None: the profile's): 'torchtitan-op' is torchtitan's per-op checkpointing
     (every second matmul rebuilt), for the pytorch profile; memory and step time both follow it.
+    ``moe_dispatcher`` is Megatron-Core's token dispatcher (``--moe-token-dispatcher-type``):
+    'alltoall' (what ``--emit megatron`` writes and the search prices; the flex dispatcher too,
+    with ``overlap.ep_dispatch`` node_dedup) or 'allgather' (Megatron's default where a launch
+    states none): MoEAllGatherTokenDispatcher gathers every token of the expert-TP x EP group
+    into a persistent buffer, keeps the gathered routing probabilities and mask for backward,
+    and returns the experts' output by a reduce-scatter in the probabilities' fp32
+    (``allgather_dispatch_bytes``, the profile's ``moe_allgather`` block); only for runtimes
+    whose profile states that block (megatron).
     """
 
     runtime: str = "pytorch"
@@ -129,6 +141,7 @@ class MemoryOptions:
     overlap: OverlapConfig | None = None
     grouped_gemm: bool = True
     selective_policy: str | None = None
+    moe_dispatcher: MoeDispatcher = "alltoall"
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, str):
@@ -160,6 +173,15 @@ class MemoryOptions:
                 not _is_number(self.moe_capacity_factor) or not 0 < self.moe_capacity_factor <= MAX_MOE_FACTOR):
             raise NdplanError(f"moe_capacity_factor must be a finite number > 0 and <= {MAX_MOE_FACTOR:g}, "
                               f"got {self.moe_capacity_factor!r}")
+        if self.moe_dispatcher not in get_args(MoeDispatcher):
+            raise NdplanError(f"moe_dispatcher must be one of {', '.join(get_args(MoeDispatcher))}, "
+                              f"got {self.moe_dispatcher!r}")
+        if self.moe_dispatcher == "allgather" and "moe_allgather" not in self.profile.blocks:
+            raise NdplanError(f"moe_dispatcher 'allgather' is Megatron-Core's MoEAllGatherTokenDispatcher; runtime "
+                              f"'{self.runtime}' states no such dispatcher (use runtime megatron)")
+        if self.moe_dispatcher == "allgather" and self.overlap is not None and self.overlap.ep_dispatch == "node_dedup":
+            raise NdplanError("moe_dispatcher 'allgather' gathers every token of the expert group; overlap "
+                              "ep_dispatch=node_dedup is the flex dispatcher's (DeepEP, HybridEP): give one or the other")
         allowed = self.profile.selective_policies or (self.profile.selective_policy,)
         if self.selective_policy is not None and self.selective_policy not in allowed:
             raise NdplanError(f"selective_policy {self.selective_policy!r} is not one runtime '{self.runtime}' prices; "
@@ -204,6 +226,7 @@ class MemoryOptions:
         # given, sets it instead (buffers padded to capacity: routed_token_factor), in time too.
         software["moe_imbalance"] = self.moe_imbalance
         software["moe_capacity_factor"] = self.moe_capacity_factor
+        software["moe_dispatcher"] = self.moe_dispatcher
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,
                 "overlap": self.overlap}
 
@@ -481,7 +504,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         policy = profile.selective_policy
     blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload,
                                 fp8=batch.precision.compute_dtype == "fp8", loss_upcast=options.loss_upcast,
-                                selective_policy=policy)
+                                selective_policy=policy, moe_dispatcher=options.moe_dispatcher)
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
@@ -497,6 +520,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         "etp": etp / options.routed_token_factor,
         "expert_tokens": np.where(own_tokens, tp / etp, 1.0) / options.routed_token_factor,
         "expert_width": np.where(own_tokens, tp, etp) / options.routed_token_factor,
+        # (whatever the routing: the allgather dispatcher keeps every gathered token's row)
+        "gathered": np.where(own_tokens, tp / etp, 1.0),
         "vocab": tp if loss_parallel else np.ones_like(tp),
         "none": np.ones_like(tp),
     }
@@ -1870,12 +1895,51 @@ def _exchange_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     sp_gather = tokens * h
     sp_gather *= act_bytes
     sp_gather *= batch.sequence_parallel > 0
+    if options.moe_dispatcher == "allgather":
+        return sp_gather, allgather_dispatch_bytes(model, batch, tokens)[1]
     # All-to-all dispatch and combine buffers exist only across an expert-parallel group.
     ep_buffers = 2 * tokens
     for factor in (model.num_experts_per_tok, h, act_bytes, options.routed_token_factor):
         ep_buffers *= factor
     ep_buffers *= batch.ep > 1
     return sp_gather, ep_buffers
+
+
+#: Bytes per element of the allgather dispatcher's combine: MoEAllGatherTokenDispatcher casts
+#: the un-permuted output to the routing probabilities' dtype before its reduce-scatter
+#: (``hidden_states.to(self.local_probs.dtype)``), fp32 as the profile's router keeps them
+#: (``router_logits``, ``permuted_probs``: 4 bytes), and back to the activation dtype after.
+ALLGATHER_COMBINE_BYTES = 4
+
+
+def allgather_dispatch_bytes(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[n] bytes of Megatron-Core's allgather token dispatcher (MoEAllGatherTokenDispatcher) for
+    ``tokens`` of one op (a micro-batch's, unsharded): (its persistent buffer, its working set).
+
+    A rank routes its own r tokens (tokens / tp under SP, all without TP; ``routes_own_tokens``)
+    and the dispatcher gathers the G = r·etp·ep tokens of the expert-TP x EP group
+    (gather_from_sequence_parallel_region over tp_ep_group), whatever the routing:
+
+    * the gathered hidden states go into Megatron's global memory buffer
+      (``use_global_buffer=True``), allocated at the first MoE layer's forward and kept for
+      the run: G·h·activation bytes, beside every other tensor (static);
+    * the combine un-permutes the experts' output into G rows (G·h·activation bytes), casts
+      them to fp32 (G·h·4) and reduce-scatters that to the r rows of the rank (r·h·4) before
+      the cast back; the backward runs the same shapes mirrored (the gradient's fp32 all-gather
+      into G rows and its cast), so the working set while a layer runs is
+      G·h·(activation bytes + 4) + r·h·4.
+
+    Both are 0 where the group is one rank (etp·ep = 1: no gather)."""
+    act_bytes = batch.precision.activation_bytes
+    h = model.hidden_size
+    tp, etp, ep = batch.tp.astype(float), batch.etp.astype(float), batch.ep.astype(float)
+    own = tokens / np.where(routes_own_tokens(batch.sequence_parallel, tp) & (tp > 1), tp, 1.0)
+    gathered = own * etp * ep
+    group = (etp * ep) > 1
+    persistent = np.where(group, gathered * h * act_bytes, 0.0)
+    working = np.where(group, gathered * h * (act_bytes + ALLGATHER_COMBINE_BYTES) + own * h * ALLGATHER_COMBINE_BYTES,
+                       0.0)
+    return persistent, working
 
 
 def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulysses: Any) -> np.ndarray:
@@ -2369,6 +2433,11 @@ def _evaluate_group(
     # them, as at the step's end); the forward/backward peak counts those handed over by then.
     receive = receive + handed_over
     ddp_buckets = static.at(static.ddp_buckets)
+    if options.moe_dispatcher == "allgather" and model.is_moe:
+        # Megatron's global memory buffer the allgather dispatcher gathers into: kept from the
+        # first MoE layer's forward on, through the optimizer step (on stages with MoE layers).
+        dispatch_buffer = allgather_dispatch_bytes(model, batch, op_tokens)[0][:, None] * (moe_per_stage > 0)
+        ddp_buckets = ddp_buckets + dispatch_buffer
     other_comm = overlapping_with_pp + kept_gathered + receive + ddp_buckets
     out["comm"] = other_comm + fsdp_gathers
     out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0))[sharded_rows]

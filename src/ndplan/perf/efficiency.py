@@ -118,7 +118,10 @@ class EfficiencyProfile(BaseModel):
     balanced share, whatever the routing, so its GEMMs and the all-to-alls that fill and empty
     it (even splits of capacity rows per expert) move that multiple, as the memory option of
     that name holds (``routed_token_factor``). Without padding no more than that comes, but
-    fewer may: an upper bound then, as on the memory side.
+    fewer may: an upper bound then, as on the memory side. ``moe_dispatcher`` is Megatron-Core's
+    token dispatcher, as the memory option of that name: 'alltoall' sends the routed copies
+    over the EP group and all-gathers them over expert TP; 'allgather' gathers every token of
+    the etp x ep group and reduce-scatters the experts' output in fp32 (``layer.py``).
 
     Hidden expert all-to-all still costs compute: its kernels hold ``ep_comm_compute_share`` of
     the GPU's SMs while they run, so the compute they hide under loses that share of the
@@ -183,6 +186,7 @@ class EfficiencyProfile(BaseModel):
     moe_imbalance: float = Field(default=1.0, ge=1.0)
     moe_capacity_factor: float | None = Field(default=None, gt=0.0, le=1024.0,
                                               description="token dropping, padded to capacity (None: dropless)")
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     ep_comm_compute_share: float = Field(default=0.0, ge=0.0, lt=1.0,
                                          description="share of the SMs a hidden expert all-to-all holds")
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
@@ -424,6 +428,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 #: family's default assumes (torch's SDPA ran FlashAttention-2 on Hopper before cuDNN's kernel
 #: became its choice there: about 0.33 of the peak, against cuDNN's 0.55).
 SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "moe_capacity_factor",
+                   "moe_dispatcher",
                    "elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "loss_upcast", "loss_parallel", "attention_efficiency")
 

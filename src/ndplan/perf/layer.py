@@ -393,6 +393,8 @@ def _moe_block_tp_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardin
               * ctx.eff.routed_token_factor)
     x_link = group_link(x, 1.0, ctx.fabric, "ring")
     gather = coll.all_gather_s(routed, x, x_link) + coll.reduce_scatter_s(routed, x, x_link)
+    if ctx.eff.moe_dispatcher == "allgather":
+        gather = 0.0  # its gather spans etp x ep at once: expert-parallel seconds (allgather_dispatch_seconds)
     sharded = sp | (t <= 1)
     return (np.where(sharded, shared + gather, _tp_seconds(ctx, cols, activation, 1.0)),
             np.where(sharded, shared, 0.0))
@@ -496,6 +498,39 @@ def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | 
     inside = nbytes / k * distinct * (g - 1.0) / g / inside_bandwidth(fabric, g)
     latency = (nodes - 1.0) * fabric.scaleout_latency + (g - 1.0) * fabric.scaleup_latency
     return np.where(e > 1, latency + np.maximum(inside, outside), 0.0)
+
+
+#: Bytes per element of the allgather dispatcher's routing probabilities and of its combine
+#: (cast to the probabilities' fp32 before the reduce-scatter; memory.stages.ALLGATHER_COMBINE_BYTES).
+ALLGATHER_PROBS_BYTES = 4.0
+
+
+def allgather_dispatch_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding
+                               ) -> tuple[Array | float, Array | float]:
+    """(forward, backward) seconds of Megatron-Core's allgather token dispatcher
+    (MoEAllGatherTokenDispatcher) in one MoE layer, over the tp_ep group: the etp·ep consecutive
+    ranks of the expert layout (expert TP fastest, then EP), ring collectives.
+
+    Each rank routes its own r = T/t tokens (T: the micro-batch's; Megatron-Core requires SP
+    with TP) and the group's G = r·etp·ep are gathered whatever the routing. Forward: all-gathers
+    of the routing map (G·E bytes, bool), the fp32 probabilities (G·E·4) and the hidden states
+    (G·h, activation dtype), then the combine's reduce-scatter of the un-permuted output cast
+    to fp32 (G·h·4). Backward, each transposed where it carries a gradient: the combine's
+    gradient all-gathered in fp32 (G·h·4), the hidden states' and the probabilities' gradients
+    reduce-scattered (G·h, G·E·4). The expert-TP gather of the all-to-all dispatcher is part of
+    it (``_moe_block_tp_seconds`` leaves it out)."""
+    model, t, x, e = ctx.model, cols["tp"], cols["etp"], cols["ep"]
+    n = x * e
+    link = group_link(n, 1.0, ctx.fabric, "ring")
+    gathered = sh.tokens / np.maximum(t, 1.0) * n
+    hidden = gathered * model.hidden_size
+    scores = gathered * model.num_experts
+    beta = ctx.precision.activation_bytes
+    forward = (coll.all_gather_s(scores, n, link) + coll.all_gather_s(scores * ALLGATHER_PROBS_BYTES, n, link)
+               + coll.all_gather_s(hidden * beta, n, link) + coll.reduce_scatter_s(hidden * ALLGATHER_PROBS_BYTES, n, link))
+    backward = (coll.all_gather_s(hidden * ALLGATHER_PROBS_BYTES, n, link) + coll.reduce_scatter_s(hidden * beta, n, link)
+                + coll.reduce_scatter_s(scores * ALLGATHER_PROBS_BYTES, n, link))
+    return forward, backward
 
 
 def ep_dispatch_bytes(ctx: LayerContext) -> float:
@@ -636,7 +671,7 @@ def _pass_gemm_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[dict[str, 
 def _chunk_sort(ctx: LayerContext, cols: dict[str, Array]) -> Array | float:
     """1 where Megatron's all-to-all dispatcher sorts the received rows by local expert (ep > 1
     and more than one local expert), else 0 (memory_ops.layer_bytes)."""
-    if ctx.overlap.ep_dispatch != "all_to_all":
+    if ctx.overlap.ep_dispatch != "all_to_all" or ctx.eff.moe_dispatcher == "allgather":
         return 0.0
     return np.where((cols["ep"] > 1) & (ctx.model.num_experts > cols["ep"]), 1.0, 0.0)
 
@@ -704,7 +739,10 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, gemms))
     attn_f, attn_b = attention_core_seconds(ctx, bsh, kind, full_attention, calls=ring_steps(bc))
     sort = _chunk_sort(ctx, bc) if kind == "moe" else 0.0
-    ew_bytes, ew_rc_bytes = layer_bytes(model, bsh, bc["sequence_parallel"], kind, beta, sort)
+    gathers: Array | float = 0.0
+    if kind == "moe" and eff.moe_dispatcher == "allgather":
+        gathers = np.where(bc["etp"] * bc["ep"] > 1, 1.0, 0.0)
+    ew_bytes, ew_rc_bytes = layer_bytes(model, bsh, bc["sequence_parallel"], kind, beta, sort, gathers)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
     overhead = eff.layer_overhead_s
@@ -762,18 +800,22 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # Dispatch sends the routed copies in the activation dtype (Megatron-Core quantises
         # inside the expert GEMM) or, with ep_dispatch_fp8, at fp8 GEMM operand width; combine
         # returns them in activation width; the backward moves gradients both ways.
-        copies = bsh.tokens * model.num_experts_per_tok / t * model.hidden_size
-        dispatch_bytes = ep_dispatch_bytes(ctx)
-        # (each all-to-all priced once: the combine's serves the backward's two, and the
-        # dispatch where it sends at activation width too)
-        combine = _ep_all_to_all_s(ctx, bc, copies * beta)
-        dispatch = combine if dispatch_bytes == beta else _ep_all_to_all_s(ctx, bc, copies * dispatch_bytes)
-        forward = dispatch + combine
-        backward = 2.0 * combine
         share = eff.ep_comm_compute_share
-        # the busiest rank's routed copies: moe_imbalance, or the capacity factor of padded buffers
-        factor = eff.routed_token_factor
-        forward, backward = forward * factor, backward * factor
+        if eff.moe_dispatcher == "allgather":
+            # every token of the group moves whatever the routing: no busiest-rank factor
+            forward, backward = allgather_dispatch_seconds(ctx, bc, bsh)
+        else:
+            copies = bsh.tokens * model.num_experts_per_tok / t * model.hidden_size
+            dispatch_bytes = ep_dispatch_bytes(ctx)
+            # (each all-to-all priced once: the combine's serves the backward's two, and the
+            # dispatch where it sends at activation width too)
+            combine = _ep_all_to_all_s(ctx, bc, copies * beta)
+            dispatch = combine if dispatch_bytes == beta else _ep_all_to_all_s(ctx, bc, copies * dispatch_bytes)
+            forward = dispatch + combine
+            backward = 2.0 * combine
+            # the busiest rank's routed copies: moe_imbalance, or the capacity factor of padded buffers
+            factor = eff.routed_token_factor
+            forward, backward = forward * factor, backward * factor
         # Overlapped: what a paired pass exposes, and what it hides (holding the links FSDP uses).
         paired_exposed_f = up(_exposed(forward, compute_f, True, share))
         paired_exposed_b = up(_exposed(backward, compute_b + compute_w, True, share))

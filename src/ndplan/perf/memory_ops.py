@@ -27,6 +27,10 @@ Per decoder layer, forward:
   dispatch ("permutation 2", a gather: read + write) and sorted back before the combine ->
   4·R·h, R = (T·k/t)·etp rows received (etp ranks share each expert's tokens). DeepEP and
   HybridEP permute on arrival instead (no extra pass).
+  Allgather dispatcher (Megatron's MoEAllGatherTokenDispatcher, etp·ep > 1): the combine
+  un-permutes into the G = (T/t)·etp·ep gathered rows (zero-filled: write 2 per element), casts
+  them to fp32 for the reduce-scatter (read 2, write 4) and the rank's T/t rows back (read 4,
+  write 2) -> G·h·8 + (T/t)·h·6 bytes; no chunk sort.
 Unfused attention (no FlashAttention): per score element b·(a/t)·(s/c)·s: GEMM writes scores 2,
 softmax reads 2 writes 2 -> 6 bytes forward; attention dropout reads 2 writes 2 plus a 1-byte
 mask -> 11.
@@ -65,6 +69,10 @@ PERMUTE_INDEX_BYTES = 32.0
 #: Elements per received row and hidden unit of the all-to-all dispatcher's chunk sort and
 #: unsort (a gather each: read + write).
 CHUNK_SORT_PASSES = 4.0
+#: Bytes per element of the allgather dispatcher's combine over the gathered rows (zero fill 2,
+#: fp32 cast read 2 + write 4) and over the rank's own rows (cast back: read 4, write 2).
+ALLGATHER_GATHERED_BYTES = 8.0
+ALLGATHER_OWN_BYTES = 6.0
 
 
 def norm_tokens(sh: Sharding, sp: Array | float) -> Array | float:
@@ -81,14 +89,15 @@ def rope_width(model: ModelSpec) -> float:
 
 def layer_bytes(
     model: ModelSpec, sh: Sharding, sp: Array | float, kind: MlpKind, act_bytes: float,
-    chunk_sort: Array | float = 0.0,
+    chunk_sort: Array | float = 0.0, allgather: Array | float = 0.0,
 ) -> tuple[Array | float, Array | float]:
     """(all elementwise bytes, the subset selective recompute re-runs) of one layer, forward.
 
     Selective recompute re-runs the cheap elementwise ops: norms, rotary, activations; residual
     adds and MoE token shuffles are kept (their outputs are the saved checkpoints).
     ``chunk_sort``: 1 where the dispatcher re-sorts the received rows by local expert and back
-    (see the module docstring), else 0.
+    (see the module docstring), else 0; ``allgather``: 1 where Megatron's allgather dispatcher
+    gathers over etp·ep > 1 ranks (its combine's zero fill and fp32 casts), else 0.
     """
     h, t, tok = model.hidden_size, sh.tp, sh.tokens
     t_n = norm_tokens(sh, sp)
@@ -112,6 +121,10 @@ def layer_bytes(
             activation = activation + moe.shared_activation
         sort = CHUNK_SORT_PASSES * chunk_sort * moe.copies * sh.etp * h
         shuffle = 5.0 * moe.copies * h + sort + moe.router
+        if np.any(allgather):
+            own = tok / t
+            shuffle = shuffle + allgather * (own * sh.etp * sh.ep * h * ALLGATHER_GATHERED_BYTES
+                                             + own * h * ALLGATHER_OWN_BYTES) / act_bytes
     recomputable = norms + rope + extra_norms + activation
     return act_bytes * (recomputable + residual + shuffle), act_bytes * recomputable
 

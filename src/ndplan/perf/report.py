@@ -377,7 +377,7 @@ def _communication_lines(r: TimeReport) -> list[str]:
             pairs = 2 if model.num_shared_experts else 1
             parts.append(f"{pairs} × all-gather + reduce-scatter of A = {activation / 1e6:,.1f} MB ({what}; the routed "
                          f"experts run on the sequence shard)")
-        if s.etp > 1:
+        if s.etp > 1 and r.efficiency.moe_dispatcher != "allgather":
             copies = tokens * model.num_experts_per_tok * s.etp / s.tp * model.hidden_size
             parts.append(f"all-gather + reduce-scatter of the (b·s/c)·k·etp/t·h = {copies / 1e6:,.1f} M elements of "
                          f"routed copies over etp={s.etp} ({_link_text(s.etp, 1, fabric)})")
@@ -392,7 +392,14 @@ def _communication_lines(r: TimeReport) -> list[str]:
         else:
             where = f"ring over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')})"
         out.append(f"CP ({s.cp_kind}): {where}; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}")
-    if model.is_moe and s.ep > 1:
+    if model.is_moe and r.efficiency.moe_dispatcher == "allgather" and s.ep * s.etp > 1:
+        n = s.ep * s.etp
+        gathered = tokens / s.tp * n
+        out.append(f"EP per MoE layer (allgather dispatcher): all-gather of the G = (b·s/c)/t·etp·ep = {gathered:,.0f} "
+                   f"tokens (h each, and the routing map and fp32 probabilities, E each), reduce-scatter of the "
+                   f"experts' output cast to fp32 (G·h·4 B); the backward transposes them; over etp·ep={n} "
+                   f"({_link_text(n, 1, fabric)}), whatever the routing")
+    elif model.is_moe and s.ep > 1:
         copies = tokens * model.num_experts_per_tok / s.tp * model.hidden_size
         line = (f"EP per MoE layer: dispatch + combine all-to-all of (b·s/c)·k/t·h = {copies / 1e6:,.1f} M elements over "
                 f"ep={s.ep} at stride etp={s.etp} ({_link_text(s.ep, s.etp, fabric, 'all_to_all')})")
