@@ -570,6 +570,26 @@ def test_megatron_reader_names_the_overlap_megatron_refuses(tmp_path: Path) -> N
     assert not [w for w in read_config(path).warnings if "refuses" in w]
 
 
+def test_megatron_reader_names_an_expert_overlap_without_ep_or_an_all_to_all(tmp_path: Path) -> None:
+    """TransformerConfig asserts --overlap-moe-expert-parallel-comm only with expert parallelism
+    and the alltoall or flex dispatcher: the reader warned of neither (allgather, Megatron's
+    default dispatcher, and ep 1 went through as an overlap priced on)."""
+    path = tmp_path / "run.sh"
+    base = ("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 256 --num-attention-heads 4 "
+            "--padded-vocab-size 1000 --num-experts 8 --moe-router-topk 2 --bf16 --micro-batch-size 1 "
+            "--seq-length 128 --overlap-moe-expert-parallel-comm {}\n")
+    for flags, words in (("--expert-model-parallel-size 2", "--moe-token-dispatcher-type allgather (Megatron's default)"),
+                         ("--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather",
+                          "--moe-token-dispatcher-type allgather: "),
+                         ("--moe-token-dispatcher-type alltoall", "--expert-model-parallel-size 1")):
+        path.write_text(base.format(flags))
+        warnings = read_config(path).warnings
+        assert any("--overlap-moe-expert-parallel-comm with " + words in w and "Megatron-Core refuses" in w
+                   for w in warnings), (flags, warnings)
+    path.write_text(base.format("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"))
+    assert not [w for w in read_config(path).warnings if "--overlap-moe-expert-parallel-comm" in w]
+
+
 @pytest.mark.parametrize("stage_layers", [(0, 16, 16, 0), (0, 32), (16, 16, 0), (1, 15, 15, 1)])
 def test_megatron_uneven_edges_are_written_as_megatron_core_takes_them(stage_layers: tuple[int, ...],
                                                                        tmp_path: Path) -> None:

@@ -616,11 +616,18 @@ def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes:
 
 def _refused_ep_overlap(args: Args, settings: dict[str, Any], warnings: list[str]) -> None:
     """--overlap-moe-expert-parallel-comm where Megatron-Core's TransformerConfig refuses it:
-    a pipeline without virtual stages, full recompute, the MoE layer recomputed, fp32."""
+    a pipeline without virtual stages, full recompute, the MoE layer recomputed, fp32, no
+    expert parallelism, a token dispatcher other than alltoall or flex (allgather, the default)."""
     arg = args.get("--overlap-moe-expert-parallel-comm")
     if arg is None:
         return
     refused = []
+    if settings["ep"] == 1:
+        refused.append("with --expert-model-parallel-size 1")
+    dispatcher = args.text("--moe-token-dispatcher-type", default="allgather")
+    if dispatcher not in ("alltoall", "flex"):
+        refused.append(f"with --moe-token-dispatcher-type {dispatcher}"
+                       + ("" if args.has("--moe-token-dispatcher-type") else " (Megatron's default)"))
     if settings["pp"] > 1 and settings["vpp"] == 1:
         refused.append("with --pipeline-model-parallel-size > 1 and no virtual stages")
     if settings["recompute"] == "full":
