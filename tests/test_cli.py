@@ -1179,3 +1179,26 @@ def test_search_emit_torchtitan_skips_what_its_parallel_dims_refuse(capsys):
     assert _torchtitan_refuses("[training]\nseq_len = 4096\n" + fsdp, 16) == ""
     assert "supports 1 or tensor_parallel_degree" in _torchtitan_refuses(
         fsdp.replace("expert_tensor_parallel_degree = 4", "expert_tensor_parallel_degree = 2"), 16)
+
+
+@pytest.mark.parametrize("command,on,off", [
+    ("estimate", "--sp", "--no-sp"),
+    ("estimate", "--loss-parallel", "--no-loss-parallel"),
+    ("estimate", "--loss-upcast", "--no-loss-upcast"),
+    ("search", "--no-loss-upcast", "--loss-upcast"),
+    ("report", "--no-sp", "--sp"),
+])
+def test_contradicting_switches_are_refused(command, on, off, capsys):
+    """A review: `--sp --no-sp` was accepted, the last flag winning silently. Both orders are
+    refused, one line naming both flags; the same flag twice is no contradiction."""
+    base = [command, *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "8"]
+    for pair in ([on, off], [off, on]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, *pair])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"{pair[0]} and {pair[1]} contradict each other" in err, err
+    from ndplan.cli import build_parser
+
+    args = build_parser().parse_args(["estimate", *LLAMA, on, on])
+    assert getattr(args, on.lstrip("-").removeprefix("no-").replace("-", "_")) is (not on.startswith("--no-"))

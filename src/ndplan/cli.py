@@ -22,6 +22,7 @@ from ndplan import __version__
 from ndplan.cli_args import (
     EFFICIENCY_HELP,
     add_strategy_arguments,
+    add_switch,
     device_count,
     device_from,
     gather_settings,
@@ -1405,14 +1406,12 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "PyTorch's SDPA as transformers calls it (flash, but a sliding window becomes an s² mask "
                             "and fp32 with grouped KV heads runs the math path); eager keeps s² scores (default: "
                             "flash, or what a --from config states)")
-    group.add_argument("--loss-parallel", dest="loss_parallel", action="store_true", default=None,
-                       help="keep logits vocab-sharded through the loss")
-    group.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
-    group.add_argument("--loss-upcast", dest="loss_upcast", action="store_true", default=None,
-                       help="the loss works on an fp32 copy of the logits (the default; overrides a --from config)")
-    group.add_argument("--no-loss-upcast", dest="loss_upcast", action="store_false",
-                       help="the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
-                            "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
+    add_switch(group, "--loss-parallel", "--no-loss-parallel", "loss_parallel",
+               "keep logits vocab-sharded through the loss (under TP; changes nothing at tp 1)")
+    add_switch(group, "--loss-upcast", "--no-loss-upcast", "loss_upcast",
+               "the loss works on an fp32 copy of the logits (the default; overrides a --from config)",
+               "the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
+               "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
     group.add_argument("--selective-policy", choices=["megatron", "keep-matmuls", "torchtitan-op"], default=None,
                        help="what selective recompute keeps, where the runtime can run more than its own policy: "
                             "torchtitan-op is torchtitan's per-op checkpointing (every second matmul rebuilt; "
