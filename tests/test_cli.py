@@ -1202,3 +1202,33 @@ def test_contradicting_switches_are_refused(command, on, off, capsys):
 
     args = build_parser().parse_args(["estimate", *LLAMA, on, on])
     assert getattr(args, on.lstrip("-").removeprefix("no-").replace("-", "_")) is (not on.startswith("--no-"))
+
+
+def test_estimate_fits_against_the_memory_limit(tmp_path, capsys):
+    """A review: `estimate` had no --memory-limit, so "fits" was always against the whole device
+    (this strategy's 44.40 GiB peak "fits" an 80 GB H100 with 34.78 GiB free). The limit, as
+    search and balance read it, decides the fits line, --json's fits and the report's headroom."""
+    base = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--tp", "2", "--gbs", "16",
+            "--zero", "1", "--recompute", "full"]
+    code, out, _ = run([*base, "--memory-limit", "40GiB", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["peak_bytes"] == pytest.approx(44.40 * 2**30, rel=1e-3)
+    assert data["memory_limit_bytes"] == 40 * 2**30 and data["fits"] is False
+    assert data["capacity_bytes"] == 85_020_639_232  # the device's, as before
+    code, out, _ = run([*base, "--memory-limit", "40GiB"], capsys)
+    assert "does not fit: stage 0 needs 44.40 GiB, over the 40.00 GiB memory limit by 4.40 GiB" in out, out
+    code, out, _ = run([*base, "--memory-limit", "50GiB"], capsys)
+    assert "fits: peak 44.40 GiB on stage 0 of the 50.00 GiB memory limit (5.60 GiB free)" in out, out
+    code, out, _ = run(base, capsys)  # no limit: the device, as before
+    assert "fits: peak 44.40 GiB on stage 0 of 79.18 GiB (34.78 GiB free)" in out, out
+    code, out, _ = run([*base, "--json"], capsys)
+    assert json.loads(out)["fits"] is True and "memory_limit_bytes" not in json.loads(out)
+    # the report of the saved result: the limit's headroom, not the device's
+    from ndplan.report.data import prepare
+
+    code, out, _ = run([*base, "--memory-limit", "40GiB", "--json"], capsys)
+    prepared = prepare(json.loads(out))
+    assert prepared["fits"] is False and prepared["user_limit"] and prepared["limit_bytes"] == 40 * 2**30
+    assert prepared["memory"][0]["capacity_bytes"] == 40 * 2**30
+    code, _, err = run([*base, "--memory-limit", "forty"], capsys)
+    assert code == 2 and "--memory-limit" in err and len(err.strip().splitlines()) == 1

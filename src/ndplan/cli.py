@@ -203,6 +203,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
     options = _memory_options(args, settings, read, device)
+    given_limit = _memory_limit(args.memory_limit, device)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
     from ndplan.hardware import Cluster
     from ndplan.perf import default_overlap, estimate_time
@@ -211,14 +212,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
                            **options.time_keywords())
     if args.plot:
+        from ndplan.report.data import as_dict
         from ndplan.report.plots import plot_memory
 
-        plot_memory(report, args.plot)
+        # the capacity line at the limit, where one is given
+        plot_memory(report if given_limit is None else {**as_dict(report), "memory_limit_bytes": given_limit},
+                    args.plot)
     emitted = _emit_settings(model, strategy, args.emit, options, device) if args.emit else None
     if args.json:
         _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
                     "devices": strategy.world_size,
                     "strategy": strategy.model_dump(mode="json"), **report.to_dict(),
+                    # fits against --memory-limit where given (capacity_bytes stays the device's)
+                    **({"fits": report.peak_bytes <= given_limit, "memory_limit_bytes": given_limit}
+                       if given_limit is not None else {}),
                     "time": {**timing.to_dict(), "details": timing.details, "overlap": overlap.model_dump(mode="json")},
                     **({"emitted": emitted} if emitted else {})})
         return 0
@@ -235,11 +242,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             style="bold" if st.stage == report.peak_stage else None,
         )
     console.print(table)
-    margin = device.memory_bytes - report.peak_bytes
+    limit = device.memory_bytes if given_limit is None else given_limit
+    margin = limit - report.peak_bytes
+    of = format_bytes(limit) if given_limit is None else f"the {format_bytes(limit)} memory limit"
     verdict = (f"[bold green]fits[/]: peak {format_bytes(report.peak_bytes)} on stage {report.peak_stage} "
-               f"of {format_bytes(device.memory_bytes)} ({format_bytes(margin)} free)") if margin >= 0 else (
+               f"of {of} ({format_bytes(margin)} free)") if margin >= 0 else (
                f"[bold red]does not fit[/]: stage {report.peak_stage} needs {format_bytes(report.peak_bytes)}, "
-               f"over {format_bytes(device.memory_bytes)} by {format_bytes(-margin)}")
+               f"over {of} by {format_bytes(-margin)}")
     console.print(verdict)
     for caveat in report.caveats:
         console.print(f"[bold yellow]caution[/]: {caveat}", markup=True)
@@ -1306,6 +1315,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_arguments(p)
     add_from_argument(p)
     add_runtime_arguments(p)
+    p.add_argument("--memory-limit", help="per-device limit the fits line and --json's fits are against, e.g. "
+                                          "70GiB (default: the device's memory)")
     p.add_argument("--explain", action="store_true", help="print every term of the peak stage with its formula")
     p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
     p.add_argument("--emit", choices=EMIT_FORMATS,
