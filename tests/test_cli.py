@@ -1232,3 +1232,37 @@ def test_estimate_fits_against_the_memory_limit(tmp_path, capsys):
     assert prepared["memory"][0]["capacity_bytes"] == 40 * 2**30
     code, _, err = run([*base, "--memory-limit", "forty"], capsys)
     assert code == 2 and "--memory-limit" in err and len(err.strip().splitlines()) == 1
+
+
+def test_settings_that_change_nothing_say_so(tmp_path, capsys):
+    """A review: --loss-parallel at tp 1 still printed "loss priced vocabulary-parallel under TP",
+    --selective-policy without selective recompute "priced as torchtitan-op", --cp-kind at cp 1
+    said nothing (as --moe-imbalance on a dense model does, each is now a caution, in --json's
+    caveats too); where the setting applies, it is priced and said as before."""
+    base = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "8"]
+    code, out, _ = run([*base, "--loss-parallel"], capsys)
+    assert code == 0 and "loss priced vocabulary-parallel" not in out, out
+    assert "caution: --loss-parallel changes nothing at tp 1" in out, out
+    code, out, _ = run([*base, "--loss-parallel", "--json"], capsys)
+    assert any(c.startswith("--loss-parallel changes nothing at tp 1") for c in json.loads(out)["caveats"])
+    code, out, _ = run([*base, "--tp", "2", "--loss-parallel"], capsys)  # applies: priced and said
+    assert "loss priced vocabulary-parallel under TP" in out and "changes nothing" not in out, out
+    code, out, _ = run([*base, "--selective-policy", "torchtitan-op"], capsys)
+    assert code == 0 and "priced as torchtitan-op" not in out, out
+    assert ("caution: --selective-policy torchtitan-op changes nothing: the strategy has no selective recompute "
+            "(recompute none; the policy applies to --recompute selective)") in out, out
+    code, out, _ = run([*base, "--selective-policy", "torchtitan-op", "--recompute", "selective"], capsys)
+    assert "selective recompute priced as torchtitan-op" in out and "changes nothing" not in out, out
+    code, out, _ = run([*base, "--cp-kind", "ulysses"], capsys)
+    assert code == 0 and "caution: --cp-kind ulysses changes nothing at cp 1" in out, out
+    code, out, _ = run([*base, "--cp-kind", "ulysses", "--cp", "2"], capsys)
+    assert code == 0 and "changes nothing" not in out, out
+    code, out, _ = run(["balance", *base[1:], "--pp", "2", "--zero", "1", "--cp-kind", "hybrid", "--loss-parallel"], capsys)
+    assert code == 0 and "caution: --cp-kind hybrid changes nothing at cp 1" in out, out
+    assert "caution: --loss-parallel changes nothing at tp 1" in out, out
+    # an empty census measures nothing: refused, not priced as if none were given
+    for text in ("[]", '{"schema_version": 1, "records": []}'):
+        census = tmp_path / "census.json"
+        census.write_text(text)
+        code, _, err = run([*base, "--census", str(census)], capsys)
+        assert code == 2 and f"census file {census}: holds no records" in err and len(err.strip().splitlines()) == 1, err

@@ -219,10 +219,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         plot_memory(report if given_limit is None else {**as_dict(report), "memory_limit_bytes": given_limit},
                     args.plot)
     emitted = _emit_settings(model, strategy, args.emit, options, device) if args.emit else None
+    inert = _inert_flags(args, strategy)
     if args.json:
+        memory = report.to_dict()
         _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
                     "devices": strategy.world_size,
-                    "strategy": strategy.model_dump(mode="json"), **report.to_dict(),
+                    "strategy": strategy.model_dump(mode="json"), **memory, "caveats": [*memory["caveats"], *inert],
                     # fits against --memory-limit where given (capacity_bytes stays the device's)
                     **({"fits": report.peak_bytes <= given_limit, "memory_limit_bytes": given_limit}
                        if given_limit is not None else {}),
@@ -250,7 +252,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                f"[bold red]does not fit[/]: stage {report.peak_stage} needs {format_bytes(report.peak_bytes)}, "
                f"over {of} by {format_bytes(-margin)}")
     console.print(verdict)
-    for caveat in report.caveats:
+    for caveat in [*report.caveats, *inert]:
         console.print(f"[bold yellow]caution[/]: {caveat}", markup=True)
     exposed = dict(timing.breakdown["comm_exposed"])
     host_copies = exposed.pop("offload", 0.0)
@@ -266,7 +268,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}",
                   markup=False)
-    _print_kernels(options)
+    _print_kernels(options, strategy)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(emitted, markup=False, soft_wrap=True)  # settings to paste: never wrapped
@@ -327,6 +329,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
     data["balanced"] = {**estimate(model, emitted, device, options, num_devices=strategy.world_size).to_dict(),
                         "strategy": emitted.model_dump(mode="json"), "time": emitted_time.to_dict()}
     data["kind"] = "balance"
+    inert = _inert_flags(args, strategy)
+    if inert:
+        data["caveats"] = inert
     stepped_up = _stepped_up_line(strategy, result, limit)
     if stepped_up is not None:
         data["stepped_up"] = {**data["stepped_up"], "from": stepped_up[0], "to": stepped_up[1], "note": stepped_up[2]}
@@ -427,7 +432,10 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
     if args.emit and (note := _runtime_note(options, args.emit)):
         console.print(note)
-    _print_kernels(options)  # what the step is priced with, and what --emit changed in it (the loss)
+    for caveat in inert:
+        console.print(f"[bold yellow]caution[/]: {caveat}")
+    # what the step is priced with, and what --emit changed in it (the loss)
+    _print_kernels(options, strategy)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
@@ -664,16 +672,42 @@ def _memory_limit(text: str | None, device: Any) -> int | None:
     return limit
 
 
-def _print_kernels(options: Any) -> None:
+def _inert_flags(args: argparse.Namespace, strategy: Strategy) -> list[str]:
+    """Settings given as flags (or, --cp-kind, in a --plan file) that change nothing for this
+    strategy, said as --moe-imbalance on a dense model is (``memory.report``'s inert settings):
+    a user who set them expects them priced. (A --from config's own settings, and what --emit
+    turns on, are not the user's flags.)"""
+    out = []
+    loss_parallel = getattr(args, "loss_parallel", None)
+    if loss_parallel is not None and strategy.tp == 1:
+        out.append(f"{'--loss-parallel' if loss_parallel else '--no-loss-parallel'} changes nothing at tp 1: the "
+                   "loss is vocabulary-parallel across tensor-parallel ranks only")
+    policy = getattr(args, "selective_policy", None)
+    if policy is not None and strategy.recompute != "selective":
+        out.append(f"--selective-policy {policy} changes nothing: the strategy has no selective recompute "
+                   f"(recompute {strategy.recompute}; the policy applies to --recompute selective)")
+    cp_kind = getattr(args, "cp_kind", None) or (gather_settings(args).get("cp_kind") if getattr(args, "plan", None)
+                                                 else None)
+    if cp_kind is not None and strategy.cp == 1:
+        out.append(f"--cp-kind {cp_kind} changes nothing at cp 1: it says how context parallelism splits the "
+                   f"sequence (give --cp 2 or more)")
+    return out
+
+
+def _print_kernels(options: Any, strategy: Strategy | None = None) -> None:
     """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any,
-    and the selective policy and the loss where they are not the runtime's own."""
+    and the selective policy and the loss where they are not the runtime's own; of one
+    ``strategy``, only where they price something in it (the policy under selective recompute,
+    the vocabulary-parallel loss under TP)."""
     if options.profile.kernels:
         kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
         console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
-    if options.selective_policy not in (None, options.profile.selective_policy):
+    if strategy is not None and strategy.recompute != "selective":
+        pass  # no policy priced
+    elif options.selective_policy not in (None, options.profile.selective_policy):
         console.print(f"selective recompute priced as {options.selective_policy} (the {options.profile.name} "
                       f"runtime's own: {options.profile.selective_policy}; set with --selective-policy)", markup=False)
-    if options.loss_parallel not in (None, options.profile.loss_parallel):
+    if options.loss_parallel not in (None, options.profile.loss_parallel) and (strategy is None or strategy.tp > 1):
         # --emit torchtitan/megatron/mindformers turns it on: a peak that moves with the output
         # flag says why.
         def kind(parallel: bool) -> str:
