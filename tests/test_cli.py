@@ -200,7 +200,12 @@ BAD_FILES = [
     ("config.json", '{"model_type": "qwen2", "num_hidden_layers": 2}', "missing field 'hidden_size'"),
     ("spec.yaml", "num_layers: 2\nhidden_size: 8\n", "field 'ffn_hidden_size': Field required"),
     ("spec.yaml", "num_layers: 2\nhidden_size: 8\nffn_hidden_size: 8\nnum_attention_heads: 2\nnum_kv_heads: 2\n"
-                  "head_dim: 4\nvocab_size: 10\nwarp_factor: 9\n", "field 'warp_factor': Extra inputs are not permitted"),
+                  "head_dim: 4\nvocab_size: 10\nwarp_factor: 9\n",
+     "field 'warp_factor': unknown field; allowed: name, model_type, num_layers, hidden_size, ffn_hidden_size, "),
+    # (a review: "Extra inputs are not permitted" named neither the field meant nor the allowed ones)
+    ("spec.yaml", "num_layer: 2\nhidden_size: 8\nffn_hidden_size: 8\nnum_attention_heads: 2\nnum_kv_heads: 2\n"
+                  "head_dim: 4\nvocab_size: 10\n",
+     "field 'num_layer': unknown field (did you mean 'num_layers'?); allowed: name, model_type, num_layers, "),
 ]
 
 
