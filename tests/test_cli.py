@@ -1271,3 +1271,21 @@ def test_settings_that_change_nothing_say_so(tmp_path, capsys):
         census.write_text(text)
         code, _, err = run([*base, "--census", str(census)], capsys)
         assert code == 2 and f"census file {census}: holds no records" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["estimate", "check", "balance"])
+def test_a_config_without_a_world_size_needs_devices(command, capsys):
+    """A review: `estimate --from` a torchtitan TOML with data_parallel_shard_degree -1 and no
+    --devices warned, then priced dp1 tp8 pp4 on 32 devices, while `inspect` called the same
+    strategy incomplete. Refused, one line naming --devices; with it (or --dp) it prices."""
+    config = str(Path(__file__).parent / "fixtures" / "io" / "torchtitan_llama3_70b.toml")
+    base = [command, "--from", config, "--hardware", "h100-sxm"][: 3 if command == "check" else 5]
+    code, out, err = run([*base, "--json"], capsys)
+    assert code == 2 and out == "", out
+    assert err.strip() == (f"ndplan: error: {config}: the data-parallel degree depends on the world size, which the "
+                           "file does not state; give --devices (or --dp)"), err
+    if command == "estimate":
+        code, out, _ = run([*base, "--devices", "256", "--json"], capsys)
+        assert code == 0 and json.loads(out)["strategy"]["dp"] == 8 and json.loads(out)["devices"] == 256
+        code, out, _ = run([*base, "--dp", "2", "--json"], capsys)
+        assert code == 0 and json.loads(out)["devices"] == 64

@@ -139,8 +139,13 @@ def _settings_and_model(args: argparse.Namespace) -> tuple[dict[str, Any], Model
     from ndplan.io.cli import merge_settings, model_for, print_messages, read_from_args
 
     result = read_from_args(args)
-    print_messages(result)
     settings = merge_settings(result, gather_settings(args))
+    if result is not None and result.format != "hf" and "dp" not in settings and not settings.get("devices"):
+        # A launch config with no world size (torchtitan's data_parallel_shard_degree -1, a script
+        # without torchrun's counts): the strategy is incomplete, as `inspect` says, not dp 1.
+        raise NdplanError(f"{result.source}: the data-parallel degree depends on the world size, which the file "
+                          "does not state; give --devices (or --dp)")
+    print_messages(result)
     if result is None:
         return settings, load_model(_require(settings, "model", "--model")), None
     return settings, model_for(settings, result), result
