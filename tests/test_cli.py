@@ -1289,3 +1289,16 @@ def test_a_config_without_a_world_size_needs_devices(command, capsys):
         assert code == 0 and json.loads(out)["strategy"]["dp"] == 8 and json.loads(out)["devices"] == 256
         code, out, _ = run([*base, "--dp", "2", "--json"], capsys)
         assert code == 0 and json.loads(out)["devices"] == 64
+
+
+@pytest.mark.parametrize("command", ["verify", "estimate", "check", "balance", "search"])
+def test_from_help_says_what_the_command_does_with_the_config(command, capsys):
+    """A review: `verify --help` described --from with search-only text ("in a search with --dims,
+    the dimensions not searched keep the file's values ..."); each command now says its own."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("in a search with --dims" in text or "with --dims, the dimensions not searched" in text) == (command == "search")
+    assert "--from CONFIG" in text
+    if command == "verify":
+        assert "refused" in text and "with --measured, the model, strategy and runtime come from it" in text, text

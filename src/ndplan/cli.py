@@ -1404,7 +1404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=device_count, help="number of devices")
     p.add_argument("--gbs", type=sequence_count, help="global batch size in sequences")
     p.add_argument("--seq", type=sequence_length, help="sequence length in tokens (default 4096)")
-    add_from_argument(p)
+    add_from_argument(p, "search")
     p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
     p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b (also vpp=N and seq_chunks=N, the "
                    "pipeline option's other parts)")
