@@ -956,10 +956,13 @@ def cmd_search(args: argparse.Namespace) -> int:
                        precision=precision) if result.best else None)
     if args.emit and winner is not None:
         from ndplan.hardware import Cluster
+        from ndplan.progress import working
 
-        emitted_rank, text, check, first_written, first_same = _first_written_as_priced(
-            model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
-            precision, limit or device.memory_bytes)
+        # each candidate written, read back and priced again (about 2 s on DeepSeek-V3)
+        with working(f"reading the ranked candidates back as {args.emit} settings", quiet=quiet):
+            emitted_rank, text, check, first_written, first_same = _first_written_as_priced(
+                model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
+                precision, limit or device.memory_bytes)
         data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
         if note := _runtime_note(options, args.emit):
             data["notes"].append(f"--emit {args.emit}: {note}")
