@@ -1265,6 +1265,9 @@ def test_settings_that_change_nothing_say_so(tmp_path, capsys):
     code, out, _ = run(["balance", *base[1:], "--pp", "2", "--zero", "1", "--cp-kind", "hybrid", "--loss-parallel"], capsys)
     assert code == 0 and "caution: --cp-kind hybrid changes nothing at cp 1" in out, out
     assert "caution: --loss-parallel changes nothing at tp 1" in out, out
+    # balancing chooses the recompute per layer: a selective policy may apply whatever the strategy's own
+    code, out, _ = run(["balance", *base[1:], "--pp", "2", "--zero", "1", "--selective-policy", "torchtitan-op"], capsys)
+    assert code == 0 and "changes nothing" not in out and "selective recompute priced as torchtitan-op" in out, out
     # an empty census measures nothing: refused, not priced as if none were given
     for text in ("[]", '{"schema_version": 1, "records": []}'):
         census = tmp_path / "census.json"

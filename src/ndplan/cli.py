@@ -334,7 +334,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
     data["balanced"] = {**estimate(model, emitted, device, options, num_devices=strategy.world_size).to_dict(),
                         "strategy": emitted.model_dump(mode="json"), "time": emitted_time.to_dict()}
     data["kind"] = "balance"
-    inert = _inert_flags(args, strategy)
+    inert = _inert_flags(args, strategy, recompute_chosen=True)  # balancing chooses the recompute
     if inert:
         data["caveats"] = inert
     stepped_up = _stepped_up_line(strategy, result, limit)
@@ -440,7 +440,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
     for caveat in inert:
         console.print(f"[bold yellow]caution[/]: {caveat}")
     # what the step is priced with, and what --emit changed in it (the loss)
-    _print_kernels(options, strategy)
+    _print_kernels(options, strategy, recompute_chosen=True)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
@@ -677,18 +677,19 @@ def _memory_limit(text: str | None, device: Any) -> int | None:
     return limit
 
 
-def _inert_flags(args: argparse.Namespace, strategy: Strategy) -> list[str]:
+def _inert_flags(args: argparse.Namespace, strategy: Strategy, recompute_chosen: bool = False) -> list[str]:
     """Settings given as flags (or, --cp-kind, in a --plan file) that change nothing for this
     strategy, said as --moe-imbalance on a dense model is (``memory.report``'s inert settings):
     a user who set them expects them priced. (A --from config's own settings, and what --emit
-    turns on, are not the user's flags.)"""
+    turns on, are not the user's flags.) ``recompute_chosen``: the command chooses the recompute
+    (balance), so a selective policy may apply whatever the strategy's own."""
     out = []
     loss_parallel = getattr(args, "loss_parallel", None)
     if loss_parallel is not None and strategy.tp == 1:
         out.append(f"{'--loss-parallel' if loss_parallel else '--no-loss-parallel'} changes nothing at tp 1: the "
                    "loss is vocabulary-parallel across tensor-parallel ranks only")
     policy = getattr(args, "selective_policy", None)
-    if policy is not None and strategy.recompute != "selective":
+    if policy is not None and strategy.recompute != "selective" and not recompute_chosen:
         out.append(f"--selective-policy {policy} changes nothing: the strategy has no selective recompute "
                    f"(recompute {strategy.recompute}; the policy applies to --recompute selective)")
     cp_kind = getattr(args, "cp_kind", None) or (gather_settings(args).get("cp_kind") if getattr(args, "plan", None)
@@ -699,15 +700,16 @@ def _inert_flags(args: argparse.Namespace, strategy: Strategy) -> list[str]:
     return out
 
 
-def _print_kernels(options: Any, strategy: Strategy | None = None) -> None:
+def _print_kernels(options: Any, strategy: Strategy | None = None, recompute_chosen: bool = False) -> None:
     """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any,
     and the selective policy and the loss where they are not the runtime's own; of one
     ``strategy``, only where they price something in it (the policy under selective recompute,
-    the vocabulary-parallel loss under TP)."""
+    unless the command chooses the recompute, ``recompute_chosen``; the vocabulary-parallel loss
+    under TP)."""
     if options.profile.kernels:
         kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
         console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
-    if strategy is not None and strategy.recompute != "selective":
+    if strategy is not None and strategy.recompute != "selective" and not recompute_chosen:
         pass  # no policy priced
     elif options.selective_policy not in (None, options.profile.selective_policy):
         console.print(f"selective recompute priced as {options.selective_policy} (the {options.profile.name} "
