@@ -200,7 +200,12 @@ BAD_FILES = [
     ("config.json", '{"model_type": "qwen2", "num_hidden_layers": 2}', "missing field 'hidden_size'"),
     ("spec.yaml", "num_layers: 2\nhidden_size: 8\n", "field 'ffn_hidden_size': Field required"),
     ("spec.yaml", "num_layers: 2\nhidden_size: 8\nffn_hidden_size: 8\nnum_attention_heads: 2\nnum_kv_heads: 2\n"
-                  "head_dim: 4\nvocab_size: 10\nwarp_factor: 9\n", "field 'warp_factor': Extra inputs are not permitted"),
+                  "head_dim: 4\nvocab_size: 10\nwarp_factor: 9\n",
+     "field 'warp_factor': unknown field; allowed: name, model_type, num_layers, hidden_size, ffn_hidden_size, "),
+    # (a review: "Extra inputs are not permitted" named neither the field meant nor the allowed ones)
+    ("spec.yaml", "num_layer: 2\nhidden_size: 8\nffn_hidden_size: 8\nnum_attention_heads: 2\nnum_kv_heads: 2\n"
+                  "head_dim: 4\nvocab_size: 10\n",
+     "field 'num_layer': unknown field (did you mean 'num_layers'?); allowed: name, model_type, num_layers, "),
 ]
 
 
@@ -1208,3 +1213,124 @@ def test_moe_dispatcher_flag_and_a_megatron_launch_without_one(tmp_path, capsys)
     assert code == 0 and "token dispatcher allgather" not in out
     code, _, err = run([*base, "--runtime", "pytorch", "--moe-dispatcher", "allgather"], capsys)
     assert code == 2 and "states no such dispatcher" in err
+
+
+@pytest.mark.parametrize("command,on,off", [
+    ("estimate", "--sp", "--no-sp"),
+    ("estimate", "--loss-parallel", "--no-loss-parallel"),
+    ("estimate", "--loss-upcast", "--no-loss-upcast"),
+    ("search", "--no-loss-upcast", "--loss-upcast"),
+    ("report", "--no-sp", "--sp"),
+])
+def test_contradicting_switches_are_refused(command, on, off, capsys):
+    """A review: `--sp --no-sp` was accepted, the last flag winning silently. Both orders are
+    refused, one line naming both flags; the same flag twice is no contradiction."""
+    base = [command, *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "8"]
+    for pair in ([on, off], [off, on]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, *pair])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"{pair[0]} and {pair[1]} contradict each other" in err, err
+    from ndplan.cli import build_parser
+
+    args = build_parser().parse_args(["estimate", *LLAMA, on, on])
+    assert getattr(args, on.lstrip("-").removeprefix("no-").replace("-", "_")) is (not on.startswith("--no-"))
+
+
+def test_estimate_fits_against_the_memory_limit(tmp_path, capsys):
+    """A review: `estimate` had no --memory-limit, so "fits" was always against the whole device
+    (this strategy's 44.40 GiB peak "fits" an 80 GB H100 with 34.78 GiB free). The limit, as
+    search and balance read it, decides the fits line, --json's fits and the report's headroom."""
+    base = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--tp", "2", "--gbs", "16",
+            "--zero", "1", "--recompute", "full"]
+    code, out, _ = run([*base, "--memory-limit", "40GiB", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["peak_bytes"] == pytest.approx(44.40 * 2**30, rel=1e-3)
+    assert data["memory_limit_bytes"] == 40 * 2**30 and data["fits"] is False
+    assert data["capacity_bytes"] == 85_020_639_232  # the device's, as before
+    code, out, _ = run([*base, "--memory-limit", "40GiB"], capsys)
+    assert "does not fit: stage 0 needs 44.40 GiB, over the 40.00 GiB memory limit by 4.40 GiB" in out, out
+    code, out, _ = run([*base, "--memory-limit", "50GiB"], capsys)
+    assert "fits: peak 44.40 GiB on stage 0 of the 50.00 GiB memory limit (5.60 GiB free)" in out, out
+    code, out, _ = run(base, capsys)  # no limit: the device, as before
+    assert "fits: peak 44.40 GiB on stage 0 of 79.18 GiB (34.78 GiB free)" in out, out
+    code, out, _ = run([*base, "--json"], capsys)
+    assert json.loads(out)["fits"] is True and "memory_limit_bytes" not in json.loads(out)
+    # the report of the saved result: the limit's headroom, not the device's
+    from ndplan.report.data import prepare
+
+    code, out, _ = run([*base, "--memory-limit", "40GiB", "--json"], capsys)
+    prepared = prepare(json.loads(out))
+    assert prepared["fits"] is False and prepared["user_limit"] and prepared["limit_bytes"] == 40 * 2**30
+    assert prepared["memory"][0]["capacity_bytes"] == 40 * 2**30
+    code, _, err = run([*base, "--memory-limit", "forty"], capsys)
+    assert code == 2 and "--memory-limit" in err and len(err.strip().splitlines()) == 1
+
+
+def test_settings_that_change_nothing_say_so(tmp_path, capsys):
+    """A review: --loss-parallel at tp 1 still printed "loss priced vocabulary-parallel under TP",
+    --selective-policy without selective recompute "priced as torchtitan-op", --cp-kind at cp 1
+    said nothing (as --moe-imbalance on a dense model does, each is now a caution, in --json's
+    caveats too); where the setting applies, it is priced and said as before."""
+    base = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "8"]
+    code, out, _ = run([*base, "--loss-parallel"], capsys)
+    assert code == 0 and "loss priced vocabulary-parallel" not in out, out
+    assert "caution: --loss-parallel changes nothing at tp 1" in out, out
+    code, out, _ = run([*base, "--loss-parallel", "--json"], capsys)
+    assert any(c.startswith("--loss-parallel changes nothing at tp 1") for c in json.loads(out)["caveats"])
+    code, out, _ = run([*base, "--tp", "2", "--loss-parallel"], capsys)  # applies: priced and said
+    assert "loss priced vocabulary-parallel under TP" in out and "changes nothing" not in out, out
+    code, out, _ = run([*base, "--selective-policy", "torchtitan-op"], capsys)
+    assert code == 0 and "priced as torchtitan-op" not in out, out
+    assert ("caution: --selective-policy torchtitan-op changes nothing: the strategy has no selective recompute "
+            "(recompute none; the policy applies to --recompute selective)") in out, out
+    code, out, _ = run([*base, "--selective-policy", "torchtitan-op", "--recompute", "selective"], capsys)
+    assert "selective recompute priced as torchtitan-op" in out and "changes nothing" not in out, out
+    code, out, _ = run([*base, "--cp-kind", "ulysses"], capsys)
+    assert code == 0 and "caution: --cp-kind ulysses changes nothing at cp 1" in out, out
+    code, out, _ = run([*base, "--cp-kind", "ulysses", "--cp", "2"], capsys)
+    assert code == 0 and "changes nothing" not in out, out
+    code, out, _ = run(["balance", *base[1:], "--pp", "2", "--zero", "1", "--cp-kind", "hybrid", "--loss-parallel"], capsys)
+    assert code == 0 and "caution: --cp-kind hybrid changes nothing at cp 1" in out, out
+    assert "caution: --loss-parallel changes nothing at tp 1" in out, out
+    # balancing chooses the recompute per layer: a selective policy may apply whatever the strategy's own
+    code, out, _ = run(["balance", *base[1:], "--pp", "2", "--zero", "1", "--selective-policy", "torchtitan-op"], capsys)
+    assert code == 0 and "changes nothing" not in out and "selective recompute priced as torchtitan-op" in out, out
+    # an empty census measures nothing: refused, not priced as if none were given
+    for text in ("[]", '{"schema_version": 1, "records": []}'):
+        census = tmp_path / "census.json"
+        census.write_text(text)
+        code, _, err = run([*base, "--census", str(census)], capsys)
+        assert code == 2 and f"census file {census}: holds no records" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["estimate", "check", "balance"])
+def test_a_config_without_a_world_size_needs_devices(command, capsys):
+    """A review: `estimate --from` a torchtitan TOML with data_parallel_shard_degree -1 and no
+    --devices warned, then priced dp1 tp8 pp4 on 32 devices, while `inspect` called the same
+    strategy incomplete. Refused, one line naming --devices; with it (or --dp) it prices."""
+    config = str(Path(__file__).parent / "fixtures" / "io" / "torchtitan_llama3_70b.toml")
+    base = [command, "--from", config, "--hardware", "h100-sxm"][: 3 if command == "check" else 5]
+    code, out, err = run([*base, "--json"], capsys)
+    assert code == 2 and out == "", out
+    assert err.strip() == (f"ndplan: error: {config}: the data-parallel degree depends on the world size, which the "
+                           "file does not state; give --devices (or --dp)"), err
+    if command == "estimate":
+        code, out, _ = run([*base, "--devices", "256", "--json"], capsys)
+        assert code == 0 and json.loads(out)["strategy"]["dp"] == 8 and json.loads(out)["devices"] == 256
+        code, out, _ = run([*base, "--dp", "2", "--json"], capsys)
+        assert code == 0 and json.loads(out)["devices"] == 64
+
+
+@pytest.mark.parametrize("command", ["verify", "estimate", "check", "balance", "search"])
+def test_from_help_says_what_the_command_does_with_the_config(command, capsys):
+    """A review: `verify --help` described --from with search-only text ("in a search with --dims,
+    the dimensions not searched keep the file's values ..."); each command now says its own."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("in a search with --dims" in text or "with --dims, the dimensions not searched" in text) == (command == "search")
+    assert "--from CONFIG" in text
+    if command == "verify":
+        assert "refused" in text and "with --measured, the model, strategy and runtime come from it" in text, text

@@ -93,3 +93,24 @@ def test_measuring_a_step_shows_what_it_measures(monkeypatch: pytest.MonkeyPatch
     assert code == 0
     assert "measuring a step of tiny (2 layers, dp1 tp1 pp1 mbs1 m1 1f1b) on fake tensors" in err
     assert "measuring a step" not in out
+
+
+def test_reading_emitted_candidates_back_and_drawing_figures_show_progress(monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str],
+                                                                          tmp_path: Path) -> None:
+    # A review: `search --emit` reading its ranked candidates back (about 2 s on DeepSeek-V3) and
+    # `report --plot-dir` (matplotlib's import, then the figures) showed nothing while they worked.
+    _as_terminal(monkeypatch)
+    code, out, err = _run(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "16",
+                           "--fix", "tp=2", "pp=1", "--emit", "megatron"], capsys)
+    assert code == 0 and "megatron settings of" in out
+    assert "reading the ranked candidates back as megatron settings" in err
+    assert "reading the ranked candidates back" not in out
+    code, out, err = _run(["report", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
+                           "--plot-dir", str(tmp_path / "figures")], capsys)
+    assert code == 0 and "wrote" in out and (tmp_path / "figures" / "memory.png").exists()
+    assert "drawing the figures into /" in err and "drawing the figures" not in out
+    code, out, err = _run(["search", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs",
+                           "16", "--fix", "tp=2", "pp=1", "--emit", "megatron", "--json"], capsys)
+    json.loads(out)
+    assert "reading the ranked" not in err

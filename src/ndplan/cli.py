@@ -22,6 +22,7 @@ from ndplan import __version__
 from ndplan.cli_args import (
     EFFICIENCY_HELP,
     add_strategy_arguments,
+    add_switch,
     device_count,
     device_from,
     gather_settings,
@@ -138,8 +139,13 @@ def _settings_and_model(args: argparse.Namespace) -> tuple[dict[str, Any], Model
     from ndplan.io.cli import merge_settings, model_for, print_messages, read_from_args
 
     result = read_from_args(args)
-    print_messages(result)
     settings = merge_settings(result, gather_settings(args))
+    if result is not None and result.format != "hf" and "dp" not in settings and not settings.get("devices"):
+        # A launch config with no world size (torchtitan's data_parallel_shard_degree -1, a script
+        # without torchrun's counts): the strategy is incomplete, as `inspect` says, not dp 1.
+        raise NdplanError(f"{result.source}: the data-parallel degree depends on the world size, which the file "
+                          "does not state; give --devices (or --dp)")
+    print_messages(result)
     if result is None:
         return settings, load_model(_require(settings, "model", "--model")), None
     return settings, model_for(settings, result), result
@@ -202,6 +208,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
     options = _memory_options(args, settings, read, device)
+    given_limit = _memory_limit(args.memory_limit, device)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
     from ndplan.hardware import Cluster
     from ndplan.perf import default_overlap, estimate_time
@@ -210,14 +217,22 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
                            **options.time_keywords())
     if args.plot:
+        from ndplan.report.data import as_dict
         from ndplan.report.plots import plot_memory
 
-        plot_memory(report, args.plot)
+        # the capacity line at the limit, where one is given
+        plot_memory(report if given_limit is None else {**as_dict(report), "memory_limit_bytes": given_limit},
+                    args.plot)
     emitted = _emit_settings(model, strategy, args.emit, options, device) if args.emit else None
+    inert = _inert_flags(args, strategy)
     if args.json:
+        memory = report.to_dict()
         _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
                     "devices": strategy.world_size,
-                    "strategy": strategy.model_dump(mode="json"), **report.to_dict(),
+                    "strategy": strategy.model_dump(mode="json"), **memory, "caveats": [*memory["caveats"], *inert],
+                    # fits against --memory-limit where given (capacity_bytes stays the device's)
+                    **({"fits": report.peak_bytes <= given_limit, "memory_limit_bytes": given_limit}
+                       if given_limit is not None else {}),
                     "time": {**timing.to_dict(), "details": timing.details, "overlap": overlap.model_dump(mode="json")},
                     **({"emitted": emitted} if emitted else {})})
         return 0
@@ -234,13 +249,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             style="bold" if st.stage == report.peak_stage else None,
         )
     console.print(table)
-    margin = device.memory_bytes - report.peak_bytes
+    limit = device.memory_bytes if given_limit is None else given_limit
+    margin = limit - report.peak_bytes
+    of = format_bytes(limit) if given_limit is None else f"the {format_bytes(limit)} memory limit"
     verdict = (f"[bold green]fits[/]: peak {format_bytes(report.peak_bytes)} on stage {report.peak_stage} "
-               f"of {format_bytes(device.memory_bytes)} ({format_bytes(margin)} free)") if margin >= 0 else (
+               f"of {of} ({format_bytes(margin)} free)") if margin >= 0 else (
                f"[bold red]does not fit[/]: stage {report.peak_stage} needs {format_bytes(report.peak_bytes)}, "
-               f"over {format_bytes(device.memory_bytes)} by {format_bytes(-margin)}")
+               f"over {of} by {format_bytes(-margin)}")
     console.print(verdict)
-    for caveat in report.caveats:
+    for caveat in [*report.caveats, *inert]:
         console.print(f"[bold yellow]caution[/]: {caveat}", markup=True)
     exposed = dict(timing.breakdown["comm_exposed"])
     host_copies = exposed.pop("offload", 0.0)
@@ -256,7 +273,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
                   + _dispatcher_note(options, model), markup=False)
-    _print_kernels(options)
+    _print_kernels(options, strategy)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(emitted, markup=False, soft_wrap=True)  # settings to paste: never wrapped
@@ -317,6 +334,9 @@ def cmd_balance(args: argparse.Namespace) -> int:
     data["balanced"] = {**estimate(model, emitted, device, options, num_devices=strategy.world_size).to_dict(),
                         "strategy": emitted.model_dump(mode="json"), "time": emitted_time.to_dict()}
     data["kind"] = "balance"
+    inert = _inert_flags(args, strategy, recompute_chosen=True)  # balancing chooses the recompute
+    if inert:
+        data["caveats"] = inert
     stepped_up = _stepped_up_line(strategy, result, limit)
     if stepped_up is not None:
         data["stepped_up"] = {**data["stepped_up"], "from": stepped_up[0], "to": stepped_up[1], "note": stepped_up[2]}
@@ -417,7 +437,10 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
     if args.emit and (note := _runtime_note(options, args.emit)):
         console.print(note)
-    _print_kernels(options)  # what the step is priced with, and what --emit changed in it (the loss)
+    for caveat in inert:
+        console.print(f"[bold yellow]caution[/]: {caveat}")
+    # what the step is priced with, and what --emit changed in it (the loss)
+    _print_kernels(options, strategy, recompute_chosen=True)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
@@ -663,16 +686,44 @@ def _memory_limit(text: str | None, device: Any) -> int | None:
     return limit
 
 
-def _print_kernels(options: Any) -> None:
+def _inert_flags(args: argparse.Namespace, strategy: Strategy, recompute_chosen: bool = False) -> list[str]:
+    """Settings given as flags (or, --cp-kind, in a --plan file) that change nothing for this
+    strategy, said as --moe-imbalance on a dense model is (``memory.report``'s inert settings):
+    a user who set them expects them priced. (A --from config's own settings, and what --emit
+    turns on, are not the user's flags.) ``recompute_chosen``: the command chooses the recompute
+    (balance), so a selective policy may apply whatever the strategy's own."""
+    out = []
+    loss_parallel = getattr(args, "loss_parallel", None)
+    if loss_parallel is not None and strategy.tp == 1:
+        out.append(f"{'--loss-parallel' if loss_parallel else '--no-loss-parallel'} changes nothing at tp 1: the "
+                   "loss is vocabulary-parallel across tensor-parallel ranks only")
+    policy = getattr(args, "selective_policy", None)
+    if policy is not None and strategy.recompute != "selective" and not recompute_chosen:
+        out.append(f"--selective-policy {policy} changes nothing: the strategy has no selective recompute "
+                   f"(recompute {strategy.recompute}; the policy applies to --recompute selective)")
+    cp_kind = getattr(args, "cp_kind", None) or (gather_settings(args).get("cp_kind") if getattr(args, "plan", None)
+                                                 else None)
+    if cp_kind is not None and strategy.cp == 1:
+        out.append(f"--cp-kind {cp_kind} changes nothing at cp 1: it says how context parallelism splits the "
+                   f"sequence (give --cp 2 or more)")
+    return out
+
+
+def _print_kernels(options: Any, strategy: Strategy | None = None, recompute_chosen: bool = False) -> None:
     """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any,
-    and the selective policy and the loss where they are not the runtime's own."""
+    and the selective policy and the loss where they are not the runtime's own; of one
+    ``strategy``, only where they price something in it (the policy under selective recompute,
+    unless the command chooses the recompute, ``recompute_chosen``; the vocabulary-parallel loss
+    under TP)."""
     if options.profile.kernels:
         kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
         console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
-    if options.selective_policy not in (None, options.profile.selective_policy):
+    if strategy is not None and strategy.recompute != "selective" and not recompute_chosen:
+        pass  # no policy priced
+    elif options.selective_policy not in (None, options.profile.selective_policy):
         console.print(f"selective recompute priced as {options.selective_policy} (the {options.profile.name} "
                       f"runtime's own: {options.profile.selective_policy}; set with --selective-policy)", markup=False)
-    if options.loss_parallel not in (None, options.profile.loss_parallel):
+    if options.loss_parallel not in (None, options.profile.loss_parallel) and (strategy is None or strategy.tp > 1):
         # --emit torchtitan/megatron/mindformers turns it on: a peak that moves with the output
         # flag says why.
         def kind(parallel: bool) -> str:
@@ -916,10 +967,13 @@ def cmd_search(args: argparse.Namespace) -> int:
                        precision=precision) if result.best else None)
     if args.emit and winner is not None:
         from ndplan.hardware import Cluster
+        from ndplan.progress import working
 
-        emitted_rank, text, check, first_written, first_same = _first_written_as_priced(
-            model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
-            precision, limit or device.memory_bytes)
+        # each candidate written, read back and priced again (about 2 s on DeepSeek-V3)
+        with working(f"reading the ranked candidates back as {args.emit} settings", quiet=quiet):
+            emitted_rank, text, check, first_written, first_same = _first_written_as_priced(
+                model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
+                precision, limit or device.memory_bytes)
         data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
         if note := _runtime_note(options, args.emit):
             data["notes"].append(f"--emit {args.emit}: {note}")
@@ -1314,6 +1368,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_arguments(p)
     add_from_argument(p)
     add_runtime_arguments(p)
+    p.add_argument("--memory-limit", help="per-device limit the fits line and --json's fits are against, e.g. "
+                                          "70GiB (default: the device's memory)")
     p.add_argument("--explain", action="store_true", help="print every term of the peak stage with its formula")
     p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
     p.add_argument("--emit", choices=EMIT_FORMATS,
@@ -1362,7 +1418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=device_count, help="number of devices")
     p.add_argument("--gbs", type=sequence_count, help="global batch size in sequences")
     p.add_argument("--seq", type=sequence_length, help="sequence length in tokens (default 4096)")
-    add_from_argument(p)
+    add_from_argument(p, "search")
     p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
     p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b (also vpp=N and seq_chunks=N, the "
                    "pipeline option's other parts)")
@@ -1414,14 +1470,12 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "PyTorch's SDPA as transformers calls it (flash, but a sliding window becomes an s² mask "
                             "and fp32 with grouped KV heads runs the math path); eager keeps s² scores (default: "
                             "flash, or what a --from config states)")
-    group.add_argument("--loss-parallel", dest="loss_parallel", action="store_true", default=None,
-                       help="keep logits vocab-sharded through the loss")
-    group.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
-    group.add_argument("--loss-upcast", dest="loss_upcast", action="store_true", default=None,
-                       help="the loss works on an fp32 copy of the logits (the default; overrides a --from config)")
-    group.add_argument("--no-loss-upcast", dest="loss_upcast", action="store_false",
-                       help="the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
-                            "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
+    add_switch(group, "--loss-parallel", "--no-loss-parallel", "loss_parallel",
+               "keep logits vocab-sharded through the loss (under TP; changes nothing at tp 1)")
+    add_switch(group, "--loss-upcast", "--no-loss-upcast", "loss_upcast",
+               "the loss works on an fp32 copy of the logits (the default; overrides a --from config)",
+               "the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
+               "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
     group.add_argument("--selective-policy", choices=["megatron", "keep-matmuls", "torchtitan-op"], default=None,
                        help="what selective recompute keeps, where the runtime can run more than its own policy: "
                             "torchtitan-op is torchtitan's per-op checkpointing (every second matmul rebuilt; "

@@ -42,6 +42,34 @@ _WHOLE_NUMBER_KEYS = {
 }
 
 
+class OnOff(argparse.Action):
+    """One of a pair of switches (``--sp`` / ``--no-sp``) that set the same ``dest`` on or off
+    (``const``): given both, argparse let the last win silently; this refuses the second, naming
+    both. The flags given are remembered per namespace, the same flag twice being no conflict."""
+
+    def __init__(self, option_strings: list[str], dest: str, const: bool = True, default: Any = None,
+                 help: str | None = None) -> None:  # noqa: A002 (argparse's keyword)
+        super().__init__(option_strings, dest, nargs=0, const=const, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given: dict[str, tuple[str, bool]] = getattr(namespace, "_switches_given", None) or {}
+        earlier = given.get(self.dest)
+        if earlier is not None and earlier[1] != self.const:
+            parser.error(f"{earlier[0]} and {option_string} contradict each other; give one of them")
+        given[self.dest] = (option_string or self.dest, bool(self.const))
+        namespace._switches_given = given
+        setattr(namespace, self.dest, self.const)
+
+
+def add_switch(group: Any, on: str, off: str, dest: str, on_help: str | None = None,
+               off_help: str | None = None) -> None:
+    """``on`` / ``off`` setting ``dest`` True / False (None where neither is given); both given is
+    an error naming them (``OnOff``)."""
+    group.add_argument(on, dest=dest, action=OnOff, const=True, default=None, help=on_help)
+    group.add_argument(off, dest=dest, action=OnOff, const=False, default=None, help=off_help)
+
+
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for the model, the cluster and every strategy dimension."""
     group = parser.add_argument_group("model and cluster")
@@ -65,8 +93,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     ]:
         par.add_argument(f"--{flag}", type=int, help=text)
     par.add_argument("--cp-kind", choices=CP_KINDS)
-    par.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallelism (needs tp > 1)")
-    par.add_argument("--no-sp", dest="sp", action="store_false")
+    add_switch(par, "--sp", "--no-sp", "sp", "sequence parallelism (needs tp > 1)")
     par.add_argument("--schedule", choices=SCHEDULES)
     par.add_argument("--stage-layers", type=_int_list, help="layers per virtual stage, comma-separated (uneven placement)")
 

@@ -476,7 +476,7 @@ def add_census_commands(subparsers: Any) -> None:
     p.add_argument("--census", help="census JSON: measured activations replace the profile's formulas")
     from ndplan.io.cli import add_from_argument
 
-    add_from_argument(p)
+    add_from_argument(p, "verify")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_verify)
 

@@ -195,7 +195,11 @@ def load_census_file(path: str | Path) -> list[CensusRecord]:
         text = read_text(p)
     except OSError as e:
         raise NdplanError(f"cannot read census file {p}: {e.strerror or e}") from None
-    return from_json(text, source=f"census file {p}")
+    records = from_json(text, source=f"census file {p}")
+    if not records:  # priced as if no census were given, silently
+        raise NdplanError(f"census file {p}: holds no records, so it would replace nothing (measure one with "
+                          "`ndplan census MODEL --out FILE`)")
+    return records
 
 
 def save_census_file(path: str | Path, records: list[CensusRecord]) -> None:

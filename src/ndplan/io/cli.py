@@ -33,19 +33,31 @@ _DERIVED = {
 }
 
 
-def add_from_argument(parser: argparse.ArgumentParser) -> None:
-    """``--from CONFIG`` (and ``--from-format``) for commands that take a strategy."""
+#: What ``--from`` reads, as every command's help says it.
+_CONFIGS = ("a Megatron-LM/MindSpeed launch script or argument file, a torchtitan TOML, a HyperParallel or "
+            "MindFormers YAML, or a config.json")
+#: What each command does with the config beyond that (its --help; default: the planning commands').
+FROM_HELP = {
+    "plan": f"read model, strategy and cluster from {_CONFIGS} (flags and --plan settings win; a config with no "
+            "world size needs --devices)",
+    "search": f"read model, cluster and batch from {_CONFIGS} (flags win; with --dims, the dimensions not "
+              "searched keep the file's values; the file's settings no dimension holds (HSDP shard "
+              "group, reshard, recompute of some layers, Ulysses degree, optimizer offload, embedding "
+              "and output as layers) are kept by every candidate where they mean something, and a "
+              "candidate they are invalid for (a shard group not dividing dp·cp, a limit above its "
+              "stages' layers) is rejected by the rule, counted; its stage_layers are dropped, named "
+              "in a note)",
+    "verify": f"read the model and the strategy settings no flag gives from {_CONFIGS} (flags win; a config "
+              "running context, expert or sequence parallelism is refused, as a measured step runs none); with "
+              "--measured, the model, strategy and runtime come from it",
+}
+
+
+def add_from_argument(parser: argparse.ArgumentParser, purpose: str = "plan") -> None:
+    """``--from CONFIG`` (and ``--from-format``) for commands that take a strategy; ``purpose``
+    a key of ``FROM_HELP`` (what the command does with the file, as its --help says)."""
     group = parser.add_argument_group("framework config")
-    group.add_argument("--from", dest="from_config", type=Path, metavar="CONFIG",
-                       help="read model, strategy and cluster from a Megatron-LM/MindSpeed launch script or argument "
-                            "file, a torchtitan TOML, a HyperParallel or MindFormers YAML, or a config.json "
-                            "(flags and --plan settings win; in a search with --dims, the dimensions not "
-                            "searched keep the file's values; the file's settings no dimension holds (HSDP shard "
-                            "group, reshard, recompute of some layers, Ulysses degree, optimizer offload, embedding "
-                            "and output as layers) are kept by every candidate where they mean something, and a "
-                            "candidate they are invalid for (a shard group not dividing dp·cp, a limit above its "
-                            "stages' layers) is rejected by the rule, counted; its stage_layers are dropped, named "
-                            "in a note)")
+    group.add_argument("--from", dest="from_config", type=Path, metavar="CONFIG", help=FROM_HELP[purpose])
     group.add_argument("--from-format", choices=READ_FORMATS, help="the config's format (default: detected)")
 
 

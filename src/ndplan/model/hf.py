@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, did_you_mean
 from ndplan.model.spec import MAX_LAYERS, MAX_SIZE, MlpKind, ModelSpec
 
 HfConfig = Mapping[str, Any]
@@ -437,10 +437,49 @@ def spec_from_hf_config(config: HfConfig, *, name: str, source: str = "config.js
 
 
 def first_validation_error(error: ValidationError) -> str:
-    """One line from pydantic's report: the field path and what is wrong with it."""
-    first = error.errors()[0]
+    """One line from pydantic's report: the field path and what is wrong with it. An unknown
+    field (pydantic: "Extra inputs are not permitted") is named first, since a misspelt field
+    also reads as the right one missing, with the closest allowed field and all of them."""
+    errors = error.errors()
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     location = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden" and first["loc"]:
+        allowed = _allowed_fields(error.title, first["loc"][:-1])
+        if allowed:
+            return (f"field '{location}': unknown field{did_you_mean(str(first['loc'][-1]), allowed)}; "
+                    f"allowed: {', '.join(allowed)}")
+        return f"field '{location}': unknown field"
     message = first["msg"].removeprefix("Value error, ")
     if location:
         return f"field '{location}': {message} (got {first.get('input')!r})"
     return message
+
+
+def _allowed_fields(title: str, path: tuple[Any, ...]) -> list[str]:
+    """The fields of the pydantic model at ``path`` inside ndplan's model class named ``title``
+    (a ValidationError names its class only so), or [] where that cannot be told."""
+    import typing
+
+    from pydantic import BaseModel
+
+    def subclasses(cls: type) -> list[type]:
+        out: list[type] = []
+        direct: list[type] = cls.__subclasses__()
+        for sub in direct:
+            out += [sub, *subclasses(sub)]
+        return out
+
+    found = [c for c in subclasses(BaseModel) if c.__name__ == title and c.__module__.startswith("ndplan.")]
+    if len(found) != 1:
+        return []
+    model: Any = found[0]
+    for part in path:
+        if isinstance(part, int):  # an item of a list: the list's own model, already followed
+            continue
+        field = model.model_fields.get(part)
+        inner = [t for t in (field.annotation, *typing.get_args(field.annotation)) if isinstance(t, type)
+                 and issubclass(t, BaseModel)] if field is not None else []
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)

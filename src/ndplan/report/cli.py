@@ -224,8 +224,14 @@ def cmd_report(args: argparse.Namespace) -> int:
         path = write_html(result, output, top=args.top, max_points=args.max_points, title=args.title)
         print(f"wrote {path} ({format_bytes(path.stat().st_size)})")
     if args.plot_dir is not None:
-        from ndplan.report.plots import write_plots
+        from ndplan.progress import working
 
-        for figure in write_plots(result, args.plot_dir, fmt=args.plot_format, top=args.top, max_points=args.max_points):
+        # matplotlib's import alone takes a second or two
+        with working(f"drawing the figures into {args.plot_dir}"):
+            from ndplan.report.plots import write_plots
+
+            figures = write_plots(result, args.plot_dir, fmt=args.plot_format, top=args.top,
+                                  max_points=args.max_points)
+        for figure in figures:
             print(f"wrote {figure}")
     return 0

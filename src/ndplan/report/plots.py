@@ -59,7 +59,8 @@ def _context(data: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------ memory
-def _draw_memory(fig: Any, memory: Mapping[str, Any], context: str) -> None:
+def _draw_memory(fig: Any, memory: Mapping[str, Any], context: str, user_limit: bool = False) -> None:
+    """``user_limit``: the capacity line is a --memory-limit, not the device's memory."""
     stages = memory["stages"]
     capacity = memory.get("capacity_bytes")
     panels = [("by category", style.MEMORY_CATEGORIES, "categories")]
@@ -87,8 +88,8 @@ def _draw_memory(fig: Any, memory: Mapping[str, Any], context: str) -> None:
                       label="reserved peak")
         if capacity:
             ax.axhline(capacity / GIB, color=style.CAPACITY_COLOR, linestyle="--", linewidth=1.6,
-                       label=f"device capacity ({capacity / GIB:,.1f} GiB)")
-            ax.annotate(f"capacity {capacity / GIB:,.1f} GiB", (1.0, capacity / GIB), xycoords=("axes fraction", "data"),
+                       label=f"{'memory limit' if user_limit else 'device capacity'} ({capacity / GIB:,.1f} GiB)")
+            ax.annotate(f"{'limit' if user_limit else 'capacity'} {capacity / GIB:,.1f} GiB", (1.0, capacity / GIB), xycoords=("axes fraction", "data"),
                         xytext=(0, 3), textcoords="offset points", ha="right", va="bottom", fontsize=8,
                         color=style.CAPACITY_COLOR)
         if len(stages) <= 16:
@@ -128,7 +129,7 @@ def plot_memory(report_or_dict: Any, path: str | Path, *, title: str | None = No
         raise NdplanError("no per-stage memory in this result to plot")
     memory = data["memory"][0]
     fig = _figure(_memory_width(memory), 6.4)
-    _draw_memory(fig, memory, _context(data))
+    _draw_memory(fig, memory, _context(data), bool(data.get("user_limit")))
     return _save(fig, path)
 
 
@@ -399,7 +400,8 @@ def write_plots(result: Any, directory: str | Path, *, fmt: str = "png", top: in
         name = "memory" if not memory["name"] else "memory-" + "".join(
             c if c.isalnum() else "-" for c in memory["name"]).strip("-")
         fig = _figure(_memory_width(memory), 6.4)
-        _draw_memory(fig, memory, context + (f" ({memory['name']})" if memory["name"] else ""))
+        _draw_memory(fig, memory, context + (f" ({memory['name']})" if memory["name"] else ""),
+                     bool(data.get("user_limit")))
         written.append(_save(fig, out / f"{name}.{fmt}"))
     if data["perf_bars"]:
         fig = _figure(10.0, 2.4 + 0.42 * len(data["perf_bars"]))
