@@ -2098,7 +2098,8 @@ def _evaluate_group(
         static_rows = np.flatnonzero(later_runs & ~deferred)
         if deferred_rows.size or static_rows.size:
             per_grads = per_grads.copy(order="F")
-            per_grads[deferred_rows] = static.at(static.elements_virtual, deferred_rows) * grad_bytes
+            per_grads[deferred_rows] = static.at(static.elements_virtual, deferred_rows) * (
+                grad_bytes + _pending_split_grad_width(schedule, precision, profile, first_virtual)[None, :])
             per_grads[static_rows] = 0.0
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
     split = schedule in SPLIT_BACKWARD
@@ -2771,6 +2772,34 @@ def _fsdp_unit_phases(
             after = size[first] if count > 1 else size[runs[1][0]] if len(runs) > 1 else zero
             last_unit[:, column] = np.maximum((g + r) * size[first], 2 * g * size[first] + r * after)
     return FsdpPhases(buffers=buffers, working=work, last_unit=last_unit, grads_made=grads_made)
+
+
+#: Schedules whose every backward torch.distributed.pipelining splits into an input-gradient
+#: step and a later weight-gradient step (I, W), on every stage but the first.
+EVERY_BACKWARD_SPLIT = frozenset({"zbv"})
+
+
+def _pending_split_grad_width(schedule: str, precision: Any, profile: RuntimeProfile,
+                              first_virtual: np.ndarray) -> np.ndarray:
+    """Bytes per element, per virtual stage, of the new unsharded gradient a chunk keeps beside
+    its accumulated one under a deferred FSDP reduce and ZB-V's split backward.
+
+    torch.distributed.pipelining turns FSDP2's gradient sync off until the chunk's REDUCE_GRAD;
+    FSDP2's post-backward then only moves the parameter's gradient into its accumulator in the
+    reduce dtype (``to_accumulated_grad_if_needed`` / ``accumulate_unsharded_grad_if_needed``).
+    Under the split backward that hook runs in the input-gradient step before the micro-batch's
+    weight gradients are accumulated, so each chunk holds, besides its fp32 accumulator, the last
+    micro-batch's gradient in the parameter dtype until its next backward (traced on ZB-V: a
+    decoder layer of llama-3.1-8b holds 4 + 2 bytes an element from its second backward on). Not
+    where the two widths are one (the gradient is accumulated in place), nor on the pipeline's
+    first stage where torch runs its W as a whole backward (the hook comes after the gradients),
+    nor under DualPipeV, whose steady state runs full backwards (F&B overlapped: traced, no new
+    gradient waits there; only its warm-up and cool-down split a backward)."""
+    pending = float(precision.param_gather_bytes) if precision.grad_bytes != precision.param_gather_bytes else 0.0
+    if schedule not in EVERY_BACKWARD_SPLIT or not profile.pipeline_defers_fsdp_reduce or not pending:
+        return np.zeros(len(first_virtual))
+    whole_w = (first_virtual > 0) if profile.first_stage_backward_at_w else np.zeros(len(first_virtual), dtype=bool)
+    return np.where(whole_w, 0.0, pending)
 
 
 def _weight_grad_step(
