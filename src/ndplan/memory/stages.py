@@ -1571,7 +1571,15 @@ def _static_state(
     tables_apart = embedding_stage != output_stage
     # A tied table lives once where both ends meet; apart, the output stage keeps its own copy.
     # MTP modules embed the shifted tokens too, so they need the table on the output stage.
-    head_on_output = (not model.tie_word_embeddings) or tables_apart
+    # Per strategy, the ends meet as two copies where a V's first stage holds them in two chunks
+    # that torch.distributed.pipelining (the runtime that defers FSDP's reduce) wraps as FSDP
+    # roots of their own: fully_shard of the embedding's chunk replaces the shared parameter
+    # there alone, and the head's chunk shards the original again (measured, llama-3.2-1b ZB-V
+    # dp2 pp2: 1.21 GiB of sharded parameters on stage 0, two tables; one without FSDP).
+    split_tie = (model.tie_word_embeddings and not tables_apart and pp * vpp > 1
+                 and options.profile.pipeline_defers_fsdp_reduce) & (batch.zero == 3)
+    apart = tables_apart | split_tie  # [n]
+    head_on_output = (not model.tie_word_embeddings) | apart
     embedding_copy_for_mtp = model.mtp_depth > 0 and tables_apart and not model.tie_word_embeddings
     final_norm = float(model.hidden_size * (2 if model.norm == "layernorm" and model.norm_bias else 1))
     mtp_kind = model.mtp_mlp_kind
@@ -1661,7 +1669,7 @@ def _static_state(
     # shared table.
     head_grad_bytes = ((table * (1 + embedding_copy_for_mtp) + final_norm + model.mtp_depth * mtp_layer) * grad_width
                        + model.mtp_depth * layers.expert[mtp_kind] * grad_bytes / shards.expert_grads)
-    table_made_last = 0.0 if model.tie_word_embeddings and not tables_apart else table * grad_width
+    table_made_last = np.where(model.tie_word_embeddings & ~apart, 0.0, table * grad_width)
     # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
     # table (the scatter of token gradients is dense) and adds it to the kept one. FSDP gradients
     # are new each micro-batch and priced with its unit buffers. Under DTensor tensor parallelism
@@ -1707,7 +1715,7 @@ def _static_state(
         total=out["params"] + out["grads"] + out["optimizer"], optimizer_update=optimizer_update,
         grads_virtual=grads_virtual,
         unit_elements={kind: non_expert + expert for kind, (non_expert, expert) in unit_parts.items()}
-        | {"tied": table * (model.tie_word_embeddings and not tables_apart)},
+        | {"tied": table * (model.tie_word_embeddings & ~apart)},
         unit_grads={kind: np.where(made_by_now, non_expert * grad_bytes / shards.grads
                                    + expert * grad_bytes / shards.expert_grads, 0.0)
                     for kind, (non_expert, expert) in unit_parts.items()},
