@@ -1214,3 +1214,22 @@ def test_allgather_dispatcher_is_megatron_and_not_node_dedup():
         MemoryOptions(runtime="megatron", moe_dispatcher="allgather", overlap=OverlapConfig(ep_dispatch="node_dedup"))
     with pytest.raises(NdplanError, match="moe_dispatcher must be one of"):
         MemoryOptions(runtime="megatron", moe_dispatcher="flex")  # type: ignore[arg-type]
+
+
+def test_zbv_with_fsdp_resharding_after_forward_carries_the_dropped_gradient_caveat():
+    """torch 2.13's ZB-V under FSDP2 with reshard after forward never makes some weight gradients
+    (traced on the fake-tensor step: the first stage's head-chunk decoder layer ends the step with
+    no gradient; tests/data/measured/llama8b-pp2-fsdp2-zbv-m4-s4k-dropped-grads.json): told beside
+    the estimate, and not where the units stay gathered or the schedule does not split so."""
+    from ndplan.model import get_preset
+
+    model = get_preset("llama-3.1-8b")
+
+    def told(**fields: object) -> bool:
+        strategy = Strategy(dp=2, pp=2, vpp=2, zero=3, fsdp=True, num_micro_batches=4, seq_length=4096,
+                            precision="fsdp-bf16", **fields)
+        return any("drops weight gradients" in c for c in estimate(model, strategy, options=NO_OVERHEAD).caveats)
+
+    assert told(schedule="zbv")
+    assert not told(schedule="zbv", reshard_after_forward=False)
+    assert not told(schedule="interleaved")

@@ -1603,7 +1603,15 @@ def _static_state(
     tables_apart = embedding_stage != output_stage
     # A tied table lives once where both ends meet; apart, the output stage keeps its own copy.
     # MTP modules embed the shifted tokens too, so they need the table on the output stage.
-    head_on_output = (not model.tie_word_embeddings) or tables_apart
+    # Per strategy, the ends meet as two copies where a V's first stage holds them in two chunks
+    # that torch.distributed.pipelining (the runtime that defers FSDP's reduce) wraps as FSDP
+    # roots of their own: fully_shard of the embedding's chunk replaces the shared parameter
+    # there alone, and the head's chunk shards the original again (measured, llama-3.2-1b ZB-V
+    # dp2 pp2: 1.21 GiB of sharded parameters on stage 0, two tables; one without FSDP).
+    split_tie = (model.tie_word_embeddings and not tables_apart and pp * vpp > 1
+                 and options.profile.pipeline_defers_fsdp_reduce) & (batch.zero == 3)
+    apart = tables_apart | split_tie  # [n]
+    head_on_output = (not model.tie_word_embeddings) | apart
     embedding_copy_for_mtp = model.mtp_depth > 0 and tables_apart and not model.tie_word_embeddings
     final_norm = float(model.hidden_size * (2 if model.norm == "layernorm" and model.norm_bias else 1))
     mtp_kind = model.mtp_mlp_kind
@@ -1693,7 +1701,7 @@ def _static_state(
     # shared table.
     head_grad_bytes = ((table * (1 + embedding_copy_for_mtp) + final_norm + model.mtp_depth * mtp_layer) * grad_width
                        + model.mtp_depth * layers.expert[mtp_kind] * grad_bytes / shards.expert_grads)
-    table_made_last = 0.0 if model.tie_word_embeddings and not tables_apart else table * grad_width
+    table_made_last = np.where(model.tie_word_embeddings & ~apart, 0.0, table * grad_width)
     # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
     # table (the scatter of token gradients is dense) and adds it to the kept one. FSDP gradients
     # are new each micro-batch and priced with its unit buffers. Under DTensor tensor parallelism
@@ -1739,7 +1747,7 @@ def _static_state(
         total=out["params"] + out["grads"] + out["optimizer"], optimizer_update=optimizer_update,
         grads_virtual=grads_virtual,
         unit_elements={kind: non_expert + expert for kind, (non_expert, expert) in unit_parts.items()}
-        | {"tied": table * (model.tie_word_embeddings and not tables_apart)},
+        | {"tied": table * (model.tie_word_embeddings & ~apart)},
         unit_grads={kind: np.where(made_by_now, non_expert * grad_bytes / shards.grads
                                    + expert * grad_bytes / shards.expert_grads, 0.0)
                     for kind, (non_expert, expert) in unit_parts.items()},
@@ -2170,7 +2178,8 @@ def _evaluate_group(
         static_rows = np.flatnonzero(later_runs & ~deferred)
         if deferred_rows.size or static_rows.size:
             per_grads = per_grads.copy(order="F")
-            per_grads[deferred_rows] = static.at(static.elements_virtual, deferred_rows) * grad_bytes
+            per_grads[deferred_rows] = static.at(static.elements_virtual, deferred_rows) * (
+                grad_bytes + _pending_split_grad_width(schedule, precision, profile, first_virtual)[None, :])
             per_grads[static_rows] = 0.0
         extra = [_chunk_column(per_grads, chunks, c) for c in range(vpp)]
     split = schedule in SPLIT_BACKWARD
@@ -2390,6 +2399,12 @@ def _evaluate_group(
             one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
             one_micro_batch_loss=pick(_per_op(output_held, seq_chunks)),
             kept_after_backward=np.broadcast_to(deferred, (len(batch),))[sharded_rows],
+            # Under a V schedule torch keeps both of a rank's chunks gathered ahead (at most
+            # three): 1 where the rank's other chunk sits beside a unit's moments (its units
+            # stay gathered from its backward on), 2 where every unit does (never resharded
+            # after forward).
+            kept_beside=pick(np.where(deferred & (schedule in V_SHAPE),
+                                      np.where(batch.reshard_after_forward == 0, 2.0, 1.0), 0.0)),
             kept_elements=_largest_chunks(static.at(static.elements_virtual, sharded_rows), chunks, vpp)
             if vpp > ACTIVE_CHUNKS else None,
         )
@@ -2642,12 +2657,37 @@ class _WorstMoment:
         return buffers - made, work, made
 
 
+def _gathered_beside(g: float, mode: np.ndarray, size: dict[str, np.ndarray], runs: list[tuple[str, int]],
+                     run_chunk: list[int], index: int, before_index: int | None = None) -> np.ndarray:
+    """Bytes of a stage's parameters gathered beside a moment of its run ``index`` that counts
+    that run's unit gathered, and the unit of run ``before_index`` where given (``index`` itself:
+    a second unit of the same run), per strategy by ``mode`` (``_fsdp_unit_phases``'
+    ``kept_beside``): 0 nothing; 1 every unit of the rank's other chunks (less the neighbour
+    counted, where it is theirs); 2 every unit of the stage less those counted."""
+    if not mode.any():
+        return np.zeros(len(mode))
+    chunk_elements: dict[int, Any] = {}
+    for (kind, count), v in zip(runs, run_chunk, strict=True):
+        chunk_elements[v] = chunk_elements.get(v, 0.0) + count * size[kind]
+    stage_elements = sum(chunk_elements.values(), np.zeros(len(mode)))
+    v = run_chunk[index]
+    own = size[runs[index][0]]
+    others = stage_elements - chunk_elements[v]
+    if before_index is not None:
+        own = own + size[runs[before_index][0]]
+        if run_chunk[before_index] != v:
+            others = others - size[runs[before_index][0]]
+    return g * np.where(mode >= 2, np.maximum(stage_elements - own, 0.0),
+                        np.where(mode >= 1, np.maximum(others, 0.0), 0.0))
+
+
 def _fsdp_unit_phases(
     placement: Placement, on_stage: np.ndarray, stages: np.ndarray, gather_bytes: int, reduce_bytes: np.ndarray,
     units: dict[str, np.ndarray], working: dict[str, np.ndarray], loss_working: np.ndarray,
     expert_elements: np.ndarray, expert_working: np.ndarray, unit_grads: dict[str, np.ndarray],
     one_micro_batch: np.ndarray, one_micro_batch_loss: np.ndarray, one_micro_batch_layers: np.ndarray,
     kept_after_backward: np.ndarray, kept_elements: np.ndarray | None = None,
+    kept_beside: np.ndarray | None = None,
 ) -> FsdpPhases:
     """FSDP2 (torchtitan's wrapping: the embedding, each decoder layer, and [final norm, head]
     are units) holds, besides the sharded state, the buffers of at most three units at once.
@@ -2673,6 +2713,14 @@ def _fsdp_unit_phases(
     (``kept_after_backward``) every unit stays gathered from its backward to its next forward,
     or, where torch keeps only some chunks gathered (``kept_elements`` [n, stages]: the elements of
     the largest three), those.
+
+    Beside a unit's moments, what else of the stage is gathered then (``kept_beside``, per
+    strategy 0: nothing priced; 1: the units of the rank's other chunks, gathered from their
+    backward on and not resharded until their REDUCE_GRAD or next forward; 2: every unit of the
+    stage but those the moment counts, never resharded after forward). Under a V schedule the
+    first stage holds the embedding's chunk and the head's: the loss's backward runs with the
+    whole embedding chunk gathered beside the head (measured, ZB-V: 2.36 GiB of llama-3.1-8b's
+    gathered parameters at the head's backward, not the head's 0.98 GiB alone).
 
     The embedding's moments come at the end of a micro-batch's backward or the start of its
     forward, when that micro-batch's first-chunk activations (``one_micro_batch`` bytes) are not
@@ -2708,17 +2756,23 @@ def _fsdp_unit_phases(
     grads_made = np.zeros((n, columns), order="F")
     first_chunk_layers = max(float(placement.dense_layers[0] + placement.moe_layers[0]), 1.0)
     g, r = float(gather_bytes), np.broadcast_to(np.asarray(reduce_bytes, dtype=float), (n,))
-    priced: dict[tuple[tuple[tuple[str, int], ...], bool], int] = {}  # signature -> a column priced with it
+    priced: dict[tuple[Any, ...], int] = {}  # signature -> a column priced with it
     for column, s in enumerate(stages.tolist()):
         # The stage's units in forward order, as runs of one kind: [(kind, count)].
         runs: list[tuple[str, int]] = [("embedding", 1)] if placement.stage_of[0] == s else []
+        run_chunk: list[int] = [0] if runs else []
         for v in np.flatnonzero(on_stage[s]):
-            runs += [(k, int(c)) for k, c in (("dense", placement.dense_layers[v]), ("moe", placement.moe_layers[v])) if c]
+            here = [(k, int(c)) for k, c in (("dense", placement.dense_layers[v]), ("moe", placement.moe_layers[v])) if c]
+            runs += here
+            run_chunk += [int(v)] * len(here)
         if placement.stage_of[-1] == s:
             runs.append(("head", 1))
+            run_chunk.append(len(placement.stage_of) - 1)
         # Stages with the same units (and the same role: the last one frees the loss) have the
         # same moments: the interior stages of a uniform placement are priced once.
-        signature = (tuple(runs), placement.stage_of[-1] == s)
+        # (and the same chunks: which runs share one)
+        signature = (tuple(runs), placement.stage_of[-1] == s,
+                     tuple(a == b for a, b in zip(run_chunk, run_chunk[1:], strict=False)))
         if signature in priced:
             same = priced[signature]
             for array in (buffers, work, grads_made, last_unit):
@@ -2729,6 +2783,9 @@ def _fsdp_unit_phases(
         consider_alone = moments.consider
         holds_tied_table = bool(runs) and runs[0][0] == "embedding" and runs[-1][0] == "head"
         consider = partial(moments.consider_beside, g * tied) if holds_tied_table else consider_alone
+        # What else of the stage is gathered beside a moment (``_gathered_beside``).
+        beside = partial(_gathered_beside, g, zero if kept_beside is None else np.broadcast_to(kept_beside, (n,)),
+                         size, runs, run_chunk)
 
         later = zero.copy()  # elements of the units after the current run, forward order
         later_grads = zero.copy()  # and their sharded gradients' bytes
@@ -2738,39 +2795,48 @@ def _fsdp_unit_phases(
             following = runs[index + 1][0] if index + 1 < len(runs) else ""
             n_k = size[kind]
             if kind == "head":
-                consider(2 * g * n_k)  # its all-gather, every activation held
-                consider(g * n_k, loss_working)  # the loss beside the gathered head
-                consider((2 * g + r) * n_k + g * size[previous])
+                kept = beside(index)
+                consider(2 * g * n_k + kept)  # its all-gather, every activation held
+                consider(g * n_k + kept, loss_working)  # the loss beside the gathered head
+                consider((2 * g + r) * n_k + g * size[previous] + (beside(index, index - 1) if index else kept))
             elif kind == "embedding":
                 # Whatever follows has made its gradients (single micro-batch: sharded by now).
                 made = later_grads
+                kept = beside(index)
                 for buf in (g * n_k + r * size[following], 2 * g * n_k + r * size[following], (g + r) * n_k):
-                    moment = np.maximum(buf + made - one_micro_batch, 0.0)
+                    moment = np.maximum(buf + kept + made - one_micro_batch, 0.0)
                     consider_alone(moment, None, np.minimum(made, moment))  # a tied table is its n_k
             else:
                 # Three positions cover a run: its last unit (first in backward), a middle one
-                # and its first, each with its neighbours and the units after it.
+                # and its first, each with its neighbours and the units after it (and the
+                # run whose unit is the neighbour before: None for its own).
                 grads_k = grads_of[kind]
-                positions = [(kind if count > 1 else previous, following, later_grads)]
+                before_run = index - 1 if index else None
+                positions = [(kind if count > 1 else previous, following, later_grads,
+                              index if count > 1 else before_run)]
                 if count > 2:
-                    positions.append((kind, kind, later_grads + grads_k))
+                    positions.append((kind, kind, later_grads + grads_k, index))
                 if count > 1:
-                    positions.append((previous, kind, later_grads + (count - 1) * grads_k))
-                for before_kind, after_kind, made in positions:
+                    positions.append((previous, kind, later_grads + (count - 1) * grads_k, before_run))
+                for before_kind, after_kind, made, before_at in positions:
                     before, after = size[before_kind], size[after_kind]
                     credit = one_micro_batch_loss if placement.stage_of[-1] == s else zero
                     if before_kind == "embedding":
                         # The first layer's backward comes after the rest of its chunk's
                         # backward has freed those layers' activations of that micro-batch.
                         credit = credit + one_micro_batch_layers * (1.0 - 1.0 / first_chunk_layers)
-                    base = g * before + r * after + made - credit
+                    if before_at == index:  # a unit of its own run: counted as such
+                        kept = beside(index, index)
+                    else:
+                        kept = beside(index, before_at) if before_at is not None else beside(index)
+                    base = g * before + r * after + made - credit + kept
                     consider(g * n_k + base, working.get(kind, zero), made)
                     if kind == "moe":
                         moment = np.maximum(g * (n_k + expert) + base, 0.0)
                         consider(moment, expert_working, np.minimum(made, moment))
                     moment = np.maximum(2 * g * n_k + base, 0.0)
                     consider(moment, None, np.minimum(made, moment))
-                    moment = np.maximum((g + r) * n_k + g * before + made - credit, 0.0)
+                    moment = np.maximum((g + r) * n_k + g * before + made - credit + kept, 0.0)
                     consider(moment, None, np.minimum(made, moment))
             later = later + count * n_k
             later_grads = later_grads + count * grads_of[kind]
@@ -2791,6 +2857,34 @@ def _fsdp_unit_phases(
             after = size[first] if count > 1 else size[runs[1][0]] if len(runs) > 1 else zero
             last_unit[:, column] = np.maximum((g + r) * size[first], 2 * g * size[first] + r * after)
     return FsdpPhases(buffers=buffers, working=work, last_unit=last_unit, grads_made=grads_made)
+
+
+#: Schedules whose every backward torch.distributed.pipelining splits into an input-gradient
+#: step and a later weight-gradient step (I, W), on every stage but the first.
+EVERY_BACKWARD_SPLIT = frozenset({"zbv"})
+
+
+def _pending_split_grad_width(schedule: str, precision: Any, profile: RuntimeProfile,
+                              first_virtual: np.ndarray) -> np.ndarray:
+    """Bytes per element, per virtual stage, of the new unsharded gradient a chunk keeps beside
+    its accumulated one under a deferred FSDP reduce and ZB-V's split backward.
+
+    torch.distributed.pipelining turns FSDP2's gradient sync off until the chunk's REDUCE_GRAD;
+    FSDP2's post-backward then only moves the parameter's gradient into its accumulator in the
+    reduce dtype (``to_accumulated_grad_if_needed`` / ``accumulate_unsharded_grad_if_needed``).
+    Under the split backward that hook runs in the input-gradient step before the micro-batch's
+    weight gradients are accumulated, so each chunk holds, besides its fp32 accumulator, the last
+    micro-batch's gradient in the parameter dtype until its next backward (traced on ZB-V: a
+    decoder layer of llama-3.1-8b holds 4 + 2 bytes an element from its second backward on). Not
+    where the two widths are one (the gradient is accumulated in place), nor on the pipeline's
+    first stage where torch runs its W as a whole backward (the hook comes after the gradients),
+    nor under DualPipeV, whose steady state runs full backwards (F&B overlapped: traced, no new
+    gradient waits there; only its warm-up and cool-down split a backward)."""
+    pending = float(precision.param_gather_bytes) if precision.grad_bytes != precision.param_gather_bytes else 0.0
+    if schedule not in EVERY_BACKWARD_SPLIT or not profile.pipeline_defers_fsdp_reduce or not pending:
+        return np.zeros(len(first_virtual))
+    whole_w = (first_virtual > 0) if profile.first_stage_backward_at_w else np.zeros(len(first_virtual), dtype=bool)
+    return np.where(whole_w, 0.0, pending)
 
 
 def _weight_grad_step(
