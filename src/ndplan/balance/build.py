@@ -18,6 +18,7 @@ from __future__ import annotations
 import time as clock
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ from ndplan.perf.overlap import OverlapConfig, default_overlap
 from ndplan.perf.step import compute_rates, strategy_columns
 from ndplan.perf.topology import Fabric
 from ndplan.placement import place_layers
-from ndplan.schedule import SPLIT_BACKWARD, in_flight
+from ndplan.schedule import SPLIT_BACKWARD, InFlight, in_flight
 from ndplan.strategy import Strategy, StrategyBatch
 from ndplan.strategy.rules import validate_strategy
 from ndplan.strategy.strategy import offload_conflict
@@ -191,6 +192,29 @@ def build_problems(
                                  embedding_as_layer=strategy.embedding_as_layer,
                                  output_as_layer=strategy.output_as_layer)
         flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
+        # Per (kind, option), the bytes per micro-batch a layer keeps from B until W, as the
+        # estimator prices them (``stages._evaluate_group``): on the pipeline's first virtual
+        # stage where the runtime runs its whole backward at W, everything it held until B.
+        until_w, until_w_first = held_until_w(acts, options.profile, strategy.schedule, costs, n, j, tokens, slack)
+        per_b = np.zeros((strategy.pp, strategy.vpp))
+        per_w = np.zeros((strategy.pp, strategy.vpp))
+        main = max(set(model.layer_mlp_kinds), key=model.layer_mlp_kinds.count)
+        for v in range(placement.num_virtual_stages):
+            stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
+            count = int(placement.dense_layers[v] + placement.moe_layers[v])
+            per_b[stage, chunk] = count * costs[(main, "none")].activation_bytes
+            per_w[stage, chunk] = count * (until_w_first if v == 0 else until_w)[(main, "none")]
+        weights, weights_w = chunk_weights(flight, per_b, per_w)
+        # Per stage, the W-held bytes of a layer under each option: its chunks' weights, by the
+        # uniform placement's layers.
+        layers_of = np.zeros((strategy.pp, strategy.vpp))
+        layers_of[placement.stage_of, placement.chunk_of] = placement.dense_layers + placement.moe_layers
+        share = layers_of / np.maximum(layers_of.sum(axis=1, keepdims=True), 1)
+        first_share = np.zeros((strategy.pp, strategy.vpp))
+        first_share[placement.stage_of[0], placement.chunk_of[0]] = share[placement.stage_of[0], placement.chunk_of[0]]
+        held_w = {key: ((share - first_share) * weights_w).sum(axis=1) * until_w[key]
+                  + (first_share * weights_w).sum(axis=1) * until_w_first[key]
+                  for key in costs} if np.any(weights_w) else None
         emb_static = float(model.vocab_size * model.hidden_size / strategy.tp) * float(per_element[j]) * slack
         out_activation = float(acts.output[j] + model.mtp_depth * acts.mtp_extra[j]) * tokens * slack
         head_static = 0.0 if model.tie_word_embeddings and strategy.pp == 1 else emb_static
@@ -218,11 +242,13 @@ def build_problems(
                 for kind, plain, again in (("dense", dense - dense_on, dense_on), ("moe", moe - (on - dense_on), on - dense_on)):
                     for count, held_as in ((plain, "none"), (again, option)):
                         cost = costs[(kind, held_as)]
-                        moving[stage] += float(count) * (cost.static_bytes + flight.peak[stage, chunk] * cost.activation_bytes)
+                        held_after_b = 0.0 if held_w is None else float(held_w[kind, held_as][stage])
+                        moving[stage] += float(count) * (cost.static_bytes + weights[stage, chunk] * cost.activation_bytes
+                                                         + held_after_b)
                 recomputed[stage] += 0 if option == "none" else on
             for v, end in ((0, first_extra), (placement.num_virtual_stages - 1, last_extra)):
                 stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
-                moving[stage] += end.static_bytes + flight.peak[stage, chunk] * end.activation_bytes
+                moving[stage] += end.static_bytes + weights[stage, chunk] * end.activation_bytes
             fixed_of[option, limit] = device - moving
             recomputed_of[option, limit] = recomputed
         fixed = fixed_of["none", 0]
@@ -233,16 +259,129 @@ def build_problems(
             strategy.pp)
         problem = BalanceProblem(
             layer_kinds=model.layer_mlp_kinds, options=runnable,
-            costs=costs, stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=np.asarray(flight.peak),
+            costs=costs, stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=weights,
             num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
             fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
-            recompute_layer_bytes=per_layer,
+            recompute_layer_bytes=per_layer, held_until_w_bytes=held_w,
             step_fixed_bytes=step_fixed, step_layer_bytes=step_layer,
         )
         # A step that can never be the peak (Megatron's) is left out: the solvers skip its masks.
         problems.append(replace(problem, step_fixed_bytes=None, step_layer_bytes=None)
                         if step_never_binds(problem) else problem)
     return problems
+
+
+def held_until_w(acts: Any, profile: Any, schedule: str, costs: Mapping[tuple[str, str], LayerCost], n: int, j: int,
+                 tokens: float, slack: float) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]:
+    """Per (kind, option), the bytes per micro-batch one layer keeps from its B until its W
+    (zero without a split backward), and the same on the pipeline's first virtual stage, as the
+    estimator prices them (``stages._evaluate_group``): under torch.distributed.pipelining the
+    layer's autograd graph (none where W rebuilds a recomputed layer per parameter group, the
+    whole layer's where it keeps the rebuilt one) and the output gradients W consumes; elsewhere
+    the linear layers' inputs and output gradients. Where the runtime runs the first stage's
+    whole backward at W, what the layer held until B stays until then."""
+    zero = {key: 0.0 for key in costs}
+    if schedule not in SPLIT_BACKWARD:
+        return zero, zero
+    out = {}
+    for kind, option in costs:
+        row = OPTIONS.index(option) * n + j
+        if profile.weight_grad_holds == "all":
+            if option == "none":
+                graph = float(acts.full[kind][row])
+            else:
+                graph = 0.0 if profile.weight_grad_recomputes_per_group else float(acts.full[kind][row])
+            per_token = graph + float(acts.weight_grad_outputs[kind][row])
+        else:
+            per_token = 2 * float(acts.weight_input[kind][row])
+        out[kind, option] = per_token * tokens * slack
+    first = ({key: cost.activation_bytes for key, cost in costs.items()} if profile.first_stage_backward_at_w else out)
+    return out, first
+
+
+def chunk_weights(flight: InFlight, per_b: np.ndarray, per_w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[pp, v] the micro-batches each chunk's activations count for in its stage's peak: those
+    held until their backward (B), and those held from B until the weight gradient (W).
+
+    The estimator's held peak is the max over time t of Σ_c held[t, c]·bytes[c] (the schedule's
+    in-flight table, ``InFlight.stages``); the solvers need one weight per chunk. Weighing each
+    chunk by its own peak (``InFlight.peak``) counted a layer moved off a stage at every chunk's
+    peak at once, more than the stage ever holds (interleaved pp4 vpp2, stage 1: 8 + 4
+    micro-batches against 9 at once), so a stage left with fewer layers read low. Here, per
+    stage, an order π of its chunks and g(r) = max_t Σ_{first r chunks of π} held[t, c]; chunk
+    π_r weighs g(r) − g(r − 1) (``_prefix_weights``). Bytes that fall along π, as the solvers
+    deal layers and options (the chunks of least weight first, options holding most bytes
+    first), are a sum of prefix indicators with non-negative coefficients, so the weighed sum
+    is at or over the max over time, and equal to it where the chunks hold the same bytes.
+
+    Where the stage's peak holds bytes until W as well (a split backward), the two counts per
+    chunk are the mean of the rows holding the most bytes with ``per_b``/``per_w`` [pp, v], a
+    uniform placement's bytes per micro-batch of each chunk held until B and until W: exact for
+    one chunk a stage whatever its layers (a layer adds its bytes at those rows), and off it by
+    how the chunks' bytes part from the uniform placement's."""
+    weights_b = _schedule_prefix_weights(flight.schedule, flight.pp, flight.vpp, flight.num_micro_batches,
+                                         flight.seq_chunks).copy()
+    weights_w = np.zeros((flight.pp, flight.vpp))
+    if not np.any(per_w):
+        return weights_b, weights_w
+    for s, series in enumerate(flight.stages):
+        held = series.held_until_b @ per_b[s] + series.held_until_w @ per_w[s]
+        top = held >= held.max() * (1 - 1e-12)
+        if np.any(series.held_until_w[top] * per_w[s]):
+            weights_b[s] = series.held_until_b[top].mean(axis=0)
+            weights_w[s] = series.held_until_w[top].mean(axis=0)
+    return weights_b, weights_w
+
+
+@lru_cache(maxsize=1024)
+def _schedule_prefix_weights(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> np.ndarray:
+    """[pp, v] ``_prefix_weights`` of each stage's held-until-B rows (read-only; cached: a search
+    builds many problems on one schedule)."""
+    flight = in_flight(schedule, pp, vpp, m, seq_chunks)
+    out = np.array([_prefix_weights(np.unique(series.held_until_b, axis=0)) for series in flight.stages])
+    out.flags.writeable = False
+    return out
+
+
+#: Up to this many chunks a stage's order is chosen among every permutation; beyond, greedily.
+_EVERY_ORDER = 6
+#: What a chunk's weight grows by per place in its order (micro-batches), so that the solvers'
+#: stable argsort of the weights meets the order where two weigh the same.
+_ORDER_STEP = 1e-9
+
+
+def _prefix_weights(held: np.ndarray) -> np.ndarray:
+    """[v] chunk weights from a stage's in-flight rows ``held`` [t, v] (``chunk_weights``): the
+    order π whose increments g(r) − g(r − 1) do not fall along it (so that ordering the weights
+    gives π back), the first such in the order of the chunks' own peaks (every order up to
+    ``_EVERY_ORDER`` chunks, else the greedy one); each weight plus ``_ORDER_STEP`` per place."""
+    from itertools import permutations
+
+    v = held.shape[1]
+    if v == 1:
+        return held.max(axis=0)
+
+    def increments(order: tuple[int, ...]) -> np.ndarray:
+        prefix = np.cumsum(held[:, list(order)], axis=1).max(axis=0)
+        return np.diff(prefix, prepend=0.0)
+
+    peaks = held.max(axis=0)
+    if v <= _EVERY_ORDER:
+        candidates = sorted(permutations(range(v)), key=lambda order: tuple(peaks[list(order)]))
+    else:  # greedy: each next the chunk adding least to the prefix's peak
+        greedy: list[int] = []
+        for _ in range(v):
+            rest = [c for c in range(v) if c not in greedy]
+            greedy.append(min(rest, key=lambda c: (np.cumsum(held[:, [*greedy, c]], axis=1).max(axis=0)[-1],
+                                                   peaks[c], c)))
+        candidates = [tuple(greedy)]
+    for order in candidates:
+        steps = increments(order)
+        if (np.diff(steps) >= 0).all():
+            out = np.empty(v)
+            out[list(order)] = steps + _ORDER_STEP * np.arange(v)
+            return out
+    return peaks  # no order with rising increments: each chunk's own peak, as before
 
 
 def recompute_terms(points: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], pp: int

@@ -186,7 +186,7 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
         act_bytes = (slots[:, j_of[:, None], ends] * steps).sum(axis=2)
         act_bytes += held_all
     memory = base_bytes[:, None] + (mixes @ static)[None] + act_bytes
-    if problem.recompute_layer_bytes is not None:  # what recomputing adds per layer on each stage
+    if problem.has_layer_extra:  # what recomputing adds per layer on each stage
         memory = memory + (mixes @ problem.layer_extra([kind])[:, 0, :].T).T
     memory = memory + np.where((mixes @ recomputes) > 0, transient[:, None], 0.0)
     seconds = np.where(memory <= limit, base_time[:, None] + (mixes @ time)[None], np.inf)  # [pp, K]

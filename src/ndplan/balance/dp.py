@@ -130,7 +130,7 @@ class _StageModel:
         activation = np.array([[c.activation_bytes for c in row] for row in costs])
         self.memory = static[None] + in_flight[:, None, None] * activation[None]  # [V, G, R]
         # What recomputing layers adds per layer on their stage (``BalanceProblem.layer_extra``).
-        self.extra = None if problem.recompute_layer_bytes is None else problem.layer_extra(self.kinds)
+        self.extra = None if not problem.has_layer_extra else problem.layer_extra(self.kinds)
         if self.extra is not None:
             self.memory = self.memory + self.extra[np.asarray(problem.stage_of).astype(int)]
         self.static, self.activation = static, activation

@@ -13,14 +13,21 @@ Memory of a physical stage s (bytes):
 and, at the optimizer step (activations gone; parameters, gradients, states and the update's
 temporaries held), step_fixed[s] + Σ_{layers on s} step_layer_bytes[kind]: a stage fits when
 both are under the limit, and its peak is the larger. The step's bytes move with the layers
-only, so they bound how many layers a stage may hold whatever its recompute. The first sum
-weighs each chunk by its own peak in flight (``InFlight.peak``), where the estimator takes
-the peak over time of the weighted sum (``InFlight.peak_weighted``; chunks peak at different
-instants). Calibrated at uniform placement (``fixed``), that is exact there and for one chunk
-per stage, and off it neither bound: a chunk given layers reads high, one that gives them up
-reads low (one setting on placements within three layers of uniform, Llama-3.1-8B tp2 pp4 m64
-under Megatron: 1F1B within ±0.5% of the estimator; interleaved vpp2 −13.5…+4.8%, DualPipeV
-−5.1…+9.0%, the low end on stages left with few layers). Step time (seconds), with v chunks
+only, so they bound how many layers a stage may hold whatever its recompute. The estimator
+takes the peak over time of the chunks' weighted sum (``InFlight.peak_weighted``; chunks peak
+at different instants); ``peak_in_flight`` is one weight per chunk that stands for it
+(``build.chunk_weights``): prefix peaks of the in-flight table in the order the solvers fill
+chunks (fewest first), so that bytes falling along that order weigh at or over the max over
+time, and exactly it where the chunks hold the same; under a split backward, what a layer keeps
+from B until W is priced per layer at the stage's peak rows (``held_until_w_bytes``).
+Calibrated at uniform placement (``fixed``), that is exact there. Each chunk weighed by its own
+peak read a stage that gave up layers low (8 + 4 micro-batches on stage 1 of interleaved pp4
+vpp2, which holds 9 at once): on stage totals within three layers a chunk of uniform, filled as
+the solvers fill them, one setting, Llama-3.1-8B tp2 pp4 interleaved vpp2 −32.2% then, −0.5%
+now; ZB-H1 under PyTorch −10.9…+40.9% then, −2.1…+3.9% now
+(``tests/test_balance_placement_memory.py``). The peak is convex in a stage's layers (a max
+of linear functions of them over time), so a line through the uniform placement still reads
+a little low where the peak's row moves (docs/balance.md). Step time (seconds), with v chunks
 per stage (v = vpp) and
 T_s = Σ_{chunks of s} Σ_{layers} time:
 
@@ -83,6 +90,11 @@ class BalanceProblem:
     #: own static and activation bytes (what recompute rebuilds, and under a split backward the
     #: weight-gradient step's rebuilt copies, grow with the layers a stage recomputes). None: nothing.
     recompute_layer_bytes: dict[str, np.ndarray] | None = None
+    #: (kind, option) -> [pp] bytes each such layer on stage s holds besides its static bytes and
+    #: its chunk's in-flight activations: under a split backward, what it keeps from its input
+    #: gradient (B) until its weight gradient (W), times the micro-batches held so at the stage's
+    #: peak (``build.chunk_weights``). None: nothing.
+    held_until_w_bytes: dict[tuple[str, str], np.ndarray] | None = None
     #: The optimizer step's peak of stage s: step_fixed_bytes[s] (the embedding and head
     #: included, as they never move) + Σ_{layers on s} step_layer_bytes[kind]. None: not priced
     #: (problems built by hand), the step never binds.
@@ -98,6 +110,10 @@ class BalanceProblem:
         for r, option in enumerate(options):
             if self.recompute_layer_bytes is not None and option in self.recompute_layer_bytes:
                 out[:, :, r] = np.asarray(self.recompute_layer_bytes[option], dtype=float)[:, None]
+            if self.held_until_w_bytes is not None:
+                for g, kind in enumerate(kinds):
+                    if (kind, option) in self.held_until_w_bytes:
+                        out[:, g, r] += np.asarray(self.held_until_w_bytes[kind, option], dtype=float)
         return out
 
     def recompute_transient(self, stage: int) -> float:
@@ -122,6 +138,11 @@ class BalanceProblem:
         if room is None:
             return None
         return np.asarray(held, dtype=float) @ self.step_bytes_of(kinds) <= room[stage]
+
+    @property
+    def has_layer_extra(self) -> bool:
+        """Whether ``layer_extra`` can be anything but zeros."""
+        return self.recompute_layer_bytes is not None or self.held_until_w_bytes is not None
 
     @property
     def num_layers(self) -> int:
@@ -200,12 +221,13 @@ def cost_columns(problem: BalanceProblem) -> np.ndarray:
 def extra_columns(problem: BalanceProblem) -> np.ndarray | None:
     """[pp, (kind, option)] ``BalanceProblem.layer_extra`` of each entry of ``problem.costs`` in
     its order (the codes ``evaluate_codes`` takes); None where the problem has none."""
-    if problem.recompute_layer_bytes is None:
+    if not problem.has_layer_extra:
         return None
     pairs = list(problem.costs)
+    kinds = tuple(dict.fromkeys(kind for kind, _ in pairs))
     options = tuple(dict.fromkeys(option for _, option in pairs))
-    table = problem.layer_extra(["_"], options)[:, 0, :]  # [pp, options]: the same for every kind
-    return table[:, [options.index(option) for _, option in pairs]]
+    table = problem.layer_extra(kinds, options)  # [pp, kinds, options]
+    return table[:, [kinds.index(kind) for kind, _ in pairs], [options.index(option) for _, option in pairs]]
 
 
 class EvaluationConstants(NamedTuple):

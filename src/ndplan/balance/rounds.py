@@ -113,7 +113,7 @@ class _Greedy:
         np.multiply(weight[:, :, None, None], activation, out=memory)
         memory += static  # static + in-flight bytes (float addition commutes exactly)
         # What recomputing adds per layer on each stage (``BalanceProblem.layer_extra``) [pp, G, R].
-        self.extra = None if problem.recompute_layer_bytes is None else problem.layer_extra(self.kinds)
+        self.extra = None if not problem.has_layer_extra else problem.layer_extra(self.kinds)
         if self.extra is not None:
             memory += self.extra[:, None]
         self.memory = memory
