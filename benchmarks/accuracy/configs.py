@@ -160,4 +160,13 @@ CONFIGS: list[dict[str, Any]] = [
     {"name": "qwen3-moe-pp2-zbv-m4-s2k", "model": "qwen3-30b-a3b", "layers": 4,
      "strategy": {"pp": 2, "vpp": 2, "schedule": "zbv", "num_micro_batches": 4, "seq_length": 2048,
                   "precision": "bf16-pure"}},
+    # ---- a tied embedding and LM head (Llama 3.2): one table; under FSDP one unit with the final
+    # norm, gathered from the embedding's forward to its backward; under TP one Shard(0) table
+    {"name": "llama32-1b-fsdp8-s4k", "model": "llama-3.2-1b", "layers": 4,
+     "strategy": {"dp": 8, "fsdp": True, "zero": 3, "seq_length": 4096, "precision": "fsdp-bf16"}},
+    {"name": "llama32-3b-tp2-fsdp4-s4k-mbs2", "model": "llama-3.2-3b", "layers": 2,
+     "strategy": {"dp": 4, "tp": 2, "fsdp": True, "zero": 3, "seq_length": 4096, "micro_batch_size": 2,
+                  "precision": "fsdp-bf16"}},
+    {"name": "llama32-1b-pp2-m4-s4k", "model": "llama-3.2-1b", "layers": 4,
+     "strategy": {"pp": 2, "num_micro_batches": 4, "seq_length": 4096, "precision": "bf16-pure"}},
 ]
