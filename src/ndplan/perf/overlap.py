@@ -182,7 +182,7 @@ def _overlap_value(key: str, value: Any) -> Any:
     if key == "ep" and word in {"auto", "none"}:
         return None
     if key in ("ep_node_limit", "dp_bucket_params"):
-        if word in {"none", "0"}:
+        if word in {"none", "0"} or (key == "dp_bucket_params" and word == "auto"):  # the runtime's bucket
             return None
         if not word.isdigit():
             what = "nodes" if key == "ep_node_limit" else "parameters"
