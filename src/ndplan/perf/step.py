@@ -671,10 +671,10 @@ def _price_group(
     gather_cover = np.where(unbucketed, behind * f_heavy, f_heavy)
     grad = _exposed_step(grad_raw[dp_code], grad_cover, grad_floor, pr.overlap.dp_grad_reduce)
     # ZeRO-2 reduce-scatters every micro-batch: m - 1 more than ZeRO-1, each under its own
-    # backward; the last one and the all-reduce across shard groups run as ZeRO-1's do.
-    per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], grad_cover,
-                                    np.where(unbucketed, 0.0, np.where(sharded, (grad_raw - cross_raw)[dp_code] * share,
-                                                                       grad_last - cross_last)),
+    # backward, unit by unit as an FSDP does (Megatron-FSDP's optim_grads, FSDP2 without
+    # resharding: a layer's share exposed); the last one and the all-reduce across shard groups
+    # run as ZeRO-1's do.
+    per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], window, (grad_raw - cross_raw)[dp_code] * share,
                                     pr.overlap.dp_grad_reduce)
     grad = np.where(cols["zero"] == 2, (m - 1) * per_micro_batch + grad, grad)
     gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor, pr.overlap.dp_param_gather)
