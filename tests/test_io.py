@@ -963,3 +963,17 @@ def test_mindformers_a_bad_params_dtype_is_named_as_written(tmp_path):
     path.write_text("parallel_config: {data_parallel: 8}\nmodel: {model_config: {seq_length: 4096, params_dtype: int8}}\n")
     with pytest.raises(NdplanError, match=r"model\.model_config\.params_dtype: expected float32, bfloat16 or float16"):
         read_config(path, model="llama-3.1-8b")
+
+
+def test_megatron_ddp_bucket_size_reaches_the_step_time(tmp_path):
+    """--ddp-bucket-size is the gradient bucket the step time leaves exposed at the end of the
+    backward (parameters); unset, Megatron-Core's default stands (no switch)."""
+    from ndplan.perf import parse_overlap
+
+    script = tmp_path / "train.sh"
+    text = fixture("megatron_llama3_70b.sh").read_text()
+    script.write_text(text.replace("    --overlap-grad-reduce\n", "    --overlap-grad-reduce\n    --ddp-bucket-size 80000000\n"))
+    overlap = parse_overlap(read_config(script, model="llama-3.1-70b").runtime_settings["overlap"])
+    assert overlap is not None and overlap.dp_bucket_params == 80_000_000 and overlap.dp_grad_reduce
+    plain = parse_overlap(read_config(fixture("megatron_llama3_70b.sh"), model="llama-3.1-70b").runtime_settings["overlap"])
+    assert plain is not None and plain.dp_bucket_params is None

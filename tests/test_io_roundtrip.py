@@ -313,6 +313,7 @@ def test_megatron_window_skip_frequency_reads_every_nth_layer_full(tmp_path: Pat
 
 @pytest.mark.parametrize("overlap", [
     "megatron", "plain", "megatron,tp=on", "megatron,ep=on,ep_dispatch=node_dedup", "megatron,ep_dispatch=all_to_all",
+    "megatron,dp_bucket_params=80000000",
 ])
 def test_megatron_overlap_flags_round_trip(overlap: str, tmp_path: Path) -> None:
     """What the step time was priced hiding is written as Megatron's overlap flags and read back
@@ -328,7 +329,7 @@ def test_megatron_overlap_flags_round_trip(overlap: str, tmp_path: Path) -> None
     path.write_text(emit(model, strategy, "megatron", overlap=config))
     read = parse_overlap(read_config(path).runtime_settings["overlap"])
     assert read is not None
-    for switch in ("dp_grad_reduce", "dp_param_gather", "tp", "ep_dispatch"):
+    for switch in ("dp_grad_reduce", "dp_param_gather", "tp", "ep_dispatch", "dp_bucket_params"):
         assert getattr(read, switch) == getattr(config, switch), switch
     assert read.ep is (True if config.ep is True else None)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -1233,3 +1234,21 @@ def test_zbv_with_fsdp_resharding_after_forward_carries_the_dropped_gradient_cav
     assert told(schedule="zbv")
     assert not told(schedule="zbv", reshard_after_forward=False)
     assert not told(schedule="interleaved")
+
+
+def test_the_runtime_states_its_gradient_buckets_to_the_step_time(tmp_path: Path):
+    """The pytorch runtime (torchtitan's replicate, bucket_cap_mb=100) hands the step time PyTorch
+    DDP's 100 MiB buckets; Megatron's its own rule; a profile naming another is refused."""
+    from ndplan.memory.profile import get_profile
+
+    torch_software = MemoryOptions(runtime="pytorch").time_keywords()["software"]
+    assert (torch_software["grad_buckets"], torch_software["ddp_bucket_cap_mb"]) == ("ddp", 100.0)
+    assert MemoryOptions(runtime="megatron").time_keywords()["software"]["grad_buckets"] == "megatron"
+    shipped = Path(__file__).parents[1] / "src" / "ndplan" / "memory" / "profiles" / "pytorch.yaml"
+    for line, needle in (("grad_buckets: deepspeed", "grad_buckets must be 'megatron' or 'ddp', got 'deepspeed'"),
+                         ("ddp_bucket_cap_mb: 0", "ddp_bucket_cap_mb must be a positive number, got 0")):
+        path = tmp_path / "mine.yaml"
+        path.write_text(shipped.read_text().replace(line.split(":")[0] + ": " + ("ddp" if "grad" in line else "100"),
+                                                    line))
+        with pytest.raises(NdplanError, match=re.escape(needle)):
+            get_profile(str(path))

@@ -1453,3 +1453,47 @@ def test_allgather_dispatcher_combine_moves_the_gathered_rows_in_fp32():
     compute = {d: estimate_time(TINY_MOE, strategy, _cluster(8), software={"moe_dispatcher": d}).breakdown["compute"]
                for d in ("alltoall", "allgather")}
     assert compute["allgather"] > compute["alltoall"]
+
+
+def test_the_last_gradient_bucket_is_what_the_backward_leaves_exposed():
+    """Llama-3.1-8B (8,030,261,248 parameters, a 128256 x 4096 = 525,336,576-parameter token
+    table), dp 8 without ZeRO on one H100 node (ring all-reduce at 360 GB/s, 3 µs a step, fp32
+    gradients): the all-reduce, 0.156 s, hides under one micro-batch's 0.46 s backward but for
+    the last bucket. Buckets are cut backwards from the head, so the last holds the table and
+    what the others leave of the other 7,504,924,672 parameters.
+    Megatron-Core (40e6 a bucket, max(40e6, 1e6·8)): 7,504,924,672 - 187·40e6 = 24,924,672, so
+    550,261,248 parameters, 2,201,044,992 bytes: 2·7/8·2,201,044,992/360e9 + 14·3 µs = 10.742 ms
+    (one layer's share, 0.156/32 = 4.88 ms, before). --ddp-bucket-size 1e9: 504,924,672 left,
+    1,030,261,248 parameters, 20.075 ms. PyTorch DDP at 100 MiB (torchtitan), 26,214,400
+    parameters a bucket: 7,504,924,672 - 286·26,214,400 = 7,606,272 left, 532,942,848
+    parameters, 10.405 ms."""
+    s = Strategy(dp=8, zero=0, num_micro_batches=1, seq_length=8192)
+    cluster = _cluster(8)
+
+    def dp_step(**kw: object) -> float:
+        return float(evaluate(LLAMA8, StrategyBatch.of(s), cluster, details=True, **kw)["dp_step_s"][0])  # type: ignore[arg-type]
+
+    def all_reduce(params: int) -> float:
+        return 2 * 7 / 8 * params * 4 / 360e9 + 14 * 3e-6
+
+    assert dp_step() == pytest.approx(all_reduce(550_261_248), rel=1e-9)
+    assert dp_step() == pytest.approx(0.010742, abs=1e-6)
+    assert dp_step(overlap=OverlapConfig(dp_bucket_params=10**9)) == pytest.approx(all_reduce(1_030_261_248), rel=1e-9)
+    ddp = dp_step(software={"grad_buckets": "ddp", "ddp_bucket_cap_mb": 100})
+    assert ddp == pytest.approx(all_reduce(532_942_848), rel=1e-9)
+    # Without --overlap-grad-reduce the whole all-reduce waits for the backward's end.
+    assert dp_step(overlap=OverlapConfig(dp_grad_reduce=False)) == pytest.approx(
+        2 * 7 / 8 * 8_030_261_248 * 4 / 360e9 + 14 * 3e-6, rel=1e-9)
+
+
+def test_megatron_buckets_only_the_first_pipeline_stage():
+    """Llama-3.1-8B over pp 2, dp 8 without ZeRO: the second stage (16 layers, the head and
+    the final norm) holds the most parameters, but Megatron-Core gives a later stage one
+    bucket, reduced after its last backward while the first stage runs its own (0.23 s, more
+    than the 16,060,514,304-byte reduce's 78 ms): hidden. The first stage's last bucket stays
+    exposed: the table and 16·218,112,000 - 87·40e6 = 9,792,000 layer parameters,
+    535,128,576 parameters, 2·7/8·2,140,514,304/360e9 + 14·3 µs = 10.447 ms (the second
+    stage's one-layer share, 78 ms/16 = 4.88 ms, before)."""
+    s = Strategy(dp=8, pp=2, zero=0, num_micro_batches=2, seq_length=8192)
+    out = evaluate(LLAMA8, StrategyBatch.of(s), _cluster(16), details=True)
+    assert out["dp_step_s"][0] == pytest.approx(2 * 7 / 8 * 535_128_576 * 4 / 360e9 + 14 * 3e-6, rel=1e-9)

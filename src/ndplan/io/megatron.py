@@ -239,6 +239,11 @@ def _overlap(args: Args, notes: list[str], warnings: list[str]) -> dict[str, Any
         "dp_param_gather": args.has("--overlap-param-gather"),
         "tp": args.has("--tp-comm-overlap"),
     }
+    # The gradient bucket, in parameters (unset: Megatron-Core's max(40e6, 1e6·dp)); without
+    # --overlap-grad-reduce Megatron-Core keeps one bucket, and nothing hides either way.
+    bucket = args.integer("--ddp-bucket-size")
+    if bucket is not None:
+        overlap["dp_bucket_params"] = bucket
     # What validate_args (megatron/training/arguments.py) asserts against: the launch stops there.
     refused = []
     if overlap["dp_param_gather"] and not overlap["dp_grad_reduce"]:

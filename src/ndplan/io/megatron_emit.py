@@ -402,6 +402,8 @@ def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str]
     flags: Flags = []
     if overlap.dp_grad_reduce and s.dp * s.cp > 1:
         flags.append(("--overlap-grad-reduce", None))
+        if overlap.dp_bucket_params is not None:  # the gradient bucket the step time priced
+            flags.append(("--ddp-bucket-size", str(overlap.dp_bucket_params)))
     if overlap.dp_param_gather and s.dp * s.cp > 1 and s.zero >= 1 and not _uses_torch_fsdp2(s, model):
         if overlap.dp_grad_reduce:  # the distributed optimizer's gather
             flags.append(("--overlap-param-gather", None))

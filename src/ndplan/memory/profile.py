@@ -161,6 +161,10 @@ class RuntimeProfile:
     selective_keeps_layer_input: bool = False
     grads_created_in_backward: bool = False
     pipeline_defers_fsdp_reduce: bool = False
+    #: How its data-parallel gradient reduce is bucketed (the step-time model's last exposed
+    #: bucket): 'megatron' (Megatron-Core's DDP) or 'ddp' (PyTorch DDP, ``ddp_bucket_cap_mb``).
+    grad_buckets: str = "megatron"
+    ddp_bucket_cap_mb: float = 25.0
     tp_accumulates_whole_embedding_grad: bool = False
     weight_grad_recomputes_per_group: bool = False
     first_stage_backward_at_w: bool = False
@@ -248,6 +252,8 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         selective_keeps_layer_input=bool(data.get("selective_keeps_layer_input", False)),
         grads_created_in_backward=bool(data.get("grads_created_in_backward", False)),
         pipeline_defers_fsdp_reduce=bool(data.get("pipeline_defers_fsdp_reduce", False)),
+        grad_buckets=_grad_buckets(data.get("grad_buckets", "megatron"), source),
+        ddp_bucket_cap_mb=_positive(data.get("ddp_bucket_cap_mb", 25.0), "ddp_bucket_cap_mb", source),
         tp_accumulates_whole_embedding_grad=bool(data.get("tp_accumulates_whole_embedding_grad", False)),
         weight_grad_recomputes_per_group=bool(data.get("weight_grad_recomputes_per_group", False)),
         first_stage_backward_at_w=bool(data.get("first_stage_backward_at_w", False)),
@@ -264,6 +270,22 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
             [_selective_policy(data.get("selective_policy", "megatron"), source)]
             + (["torchtitan-op"] if any(t.op_keep is not None for entries in blocks.values() for t in entries) else []))),
     )
+
+
+def _grad_buckets(raw: Any, source: str) -> str:
+    if raw not in ("megatron", "ddp"):
+        raise NdplanError(f"{source}: grad_buckets must be 'megatron' or 'ddp', got {raw!r}")
+    return str(raw)
+
+
+def _positive(raw: Any, key: str, source: str) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:
+        raise NdplanError(f"{source}: {key} must be a positive number, got {raw!r}")
+    return value
 
 
 #: The software facts a profile's ``kernels`` may state (the rest follow from other settings).

@@ -142,6 +142,13 @@ class EfficiencyProfile(BaseModel):
     per micro-batch, one exposed per run; and parameters gathered for a run stay gathered until
     then, so without resharding after forward they are gathered once a run, not per micro-batch.
 
+    Gradient buckets (ZeRO 0-2, step.py): ``grad_buckets`` 'megatron' cuts the data-parallel
+    reduce into buckets of max(40e6, 1e6·dp) parameters (Megatron-Core's default; the overlap's
+    ``dp_bucket_params``, its --ddp-bucket-size, overrides) on the first pipeline stage and one
+    bucket on later stages; 'ddp' is PyTorch DDP's ``bucket_cap_mb``, ``ddp_bucket_cap_mb`` MiB
+    of gradients (25 in torch, 100 in torchtitan's ``replicate``). The last bucket's reduce is
+    exposed: nothing of the backward is left to hide it.
+
     Host link (PCIe or equivalent): copies to and from pinned host memory move at
     ``host_link_bandwidth · host_link_efficiency`` per direction (activation and optimizer
     offload). 0.8 is an assumption, not a measurement: pinned copies reach about 80-85% of a
@@ -160,6 +167,8 @@ class EfficiencyProfile(BaseModel):
     expert_gemm: Literal["per-expert", "grouped"] = "per-expert"
     optimizer_kernel: Literal["fused", "foreach"] = "fused"
     pipeline_defers_fsdp_reduce: bool = False
+    grad_buckets: Literal["megatron", "ddp"] = "megatron"
+    ddp_bucket_cap_mb: float = Field(default=25.0, gt=0.0, description="MiB of gradients per PyTorch DDP bucket")
     optimizer_efficiency: Fraction | None = None
     attention_efficiency: Fraction
     masked_attention_efficiency: Fraction | None = None
@@ -430,7 +439,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "moe_capacity_factor",
                    "moe_dispatcher",
                    "elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
-                   "pipeline_defers_fsdp_reduce", "loss_upcast", "loss_parallel", "attention_efficiency")
+                   "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

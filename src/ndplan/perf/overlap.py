@@ -21,7 +21,8 @@ class OverlapConfig(BaseModel):
 
     dp_grad_reduce: the gradient all-reduce/reduce-scatter runs bucket by bucket during the
         backward of the last micro-batch (Megatron --overlap-grad-reduce, DDP buckets); only
-        the time beyond that backward, and at least the last bucket (one layer), is exposed.
+        the time beyond that backward, and at least the last bucket, is exposed (the runtime's
+        bucket: ``EfficiencyProfile.grad_buckets``; FSDP's unit, a layer).
     dp_param_gather: the distributed optimizer's parameter all-gather runs during the next
         step's first forward (Megatron --overlap-param-gather); same rule with the forward.
     fsdp_prefetch: FSDP/ZeRO-3 gathers layer i+1's parameters while layer i computes; per layer
@@ -61,6 +62,8 @@ class OverlapConfig(BaseModel):
         (its all-to-all, DeepEP and HybridEP dispatchers all send bf16). The combine and the
         backward all-to-alls always move the activation dtype. Only for fp8 expert GEMMs (an
         fp8 precision); refused under bf16 (``layer.ep_dispatch_bytes``).
+    dp_bucket_params: parameters per gradient bucket (Megatron's --ddp-bucket-size); None: the
+        runtime's default (Megatron-Core max(40e6, 1e6·dp), PyTorch DDP its bucket_cap_mb).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -75,6 +78,7 @@ class OverlapConfig(BaseModel):
     ep_node_limit: int | None = Field(default=None, ge=1)
     ep_routing: Literal["uniform", "contiguous"] = "uniform"
     ep_dispatch_fp8: bool = False
+    dp_bucket_params: int | None = Field(default=None, ge=1)
 
     def describe(self) -> str:
         """One line naming what hides and what does not, as the estimate prints it."""
@@ -177,11 +181,12 @@ def _overlap_value(key: str, value: Any) -> Any:
     word = value.strip().lower()
     if key == "ep" and word in {"auto", "none"}:
         return None
-    if key == "ep_node_limit":
-        if word in {"none", "0"}:
+    if key in ("ep_node_limit", "dp_bucket_params"):
+        if word in {"none", "0"} or (key == "dp_bucket_params" and word == "auto"):  # the runtime's bucket
             return None
         if not word.isdigit():
-            raise NdplanError(f"overlap: ep_node_limit must be a whole number of nodes, got '{value}'")
+            what = "nodes" if key == "ep_node_limit" else "parameters"
+            raise NdplanError(f"overlap: {key} must be a whole number of {what}, got '{value}'")
         return int(word)
     if key == "ep_dispatch":
         allowed = ("all_to_all", "node_dedup")

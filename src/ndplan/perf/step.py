@@ -11,8 +11,9 @@
   FSDP/ZeRO-3 only the HSDP all-reduce across shard groups is per step (the per-layer traffic
   is in the layer times). Groups: non-expert parameters over the dp·cp replicas (stride tp),
   experts over the expert-data-parallel ranks (stride ep·etp). Exposure: with overlap, the
-  gradient reduce hides under that stage's backward of one micro-batch except at least one
-  layer's share (the last bucket); the parameter all-gather likewise under one forward.
+  gradient reduce hides under that stage's backward of one micro-batch except at least the
+  last bucket (the runtime's: grad_bucket_params, last_bucket_params; FSDP's unit, a layer);
+  the parameter all-gather likewise under one forward.
 * optimizer: Adam over the local parameter shard (/dp·cp with ZeRO >= 1), memory-bound:
   reads gradient, states and master weights, writes states, master and the bf16 copy, plus
   one gradient read for clipping and one write to zero the gradient; a latency-bound
@@ -293,11 +294,44 @@ def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, recomputed: Array
     return base, hardware
 
 
-def _exposed_step(comm: Array, cover: Array, floor_share: Array, hide: bool) -> Array:
-    """Per-step collective under ``cover`` seconds, never below its last-bucket share."""
+def _exposed_step(comm: Array, cover: Array, floor: Array, hide: bool) -> Array:
+    """Per-step collective under ``cover`` seconds, never below ``floor`` seconds (its last
+    bucket, which has no compute left to hide under)."""
     if not hide:
         return comm
-    return np.asarray(np.maximum(comm - cover, comm * floor_share))
+    return np.asarray(np.maximum(comm - cover, floor))
+
+
+#: Megatron-Core's default DDP bucket (DistributedDataParallel.__init__, --ddp-bucket-size unset):
+#: max(40,000,000, 1,000,000 · data-parallel size) parameters, the data-parallel size without CP.
+MEGATRON_BUCKET_PARAMS, MEGATRON_BUCKET_PER_DP = 40_000_000.0, 1_000_000.0
+
+
+def grad_bucket_params(eff: EfficiencyProfile, overlap: OverlapConfig, dp: Array, grad_bytes: float) -> Array:
+    """Parameters per gradient bucket of the data-parallel reduce, per strategy's ``dp``: the
+    overlap's ``dp_bucket_params`` where given (Megatron's --ddp-bucket-size), else the runtime's
+    default: Megatron-Core max(40e6, 1e6·dp), PyTorch DDP ``ddp_bucket_cap_mb`` MiB of gradients."""
+    dp = np.asarray(dp, dtype=np.float64)
+    if overlap.dp_bucket_params is not None:
+        return np.full(dp.shape, float(overlap.dp_bucket_params))
+    if eff.grad_buckets == "ddp":
+        return np.full(dp.shape, eff.ddp_bucket_cap_mb * 2.0**20 / grad_bytes)
+    return np.maximum(MEGATRON_BUCKET_PARAMS, MEGATRON_BUCKET_PER_DP * dp)
+
+
+def last_bucket_params(stage_params: Array, first_params: Array | float, bucket: Array) -> Array:
+    """Parameters in the last bucket a stage's backward fills, per device. Buckets are cut in
+    reverse order of the parameters (Megatron-Core's _ParamAndGradBuffer, DDP's
+    compute_bucket_assignment_by_size), a bucket closing once it holds ``bucket`` parameters,
+    so the last holds what the others leave of the stage's parameters after the ones it always
+    holds whole, ``first_params`` (the token table on the first stage, a tensor no bucket
+    splits, whose gradient the backward makes last): first + (rest - bucket·(ceil(rest/bucket) - 1)),
+    the remainder in (0, bucket] (tensors counted as if they split at the bucket's edge)."""
+    stage = np.asarray(stage_params, dtype=np.float64)
+    first = np.minimum(np.asarray(first_params, dtype=np.float64), stage)
+    rest = stage - first
+    remainder = np.where(rest > 0, rest - bucket * (np.ceil(rest / bucket) - 1.0), 0.0)
+    return np.asarray(first + remainder)
 
 
 def optimizer_bytes_per_param(precision: PrecisionPolicy, kernel: str, clip: bool = True) -> float:
@@ -606,19 +640,62 @@ def _price_group(
     )
     share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy], 1.0)
     window = np.take(b, heavy_at) + np.take(w, heavy_at)
-    grad = _exposed_step(grad_raw[dp_code], window, share, pr.overlap.dp_grad_reduce)
+    # What stays exposed once the backward's compute is done: the last gradient bucket, whose
+    # reduce starts after the last gradient it holds (its all-gather after the update is
+    # likewise the first the next forward waits on). Bucketed runtimes (ZeRO 0-2) cut buckets
+    # by parameters (grad_bucket_params); FSDP/ZeRO-3 reduces unit by unit, a layer each, so
+    # its last unit's share. Megatron-Core buckets the first pipeline stage alone: on a later
+    # stage the stage's whole reduce is one bucket, started after its last backward and hidden
+    # only under the backwards the stages before it still run (one micro-batch's each), while
+    # the first stage's own last bucket stays exposed: the step waits for the later of the two.
+    bucket = grad_bucket_params(pr.eff, pr.overlap, cu["dp"], pr.batch.precision.grad_bytes)
+    sharded = ((cu["zero"] >= 3) | (cu["fsdp"] > 0))[dp_code]
+    unbucketed_u = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0)
+    unbucketed = unbucketed_u[dp_code] & ~sharded
+
+    def last_bucket(q: Array) -> tuple[Array, Array, Array]:
+        """(gradient collectives, the part across shard groups, parameter all-gather) seconds of
+        the last bucket of profile ``q``'s stage, per distinct DP configuration."""
+        ne = split_stage[q] / cu["tp"] + whole_stage[q]
+        ex = ex_stage[q] / (cu["ep"] * cu["etp"])
+        last = _dp_raw(pr.batch, cu, last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket),
+                       last_bucket_params(ex, 0.0, bucket), pr.fabric, 1.0, 1.0, 1.0,
+                       defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
+        return last[0][dp_code], last[1][dp_code], last[2][dp_code]
+
+    grad_last, cross_last, gather_last = last_bucket(heavy_u)
+    grad_floor = np.where(unbucketed, 0.0, np.where(sharded, grad_raw[dp_code] * share, grad_last))
+    gather_floor = np.where(unbucketed, 0.0, np.where(sharded, gather_raw[dp_code] * share, gather_last))
+    behind = layout.profile_stage[heavy].astype(np.float64)  # stages still running backwards after it
+    grad_cover = np.where(unbucketed, behind * window, window)
+    gather_cover = np.where(unbucketed, behind * f_heavy, f_heavy)
+    grad = _exposed_step(grad_raw[dp_code], grad_cover, grad_floor, pr.overlap.dp_grad_reduce)
     # ZeRO-2 reduce-scatters every micro-batch: m - 1 more than ZeRO-1, each under its own
-    # backward; the last one and the all-reduce across shard groups run as ZeRO-1's do.
-    per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], window, share, pr.overlap.dp_grad_reduce)
+    # backward, unit by unit as an FSDP does (Megatron-FSDP's optim_grads, FSDP2 without
+    # resharding: a layer's share exposed); the last one and the all-reduce across shard groups
+    # run as ZeRO-1's do.
+    per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], window, (grad_raw - cross_raw)[dp_code] * share,
+                                    pr.overlap.dp_grad_reduce)
     grad = np.where(cols["zero"] == 2, (m - 1) * per_micro_batch + grad, grad)
-    gather = _exposed_step(gather_raw[dp_code], f_heavy, share, pr.overlap.dp_param_gather)
+    gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor, pr.overlap.dp_param_gather)
+    if np.any(unbucketed):
+        # The first stage's own exposure, priced as the heavy stage's is where that is the first.
+        q0 = np.full(dp_count, int(np.flatnonzero(layout.profile_stage == 0)[0]))
+        raw0 = _dp_raw(pr.batch, cu, split_stage[q0] / cu["tp"] + whole_stage[q0], ex_stage[q0] / (cu["ep"] * cu["etp"]),
+                       pr.fabric, 1.0, 1.0, 1.0, defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
+        grad0, _, gather0 = last_bucket(q0)
+        at0 = rows * per_mb.shape[1] + q0[dp_code]
+        first_grad = _exposed_step(raw0[0][dp_code], np.take(b, at0) + np.take(w, at0), grad0, pr.overlap.dp_grad_reduce)
+        first_gather = _exposed_step(raw0[2][dp_code], np.take(f, at0), gather0, pr.overlap.dp_param_gather)
+        grad = np.where(unbucketed, np.maximum(grad, first_grad), grad)
+        gather = np.where(unbucketed, np.maximum(gather, first_gather), gather)
     if pr.eff.pipeline_defers_fsdp_reduce and pp > 1:
         # FSDP under torch.distributed.pipelining: a chunk's reduce runs after its last backward
         # and the compute stream waits for it (exposed); a run's gathers, where parameters stay
         # gathered, come before its first forward, prefetched unit by unit (the first exposed).
         deferred = cols["zero"] >= 3
         grad = np.where(deferred, grad_raw[dp_code], grad)
-        per_run = _exposed_step(gather_raw[dp_code], f_heavy, share, pr.overlap.fsdp_prefetch)
+        per_run = _exposed_step(gather_raw[dp_code], f_heavy, gather_raw[dp_code] * share, pr.overlap.fsdp_prefetch)
         if vpp > ACTIVE_CHUNKS and np.any(gather_raw > 0):
             # More chunks on a rank than torch keeps gathered: some are freed and gathered again
             # within the run (schedule.unshard), prefetched under the run's compute.
