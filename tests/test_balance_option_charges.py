@@ -24,6 +24,16 @@ def charged(problem, seed, scale=1.0):
         option: rng.uniform(0.0, 2.0, problem.pp) * scale * GIB for option in problem.options if option != "none"})
 
 
+def built_like(problem, seed):
+    """As ``build`` gives them: per stage one option's constant above the other's, the smaller
+    in the transient, so that the bytes of the options present are the max of their constants."""
+    rng = np.random.default_rng(seed + 11)
+    recomputing = [option for option in problem.options if option != "none"]
+    top = rng.integers(len(recomputing), size=problem.pp)
+    return replace(problem, recompute_option_bytes={
+        option: np.where(top == r, rng.uniform(0.0, 2.0, problem.pp), 0.0) * GIB for r, option in enumerate(recomputing)})
+
+
 def test_evaluate_charges_each_option_once_per_stage():
     """Stage 0 runs selective on two layers and full on one: the transient once, selective's and
     full's bytes once each; stage 1 runs none only: nothing."""
@@ -108,3 +118,17 @@ def test_rounds_exact_stages_equal_the_dealt_knapsack_with_option_bytes(kinds, s
                 seconds = greedy.base_time[stage] + float((mixes[stage].sum(axis=0) * greedy.time).sum())
                 assert seconds == pytest.approx(reference[1], rel=1e-12)
     assert checked
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "dualpipev"])
+@pytest.mark.parametrize("seed", range(5))
+def test_prefixed_solvers_equal_brute_force_with_option_bytes(schedule, seed):
+    """A leading run of dense layers before MoE ones (``balance.prefix``), options with bytes of
+    their own: the exact DP still equals brute force, the heuristic fits."""
+    from test_balance_prefix import prefixed_problem
+
+    hits = 0
+    for limit in (10, 16, 24):
+        problem = built_like(prefixed_problem(8, 2, 1, schedule, 2, seed, limit, shuffle=seed % 2 == 1), seed)
+        hits += check_exact_dp_and_heuristic(problem) is not None
+    assert hits

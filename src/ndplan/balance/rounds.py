@@ -527,12 +527,16 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
         time, plain, whole, partial = solved.answers
     else:
         time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
-    if not np.isfinite(time).all():
+    # The greedy charges a recomputing stage every option's own bytes (``_Greedy``), so with
+    # them the exact recompute may fit where it does not.
+    if not np.isfinite(time).all() and (greedy.charges is None or not exact):
         return None
     if exact:
         choice, found = _exact_stages(problem, greedy, per_chunk)  # [pp, v, G, R], [pp]
     else:
         choice, found = np.empty((*per_chunk.shape, len(problem.options)), dtype=np.int64), np.zeros(problem.pp, bool)
+    if not (found | np.isfinite(time)).all():
+        return None
     if not found.all():  # the greedy's recompute where the exact one is missing
         for s in np.flatnonzero(~found).tolist():
             choice[s] = greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))
