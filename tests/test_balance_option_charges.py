@@ -47,10 +47,11 @@ def test_evaluate_charges_each_option_once_per_stage():
 
 @pytest.mark.parametrize("kinds", [("dense",) * 7, ("dense", "moe", "moe", "dense", "moe", "moe", "moe")])
 @pytest.mark.parametrize("seed", range(8))
-def test_dp_and_milp_equal_brute_force_with_option_bytes(kinds, seed):
+@pytest.mark.parametrize("charging", ["charged", "built_like"])
+def test_dp_and_milp_equal_brute_force_with_option_bytes(kinds, seed, charging):
     hits = 0
     for limit in (6, 9, 12, 16):
-        problem = charged(random_problem(kinds, 3, limit, seed=seed, shuffle_costs=seed % 2 == 1), seed)
+        problem = globals()[charging](random_problem(kinds, 3, limit, seed=seed, shuffle_costs=seed % 2 == 1), seed)
         brute, exact, milp = solve_brute_force(problem), solve_dp(problem), solve_milp(problem)
         assert (brute is None) == (exact is None) == (milp is None)
         if brute is None:

@@ -168,8 +168,14 @@ class _StageModel:
             self.budget_rc = self.budget_rc - charges[:, recomputing].sum(axis=1)
             # Out of reach: more than any budget, small enough that sums keep their bytes exact.
             out_of_reach = 16.0 * (float(np.abs(self.memory).max()) + float(np.abs(self.budget).max()) + 1.0)
-            for size in range(1, len(recomputing)):
-                for allowed in combinations(recomputing, size):
+            # An option whose bytes are nothing on every stage costs nothing to allow: cases
+            # differ only in the options with bytes (one of two at most, as ``build`` gives them).
+            costly = [r for r in recomputing if bool(np.any(charges[:, r] != 0))]
+            for size in range(len(costly)):
+                for kept in combinations(costly, size):
+                    allowed = [r for r in recomputing if r not in costly or r in kept]
+                    if not allowed:
+                        continue
                     case = copy(self)
                     case.cases = []
                     banned = [r for r in recomputing if r not in allowed]
