@@ -253,16 +253,24 @@ def build_problems(
             recomputed_of[option, limit] = recomputed
         fixed = fixed_of["none", 0]
         runnable = runnable_options(strategy, options, selective_modules)
-        transient, per_layer = recompute_terms(
+        # What the estimator's transient grew by under each option, with the first layer of each
+        # chunk and with every layer recomputing (``stages._layer_working_set``: the rebuilt
+        # layer's working set, once per stage, and under PyTorch's split backward the weight-
+        # gradient step's rebuilt copies, which grow with the layers).
+        grew = {(option, limit): (uniform.transient[calibrated.index((option, limit)) * n + j, : strategy.pp]
+                                  - uniform.transient[j, : strategy.pp]) * slack
+                for option in ("selective", "full") for limit in (0, 1)}
+        transient, per_layer, option_bytes = recompute_terms(
             {option: (fixed_of[option, 1] - fixed, recomputed_of[option, 1], fixed_of[option, 0] - fixed,
-                      recomputed_of[option, 0]) for option in ("selective", "full") if option in runnable},
+                      recomputed_of[option, 0], grew[option, 1], grew[option, 0])
+             for option in ("selective", "full") if option in runnable},
             strategy.pp)
         problem = BalanceProblem(
             layer_kinds=model.layer_mlp_kinds, options=runnable,
             costs=costs, stage_of=placement.stage_of, chunk_of=placement.chunk_of, peak_in_flight=weights,
             num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
             fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
-            recompute_layer_bytes=per_layer, held_until_w_bytes=held_w,
+            recompute_option_bytes=option_bytes, recompute_layer_bytes=per_layer, held_until_w_bytes=held_w,
             step_fixed_bytes=step_fixed, step_layer_bytes=step_layer,
         )
         # A step that can never be the peak (Megatron's) is left out: the solvers skip its masks.
@@ -384,26 +392,44 @@ def _prefix_weights(held: np.ndarray) -> np.ndarray:
     return peaks  # no order with rising increments: each chunk's own peak, as before
 
 
-def recompute_terms(points: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], pp: int
-                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """The stage's recompute transient [pp] and each option's bytes per recomputed layer [pp],
-    from what the estimator holds beyond the layer terms and the no-recompute fixed bytes at
-    two points per option (``points``: option -> (extra, layers recomputed) with the first layer
-    of each chunk recomputing, and with every layer): per stage, one line b + n·e_option through
-    both points of every option, b shared (the solvers switch one transient on where any layer
-    recomputes), the larger of the options' own intercepts and at least 0, so that every
-    option is exact where all layers recompute and at or over the estimator where one per chunk
-    does. Between the two points the estimator's extra is a max over the schedule's timeline,
-    not a line: see docs/balance.md for how far it lies from it."""
-    intercepts = [np.zeros(pp)]
-    for one, n_one, every, n_every in points.values():
+def recompute_terms(points: Mapping[str, tuple[np.ndarray, ...]], pp: int
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per stage [pp], the recompute transient the options share, each option's own bytes once
+    where it runs, and each option's bytes per recomputed layer, from what the estimator holds
+    beyond the layer terms and the no-recompute fixed bytes (``points``: option -> (extra, layers
+    recomputed) with the first layer of each chunk recomputing and with every layer, then what
+    its transient grew by at those two points).
+
+    The extra is the transient's growth T plus the rest A (the activations' peak moving). T is a
+    constant (the rebuilt layer's working set, held once) plus, under a split backward that
+    rebuilds per parameter group, the weight-gradient step's copies per layer: the line through
+    its two points, its intercept clipped to 0 … T at every layer. A is nothing with one layer
+    per chunk and grows with the recomputed layers (DualPipeV): per layer, through the every-layer
+    point; where it reads under the one-per-chunk point, the shortfall joins the constant. So
+    every option is exact where all layers recompute and at or over the estimator where one per
+    chunk does. A line through the two points of the whole extra put the rebuilt layer per layer
+    (Mixtral DualPipeV stage 1, full: 0.432 GiB per layer and no constant, against T = 0.501 at
+    both points and A = 2.953 at 8 layers, so 0.501 + 0.369 per layer: a stage left with 2 layers
+    read 0.375 GiB low). The constants of the options present on a stage combine as their max
+    (the estimator's working set is one layer's, the largest rebuilt): the smallest is the shared
+    transient, each option's excess over it its own. Between the two points the estimator's extra
+    is a max over the schedule's timeline, not a line: see docs/balance.md for how far it lies
+    from it."""
+    constants: dict[str, np.ndarray] = {}
+    per_layer: dict[str, np.ndarray] = {}
+    for option, (one, n_one, every, n_every, grew_one, grew_every) in points.items():
         span = n_every - n_one
-        slope = np.divide(every - one, span, out=np.zeros_like(every), where=span > 0)
-        intercepts.append(np.where(span > 0, one - n_one * slope, every))
-    transient = np.maximum(np.max(intercepts, axis=0), 0.0)
-    per_layer = {option: np.divide(every - transient, n_every, out=np.zeros_like(every), where=n_every > 0)
-                 for option, (_, _, every, n_every) in points.items()}
-    return transient, per_layer
+        slope = np.divide(grew_every - grew_one, span, out=np.zeros_like(every), where=span > 0)
+        intercept = np.where(span > 0, grew_one - n_one * slope, grew_every)
+        constant = np.clip(intercept, 0.0, np.maximum(grew_every, 0.0))
+        rest_slope = np.divide(every - grew_every, n_every, out=np.zeros_like(every), where=n_every > 0)
+        # The one-per-chunk point: at or over it (the transient's line clipped lies over it).
+        short = (one - grew_one) - n_one * rest_slope
+        constant = constant + np.maximum(short, 0.0)
+        constants[option] = constant
+        per_layer[option] = np.divide(every - constant, n_every, out=np.zeros_like(every), where=n_every > 0)
+    transient = np.min(list(constants.values()), axis=0) if constants else np.zeros(pp)
+    return transient, per_layer, {option: constant - transient for option, constant in constants.items()}
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ batches in flight (least bytes) made the simulated step of a DeepSeek-V3 plan 18
 composed. Time then depends only on how many layers run each option, N_r, and bytes on N_r
 through prefix sums of the dealt slots' in-flight weights, so a stage's cost, the least time
 that fits, enumerates every (N_r) with Σ_r N_r = T (``_stage_costs``); exact over such plans.
-A recompute option switches the stage's transient on.
+A recompute option switches the stage's transient on, and its own bytes
+(``BalanceProblem.option_charges``).
 
 The heuristic (``window``) only costs totals within ⌊L/pp⌋ − v … ⌈L/pp⌉ + v (one layer per chunk);
 it widens that window (doubling, then every total) while its plan recomputes and a stage sits at
@@ -189,6 +190,8 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     if problem.has_layer_extra:  # what recomputing adds per layer on each stage
         memory = memory + (mixes @ problem.layer_extra([kind])[:, 0, :].T).T
     memory = memory + np.where((mixes @ recomputes) > 0, transient[:, None], 0.0)
+    if problem.has_option_charges:  # each option's own bytes, once where the mix runs it
+        memory = memory + problem.option_charges() @ (mixes > 0).T
     seconds = np.where(memory <= limit, base_time[:, None] + (mixes @ time)[None], np.inf)  # [pp, K]
     least = np.minimum.reduceat(seconds, starts, axis=1)  # [pp, J]
     # The first mix of each total reaching its least time.

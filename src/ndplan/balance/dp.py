@@ -41,9 +41,10 @@ enumerated); each DP pass is V array operations over [segment lengths, end layer
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from copy import copy
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import accumulate, product
+from itertools import accumulate, combinations, product
 from typing import Protocol
 
 import numpy as np
@@ -153,7 +154,42 @@ class _StageModel:
         self.step_bytes = problem.step_bytes_of(self.kinds)
         self.budget_rc = self.budget - transient
         self.p = int(np.argmin(self.time[-1]))  # fastest option of the major kind
-        others = [r for r in range(len(options)) if r != self.p]
+        self._derive()
+        # Options with bytes of their own, once on a stage where they run
+        # (``BalanceProblem.option_charges``): one case per set of them allowed (with "none"),
+        # its bytes charged and the other options' layers priced out of reach; the best case of
+        # each query wins (a set charged but not all run only costs more than its own case).
+        # This model is the case of every option; ``cases`` the others.
+        self.cases: list[_StageModel] = []
+        self.charged = problem.has_option_charges  # no minor split dominates another across cases
+        if self.charged:
+            charges = problem.option_charges()[stages]  # [V, R]
+            recomputing = [r for r, option in enumerate(options) if option != "none"]
+            self.budget_rc = self.budget_rc - charges[:, recomputing].sum(axis=1)
+            # Out of reach: more than any budget, small enough that sums keep their bytes exact.
+            out_of_reach = 16.0 * (float(np.abs(self.memory).max()) + float(np.abs(self.budget).max()) + 1.0)
+            # An option whose bytes are nothing on every stage costs nothing to allow: cases
+            # differ only in the options with bytes (one of two at most, as ``build`` gives them).
+            costly = [r for r in recomputing if bool(np.any(charges[:, r] != 0))]
+            for size in range(len(costly)):
+                for kept in combinations(costly, size):
+                    allowed = [r for r in recomputing if r not in costly or r in kept]
+                    if not allowed:
+                        continue
+                    case = copy(self)
+                    case.cases = []
+                    banned = [r for r in recomputing if r not in allowed]
+                    case.memory = self.memory.copy()
+                    case.memory[:, :, banned] = out_of_reach
+                    case.budget_rc = self.budget - transient - charges[:, list(allowed)].sum(axis=1)
+                    case._derive()
+                    self.cases.append(case)
+
+    def _derive(self) -> None:
+        """The kernel's constants from ``memory`` and the options' seconds (``__init__``; a
+        case's model derives its own from its memory)."""
+        options_count = self.memory.shape[2]
+        others = [r for r in range(options_count) if r != self.p]
         self.q = others[0] if others else self.p  # a single option: q = p and k is 0
         self.tail_options = others[1:]
         # Per-stage constants of the kernel, so that a batch only gathers them by stage.
@@ -165,7 +201,7 @@ class _StageModel:
         self.t_p, self.d_t = float(self.time[-1, self.p]), float(self.time[-1, self.q] - self.time[-1, self.p])
         self.t_tail = self.time[-1, self.tail_options]
         self.minor_time = self.time[:-1].reshape(-1)  # [(G − 1)·R]
-        self.minor_memory = self.memory[:, :-1].reshape(V, -1, 1)  # [V, (G − 1)·R, 1]
+        self.minor_memory = self.memory[:, :-1].reshape(self.memory.shape[0], -1, 1)  # [V, (G − 1)·R, 1]
         if self.none is not None:
             self.plain_minor_time = self.time[:-1, self.none]
             self.plain_minor_memory = self.memory[:, :-1, self.none]  # [V, G − 1]
@@ -188,7 +224,7 @@ class _StageModel:
         """[splits, R] of ``count`` layers of minor kind g, dominated splits dropped when there
         are many (a few are cheaper to keep than to sort)."""
         splits = _compositions(count, self.memory.shape[2])
-        if len(splits) <= _PRUNE_FROM or self.extra is not None:  # per-stage bytes: no split dominates everywhere
+        if len(splits) <= _PRUNE_FROM or self.extra is not None or self.charged:  # per-stage bytes: no split dominates everywhere
             return splits
         time, static, activation = splits @ self.time[g], splits @ self.static[g], splits @ self.activation[g]
         if np.ptp(self.static[g]) == 0:  # the usual case: every split holds the same static bytes
@@ -213,6 +249,12 @@ class _StageModel:
         kind and option) and the major kind's tail counts ([K, R − 2]).
         """
         found, splits, tails = self._solve(stage, rows, row, low, N)
+        for case in self.cases:  # options' own bytes: each set of them allowed, the best wins
+            other = case._solve(stage, rows, row, low, N)[0]
+            better = other.time < found.time
+            found = _Best(np.where(better, other.time, found.time), np.where(better, other.plain, found.plain),
+                          np.where(better, other.split, found.split), np.where(better, other.tail, found.tail),
+                          np.where(better, other.k, found.k))
         if self.step_room is not None:  # stages whose layers overflow the optimizer step never fit
             held = (rows[row] @ self.step_bytes[:-1])[:, None] + np.arange(low, low + N)[None, :] * self.step_bytes[-1]
             found.time[(held > self.step_room[stage][:, None]).reshape(-1)] = np.inf

@@ -9,6 +9,7 @@ virtual stage also holds the embedding, the last the output head, loss and MTP m
 Memory of a physical stage s (bytes):
     fixed[s] + Σ_{layers on s} static + Σ_{chunks c of s} peak_in_flight[s, c] · Σ_{layers in c} activation
              + [any layer on s recomputes] · recompute_transient[s]
+             + Σ_{options r run on s} recompute_option_bytes[r][s]
              + Σ_{layers on s recomputing under option r} recompute_layer_bytes[r][s]
 and, at the optimizer step (activations gone; parameters, gradients, states and the update's
 temporaries held), step_fixed[s] + Σ_{layers on s} step_layer_bytes[kind]: a stage fits when
@@ -86,6 +87,10 @@ class BalanceProblem:
     fixed_bytes: np.ndarray  # [pp] buffers, transients and overhead that do not move with layers
     memory_limit_bytes: float
     recompute_transient_bytes: np.ndarray | None = None  # [pp] added once where any layer recomputes
+    #: option -> [pp] bytes added once on stage s where at least one of its layers runs that
+    #: option, besides ``recompute_transient_bytes``: with it, the rebuilt working set of the
+    #: options present (``build.recompute_terms``). None: nothing.
+    recompute_option_bytes: dict[str, np.ndarray] | None = None
     #: option -> [pp] bytes each layer recomputing under that option adds on stage s besides its
     #: own static and activation bytes (what recompute rebuilds, and under a split backward the
     #: weight-gradient step's rebuilt copies, grow with the layers a stage recomputes). None: nothing.
@@ -118,6 +123,31 @@ class BalanceProblem:
 
     def recompute_transient(self, stage: int) -> float:
         return 0.0 if self.recompute_transient_bytes is None else float(self.recompute_transient_bytes[stage])
+
+    def option_charges(self, options: Sequence[str] | None = None) -> np.ndarray:
+        """[pp, R] bytes each of ``options`` (default the problem's) adds once on a stage where
+        some layer runs it (``recompute_option_bytes``; zeros without, and for "none")."""
+        options = self.options if options is None else options
+        out = np.zeros((self.pp, len(options)))
+        for r, option in enumerate(options):
+            if self.recompute_option_bytes is not None and option in self.recompute_option_bytes and option != "none":
+                out[:, r] = np.asarray(self.recompute_option_bytes[option], dtype=float)
+        return out
+
+    def recompute_charge(self, stage: int, present: Sequence[bool]) -> float:
+        """Bytes stage ``stage`` holds once for its recompute, given whether each of the
+        problem's options is ``present`` on it: the transient where any recomputes, and each
+        present option's own bytes (``option_charges``)."""
+        flags = [bool(p) and option != "none" for p, option in zip(present, self.options, strict=True)]
+        if not any(flags):
+            return 0.0
+        return self.recompute_transient(stage) + float(self.option_charges()[stage] @ np.array(flags, dtype=float))
+
+    @property
+    def has_option_charges(self) -> bool:
+        """Whether ``option_charges`` can be anything but zeros."""
+        return self.recompute_option_bytes is not None and any(
+            np.any(np.asarray(b, dtype=float) != 0) for o, b in self.recompute_option_bytes.items() if o != "none")
 
     def step_room(self, margin: float = STEP_MARGIN) -> np.ndarray | None:
         """[pp] bytes a stage's layers may hold at the optimizer step: the limit (less a hair,
@@ -242,6 +272,7 @@ class EvaluationConstants(NamedTuple):
     step_fixed: np.ndarray | None = None  # [pp] the optimizer step's fixed bytes (None: not priced)
     step_layer: np.ndarray | None = None  # [L] each layer's bytes at the optimizer step
     extra: np.ndarray | None = None  # [pp, (kind, option)] ``extra_columns``
+    charges: tuple[np.ndarray, np.ndarray] | None = None  # ``charge_columns``
 
 
 def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
@@ -255,7 +286,20 @@ def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
         step_fixed = np.asarray(problem.step_fixed_bytes, dtype=float)
         step_layer = np.array([problem.step_layer_bytes[kind] for kind in problem.layer_kinds], dtype=float)
     return EvaluationConstants(np.asarray(problem.stage_of), flight, problem.fixed_bytes.astype(float), extras,
-                               step_fixed, step_layer, extra_columns(problem))
+                               step_fixed, step_layer, extra_columns(problem), charge_columns(problem))
+
+
+
+def charge_columns(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray] | None:
+    """[pp, O] ``BalanceProblem.option_charges`` of the options of ``problem.costs`` in their
+    order, and [(kind, option)] each entry's option among them (the codes ``evaluate_codes``
+    takes): a stage pays an option's bytes once, whatever kinds run it. None where the problem
+    has none."""
+    if not problem.has_option_charges:
+        return None
+    pairs = list(problem.costs)
+    options = tuple(dict.fromkeys(option for _, option in pairs))
+    return problem.option_charges(options), np.array([options.index(option) for _, option in pairs])
 
 
 def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.ndarray, columns: np.ndarray,
@@ -282,6 +326,11 @@ def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.n
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(stage, weights=recomputing, minlength=pp) > 0
         np.add(memory, problem.recompute_transient_bytes, out=memory, where=recomputes)
+    if constants.charges is not None:  # each option's bytes, once on a stage where it runs
+        table, option_of = constants.charges
+        present = np.zeros(table.shape, dtype=bool)
+        present[stage, option_of[codes]] = True
+        memory = memory + (present * table).sum(axis=1)
     if constants.step_fixed is not None:  # the optimizer step's peak, where it is the larger
         np.maximum(memory, constants.step_fixed + np.bincount(stage, weights=constants.step_layer, minlength=pp),
                    out=memory)
@@ -312,6 +361,11 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
     if problem.recompute_transient_bytes is not None:
         recomputes = np.bincount(bins, weights=recomputing.reshape(-1), minlength=N * pp).reshape(N, pp) > 0
         np.add(memory, problem.recompute_transient_bytes, out=memory, where=recomputes)
+    if constants.charges is not None:  # each option's bytes, once on a stage where it runs
+        table, option_of = constants.charges
+        present = np.zeros((N * pp, table.shape[1]), dtype=bool)
+        present[bins, option_of[codes.reshape(-1)]] = True
+        memory = memory + (present.reshape(N, pp, -1) * table[None]).sum(axis=2)
     if constants.step_fixed is not None:  # the same placement for all: one step peak
         step = constants.step_fixed + np.bincount(constants.stage_of[virtual], weights=constants.step_layer, minlength=pp)
         np.maximum(memory, step, out=memory)

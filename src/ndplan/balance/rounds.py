@@ -126,6 +126,8 @@ class _Greedy:
         self.falling_activation = activation[np.arange(len(self.kinds))[:, None], self.by_activation]  # [G, R] in that order
         self.recomputes, self.head_recomputes, self.none = _option_flags(options)
         self.base_bytes, self.base_time, self.transient = stage_bases(problem, self.evaluation)
+        # Each option's own bytes, once on a stage where it runs [pp, R] (None: nothing).
+        self.charges = problem.option_charges() if problem.has_option_charges else None
         self.limit = problem.memory_limit_bytes
         # The optimizer step's room per stage and each kind's bytes there (``_step_mask``).
         self.step_room = problem.step_room(_MARGIN)
@@ -173,7 +175,10 @@ class _Greedy:
         # per move [moves, 2, pp] bytes saved and seconds added per layer. Each of the latter is
         # one gather, of both quantities at once.
         self.per_stage = np.empty((3, pp))
-        self.per_stage[0], self.per_stage[1], self.per_stage[2] = self.base_time, self.base_bytes + self.transient, self.base_bytes
+        # A stage that recomputes pays the transient and, as the greedy does not track which
+        # options it runs, every option's own bytes (at or over what it holds: a heuristic).
+        recomputing = self.transient if self.charges is None else self.transient + self.charges.sum(axis=1)
+        self.per_stage[0], self.per_stage[1], self.per_stage[2] = self.base_time, self.base_bytes + recomputing, self.base_bytes
         at_start = row + self.start.reshape(-1)
         picked = costs.reshape(2, -1).take(at_start if self.none is None else np.concatenate((at_start, row + self.none)), axis=1)
         self.per_group = picked.reshape(2, -1, pp, v * len(self.kinds)).transpose(1, 0, 3, 2).reshape(-1, v * len(self.kinds), pp)
@@ -429,7 +434,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
     grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid)
-    kind_ordered, kind_times, kind_recomputes = [], [], []
+    kind_ordered, kind_times, kind_recomputes, kind_present = [], [], [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     most_held = held.max(axis=0).tolist()  # [G] the most layers of each kind a stage holds
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
@@ -457,12 +462,19 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
         # Some layer recomputes: on one of the first R − 1 options (the same for every stage) or on the last.
         recomputing = head_recomputes | (rest > 0) if greedy.recomputes[-1] else np.broadcast_to(head_recomputes, rest.shape)
         kind_recomputes.append(recomputing.reshape(shape))
+        if greedy.charges is not None:  # which options the mix runs, for their own bytes
+            kind_present.append((mixes > 0).reshape(*shape, R))
         kind_ordered.append(ordered)
     time_total, any_recompute = kind_times[0], kind_recomputes[0]
     for g in range(1, G):
         time_total, any_recompute = time_total + kind_times[g], any_recompute | kind_recomputes[g]
     # The transient added in place where a layer recomputes (bytes_total is this call's own).
     memory = np.add(bytes_total, greedy.transient[stages].reshape(grid), out=bytes_total, where=any_recompute)
+    if greedy.charges is not None:  # each option's own bytes where some kind's mix runs it
+        present = kind_present[0]
+        for g in range(1, G):
+            present = present | kind_present[g]
+        memory = memory + (present * greedy.charges[stages].reshape(*grid, R)).sum(axis=-1)
     # time_total has every kind's axis (a sum of G ≥ 2 broadcast ones, or the one kind's own
     # array): +inf in place where the memory does not fit.
     np.putmask(time_total, memory > limit, np.inf)
@@ -515,12 +527,16 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
         time, plain, whole, partial = solved.answers
     else:
         time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
-    if not np.isfinite(time).all():
+    # The greedy charges a recomputing stage every option's own bytes (``_Greedy``), so with
+    # them the exact recompute may fit where it does not.
+    if not np.isfinite(time).all() and (greedy.charges is None or not exact):
         return None
     if exact:
         choice, found = _exact_stages(problem, greedy, per_chunk)  # [pp, v, G, R], [pp]
     else:
         choice, found = np.empty((*per_chunk.shape, len(problem.options)), dtype=np.int64), np.zeros(problem.pp, bool)
+    if not (found | np.isfinite(time)).all():
+        return None
     if not found.all():  # the greedy's recompute where the exact one is missing
         for s in np.flatnonzero(~found).tolist():
             choice[s] = greedy.options(s, per_chunk[s], bool(plain[s]), int(whole[s]), int(partial[s]))

@@ -83,9 +83,9 @@ def _step_fits(problem: BalanceProblem, members: list[tuple[int, int]], stage: i
     return fits is None or bool(fits[0])
 
 
-def _recomputes(problem: BalanceProblem, split: tuple[int, ...]) -> bool:
-    """Some layer of the split (counts per option) runs an option other than "none"."""
-    return any(n and option != "none" for option, n in zip(problem.options, split, strict=True))
+def _present(split: tuple[int, ...]) -> tuple[bool, ...]:
+    """Which options the split (counts per option) runs on some layer."""
+    return tuple(n > 0 for n in split)
 
 
 def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tuple[dict[int, str], float, float] | None:
@@ -113,14 +113,14 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
                 memory += n * (cost.static_bytes + weight * cost.activation_bytes + float(extra[r]))
             choices.append((time, memory, split))
         choices.sort()
-        # Keep the (time, memory) Pareto front of this group, separately for the splits that
-        # recompute and those that do not: a split with no recompute avoids the stage's
-        # transient, so one that recomputes must not prune it (nor the reverse).
+        # Keep the (time, memory) Pareto front of this group, separately for each set of
+        # options the splits run: a split with no recompute avoids the stage's transient, and
+        # one without an option that option's own bytes, so no other set may prune it.
         front = []
-        for recomputing in (False, True):
+        for present in dict.fromkeys(_present(choice[2]) for choice in choices):
             best_memory = np.inf
             for choice in choices:
-                if _recomputes(problem, choice[2]) == recomputing and choice[1] < best_memory:
+                if _present(choice[2]) == present and choice[1] < best_memory:
                     front.append(choice)
                     best_memory = choice[1]
         fronts.append((layers, front))
@@ -128,8 +128,7 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
     for combo in product(*(front for _, front in fronts)):
         time = base_time + sum(c[0] for c in combo)
         memory = base_memory + sum(c[1] for c in combo)
-        if any(_recomputes(problem, c[2]) for c in combo):
-            memory += problem.recompute_transient(stage)
+        memory += problem.recompute_charge(stage, [any(c[2][r] for c in combo) for r in range(len(problem.options))])
         if memory <= problem.memory_limit_bytes and (best is None or time < best[0]):
             best = (time, memory, combo)
     if best is None:
@@ -175,7 +174,7 @@ def dealt_knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int
     best: tuple[float, float, dict[int, str]] | None = None
     mixes = [list(_splits(len(slots), len(problem.options))) for _, slots in per_kind]
     for combo in product(*mixes):
-        time, memory, recomputes, assignment = base_time, base_memory, False, {}
+        time, memory, assignment = base_time, base_memory, {}
         for (kind, slots), mix in zip(per_kind, combo, strict=True):
             by_bytes = sorted(range(len(problem.options)), key=lambda r: -problem.costs[(kind, problem.options[r])].activation_bytes)
             queue = [r for r in by_bytes for _ in range(mix[r])]
@@ -184,10 +183,8 @@ def dealt_knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int
                 cost = problem.costs[(kind, problem.options[r])]
                 time += cost.time_s
                 memory += cost.static_bytes + weight * cost.activation_bytes + float(extra[r])
-                recomputes |= problem.options[r] != "none"
                 assignment[layer] = problem.options[r]
-        if recomputes:
-            memory += problem.recompute_transient(stage)
+        memory += problem.recompute_charge(stage, [any(mix[r] for mix in combo) for r in range(len(problem.options))])
         if memory <= problem.memory_limit_bytes and (best is None or time < best[0]):
             best = (time, memory, assignment)
     return None if best is None else (best[2], best[0], best[1])
@@ -331,7 +328,8 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
     is ``cutoff_s`` itself: that plan is optimal.
 
     The MILP. Variables: k[v, g, r] (layers of kind g on v with option r), a[s] (stage s
-    recomputes something), Z (the largest stage time), and what places the kinds. Objective:
+    recomputes something), o[s, r] (stage s runs option r, where options hold bytes of their
+    own once per stage: ``BalanceProblem.option_charges``), Z (the largest stage time), and what places the kinds. Objective:
     (m − 1/v)·Z + (1/v)·Σ_s T_s (``problem.composed_step_s``); a stage's chunks carry loads
     within one of each other (``even_chunks``: layers weighed by kind, plus the embedding's or
     head's units; a binary per chunk lets it exceed when it holds a single layer). Options are
@@ -366,7 +364,9 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
     unit = [layer_units(problem).get(kind, 1.0) for kind in kinds]  # a layer's load by kind
     spread = load_spread(problem)
     relaxed = list(range(V)) if v_chunks > 1 else []  # chunks that may hold a single heavy layer
-    n = n_y + n_k + P + n_b + len(relaxed) + 1
+    charges = problem.option_charges()  # [pp, R] each option's bytes, once on a stage where it runs
+    n_o = P * R if problem.has_option_charges else 0
+    n = n_y + n_k + P + n_b + len(relaxed) + n_o + 1
     z = n - 1
 
     def boundary(v: int) -> int:
@@ -377,6 +377,9 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
 
     def any_recompute(stage: int) -> int:
         return n_y + n_k + stage
+
+    def runs_option(stage: int, r: int) -> int:  # binary: some layer on the stage runs option r
+        return n_y + n_k + P + n_b + len(relaxed) + stage * R + r
 
     def y(layer: int, v: int) -> int:
         return layer * V + v
@@ -448,6 +451,9 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
                     fixed_memory += extra.static_bytes + in_flight[virtual] * extra.activation_bytes
                     fixed_time += extra.time_s
         memory[any_recompute(s)] = problem.recompute_transient(s)
+        if n_o:
+            for r in range(R):
+                memory[runs_option(s, r)] = float(charges[s, r])
         # In GiB: rows of ~1e9 coefficients next to ~1 ones make HiGHS stop at suboptimal
         # "optimal" points (seen on 25-layer instances, 13 % off the DP's optimum).
         add({i: c / 2**30 for i, c in memory.items()}, -np.inf, (problem.memory_limit_bytes - fixed_memory) / 2**30)
@@ -462,6 +468,8 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
                 for r, option in enumerate(problem.options):
                     if option != "none":  # a recomputed layer on s switches the stage's transient on
                         add({k(virtual, g, r): 1.0, any_recompute(s): -float(L)}, -np.inf, 0)
+                        if n_o:  # and its option's own bytes
+                            add({k(virtual, g, r): 1.0, runs_option(s, r): -float(L)}, -np.inf, 0)
     objective[z] = problem.num_micro_batches - 1 / v_chunks
     for s in range(problem.pp):  # a stage's chunk loads within one of each other (even_chunks)
         for a, b in permutations((int(i) for i in np.flatnonzero(problem.stage_of == s)), 2):
@@ -479,7 +487,7 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
     integrality = np.ones(n)
     integrality[z] = 0
     bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), np.ones(P), np.ones(n_b),
-                                                 np.ones(len(relaxed)), [np.inf]]))
+                                                 np.ones(len(relaxed)), np.ones(n_o), [np.inf]]))
     result = milp(
         objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
         bounds=bounds, options={"time_limit": time_limit_s},
