@@ -707,3 +707,24 @@ def test_the_inputs_tables_times_carry_their_unit() -> None:
 
     table = kv_table({"estimated_step_s": 17.077534216098208, "solve_seconds": 0.001114342001528712, "dp": 2})
     assert "<td>17.0775 s</td>" in table and "<td>0.00111434 s</td>" in table and "<td>2</td>" in table
+
+
+def test_cli_from_estimate_flags_takes_a_memory_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A review: `ndplan report` from strategy flags had no --memory-limit (estimate has one), so
+    its headroom was always the device's; with a saved result the limit is the result's own."""
+    from ndplan.cli import main
+    from ndplan.report.cli import estimate_result
+
+    flags = ["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--tp", "2", "--pp", "2",
+             "--gbs", "16"]
+    args = _parser().parse_args(["report", *flags, "--memory-limit", "20GiB", "-o", str(tmp_path / "p.html")])
+    result = estimate_result(args)
+    assert result["memory_limit_bytes"] == 20 * 2**30 and result["fits"] == (result["peak_bytes"] <= 20 * 2**30)
+    assert main(["estimate", *flags, "--memory-limit", "20GiB", "--json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert (estimated["fits"], estimated["memory_limit_bytes"]) == (result["fits"], result["memory_limit_bytes"])
+    assert args.func(args) == 0
+    saved = tmp_path / "est.json"
+    saved.write_text(json.dumps(estimated))
+    assert main(["report", str(saved), "--memory-limit", "20GiB", "-o", str(tmp_path / "q.html")]) == 2
+    assert "--memory-limit" in capsys.readouterr().err

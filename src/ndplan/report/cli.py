@@ -39,6 +39,8 @@ def add_report_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--title", help="page title (default: model on devices× hardware)")
     add_strategy_arguments(p)
     _add_runtime_arguments(p)
+    p.add_argument("--memory-limit", help="with strategy flags: the per-device limit the report's headroom and fits "
+                                         "are against, e.g. 70GiB (default: the device's memory)")
     p.set_defaults(func=cmd_report)
     return p
 
@@ -85,6 +87,7 @@ def load_result(source: str) -> dict[str, Any]:
 
 def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     """The same dict `ndplan estimate --json` prints, for the strategy the flags give."""
+    from ndplan.cli import _memory_limit
     from ndplan.cli_args import device_from, gather_settings, runtime_options, strategy_from_settings
     from ndplan.memory import estimate
     from ndplan.model import load_model
@@ -104,6 +107,9 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     if settings.get("devices"):
         result["devices"] = settings["devices"]
     result = {**result, "strategy": strategy.model_dump(mode="json"), **report.to_dict()}
+    limit = _memory_limit(getattr(args, "memory_limit", None), device)
+    if limit is not None:  # as `ndplan estimate --memory-limit --json` gives it
+        result.update(fits=report.peak_bytes <= limit, memory_limit_bytes=limit)
     perf, note = step_time(model, strategy, device, settings.get("devices"), options.time_keywords())
     if perf is not None:
         result["perf"] = perf
@@ -179,7 +185,7 @@ def enrich(result: dict[str, Any]) -> dict[str, Any]:
 
 def _given_strategy_flags(args: argparse.Namespace) -> list[str]:
     names = ("model", "hardware", "plan", "devices", "dp", "tp", "pp", "cp", "ep", "vpp", "schedule", "mbs", "gbs",
-             "num_micro_batches", "pipeline_runs", "seq", "zero", "recompute")
+             "num_micro_batches", "pipeline_runs", "seq", "zero", "recompute", "memory_limit")
     return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is not None]
 
 
