@@ -359,8 +359,12 @@ def test_verify_from_a_torchtitan_config_measures_its_pipeline_runs() -> None:
         args = parser.parse_args(["--from", str(config), "--tp", "1", *flags])  # given values win
         _apply_from(args)
         assert short in strategy_from_args(args).short() + " ", flags
-    with pytest.raises(NdplanError, match="give --dp or --pipeline-runs"):
-        _apply_from(parser.parse_args(["--from", str(config), "--tp", "1"]))
+    # Without a world size the data-parallel degree is not known (it measured dp 1 where given
+    # --pipeline-runs): refused as estimate --from refuses it.
+    for flags in ([], ["--pipeline-runs", "2"]):
+        with pytest.raises(NdplanError, match=r"depends on the world size, which the file does not state; give "
+                                              r"--devices \(or --dp\)"):
+            _apply_from(parser.parse_args(["--from", str(config), "--tp", "1", *flags]))
 
 
 @pytest.mark.parametrize(("fields", "needle"), [

@@ -287,6 +287,12 @@ def _apply_from(args: argparse.Namespace) -> None:
     # The file's settings under the flags, what they change derived again (as estimate does).
     given = {key: getattr(args, key) for key in _FLAG_KEYS if getattr(args, key, None) is not None}
     merged = merge_settings(result, given)
+    if result.format != "hf" and "dp" not in merged and not result.devices:
+        # A launch config with no world size (torchtitan's data_parallel_shard_degree -1, a script
+        # without torchrun's counts): its data-parallel degree is not known, as `inspect` says;
+        # measuring dp 1 would be another strategy than the config's.
+        raise NdplanError(f"{result.source}: the data-parallel degree depends on the world size, which the file "
+                          "does not state; give --devices (or --dp)")
     # What the config runs that a measured step has no flag for: refused rather than dropped (the
     # step measured would be another strategy than the config's).
     unmeasured = [what for key, what in (("cp", "context parallelism"), ("ep", "expert parallelism"))
