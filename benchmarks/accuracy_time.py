@@ -613,9 +613,10 @@ COMMENTARY = [
     "* torchtitan's selective checkpointing is its per-op policy (recompute every second matmul, keep",
     "  attention), now modelled (`selective_recompute: torchtitan-op`, +2). These rows ran at a 500 W",
     "  power limit on HBM2e H100s whose peak the source places between H100 SXM (989 TFLOP/s) and NVL",
-    "  (835): ndplan uses the SXM peak, an upper bound. With eager elementwise kernels priced at 4.5",
-    "  passes (measured on an H200, below; it was 3, a guess) they read {e[torchtitan-8b-fsdp-8gpu]} and "
-    "{e[torchtitan-8b-fsdp-128gpu]} (were -29%, -31%).",
+    "  (835): ndplan takes the middle of that range, 912 TFLOP/s (the thirty-first session; the SXM",
+    "  peak before, the fastest the range allows, read every row of the page 4-7 points faster). With",
+    "  eager elementwise kernels priced at 4.5 passes (measured on an H200, below; it was 3, a guess)",
+    "  they read {e[torchtitan-8b-fsdp-8gpu]} and {e[torchtitan-8b-fsdp-128gpu]} (were -29%, -31%).",
     "* The same page's 3D rows (Llama 3.1 405B on 512 of those GPUs: FSDP 8, TP 8, PP 8, Float8,",
     "  torch.compile, AsyncTP) were added with torch pipelining's FSDP behaviour (reduce deferred to a",
     "  run's end, parameters kept gathered) and priced blind: 1F1B {e[torchtitan-405b-3d-1f1b]}, Interleaved",
