@@ -538,6 +538,12 @@ COMMENTARY = [
     "  grouped linear layers, so the default is not raised. The fitted profiles lower",
     "  `grouped_gemm_factor` (and raise `host_moe_layer_s` on Blackwell) to absorb it; the defaults stay",
     "  first-principles.",
+    "* fp8 recipes keep the output head in bf16 (Megatron-Core's output layer is no Transformer Engine",
+    "  module, torchao's Float8 skips `output`, DeepSeek-V3's report keeps the head in its original",
+    "  precision): priced so since the thirty-first session, where it had run at the fp8 rate. The",
+    "  FP8 rows moved 0.1-7.8 points slower: DeepSeek-V3 on B200 -12.9% to {e[bridge2511-b200-deepseek-v3]} and "
+    "+4.3% to {e[bridge2602-b200-deepseek-v3]},",
+    "  on H100 -0.0% to {e[bridge2509-h100-deepseek-v3]}, its own H800 DualPipe row +9.6% to {e[deepseek-v3-h800]}.",
     "* The 26.02 table (added in the twenty-second session, each row with its 25.11 twin's",
     "  assumptions) runs Qwen3-30B no faster: {e[bridge2602-h100-qwen3-30b-a3b]} on H100 and "
     "{e[bridge2602-b200-qwen3-30b-a3b]} on B200, so the dropless",

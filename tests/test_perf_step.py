@@ -1497,3 +1497,18 @@ def test_megatron_buckets_only_the_first_pipeline_stage():
     s = Strategy(dp=8, pp=2, zero=0, num_micro_batches=2, seq_length=8192)
     out = evaluate(LLAMA8, StrategyBatch.of(s), _cluster(16), details=True)
     assert out["dp_step_s"][0] == pytest.approx(2 * 7 / 8 * 535_128_576 * 4 / 360e9 + 14 * 3e-6, rel=1e-9)
+
+
+def test_an_fp8_recipe_leaves_the_output_head_in_bf16():
+    """Megatron-Core's output layer is not a Transformer Engine module, torchao's Float8 skips
+    ``output``, DeepSeek-V3 keeps its head in bf16: under megatron-fp8 the head's GEMMs take the
+    bf16 run's seconds (no fp8 casts), while a decoder layer's GEMMs speed up. Llama-3.1-8B, one
+    H100, 4096 tokens: the head is 2·4096·128256·4096 = 4.3 TFLOP forward, at the bf16 rate."""
+    s = dict(num_micro_batches=1, seq_length=4096)
+    bf16 = _pieces(LLAMA8, Strategy(precision="megatron-bf16", **s), 1)
+    fp8 = _pieces(LLAMA8, Strategy(precision="megatron-fp8", **s), 1)
+    for pass_ in ("F", "B", "W"):
+        assert fp8["head"][(pass_, "compute")][0] == pytest.approx(bf16["head"][(pass_, "compute")][0], rel=1e-12)
+    assert fp8["dense"][("F", "compute")][0] < 0.9 * bf16["dense"][("F", "compute")][0]
+    head_f = 2 * 4096 * 128256 * 4096 / (989.4e12 * default_efficiency(get_device("h100-sxm")).gemm_efficiency)
+    assert bf16["head"][("F", "compute")][0] > head_f

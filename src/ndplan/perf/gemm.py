@@ -90,6 +90,16 @@ class ComputeRates:
     depth_ref: float = DEPTH_REFERENCE
     optimizer_rate: float = 0.0
     masked_attention_rate: float = 0.0
+    #: The rates of the GEMMs an fp8 recipe leaves in bf16: the output head (Megatron-Core's
+    #: output layer is not a Transformer Engine module, torchao's Float8 conversion skips
+    #: ``output``, DeepSeek-V3 keeps the head in its original precision). None where every GEMM
+    #: runs at these rates.
+    unquantised: ComputeRates | None = None
+
+    @property
+    def head(self) -> ComputeRates:
+        """The rates the output head's GEMMs run at."""
+        return self.unquantised or self
 
 
 def gemm_bytes(g: Gemm, r: ComputeRates, pass_: Pass = "F") -> Array | float:

@@ -971,7 +971,7 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
     base = base or BaseRows(cols, sh)
     shardings = shardings or ShardingRows(base.sh)
     head = head_gemms(model, shardings.distinct)
-    head_s = {p: base.spread(shardings.spread(gemms_seconds(head, ctx.rates, p)[0])) for p in PASS_NAMES}
+    head_s = {p: base.spread(shardings.spread(gemms_seconds(head, ctx.rates.head, p)[0])) for p in PASS_NAMES}
     fs_f, fs_b = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0, fsdp)
     out = PieceTimes()
     out.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
@@ -996,15 +996,15 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     and torchtitan's with TP) on the T·V/t local logits, with three all-reduces of one fp32
     number per token forward (max, sum of exponentials, target logit); otherwise the output
     layer all-gathers the logits, T·V·act_bytes, to every rank forward (its backward keeps the
-    local shard of the gradient: no communication) and the loss runs on all T·V of them."""
+    local shard of the gradient: no communication) and the loss runs on all T·V of them.
+    The head's GEMMs run in bf16 under an fp8 recipe (``ComputeRates.head``): nothing to cast."""
     model, rates = ctx.model, ctx.rates
     beta = ctx.precision.activation_bytes
     base = base or BaseRows(cols, sh)
     bc, bsh, up = base.cols, base.sh, base.spread
     shardings = shardings or ShardingRows(bsh)
     head = head_gemms(model, shardings.distinct)
-    head_s = {p: shardings.spread(gemms_seconds(head, rates, p)[0]) for p in PASS_NAMES}
-    cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, head))
+    head_s = {p: shardings.spread(gemms_seconds(head, rates.head, p)[0]) for p in PASS_NAMES}
     vocab_parallel = ctx.eff.loss_parallel
     loss_s = ctx.eff.elementwise_passes * head_bytes(model, bsh, bc["sequence_parallel"], beta,
                                                      ctx.eff.loss_upcast, vocab_parallel) / rates.hbm_rate
@@ -1020,8 +1020,8 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     tp_b = np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))
 
     one = PieceTimes()
-    one.add("F", "compute", up(head_s["F"] + cast_f + loss_s))
-    one.add("B", "compute", up(head_s["B"] + cast_b + loss_s))
+    one.add("F", "compute", up(head_s["F"] + loss_s))
+    one.add("B", "compute", up(head_s["B"] + loss_s))
     one.add("W", "compute", up(head_s["W"]))
     one.add("F", "tp", up(_exposed(tp_f, head_s["F"], ctx.overlap.tp)))
     one.add("B", "tp", up(_exposed(tp_b, head_s["B"], ctx.overlap.tp)))

@@ -114,27 +114,33 @@ _DP_FIELDS = ("tp", "ep", "etp", "dp", "cp", "pp", "zero", "fsdp", "shard_group"
 
 def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile) -> ComputeRates:
     """Peak and efficiency for the batch's compute dtype. Attention runs in bf16 (fp8
-    recipes keep the attention core in bf16), at the bf16 peak."""
+    recipes keep the attention core in bf16), at the bf16 peak; so does the output head
+    (``ComputeRates.unquantised``)."""
     device = cluster.device
     dtype = batch.precision.compute_dtype
-    peak = device.peak_flops_for(dtype)
     fp8 = dtype == "fp8"
-    attention_peak = device.peak_flops_for("bf16") if fp8 else peak
-    return ComputeRates(
-        peak_flops=peak,
-        gemm_eff=eff.fp8_gemm_efficiency if fp8 else eff.gemm_efficiency,
-        knee=eff.gemm_knee,
-        grouped_factor=eff.grouped_gemm_factor,
-        attention_rate=attention_peak * eff.attention_efficiency,
-        # never faster than the causal kernel (a fitted attention_efficiency may fall below it)
-        masked_attention_rate=attention_peak * min(eff.figure("masked_attention_efficiency"), eff.attention_efficiency),
-        hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
-        operand_bytes=1.0 if fp8 else 2.0,
-        expert_latency=eff.expert_gemm_latency,
-        wgrad_accum_bytes=2.0 * batch.precision.grad_bytes,
-        depth_knee=eff.fp8_gemm_depth_knee if fp8 else eff.gemm_depth_knee,
-        optimizer_rate=device.hbm_bandwidth_bytes_per_s * eff.figure("optimizer_efficiency"),
-    )
+    attention_peak = device.peak_flops_for("bf16") if fp8 else device.peak_flops_for(dtype)
+
+    def rates(gemm_dtype: str, unquantised: ComputeRates | None = None) -> ComputeRates:
+        in_fp8 = gemm_dtype == "fp8"
+        return ComputeRates(
+            peak_flops=device.peak_flops_for(gemm_dtype),
+            gemm_eff=eff.fp8_gemm_efficiency if in_fp8 else eff.gemm_efficiency,
+            knee=eff.gemm_knee,
+            grouped_factor=eff.grouped_gemm_factor,
+            attention_rate=attention_peak * eff.attention_efficiency,
+            # never faster than the causal kernel (a fitted attention_efficiency may fall below it)
+            masked_attention_rate=attention_peak * min(eff.figure("masked_attention_efficiency"), eff.attention_efficiency),
+            hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
+            operand_bytes=1.0 if in_fp8 else 2.0,
+            expert_latency=eff.expert_gemm_latency,
+            wgrad_accum_bytes=2.0 * batch.precision.grad_bytes,
+            depth_knee=eff.fp8_gemm_depth_knee if in_fp8 else eff.gemm_depth_knee,
+            optimizer_rate=device.hbm_bandwidth_bytes_per_s * eff.figure("optimizer_efficiency"),
+            unquantised=unquantised,
+        )
+
+    return rates("fp8", unquantised=rates("bf16")) if fp8 else rates(dtype)
 
 
 def strategy_overlap_flags(batch: StrategyBatch, overlap: OverlapConfig) -> Array:
