@@ -45,6 +45,7 @@ from ndplan.memory.stages import (
     stage_memory,
 )
 from ndplan.memory.static import layer_elements, linear_weight_elements, sharding_factors
+from ndplan.model.params import weight_grad_groups
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import default_efficiency, with_software
 from ndplan.perf.layer import LayerContext, piece_times
@@ -253,6 +254,11 @@ def build_problems(
             recomputed_of[option, limit] = recomputed
         fixed = fixed_of["none", 0]
         runnable = runnable_options(strategy, options, selective_modules)
+        # The weight-gradient step's rebuilt copies, per fully recomputed layer of a chunk: the
+        # stage holds its largest chunk's beyond an offset (``chunk_copy_terms``), and what that
+        # term is with every layer recomputing comes off the extra fitted below.
+        copies = chunk_copy_bytes(model, acts, options.profile, strategy.schedule, placement, strategy.pp, n, j,
+                                  tokens, slack) if strategy.vpp > 1 and "full" in runnable else None
         # What the estimator's transient grew by under each option, with the first layer of each
         # chunk and with every layer recomputing (``stages._layer_working_set``: the rebuilt
         # layer's working set, once per stage, and under PyTorch's split backward the weight-
@@ -260,6 +266,12 @@ def build_problems(
         grew = {(option, limit): (uniform.transient[calibrated.index((option, limit)) * n + j, : strategy.pp]
                                   - uniform.transient[j, : strategy.pp]) * slack
                 for option in ("selective", "full") for limit in (0, 1)}
+        copy_offset = None
+        if copies is not None:
+            every = _largest_chunk_copies(copies, placement, strategy.pp, strategy.vpp)
+            copy_offset, at_every = chunk_copy_terms(every, grew["full", 1], grew["full", 0])
+            fixed_of["full", 0] = fixed_of["full", 0] - at_every
+            grew["full", 0] = grew["full", 0] - at_every
         transient, per_layer, option_bytes = recompute_terms(
             {option: (fixed_of[option, 1] - fixed, recomputed_of[option, 1], fixed_of[option, 0] - fixed,
                       recomputed_of[option, 0], grew[option, 1], grew[option, 0])
@@ -271,6 +283,8 @@ def build_problems(
             num_micro_batches=strategy.num_micro_batches, first_extra=first_extra, last_extra=last_extra,
             fixed_bytes=fixed, memory_limit_bytes=float(memory_limit_bytes), recompute_transient_bytes=transient,
             recompute_option_bytes=option_bytes, recompute_layer_bytes=per_layer, held_until_w_bytes=held_w,
+            recompute_chunk_bytes=None if copies is None else {(kind, "full"): copies[kind] for kind in ("dense", "moe")},
+            recompute_chunk_offset=copy_offset,
             step_fixed_bytes=step_fixed, step_layer_bytes=step_layer,
         )
         # A step that can never be the peak (Megatron's) is left out: the solvers skip its masks.
@@ -305,6 +319,58 @@ def held_until_w(acts: Any, profile: Any, schedule: str, costs: Mapping[tuple[st
         out[kind, option] = per_token * tokens * slack
     first = ({key: cost.activation_bytes for key, cost in costs.items()} if profile.first_stage_backward_at_w else out)
     return out, first
+
+
+def chunk_copy_bytes(model: ModelSpec, acts: Any, profile: Any, schedule: str, placement: Any, pp: int, n: int,
+                     j: int, tokens: float, slack: float) -> dict[str, np.ndarray] | None:
+    """Per layer kind, [pp, v] the bytes a fully recomputed layer in each local chunk adds to
+    that chunk's weight-gradient step, as the estimator prices them (``stages._weight_grad_step``):
+    where the runtime rebuilds a checkpointed layer once per parameter group in a split W
+    (torch.distributed.pipelining), each of the G = ``weight_grad_groups`` rebuilt copies keeps
+    what no weight gradient reads, U = ``weight_unread`` per token, while the chunk's later layers
+    keep its graph alive: tokens·G·U a layer, the step's peak at the chunk's last layer, so a
+    stage holds its largest chunk's. Zeros on the pipeline's first virtual stage where the
+    runtime runs its W as one whole backward (``first_stage_backward_at_w``). None where nothing
+    is rebuilt per group (no split backward, or a runtime that keeps B's graph)."""
+    if schedule not in SPLIT_BACKWARD or not profile.weight_grad_recomputes_per_group:
+        return None
+    groups = weight_grad_groups(model)
+    row = OPTIONS.index("full") * n + j
+    eligible = np.ones((pp, placement.num_virtual_stages // pp))
+    if profile.first_stage_backward_at_w:
+        eligible[int(placement.stage_of[0]), int(placement.chunk_of[0])] = 0.0
+    return {kind: max(tokens * groups[kind] * float(acts.weight_unread[kind][row]) * slack, 0.0) * eligible
+            for kind in ("dense", "moe")}
+
+
+def _largest_chunk_copies(copies: Mapping[str, np.ndarray], placement: Any, pp: int, vpp: int) -> np.ndarray:
+    """[pp] each stage's largest chunk sum of ``chunk_copy_bytes`` on the uniform placement with
+    full recompute on every layer."""
+    held = np.zeros((pp, vpp))
+    held[placement.stage_of, placement.chunk_of] = (placement.dense_layers * copies["dense"][placement.stage_of, placement.chunk_of]
+                                                    + placement.moe_layers * copies["moe"][placement.stage_of, placement.chunk_of])
+    return held.max(axis=1)
+
+
+def chunk_copy_terms(every: np.ndarray, grew_one: np.ndarray, grew_every: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """[pp] the offset below which a stage's largest chunk sum of copies (``chunk_copy_bytes``)
+    raises nothing, and [pp] the term max(0, largest − offset) with every layer recomputing, from
+    the largest sum there (``every``) and what the estimator's transient grew by with the first
+    layer of each chunk and with every layer recomputing (``grew_one``, ``grew_every``).
+
+    The estimator's peak with a chunk's weight-gradient step is the max over the schedule's
+    instants of what is held then plus the step: the copies raise the peak by what they exceed
+    the gap between the step's instant and the peak without it, nothing while they are smaller.
+    Llama-3.1-8B ZB-V, the head's chunk on stage 0: nothing up to 2 layers, then 2.4 GiB a
+    layer; Llama-3.1-70B DualPipeV, stage 1: 0.29 GiB (the rebuilt working set) with a layer a
+    chunk, 1.11 GiB per layer of the longer chunk from 4 layers on (16 layers a chunk: 18.95 GiB).
+    So the every-layer point lies on the rising part (the copies' 1:1 line through it), and what
+    the one-layer point grew by is the constant (the transient, ``recompute_terms``): offset =
+    grew_one + every − grew_every (≥ 0). Exact at both points where the one-layer point lies
+    where the copies raise nothing, else over it by what they raise there (conservative)."""
+    offset = np.maximum(grew_one + every - grew_every, 0.0)
+    return offset, np.maximum(every - offset, 0.0)
 
 
 def chunk_weights(flight: InFlight, per_b: np.ndarray, per_w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -402,7 +468,8 @@ def recompute_terms(points: Mapping[str, tuple[np.ndarray, ...]], pp: int
 
     The extra is the transient's growth T plus the rest A (the activations' peak moving). T is a
     constant (the rebuilt layer's working set, held once) plus, under a split backward that
-    rebuilds per parameter group, the weight-gradient step's copies per layer: the line through
+    rebuilds per parameter group, the weight-gradient step's copies per layer (with several
+    chunks a stage the caller takes those off first: ``chunk_copy_terms``): the line through
     its two points, its intercept clipped to 0 … T at every layer. A is nothing with one layer
     per chunk and grows with the recomputed layers (DualPipeV): per layer, through the every-layer
     point; where it reads under the one-per-chunk point, the shortfall joins the constant. So

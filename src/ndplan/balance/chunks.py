@@ -19,7 +19,8 @@ composed. Time then depends only on how many layers run each option, N_r, and by
 through prefix sums of the dealt slots' in-flight weights, so a stage's cost, the least time
 that fits, enumerates every (N_r) with Σ_r N_r = T (``_stage_costs``); exact over such plans.
 A recompute option switches the stage's transient on, and its own bytes
-(``BalanceProblem.option_charges``).
+(``BalanceProblem.option_charges``); the dealt slots also say how many layers of each option
+each chunk holds, which prices a stage's largest chunk sum (``BalanceProblem.chunk_term``).
 
 The heuristic (``window``) only costs totals within ⌊L/pp⌋ − v … ⌈L/pp⌉ + v (one layer per chunk);
 it widens that window (doubling, then every total) while its plan recomputes and a stage sits at
@@ -169,7 +170,7 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     # A hair under the limit (80 bytes of 80 GB), so evaluate's own float sums never land over it.
     limit = problem.memory_limit_bytes * (1 - 1e-9)
     mixes, j_of, starts = _mixes(int(totals[0]), int(totals[-1]), R)
-    slots = _dealt_slots(layers, flight, int(totals.max()), order)[0]  # [pp, J, S + 1] in-flight weight of the first k slots
+    slots, first, capacity, _ = _dealt_slots(layers, flight, int(totals.max()), order)  # [pp, J, S + 1] in-flight weight of the first k slots, ...
     # Σ_r act_r·(P(end_r) − P(end_{r−1})) = Σ_{r<R} P(end_r)·(act_r − act_{r+1}) + P(T)·act_R,
     # options in falling activation order, P the slot-weight prefix: R − 1 gathers, not 2·R.
     ends = np.cumsum(mixes[:, by_activation[:-1]], axis=1)  # [K, R − 1] slots used after each option
@@ -192,6 +193,8 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     memory = memory + np.where((mixes @ recomputes) > 0, transient[:, None], 0.0)
     if problem.has_option_charges:  # each option's own bytes, once where the mix runs it
         memory = memory + problem.option_charges() @ (mixes > 0).T
+    if problem.has_chunk_terms:  # the largest chunk sum of the dealt options, once
+        memory = memory + _dealt_chunk_terms(problem, kind, first, capacity, order, mixes, j_of, by_activation)
     seconds = np.where(memory <= limit, base_time[:, None] + (mixes @ time)[None], np.inf)  # [pp, K]
     least = np.minimum.reduceat(seconds, starts, axis=1)  # [pp, J]
     # The first mix of each total reaching its least time.
@@ -202,6 +205,46 @@ def _stage_costs(problem: BalanceProblem, totals: np.ndarray) -> tuple[np.ndarra
     if room is not None:  # a total whose layers overflow the optimizer step never fits
         least = np.where(totals[None, :] * problem.step_bytes_of([kind])[0] > room[:, None], np.inf, least)
     return least, chosen, layers
+
+
+def _dealt_chunk_terms(problem: BalanceProblem, kind: str, first: np.ndarray, capacity: np.ndarray,
+                       order: np.ndarray, mixes: np.ndarray, j_of: np.ndarray, by_activation: np.ndarray) -> np.ndarray:
+    """[pp, K] what each stage holds for its largest chunk sum (``BalanceProblem.chunk_term``)
+    under each mix [K, R] of the totals ``j_of`` indexes, its options dealt to the chunks
+    (``dealt_chunks``: options most bytes first, ``by_activation``). ``first`` [pp, J, S] each
+    dealt slot's place t·v + i and ``capacity`` [pp, J, v] each chunk's layers, chunks fewest in
+    flight first (``order``; ``_dealt_slots``): after k slots, the k-th at (t, i_k), the i-th
+    chunk holds min(capacity_i, t + [i ≤ i_k]) of them, and an option takes the slots between
+    the options dealt before it and itself."""
+    pp, v = problem.pp, problem.chunks_per_stage
+    table = problem.chunk_bytes([kind])[:, :, 0, :]  # [pp, v, R]
+    in_order = table[np.arange(pp)[:, None], order]  # [pp, v, R], chunks fewest in flight first
+    ordered = mixes[:, by_activation]  # [K, R] options most bytes first, as dealt
+    ends = np.cumsum(ordered, axis=1)
+    held = [np.take(capacity[:, :, i], j_of, axis=1) for i in range(v)]  # per chunk [pp, K]
+    # The k-th slot's place at k (k = 0: place −1, turn −1 and the last chunk: no slot dealt).
+    J, S = first.shape[1:]
+    places = np.empty((pp, J * (S + 1)), dtype=first.dtype)
+    places.reshape(pp, J, S + 1)[:, :, 0] = -1
+    places.reshape(pp, J, S + 1)[:, :, 1:] = first
+    row = j_of * (S + 1)
+
+    def dealt(k: np.ndarray) -> list[np.ndarray]:  # per chunk [pp, K]: of the first k[K] slots, those it holds
+        turn, place = np.divmod(places[:, row + k], v)
+        return [np.minimum(held[i], turn + (place >= i)) for i in range(v)]
+
+    sums = [np.zeros((pp, len(mixes))) for _ in range(v)]
+    last = len(by_activation) - 1
+    for q, r in enumerate(by_activation.tolist()):
+        if in_order[..., r].any():
+            after = held if q == last else dealt(ends[:, q])  # the last option ends at every slot
+            before = dealt(ends[:, q] - ordered[:, q])
+            for i in range(v):
+                sums[i] += (after[i] - before[i]) * in_order[:, i, r, None]
+    largest = sums[0]
+    for i in range(1, v):
+        np.maximum(largest, sums[i], out=largest)
+    return np.maximum(largest - problem.chunk_offset[:, None], 0.0)
 
 
 def _plan(problem: BalanceProblem, layers: np.ndarray, mixes: np.ndarray) -> tuple[Plan, np.ndarray]:

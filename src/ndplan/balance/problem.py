@@ -11,6 +11,8 @@ Memory of a physical stage s (bytes):
              + [any layer on s recomputes] · recompute_transient[s]
              + Σ_{options r run on s} recompute_option_bytes[r][s]
              + Σ_{layers on s recomputing under option r} recompute_layer_bytes[r][s]
+             + max(0, max_{chunks c of s} Σ_{layers in c} recompute_chunk_bytes[kind, option][s, c]
+                      − recompute_chunk_offset[s])
 and, at the optimizer step (activations gone; parameters, gradients, states and the update's
 temporaries held), step_fixed[s] + Σ_{layers on s} step_layer_bytes[kind]: a stage fits when
 both are under the limit, and its peak is the larger. The step's bytes move with the layers
@@ -100,6 +102,19 @@ class BalanceProblem:
     #: gradient (B) until its weight gradient (W), times the micro-batches held so at the stage's
     #: peak (``build.chunk_weights``). None: nothing.
     held_until_w_bytes: dict[tuple[str, str], np.ndarray] | None = None
+    #: (kind, option) -> [pp, v] bytes each such layer in local chunk c of stage s adds to that
+    #: chunk's sum; stage s holds max(0, its largest chunk sum − ``recompute_chunk_offset[s]``)
+    #: once: under PyTorch's split backward, the rebuilt copies a chunk's weight-gradient step
+    #: keeps per fully recomputed layer, which raise the stage's peak once they outgrow what the
+    #: step's instant holds below it (``build.chunk_copy_terms``). Non-negative; several chunks
+    #: per stage only (with one, the largest is the sum: ``recompute_layer_bytes``). None: nothing.
+    recompute_chunk_bytes: dict[tuple[str, str], np.ndarray] | None = None
+    recompute_chunk_offset: np.ndarray | None = None  # [pp] (None: zeros)
+
+    def __post_init__(self) -> None:
+        if self.recompute_chunk_bytes is not None and self.chunks_per_stage == 1:
+            raise ValueError("recompute_chunk_bytes needs several chunks per stage; with one, a chunk's "
+                             "bytes per layer are recompute_layer_bytes")
     #: The optimizer step's peak of stage s: step_fixed_bytes[s] (the embedding and head
     #: included, as they never move) + Σ_{layers on s} step_layer_bytes[kind]. None: not priced
     #: (problems built by hand), the step never binds.
@@ -120,6 +135,37 @@ class BalanceProblem:
                     if (kind, option) in self.held_until_w_bytes:
                         out[:, g, r] += np.asarray(self.held_until_w_bytes[kind, option], dtype=float)
         return out
+
+    def chunk_bytes(self, kinds: Sequence[str], options: Sequence[str] | None = None) -> np.ndarray:
+        """[pp, v, G, R] ``recompute_chunk_bytes`` of a layer of each of ``kinds`` under each of
+        ``options`` (default the problem's) in each local chunk of each stage; zeros without."""
+        options = self.options if options is None else options
+        out = np.zeros((self.pp, self.chunks_per_stage, len(kinds), len(options)))
+        if self.recompute_chunk_bytes is not None:
+            for g, kind in enumerate(kinds):
+                for r, option in enumerate(options):
+                    if (kind, option) in self.recompute_chunk_bytes:
+                        out[:, :, g, r] = np.asarray(self.recompute_chunk_bytes[kind, option], dtype=float)
+        return out
+
+    @property
+    def chunk_offset(self) -> np.ndarray:
+        """[pp] ``recompute_chunk_offset`` (zeros without)."""
+        return (np.zeros(self.pp) if self.recompute_chunk_offset is None
+                else np.asarray(self.recompute_chunk_offset, dtype=float))
+
+    def chunk_term(self, largest: np.ndarray, stage: np.ndarray | slice | None = None) -> np.ndarray:
+        """What stages hold for their largest chunk sums ``largest`` [..., S] (``stage``: the
+        stages along the last axis, default every one): max(0, largest − offset)."""
+        offset = self.chunk_offset if stage is None else self.chunk_offset[stage]
+        return np.maximum(largest - offset, 0.0)
+
+    @property
+    def has_chunk_terms(self) -> bool:
+        """Whether a stage's largest chunk sum (``recompute_chunk_bytes``) can be anything but
+        zero: the solvers price it where it is."""
+        return self.recompute_chunk_bytes is not None and any(
+            np.any(np.asarray(b, dtype=float) != 0) for b in self.recompute_chunk_bytes.values())
 
     def recompute_transient(self, stage: int) -> float:
         return 0.0 if self.recompute_transient_bytes is None else float(self.recompute_transient_bytes[stage])
@@ -273,6 +319,7 @@ class EvaluationConstants(NamedTuple):
     step_layer: np.ndarray | None = None  # [L] each layer's bytes at the optimizer step
     extra: np.ndarray | None = None  # [pp, (kind, option)] ``extra_columns``
     charges: tuple[np.ndarray, np.ndarray] | None = None  # ``charge_columns``
+    chunk: np.ndarray | None = None  # [V, (kind, option)] ``chunk_columns``
 
 
 def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
@@ -286,7 +333,22 @@ def evaluation_constants(problem: BalanceProblem) -> EvaluationConstants:
         step_fixed = np.asarray(problem.step_fixed_bytes, dtype=float)
         step_layer = np.array([problem.step_layer_bytes[kind] for kind in problem.layer_kinds], dtype=float)
     return EvaluationConstants(np.asarray(problem.stage_of), flight, problem.fixed_bytes.astype(float), extras,
-                               step_fixed, step_layer, extra_columns(problem), charge_columns(problem))
+                               step_fixed, step_layer, extra_columns(problem), charge_columns(problem),
+                               chunk_columns(problem))
+
+
+def chunk_columns(problem: BalanceProblem) -> np.ndarray | None:
+    """[V, (kind, option)] ``BalanceProblem.chunk_bytes`` of each entry of ``problem.costs`` in
+    its order on each virtual stage (its stage's local chunk); None where the problem has no
+    chunk terms (``has_chunk_terms``)."""
+    if not problem.has_chunk_terms:
+        return None
+    pairs = list(problem.costs)
+    kinds = tuple(dict.fromkeys(kind for kind, _ in pairs))
+    options = tuple(dict.fromkeys(option for _, option in pairs))
+    table = problem.chunk_bytes(kinds, options)  # [pp, v, kinds, options]
+    per_virtual = table[problem.stage_of, problem.chunk_of]  # [V, kinds, options]
+    return per_virtual[:, [kinds.index(kind) for kind, _ in pairs], [options.index(option) for _, option in pairs]]
 
 
 
@@ -331,6 +393,11 @@ def evaluate_codes(problem: BalanceProblem, stage_layers: tuple[int, ...] | np.n
         present = np.zeros(table.shape, dtype=bool)
         present[stage, option_of[codes]] = True
         memory = memory + (present * table).sum(axis=1)
+    if constants.chunk is not None:  # the largest chunk sum of each stage, once
+        per_virtual = np.bincount(virtual, weights=constants.chunk[virtual, codes], minlength=V)
+        largest = np.zeros(pp)
+        np.maximum.at(largest, constants.stage_of, per_virtual)
+        memory = memory + problem.chunk_term(largest)
     if constants.step_fixed is not None:  # the optimizer step's peak, where it is the larger
         np.maximum(memory, constants.step_fixed + np.bincount(stage, weights=constants.step_layer, minlength=pp),
                    out=memory)
@@ -366,6 +433,13 @@ def evaluate_codes_many(problem: BalanceProblem, stage_layers: tuple[int, ...], 
         present = np.zeros((N * pp, table.shape[1]), dtype=bool)
         present[bins, option_of[codes.reshape(-1)]] = True
         memory = memory + (present.reshape(N, pp, -1) * table[None]).sum(axis=2)
+    if constants.chunk is not None:  # the largest chunk sum of each stage, once
+        chunk_bins = (V * np.arange(N)[:, None] + virtual[None, :]).reshape(-1)
+        per_virtual = np.bincount(chunk_bins, weights=constants.chunk[virtual[None, :], codes].reshape(-1),
+                                  minlength=N * V).reshape(N, V)
+        largest = np.zeros((N, pp))
+        np.maximum.at(largest, (np.arange(N)[:, None], constants.stage_of[None, :]), per_virtual)
+        memory = memory + problem.chunk_term(largest)
     if constants.step_fixed is not None:  # the same placement for all: one step peak
         step = constants.step_fixed + np.bincount(constants.stage_of[virtual], weights=constants.step_layer, minlength=pp)
         np.maximum(memory, step, out=memory)

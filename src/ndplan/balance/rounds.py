@@ -116,6 +116,13 @@ class _Greedy:
         self.extra = None if not problem.has_layer_extra else problem.layer_extra(self.kinds)
         if self.extra is not None:
             memory += self.extra[:, None]
+        # A stage's largest chunk sum (``BalanceProblem.chunk_term``) is no sum over its layers:
+        # the greedy ranks with each layer at its stage's largest chunk bytes over v (what the
+        # largest chunk holds where the options are dealt evenly, the offset left out);
+        # ``_dealt_mixes`` prices it exactly. [pp, v, G, R] (None: no chunk terms).
+        self.chunk = problem.chunk_bytes(self.kinds) if problem.has_chunk_terms else None
+        if self.chunk is not None:
+            memory += self.chunk.max(axis=1, keepdims=True) / v
         self.memory = memory
         # For dealing options over chunks (``_dealt_mixes``): micro-batches in flight per chunk,
         # chunks fewest first, each kind's options most bytes first, and which recompute.
@@ -434,7 +441,7 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
     limit = problem.memory_limit_bytes * (1 - _MARGIN)
     grid = (S,) + (1,) * G  # per stage, broadcast over every kind's mixes
     bytes_total: np.ndarray = greedy.base_bytes[stages].reshape(grid)
-    kind_ordered, kind_times, kind_recomputes, kind_present = [], [], [], []
+    kind_ordered, kind_times, kind_recomputes, kind_present, kind_chunks = [], [], [], [], []
     held = counts.sum(axis=1)  # [S, G] layers of each kind
     most_held = held.max(axis=0).tolist()  # [G] the most layers of each kind a stage holds
     # In-flight weight of the first k dealt slots of each kind, every stage and kind at once.
@@ -465,6 +472,17 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
         if greedy.charges is not None:  # which options the mix runs, for their own bytes
             kind_present.append((mixes > 0).reshape(*shape, R))
         kind_ordered.append(ordered)
+        if greedy.chunk is not None:  # each chunk's sum of the dealt options' chunk bytes
+            in_order = greedy.chunk[stages, :, g][np.arange(S)[:, None], order]  # [S, v, R], chunks fewest in flight first
+            dealt = np.zeros((S, first.shape[2] + 1, v), dtype=np.int64)  # of the first k slots, on the i-th chunk
+            np.cumsum(first[:, g, :, None] % v == np.arange(v), axis=1, out=dealt[:, 1:])
+            sums = np.zeros((S, len(heads), v))
+            for q, r in enumerate(greedy.by_activation[g].tolist()):
+                if in_order[..., r].any():
+                    held_q = (dealt[np.arange(S)[:, None], ends[:, :, q]]
+                              - dealt[np.arange(S)[:, None], ends[:, :, q] - ordered[:, :, q]])  # [S, K, v]
+                    sums += held_q * in_order[:, None, :, r]
+            kind_chunks.append(sums.reshape(*shape, v))
     time_total, any_recompute = kind_times[0], kind_recomputes[0]
     for g in range(1, G):
         time_total, any_recompute = time_total + kind_times[g], any_recompute | kind_recomputes[g]
@@ -475,6 +493,12 @@ def _dealt_mixes(problem: BalanceProblem, greedy: _Greedy, stages: np.ndarray | 
         for g in range(1, G):
             present = present | kind_present[g]
         memory = memory + (present * greedy.charges[stages].reshape(*grid, R)).sum(axis=-1)
+    if kind_chunks:  # the largest chunk sum over every kind's dealt layers, once
+        sums = kind_chunks[0]
+        for g in range(1, G):
+            sums = sums + kind_chunks[g]
+        offset = problem.chunk_offset[stages].reshape(grid)
+        memory = memory + np.maximum(sums.max(axis=-1) - offset, 0.0)
     # time_total has every kind's axis (a sum of G ≥ 2 broadcast ones, or the one kind's own
     # array): +inf in place where the memory does not fit.
     np.putmask(time_total, memory > limit, np.inf)
@@ -527,9 +551,9 @@ def _plan_of(problem: BalanceProblem, greedy: _Greedy, counts: tuple[int, ...], 
         time, plain, whole, partial = solved.answers
     else:
         time, plain, whole, partial = greedy.solve(np.arange(problem.pp), per_chunk)
-    # The greedy charges a recomputing stage every option's own bytes (``_Greedy``), so with
-    # them the exact recompute may fit where it does not.
-    if not np.isfinite(time).all() and (greedy.charges is None or not exact):
+    # The greedy charges a recomputing stage every option's own bytes and ranks chunk terms
+    # roughly (``_Greedy``), so with either the exact recompute may fit where it does not.
+    if not np.isfinite(time).all() and ((greedy.charges is None and greedy.chunk is None) or not exact):
         return None
     if exact:
         choice, found = _exact_stages(problem, greedy, per_chunk)  # [pp, v, G, R], [pp]

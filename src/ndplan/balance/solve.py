@@ -97,12 +97,15 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
         return None
     bases = stage_bases(problem)
     base_memory, base_time = float(bases[0][stage]), float(bases[1][stage])
-    # Group interchangeable layers: same kind and same in-flight weight (same chunk).
-    groups: dict[tuple[str, float], list[int]] = {}
+    # Group interchangeable layers: same kind and same in-flight weight (same chunk); with chunk
+    # terms, same chunk.
+    chunked = problem.has_chunk_terms
+    table = problem.chunk_bytes(sorted(set(problem.layer_kinds)))[stage] if chunked else None  # [v, G, R]
+    groups: dict[tuple[str, float, int], list[int]] = {}
     for v, layer in members:
-        groups.setdefault((problem.layer_kinds[layer], float(in_flight[v])), []).append(layer)
+        groups.setdefault((problem.layer_kinds[layer], float(in_flight[v]), v if chunked else -1), []).append(layer)
     fronts = []
-    for (kind, weight), layers in groups.items():
+    for (kind, weight, _), layers in groups.items():
         choices = []
         extra = problem.layer_extra([kind])[stage, 0]  # [R] what recomputing adds per layer on the stage
         for split in _splits(len(layers), len(problem.options)):
@@ -116,19 +119,28 @@ def knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int) -> tu
         # Keep the (time, memory) Pareto front of this group, separately for each set of
         # options the splits run: a split with no recompute avoids the stage's transient, and
         # one without an option that option's own bytes, so no other set may prune it.
-        front = []
-        for present in dict.fromkeys(_present(choice[2]) for choice in choices):
+        # (With chunk terms every split stays: its chunk's sum is no part of its memory here.)
+        front = [] if not chunked else choices
+        for present in dict.fromkeys(_present(choice[2]) for choice in choices) if not chunked else ():
             best_memory = np.inf
             for choice in choices:
                 if _present(choice[2]) == present and choice[1] < best_memory:
                     front.append(choice)
                     best_memory = choice[1]
         fronts.append((layers, front))
+    kinds = sorted(set(problem.layer_kinds))
+    group_keys = list(groups)
     best: tuple[float, float, tuple] | None = None
     for combo in product(*(front for _, front in fronts)):
         time = base_time + sum(c[0] for c in combo)
         memory = base_memory + sum(c[1] for c in combo)
         memory += problem.recompute_charge(stage, [any(c[2][r] for c in combo) for r in range(len(problem.options))])
+        if table is not None:  # the largest chunk sum, once
+            sums: dict[int, float] = {}
+            for (kind, _, virtual), choice in zip(group_keys, combo, strict=True):
+                chunk = int(problem.chunk_of[virtual])
+                sums[chunk] = sums.get(chunk, 0.0) + float(np.asarray(choice[2]) @ table[chunk, kinds.index(kind)])
+            memory += float(problem.chunk_term(np.array([max(sums.values(), default=0.0)]), np.array([stage]))[0])
         if memory <= problem.memory_limit_bytes and (best is None or time < best[0]):
             best = (time, memory, combo)
     if best is None:
@@ -160,6 +172,7 @@ def dealt_knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int
     chunks = np.flatnonzero(problem.stage_of == stage)  # virtual stages of this stage, by local chunk
     chunks = chunks[np.argsort(problem.chunk_of[chunks])]
     flight = in_flight[chunks]
+    virtual_of = {layer: v for v, layer in members}
     per_kind = []  # (kind, layer of each dealt slot, in-flight weight of each slot)
     for kind in sorted({problem.layer_kinds[layer] for _, layer in members}):
         by_chunk = [[layer for v, layer in members if v == virtual and problem.layer_kinds[layer] == kind]
@@ -173,9 +186,11 @@ def dealt_knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int
         per_kind.append((kind, slots))
     best: tuple[float, float, dict[int, str]] | None = None
     mixes = [list(_splits(len(slots), len(problem.options))) for _, slots in per_kind]
+    table = problem.chunk_bytes([kind for kind, _ in per_kind])[stage] if problem.has_chunk_terms else None  # [v, G, R]
     for combo in product(*mixes):
         time, memory, assignment = base_time, base_memory, {}
-        for (kind, slots), mix in zip(per_kind, combo, strict=True):
+        sums = np.zeros(problem.chunks_per_stage)  # each chunk's sum of its layers' chunk bytes
+        for g, ((kind, slots), mix) in enumerate(zip(per_kind, combo, strict=True)):
             by_bytes = sorted(range(len(problem.options)), key=lambda r: -problem.costs[(kind, problem.options[r])].activation_bytes)
             queue = [r for r in by_bytes for _ in range(mix[r])]
             extra = problem.layer_extra([kind])[stage, 0]  # [R] what recomputing adds per layer on the stage
@@ -184,7 +199,12 @@ def dealt_knapsack(problem: BalanceProblem, counts: tuple[int, ...], stage: int
                 time += cost.time_s
                 memory += cost.static_bytes + weight * cost.activation_bytes + float(extra[r])
                 assignment[layer] = problem.options[r]
+                if table is not None:
+                    chunk = int(problem.chunk_of[virtual_of[layer]])
+                    sums[chunk] += table[chunk, g, r]
         memory += problem.recompute_charge(stage, [any(mix[r] for mix in combo) for r in range(len(problem.options))])
+        if table is not None:  # the largest chunk sum, once
+            memory += float(problem.chunk_term(np.array([sums.max()]), np.array([stage]))[0])
         if memory <= problem.memory_limit_bytes and (best is None or time < best[0]):
             best = (time, memory, assignment)
     return None if best is None else (best[2], best[0], best[1])
@@ -329,7 +349,9 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
 
     The MILP. Variables: k[v, g, r] (layers of kind g on v with option r), a[s] (stage s
     recomputes something), o[s, r] (stage s runs option r, where options hold bytes of their
-    own once per stage: ``BalanceProblem.option_charges``), Z (the largest stage time), and what places the kinds. Objective:
+    own once per stage: ``BalanceProblem.option_charges``), c[s] (GiB, where chunks hold bytes
+    of their own: at least 0 and each chunk's sum less the offset, ``BalanceProblem.chunk_term``),
+    Z (the largest stage time), and what places the kinds. Objective:
     (m − 1/v)·Z + (1/v)·Σ_s T_s (``problem.composed_step_s``); a stage's chunks carry loads
     within one of each other (``even_chunks``: layers weighed by kind, plus the embedding's or
     head's units; a binary per chunk lets it exceed when it holds a single layer). Options are
@@ -366,7 +388,8 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
     relaxed = list(range(V)) if v_chunks > 1 else []  # chunks that may hold a single heavy layer
     charges = problem.option_charges()  # [pp, R] each option's bytes, once on a stage where it runs
     n_o = P * R if problem.has_option_charges else 0
-    n = n_y + n_k + P + n_b + len(relaxed) + n_o + 1
+    n_m = P if problem.has_chunk_terms else 0
+    n = n_y + n_k + P + n_b + len(relaxed) + n_o + n_m + 1
     z = n - 1
 
     def boundary(v: int) -> int:
@@ -380,6 +403,9 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
 
     def runs_option(stage: int, r: int) -> int:  # binary: some layer on the stage runs option r
         return n_y + n_k + P + n_b + len(relaxed) + stage * R + r
+
+    def chunk_term(stage: int) -> int:  # GiB: the stage's largest chunk sum less its offset, at least 0
+        return n_y + n_k + P + n_b + len(relaxed) + n_o + stage
 
     def y(layer: int, v: int) -> int:
         return layer * V + v
@@ -433,6 +459,7 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
                 add(coefficients, 0, 0)
     objective = np.zeros(n)
     layer_extra = problem.layer_extra(kinds)  # [pp, G, R]
+    chunk_table = problem.chunk_bytes(kinds)  # [pp, v, G, R]
     for s in range(problem.pp):
         memory: dict[int, float] = {}
         time: dict[int, float] = {z: -1.0}
@@ -454,6 +481,12 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
         if n_o:
             for r in range(R):
                 memory[runs_option(s, r)] = float(charges[s, r])
+        if n_m:  # the largest chunk sum: at or over each chunk's, less the offset
+            memory[chunk_term(s)] = 2.0**30
+            for virtual in (int(i) for i in np.flatnonzero(problem.stage_of == s)):
+                chunk = int(problem.chunk_of[virtual])
+                add({**{k(virtual, g, r): float(chunk_table[s, chunk, g, r]) / 2**30 for g in range(G) for r in range(R)},
+                     chunk_term(s): -1.0}, -np.inf, float(problem.chunk_offset[s]) / 2**30)
         # In GiB: rows of ~1e9 coefficients next to ~1 ones make HiGHS stop at suboptimal
         # "optimal" points (seen on 25-layer instances, 13 % off the DP's optimum).
         add({i: c / 2**30 for i, c in memory.items()}, -np.inf, (problem.memory_limit_bytes - fixed_memory) / 2**30)
@@ -486,8 +519,9 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
         add({i: c for i, c in enumerate(objective) if c}, -np.inf, cutoff_s - ends - 1e-9 * cutoff_s)
     integrality = np.ones(n)
     integrality[z] = 0
+    integrality[n - 1 - n_m:n - 1] = 0  # the chunk terms are continuous
     bounds = Bounds(np.zeros(n), np.concatenate([np.ones(n_y), np.full(n_k, L), np.ones(P), np.ones(n_b),
-                                                 np.ones(len(relaxed)), np.ones(n_o), [np.inf]]))
+                                                 np.ones(len(relaxed)), np.ones(n_o), np.full(n_m, np.inf), [np.inf]]))
     result = milp(
         objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
         bounds=bounds, options={"time_limit": time_limit_s},
