@@ -1334,3 +1334,29 @@ def test_from_help_says_what_the_command_does_with_the_config(command, capsys):
     assert "--from CONFIG" in text
     if command == "verify":
         assert "refused" in text and "with --measured, the model, strategy and runtime come from it" in text, text
+
+
+def test_compile_prices_fused_layers_and_a_torchtitan_config_states_it(tmp_path, capsys):
+    """--compile model fuses the decoder layers' elementwise ops in the step time (not the
+    memory); a torchtitan job's [compile] states it, and --compile off overrides the file."""
+    base = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--dp", "8", "--zero", "3", "--fsdp",
+            "--mbs", "2", "--gbs", "16", "--seq", "8192"]
+
+    def priced(argv):
+        code, out, _ = run([*argv, "--json"], capsys)
+        assert code == 0
+        data = json.loads(out)
+        return data["time"]["step_s"], data["stages"][0]["peak_bytes"]
+
+    (eager, peak), (model, peak_model), (both, _) = (priced(base), priced([*base, "--compile", "model"]),
+                                                     priced([*base, "--compile", "model+loss"]))
+    assert both < model < 0.9 * eager and peak_model == peak
+    code, out, _ = run([*base, "--compile", "model"], capsys)
+    assert "torch.compile of the model (--compile): elementwise_passes 1 in the decoder layers, 4.5 in the final" in out
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 2\nseq_len = 8192\n'
+                   '[parallelism]\ndata_parallel_shard_degree = 8\n[activation_checkpoint]\nmode = "none"\n'
+                   '[compile]\nenable = true\ncomponents = ["model"]\n')
+    from_file = ["estimate", "--from", str(job), "--hardware", "h100-sxm"]
+    assert priced(from_file)[0] == pytest.approx(priced([*from_file, "--compile", "model"])[0], rel=1e-12)
+    assert priced([*from_file, "--compile", "off"])[0] > 1.1 * priced(from_file)[0]

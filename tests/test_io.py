@@ -370,7 +370,8 @@ def test_torchtitan_llama3_fsdp_tp_pp():
         merge_settings(unsized, {"devices": 256, "mbs": 3})
     assert s.recompute == "full" and s.precision.name == "fsdp-bf16"
     # enable_async_tensor_parallel = true: the TP collectives overlap their GEMMs in the step time.
-    assert result.runtime_settings == {"loss_parallel": True, "overlap": {"preset": "torchtitan", "tp": True}}
+    assert result.runtime_settings == {"loss_parallel": True, "overlap": {"preset": "torchtitan", "tp": True},
+                                       "torch_compile": "model+loss"}  # [compile] enable, default components
     assert result.warnings == []
     assert check_strategy(s, result.model) == []
 
@@ -977,3 +978,27 @@ def test_megatron_ddp_bucket_size_reaches_the_step_time(tmp_path):
     assert overlap is not None and overlap.dp_bucket_params == 80_000_000 and overlap.dp_grad_reduce
     plain = parse_overlap(read_config(fixture("megatron_llama3_70b.sh"), model="llama-3.1-70b").runtime_settings["overlap"])
     assert plain is not None and plain.dp_bucket_params is None
+
+
+@pytest.mark.parametrize("compile_, compiled", [
+    ("", "off"), ("[compile]\nenable = false\n", "off"), ("[compile]\nenable = true\n", "model+loss"),
+    ('[compile]\nenable = true\ncomponents = ["model"]\n', "model"),
+    ('[compile]\nenable = true\ncomponents = ["loss"]\n', "loss"),
+    ('[compile]\nenable = true\ncomponents = "model,loss"\n', "model+loss"),
+    ("[training]\ncompile = true\n", "model"),  # before [compile]: each block compiled, the loss eager
+])
+def test_torchtitan_compile_is_read_for_the_step_time(compile_, compiled, tmp_path):
+    """What torchtitan compiles reaches the runtime options (torch_compile), and an emitted job
+    writes it back as it was read."""
+    path = tmp_path / "job.toml"
+    path.write_text(f'[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 8\n{compile_}')
+    result = read_config(path)
+    assert result.runtime_settings["torch_compile"] == compiled
+    text = emit(get_preset("llama-3.1-8b"), result.strategy(8), "torchtitan", torch_compile=compiled)
+    again = tmp_path / "again.toml"
+    again.write_text(text)
+    assert read_config(again).runtime_settings["torch_compile"] == compiled
+    if compiled != "off":
+        assert "[compile]" in text and "left out: torch.compile" not in text
+        assert f"left out: torch.compile of the {compiled.replace('+', ' and ')}" in emit(
+            get_preset("llama-3.1-8b"), result.strategy(8), "megatron", torch_compile=compiled)

@@ -1512,3 +1512,31 @@ def test_an_fp8_recipe_leaves_the_output_head_in_bf16():
     assert fp8["dense"][("F", "compute")][0] < 0.9 * bf16["dense"][("F", "compute")][0]
     head_f = 2 * 4096 * 128256 * 4096 / (989.4e12 * default_efficiency(get_device("h100-sxm")).gemm_efficiency)
     assert bf16["head"][("F", "compute")][0] > head_f
+
+
+def test_a_compiled_model_leaves_the_loss_at_the_eager_figure():
+    """torch.compile of the decoder layers (torchtitan's components = ["model"]) fuses their
+    elementwise ops, not the final norm and loss: ``loss_elementwise_passes`` prices those alone.
+    Llama-3.1-8B on one H100, 4096 tokens: the loss reads 2·4096·4096·2 bytes of hidden states
+    and LOSS_BYTES_PER_LOGIT per logit, each pass; 4.5 passes against 1 adds 3.5 times that, and
+    nothing else moves."""
+    from ndplan.memory import MemoryOptions
+    from ndplan.perf.memory_ops import LOSS_BYTES_PER_LOGIT
+
+    s = Strategy(num_micro_batches=1, seq_length=4096)
+    fused = _pieces(LLAMA8, s, 1, software={"elementwise_passes": 1.0})
+    eager_loss = _pieces(LLAMA8, s, 1, software={"elementwise_passes": 1.0, "loss_elementwise_passes": 4.5})
+    hbm = 3.35e12 * default_efficiency(get_device("h100-sxm")).hbm_efficiency
+    loss_bytes = 2 * 2 * 4096 * 4096 + LOSS_BYTES_PER_LOGIT * 4096 * 128256
+    for pass_ in ("F", "B"):
+        added = eager_loss["head"][(pass_, "compute")][0] - fused["head"][(pass_, "compute")][0]
+        assert added == pytest.approx(3.5 * loss_bytes / hbm, rel=1e-9)
+    assert eager_loss["dense"][("F", "compute")][0] == fused["dense"][("F", "compute")][0]
+    # The options: the runtime's eager figure (pytorch: 4.5) outside what is compiled.
+    software = {c: MemoryOptions(torch_compile=c).time_keywords()["software"] for c in ("off", "model", "model+loss", "loss")}
+    assert software["off"]["elementwise_passes"] == 4.5 and "loss_elementwise_passes" not in software["off"]
+    assert (software["model"]["elementwise_passes"], software["model"]["loss_elementwise_passes"]) == (1.0, 4.5)
+    assert (software["model+loss"]["elementwise_passes"], software["model+loss"]["loss_elementwise_passes"]) == (1.0, 1.0)
+    assert (software["loss"]["elementwise_passes"], software["loss"]["loss_elementwise_passes"]) == (4.5, 1.0)
+    with pytest.raises(NdplanError, match="torch_compile must be one of off, model, model\\+loss, loss, got 'all'"):
+        MemoryOptions(torch_compile="all")  # type: ignore[arg-type]

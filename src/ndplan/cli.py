@@ -547,7 +547,8 @@ def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, devic
                 attention=options.attention, selective_policy=options.selective_policy,
                 grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel,
                 moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance,
-                moe_dispatcher=options.moe_dispatcher if fmt == "megatron" else "alltoall")
+                moe_dispatcher=options.moe_dispatcher if fmt == "megatron" else "alltoall",
+                torch_compile=options.torch_compile)
 
 
 def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:
@@ -632,7 +633,7 @@ def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, opti
                        f"{priced_counts.total:,}, {priced_counts.active:,})")
     def stated(opts: Any) -> dict[str, Any]:
         """The settings that price a run, each resolved (None: the runtime profile's own)."""
-        out = {name: getattr(opts, name) for name in ("runtime", "loss_upcast", "attention")}
+        out = {name: getattr(opts, name) for name in ("runtime", "loss_upcast", "attention", "torch_compile")}
         if run_model.is_moe:
             out["grouped_gemm"] = opts.grouped_gemm
             out["moe_dispatcher"] = opts.moe_dispatcher
@@ -718,6 +719,11 @@ def _print_kernels(options: Any, strategy: Strategy | None = None, recompute_cho
     if options.profile.kernels:
         kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
         console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
+    if options.torch_compile != "off":
+        software = options.time_keywords()["software"]
+        console.print(f"torch.compile of the {options.torch_compile.replace('+', ' and ')} (--compile): elementwise_passes "
+                      f"{software['elementwise_passes']:g} in the decoder layers, {software['loss_elementwise_passes']:g} "
+                      "in the final norm and loss (step time only: the memory is the eager modules')", markup=False)
     if strategy is not None and strategy.recompute != "selective" and not recompute_chosen:
         pass  # no policy priced
     elif options.selective_policy not in (None, options.profile.selective_policy):
@@ -1496,6 +1502,11 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "allgather gathers every token of the expert-TP x EP group into a persistent buffer and "
                             "reduce-scatters the experts' output in fp32 (default: alltoall, or what a --from "
                             "Megatron launch runs: allgather where it states no --moe-token-dispatcher-type)")
+    group.add_argument("--compile", dest="torch_compile", choices=["off", "model", "model+loss", "loss"], default=None,
+                       help="what torch.compile fuses, for the step time (memory stays the eager modules'): model "
+                            "runs each decoder layer's elementwise ops as one fused pass, leaving the final norm and "
+                            "loss eager; model+loss fuses those too (default: off, or what a --from torchtitan "
+                            "config's [compile] states)")
     group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
                        help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
                             "(replaces --moe-imbalance for memory)")

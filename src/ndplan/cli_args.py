@@ -317,6 +317,7 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         grouped_gemm=stated.get("grouped_gemm", True),
         selective_policy=policy,
         moe_dispatcher=_moe_dispatcher(args, stated, runtime),
+        torch_compile=getattr(args, "torch_compile", None) or stated.get("torch_compile") or "off",
     )
 
 

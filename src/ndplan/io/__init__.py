@@ -159,7 +159,7 @@ def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | M
          overlap: Any = None, *, loss_upcast: bool = True, attention: str = "flash",
          selective_policy: str | None = None, grouped_gemm: bool = True, loss_parallel: bool | None = None,
          moe_capacity_factor: float | None = None, moe_imbalance: float = 1.0,
-         moe_dispatcher: str = "alltoall") -> str:
+         moe_dispatcher: str = "alltoall", torch_compile: str = "off") -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
@@ -182,6 +182,8 @@ def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | M
     assumption no framework sets) is stated in a comment where it is not 1.
     ``moe_dispatcher`` (Megatron-Core's token dispatcher priced: alltoall or allgather) becomes
     ``--moe-token-dispatcher-type``; the other formats have no such setting.
+    ``torch_compile`` (what torch.compile was priced fusing: off, model, model+loss, loss)
+    becomes torchtitan's ``[compile]`` table; the other formats' headers say it is left out.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -198,15 +200,24 @@ def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | M
     imbalance = (f"# ndplan: priced with --moe-imbalance {moe_imbalance:g} (the busiest rank's routed tokens over "
                  "balanced routing), an assumption no setting here holds: give it again to price this file\n"
                  if moe_imbalance != 1.0 and (model is None or model.is_moe) else "")
+    compiled = (f"# ndplan: not expressible in {fmt}, left out: torch.compile of the "
+                f"{torch_compile.replace('+', ' and ')} (--compile); its kernels are its own\n"
+                if torch_compile != "off" and fmt != "torchtitan" else "")
     if fmt == "megatron":
         from ndplan.io.megatron_emit import emit_megatron
 
         text = emit_megatron(model, strategy, overlap, loss_upcast=loss_upcast, attention=attention,
                              grouped_gemm=grouped_gemm, loss_parallel=loss_parallel,
                              moe_capacity_factor=moe_capacity_factor, moe_dispatcher=moe_dispatcher)
-        shebang, _, rest = text.partition("\n")  # the comment below the #! line
-        return f"{shebang}\n{imbalance}{rest}" if imbalance else text
-    text = imbalance + _emitters()[fmt](model, strategy, attention=attention, loss_parallel=loss_parallel)
+        shebang, _, rest = text.partition("\n")  # the comments below the #! line
+        return f"{shebang}\n{imbalance}{compiled}{rest}" if imbalance or compiled else text
+    if fmt == "torchtitan":
+        from ndplan.io.torchtitan import emit as emit_torchtitan
+
+        text = imbalance + emit_torchtitan(model, strategy, attention=attention, loss_parallel=loss_parallel,
+                                           torch_compile=torch_compile)
+    else:
+        text = compiled + imbalance + _emitters()[fmt](model, strategy, attention=attention, loss_parallel=loss_parallel)
     if moe_capacity_factor is not None and (model is None or model.is_moe):
         text = (f"# ndplan: not expressible in {fmt}, left out: an expert capacity factor of "
                 f"{moe_capacity_factor:g} (--moe-capacity-factor, token dropping priced); the experts run dropless\n") + text

@@ -225,11 +225,16 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     for section, name in ((model_section, "model"), (training, "training"), (parallel, "parallelism"),
                           (ac, "activation_checkpoint")):
         section.check_known(_KNOWN[name])
+    compiled = _compiled(root, training)
+    if compiled != "off":
+        notes.append(f"torch.compile of the {compiled.replace('+', ' and ')}: priced as fused elementwise kernels in the "
+                     "step time (--compile); the memory is the eager modules'")
     world = settings["dp"] * tp * pp * cp if "dp" in settings else devices
     return ReadResult(
         format=FORMAT, source=src.name, model=model, strategy_settings=settings, devices=world,
         warnings=warnings, notes=notes,
         runtime_settings={"loss_parallel": loss_parallel, "overlap": {"preset": "torchtitan", **overlap},
+                          "torch_compile": compiled,
                           **({"selective_policy": selective_policy} if selective_policy else {})},
     )
 
@@ -385,16 +390,23 @@ def _recompute(ac: Section, settings: dict[str, Any], model: ModelSpec | None, w
     return policy
 
 
-def _model_compiled(root: Section, training: Section) -> bool:
-    """torchtitan's model_compile_enabled: ``[compile] enable`` with "model" in ``components``
-    (default ["model", "loss"]), or ``training.compile`` in older versions."""
+def _compiled(root: Section, training: Section) -> str:
+    """What torchtitan compiles (``MemoryOptions.torch_compile``): ``[compile] enable`` with its
+    ``components`` (default ["model", "loss"]), or ``training.compile`` in older versions, which
+    compiled each transformer block and left the loss eager."""
     section = root.get("compile")
     if isinstance(section, dict) and section.get("enable") is True:
         components = section.get("components", ["model", "loss"])
         if isinstance(components, str):  # the command line's comma-separated form
             components = components.split(",")
-        return isinstance(components, list) and "model" in components
-    return training.get("compile") is True
+        parts = [part for part in ("model", "loss") if isinstance(components, list) and part in components]
+        return "+".join(parts) or "off"
+    return "model" if training.get("compile") is True else "off"
+
+
+def _model_compiled(root: Section, training: Section) -> bool:
+    """torchtitan's model_compile_enabled (``_compiled`` names the model)."""
+    return "model" in _compiled(root, training)
 
 
 def _float8_all_gather(root: Section) -> bool:
@@ -502,8 +514,10 @@ def _toml_value(value: Any) -> str:
     raise TypeError(value)
 
 
-def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss_parallel: bool | None = None) -> str:
-    """The [model], [training], [parallelism] and [activation_checkpoint] tables of a job TOML.
+def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss_parallel: bool | None = None,
+         torch_compile: str = "off") -> str:
+    """The [model], [training], [parallelism] and [activation_checkpoint] tables of a job TOML
+    (and [compile] where ``torch_compile`` names what torch.compile fuses: model, loss or both).
     ``loss_parallel`` False under TP: ``disable_loss_parallel`` (torchtitan's loss is
     vocabulary-parallel by default). The attention kernel is the model's (torchtitan calls SDPA,
     which picks cuDNN/flash/memory-efficient kernels): the job config has no setting for it, so
@@ -608,6 +622,8 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
         if s.recompute_layers:
             lost.append(f"selective recompute of {s.recompute_layers} layers per stage")
     tables["activation_checkpoint"] = ac
+    if torch_compile != "off":
+        tables["compile"] = {"enable": True, "components": torch_compile.split("+")}
     if s.offload_modules:
         lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
 

@@ -66,6 +66,9 @@ Attention = Literal["flash", "sdpa", "eager"]
 #: them: 'alltoall' (also what the flex dispatcher, DeepEP/HybridEP, is priced as; its network
 #: copies follow ``OverlapConfig.ep_dispatch``) and 'allgather' (Megatron's default).
 MoeDispatcher = Literal["alltoall", "allgather"]
+#: What torch.compile compiles (torchtitan's ``[compile] components``): nothing, the decoder
+#: layers, the layers and the loss, or the loss alone.
+TorchCompile = Literal["off", "model", "model+loss", "loss"]
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
 STATIC_KINDS = ("embedding", "attention", "norm", "mlp", "moe", "output", "mtp")
 #: ``pipeline``: the stage inputs and outputs a pipeline runtime keeps per micro-batch until its
@@ -128,6 +131,10 @@ class MemoryOptions:
     and returns the experts' output by a reduce-scatter in the probabilities' fp32
     (``allgather_dispatch_bytes``, the profile's ``moe_allgather`` block); only for runtimes
     whose profile states that block (megatron).
+    ``torch_compile`` says what torch.compile fuses, for the step time alone (the memory
+    priced is the eager modules'): 'model' runs each decoder layer's elementwise ops as fused
+    kernels (one pass over their bytes) and leaves the final norm and loss at the runtime's eager
+    figure; 'model+loss' fuses those too, 'loss' those alone; 'off' prices the runtime's own kernels.
     """
 
     runtime: str = "pytorch"
@@ -142,6 +149,7 @@ class MemoryOptions:
     grouped_gemm: bool = True
     selective_policy: str | None = None
     moe_dispatcher: MoeDispatcher = "alltoall"
+    torch_compile: TorchCompile = "off"
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, str):
@@ -176,6 +184,9 @@ class MemoryOptions:
         if self.moe_dispatcher not in get_args(MoeDispatcher):
             raise NdplanError(f"moe_dispatcher must be one of {', '.join(get_args(MoeDispatcher))}, "
                               f"got {self.moe_dispatcher!r}")
+        if self.torch_compile not in get_args(TorchCompile):
+            raise NdplanError(f"torch_compile must be one of {', '.join(get_args(TorchCompile))}, "
+                              f"got {self.torch_compile!r}")
         if self.moe_dispatcher == "allgather" and "moe_allgather" not in self.profile.blocks:
             raise NdplanError(f"moe_dispatcher 'allgather' is Megatron-Core's MoEAllGatherTokenDispatcher; runtime "
                               f"'{self.runtime}' states no such dispatcher (use runtime megatron)")
@@ -216,6 +227,12 @@ class MemoryOptions:
                                     "window_kernel": not (self.attention == "sdpa"
                                                           and "sdpa_masked" in self.profile.blocks)}
         software.update(self.profile.kernels)
+        if self.torch_compile != "off":
+            # A compiled part fuses its elementwise chains into one pass; the rest keeps the
+            # runtime's (eager) figure.
+            eager = float(software.get("elementwise_passes", 1.0))
+            software["elementwise_passes"] = 1.0 if "model" in self.torch_compile else eager
+            software["loss_elementwise_passes"] = 1.0 if "loss" in self.torch_compile else eager
         software["pipeline_defers_fsdp_reduce"] = self.profile.pipeline_defers_fsdp_reduce
         software["grad_buckets"] = self.profile.grad_buckets
         software["ddp_bucket_cap_mb"] = self.profile.ddp_bucket_cap_mb

@@ -84,7 +84,11 @@ class EfficiencyProfile(BaseModel):
     and rotary as chains of separate fp32 kernels): in real steps of transformers' Llama-3.1-8B,
     Mistral-7B, Qwen3-30B-A3B and DeepSeek-V2-Lite on an H200, the kernels that are neither GEMMs
     nor attention took 4.4-5.4 times the seconds of one pass over the bytes counted here
-    (torch.profiler, tests/data/measured/h200/profile.json).
+    (torch.profiler, tests/data/measured/h200/profile.json). ``loss_elementwise_passes`` (unset:
+    ``elementwise_passes``) is the loss's own (the final norm's and the cross-entropy's), where
+    a runtime fuses the decoder layers but not the loss: torch.compile of the blocks alone
+    (torchtitan's ``[compile] components = ["model"]``, and every torchtitan release before
+    the loss could be compiled) leaves the loss eager.
 
     Selective recompute (``Strategy.recompute = 'selective'``) differs by framework, a fact of
     the software like ``flash_attention``: ``selective_recompute`` 'megatron' re-runs the
@@ -186,6 +190,7 @@ class EfficiencyProfile(BaseModel):
     scaleup_topology: Literal["switch", "mesh"] = "switch"
     fp8_cast_bytes: float = Field(default=4.0, ge=0.0, description="bytes per element to quantise a GEMM input")
     elementwise_passes: float = Field(default=1.0, ge=1.0)
+    loss_elementwise_passes: float | None = Field(default=None, ge=1.0)
     host_layer_s: float = Field(default=0.3e-3, ge=0.0)
     host_moe_layer_s: float = Field(default=2.0e-3, ge=0.0)
     host_expert_s: float = Field(default=20e-6, ge=0.0, description="host seconds per local expert, forward")
@@ -236,7 +241,8 @@ class EfficiencyProfile(BaseModel):
 
 
 #: Optional figures and the figure an unset one takes (``EfficiencyProfile.figure``).
-UNSET_MEANS = {"optimizer_efficiency": "hbm_efficiency", "masked_attention_efficiency": "attention_efficiency"}
+UNSET_MEANS = {"optimizer_efficiency": "hbm_efficiency", "masked_attention_efficiency": "attention_efficiency",
+               "loss_elementwise_passes": "elementwise_passes"}
 
 #: Fields that calibration may fit, with their bounds (all efficiencies are fractions).
 FITTABLE: dict[str, tuple[float, float]] = {
@@ -438,7 +444,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 #: became its choice there: about 0.33 of the peak, against cuDNN's 0.55).
 SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "moe_capacity_factor",
                    "moe_dispatcher",
-                   "elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
+                   "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency")
 
 

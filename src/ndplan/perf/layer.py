@@ -1006,7 +1006,7 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     head = head_gemms(model, shardings.distinct)
     head_s = {p: shardings.spread(gemms_seconds(head, rates.head, p)[0]) for p in PASS_NAMES}
     vocab_parallel = ctx.eff.loss_parallel
-    loss_s = ctx.eff.elementwise_passes * head_bytes(model, bsh, bc["sequence_parallel"], beta,
+    loss_s = ctx.eff.figure("loss_elementwise_passes") * head_bytes(model, bsh, bc["sequence_parallel"], beta,
                                                      ctx.eff.loss_upcast, vocab_parallel) / rates.hbm_rate
     t = bc["tp"]
     link = group_link(t, 1.0, ctx.fabric, "ring")
