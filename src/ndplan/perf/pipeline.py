@@ -44,6 +44,11 @@ Two methods, one interface (``makespan``):
   critical depends on (f, b, w): with F = B = W the simulator's are zbv 5p-7 and dualpipev
   2(p-1) fewer (zb-h1's the same), and with b < f fewer still.
 
+The stage totals cannot show where a stage's interleaved chunks differ (remainder layers on
+the first chunks, the head on the last): there the makespan is the larger of the form and
+``interleaved_chain_bound``, the longest of a family of op chains through each stage's chunks
+(a lower bound of the simulator, exact on the layouts it was derived from).
+
 DualPipeV's overlapped F&B steps are simulated as F+B+W (overlap_f_and_b=False): compute
 cannot hide compute. What DualPipeV hides is the expert all-to-all, which the layer times
 already leave out (OverlapConfig.ep).
@@ -283,6 +288,74 @@ def closed_form_makespan(
         steady = m * np.maximum(0.0, t_mean - t_star + 2.0 * (pp_f - 1.0) / pp_f * p2p)
         p2p_part = np.where(pp_f > 1, (4.0 * pp_f - 6.0) * p2p + steady, 0.0)
     return m * t_star + bubble + p2p_part, p2p_part, star
+
+
+def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array | None = None) -> tuple[Array, Array]:
+    """(seconds, transfers) of the longest of a family of op chains through Megatron's
+    interleaved schedule: a lower bound of its makespan that uses each stage's chunks, which the
+    closed form, in stage totals, cannot see. f, b: [n, p, v] per-chunk forward and whole
+    backward (B + W) seconds, stage-major as the simulator takes them; m (a multiple of p) and
+    p2p: [k], each for the chunks of row ``of`` [k] of f and b (default: row for row).
+
+    Every stage s runs group 0's forwards chunk by chunk, p micro-batches of local chunk 0, then
+    of chunk 1, ... (all inside its warm-up), and ends on the last group's p backwards of chunk 0.
+    So these ops follow one another (stage order or data), for stages h <= j <= r, s2 <= r:
+
+      F0 of micro-batch 0 on stages 0..h-1;  stage h's first p·(v-1) forwards (chunks 0..v-2);
+      F(v-2) of micro-batch p-1 on stages h+1..j;  F(v-1) of micro-batch 0 on stages j..r-1;
+      stage r from its F(v-1) of micro-batch 0 to its B0 of micro-batch m-p (all its ops but
+      the first p·(v-1) forwards and the last p-1 backwards);  that B0 on stages r-1..s2+1;
+      stage s2's last p backwards;  B0 of micro-batch m-1 on stages s2-1..0.
+
+    With W_s = Σ_{c<v-1} f[s, c] and T_s = f + b summed over s's chunks, its length is
+
+      Σ_{s<h} f[s,0] + p·W_h + Σ_{h<s<=j} f[s,v-2] + Σ_{j<=s<r} f[s,v-1]
+        + m·T_r - p·W_r - (p-1)·b[r,0] + Σ_{s<r} b[s,0] + (p-1)·b[s2,0]  + 2r·p2p
+
+    (r hops down and r back up), maximised over h, j, s2 by running maxima along the stages and
+    over r. For identical stages the best chain (r = h = j = p - 1) is the closed form's
+    (m + (p-1)/v)·T + 2(p·v-1)·p2p less 2p(v-1)·p2p (fewer hops). Where a stage's chunks differ it is what
+    the form misses: Llama-3.1-70B over pp 32 × vpp 2 (80 layers: chunk 0 of stages 0-15 two
+    layers, the head on stage 31's chunk 1), m 64, full recompute, where the closed form reads
+    20.38 s and the simulator 22.85 s, is this chain with r = 31, h = 0, j = 15, s2 = 0: the
+    last stage's heavy chunk 1 (the head) holds back the next group's chunk-0 forwards while
+    the others wait, which no stage total shows. A chain is a path of the simulator's own graph,
+    so its length never exceeds the simulated makespan."""
+    n, p, v = f.shape
+    total = f.sum(axis=2)
+    total += b.sum(axis=2)  # T_s, [n, p]
+    warm = f[:, :, 0].copy() if v == 2 else f[:, :, : v - 1].sum(axis=2)  # W_s
+
+    def before(x: Array) -> Array:  # Σ_{s' < s} x[s'], [n, p]
+        out = np.zeros(x.shape)
+        np.cumsum(x[:, :-1], axis=1, out=out[:, 1:])
+        return out
+
+    turn = np.cumsum(f[:, :, v - 2], axis=1)  # Σ_{s <= j} f[s, v-2]
+    last = before(f[:, :, v - 1])  # Σ_{s < j} f[s, v-1]
+    best_h = before(f[:, :, 0])
+    best_h += p * warm
+    best_h -= turn
+    np.maximum.accumulate(best_h, axis=1, out=best_h)  # max over h <= j
+    best_h += turn
+    best_h -= last
+    entry = np.maximum.accumulate(best_h, axis=1, out=best_h)
+    entry += last  # max over j <= r
+    b0 = b[:, :, 0]
+    fixed = np.maximum.accumulate(b0, axis=1)
+    fixed *= p - 1
+    fixed += before(b0)  # the drain, max over s2 <= r
+    fixed += entry
+    fixed -= p * warm
+    fixed -= (p - 1) * b0
+    hops = 2.0 * np.arange(p, dtype=np.float64)
+    if of is not None:  # each row's chunks, then its micro-batches and transfers
+        fixed, total = fixed[of], total[of]
+    chain = total * np.asarray(m, dtype=np.float64)[:, None]
+    chain += fixed
+    chain += hops[None, :] * np.asarray(p2p, dtype=np.float64)[:, None]
+    r = np.argmax(chain, axis=1)
+    return np.take_along_axis(chain, r[:, None], axis=1)[:, 0], hops[r]
 
 
 @lru_cache(maxsize=1024)
