@@ -422,21 +422,43 @@ def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array 
     layers, the head on stage 31's chunk 1), m 64, full recompute, where the closed form reads
     20.38 s and the simulator 22.85 s, is this chain with r = 31, h = 0, j = 15, s2 = 0: the
     last stage's heavy chunk 1 (the head) holds back the next group's chunk-0 forwards while
-    the others wait, which no stage total shows. A chain is a path of the simulator's own graph,
-    so its length never exceeds the simulated makespan."""
+    the others wait, which no stage total shows.
+
+    Detours through the last stage (stage 0 the main run, k = m/p groups): the path above up to
+    stage p-1's first chunk-(v-1) forward, then its p pairs F(v-1), B(v-1) of group 0, B(v-1) of
+    micro-batch p-1 down to a stage t, t's forward between its backwards p-1 and p (there while
+    its warm-up ends before, m >= 2p), B(v-2) of micro-batch 0 down to stage 0; stage 0 from its
+    backward p on; and/or stage 0 up to B1 of micro-batch m-p-1 (its backward unit
+    (k-2)·p·v + (v-1)·p - 1), which feeds B0 of the same micro-batch on stage p-1, whose ops up
+    to B0 of micro-batch m-p are p·(f[p-1,v-1] + Σ_{c>=1} b[p-1,c]) + 2·b[p-1,0] (the last
+    group's chunk-(v-1) pairs), then that B0 down to stage 0 and stage 0's last p backwards.
+    Stage 0's ops before and after a given unit are counted per chunk from the unit pattern
+    (forward unit u runs chunk (u mod p·v) // p, backward unit u the mirror). Llama-3.1-70B as
+    above at m 128 (dp1 cp2): the form 19.88 s, the one-stage chains 19.84 s, the simulator
+    21.20 s; with the detours (3p-2 hops) 21.05 s.
+
+    A chain is a path of the simulator's own graph, so its length never exceeds the simulated
+    makespan (tests/test_perf_pipeline.py holds 200 random chunk profiles to it, p2p included)."""
     n, p, v = f.shape
-    total = f.sum(axis=2)
-    total += b.sum(axis=2)  # T_s, [n, p]
-    warm = f[:, :, 0].copy() if v == 2 else f[:, :, : v - 1].sum(axis=2)  # W_s
+    # Each chunk's [n, p] as a contiguous array (reductions over the short chunk axis, and
+    # strided slices of it, cost several times as much).
+    fc = [np.ascontiguousarray(f[:, :, c]) for c in range(v)]
+    bc = [np.ascontiguousarray(b[:, :, c]) for c in range(v)]
+    warm = fc[0].copy()  # W_s
+    for c in range(1, v - 1):
+        warm += fc[c]
+    total = warm + fc[v - 1]
+    for c in range(v):
+        total += bc[c]  # T_s, [n, p]
 
     def before(x: Array) -> Array:  # Σ_{s' < s} x[s'], [n, p]
         out = np.zeros(x.shape)
         np.cumsum(x[:, :-1], axis=1, out=out[:, 1:])
         return out
 
-    turn = np.cumsum(f[:, :, v - 2], axis=1)  # Σ_{s <= j} f[s, v-2]
-    last = before(f[:, :, v - 1])  # Σ_{s < j} f[s, v-1]
-    best_h = before(f[:, :, 0])
+    turn = np.cumsum(fc[v - 2], axis=1)  # Σ_{s <= j} f[s, v-2]
+    last = before(fc[v - 1])  # Σ_{s < j} f[s, v-1]
+    best_h = before(fc[0])
     best_h += p * warm
     best_h -= turn
     np.maximum.accumulate(best_h, axis=1, out=best_h)  # max over h <= j
@@ -444,7 +466,7 @@ def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array 
     best_h -= last
     entry = np.maximum.accumulate(best_h, axis=1, out=best_h)
     entry += last  # max over j <= r
-    b0 = b[:, :, 0]
+    b0 = bc[0]
     fixed = np.maximum.accumulate(b0, axis=1)
     fixed *= p - 1
     fixed += before(b0)  # the drain, max over s2 <= r
@@ -452,13 +474,68 @@ def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array 
     fixed -= p * warm
     fixed -= (p - 1) * b0
     hops = 2.0 * np.arange(p, dtype=np.float64)
+    # Detours (p > 1): stage p-1 runs group 0's chunk-(v-1) pairs before stage 0 takes over at its
+    # backward unit p (B(v-2) of micro-batch 0): B(v-1) of micro-batch p-1 down to a stage t,
+    # its forward between the two backwards (where its warm-up leaves one: m >= 2p), B(v-2) of
+    # micro-batch 0 on to stage 1. Per chunk configuration, the best t for either case of m.
+    t = np.arange(1, p)
+    w_t = 2 * (p - 1 - t) + (v - 1) * p
+    down = np.cumsum(bc[v - 1][:, :0:-1], axis=1)[:, ::-1] - bc[v - 1][:, p - 1:p]  # Σ_{t<=s<=p-2} b[s, v-1]
+    up = np.cumsum(bc[v - 2][:, 1:], axis=1)  # Σ_{1<=s<=t} b[s, v-2]
+    mid = np.ascontiguousarray(f).reshape(n, p * v)[:, t * v + ((w_t + p) % (p * v)) // p]  # the forward between
+    turn_with = (down + up + mid).max(axis=1) if p > 1 else np.zeros(n)
+    turn_without = (down + up).max(axis=1) if p > 1 else np.zeros(n)
+    entry_last = entry[:, p - 1] + p * (f[:, p - 1, v - 1] + b[:, p - 1, v - 1])
+    f0, b0_all, last_b = f[:, 0], b[:, 0], b[:, p - 1]
+    exit_fixed = (p * (f[:, p - 1, v - 1] + last_b[:, 1:].sum(axis=1)) + 2.0 * last_b[:, 0]
+                  + bc[0][:, 1:p - 1].sum(axis=1) + p * b0_all[:, 0])
+    first_b = p * b0_all[:, v - 1]
+    total0 = total[:, 0]
     if of is not None:  # each row's chunks, then its micro-batches and transfers
         fixed, total = fixed[of], total[of]
-    chain = total * np.asarray(m, dtype=np.float64)[:, None]
+        turn_with, turn_without, entry_last = turn_with[of], turn_without[of], entry_last[of]
+        f0, b0_all, exit_fixed, first_b, total0 = f0[of], b0_all[of], exit_fixed[of], first_b[of], total0[of]
+    m = np.asarray(m, dtype=np.float64)
+    p2p = np.asarray(p2p, dtype=np.float64)
+    chain = total * m[:, None]
     chain += fixed
-    chain += hops[None, :] * np.asarray(p2p, dtype=np.float64)[:, None]
+    chain += hops[None, :] * p2p[:, None]
     r = np.argmax(chain, axis=1)
-    return np.take_along_axis(chain, r[:, None], axis=1)[:, 0], hops[r]
+    best, best_hops = np.take_along_axis(chain, r[:, None], axis=1)[:, 0], hops[r]
+    if p > 1:
+        # Unit counts per chunk depend on m alone: worked out per distinct m and gathered.
+        m_values, m_code = np.unique(m, return_inverse=True)
+        units = m_values * v
+        w0 = np.minimum(units, 2 * (p - 1) + (v - 1) * p)
+        k0 = (m_values / p - 2.0) * p * v + (v - 1) * p - 1  # stage 0's last backward before the exit detour
+
+        def per_chunk(lo: Array, hi: Array, backward: bool) -> Array:
+            # [distinct m, v] units lo..hi-1 on each chunk ((k % pv) // p; mirrored backward)
+            def upto(k: Array) -> Array:
+                k = np.maximum(k, 0.0)[:, None]
+                return np.floor(k / (p * v)) * p + np.clip(np.mod(k, p * v) - np.arange(v) * p, 0.0, p)
+            count = np.maximum(upto(hi) - upto(lo), 0.0)
+            return count[:, ::-1] if backward else count
+
+        before_f = per_chunk(np.zeros_like(units), np.minimum(w0 + p + 1, units), False)
+        after_b = per_chunk(k0 + 1, units, True)
+        after_f = np.where((k0 < units - w0)[:, None], per_chunk(w0 + k0 + 1, units, False), 0.0)
+        m_code = m_code.ravel()
+        k0, w0 = k0[m_code], w0[m_code]
+        whole = m * total0
+        before_p = (before_f[m_code] * f0).sum(axis=1) + first_b
+        after_k0 = (after_b[m_code] * b0_all).sum(axis=1) + (after_f[m_code] * f0).sum(axis=1)
+        d_entry = entry_last + np.where(m >= 2 * p, turn_with, turn_without) - before_p
+        for value, count, valid in (
+            (d_entry + whole, 2.0 * (p - 1), m >= p),  # entry detour, then stage 0 to its end
+            (whole - after_k0 + exit_fixed, float(p), k0 >= 0),  # exit detour: stage 0's wrap to p-1
+            (d_entry + whole - after_k0 + exit_fixed, 3.0 * p - 2.0, k0 >= p),  # both
+        ):
+            value = value + count * p2p
+            longer = valid & (value > best)
+            best = np.where(longer, value, best)
+            best_hops = np.where(longer, count, best_hops)
+    return best, best_hops
 
 
 @lru_cache(maxsize=1024)
