@@ -434,8 +434,8 @@ def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array 
     group's chunk-(v-1) pairs), then that B0 down to stage 0 and stage 0's last p backwards.
     Stage 0's ops before and after a given unit are counted per chunk from the unit pattern
     (forward unit u runs chunk (u mod p·v) // p, backward unit u the mirror). Llama-3.1-70B as
-    above at m 128 (dp1 cp2): the form 19.88 s, the one-stage chains 19.84 s, the simulator
-    21.20 s; with the detours (3p-2 hops) 21.05 s.
+    above at m 128 (dp1 cp2): a step of 19.88 s by the form (makespan 19.84 s; the one-stage
+    chains' 19.81 s), 21.20 s simulated; 21.05 s with the detours (3p-2 hops).
 
     A chain is a path of the simulator's own graph, so its length never exceeds the simulated
     makespan (tests/test_perf_pipeline.py holds 200 random chunk profiles to it, p2p included)."""
