@@ -32,9 +32,11 @@ Two methods, one interface (``makespan``):
   the formula charges again, so it reads up to that many f* too slow (with a single bottleneck
   exactly that: Llama-3.1-405B over pp 64, 126 layers, stage 0 the bottleneck with two layers
   and the embedding: 26.41 s for the simulator's 23.99 s, 63·f0 = 2.42 s; remainder layers on
-  the first half of pp 4-64, m = 2p: +8%). In 1,200 random profiles the simulator sat between it
-  and the lower bound max_s (m-1)·T_s + Σ T - min(p-1-s, m)·f_s, which reads the remainder
-  layout 3% too fast. Point-to-point time adds c·p2p, with c the number of transfers on the
+  the first half of pp 4-64, m = 2p: +8%). Given the stages' order (``stage_column``: the
+  search's layouts, or per-stage columns), 1F1B's compute there is instead the longest of the
+  chains of ``one_f_one_b_chain_bound``: a stage's own ops with its fill, its tail handed to the
+  stages after it, or two stages bridged by a backward; the simulator's on those layouts and
+  within 1% below it on random profiles. Point-to-point time adds c·p2p, with c the number of transfers on the
   critical path that the simulator shows for identical stages: gpipe 2(p-1) and interleaved
   2(p·v-1) (exact); 1f1b and seq1f1b 2·max(0, p-1-k) + 2·m·k·(p-1)/p (each steady-state step
   waits one round trip: a line through the simulator's staircase, for 1f1b 2(p-1) + 2(m-1) -
@@ -43,6 +45,11 @@ Two methods, one interface (``makespan``):
   + 2m(p-1)/p. The zero-bubble counts are those of the critical path when b >= f; which path is
   critical depends on (f, b, w): with F = B = W the simulator's are zbv 5p-7 and dualpipev
   2(p-1) fewer (zb-h1's the same), and with b < f fewer still.
+
+The stage totals cannot show where a stage's interleaved chunks differ (remainder layers on
+the first chunks, the head on the last): there the makespan is the larger of the form and
+``interleaved_chain_bound``, the longest of a family of op chains through each stage's chunks
+(a lower bound of the simulator, exact on the layouts it was derived from).
 
 DualPipeV's overlapped F&B steps are simulated as F+B+W (overlap_f_and_b=False): compute
 cannot hide compute. What DualPipeV hides is the expert all-to-all, which the layer times
@@ -77,7 +84,7 @@ class StageLayout:
     Stages that hold the same pieces cost the same, so the vectorised path works on distinct
     stage *profiles*: ``profile`` maps each coefficient above to its [P] values per profile
     (P <= pp, typically 2-4: first, middle, last), ``profile_count[q]`` is how many stages share
-    profile q and ``profile_stage[q]`` the first of them.
+    profile q, ``profile_stage[q]`` the first of them and ``stage_profile[s]`` stage s's profile.
     """
 
     pp: int
@@ -96,6 +103,8 @@ class StageLayout:
     profile: dict[str, Array]
     profile_count: Array
     profile_stage: Array
+    #: [pp] the profile of each stage, in stage order
+    stage_profile: Array
 
     @property
     def layers(self) -> Array:
@@ -142,12 +151,14 @@ def stage_layout(
     columns = list(zip(*table.tolist(), strict=True))
     first_of: list[int] = []
     counts: list[int] = []
+    of_stage = np.empty(pp, dtype=np.intp)
     for s in sorted(range(pp), key=columns.__getitem__):
         if first_of and columns[s] == columns[first_of[-1]]:
             counts[-1] += 1
         else:
             first_of.append(s)
             counts.append(1)
+        of_stage[s] = len(first_of) - 1
     first, count = np.array(first_of, dtype=np.intp), np.array(counts, dtype=np.intp)
     distinct = table[:, first]
     j = len(sizes)
@@ -157,9 +168,10 @@ def stage_layout(
     }
     out = StageLayout(
         pp, vpp, dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, stage_of, chunk_of,
-        profile, count.astype(np.float64), first,
+        profile, count.astype(np.float64), first, of_stage,
     )
-    for arr in (dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, *profile.values(), out.profile_count, first):
+    for arr in (dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, *profile.values(), out.profile_count, first,
+                of_stage):
         arr.flags.writeable = False
     return out
 
@@ -239,6 +251,7 @@ def p2p_hops(schedule: str, pp: Array, vpp: Array | float, m: Array, k: Array, w
 def closed_form_makespan(
     schedule: str, pp: Array | float, vpp: Array | float, m: Array, k: Array, f: Array, b: Array, w: Array,
     p2p: Array, stage_count: Array | None = None, star: Array | None = None, total: Array | None = None,
+    stage_column: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """(makespan, p2p part, bottleneck column) for strategies sharing one schedule.
 
@@ -246,6 +259,10 @@ def closed_form_makespan(
     pp and vpp: [n], or one number for all (as strategies sharing a layout have).
     Columns may be stage profiles standing for ``stage_count[q]`` identical stages each;
     ``star``, the bottleneck column, and ``total``, f + b + w, may be given when the caller has them.
+    ``stage_column`` [p]: each stage's column in stage order (default, without ``stage_count``:
+    the columns are the stages); with it, 1F1B's compute is ``one_f_one_b_chain_bound``'s
+    rather than the slack-scaled fill (which needs no stage order and overstates an early
+    bottleneck).
     """
     if total is None:
         total = f + b + w
@@ -274,6 +291,15 @@ def closed_form_makespan(
         steady = m * np.maximum(0.0, t_mean - t_star + 2.0 * k * (pp_f - 1.0) / pp_f * p2p)
         warm = 2.0 * np.maximum(pp_f - 1.0 - k, 0.0) * p2p
         p2p_part = np.where(pp_f > 1, np.maximum(warm + steady, 2.0 * (pp_f - 1.0) * p2p), 0.0)
+        if schedule == "1f1b" and total.shape[1] > 1 and (stage_column is not None or stage_count is None):
+            columns = np.arange(total.shape[1]) if stage_column is None else stage_column
+            # Where the last stage is the slowest the fill is exact (and the chains no longer).
+            early = np.flatnonzero((total[:, columns[-1]] < t_star) & (np.broadcast_to(pp_f, t_star.shape) > 1))
+            if len(early):
+                m_early = np.broadcast_to(m, t_star.shape)[early]
+                chains = one_f_one_b_chain_bound(f[early], b[early] + w[early], m_early, columns)
+                bubble = bubble.copy()
+                bubble[early] = np.maximum(chains - m_early * t_star[early], 0.0)
     elif schedule == "dualpipev":
         # The same absorption for DualPipeV's 2(pp-1)/pp steady transfers a micro-batch: in a V
         # stage 0 holds the embedding, head and loss and is usually the bottleneck, and the
@@ -283,6 +309,233 @@ def closed_form_makespan(
         steady = m * np.maximum(0.0, t_mean - t_star + 2.0 * (pp_f - 1.0) / pp_f * p2p)
         p2p_part = np.where(pp_f > 1, (4.0 * pp_f - 6.0) * p2p + steady, 0.0)
     return m * t_star + bubble + p2p_part, p2p_part, star
+
+
+def one_f_one_b_chain_bound(f: Array, b: Array, m: Array, stage_column: Array) -> Array:
+    """[n] seconds of the longest of a family of op chains through 1F1B (no transfers): the
+    makespan where stages differ, which the slack-scaled fill overstates. f, b: [n, S] forward
+    and whole backward seconds of one micro-batch per column; ``stage_column`` [p]: each stage's
+    column, in stage order; m: [n].
+
+    Stage s runs w = min(p-1-s, m-1) warm-up forwards after its first, then forward w+i beside
+    backward i, then the remaining backwards. These run one after another (stage order, data):
+
+    * one stage: F0 down to s, all of s's ops, B(m-1) back to stage 0; or from B0, reached
+      through F0 over every stage and B0 back up to s (s then has idled):
+          L_s = Σ_{s'<s} T + m·T_s + max(0, Σ_{s'>s} T - w·f_s)
+      (a bottleneck's warm-up forwards run inside the fill: the form charges them again,
+      w·f_s too slow for a single early bottleneck, 2.42 s of Llama-3.1-405B's 23.99 s over
+      pp 64 with the embedding on stage 0);
+    * the same, s's last forward handed down to s+1..s+d, whose backward d comes back to s
+      (d <= w = p-1-s < m): s skips d of its backwards, the others add theirs,
+          L_s + max_d Σ_{i=1..d} (T_{s+i} - b_s)
+      (a stage as slow as an earlier bottleneck delays its tail);
+    * two stages s2 < s: s from its B0 (entered as above) to its backward k, B_k down to s2,
+      s2's ops from B_k on, B(m-1) back to stage 0, k at m - w_s2 or m - w_s (the kinks of
+      this piecewise-linear length).
+
+    The maxima run over each run of stages sharing a column at its first and last stage (and the
+    run ends as hand-over points); each chain is a path of the simulator's graph, so the bound
+    never exceeds it. Against the simulator, 400 random profiles (heavier first and last stages,
+    a plateau of heavier stages on half of them, m from p/2 to 4p): within 0.01% at m >= 2p,
+    -0.8% at worst at m = p, where the form read up to +21%."""
+    col = np.asarray(stage_column, dtype=np.intp)
+    p = len(col)
+    cut = np.flatnonzero(np.diff(col)) + 1
+    start = np.concatenate([[0], cut]).astype(np.intp)
+    length = np.diff(np.concatenate([start, [p]]))
+    run_col = col[start]
+    m = np.asarray(m, dtype=np.float64)[:, None]
+    fr, br = f[:, run_col], b[:, run_col]
+
+    def before_runs(x: Array) -> Array:  # Σ over the stages of earlier runs, [n, R + 1]
+        out = np.zeros((x.shape[0], x.shape[1] + 1))
+        np.cumsum(x * length, axis=1, out=out[:, 1:])
+        return out
+
+    pf, pb = before_runs(fr), before_runs(br)
+    f_all, b_all = pf[:, -1:], pb[:, -1:]
+    t_end = (pf + pb)[:, 1:]  # Σ T through each run's last stage
+    # candidate stages: each run's last
+    cand_run = np.arange(len(start))
+    cand_off = length - 1
+    stage = (start[cand_run] + cand_off).astype(np.float64)
+    fs, bs = fr[:, cand_run], br[:, cand_run]
+    ts = fs + bs
+    fb = pf[:, cand_run] + cand_off * fs  # Σ_{s'<s} f
+    bb = pb[:, cand_run] + cand_off * bs
+    t_after = (f_all + b_all) - fb - bb - ts
+    w = np.minimum(p - 1.0 - stage, m - 1.0)  # [n, C]
+    single = fb + bb + m * ts + np.maximum(t_after - w * fs, 0.0)
+    # hand the last forward down to the end of a later run (then the gain is linear in d)
+    run_end = (start + length - 1).astype(np.float64)
+    gain = np.zeros_like(single)
+    for r in range(len(start)):
+        later = run_end[r] > stage  # [C]
+        if not later.any():
+            continue
+        d = run_end[r] - stage
+        g = t_end[:, r:r + 1] - (fb + bb + ts) - d * bs
+        np.maximum(gain, np.where(later & (d <= w), g, 0.0), out=gain)
+    best = (single + np.where(p - 1.0 - stage < m, gain, 0.0)).max(axis=1)
+    # two stages: s2 a candidate before s
+    entry = np.maximum(fb + (w + 1.0) * fs, f_all + (b_all - bb - bs))
+    lo, hi = np.nonzero(stage[:, None] < stage[None, :])  # the pairs s2 < s
+    if len(lo):
+        w2, f2, b2 = w[:, lo], fs[:, lo], bs[:, lo]
+        wj, fj, bj = w[:, hi], fs[:, hi], bs[:, hi]
+        base = entry[:, hi] + bb[:, hi] - b2
+        for k in (m - w2, m - wj):
+            value = base + (k + 1.0) * bj + np.clip(np.minimum(k, m - wj - 1.0), 0.0, None) * fj
+            value += (m - k) * b2 + np.maximum(m - 1.0 - w2 - k, 0.0) * f2
+            value[(k < 0.0) | (k > m - 1.0)] = 0.0
+            np.maximum(best, value.max(axis=1), out=best)
+    return best
+
+
+def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array | None = None) -> tuple[Array, Array]:
+    """(seconds, transfers) of the longest of a family of op chains through Megatron's
+    interleaved schedule: a lower bound of its makespan that uses each stage's chunks, which the
+    closed form, in stage totals, cannot see. f, b: [n, p, v] per-chunk forward and whole
+    backward (B + W) seconds, stage-major as the simulator takes them; m (a multiple of p) and
+    p2p: [k], each for the chunks of row ``of`` [k] of f and b (default: row for row).
+
+    Every stage s runs group 0's forwards chunk by chunk, p micro-batches of local chunk 0, then
+    of chunk 1, ... (all inside its warm-up), and ends on the last group's p backwards of chunk 0.
+    So these ops follow one another (stage order or data), for stages h <= j <= r, s2 <= r:
+
+      F0 of micro-batch 0 on stages 0..h-1;  stage h's first p·(v-1) forwards (chunks 0..v-2);
+      F(v-2) of micro-batch p-1 on stages h+1..j;  F(v-1) of micro-batch 0 on stages j..r-1;
+      stage r from its F(v-1) of micro-batch 0 to its B0 of micro-batch m-p (all its ops but
+      the first p·(v-1) forwards and the last p-1 backwards);  that B0 on stages r-1..s2+1;
+      stage s2's last p backwards;  B0 of micro-batch m-1 on stages s2-1..0.
+
+    With W_s = Σ_{c<v-1} f[s, c] and T_s = f + b summed over s's chunks, its length is
+
+      Σ_{s<h} f[s,0] + p·W_h + Σ_{h<s<=j} f[s,v-2] + Σ_{j<=s<r} f[s,v-1]
+        + m·T_r - p·W_r - (p-1)·b[r,0] + Σ_{s<r} b[s,0] + (p-1)·b[s2,0]  + 2r·p2p
+
+    (r hops down and r back up), maximised over h, j, s2 by running maxima along the stages and
+    over r. For identical stages the best chain (r = h = j = p - 1) is the closed form's
+    (m + (p-1)/v)·T + 2(p·v-1)·p2p less 2p(v-1)·p2p (fewer hops). Where a stage's chunks differ it is what
+    the form misses: Llama-3.1-70B over pp 32 × vpp 2 (80 layers: chunk 0 of stages 0-15 two
+    layers, the head on stage 31's chunk 1), m 64, full recompute, where the closed form reads
+    20.38 s and the simulator 22.85 s, is this chain with r = 31, h = 0, j = 15, s2 = 0: the
+    last stage's heavy chunk 1 (the head) holds back the next group's chunk-0 forwards while
+    the others wait, which no stage total shows.
+
+    Detours through the last stage (stage 0 the main run, k = m/p groups): the path above up to
+    stage p-1's first chunk-(v-1) forward, then its p pairs F(v-1), B(v-1) of group 0, B(v-1) of
+    micro-batch p-1 down to a stage t, t's forward between its backwards p-1 and p (there while
+    its warm-up ends before, m >= 2p), B(v-2) of micro-batch 0 down to stage 0; stage 0 from its
+    backward p on; and/or stage 0 up to B1 of micro-batch m-p-1 (its backward unit
+    (k-2)·p·v + (v-1)·p - 1), which feeds B0 of the same micro-batch on stage p-1, whose ops up
+    to B0 of micro-batch m-p are p·(f[p-1,v-1] + Σ_{c>=1} b[p-1,c]) + 2·b[p-1,0] (the last
+    group's chunk-(v-1) pairs), then that B0 down to stage 0 and stage 0's last p backwards.
+    Stage 0's ops before and after a given unit are counted per chunk from the unit pattern
+    (forward unit u runs chunk (u mod p·v) // p, backward unit u the mirror). Llama-3.1-70B as
+    above at m 128 (dp1 cp2): a step of 19.88 s by the form (makespan 19.84 s; the one-stage
+    chains' 19.81 s), 21.20 s simulated; 21.05 s with the detours (3p-2 hops).
+
+    A chain is a path of the simulator's own graph, so its length never exceeds the simulated
+    makespan (tests/test_perf_pipeline.py holds 200 random chunk profiles to it, p2p included)."""
+    n, p, v = f.shape
+    # Each chunk's [n, p] as a contiguous array (reductions over the short chunk axis, and
+    # strided slices of it, cost several times as much).
+    fc = [np.ascontiguousarray(f[:, :, c]) for c in range(v)]
+    bc = [np.ascontiguousarray(b[:, :, c]) for c in range(v)]
+    warm = fc[0].copy()  # W_s
+    for c in range(1, v - 1):
+        warm += fc[c]
+    total = warm + fc[v - 1]
+    for c in range(v):
+        total += bc[c]  # T_s, [n, p]
+
+    def before(x: Array) -> Array:  # Σ_{s' < s} x[s'], [n, p]
+        out = np.zeros(x.shape)
+        np.cumsum(x[:, :-1], axis=1, out=out[:, 1:])
+        return out
+
+    turn = np.cumsum(fc[v - 2], axis=1)  # Σ_{s <= j} f[s, v-2]
+    last = before(fc[v - 1])  # Σ_{s < j} f[s, v-1]
+    best_h = before(fc[0])
+    best_h += p * warm
+    best_h -= turn
+    np.maximum.accumulate(best_h, axis=1, out=best_h)  # max over h <= j
+    best_h += turn
+    best_h -= last
+    entry = np.maximum.accumulate(best_h, axis=1, out=best_h)
+    entry += last  # max over j <= r
+    b0 = bc[0]
+    fixed = np.maximum.accumulate(b0, axis=1)
+    fixed *= p - 1
+    fixed += before(b0)  # the drain, max over s2 <= r
+    fixed += entry
+    fixed -= p * warm
+    fixed -= (p - 1) * b0
+    hops = 2.0 * np.arange(p, dtype=np.float64)
+    # Detours (p > 1): stage p-1 runs group 0's chunk-(v-1) pairs before stage 0 takes over at its
+    # backward unit p (B(v-2) of micro-batch 0): B(v-1) of micro-batch p-1 down to a stage t,
+    # its forward between the two backwards (where its warm-up leaves one: m >= 2p), B(v-2) of
+    # micro-batch 0 on to stage 1. Per chunk configuration, the best t for either case of m.
+    t = np.arange(1, p)
+    w_t = 2 * (p - 1 - t) + (v - 1) * p
+    down = np.cumsum(bc[v - 1][:, :0:-1], axis=1)[:, ::-1] - bc[v - 1][:, p - 1:p]  # Σ_{t<=s<=p-2} b[s, v-1]
+    up = np.cumsum(bc[v - 2][:, 1:], axis=1)  # Σ_{1<=s<=t} b[s, v-2]
+    mid = np.ascontiguousarray(f).reshape(n, p * v)[:, t * v + ((w_t + p) % (p * v)) // p]  # the forward between
+    turn_with = (down + up + mid).max(axis=1) if p > 1 else np.zeros(n)
+    turn_without = (down + up).max(axis=1) if p > 1 else np.zeros(n)
+    entry_last = entry[:, p - 1] + p * (f[:, p - 1, v - 1] + b[:, p - 1, v - 1])
+    f0, b0_all, last_b = f[:, 0], b[:, 0], b[:, p - 1]
+    exit_fixed = (p * (f[:, p - 1, v - 1] + last_b[:, 1:].sum(axis=1)) + 2.0 * last_b[:, 0]
+                  + bc[0][:, 1:p - 1].sum(axis=1) + p * b0_all[:, 0])
+    first_b = p * b0_all[:, v - 1]
+    total0 = total[:, 0]
+    if of is not None:  # each row's chunks, then its micro-batches and transfers
+        fixed, total = fixed[of], total[of]
+        turn_with, turn_without, entry_last = turn_with[of], turn_without[of], entry_last[of]
+        f0, b0_all, exit_fixed, first_b, total0 = f0[of], b0_all[of], exit_fixed[of], first_b[of], total0[of]
+    m = np.asarray(m, dtype=np.float64)
+    p2p = np.asarray(p2p, dtype=np.float64)
+    chain = total * m[:, None]
+    chain += fixed
+    chain += hops[None, :] * p2p[:, None]
+    r = np.argmax(chain, axis=1)
+    best, best_hops = np.take_along_axis(chain, r[:, None], axis=1)[:, 0], hops[r]
+    if p > 1:
+        # Unit counts per chunk depend on m alone: worked out per distinct m and gathered.
+        m_values, m_code = np.unique(m, return_inverse=True)
+        units = m_values * v
+        w0 = np.minimum(units, 2 * (p - 1) + (v - 1) * p)
+        k0 = (m_values / p - 2.0) * p * v + (v - 1) * p - 1  # stage 0's last backward before the exit detour
+
+        def per_chunk(lo: Array, hi: Array, backward: bool) -> Array:
+            # [distinct m, v] units lo..hi-1 on each chunk ((k % pv) // p; mirrored backward)
+            def upto(k: Array) -> Array:
+                k = np.maximum(k, 0.0)[:, None]
+                return np.floor(k / (p * v)) * p + np.clip(np.mod(k, p * v) - np.arange(v) * p, 0.0, p)
+            count = np.maximum(upto(hi) - upto(lo), 0.0)
+            return count[:, ::-1] if backward else count
+
+        before_f = per_chunk(np.zeros_like(units), np.minimum(w0 + p + 1, units), False)
+        after_b = per_chunk(k0 + 1, units, True)
+        after_f = np.where((k0 < units - w0)[:, None], per_chunk(w0 + k0 + 1, units, False), 0.0)
+        m_code = m_code.ravel()
+        k0, w0 = k0[m_code], w0[m_code]
+        whole = m * total0
+        before_p = (before_f[m_code] * f0).sum(axis=1) + first_b
+        after_k0 = (after_b[m_code] * b0_all).sum(axis=1) + (after_f[m_code] * f0).sum(axis=1)
+        d_entry = entry_last + np.where(m >= 2 * p, turn_with, turn_without) - before_p
+        for value, count, valid in (
+            (d_entry + whole, 2.0 * (p - 1), m >= p),  # entry detour, then stage 0 to its end
+            (whole - after_k0 + exit_fixed, float(p), k0 >= 0),  # exit detour: stage 0's wrap to p-1
+            (d_entry + whole - after_k0 + exit_fixed, 3.0 * p - 2.0, k0 >= p),  # both
+        ):
+            value = value + count * p2p
+            longer = valid & (value > best)
+            best = np.where(longer, value, best)
+            best_hops = np.where(longer, count, best_hops)
+    return best, best_hops
 
 
 @lru_cache(maxsize=1024)

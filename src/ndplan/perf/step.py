@@ -64,6 +64,7 @@ from ndplan.perf.pipeline import (
     StageLayout,
     closed_form_holds,
     closed_form_makespan,
+    interleaved_chain_bound,
     interleaved_stall,
     is_v_shape,
     recomputed_layers,
@@ -563,7 +564,7 @@ def _price_group(
     if pr.pipeline == "closed_form":  # a group shares one schedule
         name = CODES["schedule"][int(schedule[0])]
         makespan, p2p_part, _ = closed_form_makespan(
-            name, float(pp), float(vpp), m, k, f, b, w, p2p, layout.profile_count, star, per_mb,
+            name, float(pp), float(vpp), m, k, f, b, w, p2p, layout.profile_count, star, per_mb, layout.stage_profile,
         )
         # Too few micro-batches for the closed form's steady state: the simulator's timeline, for
         # these strategies together, one per distinct (m, layer configuration, recompute, p2p).
@@ -597,6 +598,22 @@ def _price_group(
                                   np.where(layout.profile_count[star] > 1, per_mb[rows, star], 0.0)[:, None], per_mb)
                 margin = 1.0 - others.max(axis=1) / t_star
                 makespan = makespan + m * t_star * np.maximum(stall - margin, 0.0)
+        if name == "interleaved" and vpp > 1:
+            # The closed form sees stage totals; a chain through each stage's chunks bounds the
+            # simulator from below (pipeline.interleaved_chain_bound): where it is longer, it is
+            # the closer figure. The chunks once per distinct (layer configuration, recompute),
+            # the chains once per distinct (those, m, p2p).
+            chunks, chunk_count = row_codes([config, recompute_layers])
+            fc, bc, wc = _chunk_seconds(pr, layout, *(x[first_of_codes(chunks, chunk_count)]
+                                                      for x in (config, recompute_layers)))
+            _, p2p_rank = np.unique(p2p, return_inverse=True)
+            code, count = row_codes([chunks, m, p2p_rank.ravel()])
+            distinct = first_of_codes(code, count)
+            bound, hops = interleaved_chain_bound(fc, bc + wc, m[distinct], p2p[distinct], chunks[distinct])
+            longer = bound[code] > makespan
+            if np.any(longer):
+                makespan = np.where(longer, bound[code], makespan)
+                p2p_part = np.where(longer, hops[code] * p2p, p2p_part)
     else:
         makespan, p2p_part = np.zeros(g), np.zeros(g)
         fc, bc, wc = _chunk_seconds(pr, layout, config, recompute_layers)
@@ -885,14 +902,20 @@ def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_la
                        ends[1] * copy])  # [pieces, chunks in model order]
     table = pr.table[config][:, :len(PASSES), :]  # [n, passes, pieces]
     per_chunk = table @ counts  # [n, passes, chunks]
-    limit = np.asarray(recompute_layers, dtype=np.float64)[:, None]
-    # A limit recomputes min(limit, layers) of a chunk's layers: the recompute pieces scaled.
-    share = np.where(limit > 0, np.divide(np.minimum(limit, nv), nv, out=np.zeros((len(limit), len(nv))),
-                                          where=nv > 0), 1.0)
-    for piece, layers in ((PIECES.index("rc_dense"), layout.chunk_dense), (PIECES.index("rc_moe"), layout.chunk_moe)):
-        per_chunk += table[:, :, piece, None] * ((share - 1.0) * layers)[:, None, :]
-    grid = np.zeros((len(config), len(PASSES), layout.pp, layout.vpp))
-    grid[:, :, layout.stage_of, layout.chunk_of] = per_chunk
+    # A limit recomputes min(limit, layers) of a chunk's layers: the recompute pieces scaled (the
+    # rows with a limit alone: the others' share is 1, their correction 0).
+    limited = np.flatnonzero(np.asarray(recompute_layers) > 0)
+    if len(limited):
+        limit = np.asarray(recompute_layers, dtype=np.float64)[limited, None]
+        share = np.divide(np.minimum(limit, nv), nv, out=np.zeros((len(limit), len(nv))), where=nv > 0)
+        for piece, layers in ((PIECES.index("rc_dense"), layout.chunk_dense),
+                              (PIECES.index("rc_moe"), layout.chunk_moe)):
+            per_chunk[limited] += table[limited, :, piece, None] * ((share - 1.0) * layers)[:, None, :]
+    # Model order to [stage, local chunk]: a gather along the last axis (scattering into a
+    # [n, passes, pp, vpp] grid by two index arrays took five times as long).
+    slot_of = np.empty(layout.pp * layout.vpp, dtype=np.intp)
+    slot_of[layout.stage_of * layout.vpp + layout.chunk_of] = np.arange(len(nv))
+    grid = per_chunk.take(slot_of, axis=2).reshape(len(config), len(PASSES), layout.pp, layout.vpp)
     return grid[:, 0], grid[:, 1], grid[:, 2]
 
 
