@@ -427,6 +427,27 @@ def test_closed_form_frontiers_equal_the_simulation(schedule, pp, vpp, m, seq_ch
             assert np.max(rows @ weights) == pytest.approx(np.max(held @ weights))
 
 
+def test_one_f_one_b_frontier_in_closed_form_is_the_simulated_one_bit_for_bit():
+    """1F1B's frontier is written in closed form: for every pipeline depth and micro-batch count
+    (fewer than the stages, as many, and past the steady count), each stage's rows are those the
+    simulation and its skyline give, same values, shape and order."""
+    from ndplan.memory.stages import _simulated_frontier, _steady_frontier
+
+    checked = 0
+    for pp in (*range(1, 13), 16, 24, 31, 32):
+        for m in sorted({*range(1, 2 * pp + 3), 4 * pp - 1, 4 * pp}):
+            closed, simulated = _steady_frontier("1f1b", pp, 1, m, 1), _simulated_frontier("1f1b", pp, 1, m, 1)
+            assert len(closed) == len(simulated) == pp
+            for a, b in zip(closed, simulated, strict=True):
+                assert a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes(), (pp, m, a, b)
+            checked += 1
+    assert checked > 400
+    # the two forms of a stage's rows, as the docstring gives them: pp 4, m 3 (stage 0: m < pp)
+    rows = _steady_frontier("1f1b", 4, 1, 3, 1)
+    np.testing.assert_array_equal(rows[0], [[3, 0, 0], [2, 0, 1]])
+    np.testing.assert_array_equal(rows[3], [[1, 0, 1]])  # the last stage: 1 held, made again after a B
+
+
 def test_weight_gradient_steps_are_marked_where_they_start():
     """ZB-H1 on one stage runs F, B, W per micro-batch: each W starts right after its B, and only
     the first finds no gradient yet."""
