@@ -427,6 +427,30 @@ def test_closed_form_frontiers_equal_the_simulation(schedule, pp, vpp, m, seq_ch
             assert np.max(rows @ weights) == pytest.approx(np.max(held @ weights))
 
 
+@pytest.mark.parametrize("schedule,vpp,seq_chunks,steady", [
+    ("interleaved", 2, 1, lambda pp: 3 * pp), ("interleaved", 3, 1, lambda pp: 3 * pp),
+    ("interleaved", 4, 1, lambda pp: 3 * pp), ("dualpipev", 2, 1, lambda pp: 2 * pp + 1),
+    ("zb-h1", 1, 1, lambda pp: pp + 1), ("seq1f1b", 1, 2, lambda pp: pp + 1), ("seq1f1b", 1, 4, lambda pp: pp + 1),
+    ("1f1b", 1, 1, lambda pp: pp + 1), ("zbv", 2, 1, lambda pp: 8 * pp),
+])
+def test_frontier_at_the_steady_count_is_the_simulated_one_at_every_count_past_it(schedule, vpp, seq_chunks, steady):
+    """Past ``steady_micro_batches`` the frontier is the one simulated at that count (a V
+    schedule's hand-overs at the turn shifted by two per micro-batch more), bit for bit, at every
+    count up to the few pipeline depths (4·pp·vpp) it once simulated: the search's frontiers of
+    counts past it are one simulation."""
+    from ndplan.memory.stages import _frontier, _simulated_frontier, steady_micro_batches
+
+    for pp in (1, 2, 3, 4, 5, 8, 12):
+        cap = steady(pp)
+        assert steady_micro_batches(schedule, pp, vpp, 10 * pp * vpp) == cap
+        counts = [m for m in range(cap, 4 * pp * vpp + 1, pp if schedule == "interleaved" else 1)]
+        for m in counts if pp <= 5 else counts[:3] + counts[-2:]:
+            assert steady_micro_batches(schedule, pp, vpp, m) == cap
+            for got, simulated in zip(_frontier(schedule, pp, vpp, m, seq_chunks),
+                                      _simulated_frontier(schedule, pp, vpp, m, seq_chunks), strict=True):
+                assert got.shape == simulated.shape and got.tobytes() == simulated.tobytes(), (pp, m)
+
+
 def test_one_f_one_b_frontier_in_closed_form_is_the_simulated_one_bit_for_bit():
     """1F1B's frontier is written in closed form: for every pipeline depth and micro-batch count
     (fewer than the stages, as many, and past the steady count), each stage's rows are those the

@@ -801,15 +801,29 @@ def _summed(blocks: dict[str, np.ndarray]) -> np.ndarray:
 
 # --------------------------------------------------------------------------- schedule peaks
 def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
-    """A micro-batch count with the same held-activation peaks as ``m``.
+    """A micro-batch count with the same frontier (``_steady_frontier``) as ``m``.
 
-    Past the warm-up, every schedule but GPipe repeats the same steady pattern, so its peaks stop
-    growing with m: simulating min(m, a few pipeline depths) gives the same answer for less work
-    (a test checks the equality). The cap is a multiple of pp, as interleaving requires.
-    """
+    Past the warm-up, every schedule but GPipe repeats the same steady pattern, so the distinct
+    rows of its activation counts, hence its frontier and peaks, stop changing with m (a V
+    schedule's hand-overs at the turn aside, which ``_frontier`` adds): simulating fewer gives
+    the same answer for less work, and searches whose micro-batch counts differ past it share
+    one simulation. The frontier stops changing at m = pp + 1 in the 1F1B orders (1F1B, ZB-H1,
+    Seq1F1B: a second steady forward after each stage's first backward; Seq1F1B earlier,
+    ceil(pp / seq_chunks) + 1), 2·pp + 1 in DualPipeV and 3·pp in the interleaved order (a
+    multiple of pp, as interleaving requires), at every vpp: these counts are taken (a test
+    checks them against the simulation of every count up to 4·pp·vpp). In ZB-V the hand-overs
+    counted before the turn keep their count while the later ones grow, so its frontier never
+    stops changing: it keeps the count of a few pipeline depths, 4·pp·vpp."""
     if schedule == "gpipe":
         return m
-    cap = 4 * pp * max(vpp, 1)
+    if schedule == "zbv":
+        cap = 4 * pp * max(vpp, 1)
+    elif schedule == "interleaved":
+        cap = 3 * pp
+    elif schedule == "dualpipev":
+        cap = 2 * pp + 1
+    else:
+        cap = pp + 1
     return m if m <= cap else cap
 
 
