@@ -451,6 +451,25 @@ def test_frontier_at_the_steady_count_is_the_simulated_one_at_every_count_past_i
                 assert got.shape == simulated.shape and got.tobytes() == simulated.tobytes(), (pp, m)
 
 
+def test_zbv_frontier_past_its_warm_up_is_the_simulated_one_bit_for_bit():
+    """ZB-V's frontier past 2·pp + 2 micro-batches comes from the two simulated at 2·pp + 1 and
+    2·pp + 2 (the last stage's hand-overs growing by two per micro-batch on the rows past its
+    warm-up, by none on the others): the simulation's own rows at every count up to 8·pp."""
+    from ndplan.memory.stages import _simulated_frontier, _steady_frontier
+
+    grew_on_some_rows_only = False
+    for pp, counts in [(pp, range(2 * pp + 3, 8 * pp + 1)) for pp in (1, 2, 3, 4, 5, 6, 8)] + [(16, (35, 64, 100, 128))]:
+        for m in counts:
+            derived, simulated = _steady_frontier("zbv", pp, 2, m, 1), _simulated_frontier("zbv", pp, 2, m, 1)
+            for a, b in zip(derived, simulated, strict=True):
+                assert a.shape == b.shape and a.tobytes() == b.tobytes(), (pp, m)
+        at = _steady_frontier("zbv", pp, 2, 2 * pp + 1, 1)[-1]
+        growth = _steady_frontier("zbv", pp, 2, 2 * pp + 2, 1)[-1][:, -1] - at[:, -1]
+        assert set(growth.tolist()) <= {0.0, 2.0}
+        grew_on_some_rows_only |= 0.0 in growth and 2.0 in growth
+    assert grew_on_some_rows_only  # not a shift of the whole column: warm-up rows keep theirs
+
+
 def test_one_f_one_b_frontier_in_closed_form_is_the_simulated_one_bit_for_bit():
     """1F1B's frontier is written in closed form: for every pipeline depth and micro-batch count
     (fewer than the stages, as many, and past the steady count), each stage's rows are those the

@@ -854,7 +854,25 @@ def _steady_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) 
         return tuple(np.array([[float(m), 0.0, 0.0], [float(m - 1), 0.0, 1.0]]) for _ in range(pp))
     if schedule == "1f1b":
         return _one_f_one_b_frontier(pp, m)
+    if schedule == "zbv" and m > 2 * pp + 2:
+        return _zbv_frontier_past_warm_up(pp, vpp, m)
     return _simulated_frontier(schedule, pp, vpp, m, seq_chunks)
+
+
+def _zbv_frontier_past_warm_up(pp: int, vpp: int, m: int) -> tuple[np.ndarray, ...]:
+    """ZB-V's frontier at m > 2·pp + 2 micro-batches, from those simulated at 2·pp + 1 and one
+    more: from 2·pp + 1 on, each further micro-batch leaves every row as it is but the last
+    stage's hand-overs, which grow by two (its F's and its B's) on the rows past its warm-up and
+    stay on the others (a test checks it against the simulation of every count up to 8·pp).
+    The search's larger ZB-V counts then cost no simulation of their own (pp 16's frontiers
+    at 4 to 128 micro-batches: 13 -> 10 ms)."""
+    first = 2 * pp + 1
+    at, after = _steady_frontier("zbv", pp, vpp, first, 1), _steady_frontier("zbv", pp, vpp, first + 1, 1)
+    if at[-1].shape != after[-1].shape or not np.array_equal(at[-1][:, :-1], after[-1][:, :-1]):
+        return _simulated_frontier("zbv", pp, vpp, m, 1)  # (never seen: the rows moved)
+    turn = at[-1].copy()
+    turn[:, -1] += (m - first) * (after[-1][:, -1] - at[-1][:, -1])
+    return (*at[:-1], turn)
 
 
 def _simulated_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
