@@ -427,6 +427,70 @@ def test_closed_form_frontiers_equal_the_simulation(schedule, pp, vpp, m, seq_ch
             assert np.max(rows @ weights) == pytest.approx(np.max(held @ weights))
 
 
+@pytest.mark.parametrize("schedule,vpp,seq_chunks,steady", [
+    ("interleaved", 2, 1, lambda pp: 3 * pp), ("interleaved", 3, 1, lambda pp: 3 * pp),
+    ("interleaved", 4, 1, lambda pp: 3 * pp), ("dualpipev", 2, 1, lambda pp: 2 * pp + 1),
+    ("zb-h1", 1, 1, lambda pp: pp + 1), ("seq1f1b", 1, 2, lambda pp: pp + 1), ("seq1f1b", 1, 4, lambda pp: pp + 1),
+    ("1f1b", 1, 1, lambda pp: pp + 1), ("zbv", 2, 1, lambda pp: 8 * pp),
+])
+def test_frontier_at_the_steady_count_is_the_simulated_one_at_every_count_past_it(schedule, vpp, seq_chunks, steady):
+    """Past ``steady_micro_batches`` the frontier is the one simulated at that count (a V
+    schedule's hand-overs at the turn shifted by two per micro-batch more), bit for bit, at every
+    count up to the few pipeline depths (4·pp·vpp) it once simulated: the search's frontiers of
+    counts past it are one simulation."""
+    from ndplan.memory.stages import _frontier, _simulated_frontier, steady_micro_batches
+
+    for pp in (1, 2, 3, 4, 5, 8, 12):
+        cap = steady(pp)
+        assert steady_micro_batches(schedule, pp, vpp, 10 * pp * vpp) == cap
+        counts = [m for m in range(cap, 4 * pp * vpp + 1, pp if schedule == "interleaved" else 1)]
+        for m in counts if pp <= 5 else counts[:3] + counts[-2:]:
+            assert steady_micro_batches(schedule, pp, vpp, m) == cap
+            for got, simulated in zip(_frontier(schedule, pp, vpp, m, seq_chunks),
+                                      _simulated_frontier(schedule, pp, vpp, m, seq_chunks), strict=True):
+                assert got.shape == simulated.shape and got.tobytes() == simulated.tobytes(), (pp, m)
+
+
+def test_zbv_frontier_past_its_warm_up_is_the_simulated_one_bit_for_bit():
+    """ZB-V's frontier past 2·pp + 2 micro-batches comes from the two simulated at 2·pp + 1 and
+    2·pp + 2 (the last stage's hand-overs growing by two per micro-batch on the rows past its
+    warm-up, by none on the others): the simulation's own rows at every count up to 8·pp."""
+    from ndplan.memory.stages import _simulated_frontier, _steady_frontier
+
+    grew_on_some_rows_only = False
+    for pp, counts in [(pp, range(2 * pp + 3, 8 * pp + 1)) for pp in (1, 2, 3, 4, 5, 6, 8)] + [(16, (35, 64, 100, 128))]:
+        for m in counts:
+            derived, simulated = _steady_frontier("zbv", pp, 2, m, 1), _simulated_frontier("zbv", pp, 2, m, 1)
+            for a, b in zip(derived, simulated, strict=True):
+                assert a.shape == b.shape and a.tobytes() == b.tobytes(), (pp, m)
+        at = _steady_frontier("zbv", pp, 2, 2 * pp + 1, 1)[-1]
+        growth = _steady_frontier("zbv", pp, 2, 2 * pp + 2, 1)[-1][:, -1] - at[:, -1]
+        assert set(growth.tolist()) <= {0.0, 2.0}
+        grew_on_some_rows_only |= 0.0 in growth and 2.0 in growth
+    assert grew_on_some_rows_only  # not a shift of the whole column: warm-up rows keep theirs
+
+
+def test_one_f_one_b_frontier_in_closed_form_is_the_simulated_one_bit_for_bit():
+    """1F1B's frontier is written in closed form: for every pipeline depth and micro-batch count
+    (fewer than the stages, as many, and past the steady count), each stage's rows are those the
+    simulation and its skyline give, same values, shape and order."""
+    from ndplan.memory.stages import _simulated_frontier, _steady_frontier
+
+    checked = 0
+    for pp in (*range(1, 13), 16, 24, 31, 32):
+        for m in sorted({*range(1, 2 * pp + 3), 4 * pp - 1, 4 * pp}):
+            closed, simulated = _steady_frontier("1f1b", pp, 1, m, 1), _simulated_frontier("1f1b", pp, 1, m, 1)
+            assert len(closed) == len(simulated) == pp
+            for a, b in zip(closed, simulated, strict=True):
+                assert a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes(), (pp, m, a, b)
+            checked += 1
+    assert checked > 400
+    # the two forms of a stage's rows, as the docstring gives them: pp 4, m 3 (stage 0: m < pp)
+    rows = _steady_frontier("1f1b", 4, 1, 3, 1)
+    np.testing.assert_array_equal(rows[0], [[3, 0, 0], [2, 0, 1]])
+    np.testing.assert_array_equal(rows[3], [[1, 0, 1]])  # the last stage: 1 held, made again after a B
+
+
 def test_weight_gradient_steps_are_marked_where_they_start():
     """ZB-H1 on one stage runs F, B, W per micro-batch: each W starts right after its B, and only
     the first finds no gradient yet."""

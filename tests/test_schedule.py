@@ -482,16 +482,16 @@ def test_more_chunks_than_torch_keeps_gathered_are_gathered_again_as_torch_does(
 
 
 def test_gathers_past_the_steady_count_equal_the_full_order():
-    """Past 4·pp·vpp micro-batches the interleaved count is extrapolated one repetition of pp
-    micro-batches at a time; counted on the full order it is the same, and the repetition
-    already holds from 2·pp micro-batches on (so the cap leaves a margin)."""
+    """Past 2·pp micro-batches the interleaved count is extrapolated one repetition of pp
+    micro-batches at a time; counted on the full order it is the same at every count up to
+    4·pp·vpp + 2·pp, and the repetition holds from 2·pp micro-batches on."""
     from ndplan.schedule.unshard import _counted, chunk_gathers
 
-    for pp in (1, 2, 3, 4, 8):
+    for pp in (1, 2, 3, 4, 5, 6, 8):
         for vpp in (2, 4, 5, 7):
             for active in (1, 3, 4):
                 cap = 4 * pp * vpp
-                for m in (cap + pp, cap + 2 * pp, cap + 5 * pp, 2 * cap):
+                for m in (*range(2 * pp, cap + 3 * pp, pp), cap + 5 * pp, 2 * cap):
                     assert chunk_gathers("interleaved", pp, vpp, m, 1, active) == _counted("interleaved", pp, vpp, m, 1, active)
                 counts = [_counted("interleaved", pp, vpp, j * pp, 1, active) for j in range(2, 4 * vpp + 3)]
                 assert len({b - a for a, b in zip(counts, counts[1:], strict=False)}) == 1, (pp, vpp, active)

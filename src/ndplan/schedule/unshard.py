@@ -32,12 +32,12 @@ def chunk_gathers(schedule: str, pp: int, vpp: int, num_micro_batches: int, seq_
 
     Past its warm-up the interleaved order repeats every pp micro-batches (a forward and a
     backward on each of the rank's chunks, in the same order), and each repetition adds as many
-    gathers: from 4·pp·vpp micro-batches on (the memory model's steady count; the repetition
-    holds from 2·pp on, as a test checks on a grid of shapes against the full order) the count
-    is the cap's plus, per pp micro-batches more, the cap + pp count less the cap's. A search
-    would otherwise build orders of thousands of micro-batches to count them."""
+    gathers: from 2·pp micro-batches on (as a test checks on a grid of shapes against the full
+    order) the count is 2·pp's plus, per pp micro-batches more, the 3·pp count less 2·pp's. A
+    search would otherwise build orders of thousands of micro-batches to count them; these two
+    are orders its memory frontiers build already (3·pp: the interleaved steady count)."""
     pp, vpp, m, seq_chunks = validate(schedule, pp, vpp, num_micro_batches, seq_chunks)
-    cap = 4 * pp * vpp
+    cap = 2 * pp
     if schedule == "interleaved" and m > cap and m % pp == 0:
         at_cap = _counted(schedule, pp, vpp, cap, seq_chunks, active)
         return at_cap + (m - cap) // pp * (_counted(schedule, pp, vpp, cap + pp, seq_chunks, active) - at_cap)
