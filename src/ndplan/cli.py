@@ -1442,7 +1442,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'layernorm+moe_act' or 'default' (the runtime's own policy), or 'common' (up to 5 sets "
                         "for the model) or 'all' (every subset of the modules the model has); "
                         "'--dims ... recompute_modules' searches 'common'")
-    p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show")
+    p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show (default 10)")
     p.add_argument("--balance", nargs="?", const="per-layer", choices=["per-layer", "one-setting"],
                    help="rank every fitting candidate by its balanced plan (pipelines: layers per stage and recompute "
                         "per layer); 'one-setting' ranks by the fastest plan one recompute setting expresses (with "
@@ -1471,7 +1471,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "and fp32 with grouped KV heads runs the math path); eager keeps s² scores (default: "
                             "flash, or what a --from config states)")
     add_switch(group, "--loss-parallel", "--no-loss-parallel", "loss_parallel",
-               "keep logits vocab-sharded through the loss (under TP; changes nothing at tp 1)")
+               "keep logits vocab-sharded through the loss (under TP; changes nothing at tp 1) (default: the "
+               "runtime's own, on for megatron, off for pytorch; or what a --from config states)",
+               "the loss on whole logits, gathered over the TP ranks")
     add_switch(group, "--loss-upcast", "--no-loss-upcast", "loss_upcast",
                "the loss works on an fp32 copy of the logits (the default; overrides a --from config)",
                "the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "

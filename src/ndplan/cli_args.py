@@ -76,36 +76,50 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", help="preset name (see `ndplan models`), a config.json / spec YAML path, or a model folder with a config.json")
     group.add_argument("--hardware", help="device preset (see `ndplan hardware`) or a device YAML path")
     group.add_argument("--efficiency", help=EFFICIENCY_HELP)
-    group.add_argument("--devices", type=device_count, help="number of devices in the cluster")
+    group.add_argument("--devices", type=device_count,
+                       help="number of devices in the cluster (default: dp·tp·pp·cp, or a --from config's world size)")
     group.add_argument("--plan", type=Path, help="YAML/JSON file with any of these settings (flags win)")
 
     par = parser.add_argument_group("parallelism")
     for flag, text in [
         ("dp", "data parallel degree (default: devices / (tp·pp·cp))"),
-        ("tp", "tensor parallel degree"),
-        ("pp", "pipeline parallel degree"),
-        ("cp", "context parallel degree"),
-        ("ep", "expert parallel degree"),
+        ("tp", "tensor parallel degree (default 1)"),
+        ("pp", "pipeline parallel degree (default 1)"),
+        ("cp", "context parallel degree (default 1)"),
+        ("ep", "expert parallel degree (default 1)"),
         ("etp", "expert tensor parallel degree (default: tp)"),
-        ("vpp", "virtual pipeline chunks per stage"),
-        ("ulysses-degree", "Ulysses part of hybrid context parallelism"),
-        ("seq-chunks", "Seq1F1B sub-sequences per micro-batch"),
+        ("vpp", "virtual pipeline chunks per stage (default 1; 2 for zbv and dualpipev)"),
+        ("ulysses-degree", "Ulysses part of hybrid context parallelism, dividing --cp (default 1)"),
+        ("seq-chunks", "Seq1F1B sub-sequences per micro-batch (default 1)"),
     ]:
         par.add_argument(f"--{flag}", type=int, help=text)
-    par.add_argument("--cp-kind", choices=CP_KINDS)
-    add_switch(par, "--sp", "--no-sp", "sp", "sequence parallelism (needs tp > 1)")
-    par.add_argument("--schedule", choices=SCHEDULES)
+    par.add_argument("--cp-kind", choices=CP_KINDS,
+                     help="how context parallelism splits attention: ring passes K/V blocks around the ranks, "
+                          "ulysses swaps sequence for heads by all-to-all, hybrid does both (--ulysses-degree) "
+                          "(default ring)")
+    add_switch(par, "--sp", "--no-sp", "sp", "sequence parallelism (needs tp > 1)",
+               "no sequence parallelism (the default; overrides a --from config or plan file)")
+    par.add_argument("--schedule", choices=SCHEDULES,
+                     help="pipeline schedule (default 1f1b): interleaved takes --vpp, zbv and dualpipev two "
+                          "chunks a stage (--vpp 2), seq1f1b --seq-chunks")
     par.add_argument("--stage-layers", type=_int_list, help="layers per virtual stage, comma-separated (uneven placement)")
 
     mem = parser.add_argument_group("sharding, recompute and precision")
-    mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over dp·cp (1 = distributed optimizer)")
+    mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                     help="ZeRO stage over dp·cp: 1 shards optimizer states (Megatron's distributed optimizer), "
+                          "2 also gradients, 3 also parameters (default 0)")
     mem.add_argument("--fsdp", action="store_true", default=None, help="torch FSDP (implies --zero 3)")
-    mem.add_argument("--shard-group", type=int, help="HSDP: shard within groups of this many ranks")
+    mem.add_argument("--shard-group", type=int,
+                     help="HSDP: shard within groups of this many ranks (default 0: all dp·cp ranks)")
     mem.add_argument("--no-reshard", dest="reshard", action="store_false", default=None,
                      help="FSDP keeps parameters gathered after forward")
-    mem.add_argument("--optimizer-offload", action="store_true", default=None)
-    mem.add_argument("--recompute", choices=RECOMPUTES)
-    mem.add_argument("--recompute-layers", type=int, help="recompute only this many layers per stage")
+    mem.add_argument("--optimizer-offload", action="store_true", default=None,
+                     help="optimizer states in host memory, the update run by Adam on the CPU")
+    mem.add_argument("--recompute", choices=RECOMPUTES,
+                     help="activation recompute of the decoder layers (default none): selective re-runs the "
+                          "runtime's selective policy in backward, full the whole layer from its input")
+    mem.add_argument("--recompute-layers", type=int,
+                     help="recompute only this many layers per stage (default 0: every layer)")
     mem.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
                      help="what selective recompute re-runs, as Megatron-Core's --recompute-modules "
                           f"({', '.join(RECOMPUTE_MODULES)}; runtime megatron); default: the runtime's own policy")
@@ -113,12 +127,18 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                      help="modules whose saved activations go to host memory, as Megatron-Core's "
                           "--fine-grained-activation-offloading --offload-modules "
                           f"({', '.join(OFFLOAD_MODULES)}; schedules 1f1b/interleaved, not with full recompute)")
-    mem.add_argument("--precision", choices=sorted(PRECISION_PRESETS))
+    mem.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
+                     help="bytes per parameter, gradient and optimizer state (default megatron-bf16: bf16 "
+                          "weights, fp32 gradients, fp32 master weights and Adam moments; or what a --from "
+                          "config states); fsdp-bf16: FSDP2's fp32 shards gathered in bf16; bf16-pure: all "
+                          "bf16; fp32: all fp32; -grad16: bf16 gradients; megatron-fp8: fp8 GEMMs")
 
     batch = parser.add_argument_group("batch")
     batch.add_argument("--seq", type=int, help="sequence length in tokens (default 4096)")
     batch.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
-    batch.add_argument("--gbs", type=sequence_count, help="global batch size in sequences")
+    batch.add_argument("--gbs", type=sequence_count,
+                       help="global batch size in sequences (default: dp·mbs·micro-batches, one micro-batch "
+                            "without --num-micro-batches)")
     batch.add_argument("--num-micro-batches", type=int,
                        help="micro-batches per pipeline run (default: gbs / (dp·mbs·pipeline runs))")
     batch.add_argument("--pipeline-runs", type=non_negative_int,
