@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from ndplan.cli_args import (
     sequence_length,
     strategy_from_settings,
 )
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, did_you_mean
 from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import preset_index
@@ -1535,9 +1536,24 @@ def _refuse_empty_values(argv: Sequence[str], command: str) -> None:
         raise NdplanError(f"{empty} is empty; give a value (see `ndplan {command} --help`) or leave it out")
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but an unknown option is refused by the subcommand's own parser:
+    the error points to `ndplan COMMAND --help` (not the top level's, which lists no option) and
+    suggests the option meant (``--memroy-limit`` is ``--memory-limit``)."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command_parser = sub.choices[args.command]
+        options = [o for action in command_parser._actions for o in action.option_strings if o.startswith("--")]
+        first = next((e.partition("=")[0] for e in extras if e.startswith("-")), "")
+        hint = did_you_mean(first, options) if first else ""
+        command_parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_signed_values_attached(sys.argv[1:] if argv is None else argv))
+    args = _parse(parser, _signed_values_attached(sys.argv[1:] if argv is None else argv))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         _refuse_empty_values(list(sys.argv[1:] if argv is None else argv), args.command)
@@ -1548,6 +1564,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as error:
         print(f"ndplan: error: {first_validation_error(error)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`ndplan search --json | head`): stop quietly, as `cat` does, and
+        # point stdout at nothing so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, the status a shell reports for a writer its pipe closed on
     except OSError as error:  # a path that cannot be read or written: say which and why
         where = f"{error.filename}: " if error.filename else ""
         print(f"ndplan: error: {where}{error.strerror or error}", file=sys.stderr)
