@@ -4,6 +4,7 @@ errors of a mistyped option, a closed pipe or a misspelt preset (one line, never
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ndplan.cli import build_parser, main
+from ndplan.errors import NdplanError
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The hand-written pages (the others are generated from benchmarks).
@@ -88,3 +90,43 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     proc.stdout.close()  # the models' JSON is ~100 KiB: the writer meets the closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and err == "", err
+
+
+@pytest.mark.parametrize("command", ["census", "measure", "verify"])
+def test_a_misspelt_preset_is_named_as_estimate_names_it(command, capsys):
+    """`ndplan census llama-3.1-8bb` said "no config file or preset named 'llama-3.1-8bb' (a preset
+    of `ndplan models`, ...)" with neither the preset meant nor the list, where `estimate --model`
+    gives both; a preset in capitals was refused too (the file was looked up by the name as typed)."""
+    code = main([command, "llama-3.1-8bb"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("ndplan: error: unknown model 'llama-3.1-8bb' (did you mean 'llama-3.1-8b'?); presets: "
+                          "deepseek-v2-lite, deepseek-v3,"), err
+    assert main([command, "missing/config.json"]) == 2
+    assert capsys.readouterr().err == "ndplan: error: missing/config.json: no such file\n"
+
+
+def test_a_preset_is_read_in_any_case():
+    from ndplan.census.measure import load_hf_config
+    from ndplan.model import hf_config
+
+    assert load_hf_config("Llama-3.1-8B") == ("llama-3.1-8b", hf_config("llama-3.1-8b"))
+    with pytest.raises(NdplanError, match="did you mean 'qwen3-8b'"):
+        load_hf_config("qwen3-8")
+
+
+def test_the_census_of_an_encoder_names_its_model_type(tmp_path, capsys):
+    """`ndplan census bert/config.json` said only "census: cannot find the model's final norm and
+    LM head"; now the model type and what the census measures."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    folder = tmp_path / "tiny-bert"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 64}))
+    assert main(["census", str(folder), "--seq", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ndplan: error: census: tiny-bert (model_type 'bert'): cannot find the model's final "
+                          "norm and LM head; the census measures decoder-only causal LMs (ndplan reads llama, "), err
+    assert len(err.strip().splitlines()) == 1
