@@ -15,6 +15,9 @@ import pytest
 
 from ndplan.cli import build_parser, main
 from ndplan.errors import NdplanError
+from ndplan.hardware import list_devices
+from ndplan.model import preset_names
+from ndplan.model.hf import READERS
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The hand-written pages (the others are generated from benchmarks).
@@ -38,6 +41,33 @@ def _shown_commands(page: str) -> list[str]:
             lines.append(line)
     joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
     return [shlex.split(line, comments=True) for line in joined.splitlines() if line.strip().startswith("ndplan ")]
+
+
+@pytest.mark.parametrize("page", DOCS)
+def test_every_command_the_docs_show_parses(page):
+    """Each command a page shows names a subcommand and flags that exist, with values they take
+    (`...` stands for the flags of the line above and is left out)."""
+    parser = build_parser()
+    shown = _shown_commands(page)
+    for line in shown:
+        argv = line[1: line.index(">")] if ">" in line else line[1:]  # (a redirection is the shell's)
+        args = parser.parse_args([a for a in argv if a != "..."])
+        assert args.command == argv[0]
+    assert shown or page not in ("README.md", "docs/report.md")
+
+
+def test_readme_names_every_model_preset_architecture_and_device():
+    """The README's "How it is built" counts the presets and lists the architectures and devices:
+    held to `ndplan models` and `ndplan hardware`."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    count = re.search(r"(\d+) presets", text)
+    assert count and int(count.group(1)) == len(preset_names()), count
+    types = re.search(r"ModelSpec from HF config\.json \(([^)]*)\)", text)
+    assert types and [t.strip() for t in types.group(1).split(",")] == list(READERS)
+    devices = re.search(r"device presets with sources \((.*?)\), user device YAML", text)
+    assert devices
+    listed = [re.sub(r" \(.*", "", d.strip()) for d in re.sub(r"\([^)]*\)", "", devices.group(1)).split(",")]
+    assert listed == [d.name for d in list_devices()]
 
 
 def test_every_option_of_every_command_says_what_it_does_and_its_default():
