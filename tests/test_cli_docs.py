@@ -108,6 +108,14 @@ def test_an_unknown_option_is_refused_by_its_command_with_the_one_meant(capsys):
     err = capsys.readouterr().err
     assert err.startswith("ndplan search: error: unrecognized arguments: --plan plan.yaml")
     assert err.endswith("(see `ndplan search --help`)\n") and len(err.splitlines()) == 1, err
+    assert "did you mean" not in err  # (--explain is no near miss of --plan)
+    with pytest.raises(SystemExit):
+        main(["report", *base[1:], "--json"])  # report writes HTML; '--sp' was suggested for it
+    assert capsys.readouterr().err == ("ndplan report: error: unrecognized arguments: --json "
+                                       "(see `ndplan report --help`)\n")
+    with pytest.raises(SystemExit):
+        main(["models", "--jsn"])
+    assert "(did you mean '--json'?)" in capsys.readouterr().err
 
 
 def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():

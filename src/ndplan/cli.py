@@ -7,6 +7,7 @@ and failed (e.g. a strategy that does not fit).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from ndplan.cli_args import (
     sequence_length,
     strategy_from_settings,
 )
-from ndplan.errors import NdplanError, did_you_mean
+from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import preset_index
@@ -1544,9 +1545,12 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     if extras:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         command_parser = sub.choices[args.command]
-        options = [o for action in command_parser._actions for o in action.option_strings if o.startswith("--")]
-        first = next((e.partition("=")[0] for e in extras if e.startswith("-")), "")
-        hint = did_you_mean(first, options) if first else ""
+        # Compared without the dashes (which made '--json' look like '--sp'), and closer than
+        # did_you_mean's names need be: a flag the command lacks should not suggest a stranger.
+        options = [o[2:] for action in command_parser._actions for o in action.option_strings if o.startswith("--")]
+        first = next((e.partition("=")[0].lstrip("-") for e in extras if e.startswith("-")), "")
+        close = difflib.get_close_matches(first, options, n=1, cutoff=0.75) if first else []
+        hint = f" (did you mean '--{close[0]}'?)" if close else ""
         command_parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
     return args
 
