@@ -168,3 +168,24 @@ def test_the_census_of_an_encoder_names_its_model_type(tmp_path, capsys):
     assert err.startswith("ndplan: error: census: tiny-bert (model_type 'bert'): cannot find the model's final "
                           "norm and LM head; the census measures decoder-only causal LMs (ndplan reads llama, "), err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("where", ["missing/profile.yaml", "."])
+def test_calibrate_refuses_an_output_it_cannot_write_before_fitting(where, tmp_path, monkeypatch, capsys):
+    """`ndplan calibrate benchmarks/published_runs.yaml -o missing/x.yaml` fitted for a minute
+    (26 s of CPU) and then said 'missing/x.yaml: No such file or directory'; now it says so first."""
+    import ndplan.perf.cli as perf_cli
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("fitted before checking where the profile goes")
+
+    monkeypatch.setattr(perf_cli, "calibrate", no_fit)
+    output = tmp_path / where
+    code = main(["calibrate", str(ROOT / "benchmarks" / "published_runs.yaml"), "-o", str(output)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    if where == ".":
+        assert err == f"ndplan: error: -o {output}: a folder; give the profile YAML's file name\n"
+    else:
+        assert err == (f"ndplan: error: -o {output}: the folder {output.parent} does not exist (create it, or "
+                       "write elsewhere)\n")

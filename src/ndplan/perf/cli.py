@@ -48,7 +48,18 @@ def add_calibrate_command(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _check_writable(output: Path) -> None:
+    """The profile's folder must exist before the fit (tens of seconds over published runs), not
+    be found missing after it: `-o missing/x.yaml` fitted, then said 'No such file or directory'."""
+    if output.is_dir():
+        raise NdplanError(f"-o {output}: a folder; give the profile YAML's file name")
+    folder = output.parent
+    if not folder.is_dir():
+        raise NdplanError(f"-o {output}: the folder {folder} does not exist (create it, or write elsewhere)")
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    _check_writable(args.output)
     runs = load_runs(args.runs)
     if args.device:
         device = resolve_device(args.device)
