@@ -88,6 +88,8 @@ def test_every_option_of_every_command_says_what_it_does_and_its_default():
             assert said in text, said
     assert "the loss on whole logits, gathered over the TP ranks" in helps["estimate"]
     assert "how many ranked strategies to show (default 10)" in helps["search"]
+    assert "--balance alone is per-layer" in helps["search"] and "megatron; default: nothing)" in helps["search"]
+    assert "global batch size in sequences (needed, unless --from states it)" in helps["search"]
     assert "format of --plot-dir figures (default png)" in helps["report"]
     assert "attention implementation (default sdpa)" in helps["census"]
 

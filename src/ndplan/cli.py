@@ -1417,8 +1417,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="preset name, a config.json / spec YAML path, or a model folder with a config.json")
     p.add_argument("--hardware", help="device preset or device YAML path")
     p.add_argument("--efficiency", help=EFFICIENCY_HELP)
-    p.add_argument("--devices", type=device_count, help="number of devices")
-    p.add_argument("--gbs", type=sequence_count, help="global batch size in sequences")
+    p.add_argument("--devices", type=device_count,
+                   help="number of devices, every candidate uses all of them (needed, unless --from states it)")
+    p.add_argument("--gbs", type=sequence_count,
+                   help="global batch size in sequences (needed, unless --from states it)")
     p.add_argument("--seq", type=sequence_length, help="sequence length in tokens (default 4096)")
     add_from_argument(p, "search")
     p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
@@ -1433,7 +1435,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "runtime megatron); default: the runtime's own policy")
     p.add_argument("--offload-modules", nargs="+", choices=OFFLOAD_MODULES, metavar="MODULE",
                    help="what every candidate offloads to host memory (Megatron-Core's --offload-modules; runtime "
-                        "megatron); candidates Megatron would not run with it (full recompute, its default selective "
+                        "megatron; default: nothing); candidates Megatron would not run with it (full recompute, its default selective "
                         "policy with core_attn, other schedules) are rejected")
     p.add_argument("--offload-module-sets", nargs="+", metavar="SET",
                    help="search what goes to host memory (runtime megatron): sets such as 'expert_fc1+moe_act' or "
@@ -1447,7 +1449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show (default 10)")
     p.add_argument("--balance", nargs="?", const="per-layer", choices=["per-layer", "one-setting"],
                    help="rank every fitting candidate by its balanced plan (pipelines: layers per stage and recompute "
-                        "per layer); 'one-setting' ranks by the fastest plan one recompute setting expresses (with "
+                        "per layer; --balance alone is per-layer); 'one-setting' ranks by the fastest plan one recompute setting expresses (with "
                         "--emit, one that format writes back: torchtitan has no recompute of the first k layers)")
     p.add_argument("--csv", help="write the ranked rows to a CSV file")
     p.add_argument("--emit", choices=EMIT_FORMATS,
