@@ -191,3 +191,24 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_fitting(where, tmp_p
     else:
         assert err == (f"ndplan: error: -o {output}: the folder {output.parent} does not exist (create it, or "
                        "write elsewhere)\n")
+
+
+def test_verify_from_a_script_naming_a_tokenizer_takes_model(tmp_path, capsys):
+    """`ndplan verify --from train.sh --measured peaks.json` (README) on a launch script that names
+    its tokenizer, as real ones do, warned "give --model ... to complete it", then refused: MODEL
+    and --from together were refused ("drop MODEL"), and verify has no --model. MODEL now
+    completes the script's model, and the estimate is `estimate --from`'s."""
+    script = str(ROOT / "tests" / "fixtures" / "io" / "megatron_llama3_70b.sh")
+    peaks = tmp_path / "peaks.json"
+    peaks.write_text(json.dumps({"schema": "ndplan.measured-memory", "schema_version": 1, "source": "a cluster",
+                                 "ranks": [{"rank": 0, "allocated_bytes": 50 * 2**30}]}))
+    assert main(["verify", "--from", script, "--measured", str(peaks)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith(f"ndplan: error: {script} does not describe the whole model; give MODEL (a preset or "
+                                "config.json) to complete it"), err
+    assert main(["verify", "llama-3.1-70b", "--from", script, "--measured", str(peaks), "--json"]) == 0
+    stage0 = json.loads(capsys.readouterr().out)["stages"][0]
+    verified = next(r for r in stage0["rows"] if r["key"] == "allocated")["estimate_bytes"]
+    assert main(["estimate", "--from", script, "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)["stages"][0]["allocated_bytes"]
+    assert verified == pytest.approx(estimated, rel=1e-9) and verified == pytest.approx(50.67 * 2**30, rel=1e-3)

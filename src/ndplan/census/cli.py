@@ -344,14 +344,16 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from ndplan.cli_args import runtime_options
     from ndplan.io.cli import print_messages, read_from_args
 
-    if args.model or _strategy_given(args):
-        raise NdplanError("with --from and --measured the model and strategy come from the config; drop MODEL "
-                          "and the strategy flags")
+    if _strategy_given(args):
+        raise NdplanError("with --from and --measured the strategy comes from the config; drop the strategy flags")
+    # MODEL, where given, completes or overrides the config's model, as `estimate --from` takes
+    # --model: a launch script that names a tokenizer states no vocabulary size, and was refused.
     result = read_from_args(args)
     assert result is not None
     print_messages(result)
     if result.model is None:
-        raise NdplanError(f"{args.from_config} does not describe the whole model; verify needs it from the config")
+        raise NdplanError(f"{args.from_config} does not describe the whole model; give MODEL (a preset or "
+                          "config.json) to complete it")
     strategy = result.strategy(result.devices)
     measurement = load_measurement(args.measured, model=result.model.name, strategy=strategy)
     # --attention may override the config's kernel; census files go to verify itself.
@@ -473,7 +475,8 @@ def add_census_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_measure)
 
     p = subparsers.add_parser("verify", help="compare the memory estimate with a measurement (fake-tensor step or a JSON file)")
-    p.add_argument("model", metavar="MODEL", nargs="?", help="preset name or config.json path (optional with --measured)")
+    p.add_argument("model", metavar="MODEL", nargs="?", help="preset name or config.json path (optional with --measured; with --from, "
+                   "it completes or overrides the config's model)")
     add_step_arguments(p)
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
                    help="attention kernel (default: sdpa; with --from and --measured, what the config states)")
