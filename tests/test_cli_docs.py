@@ -212,3 +212,34 @@ def test_verify_from_a_script_naming_a_tokenizer_takes_model(tmp_path, capsys):
     assert main(["estimate", "--from", script, "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--json"]) == 0
     estimated = json.loads(capsys.readouterr().out)["stages"][0]["allocated_bytes"]
     assert verified == pytest.approx(estimated, rel=1e-9) and verified == pytest.approx(50.67 * 2**30, rel=1e-3)
+
+
+@pytest.mark.parametrize(("setting", "error"), [
+    ("schedule: 1F1B", "setting 'schedule': '1F1B' is not one of 1f1b, interleaved, zb-h1, zbv, dualpipev, gpipe, "
+                       "seq1f1b (did you mean '1f1b'?)"),
+    ("recompute: fulll", "setting 'recompute': 'fulll' is not one of none, selective, full (did you mean 'full'?)"),
+    ("cp_kind: ulyses", "setting 'cp_kind': 'ulyses' is not one of ring, ulysses, hybrid (did you mean 'ulysses'?)"),
+    ("precision: bf16", "setting 'precision': 'bf16' is not one of megatron-bf16, fsdp-bf16, fp32, bf16-pure, "
+                        "megatron-fp8, megatron-bf16-grad16, megatron-fp8-grad16 (did you mean 'bf16-pure'?)"),
+    ("offload_modules: [expert_fc1, moe_actt]", "setting 'offload_modules': 'moe_actt' is not one of attn_norm, "
+                                                "qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act "
+                                                "(did you mean 'moe_act'?)"),
+    ("schedule: 5", "setting 'schedule' must be one of 1f1b, interleaved, zb-h1, zbv, dualpipev, gpipe, seq1f1b; "
+                    "got 5"),
+])
+@pytest.mark.parametrize("command", ["check", "estimate", "balance", "report"])
+def test_a_misspelt_name_in_a_plan_file_names_the_file(command, setting, error, tmp_path, capsys):
+    """`--plan plan.yaml` with `schedule: 1F1B` said "field 'schedule': Input should be '1f1b', ...
+    (got '1F1B')", no word of the file the value came from; now the file, the setting, what is
+    allowed and the name meant."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"model: llama-3.1-8b\nhardware: h100-sxm\ndevices: 8\ngbs: 32\n{setting}\n")
+    code = main([command, "--plan", str(plan), *(["-o", str(tmp_path / "x.html")] if command == "report" else [])])
+    assert code == 2 and capsys.readouterr().err == f"ndplan: error: {plan}: {error}\n"
+
+
+def test_a_plan_file_precision_is_read_in_any_case(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("model: llama-3.1-8b\nhardware: h100-sxm\ndevices: 8\ngbs: 32\nprecision: FSDP-BF16\n")
+    assert main(["estimate", "--plan", str(plan), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["strategy"]["precision"]["name"] == "fsdp-bf16"

@@ -230,7 +230,37 @@ def read_plan_file(path: Path) -> dict[str, Any]:
     for key in sorted({"model", "hardware", "efficiency"} & set(data)):
         if data[key] is not None and not isinstance(data[key], str):
             raise NdplanError(f"{path}: setting '{key}' must be a name or a path, got {data[key]!r}")
+    _check_named_values(path, data)
     return data
+
+
+#: Plan keys whose values are names from a fixed list (precision: a preset's name, in any case,
+#: or a mapping of a policy's fields); checked as the file is read so that the error names it.
+_NAMED_VALUES: dict[str, tuple[str, ...]] = {
+    "schedule": SCHEDULES, "recompute": RECOMPUTES, "cp_kind": CP_KINDS, "precision": tuple(PRECISION_PRESETS),
+    "recompute_modules": RECOMPUTE_MODULES, "offload_modules": OFFLOAD_MODULES,
+}
+
+
+def _check_named_values(path: Path, data: dict[str, Any]) -> None:
+    """A misspelt name in a plan file (``schedule: 1F1B``, ``recompute: fulll``) is an error naming
+    the file, the setting, what is allowed and the name meant: the Strategy's own check said
+    "field 'schedule': Input should be ..." with no word of the file."""
+    from ndplan.errors import did_you_mean
+
+    for key, allowed in _NAMED_VALUES.items():
+        value = data.get(key)
+        if value is None or (key == "precision" and isinstance(value, dict)):
+            continue
+        many = key.endswith("_modules")
+        names = [value] if isinstance(value, str) or not many else value
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            kind = "a name or a list of names from" if many else "one of"
+            raise NdplanError(f"{path}: setting '{key}' must be {kind} {', '.join(allowed)}; got {value!r}")
+        for name in names:
+            if (name.lower() if key == "precision" else name) not in allowed:
+                raise NdplanError(f"{path}: setting '{key}': {name!r} is not one of {', '.join(allowed)}"
+                                  f"{did_you_mean(name, allowed)}")
 
 
 def device_from(hardware: str, efficiency: str | None = None) -> Any:
