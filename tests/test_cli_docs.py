@@ -243,3 +243,22 @@ def test_a_plan_file_precision_is_read_in_any_case(tmp_path, capsys):
     plan.write_text("model: llama-3.1-8b\nhardware: h100-sxm\ndevices: 8\ngbs: 32\nprecision: FSDP-BF16\n")
     assert main(["estimate", "--plan", str(plan), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["strategy"]["precision"]["name"] == "fsdp-bf16"
+
+
+@pytest.mark.parametrize(("setting", "error"), [
+    ("memory_limit: 70GiB", "'memory_limit' is a flag, not a plan setting: give --memory-limit on the command line "
+                            "(a plan file holds the model, the cluster and the strategy)"),
+    ("runtime: megatron", "'runtime' is a flag, not a plan setting: give --runtime on the command line (a plan file "
+                          "holds the model, the cluster and the strategy)"),
+    ("tpp: 2", "unknown setting 'tpp' (did you mean 'tp'?); known: cp, cp_kind, devices,"),
+    ("1: 2\nfoo: 3", "unknown setting '1'; known: cp, cp_kind, devices,"),
+])
+def test_a_plan_file_setting_it_does_not_hold_is_named(setting, error, tmp_path, capsys):
+    """The README: --memory-limit and the runtime options stay flags. A plan file holding them said
+    only "unknown setting 'memory_limit'; known: ..."; a misspelt key named no key meant; keys of
+    two types (YAML's `1:` beside names) ended in a TypeError traceback from sorting them."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"model: llama-3.1-8b\nhardware: h100-sxm\ndevices: 8\n{setting}\n")
+    assert main(["check", "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ndplan: error: {plan}: {error}") and len(err.strip().splitlines()) == 1, err

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, did_you_mean
 from ndplan.io.common import PLAN_TO_FIELD, derive_batch
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import read_structured_file
@@ -34,6 +34,11 @@ _STRATEGY_KEYS = PLAN_TO_FIELD
 _PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "efficiency", "devices", "overlap"}
 EFFICIENCY_HELP = ("step-time efficiency profile YAML (what `ndplan calibrate` writes): its figures replace "
                    "the device family's")
+#: Options that stay flags (the runtime's and the output's), which a plan file refuses by name.
+_FLAG_ONLY = {
+    "memory_limit", "runtime", "attention", "loss_parallel", "loss_upcast", "selective_policy", "census",
+    "no_overhead", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "emit", "explain", "plot", "json",
+}
 #: Plan keys that hold whole numbers (ndplan does arithmetic on some before the Strategy
 #: validates them, so a plan file's value is checked as it is read).
 _WHOLE_NUMBER_KEYS = {
@@ -199,9 +204,14 @@ def read_plan_file(path: Path) -> dict[str, Any]:
     data = read_structured_file(path)
     if not isinstance(data, dict):
         raise NdplanError(f"{path}: a plan file is a mapping of settings, got {type(data).__name__}")
-    unknown = sorted(set(data) - _PLAN_KEYS)
+    unknown = sorted(set(data) - _PLAN_KEYS, key=str)
     if unknown:
-        raise NdplanError(f"{path}: unknown setting '{unknown[0]}'; known: {', '.join(sorted(_PLAN_KEYS))}")
+        name = str(unknown[0])
+        if name.replace("-", "_") in _FLAG_ONLY:  # as the README says: these stay flags
+            raise NdplanError(f"{path}: '{name}' is a flag, not a plan setting: give --{name.replace('_', '-')} on "
+                              "the command line (a plan file holds the model, the cluster and the strategy)")
+        raise NdplanError(f"{path}: unknown setting '{name}'{did_you_mean(name, _PLAN_KEYS)}; known: "
+                          f"{', '.join(sorted(_PLAN_KEYS))}")
     for key in sorted(_WHOLE_NUMBER_KEYS & set(data)):
         value = data[key]
         if value is None and key not in ("devices", "gbs"):  # (devices and gbs: null reads as not given)
@@ -246,8 +256,6 @@ def _check_named_values(path: Path, data: dict[str, Any]) -> None:
     """A misspelt name in a plan file (``schedule: 1F1B``, ``recompute: fulll``) is an error naming
     the file, the setting, what is allowed and the name meant: the Strategy's own check said
     "field 'schedule': Input should be ..." with no word of the file."""
-    from ndplan.errors import did_you_mean
-
     for key, allowed in _NAMED_VALUES.items():
         value = data.get(key)
         if value is None or (key == "precision" and isinstance(value, dict)):
