@@ -262,3 +262,14 @@ def test_a_plan_file_setting_it_does_not_hold_is_named(setting, error, tmp_path,
     assert main(["check", "--plan", str(plan)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ndplan: error: {plan}: {error}") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv", [["models", "--model", "{spec}"], ["inspect", "{spec}", "--from-format", "hf"],
+                                  ["estimate", "--model", "{spec}", "--hardware", "h100-sxm"]])
+def test_a_model_spec_with_a_number_for_a_field_name_is_one_line(argv, tmp_path, capsys):
+    """A spec YAML holding `1: 2` (YAML reads the key as a number) ended in "TypeError: keywords
+    must be strings", a traceback from ModelSpec(**data)."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("num_layers: 2\n1: 2\n")
+    assert main([a.format(spec=spec) for a in argv]) == 2
+    assert capsys.readouterr().err == f"ndplan: error: {spec}: field names are text; 1 is not a field\n"
