@@ -84,7 +84,8 @@ def test_every_option_of_every_command_says_what_it_does_and_its_default():
         for said in ("pipeline schedule (default 1f1b)", "tensor parallel degree (default 1)",
                      "(default ring)", "no sequence parallelism (the default", "default megatron-bf16",
                      "activation recompute of the decoder layers (default none)", "3 also parameters (default 0)",
-                     "optimizer states in host memory"):
+                     "optimizer states in host memory", "(default: even, the remainder on the first chunks)",
+                     "(default: resharded)"):
             assert said in text, said
     assert "the loss on whole logits, gathered over the TP ranks" in helps["estimate"]
     assert "how many ranked strategies to show (default 10)" in helps["search"]

@@ -107,7 +107,8 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--schedule", choices=SCHEDULES,
                      help="pipeline schedule (default 1f1b): interleaved takes --vpp, zbv and dualpipev two "
                           "chunks a stage (--vpp 2), seq1f1b --seq-chunks")
-    par.add_argument("--stage-layers", type=_int_list, help="layers per virtual stage, comma-separated (uneven placement)")
+    par.add_argument("--stage-layers", type=_int_list, help="layers per virtual stage, comma-separated, e.g. 18,20,21,21 (default: even, the "
+                          "remainder on the first chunks)")
 
     mem = parser.add_argument_group("sharding, recompute and precision")
     mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
@@ -117,7 +118,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--shard-group", type=int,
                      help="HSDP: shard within groups of this many ranks (default 0: all dp·cp ranks)")
     mem.add_argument("--no-reshard", dest="reshard", action="store_false", default=None,
-                     help="FSDP keeps parameters gathered after forward")
+                     help="FSDP keeps parameters gathered after forward (default: resharded)")
     mem.add_argument("--optimizer-offload", action="store_true", default=None,
                      help="optimizer states in host memory, the update run by Adam on the CPU")
     mem.add_argument("--recompute", choices=RECOMPUTES,
