@@ -411,7 +411,7 @@ def test_cli_writes_a_census_file(tmp_path, capsys):
     assert [r.layer_kind for r in recs] == ["dense", "output"]
     assert recs[0].model == "tiny" and recs[0].seq_length == 16
     assert main(["no-such-model"]) == 2
-    assert "no config file or preset" in capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
 
 
 def test_record_replace_keeps_schema():

@@ -96,7 +96,7 @@ def test_verify_takes_a_launch_script_and_a_clusters_peaks(tmp_path, capsys, com
     assert main(["verify", "--from", str(script), "--measured", str(peaks)]) == 2
     assert "states 'model', which the launch config (--from) gives: leave it out" in capsys.readouterr().err
     assert main(["verify", "--from", str(script), "--measured", str(peaks), "--tp", "2"]) == 2
-    assert "model and strategy come from the config; drop MODEL and the strategy flags" in capsys.readouterr().err
+    assert "the strategy comes from the config; drop the strategy flags" in capsys.readouterr().err
 
 
 def test_verify_from_a_script_without_its_world_size_takes_devices(tmp_path, capsys):

@@ -7,7 +7,9 @@ and failed (e.g. a strategy that does not fit).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -1421,8 +1423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="preset name, a config.json / spec YAML path, or a model folder with a config.json")
     p.add_argument("--hardware", help="device preset or device YAML path")
     p.add_argument("--efficiency", help=EFFICIENCY_HELP)
-    p.add_argument("--devices", type=device_count, help="number of devices")
-    p.add_argument("--gbs", type=sequence_count, help="global batch size in sequences")
+    p.add_argument("--devices", type=device_count,
+                   help="number of devices, every candidate uses all of them (needed, unless --from states it)")
+    p.add_argument("--gbs", type=sequence_count,
+                   help="global batch size in sequences (needed, unless --from states it)")
     p.add_argument("--seq", type=sequence_length, help="sequence length in tokens (default 4096)")
     add_from_argument(p, "search")
     p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
@@ -1437,7 +1441,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "runtime megatron); default: the runtime's own policy")
     p.add_argument("--offload-modules", nargs="+", choices=OFFLOAD_MODULES, metavar="MODULE",
                    help="what every candidate offloads to host memory (Megatron-Core's --offload-modules; runtime "
-                        "megatron); candidates Megatron would not run with it (full recompute, its default selective "
+                        "megatron; default: nothing); candidates Megatron would not run with it (full recompute, its default selective "
                         "policy with core_attn, other schedules) are rejected")
     p.add_argument("--offload-module-sets", nargs="+", metavar="SET",
                    help="search what goes to host memory (runtime megatron): sets such as 'expert_fc1+moe_act' or "
@@ -1448,10 +1452,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'layernorm+moe_act' or 'default' (the runtime's own policy), or 'common' (up to 5 sets "
                         "for the model) or 'all' (every subset of the modules the model has); "
                         "'--dims ... recompute_modules' searches 'common'")
-    p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show")
+    p.add_argument("--top", type=int, default=10, help="how many ranked strategies to show (default 10)")
     p.add_argument("--balance", nargs="?", const="per-layer", choices=["per-layer", "one-setting"],
                    help="rank every fitting candidate by its balanced plan (pipelines: layers per stage and recompute "
-                        "per layer); 'one-setting' ranks by the fastest plan one recompute setting expresses (with "
+                        "per layer; --balance alone is per-layer); 'one-setting' ranks by the fastest plan one recompute setting expresses (with "
                         "--emit, one that format writes back: torchtitan has no recompute of the first k layers)")
     p.add_argument("--csv", help="write the ranked rows to a CSV file")
     p.add_argument("--emit", choices=EMIT_FORMATS,
@@ -1477,7 +1481,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "and fp32 with grouped KV heads runs the math path); eager keeps s² scores (default: "
                             "flash, or what a --from config states)")
     add_switch(group, "--loss-parallel", "--no-loss-parallel", "loss_parallel",
-               "keep logits vocab-sharded through the loss (under TP; changes nothing at tp 1)")
+               "keep logits vocab-sharded through the loss (under TP; changes nothing at tp 1) (default: the "
+               "runtime's own, on for megatron, off for pytorch; or what a --from config states)",
+               "the loss on whole logits, gathered over the TP ranks")
     add_switch(group, "--loss-upcast", "--no-loss-upcast", "loss_upcast",
                "the loss works on an fp32 copy of the logits (the default; overrides a --from config)",
                "the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
@@ -1544,9 +1550,27 @@ def _refuse_empty_values(argv: Sequence[str], command: str) -> None:
         raise NdplanError(f"{empty} is empty; give a value (see `ndplan {command} --help`) or leave it out")
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but an unknown option is refused by the subcommand's own parser:
+    the error points to `ndplan COMMAND --help` (not the top level's, which lists no option) and
+    suggests the option meant (``--memroy-limit`` is ``--memory-limit``)."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command_parser = sub.choices[args.command]
+        # Compared without the dashes (which made '--json' look like '--sp'), and closer than
+        # did_you_mean's names need be: a flag the command lacks should not suggest a stranger.
+        options = [o[2:] for action in command_parser._actions for o in action.option_strings if o.startswith("--")]
+        first = next((e.partition("=")[0].lstrip("-") for e in extras if e.startswith("-")), "")
+        close = difflib.get_close_matches(first, options, n=1, cutoff=0.75) if first else []
+        hint = f" (did you mean '--{close[0]}'?)" if close else ""
+        command_parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_signed_values_attached(sys.argv[1:] if argv is None else argv))
+    args = _parse(parser, _signed_values_attached(sys.argv[1:] if argv is None else argv))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         _refuse_empty_values(list(sys.argv[1:] if argv is None else argv), args.command)
@@ -1557,6 +1581,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as error:
         print(f"ndplan: error: {first_validation_error(error)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`ndplan search --json | head`): stop quietly, as `cat` does, and
+        # point stdout at nothing so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, the status a shell reports for a writer its pipe closed on
     except OSError as error:  # a path that cannot be read or written: say which and why
         where = f"{error.filename}: " if error.filename else ""
         print(f"ndplan: error: {where}{error.strerror or error}", file=sys.stderr)

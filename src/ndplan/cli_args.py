@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ndplan.errors import NdplanError
+from ndplan.errors import NdplanError, did_you_mean
 from ndplan.io.common import PLAN_TO_FIELD, derive_batch
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import read_structured_file
@@ -34,6 +34,11 @@ _STRATEGY_KEYS = PLAN_TO_FIELD
 _PLAN_KEYS = set(_STRATEGY_KEYS) | {"model", "hardware", "efficiency", "devices", "overlap"}
 EFFICIENCY_HELP = ("step-time efficiency profile YAML (what `ndplan calibrate` writes): its figures replace "
                    "the device family's")
+#: Options that stay flags (the runtime's and the output's), which a plan file refuses by name.
+_FLAG_ONLY = {
+    "memory_limit", "runtime", "attention", "loss_parallel", "loss_upcast", "selective_policy", "census",
+    "no_overhead", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "emit", "explain", "plot", "json",
+}
 #: Plan keys that hold whole numbers (ndplan does arithmetic on some before the Strategy
 #: validates them, so a plan file's value is checked as it is read).
 _WHOLE_NUMBER_KEYS = {
@@ -76,36 +81,51 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", help="preset name (see `ndplan models`), a config.json / spec YAML path, or a model folder with a config.json")
     group.add_argument("--hardware", help="device preset (see `ndplan hardware`) or a device YAML path")
     group.add_argument("--efficiency", help=EFFICIENCY_HELP)
-    group.add_argument("--devices", type=device_count, help="number of devices in the cluster")
+    group.add_argument("--devices", type=device_count,
+                       help="number of devices in the cluster (default: dp·tp·pp·cp, or a --from config's world size)")
     group.add_argument("--plan", type=Path, help="YAML/JSON file with any of these settings (flags win)")
 
     par = parser.add_argument_group("parallelism")
     for flag, text in [
         ("dp", "data parallel degree (default: devices / (tp·pp·cp))"),
-        ("tp", "tensor parallel degree"),
-        ("pp", "pipeline parallel degree"),
-        ("cp", "context parallel degree"),
-        ("ep", "expert parallel degree"),
+        ("tp", "tensor parallel degree (default 1)"),
+        ("pp", "pipeline parallel degree (default 1)"),
+        ("cp", "context parallel degree (default 1)"),
+        ("ep", "expert parallel degree (default 1)"),
         ("etp", "expert tensor parallel degree (default: tp)"),
-        ("vpp", "virtual pipeline chunks per stage"),
-        ("ulysses-degree", "Ulysses part of hybrid context parallelism"),
-        ("seq-chunks", "Seq1F1B sub-sequences per micro-batch"),
+        ("vpp", "virtual pipeline chunks per stage (default 1; 2 for zbv and dualpipev)"),
+        ("ulysses-degree", "Ulysses part of hybrid context parallelism, dividing --cp (default 1)"),
+        ("seq-chunks", "Seq1F1B sub-sequences per micro-batch (default 1)"),
     ]:
         par.add_argument(f"--{flag}", type=int, help=text)
-    par.add_argument("--cp-kind", choices=CP_KINDS)
-    add_switch(par, "--sp", "--no-sp", "sp", "sequence parallelism (needs tp > 1)")
-    par.add_argument("--schedule", choices=SCHEDULES)
-    par.add_argument("--stage-layers", type=_int_list, help="layers per virtual stage, comma-separated (uneven placement)")
+    par.add_argument("--cp-kind", choices=CP_KINDS,
+                     help="how context parallelism splits attention: ring passes K/V blocks around the ranks, "
+                          "ulysses swaps sequence for heads by all-to-all, hybrid does both (--ulysses-degree) "
+                          "(default ring)")
+    add_switch(par, "--sp", "--no-sp", "sp", "sequence parallelism (needs tp > 1)",
+               "no sequence parallelism (the default; overrides a --from config or plan file)")
+    par.add_argument("--schedule", choices=SCHEDULES,
+                     help="pipeline schedule (default 1f1b): interleaved takes --vpp, zbv and dualpipev two "
+                          "chunks a stage (--vpp 2), seq1f1b --seq-chunks")
+    par.add_argument("--stage-layers", type=_int_list, help="layers per virtual stage, comma-separated, e.g. 18,20,21,21 (default: even, the "
+                          "remainder on the first chunks)")
 
     mem = parser.add_argument_group("sharding, recompute and precision")
-    mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over dp·cp (1 = distributed optimizer)")
+    mem.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                     help="ZeRO stage over dp·cp: 1 shards optimizer states (Megatron's distributed optimizer), "
+                          "2 also gradients, 3 also parameters (default 0)")
     mem.add_argument("--fsdp", action="store_true", default=None, help="torch FSDP (implies --zero 3)")
-    mem.add_argument("--shard-group", type=int, help="HSDP: shard within groups of this many ranks")
+    mem.add_argument("--shard-group", type=int,
+                     help="HSDP: shard within groups of this many ranks (default 0: all dp·cp ranks)")
     mem.add_argument("--no-reshard", dest="reshard", action="store_false", default=None,
-                     help="FSDP keeps parameters gathered after forward")
-    mem.add_argument("--optimizer-offload", action="store_true", default=None)
-    mem.add_argument("--recompute", choices=RECOMPUTES)
-    mem.add_argument("--recompute-layers", type=int, help="recompute only this many layers per stage")
+                     help="FSDP keeps parameters gathered after forward (default: resharded)")
+    mem.add_argument("--optimizer-offload", action="store_true", default=None,
+                     help="optimizer states in host memory, the update run by Adam on the CPU")
+    mem.add_argument("--recompute", choices=RECOMPUTES,
+                     help="activation recompute of the decoder layers (default none): selective re-runs the "
+                          "runtime's selective policy in backward, full the whole layer from its input")
+    mem.add_argument("--recompute-layers", type=int,
+                     help="recompute only this many layers per stage (default 0: every layer)")
     mem.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
                      help="what selective recompute re-runs, as Megatron-Core's --recompute-modules "
                           f"({', '.join(RECOMPUTE_MODULES)}; runtime megatron); default: the runtime's own policy")
@@ -113,12 +133,18 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                      help="modules whose saved activations go to host memory, as Megatron-Core's "
                           "--fine-grained-activation-offloading --offload-modules "
                           f"({', '.join(OFFLOAD_MODULES)}; schedules 1f1b/interleaved, not with full recompute)")
-    mem.add_argument("--precision", choices=sorted(PRECISION_PRESETS))
+    mem.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
+                     help="bytes per parameter, gradient and optimizer state (default megatron-bf16: bf16 "
+                          "weights, fp32 gradients, fp32 master weights and Adam moments; or what a --from "
+                          "config states); fsdp-bf16: FSDP2's fp32 shards gathered in bf16; bf16-pure: all "
+                          "bf16; fp32: all fp32; -grad16: bf16 gradients; megatron-fp8: fp8 GEMMs")
 
     batch = parser.add_argument_group("batch")
     batch.add_argument("--seq", type=int, help="sequence length in tokens (default 4096)")
     batch.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
-    batch.add_argument("--gbs", type=sequence_count, help="global batch size in sequences")
+    batch.add_argument("--gbs", type=sequence_count,
+                       help="global batch size in sequences (default: dp·mbs·micro-batches, one micro-batch "
+                            "without --num-micro-batches)")
     batch.add_argument("--num-micro-batches", type=int,
                        help="micro-batches per pipeline run (default: gbs / (dp·mbs·pipeline runs))")
     batch.add_argument("--pipeline-runs", type=non_negative_int,
@@ -179,9 +205,14 @@ def read_plan_file(path: Path) -> dict[str, Any]:
     data = read_structured_file(path)
     if not isinstance(data, dict):
         raise NdplanError(f"{path}: a plan file is a mapping of settings, got {type(data).__name__}")
-    unknown = sorted(set(data) - _PLAN_KEYS)
+    unknown = sorted(set(data) - _PLAN_KEYS, key=str)
     if unknown:
-        raise NdplanError(f"{path}: unknown setting '{unknown[0]}'; known: {', '.join(sorted(_PLAN_KEYS))}")
+        name = str(unknown[0])
+        if name.replace("-", "_") in _FLAG_ONLY:  # as the README says: these stay flags
+            raise NdplanError(f"{path}: '{name}' is a flag, not a plan setting: give --{name.replace('_', '-')} on "
+                              "the command line (a plan file holds the model, the cluster and the strategy)")
+        raise NdplanError(f"{path}: unknown setting '{name}'{did_you_mean(name, _PLAN_KEYS)}; known: "
+                          f"{', '.join(sorted(_PLAN_KEYS))}")
     for key in sorted(_WHOLE_NUMBER_KEYS & set(data)):
         value = data[key]
         if value is None and key not in ("devices", "gbs"):  # (devices and gbs: null reads as not given)
@@ -210,7 +241,35 @@ def read_plan_file(path: Path) -> dict[str, Any]:
     for key in sorted({"model", "hardware", "efficiency"} & set(data)):
         if data[key] is not None and not isinstance(data[key], str):
             raise NdplanError(f"{path}: setting '{key}' must be a name or a path, got {data[key]!r}")
+    _check_named_values(path, data)
     return data
+
+
+#: Plan keys whose values are names from a fixed list (precision: a preset's name, in any case,
+#: or a mapping of a policy's fields); checked as the file is read so that the error names it.
+_NAMED_VALUES: dict[str, tuple[str, ...]] = {
+    "schedule": SCHEDULES, "recompute": RECOMPUTES, "cp_kind": CP_KINDS, "precision": tuple(PRECISION_PRESETS),
+    "recompute_modules": RECOMPUTE_MODULES, "offload_modules": OFFLOAD_MODULES,
+}
+
+
+def _check_named_values(path: Path, data: dict[str, Any]) -> None:
+    """A misspelt name in a plan file (``schedule: 1F1B``, ``recompute: fulll``) is an error naming
+    the file, the setting, what is allowed and the name meant: the Strategy's own check said
+    "field 'schedule': Input should be ..." with no word of the file."""
+    for key, allowed in _NAMED_VALUES.items():
+        value = data.get(key)
+        if value is None or (key == "precision" and isinstance(value, dict)):
+            continue
+        many = key.endswith("_modules")
+        names = [value] if isinstance(value, str) or not many else value
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            kind = "a name or a list of names from" if many else "one of"
+            raise NdplanError(f"{path}: setting '{key}' must be {kind} {', '.join(allowed)}; got {value!r}")
+        for name in names:
+            if (name.lower() if key == "precision" else name) not in allowed:
+                raise NdplanError(f"{path}: setting '{key}': {name!r} is not one of {', '.join(allowed)}"
+                                  f"{did_you_mean(name, allowed)}")
 
 
 def device_from(hardware: str, efficiency: str | None = None) -> Any:

@@ -123,20 +123,21 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--layers", type=int, help="decoder layers to keep (depth-trimmed model; default: all)")
     par = parser.add_argument_group("strategy")
-    for flag, text in [("dp", "data-parallel degree (needs --fsdp when > 1)"), ("tp", "tensor-parallel degree"),
-                       ("pp", "pipeline-parallel degree"), ("vpp", "model chunks per pipeline rank")]:
+    for flag, text in [("dp", "data-parallel degree (default 1; needs --fsdp when > 1)"),
+                       ("tp", "tensor-parallel degree (default 1)"), ("pp", "pipeline-parallel degree (default 1)"),
+                       ("vpp", "model chunks per pipeline rank (default 1)")]:
         par.add_argument(f"--{flag}", type=int, help=text)
     par.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
     par.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
     par.add_argument("--num-micro-batches", type=int, help="micro-batches per pipeline run (default 1)")
     par.add_argument("--pipeline-runs", type=positive_int,
                      help="runs of the pipeline schedule per step, gradients accumulated (default 1; needs --pp > 1)")
-    par.add_argument("--seq", type=int, help="sequence length (default 4096)")
-    par.add_argument("--zero", type=int, choices=[0, 3], help="0: no sharding; 3: FSDP2")
+    par.add_argument("--seq", type=int, help="sequence length in tokens (default 4096)")
+    par.add_argument("--zero", type=int, choices=[0, 3], help="0: no sharding; 3: FSDP2 (default 0, 3 with --fsdp)")
     par.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 fully_shard over dp (zero 3)")
     par.add_argument("--no-reshard", dest="reshard", action="store_false", default=None,
                      help="FSDP keeps decoder layers gathered after forward")
-    par.add_argument("--recompute", choices=RECOMPUTES, help="activation recompute of every decoder layer")
+    par.add_argument("--recompute", choices=RECOMPUTES, help="activation recompute of every decoder layer (default none)")
     par.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
                      help="default: fsdp-bf16 with --fsdp, bf16-pure without")
 
@@ -343,14 +344,16 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from ndplan.cli_args import runtime_options
     from ndplan.io.cli import print_messages, read_from_args
 
-    if args.model or _strategy_given(args):
-        raise NdplanError("with --from and --measured the model and strategy come from the config; drop MODEL "
-                          "and the strategy flags")
+    if _strategy_given(args):
+        raise NdplanError("with --from and --measured the strategy comes from the config; drop the strategy flags")
+    # MODEL, where given, completes or overrides the config's model, as `estimate --from` takes
+    # --model: a launch script that names a tokenizer states no vocabulary size, and was refused.
     result = read_from_args(args)
     assert result is not None
     print_messages(result)
     if result.model is None:
-        raise NdplanError(f"{args.from_config} does not describe the whole model; verify needs it from the config")
+        raise NdplanError(f"{args.from_config} does not describe the whole model; give MODEL (a preset or "
+                          "config.json) to complete it")
     strategy = result.strategy(result.devices)
     measurement = load_measurement(args.measured, model=result.model.name, strategy=strategy)
     # --attention may override the config's kernel; census files go to verify itself.
@@ -449,10 +452,12 @@ def add_census_commands(subparsers: Any) -> None:
 
     p = subparsers.add_parser("census", help="measure what each layer kind saves for backward (needs torch)")
     p.add_argument("models", nargs="+", metavar="MODEL", help="preset name or config.json path")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    p.add_argument("--mbs", type=int, default=1, help="micro-batch size (default 1)")
-    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
-    p.add_argument("--experts", choices=EXPERTS, default="grouped_mm", help="transformers experts implementation")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    p.add_argument("--mbs", type=int, default=1, help="micro-batch size in sequences (default 1)")
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
+                   help="transformers' attention implementation (default sdpa)")
+    p.add_argument("--experts", choices=EXPERTS, default="grouped_mm",
+                   help="transformers experts implementation (default grouped_mm)")
     p.add_argument("--out", help="write the census records to this JSON file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_census)
@@ -460,7 +465,8 @@ def add_census_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("measure", help="measure one training step's memory with PyTorch on fake tensors (needs torch)")
     p.add_argument("model", metavar="MODEL", help="preset name or config.json path")
     add_step_arguments(p)
-    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
+                   help="transformers' attention implementation (default sdpa)")
     _add_backend_argument(p)
     p.add_argument("--out", help="write the measurement (measured-memory JSON) to this file")
     p.add_argument("--timeline", metavar="CSV",
@@ -469,7 +475,8 @@ def add_census_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_measure)
 
     p = subparsers.add_parser("verify", help="compare the memory estimate with a measurement (fake-tensor step or a JSON file)")
-    p.add_argument("model", metavar="MODEL", nargs="?", help="preset name or config.json path (optional with --measured)")
+    p.add_argument("model", metavar="MODEL", nargs="?", help="preset name or config.json path (optional with --measured; with --from, "
+                   "it completes or overrides the config's model)")
     add_step_arguments(p)
     p.add_argument("--attention", choices=ATTENTIONS, default=None,
                    help="attention kernel (default: sdpa; with --from and --measured, what the config states)")
@@ -478,7 +485,7 @@ def add_census_commands(subparsers: Any) -> None:
     p.add_argument("--measured", help="measured-memory JSON (e.g. from a real cluster) instead of measuring; with "
                                       "--from, only its ranks' peaks: model, strategy and runtime come from the "
                                       "launch config")
-    p.add_argument("--tolerance", type=float, help="exit 1 if a stage's peak misses the measurement by more than PCT percent")
+    p.add_argument("--tolerance", type=float, metavar="PCT", help="exit 1 if a stage's peak misses the measurement by more than PCT percent")
     p.add_argument("--census", help="census JSON: measured activations replace the profile's formulas")
     from ndplan.io.cli import add_from_argument
 

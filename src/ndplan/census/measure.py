@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ndplan.census.record import CensusRecord, Recompute, SavedOp
-from ndplan.errors import NdplanError, parse_nested, read_text
+from ndplan.errors import NdplanError, did_you_mean, parse_nested, read_text
 
 EXTRA_MESSAGE = "census needs the optional extra: pip install 'ndplan[census]' (torch==2.13.0, transformers)"
 
@@ -127,7 +127,11 @@ def run_census(
         norm = E.find_module(model1, "norm")
         lm_head = model1.get_output_embeddings()
         if norm is None or lm_head is None:
-            raise NdplanError("census: cannot find the model's final norm and LM head")
+            from ndplan.model.hf import READERS
+
+            raise NdplanError(f"census: {model_name} (model_type '{config.model_type}'): cannot find the model's "
+                              "final norm and LM head; the census measures decoder-only causal LMs (ndplan reads "
+                              f"{', '.join(READERS)})")
         E.materialize(norm, dt, "model.norm", fp32)
         head1 = torch.nn.Linear(h, vocab, bias=lm_head.bias is not None, dtype=dt)
         head2 = torch.nn.Linear(h, vocab2, bias=lm_head.bias is not None, dtype=dt)
@@ -386,11 +390,16 @@ def load_hf_config(path_or_preset: str) -> tuple[str, dict[str, Any]]:
             raise NdplanError(f"{p}: a model folder needs a config.json (Hugging Face layout); none there")
         p = p / "config.json"
     if not p.is_file():
-        p = Path(__file__).resolve().parent.parent / "model" / "presets" / f"{path_or_preset}.json"
-        if not p.is_file():
-            raise NdplanError(f"no config file or preset named {path_or_preset!r} (a preset of `ndplan models`, "
-                              f"a config.json, or a model folder holding one)")
-        name = path_or_preset
+        # As `ndplan estimate --model` says it: a preset in any case; a path that is not there; else
+        # the preset meant and the list (it said "no config file or preset named 'llama-3.1-8bb'").
+        from ndplan.model.presets import MODEL_FILE_SUFFIXES, hf_config, preset_names
+
+        if path_or_preset.lower() in preset_names():
+            return path_or_preset.lower(), hf_config(path_or_preset)
+        if p.suffix.lower() in MODEL_FILE_SUFFIXES or len(p.parts) > 1:
+            raise NdplanError(f"{p}: no such file")
+        raise NdplanError(f"unknown model '{path_or_preset}'{did_you_mean(path_or_preset, preset_names())}; presets: "
+                          f"{', '.join(preset_names())} (or give a path to a config.json or a model folder)")
     else:
         name = p.stem if p.name != "config.json" else p.parent.name
     try:

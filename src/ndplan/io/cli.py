@@ -49,7 +49,8 @@ FROM_HELP = {
               "in a note)",
     "verify": f"read the model and the strategy settings no flag gives from {_CONFIGS} (flags win; a config "
               "running context, expert or sequence parallelism is refused, as a measured step runs none); with "
-              "--measured, the model, strategy and runtime come from it",
+              "--measured, the model, strategy and runtime come from it (MODEL completing or overriding its "
+              "model, as a script naming a tokenizer states no vocabulary size)",
 }
 
 

@@ -87,6 +87,9 @@ def load_model_file(path: str | Path) -> ModelSpec:
     data = read_structured_file(path)
     if not isinstance(data, dict):
         raise NdplanError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    odd = next((key for key in data if not isinstance(key, str)), None)
+    if odd is not None:  # (YAML reads `1:` as a number; ModelSpec(**data) raised a TypeError traceback)
+        raise NdplanError(f"{path}: field names are text; {odd!r} is not a field")
     name = path.parent.name if path.name == "config.json" else path.stem
     if "num_hidden_layers" in data or "model_type" in data and "num_layers" not in data:
         return spec_from_hf_config(data, name=name, source=str(path))

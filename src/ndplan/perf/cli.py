@@ -36,16 +36,30 @@ def add_calibrate_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("runs", type=Path, help="YAML/JSON file of measured runs")
     p.add_argument("-o", "--output", type=Path, required=True, help="profile YAML to write")
     p.add_argument("--device", help="fit this device's family (default: the most common device in the runs)")
-    p.add_argument("--fit", help=f"comma-separated figures to fit (default: efficiencies); any of: {', '.join(FITTABLE)}")
+    p.add_argument("--fit", help="comma-separated figures to fit (default: gemm, attention, HBM, scale-up and scale-out "
+                                 "efficiencies, and fp8 GEMM efficiency where a run computes in fp8); any of: "
+                                 f"{', '.join(FITTABLE)}")
     p.add_argument("--initial", type=Path, help="start from this profile YAML instead of the family defaults")
     p.add_argument("--prior-weight", type=float, default=0.0,
-                   help="pull each figure toward its starting value (0 = plain least squares)")
+                   help="pull each figure toward its starting value, a weight of 0 or more (default 0: plain "
+                        "least squares)")
     p.add_argument("--json", action="store_true", help="print the fit report as JSON")
     p.set_defaults(func=cmd_calibrate)
     return p
 
 
+def _check_writable(output: Path) -> None:
+    """The profile's folder must exist before the fit (tens of seconds over published runs), not
+    be found missing after it: `-o missing/x.yaml` fitted, then said 'No such file or directory'."""
+    if output.is_dir():
+        raise NdplanError(f"-o {output}: a folder; give the profile YAML's file name")
+    folder = output.parent
+    if not folder.is_dir():
+        raise NdplanError(f"-o {output}: the folder {folder} does not exist (create it, or write elsewhere)")
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    _check_writable(args.output)
     runs = load_runs(args.runs)
     if args.device:
         device = resolve_device(args.device)

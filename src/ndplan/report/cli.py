@@ -32,7 +32,7 @@ def add_report_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path,
                    help="HTML file to write (default: plan.html, unless only --plot-dir is given)")
     p.add_argument("--plot-dir", type=Path, help="also write the figures as files in this folder (needs matplotlib)")
-    p.add_argument("--plot-format", choices=["png", "svg", "pdf"], default="png", help="format of --plot-dir figures")
+    p.add_argument("--plot-format", choices=["png", "svg", "pdf"], default="png", help="format of --plot-dir figures (default png)")
     p.add_argument("--top", type=int, default=50, help="ranked strategies kept in the table (default 50)")
     p.add_argument("--max-points", type=int, default=4000,
                    help="candidates drawn in the scatter; the Pareto front is always drawn whole (default 4000)")
