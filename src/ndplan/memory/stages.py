@@ -820,42 +820,26 @@ def _summed(blocks: dict[str, np.ndarray]) -> np.ndarray:
 def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
     """A micro-batch count with the same frontier (``_steady_frontier``) as ``m``.
 
-    Past the warm-up, every schedule but GPipe repeats the same steady pattern, so the distinct
-    rows of its activation counts, hence its frontier and peaks, stop changing with m (a V
-    schedule's hand-overs at the turn aside, which ``_frontier`` adds): simulating fewer gives
-    the same answer for less work, and searches whose micro-batch counts differ past it share
-    one simulation. The frontier stops changing at m = pp + 1 in the 1F1B orders (1F1B, ZB-H1,
-    Seq1F1B: a second steady forward after each stage's first backward; Seq1F1B earlier,
-    ceil(pp / seq_chunks) + 1), 2·pp + 1 in DualPipeV and 3·pp in the interleaved order (a
-    multiple of pp, as interleaving requires), at every vpp: these counts are taken (a test
-    checks them against the simulation of every count up to 4·pp·vpp). In ZB-V the hand-overs
-    counted before the turn keep their count while the later ones grow, so its frontier never
-    stops changing: it keeps the count of a few pipeline depths, 4·pp·vpp."""
-    if schedule == "gpipe":
+    Past the warm-up, every schedule but GPipe and the V schedules repeats the same steady
+    pattern, so the distinct rows of its activation counts, hence its frontier and peaks, stop
+    changing with m: simulating fewer gives the same answer for less work, and searches whose
+    micro-batch counts differ past it share one simulation. The frontier stops changing at
+    m = pp + 1 in the 1F1B orders (1F1B, ZB-H1, Seq1F1B: a second steady forward after each
+    stage's first backward; Seq1F1B earlier, ceil(pp / seq_chunks) + 1) and 3·pp in the
+    interleaved order (a multiple of pp, as interleaving requires), at every vpp: these counts
+    are taken (a test checks them against the simulation of every count up to 4·pp·vpp). In a V
+    the hand-overs at the turn counted before the last stage's warm-up ends keep their count while
+    the later ones grow, so its frontier never stops changing: m itself (``_steady_frontier``
+    derives it past 2·pp + 2 without simulating m)."""
+    if schedule == "gpipe" or schedule in V_SHAPE:
         return m
-    if schedule == "zbv":
-        cap = 4 * pp * max(vpp, 1)
-    elif schedule == "interleaved":
-        cap = 3 * pp
-    elif schedule == "dualpipev":
-        cap = 2 * pp + 1
-    else:
-        cap = pp + 1
+    cap = 3 * pp if schedule == "interleaved" else pp + 1
     return m if m <= cap else cap
 
 
-@lru_cache(maxsize=8192)
 def _frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
-    """Per stage, the frontier rows of ``_steady_frontier`` for ``m`` micro-batches: the
-    steady count's rows, where a V schedule's hand-overs at the turn (last column, last stage)
-    count the micro-batches past it too (two each: the F's and the B's)."""
-    simulated = steady_micro_batches(schedule, pp, vpp, m)
-    frontiers = _steady_frontier(schedule, pp, vpp, simulated, seq_chunks)
-    if schedule not in V_SHAPE or m == simulated:
-        return frontiers
-    turn = frontiers[-1].copy()
-    turn[:, -1] += 2 * (m - simulated)
-    return (*frontiers[:-1], turn)
+    """Per stage, the frontier rows of ``_steady_frontier`` for ``m`` micro-batches."""
+    return _steady_frontier(schedule, pp, vpp, steady_micro_batches(schedule, pp, vpp, m), seq_chunks)
 
 
 @lru_cache(maxsize=4096)
@@ -871,22 +855,26 @@ def _steady_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) 
         return tuple(np.array([[float(m), 0.0, 0.0], [float(m - 1), 0.0, 1.0]]) for _ in range(pp))
     if schedule == "1f1b":
         return _one_f_one_b_frontier(pp, m)
-    if schedule == "zbv" and m > 2 * pp + 2:
-        return _zbv_frontier_past_warm_up(pp, vpp, m)
+    if schedule in V_SHAPE and m > 2 * pp + 2 and seq_chunks == 1:
+        return _v_frontier_past_warm_up(schedule, pp, vpp, m)
     return _simulated_frontier(schedule, pp, vpp, m, seq_chunks)
 
 
-def _zbv_frontier_past_warm_up(pp: int, vpp: int, m: int) -> tuple[np.ndarray, ...]:
-    """ZB-V's frontier at m > 2·pp + 2 micro-batches, from those simulated at 2·pp + 1 and one
-    more: from 2·pp + 1 on, each further micro-batch leaves every row as it is but the last
-    stage's hand-overs, which grow by two (its F's and its B's) on the rows past its warm-up and
-    stay on the others (a test checks it against the simulation of every count up to 8·pp).
-    The search's larger ZB-V counts then cost no simulation of their own (pp 16's frontiers
-    at 4 to 128 micro-batches: 13 -> 10 ms)."""
+def _v_frontier_past_warm_up(schedule: str, pp: int, vpp: int, m: int) -> tuple[np.ndarray, ...]:
+    """A V schedule's (ZB-V's, DualPipeV's) frontier at m > 2·pp + 2 micro-batches, from those
+    simulated at 2·pp + 1 and one more: from 2·pp + 1 on, each further micro-batch leaves every
+    row as it is but the last stage's hand-overs, which grow by two (its F's and its B's) on the
+    rows past its warm-up and stay on the others (a test checks it against the simulation of
+    every count up to 8·pp). The search's larger V counts then cost no simulation of their own
+    (ZB-V pp 16's frontiers at 4 to 128 micro-batches: 13 -> 10 ms); adding two per micro-batch
+    to every row instead, as a count past a cap once did, read the warm-up's rows too high (the
+    last stage's peak with the first weight-gradient column weighted: 10.55 against 8.15)."""
     first = 2 * pp + 1
-    at, after = _steady_frontier("zbv", pp, vpp, first, 1), _steady_frontier("zbv", pp, vpp, first + 1, 1)
-    if at[-1].shape != after[-1].shape or not np.array_equal(at[-1][:, :-1], after[-1][:, :-1]):
-        return _simulated_frontier("zbv", pp, vpp, m, 1)  # (never seen: the rows moved)
+    at, after = _steady_frontier(schedule, pp, vpp, first, 1), _steady_frontier(schedule, pp, vpp, first + 1, 1)
+    if any(a.shape != b.shape for a, b in zip(at, after, strict=True)) or not all(
+            np.array_equal(a, b) for a, b in zip(at[:-1], after[:-1], strict=True)) or not np.array_equal(
+            at[-1][:, :-1], after[-1][:, :-1]):
+        return _simulated_frontier(schedule, pp, vpp, m, 1)  # (never seen: the rows moved)
     turn = at[-1].copy()
     turn[:, -1] += (m - first) * (after[-1][:, -1] - at[-1][:, -1])
     return (*at[:-1], turn)
@@ -1078,16 +1066,8 @@ def _frontier_columns(
     (contiguous: each is the left operand of a matmul per stage), and which rows of the frontier
     they are. Rows the unused columns alone kept (a weight-gradient step where nothing is priced
     for it) are dominated within the used ones and dropped: neither maximum can come from them."""
-    simulated = steady_micro_batches(schedule, pp, vpp, m)
-    steady = _steady_frontier_columns(schedule, pp, vpp, simulated, seq_chunks, held, grown)
-    handover = _steady_frontier(schedule, pp, vpp, simulated, seq_chunks)[-1].shape[1] - 1
-    if schedule not in V_SHAPE or m == simulated or handover not in grown:
-        return steady
-    # A constant added to a column leaves which rows dominate which unchanged (see _frontier).
-    held_rows, grown_rows, index = steady[-1]
-    grown_rows = grown_rows.copy()
-    grown_rows[:, grown.index(handover)] += 2 * (m - simulated)
-    return (*steady[:-1], (held_rows, grown_rows, index))
+    return _steady_frontier_columns(schedule, pp, vpp, steady_micro_batches(schedule, pp, vpp, m), seq_chunks,
+                                    held, grown)
 
 
 @lru_cache(maxsize=4096)
