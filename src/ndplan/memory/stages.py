@@ -2511,21 +2511,25 @@ def _evaluate_group(
             inputs = _taken(inputs, distinct[0])
         sharded = _fsdp_unit_phases(placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, **inputs)
         # Per row of the batch, its row of the moments, or one past them (a row of zeros) where
-        # nothing is sharded: each figure is then one gather, not a gather by the distinct
-        # rows and a scatter to the sharded ones.
+        # nothing is sharded: each figure read is then one gather, not a gather by the distinct
+        # rows and a scatter to the sharded ones. The moments stay per row computed (``fsdp``,
+        # then the row of zeros), where the figures made of them are worked out before that
+        # gather (a few thousand distinct rows: DeepSeek-V3's search, 2.2k of 5.5k sharded of
+        # 14k per group), and the single micro-batch's gather only its rows.
         computed_rows = len(sharded.buffers)
         source = np.full(len(batch), computed_rows)
         source[sharded_rows] = np.arange(computed_rows) if distinct is None else distinct[1]
         fsdp = FsdpPhases(*(
-            np.concatenate([values, np.zeros((1, patterns))]).take(source, axis=0)
+            np.concatenate([values, np.zeros((1, patterns))])
             for values in (sharded.buffers, sharded.working, sharded.last_unit, sharded.grads_made)
         ))
     else:
-        fsdp = FsdpPhases(*(np.zeros((len(batch), patterns), order="F") for _ in range(4)))
+        source = np.zeros(len(batch), dtype=np.intp)
+        fsdp = FsdpPhases(*(np.zeros((1, patterns)) for _ in range(4)))
     # Zero where nothing is sharded. A moment that frees a micro-batch's activations is credited
     # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
     # neither category reads below zero (the sum, the moment, is the same).
-    fsdp_gathers = np.maximum(fsdp.buffers, 0.0)
+    fsdp_gathers = np.maximum(fsdp.buffers, 0.0).take(source, axis=0)
     # FSDP without resharding after forward keeps the stage's gathered parameters (under a
     # deferring pipeline every unit stays gathered after its backward whatever the setting: the
     # unit moments hold them, _fsdp_unit_phases' kept_after_backward).
@@ -2547,7 +2551,7 @@ def _evaluate_group(
         ddp_buckets = ddp_buckets + dispatch_buffer
     other_comm = overlapping_with_pp + kept_gathered + receive + ddp_buckets
     out["comm"] = other_comm + fsdp_gathers
-    out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0))[sharded_rows]
+    out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0)).take(source[sharded_rows], axis=0)
     # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
     # first matmul and stay: part of every working set, forward/backward and optimizer step alike.
     # A runtime's grouped GEMM may take its own at its first expert layer (per stage pattern).
@@ -2591,12 +2595,12 @@ def _evaluate_group(
             loss_phase = expand(static_single - grads_single) + held[:, single]
             loss_phase += expand(comm_single)
             loss_phase += expand(out["transient"][single])
-            loss_phase += expand(fsdp.grads_made[single])
+            loss_phase += expand(fsdp.grads_made.take(source[single], axis=0))
             # The embedding's backward comes last, when nothing is held.
             backward_end = static_single + comm_single + np.maximum(
                 layer_transient[single], embedding_gradient[single, None] * first_stage[None, :])
             # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
-            backward_end = np.where(zero3[single, None], static_single + other_comm[single] + fsdp.last_unit[single],
+            backward_end = np.where(zero3[single, None], static_single + other_comm[single] + fsdp.last_unit.take(source[single], axis=0),
                                     backward_end)
             backward_end += overhead.workspace_bytes
             forward_backward[:, single] = np.maximum(loss_phase, expand(backward_end))
