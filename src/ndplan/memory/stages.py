@@ -1198,13 +1198,13 @@ def _leading_stages_at(
     """[pp] bool: the stages no earlier stage of their pattern dominates at ``m`` micro-batches."""
     frontier = _frontier_columns(schedule, pp, vpp, m, seq_chunks, held, grown)
     elementwise = len(held) <= 1 and len(grown) <= 1
-    rows = [np.concatenate([held_rows, grown_rows], axis=1) for held_rows, grown_rows, _ in frontier]
+    # A few rows of a few columns a stage: compared as Python lists, not by numpy calls.
+    rows = [np.concatenate([held_rows, grown_rows], axis=1).tolist() for held_rows, grown_rows, _ in frontier]
     leaders: dict[int, list[int]] = {}  # pattern -> its stages kept so far
     needed = np.zeros(pp, dtype=bool)
     for t, pattern in enumerate(pattern_of):
         # (Dominance is transitive: a stage dominated by a dropped one is by a kept one too.)
-        dominated = any(_rows_dominated(rows[t], rows[s]) if elementwise
-                        else rows[t].shape == rows[s].shape and bool(np.array_equal(rows[t], rows[s]))
+        dominated = any(_rows_dominated(rows[t], rows[s]) if elementwise else rows[t] == rows[s]
                         for s in leaders.get(pattern, ()))
         if not dominated:
             leaders.setdefault(pattern, []).append(t)
@@ -1212,10 +1212,9 @@ def _leading_stages_at(
     return needed
 
 
-def _rows_dominated(rows: np.ndarray, by: np.ndarray) -> bool:
+def _rows_dominated(rows: list[list[float]], by: list[list[float]]) -> bool:
     """Whether each row of ``rows`` is at most one of ``by`` in every column."""
-    at_most = np.all(rows[:, None, :] <= by[None, :, :], axis=2)  # [rows, by]
-    return bool(np.all(np.any(at_most, axis=1)))
+    return all(any(all(a <= b for a, b in zip(row, other, strict=True)) for other in by) for row in rows)
 
 
 def _product(rows: np.ndarray, columns: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
