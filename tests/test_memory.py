@@ -241,6 +241,43 @@ def test_shared_stage_patterns_expand_to_every_stage(schedule, pp, vpp, stage_la
     # Uneven layers must show: the stages do not all hold the same parameters.
     assert len(np.unique(np.round(shared.params[0, :pp]))) > 1
 
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_peak_memory_prices_only_the_stages_that_can_be_the_peak(runtime):
+    """peak_memory prices, of the stages sharing a pattern in a 1F1B, GPipe or Seq1F1B pipeline,
+    those no earlier stage of the pattern outweighs (``_pattern_leaders``: deepseek-v2-lite's
+    interior stages over pp 8 hold fewer micro-batches stage after stage, and price as one):
+    the same peaks and peak stages, bit for bit, as the largest of every stage's device total,
+    the first of equal ones (where the optimizer step is the peak, every stage of a pattern ties)."""
+    from ndplan.memory.stages import _group_shape, _sorted_groups, peak_memory
+    from ndplan.strategy.batch import CODES
+
+    strategies = [
+        Strategy(dp=dp, tp=8 // dp, pp=pp, schedule=schedule, vpp=2 if schedule in ("interleaved", "zbv") else 1,
+                 seq_chunks=2 if schedule == "seq1f1b" else 1, num_micro_batches=m, recompute=recompute, zero=zero,
+                 micro_batch_size=mbs, seq_length=4096)
+        for schedule in ("1f1b", "gpipe", "seq1f1b", "zb-h1", "interleaved", "zbv") for pp in (4, 8)
+        for dp in (2, 8) for m in (1, 3, 8, 16) for recompute in ("none", "full") for zero in (0, 3) for mbs in (1, 4)
+    ]
+    batch = StrategyBatch.of([s for s in strategies if not check_strategy(s, MODEL, s.dp * s.tp * s.pp)])
+    options = MemoryOptions(runtime=runtime)
+    every = stage_memory(MODEL, batch, options).device
+    peak, stage = peak_memory(MODEL, batch, options)
+    np.testing.assert_array_equal(peak, every.max(axis=1))
+    np.testing.assert_array_equal(stage, every.argmax(axis=1))
+    # Ties among the stages to break.
+    assert np.any(np.sum(every == peak[:, None], axis=1) > 1)
+    # Each pattern of 1F1B, GPipe and Seq1F1B prices one stage (an earlier one holds as much or
+    # more); the other schedules every stage.
+    for key, _, out, _ in _sorted_groups(MODEL, batch, options, None, device_only=True):
+        schedule, pp = CODES["schedule"][key[0]], key[1]
+        shape = _group_shape(MODEL, schedule, pp, key[2], None, bool(key[4]), bool(key[5]),
+                             bool(options.profile.pipeline_stage_output), True)
+        priced = out["stages"].tolist() if "stages" in out else list(range(pp))
+        assert priced == (shape.reps.tolist() if schedule in ("1f1b", "gpipe", "seq1f1b") else list(range(pp)))
+    # (zb-h1's stage 2 shares stage 1's pattern, and is the peak of some.)
+    assert np.any(stage[batch.is_("schedule", "zb-h1")] == 2)
+
+
 # Monotonicity over random valid strategies of a MoE model with dense first layers.
 MODEL = get_preset("deepseek-v2-lite")
 values = st.fixed_dictionaries({

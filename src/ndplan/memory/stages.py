@@ -1140,7 +1140,7 @@ def _blocks(subset: slice | np.ndarray, step: int) -> Iterator[slice | np.ndarra
 def _held_peak(
     schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray,
     weights: list[np.ndarray | None], extra: list[np.ndarray | None] | None, pattern_of: np.ndarray | None = None,
-    *, keep_rows: bool = False, held_read: np.ndarray | None = None,
+    *, keep_rows: bool = False, held_read: np.ndarray | None = None, stages: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Per stage, stage-major [pp, n]: the peak over the schedule of the held activations, and of
     the held activations plus what else appears during the step.
@@ -1155,43 +1155,120 @@ def _held_peak(
     activation peak. Strategies are priced per distinct micro-batch count, whose schedule
     simulation they share. ``held_read`` [n] (bool; None: all): the strategies whose first
     result is read where there is ``extra``; elsewhere it may hold anything (a block of
-    strategies none of which reads it skips one pass over its [rows, strategies] values)."""
+    strategies none of which reads it skips one pass over its [rows, strategies] values).
+    ``stages`` (ascending; None: all): the stages priced, one row each, in that order."""
     n = len(micro_batches)
-    held = tuple(c for c, w in enumerate(weights) if w is not None)
-    grown = tuple(len(weights) + c for c, w in enumerate(extra or ()) if w is not None)
+    held, grown = _priced_columns(weights, extra)
     # Stage-major [pp, columns, n]: per stage, (rows × columns) @ (columns × strategies) gives
     # every row's value in a [rows, n] block whose maximum runs over the leading axis.
     held_weights = _stage_major([w for w in weights if w is not None], pp, n)
     extra_weights = _stage_major([w for w in extra or () if w is not None], pp, n)
     # (Every stage's row is written below: one run of micro-batch counts covers the strategies.)
-    peak = np.empty((pp, n))
-    with_extra = np.empty((pp, n)) if extra is not None else peak
+    priced = list(range(pp)) if stages is None else stages.tolist()
+    peak = np.empty((len(priced), n))
+    with_extra = np.empty((len(priced), n)) if extra is not None else peak
     chosen: np.ndarray | None = None
     for m, subset in _runs_of(micro_batches):
         frontier = _frontier_columns(schedule, pp, vpp, int(m), seq_chunks, held, grown)
         if keep_rows and chosen is None:
             chosen = np.zeros((n, pp, _frontier(schedule, pp, vpp, int(m), seq_chunks)[0].shape[1]))
-        for s, (held_rows, grown_rows, row_index) in enumerate(frontier):
+        for row, s in enumerate(priced):
+            held_rows, grown_rows, row_index = frontier[s]
             p = s if pattern_of is None else pattern_of[s]
             step = max(1, _PRODUCT_BLOCK // (held_rows.shape[0] * max(held_rows.shape[1], grown_rows.shape[1], 1)))
             for block in _blocks(subset, step):
                 if len(held_rows) == 1 and isinstance(block, slice) and not keep_rows:
                     # One frontier row (most micro-batch counts, past the warm-up): its value is
                     # the peak, the products written in place (the same sum: v + g = g + v).
-                    _product(held_rows, held_weights[p][:, block], out=peak[s:s + 1, block])
+                    _product(held_rows, held_weights[p][:, block], out=peak[row:row + 1, block])
                     if extra is not None:
-                        _product(grown_rows, extra_weights[p][:, block], out=with_extra[s:s + 1, block])
-                        with_extra[s, block] += peak[s, block]
+                        _product(grown_rows, extra_weights[p][:, block], out=with_extra[row:row + 1, block])
+                        with_extra[row, block] += peak[row, block]
                     continue
                 values = _product(held_rows, held_weights[p][:, block])
                 if extra is None or held_read is None or held_read[block].any():
-                    _store_max(values, peak[s], block)
+                    _store_max(values, peak[row], block)
                 if keep_rows and chosen is not None:
                     chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][row_index[np.argmax(values, axis=0)]]
                 if extra is not None:
                     values += _product(grown_rows, extra_weights[p][:, block])
-                    _store_max(values, with_extra[s], block)
+                    _store_max(values, with_extra[row], block)
     return peak, with_extra, chosen
+
+
+def _priced_columns(
+    weights: list[np.ndarray | None], extra: list[np.ndarray | None] | None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The frontier columns ``_held_peak`` prices: (held, grown), those with weights."""
+    return (tuple(c for c, w in enumerate(weights) if w is not None),
+            tuple(len(weights) + c for c, w in enumerate(extra or ()) if w is not None))
+
+
+def _pattern_leaders(
+    schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: np.ndarray,
+    weights: list[np.ndarray | None], extra: list[np.ndarray | None] | None, pattern_of: np.ndarray,
+) -> np.ndarray | None:
+    """The stages (ascending) whose device totals can be a strategy's peak, or None where that
+    is every stage: a stage whose frontier an earlier stage of its pattern dominates for every
+    micro-batch count of ``micro_batches`` is never the (first) peak stage.
+
+    Two stages of one pattern differ only in their held peaks (``_GroupShape``), and every
+    figure after the held peak is a sum, maximum or positive scaling of it with the pattern's
+    terms, each monotone in it as rounded; so a stage whose held peaks (with and without the
+    extra columns) are at most an earlier stage's has at most its device total, and the first
+    stage of the peak is never it. Its held peaks are at most the earlier stage's where each of
+    its frontier rows is at most one of the earlier stage's in every column, the weights being
+    non-negative, and the products computed as the same monotone roundings: one column held and
+    at most one grown (1F1B, GPipe, Seq1F1B: an elementwise product each, and their sum; a
+    matrix product of a few columns may sum another way for another number of rows); with more
+    columns, where the frontiers are equal (the same products). Those are the stages of the
+    deep pipelines' interior patterns: 1F1B's 32 stages price as 5."""
+    held, grown = _priced_columns(weights, extra)
+    leaders = _leading_stages(schedule, pp, vpp, seq_chunks, tuple(np.unique(micro_batches).tolist()), held, grown,
+                              tuple(pattern_of.tolist()))
+    return None if len(leaders) == pp else leaders
+
+
+@lru_cache(maxsize=4096)
+def _leading_stages(
+    schedule: str, pp: int, vpp: int, seq_chunks: int, micro_batches: tuple[int, ...], held: tuple[int, ...],
+    grown: tuple[int, ...], pattern_of: tuple[int, ...],
+) -> np.ndarray:
+    """``_pattern_leaders`` of the distinct micro-batch counts ``micro_batches`` (cached: a
+    search prices the same groups block after block)."""
+    needed = np.zeros(pp, dtype=bool)
+    for m in micro_batches:
+        needed |= _leading_stages_at(schedule, pp, vpp, seq_chunks, m, held, grown, pattern_of)
+    leaders = np.flatnonzero(needed)
+    leaders.flags.writeable = False
+    return leaders
+
+
+@lru_cache(maxsize=8192)
+def _leading_stages_at(
+    schedule: str, pp: int, vpp: int, seq_chunks: int, m: int, held: tuple[int, ...], grown: tuple[int, ...],
+    pattern_of: tuple[int, ...],
+) -> np.ndarray:
+    """[pp] bool: the stages no earlier stage of their pattern dominates at ``m`` micro-batches."""
+    frontier = _frontier_columns(schedule, pp, vpp, m, seq_chunks, held, grown)
+    elementwise = len(held) <= 1 and len(grown) <= 1
+    # A few rows of a few columns a stage: compared as Python lists, not by numpy calls.
+    rows = [np.concatenate([held_rows, grown_rows], axis=1).tolist() for held_rows, grown_rows, _ in frontier]
+    leaders: dict[int, list[int]] = {}  # pattern -> its stages kept so far
+    needed = np.zeros(pp, dtype=bool)
+    for t, pattern in enumerate(pattern_of):
+        # (Dominance is transitive: a stage dominated by a dropped one is by a kept one too.)
+        dominated = any(_rows_dominated(rows[t], rows[s]) if elementwise else rows[t] == rows[s]
+                        for s in leaders.get(pattern, ()))
+        if not dominated:
+            leaders.setdefault(pattern, []).append(t)
+            needed[t] = True
+    return needed
+
+
+def _rows_dominated(rows: list[list[float]], by: list[list[float]]) -> bool:
+    """Whether each row of ``rows`` is at most one of ``by`` in every column."""
+    return all(any(all(a <= b for a, b in zip(row, other, strict=True)) for other in by) for row in rows)
 
 
 def _product(rows: np.ndarray, columns: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -1623,6 +1700,8 @@ def peak_memory(
     stage = np.zeros(len(batch), dtype=np.int64)
     for _key, index, out, of in _sorted_groups(model, batch, options, None, device_only=True):
         top, first = _first_max(out["device"].T)
+        if "stages" in out:  # the stages priced (``_pattern_leaders``), the others never the first peak
+            first = out["stages"][first]
         peak[index], stage[index] = (top, first) if of is None else (top[of], first[of])
     return peak, stage
 
@@ -2400,11 +2479,21 @@ def _evaluate_group(
     # The device total alone reads the held peak without the extra columns only at a single
     # micro-batch's loss (below); the rest of its rows are left unpriced.
     held_read = None
+    # The device total alone is read for its largest stage, the first: stages that an earlier
+    # one of their pattern outweighs are left out (``_pattern_leaders``), the rows of the held
+    # peak and of every sum after it are those of the stages ``leaders`` (DeepSeek-V3's search:
+    # the 1F1B and GPipe groups of 16 and 32 stages price 4-5 each).
+    leaders: np.ndarray | None = None
+    priced_shape = shape
     if device_only:
         held_read = (batch.micro_batches_per_step == 1) & profile.grads_created_in_backward
-    held, held_with_extra, chosen = _held_peak(  # stage-major [pp, n]
+        leaders = _pattern_leaders(schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, extra,
+                                   shape.pattern_of)
+        if leaders is not None:
+            priced_shape = replace(shape, pattern_of=shape.pattern_of[leaders])
+    held, held_with_extra, chosen = _held_peak(  # stage-major [pp, n] (device_only: [len(leaders), n])
         schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, extra, shape.pattern_of,
-        keep_rows=kinds is not None, held_read=held_read,
+        keep_rows=kinds is not None, held_read=held_read, stages=leaders,
     )
     # What the weight-gradient steps add to the peak, reported with the transient (the rest of the
     # forward/backward peak): the same peak without their columns, subtracted. Not needed for the
@@ -2475,21 +2564,25 @@ def _evaluate_group(
             inputs = _taken(inputs, distinct[0])
         sharded = _fsdp_unit_phases(placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, **inputs)
         # Per row of the batch, its row of the moments, or one past them (a row of zeros) where
-        # nothing is sharded: each figure is then one gather, not a gather by the distinct
-        # rows and a scatter to the sharded ones.
+        # nothing is sharded: each figure read is then one gather, not a gather by the distinct
+        # rows and a scatter to the sharded ones. The moments stay per row computed (``fsdp``,
+        # then the row of zeros), where the figures made of them are worked out before that
+        # gather (a few thousand distinct rows: DeepSeek-V3's search, 2.2k of 5.5k sharded of
+        # 14k per group), and the single micro-batch's gather only its rows.
         computed_rows = len(sharded.buffers)
         source = np.full(len(batch), computed_rows)
         source[sharded_rows] = np.arange(computed_rows) if distinct is None else distinct[1]
         fsdp = FsdpPhases(*(
-            np.concatenate([values, np.zeros((1, patterns))]).take(source, axis=0)
+            np.concatenate([values, np.zeros((1, patterns))])
             for values in (sharded.buffers, sharded.working, sharded.last_unit, sharded.grads_made)
         ))
     else:
-        fsdp = FsdpPhases(*(np.zeros((len(batch), patterns), order="F") for _ in range(4)))
+        source = np.zeros(len(batch), dtype=np.intp)
+        fsdp = FsdpPhases(*(np.zeros((1, patterns)) for _ in range(4)))
     # Zero where nothing is sharded. A moment that frees a micro-batch's activations is credited
     # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
     # neither category reads below zero (the sum, the moment, is the same).
-    fsdp_gathers = np.maximum(fsdp.buffers, 0.0)
+    fsdp_gathers = np.maximum(fsdp.buffers, 0.0).take(source, axis=0)
     # FSDP without resharding after forward keeps the stage's gathered parameters (under a
     # deferring pipeline every unit stays gathered after its backward whatever the setting: the
     # unit moments hold them, _fsdp_unit_phases' kept_after_backward).
@@ -2511,7 +2604,7 @@ def _evaluate_group(
         ddp_buckets = ddp_buckets + dispatch_buffer
     other_comm = overlapping_with_pp + kept_gathered + receive + ddp_buckets
     out["comm"] = other_comm + fsdp_gathers
-    out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0))[sharded_rows]
+    out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0)).take(source[sharded_rows], axis=0)
     # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
     # first matmul and stay: part of every working set, forward/backward and optimizer step alike.
     # A runtime's grouped GEMM may take its own at its first expert layer (per stage pattern).
@@ -2531,19 +2624,19 @@ def _evaluate_group(
     # + transient, every term but the held peak expanded from its patterns to the stages; summed
     # in this order, term by term, so that stages of equal totals tie exactly (the peak stage is
     # the first of them). Stage-major [pp, n], as the held peak comes: a stage's row is one copy.
-    expand = shape.by_stage
+    expand = priced_shape.by_stage
     # (held + grads) + (params + optimizer): the same sum as (params + optimizer) + (held + grads)
     # (Summed in place where nothing else reads the held peak with the extra columns.)
     forward_backward = held_with_extra if device_only and held_with_extra is not held else held_with_extra.copy()
     if not grads_in_schedule:
-        shape.combine_by_stage(forward_backward, static.at(static.grads))
+        priced_shape.combine_by_stage(forward_backward, static.at(static.grads))
     elif later_runs.any():
-        shape.combine_by_stage(forward_backward, static.at(static.grads) * later_runs[:, None])
-    shape.combine_by_stage(forward_backward, static.at(static.params_optimizer))
-    shape.combine_by_stage(forward_backward, out["comm"])
+        priced_shape.combine_by_stage(forward_backward, static.at(static.grads) * later_runs[:, None])
+    priced_shape.combine_by_stage(forward_backward, static.at(static.params_optimizer))
+    priced_shape.combine_by_stage(forward_backward, out["comm"])
     if hands_over:
-        shape.combine_by_stage(forward_backward, handed_over, np.subtract)
-    shape.combine_by_stage(forward_backward, out["transient"])
+        priced_shape.combine_by_stage(forward_backward, handed_over, np.subtract)
+    priced_shape.combine_by_stage(forward_backward, out["transient"])
     if options.profile.grads_created_in_backward:
         # zero_grad(set_to_none=True): with one micro-batch the gradients appear during the
         # backward as the activations go, so the loss (all activations, no gradients) and the end
@@ -2555,12 +2648,12 @@ def _evaluate_group(
             loss_phase = expand(static_single - grads_single) + held[:, single]
             loss_phase += expand(comm_single)
             loss_phase += expand(out["transient"][single])
-            loss_phase += expand(fsdp.grads_made[single])
+            loss_phase += expand(fsdp.grads_made.take(source[single], axis=0))
             # The embedding's backward comes last, when nothing is held.
             backward_end = static_single + comm_single + np.maximum(
                 layer_transient[single], embedding_gradient[single, None] * first_stage[None, :])
             # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
-            backward_end = np.where(zero3[single, None], static_single + other_comm[single] + fsdp.last_unit[single],
+            backward_end = np.where(zero3[single, None], static_single + other_comm[single] + fsdp.last_unit.take(source[single], axis=0),
                                     backward_end)
             backward_end += overhead.workspace_bytes
             forward_backward[:, single] = np.maximum(loss_phase, expand(backward_end))
@@ -2574,11 +2667,11 @@ def _evaluate_group(
                 scores_phase += held[:, single]
                 forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
     if device_only:  # in place: the figures in between are not kept
-        shape.combine_by_stage(forward_backward, total + out["optimizer_step"], np.maximum)
+        priced_shape.combine_by_stage(forward_backward, total + out["optimizer_step"], np.maximum)
         # (Scaled in place: the same product, and no [pp, n] array to allocate and fault in.)
         device = overhead.reserved(forward_backward, out=forward_backward)
         device += overhead.fixed_bytes
-        return {"device": device.T}
+        return {"device": device.T} if leaders is None else {"device": device.T, "stages": leaders}
     allocated = np.maximum(forward_backward, expand(total + out["optimizer_step"]))
     reserved = overhead.reserved(allocated)
     by_stage = {"activations": held, "forward_backward": forward_backward, "allocated": allocated,
