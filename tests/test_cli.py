@@ -1360,3 +1360,7 @@ def test_compile_prices_fused_layers_and_a_torchtitan_config_states_it(tmp_path,
     from_file = ["estimate", "--from", str(job), "--hardware", "h100-sxm"]
     assert priced(from_file)[0] == pytest.approx(priced([*from_file, "--compile", "model"])[0], rel=1e-12)
     assert priced([*from_file, "--compile", "off"])[0] > 1.1 * priced(from_file)[0]
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("model: llama-3.1-8b\ncompile: model\n")
+    code, _, err = run(["estimate", "--plan", str(plan), "--hardware", "h100-sxm", "--devices", "8"], capsys)
+    assert code == 2 and "'compile' is a flag, not a plan setting: give --compile" in err

@@ -38,6 +38,7 @@ EFFICIENCY_HELP = ("step-time efficiency profile YAML (what `ndplan calibrate` w
 _FLAG_ONLY = {
     "memory_limit", "runtime", "attention", "loss_parallel", "loss_upcast", "selective_policy", "census",
     "no_overhead", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "emit", "explain", "plot", "json",
+    "compile",
 }
 #: Plan keys that hold whole numbers (ndplan does arithmetic on some before the Strategy
 #: validates them, so a plan file's value is checked as it is read).
