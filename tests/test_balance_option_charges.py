@@ -12,7 +12,7 @@ import pytest
 from ndplan.balance import Plan, evaluate, solve_brute_force, solve_dp, solve_heuristic, solve_milp
 from ndplan.balance.solve import dealt_knapsack, knapsack
 from test_balance_dp import random_problem
-from test_balance_rounds import check_exact_dp_and_heuristic, chunked_problem
+from test_balance_rounds import check_exact_dp_and_heuristic, check_exact_stages, chunked_problem
 
 GIB = 2**30
 
@@ -97,27 +97,10 @@ def test_knapsacks_price_the_options_present():
 def test_rounds_exact_stages_equal_the_dealt_knapsack_with_option_bytes(kinds, seed):
     """The heuristic's exact recompute per stage (``rounds._exact_stages``) takes the least time
     that fits as ``solve.dealt_knapsack`` prices it, the options' own bytes included."""
-    from ndplan.balance.rounds import _exact_stages, _Greedy
-
-    counts = (2, 2, 2, 2)
     checked = 0
     for limit in (9, 12, 16):
         problem = charged(chunked_problem(kinds, 2, 2, limit, seed=seed, shuffle=seed % 2 == 1), seed)
-        greedy = _Greedy(problem)
-        held = np.zeros((problem.pp, problem.chunks_per_stage, len(greedy.kinds)), dtype=np.int64)
-        layer = 0
-        for virtual, count in enumerate(counts):
-            for kind in problem.layer_kinds[layer:layer + count]:
-                held[problem.stage_of[virtual], problem.chunk_of[virtual], greedy.kinds.index(kind)] += 1
-            layer += count
-        mixes, found = _exact_stages(problem, greedy, held)
-        for stage in range(problem.pp):
-            reference = dealt_knapsack(problem, counts, stage)
-            assert bool(found[stage]) == (reference is not None)
-            if reference is not None:
-                checked += 1
-                seconds = greedy.base_time[stage] + float((mixes[stage].sum(axis=0) * greedy.time).sum())
-                assert seconds == pytest.approx(reference[1], rel=1e-12)
+        checked += check_exact_stages(problem, (2, 2, 2, 2))
     assert checked
 
 

@@ -72,6 +72,32 @@ def is_uniform(problem, plan):
     return plan.stage_layers == uniform_plan(problem, "none").stage_layers
 
 
+def check_exact_stages(problem, counts) -> int:
+    """The heuristic's exact recompute per stage (``rounds._exact_stages``) on the placement
+    ``counts`` (layers per virtual stage) against ``solve.dealt_knapsack``: a plan where and only
+    where the reference finds one, at its time. Returns how many stages had one."""
+    from ndplan.balance.rounds import _exact_stages, _Greedy
+    from ndplan.balance.solve import dealt_knapsack
+
+    greedy = _Greedy(problem)
+    held = np.zeros((problem.pp, problem.chunks_per_stage, len(greedy.kinds)), dtype=np.int64)
+    layer = 0
+    for virtual, count in enumerate(counts):
+        for kind in problem.layer_kinds[layer:layer + count]:
+            held[problem.stage_of[virtual], problem.chunk_of[virtual], greedy.kinds.index(kind)] += 1
+        layer += count
+    mixes, found = _exact_stages(problem, greedy, held)
+    checked = 0
+    for stage in range(problem.pp):
+        reference = dealt_knapsack(problem, counts, stage)
+        assert bool(found[stage]) == (reference is not None)
+        if reference is not None:
+            checked += 1
+            seconds = greedy.base_time[stage] + float((mixes[stage].sum(axis=0) * greedy.time).sum())
+            assert seconds == pytest.approx(reference[1], rel=1e-12)
+    return checked
+
+
 def check_exact_dp_and_heuristic(problem):
     """The exact DP equals the brute-force optimum (even chunks, or the uniform placement) and
     the heuristic fits and is never better than it: (exact, heuristic), or None if nothing fits."""
