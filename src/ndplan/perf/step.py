@@ -603,13 +603,19 @@ def _price_group(
             # simulator from below (pipeline.interleaved_chain_bound): where it is longer, it is
             # the closer figure. The chunks once per distinct (layer configuration, recompute),
             # the chains once per distinct (those, m, p2p).
-            chunks, chunk_count = row_codes([config, recompute_layers])
-            fc, bc, wc = _chunk_seconds(pr, layout, *(x[first_of_codes(chunks, chunk_count)]
-                                                      for x in (config, recompute_layers)))
-            _, p2p_rank = np.unique(p2p, return_inverse=True)
-            code, count = row_codes([chunks, m, p2p_rank.ravel()])
-            distinct = first_of_codes(code, count)
-            bound, hops = interleaved_chain_bound(fc, bc + wc, m[distinct], p2p[distinct], chunks[distinct])
+            chunks, chunk_count = (local, u) if not recompute_layers.any() else row_codes([config, recompute_layers])
+            first = first_of_codes(chunks, chunk_count)
+            fc, bc, wc = _chunk_seconds(pr, layout, config[first], recompute_layers[first])
+            if np.array_equal(m[first][chunks], m) and np.array_equal(p2p[first][chunks], p2p):
+                # The usual case: the configuration (micro-batch size, degrees) fixes m and p2p, and
+                # each chunk configuration is one chain (no codes of the rows to work out).
+                code, distinct, of = chunks, first, None
+            else:
+                _, p2p_rank = np.unique(p2p, return_inverse=True)
+                code, count = row_codes([chunks, m, p2p_rank.ravel()])
+                distinct = first_of_codes(code, count)
+                of = chunks[distinct]
+            bound, hops = interleaved_chain_bound(fc, bc + wc, m[distinct], p2p[distinct], of)
             longer = bound[code] > makespan
             if np.any(longer):
                 makespan = np.where(longer, bound[code], makespan)
