@@ -439,14 +439,22 @@ def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array 
 
     A chain is a path of the simulator's own graph, so its length never exceeds the simulated
     makespan (tests/test_perf_pipeline.py holds 200 random chunk profiles to it, p2p included)."""
-    n, p, v = f.shape
-    # Stage-major copies, [v, p, n]: each running sum or maximum over the stages is then p vector
-    # operations across the rows, where along the short stage axis of [n, p] numpy pays per row
-    # (several times as long). Running sums add in stage order either way and every other sum is
-    # taken as before: the figures are the same to the bit. A fresh array costs page faults about
-    # as much as its arithmetic: the [p, n] buffers are reused once done with.
-    ft = np.ascontiguousarray(f.transpose(2, 1, 0))
-    bt = np.ascontiguousarray(b.transpose(2, 1, 0))
+    return interleaved_chain_bound_by_stage(np.ascontiguousarray(f.transpose(2, 1, 0)),
+                                            np.ascontiguousarray(b.transpose(2, 1, 0)), m, p2p, of)
+
+
+def interleaved_chain_bound_by_stage(
+    ft: Array, bt: Array, m: Array, p2p: Array, of: Array | None = None,
+) -> tuple[Array, Array]:
+    """``interleaved_chain_bound`` of f and b given stage-major: ft, bt [v, p, n] (chunk, stage,
+    row; each [n] contiguous), as the search's chunk times come without a transposition.
+
+    Each running sum or maximum over the stages is then p vector operations across the rows,
+    where along the short stage axis of [n, p] numpy pays per row (several times as long).
+    Running sums add in stage order either way and every other sum is taken along rows as
+    before: the figures are the same to the bit. A fresh array costs page faults about as much
+    as its arithmetic: the [p, n] buffers are reused once done with."""
+    v, p, n = ft.shape
     warm = ft[0]  # W_s, [p, n]
     if v > 2:
         warm = warm.copy()
@@ -506,11 +514,12 @@ def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array 
         turn_with, turn_without = mid.max(axis=0), turn_without.max(axis=0)
     else:
         turn_with = turn_without = np.zeros(n)
-    entry_last = entry[p - 1] + p * (f[:, p - 1, v - 1] + b[:, p - 1, v - 1])
-    f0, b0_all, last_b = f[:, 0], b[:, 0], b[:, p - 1]
-    # (these sums as numpy adds along a row: pairwise from 8 terms)
-    exit_fixed = (p * (f[:, p - 1, v - 1] + last_b[:, 1:].sum(axis=1)) + 2.0 * last_b[:, 0]
-                  + np.ascontiguousarray(b[:, 1:p - 1, 0]).sum(axis=1) + p * b0_all[:, 0])
+    entry_last = entry[p - 1] + p * (ft[v - 1, p - 1] + bt[v - 1, p - 1])
+    # Stage 0's and stage p-1's chunks, and stage 0's chunk-0 backwards of stages 1..p-2, as rows
+    # [n, v] and [n, p-2]: numpy sums a row pairwise from 8 terms, a column in order.
+    f0, b0_all, last_b = (np.ascontiguousarray(x.T) for x in (ft[:, 0], bt[:, 0], bt[:, p - 1]))
+    exit_fixed = (p * (ft[v - 1, p - 1] + last_b[:, 1:].sum(axis=1)) + 2.0 * last_b[:, 0]
+                  + np.ascontiguousarray(bt[0, 1:p - 1].T).sum(axis=1) + p * b0_all[:, 0])
     first_b = p * b0_all[:, v - 1]
     total0 = total[0].copy()
     if of is not None:  # each row's chunks, then its micro-batches and transfers
