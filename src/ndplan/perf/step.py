@@ -939,7 +939,7 @@ def _model_chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recomp
     copy = _keeps_table_copy(pr.model, layout)
     counts = np.stack([layout.chunk_dense, layout.chunk_moe, ends[0], ends[1], layout.chunk_dense, layout.chunk_moe,
                        ends[1] * copy])  # [pieces, chunks in model order]
-    table = pr.table[config][:, :len(PASSES), :]  # [n, passes, pieces]
+    table = pr.table[:, :len(PASSES)][config]  # [n, passes, pieces] (the passes alone gathered: 2-3x faster)
     per_chunk = table @ counts  # [n, passes, chunks]
     # A limit recomputes min(limit, layers) of a chunk's layers: the recompute pieces scaled (the
     # rows with a limit alone: the others' share is 1, their correction 0).
