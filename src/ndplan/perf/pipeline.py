@@ -515,17 +515,15 @@ def interleaved_chain_bound_by_stage(
     else:
         turn_with = turn_without = np.zeros(n)
     entry_last = entry[p - 1] + p * (ft[v - 1, p - 1] + bt[v - 1, p - 1])
-    # Stage 0's and stage p-1's chunks, and stage 0's chunk-0 backwards of stages 1..p-2, as rows
-    # [n, v] and [n, p-2]: numpy sums a row pairwise from 8 terms, a column in order.
-    f0, b0_all, last_b = (np.ascontiguousarray(x.T) for x in (ft[:, 0], bt[:, 0], bt[:, p - 1]))
-    exit_fixed = (p * (ft[v - 1, p - 1] + last_b[:, 1:].sum(axis=1)) + 2.0 * last_b[:, 0]
-                  + np.ascontiguousarray(bt[0, 1:p - 1].T).sum(axis=1) + p * b0_all[:, 0])
-    first_b = p * b0_all[:, v - 1]
+    f0, b0_all, last_b = ft[:, 0], bt[:, 0], bt[:, p - 1]  # stage 0's and stage p-1's chunks, [v, n]
+    exit_fixed = (p * (ft[v - 1, p - 1] + _row_sums(last_b[1:])) + 2.0 * last_b[0]
+                  + _row_sums(bt[0, 1:p - 1]) + p * b0_all[0])
+    first_b = p * b0_all[v - 1]
     total0 = total[0].copy()
     if of is not None:  # each row's chunks, then its micro-batches and transfers
         fixed, total = fixed[:, of], total[:, of]
         turn_with, turn_without, entry_last = turn_with[of], turn_without[of], entry_last[of]
-        f0, b0_all, exit_fixed, first_b, total0 = f0[of], b0_all[of], exit_fixed[of], first_b[of], total0[of]
+        f0, b0_all, exit_fixed, first_b, total0 = f0[:, of], b0_all[:, of], exit_fixed[of], first_b[of], total0[of]
     m = np.asarray(m, dtype=np.float64)
     p2p = np.asarray(p2p, dtype=np.float64)
     chain = np.multiply(total, m, out=total)
@@ -554,8 +552,12 @@ def interleaved_chain_bound_by_stage(
         m_code = m_code.ravel()
         k0, w0 = k0[m_code], w0[m_code]
         whole = m * total0
-        before_p = (before_f[m_code] * f0).sum(axis=1) + first_b
-        after_k0 = (after_b[m_code] * b0_all).sum(axis=1) + (after_f[m_code] * f0).sum(axis=1)
+
+        def weighted(count: Array, x: Array) -> Array:  # Σ_c count[m, c]·x[c], [k]
+            return _row_sums(np.take(count.T, m_code, axis=1) * x)
+
+        before_p = weighted(before_f, f0) + first_b
+        after_k0 = weighted(after_b, b0_all) + weighted(after_f, f0)
         d_entry = entry_last + np.where(m >= 2 * p, turn_with, turn_without) - before_p
         for value, count, valid in (
             (d_entry + whole, 2.0 * (p - 1), m >= p),  # entry detour, then stage 0 to its end
@@ -567,6 +569,13 @@ def interleaved_chain_bound_by_stage(
             best = np.where(longer, value, best)
             best_hops = np.where(longer, count, best_hops)
     return best, best_hops
+
+
+def _row_sums(x: Array) -> Array:
+    """Σ over the first axis of [L, n], as numpy sums each row of the transposed [n, L] (the
+    figures as before, to the bit): in order under 8 terms, as numpy sums a column; pairwise
+    from 8 (8 partial sums), for which the transposed rows are summed."""
+    return x.sum(axis=0) if len(x) < 8 else np.ascontiguousarray(x.T).sum(axis=1)
 
 
 @lru_cache(maxsize=1024)
