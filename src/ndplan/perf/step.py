@@ -913,14 +913,16 @@ def _chunk_seconds_by_stage(pr: _Priced, layout: StageLayout, config: Array, rec
     """``_chunk_seconds``' forward and whole backward (B + W) seconds stage-major, [vpp, pp, n]
     (``interleaved_chain_bound_by_stage``'s input): the chunks in model order transposed, which
     for Megatron's interleaving (virtual stage c·pp + s on stage s) is this order."""
-    per_chunk = _model_chunk_seconds(pr, layout, config, recompute_layers)  # [n, F/B/W, chunks]
-    n, chunks = len(config), per_chunk.shape[2]
+    n, chunks = len(config), layout.pp * layout.vpp
     by_row = np.empty((len(PASSES), chunks, n))
-    # In blocks of ~100 kB: transposed at once, each element read is a cache line's (~3x as long
-    # for 10^4 rows of 32 chunks).
+    # Priced 1024 rows at a time and transposed in blocks of ~100 kB, in cache: transposed at
+    # once, each element read is a cache line's (~3x as long for 10^4 rows of 32 chunks).
     rows = max(4096 // chunks, 1)
-    for lo in range(0, n, rows):
-        by_row[:, :, lo:lo + rows] = per_chunk[lo:lo + rows].transpose(1, 2, 0)
+    for start in range(0, n, 1024):
+        per_chunk = _model_chunk_seconds(pr, layout, config[start:start + 1024],
+                                         recompute_layers[start:start + 1024])  # [rows, F/B/W, chunks]
+        for lo in range(0, len(per_chunk), rows):
+            by_row[:, :, start + lo:start + lo + rows] = per_chunk[lo:lo + rows].transpose(1, 2, 0)
     order = np.empty(chunks, dtype=np.intp)
     order[layout.chunk_of * layout.pp + layout.stage_of] = np.arange(chunks)
     if np.any(order != np.arange(chunks)):
