@@ -1540,3 +1540,33 @@ def test_a_compiled_model_leaves_the_loss_at_the_eager_figure():
     assert (software["loss"]["elementwise_passes"], software["loss"]["loss_elementwise_passes"]) == (4.5, 1.0)
     with pytest.raises(NdplanError, match="torch_compile must be one of off, model, model\\+loss, loss, got 'all'"):
         MemoryOptions(torch_compile="all")  # type: ignore[arg-type]
+
+
+def test_chunk_seconds_by_stage_are_the_chunk_seconds_transposed():
+    """``_chunk_seconds_by_stage`` (the interleaved chains' input): each chunk's forward and
+    B + W seconds, [vpp, pp, n], equal to the bit to ``_chunk_seconds``' [n, pp, vpp] ones; over
+    uneven interleaved layouts (model order chunk-major), a V (chunk 1 of stage s is virtual
+    stage 2pp-1-s: reordered), recompute limits, and enough rows for several blocks."""
+    from types import SimpleNamespace
+
+    from ndplan.perf.layer import PIECES
+    from ndplan.perf.pipeline import stage_layout
+    from ndplan.perf.step import _chunk_seconds, _chunk_seconds_by_stage
+
+    rng = np.random.default_rng(5)
+    model = get_preset("deepseek-v3")  # dense and MoE layers, an MTP module
+    pr = SimpleNamespace(model=model, table=rng.uniform(0.0, 1e-2, (40, 6, len(PIECES))))
+    for pp, vpp, v_shape, layers in ((4, 2, False, (9, 8, 8, 8, 8, 8, 8, 4)), (8, 4, False, None),
+                                     (16, 2, False, None), (4, 2, True, None)):
+        layout = stage_layout(model, pp, vpp, v_shape, layers)
+        model_order = bool(np.all(layout.chunk_of * pp + layout.stage_of == np.arange(pp * vpp)))
+        assert model_order != v_shape
+        n = 1500
+        config = rng.integers(0, 40, n)
+        limit = np.where(rng.uniform(size=n) < 0.3, rng.integers(1, 4, n), 0)
+        f, b, w = _chunk_seconds(pr, layout, config, limit)
+        ft, bt = _chunk_seconds_by_stage(pr, layout, config, limit)
+        assert ft.shape == bt.shape == (vpp, pp, n)
+        assert np.array_equal(ft, f.transpose(2, 1, 0))
+        assert np.array_equal(bt, (b + w).transpose(2, 1, 0))
+        assert np.all(ft > 0)

@@ -439,69 +439,98 @@ def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array 
 
     A chain is a path of the simulator's own graph, so its length never exceeds the simulated
     makespan (tests/test_perf_pipeline.py holds 200 random chunk profiles to it, p2p included)."""
-    n, p, v = f.shape
-    # Each chunk's [n, p] as a contiguous array (reductions over the short chunk axis, and
-    # strided slices of it, cost several times as much).
-    fc = [np.ascontiguousarray(f[:, :, c]) for c in range(v)]
-    bc = [np.ascontiguousarray(b[:, :, c]) for c in range(v)]
-    warm = fc[0].copy()  # W_s
-    for c in range(1, v - 1):
-        warm += fc[c]
-    total = warm + fc[v - 1]
-    for c in range(v):
-        total += bc[c]  # T_s, [n, p]
+    return interleaved_chain_bound_by_stage(np.ascontiguousarray(f.transpose(2, 1, 0)),
+                                            np.ascontiguousarray(b.transpose(2, 1, 0)), m, p2p, of)
 
-    def before(x: Array) -> Array:  # Σ_{s' < s} x[s'], [n, p]
-        out = np.zeros(x.shape)
-        np.cumsum(x[:, :-1], axis=1, out=out[:, 1:])
+
+def interleaved_chain_bound_by_stage(
+    ft: Array, bt: Array, m: Array, p2p: Array, of: Array | None = None,
+) -> tuple[Array, Array]:
+    """``interleaved_chain_bound`` of f and b given stage-major: ft, bt [v, p, n] (chunk, stage,
+    row; each [n] contiguous), as the search's chunk times come without a transposition.
+
+    Each running sum or maximum over the stages is then p vector operations across the rows,
+    where along the short stage axis of [n, p] numpy pays per row (several times as long).
+    Running sums add in stage order either way and every other sum is taken along rows as
+    before: the figures are the same to the bit. A fresh array costs page faults about as much
+    as its arithmetic: the [p, n] buffers are reused once done with."""
+    v, p, n = ft.shape
+    warm = ft[0]  # W_s, [p, n]
+    if v > 2:
+        warm = warm.copy()
+        for c in range(1, v - 1):
+            warm += ft[c]
+    total = warm + ft[v - 1]
+    for c in range(v):
+        total += bt[c]  # T_s, [p, n]
+    p_warm = p * warm
+
+    def running(op: np.ufunc, x: Array, out: Array | None = None) -> Array:  # op.accumulate over the stages
+        out = np.empty_like(x) if out is None else out
+        out[0] = x[0]
+        for s in range(1, len(x)):
+            op(out[s - 1], x[s], out=out[s])
         return out
 
-    turn = np.cumsum(fc[v - 2], axis=1)  # Σ_{s <= j} f[s, v-2]
-    last = before(fc[v - 1])  # Σ_{s < j} f[s, v-1]
-    best_h = before(fc[0])
-    best_h += p * warm
+    def before(x: Array, out: Array | None = None) -> Array:  # Σ_{s' < s} x[s'], [p, n]
+        out = np.empty(x.shape) if out is None else out
+        out[0] = 0.0
+        if p > 1:
+            running(np.add, x[:-1], out[1:])
+        return out
+
+    turn = running(np.add, ft[v - 2])  # Σ_{s <= j} f[s, v-2]
+    best_h = before(ft[0])
+    best_h += p_warm
     best_h -= turn
-    np.maximum.accumulate(best_h, axis=1, out=best_h)  # max over h <= j
+    running(np.maximum, best_h, best_h)  # max over h <= j
     best_h += turn
+    last = before(ft[v - 1], turn)  # Σ_{s < j} f[s, v-1]
     best_h -= last
-    entry = np.maximum.accumulate(best_h, axis=1, out=best_h)
+    entry = running(np.maximum, best_h, best_h)
     entry += last  # max over j <= r
-    b0 = bc[0]
-    fixed = np.maximum.accumulate(b0, axis=1)
+    b0 = bt[0]
+    fixed = running(np.maximum, b0, last)
     fixed *= p - 1
-    fixed += before(b0)  # the drain, max over s2 <= r
+    scratch = np.empty((p, n))
+    fixed += before(b0, scratch)  # the drain, max over s2 <= r
     fixed += entry
-    fixed -= p * warm
-    fixed -= (p - 1) * b0
+    fixed -= p_warm
+    fixed -= np.multiply(b0, p - 1, out=scratch)
     hops = 2.0 * np.arange(p, dtype=np.float64)
     # Detours (p > 1): stage p-1 runs group 0's chunk-(v-1) pairs before stage 0 takes over at its
     # backward unit p (B(v-2) of micro-batch 0): B(v-1) of micro-batch p-1 down to a stage t,
     # its forward between the two backwards (where its warm-up leaves one: m >= 2p), B(v-2) of
     # micro-batch 0 on to stage 1. Per chunk configuration, the best t for either case of m.
-    t = np.arange(1, p)
-    w_t = 2 * (p - 1 - t) + (v - 1) * p
-    down = np.cumsum(bc[v - 1][:, :0:-1], axis=1)[:, ::-1] - bc[v - 1][:, p - 1:p]  # Σ_{t<=s<=p-2} b[s, v-1]
-    up = np.cumsum(bc[v - 2][:, 1:], axis=1)  # Σ_{1<=s<=t} b[s, v-2]
-    mid = np.ascontiguousarray(f).reshape(n, p * v)[:, t * v + ((w_t + p) % (p * v)) // p]  # the forward between
-    turn_with = (down + up + mid).max(axis=1) if p > 1 else np.zeros(n)
-    turn_without = (down + up).max(axis=1) if p > 1 else np.zeros(n)
-    entry_last = entry[:, p - 1] + p * (f[:, p - 1, v - 1] + b[:, p - 1, v - 1])
-    f0, b0_all, last_b = f[:, 0], b[:, 0], b[:, p - 1]
-    exit_fixed = (p * (f[:, p - 1, v - 1] + last_b[:, 1:].sum(axis=1)) + 2.0 * last_b[:, 0]
-                  + bc[0][:, 1:p - 1].sum(axis=1) + p * b0_all[:, 0])
-    first_b = p * b0_all[:, v - 1]
-    total0 = total[:, 0]
+    if p > 1:
+        t = np.arange(1, p)
+        w_t = 2 * (p - 1 - t) + (v - 1) * p
+        down = running(np.add, bt[v - 1][:0:-1], scratch[:p - 1])  # Σ_{t<=s<=p-1} b[s, v-1], t from p-1 down
+        down -= bt[v - 1][p - 1]  # Σ_{t<=s<=p-2} b[s, v-1]
+        turn_without = running(np.add, bt[v - 2][1:], p_warm[:p - 1])  # Σ_{1<=s<=t} b[s, v-2]
+        turn_without += down[::-1]
+        mid = ft[((w_t + p) % (p * v)) // p, t]  # the forward between
+        mid += turn_without
+        turn_with, turn_without = mid.max(axis=0), turn_without.max(axis=0)
+    else:
+        turn_with = turn_without = np.zeros(n)
+    entry_last = entry[p - 1] + p * (ft[v - 1, p - 1] + bt[v - 1, p - 1])
+    f0, b0_all, last_b = ft[:, 0], bt[:, 0], bt[:, p - 1]  # stage 0's and stage p-1's chunks, [v, n]
+    exit_fixed = (p * (ft[v - 1, p - 1] + _row_sums(last_b[1:])) + 2.0 * last_b[0]
+                  + _row_sums(bt[0, 1:p - 1]) + p * b0_all[0])
+    first_b = p * b0_all[v - 1]
+    total0 = total[0].copy()
     if of is not None:  # each row's chunks, then its micro-batches and transfers
-        fixed, total = fixed[of], total[of]
+        fixed, total = fixed[:, of], total[:, of]
         turn_with, turn_without, entry_last = turn_with[of], turn_without[of], entry_last[of]
-        f0, b0_all, exit_fixed, first_b, total0 = f0[of], b0_all[of], exit_fixed[of], first_b[of], total0[of]
+        f0, b0_all, exit_fixed, first_b, total0 = f0[:, of], b0_all[:, of], exit_fixed[of], first_b[of], total0[of]
     m = np.asarray(m, dtype=np.float64)
     p2p = np.asarray(p2p, dtype=np.float64)
-    chain = total * m[:, None]
+    chain = np.multiply(total, m, out=total)
     chain += fixed
-    chain += hops[None, :] * p2p[:, None]
-    r = np.argmax(chain, axis=1)
-    best, best_hops = np.take_along_axis(chain, r[:, None], axis=1)[:, 0], hops[r]
+    chain += np.multiply.outer(hops, p2p, out=fixed)
+    r = np.argmax(chain, axis=0)
+    best, best_hops = np.take_along_axis(chain, r[None, :], axis=0)[0], hops[r]
     if p > 1:
         # Unit counts per chunk depend on m alone: worked out per distinct m and gathered.
         m_values, m_code = np.unique(m, return_inverse=True)
@@ -523,8 +552,12 @@ def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array 
         m_code = m_code.ravel()
         k0, w0 = k0[m_code], w0[m_code]
         whole = m * total0
-        before_p = (before_f[m_code] * f0).sum(axis=1) + first_b
-        after_k0 = (after_b[m_code] * b0_all).sum(axis=1) + (after_f[m_code] * f0).sum(axis=1)
+
+        def weighted(count: Array, x: Array) -> Array:  # Σ_c count[m, c]·x[c], [k]
+            return _row_sums(np.take(count.T, m_code, axis=1) * x)
+
+        before_p = weighted(before_f, f0) + first_b
+        after_k0 = weighted(after_b, b0_all) + weighted(after_f, f0)
         d_entry = entry_last + np.where(m >= 2 * p, turn_with, turn_without) - before_p
         for value, count, valid in (
             (d_entry + whole, 2.0 * (p - 1), m >= p),  # entry detour, then stage 0 to its end
@@ -536,6 +569,13 @@ def interleaved_chain_bound(f: Array, b: Array, m: Array, p2p: Array, of: Array 
             best = np.where(longer, value, best)
             best_hops = np.where(longer, count, best_hops)
     return best, best_hops
+
+
+def _row_sums(x: Array) -> Array:
+    """Σ over the first axis of [L, n], as numpy sums each row of the transposed [n, L] (the
+    figures as before, to the bit): in order under 8 terms, as numpy sums a column; pairwise
+    from 8 (8 partial sums), for which the transposed rows are summed."""
+    return x.sum(axis=0) if len(x) < 8 else np.ascontiguousarray(x.T).sum(axis=1)
 
 
 @lru_cache(maxsize=1024)

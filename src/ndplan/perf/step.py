@@ -64,7 +64,7 @@ from ndplan.perf.pipeline import (
     StageLayout,
     closed_form_holds,
     closed_form_makespan,
-    interleaved_chain_bound,
+    interleaved_chain_bound_by_stage,
     interleaved_stall,
     is_v_shape,
     recomputed_layers,
@@ -603,13 +603,19 @@ def _price_group(
             # simulator from below (pipeline.interleaved_chain_bound): where it is longer, it is
             # the closer figure. The chunks once per distinct (layer configuration, recompute),
             # the chains once per distinct (those, m, p2p).
-            chunks, chunk_count = row_codes([config, recompute_layers])
-            fc, bc, wc = _chunk_seconds(pr, layout, *(x[first_of_codes(chunks, chunk_count)]
-                                                      for x in (config, recompute_layers)))
-            _, p2p_rank = np.unique(p2p, return_inverse=True)
-            code, count = row_codes([chunks, m, p2p_rank.ravel()])
-            distinct = first_of_codes(code, count)
-            bound, hops = interleaved_chain_bound(fc, bc + wc, m[distinct], p2p[distinct], chunks[distinct])
+            chunks, chunk_count = (local, u) if not recompute_layers.any() else row_codes([config, recompute_layers])
+            first = first_of_codes(chunks, chunk_count)
+            ft, bt = _chunk_seconds_by_stage(pr, layout, config[first], recompute_layers[first])
+            if np.array_equal(m[first][chunks], m) and np.array_equal(p2p[first][chunks], p2p):
+                # The usual case: the configuration (micro-batch size, degrees) fixes m and p2p, and
+                # each chunk configuration is one chain (no codes of the rows to work out).
+                code, distinct, of = chunks, first, None
+            else:
+                _, p2p_rank = np.unique(p2p, return_inverse=True)
+                code, count = row_codes([chunks, m, p2p_rank.ravel()])
+                distinct = first_of_codes(code, count)
+                of = chunks[distinct]
+            bound, hops = interleaved_chain_bound_by_stage(ft, bt, m[distinct], p2p[distinct], of)
             longer = bound[code] > makespan
             if np.any(longer):
                 makespan = np.where(longer, bound[code], makespan)
@@ -894,13 +900,48 @@ def evaluate(
 def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> tuple[Array, Array, Array]:
     """[n, pp, vpp] F, B, W seconds of every chunk for each layer configuration of ``config``
     and recompute limit (0: every layer of a recomputing chunk), the simulator's input."""
+    per_chunk = _model_chunk_seconds(pr, layout, config, recompute_layers)
+    # Model order to [stage, local chunk]: a gather along the last axis (scattering into a
+    # [n, passes, pp, vpp] grid by two index arrays took five times as long).
+    slot_of = np.empty(layout.pp * layout.vpp, dtype=np.intp)
+    slot_of[layout.stage_of * layout.vpp + layout.chunk_of] = np.arange(len(layout.chunk_of))
+    grid = per_chunk.take(slot_of, axis=2).reshape(len(config), len(PASSES), layout.pp, layout.vpp)
+    return grid[:, 0], grid[:, 1], grid[:, 2]
+
+
+def _chunk_seconds_by_stage(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> tuple[Array, Array]:
+    """``_chunk_seconds``' forward and whole backward (B + W) seconds stage-major, [vpp, pp, n]
+    (``interleaved_chain_bound_by_stage``'s input): the chunks in model order transposed, which
+    for Megatron's interleaving (virtual stage c·pp + s on stage s) is this order."""
+    n, chunks = len(config), layout.pp * layout.vpp
+    by_row = np.empty((len(PASSES), chunks, n))
+    # Priced 1024 rows at a time and transposed in blocks of ~100 kB, in cache: transposed at
+    # once, each element read is a cache line's (~3x as long for 10^4 rows of 32 chunks).
+    rows = max(4096 // chunks, 1)
+    for start in range(0, n, 1024):
+        per_chunk = _model_chunk_seconds(pr, layout, config[start:start + 1024],
+                                         recompute_layers[start:start + 1024])  # [rows, F/B/W, chunks]
+        for lo in range(0, len(per_chunk), rows):
+            by_row[:, :, start + lo:start + lo + rows] = per_chunk[lo:lo + rows].transpose(1, 2, 0)
+    order = np.empty(chunks, dtype=np.intp)
+    order[layout.chunk_of * layout.pp + layout.stage_of] = np.arange(chunks)
+    if np.any(order != np.arange(chunks)):
+        by_row = by_row.take(order, axis=1)
+    grid = by_row.reshape(len(PASSES), layout.vpp, layout.pp, n)
+    backward = grid[1]
+    backward += grid[2]
+    return grid[0], backward
+
+
+def _model_chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> Array:
+    """[n, F/B/W, chunks in model order] seconds of every chunk (``_chunk_seconds``)."""
     nv = layout.chunk_dense + layout.chunk_moe
     ends = np.zeros((2, len(nv)))
     ends[0, 0] = ends[1, -1] = 1.0
     copy = _keeps_table_copy(pr.model, layout)
     counts = np.stack([layout.chunk_dense, layout.chunk_moe, ends[0], ends[1], layout.chunk_dense, layout.chunk_moe,
                        ends[1] * copy])  # [pieces, chunks in model order]
-    table = pr.table[config][:, :len(PASSES), :]  # [n, passes, pieces]
+    table = pr.table[:, :len(PASSES)][config]  # [n, passes, pieces] (the passes alone gathered: 2-3x faster)
     per_chunk = table @ counts  # [n, passes, chunks]
     # A limit recomputes min(limit, layers) of a chunk's layers: the recompute pieces scaled (the
     # rows with a limit alone: the others' share is 1, their correction 0).
@@ -911,12 +952,7 @@ def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_la
         for piece, layers in ((PIECES.index("rc_dense"), layout.chunk_dense),
                               (PIECES.index("rc_moe"), layout.chunk_moe)):
             per_chunk[limited] += table[limited, :, piece, None] * ((share - 1.0) * layers)[:, None, :]
-    # Model order to [stage, local chunk]: a gather along the last axis (scattering into a
-    # [n, passes, pp, vpp] grid by two index arrays took five times as long).
-    slot_of = np.empty(layout.pp * layout.vpp, dtype=np.intp)
-    slot_of[layout.stage_of * layout.vpp + layout.chunk_of] = np.arange(len(nv))
-    grid = per_chunk.take(slot_of, axis=2).reshape(len(config), len(PASSES), layout.pp, layout.vpp)
-    return grid[:, 0], grid[:, 1], grid[:, 2]
+    return per_chunk
 
 
 def step_time_batch(
