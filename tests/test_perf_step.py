@@ -1546,7 +1546,8 @@ def test_chunk_seconds_by_stage_are_the_chunk_seconds_transposed():
     """``_chunk_seconds_by_stage`` (the interleaved chains' input): each chunk's forward and
     B + W seconds, [vpp, pp, n], equal to the bit to ``_chunk_seconds``' [n, pp, vpp] ones; over
     uneven interleaved layouts (model order chunk-major), a V (chunk 1 of stage s is virtual
-    stage 2pp-1-s: reordered), recompute limits, and enough rows for several blocks."""
+    stage 2pp-1-s: reordered), recompute limits, and enough rows for several blocks (bench_time's
+    1M mixed DeepSeek-V3 strategies raised a broadcast error at 6 chunks before)."""
     from types import SimpleNamespace
 
     from ndplan.perf.layer import PIECES
@@ -1556,8 +1557,10 @@ def test_chunk_seconds_by_stage_are_the_chunk_seconds_transposed():
     rng = np.random.default_rng(5)
     model = get_preset("deepseek-v3")  # dense and MoE layers, an MTP module
     pr = SimpleNamespace(model=model, table=rng.uniform(0.0, 1e-2, (40, 6, len(PIECES))))
+    # (pp 3 × vpp 2 and a V over pp 6: chunk counts whose transposed pieces do not divide a block)
     for pp, vpp, v_shape, layers in ((4, 2, False, (9, 8, 8, 8, 8, 8, 8, 4)), (8, 4, False, None),
-                                     (16, 2, False, None), (4, 2, True, None)):
+                                     (16, 2, False, None), (4, 2, True, None), (3, 2, False, None),
+                                     (6, 2, True, None)):
         layout = stage_layout(model, pp, vpp, v_shape, layers)
         model_order = bool(np.all(layout.chunk_of * pp + layout.stage_of == np.arange(pp * vpp)))
         assert model_order != v_shape

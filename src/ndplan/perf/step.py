@@ -922,7 +922,8 @@ def _chunk_seconds_by_stage(pr: _Priced, layout: StageLayout, config: Array, rec
         per_chunk = _model_chunk_seconds(pr, layout, config[start:start + 1024],
                                          recompute_layers[start:start + 1024])  # [rows, F/B/W, chunks]
         for lo in range(0, len(per_chunk), rows):
-            by_row[:, :, start + lo:start + lo + rows] = per_chunk[lo:lo + rows].transpose(1, 2, 0)
+            piece = per_chunk[lo:lo + rows]  # (the last of a block may be shorter: 1024 rows need not divide)
+            by_row[:, :, start + lo:start + lo + len(piece)] = piece.transpose(1, 2, 0)
     order = np.empty(chunks, dtype=np.intp)
     order[layout.chunk_of * layout.pp + layout.stage_of] = np.arange(chunks)
     if np.any(order != np.arange(chunks)):
