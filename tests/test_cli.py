@@ -1364,3 +1364,13 @@ def test_compile_prices_fused_layers_and_a_torchtitan_config_states_it(tmp_path,
     plan.write_text("model: llama-3.1-8b\ncompile: model\n")
     code, _, err = run(["estimate", "--plan", str(plan), "--hardware", "h100-sxm", "--devices", "8"], capsys)
     assert code == 2 and "'compile' is a flag, not a plan setting: give --compile" in err
+
+
+def test_search_refuses_a_csv_it_cannot_write_before_searching(tmp_path, capsys):
+    """`search --csv missing/x.csv` searched for seconds, then failed to open the file: the folder
+    is checked first, and a folder given as the file is named."""
+    base = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32"]
+    code, _, err = run([*base, "--csv", str(tmp_path / "missing" / "x.csv")], capsys)
+    assert code == 2 and f"the folder {tmp_path / 'missing'} does not exist" in err
+    code, _, err = run([*base, "--csv", str(tmp_path)], capsys)
+    assert code == 2 and "a folder; give the CSV file's name" in err

@@ -808,6 +808,14 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     if args.top < 1:
         raise NdplanError(f"--top must be at least 1, got {args.top}")
+    if args.csv:
+        # Before the search (seconds to minutes), not after it: a folder that is not there.
+        csv_path = Path(args.csv)
+        if csv_path.is_dir():
+            raise NdplanError(f"--csv {csv_path}: a folder; give the CSV file's name")
+        if not csv_path.parent.is_dir():
+            raise NdplanError(f"--csv {csv_path}: the folder {csv_path.parent} does not exist (create it, or write "
+                              "elsewhere)")
     read = None
     if args.from_config:
         from ndplan.io.cli import model_for, print_messages, read_from_args
