@@ -10,9 +10,14 @@ import numpy as np
 import pytest
 
 from ndplan.balance import Plan, evaluate, solve_brute_force, solve_dp, solve_heuristic, solve_milp
-from ndplan.balance.solve import dealt_knapsack, knapsack
+from ndplan.balance.solve import knapsack
 from test_balance_dp import random_problem
-from test_balance_rounds import check_exact_dp_and_heuristic, check_exact_stages, chunked_problem
+from test_balance_rounds import (
+    check_exact_dp_and_heuristic,
+    check_exact_stages,
+    check_knapsacks,
+    chunked_problem,
+)
 
 GIB = 2**30
 
@@ -77,19 +82,8 @@ def test_chunked_solvers_equal_brute_force_with_option_bytes(schedule, seed):
 
 def test_knapsacks_price_the_options_present():
     """The references: the best assignment's memory is what ``evaluate`` gives it."""
-    for seed in range(5):
-        problem = charged(chunked_problem(("dense",) * 8, 2, 2, 14, seed=seed), seed)
-        for stage in range(2):
-            for solve_stage in (knapsack, dealt_knapsack):
-                found = solve_stage(problem, (2, 2, 2, 2), stage)
-                if found is None:
-                    continue
-                assignment, _, memory = found
-                recompute = ["none"] * 8
-                for layer, option in assignment.items():
-                    recompute[layer] = option
-                assert memory == pytest.approx(evaluate(problem, Plan((2, 2, 2, 2), tuple(recompute))).stage_memory_bytes[stage],
-                                               rel=1e-12)
+    assert sum(check_knapsacks(charged(chunked_problem(("dense",) * 8, 2, 2, 14, seed=seed), seed), (2, 2, 2, 2))
+               for seed in range(5))
 
 
 @pytest.mark.parametrize("kinds", [("dense",) * 8, ("dense", "moe") * 4])

@@ -98,6 +98,29 @@ def check_exact_stages(problem, counts) -> int:
     return checked
 
 
+def check_knapsacks(problem, counts) -> int:
+    """The per-stage references (``solve.knapsack`` and ``dealt_knapsack``) on the placement
+    ``counts``: each best assignment's memory is what ``evaluate`` gives its plan. Returns how
+    many assignments were found."""
+    from ndplan.balance import Plan, evaluate
+    from ndplan.balance.solve import dealt_knapsack, knapsack
+
+    checked = 0
+    for stage in range(problem.pp):
+        for solve_stage in (knapsack, dealt_knapsack):
+            found = solve_stage(problem, counts, stage)
+            if found is None:
+                continue
+            assignment, _, memory = found
+            recompute = ["none"] * problem.num_layers
+            for layer, option in assignment.items():
+                recompute[layer] = option
+            checked += 1
+            assert memory == pytest.approx(
+                evaluate(problem, Plan(tuple(counts), tuple(recompute))).stage_memory_bytes[stage], rel=1e-12)
+    return checked
+
+
 def check_exact_dp_and_heuristic(problem):
     """The exact DP equals the brute-force optimum (even chunks, or the uniform placement) and
     the heuristic fits and is never better than it: (exact, heuristic), or None if nothing fits."""
