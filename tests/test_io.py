@@ -1002,3 +1002,21 @@ def test_torchtitan_compile_is_read_for_the_step_time(compile_, compiled, tmp_pa
         assert "[compile]" in text and "left out: torch.compile" not in text
         assert f"left out: torch.compile of the {compiled.replace('+', ' and ')}" in emit(
             get_preset("llama-3.1-8b"), result.strategy(8), "megatron", torch_compile=compiled)
+
+
+def test_a_config_json_replaced_by_the_model_given_is_still_read_and_said(tmp_path):
+    """`--from config.json --model X`: X replaces the file's model, as --model completes or
+    overrides any config's; the file is read all the same (a broken one is an error) and a
+    warning says which model is priced where the two differ (it was ignored unread)."""
+    from ndplan.model import hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf_config("llama-3.1-8b")))
+    assert read_config(path, model="llama-3.1-8b", fmt="hf").warnings == []  # the same model
+    result = read_config(path, model="llama-3.1-70b", fmt="hf")
+    assert result.model.name == "llama-3.1-70b"
+    assert "the model given (llama-3.1-70b) replaces the one this config describes" in result.warnings[0]
+    assert "32 layers, hidden 4096); leave out --model" in result.warnings[0]
+    path.write_text('{"model_type": "llama", "hidden_size": "wide"}')
+    with pytest.raises(NdplanError, match="config.json"):
+        read_config(path, model="llama-3.1-70b", fmt="hf")

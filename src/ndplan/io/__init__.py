@@ -128,8 +128,12 @@ def read_config(
     elif fmt == "mindformers":
         result = mindformers.read(path, text, base, devices)
     else:
-        spec = base if base is not None else load_model_file(path)
-        result = ReadResult(format="hf", source=str(path), model=spec)
+        described = load_model_file(path)  # read (and checked) even where --model replaces it
+        result = ReadResult(format="hf", source=str(path), model=base if base is not None else described)
+        if base is not None and base.model_copy(update={"name": described.name}) != described:
+            result.warnings.append(f"{path}: the model given ({base.name}) replaces the one this config describes "
+                                   f"({described.name}, {described.num_layers} layers, hidden {described.hidden_size}); "
+                                   "leave out --model to price the file's")
     _normalise(result)
     return result
 
