@@ -728,3 +728,16 @@ def test_cli_from_estimate_flags_takes_a_memory_limit(tmp_path: Path, capsys: py
     saved.write_text(json.dumps(estimated))
     assert main(["report", str(saved), "--memory-limit", "20GiB", "-o", str(tmp_path / "q.html")]) == 2
     assert "--memory-limit" in capsys.readouterr().err
+
+
+def test_cli_checks_the_output_before_the_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`report -o FILE/plan.html` (a file where the folder should be) is refused before the
+    estimate or search runs, not after it: here the model is unknown too, and the output is what
+    the error names."""
+    from ndplan.cli import main
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file")
+    code = main(["report", "--model", "no-such-model", "--hardware", "h100-sxm", "--devices", "8",
+                 "-o", str(blocker / "plan.html")])
+    assert code == 2 and f"{blocker}: not a folder; the page is written into one" in capsys.readouterr().err

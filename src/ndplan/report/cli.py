@@ -204,20 +204,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ndplan.report.html import write_html
     from ndplan.units import format_bytes
 
-    if args.input is not None:
-        given = _given_strategy_flags(args)
-        if given:
-            raise NdplanError(f"give either a saved result or strategy flags, not both ({given[0]} with {args.input})")
-        result = enrich(load_result(args.input))
-    else:
-        result = estimate_result(args)
     if args.top < 1 or args.max_points < 10:
         raise NdplanError("--top must be >= 1 and --max-points >= 10")
     output = args.output
     if output is None and args.plot_dir is None:
         output = Path("plan.html")
-    # Checked before anything is written: a figure's suffix on the page, or a folder that is a
-    # file, would leave half the output behind an error.
+    # Checked before any work (a search may take minutes) and before anything is written: a
+    # figure's suffix on the page, or a folder that is a file, would leave half the output behind
+    # an error.
     if output is not None and output.suffix.lower() not in (".html", ".htm"):
         raise NdplanError(f"-o {output}: the report is one HTML page; name it .html "
                           "(figures as png, svg or pdf files: --plot-dir DIR --plot-format FORMAT)")
@@ -226,6 +220,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         blocker = _file_in_the_way(folder)
         if blocker is not None:
             raise NdplanError(f"{blocker}: not a folder; {what} (give a new or existing folder)")
+    if args.input is not None:
+        given = _given_strategy_flags(args)
+        if given:
+            raise NdplanError(f"give either a saved result or strategy flags, not both ({given[0]} with {args.input})")
+        result = enrich(load_result(args.input))
+    else:
+        result = estimate_result(args)
     if output is not None:
         path = write_html(result, output, top=args.top, max_points=args.max_points, title=args.title)
         print(f"wrote {path} ({format_bytes(path.stat().st_size)})")
