@@ -1058,14 +1058,14 @@ def _runs_of(values: np.ndarray) -> Iterator[tuple[int, slice | np.ndarray]]:
         yield int(value), np.flatnonzero(values == value)
 
 
-@lru_cache(maxsize=8192)
 def _frontier_columns(
     schedule: str, pp: int, vpp: int, m: int, seq_chunks: int, held: tuple[int, ...], grown: tuple[int, ...],
 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
     """Per stage, its frontier rows restricted to the ``held`` columns and to the ``grown`` ones
     (contiguous: each is the left operand of a matmul per stage), and which rows of the frontier
     they are. Rows the unused columns alone kept (a weight-gradient step where nothing is priced
-    for it) are dominated within the used ones and dropped: neither maximum can come from them."""
+    for it) are dominated within the used ones and dropped: neither maximum can come from them.
+    (Cached by ``_steady_frontier_columns``, keyed on the count that stands for ``m``.)"""
     return _steady_frontier_columns(schedule, pp, vpp, steady_micro_batches(schedule, pp, vpp, m), seq_chunks,
                                     held, grown)
 
