@@ -1,8 +1,9 @@
 """What the record/compare equivalence scripts share: a tolerant equality and the two actions.
 
-Floats may differ by 1e-12 relative (RTOL); everything else (integers, shapes, kinds, labels,
-keys) must be equal. To record with older code, run these scripts with that code first on the
-path (each says which ndplan it imported):
+Floats may differ by 1e-12 relative (RTOL; the environment variable NDPLAN_EQUIVALENCE_RTOL sets
+another, 0 for bit-identity); everything else (integers, shapes, kinds, labels, keys) must be
+equal. To record with older code, run these scripts with that code first on the path (each says
+which ndplan it imported):
 
     git worktree add --detach /tmp/old <commit>
     PYTHONPATH=/tmp/old/src .venv/bin/python benchmarks/time_equivalence.py record before.pkl
@@ -11,6 +12,7 @@ path (each says which ndplan it imported):
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from collections.abc import Callable
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-RTOL = 1e-12
+RTOL = float(os.environ.get("NDPLAN_EQUIVALENCE_RTOL", "1e-12"))
 
 
 def close(a: Any, b: Any) -> bool:
@@ -70,7 +72,7 @@ def record_or_compare(action: str, path: str, now: dict[str, Any], what: str) ->
         elif not close(expected, got):
             print(f"{label}: differs")
             differing += 1
-    print(f"{len(before)} {what}, {differing} differences")
+    print(f"{len(before)} {what}, {differing} differences (relative tolerance {RTOL:g})")
     sys.exit(1 if differing else 0)
 
 
