@@ -278,6 +278,49 @@ def test_peak_memory_prices_only_the_stages_that_can_be_the_peak(runtime):
     assert np.any(stage[batch.is_("schedule", "zb-h1")] == 2)
 
 
+@pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
+def test_peak_memory_with_a_limit_flags_the_same_rows_over_it_and_prices_the_rest_the_same(runtime):
+    """peak_memory(limit=...) prices a strategy no further once the static state at its held
+    peak puts it certainly over the limit (stage -1, its peak a lower bound above the limit);
+    every other strategy gets the figures it gets without a limit, bit for bit. Limits at a
+    strategy's peak (it fits), just under it (over by one unit in the last place: inside the
+    rounding margin, so priced in full) and just over it, and at the median peak, where many
+    strategies are cut. One micro-batch under PyTorch (the gradients appear in the backward:
+    a maximum of two sums) is never cut."""
+    from ndplan.memory.stages import peak_memory
+
+    strategies = [
+        Strategy(dp=dp, tp=8 // dp, pp=pp, schedule=schedule, vpp=2 if schedule in ("interleaved", "zbv") else 1,
+                 num_micro_batches=m, recompute=recompute, zero=zero, micro_batch_size=mbs, seq_length=4096)
+        for schedule in ("1f1b", "gpipe", "interleaved", "zbv") for pp in (2, 4) for dp in (2, 8)
+        for m in (1, 4, 16) for recompute in ("none", "full") for zero in (0, 3) for mbs in (1, 4)
+    ]
+    batch = StrategyBatch.of([s for s in strategies if not check_strategy(s, MODEL, s.dp * s.tp * s.pp)])
+    options = MemoryOptions(runtime=runtime)
+    peak, stage = peak_memory(MODEL, batch, options)
+    pivot = int(np.argsort(peak)[len(peak) // 3])  # a strategy near the smaller peaks
+    single = batch.micro_batches_per_step == 1
+    cuts = {}
+    for limit in (float(np.median(peak)), peak[pivot], np.nextafter(peak[pivot], 0), np.nextafter(peak[pivot], np.inf)):
+        limited, limited_stage = peak_memory(MODEL, batch, options, limit=limit)
+        cut = limited_stage < 0
+        np.testing.assert_array_equal(limited > limit, peak > limit)
+        np.testing.assert_array_equal(limited[~cut], peak[~cut])
+        np.testing.assert_array_equal(limited_stage[~cut], stage[~cut])
+        assert np.all(limited[cut] <= peak[cut])
+        assert not cut[pivot] and limited[pivot] == peak[pivot]
+        if runtime == "pytorch":
+            assert not np.any(cut & single) and np.any(single & (peak > limit))
+        cuts[limit] = int(np.count_nonzero(cut))
+    # At the median most of the strategies over the limit are cut, FSDP ones among them.
+    median = float(np.median(peak))
+    limited, limited_stage = peak_memory(MODEL, batch, options, limit=f"{median:.0f}")
+    assert cuts[median] > np.count_nonzero(peak > median) // 2
+    assert np.any((limited_stage < 0) & (batch.zero == 3))
+    with pytest.raises(NdplanError, match="limit must be > 0"):
+        peak_memory(MODEL, batch, options, limit=-1)
+
+
 # Monotonicity over random valid strategies of a MoE model with dense first layers.
 MODEL = get_preset("deepseek-v2-lite")
 values = st.fixed_dictionaries({

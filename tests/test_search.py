@@ -291,6 +291,49 @@ def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact()
     assert result.rejected[OVER_MEMORY] == len(batch)
 
 
+@pytest.mark.parametrize("fitting", ["some", "none"])
+def test_pricing_cut_short_over_the_limit_changes_no_search_result(monkeypatch, fitting):
+    """The search prices a candidate's memory only until it is certainly over the limit
+    (``peak_memory``'s limit): the same result, bit for bit, as pricing every one in full, where
+    some fit and where none does. There the limit is a byte above the static bound of the
+    candidate with the smallest peak, whose partial sum is over it: cut short, and priced again
+    in full for the smallest peak (``_smallest_peak``), as those the static bound rejected are."""
+    import ndplan.search.run as search_run
+    from ndplan.memory.stages import static_lower_bound
+
+    space = _space(dims=("tp", "sp", "ep", "etp", "pp", "schedule", "zero", "recompute", "mbs"))
+    every = run_search(TINY_MOE, DEVICE, space, step_time_batch, top=5)  # the device's memory: all fit
+    peaks = every.candidates_peak_bytes
+    smallest = int(np.argmin(peaks))
+    if fitting == "some":
+        limit = int(np.sort(peaks)[len(peaks) // 3])
+    else:
+        limit = int(static_lower_bound(TINY_MOE, space.batch(every.candidates_index[[smallest]]))[0]) + 1
+    priced_in_full = search_run.peak_memory
+    cut: list[np.ndarray] = []
+
+    def counted(model, batch, options=None, *, limit=None):
+        peak, stage = priced_in_full(model, batch, options, limit=limit)
+        cut.append(peak[stage < 0])
+        return peak, stage
+
+    monkeypatch.setattr(search_run, "peak_memory", counted)
+    short = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=5, block_size=997)
+    monkeypatch.setattr(search_run, "peak_memory", lambda model, batch, options=None, *, limit=None:
+                        priced_in_full(model, batch, options))
+    full = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, top=5, block_size=997)
+    cut_short = np.concatenate(cut)
+    assert (short.fitting > 0) == (fitting == "some")
+    if fitting == "some":
+        assert len(cut_short) > short.rejected[OVER_MEMORY] // 4
+    else:  # the smallest peak's candidate among those cut, its lower bound below its peak
+        assert full.smallest_peak_bytes == peaks[smallest] and np.any(cut_short < peaks[smallest])
+    for name in ("evaluated", "fitting", "rejected", "ranked", "pareto", "smallest_peak_bytes", "notes"):
+        assert getattr(short, name) == getattr(full, name), name
+    for name in ("candidates_time_s", "candidates_peak_bytes", "candidates_index"):
+        np.testing.assert_array_equal(getattr(short, name), getattr(full, name))
+
+
 @pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
 def test_static_bound_is_a_function_of_the_static_fields(runtime):
     """static_lower_bound prices one strategy of each combination of STATIC_FIELDS for all of

@@ -57,6 +57,7 @@ from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
 from ndplan.schedule.unshard import ACTIVE_CHUNKS
 from ndplan.strategy.batch import CODES, StrategyBatch, distinct_columns, radix_key
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
+from ndplan.units import memory_limit
 
 if TYPE_CHECKING:
     from ndplan.perf.overlap import OverlapConfig
@@ -1536,12 +1537,13 @@ def stage_memory(
 
 def _sorted_groups(
     model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, stage_layers: tuple[int, ...] | None,
-    *, static_only: bool = False, device_only: bool = False,
+    *, static_only: bool = False, device_only: bool = False, limit: float | None = None,
 ) -> Iterator[tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray], np.ndarray | None]]:
     """Each pipeline-shape group's figures: (key, the group's rows in ``batch``, arrays; only
-    "device" with ``static_only`` or ``device_only``; and per row of the group, its row of the
-    arrays, or None where they have a row each, in order). Strategies alike in every field the
-    model reads share a row (``_alike``)."""
+    "device" with ``static_only`` or ``device_only``, and with ``limit`` (``device_only``)
+    "cut" and "bound" as ``_evaluate_group`` gives them; and per row of the group, its row of
+    the arrays, or None where they have a row each, in order). Strategies alike in every field
+    the model reads share a row (``_alike``)."""
     groups = batch.groups(PIPELINE_SHAPE)
     by_group = np.concatenate([index for _, index in groups])
     sizes = [len(index) for _, index in groups]
@@ -1598,7 +1600,7 @@ def _sorted_groups(
         static_of = None if static_only else _group_combinations(static_rows, static_code, part)
         out = _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
                               None if static_only else acts.take(combination[part]), device_only=device_only,
-                              static_of=static_of)
+                              static_of=static_of, limit=limit)
         yield key, index, out, None if priced_row is None else priced_row[start:start + len(index)] - priced_start
         start += len(index)
         priced_start += size
@@ -1691,19 +1693,64 @@ def static_lower_bound(
 
 
 def peak_memory(
-    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None
+    model: ModelSpec, batch: StrategyBatch, options: MemoryOptions | None = None, *, limit: float | str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per strategy: the largest device total over its stages (bytes) and that stage. The same
-    numbers as ``stage_memory(...).peak()``, without keeping every stage of every strategy."""
+    numbers as ``stage_memory(...).peak()``, without keeping every stage of every strategy.
+
+    With ``limit`` (bytes), a strategy found above it part way through its pricing is priced no
+    further (a search needs only that it does not fit): its peak is then a lower bound of the
+    full one, still above ``limit``, and its stage -1. Every strategy whose peak is at most
+    ``limit``, and every one not cut short, gets the figures it gets without a limit, bit for
+    bit (``_certainly_over`` says where the cut comes and why it is safe). ``limit`` is bytes
+    or a size such as "80GiB" (``units.memory_limit``)."""
     options = options or MemoryOptions()
+    limit = None if limit is None else memory_limit(limit, "limit", none_means="no limit")
     peak = np.zeros(len(batch))
     stage = np.zeros(len(batch), dtype=np.int64)
-    for _key, index, out, of in _sorted_groups(model, batch, options, None, device_only=True):
-        top, first = _first_max(out["device"].T)
-        if "stages" in out:  # the stages priced (``_pattern_leaders``), the others never the first peak
-            first = out["stages"][first]
+    for _key, index, out, of in _sorted_groups(model, batch, options, None, device_only=True, limit=limit):
+        if "device" in out:
+            top, first = _first_max(out["device"].T)
+            if "stages" in out:  # the stages priced (``_pattern_leaders``), the others never the first peak
+                first = out["stages"][first]
+        else:  # every strategy of the group was cut short
+            top, first = out["bound"], np.full(len(out["bound"]), -1, dtype=np.int64)
+        if "cut" in out:
+            top, first = np.where(out["cut"], out["bound"], top), np.where(out["cut"], -1, first)
         peak[index], stage[index] = (top, first) if of is None else (top[of], first[of])
     return peak, stage
+
+
+#: How far below its partial total a strategy's peak may be, relative: the partial total is a
+#: lower bound of the full one in exact arithmetic, but the full one adds further terms (one of
+#: them negative where FSDP credits freed activations against its buffers) and may round below
+#: it by a few units in the last place (~1e-16 relative each, of terms within a few hundred
+#: times the peak). The margin is seven orders of magnitude more than that, and about 80 bytes
+#: of an 80 GB limit: a strategy that close to the limit is priced in full.
+ROUNDING_MARGIN = 1e-9
+
+
+def _certainly_over(
+    partial: np.ndarray, overhead: RuntimeOverhead, limit: float, additive: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per strategy (``partial``: stage-major [stages, n]), where its peak is certainly above
+    ``limit`` from ``partial`` alone, and a lower bound of its peak: the device total of its
+    largest partial, less ``ROUNDING_MARGIN``.
+
+    ``partial`` is the forward/backward sum's first terms (held activations with the extra
+    columns, the gradients where static, parameters and optimizer states); the rest, where
+    ``additive``, is added to it and adds at least 0: the communication buffers (all >= 0, the
+    tensors handed over at a V's turn among them, subtracted once) and the transient (a working
+    set >= 0, or under FSDP the worst unit moment's working set and buffers less what the
+    buffers count twice, whose total is >= 0: every stage's moments include an empty one, and
+    the gradients a moment makes are counted only with one micro-batch, which is not additive).
+    The device total is a maximum with that sum, scaled by 1 + slack and offset: monotone.
+    Where not ``additive`` (one micro-batch whose gradients appear in the backward) the peak is
+    a maximum of other sums: never cut."""
+    bound = overhead.reserved(partial.max(axis=0))
+    bound += overhead.fixed_bytes
+    bound *= 1.0 - ROUNDING_MARGIN
+    return additive & (bound > limit), bound
 
 
 def _first_max(by_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -2152,11 +2199,19 @@ def _evaluate_group(
     *,
     device_only: bool = False,
     static_of: tuple[np.ndarray, np.ndarray] | None = None,
+    limit: float | None = None,
 ) -> dict[str, np.ndarray]:
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
     ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
     ``device_only``: only "device", the figures of the stages in between are not expanded).
     ``static_of``: the group's ``batch.distinct(STATIC_FIELDS)``, where the caller has it.
+
+    With ``limit`` (``device_only`` alone): "cut" [n] bool, the strategies found certainly above
+    ``limit`` once the static state at the held peak is added to it (``_certainly_over``), and
+    "bound" [n], a lower bound of each one's peak; the rest of the work (the FSDP unit moments)
+    skips them and their "device" rows are not their peaks. Where every strategy is cut, no
+    "device". (DeepSeek-V3's search, bench_search: of 581k strategies priced, 342k are over the
+    80 GB limit, 305k of them cut here; their FSDP moments were the largest cost after the cut.)
 
     Every term but the held activations is computed per stage pattern (see ``_GroupShape``):
     arrays [n, P] over patterns and [n, U] over the virtual stages they run, expanded to the pp
@@ -2514,10 +2569,31 @@ def _evaluate_group(
                           np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
 
 
+    # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
+    # + transient, every term but the held peak expanded from its patterns to the stages; summed
+    # in this order, term by term, so that stages of equal totals tie exactly (the peak stage is
+    # the first of them). Stage-major [pp, n], as the held peak comes: a stage's row is one copy.
+    # The static state at the held peak first: with ``limit``, that partial sum already rejects
+    # most of the strategies over it, before the buffers and the FSDP moments are priced.
+    # (held + grads) + (params + optimizer): the same sum as (params + optimizer) + (held + grads)
+    # (Summed in place where nothing else reads the held peak with the extra columns.)
+    forward_backward = held_with_extra if device_only and held_with_extra is not held else held_with_extra.copy()
+    if not grads_in_schedule:
+        priced_shape.combine_by_stage(forward_backward, static.at(static.grads))
+    elif later_runs.any():
+        priced_shape.combine_by_stage(forward_backward, static.at(static.grads) * later_runs[:, None])
+    priced_shape.combine_by_stage(forward_backward, static.at(static.params_optimizer))
+    cut: np.ndarray | None = None
+    if limit is not None and device_only:
+        additive = ~((batch.micro_batches_per_step == 1) & profile.grads_created_in_backward)
+        cut, bound = _certainly_over(forward_backward, overhead, limit, additive)
+        if cut.all():
+            return {"cut": cut, "bound": bound}
+
     # ---- communication buffers alive while a layer runs
     overlapping_with_pp = _layer_buffers(model, batch, options, op_tokens, tokens, pp, has_moe)
     # Only FSDP strategies have unit moments: price those rows alone.
-    sharded_rows = np.flatnonzero(zero3)
+    sharded_rows = np.flatnonzero(zero3 if cut is None else zero3 & ~cut)
     if sharded_rows.size:
         def pick(values: Any) -> np.ndarray:
             return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
@@ -2620,19 +2696,8 @@ def _evaluate_group(
     if not device_only:
         for name in ("params", "grads", "optimizer"):
             out[name] = static.at(getattr(static, name))
-    # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
-    # + transient, every term but the held peak expanded from its patterns to the stages; summed
-    # in this order, term by term, so that stages of equal totals tie exactly (the peak stage is
-    # the first of them). Stage-major [pp, n], as the held peak comes: a stage's row is one copy.
+    # forward/backward: the static state at the held peak (summed above), then the rest.
     expand = priced_shape.by_stage
-    # (held + grads) + (params + optimizer): the same sum as (params + optimizer) + (held + grads)
-    # (Summed in place where nothing else reads the held peak with the extra columns.)
-    forward_backward = held_with_extra if device_only and held_with_extra is not held else held_with_extra.copy()
-    if not grads_in_schedule:
-        priced_shape.combine_by_stage(forward_backward, static.at(static.grads))
-    elif later_runs.any():
-        priced_shape.combine_by_stage(forward_backward, static.at(static.grads) * later_runs[:, None])
-    priced_shape.combine_by_stage(forward_backward, static.at(static.params_optimizer))
     priced_shape.combine_by_stage(forward_backward, out["comm"])
     if hands_over:
         priced_shape.combine_by_stage(forward_backward, handed_over, np.subtract)
@@ -2671,7 +2736,8 @@ def _evaluate_group(
         # (Scaled in place: the same product, and no [pp, n] array to allocate and fault in.)
         device = overhead.reserved(forward_backward, out=forward_backward)
         device += overhead.fixed_bytes
-        return {"device": device.T} if leaders is None else {"device": device.T, "stages": leaders}
+        result = {"device": device.T} if leaders is None else {"device": device.T, "stages": leaders}
+        return result if cut is None else result | {"cut": cut, "bound": bound}
     allocated = np.maximum(forward_backward, expand(total + out["optimizer_step"]))
     reserved = overhead.reserved(allocated)
     by_stage = {"activations": held, "forward_backward": forward_backward, "allocated": allocated,

@@ -288,8 +288,9 @@ def _smallest_peak(
     bounded_index: list[np.ndarray], bounded_lower: list[np.ndarray], block_size: int,
 ) -> float:
     """When nothing fits, the smallest peak over every valid candidate (users are told how far
-    the best one is from fitting): those the static bound rejected are priced in full where that
-    bound is below the smallest peak seen."""
+    the best one is from fitting): those a lower bound rejected (the static bound, or the partial
+    sum ``peak_memory`` stopped at) are priced in full where that bound is below the smallest
+    peak seen."""
     if not bounded_index:
         return smallest
     index = np.concatenate(bounded_index)
@@ -346,7 +347,9 @@ def run_search(
         rejected[IMPOSSIBLE_IMBALANCE] = 0
     kept_index, kept_time, kept_peak, kept_stage = [], [], [], []
     kept_extra: dict[str, list[np.ndarray]] = {}
-    bounded_index: list[np.ndarray] = []  # rejected by the static bound, with that bound
+    # Rejected by a lower bound of their peak (the static bound, or a partial sum of the full
+    # model: ``peak_memory``'s limit), with that bound.
+    bounded_index: list[np.ndarray] = []
     bounded_lower: list[np.ndarray] = []
     evaluated = 0
     smallest_peak = np.inf
@@ -370,8 +373,15 @@ def run_search(
         survivors = part.batch(position)
         pending.clear()
         pending_count = 0
-        peak, stage = peak_memory(model, survivors, options)
-        smallest_peak = min(smallest_peak, float(peak.min()))
+        # Those found over the limit part way through are priced no further: their peak is a
+        # lower bound above the limit, their stage -1. Where nothing fits, the smallest peak is
+        # then found among them as among those the static bound rejected (``_smallest_peak``).
+        peak, stage = peak_memory(model, survivors, options, limit=limit)
+        cut = stage < 0
+        smallest_peak = min(smallest_peak, float(peak.min(initial=np.inf, where=~cut)))
+        if cut.any():
+            bounded_index.append(index_part[cut])
+            bounded_lower.append(peak[cut])
         fits = peak <= limit
         rejected[OVER_MEMORY] += int(np.count_nonzero(~fits))
         if fits.any():
