@@ -1724,9 +1724,9 @@ def peak_memory(
 #: How far below its partial total a strategy's peak may be, relative: the partial total is a
 #: lower bound of the full one in exact arithmetic, but the full one adds further terms (one of
 #: them negative where FSDP credits freed activations against its buffers) and may round below
-#: it by a few units in the last place (~1e-16 relative each, of terms within a few hundred
-#: times the peak). The margin is seven orders of magnitude more than that, and about 80 bytes
-#: of an 80 GB limit: a strategy that close to the limit is priced in full.
+#: it by a few units in the last place of its largest term (~1e-16 relative each, a handful of
+#: additions). The margin covers that unless a term were a million times the peak, and is about
+#: 80 bytes of an 80 GB limit: a strategy that close to the limit is priced in full.
 ROUNDING_MARGIN = 1e-9
 
 
