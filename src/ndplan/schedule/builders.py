@@ -129,6 +129,8 @@ def _plans(stages: list[_Steps], micro_batches: int | None = None) -> list[Stage
     slots = [[op for step in steps for op in step] for steps in table]
     lengths = [[len(step) for step in steps] for steps in table]
     run_stage, count, pattern = (np.array(column, dtype=np.int64).reshape(-1) for column in zip(*runs, strict=True))
+    if micro_batches is not None:
+        count = _rounds_needed(run_stage, count, pattern, slots, micro_batches)
     op_index = _runs(count, pattern, [len(ops) for ops in slots])
     kind, chunk = np.array([op for ops in slots for op in ops], dtype=np.int64).reshape(-1, 2)[op_index].T
     step_len = np.array([n for steps in lengths for n in steps], dtype=np.int64)[_runs(count, pattern, [len(n) for n in lengths])]
@@ -148,6 +150,30 @@ def _plans(stages: list[_Steps], micro_batches: int | None = None) -> list[Stage
                   np.zeros(b - a, dtype=np.int64), step_len[first:last], step[a:b] - first)
         for a, b, first, last in zip(op_at[:-1], op_at[1:], step_at[:-1], step_at[1:], strict=True)
     ]
+
+
+def _rounds_needed(run_stage: NDArray[np.int64], count: NDArray[np.int64], pattern: NDArray[np.int64],
+                   slots: list[list[_Slot]], micro_batches: int) -> NDArray[np.int64]:
+    """Each run's ``count`` cut to the rounds that hold an op of a micro-batch below
+    ``micro_batches``: the rounds until every (kind, chunk) of the run's pattern has that many
+    ops on the stage (the runs are stage after stage). The rounds cut hold only ops that
+    ``_plans`` would drop, and the ops kept keep their numbers (each is numbered by the ops of
+    its kind and chunk before it, all kept). A ZB-V order laid out for 2·pp - 1 micro-batches
+    and run with fewer (the search's frontiers ask pp 32 with 1 to 32) then expands and numbers
+    the ops it keeps, not 63 micro-batches' worth: a few small arrays per run, not per op."""
+    chunks = 1 + max((chunk for ops in slots for _, chunk in ops), default=0)
+    per_round = np.zeros((len(slots), 3 * chunks), dtype=np.int64)  # [pattern, kind·chunks + chunk] ops a round
+    for p, ops in enumerate(slots):
+        for kind, chunk in ops:
+            per_round[p, kind * chunks + chunk] += 1
+    per_round = per_round[pattern]
+    in_runs = count[:, None] * per_round
+    before = np.cumsum(in_runs, axis=0) - in_runs  # the ops of each kind and chunk before each run
+    before -= before[np.searchsorted(run_stage, run_stage)]  # ... on its stage
+    # Per kind and chunk the pattern has, the rounds until it has micro_batches ops (ceil).
+    rounds = np.where(per_round > 0, -((before - micro_batches) // np.maximum(per_round, 1)), 0)
+    needed: NDArray[np.int64] = np.minimum(count, rounds.max(axis=1, initial=0).clip(0))
+    return needed
 
 
 def _runs(count: NDArray[np.int64], pattern: NDArray[np.int64], sizes: list[int]) -> NDArray[np.int64]:
@@ -269,7 +295,7 @@ def _zbv(pp: int, m: int) -> list[StagePlan]:
         o.ops(pp - s, B0, W0)
         o.ops(s, W1)
         o.ops(s, W0)
-    return _plans(stages, micro_batches=m)
+    return _plans(stages, micro_batches=m if m < n else None)
 
 
 def _dualpipev(pp: int, m: int) -> list[StagePlan]:
