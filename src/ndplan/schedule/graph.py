@@ -223,13 +223,19 @@ def _inputs_b_c(graph: Graph, p2p_s: float) -> tuple[list[int], list[float], lis
     return graph.b.tolist(), (graph.xb * p2p_s).tolist(), graph.c.tolist()
 
 
+def step_ends(graph: Graph, step_s: NDArray[np.float64], p2p_s: float) -> list[float]:
+    """End (seconds) of every step, given each step's duration ``step_s``, and 0.0 for the
+    sentinel (the last entry): ``_run_stages``, one pass over the steps. A list: where only the
+    makespan is read, its max() costs less than making it an array first."""
+    return _run_stages(graph.offsets, graph.a.tolist(), (graph.xa * p2p_s).tolist(),
+                       np.asarray(step_s, dtype=np.float64).tolist(), _inputs_b_c(graph, p2p_s))
+
+
 def time_steps(
     graph: Graph, step_s: NDArray[np.float64], p2p_s: float
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-    """Start and end (seconds) of every step, given each step's duration ``step_s``
-    (``_run_stages``: one pass over the steps)."""
-    ends = np.array(_run_stages(graph.offsets, graph.a.tolist(), (graph.xa * p2p_s).tolist(),
-                                np.asarray(step_s, dtype=np.float64).tolist(), _inputs_b_c(graph, p2p_s)))
+    """Start and end (seconds) of every step, given each step's duration ``step_s``."""
+    ends = np.array(step_ends(graph, step_s, p2p_s))
     # Starts from the same max as in the pass (not end - duration), so they are exact.
     start = np.maximum(ends[graph.prev], ends[graph.a] + graph.xa * p2p_s)
     start = np.maximum(start, ends[graph.b] + graph.xb * p2p_s)
