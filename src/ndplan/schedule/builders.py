@@ -132,11 +132,17 @@ def _plans(stages: list[_Steps], micro_batches: int | None = None) -> list[Stage
     if micro_batches is not None:
         count = _rounds_needed(run_stage, count, pattern, slots, micro_batches)
     op_index = _runs(count, pattern, [len(ops) for ops in slots])
-    kind, chunk = np.array([op for ops in slots for op in ops], dtype=np.int64).reshape(-1, 2)[op_index].T
-    step_len = np.array([n for steps in lengths for n in steps], dtype=np.int64)[_runs(count, pattern, [len(n) for n in lengths])]
+    # Kinds and chunks each taken from a table of its own: contiguous, so each stage's are views.
+    kind, chunk = (np.array(column, dtype=np.int64).reshape(-1)[op_index]
+                   for column in zip(*(op for ops in slots for op in ops), strict=True))
+    if all(n == 1 for steps in lengths for n in steps):  # every step one op (all but DualPipeV)
+        step_len, step = np.ones(len(kind), dtype=np.int64), np.arange(len(kind), dtype=np.int64)
+    else:
+        step_len = np.array([n for steps in lengths for n in steps], dtype=np.int64)[
+            _runs(count, pattern, [len(n) for n in lengths])]
+        step = np.repeat(np.arange(len(step_len), dtype=np.int64), step_len)  # across the stages
     stage = np.repeat(run_stage, count * np.array([len(ops) for ops in slots], dtype=np.int64)[pattern])
     micro_batch = _rank_in_group((stage * 3 + kind) * (int(chunk.max(initial=0)) + 1) + chunk)
-    step = np.repeat(np.arange(len(step_len), dtype=np.int64), step_len)  # across the stages
     if micro_batches is not None and np.any(micro_batch >= micro_batches):
         keep = micro_batch < micro_batches
         kind, chunk, micro_batch, stage, step = kind[keep], chunk[keep], micro_batch[keep], stage[keep], step[keep]
@@ -145,9 +151,12 @@ def _plans(stages: list[_Steps], micro_batches: int | None = None) -> list[Stage
         step = np.cumsum(np.concatenate([[0], step[1:] != step[:-1]]), dtype=np.int64)
     op_at = np.searchsorted(stage, np.arange(len(stages) + 1)).tolist()  # each stage's first op
     step_at = [0, *(step[op_at[1:-1]] if len(step) else np.zeros(len(stages) - 1, np.int64)).tolist(), len(step_len)]
+    # Each stage's steps numbered from 0, and no sub-sequences: arrays of all the stages' ops, of
+    # which each plan holds views.
+    local_step = step - np.repeat(step_at[:-1], np.diff(op_at))
+    seq_chunk = np.zeros(len(kind), dtype=np.int64)
     return [
-        StagePlan(np.ascontiguousarray(kind[a:b]), micro_batch[a:b], np.ascontiguousarray(chunk[a:b]),
-                  np.zeros(b - a, dtype=np.int64), step_len[first:last], step[a:b] - first)
+        StagePlan(kind[a:b], micro_batch[a:b], chunk[a:b], seq_chunk[a:b], step_len[first:last], local_step[a:b])
         for a, b, first, last in zip(op_at[:-1], op_at[1:], step_at[:-1], step_at[1:], strict=True)
     ]
 
