@@ -638,3 +638,68 @@ def test_orders_equal_the_frameworks_written_out_again(pp: int) -> None:
             got = _ops("seq1f1b", pp, 1, m, k)
             assert [[(kd, mb, q) for kd, mb, _, q in ops] for ops in got] == [
                 _sail_seq1f1b(pp, m, k, r) for r in range(pp)], (pp, m, k)
+
+
+# --------------------------------------------------------------------------- the timing pass
+
+
+def _reference_ends(graph, step_s: np.ndarray, p2p: float) -> list[float]:
+    """Every step's end by the definition, in sweeps over the steps until all are timed: a step
+    is timed once its previous step and inputs are, at their latest end (+ p2p per hop) plus its
+    duration. No stage order or parking, as ``_run_stages`` has."""
+    n = graph.n
+    prev, a, b, c = (x.tolist() for x in (graph.prev, graph.a, graph.b, graph.c))
+    xa, xb = graph.xa.tolist(), graph.xb.tolist()
+    end: list[float | None] = [None] * n + [0.0]
+    while any(e is None for e in end):
+        timed = 0
+        for i in range(n):
+            if end[i] is None and all(end[j] is not None for j in (prev[i], a[i], b[i], c[i])):
+                end[i] = max(end[prev[i]], end[a[i]] + xa[i] * p2p, end[b[i]] + xb[i] * p2p, end[c[i]]) + float(step_s[i])
+                timed += 1
+        assert timed, "the reference found a cycle"
+    return end  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("schedule, pp, vpp, m, k", [
+    ("gpipe", 3, 1, 5, 1), ("1f1b", 1, 1, 3, 1), ("1f1b", 5, 1, 3, 1), ("1f1b", 4, 1, 9, 1),
+    ("interleaved", 3, 2, 6, 1), ("interleaved", 4, 3, 12, 1), ("zb-h1", 5, 1, 4, 1), ("zb-h1", 3, 1, 7, 1),
+    ("zbv", 3, 2, 2, 1), ("zbv", 4, 2, 11, 1), ("dualpipev", 3, 2, 6, 1), ("dualpipev", 4, 2, 11, 1),
+    ("seq1f1b", 3, 1, 5, 2), ("seq1f1b", 4, 1, 3, 3),
+])
+def test_timing_pass_equals_the_definition(schedule: str, pp: int, vpp: int, m: int, k: int) -> None:
+    """The one-pass timing (stages run until an input is missing, parked until it is timed)
+    gives every step's end and start, and every step's depth, exactly as the definition does."""
+    from ndplan.schedule.graph import build_graph, build_levels, time_steps
+
+    graph = build_graph(schedule, pp, vpp, m, k)
+    rng = np.random.default_rng(pp * 100 + m)
+    for step_s, p2p in ((rng.random(graph.n), 0.25), (rng.integers(0, 3, graph.n).astype(float), 0.0)):
+        want = _reference_ends(graph, step_s, p2p)
+        start, end = time_steps(graph, step_s, p2p)
+        assert end.tolist() == want[:-1]
+        assert np.array_equal(start + step_s, end)  # each starts at the latest of its inputs
+    depth = _reference_ends(graph, np.ones(graph.n), 0.0)[:-1]
+    levels = build_levels(schedule, pp, vpp, m, k)
+    assert sorted(depth) == [float(i + 1) for i, group in enumerate(levels.groups) for _ in group]
+    for i, group in enumerate(levels.groups):
+        assert {depth[s] for s in group.tolist()} == {float(i + 1)}
+
+
+def test_stages_park_on_a_missing_input_and_a_deadlock_is_a_bug() -> None:
+    """Stage 0's first step waits for stage 1's second, which waits behind stage 1's first, which
+    waits for stage 0's second: no step can start, and the pass says which are stuck (a builder's
+    bug: RuntimeError, not a user's NdplanError)."""
+    from ndplan.schedule.graph import _run_stages
+
+    n = 4  # steps 0, 1 on stage 0; 2, 3 on stage 1; 4 is the sentinel
+    with pytest.raises(RuntimeError, match=r"deadlocks; \(stage, step\) stuck: \[\(0, 0\), \(1, 0\)\]"):
+        _run_stages([0, 2, 4], [3, n, 1, n], [0.0] * n, [1.0] * n)
+    assert _run_stages([0, 2, 4], [n, n, 1, n], [0.0] * n, [1.0] * n) == [1.0, 2.0, 3.0, 4.0, 0.0]
+    # A stage parks on whichever input is missing: here stage 0's second step on input b (then c)
+    # from stage 1, whose second step ends at 3, so it ends at 4.
+    none = [n] * n
+    assert _run_stages([0, 2, 4], [n, n, 0, n], [0.0] * n, [1.0] * n, ([n, 3, n, n], [0.0] * n, none)) == [
+        1.0, 4.0, 2.0, 3.0, 0.0]
+    assert _run_stages([0, 2, 4], [n, n, 0, n], [0.0] * n, [1.0] * n, (none, [0.0] * n, [n, 3, n, n])) == [
+        1.0, 4.0, 2.0, 3.0, 0.0]

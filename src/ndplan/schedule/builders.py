@@ -129,12 +129,20 @@ def _plans(stages: list[_Steps], micro_batches: int | None = None) -> list[Stage
     slots = [[op for step in steps for op in step] for steps in table]
     lengths = [[len(step) for step in steps] for steps in table]
     run_stage, count, pattern = (np.array(column, dtype=np.int64).reshape(-1) for column in zip(*runs, strict=True))
+    if micro_batches is not None:
+        count = _rounds_needed(run_stage, count, pattern, slots, micro_batches)
     op_index = _runs(count, pattern, [len(ops) for ops in slots])
-    kind, chunk = np.array([op for ops in slots for op in ops], dtype=np.int64).reshape(-1, 2)[op_index].T
-    step_len = np.array([n for steps in lengths for n in steps], dtype=np.int64)[_runs(count, pattern, [len(n) for n in lengths])]
+    # Kinds and chunks each taken from a table of its own: contiguous, so each stage's are views.
+    kind, chunk = (np.array(column, dtype=np.int64).reshape(-1)[op_index]
+                   for column in zip(*(op for ops in slots for op in ops), strict=True))
+    if all(n == 1 for steps in lengths for n in steps):  # every step one op (all but DualPipeV)
+        step_len, step = np.ones(len(kind), dtype=np.int64), np.arange(len(kind), dtype=np.int64)
+    else:
+        step_len = np.array([n for steps in lengths for n in steps], dtype=np.int64)[
+            _runs(count, pattern, [len(n) for n in lengths])]
+        step = np.repeat(np.arange(len(step_len), dtype=np.int64), step_len)  # across the stages
     stage = np.repeat(run_stage, count * np.array([len(ops) for ops in slots], dtype=np.int64)[pattern])
     micro_batch = _rank_in_group((stage * 3 + kind) * (int(chunk.max(initial=0)) + 1) + chunk)
-    step = np.repeat(np.arange(len(step_len), dtype=np.int64), step_len)  # across the stages
     if micro_batches is not None and np.any(micro_batch >= micro_batches):
         keep = micro_batch < micro_batches
         kind, chunk, micro_batch, stage, step = kind[keep], chunk[keep], micro_batch[keep], stage[keep], step[keep]
@@ -143,11 +151,38 @@ def _plans(stages: list[_Steps], micro_batches: int | None = None) -> list[Stage
         step = np.cumsum(np.concatenate([[0], step[1:] != step[:-1]]), dtype=np.int64)
     op_at = np.searchsorted(stage, np.arange(len(stages) + 1)).tolist()  # each stage's first op
     step_at = [0, *(step[op_at[1:-1]] if len(step) else np.zeros(len(stages) - 1, np.int64)).tolist(), len(step_len)]
+    # Each stage's steps numbered from 0, and no sub-sequences: arrays of all the stages' ops, of
+    # which each plan holds views.
+    local_step = step - np.repeat(step_at[:-1], np.diff(op_at))
+    seq_chunk = np.zeros(len(kind), dtype=np.int64)
     return [
-        StagePlan(np.ascontiguousarray(kind[a:b]), micro_batch[a:b], np.ascontiguousarray(chunk[a:b]),
-                  np.zeros(b - a, dtype=np.int64), step_len[first:last], step[a:b] - first)
+        StagePlan(kind[a:b], micro_batch[a:b], chunk[a:b], seq_chunk[a:b], step_len[first:last], local_step[a:b])
         for a, b, first, last in zip(op_at[:-1], op_at[1:], step_at[:-1], step_at[1:], strict=True)
     ]
+
+
+def _rounds_needed(run_stage: NDArray[np.int64], count: NDArray[np.int64], pattern: NDArray[np.int64],
+                   slots: list[list[_Slot]], micro_batches: int) -> NDArray[np.int64]:
+    """Each run's ``count`` cut to the rounds that hold an op of a micro-batch below
+    ``micro_batches``: the rounds until every (kind, chunk) of the run's pattern has that many
+    ops on the stage (the runs are stage after stage). The rounds cut hold only ops that
+    ``_plans`` would drop, and the ops kept keep their numbers (each is numbered by the ops of
+    its kind and chunk before it, all kept). A ZB-V order laid out for 2·pp - 1 micro-batches
+    and run with fewer (the search's frontiers ask pp 32 with 1 to 32) then expands and numbers
+    the ops it keeps, not 63 micro-batches' worth: a few small arrays per run, not per op."""
+    chunks = 1 + max((chunk for ops in slots for _, chunk in ops), default=0)
+    per_round = np.zeros((len(slots), 3 * chunks), dtype=np.int64)  # [pattern, kind·chunks + chunk] ops a round
+    for p, ops in enumerate(slots):
+        for kind, chunk in ops:
+            per_round[p, kind * chunks + chunk] += 1
+    per_round = per_round[pattern]
+    in_runs = count[:, None] * per_round
+    before = np.cumsum(in_runs, axis=0) - in_runs  # the ops of each kind and chunk before each run
+    before -= before[np.searchsorted(run_stage, run_stage)]  # ... on its stage
+    # Per kind and chunk the pattern has, the rounds until it has micro_batches ops (ceil).
+    rounds = np.where(per_round > 0, -((before - micro_batches) // np.maximum(per_round, 1)), 0)
+    needed: NDArray[np.int64] = np.minimum(count, rounds.max(axis=1, initial=0).clip(0))
+    return needed
 
 
 def _runs(count: NDArray[np.int64], pattern: NDArray[np.int64], sizes: list[int]) -> NDArray[np.int64]:
@@ -269,7 +304,7 @@ def _zbv(pp: int, m: int) -> list[StagePlan]:
         o.ops(pp - s, B0, W0)
         o.ops(s, W1)
         o.ops(s, W0)
-    return _plans(stages, micro_batches=m)
+    return _plans(stages, micro_batches=m if m < n else None)
 
 
 def _dualpipev(pp: int, m: int) -> list[StagePlan]:

@@ -11,15 +11,14 @@ inputs:
 
 An input made on another stage arrives ``p2p_s`` later (the latency of one transfer; link
 contention is not modelled). As each stage's order is fixed, a step's start is
-max(end of the stage's previous step, end of each input [+ p2p_s]): a longest-path pass over
-a topological order, O(steps). The graph and the order depend only on (schedule, pp, vpp,
-num_micro_batches, seq_chunks), so they are built once and cached; each call with new
-durations costs one pass.
+max(end of the stage's previous step, end of each input [+ p2p_s]): one pass that runs each
+stage's steps in its order until one waits for an input not yet timed, O(steps). The graph
+depends only on (schedule, pp, vpp, num_micro_batches, seq_chunks), so it is built once and
+cached; each call with new durations costs one pass.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -38,7 +37,7 @@ class Graph:
     Index ``n`` is a sentinel step, done at time 0, that stands for "no input".
     prev: the stage's previous step. a, b: inputs that may come from another stage (xa, xb
     = 1.0 when they do, so they pay p2p_s); b is used only by DualPipeV's F&B pairs.
-    c: a same-stage input (Seq1F1B sub-sequence order). order: a topological order.
+    c: a same-stage input (Seq1F1B sub-sequence order).
     """
 
     n: int
@@ -49,7 +48,6 @@ class Graph:
     c: NDArray[np.int64]
     xa: NDArray[np.float64]
     xb: NDArray[np.float64]
-    order: NDArray[np.int64]
 
 
 def _op_inputs(
@@ -89,7 +87,7 @@ def _op_inputs(
 
 @lru_cache(maxsize=256, typed=True)
 def build_graph(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Graph:
-    """The dependency graph and a topological order of a schedule's steps (cached)."""
+    """The dependency graph of a schedule's steps (cached)."""
     plan = build_plan(schedule, pp, vpp, m, k)
     table = np.array(model_chunk_table(schedule, pp, vpp), dtype=np.int64)
     n_chunks = pp * vpp
@@ -134,9 +132,6 @@ def build_graph(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Graph:
     c = step_of_op[dep2[first]]
     prev = np.arange(-1, n - 1)
     prev[np.array(offsets[:-1])] = n
-    # Inputs b and c as lists only where a step has one (most schedules: none).
-    only_a = not (np.any(b != n) or np.any(c != n))
-    order = _topological_order(offsets, a.tolist(), [] if only_a else b.tolist(), [] if only_a else c.tolist(), n)
     return Graph(
         n=n,
         offsets=offsets,
@@ -146,106 +141,106 @@ def build_graph(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Graph:
         c=c,
         xa=cross[first].astype(np.float64),
         xb=np.where(has2, cross[second], False).astype(np.float64),
-        order=np.array(order, dtype=np.int64),
     )
 
 
-def _topological_order(offsets: list[int], a: list[int], b: list[int], c: list[int], n: int) -> list[int]:
-    """Run every stage's steps in its own order, a step once its inputs have run (inputs b and c
-    empty: no step has one).
+def _run_stages(
+    offsets: list[int], a: list[int], da: list[float], d: list[float],
+    bc: tuple[list[int], list[float], list[int]] | None = None,
+) -> list[float]:
+    """End of every step, and 0.0 for the sentinel (the last entry): a step ends ``d`` after the
+    latest of its stage's previous step and its inputs a (+ ``da``), b (+ db) and c, ``bc`` =
+    (b, db, c) given only where some step has input b or c.
 
-    A stage runs until a step waits for an input not yet run, then parks on that input;
-    running the input wakes it. Each step is settled once. A stage left parked means the
-    builder's order cannot run: that is a bug, so RuntimeError rather than NdplanError.
-    """
+    Every stage runs its steps in its own order until one waits for an input not yet timed, then
+    parks on that input; timing the input wakes it. Each step is timed once, when its inputs
+    are, so no topological order need be worked out first: one pass of plain list reads per
+    step (the search's interleaved makespans time each graph once; an order found beforehand
+    was a second pass as long). A stage left parked means the builder's order cannot run: that
+    is a bug, so RuntimeError rather than NdplanError. The maxima are those of ``time_steps``'
+    starts (of the same sums, so the ends are the same to the bit)."""
     pp = len(offsets) - 1
-    done = [False] * n + [True]
-    order: list[int] = []
-    waiting: dict[int, list[int]] = {}
-    ptr = offsets[:-1]
-    ready = deque(range(pp))
-    only_a = not b  # most schedules: skip the empty slots
+    n = offsets[-1]
+    end = [-1.0] * n + [0.0]  # -1: not yet timed (an end is never negative)
+    waiting: list[list[int] | None] = [None] * (n + 1)  # the stages parked on each step
+    at = offsets[:-1]
+    clock = [0.0] * pp  # end of each stage's last timed step
+    ready = list(range(pp))
     while ready:
-        s = ready.popleft()
-        i = ptr[s]
-        end = offsets[s + 1]
-        while i < end:
-            x = a[i]
-            if done[x] and not only_a:
-                x = b[i] if not done[b[i]] else c[i]
-            if not done[x]:
-                if x in waiting:
-                    waiting[x].append(s)
-                else:
-                    waiting[x] = [s]
-                break
-            done[i] = True
-            order.append(i)
-            if i in waiting:
-                ready.extend(waiting.pop(i))
-            i += 1
-        ptr[s] = i
-    stuck = [(s, ptr[s] - offsets[s]) for s in range(pp) if ptr[s] < offsets[s + 1]]
+        s = ready.pop()
+        i, stop, t = at[s], offsets[s + 1], clock[s]
+        if bc is None:
+            while i < stop:
+                r = end[a[i]]
+                if r < 0.0:
+                    blocker = a[i]
+                    break
+                r += da[i]
+                t = (r if r > t else t) + d[i]
+                end[i] = t
+                woken = waiting[i]
+                if woken is not None:
+                    ready.extend(woken)
+                i += 1
+        else:
+            b, db, c = bc
+            while i < stop:
+                r, rb, rc = end[a[i]], end[b[i]], end[c[i]]
+                if r < 0.0 or rb < 0.0 or rc < 0.0:
+                    blocker = a[i] if r < 0.0 else b[i] if rb < 0.0 else c[i]
+                    break
+                r += da[i]
+                if r > t:
+                    t = r
+                rb += db[i]
+                if rb > t:
+                    t = rb
+                t = (rc if rc > t else t) + d[i]
+                end[i] = t
+                woken = waiting[i]
+                if woken is not None:
+                    ready.extend(woken)
+                i += 1
+        if i < stop:
+            parked = waiting[blocker]
+            if parked is None:
+                waiting[blocker] = [s]
+            else:
+                parked.append(s)
+        at[s], clock[s] = i, t
+    stuck = [(s, at[s] - offsets[s]) for s in range(pp) if at[s] < offsets[s + 1]]
     if stuck:
         raise RuntimeError(f"pipeline schedule deadlocks; (stage, step) stuck: {stuck[:4]}")
-    return order
+    return end
+
+
+def _inputs_b_c(graph: Graph, p2p_s: float) -> tuple[list[int], list[float], list[int]] | None:
+    """``_run_stages``' inputs b, their hops' seconds and c, as lists; None where no step has
+    input b or c (most schedules)."""
+    n = graph.n
+    if not (np.any(graph.b != n) or np.any(graph.c != n)):
+        return None
+    return graph.b.tolist(), (graph.xb * p2p_s).tolist(), graph.c.tolist()
+
+
+def step_ends(graph: Graph, step_s: NDArray[np.float64], p2p_s: float) -> list[float]:
+    """End (seconds) of every step, given each step's duration ``step_s``, and 0.0 for the
+    sentinel (the last entry): ``_run_stages``, one pass over the steps. A list: where only the
+    makespan is read, its max() costs less than making it an array first."""
+    return _run_stages(graph.offsets, graph.a.tolist(), (graph.xa * p2p_s).tolist(),
+                       np.asarray(step_s, dtype=np.float64).tolist(), _inputs_b_c(graph, p2p_s))
 
 
 def time_steps(
     graph: Graph, step_s: NDArray[np.float64], p2p_s: float
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-    """Start and end (seconds) of every step, given each step's duration ``step_s``.
-
-    The loop is the hot path of the strategy search: plain lists zipped in visiting order,
-    with variants that skip the input slots a schedule never uses.
-    """
-    n = graph.n
-    order = graph.order
-    end = [0.0] * (n + 1)
-    steps = zip(
-        order.tolist(),
-        graph.prev[order].tolist(),
-        graph.a[order].tolist(),
-        (graph.xa[order] * p2p_s).tolist(),
-        step_s[order].tolist(),
-        strict=True,
-    )
-    uses_b = bool(np.any(graph.b != n))
-    uses_c = bool(np.any(graph.c != n))
-    if not uses_b and not uses_c:
-        for i, p, x, dx, d in steps:
-            t = end[p]
-            r = end[x] + dx
-            end[i] = (r if r > t else t) + d
-    elif not uses_b:
-        c = graph.c.tolist()
-        for i, p, x, dx, d in steps:
-            t = end[p]
-            r = end[x] + dx
-            if r > t:
-                t = r
-            r = end[c[i]]
-            end[i] = (r if r > t else t) + d
-    else:
-        b = graph.b.tolist()
-        db = (graph.xb * p2p_s).tolist()
-        c = graph.c.tolist()
-        for i, p, x, dx, d in steps:
-            t = end[p]
-            r = end[x] + dx
-            if r > t:
-                t = r
-            r = end[b[i]] + db[i]
-            if r > t:
-                t = r
-            r = end[c[i]]
-            end[i] = (r if r > t else t) + d
-    # Starts from the same max as in the loop (not end - duration), so they are exact.
-    ends = np.array(end)
+    """Start and end (seconds) of every step, given each step's duration ``step_s``."""
+    ends = np.array(step_ends(graph, step_s, p2p_s))
+    # Starts from the same max as in the pass (not end - duration), so they are exact.
     start = np.maximum(ends[graph.prev], ends[graph.a] + graph.xa * p2p_s)
     start = np.maximum(start, ends[graph.b] + graph.xb * p2p_s)
     start = np.maximum(start, ends[graph.c])
-    return start, ends[:n]
+    return start, ends[:graph.n]
 
 
 @dataclass(frozen=True)
@@ -306,18 +301,9 @@ def build_levels(schedule: str, pp: int, vpp: int, m: int, k: int = 1) -> Levels
     graph = build_graph(schedule, pp, vpp, m, k)
     plan = build_plan(schedule, pp, vpp, m, k)
     n = graph.n
-    depth = [0] * (n + 1)
-    visit = graph.order
-    # Each step one deeper than its deepest input, in topological order: plain lists zipped in
-    # that order, the inputs b and c read only where a step has one (the sentinel's depth is 0).
-    if np.any(graph.b != n) or np.any(graph.c != n):
-        for i, p, x, y, z in zip(visit.tolist(), *(links[visit].tolist() for links in (graph.prev, graph.a, graph.b,
-                                                                                       graph.c)), strict=True):
-            depth[i] = 1 + max(depth[p], depth[x], depth[y], depth[z])
-    else:
-        for i, p, x in zip(visit.tolist(), graph.prev[visit].tolist(), graph.a[visit].tolist(), strict=True):
-            before, after = depth[p], depth[x]
-            depth[i] = (before if before > after else after) + 1
+    # Each step one deeper than its deepest input (the sentinel's depth is 0): its end when
+    # every step lasts 1 and no hop costs anything (whole numbers, exact as floats).
+    depth = _run_stages(graph.offsets, graph.a.tolist(), [0.0] * n, [1.0] * n, _inputs_b_c(graph, 0.0))
     by_depth = np.array(depth[:n], dtype=np.int64)
     order = np.argsort(by_depth, kind="stable")
     bounds = [0, *(np.flatnonzero(np.diff(by_depth[order])) + 1).tolist(), n]

@@ -16,7 +16,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ndplan.errors import NdplanError
 from ndplan.schedule.builders import StagePlan, build_plan
-from ndplan.schedule.graph import Graph, build_graph, time_steps
+from ndplan.schedule.graph import Graph, build_graph, step_ends, time_steps
 from ndplan.schedule.memory import InFlight, StageInFlight, in_flight
 from ndplan.schedule.ops import KIND_NAMES, SPLIT_BACKWARD, B, F, Op, model_chunk_table, validate
 
@@ -140,8 +140,9 @@ def simulate(
     is taken as split into chunks of equal cost).
     """
     pp, vpp, num_micro_batches, seq_chunks = validate(schedule, pp, vpp, num_micro_batches, seq_chunks)
-    plan, graph, starts, ends = _timeline(schedule, pp, vpp, num_micro_batches, seq_chunks, forward_s, backward_s,
-                                          weight_grad_s, p2p_s, overlap_f_and_b)
+    plan, graph, step_s, p2p = _timeline_inputs(schedule, pp, vpp, num_micro_batches, seq_chunks, forward_s, backward_s,
+                                                weight_grad_s, p2p_s, overlap_f_and_b)
+    starts, ends = time_steps(graph, step_s, p2p)
 
     stage_ops = []
     busy = np.zeros(pp)
@@ -195,16 +196,19 @@ def simulated_makespan_s(
     makespan is read (the search's interleaved stalls: a schedule's activation counts are half
     of what ``simulate`` pays the first time it sees the schedule)."""
     pp, vpp, num_micro_batches, seq_chunks = validate(schedule, pp, vpp, num_micro_batches, seq_chunks)
-    ends = _timeline(schedule, pp, vpp, num_micro_batches, seq_chunks, forward_s, backward_s, weight_grad_s, p2p_s,
-                     overlap_f_and_b)[3]
-    return float(ends.max()) if len(ends) else 0.0
+    _, graph, step_s, p2p = _timeline_inputs(schedule, pp, vpp, num_micro_batches, seq_chunks, forward_s, backward_s,
+                                             weight_grad_s, p2p_s, overlap_f_and_b)
+    # The ends alone (not the starts, which only simulate reports); the sentinel's 0.0 among
+    # them is the makespan of an empty timeline.
+    return max(step_ends(graph, step_s, p2p))
 
 
-def _timeline(
+def _timeline_inputs(
     schedule: str, pp: int, vpp: int, num_micro_batches: int, seq_chunks: int, forward_s: ArrayLike | None,
     backward_s: ArrayLike | None, weight_grad_s: ArrayLike | None, p2p_s: float, overlap_f_and_b: bool,
-) -> tuple[tuple[StagePlan, ...], Graph, NDArray[np.float64], NDArray[np.float64]]:
-    """(plan, graph, start, end of every step) of ``simulate``'s timeline, for validated sizes."""
+) -> tuple[tuple[StagePlan, ...], Graph, NDArray[np.float64], float]:
+    """(plan, graph, seconds of every step, p2p seconds) of ``simulate``'s timeline, for
+    validated sizes."""
     plan = build_plan(schedule, pp, vpp, num_micro_batches, seq_chunks)
     if isinstance(p2p_s, bool) or not (isinstance(p2p_s, Real) and np.isfinite(p2p_s) and p2p_s >= 0):
         raise NdplanError(f"p2p_s must be a finite number >= 0 seconds, got {p2p_s!r}")
@@ -218,9 +222,7 @@ def _timeline(
     b = b / seq_chunks
 
     graph = build_graph(schedule, pp, vpp, num_micro_batches, seq_chunks)
-    step_s = _step_seconds(plan, f, b, w, overlap_f_and_b)
-    starts, ends = time_steps(graph, step_s, float(p2p_s))
-    return plan, graph, starts, ends
+    return plan, graph, _step_seconds(plan, f, b, w, overlap_f_and_b), float(p2p_s)
 
 
 def _durations(name: str, value: ArrayLike | None, default: float, pp: int, vpp: int) -> NDArray[np.float64]:
