@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ndplan.arrays import unique
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
@@ -232,11 +233,14 @@ def by_time_then_peak(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
     sorted_time = time_s[order]
     same = sorted_time[1:] == sorted_time[:-1]
     same |= np.isnan(sorted_time[1:]) & np.isnan(sorted_time[:-1])  # NaNs sort last, as one run
-    tied = np.flatnonzero(same)
-    if tied.size:
-        # Positions of the runs of equal times, in order; their points re-sorted by (time, peak)
-        # stay in their runs, which keep their places, and ties in both keep their order.
-        runs = np.union1d(tied, tied + 1)
+    if same.any():
+        # Positions of the runs of equal times, in order (each point equal to the one before or
+        # after it); their points re-sorted by (time, peak) stay in their runs, which keep their
+        # places, and ties in both keep their order.
+        in_run = np.zeros(len(order), dtype=bool)
+        in_run[:-1] = same
+        in_run[1:] |= same
+        runs = np.flatnonzero(in_run)
         members = order[runs]
         order[runs] = members[np.lexsort((members, peak[members], time_s[members]))]
     return order
@@ -477,4 +481,4 @@ def evenly_spread(n: int, k: int) -> np.ndarray:
     """Indices of at most ``k`` of ``n`` ordered items, evenly spread, the first and the last included."""
     if n <= k:
         return np.arange(n)
-    return np.unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64))
+    return unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64))
