@@ -253,6 +253,8 @@ def distinct_columns(
     for column, values in enumerate(columns):
         if prefix and column == prefix:
             prefix_codes, _ = _key_codes(key, base, span, n)
+        if values.strides == (0,):
+            continue  # one value broadcast (a field a batch holds at one value): the key unchanged
         low, high = int(values.min()), int(values.max())
         if low == high:
             continue  # one value: one code, the key unchanged
