@@ -229,6 +229,9 @@ class StrategyBatch:
 _SMALL_RANGE = 16
 #: The largest key span ``distinct_columns`` renumbers through a presence table on the way.
 _RENUMBERED_SPAN = 1 << 20
+#: ``distinct_columns`` lets its key span this many times the rows (up to ``_RENUMBERED_SPAN``)
+#: before it renumbers the key densely.
+_SPAN_PER_ROW = 4
 
 
 def distinct_columns(
@@ -248,7 +251,11 @@ def distinct_columns(
     key: np.ndarray | None = None
     span = 1
     base = 0
-    table_size = max(n, 1 << 16)
+    # A renumbering costs a pass over the rows and one over its table: a search's batches (70K-
+    # 220K rows, 20-23 fields, 100K+ combinations) renumbered 5-7 times with the table at the
+    # rows' count, 3 times at four times it (the 31 calls of DeepSeek-V3's search, from the
+    # memory and time models: 52.9 -> 49.2 ms); a million rows renumber alike (2^20 either way).
+    table_size = max(n, min(_SPAN_PER_ROW * n, _RENUMBERED_SPAN), 1 << 16)
     prefix_codes: np.ndarray | None = None
     for column, values in enumerate(columns):
         if prefix and column == prefix:
