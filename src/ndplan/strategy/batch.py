@@ -172,10 +172,12 @@ class StrategyBatch:
         """
         columns = [getattr(self, name) for name in names]
         key = np.zeros(len(self), dtype=np.int64)
-        for column in columns:
-            bits = max(int(column.max()).bit_length(), 1)
-            key = (key << bits) | column
-        run_starts = np.flatnonzero(np.diff(key, prepend=key[0] - 1))
+        for column in columns:  # in place: no temporary the size of the batch per field
+            key <<= max(int(column.max()).bit_length(), 1)
+            key |= column
+        changes = np.ones(len(key), dtype=bool)
+        np.not_equal(key[1:], key[:-1], out=changes[1:])
+        run_starts = np.flatnonzero(changes)
         # (Many more runs than keys can hold: not one run per key, and no need to look.)
         if len(run_starts) <= int(key.max()) + 1:
             run_keys = key[run_starts]
