@@ -23,7 +23,7 @@ from ndplan.memory.report import check_options, headroom, known_gaps
 from ndplan.memory.stages import STATIC_FIELDS, peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
-from ndplan.search.screen import Check, PartFields, screened_blocks
+from ndplan.search.screen import Check, PartFields, Places, screened_blocks
 from ndplan.search.space import FIELD_DIMENSIONS, SearchSpace
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import RULES, Rule, RuleContext
@@ -260,7 +260,7 @@ STATIC_DIMENSIONS = frozenset(dim for name in STATIC_FIELDS for dim in FIELD_DIM
 
 
 class _StaticBounds:
-    """``static_lower_bound`` of a part's candidates, by position: a function of STATIC_FIELDS,
+    """``static_lower_bound`` of a part's candidates, by place: a function of STATIC_FIELDS,
     so of the candidate's combination of STATIC_DIMENSIONS, priced once per combination the
     first time a candidate of it needs it and looked up after (the survivors of a block share
     combinations many at a time, and blocks share them with the next ones)."""
@@ -270,9 +270,9 @@ class _StaticBounds:
         self.part: PartFields | None = None
         self.bound, self.known = np.zeros(0), np.zeros(0, dtype=bool)
 
-    def at(self, part: PartFields, position: np.ndarray) -> np.ndarray:
-        """The bound of the candidates at ``position`` in ``part``."""
-        combination, count = part.combination(position, STATIC_DIMENSIONS)
+    def at(self, part: PartFields, places: Places) -> np.ndarray:
+        """The bound of the candidates at ``places`` in ``part``."""
+        combination, count = part.combination(places, STATIC_DIMENSIONS)
         if part is not self.part:
             self.part, self.bound, self.known = part, np.zeros(count), np.zeros(count, dtype=bool)
         missing = ~self.known.take(combination)
@@ -280,9 +280,10 @@ class _StaticBounds:
             # One candidate of each combination not priced yet stands for it (any: they share
             # the fields the bound reads).
             stand_in = np.full(count, -1, dtype=np.int64)
-            stand_in[combination[missing]] = position[missing]
+            stand_in[combination[missing]] = np.flatnonzero(missing)
             new = np.flatnonzero(stand_in >= 0)
-            self.bound[new] = static_lower_bound(self.model, part.batch(stand_in[new]), self.options, distinct=True)
+            self.bound[new] = static_lower_bound(self.model, part.batch(places.take(stand_in[new])), self.options,
+                                                 distinct=True)
             self.known[new] = True
         return self.bound.take(combination)
 
@@ -358,7 +359,7 @@ def run_search(
     # The survivors of the rules and the static bound wait until a block's worth has gathered:
     # each pricing call has a fixed cost (layer prices, schedule frontiers per group), which
     # the few thousand survivors of one enumerated block would pay many times over.
-    pending: list[tuple[np.ndarray, np.ndarray, PartFields]] = []  # (indices, positions, their part)
+    pending: list[tuple[np.ndarray, Places, PartFields]] = []  # (indices, places, their part)
     pending_count = 0
     waiting = 0  # candidates enumerated whose survivors wait in ``pending``: not done yet
 
@@ -370,8 +371,8 @@ def run_search(
         index_part = np.concatenate([index for index, _, _ in pending])
         # Built from the part's tables at once rather than gathered from each block's batch and joined.
         part = pending[0][2]
-        position = np.concatenate([position for _, position, _ in pending])
-        survivors = part.batch(position)
+        places = Places.concat([places for _, places, _ in pending])
+        survivors = part.batch(places)
         pending.clear()
         pending_count = 0
         peak, stage = peak_memory(model, survivors, options)
@@ -381,7 +382,7 @@ def run_search(
         if fits.any():
             # Built again from the part's tables rather than gathered from the survivors' batch:
             # one gather per field from small tables instead of one from the survivors' columns.
-            fitting = part.batch(position[fits])
+            fitting = part.batch(places.take(fits))
             times = _step_times(time_function(model, fitting, cluster), len(fitting))
             kept_index.append(index_part[fits])
             kept_time.append(np.asarray(times["step_s"], dtype=float))
@@ -411,7 +412,7 @@ def run_search(
         if len(index):
             # The static state alone (a lower bound of the peak) already rejects many; the full
             # memory model prices the rest. The fitting set is the same.
-            lower = static_bounds.at(block.part, block.position)
+            lower = static_bounds.at(block.part, block.places)
             cannot = lower > limit
             evaluated += len(index)
             rejected[OVER_MEMORY] += int(np.count_nonzero(cannot))
@@ -424,7 +425,7 @@ def run_search(
                 # A batch holds one part's candidates (one precision, one set of modules each), and
                 # at most a block's worth.
                 price_pending()
-            pending.append((index[valid], block.position[valid], block.part))
+            pending.append((index[valid], block.places.take(valid), block.part))
             pending_count += len(valid)
         waiting = waiting + block.listed if pending else 0
         if pending_count >= block_size:
