@@ -42,3 +42,18 @@ def test_distinct_columns_ranks_many_small_fields_far_from_zero(rows: int) -> No
     np.testing.assert_array_equal(stacked[rows_of], distinct)
     _, prefix_inverse = np.unique(stacked[:, :12], axis=0, return_inverse=True)
     np.testing.assert_array_equal(prefix_codes, prefix_inverse.reshape(-1))
+
+
+@pytest.mark.parametrize("rows", [1, 2000])
+def test_distinct_columns_skips_broadcast_columns_alike(rows: int) -> None:
+    # A field a search part holds at one value comes as a broadcast view (stride 0): it changes
+    # no code, here or as the prefix's last column, wherever it stands.
+    rng = np.random.default_rng(rows)
+    varying = [rng.integers(0, 5, rows), rng.integers(100, 4000, rows) * 7]
+    constant = np.broadcast_to(np.int64(4096), (rows,))
+    columns = [constant, varying[0], constant, varying[1], constant]
+    _, codes, prefix_codes = distinct_columns(columns, rows, prefix=3)
+    _, expected = np.unique(np.stack(varying, axis=1), axis=0, return_inverse=True)
+    np.testing.assert_array_equal(codes, expected.reshape(-1))
+    _, expected_prefix = np.unique(varying[0], return_inverse=True)
+    np.testing.assert_array_equal(prefix_codes, expected_prefix)

@@ -47,7 +47,7 @@ def test_search_equals_brute_force_with_the_single_strategy_api(dims):
     limit = 2 * 2**30
     options = MemoryOptions()
     result = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=limit, options=options,
-                        top=10**9, block_size=997)
+                        top=10**9, block_size=97)
     cluster = Cluster(device=DEVICE, num_devices=space.num_devices)
     expected = []
     duplicates = space.duplicates(np.arange(space.size))
@@ -63,18 +63,21 @@ def test_search_equals_brute_force_with_the_single_strategy_api(dims):
             continue  # nor 1F1B with fewer micro-batches than stages (its Schedule1F1B raises)
         if strategy.zero in (1, 2) and strategy.dp * strategy.cp == 1:
             continue  # ZeRO 0 under another name: nothing to shard over (a duplicate)
-        peak = estimate(TINY_MOE, strategy, DEVICE, options, num_devices=space.num_devices).peak_bytes
-        if peak > limit:
+        report = estimate(TINY_MOE, strategy, DEVICE, options, num_devices=space.num_devices)
+        if report.peak_bytes > limit:
             continue
-        step = float(step_time_batch(TINY_MOE, StrategyBatch.of(strategy), cluster)["step_s"][0])
-        expected.append((step, peak, candidate))
-    expected.sort()
-    assert [row["candidate"] for row in result.ranked] == [c for _, _, c in expected]
+        times = step_time_batch(TINY_MOE, StrategyBatch.of(strategy), cluster)
+        figures = {k: float(v[0]) for k, v in times.items()} | {"peak_stage": report.peak_stage}
+        expected.append((figures["step_s"], report.peak_bytes, candidate, figures))
+    expected.sort(key=lambda e: e[:3])
+    assert [row["candidate"] for row in result.ranked] == [c for _, _, c, _ in expected]
     assert result.rejected[NOT_RUNNABLE] > 0
     assert len(expected) > 50 and result.fitting == len(expected)
-    for row, (step, peak, _) in zip(result.ranked, expected, strict=True):
+    assert result.evaluated > 97  # the survivors were priced in several calls: each row's figures are its own
+    for row, (step, peak, _, times) in zip(result.ranked, expected, strict=True):
         assert row["step_s"] == pytest.approx(step, rel=1e-12)
         assert row["peak_bytes"] == round(peak)
+        assert {k: row[k] for k in times} == pytest.approx(times, rel=1e-12)  # peak_stage exactly
     if "pipeline_runs" in dims:
         assert {row["pipeline_runs"] for row in result.ranked} == set(space.pipeline_runs) == {1, 2, 4, 8}
 

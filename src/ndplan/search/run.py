@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ndplan.arrays import unique
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
@@ -22,7 +23,7 @@ from ndplan.memory.report import check_options, headroom, known_gaps
 from ndplan.memory.stages import STATIC_FIELDS, peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
-from ndplan.search.screen import Check, PartFields, screened_blocks
+from ndplan.search.screen import Check, PartFields, Places, screened_blocks
 from ndplan.search.space import FIELD_DIMENSIONS, SearchSpace
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import RULES, Rule, RuleContext
@@ -232,11 +233,14 @@ def by_time_then_peak(time_s: np.ndarray, peak: np.ndarray) -> np.ndarray:
     sorted_time = time_s[order]
     same = sorted_time[1:] == sorted_time[:-1]
     same |= np.isnan(sorted_time[1:]) & np.isnan(sorted_time[:-1])  # NaNs sort last, as one run
-    tied = np.flatnonzero(same)
-    if tied.size:
-        # Positions of the runs of equal times, in order; their points re-sorted by (time, peak)
-        # stay in their runs, which keep their places, and ties in both keep their order.
-        runs = np.union1d(tied, tied + 1)
+    if same.any():
+        # Positions of the runs of equal times, in order (each point equal to the one before or
+        # after it); their points re-sorted by (time, peak) stay in their runs, which keep their
+        # places, and ties in both keep their order.
+        in_run = np.zeros(len(order), dtype=bool)
+        in_run[:-1] = same
+        in_run[1:] |= same
+        runs = np.flatnonzero(in_run)
         members = order[runs]
         order[runs] = members[np.lexsort((members, peak[members], time_s[members]))]
     return order
@@ -256,7 +260,7 @@ STATIC_DIMENSIONS = frozenset(dim for name in STATIC_FIELDS for dim in FIELD_DIM
 
 
 class _StaticBounds:
-    """``static_lower_bound`` of a part's candidates, by position: a function of STATIC_FIELDS,
+    """``static_lower_bound`` of a part's candidates, by place: a function of STATIC_FIELDS,
     so of the candidate's combination of STATIC_DIMENSIONS, priced once per combination the
     first time a candidate of it needs it and looked up after (the survivors of a block share
     combinations many at a time, and blocks share them with the next ones)."""
@@ -266,9 +270,9 @@ class _StaticBounds:
         self.part: PartFields | None = None
         self.bound, self.known = np.zeros(0), np.zeros(0, dtype=bool)
 
-    def at(self, part: PartFields, position: np.ndarray) -> np.ndarray:
-        """The bound of the candidates at ``position`` in ``part``."""
-        combination, count = part.combination(position, STATIC_DIMENSIONS)
+    def at(self, part: PartFields, places: Places) -> np.ndarray:
+        """The bound of the candidates at ``places`` in ``part``."""
+        combination, count = part.combination(places, STATIC_DIMENSIONS)
         if part is not self.part:
             self.part, self.bound, self.known = part, np.zeros(count), np.zeros(count, dtype=bool)
         missing = ~self.known.take(combination)
@@ -276,9 +280,10 @@ class _StaticBounds:
             # One candidate of each combination not priced yet stands for it (any: they share
             # the fields the bound reads).
             stand_in = np.full(count, -1, dtype=np.int64)
-            stand_in[combination[missing]] = position[missing]
+            stand_in[combination[missing]] = np.flatnonzero(missing)
             new = np.flatnonzero(stand_in >= 0)
-            self.bound[new] = static_lower_bound(self.model, part.batch(stand_in[new]), self.options, distinct=True)
+            self.bound[new] = static_lower_bound(self.model, part.batch(places.take(stand_in[new])), self.options,
+                                                 distinct=True)
             self.known[new] = True
         return self.bound.take(combination)
 
@@ -357,7 +362,7 @@ def run_search(
     # The survivors of the rules and the static bound wait until a block's worth has gathered:
     # each pricing call has a fixed cost (layer prices, schedule frontiers per group), which
     # the few thousand survivors of one enumerated block would pay many times over.
-    pending: list[tuple[np.ndarray, np.ndarray, PartFields]] = []  # (indices, positions, their part)
+    pending: list[tuple[np.ndarray, Places, PartFields]] = []  # (indices, places, their part)
     pending_count = 0
     waiting = 0  # candidates enumerated whose survivors wait in ``pending``: not done yet
 
@@ -369,8 +374,8 @@ def run_search(
         index_part = np.concatenate([index for index, _, _ in pending])
         # Built from the part's tables at once rather than gathered from each block's batch and joined.
         part = pending[0][2]
-        position = np.concatenate([position for _, position, _ in pending])
-        survivors = part.batch(position)
+        places = Places.concat([places for _, places, _ in pending])
+        survivors = part.batch(places)
         pending.clear()
         pending_count = 0
         # Those found over the limit part way through are priced no further: their peak is a
@@ -387,7 +392,7 @@ def run_search(
         if fits.any():
             # Built again from the part's tables rather than gathered from the survivors' batch:
             # one gather per field from small tables instead of one from the survivors' columns.
-            fitting = part.batch(position[fits])
+            fitting = part.batch(places.take(fits))
             times = _step_times(time_function(model, fitting, cluster), len(fitting))
             kept_index.append(index_part[fits])
             kept_time.append(np.asarray(times["step_s"], dtype=float))
@@ -417,7 +422,7 @@ def run_search(
         if len(index):
             # The static state alone (a lower bound of the peak) already rejects many; the full
             # memory model prices the rest. The fitting set is the same.
-            lower = static_bounds.at(block.part, block.position)
+            lower = static_bounds.at(block.part, block.places)
             cannot = lower > limit
             evaluated += len(index)
             rejected[OVER_MEMORY] += int(np.count_nonzero(cannot))
@@ -430,7 +435,7 @@ def run_search(
                 # A batch holds one part's candidates (one precision, one set of modules each), and
                 # at most a block's worth.
                 price_pending()
-            pending.append((index[valid], block.position[valid], block.part))
+            pending.append((index[valid], block.places.take(valid), block.part))
             pending_count += len(valid)
         waiting = waiting + block.listed if pending else 0
         if pending_count >= block_size:
@@ -450,21 +455,25 @@ def run_search(
         )
     # In candidate order, whatever order the blocks ran in (ties in the Pareto front and the
     # candidate arrays a report plots then come out as a plain loop over the space gives them).
-    by_index = np.argsort(np.concatenate(kept_index))  # (indices are distinct: any sort is stable)
-    index_all = np.concatenate(kept_index)[by_index]
+    index_all = np.concatenate(kept_index)
+    by_index = np.argsort(index_all)  # (indices are distinct: any sort is stable)
+    index_all = index_all[by_index]
     time_all = np.concatenate(kept_time)[by_index]
     peak_all = np.concatenate(kept_peak)[by_index]
-    stage_all = np.concatenate(kept_stage)[by_index]
-    # The other time figures only for the rows shown: gathering each for every fitting candidate
-    # cost more than the ranking (1.4 s for 1.7M candidates and ~20 figures).
-    extra = {k: np.concatenate(v) for k, v in kept_extra.items()}
     order = by_time_then_peak(time_all, peak_all)  # ties in both by index: index_all ascends
+    # The peak stage and the other time figures only for the rows shown, read from the pricing
+    # call's arrays that hold them: joining each for every fitting candidate cost more than the
+    # ranking (1.4 s for 1.7M candidates and ~20 figures; DeepSeek-V3's 239,305, ~5 ms).
+    call_starts = np.cumsum([0, *(len(index) for index in kept_index)])
 
     def rows(positions: np.ndarray) -> list[dict[str, Any]]:
         strategies = space.strategies(index_all[positions])
-        return [_row(strategy, int(index_all[p]), float(peak_all[p]), int(stage_all[p]),
-                     {k: v[by_index[p]] for k, v in extra.items()}, options, model)
-                for strategy, p in zip(strategies, positions, strict=True)]
+        found = by_index[positions]  # where each lies among the pricing calls' candidates, in order
+        call = np.searchsorted(call_starts, found, side="right") - 1
+        at = found - call_starts[call]
+        return [_row(strategy, int(index_all[p]), float(peak_all[p]), int(kept_stage[c][a]),
+                     {k: v[c][a] for k, v in kept_extra.items()}, options, model)
+                for strategy, p, c, a in zip(strategies, positions, call.tolist(), at.tolist(), strict=True)]
 
     front = _front(order, peak_all)
     shown = front[evenly_spread(len(front), PARETO_ROWS)]
@@ -487,4 +496,4 @@ def evenly_spread(n: int, k: int) -> np.ndarray:
     """Indices of at most ``k`` of ``n`` ordered items, evenly spread, the first and the last included."""
     if n <= k:
         return np.arange(n)
-    return np.unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64))
+    return unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64))
