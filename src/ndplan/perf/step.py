@@ -641,7 +641,11 @@ def _price_group(
         out["compute_s" if cat == "compute" else f"{cat}_s"] = (m * runs) * at_star
 
     # DP and optimizer: on the stage holding the most parameters per device, priced once per
-    # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy.
+    # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy. Every
+    # figure that depends on the DP configuration alone (the raw collectives, the last bucket's,
+    # their floors, which stage is heaviest and its layer share) stays [dp_count] (a dozen
+    # values) and is gathered once where a strategy's own seconds enter: the same operations on
+    # the same values as per strategy, so the same bits, with ~30 fewer passes over the group.
     zero_stages = np.zeros(len(layout.profile_count))
     split_stage, whole_stage, ex_stage = (sum((pr.params[p][i] * v for p, v in counts.items()), zero_stages)
                                           for i in range(3))
@@ -656,18 +660,12 @@ def _price_group(
         per_device = (np.multiply.outer(1.0 / cu["tp"], split_stage) + whole_stage
                       + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage))
         heavy_u = np.argmax(per_device, axis=1)
-        heavy = heavy_u[dp_code]
+        heavy_at = rows * per_mb.shape[1] + heavy_u[dp_code]
     else:
         heavy_u = np.zeros(dp_count, dtype=np.int64)
-        heavy = np.zeros(g, dtype=np.int64)
-    heavy_at = rows * per_mb.shape[1] + heavy
+        heavy_at = rows
     f_heavy = np.take(f, heavy_at)
-    grad_raw, cross_raw, gather_raw, optimizer_u = _dp_raw(
-        pr.batch, cu, split_stage[heavy_u] / cu["tp"] + whole_stage[heavy_u], ex_stage[heavy_u] / (cu["ep"] * cu["etp"]),
-        pr.fabric, pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
-        foreach=pr.eff.optimizer_kernel == "foreach", defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce,
-    )
-    share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy], 1.0)
+    share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy_u], 1.0)  # [dp_count]
     window = np.take(b, heavy_at) + np.take(w, heavy_at)
     # What stays exposed once the backward's compute is done: the last gradient bucket, whose
     # reduce starts after the last gradient it holds (its all-gather after the update is
@@ -678,67 +676,84 @@ def _price_group(
     # only under the backwards the stages before it still run (one micro-batch's each), while
     # the first stage's own last bucket stays exposed: the step waits for the later of the two.
     bucket = grad_bucket_params(pr.eff, pr.overlap, cu["dp"], pr.batch.precision.grad_bytes)
-    sharded = ((cu["zero"] >= 3) | (cu["fsdp"] > 0))[dp_code]
-    unbucketed_u = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0)
-    unbucketed = unbucketed_u[dp_code] & ~sharded
+    sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
+    unbucketed = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0) & ~sharded
 
-    def last_bucket(q: Array) -> tuple[Array, Array, Array]:
-        """(gradient collectives, the part across shard groups, parameter all-gather) seconds of
-        the last bucket of profile ``q``'s stage, per distinct DP configuration."""
+    def stage_and_last_bucket(q: Array) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
+        """``_dp_raw`` of profile ``q``'s stage per distinct DP configuration: on all of its
+        parameters per device, then on its last bucket's (the gradient collectives, the part
+        across shard groups, the parameter all-gather). Both in one call over [2·dp_count]:
+        _dp_raw works element by element, so each half has the figures it has priced alone,
+        for one call's fixed cost (~0.2 ms a group) rather than two."""
         ne = split_stage[q] / cu["tp"] + whole_stage[q]
         ex = ex_stage[q] / (cu["ep"] * cu["etp"])
-        last = _dp_raw(pr.batch, cu, last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket),
-                       last_bucket_params(ex, 0.0, bucket), pr.fabric, 1.0, 1.0, 1.0,
-                       defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
-        return last[0][dp_code], last[1][dp_code], last[2][dp_code]
+        last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
+        last_ex = last_bucket_params(ex, 0.0, bucket)
+        both = _dp_raw(pr.batch, {name: np.concatenate([value, value]) for name, value in cu.items()},
+                       np.concatenate([ne, last_ne]), np.concatenate([ex, last_ex]), pr.fabric,
+                       pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
+                       foreach=pr.eff.optimizer_kernel == "foreach", defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
+        return tuple(x[:dp_count] for x in both), tuple(x[dp_count:] for x in both)
 
-    grad_last, cross_last, gather_last = last_bucket(heavy_u)
-    grad_floor = np.where(unbucketed, 0.0, np.where(sharded, grad_raw[dp_code] * share, grad_last))
-    gather_floor = np.where(unbucketed, 0.0, np.where(sharded, gather_raw[dp_code] * share, gather_last))
-    behind = layout.profile_stage[heavy].astype(np.float64)  # stages still running backwards after it
-    grad_cover = np.where(unbucketed, behind * window, window)
-    gather_cover = np.where(unbucketed, behind * f_heavy, f_heavy)
-    grad = _exposed_step(grad_raw[dp_code], grad_cover, grad_floor, pr.overlap.dp_grad_reduce)
+    (grad_raw, cross_raw, gather_raw, optimizer_u), (grad_last, _, gather_last, _) = stage_and_last_bucket(heavy_u)
+    grad_floor = np.where(unbucketed, 0.0, np.where(sharded, grad_raw * share, grad_last))
+    gather_floor = np.where(unbucketed, 0.0, np.where(sharded, gather_raw * share, gather_last))
+    if np.any(unbucketed):
+        behind = layout.profile_stage[heavy_u].astype(np.float64)  # stages still running backwards after it
+        unbucketed_rows = unbucketed[dp_code]
+        grad_cover = np.where(unbucketed_rows, behind[dp_code] * window, window)
+        gather_cover = np.where(unbucketed_rows, behind[dp_code] * f_heavy, f_heavy)
+    else:
+        grad_cover, gather_cover = window, f_heavy
+    grad = _exposed_step(grad_raw[dp_code], grad_cover, grad_floor[dp_code], pr.overlap.dp_grad_reduce)
     # ZeRO-2 reduce-scatters every micro-batch: m - 1 more than ZeRO-1, each under its own
     # backward, unit by unit as an FSDP does (Megatron-FSDP's optim_grads, FSDP2 without
     # resharding: a layer's share exposed); the last one and the all-reduce across shard groups
-    # run as ZeRO-1's do.
-    per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], window, (grad_raw - cross_raw)[dp_code] * share,
-                                    pr.overlap.dp_grad_reduce)
-    grad = np.where(cols["zero"] == 2, (m - 1) * per_micro_batch + grad, grad)
-    gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor, pr.overlap.dp_param_gather)
+    # run as ZeRO-1's do. (On its strategies alone.)
+    zero2 = np.flatnonzero((cu["zero"] == 2)[dp_code])
+    if len(zero2):
+        own = (grad_raw - cross_raw)[dp_code[zero2]]
+        per_micro_batch = _exposed_step(own, window[zero2], ((grad_raw - cross_raw) * share)[dp_code[zero2]],
+                                        pr.overlap.dp_grad_reduce)
+        grad[zero2] = (m[zero2] - 1) * per_micro_batch + grad[zero2]
+    gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor[dp_code], pr.overlap.dp_param_gather)
     if np.any(unbucketed):
         # The first stage's own exposure, priced as the heavy stage's is where that is the first.
         q0 = np.full(dp_count, int(np.flatnonzero(layout.profile_stage == 0)[0]))
-        raw0 = _dp_raw(pr.batch, cu, split_stage[q0] / cu["tp"] + whole_stage[q0], ex_stage[q0] / (cu["ep"] * cu["etp"]),
-                       pr.fabric, 1.0, 1.0, 1.0, defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
-        grad0, _, gather0 = last_bucket(q0)
+        raw0, (grad0, _, gather0, _) = stage_and_last_bucket(q0)
         at0 = rows * per_mb.shape[1] + q0[dp_code]
-        first_grad = _exposed_step(raw0[0][dp_code], np.take(b, at0) + np.take(w, at0), grad0, pr.overlap.dp_grad_reduce)
-        first_gather = _exposed_step(raw0[2][dp_code], np.take(f, at0), gather0, pr.overlap.dp_param_gather)
-        grad = np.where(unbucketed, np.maximum(grad, first_grad), grad)
-        gather = np.where(unbucketed, np.maximum(gather, first_gather), gather)
+        first_grad = _exposed_step(raw0[0][dp_code], np.take(b, at0) + np.take(w, at0), grad0[dp_code],
+                                   pr.overlap.dp_grad_reduce)
+        first_gather = _exposed_step(raw0[2][dp_code], np.take(f, at0), gather0[dp_code], pr.overlap.dp_param_gather)
+        grad = np.where(unbucketed_rows, np.maximum(grad, first_grad), grad)
+        gather = np.where(unbucketed_rows, np.maximum(gather, first_gather), gather)
     if pr.eff.pipeline_defers_fsdp_reduce and pp > 1:
         # FSDP under torch.distributed.pipelining: a chunk's reduce runs after its last backward
         # and the compute stream waits for it (exposed); a run's gathers, where parameters stay
         # gathered, come before its first forward, prefetched unit by unit (the first exposed).
-        deferred = cols["zero"] >= 3
-        grad = np.where(deferred, grad_raw[dp_code], grad)
-        per_run = _exposed_step(gather_raw[dp_code], f_heavy, gather_raw[dp_code] * share, pr.overlap.fsdp_prefetch)
-        if vpp > ACTIVE_CHUNKS and np.any(gather_raw > 0):
-            # More chunks on a rank than torch keeps gathered: some are freed and gathered again
-            # within the run (schedule.unshard), prefetched under the run's compute.
-            name = CODES["schedule"][int(schedule[0])]
-            run_sizes, row_size = np.unique(m, return_inverse=True)
-            again = np.array([chunk_gathers(name, pp, vpp, int(c), int(k[0])) for c in run_sizes],
-                             dtype=np.float64)[row_size] - vpp
-            extra = gather_raw[dp_code] * again / vpp
-            cover = m * np.take(per_mb, heavy_at)
-            per_run = per_run + (np.maximum(extra - cover, 0.0) if pr.overlap.fsdp_prefetch else extra)
-        gather = np.where(deferred, runs * per_run, gather)
+        # (On its strategies alone.)
+        deferred = np.flatnonzero((cu["zero"] >= 3)[dp_code])
+        if len(deferred):
+            code_d = dp_code[deferred]
+            grad[deferred] = grad_raw[code_d]
+            per_run = _exposed_step(gather_raw[code_d], f_heavy[deferred], (gather_raw * share)[code_d],
+                                    pr.overlap.fsdp_prefetch)
+            if vpp > ACTIVE_CHUNKS and np.any(gather_raw > 0):
+                # More chunks on a rank than torch keeps gathered: some are freed and gathered again
+                # within the run (schedule.unshard), prefetched under the run's compute.
+                name = CODES["schedule"][int(schedule[0])]
+                m_d = m[deferred]
+                run_sizes, row_size = np.unique(m_d, return_inverse=True)
+                again = np.array([chunk_gathers(name, pp, vpp, int(c), int(k[0])) for c in run_sizes],
+                                 dtype=np.float64)[row_size] - vpp
+                extra = gather_raw[code_d] * again / vpp
+                cover = m_d * np.take(per_mb, heavy_at[deferred])
+                per_run = per_run + (np.maximum(extra - cover, 0.0) if pr.overlap.fsdp_prefetch else extra)
+            gather[deferred] = runs[deferred] * per_run
     # Each pipeline run ends in its own gradient reduce (the pipeline runtime syncs the gradients
     # at a run's last backward); ZeRO-1/2 gather the parameters once, after the update.
-    dp_step = runs * grad + gather
+    dp_step = runs * grad
+    dp_step += gather
     if _keeps_table_copy(pr.model, layout):
         # The embedding's table and the output stage's copy of it (tied, or read by the MTP
         # modules) take one gradient: summed between the two stages once the backward is done
@@ -748,7 +763,7 @@ def _price_group(
         table_bytes = (pr.model.vocab_size * pr.model.hidden_size / (cu["tp"] * shards)
                        * pr.batch.precision.grad_bytes)
         link = group_link(cu["pp"], cu["tp"] * cu["cp"] * cu["dp"], pr.fabric, "p2p")
-        dp_step = dp_step + np.asarray(coll.all_reduce_s(table_bytes, 2.0, link))[dp_code]
+        dp_step += np.asarray(coll.all_reduce_s(table_bytes, 2.0, link))[dp_code]
     optimizer = optimizer_u[dp_code]
 
     out["dp_s"] = out["dp_s"] + dp_step
