@@ -519,9 +519,11 @@ def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
 
 def _price_group(
     pr: _Priced, layout: StageLayout, cols: dict[str, Array], config: Array, schedule: Array,
-    recompute_layers: Array, p2p: Array,
+    recompute_layers: Array, p2p: Array, details: bool = True,
 ) -> dict[str, Array]:
-    """Every _GROUP_KEYS array for strategies sharing one stage layout (arguments sliced)."""
+    """Every _GROUP_KEYS array for strategies sharing one stage layout (arguments sliced);
+    without ``details`` the DETAIL_KEYS that cost a pass of their own (the makespan, the
+    bottleneck stage and its passes) are left out: no caller reads them."""
     g = len(config)
     rows = np.arange(g)
     prof = layout.profile
@@ -633,12 +635,13 @@ def _price_group(
     # Each strategy's quantities on its bottleneck stage, taken at flat positions of tables
     # (~2.5x faster than the mixed fancy index tables[local, i, star]).
     star_in_tables = local * (tables.shape[1] * tables.shape[2]) + star
+    micro_batches = m * runs  # micro-batches per step
     for i, cat in enumerate(pr.categories, start=len(PASSES)):
         at_star = np.take(tables, star_in_tables + i * tables.shape[2])
         if len(partial):
             at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
                                  + pr.per_cat[("rc_moe", cat)][config[partial]] * delta_m[np.arange(len(partial)), star[partial]])
-        out["compute_s" if cat == "compute" else f"{cat}_s"] = (m * runs) * at_star
+        out["compute_s" if cat == "compute" else f"{cat}_s"] = micro_batches * at_star
 
     # DP and optimizer: on the stage holding the most parameters per device, priced once per
     # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy. Every
@@ -770,15 +773,16 @@ def _price_group(
     out["dp_step_s"] = dp_step
     out["pp_s"] = runs * p2p_part
     out["bubble_s"] = runs * np.maximum(makespan - m * t_star - p2p_part, 0.0)
-    out["makespan_s"] = runs * makespan
     if pr.pipeline != "closed_form":
         out["chunk_seconds"] = chunk_seconds
     out["optimizer_update_s"] = optimizer
     out["optimizer_s"] = optimizer + pr.eff.step_overhead_s
-    out["stage_forward_s"] = np.take(f, star_at)
-    out["stage_backward_s"] = np.take(b, star_at)
-    out["stage_weight_grad_s"] = np.take(w, star_at)
-    out["bottleneck_stage"] = layout.profile_stage[star].astype(np.float64)
+    if details:
+        out["makespan_s"] = runs * makespan
+        out["stage_forward_s"] = np.take(f, star_at)
+        out["stage_backward_s"] = np.take(b, star_at)
+        out["stage_weight_grad_s"] = np.take(w, star_at)
+        out["bottleneck_stage"] = layout.profile_stage[star].astype(np.float64)
     recomputed = rc_on * (pr.model.num_layers * 1.0)
     if len(partial):
         recomputed[partial] = (rd + rm) @ layout.profile_count
@@ -872,7 +876,7 @@ def evaluate(
             stage_layers, bool(batch.embedding_as_layer[i0]), bool(batch.output_as_layer[i0]),
         )
         group = _price_group(priced, layout, {k: v[sl] for k, v in cols.items()}, config[sl], schedule[sl],
-                             recompute_layers[sl], p2p_sorted[sl])
+                             recompute_layers[sl], p2p_sorted[sl], details)
         for key, value in group.items():
             if key == "chunk_seconds":  # per stage and chunk: kept for a batch of one (estimate_time)
                 chunk_seconds = value if n == 1 else None
