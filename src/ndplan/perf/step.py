@@ -565,7 +565,12 @@ def _price_group(
     if len(partial):
         rd, rm = recomputed_layers(layout, recompute_layers[partial])
         delta_d, delta_m = rd - prof["dense"], rm - prof["moe"]
-    stage = {p: np.take(tables[:, i], local, axis=0) for i, p in enumerate(PASSES)}
+    # Each pass's [u, P] block is strided in tables: np.take copies such an input whole before
+    # gathering from it, so the rows are gathered from the contiguous [u·quantities, P] view at
+    # local·quantities + pass instead (~3x faster; the same numbers moved).
+    rows_of = local * quantities
+    by_quantity = tables.reshape(u * quantities, -1)
+    stage = {p: np.take(by_quantity, rows_of + i if i else rows_of, axis=0) for i, p in enumerate(PASSES)}
     if len(partial):
         for pass_ in ("B", "W"):
             stage[pass_][partial] += (pr.per_pass[("rc_dense", pass_)][config[partial], None] * delta_d
