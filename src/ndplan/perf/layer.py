@@ -563,11 +563,18 @@ def _fsdp_groups(cols: dict[str, Array]) -> tuple[Array, Array]:
     return shard_groups(cols["dp"], cols["cp"], cols["tp"], cols["ep"], cols["etp"], cols["shard_group"])
 
 
+#: The strategy columns FSDP's shard groups, their links and how the main stream's collectives
+#: stand to them read (``_fsdp_groups``, ``_fsdp_beside_scaleup``).
+FSDP_GROUP_FIELDS = ("dp", "cp", "tp", "ep", "etp", "shard_group")
+
+
 @dataclass(frozen=True)
 class FsdpGroups:
     """What the FSDP/ZeRO-3 collectives of every piece share (``fsdp_groups``), worked out once
     for the configurations priced rather than once per piece: the (non-expert, expert) shard
-    groups (``_fsdp_groups``) and their links, and the masks of the three passes' collectives."""
+    groups (``_fsdp_groups``) and their links, and the masks of the three passes' collectives.
+    The groups and links are given per distinct FSDP_GROUP_FIELDS row (``codes``), the masks
+    per row."""
 
     shard: Array
     expert_shard: Array
@@ -581,18 +588,40 @@ class FsdpGroups:
     #: (``_fsdp_beside_scaleup``), the same for every kind of layer
     beside: tuple[Array, Array, Array]
     sharing: tuple[Array, Array, Array]
+    #: (tp, ep, etp) of the distinct rows the groups are given for
+    degrees: tuple[Array, Array, Array] | None = None
+    #: [rows] the distinct row each row has; None: the distinct rows are the rows themselves
+    codes: Array | None = None
+
+    def spread(self, value: Array | float) -> Array | float:
+        """``value`` per distinct row, per row (scalars as they are)."""
+        return _spread(value, self.codes)
 
 
 def fsdp_groups(ctx: LayerContext, cols: dict[str, Array]) -> FsdpGroups:
-    """The shared part of ``_fsdp_pass_seconds`` for the rows of ``cols``."""
-    t, e, x = cols["tp"], cols["ep"], cols["etp"]
+    """The shared part of ``_fsdp_pass_seconds`` for the rows of ``cols``. The shard groups, their
+    links and how the main stream's collectives stand to them depend on FSDP_GROUP_FIELDS
+    alone, 500-750 distinct rows among a DeepSeek-V3 search call's 23-28k layer configurations:
+    worked out on those and spread to the rows, as the pieces' FSDP collectives are (the same
+    operations on the same values, so the same bits, for each piece two gathers where each
+    collective's formula ran over every configuration)."""
     sharded = (cols["zero"] >= 3) | (cols["fsdp"] > 0)
-    shard, edp = _fsdp_groups(cols)
     reshard = cols["reshard_after_forward"] > 0
     deferred = (cols["pp"] > 1) & ctx.eff.pipeline_defers_fsdp_reduce
-    beside, sharing = _fsdp_beside_scaleup(ctx, cols)
+    group_cols: dict[str, Array] = cols
+    codes: Array | None = None
+    if all(np.ndim(cols[name]) == 1 for name in FSDP_GROUP_FIELDS) and len(cols["tp"]) > 1:
+        codes, count = row_codes([cols[name] for name in FSDP_GROUP_FIELDS])
+        first = first_of_codes(codes, count)
+        group_cols = {name: np.asarray(cols[name])[first] for name in FSDP_GROUP_FIELDS}
+    t, e, x = group_cols["tp"], group_cols["ep"], group_cols["etp"]
+    shard, edp = _fsdp_groups(group_cols)
+    beside, sharing = _fsdp_beside_scaleup(ctx, group_cols)
+    if codes is not None:
+        beside = (beside[0][codes], beside[1][codes], beside[2][codes])
+        sharing = (sharing[0][codes], sharing[1][codes], sharing[2][codes])
     return FsdpGroups(shard, edp, group_link(shard, t, ctx.fabric, "ring"), group_link(edp, e * x, ctx.fabric, "ring"),
-                      sharded & ~deferred, sharded & reshard, beside, sharing)
+                      sharded & ~deferred, sharded & reshard, beside, sharing, (t, e, x), codes)
 
 
 def _fsdp_seconds(
@@ -613,8 +642,9 @@ def _fsdp_pass_seconds(
     a micro-batch reduces nothing and gathers once (for its backward) where parameters are
     resharded after forward, never where they are not: the reduce, and then the gathers, come
     once a run (``step._dp_raw``). ``groups``: ``fsdp_groups`` of ``cols``, where the caller has it."""
-    t, e, x = cols["tp"], cols["ep"], cols["etp"]
     groups = groups or fsdp_groups(ctx, cols)
+    # on the groups' distinct rows, spread to the rows below
+    t, e, x = groups.degrees or (cols["tp"], cols["ep"], cols["etp"])
     shard, edp, ne_link, ex_link = groups.shard, groups.expert_shard, groups.ne_link, groups.ex_link
     gather = ctx.precision.param_gather_bytes
     grad = ctx.precision.grad_bytes
@@ -624,6 +654,7 @@ def _fsdp_pass_seconds(
     if expert:  # a piece without experts runs no expert collectives (not even their latencies)
         ag = ag + coll.all_gather_s(ex * gather, edp, ex_link)
         rs = rs + coll.reduce_scatter_s(ex * grad, edp, ex_link)
+    ag, rs = groups.spread(ag), groups.spread(rs)
     # A deferring pipeline keeps parameters gathered after each backward: resharded after forward,
     # a layer is gathered again for its backward and the next forward finds it gathered (one
     # gather a micro-batch, priced in the backward); not resharded, never (once a run, step.py).

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
@@ -265,6 +266,29 @@ def _group_codes(batch: StrategyBatch) -> tuple[Array, int]:
     return row_codes([getattr(batch, name) for name in _GROUP_FIELDS])
 
 
+@lru_cache(maxsize=64)
+def _length_flops(model: ModelSpec, lengths: tuple[float, ...], policy: str, modules: tuple[str, ...]) -> tuple[Array, ...]:
+    """``model_flops_per_micro_batch``'s figures of one sequence of each of ``lengths`` that
+    ``_seq_flops`` reads: the model's FLOPs, what the full and the selective rebuild add to the
+    forward, and with MTP modules what their full and selective rebuilds add (read-only arrays).
+    A function of the model, the lengths and the recompute settings alone, which the calls of
+    a search (and later searches) share: worked out once for them rather than once a call
+    (five walks over the model's GEMMs, ~0.8 ms of Python a call for DeepSeek-V3)."""
+    x = np.asarray(lengths, dtype=np.float64)
+
+    def rebuild(**settings: Any) -> Array:
+        return np.asarray(model_flops_per_micro_batch(model, 1.0, x, **settings).recompute_forward)
+
+    figures = [np.asarray(model_flops_per_micro_batch(model, 1.0, x).model), rebuild(recompute_full_fraction=1.0),
+               rebuild(recompute_selective_fraction=1.0, selective_policy=policy, recompute_modules=modules)]
+    if model.mtp_depth:
+        figures += [rebuild(recompute_mtp_full=1.0),
+                    rebuild(recompute_mtp_selective=1.0, selective_policy=policy, recompute_modules=modules)]
+    for value in figures:
+        value.flags.writeable = False
+    return tuple(figures)
+
+
 def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, recomputed: Array, policy: str = "megatron",
                modules: tuple[str, ...] = (), recompute_layers: Array | None = None) -> tuple[Array, Array]:
     """(model, hardware) FLOPs of one sequence, priced once per distinct sequence length:
@@ -278,11 +302,9 @@ def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, recomputed: Array
     the same two addends."""
     codes, count = dense_codes(seq)
     lengths = seq[first_of_codes(codes, count)].astype(np.float64)
-    base = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths).model).take(codes)
-    extra_full = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths, recompute_full_fraction=1.0).recompute_forward)
-    extra_sel = np.asarray(model_flops_per_micro_batch(
-        model, 1.0, lengths, recompute_selective_fraction=1.0, selective_policy=policy,
-        recompute_modules=modules).recompute_forward)
+    per_length = _length_flops(model, tuple(lengths.tolist()), policy, modules)
+    base = per_length[0].take(codes)
+    extra_full, extra_sel = per_length[1], per_length[2]
     hardware = extra_full.take(codes)
     hardware *= recomputed
     hardware *= recompute == 2
@@ -292,10 +314,7 @@ def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, recomputed: Array
     selective *= recompute == 1
     hardware += selective
     if model.mtp_depth:
-        mtp_full = np.asarray(model_flops_per_micro_batch(model, 1.0, lengths, recompute_mtp_full=1.0).recompute_forward)
-        mtp_sel = np.asarray(model_flops_per_micro_batch(
-            model, 1.0, lengths, recompute_mtp_selective=1.0, selective_policy=policy,
-            recompute_modules=modules).recompute_forward)
+        mtp_full, mtp_sel = per_length[3], per_length[4]
         every = (recompute == 2) if recompute_layers is None else (recompute == 2) & (recompute_layers == 0)
         hardware += mtp_full.take(codes) * every + mtp_sel.take(codes) * (recompute == 1)
     return base, hardware
@@ -519,9 +538,11 @@ def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
 
 def _price_group(
     pr: _Priced, layout: StageLayout, cols: dict[str, Array], config: Array, schedule: Array,
-    recompute_layers: Array, p2p: Array,
+    recompute_layers: Array, p2p: Array, details: bool = True,
 ) -> dict[str, Array]:
-    """Every _GROUP_KEYS array for strategies sharing one stage layout (arguments sliced)."""
+    """Every _GROUP_KEYS array for strategies sharing one stage layout (arguments sliced);
+    without ``details`` the DETAIL_KEYS that cost a pass of their own (the makespan, the
+    bottleneck stage and its passes) are left out: no caller reads them."""
     g = len(config)
     rows = np.arange(g)
     prof = layout.profile
@@ -544,7 +565,12 @@ def _price_group(
     if len(partial):
         rd, rm = recomputed_layers(layout, recompute_layers[partial])
         delta_d, delta_m = rd - prof["dense"], rm - prof["moe"]
-    stage = {p: np.take(tables[:, i], local, axis=0) for i, p in enumerate(PASSES)}
+    # Each pass's [u, P] block is strided in tables: np.take copies such an input whole before
+    # gathering from it, so the rows are gathered from the contiguous [u·quantities, P] view at
+    # local·quantities + pass instead (~3x faster; the same numbers moved).
+    rows_of = local * quantities
+    by_quantity = tables.reshape(u * quantities, -1)
+    stage = {p: np.take(by_quantity, rows_of + i if i else rows_of, axis=0) for i, p in enumerate(PASSES)}
     if len(partial):
         for pass_ in ("B", "W"):
             stage[pass_][partial] += (pr.per_pass[("rc_dense", pass_)][config[partial], None] * delta_d
@@ -633,15 +659,20 @@ def _price_group(
     # Each strategy's quantities on its bottleneck stage, taken at flat positions of tables
     # (~2.5x faster than the mixed fancy index tables[local, i, star]).
     star_in_tables = local * (tables.shape[1] * tables.shape[2]) + star
+    micro_batches = m * runs  # micro-batches per step
     for i, cat in enumerate(pr.categories, start=len(PASSES)):
         at_star = np.take(tables, star_in_tables + i * tables.shape[2])
         if len(partial):
             at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
                                  + pr.per_cat[("rc_moe", cat)][config[partial]] * delta_m[np.arange(len(partial)), star[partial]])
-        out["compute_s" if cat == "compute" else f"{cat}_s"] = (m * runs) * at_star
+        out["compute_s" if cat == "compute" else f"{cat}_s"] = micro_batches * at_star
 
     # DP and optimizer: on the stage holding the most parameters per device, priced once per
-    # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy.
+    # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy. Every
+    # figure that depends on the DP configuration alone (the raw collectives, the last bucket's,
+    # their floors, which stage is heaviest and its layer share) stays [dp_count] (a dozen
+    # values) and is gathered once where a strategy's own seconds enter: the same operations on
+    # the same values as per strategy, so the same bits, with ~30 fewer passes over the group.
     zero_stages = np.zeros(len(layout.profile_count))
     split_stage, whole_stage, ex_stage = (sum((pr.params[p][i] * v for p, v in counts.items()), zero_stages)
                                           for i in range(3))
@@ -656,18 +687,12 @@ def _price_group(
         per_device = (np.multiply.outer(1.0 / cu["tp"], split_stage) + whole_stage
                       + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage))
         heavy_u = np.argmax(per_device, axis=1)
-        heavy = heavy_u[dp_code]
+        heavy_at = rows * per_mb.shape[1] + heavy_u[dp_code]
     else:
         heavy_u = np.zeros(dp_count, dtype=np.int64)
-        heavy = np.zeros(g, dtype=np.int64)
-    heavy_at = rows * per_mb.shape[1] + heavy
+        heavy_at = rows
     f_heavy = np.take(f, heavy_at)
-    grad_raw, cross_raw, gather_raw, optimizer_u = _dp_raw(
-        pr.batch, cu, split_stage[heavy_u] / cu["tp"] + whole_stage[heavy_u], ex_stage[heavy_u] / (cu["ep"] * cu["etp"]),
-        pr.fabric, pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
-        foreach=pr.eff.optimizer_kernel == "foreach", defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce,
-    )
-    share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy], 1.0)
+    share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy_u], 1.0)  # [dp_count]
     window = np.take(b, heavy_at) + np.take(w, heavy_at)
     # What stays exposed once the backward's compute is done: the last gradient bucket, whose
     # reduce starts after the last gradient it holds (its all-gather after the update is
@@ -678,67 +703,84 @@ def _price_group(
     # only under the backwards the stages before it still run (one micro-batch's each), while
     # the first stage's own last bucket stays exposed: the step waits for the later of the two.
     bucket = grad_bucket_params(pr.eff, pr.overlap, cu["dp"], pr.batch.precision.grad_bytes)
-    sharded = ((cu["zero"] >= 3) | (cu["fsdp"] > 0))[dp_code]
-    unbucketed_u = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0)
-    unbucketed = unbucketed_u[dp_code] & ~sharded
+    sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
+    unbucketed = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0) & ~sharded
 
-    def last_bucket(q: Array) -> tuple[Array, Array, Array]:
-        """(gradient collectives, the part across shard groups, parameter all-gather) seconds of
-        the last bucket of profile ``q``'s stage, per distinct DP configuration."""
+    def stage_and_last_bucket(q: Array) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
+        """``_dp_raw`` of profile ``q``'s stage per distinct DP configuration: on all of its
+        parameters per device, then on its last bucket's (the gradient collectives, the part
+        across shard groups, the parameter all-gather). Both in one call over [2·dp_count]:
+        _dp_raw works element by element, so each half has the figures it has priced alone,
+        for one call's fixed cost (~0.2 ms a group) rather than two."""
         ne = split_stage[q] / cu["tp"] + whole_stage[q]
         ex = ex_stage[q] / (cu["ep"] * cu["etp"])
-        last = _dp_raw(pr.batch, cu, last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket),
-                       last_bucket_params(ex, 0.0, bucket), pr.fabric, 1.0, 1.0, 1.0,
-                       defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
-        return last[0][dp_code], last[1][dp_code], last[2][dp_code]
+        last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
+        last_ex = last_bucket_params(ex, 0.0, bucket)
+        both = _dp_raw(pr.batch, {name: np.concatenate([value, value]) for name, value in cu.items()},
+                       np.concatenate([ne, last_ne]), np.concatenate([ex, last_ex]), pr.fabric,
+                       pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
+                       foreach=pr.eff.optimizer_kernel == "foreach", defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
+        return tuple(x[:dp_count] for x in both), tuple(x[dp_count:] for x in both)
 
-    grad_last, cross_last, gather_last = last_bucket(heavy_u)
-    grad_floor = np.where(unbucketed, 0.0, np.where(sharded, grad_raw[dp_code] * share, grad_last))
-    gather_floor = np.where(unbucketed, 0.0, np.where(sharded, gather_raw[dp_code] * share, gather_last))
-    behind = layout.profile_stage[heavy].astype(np.float64)  # stages still running backwards after it
-    grad_cover = np.where(unbucketed, behind * window, window)
-    gather_cover = np.where(unbucketed, behind * f_heavy, f_heavy)
-    grad = _exposed_step(grad_raw[dp_code], grad_cover, grad_floor, pr.overlap.dp_grad_reduce)
+    (grad_raw, cross_raw, gather_raw, optimizer_u), (grad_last, _, gather_last, _) = stage_and_last_bucket(heavy_u)
+    grad_floor = np.where(unbucketed, 0.0, np.where(sharded, grad_raw * share, grad_last))
+    gather_floor = np.where(unbucketed, 0.0, np.where(sharded, gather_raw * share, gather_last))
+    if np.any(unbucketed):
+        behind = layout.profile_stage[heavy_u].astype(np.float64)  # stages still running backwards after it
+        unbucketed_rows = unbucketed[dp_code]
+        grad_cover = np.where(unbucketed_rows, behind[dp_code] * window, window)
+        gather_cover = np.where(unbucketed_rows, behind[dp_code] * f_heavy, f_heavy)
+    else:
+        grad_cover, gather_cover = window, f_heavy
+    grad = _exposed_step(grad_raw[dp_code], grad_cover, grad_floor[dp_code], pr.overlap.dp_grad_reduce)
     # ZeRO-2 reduce-scatters every micro-batch: m - 1 more than ZeRO-1, each under its own
     # backward, unit by unit as an FSDP does (Megatron-FSDP's optim_grads, FSDP2 without
     # resharding: a layer's share exposed); the last one and the all-reduce across shard groups
-    # run as ZeRO-1's do.
-    per_micro_batch = _exposed_step((grad_raw - cross_raw)[dp_code], window, (grad_raw - cross_raw)[dp_code] * share,
-                                    pr.overlap.dp_grad_reduce)
-    grad = np.where(cols["zero"] == 2, (m - 1) * per_micro_batch + grad, grad)
-    gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor, pr.overlap.dp_param_gather)
+    # run as ZeRO-1's do. (On its strategies alone.)
+    zero2 = np.flatnonzero((cu["zero"] == 2)[dp_code])
+    if len(zero2):
+        own = (grad_raw - cross_raw)[dp_code[zero2]]
+        per_micro_batch = _exposed_step(own, window[zero2], ((grad_raw - cross_raw) * share)[dp_code[zero2]],
+                                        pr.overlap.dp_grad_reduce)
+        grad[zero2] = (m[zero2] - 1) * per_micro_batch + grad[zero2]
+    gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor[dp_code], pr.overlap.dp_param_gather)
     if np.any(unbucketed):
         # The first stage's own exposure, priced as the heavy stage's is where that is the first.
         q0 = np.full(dp_count, int(np.flatnonzero(layout.profile_stage == 0)[0]))
-        raw0 = _dp_raw(pr.batch, cu, split_stage[q0] / cu["tp"] + whole_stage[q0], ex_stage[q0] / (cu["ep"] * cu["etp"]),
-                       pr.fabric, 1.0, 1.0, 1.0, defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
-        grad0, _, gather0 = last_bucket(q0)
+        raw0, (grad0, _, gather0, _) = stage_and_last_bucket(q0)
         at0 = rows * per_mb.shape[1] + q0[dp_code]
-        first_grad = _exposed_step(raw0[0][dp_code], np.take(b, at0) + np.take(w, at0), grad0, pr.overlap.dp_grad_reduce)
-        first_gather = _exposed_step(raw0[2][dp_code], np.take(f, at0), gather0, pr.overlap.dp_param_gather)
-        grad = np.where(unbucketed, np.maximum(grad, first_grad), grad)
-        gather = np.where(unbucketed, np.maximum(gather, first_gather), gather)
+        first_grad = _exposed_step(raw0[0][dp_code], np.take(b, at0) + np.take(w, at0), grad0[dp_code],
+                                   pr.overlap.dp_grad_reduce)
+        first_gather = _exposed_step(raw0[2][dp_code], np.take(f, at0), gather0[dp_code], pr.overlap.dp_param_gather)
+        grad = np.where(unbucketed_rows, np.maximum(grad, first_grad), grad)
+        gather = np.where(unbucketed_rows, np.maximum(gather, first_gather), gather)
     if pr.eff.pipeline_defers_fsdp_reduce and pp > 1:
         # FSDP under torch.distributed.pipelining: a chunk's reduce runs after its last backward
         # and the compute stream waits for it (exposed); a run's gathers, where parameters stay
         # gathered, come before its first forward, prefetched unit by unit (the first exposed).
-        deferred = cols["zero"] >= 3
-        grad = np.where(deferred, grad_raw[dp_code], grad)
-        per_run = _exposed_step(gather_raw[dp_code], f_heavy, gather_raw[dp_code] * share, pr.overlap.fsdp_prefetch)
-        if vpp > ACTIVE_CHUNKS and np.any(gather_raw > 0):
-            # More chunks on a rank than torch keeps gathered: some are freed and gathered again
-            # within the run (schedule.unshard), prefetched under the run's compute.
-            name = CODES["schedule"][int(schedule[0])]
-            run_sizes, row_size = np.unique(m, return_inverse=True)
-            again = np.array([chunk_gathers(name, pp, vpp, int(c), int(k[0])) for c in run_sizes],
-                             dtype=np.float64)[row_size] - vpp
-            extra = gather_raw[dp_code] * again / vpp
-            cover = m * np.take(per_mb, heavy_at)
-            per_run = per_run + (np.maximum(extra - cover, 0.0) if pr.overlap.fsdp_prefetch else extra)
-        gather = np.where(deferred, runs * per_run, gather)
+        # (On its strategies alone.)
+        deferred = np.flatnonzero((cu["zero"] >= 3)[dp_code])
+        if len(deferred):
+            code_d = dp_code[deferred]
+            grad[deferred] = grad_raw[code_d]
+            per_run = _exposed_step(gather_raw[code_d], f_heavy[deferred], (gather_raw * share)[code_d],
+                                    pr.overlap.fsdp_prefetch)
+            if vpp > ACTIVE_CHUNKS and np.any(gather_raw > 0):
+                # More chunks on a rank than torch keeps gathered: some are freed and gathered again
+                # within the run (schedule.unshard), prefetched under the run's compute.
+                name = CODES["schedule"][int(schedule[0])]
+                m_d = m[deferred]
+                run_sizes, row_size = np.unique(m_d, return_inverse=True)
+                again = np.array([chunk_gathers(name, pp, vpp, int(c), int(k[0])) for c in run_sizes],
+                                 dtype=np.float64)[row_size] - vpp
+                extra = gather_raw[code_d] * again / vpp
+                cover = m_d * np.take(per_mb, heavy_at[deferred])
+                per_run = per_run + (np.maximum(extra - cover, 0.0) if pr.overlap.fsdp_prefetch else extra)
+            gather[deferred] = runs[deferred] * per_run
     # Each pipeline run ends in its own gradient reduce (the pipeline runtime syncs the gradients
     # at a run's last backward); ZeRO-1/2 gather the parameters once, after the update.
-    dp_step = runs * grad + gather
+    dp_step = runs * grad
+    dp_step += gather
     if _keeps_table_copy(pr.model, layout):
         # The embedding's table and the output stage's copy of it (tied, or read by the MTP
         # modules) take one gradient: summed between the two stages once the backward is done
@@ -748,22 +790,23 @@ def _price_group(
         table_bytes = (pr.model.vocab_size * pr.model.hidden_size / (cu["tp"] * shards)
                        * pr.batch.precision.grad_bytes)
         link = group_link(cu["pp"], cu["tp"] * cu["cp"] * cu["dp"], pr.fabric, "p2p")
-        dp_step = dp_step + np.asarray(coll.all_reduce_s(table_bytes, 2.0, link))[dp_code]
+        dp_step += np.asarray(coll.all_reduce_s(table_bytes, 2.0, link))[dp_code]
     optimizer = optimizer_u[dp_code]
 
     out["dp_s"] = out["dp_s"] + dp_step
     out["dp_step_s"] = dp_step
     out["pp_s"] = runs * p2p_part
     out["bubble_s"] = runs * np.maximum(makespan - m * t_star - p2p_part, 0.0)
-    out["makespan_s"] = runs * makespan
     if pr.pipeline != "closed_form":
         out["chunk_seconds"] = chunk_seconds
     out["optimizer_update_s"] = optimizer
     out["optimizer_s"] = optimizer + pr.eff.step_overhead_s
-    out["stage_forward_s"] = np.take(f, star_at)
-    out["stage_backward_s"] = np.take(b, star_at)
-    out["stage_weight_grad_s"] = np.take(w, star_at)
-    out["bottleneck_stage"] = layout.profile_stage[star].astype(np.float64)
+    if details:
+        out["makespan_s"] = runs * makespan
+        out["stage_forward_s"] = np.take(f, star_at)
+        out["stage_backward_s"] = np.take(b, star_at)
+        out["stage_weight_grad_s"] = np.take(w, star_at)
+        out["bottleneck_stage"] = layout.profile_stage[star].astype(np.float64)
     recomputed = rc_on * (pr.model.num_layers * 1.0)
     if len(partial):
         recomputed[partial] = (rd + rm) @ layout.profile_count
@@ -857,7 +900,7 @@ def evaluate(
             stage_layers, bool(batch.embedding_as_layer[i0]), bool(batch.output_as_layer[i0]),
         )
         group = _price_group(priced, layout, {k: v[sl] for k, v in cols.items()}, config[sl], schedule[sl],
-                             recompute_layers[sl], p2p_sorted[sl])
+                             recompute_layers[sl], p2p_sorted[sl], details)
         for key, value in group.items():
             if key == "chunk_seconds":  # per stage and chunk: kept for a batch of one (estimate_time)
                 chunk_seconds = value if n == 1 else None
