@@ -39,9 +39,9 @@ def unique(values: np.ndarray, return_index: bool = False, return_inverse: bool 
            ) -> np.ndarray | tuple[np.ndarray, ...]:
     """The sorted distinct values of ``values`` (flattened); with ``return_index`` the position of
     each one's first occurrence, with ``return_inverse`` per value the position of its distinct
-    value: ``np.unique``'s results for the same arguments, in the same order (values, index,
-    inverse), for NaN-free data (``np.unique`` counts every NaN as one value; here each NaN is
-    distinct, as NaN != NaN).
+    value (shaped as ``values``): ``np.unique``'s results for the same arguments, in the same
+    order (values, index, inverse), for NaN-free data (``np.unique`` counts every NaN as one
+    value; here each NaN is distinct, as NaN != NaN).
 
     One sort (a stable one where the first occurrences are asked for, as ``np.unique`` sorts)
     and a comparison of neighbours: as fast as ``np.unique``'s sorting path, which the indices
@@ -64,5 +64,5 @@ def unique(values: np.ndarray, return_index: bool = False, return_inverse: bool 
     if return_inverse:
         inverse = np.empty(len(flat), dtype=np.intp)
         inverse[order] = np.cumsum(starts) - 1
-        result.append(inverse)
+        result.append(inverse.reshape(np.shape(values)))  # numpy 2: the input's shape
     return tuple(result)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 
+from ndplan.arrays import unique
 from ndplan.census.record import CensusRecord, Recompute
 from ndplan.errors import NdplanError
 from ndplan.memory.overhead import RuntimeOverhead, overhead_model
@@ -1225,7 +1226,7 @@ def _pattern_leaders(
     columns, where the frontiers are equal (the same products). Those are the stages of the
     deep pipelines' interior patterns: 1F1B's 32 stages price as 5."""
     held, grown = _priced_columns(weights, extra)
-    leaders = _leading_stages(schedule, pp, vpp, seq_chunks, tuple(np.unique(micro_batches).tolist()), held, grown,
+    leaders = _leading_stages(schedule, pp, vpp, seq_chunks, tuple(unique(micro_batches).tolist()), held, grown,
                               tuple(pattern_of.tolist()))
     return None if len(leaders) == pp else leaders
 
@@ -1447,7 +1448,7 @@ def _group_shape(
         signature = (*features[table[s]].ravel().tolist(), s == pp - 1) if distinct else (s,)
         pattern_of[s] = seen.setdefault(signature, len(seen))
     reps = np.array([next(s for s in range(pp) if pattern_of[s] == p) for p in range(len(seen))], dtype=np.intp)
-    used = np.unique(table[reps])
+    used = unique(table[reps])
     chunks = np.searchsorted(used, table[reps])
     on_stage = np.zeros((len(reps), len(used)))
     on_stage[np.repeat(np.arange(len(reps)), vpp), chunks.ravel()] = 1.0
@@ -3227,7 +3228,7 @@ def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] |
     for word in words[1:]:
         digest *= np.uint64(0x9E3779B97F4A7C15)
         digest += word
-    distinct, inverse = np.unique(digest, return_inverse=True)
+    distinct, inverse = unique(digest, return_inverse=True)
     inverse = inverse.ravel()
     first = np.empty(len(distinct), dtype=np.int64)
     first[inverse] = np.arange(len(inverse))  # (the last row of each kind)

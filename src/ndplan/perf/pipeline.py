@@ -63,6 +63,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ndplan.arrays import unique
 from ndplan.model.spec import ModelSpec
 from ndplan.placement import place_layers
 from ndplan.schedule import simulated_makespan_s
@@ -137,7 +138,7 @@ def stage_layout(
     emb[stage_of[0]] = 1.0
     head = np.zeros(pp)
     head[stage_of[-1]] = 1.0
-    sizes = np.unique(nv[nv > 0]) if np.any(nv > 0) else np.array([1.0])
+    sizes = unique(nv[nv > 0]) if np.any(nv > 0) else np.array([1.0])
     dense_by = np.zeros((len(sizes), pp))
     moe_by = np.zeros((len(sizes), pp))
     for j, size in enumerate(sizes):
@@ -217,7 +218,7 @@ def identical_bubble(schedule: str, pp: Array, vpp: Array | float, m: Array, k: 
         return q * np.maximum(np.maximum(f, b), f + b - w)
     out = np.empty(np.shape(f))
     # Strategies of one call usually share pp; price each distinct pp with its own pieces.
-    q_values = np.unique(q)
+    q_values = unique(q)
     for qv in q_values.tolist():
         pieces = _zbv_pieces(qv) if schedule == "zbv" else _dualpipev_pieces(qv)
         sel = q == qv if len(q_values) > 1 else slice(None)
@@ -533,7 +534,7 @@ def interleaved_chain_bound_by_stage(
     best, best_hops = np.take_along_axis(chain, r[None, :], axis=0)[0], hops[r]
     if p > 1:
         # Unit counts per chunk depend on m alone: worked out per distinct m and gathered.
-        m_values, m_code = np.unique(m, return_inverse=True)
+        m_values, m_code = unique(m, return_inverse=True)
         units = m_values * v
         w0 = np.minimum(units, 2 * (p - 1) + (v - 1) * p)
         k0 = (m_values / p - 2.0) * p * v + (v - 1) * p - 1  # stage 0's last backward before the exit detour

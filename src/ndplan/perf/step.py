@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ndplan.arrays import unique
 from ndplan.errors import NdplanError
 from ndplan.hardware.device import Cluster
 from ndplan.memory.static import mtp_extra_split, non_expert_split, shard_groups
@@ -599,7 +600,7 @@ def _price_group(
             # Integer codes of the rows (p2p by its rank among the distinct values): a packed key
             # rather than np.unique(axis=0) over float rows, which sorts them (~4x slower). Each
             # strategy's simulated time depends on its own row alone, so the order does not matter.
-            _, p2p_rank = np.unique(p2p[short], return_inverse=True)
+            _, p2p_rank = unique(p2p[short], return_inverse=True)
             code, count = row_codes([m[short], k[short], config[short], recompute_layers[short], p2p_rank.ravel()])
             distinct = short[first_of_codes(code, count)]  # a strategy of each distinct row
             span, part = np.zeros(count), np.zeros(count)
@@ -637,7 +638,7 @@ def _price_group(
                 # each chunk configuration is one chain (no codes of the rows to work out).
                 code, distinct, of = chunks, first, None
             else:
-                _, p2p_rank = np.unique(p2p, return_inverse=True)
+                _, p2p_rank = unique(p2p, return_inverse=True)
                 code, count = row_codes([chunks, m, p2p_rank.ravel()])
                 distinct = first_of_codes(code, count)
                 of = chunks[distinct]
@@ -770,7 +771,7 @@ def _price_group(
                 # within the run (schedule.unshard), prefetched under the run's compute.
                 name = CODES["schedule"][int(schedule[0])]
                 m_d = m[deferred]
-                run_sizes, row_size = np.unique(m_d, return_inverse=True)
+                run_sizes, row_size = unique(m_d, return_inverse=True)
                 again = np.array([chunk_gathers(name, pp, vpp, int(c), int(k[0])) for c in run_sizes],
                                  dtype=np.float64)[row_size] - vpp
                 extra = gather_raw[code_d] * again / vpp
