@@ -163,7 +163,7 @@ def _run_stages(
     n = offsets[-1]
     end = [-1.0] * n + [0.0]  # -1: not yet timed (an end is never negative)
     waiting: list[list[int] | None] = [None] * (n + 1)  # the stages parked on each step
-    at = offsets[:-1]
+    at = list(offsets[:-1])  # each stage's next step; a copy, as it advances
     clock = [0.0] * pp  # end of each stage's last timed step
     ready = list(range(pp))
     while ready:
