@@ -2569,7 +2569,6 @@ def _evaluate_group(
                            "pipeline": kept_hidden, "checkpoint_mask": checkpoint_mask_virtual},
                           np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
 
-
     # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
     # + transient, every term but the held peak expanded from its patterns to the stages; summed
     # in this order, term by term, so that stages of equal totals tie exactly (the peak stage is
