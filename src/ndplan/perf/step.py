@@ -707,23 +707,33 @@ def _price_group(
     sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
     unbucketed = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0) & ~sharded
 
-    def stage_and_last_bucket(q: Array) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
-        """``_dp_raw`` of profile ``q``'s stage per distinct DP configuration: on all of its
-        parameters per device, then on its last bucket's (the gradient collectives, the part
-        across shard groups, the parameter all-gather). Both in one call over [2·dp_count]:
-        _dp_raw works element by element, so each half has the figures it has priced alone,
-        for one call's fixed cost (~0.2 ms a group) rather than two."""
-        ne = split_stage[q] / cu["tp"] + whole_stage[q]
-        ex = ex_stage[q] / (cu["ep"] * cu["etp"])
-        last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
-        last_ex = last_bucket_params(ex, 0.0, bucket)
-        both = _dp_raw(pr.batch, {name: np.concatenate([value, value]) for name, value in cu.items()},
-                       np.concatenate([ne, last_ne]), np.concatenate([ex, last_ex]), pr.fabric,
-                       pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
-                       foreach=pr.eff.optimizer_kernel == "foreach", defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
-        return tuple(x[:dp_count] for x in both), tuple(x[dp_count:] for x in both)
+    def stages_and_last_buckets(*stages: Array) -> list[tuple[tuple[Array, ...], tuple[Array, ...]]]:
+        """Per profile index array q of ``stages``, ``_dp_raw`` of q's stage per distinct DP
+        configuration: on all of its parameters per device, then on its last bucket's (the
+        gradient collectives, the part across shard groups, the parameter all-gather). All in
+        one call over [2·len(stages)·dp_count]: _dp_raw works element by element, so each part
+        has the figures it has priced alone, for one call's fixed cost (~0.2 ms a group) rather
+        than one a stage and bucket."""
+        params = []
+        for q in stages:
+            ne = split_stage[q] / cu["tp"] + whole_stage[q]
+            ex = ex_stage[q] / (cu["ep"] * cu["etp"])
+            last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
+            last_ex = last_bucket_params(ex, 0.0, bucket)
+            params += [(ne, ex), (last_ne, last_ex)]
+        priced = _dp_raw(pr.batch, {name: np.concatenate([value] * len(params)) for name, value in cu.items()},
+                         np.concatenate([ne for ne, _ in params]), np.concatenate([ex for _, ex in params]), pr.fabric,
+                         pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
+                         foreach=pr.eff.optimizer_kernel == "foreach",
+                         defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
+        part = [tuple(x[i * dp_count:(i + 1) * dp_count] for x in priced) for i in range(len(params))]
+        return [(part[2 * i], part[2 * i + 1]) for i in range(len(stages))]
 
-    (grad_raw, cross_raw, gather_raw, optimizer_u), (grad_last, _, gather_last, _) = stage_and_last_bucket(heavy_u)
+    # Megatron-Core's first stage, whose own last bucket stays exposed beside a later heavy stage's
+    # (below): priced with the heavy stage, in the same call.
+    q0 = np.full(dp_count, int(np.flatnonzero(layout.profile_stage == 0)[0])) if np.any(unbucketed) else None
+    by_stage = stages_and_last_buckets(heavy_u) if q0 is None else stages_and_last_buckets(heavy_u, q0)
+    (grad_raw, cross_raw, gather_raw, optimizer_u), (grad_last, _, gather_last, _) = by_stage[0]
     grad_floor = np.where(unbucketed, 0.0, np.where(sharded, grad_raw * share, grad_last))
     gather_floor = np.where(unbucketed, 0.0, np.where(sharded, gather_raw * share, gather_last))
     if np.any(unbucketed):
@@ -745,10 +755,9 @@ def _price_group(
                                         pr.overlap.dp_grad_reduce)
         grad[zero2] = (m[zero2] - 1) * per_micro_batch + grad[zero2]
     gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor[dp_code], pr.overlap.dp_param_gather)
-    if np.any(unbucketed):
+    if q0 is not None:
         # The first stage's own exposure, priced as the heavy stage's is where that is the first.
-        q0 = np.full(dp_count, int(np.flatnonzero(layout.profile_stage == 0)[0]))
-        raw0, (grad0, _, gather0, _) = stage_and_last_bucket(q0)
+        raw0, (grad0, _, gather0, _) = by_stage[1]
         at0 = rows * per_mb.shape[1] + q0[dp_code]
         first_grad = _exposed_step(raw0[0][dp_code], np.take(b, at0) + np.take(w, at0), grad0[dp_code],
                                    pr.overlap.dp_grad_reduce)
