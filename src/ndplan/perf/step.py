@@ -592,6 +592,7 @@ def _price_group(
         name = CODES["schedule"][int(schedule[0])]
         makespan, p2p_part, _ = closed_form_makespan(
             name, float(pp), float(vpp), m, k, f, b, w, p2p, layout.profile_count, star, per_mb, layout.stage_profile,
+            alike=[local, recompute_layers, m],  # f, b, w are functions of the first two
         )
         # Too few micro-batches for the closed form's steady state: the simulator's timeline, for
         # these strategies together, one per distinct (m, layer configuration, recompute, p2p).
