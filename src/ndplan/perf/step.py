@@ -496,7 +496,7 @@ def _piece_table(pieces: Mapping[str, PieceTimes], n: int, categories: tuple[str
     return table, per_pass, per_cat
 
 
-def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric) -> Array:
+def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_code: Array) -> Array:
     """Per strategy, seconds of one point-to-point send between pipeline stages (0 without a
     pipeline): one op's activation [mbs, seq/(cp·k), h] (/tp with SP), k = seq_chunks: Seq1F1B
     sends each of a micro-batch's k sub-sequences on its own (the schedule's ops and its
@@ -509,8 +509,9 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric) -> Arra
     the network's rate once any crossed.
 
     The share is a function of (pp, tp·cp·dp, schedule, vpp) alone: worked out once per
-    distinct row (a few dozen in a million strategies) and gathered, rather than through a
-    score of [n] temporaries."""
+    distinct (``_group_codes``' ``group_code``, which holds the first and the last, stride) (a few
+    dozen in a million strategies) and gathered, rather than through a score of [n]
+    temporaries; the mean only on the rows whose share is strictly between 0 and 1."""
     t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
     divisor = batch.cp * t_sp
     divisor *= batch.seq_chunks
@@ -518,14 +519,18 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric) -> Arra
     p2p_bytes *= model.hidden_size * batch.precision.activation_bytes
     stride = batch.tp * batch.cp
     stride *= batch.dp
-    link_code, links = row_codes([batch.pp, stride, batch.schedule, batch.vpp])
+    link_code, links = row_codes([group_code, stride])
     first = first_of_codes(link_code, links)
     share = np.array([pipeline_crossing_share(CODES["schedule"][int(batch.schedule[i])], int(batch.pp[i]),
                                               int(batch.vpp[i]), int(stride[i]), fabric.domain) for i in first])
     inside = fabric.scaleup_latency + p2p_bytes / float(inside_bandwidth(fabric, 2.0))
     outside = fabric.scaleout_latency + p2p_bytes / fabric.scaleout_bw
-    x = share.take(link_code)
-    p2p = np.where(x >= 1.0, outside, np.where(x <= 0.0, inside, x * outside + (1.0 - x) * inside))
+    p2p = np.where(share.take(link_code) >= 1.0, outside, inside)
+    mixed = np.flatnonzero((share > 0.0) & (share < 1.0))  # the links some hops of which cross
+    if len(mixed):
+        rows = np.flatnonzero(np.isin(link_code, mixed))
+        x = share.take(link_code[rows])
+        p2p[rows] = x * outside[rows] + (1.0 - x) * inside[rows]
     return np.where(batch.pp > 1, p2p, 0.0)
 
 
@@ -881,11 +886,10 @@ def evaluate(
     priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
                      fabric.host_bw, pipeline, dp_columns, categories)
 
-    p2p = _p2p_seconds(model, batch, fabric)
-
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
     group_code, group_count = _group_codes(batch)
+    p2p = _p2p_seconds(model, batch, fabric, group_code)
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
     bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
     cols = {name: ints[name][order].astype(np.float64) for name in _STEP_FIELDS}
