@@ -306,6 +306,28 @@ def test_1f1b_closed_form_follows_an_early_bottleneck_as_the_simulator():
         assert simulated * (1 - 0.01) <= closed <= simulated * (1 + 1e-12), (pp, m)
 
 
+def test_1f1b_chains_priced_once_per_alike_row_are_the_same_bits():
+    """``alike`` columns let the 1F1B chains run once per distinct row (f, b, w and m shared)
+    and be gathered: the same makespans and parts, bit for bit, as priced row by row; with
+    fewer alike rows than half, or no early bottleneck, the same too."""
+    rng = np.random.default_rng(11)
+    pp, kinds = 8, 5
+    f_kind = rng.uniform(0.9, 1.1, (kinds, pp))
+    f_kind[:, 0] *= 1.4  # an early bottleneck: the chains' rows
+    f_kind[1, -1] *= 2.0  # one kind whose last stage is the slowest (the fill is exact there)
+    b_kind = 2.0 * f_kind
+    w_kind = np.zeros_like(f_kind)
+    for rows in (200, 4):  # many alike, and too few to pay for the gather
+        kind = rng.integers(0, kinds, rows)
+        m = rng.choice([8.0, 16.0], rows)
+        p2p = np.full(rows, 1e-3)
+        args = ("1f1b", float(pp), 1.0, m, np.ones(rows), f_kind[kind], b_kind[kind], w_kind[kind], p2p)
+        plain = closed_form_makespan(*args, stage_column=np.arange(pp))
+        deduplicated = closed_form_makespan(*args, stage_column=np.arange(pp), alike=[kind, m])
+        for one, other in zip(plain, deduplicated, strict=True):
+            assert one.tobytes() == other.tobytes()
+
+
 def test_the_search_prices_llama_405b_over_pp64_with_1f1b_as_the_simulator():
     """Llama-3.1-405B, dp4 tp8 sp pp64 fsdp3 mbs2 m128 1f1b (Megatron profile): 126 layers, so
     stage 0 holds two with the embedding and is the bottleneck. The search read 26.51 s for the

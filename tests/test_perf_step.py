@@ -989,6 +989,19 @@ def test_pipeline_hops_inside_a_node_use_nvlink():
     assert p2p(8, pp=4) == pytest.approx(inside, rel=1e-12)
 
 
+def test_pipeline_hops_of_mixed_links_priced_together_as_alone():
+    """A batch mixing pipelines whose hops all stay inside a node, all cross, partly cross (the
+    mean is worked out on those rows alone) and no pipeline prices each strategy's transfer as
+    it is priced alone, bit for bit."""
+    settings = [dict(pp=8), dict(pp=8, dp=2), dict(pp=4), dict(pp=8, schedule="interleaved", vpp=2),
+                dict(pp=1, dp=16), dict(pp=2, dp=8)]
+    strategies = [Strategy(tp=2, sequence_parallel=True, num_micro_batches=16, seq_length=4096, **s) for s in settings]
+    together = evaluate(LLAMA8, StrategyBatch.of(strategies), _cluster(32), details=True)["p2p_s"]
+    alone = [evaluate(LLAMA8, StrategyBatch.of(s), _cluster(32), details=True)["p2p_s"][0] for s in strategies]
+    assert together.tolist() == alone
+    assert together[4] == 0.0 and len(set(together.tolist())) >= 4
+
+
 def test_the_gradient_norm_all_reduce_costs_nothing_on_one_device():
     """A fused Adam moves 38 bytes per parameter under megatron-bf16 (gradient 4, states and
     master 2·(8 + 4), the bf16 copy 2, clipping's read and zeroing 2·4) at 0.6 of the H100's

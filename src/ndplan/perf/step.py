@@ -496,7 +496,7 @@ def _piece_table(pieces: Mapping[str, PieceTimes], n: int, categories: tuple[str
     return table, per_pass, per_cat
 
 
-def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric) -> Array:
+def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_code: Array) -> Array:
     """Per strategy, seconds of one point-to-point send between pipeline stages (0 without a
     pipeline): one op's activation [mbs, seq/(cp·k), h] (/tp with SP), k = seq_chunks: Seq1F1B
     sends each of a micro-batch's k sub-sequences on its own (the schedule's ops and its
@@ -509,8 +509,9 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric) -> Arra
     the network's rate once any crossed.
 
     The share is a function of (pp, tp·cp·dp, schedule, vpp) alone: worked out once per
-    distinct row (a few dozen in a million strategies) and gathered, rather than through a
-    score of [n] temporaries."""
+    distinct (``_group_codes``' ``group_code``, which holds the first and the last, stride) (a few
+    dozen in a million strategies) and gathered, rather than through a score of [n]
+    temporaries; the mean only on the rows whose share is strictly between 0 and 1."""
     t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
     divisor = batch.cp * t_sp
     divisor *= batch.seq_chunks
@@ -518,14 +519,18 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric) -> Arra
     p2p_bytes *= model.hidden_size * batch.precision.activation_bytes
     stride = batch.tp * batch.cp
     stride *= batch.dp
-    link_code, links = row_codes([batch.pp, stride, batch.schedule, batch.vpp])
+    link_code, links = row_codes([group_code, stride])
     first = first_of_codes(link_code, links)
     share = np.array([pipeline_crossing_share(CODES["schedule"][int(batch.schedule[i])], int(batch.pp[i]),
                                               int(batch.vpp[i]), int(stride[i]), fabric.domain) for i in first])
     inside = fabric.scaleup_latency + p2p_bytes / float(inside_bandwidth(fabric, 2.0))
     outside = fabric.scaleout_latency + p2p_bytes / fabric.scaleout_bw
-    x = share.take(link_code)
-    p2p = np.where(x >= 1.0, outside, np.where(x <= 0.0, inside, x * outside + (1.0 - x) * inside))
+    p2p = np.where(share.take(link_code) >= 1.0, outside, inside)
+    mixed = np.flatnonzero((share > 0.0) & (share < 1.0))  # the links some hops of which cross
+    if len(mixed):
+        rows = np.flatnonzero(np.isin(link_code, mixed))
+        x = share.take(link_code[rows])
+        p2p[rows] = x * outside[rows] + (1.0 - x) * inside[rows]
     return np.where(batch.pp > 1, p2p, 0.0)
 
 
@@ -592,6 +597,7 @@ def _price_group(
         name = CODES["schedule"][int(schedule[0])]
         makespan, p2p_part, _ = closed_form_makespan(
             name, float(pp), float(vpp), m, k, f, b, w, p2p, layout.profile_count, star, per_mb, layout.stage_profile,
+            alike=[local, recompute_layers, m],  # f, b, w are functions of the first two
         )
         # Too few micro-batches for the closed form's steady state: the simulator's timeline, for
         # these strategies together, one per distinct (m, layer configuration, recompute, p2p).
@@ -707,23 +713,33 @@ def _price_group(
     sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
     unbucketed = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0) & ~sharded
 
-    def stage_and_last_bucket(q: Array) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
-        """``_dp_raw`` of profile ``q``'s stage per distinct DP configuration: on all of its
-        parameters per device, then on its last bucket's (the gradient collectives, the part
-        across shard groups, the parameter all-gather). Both in one call over [2·dp_count]:
-        _dp_raw works element by element, so each half has the figures it has priced alone,
-        for one call's fixed cost (~0.2 ms a group) rather than two."""
-        ne = split_stage[q] / cu["tp"] + whole_stage[q]
-        ex = ex_stage[q] / (cu["ep"] * cu["etp"])
-        last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
-        last_ex = last_bucket_params(ex, 0.0, bucket)
-        both = _dp_raw(pr.batch, {name: np.concatenate([value, value]) for name, value in cu.items()},
-                       np.concatenate([ne, last_ne]), np.concatenate([ex, last_ex]), pr.fabric,
-                       pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
-                       foreach=pr.eff.optimizer_kernel == "foreach", defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
-        return tuple(x[:dp_count] for x in both), tuple(x[dp_count:] for x in both)
+    def stages_and_last_buckets(*stages: Array) -> list[tuple[tuple[Array, ...], tuple[Array, ...]]]:
+        """Per profile index array q of ``stages``, ``_dp_raw`` of q's stage per distinct DP
+        configuration: on all of its parameters per device, then on its last bucket's (the
+        gradient collectives, the part across shard groups, the parameter all-gather). All in
+        one call over [2·len(stages)·dp_count]: _dp_raw works element by element, so each part
+        has the figures it has priced alone, for one call's fixed cost (~0.2 ms a group) rather
+        than one a stage and bucket."""
+        params = []
+        for q in stages:
+            ne = split_stage[q] / cu["tp"] + whole_stage[q]
+            ex = ex_stage[q] / (cu["ep"] * cu["etp"])
+            last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
+            last_ex = last_bucket_params(ex, 0.0, bucket)
+            params += [(ne, ex), (last_ne, last_ex)]
+        priced = _dp_raw(pr.batch, {name: np.concatenate([value] * len(params)) for name, value in cu.items()},
+                         np.concatenate([ne for ne, _ in params]), np.concatenate([ex for _, ex in params]), pr.fabric,
+                         pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
+                         foreach=pr.eff.optimizer_kernel == "foreach",
+                         defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
+        part = [tuple(x[i * dp_count:(i + 1) * dp_count] for x in priced) for i in range(len(params))]
+        return [(part[2 * i], part[2 * i + 1]) for i in range(len(stages))]
 
-    (grad_raw, cross_raw, gather_raw, optimizer_u), (grad_last, _, gather_last, _) = stage_and_last_bucket(heavy_u)
+    # Megatron-Core's first stage, whose own last bucket stays exposed beside a later heavy stage's
+    # (below): priced with the heavy stage, in the same call.
+    q0 = np.full(dp_count, int(np.flatnonzero(layout.profile_stage == 0)[0])) if np.any(unbucketed) else None
+    by_stage = stages_and_last_buckets(heavy_u) if q0 is None else stages_and_last_buckets(heavy_u, q0)
+    (grad_raw, cross_raw, gather_raw, optimizer_u), (grad_last, _, gather_last, _) = by_stage[0]
     grad_floor = np.where(unbucketed, 0.0, np.where(sharded, grad_raw * share, grad_last))
     gather_floor = np.where(unbucketed, 0.0, np.where(sharded, gather_raw * share, gather_last))
     if np.any(unbucketed):
@@ -745,10 +761,9 @@ def _price_group(
                                         pr.overlap.dp_grad_reduce)
         grad[zero2] = (m[zero2] - 1) * per_micro_batch + grad[zero2]
     gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor[dp_code], pr.overlap.dp_param_gather)
-    if np.any(unbucketed):
+    if q0 is not None:
         # The first stage's own exposure, priced as the heavy stage's is where that is the first.
-        q0 = np.full(dp_count, int(np.flatnonzero(layout.profile_stage == 0)[0]))
-        raw0, (grad0, _, gather0, _) = stage_and_last_bucket(q0)
+        raw0, (grad0, _, gather0, _) = by_stage[1]
         at0 = rows * per_mb.shape[1] + q0[dp_code]
         first_grad = _exposed_step(raw0[0][dp_code], np.take(b, at0) + np.take(w, at0), grad0[dp_code],
                                    pr.overlap.dp_grad_reduce)
@@ -871,11 +886,10 @@ def evaluate(
     priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
                      fabric.host_bw, pipeline, dp_columns, categories)
 
-    p2p = _p2p_seconds(model, batch, fabric)
-
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
     group_code, group_count = _group_codes(batch)
+    p2p = _p2p_seconds(model, batch, fabric, group_code)
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
     bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
     cols = {name: ints[name][order].astype(np.float64) for name in _STEP_FIELDS}
