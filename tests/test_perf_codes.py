@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ndplan.perf.codes import first_of_codes, row_codes
-from ndplan.strategy.batch import distinct_columns
+from ndplan.strategy.batch import _ranks_by_packed_sort, dense_codes, distinct_columns
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 5000, 300_000])
@@ -57,3 +57,24 @@ def test_distinct_columns_skips_broadcast_columns_alike(rows: int) -> None:
     np.testing.assert_array_equal(codes, expected.reshape(-1))
     _, expected_prefix = np.unique(varying[0], return_inverse=True)
     np.testing.assert_array_equal(prefix_codes, expected_prefix)
+
+
+@pytest.mark.parametrize(("rows", "high"), [(1, 1 << 40), (2, 3), (5000, 1 << 40), (300_000, 10_000_000)])
+def test_dense_codes_by_packed_sort_are_the_ranks(rows: int, high: int) -> None:
+    # Values too far apart for a presence table are ranked by one sort of (value, row) packed
+    # into an integer: the ranks np.unique gives, for values far from zero and negative too.
+    rng = np.random.default_rng(rows)
+    values = rng.integers(-high, high, rows)
+    low, top = int(values.min()), int(values.max())
+    expected_distinct, expected = np.unique(values, return_inverse=True)
+    codes, count = _ranks_by_packed_sort(values, low, top)
+    np.testing.assert_array_equal(codes, expected)
+    assert count == len(expected_distinct)
+    assert dense_codes(values)[1] == count
+
+
+def test_dense_codes_too_wide_to_pack_sorts_by_index() -> None:
+    # Values spanning 2^62 leave no bits for the rows' indices: ranked by an argsort instead.
+    values = np.array([1 << 62, -(1 << 62), 0, 1 << 62, 5])
+    codes, count = dense_codes(values)
+    assert codes.tolist() == [3, 0, 1, 3, 2] and count == 4
