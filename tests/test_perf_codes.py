@@ -78,3 +78,11 @@ def test_dense_codes_too_wide_to_pack_sorts_by_index() -> None:
     values = np.array([1 << 62, -(1 << 62), 0, 1 << 62, 5])
     codes, count = dense_codes(values)
     assert codes.tolist() == [3, 0, 1, 3, 2] and count == 4
+
+
+def test_dense_codes_of_negative_values_close_to_zero() -> None:
+    # A range from just below zero is not indexed from 0 (the table would read -1 as its last
+    # entry: -1 and 899 one code): 902 wide, past the small ranges coded as they are.
+    values = np.array([899, -1, 5, -2, 898, -1])
+    codes, count = dense_codes(values)
+    assert codes.tolist() == [4, 1, 2, 0, 3, 1] and count == 5

@@ -318,8 +318,9 @@ def dense_codes(values: IntArray, low: int | None = None, high: int | None = Non
         low, high = int(values.min()), int(values.max())
     if high - low < max(1 << 20, 2 * len(values)):
         # The tables start at 0 where that at most doubles them: indexed by the values as they
-        # are, a pass and a temporary less (sequence lengths, degrees, micro-batch counts).
-        start = 0 if low <= high - low else low
+        # are, a pass and a temporary less (sequence lengths, degrees, micro-batch counts). Not
+        # below 0: a negative value would index the table from its end, as another value.
+        start = 0 if 0 <= low <= high - low else low
         offset = values - start if start else values
         present = np.zeros(high - start + 1, dtype=bool)
         present[offset] = True
