@@ -80,6 +80,21 @@ def test_dense_codes_too_wide_to_pack_sorts_by_index() -> None:
     assert codes.tolist() == [3, 0, 1, 3, 2] and count == 4
 
 
+@pytest.mark.parametrize("rows", [1, 4000])
+def test_distinct_columns_carry_on_from_the_prefix_codes(rows: int) -> None:
+    # The key goes on from the prefix's dense codes (or from nothing, where every prefix field
+    # holds one value): the prefix's codes are returned untouched by the fields after them.
+    rng = np.random.default_rng(rows)
+    for prefix_columns in ([rng.integers(0, 9, rows), rng.integers(0, 3000, rows)], [np.full(rows, 7)]):
+        after = [rng.integers(0, 4, rows), rng.integers(-2, 900, rows)]
+        _, codes, prefix_codes = distinct_columns([*prefix_columns, *after], rows, prefix=len(prefix_columns))
+        stacked = np.stack([*prefix_columns, *after], axis=1)
+        _, expected = np.unique(stacked, axis=0, return_inverse=True)
+        np.testing.assert_array_equal(codes, expected.reshape(-1))
+        _, expected_prefix = np.unique(stacked[:, :len(prefix_columns)], axis=0, return_inverse=True)
+        np.testing.assert_array_equal(prefix_codes, expected_prefix.reshape(-1))
+
+
 def test_dense_codes_of_negative_values_close_to_zero() -> None:
     # A range from just below zero is not indexed from 0 (the table would read -1 as its last
     # entry: -1 and 899 one code): 902 wide, past the small ranges coded as they are.
