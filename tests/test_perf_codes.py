@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ndplan.perf.codes import first_of_codes, row_codes
-from ndplan.strategy.batch import _ranks_by_packed_sort, dense_codes, distinct_columns
+from ndplan.strategy.batch import _ranks_by_packed_sort, combination_codes, dense_codes, distinct_columns
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 5000, 300_000])
@@ -101,3 +101,17 @@ def test_dense_codes_of_negative_values_close_to_zero() -> None:
     values = np.array([899, -1, 5, -2, 898, -1])
     codes, count = dense_codes(values)
     assert codes.tolist() == [4, 1, 2, 0, 3, 1] and count == 5
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3000])
+def test_combination_codes_are_distinct_columns_without_rows(rows: int) -> None:
+    # The codes, their count and the prefix's codes of distinct_columns, without its row of
+    # each combination (which row_codes never read).
+    rng = np.random.default_rng(rows)
+    columns = [rng.integers(0, 3, rows), rng.integers(0, 5000, rows), rng.integers(-3, 3, rows)]
+    codes, count, prefix_codes = combination_codes(columns, rows, prefix=2)
+    rows_of, expected, expected_prefix = distinct_columns(columns, rows, prefix=2)
+    np.testing.assert_array_equal(codes, expected)
+    assert expected_prefix is not None and prefix_codes is not None
+    np.testing.assert_array_equal(prefix_codes, expected_prefix)
+    assert count == len(rows_of)

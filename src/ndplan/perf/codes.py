@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ndplan.strategy.batch import combination_codes
 from ndplan.strategy.batch import dense_codes as ranks
-from ndplan.strategy.batch import distinct_columns
 
 Array = np.ndarray
 
@@ -31,8 +31,8 @@ def first_of_codes(codes: Array, count: int) -> Array:
 
 def row_codes(columns: list[Array]) -> tuple[Array, int]:
     """(codes, k) of the distinct rows of several non-negative integer (boolean, or integral
-    float) columns, numbered in the rows' lexicographic order: ``distinct_columns``' numbering,
-    whose packing into one integer key this shares rather than repeats."""
+    float) columns, numbered in the rows' lexicographic order: ``distinct_columns``' numbering
+    (``combination_codes``), whose packing into one integer key this shares rather than repeats."""
     integers = [column.astype(np.int64) if column.dtype.kind == "f" else column for column in map(np.asarray, columns)]
-    distinct, codes, _ = distinct_columns(integers, len(integers[0]))
-    return codes, len(distinct)
+    codes, count, _ = combination_codes(integers, len(integers[0]))
+    return codes, count

@@ -244,8 +244,20 @@ def distinct_columns(
     combinations numbered in the order of their values); and with ``prefix``, per row the
     index of its combination of the first ``prefix`` columns alone (as ``distinct`` of those
     numbers them), found on the way."""
+    codes, count, prefix_codes = combination_codes(columns, n, prefix)
+    rows = np.zeros(count, dtype=np.int64)
+    rows[codes] = np.arange(n)  # any row of a combination stands for it
+    return rows, codes, prefix_codes
+
+
+def combination_codes(
+    columns: Sequence[IntArray], n: int, prefix: int = 0,
+) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """``distinct_columns`` without a row of each combination: (per row the index of its
+    combination, their count, and the prefix's as there), for callers that gather nothing by
+    the combinations' rows (``row_codes``: a scatter of the batch's length less a call)."""
     if not n:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), 0, np.zeros(0, dtype=np.int64)
     # Each row's key is its combination's number so far (mixed radix, < span) plus ``base``, the
     # same for every row: a field of small values joins the key as it is rather than less its
     # smallest (key · count + value), whose sum ``base`` collects; the ranks are the same (1M
@@ -297,11 +309,9 @@ def distinct_columns(
         base = base * count + shift
         span *= count
     codes, count = _key_codes(key, base, span, n)
-    rows = np.zeros(count, dtype=np.int64)
-    rows[codes] = np.arange(n)  # any row of a combination stands for it
     if prefix and prefix_codes is None:  # (no columns past the prefix)
         prefix_codes = codes
-    return rows, codes, prefix_codes
+    return codes, count, prefix_codes
 
 
 def _key_codes(key: IntArray | None, base: int, span: int, n: int) -> tuple[np.ndarray, int]:
