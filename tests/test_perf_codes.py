@@ -95,6 +95,12 @@ def test_distinct_columns_carry_on_from_the_prefix_codes(rows: int) -> None:
         np.testing.assert_array_equal(prefix_codes, expected_prefix.reshape(-1))
 
 
+def test_dense_codes_of_nothing_over_a_wide_given_range() -> None:
+    # A range given wider than any table, over no values: no codes, not a sort of nothing.
+    codes, count = dense_codes(np.zeros(0, dtype=np.int64), 0, 1 << 30)
+    assert codes.tolist() == [] and count == 0
+
+
 def test_dense_codes_of_negative_values_close_to_zero() -> None:
     # A range from just below zero is not indexed from 0 (the table would read -1 as its last
     # entry: -1 and 899 one code): 902 wide, past the small ranges coded as they are.

@@ -343,7 +343,7 @@ def dense_codes(values: IntArray, low: int | None = None, high: int | None = Non
         code_of = np.empty(high - start + 1, dtype=np.int64)  # entries never present are never read
         code_of[distinct] = np.arange(len(distinct))
         return code_of[offset], len(distinct)
-    if (high - low).bit_length() + (len(values) - 1).bit_length() <= 63:
+    if len(values) and (high - low).bit_length() + (len(values) - 1).bit_length() <= 63:
         return _ranks_by_packed_sort(values, low, high)
     distinct, codes = unique(values, return_inverse=True)
     return codes.astype(np.int64, copy=False), len(distinct)
