@@ -109,7 +109,7 @@ _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_
 #: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy: counts they
 #: multiply by (as floats) and modes they only compare (kept integral: no float conversion).
 _STEP_FIELDS = ("num_micro_batches", "pipeline_runs", "seq_chunks")
-_STEP_MODES = ("zero", "recompute")
+_STEP_MODES = ("recompute",)
 #: Strategy fields the per-step DP and optimizer terms read (besides the stage's parameters).
 _DP_FIELDS = ("tp", "ep", "etp", "dp", "cp", "pp", "zero", "fsdp", "shard_group", "optimizer_offload",
               "reshard_after_forward")
@@ -543,10 +543,11 @@ def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
 
 
 def _price_group(
-    pr: _Priced, layout: StageLayout, cols: dict[str, Array], config: Array, schedule: Array,
+    pr: _Priced, layout: StageLayout, cols: dict[str, Array], config: Array, name: str,
     recompute_layers: Array, p2p: Array, details: bool = True,
 ) -> dict[str, Array]:
-    """Every _GROUP_KEYS array for strategies sharing one stage layout (arguments sliced);
+    """Every _GROUP_KEYS array for strategies sharing one stage layout and schedule (``name``;
+    arrays sliced);
     without ``details`` the DETAIL_KEYS that cost a pass of their own (the makespan, the
     bottleneck stage and its passes) are left out: no caller reads them."""
     g = len(config)
@@ -596,8 +597,7 @@ def _price_group(
     # than the fancy index [rows, star])
     star_at = rows * per_mb.shape[1] + star
     t_star = np.take(per_mb, star_at)
-    if pr.pipeline == "closed_form":  # a group shares one schedule
-        name = CODES["schedule"][int(schedule[0])]
+    if pr.pipeline == "closed_form":
         makespan, p2p_part, _ = closed_form_makespan(
             name, float(pp), float(vpp), m, k, f, b, w, p2p, layout.profile_count, star, per_mb, layout.stage_profile,
             alike=[local, recompute_layers, m],  # f, b, w are functions of the first two
@@ -661,7 +661,7 @@ def _price_group(
         fc, bc, wc = _chunk_seconds(pr, layout, config, recompute_layers)
         for j in range(g):
             makespan[j], p2p_part[j] = simulated_makespan(
-                CODES["schedule"][int(schedule[j])], pp, vpp, int(m[j]), int(k[j]), fc[j], bc[j], wc[j], float(p2p[j]),
+                name, pp, vpp, int(m[j]), int(k[j]), fc[j], bc[j], wc[j], float(p2p[j]),
             )
         chunk_seconds = np.stack([fc, bc, wc], axis=1)  # what the simulator ran: [g, F/B/W, pp, vpp]
 
@@ -787,7 +787,6 @@ def _price_group(
             if vpp > ACTIVE_CHUNKS and np.any(gather_raw > 0):
                 # More chunks on a rank than torch keeps gathered: some are freed and gathered again
                 # within the run (schedule.unshard), prefetched under the run's compute.
-                name = CODES["schedule"][int(schedule[0])]
                 m_d = m[deferred]
                 run_sizes, row_size = unique(m_d, return_inverse=True)
                 again = np.array([chunk_gathers(name, pp, vpp, int(c), int(k[0])) for c in run_sizes],
@@ -901,7 +900,6 @@ def evaluate(
     cols["dp_config"] = dp_config[order]
     cols["row"] = order
     config = config[order]
-    schedule = batch.schedule[order]
     recompute_layers = batch.recompute_layers[order]
     p2p_sorted = p2p[order]
 
@@ -913,11 +911,10 @@ def evaluate(
     for gi in range(group_count):
         sl = slice(int(bounds[gi]), int(bounds[gi + 1]))
         i0 = int(order[sl.start])
-        layout = stage_layout(
-            model, int(batch.pp[i0]), int(batch.vpp[i0]), is_v_shape(CODES["schedule"][int(batch.schedule[i0])]),
-            stage_layers, bool(batch.embedding_as_layer[i0]), bool(batch.output_as_layer[i0]),
-        )
-        group = _price_group(priced, layout, {k: v[sl] for k, v in cols.items()}, config[sl], schedule[sl],
+        name = CODES["schedule"][int(batch.schedule[i0])]  # (a group's _GROUP_FIELDS: one schedule)
+        layout = stage_layout(model, int(batch.pp[i0]), int(batch.vpp[i0]), is_v_shape(name), stage_layers,
+                              bool(batch.embedding_as_layer[i0]), bool(batch.output_as_layer[i0]))
+        group = _price_group(priced, layout, {k: v[sl] for k, v in cols.items()}, config[sl], name,
                              recompute_layers[sl], p2p_sorted[sl], details)
         for key, value in group.items():
             if key == "chunk_seconds":  # per stage and chunk: kept for a batch of one (estimate_time)
