@@ -98,7 +98,7 @@ DETAIL_KEYS = (
 _GROUP_KEYS = (
     "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s", "optimizer_s", "makespan_s",
     "stage_forward_s", "stage_backward_s", "stage_weight_grad_s", "bottleneck_stage", "dp_step_s",
-    "optimizer_update_s", "recomputed_fraction",
+    "optimizer_update_s",
 )
 
 #: Strategy fields a layer's price depends on (layer.py reads nothing else, but whether the
@@ -107,9 +107,8 @@ _GROUP_KEYS = (
 _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_kind", "ulysses_degree",
                  "sequence_parallel", "recompute", "ep_overlap", "ep_pairing")
 #: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy: counts they
-#: multiply by (as floats) and modes they only compare (kept integral: no float conversion).
+#: multiply by (as floats).
 _STEP_FIELDS = ("num_micro_batches", "pipeline_runs", "seq_chunks")
-_STEP_MODES = ("recompute",)
 #: Strategy fields the per-step DP and optimizer terms read (besides the stage's parameters).
 _DP_FIELDS = ("tp", "ep", "etp", "dp", "cp", "pp", "zero", "fsdp", "shard_group", "optimizer_offload",
               "reshard_after_forward")
@@ -290,35 +289,44 @@ def _length_flops(model: ModelSpec, lengths: tuple[float, ...], policy: str, mod
     return tuple(figures)
 
 
-def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, recomputed: Array, policy: str = "megatron",
-               modules: tuple[str, ...] = (), recompute_layers: Array | None = None) -> tuple[Array, Array]:
+def _rebuilt_flops(per_length: list[Array], recomputed: Array, recompute: Array, every: Array | bool) -> Array:
+    """``_seq_flops``' hardware FLOPs from the figures of each strategy's length (``per_length``,
+    as ``_length_flops`` gives them), the fraction of its layers rebuilt, its recompute code and
+    whether MTP modules are rebuilt whole (``every``), arrays that broadcast together."""
+    base, extra_full, extra_sel = per_length[:3]
+    hardware = extra_full * recomputed * (recompute == 2) + base
+    hardware = hardware + extra_sel * recomputed * (recompute == 1)
+    if len(per_length) > 3:
+        hardware = hardware + (per_length[3] * every + per_length[4] * (recompute == 1))
+    return hardware
+
+
+def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, limited: Array, limited_fraction: Array,
+               policy: str = "megatron", modules: tuple[str, ...] = ()) -> tuple[Array, Array]:
     """(model, hardware) FLOPs of one sequence, priced once per distinct sequence length:
     hardware = model + full · the full rebuild's + selective · the selective rebuild's, where
-    full (selective) is ``recomputed``, the fraction of layers rebuilt, on the strategies whose
-    ``recompute`` code is 2 (1), else 0; ``policy`` is the profile's selective_recompute,
-    ``modules`` the batch's recompute modules. MTP modules add their own rebuild: selective as
-    in a decoder layer, full where every layer is rebuilt (``recompute_layers`` 0, Megatron's
-    uniform method; the block method skips them). Worked out in place: each product is the same
-    one rounding (a factor 0 or 1 applied last gives 0 or the product, as it first), each sum
-    the same two addends."""
+    full (selective) is the fraction of layers rebuilt on the strategies whose ``recompute``
+    code is 2 (1), else 0: all of them (1), but on the rows ``limited`` (recompute on, with a
+    limit of layers), whose fractions are ``limited_fraction``; ``policy`` is the profile's
+    selective_recompute, ``modules`` the batch's recompute modules. MTP modules add their own
+    rebuild: selective as in a decoder layer, full where every layer is rebuilt (full
+    recompute without a limit, Megatron's uniform method; the block method skips them).
+
+    Every row but the limited ones is a function of (length, recompute code): worked out once
+    per pair, in a [lengths, codes] table, and taken from it. Each figure is the same
+    operations on the same operands as worked out per row (a factor 0 or 1 gives 0 or the
+    product), so the same bits, for a few passes over the batch rather than a score."""
     codes, count = dense_codes(seq)
     lengths = seq[first_of_codes(codes, count)].astype(np.float64)
     per_length = _length_flops(model, tuple(lengths.tolist()), policy, modules)
-    base = per_length[0].take(codes)
-    extra_full, extra_sel = per_length[1], per_length[2]
-    hardware = extra_full.take(codes)
-    hardware *= recomputed
-    hardware *= recompute == 2
-    hardware += base
-    selective = extra_sel.take(codes)
-    selective *= recomputed
-    selective *= recompute == 1
-    hardware += selective
-    if model.mtp_depth:
-        mtp_full, mtp_sel = per_length[3], per_length[4]
-        every = (recompute == 2) if recompute_layers is None else (recompute == 2) & (recompute_layers == 0)
-        hardware += mtp_full.take(codes) * every + mtp_sel.take(codes) * (recompute == 1)
-    return base, hardware
+    kinds = np.arange(len(CODES["recompute"]))
+    table = _rebuilt_flops([figure[:, None] for figure in per_length], (kinds > 0).astype(np.float64), kinds,
+                           kinds == 2)
+    hardware = table.ravel().take(codes * len(kinds) + recompute)
+    if len(limited):
+        hardware[limited] = _rebuilt_flops([figure.take(codes[limited]) for figure in per_length], limited_fraction,
+                                           recompute[limited], False)
+    return per_length[0].take(codes), hardware
 
 
 def _exposed_step(comm: Array, cover: Array, floor: Array, hide: bool) -> Array:
@@ -547,7 +555,8 @@ def _price_group(
     recompute_layers: Array, p2p: Array, details: bool = True,
 ) -> dict[str, Array]:
     """Every _GROUP_KEYS array for strategies sharing one stage layout and schedule (``name``;
-    arrays sliced);
+    arrays sliced), and where a recompute limit applies, those rows (``limited_rows``) and the
+    share of layers they rebuild (``limited_fraction``);
     without ``details`` the DETAIL_KEYS that cost a pass of their own (the makespan, the
     bottleneck stage and its passes) are left out: no caller reads them."""
     g = len(config)
@@ -570,8 +579,9 @@ def _price_group(
     # moves the same bytes at half the speed (1M DeepSeek-V3 strategies' 43 groups: ~30 -> ~15 ms).
     tables = (np.take(pr.table, group_configs, axis=0).reshape(u * quantities, -1) @ piece_counts).reshape(
         u, quantities, -1)
-    rc_on = cols["recompute"] > 0
-    partial = np.flatnonzero(rc_on & (recompute_layers > 0))
+    # The rows a recompute limit applies to: one set, and recompute on (read at those rows alone).
+    limited = np.flatnonzero(recompute_layers > 0)
+    partial = limited[pr.batch.recompute[cols["row"][limited]] > 0]
     if len(partial):
         rd, rm = recomputed_layers(layout, recompute_layers[partial])
         delta_d, delta_m = rd - prof["dense"], rm - prof["moe"]
@@ -825,10 +835,11 @@ def _price_group(
         out["stage_backward_s"] = np.take(b, star_at)
         out["stage_weight_grad_s"] = np.take(w, star_at)
         out["bottleneck_stage"] = layout.profile_stage[star].astype(np.float64)
-    recomputed = rc_on * (pr.model.num_layers * 1.0)
     if len(partial):
-        recomputed[partial] = (rd + rm) @ layout.profile_count
-    out["recomputed_fraction"] = recomputed / pr.model.num_layers
+        # The share of layers rebuilt where a limit applies (every layer elsewhere, where recompute
+        # is on: ``evaluate`` takes that from the batch).
+        out["limited_rows"] = partial
+        out["limited_fraction"] = ((rd + rm) @ layout.profile_count) / pr.model.num_layers
     return out
 
 
@@ -895,19 +906,20 @@ def evaluate(
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
     bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
     cols = {name: ints[name][order].astype(np.float64) for name in _STEP_FIELDS}
-    # modes and indices, kept integral
-    cols.update({name: ints[name][order] for name in _STEP_MODES})
+    # indices, kept integral
     cols["dp_config"] = dp_config[order]
     cols["row"] = order
     config = config[order]
     recompute_layers = batch.recompute_layers[order]
     p2p_sorted = p2p[order]
 
-    # Only the arrays the caller reads are kept from the groups (without ``details``, 10 of the
-    # 17: 1M strategies, 56 MB less written and gathered back).
+    # Only the arrays the caller reads are kept from the groups (without ``details``, 9 of the
+    # 16: 1M strategies, 56 MB less written and gathered back). The share of layers recomputed
+    # comes back only for the rows whose recompute limit sets it (the rest is the batch's).
     wanted: tuple[str, ...] = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
-    out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted or key == "recomputed_fraction"}
+    out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted}
     chunk_seconds: Array | None = None
+    limited_rows, limited_fraction = [np.zeros(0, dtype=np.int64)], [np.zeros(0)]
     for gi in range(group_count):
         sl = slice(int(bounds[gi]), int(bounds[gi + 1]))
         i0 = int(order[sl.start])
@@ -919,6 +931,10 @@ def evaluate(
         for key, value in group.items():
             if key == "chunk_seconds":  # per stage and chunk: kept for a batch of one (estimate_time)
                 chunk_seconds = value if n == 1 else None
+            elif key == "limited_rows":  # their rows in the batch
+                limited_rows.append(order[sl][value])
+            elif key == "limited_fraction":
+                limited_fraction.append(value)
             elif key in out:
                 out[key][sl] = value
 
@@ -942,8 +958,9 @@ def evaluate(
     tokens = np.multiply(batch.global_batch_size, batch.seq_length, dtype=np.float64)
     res["tokens_per_s"] = np.divide(tokens, res["step_s"], out=tokens)
     res["tokens_per_s_per_device"] = res["tokens_per_s"] * (1.0 / cluster.num_devices)
-    model_flops, hardware_flops = _seq_flops(model, batch.seq_length, batch.recompute, res.pop("recomputed_fraction"),
-                                             eff.selective_recompute, batch.recompute_modules, batch.recompute_layers)
+    model_flops, hardware_flops = _seq_flops(model, batch.seq_length, batch.recompute, np.concatenate(limited_rows),
+                                             np.concatenate(limited_fraction), eff.selective_recompute,
+                                             batch.recompute_modules)
     res["model_flops"] = np.multiply(batch.global_batch_size, model_flops, out=model_flops)
     res["hardware_flops"] = np.multiply(batch.global_batch_size, hardware_flops, out=hardware_flops)
     capacity = res["step_s"] * (cluster.num_devices * rates.peak_flops)
