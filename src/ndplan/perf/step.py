@@ -905,10 +905,10 @@ def evaluate(
     p2p = _p2p_seconds(model, batch, fabric, group_code)
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
     bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
-    cols = {name: ints[name][order].astype(np.float64) for name in _STEP_FIELDS}
-    # indices, kept integral
-    cols["dp_config"] = dp_config[order]
-    cols["row"] = order
+    # The counts stay integers here and are made floats a group at a time (a group's slice is in
+    # cache, and its floats take no fresh pages: a batch's length of them did, three times).
+    counts = {name: ints[name][order] for name in _STEP_FIELDS}
+    cols = {"dp_config": dp_config[order], "row": order}  # indices, kept integral
     config = config[order]
     recompute_layers = batch.recompute_layers[order]
     p2p_sorted = p2p[order]
@@ -926,8 +926,10 @@ def evaluate(
         name = CODES["schedule"][int(batch.schedule[i0])]  # (a group's _GROUP_FIELDS: one schedule)
         layout = stage_layout(model, int(batch.pp[i0]), int(batch.vpp[i0]), is_v_shape(name), stage_layers,
                               bool(batch.embedding_as_layer[i0]), bool(batch.output_as_layer[i0]))
-        group = _price_group(priced, layout, {k: v[sl] for k, v in cols.items()}, config[sl], name,
-                             recompute_layers[sl], p2p_sorted[sl], details)
+        group_cols = {key: value[sl] for key, value in cols.items()}
+        group_cols.update({key: value[sl].astype(np.float64) for key, value in counts.items()})
+        group = _price_group(priced, layout, group_cols, config[sl], name, recompute_layers[sl], p2p_sorted[sl],
+                             details)
         for key, value in group.items():
             if key == "chunk_seconds":  # per stage and chunk: kept for a batch of one (estimate_time)
                 chunk_seconds = value if n == 1 else None
