@@ -675,7 +675,7 @@ def _price_group(
             )
         chunk_seconds = np.stack([fc, bc, wc], axis=1)  # what the simulator ran: [g, F/B/W, pp, vpp]
 
-    out: dict[str, Array] = {} if "offload" in pr.categories else {"offload_s": np.zeros(g)}
+    out: dict[str, Array] = {}  # (no offload_s where the batch offloads nothing: ``evaluate``'s zeros)
     # Each strategy's quantities on its bottleneck stage, taken at flat positions of tables
     # (~2.5x faster than the mixed fancy index tables[local, i, star]).
     star_in_tables = local * (tables.shape[1] * tables.shape[2]) + star
@@ -917,7 +917,8 @@ def evaluate(
     # 16: 1M strategies, 56 MB less written and gathered back). The share of layers recomputed
     # comes back only for the rows whose recompute limit sets it (the rest is the batch's).
     wanted: tuple[str, ...] = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
-    out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted}
+    # Where the batch offloads nothing, its offload seconds are zeros, not gathered from the groups.
+    out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted and (key != "offload_s" or "offload" in categories)}
     chunk_seconds: Array | None = None
     limited_rows, limited_fraction = [np.zeros(0, dtype=np.int64)], [np.zeros(0)]
     for gi in range(group_count):
@@ -947,6 +948,8 @@ def evaluate(
     back = np.empty_like(order)
     back[order] = np.arange(n)
     res = {key: value[back] for key, value in out.items()}
+    if "offload_s" not in res:
+        res["offload_s"] = np.zeros(n)
     res["p2p_s"] = p2p
     # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts,
     # summed in place in the order written (the same bits as one expression, fewer temporaries)
