@@ -531,15 +531,22 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_c
     first = first_of_codes(link_code, links)
     share = np.array([pipeline_crossing_share(CODES["schedule"][int(batch.schedule[i])], int(batch.pp[i]),
                                               int(batch.vpp[i]), int(stride[i]), fabric.domain) for i in first])
-    inside = fabric.scaleup_latency + p2p_bytes / float(inside_bandwidth(fabric, 2.0))
-    outside = fabric.scaleout_latency + p2p_bytes / fabric.scaleout_bw
-    p2p = np.where(share.take(link_code) >= 1.0, outside, inside)
-    mixed = np.flatnonzero((share > 0.0) & (share < 1.0))  # the links some hops of which cross
+    inside_bw = float(inside_bandwidth(fabric, 2.0))
+    # Each link's latency and bandwidth (the network's where every hop crosses), taken per row:
+    # latency + bytes / bandwidth, the sum and quotient of scale-up or scale-out sends as such.
+    # Without a pipeline nothing is sent: latency 0 and an infinite bandwidth give +0.0.
+    crossing, single = share >= 1.0, batch.pp[first] <= 1
+    latency = np.where(single, 0.0, np.where(crossing, fabric.scaleout_latency, fabric.scaleup_latency))
+    bandwidth = np.where(single, np.inf, np.where(crossing, fabric.scaleout_bw, inside_bw))
+    p2p = np.divide(p2p_bytes, bandwidth.take(link_code))
+    p2p += latency.take(link_code)
+    mixed = np.flatnonzero((share > 0.0) & (share < 1.0) & ~single)  # the links some hops of which cross
     if len(mixed):
         rows = np.flatnonzero(np.isin(link_code, mixed))
-        x = share.take(link_code[rows])
-        p2p[rows] = x * outside[rows] + (1.0 - x) * inside[rows]
-    return np.where(batch.pp > 1, p2p, 0.0)
+        x, sent = share.take(link_code[rows]), p2p_bytes[rows]
+        p2p[rows] = (x * (fabric.scaleout_latency + sent / fabric.scaleout_bw)
+                     + (1.0 - x) * (fabric.scaleup_latency + sent / inside_bw))
+    return p2p
 
 
 def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
