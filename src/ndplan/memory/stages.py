@@ -2047,7 +2047,7 @@ def _per_op(values: np.ndarray, seq_chunks: int) -> np.ndarray:
 
 
 def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, op_tokens: np.ndarray,
-                   tokens: np.ndarray, pp: int, has_moe: np.ndarray) -> np.ndarray:
+                   tokens: np.ndarray, pp: int, has_moe: np.ndarray, sp_div: np.ndarray) -> np.ndarray:
     """[n, P] bytes: the communication buffers alive while a layer runs (the sequence-parallel
     gather or the context-parallel K/V (Ulysses: Q/K/V/O) exchange, the larger, or on a stage
     with MoE layers the expert all-to-all's, if larger), and the pipeline's send and receive.
@@ -2056,19 +2056,31 @@ def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOption
     (``op_tokens``, a Seq1F1B sub-sequence's: ``_per_op``); the context-parallel exchange those of
     the micro-batch (``tokens``): under Seq1F1B a sub-sequence's attention reads the K/V of the
     sub-sequences before it, the last one the whole micro-batch's (no Seq1F1B implementation runs
-    context parallelism to say otherwise: MindSpeed lists it as unsupported)."""
+    context parallelism to say otherwise: MindSpeed lists it as unsupported). ``sp_div``: tp
+    where the activations are sequence-sharded, else 1."""
     act_bytes = batch.precision.activation_bytes
     h = model.hidden_size
-    tp = batch.tp.astype(float)
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, op_tokens)
     cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"))
-    pp_buffers = np.where(pp > 1, 2 * op_tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
+    # Per stage max(gather or exchange, all-to-all where the stage holds MoE layers) + the
+    # pipeline's buffers: two columns, one with the all-to-all and one without, each stage a copy
+    # of its own (the bytes are finite and >= +0, so a stage without MoE layers, whose all-to-all
+    # counts 0, takes the gather or exchange as it is; and without a pipeline nothing is added).
+    without_moe = np.maximum(sp_gather, cp_buffers, out=sp_gather)
+    with_moe = np.maximum(without_moe, ep_buffers, out=ep_buffers) if has_moe.any() else None
+    if pp > 1:
+        pp_buffers = 2 * op_tokens  # (in place, factor by factor in the order written: the same roundings)
+        pp_buffers *= h
+        pp_buffers *= act_bytes
+        pp_buffers /= sp_div
+        without_moe += pp_buffers
+        if with_moe is not None:
+            with_moe += pp_buffers
     # Column by column (see _outer_sum): the buffers alive while a layer runs, and with them the
     # pipeline's (the first two terms of the communication sum in _evaluate_group).
     buffers = np.empty((len(batch), len(has_moe)), order="F")
-    sp_or_cp = np.maximum(sp_gather, cp_buffers)
     for column, moe_here in enumerate(has_moe.tolist()):
-        buffers[:, column] = np.maximum(sp_or_cp, ep_buffers * float(moe_here)) + pp_buffers
+        buffers[:, column] = with_moe if moe_here else without_moe
     return buffers
 
 
@@ -2168,18 +2180,18 @@ def _cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions
 
 
 def _receive_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, shape: _GroupShape,
-                     tokens: np.ndarray) -> np.ndarray:
+                     tokens: np.ndarray, sp_div: np.ndarray) -> np.ndarray:
     """[n, P] bytes: the receive buffers torch.distributed.pipelining allocates up front, one per
     micro-batch, for the activations a later chunk receives and the gradients an earlier chunk
     receives; they stay for the whole step, the optimizer's included. Chunks next to each other
     on one rank (a V schedule's turn) hand tensors over directly: their up-front buffers are
-    replaced by the tensors themselves. Zero for runtimes that keep no stage outputs."""
+    replaced by the tensors themselves. Zero for runtimes that keep no stage outputs. ``sp_div``:
+    tp where the activations are sequence-sharded, else 1."""
     n, patterns = len(batch), len(shape.reps)
     virtual = len(shape.pattern_of) * shape.chunks.shape[1]
     if not (options.profile.pipeline_stage_output and virtual > 1):
         return np.zeros((n, patterns), order="F")
     directions = shape.receives_from_peer.astype(float) + shape.sends_to_peer
-    sp_div = np.where(batch.sequence_parallel > 0, batch.tp.astype(float), 1.0)
     one_receive = batch.num_micro_batches * tokens * model.hidden_size * batch.precision.activation_bytes / sp_div
     # Column by column (see _outer_sum): the same products, in passes over the strategies.
     receive_virtual = np.empty((n, len(directions)), order="F")
@@ -2269,6 +2281,8 @@ def _evaluate_group(
     # ---- activations held across the schedule
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
     recompute_on = ~batch.is_("recompute", "none")
+    # Sequence parallelism shards the activations between layers over tp.
+    sp_div = np.where(batch.sequence_parallel > 0, tp, 1.0)
     t = tokens[:, None]
     # What one forward, backward or loss runs on (``_per_op``): a micro-batch, or under Seq1F1B
     # one of its seq_chunks sub-sequences, tokens / seq_chunks. The held activations stay per
@@ -2332,7 +2346,6 @@ def _evaluate_group(
     if profile.pipeline_stage_output and virtual > 1:
         # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
         # (sequence-sharded under SP) on every stage but the last, the logits on the last.
-        sp_div = np.where(batch.sequence_parallel > 0, tp, 1.0)
         vocab_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         act_bytes = precision.activation_bytes
         # Every stage but the first also keeps the input it received, which needs a gradient;
@@ -2473,17 +2486,21 @@ def _evaluate_group(
             / routed_width
         )
         loss_freed = _per_op(output_held, seq_chunks)
-        # Column by column (see _outer_sum): the same values, in passes over the strategies.
+        # Column by column (see _outer_sum): the same values, in passes over the strategies. (A
+        # stage without MoE layers makes none: its transient, >= +0, stays as it is.)
         for column, (moe_here, last) in enumerate(zip(has_moe.tolist(), last_stage.tolist(), strict=True)):
-            new_gradient = np.where(accumulates, expert_gradient - loss_freed * last, 0.0) if moe_here else 0.0
-            out["transient"][:, column] = np.maximum(out["transient"][:, column], new_gradient)
+            if moe_here:
+                new_gradient = np.where(accumulates, expert_gradient - loss_freed * last, 0.0)
+                np.maximum(out["transient"][:, column], new_gradient, out=out["transient"][:, column])
     # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
     # the rank's shard, with one micro-batch too (``_static_state``).
     embedding_gradient = static.at(static.embedding_gradient)
     embedding_accumulate = np.maximum(embedding_gradient - _per_op(per_b_virtual[:, 0], seq_chunks), 0.0)
-    # Column by column (see _outer_sum): the same values, in passes over the strategies.
+    # Column by column (see _outer_sum): the same values, in passes over the strategies; on the
+    # first stage alone (elsewhere its 0 bytes leave the transient, >= +0, as it is).
     for column, first in enumerate(first_stage.tolist()):
-        out["transient"][:, column] = np.maximum(out["transient"][:, column], embedding_accumulate * first)
+        if first:
+            np.maximum(out["transient"][:, column], embedding_accumulate * first, out=out["transient"][:, column])
     # The head's, on the last stage (a split backward makes it in the W step: _weight_grad_step).
     head_gradient = static.at(static.head_gradient)
     if not split and np.any(head_gradient):
@@ -2524,9 +2541,9 @@ def _evaluate_group(
             first_step = [None if step is None else np.maximum(_chunk_column(made_in_step, chunks, c) - new_grad, 0.0)
                           for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
         extra += first_step
-    handed_over = np.zeros((len(batch), patterns), order="F")
+    handed_over: np.ndarray | None = None  # none handed over without a V's turn
     if hands_over:
-        one_hand_over = tokens * model.hidden_size * precision.activation_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
+        one_hand_over = tokens * model.hidden_size * precision.activation_bytes / sp_div
         per_handover = np.zeros((len(batch), patterns), order="F")
         per_handover[:, shape.turn] = one_hand_over  # the frontier's hand-over column: the V's turn
         extra = [*(extra or [None] * vpp), per_handover]
@@ -2591,7 +2608,7 @@ def _evaluate_group(
             return {"cut": cut, "bound": bound}
 
     # ---- communication buffers alive while a layer runs
-    overlapping_with_pp = _layer_buffers(model, batch, options, op_tokens, tokens, pp, has_moe)
+    overlapping_with_pp = _layer_buffers(model, batch, options, op_tokens, tokens, pp, has_moe, sp_div)
     # Only FSDP strategies have unit moments: price those rows alone.
     sharded_rows = np.flatnonzero(zero3 if cut is None else zero3 & ~cut)
     if sharded_rows.size:
@@ -2661,31 +2678,38 @@ def _evaluate_group(
     else:
         source = np.zeros(len(batch), dtype=np.intp)
         fsdp = FsdpPhases(*(np.zeros((1, patterns)) for _ in range(4)))
-    # Zero where nothing is sharded. A moment that frees a micro-batch's activations is credited
-    # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
-    # neither category reads below zero (the sum, the moment, is the same).
-    fsdp_gathers = np.maximum(fsdp.buffers, 0.0).take(source, axis=0)
+    # The communication buffers, summed in place in the order overlapping + kept gathered +
+    # receive + DDP buckets (+ FSDP's gathers). A term that is zero for a strategy, or for all
+    # the group's, is not added there: every term is bytes, finite and >= +0, which x + 0.0 leaves
+    # as it is (on 1M mixed strategies most strategies keep nothing gathered, and DDP's buckets
+    # are the runtime's own or none).
+    other_comm = overlapping_with_pp  # (its own array)
     # FSDP without resharding after forward keeps the stage's gathered parameters (under a
     # deferring pipeline every unit stays gathered after its backward whatever the setting: the
     # unit moments hold them, _fsdp_unit_phases' kept_after_backward).
-    kept_gathered = np.zeros((len(batch), patterns), order="F")
     kept_rows = np.flatnonzero(zero3 & (batch.reshard_after_forward == 0) & ~deferred)
     if kept_rows.size:
         # Every element whole on the device (non-expert /tp, experts /ep·etp): the two kinds
         # are sharded over different groups, so the sharded bytes do not give them back.
-        kept_gathered[kept_rows] = static.at(static.stage_elements, kept_rows) * precision.param_gather_bytes
-    receive = _receive_buffers(model, batch, options, shape, tokens)
-    # The tensors handed over at a V's turn are reported with the receive buffers (all m of
-    # them, as at the step's end); the forward/backward peak counts those handed over by then.
-    receive = receive + handed_over
-    ddp_buckets = static.at(static.ddp_buckets)
+        other_comm[kept_rows] += static.at(static.stage_elements, kept_rows) * precision.param_gather_bytes
+    receive = _receive_buffers(model, batch, options, shape, tokens, sp_div)  # (its own array)
+    if handed_over is not None:
+        # The tensors handed over at a V's turn are reported with the receive buffers (all m of
+        # them, as at the step's end); the forward/backward peak counts those handed over by then.
+        receive += handed_over
+    ddp_buckets = static.at(static.ddp_buckets) if static.ddp_buckets.any() else None
     if options.moe_dispatcher == "allgather" and model.is_moe:
         # Megatron's global memory buffer the allgather dispatcher gathers into: kept from the
         # first MoE layer's forward on, through the optimizer step (on stages with MoE layers).
         dispatch_buffer = allgather_dispatch_bytes(model, batch, op_tokens)[0][:, None] * (moe_per_stage > 0)
-        ddp_buckets = ddp_buckets + dispatch_buffer
-    other_comm = overlapping_with_pp + kept_gathered + receive + ddp_buckets
-    out["comm"] = other_comm + fsdp_gathers
+        ddp_buckets = dispatch_buffer if ddp_buckets is None else ddp_buckets + dispatch_buffer
+    other_comm += receive
+    if ddp_buckets is not None:
+        other_comm += ddp_buckets
+    # Zero where nothing is sharded. A moment that frees a micro-batch's activations is credited
+    # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
+    # neither category reads below zero (the sum, the moment, is the same).
+    out["comm"] = other_comm + np.maximum(fsdp.buffers, 0.0).take(source, axis=0) if sharded_rows.size else other_comm
     out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0)).take(source[sharded_rows], axis=0)
     # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
     # first matmul and stay: part of every working set, forward/backward and optimizer step alike.
@@ -2694,7 +2718,11 @@ def _evaluate_group(
     out["transient"] += workspaces
 
     # ---- optimizer step temporaries (activations are gone by then)
-    out["optimizer_step"] = static.at(static.optimizer_update) + receive + ddp_buckets + workspaces
+    optimizer_step = static.at(static.optimizer_update) + receive
+    if ddp_buckets is not None:
+        optimizer_step += ddp_buckets
+    optimizer_step += workspaces
+    out["optimizer_step"] = optimizer_step
 
     # The static state per strategy: its sums, each gathered once, and its parts where the
     # figures of every category are kept.
@@ -2705,7 +2733,7 @@ def _evaluate_group(
     # forward/backward: the static state at the held peak (summed above), then the rest.
     expand = priced_shape.by_stage
     priced_shape.combine_by_stage(forward_backward, out["comm"])
-    if hands_over:
+    if handed_over is not None:
         priced_shape.combine_by_stage(forward_backward, handed_over, np.subtract)
     priced_shape.combine_by_stage(forward_backward, out["transient"])
     if options.profile.grads_created_in_backward:
@@ -2738,7 +2766,7 @@ def _evaluate_group(
                 scores_phase += held[:, single]
                 forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
     if device_only:  # in place: the figures in between are not kept
-        priced_shape.combine_by_stage(forward_backward, total + out["optimizer_step"], np.maximum)
+        priced_shape.combine_by_stage(forward_backward, np.add(total, optimizer_step, out=optimizer_step), np.maximum)
         # (Scaled in place: the same product, and no [pp, n] array to allocate and fault in.)
         device = overhead.reserved(forward_backward, out=forward_backward)
         device += overhead.fixed_bytes
