@@ -343,16 +343,17 @@ class LayerActivations:
         """The same figures for a subset of the strategies (read-only). A figure of one value
         for every strategy is that value broadcast, not gathered: a search's are a few dozen
         combinations (``ACTIVATION_FIELDS``), taken for thousands of strategies each, and a third
-        of the figures do not vary over them."""
+        of the figures do not vary over them. The figures by layer kind are gathered when first
+        read (``_TakenByKind``): a group's device total reads about half of them (the blocks, the
+        offloaded bytes and, without a split backward, the weight-gradient figures not at all)."""
         n = self.output.shape[0]
         taken = len(range(n)[index]) if isinstance(index, slice) else len(index)
         values: dict[str, Any] = {}
         for (name, key), value in self._figures.items():
-            rows = np.broadcast_to(value[:1], (taken,)) if (name, key) in self._one_valued else value[index]
             if key is None:
-                values[name] = rows
-            else:
-                values.setdefault(name, {})[key] = rows
+                values[name] = np.broadcast_to(value[:1], (taken,)) if (name, key) in self._one_valued else value[index]
+            elif name not in values:
+                values[name] = _TakenByKind(self, name, index, taken)
         return LayerActivations(**values)
 
     @cached_property
@@ -370,6 +371,52 @@ class LayerActivations:
     def _one_valued(self) -> frozenset[tuple[str, str | None]]:
         """The figures (``_figures``' keys) that hold one value for every strategy."""
         return frozenset(key for key, value in self._figures.items() if len(value) and _one_value(value))
+
+
+class _TakenByKind(dict[str, np.ndarray]):
+    """A ``LayerActivations`` figure by layer kind (``name``) at the strategies ``index``: each
+    kind's array gathered (or its one value broadcast) the first time it is read, then kept."""
+
+    def __init__(self, source: LayerActivations, name: str, index: np.ndarray | slice, taken: int) -> None:
+        super().__init__()
+        self._source, self._name, self._index, self._taken = source, name, index, taken
+        self._kinds = tuple(getattr(source, name))
+
+    def __missing__(self, key: str) -> np.ndarray:
+        value = self._source._figures[self._name, key]  # (a KeyError for a kind it lacks)
+        rows = (np.broadcast_to(value[:1], (self._taken,)) if (self._name, key) in self._source._one_valued
+                else value[self._index])
+        self[key] = rows
+        return rows
+
+    def _all(self) -> None:
+        for key in self._kinds:
+            self[key]  # noqa: B018 (gathered on first reading)
+
+    def __iter__(self) -> Iterator[str]:
+        self._all()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        return len(self._kinds)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._kinds
+
+    def keys(self) -> Any:
+        self._all()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._all()
+        return super().values()
+
+    def items(self) -> Any:
+        self._all()
+        return super().items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self._kinds else default
 
 
 def _one_value(values: np.ndarray) -> bool:
