@@ -2570,12 +2570,16 @@ def _evaluate_group(
         # The frontier's columns after the gradients: each chunk's weight-gradient step while it
         # runs. Its working set takes the place of a layer backward's (the transient, added to
         # every row), so a column weighs what it allocates beyond that.
-        steps, new_grads = _weight_grad_step(model, batch, acts, profile, t, recompute_on,
-                                  recompute_layers_of=(dense_layers, moe_layers), chunks=chunks, vpp=vpp,
-                                  head_chunk=last_virtual,
-                                  first_chunk=first_virtual)
+        # (Both kinds of columns are worked out at the full-recompute rows ``stepping`` alone and
+        # placed among zeros: elsewhere a step and its gradients are 0, less a transient >= +0,
+        # which the maximum with 0 makes +0.)
+        stepping, steps, new_grads = _weight_grad_step(
+            model, batch, acts, profile, t, recompute_on, recompute_layers_of=(dense_layers, moe_layers), chunks=chunks,
+            vpp=vpp, head_chunk=last_virtual, first_chunk=first_virtual)
+        transient_stepping = out["transient"][stepping] if any(step is not None for step in steps) else None
         extra = [*(extra or [None] * vpp),
-                 *(None if step is None else np.maximum(step - out["transient"], 0.0) for step in steps)]
+                 *(None if step is None else _placed(np.maximum(step - transient_stepping, 0.0), stepping, n)
+                   for step in steps)]
         # A chunk's first such step creates its gradients as it runs: at its peak, all but the
         # norms' (a runtime that creates them in the backward; elsewhere they are static), one
         # of them the step's new weight gradient, counted in the step already.
@@ -2584,8 +2588,9 @@ def _evaluate_group(
         first_step: list[np.ndarray | None] = [None] * vpp
         if grads_in_schedule and any(step is not None for step in steps):
             whole_w = first_virtual > 0 if profile.first_stage_backward_at_w else np.zeros_like(first_virtual, dtype=bool)
-            made_in_step = np.where(batch.is_("recompute", "full")[:, None] & ~whole_w[None, :], per_grads, 0.0)
-            first_step = [None if step is None else np.maximum(_chunk_column(made_in_step, chunks, c) - new_grad, 0.0)
+            made_in_step = np.where(~whole_w[None, :], per_grads[stepping], 0.0)
+            first_step = [None if step is None else _placed(np.maximum(_chunk_column(made_in_step, chunks, c) - new_grad, 0.0),
+                                                            stepping, n)
                           for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
         extra += first_step
     handed_over: np.ndarray | None = None  # none handed over without a V's turn
@@ -3187,10 +3192,11 @@ def _weight_grad_step(
     model: ModelSpec, batch: StrategyBatch, acts: LayerActivations, profile: RuntimeProfile, t: np.ndarray,
     recompute_on: np.ndarray, *, recompute_layers_of: tuple[np.ndarray, np.ndarray], chunks: np.ndarray, vpp: int,
     head_chunk: np.ndarray, first_chunk: np.ndarray,
-) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
-    """Per chunk [n, P] (None where nothing), what a weight-gradient step adds at its peak to the
-    state it starts from (bytes), and of that the new weight gradient D (which a chunk's first
-    step keeps as the gradient itself).
+) -> tuple[np.ndarray, list[np.ndarray | None], list[np.ndarray | None]]:
+    """The strategies whose steps are priced (full recompute; elsewhere every figure is 0), and
+    at those rows per chunk [rows, P] (None where nothing), what a weight-gradient step adds at
+    its peak to the state it starts from (bytes), and of that the new weight gradient D (which a
+    chunk's first step keeps as the gradient itself).
 
     Under full recompute, torch.distributed.pipelining's step rebuilds a checkpointed layer once
     per parameter group (G = ``weight_grad_groups``), each call a new graph task, and each rebuilt
@@ -3217,12 +3223,10 @@ def _weight_grad_step(
     layers (Qwen3, Llama, Mixtral, Qwen3-MoE, DeepSeek-V2-Lite); docs/accuracy.md has the
     measured stages."""
     if not profile.weight_grad_recomputes_per_group:
-        return [None] * vpp, [None] * vpp
-    full = batch.is_("recompute", "full")
-    if not full.any():
-        return [None] * vpp, [None] * vpp
-    # Priced on the full-recompute rows alone, then placed among the others (zeros).
-    rows = np.flatnonzero(full)
+        return np.arange(0), [None] * vpp, [None] * vpp
+    rows = np.flatnonzero(batch.is_("recompute", "full"))  # priced on the full-recompute rows alone
+    if not rows.size:
+        return rows, [None] * vpp, [None] * vpp
     dense_layers, moe_layers = recompute_layers_of
     groups = weight_grad_groups(model)
     t = t[rows]
@@ -3266,9 +3270,7 @@ def _weight_grad_step(
         step[:, first_chunk > 0] = 0.0
         new_grad[:, first_chunk > 0] = 0.0
     np.maximum(step, 0.0, out=step)
-    if len(rows) < len(batch):
-        step, new_grad = (_placed(values, rows, len(batch)) for values in (step, new_grad))
-    return [_chunk_column(step, chunks, c) for c in range(vpp)], [_chunk_column(new_grad, chunks, c) for c in range(vpp)]
+    return rows, [_chunk_column(step, chunks, c) for c in range(vpp)], [_chunk_column(new_grad, chunks, c) for c in range(vpp)]
 
 
 def _leaves(values: Any) -> list[np.ndarray]:
@@ -3320,7 +3322,10 @@ def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] |
 
 
 def _placed(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
-    """[len(rows), k] values at ``rows`` of an [n, k] array of zeros."""
+    """[len(rows), k] values at ``rows`` (ascending) of an [n, k] array of zeros (``values``
+    itself where those are every row)."""
+    if len(rows) == n:
+        return values
     out = np.zeros((n, values.shape[1]))
     out[rows] = values
     return out
