@@ -2339,10 +2339,13 @@ def _evaluate_group(
     # bytes) per micro-batch. Without a recompute limit a chunk recomputes all its layers or none:
     # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
     kept_dense, kept_moe = (np.where(recompute_on, acts.recomputed[k], acts.full[k]) for k in ("dense", "moe"))
-    # Column by column (see _outer_sum): the same products, in passes over the strategies.
+    # Column by column (see _outer_sum): the same products, in passes over the strategies, once
+    # per distinct pair of layer counts (the interior chunks of a uniform placement share one).
     layers_held = np.empty((len(batch), computed), order="F")
+    column_of: dict[tuple[float, float], int] = {}
     for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
-        layers_held[:, column] = tokens * (kept_dense * dense + kept_moe * moe)
+        same = column_of.setdefault((dense, moe), column)
+        layers_held[:, column] = tokens * (kept_dense * dense + kept_moe * moe) if same == column else layers_held[:, same]
     limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
     # The layers a recompute limit leaves plain, their full bytes: their autograd graph is held
     # from the forward to the weight gradient like any layer's without recompute (0 where every
@@ -2404,9 +2407,14 @@ def _evaluate_group(
         token_bytes = tokens * act_bytes
         logits_per_token = np.broadcast_to(model.vocab_size / vocab_div, tokens.shape)
         hidden_per_token = model.hidden_size / sp_div
-        # Column by column (see _outer_sum): the same products, in passes over the strategies.
+        # Column by column (see _outer_sum): the same products, in passes over the strategies, once
+        # per distinct pair of counts.
+        kept_bytes: dict[tuple[float, float], np.ndarray] = {}
         for column, (logits, hidden) in enumerate(zip(logits_kept.tolist(), hidden_kept.tolist(), strict=True)):
-            per_b_virtual[:, column] += token_bytes * (logits_per_token * logits + hidden_per_token * hidden)
+            term = kept_bytes.get((logits, hidden))
+            if term is None:
+                term = kept_bytes[logits, hidden] = token_bytes * (logits_per_token * logits + hidden_per_token * hidden)
+            per_b_virtual[:, column] += term
         if kinds is not None:
             kept_logits = np.multiply.outer(token_bytes * logits_per_token, logits_kept.astype(float))
             kept_hidden = np.multiply.outer(token_bytes * hidden_per_token, hidden_kept.astype(float))
@@ -2428,7 +2436,8 @@ def _evaluate_group(
         deferred_rows = np.flatnonzero(deferred)
         static_rows = np.flatnonzero(later_runs & ~deferred)
         if deferred_rows.size or static_rows.size:
-            per_grads = per_grads.copy(order="F")
+            if static.index is None:  # (the static state's own array; gathered, it is a copy already)
+                per_grads = per_grads.copy(order="F")
             per_grads[deferred_rows] = static.at(static.elements_virtual, deferred_rows) * (
                 grad_bytes + _pending_split_grad_width(schedule, precision, profile, first_virtual)[None, :])
             per_grads[static_rows] = 0.0
