@@ -21,6 +21,7 @@ placement and the schedule simulation are computed once; everything else is nump
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import operator
 from collections.abc import Callable, Iterator
@@ -1641,17 +1642,82 @@ def _sorted_groups(
         if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), priced, unread=name in UNREAD_FIELDS)
         for name in batch.array_fields()
     }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules)
-    start = priced_start = 0
-    for (key, index), size in zip(groups, priced_sizes, strict=True):
-        part = slice(priced_start, priced_start + size)
+    parts = [slice(a, b) for a, b in itertools.pairwise(np.cumsum([0, *priced_sizes]).tolist())]
+    statics: _SharedStatic | None = None
+    if not static_only:
+        # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
+        materialised = np.zeros(len(acts.output), dtype=bool)
+        for kind in ("dense", "moe"):
+            materialised |= np.broadcast_to(acts.attention_backward[kind], materialised.shape) > 0
+        statics = _SharedStatic(model, ordered, options, stage_layers, [key for key, _ in groups], parts,
+                                static_rows, static_code,
+                                [bool(materialised.any()) and bool(materialised[combination[part]].any()) for part in parts])
+    start = 0
+    for g, ((key, index), part) in enumerate(zip(groups, parts, strict=True)):
         rows = np.arange(part.start, part.stop)
-        static_of = None if static_only else _group_combinations(static_rows, static_code, part)
         out = _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
                               None if static_only else acts.take(combination[part]), device_only=device_only,
-                              static_of=static_of, limit=limit)
-        yield key, index, out, None if priced_row is None else priced_row[start:start + len(index)] - priced_start
+                              static=None if statics is None else statics.of(g), limit=limit)
+        yield key, index, out, None if priced_row is None else priced_row[start:start + len(index)] - part.start
         start += len(index)
-        priced_start += size
+
+
+class _SharedStatic:
+    """The static states of the pipeline-shape groups of an ordered batch (``keys``, rows
+    ``parts`` of ``ordered``; ``scores``: per group, whether it materialises attention scores),
+    each priced once per combination of STATIC_FIELDS (the combinations numbered ``codes``, a row
+    of each at ``rows``: ``_group_combinations``) and shared by the groups whose pipeline shapes
+    place the layers alike (schedules that differ only in their order of operations: the static
+    state reads the placement alone). A static state is a few hundred numpy operations over its
+    combinations, per row: the groups that share one pay them once (1M mixed DeepSeek-V3
+    strategies: 55 groups, 21 placements). Each is priced when its first group asks for it,
+    and dropped after its last."""
+
+    def __init__(self, model: ModelSpec, ordered: StrategyBatch, options: MemoryOptions,
+                 stage_layers: tuple[int, ...] | None, keys: list[tuple[int, ...]], parts: list[slice],
+                 rows: np.ndarray, codes: np.ndarray, scores: list[bool]) -> None:
+        self.model, self.ordered, self.options, self.scores = model, ordered, options, scores
+        hands_over_enabled = bool(options.profile.pipeline_stage_output)
+        self.combinations = [_group_combinations(rows, codes, part) for part in parts]
+        self.parts = parts
+        self.shapes: list[_GroupShape] = []
+        self.members: dict[tuple[Any, ...], list[int]] = {}  # placement -> its groups (with combinations)
+        self.placement_of: list[tuple[Any, ...]] = []
+        for g, key in enumerate(keys):
+            shape = _group_shape(model, CODES["schedule"][key[0]], key[1], key[2], stage_layers, bool(key[4]),
+                                 bool(key[5]), hands_over_enabled, True)
+            self.shapes.append(shape)
+            self.placement_of.append(_shape_signature(shape))
+            if self.combinations[g] is not None:
+                self.members.setdefault(self.placement_of[g], []).append(g)
+        self.priced: dict[tuple[Any, ...], tuple[_StaticState, list[int]]] = {}  # placement -> (state, offsets)
+
+    def of(self, g: int) -> _StaticState | None:
+        """Group ``g``'s static state, its index its rows' combinations (None: the group prices its own)."""
+        combinations = self.combinations[g]
+        if combinations is None:
+            return None
+        signature = self.placement_of[g]
+        members = self.members[signature]
+        if signature not in self.priced:
+            rows = np.concatenate([self.parts[m].start + self.combinations[m][0] for m in members])  # type: ignore[index]
+            state = _static_state(self.model, self.ordered.take(rows), self.options, self.shapes[g],
+                                  scores=any(self.scores[m] for m in members))
+            sizes = [len(self.combinations[m][0]) for m in members]  # type: ignore[index]
+            self.priced[signature] = state, np.cumsum([0, *sizes]).tolist()
+        state, offsets = self.priced[signature]
+        at = members.index(g)
+        if at == len(members) - 1:
+            del self.priced[signature]  # (its groups come in order: none asks again)
+        return replace(state, index=combinations[1] + offsets[at])
+
+
+def _shape_signature(shape: _GroupShape) -> tuple[Any, ...]:
+    """What of a group's shape its static state reads, by value: the placement and the patterns."""
+    arrays = (shape.placement.dense_layers, shape.placement.moe_layers, shape.placement.stage_of,
+              shape.placement.chunk_of, shape.pattern_of, shape.used, shape.chunks, shape.dense, shape.moe,
+              shape.first, shape.last)
+    return tuple((array.dtype.str, array.shape, array.tobytes()) for array in arrays)
 
 
 def _alike(
@@ -2258,13 +2324,13 @@ def _evaluate_group(
     acts: LayerActivations | None,
     *,
     device_only: bool = False,
-    static_of: tuple[np.ndarray, np.ndarray] | None = None,
+    static: _StaticState | None = None,
     limit: float | None = None,
 ) -> dict[str, np.ndarray]:
     """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
     ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
     ``device_only``: only "device", the figures of the stages in between are not expanded).
-    ``static_of``: the group's ``batch.distinct(STATIC_FIELDS)``, where the caller has it.
+    ``static``: the group's static state, where the caller priced it.
 
     With ``limit`` (``device_only`` alone): "cut" [n] bool, the strategies found certainly above
     ``limit`` once the static state at the held peak is added to it (``_certainly_over``), and
@@ -2307,17 +2373,17 @@ def _evaluate_group(
     mtp_kind = model.mtp_mlp_kind
     # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
     scores = acts is not None and any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
-    if acts is not None and kinds is None and static_of is None:
-        # The static state is a function of STATIC_FIELDS, which a group's strategies share
-        # many at a time (they differ in micro-batch size, recompute, sequence parallelism, ...):
-        # priced once per combination and read through its index, where that is much less than
-        # the group.
-        static_of = batch.distinct(STATIC_FIELDS)
-    if static_of is None or kinds is not None or 2 * len(static_of[0]) > n:
-        static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
-    else:
-        static = replace(_static_state(model, batch.take(static_of[0]), options, shape, scores=scores),
-                         index=static_of[1])
+    if static is None:
+        static_of = batch.distinct(STATIC_FIELDS) if acts is not None and kinds is None else None
+        if static_of is None or 2 * len(static_of[0]) > n:
+            static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
+        else:
+            # The static state is a function of STATIC_FIELDS, which a group's strategies share
+            # many at a time (they differ in micro-batch size, recompute, sequence parallelism,
+            # ...): priced once per combination and read through its index, where that is much
+            # less than the group.
+            static = replace(_static_state(model, batch.take(static_of[0]), options, shape, scores=scores),
+                             index=static_of[1])
     overhead = replace(static.overhead, fixed_bytes=static.at(static.overhead.fixed_bytes))
     out: dict[str, np.ndarray] = {}
 
