@@ -1614,19 +1614,19 @@ def _sorted_groups(
         acts = layer_activations(model, batch.take(distinct), options)
         static_code, alike = _alike(model, batch, options, groups, stage_layers)
         if alike is not None:
-            alike_rows, kinds = alike
-            # A row of each kind, in ``order``'s order: the same order, fewer rows.
+            kinds = alike[1]
+            # A row of each kind, in ``order``'s order: the same order, fewer rows. (Any row of a
+            # kind stands for it: the one at a place of ``order`` that the kind's write leaves.)
             in_order = kinds[order]
-            place = np.empty(len(order), dtype=np.int64)
-            place[order] = np.arange(len(order))
+            place_of_kind = np.empty(len(alike[0]), dtype=np.int64)
+            place_of_kind[in_order] = np.arange(len(order))
             first = np.zeros(len(order), dtype=bool)
-            first[place[alike_rows]] = True
+            first[place_of_kind] = True
             kept = np.flatnonzero(first)
             priced = order[kept]
             priced_sizes = np.diff(np.searchsorted(kept, starts)).tolist()
-            position = np.empty(len(kept), dtype=np.int64)
-            position[in_order[kept]] = np.arange(len(kept))
-            priced_row = position[in_order]
+            # Per row of ``order``, the row of ``priced`` that stands for its kind.
+            priced_row = (np.cumsum(first) - 1)[place_of_kind][in_order]
         combination, static_code = combination[priced], static_code[priced]
         static_rows = np.empty(int(static_code.max(initial=-1)) + 1, dtype=np.int64)
         static_rows[static_code] = np.arange(len(priced))
@@ -2118,6 +2118,8 @@ def _rows_of(values: Any, index: np.ndarray) -> Any:
         return values
     if values.ndim == 1:
         return values[index]
+    if values.flags.f_contiguous:  # (the static state's are: one take of its transpose's rows)
+        return np.take(values.T, index, axis=1).T
     out = np.empty((len(index), values.shape[1]), order="F")
     for column in range(values.shape[1]):
         np.take(values[:, column], index, out=out[:, column])
