@@ -87,6 +87,20 @@ STATIC_FIELDS = (
     *PIPELINE_SHAPE, "tp", "cp", "dp", "ep", "etp", "zero", "shard_group", "optimizer_offload", "num_micro_batches",
     "pipeline_runs",
 )
+#: What the static state reads of STATIC_FIELDS: all but the micro-batch counts, of which it reads
+#: only whether a step runs more than one (``_static_state``: the embedding gradient a DTensor
+#: runtime makes whole from the second micro-batch on, the gradients accumulated, the FSDP units'
+#: gradients counted with a single one), ``several_micro_batches``. Its tables are priced per
+#: combination of these (``_SharedStatic``; 1M mixed DeepSeek-V3 strategies: 25,824 priced,
+#: against 102,188 of STATIC_FIELDS).
+STATE_FIELDS = (*(name for name in STATIC_FIELDS if name not in ("num_micro_batches", "pipeline_runs")),
+                "several_micro_batches")
+
+
+def _state_columns(batch: StrategyBatch) -> list[np.ndarray]:
+    """The columns of STATE_FIELDS (``several_micro_batches``: micro-batches per step > 1)."""
+    return [batch.micro_batches_per_step > 1 if name == "several_micro_batches" else getattr(batch, name)
+            for name in STATE_FIELDS]
 #: The fields of a strategy that no figure of the memory model reads: FSDP is priced as the
 #: ZeRO-3 that a valid strategy with ``fsdp`` has, a hybrid context-parallel group's buffers by
 #: its kind, and the global batch is dp · micro-batch size · micro-batches per step. Strategies
@@ -1608,7 +1622,7 @@ def _sorted_groups(
     priced, priced_sizes = order, sizes  # the rows of ``batch`` priced, group by group
     if not static_only:
         # The bytes per token of each layer depend on a few fields: priced once per combination;
-        # the static state likewise on STATIC_FIELDS (per group, where each group's are few).
+        # the static state likewise on STATE_FIELDS (``_SharedStatic``).
         # The combinations are numbered by the fields' values, whatever the rows' order.
         distinct, combination = batch.distinct(ACTIVATION_FIELDS)
         acts = layer_activations(model, batch.take(distinct), options)
@@ -1665,7 +1679,7 @@ def _sorted_groups(
 class _SharedStatic:
     """The static states of the pipeline-shape groups of an ordered batch (``keys``, rows
     ``parts`` of ``ordered``; ``scores``: per group, whether it materialises attention scores),
-    each priced once per combination of STATIC_FIELDS (the combinations numbered ``codes``, a row
+    each priced once per combination of STATE_FIELDS (the combinations numbered ``codes``, a row
     of each at ``rows``: ``_group_combinations``) and shared by the groups whose pipeline shapes
     place the layers alike (schedules that differ only in their order of operations: the static
     state reads the placement alone). A static state is a few hundred numpy operations over its
@@ -1725,7 +1739,7 @@ def _alike(
     stage_layers: tuple[int, ...] | None,
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Per strategy of ``batch`` (in the pipeline-shape ``groups``: (key, rows)), its combination
-    of STATIC_FIELDS (as ``batch.distinct`` numbers them); and (a row of each kind of strategies
+    of STATE_FIELDS (as ``batch.distinct`` numbers them); and (a row of each kind of strategies
     alike in every field the model reads, per strategy its kind), or None where fewer than one
     in twenty of the strategies is alike another (so few rows less would not pay for gathering
     the fields and the figures by the kinds).
@@ -1736,7 +1750,7 @@ def _alike(
     a mixed batch holds strategies with and without ``fsdp`` (on 1M DeepSeek-V3 strategies,
     908k kinds with it, 863k without; 656k Llama-3.1-405B ones, 516k and 418k). Every figure
     of a strategy is a function of those fields, computed row by row: a row of each kind stands
-    for the others, bit for bit. STATIC_FIELDS come first, their combinations found on the way."""
+    for the others, bit for bit. STATE_FIELDS come first, their combinations found on the way."""
     hands_over_enabled = bool(options.profile.pipeline_stage_output)
     all_moe = np.zeros(len(batch), dtype=bool)
     for key, rows in groups:
@@ -1747,8 +1761,9 @@ def _alike(
     others = [name for name in batch.array_fields()
               if name not in STATIC_FIELDS and name not in UNREAD_FIELDS and name != "cp_kind"]
     rows, kinds, static_code = distinct_columns(
-        [*(getattr(batch, name) for name in (*STATIC_FIELDS, *others)), np.where(read, batch.cp_kind, -1)],
-        len(batch), prefix=len(STATIC_FIELDS))
+        [*_state_columns(batch), *(getattr(batch, name) for name in STATIC_FIELDS if name not in STATE_FIELDS),
+         *(getattr(batch, name) for name in others), np.where(read, batch.cp_kind, -1)],
+        len(batch), prefix=len(STATE_FIELDS))
     assert static_code is not None
     return static_code, None if 20 * len(rows) > 19 * len(batch) else (rows, kinds)
 
@@ -1757,7 +1772,7 @@ def _group_combinations(rows: np.ndarray, codes: np.ndarray, part: slice) -> tup
     """``StrategyBatch.distinct``'s (a row of each combination, each row's combination) of the
     rows ``part`` alone, from those of the whole batch, whose combinations are numbered in the
     order of the fields' values: the pipeline shape, a group's key, comes first among
-    STATIC_FIELDS, so a group's combinations are one run of numbers, [low, high): checked, as
+    STATE_FIELDS, so a group's combinations are one run of numbers, [low, high): checked, as
     every number of the run has its row in the group; None where that fails."""
     if part.start == part.stop:
         return None
