@@ -1621,11 +1621,8 @@ def _sorted_groups(
     priced_row: np.ndarray | None = None  # per row of ``order``, its row of ``priced``
     priced, priced_sizes = order, sizes  # the rows of ``batch`` priced, group by group
     if not static_only:
-        # The bytes per token of each layer depend on a few fields: priced once per combination;
-        # the static state likewise on STATE_FIELDS (``_SharedStatic``).
-        # The combinations are numbered by the fields' values, whatever the rows' order.
-        distinct, combination = batch.distinct(ACTIVATION_FIELDS)
-        acts = layer_activations(model, batch.take(distinct), options)
+        # The static state depends on STATE_FIELDS alone: priced once per combination
+        # (``_SharedStatic``), numbered by the fields' values, whatever the rows' order.
         static_code, alike = _alike(model, batch, options, groups, stage_layers)
         if alike is not None:
             kinds = alike[1]
@@ -1641,7 +1638,7 @@ def _sorted_groups(
             priced_sizes = np.diff(np.searchsorted(kept, starts)).tolist()
             # Per row of ``order``, the row of ``priced`` that stands for its kind.
             priced_row = (np.cumsum(first) - 1)[place_of_kind][in_order]
-        combination, static_code = combination[priced], static_code[priced]
+        static_code = static_code[priced]
         static_rows = np.empty(int(static_code.max(initial=-1)) + 1, dtype=np.int64)
         static_rows[static_code] = np.arange(len(priced))
     # Each field is gathered once, by the whole order (measured on 1M mixed strategies: 65-73 ms
@@ -1659,6 +1656,10 @@ def _sorted_groups(
     parts = [slice(a, b) for a, b in itertools.pairwise(np.cumsum([0, *priced_sizes]).tolist())]
     statics: _SharedStatic | None = None
     if not static_only:
+        # The bytes per token of each layer depend on a few fields: priced once per combination
+        # of the rows priced (their fields gathered already, fewer rows than the batch's).
+        distinct, combination = ordered.distinct(ACTIVATION_FIELDS)
+        acts = layer_activations(model, ordered.take(distinct), options)
         # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
         materialised = np.zeros(len(acts.output), dtype=bool)
         for kind in ("dense", "moe"):
