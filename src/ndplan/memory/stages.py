@@ -1218,8 +1218,9 @@ def _held_peak(
     Σ_c weight_c · row_c. With ``keep_rows``, per strategy and stage the frontier row of the
     activation peak. Strategies are priced per distinct micro-batch count, whose schedule
     simulation they share. ``held_read`` [n] (bool; None: all): the strategies whose first
-    result is read where there is ``extra``; elsewhere it may hold anything (a block of
-    strategies none of which reads it skips one pass over its [rows, strategies] values).
+    result is read where there is ``extra``; elsewhere it may hold anything (a run of one
+    micro-batch count none of whose strategies reads it skips one pass over its [rows,
+    strategies] values).
     ``stages`` (ascending; None: all): the stages priced, one row each, in that order."""
     n = len(micro_batches)
     held, grown = _priced_columns(weights, extra)
@@ -1234,6 +1235,9 @@ def _held_peak(
     chosen: np.ndarray | None = None
     for m, subset in _runs_of(micro_batches):
         frontier = _frontier_columns(schedule, pp, vpp, int(m), seq_chunks, held, grown)
+        # Whether the run's first results are read (then written for all its strategies, which
+        # those not read may hold): decided once per run, not per stage and block.
+        read_here = extra is None or held_read is None or bool(held_read[subset].any())
         if keep_rows and chosen is None:
             chosen = np.zeros((n, pp, _frontier(schedule, pp, vpp, int(m), seq_chunks)[0].shape[1]))
         for row, s in enumerate(priced):
@@ -1250,7 +1254,7 @@ def _held_peak(
                         with_extra[row, block] += peak[row, block]
                     continue
                 values = _product(held_rows, held_weights[p][:, block])
-                if extra is None or held_read is None or held_read[block].any():
+                if read_here:
                     _store_max(values, peak[row], block)
                 if keep_rows and chosen is not None:
                     chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][row_index[np.argmax(values, axis=0)]]
