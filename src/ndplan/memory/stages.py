@@ -21,9 +21,10 @@ placement and the schedule simulation are computed once; everything else is nump
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, lru_cache, partial, reduce
 from pathlib import Path
@@ -86,6 +87,22 @@ STATIC_FIELDS = (
     *PIPELINE_SHAPE, "tp", "cp", "dp", "ep", "etp", "zero", "shard_group", "optimizer_offload", "num_micro_batches",
     "pipeline_runs",
 )
+#: What the static state reads of STATIC_FIELDS: all but the micro-batch counts, of which it reads
+#: only whether a step runs more than one (``_static_state``: the embedding gradient a DTensor
+#: runtime makes whole from the second micro-batch on, the gradients accumulated, the FSDP units'
+#: gradients counted with a single one), ``several_micro_batches``. Its tables are priced per
+#: combination of these (``_SharedStatic``; 1M mixed DeepSeek-V3 strategies: 25,824 priced,
+#: against 102,188 of STATIC_FIELDS).
+STATE_FIELDS = (*(name for name in STATIC_FIELDS if name not in ("num_micro_batches", "pipeline_runs")),
+                "several_micro_batches")
+
+
+def _state_columns(batch: StrategyBatch) -> list[np.ndarray]:
+    """The columns of STATE_FIELDS (``several_micro_batches``: micro-batches per step > 1)."""
+    return [batch.micro_batches_per_step > 1 if name == "several_micro_batches" else getattr(batch, name)
+            for name in STATE_FIELDS]
+
+
 #: The fields of a strategy that no figure of the memory model reads: FSDP is priced as the
 #: ZeRO-3 that a valid strategy with ``fsdp`` has, a hybrid context-parallel group's buffers by
 #: its kind, and the global batch is dp · micro-batch size · micro-batches per step. Strategies
@@ -343,16 +360,17 @@ class LayerActivations:
         """The same figures for a subset of the strategies (read-only). A figure of one value
         for every strategy is that value broadcast, not gathered: a search's are a few dozen
         combinations (``ACTIVATION_FIELDS``), taken for thousands of strategies each, and a third
-        of the figures do not vary over them."""
+        of the figures do not vary over them. The figures by layer kind are gathered when first
+        read (``_TakenByKind``): a group's device total reads about half of them (the blocks, the
+        offloaded bytes and, without a split backward, the weight-gradient figures not at all)."""
         n = self.output.shape[0]
         taken = len(range(n)[index]) if isinstance(index, slice) else len(index)
         values: dict[str, Any] = {}
         for (name, key), value in self._figures.items():
-            rows = np.broadcast_to(value[:1], (taken,)) if (name, key) in self._one_valued else value[index]
             if key is None:
-                values[name] = rows
-            else:
-                values.setdefault(name, {})[key] = rows
+                values[name] = np.broadcast_to(value[:1], (taken,)) if (name, key) in self._one_valued else value[index]
+            elif name not in values:
+                values[name] = _TakenByKind(self, name, index, taken)
         return LayerActivations(**values)
 
     @cached_property
@@ -370,6 +388,52 @@ class LayerActivations:
     def _one_valued(self) -> frozenset[tuple[str, str | None]]:
         """The figures (``_figures``' keys) that hold one value for every strategy."""
         return frozenset(key for key, value in self._figures.items() if len(value) and _one_value(value))
+
+
+class _TakenByKind(dict[str, np.ndarray]):
+    """A ``LayerActivations`` figure by layer kind (``name``) at the strategies ``index``: each
+    kind's array gathered (or its one value broadcast) the first time it is read, then kept."""
+
+    def __init__(self, source: LayerActivations, name: str, index: np.ndarray | slice, taken: int) -> None:
+        super().__init__()
+        self._source, self._name, self._index, self._taken = source, name, index, taken
+        self._kinds = tuple(getattr(source, name))
+
+    def __missing__(self, key: str) -> np.ndarray:
+        value = self._source._figures[self._name, key]  # (a KeyError for a kind it lacks)
+        rows = (np.broadcast_to(value[:1], (self._taken,)) if (self._name, key) in self._source._one_valued
+                else value[self._index])
+        self[key] = rows
+        return rows
+
+    def _all(self) -> None:
+        for key in self._kinds:
+            self[key]  # noqa: B018 (gathered on first reading)
+
+    def __iter__(self) -> Iterator[str]:
+        self._all()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        return len(self._kinds)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._kinds
+
+    def keys(self) -> Any:
+        self._all()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._all()
+        return super().values()
+
+    def items(self) -> Any:
+        self._all()
+        return super().items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self._kinds else default
 
 
 def _one_value(values: np.ndarray) -> bool:
@@ -1156,8 +1220,9 @@ def _held_peak(
     Σ_c weight_c · row_c. With ``keep_rows``, per strategy and stage the frontier row of the
     activation peak. Strategies are priced per distinct micro-batch count, whose schedule
     simulation they share. ``held_read`` [n] (bool; None: all): the strategies whose first
-    result is read where there is ``extra``; elsewhere it may hold anything (a block of
-    strategies none of which reads it skips one pass over its [rows, strategies] values).
+    result is read where there is ``extra``; elsewhere it may hold anything (a run of one
+    micro-batch count none of whose strategies reads it skips one pass over its [rows,
+    strategies] values).
     ``stages`` (ascending; None: all): the stages priced, one row each, in that order."""
     n = len(micro_batches)
     held, grown = _priced_columns(weights, extra)
@@ -1172,6 +1237,9 @@ def _held_peak(
     chosen: np.ndarray | None = None
     for m, subset in _runs_of(micro_batches):
         frontier = _frontier_columns(schedule, pp, vpp, int(m), seq_chunks, held, grown)
+        # Whether the run's first results are read (then written for all its strategies, which
+        # those not read may hold): decided once per run, not per stage and block.
+        read_here = extra is None or held_read is None or bool(held_read[subset].any())
         if keep_rows and chosen is None:
             chosen = np.zeros((n, pp, _frontier(schedule, pp, vpp, int(m), seq_chunks)[0].shape[1]))
         for row, s in enumerate(priced):
@@ -1188,7 +1256,7 @@ def _held_peak(
                         with_extra[row, block] += peak[row, block]
                     continue
                 values = _product(held_rows, held_weights[p][:, block])
-                if extra is None or held_read is None or held_read[block].any():
+                if read_here:
                     _store_max(values, peak[row], block)
                 if keep_rows and chosen is not None:
                     chosen[block, s] = _frontier(schedule, pp, vpp, int(m), seq_chunks)[s][row_index[np.argmax(values, axis=0)]]
@@ -1559,27 +1627,24 @@ def _sorted_groups(
     priced_row: np.ndarray | None = None  # per row of ``order``, its row of ``priced``
     priced, priced_sizes = order, sizes  # the rows of ``batch`` priced, group by group
     if not static_only:
-        # The bytes per token of each layer depend on a few fields: priced once per combination;
-        # the static state likewise on STATIC_FIELDS (per group, where each group's are few).
-        # The combinations are numbered by the fields' values, whatever the rows' order.
-        distinct, combination = batch.distinct(ACTIVATION_FIELDS)
-        acts = layer_activations(model, batch.take(distinct), options)
+        # The static state depends on STATE_FIELDS alone: priced once per combination
+        # (``_SharedStatic``), numbered by the fields' values, whatever the rows' order.
         static_code, alike = _alike(model, batch, options, groups, stage_layers)
         if alike is not None:
-            alike_rows, kinds = alike
-            # A row of each kind, in ``order``'s order: the same order, fewer rows.
+            kinds = alike[1]
+            # A row of each kind, in ``order``'s order: the same order, fewer rows. (Any row of a
+            # kind stands for it: the one at a place of ``order`` that the kind's write leaves.)
             in_order = kinds[order]
-            place = np.empty(len(order), dtype=np.int64)
-            place[order] = np.arange(len(order))
+            place_of_kind = np.empty(len(alike[0]), dtype=np.int64)
+            place_of_kind[in_order] = np.arange(len(order))
             first = np.zeros(len(order), dtype=bool)
-            first[place[alike_rows]] = True
+            first[place_of_kind] = True
             kept = np.flatnonzero(first)
             priced = order[kept]
             priced_sizes = np.diff(np.searchsorted(kept, starts)).tolist()
-            position = np.empty(len(kept), dtype=np.int64)
-            position[in_order[kept]] = np.arange(len(kept))
-            priced_row = position[in_order]
-        combination, static_code = combination[priced], static_code[priced]
+            # Per row of ``order``, the row of ``priced`` that stands for its kind.
+            priced_row = (np.cumsum(first) - 1)[place_of_kind][in_order]
+        static_code = static_code[priced]
         static_rows = np.empty(int(static_code.max(initial=-1)) + 1, dtype=np.int64)
         static_rows[static_code] = np.arange(len(priced))
     # Each field is gathered once, by the whole order (measured on 1M mixed strategies: 65-73 ms
@@ -1594,17 +1659,116 @@ def _sorted_groups(
         if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), priced, unread=name in UNREAD_FIELDS)
         for name in batch.array_fields()
     }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules)
-    start = priced_start = 0
-    for (key, index), size in zip(groups, priced_sizes, strict=True):
-        part = slice(priced_start, priced_start + size)
-        rows = np.arange(part.start, part.stop)
-        static_of = None if static_only else _group_combinations(static_rows, static_code, part)
-        out = _evaluate_group(model, ordered.take(part), options, key, rows, None, stage_layers,
-                              None if static_only else acts.take(combination[part]), device_only=device_only,
-                              static_of=static_of, limit=limit)
-        yield key, index, out, None if priced_row is None else priced_row[start:start + len(index)] - priced_start
-        start += len(index)
-        priced_start += size
+    parts = [slice(a, b) for a, b in itertools.pairwise(np.cumsum([0, *priced_sizes]).tolist())]
+    statics: _SharedStatic | None = None
+    if not static_only:
+        # The bytes per token of each layer depend on a few fields: priced once per combination
+        # of the rows priced (their fields gathered already, fewer rows than the batch's).
+        distinct, combination = ordered.distinct(ACTIVATION_FIELDS)
+        acts = layer_activations(model, ordered.take(distinct), options)
+        # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
+        materialised = np.zeros(len(acts.output), dtype=bool)
+        for kind in ("dense", "moe"):
+            materialised |= np.broadcast_to(acts.attention_backward[kind], materialised.shape) > 0
+        statics = _SharedStatic(model, ordered, options, stage_layers, [key for key, _ in groups], parts,
+                                static_rows, static_code,
+                                [bool(materialised.any()) and bool(materialised[combination[part]].any()) for part in parts])
+    group_start = np.cumsum([0, *(len(index) for _, index in groups)]).tolist()  # each group's start in ``order``
+
+    def evaluation(g: int) -> Generator[_FsdpRequest, tuple[FsdpPhases, np.ndarray], dict[str, np.ndarray]]:
+        part = parts[g]
+        return _group_evaluation(model, ordered.take(part), options, groups[g][0], np.arange(part.start, part.stop),
+                                 None, stage_layers, None if static_only else acts.take(combination[part]),
+                                 device_only=device_only, static=None if statics is None else statics.of(g), limit=limit)
+
+    def result(g: int, out: dict[str, np.ndarray]) -> tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
+        (key, index), start = groups[g], group_start[g]
+        return key, index, out, None if priced_row is None else priced_row[start:start + len(index)] - parts[g].start
+
+    # The groups that place their layers alike (``_SharedStatic``) are evaluated side by side, up
+    # to their FSDP unit moments, which are priced together (``_fsdp_moments``), then each to its
+    # end (1M mixed DeepSeek-V3 strategies: 21 calls of a few hundred numpy operations each over
+    # 23,813 distinct sharded rows, instead of 55 over 57,030: rows alike across groups are found).
+    side_by_side: dict[Any, list[int]] = {}
+    for g in range(len(groups)):
+        side_by_side.setdefault(g if statics is None else statics.placement_of[g], []).append(g)
+    for members in side_by_side.values():
+        outs: dict[int, dict[str, np.ndarray]] = {}
+        waiting: dict[int, tuple[Generator[_FsdpRequest, tuple[FsdpPhases, np.ndarray], dict[str, np.ndarray]],
+                                 _FsdpRequest]] = {}
+        for g in members:
+            run = evaluation(g)
+            try:
+                waiting[g] = run, next(run)
+            except StopIteration as done:  # (no strategy of the group is sharded)
+                outs[g] = done.value
+        if waiting:
+            moments = _fsdp_moments([request for _, request in waiting.values()])
+            for (g, (run, _)), answer in zip(waiting.items(), moments, strict=True):
+                try:
+                    run.send(answer)
+                except StopIteration as done:
+                    outs[g] = done.value
+        for g in members:
+            yield result(g, outs[g])
+
+
+class _SharedStatic:
+    """The static states of the pipeline-shape groups of an ordered batch (``keys``, rows
+    ``parts`` of ``ordered``; ``scores``: per group, whether it materialises attention scores),
+    each priced once per combination of STATE_FIELDS (the combinations numbered ``codes``, a row
+    of each at ``rows``: ``_group_combinations``) and shared by the groups whose pipeline shapes
+    place the layers alike (schedules that differ only in their order of operations: the static
+    state reads the placement alone). A static state is a few hundred numpy operations over its
+    combinations, per row: the groups that share one pay them once (1M mixed DeepSeek-V3
+    strategies: 55 groups, 21 placements). Each is priced when its first group asks for it,
+    and dropped after its last."""
+
+    def __init__(self, model: ModelSpec, ordered: StrategyBatch, options: MemoryOptions,
+                 stage_layers: tuple[int, ...] | None, keys: list[tuple[int, ...]], parts: list[slice],
+                 rows: np.ndarray, codes: np.ndarray, scores: list[bool]) -> None:
+        self.model, self.ordered, self.options, self.scores = model, ordered, options, scores
+        hands_over_enabled = bool(options.profile.pipeline_stage_output)
+        self.combinations = [_group_combinations(rows, codes, part) for part in parts]
+        self.parts = parts
+        self.shapes: list[_GroupShape] = []
+        self.members: dict[tuple[Any, ...], list[int]] = {}  # placement -> its groups (with combinations)
+        self.placement_of: list[tuple[Any, ...]] = []
+        for g, key in enumerate(keys):
+            shape = _group_shape(model, CODES["schedule"][key[0]], key[1], key[2], stage_layers, bool(key[4]),
+                                 bool(key[5]), hands_over_enabled, True)
+            self.shapes.append(shape)
+            self.placement_of.append(_shape_signature(shape))
+            if self.combinations[g] is not None:
+                self.members.setdefault(self.placement_of[g], []).append(g)
+        self.priced: dict[tuple[Any, ...], tuple[_StaticState, list[int]]] = {}  # placement -> (state, offsets)
+
+    def of(self, g: int) -> _StaticState | None:
+        """Group ``g``'s static state, its index its rows' combinations (None: the group prices its own)."""
+        combinations = self.combinations[g]
+        if combinations is None:
+            return None
+        signature = self.placement_of[g]
+        members = self.members[signature]
+        if signature not in self.priced:
+            rows = np.concatenate([self.parts[m].start + self.combinations[m][0] for m in members])  # type: ignore[index]
+            state = _static_state(self.model, self.ordered.take(rows), self.options, self.shapes[g],
+                                  scores=any(self.scores[m] for m in members))
+            sizes = [len(self.combinations[m][0]) for m in members]  # type: ignore[index]
+            self.priced[signature] = state, np.cumsum([0, *sizes]).tolist()
+        state, offsets = self.priced[signature]
+        at = members.index(g)
+        if at == len(members) - 1:
+            del self.priced[signature]  # (its groups come in order: none asks again)
+        return replace(state, index=combinations[1] + offsets[at])
+
+
+def _shape_signature(shape: _GroupShape) -> tuple[Any, ...]:
+    """What of a group's shape its static state reads, by value: the placement and the patterns."""
+    arrays = (shape.placement.dense_layers, shape.placement.moe_layers, shape.placement.stage_of,
+              shape.placement.chunk_of, shape.pattern_of, shape.used, shape.chunks, shape.dense, shape.moe,
+              shape.first, shape.last)
+    return tuple((array.dtype.str, array.shape, array.tobytes()) for array in arrays)
 
 
 def _alike(
@@ -1612,7 +1776,7 @@ def _alike(
     stage_layers: tuple[int, ...] | None,
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Per strategy of ``batch`` (in the pipeline-shape ``groups``: (key, rows)), its combination
-    of STATIC_FIELDS (as ``batch.distinct`` numbers them); and (a row of each kind of strategies
+    of STATE_FIELDS (as ``batch.distinct`` numbers them); and (a row of each kind of strategies
     alike in every field the model reads, per strategy its kind), or None where fewer than one
     in twenty of the strategies is alike another (so few rows less would not pay for gathering
     the fields and the figures by the kinds).
@@ -1623,7 +1787,7 @@ def _alike(
     a mixed batch holds strategies with and without ``fsdp`` (on 1M DeepSeek-V3 strategies,
     908k kinds with it, 863k without; 656k Llama-3.1-405B ones, 516k and 418k). Every figure
     of a strategy is a function of those fields, computed row by row: a row of each kind stands
-    for the others, bit for bit. STATIC_FIELDS come first, their combinations found on the way."""
+    for the others, bit for bit. STATE_FIELDS come first, their combinations found on the way."""
     hands_over_enabled = bool(options.profile.pipeline_stage_output)
     all_moe = np.zeros(len(batch), dtype=bool)
     for key, rows in groups:
@@ -1634,8 +1798,9 @@ def _alike(
     others = [name for name in batch.array_fields()
               if name not in STATIC_FIELDS and name not in UNREAD_FIELDS and name != "cp_kind"]
     rows, kinds, static_code = distinct_columns(
-        [*(getattr(batch, name) for name in (*STATIC_FIELDS, *others)), np.where(read, batch.cp_kind, -1)],
-        len(batch), prefix=len(STATIC_FIELDS))
+        [*_state_columns(batch), *(getattr(batch, name) for name in STATIC_FIELDS if name not in STATE_FIELDS),
+         *(getattr(batch, name) for name in others), np.where(read, batch.cp_kind, -1)],
+        len(batch), prefix=len(STATE_FIELDS))
     assert static_code is not None
     return static_code, None if 20 * len(rows) > 19 * len(batch) else (rows, kinds)
 
@@ -1644,7 +1809,7 @@ def _group_combinations(rows: np.ndarray, codes: np.ndarray, part: slice) -> tup
     """``StrategyBatch.distinct``'s (a row of each combination, each row's combination) of the
     rows ``part`` alone, from those of the whole batch, whose combinations are numbered in the
     order of the fields' values: the pipeline shape, a group's key, comes first among
-    STATIC_FIELDS, so a group's combinations are one run of numbers, [low, high): checked, as
+    STATE_FIELDS, so a group's combinations are one run of numbers, [low, high): checked, as
     every number of the run has its row in the group; None where that fails."""
     if part.start == part.stop:
         return None
@@ -1659,9 +1824,17 @@ def _group_combinations(rows: np.ndarray, codes: np.ndarray, part: slice) -> tup
 def _gathered(values: np.ndarray, order: np.ndarray, *, unread: bool = False) -> np.ndarray:
     """values[order], or the one value broadcast (read-only) where ``values`` holds one, or
     where the field is ``unread`` (its first value: 1M mixed strategies, three fields' gathers
-    less)."""
+    less).
+
+    The gather reads the values at random, each from a cache line of its own: int64 values
+    that fit 32 bits are gathered from an int32 copy (half the lines to fetch) and widened back,
+    the same integers; the copy, the widening and the values' least and largest are passes in
+    order, cheaper than the lines they save (1M mixed DeepSeek-V3 strategies, 12 fields: 42-46 ->
+    24-26 ms; 200k: 7.1 -> 4.2 ms; 50k: 1.2 -> 0.9 ms)."""
     if len(values) and (unread or _one_value(values)):
         return np.broadcast_to(values[:1], (len(order),))
+    if values.dtype == np.int64 and len(values) and -(1 << 31) <= int(values.min()) and int(values.max()) < 1 << 31:
+        return values.astype(np.int32).take(order).astype(np.int64)
     return values.take(order)
 
 
@@ -2005,6 +2178,8 @@ def _rows_of(values: Any, index: np.ndarray) -> Any:
         return values
     if values.ndim == 1:
         return values[index]
+    if values.flags.f_contiguous:  # (the static state's are: one take of its transpose's rows)
+        return np.take(values.T, index, axis=1).T
     out = np.empty((len(index), values.shape[1]), order="F")
     for column in range(values.shape[1]):
         np.take(values[:, column], index, out=out[:, column])
@@ -2047,7 +2222,7 @@ def _per_op(values: np.ndarray, seq_chunks: int) -> np.ndarray:
 
 
 def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, op_tokens: np.ndarray,
-                   tokens: np.ndarray, pp: int, has_moe: np.ndarray) -> np.ndarray:
+                   tokens: np.ndarray, pp: int, has_moe: np.ndarray, sp_div: np.ndarray) -> np.ndarray:
     """[n, P] bytes: the communication buffers alive while a layer runs (the sequence-parallel
     gather or the context-parallel K/V (Ulysses: Q/K/V/O) exchange, the larger, or on a stage
     with MoE layers the expert all-to-all's, if larger), and the pipeline's send and receive.
@@ -2056,19 +2231,31 @@ def _layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOption
     (``op_tokens``, a Seq1F1B sub-sequence's: ``_per_op``); the context-parallel exchange those of
     the micro-batch (``tokens``): under Seq1F1B a sub-sequence's attention reads the K/V of the
     sub-sequences before it, the last one the whole micro-batch's (no Seq1F1B implementation runs
-    context parallelism to say otherwise: MindSpeed lists it as unsupported)."""
+    context parallelism to say otherwise: MindSpeed lists it as unsupported). ``sp_div``: tp
+    where the activations are sequence-sharded, else 1."""
     act_bytes = batch.precision.activation_bytes
     h = model.hidden_size
-    tp = batch.tp.astype(float)
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, op_tokens)
     cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"))
-    pp_buffers = np.where(pp > 1, 2 * op_tokens * h * act_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0), 0.0)
+    # Per stage max(gather or exchange, all-to-all where the stage holds MoE layers) + the
+    # pipeline's buffers: two columns, one with the all-to-all and one without, each stage a copy
+    # of its own (the bytes are finite and >= +0, so a stage without MoE layers, whose all-to-all
+    # counts 0, takes the gather or exchange as it is; and without a pipeline nothing is added).
+    without_moe = np.maximum(sp_gather, cp_buffers, out=sp_gather)
+    with_moe = np.maximum(without_moe, ep_buffers, out=ep_buffers) if has_moe.any() else None
+    if pp > 1:
+        pp_buffers = 2 * op_tokens  # (in place, factor by factor in the order written: the same roundings)
+        pp_buffers *= h
+        pp_buffers *= act_bytes
+        pp_buffers /= sp_div
+        without_moe += pp_buffers
+        if with_moe is not None:
+            with_moe += pp_buffers
     # Column by column (see _outer_sum): the buffers alive while a layer runs, and with them the
     # pipeline's (the first two terms of the communication sum in _evaluate_group).
     buffers = np.empty((len(batch), len(has_moe)), order="F")
-    sp_or_cp = np.maximum(sp_gather, cp_buffers)
     for column, moe_here in enumerate(has_moe.tolist()):
-        buffers[:, column] = np.maximum(sp_or_cp, ep_buffers * float(moe_here)) + pp_buffers
+        buffers[:, column] = with_moe if moe_here else without_moe
     return buffers
 
 
@@ -2168,24 +2355,58 @@ def _cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions
 
 
 def _receive_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, shape: _GroupShape,
-                     tokens: np.ndarray) -> np.ndarray:
+                     tokens: np.ndarray, sp_div: np.ndarray) -> np.ndarray:
     """[n, P] bytes: the receive buffers torch.distributed.pipelining allocates up front, one per
     micro-batch, for the activations a later chunk receives and the gradients an earlier chunk
     receives; they stay for the whole step, the optimizer's included. Chunks next to each other
     on one rank (a V schedule's turn) hand tensors over directly: their up-front buffers are
-    replaced by the tensors themselves. Zero for runtimes that keep no stage outputs."""
+    replaced by the tensors themselves. Zero for runtimes that keep no stage outputs. ``sp_div``:
+    tp where the activations are sequence-sharded, else 1."""
     n, patterns = len(batch), len(shape.reps)
     virtual = len(shape.pattern_of) * shape.chunks.shape[1]
     if not (options.profile.pipeline_stage_output and virtual > 1):
         return np.zeros((n, patterns), order="F")
     directions = shape.receives_from_peer.astype(float) + shape.sends_to_peer
-    sp_div = np.where(batch.sequence_parallel > 0, batch.tp.astype(float), 1.0)
     one_receive = batch.num_micro_batches * tokens * model.hidden_size * batch.precision.activation_bytes / sp_div
     # Column by column (see _outer_sum): the same products, in passes over the strategies.
     receive_virtual = np.empty((n, len(directions)), order="F")
     for column, direction in enumerate(directions.tolist()):
         receive_virtual[:, column] = one_receive * direction
     return _to_stages(receive_virtual, shape.chunks)
+
+
+@dataclass(frozen=True)
+class _FsdpRequest:
+    """A group's FSDP unit moments to price (``_fsdp_unit_phases``' arguments): its sharded
+    rows' ``inputs``."""
+
+    placement: Placement
+    on_stage: np.ndarray
+    stages: np.ndarray
+    gather_bytes: int
+    inputs: dict[str, Any]
+
+
+def _fsdp_moments(requests: list[_FsdpRequest]) -> list[tuple[FsdpPhases, np.ndarray]]:
+    """The FSDP unit moments of ``requests`` of one placement (the same ``_fsdp_unit_phases``
+    arguments but the inputs), priced together: per request (the moments, and per row of its
+    inputs its row of them).
+
+    A strategy's moments are a function of its inputs alone, which the sharded rows share many
+    at a time (they differ in what the moments do not read: the context-parallel kind, the
+    data-parallel degree past one micro-batch, ..., and the schedule's order of operations):
+    priced once per distinct row of the inputs, where that is at most half the rows."""
+    first = requests[0]
+    inputs = first.inputs if len(requests) == 1 else _joined([request.inputs for request in requests])
+    sizes = [len(request.inputs["loss_working"]) for request in requests]
+    distinct = _distinct_rows(_leaves(inputs))
+    if distinct is not None and 2 * len(distinct[0]) > sum(sizes):
+        distinct = None
+    if distinct is not None:
+        inputs = _taken(inputs, distinct[0])
+    moments = _fsdp_unit_phases(first.placement, first.on_stage, first.stages, first.gather_bytes, **inputs)
+    rows_of = np.arange(sum(sizes)) if distinct is None else distinct[1]
+    return [(moments, rows_of[a:b]) for a, b in itertools.pairwise(np.cumsum([0, *sizes]).tolist())]
 
 
 def _evaluate_group(
@@ -2199,13 +2420,42 @@ def _evaluate_group(
     acts: LayerActivations | None,
     *,
     device_only: bool = False,
-    static_of: tuple[np.ndarray, np.ndarray] | None = None,
+    static: _StaticState | None = None,
     limit: float | None = None,
 ) -> dict[str, np.ndarray]:
-    """Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
+    """``_group_evaluation`` of one group alone, its FSDP unit moments priced on its own."""
+    run = _group_evaluation(model, batch, options, key, index, kinds, stage_layers, acts, device_only=device_only,
+                            static=static, limit=limit)
+    try:
+        request = next(run)
+        run.send(_fsdp_moments([request])[0])
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("a group asks for its FSDP unit moments once")
+
+
+def _group_evaluation(
+    model: ModelSpec,
+    batch: StrategyBatch,
+    options: MemoryOptions,
+    key: tuple[int, ...],
+    index: np.ndarray,
+    kinds: dict[str, dict[str, np.ndarray]] | None,
+    stage_layers: tuple[int, ...] | None,
+    acts: LayerActivations | None,
+    *,
+    device_only: bool = False,
+    static: _StaticState | None = None,
+    limit: float | None = None,
+) -> Generator[_FsdpRequest, tuple[FsdpPhases, np.ndarray], dict[str, np.ndarray]]:
+    """(A generator: where the group has sharded strategies it yields their FSDP unit moments'
+    arguments, ``_FsdpRequest``, to be sent (the moments, and per sharded strategy its row of
+    them), so that groups of one placement price theirs together; it returns the figures.)
+
+    Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
     ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
     ``device_only``: only "device", the figures of the stages in between are not expanded).
-    ``static_of``: the group's ``batch.distinct(STATIC_FIELDS)``, where the caller has it.
+    ``static``: the group's static state, where the caller priced it.
 
     With ``limit`` (``device_only`` alone): "cut" [n] bool, the strategies found certainly above
     ``limit`` once the static state at the held peak is added to it (``_certainly_over``), and
@@ -2248,17 +2498,17 @@ def _evaluate_group(
     mtp_kind = model.mtp_mlp_kind
     # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
     scores = acts is not None and any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
-    if acts is not None and kinds is None and static_of is None:
-        # The static state is a function of STATIC_FIELDS, which a group's strategies share
-        # many at a time (they differ in micro-batch size, recompute, sequence parallelism, ...):
-        # priced once per combination and read through its index, where that is much less than
-        # the group.
-        static_of = batch.distinct(STATIC_FIELDS)
-    if static_of is None or kinds is not None or 2 * len(static_of[0]) > n:
-        static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
-    else:
-        static = replace(_static_state(model, batch.take(static_of[0]), options, shape, scores=scores),
-                         index=static_of[1])
+    if static is None:
+        static_of = batch.distinct(STATIC_FIELDS) if acts is not None and kinds is None else None
+        if static_of is None or 2 * len(static_of[0]) > n:
+            static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
+        else:
+            # The static state is a function of STATIC_FIELDS, which a group's strategies share
+            # many at a time (they differ in micro-batch size, recompute, sequence parallelism,
+            # ...): priced once per combination and read through its index, where that is much
+            # less than the group.
+            static = replace(_static_state(model, batch.take(static_of[0]), options, shape, scores=scores),
+                             index=static_of[1])
     overhead = replace(static.overhead, fixed_bytes=static.at(static.overhead.fixed_bytes))
     out: dict[str, np.ndarray] = {}
 
@@ -2269,6 +2519,8 @@ def _evaluate_group(
     # ---- activations held across the schedule
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
     recompute_on = ~batch.is_("recompute", "none")
+    # Sequence parallelism shards the activations between layers over tp.
+    sp_div = np.where(batch.sequence_parallel > 0, tp, 1.0)
     t = tokens[:, None]
     # What one forward, backward or loss runs on (``_per_op``): a micro-batch, or under Seq1F1B
     # one of its seq_chunks sub-sequences, tokens / seq_chunks. The held activations stay per
@@ -2278,10 +2530,13 @@ def _evaluate_group(
     # bytes) per micro-batch. Without a recompute limit a chunk recomputes all its layers or none:
     # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
     kept_dense, kept_moe = (np.where(recompute_on, acts.recomputed[k], acts.full[k]) for k in ("dense", "moe"))
-    # Column by column (see _outer_sum): the same products, in passes over the strategies.
+    # Column by column (see _outer_sum): the same products, in passes over the strategies, once
+    # per distinct pair of layer counts (the interior chunks of a uniform placement share one).
     layers_held = np.empty((len(batch), computed), order="F")
+    column_of: dict[tuple[float, float], int] = {}
     for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
-        layers_held[:, column] = tokens * (kept_dense * dense + kept_moe * moe)
+        same = column_of.setdefault((dense, moe), column)
+        layers_held[:, column] = tokens * (kept_dense * dense + kept_moe * moe) if same == column else layers_held[:, same]
     limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
     # The layers a recompute limit leaves plain, their full bytes: their autograd graph is held
     # from the forward to the weight gradient like any layer's without recompute (0 where every
@@ -2332,7 +2587,6 @@ def _evaluate_group(
     if profile.pipeline_stage_output and virtual > 1:
         # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
         # (sequence-sharded under SP) on every stage but the last, the logits on the last.
-        sp_div = np.where(batch.sequence_parallel > 0, tp, 1.0)
         vocab_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         act_bytes = precision.activation_bytes
         # Every stage but the first also keeps the input it received, which needs a gradient;
@@ -2344,9 +2598,14 @@ def _evaluate_group(
         token_bytes = tokens * act_bytes
         logits_per_token = np.broadcast_to(model.vocab_size / vocab_div, tokens.shape)
         hidden_per_token = model.hidden_size / sp_div
-        # Column by column (see _outer_sum): the same products, in passes over the strategies.
+        # Column by column (see _outer_sum): the same products, in passes over the strategies, once
+        # per distinct pair of counts.
+        kept_bytes: dict[tuple[float, float], np.ndarray] = {}
         for column, (logits, hidden) in enumerate(zip(logits_kept.tolist(), hidden_kept.tolist(), strict=True)):
-            per_b_virtual[:, column] += token_bytes * (logits_per_token * logits + hidden_per_token * hidden)
+            term = kept_bytes.get((logits, hidden))
+            if term is None:
+                term = kept_bytes[logits, hidden] = token_bytes * (logits_per_token * logits + hidden_per_token * hidden)
+            per_b_virtual[:, column] += term
         if kinds is not None:
             kept_logits = np.multiply.outer(token_bytes * logits_per_token, logits_kept.astype(float))
             kept_hidden = np.multiply.outer(token_bytes * hidden_per_token, hidden_kept.astype(float))
@@ -2368,7 +2627,8 @@ def _evaluate_group(
         deferred_rows = np.flatnonzero(deferred)
         static_rows = np.flatnonzero(later_runs & ~deferred)
         if deferred_rows.size or static_rows.size:
-            per_grads = per_grads.copy(order="F")
+            if static.index is None:  # (the static state's own array; gathered, it is a copy already)
+                per_grads = per_grads.copy(order="F")
             per_grads[deferred_rows] = static.at(static.elements_virtual, deferred_rows) * (
                 grad_bytes + _pending_split_grad_width(schedule, precision, profile, first_virtual)[None, :])
             per_grads[static_rows] = 0.0
@@ -2473,17 +2733,21 @@ def _evaluate_group(
             / routed_width
         )
         loss_freed = _per_op(output_held, seq_chunks)
-        # Column by column (see _outer_sum): the same values, in passes over the strategies.
+        # Column by column (see _outer_sum): the same values, in passes over the strategies. (A
+        # stage without MoE layers makes none: its transient, >= +0, stays as it is.)
         for column, (moe_here, last) in enumerate(zip(has_moe.tolist(), last_stage.tolist(), strict=True)):
-            new_gradient = np.where(accumulates, expert_gradient - loss_freed * last, 0.0) if moe_here else 0.0
-            out["transient"][:, column] = np.maximum(out["transient"][:, column], new_gradient)
+            if moe_here:
+                new_gradient = np.where(accumulates, expert_gradient - loss_freed * last, 0.0)
+                np.maximum(out["transient"][:, column], new_gradient, out=out["transient"][:, column])
     # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
     # the rank's shard, with one micro-batch too (``_static_state``).
     embedding_gradient = static.at(static.embedding_gradient)
     embedding_accumulate = np.maximum(embedding_gradient - _per_op(per_b_virtual[:, 0], seq_chunks), 0.0)
-    # Column by column (see _outer_sum): the same values, in passes over the strategies.
+    # Column by column (see _outer_sum): the same values, in passes over the strategies; on the
+    # first stage alone (elsewhere its 0 bytes leave the transient, >= +0, as it is).
     for column, first in enumerate(first_stage.tolist()):
-        out["transient"][:, column] = np.maximum(out["transient"][:, column], embedding_accumulate * first)
+        if first:
+            np.maximum(out["transient"][:, column], embedding_accumulate * first, out=out["transient"][:, column])
     # The head's, on the last stage (a split backward makes it in the W step: _weight_grad_step).
     head_gradient = static.at(static.head_gradient)
     if not split and np.any(head_gradient):
@@ -2506,12 +2770,16 @@ def _evaluate_group(
         # The frontier's columns after the gradients: each chunk's weight-gradient step while it
         # runs. Its working set takes the place of a layer backward's (the transient, added to
         # every row), so a column weighs what it allocates beyond that.
-        steps, new_grads = _weight_grad_step(model, batch, acts, profile, t, recompute_on,
-                                  recompute_layers_of=(dense_layers, moe_layers), chunks=chunks, vpp=vpp,
-                                  head_chunk=last_virtual,
-                                  first_chunk=first_virtual)
+        # (Both kinds of columns are worked out at the full-recompute rows ``stepping`` alone and
+        # placed among zeros: elsewhere a step and its gradients are 0, less a transient >= +0,
+        # which the maximum with 0 makes +0.)
+        stepping, steps, new_grads = _weight_grad_step(
+            model, batch, acts, profile, t, recompute_on, recompute_layers_of=(dense_layers, moe_layers), chunks=chunks,
+            vpp=vpp, head_chunk=last_virtual, first_chunk=first_virtual)
+        transient_stepping = out["transient"][stepping] if any(step is not None for step in steps) else None
         extra = [*(extra or [None] * vpp),
-                 *(None if step is None else np.maximum(step - out["transient"], 0.0) for step in steps)]
+                 *(None if step is None else _placed(np.maximum(step - transient_stepping, 0.0), stepping, n)
+                   for step in steps)]
         # A chunk's first such step creates its gradients as it runs: at its peak, all but the
         # norms' (a runtime that creates them in the backward; elsewhere they are static), one
         # of them the step's new weight gradient, counted in the step already.
@@ -2520,13 +2788,14 @@ def _evaluate_group(
         first_step: list[np.ndarray | None] = [None] * vpp
         if grads_in_schedule and any(step is not None for step in steps):
             whole_w = first_virtual > 0 if profile.first_stage_backward_at_w else np.zeros_like(first_virtual, dtype=bool)
-            made_in_step = np.where(batch.is_("recompute", "full")[:, None] & ~whole_w[None, :], per_grads, 0.0)
-            first_step = [None if step is None else np.maximum(_chunk_column(made_in_step, chunks, c) - new_grad, 0.0)
+            made_in_step = np.where(~whole_w[None, :], per_grads[stepping], 0.0)
+            first_step = [None if step is None else _placed(np.maximum(_chunk_column(made_in_step, chunks, c) - new_grad, 0.0),
+                                                            stepping, n)
                           for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
         extra += first_step
-    handed_over = np.zeros((len(batch), patterns), order="F")
+    handed_over: np.ndarray | None = None  # none handed over without a V's turn
     if hands_over:
-        one_hand_over = tokens * model.hidden_size * precision.activation_bytes / np.where(batch.sequence_parallel > 0, tp, 1.0)
+        one_hand_over = tokens * model.hidden_size * precision.activation_bytes / sp_div
         per_handover = np.zeros((len(batch), patterns), order="F")
         per_handover[:, shape.turn] = one_hand_over  # the frontier's hand-over column: the V's turn
         extra = [*(extra or [None] * vpp), per_handover]
@@ -2591,7 +2860,7 @@ def _evaluate_group(
             return {"cut": cut, "bound": bound}
 
     # ---- communication buffers alive while a layer runs
-    overlapping_with_pp = _layer_buffers(model, batch, options, op_tokens, tokens, pp, has_moe)
+    overlapping_with_pp = _layer_buffers(model, batch, options, op_tokens, tokens, pp, has_moe, sp_div)
     # Only FSDP strategies have unit moments: price those rows alone.
     sharded_rows = np.flatnonzero(zero3 if cut is None else zero3 & ~cut)
     if sharded_rows.size:
@@ -2635,16 +2904,10 @@ def _evaluate_group(
             kept_elements=_largest_chunks(static.at(static.elements_virtual, sharded_rows), chunks, vpp)
             if vpp > ACTIVE_CHUNKS else None,
         )
-        # A strategy's moments are a function of these inputs alone, which the sharded rows share
-        # many at a time (they differ in what the moments do not read: the context-parallel
-        # kind, the data-parallel degree past one micro-batch, ...): priced once per distinct
-        # combination and gathered, where that is at most half the rows.
-        distinct = _distinct_rows(_leaves(inputs))
-        if distinct is not None and 2 * len(distinct[0]) > len(sharded_rows):
-            distinct = None
-        if distinct is not None:
-            inputs = _taken(inputs, distinct[0])
-        sharded = _fsdp_unit_phases(placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, **inputs)
+        # The moments, priced once per distinct row of these inputs (``_fsdp_moments``), with
+        # those of the groups of this placement where the caller evaluates them side by side.
+        sharded, rows_of = yield _FsdpRequest(placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes,
+                                              inputs)
         # Per row of the batch, its row of the moments, or one past them (a row of zeros) where
         # nothing is sharded: each figure read is then one gather, not a gather by the distinct
         # rows and a scatter to the sharded ones. The moments stay per row computed (``fsdp``,
@@ -2653,7 +2916,7 @@ def _evaluate_group(
         # 14k per group), and the single micro-batch's gather only its rows.
         computed_rows = len(sharded.buffers)
         source = np.full(len(batch), computed_rows)
-        source[sharded_rows] = np.arange(computed_rows) if distinct is None else distinct[1]
+        source[sharded_rows] = rows_of
         fsdp = FsdpPhases(*(
             np.concatenate([values, np.zeros((1, patterns))])
             for values in (sharded.buffers, sharded.working, sharded.last_unit, sharded.grads_made)
@@ -2661,31 +2924,38 @@ def _evaluate_group(
     else:
         source = np.zeros(len(batch), dtype=np.intp)
         fsdp = FsdpPhases(*(np.zeros((1, patterns)) for _ in range(4)))
-    # Zero where nothing is sharded. A moment that frees a micro-batch's activations is credited
-    # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
-    # neither category reads below zero (the sum, the moment, is the same).
-    fsdp_gathers = np.maximum(fsdp.buffers, 0.0).take(source, axis=0)
+    # The communication buffers, summed in place in the order overlapping + kept gathered +
+    # receive + DDP buckets (+ FSDP's gathers). A term that is zero for a strategy, or for all
+    # the group's, is not added there: every term is bytes, finite and >= +0, which x + 0.0 leaves
+    # as it is (on 1M mixed strategies most strategies keep nothing gathered, and DDP's buckets
+    # are the runtime's own or none).
+    other_comm = overlapping_with_pp  # (its own array)
     # FSDP without resharding after forward keeps the stage's gathered parameters (under a
     # deferring pipeline every unit stays gathered after its backward whatever the setting: the
     # unit moments hold them, _fsdp_unit_phases' kept_after_backward).
-    kept_gathered = np.zeros((len(batch), patterns), order="F")
     kept_rows = np.flatnonzero(zero3 & (batch.reshard_after_forward == 0) & ~deferred)
     if kept_rows.size:
         # Every element whole on the device (non-expert /tp, experts /ep·etp): the two kinds
         # are sharded over different groups, so the sharded bytes do not give them back.
-        kept_gathered[kept_rows] = static.at(static.stage_elements, kept_rows) * precision.param_gather_bytes
-    receive = _receive_buffers(model, batch, options, shape, tokens)
-    # The tensors handed over at a V's turn are reported with the receive buffers (all m of
-    # them, as at the step's end); the forward/backward peak counts those handed over by then.
-    receive = receive + handed_over
-    ddp_buckets = static.at(static.ddp_buckets)
+        other_comm[kept_rows] += static.at(static.stage_elements, kept_rows) * precision.param_gather_bytes
+    receive = _receive_buffers(model, batch, options, shape, tokens, sp_div)  # (its own array)
+    if handed_over is not None:
+        # The tensors handed over at a V's turn are reported with the receive buffers (all m of
+        # them, as at the step's end); the forward/backward peak counts those handed over by then.
+        receive += handed_over
+    ddp_buckets = static.at(static.ddp_buckets) if static.ddp_buckets.any() else None
     if options.moe_dispatcher == "allgather" and model.is_moe:
         # Megatron's global memory buffer the allgather dispatcher gathers into: kept from the
         # first MoE layer's forward on, through the optimizer step (on stages with MoE layers).
         dispatch_buffer = allgather_dispatch_bytes(model, batch, op_tokens)[0][:, None] * (moe_per_stage > 0)
-        ddp_buckets = ddp_buckets + dispatch_buffer
-    other_comm = overlapping_with_pp + kept_gathered + receive + ddp_buckets
-    out["comm"] = other_comm + fsdp_gathers
+        ddp_buckets = dispatch_buffer if ddp_buckets is None else ddp_buckets + dispatch_buffer
+    other_comm += receive
+    if ddp_buckets is not None:
+        other_comm += ddp_buckets
+    # Zero where nothing is sharded. A moment that frees a micro-batch's activations is credited
+    # against its buffers (_fsdp_unit_phases); past zero the credit is the working set's, so that
+    # neither category reads below zero (the sum, the moment, is the same).
+    out["comm"] = other_comm + np.maximum(fsdp.buffers, 0.0).take(source, axis=0) if sharded_rows.size else other_comm
     out["transient"][sharded_rows] = (fsdp.working + np.minimum(fsdp.buffers, 0.0)).take(source[sharded_rows], axis=0)
     # The math libraries' workspaces (cuBLAS, cuBLASLt) come from the caching allocator at the
     # first matmul and stay: part of every working set, forward/backward and optimizer step alike.
@@ -2694,7 +2964,11 @@ def _evaluate_group(
     out["transient"] += workspaces
 
     # ---- optimizer step temporaries (activations are gone by then)
-    out["optimizer_step"] = static.at(static.optimizer_update) + receive + ddp_buckets + workspaces
+    optimizer_step = static.at(static.optimizer_update) + receive
+    if ddp_buckets is not None:
+        optimizer_step += ddp_buckets
+    optimizer_step += workspaces
+    out["optimizer_step"] = optimizer_step
 
     # The static state per strategy: its sums, each gathered once, and its parts where the
     # figures of every category are kept.
@@ -2705,7 +2979,7 @@ def _evaluate_group(
     # forward/backward: the static state at the held peak (summed above), then the rest.
     expand = priced_shape.by_stage
     priced_shape.combine_by_stage(forward_backward, out["comm"])
-    if hands_over:
+    if handed_over is not None:
         priced_shape.combine_by_stage(forward_backward, handed_over, np.subtract)
     priced_shape.combine_by_stage(forward_backward, out["transient"])
     if options.profile.grads_created_in_backward:
@@ -2738,7 +3012,7 @@ def _evaluate_group(
                 scores_phase += held[:, single]
                 forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
     if device_only:  # in place: the figures in between are not kept
-        priced_shape.combine_by_stage(forward_backward, total + out["optimizer_step"], np.maximum)
+        priced_shape.combine_by_stage(forward_backward, np.add(total, optimizer_step, out=optimizer_step), np.maximum)
         # (Scaled in place: the same product, and no [pp, n] array to allocate and fault in.)
         device = overhead.reserved(forward_backward, out=forward_backward)
         device += overhead.fixed_bytes
@@ -3112,10 +3386,11 @@ def _weight_grad_step(
     model: ModelSpec, batch: StrategyBatch, acts: LayerActivations, profile: RuntimeProfile, t: np.ndarray,
     recompute_on: np.ndarray, *, recompute_layers_of: tuple[np.ndarray, np.ndarray], chunks: np.ndarray, vpp: int,
     head_chunk: np.ndarray, first_chunk: np.ndarray,
-) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
-    """Per chunk [n, P] (None where nothing), what a weight-gradient step adds at its peak to the
-    state it starts from (bytes), and of that the new weight gradient D (which a chunk's first
-    step keeps as the gradient itself).
+) -> tuple[np.ndarray, list[np.ndarray | None], list[np.ndarray | None]]:
+    """The strategies whose steps are priced (full recompute; elsewhere every figure is 0), and
+    at those rows per chunk [rows, P] (None where nothing), what a weight-gradient step adds at
+    its peak to the state it starts from (bytes), and of that the new weight gradient D (which a
+    chunk's first step keeps as the gradient itself).
 
     Under full recompute, torch.distributed.pipelining's step rebuilds a checkpointed layer once
     per parameter group (G = ``weight_grad_groups``), each call a new graph task, and each rebuilt
@@ -3142,12 +3417,10 @@ def _weight_grad_step(
     layers (Qwen3, Llama, Mixtral, Qwen3-MoE, DeepSeek-V2-Lite); docs/accuracy.md has the
     measured stages."""
     if not profile.weight_grad_recomputes_per_group:
-        return [None] * vpp, [None] * vpp
-    full = batch.is_("recompute", "full")
-    if not full.any():
-        return [None] * vpp, [None] * vpp
-    # Priced on the full-recompute rows alone, then placed among the others (zeros).
-    rows = np.flatnonzero(full)
+        return np.arange(0), [None] * vpp, [None] * vpp
+    rows = np.flatnonzero(batch.is_("recompute", "full"))  # priced on the full-recompute rows alone
+    if not rows.size:
+        return rows, [None] * vpp, [None] * vpp
     dense_layers, moe_layers = recompute_layers_of
     groups = weight_grad_groups(model)
     t = t[rows]
@@ -3191,9 +3464,7 @@ def _weight_grad_step(
         step[:, first_chunk > 0] = 0.0
         new_grad[:, first_chunk > 0] = 0.0
     np.maximum(step, 0.0, out=step)
-    if len(rows) < len(batch):
-        step, new_grad = (_placed(values, rows, len(batch)) for values in (step, new_grad))
-    return [_chunk_column(step, chunks, c) for c in range(vpp)], [_chunk_column(new_grad, chunks, c) for c in range(vpp)]
+    return rows, [_chunk_column(step, chunks, c) for c in range(vpp)], [_chunk_column(new_grad, chunks, c) for c in range(vpp)]
 
 
 def _leaves(values: Any) -> list[np.ndarray]:
@@ -3212,6 +3483,15 @@ def _taken(values: Any, rows: np.ndarray) -> Any:
     if isinstance(values, dict):
         return {name: _taken(value, rows) for name, value in values.items()}
     return values[rows]
+
+
+def _joined(values: list[Any]) -> Any:
+    """``values`` (alike nested dicts of arrays, or None) joined row after row."""
+    if values[0] is None:
+        return None
+    if isinstance(values[0], dict):
+        return {name: _joined([value[name] for value in values]) for name in values[0]}
+    return np.concatenate(values)
 
 
 def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -3245,7 +3525,10 @@ def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] |
 
 
 def _placed(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
-    """[len(rows), k] values at ``rows`` of an [n, k] array of zeros."""
+    """[len(rows), k] values at ``rows`` (ascending) of an [n, k] array of zeros (``values``
+    itself where those are every row)."""
+    if len(rows) == n:
+        return values
     out = np.zeros((n, values.shape[1]))
     out[rows] = values
     return out
