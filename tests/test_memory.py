@@ -1402,3 +1402,26 @@ def test_the_runtime_states_its_gradient_buckets_to_the_step_time(tmp_path: Path
                                                     line))
         with pytest.raises(NdplanError, match=re.escape(needle)):
             get_profile(str(path))
+
+
+def test_taken_activation_figures_by_kind_equal_an_eager_gather() -> None:
+    """LayerActivations.take gathers a layer kind's figures on first read: whatever is read, in
+    any order, and its copy, hold every kind's rows at the index."""
+    from ndplan.memory.stages import layer_activations
+
+    model = get_preset("mixtral-8x7b")
+    strategies = [Strategy(dp=8, tp=tp, ep=ep, micro_batch_size=mbs, num_micro_batches=8, seq_length=4096,
+                           recompute=recompute)
+                  for tp in (1, 2) for ep in (1, 8) for mbs in (1, 2) for recompute in ("none", "selective")]
+    acts = layer_activations(model, StrategyBatch.of(strategies), MemoryOptions())
+    index = np.array([5, 0, 5, 3, 12])
+    taken = acts.take(index)
+    assert taken.full["moe"].tolist() == acts.full["moe"][index].tolist()  # one kind read first
+    for name in ("full", "recomputed", "attention_backward"):
+        eager = {kind: values[index] for kind, values in getattr(acts, name).items()}
+        lazy = getattr(taken, name)
+        # its copy first (before anything else reads it: only "full"'s moe rows are gathered yet)
+        assert {kind: rows.tolist() for kind, rows in lazy.copy().items()} == {
+            kind: rows.tolist() for kind, rows in eager.items()}
+        assert sorted(lazy) == sorted(eager) and len(lazy) == len(eager)
+    assert taken.full.copy().keys() == acts.full.keys()

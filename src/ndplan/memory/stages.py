@@ -435,6 +435,11 @@ class _TakenByKind(dict[str, np.ndarray]):
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self._kinds else default
 
+    def copy(self) -> dict[str, np.ndarray]:
+        # (dict's own copy reads the stored entries alone: every kind is gathered first)
+        self._all()
+        return dict(super().items())
+
 
 def _one_value(values: np.ndarray) -> bool:
     """Whether every element of ``values`` (not empty) is the first, bit for bit (0.0 and -0.0
