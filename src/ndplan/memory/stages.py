@@ -1794,18 +1794,29 @@ def _alike(
     of a strategy is a function of those fields, computed row by row: a row of each kind stands
     for the others, bit for bit. STATE_FIELDS come first, their combinations found on the way."""
     hands_over_enabled = bool(options.profile.pipeline_stage_output)
-    all_moe = np.zeros(len(batch), dtype=bool)
-    for key, rows in groups:
+    # Per strategy its group's number: the groups come in the order of their keys (the
+    # pipeline shape's values, the first field the most significant), so the numbers rank the
+    # shapes as the six fields do, and a column of them numbers the combinations as those
+    # fields would, with five columns' passes less (1M mixed DeepSeek-V3 strategies: ~4 ms).
+    keys = [key for key, _ in groups]
+    in_key_order = all(a < b for a, b in itertools.pairwise(keys))
+    group_of = np.empty(len(batch), dtype=np.int64)
+    all_moe_of = np.empty(len(groups), dtype=bool)
+    for g, (key, rows) in enumerate(groups):
         shape = _group_shape(model, CODES["schedule"][key[0]], key[1], key[2], stage_layers, bool(key[4]),
                              bool(key[5]), hands_over_enabled, True)
-        all_moe[rows] = bool((shape.moe_per_stage > 0).all())
-    read = _cp_kind_read(model, batch, options, all_moe)
+        all_moe_of[g] = bool((shape.moe_per_stage > 0).all())
+        group_of[rows] = g
+    read = _cp_kind_read(model, batch, options, all_moe_of[group_of])
     others = [name for name in batch.array_fields()
               if name not in STATIC_FIELDS and name not in UNREAD_FIELDS and name != "cp_kind"]
+    state_columns = _state_columns(batch)
+    if in_key_order:
+        state_columns = [group_of, *state_columns[len(PIPELINE_SHAPE):]]
     rows, kinds, static_code = distinct_columns(
-        [*_state_columns(batch), *(getattr(batch, name) for name in STATIC_FIELDS if name not in STATE_FIELDS),
+        [*state_columns, *(getattr(batch, name) for name in STATIC_FIELDS if name not in STATE_FIELDS),
          *(getattr(batch, name) for name in others), np.where(read, batch.cp_kind, -1)],
-        len(batch), prefix=len(STATE_FIELDS))
+        len(batch), prefix=len(state_columns))
     assert static_code is not None
     return static_code, None if 20 * len(rows) > 19 * len(batch) else (rows, kinds)
 
