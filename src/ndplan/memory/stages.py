@@ -457,6 +457,34 @@ def _like_first(values: np.ndarray, first: np.ndarray) -> bool:
     return bool(same.all())
 
 
+@dataclass(frozen=True)
+class _Combinations:
+    """The layer activations of a group's strategies by combination of ACTIVATION_FIELDS:
+    ``acts`` and ``batch`` (those fields' columns) one row per combination, and per strategy of
+    the group its combination, ``index`` (None: ``acts`` and ``batch`` are the group's own, a
+    row per strategy).
+
+    A figure made of those alone (a layer's bytes as the strategy's recompute keeps them, the
+    sequence-parallel divisor, ...) is worked out on their rows, a few hundred at most, and
+    gathered to the strategies by ``rows``: one pass over the group's strategies instead of one
+    per operation and per figure gathered. The same operations on the same values, row by row:
+    the same bits."""
+
+    acts: LayerActivations
+    batch: StrategyBatch
+    index: np.ndarray | None
+
+    def recompute_on(self) -> np.ndarray:
+        """Per row, whether the strategy recomputes."""
+        return ~self.batch.is_("recompute", "none")
+
+    def rows(self, values: Any, at: np.ndarray | None = None) -> np.ndarray:
+        """``values`` (one per row) per strategy of the group, or of its strategies ``at``."""
+        values = np.broadcast_to(values, (len(self.batch),))
+        index = self.index if at is None else at if self.index is None else self.index[at]
+        return values if index is None else values.take(index)
+
+
 @lru_cache(maxsize=64)
 def shipped_census(model: ModelSpec) -> tuple[CensusRecord, ...]:
     """Census records measured for a preset and shipped in ``memory/census/`` (empty for other
@@ -1670,7 +1698,8 @@ def _sorted_groups(
         # The bytes per token of each layer depend on a few fields: priced once per combination
         # of the rows priced (their fields gathered already, fewer rows than the batch's).
         distinct, combination = ordered.distinct(ACTIVATION_FIELDS)
-        acts = layer_activations(model, ordered.take(distinct), options)
+        by_activations = ordered.take(distinct)
+        acts = layer_activations(model, by_activations, options)
         # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
         materialised = np.zeros(len(acts.output), dtype=bool)
         for kind in ("dense", "moe"):
@@ -1684,7 +1713,9 @@ def _sorted_groups(
         part = parts[g]
         return _group_evaluation(model, ordered.take(part), options, groups[g][0], np.arange(part.start, part.stop),
                                  None, stage_layers, None if static_only else acts.take(combination[part]),
-                                 device_only=device_only, static=None if statics is None else statics.of(g), limit=limit)
+                                 device_only=device_only, static=None if statics is None else statics.of(g), limit=limit,
+                                 combinations=None if static_only else _Combinations(acts, by_activations,
+                                                                                     combination[part]))
 
     def result(g: int, out: dict[str, np.ndarray]) -> tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
         (key, index), start = groups[g], group_start[g]
@@ -2202,13 +2233,13 @@ def _rows_of(values: Any, index: np.ndarray) -> Any:
     return out
 
 
-def _layer_working_set(acts: LayerActivations, tokens: np.ndarray, recompute_on: np.ndarray, moe_here: bool,
+def _layer_working_set(acts: LayerActivations, recompute_on: np.ndarray, moe_here: bool,
                        dense_here: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(layer, last layer) [n] bytes, on a stage holding MoE (``moe_here``) and dense layers: one
-    layer's backward working set, with what recompute rebuilds beside what a layer keeps (full −
-    kept of the layer's own kind, the largest over the kinds the stage holds); and the
-    backward's last layer's, when nothing else is held: its working set beside every gradient,
-    neither its saved nor its rebuilt tensors (the same whatever the recompute: its weight
+    """(layer, last layer) [n] bytes per token of an op, on a stage holding MoE (``moe_here``)
+    and dense layers: one layer's backward working set, with what recompute rebuilds beside what
+    a layer keeps (full − kept of the layer's own kind, the largest over the kinds the stage
+    holds); and the backward's last layer's, when nothing else is held: its working set beside
+    every gradient, neither its saved nor its rebuilt tensors (the same whatever the recompute: its weight
     gradients are made as they go). Measured on real one-GPU steps (tests/data/measured/cuda):
     Mixtral none -0.68%, the 12-36-layer full-recompute steps +0.13% to +0.50%; counting the
     whole layer read +4.8% and +1.5%, counting what recompute rebuilds (alone) +1.4% to +1.7%
@@ -2216,7 +2247,15 @@ def _layer_working_set(acts: LayerActivations, tokens: np.ndarray, recompute_on:
     backward_extra = (np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"]) if moe_here
                       else acts.backward_extra["dense"])
     rebuilt = np.maximum(acts.rebuilt["moe"] if moe_here else 0.0, acts.rebuilt["dense"] if dense_here else 0.0)
-    return tokens * (backward_extra + np.where(recompute_on, rebuilt, 0.0)), tokens * backward_extra
+    return backward_extra + np.where(recompute_on, rebuilt, 0.0), backward_extra
+
+
+def _mtp_module(acts: LayerActivations, kind: str, recompute_on: np.ndarray, full_recompute: np.ndarray,
+                limited: np.ndarray) -> np.ndarray:
+    """[n] bytes per token of an MTP module (its layer of MLP ``kind``) as the strategy keeps it;
+    ``limited``: where full recompute has a limit (the block method, which skips the modules)."""
+    layer = np.where(recompute_on & ~limited, acts.recomputed[kind], acts.full[kind])
+    return np.where(full_recompute & ~limited, acts.mtp_checkpointed, acts.mtp_extra + layer)
 
 
 def _per_op(values: np.ndarray, seq_chunks: int) -> np.ndarray:
@@ -2463,6 +2502,7 @@ def _group_evaluation(
     device_only: bool = False,
     static: _StaticState | None = None,
     limit: float | None = None,
+    combinations: _Combinations | None = None,
 ) -> Generator[_FsdpRequest, tuple[FsdpPhases, np.ndarray], dict[str, np.ndarray]]:
     """(A generator: where the group has sharded strategies it yields their FSDP unit moments'
     arguments, ``_FsdpRequest``, to be sent (the moments, and per sharded strategy its row of
@@ -2471,7 +2511,8 @@ def _group_evaluation(
     Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
     ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
     ``device_only``: only "device", the figures of the stages in between are not expanded).
-    ``static``: the group's static state, where the caller priced it.
+    ``static``: the group's static state, where the caller priced it; ``combinations``: its
+    strategies' layer activations by combination, where the caller has them (else ``acts``).
 
     With ``limit`` (``device_only`` alone): "cut" [n] bool, the strategies found certainly above
     ``limit`` once the static state at the held peak is added to it (``_certainly_over``), and
@@ -2512,8 +2553,14 @@ def _group_evaluation(
     n = len(batch)
     first_virtual, last_virtual = shape.first, shape.last
     mtp_kind = model.mtp_mlp_kind
-    # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
-    scores = acts is not None and any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
+    # The layer activations' figures by combination (see ``_Combinations``; per strategy where
+    # the caller has no combinations).
+    by_combination = (combinations or _Combinations(acts, batch, None)) if acts is not None else None
+    # Only eager attention and SDPA's math path materialise the scores (most strategies: none):
+    # looked for among the group's combinations where some has them.
+    scores = by_combination is not None and any(
+        bool(np.any(positive)) and bool(np.any(by_combination.rows(positive)))
+        for positive in (by_combination.acts.attention_backward[k] > 0 for k in ("dense", "moe")))
     if static is None:
         static_of = batch.distinct(STATIC_FIELDS) if acts is not None and kinds is None else None
         if static_of is None or 2 * len(static_of[0]) > n:
@@ -2533,10 +2580,16 @@ def _group_evaluation(
         return {"device": shape.expand(overhead.reserved(static.at(static.total)) + overhead.fixed_bytes[:, None])}
 
     # ---- activations held across the schedule
+    # (The figures of the layer activations and ACTIVATION_FIELDS alone worked out per
+    # combination and gathered: 1M mixed DeepSeek-V3 strategies, at most 192 combinations.)
+    assert by_combination is not None
+    table, table_recompute_on = by_combination.acts, by_combination.recompute_on()
+    table_tp = by_combination.batch.tp.astype(float)
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
     recompute_on = ~batch.is_("recompute", "none")
     # Sequence parallelism shards the activations between layers over tp.
-    sp_div = np.where(batch.sequence_parallel > 0, tp, 1.0)
+    table_sp_div = np.where(by_combination.batch.sequence_parallel > 0, table_tp, 1.0)
+    sp_div = by_combination.rows(table_sp_div)
     t = tokens[:, None]
     # What one forward, backward or loss runs on (``_per_op``): a micro-batch, or under Seq1F1B
     # one of its seq_chunks sub-sequences, tokens / seq_chunks. The held activations stay per
@@ -2545,14 +2598,15 @@ def _group_evaluation(
     # A chunk's layers hold t · Σ_kinds (plain layers · full bytes + recomputed layers · kept
     # bytes) per micro-batch. Without a recompute limit a chunk recomputes all its layers or none:
     # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
-    kept_dense, kept_moe = (np.where(recompute_on, acts.recomputed[k], acts.full[k]) for k in ("dense", "moe"))
+    kept_dense, kept_moe = (np.where(table_recompute_on, table.recomputed[k], table.full[k]) for k in ("dense", "moe"))
     # Column by column (see _outer_sum): the same products, in passes over the strategies, once
     # per distinct pair of layer counts (the interior chunks of a uniform placement share one).
     layers_held = np.empty((len(batch), computed), order="F")
     column_of: dict[tuple[float, float], int] = {}
     for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
         same = column_of.setdefault((dense, moe), column)
-        layers_held[:, column] = tokens * (kept_dense * dense + kept_moe * moe) if same == column else layers_held[:, same]
+        layers_held[:, column] = (tokens * by_combination.rows(kept_dense * dense + kept_moe * moe) if same == column
+                                  else layers_held[:, same])
     limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
     # The layers a recompute limit leaves plain, their full bytes: their autograd graph is held
     # from the forward to the weight gradient like any layer's without recompute (0 where every
@@ -2572,7 +2626,7 @@ def _group_evaluation(
             plain_held[rows] = np.where(recompute_on[rows, None], plain, 0.0)
     # One-column entries [n]: the int64 token ids (and what the embedding keeps) on the first
     # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
-    embedding_held = tokens * (8.0 + acts.embedding)
+    embedding_held = tokens * by_combination.rows(8.0 + table.embedding)
     output_held = tokens * acts.output
     # Megatron-Core's MTP modules (multi_token_prediction.py) under full recompute: the uniform
     # method checkpoints each module whole; the block method (a recompute limit) skips their
@@ -2580,8 +2634,12 @@ def _group_evaluation(
     # runs in the module's TransformerLayer as in any other.
     full_recompute = batch.is_("recompute", "full")
     mtp_limited = full_recompute & (batch.recompute_layers > 0)
-    mtp_layer = np.where(recompute_on & ~mtp_limited, acts.recomputed[mtp_kind], acts.full[mtp_kind])
-    mtp_module = np.where(full_recompute & ~mtp_limited, acts.mtp_checkpointed, acts.mtp_extra + mtp_layer)
+    if mtp_limited.any():
+        mtp_module = _mtp_module(acts, mtp_kind, recompute_on, full_recompute, mtp_limited)
+    else:  # (no limit read: a figure of the combinations)
+        table_full_recompute = by_combination.batch.is_("recompute", "full")
+        mtp_module = by_combination.rows(_mtp_module(table, mtp_kind, table_recompute_on, table_full_recompute,
+                                                     np.zeros_like(table_full_recompute)))
     mtp_held = tokens * model.mtp_depth * mtp_module
     # Bytes of one micro-batch per virtual stage, held until its backward: the sum of the entries
     # (in this order, so that the sums are those of the breakdown's entries).
@@ -2603,7 +2661,7 @@ def _group_evaluation(
     if profile.pipeline_stage_output and virtual > 1:
         # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
         # (sequence-sharded under SP) on every stage but the last, the logits on the last.
-        vocab_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
+        vocab_div = table_tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         act_bytes = precision.activation_bytes
         # Every stage but the first also keeps the input it received, which needs a gradient;
         # where the previous chunk runs on the same rank (the turn of a V schedule) that input is
@@ -2612,19 +2670,21 @@ def _group_evaluation(
         logits_kept = last_virtual * ~hands_forward
         hidden_kept = (1.0 - last_virtual) * ~hands_forward + receives_from_peer
         token_bytes = tokens * act_bytes
-        logits_per_token = np.broadcast_to(model.vocab_size / vocab_div, tokens.shape)
-        hidden_per_token = model.hidden_size / sp_div
+        logits_per_token = np.broadcast_to(model.vocab_size / vocab_div, table_tp.shape)  # (per combination)
+        hidden_per_token = model.hidden_size / table_sp_div
         # Column by column (see _outer_sum): the same products, in passes over the strategies, once
         # per distinct pair of counts.
         kept_bytes: dict[tuple[float, float], np.ndarray] = {}
         for column, (logits, hidden) in enumerate(zip(logits_kept.tolist(), hidden_kept.tolist(), strict=True)):
             term = kept_bytes.get((logits, hidden))
             if term is None:
-                term = kept_bytes[logits, hidden] = token_bytes * (logits_per_token * logits + hidden_per_token * hidden)
+                term = kept_bytes[logits, hidden] = token_bytes * by_combination.rows(
+                    logits_per_token * logits + hidden_per_token * hidden)
             per_b_virtual[:, column] += term
         if kinds is not None:
-            kept_logits = np.multiply.outer(token_bytes * logits_per_token, logits_kept.astype(float))
-            kept_hidden = np.multiply.outer(token_bytes * hidden_per_token, hidden_kept.astype(float))
+            kept_logits = np.multiply.outer(token_bytes * by_combination.rows(logits_per_token), logits_kept.astype(float))
+            kept_hidden = np.multiply.outer(token_bytes * by_combination.rows(hidden_per_token),
+                                            hidden_kept.astype(float))
     # Gradients created in the backward (set_to_none) do not exist before a chunk's first
     # backward: GPipe's peak, all forwards held, has none. Elsewhere they are static.
     grads_in_schedule = profile.grads_created_in_backward
@@ -2662,7 +2722,7 @@ def _group_evaluation(
         # The head's weight gradient reads the gradient of the logits, kept from B until W.
         logits_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         logits_gradient = tokens * model.vocab_size * precision.activation_bytes / logits_div
-        outputs_dense, outputs_moe = acts.weight_grad_outputs["dense"], acts.weight_grad_outputs["moe"]
+        outputs_dense, outputs_moe = table.weight_grad_outputs["dense"], table.weight_grad_outputs["moe"]
         per_w_virtual = np.empty((n, computed), order="F")
         # Column by column (see _outer_sum): the same products, in passes over the strategies.
         for column, (dense, moe, last) in enumerate(
@@ -2672,9 +2732,10 @@ def _group_evaluation(
                 graph_for_w = np.where(recompute_on, 0.0 if plain_held is None else plain_held[:, column],
                                        layers_held[:, column])
             else:
-                whole_graph = tokens * (acts.full["dense"] * dense + acts.full["moe"] * moe)
+                whole_graph = tokens * by_combination.rows(table.full["dense"] * dense + table.full["moe"] * moe)
                 graph_for_w = np.where(recompute_on, whole_graph, layers_held[:, column])
-            per_w_virtual[:, column] = graph_for_w + tokens * (outputs_dense * dense + outputs_moe * moe) + logits_gradient * last
+            per_w_virtual[:, column] = (graph_for_w + tokens * by_combination.rows(outputs_dense * dense + outputs_moe * moe)
+                                        + logits_gradient * last)
         # The checkpoints stay in that graph until W, and with them the mask they keep.
         per_w_virtual += checkpoint_mask_virtual
         if profile.first_stage_backward_at_w:
@@ -2686,7 +2747,8 @@ def _group_evaluation(
         per_w_virtual = np.empty((n, computed), order="F")
         # Column by column (see _outer_sum): the same products, in passes over the strategies.
         for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
-            per_w_virtual[:, column] = 2 * tokens * (acts.weight_input["dense"] * dense + acts.weight_input["moe"] * moe)
+            per_w_virtual[:, column] = 2 * tokens * by_combination.rows(
+                table.weight_input["dense"] * dense + table.weight_input["moe"] * moe)
     # The frontier's columns are [held until B per chunk | held until W per chunk | gradients
     # per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
     weights: list[np.ndarray | None] = [_chunk_column(per_b_virtual, chunks, c) for c in range(vpp)]
@@ -2709,8 +2771,9 @@ def _group_evaluation(
             zip(has_moe.tolist(), has_dense.tolist(), first_stage.tolist(), last_stage.tolist(), strict=True)):
         layer = layer_by_kinds.get((moe_here, dense_here))
         if layer is None:
-            layer_by_kinds[moe_here, dense_here], last_layer_by_kinds[moe_here, dense_here] = _layer_working_set(
-                acts, op_tokens, recompute_on, moe_here, dense_here)
+            per_token = _layer_working_set(table, table_recompute_on, moe_here, dense_here)
+            layer_by_kinds[moe_here, dense_here], last_layer_by_kinds[moe_here, dense_here] = (
+                op_tokens * by_combination.rows(values) for values in per_token)
             layer = layer_by_kinds[moe_here, dense_here]
         last_layer = last_layer_by_kinds[moe_here, dense_here]
         if scores_during is None or scores_grads is None:
@@ -2742,7 +2805,8 @@ def _group_evaluation(
         local_experts = model.num_experts / np.maximum(batch.ep, 1)
         # (The output gradient is the rank's routed tokens' through experts 1/etp wide: k·2f/tp per
         # token where each rank routes its own tokens, as the profiles' expert_width shard.)
-        routed_width = np.where(routes_own_tokens(batch.sequence_parallel, tp), tp, etp)
+        routed_width = by_combination.rows(np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp),
+                                                    table_tp, by_combination.batch.etp.astype(float)))
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
             + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes
@@ -2777,7 +2841,7 @@ def _group_evaluation(
         # eh_proj input at once in its backward, beside that layer's working set: more than one
         # decoder layer's rebuild, on the stage that holds the modules.
         mtp_rebuild = np.where(full_recompute & ~mtp_limited,
-                               op_tokens * (acts.mtp_rebuilt + acts.backward_extra[mtp_kind]), 0.0)
+                               op_tokens * by_combination.rows(table.mtp_rebuilt + table.backward_extra[mtp_kind]), 0.0)
         for column, last in enumerate(last_stage.tolist()):
             if last:
                 out["transient"][:, column] = np.maximum(out["transient"][:, column], mtp_rebuild)
@@ -2889,23 +2953,26 @@ def _group_evaluation(
         # The per-token inputs worked out on the sharded rows alone, from their operands' rows:
         # the same element-wise operations on the same values, over a quarter of the rows or
         # fewer (1M mixed DeepSeek-V3 strategies: ~10 passes over each group less).
-        tokens_at, recompute_at, deferred_at = pick(op_tokens), recompute_on[sharded_rows], deferred[sharded_rows]
-        tp_at, etp_at = pick(tp), pick(etp)
-        rebuilt_at = {kind: np.where(recompute_at, pick(acts.rebuilt[kind]), 0.0) for kind in ("dense", "moe")}
+        # (Per token, a figure of the combinations: worked out on those, gathered to these rows.)
+        tokens_at, deferred_at = pick(op_tokens), deferred[sharded_rows]
+        table_etp = by_combination.batch.etp.astype(float)
+        table_rebuilt = {kind: np.where(table_recompute_on, table.rebuilt[kind], 0.0) for kind in ("dense", "moe")}
         inputs: dict[str, Any] = dict(
             reduce_bytes=np.where(deferred_at, 0.0, float(grad_bytes)),
             units={kind: pick_static(elements) for kind, elements in static.unit_elements.items()},
             working={
-                kind: tokens_at * (np.maximum(pick(acts.backward_extra[kind]), pick(acts.attention_backward[kind]))
-                                   + rebuilt_at[kind])
+                kind: tokens_at * by_combination.rows(
+                    np.maximum(table.backward_extra[kind], table.attention_backward[kind]) + table_rebuilt[kind],
+                    sharded_rows)
                 for kind in ("dense", "moe")
             },
             loss_working=tokens_at * pick(acts.output_transient),
             expert_elements=pick_static(static.expert_elements),
             unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
-            expert_working=tokens_at * _expert_weight_grad_working(
-                model, precision.activation_bytes, etp_at, rebuilt_at["moe"],
-                np.where(routes_own_tokens(batch.sequence_parallel[sharded_rows], tp_at), etp_at / tp_at, 1.0)),
+            expert_working=tokens_at * by_combination.rows(_expert_weight_grad_working(
+                model, precision.activation_bytes, table_etp, table_rebuilt["moe"],
+                np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp), table_etp / table_tp, 1.0)),
+                sharded_rows),
             # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
             one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
             one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
