@@ -484,6 +484,13 @@ class _Combinations:
         index = self.index if at is None else at if self.index is None else self.index[at]
         return values if index is None else values.take(index)
 
+    @cached_property
+    def taken(self) -> LayerActivations:
+        """The layer activations per strategy of the group, taken when first read (the device
+        total reads them only under a recompute limit or a split backward, with materialised
+        scores or for the breakdown: elsewhere ``rows`` gathers what it reads)."""
+        return self.acts if self.index is None else self.acts.take(self.index)
+
 
 @lru_cache(maxsize=64)
 def shipped_census(model: ModelSpec) -> tuple[CensusRecord, ...]:
@@ -1712,8 +1719,8 @@ def _sorted_groups(
     def evaluation(g: int) -> Generator[_FsdpRequest, tuple[FsdpPhases, np.ndarray], dict[str, np.ndarray]]:
         part = parts[g]
         return _group_evaluation(model, ordered.take(part), options, groups[g][0], np.arange(part.start, part.stop),
-                                 None, stage_layers, None if static_only else acts.take(combination[part]),
-                                 device_only=device_only, static=None if statics is None else statics.of(g), limit=limit,
+                                 None, stage_layers, None, device_only=device_only,
+                                 static=None if statics is None else statics.of(g), limit=limit,
                                  combinations=None if static_only else _Combinations(acts, by_activations,
                                                                                      combination[part]))
 
@@ -2509,7 +2516,7 @@ def _group_evaluation(
     them), so that groups of one placement price theirs together; it returns the figures.)
 
     Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
-    ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
+    ``acts`` or ``combinations``: only "device" for the static state alone, a lower bound of the device peak; with
     ``device_only``: only "device", the figures of the stages in between are not expanded).
     ``static``: the group's static state, where the caller priced it; ``combinations``: its
     strategies' layer activations by combination, where the caller has them (else ``acts``).
@@ -2555,14 +2562,14 @@ def _group_evaluation(
     mtp_kind = model.mtp_mlp_kind
     # The layer activations' figures by combination (see ``_Combinations``; per strategy where
     # the caller has no combinations).
-    by_combination = (combinations or _Combinations(acts, batch, None)) if acts is not None else None
+    by_combination = combinations or (_Combinations(acts, batch, None) if acts is not None else None)
     # Only eager attention and SDPA's math path materialise the scores (most strategies: none):
     # looked for among the group's combinations where some has them.
     scores = by_combination is not None and any(
         bool(np.any(positive)) and bool(np.any(by_combination.rows(positive)))
         for positive in (by_combination.acts.attention_backward[k] > 0 for k in ("dense", "moe")))
     if static is None:
-        static_of = batch.distinct(STATIC_FIELDS) if acts is not None and kinds is None else None
+        static_of = batch.distinct(STATIC_FIELDS) if by_combination is not None and kinds is None else None
         if static_of is None or 2 * len(static_of[0]) > n:
             static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
         else:
@@ -2575,14 +2582,13 @@ def _group_evaluation(
     overhead = replace(static.overhead, fixed_bytes=static.at(static.overhead.fixed_bytes))
     out: dict[str, np.ndarray] = {}
 
-    if acts is None:
+    if by_combination is None:
         # allocated >= params + grads + optimizer, and the device total grows with allocated.
         return {"device": shape.expand(overhead.reserved(static.at(static.total)) + overhead.fixed_bytes[:, None])}
 
     # ---- activations held across the schedule
     # (The figures of the layer activations and ACTIVATION_FIELDS alone worked out per
     # combination and gathered: 1M mixed DeepSeek-V3 strategies, at most 192 combinations.)
-    assert by_combination is not None
     table, table_recompute_on = by_combination.acts, by_combination.recompute_on()
     table_tp = by_combination.batch.tp.astype(float)
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
@@ -2617,9 +2623,10 @@ def _group_evaluation(
         rows = np.arange(len(batch)) if kinds is not None else limited
         plain_dense, plain_moe, recomputed_dense, recomputed_moe = _recomputed_layers(
             recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
-        plain = t[rows] * (plain_dense * acts.full["dense"][rows, None] + plain_moe * acts.full["moe"][rows, None])
+        full, recomputed = by_combination.taken.full, by_combination.taken.recomputed
+        plain = t[rows] * (plain_dense * full["dense"][rows, None] + plain_moe * full["moe"][rows, None])
         layers_held[rows] = plain + t[rows] * (
-            recomputed_dense * acts.recomputed["dense"][rows, None] + recomputed_moe * acts.recomputed["moe"][rows, None]
+            recomputed_dense * recomputed["dense"][rows, None] + recomputed_moe * recomputed["moe"][rows, None]
         )
         if limited.size:
             plain_held = np.zeros((len(batch), computed))
@@ -2627,7 +2634,7 @@ def _group_evaluation(
     # One-column entries [n]: the int64 token ids (and what the embedding keeps) on the first
     # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
     embedding_held = tokens * by_combination.rows(8.0 + table.embedding)
-    output_held = tokens * acts.output
+    output_held = tokens * by_combination.rows(table.output)
     # Megatron-Core's MTP modules (multi_token_prediction.py) under full recompute: the uniform
     # method checkpoints each module whole; the block method (a recompute limit) skips their
     # recompute ("not supported for MTP yet"), so the layer keeps everything. Selective recompute
@@ -2635,7 +2642,7 @@ def _group_evaluation(
     full_recompute = batch.is_("recompute", "full")
     mtp_limited = full_recompute & (batch.recompute_layers > 0)
     if mtp_limited.any():
-        mtp_module = _mtp_module(acts, mtp_kind, recompute_on, full_recompute, mtp_limited)
+        mtp_module = _mtp_module(by_combination.taken, mtp_kind, recompute_on, full_recompute, mtp_limited)
     else:  # (no limit read: a figure of the combinations)
         table_full_recompute = by_combination.batch.is_("recompute", "full")
         mtp_module = by_combination.rows(_mtp_module(table, mtp_kind, table_recompute_on, table_full_recompute,
@@ -2759,7 +2766,7 @@ def _group_evaluation(
     # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
     # Recompute rebuilds, beside what a layer keeps, the rest of its activations: full − kept of
     # the layer's own kind, the largest over the kinds the stage holds.
-    loss_per_token = op_tokens * acts.output_transient
+    loss_per_token = op_tokens * by_combination.rows(table.output_transient)
     # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
     layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
     last_layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
@@ -2783,7 +2790,8 @@ def _group_evaluation(
         moment = scores_moments.get((moe_here, dense_here, first, last))
         if moment is None:
             moment = scores_moments[moe_here, dense_here, first, last] = _scores_backward_moments(
-                acts, {k: static.at(v) for k, v in static.mlp_grads.items()}, op_tokens, _per_op(output_held, seq_chunks),
+                by_combination.taken, {k: static.at(v) for k, v in static.mlp_grads.items()}, op_tokens,
+                _per_op(output_held, seq_chunks),
                 recompute_on,
                 static.at(static.head_grad_bytes),
                 kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
@@ -2854,7 +2862,8 @@ def _group_evaluation(
         # placed among zeros: elsewhere a step and its gradients are 0, less a transient >= +0,
         # which the maximum with 0 makes +0.)
         stepping, steps, new_grads = _weight_grad_step(
-            model, batch, acts, profile, t, recompute_on, recompute_layers_of=(dense_layers, moe_layers), chunks=chunks,
+            model, batch, by_combination.taken, profile, t, recompute_on, recompute_layers_of=(dense_layers, moe_layers),
+            chunks=chunks,
             vpp=vpp, head_chunk=last_virtual, first_chunk=first_virtual)
         transient_stepping = out["transient"][stepping] if any(step is not None for step in steps) else None
         extra = [*(extra or [None] * vpp),
@@ -2910,7 +2919,7 @@ def _group_evaluation(
             schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, without, shape.pattern_of)
         weight_step_extra = held_with_extra - without_steps
     if kinds is not None and chosen is not None:
-        _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
+        _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, by_combination.taken, plain_dense, plain_moe,
                           recomputed_dense, recomputed_moe,
                           {"embedding": np.multiply.outer(embedding_held, first_virtual),
                            "output": np.multiply.outer(output_held, last_virtual) + kept_logits,
@@ -2966,7 +2975,7 @@ def _group_evaluation(
                     sharded_rows)
                 for kind in ("dense", "moe")
             },
-            loss_working=tokens_at * pick(acts.output_transient),
+            loss_working=tokens_at * by_combination.rows(table.output_transient, sharded_rows),
             expert_elements=pick_static(static.expert_elements),
             unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
             expert_working=tokens_at * by_combination.rows(_expert_weight_grad_working(
