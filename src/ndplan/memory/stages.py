@@ -605,11 +605,17 @@ def _sdpa_fallbacks(model: ModelSpec, batch: StrategyBatch) -> dict[MlpKind, tup
     return out
 
 
+def _prices_sdpa_mask(model: ModelSpec, options: MemoryOptions) -> bool:
+    """Whether any strategy keeps the mask of ``_sdpa_mask_bytes`` (SDPA's, for sliding layers,
+    where the runtime prices it)."""
+    return options.attention == "sdpa" and "sdpa_masked" in options.profile.blocks and bool(model.sliding_layers()[0])
+
+
 def _sdpa_mask_bytes(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions) -> np.ndarray:
     """Bytes of the boolean mask transformers' SDPA path builds for sliding-window layers, per
     micro-batch: mbs·s² where seq >= window and the runtime prices that mask (``sdpa_masked``),
     else 0."""
-    if options.attention != "sdpa" or "sdpa_masked" not in options.profile.blocks or not model.sliding_layers()[0]:
+    if not _prices_sdpa_mask(model, options):
         return np.zeros(len(batch))
     seq = batch.seq_length.astype(float)
     return np.where(seq >= model.sliding_window, batch.micro_batch_size * seq * seq, 0.0)
@@ -2656,10 +2662,15 @@ def _group_evaluation(
     per_b_virtual[:, -1] += mtp_held
     # Under recompute each chunk's checkpoints keep the boolean mask they were given, once per
     # micro-batch (their layers share it): transformers' SDPA masks sliding layers from seq >= window.
-    checkpoint_mask = np.where(recompute_on, _sdpa_mask_bytes(model, batch, options), 0.0)
-    checkpoint_mask_virtual = np.multiply(checkpoint_mask[:, None], ((dense_layers + moe_layers) > 0).astype(float),
-                                          out=np.empty((n, computed), order="F"))
-    per_b_virtual += checkpoint_mask_virtual
+    # (None where no strategy keeps one: 0 bytes, which leave the sums, finite and >= +0, as
+    # they are; 1M mixed DeepSeek-V3 strategies: a where, an [n, U] product and two [n, U]
+    # sums less a group.)
+    checkpoint_mask_virtual: np.ndarray | None = None
+    if _prices_sdpa_mask(model, options):
+        checkpoint_mask = np.where(recompute_on, _sdpa_mask_bytes(model, batch, options), 0.0)
+        checkpoint_mask_virtual = np.multiply(checkpoint_mask[:, None], ((dense_layers + moe_layers) > 0).astype(float),
+                                              out=np.empty((n, computed), order="F"))
+        per_b_virtual += checkpoint_mask_virtual
     profile = options.profile
     # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
     # runtime keeps per micro-batch (below), the head's and the pipeline's.
@@ -2744,7 +2755,8 @@ def _group_evaluation(
             per_w_virtual[:, column] = (graph_for_w + tokens * by_combination.rows(outputs_dense * dense + outputs_moe * moe)
                                         + logits_gradient * last)
         # The checkpoints stay in that graph until W, and with them the mask they keep.
-        per_w_virtual += checkpoint_mask_virtual
+        if checkpoint_mask_virtual is not None:
+            per_w_virtual += checkpoint_mask_virtual
         if profile.first_stage_backward_at_w:
             # The pipeline's first stage has no input gradient to make: torch skips its B and runs
             # one whole backward at W, so what its forward kept stays until then, and no more.
@@ -2924,7 +2936,9 @@ def _group_evaluation(
                           {"embedding": np.multiply.outer(embedding_held, first_virtual),
                            "output": np.multiply.outer(output_held, last_virtual) + kept_logits,
                            "mtp": np.multiply.outer(mtp_held, last_virtual),
-                           "pipeline": kept_hidden, "checkpoint_mask": checkpoint_mask_virtual},
+                           "pipeline": kept_hidden,
+                           "checkpoint_mask": np.zeros((n, computed), order="F") if checkpoint_mask_virtual is None
+                           else checkpoint_mask_virtual},
                           np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
 
     # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
