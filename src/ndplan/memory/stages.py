@@ -2874,7 +2874,7 @@ def _group_evaluation(
         # placed among zeros: elsewhere a step and its gradients are 0, less a transient >= +0,
         # which the maximum with 0 makes +0.)
         stepping, steps, new_grads = _weight_grad_step(
-            model, batch, by_combination.taken, profile, t, recompute_on, recompute_layers_of=(dense_layers, moe_layers),
+            model, batch, by_combination, profile, t, recompute_on, recompute_layers_of=(dense_layers, moe_layers),
             chunks=chunks,
             vpp=vpp, head_chunk=last_virtual, first_chunk=first_virtual)
         transient_stepping = out["transient"][stepping] if any(step is not None for step in steps) else None
@@ -3489,7 +3489,7 @@ def _pending_split_grad_width(schedule: str, precision: Any, profile: RuntimePro
 
 
 def _weight_grad_step(
-    model: ModelSpec, batch: StrategyBatch, acts: LayerActivations, profile: RuntimeProfile, t: np.ndarray,
+    model: ModelSpec, batch: StrategyBatch, combinations: _Combinations, profile: RuntimeProfile, t: np.ndarray,
     recompute_on: np.ndarray, *, recompute_layers_of: tuple[np.ndarray, np.ndarray], chunks: np.ndarray, vpp: int,
     head_chunk: np.ndarray, first_chunk: np.ndarray,
 ) -> tuple[np.ndarray, list[np.ndarray | None], list[np.ndarray | None]]:
@@ -3521,31 +3521,33 @@ def _weight_grad_step(
     (``first_chunk``) has no split step: torch runs its W as one whole backward. The output gradients B left for W stay to the peak
     (they are the frontier's held-until-W column). Traced tensor by tensor on dense and MoE
     layers (Qwen3, Llama, Mixtral, Qwen3-MoE, DeepSeek-V2-Lite); docs/accuracy.md has the
-    measured stages."""
+    measured stages.
+
+    The per-token terms read the layer activations and the recomputed layers alone: without a
+    recompute limit every chunk rebuilds all its layers, and they are worked out per combination
+    of ``combinations`` and gathered (1M mixed DeepSeek-V3 strategies: a dozen [rows, U] passes
+    less in each split-backward group)."""
     if not profile.weight_grad_recomputes_per_group:
         return np.arange(0), [None] * vpp, [None] * vpp
     rows = np.flatnonzero(batch.is_("recompute", "full"))  # priced on the full-recompute rows alone
     if not rows.size:
         return rows, [None] * vpp, [None] * vpp
     dense_layers, moe_layers = recompute_layers_of
-    groups = weight_grad_groups(model)
     t = t[rows]
-    _, _, recomputed_dense, recomputed_moe = _recomputed_layers(
-        recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
-    unread = {k: acts.weight_unread[k][rows, None] for k in ("dense", "moe")}
-    read_last = {k: acts.weight_read_last[k][rows, None] for k in ("dense", "moe")}
-    copies = t * (recomputed_dense * groups["dense"] * unread["dense"] + recomputed_moe * groups["moe"] * unread["moe"])
-    # The last layer of a chunk with MoE layers is an MoE layer (dense layers lead).
-    last_is_moe = recomputed_moe > 0
-    last_unread = np.where(last_is_moe, unread["moe"], unread["dense"])
-    last_read = np.where(last_is_moe, read_last["moe"], read_last["dense"])
-    peak_group = weight_grad_peak_group(model)
-    last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
-    last_peak = np.where(last_is_moe, peak_group["moe"], peak_group["dense"])
-    # What ops past the last layer's weights save is kept only where the head keeps its graph.
-    past = {k: acts.weight_past[k][rows, None] for k in ("dense", "moe")}
-    last_past = np.where(last_is_moe, past["moe"], past["dense"]) * (head_chunk[None, :] == 0)
-    last_layer = t * ((last_peak - last_groups) * last_unread - last_peak * last_past + last_peak * last_read)
+    if (batch.recompute_layers[rows] > 0).any():  # per strategy, each with its limit
+        _, _, recomputed_dense, recomputed_moe = _recomputed_layers(
+            recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
+        copies, last_layer, last_is_moe = _weight_grad_step_per_token(
+            model, combinations.taken, rows, recomputed_dense, recomputed_moe, head_chunk)
+    else:  # every strategy's counts those of one without a limit, [1, U]
+        _, _, recomputed_dense, recomputed_moe = _recomputed_layers(
+            np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64), dense_layers, moe_layers)
+        copies, last_layer, last_is_moe = _weight_grad_step_per_token(
+            model, combinations.acts, slice(None), recomputed_dense, recomputed_moe, head_chunk)
+        index = rows if combinations.index is None else combinations.index[rows]
+        copies, last_layer = copies.take(index, axis=0), last_layer.take(index, axis=0)
+    copies = t * copies
+    last_layer = t * last_layer
     # ... beside the projection's new weight gradient and the previous group's, which the step's
     # loop still references while the projection's runs (up's, or the fused experts' gate_up,
     # twice down's size).
@@ -3571,6 +3573,35 @@ def _weight_grad_step(
         new_grad[:, first_chunk > 0] = 0.0
     np.maximum(step, 0.0, out=step)
     return rows, [_chunk_column(step, chunks, c) for c in range(vpp)], [_chunk_column(new_grad, chunks, c) for c in range(vpp)]
+
+
+def _weight_grad_step_per_token(
+    model: ModelSpec, acts: LayerActivations, select: np.ndarray | slice, recomputed_dense: np.ndarray,
+    recomputed_moe: np.ndarray, head_chunk: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_weight_grad_step``'s terms per token, per row ``select`` of ``acts`` and virtual stage:
+    (the copies, Σ_layers G·U, and the last layer's (g − G_last)·U_last − g·A_last + g·R_last),
+    and where the chunk's last layer is an MoE layer."""
+    groups = weight_grad_groups(model)
+    n = len(acts.output)
+
+    def figure(values: Any) -> np.ndarray:
+        return np.broadcast_to(values, (n,))[select, None]
+
+    unread = {k: figure(acts.weight_unread[k]) for k in ("dense", "moe")}
+    read_last = {k: figure(acts.weight_read_last[k]) for k in ("dense", "moe")}
+    copies = recomputed_dense * groups["dense"] * unread["dense"] + recomputed_moe * groups["moe"] * unread["moe"]
+    # The last layer of a chunk with MoE layers is an MoE layer (dense layers lead).
+    last_is_moe = recomputed_moe > 0
+    last_unread = np.where(last_is_moe, unread["moe"], unread["dense"])
+    last_read = np.where(last_is_moe, read_last["moe"], read_last["dense"])
+    peak_group = weight_grad_peak_group(model)
+    last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
+    last_peak = np.where(last_is_moe, peak_group["moe"], peak_group["dense"])
+    # What ops past the last layer's weights save is kept only where the head keeps its graph.
+    past = {k: figure(acts.weight_past[k]) for k in ("dense", "moe")}
+    last_past = np.where(last_is_moe, past["moe"], past["dense"]) * (head_chunk[None, :] == 0)
+    return copies, (last_peak - last_groups) * last_unread - last_peak * last_past + last_peak * last_read, last_is_moe
 
 
 def _leaves(values: Any) -> list[np.ndarray]:
