@@ -2833,11 +2833,15 @@ def _group_evaluation(
             / routed_width
         )
         loss_freed = _per_op(output_held, seq_chunks)
-        # Column by column (see _outer_sum): the same values, in passes over the strategies. (A
-        # stage without MoE layers makes none: its transient, >= +0, stays as it is.)
+        # Column by column (see _outer_sum): the same values, in passes over the strategies, once
+        # per value of ``last``. (A stage without MoE layers makes none: its transient, >= +0,
+        # stays as it is.)
+        new_gradients: dict[int, np.ndarray] = {}
         for column, (moe_here, last) in enumerate(zip(has_moe.tolist(), last_stage.tolist(), strict=True)):
             if moe_here:
-                new_gradient = np.where(accumulates, expert_gradient - loss_freed * last, 0.0)
+                new_gradient = new_gradients.get(last)
+                if new_gradient is None:
+                    new_gradient = new_gradients[last] = np.where(accumulates, expert_gradient - loss_freed * last, 0.0)
                 np.maximum(out["transient"][:, column], new_gradient, out=out["transient"][:, column])
     # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
     # the rank's shard, with one micro-batch too (``_static_state``).
