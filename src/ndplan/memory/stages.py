@@ -468,7 +468,8 @@ class _Combinations:
     sequence-parallel divisor, ...) is worked out on their rows, a few hundred at most, and
     gathered to the strategies by ``rows``: one pass over the group's strategies instead of one
     per operation and per figure gathered. The same operations on the same values, row by row:
-    the same bits."""
+    the same bits. (1M mixed DeepSeek-V3 strategies, at most 192 combinations: warm peak_memory
+    0.507-0.521 -> 0.467-0.474 s, alternated with the code before, with _alike's group numbers.)"""
 
     acts: LayerActivations
     batch: StrategyBatch
@@ -481,14 +482,15 @@ class _Combinations:
     def rows(self, values: Any, at: np.ndarray | None = None) -> np.ndarray:
         """``values`` (one per row) per strategy of the group, or of its strategies ``at``."""
         values = np.broadcast_to(values, (len(self.batch),))
-        index = self.index if at is None else at if self.index is None else self.index[at]
-        return values if index is None else values.take(index)
+        if self.index is None:
+            return values if at is None else values.take(at)
+        return values.take(self.index if at is None else self.index[at])
 
     @cached_property
     def taken(self) -> LayerActivations:
         """The layer activations per strategy of the group, taken when first read (the device
-        total reads them only under a recompute limit or a split backward, with materialised
-        scores or for the breakdown: elsewhere ``rows`` gathers what it reads)."""
+        total reads them only under a recompute limit, with materialised scores or for the
+        breakdown: elsewhere ``rows`` gathers what it reads)."""
         return self.acts if self.index is None else self.acts.take(self.index)
 
 
@@ -1845,7 +1847,7 @@ def _shape_signature(shape: _GroupShape) -> tuple[Any, ...]:
 
 
 #: The fields ``_alike`` gives ``distinct_columns`` first after STATE_FIELDS. Their order changes
-#: only how the kinds are numbered, not which strategies are alike, and how often the key of the
+#: how the kinds are numbered (not which strategies are alike) and how often the key of the
 #: combinations so far is renumbered on the way: these few-valued fields, then the micro-batch
 #: count, renumber it twice, the second time at 155k combinations, where the batch's own order
 #: renumbered three times at up to 620k (1M mixed DeepSeek-V3 strategies: distinct_columns 47-49
