@@ -57,7 +57,7 @@ from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
 from ndplan.schedule.unshard import ACTIVE_CHUNKS
-from ndplan.strategy.batch import CODES, StrategyBatch, distinct_columns, radix_key
+from ndplan.strategy.batch import CODES, StrategyBatch, dense_codes, distinct_columns, radix_key
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
 from ndplan.units import memory_limit
 
@@ -457,6 +457,43 @@ def _like_first(values: np.ndarray, first: np.ndarray) -> bool:
     return bool(same.all())
 
 
+@dataclass(frozen=True)
+class _Combinations:
+    """The layer activations of a group's strategies by combination of ACTIVATION_FIELDS:
+    ``acts`` and ``batch`` (those fields' columns) one row per combination, and per strategy of
+    the group its combination, ``index`` (None: ``acts`` and ``batch`` are the group's own, a
+    row per strategy).
+
+    A figure made of those alone (a layer's bytes as the strategy's recompute keeps them, the
+    sequence-parallel divisor, ...) is worked out on their rows, a few hundred at most, and
+    gathered to the strategies by ``rows``: one pass over the group's strategies instead of one
+    per operation and per figure gathered. The same operations on the same values, row by row:
+    the same bits. (1M mixed DeepSeek-V3 strategies, at most 192 combinations: warm peak_memory
+    0.507-0.521 -> 0.467-0.474 s, alternated with the code before, with _alike's group numbers.)"""
+
+    acts: LayerActivations
+    batch: StrategyBatch
+    index: np.ndarray | None
+
+    def recompute_on(self) -> np.ndarray:
+        """Per row, whether the strategy recomputes."""
+        return ~self.batch.is_("recompute", "none")
+
+    def rows(self, values: Any, at: np.ndarray | None = None) -> np.ndarray:
+        """``values`` (one per row) per strategy of the group, or of its strategies ``at``."""
+        values = np.broadcast_to(values, (len(self.batch),))
+        if self.index is None:
+            return values if at is None else values.take(at)
+        return values.take(self.index if at is None else self.index[at])
+
+    @cached_property
+    def taken(self) -> LayerActivations:
+        """The layer activations per strategy of the group, taken when first read (the device
+        total reads them only under a recompute limit, with materialised scores or for the
+        breakdown: elsewhere ``rows`` gathers what it reads)."""
+        return self.acts if self.index is None else self.acts.take(self.index)
+
+
 @lru_cache(maxsize=64)
 def shipped_census(model: ModelSpec) -> tuple[CensusRecord, ...]:
     """Census records measured for a preset and shipped in ``memory/census/`` (empty for other
@@ -570,11 +607,17 @@ def _sdpa_fallbacks(model: ModelSpec, batch: StrategyBatch) -> dict[MlpKind, tup
     return out
 
 
+def _prices_sdpa_mask(model: ModelSpec, options: MemoryOptions) -> bool:
+    """Whether any strategy keeps the mask of ``_sdpa_mask_bytes`` (SDPA's, for sliding layers,
+    where the runtime prices it)."""
+    return options.attention == "sdpa" and "sdpa_masked" in options.profile.blocks and bool(model.sliding_layers()[0])
+
+
 def _sdpa_mask_bytes(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions) -> np.ndarray:
     """Bytes of the boolean mask transformers' SDPA path builds for sliding-window layers, per
     micro-batch: mbs·s² where seq >= window and the runtime prices that mask (``sdpa_masked``),
     else 0."""
-    if options.attention != "sdpa" or "sdpa_masked" not in options.profile.blocks or not model.sliding_layers()[0]:
+    if not _prices_sdpa_mask(model, options):
         return np.zeros(len(batch))
     seq = batch.seq_length.astype(float)
     return np.where(seq >= model.sliding_window, batch.micro_batch_size * seq * seq, 0.0)
@@ -1618,23 +1661,17 @@ def _sorted_groups(
     "cut" and "bound" as ``_evaluate_group`` gives them; and per row of the group, its row of
     the arrays, or None where they have a row each, in order). Strategies alike in every field
     the model reads share a row (``_alike``)."""
-    groups = batch.groups(PIPELINE_SHAPE)
-    by_group = np.concatenate([index for _, index in groups])
-    sizes = [len(index) for _, index in groups]
-    starts = np.cumsum([0, *sizes])
     # Within a group, rows by micro-batch count: each count's schedule frontier prices a slice.
-    within = np.concatenate([
-        start + np.argsort(radix_key(batch.num_micro_batches[index]), kind="stable")
-        for start, (_, index) in zip(starts[:-1], groups, strict=True)
-    ])
-    order = by_group[within]
-    groups = [(key, order[a:b]) for (key, _), a, b in zip(groups, starts[:-1], starts[1:], strict=True)]
+    groups, group_of = _shape_groups(batch)
+    order = np.concatenate([rows for _, rows in groups])
+    sizes = [len(rows) for _, rows in groups]
+    starts = np.cumsum([0, *sizes])
     priced_row: np.ndarray | None = None  # per row of ``order``, its row of ``priced``
     priced, priced_sizes = order, sizes  # the rows of ``batch`` priced, group by group
     if not static_only:
         # The static state depends on STATE_FIELDS alone: priced once per combination
         # (``_SharedStatic``), numbered by the fields' values, whatever the rows' order.
-        static_code, alike = _alike(model, batch, options, groups, stage_layers)
+        static_code, alike = _alike(model, batch, options, groups, stage_layers, group_of)
         if alike is not None:
             kinds = alike[1]
             # A row of each kind, in ``order``'s order: the same order, fewer rows. (Any row of a
@@ -1670,7 +1707,8 @@ def _sorted_groups(
         # The bytes per token of each layer depend on a few fields: priced once per combination
         # of the rows priced (their fields gathered already, fewer rows than the batch's).
         distinct, combination = ordered.distinct(ACTIVATION_FIELDS)
-        acts = layer_activations(model, ordered.take(distinct), options)
+        by_activations = ordered.take(distinct)
+        acts = layer_activations(model, by_activations, options)
         # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
         materialised = np.zeros(len(acts.output), dtype=bool)
         for kind in ("dense", "moe"):
@@ -1683,8 +1721,10 @@ def _sorted_groups(
     def evaluation(g: int) -> Generator[_FsdpRequest, tuple[FsdpPhases, np.ndarray], dict[str, np.ndarray]]:
         part = parts[g]
         return _group_evaluation(model, ordered.take(part), options, groups[g][0], np.arange(part.start, part.stop),
-                                 None, stage_layers, None if static_only else acts.take(combination[part]),
-                                 device_only=device_only, static=None if statics is None else statics.of(g), limit=limit)
+                                 None, stage_layers, None, device_only=device_only,
+                                 static=None if statics is None else statics.of(g), limit=limit,
+                                 combinations=None if static_only else _Combinations(acts, by_activations,
+                                                                                     combination[part]))
 
     def result(g: int, out: dict[str, np.ndarray]) -> tuple[tuple[int, ...], np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
         (key, index), start = groups[g], group_start[g]
@@ -1768,6 +1808,36 @@ class _SharedStatic:
         return replace(state, index=combinations[1] + offsets[at])
 
 
+def _shape_groups(batch: StrategyBatch) -> tuple[list[tuple[tuple[int, ...], np.ndarray]], np.ndarray | None]:
+    """``batch.groups(PIPELINE_SHAPE)`` (the groups in the order of their keys) with each group's
+    rows in the order of their micro-batch counts (a stable sort: ascending within a count), and
+    per strategy its group's number (None where the groups come from ``batch.groups``).
+
+    One stable sort of every strategy by (its group's rank, its micro-batch count's rank), a
+    radix sort where the pairs fit 16 bits, gives the same order as grouping and then sorting
+    each group by count (1M mixed DeepSeek-V3 strategies, 55 groups of 12 counts: 43 -> 21 ms;
+    Llama-3.1-405B's 561k: 31 -> 13 ms)."""
+    columns = [getattr(batch, name) for name in PIPELINE_SHAPE]
+    if len(batch):
+        key = np.zeros(len(batch), dtype=np.int64)
+        for column in columns:  # (as batch.groups packs them: the first field the most significant)
+            key <<= max(int(column.max()).bit_length(), 1)
+            key |= column
+        group_of, group_count = dense_codes(key)
+        counts, count_count = dense_codes(batch.num_micro_batches)
+        if group_count * count_count <= 1 << 16:
+            pair = group_of * count_count
+            pair += counts
+            order = np.argsort(radix_key(pair), kind="stable")
+            sizes = np.bincount(pair, minlength=group_count * count_count).reshape(group_count, count_count).sum(axis=1)
+            bounds = np.cumsum([0, *sizes.tolist()]).tolist()
+            return [(tuple(int(column[order[a]]) for column in columns), order[a:b])
+                    for a, b in itertools.pairwise(bounds)], group_of
+    groups = batch.groups(PIPELINE_SHAPE)
+    return [(key, index[np.argsort(radix_key(batch.num_micro_batches[index]), kind="stable")])
+            for key, index in groups], None
+
+
 def _shape_signature(shape: _GroupShape) -> tuple[Any, ...]:
     """What of a group's shape its static state reads, by value: the placement and the patterns."""
     arrays = (shape.placement.dense_layers, shape.placement.moe_layers, shape.placement.stage_of,
@@ -1776,9 +1846,18 @@ def _shape_signature(shape: _GroupShape) -> tuple[Any, ...]:
     return tuple((array.dtype.str, array.shape, array.tobytes()) for array in arrays)
 
 
+#: The fields ``_alike`` gives ``distinct_columns`` first after STATE_FIELDS. Their order changes
+#: how the kinds are numbered (not which strategies are alike) and how often the key of the
+#: combinations so far is renumbered on the way: these few-valued fields, then the micro-batch
+#: count, renumber it twice, the second time at 155k combinations, where the batch's own order
+#: renumbered three times at up to 620k (1M mixed DeepSeek-V3 strategies: distinct_columns 47-49
+#: -> 42 ms, the same kinds; Llama-3.1-405B's 561k: 23-25 -> 23 ms).
+_KIND_FIELDS_FIRST = ("sequence_parallel", "recompute", "num_micro_batches", "micro_batch_size", "cp_kind", "seq_length")
+
+
 def _alike(
     model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, groups: list[tuple[tuple[int, ...], np.ndarray]],
-    stage_layers: tuple[int, ...] | None,
+    stage_layers: tuple[int, ...] | None, group_of: np.ndarray | None = None,
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Per strategy of ``batch`` (in the pipeline-shape ``groups``: (key, rows)), its combination
     of STATE_FIELDS (as ``batch.distinct`` numbers them); and (a row of each kind of strategies
@@ -1794,18 +1873,33 @@ def _alike(
     of a strategy is a function of those fields, computed row by row: a row of each kind stands
     for the others, bit for bit. STATE_FIELDS come first, their combinations found on the way."""
     hands_over_enabled = bool(options.profile.pipeline_stage_output)
-    all_moe = np.zeros(len(batch), dtype=bool)
-    for key, rows in groups:
+    # Per strategy its group's number: the groups come in the order of their keys (the
+    # pipeline shape's values, the first field the most significant), so the numbers rank the
+    # shapes as the six fields do, and a column of them numbers the combinations as those
+    # fields would, with five columns' passes less (1M mixed DeepSeek-V3 strategies: ~4 ms).
+    # (``group_of``: the groups' numbers where the caller has them.)
+    keys = [key for key, _ in groups]
+    in_key_order = all(a < b for a, b in itertools.pairwise(keys))
+    numbered = group_of is None
+    group_number = np.empty(len(batch), dtype=np.int64) if group_of is None else group_of
+    all_moe_of = np.empty(len(groups), dtype=bool)
+    for g, (key, rows) in enumerate(groups):
         shape = _group_shape(model, CODES["schedule"][key[0]], key[1], key[2], stage_layers, bool(key[4]),
                              bool(key[5]), hands_over_enabled, True)
-        all_moe[rows] = bool((shape.moe_per_stage > 0).all())
-    read = _cp_kind_read(model, batch, options, all_moe)
-    others = [name for name in batch.array_fields()
-              if name not in STATIC_FIELDS and name not in UNREAD_FIELDS and name != "cp_kind"]
-    rows, kinds, static_code = distinct_columns(
-        [*_state_columns(batch), *(getattr(batch, name) for name in STATIC_FIELDS if name not in STATE_FIELDS),
-         *(getattr(batch, name) for name in others), np.where(read, batch.cp_kind, -1)],
-        len(batch), prefix=len(STATE_FIELDS))
+        all_moe_of[g] = bool((shape.moe_per_stage > 0).all())
+        if numbered:
+            group_number[rows] = g
+    read = _cp_kind_read(model, batch, options, all_moe_of[group_number])
+    # The fields past STATE_FIELDS, in the order ``_KIND_FIELDS_FIRST`` leads with.
+    others = {name: getattr(batch, name) for name in batch.array_fields()
+              if name not in STATE_FIELDS and name not in UNREAD_FIELDS and name != "cp_kind"}
+    others["cp_kind"] = np.where(read, batch.cp_kind, -1)
+    others = {**{name: others.pop(name) for name in _KIND_FIELDS_FIRST}, **others}
+    state_columns = _state_columns(batch)
+    if in_key_order:
+        state_columns = [group_number, *state_columns[len(PIPELINE_SHAPE):]]
+    rows, kinds, static_code = distinct_columns([*state_columns, *others.values()], len(batch),
+                                                prefix=len(state_columns))
     assert static_code is not None
     return static_code, None if 20 * len(rows) > 19 * len(batch) else (rows, kinds)
 
@@ -2191,13 +2285,13 @@ def _rows_of(values: Any, index: np.ndarray) -> Any:
     return out
 
 
-def _layer_working_set(acts: LayerActivations, tokens: np.ndarray, recompute_on: np.ndarray, moe_here: bool,
+def _layer_working_set(acts: LayerActivations, recompute_on: np.ndarray, moe_here: bool,
                        dense_here: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(layer, last layer) [n] bytes, on a stage holding MoE (``moe_here``) and dense layers: one
-    layer's backward working set, with what recompute rebuilds beside what a layer keeps (full −
-    kept of the layer's own kind, the largest over the kinds the stage holds); and the
-    backward's last layer's, when nothing else is held: its working set beside every gradient,
-    neither its saved nor its rebuilt tensors (the same whatever the recompute: its weight
+    """(layer, last layer) [n] bytes per token of an op, on a stage holding MoE (``moe_here``)
+    and dense layers: one layer's backward working set, with what recompute rebuilds beside what
+    a layer keeps (full − kept of the layer's own kind, the largest over the kinds the stage
+    holds); and the backward's last layer's, when nothing else is held: its working set beside
+    every gradient, neither its saved nor its rebuilt tensors (the same whatever the recompute: its weight
     gradients are made as they go). Measured on real one-GPU steps (tests/data/measured/cuda):
     Mixtral none -0.68%, the 12-36-layer full-recompute steps +0.13% to +0.50%; counting the
     whole layer read +4.8% and +1.5%, counting what recompute rebuilds (alone) +1.4% to +1.7%
@@ -2205,7 +2299,15 @@ def _layer_working_set(acts: LayerActivations, tokens: np.ndarray, recompute_on:
     backward_extra = (np.maximum(acts.backward_extra["moe"], acts.backward_extra["dense"]) if moe_here
                       else acts.backward_extra["dense"])
     rebuilt = np.maximum(acts.rebuilt["moe"] if moe_here else 0.0, acts.rebuilt["dense"] if dense_here else 0.0)
-    return tokens * (backward_extra + np.where(recompute_on, rebuilt, 0.0)), tokens * backward_extra
+    return backward_extra + np.where(recompute_on, rebuilt, 0.0), backward_extra
+
+
+def _mtp_module(acts: LayerActivations, kind: str, recompute_on: np.ndarray, full_recompute: np.ndarray,
+                limited: np.ndarray) -> np.ndarray:
+    """[n] bytes per token of an MTP module (its layer of MLP ``kind``) as the strategy keeps it;
+    ``limited``: where full recompute has a limit (the block method, which skips the modules)."""
+    layer = np.where(recompute_on & ~limited, acts.recomputed[kind], acts.full[kind])
+    return np.where(full_recompute & ~limited, acts.mtp_checkpointed, acts.mtp_extra + layer)
 
 
 def _per_op(values: np.ndarray, seq_chunks: int) -> np.ndarray:
@@ -2452,15 +2554,17 @@ def _group_evaluation(
     device_only: bool = False,
     static: _StaticState | None = None,
     limit: float | None = None,
+    combinations: _Combinations | None = None,
 ) -> Generator[_FsdpRequest, tuple[FsdpPhases, np.ndarray], dict[str, np.ndarray]]:
     """(A generator: where the group has sharded strategies it yields their FSDP unit moments'
     arguments, ``_FsdpRequest``, to be sent (the moments, and per sharded strategy its row of
     them), so that groups of one placement price theirs together; it returns the figures.)
 
     Every category for one pipeline shape, as [strategies in the group, pp] arrays (without
-    ``acts``: only "device" for the static state alone, a lower bound of the device peak; with
+    ``acts`` or ``combinations``: only "device" for the static state alone, a lower bound of the device peak; with
     ``device_only``: only "device", the figures of the stages in between are not expanded).
-    ``static``: the group's static state, where the caller priced it.
+    ``static``: the group's static state, where the caller priced it; ``combinations``: its
+    strategies' layer activations by combination, where the caller has them (else ``acts``).
 
     With ``limit`` (``device_only`` alone): "cut" [n] bool, the strategies found certainly above
     ``limit`` once the static state at the held peak is added to it (``_certainly_over``), and
@@ -2501,10 +2605,16 @@ def _group_evaluation(
     n = len(batch)
     first_virtual, last_virtual = shape.first, shape.last
     mtp_kind = model.mtp_mlp_kind
-    # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
-    scores = acts is not None and any(bool(np.any(acts.attention_backward[k] > 0)) for k in ("dense", "moe"))
+    # The layer activations' figures by combination (see ``_Combinations``; per strategy where
+    # the caller has no combinations).
+    by_combination = combinations or (_Combinations(acts, batch, None) if acts is not None else None)
+    # Only eager attention and SDPA's math path materialise the scores (most strategies: none):
+    # looked for among the group's combinations where some has them.
+    scores = by_combination is not None and any(
+        bool(np.any(positive)) and bool(np.any(by_combination.rows(positive)))
+        for positive in (by_combination.acts.attention_backward[k] > 0 for k in ("dense", "moe")))
     if static is None:
-        static_of = batch.distinct(STATIC_FIELDS) if acts is not None and kinds is None else None
+        static_of = batch.distinct(STATIC_FIELDS) if by_combination is not None and kinds is None else None
         if static_of is None or 2 * len(static_of[0]) > n:
             static = _static_state(model, batch, options, shape, scores=scores, kinds=kinds, index=index)
         else:
@@ -2517,15 +2627,20 @@ def _group_evaluation(
     overhead = replace(static.overhead, fixed_bytes=static.at(static.overhead.fixed_bytes))
     out: dict[str, np.ndarray] = {}
 
-    if acts is None:
+    if by_combination is None:
         # allocated >= params + grads + optimizer, and the device total grows with allocated.
         return {"device": shape.expand(overhead.reserved(static.at(static.total)) + overhead.fixed_bytes[:, None])}
 
     # ---- activations held across the schedule
+    # (The figures of the layer activations and ACTIVATION_FIELDS alone worked out per
+    # combination and gathered: 1M mixed DeepSeek-V3 strategies, at most 192 combinations.)
+    table, table_recompute_on = by_combination.acts, by_combination.recompute_on()
+    table_tp = by_combination.batch.tp.astype(float)
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
     recompute_on = ~batch.is_("recompute", "none")
     # Sequence parallelism shards the activations between layers over tp.
-    sp_div = np.where(batch.sequence_parallel > 0, tp, 1.0)
+    table_sp_div = np.where(by_combination.batch.sequence_parallel > 0, table_tp, 1.0)
+    sp_div = by_combination.rows(table_sp_div)
     t = tokens[:, None]
     # What one forward, backward or loss runs on (``_per_op``): a micro-batch, or under Seq1F1B
     # one of its seq_chunks sub-sequences, tokens / seq_chunks. The held activations stay per
@@ -2534,14 +2649,15 @@ def _group_evaluation(
     # A chunk's layers hold t · Σ_kinds (plain layers · full bytes + recomputed layers · kept
     # bytes) per micro-batch. Without a recompute limit a chunk recomputes all its layers or none:
     # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
-    kept_dense, kept_moe = (np.where(recompute_on, acts.recomputed[k], acts.full[k]) for k in ("dense", "moe"))
+    kept_dense, kept_moe = (np.where(table_recompute_on, table.recomputed[k], table.full[k]) for k in ("dense", "moe"))
     # Column by column (see _outer_sum): the same products, in passes over the strategies, once
     # per distinct pair of layer counts (the interior chunks of a uniform placement share one).
     layers_held = np.empty((len(batch), computed), order="F")
     column_of: dict[tuple[float, float], int] = {}
     for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
         same = column_of.setdefault((dense, moe), column)
-        layers_held[:, column] = tokens * (kept_dense * dense + kept_moe * moe) if same == column else layers_held[:, same]
+        layers_held[:, column] = (tokens * by_combination.rows(kept_dense * dense + kept_moe * moe) if same == column
+                                  else layers_held[:, same])
     limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
     # The layers a recompute limit leaves plain, their full bytes: their autograd graph is held
     # from the forward to the weight gradient like any layer's without recompute (0 where every
@@ -2552,25 +2668,30 @@ def _group_evaluation(
         rows = np.arange(len(batch)) if kinds is not None else limited
         plain_dense, plain_moe, recomputed_dense, recomputed_moe = _recomputed_layers(
             recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
-        plain = t[rows] * (plain_dense * acts.full["dense"][rows, None] + plain_moe * acts.full["moe"][rows, None])
+        full, recomputed = by_combination.taken.full, by_combination.taken.recomputed
+        plain = t[rows] * (plain_dense * full["dense"][rows, None] + plain_moe * full["moe"][rows, None])
         layers_held[rows] = plain + t[rows] * (
-            recomputed_dense * acts.recomputed["dense"][rows, None] + recomputed_moe * acts.recomputed["moe"][rows, None]
+            recomputed_dense * recomputed["dense"][rows, None] + recomputed_moe * recomputed["moe"][rows, None]
         )
         if limited.size:
             plain_held = np.zeros((len(batch), computed))
             plain_held[rows] = np.where(recompute_on[rows, None], plain, 0.0)
     # One-column entries [n]: the int64 token ids (and what the embedding keeps) on the first
     # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
-    embedding_held = tokens * (8.0 + acts.embedding)
-    output_held = tokens * acts.output
+    embedding_held = tokens * by_combination.rows(8.0 + table.embedding)
+    output_held = tokens * by_combination.rows(table.output)
     # Megatron-Core's MTP modules (multi_token_prediction.py) under full recompute: the uniform
     # method checkpoints each module whole; the block method (a recompute limit) skips their
     # recompute ("not supported for MTP yet"), so the layer keeps everything. Selective recompute
     # runs in the module's TransformerLayer as in any other.
     full_recompute = batch.is_("recompute", "full")
     mtp_limited = full_recompute & (batch.recompute_layers > 0)
-    mtp_layer = np.where(recompute_on & ~mtp_limited, acts.recomputed[mtp_kind], acts.full[mtp_kind])
-    mtp_module = np.where(full_recompute & ~mtp_limited, acts.mtp_checkpointed, acts.mtp_extra + mtp_layer)
+    if mtp_limited.any():
+        mtp_module = _mtp_module(by_combination.taken, mtp_kind, recompute_on, full_recompute, mtp_limited)
+    else:  # (no limit read: a figure of the combinations)
+        table_full_recompute = by_combination.batch.is_("recompute", "full")
+        mtp_module = by_combination.rows(_mtp_module(table, mtp_kind, table_recompute_on, table_full_recompute,
+                                                     np.zeros_like(table_full_recompute)))
     mtp_held = tokens * model.mtp_depth * mtp_module
     # Bytes of one micro-batch per virtual stage, held until its backward: the sum of the entries
     # (in this order, so that the sums are those of the breakdown's entries).
@@ -2580,10 +2701,15 @@ def _group_evaluation(
     per_b_virtual[:, -1] += mtp_held
     # Under recompute each chunk's checkpoints keep the boolean mask they were given, once per
     # micro-batch (their layers share it): transformers' SDPA masks sliding layers from seq >= window.
-    checkpoint_mask = np.where(recompute_on, _sdpa_mask_bytes(model, batch, options), 0.0)
-    checkpoint_mask_virtual = np.multiply(checkpoint_mask[:, None], ((dense_layers + moe_layers) > 0).astype(float),
-                                          out=np.empty((n, computed), order="F"))
-    per_b_virtual += checkpoint_mask_virtual
+    # (None where no strategy keeps one: 0 bytes, which leave the sums, finite and >= +0, as
+    # they are; 1M mixed DeepSeek-V3 strategies: a where, an [n, U] product and two [n, U]
+    # sums less a group.)
+    checkpoint_mask_virtual: np.ndarray | None = None
+    if _prices_sdpa_mask(model, options):
+        checkpoint_mask = np.where(recompute_on, _sdpa_mask_bytes(model, batch, options), 0.0)
+        checkpoint_mask_virtual = np.multiply(checkpoint_mask[:, None], ((dense_layers + moe_layers) > 0).astype(float),
+                                              out=np.empty((n, computed), order="F"))
+        per_b_virtual += checkpoint_mask_virtual
     profile = options.profile
     # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
     # runtime keeps per micro-batch (below), the head's and the pipeline's.
@@ -2592,7 +2718,7 @@ def _group_evaluation(
     if profile.pipeline_stage_output and virtual > 1:
         # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
         # (sequence-sharded under SP) on every stage but the last, the logits on the last.
-        vocab_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
+        vocab_div = table_tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         act_bytes = precision.activation_bytes
         # Every stage but the first also keeps the input it received, which needs a gradient;
         # where the previous chunk runs on the same rank (the turn of a V schedule) that input is
@@ -2601,19 +2727,21 @@ def _group_evaluation(
         logits_kept = last_virtual * ~hands_forward
         hidden_kept = (1.0 - last_virtual) * ~hands_forward + receives_from_peer
         token_bytes = tokens * act_bytes
-        logits_per_token = np.broadcast_to(model.vocab_size / vocab_div, tokens.shape)
-        hidden_per_token = model.hidden_size / sp_div
+        logits_per_token = np.broadcast_to(model.vocab_size / vocab_div, table_tp.shape)  # (per combination)
+        hidden_per_token = model.hidden_size / table_sp_div
         # Column by column (see _outer_sum): the same products, in passes over the strategies, once
         # per distinct pair of counts.
         kept_bytes: dict[tuple[float, float], np.ndarray] = {}
         for column, (logits, hidden) in enumerate(zip(logits_kept.tolist(), hidden_kept.tolist(), strict=True)):
             term = kept_bytes.get((logits, hidden))
             if term is None:
-                term = kept_bytes[logits, hidden] = token_bytes * (logits_per_token * logits + hidden_per_token * hidden)
+                term = kept_bytes[logits, hidden] = token_bytes * by_combination.rows(
+                    logits_per_token * logits + hidden_per_token * hidden)
             per_b_virtual[:, column] += term
         if kinds is not None:
-            kept_logits = np.multiply.outer(token_bytes * logits_per_token, logits_kept.astype(float))
-            kept_hidden = np.multiply.outer(token_bytes * hidden_per_token, hidden_kept.astype(float))
+            kept_logits = np.multiply.outer(token_bytes * by_combination.rows(logits_per_token), logits_kept.astype(float))
+            kept_hidden = np.multiply.outer(token_bytes * by_combination.rows(hidden_per_token),
+                                            hidden_kept.astype(float))
     # Gradients created in the backward (set_to_none) do not exist before a chunk's first
     # backward: GPipe's peak, all forwards held, has none. Elsewhere they are static.
     grads_in_schedule = profile.grads_created_in_backward
@@ -2651,7 +2779,7 @@ def _group_evaluation(
         # The head's weight gradient reads the gradient of the logits, kept from B until W.
         logits_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
         logits_gradient = tokens * model.vocab_size * precision.activation_bytes / logits_div
-        outputs_dense, outputs_moe = acts.weight_grad_outputs["dense"], acts.weight_grad_outputs["moe"]
+        outputs_dense, outputs_moe = table.weight_grad_outputs["dense"], table.weight_grad_outputs["moe"]
         per_w_virtual = np.empty((n, computed), order="F")
         # Column by column (see _outer_sum): the same products, in passes over the strategies.
         for column, (dense, moe, last) in enumerate(
@@ -2661,11 +2789,13 @@ def _group_evaluation(
                 graph_for_w = np.where(recompute_on, 0.0 if plain_held is None else plain_held[:, column],
                                        layers_held[:, column])
             else:
-                whole_graph = tokens * (acts.full["dense"] * dense + acts.full["moe"] * moe)
+                whole_graph = tokens * by_combination.rows(table.full["dense"] * dense + table.full["moe"] * moe)
                 graph_for_w = np.where(recompute_on, whole_graph, layers_held[:, column])
-            per_w_virtual[:, column] = graph_for_w + tokens * (outputs_dense * dense + outputs_moe * moe) + logits_gradient * last
+            per_w_virtual[:, column] = (graph_for_w + tokens * by_combination.rows(outputs_dense * dense + outputs_moe * moe)
+                                        + logits_gradient * last)
         # The checkpoints stay in that graph until W, and with them the mask they keep.
-        per_w_virtual += checkpoint_mask_virtual
+        if checkpoint_mask_virtual is not None:
+            per_w_virtual += checkpoint_mask_virtual
         if profile.first_stage_backward_at_w:
             # The pipeline's first stage has no input gradient to make: torch skips its B and runs
             # one whole backward at W, so what its forward kept stays until then, and no more.
@@ -2675,7 +2805,8 @@ def _group_evaluation(
         per_w_virtual = np.empty((n, computed), order="F")
         # Column by column (see _outer_sum): the same products, in passes over the strategies.
         for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
-            per_w_virtual[:, column] = 2 * tokens * (acts.weight_input["dense"] * dense + acts.weight_input["moe"] * moe)
+            per_w_virtual[:, column] = 2 * tokens * by_combination.rows(
+                table.weight_input["dense"] * dense + table.weight_input["moe"] * moe)
     # The frontier's columns are [held until B per chunk | held until W per chunk | gradients
     # per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
     weights: list[np.ndarray | None] = [_chunk_column(per_b_virtual, chunks, c) for c in range(vpp)]
@@ -2686,7 +2817,7 @@ def _group_evaluation(
     # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
     # Recompute rebuilds, beside what a layer keeps, the rest of its activations: full − kept of
     # the layer's own kind, the largest over the kinds the stage holds.
-    loss_per_token = op_tokens * acts.output_transient
+    loss_per_token = op_tokens * by_combination.rows(table.output_transient)
     # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
     layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
     last_layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
@@ -2698,8 +2829,9 @@ def _group_evaluation(
             zip(has_moe.tolist(), has_dense.tolist(), first_stage.tolist(), last_stage.tolist(), strict=True)):
         layer = layer_by_kinds.get((moe_here, dense_here))
         if layer is None:
-            layer_by_kinds[moe_here, dense_here], last_layer_by_kinds[moe_here, dense_here] = _layer_working_set(
-                acts, op_tokens, recompute_on, moe_here, dense_here)
+            per_token = _layer_working_set(table, table_recompute_on, moe_here, dense_here)
+            layer_by_kinds[moe_here, dense_here], last_layer_by_kinds[moe_here, dense_here] = (
+                op_tokens * by_combination.rows(values) for values in per_token)
             layer = layer_by_kinds[moe_here, dense_here]
         last_layer = last_layer_by_kinds[moe_here, dense_here]
         if scores_during is None or scores_grads is None:
@@ -2709,7 +2841,8 @@ def _group_evaluation(
         moment = scores_moments.get((moe_here, dense_here, first, last))
         if moment is None:
             moment = scores_moments[moe_here, dense_here, first, last] = _scores_backward_moments(
-                acts, {k: static.at(v) for k, v in static.mlp_grads.items()}, op_tokens, _per_op(output_held, seq_chunks),
+                by_combination.taken, {k: static.at(v) for k, v in static.mlp_grads.items()}, op_tokens,
+                _per_op(output_held, seq_chunks),
                 recompute_on,
                 static.at(static.head_grad_bytes),
                 kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
@@ -2731,18 +2864,23 @@ def _group_evaluation(
         local_experts = model.num_experts / np.maximum(batch.ep, 1)
         # (The output gradient is the rank's routed tokens' through experts 1/etp wide: k·2f/tp per
         # token where each rank routes its own tokens, as the profiles' expert_width shard.)
-        routed_width = np.where(routes_own_tokens(batch.sequence_parallel, tp), tp, etp)
+        routed_width = by_combination.rows(np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp),
+                                                    table_tp, by_combination.batch.etp.astype(float)))
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
             + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes
             / routed_width
         )
         loss_freed = _per_op(output_held, seq_chunks)
-        # Column by column (see _outer_sum): the same values, in passes over the strategies. (A
-        # stage without MoE layers makes none: its transient, >= +0, stays as it is.)
+        # Column by column (see _outer_sum): the same values, in passes over the strategies, once
+        # per value of ``last``. (A stage without MoE layers makes none: its transient, >= +0,
+        # stays as it is.)
+        new_gradients: dict[int, np.ndarray] = {}
         for column, (moe_here, last) in enumerate(zip(has_moe.tolist(), last_stage.tolist(), strict=True)):
             if moe_here:
-                new_gradient = np.where(accumulates, expert_gradient - loss_freed * last, 0.0)
+                new_gradient = new_gradients.get(last)
+                if new_gradient is None:
+                    new_gradient = new_gradients[last] = np.where(accumulates, expert_gradient - loss_freed * last, 0.0)
                 np.maximum(out["transient"][:, column], new_gradient, out=out["transient"][:, column])
     # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
     # the rank's shard, with one micro-batch too (``_static_state``).
@@ -2766,7 +2904,7 @@ def _group_evaluation(
         # eh_proj input at once in its backward, beside that layer's working set: more than one
         # decoder layer's rebuild, on the stage that holds the modules.
         mtp_rebuild = np.where(full_recompute & ~mtp_limited,
-                               op_tokens * (acts.mtp_rebuilt + acts.backward_extra[mtp_kind]), 0.0)
+                               op_tokens * by_combination.rows(table.mtp_rebuilt + table.backward_extra[mtp_kind]), 0.0)
         for column, last in enumerate(last_stage.tolist()):
             if last:
                 out["transient"][:, column] = np.maximum(out["transient"][:, column], mtp_rebuild)
@@ -2779,7 +2917,8 @@ def _group_evaluation(
         # placed among zeros: elsewhere a step and its gradients are 0, less a transient >= +0,
         # which the maximum with 0 makes +0.)
         stepping, steps, new_grads = _weight_grad_step(
-            model, batch, acts, profile, t, recompute_on, recompute_layers_of=(dense_layers, moe_layers), chunks=chunks,
+            model, batch, by_combination, profile, t, recompute_on, recompute_layers_of=(dense_layers, moe_layers),
+            chunks=chunks,
             vpp=vpp, head_chunk=last_virtual, first_chunk=first_virtual)
         transient_stepping = out["transient"][stepping] if any(step is not None for step in steps) else None
         extra = [*(extra or [None] * vpp),
@@ -2835,12 +2974,14 @@ def _group_evaluation(
             schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, without, shape.pattern_of)
         weight_step_extra = held_with_extra - without_steps
     if kinds is not None and chosen is not None:
-        _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, acts, plain_dense, plain_moe,
+        _activation_kinds(kinds, index, pp, vpp, placement, chosen, t, by_combination.taken, plain_dense, plain_moe,
                           recomputed_dense, recomputed_moe,
                           {"embedding": np.multiply.outer(embedding_held, first_virtual),
                            "output": np.multiply.outer(output_held, last_virtual) + kept_logits,
                            "mtp": np.multiply.outer(mtp_held, last_virtual),
-                           "pipeline": kept_hidden, "checkpoint_mask": checkpoint_mask_virtual},
+                           "pipeline": kept_hidden,
+                           "checkpoint_mask": np.zeros((n, computed), order="F") if checkpoint_mask_virtual is None
+                           else checkpoint_mask_virtual},
                           np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
 
     # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
@@ -2878,23 +3019,26 @@ def _group_evaluation(
         # The per-token inputs worked out on the sharded rows alone, from their operands' rows:
         # the same element-wise operations on the same values, over a quarter of the rows or
         # fewer (1M mixed DeepSeek-V3 strategies: ~10 passes over each group less).
-        tokens_at, recompute_at, deferred_at = pick(op_tokens), recompute_on[sharded_rows], deferred[sharded_rows]
-        tp_at, etp_at = pick(tp), pick(etp)
-        rebuilt_at = {kind: np.where(recompute_at, pick(acts.rebuilt[kind]), 0.0) for kind in ("dense", "moe")}
+        # (Per token, a figure of the combinations: worked out on those, gathered to these rows.)
+        tokens_at, deferred_at = pick(op_tokens), deferred[sharded_rows]
+        table_etp = by_combination.batch.etp.astype(float)
+        table_rebuilt = {kind: np.where(table_recompute_on, table.rebuilt[kind], 0.0) for kind in ("dense", "moe")}
         inputs: dict[str, Any] = dict(
             reduce_bytes=np.where(deferred_at, 0.0, float(grad_bytes)),
             units={kind: pick_static(elements) for kind, elements in static.unit_elements.items()},
             working={
-                kind: tokens_at * (np.maximum(pick(acts.backward_extra[kind]), pick(acts.attention_backward[kind]))
-                                   + rebuilt_at[kind])
+                kind: tokens_at * by_combination.rows(
+                    np.maximum(table.backward_extra[kind], table.attention_backward[kind]) + table_rebuilt[kind],
+                    sharded_rows)
                 for kind in ("dense", "moe")
             },
-            loss_working=tokens_at * pick(acts.output_transient),
+            loss_working=tokens_at * by_combination.rows(table.output_transient, sharded_rows),
             expert_elements=pick_static(static.expert_elements),
             unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
-            expert_working=tokens_at * _expert_weight_grad_working(
-                model, precision.activation_bytes, etp_at, rebuilt_at["moe"],
-                np.where(routes_own_tokens(batch.sequence_parallel[sharded_rows], tp_at), etp_at / tp_at, 1.0)),
+            expert_working=tokens_at * by_combination.rows(_expert_weight_grad_working(
+                model, precision.activation_bytes, table_etp, table_rebuilt["moe"],
+                np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp), table_etp / table_tp, 1.0)),
+                sharded_rows),
             # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
             one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
             one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
@@ -3388,7 +3532,7 @@ def _pending_split_grad_width(schedule: str, precision: Any, profile: RuntimePro
 
 
 def _weight_grad_step(
-    model: ModelSpec, batch: StrategyBatch, acts: LayerActivations, profile: RuntimeProfile, t: np.ndarray,
+    model: ModelSpec, batch: StrategyBatch, combinations: _Combinations, profile: RuntimeProfile, t: np.ndarray,
     recompute_on: np.ndarray, *, recompute_layers_of: tuple[np.ndarray, np.ndarray], chunks: np.ndarray, vpp: int,
     head_chunk: np.ndarray, first_chunk: np.ndarray,
 ) -> tuple[np.ndarray, list[np.ndarray | None], list[np.ndarray | None]]:
@@ -3420,31 +3564,33 @@ def _weight_grad_step(
     (``first_chunk``) has no split step: torch runs its W as one whole backward. The output gradients B left for W stay to the peak
     (they are the frontier's held-until-W column). Traced tensor by tensor on dense and MoE
     layers (Qwen3, Llama, Mixtral, Qwen3-MoE, DeepSeek-V2-Lite); docs/accuracy.md has the
-    measured stages."""
+    measured stages.
+
+    The per-token terms read the layer activations and the recomputed layers alone: without a
+    recompute limit every chunk rebuilds all its layers, and they are worked out per combination
+    of ``combinations`` and gathered (1M mixed DeepSeek-V3 strategies: a dozen [rows, U] passes
+    less in each split-backward group)."""
     if not profile.weight_grad_recomputes_per_group:
         return np.arange(0), [None] * vpp, [None] * vpp
     rows = np.flatnonzero(batch.is_("recompute", "full"))  # priced on the full-recompute rows alone
     if not rows.size:
         return rows, [None] * vpp, [None] * vpp
     dense_layers, moe_layers = recompute_layers_of
-    groups = weight_grad_groups(model)
     t = t[rows]
-    _, _, recomputed_dense, recomputed_moe = _recomputed_layers(
-        recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
-    unread = {k: acts.weight_unread[k][rows, None] for k in ("dense", "moe")}
-    read_last = {k: acts.weight_read_last[k][rows, None] for k in ("dense", "moe")}
-    copies = t * (recomputed_dense * groups["dense"] * unread["dense"] + recomputed_moe * groups["moe"] * unread["moe"])
-    # The last layer of a chunk with MoE layers is an MoE layer (dense layers lead).
-    last_is_moe = recomputed_moe > 0
-    last_unread = np.where(last_is_moe, unread["moe"], unread["dense"])
-    last_read = np.where(last_is_moe, read_last["moe"], read_last["dense"])
-    peak_group = weight_grad_peak_group(model)
-    last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
-    last_peak = np.where(last_is_moe, peak_group["moe"], peak_group["dense"])
-    # What ops past the last layer's weights save is kept only where the head keeps its graph.
-    past = {k: acts.weight_past[k][rows, None] for k in ("dense", "moe")}
-    last_past = np.where(last_is_moe, past["moe"], past["dense"]) * (head_chunk[None, :] == 0)
-    last_layer = t * ((last_peak - last_groups) * last_unread - last_peak * last_past + last_peak * last_read)
+    if (batch.recompute_layers[rows] > 0).any():  # per strategy, each with its limit
+        _, _, recomputed_dense, recomputed_moe = _recomputed_layers(
+            recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
+        copies, last_layer, last_is_moe = _weight_grad_step_per_token(
+            model, combinations.taken, rows, recomputed_dense, recomputed_moe, head_chunk)
+    else:  # every strategy's counts those of one without a limit, [1, U]
+        _, _, recomputed_dense, recomputed_moe = _recomputed_layers(
+            np.ones(1, dtype=bool), np.zeros(1, dtype=np.int64), dense_layers, moe_layers)
+        copies, last_layer, last_is_moe = _weight_grad_step_per_token(
+            model, combinations.acts, slice(None), recomputed_dense, recomputed_moe, head_chunk)
+        index = rows if combinations.index is None else combinations.index[rows]
+        copies, last_layer = copies.take(index, axis=0), last_layer.take(index, axis=0)
+    copies = t * copies
+    last_layer = t * last_layer
     # ... beside the projection's new weight gradient and the previous group's, which the step's
     # loop still references while the projection's runs (up's, or the fused experts' gate_up,
     # twice down's size).
@@ -3470,6 +3616,35 @@ def _weight_grad_step(
         new_grad[:, first_chunk > 0] = 0.0
     np.maximum(step, 0.0, out=step)
     return rows, [_chunk_column(step, chunks, c) for c in range(vpp)], [_chunk_column(new_grad, chunks, c) for c in range(vpp)]
+
+
+def _weight_grad_step_per_token(
+    model: ModelSpec, acts: LayerActivations, select: np.ndarray | slice, recomputed_dense: np.ndarray,
+    recomputed_moe: np.ndarray, head_chunk: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_weight_grad_step``'s terms per token, per row ``select`` of ``acts`` and virtual stage:
+    (the copies, Σ_layers G·U, and the last layer's (g − G_last)·U_last − g·A_last + g·R_last),
+    and where the chunk's last layer is an MoE layer."""
+    groups = weight_grad_groups(model)
+    n = len(acts.output)
+
+    def figure(values: Any) -> np.ndarray:
+        return np.broadcast_to(values, (n,))[select, None]
+
+    unread = {k: figure(acts.weight_unread[k]) for k in ("dense", "moe")}
+    read_last = {k: figure(acts.weight_read_last[k]) for k in ("dense", "moe")}
+    copies = recomputed_dense * groups["dense"] * unread["dense"] + recomputed_moe * groups["moe"] * unread["moe"]
+    # The last layer of a chunk with MoE layers is an MoE layer (dense layers lead).
+    last_is_moe = recomputed_moe > 0
+    last_unread = np.where(last_is_moe, unread["moe"], unread["dense"])
+    last_read = np.where(last_is_moe, read_last["moe"], read_last["dense"])
+    peak_group = weight_grad_peak_group(model)
+    last_groups = np.where(last_is_moe, groups["moe"], groups["dense"])
+    last_peak = np.where(last_is_moe, peak_group["moe"], peak_group["dense"])
+    # What ops past the last layer's weights save is kept only where the head keeps its graph.
+    past = {k: figure(acts.weight_past[k]) for k in ("dense", "moe")}
+    last_past = np.where(last_is_moe, past["moe"], past["dense"]) * (head_chunk[None, :] == 0)
+    return copies, (last_peak - last_groups) * last_unread - last_peak * last_past + last_peak * last_read, last_is_moe
 
 
 def _leaves(values: Any) -> list[np.ndarray]:
