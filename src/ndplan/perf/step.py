@@ -106,6 +106,8 @@ _GROUP_KEYS = (
 #: overlapped expert passes, which ``ep_pairing``'s code stands for).
 _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_kind", "ulysses_degree",
                  "sequence_parallel", "recompute", "ep_overlap", "ep_pairing")
+#: The first of _LAYER_FIELDS, which the DP configurations fix (``distinct_layer_configs``).
+_LAYER_DEGREES = ("tp", "cp", "ep", "etp")
 #: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy: counts they
 #: multiply by (as floats).
 _STEP_FIELDS = ("num_micro_batches", "pipeline_runs", "seq_chunks")
@@ -209,7 +211,7 @@ def piece_params(model: ModelSpec) -> dict[str, tuple[float, float, float]]:
     return out
 
 
-def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = False,
+def distinct_layer_configs(ints: dict[str, Array], dp_config: Array, dp_rows: Array, weight_grad_rebuilds: bool = False,
                            defers_fsdp_reduce: bool = False, mtp: bool = False) -> tuple[Array, Array]:
     """(first row of each distinct layer configuration, the configuration code of every row).
 
@@ -220,18 +222,30 @@ def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = 
     where it does (``defers_fsdp_reduce``, ``layer._fsdp_seconds``); whether full recompute
     limits its layers (``recompute_layers``, Megatron's block method) only for a model with MTP
     modules (``mtp``), which only the uniform method recomputes (``layer.head_piece``).
+
+    The fields of the DP configurations (``dp_config``: the codes of _DP_FIELDS; ``dp_rows``: a
+    row of each) join the key as two codes worked out per DP configuration and taken per row:
+    the rank of the degrees (tp, cp, ep, etp) and that of the sharded parameters' fields. Each
+    stands for a run of adjacent columns in their order, so the configurations are numbered as
+    by the columns themselves, for two passes over the batch instead of about thirty (1M
+    DeepSeek-V3 strategies: 9 of 19 columns).
     """
-    sharded = (ints["zero"] >= 3) | (ints["fsdp"] > 0)
+    at = {name: ints[name][dp_rows] for name in _DP_FIELDS}
+    sharded = (at["zero"] >= 3) | (at["fsdp"] > 0)
+    degrees, _ = row_codes([at[name] for name in _LAYER_DEGREES])
+    fsdp, _ = row_codes([
+        sharded,
+        at["dp"] * at["cp"] * sharded,
+        at["shard_group"] * sharded,
+        at["reshard_after_forward"] * sharded,
+        sharded & (at["pp"] > 1) & defers_fsdp_reduce,
+    ])
     split = np.isin(ints["schedule"], SPLIT_SCHEDULE_CODES)
     rebuilt = split & (ints["recompute"] == 2) & weight_grad_rebuilds
-    columns = [ints[name] for name in _LAYER_FIELDS] + [
+    columns = [degrees.take(dp_config)] + [ints[name] for name in _LAYER_FIELDS[len(_LAYER_DEGREES):]] + [
         rebuilt,
-        sharded,
-        ints["dp"] * ints["cp"] * sharded,
-        ints["shard_group"] * sharded,
-        ints["reshard_after_forward"] * sharded,
-        sharded & (ints["pp"] > 1) & defers_fsdp_reduce,
-        sharded & split,
+        fsdp.take(dp_config),
+        sharded.take(dp_config) & split,
     ]
     if mtp:
         columns.append((ints["recompute"] == 2) & (ints["recompute_layers"] > 0))
@@ -242,14 +256,16 @@ def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = 
 class _RowColumns(dict[str, Array]):
     """The strategy columns at ``rows`` as float arrays, each gathered the first time it is read:
     the layer prices read about half of the batch's fields (~5% of their time went to gathering
-    and converting the others)."""
+    and converting the others). _DP_FIELDS are read at ``dp_rows`` instead, rows of the same
+    DP configurations (the same values): a few hundred rows' cache lines rather than nearly
+    every line of the column (1M DeepSeek-V3 strategies, 132,616 rows: ~1.2 ms a field)."""
 
-    def __init__(self, columns: Mapping[str, Array], rows: Array):
+    def __init__(self, columns: Mapping[str, Array], rows: Array, dp_rows: Array):
         super().__init__()
-        self._columns, self._rows = columns, rows
+        self._columns, self._rows, self._dp_rows = columns, rows, dp_rows
 
     def __missing__(self, name: str) -> Array:
-        value = self._columns[name][self._rows].astype(np.float64)
+        value = self._columns[name][self._dp_rows if name in _DP_FIELDS else self._rows].astype(np.float64)
         self[name] = value
         return value
 
@@ -893,20 +909,21 @@ def evaluate(
     ints = {name: getattr(batch, name) for name in StrategyBatch.array_fields()}
     ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
     ints["ep_unpaired"], ints["ep_passes"], ints["ep_pairing"] = ep_pairing(model, batch, ints["ep_overlap"])
-    first, config = distinct_layer_configs(ints, weight_grad_rebuilds, eff.pipeline_defers_fsdp_reduce,
-                                           bool(model.mtp_depth))
+    # Distinct DP configurations (the parameters' stage is added per group), and a row of each.
+    dp_columns = {name: ints[name] for name in _DP_FIELDS}
+    dp_config, dp_count = row_codes(list(dp_columns.values()))
+    dp_rows = first_of_codes(dp_config, dp_count)
+    first, config = distinct_layer_configs(ints, dp_config, dp_rows, weight_grad_rebuilds,
+                                           eff.pipeline_defers_fsdp_reduce, bool(model.mtp_depth))
     ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules,
                        batch.offload_modules)
-    pieces = piece_times(ctx, _RowColumns(ints, first))
+    pieces = piece_times(ctx, _RowColumns(ints, first, dp_rows.take(dp_config.take(first))))
     categories = CATEGORIES if batch.offload_modules else tuple(c for c in CATEGORIES if c != "offload")
     table, per_pass, per_cat = _piece_table(pieces, len(first), categories)
     # Arrays are dropped once read, here and below: each batch-length array alive at once is
     # memory a call touches fresh, whose pages it faults in and zeroes (~2.4 ms per 8 MB on
     # this host; 1M DeepSeek-V3 strategies held ~425 MB at the end of a call).
     del ints, pieces
-    # Distinct DP configurations (the parameters' stage is added per group).
-    dp_columns = {name: getattr(batch, name) for name in _DP_FIELDS}
-    dp_config, _ = row_codes(list(dp_columns.values()))
     priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
                      fabric.host_bw, pipeline, dp_columns, categories)
 
@@ -923,7 +940,7 @@ def evaluate(
     config = config[order]
     recompute_layers = batch.recompute_layers[order]
     p2p_sorted = p2p[order]
-    del group_code, dp_config
+    del group_code, dp_config, dp_rows
     if not details:
         del p2p  # (returned with details alone)
 
