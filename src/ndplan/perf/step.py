@@ -478,9 +478,8 @@ class _Priced:
     params: dict[str, tuple[float, float, float]]
     host_bw: float
     pipeline: PipelineMethod
-    #: _DP_FIELDS as the batch holds them (integers), in the caller's row order: a group reads them
-    #: at one row per distinct DP configuration, converted to floats there
-    dp_columns: dict[str, Array]
+    #: _DP_FIELDS as floats, one value per DP configuration (``evaluate``'s codes)
+    dp_fields: dict[str, Array]
     #: The categories the table holds: every one but ``offload`` where the batch offloads nothing
     #: (a column of zeros costs ~3% of a search's pricing).
     categories: tuple[str, ...] = CATEGORIES
@@ -573,8 +572,125 @@ def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
     return float(apart and bool(model.tie_word_embeddings or model.mtp_depth))
 
 
+@dataclass(frozen=True)
+class _DPStage:
+    """One stage layout's per-step DP and optimizer figures, [u] per DP configuration of its pp
+    (``_dp_stage``), on the stage holding the most parameters per device."""
+
+    position: Array  # [DP configurations] each one's index in the arrays below (-1: another pp)
+    heavy: Array | None  # the heaviest stage's profile (None: one profile)
+    share: Array  # a layer's share of its parameters (FSDP's unit)
+    zero: Array  # the ZeRO stage
+    unbucketed: Array  # Megatron-Core's later heavy stage, reduced as one bucket
+    behind: Array  # the stages still running backwards after the heavy one
+    grad_raw: Array  # the gradient collectives, the part across shard groups, the parameter
+    cross_raw: Array  # all-gather, before overlap (``_dp_raw``)
+    gather_raw: Array
+    optimizer: Array
+    grad_floor: Array  # what stays exposed of them (the last bucket, FSDP's last unit)
+    gather_floor: Array
+    #: Where any is unbucketed: the first stage's profile, its raw gradient collectives and
+    #: all-gather and its last bucket's (Megatron-Core's first stage, whose own last bucket stays
+    #: exposed beside a later heavy stage's).
+    first_stage: tuple[int, Array, Array, Array, Array] | None
+    table_grad: Array | None  # the tied table's gradient summed between stages (None: no copy)
+
+
+def _dp_stage(pr: _Priced, layout: StageLayout) -> _DPStage:
+    """``_price_group``'s figures that depend on the stage layout and the DP configuration
+    alone, for every DP configuration of the layout's pp: worked out once per layout for the
+    groups that share it (1M DeepSeek-V3 strategies: 43 groups, 22 layouts) rather than per
+    group over the group's configurations, element by element either way (the same bits)."""
+    members = np.flatnonzero(pr.dp_fields["pp"] == layout.pp)
+    position = np.full(len(pr.dp_fields["pp"]), -1, dtype=np.int64)
+    position[members] = np.arange(len(members))
+    cu = {name: value[members] for name, value in pr.dp_fields.items()}
+    dp_count = len(members)
+    prof = layout.profile
+    counts = {k: v for k, v in (("dense", prof["dense"]), ("moe", prof["moe"]), ("emb", prof["emb"]),
+                                ("head", prof["head"])) if v.any()}
+    zero_stages = np.zeros(len(layout.profile_count))
+    split_stage, whole_stage, ex_stage = (sum((pr.params[p][i] * v for p, v in counts.items()), zero_stages)
+                                          for i in range(3))
+    # The output stage's own copy of a tied table (or of the embedding MTP modules read).
+    split_stage = split_stage + (float(pr.model.vocab_size * pr.model.hidden_size) * prof["head"]
+                                 * _keeps_table_copy(pr.model, layout))
+    heavy: Array | None = None
+    if len(layout.profile_count) > 1:  # the heaviest stage depends on tp and ep·etp only
+        per_device = (np.multiply.outer(1.0 / cu["tp"], split_stage) + whole_stage
+                      + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage))
+        heavy_u = heavy = np.argmax(per_device, axis=1)
+    else:
+        heavy_u = np.zeros(dp_count, dtype=np.int64)
+    share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy_u], 1.0)
+    # What stays exposed once the backward's compute is done: the last gradient bucket, whose
+    # reduce starts after the last gradient it holds (its all-gather after the update is
+    # likewise the first the next forward waits on). Bucketed runtimes (ZeRO 0-2) cut buckets
+    # by parameters (grad_bucket_params); FSDP/ZeRO-3 reduces unit by unit, a layer each, so
+    # its last unit's share. Megatron-Core buckets the first pipeline stage alone: on a later
+    # stage the stage's whole reduce is one bucket, started after its last backward and hidden
+    # only under the backwards the stages before it still run (one micro-batch's each), while
+    # the first stage's own last bucket stays exposed: the step waits for the later of the two.
+    bucket = grad_bucket_params(pr.eff, pr.overlap, cu["dp"], pr.batch.precision.grad_bytes)
+    sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
+    unbucketed = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0) & ~sharded
+
+    def stages_and_last_buckets(*stages: Array) -> list[tuple[tuple[Array, ...], tuple[Array, ...]]]:
+        """Per profile index array q of ``stages``, ``_dp_raw`` of q's stage per DP
+        configuration: on all of its parameters per device, then on its last bucket's (the
+        gradient collectives, the part across shard groups, the parameter all-gather). All in
+        one call over [2·len(stages)·dp_count]: _dp_raw works element by element, so each part
+        has the figures it has priced alone, for one call's fixed cost (~0.2 ms a group) rather
+        than one a stage and bucket."""
+        params = []
+        for q in stages:
+            ne = split_stage[q] / cu["tp"] + whole_stage[q]
+            ex = ex_stage[q] / (cu["ep"] * cu["etp"])
+            last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
+            last_ex = last_bucket_params(ex, 0.0, bucket)
+            params += [(ne, ex), (last_ne, last_ex)]
+        priced = _dp_raw(pr.batch, {name: np.concatenate([value] * len(params)) for name, value in cu.items()},
+                         np.concatenate([ne for ne, _ in params]), np.concatenate([ex for _, ex in params]), pr.fabric,
+                         pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
+                         foreach=pr.eff.optimizer_kernel == "foreach",
+                         defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
+        part = [tuple(x[i * dp_count:(i + 1) * dp_count] for x in priced) for i in range(len(params))]
+        return [(part[2 * i], part[2 * i + 1]) for i in range(len(stages))]
+
+    # Megatron-Core's first stage, whose own last bucket stays exposed beside a later heavy stage's
+    # (``_price_group``): priced with the heavy stage, in the same call.
+    q0 = int(np.flatnonzero(layout.profile_stage == 0)[0])
+    any_unbucketed = bool(np.any(unbucketed))
+    by_stage = (stages_and_last_buckets(heavy_u, np.full(dp_count, q0)) if any_unbucketed
+                else stages_and_last_buckets(heavy_u))
+    (grad_raw, cross_raw, gather_raw, optimizer), (grad_last, _, gather_last, _) = by_stage[0]
+    first_stage = None
+    if any_unbucketed:
+        raw0, (grad0, _, gather0, _) = by_stage[1]
+        first_stage = (q0, raw0[0], raw0[2], grad0, gather0)
+    table_grad = None
+    if _keeps_table_copy(pr.model, layout):
+        # The embedding's table and the output stage's copy of it (tied, or read by the MTP
+        # modules) take one gradient: summed between the two stages once the backward is done
+        # (Megatron-Core's embedding group, finalize_model_grads), before the update, so exposed.
+        # Sharded gradients (ZeRO-3/FSDP) are summed shard by shard.
+        shards = np.where(cu["zero"] >= 3, cu["dp"] * cu["cp"], 1.0)
+        table_bytes = (pr.model.vocab_size * pr.model.hidden_size / (cu["tp"] * shards)
+                       * pr.batch.precision.grad_bytes)
+        link = group_link(cu["pp"], cu["tp"] * cu["cp"] * cu["dp"], pr.fabric, "p2p")
+        table_grad = np.asarray(coll.all_reduce_s(table_bytes, 2.0, link))
+    return _DPStage(
+        position=position, heavy=heavy, share=share, zero=cu["zero"], unbucketed=unbucketed,
+        behind=layout.profile_stage[heavy_u].astype(np.float64),  # stages still running backwards after it
+        grad_raw=grad_raw, cross_raw=cross_raw, gather_raw=gather_raw, optimizer=optimizer,
+        grad_floor=np.where(unbucketed, 0.0, np.where(sharded, grad_raw * share, grad_last)),
+        gather_floor=np.where(unbucketed, 0.0, np.where(sharded, gather_raw * share, gather_last)),
+        first_stage=first_stage, table_grad=table_grad,
+    )
+
+
 def _price_group(
-    pr: _Priced, layout: StageLayout, cols: dict[str, Array], config: Array, name: str,
+    pr: _Priced, layout: StageLayout, dp: _DPStage, cols: dict[str, Array], config: Array, name: str,
     recompute_layers: Array, p2p: Array, details: bool = True,
 ) -> dict[str, Array]:
     """Every _GROUP_KEYS array for strategies sharing one stage layout and schedule (``name``;
@@ -585,8 +701,6 @@ def _price_group(
     g = len(config)
     rows = np.arange(g)
     prof = layout.profile
-    counts = {k: v for k, v in (("dense", prof["dense"]), ("moe", prof["moe"]), ("emb", prof["emb"]),
-                                ("head", prof["head"])) if v.any()}
     # Stage sums are tabulated per distinct configuration of the group ([u, quantity, P], one
     # matrix product) and gathered. The recompute pieces are zero for configurations without
     # recompute and cover every layer unless recompute_layers limits them: only those rows
@@ -710,100 +824,49 @@ def _price_group(
                                  + pr.per_cat[("rc_moe", cat)][config[partial]] * delta_m[np.arange(len(partial)), star[partial]])
         out["compute_s" if cat == "compute" else f"{cat}_s"] = micro_batches * at_star
 
-    # DP and optimizer: on the stage holding the most parameters per device, priced once per
-    # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy. Every
-    # figure that depends on the DP configuration alone (the raw collectives, the last bucket's,
-    # their floors, which stage is heaviest and its layer share) stays [dp_count] (a dozen
-    # values) and is gathered once where a strategy's own seconds enter: the same operations on
-    # the same values as per strategy, so the same bits, with ~30 fewer passes over the group.
-    zero_stages = np.zeros(len(layout.profile_count))
-    split_stage, whole_stage, ex_stage = (sum((pr.params[p][i] * v for p, v in counts.items()), zero_stages)
-                                          for i in range(3))
-    # The output stage's own copy of a tied table (or of the embedding MTP modules read).
-    split_stage = split_stage + (float(pr.model.vocab_size * pr.model.hidden_size) * prof["head"]
-                                 * _keeps_table_copy(pr.model, layout))
-    dp_code, dp_count = dense_codes(cols["dp_config"])
-    first = first_of_codes(dp_code, dp_count)
-    at = cols["row"][first]
-    cu = {name: pr.dp_columns[name][at].astype(np.float64) for name in _DP_FIELDS}
-    if len(layout.profile_count) > 1:  # the heaviest stage depends on tp and ep·etp only
-        per_device = (np.multiply.outer(1.0 / cu["tp"], split_stage) + whole_stage
-                      + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage))
-        heavy_u = np.argmax(per_device, axis=1)
-        heavy_at = rows * per_mb.shape[1] + heavy_u[dp_code]
+    # DP and optimizer: on the stage holding the most parameters per device, priced once per DP
+    # configuration of the layout (``_dp_stage``); only the overlap is per strategy. Every figure
+    # that depends on the DP configuration alone (the raw collectives, the last bucket's, their
+    # floors, which stage is heaviest and its layer share) is gathered once where a strategy's
+    # own seconds enter: the same operations on the same values as per strategy, so the same
+    # bits, with ~30 fewer passes over the group.
+    dp_code = dp.position.take(cols["dp_config"])
+    if dp.heavy is not None:
+        heavy_at = rows * per_mb.shape[1] + dp.heavy[dp_code]
     else:
-        heavy_u = np.zeros(dp_count, dtype=np.int64)
         heavy_at = rows
     f_heavy = np.take(f, heavy_at)
-    share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy_u], 1.0)  # [dp_count]
     window = np.take(b, heavy_at) + np.take(w, heavy_at)
-    # What stays exposed once the backward's compute is done: the last gradient bucket, whose
-    # reduce starts after the last gradient it holds (its all-gather after the update is
-    # likewise the first the next forward waits on). Bucketed runtimes (ZeRO 0-2) cut buckets
-    # by parameters (grad_bucket_params); FSDP/ZeRO-3 reduces unit by unit, a layer each, so
-    # its last unit's share. Megatron-Core buckets the first pipeline stage alone: on a later
-    # stage the stage's whole reduce is one bucket, started after its last backward and hidden
-    # only under the backwards the stages before it still run (one micro-batch's each), while
-    # the first stage's own last bucket stays exposed: the step waits for the later of the two.
-    bucket = grad_bucket_params(pr.eff, pr.overlap, cu["dp"], pr.batch.precision.grad_bytes)
-    sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
-    unbucketed = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0) & ~sharded
-
-    def stages_and_last_buckets(*stages: Array) -> list[tuple[tuple[Array, ...], tuple[Array, ...]]]:
-        """Per profile index array q of ``stages``, ``_dp_raw`` of q's stage per distinct DP
-        configuration: on all of its parameters per device, then on its last bucket's (the
-        gradient collectives, the part across shard groups, the parameter all-gather). All in
-        one call over [2·len(stages)·dp_count]: _dp_raw works element by element, so each part
-        has the figures it has priced alone, for one call's fixed cost (~0.2 ms a group) rather
-        than one a stage and bucket."""
-        params = []
-        for q in stages:
-            ne = split_stage[q] / cu["tp"] + whole_stage[q]
-            ex = ex_stage[q] / (cu["ep"] * cu["etp"])
-            last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
-            last_ex = last_bucket_params(ex, 0.0, bucket)
-            params += [(ne, ex), (last_ne, last_ex)]
-        priced = _dp_raw(pr.batch, {name: np.concatenate([value] * len(params)) for name, value in cu.items()},
-                         np.concatenate([ne for ne, _ in params]), np.concatenate([ex for _, ex in params]), pr.fabric,
-                         pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
-                         foreach=pr.eff.optimizer_kernel == "foreach",
-                         defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
-        part = [tuple(x[i * dp_count:(i + 1) * dp_count] for x in priced) for i in range(len(params))]
-        return [(part[2 * i], part[2 * i + 1]) for i in range(len(stages))]
-
-    # Megatron-Core's first stage, whose own last bucket stays exposed beside a later heavy stage's
-    # (below): priced with the heavy stage, in the same call.
-    q0 = np.full(dp_count, int(np.flatnonzero(layout.profile_stage == 0)[0])) if np.any(unbucketed) else None
-    by_stage = stages_and_last_buckets(heavy_u) if q0 is None else stages_and_last_buckets(heavy_u, q0)
-    (grad_raw, cross_raw, gather_raw, optimizer_u), (grad_last, _, gather_last, _) = by_stage[0]
-    grad_floor = np.where(unbucketed, 0.0, np.where(sharded, grad_raw * share, grad_last))
-    gather_floor = np.where(unbucketed, 0.0, np.where(sharded, gather_raw * share, gather_last))
-    if np.any(unbucketed):
-        behind = layout.profile_stage[heavy_u].astype(np.float64)  # stages still running backwards after it
-        unbucketed_rows = unbucketed[dp_code]
-        grad_cover = np.where(unbucketed_rows, behind[dp_code] * window, window)
-        gather_cover = np.where(unbucketed_rows, behind[dp_code] * f_heavy, f_heavy)
+    # (Which stages a group's strategies price beside the heavy one: read at its rows, as the
+    # group's own DP configurations.)
+    unbucketed_rows = dp.unbucketed[dp_code] if dp.first_stage is not None else None
+    if unbucketed_rows is not None and not unbucketed_rows.any():
+        unbucketed_rows = None
+    if unbucketed_rows is not None:
+        grad_cover = np.where(unbucketed_rows, dp.behind[dp_code] * window, window)
+        gather_cover = np.where(unbucketed_rows, dp.behind[dp_code] * f_heavy, f_heavy)
     else:
         grad_cover, gather_cover = window, f_heavy
-    grad = _exposed_step(grad_raw[dp_code], grad_cover, grad_floor[dp_code], pr.overlap.dp_grad_reduce)
+    grad_raw, cross_raw, gather_raw, share = dp.grad_raw, dp.cross_raw, dp.gather_raw, dp.share
+    grad = _exposed_step(grad_raw[dp_code], grad_cover, dp.grad_floor[dp_code], pr.overlap.dp_grad_reduce)
     # ZeRO-2 reduce-scatters every micro-batch: m - 1 more than ZeRO-1, each under its own
     # backward, unit by unit as an FSDP does (Megatron-FSDP's optim_grads, FSDP2 without
     # resharding: a layer's share exposed); the last one and the all-reduce across shard groups
     # run as ZeRO-1's do. (On its strategies alone.)
-    zero2 = np.flatnonzero((cu["zero"] == 2)[dp_code])
+    zero2 = np.flatnonzero((dp.zero == 2)[dp_code])
     if len(zero2):
         own = (grad_raw - cross_raw)[dp_code[zero2]]
         per_micro_batch = _exposed_step(own, window[zero2], ((grad_raw - cross_raw) * share)[dp_code[zero2]],
                                         pr.overlap.dp_grad_reduce)
         grad[zero2] = (m[zero2] - 1) * per_micro_batch + grad[zero2]
-    gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor[dp_code], pr.overlap.dp_param_gather)
-    if q0 is not None:
+    gather = _exposed_step(gather_raw[dp_code], gather_cover, dp.gather_floor[dp_code], pr.overlap.dp_param_gather)
+    if unbucketed_rows is not None and dp.first_stage is not None:
         # The first stage's own exposure, priced as the heavy stage's is where that is the first.
-        raw0, (grad0, _, gather0, _) = by_stage[1]
-        at0 = rows * per_mb.shape[1] + q0[dp_code]
-        first_grad = _exposed_step(raw0[0][dp_code], np.take(b, at0) + np.take(w, at0), grad0[dp_code],
+        q0, grad0_raw, gather0_raw, grad0, gather0 = dp.first_stage
+        at0 = rows * per_mb.shape[1] + q0
+        first_grad = _exposed_step(grad0_raw[dp_code], np.take(b, at0) + np.take(w, at0), grad0[dp_code],
                                    pr.overlap.dp_grad_reduce)
-        first_gather = _exposed_step(raw0[2][dp_code], np.take(f, at0), gather0[dp_code], pr.overlap.dp_param_gather)
+        first_gather = _exposed_step(gather0_raw[dp_code], np.take(f, at0), gather0[dp_code], pr.overlap.dp_param_gather)
         grad = np.where(unbucketed_rows, np.maximum(grad, first_grad), grad)
         gather = np.where(unbucketed_rows, np.maximum(gather, first_gather), gather)
     if pr.eff.pipeline_defers_fsdp_reduce and pp > 1:
@@ -811,13 +874,13 @@ def _price_group(
         # and the compute stream waits for it (exposed); a run's gathers, where parameters stay
         # gathered, come before its first forward, prefetched unit by unit (the first exposed).
         # (On its strategies alone.)
-        deferred = np.flatnonzero((cu["zero"] >= 3)[dp_code])
+        deferred = np.flatnonzero((dp.zero >= 3)[dp_code])
         if len(deferred):
             code_d = dp_code[deferred]
             grad[deferred] = grad_raw[code_d]
             per_run = _exposed_step(gather_raw[code_d], f_heavy[deferred], (gather_raw * share)[code_d],
                                     pr.overlap.fsdp_prefetch)
-            if vpp > ACTIVE_CHUNKS and np.any(gather_raw > 0):
+            if vpp > ACTIVE_CHUNKS and np.any(gather_raw[dp_code] > 0):  # (the group's DP configurations)
                 # More chunks on a rank than torch keeps gathered: some are freed and gathered again
                 # within the run (schedule.unshard), prefetched under the run's compute.
                 m_d = m[deferred]
@@ -832,17 +895,9 @@ def _price_group(
     # at a run's last backward); ZeRO-1/2 gather the parameters once, after the update.
     dp_step = runs * grad
     dp_step += gather
-    if _keeps_table_copy(pr.model, layout):
-        # The embedding's table and the output stage's copy of it (tied, or read by the MTP
-        # modules) take one gradient: summed between the two stages once the backward is done
-        # (Megatron-Core's embedding group, finalize_model_grads), before the update, so exposed.
-        # Sharded gradients (ZeRO-3/FSDP) are summed shard by shard.
-        shards = np.where(cu["zero"] >= 3, cu["dp"] * cu["cp"], 1.0)
-        table_bytes = (pr.model.vocab_size * pr.model.hidden_size / (cu["tp"] * shards)
-                       * pr.batch.precision.grad_bytes)
-        link = group_link(cu["pp"], cu["tp"] * cu["cp"] * cu["dp"], pr.fabric, "p2p")
-        dp_step += np.asarray(coll.all_reduce_s(table_bytes, 2.0, link))[dp_code]
-    optimizer = optimizer_u[dp_code]
+    if dp.table_grad is not None:
+        dp_step += dp.table_grad[dp_code]
+    optimizer = dp.optimizer[dp_code]
 
     out["dp_s"] = out["dp_s"] + dp_step
     out["dp_step_s"] = dp_step
@@ -925,7 +980,8 @@ def evaluate(
     # this host; 1M DeepSeek-V3 strategies held ~425 MB at the end of a call).
     del ints, pieces
     priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
-                     fabric.host_bw, pipeline, dp_columns, categories)
+                     fabric.host_bw, pipeline, {name: value[dp_rows].astype(np.float64) for name, value in dp_columns.items()},
+                     categories)
 
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
@@ -952,16 +1008,20 @@ def evaluate(
     out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted and (key != "offload_s" or "offload" in categories)}
     chunk_seconds: Array | None = None
     limited_rows, limited_fraction = [np.zeros(0, dtype=np.int64)], [np.zeros(0)]
+    dp_stages: dict[tuple[int, int, bool, bool, bool], _DPStage] = {}  # per stage layout, which groups share
     for gi in range(group_count):
         sl = slice(int(bounds[gi]), int(bounds[gi + 1]))
         i0 = int(order[sl.start])
         name = CODES["schedule"][int(batch.schedule[i0])]  # (a group's _GROUP_FIELDS: one schedule)
-        layout = stage_layout(model, int(batch.pp[i0]), int(batch.vpp[i0]), is_v_shape(name), stage_layers,
-                              bool(batch.embedding_as_layer[i0]), bool(batch.output_as_layer[i0]))
+        shape = (int(batch.pp[i0]), int(batch.vpp[i0]), is_v_shape(name), bool(batch.embedding_as_layer[i0]),
+                 bool(batch.output_as_layer[i0]))
+        layout = stage_layout(model, shape[0], shape[1], shape[2], stage_layers, shape[3], shape[4])
+        if shape not in dp_stages:
+            dp_stages[shape] = _dp_stage(priced, layout)
         group_cols = {key: value[sl] for key, value in cols.items()}
         group_cols.update({key: value[sl].astype(np.float64) for key, value in counts.items()})
-        group = _price_group(priced, layout, group_cols, config[sl], name, recompute_layers[sl], p2p_sorted[sl],
-                             details)
+        group = _price_group(priced, layout, dp_stages[shape], group_cols, config[sl], name, recompute_layers[sl],
+                             p2p_sorted[sl], details)
         for key, value in group.items():
             if key == "chunk_seconds":  # per stage and chunk: kept for a batch of one (estimate_time)
                 chunk_seconds = value if n == 1 else None
