@@ -519,7 +519,8 @@ def _piece_table(pieces: Mapping[str, PieceTimes], n: int, categories: tuple[str
     return table, per_pass, per_cat
 
 
-def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_code: Array) -> Array:
+def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_code: Array, dp_config: Array,
+                 dp_rows: Array) -> Array:
     """Per strategy, seconds of one point-to-point send between pipeline stages (0 without a
     pipeline): one op's activation [mbs, seq/(cp·k), h] (/tp with SP), k = seq_chunks: Seq1F1B
     sends each of a micro-batch's k sub-sequences on its own (the schedule's ops and its
@@ -534,18 +535,23 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_c
     The share is a function of (pp, tp·cp·dp, schedule, vpp) alone: worked out once per
     distinct (``_group_codes``' ``group_code``, which holds the first and the last, stride) (a few
     dozen in a million strategies) and gathered, rather than through a score of [n]
-    temporaries; the mean only on the rows whose share is strictly between 0 and 1."""
+    temporaries; the mean only on the rows whose share is strictly between 0 and 1. The
+    stride is the DP configuration's (``dp_config``, ``dp_rows``: a row of each): worked out
+    and ranked per configuration, its rank taken per row, which numbers the links as the
+    strides would (two products and a renumbering of the batch's length less)."""
     t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
     divisor = batch.cp * t_sp
     divisor *= batch.seq_chunks
     p2p_bytes = (batch.micro_batch_size * batch.seq_length) / divisor
     p2p_bytes *= model.hidden_size * batch.precision.activation_bytes
-    stride = batch.tp * batch.cp
-    stride *= batch.dp
-    link_code, links = row_codes([group_code, stride])
+    stride = batch.tp[dp_rows] * batch.cp[dp_rows]
+    stride *= batch.dp[dp_rows]
+    stride_rank, _ = dense_codes(stride)
+    link_code, links = row_codes([group_code, stride_rank.take(dp_config)])
     first = first_of_codes(link_code, links)
     share = np.array([pipeline_crossing_share(CODES["schedule"][int(batch.schedule[i])], int(batch.pp[i]),
-                                              int(batch.vpp[i]), int(stride[i]), fabric.domain) for i in first])
+                                              int(batch.vpp[i]), int(stride[dp_config[i]]), fabric.domain)
+                      for i in first])
     inside_bw = float(inside_bandwidth(fabric, 2.0))
     # Each link's latency and bandwidth (the network's where every hop crosses), taken per row:
     # latency + bytes / bandwidth, the sum and quotient of scale-up or scale-out sends as such.
@@ -990,9 +996,9 @@ def evaluate(
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
     group_code, group_count = _group_codes(batch)
-    p2p = _p2p_seconds(model, batch, fabric, group_code)
+    p2p = _p2p_seconds(model, batch, fabric, group_code, dp_config, dp_rows)
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
-    bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(group_code, minlength=group_count))))
     # The counts stay integers here and are made floats a group at a time (a group's slice is in
     # cache, and its floats take no fresh pages: a batch's length of them did, three times).
     counts = {name: _gathered(getattr(batch, name), order) for name in _STEP_FIELDS}
