@@ -160,23 +160,29 @@ def ep_pairing(model: ModelSpec, batch: StrategyBatch, flags: Array) -> tuple[Ar
     (``schedule.pairing``), counted once per distinct (schedule, pp, vpp, micro-batches,
     sequence chunks); (0, 1) elsewhere. The code (0 elsewhere, else 1 + that tuple's index) is
     small, so layer configurations key on it rather than on the counts."""
-    unpaired = np.zeros(len(batch), dtype=np.int64)
-    passes = np.ones(len(batch), dtype=np.int64)
+    code, counted = ep_pairing_codes(model, batch, flags)
+    return counted[code, 0], counted[code, 1], code
+
+
+def ep_pairing_codes(model: ModelSpec, batch: StrategyBatch, flags: Array) -> tuple[Array, Array]:
+    """``ep_pairing``'s pairing code of each strategy and the [codes, 2] (unpaired forwards,
+    forwards) of each code, without spreading the counts over the batch: ``evaluate`` reads
+    them at a row per layer configuration (two batch-length arrays and a gather less)."""
     code = np.zeros(len(batch), dtype=np.int64)
+    elsewhere = np.array([[0, 1]], dtype=np.int64)
     if "moe" not in model.layer_mlp_kinds:
-        return unpaired, passes, code
+        return code, elsewhere
     on = np.flatnonzero((np.asarray(flags) > 0) & (batch.ep > 1))
     if not len(on):
-        return unpaired, passes, code
+        return code, elsewhere
     fields = ("schedule", "pp", "vpp", "num_micro_batches", "seq_chunks")
     columns = [getattr(batch, name)[on] for name in fields]
     codes, count = row_codes(columns)
     counted = np.array([unpaired_forwards(CODES["schedule"][int(columns[0][row])],
                                           *(int(c[row]) for c in columns[1:]))
                         for row in first_of_codes(codes, count).tolist()], dtype=np.int64).reshape(count, 2)
-    unpaired[on], passes[on] = counted[codes, 0], counted[codes, 1]
     code[on] = codes + 1
-    return unpaired, passes, code
+    return code, np.concatenate([elsewhere, counted])
 
 
 def strategy_columns(model: ModelSpec, batch: StrategyBatch, overlap: OverlapConfig) -> dict[str, Array]:
@@ -973,7 +979,7 @@ def evaluate(
     # Layer prices, once per distinct layer configuration.
     ints = {name: getattr(batch, name) for name in StrategyBatch.array_fields()}
     ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
-    ints["ep_unpaired"], ints["ep_passes"], ints["ep_pairing"] = ep_pairing(model, batch, ints["ep_overlap"])
+    ints["ep_pairing"], pairing_counts = ep_pairing_codes(model, batch, ints["ep_overlap"])
     # Distinct DP configurations (the parameters' stage is added per group), and a row of each.
     dp_columns = {name: ints[name] for name in _DP_FIELDS}
     dp_config, dp_count = row_codes(list(dp_columns.values()))
@@ -982,13 +988,17 @@ def evaluate(
                                            eff.pipeline_defers_fsdp_reduce, bool(model.mtp_depth))
     ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules,
                        batch.offload_modules)
-    pieces = piece_times(ctx, _RowColumns(ints, first, dp_rows.take(dp_config.take(first))))
+    at_first = _RowColumns(ints, first, dp_rows.take(dp_config.take(first)))
+    pairing = ints["ep_pairing"][first]  # (a field of the layer key)
+    at_first["ep_unpaired"] = pairing_counts[pairing, 0].astype(np.float64)
+    at_first["ep_passes"] = pairing_counts[pairing, 1].astype(np.float64)
+    pieces = piece_times(ctx, at_first)
     categories = CATEGORIES if batch.offload_modules else tuple(c for c in CATEGORIES if c != "offload")
     table, per_pass, per_cat = _piece_table(pieces, len(first), categories)
     # Arrays are dropped once read, here and below: each batch-length array alive at once is
     # memory a call touches fresh, whose pages it faults in and zeroes (~2.4 ms per 8 MB on
     # this host; 1M DeepSeek-V3 strategies held ~425 MB at the end of a call).
-    del ints, pieces
+    del ints, at_first, pieces
     priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
                      fabric.host_bw, pipeline, {name: value[dp_rows].astype(np.float64) for name, value in dp_columns.items()},
                      categories)
