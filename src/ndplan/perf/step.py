@@ -108,6 +108,9 @@ _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_
                  "sequence_parallel", "recompute", "ep_overlap", "ep_pairing")
 #: The first of _LAYER_FIELDS, which the DP configurations fix (``distinct_layer_configs``).
 _LAYER_DEGREES = ("tp", "cp", "ep", "etp")
+#: Per schedule code, whether the schedule splits the backward (SPLIT_SCHEDULE_CODES): taken
+#: per strategy (1M strategies: 0.36 ms, where np.isin took 1.04 ms).
+_SPLITS_BACKWARD = np.isin(np.arange(len(CODES["schedule"])), SPLIT_SCHEDULE_CODES)
 #: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy: counts they
 #: multiply by (as floats).
 _STEP_FIELDS = ("num_micro_batches", "pipeline_runs", "seq_chunks")
@@ -246,7 +249,7 @@ def distinct_layer_configs(ints: dict[str, Array], dp_config: Array, dp_rows: Ar
         at["reshard_after_forward"] * sharded,
         sharded & (at["pp"] > 1) & defers_fsdp_reduce,
     ])
-    split = np.isin(ints["schedule"], SPLIT_SCHEDULE_CODES)
+    split = _SPLITS_BACKWARD.take(ints["schedule"])
     rebuilt = split & (ints["recompute"] == 2) & weight_grad_rebuilds
     columns = [degrees.take(dp_config)] + [ints[name] for name in _LAYER_FIELDS[len(_LAYER_DEGREES):]] + [
         rebuilt,
