@@ -721,7 +721,10 @@ def _price_group(
     # recompute and cover every layer unless recompute_layers limits them: only those rows
     # get a correction.
     local, u = dense_codes(config)
-    group_configs = config[first_of_codes(local, u)]
+    # The distinct configurations in code order, each written by its rows (one scatter; finding
+    # a row of each and gathering took ~1.3 ms more over 1M DeepSeek-V3 strategies' 43 groups).
+    group_configs = np.empty(u, dtype=config.dtype)
+    group_configs[local] = config
     piece_counts = np.stack([prof["dense"], prof["moe"], prof["emb"], prof["head"], prof["dense"], prof["moe"],
                              prof["head"] * _keeps_table_copy(pr.model, layout)])
     quantities = pr.table.shape[1]
