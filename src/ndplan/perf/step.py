@@ -492,6 +492,9 @@ class _Priced:
     #: The categories the table holds: every one but ``offload`` where the batch offloads nothing
     #: (a column of zeros costs ~3% of a search's pricing).
     categories: tuple[str, ...] = CATEGORIES
+    #: Categories but dp that no layer configuration has (ep without experts): zeros for every
+    #: strategy, which ``evaluate`` fills rather than the groups.
+    idle: frozenset[str] = frozenset()
 
 
 def _piece_table(pieces: Mapping[str, PieceTimes], n: int, categories: tuple[str, ...]) -> tuple[
@@ -840,6 +843,8 @@ def _price_group(
     star_categories = np.take(by_stage, local * stages + star, axis=0)  # [g, categories]
     micro_batches = m * runs  # micro-batches per step
     for i, cat in enumerate(pr.categories):
+        if cat in pr.idle:
+            continue  # (+0.0 for every strategy: evaluate's zeros)
         at_star = star_categories[:, i]
         if len(partial):
             at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
@@ -1001,13 +1006,20 @@ def evaluate(
     pieces = piece_times(ctx, at_first)
     categories = CATEGORIES if batch.offload_modules else tuple(c for c in CATEGORIES if c != "offload")
     table, per_pass, per_cat = _piece_table(pieces, len(first), categories)
+    # A category every piece prices at zero in every pass (expert all-to-alls in a dense model)
+    # sums to +0.0 in the table (from +0.0), so to +0.0 on every strategy's bottleneck stage,
+    # times its micro-batches: zeros, neither worked out per group nor gathered back (dp is
+    # not: the per-step DP adds to it). Read from the pieces' own arrays, stopping at the
+    # first nonzero one (the table's strided column took ~11 ms on 1M DeepSeek-V3 strategies).
+    idle = frozenset(cat for cat in categories if cat != "dp" and not any(
+        np.any(pieces[name].get(pass_, cat)) for name in PIECES for pass_ in PASSES))
     # Arrays are dropped once read, here and below: each batch-length array alive at once is
     # memory a call touches fresh, whose pages it faults in and zeroes (~2.4 ms per 8 MB on
     # this host; 1M DeepSeek-V3 strategies held ~425 MB at the end of a call).
     del ints, at_first, pieces
     priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
                      fabric.host_bw, pipeline, {name: value[dp_rows].astype(np.float64) for name, value in dp_columns.items()},
-                     categories)
+                     categories, idle)
 
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
@@ -1030,8 +1042,10 @@ def evaluate(
     # 16: 1M strategies, 56 MB less written and gathered back). The share of layers recomputed
     # comes back only for the rows whose recompute limit sets it (the rest is the batch's).
     wanted: tuple[str, ...] = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
-    # Where the batch offloads nothing, its offload seconds are zeros, not gathered from the groups.
-    out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted and (key != "offload_s" or "offload" in categories)}
+    # Where the batch offloads nothing, its offload seconds are zeros, not gathered from the groups;
+    # so are the seconds of a category no layer configuration has (idle).
+    zeros = {f"{cat}_s" for cat in CATEGORIES if cat not in categories or cat in idle}
+    out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted and key not in zeros}
     chunk_seconds: Array | None = None
     limited_rows, limited_fraction = [np.zeros(0, dtype=np.int64)], [np.zeros(0)]
     dp_stages: dict[tuple[int, int, bool, bool, bool], _DPStage] = {}  # per stage layout, which groups share
@@ -1075,8 +1089,8 @@ def evaluate(
         res[key] = np.take(value, back, out=spare, mode="clip")
         spare = value
     del out, back
-    if "offload_s" not in res:
-        res["offload_s"] = np.zeros(n)
+    for key in zeros:
+        res[key] = np.zeros(n)
     if details:
         res["p2p_s"] = p2p
     # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts,
