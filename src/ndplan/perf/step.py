@@ -106,6 +106,11 @@ _GROUP_KEYS = (
 #: overlapped expert passes, which ``ep_pairing``'s code stands for).
 _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_kind", "ulysses_degree",
                  "sequence_parallel", "recompute", "ep_overlap", "ep_pairing")
+#: The first of _LAYER_FIELDS, which the DP configurations fix (``distinct_layer_configs``).
+_LAYER_DEGREES = ("tp", "cp", "ep", "etp")
+#: Per schedule code, whether the schedule splits the backward (SPLIT_SCHEDULE_CODES): taken
+#: per strategy (1M strategies: 0.36 ms, where np.isin took 1.04 ms).
+_SPLITS_BACKWARD = np.isin(np.arange(len(CODES["schedule"])), SPLIT_SCHEDULE_CODES)
 #: Strategy fields the stage, pipeline, DP and optimizer formulas read per strategy: counts they
 #: multiply by (as floats).
 _STEP_FIELDS = ("num_micro_batches", "pipeline_runs", "seq_chunks")
@@ -158,23 +163,29 @@ def ep_pairing(model: ModelSpec, batch: StrategyBatch, flags: Array) -> tuple[Ar
     (``schedule.pairing``), counted once per distinct (schedule, pp, vpp, micro-batches,
     sequence chunks); (0, 1) elsewhere. The code (0 elsewhere, else 1 + that tuple's index) is
     small, so layer configurations key on it rather than on the counts."""
-    unpaired = np.zeros(len(batch), dtype=np.int64)
-    passes = np.ones(len(batch), dtype=np.int64)
+    code, counted = ep_pairing_codes(model, batch, flags)
+    return counted[code, 0], counted[code, 1], code
+
+
+def ep_pairing_codes(model: ModelSpec, batch: StrategyBatch, flags: Array) -> tuple[Array, Array]:
+    """``ep_pairing``'s pairing code of each strategy and the [codes, 2] (unpaired forwards,
+    forwards) of each code, without spreading the counts over the batch: ``evaluate`` reads
+    them at a row per layer configuration (two batch-length arrays and a gather less)."""
     code = np.zeros(len(batch), dtype=np.int64)
+    elsewhere = np.array([[0, 1]], dtype=np.int64)
     if "moe" not in model.layer_mlp_kinds:
-        return unpaired, passes, code
+        return code, elsewhere
     on = np.flatnonzero((np.asarray(flags) > 0) & (batch.ep > 1))
     if not len(on):
-        return unpaired, passes, code
+        return code, elsewhere
     fields = ("schedule", "pp", "vpp", "num_micro_batches", "seq_chunks")
     columns = [getattr(batch, name)[on] for name in fields]
     codes, count = row_codes(columns)
     counted = np.array([unpaired_forwards(CODES["schedule"][int(columns[0][row])],
                                           *(int(c[row]) for c in columns[1:]))
                         for row in first_of_codes(codes, count).tolist()], dtype=np.int64).reshape(count, 2)
-    unpaired[on], passes[on] = counted[codes, 0], counted[codes, 1]
     code[on] = codes + 1
-    return unpaired, passes, code
+    return code, np.concatenate([elsewhere, counted])
 
 
 def strategy_columns(model: ModelSpec, batch: StrategyBatch, overlap: OverlapConfig) -> dict[str, Array]:
@@ -209,7 +220,7 @@ def piece_params(model: ModelSpec) -> dict[str, tuple[float, float, float]]:
     return out
 
 
-def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = False,
+def distinct_layer_configs(ints: dict[str, Array], dp_config: Array, dp_rows: Array, weight_grad_rebuilds: bool = False,
                            defers_fsdp_reduce: bool = False, mtp: bool = False) -> tuple[Array, Array]:
     """(first row of each distinct layer configuration, the configuration code of every row).
 
@@ -220,18 +231,30 @@ def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = 
     where it does (``defers_fsdp_reduce``, ``layer._fsdp_seconds``); whether full recompute
     limits its layers (``recompute_layers``, Megatron's block method) only for a model with MTP
     modules (``mtp``), which only the uniform method recomputes (``layer.head_piece``).
+
+    The fields of the DP configurations (``dp_config``: the codes of _DP_FIELDS; ``dp_rows``: a
+    row of each) join the key as two codes worked out per DP configuration and taken per row:
+    the rank of the degrees (tp, cp, ep, etp) and that of the sharded parameters' fields. Each
+    stands for a run of adjacent columns in their order, so the configurations are numbered as
+    by the columns themselves, for two passes over the batch instead of about thirty (1M
+    DeepSeek-V3 strategies: 9 of 19 columns).
     """
-    sharded = (ints["zero"] >= 3) | (ints["fsdp"] > 0)
-    split = np.isin(ints["schedule"], SPLIT_SCHEDULE_CODES)
-    rebuilt = split & (ints["recompute"] == 2) & weight_grad_rebuilds
-    columns = [ints[name] for name in _LAYER_FIELDS] + [
-        rebuilt,
+    at = {name: ints[name][dp_rows] for name in _DP_FIELDS}
+    sharded = (at["zero"] >= 3) | (at["fsdp"] > 0)
+    degrees, _ = row_codes([at[name] for name in _LAYER_DEGREES])
+    fsdp, _ = row_codes([
         sharded,
-        ints["dp"] * ints["cp"] * sharded,
-        ints["shard_group"] * sharded,
-        ints["reshard_after_forward"] * sharded,
-        sharded & (ints["pp"] > 1) & defers_fsdp_reduce,
-        sharded & split,
+        at["dp"] * at["cp"] * sharded,
+        at["shard_group"] * sharded,
+        at["reshard_after_forward"] * sharded,
+        sharded & (at["pp"] > 1) & defers_fsdp_reduce,
+    ])
+    split = _SPLITS_BACKWARD.take(ints["schedule"])
+    rebuilt = split & (ints["recompute"] == 2) & weight_grad_rebuilds
+    columns = [degrees.take(dp_config)] + [ints[name] for name in _LAYER_FIELDS[len(_LAYER_DEGREES):]] + [
+        rebuilt,
+        fsdp.take(dp_config),
+        sharded.take(dp_config) & split,
     ]
     if mtp:
         columns.append((ints["recompute"] == 2) & (ints["recompute_layers"] > 0))
@@ -242,14 +265,16 @@ def distinct_layer_configs(ints: dict[str, Array], weight_grad_rebuilds: bool = 
 class _RowColumns(dict[str, Array]):
     """The strategy columns at ``rows`` as float arrays, each gathered the first time it is read:
     the layer prices read about half of the batch's fields (~5% of their time went to gathering
-    and converting the others)."""
+    and converting the others). _DP_FIELDS are read at ``dp_rows`` instead, rows of the same
+    DP configurations (the same values): a few hundred rows' cache lines rather than nearly
+    every line of the column (1M DeepSeek-V3 strategies, 132,616 rows: ~1.2 ms a field)."""
 
-    def __init__(self, columns: Mapping[str, Array], rows: Array):
+    def __init__(self, columns: Mapping[str, Array], rows: Array, dp_rows: Array):
         super().__init__()
-        self._columns, self._rows = columns, rows
+        self._columns, self._rows, self._dp_rows = columns, rows, dp_rows
 
     def __missing__(self, name: str) -> Array:
-        value = self._columns[name][self._rows].astype(np.float64)
+        value = self._columns[name][self._dp_rows if name in _DP_FIELDS else self._rows].astype(np.float64)
         self[name] = value
         return value
 
@@ -462,12 +487,14 @@ class _Priced:
     params: dict[str, tuple[float, float, float]]
     host_bw: float
     pipeline: PipelineMethod
-    #: _DP_FIELDS as the batch holds them (integers), in the caller's row order: a group reads them
-    #: at one row per distinct DP configuration, converted to floats there
-    dp_columns: dict[str, Array]
+    #: _DP_FIELDS as floats, one value per DP configuration (``evaluate``'s codes)
+    dp_fields: dict[str, Array]
     #: The categories the table holds: every one but ``offload`` where the batch offloads nothing
     #: (a column of zeros costs ~3% of a search's pricing).
     categories: tuple[str, ...] = CATEGORIES
+    #: Categories but dp that no layer configuration has (ep without experts): zeros for every
+    #: strategy, which ``evaluate`` fills rather than the groups.
+    idle: frozenset[str] = frozenset()
 
 
 def _piece_table(pieces: Mapping[str, PieceTimes], n: int, categories: tuple[str, ...]) -> tuple[
@@ -504,7 +531,8 @@ def _piece_table(pieces: Mapping[str, PieceTimes], n: int, categories: tuple[str
     return table, per_pass, per_cat
 
 
-def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_code: Array) -> Array:
+def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_code: Array, dp_config: Array,
+                 dp_rows: Array) -> Array:
     """Per strategy, seconds of one point-to-point send between pipeline stages (0 without a
     pipeline): one op's activation [mbs, seq/(cp·k), h] (/tp with SP), k = seq_chunks: Seq1F1B
     sends each of a micro-batch's k sub-sequences on its own (the schedule's ops and its
@@ -519,18 +547,23 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_c
     The share is a function of (pp, tp·cp·dp, schedule, vpp) alone: worked out once per
     distinct (``_group_codes``' ``group_code``, which holds the first and the last, stride) (a few
     dozen in a million strategies) and gathered, rather than through a score of [n]
-    temporaries; the mean only on the rows whose share is strictly between 0 and 1."""
+    temporaries; the mean only on the rows whose share is strictly between 0 and 1. The
+    stride is the DP configuration's (``dp_config``, ``dp_rows``: a row of each): worked out
+    and ranked per configuration, its rank taken per row, which numbers the links as the
+    strides would (two products and a renumbering of the batch's length less)."""
     t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
     divisor = batch.cp * t_sp
     divisor *= batch.seq_chunks
     p2p_bytes = (batch.micro_batch_size * batch.seq_length) / divisor
     p2p_bytes *= model.hidden_size * batch.precision.activation_bytes
-    stride = batch.tp * batch.cp
-    stride *= batch.dp
-    link_code, links = row_codes([group_code, stride])
+    stride = batch.tp[dp_rows] * batch.cp[dp_rows]
+    stride *= batch.dp[dp_rows]
+    stride_rank, _ = dense_codes(stride)
+    link_code, links = row_codes([group_code, stride_rank.take(dp_config)])
     first = first_of_codes(link_code, links)
     share = np.array([pipeline_crossing_share(CODES["schedule"][int(batch.schedule[i])], int(batch.pp[i]),
-                                              int(batch.vpp[i]), int(stride[i]), fabric.domain) for i in first])
+                                              int(batch.vpp[i]), int(stride[dp_config[i]]), fabric.domain)
+                      for i in first])
     inside_bw = float(inside_bandwidth(fabric, 2.0))
     # Each link's latency and bandwidth (the network's where every hop crosses), taken per row:
     # latency + bytes / bandwidth, the sum and quotient of scale-up or scale-out sends as such.
@@ -557,8 +590,125 @@ def _keeps_table_copy(model: ModelSpec, layout: StageLayout) -> float:
     return float(apart and bool(model.tie_word_embeddings or model.mtp_depth))
 
 
+@dataclass(frozen=True)
+class _DPStage:
+    """One stage layout's per-step DP and optimizer figures, [u] per DP configuration of its pp
+    (``_dp_stage``), on the stage holding the most parameters per device."""
+
+    position: Array  # [DP configurations] each one's index in the arrays below (-1: another pp)
+    heavy: Array | None  # the heaviest stage's profile (None: one profile)
+    share: Array  # a layer's share of its parameters (FSDP's unit)
+    zero: Array  # the ZeRO stage
+    unbucketed: Array  # Megatron-Core's later heavy stage, reduced as one bucket
+    behind: Array  # the stages still running backwards after the heavy one
+    grad_raw: Array  # the gradient collectives, the part across shard groups, the parameter
+    cross_raw: Array  # all-gather, before overlap (``_dp_raw``)
+    gather_raw: Array
+    optimizer: Array
+    grad_floor: Array  # what stays exposed of them (the last bucket, FSDP's last unit)
+    gather_floor: Array
+    #: Where any is unbucketed: the first stage's profile, its raw gradient collectives and
+    #: all-gather and its last bucket's (Megatron-Core's first stage, whose own last bucket stays
+    #: exposed beside a later heavy stage's).
+    first_stage: tuple[int, Array, Array, Array, Array] | None
+    table_grad: Array | None  # the tied table's gradient summed between stages (None: no copy)
+
+
+def _dp_stage(pr: _Priced, layout: StageLayout) -> _DPStage:
+    """``_price_group``'s figures that depend on the stage layout and the DP configuration
+    alone, for every DP configuration of the layout's pp: worked out once per layout for the
+    groups that share it (1M DeepSeek-V3 strategies: 43 groups, 21 layouts) rather than per
+    group over the group's configurations, element by element either way (the same bits)."""
+    members = np.flatnonzero(pr.dp_fields["pp"] == layout.pp)
+    position = np.full(len(pr.dp_fields["pp"]), -1, dtype=np.int64)
+    position[members] = np.arange(len(members))
+    cu = {name: value[members] for name, value in pr.dp_fields.items()}
+    dp_count = len(members)
+    prof = layout.profile
+    counts = {k: v for k, v in (("dense", prof["dense"]), ("moe", prof["moe"]), ("emb", prof["emb"]),
+                                ("head", prof["head"])) if v.any()}
+    zero_stages = np.zeros(len(layout.profile_count))
+    split_stage, whole_stage, ex_stage = (sum((pr.params[p][i] * v for p, v in counts.items()), zero_stages)
+                                          for i in range(3))
+    # The output stage's own copy of a tied table (or of the embedding MTP modules read).
+    split_stage = split_stage + (float(pr.model.vocab_size * pr.model.hidden_size) * prof["head"]
+                                 * _keeps_table_copy(pr.model, layout))
+    heavy: Array | None = None
+    if len(layout.profile_count) > 1:  # the heaviest stage depends on tp and ep·etp only
+        per_device = (np.multiply.outer(1.0 / cu["tp"], split_stage) + whole_stage
+                      + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage))
+        heavy_u = heavy = np.argmax(per_device, axis=1)
+    else:
+        heavy_u = np.zeros(dp_count, dtype=np.int64)
+    share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy_u], 1.0)
+    # What stays exposed once the backward's compute is done: the last gradient bucket, whose
+    # reduce starts after the last gradient it holds (its all-gather after the update is
+    # likewise the first the next forward waits on). Bucketed runtimes (ZeRO 0-2) cut buckets
+    # by parameters (grad_bucket_params); FSDP/ZeRO-3 reduces unit by unit, a layer each, so
+    # its last unit's share. Megatron-Core buckets the first pipeline stage alone: on a later
+    # stage the stage's whole reduce is one bucket, started after its last backward and hidden
+    # only under the backwards the stages before it still run (one micro-batch's each), while
+    # the first stage's own last bucket stays exposed: the step waits for the later of the two.
+    bucket = grad_bucket_params(pr.eff, pr.overlap, cu["dp"], pr.batch.precision.grad_bytes)
+    sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
+    unbucketed = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0) & ~sharded
+
+    def stages_and_last_buckets(*stages: Array) -> list[tuple[tuple[Array, ...], tuple[Array, ...]]]:
+        """Per profile index array q of ``stages``, ``_dp_raw`` of q's stage per DP
+        configuration: on all of its parameters per device, then on its last bucket's (the
+        gradient collectives, the part across shard groups, the parameter all-gather). All in
+        one call over [2·len(stages)·dp_count]: _dp_raw works element by element, so each part
+        has the figures it has priced alone, for one call's fixed cost (~0.2 ms a layout) rather
+        than one a stage and bucket."""
+        params = []
+        for q in stages:
+            ne = split_stage[q] / cu["tp"] + whole_stage[q]
+            ex = ex_stage[q] / (cu["ep"] * cu["etp"])
+            last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
+            last_ex = last_bucket_params(ex, 0.0, bucket)
+            params += [(ne, ex), (last_ne, last_ex)]
+        priced = _dp_raw(pr.batch, {name: np.concatenate([value] * len(params)) for name, value in cu.items()},
+                         np.concatenate([ne for ne, _ in params]), np.concatenate([ex for _, ex in params]), pr.fabric,
+                         pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
+                         foreach=pr.eff.optimizer_kernel == "foreach",
+                         defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
+        part = [tuple(x[i * dp_count:(i + 1) * dp_count] for x in priced) for i in range(len(params))]
+        return [(part[2 * i], part[2 * i + 1]) for i in range(len(stages))]
+
+    # Megatron-Core's first stage, whose own last bucket stays exposed beside a later heavy stage's
+    # (``_price_group``): priced with the heavy stage, in the same call.
+    q0 = int(np.flatnonzero(layout.profile_stage == 0)[0])
+    any_unbucketed = bool(np.any(unbucketed))
+    by_stage = (stages_and_last_buckets(heavy_u, np.full(dp_count, q0)) if any_unbucketed
+                else stages_and_last_buckets(heavy_u))
+    (grad_raw, cross_raw, gather_raw, optimizer), (grad_last, _, gather_last, _) = by_stage[0]
+    first_stage = None
+    if any_unbucketed:
+        raw0, (grad0, _, gather0, _) = by_stage[1]
+        first_stage = (q0, raw0[0], raw0[2], grad0, gather0)
+    table_grad = None
+    if _keeps_table_copy(pr.model, layout):
+        # The embedding's table and the output stage's copy of it (tied, or read by the MTP
+        # modules) take one gradient: summed between the two stages once the backward is done
+        # (Megatron-Core's embedding group, finalize_model_grads), before the update, so exposed.
+        # Sharded gradients (ZeRO-3/FSDP) are summed shard by shard.
+        shards = np.where(cu["zero"] >= 3, cu["dp"] * cu["cp"], 1.0)
+        table_bytes = (pr.model.vocab_size * pr.model.hidden_size / (cu["tp"] * shards)
+                       * pr.batch.precision.grad_bytes)
+        link = group_link(cu["pp"], cu["tp"] * cu["cp"] * cu["dp"], pr.fabric, "p2p")
+        table_grad = np.asarray(coll.all_reduce_s(table_bytes, 2.0, link))
+    return _DPStage(
+        position=position, heavy=heavy, share=share, zero=cu["zero"], unbucketed=unbucketed,
+        behind=layout.profile_stage[heavy_u].astype(np.float64),  # stages still running backwards after it
+        grad_raw=grad_raw, cross_raw=cross_raw, gather_raw=gather_raw, optimizer=optimizer,
+        grad_floor=np.where(unbucketed, 0.0, np.where(sharded, grad_raw * share, grad_last)),
+        gather_floor=np.where(unbucketed, 0.0, np.where(sharded, gather_raw * share, gather_last)),
+        first_stage=first_stage, table_grad=table_grad,
+    )
+
+
 def _price_group(
-    pr: _Priced, layout: StageLayout, cols: dict[str, Array], config: Array, name: str,
+    pr: _Priced, layout: StageLayout, dp: _DPStage, cols: dict[str, Array], config: Array, name: str,
     recompute_layers: Array, p2p: Array, details: bool = True,
 ) -> dict[str, Array]:
     """Every _GROUP_KEYS array for strategies sharing one stage layout and schedule (``name``;
@@ -569,14 +719,15 @@ def _price_group(
     g = len(config)
     rows = np.arange(g)
     prof = layout.profile
-    counts = {k: v for k, v in (("dense", prof["dense"]), ("moe", prof["moe"]), ("emb", prof["emb"]),
-                                ("head", prof["head"])) if v.any()}
     # Stage sums are tabulated per distinct configuration of the group ([u, quantity, P], one
     # matrix product) and gathered. The recompute pieces are zero for configurations without
     # recompute and cover every layer unless recompute_layers limits them: only those rows
     # get a correction.
     local, u = dense_codes(config)
-    group_configs = config[first_of_codes(local, u)]
+    # The distinct configurations in code order, each written by its rows (one scatter; finding
+    # a row of each and gathering took ~1.3 ms more over 1M DeepSeek-V3 strategies' 43 groups).
+    group_configs = np.empty(u, dtype=config.dtype)
+    group_configs[local] = config
     piece_counts = np.stack([prof["dense"], prof["moe"], prof["emb"], prof["head"], prof["dense"], prof["moe"],
                              prof["head"] * _keeps_table_copy(pr.model, layout)])
     quantities = pr.table.shape[1]
@@ -683,111 +834,66 @@ def _price_group(
         chunk_seconds = np.stack([fc, bc, wc], axis=1)  # what the simulator ran: [g, F/B/W, pp, vpp]
 
     out: dict[str, Array] = {}  # (no offload_s where the batch offloads nothing: ``evaluate``'s zeros)
-    # Each strategy's quantities on its bottleneck stage, taken at flat positions of tables
-    # (~2.5x faster than the mixed fancy index tables[local, i, star]).
-    star_in_tables = local * (tables.shape[1] * tables.shape[2]) + star
+    # Each strategy's categories on its bottleneck stage: the tables' categories made rows of
+    # [configuration·stage profile, categories] (a small copy) and taken whole per strategy, one
+    # take of a row (a cache line) rather than one take per category at flat positions of the
+    # tables (1M DeepSeek-V3 strategies' 43 groups, with the step counts' product: 22.1 -> 13.1 ms).
+    stages = tables.shape[2]
+    by_stage = np.ascontiguousarray(tables[:, len(PASSES):, :].transpose(0, 2, 1)).reshape(u * stages, -1)
+    star_categories = np.take(by_stage, local * stages + star, axis=0)  # [g, categories]
     micro_batches = m * runs  # micro-batches per step
-    for i, cat in enumerate(pr.categories, start=len(PASSES)):
-        at_star = np.take(tables, star_in_tables + i * tables.shape[2])
+    for i, cat in enumerate(pr.categories):
+        if cat in pr.idle:
+            continue  # (+0.0 for every strategy: evaluate's zeros)
+        at_star = star_categories[:, i]
         if len(partial):
             at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
                                  + pr.per_cat[("rc_moe", cat)][config[partial]] * delta_m[np.arange(len(partial)), star[partial]])
         out["compute_s" if cat == "compute" else f"{cat}_s"] = micro_batches * at_star
 
-    # DP and optimizer: on the stage holding the most parameters per device, priced once per
-    # distinct (degrees, ZeRO, stage) of the group; only the overlap is per strategy. Every
-    # figure that depends on the DP configuration alone (the raw collectives, the last bucket's,
-    # their floors, which stage is heaviest and its layer share) stays [dp_count] (a dozen
-    # values) and is gathered once where a strategy's own seconds enter: the same operations on
-    # the same values as per strategy, so the same bits, with ~30 fewer passes over the group.
-    zero_stages = np.zeros(len(layout.profile_count))
-    split_stage, whole_stage, ex_stage = (sum((pr.params[p][i] * v for p, v in counts.items()), zero_stages)
-                                          for i in range(3))
-    # The output stage's own copy of a tied table (or of the embedding MTP modules read).
-    split_stage = split_stage + (float(pr.model.vocab_size * pr.model.hidden_size) * prof["head"]
-                                 * _keeps_table_copy(pr.model, layout))
-    dp_code, dp_count = dense_codes(cols["dp_config"])
-    first = first_of_codes(dp_code, dp_count)
-    at = cols["row"][first]
-    cu = {name: pr.dp_columns[name][at].astype(np.float64) for name in _DP_FIELDS}
-    if len(layout.profile_count) > 1:  # the heaviest stage depends on tp and ep·etp only
-        per_device = (np.multiply.outer(1.0 / cu["tp"], split_stage) + whole_stage
-                      + np.multiply.outer(1.0 / (cu["ep"] * cu["etp"]), ex_stage))
-        heavy_u = np.argmax(per_device, axis=1)
-        heavy_at = rows * per_mb.shape[1] + heavy_u[dp_code]
+    # DP and optimizer: on the stage holding the most parameters per device, priced once per DP
+    # configuration of the layout (``_dp_stage``); only the overlap is per strategy. Every figure
+    # that depends on the DP configuration alone (the raw collectives, the last bucket's, their
+    # floors, which stage is heaviest and its layer share) is gathered once where a strategy's
+    # own seconds enter: the same operations on the same values as per strategy, so the same
+    # bits, with ~30 fewer passes over the group.
+    dp_code = dp.position.take(cols["dp_config"])
+    if dp.heavy is not None:
+        heavy_at = rows * per_mb.shape[1] + dp.heavy[dp_code]
     else:
-        heavy_u = np.zeros(dp_count, dtype=np.int64)
         heavy_at = rows
     f_heavy = np.take(f, heavy_at)
-    share = 1.0 / np.maximum((prof["dense"] + prof["moe"])[heavy_u], 1.0)  # [dp_count]
     window = np.take(b, heavy_at) + np.take(w, heavy_at)
-    # What stays exposed once the backward's compute is done: the last gradient bucket, whose
-    # reduce starts after the last gradient it holds (its all-gather after the update is
-    # likewise the first the next forward waits on). Bucketed runtimes (ZeRO 0-2) cut buckets
-    # by parameters (grad_bucket_params); FSDP/ZeRO-3 reduces unit by unit, a layer each, so
-    # its last unit's share. Megatron-Core buckets the first pipeline stage alone: on a later
-    # stage the stage's whole reduce is one bucket, started after its last backward and hidden
-    # only under the backwards the stages before it still run (one micro-batch's each), while
-    # the first stage's own last bucket stays exposed: the step waits for the later of the two.
-    bucket = grad_bucket_params(pr.eff, pr.overlap, cu["dp"], pr.batch.precision.grad_bytes)
-    sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
-    unbucketed = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0) & ~sharded
-
-    def stages_and_last_buckets(*stages: Array) -> list[tuple[tuple[Array, ...], tuple[Array, ...]]]:
-        """Per profile index array q of ``stages``, ``_dp_raw`` of q's stage per distinct DP
-        configuration: on all of its parameters per device, then on its last bucket's (the
-        gradient collectives, the part across shard groups, the parameter all-gather). All in
-        one call over [2·len(stages)·dp_count]: _dp_raw works element by element, so each part
-        has the figures it has priced alone, for one call's fixed cost (~0.2 ms a group) rather
-        than one a stage and bucket."""
-        params = []
-        for q in stages:
-            ne = split_stage[q] / cu["tp"] + whole_stage[q]
-            ex = ex_stage[q] / (cu["ep"] * cu["etp"])
-            last_ne = last_bucket_params(ne, pr.params["emb"][0] * prof["emb"][q] / cu["tp"], bucket)
-            last_ex = last_bucket_params(ex, 0.0, bucket)
-            params += [(ne, ex), (last_ne, last_ex)]
-        priced = _dp_raw(pr.batch, {name: np.concatenate([value] * len(params)) for name, value in cu.items()},
-                         np.concatenate([ne for ne, _ in params]), np.concatenate([ex for _, ex in params]), pr.fabric,
-                         pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
-                         foreach=pr.eff.optimizer_kernel == "foreach",
-                         defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
-        part = [tuple(x[i * dp_count:(i + 1) * dp_count] for x in priced) for i in range(len(params))]
-        return [(part[2 * i], part[2 * i + 1]) for i in range(len(stages))]
-
-    # Megatron-Core's first stage, whose own last bucket stays exposed beside a later heavy stage's
-    # (below): priced with the heavy stage, in the same call.
-    q0 = np.full(dp_count, int(np.flatnonzero(layout.profile_stage == 0)[0])) if np.any(unbucketed) else None
-    by_stage = stages_and_last_buckets(heavy_u) if q0 is None else stages_and_last_buckets(heavy_u, q0)
-    (grad_raw, cross_raw, gather_raw, optimizer_u), (grad_last, _, gather_last, _) = by_stage[0]
-    grad_floor = np.where(unbucketed, 0.0, np.where(sharded, grad_raw * share, grad_last))
-    gather_floor = np.where(unbucketed, 0.0, np.where(sharded, gather_raw * share, gather_last))
-    if np.any(unbucketed):
-        behind = layout.profile_stage[heavy_u].astype(np.float64)  # stages still running backwards after it
-        unbucketed_rows = unbucketed[dp_code]
-        grad_cover = np.where(unbucketed_rows, behind[dp_code] * window, window)
-        gather_cover = np.where(unbucketed_rows, behind[dp_code] * f_heavy, f_heavy)
+    # (Which stages a group's strategies price beside the heavy one: read at its rows, as the
+    # group's own DP configurations.)
+    unbucketed_rows = dp.unbucketed[dp_code] if dp.first_stage is not None else None
+    if unbucketed_rows is not None and not unbucketed_rows.any():
+        unbucketed_rows = None
+    if unbucketed_rows is not None:
+        grad_cover = np.where(unbucketed_rows, dp.behind[dp_code] * window, window)
+        gather_cover = np.where(unbucketed_rows, dp.behind[dp_code] * f_heavy, f_heavy)
     else:
         grad_cover, gather_cover = window, f_heavy
-    grad = _exposed_step(grad_raw[dp_code], grad_cover, grad_floor[dp_code], pr.overlap.dp_grad_reduce)
+    grad_raw, cross_raw, gather_raw, share = dp.grad_raw, dp.cross_raw, dp.gather_raw, dp.share
+    grad = _exposed_step(grad_raw[dp_code], grad_cover, dp.grad_floor[dp_code], pr.overlap.dp_grad_reduce)
     # ZeRO-2 reduce-scatters every micro-batch: m - 1 more than ZeRO-1, each under its own
     # backward, unit by unit as an FSDP does (Megatron-FSDP's optim_grads, FSDP2 without
     # resharding: a layer's share exposed); the last one and the all-reduce across shard groups
     # run as ZeRO-1's do. (On its strategies alone.)
-    zero2 = np.flatnonzero((cu["zero"] == 2)[dp_code])
+    zero2 = np.flatnonzero((dp.zero == 2)[dp_code])
     if len(zero2):
         own = (grad_raw - cross_raw)[dp_code[zero2]]
         per_micro_batch = _exposed_step(own, window[zero2], ((grad_raw - cross_raw) * share)[dp_code[zero2]],
                                         pr.overlap.dp_grad_reduce)
         grad[zero2] = (m[zero2] - 1) * per_micro_batch + grad[zero2]
-    gather = _exposed_step(gather_raw[dp_code], gather_cover, gather_floor[dp_code], pr.overlap.dp_param_gather)
-    if q0 is not None:
+    gather = _exposed_step(gather_raw[dp_code], gather_cover, dp.gather_floor[dp_code], pr.overlap.dp_param_gather)
+    if unbucketed_rows is not None and dp.first_stage is not None:
         # The first stage's own exposure, priced as the heavy stage's is where that is the first.
-        raw0, (grad0, _, gather0, _) = by_stage[1]
-        at0 = rows * per_mb.shape[1] + q0[dp_code]
-        first_grad = _exposed_step(raw0[0][dp_code], np.take(b, at0) + np.take(w, at0), grad0[dp_code],
+        q0, grad0_raw, gather0_raw, grad0, gather0 = dp.first_stage
+        at0 = rows * per_mb.shape[1] + q0
+        first_grad = _exposed_step(grad0_raw[dp_code], np.take(b, at0) + np.take(w, at0), grad0[dp_code],
                                    pr.overlap.dp_grad_reduce)
-        first_gather = _exposed_step(raw0[2][dp_code], np.take(f, at0), gather0[dp_code], pr.overlap.dp_param_gather)
+        first_gather = _exposed_step(gather0_raw[dp_code], np.take(f, at0), gather0[dp_code], pr.overlap.dp_param_gather)
         grad = np.where(unbucketed_rows, np.maximum(grad, first_grad), grad)
         gather = np.where(unbucketed_rows, np.maximum(gather, first_gather), gather)
     if pr.eff.pipeline_defers_fsdp_reduce and pp > 1:
@@ -795,13 +901,13 @@ def _price_group(
         # and the compute stream waits for it (exposed); a run's gathers, where parameters stay
         # gathered, come before its first forward, prefetched unit by unit (the first exposed).
         # (On its strategies alone.)
-        deferred = np.flatnonzero((cu["zero"] >= 3)[dp_code])
+        deferred = np.flatnonzero((dp.zero >= 3)[dp_code])
         if len(deferred):
             code_d = dp_code[deferred]
             grad[deferred] = grad_raw[code_d]
             per_run = _exposed_step(gather_raw[code_d], f_heavy[deferred], (gather_raw * share)[code_d],
                                     pr.overlap.fsdp_prefetch)
-            if vpp > ACTIVE_CHUNKS and np.any(gather_raw > 0):
+            if vpp > ACTIVE_CHUNKS and np.any(gather_raw[dp_code] > 0):  # (the group's DP configurations)
                 # More chunks on a rank than torch keeps gathered: some are freed and gathered again
                 # within the run (schedule.unshard), prefetched under the run's compute.
                 m_d = m[deferred]
@@ -816,17 +922,9 @@ def _price_group(
     # at a run's last backward); ZeRO-1/2 gather the parameters once, after the update.
     dp_step = runs * grad
     dp_step += gather
-    if _keeps_table_copy(pr.model, layout):
-        # The embedding's table and the output stage's copy of it (tied, or read by the MTP
-        # modules) take one gradient: summed between the two stages once the backward is done
-        # (Megatron-Core's embedding group, finalize_model_grads), before the update, so exposed.
-        # Sharded gradients (ZeRO-3/FSDP) are summed shard by shard.
-        shards = np.where(cu["zero"] >= 3, cu["dp"] * cu["cp"], 1.0)
-        table_bytes = (pr.model.vocab_size * pr.model.hidden_size / (cu["tp"] * shards)
-                       * pr.batch.precision.grad_bytes)
-        link = group_link(cu["pp"], cu["tp"] * cu["cp"] * cu["dp"], pr.fabric, "p2p")
-        dp_step += np.asarray(coll.all_reduce_s(table_bytes, 2.0, link))[dp_code]
-    optimizer = optimizer_u[dp_code]
+    if dp.table_grad is not None:
+        dp_step += dp.table_grad[dp_code]
+    optimizer = dp.optimizer[dp_code]
 
     out["dp_s"] = out["dp_s"] + dp_step
     out["dp_step_s"] = dp_step
@@ -892,52 +990,78 @@ def evaluate(
     # Layer prices, once per distinct layer configuration.
     ints = {name: getattr(batch, name) for name in StrategyBatch.array_fields()}
     ints["ep_overlap"] = strategy_overlap_flags(batch, ov)
-    ints["ep_unpaired"], ints["ep_passes"], ints["ep_pairing"] = ep_pairing(model, batch, ints["ep_overlap"])
-    first, config = distinct_layer_configs(ints, weight_grad_rebuilds, eff.pipeline_defers_fsdp_reduce,
-                                           bool(model.mtp_depth))
+    ints["ep_pairing"], pairing_counts = ep_pairing_codes(model, batch, ints["ep_overlap"])
+    # Distinct DP configurations (the parameters' stage is added per group), and a row of each.
+    dp_columns = {name: ints[name] for name in _DP_FIELDS}
+    dp_config, dp_count = row_codes(list(dp_columns.values()))
+    dp_rows = first_of_codes(dp_config, dp_count)
+    first, config = distinct_layer_configs(ints, dp_config, dp_rows, weight_grad_rebuilds,
+                                           eff.pipeline_defers_fsdp_reduce, bool(model.mtp_depth))
     ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules,
                        batch.offload_modules)
-    pieces = piece_times(ctx, _RowColumns(ints, first))
+    at_first = _RowColumns(ints, first, dp_rows.take(dp_config.take(first)))
+    pairing = ints["ep_pairing"][first]  # (a field of the layer key)
+    at_first["ep_unpaired"] = pairing_counts[pairing, 0].astype(np.float64)
+    at_first["ep_passes"] = pairing_counts[pairing, 1].astype(np.float64)
+    pieces = piece_times(ctx, at_first)
     categories = CATEGORIES if batch.offload_modules else tuple(c for c in CATEGORIES if c != "offload")
     table, per_pass, per_cat = _piece_table(pieces, len(first), categories)
-    # Distinct DP configurations (the parameters' stage is added per group).
-    dp_config, _ = row_codes([ints[name] for name in _DP_FIELDS])
-    dp_columns = {name: ints[name] for name in _DP_FIELDS}
+    # A category every piece prices at zero in every pass (expert all-to-alls in a dense model)
+    # sums to +0.0 in the table (from +0.0), so to +0.0 on every strategy's bottleneck stage,
+    # times its micro-batches: zeros, neither worked out per group nor gathered back (dp is
+    # not: the per-step DP adds to it). Read from the pieces' own arrays, stopping at the
+    # first nonzero one (the table's strided column took ~11 ms on 1M DeepSeek-V3 strategies).
+    idle = frozenset(cat for cat in categories if cat != "dp" and not any(
+        np.any(pieces[name].get(pass_, cat)) for name in PIECES for pass_ in PASSES))
+    # Arrays are dropped once read, here and below: each batch-length array alive at once is
+    # memory a call touches fresh, whose pages it faults in and zeroes (~2.4 ms per 8 MB on
+    # this host; 1M DeepSeek-V3 strategies held ~425 MB at the end of a call).
+    del ints, at_first, pieces
     priced = _Priced(model, batch, eff, ov, rates, fabric, per_pass, per_cat, table, piece_params(model),
-                     fabric.host_bw, pipeline, dp_columns, categories)
+                     fabric.host_bw, pipeline, {name: value[dp_rows].astype(np.float64) for name, value in dp_columns.items()},
+                     categories, idle)
 
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
     group_code, group_count = _group_codes(batch)
-    p2p = _p2p_seconds(model, batch, fabric, group_code)
+    p2p = _p2p_seconds(model, batch, fabric, group_code, dp_config, dp_rows)
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
-    bounds = np.searchsorted(group_code[order], np.arange(group_count + 1))
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(group_code, minlength=group_count))))
     # The counts stay integers here and are made floats a group at a time (a group's slice is in
     # cache, and its floats take no fresh pages: a batch's length of them did, three times).
-    counts = {name: ints[name][order] for name in _STEP_FIELDS}
-    cols = {"dp_config": dp_config[order], "row": order}  # indices, kept integral
-    config = config[order]
-    recompute_layers = batch.recompute_layers[order]
+    counts = {name: _gathered(getattr(batch, name), order) for name in _STEP_FIELDS}
+    cols = {"dp_config": _gathered(dp_config, order, 0, dp_count - 1), "row": order}  # indices, kept integral
+    config = _gathered(config, order, 0, len(first) - 1)
+    recompute_layers = _gathered(batch.recompute_layers, order)
     p2p_sorted = p2p[order]
+    del group_code, dp_config, dp_rows
+    if not details:
+        del p2p  # (returned with details alone)
 
     # Only the arrays the caller reads are kept from the groups (without ``details``, 9 of the
     # 16: 1M strategies, 56 MB less written and gathered back). The share of layers recomputed
     # comes back only for the rows whose recompute limit sets it (the rest is the batch's).
     wanted: tuple[str, ...] = OUTPUT_KEYS + DETAIL_KEYS if details else OUTPUT_KEYS
-    # Where the batch offloads nothing, its offload seconds are zeros, not gathered from the groups.
-    out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted and (key != "offload_s" or "offload" in categories)}
+    # Where the batch offloads nothing, its offload seconds are zeros, not gathered from the groups;
+    # so are the seconds of a category no layer configuration has (idle).
+    zeros = {f"{cat}_s" for cat in CATEGORIES if cat not in categories or cat in idle}
+    out = {key: np.empty(n) for key in _GROUP_KEYS if key in wanted and key not in zeros}
     chunk_seconds: Array | None = None
     limited_rows, limited_fraction = [np.zeros(0, dtype=np.int64)], [np.zeros(0)]
+    dp_stages: dict[tuple[int, int, bool, bool, bool], _DPStage] = {}  # per stage layout, which groups share
     for gi in range(group_count):
         sl = slice(int(bounds[gi]), int(bounds[gi + 1]))
         i0 = int(order[sl.start])
         name = CODES["schedule"][int(batch.schedule[i0])]  # (a group's _GROUP_FIELDS: one schedule)
-        layout = stage_layout(model, int(batch.pp[i0]), int(batch.vpp[i0]), is_v_shape(name), stage_layers,
-                              bool(batch.embedding_as_layer[i0]), bool(batch.output_as_layer[i0]))
+        shape = (int(batch.pp[i0]), int(batch.vpp[i0]), is_v_shape(name), bool(batch.embedding_as_layer[i0]),
+                 bool(batch.output_as_layer[i0]))
+        layout = stage_layout(model, shape[0], shape[1], shape[2], stage_layers, shape[3], shape[4])
+        if shape not in dp_stages:
+            dp_stages[shape] = _dp_stage(priced, layout)
         group_cols = {key: value[sl] for key, value in cols.items()}
         group_cols.update({key: value[sl].astype(np.float64) for key, value in counts.items()})
-        group = _price_group(priced, layout, group_cols, config[sl], name, recompute_layers[sl], p2p_sorted[sl],
-                             details)
+        group = _price_group(priced, layout, dp_stages[shape], group_cols, config[sl], name, recompute_layers[sl],
+                             p2p_sorted[sl], details)
         for key, value in group.items():
             if key == "chunk_seconds":  # per stage and chunk: kept for a batch of one (estimate_time)
                 chunk_seconds = value if n == 1 else None
@@ -948,19 +1072,30 @@ def evaluate(
             elif key in out:
                 out[key][sl] = value
 
+    del counts, cols, config, recompute_layers, p2p_sorted, priced, table, per_pass, per_cat
+
     # Back to the batch's order (a slice written per group and one gather at the end: scattering
     # each group's rows into the batch's order instead took twice as long); the step and the
     # figures derived from it are worked out in that order (element-wise, the same values),
-    # which spares gathering each of them and their inputs.
+    # which spares gathering each of them and their inputs. Each figure is gathered into the
+    # group-order array of the one before it, read already: one fresh array for them all
+    # rather than one each (9 gathers of 1M figures: 45 -> 23 ms in a scratch test). Mode
+    # "clip" writes into ``out=`` directly ("raise" buffers it); the indices are in range.
     back = np.empty_like(order)
     back[order] = np.arange(n)
-    res = {key: value[back] for key, value in out.items()}
-    if "offload_s" not in res:
-        res["offload_s"] = np.zeros(n)
-    res["p2p_s"] = p2p
+    res: dict[str, Array] = {}
+    spare = np.empty(n)
+    for key, value in out.items():
+        res[key] = np.take(value, back, out=spare, mode="clip")
+        spare = value
+    del out, back
+    for key in zeros:
+        res[key] = np.zeros(n)
+    if details:
+        res["p2p_s"] = p2p
     # bubble is clipped at 0 (a makespan cannot undercut m·T*), so the step is the sum of parts,
     # summed in place in the order written (the same bits as one expression, fewer temporaries)
-    step = res["compute_s"] + res["tp_s"]
+    step = np.add(res["compute_s"], res["tp_s"], out=spare)
     for key in ("cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s", "optimizer_s"):
         step += res[key]
     res["step_s"] = step
@@ -977,11 +1112,30 @@ def evaluate(
     res["hardware_flops"] = np.multiply(batch.global_batch_size, hardware_flops, out=hardware_flops)
     capacity = res["step_s"] * (cluster.num_devices * rates.peak_flops)
     res["mfu"] = res["model_flops"] / capacity
-    res["hfu"] = res["hardware_flops"] / capacity
+    res["hfu"] = np.divide(res["hardware_flops"], capacity, out=capacity)
     if details and chunk_seconds is not None:
         res["chunk_seconds"] = chunk_seconds
         wanted += ("chunk_seconds",)
     return {key: res[key] for key in wanted}
+
+
+def _gathered(values: Array, order: Array, low: int | None = None, high: int | None = None) -> Array:
+    """``values[order]`` of an integer column (``low`` and ``high``: its least and largest, where
+    the caller has them, as for codes): the one value broadcast (read-only) where it holds one
+    (1M mixed DeepSeek-V3 strategies: ``pipeline_runs`` and ``recompute_layers``); else gathered
+    from an int32 copy where the values fit, and left int32, the same integers for the groups,
+    which read them as floats, codes or indices. A gather in group order reads its values at
+    random, a cache line each: from int32, half the lines, for a copy that is a pass in order
+    (1M DeepSeek-V3 strategies' six columns, two of one value: 28.1 -> 11.5 ms, replayed)."""
+    if not len(values):
+        return values[order]
+    if low is None or high is None:
+        low, high = int(values.min()), int(values.max())
+    if low == high:
+        return np.broadcast_to(values[:1], (len(order),))
+    if -(1 << 31) <= low and high < 1 << 31:
+        return values.astype(np.int32).take(order)
+    return values.take(order)
 
 
 def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> tuple[Array, Array, Array]:
