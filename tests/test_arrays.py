@@ -1,4 +1,5 @@
-"""ndplan.arrays.unique gives np.unique's results; the batch paths that use it import no numpy.ma."""
+"""ndplan.arrays.unique gives np.unique's results; the batch paths that use it import no numpy.ma;
+``gathered`` gives the plain gather's integers."""
 
 import subprocess
 import sys
@@ -6,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from ndplan.arrays import unique
+from ndplan.arrays import gathered, unique
 
 
 def _cases() -> list[np.ndarray]:
@@ -88,3 +89,25 @@ print(result.fitting > 0, "numpy.ma" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "False"]
+
+
+@pytest.mark.parametrize("widen", [True, False])
+def test_gathered_is_the_plain_gather_with_its_integers(widen):
+    rng = np.random.default_rng(3)
+    order = rng.permutation(1000)
+    for values in (rng.integers(-5, 3000, 1000), rng.integers(0, 2, 1000).astype(bool),
+                   np.full(1000, 7, dtype=np.int64), rng.integers(1 << 40, 1 << 41, 1000)):
+        got = gathered(values, order, widen=widen)
+        np.testing.assert_array_equal(got, values[order])
+        if values.dtype == np.int64 and widen:
+            assert got.dtype == np.int64
+    one = gathered(np.full(1000, 7, dtype=np.int64), order)
+    assert one.strides == (0,) and not one.flags.writeable  # the one value broadcast, read-only
+    narrow = gathered(rng.integers(0, 50, 1000), order, widen=False)
+    assert narrow.dtype == np.int32  # left narrow where asked
+    # codes with their range given: the same, read from the caller's bounds
+    codes = rng.integers(0, 10, 1000)
+    np.testing.assert_array_equal(gathered(codes, order, low=0, high=9, widen=widen), codes[order])
+    # floats are gathered as they are (no rounding of their range into one value)
+    halves = np.array([0.25, 0.75] * 500)
+    np.testing.assert_array_equal(gathered(halves, order), halves[order])

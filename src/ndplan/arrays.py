@@ -1,5 +1,8 @@
 """Small array helpers the batch paths share (strategy batches, the memory and time models).
 
+``gathered`` takes an integer column in another order through an int32 copy (half the cache
+lines a random gather reads) or broadcasts its one value.
+
 ``unique`` stands in for ``np.unique`` on 1-D arrays: the same results, without the import of
 ``numpy.ma`` that numpy 2's ``np.unique`` makes on its first call in a process (its values-only
 path asks ``np.ma.is_masked``: 6-14 ms once, paid inside the first search).
@@ -66,3 +69,27 @@ def unique(values: np.ndarray, return_index: bool = False, return_inverse: bool 
         inverse[order] = np.cumsum(starts) - 1
         result.append(inverse.reshape(np.shape(values)))  # numpy 2: the input's shape
     return tuple(result)
+
+
+def gathered(values: np.ndarray, order: np.ndarray, *, low: int | None = None, high: int | None = None,
+             widen: bool = True) -> np.ndarray:
+    """``values[order]`` of an integer column: the one value broadcast (read-only) where it holds
+    one; else, for int64 values that fit 32 bits, gathered from an int32 copy and, with
+    ``widen``, made int64 again (the same integers either way; without it, left int32 for callers
+    that read them as floats, codes or indices). ``low`` and ``high``: the values' least and
+    largest, where the caller has them (codes: 0 and their count less one).
+
+    A gather in another order reads each value from a cache line of its own: from int32, half
+    the lines, for a copy, a widening and the least and largest that are passes in order (1M
+    mixed DeepSeek-V3 strategies: the memory model's 12 fields 42-46 -> 24-26 ms; the step-time
+    model's six columns, two of one value, 28.1 -> 11.5 ms)."""
+    if not len(values) or values.dtype.kind not in "biu":  # (integers and booleans alone)
+        return values.take(order)
+    if low is None or high is None:
+        low, high = int(values.min()), int(values.max())
+    if low == high:
+        return np.broadcast_to(values[:1], (len(order),))
+    if values.dtype == np.int64 and -(1 << 31) <= low and high < 1 << 31:
+        narrow = values.astype(np.int32).take(order)
+        return narrow.astype(np.int64) if widen else narrow
+    return values.take(order)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 
-from ndplan.arrays import unique
+from ndplan.arrays import gathered, unique
 from ndplan.census.record import CensusRecord, Recompute
 from ndplan.errors import NdplanError
 from ndplan.memory.overhead import RuntimeOverhead, overhead_model
@@ -1921,20 +1921,12 @@ def _group_combinations(rows: np.ndarray, codes: np.ndarray, part: slice) -> tup
 
 
 def _gathered(values: np.ndarray, order: np.ndarray, *, unread: bool = False) -> np.ndarray:
-    """values[order], or the one value broadcast (read-only) where ``values`` holds one, or
-    where the field is ``unread`` (its first value: 1M mixed strategies, three fields' gathers
-    less).
-
-    The gather reads the values at random, each from a cache line of its own: int64 values
-    that fit 32 bits are gathered from an int32 copy (half the lines to fetch) and widened back,
-    the same integers; the copy, the widening and the values' least and largest are passes in
-    order, cheaper than the lines they save (1M mixed DeepSeek-V3 strategies, 12 fields: 42-46 ->
-    24-26 ms; 200k: 7.1 -> 4.2 ms; 50k: 1.2 -> 0.9 ms)."""
-    if len(values) and (unread or _one_value(values)):
+    """values[order] (``ndplan.arrays.gathered``: from an int32 copy where the values fit, the
+    one value broadcast where they hold one), or the first value broadcast (read-only) where the
+    field is ``unread`` (1M mixed strategies: three fields' gathers less)."""
+    if len(values) and unread:
         return np.broadcast_to(values[:1], (len(order),))
-    if values.dtype == np.int64 and len(values) and -(1 << 31) <= int(values.min()) and int(values.max()) < 1 << 31:
-        return values.astype(np.int32).take(order).astype(np.int64)
-    return values.take(order)
+    return gathered(values, order)
 
 
 def _repeated(values: np.ndarray, counts: list[int]) -> np.ndarray:

@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ndplan.arrays import unique
+from ndplan.arrays import gathered, unique
 from ndplan.errors import NdplanError
 from ndplan.hardware.device import Cluster
 from ndplan.memory.static import mtp_extra_split, non_expert_split, shard_groups
@@ -1029,10 +1029,10 @@ def evaluate(
     bounds = np.concatenate(([0], np.cumsum(np.bincount(group_code, minlength=group_count))))
     # The counts stay integers here and are made floats a group at a time (a group's slice is in
     # cache, and its floats take no fresh pages: a batch's length of them did, three times).
-    counts = {name: _gathered(getattr(batch, name), order) for name in _STEP_FIELDS}
-    cols = {"dp_config": _gathered(dp_config, order, 0, dp_count - 1), "row": order}  # indices, kept integral
-    config = _gathered(config, order, 0, len(first) - 1)
-    recompute_layers = _gathered(batch.recompute_layers, order)
+    counts = {name: gathered(getattr(batch, name), order, widen=False) for name in _STEP_FIELDS}
+    cols = {"dp_config": gathered(dp_config, order, low=0, high=dp_count - 1, widen=False), "row": order}  # indices, kept integral
+    config = gathered(config, order, low=0, high=len(first) - 1, widen=False)
+    recompute_layers = gathered(batch.recompute_layers, order, widen=False)
     p2p_sorted = p2p[order]
     del group_code, dp_config, dp_rows
     if not details:
@@ -1117,25 +1117,6 @@ def evaluate(
         res["chunk_seconds"] = chunk_seconds
         wanted += ("chunk_seconds",)
     return {key: res[key] for key in wanted}
-
-
-def _gathered(values: Array, order: Array, low: int | None = None, high: int | None = None) -> Array:
-    """``values[order]`` of an integer column (``low`` and ``high``: its least and largest, where
-    the caller has them, as for codes): the one value broadcast (read-only) where it holds one
-    (1M mixed DeepSeek-V3 strategies: ``pipeline_runs`` and ``recompute_layers``); else gathered
-    from an int32 copy where the values fit, and left int32, the same integers for the groups,
-    which read them as floats, codes or indices. A gather in group order reads its values at
-    random, a cache line each: from int32, half the lines, for a copy that is a pass in order
-    (1M DeepSeek-V3 strategies' six columns, two of one value: 28.1 -> 11.5 ms, replayed)."""
-    if not len(values):
-        return values[order]
-    if low is None or high is None:
-        low, high = int(values.min()), int(values.max())
-    if low == high:
-        return np.broadcast_to(values[:1], (len(order),))
-    if -(1 << 31) <= low and high < 1 << 31:
-        return values.astype(np.int32).take(order)
-    return values.take(order)
 
 
 def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> tuple[Array, Array, Array]:
