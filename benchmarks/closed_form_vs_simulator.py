@@ -16,7 +16,7 @@ import numpy as np
 
 from ndplan.hardware import get_device
 from ndplan.hardware.device import Cluster
-from ndplan.memory.stages import MemoryOptions
+from ndplan.memory.options import MemoryOptions
 from ndplan.model import get_preset
 from ndplan.perf.step import evaluate
 from ndplan.search import default_space, run_search

@@ -7,7 +7,8 @@ import pytest
 from ndplan.balance import build_problem, evaluate, solve_exact, solve_heuristic
 from ndplan.balance.problem import uniform_plan
 from ndplan.hardware import Cluster, get_device
-from ndplan.memory.stages import MemoryOptions, stage_memory
+from ndplan.memory.options import MemoryOptions
+from ndplan.memory.stages import stage_memory
 from ndplan.model import get_preset
 from ndplan.strategy import Strategy, StrategyBatch
 

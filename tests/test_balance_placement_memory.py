@@ -11,7 +11,7 @@ from ndplan.balance import build_problem, evaluate
 from ndplan.balance.build import _leading_layers_plan, _prefix_weights, plan_stage_bytes
 from ndplan.balance.chunks import _chunk_layers
 from ndplan.hardware import Cluster, get_device
-from ndplan.memory.stages import MemoryOptions
+from ndplan.memory.options import MemoryOptions
 from ndplan.model import get_preset
 from ndplan.schedule import in_flight
 from ndplan.strategy import Strategy
@@ -144,7 +144,7 @@ def test_v_schedule_full_recompute_under_pytorch(name: str, fields: dict[str, ob
     """PyTorch's split W rebuilds a fully recomputed layer per parameter group, and each rebuilt
     copy stays while the chunk's later layers keep its graph alive: the W step of a chunk holds
     tokens·G·U bytes per recomputed layer of that chunk, and the stage peaks at its chunk that
-    holds the most (``stages._weight_grad_step``; on the pipeline's first stage only the head's
+    holds the most (``backward.weight_grad_step``; on the pipeline's first stage only the head's
     chunk, as torch runs the first chunk's W as a whole backward). Priced per recomputed layer of
     the stage (at uniform, half a chunk's copies per layer), a stage whose chunks part read low:
     Llama-3.1-8B ZB-V (2.36 GiB a copy) −7.49…+10.94%, stage 3 with 2 + 1 layers 15.88 GiB

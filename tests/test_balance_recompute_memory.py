@@ -9,7 +9,7 @@ import pytest
 from ndplan.balance import build_problem, evaluate
 from ndplan.balance.build import _leading_layers_plan, plan_stage_bytes
 from ndplan.hardware import Cluster, get_device
-from ndplan.memory.stages import MemoryOptions
+from ndplan.memory.options import MemoryOptions
 from ndplan.model import get_preset
 from ndplan.strategy import Strategy
 

@@ -164,7 +164,7 @@ def test_simulated_step_is_no_shorter_than_a_stages_work(schedule):
 def test_balance_simulates_dualpipev_without_overlapping_compute():
     from ndplan.balance import balance
     from ndplan.hardware import Cluster, get_device
-    from ndplan.memory.stages import MemoryOptions
+    from ndplan.memory.options import MemoryOptions
     from ndplan.strategy import Strategy
 
     strategy = Strategy(tp=2, pp=4, vpp=2, schedule="dualpipev", num_micro_batches=64)

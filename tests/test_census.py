@@ -117,7 +117,7 @@ def test_a_census_of_several_models_serves_each_and_refuses_another_width_or_ker
     """A review: a census file of two models served only the first (the second was refused as
     measured on another model); a bfloat16 census priced fp32 activations at half, and an eager
     one a fused kernel (or the reverse), silently."""
-    from ndplan.memory.stages import _census_for, _check_census_runtime
+    from ndplan.memory.activations import _census_for, _check_census_runtime
     from ndplan.model import ModelSpec
     from ndplan.strategy import Strategy, StrategyBatch
 
@@ -480,7 +480,8 @@ def test_torchtitan_per_op_checkpointing_keeps_the_odd_matmuls():
     Llama layer q, v, gate and down; k, o_proj's output and up are rebuilt. Measured on the
     transformers layer, and the pytorch profile's op_keep flags give the same bytes."""
     from ndplan.census.measure import measure_policy
-    from ndplan.memory.stages import MemoryOptions, layer_activations
+    from ndplan.memory.activations import layer_activations
+    from ndplan.memory.options import MemoryOptions
     from ndplan.model import get_preset
     from ndplan.model.hf import spec_from_hf_config
     from ndplan.strategy import Strategy, StrategyBatch
@@ -509,7 +510,8 @@ def test_a_census_prices_only_the_sharding_it_measured(llama):
     """A review: a census was applied under sequence parallelism (its TP-2 run has none: --sp
     changed nothing) and to a loss on whole logits as if vocabulary-parallel. Where a strategy
     shards otherwise, the formulas price its layers; the output keeps its TP-1 bytes on whole logits."""
-    from ndplan.memory.stages import MemoryOptions, layer_activations
+    from ndplan.memory.activations import layer_activations
+    from ndplan.memory.options import MemoryOptions
     from ndplan.model.hf import spec_from_hf_config
     from ndplan.strategy import Strategy, StrategyBatch
 
@@ -537,7 +539,8 @@ def test_a_census_prices_only_the_sharding_it_measured(llama):
 def test_a_census_keeps_megatrons_selective_recompute_to_the_formulas(llama):
     """A review: under the megatron runtime a census put torch's keep-every-matmul figures where
     Megatron's core-attention recompute was asked for; its selective figures apply to that policy only."""
-    from ndplan.memory.stages import MemoryOptions, layer_activations
+    from ndplan.memory.activations import layer_activations
+    from ndplan.memory.options import MemoryOptions
     from ndplan.model.hf import spec_from_hf_config
     from ndplan.strategy import Strategy, StrategyBatch
 
@@ -573,7 +576,8 @@ def test_an_eager_census_prices_its_s2_term_once_and_splits_it_by_tp():
     probabilities counted twice), and did not split it by TP. Priced at the measured length the
     estimate is the record's own figure; elsewhere, ``saved_at``'s slope."""
     from ndplan.census import run_census
-    from ndplan.memory.stages import MemoryOptions, layer_activations
+    from ndplan.memory.activations import layer_activations
+    from ndplan.memory.options import MemoryOptions
     from ndplan.model.hf import spec_from_hf_config
     from ndplan.strategy import Strategy, StrategyBatch
 
@@ -645,7 +649,7 @@ def test_a_shipped_census_backward_working_set_shrinks_with_tp():
     """A review: the shipped llama-3.1-8b record's backward working set, measured at TP 1 (57,344
     B/token: two ffn-wide bf16 gradients), replaced the formula at every tp. Its census's TP-2 run
     measures 28,672 (fake tensors, torch 2.13, seq 1024): at tp it takes the formula's 1/tp."""
-    from ndplan.memory.stages import layer_activations
+    from ndplan.memory.activations import layer_activations
     from ndplan.model import get_preset
     from ndplan.strategy import Strategy, StrategyBatch
 
@@ -660,7 +664,7 @@ def test_a_census_backward_working_set_at_tp_2_is_its_tp_2_run(monkeypatch: pyte
     """The record keeps the TP-1 run's backward working set alone; the estimate at TP 2 is what
     the census's own TP-2 run (halved heads and widths) measures."""
     from ndplan.census import measure, run_census
-    from ndplan.memory.stages import layer_activations
+    from ndplan.memory.activations import layer_activations
     from ndplan.model.hf import spec_from_hf_config
     from ndplan.strategy import Strategy, StrategyBatch
 

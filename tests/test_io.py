@@ -22,7 +22,7 @@ from ndplan.io.cli import (
     model_for,
     read_from_args,
 )
-from ndplan.memory.stages import MemoryOptions
+from ndplan.memory.options import MemoryOptions
 from ndplan.model import count_parameters, get_preset, hf_config
 from ndplan.strategy import Strategy, check_strategy
 

@@ -9,7 +9,8 @@ import pytest
 from ndplan.cli import main
 from ndplan.errors import NdplanError
 from ndplan.io import read_config
-from ndplan.memory.stages import MemoryOptions, layer_activations
+from ndplan.memory.activations import layer_activations
+from ndplan.memory.options import MemoryOptions
 from ndplan.model import get_preset
 from ndplan.perf.flops import Sharding
 from ndplan.perf.memory_ops import head_bytes

@@ -8,7 +8,8 @@ import pytest
 
 from ndplan.errors import NdplanError
 from ndplan.io import read_config
-from ndplan.memory.stages import MemoryOptions, layer_activations
+from ndplan.memory.activations import layer_activations
+from ndplan.memory.options import MemoryOptions
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy import Strategy, StrategyBatch
 

@@ -156,7 +156,7 @@ def test_attention_backward_working_set_where_the_scores_are_materialised():
     CUDA's fp32 temporary product (4 + 4 + 4 B) once the bf16 probabilities (2 B) are freed, 10 B;
     the fp32 math path (fp32, grouped KV heads) 12 B; flash kernels none. TP divides the heads.
     The product is a CUDA kernel's scratch: counted with the overhead, like cuBLAS's workspace."""
-    from ndplan.memory.stages import layer_activations
+    from ndplan.memory.activations import layer_activations
 
     def working(attention: str, tp: int = 1, precision: str = "bf16-pure", overhead: bool = True) -> float:
         batch = StrategyBatch.of(Strategy(seq_length=8, tp=tp, precision=precision))
@@ -244,11 +244,12 @@ def test_shared_stage_patterns_expand_to_every_stage(schedule, pp, vpp, stage_la
 @pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
 def test_peak_memory_prices_only_the_stages_that_can_be_the_peak(runtime):
     """peak_memory prices, of the stages sharing a pattern in a 1F1B, GPipe or Seq1F1B pipeline,
-    those no earlier stage of the pattern outweighs (``_pattern_leaders``: deepseek-v2-lite's
+    those no earlier stage of the pattern outweighs (``pattern_leaders``: deepseek-v2-lite's
     interior stages over pp 8 hold fewer micro-batches stage after stage, and price as one):
     the same peaks and peak stages, bit for bit, as the largest of every stage's device total,
     the first of equal ones (where the optimizer step is the peak, every stage of a pattern ties)."""
-    from ndplan.memory.stages import _group_shape, _sorted_groups, peak_memory
+    from ndplan.memory.shape import group_shape
+    from ndplan.memory.stages import _sorted_groups, peak_memory
     from ndplan.strategy.batch import CODES
 
     strategies = [
@@ -270,7 +271,7 @@ def test_peak_memory_prices_only_the_stages_that_can_be_the_peak(runtime):
     # more); the other schedules every stage.
     for key, _, out, _ in _sorted_groups(MODEL, batch, options, None, device_only=True):
         schedule, pp = CODES["schedule"][key[0]], key[1]
-        shape = _group_shape(MODEL, schedule, pp, key[2], None, bool(key[4]), bool(key[5]),
+        shape = group_shape(MODEL, schedule, pp, key[2], None, bool(key[4]), bool(key[5]),
                              bool(options.profile.pipeline_stage_output), True)
         priced = out["stages"].tolist() if "stages" in out else list(range(pp))
         assert priced == (shape.reps.tolist() if schedule in ("1f1b", "gpipe", "seq1f1b") else list(range(pp)))
@@ -407,7 +408,7 @@ def test_more_pp_never_raises_the_largest_stage_static(v):
 ])
 def test_steady_state_cap_gives_the_same_peaks(schedule, pp, vpp, seq_chunks):
     """Held-activation peaks stop growing past the warm-up; the capped simulation equals the full one."""
-    from ndplan.memory.stages import steady_micro_batches
+    from ndplan.memory.frontier import steady_micro_batches
     from ndplan.schedule import in_flight
 
     rng = np.random.default_rng(0)
@@ -422,7 +423,7 @@ def test_steady_state_cap_gives_the_same_peaks(schedule, pp, vpp, seq_chunks):
 def test_skyline_of_a_time_series_equals_brute_force():
     """The neighbour pre-filter and the sort keep exactly the distinct rows no other row beats in
     every column (ties kept once), in lexicographic order, as ``np.unique`` orders them."""
-    from ndplan.memory.stages import _undominated
+    from ndplan.memory.frontier import _undominated
 
     rng = np.random.default_rng(2)
     for trial in range(40):
@@ -445,7 +446,7 @@ def test_skylines_of_stages_together_equal_each_stage_alone():
     """The skylines of several stages' series, pruned, sorted and compared together, are each
     stage's own: its distinct undominated rows, lexicographic (or by the first used column
     descending where at most two columns are used), whatever the other stages hold."""
-    from ndplan.memory.stages import _skylines
+    from ndplan.memory.frontier import _skylines
 
     rng = np.random.default_rng(3)
     for trial in range(30):
@@ -470,14 +471,14 @@ def test_skylines_of_stages_together_equal_each_stage_alone():
 def test_v_frontier_past_the_steady_count_equals_the_full_simulation(schedule, pp, vpp):
     """A V schedule's frontier is pruned at the steady micro-batch count and its hand-over column
     shifted for the rest; every non-negative weighting peaks as over the full simulation."""
-    from ndplan.memory.stages import _frontier, steady_micro_batches
+    from ndplan.memory.frontier import frontier, steady_micro_batches
     from ndplan.schedule import in_flight
 
     rng = np.random.default_rng(1)
     for m in (6 * pp * vpp, 10 * pp * vpp):
         assert steady_micro_batches(schedule, pp, vpp, m) == m  # derived, not simulated (below)
         flight = in_flight(schedule, pp, vpp, m)
-        for stage, rows in enumerate(_frontier(schedule, pp, vpp, m, 1)):
+        for stage, rows in enumerate(frontier(schedule, pp, vpp, m, 1)):
             series = flight.stages[stage]
             handovers = series.forwards_done[:, :1] + series.backwards_done[:, 1:2]
             held = np.hstack([series.held_until_b, series.held_until_w, series.grads_ready, series.starts_w,
@@ -491,11 +492,11 @@ def test_v_frontier_past_the_steady_count_equals_the_full_simulation(schedule, p
 @pytest.mark.parametrize("schedule,pp,vpp,m,seq_chunks", [("gpipe", 4, 1, 16, 1), ("1f1b", 1, 1, 8, 1), ("seq1f1b", 1, 1, 4, 4),
                                                          ("zb-h1", 1, 1, 4, 1)])
 def test_closed_form_frontiers_equal_the_simulation(schedule, pp, vpp, m, seq_chunks):
-    from ndplan.memory.stages import _frontier
+    from ndplan.memory.frontier import frontier
     from ndplan.schedule import in_flight
 
     flight = in_flight(schedule, pp, vpp, m, seq_chunks)
-    for stage, rows in enumerate(_frontier(schedule, pp, vpp, m, seq_chunks)):
+    for stage, rows in enumerate(frontier(schedule, pp, vpp, m, seq_chunks)):
         series = flight.stages[stage]
         columns = [series.held_until_b, series.held_until_w, series.grads_ready]
         if rows.shape[1] > 3:  # a split backward: the weight-gradient steps (any, then the first)
@@ -518,7 +519,7 @@ def test_frontier_at_the_steady_count_is_the_simulated_one_at_every_count_past_i
     schedule's hand-overs at the turn shifted by two per micro-batch more), bit for bit, at every
     count up to the few pipeline depths (4·pp·vpp) it once simulated: the search's frontiers of
     counts past it are one simulation."""
-    from ndplan.memory.stages import _frontier, _simulated_frontier, steady_micro_batches
+    from ndplan.memory.frontier import _simulated_frontier, frontier, steady_micro_batches
 
     for pp in (1, 2, 3, 4, 5, 8, 12):
         cap = steady(pp)
@@ -526,7 +527,7 @@ def test_frontier_at_the_steady_count_is_the_simulated_one_at_every_count_past_i
         counts = [m for m in range(cap, 4 * pp * vpp + 1, pp if schedule == "interleaved" else 1)]
         for m in counts if pp <= 5 else counts[:3] + counts[-2:]:
             assert steady_micro_batches(schedule, pp, vpp, m) == cap
-            for got, simulated in zip(_frontier(schedule, pp, vpp, m, seq_chunks),
+            for got, simulated in zip(frontier(schedule, pp, vpp, m, seq_chunks),
                                       _simulated_frontier(schedule, pp, vpp, m, seq_chunks), strict=True):
                 assert got.shape == simulated.shape and got.tobytes() == simulated.tobytes(), (pp, m)
 
@@ -536,15 +537,15 @@ def test_v_frontier_past_its_warm_up_is_the_simulated_one_bit_for_bit(schedule):
     """A V schedule's frontier past 2·pp + 2 micro-batches comes from the two simulated at
     2·pp + 1 and 2·pp + 2 (the last stage's hand-overs growing by two per micro-batch on the rows
     past its warm-up, by none on the others): the simulation's own rows at every count up to
-    10·pp, the search's path (``_frontier``) too. Before, a ZB-V count past 4·pp·vpp shifted the
+    10·pp, the search's path (``frontier``) too. Before, a ZB-V count past 4·pp·vpp shifted the
     whole column, the warm-up's rows included."""
-    from ndplan.memory.stages import _frontier, _simulated_frontier, _steady_frontier
+    from ndplan.memory.frontier import _simulated_frontier, _steady_frontier, frontier
 
     grew_on_some_rows_only = False
     for pp, counts in [(pp, range(2 * pp + 1, 10 * pp + 1)) for pp in (1, 2, 3, 4, 5, 6, 8)] + [(16, (35, 64, 100, 160))]:
         for m in counts:
             simulated = _simulated_frontier(schedule, pp, 2, m, 1)
-            for derived in (_steady_frontier(schedule, pp, 2, m, 1), _frontier(schedule, pp, 2, m, 1)):
+            for derived in (_steady_frontier(schedule, pp, 2, m, 1), frontier(schedule, pp, 2, m, 1)):
                 for a, b in zip(derived, simulated, strict=True):
                     assert a.shape == b.shape and a.tobytes() == b.tobytes(), (pp, m)
         at = _steady_frontier(schedule, pp, 2, 2 * pp + 1, 1)[-1]
@@ -560,7 +561,7 @@ def test_one_f_one_b_frontier_in_closed_form_is_the_simulated_one_bit_for_bit():
     """1F1B's frontier is written in closed form: for every pipeline depth and micro-batch count
     (fewer than the stages, as many, and past the steady count), each stage's rows are those the
     simulation and its skyline give, same values, shape and order."""
-    from ndplan.memory.stages import _simulated_frontier, _steady_frontier
+    from ndplan.memory.frontier import _simulated_frontier, _steady_frontier
 
     checked = 0
     for pp in (*range(1, 13), 16, 24, 31, 32):
@@ -744,7 +745,7 @@ def test_megatron_routes_each_ranks_sequence_shard_under_sp():
     (the permuted tokens, k·h per routed token, and the probabilities the experts weight by, k
     fp32 values) divide by tp/etp, the ffn-wide ones by tp whatever etp. Mixtral (k = 2, h = 4096),
     bf16, tp 4 with SP."""
-    from ndplan.memory.stages import layer_activations
+    from ndplan.memory.activations import layer_activations
 
     model = get_preset("mixtral-8x7b")
     options = MemoryOptions(runtime="megatron")
@@ -944,7 +945,7 @@ def test_megatron_keeps_fp8_copies_of_linear_inputs_under_fp8_gemms():
     the shared expert's fc1 keeps a 1-byte copy of the router's input (+7168); the two
     down-projections keep a byte each of the normed input (2 bytes, as bf16). torchao's float8
     linears (the pytorch profile) save the high-precision input: no change."""
-    from ndplan.memory.stages import layer_activations
+    from ndplan.memory.activations import layer_activations
 
     strategies = [Strategy(precision="megatron-bf16-grad16"), Strategy(precision="megatron-fp8-grad16")]
     for name, kind, megatron_saves in (("llama-3.1-8b", "dense", 22528.0),
@@ -968,7 +969,7 @@ def test_bf16_gradient_presets_halve_the_gradient_buffer():
 def test_distinct_rows_bit_for_bit():
     """FSDP moments are priced once per distinct row of their inputs: rows equal bit for bit
     share one (0.0 and -0.0 do not), and each row's own reproduces it."""
-    from ndplan.memory.stages import _distinct_rows
+    from ndplan.memory.fsdp import _distinct_rows
 
     a = np.array([1.0, 2.0, 1.0, 0.0, -0.0, 2.0])
     b = np.array([5.0, 5.0, 5.0, 5.0, 5.0, 6.0])
@@ -1258,7 +1259,7 @@ def test_torchtitan_expert_tp_1_splits_the_routed_tokens_over_the_tp_ranks():
     2·(2·32·2) + weighted output 2·64·2 = 1024; the rest (MoE input 128, router probabilities 16,
     top-k ids 16, weights 12, sort keys 48) = 220 on every rank. tp 1: 1244; tp 2 etp 1:
     220 + 1024/2 = 732 (read 1244 before: nothing split); tp 2 etp 2: 220 + 512 + 256 = 988."""
-    from ndplan.memory.stages import layer_activations
+    from ndplan.memory.activations import layer_activations
 
     model = ModelSpec(name="tm", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                       num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
@@ -1296,7 +1297,7 @@ def test_megatron_expert_tp_without_tp_gathers_the_routed_tokens():
     routed: permuted tokens 2·64·2 = 256, fc1 output 2·2·32·2 = 256, fc2 input 128, probabilities
     2·4 = 8. etp 1: 808; etp 2: 160 + 2·256 + 256 + 128 + 2·8 = 1072 (read 616: the tokens
     unsplit and the widths halved)."""
-    from ndplan.memory.stages import layer_activations
+    from ndplan.memory.activations import layer_activations
 
     model = ModelSpec(name="tm", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                       num_kv_heads=2, head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2,
@@ -1407,7 +1408,7 @@ def test_the_runtime_states_its_gradient_buckets_to_the_step_time(tmp_path: Path
 def test_taken_activation_figures_by_kind_equal_an_eager_gather() -> None:
     """LayerActivations.take gathers a layer kind's figures on first read: whatever is read, in
     any order, and its copy, hold every kind's rows at the index."""
-    from ndplan.memory.stages import layer_activations
+    from ndplan.memory.activations import layer_activations
 
     model = get_preset("mixtral-8x7b")
     strategies = [Strategy(dp=8, tp=tp, ep=ep, micro_batch_size=mbs, num_micro_batches=8, seq_length=4096,

@@ -1,10 +1,11 @@
-"""``stages._shape_groups``: the pipeline-shape groups of a batch, each group's rows by
+"""``grouping.shape_groups``: the pipeline-shape groups of a batch, each group's rows by
 micro-batch count, as ``StrategyBatch.groups`` and a stable sort per group give them."""
 
 import numpy as np
 import pytest
 
-from ndplan.memory.stages import PIPELINE_SHAPE, _shape_groups
+from ndplan.memory.fields import PIPELINE_SHAPE
+from ndplan.memory.grouping import shape_groups
 from ndplan.strategy.batch import StrategyBatch, radix_key
 
 
@@ -30,7 +31,7 @@ def test_shape_groups_are_the_groups_sorted_by_micro_batch_count(rows, counts, s
         by_shape = np.lexsort([columns[name] for name in reversed(PIPELINE_SHAPE)])
         columns = {name: values[by_shape] for name, values in columns.items()}
     batch = StrategyBatch.from_columns(columns)
-    groups, group_of = _shape_groups(batch)
+    groups, group_of = shape_groups(batch)
     expected = _grouped_then_sorted(batch)
     assert [key for key, _ in groups] == [key for key, _ in expected]
     for (_, rows_found), (_, rows_expected) in zip(groups, expected, strict=True):

@@ -11,7 +11,7 @@ from ndplan.balance.build import baseline_option, runnable_options
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, get_device
 from ndplan.memory import MemoryOptions, estimate
-from ndplan.memory.stages import layer_activations
+from ndplan.memory.activations import layer_activations
 from ndplan.model import ModelSpec, get_preset
 from ndplan.perf.report import estimate_time
 from ndplan.strategy import Strategy, StrategyBatch

@@ -218,7 +218,7 @@ def test_the_search_prices_short_zero_bubble_runs_as_the_simulator(runtime: str)
     """The search's path (step_time_batch) and estimate (the simulator) agree to 1e-9 on ZB-V and
     ZB-H1 steps with too few micro-batches for the closed form: unequal stages (DeepSeek-V3's 61
     layers), a recompute limit per chunk, p2p on the critical path, in one batch."""
-    from ndplan.memory.stages import MemoryOptions
+    from ndplan.memory.options import MemoryOptions
     from ndplan.model import get_preset
     from ndplan.perf.step import evaluate
 
@@ -333,7 +333,7 @@ def test_the_search_prices_llama_405b_over_pp64_with_1f1b_as_the_simulator():
     stage 0 holds two with the embedding and is the bottleneck. The search read 26.51 s for the
     simulator's 24.17 s (+9.68%, the benchmark's worst 1F1B row); the chains give its bubble to
     the bit, and the step is off only by the p2p count (0.10 s for the simulator's 0.18 s)."""
-    from ndplan.memory.stages import MemoryOptions
+    from ndplan.memory.options import MemoryOptions
     from ndplan.model import get_preset
     from ndplan.perf.step import evaluate
 
@@ -413,7 +413,7 @@ def test_the_search_prices_an_interleaved_layout_with_a_heavy_last_chunk_as_the_
     simulator's 22.95 s (-10.5%, the benchmark's worst row, ranked too high); the chain bound
     (pipeline.interleaved_chain_bound) is the simulator's critical path there, to the bit of
     the pipeline split."""
-    from ndplan.memory.stages import MemoryOptions
+    from ndplan.memory.options import MemoryOptions
     from ndplan.model import get_preset
     from ndplan.perf.step import evaluate
 
@@ -434,7 +434,7 @@ def test_interleaved_detours_through_the_last_stage_follow_the_simulator_at_many
     bottleneck, for the last stage's heavy chunk-1 pairs (the head) at the first group and again
     at the last (pipeline.interleaved_chain_bound's detours). The search read 19.88 s for the
     simulator's 21.20 s (-6.24%) with the chains through one stage alone; within 1% with them."""
-    from ndplan.memory.stages import MemoryOptions
+    from ndplan.memory.options import MemoryOptions
     from ndplan.model import get_preset
     from ndplan.perf.step import evaluate
 

@@ -12,7 +12,8 @@ from importlib import resources
 import pytest
 
 from ndplan.census.record import from_json
-from ndplan.memory.stages import MemoryOptions, layer_activations
+from ndplan.memory.activations import layer_activations
+from ndplan.memory.options import MemoryOptions
 from ndplan.model import get_preset
 from ndplan.strategy import Strategy, StrategyBatch
 

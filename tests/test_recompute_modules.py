@@ -11,7 +11,7 @@ from ndplan.hardware import Cluster, get_device
 from ndplan.io import read_config
 from ndplan.io.megatron_emit import emit_megatron
 from ndplan.memory import MemoryOptions, estimate
-from ndplan.memory.stages import layer_activations
+from ndplan.memory.activations import layer_activations
 from ndplan.model import ModelSpec, get_preset
 from ndplan.perf.report import estimate_time
 from ndplan.strategy import Strategy, StrategyBatch

@@ -341,7 +341,8 @@ def test_pricing_cut_short_over_the_limit_changes_no_search_result(monkeypatch, 
 def test_static_bound_is_a_function_of_the_static_fields(runtime):
     """static_lower_bound prices one strategy of each combination of STATIC_FIELDS for all of
     them: equal to pricing every strategy, over strategies that differ in every other field."""
-    from ndplan.memory.stages import STATIC_FIELDS, _sorted_groups, static_lower_bound
+    from ndplan.memory.fields import STATIC_FIELDS
+    from ndplan.memory.stages import _sorted_groups, static_lower_bound
     from ndplan.strategy import RuleContext, valid_mask
 
     space = _space()
@@ -365,7 +366,9 @@ def test_peak_memory_prices_strategies_alike_once_and_the_same(runtime):
     """peak_memory prices one strategy of each kind alike in every field that the model reads
     (the context-parallel kind counts only where its exchange is the largest buffer): the same
     peaks and stages, bit for bit, as pricing each strategy on its own."""
-    from ndplan.memory.stages import PIPELINE_SHAPE, _alike, _sorted_groups, peak_memory
+    from ndplan.memory.fields import PIPELINE_SHAPE
+    from ndplan.memory.grouping import group_alike
+    from ndplan.memory.stages import _sorted_groups, peak_memory
     from ndplan.strategy import valid_mask
 
     space = _space(devices=16, seq=8192, dims=("tp", "sp", "cp", "ep", "pp", "schedule", "zero", "recompute"))
@@ -379,7 +382,7 @@ def test_peak_memory_prices_strategies_alike_once_and_the_same(runtime):
                          "cp_kind": np.full(len(batch), kind)}, precision=batch.precision)
         for kind in range(3)] + [batch.take(np.arange(1))])
     options = MemoryOptions(runtime=runtime)
-    _, alike = _alike(TINY_MOE, batch, options, batch.groups(PIPELINE_SHAPE), None)
+    _, alike = group_alike(TINY_MOE, batch, options, batch.groups(PIPELINE_SHAPE), None)
     assert alike is not None and len(batch) // 3 < len(alike[0]) < len(batch)
     assert any(of is not None for *_, of in _sorted_groups(TINY_MOE, batch, options, None, device_only=True))
     peak, stage = peak_memory(TINY_MOE, batch, options)
@@ -391,8 +394,10 @@ def test_peak_memory_prices_strategies_alike_once_and_the_same(runtime):
 @pytest.mark.parametrize("runtime", ["pytorch", "megatron"])
 def test_memory_reads_none_of_the_unread_fields(runtime):
     """Strategies that differ only in UNREAD_FIELDS have the same figures, every one of every
-    stage (so ``_alike`` may price them once), and peak_memory prices them alike."""
-    from ndplan.memory.stages import PIPELINE_SHAPE, UNREAD_FIELDS, _alike, peak_memory, stage_memory
+    stage (so ``group_alike`` may price them once), and peak_memory prices them alike."""
+    from ndplan.memory.fields import PIPELINE_SHAPE, UNREAD_FIELDS
+    from ndplan.memory.grouping import group_alike
+    from ndplan.memory.stages import peak_memory, stage_memory
     from ndplan.strategy import valid_mask
 
     space = _space(devices=16, seq=8192, dims=("tp", "sp", "cp", "ep", "pp", "schedule", "zero", "recompute"))
@@ -410,7 +415,7 @@ def test_memory_reads_none_of_the_unread_fields(runtime):
     for name in ("device", "activations", "transient", "comm", "optimizer_step"):
         np.testing.assert_array_equal(getattr(every, name), getattr(every_perturbed, name))
     both = StrategyBatch.concat([batch, perturbed])
-    _, alike = _alike(TINY_MOE, both, options, both.groups(PIPELINE_SHAPE), None)
+    _, alike = group_alike(TINY_MOE, both, options, both.groups(PIPELINE_SHAPE), None)
     assert alike is not None and len(alike[0]) <= len(batch)
     peak, stage = peak_memory(TINY_MOE, both, options)
     np.testing.assert_array_equal(peak[:len(batch)], peak[len(batch):])

@@ -136,7 +136,7 @@ def test_module_sets_follow_the_model():
     assert not any("moe" in s and "moe_act" in s for s in every) and ("core_attn",) not in every
     assert module_sets(llama, "all") == ((), ("mlp",), ("core_attn", "mlp"))
     # What each set keeps differs for the model (the runtime's bytes per token).
-    from ndplan.memory.stages import layer_activations
+    from ndplan.memory.activations import layer_activations
     from ndplan.strategy import Strategy
 
     kept = {s: float(layer_activations(deepseek, StrategyBatch.of(Strategy(recompute="selective", recompute_modules=s)),

@@ -36,15 +36,12 @@ from ndplan.balance.problem import (
 from ndplan.balance.solve import exact_method, least_peak_plan, solve_exact, solve_heuristic
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
+from ndplan.memory.activations import layer_activations
+from ndplan.memory.options import MemoryOptions
 from ndplan.memory.overhead import DEFAULTS
-from ndplan.memory.stages import (
-    MemoryOptions,
-    ddp_bucket_width,
-    fp8_weight_cache_width,
-    layer_activations,
-    stage_memory,
-)
+from ndplan.memory.stages import stage_memory
 from ndplan.memory.static import layer_elements, linear_weight_elements, sharding_factors
+from ndplan.memory.terms import ddp_bucket_width, fp8_weight_cache_width
 from ndplan.model.params import weight_grad_groups
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import default_efficiency, with_software
@@ -236,7 +233,7 @@ def build_problems(
             recomputed = np.zeros(strategy.pp)
             for v in range(placement.num_virtual_stages):
                 stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
-                # A limit recomputes a chunk's first layers, dense ones first (``stages._recomputed_layers``).
+                # A limit recomputes a chunk's first layers, dense ones first (``shape.recomputed_layers``).
                 dense, moe = int(placement.dense_layers[v]), int(placement.moe_layers[v])
                 on = dense + moe if option == "none" or limit == 0 else min(limit, dense + moe)
                 dense_on = min(on, dense)
@@ -260,7 +257,7 @@ def build_problems(
         copies = chunk_copy_bytes(model, acts, options.profile, strategy.schedule, placement, strategy.pp, n, j,
                                   tokens, slack) if strategy.vpp > 1 and "full" in runnable else None
         # What the estimator's transient grew by under each option, with the first layer of each
-        # chunk and with every layer recomputing (``stages._layer_working_set``: the rebuilt
+        # chunk and with every layer recomputing (``backward.layer_working_set``: the rebuilt
         # layer's working set, once per stage, and under PyTorch's split backward the weight-
         # gradient step's rebuilt copies, which grow with the layers).
         grew = {(option, limit): (uniform.transient[calibrated.index((option, limit)) * n + j, : strategy.pp]
@@ -324,7 +321,7 @@ def held_until_w(acts: Any, profile: Any, schedule: str, costs: Mapping[tuple[st
 def chunk_copy_bytes(model: ModelSpec, acts: Any, profile: Any, schedule: str, placement: Any, pp: int, n: int,
                      j: int, tokens: float, slack: float) -> dict[str, np.ndarray] | None:
     """Per layer kind, [pp, v] the bytes a fully recomputed layer in each local chunk adds to
-    that chunk's weight-gradient step, as the estimator prices them (``stages._weight_grad_step``):
+    that chunk's weight-gradient step, as the estimator prices them (``backward.weight_grad_step``):
     where the runtime rebuilds a checkpointed layer once per parameter group in a split W
     (torch.distributed.pipelining), each of the G = ``weight_grad_groups`` rebuilt copies keeps
     what no weight gradient reads, U = ``weight_unread`` per token, while the chunk's later layers

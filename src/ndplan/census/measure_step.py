@@ -318,7 +318,7 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
             at_forward_backward_peak=_bytes_map(entry, "at_forward_backward_peak", where),
             category_maxima=_bytes_map(entry, "category_maxima", where),
         ))
-    from ndplan.memory.stages import Attention
+    from ndplan.memory.options import Attention
 
     attention = data.get("attention", "sdpa")
     if attention not in get_args(Attention):

@@ -9,22 +9,18 @@ import numpy as np
 
 from ndplan.errors import NdplanError
 from ndplan.hardware import Device
-from ndplan.memory.stages import (
-    ACTIVATION_KINDS,
+from ndplan.memory.activations import (
     CENSUS_SELECTIVE_POLICY,
-    STATIC_KINDS,
-    MemoryOptions,
-    StageMemory,
-    _recomputed_layers,
     applicable_modules,
     applicable_offload_modules,
-    ddp_bucket_width,
-    fp8_weight_cache_width,
     layer_activations,
-    stage_memory,
-    whole_embedding_grad_extra,
 )
+from ndplan.memory.options import MemoryOptions
+from ndplan.memory.result import ACTIVATION_KINDS, STATIC_KINDS, StageMemory
+from ndplan.memory.shape import recomputed_layers
+from ndplan.memory.stages import stage_memory
 from ndplan.memory.static import layer_elements, linear_weight_elements, sharding_factors
+from ndplan.memory.terms import ddp_bucket_width, fp8_weight_cache_width, whole_embedding_grad_extra
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
 from ndplan.schedule import SPLIT_BACKWARD, in_flight
@@ -187,7 +183,7 @@ class MemoryReport:
 
     def _whole_embedding_grad_term(self, stage: StageReport) -> str:
         """The grads line's extra term where the runtime accumulates the embedding's gradient
-        whole (``stages.whole_embedding_grad_extra``, on the embedding's stage)."""
+        whole (``terms.whole_embedding_grad_extra``, on the embedding's stage)."""
         s = self.strategy
         elements = float(whole_embedding_grad_extra(self.model, self.options.profile, s.tp, s.zero, s.micro_batches_per_step))
         if stage.stage != 0 or not elements:
@@ -514,9 +510,9 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     tokens = strategy.micro_batch_size * strategy.seq_length / strategy.cp
     # A chunk keeps t · Σ_kinds (plain layers · full bytes + recomputed layers · kept bytes) per
     # micro-batch, as stage_memory holds it: under recompute_layers = N only each chunk's first N
-    # layers are recomputed (``_recomputed_layers``, the one definition of which), the rest keep
+    # layers are recomputed (``recomputed_layers``, the one definition of which), the rest keep
     # every activation.
-    plain_dense, plain_moe, recomputed_dense, recomputed_moe = (counts[0] for counts in _recomputed_layers(
+    plain_dense, plain_moe, recomputed_dense, recomputed_moe = (counts[0] for counts in recomputed_layers(
         ~batch.is_("recompute", "none"), batch.recompute_layers, placement.dense_layers, placement.moe_layers))
     full = {k: float(acts.full[k][0]) for k in ("dense", "moe")}
     kept = {k: float(acts.recomputed[k][0]) for k in ("dense", "moe")}

@@ -193,7 +193,7 @@ class MeasuredRun(BaseModel):
         """The memory model's options for this run: its runtime profile, the software facts
         memory shares with time (the loss's upcast; torchtitan's per-op selective checkpointing),
         and whether its loss is vocab-parallel."""
-        from ndplan.memory.stages import MemoryOptions
+        from ndplan.memory.options import MemoryOptions
 
         policy = self.software.get("selective_recompute")
         return MemoryOptions(runtime=self.runtime, loss_upcast=bool(self.software.get("loss_upcast", True)),

@@ -217,7 +217,7 @@ class EfficiencyProfile(BaseModel):
         """Routed tokens on the busiest rank over balanced routing, which its expert GEMMs and
         all-to-alls move: the capacity factor where tokens are dropped and padded to capacity
         (every expert's buffer holds exactly that multiple of its share), else ``moe_imbalance``
-        (``memory.stages.MemoryOptions.routed_token_factor``, the same rule)."""
+        (``memory.options.MemoryOptions.routed_token_factor``, the same rule)."""
         return self.moe_capacity_factor if self.moe_capacity_factor is not None else self.moe_imbalance
 
     @property

@@ -57,7 +57,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ndplan.errors import NdplanError
-from ndplan.memory.stages import ACTIVATION_FIELDS, MemoryOptions, layer_activations
+from ndplan.memory.activations import layer_activations
+from ndplan.memory.fields import ACTIVATION_FIELDS
+from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import TpSplit, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, weight_grad_groups
 from ndplan.model.spec import MlpKind, ModelSpec
@@ -503,7 +505,7 @@ def _ep_all_to_all_s(ctx: LayerContext, cols: dict[str, Array], nbytes: Array | 
 
 
 #: Bytes per element of the allgather dispatcher's routing probabilities and of its combine
-#: (cast to the probabilities' fp32 before the reduce-scatter; memory.stages.ALLGATHER_COMBINE_BYTES).
+#: (cast to the probabilities' fp32 before the reduce-scatter; memory.buffers.ALLGATHER_COMBINE_BYTES).
 ALLGATHER_PROBS_BYTES = 4.0
 
 
@@ -739,7 +741,7 @@ def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardi
 
 def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) -> Array:
     """Bytes per token of one layer that activation offload moves each way (Megatron-Core's
-    runtime profile, ``ndplan.memory.stages.layer_activations``)."""
+    runtime profile, ``ndplan.memory.activations.layer_activations``)."""
     columns = {name: np.asarray(cols[name]).astype(np.int64) for name in ACTIVATION_FIELDS}
     batch = StrategyBatch.from_columns(columns, ctx.precision, recompute_modules=ctx.recompute_modules,
                                        offload_modules=ctx.offload_modules)

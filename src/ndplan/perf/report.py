@@ -10,7 +10,7 @@ import numpy as np
 
 from ndplan.errors import NdplanError
 from ndplan.hardware.device import Cluster, Device
-from ndplan.memory.stages import MemoryOptions
+from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import shard_groups
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import EfficiencyProfile

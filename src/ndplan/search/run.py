@@ -19,8 +19,9 @@ from ndplan.arrays import unique
 from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
+from ndplan.memory.fields import STATIC_FIELDS
 from ndplan.memory.report import check_options, headroom, known_gaps
-from ndplan.memory.stages import STATIC_FIELDS, peak_memory, static_lower_bound
+from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD
 from ndplan.search.screen import Check, PartFields, Places, screened_blocks

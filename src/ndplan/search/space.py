@@ -17,7 +17,8 @@ import numpy as np
 
 from ndplan.errors import NdplanError, did_you_mean
 from ndplan.hardware import Device
-from ndplan.memory.stages import MemoryOptions, applicable_modules, applicable_offload_modules
+from ndplan.memory.activations import applicable_modules, applicable_offload_modules
+from ndplan.memory.options import MemoryOptions
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.overlap import OFF_WORDS, ON_WORDS
 from ndplan.strategy.batch import StrategyBatch, encode

@@ -277,7 +277,7 @@ def combination_codes(
             if key is not None:
                 # The prefix's codes are the key renumbered densely: carried on from them, the key
                 # spans fewer values, and the renumbering it would soon need comes later or never
-                # (_alike's 23 fields on both models' mixed batches: one renumbering less, 1-3 ms).
+                # (group_alike's 23 fields on both models' mixed batches: one renumbering less, 1-3 ms).
                 key, span, base = prefix_codes.copy(), prefix_count, 0
         if values.strides == (0,):
             continue  # one value broadcast (a field a batch holds at one value): the key unchanged

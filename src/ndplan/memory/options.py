@@ -1,0 +1,189 @@
+"""How the runtime behaves, as the memory model reads it: ``MemoryOptions`` (the saved-tensor
+profile, attention kernel, loss, MoE dispatcher and routing headroom, what is compiled and the
+runtime overhead), and the values its fields take.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import numpy as np
+
+from ndplan.census.record import CensusRecord
+from ndplan.errors import NdplanError
+from ndplan.memory.profile import RuntimeProfile, get_profile
+
+if TYPE_CHECKING:
+    from ndplan.perf.overlap import OverlapConfig
+
+
+Attention = Literal["flash", "sdpa", "eager"]
+#: Megatron-Core's token dispatchers (``--moe-token-dispatcher-type``) as memory and time price
+#: them: 'alltoall' (also what the flex dispatcher, DeepEP/HybridEP, is priced as; its network
+#: copies follow ``OverlapConfig.ep_dispatch``) and 'allgather' (Megatron's default).
+MoeDispatcher = Literal["alltoall", "allgather"]
+#: What torch.compile compiles (torchtitan's ``[compile] components``): nothing, the decoder
+#: layers, the layers and the loss, or the loss alone.
+TorchCompile = Literal["off", "model", "model+loss", "loss"]
+
+
+#: Most routed tokens on a rank, or in an expert's buffer, over the balanced share that
+#: ``moe_imbalance`` and ``moe_capacity_factor`` may give: past every model's num_experts/top-k
+#: (all tokens on one expert: 384/8 = 48 for Kimi K2), and small enough that no byte count
+#: overflows.
+MAX_MOE_FACTOR = 1024.0
+
+
+def _is_number(value: object) -> bool:
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How the runtime behaves: its saved-tensor profile, attention kernel, loss, overhead.
+
+    ``moe_imbalance`` scales the routed-expert tokens of the busiest rank (1.0: balanced routing;
+    dropless MoE under real routing needs headroom, e.g. 1.2). ``moe_capacity_factor`` prices a
+    token-dropping MoE instead: every expert's buffer holds capacity_factor × its balanced share
+    of tokens (padded when fewer come, dropped beyond), so routed-expert bytes are exactly that
+    multiple whatever the routing. ``census`` replaces the profile's formulas for the layer kinds
+    it measured. ``loss_upcast`` off: the loss works on the logits' own dtype (NeMo AutoModel's
+    MaskedCrossEntropy(fp32_upcast=False); Megatron with Transformer Engine's cross-entropy,
+    which writes the gradient into the logits) instead of an fp32 copy. ``overlap`` says which
+    communication the runtime hides; the memory model does not read it, the step-time model and
+    the balancer do (None: the device runtime's defaults, ``ndplan.perf.overlap.default_overlap``),
+    so the options a command builds carry it to both. ``grouped_gemm`` off: the experts run one
+    GEMM each (Megatron's SequentialMLP, without --moe-grouped-gemm), so the profile's
+    ``expert_workspace_bytes`` (a grouped GEMM's own workspaces) are not held.
+    ``selective_policy`` says what selective recompute keeps where the runtime can run more than
+    its own policy (None: the profile's): 'torchtitan-op' is torchtitan's per-op checkpointing
+    (every second matmul rebuilt), for the pytorch profile; memory and step time both follow it.
+    ``moe_dispatcher`` is Megatron-Core's token dispatcher (``--moe-token-dispatcher-type``):
+    'alltoall' (what ``--emit megatron`` writes and the search prices; the flex dispatcher too,
+    with ``overlap.ep_dispatch`` node_dedup) or 'allgather' (Megatron's default where a launch
+    states none): MoEAllGatherTokenDispatcher gathers every token of the expert-TP x EP group
+    into a persistent buffer, keeps the gathered routing probabilities and mask for backward,
+    and returns the experts' output by a reduce-scatter in the probabilities' fp32
+    (``allgather_dispatch_bytes``, the profile's ``moe_allgather`` block); only for runtimes
+    whose profile states that block (megatron).
+    ``torch_compile`` says what torch.compile fuses, for the step time alone (the memory
+    priced is the eager modules'): 'model' runs each decoder layer's elementwise ops as fused
+    kernels (one pass over their bytes) and leaves the final norm and loss at the runtime's eager
+    figure; 'model+loss' fuses those too, 'loss' those alone; 'off' prices the runtime's own kernels.
+    """
+
+    runtime: str = "pytorch"
+    attention: Attention = "flash"
+    loss_parallel: bool | None = None
+    include_overhead: bool = True
+    moe_imbalance: float = 1.0
+    moe_capacity_factor: float | None = None
+    loss_upcast: bool = True
+    census: tuple[CensusRecord, ...] = field(default=())
+    overlap: OverlapConfig | None = None
+    grouped_gemm: bool = True
+    selective_policy: str | None = None
+    moe_dispatcher: MoeDispatcher = "alltoall"
+    torch_compile: TorchCompile = "off"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.runtime, str):
+            raise NdplanError(f"runtime must be a runtime's name or a profile YAML's path, got {self.runtime!r}")
+        for name in ("include_overhead", "loss_upcast", "grouped_gemm", "loss_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)) and not (value is None and name == "loss_parallel"):
+                also = " (or None: the runtime's choice)" if name == "loss_parallel" else ""
+                raise NdplanError(f"{name} must be True or False{also}, got {value!r}")
+        if isinstance(self.census, (str, Path)):  # a census file's path, as the CLI's --census takes
+            from ndplan.census.record import load_census_file
+
+            object.__setattr__(self, "census", tuple(load_census_file(self.census)))
+        elif isinstance(self.census, list):
+            object.__setattr__(self, "census", tuple(self.census))
+        wrong = [r for r in self.census if not isinstance(r, CensusRecord)] \
+            if isinstance(self.census, tuple) else [self.census]
+        if wrong:
+            raise NdplanError("census must be census records (ndplan.census) or a census file's path, "
+                              f"got {type(wrong[0]).__name__} {wrong[0]!r:.60}")
+        if self.attention not in get_args(Attention):
+            raise NdplanError(f"attention must be one of {', '.join(get_args(Attention))}, got {self.attention!r}")
+        get_profile(self.runtime)  # an unknown runtime is an error here, not at first use
+        # (comparisons that NaN fails, and a bound: 1e300 overflowed the byte counts to inf)
+        if not _is_number(self.moe_imbalance) or not 1.0 <= self.moe_imbalance <= MAX_MOE_FACTOR:
+            raise NdplanError(f"moe_imbalance must be a finite number >= 1.0 and <= {MAX_MOE_FACTOR:g} (busiest rank over "
+                              f"balanced routing), got {self.moe_imbalance!r}")
+        if self.moe_capacity_factor is not None and (
+                not _is_number(self.moe_capacity_factor) or not 0 < self.moe_capacity_factor <= MAX_MOE_FACTOR):
+            raise NdplanError(f"moe_capacity_factor must be a finite number > 0 and <= {MAX_MOE_FACTOR:g}, "
+                              f"got {self.moe_capacity_factor!r}")
+        if self.moe_dispatcher not in get_args(MoeDispatcher):
+            raise NdplanError(f"moe_dispatcher must be one of {', '.join(get_args(MoeDispatcher))}, "
+                              f"got {self.moe_dispatcher!r}")
+        if self.torch_compile not in get_args(TorchCompile):
+            raise NdplanError(f"torch_compile must be one of {', '.join(get_args(TorchCompile))}, "
+                              f"got {self.torch_compile!r}")
+        if self.moe_dispatcher == "allgather" and "moe_allgather" not in self.profile.blocks:
+            raise NdplanError(f"moe_dispatcher 'allgather' is Megatron-Core's MoEAllGatherTokenDispatcher; runtime "
+                              f"'{self.runtime}' states no such dispatcher (use runtime megatron)")
+        if self.moe_dispatcher == "allgather" and self.overlap is not None and self.overlap.ep_dispatch == "node_dedup":
+            raise NdplanError("moe_dispatcher 'allgather' gathers every token of the expert group; overlap "
+                              "ep_dispatch=node_dedup is the flex dispatcher's (DeepEP, HybridEP): give one or the other")
+        allowed = self.profile.selective_policies or (self.profile.selective_policy,)
+        if self.selective_policy is not None and self.selective_policy not in allowed:
+            raise NdplanError(f"selective_policy {self.selective_policy!r} is not one runtime '{self.runtime}' prices; "
+                              f"allowed: {', '.join(allowed)}")
+        if self.census and self.selective_policy not in (None, self.profile.selective_policy):
+            raise NdplanError(f"a census measures the runtime's own selective recompute "
+                              f"({self.profile.selective_policy}), not {self.selective_policy}: leave out one or the other")
+
+    @property
+    def recompute_policy(self) -> str:
+        """What selective recompute keeps: ``selective_policy``, else the runtime's own."""
+        return self.selective_policy or self.profile.selective_policy
+
+    @property
+    def routed_token_factor(self) -> float:
+        """Routed-expert tokens on a rank relative to balanced routing."""
+        return self.moe_capacity_factor if self.moe_capacity_factor is not None else self.moe_imbalance
+
+    @property
+    def profile(self) -> RuntimeProfile:
+        return get_profile(self.runtime)
+
+    def time_keywords(self) -> dict[str, Any]:
+        """What the step-time model (``ndplan.perf.step.evaluate`` and the functions over it)
+        needs of this runtime, so that time prices what memory assumes: its rebuilds per
+        parameter group in a split backward's W, what its selective recompute re-runs, whether
+        its attention kernel is flash (``attention``), and what it hides."""
+        software: dict[str, Any] = {"selective_recompute": self.recompute_policy,
+                                    "flash_attention": self.attention != "eager",  # SDPA runs a flash kernel
+                                    # ... but a sliding window reaches transformers' SDPA as a mask
+                                    # (where the runtime prices that mask's memory: sdpa_masked)
+                                    "window_kernel": not (self.attention == "sdpa"
+                                                          and "sdpa_masked" in self.profile.blocks)}
+        software.update(self.profile.kernels)
+        if self.torch_compile != "off":
+            # A compiled part fuses its elementwise chains into one pass; the rest keeps the
+            # runtime's (eager) figure.
+            eager = float(software.get("elementwise_passes", 1.0))
+            software["elementwise_passes"] = 1.0 if "model" in self.torch_compile else eager
+            software["loss_elementwise_passes"] = 1.0 if "loss" in self.torch_compile else eager
+        software["pipeline_defers_fsdp_reduce"] = self.profile.pipeline_defers_fsdp_reduce
+        software["grad_buckets"] = self.profile.grad_buckets
+        software["ddp_bucket_cap_mb"] = self.profile.ddp_bucket_cap_mb
+        software["loss_upcast"] = self.loss_upcast
+        # Whether the loss is vocabulary-parallel, or runs on logits gathered whole to every
+        # tensor-parallel rank (the option, else the runtime's choice), as memory holds them.
+        software["loss_parallel"] = self.profile.loss_parallel if self.loss_parallel is None else self.loss_parallel
+        # The busiest rank computes and receives as much more as it holds (1.0 too: the options,
+        # not a device profile's figure, say what memory priced); a capacity factor, where
+        # given, sets it instead (buffers padded to capacity: routed_token_factor), in time too.
+        software["moe_imbalance"] = self.moe_imbalance
+        software["moe_capacity_factor"] = self.moe_capacity_factor
+        software["moe_dispatcher"] = self.moe_dispatcher
+        return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,
+                "overlap": self.overlap}

@@ -1,0 +1,74 @@
+"""Memory terms that the estimator shares with the balancer and the breakdown report: the fp8
+weight cache, DDP's buckets, the whole embedding gradient a DTensor runtime makes, the head's
+accumulated gradient, and where each rank routes its own tokens to the experts. Each is a
+formula over numpy arrays or scalars, in bytes (or bytes per element where it says so).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ndplan.memory.profile import RuntimeProfile
+from ndplan.memory.static import embedding_elements
+from ndplan.model.spec import ModelSpec
+
+
+def routes_own_tokens(sequence_parallel: Any, tp: Any) -> np.ndarray:
+    """Where each rank routes its own tokens to the experts (its sequence shard under SP, all of
+    them without TP), which the dispatcher gathers over the expert-TP group: etp/tp of the
+    sequence's routed tokens on a rank, through experts 1/etp wide. Elsewhere (TP without SP)
+    every TP rank routes the tokens they all hold."""
+    return ((np.asarray(sequence_parallel) > 0) & (np.asarray(tp) > 1)) | (np.asarray(tp) == 1)
+
+
+def fp8_weight_cache_width(profile: RuntimeProfile, compute_dtype: str, zero: Any) -> np.ndarray:
+    """Bytes per linear-weight element (``static.linear_weight_elements``) of the quantised
+    weight copies the runtime keeps across micro-batches under fp8 GEMMs (Transformer Engine's
+    weight workspaces under Megatron: ``fp8_weight_cache_bytes``), whole on the rank whatever
+    ZeRO-1/2 shards; not priced under ZeRO-3, whose weights are gathered per use. Per ``zero``."""
+    width = profile.fp8_weight_cache_bytes if compute_dtype == "fp8" else 0.0
+    return np.where(np.asarray(zero) < 3, width, 0.0)
+
+
+def ddp_bucket_width(profile: RuntimeProfile, grad_bytes: float, zero: Any, dp: Any, cp: Any) -> np.ndarray:
+    """Bytes per element of the buckets a DDP reducer keeps beside the gradients
+    (``ddp_bucket_copies`` of them): replicas (dp·cp > 1) without ZeRO or FSDP; 0 elsewhere."""
+    ddp = (np.asarray(zero) == 0) & (np.asarray(dp) * np.asarray(cp) > 1)
+    return np.where(ddp, grad_bytes * profile.ddp_bucket_copies, 0.0)
+
+
+def makes_whole_embedding_grad(profile: RuntimeProfile, tp: Any, zero: Any) -> Any:
+    """Where the embedding's backward makes the whole [vocab, h] gradient before the rank's
+    shard (DTensor's vocabulary-parallel embedding: ``tp_accumulates_whole_embedding_grad``,
+    under TP and without ZeRO-3's sharded gradients); arrays or scalars."""
+    return (np.asarray(tp) > 1) & (np.asarray(zero) < 3) & profile.tp_accumulates_whole_embedding_grad
+
+
+def whole_embedding_grad_extra(model: ModelSpec, profile: RuntimeProfile, tp: Any, zero: Any, micro_batches: Any) -> Any:
+    """Gradient elements on the embedding's rank beyond its vocabulary shard: once a second
+    micro-batch's gradient is added, the accumulated one is the whole table, vocab·h·(1 − 1/tp);
+    0 elsewhere."""
+    accumulated = makes_whole_embedding_grad(profile, tp, zero) & (np.asarray(micro_batches) > 1)
+    return np.where(accumulated, model.vocab_size * model.hidden_size - embedding_elements(model, tp), 0.0)
+
+
+def head_accumulate(model: ModelSpec, activation_bytes: float, head_gradient: Any, tokens: Any, tp: Any,
+                    loss_held: Any) -> Any:
+    """Bytes beyond the static state and the held activations while the head's backward makes a
+    later micro-batch's weight gradient, to be added to the kept one (``head_gradient`` > 0: the
+    runtime's autograd accumulates it), with T = ``tokens`` of the op, V = vocab, h = hidden,
+    a = activation bytes, p = parameter bytes:
+
+        head_gradient + T·(V/tp·a + 3·h·a) − loss_held,   head_gradient = V·h/tp·p
+
+    the new [vocab/tp, h] weight gradient; the logits' gradient it is computed from (the head's
+    vocabulary shard, a loss on whole logits too); two h-wide tensors (the head input's gradient
+    among them) and the head's input, which ``loss_held`` (the micro-batch's ``output`` entries,
+    T·(h·a + 4·V + 8) with the fp32 loss) counts and the weight gradient still reads; the rest of
+    the loss's entries are freed by then. Measured on fake tensors (tests/test_verify.py), the
+    last stage's peak at few tokens per vocabulary row: llama-3.1-8b at 256 tokens, tp 1, the
+    1,002 MiB gradient, 63 MiB of the logits' gradient and 4 MiB h-wide beside 124 MiB held."""
+    tokens_part = tokens * (model.vocab_size / tp * activation_bytes + 3 * model.hidden_size * activation_bytes)
+    return np.where(head_gradient > 0, np.maximum(head_gradient + tokens_part - loss_held, 0.0), 0.0)
