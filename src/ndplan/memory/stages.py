@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Generator, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,7 @@ from ndplan.memory.held_peak import activation_kinds, held_peak, pattern_leaders
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.overhead import RuntimeOverhead
 from ndplan.memory.result import ACTIVATION_KINDS, CATEGORIES, STATIC_KINDS, StageMemory
-from ndplan.memory.shape import chunk_column, group_shape, largest_chunks, recomputed_layers
+from ndplan.memory.shape import GroupShape, chunk_column, group_shape, largest_chunks, recomputed_layers
 from ndplan.memory.static_state import SharedStatic, StaticState, static_state
 from ndplan.memory.terms import head_accumulate, routes_own_tokens
 from ndplan.model.spec import ModelSpec
@@ -411,19 +411,17 @@ def _group_evaluation(
     virtual = pp * vpp
     computed, patterns = len(shape.used), len(shape.reps)  # virtual stages and stage patterns priced
     on_stage, chunks = shape.on_stage, shape.chunks
-    first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
-    receives_from_peer = shape.receives_from_peer
+    first_stage = on_stage[:, 0]
     hands_over = hands_over_enabled and schedule in V_SHAPE and virtual > 1
     hands_forward, hands_backward = shape.hands_forward, shape.hands_backward
     moe_per_stage = shape.moe_per_stage
     dense_layers, moe_layers = shape.dense, shape.moe  # per virtual stage computed
 
     precision = batch.precision
-    tp, etp, cp = batch.tp.astype(float), batch.etp.astype(float), batch.cp.astype(float)
+    cp = batch.cp.astype(float)
     grad_bytes = precision.grad_bytes
     n = len(batch)
     first_virtual, last_virtual = shape.first, shape.last
-    mtp_kind = model.mtp_mlp_kind
     # The layer activations' figures by combination (see ``Combinations``; per strategy where
     # the caller has no combinations).
     by_combination = combinations or (Combinations(acts, batch, None) if acts is not None else None)
@@ -444,123 +442,33 @@ def _group_evaluation(
             static = replace(static_state(model, batch.take(static_of[0]), options, shape, scores=scores),
                              index=static_of[1])
     overhead = replace(static.overhead, fixed_bytes=static.at(static.overhead.fixed_bytes))
-    out: dict[str, np.ndarray] = {}
 
     if by_combination is None:
         # allocated >= params + grads + optimizer, and the device total grows with allocated.
         return {"device": shape.expand(overhead.reserved(static.at(static.total)) + overhead.fixed_bytes[:, None])}
 
-    # ---- activations held across the schedule
     # (The figures of the layer activations and ACTIVATION_FIELDS alone worked out per
     # combination and gathered: 1M mixed DeepSeek-V3 strategies, at most 192 combinations.)
-    table, table_recompute_on = by_combination.acts, by_combination.recompute_on()
+    table_recompute_on = by_combination.recompute_on()
     table_tp = by_combination.batch.tp.astype(float)
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / cp
     recompute_on = ~batch.is_("recompute", "none")
     # Sequence parallelism shards the activations between layers over tp.
     table_sp_div = np.where(by_combination.batch.sequence_parallel > 0, table_tp, 1.0)
     sp_div = by_combination.rows(table_sp_div)
-    t = tokens[:, None]
     # What one forward, backward or loss runs on (``_per_op``): a micro-batch, or under Seq1F1B
     # one of its seq_chunks sub-sequences, tokens / seq_chunks. The held activations stay per
     # micro-batch: the schedule counts a held sub-sequence as 1/seq_chunks of one.
     op_tokens = _per_op(tokens, seq_chunks)
-    # A chunk's layers hold t · Σ_kinds (plain layers · full bytes + recomputed layers · kept
-    # bytes) per micro-batch. Without a recompute limit a chunk recomputes all its layers or none:
-    # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
-    kept_dense, kept_moe = (np.where(table_recompute_on, table.recomputed[k], table.full[k]) for k in ("dense", "moe"))
-    # Column by column (see _outer_sum): the same products, in passes over the strategies, once
-    # per distinct pair of layer counts (the interior chunks of a uniform placement share one).
-    layers_held = np.empty((len(batch), computed), order="F")
-    column_of: dict[tuple[float, float], int] = {}
-    for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
-        same = column_of.setdefault((dense, moe), column)
-        layers_held[:, column] = (tokens * by_combination.rows(kept_dense * dense + kept_moe * moe) if same == column
-                                  else layers_held[:, same])
-    limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
-    # The layers a recompute limit leaves plain, their full bytes: their autograd graph is held
-    # from the forward to the weight gradient like any layer's without recompute (0 where every
-    # layer of a chunk recomputes).
-    plain_held: np.ndarray | None = None
-    if limited.size or kinds is not None:
-        # With a limit, only the first recompute_layers layers of each chunk are recomputed.
-        rows = np.arange(len(batch)) if kinds is not None else limited
-        plain_dense, plain_moe, recomputed_dense, recomputed_moe = recomputed_layers(
-            recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
-        full, recomputed = by_combination.taken.full, by_combination.taken.recomputed
-        plain = t[rows] * (plain_dense * full["dense"][rows, None] + plain_moe * full["moe"][rows, None])
-        layers_held[rows] = plain + t[rows] * (
-            recomputed_dense * recomputed["dense"][rows, None] + recomputed_moe * recomputed["moe"][rows, None]
-        )
-        if limited.size:
-            plain_held = np.zeros((len(batch), computed))
-            plain_held[rows] = np.where(recompute_on[rows, None], plain, 0.0)
-    # One-column entries [n]: the int64 token ids (and what the embedding keeps) on the first
-    # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
-    embedding_held = tokens * by_combination.rows(8.0 + table.embedding)
-    output_held = tokens * by_combination.rows(table.output)
-    # Megatron-Core's MTP modules (multi_token_prediction.py) under full recompute: the uniform
-    # method checkpoints each module whole; the block method (a recompute limit) skips their
-    # recompute ("not supported for MTP yet"), so the layer keeps everything. Selective recompute
-    # runs in the module's TransformerLayer as in any other.
-    full_recompute = batch.is_("recompute", "full")
-    mtp_limited = full_recompute & (batch.recompute_layers > 0)
-    if mtp_limited.any():
-        mtp_module = mtp_module_bytes(by_combination.taken, mtp_kind, recompute_on, full_recompute, mtp_limited)
-    else:  # (no limit read: a figure of the combinations)
-        table_full_recompute = by_combination.batch.is_("recompute", "full")
-        mtp_module = by_combination.rows(mtp_module_bytes(table, mtp_kind, table_recompute_on, table_full_recompute,
-                                                     np.zeros_like(table_full_recompute)))
-    mtp_held = tokens * model.mtp_depth * mtp_module
-    # Bytes of one micro-batch per virtual stage, held until its backward: the sum of the entries
-    # (in this order, so that the sums are those of the breakdown's entries).
-    per_b_virtual = layers_held.copy(order="F")
-    per_b_virtual[:, 0] += embedding_held
-    per_b_virtual[:, -1] += output_held
-    per_b_virtual[:, -1] += mtp_held
-    # Under recompute each chunk's checkpoints keep the boolean mask they were given, once per
-    # micro-batch (their layers share it): transformers' SDPA masks sliding layers from seq >= window.
-    # (None where no strategy keeps one: 0 bytes, which leave the sums, finite and >= +0, as
-    # they are; 1M mixed DeepSeek-V3 strategies: a where, an [n, U] product and two [n, U]
-    # sums less a group.)
-    checkpoint_mask_virtual: np.ndarray | None = None
-    if prices_sdpa_mask(model, options):
-        checkpoint_mask = np.where(recompute_on, sdpa_mask_bytes(model, batch, options), 0.0)
-        checkpoint_mask_virtual = np.multiply(checkpoint_mask[:, None], ((dense_layers + moe_layers) > 0).astype(float),
-                                              out=np.empty((n, computed), order="F"))
-        per_b_virtual += checkpoint_mask_virtual
+    group = _Group(model, batch, options, shape, schedule, pp, vpp, seq_chunks, static, by_combination, scores,
+                   tokens, op_tokens, recompute_on, table_recompute_on, table_tp, table_sp_div)
     profile = options.profile
-    # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
-    # runtime keeps per micro-batch (below), the head's and the pipeline's.
-    # (Zeros only where the breakdown by kind reads them: elsewhere an [n, U] fill for nothing.)
-    kept_logits = kept_hidden = np.zeros_like(per_b_virtual) if kinds is not None else per_b_virtual[:, :0]
-    if profile.pipeline_stage_output and virtual > 1:
-        # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
-        # (sequence-sharded under SP) on every stage but the last, the logits on the last.
-        vocab_div = table_tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
-        act_bytes = precision.activation_bytes
-        # Every stage but the first also keeps the input it received, which needs a gradient;
-        # where the previous chunk runs on the same rank (the turn of a V schedule) that input is
-        # its output itself, passed by reference, already counted. Per virtual stage: the logits
-        # and hidden states kept, per token, as counts times their elements per rank.
-        logits_kept = last_virtual * ~hands_forward
-        hidden_kept = (1.0 - last_virtual) * ~hands_forward + receives_from_peer
-        token_bytes = tokens * act_bytes
-        logits_per_token = np.broadcast_to(model.vocab_size / vocab_div, table_tp.shape)  # (per combination)
-        hidden_per_token = model.hidden_size / table_sp_div
-        # Column by column (see _outer_sum): the same products, in passes over the strategies, once
-        # per distinct pair of counts.
-        kept_bytes: dict[tuple[float, float], np.ndarray] = {}
-        for column, (logits, hidden) in enumerate(zip(logits_kept.tolist(), hidden_kept.tolist(), strict=True)):
-            term = kept_bytes.get((logits, hidden))
-            if term is None:
-                term = kept_bytes[logits, hidden] = token_bytes * by_combination.rows(
-                    logits_per_token * logits + hidden_per_token * hidden)
-            per_b_virtual[:, column] += term
-        if kinds is not None:
-            kept_logits = np.multiply.outer(token_bytes * by_combination.rows(logits_per_token), logits_kept.astype(float))
-            kept_hidden = np.multiply.outer(token_bytes * by_combination.rows(hidden_per_token),
-                                            hidden_kept.astype(float))
+    t = tokens[:, None]
+    out: dict[str, np.ndarray] = {}
+
+    # ---- activations held across the schedule
+    held_b = _held_until_backward(group, breakdown=kinds is not None)
+    per_b_virtual = held_b.per_b_virtual
     # Gradients created in the backward (set_to_none) do not exist before a chunk's first
     # backward: GPipe's peak, all forwards held, has none. Elsewhere they are static.
     grads_in_schedule = profile.grads_created_in_backward
@@ -586,148 +494,15 @@ def _group_evaluation(
             per_grads[static_rows] = 0.0
         extra = [chunk_column(per_grads, chunks, c) for c in range(vpp)]
     split = schedule in SPLIT_BACKWARD
-    per_w_virtual: np.ndarray | None = None  # nothing waits for W without a split backward
-    if not split:
-        pass
-    elif profile.weight_grad_holds == "all":
-        # torch.distributed.pipelining keeps a micro-batch's whole autograd graph from its input
-        # gradient (B) until its weight gradient (W), and with it the gradients of the linear
-        # and norm outputs that W consumes. Under recompute that graph is the one B rebuilt: every
-        # activation of the layer; where W rebuilds the layer again, per parameter group, B's
-        # rebuilt copy is gone by the end of B and only the output gradients stay (traced).
-        # The head's weight gradient reads the gradient of the logits, kept from B until W.
-        logits_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
-        logits_gradient = tokens * model.vocab_size * precision.activation_bytes / logits_div
-        outputs_dense, outputs_moe = table.weight_grad_outputs["dense"], table.weight_grad_outputs["moe"]
-        per_w_virtual = np.empty((n, computed), order="F")
-        # Column by column (see _outer_sum): the same products, in passes over the strategies.
-        for column, (dense, moe, last) in enumerate(
-                zip(dense_layers.tolist(), moe_layers.tolist(), last_virtual.tolist(), strict=True)):
-            if profile.weight_grad_recomputes_per_group:
-                # A recomputed layer's rebuilt copy is gone after B; a plain one's graph is not.
-                graph_for_w = np.where(recompute_on, 0.0 if plain_held is None else plain_held[:, column],
-                                       layers_held[:, column])
-            else:
-                whole_graph = tokens * by_combination.rows(table.full["dense"] * dense + table.full["moe"] * moe)
-                graph_for_w = np.where(recompute_on, whole_graph, layers_held[:, column])
-            per_w_virtual[:, column] = (graph_for_w + tokens * by_combination.rows(outputs_dense * dense + outputs_moe * moe)
-                                        + logits_gradient * last)
-        # The checkpoints stay in that graph until W, and with them the mask they keep.
-        if checkpoint_mask_virtual is not None:
-            per_w_virtual += checkpoint_mask_virtual
-        if profile.first_stage_backward_at_w:
-            # The pipeline's first stage has no input gradient to make: torch skips its B and runs
-            # one whole backward at W, so what its forward kept stays until then, and no more.
-            per_w_virtual[:, first_virtual > 0] = per_b_virtual[:, first_virtual > 0]
-    else:
-        # W needs the linear layers' inputs and their output gradients (about as large).
-        per_w_virtual = np.empty((n, computed), order="F")
-        # Column by column (see _outer_sum): the same products, in passes over the strategies.
-        for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
-            per_w_virtual[:, column] = 2 * tokens * by_combination.rows(
-                table.weight_input["dense"] * dense + table.weight_input["moe"] * moe)
+    per_w_virtual = _held_until_weight_grad(group, held_b) if split else None  # nothing waits for W without a split
     # The frontier's columns are [held until B per chunk | held until W per chunk | gradients
     # per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
     weights: list[np.ndarray | None] = [chunk_column(per_b_virtual, chunks, c) for c in range(vpp)]
     weights += [None if per_w_virtual is None else chunk_column(per_w_virtual, chunks, c) for c in range(vpp)]
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
     has_moe = moe_per_stage > 0
-    has_dense = (on_stage @ dense_layers) > 0
-    # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
-    # Recompute rebuilds, beside what a layer keeps, the rest of its activations: full − kept of
-    # the layer's own kind, the largest over the kinds the stage holds.
-    loss_per_token = op_tokens * by_combination.rows(table.output_transient)
-    # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
-    layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
-    last_layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
-    scores_moments: dict[tuple[bool, bool, bool, bool], ScoresMoments] = {}
-    layer_transient = np.empty((n, patterns), order="F")
-    scores_during, scores_grads = (np.empty((n, patterns), order="F"), np.empty((n, patterns), order="F")) if scores else (None, None)
-    out["transient"] = np.empty((n, patterns), order="F")
-    for column, (moe_here, dense_here, first, last) in enumerate(
-            zip(has_moe.tolist(), has_dense.tolist(), first_stage.tolist(), last_stage.tolist(), strict=True)):
-        layer = layer_by_kinds.get((moe_here, dense_here))
-        if layer is None:
-            per_token = layer_working_set(table, table_recompute_on, moe_here, dense_here)
-            layer_by_kinds[moe_here, dense_here], last_layer_by_kinds[moe_here, dense_here] = (
-                op_tokens * by_combination.rows(values) for values in per_token)
-            layer = layer_by_kinds[moe_here, dense_here]
-        last_layer = last_layer_by_kinds[moe_here, dense_here]
-        if scores_during is None or scores_grads is None:
-            layer_transient[:, column] = last_layer
-            out["transient"][:, column] = np.maximum(layer, loss_per_token * last)
-            continue
-        moment = scores_moments.get((moe_here, dense_here, first, last))
-        if moment is None:
-            moment = scores_moments[moe_here, dense_here, first, last] = scores_backward_moments(
-                by_combination.taken, {k: static.at(v) for k, v in static.mlp_grads.items()}, op_tokens,
-                _per_op(output_held, seq_chunks),
-                recompute_on,
-                static.at(static.head_grad_bytes),
-                kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
-                table_grad=static.at(static.table_made_last) * first)
-        scores_during[:, column], scores_grads[:, column] = moment.during, moment.grads_made
-        layer_transient[:, column] = np.maximum(last_layer, moment.at_end)
-        out["transient"][:, column] = np.maximum(np.maximum(layer, moment.during), loss_per_token * last)
-    # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
-    # table (the scatter of token gradients is dense) and adds it to the kept one; by then that
-    # micro-batch's first-chunk activations are gone. FSDP gradients are new each micro-batch
-    # and priced with its unit buffers.
-    accumulates = (batch.micro_batches_per_step > 1) & (batch.zero < 3)
-    if profile.grads_created_in_backward and model.is_moe:
-        # Likewise the fused experts' new gate_up gradient (one tensor for all local experts)
-        # exists beside the kept one until it is added, with the output gradient it is computed
-        # from; on the last stage that micro-batch's loss activations are freed by then. (Dense
-        # layers' largest weights are a few percent of a layer's activations: not priced.)
-        # Megatron fuses the accumulation into its main-grad buffer.
-        local_experts = model.num_experts / np.maximum(batch.ep, 1)
-        # (The output gradient is the rank's routed tokens' through experts 1/etp wide: k·2f/tp per
-        # token where each rank routes its own tokens, as the profiles' expert_width shard.)
-        routed_width = by_combination.rows(np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp),
-                                                    table_tp, by_combination.batch.etp.astype(float)))
-        expert_gradient = (
-            2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
-            + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes
-            / routed_width
-        )
-        loss_freed = _per_op(output_held, seq_chunks)
-        # Column by column (see _outer_sum): the same values, in passes over the strategies, once
-        # per value of ``last``. (A stage without MoE layers makes none: its transient, >= +0,
-        # stays as it is.)
-        new_gradients: dict[int, np.ndarray] = {}
-        for column, (moe_here, last) in enumerate(zip(has_moe.tolist(), last_stage.tolist(), strict=True)):
-            if moe_here:
-                new_gradient = new_gradients.get(last)
-                if new_gradient is None:
-                    new_gradient = new_gradients[last] = np.where(accumulates, expert_gradient - loss_freed * last, 0.0)
-                np.maximum(out["transient"][:, column], new_gradient, out=out["transient"][:, column])
-    # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
-    # the rank's shard, with one micro-batch too (``static_state``).
-    embedding_gradient = static.at(static.embedding_gradient)
-    embedding_accumulate = np.maximum(embedding_gradient - _per_op(per_b_virtual[:, 0], seq_chunks), 0.0)
-    # Column by column (see _outer_sum): the same values, in passes over the strategies; on the
-    # first stage alone (elsewhere its 0 bytes leave the transient, >= +0, as it is).
-    for column, first in enumerate(first_stage.tolist()):
-        if first:
-            np.maximum(out["transient"][:, column], embedding_accumulate * first, out=out["transient"][:, column])
-    # The head's, on the last stage (a split backward makes it in the W step: weight_grad_step).
-    head_gradient = static.at(static.head_gradient)
-    if not split and np.any(head_gradient):
-        head_moment = head_accumulate(model, precision.activation_bytes, head_gradient, op_tokens, tp,
-                                      _per_op(output_held, seq_chunks))
-        for column, last in enumerate(last_stage.tolist()):
-            if last:
-                out["transient"][:, column] = np.maximum(out["transient"][:, column], head_moment)
-    if model.mtp_depth:
-        # An MTP module checkpointed whole (full recompute, uniform) rebuilds its layer, norms and
-        # eh_proj input at once in its backward, beside that layer's working set: more than one
-        # decoder layer's rebuild, on the stage that holds the modules.
-        mtp_rebuild = np.where(full_recompute & ~mtp_limited,
-                               op_tokens * by_combination.rows(table.mtp_rebuilt + table.backward_extra[mtp_kind]), 0.0)
-        for column, last in enumerate(last_stage.tolist()):
-            if last:
-                out["transient"][:, column] = np.maximum(out["transient"][:, column], mtp_rebuild)
-
+    working = _working_sets(group, held_b, split)
+    out["transient"] = working.transient
     if split:
         # The frontier's columns after the gradients: each chunk's weight-gradient step while it
         # runs. Its working set takes the place of a layer backward's (the transient, added to
@@ -792,15 +567,14 @@ def _group_evaluation(
         _, without_steps, _ = held_peak(
             schedule, pp, vpp, seq_chunks, batch.num_micro_batches, weights, without, shape.pattern_of)
         weight_step_extra = held_with_extra - without_steps
-    if kinds is not None and chosen is not None:
-        activation_kinds(kinds, index, pp, vpp, placement, chosen, t, by_combination.taken, plain_dense, plain_moe,
-                          recomputed_dense, recomputed_moe,
-                          {"embedding": np.multiply.outer(embedding_held, first_virtual),
-                           "output": np.multiply.outer(output_held, last_virtual) + kept_logits,
-                           "mtp": np.multiply.outer(mtp_held, last_virtual),
-                           "pipeline": kept_hidden,
-                           "checkpoint_mask": np.zeros((n, computed), order="F") if checkpoint_mask_virtual is None
-                           else checkpoint_mask_virtual},
+    if kinds is not None and chosen is not None and held_b.layer_counts is not None:
+        activation_kinds(kinds, index, pp, vpp, placement, chosen, t, by_combination.taken, *held_b.layer_counts,
+                          {"embedding": np.multiply.outer(held_b.embedding_held, first_virtual),
+                           "output": np.multiply.outer(held_b.output_held, last_virtual) + held_b.kept_logits,
+                           "mtp": np.multiply.outer(held_b.mtp_held, last_virtual),
+                           "pipeline": held_b.kept_hidden,
+                           "checkpoint_mask": np.zeros((n, computed), order="F") if held_b.checkpoint_mask_virtual is None
+                           else held_b.checkpoint_mask_virtual},
                           np.zeros_like(per_b_virtual) if per_w_virtual is None else per_w_virtual, model)
 
     # forward/backward = params + optimizer + held (+ grads where static) + comm - handed over
@@ -829,53 +603,9 @@ def _group_evaluation(
     # Only FSDP strategies have unit moments: price those rows alone.
     sharded_rows = np.flatnonzero(zero3 if cut is None else zero3 & ~cut)
     if sharded_rows.size:
-        def pick(values: Any) -> np.ndarray:
-            return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
-
-        def pick_static(values: Any) -> np.ndarray:  # a figure of the static state
-            return np.broadcast_to(np.asarray(static.at(values, sharded_rows), dtype=float), (len(sharded_rows),))
-
-        # The per-token inputs worked out on the sharded rows alone, from their operands' rows:
-        # the same element-wise operations on the same values, over a quarter of the rows or
-        # fewer (1M mixed DeepSeek-V3 strategies: ~10 passes over each group less).
-        # (Per token, a figure of the combinations: worked out on those, gathered to these rows.)
-        tokens_at, deferred_at = pick(op_tokens), deferred[sharded_rows]
-        table_etp = by_combination.batch.etp.astype(float)
-        table_rebuilt = {kind: np.where(table_recompute_on, table.rebuilt[kind], 0.0) for kind in ("dense", "moe")}
-        inputs: dict[str, Any] = dict(
-            reduce_bytes=np.where(deferred_at, 0.0, float(grad_bytes)),
-            units={kind: pick_static(elements) for kind, elements in static.unit_elements.items()},
-            working={
-                kind: tokens_at * by_combination.rows(
-                    np.maximum(table.backward_extra[kind], table.attention_backward[kind]) + table_rebuilt[kind],
-                    sharded_rows)
-                for kind in ("dense", "moe")
-            },
-            loss_working=tokens_at * by_combination.rows(table.output_transient, sharded_rows),
-            expert_elements=pick_static(static.expert_elements),
-            unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
-            expert_working=tokens_at * by_combination.rows(expert_weight_grad_working(
-                model, precision.activation_bytes, table_etp, table_rebuilt["moe"],
-                np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp), table_etp / table_tp, 1.0)),
-                sharded_rows),
-            # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
-            one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
-            one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
-            one_micro_batch_loss=pick(_per_op(output_held, seq_chunks)),
-            kept_after_backward=deferred_at,
-            # Under a V schedule torch keeps both of a rank's chunks gathered ahead (at most
-            # three): 1 where the rank's other chunk sits beside a unit's moments (its units
-            # stay gathered from its backward on), 2 where every unit does (never resharded
-            # after forward).
-            kept_beside=np.where(deferred_at & (schedule in V_SHAPE),
-                                 np.where(batch.reshard_after_forward[sharded_rows] == 0, 2.0, 1.0), 0.0),
-            kept_elements=largest_chunks(static.at(static.elements_virtual, sharded_rows), chunks, vpp)
-            if vpp > ACTIVE_CHUNKS else None,
-        )
-        # The moments, priced once per distinct row of these inputs (``fsdp_moments``), with
+        # The moments, priced once per distinct row of their inputs (``fsdp_moments``), with
         # those of the groups of this placement where the caller evaluates them side by side.
-        sharded, rows_of = yield FsdpRequest(placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes,
-                                              inputs)
+        sharded, rows_of = yield _fsdp_request(group, held_b, sharded_rows, deferred)
         # Per row of the batch, its row of the moments, or one past them (a row of zeros) where
         # nothing is sharded: each figure read is then one gather, not a gather by the distinct
         # rows and a scatter to the sharded ones. The moments stay per row computed (``fsdp``,
@@ -964,7 +694,7 @@ def _group_evaluation(
             loss_phase += expand(fsdp.grads_made.take(source[single], axis=0))
             # The embedding's backward comes last, when nothing is held.
             backward_end = static_single + comm_single + np.maximum(
-                layer_transient[single], embedding_gradient[single, None] * first_stage[None, :])
+                working.layer_transient[single], working.embedding_gradient[single, None] * first_stage[None, :])
             # Under FSDP the backward ends in the first unit's reduce, not the stage's worst one.
             backward_end = np.where(zero3[single, None], static_single + other_comm[single] + fsdp.last_unit.take(source[single], axis=0),
                                     backward_end)
@@ -973,10 +703,10 @@ def _group_evaluation(
             # Where the scores are materialised, the first layer's attention backward: the loss's
             # activations are gone, the head's and that layer's MLP gradients made (FSDP prices
             # its moments with its units).
-            if scores_during is not None and scores_grads is not None:
+            if working.scores_during is not None and working.scores_grads is not None:
                 scores_phase = expand(static_single - grads_single + comm_single + overhead.workspace_bytes
-                                      + scores_during[single]
-                                      + np.where(zero3[single, None], 0.0, scores_grads[single]))
+                                      + working.scores_during[single]
+                                      + np.where(zero3[single, None], 0.0, working.scores_grads[single]))
                 scores_phase += held[:, single]
                 forward_backward[:, single] = np.maximum(forward_backward[:, single], scores_phase)
     if device_only:  # in place: the figures in between are not kept
@@ -1012,6 +742,413 @@ def _group_evaluation(
         out["comm"] = out["comm"].copy()
         out["comm"][deferred_rows] += np.maximum(rows - others, 0.0)
     return out
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One pipeline-shape group as the parts of its evaluation read it: its strategies
+    (``batch``, n of them), what their pipeline shape fixes, their static state and layer
+    activations by combination (``scores``: whether some materialises the attention scores), and
+    per strategy [n] the tokens of a micro-batch on a rank, mbs · seq / cp (``tokens``), of one
+    op (``op_tokens``, ``_per_op``), whether it recomputes, and the sequence-parallel divisor
+    (``table_sp_div``: tp under SP, else 1; per combination, as ``table_tp`` and
+    ``table_recompute_on``)."""
+
+    model: ModelSpec
+    batch: StrategyBatch
+    options: MemoryOptions
+    shape: GroupShape
+    schedule: str
+    pp: int
+    vpp: int
+    seq_chunks: int
+    static: StaticState
+    by_combination: Combinations
+    scores: bool
+    tokens: np.ndarray
+    op_tokens: np.ndarray
+    recompute_on: np.ndarray
+    table_recompute_on: np.ndarray
+    table_tp: np.ndarray
+    table_sp_div: np.ndarray
+
+
+@dataclass(frozen=True)
+class _HeldUntilBackward:
+    """Bytes one micro-batch's forward leaves on each virtual stage until its backward, [n, U]
+    (column-major) per strategy and virtual stage, or [n] for a one-column entry:
+    ``layers_held`` its layers' (as each strategy's recompute keeps them), ``plain_held`` those
+    of the layers a recompute limit leaves plain (None without a limit), ``embedding_held`` (first
+    virtual stage), ``output_held`` and ``mtp_held`` (last), ``checkpoint_mask_virtual`` the
+    masks recompute's checkpoints keep (None where none is kept), and ``per_b_virtual`` the sum
+    of them all with the pipeline's kept stage outputs. For the breakdown by kind:
+    ``layer_counts`` (plain dense, plain MoE, recomputed dense, recomputed MoE layers [n, U]; also
+    under a limit), ``kept_logits`` and ``kept_hidden`` (zero-width without the breakdown).
+    ``full_recompute`` and ``mtp_limited`` [n]: where the strategy recomputes fully, and where it
+    does with a limit (which leaves the MTP modules whole)."""
+
+    layers_held: np.ndarray
+    plain_held: np.ndarray | None
+    layer_counts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
+    embedding_held: np.ndarray
+    output_held: np.ndarray
+    mtp_held: np.ndarray
+    per_b_virtual: np.ndarray
+    checkpoint_mask_virtual: np.ndarray | None
+    kept_logits: np.ndarray
+    kept_hidden: np.ndarray
+    full_recompute: np.ndarray
+    mtp_limited: np.ndarray
+
+
+@dataclass(frozen=True)
+class _WorkingSets:
+    """The backward's working sets per strategy and stage pattern, [n, P] bytes (column-major):
+    ``transient`` the largest beside what the stage holds (a layer's backward with what
+    recompute rebuilds, the loss, the accumulated embedding, head and expert gradients, an MTP
+    module's rebuild); ``layer_transient`` the backward's last layer's, when nothing else is
+    held; ``scores_during`` and ``scores_grads`` the attention backward's moments where the
+    scores are materialised (None where no strategy materialises them, ``ScoresMoments``); and
+    ``embedding_gradient`` [n], the bytes of a new embedding gradient."""
+
+    transient: np.ndarray
+    layer_transient: np.ndarray
+    scores_during: np.ndarray | None
+    scores_grads: np.ndarray | None
+    embedding_gradient: np.ndarray
+
+
+def _held_until_backward(group: _Group, *, breakdown: bool) -> _HeldUntilBackward:
+    """What one micro-batch's forward leaves on each virtual stage until its backward (see
+    ``_HeldUntilBackward``); the breakdown's parts too with ``breakdown``."""
+    model, batch, options, shape, by_combination = group.model, group.batch, group.options, group.shape, group.by_combination
+    table, table_recompute_on, table_tp, table_sp_div = (by_combination.acts, group.table_recompute_on, group.table_tp,
+                                                         group.table_sp_div)
+    tokens, recompute_on, precision, profile = group.tokens, group.recompute_on, batch.precision, options.profile
+    t = tokens[:, None]
+    n, computed, virtual, mtp_kind = len(batch), len(shape.used), group.pp * group.vpp, model.mtp_mlp_kind
+    dense_layers, moe_layers, last_virtual = shape.dense, shape.moe, shape.last
+    hands_forward, receives_from_peer = shape.hands_forward, shape.receives_from_peer
+    # A chunk's layers hold t · Σ_kinds (plain layers · full bytes + recomputed layers · kept
+    # bytes) per micro-batch. Without a recompute limit a chunk recomputes all its layers or none:
+    # t · (dense · kept_dense + moe · kept_moe), with a layer's bytes as the strategy keeps them.
+    kept_dense, kept_moe = (np.where(table_recompute_on, table.recomputed[k], table.full[k]) for k in ("dense", "moe"))
+    # Column by column (see _outer_sum): the same products, in passes over the strategies, once
+    # per distinct pair of layer counts (the interior chunks of a uniform placement share one).
+    layers_held = np.empty((len(batch), computed), order="F")
+    column_of: dict[tuple[float, float], int] = {}
+    for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
+        same = column_of.setdefault((dense, moe), column)
+        layers_held[:, column] = (tokens * by_combination.rows(kept_dense * dense + kept_moe * moe) if same == column
+                                  else layers_held[:, same])
+    limited = np.flatnonzero(recompute_on & (batch.recompute_layers > 0))
+    # The layers a recompute limit leaves plain, their full bytes: their autograd graph is held
+    # from the forward to the weight gradient like any layer's without recompute (0 where every
+    # layer of a chunk recomputes).
+    plain_held: np.ndarray | None = None
+    layer_counts = None
+    if limited.size or breakdown:
+        # With a limit, only the first recompute_layers layers of each chunk are recomputed.
+        rows = np.arange(len(batch)) if breakdown else limited
+        layer_counts = plain_dense, plain_moe, recomputed_dense, recomputed_moe = recomputed_layers(
+            recompute_on[rows], batch.recompute_layers[rows], dense_layers, moe_layers)
+        full, recomputed = by_combination.taken.full, by_combination.taken.recomputed
+        plain = t[rows] * (plain_dense * full["dense"][rows, None] + plain_moe * full["moe"][rows, None])
+        layers_held[rows] = plain + t[rows] * (
+            recomputed_dense * recomputed["dense"][rows, None] + recomputed_moe * recomputed["moe"][rows, None]
+        )
+        if limited.size:
+            plain_held = np.zeros((len(batch), computed))
+            plain_held[rows] = np.where(recompute_on[rows, None], plain, 0.0)
+    # One-column entries [n]: the int64 token ids (and what the embedding keeps) on the first
+    # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
+    embedding_held = tokens * by_combination.rows(8.0 + table.embedding)
+    output_held = tokens * by_combination.rows(table.output)
+    # Megatron-Core's MTP modules (multi_token_prediction.py) under full recompute: the uniform
+    # method checkpoints each module whole; the block method (a recompute limit) skips their
+    # recompute ("not supported for MTP yet"), so the layer keeps everything. Selective recompute
+    # runs in the module's TransformerLayer as in any other.
+    full_recompute = batch.is_("recompute", "full")
+    mtp_limited = full_recompute & (batch.recompute_layers > 0)
+    if mtp_limited.any():
+        mtp_module = mtp_module_bytes(by_combination.taken, mtp_kind, recompute_on, full_recompute, mtp_limited)
+    else:  # (no limit read: a figure of the combinations)
+        table_full_recompute = by_combination.batch.is_("recompute", "full")
+        mtp_module = by_combination.rows(mtp_module_bytes(table, mtp_kind, table_recompute_on, table_full_recompute,
+                                                     np.zeros_like(table_full_recompute)))
+    mtp_held = tokens * model.mtp_depth * mtp_module
+    # Bytes of one micro-batch per virtual stage, held until its backward: the sum of the entries
+    # (in this order, so that the sums are those of the breakdown's entries).
+    per_b_virtual = layers_held.copy(order="F")
+    per_b_virtual[:, 0] += embedding_held
+    per_b_virtual[:, -1] += output_held
+    per_b_virtual[:, -1] += mtp_held
+    # Under recompute each chunk's checkpoints keep the boolean mask they were given, once per
+    # micro-batch (their layers share it): transformers' SDPA masks sliding layers from seq >= window.
+    # (None where no strategy keeps one: 0 bytes, which leave the sums, finite and >= +0, as
+    # they are; 1M mixed DeepSeek-V3 strategies: a where, an [n, U] product and two [n, U]
+    # sums less a group.)
+    checkpoint_mask_virtual: np.ndarray | None = None
+    if prices_sdpa_mask(model, options):
+        checkpoint_mask = np.where(recompute_on, sdpa_mask_bytes(model, batch, options), 0.0)
+        checkpoint_mask_virtual = np.multiply(checkpoint_mask[:, None], ((dense_layers + moe_layers) > 0).astype(float),
+                                              out=np.empty((n, computed), order="F"))
+        per_b_virtual += checkpoint_mask_virtual
+    # Per virtual stage, for the breakdown by kind: the logits and the hidden states the pipeline
+    # runtime keeps per micro-batch (below), the head's and the pipeline's.
+    # (Zeros only where the breakdown by kind reads them: elsewhere an [n, U] fill for nothing.)
+    kept_logits = kept_hidden = np.zeros_like(per_b_virtual) if breakdown else per_b_virtual[:, :0]
+    if profile.pipeline_stage_output and virtual > 1:
+        # A pipeline stage keeps its output until that micro-batch's backward: the hidden state
+        # (sequence-sharded under SP) on every stage but the last, the logits on the last.
+        vocab_div = table_tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
+        act_bytes = precision.activation_bytes
+        # Every stage but the first also keeps the input it received, which needs a gradient;
+        # where the previous chunk runs on the same rank (the turn of a V schedule) that input is
+        # its output itself, passed by reference, already counted. Per virtual stage: the logits
+        # and hidden states kept, per token, as counts times their elements per rank.
+        logits_kept = last_virtual * ~hands_forward
+        hidden_kept = (1.0 - last_virtual) * ~hands_forward + receives_from_peer
+        token_bytes = tokens * act_bytes
+        logits_per_token = np.broadcast_to(model.vocab_size / vocab_div, table_tp.shape)  # (per combination)
+        hidden_per_token = model.hidden_size / table_sp_div
+        # Column by column (see _outer_sum): the same products, in passes over the strategies, once
+        # per distinct pair of counts.
+        kept_bytes: dict[tuple[float, float], np.ndarray] = {}
+        for column, (logits, hidden) in enumerate(zip(logits_kept.tolist(), hidden_kept.tolist(), strict=True)):
+            term = kept_bytes.get((logits, hidden))
+            if term is None:
+                term = kept_bytes[logits, hidden] = token_bytes * by_combination.rows(
+                    logits_per_token * logits + hidden_per_token * hidden)
+            per_b_virtual[:, column] += term
+        if breakdown:
+            kept_logits = np.multiply.outer(token_bytes * by_combination.rows(logits_per_token), logits_kept.astype(float))
+            kept_hidden = np.multiply.outer(token_bytes * by_combination.rows(hidden_per_token),
+                                            hidden_kept.astype(float))
+    return _HeldUntilBackward(layers_held, plain_held, layer_counts, embedding_held, output_held, mtp_held, per_b_virtual,
+                              checkpoint_mask_virtual, kept_logits, kept_hidden, full_recompute, mtp_limited)
+
+
+
+def _held_until_weight_grad(group: _Group, held: _HeldUntilBackward) -> np.ndarray:
+    """[n, U] bytes of one micro-batch per virtual stage held from its input gradient (B) until
+    its weight gradient (W), under a schedule that splits the backward."""
+    model, batch, options, shape, by_combination = group.model, group.batch, group.options, group.shape, group.by_combination
+    table, tokens, recompute_on, precision, profile = (by_combination.acts, group.tokens, group.recompute_on,
+                                                       batch.precision, options.profile)
+    tp, n, computed = batch.tp.astype(float), len(batch), len(shape.used)
+    dense_layers, moe_layers, first_virtual, last_virtual = shape.dense, shape.moe, shape.first, shape.last
+    layers_held, plain_held, per_b_virtual = held.layers_held, held.plain_held, held.per_b_virtual
+    checkpoint_mask_virtual = held.checkpoint_mask_virtual
+    if profile.weight_grad_holds == "all":
+        # torch.distributed.pipelining keeps a micro-batch's whole autograd graph from its input
+        # gradient (B) until its weight gradient (W), and with it the gradients of the linear
+        # and norm outputs that W consumes. Under recompute that graph is the one B rebuilt: every
+        # activation of the layer; where W rebuilds the layer again, per parameter group, B's
+        # rebuilt copy is gone by the end of B and only the output gradients stay (traced).
+        # The head's weight gradient reads the gradient of the logits, kept from B until W.
+        logits_div = tp if options.loss_parallel or (options.loss_parallel is None and profile.loss_parallel) else 1.0
+        logits_gradient = tokens * model.vocab_size * precision.activation_bytes / logits_div
+        outputs_dense, outputs_moe = table.weight_grad_outputs["dense"], table.weight_grad_outputs["moe"]
+        per_w_virtual = np.empty((n, computed), order="F")
+        # Column by column (see _outer_sum): the same products, in passes over the strategies.
+        for column, (dense, moe, last) in enumerate(
+                zip(dense_layers.tolist(), moe_layers.tolist(), last_virtual.tolist(), strict=True)):
+            if profile.weight_grad_recomputes_per_group:
+                # A recomputed layer's rebuilt copy is gone after B; a plain one's graph is not.
+                graph_for_w = np.where(recompute_on, 0.0 if plain_held is None else plain_held[:, column],
+                                       layers_held[:, column])
+            else:
+                whole_graph = tokens * by_combination.rows(table.full["dense"] * dense + table.full["moe"] * moe)
+                graph_for_w = np.where(recompute_on, whole_graph, layers_held[:, column])
+            per_w_virtual[:, column] = (graph_for_w + tokens * by_combination.rows(outputs_dense * dense + outputs_moe * moe)
+                                        + logits_gradient * last)
+        # The checkpoints stay in that graph until W, and with them the mask they keep.
+        if checkpoint_mask_virtual is not None:
+            per_w_virtual += checkpoint_mask_virtual
+        if profile.first_stage_backward_at_w:
+            # The pipeline's first stage has no input gradient to make: torch skips its B and runs
+            # one whole backward at W, so what its forward kept stays until then, and no more.
+            per_w_virtual[:, first_virtual > 0] = per_b_virtual[:, first_virtual > 0]
+    else:
+        # W needs the linear layers' inputs and their output gradients (about as large).
+        per_w_virtual = np.empty((n, computed), order="F")
+        # Column by column (see _outer_sum): the same products, in passes over the strategies.
+        for column, (dense, moe) in enumerate(zip(dense_layers.tolist(), moe_layers.tolist(), strict=True)):
+            per_w_virtual[:, column] = 2 * tokens * by_combination.rows(
+                table.weight_input["dense"] * dense + table.weight_input["moe"] * moe)
+    return per_w_virtual
+
+
+
+def _working_sets(group: _Group, held: _HeldUntilBackward, split: bool) -> _WorkingSets:
+    """The backward's transient peak per stage pattern, beside what the stage holds (see
+    ``_WorkingSets``)."""
+    model, batch, options, shape, by_combination = group.model, group.batch, group.options, group.shape, group.by_combination
+    table, table_recompute_on, table_tp = by_combination.acts, group.table_recompute_on, group.table_tp
+    op_tokens, recompute_on, seq_chunks, static = group.op_tokens, group.recompute_on, group.seq_chunks, group.static
+    precision, profile, mtp_kind = batch.precision, options.profile, model.mtp_mlp_kind
+    tp, etp, n, patterns = batch.tp.astype(float), batch.etp.astype(float), len(batch), len(shape.reps)
+    on_stage, dense_layers, moe_per_stage = shape.on_stage, shape.dense, shape.moe_per_stage
+    first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
+    output_held, per_b_virtual = held.output_held, held.per_b_virtual
+    full_recompute, mtp_limited = held.full_recompute, held.mtp_limited
+    has_moe = moe_per_stage > 0
+    has_dense = (on_stage @ dense_layers) > 0
+    # Per strategy for a stage with MoE layers and for one without; each stage takes its own.
+    # Recompute rebuilds, beside what a layer keeps, the rest of its activations: full − kept of
+    # the layer's own kind, the largest over the kinds the stage holds.
+    loss_per_token = op_tokens * by_combination.rows(table.output_transient)
+    # Column by column (see _outer_sum), once per combination of the kinds a stage holds.
+    layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
+    last_layer_by_kinds: dict[tuple[bool, bool], np.ndarray] = {}
+    scores_moments: dict[tuple[bool, bool, bool, bool], ScoresMoments] = {}
+    layer_transient = np.empty((n, patterns), order="F")
+    scores_during, scores_grads = (np.empty((n, patterns), order="F"), np.empty((n, patterns), order="F")) if group.scores else (None, None)
+    transient = np.empty((n, patterns), order="F")
+    for column, (moe_here, dense_here, first, last) in enumerate(
+            zip(has_moe.tolist(), has_dense.tolist(), first_stage.tolist(), last_stage.tolist(), strict=True)):
+        layer = layer_by_kinds.get((moe_here, dense_here))
+        if layer is None:
+            per_token = layer_working_set(table, table_recompute_on, moe_here, dense_here)
+            layer_by_kinds[moe_here, dense_here], last_layer_by_kinds[moe_here, dense_here] = (
+                op_tokens * by_combination.rows(values) for values in per_token)
+            layer = layer_by_kinds[moe_here, dense_here]
+        last_layer = last_layer_by_kinds[moe_here, dense_here]
+        if scores_during is None or scores_grads is None:
+            layer_transient[:, column] = last_layer
+            transient[:, column] = np.maximum(layer, loss_per_token * last)
+            continue
+        moment = scores_moments.get((moe_here, dense_here, first, last))
+        if moment is None:
+            moment = scores_moments[moe_here, dense_here, first, last] = scores_backward_moments(
+                by_combination.taken, {k: static.at(v) for k, v in static.mlp_grads.items()}, op_tokens,
+                _per_op(output_held, seq_chunks),
+                recompute_on,
+                static.at(static.head_grad_bytes),
+                kinds=tuple(k for k, here in (("dense", dense_here), ("moe", moe_here)) if here), last=last,
+                table_grad=static.at(static.table_made_last) * first)
+        scores_during[:, column], scores_grads[:, column] = moment.during, moment.grads_made
+        layer_transient[:, column] = np.maximum(last_layer, moment.at_end)
+        transient[:, column] = np.maximum(np.maximum(layer, moment.during), loss_per_token * last)
+    # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
+    # table (the scatter of token gradients is dense) and adds it to the kept one; by then that
+    # micro-batch's first-chunk activations are gone. FSDP gradients are new each micro-batch
+    # and priced with its unit buffers.
+    accumulates = (batch.micro_batches_per_step > 1) & (batch.zero < 3)
+    if profile.grads_created_in_backward and model.is_moe:
+        # Likewise the fused experts' new gate_up gradient (one tensor for all local experts)
+        # exists beside the kept one until it is added, with the output gradient it is computed
+        # from; on the last stage that micro-batch's loss activations are freed by then. (Dense
+        # layers' largest weights are a few percent of a layer's activations: not priced.)
+        # Megatron fuses the accumulation into its main-grad buffer.
+        local_experts = model.num_experts / np.maximum(batch.ep, 1)
+        # (The output gradient is the rank's routed tokens' through experts 1/etp wide: k·2f/tp per
+        # token where each rank routes its own tokens, as the profiles' expert_width shard.)
+        routed_width = by_combination.rows(np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp),
+                                                    table_tp, by_combination.batch.etp.astype(float)))
+        expert_gradient = (
+            2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
+            + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes
+            / routed_width
+        )
+        loss_freed = _per_op(output_held, seq_chunks)
+        # Column by column (see _outer_sum): the same values, in passes over the strategies, once
+        # per value of ``last``. (A stage without MoE layers makes none: its transient, >= +0,
+        # stays as it is.)
+        new_gradients: dict[int, np.ndarray] = {}
+        for column, (moe_here, last) in enumerate(zip(has_moe.tolist(), last_stage.tolist(), strict=True)):
+            if moe_here:
+                new_gradient = new_gradients.get(last)
+                if new_gradient is None:
+                    new_gradient = new_gradients[last] = np.where(accumulates, expert_gradient - loss_freed * last, 0.0)
+                np.maximum(transient[:, column], new_gradient, out=transient[:, column])
+    # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
+    # the rank's shard, with one micro-batch too (``static_state``).
+    embedding_gradient = static.at(static.embedding_gradient)
+    embedding_accumulate = np.maximum(embedding_gradient - _per_op(per_b_virtual[:, 0], seq_chunks), 0.0)
+    # Column by column (see _outer_sum): the same values, in passes over the strategies; on the
+    # first stage alone (elsewhere its 0 bytes leave the transient, >= +0, as it is).
+    for column, first in enumerate(first_stage.tolist()):
+        if first:
+            np.maximum(transient[:, column], embedding_accumulate * first, out=transient[:, column])
+    # The head's, on the last stage (a split backward makes it in the W step: weight_grad_step).
+    head_gradient = static.at(static.head_gradient)
+    if not split and np.any(head_gradient):
+        head_moment = head_accumulate(model, precision.activation_bytes, head_gradient, op_tokens, tp,
+                                      _per_op(output_held, seq_chunks))
+        for column, last in enumerate(last_stage.tolist()):
+            if last:
+                transient[:, column] = np.maximum(transient[:, column], head_moment)
+    if model.mtp_depth:
+        # An MTP module checkpointed whole (full recompute, uniform) rebuilds its layer, norms and
+        # eh_proj input at once in its backward, beside that layer's working set: more than one
+        # decoder layer's rebuild, on the stage that holds the modules.
+        mtp_rebuild = np.where(full_recompute & ~mtp_limited,
+                               op_tokens * by_combination.rows(table.mtp_rebuilt + table.backward_extra[mtp_kind]), 0.0)
+        for column, last in enumerate(last_stage.tolist()):
+            if last:
+                transient[:, column] = np.maximum(transient[:, column], mtp_rebuild)
+
+    return _WorkingSets(transient, layer_transient, scores_during, scores_grads, embedding_gradient)
+
+
+
+def _fsdp_request(group: _Group, held: _HeldUntilBackward, sharded_rows: np.ndarray,
+                  deferred: np.ndarray) -> FsdpRequest:
+    """The FSDP unit moments' arguments (``fsdp.fsdp_unit_phases``) of the group's sharded
+    strategies ``sharded_rows``: their inputs per strategy."""
+    model, batch, shape, by_combination = group.model, group.batch, group.shape, group.by_combination
+    table, table_recompute_on, table_tp = by_combination.acts, group.table_recompute_on, group.table_tp
+    op_tokens, seq_chunks, static, schedule = group.op_tokens, group.seq_chunks, group.static, group.schedule
+    precision, chunks, vpp = batch.precision, shape.chunks, group.vpp
+    grad_bytes = precision.grad_bytes
+    layers_held, output_held, per_b_virtual = held.layers_held, held.output_held, held.per_b_virtual
+
+    def pick(values: Any) -> np.ndarray:
+        return np.broadcast_to(np.asarray(values, dtype=float), (len(batch),))[sharded_rows]
+
+    def pick_static(values: Any) -> np.ndarray:  # a figure of the static state
+        return np.broadcast_to(np.asarray(static.at(values, sharded_rows), dtype=float), (len(sharded_rows),))
+
+    # The per-token inputs worked out on the sharded rows alone, from their operands' rows:
+    # the same element-wise operations on the same values, over a quarter of the rows or
+    # fewer (1M mixed DeepSeek-V3 strategies: ~10 passes over each group less).
+    # (Per token, a figure of the combinations: worked out on those, gathered to these rows.)
+    tokens_at, deferred_at = pick(op_tokens), deferred[sharded_rows]
+    table_etp = by_combination.batch.etp.astype(float)
+    table_rebuilt = {kind: np.where(table_recompute_on, table.rebuilt[kind], 0.0) for kind in ("dense", "moe")}
+    inputs: dict[str, Any] = dict(
+        reduce_bytes=np.where(deferred_at, 0.0, float(grad_bytes)),
+        units={kind: pick_static(elements) for kind, elements in static.unit_elements.items()},
+        working={
+            kind: tokens_at * by_combination.rows(
+                np.maximum(table.backward_extra[kind], table.attention_backward[kind]) + table_rebuilt[kind],
+                sharded_rows)
+            for kind in ("dense", "moe")
+        },
+        loss_working=tokens_at * by_combination.rows(table.output_transient, sharded_rows),
+        expert_elements=pick_static(static.expert_elements),
+        unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
+        expert_working=tokens_at * by_combination.rows(expert_weight_grad_working(
+            model, precision.activation_bytes, table_etp, table_rebuilt["moe"],
+            np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp), table_etp / table_tp, 1.0)),
+            sharded_rows),
+        # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
+        one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
+        one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
+        one_micro_batch_loss=pick(_per_op(output_held, seq_chunks)),
+        kept_after_backward=deferred_at,
+        # Under a V schedule torch keeps both of a rank's chunks gathered ahead (at most
+        # three): 1 where the rank's other chunk sits beside a unit's moments (its units
+        # stay gathered from its backward on), 2 where every unit does (never resharded
+        # after forward).
+        kept_beside=np.where(deferred_at & (schedule in V_SHAPE),
+                             np.where(batch.reshard_after_forward[sharded_rows] == 0, 2.0, 1.0), 0.0),
+        kept_elements=largest_chunks(static.at(static.elements_virtual, sharded_rows), chunks, vpp)
+        if vpp > ACTIVE_CHUNKS else None,
+    )
+    return FsdpRequest(shape.placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, inputs)
 
 
 def _placed(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
