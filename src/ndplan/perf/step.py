@@ -757,14 +757,87 @@ def _price_group(
 
     # A step runs the schedule ``runs`` times over m micro-batches each (gradient accumulation
     # outside the pipeline): the makespan and its parts are one run's, paid ``runs`` times.
-    m, k, runs = cols["num_micro_batches"], cols["seq_chunks"], cols["pipeline_runs"]
-    pp, vpp = layout.pp, layout.vpp
+    m, runs = cols["num_micro_batches"], cols["pipeline_runs"]
     per_mb = f + b + w
     star = np.argmax(per_mb, axis=1) if per_mb.shape[1] > 1 else np.zeros(g, dtype=np.int64)
     # [g, P] arrays read at one stage per strategy: np.take at flat positions (~2.5x faster
     # than the fancy index [rows, star])
     star_at = rows * per_mb.shape[1] + star
     t_star = np.take(per_mb, star_at)
+    seconds = _StageSeconds(f, b, w, per_mb, star, t_star)
+    makespan, p2p_part, chunk_seconds = _makespan(pr, layout, name, seconds, config, local, u, recompute_layers, cols,
+                                                  p2p)
+
+    out: dict[str, Array] = {}  # (no offload_s where the batch offloads nothing: ``evaluate``'s zeros)
+    # Each strategy's categories on its bottleneck stage: the tables' categories made rows of
+    # [configuration·stage profile, categories] (a small copy) and taken whole per strategy, one
+    # take of a row (a cache line) rather than one take per category at flat positions of the
+    # tables (1M DeepSeek-V3 strategies' 43 groups, with the step counts' product: 22.1 -> 13.1 ms).
+    stages = tables.shape[2]
+    by_stage = np.ascontiguousarray(tables[:, len(PASSES):, :].transpose(0, 2, 1)).reshape(u * stages, -1)
+    star_categories = np.take(by_stage, local * stages + star, axis=0)  # [g, categories]
+    micro_batches = m * runs  # micro-batches per step
+    for i, cat in enumerate(pr.categories):
+        if cat in pr.idle:
+            continue  # (+0.0 for every strategy: evaluate's zeros)
+        at_star = star_categories[:, i]
+        if len(partial):
+            at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
+                                 + pr.per_cat[("rc_moe", cat)][config[partial]] * delta_m[np.arange(len(partial)), star[partial]])
+        out["compute_s" if cat == "compute" else f"{cat}_s"] = micro_batches * at_star
+
+    # DP and optimizer: on the stage holding the most parameters per device (``_dp_seconds``).
+    dp_step, optimizer = _dp_seconds(pr, layout, dp, name, seconds, cols)
+
+    out["dp_s"] = out["dp_s"] + dp_step
+    out["dp_step_s"] = dp_step
+    out["pp_s"] = runs * p2p_part
+    out["bubble_s"] = runs * np.maximum(makespan - m * t_star - p2p_part, 0.0)
+    if chunk_seconds is not None:
+        out["chunk_seconds"] = chunk_seconds
+    out["optimizer_update_s"] = optimizer
+    out["optimizer_s"] = optimizer + pr.eff.step_overhead_s
+    if details:
+        out["makespan_s"] = runs * makespan
+        out["stage_forward_s"] = np.take(f, star_at)
+        out["stage_backward_s"] = np.take(b, star_at)
+        out["stage_weight_grad_s"] = np.take(w, star_at)
+        out["bottleneck_stage"] = layout.profile_stage[star].astype(np.float64)
+    if len(partial):
+        # The share of layers rebuilt where a limit applies (every layer elsewhere, where recompute
+        # is on: ``evaluate`` takes that from the batch).
+        out["limited_rows"] = partial
+        out["limited_fraction"] = ((rd + rm) @ layout.profile_count) / pr.model.num_layers
+    return out
+
+
+@dataclass(frozen=True)
+class _StageSeconds:
+    """A group's seconds of one micro-batch on each stage profile, [g, P]: its forward ``f``,
+    input-gradient backward ``b`` (the whole backward where the schedule does not split it) and
+    weight gradient ``w``, and their sum ``per_mb``; per strategy [g] the bottleneck stage
+    profile ``star`` (the largest sum) and that sum, ``t_star``."""
+
+    f: Array
+    b: Array
+    w: Array
+    per_mb: Array
+    star: Array
+    t_star: Array
+
+
+def _makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _StageSeconds, config: Array, local: Array, u: int,
+              recompute_layers: Array, cols: dict[str, Array], p2p: Array) -> tuple[Array, Array, Array | None]:
+    """One pipeline run's makespan and its point-to-point part per strategy [g] (seconds), of
+    the group's strategies (configurations ``config``, numbered ``local`` among ``u``) under
+    schedule ``name``: in closed form where the search prices it (the simulator's timeline where
+    too few micro-batches leave no steady state; interleaving's stalls and chain bound), else
+    simulated; and for the simulated, the chunk seconds it ran [g, F/B/W, pp, vpp] (else None)."""
+    f, b, w, per_mb, star, t_star = seconds.f, seconds.b, seconds.w, seconds.per_mb, seconds.star, seconds.t_star
+    m, k = cols["num_micro_batches"], cols["seq_chunks"]
+    pp, vpp, g = layout.pp, layout.vpp, len(config)
+    rows = np.arange(g)
+    chunk_seconds = None
     if pr.pipeline == "closed_form":
         makespan, p2p_part, _ = closed_form_makespan(
             name, float(pp), float(vpp), m, k, f, b, w, p2p, layout.profile_count, star, per_mb, layout.stage_profile,
@@ -832,26 +905,17 @@ def _price_group(
                 name, pp, vpp, int(m[j]), int(k[j]), fc[j], bc[j], wc[j], float(p2p[j]),
             )
         chunk_seconds = np.stack([fc, bc, wc], axis=1)  # what the simulator ran: [g, F/B/W, pp, vpp]
+    return makespan, p2p_part, chunk_seconds
 
-    out: dict[str, Array] = {}  # (no offload_s where the batch offloads nothing: ``evaluate``'s zeros)
-    # Each strategy's categories on its bottleneck stage: the tables' categories made rows of
-    # [configuration·stage profile, categories] (a small copy) and taken whole per strategy, one
-    # take of a row (a cache line) rather than one take per category at flat positions of the
-    # tables (1M DeepSeek-V3 strategies' 43 groups, with the step counts' product: 22.1 -> 13.1 ms).
-    stages = tables.shape[2]
-    by_stage = np.ascontiguousarray(tables[:, len(PASSES):, :].transpose(0, 2, 1)).reshape(u * stages, -1)
-    star_categories = np.take(by_stage, local * stages + star, axis=0)  # [g, categories]
-    micro_batches = m * runs  # micro-batches per step
-    for i, cat in enumerate(pr.categories):
-        if cat in pr.idle:
-            continue  # (+0.0 for every strategy: evaluate's zeros)
-        at_star = star_categories[:, i]
-        if len(partial):
-            at_star[partial] += (pr.per_cat[("rc_dense", cat)][config[partial]] * delta_d[np.arange(len(partial)), star[partial]]
-                                 + pr.per_cat[("rc_moe", cat)][config[partial]] * delta_m[np.arange(len(partial)), star[partial]])
-        out["compute_s" if cat == "compute" else f"{cat}_s"] = micro_batches * at_star
 
-    # DP and optimizer: on the stage holding the most parameters per device, priced once per DP
+def _dp_seconds(pr: _Priced, layout: StageLayout, dp: _DPStage, name: str, seconds: _StageSeconds,
+                cols: dict[str, Array]) -> tuple[Array, Array]:
+    """Per strategy [g], seconds of a step's exposed data-parallel traffic (gradient reduces,
+    parameter gathers, the embedding table's) and of its optimizer update."""
+    f, b, w, per_mb = seconds.f, seconds.b, seconds.w, seconds.per_mb
+    m, k, runs = cols["num_micro_batches"], cols["seq_chunks"], cols["pipeline_runs"]
+    pp, vpp, rows = layout.pp, layout.vpp, np.arange(len(f))
+    # On the stage holding the most parameters per device, priced once per DP
     # configuration of the layout (``_dp_stage``); only the overlap is per strategy. Every figure
     # that depends on the DP configuration alone (the raw collectives, the last bucket's, their
     # floors, which stage is heaviest and its layer share) is gathered once where a strategy's
@@ -925,27 +989,7 @@ def _price_group(
     if dp.table_grad is not None:
         dp_step += dp.table_grad[dp_code]
     optimizer = dp.optimizer[dp_code]
-
-    out["dp_s"] = out["dp_s"] + dp_step
-    out["dp_step_s"] = dp_step
-    out["pp_s"] = runs * p2p_part
-    out["bubble_s"] = runs * np.maximum(makespan - m * t_star - p2p_part, 0.0)
-    if pr.pipeline != "closed_form":
-        out["chunk_seconds"] = chunk_seconds
-    out["optimizer_update_s"] = optimizer
-    out["optimizer_s"] = optimizer + pr.eff.step_overhead_s
-    if details:
-        out["makespan_s"] = runs * makespan
-        out["stage_forward_s"] = np.take(f, star_at)
-        out["stage_backward_s"] = np.take(b, star_at)
-        out["stage_weight_grad_s"] = np.take(w, star_at)
-        out["bottleneck_stage"] = layout.profile_stage[star].astype(np.float64)
-    if len(partial):
-        # The share of layers rebuilt where a limit applies (every layer elsewhere, where recompute
-        # is on: ``evaluate`` takes that from the batch).
-        out["limited_rows"] = partial
-        out["limited_fraction"] = ((rd + rm) @ layout.profile_count) / pr.model.num_layers
-    return out
+    return dp_step, optimizer
 
 
 def pricing_settings(cluster: Cluster, efficiency: Any, overlap: Any, software: Any) -> tuple[EfficiencyProfile, OverlapConfig]:
