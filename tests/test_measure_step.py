@@ -14,16 +14,18 @@ from pathlib import Path
 import pytest
 
 from ndplan.census.measure_step import (
-    MEASURED_SCHEMA,
-    RankMemory,
-    StepMeasurement,
     check_measurable,
-    load_measurement,
-    measurement_from_dict,
     stage_to_rank,
     trimmed_hf_config,
     trimmed_spec,
     virtual_stage_layers,
+)
+from ndplan.census.measurement import (
+    MEASURED_SCHEMA,
+    RankMemory,
+    StepMeasurement,
+    load_measurement,
+    measurement_from_dict,
 )
 from ndplan.errors import NdplanError
 from ndplan.model import get_preset, hf_config

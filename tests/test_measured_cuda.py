@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ndplan.census.measure_step import load_measurement
+from ndplan.census.measurement import load_measurement
 from ndplan.census.verify import verify
 from ndplan.errors import NdplanError
 from ndplan.model import load_model

@@ -613,7 +613,7 @@ def test_estimate_matches_measured_steps(path):
     """Every whole training step of docs/accuracy.md, as `ndplan measure` recorded it (one device,
     FSDP2, TP, pipelines of five schedules, MoE and MLA models): each stage's peak within 3% and
     never more than 2% under, the memory issue's target."""
-    from ndplan.census.measure_step import load_measurement
+    from ndplan.census.measurement import load_measurement
     from ndplan.census.verify import verify
     from ndplan.model import get_preset
 

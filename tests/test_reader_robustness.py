@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ndplan.census.measure import load_hf_config
-from ndplan.census.measure_step import load_measurement
+from ndplan.census.measurement import load_measurement
 from ndplan.census.record import load_census_file
 from ndplan.errors import NdplanError
 from ndplan.hardware.presets import load_device_file

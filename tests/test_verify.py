@@ -15,7 +15,8 @@ import pytest
 
 from ndplan import cli
 from ndplan.census.cli import add_census_commands
-from ndplan.census.measure_step import load_measurement, trimmed_spec
+from ndplan.census.measure_step import trimmed_spec
+from ndplan.census.measurement import load_measurement
 from ndplan.census.verify import verify
 from ndplan.memory import MemoryOptions, estimate
 from ndplan.model import get_preset

@@ -128,7 +128,7 @@ def split(src: Path, dest: Path) -> None:
 
 def report(data: Path, target: Path) -> None:
     """docs/accuracy_cuda.md: every real step in ``data`` against the estimate (``ndplan verify``)."""
-    from ndplan.census.measure_step import load_measurement
+    from ndplan.census.measurement import load_measurement
     from ndplan.census.verify import verify
     from ndplan.model import load_model
 

@@ -34,7 +34,8 @@ TARGET_UNDER_PCT = 2.0
 
 def run_config(config: dict[str, Any], stored: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure and estimate one configuration (with ``stored``, re-estimate that measurement)."""
-    from ndplan.census.measure_step import measure_step, measurement_from_dict, trimmed_spec
+    from ndplan.census.measure_step import measure_step, trimmed_spec
+    from ndplan.census.measurement import measurement_from_dict
     from ndplan.census.verify import verify
     from ndplan.model import get_preset, hf_config
     from ndplan.strategy import Strategy, validate_strategy

@@ -202,7 +202,7 @@ def _measure(args: argparse.Namespace) -> Any:
 
 # ---------------------------------------------------------------- measure
 def cmd_measure(args: argparse.Namespace) -> int:
-    from ndplan.census.measure_step import save_measurement
+    from ndplan.census.measurement import save_measurement
 
     result = _measure(args)
     if args.out:
@@ -254,7 +254,7 @@ def _write_timeline(path: str, result: Any) -> None:
     categories): the way to see which moment makes a peak and what it is made of."""
     import csv
 
-    from ndplan.census.measure_step import CATEGORIES
+    from ndplan.census.measurement import CATEGORIES
 
     columns = [c for c in CATEGORIES if c != "optimizer_step"]
     try:
@@ -340,7 +340,7 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     Megatron script estimates with the megatron profile and its attention kernel and loss), the
     measured peaks per rank of the file, whose global ranks map to stages as the frameworks lay
     them out (pipeline-parallel ranks outermost)."""
-    from ndplan.census.measure_step import load_measurement
+    from ndplan.census.measurement import load_measurement
     from ndplan.cli_args import runtime_options
     from ndplan.io.cli import print_messages, read_from_args
 
@@ -373,7 +373,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.measured and getattr(args, "from_config", None):
         spec, measurement, options = _measured_from_config(args)
     elif args.measured:
-        from ndplan.census.measure_step import load_measurement
+        from ndplan.census.measurement import load_measurement
         from ndplan.model import load_model
 
         if _strategy_given(args):

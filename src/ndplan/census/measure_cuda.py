@@ -31,14 +31,13 @@ import time
 from typing import Any
 
 from ndplan.census.measure_step import (
-    RankMemory,
-    StepMeasurement,
     _param_groups,
     _warm_up_optimizer,
     _wrap_recompute,
     checked_step_config,
     step_model_name,
 )
+from ndplan.census.measurement import RankMemory, StepMeasurement
 from ndplan.errors import NdplanError
 from ndplan.strategy import Strategy
 

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from ndplan.census.measure_step import StepMeasurement, trimmed_spec
+from ndplan.census.measure_step import trimmed_spec
+from ndplan.census.measurement import StepMeasurement
 from ndplan.errors import NdplanError
 from ndplan.model.spec import ModelSpec
 
