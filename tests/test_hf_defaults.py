@@ -262,6 +262,9 @@ def test_variants_count_what_transformers_builds(name):
     assert _count({**MINIMAL[model_type], **fields}) == (total, 0)
 
 
+# Two variants build an empty module (no shared experts: deepseek_v2's zero-width shared MLP,
+# qwen2_moe's zero-width shared expert), which torch reports as a no-op initialisation.
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_variants_match_transformers_live(name):
     pytest.importorskip("torch")
