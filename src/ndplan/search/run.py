@@ -23,6 +23,7 @@ from ndplan.memory.fields import STATIC_FIELDS
 from ndplan.memory.report import check_options, headroom, known_gaps
 from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
+from ndplan.perf.gaps import time_known_gaps
 from ndplan.schedule import SPLIT_BACKWARD
 from ndplan.search.screen import Check, PartFields, Places, screened_blocks
 from ndplan.search.space import FIELD_DIMENSIONS, SearchSpace
@@ -82,7 +83,9 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "peak_bytes": round(peak), "peak_stage": int(stage),
         **{k: float(v) for k, v in time.items()},
         "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
-        "caveats": known_gaps(strategy, options or MemoryOptions(), model),
+        # What memory and step-time models are known to miss for a strategy of this kind.
+        "caveats": known_gaps(strategy, options or MemoryOptions(), model)
+        + (time_known_gaps(model, strategy, (options or MemoryOptions()).runtime) if model is not None else []),
         "headroom": headroom(strategy, options or MemoryOptions(), model),
     }
 

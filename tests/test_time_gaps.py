@@ -1,0 +1,64 @@
+"""The step-time cautions quote published figures (ndplan.perf.gaps): priced again here, so that
+a change of the time model that moves them fails until the words say the new figures."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from ndplan.model import get_preset
+from ndplan.perf.calibrate import load_runs, measured_step_s, predict_step_s
+from ndplan.perf.efficiency import default_efficiency
+from ndplan.perf.gaps import (
+    MOE_RUNS,
+    TORCH_CP_RUNS,
+    PublishedMiss,
+    is_moe_run,
+    is_torch_cp_run,
+    time_known_gaps,
+)
+from ndplan.strategy import Strategy
+
+RUNS = Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.yaml"
+
+
+def _miss(errors: list[float]) -> PublishedMiss:
+    return PublishedMiss(runs=len(errors), fast=sum(e < 0 for e in errors), median=round(statistics.median(errors), 3),
+                         lowest=round(min(errors), 3), highest=round(max(errors), 3))
+
+
+@pytest.fixture(scope="module")
+def published_errors() -> dict[str, list[float]]:
+    errors: dict[str, list[float]] = {"moe": [], "torch_cp": []}
+    for run in load_runs(RUNS):
+        moe, torch_cp = is_moe_run(run.model_spec()), is_torch_cp_run(run.strategy_obj(), run.runtime)
+        if not (moe or torch_cp):
+            continue
+        error = predict_step_s(run, default_efficiency(run.device_spec())) / measured_step_s(run) - 1
+        for kind, member in (("moe", moe), ("torch_cp", torch_cp)):
+            if member:
+                errors[kind].append(error)
+    return errors
+
+
+def test_the_moe_caution_quotes_the_published_moe_runs(published_errors):
+    assert _miss(published_errors["moe"]) == MOE_RUNS
+
+
+def test_the_context_parallel_caution_quotes_torchtitans_runs(published_errors):
+    assert _miss(published_errors["torch_cp"]) == TORCH_CP_RUNS
+
+
+def test_cautions_are_said_for_the_kinds_that_read_fast_and_only_for_them():
+    dense, moe = get_preset("llama-3.1-8b"), get_preset("qwen3-30b-a3b")
+    plain = Strategy(dp=8)
+    with_cp = Strategy(dp=4, cp=2)
+    assert time_known_gaps(dense, plain, "pytorch") == []
+    assert time_known_gaps(dense, with_cp, "megatron") == []  # Megatron's CP: within 7% where dense
+    (cp_caution,) = time_known_gaps(dense, with_cp, "pytorch")
+    assert "read fast in all 6 published torchtitan runs with CP 2-8 (-10.7% to -38.8%" in cp_caution
+    (moe_caution,) = time_known_gaps(moe, plain, "megatron")
+    assert "read fast in 27 (median -21.2%, from -53.8% to +33.0%" in moe_caution
+    assert len(time_known_gaps(moe, with_cp, "pytorch")) == 2
