@@ -846,12 +846,12 @@ def test_search_emit_says_when_no_ranked_candidate_is_written_as_priced(capsys, 
     assert len(data["ranked"]) == 3
     # A reader that refuses what was written (as Megatron's refused an uneven DualPipeV split
     # before no-op layers padded it) skips the candidate, never fatal; no temporary file named.
-    import ndplan.cli as cli
+    import ndplan.cli_emit as cli_emit
 
     def refuse(*_: object, **__: object) -> None:
         raise NdplanError("/tmp/tmpabc/emitted.sh:5: --num-layers: 61 layers do not split evenly")
 
-    monkeypatch.setattr(cli, "_read_written", refuse)
+    monkeypatch.setattr(cli_emit, "_read_written", refuse)
     code, out, _ = run(argv, capsys)
     refused = json.loads(out)
     assert code == 0 and refused["emitted_rank"] == 0 and refused["emitted_check"]["step_s"] is None

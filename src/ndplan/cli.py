@@ -23,15 +23,33 @@ from rich.table import Table
 from ndplan import __version__
 from ndplan.cli_args import (
     EFFICIENCY_HELP,
+    add_runtime_arguments,
     add_strategy_arguments,
-    add_switch,
     device_count,
     device_from,
-    gather_settings,
-    runtime_options,
+    memory_limit,
     sequence_count,
     sequence_length,
     strategy_from_settings,
+)
+from ndplan.cli_common import (
+    console,
+    dispatcher_note,
+    efficiency_entry,
+    emit_json,
+    inert_flags,
+    memory_options,
+    print_kernels,
+    require,
+    settings_and_model,
+)
+from ndplan.cli_emit import (
+    emit_settings,
+    read_back,
+    round_trips,
+    runtime_note,
+    written_precision,
+    written_strategy,
 )
 from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
@@ -41,20 +59,6 @@ from ndplan.progress import shows_progress
 from ndplan.strategy import Strategy, check_strategy
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
 from ndplan.units import format_bytes, format_count
-
-# Pipes and CI logs get a wide console so tables are not squeezed into 80 columns.
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-
-
-def _emit_json(data: Any) -> None:
-    print(json.dumps(data, indent=2))
-
-
-def _require(settings: dict[str, Any], key: str, flag: str, elsewhere: str = " or in the --plan file") -> Any:
-    """``elsewhere``: where else the command reads the setting from (each command its own)."""
-    if settings.get(key) is None:
-        raise NdplanError(f"missing {flag} (give it as a flag{elsewhere})")
-    return settings[key]
 
 
 # ---------------------------------------------------------------- models
@@ -88,7 +92,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     specs = [load_model(args.model)] if args.model else [load_model(n) for n in preset_names()]
     rows = [model_summary(s) for s in specs]
     if args.json:
-        _emit_json(rows if not args.model else rows[0])
+        emit_json(rows if not args.model else rows[0])
         return 0
     table = Table(title="Models (parameter counts exact, as transformers builds them)")
     for col in ["name", "type", "attention", "layers", "hidden", "heads/kv", "experts (top-k)", "total params", "active params", "MTP params"]:
@@ -113,7 +117,7 @@ def cmd_hardware(args: argparse.Namespace) -> int:
 
     devices = [resolve_device(args.name)] if args.name else list_devices()
     if args.json:
-        _emit_json([d.model_dump(mode="json") for d in devices])
+        emit_json([d.model_dump(mode="json") for d in devices])
         return 0
     table = Table(title="Accelerators (dense peak FLOP/s; link bandwidths one way per device, as NVIDIA's 900 GB/s NVLink is 450 each way; sources in hardware/devices.yaml)")
     for col in ["name", "memory", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "scale-up GB/s ×domain", "scale-out GB/s", "per node"]:
@@ -135,26 +139,8 @@ def cmd_hardware(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- check
-def _settings_and_model(args: argparse.Namespace) -> tuple[dict[str, Any], ModelSpec, Any]:
-    """Settings from --from CONFIG (a framework's launch config), a --plan file and flags, in
-    rising priority, and the model they name."""
-    from ndplan.io.cli import merge_settings, model_for, print_messages, read_from_args
-
-    result = read_from_args(args)
-    settings = merge_settings(result, gather_settings(args))
-    if result is not None and result.format != "hf" and "dp" not in settings and not settings.get("devices"):
-        # A launch config with no world size (torchtitan's data_parallel_shard_degree -1, a script
-        # without torchrun's counts): the strategy is incomplete, as `inspect` says, not dp 1.
-        raise NdplanError(f"{result.source}: the data-parallel degree depends on the world size, which the file "
-                          "does not state; give --devices (or --dp)")
-    print_messages(result)
-    if result is None:
-        return settings, load_model(_require(settings, "model", "--model")), None
-    return settings, model_for(settings, result), result
-
-
 def cmd_check(args: argparse.Namespace) -> int:
-    settings, model, read = _settings_and_model(args)
+    settings, model, read = settings_and_model(args)
     if settings.get("hardware"):
         device_from(settings["hardware"], settings.get("efficiency"))  # a bad device is an input error here too
     strategy = strategy_from_settings(settings)
@@ -168,7 +154,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         violations += [Violation(NOT_RUNNABLE, reason) for reason in runtime_refusals(strategy, MemoryOptions(runtime=runtime), model)]
     if args.json:
-        _emit_json({
+        emit_json({
             "valid": not violations,
             "model": model.name,
             "strategy": strategy.model_dump(mode="json"),
@@ -184,33 +170,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- estimate
-def _memory_options(args: argparse.Namespace, settings: dict[str, Any], read: Any, device: Any = None) -> Any:
-    """The runtime options of a command (``cli_args.runtime_options``), with what a --from config
-    stated where no flag sets it. Where the command writes a torchtitan config (``--emit
-    torchtitan``), selective recompute is priced as the per-op policy that config runs. Where it
-    writes a torchtitan, Megatron or MindFormers config, the loss is priced vocabulary-parallel
-    under TP (torchtitan's default; Megatron's and MindFormers' only loss), unless a flag or the
-    config chose otherwise."""
-    from dataclasses import replace
-
-    options = runtime_options(args, settings, read.runtime_settings if read is not None else None, device)
-    fmt = getattr(args, "emit", None)
-    if fmt == "torchtitan" and (options.selective_policy is None and not options.census
-                                and "torchtitan-op" in options.profile.selective_policies):
-        options = replace(options, selective_policy="torchtitan-op")
-    if fmt in ("torchtitan", "megatron", "mindformers") and options.loss_parallel is None:
-        options = replace(options, loss_parallel=True)
-    return options
-
-
 def cmd_estimate(args: argparse.Namespace) -> int:
     from ndplan.memory import estimate
 
-    settings, model, read = _settings_and_model(args)
-    device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
+    settings, model, read = settings_and_model(args)
+    device = device_from(require(settings, "hardware", "--hardware"), settings.get("efficiency"))
     strategy = strategy_from_settings(settings)
-    options = _memory_options(args, settings, read, device)
-    given_limit = _memory_limit(args.memory_limit, device)
+    options = memory_options(args, settings, read, device)
+    given_limit = memory_limit(args.memory_limit, device)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
     from ndplan.hardware import Cluster
     from ndplan.perf import default_overlap, estimate_time
@@ -225,18 +192,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         # the capacity line at the limit, where one is given
         plot_memory(report if given_limit is None else {**as_dict(report), "memory_limit_bytes": given_limit},
                     args.plot)
-    emitted = _emit_settings(model, strategy, args.emit, options, device) if args.emit else None
-    inert = _inert_flags(args, strategy)
+    emitted = emit_settings(model, strategy, args.emit, options, device) if args.emit else None
+    inert = inert_flags(args, strategy)
     if args.json:
         memory = report.to_dict()
-        _emit_json({"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
-                    "devices": strategy.world_size,
-                    "strategy": strategy.model_dump(mode="json"), **memory, "caveats": [*memory["caveats"], *inert],
-                    # fits against --memory-limit where given (capacity_bytes stays the device's)
-                    **({"fits": report.peak_bytes <= given_limit, "memory_limit_bytes": given_limit}
-                       if given_limit is not None else {}),
-                    "time": {**timing.to_dict(), "details": timing.details, "overlap": overlap.model_dump(mode="json")},
-                    **({"emitted": emitted} if emitted else {})})
+        emit_json({"model": model.name, "hardware": device.name, **efficiency_entry(settings.get("efficiency")),
+                   "devices": strategy.world_size,
+                   "strategy": strategy.model_dump(mode="json"), **memory, "caveats": [*memory["caveats"], *inert],
+                   # fits against --memory-limit where given (capacity_bytes stays the device's)
+                   **({"fits": report.peak_bytes <= given_limit, "memory_limit_bytes": given_limit}
+                      if given_limit is not None else {}),
+                   "time": {**timing.to_dict(), "details": timing.details, "overlap": overlap.model_dump(mode="json")},
+                   **({"emitted": emitted} if emitted else {})})
         return 0
     table = Table(title=f"{model.name} on {device.name} — {strategy.short()} — per-device memory per stage")
     columns = ["stage", "layers", "params", "grads", "optimizer", "activations", "comm", "transient",
@@ -274,8 +241,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         + f", optimizer {timing.breakdown['optimizer']:.3f} s"
     )
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
-                  + _dispatcher_note(options, model), markup=False)
-    _print_kernels(options, strategy)
+                  + dispatcher_note(options, model), markup=False)
+    print_kernels(options, strategy)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(emitted, markup=False, soft_wrap=True)  # settings to paste: never wrapped
@@ -295,25 +262,25 @@ def cmd_balance(args: argparse.Namespace) -> int:
     from ndplan.hardware import Cluster
     from ndplan.io.common import policy_of
 
-    settings, model, read = _settings_and_model(args)
-    device = device_from(_require(settings, "hardware", "--hardware"), settings.get("efficiency"))
-    options = _memory_options(args, settings, read, device)
+    settings, model, read = settings_and_model(args)
+    device = device_from(require(settings, "hardware", "--hardware"), settings.get("efficiency"))
+    options = memory_options(args, settings, read, device)
     if args.emit and settings.get("precision") is None:
         # Balanced as the framework will run it: in the precision its settings state (as search).
         # The strategy's own: torchtitan runs TP or PP without FSDP in fp32 (balanced in its
         # bf16, the file written read back 51.48 GiB over a 44 GiB limit the plan fit).
-        settings["precision"] = _written_precision(model, args.emit, options, device, strategy_from_settings(settings))
+        settings["precision"] = written_precision(model, args.emit, options, device, strategy_from_settings(settings))
     strategy = strategy_from_settings(settings)
-    limit = _memory_limit(args.memory_limit, device) or device.memory_bytes
+    limit = memory_limit(args.memory_limit, device) or device.memory_bytes
     cluster = Cluster(device=device, num_devices=strategy.world_size)
     policies = _module_sets_argument(model, args.recompute_module_sets) if args.recompute_module_sets else ()
-    expressible = _round_trips(model, args.emit, cluster, options) if args.emit else None
+    expressible = round_trips(model, args.emit, cluster, options) if args.emit else None
     from ndplan.progress import working
 
     with working(f"balancing {strategy.short()}", quiet=args.json):
         result = balance(model, strategy, cluster, limit, options, exact=not args.heuristic,
                          selective_policies=policies, expressible=expressible)
-    data = {"model": model.name, "hardware": device.name, **_efficiency_entry(settings.get("efficiency")),
+    data = {"model": model.name, "hardware": device.name, **efficiency_entry(settings.get("efficiency")),
             "devices": strategy.world_size, "runtime": options.runtime, "loss_upcast": options.loss_upcast,
             "selective_policy": options.selective_policy,
             "strategy": strategy.model_dump(mode="json"), "memory_limit_bytes": limit, **result.to_dict()}
@@ -336,15 +303,15 @@ def cmd_balance(args: argparse.Namespace) -> int:
     data["balanced"] = {**estimate(model, emitted, device, options, num_devices=strategy.world_size).to_dict(),
                         "strategy": emitted.model_dump(mode="json"), "time": emitted_time.to_dict()}
     data["kind"] = "balance"
-    inert = _inert_flags(args, strategy, recompute_chosen=True)  # balancing chooses the recompute
+    inert = inert_flags(args, strategy, recompute_chosen=True)  # balancing chooses the recompute
     if inert:
         data["caveats"] = inert
     stepped_up = _stepped_up_line(strategy, result, limit)
     if stepped_up is not None:
         data["stepped_up"] = {**data["stepped_up"], "from": stepped_up[0], "to": stepped_up[1], "note": stepped_up[2]}
     if args.emit:
-        data["emitted"] = _emit_settings(model, emitted, args.emit, options, device)
-        data["emitted_check"] = _read_back(model, emitted, data["emitted"], args.emit, cluster, options, limit)
+        data["emitted"] = emit_settings(model, emitted, args.emit, options, device)
+        data["emitted_check"] = read_back(model, emitted, data["emitted"], args.emit, cluster, options, limit)
     # Balancing is worth running only where the full estimators agree it gains on the strategy as given
     # (and, with --emit, where the settings written fit as they read back).
     balanced_fits = result.estimated_stage_bytes is None or float(result.estimated_stage_bytes.max()) <= limit
@@ -356,7 +323,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
     # The file written does not fit as it reads back: said, and the exit status says it too.
     written_unfit = bool(args.emit) and data["emitted_check"]["fits"] is False
     if args.json:
-        _emit_json(data)
+        emit_json(data)
         return 1 if written_unfit else 0
     table = Table(title=f"{model.name} — {strategy.short()} — balanced under {format_bytes(limit)} ({result.solver}, "
                         f"{result.solve_seconds:.2f} s)")
@@ -437,12 +404,12 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"{list(emitted.stage_layers or ())}): {'; '.join(check['differs'])}; by the full "
                       f"estimators, peak {format_bytes(check['peak_bytes'])} "
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
-    if args.emit and (note := _runtime_note(options, args.emit)):
+    if args.emit and (note := runtime_note(options, args.emit)):
         console.print(note)
     for caveat in inert:
         console.print(f"[bold yellow]caution[/]: {caveat}")
     # what the step is priced with, and what --emit changed in it (the loss)
-    _print_kernels(options, strategy, recompute_chosen=True)
+    print_kernels(options, strategy, recompute_chosen=True)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped
@@ -475,276 +442,6 @@ def _faster(before_s: float, after_s: float) -> str:
     """'12.3% faster' or '4.5% slower': after against before."""
     change = after_s / before_s - 1
     return f"{100 * abs(change):.1f}% {'faster' if change <= 0 else 'slower'}"
-
-
-#: What balancing sets in a strategy: a format must write these back for its plan to run.
-_BALANCED_FIELDS = ("stage_layers", "recompute", "recompute_layers", "recompute_modules")
-
-
-def _round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: bool = False
-                 ) -> Callable[[Strategy], bool]:
-    """Whether ``fmt`` writes a strategy so that reading it back gives the same strategy (the
-    balanced settings are chosen among those, so that --emit writes what was checked).
-    ``by_shape``: answer once per shape of setting (schedule, degrees, recompute, whether a
-    limit and an uneven placement are set), as a search asks it of hundreds of plans and
-    what a format can write depends on those, not on the layer counts."""
-    from ndplan.io.common import canonical_strategy
-
-    answers: dict[tuple[Any, ...], bool] = {}
-
-    def round_trips(strategy: Strategy) -> bool:
-        """What balancing changes comes back: the placement and the recompute setting (what the
-        format cannot write of the rest, e.g. torchtitan's TP is always sequence-parallel, is
-        the strategy's own and said with the written settings)."""
-        normal = canonical_strategy(strategy, model)
-        key = (normal.schedule, normal.pp, normal.vpp, normal.recompute, normal.recompute_modules,
-               bool(normal.recompute_layers), normal.stage_layers is not None) if by_shape else None
-        if key is not None and key in answers:
-            return answers[key]
-        try:
-            written = _written_strategy(model, strategy, _emit_settings(model, strategy, fmt, options, cluster.device),
-                                        fmt, cluster)
-        except (NdplanError, ValidationError):  # the format's reader refuses what was written
-            answer = False
-        else:
-            answer = all(getattr(written, name) == getattr(normal, name) for name in _BALANCED_FIELDS)
-        if key is not None:
-            answers[key] = answer
-        return answer
-    return round_trips
-
-
-#: The runtime profile each --emit format's reader prices its settings under (a Megatron launch
-#: states megatron; the other readers state none, so the default).
-_FORMAT_RUNTIME = {"megatron": "megatron", "torchtitan": "pytorch", "hyperparallel": "pytorch", "mindformers": "pytorch"}
-
-
-def _runtime_note(options: Any, fmt: str) -> str | None:
-    """What to say where the settings were priced under another runtime than ``fmt``'s reader
-    prices them (their memory and step differ)."""
-    theirs = _FORMAT_RUNTIME[fmt]
-    if options.runtime == theirs:
-        return None
-    return (f"priced for the {options.runtime} runtime; {fmt}'s settings read back under the {theirs} runtime "
-            f"(add --runtime {theirs} to price what they run)")
-
-
-def _dispatcher_note(options: Any, model: Any) -> str:
-    """What the overlap line adds where Megatron's allgather token dispatcher is priced."""
-    if options.moe_dispatcher != "allgather" or not model.is_moe:
-        return ""
-    return "; token dispatcher allgather (all-gather + reduce-scatter over etp×ep, not the all-to-all)"
-
-
-def _emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any) -> str:
-    """``fmt``'s settings for ``strategy`` as the options priced it: their overlap (else the
-    device runtime's defaults), loss (its dtype, and vocabulary-parallel or not: the option, else
-    the runtime profile's, as ``_read_back`` resolves it), attention kernel, selective-recompute
-    policy and experts' GEMM."""
-    from ndplan.io import emit
-    from ndplan.perf import default_overlap
-
-    loss_parallel = options.profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
-    return emit(model, strategy, fmt, options.overlap or default_overlap(device.runtime), loss_upcast=options.loss_upcast,
-                attention=options.attention, selective_policy=options.selective_policy,
-                grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel,
-                moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance,
-                moe_dispatcher=options.moe_dispatcher if fmt == "megatron" else "alltoall",
-                torch_compile=options.torch_compile)
-
-
-def _written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:
-    """The strategy ``fmt`` settings ``text`` describe, read back as --from reads them (normal form),
-    with ``emitted``'s precision (the structure compared) or, ``own_precision``, the file's."""
-    from ndplan.io.common import canonical_strategy
-
-    strategy = _read_written(model, text, fmt, cluster).strategy(cluster.num_devices)
-    return canonical_strategy(strategy if own_precision else strategy.model_copy(update={"precision": emitted.precision}),
-                              model)
-
-
-def _read_written(model: Any, text: str, fmt: str, cluster: Any) -> Any:
-    """``fmt`` settings ``text`` read as ``--from`` reads a file (``ndplan.io.ReadResult``)."""
-    import tempfile
-
-    from ndplan.io import read_config
-
-    suffix = {"megatron": ".sh", "torchtitan": ".toml"}.get(fmt, ".yaml")
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / f"emitted{suffix}"
-        path.write_text(text)
-        return read_config(path, model, cluster.num_devices, fmt)
-
-
-def _written_precision(model: Any, fmt: str, options: Any, device: Any, strategy: Any = None) -> Any:
-    """The precision ``fmt`` writes where it cannot write Megatron's (torchtitan's FSDP keeps fp32
-    shards, MindSpore one dtype for parameters, gradients and states): read back from the
-    settings it writes for ``strategy`` (default: one device). The strategy matters where the
-    format's precision follows the parallelism: torchtitan without FSDP trains TP or PP in fp32."""
-    from ndplan.hardware import Cluster
-    from ndplan.io.common import policy_of
-
-    plain = strategy if strategy is not None else Strategy()
-    text = _emit_settings(model, plain, fmt, options, device)
-    return policy_of(_written_strategy(model, plain, text, fmt, Cluster(device=device, num_devices=plain.world_size),
-                                       own_precision=True).precision)
-
-
-def _read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, options: Any, limit: float) -> dict[str, Any]:
-    """What the written ``fmt`` settings run, read back and priced as ``ndplan estimate --from``
-    prices the file on this cluster (the model, runtime settings and precision the file states:
-    torchtitan's vocabulary-parallel loss, an AutoModel config without MTP modules) by the full
-    estimators; ``same``: they are what was priced (a format may not express an uneven placement
-    under some schedules, recompute on some layers only, or a precision); ``differs``: how not."""
-    from dataclasses import replace
-
-    from ndplan.io.common import canonical_strategy, policy_of, same_bytes
-    from ndplan.memory import estimate
-    from ndplan.model import count_parameters
-    from ndplan.perf import default_overlap, estimate_time
-
-    read = _read_written(model, text, fmt, cluster)
-    written = canonical_strategy(read.strategy(cluster.num_devices), model)
-    run_model = read.model or model
-    # What the file states (runtime, loss, attention, kernels, overlap) as --from reads it; what no
-    # file states (overhead, routing imbalance, capacity factor, a census) as the command priced.
-    run_options = replace(_memory_options(argparse.Namespace(), {}, read, cluster.device),
-                          include_overhead=options.include_overhead, moe_imbalance=options.moe_imbalance,
-                          moe_capacity_factor=options.moe_capacity_factor)
-    if "overlap" not in (read.runtime_settings or {}):
-        run_options = replace(run_options, overlap=options.overlap)
-    differs: list[str] = []
-    try:
-        run_options = replace(run_options, census=options.census)
-    except NdplanError:  # a census prices the runtime's own selective policy, not the one the file runs
-        differs.append(f"the census left out: it measures the runtime's own selective recompute, not the file's "
-                       f"{run_options.selective_policy}")
-    precision = policy_of(written.precision)
-    if written.model_copy(update={"precision": emitted.precision}) != canonical_strategy(emitted, model):
-        differs.append(f"the strategy, {written.short()}")
-    if not same_bytes(precision, policy_of(emitted.precision)):
-        differs.append(f"precision {precision.name}")
-    # The model as the file builds it, where that changes what is priced (not a field that prices
-    # nothing, such as a dense width in a model without dense layers, or one shared expert of twice
-    # the width for two): its layers, modules and parameter counts.
-    counts, priced_counts = count_parameters(run_model), count_parameters(model)
-    if run_model.mtp_depth != model.mtp_depth:
-        differs.append(f"mtp_depth {run_model.mtp_depth} (priced {model.mtp_depth})")
-    elif (counts.total, counts.active) != (priced_counts.total, priced_counts.active):
-        differs.append(f"the model, {counts.total:,} parameters ({counts.active:,} active; priced "
-                       f"{priced_counts.total:,}, {priced_counts.active:,})")
-    def stated(opts: Any) -> dict[str, Any]:
-        """The settings that price a run, each resolved (None: the runtime profile's own)."""
-        out = {name: getattr(opts, name) for name in ("runtime", "loss_upcast", "attention", "torch_compile")}
-        if run_model.is_moe:
-            out["grouped_gemm"] = opts.grouped_gemm
-            out["moe_dispatcher"] = opts.moe_dispatcher
-        if written.tp > 1:  # a vocabulary-parallel loss shards over TP only
-            out["loss_parallel"] = opts.profile.loss_parallel if opts.loss_parallel is None else opts.loss_parallel
-        if written.recompute == "selective":  # the policy prices nothing else
-            out["selective_policy"] = opts.recompute_policy
-        # what the step hides (the file's overlap where it states one, over the runtime's defaults)
-        out["overlap"] = (opts.overlap or default_overlap(cluster.device.runtime)).describe()
-        return out
-
-    ran, priced = stated(run_options), stated(options)
-    peak: float | None = None
-    step: float | None = None
-    unpriced = None
-    try:
-        peak = estimate(run_model, written, cluster.device, run_options, num_devices=cluster.num_devices).peak_bytes
-        step = estimate_time(run_model, written, cluster, **run_options.time_keywords()).step_s
-    except NdplanError as error:
-        # The search prices a pipeline in closed form; the full estimators simulate it and refuse
-        # a schedule too long to simulate: the settings stand, their figures cannot be checked.
-        unpriced = str(error)
-    if ran["overlap"] != priced["overlap"]:
-        # A switch only counts where the strategy has something it hides (no parameter gather
-        # to overlap without a distributed optimizer, ...): the same step with the priced overlap.
-        # Unpriced, that cannot be told, and the overlap is left out of the comparison.
-        as_priced = replace(run_options, overlap=options.overlap or default_overlap(cluster.device.runtime))
-        if step is None or estimate_time(run_model, written, cluster, **as_priced.time_keywords()).step_s == step:
-            ran["overlap"] = priced["overlap"]
-    differs += [f"{name} {ran[name]!r} (priced {priced[name]!r})" for name in ran if ran[name] != priced[name]]
-    return {"same": not differs, "differs": differs, "strategy": written.short(),
-            "stage_layers": list(written.stage_layers or ()), "precision": precision.name,
-            "peak_bytes": None if peak is None else round(peak), "fits": None if peak is None else peak <= limit,
-            "step_s": step, **({"unpriced": unpriced} if unpriced else {})}
-
-
-def _memory_limit(text: str | None, device: Any) -> int | None:
-    """--memory-limit in bytes (None where not given); a limit above the device's memory is
-    allowed (a what-if) but said, since nothing that needs it runs on that device."""
-    from ndplan.units import parse_bytes
-
-    if not text:
-        return None
-    try:
-        limit = parse_bytes(text)
-    except NdplanError as error:
-        raise NdplanError(f"--memory-limit: {error}") from None
-    if limit > device.memory_bytes:
-        print(f"ndplan: warning: --memory-limit {format_bytes(limit)} is above the {device.name}'s "
-              f"{format_bytes(device.memory_bytes)}: plans up to it will not run on that device", file=sys.stderr)
-    return limit
-
-
-def _inert_flags(args: argparse.Namespace, strategy: Strategy, recompute_chosen: bool = False) -> list[str]:
-    """Settings given as flags (or, --cp-kind, in a --plan file) that change nothing for this
-    strategy, said as --moe-imbalance on a dense model is (``memory.report``'s inert settings):
-    a user who set them expects them priced. (A --from config's own settings, and what --emit
-    turns on, are not the user's flags.) ``recompute_chosen``: the command chooses the recompute
-    (balance), so a selective policy may apply whatever the strategy's own."""
-    out = []
-    loss_parallel = getattr(args, "loss_parallel", None)
-    if loss_parallel is not None and strategy.tp == 1:
-        out.append(f"{'--loss-parallel' if loss_parallel else '--no-loss-parallel'} changes nothing at tp 1: the "
-                   "loss is vocabulary-parallel across tensor-parallel ranks only")
-    policy = getattr(args, "selective_policy", None)
-    if policy is not None and strategy.recompute != "selective" and not recompute_chosen:
-        out.append(f"--selective-policy {policy} changes nothing: the strategy has no selective recompute "
-                   f"(recompute {strategy.recompute}; the policy applies to --recompute selective)")
-    cp_kind = getattr(args, "cp_kind", None) or (gather_settings(args).get("cp_kind") if getattr(args, "plan", None)
-                                                 else None)
-    if cp_kind is not None and strategy.cp == 1:
-        out.append(f"--cp-kind {cp_kind} changes nothing at cp 1: it says how context parallelism splits the "
-                   f"sequence (give --cp 2 or more)")
-    return out
-
-
-def _print_kernels(options: Any, strategy: Strategy | None = None, recompute_chosen: bool = False) -> None:
-    """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any,
-    and the selective policy and the loss where they are not the runtime's own; of one
-    ``strategy``, only where they price something in it (the policy under selective recompute,
-    unless the command chooses the recompute, ``recompute_chosen``; the vocabulary-parallel loss
-    under TP)."""
-    if options.profile.kernels:
-        kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
-        console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
-    if options.torch_compile != "off":
-        software = options.time_keywords()["software"]
-        console.print(f"torch.compile of the {options.torch_compile.replace('+', ' and ')} (--compile): elementwise_passes "
-                      f"{software['elementwise_passes']:g} in the decoder layers, {software['loss_elementwise_passes']:g} "
-                      "in the final norm and loss (step time only: the memory is the eager modules')", markup=False)
-    if strategy is not None and strategy.recompute != "selective" and not recompute_chosen:
-        pass  # no policy priced
-    elif options.selective_policy not in (None, options.profile.selective_policy):
-        console.print(f"selective recompute priced as {options.selective_policy} (the {options.profile.name} "
-                      f"runtime's own: {options.profile.selective_policy}; set with --selective-policy)", markup=False)
-    if options.loss_parallel not in (None, options.profile.loss_parallel) and (strategy is None or strategy.tp > 1):
-        # --emit torchtitan/megatron/mindformers turns it on: a peak that moves with the output
-        # flag says why.
-        def kind(parallel: bool) -> str:
-            return "vocabulary-parallel under TP" if parallel else "on whole logits"
-
-        console.print(f"loss priced {kind(options.loss_parallel)} (the {options.profile.name} runtime's own: "
-                      f"{kind(options.profile.loss_parallel)}; set with --loss-parallel/--no-loss-parallel)",
-                      markup=False)
-
-
-def _efficiency_entry(path: str | None) -> dict[str, str]:
-    """The JSON entry naming an --efficiency profile, where one was given."""
-    return {"efficiency": str(path)} if path else {}
 
 
 def _seconds_or_unfit(value: float | None) -> str:
@@ -828,9 +525,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         args.gbs = args.gbs or settings.get("gbs")
         args.seq = args.seq or settings.get("seq")
     else:
-        model = load_model(_require(vars(args), "model", "--model", ", or --from a config"))
+        model = load_model(require(vars(args), "model", "--model", ", or --from a config"))
     for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
-        _require(vars(args), key, flag, "" if key == "hardware" else ", or --from a config that sets it")
+        require(vars(args), key, flag, "" if key == "hardware" else ", or --from a config that sets it")
     args.seq = args.seq or 4096
     device = device_from(args.hardware, args.efficiency)
     fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
@@ -856,7 +553,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if no_mtp:
         model = model.model_copy(update={"mtp_depth": 0})
 
-    options = _memory_options(args, {"overlap": args.overlap}, read, device)
+    options = memory_options(args, {"overlap": args.overlap}, read, device)
     # Megatron runs FSDP under a pipeline only resharding (Megatron-FSDP)
     reshard_under_pipeline = runtime_reshard_under_pipeline(options) or args.emit == "megatron"
     # A ZeRO-3 file's resharding, where the runtime's policy gives its own strategy another
@@ -871,7 +568,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     elif read is not None and "precision" in read.strategy_settings:
         precision = policy_of(read.strategy_settings["precision"])
     elif args.emit:
-        precision = _written_precision(model, args.emit, options, device)
+        precision = written_precision(model, args.emit, options, device)
     else:
         precision = get_precision("megatron-bf16")
 
@@ -883,7 +580,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                              reshard_under_pipeline=reshard_under_pipeline, carried=carried)
 
     space = space_on(args.devices)
-    limit = _memory_limit(args.memory_limit, device)
+    limit = memory_limit(args.memory_limit, device)
     # --emit reads the ranked candidates back until one is written as priced: rank enough of them.
     ranked_top = max(args.top, _WRITTEN_CHECKED) if args.emit else args.top
     step_time = runtime_step_time(options)  # the runtime's step-time model, as memory follows its profile
@@ -931,8 +628,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         one_setting_only = args.balance == "one-setting"
         from ndplan.hardware import Cluster
 
-        expressible = _round_trips(model, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
-                                   by_shape=True) if args.emit else None
+        expressible = round_trips(model, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
+                                  by_shape=True) if args.emit else None
         from ndplan.progress import working
 
         with working(f"balancing the {result.fitting:,} fitting candidates", quiet=quiet):
@@ -991,7 +688,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                 model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
                 precision, limit or device.memory_bytes)
         data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
-        if note := _runtime_note(options, args.emit):
+        if note := runtime_note(options, args.emit):
             data["notes"].append(f"--emit {args.emit}: {note}")
         if check.get("unpriced"):
             data["notes"].append(f"--emit {args.emit}: the settings written are not checked by the full estimators "
@@ -1036,14 +733,14 @@ def cmd_search(args: argparse.Namespace) -> int:
     if explained is not None:
         data["explain"] = explained
     if args.json:
-        _emit_json(data)
+        emit_json(data)
         return 0 if result.ranked else 1
     _print_search(result, model, device, space)
     if args.precision is None and args.emit:
         console.print(f"candidates priced in {precision.name}, the precision {args.emit} writes (--precision to choose)")
     console.print(f"step times with overlap {'as given' if options.overlap else 'defaults (set with --overlap)'}: "
-                  f"{overlap.describe()}" + _dispatcher_note(options, model), markup=False)
-    _print_kernels(options)
+                  f"{overlap.describe()}" + dispatcher_note(options, model), markup=False)
+    print_kernels(options)
     if data.get("emitted"):
         whose = "the winner" if data.get("emitted_rank") in (1, 0) else f"#{data['emitted_rank']}"
         console.print(f"\n[bold]{args.emit}[/] settings of {whose}:")
@@ -1092,19 +789,19 @@ def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt
     priced (torchtitan has no ZeRO-1/2, MindFormers no interleaved Seq1F1B, ...), a balanced row
     as its one recompute setting, fastest by that setting's step; rank 0 and #1's settings where
     none of the first ``_WRITTEN_CHECKED`` is. Only the settings chosen are priced again (the full
-    estimators, ``_read_back``)."""
+    estimators, ``read_back``)."""
     from ndplan.io.common import canonical_strategy
 
     def written(k: int) -> tuple[Strategy, str, str, bool]:
         """Ranked row k's settings as ``fmt`` writes them: the strategy, the text, how it reads
         back, and whether that is the strategy priced."""
         candidate = Strategy(**ranked[k].get("balanced_settings", ranked[k])["strategy"], precision=precision)
-        text = _emit_settings(model, candidate, fmt, options, cluster.device)
+        text = emit_settings(model, candidate, fmt, options, cluster.device)
         refused = _torchtitan_refuses(text, cluster.num_devices) if fmt == "torchtitan" else ""
         if refused:
             return candidate, text, f"settings torchtitan refuses ({refused})", False
         try:
-            back = _written_strategy(model, candidate, text, fmt, cluster)
+            back = written_strategy(model, candidate, text, fmt, cluster)
         except (NdplanError, ValidationError) as error:  # the format's reader refuses what was written
             reason = first_validation_error(error) if isinstance(error, ValidationError) else str(error)
             reason = _WRITTEN_FILE.sub("", reason)  # the temporary file's name says nothing to the user
@@ -1116,9 +813,9 @@ def _first_written_as_priced(model: ModelSpec, ranked: list[dict[str, Any]], fmt
     for k in order:
         candidate, text, _label, same = first if k == 0 else written(k)
         if same:
-            return k + 1, text, _read_back(model, candidate, text, fmt, cluster, options, limit), first[2], first[3]
+            return k + 1, text, read_back(model, candidate, text, fmt, cluster, options, limit), first[2], first[3]
     try:
-        check = _read_back(model, first[0], first[1], fmt, cluster, options, limit)
+        check = read_back(model, first[0], first[1], fmt, cluster, options, limit)
     except (NdplanError, ValidationError):
         check = {"same": False, "differs": [f"the strategy, {first[2]}"], "strategy": first[2], "stage_layers": [],
                  "precision": None, "peak_bytes": None, "fits": None, "step_s": None}
@@ -1475,55 +1172,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_search)
     return parser
-
-
-def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    from ndplan.memory.profile import profile_names
-
-    group = parser.add_argument_group("runtime")
-    group.add_argument("--runtime", help=f"runtime profile: {', '.join(profile_names())} or a YAML path "
-                                         "(default: megatron for a Megatron config read with --from, else pytorch)")
-    group.add_argument("--attention", choices=["flash", "sdpa", "eager"], default=None,
-                       help="attention kernel: flash keeps O(s) statistics (a sliding window built in); sdpa is "
-                            "PyTorch's SDPA as transformers calls it (flash, but a sliding window becomes an s² mask "
-                            "and fp32 with grouped KV heads runs the math path); eager keeps s² scores (default: "
-                            "flash, or what a --from config states)")
-    add_switch(group, "--loss-parallel", "--no-loss-parallel", "loss_parallel",
-               "keep logits vocab-sharded through the loss (under TP; changes nothing at tp 1) (default: the "
-               "runtime's own, on for megatron, off for pytorch; or what a --from config states)",
-               "the loss on whole logits, gathered over the TP ranks")
-    add_switch(group, "--loss-upcast", "--no-loss-upcast", "loss_upcast",
-               "the loss works on an fp32 copy of the logits (the default; overrides a --from config)",
-               "the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
-               "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
-    group.add_argument("--selective-policy", choices=["megatron", "keep-matmuls", "torchtitan-op"], default=None,
-                       help="what selective recompute keeps, where the runtime can run more than its own policy: "
-                            "torchtitan-op is torchtitan's per-op checkpointing (every second matmul rebuilt; "
-                            "pytorch runtime) (default: the runtime's own, or what a --from config states)")
-    group.add_argument("--census", help="census JSON: measured activations replace the formulas for its layer kinds")
-    group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack, and CUDA kernels' own scratch "
-                       "(cuBLAS workspace, softmax backward's product)")
-    group.add_argument("--moe-imbalance", type=float, default=None,
-                       help="routed tokens on the busiest rank relative to balanced routing (default: an "
-                            "--efficiency profile's, else 1.0): its expert activations and its expert compute "
-                            "and all-to-all")
-    group.add_argument("--overlap", metavar="SPEC",
-                       help="what communication hides (step time): a preset (megatron, megatron-tp-overlap, torchtitan, "
-                            "deepspeed, plain) and/or switches, e.g. 'tp=on,ep=on,ep_dispatch=node_dedup' "
-                            "(default: the runtime's defaults, or what a --from config states)")
-    group.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
-                       help="Megatron-Core's token dispatcher (megatron runtime): alltoall sends the routed copies; "
-                            "allgather gathers every token of the expert-TP x EP group into a persistent buffer and "
-                            "reduce-scatters the experts' output in fp32 (default: alltoall, or what a --from "
-                            "Megatron launch runs: allgather where it states no --moe-token-dispatcher-type)")
-    group.add_argument("--compile", dest="torch_compile", choices=["off", "model", "model+loss", "loss"], default=None,
-                       help="what torch.compile fuses, for the step time (memory stays the eager modules'): model "
-                            "runs each decoder layer's elementwise ops as one fused pass, leaving the final norm and "
-                            "loss eager; model+loss fuses those too (default: off, or what a --from torchtitan "
-                            "config's [compile] states)")
-    group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
-                       help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
-                            "(replaces --moe-imbalance for memory)")
 
 
 def _signed_values_attached(argv: Sequence[str]) -> list[str]:
