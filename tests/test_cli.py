@@ -1167,7 +1167,7 @@ def test_search_emit_torchtitan_skips_what_its_parallel_dims_refuse(capsys):
     assert code == 0 and data["ranked"][0]["ep"] > 1 and data["ranked"][0]["zero"] == 0
     assert data["emitted_rank"] == 0
     assert any("settings torchtitan refuses (expert_parallel_degree" in note for note in data["notes"])
-    from ndplan.cli import _torchtitan_refuses
+    from ndplan.search.cli import _torchtitan_refuses
 
     code, out, _ = run([*base, "--fix", "pp=1", "--dims", "tp", "sp", "ep", "etp", "zero"], capsys)
     data = json.loads(out)
