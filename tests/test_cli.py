@@ -567,7 +567,7 @@ def test_balance_says_slower_and_neither_plainly(capsys):
     given strategy nor the balanced settings fit by the full estimator, the verdict says so."""
     import re
 
-    from ndplan.cli import _faster
+    from ndplan.balance.cli import _faster
 
     assert (_faster(2.0, 2.2), _faster(2.2, 2.0)) == ("10.0% slower", "9.1% faster")
     argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--pp", "4", "--vpp", "2", "--schedule",
