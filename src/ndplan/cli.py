@@ -18,30 +18,12 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from ndplan import __version__
-from ndplan.cli_args import (
-    add_runtime_arguments,
-    add_strategy_arguments,
-    device_from,
-    memory_limit,
-    strategy_from_settings,
-)
-from ndplan.cli_common import (
-    console,
-    dispatcher_note,
-    efficiency_entry,
-    emit_json,
-    inert_flags,
-    memory_options,
-    print_kernels,
-    require,
-    settings_and_model,
-)
-from ndplan.cli_emit import emit_settings
+from ndplan.cli_args import add_runtime_arguments, add_strategy_arguments
+from ndplan.cli_common import console, emit_json
 from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
 from ndplan.model.hf import first_validation_error
 from ndplan.model.presets import preset_index
-from ndplan.strategy import check_strategy
 from ndplan.units import format_bytes, format_count
 
 
@@ -122,124 +104,6 @@ def cmd_hardware(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- check
-def cmd_check(args: argparse.Namespace) -> int:
-    settings, model, read = settings_and_model(args)
-    if settings.get("hardware"):
-        device_from(settings["hardware"], settings.get("efficiency"))  # a bad device is an input error here too
-    strategy = strategy_from_settings(settings)
-    violations = check_strategy(strategy, model, settings.get("devices"))
-    # What the runtime (--runtime, else a Megatron launch's own) cannot run, as the search refuses it.
-    runtime = args.runtime or ((read.runtime_settings or {}).get("runtime") if read is not None else None)
-    if runtime:
-        from ndplan.memory import MemoryOptions
-        from ndplan.search.run import NOT_RUNNABLE, runtime_refusals
-        from ndplan.strategy.rules import Violation
-
-        violations += [Violation(NOT_RUNNABLE, reason) for reason in runtime_refusals(strategy, MemoryOptions(runtime=runtime), model)]
-    if args.json:
-        emit_json({
-            "valid": not violations,
-            "model": model.name,
-            "strategy": strategy.model_dump(mode="json"),
-            "violations": [{"rule": v.rule, "message": v.message} for v in violations],
-        })
-    elif violations:
-        console.print(f"[bold red]invalid[/] {strategy.short()} for {model.name}:")
-        for v in violations:
-            console.print(f"  ✗ [bold]{v.rule}[/]: {v.message}")
-    else:
-        console.print(f"[bold green]valid[/] {strategy.short()} for {model.name}")
-    return 2 if violations else 0
-
-
-# ---------------------------------------------------------------- estimate
-def cmd_estimate(args: argparse.Namespace) -> int:
-    from ndplan.memory import estimate
-
-    settings, model, read = settings_and_model(args)
-    device = device_from(require(settings, "hardware", "--hardware"), settings.get("efficiency"))
-    strategy = strategy_from_settings(settings)
-    options = memory_options(args, settings, read, device)
-    given_limit = memory_limit(args.memory_limit, device)
-    report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))
-    from ndplan.hardware import Cluster
-    from ndplan.perf import default_overlap, estimate_time
-
-    overlap = options.overlap or default_overlap(device.runtime)
-    timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
-                           **options.time_keywords())
-    if args.plot:
-        from ndplan.report.data import as_dict
-        from ndplan.report.plots import plot_memory
-
-        # the capacity line at the limit, where one is given
-        plot_memory(report if given_limit is None else {**as_dict(report), "memory_limit_bytes": given_limit},
-                    args.plot)
-    emitted = emit_settings(model, strategy, args.emit, options, device) if args.emit else None
-    inert = inert_flags(args, strategy)
-    if args.json:
-        memory = report.to_dict()
-        emit_json({"model": model.name, "hardware": device.name, **efficiency_entry(settings.get("efficiency")),
-                   "devices": strategy.world_size,
-                   "strategy": strategy.model_dump(mode="json"), **memory, "caveats": [*memory["caveats"], *inert],
-                   # fits against --memory-limit where given (capacity_bytes stays the device's)
-                   **({"fits": report.peak_bytes <= given_limit, "memory_limit_bytes": given_limit}
-                      if given_limit is not None else {}),
-                   "time": {**timing.to_dict(), "details": timing.details, "overlap": overlap.model_dump(mode="json")},
-                   **({"emitted": emitted} if emitted else {})})
-        return 0
-    table = Table(title=f"{model.name} on {device.name} — {strategy.short()} — per-device memory per stage")
-    columns = ["stage", "layers", "params", "grads", "optimizer", "activations", "comm", "transient",
-               "allocated", "reserved", "peak (device)"]
-    for col in columns:
-        table.add_column(col, justify="right")
-    for st in report.stages:
-        table.add_row(
-            str(st.stage), str(st.layers), *(format_bytes(v) for v in (
-                st.params_bytes, st.grads_bytes, st.optimizer_bytes, st.activations_bytes, st.comm_bytes,
-                st.transient_bytes, st.allocated_bytes, st.reserved_bytes, st.peak_bytes)),
-            style="bold" if st.stage == report.peak_stage else None,
-        )
-    console.print(table)
-    limit = device.memory_bytes if given_limit is None else given_limit
-    margin = limit - report.peak_bytes
-    of = format_bytes(limit) if given_limit is None else f"the {format_bytes(limit)} memory limit"
-    verdict = (f"[bold green]fits[/]: peak {format_bytes(report.peak_bytes)} on stage {report.peak_stage} "
-               f"of {of} ({format_bytes(margin)} free)") if margin >= 0 else (
-               f"[bold red]does not fit[/]: stage {report.peak_stage} needs {format_bytes(report.peak_bytes)}, "
-               f"over {of} by {format_bytes(-margin)}")
-    console.print(verdict)
-    for caveat in [*report.caveats, *inert]:
-        console.print(f"[bold yellow]caution[/]: {caveat}", markup=True)
-    exposed = dict(timing.breakdown["comm_exposed"])
-    host_copies = exposed.pop("offload", 0.0)
-    console.print(
-        f"step {timing.step_s:.3f} s · {timing.tokens_per_s:,.0f} tokens/s "
-        f"({timing.tokens_per_s_per_device:,.0f} per device) · MFU {100 * timing.mfu:.1f}% · HFU {100 * timing.hfu:.1f}% "
-        # Against the compute dtype's peak: an fp8 step's MFU reads half a bf16 one's at the same speed.
-        + ("(of the fp8 peak) " if strategy.precision.compute_dtype == "fp8" else "")
-        + f"— compute {timing.breakdown['compute']:.3f} s, bubble {timing.breakdown['bubble']:.3f} s, "
-        f"exposed comm {sum(exposed.values()):.3f} s"
-        + (f", exposed offload copies {host_copies:.3f} s" if strategy.offload_modules else "")
-        + f", optimizer {timing.breakdown['optimizer']:.3f} s"
-    )
-    console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
-                  + dispatcher_note(options, model), markup=False)
-    print_kernels(options, strategy)
-    if emitted:
-        console.print(f"\n[bold]{args.emit}[/] settings:")
-        console.print(emitted, markup=False, soft_wrap=True)  # settings to paste: never wrapped
-    if args.explain:
-        console.print("memory, peak stage:")
-        for line in report.explain():
-            console.print("  " + line, markup=False)
-        console.print("time:")
-        for line in timing.explain():
-            console.print("  " + line, markup=False)
-    return 0
-
-
 # ---------------------------------------------------------------- balance
 def _cmd_balance(args: argparse.Namespace) -> int:
     """`ndplan balance` (``ndplan.balance.cli``), imported as it runs: importing ``ndplan.balance``
@@ -275,32 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_hardware)
 
+    from ndplan.strategy.cli import add_check_command
+
+    add_check_command(sub)
+
+    from ndplan.estimate_cli import add_estimate_command
+
+    add_estimate_command(sub)
+
     from ndplan.io import EMIT_FORMATS
     from ndplan.io.cli import add_from_argument, add_inspect_arguments, cmd_inspect
-
-    p = sub.add_parser("check", help="validate a strategy for a model and cluster; print every violated rule")
-    add_strategy_arguments(p)
-    add_from_argument(p)
-    from ndplan.memory.profile import profile_names
-
-    p.add_argument("--runtime", help=f"also check what this runtime runs, as the search does: {', '.join(profile_names())} "
-                                     "or a YAML path (default: megatron for a Megatron config read with --from, else "
-                                     "none)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_check)
-
-    p = sub.add_parser("estimate", help="per-stage memory of a strategy (and step time)")
-    add_strategy_arguments(p)
-    add_from_argument(p)
-    add_runtime_arguments(p)
-    p.add_argument("--memory-limit", help="per-device limit the fits line and --json's fits are against, e.g. "
-                                          "70GiB (default: the device's memory)")
-    p.add_argument("--explain", action="store_true", help="print every term of the peak stage with its formula")
-    p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
-    p.add_argument("--emit", choices=EMIT_FORMATS,
-                   help="print the strategy as that framework's settings")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("balance", help="layers per stage and recompute per layer that fit and run fastest")
     add_strategy_arguments(p)
