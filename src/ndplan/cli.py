@@ -2,6 +2,12 @@
 
 Exit codes: 0 success, 2 bad input (one line on stderr, never a traceback), 1 a check that ran
 and failed (e.g. a strategy that does not fit).
+
+This module holds the parser, ``main`` and the listing commands (models, hardware); the others
+live with their areas: check in ``strategy/cli.py``, estimate in ``estimate_cli.py``, balance in
+``balance/cli.py``, search in ``search/cli.py``, inspect in ``io/cli.py``, calibrate in
+``perf/cli.py``, census, measure and verify in ``census/cli.py``, report in ``report/cli.py``;
+what several share in ``cli_args.py`` (flags), ``cli_common.py`` and ``cli_emit.py`` (--emit).
 """
 
 from __future__ import annotations
