@@ -567,7 +567,7 @@ def test_balance_says_slower_and_neither_plainly(capsys):
     given strategy nor the balanced settings fit by the full estimator, the verdict says so."""
     import re
 
-    from ndplan.cli import _faster
+    from ndplan.balance.cli import _faster
 
     assert (_faster(2.0, 2.2), _faster(2.2, 2.0)) == ("10.0% slower", "9.1% faster")
     argv = ["balance", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--pp", "4", "--vpp", "2", "--schedule",
@@ -846,12 +846,12 @@ def test_search_emit_says_when_no_ranked_candidate_is_written_as_priced(capsys, 
     assert len(data["ranked"]) == 3
     # A reader that refuses what was written (as Megatron's refused an uneven DualPipeV split
     # before no-op layers padded it) skips the candidate, never fatal; no temporary file named.
-    import ndplan.cli as cli
+    import ndplan.cli_emit as cli_emit
 
     def refuse(*_: object, **__: object) -> None:
         raise NdplanError("/tmp/tmpabc/emitted.sh:5: --num-layers: 61 layers do not split evenly")
 
-    monkeypatch.setattr(cli, "_read_written", refuse)
+    monkeypatch.setattr(cli_emit, "_read_written", refuse)
     code, out, _ = run(argv, capsys)
     refused = json.loads(out)
     assert code == 0 and refused["emitted_rank"] == 0 and refused["emitted_check"]["step_s"] is None
@@ -1167,7 +1167,7 @@ def test_search_emit_torchtitan_skips_what_its_parallel_dims_refuse(capsys):
     assert code == 0 and data["ranked"][0]["ep"] > 1 and data["ranked"][0]["zero"] == 0
     assert data["emitted_rank"] == 0
     assert any("settings torchtitan refuses (expert_parallel_degree" in note for note in data["notes"])
-    from ndplan.cli import _torchtitan_refuses
+    from ndplan.search.cli import _torchtitan_refuses
 
     code, out, _ = run([*base, "--fix", "pp=1", "--dims", "tp", "sp", "ep", "etp", "zero"], capsys)
     data = json.loads(out)

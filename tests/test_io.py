@@ -845,14 +845,14 @@ def test_torchtitan_with_a_deepseek_model_given_builds_no_mtp(tmp_path):
     assert any("torchtitan's deepseek_v3 model builds no MTP module; --model deepseek-v3's mtp_depth 1 is left out"
                in w for w in read.warnings), read.warnings
     # the emit check now sees it: the file runs mtp_depth 0 where MTP was priced
-    from ndplan.cli import _read_back
+    from ndplan.cli_emit import read_back
     from ndplan.hardware import Cluster, resolve_device
 
     model, device = get_preset("deepseek-v3"), resolve_device("h100-sxm")
     s = Strategy(dp=64, pp=16, ep=64, zero=3, fsdp=True, recompute="full", num_micro_batches=32,
                  global_batch_size=2048, precision="fsdp-bf16")
-    check = _read_back(model, s, emit(model, s, "torchtitan"), "torchtitan", Cluster(device=device, num_devices=1024),
-                       MemoryOptions(runtime="pytorch"), device.memory_bytes)
+    check = read_back(model, s, emit(model, s, "torchtitan"), "torchtitan", Cluster(device=device, num_devices=1024),
+                      MemoryOptions(runtime="pytorch"), device.memory_bytes)
     assert "mtp_depth 0 (priced 1)" in check["differs"]
 
 

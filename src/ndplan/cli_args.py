@@ -6,6 +6,7 @@ The same keys can come from a YAML plan file (``--plan``); flags given on the co
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from ndplan.strategy.strategy import (
     SCHEDULES,
     Strategy,
 )
+from ndplan.units import format_bytes
 
 #: Plan-file keys and the Strategy field each maps to (CLI flags use the same names with dashes);
 #: the framework readers produce settings in the same keys.
@@ -153,6 +155,57 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                             "NeMo AutoModel with gradient accumulation and pp > 1; default 1: every micro-batch in "
                             "one schedule, as Megatron runs it; 0: as many as --gbs needs with "
                             "--num-micro-batches per run)")
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    """The runtime flags (--runtime, and the kernels, loss, recompute policy, overlap and routing it
+    prices) that estimate, balance, search and report take."""
+    from ndplan.memory.profile import profile_names
+
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--runtime", help=f"runtime profile: {', '.join(profile_names())} or a YAML path "
+                                         "(default: megatron for a Megatron config read with --from, else pytorch)")
+    group.add_argument("--attention", choices=["flash", "sdpa", "eager"], default=None,
+                       help="attention kernel: flash keeps O(s) statistics (a sliding window built in); sdpa is "
+                            "PyTorch's SDPA as transformers calls it (flash, but a sliding window becomes an s² mask "
+                            "and fp32 with grouped KV heads runs the math path); eager keeps s² scores (default: "
+                            "flash, or what a --from config states)")
+    add_switch(group, "--loss-parallel", "--no-loss-parallel", "loss_parallel",
+               "keep logits vocab-sharded through the loss (under TP; changes nothing at tp 1) (default: the "
+               "runtime's own, on for megatron, off for pytorch; or what a --from config states)",
+               "the loss on whole logits, gathered over the TP ranks")
+    add_switch(group, "--loss-upcast", "--no-loss-upcast", "loss_upcast",
+               "the loss works on an fp32 copy of the logits (the default; overrides a --from config)",
+               "the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
+               "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
+    group.add_argument("--selective-policy", choices=["megatron", "keep-matmuls", "torchtitan-op"], default=None,
+                       help="what selective recompute keeps, where the runtime can run more than its own policy: "
+                            "torchtitan-op is torchtitan's per-op checkpointing (every second matmul rebuilt; "
+                            "pytorch runtime) (default: the runtime's own, or what a --from config states)")
+    group.add_argument("--census", help="census JSON: measured activations replace the formulas for its layer kinds")
+    group.add_argument("--no-overhead", action="store_true", help="leave out runtime context, communicators, allocator slack, and CUDA kernels' own scratch "
+                       "(cuBLAS workspace, softmax backward's product)")
+    group.add_argument("--moe-imbalance", type=float, default=None,
+                       help="routed tokens on the busiest rank relative to balanced routing (default: an "
+                            "--efficiency profile's, else 1.0): its expert activations and its expert compute "
+                            "and all-to-all")
+    group.add_argument("--overlap", metavar="SPEC",
+                       help="what communication hides (step time): a preset (megatron, megatron-tp-overlap, torchtitan, "
+                            "deepspeed, plain) and/or switches, e.g. 'tp=on,ep=on,ep_dispatch=node_dedup' "
+                            "(default: the runtime's defaults, or what a --from config states)")
+    group.add_argument("--moe-dispatcher", choices=["alltoall", "allgather"], default=None,
+                       help="Megatron-Core's token dispatcher (megatron runtime): alltoall sends the routed copies; "
+                            "allgather gathers every token of the expert-TP x EP group into a persistent buffer and "
+                            "reduce-scatters the experts' output in fp32 (default: alltoall, or what a --from "
+                            "Megatron launch runs: allgather where it states no --moe-token-dispatcher-type)")
+    group.add_argument("--compile", dest="torch_compile", choices=["off", "model", "model+loss", "loss"], default=None,
+                       help="what torch.compile fuses, for the step time (memory stays the eager modules'): model "
+                            "runs each decoder layer's elementwise ops as one fused pass, leaving the final norm and "
+                            "loss eager; model+loss fuses those too (default: off, or what a --from torchtitan "
+                            "config's [compile] states)")
+    group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
+                       help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
+                            "(replaces --moe-imbalance for memory)")
 
 
 def _whole_number(text: str, minimum: int, maximum: int | None = None) -> int:
@@ -284,6 +337,23 @@ def device_from(hardware: str, efficiency: str | None = None) -> Any:
         device = device_with_efficiency(device, efficiency)
     default_efficiency(device)  # a device YAML's own efficiency mapping, checked as well
     return device
+
+
+def memory_limit(text: str | None, device: Any) -> int | None:
+    """--memory-limit in bytes (None where not given); a limit above the device's memory is
+    allowed (a what-if) but said, since nothing that needs it runs on that device."""
+    from ndplan.units import parse_bytes
+
+    if not text:
+        return None
+    try:
+        limit = parse_bytes(text)
+    except NdplanError as error:
+        raise NdplanError(f"--memory-limit: {error}") from None
+    if limit > device.memory_bytes:
+        print(f"ndplan: warning: --memory-limit {format_bytes(limit)} is above the {device.name}'s "
+              f"{format_bytes(device.memory_bytes)}: plans up to it will not run on that device", file=sys.stderr)
+    return limit
 
 
 def gather_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from ndplan.errors import NdplanError, parse_nested, read_text
 
 def add_report_command(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ndplan report`` on the subparsers of the ``ndplan`` parser; returns its parser."""
-    from ndplan.cli_args import add_strategy_arguments
+    from ndplan.cli_args import add_runtime_arguments, add_strategy_arguments
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "report",
@@ -38,19 +38,11 @@ def add_report_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="candidates drawn in the scatter; the Pareto front is always drawn whole (default 4000)")
     p.add_argument("--title", help="page title (default: model on devices× hardware)")
     add_strategy_arguments(p)
-    _add_runtime_arguments(p)
+    add_runtime_arguments(p)
     p.add_argument("--memory-limit", help="with strategy flags: the per-device limit the report's headroom and fits "
                                          "are against, e.g. 70GiB (default: the device's memory)")
     p.set_defaults(func=cmd_report)
     return p
-
-
-def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    try:
-        from ndplan.cli import add_runtime_arguments
-    except ImportError:  # pragma: no cover - the runtime flags moved; the report still works from JSON
-        return
-    add_runtime_arguments(parser)
 
 
 def load_result(source: str) -> dict[str, Any]:
@@ -87,8 +79,13 @@ def load_result(source: str) -> dict[str, Any]:
 
 def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     """The same dict `ndplan estimate --json` prints, for the strategy the flags give."""
-    from ndplan.cli import _memory_limit
-    from ndplan.cli_args import device_from, gather_settings, runtime_options, strategy_from_settings
+    from ndplan.cli_args import (
+        device_from,
+        gather_settings,
+        memory_limit,
+        runtime_options,
+        strategy_from_settings,
+    )
     from ndplan.memory import estimate
     from ndplan.model import load_model
 
@@ -107,7 +104,7 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     if settings.get("devices"):
         result["devices"] = settings["devices"]
     result = {**result, "strategy": strategy.model_dump(mode="json"), **report.to_dict()}
-    limit = _memory_limit(getattr(args, "memory_limit", None), device)
+    limit = memory_limit(getattr(args, "memory_limit", None), device)
     if limit is not None:  # as `ndplan estimate --memory-limit --json` gives it
         result.update(fits=report.peak_bytes <= limit, memory_limit_bytes=limit)
     perf, note = step_time(model, strategy, device, settings.get("devices"), options.time_keywords())
