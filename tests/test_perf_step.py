@@ -34,7 +34,8 @@ def test_report_fields_and_breakdown_sum_to_the_step():
     s = Strategy(dp=2, tp=4, pp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=8, seq_length=8192, zero=1)
     r = estimate_time(LLAMA70, s, _cluster(16))
     d = r.to_dict()
-    assert set(d) == {"step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "breakdown", "chunk_seconds"}
+    assert set(d) == {"step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "breakdown", "chunk_seconds",
+                      "caveats"}
     assert set(d["breakdown"]) == {"compute", "comm_exposed", "bubble", "optimizer"}
     assert set(d["breakdown"]["comm_exposed"]) == {"tp", "cp", "ep", "dp", "offload", "pp"}
     b = d["breakdown"]

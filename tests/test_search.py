@@ -850,7 +850,7 @@ def test_a_winner_inside_the_margin_its_caution_asks_for_says_so(capsys):
     assert main(["search", "--model", "deepseek-v3", "--hardware", "h100-sxm", "--devices", "4096", "--gbs", "4096",
                  "--seq", "4096", "--runtime", "megatron", "--top", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "less than the 6% the caution above asks for; --memory-limit 74.43GiB ranks only strategies that leave it" in out
+    assert "less than the 6% the memory caution above asks for; --memory-limit 74.43GiB ranks only strategies that leave it" in out
 
 
 def test_a_fixed_vpp_narrows_the_pipeline_options_or_makes_one(tmp_path, capsys):

@@ -3,6 +3,7 @@ a change of the time model that moves them fails until the words say the new fig
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -62,3 +63,28 @@ def test_cautions_are_said_for_the_kinds_that_read_fast_and_only_for_them():
     (moe_caution,) = time_known_gaps(moe, plain, "megatron")
     assert "read fast in 27 (median -21.2%, from -53.8% to +33.0%" in moe_caution
     assert len(time_known_gaps(moe, with_cp, "pytorch")) == 2
+
+
+def test_estimate_prints_the_time_caution_and_json_carries_it(capsys):
+    from ndplan.cli import main
+
+    argv = ["estimate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--cp", "2",
+            "--gbs", "16", "--seq", "65536", "--fsdp", "--recompute", "full"]
+    assert main(argv) == 0
+    assert "caution: PyTorch's experimental context parallelism read fast in all 6" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    timing = json.loads(capsys.readouterr().out)["time"]
+    assert len(timing["caveats"]) == 1 and "expect its step to take longer" in timing["caveats"][0]
+    # Megatron's context parallelism has no such caution.
+    assert main([*argv, "--runtime", "megatron", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["time"]["caveats"] == []
+
+
+def test_time_report_says_its_caveats_from_the_runtime_it_priced():
+    from ndplan import MemoryOptions, estimate_time
+
+    moe = get_preset("qwen3-30b-a3b")
+    report = estimate_time(moe, Strategy(dp=8, ep=8, zero=1, num_micro_batches=8), "h100-sxm",
+                           options=MemoryOptions(runtime="megatron"))
+    assert report.runtime == "megatron" and len(report.caveats) == 1 and "MoE" in report.caveats[0]
+    assert report.to_dict()["caveats"] == report.caveats

@@ -69,8 +69,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from ndplan.perf import default_overlap, estimate_time
 
     overlap = options.overlap or default_overlap(device.runtime)
-    timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size),
-                           **options.time_keywords())
+    timing = estimate_time(model, strategy, Cluster(device=device, num_devices=strategy.world_size), options=options)
     if args.plot:
         from ndplan.report.data import as_dict
         from ndplan.report.plots import plot_memory
@@ -126,6 +125,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         + (f", exposed offload copies {host_copies:.3f} s" if strategy.offload_modules else "")
         + f", optimizer {timing.breakdown['optimizer']:.3f} s"
     )
+    for caveat in timing.caveats:
+        console.print(f"[bold yellow]caution[/]: {caveat}", markup=True)
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
                   + dispatcher_note(options, model), markup=False)
     print_kernels(options, strategy)

@@ -65,8 +65,8 @@ def time_known_gaps(model: ModelSpec, strategy: Strategy, runtime: str) -> list[
     if is_torch_cp_run(strategy, runtime):
         c = TORCH_CP_RUNS
         gaps.append(f"PyTorch's experimental context parallelism read fast in all {c.runs} published torchtitan "
-                    f"runs with CP 2-8 ({c.highest:+.1%} to {c.lowest:+.1%}, faster with more CP ranks): its step "
-                    "time here is a lower bound (docs/accuracy_time.md)")
+                    f"runs with CP 2-8 ({c.highest:+.1%} to {c.lowest:+.1%}, the more CP ranks the faster): expect "
+                    "its step to take longer than priced here (docs/accuracy_time.md)")
     return gaps
 
 

@@ -21,6 +21,7 @@ from ndplan.perf.flops import (
     layer_gemms,
     model_flops_per_micro_batch,
 )
+from ndplan.perf.gaps import time_known_gaps
 from ndplan.perf.gemm import PASS_NAMES, gemms_seconds
 from ndplan.perf.layer import (
     CATEGORIES,
@@ -94,6 +95,14 @@ class TimeReport:
     #: (B: the whole backward where the schedule does not split it, else its input-gradient
     #: part) and "weight_grad": what the pipeline simulation ran (a timeline can be drawn from it).
     chunk_seconds: dict[str, list[list[float]]] = field(default_factory=dict)
+    #: The runtime profile priced (``MemoryOptions.runtime``), where ``estimate_time`` was given one.
+    runtime: str | None = None
+
+    @property
+    def caveats(self) -> list[str]:
+        """What the step-time model is known to miss for a strategy of this kind, against published
+        runs (``perf.gaps``; the runtime's, where known)."""
+        return time_known_gaps(self.model, self.strategy, self.runtime or "")
 
     def to_dict(self) -> dict[str, Any]:
         """The step time, throughput, MFU and breakdown as JSON-ready data (what --json prints under "time")."""
@@ -110,6 +119,7 @@ class TimeReport:
                 "optimizer": self.breakdown["optimizer"],
             },
             "chunk_seconds": self.chunk_seconds,
+            "caveats": self.caveats,
         }
 
     def explain(self) -> list[str]:
@@ -179,6 +189,7 @@ def estimate_time(
         mfu=v["mfu"], hfu=v["hfu"], model_flops=v["model_flops"], hardware_flops=v["hardware_flops"],
         breakdown=breakdown, details=v, weight_grad_rebuilds=weight_grad_rebuilds,
         chunk_seconds={name: chunks[i].tolist() for i, name in enumerate(("forward", "backward", "weight_grad"))},
+        runtime=None if options is None else options.runtime,
     )
 
 

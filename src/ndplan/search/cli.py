@@ -688,6 +688,6 @@ def _print_search(result: Any, model: ModelSpec, device: Any, space: Any) -> Non
         if free and result.best["peak_bytes"] > (1 - free) * result.memory_limit_bytes:
             # The ranking fills the limit; the caution's margin is the user's to choose.
             console.print(f"[bold yellow]caution, the winner[/]: it leaves {format_bytes(result.memory_limit_bytes - result.best['peak_bytes'])} "
-                          f"of {format_bytes(result.memory_limit_bytes)} free, less than the {free:.0%} the caution "
+                          f"of {format_bytes(result.memory_limit_bytes)} free, less than the {free:.0%} the memory caution "
                           f"above asks for; --memory-limit {format_bytes((1 - free) * result.memory_limit_bytes).replace(' ', '')} "
                           "ranks only strategies that leave it")
