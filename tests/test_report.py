@@ -741,3 +741,36 @@ def test_cli_checks_the_output_before_the_work(tmp_path: Path, capsys: pytest.Ca
     code = main(["report", "--model", "no-such-model", "--hardware", "h100-sxm", "--devices", "8",
                  "-o", str(blocker / "plan.html")])
     assert code == 2 and f"{blocker}: not a folder; the page is written into one" in capsys.readouterr().err
+
+
+def test_the_report_lists_what_the_estimators_are_known_to_miss(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The cautions `ndplan estimate` and `search` print (memory and step time) were nowhere in
+    the page a team reads: a Cautions card lists them, from flags, a saved estimate or a search's
+    winner, and a strategy with none has no card."""
+    from ndplan.cli import main
+
+    moe = ["--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "8", "--ep", "8", "--fsdp", "--gbs", "64"]
+    args = _parser().parse_args(["report", *moe, "-o", str(tmp_path / "moe.html")])
+    assert args.func(args) == 0
+    page = (tmp_path / "moe.html").read_text()
+    card = page[page.index('<section class="card cautions"'):]
+    card = card[:card.index("</section>")]
+    assert "published MoE training runs the step time read fast" in card  # the step time's
+    assert "measured peak reserved memory" in card  # the memory model's (pytorch FSDP)
+
+    capsys.readouterr()
+    assert main(["estimate", *moe, "--json"]) == 0
+    saved = tmp_path / "est.json"
+    saved.write_text(capsys.readouterr().out)
+    assert prepare(json.loads(saved.read_text()))["cautions"] == [
+        *json.loads(saved.read_text())["caveats"], *json.loads(saved.read_text())["time"]["caveats"]]
+
+    assert main(["search", *moe[:4], "--devices", "16", "--gbs", "256", "--top", "3", "--json"]) == 0
+    searched = json.loads(capsys.readouterr().out)
+    assert prepare(searched)["cautions"] == searched["ranked"][0]["caveats"] != []
+
+    dense = ["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--tp", "2", "--gbs", "16"]
+    args = _parser().parse_args(["report", *dense, "-o", str(tmp_path / "dense.html")])
+    assert args.func(args) == 0
+    assert 'class="card cautions"' not in (tmp_path / "dense.html").read_text()

@@ -32,6 +32,7 @@ main { max-width: 1240px; margin: 0 auto; padding: 18px 24px 40px; }
 section.card { background: var(--card); border: 1px solid var(--line); border-radius: 10px; padding: 16px 20px 18px;
                margin: 0 0 18px; }
 section.card > h2 { margin: 0 0 4px; font-size: 18px; font-weight: 650; }
+section.card.cautions { border-left: 4px solid #b7791f; }
 p.how { color: var(--muted); margin: 2px 0 12px; max-width: 980px; }
 .ndp-chart { margin: 10px 0 6px; }
 .ndp-chart svg { display: block; width: 100%; height: auto; overflow: visible; }

@@ -107,7 +107,7 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     limit = memory_limit(getattr(args, "memory_limit", None), device)
     if limit is not None:  # as `ndplan estimate --memory-limit --json` gives it
         result.update(fits=report.peak_bytes <= limit, memory_limit_bytes=limit)
-    perf, note = step_time(model, strategy, device, settings.get("devices"), options.time_keywords())
+    perf, note = step_time(model, strategy, device, settings.get("devices"), options)
     if perf is not None:
         result["perf"] = perf
     elif note:
@@ -116,17 +116,16 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_time(model: Any, strategy: Any, device: Any, devices: int | None,
-              time_keywords: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str]:
+              options: Any = None) -> tuple[dict[str, Any] | None, str]:
     """The step-time report of one strategy (with the bottleneck stage's op times for the timeline),
-    or None and why; ``time_keywords`` the runtime's (``MemoryOptions.time_keywords``). The
-    step-time model is optional to the report: any failure leaves it out."""
+    or None and why; ``options`` the runtime's MemoryOptions (what it re-runs and hides, and its
+    step-time cautions). The step-time model is optional to the report: any failure leaves it out."""
     try:
         from ndplan.hardware import Cluster
         from ndplan.perf import estimate_time
 
         world = strategy.dp * strategy.tp * strategy.pp * strategy.cp
-        report = estimate_time(model, strategy, Cluster(device=device, num_devices=devices or world),
-                               **(time_keywords or {}))
+        report = estimate_time(model, strategy, Cluster(device=device, num_devices=devices or world), options=options)
         perf: dict[str, Any] = dict(report.to_dict())
         keep = ("stage_forward_s", "stage_backward_s", "stage_weight_grad_s", "p2p_s", "makespan_s", "bottleneck_stage")
         perf["details"] = {k: float(report.details[k]) for k in keep if k in report.details}

@@ -22,6 +22,9 @@ Keys read (aliases in brackets; all optional, a missing part leaves its figure o
   a list of ``(step_s, peak_bytes)`` pairs, a list of dicts or an ``[n, 2]`` array; ``pareto``
   [``pareto_front``, ``front``]: indices into the candidates, or points as pairs / row dicts.
   Without candidates the scatter shows the Pareto rows and the ranked rows alone.
+* cautions: ``caveats`` (what the memory model is known to miss for the strategy, as ``ndplan
+  estimate --json`` writes them), ``caveats`` of the step time (under ``perf`` / ``time``), or
+  of the search's first row (its winner): listed as the report's cautions, each once.
 * rows may carry the step-time parts flat, as ``ndplan search`` writes them (``compute_s``,
   ``tp_s`` ... ``bubble_s``, ``optimizer_s``; ``stage_forward_s``, ``stage_backward_s``,
   ``stage_weight_grad_s``, ``p2p_s`` for the timeline) or nested as ``breakdown``.
@@ -948,4 +951,17 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         "n_rows_total": len(raw_rows),
         "notes": [str(n) for key in ("notes", "report_notes") if isinstance(data.get(key), list)
                   for n in data[key]],
+        "cautions": cautions(data, perf, rows),
     }
+
+
+def cautions(data: Mapping[str, Any], perf: Mapping[str, Any] | None, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What the estimators are known to miss for the reported strategy, each once: the memory
+    model's (``caveats``), the step time's (``perf``'s), or for a search its winner's (the first
+    row's, memory and step time together)."""
+    found: list[str] = []
+    for source in (data, perf or {}, rows[0] if rows else {}):
+        listed = source.get("caveats")
+        if isinstance(listed, list):
+            found += [str(item) for item in listed]
+    return list(dict.fromkeys(found))

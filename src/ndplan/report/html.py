@@ -662,6 +662,9 @@ def render_html(result: Any, *, top: int = 50, max_points: int = 4000, title: st
         f'<nav class="ndp-nav">{nav}</nav><main>',
         '<pre id="ndp-errors" class="ndp-error" hidden></pre>',
         f'<div class="kpis">{"".join(tile for _, tile in kpis)}</div>' if kpis else "",
+        ('<section class="card cautions" id="cautions"><h2>Cautions</h2><p class="how">What the estimators are '
+         "known to miss for this strategy, from measured and published runs.</p><ul>"
+         + "".join(f"<li>{esc(c)}</li>" for c in d["cautions"]) + "</ul></section>") if d["cautions"] else "",
         ('<section class="card notes"><h2>Notes</h2><ul>' + "".join(f"<li>{esc(n)}</li>" for n in d["notes"])
          + "</ul></section>") if d["notes"] else "",
         *(html_ for _, _, html_ in sections),
