@@ -1367,10 +1367,25 @@ def test_compile_prices_fused_layers_and_a_torchtitan_config_states_it(tmp_path,
 
 
 def test_search_refuses_a_csv_it_cannot_write_before_searching(tmp_path, capsys):
-    """`search --csv missing/x.csv` searched for seconds, then failed to open the file: the folder
-    is checked first, and a folder given as the file is named."""
+    """`search --csv missing/x.csv` searched for seconds, then failed to open the file: a path
+    that cannot be written is named first (a folder given as the file, a file where a folder
+    should be), and missing folders are made, as --plot and report's -o make theirs."""
     base = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32"]
-    code, _, err = run([*base, "--csv", str(tmp_path / "missing" / "x.csv")], capsys)
-    assert code == 2 and f"the folder {tmp_path / 'missing'} does not exist" in err
     code, _, err = run([*base, "--csv", str(tmp_path)], capsys)
     assert code == 2 and "a folder; give the CSV file's name" in err
+    (tmp_path / "notes.txt").write_text("x")
+    code, _, err = run([*base, "--csv", str(tmp_path / "notes.txt" / "x.csv")], capsys)
+    assert code == 2 and f"{tmp_path / 'notes.txt'} is a file, not a folder" in err
+    code, _, _ = run([*base, "--csv", str(tmp_path / "new" / "deeper" / "x.csv")], capsys)
+    assert code == 0 and (tmp_path / "new" / "deeper" / "x.csv").read_text().startswith("candidate,")
+
+
+@pytest.mark.parametrize("command", [["census", "llama-3.1-8b", "--out"], ["measure", "llama-3.1-8b", "--layers", "1", "--out"],
+                                     ["measure", "llama-3.1-8b", "--layers", "1", "--timeline"]])
+def test_census_and_measure_name_an_output_they_cannot_write_before_measuring(command, tmp_path, capsys):
+    """`census --out missing/c.json` measured, then said 'cannot write census file ...: No such
+    file or directory': a file where a folder should be is named first, and a missing folder is
+    made."""
+    (tmp_path / "notes.txt").write_text("x")
+    code, _, err = run([*command, str(tmp_path / "notes.txt" / "out")], capsys)
+    assert code == 2 and f"{command[-1]} {tmp_path / 'notes.txt' / 'out'}: {tmp_path / 'notes.txt'} is a file" in err

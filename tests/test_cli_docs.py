@@ -173,10 +173,11 @@ def test_the_census_of_an_encoder_names_its_model_type(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("where", ["missing/profile.yaml", "."])
+@pytest.mark.parametrize("where", ["notes.txt/profile.yaml", "."])
 def test_calibrate_refuses_an_output_it_cannot_write_before_fitting(where, tmp_path, monkeypatch, capsys):
     """`ndplan calibrate benchmarks/published_runs.yaml -o missing/x.yaml` fitted for a minute
-    (26 s of CPU) and then said 'missing/x.yaml: No such file or directory'; now it says so first."""
+    (26 s of CPU) and then said 'missing/x.yaml: No such file or directory'; a path that cannot be
+    written is now named first (a missing folder is made, as every command's output makes it)."""
     import ndplan.perf.cli as perf_cli
 
     def no_fit(*args, **kwargs):
@@ -184,14 +185,14 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_fitting(where, tmp_p
 
     monkeypatch.setattr(perf_cli, "calibrate", no_fit)
     output = tmp_path / where
+    (tmp_path / "notes.txt").write_text("x")
     code = main(["calibrate", str(ROOT / "benchmarks" / "published_runs.yaml"), "-o", str(output)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     if where == ".":
-        assert err == f"ndplan: error: -o {output}: a folder; give the profile YAML's file name\n"
+        assert err == f"ndplan: error: -o {output}: a folder; give the profile YAML file's name\n"
     else:
-        assert err == (f"ndplan: error: -o {output}: the folder {output.parent} does not exist (create it, or "
-                       "write elsewhere)\n")
+        assert err == f"ndplan: error: -o {output}: {tmp_path / 'notes.txt'} is a file, not a folder (write elsewhere)\n"
 
 
 def test_verify_from_a_script_naming_a_tokenizer_takes_model(tmp_path, capsys):

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from ndplan.cli_args import positive_int
 from ndplan.errors import NdplanError
+from ndplan.outputs import made_folder, output_path
 from ndplan.progress import working
 from ndplan.units import format_bytes
 
@@ -55,6 +56,8 @@ def cmd_census(args: argparse.Namespace) -> int:
     from ndplan.census.record import save_census_file, to_json
 
     names_configs = [load_hf_config(m) for m in args.models]
+    if args.out:  # (before the measurements, not after them)
+        output_path(args.out, "--out", "census JSON file")
     _require_extra("ndplan census")
     from ndplan.census.measure import run_census
 
@@ -72,7 +75,7 @@ def cmd_census(args: argparse.Namespace) -> int:
                 raise
             failed.append(f"{name}: {error}")
     if args.out and records:
-        save_census_file(args.out, records)
+        save_census_file(made_folder(args.out, "--out"), records)
     if args.json:
         print(to_json(records))
         _raise_failed(failed, args.out if records else None)
@@ -204,11 +207,16 @@ def _measure(args: argparse.Namespace) -> Any:
 def cmd_measure(args: argparse.Namespace) -> int:
     from ndplan.census.measurement import save_measurement
 
+    # Checked before the measurement, not after it.
+    if args.out:
+        output_path(args.out, "--out", "measured-memory JSON file")
+    if args.timeline:
+        output_path(args.timeline, "--timeline", "CSV file")
     result = _measure(args)
     if args.out:
-        save_measurement(args.out, result)
+        save_measurement(made_folder(args.out, "--out"), result)
     if args.timeline:
-        _write_timeline(args.timeline, result)
+        _write_timeline(str(made_folder(args.timeline, "--timeline")), result)
     if args.json:
         _emit_json(result.to_dict())
         return 0

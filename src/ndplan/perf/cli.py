@@ -17,6 +17,7 @@ from rich.table import Table
 
 from ndplan.errors import NdplanError
 from ndplan.hardware.presets import resolve_device
+from ndplan.outputs import made_folder, output_path
 from ndplan.perf.calibrate import calibrate, load_runs
 from ndplan.perf.efficiency import FITTABLE, dump_efficiency, load_efficiency
 
@@ -48,18 +49,9 @@ def add_calibrate_command(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _check_writable(output: Path) -> None:
-    """The profile's folder must exist before the fit (tens of seconds over published runs), not
-    be found missing after it: `-o missing/x.yaml` fitted, then said 'No such file or directory'."""
-    if output.is_dir():
-        raise NdplanError(f"-o {output}: a folder; give the profile YAML's file name")
-    folder = output.parent
-    if not folder.is_dir():
-        raise NdplanError(f"-o {output}: the folder {folder} does not exist (create it, or write elsewhere)")
-
-
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    _check_writable(args.output)
+    # Checked before the fit (tens of seconds over published runs), not found unwritable after it.
+    output_path(args.output, "-o", "profile YAML file")
     runs = load_runs(args.runs)
     if args.device:
         device = resolve_device(args.device)
@@ -80,7 +72,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"runs: {', '.join(r['id'] for r in report.runs)}"
         + "".join(f"\nwarning: {warning}" for warning in report.warnings)
     )
-    dump_efficiency(profile, args.output, comment)
+    dump_efficiency(profile, made_folder(args.output, "-o"), comment)
     if args.json:
         print(json.dumps({
             "profile": str(args.output), "device_family": report.device_family, "fitted": report.fitted,

@@ -41,6 +41,7 @@ from ndplan.cli_emit import (
 from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, load_model
 from ndplan.model.hf import first_validation_error
+from ndplan.outputs import made_folder, output_path
 from ndplan.progress import shows_progress
 from ndplan.strategy import Strategy
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
@@ -163,12 +164,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise NdplanError(f"--top must be at least 1, got {args.top}")
     if args.csv:
         # Before the search (seconds to minutes), not after it: a folder that is not there.
-        csv_path = Path(args.csv)
-        if csv_path.is_dir():
-            raise NdplanError(f"--csv {csv_path}: a folder; give the CSV file's name")
-        if not csv_path.parent.is_dir():
-            raise NdplanError(f"--csv {csv_path}: the folder {csv_path.parent} does not exist (create it, or write "
-                              "elsewhere)")
+        output_path(args.csv, "--csv", "CSV file")
     read = None
     if args.from_config:
         from ndplan.io.cli import model_for, print_messages, read_from_args
@@ -423,7 +419,6 @@ _WRITTEN_FILE = re.compile(r"^\S*emitted\.\w+:(\d+:)? ?")
 
 def _torchtitan_refuses(text: str, devices: int) -> str:
     """Why torchtitan stops at the settings ``text`` writes, or '' (``io.torchtitan.refusal``)."""
-    from pathlib import Path
 
     from ndplan.io.common import load_toml
     from ndplan.io.torchtitan import refusal
@@ -616,7 +611,7 @@ def _write_csv(path: str, rows: list[dict[str, Any]]) -> None:
     import csv
 
     columns = list(dict.fromkeys(k for row in rows for k in row if k != "strategy")) or list(_CSV_COLUMNS)
-    with open(path, "w", newline="") as handle:
+    with open(made_folder(path, "--csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
