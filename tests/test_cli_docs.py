@@ -21,7 +21,8 @@ from ndplan.model.hf import READERS
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The hand-written pages (the others are generated from benchmarks).
-DOCS = ["README.md", "docs/balance.md", "docs/census.md", "docs/io.md", "docs/report.md", "docs/time.md"]
+DOCS = ["README.md", "docs/balance.md", "docs/census.md", "docs/io.md", "docs/memory.md", "docs/report.md",
+        "docs/time.md"]
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
