@@ -128,7 +128,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                      help="activation recompute of the decoder layers (default none): selective re-runs the "
                           "runtime's selective policy in backward, full the whole layer from its input")
     mem.add_argument("--recompute-layers", type=int,
-                     help="recompute only this many layers per stage (default 0: every layer)")
+                     help="recompute only this many layers per (virtual) stage, each chunk's first ones (default 0: every layer)")
     mem.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
                      help="what selective recompute re-runs, as Megatron-Core's --recompute-modules "
                           f"({', '.join(RECOMPUTE_MODULES)}; runtime megatron); default: the runtime's own policy")

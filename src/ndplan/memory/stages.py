@@ -13,10 +13,14 @@ The held activations are per micro-batch; a working set, and the buffers a layer
 and the pipeline's send and receive take, are per op: a micro-batch's tokens, or under Seq1F1B
 one sub-sequence's, tokens / seq_chunks (``_per_op``).
     allocated(s)   = max(static + held + comm + transient, static + optimizer-step temporaries)
+                     (at the held peak's moment: less the tensors handed over at a V's turn, and
+                     without the gradients a runtime creates in the backward where none exist yet)
     device(s)      = allocated · (1 + allocator slack) + runtime context + communicator buffers
 
-Strategies are grouped by their pipeline shape (schedule, pp, vpp, micro-batches), for which the
-placement and the schedule simulation are computed once; everything else is numpy over the group.
+Strategies are grouped by their pipeline shape (``fields.PIPELINE_SHAPE``: schedule, pp, vpp,
+Seq1F1B's sequence chunks, and whether the embedding and the head count as layers), for which the
+placement is made once, and within a group taken in the order of their micro-batch counts, each
+count's schedule simulated once; everything else is numpy over the group.
 """
 
 from __future__ import annotations
@@ -1096,7 +1100,7 @@ def _working_sets(group: _Group, held: _HeldUntilBackward, split: bool) -> _Work
 
 def _fsdp_request(group: _Group, held: _HeldUntilBackward, sharded_rows: np.ndarray,
                   deferred: np.ndarray) -> FsdpRequest:
-    """The FSDP unit moments' arguments (``fsdp.fsdp_unit_phases``) of the group's sharded
+    """The FSDP unit moments' arguments (``fsdp._fsdp_unit_phases``) of the group's sharded
     strategies ``sharded_rows``: their inputs per strategy."""
     model, batch, shape, by_combination = group.model, group.batch, group.shape, group.by_combination
     table, table_recompute_on, table_tp = by_combination.acts, group.table_recompute_on, group.table_tp

@@ -130,7 +130,7 @@ class Strategy(BaseModel):
     optimizer_offload: bool = False
 
     recompute: Recompute = "none"
-    recompute_layers: int = Field(default=0, ge=0, le=MAX_DEGREE, description="layers per stage recomputed; 0 means all")
+    recompute_layers: int = Field(default=0, ge=0, le=MAX_DEGREE, description="layers per (virtual) stage recomputed; 0 means all")
     recompute_modules: tuple[RecomputeModule, ...] = Field(
         default=(), description="modules selective recompute re-runs (Megatron-Core); empty: the runtime's policy")
     offload_modules: tuple[OffloadModule, ...] = Field(
