@@ -1389,3 +1389,24 @@ def test_census_and_measure_name_an_output_they_cannot_write_before_measuring(co
     (tmp_path / "notes.txt").write_text("x")
     code, _, err = run([*command, str(tmp_path / "notes.txt" / "out")], capsys)
     assert code == 2 and f"{command[-1]} {tmp_path / 'notes.txt' / 'out'}: {tmp_path / 'notes.txt'} is a file" in err
+
+
+def test_one_device_asked_for_is_its_object_as_one_model_is(capsys):
+    """`hardware h100-sxm --json` printed a list of one where `models --model X --json` prints the
+    object: both give the object now, and the lists stay lists."""
+    code, out, _ = run(["hardware", "h100-sxm", "--json"], capsys)
+    assert code == 0 and json.loads(out)["name"] == "h100-sxm"
+    code, out, _ = run(["hardware", "--json"], capsys)
+    assert code == 0 and "h100-sxm" in [d["name"] for d in json.loads(out)]
+    code, out, _ = run(["models", "--model", "llama-3.1-8b", "--json"], capsys)
+    assert code == 0 and isinstance(json.loads(out), dict)
+
+
+@pytest.mark.parametrize(("flags", "words"), [(["--top", "0"], "--top must be at least 1, got 0"),
+                                               (["--max-points", "5"], "--max-points must be at least 10, got 5")])
+def test_report_names_the_count_it_refuses(flags, words, tmp_path, capsys):
+    """`report --top 0` said '--top must be >= 1 and --max-points >= 10', naming neither the flag
+    at fault nor its value."""
+    code, _, err = run(["report", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "16",
+                        *flags, "-o", str(tmp_path / "r.html")], capsys)
+    assert code == 2 and words in err

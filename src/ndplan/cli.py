@@ -89,7 +89,8 @@ def cmd_hardware(args: argparse.Namespace) -> int:
 
     devices = [resolve_device(args.name)] if args.name else list_devices()
     if args.json:
-        emit_json([d.model_dump(mode="json") for d in devices])
+        # One device asked for is its object, as `models --model` gives one model's.
+        emit_json(devices[0].model_dump(mode="json") if args.name else [d.model_dump(mode="json") for d in devices])
         return 0
     table = Table(title="Accelerators (dense peak FLOP/s; link bandwidths one way per device, as NVIDIA's 900 GB/s NVLink is 450 each way; sources in hardware/devices.yaml)")
     for col in ["name", "memory", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "scale-up GB/s ×domain", "scale-out GB/s", "per node"]:

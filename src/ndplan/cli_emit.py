@@ -31,7 +31,7 @@ def round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: b
 
     answers: dict[tuple[Any, ...], bool] = {}
 
-    def round_trips(strategy: Strategy) -> bool:
+    def comes_back(strategy: Strategy) -> bool:
         """What balancing changes comes back: the placement and the recompute setting (what the
         format cannot write of the rest, e.g. torchtitan's TP is always sequence-parallel, is
         the strategy's own and said with the written settings)."""
@@ -50,7 +50,7 @@ def round_trips(model: Any, fmt: str, cluster: Any, options: Any, *, by_shape: b
         if key is not None:
             answers[key] = answer
         return answer
-    return round_trips
+    return comes_back
 
 
 #: The runtime profile each --emit format's reader prices its settings under (a Megatron launch

@@ -200,8 +200,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ndplan.report.html import write_html
     from ndplan.units import format_bytes
 
-    if args.top < 1 or args.max_points < 10:
-        raise NdplanError("--top must be >= 1 and --max-points >= 10")
+    if args.top < 1:
+        raise NdplanError(f"--top must be at least 1, got {args.top}")
+    if args.max_points < 10:
+        raise NdplanError(f"--max-points must be at least 10, got {args.max_points}")
     output = args.output
     if output is None and args.plot_dir is None:
         output = Path("plan.html")
