@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,19 +153,38 @@ def search_result_dict(result: Any, model: ModelSpec, device: Any, space: Any) -
     }
 
 
-def cmd_search(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+@dataclass(frozen=True)
+class _SearchAsked:
+    """What the flags, and a config read with --from (``read``), ask the search for: the model
+    (without its MTP modules where --emit torchtitan builds none: ``no_mtp``), the device, the
+    devices, global batch and sequence; the settings fixed (--fix, and a file's dimensions not
+    searched); a file's settings no dimension holds (``stated``: ``carried`` as constants of the
+    space, ``dropped`` said); the runtime's options, the precision priced, and the space the
+    flags describe on a number of devices (``space_on``)."""
 
+    read: Any
+    model: ModelSpec
+    device: Any
+    devices: int
+    gbs: int
+    seq: int
+    fixed: dict[str, Any]
+    stated: dict[str, Any]
+    carried: dict[str, Any]
+    dropped: list[str]
+    no_mtp: bool
+    options: Any
+    precision: Any
+    space_on: Callable[[int], Any]
+
+
+def _asked(args: argparse.Namespace) -> _SearchAsked:
+    """What ``args`` ask the search for (see ``_SearchAsked``); an NdplanError names what is missing."""
     from ndplan.io.common import PLAN_TO_FIELD, policy_of
-    from ndplan.search import default_space, run_search, runtime_step_time
+    from ndplan.search import default_space
     from ndplan.search.space import runtime_reshard_under_pipeline
     from ndplan.strategy import get_precision
 
-    if args.top < 1:
-        raise NdplanError(f"--top must be at least 1, got {args.top}")
-    if args.csv:
-        # Before the search (seconds to minutes), not after it: a folder that is not there.
-        output_path(args.csv, "--csv", "CSV file")
     read = None
     if args.from_config:
         from ndplan.io.cli import model_for, print_messages, read_from_args
@@ -173,14 +193,16 @@ def cmd_search(args: argparse.Namespace) -> int:
         print_messages(read)
         settings = read.strategy_settings if read is not None else {}
         model = model_for({"model": args.model} if args.model else {}, read)
-        args.devices = args.devices or (read.devices if read is not None else None)
-        args.gbs = args.gbs or settings.get("gbs")
-        args.seq = args.seq or settings.get("seq")
+        devices: Any = args.devices or (read.devices if read is not None else None)
+        gbs: Any = args.gbs or settings.get("gbs")
+        seq: Any = args.seq or settings.get("seq")
     else:
         model = load_model(require(vars(args), "model", "--model", ", or --from a config"))
+        devices, gbs, seq = args.devices, args.gbs, args.seq
+    given = {"hardware": args.hardware, "devices": devices, "gbs": gbs}
     for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
-        require(vars(args), key, flag, "" if key == "hardware" else ", or --from a config that sets it")
-    args.seq = args.seq or 4096
+        require(given, key, flag, "" if key == "hardware" else ", or --from a config that sets it")
+    seq = seq or 4096
     device = device_from(args.hardware, args.efficiency)
     fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
     if read is not None and args.dims:
@@ -224,14 +246,32 @@ def cmd_search(args: argparse.Namespace) -> int:
     else:
         precision = get_precision("megatron-bf16")
 
-    def space_on(devices: int) -> Any:
-        """The space the flags describe, on ``devices`` devices (the degrees it enumerates depend on them)."""
-        return default_space(model, device, devices, args.gbs, args.seq, precision,
+    def space_on(on_devices: int) -> Any:
+        """The space the flags describe, on ``on_devices`` devices (the degrees it enumerates depend on them)."""
+        return default_space(model, device, on_devices, gbs, seq, precision,
                              dims=tuple(args.dims) if args.dims else None, fixed=fixed,
                              recompute_modules=recompute_sets, offload_modules=offload_sets,
                              reshard_under_pipeline=reshard_under_pipeline, carried=carried)
 
-    space = space_on(args.devices)
+    return _SearchAsked(read, model, device, devices, gbs, seq, fixed, stated, carried, dropped, no_mtp, options,
+                        precision, space_on)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ndplan.search import run_search, runtime_step_time
+
+    if args.top < 1:
+        raise NdplanError(f"--top must be at least 1, got {args.top}")
+    if args.csv:
+        # Before the search (seconds to minutes), not after it: a folder that is not there.
+        output_path(args.csv, "--csv", "CSV file")
+    asked = _asked(args)
+    read, model, device, devices, options = asked.read, asked.model, asked.device, asked.devices, asked.options
+    precision, fixed, stated, carried, dropped = asked.precision, asked.fixed, asked.stated, asked.carried, asked.dropped
+    no_mtp = asked.no_mtp
+    space = asked.space_on(devices)
     limit = memory_limit(args.memory_limit, device)
     # --emit reads the ranked candidates back until one is written as priced: rank enough of them.
     ranked_top = max(args.top, _WRITTEN_CHECKED) if args.emit else args.top
@@ -249,7 +289,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         from ndplan.io.cli import merge_settings
 
         try:  # the file's runs on the devices and global batch searched
-            runs = strategy_from_settings(merge_settings(read, {"devices": args.devices, "gbs": args.gbs})).pipeline_runs
+            runs = strategy_from_settings(merge_settings(read, {"devices": devices, "gbs": asked.gbs})).pipeline_runs
         except (NdplanError, ValidationError):
             pass  # the file's batch does not fit these devices: the search says what it can
     if runs > 1:
@@ -272,50 +312,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         result.notes.append("candidates priced without MTP (mtp_depth 0): torchtitan builds no multi-token-prediction "
                             "module, so the settings --emit torchtitan writes run none")
     if not result.ranked:
-        result.notes.extend(_what_would_fit(result, model, device, args.devices, space_on, options))
+        result.notes.extend(_what_would_fit(result, model, device, devices, asked.space_on, options))
     elif args.balance:
-        from ndplan.schedule.ops import MAX_SIMULATED_PASSES
-        from ndplan.search.balanced import rank_balanced
-
-        one_setting_only = args.balance == "one-setting"
-        from ndplan.hardware import Cluster
-
-        expressible = round_trips(model, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
-                                  by_shape=True) if args.emit else None
-        from ndplan.progress import working
-
-        with working(f"balancing the {result.fitting:,} fitting candidates", quiet=quiet):
-            ranking = rank_balanced(
-                model, device, space, result, step_time, memory_limit_bytes=limit or device.memory_bytes,
-                options=options, top=ranked_top, one_setting=one_setting_only, expressible=expressible,
-            )
-        result.ranked, balanced, unsimulated = ranking.rows, ranking.balanced, ranking.unsimulated
-        plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
-        # Balancing simulates a pipeline's schedule, which the simulator refuses past its cap.
-        too_long = (f"{unsimulated:,} ranked unbalanced, as the search priced them (their schedule is longer than "
-                    f"the simulator takes: {MAX_SIMULATED_PASSES:,} micro-batch passes, "
-                    f"num_micro_batches·pp·vpp·seq_chunks), " if unsimulated else "")
-        kept_uniform = [f"{ranking.over_limit:,} over the limit by the full memory estimator"] if ranking.over_limit else []
-        kept_uniform += [f"{ranking.slower:,} no faster by the full time estimator (per layer: with the schedule "
-                         f"simulated)"] if ranking.slower else []
-        result.notes.append(
-            f"--balance: every fitting candidate ranked by its balanced plan (pipelines: layers per stage and "
-            f"chunk, {plans}); {balanced:,} balanced, {too_long}the others' lower bound already above the "
-            f"{ranking.walk}th composed step; a plan reached from several starting recompute settings is listed once")
-        result.notes.append(
-            f"--balance ranking: the {ranking.walk} fastest by the balancer's composed step (exactly those balancing "
-            f"every candidate gives) re-ranked by the step shown, the full estimators' (`ndplan estimate`, the "
-            f"pipeline simulated) where the plan is one recompute setting, else the balancer's stage times with "
-            f"the schedule simulated; a candidate outside those {ranking.walk} "
-            f"whose full estimate is below its composed step can be missed"
-            + (f"; plans kept in their uniform form: {', '.join(kept_uniform)}" if kept_uniform else ""))
-        one_setting = result.ranked[0].get("balanced_settings") if result.ranked else None
-        if one_setting is not None and not one_setting["is_the_plan"]:
-            result.notes.append(
-                f"the winner's per-layer recompute needs a framework that sets it layer by layer (its figures are the "
-                f"balancer's, the schedule simulated); as one recompute setting (what --emit writes) it is "
-                f"{one_setting['label']}, layers {one_setting['stage_layers']}, step "
-                f"{one_setting['estimated_step_s']:.3f} s by `ndplan estimate`")
+        _rank_balanced(args, asked, space, result, step_time, limit, ranked_top, quiet)
     # --fix wins over --dims (a file's settings too): say so rather than search the value alone.
     result.notes.extend(f"--dims {name}: fixed by --fix {name}={fixed[name]}, so not searched"
                         for name in args.dims or () if name in fixed)
@@ -331,44 +330,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     winner = (Strategy(**result.best.get("balanced_settings", result.best)["strategy"],
                        precision=precision) if result.best else None)
     if args.emit and winner is not None:
-        from ndplan.hardware import Cluster
-        from ndplan.progress import working
-
-        # each candidate written, read back and priced again (about 2 s on DeepSeek-V3)
-        with working(f"reading the ranked candidates back as {args.emit} settings", quiet=quiet):
-            emitted_rank, text, check, first_written, first_same = _first_written_as_priced(
-                model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
-                precision, limit or device.memory_bytes)
-        data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
-        if note := runtime_note(options, args.emit):
-            data["notes"].append(f"--emit {args.emit}: {note}")
-        if check.get("unpriced"):
-            data["notes"].append(f"--emit {args.emit}: the settings written are not checked by the full estimators "
-                                 f"(they read back as {check['strategy']}): {check['unpriced']}")
-        if check["fits"] is False:
-            data["notes"].append(f"--emit {args.emit}: the settings written run over the limit as they read back "
-                                 f"(peak {format_bytes(check['peak_bytes'])}): {'; '.join(check['differs'])}")
-        if check.get("precision") and check["precision"] != precision.name and check["step_s"] is not None:
-            data["notes"].append(
-                f"--emit {args.emit} writes precision {check['precision']}, not {precision.name} as priced: the file "
-                f"runs peak {format_bytes(check['peak_bytes'])} ({'fits' if check['fits'] else 'over the limit'}), "
-                f"step {check['step_s']:.3f} s (search with --precision {check['precision']} to rank as it runs)")
-        as_written = [row.get("balanced_settings", row) for row in result.ranked]  # what one setting writes
-        if emitted_rank > 1:
-            data["notes"].append(
-                f"--emit {args.emit}: the fastest candidate {args.emit} writes as priced is #{emitted_rank}, "
-                f"{check['strategy']} ({_written_step(result.ranked[emitted_rank - 1]):.3f} s); "
-                + (f"#1's one recompute setting, {as_written[0]['label']}, runs {_written_step(result.ranked[0]):.3f} s"
-                   if first_same else f"#1, {as_written[0]['label']}, would be written as {first_written}"))
-        elif emitted_rank == 0:
-            data["notes"].append(
-                f"--emit {args.emit}: none of the first {min(len(result.ranked), _WRITTEN_CHECKED)} ranked candidates "
-                f"is written as priced; the winner's settings below "
-                + (f"are {first_written}" if first_written.startswith("settings ")  # refused: say why
-                   else f"run {check['strategy']} ({check['step_s']:.3f} s, peak {format_bytes(check['peak_bytes'])}, "
-                   f"{'fits' if check['fits'] else 'over the limit'})" if check["step_s"] is not None
-                   else f"are {check['strategy']}")
-                + f"; --fix what {args.emit} runs")
+        _emit_checked(args, asked, space, result, data, limit, quiet)
     if len(result.ranked) > args.top:  # the rows --emit read back beyond --top are not listed
         del result.ranked[args.top:]
         data["ranked"] = result.ranked
@@ -387,6 +349,110 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(data)
         return 0 if result.ranked else 1
+    return _print_search_text(args, asked, space, result, data, overlap, winner, explained)
+
+
+def _rank_balanced(args: argparse.Namespace, asked: _SearchAsked, space: Any, result: Any, step_time: Any,
+                   limit: int | None, ranked_top: int, quiet: bool) -> None:
+    """--balance: ``result``'s fitting candidates ranked by their balanced plans, and what the
+    ranking rests on said in its notes."""
+    model, device, options = asked.model, asked.device, asked.options
+    from ndplan.schedule.ops import MAX_SIMULATED_PASSES
+    from ndplan.search.balanced import rank_balanced
+
+    one_setting_only = args.balance == "one-setting"
+    from ndplan.hardware import Cluster
+
+    expressible = round_trips(model, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
+                              by_shape=True) if args.emit else None
+    from ndplan.progress import working
+
+    with working(f"balancing the {result.fitting:,} fitting candidates", quiet=quiet):
+        ranking = rank_balanced(
+            model, device, space, result, step_time, memory_limit_bytes=limit or device.memory_bytes,
+            options=options, top=ranked_top, one_setting=one_setting_only, expressible=expressible,
+        )
+    result.ranked, balanced, unsimulated = ranking.rows, ranking.balanced, ranking.unsimulated
+    plans = "one recompute setting per plan" if one_setting_only else "recompute per layer"
+    # Balancing simulates a pipeline's schedule, which the simulator refuses past its cap.
+    too_long = (f"{unsimulated:,} ranked unbalanced, as the search priced them (their schedule is longer than "
+                f"the simulator takes: {MAX_SIMULATED_PASSES:,} micro-batch passes, "
+                f"num_micro_batches·pp·vpp·seq_chunks), " if unsimulated else "")
+    kept_uniform = [f"{ranking.over_limit:,} over the limit by the full memory estimator"] if ranking.over_limit else []
+    kept_uniform += [f"{ranking.slower:,} no faster by the full time estimator (per layer: with the schedule "
+                     f"simulated)"] if ranking.slower else []
+    result.notes.append(
+        f"--balance: every fitting candidate ranked by its balanced plan (pipelines: layers per stage and "
+        f"chunk, {plans}); {balanced:,} balanced, {too_long}the others' lower bound already above the "
+        f"{ranking.walk}th composed step; a plan reached from several starting recompute settings is listed once")
+    result.notes.append(
+        f"--balance ranking: the {ranking.walk} fastest by the balancer's composed step (exactly those balancing "
+        f"every candidate gives) re-ranked by the step shown, the full estimators' (`ndplan estimate`, the "
+        f"pipeline simulated) where the plan is one recompute setting, else the balancer's stage times with "
+        f"the schedule simulated; a candidate outside those {ranking.walk} "
+        f"whose full estimate is below its composed step can be missed"
+        + (f"; plans kept in their uniform form: {', '.join(kept_uniform)}" if kept_uniform else ""))
+    one_setting = result.ranked[0].get("balanced_settings") if result.ranked else None
+    if one_setting is not None and not one_setting["is_the_plan"]:
+        result.notes.append(
+            f"the winner's per-layer recompute needs a framework that sets it layer by layer (its figures are the "
+            f"balancer's, the schedule simulated); as one recompute setting (what --emit writes) it is "
+            f"{one_setting['label']}, layers {one_setting['stage_layers']}, step "
+            f"{one_setting['estimated_step_s']:.3f} s by `ndplan estimate`")
+
+
+def _emit_checked(args: argparse.Namespace, asked: _SearchAsked, space: Any, result: Any, data: dict[str, Any],
+                  limit: int | None, quiet: bool) -> None:
+    """--emit: the fastest ranked candidate the format writes as priced, its settings read back and
+    priced again, into ``data`` ("emitted", "emitted_rank", "emitted_check"), and what differs
+    said in its notes."""
+    model, device, options, precision = asked.model, asked.device, asked.options, asked.precision
+    from ndplan.hardware import Cluster
+    from ndplan.progress import working
+
+    # each candidate written, read back and priced again (about 2 s on DeepSeek-V3)
+    with working(f"reading the ranked candidates back as {args.emit} settings", quiet=quiet):
+        emitted_rank, text, check, first_written, first_same = _first_written_as_priced(
+            model, result.ranked, args.emit, Cluster(device=device, num_devices=space.num_devices), options,
+            precision, limit or device.memory_bytes)
+    data["emitted"], data["emitted_rank"], data["emitted_check"] = text, emitted_rank, check
+    if note := runtime_note(options, args.emit):
+        data["notes"].append(f"--emit {args.emit}: {note}")
+    if check.get("unpriced"):
+        data["notes"].append(f"--emit {args.emit}: the settings written are not checked by the full estimators "
+                             f"(they read back as {check['strategy']}): {check['unpriced']}")
+    if check["fits"] is False:
+        data["notes"].append(f"--emit {args.emit}: the settings written run over the limit as they read back "
+                             f"(peak {format_bytes(check['peak_bytes'])}): {'; '.join(check['differs'])}")
+    if check.get("precision") and check["precision"] != precision.name and check["step_s"] is not None:
+        data["notes"].append(
+            f"--emit {args.emit} writes precision {check['precision']}, not {precision.name} as priced: the file "
+            f"runs peak {format_bytes(check['peak_bytes'])} ({'fits' if check['fits'] else 'over the limit'}), "
+            f"step {check['step_s']:.3f} s (search with --precision {check['precision']} to rank as it runs)")
+    as_written = [row.get("balanced_settings", row) for row in result.ranked]  # what one setting writes
+    if emitted_rank > 1:
+        data["notes"].append(
+            f"--emit {args.emit}: the fastest candidate {args.emit} writes as priced is #{emitted_rank}, "
+            f"{check['strategy']} ({_written_step(result.ranked[emitted_rank - 1]):.3f} s); "
+            + (f"#1's one recompute setting, {as_written[0]['label']}, runs {_written_step(result.ranked[0]):.3f} s"
+               if first_same else f"#1, {as_written[0]['label']}, would be written as {first_written}"))
+    elif emitted_rank == 0:
+        data["notes"].append(
+            f"--emit {args.emit}: none of the first {min(len(result.ranked), _WRITTEN_CHECKED)} ranked candidates "
+            f"is written as priced; the winner's settings below "
+            + (f"are {first_written}" if first_written.startswith("settings ")  # refused: say why
+               else f"run {check['strategy']} ({check['step_s']:.3f} s, peak {format_bytes(check['peak_bytes'])}, "
+               f"{'fits' if check['fits'] else 'over the limit'})" if check["step_s"] is not None
+               else f"are {check['strategy']}")
+            + f"; --fix what {args.emit} runs")
+
+
+def _print_search_text(args: argparse.Namespace, asked: _SearchAsked, space: Any, result: Any,
+                       data: dict[str, Any], overlap: Any, winner: Strategy | None,
+                       explained: dict[str, Any] | None) -> int:
+    """The search for people: the tables, what the step times assume, the settings --emit wrote
+    and --explain's terms; the exit code (1 where nothing fits)."""
+    model, device, options, precision = asked.model, asked.device, asked.options, asked.precision
     _print_search(result, model, device, space)
     if args.precision is None and args.emit:
         console.print(f"candidates priced in {precision.name}, the precision {args.emit} writes (--precision to choose)")
@@ -409,6 +475,8 @@ def cmd_search(args: argparse.Namespace) -> int:
             for line in explained[part]:
                 console.print("  " + line, markup=False)
     return 0 if result.ranked else 1
+
+
 
 
 #: Ranked candidates --emit reads back at most, looking for one the format writes as priced.
