@@ -88,3 +88,19 @@ def test_time_report_says_its_caveats_from_the_runtime_it_priced():
                            options=MemoryOptions(runtime="megatron"))
     assert report.runtime == "megatron" and len(report.caveats) == 1 and "MoE" in report.caveats[0]
     assert report.to_dict()["caveats"] == report.caveats
+
+
+def test_balance_says_the_cautions_of_the_settings_it_balanced(capsys):
+    """`ndplan balance` printed only the flags that change nothing: the balanced settings' memory
+    and step-time cautions are said too, as `estimate` says them."""
+    from ndplan.cli import main
+
+    argv = ["balance", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "16", "--pp", "2", "--ep", "8",
+            "--zero", "1", "--gbs", "256", "--runtime", "megatron", "--memory-limit", "60GiB", "--heuristic"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert any("1.6-5.6% low" in c for c in data["caveats"])  # the memory model's, Megatron MoE
+    assert any("published MoE training runs" in c for c in data["caveats"])  # the step time's
+    assert data["balanced"]["time"]["caveats"] == [c for c in data["caveats"] if "published MoE" in c]
+    assert main(argv) == 0
+    assert "caution: against 31 published MoE training runs" in capsys.readouterr().out

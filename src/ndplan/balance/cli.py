@@ -62,7 +62,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
     from ndplan.perf import estimate_time
 
     # The balancer's step is composed from stage times; the estimate adds DP, p2p and the optimizer.
-    emitted_time = estimate_time(model, emitted, cluster, **options.time_keywords())
+    emitted_time = estimate_time(model, emitted, cluster, options=options)
     data["estimated_step_s"] = emitted_time.step_s
     # The strategy as given (its own recompute, uniform or its --stage-layers), by the same two
     # estimators: the reference a user compares with, beside the full-recompute baseline.
@@ -70,16 +70,20 @@ def cmd_balance(args: argparse.Namespace) -> int:
 
     given_report = estimate(model, strategy, device, options, num_devices=strategy.world_size)
     given_peak = given_report.peak_bytes
-    data["given"] = {"step_s": estimate_time(model, strategy, cluster, **options.time_keywords()).step_s,
+    data["given"] = {"step_s": estimate_time(model, strategy, cluster, options=options).step_s,
                      "peak_bytes": round(given_peak), "fits": given_peak <= limit,
                      "stages": given_report.to_dict()["stages"]}
     # The settings --emit writes, by the full estimators: what `ndplan report` draws for the plan.
-    data["balanced"] = {**estimate(model, emitted, device, options, num_devices=strategy.world_size).to_dict(),
-                        "strategy": emitted.model_dump(mode="json"), "time": emitted_time.to_dict()}
+    balanced_report = estimate(model, emitted, device, options, num_devices=strategy.world_size)
+    data["balanced"] = {**balanced_report.to_dict(), "strategy": emitted.model_dump(mode="json"),
+                        "time": emitted_time.to_dict()}
     data["kind"] = "balance"
     inert = inert_flags(args, strategy, recompute_chosen=True)  # balancing chooses the recompute
-    if inert:
-        data["caveats"] = inert
+    # What the memory and step-time models are known to miss for the balanced settings, as
+    # `ndplan estimate` says them beside its figures, after the flags that change nothing.
+    cautions = list(dict.fromkeys([*inert, *balanced_report.caveats, *emitted_time.caveats]))
+    if cautions:
+        data["caveats"] = cautions
     stepped_up = _stepped_up_line(strategy, result, limit)
     if stepped_up is not None:
         data["stepped_up"] = {**data["stepped_up"], "from": stepped_up[0], "to": stepped_up[1], "note": stepped_up[2]}
@@ -180,7 +184,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
     if args.emit and (note := runtime_note(options, args.emit)):
         console.print(note)
-    for caveat in inert:
+    for caveat in cautions:
         console.print(f"[bold yellow]caution[/]: {caveat}")
     # what the step is priced with, and what --emit changed in it (the loss)
     print_kernels(options, strategy, recompute_chosen=True)
