@@ -52,6 +52,7 @@ the sync (attention projections, attention core, router GEMM and their fp8 casts
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -750,24 +751,33 @@ def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) ->
     return layer_activations(ctx.model, batch, options).offloaded[kind]
 
 
-def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
-                  full_attention: bool = False, shardings: ShardingRows | None = None,
-                  fsdp: FsdpGroups | None = None, comm: LayerComm | None = None,
-                  base: BaseRows | None = None) -> tuple[PieceTimes, PieceTimes]:
-    """(the layer, what recomputing it adds) for one decoder layer of ``kind`` (its attention the
-    mean of the model's layers of that kind, sliding ones included; ``full_attention``: full
-    causal attention, as an MTP module's layer). ``shardings``: the distinct shardings of ``sh``
-    (``sharding_rows``), on which the GEMMs are priced; None prices them on ``sh``. ``fsdp``:
-    ``fsdp_groups`` of ``cols``, ``comm`` its ``layer_comm``, where the caller has them.
-    ``base``: ``base_rows`` of ``cols``, on which the sharding part is priced (then
-    ``shardings`` and ``comm`` are of its rows); None prices it on the rows."""
+@dataclass(frozen=True)
+class _LayerCompute:
+    """One decoder layer's compute per pass on the base rows, seconds: the GEMMs priced per
+    distinct sharding (``gemms``, each one's forward seconds ``forward_of``, per pass ``gemm``
+    spread to the base rows), the attention core's forward and backward (``attn_f``, ``attn_b``),
+    the elementwise passes of a forward and what selective recompute re-runs of them (``ew_f``,
+    ``ew_rc``), the host's launch time of a forward (``host_f``), and each pass's compute as the
+    GPU or the host bounds it (``compute_f``, ``compute_b``, ``compute_w``)."""
+
+    gemms: list[Gemm]
+    forward_of: dict[str, Array | float]
+    gemm: dict[str, Array | float]
+    attn_f: Array | float
+    attn_b: Array | float
+    ew_f: Array | float
+    ew_rc: Array | float
+    host_f: Array | float
+    compute_f: Array | float
+    compute_b: Array | float
+    compute_w: Array | float
+
+
+def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shardings: ShardingRows, kind: MlpKind,
+                   full_attention: bool) -> _LayerCompute:
+    """The compute of one decoder layer of ``kind`` on the base rows ``bc`` (see ``_LayerCompute``)."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
-    # The sharding part, on the base rows (bc, bsh), spread to the rows (up) where recompute,
-    # EP pairing and FSDP enter.
-    base = base or BaseRows(cols, sh)
-    bc, bsh, up = base.cols, base.sh, base.spread
-    shardings = shardings or ShardingRows(bsh)
     gemms = layer_gemms(model, shardings.distinct, kind)  # per distinct sharding, as forward_of
     gemm_distinct, forward_of = _pass_gemm_seconds(ctx, gemms)
     gemm = {pass_: shardings.spread(value) for pass_, value in gemm_distinct.items()}
@@ -804,6 +814,32 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     compute_b = np.maximum(gemm["B"] + cast_b + attn_b + 2.0 * ew_f + overhead, host_b)
     compute_w = gemm["W"]
 
+    return _LayerCompute(gemms, forward_of, gemm, attn_f, attn_b, ew_f, ew_rc, host_f, compute_f, compute_b, compute_w)
+
+
+def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
+                  full_attention: bool = False, shardings: ShardingRows | None = None,
+                  fsdp: FsdpGroups | None = None, comm: LayerComm | None = None,
+                  base: BaseRows | None = None) -> tuple[PieceTimes, PieceTimes]:
+    """(the layer, what recomputing it adds) for one decoder layer of ``kind`` (its attention the
+    mean of the model's layers of that kind, sliding ones included; ``full_attention``: full
+    causal attention, as an MTP module's layer). ``shardings``: the distinct shardings of ``sh``
+    (``sharding_rows``), on which the GEMMs are priced; None prices them on ``sh``. ``fsdp``:
+    ``fsdp_groups`` of ``cols``, ``comm`` its ``layer_comm``, where the caller has them.
+    ``base``: ``base_rows`` of ``cols``, on which the sharding part is priced (then
+    ``shardings`` and ``comm`` are of its rows); None prices it on the rows."""
+    model, rates, eff = ctx.model, ctx.rates, ctx.eff
+    # The sharding part, on the base rows (bc, bsh), spread to the rows (up) where recompute,
+    # EP pairing and FSDP enter.
+    base = base or BaseRows(cols, sh)
+    bc, bsh, up = base.cols, base.sh, base.spread
+    shardings = shardings or ShardingRows(bsh)
+    computed = _layer_compute(ctx, bc, bsh, shardings, kind, full_attention)
+    gemms, forward_of, gemm, attn_f, attn_b = (computed.gemms, computed.forward_of, computed.gemm, computed.attn_f,
+                                               computed.attn_b)
+    ew_rc, host_f = computed.ew_rc, computed.host_f
+    compute_f, compute_b, compute_w = computed.compute_f, computed.compute_b, computed.compute_w
+
     comm = comm or layer_comm(ctx, bc, bsh)
     tp = comm.tp
     # What selective recompute's replay of the MLP block's modules re-runs of the TP seconds:
@@ -831,32 +867,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     cp_b = _exposed(ring_b, attn_b, ctx.overlap.cp_ring) + a2a
 
     if kind == "moe":
-        t = bc["tp"]
-        # Dispatch sends the routed copies in the activation dtype (Megatron-Core quantises
-        # inside the expert GEMM) or, with ep_dispatch_fp8, at fp8 GEMM operand width; combine
-        # returns them in activation width; the backward moves gradients both ways.
-        share = eff.ep_comm_compute_share
-        if eff.moe_dispatcher == "allgather":
-            # every token of the group moves whatever the routing: no busiest-rank factor
-            forward, backward = allgather_dispatch_seconds(ctx, bc, bsh)
-        else:
-            copies = bsh.tokens * model.num_experts_per_tok / t * model.hidden_size
-            dispatch_bytes = ep_dispatch_bytes(ctx)
-            # (each all-to-all priced once: the combine's serves the backward's two, and the
-            # dispatch where it sends at activation width too)
-            combine = _ep_all_to_all_s(ctx, bc, copies * beta)
-            dispatch = combine if dispatch_bytes == beta else _ep_all_to_all_s(ctx, bc, copies * dispatch_bytes)
-            forward = dispatch + combine
-            backward = 2.0 * combine
-            # the busiest rank's routed copies: moe_imbalance, or the capacity factor of padded buffers
-            factor = eff.routed_token_factor
-            forward, backward = forward * factor, backward * factor
-        # Overlapped: what a paired pass exposes, and what it hides (holding the links FSDP uses).
-        paired_exposed_f = up(_exposed(forward, compute_f, True, share))
-        paired_exposed_b = up(_exposed(backward, compute_b + compute_w, True, share))
-        paired_hidden_f = up(np.minimum(forward, compute_f))
-        paired_hidden_b = up(np.minimum(backward, compute_b + compute_w))
-        forward, backward = up(forward), up(backward)
+        forward, backward, paired_exposed_f, paired_exposed_b, paired_hidden_f, paired_hidden_b = _ep_exchange(
+            ctx, bc, bsh, compute_f, compute_b, compute_w, up)
 
     # Selective recompute's replay (below) reads the sharding part alone too.
     if ctx.recompute_modules:
@@ -964,6 +976,43 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         for category, forward_s in (("compute", compute_f), ("tp", tp_f), ("cp", cp_f), ("ep", ep_f)):
             rc.add("W", category, rebuilds * forward_s)
     return out, rc
+
+
+def _ep_exchange(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, compute_f: Array | float,
+                 compute_b: Array | float, compute_w: Array | float, up: Callable[[Array | float], Array | float]
+                 ) -> tuple[Array | float, ...]:
+    """A MoE layer's expert dispatch and combine, seconds per row (spread by ``up`` from the base
+    rows ``bc``): (forward, backward, what a pass paired with another micro-batch's exposes in
+    its forward and backward, and what it hides there under the layer's compute)."""
+    model, eff = ctx.model, ctx.eff
+    beta = ctx.precision.activation_bytes
+    t = bc["tp"]
+    # Dispatch sends the routed copies in the activation dtype (Megatron-Core quantises
+    # inside the expert GEMM) or, with ep_dispatch_fp8, at fp8 GEMM operand width; combine
+    # returns them in activation width; the backward moves gradients both ways.
+    share = eff.ep_comm_compute_share
+    if eff.moe_dispatcher == "allgather":
+        # every token of the group moves whatever the routing: no busiest-rank factor
+        forward, backward = allgather_dispatch_seconds(ctx, bc, bsh)
+    else:
+        copies = bsh.tokens * model.num_experts_per_tok / t * model.hidden_size
+        dispatch_bytes = ep_dispatch_bytes(ctx)
+        # (each all-to-all priced once: the combine's serves the backward's two, and the
+        # dispatch where it sends at activation width too)
+        combine = _ep_all_to_all_s(ctx, bc, copies * beta)
+        dispatch = combine if dispatch_bytes == beta else _ep_all_to_all_s(ctx, bc, copies * dispatch_bytes)
+        forward = dispatch + combine
+        backward = 2.0 * combine
+        # the busiest rank's routed copies: moe_imbalance, or the capacity factor of padded buffers
+        factor = eff.routed_token_factor
+        forward, backward = forward * factor, backward * factor
+    # Overlapped: what a paired pass exposes, and what it hides (holding the links FSDP uses).
+    paired_exposed_f = up(_exposed(forward, compute_f, True, share))
+    paired_exposed_b = up(_exposed(backward, compute_b + compute_w, True, share))
+    paired_hidden_f = up(np.minimum(forward, compute_f))
+    paired_hidden_b = up(np.minimum(backward, compute_b + compute_w))
+    forward, backward = up(forward), up(backward)
+    return forward, backward, paired_exposed_f, paired_exposed_b, paired_hidden_f, paired_hidden_b
 
 
 def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, fsdp: FsdpGroups | None = None,
