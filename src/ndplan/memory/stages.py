@@ -422,7 +422,7 @@ def _group_evaluation(
     dense_layers, moe_layers = shape.dense, shape.moe  # per virtual stage computed
 
     precision = batch.precision
-    cp = batch.cp.astype(float)
+    tp, cp = batch.tp.astype(float), batch.cp.astype(float)
     grad_bytes = precision.grad_bytes
     n = len(batch)
     first_virtual, last_virtual = shape.first, shape.last
@@ -465,7 +465,7 @@ def _group_evaluation(
     # micro-batch: the schedule counts a held sub-sequence as 1/seq_chunks of one.
     op_tokens = _per_op(tokens, seq_chunks)
     group = _Group(model, batch, options, shape, schedule, pp, vpp, seq_chunks, static, by_combination, scores,
-                   tokens, op_tokens, recompute_on, table_recompute_on, table_tp, table_sp_div)
+                   tokens, op_tokens, recompute_on, tp, table_recompute_on, table_tp, table_sp_div)
     profile = options.profile
     t = tokens[:, None]
     out: dict[str, np.ndarray] = {}
@@ -754,9 +754,9 @@ class _Group:
     (``batch``, n of them), what their pipeline shape fixes, their static state and layer
     activations by combination (``scores``: whether some materialises the attention scores), and
     per strategy [n] the tokens of a micro-batch on a rank, mbs · seq / cp (``tokens``), of one
-    op (``op_tokens``, ``_per_op``), whether it recomputes, and the sequence-parallel divisor
-    (``table_sp_div``: tp under SP, else 1; per combination, as ``table_tp`` and
-    ``table_recompute_on``)."""
+    op (``op_tokens``, ``_per_op``), whether it recomputes, its tp as floats (read by two parts,
+    made once), and the sequence-parallel divisor (``table_sp_div``: tp under SP,
+    else 1; per combination, as ``table_tp`` and ``table_recompute_on``)."""
 
     model: ModelSpec
     batch: StrategyBatch
@@ -772,6 +772,7 @@ class _Group:
     tokens: np.ndarray
     op_tokens: np.ndarray
     recompute_on: np.ndarray
+    tp: np.ndarray
     table_recompute_on: np.ndarray
     table_tp: np.ndarray
     table_sp_div: np.ndarray
@@ -940,7 +941,7 @@ def _held_until_weight_grad(group: _Group, held: _HeldUntilBackward) -> np.ndarr
     model, batch, options, shape, by_combination = group.model, group.batch, group.options, group.shape, group.by_combination
     table, tokens, recompute_on, precision, profile = (by_combination.acts, group.tokens, group.recompute_on,
                                                        batch.precision, options.profile)
-    tp, n, computed = batch.tp.astype(float), len(batch), len(shape.used)
+    tp, n, computed = group.tp, len(batch), len(shape.used)
     dense_layers, moe_layers, first_virtual, last_virtual = shape.dense, shape.moe, shape.first, shape.last
     layers_held, plain_held, per_b_virtual = held.layers_held, held.plain_held, held.per_b_virtual
     checkpoint_mask_virtual = held.checkpoint_mask_virtual
@@ -992,7 +993,7 @@ def _working_sets(group: _Group, held: _HeldUntilBackward, split: bool) -> _Work
     table, table_recompute_on, table_tp = by_combination.acts, group.table_recompute_on, group.table_tp
     op_tokens, recompute_on, seq_chunks, static = group.op_tokens, group.recompute_on, group.seq_chunks, group.static
     precision, profile, mtp_kind = batch.precision, options.profile, model.mtp_mlp_kind
-    tp, etp, n, patterns = batch.tp.astype(float), batch.etp.astype(float), len(batch), len(shape.reps)
+    tp, etp, n, patterns = group.tp, batch.etp.astype(float), len(batch), len(shape.reps)
     on_stage, dense_layers, moe_per_stage = shape.on_stage, shape.dense, shape.moe_per_stage
     first_stage, last_stage = on_stage[:, 0], on_stage[:, -1]
     output_held, per_b_virtual = held.output_held, held.per_b_virtual

@@ -69,6 +69,7 @@ class SearchResult:
 
 def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str, float],
          options: MemoryOptions | None = None, model: ModelSpec | None = None) -> dict[str, Any]:
+    options = options or MemoryOptions()
     return {
         "candidate": int(index),
         "label": strategy.short(),
@@ -84,9 +85,9 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         **{k: float(v) for k, v in time.items()},
         "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
         # What memory and step-time models are known to miss for a strategy of this kind.
-        "caveats": known_gaps(strategy, options or MemoryOptions(), model)
-        + (time_known_gaps(model, strategy, (options or MemoryOptions()).runtime) if model is not None else []),
-        "headroom": headroom(strategy, options or MemoryOptions(), model),
+        "caveats": known_gaps(strategy, options, model)
+        + (time_known_gaps(model, strategy, options.runtime) if model is not None else []),
+        "headroom": headroom(strategy, options, model),
     }
 
 
