@@ -47,7 +47,7 @@ def _error(result, key: str) -> float:
 
 def test_the_data_is_there():
     assert len(REAL) == 28
-    assert len(list(DATA.glob("*-fake.json"))) == 17
+    assert len(list(DATA.glob("*-fake.json"))) == 28
 
 
 @pytest.mark.parametrize("path", REAL, ids=_case)
@@ -87,8 +87,9 @@ def test_reserved_at_depth_within_five_percent(path):
 
 def test_fake_step_sees_everything_but_the_workspace():
     """Each real step allocated the fake step's bytes plus cuBLAS's 64 MiB workspace (within
-    512-byte block rounding and, for MLA, 32 MiB of the memory-efficient kernel's); where the
-    scores are materialised, at most CUDA softmax's temporary product more (heads·s² fp32)."""
+    512-byte block rounding and, for MLA, what the memory-efficient kernel takes besides its
+    outputs: 36 MiB at two layers, 103 MiB at twelve under full recompute); where the scores are
+    materialised, at most CUDA softmax's temporary product more (heads·s² fp32)."""
     for fake_path in sorted(DATA.glob("*-fake.json")):
         case = _case(fake_path)
         fake, real = load_measurement(fake_path), load_measurement(DATA / f"{case}-cuda.json")
@@ -97,7 +98,8 @@ def test_fake_step_sees_everything_but_the_workspace():
         assert real_rank.categories["activations"] == pytest.approx(fake_rank.categories["activations"], rel=0.012)
         extra = real_rank.allocated_bytes - fake_rank.allocated_bytes
         product = SCORES.get(case, 0) * real.strategy.seq_length**2 * 4
-        assert 63 * MiB <= extra <= 100 * MiB + product, case
+        kernel = 110 * MiB if real.model == "deepseek-v2-lite" else 36 * MiB
+        assert 63 * MiB <= extra <= 64 * MiB + kernel + product, case
 
 
 def test_verify_adds_the_workspace_only_for_real_steps():
@@ -170,3 +172,14 @@ def test_the_generated_page_is_current(tmp_path):
     page = tmp_path / "accuracy_cuda.md"
     module.report(DATA, page)
     assert page.read_text() == (Path(__file__).parents[1] / "docs" / "accuracy_cuda.md").read_text()
+
+
+@pytest.mark.parametrize("path", sorted(DATA.glob("*-fake.json")), ids=_case)
+def test_the_allocator_replay_of_each_fake_step_within_three_percent_of_the_measured_reserved(path):
+    """The fake step's allocations replayed through the caching allocator (ndplan.census.allocator)
+    reach the reserved peak the real step measured: -1.5% to +2.9% over the 28 cases, where the
+    estimate's fixed 5% slack reads -15% to +4.5% (docs/accuracy_cuda.md)."""
+    replayed = load_measurement(path).ranks[0].replayed_reserved_bytes
+    measured = load_measurement(DATA / f"{_case(path)}-cuda.json").ranks[0].reserved_bytes
+    assert replayed is not None and measured is not None
+    assert abs(replayed / measured - 1) <= 0.03

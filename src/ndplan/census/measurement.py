@@ -36,6 +36,9 @@ class RankMemory:
 
     ``allocated_bytes`` is the peak of live tensor bytes over the whole step (what
     ``torch.cuda.max_memory_allocated`` reports); ``reserved_bytes`` only comes from real runs.
+    ``replayed_reserved_bytes`` is a fake-tensor step's: the reserved peak of PyTorch's CUDA
+    caching allocator replayed over the step's allocations and frees, with the math libraries'
+    workspace (``ndplan.census.allocator``: one stream's pool); a simulation, not a measurement.
     ``categories`` has the estimator's meanings:
 
     * ``params``, ``optimizer``: parameters (and buffers) and optimizer states held at the start
@@ -61,6 +64,7 @@ class RankMemory:
     allocated_bytes: int
     rank: int | None = None
     reserved_bytes: int | None = None
+    replayed_reserved_bytes: int | None = None
     layers: int | None = None
     virtual_stages: tuple[int, ...] = ()
     forward_backward_peak_bytes: int | None = None
@@ -79,6 +83,8 @@ class RankMemory:
         out: dict[str, Any] = {"rank": self.rank, "stage": self.stage, "allocated_bytes": self.allocated_bytes}
         if self.reserved_bytes is not None:
             out["reserved_bytes"] = self.reserved_bytes
+        if self.replayed_reserved_bytes is not None:
+            out["replayed_reserved_bytes"] = self.replayed_reserved_bytes
         if self.layers is not None:
             out["layers"] = self.layers
         if self.virtual_stages:
@@ -238,6 +244,7 @@ def measurement_from_dict(data: Any, source: str = "measured file", *, model: st
             rank=rank,
             allocated_bytes=allocated,
             reserved_bytes=reserved,
+            replayed_reserved_bytes=_int_field(entry, "replayed_reserved_bytes", where),
             layers=_int_field(entry, "layers", where, bytes_=False),
             virtual_stages=_whole_numbers(entry, "virtual_stages", where),
             forward_backward_peak_bytes=_int_field(entry, "forward_backward_peak_bytes", where),
