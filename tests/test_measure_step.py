@@ -438,3 +438,27 @@ def test_tied_pair_apart_on_a_pipeline_each_stage_keeps_its_own_table() -> None:
     n, _ = tiny_params(2)
     per_layer = (n - 2 * VOCAB * H - H) // 2
     assert last.categories["params"] == 2 * (per_layer + H + VOCAB * H) + 2 * (HD // 2) * 4
+
+
+@needs_torch
+def test_torchtitans_per_op_policy_keeps_every_second_matmul_and_verify_prices_it() -> None:
+    """Selective recompute under torchtitan's per-op policy keeps fewer of a layer's tensors than
+    the census's keep-matmuls policy; the measurement says which it ran, and verify estimates
+    that policy: activations within 3% (a few small tensors at this size), the peak within 1%. A policy without selective recompute is refused."""
+    from ndplan.census.measure_step import measure_step
+    from ndplan.census.verify import verify
+    from ndplan.model.hf import spec_from_hf_config
+
+    config = {**TINY, "hidden_size": 256, "intermediate_size": 640, "head_dim": 64}
+    s = Strategy(seq_length=256, precision="bf16-pure", recompute="selective")
+    held = {}
+    for policy in ("keep-matmuls", "torchtitan-op"):
+        m = measure_step(dict(config), s, num_layers=2, selective_policy=policy)
+        assert m.provenance["selective_policy"] == policy
+        rows = {r.key: r for r in verify(spec_from_hf_config(config, name="tiny"), m).stages[0].rows}
+        held[policy] = rows["activations"].measured
+        assert abs(rows["activations"].error_pct or 0) < 3 and abs(rows["allocated"].error_pct or 0) < 1, policy
+    assert held["torchtitan-op"] < held["keep-matmuls"]
+    with pytest.raises(NdplanError, match="goes with --recompute selective, not full"):
+        measure_step(dict(config), Strategy(seq_length=256, precision="bf16-pure", recompute="full"), num_layers=2,
+                     selective_policy="torchtitan-op")

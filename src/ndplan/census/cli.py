@@ -143,6 +143,10 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--recompute", choices=RECOMPUTES, help="activation recompute of every decoder layer (default none)")
     par.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
                      help="default: fsdp-bf16 with --fsdp, bf16-pure without")
+    par.add_argument("--selective-policy", choices=["keep-matmuls", "torchtitan-op"], default=None,
+                     help="with --recompute selective, what each layer keeps: every matmul's and the attention "
+                          "kernel's outputs (keep-matmuls, the default) or torchtitan's per-op policy "
+                          "(torchtitan-op: every second matmul's)")
 
 
 def _strategy_given(args: argparse.Namespace) -> bool:
@@ -173,12 +177,18 @@ def _model_inputs(model: str) -> tuple[str, dict[str, Any], Any]:
 
 
 def _measure(args: argparse.Namespace) -> Any:
-    from ndplan.census.measure_step import check_measurable, measure_step, trimmed_hf_config
+    from ndplan.census.measure_step import (
+        check_measurable,
+        check_selective_policy,
+        measure_step,
+        trimmed_hf_config,
+    )
 
     name, cfg, spec = _model_inputs(args.model)
     layers = args.layers if args.layers is not None else spec.num_layers
     strategy = strategy_from_args(args)
     check_measurable(strategy, layers, trimmed_hf_config(cfg, layers))
+    check_selective_policy(strategy, args.selective_policy)
     from ndplan.census.measure_step import trimmed_spec
     from ndplan.strategy import validate_strategy
 
@@ -198,9 +208,10 @@ def _measure(args: argparse.Namespace) -> Any:
         if cuda:
             from ndplan.census.measure_cuda import measure_step_cuda
 
-            return measure_step_cuda(cfg, strategy, num_layers=layers, attention=args.attention, name=label)
+            return measure_step_cuda(cfg, strategy, num_layers=layers, attention=args.attention, name=label,
+                                     selective_policy=args.selective_policy)
         return measure_step(cfg, strategy, num_layers=layers, attention=args.attention, name=label,
-                            timeline=bool(getattr(args, "timeline", None)))
+                            timeline=bool(getattr(args, "timeline", None)), selective_policy=args.selective_policy)
 
 
 # ---------------------------------------------------------------- measure
@@ -317,6 +328,9 @@ def _apply_from(args: argparse.Namespace) -> None:
     if unmeasured:
         raise NdplanError(f"{result.source}: runs {' and '.join(unmeasured)}, which a measured step does not: "
                           f"measure the strategy without {'them' if len(unmeasured) > 1 else 'it'}, by flags")
+    policy = result.runtime_settings.get("selective_policy")
+    if args.selective_policy is None and policy == "torchtitan-op" and merged.get("recompute") == "selective":
+        args.selective_policy = policy  # torchtitan's per-op checkpointing, measured as it runs
     for key, value in merged.items():
         if key in _FLAG_KEYS and getattr(args, key, None) is None and not isinstance(value, dict):
             setattr(args, key, value if key != "precision" or isinstance(value, str) else None)
@@ -358,7 +372,7 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from ndplan.cli_args import runtime_options
     from ndplan.io.cli import print_messages, read_from_args
 
-    if _strategy_given(args):
+    if _strategy_given(args) or args.selective_policy is not None:
         raise NdplanError("with --from and --measured the strategy comes from the config; drop the strategy flags")
     # MODEL, where given, completes or overrides the config's model, as `estimate --from` takes
     # --model: a launch script that names a tokenizer states no vocabulary size, and was refused.
@@ -394,6 +408,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise NdplanError("with --measured the model, layers and strategy come from the file; drop the strategy flags")
         if args.devices is not None:
             raise NdplanError("--devices goes with --from: a measured file states its strategy")
+        if args.selective_policy is not None:
+            raise NdplanError("--selective-policy: the measured file states what its step kept (its "
+                              "'selective_policy', keep-matmuls where absent); drop the flag")
         if args.attention is not None:  # estimated as the file's 'attention' says, whatever the flag
             raise NdplanError("--attention: the measured file states the kernel its run used ('attention'); "
                               "drop the flag")

@@ -34,6 +34,7 @@ from ndplan.census.measure_step import (
     _param_groups,
     _warm_up_optimizer,
     _wrap_recompute,
+    check_selective_policy,
     checked_step_config,
     step_model_name,
 )
@@ -72,11 +73,14 @@ def measure_step_cuda(
     experts: str = "grouped_mm",
     name: str | None = None,
     seed: int = 0,
+    selective_policy: str | None = None,
 ) -> StepMeasurement:
     """Run ``STEPS`` training steps of ``hf_config`` trimmed to ``num_layers`` decoder layers on
-    ``cuda:0`` and report the last one's memory, in bytes, by the categories of the module doc."""
+    ``cuda:0`` and report the last one's memory, in bytes, by the categories of the module doc
+    (``selective_policy`` as ``measure_step`` takes it)."""
     from ndplan.census.measure import _require_torch
 
+    check_selective_policy(strategy, selective_policy)
     cfg = checked_step_config(hf_config, strategy, num_layers, attention, experts)
     check_single_device(strategy)
     torch, transformers = _require_torch()
@@ -84,7 +88,7 @@ def measure_step_cuda(
         raise NdplanError("measure --backend cuda: PyTorch sees no CUDA device here (use --backend fake)")
     t0 = time.perf_counter()
     try:
-        rank = _run(torch, cfg, strategy, attention, experts, seed)
+        rank = _run(torch, cfg, strategy, attention, experts, seed, selective_policy=selective_policy)
     except NdplanError:
         raise
     except torch.cuda.OutOfMemoryError as error:
@@ -108,6 +112,7 @@ def measure_step_cuda(
             "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "torch_version": str(torch.__version__),
             "transformers_version": str(transformers.__version__),
+            **({"selective_policy": selective_policy} if selective_policy else {}),
         },
     )
 
@@ -133,7 +138,7 @@ def _build(torch: Any, cfg: dict[str, Any], attention: str, experts: str, dtype:
 
 
 def _run(torch: Any, cfg: dict[str, Any], s: Strategy, attention: str, experts: str, seed: int,
-         device: str = "cuda", counters: Any = None) -> RankMemory:
+         device: str = "cuda", counters: Any = None, selective_policy: str | None = None) -> RankMemory:
     """The measurement; ``device`` and ``counters`` (``torch.cuda``'s memory functions) are
     parameters so that a test runs the same steps on CPU with counters of its own
     (tests/test_measure_step.py: they agree with the fake-tensor step to a few bytes)."""
@@ -143,7 +148,7 @@ def _run(torch: Any, cfg: dict[str, Any], s: Strategy, attention: str, experts: 
     cuda = counters if counters is not None else torch.cuda
     torch.manual_seed(seed)
     model = _build(torch, cfg, attention, experts, _param_dtype(torch, s), device)
-    _wrap_recompute(model, range(len(_layers(model))), s.recompute, E)
+    _wrap_recompute(model, range(len(_layers(model))), s.recompute, E, selective_policy)
     cuda.synchronize()
     cuda.empty_cache()  # the build's fp32 staging is freed: not part of a training step's segments
     params_bytes = cuda.memory_allocated()

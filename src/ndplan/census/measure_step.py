@@ -247,12 +247,17 @@ def measure_step(
     name: str | None = None,
     stages: Sequence[int] | None = None,
     timeline: bool = False,
+    selective_policy: str | None = None,
 ) -> StepMeasurement:
     """Measure one training step of ``hf_config`` trimmed to ``num_layers`` decoder layers under
     ``strategy``: one rank per pipeline stage (all stages, or those in ``stages``). With
-    ``timeline``, each rank also records what was live as the step went (``RankMemory.timeline``)."""
+    ``timeline``, each rank also records what was live as the step went (``RankMemory.timeline``).
+    ``selective_policy`` (with selective recompute): what each layer keeps, ``keep-matmuls``
+    (the default: every matmul's and the attention kernel's outputs) or ``torchtitan-op``
+    (torchtitan's per-op policy: every second matmul's and the attention kernel's)."""
     from ndplan.census.measure import _require_torch
 
+    check_selective_policy(strategy, selective_policy)
     cfg = checked_step_config(hf_config, strategy, num_layers, attention, experts)
     wanted = sorted(set(stages)) if stages is not None else list(range(strategy.pp))
     if not wanted or any(not 0 <= s < strategy.pp for s in wanted):
@@ -264,7 +269,7 @@ def measure_step(
     ranks = []
     for stage in wanted:
         ranks.append(_measure_rank(cfg, strategy, stage, attention=attention, experts=experts, notes=notes,
-                                   timeline=timeline))
+                                   timeline=timeline, selective_policy=selective_policy))
     elapsed = time.perf_counter() - t0
     notes.append(f"measurement took {elapsed:.1f} s")
     return StepMeasurement(
@@ -280,8 +285,24 @@ def measure_step(
             "device": "cpu (fake tensors: exact bytes, no 512-byte block rounding)",
             "torch_version": str(torch.__version__),
             "transformers_version": str(transformers.__version__),
+            **({"selective_policy": selective_policy} if selective_policy else {}),
         },
     )
+
+
+#: What a measured step's selective recompute can keep (``measure_step``'s ``selective_policy``).
+SELECTIVE_POLICIES = ("keep-matmuls", "torchtitan-op")
+
+
+def check_selective_policy(strategy: Strategy, policy: str | None) -> None:
+    """A policy is one of ``SELECTIVE_POLICIES`` and comes with selective recompute."""
+    if policy is None:
+        return
+    if policy not in SELECTIVE_POLICIES:
+        raise NdplanError(f"measure: selective policy must be one of {', '.join(SELECTIVE_POLICIES)}, got {policy!r}")
+    if strategy.recompute != "selective":
+        raise NdplanError(f"measure: a selective policy ({policy}) goes with --recompute selective, "
+                          f"not {strategy.recompute}")
 
 
 # ---- torch side: everything below imports torch lazily ---------------------------------------------
@@ -610,9 +631,11 @@ def _check_tp_modules(model: Any, layer_ids: Sequence[int]) -> None:
             raise NdplanError(f"measure: tensor parallelism needs llama-style modules; layer {i} lacks {', '.join(missing)}")
 
 
-def _wrap_recompute(model: Any, layer_ids: Sequence[int], policy: str, E: Any) -> None:
+def _wrap_recompute(model: Any, layer_ids: Sequence[int], policy: str, E: Any,
+                    selective_policy: str | None = None) -> None:
     """Full: ``checkpoint_wrapper`` around each decoder layer (non-reentrant). Selective: the same
-    with the census's selective policy (keep matmul and attention outputs, recompute the rest)."""
+    with the census's selective policy (keep matmul and attention outputs, recompute the rest), or
+    torchtitan's per-op one (``selective_policy`` 'torchtitan-op')."""
     if policy == "none":
         return
     import functools
@@ -621,7 +644,9 @@ def _wrap_recompute(model: Any, layer_ids: Sequence[int], policy: str, E: Any) -
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     kwargs: dict[str, Any] = {"preserve_rng_state": False}
-    if policy == "selective":
+    if policy == "selective" and selective_policy == "torchtitan-op":
+        kwargs["context_fn"] = E._op_sac_contexts  # a fresh policy per call: its matmul count restarts
+    elif policy == "selective":
         kwargs["context_fn"] = functools.partial(tc.create_selective_checkpoint_contexts, E._selective_policy)
     layers = _layers(model)
     for i in layer_ids:
@@ -684,7 +709,7 @@ def _make_stage_module(E: Any, torch: Any, model: Any, layer_ids: Sequence[int],
 
 
 def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attention: str, experts: str,
-                  notes: list[str], timeline: bool = False) -> RankMemory:
+                  notes: list[str], timeline: bool = False, selective_policy: str | None = None) -> RankMemory:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -719,7 +744,7 @@ def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attent
             with E.FakeTensorMode():
                 return _run_rank(E, torch, cfg, s, stage, rank, mine, chunk_layers, layer_ids, holds_first,
                                  holds_last, fsdp, dtype, attention, experts, dp_mesh, tp_mesh, pp_group, notes,
-                                 timeline)
+                                 timeline, selective_policy)
     except NdplanError:
         raise
     except Exception as error:  # a modeling or parallelism path the fake step cannot run
@@ -734,7 +759,7 @@ def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attent
 def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, rank: int, mine: list[int],
               chunk_layers: dict[int, list[int]], layer_ids: list[int], holds_first: bool, holds_last: bool,
               fsdp: bool, dtype: Any, attention: str, experts: str, dp_mesh: Any, tp_mesh: Any, pp_group: Any,
-              notes: list[str], timeline: bool = False) -> RankMemory:
+              notes: list[str], timeline: bool = False, selective_policy: str | None = None) -> RankMemory:
     pipelined = s.pp > 1
     keep: set[str] | None = None
     if pipelined:
@@ -757,7 +782,7 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
             # pair (two tables, two gradients); both are Shard(0) over the vocabulary, so the head
             # takes the embedding's again, as a tied model must train.
             model.lm_head.weight = model.model.embed_tokens.weight
-    _wrap_recompute(model, layer_ids, s.recompute, E)
+    _wrap_recompute(model, layer_ids, s.recompute, E, selective_policy)
     layers = _layers(model)
     b, seq, m = s.micro_batch_size, s.seq_length, s.num_micro_batches
 
@@ -926,6 +951,8 @@ def _rank_memory(tracker: Any, stage: int, rank: int, layers: int, mine: list[in
 __all__ = [
     "MEASURABLE_PRECISIONS",
     "SCHEDULE_CLASSES",
+    "SELECTIVE_POLICIES",
+    "check_selective_policy",
     "categorize",
     "check_measurable",
     "measure_step",

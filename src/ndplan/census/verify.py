@@ -157,7 +157,10 @@ def verify(spec: ModelSpec, measurement: StepMeasurement, *, census: tuple[Any, 
     strategy = measurement.strategy
     if options is None:
         attention: Literal["sdpa", "eager"] = "eager" if measurement.attention == "eager" else "sdpa"
-        options = MemoryOptions(runtime=runtime, attention=attention)
+        # The step kept what its selective policy kept (a measured step's provenance says which).
+        policy = measurement.provenance.get("selective_policy")
+        options = MemoryOptions(runtime=runtime, attention=attention,
+                                selective_policy=policy if isinstance(policy, str) and not census else None)
     allocated = estimate(model, strategy, None, replace(options, include_overhead=False, census=census))
     with_overhead = estimate(model, strategy, None, replace(options, include_overhead=True, census=census))
     for r in measurement.ranks:

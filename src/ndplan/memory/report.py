@@ -446,8 +446,9 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
     if free == FSDP_HEADROOM:
         gaps.append("for torchtitan's published FSDP runs (8B to 405B with TP, PP and CP, 8 to 512 H100s) this model "
                     "estimates 4-28% less than their measured peak reserved memory, median 15% (the measured peak is "
-                    "up to 1.39x the estimate; docs/accuracy_time.md, not explained): leave 30% of the device free, or "
-                    "measure one step (`ndplan verify`)")
+                    "up to 1.39x the estimate; docs/accuracy_time.md: for the 8B rows mostly the caching allocator's "
+                    "fragmentation, which a fixed slack does not follow): leave 30% of the device free, or measure one "
+                    "step on fake tensors (`ndplan verify`, on a CPU: its allocator replay counts the fragmentation)")
     if free == BALANCED_MOE_HEADROOM:
         gaps.append("against Megatron-LM's own MoE tests the estimate reads 1.6-5.6% low (the routing of a real run "
                     "loads some experts more; docs/accuracy_megatron.md): treat a plan within ~6% of the limit as "
