@@ -430,17 +430,16 @@ MEASURED_MEMORY_COMMENTARY = [
     "own bytes are measured (the census, for the per-op policy too), and a fake step of the 8B rows",
     "allocates what the estimate does ({r[fake allocated]} against {r[estimated allocated]} GiB at 8 GPUs), "
     "so what is missing lies",
-    "around them. Most of it is the caching allocator's segments: replaying the fake step's",
-    "allocations through the allocator reads the eager rows {r[replayed torchtitan-8b-fsdp-8gpu]} and "
-    "{r[replayed torchtitan-8b-fsdp-128gpu]} and the 32K-token row",
-    "{r[replayed torchtitan-8b-cp1-32k]} (an eager bf16 step standing in for its compiled Float8 one), "
-    "where the estimate's fixed 5% slack reads",
-    "{r[torchtitan-8b-fsdp-8gpu]}, {r[torchtitan-8b-fsdp-128gpu]} and {r[torchtitan-8b-cp1-32k]}; "
-    "the compiled rows, stood in for by the eager step, {r[replayed torchtitan-8b-fsdp-compile-8gpu]} and",
-    "{r[replayed torchtitan-8b-fsdp-compile-128gpu]}. What the replay leaves ({r[replayed torchtitan-8b-fsdp-8gpu]} "
-    "at 8 GPUs) is not placed; one thing",
-    "it does not follow is FSDP2's all-gather and reduce-scatter streams, whose freed blocks the",
-    "allocator keeps for those streams alone. The fake step cannot run the 70B and 405B rows' tensor, pipeline",
+    "around them. It is the caching allocator's segments: replaying the fake step's allocations",
+    "through the allocator, FSDP2's all-gather and reduce-scatter streams in pools of their own, reads",
+    "the eager rows {r[replayed torchtitan-8b-fsdp-8gpu]} and {r[replayed torchtitan-8b-fsdp-128gpu]}, "
+    "where the estimate's fixed 5% slack reads {r[torchtitan-8b-fsdp-8gpu]} and {r[torchtitan-8b-fsdp-128gpu]}. "
+    "The rows it",
+    "stands in for read over, as steps that keep more should: the compiled rows {r[replayed torchtitan-8b-fsdp-compile-8gpu]} and "
+    "{r[replayed torchtitan-8b-fsdp-compile-128gpu]} (torch.compile's",
+    "fused blocks keep fewer tensors than the eager step), the 32K-token row {r[replayed torchtitan-8b-cp1-32k]} "
+    "(compiled, and",
+    "with Float8 all-gathers, as its entry assumes, of half the bytes of the bf16 step's). The fake step cannot run the 70B and 405B rows' tensor, pipeline",
     "and context parallelism with torchtitan's sequence sharding, whose gaps stay unexplained (for",
     "the 3D and 4D runs also what Float8, torch.compile and AsyncTP's symmetric-memory buffers hold).",
     "ndplan's estimate of a torchtitan run at this scale is therefore not a safe upper bound (the",

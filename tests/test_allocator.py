@@ -89,6 +89,16 @@ def test_freed_neighbours_merge_and_empty_cache_returns_whole_segments() -> None
     assert (a.reserved_bytes, a.allocated_bytes) == (0, 0)
 
 
+def test_each_stream_keeps_its_own_pools() -> None:
+    a = CachingAllocator()
+    a.malloc("gathered", 30 * MiB, stream=1)  # e.g. FSDP2's all-gather output, on its copy-in stream
+    a.free("gathered")
+    a.malloc("activation", 30 * MiB)  # the compute stream cannot take the other stream's block
+    assert a.reserved_bytes == 60 * MiB
+    a.malloc("next gather", 30 * MiB, stream=1)  # the next unit's gather can
+    assert (a.reserved_bytes, a.segments_allocated) == (60 * MiB, 2)
+
+
 def test_reset_peak_starts_from_the_present_and_capacity_releases_the_cache() -> None:
     a = CachingAllocator(capacity_bytes=50 * MiB)
     a.malloc("a", 30 * MiB)
@@ -136,13 +146,15 @@ def test_the_replay_of_a_fake_step_lands_near_the_measured_reserved_peak(
     assert rank.replayed_reserved_bytes / measured - 1 == pytest.approx(0, abs=0.02)
 
 
-def test_torchtitans_fsdp_rows_replayed_closer_than_the_fixed_slack() -> None:
+def test_torchtitans_fsdp_rows_replayed_near_their_measured_reserved_peak() -> None:
     """torchtitan's published 8B FSDP runs (peak reserved measured on H100s) against the replay of
-    the same step on fake tensors (benchmarks/accuracy/torchtitan_replay.py): within 8%, and closer
-    than the estimate's fixed slack for the rows the fake step runs as they ran (eager) and the
-    32K-token one, whose gap is the allocator's fragmentation (docs/accuracy_time.md)."""
+    the same step on fake tensors, FSDP2's streams in pools of their own
+    (benchmarks/accuracy/torchtitan_replay.py): the rows the fake step runs as they ran (eager
+    bf16) within 2%, where the estimate's fixed slack reads 11-14% low; the rows it stands in for
+    (torch.compile's fused blocks, Float8) over their measurement, eager bf16 keeping more, and
+    within 10% (docs/accuracy_time.md)."""
     from ndplan.census.measurement import load_measurement
-    from ndplan.memory import MemoryOptions, estimate
+    from ndplan.memory import estimate
     from ndplan.perf.calibrate import load_runs
 
     runs = {run.id: run for run in load_runs(Path(__file__).parents[1] / "benchmarks" / "published_runs.yaml")}
@@ -153,8 +165,10 @@ def test_torchtitans_fsdp_rows_replayed_closer_than_the_fixed_slack() -> None:
         assert run.reserved_gib is not None
         measured = run.reserved_gib * 2**30
         replayed = load_measurement(path).ranks[0].replayed_reserved_bytes
-        assert replayed is not None and abs(replayed / measured - 1) <= 0.08, run.id
-        if "compile" not in run.id:
-            options: MemoryOptions = run.memory_options()
-            estimated = max(s.reserved_bytes for s in estimate(run.model_spec(), run.strategy_obj(), None, options).stages)
-            assert abs(replayed / measured - 1) < abs(estimated / measured - 1), run.id
+        assert replayed is not None
+        if run.id in ("torchtitan-8b-fsdp-8gpu", "torchtitan-8b-fsdp-128gpu"):
+            estimated = max(s.reserved_bytes for s in estimate(run.model_spec(), run.strategy_obj(), None,
+                                                               run.memory_options()).stages)
+            assert abs(replayed / measured - 1) <= 0.02 and estimated / measured - 1 < -0.10, run.id
+        else:
+            assert 0 < replayed / measured - 1 <= 0.10, run.id

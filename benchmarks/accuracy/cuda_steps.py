@@ -239,8 +239,8 @@ What the rows say:
   lands {replayed_span} from the measured reserved peak ({replayed_within_1} within 1%), where the
   estimate's fixed slack reads {all_reserved}: fragmentation is not a constant fraction but what
   the allocator's rules make of the order and sizes of a step's blocks. The replay
-  follows c10's native allocator with its default settings and one stream
-  (`ndplan.census.allocator`); the expandable-segments rows are replayed as native ones and
+  follows c10's native allocator with its default settings (`ndplan.census.allocator`; these
+  steps run on one stream); the expandable-segments rows are replayed as native ones and
   still land near. `ndplan measure` prints it and `ndplan verify` shows it beside the
   estimate's reserved figure.
 """

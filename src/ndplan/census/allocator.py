@@ -5,11 +5,13 @@
 later requests. Which requests a freed block can serve is set by a few rules, so the reserved
 peak of a step follows from the order and sizes of its allocations and frees, which a step on
 fake tensors records exactly. This replays them with the rules of the native allocator
-(c10/cuda/CUDACachingAllocator.cpp, default settings, one stream):
+(c10/cuda/CUDACachingAllocator.cpp, default settings):
 
 * a request is rounded up to a multiple of 512 B (at least 512 B);
-* requests up to 1 MiB come from the small pool, the rest from the large pool; a block never
-  serves the other pool;
+* requests up to 1 MiB come from the small pool, the rest from the large pool, each kept per
+  stream: a block serves only requests of its pool made on the stream it was allocated on, and
+  returns there when freed (FSDP2 allocates its all-gather buffers on a copy-in stream and the
+  reduce-scatter output on a reduce-scatter stream);
 * the smallest free block of the pool that holds the request serves it (best fit; among equal
   sizes the lowest address), and is split when what remains is at least 512 B (small pool) or
   over 1 MiB (large pool): the remainder stays free in the same segment;
@@ -21,8 +23,8 @@ fake tensors records exactly. This replays them with the rules of the native all
 
 Not replayed: expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), the
 ``max_split_size_mb``, ``roundup_power2_divisions`` and ``garbage_collection_threshold``
-settings, and the per-stream pools of several streams (one pool per stream: FSDP's all-gather
-and reduce-scatter streams and NCCL's). Pure Python, no torch.
+settings, a block held past its free by work still queued on another stream (``record_stream``),
+and NCCL's own buffers (outside the allocator). Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class _Block:
     address: int
     size: int
     small: bool
+    stream: int = 0
     allocated: bool = False
     prev: _Block | None = None
     next: _Block | None = None
@@ -66,11 +69,15 @@ class _Block:
     def key(self) -> tuple[int, int]:
         return (self.size, self.address)
 
+    def pool(self) -> tuple[int, bool]:
+        return (self.stream, self.small)
+
 
 @dataclass
 class CachingAllocator:
-    """The allocator's state and its counters, in bytes. ``malloc(key, nbytes)`` and
-    ``free(key)`` name each allocation by a key of the caller's (a storage's id)."""
+    """The allocator's state and its counters, in bytes. ``malloc(key, nbytes, stream)`` and
+    ``free(key)`` name each allocation by a key of the caller's (a storage's id); streams are
+    numbered by the caller (0: the default stream)."""
 
     capacity_bytes: int | None = None
     allocated_bytes: int = 0
@@ -78,25 +85,26 @@ class CachingAllocator:
     peak_allocated_bytes: int = 0
     peak_reserved_bytes: int = 0
     segments_allocated: int = 0
-    _pools: dict[bool, list[tuple[int, int]]] = field(default_factory=lambda: {True: [], False: []})
-    _free_blocks: dict[tuple[bool, int, int], _Block] = field(default_factory=dict)
+    _pools: dict[tuple[int, bool], list[tuple[int, int]]] = field(default_factory=dict)
+    _free_blocks: dict[tuple[int, bool, int, int], _Block] = field(default_factory=dict)
     _live: dict[object, _Block] = field(default_factory=dict)
     _next_address: int = 0
 
-    def malloc(self, key: object, nbytes: int) -> None:
-        """Serve a request of ``nbytes`` for ``key`` (a key already live is an error)."""
+    def malloc(self, key: object, nbytes: int, stream: int = 0) -> None:
+        """Serve a request of ``nbytes`` made on ``stream`` for ``key`` (a key already live is an
+        error)."""
         if key in self._live:
             raise ValueError(f"allocation {key!r} is already live")
         size = rounded_request(int(nbytes))
         small = size <= SMALL_REQUEST_BYTES
-        block = self._best_fit(small, size)
+        block = self._best_fit((stream, small), size)
         if block is None:
-            block = self._new_segment(small, segment_bytes(size))
+            block = self._new_segment(small, segment_bytes(size), stream)
         else:
             self._unlist(block)
         remaining = block.size - size
         if (remaining >= MIN_BLOCK_BYTES) if small else (remaining > SMALL_REQUEST_BYTES):
-            rest = _Block(block.address + size, remaining, small, prev=block, next=block.next)
+            rest = _Block(block.address + size, remaining, small, stream, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
@@ -143,32 +151,32 @@ class CachingAllocator:
     def live(self, key: object) -> bool:
         return key in self._live
 
-    def _best_fit(self, small: bool, size: int) -> _Block | None:
-        pool = self._pools[small]
+    def _best_fit(self, pool_key: tuple[int, bool], size: int) -> _Block | None:
+        pool = self._pools.get(pool_key, [])
         at = bisect.bisect_left(pool, (size, -1))
         if at == len(pool):
             return None
         found_size, address = pool[at]
-        return self._free_blocks[(small, found_size, address)]
+        return self._free_blocks[(*pool_key, found_size, address)]
 
-    def _new_segment(self, small: bool, nbytes: int) -> _Block:
+    def _new_segment(self, small: bool, nbytes: int, stream: int) -> _Block:
         if self.capacity_bytes is not None and self.reserved_bytes + nbytes > self.capacity_bytes:
             self.empty_cache()  # what the allocator does before it reports out of memory
         self.segments_allocated += 1
-        block = _Block(self._next_address, nbytes, small)
+        block = _Block(self._next_address, nbytes, small, stream)
         self._next_address += nbytes
         self.reserved_bytes += nbytes
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
         return block
 
     def _list(self, block: _Block) -> None:
-        bisect.insort(self._pools[block.small], block.key())
-        self._free_blocks[(block.small, *block.key())] = block
+        bisect.insort(self._pools.setdefault(block.pool(), []), block.key())
+        self._free_blocks[(*block.pool(), *block.key())] = block
 
     def _unlist(self, block: _Block) -> None:
-        pool = self._pools[block.small]
+        pool = self._pools[block.pool()]
         del pool[bisect.bisect_left(pool, block.key())]
-        del self._free_blocks[(block.small, *block.key())]
+        del self._free_blocks[(*block.pool(), *block.key())]
 
 
 __all__ = ["CachingAllocator", "rounded_request", "segment_bytes"]

@@ -265,7 +265,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
         replayed = [r for r in result.ranks if r.replayed_reserved_bytes is not None]
         if replayed:
             console.print("reserved, replayed (PyTorch's CUDA caching allocator over the step's allocations and frees, "
-                          "with the cuBLAS workspace; one stream's pool, so FSDP's and NCCL's streams not apart; "
+                          "with the cuBLAS workspace, a pool per stream as FSDP2 uses them; "
                           "28 one-GPU steps on an H200: -1.5% to +2.9%, docs/accuracy_cuda.md): "
                           + ", ".join(f"stage {r.stage} {_bytes(r.replayed_reserved_bytes)}" for r in replayed))
     for path in (args.out, args.timeline):

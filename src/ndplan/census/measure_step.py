@@ -22,7 +22,8 @@ What is measured and what is not (docs/accuracy.md says it at length):
   compares the estimator's *allocated* figures (``MemoryOptions(include_overhead=False)``) with
   this measurement.
 * replayed, not measured: the caching allocator's reserved segments. Every allocation and free
-  the tracker sees goes through ``ndplan.census.allocator`` (one stream's pool), with cuBLAS's
+  the tracker sees goes through ``ndplan.census.allocator`` (a pool per stream: the compute
+  stream's and FSDP2's all-gather and reduce-scatter streams', torch.cpu's stand-ins), with cuBLAS's
   workspace at the first GEMM and CUDA softmax's backward product where it runs:
   ``RankMemory.replayed_reserved_bytes``, within -1.5% to +2.9% of ``max_memory_reserved`` in
   28 one-GPU steps on an H200 (docs/accuracy_cuda.md). The replay starts from the tracked
@@ -424,6 +425,9 @@ def _tracker_class(fsdp: bool) -> Any:
             self.allocator = CachingAllocator()
             self.allocation_keys = itertools.count()
             self.workspace_allocated = False
+            # Streams by number, the compute stream 0: FSDP2 makes its collectives' buffers on
+            # streams of its own (torch.cpu's stand-ins here), and the allocator keeps a pool for each.
+            self.streams: dict[int, int] = {id(torch.cpu.current_stream()): 0}
             self.phase = "setup"
             self.phase_start: dict[str, dict[str, int]] = {}
             self.phase_peak: dict[str, tuple[int, dict[str, int]]] = {}
@@ -486,7 +490,8 @@ def _tracker_class(fsdp: bool) -> Any:
                 self.allocator.free(key)
             if not freed and winfo.mem_consumed > 0:
                 winfo.ndplan_allocation = next(self.allocation_keys)
-                self.allocator.malloc(winfo.ndplan_allocation, winfo.mem_consumed)
+                stream = self.streams.setdefault(id(torch.cpu.current_stream()), len(self.streams))
+                self.allocator.malloc(winfo.ndplan_allocation, winfo.mem_consumed, stream)
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if _SUSPEND[0]:

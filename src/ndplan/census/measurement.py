@@ -38,7 +38,7 @@ class RankMemory:
     ``torch.cuda.max_memory_allocated`` reports); ``reserved_bytes`` only comes from real runs.
     ``replayed_reserved_bytes`` is a fake-tensor step's: the reserved peak of PyTorch's CUDA
     caching allocator replayed over the step's allocations and frees, with the math libraries'
-    workspace (``ndplan.census.allocator``: one stream's pool); a simulation, not a measurement.
+    workspace (``ndplan.census.allocator``, a pool per stream); a simulation, not a measurement.
     ``categories`` has the estimator's meanings:
 
     * ``params``, ``optimizer``: parameters (and buffers) and optimizer states held at the start
