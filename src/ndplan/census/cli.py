@@ -115,12 +115,13 @@ def _raise_failed(failed: list[str], written: str | None) -> None:
 
 
 # ---------------------------------------------------------------- strategy flags
-_FLAG_KEYS = ("dp", "tp", "pp", "vpp", "schedule", "mbs", "num_micro_batches", "pipeline_runs", "seq", "zero", "fsdp",
-              "recompute", "precision", "reshard")
+_FLAG_KEYS = ("dp", "tp", "sp", "pp", "vpp", "schedule", "mbs", "num_micro_batches", "pipeline_runs", "seq", "zero",
+              "fsdp", "recompute", "precision", "reshard")
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The strategy flags measure and verify share (a subset of `ndplan estimate`'s)."""
+    from ndplan.cli_args import add_switch
     from ndplan.strategy.precision import PRECISION_PRESETS
     from ndplan.strategy.strategy import RECOMPUTES, SCHEDULES
 
@@ -130,6 +131,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
                        ("tp", "tensor-parallel degree (default 1)"), ("pp", "pipeline-parallel degree (default 1)"),
                        ("vpp", "model chunks per pipeline rank (default 1)")]:
         par.add_argument(f"--{flag}", type=int, help=text)
+    add_switch(par, "--sp", "--no-sp", "sp", "sequence parallelism over the tensor-parallel ranks (needs --tp > 1; "
+               "dense models)", "no sequence parallelism (the default)")
     par.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
     par.add_argument("--mbs", type=int, help="micro-batch size in sequences (default 1)")
     par.add_argument("--num-micro-batches", type=int, help="micro-batches per pipeline run (default 1)")
@@ -323,14 +326,14 @@ def _apply_from(args: argparse.Namespace) -> None:
     # step measured would be another strategy than the config's).
     unmeasured = [what for key, what in (("cp", "context parallelism"), ("ep", "expert parallelism"))
                   if int(merged.get(key) or 1) > 1]
-    if merged.get("sp") and int(merged.get("tp") or 1) > 1:
-        unmeasured.append("sequence parallelism")
     if unmeasured:
         raise NdplanError(f"{result.source}: runs {' and '.join(unmeasured)}, which a measured step does not: "
                           f"measure the strategy without {'them' if len(unmeasured) > 1 else 'it'}, by flags")
     policy = result.runtime_settings.get("selective_policy")
     if args.selective_policy is None and policy == "torchtitan-op" and merged.get("recompute") == "selective":
         args.selective_policy = policy  # torchtitan's per-op checkpointing, measured as it runs
+    if int(merged.get("tp") or 1) == 1:
+        merged.pop("sp", None)  # (a reader's sequence-parallel default shards nothing without TP)
     for key, value in merged.items():
         if key in _FLAG_KEYS and getattr(args, key, None) is None and not isinstance(value, dict):
             setattr(args, key, value if key != "precision" or isinstance(value, str) else None)

@@ -115,8 +115,8 @@ def check_measurable(strategy: Strategy, num_layers: int, hf_config: dict[str, A
         problems.append("context parallelism is not measured")
     if s.ep > 1:
         problems.append("expert parallelism is not measured")
-    if s.sequence_parallel:
-        problems.append("sequence parallelism is not measured")
+    if s.sequence_parallel and s.tp == 1:
+        problems.append("sequence parallelism shards over tensor-parallel ranks: give --tp > 1")
     if s.optimizer_offload:
         problems.append("optimizer offload is not measured")
     if s.shard_group:
@@ -604,18 +604,28 @@ def _layers(model: Any) -> Any:
     return model.model.layers
 
 
-def _tp_plan(model: Any, layer_ids: Sequence[int], first: bool, last: bool) -> dict[str, Any]:
-    """torchtitan's Llama plan without sequence parallelism, on transformers module names:
-    column-parallel q/k/v, gate/up; row-parallel o/down; vocabulary-parallel embedding and LM
-    head, whose logits are gathered whole (no loss parallelism)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def _tp_plan(model: Any, layer_ids: Sequence[int], first: bool, last: bool, sp: bool = False) -> dict[str, Any]:
+    """torchtitan's Llama plan on transformers module names: column-parallel q/k/v, gate/up;
+    row-parallel o/down; vocabulary-parallel embedding and LM head, whose logits are gathered
+    whole (no loss parallelism). With ``sp`` (sequence parallelism) the residual stream stays
+    sharded over the sequence between the blocks: the norms run on their shard, each block's input
+    is all-gathered and o/down reduce-scatter their output back to sequence shards."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
+    stream = Shard(1) if sp else Replicate()  # the residual stream's layout between the blocks
     plan: dict[str, Any] = {}
     if first:
-        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     if last:
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate(), use_local_output=True)
+        if sp:
+            plan["model.norm"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate(), use_local_output=True)
     for i in layer_ids:
         layer = _layers(model)[i]
         for sub, style in (("self_attn.q_proj", "col"), ("self_attn.k_proj", "col"), ("self_attn.v_proj", "col"),
@@ -623,7 +633,16 @@ def _tp_plan(model: Any, layer_ids: Sequence[int], first: bool, last: bool) -> d
                            ("mlp.down_proj", "row")):
             if layer.get_submodule(sub) is None:  # pragma: no cover - get_submodule raises
                 continue
-            plan[f"model.layers.{i}.{sub}"] = ColwiseParallel() if style == "col" else RowwiseParallel()
+            plan[f"model.layers.{i}.{sub}"] = ColwiseParallel() if style == "col" else RowwiseParallel(
+                output_layouts=stream)
+        if sp:
+            plan[f"model.layers.{i}.input_layernorm"] = SequenceParallel()
+            plan[f"model.layers.{i}.post_attention_layernorm"] = SequenceParallel()
+            plan[f"model.layers.{i}.self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True)
+            plan[f"model.layers.{i}.mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
     return plan
 
 
@@ -680,9 +699,12 @@ def _fully_shard(torch: Any, strategy: Strategy, mesh: Any, root: Any, embed: An
     fully_shard(root, **kwargs)
 
 
-def _make_stage_module(E: Any, torch: Any, model: Any, layer_ids: Sequence[int], first: bool, last: bool) -> Any:
+def _make_stage_module(E: Any, torch: Any, model: Any, layer_ids: Sequence[int], first: bool, last: bool,
+                       seq: int) -> Any:
     """One pipeline stage: [embedding] + its decoder layers + [final norm + LM head], calling the
-    model's own submodules as its forward does (rotary embedding, causal mask, layer kwargs)."""
+    model's own submodules as its forward does (rotary embedding, causal mask, layer kwargs), the
+    positions and mask those of the whole ``seq`` tokens (under sequence parallelism a rank's
+    hidden states hold a shard of them)."""
     nn: Any = torch.nn
     base = model.model
     config = model.config
@@ -699,8 +721,10 @@ def _make_stage_module(E: Any, torch: Any, model: Any, layer_ids: Sequence[int],
         def forward(self, x: Any) -> Any:
             embed: Any = self.embed_tokens
             h = embed(x) if embed is not None else x
-            extra = E.position_inputs(model, config, h)
-            sliding = E.sliding_inputs(config, h, extra)  # as the model's own forward hands them out
+            # (a zero-width stand-in of the whole sequence: only its shape and dtype are read)
+            whole = h if h.shape[1] == seq else h.new_empty((h.shape[0], seq, 0))
+            extra = E.position_inputs(model, config, whole)
+            sliding = E.sliding_inputs(config, whole, extra)  # as the model's own forward hands them out
             for layer in self.layers:
                 h = E.call_layer_fn(layer, sliding if sliding is not None and E.layer_slides(layer, config)
                                     else extra)(h)
@@ -781,7 +805,8 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
         from torch.distributed.tensor.parallel import parallelize_module
 
         _check_tp_modules(model, layer_ids)
-        parallelize_module(model, tp_mesh, _tp_plan(model, layer_ids, holds_first, holds_last))
+        parallelize_module(model, tp_mesh, _tp_plan(model, layer_ids, holds_first, holds_last,
+                                                     bool(s.sequence_parallel)))
         if tied and holds_first and holds_last:
             # parallelize_module gives each module its own sharded Parameter, which unties the
             # pair (two tables, two gradients); both are Shard(0) over the vocabulary, so the head
@@ -791,7 +816,11 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
     layers = _layers(model)
     b, seq, m = s.micro_batch_size, s.seq_length, s.num_micro_batches
 
-    if not pipelined:
+    # Under sequence parallelism the model's own forward would take its positions and mask from the
+    # embedding's sequence shard: the step runs the stage module, which takes them from the whole
+    # sequence.
+    whole_model = not pipelined and not s.sequence_parallel
+    if whole_model:
         if fsdp:
             _fully_shard(torch, s, dp_mesh, model, model.model.embed_tokens, list(layers),
                          [model.model.norm, model.lm_head], tied)
@@ -801,7 +830,7 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
         modules = []
         for v in mine:
             first, last = v == 0, v == s.pp * s.vpp - 1
-            module = _make_stage_module(E, torch, model, chunk_layers[v], first, last)
+            module = _make_stage_module(E, torch, model, chunk_layers[v], first, last, seq)
             if fsdp:
                 _fully_shard(torch, s, dp_mesh, module, module.embed_tokens,
                              list(module.layers), [module.norm, module.lm_head] if last else [], tied and first and last)
@@ -825,10 +854,17 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
     schedule: Any = None  # kept through the optimizer step: a training loop keeps its stages' buffers
     with tracker:
         tracker.begin("forward_backward")
-        if not pipelined:
+        if whole_model:
             for _ in range(m):
                 ids = torch.zeros(b, seq, dtype=torch.long)
                 loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                del loss, ids
+        elif not pipelined:  # one stage module: the model's forward, positions from the whole sequence
+            loss_fn = _causal_lm_loss(model)
+            for _ in range(m):
+                ids = torch.zeros(b, seq, dtype=torch.long)
+                loss = loss_fn(modules[0](ids), ids)
                 loss.backward()
                 del loss, ids
         else:
@@ -875,6 +911,16 @@ def _warm_up_optimizer(torch: Any, params: list[Any], optimizer: Any) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _causal_lm_loss(model: Any) -> Any:
+    """(logits, labels) -> the loss the causal-LM model's forward computes from them."""
+    loss_function, vocab = model.loss_function, int(model.config.vocab_size)
+
+    def loss_fn(logits: Any, labels: Any) -> Any:
+        return loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+    return loss_fn
+
+
 def _schedule(torch: Any, s: Strategy, modules: list[Any], mine: list[int], model: Any, group: Any,
               holds_first: bool) -> Any:
     """The torch.distributed.pipelining schedule of this rank, its stages built with static shapes."""
@@ -882,6 +928,7 @@ def _schedule(torch: Any, s: Strategy, modules: list[Any], mine: list[int], mode
 
     h = int(model.config.hidden_size)
     b, seq = s.micro_batch_size, s.seq_length
+    shard = seq // s.tp if s.sequence_parallel else seq  # the tokens a rank's stages hand on
     act_dtype = torch.float32 if s.precision.name == "fp32" else torch.bfloat16
     n_virtual = s.pp * s.vpp
     vocab = int(model.config.vocab_size)
@@ -890,21 +937,17 @@ def _schedule(torch: Any, s: Strategy, modules: list[Any], mine: list[int], mode
         if v == 0:
             example_in: Any = torch.zeros(b, seq, dtype=torch.long)
         else:
-            example_in = torch.empty(b, seq, h, dtype=act_dtype).requires_grad_(True)
+            example_in = torch.empty(b, shard, h, dtype=act_dtype).requires_grad_(True)
         if v == n_virtual - 1:
             example_out: Any = torch.empty(b, seq, vocab, dtype=act_dtype).requires_grad_(True)
         else:
-            example_out = torch.empty(b, seq, h, dtype=act_dtype).requires_grad_(True)
+            example_out = torch.empty(b, shard, h, dtype=act_dtype).requires_grad_(True)
         stages.append(pipelining.PipelineStage(
             module, v, n_virtual, torch.device("cpu"), input_args=(example_in,), output_args=(example_out,),
             group=group,
         ))
         del example_in, example_out
-    loss_function = model.loss_function
-
-    def loss_fn(logits: Any, labels: Any) -> Any:
-        return loss_function(logits=logits, labels=labels, vocab_size=vocab)
-
+    loss_fn = _causal_lm_loss(model)
     cls = getattr(pipelining, SCHEDULE_CLASSES[s.schedule])
     if s.vpp == 1 and s.schedule in ("1f1b", "gpipe"):
         return cls(stages[0], s.num_micro_batches, loss_fn=loss_fn)

@@ -47,11 +47,13 @@ def makes_whole_embedding_grad(profile: RuntimeProfile, tp: Any, zero: Any) -> A
 
 
 def whole_embedding_grad_extra(model: ModelSpec, profile: RuntimeProfile, tp: Any, zero: Any, micro_batches: Any) -> Any:
-    """Gradient elements on the embedding's rank beyond its vocabulary shard: once a second
-    micro-batch's gradient is added, the accumulated one is the whole table, vocab·h·(1 − 1/tp);
+    """Gradient elements on the embedding's rank beyond its vocabulary shard: the kept gradient
+    is the whole table, vocab·h·(1 − 1/tp), from the first micro-batch on (measured on fake
+    tensors: one micro-batch's, tp 2, as two's; ``micro_batches`` is kept for the callers);
     0 elsewhere."""
-    accumulated = makes_whole_embedding_grad(profile, tp, zero) & (np.asarray(micro_batches) > 1)
-    return np.where(accumulated, model.vocab_size * model.hidden_size - embedding_elements(model, tp), 0.0)
+    del micro_batches
+    return np.where(makes_whole_embedding_grad(profile, tp, zero),
+                    model.vocab_size * model.hidden_size - embedding_elements(model, tp), 0.0)
 
 
 def head_accumulate(model: ModelSpec, activation_bytes: float, head_gradient: Any, tokens: Any, tp: Any,
