@@ -397,6 +397,10 @@ def memory_section(runs: list[MeasuredRun]) -> list[str]:
         fake = load_measurement(ROOT / "tests" / "data" / "measured" / "torchtitan" / f"{eight}-fake.json")
         errors["fake allocated"] = f"{fake.ranks[0].allocated_bytes / gib:.1f}"
         errors["estimated allocated"] = next(f"{w.allocated_bytes / gib:.1f}" for r, w in reported if r.id == eight)
+        seventy = "torchtitan-70b-2d"
+        fake = load_measurement(ROOT / "tests" / "data" / "measured" / "torchtitan" / f"{seventy}-fake.json")
+        errors["fake allocated 70b"] = f"{fake.ranks[0].allocated_bytes / gib:.1f}"
+        errors["estimated allocated 70b"] = next(f"{w.allocated_bytes / gib:.1f}" for r, w in reported if r.id == seventy)
         errors |= {"count": str(len(ratios)), "least": f"{max(ratios.values()):+.1%}",
                    "most": f"{min(ratios.values()):+.1%}", "median": f"{statistics.median(ratios.values()):+.1%}"}
         for prefix in ("torchtitan-8b-cp", "torchtitan-405b"):  # a table's range: "-x% to -y%"
@@ -435,13 +439,16 @@ MEASURED_MEMORY_COMMENTARY = [
     "the eager rows {r[replayed torchtitan-8b-fsdp-8gpu]} and {r[replayed torchtitan-8b-fsdp-128gpu]}, "
     "where the estimate's fixed 5% slack reads {r[torchtitan-8b-fsdp-8gpu]} and {r[torchtitan-8b-fsdp-128gpu]}. "
     "The rows it",
-    "stands in for read over, as steps that keep more should: the compiled rows {r[replayed torchtitan-8b-fsdp-compile-8gpu]} and "
+    "stands in for with eager bf16 modules: the compiled rows {r[replayed torchtitan-8b-fsdp-compile-8gpu]} and "
     "{r[replayed torchtitan-8b-fsdp-compile-128gpu]} (torch.compile's",
     "fused blocks keep fewer tensors than the eager step), the 32K-token row {r[replayed torchtitan-8b-cp1-32k]} "
     "(compiled, and",
-    "with Float8 all-gathers, as its entry assumes, of half the bytes of the bf16 step's). The fake step cannot run the 70B and 405B rows' tensor, pipeline",
-    "and context parallelism with torchtitan's sequence sharding, whose gaps stay unexplained (for",
-    "the 3D and 4D runs also what Float8, torch.compile and AsyncTP's symmetric-memory buffers hold).",
+    "with Float8 all-gathers, as its entry assumes, of half the bytes of the bf16 step's), and the 70B",
+    "over FSDP and TP {r[replayed torchtitan-70b-2d]} (sequence and loss parallelism as torchtitan runs them; "
+    "its fake step allocates {r[fake allocated 70b]} GiB,",
+    "the estimate {r[estimated allocated 70b]}). The 405B rows' pipeline and context parallelism stay unreplayed here, "
+    "their gaps unexplained",
+    "(for the 3D and 4D runs also what Float8, torch.compile and AsyncTP's symmetric-memory buffers hold).",
     "ndplan's estimate of a torchtitan run at this scale is therefore not a safe upper bound (the",
     "measured peak is up to 1.39x the estimate): leave 30% of the device free, or measure one step",
     "on fake tensors (`ndplan verify`, on a CPU), whose replayed reserved peak counts the",

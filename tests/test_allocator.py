@@ -151,15 +151,15 @@ def test_torchtitans_fsdp_rows_replayed_near_their_measured_reserved_peak() -> N
     the same step on fake tensors, FSDP2's streams in pools of their own
     (benchmarks/accuracy/torchtitan_replay.py): the rows the fake step runs as they ran (eager
     bf16) within 2%, where the estimate's fixed slack reads 11-14% low; the rows it stands in for
-    (torch.compile's fused blocks, Float8) over their measurement, eager bf16 keeping more, and
-    within 10% (docs/accuracy_time.md)."""
+    with eager bf16 modules (torch.compile's fused blocks, Float8; the 70B over TP with sequence
+    and loss parallelism among them) within 10% (docs/accuracy_time.md)."""
     from ndplan.census.measurement import load_measurement
     from ndplan.memory import estimate
     from ndplan.perf.calibrate import load_runs
 
     runs = {run.id: run for run in load_runs(Path(__file__).parents[1] / "benchmarks" / "published_runs.yaml")}
     files = sorted((Path(__file__).parent / "data" / "measured" / "torchtitan").glob("*-fake.json"))
-    assert len(files) == 5
+    assert len(files) == 6
     for path in files:
         run = runs[path.name.removesuffix("-fake.json")]
         assert run.reserved_gib is not None
@@ -171,4 +171,4 @@ def test_torchtitans_fsdp_rows_replayed_near_their_measured_reserved_peak() -> N
                                                                run.memory_options()).stages)
             assert abs(replayed / measured - 1) <= 0.02 and estimated / measured - 1 < -0.10, run.id
         else:
-            assert 0 < replayed / measured - 1 <= 0.10, run.id
+            assert abs(replayed / measured - 1) <= 0.10, run.id

@@ -313,13 +313,17 @@ dtypes and storages but no data, so an 8B or 671B model costs no memory and litt
   (`init_process_group("fake")`, `FakeStore`): FSDP2 `fully_shard` as torchtitan applies it
   (the embedding, each decoder layer and [final norm, LM head] are groups, then the root;
   `MixedPrecisionPolicy(bf16, reduce fp32)` for `fsdp-bf16`); DTensor tensor parallelism with
-  torchtitan's plan without sequence parallelism (column-parallel q/k/v/gate/up, row-parallel
-  o/down, vocabulary-parallel embedding and LM head whose logits are gathered whole);
+  torchtitan's plan (column-parallel q/k/v/gate/up, row-parallel o/down, vocabulary-parallel
+  embedding and LM head whose logits are gathered whole, or with `--loss-parallel` left sharded
+  for a loss under `loss_parallel()`), and with `--sp` its sequence parallelism (the norms on
+  sequence shards, each block's input all-gathered, o/down reduce-scattered back to shards;
+  positions and mask those of the whole sequence);
   pipelines run by `torch.distributed.pipelining`'s own schedules (`Schedule1F1B`,
   `ScheduleGPipe`, `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble`, `ScheduleDualPipeV`)
   with `PipelineStage`s built with static shapes, `return_outputs=False`. Recompute wraps every
   decoder layer in `checkpoint_wrapper` (non-reentrant; selective: the census's policy, keep
-  matmul and attention outputs).
+  matmul and attention outputs, or with `--selective-policy torchtitan-op` torchtitan's per-op
+  policy, every second matmul's).
 * **One rank per pipeline stage is run**, as that rank of the fake group: it holds only its
   stages (embedding on the first, final norm, LM head and loss on the last) and executes only its
   own actions of the schedule. Its peers do not exist: every collective and point-to-point
@@ -348,10 +352,10 @@ kernel a GPU would (as in the census). A pipeline rank keeps its schedule (and s
 receive buffers) through the optimizer step, as a training loop does.
 
 **Scope.** Measured: one device; FSDP2 (`--fsdp`, any dp); DTensor TP of dense models with or
-without FSDP; pipelines of the five schedules above, alone or with FSDP or TP; recompute none,
+without sequence and loss parallelism and FSDP; pipelines of the five schedules above, alone or with FSDP or TP; recompute none,
 selective or full of every layer; precisions `bf16-pure` (bf16 weights, gradients, AdamW
 states), `fp32` and `fsdp-bf16` (FSDP2 mixed precision). Refused with a one-line reason:
-context, expert and sequence parallelism, DDP and ZeRO-1/2, HSDP, optimizer offload, recompute
+context and expert parallelism, DDP and ZeRO-1/2, HSDP, optimizer offload, recompute
 of some layers only, the `zb-h1` and `seq1f1b` schedules, Megatron precision recipes, and tensor
 parallelism of MoE experts.
 
@@ -361,7 +365,8 @@ parallelism of MoE experts.
 | --- | --- |
 | measured | every tensor byte PyTorch allocates on the rank over the step, when it is allocated and freed, by the real modeling, FSDP2, DTensor, pipelining and optimizer code; the peak; the split of the live bytes by the tracker's labels at any instant |
 | derived | the per-category figures below (from the tracker's labels and the two phases); the rank of a stage stands for every dp/tp rank of that stage |
-| not seen | the CUDA context (about 0.5 GiB); NCCL's buffers (tens to hundreds of MiB per communicator); the caching allocator's reserved-but-unused segments (fragmentation) and its 512-byte rounding; workspaces CUDA kernels take from the allocator besides their outputs (cuBLAS workspace, flash-attention backward's fp32 accumulator, grouped-GEMM scratch): a fake kernel allocates only its outputs (on an H200 the real steps allocated the fake ones' bytes plus 64 MiB of cuBLAS workspace and, where the attention materialises its scores, softmax backward's temporary product, which the estimate counts as overhead: docs/accuracy_cuda.md); anything allocated outside PyTorch's allocator; waiting on slow peers (a real rank may hold a buffer longer) |
+| replayed | the caching allocator's reserved segments (fragmentation) and its 512-byte rounding: every allocation and free the tracker sees, with cuBLAS's 64 MiB workspace and CUDA softmax backward's product, goes through `ndplan.census.allocator` (c10's native allocator rules, default settings, a pool per stream: FSDP2 allocates its all-gather buffers and reduce-scatter outputs on streams of its own), whose reserved peak is the rank's `replayed_reserved_bytes`; `verify` shows it beside the estimate's reserved figure, unchecked. Against 28 real one-GPU steps on an H200 it reads -1.5% to +2.9% (docs/accuracy_cuda.md), against torchtitan's two eager 8B FSDP runs on 8 and 128 H100s -1.5% and +0.0% (docs/accuracy_time.md) |
+| not seen | the CUDA context (about 0.5 GiB); NCCL's buffers (tens to hundreds of MiB per communicator); workspaces CUDA kernels take from the allocator besides their outputs (cuBLAS workspace, flash-attention backward's fp32 accumulator, grouped-GEMM scratch): a fake kernel allocates only its outputs (on an H200 the real steps allocated the fake ones' bytes plus 64 MiB of cuBLAS workspace and, where the attention materialises its scores, softmax backward's temporary product, which the estimate counts as overhead: docs/accuracy_cuda.md); anything allocated outside PyTorch's allocator; waiting on slow peers (a real rank may hold a buffer longer) |
 | assumed | the CPU flash-attention kernel saves what CUDA flash attention saves (q, k, v, output, fp32 logsumexp); fake kernels give outputs the strides CUDA kernels give (where they differ from a parameter's layout, `AccumulateGrad` makes a copy) |
 
 So this page compares the estimator's **allocated** figures (`MemoryOptions(include_overhead=False)`)

@@ -3,8 +3,9 @@ their allocations replayed through the caching allocator (``ndplan.census.alloca
 
 torchtitan's benchmark page gives each run's peak reserved memory, which ndplan's estimate reads
 4-28% low. The fake step (``ndplan measure``: transformers' Llama under FSDP2, the same AdamW, the
-same checkpointing) runs the 8B rows without tensor, pipeline or context parallelism; its replay
-says how much of that gap the allocator's segments make. Rows that ran torch.compile or Float8
+same checkpointing) runs the 8B rows and the 70B one over FSDP and TP with sequence and loss
+parallelism (no pipeline or context parallelism); its replay says how much of that gap the
+allocator's segments make. Rows that ran torch.compile or Float8
 are stood in for by the eager bf16 step (the estimate prices eager modules too). The results are
 kept in tests/data/measured/torchtitan/<run>-fake.json, which ``benchmarks/accuracy_time.py``
 reads (no torch needed there).
@@ -38,13 +39,15 @@ REPLAYED = {
     "torchtitan-8b-fsdp-compile-8gpu": "eager modules for torch.compile's",
     "torchtitan-8b-fsdp-compile-128gpu": "eager modules for torch.compile's",
     "torchtitan-8b-cp1-32k": "eager bf16 modules for torch.compile's Float8 ones",
+    "torchtitan-70b-2d": "eager bf16 modules for torch.compile's Float8 ones, without AsyncTP",
 }
 
 
 def fake_strategy(run_strategy: Strategy) -> Strategy:
-    """The run's data-parallel step as a fake step measures it (FSDP2's bf16 recipe)."""
+    """The run's step as a fake step measures it (FSDP2's bf16 recipe)."""
     s = run_strategy
-    return Strategy(dp=s.dp, zero=3, fsdp=True, micro_batch_size=s.micro_batch_size,
+    return Strategy(dp=s.dp, tp=s.tp, sequence_parallel=s.sequence_parallel, zero=3, fsdp=True,
+                    micro_batch_size=s.micro_batch_size,
                     num_micro_batches=s.num_micro_batches, global_batch_size=s.global_batch_size,
                     seq_length=s.seq_length, recompute=s.recompute, precision="fsdp-bf16")
 
@@ -58,8 +61,9 @@ def main() -> None:
         policy = "torchtitan-op" if run.software.get("selective_recompute") == "torchtitan-op" else None
         name, config = load_hf_config(run.model)
         t0 = time.perf_counter()
+        # (torchtitan's loss runs on vocabulary-sharded logits under TP: its default)
         measured = measure_step(config, strategy, num_layers=config["num_hidden_layers"], name=name,
-                                selective_policy=policy)
+                                selective_policy=policy, loss_parallel=strategy.tp > 1)
         # (the time it took left out, so that a file changes only when the step does)
         notes = [n for n in measured.notes if not n.startswith("measurement took")]
         measured = replace(measured, notes=(*notes, f"torchtitan run {run_id}: the fake step runs {stands_for}"))

@@ -146,6 +146,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--recompute", choices=RECOMPUTES, help="activation recompute of every decoder layer (default none)")
     par.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
                      help="default: fsdp-bf16 with --fsdp, bf16-pure without")
+    add_switch(par, "--loss-parallel", "--no-loss-parallel", "loss_parallel",
+               "the LM head's logits sharded over the vocabulary and the loss run on them (torchtitan's "
+               "default with TP; needs --tp > 1)", "logits gathered whole before the loss (the default)")
     par.add_argument("--selective-policy", choices=["keep-matmuls", "torchtitan-op"], default=None,
                      help="with --recompute selective, what each layer keeps: every matmul's and the attention "
                           "kernel's outputs (keep-matmuls, the default) or torchtitan's per-op policy "
@@ -214,7 +217,8 @@ def _measure(args: argparse.Namespace) -> Any:
             return measure_step_cuda(cfg, strategy, num_layers=layers, attention=args.attention, name=label,
                                      selective_policy=args.selective_policy)
         return measure_step(cfg, strategy, num_layers=layers, attention=args.attention, name=label,
-                            timeline=bool(getattr(args, "timeline", None)), selective_policy=args.selective_policy)
+                            timeline=bool(getattr(args, "timeline", None)), selective_policy=args.selective_policy,
+                            loss_parallel=bool(args.loss_parallel))
 
 
 # ---------------------------------------------------------------- measure
@@ -332,6 +336,8 @@ def _apply_from(args: argparse.Namespace) -> None:
     policy = result.runtime_settings.get("selective_policy")
     if args.selective_policy is None and policy == "torchtitan-op" and merged.get("recompute") == "selective":
         args.selective_policy = policy  # torchtitan's per-op checkpointing, measured as it runs
+    if args.loss_parallel is None and result.runtime_settings.get("loss_parallel") and int(merged.get("tp") or 1) > 1:
+        args.loss_parallel = True  # torchtitan's loss on vocabulary-sharded logits
     if int(merged.get("tp") or 1) == 1:
         merged.pop("sp", None)  # (a reader's sequence-parallel default shards nothing without TP)
     for key, value in merged.items():
@@ -375,7 +381,7 @@ def _measured_from_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from ndplan.cli_args import runtime_options
     from ndplan.io.cli import print_messages, read_from_args
 
-    if _strategy_given(args) or args.selective_policy is not None:
+    if _strategy_given(args) or args.selective_policy is not None or args.loss_parallel is not None:
         raise NdplanError("with --from and --measured the strategy comes from the config; drop the strategy flags")
     # MODEL, where given, completes or overrides the config's model, as `estimate --from` takes
     # --model: a launch script that names a tokenizer states no vocabulary size, and was refused.
@@ -411,9 +417,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise NdplanError("with --measured the model, layers and strategy come from the file; drop the strategy flags")
         if args.devices is not None:
             raise NdplanError("--devices goes with --from: a measured file states its strategy")
-        if args.selective_policy is not None:
-            raise NdplanError("--selective-policy: the measured file states what its step kept (its "
-                              "'selective_policy', keep-matmuls where absent); drop the flag")
+        if args.selective_policy is not None or args.loss_parallel is not None:
+            raise NdplanError("--selective-policy, --loss-parallel: the measured file states what its step ran (its "
+                              "'selective_policy' and 'loss_parallel'); drop the flag")
         if args.attention is not None:  # estimated as the file's 'attention' says, whatever the flag
             raise NdplanError("--attention: the measured file states the kernel its run used ('attention'); "
                               "drop the flag")

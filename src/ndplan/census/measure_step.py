@@ -249,14 +249,21 @@ def measure_step(
     stages: Sequence[int] | None = None,
     timeline: bool = False,
     selective_policy: str | None = None,
+    loss_parallel: bool = False,
 ) -> StepMeasurement:
     """Measure one training step of ``hf_config`` trimmed to ``num_layers`` decoder layers under
     ``strategy``: one rank per pipeline stage (all stages, or those in ``stages``). With
     ``timeline``, each rank also records what was live as the step went (``RankMemory.timeline``).
     ``selective_policy`` (with selective recompute): what each layer keeps, ``keep-matmuls``
     (the default: every matmul's and the attention kernel's outputs) or ``torchtitan-op``
-    (torchtitan's per-op policy: every second matmul's and the attention kernel's)."""
+    (torchtitan's per-op policy: every second matmul's and the attention kernel's). With
+    ``loss_parallel`` (tensor parallelism) the LM head's logits stay sharded over the vocabulary
+    and the loss runs on them under ``torch.distributed.tensor.parallel.loss_parallel``, as
+    torchtitan trains with TP."""
     from ndplan.census.measure import _require_torch
+
+    if loss_parallel and strategy.tp == 1:
+        raise NdplanError("measure: loss parallelism shards the logits over tensor-parallel ranks: give --tp > 1")
 
     check_selective_policy(strategy, selective_policy)
     cfg = checked_step_config(hf_config, strategy, num_layers, attention, experts)
@@ -270,7 +277,8 @@ def measure_step(
     ranks = []
     for stage in wanted:
         ranks.append(_measure_rank(cfg, strategy, stage, attention=attention, experts=experts, notes=notes,
-                                   timeline=timeline, selective_policy=selective_policy))
+                                   timeline=timeline, selective_policy=selective_policy,
+                                   loss_parallel=loss_parallel))
     elapsed = time.perf_counter() - t0
     notes.append(f"measurement took {elapsed:.1f} s")
     return StepMeasurement(
@@ -287,6 +295,7 @@ def measure_step(
             "torch_version": str(torch.__version__),
             "transformers_version": str(transformers.__version__),
             **({"selective_policy": selective_policy} if selective_policy else {}),
+            **({"loss_parallel": True} if loss_parallel else {}),
         },
     )
 
@@ -604,12 +613,14 @@ def _layers(model: Any) -> Any:
     return model.model.layers
 
 
-def _tp_plan(model: Any, layer_ids: Sequence[int], first: bool, last: bool, sp: bool = False) -> dict[str, Any]:
+def _tp_plan(model: Any, layer_ids: Sequence[int], first: bool, last: bool, sp: bool = False,
+             loss_parallel: bool = False) -> dict[str, Any]:
     """torchtitan's Llama plan on transformers module names: column-parallel q/k/v, gate/up;
     row-parallel o/down; vocabulary-parallel embedding and LM head, whose logits are gathered
     whole (no loss parallelism). With ``sp`` (sequence parallelism) the residual stream stays
     sharded over the sequence between the blocks: the norms run on their shard, each block's input
-    is all-gathered and o/down reduce-scatter their output back to sequence shards."""
+    is all-gathered and o/down reduce-scatter their output back to sequence shards. With
+    ``loss_parallel`` the logits stay sharded over the vocabulary (a DTensor the loss takes)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -625,7 +636,9 @@ def _tp_plan(model: Any, layer_ids: Sequence[int], first: bool, last: bool, sp: 
     if last:
         if sp:
             plan["model.norm"] = SequenceParallel()
-        plan["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate(), use_local_output=True)
+        plan["lm_head"] = (ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+                           if loss_parallel else
+                           ColwiseParallel(input_layouts=stream, output_layouts=Replicate(), use_local_output=True))
     for i in layer_ids:
         layer = _layers(model)[i]
         for sub, style in (("self_attn.q_proj", "col"), ("self_attn.k_proj", "col"), ("self_attn.v_proj", "col"),
@@ -738,7 +751,8 @@ def _make_stage_module(E: Any, torch: Any, model: Any, layer_ids: Sequence[int],
 
 
 def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attention: str, experts: str,
-                  notes: list[str], timeline: bool = False, selective_policy: str | None = None) -> RankMemory:
+                  notes: list[str], timeline: bool = False, selective_policy: str | None = None,
+                  loss_parallel: bool = False) -> RankMemory:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -773,7 +787,7 @@ def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attent
             with E.FakeTensorMode():
                 return _run_rank(E, torch, cfg, s, stage, rank, mine, chunk_layers, layer_ids, holds_first,
                                  holds_last, fsdp, dtype, attention, experts, dp_mesh, tp_mesh, pp_group, notes,
-                                 timeline, selective_policy)
+                                 timeline, selective_policy, loss_parallel)
     except NdplanError:
         raise
     except Exception as error:  # a modeling or parallelism path the fake step cannot run
@@ -788,7 +802,8 @@ def _measure_rank(cfg: dict[str, Any], strategy: Strategy, stage: int, *, attent
 def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, rank: int, mine: list[int],
               chunk_layers: dict[int, list[int]], layer_ids: list[int], holds_first: bool, holds_last: bool,
               fsdp: bool, dtype: Any, attention: str, experts: str, dp_mesh: Any, tp_mesh: Any, pp_group: Any,
-              notes: list[str], timeline: bool = False, selective_policy: str | None = None) -> RankMemory:
+              notes: list[str], timeline: bool = False, selective_policy: str | None = None,
+              loss_parallel: bool = False) -> RankMemory:
     pipelined = s.pp > 1
     keep: set[str] | None = None
     if pipelined:
@@ -806,7 +821,7 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
 
         _check_tp_modules(model, layer_ids)
         parallelize_module(model, tp_mesh, _tp_plan(model, layer_ids, holds_first, holds_last,
-                                                     bool(s.sequence_parallel)))
+                                                     bool(s.sequence_parallel), loss_parallel))
         if tied and holds_first and holds_last:
             # parallelize_module gives each module its own sharded Parameter, which unties the
             # pair (two tables, two gradients); both are Shard(0) over the vocabulary, so the head
@@ -819,7 +834,7 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
     # Under sequence parallelism the model's own forward would take its positions and mask from the
     # embedding's sequence shard: the step runs the stage module, which takes them from the whole
     # sequence.
-    whole_model = not pipelined and not s.sequence_parallel
+    whole_model = not pipelined and not s.sequence_parallel and not loss_parallel
     if whole_model:
         if fsdp:
             _fully_shard(torch, s, dp_mesh, model, model.model.embed_tokens, list(layers),
@@ -852,7 +867,11 @@ def _run_rank(E: Any, torch: Any, cfg: dict[str, Any], s: Strategy, stage: int, 
 
     tracker.timeline = [] if timeline else None
     schedule: Any = None  # kept through the optimizer step: a training loop keeps its stages' buffers
-    with tracker:
+    from torch.distributed.tensor.parallel import loss_parallel as sharded_loss
+
+    # (the loss and its backward on vocabulary-sharded logits, as torchtitan's train step runs them)
+    loss_context = sharded_loss if loss_parallel else contextlib.nullcontext
+    with tracker, loss_context():
         tracker.begin("forward_backward")
         if whole_model:
             for _ in range(m):

@@ -160,7 +160,8 @@ def verify(spec: ModelSpec, measurement: StepMeasurement, *, census: tuple[Any, 
         # The step kept what its selective policy kept (a measured step's provenance says which).
         policy = measurement.provenance.get("selective_policy")
         options = MemoryOptions(runtime=runtime, attention=attention,
-                                selective_policy=policy if isinstance(policy, str) and not census else None)
+                                selective_policy=policy if isinstance(policy, str) and not census else None,
+                                loss_parallel=measurement.provenance.get("loss_parallel") is True or None)
     allocated = estimate(model, strategy, None, replace(options, include_overhead=False, census=census))
     with_overhead = estimate(model, strategy, None, replace(options, include_overhead=True, census=census))
     for r in measurement.ranks:

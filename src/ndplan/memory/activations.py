@@ -512,7 +512,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
         weight_unread=weight_unread, weight_read_last=weight_read_last, weight_past=weight_past,
         dense_blocks=by_block["dense"], moe_blocks=by_block["moe"], embedding=embedding, output=output,
-        output_transient=np.maximum(block("output_transient"), block("output_backward_extra")),
+        output_transient=np.maximum(block("output_transient"), block("output_backward_extra") + np.where(
+            loss_parallel & (tp > 1), block("loss_parallel_backward_extra"), 0.0)),
         backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra,
         mtp_checkpointed=mtp_checkpointed, mtp_rebuilt=mtp_extra + full[model.mtp_mlp_kind] - mtp_checkpointed,
         rebuilt=rebuilt,

@@ -130,6 +130,7 @@ def _fsdp_unit_phases(
     one_micro_batch: np.ndarray, one_micro_batch_loss: np.ndarray, one_micro_batch_layers: np.ndarray,
     kept_after_backward: np.ndarray, kept_elements: np.ndarray | None = None,
     kept_beside: np.ndarray | None = None,
+    embedding_whole_grad: np.ndarray | None = None,
 ) -> FsdpPhases:
     """FSDP2 (torchtitan's wrapping: the embedding, each decoder layer, and [final norm, head]
     are units) holds, besides the sharded state, the buffers of at most three units at once.
@@ -163,6 +164,11 @@ def _fsdp_unit_phases(
     first stage holds the embedding's chunk and the head's: the loss's backward runs with the
     whole embedding chunk gathered beside the head (measured, ZB-V: 2.36 GiB of llama-3.1-8b's
     gathered parameters at the head's backward, not the head's 0.98 GiB alone).
+
+    The embedding's backward may make the whole table's gradient before its unit's shard of it
+    (DTensor's vocabulary-parallel embedding: ``embedding_whole_grad`` bytes, 0 where not): it
+    sits beside that unit's gradients, reduce input and reduce output (its sharded gradient),
+    (g + r)·N_k.
 
     The embedding's moments come at the end of a micro-batch's backward or the start of its
     forward, when that micro-batch's first-chunk activations (``one_micro_batch`` bytes) are not
@@ -245,7 +251,10 @@ def _fsdp_unit_phases(
                 # Whatever follows has made its gradients (single micro-batch: sharded by now).
                 made = later_grads
                 kept = beside(index)
-                for buf in (g * n_k + r * size[following], 2 * g * n_k + r * size[following], (g + r) * n_k):
+                whole = zero if embedding_whole_grad is None else np.broadcast_to(embedding_whole_grad, (n,))
+                # (with the whole table, its reduce-scatter's output too: the unit's sharded gradient)
+                whole = np.where(whole > 0, whole + grads_of[kind], 0.0)
+                for buf in (g * n_k + r * size[following], 2 * g * n_k + r * size[following], (g + r) * n_k + whole):
                     moment = np.maximum(buf + kept + made - one_micro_batch, 0.0)
                     consider_alone(moment, None, np.minimum(made, moment))  # a tied table is its n_k
             else:

@@ -43,7 +43,7 @@ BLOCKS: tuple[str, ...] = (
     "norm", "attention", "attention_mla", "eager_scores", "sdpa_masked", "sdpa_math", "eager_backward_extra",
     "sdpa_math_backward_extra", "softmax_backward_product", "mlp", "moe", "layer_input", "embedding",
     "output", "output_transient", "backward_extra", "moe_backward_extra", "output_backward_extra",
-    "weight_grad_outputs", "moe_weight_grad_outputs", "moe_allgather",
+    "loss_parallel_backward_extra", "weight_grad_outputs", "moe_weight_grad_outputs", "moe_allgather",
 )
 
 
