@@ -159,13 +159,13 @@ def test_torchtitans_fsdp_rows_replayed_near_their_measured_reserved_peak() -> N
 
     runs = {run.id: run for run in load_runs(Path(__file__).parents[1] / "benchmarks" / "published_runs.yaml")}
     files = sorted((Path(__file__).parent / "data" / "measured" / "torchtitan").glob("*-fake.json"))
-    assert len(files) == 6
+    assert len(files) == 7
     for path in files:
         run = runs[path.name.removesuffix("-fake.json")]
         assert run.reserved_gib is not None
         measured = run.reserved_gib * 2**30
-        replayed = load_measurement(path).ranks[0].replayed_reserved_bytes
-        assert replayed is not None
+        replayed = max(r.replayed_reserved_bytes or 0 for r in load_measurement(path).ranks)  # the fullest rank's
+        assert replayed
         if run.id in ("torchtitan-8b-fsdp-8gpu", "torchtitan-8b-fsdp-128gpu"):
             estimated = max(s.reserved_bytes for s in estimate(run.model_spec(), run.strategy_obj(), None,
                                                                run.memory_options()).stages)

@@ -3,9 +3,9 @@ their allocations replayed through the caching allocator (``ndplan.census.alloca
 
 torchtitan's benchmark page gives each run's peak reserved memory, which ndplan's estimate reads
 4-28% low. The fake step (``ndplan measure``: transformers' Llama under FSDP2, the same AdamW, the
-same checkpointing) runs the 8B rows and the 70B one over FSDP and TP with sequence and loss
-parallelism (no pipeline or context parallelism); its replay says how much of that gap the
-allocator's segments make. Rows that ran torch.compile or Float8
+same checkpointing) runs the 8B rows, the 70B one over FSDP and TP with sequence and loss
+parallelism, and the 405B one over FSDP, TP and a 1F1B pipeline (every stage; no context
+parallelism); its replay says how much of that gap the allocator's segments make. Rows that ran torch.compile or Float8
 are stood in for by the eager bf16 step (the estimate prices eager modules too). The results are
 kept in tests/data/measured/torchtitan/<run>-fake.json, which ``benchmarks/accuracy_time.py``
 reads (no torch needed there).
@@ -40,13 +40,15 @@ REPLAYED = {
     "torchtitan-8b-fsdp-compile-128gpu": "eager modules for torch.compile's",
     "torchtitan-8b-cp1-32k": "eager bf16 modules for torch.compile's Float8 ones",
     "torchtitan-70b-2d": "eager bf16 modules for torch.compile's Float8 ones, without AsyncTP",
+    "torchtitan-405b-3d-1f1b": "eager bf16 modules for torch.compile's Float8 ones",
 }
 
 
 def fake_strategy(run_strategy: Strategy) -> Strategy:
     """The run's step as a fake step measures it (FSDP2's bf16 recipe)."""
     s = run_strategy
-    return Strategy(dp=s.dp, tp=s.tp, sequence_parallel=s.sequence_parallel, zero=3, fsdp=True,
+    return Strategy(dp=s.dp, tp=s.tp, sequence_parallel=s.sequence_parallel, pp=s.pp, vpp=s.vpp, schedule=s.schedule,
+                    zero=3, fsdp=True, reshard_after_forward=s.reshard_after_forward,
                     micro_batch_size=s.micro_batch_size,
                     num_micro_batches=s.num_micro_batches, global_batch_size=s.global_batch_size,
                     seq_length=s.seq_length, recompute=s.recompute, precision="fsdp-bf16")
@@ -69,7 +71,7 @@ def main() -> None:
         measured = replace(measured, notes=(*notes, f"torchtitan run {run_id}: the fake step runs {stands_for}"))
         target = OUT / f"{run_id}-fake.json"
         save_measurement(target, measured)
-        rank = measured.ranks[0]
+        rank = max(measured.ranks, key=lambda r: r.replayed_reserved_bytes or 0)
         print(f"{run_id}: allocated {rank.allocated_bytes / 2**30:.2f} GiB, replayed reserved "
               f"{(rank.replayed_reserved_bytes or 0) / 2**30:.2f} GiB (measured {run.reserved_gib} GiB), "
               f"{time.perf_counter() - t0:.0f} s -> {target.relative_to(ROOT)}", flush=True)

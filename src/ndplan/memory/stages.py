@@ -59,7 +59,7 @@ from ndplan.memory.overhead import RuntimeOverhead
 from ndplan.memory.result import ACTIVATION_KINDS, CATEGORIES, STATIC_KINDS, StageMemory
 from ndplan.memory.shape import GroupShape, chunk_column, group_shape, largest_chunks, recomputed_layers
 from ndplan.memory.static_state import SharedStatic, StaticState, static_state
-from ndplan.memory.terms import head_accumulate, routes_own_tokens
+from ndplan.memory.terms import head_accumulate, routes_own_tokens, whole_embedding_grad_extra
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE
 from ndplan.schedule.unshard import ACTIVE_CHUNKS
@@ -495,6 +495,12 @@ def _group_evaluation(
                 per_grads = per_grads.copy(order="F")
             per_grads[deferred_rows] = static.at(static.elements_virtual, deferred_rows) * (
                 grad_bytes + pending_split_grad_width(schedule, precision, profile, first_virtual)[None, :])
+            # DTensor's vocabulary-parallel embedding accumulates the whole [vocab, h] table's
+            # unsharded gradient, not its shard (measured on fake tensors: Llama-3.1-405B, tp 8,
+            # pp 8, 7.83 GiB in fp32 on the first stage).
+            # (FSDP's unsharded gradient: priced as one without ZeRO-3's sharding, zero 0)
+            whole = whole_embedding_grad_extra(model, profile, batch.tp[deferred_rows], 0, 1)
+            per_grads[deferred_rows] += np.multiply.outer(whole * grad_bytes, first_virtual)
             per_grads[static_rows] = 0.0
         extra = [chunk_column(per_grads, chunks, c) for c in range(vpp)]
     split = schedule in SPLIT_BACKWARD
