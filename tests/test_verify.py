@@ -137,6 +137,11 @@ def test_cli_verify_json(run) -> None:
     (("verify", "qwen3-8b", "--measured", CLUSTER), "measured model 'llama-3.1-8b'"),
     (("verify", "--measured", "no-such-file.json"), "cannot read"),
     (("verify", "--measured", CLUSTER, "--tolerance", "-1"), "--tolerance"),
+    (("verify", "--measured", CLUSTER, "--loss-parallel"), "the measured file states what its step ran"),
+    (("measure", "llama-3.1-8b", "--layers", "2", "--loss-parallel"), "--loss-parallel shards the logits"),
+    (("measure", "llama-3.1-8b", "--layers", "2", "--sp"), "give --tp > 1"),
+    (("measure", "llama-3.1-8b", "--layers", "2", "--selective-policy", "torchtitan-op"),
+     "goes with --recompute selective, not none"),
 ])
 def test_cli_verify_input_errors_exit_2(run, args: tuple, needle: str) -> None:
     code, out, err = run(*args)

@@ -195,6 +195,8 @@ def _measure(args: argparse.Namespace) -> Any:
     strategy = strategy_from_args(args)
     check_measurable(strategy, layers, trimmed_hf_config(cfg, layers))
     check_selective_policy(strategy, args.selective_policy)
+    if args.loss_parallel and strategy.tp == 1:  # (said before a measurement, on either backend)
+        raise NdplanError("--loss-parallel shards the logits over tensor-parallel ranks: give --tp > 1")
     from ndplan.census.measure_step import trimmed_spec
     from ndplan.strategy import validate_strategy
 
