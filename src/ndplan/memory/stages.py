@@ -1139,10 +1139,11 @@ def _fsdp_request(group: _Group, held: _HeldUntilBackward, sharded_rows: np.ndar
             for kind in ("dense", "moe")
         },
         loss_working=tokens_at * by_combination.rows(table.output_transient, sharded_rows),
-        # DTensor's vocabulary-parallel embedding makes the whole [vocab, h] gradient before its
-        # shard, FSDP's units too (measured on fake tensors, tp 2: tests/test_measure_step.py).
+        # DTensor's vocabulary-parallel embedding makes the whole [vocab, h] gradient, in the
+        # activations' dtype (its output gradient's), before its shard, FSDP's units too
+        # (measured on fake tensors, tp 2: tests/test_measure_step.py).
         embedding_whole_grad=np.where(
-            pick(batch.tp) > 1, float(model.vocab_size * model.hidden_size * precision.param_gather_bytes)
+            pick(batch.tp) > 1, float(model.vocab_size * model.hidden_size * precision.activation_bytes)
             * group.options.profile.tp_accumulates_whole_embedding_grad, 0.0),
         expert_elements=pick_static(static.expert_elements),
         unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
