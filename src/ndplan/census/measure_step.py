@@ -617,7 +617,7 @@ def _tp_plan(model: Any, layer_ids: Sequence[int], first: bool, last: bool, sp: 
              loss_parallel: bool = False) -> dict[str, Any]:
     """torchtitan's Llama plan on transformers module names: column-parallel q/k/v, gate/up;
     row-parallel o/down; vocabulary-parallel embedding and LM head, whose logits are gathered
-    whole (no loss parallelism). With ``sp`` (sequence parallelism) the residual stream stays
+    whole unless ``loss_parallel``. With ``sp`` (sequence parallelism) the residual stream stays
     sharded over the sequence between the blocks: the norms run on their shard, each block's input
     is all-gathered and o/down reduce-scatter their output back to sequence shards. With
     ``loss_parallel`` the logits stay sharded over the vocabulary (a DTensor the loss takes)."""
