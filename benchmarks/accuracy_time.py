@@ -460,9 +460,9 @@ MEASURED_MEMORY_COMMENTARY = [
     "gradient FSDP accumulates for the pipeline's deferred reduce under TP (7.8 GiB in fp32 on the first",
     "stage), now priced; it still allocates {r[fake allocated 405b]} GiB on its fullest stage against the "
     "estimate's {r[estimated allocated 405b]} of that step",
-    "(not placed here; on an 8-layer Llama-3.1-8B under the same layout the first stage's peak is the",
-    "step's closing reduce-scatter input beside every accumulated gradient, which the estimate does",
-    "not price). The context-parallel rows stay unreplayed (for the 4D runs also what Float8,",
+    "(not placed: the step's closing reduce-scatter, where an 8-layer Llama-3.1-8B under the same",
+    "layout peaks, is priced now and is not this stage's peak). The context-parallel rows stay",
+    "unreplayed (for the 4D runs also what Float8,",
     "torch.compile and AsyncTP's symmetric-memory buffers hold).",
     "ndplan's estimate of a torchtitan run at this scale is therefore not a safe upper bound (the",
     "measured peak is up to {r[most ratio]}x the estimate): leave 30% of the device free, or measure one step",

@@ -485,8 +485,8 @@ def test_torchtitans_405b_pipeline_step_on_fake_tensors_against_the_estimate():
     and loss parallelism, a 1F1B pipeline of 8 stages; eager bf16,
     tests/data/measured/torchtitan): under the pipeline's deferred reduce FSDP accumulates
     DTensor's whole [vocab, h] embedding gradient, 7.8 GiB in fp32 on the first stage, which the
-    estimate priced as its 1/8 shard (-17.9%). Priced, the first stage reads -8.8% (the closing
-    reduce-scatter's input beside the accumulated gradients is not priced) and the last -6.6%."""
+    estimate priced as its 1/8 shard (-17.9%). Priced, the first stage reads -8.8% and the last
+    -6.6% (the rest not placed)."""
     from ndplan.model import load_model
 
     measurement = load_measurement(DATA / "torchtitan" / "torchtitan-405b-3d-1f1b-fake.json")
