@@ -448,7 +448,7 @@ MEASURED_MEMORY_COMMENTARY = [
     "the eager rows {r[replayed torchtitan-8b-fsdp-8gpu]} and {r[replayed torchtitan-8b-fsdp-128gpu]}, "
     "where the estimate's fixed 5% slack reads {r[torchtitan-8b-fsdp-8gpu]} and {r[torchtitan-8b-fsdp-128gpu]}. "
     "The rows it",
-    "stands in for with eager bf16 modules: the compiled rows {r[replayed torchtitan-8b-fsdp-compile-8gpu]} and "
+    "stands in for with eager bf16 modules read: the compiled rows {r[replayed torchtitan-8b-fsdp-compile-8gpu]} and "
     "{r[replayed torchtitan-8b-fsdp-compile-128gpu]} (torch.compile's",
     "fused blocks keep fewer tensors than the eager step), the 32K-token row {r[replayed torchtitan-8b-cp1-32k]} "
     "(compiled, and",
