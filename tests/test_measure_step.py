@@ -538,3 +538,29 @@ def test_a_deferred_fsdp_reduce_peaks_at_the_steps_closing_reduce_scatter() -> N
     m = measure_step(config, s, num_layers=8, stages=[0])
     row = verify(load_model("llama-3.1-8b"), m).stages[0].row("allocated")
     assert row is not None and row.error_pct is not None and -1 < row.error_pct < 1
+
+
+def test_peak_blocks_are_the_blocks_live_at_the_largest_total() -> None:
+    from ndplan.census.measure_step import peak_blocks
+
+    events = [(1, 100, "parameters"), (2, 50, "mm"), (3, 50, "mm"), (2, 0, ""), (4, 300, "mm (backward)"),
+              (3, 0, ""), (5, 10, "add")]
+    # totals 100, 150, 200, 150, 450 (the peak: 1, 3 and 4 live), 400, 410
+    assert peak_blocks(events) == (("mm (backward)", 1, 300), ("parameters", 1, 100), ("mm", 1, 50))
+    assert peak_blocks([]) == ()
+
+
+@needs_torch
+def test_the_peak_by_op_adds_up_to_the_measured_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """``measure --peak-ops``: the blocks live at a rank's peak, by the op that allocated them,
+    add up to the peak itself (FSDP's resized storages a free and a new block)."""
+    from ndplan.census.measure_step import measure_step
+    from ndplan.cli import main
+
+    for fields in ({}, {"dp": 2, "zero": 3, "fsdp": True, "global_batch_size": 2, "precision": "fsdp-bf16"}):
+        s = Strategy(**{"seq_length": SEQ, "precision": "bf16-pure", **fields})
+        rank = measure_step(dict(TINY), s, num_layers=2).ranks[0]
+        assert sum(n * size for _, n, size in rank.peak_blocks) == rank.allocated_bytes
+    assert main(["measure", "llama-3.1-8b", "--layers", "1", "--seq", "256", "--peak-ops", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "by the op that allocated each block" in out and "(the rest)" in out

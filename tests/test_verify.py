@@ -140,6 +140,7 @@ def test_cli_verify_json(run) -> None:
     (("verify", "--measured", CLUSTER, "--loss-parallel"), "the measured file states what its step ran"),
     (("measure", "llama-3.1-8b", "--layers", "2", "--loss-parallel"), "--loss-parallel shards the logits"),
     (("measure", "llama-3.1-8b", "--layers", "2", "--sp"), "give --tp > 1"),
+    (("measure", "llama-3.1-8b", "--layers", "2", "--backend", "cuda", "--peak-ops", "5"), "--peak-ops needs --backend fake"),
     (("measure", "llama-3.1-8b", "--layers", "2", "--selective-policy", "torchtitan-op"),
      "goes with --recompute selective, not none"),
 ])

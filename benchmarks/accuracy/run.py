@@ -297,6 +297,7 @@ these numbers.
 .venv/bin/python benchmarks/accuracy/run.py                 # regenerate this page (about a minute on 2 cores)
 ndplan measure llama-3.1-8b --layers 4 --dp 8 --fsdp --seq 4096       # one measurement
 ndplan measure llama-3.1-8b --layers 4 --pp 2 --num-micro-batches 4 --timeline t.csv   # what was live as the step went
+ndplan measure llama-3.1-8b --layers 4 --dp 8 --fsdp --peak-ops 10   # which ops' blocks make each rank's peak
 ndplan verify  llama-3.1-8b --layers 4 --dp 8 --fsdp --seq 4096 --tolerance 3
 ndplan verify  llama-3.1-8b --layers 4 --tp 2 --sp --loss-parallel --dp 4 --fsdp --seq 4096   # TP as torchtitan runs it
 ndplan verify  --measured cluster.json --tolerance 3        # numbers measured on a real cluster

@@ -205,8 +205,11 @@ def _measure(args: argparse.Namespace) -> Any:
     if cuda:
         from ndplan.census.measure_cuda import check_single_device
 
-        if getattr(args, "timeline", None):
-            raise NdplanError("--timeline needs --backend fake (a real step's allocator keeps no per-tensor record)")
+        given = [flag for flag, key in (("--timeline", "timeline"), ("--peak-ops", "peak_ops"))
+                 if getattr(args, key, None)]
+        if given:
+            raise NdplanError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --backend fake (a real "
+                              "step's allocator keeps no per-tensor record)")
         check_single_device(strategy)
     _require_extra(f"ndplan {args.command}")
     # A config path (or model folder) is kept as given, so that `verify --measured` can load the model again.
@@ -238,7 +241,12 @@ def cmd_measure(args: argparse.Namespace) -> int:
     if args.timeline:
         _write_timeline(str(made_folder(args.timeline, "--timeline")), result)
     if args.json:
-        _emit_json(result.to_dict())
+        data = result.to_dict()
+        if args.peak_ops:
+            for rank, entry in zip(result.ranks, data["ranks"], strict=True):
+                entry["peak_blocks"] = [{"op": op, "count": n, "bytes_each": size}
+                                        for op, n, size in rank.peak_blocks[:args.peak_ops]]
+        _emit_json(data)
         return 0
     s = result.strategy
     table = Table(title=f"{result.model} ({result.num_layers} layers) — {s.short()} {s.precision.name} seq {s.seq_length}"
@@ -263,6 +271,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
             at_peak.add_row(str(r.stage), *(_bytes(a.get(k)) for k in (
                 "params", "grads", "optimizer", "activations", "comm", "transient")), _bytes(r.allocated_bytes))
         console.print(at_peak)
+    if args.peak_ops:
+        _print_peak_blocks(result, args.peak_ops)
     if args.backend == "cuda":
         reserved = max(r.reserved_bytes or 0 for r in result.ranks)
         console.print(f"measured on {result.provenance.get('device')}: torch.cuda.max_memory_allocated; peak "
@@ -281,6 +291,22 @@ def cmd_measure(args: argparse.Namespace) -> int:
         if path:
             console.print(f"wrote {path}")
     return 0
+
+
+def _print_peak_blocks(result: Any, top: int) -> None:
+    """Per rank, the ``top`` largest groups of blocks live at its peak: which op made the peak."""
+    for r in result.ranks:
+        table = Table(title=f"stage {r.stage}, rank {r.rank}: live at its peak ({_bytes(r.allocated_bytes)}), "
+                            "by the op that allocated each block")
+        for col in ("bytes", "blocks", "each", "op (backward: made in a backward; else the tracker's kind)"):
+            table.add_column(col, justify="left" if col.startswith("op") else "right")
+        shown = r.peak_blocks[:top]
+        for op, n, size in shown:
+            table.add_row(_bytes(n * size), str(n), _bytes(size), op)
+        rest = sum(n * size for _, n, size in r.peak_blocks[top:])
+        if rest:
+            table.add_row(_bytes(rest), str(sum(n for _, n, _ in r.peak_blocks[top:])), "", "(the rest)")
+        console.print(table)
 
 
 def _write_timeline(path: str, result: Any) -> None:
@@ -513,6 +539,8 @@ def add_census_commands(subparsers: Any) -> None:
     p.add_argument("--out", help="write the measurement (measured-memory JSON) to this file")
     p.add_argument("--timeline", metavar="CSV",
                    help="write what was live on each rank as the step went (bytes by category) to this CSV file")
+    p.add_argument("--peak-ops", metavar="N", type=positive_int,
+                   help="print the N largest groups of blocks live at each rank's peak, by the op that allocated them")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_measure)
 

@@ -437,6 +437,10 @@ def _tracker_class(fsdp: bool) -> Any:
             # Streams by number, the compute stream 0: FSDP2 makes its collectives' buffers on
             # streams of its own (torch.cpu's stand-ins here), and the allocator keeps a pool for each.
             self.streams: dict[int, int] = {id(torch.cpu.current_stream()): 0}
+            # Every allocation (key, bytes, the op that made it) and free (key, 0, ""), in order:
+            # what was live at the peak, by op (``peak_blocks``).
+            self.events: list[tuple[int, int, str]] = []
+            self.current_op = ""
             self.phase = "setup"
             self.phase_start: dict[str, dict[str, int]] = {}
             self.phase_peak: dict[str, tuple[int, dict[str, int]]] = {}
@@ -497,10 +501,15 @@ def _tracker_class(fsdp: bool) -> Any:
             key = getattr(winfo, "ndplan_allocation", None)
             if key is not None and self.allocator.live(key):
                 self.allocator.free(key)
+                self.events.append((key, 0, ""))
             if not freed and winfo.mem_consumed > 0:
                 winfo.ndplan_allocation = next(self.allocation_keys)
                 stream = self.streams.setdefault(id(torch.cpu.current_stream()), len(self.streams))
                 self.allocator.malloc(winfo.ndplan_allocation, winfo.mem_consumed, stream)
+                # (outside an op: what the tracker registered, named by its kind)
+                kind = str(getattr(winfo.reftype, "name", winfo.reftype)).lower()
+                label = self.current_op or _STATE_KINDS.get(kind, kind)
+                self.events.append((winfo.ndplan_allocation, winfo.mem_consumed, label))
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if _SUSPEND[0]:
@@ -514,7 +523,12 @@ def _tracker_class(fsdp: bool) -> Any:
             if not self.workspace_allocated and func.overloadpacket in gemms and workspace_bytes:
                 self.workspace_allocated = True  # cuBLAS's and cuBLASLt's, kept from the first GEMM on
                 self.allocator.malloc("workspace", workspace_bytes)
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            outer_op = self.current_op
+            self.current_op = str(func.overloadpacket).split(".")[-1] + (" (backward)" if backward else "")
+            try:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.current_op = outer_op
             if func.overloadpacket is aten._softmax_backward_data:
                 # CUDA's softmax backward keeps a product of its output's size in fp32 beside the
                 # output while it runs (docs/accuracy_cuda.md); a fake kernel does not allocate it.
@@ -1012,7 +1026,37 @@ def _rank_memory(tracker: Any, stage: int, rank: int, layers: int, mine: list[in
         at_forward_backward_peak=categorize(fb_snap),
         category_maxima={k: int(v) for k, v in fb_max.items()},
         timeline=tuple(tracker.timeline or ()),
+        peak_blocks=peak_blocks(tracker.events),
     )
+
+
+#: The tracker's kinds of the state registered before the step, as ``peak_blocks`` names them.
+_STATE_KINDS = {"param": "parameters", "opt": "optimizer states", "buffer": "buffers", "grad": "gradients",
+                "sharded_param": "parameters (FSDP shards)", "sharded_grad": "gradients (FSDP shards)"}
+
+
+def peak_blocks(events: Sequence[tuple[int, int, str]]) -> tuple[tuple[str, int, int], ...]:
+    """(op, count, bytes each) of the blocks live at the largest total of ``events`` (allocations
+    (key, bytes, op) and frees (key, 0, "")), largest total first: which op made the peak."""
+    live: dict[int, int] = {}
+    total = best = 0
+    at = -1
+    for index, (key, size, _) in enumerate(events):
+        total += size if size else -live.pop(key, 0)
+        if size:
+            live[key] = size
+        if total > best:
+            best, at = total, index
+    blocks: dict[int, tuple[str, int]] = {}
+    for key, size, op in events[:at + 1]:
+        if size:
+            blocks[key] = (op, size)
+        else:
+            blocks.pop(key, None)
+    counts: dict[tuple[str, int], int] = {}
+    for op, size in blocks.values():
+        counts[(op, size)] = counts.get((op, size), 0) + 1
+    return tuple(sorted(((op, n, size) for (op, size), n in counts.items()), key=lambda b: -b[1] * b[2]))
 
 
 __all__ = [

@@ -78,6 +78,10 @@ class RankMemory:
     #: "total") each time the live total moved by 1 MiB or more or reached a new peak. Not written
     #: to the JSON file.
     timeline: tuple[tuple[str, bool, dict[str, int]], ...] = ()
+    #: A fake-tensor step's blocks live at its peak: (the op that allocated them, with
+    #: " (backward)" in a backward, or the tracker's kind for state made before the step; how
+    #: many; bytes each), largest total first. Not written to the JSON file.
+    peak_blocks: tuple[tuple[str, int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "stage": self.stage, "allocated_bytes": self.allocated_bytes}
