@@ -84,10 +84,12 @@ def test_short_chunks_beside_a_long_one_under_zbv() -> None:
     against the estimator's 17.16 (−7.5%). Priced at the longest chunk, 17.06 (−0.6%, what is
     left reads as low with no recompute). Stage 2 (chunks of 5 and 6 layers) now reads 48.80
     against 47.65 (+2.4%, was −0.06%): the 5-layer chunk's step instant holds less than the
-    peak, so its longest chunk's copies raise the peak less than they are (conservative)."""
+    peak, so its longest chunk's copies raise the peak less than they are (conservative). Both
+    later rose by the 32 input gradients ZB-V's B's leave on stage 3's receiving chunk (0.53
+    GiB): 17.59 against 17.69, 49.88 against 48.70."""
     fields = dict(dp=2, tp=2, sequence_parallel=True, pp=4, vpp=2, schedule="zbv", num_micro_batches=32)
     balancer, estimator = _both("llama-3.1-8b", "pytorch", None, (5, 6, 5, 2, 1, 6, 6, 1), "full", 0, **fields)
-    assert balancer[3] == pytest.approx(17.06 * GIB, rel=1e-3)
+    assert balancer[3] == pytest.approx(17.59 * GIB, rel=1e-3)
     assert balancer[3] >= estimator[3] * 0.99
     assert balancer[2] >= estimator[2]
 

@@ -987,7 +987,9 @@ def test_search_csv_with_nothing_fitting_has_the_header(tmp_path, capsys):
 
 def test_search_emit_torchtitan_prices_deepseek_without_mtp(capsys):
     """A fuzzing review: search --emit torchtitan ranked deepseek-v3 with MTP (38.99 GiB, 26.589 s)
-    though the file it writes builds none (33.11 GiB, 24.175 s by `estimate --from`)."""
+    though the file it writes builds none (33.11 GiB, 24.175 s by `estimate --from`; 34.96 GiB
+    since a deferred FSDP reduce without resharding prices the stage's gathered units beside
+    the loss, as measured)."""
     code, out, _ = run(["search", "--model", "deepseek-v3", "--hardware", "h100-sxm", "--devices", "1024", "--gbs",
                         "2048", "--fix", "ep=64", "pp=16", "tp=1", "cp=1", "schedule=1f1b", "recompute=full",
                         "zero=3", "mbs=1", "--emit", "torchtitan", "--json"], capsys)
@@ -995,7 +997,7 @@ def test_search_emit_torchtitan_prices_deepseek_without_mtp(capsys):
     best, check = data["ranked"][0], data["emitted_check"]
     assert code == 0 and check["same"], check
     assert best["peak_bytes"] == pytest.approx(check["peak_bytes"], rel=1e-3)
-    assert round(best["peak_bytes"] / 2**30, 2) == 33.11
+    assert round(best["peak_bytes"] / 2**30, 2) == 34.96
     assert any("priced without MTP (mtp_depth 0)" in note for note in data["notes"])
 
 
@@ -1076,7 +1078,7 @@ def test_search_from_carries_the_hsdp_shard_group(capsys):
     shard_group 0 (26.10 GiB / 8.521 s where `estimate --from` gives 32.63 GiB / 8.565 s)."""
     config = str(Path(__file__).parent / "fixtures" / "io" / "hyperparallel_qwen3_moe_hsdp.yaml")
     result, row = _search_matches_estimate(["--from", config, "--hardware", "h100-sxm", "--dims", "tp"], capsys)
-    assert row["strategy"]["shard_group"] == 8 and row["peak_bytes"] == 35036858394
+    assert row["strategy"]["shard_group"] == 8 and row["peak_bytes"] == 35019242317
     assert any("every candidate keeps these settings of the file" in note and "shard_group 8" in note
                for note in result["notes"]), result["notes"]
     assert not any("cannot carry" in note for note in result["notes"]), result["notes"]

@@ -453,18 +453,18 @@ def test_tied_embedding_and_head_estimated_as_measured(run, tmp_path: Path, flag
 # (-3.41, -6.91) and its pp4 run (-4.08, -5.33, -5.48, +1.44); at first (-9.79, -6.91) and
 # (-9.68, -5.33, -5.48, +1.44).
 V_FSDP_ERRORS = {
-    "steps/llama8b-pp2-fsdp2-dualpipev-m4-s4k-noreshard": (0.20, 1.69),
-    "llama8b-pp2-fsdp2-dualpipev-m4-s4k": (0.20, 5.28),  # stage 1: over, as before
-    "steps/llama8b-pp2-fsdp2-zbv-m4-s4k-noreshard": (1.53, 1.17),
+    "steps/llama8b-pp2-fsdp2-dualpipev-m4-s4k-noreshard": (0.20, 0.71),
+    "llama8b-pp2-fsdp2-dualpipev-m4-s4k": (0.20, 4.27),  # stage 1: over, as before
+    "steps/llama8b-pp2-fsdp2-zbv-m4-s4k-noreshard": (1.64, 1.94),
     # 8 layers, pp4, 8 micro-batches, seq 2048: the V's turn (stage 3) reads its activations high
-    "llama8b-pp4-fsdp2-zbv-m8-s2k-noreshard-8l": (1.56, 2.95, 2.78, 9.80),
+    "llama8b-pp4-fsdp2-zbv-m8-s2k-noreshard-8l": (1.75, 2.95, 3.25, 11.09),
     # Resharded after forward, torch's ZB-V step drops weight gradients (the caveat): the step
     # holds less than a correct one, and the estimate prices the correct one (-5.69, +23.67 at
     # first; -0.53, +23.67 with the gathered chunks alone).
-    "llama8b-pp2-fsdp2-zbv-m4-s4k-dropped-grads": (4.63, 34.40),
+    "llama8b-pp2-fsdp2-zbv-m4-s4k-dropped-grads": (4.75, 35.43),
     # A tied table: the V's two end chunks are FSDP roots of their own, each with its own copy
     # (-22.06, -6.29 at first; -17.04, -0.50 before the two copies were priced)
-    "steps/llama32-1b-pp2-fsdp2-zbv-m4-s4k-noreshard": (0.76, -0.50),
+    "steps/llama32-1b-pp2-fsdp2-zbv-m4-s4k-noreshard": (0.85, 0.49),
 }
 
 
@@ -486,8 +486,11 @@ def test_torchtitans_405b_pipeline_step_on_fake_tensors_against_the_estimate():
     and loss parallelism, a 1F1B pipeline of 8 stages; eager bf16,
     tests/data/measured/torchtitan): under the pipeline's deferred reduce FSDP accumulates
     DTensor's whole [vocab, h] embedding gradient, 7.8 GiB in fp32 on the first stage, which the
-    estimate priced as its 1/8 shard (-17.9%). Priced, the first stage reads -8.8% and the last
-    -6.6% (the rest not placed)."""
+    estimate priced as its 1/8 shard (-17.9%). Priced, the first stage read -8.8% and the last
+    -6.6%; then every stage -4% to -9%, until the loss's moments counted the stage's units kept
+    gathered beside the head (never resharded after forward: -7.2% -> +2.9% on a middle stage)
+    and the received input stopped being counted twice more under full recompute (its receive
+    buffer, and its first layer's checkpoint: +2.9% -> +0.3%)."""
     from ndplan.model import load_model
 
     measurement = load_measurement(DATA / "torchtitan" / "torchtitan-405b-3d-1f1b-fake.json")
@@ -495,5 +498,5 @@ def test_torchtitans_405b_pipeline_step_on_fake_tensors_against_the_estimate():
     result = verify(load_model(measurement.model), measurement)
     errors = {s.stage: s.row("allocated").error_pct for s in result.compared}  # type: ignore[union-attr]
     assert len(errors) == 8
-    assert -10 < errors[0] < -7 and -8 < errors[7] < -5
-    assert all(-12 < e < 0 for e in errors.values())
+    assert all(0 < e < 0.5 for stage, e in errors.items() if stage < 7)
+    assert 1.5 < errors[7] < 2.5  # the last: its loss over a little (not placed)

@@ -22,14 +22,15 @@ def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
     pattern, so the distinct rows of its activation counts, hence its frontier and peaks, stop
     changing with m: simulating fewer gives the same answer for less work, and searches whose
     micro-batch counts differ past it share one simulation. The frontier stops changing at
-    m = pp + 1 in the 1F1B orders (1F1B, ZB-H1, Seq1F1B: a second steady forward after each
-    stage's first backward; Seq1F1B earlier, ceil(pp / seq_chunks) + 1) and 3·pp in the
-    interleaved order (a multiple of pp, as interleaving requires), at every vpp: these counts
-    are taken (a test checks them against the simulation of every count up to 4·pp·vpp). In a V
-    the hand-overs at the turn counted before the last stage's warm-up ends keep their count while
-    the later ones grow, so its frontier never stops changing: m itself (``_steady_frontier``
-    derives it past 2·pp + 2 without simulating m)."""
-    if schedule == "gpipe" or schedule in V_SHAPE:
+    m = pp + 1 in the 1F1B orders (1F1B, Seq1F1B: a second steady forward after each stage's
+    first backward; Seq1F1B earlier, ceil(pp / seq_chunks) + 1) and 3·pp in the interleaved
+    order (a multiple of pp, as interleaving requires), at every vpp: these counts are taken (a
+    test checks them against the simulation of every count up to 4·pp·vpp). Where the backward
+    is split (ZB-H1, the V schedules) the input gradients kept so far grow with every B, and in
+    a V the hand-overs at the turn counted before the last stage's warm-up ends keep their count
+    while the later ones grow, so the frontier never stops changing: m itself
+    (``_steady_frontier`` derives it past 2·pp + 2 without simulating m)."""
+    if schedule == "gpipe" or schedule in SPLIT_BACKWARD:
         return m
     cap = 3 * pp if schedule == "interleaved" else pp + 1
     return m if m <= cap else cap
@@ -44,38 +45,48 @@ def frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple
 def _steady_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
     """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] (then, for
     schedules that split the backward, ``starts_w`` and ``starts_first_w`` per chunk: the row is
-    the state while that chunk's (first) weight-gradient step runs; and for V schedules one more
-    column, the hand-overs at the turn so far) that can be the maximum of a non-negative
-    weighting: rows dominated by another row are dropped (usually most)."""
+    the state while that chunk's (first) weight-gradient step runs, and ``inputs_kept`` per
+    chunk: the input gradients its B's left so far; and for V schedules one more column, the
+    hand-overs at the turn so far) that can be the maximum of a non-negative weighting: rows
+    dominated by another row are dropped (usually most)."""
     if schedule == "gpipe":
         # GPipe runs every forward before any backward: each stage holds all m micro-batches, and
         # no gradient exists yet; after the first backward, m - 1 and the gradients.
         return tuple(np.array([[float(m), 0.0, 0.0], [float(m - 1), 0.0, 1.0]]) for _ in range(pp))
     if schedule == "1f1b":
         return _one_f_one_b_frontier(pp, m)
-    if schedule in V_SHAPE and m > 2 * pp + 2 and seq_chunks == 1:
-        return _v_frontier_past_warm_up(schedule, pp, vpp, m)
+    if schedule in SPLIT_BACKWARD and m > 2 * pp + 3 and seq_chunks == 1:
+        return _split_frontier_past_warm_up(schedule, pp, vpp, m)
     return _simulated_frontier(schedule, pp, vpp, m, seq_chunks)
 
 
-def _v_frontier_past_warm_up(schedule: str, pp: int, vpp: int, m: int) -> tuple[np.ndarray, ...]:
-    """A V schedule's (ZB-V's, DualPipeV's) frontier at m > 2·pp + 2 micro-batches, from those
-    simulated at 2·pp + 1 and one more: from 2·pp + 1 on, each further micro-batch leaves every
-    row as it is but the last stage's hand-overs, which grow by two (its F's and its B's) on the
-    rows past its warm-up and stay on the others (a test checks it against the simulation of
-    every count up to 8·pp). The search's larger V counts then cost no simulation of their own
-    (ZB-V pp 16's frontiers at 4 to 128 micro-batches: 13 -> 10 ms); adding two per micro-batch
-    to every row instead, as a count past a cap once did, read the warm-up's rows too high (the
-    last stage's peak with the first weight-gradient column weighted: 10.55 against 8.15)."""
+def inputs_kept_at_end(schedule: str, pp: int, vpp: int, m: int) -> np.ndarray:
+    """[pp, vpp] per stage and chunk, the input gradients a split backward's B's leave by the
+    end of a run of ``m`` micro-batches (the frontier's ``inputs_kept`` columns, which only grow:
+    their largest value stays a frontier row's)."""
+    if schedule not in SPLIT_BACKWARD:
+        return np.zeros((pp, vpp))
+    return np.array([rows[:, 5 * vpp:6 * vpp].max(axis=0) for rows in frontier(schedule, pp, vpp, m, 1)])
+
+
+def _split_frontier_past_warm_up(schedule: str, pp: int, vpp: int, m: int) -> tuple[np.ndarray, ...]:
+    """A split-backward schedule's (ZB-H1's, ZB-V's, DualPipeV's) frontier at m > 2·pp + 3
+    micro-batches, from those simulated at 2·pp + 1, one more and two more: from 2·pp + 1 on,
+    each further micro-batch leaves every row as it is but for the counts that grow with the
+    step (the input gradients kept, on the rows past the warm-up; a V's last stage's hand-overs,
+    by two: its F's and its B's), which grow by the same amount each time (checked: the three
+    counts' steps must agree, else m is simulated; a test checks the result against the
+    simulation of every count up to 8·pp). The search's larger counts then cost no simulation
+    of their own (ZB-V pp 16's frontiers at 4 to 128 micro-batches: 13 -> 10 ms); adding a
+    fixed amount per micro-batch to every row instead, as a count past a cap once did, read the
+    warm-up's rows too high (the last stage's peak with the first weight-gradient column
+    weighted: 10.55 against 8.15)."""
     first = 2 * pp + 1
-    at, after = _steady_frontier(schedule, pp, vpp, first, 1), _steady_frontier(schedule, pp, vpp, first + 1, 1)
-    if any(a.shape != b.shape for a, b in zip(at, after, strict=True)) or not all(
-            np.array_equal(a, b) for a, b in zip(at[:-1], after[:-1], strict=True)) or not np.array_equal(
-            at[-1][:, :-1], after[-1][:, :-1]):
-        return _simulated_frontier(schedule, pp, vpp, m, 1)  # (never seen: the rows moved)
-    turn = at[-1].copy()
-    turn[:, -1] += (m - first) * (after[-1][:, -1] - at[-1][:, -1])
-    return (*at[:-1], turn)
+    at, after, next_after = (_steady_frontier(schedule, pp, vpp, first + k, 1) for k in range(3))
+    if any(a.shape != b.shape or b.shape != c.shape for a, b, c in zip(at, after, next_after, strict=True)) or not all(
+            np.array_equal(c - b, b - a) for a, b, c in zip(at, after, next_after, strict=True)):
+        return _simulated_frontier(schedule, pp, vpp, m, 1)  # (the rows moved: simulated)
+    return tuple(a + (m - first) * (b - a) for a, b in zip(at, after, strict=True))
 
 
 def _simulated_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) -> tuple[np.ndarray, ...]:
@@ -86,7 +97,7 @@ def _simulated_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: in
     for members, group in flight.groups:
         counts = [group.held_until_b, group.held_until_w, group.grads_ready]  # [stages, boundaries, chunks]
         if schedule in SPLIT_BACKWARD:
-            counts += [group.starts_w, group.starts_first_w]
+            counts += [group.starts_w, group.starts_first_w, group.inputs_kept]
         if schedule in V_SHAPE:
             # Hand-overs at the V's turn (the last stage: its first chunk's F hands the output
             # to its second, whose B hands the gradient back) so far, one column; zero on the

@@ -100,18 +100,22 @@ class _WorstMoment:
 
 
 def _gathered_beside(g: float, mode: np.ndarray, size: dict[str, np.ndarray], runs: list[tuple[str, int]],
-                     run_chunk: list[int], index: int, before_index: int | None = None) -> np.ndarray:
+                     run_chunk: list[int], cap: np.ndarray | None, index: int,
+                     before_index: int | None = None) -> np.ndarray:
     """Bytes of a stage's parameters gathered beside a moment of its run ``index`` that counts
     that run's unit gathered, and the unit of run ``before_index`` where given (``index`` itself:
     a second unit of the same run), per strategy by ``mode`` (``_fsdp_unit_phases``'
     ``kept_beside``): 0 nothing; 1 every unit of the rank's other chunks (less the neighbour
-    counted, where it is theirs); 2 every unit of the stage less those counted."""
+    counted, where it is theirs); 2 every unit of the stage less those counted, of at most
+    ``cap`` elements where torch keeps only some chunks gathered (None: all)."""
     if not mode.any():
         return np.zeros(len(mode))
     chunk_elements: dict[int, Any] = {}
     for (kind, count), v in zip(runs, run_chunk, strict=True):
         chunk_elements[v] = chunk_elements.get(v, 0.0) + count * size[kind]
     stage_elements = sum(chunk_elements.values(), np.zeros(len(mode)))
+    if cap is not None:
+        stage_elements = np.minimum(stage_elements, cap)
     v = run_chunk[index]
     own = size[runs[index][0]]
     others = stage_elements - chunk_elements[v]
@@ -233,7 +237,7 @@ def _fsdp_unit_phases(
         consider = partial(moments.consider_beside, g * tied) if holds_tied_table else consider_alone
         # What else of the stage is gathered beside a moment (``_gathered_beside``).
         beside = partial(_gathered_beside, g, zero if kept_beside is None else np.broadcast_to(kept_beside, (n,)),
-                         size, runs, run_chunk)
+                         size, runs, run_chunk, None if kept_elements is None else kept_elements[:, column])
 
         later = zero.copy()  # elements of the units after the current run, forward order
         later_grads = zero.copy()  # and their sharded gradients' bytes

@@ -234,7 +234,7 @@ def activation_kinds(
         "mlp": t * plain_dense * dense["mlp"][:, None],
         "moe": t * plain_moe * moe["moe"][:, None],
         "recompute": t * (recomputed_dense * acts.recomputed["dense"][:, None] + recomputed_moe * acts.recomputed["moe"][:, None])
-        + per_virtual["checkpoint_mask"],
+        + per_virtual["checkpoint_mask"] - per_virtual["received_checkpoint"],
         "embedding": per_virtual["embedding"],
         "output": per_virtual["output"],
         "mtp": per_virtual["mtp"],

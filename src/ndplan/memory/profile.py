@@ -168,6 +168,9 @@ class RuntimeProfile:
     tp_accumulates_whole_embedding_grad: bool = False
     weight_grad_recomputes_per_group: bool = False
     first_stage_backward_at_w: bool = False
+    #: Its split backward's B (input gradient alone) leaves each micro-batch's input gradient on
+    #: the chunk's receive buffer until the next step starts (through the optimizer step).
+    split_backward_keeps_input_grads: bool = False
     #: Bytes per linear-weight element of the quantised weight copies its fp8 linears keep from
     #: one micro-batch to the next (``static.linear_weight_elements``; 0: none kept).
     fp8_weight_cache_bytes: float = 0.0
@@ -257,6 +260,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         tp_accumulates_whole_embedding_grad=bool(data.get("tp_accumulates_whole_embedding_grad", False)),
         weight_grad_recomputes_per_group=bool(data.get("weight_grad_recomputes_per_group", False)),
         first_stage_backward_at_w=bool(data.get("first_stage_backward_at_w", False)),
+        split_backward_keeps_input_grads=bool(data.get("split_backward_keeps_input_grads", False)),
         fp8_weight_cache_bytes=float(data.get("fp8_weight_cache_bytes", 0.0)),
         ddp_bucket_copies=float(data.get("ddp_bucket_copies", 0.0)),
         selective_policy=_selective_policy(data.get("selective_policy", "megatron"), source),

@@ -56,6 +56,10 @@ class StageInFlight:
     starts_w: NDArray[np.float64]
     #: The same for the chunk's first such step, which creates its gradients as it runs.
     starts_first_w: NDArray[np.float64]
+    #: Micro-batches whose B ran apart from its W on the chunk so far (cumulative): PyTorch's
+    #: split backward leaves each one's input gradient on the chunk's input buffer until the
+    #: next step clears it.
+    inputs_kept: NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -213,4 +217,5 @@ def _stage_series(
         at_stage, at_op = np.nonzero(is_w & ~w_with_b)
         starts_w[at_stage, at_op, chunk[at_stage, at_op]] = 1.0  # op i starts at boundary i
     starts_first_w = starts_w * (1.0 - grads_ready) if split else zeros
-    return held_b, held_w, grads_ready, forwards_done, backwards_done, starts_w, starts_first_w
+    inputs_kept = in_micro_batches(running((is_b & ~b_with_w).astype(np.int32))) if split else zeros
+    return held_b, held_w, grads_ready, forwards_done, backwards_done, starts_w, starts_first_w, inputs_kept
