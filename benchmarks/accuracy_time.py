@@ -458,10 +458,9 @@ MEASURED_MEMORY_COMMENTARY = [
     "the estimate of the same bf16 step {r[estimated allocated 70b]}). The 405B over FSDP, TP and PP",
     "{r[replayed torchtitan-405b-3d-1f1b]}: its fake step found what the estimate left out, the whole [vocab, h] embedding",
     "gradient FSDP accumulates for the pipeline's deferred reduce under TP (7.8 GiB in fp32 on the first",
-    "stage), now priced; it still allocates {r[fake allocated 405b]} GiB on its fullest stage against the "
-    "estimate's {r[estimated allocated 405b]} of that step",
-    "(not placed: the step's closing reduce-scatter, where an 8-layer Llama-3.1-8B under the same",
-    "layout peaks, is priced now and is not this stage's peak). The context-parallel rows stay",
+    "stage), and what the loss's moments hold beside them (every unit of a stage never resharded after",
+    "forward stays gathered there), both now priced: it allocates {r[fake allocated 405b]} GiB on its",
+    "fullest stage, the estimate of that step {r[estimated allocated 405b]}. The context-parallel rows stay",
     "unreplayed (for the 4D runs also what Float8,",
     "torch.compile and AsyncTP's symmetric-memory buffers hold).",
     "ndplan's estimate of a torchtitan run at this scale is therefore not a safe upper bound (the",
