@@ -515,6 +515,7 @@ def _group_evaluation(
     per_w_virtual = _held_until_weight_grad(group, held_b) if split else None  # nothing waits for W without a split
     kept_inputs: np.ndarray | None = None  # [n, U] an input gradient a split backward leaves, per micro-batch
     # The frontier's columns are [held until B per chunk | held until W per chunk | gradients
+    # per chunk | (split backward) weight-gradient steps, first steps and input gradients kept,
     # per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
     weights: list[np.ndarray | None] = [chunk_column(per_b_virtual, chunks, c) for c in range(vpp)]
     weights += [None if per_w_virtual is None else chunk_column(per_w_virtual, chunks, c) for c in range(vpp)]
