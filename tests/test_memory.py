@@ -483,7 +483,7 @@ def test_v_frontier_past_the_steady_count_equals_the_full_simulation(schedule, p
             series = flight.stages[stage]
             handovers = series.forwards_done[:, :1] + series.backwards_done[:, 1:2]
             columns = [series.held_until_b, series.held_until_w, series.grads_ready, series.starts_w,
-                       series.starts_first_w, series.inputs_kept]
+                       series.starts_first_w, series.inputs_kept, series.grads_pending]
             if schedule in ("zbv", "dualpipev"):
                 columns.append(handovers if stage == pp - 1 else 0 * handovers)
             held = np.hstack(columns)
@@ -503,12 +503,13 @@ def test_closed_form_frontiers_equal_the_simulation(schedule, pp, vpp, m, seq_ch
     for stage, rows in enumerate(frontier(schedule, pp, vpp, m, seq_chunks)):
         series = flight.stages[stage]
         columns = [series.held_until_b, series.held_until_w, series.grads_ready]
-        if rows.shape[1] > 3:  # a split backward: the weight-gradient steps (any, then the first), inputs kept
-            columns += [series.starts_w, series.starts_first_w, series.inputs_kept]
+        if rows.shape[1] > 3:  # a split backward: the weight-gradient steps (any, then the first), inputs kept,
+            # gradients pending
+            columns += [series.starts_w, series.starts_first_w, series.inputs_kept, series.grads_pending]
         held = np.hstack(columns)
         for weights in (np.array([1.0, 0.5, 0.0]), np.array([0.5, 1.0, 0.0]), np.array([1.0, 0.5, 2.0]),
                         np.array([1.0, 0.0, 0.3])):
-            weights = np.concatenate([weights, [3.0, 1.5, 0.7][: rows.shape[1] - 3]])
+            weights = np.concatenate([weights, [3.0, 1.5, 0.7, 1.1][: rows.shape[1] - 3]])
             assert np.max(rows @ weights) == pytest.approx(np.max(held @ weights))
 
 
@@ -562,7 +563,7 @@ def test_v_frontier_past_its_warm_up_is_the_simulated_one_bit_for_bit(schedule, 
     # keeps no row of its warm-up, so there every row grows.
     assert grew_on_some_rows_only == (schedule == "zbv")
     if schedule == "zb-h1":  # (the ZB-H1 rows above: every count simulated and derived alike)
-        assert frontier(schedule, 4, 1, 40, 1)[0][:, -1].max() == 40.0  # every B of the run kept
+        assert frontier(schedule, 4, 1, 40, 1)[0][:, 5].max() == 40.0  # every B of the run kept (inputs_kept)
 
 
 def test_one_f_one_b_frontier_in_closed_form_is_the_simulated_one_bit_for_bit():

@@ -116,7 +116,8 @@ def pending_split_grad_width(schedule: str, precision: Any, profile: RuntimeProf
     Under the split backward that hook runs in the input-gradient step before the micro-batch's
     weight gradients are accumulated, so each chunk holds, besides its fp32 accumulator, the last
     micro-batch's gradient in the parameter dtype until its next backward (traced on ZB-V: a
-    decoder layer of llama-3.1-8b holds 4 + 2 bytes an element from its second backward on). Not
+    decoder layer of llama-3.1-8b holds 4 + 2 bytes an element from its second backward on): from
+    each W to the end of the chunk's next B, the frontier's ``grads_pending`` column. Not
     where the two widths are one (the gradient is accumulated in place), nor on the pipeline's
     first stage where torch runs its W as a whole backward (the hook comes after the gradients),
     nor under DualPipeV, whose steady state runs full backwards (F&B overlapped: traced, no new

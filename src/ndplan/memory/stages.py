@@ -494,6 +494,9 @@ def _group_evaluation(
     # deferred FSDP reduce those are the sharded ones, and each run makes its unsharded ones anew.
     later_runs = (batch.pipeline_runs > 1) if grads_in_schedule else np.zeros(n, dtype=bool)
     extra: list[np.ndarray | None] | None = None
+    # [n, V] the weight gradients a chunk's W leaves for its next B's hook to accumulate (ZB-V
+    # under a deferred FSDP reduce; None elsewhere): the frontier's grads_pending columns.
+    per_pending: np.ndarray | None = None
     if grads_in_schedule:
         per_grads = static.at(static.grads_virtual)
         deferred_rows = np.flatnonzero(deferred)
@@ -501,8 +504,12 @@ def _group_evaluation(
         if deferred_rows.size or static_rows.size:
             if static.index is None:  # (the static state's own array; gathered, it is a copy already)
                 per_grads = per_grads.copy(order="F")
-            per_grads[deferred_rows] = static.at(static.elements_virtual, deferred_rows) * (
-                grad_bytes + pending_split_grad_width(schedule, precision, profile, first_virtual)[None, :])
+            deferred_elements = static.at(static.elements_virtual, deferred_rows)
+            per_grads[deferred_rows] = deferred_elements * grad_bytes
+            pending_width = pending_split_grad_width(schedule, precision, profile, first_virtual)
+            if deferred_rows.size and pending_width.any():
+                per_pending = np.zeros_like(per_grads)
+                per_pending[deferred_rows] = deferred_elements * pending_width[None, :]
             # DTensor's vocabulary-parallel embedding accumulates the whole [vocab, h] table's
             # unsharded gradient, not its shard (measured on fake tensors: Llama-3.1-405B, tp 8,
             # pp 8, 7.83 GiB in fp32 on the first stage).
@@ -515,8 +522,8 @@ def _group_evaluation(
     per_w_virtual = _held_until_weight_grad(group, held_b) if split else None  # nothing waits for W without a split
     kept_inputs: np.ndarray | None = None  # [n, U] an input gradient a split backward leaves, per micro-batch
     # The frontier's columns are [held until B per chunk | held until W per chunk | gradients
-    # per chunk | (split backward) weight-gradient steps, first steps and input gradients kept,
-    # per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
+    # per chunk | (split backward) weight-gradient steps, first steps, input gradients kept and
+    # gradients pending, per chunk | (V schedules) hand-overs]: their weights, one [n, pp] array each.
     weights: list[np.ndarray | None] = [chunk_column(per_b_virtual, chunks, c) for c in range(vpp)]
     weights += [None if per_w_virtual is None else chunk_column(per_w_virtual, chunks, c) for c in range(vpp)]
     # ---- transient: one layer's backward working set (+ what recompute rebuilds), or the loss
@@ -546,7 +553,8 @@ def _group_evaluation(
         first_step: list[np.ndarray | None] = [None] * vpp
         if grads_in_schedule and any(step is not None for step in steps):
             whole_w = first_virtual > 0 if profile.first_stage_backward_at_w else np.zeros_like(first_virtual, dtype=bool)
-            made_in_step = np.where(~whole_w[None, :], per_grads[stepping], 0.0)
+            made = per_grads[stepping] if per_pending is None else per_grads[stepping] + per_pending[stepping]
+            made_in_step = np.where(~whole_w[None, :], made, 0.0)
             first_step = [None if step is None else _placed(np.maximum(chunk_column(made_in_step, chunks, c) - new_grad, 0.0),
                                                             stepping, n)
                           for c, (step, new_grad) in enumerate(zip(steps, new_grads, strict=True))]
@@ -559,6 +567,11 @@ def _group_evaluation(
             kept_inputs = np.multiply.outer(tokens * model.hidden_size * precision.activation_bytes / sp_div,
                                             shape.receives_from_peer.astype(float))
         extra += [None if kept_inputs is None else chunk_column(kept_inputs, chunks, c) for c in range(vpp)]
+        # A W's new weight gradients wait beside the chunk's accumulated ones until its next B
+        # (FSDP2's hook runs there): counted from the W to that B, not throughout (measured on
+        # fake tensors: ZB-V, an 8-layer Llama-3.1-8B over pp 4, its turn stage, whose last B's
+        # leave none pending while every W is still to run).
+        extra += [None if per_pending is None else chunk_column(per_pending, chunks, c) for c in range(vpp)]
     handed_over: np.ndarray | None = None  # none handed over without a V's turn
     if hands_over:
         one_hand_over = tokens * model.hidden_size * precision.activation_bytes / sp_div
@@ -749,7 +762,9 @@ def _group_evaluation(
         # there, every unit still gathered (at most three chunks), no activations, and the first
         # unit's reduce-scatter input (its gradient in the reduce dtype) beside them (measured on
         # fake tensors: an 8-layer Llama-3.1-8B, pp 2, FSDP 2, its first stage's peak).
-        accumulated = to_stages(per_grads[closing], chunks)
+        # (every chunk's last W has left its gradients pending)
+        accumulated = to_stages(per_grads[closing] if per_pending is None
+                                else per_grads[closing] + per_pending[closing], chunks)
         elements = static.at(static.elements_virtual, closing)
         gathered = (to_stages(elements, chunks) if vpp <= ACTIVE_CHUNKS else largest_chunks(elements, chunks, vpp)
                     ) * precision.param_gather_bytes

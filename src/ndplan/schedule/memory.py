@@ -60,6 +60,10 @@ class StageInFlight:
     #: split backward leaves each one's input gradient on the chunk's input buffer until the
     #: next step clears it.
     inputs_kept: NDArray[np.float64]
+    #: 1 from a weight-gradient step apart from its B until the chunk's next B, 0 elsewhere: the
+    #: weight gradients that step made wait there for the backward's hook that accumulates them
+    #: (FSDP2 under a deferred reduce runs it in the input-gradient step, before that step's W).
+    grads_pending: NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -218,4 +222,30 @@ def _stage_series(
         starts_w[at_stage, at_op, chunk[at_stage, at_op]] = 1.0  # op i starts at boundary i
     starts_first_w = starts_w * (1.0 - grads_ready) if split else zeros
     inputs_kept = in_micro_batches(running((is_b & ~b_with_w).astype(np.int32))) if split else zeros
-    return held_b, held_w, grads_ready, forwards_done, backwards_done, starts_w, starts_first_w, inputs_kept
+    grads_pending = _pending_after_w(is_w & ~w_with_b, is_b, place, count, n, vpp) if split else zeros
+    return (held_b, held_w, grads_ready, forwards_done, backwards_done, starts_w, starts_first_w, inputs_kept,
+            grads_pending)
+
+
+def _pending_after_w(lone_w: NDArray[np.bool_], is_b: NDArray[np.bool_], place: NDArray[np.intp], count: int,
+                     n: int, vpp: int) -> NDArray[np.float64]:
+    """[stages, n + 1, vpp]: 1 from a W apart from its B until the end of the chunk's next B,
+    0 elsewhere: a lone W marks its row 1, a B the row after its own 0 (its hook runs as it
+    ends, so the boundary right after it still holds what it folds: that row is the state at
+    the B's end), each mark carried down the rows to the chunk's next one. A W marks over a B's
+    mark on the same row (the W comes after the hook). ``place``: each op's flat index, as
+    ``_stage_series`` lays them out."""
+    size = count * (n + 1) * vpp
+    flat_marks = np.zeros(size)
+    flat_has_mark = np.zeros(size, dtype=bool)
+    # A B's mark one row down (one op later, the stage's next op): the rows are [stages, n + 1, vpp].
+    b_place = place.reshape(count, n)[:, :-1][is_b[:, :-1]] + vpp
+    flat_has_mark[b_place] = True
+    w_place = place[lone_w.ravel()]
+    flat_marks[w_place] = 1.0
+    flat_has_mark[w_place] = True
+    marks, has_mark = flat_marks.reshape(count, n + 1, vpp), flat_has_mark.reshape(count, n + 1, vpp)
+    has_mark[:, 0, :] = True  # row 0: before any op, nothing pending (its mark is 0)
+    # Each row's latest marked row at or above it, per stage and chunk.
+    latest = np.maximum.accumulate(np.where(has_mark, np.arange(n + 1)[None, :, None], 0), axis=1)
+    return np.take_along_axis(marks, latest, axis=1)
