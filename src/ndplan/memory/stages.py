@@ -67,7 +67,12 @@ from ndplan.memory.shape import (
     to_stages,
 )
 from ndplan.memory.static_state import SharedStatic, StaticState, static_state
-from ndplan.memory.terms import head_accumulate, routes_own_tokens, whole_embedding_grad_extra
+from ndplan.memory.terms import (
+    dense_weight_accumulate,
+    head_accumulate,
+    routes_own_tokens,
+    whole_embedding_grad_extra,
+)
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE
 from ndplan.schedule.unshard import ACTIVE_CHUNKS
@@ -1123,9 +1128,8 @@ def _working_sets(group: _Group, held: _HeldUntilBackward, split: bool) -> _Work
     if profile.grads_created_in_backward and model.is_moe:
         # Likewise the fused experts' new gate_up gradient (one tensor for all local experts)
         # exists beside the kept one until it is added, with the output gradient it is computed
-        # from; on the last stage that micro-batch's loss activations are freed by then. (Dense
-        # layers' largest weights are a few percent of a layer's activations: not priced.)
-        # Megatron fuses the accumulation into its main-grad buffer.
+        # from; on the last stage that micro-batch's loss activations are freed by then (a dense
+        # layer's: below). Megatron fuses the accumulation into its main-grad buffer.
         local_experts = model.num_experts / np.maximum(batch.ep, 1)
         # (The output gradient is the rank's routed tokens' through experts 1/etp wide: k·2f/tp per
         # token where each rank routes its own tokens, as the profiles' expert_width shard.)
@@ -1147,6 +1151,14 @@ def _working_sets(group: _Group, held: _HeldUntilBackward, split: bool) -> _Work
                 if new_gradient is None:
                     new_gradient = new_gradients[last] = np.where(accumulates, expert_gradient - loss_freed * last, 0.0)
                 np.maximum(transient[:, column], new_gradient, out=transient[:, column])
+    if profile.grads_created_in_backward and accumulates.any() and has_dense.any():
+        # So is a dense layer's largest new weight gradient, with the activation gradients beside
+        # it: more than the layer's other moments at short sequences (zero 3: FSDP's unit moments).
+        dense_gradient = np.where(accumulates, dense_weight_accumulate(
+            model, precision.activation_bytes, precision.param_bytes, op_tokens, tp, split), 0.0)
+        for column, dense_here in enumerate(has_dense.tolist()):
+            if dense_here:
+                np.maximum(transient[:, column], dense_gradient, out=transient[:, column])
     # Under DTensor tensor parallelism that new gradient is the whole table, before it becomes
     # the rank's shard, with one micro-batch too (``static_state``).
     embedding_gradient = static.at(static.embedding_gradient)
