@@ -1132,13 +1132,25 @@ def _working_sets(group: _Group, held: _HeldUntilBackward, split: bool) -> _Work
         # layer's: below). Megatron fuses the accumulation into its main-grad buffer.
         local_experts = model.num_experts / np.maximum(batch.ep, 1)
         # (The output gradient is the rank's routed tokens' through experts 1/etp wide: k·2f/tp per
-        # token where each rank routes its own tokens, as the profiles' expert_width shard.)
-        routed_width = by_combination.rows(np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp),
-                                                    table_tp, by_combination.batch.etp.astype(float)))
+        # token where each rank routes its own tokens, as the profiles' expert_width shard:
+        # expert_weight_grad_working's gradient.)
+        # Under full recompute (a whole backward, not a split one's W, whose rebuilt copies
+        # weight_grad_step prices) the rebuilt expert inputs and outputs are still there, as in
+        # FSDP's expert moment (expert_weight_grad_working): measured on fake tensors, Mixtral's
+        # last stage under GPipe, 470 MiB of the rebuilt layer beside the new gradient (-1.62%
+        # without them). (Selective recompute's measured rows read over without them already.)
+        table_etp = by_combination.batch.etp.astype(float)
+        token_share = np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp), table_etp / table_tp, 1.0)
+        output_gradient = op_tokens * by_combination.rows(expert_weight_grad_working(
+            model, precision.activation_bytes, table_etp, np.zeros(len(table_etp)), token_share))
+        if not split and full_recompute.any():
+            with_rebuilt = op_tokens * by_combination.rows(expert_weight_grad_working(
+                model, precision.activation_bytes, table_etp, np.where(table_recompute_on, table.rebuilt["moe"], 0.0),
+                token_share))
+            output_gradient = np.where(full_recompute, with_rebuilt, output_gradient)
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
-            + op_tokens * 2 * model.num_experts_per_tok * model.moe_ffn_hidden_size * precision.activation_bytes
-            / routed_width
+            + output_gradient
         )
         loss_freed = _per_op(output_held, seq_chunks)
         # Column by column (see _outer_sum): the same values, in passes over the strategies, once
