@@ -15,6 +15,7 @@ from ndplan.memory.profile import RuntimeProfile
 from ndplan.memory.shape import chunk_column, recomputed_layers
 from ndplan.model.params import weight_grad_groups, weight_grad_peak_group
 from ndplan.model.spec import ModelSpec
+from ndplan.schedule import EVERY_BACKWARD_SPLIT
 from ndplan.strategy.batch import StrategyBatch
 
 
@@ -99,10 +100,6 @@ def expert_weight_grad_working(model: ModelSpec, activation_bytes: int, etp: np.
     rebuilt_experts = per_expert_token * (2 * model.moe_ffn_hidden_size / etp + model.hidden_size)
     return gradient + np.minimum(rebuilt_experts, rebuilt)
 
-
-#: Schedules whose every backward torch.distributed.pipelining splits into an input-gradient
-#: step and a later weight-gradient step (I, W), on every stage but the first.
-EVERY_BACKWARD_SPLIT = frozenset({"zbv"})
 
 
 def pending_split_grad_width(schedule: str, precision: Any, profile: RuntimeProfile,

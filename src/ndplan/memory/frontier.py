@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE, in_flight
+from ndplan.schedule import EVERY_BACKWARD_SPLIT, SPLIT_BACKWARD, V_SHAPE, in_flight
 
 
 def steady_micro_batches(schedule: str, pp: int, vpp: int, m: int) -> int:
@@ -46,8 +46,9 @@ def _steady_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: int) 
     """Per stage, the op-boundary rows [held_until_b | held_until_w | grads_ready] (then, for
     schedules that split the backward, ``starts_w`` and ``starts_first_w`` per chunk: the row is
     the state while that chunk's (first) weight-gradient step runs, ``inputs_kept`` per
-    chunk: the input gradients its B's left so far, and ``grads_pending`` per chunk: 1 from a W
-    to the chunk's next B; and for V schedules one more column, the
+    chunk: the input gradients its B's left so far, and (ZB-V: ``EVERY_BACKWARD_SPLIT``)
+    ``grads_pending`` per chunk: 1 from a W to the end of the chunk's next B; and for V schedules
+    one more column, the
     hand-overs at the turn so far) that can be the maximum of a non-negative weighting: rows
     dominated by another row are dropped (usually most)."""
     if schedule == "gpipe":
@@ -98,7 +99,10 @@ def _simulated_frontier(schedule: str, pp: int, vpp: int, m: int, seq_chunks: in
     for members, group in flight.groups:
         counts = [group.held_until_b, group.held_until_w, group.grads_ready]  # [stages, boundaries, chunks]
         if schedule in SPLIT_BACKWARD:
-            counts += [group.starts_w, group.starts_first_w, group.inputs_kept, group.grads_pending]
+            counts += [group.starts_w, group.starts_first_w, group.inputs_kept]
+        if schedule in EVERY_BACKWARD_SPLIT:
+            # (the other split schedules leave none pending: no column, a smaller skyline)
+            counts.append(group.grads_pending)
         if schedule in V_SHAPE:
             # Hand-overs at the V's turn (the last stage: its first chunk's F hands the output
             # to its second, whose B hands the gradient back) so far, one column; zero on the

@@ -74,7 +74,7 @@ from ndplan.memory.terms import (
     whole_embedding_grad_extra,
 )
 from ndplan.model.spec import ModelSpec
-from ndplan.schedule import SPLIT_BACKWARD, V_SHAPE
+from ndplan.schedule import EVERY_BACKWARD_SPLIT, SPLIT_BACKWARD, V_SHAPE
 from ndplan.schedule.unshard import ACTIVE_CHUNKS
 from ndplan.strategy.batch import CODES, StrategyBatch
 from ndplan.units import memory_limit
@@ -576,7 +576,8 @@ def _group_evaluation(
         # (FSDP2's hook runs there): counted from the W to that B, not throughout (measured on
         # fake tensors: ZB-V, an 8-layer Llama-3.1-8B over pp 4, its turn stage, whose last B's
         # leave none pending while every W is still to run).
-        extra += [None if per_pending is None else chunk_column(per_pending, chunks, c) for c in range(vpp)]
+        if schedule in EVERY_BACKWARD_SPLIT:  # (the frontier's columns: for these alone)
+            extra += [None if per_pending is None else chunk_column(per_pending, chunks, c) for c in range(vpp)]
     handed_over: np.ndarray | None = None  # none handed over without a V's turn
     if hands_over:
         one_hand_over = tokens * model.hidden_size * precision.activation_bytes / sp_div

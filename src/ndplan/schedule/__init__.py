@@ -7,10 +7,19 @@ each stage and chunk holds, which is what memory needs.
 """
 
 from ndplan.schedule.memory import InFlight, StageInFlight, in_flight
-from ndplan.schedule.ops import KIND_NAMES, SCHEDULES, SPLIT_BACKWARD, V_SHAPE, Op, model_chunk_table
+from ndplan.schedule.ops import (
+    EVERY_BACKWARD_SPLIT,
+    KIND_NAMES,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SHAPE,
+    Op,
+    model_chunk_table,
+)
 from ndplan.schedule.timeline import ScheduleResult, StageOps, simulate, simulated_makespan_s
 
 __all__ = [
+    "EVERY_BACKWARD_SPLIT",
     "KIND_NAMES",
     "SCHEDULES",
     "SPLIT_BACKWARD",

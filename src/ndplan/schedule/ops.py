@@ -34,6 +34,12 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "d
 #: Schedules that split the backward into B (input grad) and W (weight grad).
 SPLIT_BACKWARD: frozenset[str] = frozenset({"zb-h1", "zbv", "dualpipev"})
 
+#: Split schedules whose every backward (on every stage but the first) torch.distributed.pipelining
+#: runs as an input-gradient step and a later weight-gradient step: ZB-V (DualPipeV's steady state
+#: runs whole backwards, ZB-H1 splits few). The memory model tracks the weight gradients those W
+#: steps leave pending for these alone (``StageInFlight.grads_pending``, a frontier column).
+EVERY_BACKWARD_SPLIT: frozenset[str] = frozenset({"zbv"})
+
 #: Schedules whose stage holds two model chunks folded in a V: chunk 0 = model chunk s going
 #: down the pipeline, chunk 1 = model chunk 2*pp-1-s coming back up.
 V_SHAPE: frozenset[str] = frozenset({"zbv", "dualpipev"})
