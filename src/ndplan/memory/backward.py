@@ -101,7 +101,6 @@ def expert_weight_grad_working(model: ModelSpec, activation_bytes: int, etp: np.
     return gradient + np.minimum(rebuilt_experts, rebuilt)
 
 
-
 def pending_split_grad_width(schedule: str, precision: Any, profile: RuntimeProfile,
                               first_virtual: np.ndarray) -> np.ndarray:
     """Bytes per element, per virtual stage, of the new unsharded gradient a chunk keeps beside

@@ -36,8 +36,8 @@ SPLIT_BACKWARD: frozenset[str] = frozenset({"zb-h1", "zbv", "dualpipev"})
 
 #: Split schedules whose every backward (on every stage but the first) torch.distributed.pipelining
 #: runs as an input-gradient step and a later weight-gradient step: ZB-V (DualPipeV's steady state
-#: runs whole backwards, ZB-H1 splits few). The memory model tracks the weight gradients those W
-#: steps leave pending for these alone (``StageInFlight.grads_pending``, a frontier column).
+#: runs whole backwards). The memory model tracks the weight gradients those W steps leave
+#: pending for these alone (``StageInFlight.grads_pending``, a frontier column).
 EVERY_BACKWARD_SPLIT: frozenset[str] = frozenset({"zbv"})
 
 #: Schedules whose stage holds two model chunks folded in a V: chunk 0 = model chunk s going
