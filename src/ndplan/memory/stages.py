@@ -1075,7 +1075,7 @@ def _working_sets(group: _Group, held: _HeldUntilBackward, split: bool) -> _Work
     """The backward's transient peak per stage pattern, beside what the stage holds (see
     ``_WorkingSets``)."""
     model, batch, options, shape, by_combination = group.model, group.batch, group.options, group.shape, group.by_combination
-    table, table_recompute_on, table_tp = by_combination.acts, group.table_recompute_on, group.table_tp
+    table, table_recompute_on = by_combination.acts, group.table_recompute_on
     op_tokens, recompute_on, seq_chunks, static = group.op_tokens, group.recompute_on, group.seq_chunks, group.static
     precision, profile, mtp_kind = batch.precision, options.profile, model.mtp_mlp_kind
     tp, etp, n, patterns = group.tp, batch.etp.astype(float), len(batch), len(shape.reps)
@@ -1140,14 +1140,9 @@ def _working_sets(group: _Group, held: _HeldUntilBackward, split: bool) -> _Work
         # FSDP's expert moment (expert_weight_grad_working): measured on fake tensors, Mixtral's
         # last stage under GPipe, 470 MiB of the rebuilt layer beside the new gradient (-1.62%
         # without them). (Selective recompute's measured rows read over without them already.)
-        table_etp = by_combination.batch.etp.astype(float)
-        token_share = np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp), table_etp / table_tp, 1.0)
-        output_gradient = op_tokens * by_combination.rows(expert_weight_grad_working(
-            model, precision.activation_bytes, table_etp, np.zeros(len(table_etp)), token_share))
+        output_gradient = op_tokens * by_combination.rows(_expert_working_per_token(group, rebuilt=False))
         if not split and full_recompute.any():
-            with_rebuilt = op_tokens * by_combination.rows(expert_weight_grad_working(
-                model, precision.activation_bytes, table_etp, np.where(table_recompute_on, table.rebuilt["moe"], 0.0),
-                token_share))
+            with_rebuilt = op_tokens * by_combination.rows(_expert_working_per_token(group, rebuilt=True))
             output_gradient = np.where(full_recompute, with_rebuilt, output_gradient)
         expert_gradient = (
             2 * local_experts * model.moe_ffn_hidden_size * model.hidden_size / etp * precision.param_bytes
@@ -1208,7 +1203,7 @@ def _fsdp_request(group: _Group, held: _HeldUntilBackward, sharded_rows: np.ndar
     """The FSDP unit moments' arguments (``fsdp._fsdp_unit_phases``) of the group's sharded
     strategies ``sharded_rows``: their inputs per strategy."""
     model, batch, shape, by_combination = group.model, group.batch, group.shape, group.by_combination
-    table, table_recompute_on, table_tp = by_combination.acts, group.table_recompute_on, group.table_tp
+    table, table_recompute_on = by_combination.acts, group.table_recompute_on
     op_tokens, seq_chunks, static = group.op_tokens, group.seq_chunks, group.static
     precision, chunks, vpp = batch.precision, shape.chunks, group.vpp
     grad_bytes = precision.grad_bytes
@@ -1225,7 +1220,6 @@ def _fsdp_request(group: _Group, held: _HeldUntilBackward, sharded_rows: np.ndar
     # fewer (1M mixed DeepSeek-V3 strategies: ~10 passes over each group less).
     # (Per token, a figure of the combinations: worked out on those, gathered to these rows.)
     tokens_at, deferred_at = pick(op_tokens), deferred[sharded_rows]
-    table_etp = by_combination.batch.etp.astype(float)
     table_rebuilt = {kind: np.where(table_recompute_on, table.rebuilt[kind], 0.0) for kind in ("dense", "moe")}
     inputs: dict[str, Any] = dict(
         reduce_bytes=np.where(deferred_at, 0.0, float(grad_bytes)),
@@ -1245,10 +1239,7 @@ def _fsdp_request(group: _Group, held: _HeldUntilBackward, sharded_rows: np.ndar
             * group.options.profile.tp_accumulates_whole_embedding_grad, 0.0),
         expert_elements=pick_static(static.expert_elements),
         unit_grads={kind: pick_static(grads) for kind, grads in static.unit_grads.items()},
-        expert_working=tokens_at * by_combination.rows(expert_weight_grad_working(
-            model, precision.activation_bytes, table_etp, table_rebuilt["moe"],
-            np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp), table_etp / table_tp, 1.0)),
-            sharded_rows),
+        expert_working=tokens_at * by_combination.rows(_expert_working_per_token(group, rebuilt=True), sharded_rows),
         # What an op frees: its micro-batch's, or under Seq1F1B its sub-sequence's, share.
         one_micro_batch=pick(_per_op(per_b_virtual[:, 0], seq_chunks)),
         one_micro_batch_layers=pick(_per_op(layers_held[:, 0], seq_chunks)),
@@ -1265,6 +1256,19 @@ def _fsdp_request(group: _Group, held: _HeldUntilBackward, sharded_rows: np.ndar
         if vpp > ACTIVE_CHUNKS else None,
     )
     return FsdpRequest(shape.placement, shape.full_on_stage, shape.reps, precision.param_gather_bytes, inputs)
+
+
+def _expert_working_per_token(group: _Group, *, rebuilt: bool) -> np.ndarray:
+    """Per combination of the group (``by_combination``'s rows), bytes per token beside a MoE
+    layer's new expert weight gradient (``expert_weight_grad_working``): the output gradient it is
+    computed from, and with ``rebuilt`` the rebuilt expert copies where recompute is on. FSDP's
+    expert moment and the accumulating runtime's both read it."""
+    by_combination, table_tp = group.by_combination, group.table_tp
+    etp = by_combination.batch.etp.astype(float)
+    share = np.where(routes_own_tokens(by_combination.batch.sequence_parallel, table_tp), etp / table_tp, 1.0)
+    rebuilt_moe = (np.where(group.table_recompute_on, by_combination.acts.rebuilt["moe"], 0.0) if rebuilt
+                   else np.zeros(len(etp)))
+    return expert_weight_grad_working(group.model, group.batch.precision.activation_bytes, etp, rebuilt_moe, share)
 
 
 def _kept_inputs_at_end(schedule: str, pp: int, vpp: int, micro_batches: np.ndarray, shape: GroupShape,
