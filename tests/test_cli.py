@@ -787,7 +787,7 @@ def test_estimate_names_the_kernels_its_runtime_prices(capsys):
     code, out, _ = run(base, capsys)
     assert code == 0
     assert ("kernels (pytorch runtime; another runtime with --runtime): elementwise_passes 4.5, expert_gemm grouped, "
-            "optimizer_kernel foreach") in out
+            "optimizer_kernel foreach, tp_overlap_backward 0.5") in out
     code, out, _ = run([*base, "--runtime", "megatron"], capsys)
     assert code == 0 and "kernels (" not in out
 

@@ -127,6 +127,16 @@ class EfficiencyProfile(BaseModel):
     over the EP group and all-gathers them over expert TP; 'allgather' gathers every token of
     the etp x ep group and reduce-scatters the experts' output in fp32 (``layer.py``).
 
+    TP overlap (``OverlapConfig.tp``) hides a pass's TP collectives under its GEMMs; of the
+    backward's, ``tp_overlap_backward`` can hide, the rest stays exposed. 1 for Transformer
+    Engine's userbuffers, which pipeline every one with its GEMM; 0.5 for torch's async TP
+    (Inductor's micro-pipeline pass, the ``pytorch`` runtime's fact): it fuses an all-gather with
+    the matmuls that read its output and a reduce-scatter with the one matmul whose output it
+    takes alone (``fuse_matmul_reduce_scatter`` leaves any other input unfused), so the forward's
+    four collectives of a layer fuse, and of the backward's the two all-gathers of the output
+    gradients, not the two reduce-scatters of the input gradients, each the sum of the q/k/v (or
+    gate/up) projections' input gradients.
+
     Hidden expert all-to-all still costs compute: its kernels hold ``ep_comm_compute_share`` of
     the GPU's SMs while they run, so the compute they hide under loses that share of the
     all-to-all's duration (an all-to-all of X seconds hidden under compute C takes
@@ -203,6 +213,7 @@ class EfficiencyProfile(BaseModel):
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     ep_comm_compute_share: float = Field(default=0.0, ge=0.0, lt=1.0,
                                          description="share of the SMs a hidden expert all-to-all holds")
+    tp_overlap_backward: Fraction = Field(default=1.0, description="share of the backward's TP collectives TP overlap hides")
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
 
@@ -445,7 +456,8 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "moe_capacity_factor",
                    "moe_dispatcher",
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
-                   "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency")
+                   "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
+                   "tp_overlap_backward")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

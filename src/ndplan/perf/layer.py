@@ -856,7 +856,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         replayed_tp = replayed_tp + comm.mla_up_replay
     replays_mlp_tp: Array | float = np.divide(replayed_tp, tp, out=np.zeros(np.shape(tp)), where=np.asarray(tp) > 0)
     tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
-    tp_b = _exposed(tp, gemm["B"] + gemm["W"], ctx.overlap.tp)
+    # The overlap may reach only part of the backward's collectives (EfficiencyProfile.tp_overlap_backward).
+    hideable = eff.tp_overlap_backward
+    tp_b = _exposed(hideable * tp, gemm["B"] + gemm["W"], ctx.overlap.tp) + (1.0 - hideable) * tp
 
     ring_f, ring_b, a2a = comm.ring_f, comm.ring_b, comm.a2a
     # Forward: the ring's n - 1 sends each run under one of its n equal attention steps
