@@ -929,14 +929,14 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # Replayed modules re-run their collectives: the MLP block's TP/SP ones and MLA's
     # up-projection gathers (replays_mlp_tp of the layer's, above); the attention core's CP
     # exchange with core_attn (also Megatron's default policy); the expert dispatch where the
-    # replayed modules include it. Each as a share of the forward's: all of it under full.
+    # replayed modules include it. Each as a share of the forward's (share_*): all of it under full.
     replays_core = "core_attn" in modules or (not modules and eff.selective_recompute == "megatron")
-    replayed_tp = np.where(full, 1.0, np.where(selective, replays_mlp_tp, 0.0))
-    replayed_cp = np.where(full | (selective & replays_core), 1.0, 0.0)
-    replayed_ep = np.where(full | (selective & replays_dispatch), 1.0, 0.0)
-    rc.add("B", "tp", replayed_tp * tp_f)
-    rc.add("B", "cp", replayed_cp * cp_f)
-    rc.add("B", "ep", replayed_ep * ep_f)
+    share_tp = np.where(full, 1.0, np.where(selective, replays_mlp_tp, 0.0))
+    share_cp = np.where(full | (selective & replays_core), 1.0, 0.0)
+    share_ep = np.where(full | (selective & replays_dispatch), 1.0, 0.0)
+    rc.add("B", "tp", share_tp * tp_f)
+    rc.add("B", "cp", share_cp * cp_f)
+    rc.add("B", "ep", share_ep * ep_f)
     # FSDP gathers a layer's shard before its backward and reduce-scatters the gradients after
     # it, while the neighbouring layers' backward runs; the recomputed forward is part of that
     # backward (the hook gathers once, the replay finds the parameters whole), so it hides them too.
@@ -949,8 +949,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # (selective's share as much as full's: a replay that hid FSDP under full alone priced
     # selective recompute above full where FSDP's traffic set the pace).
     stream_f = np.where(by_tp, tp_f, 0.0) + np.where(by_cp, cp_f, 0.0) + np.where(by_ep, ep_f, 0.0)
-    stream_b = (np.where(by_tp, tp_b + replayed_tp * tp_f, 0.0) + np.where(by_cp, cp_b + replayed_cp * cp_f, 0.0)
-                + np.where(by_ep, ep_b + replayed_ep * ep_f, 0.0))
+    stream_b = (np.where(by_tp, tp_b + share_tp * tp_f, 0.0) + np.where(by_cp, cp_b + share_cp * cp_f, 0.0)
+                + np.where(by_ep, ep_b + share_ep * ep_f, 0.0))
     # A collective hidden under the same compute on FSDP's links holds those links meanwhile:
     # that compute covers FSDP for what is left, so that the two together never hide more than
     # the compute lasts (counted apart, a faster device, less cover, exposed both and ran slower).
@@ -962,9 +962,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         ep_hidden_b = paired * paired_hidden_b
     held_f = (np.where(sharing_tp, tp - tp_f, 0.0) + np.where(sharing_cp, ring_f + a2a - cp_f, 0.0)
               + np.where(sharing_ep, ep_hidden_f, 0.0))
-    held_b = (np.where(sharing_tp, tp - tp_b + replayed_tp * (tp - tp_f), 0.0)
-              + np.where(sharing_cp, ring_b + a2a - cp_b + replayed_cp * (ring_f + a2a - cp_f), 0.0)
-              + np.where(sharing_ep, ep_hidden_b + replayed_ep * ep_hidden_f, 0.0))
+    held_b = (np.where(sharing_tp, tp - tp_b + share_tp * (tp - tp_f), 0.0)
+              + np.where(sharing_cp, ring_b + a2a - cp_b + share_cp * (ring_f + a2a - cp_f), 0.0)
+              + np.where(sharing_ep, ep_hidden_b + share_ep * ep_hidden_f, 0.0))
     cover_f = np.maximum(compute_f + stream_f - held_f, 0.0)
     cover_b = np.maximum(compute_b + recomputed_s + stream_b - held_b, 0.0)
     out.add("F", "dp", _exposed(fs_f, cover_f, ctx.overlap.fsdp_prefetch))
