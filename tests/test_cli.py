@@ -787,7 +787,7 @@ def test_estimate_names_the_kernels_its_runtime_prices(capsys):
     code, out, _ = run(base, capsys)
     assert code == 0
     assert ("kernels (pytorch runtime; another runtime with --runtime): elementwise_passes 4.5, expert_gemm grouped, "
-            "optimizer_kernel foreach, tp_overlap_backward 0.5") in out
+            "optimizer_kernel foreach, tp_overlap_backward 0.5, fsdp_stream_copies on") in " ".join(out.split())
     code, out, _ = run([*base, "--runtime", "megatron"], capsys)
     assert code == 0 and "kernels (" not in out
 
@@ -814,13 +814,14 @@ def test_a_calibrated_moe_imbalance_prices_memory_and_time_alike(tmp_path, capsy
 
 
 def test_search_emits_the_fastest_candidate_the_framework_writes_as_priced(capsys):
-    """torchtitan shards with FSDP only: where the fastest candidates use ZeRO-2, --emit writes the
-    first ranked one that reads back as priced, and says which and why; with Megatron, #1."""
+    """torchtitan shards with FSDP only: where the fastest candidates use ZeRO-1 or ZeRO-2, --emit
+    writes the first ranked one that reads back as priced, and says which and why; with
+    Megatron, #1."""
     argv = ["search", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--gbs", "64", "--seq", "8192",
-            "--top", "5", "--json"]
+            "--top", "30", "--json"]
     titan = json.loads(run([*argv, "--emit", "torchtitan", "--precision", "fsdp-bf16"], capsys)[1])
     rank = titan["emitted_rank"]
-    assert rank > 1 and titan["ranked"][0]["strategy"]["zero"] == 2
+    assert rank > 1 and titan["ranked"][0]["strategy"]["zero"] in (1, 2)
     assert titan["emitted_check"]["same"] and titan["ranked"][rank - 1]["strategy"]["zero"] in (0, 3)
     assert titan["emitted_check"]["strategy"] == titan["ranked"][rank - 1]["label"]
     assert any(f"the fastest candidate torchtitan writes as priced is #{rank}" in note for note in titan["notes"])

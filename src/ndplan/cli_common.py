@@ -100,6 +100,11 @@ def inert_flags(args: argparse.Namespace, strategy: Strategy, recompute_chosen: 
     return out
 
 
+def _fact_text(value: Any) -> str:
+    """A kernel fact as the flags write switches: on/off for a yes/no one."""
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chosen: bool = False) -> None:
     """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any,
     and the selective policy and the loss where they are not the runtime's own; of one
@@ -107,7 +112,7 @@ def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chos
     unless the command chooses the recompute, ``recompute_chosen``; the vocabulary-parallel loss
     under TP)."""
     if options.profile.kernels:
-        kernels = ", ".join(f"{name} {value}" for name, value in options.profile.kernels.items())
+        kernels = ", ".join(f"{name} {_fact_text(value)}" for name, value in options.profile.kernels.items())
         console.print(f"kernels ({options.profile.name} runtime; another runtime with --runtime): {kernels}", markup=False)
     if options.torch_compile != "off":
         software = options.time_keywords()["software"]

@@ -193,8 +193,8 @@ class RuntimeProfile:
     #: ``op_keep`` (``MemoryOptions.selective_policy``).
     selective_policies: tuple[str, ...] = ()
     #: Facts about its kernels for the step-time model (``ndplan.perf.efficiency``'s software
-    #: facts: elementwise_passes, expert_gemm, optimizer_kernel, tp_overlap_backward), stated
-    #: beside what it saves.
+    #: facts: elementwise_passes, expert_gemm, optimizer_kernel, tp_overlap_backward,
+    #: fsdp_stream_copies), stated beside what it saves.
     kernels: dict[str, Any] = field(default_factory=dict)
 
 
@@ -294,7 +294,7 @@ def _positive(raw: Any, key: str, source: str) -> float:
 
 
 #: The software facts a profile's ``kernels`` may state (the rest follow from other settings).
-KERNEL_FACTS = ("elementwise_passes", "expert_gemm", "optimizer_kernel", "tp_overlap_backward")
+KERNEL_FACTS = ("elementwise_passes", "expert_gemm", "optimizer_kernel", "tp_overlap_backward", "fsdp_stream_copies")
 
 
 def _kernels(raw: Any, source: str) -> dict[str, Any]:

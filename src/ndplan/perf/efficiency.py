@@ -149,6 +149,17 @@ class EfficiencyProfile(BaseModel):
     fused Adam, torch's fused=True); 'foreach' is torch.optim.AdamW(foreach=True), eight
     multi-tensor kernels that each read and write whole tensors (step.py counts their bytes).
 
+    FSDP's copies: ``fsdp_stream_copies`` (FSDP2, the ``pytorch`` runtime's fact) copies each
+    gathered unit out of its all-gather buffer into the parameters (``split_with_sizes_copy``,
+    2·g bytes an element, g the gather width) and each unsharded gradient into the
+    reduce-scatter buffer, cast to the reduce dtype (``chunk_cat``, a + r bytes: the gradient's
+    activation width and the reduce width), both on the compute stream (``foreach_all_gather_copy_out``
+    waits for the gather there; ``foreach_reduce`` copies in before handing over to the
+    reduce-scatter stream, so that the gradients can be freed): memory-bound seconds on the pass
+    that gathers or reduces, which nothing hides. Megatron-FSDP gathers into the parameters'
+    own buffers. (Under a pipeline that defers the reduce, the copies of its once-a-run gathers
+    and reduces are not priced: a run's, against m micro-batches of compute.)
+
     FSDP under a pipeline: ``pipeline_defers_fsdp_reduce`` (torch.distributed.pipelining, the
     ``pytorch`` runtime's fact) runs every micro-batch's backward without gradient sync or
     resharding and reduces each chunk's gradients once, after its last backward
@@ -214,6 +225,7 @@ class EfficiencyProfile(BaseModel):
     ep_comm_compute_share: float = Field(default=0.0, ge=0.0, lt=1.0,
                                          description="share of the SMs a hidden expert all-to-all holds")
     tp_overlap_backward: Fraction = Field(default=1.0, description="share of the backward's TP collectives TP overlap hides")
+    fsdp_stream_copies: bool = False
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
 
@@ -457,7 +469,7 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "m
                    "moe_dispatcher",
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
-                   "tp_overlap_backward")
+                   "tp_overlap_backward", "fsdp_stream_copies")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

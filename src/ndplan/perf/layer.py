@@ -667,6 +667,39 @@ def _fsdp_pass_seconds(
     return (forward, np.where(groups.regathered, ag, 0.0), np.where(groups.per_micro_batch, rs, 0.0))
 
 
+def _fsdp_copy_seconds(
+    ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float, groups: FsdpGroups | None = None,
+) -> tuple[Array | float, Array | float, Array | float]:
+    """(forward, backward gather, backward reduce) seconds FSDP2's copies take on the compute
+    stream per micro-batch (``EfficiencyProfile.fsdp_stream_copies``; 0 elsewhere), with the
+    gathers and reduces ``_fsdp_pass_seconds`` prices: a gather's copy-out 2·g·P bytes, a
+    reduce's copy-in (a + r)·P bytes, P the unit's parameters per device where its shard group
+    has more than one rank, at the HBM rate. ZeRO-2, which reduce-scatters every micro-batch
+    unit by unit as FSDP does (``step._dp_seconds``), copies its gradients in likewise."""
+    if not ctx.eff.fsdp_stream_copies:
+        return 0.0, 0.0, 0.0
+    groups = groups or fsdp_groups(ctx, cols)
+    t, e, x = groups.degrees or (cols["tp"], cols["ep"], cols["etp"])
+    sharded = (np.where(groups.shard > 1, non_expert.per_rank(t), 0.0)
+               + (np.where(groups.expert_shard > 1, expert / (e * x), 0.0) if expert else 0.0))
+    hbm = ctx.rates.hbm_rate
+    precision = ctx.precision
+    copy_out = groups.spread(sharded * 2.0 * precision.param_gather_bytes / hbm)
+    copy_in = groups.spread(sharded * (precision.activation_bytes + precision.grad_bytes) / hbm)
+    reduces = groups.per_micro_batch | (cols["zero"] == 2)
+    return (np.where(groups.per_micro_batch, copy_out, 0.0), np.where(groups.regathered, copy_out, 0.0),
+            np.where(reduces, copy_in, 0.0))
+
+
+def _add_fsdp_copies(piece: PieceTimes, ctx: LayerContext, cols: dict[str, Array], params: TpSplit,
+                     groups: FsdpGroups | None) -> None:
+    """Add to ``piece``'s compute the FSDP copies (``_fsdp_copy_seconds``) of a unit of
+    ``params`` without experts: the forward gather's, the backward's gather and reduce."""
+    forward, gather, reduce = _fsdp_copy_seconds(ctx, cols, params, 0.0, groups)
+    piece.add("F", "compute", forward)
+    piece.add("B", "compute", gather + reduce)
+
+
 def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[tuple[Array, Array, Array],
                                                                               tuple[Array, Array, Array]]:
     """How the main stream's TP, CP and EP collectives stand to FSDP's transfers, as two triples
@@ -974,6 +1007,10 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     together = _exposed(fs_gather_b + fs_reduce_b, cover_b + compute_w, ctx.overlap.fsdp_prefetch)
     out.add("B", "dp", np.where(split, _exposed(fs_gather_b, cover_b, ctx.overlap.fsdp_prefetch), together))
     out.add("W", "dp", np.where(split, _exposed(fs_reduce_b, compute_w, ctx.overlap.fsdp_prefetch), 0.0))
+    copy_f, copy_gather_b, copy_reduce_b = _fsdp_copy_seconds(ctx, cols, non_expert, expert, fsdp)
+    out.add("F", "compute", copy_f)
+    out.add("B", "compute", copy_gather_b + np.where(split, 0.0, copy_reduce_b))
+    out.add("W", "compute", np.where(split, copy_reduce_b, 0.0))
     if ctx.weight_grad_rebuilds:
         # A split backward's W calls autograd once per parameter group, and each call replays
         # the checkpointed layer's forward: G more forwards per layer and micro-batch (traced
@@ -1048,6 +1085,7 @@ def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, fsd
     fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     out.add("F", "dp", _exposed(fs_f, 0.0, False))
     out.add("B", "dp", _exposed(fs_b, backward_s, ctx.overlap.fsdp_prefetch))
+    _add_fsdp_copies(out, ctx, cols, table, fsdp)
     return out
 
 
@@ -1067,6 +1105,7 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
     out = PieceTimes()
     out.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
     out.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
+    _add_fsdp_copies(out, ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), fsdp)
     return out
 
 
@@ -1121,6 +1160,7 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     one.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
     one.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
+    _add_fsdp_copies(one, ctx, cols, table, fsdp)
 
     out = PieceTimes()
     out.scaled_add(one, 1.0)
