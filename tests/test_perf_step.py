@@ -1589,26 +1589,39 @@ def test_chunk_seconds_by_stage_are_the_chunk_seconds_transposed():
         assert np.all(ft > 0)
 
 
-def test_torch_async_tp_hides_half_the_backward_tp_collectives():
+def test_torch_async_tp_hides_the_backward_all_gathers_alone():
     """Torch's async TP (Inductor's micro-pipeline pass) fuses a reduce-scatter only with the one
     matmul feeding it: the backward's input-gradient reduce-scatters, each fed the sum of the
-    q/k/v (gate/up) projections' input gradients, stay exposed, half the backward's collectives
-    (``tp_overlap_backward`` 0.5, the pytorch runtime's fact). A layer of Llama-3.1-8B over TP 8
-    with SP at 2,048 tokens moves per pass two all-gathers and two reduce-scatters of
-    A = 2048·4096·2 bytes, 4·(7·3 µs + 7/8·A/360e9) = 247 µs, under a backward GEMM of ~0.3 ms:
-    Transformer Engine's overlap hides it all, torch's leaves the two reduce-scatters, 124 µs.
-    The forward's four fuse under either."""
+    q/k/v (gate/up) projections' input gradients, stay exposed; its all-gathers hide
+    (``tp_overlap_backward`` all-gathers, the pytorch runtime's fact). A layer of Llama-3.1-8B
+    over TP 8 with SP at 2,048 tokens moves per pass two all-gathers and two reduce-scatters of
+    A = 2048·4096·2 bytes, each 7·3 µs + 7/8·A/360e9 = 61.8 µs, under a backward GEMM of ~0.3 ms:
+    Transformer Engine's overlap hides them all, torch's leaves the two reduce-scatters, 124 µs.
+    With torchtitan's float8 TP styles (``fp8_tp_gather``, fp8 compute) the all-gathers move
+    1 byte an element, 7·3 µs + 7/8·A/2/360e9 = 41.4 µs each, in both passes; the
+    reduce-scatters stay at 2."""
     activation = 2048 * 4096 * 2
-    per_pass = 4 * (7 * NVLINK_LATENCY + 7 / 8 * activation / NVLINK)
+    gather, half_gather = (7 * NVLINK_LATENCY + 7 / 8 * activation * share / NVLINK for share in (1.0, 0.5))
     strategies = [Strategy(tp=8, sequence_parallel=True, seq_length=2048)]
     te = _pieces(LLAMA8, strategies, 8, overlap=OverlapConfig(tp=True))["dense"]
     torch_tp = _pieces(LLAMA8, strategies, 8, overlap=OverlapConfig(tp=True),
-                       software={"tp_overlap_backward": 0.5})["dense"]
-    plain = _pieces(LLAMA8, strategies, 8, software={"tp_overlap_backward": 0.5})["dense"]
-    assert plain[("B", "tp")][0] == pytest.approx(per_pass, rel=1e-12)  # no overlap: the share changes nothing
+                       software={"tp_overlap_backward": "all-gathers"})["dense"]
+    plain = _pieces(LLAMA8, strategies, 8, software={"tp_overlap_backward": "all-gathers"})["dense"]
+    assert plain[("B", "tp")][0] == pytest.approx(4 * gather, rel=1e-12)  # no overlap: the choice changes nothing
     assert te[("B", "tp")][0] == 0.0
-    assert torch_tp[("B", "tp")][0] == pytest.approx(per_pass / 2, rel=1e-12)
+    assert torch_tp[("B", "tp")][0] == pytest.approx(2 * gather, rel=1e-12)
     assert torch_tp[("F", "tp")][0] == te[("F", "tp")][0]
+    fp8 = [Strategy(tp=8, sequence_parallel=True, seq_length=2048, precision="megatron-fp8")]
+    bf16_gathers = _pieces(LLAMA8, fp8, 8)["dense"]
+    fp8_gathers = _pieces(LLAMA8, fp8, 8, software={"fp8_tp_gather": True})["dense"]
+    for pass_ in ("F", "B"):
+        assert bf16_gathers[(pass_, "tp")][0] == pytest.approx(4 * gather, rel=1e-12)
+        assert fp8_gathers[(pass_, "tp")][0] == pytest.approx(2 * gather + 2 * half_gather, rel=1e-12)
+    bf16_compute = _pieces(LLAMA8, strategies, 8, software={"fp8_tp_gather": True})["dense"]
+    assert bf16_compute[("F", "tp")][0] == pytest.approx(4 * gather, rel=1e-12)  # gathers fp8 under fp8 compute alone
+    exposed = _pieces(LLAMA8, fp8, 8, overlap=OverlapConfig(tp=True),
+                      software={"fp8_tp_gather": True, "tp_overlap_backward": "all-gathers"})["dense"]
+    assert exposed[("B", "tp")][0] == pytest.approx(2 * gather, rel=1e-9)  # the reduce-scatters, at full width
 
 
 def test_fsdp2_copies_its_units_on_the_compute_stream():

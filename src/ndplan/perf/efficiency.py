@@ -128,14 +128,20 @@ class EfficiencyProfile(BaseModel):
     the etp x ep group and reduce-scatters the experts' output in fp32 (``layer.py``).
 
     TP overlap (``OverlapConfig.tp``) hides a pass's TP collectives under its GEMMs; of the
-    backward's, ``tp_overlap_backward`` can hide, the rest stays exposed. 1 for Transformer
-    Engine's userbuffers, which pipeline every one with its GEMM; 0.5 for torch's async TP
-    (Inductor's micro-pipeline pass, the ``pytorch`` runtime's fact): it fuses an all-gather with
-    the matmuls that read its output and a reduce-scatter with the one matmul whose output it
-    takes alone (``fuse_matmul_reduce_scatter`` leaves any other input unfused), so the forward's
-    four collectives of a layer fuse, and of the backward's the two all-gathers of the output
-    gradients, not the two reduce-scatters of the input gradients, each the sum of the q/k/v (or
-    gate/up) projections' input gradients.
+    backward's, those ``tp_overlap_backward`` names, the rest stays exposed. 'all' for
+    Transformer Engine's userbuffers, which pipeline every one with its GEMM; 'all-gathers' for
+    torch's async TP (Inductor's micro-pipeline pass, the ``pytorch`` runtime's fact): it fuses an
+    all-gather with the matmuls that read its output and a reduce-scatter with the one matmul
+    whose output it takes alone (``fuse_matmul_reduce_scatter`` leaves any other input unfused),
+    so the forward's four collectives of a layer fuse, and of the backward's the two all-gathers
+    of the output gradients, not the two reduce-scatters of the input gradients, each the sum of
+    the q/k/v (or gate/up) projections' input gradients.
+
+    ``fp8_tp_gather`` (torchtitan's float8 TP styles, the ``pytorch`` runtime's fact): under an
+    fp8 compute dtype the sequence-parallel all-gathers move fp8, 1 byte an element, in both
+    passes (torchao's PrepareFloat8ModuleInput casts a block's input before gathering it, and
+    Float8RowwiseParallel casts the output gradient before its backward all-gather); the
+    reduce-scatters stay at activation width.
 
     Hidden expert all-to-all still costs compute: its kernels hold ``ep_comm_compute_share`` of
     the GPU's SMs while they run, so the compute they hide under loses that share of the
@@ -224,8 +230,9 @@ class EfficiencyProfile(BaseModel):
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     ep_comm_compute_share: float = Field(default=0.0, ge=0.0, lt=1.0,
                                          description="share of the SMs a hidden expert all-to-all holds")
-    tp_overlap_backward: Fraction = Field(default=1.0, description="share of the backward's TP collectives TP overlap hides")
+    tp_overlap_backward: Literal["all", "all-gathers"] = "all"
     fsdp_stream_copies: bool = False
+    fp8_tp_gather: bool = False
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
 
@@ -469,7 +476,7 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "m
                    "moe_dispatcher",
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
-                   "tp_overlap_backward", "fsdp_stream_copies")
+                   "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

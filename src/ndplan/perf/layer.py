@@ -287,13 +287,36 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
     return matmuls + softmax, 2.0 * (matmuls + softmax)
 
 
+def tp_gather_share(ctx: LayerContext) -> float:
+    """Width of TP's sequence-parallel all-gathers over the activation's: 1 byte over the
+    activation width where the runtime gathers fp8 GEMM inputs (``EfficiencyProfile.fp8_tp_gather``
+    under an fp8 compute dtype), else 1."""
+    if ctx.eff.fp8_tp_gather and ctx.precision.compute_dtype == "fp8":
+        return 1.0 / ctx.precision.activation_bytes
+    return 1.0
+
+
+def tp_gather_part(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Array | float:
+    """The all-gathers' part of a pass's TP seconds: of a sequence-parallel pair of the
+    activation A (all-gather at ``tp_gather_share`` of its width, reduce-scatter), the gather's
+    seconds over the pair's; without SP (all-reduces) half."""
+    t = cols["tp"]
+    link = group_link(t, 1.0, ctx.fabric, "ring")
+    activation = sh.tokens * ctx.model.hidden_size * ctx.precision.activation_bytes
+    gather = coll.all_gather_s(activation * tp_gather_share(ctx), t, link)
+    pair = gather + coll.reduce_scatter_s(activation, t, link)
+    return np.where(cols["sequence_parallel"] > 0, np.divide(gather, pair, out=np.zeros(np.shape(pair)),
+                                                             where=np.asarray(pair) > 0), 0.5)
+
+
 def _tp_seconds(ctx: LayerContext, cols: dict[str, Array], activation: Array | float, collectives: float) -> Array | float:
-    """Forward (= backward) TP seconds of ``collectives`` all-reduce-equivalents of ``activation``."""
+    """Forward (= backward) TP seconds of ``collectives`` all-reduce-equivalents of ``activation``:
+    under SP each an all-gather (at ``tp_gather_share`` of the width) and a reduce-scatter."""
     t = cols["tp"]
     link = group_link(t, 1.0, ctx.fabric, "ring")
     sp = cols["sequence_parallel"] > 0
     ar = coll.all_reduce_s(activation, t, link)
-    ag_rs = coll.all_gather_s(activation, t, link) + coll.reduce_scatter_s(activation, t, link)
+    ag_rs = coll.all_gather_s(activation * tp_gather_share(ctx), t, link) + coll.reduce_scatter_s(activation, t, link)
     return collectives * np.where(sp, ag_rs, ar)
 
 
@@ -889,9 +912,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         replayed_tp = replayed_tp + comm.mla_up_replay
     replays_mlp_tp: Array | float = np.divide(replayed_tp, tp, out=np.zeros(np.shape(tp)), where=np.asarray(tp) > 0)
     tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
-    # The overlap may reach only part of the backward's collectives (EfficiencyProfile.tp_overlap_backward).
-    hideable = eff.tp_overlap_backward
-    tp_b = _exposed(hideable * tp, gemm["B"] + gemm["W"], ctx.overlap.tp) + (1.0 - hideable) * tp
+    # The overlap may reach the backward's all-gathers alone (EfficiencyProfile.tp_overlap_backward).
+    gathers = tp * (tp_gather_part(ctx, bc, bsh) if eff.tp_overlap_backward == "all-gathers" else 1.0)
+    tp_b = _exposed(gathers, gemm["B"] + gemm["W"], ctx.overlap.tp) + (tp - gathers)
 
     ring_f, ring_b, a2a = comm.ring_f, comm.ring_b, comm.a2a
     # Forward: the ring's n - 1 sends each run under one of its n equal attention steps

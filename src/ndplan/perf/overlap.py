@@ -32,8 +32,8 @@ class OverlapConfig(BaseModel):
         ring's ranks (its n-1 sends each run under one of n equal steps, the last step has
         none), in the backward all of it (a send under each of its n steps).
     tp: tensor-parallel collectives overlap with the GEMMs they feed (Transformer Engine
-        userbuffers / async TP); off by default, as in a plain launch. Of the backward's, the
-        share ``EfficiencyProfile.tp_overlap_backward`` (a runtime's fact) can hide.
+        userbuffers / async TP); off by default, as in a plain launch. Of the backward's, those
+        ``EfficiencyProfile.tp_overlap_backward`` names (a runtime's fact) hide.
     ep: expert all-to-all overlaps with other compute. None (default) means "on exactly under
         DualPipeV", whose overlapped F&B steps exist to hide it.
     ep_dispatch: how the expert all-to-all crosses nodes. 'all_to_all' (Megatron's alltoall

@@ -380,8 +380,8 @@ def _communication_lines(r: TimeReport) -> list[str]:
             f"TP per {'dense ' if moe_apart else ''}layer and pass: 2 × {kind} of A = (b·s/c)·h·"
             f"{prec.activation_bytes} B = {activation / 1e6:,.1f} MB over tp={s.tp} ({_link_text(s.tp, 1, fabric)}); "
             f"overlap {'on' if r.overlap.tp else 'off'}"
-            + (f" (in the backward on {r.efficiency.tp_overlap_backward:g} of them, the runtime's tp_overlap_backward)"
-               if r.overlap.tp and r.efficiency.tp_overlap_backward < 1 else "")
+            + (" (in the backward on the all-gathers alone, the runtime's tp_overlap_backward)"
+               if r.overlap.tp and r.efficiency.tp_overlap_backward == "all-gathers" else "")
         )
     if moe_apart and (s.tp > 1 or s.etp > 1):
         parts = []
