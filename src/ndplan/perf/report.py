@@ -378,8 +378,10 @@ def _communication_lines(r: TimeReport) -> list[str]:
         kind = "all-gather + reduce-scatter" if s.sequence_parallel else "all-reduce"
         out.append(
             f"TP per {'dense ' if moe_apart else ''}layer and pass: 2 × {kind} of A = (b·s/c)·h·"
-            f"{prec.activation_bytes} B = {activation / 1e6:,.1f} MB over tp={s.tp} ({_link_text(s.tp, 1, fabric)}); "
-            f"overlap {'on' if r.overlap.tp else 'off'}"
+            f"{prec.activation_bytes} B = {activation / 1e6:,.1f} MB over tp={s.tp} ({_link_text(s.tp, 1, fabric)}"
+            + ("; the all-gathers in fp8, 1 B an element: the runtime's fp8_tp_gather"
+               if s.sequence_parallel and r.efficiency.fp8_tp_gather and prec.compute_dtype == "fp8" else "")
+            + f"); overlap {'on' if r.overlap.tp else 'off'}"
             + (" (in the backward on the all-gathers alone, the runtime's tp_overlap_backward)"
                if r.overlap.tp and r.efficiency.tp_overlap_backward == "all-gathers" else "")
         )
