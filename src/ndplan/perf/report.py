@@ -449,5 +449,13 @@ def _communication_lines(r: TimeReport) -> list[str]:
             line += f"; experts over {expert_ranks} ranks at stride ep·etp"
             if expert_ranks > 1:
                 line += f" ({_link_text(float(expert_ranks), s.ep * s.etp, fabric)})"
+        if r.efficiency.fsdp_stream_copies and (s.zero >= 2 or s.fsdp):
+            prec = s.precision
+            copied = [f"each gradient into the reduce-scatter buffer cast to the reduce dtype "
+                      f"({prec.activation_bytes:g} + {prec.grad_bytes:g} B an element)"]
+            if s.zero >= 3 or s.fsdp:
+                copied.insert(0, f"each gathered unit out of its buffer (2·{prec.param_gather_bytes:g} B an element)")
+            line += (f"; copies on the compute stream at the HBM rate: {' and '.join(copied)} "
+                     "(FSDP2, the runtime's fsdp_stream_copies)")
         out.append(line)
     return out
