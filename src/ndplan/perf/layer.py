@@ -296,15 +296,22 @@ def tp_gather_share(ctx: LayerContext) -> float:
     return 1.0
 
 
-def tp_gather_part(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Array | float:
-    """The all-gathers' part of a pass's TP seconds: of a sequence-parallel pair of the
-    activation A (all-gather at ``tp_gather_share`` of its width, reduce-scatter), the gather's
-    seconds over the pair's; without SP (all-reduces) half."""
+def _sp_pair_seconds(ctx: LayerContext, cols: dict[str, Array], activation: Array | float
+                     ) -> tuple[Array | float, Array | float]:
+    """(all-gather, reduce-scatter) seconds of one sequence-parallel pair of ``activation`` over
+    the TP group, the gather at ``tp_gather_share`` of the width."""
     t = cols["tp"]
     link = group_link(t, 1.0, ctx.fabric, "ring")
-    activation = sh.tokens * ctx.model.hidden_size * ctx.precision.activation_bytes
-    gather = coll.all_gather_s(activation * tp_gather_share(ctx), t, link)
-    pair = gather + coll.reduce_scatter_s(activation, t, link)
+    return (coll.all_gather_s(activation * tp_gather_share(ctx), t, link),
+            coll.reduce_scatter_s(activation, t, link))
+
+
+def tp_gather_part(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Array | float:
+    """The all-gathers' part of a pass's TP seconds: of a sequence-parallel pair of the
+    activation A (``_sp_pair_seconds``), the gather's seconds over the pair's; without SP
+    (all-reduces) half."""
+    gather, scatter = _sp_pair_seconds(ctx, cols, sh.tokens * ctx.model.hidden_size * ctx.precision.activation_bytes)
+    pair = gather + scatter
     return np.where(cols["sequence_parallel"] > 0, np.divide(gather, pair, out=np.zeros(np.shape(pair)),
                                                              where=np.asarray(pair) > 0), 0.5)
 
@@ -313,11 +320,10 @@ def _tp_seconds(ctx: LayerContext, cols: dict[str, Array], activation: Array | f
     """Forward (= backward) TP seconds of ``collectives`` all-reduce-equivalents of ``activation``:
     under SP each an all-gather (at ``tp_gather_share`` of the width) and a reduce-scatter."""
     t = cols["tp"]
-    link = group_link(t, 1.0, ctx.fabric, "ring")
     sp = cols["sequence_parallel"] > 0
-    ar = coll.all_reduce_s(activation, t, link)
-    ag_rs = coll.all_gather_s(activation * tp_gather_share(ctx), t, link) + coll.reduce_scatter_s(activation, t, link)
-    return collectives * np.where(sp, ag_rs, ar)
+    ar = coll.all_reduce_s(activation, t, group_link(t, 1.0, ctx.fabric, "ring"))
+    gather, scatter = _sp_pair_seconds(ctx, cols, activation)
+    return collectives * np.where(sp, gather + scatter, ar)
 
 
 def _cp_seconds(
