@@ -1624,6 +1624,30 @@ def test_torch_async_tp_hides_the_backward_all_gathers_alone():
     assert exposed[("B", "tp")][0] == pytest.approx(2 * gather, rel=1e-9)  # the reduce-scatters, at full width
 
 
+def test_expert_bias_adds_cost_their_bytes_by_the_runtimes_code():
+    """gpt-oss's routed experts carry biases; how they are added is the runtime's
+    (``expert_bias_add``). gpt-oss-20b over EP 8 at micro-batch 2 of 4,096 tokens: the device
+    receives R = 8192·4 = 32,768 routed rows, the gate/up output 2·2880 = 5,760 wide, the down
+    output 2,880. Per element (bf16, β = 2): 'repeat' (torchtitan) 8 bytes forward and 2
+    backward on both; 'split-cat' (NeMo AutoModel) the same on gate/up and, the down bias
+    weighted by fp32 probabilities, 2β + 24 = 28 forward and 2β + 32 = 36 backward. On an H100
+    at 3.35e12·0.8 B/s. 'fused' and a model without expert biases cost nothing."""
+    gpt_oss = get_preset("gpt-oss-20b")
+    rows, up, down, rate = 8192 * 4, 5760, 2880, 3.35e12 * 0.8
+    strategies = [Strategy(dp=8, ep=8, micro_batch_size=2, seq_length=4096)]
+    fused = _pieces(gpt_oss, strategies, 8, software={"expert_bias_add": "fused"})["moe"]
+    for kernel, ((up_f, up_b), (down_f, down_b)) in {"repeat": ((8, 2), (8, 2)),
+                                                      "split-cat": ((8, 2), (28, 36))}.items():
+        added = _pieces(gpt_oss, strategies, 8, software={"expert_bias_add": kernel})["moe"]
+        for pass_, per_up, per_down in (("F", up_f, down_f), ("B", up_b, down_b)):
+            extra = added[(pass_, "compute")][0] - fused[(pass_, "compute")][0]
+            assert extra == pytest.approx(rows * (up * per_up + down * per_down) / rate, rel=1e-9)
+    unbiased = get_preset("qwen3-30b-a3b")
+    plain = [Strategy(dp=8, ep=8, seq_length=4096)]
+    assert (_pieces(unbiased, plain, 8, software={"expert_bias_add": "split-cat"})["moe"][("B", "compute")][0]
+            == _pieces(unbiased, plain, 8, software={"expert_bias_add": "fused"})["moe"][("B", "compute")][0])
+
+
 def test_fsdp2_copies_its_units_on_the_compute_stream():
     """FSDP2 copies a gathered unit out of its all-gather buffer (2·g bytes an element) and a
     gradient into the reduce-scatter buffer, cast to the reduce dtype (a + r bytes), on the

@@ -143,6 +143,16 @@ class EfficiencyProfile(BaseModel):
     Float8RowwiseParallel casts the output gradient before its backward all-gather); the
     reduce-scatters stay at activation width.
 
+    Routed experts' biases (gpt-oss): ``expert_bias_add`` says how the runtime adds them,
+    memory-bound bytes per element of the expert projections' outputs that each way moves
+    (``memory_ops.EXPERT_BIAS_BYTES``): 'fused' in the GEMM's epilogue (Transformer Engine's
+    grouped linear; no bytes of its own), 'repeat' as torchtitan does (the bias repeated to
+    every routed row, then added; the ``pytorch`` runtime's fact), 'split-cat' as NeMo
+    AutoModel's DeepEP experts do (the output split per expert, each piece added to its bias,
+    the pieces concatenated; the down projection's bias weighted by the fp32 routing
+    probabilities first, so its sum and concatenation run in fp32). Counted op by op, not
+    multiplied by ``elementwise_passes``.
+
     Hidden expert all-to-all still costs compute: its kernels hold ``ep_comm_compute_share`` of
     the GPU's SMs while they run, so the compute they hide under loses that share of the
     all-to-all's duration (an all-to-all of X seconds hidden under compute C takes
@@ -233,6 +243,7 @@ class EfficiencyProfile(BaseModel):
     tp_overlap_backward: Literal["all", "all-gathers"] = "all"
     fsdp_stream_copies: bool = False
     fp8_tp_gather: bool = False
+    expert_bias_add: Literal["fused", "repeat", "split-cat"] = "fused"
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
 
@@ -476,7 +487,7 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "m
                    "moe_dispatcher",
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
-                   "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather")
+                   "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather", "expert_bias_add")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

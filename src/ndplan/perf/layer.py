@@ -82,6 +82,7 @@ from ndplan.perf.flops import (
 from ndplan.perf.gemm import PASS_NAMES, ComputeRates, gemm_pass_seconds, gemm_seconds, gemms_seconds
 from ndplan.perf.memory_ops import (
     embedding_bytes,
+    expert_bias_bytes,
     head_bytes,
     layer_bytes,
     module_replay_bytes,
@@ -852,8 +853,13 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     ew_bytes, ew_rc_bytes = layer_bytes(model, bsh, bc["sequence_parallel"], kind, beta, sort, gathers)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
+    bias_f: Array | float = 0.0
+    bias_b: Array | float = 0.0
+    if kind == "moe":  # the routed experts' bias adds, counted op by op (EfficiencyProfile)
+        bias_f, bias_b = (moved / rates.hbm_rate for moved in expert_bias_bytes(
+            model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor))
     overhead = eff.layer_overhead_s
-    gpu_f = gemm["F"] + cast_f + attn_f + ew_f + overhead
+    gpu_f = gemm["F"] + cast_f + attn_f + ew_f + bias_f + overhead
     host_f: Array | float = eff.host_layer_s
     host_b: Array | float = eff.host_layer_s
     floor_f: Array | float = host_f
@@ -873,7 +879,7 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
 
     # The GPU cannot run a layer faster than the host enqueues it (see EfficiencyProfile).
     compute_f = np.maximum(gpu_f, floor_f)
-    compute_b = np.maximum(gemm["B"] + cast_b + attn_b + 2.0 * ew_f + overhead, host_b)
+    compute_b = np.maximum(gemm["B"] + cast_b + attn_b + 2.0 * ew_f + bias_b + overhead, host_b)
     compute_w = gemm["W"]
 
     return _LayerCompute(gemms, forward_of, gemm, attn_f, attn_b, ew_f, ew_rc, host_f, compute_f, compute_b, compute_w)

@@ -39,6 +39,22 @@ Output head + loss: the vocab-parallel cross-entropy reads the bf16 logits, work
 the logits' own dtype (``loss_upcast`` off) reads 2, writes 2, reads 2 -> 6.
 Embedding: gather, read + write h per token forward; the backward scatter-adds into an fp32
 gradient (read 2, read-modify-write 4 + 4) -> 10 bytes per element.
+Routed experts' biases (gpt-oss), by ``EfficiencyProfile.expert_bias_add``, per element of a
+projection's output (gate/up: R rows of w_1 = (2 if gated else 1)·f_e/etp; down: R rows of h;
+R = (T·k/t)·etp received rows), β the activation width:
+* 'fused': in the GEMM's epilogue, its gradient in the cast kernels (Transformer Engine's
+  grouped linear) -> 0.
+* 'repeat' (torchtitan's experts): the bias repeat_interleave'd to the rows (write β) and added
+  (read 2β, write β) -> 4β forward; the backward sums the gradient per expert (read β) -> β.
+  Both projections alike.
+* 'split-cat' (NeMo AutoModel's DeepEP experts, ``_apply_bias``): the output split per expert,
+  each piece added to its bias and the pieces concatenated. Gate/up: add (read β, write β), cat
+  (read β, write β) -> 4β forward, the bias gradient's sum β backward. Down: the bias is
+  weighted by the dispatcher's fp32 routing probabilities first, so the sum is fp32: b·p
+  (write 4), t + b·p (read β + 4, write 4), cat (read 4, write 4), cast back (read 4, write β)
+  -> 2β + 24 forward; backward: the cast's gradient up to fp32 (read β, write 4) and down again
+  for t (read 4, write β), the gradients of b and p (each a product, read 4 write 4, and a sum,
+  read 4) -> 2β + 32.
 """
 
 from __future__ import annotations
@@ -73,6 +89,34 @@ CHUNK_SORT_PASSES = 4.0
 #: fp32 cast read 2 + write 4) and over the rank's own rows (cast back: read 4, write 2).
 ALLGATHER_GATHERED_BYTES = 8.0
 ALLGATHER_OWN_BYTES = 6.0
+
+
+#: Bytes per element of a routed expert projection's output that its bias add moves, by
+#: ``EfficiencyProfile.expert_bias_add`` (module docstring): for (gate/up, down), (forward,
+#: backward), each (bytes per activation byte β, fixed bytes).
+EXPERT_BIAS_BYTES: dict[str, tuple[tuple[tuple[float, float], tuple[float, float]], ...]] = {
+    "fused": (((0.0, 0.0), (0.0, 0.0)), ((0.0, 0.0), (0.0, 0.0))),
+    "repeat": (((4.0, 0.0), (1.0, 0.0)), ((4.0, 0.0), (1.0, 0.0))),
+    "split-cat": (((4.0, 0.0), (1.0, 0.0)), ((2.0, 24.0), (2.0, 32.0))),
+}
+
+
+def expert_bias_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kernel: str,
+                      routed_factor: float = 1.0) -> tuple[Array | float, Array | float]:
+    """(forward, backward) bytes of one MoE layer's routed-expert bias adds on a device, per
+    micro-batch: R·(w_1·up + h·down), R = (T·k/t)·etp·routed_factor received rows (the busiest
+    rank's), w_1 = gate_factor·f_e/etp (module docstring). 0 for a model without expert biases."""
+    if not model.expert_bias:
+        return 0.0, 0.0
+    (up_f, up_b), (down_f, down_b) = EXPERT_BIAS_BYTES[kernel]
+    rows = sh.tokens * model.num_experts_per_tok / sh.tp * sh.etp * routed_factor
+    up_width = (2.0 if model.gated_mlp else 1.0) * model.moe_ffn_hidden_size / sh.etp
+    h = model.hidden_size
+
+    def moved(up: tuple[float, float], down: tuple[float, float]) -> Array | float:
+        return rows * (up_width * (up[0] * act_bytes + up[1]) + h * (down[0] * act_bytes + down[1]))
+
+    return moved(up_f, down_f), moved(up_b, down_b)
 
 
 def norm_tokens(sh: Sharding, sp: Array | float) -> Array | float:

@@ -31,6 +31,7 @@ from ndplan.perf.layer import (
     piece_times,
     token_reach,
 )
+from ndplan.perf.memory_ops import expert_bias_bytes
 from ndplan.perf.overlap import OverlapConfig
 from ndplan.perf.step import (
     compute_rates,
@@ -279,6 +280,7 @@ def explain_lines(r: TimeReport) -> list[str]:
     if model.is_moe:
         lines.append(
             f"routed experts: {'one grouped GEMM kernel for all local experts (no per-expert cost)' if r.efficiency.expert_gemm == 'grouped' else f'a GEMM per local expert: + {r.efficiency.expert_gemm_latency_s * 1e6:g} µs each per GEMM and pass, host {r.efficiency.host_expert_s * 1e6:g} µs each per forward'}"
+            + _expert_bias_text(r, sh, rates.hbm_rate)
         )
     for kind in sorted(set(model.layer_mlp_kinds)):
         gemms = layer_gemms(model, sh, kind)  # type: ignore[arg-type]
@@ -344,6 +346,19 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"{r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_device:,.0f} per device)",
     ]
     return lines
+
+
+def _expert_bias_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
+    """What the routed experts' bias adds cost a MoE layer's micro-batch (``memory_ops.expert_bias_bytes``)."""
+    model, kernel = r.model, r.efficiency.expert_bias_add
+    if not model.expert_bias:
+        return ""
+    if kernel == "fused":
+        return "; expert biases in the GEMMs' epilogue (expert_bias_add fused: no bytes of their own)"
+    forward, backward = (float(np.asarray(v).reshape(-1)[0]) for v in expert_bias_bytes(
+        model, sh, r.strategy.precision.activation_bytes, kernel, r.efficiency.routed_token_factor))
+    return (f"; expert biases added apart (expert_bias_add {kernel}): {forward / 1e9:,.2f} GB forward, "
+            f"{backward / 1e9:,.2f} GB backward at HBM rate = {_ms(forward / hbm_rate)} + {_ms(backward / hbm_rate)}")
 
 
 def _link_text(size: float, stride: float, fabric: Fabric, pattern: str = "ring") -> str:
