@@ -1648,6 +1648,26 @@ def test_expert_bias_adds_cost_their_bytes_by_the_runtimes_code():
             == _pieces(unbiased, plain, 8, software={"expert_bias_add": "fused"})["moe"][("B", "compute")][0])
 
 
+def test_attention_sink_rescale_costs_its_bytes_by_the_runtimes_code():
+    """gpt-oss's attention sinks, where the kernel does not take them, rescale its output by
+    sigmoid(lse - sink) after it (``sink_rescale``). gpt-oss-20b at micro-batch 2 of 4,096 tokens:
+    8192·64·64 = 33,554,432 output elements a layer, per element (β = 2) 'bf16' (torchtitan)
+    2β = 4 bytes forward and 6β = 12 backward, 'fp32' (NeMo AutoModel) 2β + 8 = 12 and
+    3β + 28 = 34; on dense and MoE layers alike. Nothing under 'fused', nor without sinks."""
+    gpt_oss = get_preset("gpt-oss-20b")
+    elements, rate = 8192 * 64 * 64, 3.35e12 * 0.8
+    strategies = [Strategy(dp=8, ep=8, micro_batch_size=2, seq_length=4096)]
+    fused = _pieces(gpt_oss, strategies, 8, software={"sink_rescale": "fused"})["moe"]
+    for kernel, (forward, backward) in {"bf16": (4, 12), "fp32": (12, 34)}.items():
+        rescaled = _pieces(gpt_oss, strategies, 8, software={"sink_rescale": kernel})["moe"]
+        for pass_, per in (("F", forward), ("B", backward)):
+            extra = rescaled[(pass_, "compute")][0] - fused[(pass_, "compute")][0]
+            assert extra == pytest.approx(elements * per / rate, rel=1e-9)
+    plain = [Strategy(dp=8, seq_length=4096)]
+    assert (_pieces(LLAMA8, plain, 8, software={"sink_rescale": "fp32"})["dense"][("F", "compute")][0]
+            == _pieces(LLAMA8, plain, 8, software={"sink_rescale": "fused"})["dense"][("F", "compute")][0])
+
+
 def test_fsdp2_copies_its_units_on_the_compute_stream():
     """FSDP2 copies a gathered unit out of its all-gather buffer (2·g bytes an element) and a
     gradient into the reduce-scatter buffer, cast to the reduce dtype (a + r bytes), on the

@@ -151,7 +151,11 @@ class EfficiencyProfile(BaseModel):
     AutoModel's DeepEP experts do (the output split per expert, each piece added to its bias,
     the pieces concatenated; the down projection's bias weighted by the fp32 routing
     probabilities first, so its sum and concatenation run in fp32). Counted op by op, not
-    multiplied by ``elementwise_passes``.
+    multiplied by ``elementwise_passes``. Attention sinks (gpt-oss) likewise: ``sink_rescale``
+    'fused' in the kernel's softmax (cuDNN's learnable offset, Transformer Engine), 'bf16' where
+    the output is rescaled by sigmoid(lse - sink) after the kernel in its own dtype (torchtitan;
+    the ``pytorch`` runtime's fact), 'fp32' where the fp32 scale promotes that product and it is
+    cast back (NeMo AutoModel's FlexAttention wrapper; ``memory_ops.SINK_RESCALE_BYTES``).
 
     Hidden expert all-to-all still costs compute: its kernels hold ``ep_comm_compute_share`` of
     the GPU's SMs while they run, so the compute they hide under loses that share of the
@@ -244,6 +248,7 @@ class EfficiencyProfile(BaseModel):
     fsdp_stream_copies: bool = False
     fp8_tp_gather: bool = False
     expert_bias_add: Literal["fused", "repeat", "split-cat"] = "fused"
+    sink_rescale: Literal["fused", "bf16", "fp32"] = "fused"
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
 
@@ -487,7 +492,8 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "m
                    "moe_dispatcher",
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
-                   "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather", "expert_bias_add")
+                   "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather", "expert_bias_add",
+                   "sink_rescale")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

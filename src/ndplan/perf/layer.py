@@ -86,6 +86,7 @@ from ndplan.perf.memory_ops import (
     head_bytes,
     layer_bytes,
     module_replay_bytes,
+    sink_rescale_bytes,
     unfused_score_bytes,
 )
 from ndplan.perf.overlap import OverlapConfig
@@ -853,11 +854,12 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     ew_bytes, ew_rc_bytes = layer_bytes(model, bsh, bc["sequence_parallel"], kind, beta, sort, gathers)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
-    bias_f: Array | float = 0.0
-    bias_b: Array | float = 0.0
-    if kind == "moe":  # the routed experts' bias adds, counted op by op (EfficiencyProfile)
-        bias_f, bias_b = (moved / rates.hbm_rate for moved in expert_bias_bytes(
-            model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor))
+    # Ops counted one by one as the runtime's code runs them (EfficiencyProfile): the attention
+    # sinks' rescale and the routed experts' bias adds.
+    bias_f, bias_b = (moved / rates.hbm_rate for moved in sink_rescale_bytes(model, bsh, beta, eff.sink_rescale))
+    if kind == "moe":
+        expert_f, expert_b = expert_bias_bytes(model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor)
+        bias_f, bias_b = bias_f + expert_f / rates.hbm_rate, bias_b + expert_b / rates.hbm_rate
     overhead = eff.layer_overhead_s
     gpu_f = gemm["F"] + cast_f + attn_f + ew_f + bias_f + overhead
     host_f: Array | float = eff.host_layer_s

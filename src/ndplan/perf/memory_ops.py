@@ -55,6 +55,16 @@ R = (T·k/t)·etp received rows), β the activation width:
   -> 2β + 24 forward; backward: the cast's gradient up to fp32 (read β, write 4) and down again
   for t (read 4, write β), the gradients of b and p (each a product, read 4 write 4, and a sum,
   read 4) -> 2β + 32.
+Attention sinks (gpt-oss), by ``EfficiencyProfile.sink_rescale``, per element of the attention
+output (T·a·d_v/t): 'fused' in the attention kernel's softmax (cuDNN's learnable softmax offset)
+-> 0. Otherwise the kernel returns its log-sum-exp and the output is rescaled by
+sigmoid(lse - sink) after it: 'bf16' (torchtitan: the scale cast to the output's dtype first)
+multiplies (read β, write β) -> 2β forward; the backward's two products, the output's gradient
+(read β, write β) and the scale's (read 2β, write β, then its sum over the head width, read β)
+-> 6β. 'fp32' (NeMo AutoModel's FlexAttention wrapper: the fp32 scale promotes the product):
+multiply (read β, write 4), cast back (read 4, write β) -> 2β + 8 forward; backward: the cast's
+gradient up (read β, write 4), the output's gradient (read 4, write 4) cast down (read 4,
+write β), the scale's (read 4 + β, write 4, sum read 4) -> 3β + 28.
 """
 
 from __future__ import annotations
@@ -99,6 +109,28 @@ EXPERT_BIAS_BYTES: dict[str, tuple[tuple[tuple[float, float], tuple[float, float
     "repeat": (((4.0, 0.0), (1.0, 0.0)), ((4.0, 0.0), (1.0, 0.0))),
     "split-cat": (((4.0, 0.0), (1.0, 0.0)), ((2.0, 24.0), (2.0, 32.0))),
 }
+
+
+#: Bytes per element of the attention output that the sinks' rescale moves, by
+#: ``EfficiencyProfile.sink_rescale`` (module docstring): (forward, backward), each (bytes per
+#: activation byte β, fixed bytes).
+SINK_RESCALE_BYTES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
+    "fused": ((0.0, 0.0), (0.0, 0.0)),
+    "bf16": ((2.0, 0.0), (6.0, 0.0)),
+    "fp32": ((2.0, 8.0), (3.0, 28.0)),
+}
+
+
+def sink_rescale_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
+                       kernel: str) -> tuple[Array | float, Array | float]:
+    """(forward, backward) bytes of one layer's attention-sink rescale on a device, per micro-batch:
+    T·(a/t)·d_v elements of the attention output times the per-element bytes (module docstring).
+    0 for a model without sinks."""
+    if not model.attention_sinks:
+        return 0.0, 0.0
+    elements = sh.tokens * model.num_attention_heads / sh.tp * model.value_head_dim
+    (fwd_beta, fwd_fixed), (bwd_beta, bwd_fixed) = SINK_RESCALE_BYTES[kernel]
+    return elements * (fwd_beta * act_bytes + fwd_fixed), elements * (bwd_beta * act_bytes + bwd_fixed)
 
 
 def expert_bias_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kernel: str,

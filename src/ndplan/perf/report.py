@@ -31,7 +31,7 @@ from ndplan.perf.layer import (
     piece_times,
     token_reach,
 )
-from ndplan.perf.memory_ops import expert_bias_bytes
+from ndplan.perf.memory_ops import expert_bias_bytes, sink_rescale_bytes
 from ndplan.perf.overlap import OverlapConfig
 from ndplan.perf.step import (
     compute_rates,
@@ -272,7 +272,7 @@ def explain_lines(r: TimeReport) -> list[str]:
             f"{rates.masked_attention_rate / 1e12:,.1f} TFLOP/s")
          if r.efficiency.flash_attention else
          "attention core unfused: QKᵀ and PV as GEMMs over the full s² square at the GEMM rate, plus the "
-         "softmax's bytes at HBM rate; backward = 2× forward"),
+         "softmax's bytes at HBM rate; backward = 2× forward") + _sink_text(r, sh, rates.hbm_rate),
         f"elementwise ops (norms, activations, rotary, residuals, loss): bytes · elementwise_passes "
         f"{r.efficiency.elementwise_passes:g} / HBM {rates.hbm_rate / 1e12:,.2f} TB/s"
         + (" (eager kernels: each op a pass)" if r.efficiency.elementwise_passes > 1 else " (fused kernels)"),
@@ -346,6 +346,20 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"{r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_device:,.0f} per device)",
     ]
     return lines
+
+
+def _sink_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
+    """What the attention sinks' rescale costs a layer's micro-batch (``memory_ops.sink_rescale_bytes``)."""
+    kernel = r.efficiency.sink_rescale
+    if not r.model.attention_sinks:
+        return ""
+    if kernel == "fused":
+        return "; attention sinks in the kernel's softmax (sink_rescale fused: no bytes of their own)"
+    forward, backward = (float(np.asarray(v).reshape(-1)[0]) for v in sink_rescale_bytes(
+        r.model, sh, r.strategy.precision.activation_bytes, kernel))
+    return (f"; attention sinks as a rescale of its output after the kernel (sink_rescale {kernel}): "
+            f"{forward / 1e9:,.2f} GB forward, {backward / 1e9:,.2f} GB backward a layer at HBM rate = "
+            f"{_ms(forward / hbm_rate)} + {_ms(backward / hbm_rate)}")
 
 
 def _expert_bias_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
