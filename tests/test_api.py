@@ -66,7 +66,7 @@ def test_api_input_errors_name_what_is_wrong():
     from ndplan.errors import NdplanError
 
     model, device = ndplan.get_preset("llama-3.1-8b"), ndplan.get_device("h100-sxm")
-    with pytest.raises(NdplanError, match="attention must be one of flash, sdpa, eager, got 'xx'"):
+    with pytest.raises(NdplanError, match="attention must be one of flash, sdpa, eager, flex, got 'xx'"):
         ndplan.MemoryOptions(attention="xx")
     with pytest.raises(NdplanError, match="unknown runtime 'tpu'"):
         ndplan.MemoryOptions(runtime="tpu")

@@ -475,6 +475,19 @@ def test_bad_values_are_one_line_errors(argv, words, capsys):
     assert code == 2 and words in err and "Traceback" not in err
 
 
+def test_flex_attention_keeps_flashs_memory_and_runs_slower(capsys):
+    """--attention flex: PyTorch's FlexAttention keeps what a flash kernel keeps (the same peak)
+    and its attention core runs at its developer's share of the flash kernel's speed on H100
+    (a slower step); --json says the kernel."""
+    base = [*ESTIMATE_8, "--seq", "8192", "--gbs", "32", "--json"]
+    flash = json.loads(run(base, capsys)[1])
+    code, out, _ = run([*base, "--attention", "flex"], capsys)
+    flex = json.loads(out)
+    assert code == 0 and flex["attention"] == "flex"
+    assert flex["peak_bytes"] == flash["peak_bytes"]
+    assert flex["time"]["step_s"] > flash["time"]["step_s"]
+
+
 def test_a_calibrated_profile_reaches_estimate_search_and_balance(tmp_path, capsys):
     """--efficiency PROFILE (what `ndplan calibrate` writes) replaces the family's figures in every
     command that prices time, as a device YAML's own 'efficiency:' mapping does."""

@@ -44,21 +44,25 @@ def test_eager_attention_is_written_and_read_back(fmt: str, tmp_path: Path) -> N
 
 
 def test_hyperparallel_reads_attn_implementation(tmp_path: Path) -> None:
-    """transformers' names: eager and sdpa as themselves, the flash kernels (and flex) as flash;
-    one ndplan does not know is priced as flash, with a warning naming the line."""
+    """transformers' names: eager and sdpa as themselves, the flash kernels as flash, flex_attention
+    as flex (and written back so); one ndplan does not know is priced as flash, with a warning
+    naming the line."""
     text = emit(MODEL, TP2, "hyperparallel", attention="sdpa")
     assert "attn_implementation: sdpa" in text and _lost(text) == []
     assert _read(text, "hyperparallel", tmp_path).runtime_settings["attention"] == "sdpa"
-    for name, kernel in (("flash_attention_2", "flash"), ("flash_attention_3", "flash"), ("flex_attention", "flash")):
+    for name, kernel in (("flash_attention_2", "flash"), ("flash_attention_3", "flash"), ("flex_attention", "flex")):
         result = _read(text.replace("attn_implementation: sdpa", f"attn_implementation: {name}"), "hyperparallel",
                        tmp_path)
         assert result.runtime_settings["attention"] == kernel and result.warnings == []
+    flex = emit(MODEL, TP2, "hyperparallel", attention="flex")
+    assert "attn_implementation: flex_attention" in flex and _lost(flex) == []
+    assert _read(flex, "hyperparallel", tmp_path).runtime_settings["attention"] == "flex"
     odd = _read(text.replace("attn_implementation: sdpa", "attn_implementation: paged"), "hyperparallel", tmp_path)
     assert "attention" not in odd.runtime_settings
     assert any("model.attn_implementation 'paged'" in w and "priced as flash" in w for w in odd.warnings)
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "flex"])
 def test_torchtitan_says_it_has_no_attention_setting(attention: str, tmp_path: Path) -> None:
     """torchtitan's job config has no attention setting (its models call SDPA): a kernel other
     than flash is a header line, and the file reads back as flash."""
@@ -67,6 +71,14 @@ def test_torchtitan_says_it_has_no_attention_setting(attention: str, tmp_path: P
     assert len(lost) == 1 and f"{attention} attention" in lost[0] and "no attention setting" in lost[0]
     assert "attention" not in _read(text, "torchtitan", tmp_path).runtime_settings
     assert _lost(emit(MODEL, TP2_FSDP, "torchtitan")) == []
+
+
+def test_megatron_and_mindformers_say_they_run_no_flex_attention() -> None:
+    """FlexAttention is PyTorch's: a Megatron launch and a MindFormers YAML run their fused
+    attention, and say so."""
+    for fmt, kernel in (("megatron", "fused attention"), ("mindformers", "use_flash_attention")):
+        said = [line for line in _lost(emit(MODEL, TP2, fmt, attention="flex")) if "flex attention" in line]
+        assert len(said) == 1 and kernel in said[0]
 
 
 def test_mindformers_says_it_runs_no_sdpa(tmp_path: Path) -> None:

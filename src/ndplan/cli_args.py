@@ -165,11 +165,12 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("runtime")
     group.add_argument("--runtime", help=f"runtime profile: {', '.join(profile_names())} or a YAML path "
                                          "(default: megatron for a Megatron config read with --from, else pytorch)")
-    group.add_argument("--attention", choices=["flash", "sdpa", "eager"], default=None,
+    group.add_argument("--attention", choices=["flash", "sdpa", "eager", "flex"], default=None,
                        help="attention kernel: flash keeps O(s) statistics (a sliding window built in); sdpa is "
                             "PyTorch's SDPA as transformers calls it (flash, but a sliding window becomes an s² mask "
-                            "and fp32 with grouped KV heads runs the math path); eager keeps s² scores (default: "
-                            "flash, or what a --from config states)")
+                            "and fp32 with grouped KV heads runs the math path); eager keeps s² scores; flex is "
+                            "PyTorch's FlexAttention (kept as flash, priced at its developer's speed against the "
+                            "flash kernel on A100/H100) (default: flash, or what a --from config states)")
     add_switch(group, "--loss-parallel", "--no-loss-parallel", "loss_parallel",
                "keep logits vocab-sharded through the loss (under TP; changes nothing at tp 1) (default: the "
                "runtime's own, on for megatron, off for pytorch; or what a --from config states)",

@@ -224,16 +224,19 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
 
 def _attention(model_section: Section, warnings: list[str]) -> str | None:
     """The attention kernel ``model.attn_implementation`` (transformers' names) runs: eager keeps
-    the s x s scores, sdpa is PyTorch's SDPA as transformers calls it, the flash kernels (and
-    flex attention, which keeps O(s) statistics too) are flash; None where the YAML has none
-    (priced as flash). A name ndplan does not know is priced as flash, with a warning."""
+    the s x s scores, sdpa is PyTorch's SDPA as transformers calls it, the flash kernels are
+    flash, flex_attention is flex (PyTorch's FlexAttention: flash's memory, its own speed); None
+    where the YAML has none (priced as flash). A name ndplan does not know is priced as flash,
+    with a warning."""
     name = model_section.text("attn_implementation")
     if name is None:
         return None
     key = name.lower()
     if key in ("eager", "sdpa"):
         return key
-    if "flash" in key or key.startswith("flex"):
+    if key.startswith("flex"):
+        return "flex"
+    if "flash" in key:
         return "flash"
     warnings.append(f"{model_section.src.where(model_section.line('attn_implementation'))}: model.attn_implementation "
                     f"{name!r} is not one ndplan knows (eager, sdpa, flash_attention_2/3, flex_attention); priced as "
@@ -504,8 +507,8 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
             model_doc["offset"] = offsets
     elif s.pp > 1 and (s.stage_layers is not None or s.embedding_as_layer or s.output_as_layer):
         lost.append("the uneven layer placement (offsets need the model's layer count)")
-    if attention != "flash":
-        model_doc["attn_implementation"] = attention  # transformers' "eager" and "sdpa"
+    if attention != "flash":  # transformers' "eager", "sdpa" and "flex_attention"
+        model_doc["attn_implementation"] = "flex_attention" if attention == "flex" else attention
     doc["model"] = model_doc
     doc["context"] = {"device_num": s.world_size}
     doc["training"] = {"global_batch_size": s.global_batch_size, "micro_batch_size": s.micro_batch_size,

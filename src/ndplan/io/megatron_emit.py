@@ -493,7 +493,9 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         memory += [("--moe-expert-capacity-factor", f"{moe_capacity_factor:g}"), ("--moe-pad-expert-input-to-capacity", None)]
     if attention == "eager":
         memory.append(("--attention-backend", "unfused"))
-    elif any(flag in MINDSPEED_ONLY for flag, _ in model_flags + parallel + memory):
+    elif attention == "flex":
+        lost.append("flex attention (--attention flex, PyTorch's FlexAttention): Megatron runs its fused attention")
+    if attention != "eager" and any(flag in MINDSPEED_ONLY for flag, _ in model_flags + parallel + memory):
         # A launch with MindSpeed's flags (DualPipeV, no-op layers) runs on MindSpeed, whose
         # attention is fused only with --use-flash-attn (the reader reads it so too).
         memory.append(("--use-flash-attn", None))

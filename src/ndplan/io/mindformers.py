@@ -544,8 +544,9 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
     ``loss_parallel`` False under TP is said."""
     lost: list[str] = []
     notes: list[str] = []
-    if attention == "sdpa":
-        lost.append("sdpa attention (--attention sdpa, PyTorch's SDPA as transformers calls it); MindFormers runs "
+    if attention in ("sdpa", "flex"):
+        what = "PyTorch's SDPA as transformers calls it" if attention == "sdpa" else "PyTorch's FlexAttention"
+        lost.append(f"{attention} attention (--attention {attention}, {what}); MindFormers runs "
                     "its flash attention (use_flash_attention)")
     if loss_parallel is False and s.tp > 1:
         lost.append("the loss on whole logits (--no-loss-parallel); MindFormers' cross-entropy is vocabulary-parallel "

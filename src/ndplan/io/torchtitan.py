@@ -523,7 +523,10 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
     which picks cuDNN/flash/memory-efficient kernels): the job config has no setting for it, so
     any other ``attention`` than flash is said in the header."""
     lost: list[str] = []
-    if attention != "flash":
+    if attention == "flex":
+        lost.append("flex attention (--attention flex): torchtitan's job config has no attention setting; a model "
+                    "flavour picks FlexAttention (its flex_attn flavours), the others call SDPA (read back as flash)")
+    elif attention != "flash":
         lost.append(f"{attention} attention (--attention {attention}"
                     + ("; the s x s scores kept" if attention == "eager" else "")
                     + "): torchtitan's job config has no attention setting; its models call SDPA with "

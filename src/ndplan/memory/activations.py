@@ -254,7 +254,7 @@ def _check_census_runtime(record: CensusRecord, batch: StrategyBatch, options: M
                           "that dtype (`python -m ndplan.census --dtype ...`) or leave out --census")
     if (record.attention == "eager") != (options.attention == "eager"):
         raise NdplanError(f"the census measured {record.attention} attention, and the estimate prices "
-                          f"{options.attention}: measure with `ndplan census --attention {options.attention if options.attention != 'flash' else 'sdpa'}` "
+                          f"{options.attention}: measure with `ndplan census --attention {'eager' if options.attention == 'eager' else 'sdpa'}` "
                           "or price --attention as measured")
 
 

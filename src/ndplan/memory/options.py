@@ -20,7 +20,10 @@ if TYPE_CHECKING:
     from ndplan.perf.overlap import OverlapConfig
 
 
-Attention = Literal["flash", "sdpa", "eager"]
+#: The attention kernel: a flash kernel (FlashAttention, cuDNN, Transformer Engine's fused
+#: attention), PyTorch's SDPA as transformers calls it, the eager s x s softmax, or PyTorch's
+#: FlexAttention (a compiled flash-style kernel: it keeps what flash keeps, and runs slower).
+Attention = Literal["flash", "sdpa", "eager", "flex"]
 #: Megatron-Core's token dispatchers (``--moe-token-dispatcher-type``) as memory and time price
 #: them: 'alltoall' (also what the flex dispatcher, DeepEP/HybridEP, is priced as; its network
 #: copies follow ``OverlapConfig.ep_dispatch``) and 'allgather' (Megatron's default).
@@ -161,6 +164,7 @@ class MemoryOptions:
         its attention kernel is flash (``attention``), and what it hides."""
         software: dict[str, Any] = {"selective_recompute": self.recompute_policy,
                                     "flash_attention": self.attention != "eager",  # SDPA runs a flash kernel
+                                    "flex_attention": self.attention == "flex",
                                     # ... but a sliding window reaches transformers' SDPA as a mask
                                     # (where the runtime prices that mask's memory: sdpa_masked)
                                     "window_kernel": not (self.attention == "sdpa"

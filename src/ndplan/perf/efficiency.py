@@ -57,6 +57,10 @@ class EfficiencyProfile(BaseModel):
     recomputes the scores; (3·d_qk + 2·d_v)/(d_qk + d_v) where the head widths differ, MLA's 2.6x); each layer's call costs ``attention_call_s`` more, forward and
     backward together (the backward's pre- and post-processing kernels), split as the FLOPs. With ``flash_attention`` False (pre-2022 Megatron), scores are
     materialised: two batched GEMMs over the full s×s square plus memory-bound softmax passes.
+    ``flex_attention`` (PyTorch's FlexAttention, compiled into a Triton kernel) runs the same
+    flash algorithm slower than the family's kernel: ``FLEX_ATTENTION_SHARE`` of it, by its
+    developer's averages, where the family has such a figure (A100, H100); elsewhere as the
+    family's kernel. Its block mask skips what a sliding window leaves out (``window_kernel``).
     ``window_kernel`` False: a sliding-window layer runs a fused kernel given an explicit mask
     (transformers' SDPA once seq >= window), which computes every (query, key) pair of the
     square rather than skipping the blocks outside the window, at ``masked_attention_efficiency``
@@ -219,6 +223,7 @@ class EfficiencyProfile(BaseModel):
     masked_attention_efficiency: Fraction | None = None
     attention_call_s: float = Field(default=0.0, ge=0.0, description="fixed seconds of a layer's attention core, fwd+bwd")
     flash_attention: bool = True
+    flex_attention: bool = False
     window_kernel: bool = True
     loss_upcast: bool = True
     loss_parallel: bool = True
@@ -267,6 +272,12 @@ class EfficiencyProfile(BaseModel):
         return self.moe_capacity_factor if self.moe_capacity_factor is not None else self.moe_imbalance
 
     @property
+    def flex_share(self) -> float:
+        """The attention core's speed over the family's flash kernel: ``FLEX_ATTENTION_SHARE`` under
+        ``flex_attention`` where the family has a figure, else 1."""
+        return FLEX_ATTENTION_SHARE.get(self.family, 1.0) if self.flex_attention else 1.0
+
+    @property
     def expert_gemm_latency(self) -> float:
         """Seconds per local expert per routed-expert GEMM: 0 where one kernel runs them all."""
         return self.expert_gemm_latency_s if self.expert_gemm == "per-expert" else 0.0
@@ -285,6 +296,16 @@ class EfficiencyProfile(BaseModel):
             field = ".".join(str(part) for part in first["loc"]) or "?"
             raise NdplanError(f"invalid efficiency figure {field}={first.get('input')!r}: {first['msg']}") from None
 
+
+#: FlexAttention's speed over the flash kernel a family's ``attention_efficiency`` describes, its
+#: forward and backward weighted by their FLOPs (1 : 2.5): 3.5 / (1/f + 2.5/b). Its developer's
+#: averages (D. Guessous's GTC 2025 session, abstract in the PyTorch blog "PyTorch at GTC 2025"):
+#: on A100 f = 90%, b = 85% of FlashAttention-2's speed; on H100 85% and 76% of FlashAttention-3's.
+#: No figure for other families (there it is priced as the family's kernel).
+FLEX_ATTENTION_SHARE: dict[str, float] = {
+    "ampere": 3.5 / (1 / 0.90 + 2.5 / 0.85),
+    "hopper": 3.5 / (1 / 0.85 + 2.5 / 0.76),
+}
 
 #: Optional figures and the figure an unset one takes (``EfficiencyProfile.figure``).
 UNSET_MEANS = {"optimizer_efficiency": "hbm_efficiency", "masked_attention_efficiency": "attention_efficiency",
@@ -488,7 +509,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 #: ``attention_efficiency`` is one where the software picks another attention kernel than the
 #: family's default assumes (torch's SDPA ran FlashAttention-2 on Hopper before cuDNN's kernel
 #: became its choice there: about 0.33 of the peak, against cuDNN's 0.55).
-SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "window_kernel", "moe_imbalance", "moe_capacity_factor",
+SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "window_kernel", "moe_imbalance", "moe_capacity_factor",
                    "moe_dispatcher",
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",

@@ -13,7 +13,7 @@ from ndplan.hardware.device import Cluster, Device
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import shard_groups
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import EfficiencyProfile
+from ndplan.perf.efficiency import FLEX_ATTENTION_SHARE, EfficiencyProfile
 from ndplan.perf.flops import (
     Sharding,
     attention_core_flops,
@@ -263,7 +263,7 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"({rates.depth_ref:.0f}+{rates.depth_knee:.0f})/{rates.depth_ref:.0f}), R the pass's reduction: K in F, N in B, M in W); "
         f"roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective, "
         f"each pass with its own bytes (W read-modify-writes {rates.wgrad_accum_bytes:.0f} B per weight of gradient)",
-        (f"attention core rate = peak · attention_eff = {rates.attention_rate / 1e12:,.1f} TFLOP/s "
+        (f"attention core rate = peak · attention_eff{_flex_text(r.efficiency)} = {rates.attention_rate / 1e12:,.1f} TFLOP/s "
          f"(fused flash kernel: backward = {flash_backward_factor(model):g}× forward FLOPs)"
          + (f", + attention_call_s {r.efficiency.attention_call_s * 1e3:g} ms per layer call (a ring step's under CP), "
             f"split F:B as 1:{flash_backward_factor(model):g}" if r.efficiency.attention_call_s else "")
@@ -346,6 +346,15 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"{r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_device:,.0f} per device)",
     ]
     return lines
+
+
+def _flex_text(efficiency: EfficiencyProfile) -> str:
+    """FlexAttention's share of the family's flash kernel, where it runs (``EfficiencyProfile.flex_share``)."""
+    if not efficiency.flex_attention:
+        return ""
+    if efficiency.family not in FLEX_ATTENTION_SHARE:
+        return f" (FlexAttention: no figure for the {efficiency.family} family, priced as its flash kernel)"
+    return f" · FlexAttention's share {efficiency.flex_share:.3f} (its developer's {efficiency.family} averages)"
 
 
 def _sink_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:

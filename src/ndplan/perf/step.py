@@ -135,7 +135,7 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
             gemm_eff=eff.fp8_gemm_efficiency if in_fp8 else eff.gemm_efficiency,
             knee=eff.gemm_knee,
             grouped_factor=eff.grouped_gemm_factor,
-            attention_rate=attention_peak * eff.attention_efficiency,
+            attention_rate=attention_peak * eff.attention_efficiency * eff.flex_share,
             # never faster than the causal kernel (a fitted attention_efficiency may fall below it)
             masked_attention_rate=attention_peak * min(eff.figure("masked_attention_efficiency"), eff.attention_efficiency),
             hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
