@@ -856,12 +856,12 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
     # Ops counted one by one as the runtime's code runs them (EfficiencyProfile): the attention
     # sinks' rescale and the routed experts' bias adds.
-    bias_f, bias_b = (moved / rates.hbm_rate for moved in sink_rescale_bytes(model, bsh, beta, eff.sink_rescale))
+    unfused_f, unfused_b = (moved / rates.hbm_rate for moved in sink_rescale_bytes(model, bsh, beta, eff.sink_rescale))
     if kind == "moe":
         expert_f, expert_b = expert_bias_bytes(model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor)
-        bias_f, bias_b = bias_f + expert_f / rates.hbm_rate, bias_b + expert_b / rates.hbm_rate
+        unfused_f, unfused_b = unfused_f + expert_f / rates.hbm_rate, unfused_b + expert_b / rates.hbm_rate
     overhead = eff.layer_overhead_s
-    gpu_f = gemm["F"] + cast_f + attn_f + ew_f + bias_f + overhead
+    gpu_f = gemm["F"] + cast_f + attn_f + ew_f + unfused_f + overhead
     host_f: Array | float = eff.host_layer_s
     host_b: Array | float = eff.host_layer_s
     floor_f: Array | float = host_f
@@ -881,7 +881,7 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
 
     # The GPU cannot run a layer faster than the host enqueues it (see EfficiencyProfile).
     compute_f = np.maximum(gpu_f, floor_f)
-    compute_b = np.maximum(gemm["B"] + cast_b + attn_b + 2.0 * ew_f + bias_b + overhead, host_b)
+    compute_b = np.maximum(gemm["B"] + cast_b + attn_b + 2.0 * ew_f + unfused_b + overhead, host_b)
     compute_w = gemm["W"]
 
     return _LayerCompute(gemms, forward_of, gemm, attn_f, attn_b, ew_f, ew_rc, host_f, compute_f, compute_b, compute_w)
