@@ -1691,6 +1691,25 @@ def test_flex_attention_runs_at_its_developers_share_of_the_flash_kernel():
     assert flex_layer[("F", "compute")][0] > flash_layer[("F", "compute")][0]
 
 
+def test_torch_ring_attention_merges_cost_their_bytes():
+    """torch's context parallelism (``ring_merge`` torch) merges each ring step's output into an
+    fp32 running output and copies keys, values and their fp32 gradients every step. Llama-3.1-8B
+    over a ring of 4 at 16,384 tokens: T = 4,096 tokens a device, Q = O = 4096·32·128 =
+    16,777,216 elements, K + V (repeated to the 32 query heads) 33,554,432; β = 2, n = 4:
+    forward n·2β(K + V) + ((n + 1)(β + 4) + 32(n - 1))·O = 16(K + V) + 126·O = 2,650,800,128 bytes,
+    backward 50·Q + 107(K + V) = 4,429,185,024 bytes (memory_ops' docstring), at 3.35e12·0.8 B/s.
+    Nothing under Ulysses (no ring) or 'fused'."""
+    rate = 3.35e12 * 0.8
+    ring = [Strategy(dp=2, cp=4, cp_kind="ring", seq_length=16384)]
+    fused = _pieces(LLAMA8, ring, 8)["dense"]
+    merged = _pieces(LLAMA8, ring, 8, software={"ring_merge": "torch"})["dense"]
+    assert merged[("F", "compute")][0] - fused[("F", "compute")][0] == pytest.approx(2_650_800_128 / rate, rel=1e-9)
+    assert merged[("B", "compute")][0] - fused[("B", "compute")][0] == pytest.approx(4_429_185_024 / rate, rel=1e-9)
+    ulysses = [Strategy(dp=2, cp=4, cp_kind="ulysses", seq_length=16384)]
+    assert (_pieces(LLAMA8, ulysses, 8, software={"ring_merge": "torch"})["dense"][("B", "compute")][0]
+            == _pieces(LLAMA8, ulysses, 8)["dense"][("B", "compute")][0])
+
+
 def test_fsdp2_copies_its_units_on_the_compute_stream():
     """FSDP2 copies a gathered unit out of its all-gather buffer (2·g bytes an element) and a
     gradient into the reduce-scatter buffer, cast to the reduce dtype (a + r bytes), on the

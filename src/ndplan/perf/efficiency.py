@@ -160,6 +160,11 @@ class EfficiencyProfile(BaseModel):
     the output is rescaled by sigmoid(lse - sink) after the kernel in its own dtype (torchtitan;
     the ``pytorch`` runtime's fact), 'fp32' where the fp32 scale promotes that product and it is
     cast back (NeMo AutoModel's FlexAttention wrapper; ``memory_ops.SINK_RESCALE_BYTES``).
+    Ring attention's merges too: ``ring_merge`` 'torch' (torch's context parallelism, the
+    ``pytorch`` runtime's fact) merges each ring step's output into an fp32 running output and
+    copies the keys, values and their fp32 gradients around every step
+    (``memory_ops.ring_merge_bytes``); 'fused' leaves them unpriced (Transformer Engine
+    corrects the output inside its own kernels).
 
     Hidden expert all-to-all still costs compute: its kernels hold ``ep_comm_compute_share`` of
     the GPU's SMs while they run, so the compute they hide under loses that share of the
@@ -254,6 +259,7 @@ class EfficiencyProfile(BaseModel):
     fp8_tp_gather: bool = False
     expert_bias_add: Literal["fused", "repeat", "split-cat"] = "fused"
     sink_rescale: Literal["fused", "bf16", "fp32"] = "fused"
+    ring_merge: Literal["fused", "torch"] = "fused"
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
 
@@ -514,7 +520,7 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
                    "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather", "expert_bias_add",
-                   "sink_rescale")
+                   "sink_rescale", "ring_merge")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

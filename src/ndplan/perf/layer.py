@@ -86,6 +86,7 @@ from ndplan.perf.memory_ops import (
     head_bytes,
     layer_bytes,
     module_replay_bytes,
+    ring_merge_bytes,
     sink_rescale_bytes,
     unfused_score_bytes,
 )
@@ -855,8 +856,10 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
     # Ops counted one by one as the runtime's code runs them (EfficiencyProfile): the attention
-    # sinks' rescale and the routed experts' bias adds.
-    unfused_f, unfused_b = (moved / rates.hbm_rate for moved in sink_rescale_bytes(model, bsh, beta, eff.sink_rescale))
+    # sinks' rescale, ring attention's merges and copies, and the routed experts' bias adds.
+    sink_f, sink_b = sink_rescale_bytes(model, bsh, beta, eff.sink_rescale)
+    ring_f, ring_b = ring_merge_bytes(model, bsh, beta, eff.ring_merge, ring_steps(bc))
+    unfused_f, unfused_b = (sink_f + ring_f) / rates.hbm_rate, (sink_b + ring_b) / rates.hbm_rate
     if kind == "moe":
         expert_f, expert_b = expert_bias_bytes(model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor)
         unfused_f, unfused_b = unfused_f + expert_f / rates.hbm_rate, unfused_b + expert_b / rates.hbm_rate

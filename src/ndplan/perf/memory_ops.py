@@ -65,6 +65,21 @@ multiplies (read β, write β) -> 2β forward; the backward's two products, the 
 multiply (read β, write 4), cast back (read 4, write β) -> 2β + 8 forward; backward: the cast's
 gradient up (read β, write 4), the output's gradient (read 4, write 4) cast down (read 4,
 write β), the scale's (read 4 + β, write 4, sum read 4) -> 3β + 28.
+Ring attention's merges, by ``EfficiencyProfile.ring_merge``, over n > 1 ring steps: 'fused'
+(not priced: Transformer Engine corrects the output in its own kernels); 'torch' (torch's
+context parallelism, ``_templated_ring_attention``), on the busiest rank (the ring's last, whose
+every step takes its whole query chunk), with O = T·(a/t)·d_v output elements, Q = T·(a/t)·d_qk
+and K, V the key and value elements as torchtitan passes them (repeated to every query head:
+T·(a/t)·d_qk and O). Forward: K and V made contiguous and, before each of the n - 1 sends,
+concatenated (2β each time) -> n·2β·(K + V); each step's output cast to fp32 (β + 4), the n - 1
+merges out - sigmoid(lse' - lse)·(out - out') in fp32 (three ops: 12 + 8 + 12 = 32), the result
+cast back (4 + β) -> ((n + 1)(β + 4) + 32(n - 1))·O. Backward: fp32 zeros for the three gradients
+(4 each), K and V contiguous and concatenated n times (n·2β), the first step's gradients added
+into fp32 (8 + β), each later step's key and value gradients added into the first half of the
+received fp32 buffers (half of 8 + β) and concatenated whole (8), the fp32 gradients concatenated
+for each send (8, n times), the query gradient accumulated every step (8 + β), and the three cast
+back at the end (4 + β) -> 4(Q + K + V) + n·2β(K + V) + (8 + β)(K + V) + (n - 1)(12 + β/2)(K + V)
++ 8n(K + V) + n(8 + β)Q + (4 + β)(Q + K + V).
 """
 
 from __future__ import annotations
@@ -131,6 +146,25 @@ def sink_rescale_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
     elements = sh.tokens * model.num_attention_heads / sh.tp * model.value_head_dim
     (fwd_beta, fwd_fixed), (bwd_beta, bwd_fixed) = SINK_RESCALE_BYTES[kernel]
     return elements * (fwd_beta * act_bytes + fwd_fixed), elements * (bwd_beta * act_bytes + bwd_fixed)
+
+
+def ring_merge_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kernel: str,
+                     steps: Array | float) -> tuple[Array | float, Array | float]:
+    """(forward, backward) bytes of one layer's ring-attention merges and copies on the busiest
+    rank of a ring of ``steps`` ranks, per micro-batch (module docstring); 0 without a ring (one
+    step) or under 'fused'."""
+    if kernel == "fused":
+        return 0.0, 0.0
+    width = sh.tokens * model.num_attention_heads / sh.tp
+    q = width * model.qk_head_dim
+    o = width * model.value_head_dim
+    kv = q + o  # keys at the query width, values at the output's
+    n, beta = np.asarray(steps, dtype=float), act_bytes
+    forward = n * 2.0 * beta * kv + ((n + 1.0) * (beta + 4.0) + 32.0 * (n - 1.0)) * o
+    backward = (4.0 * (q + kv) + n * 2.0 * beta * kv + (8.0 + beta) * kv + (n - 1.0) * (12.0 + beta / 2.0) * kv
+                + 8.0 * n * kv + n * (8.0 + beta) * q + (4.0 + beta) * (q + kv))
+    ring = n > 1.0
+    return np.where(ring, forward, 0.0), np.where(ring, backward, 0.0)
 
 
 def expert_bias_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kernel: str,

@@ -31,7 +31,7 @@ from ndplan.perf.layer import (
     piece_times,
     token_reach,
 )
-from ndplan.perf.memory_ops import expert_bias_bytes, sink_rescale_bytes
+from ndplan.perf.memory_ops import expert_bias_bytes, ring_merge_bytes, sink_rescale_bytes
 from ndplan.perf.overlap import OverlapConfig
 from ndplan.perf.step import (
     compute_rates,
@@ -348,6 +348,21 @@ def explain_lines(r: TimeReport) -> list[str]:
     return lines
 
 
+def _ring_merge_text(r: TimeReport, s: Strategy) -> str:
+    """What torch's ring merges and copies cost a layer's micro-batch (``memory_ops.ring_merge_bytes``)."""
+    steps = s.cp // (s.ulysses_degree if s.cp_kind == "hybrid" else s.cp if s.cp_kind == "ulysses" else 1)
+    if r.efficiency.ring_merge == "fused" or steps < 2:
+        return ""
+    sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp),
+                  float(s.sequence_parallel))
+    forward, backward = (float(np.asarray(v).reshape(-1)[0]) for v in ring_merge_bytes(
+        r.model, sh, s.precision.activation_bytes, "torch", float(steps)))
+    rate = r.cluster.device.hbm_bandwidth_bytes_per_s * r.efficiency.hbm_efficiency
+    return (f"; torch's ring merges each step's output in fp32 and copies keys, values and their gradients every "
+            f"step (ring_merge torch, the busiest rank): {forward / 1e9:,.2f} GB forward, {backward / 1e9:,.2f} GB "
+            f"backward a layer at HBM rate = {_ms(forward / rate)} + {_ms(backward / rate)}")
+
+
 def _flex_text(efficiency: EfficiencyProfile) -> str:
     """FlexAttention's share of the family's flash kernel, where it runs (``EfficiencyProfile.flex_share``)."""
     if not efficiency.flex_attention:
@@ -444,7 +459,8 @@ def _communication_lines(r: TimeReport) -> list[str]:
                      f"ring over {s.cp // u} at stride tp·{u} ({_link_text(s.cp // u, s.tp * u, fabric, 'p2p')})")
         else:
             where = f"ring over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')})"
-        out.append(f"CP ({s.cp_kind}): {where}; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}")
+        out.append(f"CP ({s.cp_kind}): {where}; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
+                   + _ring_merge_text(r, s))
     if model.is_moe and r.efficiency.moe_dispatcher == "allgather" and s.ep * s.etp > 1:
         n = s.ep * s.etp
         gathered = tokens / s.tp * n
