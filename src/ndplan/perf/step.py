@@ -647,7 +647,8 @@ def _dp_stage(pr: _Priced, layout: StageLayout) -> _DPStage:
     # by parameters (grad_bucket_params); FSDP/ZeRO-3 reduces unit by unit, a layer each, so
     # its last unit's share. Megatron-Core buckets the first pipeline stage alone: on a later
     # stage the stage's whole reduce is one bucket, started after its last backward and hidden
-    # only under the backwards the stages before it still run (one micro-batch's each), while
+    # only under the backwards the stages before it still run (one micro-batch's each, a chunk's
+    # under interleaving: _dp_seconds divides by vpp), while
     # the first stage's own last bucket stays exposed: the step waits for the later of the two.
     bucket = grad_bucket_params(pr.eff, pr.overlap, cu["dp"], pr.batch.precision.grad_bytes)
     sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
@@ -934,8 +935,10 @@ def _dp_seconds(pr: _Priced, layout: StageLayout, dp: _DPStage, name: str, secon
     if unbucketed_rows is not None and not unbucketed_rows.any():
         unbucketed_rows = None
     if unbucketed_rows is not None:
-        grad_cover = np.where(unbucketed_rows, dp.behind[dp_code] * window, window)
-        gather_cover = np.where(unbucketed_rows, dp.behind[dp_code] * f_heavy, f_heavy)
+        # The stages before a later one run one chunk each after its last backward (and before
+        # its first forward): the cool-down (warm-up) of an interleaved schedule goes chunk by chunk.
+        grad_cover = np.where(unbucketed_rows, dp.behind[dp_code] * window / vpp, window)
+        gather_cover = np.where(unbucketed_rows, dp.behind[dp_code] * f_heavy / vpp, f_heavy)
     else:
         grad_cover, gather_cover = window, f_heavy
     grad_raw, cross_raw, gather_raw, share = dp.grad_raw, dp.cross_raw, dp.gather_raw, dp.share
