@@ -29,6 +29,7 @@ from ndplan.perf.layer import (
     flash_backward_factor,
     offloaded_bytes,
     piece_times,
+    ring_steps,
     token_reach,
 )
 from ndplan.perf.memory_ops import expert_bias_bytes, ring_merge_bytes, sink_rescale_bytes
@@ -44,7 +45,7 @@ from ndplan.perf.topology import Fabric, group_link, members_per_domain, pipelin
 from ndplan.schedule.unshard import ACTIVE_CHUNKS, chunk_gathers
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.rules import validate_strategy
-from ndplan.strategy.strategy import Strategy
+from ndplan.strategy.strategy import CP_KINDS, Strategy
 
 COMM_KEYS = ("tp", "cp", "ep", "dp", "offload", "pp")
 
@@ -250,8 +251,7 @@ def explain_lines(r: TimeReport) -> list[str]:
                        r.weight_grad_rebuilds, batch.recompute_modules,
                        batch.offload_modules)
     pieces = piece_times(ctx, cols)
-    sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp),
-                  float(s.sequence_parallel))
+    sh = _sharding(s)
     dtype = s.precision.compute_dtype
     gemm_eff = rates.gemm_eff
     lines = [
@@ -348,19 +348,29 @@ def explain_lines(r: TimeReport) -> list[str]:
     return lines
 
 
+def _sharding(s: Strategy) -> Sharding:
+    """One micro-batch's split on a device under ``s`` (the formulas' scalar inputs)."""
+    return Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp),
+                    float(s.sequence_parallel))
+
+
+def _moved_text(moved: tuple[Any, Any], hbm_rate: float) -> str:
+    """(forward, backward) bytes a layer's micro-batch moves, and their seconds at ``hbm_rate``."""
+    forward, backward = (float(np.asarray(v).reshape(-1)[0]) for v in moved)
+    return (f"{forward / 1e9:,.2f} GB forward, {backward / 1e9:,.2f} GB backward a layer at HBM rate = "
+            f"{_ms(forward / hbm_rate)} + {_ms(backward / hbm_rate)}")
+
+
 def _ring_merge_text(r: TimeReport, s: Strategy) -> str:
     """What torch's ring merges and copies cost a layer's micro-batch (``memory_ops.ring_merge_bytes``)."""
-    steps = s.cp // (s.ulysses_degree if s.cp_kind == "hybrid" else s.cp if s.cp_kind == "ulysses" else 1)
+    code = {"cp": s.cp, "cp_kind": CP_KINDS.index(s.cp_kind), "ulysses_degree": s.ulysses_degree}
+    steps = float(ring_steps({k: np.asarray(v, dtype=np.float64) for k, v in code.items()}))
     if r.efficiency.ring_merge == "fused" or steps < 2:
         return ""
-    sh = Sharding(float(s.micro_batch_size), float(s.seq_length), float(s.tp), float(s.cp), float(s.ep), float(s.etp),
-                  float(s.sequence_parallel))
-    forward, backward = (float(np.asarray(v).reshape(-1)[0]) for v in ring_merge_bytes(
-        r.model, sh, s.precision.activation_bytes, "torch", float(steps)))
+    moved = ring_merge_bytes(r.model, _sharding(s), s.precision.activation_bytes, "torch", steps)
     rate = r.cluster.device.hbm_bandwidth_bytes_per_s * r.efficiency.hbm_efficiency
-    return (f"; torch's ring merges each step's output in fp32 and copies keys, values and their gradients every "
-            f"step (ring_merge torch, the busiest rank): {forward / 1e9:,.2f} GB forward, {backward / 1e9:,.2f} GB "
-            f"backward a layer at HBM rate = {_ms(forward / rate)} + {_ms(backward / rate)}")
+    return ("; torch's ring merges each step's output in fp32 and copies keys, values and their gradients every "
+            f"step (ring_merge torch, the busiest rank): {_moved_text(moved, rate)}")
 
 
 def _flex_text(efficiency: EfficiencyProfile) -> str:
@@ -379,11 +389,8 @@ def _sink_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
         return ""
     if kernel == "fused":
         return "; attention sinks in the kernel's softmax (sink_rescale fused: no bytes of their own)"
-    forward, backward = (float(np.asarray(v).reshape(-1)[0]) for v in sink_rescale_bytes(
-        r.model, sh, r.strategy.precision.activation_bytes, kernel))
-    return (f"; attention sinks as a rescale of its output after the kernel (sink_rescale {kernel}): "
-            f"{forward / 1e9:,.2f} GB forward, {backward / 1e9:,.2f} GB backward a layer at HBM rate = "
-            f"{_ms(forward / hbm_rate)} + {_ms(backward / hbm_rate)}")
+    moved = sink_rescale_bytes(r.model, sh, r.strategy.precision.activation_bytes, kernel)
+    return f"; attention sinks as a rescale of its output after the kernel (sink_rescale {kernel}): {_moved_text(moved, hbm_rate)}"
 
 
 def _expert_bias_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
@@ -393,10 +400,8 @@ def _expert_bias_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
         return ""
     if kernel == "fused":
         return "; expert biases in the GEMMs' epilogue (expert_bias_add fused: no bytes of their own)"
-    forward, backward = (float(np.asarray(v).reshape(-1)[0]) for v in expert_bias_bytes(
-        model, sh, r.strategy.precision.activation_bytes, kernel, r.efficiency.routed_token_factor))
-    return (f"; expert biases added apart (expert_bias_add {kernel}): {forward / 1e9:,.2f} GB forward, "
-            f"{backward / 1e9:,.2f} GB backward at HBM rate = {_ms(forward / hbm_rate)} + {_ms(backward / hbm_rate)}")
+    moved = expert_bias_bytes(model, sh, r.strategy.precision.activation_bytes, kernel, r.efficiency.routed_token_factor)
+    return f"; expert biases added apart (expert_bias_add {kernel}): {_moved_text(moved, hbm_rate)}"
 
 
 def _link_text(size: float, stride: float, fabric: Fabric, pattern: str = "ring") -> str:
