@@ -771,7 +771,12 @@ COMMENTARY = [
     "  rescales the output for the sinks with an fp32 scale and casts it back (`sink_rescale: fp32`);",
     "  and FlexAttention runs at 0.78 of the cuDNN-class kernel on H100 by its developer's averages",
     "  (`flex_attention`). Their experts' clamped activation is one compiled kernel (torch.compile),",
-    "  as the fused default assumes. The rest is not found. DeepSeek-V3 on 1024 GPUs and Kimi K2",
+    "  as the fused default assumes. The forty-second session read three more: the grouped_gemm",
+    "  library its experts call runs CUTLASS's grouped kernel on sm_80 alone and on H100 a cuBLAS GEMM",
+    "  per expert on four streams (`expert_gemm: per-expert`); its DeepSeek-V3 attention builds the",
+    "  query and key with torch.cat, the rope key expanded to every head (`mla_assembly: cat`); its",
+    "  flex backend copies q, k and v into head-major layout and the output back (`qkv_transpose`):",
+    "  together 1.0 to 2.3 points on the six rows. The rest is not found. DeepSeek-V3 on 1024 GPUs and Kimi K2",
     "  accumulate gradients over local batches (GA 4",
     "  and 2), each one run of the pipeline schedule (`pipeline_runs`, added for them and for",
     "  torchtitan, whose train step does the same): {e[automodel-deepseek-v3-1024gpu]} and "

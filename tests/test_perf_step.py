@@ -1668,6 +1668,56 @@ def test_attention_sink_rescale_costs_its_bytes_by_the_runtimes_code():
             == _pieces(LLAMA8, plain, 8, software={"sink_rescale": "fused"})["dense"][("F", "compute")][0])
 
 
+def test_mla_query_and_key_assembly_costs_its_bytes_by_the_runtimes_code():
+    """MLA's key is assembled per head out of the up-projection's output and one rope key per
+    token (``mla_assembly``). DeepSeek-V3 (a = 128 heads, d_nope 128, d_rope 64, d_v 128) at
+    4,096 tokens a micro-batch, bf16: 'fused' (Megatron-Core's kernels) moves
+    2·128 + 2·128 + 64 = 576 elements a head in each pass, 4096·128·576·2 = 603,979,776 bytes;
+    'cat' (torch.cat) 3·192 + 128 = 704 a head and 64 a token forward, 4096·(128·704 + 64)·2 =
+    738,721,792 bytes, and 2·192 + 2·128 + 2·128 + 64 = 960 a head and 64 a token backward,
+    1,007,157,248 bytes (memory_ops' docstring). In a layer's passes at 3.35e12·0.8 B/s; a
+    selective recompute of mla_up_proj builds them again in the backward. Nothing for GQA."""
+    from ndplan.perf.flops import Sharding
+    from ndplan.perf.memory_ops import mla_assembly_bytes
+
+    dsv3 = get_preset("deepseek-v3")
+    sh = Sharding(1.0, 4096.0, 1.0, 1.0, 8.0, 1.0, 0.0)
+    assert mla_assembly_bytes(dsv3, sh, 2.0, "fused") == (603_979_776, 603_979_776)
+    assert mla_assembly_bytes(dsv3, sh, 2.0, "cat") == (738_721_792, 1_007_157_248)
+    assert mla_assembly_bytes(LLAMA8, sh, 2.0, "cat") == (0.0, 0.0)
+    rate = 3.35e12 * 0.8
+    plain = [Strategy(dp=8, ep=8, seq_length=4096)]
+    fused = _pieces(dsv3, plain, 8)["dense"]
+    cat = _pieces(dsv3, plain, 8, software={"mla_assembly": "cat"})["dense"]
+    forward, backward = (738_721_792 - 603_979_776) / rate, (1_007_157_248 - 603_979_776) / rate
+    assert cat[("F", "compute")][0] - fused[("F", "compute")][0] == pytest.approx(forward, rel=1e-9)
+    assert cat[("B", "compute")][0] - fused[("B", "compute")][0] == pytest.approx(backward, rel=1e-9)
+    replayed = [Strategy(dp=8, ep=8, seq_length=4096, recompute="selective", recompute_modules=["mla_up_proj"])]
+    fused_rc = _pieces(dsv3, replayed, 8)["rc_dense"]
+    cat_rc = _pieces(dsv3, replayed, 8, software={"mla_assembly": "cat"})["rc_dense"]
+    assert cat_rc[("B", "compute")][0] - fused_rc[("B", "compute")][0] == pytest.approx(forward, rel=1e-9)
+
+
+def test_head_major_copies_cost_their_bytes_where_the_runtime_makes_them():
+    """NeMo AutoModel's sdpa and flex backends copy q, k, v into head-major layout and the output
+    back (``qkv_transpose``). gpt-oss-20b (64 query heads, 8 key/value heads, 64 wide) at
+    micro-batch 2 of 4,096 tokens: (64·128 + 8·128)·8192 = 75,497,472 elements, read and written
+    at 2 bytes: 301,989,888 bytes in each pass, at 3.35e12·0.8 B/s. A selective policy that
+    keeps the matmuls' and the attention's outputs makes the copies again in the backward."""
+    gpt_oss = get_preset("gpt-oss-20b")
+    copy_s = 301_989_888 / (3.35e12 * 0.8)
+    strategies = [Strategy(dp=8, ep=8, micro_batch_size=2, seq_length=4096)]
+    plain = _pieces(gpt_oss, strategies, 8)["moe"]
+    copied = _pieces(gpt_oss, strategies, 8, software={"qkv_transpose": True})["moe"]
+    for pass_ in ("F", "B"):
+        assert copied[(pass_, "compute")][0] - plain[(pass_, "compute")][0] == pytest.approx(copy_s, rel=1e-9)
+    selective = [Strategy(dp=8, ep=8, micro_batch_size=2, seq_length=4096, recompute="selective")]
+    keep = {"selective_recompute": "keep-matmuls"}
+    plain_rc = _pieces(gpt_oss, selective, 8, software=keep)["rc_moe"]
+    copied_rc = _pieces(gpt_oss, selective, 8, software={**keep, "qkv_transpose": True})["rc_moe"]
+    assert copied_rc[("B", "compute")][0] - plain_rc[("B", "compute")][0] == pytest.approx(copy_s, rel=1e-9)
+
+
 def test_flex_attention_runs_at_its_developers_share_of_the_flash_kernel():
     """FlexAttention (``flex_attention``) at its developer's averages: on H100 85% of
     FlashAttention-3's forward speed and 76% of its backward, weighted 1 : 2.5 by FLOPs,

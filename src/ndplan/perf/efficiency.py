@@ -47,7 +47,9 @@ class EfficiencyProfile(BaseModel):
     quantisation kernel): grouped GEMMs over many small experts are latency-bound. That holds
     where the runtime launches a GEMM per expert (``expert_gemm`` 'per-expert': Transformer
     Engine's GroupedLinear); with 'grouped' one kernel runs every local expert
-    (torch._grouped_mm, a CUTLASS grouped GEMM: transformers' and torchtitan's MoE), which on an
+    (torch._grouped_mm, a CUTLASS grouped GEMM: transformers' and torchtitan's MoE; the
+    grouped_gemm library's ops.gmm is one kernel on sm_80 alone, elsewhere a cuBLAS GEMM per
+    expert, 'per-expert'), which on an
     H200 costs no more per expert than the roofline (benchmarks/accuracy/cuda_probe.py, bf16,
     16-128 experts of 64-4096 tokens), and the host launches no per-expert kernels
     (``host_expert_s`` is 0 there too).
@@ -101,7 +103,8 @@ class EfficiencyProfile(BaseModel):
     matmul's except every second one, so it re-runs every second matmul of each block
     (``flops.alternate_recomputed_gemms``) and the elementwise ops, not the attention core;
     'keep-matmuls' saves every matmul's and the attention core's output and re-runs the
-    elementwise ops alone (the ``pytorch`` runtime profile's selective policy, which its census
+    elementwise ops alone (both re-run the copies and merges counted op by op below too: no
+    output of theirs is saved) (the ``pytorch`` runtime profile's selective policy, which its census
     measures). A runtime profile states its own (``RuntimeProfile.selective_policy``), and the
     commands that know the runtime price that one (``step.evaluate``'s ``software``).
 
@@ -164,7 +167,13 @@ class EfficiencyProfile(BaseModel):
     ``pytorch`` runtime's fact) merges each ring step's output into an fp32 running output and
     copies the keys, values and their fp32 gradients around every step
     (``memory_ops.ring_merge_bytes``); 'fused' leaves them unpriced (Transformer Engine
-    corrects the output inside its own kernels).
+    corrects the output inside its own kernels). MLA's query and key: ``mla_assembly`` 'fused'
+    (Megatron-Core's fused MLA RoPE kernels: the key and value written out of the
+    up-projection's output in one pass, the query rotated in place) or 'cat' (torch.cat of the
+    nope and rope parts, the rope key expanded to every head: NeMo AutoModel, torchtitan, the
+    ``pytorch`` runtime's fact), ``memory_ops.mla_assembly_bytes``. ``qkv_transpose``: the
+    runtime copies q, k and v into head-major layout before its attention kernel and the output
+    back (NeMo AutoModel's sdpa and flex backends), ``memory_ops.qkv_transpose_bytes``.
 
     Hidden expert all-to-all still costs compute: its kernels hold ``ep_comm_compute_share`` of
     the GPU's SMs while they run, so the compute they hide under loses that share of the
@@ -260,6 +269,8 @@ class EfficiencyProfile(BaseModel):
     expert_bias_add: Literal["fused", "repeat", "split-cat"] = "fused"
     sink_rescale: Literal["fused", "bf16", "fp32"] = "fused"
     ring_merge: Literal["fused", "torch"] = "fused"
+    mla_assembly: Literal["fused", "cat"] = "fused"
+    qkv_transpose: bool = False
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
 
@@ -520,7 +531,7 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
                    "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather", "expert_bias_add",
-                   "sink_rescale", "ring_merge")
+                   "sink_rescale", "ring_merge", "mla_assembly", "qkv_transpose")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

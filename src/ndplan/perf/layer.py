@@ -85,7 +85,9 @@ from ndplan.perf.memory_ops import (
     expert_bias_bytes,
     head_bytes,
     layer_bytes,
+    mla_assembly_bytes,
     module_replay_bytes,
+    qkv_transpose_bytes,
     ring_merge_bytes,
     sink_rescale_bytes,
     unfused_score_bytes,
@@ -796,6 +798,9 @@ def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardi
         seconds = seconds + attn_f
     replay_bytes = module_replay_bytes(ctx.model, sh, cols["sequence_parallel"], kind, ctx.precision.activation_bytes, modules)
     seconds = seconds + ctx.eff.elementwise_passes * replay_bytes / ctx.rates.hbm_rate
+    if "mla_up_proj" in modules:  # the up-projections' checkpoint builds the query and key again
+        assembly_f, _ = mla_assembly_bytes(ctx.model, sh, ctx.precision.activation_bytes, ctx.eff.mla_assembly)
+        seconds = seconds + assembly_f / ctx.rates.hbm_rate
     replays_moe = kind == "moe" and "moe" in modules
     if replays_moe:
         # The replayed block launches its experts again, after the dropless sync as in the
@@ -822,7 +827,8 @@ class _LayerCompute:
     distinct sharding (``gemms``, each one's forward seconds ``forward_of``, per pass ``gemm``
     spread to the base rows), the attention core's forward and backward (``attn_f``, ``attn_b``),
     the elementwise passes of a forward and what selective recompute re-runs of them (``ew_f``,
-    ``ew_rc``), the host's launch time of a forward (``host_f``), and each pass's compute as the
+    ``ew_rc``), the forward's ops counted one by one (``unfused_f``: MLA assembly, head-major
+    copies, sinks, ring merges, expert biases), the host's launch time of a forward (``host_f``), and each pass's compute as the
     GPU or the host bounds it (``compute_f``, ``compute_b``, ``compute_w``)."""
 
     gemms: list[Gemm]
@@ -832,6 +838,7 @@ class _LayerCompute:
     attn_b: Array | float
     ew_f: Array | float
     ew_rc: Array | float
+    unfused_f: Array | float
     host_f: Array | float
     compute_f: Array | float
     compute_b: Array | float
@@ -855,11 +862,15 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     ew_bytes, ew_rc_bytes = layer_bytes(model, bsh, bc["sequence_parallel"], kind, beta, sort, gathers)
     ew_f = eff.elementwise_passes * ew_bytes / rates.hbm_rate
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
-    # Ops counted one by one as the runtime's code runs them (EfficiencyProfile): the attention
-    # sinks' rescale, ring attention's merges and copies, and the routed experts' bias adds.
-    sink_f, sink_b = sink_rescale_bytes(model, bsh, beta, eff.sink_rescale)
-    ring_f, ring_b = ring_merge_bytes(model, bsh, beta, eff.ring_merge, ring_steps(bc))
-    unfused_f, unfused_b = (sink_f + ring_f) / rates.hbm_rate, (sink_b + ring_b) / rates.hbm_rate
+    # Ops counted one by one as the runtime's code runs them (EfficiencyProfile): MLA's query and
+    # key assembly, head-major copies around the attention kernel, the attention sinks' rescale,
+    # ring attention's merges and copies, and the routed experts' bias adds.
+    moved = (mla_assembly_bytes(model, bsh, beta, eff.mla_assembly),
+             qkv_transpose_bytes(model, bsh, beta, eff.qkv_transpose),
+             sink_rescale_bytes(model, bsh, beta, eff.sink_rescale),
+             ring_merge_bytes(model, bsh, beta, eff.ring_merge, ring_steps(bc)))
+    unfused_f = sum((f for f, _ in moved), 0.0) / rates.hbm_rate
+    unfused_b = sum((b for _, b in moved), 0.0) / rates.hbm_rate
     if kind == "moe":
         expert_f, expert_b = expert_bias_bytes(model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor)
         unfused_f, unfused_b = unfused_f + expert_f / rates.hbm_rate, unfused_b + expert_b / rates.hbm_rate
@@ -887,7 +898,8 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     compute_b = np.maximum(gemm["B"] + cast_b + attn_b + 2.0 * ew_f + unfused_b + overhead, host_b)
     compute_w = gemm["W"]
 
-    return _LayerCompute(gemms, forward_of, gemm, attn_f, attn_b, ew_f, ew_rc, host_f, compute_f, compute_b, compute_w)
+    return _LayerCompute(gemms, forward_of, gemm, attn_f, attn_b, ew_f, ew_rc, unfused_f, host_f, compute_f, compute_b,
+                         compute_w)
 
 
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
@@ -910,7 +922,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     computed = _layer_compute(ctx, bc, bsh, shardings, kind, full_attention)
     gemms, forward_of, gemm, attn_f, attn_b = (computed.gemms, computed.forward_of, computed.gemm, computed.attn_f,
                                                computed.attn_b)
-    ew_rc, host_f = computed.ew_rc, computed.host_f
+    ew_rc, host_f, unfused_f = computed.ew_rc, computed.host_f, computed.unfused_f
     compute_f, compute_b, compute_w = computed.compute_f, computed.compute_b, computed.compute_w
 
     comm = comm or layer_comm(ctx, bc, bsh)
@@ -953,9 +965,10 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     elif eff.selective_recompute == "torchtitan-op":
         replayed = alternate_recomputed_gemms(model, shardings.distinct, kind)
         replay_cast, _ = fp8_cast_seconds(ctx, replayed)
-        selective_s = shardings.spread(gemms_seconds(replayed, rates, "F")[0] + replay_cast) + ew_rc
+        selective_s = shardings.spread(gemms_seconds(replayed, rates, "F")[0] + replay_cast) + ew_rc + unfused_f
     elif eff.selective_recompute == "keep-matmuls":  # the elementwise ops layer_bytes deems recomputable
-        selective_s = ew_rc
+        # and the copies and merges counted one by one: no matmul or attention output of theirs is saved
+        selective_s = ew_rc + unfused_f
     else:  # Megatron's default module list: the attention core alone
         selective_s = attn_f
     selective_s = up(selective_s)

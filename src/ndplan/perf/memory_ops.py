@@ -80,6 +80,29 @@ received fp32 buffers (half of 8 + β) and concatenated whole (8), the fp32 grad
 for each send (8, n times), the query gradient accumulated every step (8 + β), and the three cast
 back at the end (4 + β) -> 4(Q + K + V) + n·2β(K + V) + (8 + β)(K + V) + (n - 1)(12 + β/2)(K + V)
 + 8n(K + V) + n(8 + β)Q + (4 + β)(Q + K + V).
+MLA's query and key assembly, by ``EfficiencyProfile.mla_assembly``, beyond the rotary op above
+(which reads and writes the rope parts), per token and local head (a/t of them; d_qk = d_nope +
+d_rope, β the activation width):
+* 'fused' (Megatron-Core's fused MLA RoPE kernels, core >= 0.13): the query is rotated in place;
+  one kernel reads the key/value up-projection's output, a(d_nope + d_v), and writes the key,
+  a(d_nope + d_rope), the rotated rope key given to every head, and the value, a·d_v; its
+  backward reads the key's and value's gradients, a(d_qk + d_v), and writes the up-projection's,
+  a(d_nope + d_v) (the rope key's summed over the heads in the same kernel)
+  -> (2·d_nope + 2·d_v + d_rope)·β per head, forward and backward alike.
+* 'cat' (torch.cat, as NeMo AutoModel's and torchtitan's DeepSeek-V3 and Megatron-Core without
+  RoPE fusion build them): the query's two parts concatenated (read d_qk, write d_qk), the key's
+  nope part and the rope key expanded to every head concatenated (read d_nope, write d_qk; the
+  rope key read once per token, d_rope) -> (3·d_qk + d_nope)·β per head + d_rope·β per token
+  forward; backward: split's backward concatenates the query's gradients (2·d_qk) and the key's
+  nope part with the value's (2·d_nope + 2·d_v), the expand's backward sums the rope key's over
+  the heads (read d_rope per head, write d_rope per token) -> (2·d_qk + 2·d_nope + 2·d_v +
+  d_rope)·β per head + d_rope·β per token.
+Head-major copies, where ``EfficiencyProfile.qkv_transpose`` says the runtime makes them (NeMo
+AutoModel's sdpa and flex backends: q, k and v ``transpose(1, 2).contiguous()`` before the kernel,
+its output back after it): read + write of every element of Q = T·(a/t)·d_qk, K = T·(g/t)·d_qk,
+V = T·(g/t)·d_v and O = T·(a/t)·d_v (g the key/value heads, a under MLA) -> 2β(Q + K + V + O)
+forward; the backward the same, since each gradient comes back as a transposed view that the next
+kernel copies again (a GEMM's input rows, the reshape before the projection's backward).
 """
 
 from __future__ import annotations
@@ -165,6 +188,36 @@ def ring_merge_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kernel: s
                 + 8.0 * n * kv + n * (8.0 + beta) * q + (4.0 + beta) * (q + kv))
     ring = n > 1.0
     return np.where(ring, forward, 0.0), np.where(ring, backward, 0.0)
+
+
+def mla_assembly_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
+                       kernel: str) -> tuple[Array | float, Array | float]:
+    """(forward, backward) bytes of one layer's MLA query and key assembly on a device, per
+    micro-batch, by ``kernel`` ('fused' or 'cat', module docstring); 0 for a model without MLA."""
+    if not model.is_mla:
+        return 0.0, 0.0
+    nope, rope, value = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+    qk = nope + rope
+    heads = sh.tokens * model.num_attention_heads / sh.tp
+    if kernel == "fused":
+        moved = heads * (2.0 * nope + 2.0 * value + rope) * act_bytes
+        return moved, moved
+    forward = (heads * (3.0 * qk + nope) + sh.tokens * rope) * act_bytes
+    backward = (heads * (2.0 * qk + 2.0 * nope + 2.0 * value + rope) + sh.tokens * rope) * act_bytes
+    return forward, backward
+
+
+def qkv_transpose_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
+                        transposed: bool) -> tuple[Array | float, Array | float]:
+    """(forward, backward) bytes of one layer's head-major copies of q, k, v and the attention
+    output on a device, per micro-batch, where the runtime makes them (module docstring)."""
+    if not transposed:
+        return 0.0, 0.0
+    kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
+    per_token = (model.num_attention_heads * (model.qk_head_dim + model.value_head_dim)
+                 + kv_heads * (model.qk_head_dim + model.value_head_dim))
+    moved = 2.0 * act_bytes * sh.tokens * per_token / sh.tp
+    return moved, moved
 
 
 def expert_bias_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kernel: str,
@@ -279,7 +332,8 @@ def module_replay_bytes(
     module (MLA's input norm; a MoE layer's pre-MLP norm, which feeds the router), 2·T_n·h each;
     ``moe_act`` the routed experts' activation; ``mlp`` the dense MLP's fused norm and activation;
     ``shared_experts`` their activation; ``moe`` the MoE block's activations, token shuffles and
-    router; ``mla_up_proj`` the rotary embedding it re-applies."""
+    router; ``mla_up_proj`` the rotary embedding it re-applies (and the query and key assembly,
+    ``mla_assembly_bytes``, which layer.py adds as it counts it: op by op)."""
     h, tok = model.hidden_size, sh.tokens
     one_norm = 2.0 * norm_tokens(sh, sp) * h
     total: Array | float = 0.0

@@ -32,7 +32,13 @@ from ndplan.perf.layer import (
     ring_steps,
     token_reach,
 )
-from ndplan.perf.memory_ops import expert_bias_bytes, ring_merge_bytes, sink_rescale_bytes
+from ndplan.perf.memory_ops import (
+    expert_bias_bytes,
+    mla_assembly_bytes,
+    qkv_transpose_bytes,
+    ring_merge_bytes,
+    sink_rescale_bytes,
+)
 from ndplan.perf.overlap import OverlapConfig
 from ndplan.perf.step import (
     compute_rates,
@@ -272,7 +278,8 @@ def explain_lines(r: TimeReport) -> list[str]:
             f"{rates.masked_attention_rate / 1e12:,.1f} TFLOP/s")
          if r.efficiency.flash_attention else
          "attention core unfused: QKᵀ and PV as GEMMs over the full s² square at the GEMM rate, plus the "
-         "softmax's bytes at HBM rate; backward = 2× forward") + _sink_text(r, sh, rates.hbm_rate),
+         "softmax's bytes at HBM rate; backward = 2× forward") + _sink_text(r, sh, rates.hbm_rate)
+        + _assembly_text(r, sh, rates.hbm_rate),
         f"elementwise ops (norms, activations, rotary, residuals, loss): bytes · elementwise_passes "
         f"{r.efficiency.elementwise_passes:g} / HBM {rates.hbm_rate / 1e12:,.2f} TB/s"
         + (" (eager kernels: each op a pass)" if r.efficiency.elementwise_passes > 1 else " (fused kernels)"),
@@ -391,6 +398,23 @@ def _sink_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
         return "; attention sinks in the kernel's softmax (sink_rescale fused: no bytes of their own)"
     moved = sink_rescale_bytes(r.model, sh, r.strategy.precision.activation_bytes, kernel)
     return f"; attention sinks as a rescale of its output after the kernel (sink_rescale {kernel}): {_moved_text(moved, hbm_rate)}"
+
+
+def _assembly_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
+    """What building the attention's inputs costs a layer's micro-batch beyond the GEMMs and the
+    rotary op: MLA's query and key (``memory_ops.mla_assembly_bytes``) and head-major copies
+    (``memory_ops.qkv_transpose_bytes``)."""
+    model, eff, beta = r.model, r.efficiency, r.strategy.precision.activation_bytes
+    text = ""
+    if model.is_mla:
+        how = ("key and value written out of the up-projection's output by the fused RoPE kernel"
+               if eff.mla_assembly == "fused" else "query and key concatenated with torch.cat, the rope key expanded to every head")
+        moved = mla_assembly_bytes(model, sh, beta, eff.mla_assembly)
+        text += f"; MLA's {how} (mla_assembly {eff.mla_assembly}): {_moved_text(moved, hbm_rate)}"
+    if eff.qkv_transpose:
+        text += ("; q, k, v copied to head-major layout and the output back (qkv_transpose): "
+                 f"{_moved_text(qkv_transpose_bytes(model, sh, beta, True), hbm_rate)}")
+    return text
 
 
 def _expert_bias_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
