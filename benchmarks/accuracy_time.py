@@ -617,7 +617,12 @@ COMMENTARY = [
     "  precision): priced so since the thirty-first session, where it had run at the fp8 rate. The",
     "  FP8 rows moved 0.1-7.8 points slower: DeepSeek-V3 on B200 -12.9% to {e[bridge2511-b200-deepseek-v3]} and "
     "+4.3% to {e[bridge2602-b200-deepseek-v3]},",
-    "  on H100 -0.0% to {e[bridge2509-h100-deepseek-v3]}, its own H800 DualPipe row +9.6% to {e[deepseek-v3-h800]}.",
+    "  on H100 -0.0% to {e[bridge2509-h100-deepseek-v3]}, its own H800 DualPipe row +9.6% (later +18.5%, below) to {e[deepseek-v3-h800]}.",
+    "* DeepSeek-V3's own H800 row runs the fine-grained FP8 GEMMs its report describes (1x128 and",
+    "  128x128 scales, promoted to FP32 every 128 elements), which DeepSeek published as DeepGEMM with",
+    "  an H800 table: 0.66 of the fp8 peak at the profiles' reference depth, where Transformer",
+    "  Engine's training GEMMs take 0.5 (`fp8_gemm_kernel: deepgemm`, the forty-second session; the",
+    "  MLA key assembly's bytes had moved the row from +17.4% to +18.5%): {e[deepseek-v3-h800]}.",
     "* The 26.02 table (added in the twenty-second session, each row with its 25.11 twin's",
     "  assumptions) runs Qwen3-30B no faster: {e[bridge2602-h100-qwen3-30b-a3b]} on H100 and "
     "{e[bridge2602-b200-qwen3-30b-a3b]} on B200, so the dropless",

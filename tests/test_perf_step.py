@@ -1718,6 +1718,26 @@ def test_head_major_copies_cost_their_bytes_where_the_runtime_makes_them():
     assert copied_rc[("B", "compute")][0] - plain_rc[("B", "compute")][0] == pytest.approx(copy_s, rel=1e-9)
 
 
+def test_deepgemm_fp8_gemms_run_at_their_published_h800_rates():
+    """``fp8_gemm_kernel: deepgemm`` prices fp8 GEMMs at DeepGEMM's H800 table: M = 4096 GEMMs at
+    K = 512, 1536, 2048, 7168, 16384 ran 590, 990, 1025, 1304, 1358 TFLOP/s; through the hopper fp8
+    knee (720) to the reference depth 8192, rate · (K + 720)/K · 8192/8912, mean 1307 of 1979
+    TFLOP/s: 0.66. bf16 GEMMs and families without a figure keep their own rate."""
+    from ndplan.perf.step import compute_rates
+
+    table = ((512, 590), (1536, 990), (2048, 1025), (7168, 1304), (16384, 1358))
+    mean = sum(rate * (k + 720) / k * 8192 / 8912 for k, rate in table) / len(table)
+    assert mean / 1978.9 == pytest.approx(0.66, abs=0.005)
+    fp8 = StrategyBatch.of([Strategy(dp=8, seq_length=4096, precision="megatron-fp8")])
+    bf16 = StrategyBatch.of([Strategy(dp=8, seq_length=4096)])
+    for device, share in (("h100-sxm", 0.66), ("b200", None)):
+        cluster = Cluster(device=get_device(device), num_devices=8)
+        eff = default_efficiency(cluster.device)
+        deep = eff.replace(fp8_gemm_kernel="deepgemm")
+        assert compute_rates(cluster, fp8, deep).gemm_eff == (share or eff.fp8_gemm_efficiency)
+        assert compute_rates(cluster, bf16, deep).gemm_eff == eff.gemm_efficiency
+
+
 def test_flex_attention_runs_at_its_developers_share_of_the_flash_kernel():
     """FlexAttention (``flex_attention``) at its developer's averages: on H100 85% of
     FlashAttention-3's forward speed and 76% of its backward, weighted 1 : 2.5 by FLOPs,

@@ -32,7 +32,11 @@ class EfficiencyProfile(BaseModel):
         peak_flops[dtype] · gemm_efficiency · min(1, min(M, N, K) / gemm_knee)
     (tile quantisation: a dimension thinner than one tile costs as much as a full tile), and
     never faster than its operands and result can stream from HBM (roofline, see gemm.py).
-    ``fp8_gemm_efficiency`` replaces ``gemm_efficiency`` when the compute dtype is fp8.
+    ``fp8_gemm_efficiency`` replaces ``gemm_efficiency`` when the compute dtype is fp8, as the
+    GEMM library of Transformer Engine-based training runs them; ``fp8_gemm_kernel`` 'deepgemm'
+    prices DeepSeek's fine-grained fp8 GEMMs (DeepGEMM, the 1x128/128x128-scaled kernels its
+    DeepSeek-V3 report describes) at their published rates instead (``DEEPGEMM_FP8_EFFICIENCY``,
+    where the family has a figure).
     Reduction depth: each output tile pays a fixed cost (pipeline fill, epilogue, scale
     handling) worth ``gemm_depth_knee`` (``fp8_gemm_depth_knee`` in fp8) elements of its
     reduction, so a pass summing over R elements runs at R/(R + knee) of the asymptotic rate.
@@ -270,6 +274,7 @@ class EfficiencyProfile(BaseModel):
     sink_rescale: Literal["fused", "bf16", "fp32"] = "fused"
     ring_merge: Literal["fused", "torch"] = "fused"
     mla_assembly: Literal["fused", "cat"] = "fused"
+    fp8_gemm_kernel: Literal["default", "deepgemm"] = "default"
     qkv_transpose: bool = False
     cpu_optimizer_params_per_s: float = Field(default=2e9, gt=0.0, description="CPU Adam, for optimizer offload")
     host_link_efficiency: Fraction = Field(default=0.8, description="pinned host copies over the host link's raw rate")
@@ -287,6 +292,14 @@ class EfficiencyProfile(BaseModel):
         (every expert's buffer holds exactly that multiple of its share), else ``moe_imbalance``
         (``memory.options.MemoryOptions.routed_token_factor``, the same rule)."""
         return self.moe_capacity_factor if self.moe_capacity_factor is not None else self.moe_imbalance
+
+    @property
+    def fp8_gemm_rate_share(self) -> float:
+        """fp8 GEMMs' share of the fp8 peak: ``DEEPGEMM_FP8_EFFICIENCY`` under ``fp8_gemm_kernel``
+        'deepgemm' where the family has a figure, else ``fp8_gemm_efficiency``."""
+        if self.fp8_gemm_kernel == "deepgemm" and self.family in DEEPGEMM_FP8_EFFICIENCY:
+            return DEEPGEMM_FP8_EFFICIENCY[self.family]
+        return self.fp8_gemm_efficiency
 
     @property
     def flex_share(self) -> float:
@@ -319,6 +332,16 @@ class EfficiencyProfile(BaseModel):
 #: averages (D. Guessous's GTC 2025 session, abstract in the PyTorch blog "PyTorch at GTC 2025"):
 #: on A100 f = 90%, b = 85% of FlashAttention-2's speed; on H100 85% and 76% of FlashAttention-3's.
 #: No figure for other families (there it is priced as the family's kernel).
+#: DeepGEMM's fp8 GEMMs' share of the fp8 peak at the profiles' reference depth (R = 8192): its
+#: README's H800 table (Feb 2025) of M = 4096 dense GEMMs at K = 512, 1536, 2048, 7168, 16384,
+#: 590, 990, 1025, 1304 and 1358 TFLOP/s, each taken to R = 8192 through the hopper fp8 depth
+#: knee (720: rate · (K + 720)/K · 8192/8912) gives 1305, 1337, 1273, 1319 and 1303, mean 1307 of
+#: 1979 TFLOP/s; its grouped contiguous GEMMs at K = 7168 (1288-1297) give the same. No figure
+#: for other families (there it is priced as ``fp8_gemm_efficiency``).
+DEEPGEMM_FP8_EFFICIENCY: dict[str, float] = {
+    "hopper": 0.66,
+}
+
 FLEX_ATTENTION_SHARE: dict[str, float] = {
     "ampere": 3.5 / (1 / 0.90 + 2.5 / 0.85),
     "hopper": 3.5 / (1 / 0.85 + 2.5 / 0.76),
@@ -531,7 +554,7 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
                    "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather", "expert_bias_add",
-                   "sink_rescale", "ring_merge", "mla_assembly", "qkv_transpose")
+                   "sink_rescale", "ring_merge", "mla_assembly", "qkv_transpose", "fp8_gemm_kernel")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

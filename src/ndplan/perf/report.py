@@ -13,7 +13,7 @@ from ndplan.hardware.device import Cluster, Device
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import shard_groups
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import FLEX_ATTENTION_SHARE, EfficiencyProfile
+from ndplan.perf.efficiency import DEEPGEMM_FP8_EFFICIENCY, FLEX_ATTENTION_SHARE, EfficiencyProfile
 from ndplan.perf.flops import (
     Sharding,
     attention_core_flops,
@@ -265,7 +265,7 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"global batch {s.global_batch_size} = dp {s.dp} · mbs {s.micro_batch_size} · m {s.num_micro_batches}"
         + (f" · pipeline runs {s.pipeline_runs}" if s.pipeline_runs > 1 else ""),
         f"GEMM rate = peak[{dtype}] · gemm_eff · min(1, min(M,N,K)/knee) · depth(R) = {rates.peak_flops / 1e12:,.1f} TFLOP/s · "
-        f"{gemm_eff:.3f} (knee {r.efficiency.gemm_knee:.0f}; depth(R) = min(1, R/(R+{rates.depth_knee:.0f})·"
+        f"{gemm_eff:.3f}{_fp8_kernel_text(r.efficiency, dtype)} (knee {r.efficiency.gemm_knee:.0f}; depth(R) = min(1, R/(R+{rates.depth_knee:.0f})·"
         f"({rates.depth_ref:.0f}+{rates.depth_knee:.0f})/{rates.depth_ref:.0f}), R the pass's reduction: K in F, N in B, M in W); "
         f"roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective, "
         f"each pass with its own bytes (W read-modify-writes {rates.wgrad_accum_bytes:.0f} B per weight of gradient)",
@@ -378,6 +378,15 @@ def _ring_merge_text(r: TimeReport, s: Strategy) -> str:
     rate = r.cluster.device.hbm_bandwidth_bytes_per_s * r.efficiency.hbm_efficiency
     return ("; torch's ring merges each step's output in fp32 and copies keys, values and their gradients every "
             f"step (ring_merge torch, the busiest rank): {_moved_text(moved, rate)}")
+
+
+def _fp8_kernel_text(efficiency: EfficiencyProfile, dtype: str) -> str:
+    """Whose fp8 GEMM rate the GEMM line uses, where it is not the profile's own."""
+    if dtype != "fp8" or efficiency.fp8_gemm_kernel == "default":
+        return ""
+    if efficiency.family not in DEEPGEMM_FP8_EFFICIENCY:
+        return f" (DeepGEMM: no figure for the {efficiency.family} family, priced as fp8_gemm_efficiency)"
+    return " (DeepGEMM's published H800 rates, fp8_gemm_kernel deepgemm)"
 
 
 def _flex_text(efficiency: EfficiencyProfile) -> str:

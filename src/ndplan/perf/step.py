@@ -132,7 +132,7 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
         in_fp8 = gemm_dtype == "fp8"
         return ComputeRates(
             peak_flops=device.peak_flops_for(gemm_dtype),
-            gemm_eff=eff.fp8_gemm_efficiency if in_fp8 else eff.gemm_efficiency,
+            gemm_eff=eff.fp8_gemm_rate_share if in_fp8 else eff.gemm_efficiency,
             knee=eff.gemm_knee,
             grouped_factor=eff.grouped_gemm_factor,
             attention_rate=attention_peak * eff.attention_efficiency * eff.flex_share,
