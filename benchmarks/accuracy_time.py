@@ -623,6 +623,12 @@ COMMENTARY = [
     "  an H800 table: 0.66 of the fp8 peak at the profiles' reference depth, where Transformer",
     "  Engine's training GEMMs take 0.5 (`fp8_gemm_kernel: deepgemm`, the forty-second session; the",
     "  MLA key assembly's bytes had moved the row from +17.4% to +18.5%): {e[deepseek-v3-h800]}.",
+    "* MLA's key is built per head out of its up-projection's output and one rope key per token, a",
+    "  memory-bound pass the model had not counted: Megatron-Core's fused MLA RoPE kernels write key",
+    "  and value in one pass (`mla_assembly: fused`, the default), NeMo AutoModel's and torchtitan's",
+    "  torch.cat more (`cat`). Priced since the forty-second session, Megatron's DeepSeek-V3 rows moved",
+    "  1.1-1.3 points slower (Bridge on H100 +3.2% to {e[bridge2509-h100-deepseek-v3]}, on B200 -6.9% to",
+    "  {e[bridge2511-b200-deepseek-v3]} and +11.8% to {e[bridge2602-b200-deepseek-v3]}).",
     "* The 26.02 table (added in the twenty-second session, each row with its 25.11 twin's",
     "  assumptions) runs Qwen3-30B no faster: {e[bridge2602-h100-qwen3-30b-a3b]} on H100 and "
     "{e[bridge2602-b200-qwen3-30b-a3b]} on B200, so the dropless",
