@@ -107,9 +107,9 @@ class EfficiencyProfile(BaseModel):
     matmul's except every second one, so it re-runs every second matmul of each block
     (``flops.alternate_recomputed_gemms``) and the elementwise ops, not the attention core;
     'keep-matmuls' saves every matmul's and the attention core's output and re-runs the
-    elementwise ops alone (both re-run the copies and merges counted op by op below too: no
-    output of theirs is saved) (the ``pytorch`` runtime profile's selective policy, which its census
-    measures). A runtime profile states its own (``RuntimeProfile.selective_policy``), and the
+    elementwise ops alone (the ``pytorch`` runtime profile's selective policy, which its census
+    measures); both re-run the copies and merges counted op by op below too, no output of theirs
+    being saved. A runtime profile states its own (``RuntimeProfile.selective_policy``), and the
     commands that know the runtime price that one (``step.evaluate``'s ``software``).
 
     Host: the CPU enqueues a layer's kernels ahead of the GPU; when that takes longer than the
@@ -327,11 +327,6 @@ class EfficiencyProfile(BaseModel):
             raise NdplanError(f"invalid efficiency figure {field}={first.get('input')!r}: {first['msg']}") from None
 
 
-#: FlexAttention's speed over the flash kernel a family's ``attention_efficiency`` describes, its
-#: forward and backward weighted by their FLOPs (1 : 2.5): 3.5 / (1/f + 2.5/b). Its developer's
-#: averages (D. Guessous's GTC 2025 session, abstract in the PyTorch blog "PyTorch at GTC 2025"):
-#: on A100 f = 90%, b = 85% of FlashAttention-2's speed; on H100 85% and 76% of FlashAttention-3's.
-#: No figure for other families (there it is priced as the family's kernel).
 #: DeepGEMM's fp8 GEMMs' share of the fp8 peak at the profiles' reference depth (R = 8192): its
 #: README's H800 table (Feb 2025) of M = 4096 dense GEMMs at K = 512, 1536, 2048, 7168, 16384,
 #: 590, 990, 1025, 1304 and 1358 TFLOP/s, each taken to R = 8192 through the hopper fp8 depth
@@ -342,6 +337,11 @@ DEEPGEMM_FP8_EFFICIENCY: dict[str, float] = {
     "hopper": 0.66,
 }
 
+#: FlexAttention's speed over the flash kernel a family's ``attention_efficiency`` describes, its
+#: forward and backward weighted by their FLOPs (1 : 2.5): 3.5 / (1/f + 2.5/b). Its developer's
+#: averages (D. Guessous's GTC 2025 session, abstract in the PyTorch blog "PyTorch at GTC 2025"):
+#: on A100 f = 90%, b = 85% of FlashAttention-2's speed; on H100 85% and 76% of FlashAttention-3's.
+#: No figure for other families (there it is priced as the family's kernel).
 FLEX_ATTENTION_SHARE: dict[str, float] = {
     "ampere": 3.5 / (1 / 0.90 + 2.5 / 0.85),
     "hopper": 3.5 / (1 / 0.85 + 2.5 / 0.76),

@@ -828,8 +828,9 @@ class _LayerCompute:
     spread to the base rows), the attention core's forward and backward (``attn_f``, ``attn_b``),
     the elementwise passes of a forward and what selective recompute re-runs of them (``ew_f``,
     ``ew_rc``), the forward's ops counted one by one (``unfused_f``: MLA assembly, head-major
-    copies, sinks, ring merges, expert biases), the host's launch time of a forward (``host_f``), and each pass's compute as the
-    GPU or the host bounds it (``compute_f``, ``compute_b``, ``compute_w``)."""
+    copies, sinks, ring merges, expert biases), the host's launch time of a forward
+    (``host_f``), and each pass's compute as the GPU or the host bounds it (``compute_f``,
+    ``compute_b``, ``compute_w``)."""
 
     gemms: list[Gemm]
     forward_of: dict[str, Array | float]
