@@ -869,12 +869,11 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     moved = (mla_assembly_bytes(model, bsh, beta, eff.mla_assembly),
              qkv_transpose_bytes(model, bsh, beta, eff.qkv_transpose),
              sink_rescale_bytes(model, bsh, beta, eff.sink_rescale),
-             ring_merge_bytes(model, bsh, beta, eff.ring_merge, ring_steps(bc)))
+             ring_merge_bytes(model, bsh, beta, eff.ring_merge, ring_steps(bc)),
+             expert_bias_bytes(model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor)
+             if kind == "moe" else (0.0, 0.0))
     unfused_f = sum((f for f, _ in moved), 0.0) / rates.hbm_rate
     unfused_b = sum((b for _, b in moved), 0.0) / rates.hbm_rate
-    if kind == "moe":
-        expert_f, expert_b = expert_bias_bytes(model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor)
-        unfused_f, unfused_b = unfused_f + expert_f / rates.hbm_rate, unfused_b + expert_b / rates.hbm_rate
     overhead = eff.layer_overhead_s
     gpu_f = gemm["F"] + cast_f + attn_f + ew_f + unfused_f + overhead
     host_f: Array | float = eff.host_layer_s

@@ -214,8 +214,7 @@ def qkv_transpose_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
     if not transposed:
         return 0.0, 0.0
     kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
-    per_token = (model.num_attention_heads * (model.qk_head_dim + model.value_head_dim)
-                 + kv_heads * (model.qk_head_dim + model.value_head_dim))
+    per_token = (model.num_attention_heads + kv_heads) * (model.qk_head_dim + model.value_head_dim)  # Q + O, K + V
     moved = 2.0 * act_bytes * sh.tokens * per_token / sh.tp
     return moved, moved
 

@@ -318,7 +318,7 @@ def explain_lines(r: TimeReport) -> list[str]:
                 f"bytes / (host link {dev.host_link_bandwidth_bytes_per_s / 1e9:,.0f} GB/s · host_link_efficiency "
                 f"{r.efficiency.host_link_efficiency:.2f}) = {_ms(copy)}; exposed max(0, c − F) in F, "
                 f"max(0, c − (B+W)) in B (its own copy stream hides the rest)")
-    lines += _communication_lines(r)
+    lines += _communication_lines(r, rates.hbm_rate)
     for name, label in (("emb", "embedding (first stage)"), ("head", "final norm + output head + loss" + (" + MTP" if model.mtp_depth else "") + " (last stage)")):
         p = pieces[name]
         total = {ps: float(np.asarray(p.total(ps)).reshape(-1)[0]) for ps in ("F", "B", "W")}
@@ -368,16 +368,16 @@ def _moved_text(moved: tuple[Any, Any], hbm_rate: float) -> str:
             f"{_ms(forward / hbm_rate)} + {_ms(backward / hbm_rate)}")
 
 
-def _ring_merge_text(r: TimeReport, s: Strategy) -> str:
+def _ring_merge_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
     """What torch's ring merges and copies cost a layer's micro-batch (``memory_ops.ring_merge_bytes``)."""
+    s = r.strategy
     code = {"cp": s.cp, "cp_kind": CP_KINDS.index(s.cp_kind), "ulysses_degree": s.ulysses_degree}
     steps = float(ring_steps({k: np.asarray(v, dtype=np.float64) for k, v in code.items()}))
     if r.efficiency.ring_merge == "fused" or steps < 2:
         return ""
-    moved = ring_merge_bytes(r.model, _sharding(s), s.precision.activation_bytes, "torch", steps)
-    rate = r.cluster.device.hbm_bandwidth_bytes_per_s * r.efficiency.hbm_efficiency
+    moved = ring_merge_bytes(r.model, sh, s.precision.activation_bytes, "torch", steps)
     return ("; torch's ring merges each step's output in fp32 and copies keys, values and their gradients every "
-            f"step (ring_merge torch, the busiest rank): {_moved_text(moved, rate)}")
+            f"step (ring_merge torch, the busiest rank): {_moved_text(moved, hbm_rate)}")
 
 
 def _fp8_kernel_text(efficiency: EfficiencyProfile, dtype: str) -> str:
@@ -456,8 +456,9 @@ def _dedup_text(r: TimeReport, fabric: Fabric) -> str:
             "(one network send each)")
 
 
-def _communication_lines(r: TimeReport) -> list[str]:
-    """Volumes, groups and links of each collective (before overlap)."""
+def _communication_lines(r: TimeReport, hbm_rate: float) -> list[str]:
+    """Volumes, groups and links of each collective (before overlap); ``hbm_rate`` prices the
+    copies the ring makes beside its sends."""
     s, model, prec = r.strategy, r.model, r.strategy.precision
     fabric = Fabric.of(r.cluster, r.efficiency)
     tokens = s.micro_batch_size * s.seq_length / s.cp
@@ -498,7 +499,7 @@ def _communication_lines(r: TimeReport) -> list[str]:
         else:
             where = f"ring over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')})"
         out.append(f"CP ({s.cp_kind}): {where}; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
-                   + _ring_merge_text(r, s))
+                   + _ring_merge_text(r, _sharding(s), hbm_rate))
     if model.is_moe and r.efficiency.moe_dispatcher == "allgather" and s.ep * s.etp > 1:
         n = s.ep * s.etp
         gathered = tokens / s.tp * n
