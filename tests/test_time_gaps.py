@@ -59,7 +59,7 @@ def test_cautions_are_said_for_the_kinds_that_read_fast_and_only_for_them():
     assert time_known_gaps(dense, plain, "pytorch") == []
     assert time_known_gaps(dense, with_cp, "megatron") == []  # Megatron's CP: within 7% where dense
     (cp_caution,) = time_known_gaps(dense, with_cp, "pytorch")
-    assert "read fast in all 6 published torchtitan runs with CP 2-8 (-5.3% to -34.5%" in cp_caution
+    assert "read fast in 5 of 6 published torchtitan runs with CP 2-8 (median -22.4%, from +1.2% to -29.7%" in cp_caution
     (moe_caution,) = time_known_gaps(moe, plain, "megatron")
     assert "read fast in 28 (median -19.5%, from -54.3% to +13.1%" in moe_caution
     assert len(time_known_gaps(moe, with_cp, "pytorch")) == 2
@@ -71,7 +71,7 @@ def test_estimate_prints_the_time_caution_and_json_carries_it(capsys):
     argv = ["estimate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--cp", "2",
             "--gbs", "16", "--seq", "65536", "--fsdp", "--recompute", "full"]
     assert main(argv) == 0
-    assert "caution: PyTorch's experimental context parallelism read fast in all 6" in capsys.readouterr().out
+    assert "caution: PyTorch's experimental context parallelism read fast in 5 of 6" in capsys.readouterr().out
     assert main([*argv, "--json"]) == 0
     timing = json.loads(capsys.readouterr().out)["time"]
     assert len(timing["caveats"]) == 1 and "expect its step to take longer" in timing["caveats"][0]
