@@ -1780,6 +1780,38 @@ def test_torch_ring_attention_merges_cost_their_bytes():
             == _pieces(LLAMA8, ulysses, 8)["dense"][("B", "compute")][0])
 
 
+def test_torch_ring_all_gathers_keys_and_values_and_sends_their_gradients_every_step():
+    """torch's context parallelism (``ring_exchange`` allgather) all-gathers K and V, at the query
+    heads' width, once a pass under the first ring step's attention alone, and sends their fp32
+    gradients to the next rank after every backward step: each send under the next step, the last
+    under nothing. Hand-derived on 16 A100s, Llama-3.1-8B, tp 8, cp 2 across nodes (25 GB/s ·
+    0.85, 10 µs a step), seq 8192, per layer and micro-batch:
+      K + V = 4096 tokens · (32/8 heads) · (128 + 128) = 4,194,304 elements, 8,388,608 B in bf16
+      all-gather = 10 µs + (1/2)·(2·8,388,608 B)/21.25 GB/s = 404.76 µs; gradient send = 10 µs
+      + 4·4,194,304 B/21.25 GB/s = 799.52 µs
+      attention forward 183.55 µs (test above), 91.78 µs a step; backward 2.5x, 229.44 µs a step
+      forward exposed 404.76 - 91.78 = 312.97 µs; backward (404.76 - 229.44) + (799.52 - 229.44)
+      + 799.52 = 1,544.87 µs."""
+    s = Strategy(dp=1, tp=8, cp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=2, seq_length=8192)
+    cluster = _cluster(16, "a100-80gb")
+    link = 25e9 * 0.85
+    elements = 4096 * 4 * 256
+    gather = 10e-6 + 0.5 * 2 * elements * 2 / link
+    send = 10e-6 + 4 * elements / link
+    step = 2 * 4 * 256 * (8192 * 8193 / 2) / 2 / (312e12 * 0.6) / 2
+    forward = gather - step
+    backward = (gather - 2.5 * step) + (send - 2.5 * step) + send
+    assert (gather, send, forward, backward) == (
+        pytest.approx(404.76e-6, abs=0.01e-6), pytest.approx(799.52e-6, abs=0.01e-6),
+        pytest.approx(312.97e-6, abs=0.01e-6), pytest.approx(1544.87e-6, abs=0.01e-6))
+    efficiency = default_efficiency(cluster.device).replace(ring_exchange="allgather")
+    r = estimate_time(LLAMA8, s, cluster, efficiency=efficiency)
+    assert r.breakdown["comm_exposed"]["cp"] == pytest.approx(2 * 32 * (forward + backward), rel=1e-6)
+    # With the ring's overlap off every byte shows: the gather each pass and both sends.
+    plain = estimate_time(LLAMA8, s, cluster, efficiency=efficiency, overlap=OverlapConfig(cp_ring=False))
+    assert plain.breakdown["comm_exposed"]["cp"] == pytest.approx(2 * 32 * (2 * gather + 2 * send), rel=1e-6)
+
+
 def test_fsdp2_copies_its_units_on_the_compute_stream():
     """FSDP2 copies a gathered unit out of its all-gather buffer (2·g bytes an element) and a
     gradient into the reduce-scatter buffer, cast to the reduce dtype (a + r bytes), on the

@@ -171,7 +171,14 @@ class EfficiencyProfile(BaseModel):
     ``pytorch`` runtime's fact) merges each ring step's output into an fp32 running output and
     copies the keys, values and their fp32 gradients around every step
     (``memory_ops.ring_merge_bytes``); 'fused' leaves them unpriced (Transformer Engine
-    corrects the output inside its own kernels). MLA's query and key: ``mla_assembly`` 'fused'
+    corrects the output inside its own kernels). How the ring moves keys and values,
+    ``ring_exchange`` (``layer.ring_exchange_seconds``): 'p2p' (Transformer Engine) sends K and V
+    to the next rank at each step, the backward their gradients with them, each send under a
+    step's attention; 'allgather' (torch's context parallelism with its default rotate method,
+    ``_RotateMethod.ALL_GATHER``) all-gathers K and V as the model passes them (torchtitan
+    repeats them to every query head) once a pass, under the first step's attention alone, and
+    sends the fp32 gradients of K and V to the next rank after every step: each send hides under
+    the next step's attention, the last one is waited for with nothing left to run. MLA's query and key: ``mla_assembly`` 'fused'
     (Megatron-Core's fused MLA RoPE kernels: the key and value written out of the
     up-projection's output in one pass, the query rotated in place) or 'cat' (torch.cat of the
     nope and rope parts, the rope key expanded to every head: NeMo AutoModel, torchtitan, the
@@ -273,6 +280,7 @@ class EfficiencyProfile(BaseModel):
     expert_bias_add: Literal["fused", "repeat", "split-cat"] = "fused"
     sink_rescale: Literal["fused", "bf16", "fp32"] = "fused"
     ring_merge: Literal["fused", "torch"] = "fused"
+    ring_exchange: Literal["p2p", "allgather"] = "p2p"
     mla_assembly: Literal["fused", "cat"] = "fused"
     fp8_gemm_kernel: Literal["default", "deepgemm"] = "default"
     qkv_transpose: bool = False
@@ -554,7 +562,8 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
                    "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather", "expert_bias_add",
-                   "sink_rescale", "ring_merge", "mla_assembly", "qkv_transpose", "fp8_gemm_kernel")
+                   "sink_rescale", "ring_merge", "ring_exchange", "mla_assembly", "qkv_transpose",
+                   "fp8_gemm_kernel")
 
 
 def with_software(efficiency: EfficiencyProfile, software: Mapping[str, Any] | None) -> EfficiencyProfile:

@@ -331,26 +331,50 @@ def _tp_seconds(ctx: LayerContext, cols: dict[str, Array], activation: Array | f
     return collectives * np.where(sp, gather + scatter, ar)
 
 
+def ring_exchange_seconds(model: ModelSpec, fabric: Fabric, act_bytes: float, cols: dict[str, Array], sh: Sharding
+                          ) -> tuple[Array | float, Array | float, Array | float]:
+    """(K and V bytes a device holds at the query heads' width, the all-gather of them over the
+    ring, one send of their fp32 gradients to the next rank) of torch's context parallelism
+    (``EfficiencyProfile.ring_exchange`` 'allgather'), per layer and micro-batch: K + V =
+    T·(a/t)·(d_qk + d_v)·β, gathered from the ring's n ranks ((n - 1)/n of n·(K + V) over a ring
+    link), the gradients 4 bytes an element (torch's _cp_options.convert_to_f32) over a
+    point-to-point link."""
+    t = cols["tp"]
+    ring_n = ring_steps(cols)
+    u = cols["cp"] / ring_n
+    elements = sh.tokens * model.num_attention_heads / t * (model.qk_head_dim + model.value_head_dim)
+    kv = elements * act_bytes
+    gather = coll.all_gather_s(ring_n * kv, ring_n, group_link(ring_n, t * u, fabric, "ring"))
+    send = np.where(ring_n > 1, coll.p2p_s(4.0 * elements, group_link(ring_n, t * u, fabric, "p2p")), 0.0)
+    return kv, gather, send
+
+
 def _cp_seconds(
     ctx: LayerContext, cols: dict[str, Array], sh: Sharding
-) -> tuple[Array | float, Array | float, Array | float]:
-    """(ring forward, ring backward, Ulysses all-to-alls per pass) raw CP seconds of one
-    attention block."""
+) -> tuple[Array | float, ...]:
+    """(ring forward, ring backward, Ulysses all-to-alls per pass, torch's all-gather of K and V,
+    one send of their gradients) raw CP seconds of one attention block; the last two 0 for
+    Transformer Engine's ring (``EfficiencyProfile.ring_exchange``)."""
     c, t = cols["cp"], cols["tp"]
     beta = ctx.precision.activation_bytes
     wq, wk, wv, wo = _kv_widths(ctx.model)
     tok = sh.tokens
-    kv = tok * (wk + wv) / t * beta
     ring_n = ring_steps(cols)
     u = c / ring_n
+    a2a_link = group_link(u, t, ctx.fabric, "all_to_all")
+    a2a = sum((coll.all_to_all_s(tok * w / t * beta, u, a2a_link) for w in (wq, wk, wv, wo)), 0.0)
+    if ctx.eff.ring_exchange == "allgather":
+        # One all-gather of K and V in each pass (the backward gathers them again), and the
+        # backward's n sends of their gradients, one after every step.
+        _, gather, send = ring_exchange_seconds(ctx.model, ctx.fabric, beta, cols, sh)
+        return gather, gather + ring_n * send, a2a, gather, send
+    kv = tok * (wk + wv) / t * beta
     ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
     ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
     # Transformer Engine's backward sends at each of its n steps: K,V alone first, K,V and the
     # dK,dV accumulated so far in between, dK,dV alone last: 2(n - 1) blocks in n sends.
     ring_b = np.where(ring_n > 1, ring_n * ring_link.latency + (ring_n - 1) * 2.0 * kv / ring_link.bandwidth, 0.0)
-    a2a_link = group_link(u, t, ctx.fabric, "all_to_all")
-    a2a = sum((coll.all_to_all_s(tok * w / t * beta, u, a2a_link) for w in (wq, wk, wv, wo)), 0.0)
-    return ring_f, ring_b, a2a
+    return ring_f, ring_b, a2a, 0.0, 0.0
 
 
 @dataclass(frozen=True)
@@ -365,6 +389,10 @@ class LayerComm:
     ring_f: Array | float
     ring_b: Array | float
     a2a: Array | float
+    #: torch's all-gather of K and V in a pass and one send of their gradients
+    #: (``ring_exchange_seconds``); 0 for Transformer Engine's ring
+    ring_gather: Array | float = 0.0
+    ring_grad_send: Array | float = 0.0
     #: forward (= backward) TP seconds of a MoE layer's MLP block, the attention's pair apart
     #: (``_moe_block_tp_seconds``), and the part of it the shared experts move; 0 for a model
     #: without MoE layers
@@ -448,7 +476,9 @@ def layer_comm(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Layer
         moe_block, moe_shared = _moe_block_tp_seconds(ctx, cols, sh, activation)
     attention, mla_up_replay = _attention_tp_seconds(ctx, cols, sh, activation)
     dense = attention + _tp_seconds(ctx, cols, activation, 1.0)
-    return LayerComm(dense, *_cp_seconds(ctx, cols, sh), moe_block, moe_shared, attention, mla_up_replay)
+    ring_f, ring_b, a2a, ring_gather, ring_grad_send = _cp_seconds(ctx, cols, sh)
+    return LayerComm(dense, ring_f, ring_b, a2a, ring_gather, ring_grad_send, moe_block, moe_shared, attention,
+                     mla_up_replay)
 
 
 def ring_steps(cols: dict[str, Array]) -> Array:
@@ -946,12 +976,22 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     tp_b = _exposed(gathers, gemm["B"] + gemm["W"], ctx.overlap.tp) + (tp - gathers)
 
     ring_f, ring_b, a2a = comm.ring_f, comm.ring_b, comm.a2a
-    # Forward: the ring's n - 1 sends each run under one of its n equal attention steps
-    # (load-balanced causal chunks); the last step computes with nothing in flight, so (n - 1)/n
-    # of it covers. Backward: a send under every step (_cp_seconds), the whole of it.
     ring_n = ring_steps(bc)
-    cp_f = _exposed(ring_f, (ring_n - 1.0) / ring_n * attn_f, ctx.overlap.cp_ring) + a2a
-    cp_b = _exposed(ring_b, attn_b, ctx.overlap.cp_ring) + a2a
+    hide_ring = ctx.overlap.cp_ring
+    if eff.ring_exchange == "allgather":
+        # torch's all-gather runs under the first of the n equal steps alone (the second waits
+        # for it); each gradient send under the next step's backward, the last under nothing.
+        step_f, step_b = attn_f / ring_n, attn_b / ring_n
+        gather, send = comm.ring_gather, comm.ring_grad_send
+        cp_f = _exposed(gather, step_f, hide_ring) + a2a
+        cp_b = (_exposed(gather, step_b, hide_ring) + (ring_n - 1.0) * _exposed(send, step_b, hide_ring) + send
+                + a2a)
+    else:
+        # Forward: the ring's n - 1 sends each run under one of its n equal attention steps
+        # (load-balanced causal chunks); the last step computes with nothing in flight, so
+        # (n - 1)/n of it covers. Backward: a send under every step (_cp_seconds), the whole of it.
+        cp_f = _exposed(ring_f, (ring_n - 1.0) / ring_n * attn_f, hide_ring) + a2a
+        cp_b = _exposed(ring_b, attn_b, hide_ring) + a2a
 
     if kind == "moe":
         forward, backward, paired_exposed_f, paired_exposed_b, paired_hidden_f, paired_hidden_b = _ep_exchange(

@@ -29,6 +29,7 @@ from ndplan.perf.layer import (
     flash_backward_factor,
     offloaded_bytes,
     piece_times,
+    ring_exchange_seconds,
     ring_steps,
     token_reach,
 )
@@ -380,6 +381,21 @@ def _ring_merge_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
             f"step (ring_merge torch, the busiest rank): {_moved_text(moved, hbm_rate)}")
 
 
+def _allgather_ring_text(r: TimeReport, fabric: Fabric) -> str:
+    """torch's ring exchange (``ring_exchange`` allgather, ``layer.ring_exchange_seconds``): what it
+    moves and where it hides, per layer and micro-batch."""
+    s = r.strategy
+    cols = {"cp": s.cp, "tp": s.tp, "cp_kind": CP_KINDS.index(s.cp_kind), "ulysses_degree": s.ulysses_degree}
+    kv, gather, send = (float(np.asarray(v).reshape(-1)[0]) for v in ring_exchange_seconds(
+        r.model, fabric, s.precision.activation_bytes, {k: np.asarray(v, dtype=np.float64) for k, v in cols.items()},
+        _sharding(s)))
+    return (f"K and V at the query heads' width, T·(a/t)·(d_qk + d_v)·β = {kv / 1e6:,.1f} MB, all-gathered over "
+            f"cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric)}) once a pass, {_ms(gather)}, under the "
+            f"first ring step alone; their fp32 gradients sent to the next rank after every backward step "
+            f"({_link_text(s.cp, s.tp, fabric, 'p2p')}), {_ms(send)} each, the last under nothing "
+            "(ring_exchange allgather, torch's context parallelism)")
+
+
 def _fp8_kernel_text(efficiency: EfficiencyProfile, dtype: str) -> str:
     """Whose fp8 GEMM rate the GEMM line uses, where it is not the profile's own."""
     if dtype != "fp8" or efficiency.fp8_gemm_kernel == "default":
@@ -496,6 +512,8 @@ def _communication_lines(r: TimeReport, hbm_rate: float) -> list[str]:
             u = s.ulysses_degree
             where = (f"all-to-alls over ulysses_degree={u} at stride tp ({_link_text(u, s.tp, fabric, 'all_to_all')}), "
                      f"ring over {s.cp // u} at stride tp·{u} ({_link_text(s.cp // u, s.tp * u, fabric, 'p2p')})")
+        elif r.efficiency.ring_exchange == "allgather":
+            where = _allgather_ring_text(r, fabric)
         else:
             where = f"ring over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')})"
         out.append(f"CP ({s.cp_kind}): {where}; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
