@@ -738,7 +738,7 @@ COMMENTARY = [
     "  FLOPs alike (the H200 measurement timed both). FlashAttention-2's backward runs at 0.86 of its",
     "  forward on an H100 (the FlashAttention-3 paper's figures, head dim 128, 8K tokens: 318 against",
     "  370 TFLOP/s); weighted by the FLOPs (1 : 2.5), 0.30 since the forty-third session, which moved",
-    "  every row of the page 1-6.5 points slower (the 8B at CP 4 from -30.3% to {e[torchtitan-8b-cp4-128k]}). What is left:",
+    "  every row of the page 1-6.5 points slower (the 8B at CP 4 from -30.3% to -24.8%). What is left:",
     "  * The long-context rows still read fast, more so with more CP ranks: the 8B from",
     "    {e[torchtitan-8b-cp1-32k]} at CP 1 to {e[torchtitan-8b-cp8-256k]} at CP 8, the 405B from {e[torchtitan-405b-4d-cp1-32k]} to "
     "{e[torchtitan-405b-4d-cp8-256k]}. At CP 1 that is the",
