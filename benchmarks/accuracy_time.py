@@ -593,6 +593,13 @@ COMMENTARY = [
     "  one held a decoder layer besides them and set the pipeline's pace: the H100 row would read",
     "  {v[deepseek-h100-even]} with the recompute, {v[deepseek-h100-even-no-recompute]} without (it read +11.9% before "
     "the recipe was read).",
+    "  The B200 configs (PP 16, no VP) pass no layout, so the recipe's own for PP 16 holds",
+    "  (`layout_map[(16, 1)]`: the embedding and 4 layers, 14 stages of 4, then 1 layer with MTP and",
+    "  the loss); Megatron cannot split 61 layers evenly over 16 stages. Until the forty-third",
+    "  session these rows took ndplan's even split, whose last stage held 3-4 layers beside MTP and",
+    "  the loss and set the pace: -5.9% and +13.1%. With the recipe's layout a stage of 4 MoE layers",
+    "  sets it and they read {e[bridge2511-b200-deepseek-v3]} and {e[bridge2602-b200-deepseek-v3]}: the MoE layers'",
+    "  missing time shows, as in the other Megatron MoE rows (below and the Qwen3-235B table).",
     "* What is left is not explained by FLOPs, bytes or link rates, and the source shows why. Its 25.09",
     "  table ran the same configurations token-drop (same FLOPs, bytes and all-to-all volumes, no host",
     "  sync): Qwen3-30B-A3B on H100 at 12.5 s per step against 24.8 s dropless (ndplan {s[bridge2511-h100-qwen3-30b-a3b]}, under",
