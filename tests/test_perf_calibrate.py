@@ -385,7 +385,6 @@ def test_a_run_names_a_known_runtime_profile(tmp_path: Path):
 OVER_THEIR_MEMORY = {
     "llama3-405b-8192gpu", "llama3-405b-16384gpu", "deepseek-v3-h800",  # frameworks without a profile
     "automodel-kimi-k2-256gpu", "automodel-gpt-oss-20b-8gpu", "automodel-gpt-oss-120b-64gpu",  # TE modules, FlexAttention
-    "bridge2511-b200-llama31-405b",  # within 1%, with TE's fp8 weight copies (Qwen3-30B on H100 fits since its loss is TE's fused one)
 }
 
 
