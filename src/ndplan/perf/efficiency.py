@@ -178,10 +178,10 @@ class EfficiencyProfile(BaseModel):
     ``_RotateMethod.ALL_GATHER``) all-gathers K and V as the model passes them (torchtitan
     repeats them to every query head) once a pass, under the first step's attention alone, and
     sends the fp32 gradients of K and V to the next rank after every step: each send hides under
-    the next step's attention, the last one is waited for with nothing left to run. MLA's query and key: ``mla_assembly`` 'fused'
-    (Megatron-Core's fused MLA RoPE kernels: the key and value written out of the
-    up-projection's output in one pass, the query rotated in place) or 'cat' (torch.cat of the
-    nope and rope parts, the rope key expanded to every head: NeMo AutoModel, torchtitan, the
+    the next step's attention, the last one is waited for with nothing left to run.
+    MLA's query and key: ``mla_assembly`` 'fused' (Megatron-Core's fused MLA RoPE kernels: the
+    key and value written out of the up-projection's output in one pass, the query rotated in
+    place) or 'cat' (torch.cat of the nope and rope parts, the rope key expanded to every head: NeMo AutoModel, torchtitan, the
     ``pytorch`` runtime's fact), ``memory_ops.mla_assembly_bytes``. ``qkv_transpose``: the
     runtime copies q, k and v into head-major layout before its attention kernel and the output
     back (NeMo AutoModel's sdpa and flex backends), ``memory_ops.qkv_transpose_bytes``.
