@@ -626,8 +626,8 @@ COMMENTARY = [
     "* fp8 recipes keep the output head in bf16 (Megatron-Core's output layer is no Transformer Engine",
     "  module, torchao's Float8 skips `output`, DeepSeek-V3's report keeps the head in its original",
     "  precision): priced so since the thirty-first session, where it had run at the fp8 rate. The",
-    "  FP8 rows moved 0.1-7.8 points slower: DeepSeek-V3 on B200 -12.9% to {e[bridge2511-b200-deepseek-v3]} and "
-    "+4.3% to {e[bridge2602-b200-deepseek-v3]},",
+    "  FP8 rows moved 0.1-7.8 points slower: DeepSeek-V3 on B200 from -12.9% and +4.3% (under the even",
+    "  layout then assumed; the recipe's since, above),",
     "  on H100 -0.0% to {e[bridge2509-h100-deepseek-v3]}, its own H800 DualPipe row +9.6% (later +18.5%, below) to {e[deepseek-v3-h800]}.",
     "* DeepSeek-V3's own H800 row runs the fine-grained FP8 GEMMs its report describes (1x128 and",
     "  128x128 scales, promoted to FP32 every 128 elements), which DeepSeek published as DeepGEMM with",
@@ -639,7 +639,7 @@ COMMENTARY = [
     "  and value in one pass (`mla_assembly: fused`, the default), NeMo AutoModel's and torchtitan's",
     "  torch.cat more (`cat`). Priced since the forty-second session, Megatron's DeepSeek-V3 rows moved",
     "  1.1-1.3 points slower (Bridge on H100 +3.2% to {e[bridge2509-h100-deepseek-v3]}, on B200 -6.9% to",
-    "  {e[bridge2511-b200-deepseek-v3]} and +11.8% to {e[bridge2602-b200-deepseek-v3]}).",
+    "  -5.9% and +11.8% to +13.1% under the even layout then assumed).",
     "* The 26.02 table (added in the twenty-second session, each row with its 25.11 twin's",
     "  assumptions) runs Qwen3-30B no faster: {e[bridge2602-h100-qwen3-30b-a3b]} on H100 and "
     "{e[bridge2602-b200-qwen3-30b-a3b]} on B200, so the dropless",
