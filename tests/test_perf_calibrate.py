@@ -390,16 +390,17 @@ OVER_THEIR_MEMORY = {
 
 def test_the_torchtitan_rows_memory_reads_low_against_what_the_page_measured():
     """torchtitan's page reports each run's peak reserved memory: ndplan's estimate of every one
-    is 3-16% below it (docs/accuracy_time.md says what it leaves out: for the 8B and 70B rows the
+    is 1-15% below it (docs/accuracy_time.md says what it leaves out: for the 8B and 70B rows the
     allocator's fragmentation, which the fake step's replay matches); the band pins the gap, so a
     change that closes it, or widens it, shows here. (It was 3-29% before the loss-parallel
     backward's exp(output) and DTensor's whole embedding gradient under FSDP were priced, 4-21%
-    before the 405B pipeline's loss counted the stage's units kept gathered beside it.)"""
+    before the 405B pipeline's loss counted the stage's units kept gathered beside it, 3-16%
+    before torch's context parallelism held its all-gathered keys and values and fp32 gradients.)"""
     runs = [run for run in load_runs(RUNS) if run.reserved_gib is not None]
     assert len(runs) == 18 and all(run.source.startswith("torchtitan") for run in runs)
     for run in runs:
         ratio = run.fullest_stage().reserved_bytes / (run.reserved_gib * 2**30)
-        assert 0.83 < ratio < 0.98, run.id
+        assert 0.83 < ratio < 0.995, run.id
 
 
 def test_published_runs_are_estimated_to_fit_their_devices():

@@ -383,8 +383,13 @@ def test_peak_memory_prices_strategies_alike_once_and_the_same(runtime):
         for kind in range(3)] + [batch.take(np.arange(1))])
     options = MemoryOptions(runtime=runtime)
     _, alike = group_alike(TINY_MOE, batch, options, batch.groups(PIPELINE_SHAPE), None)
-    assert alike is not None and len(batch) // 3 < len(alike[0]) < len(batch)
-    assert any(of is not None for *_, of in _sorted_groups(TINY_MOE, batch, options, None, device_only=True))
+    if runtime == "megatron":
+        assert alike is not None and len(batch) // 3 < len(alike[0]) < len(batch)
+        assert any(of is not None for *_, of in _sorted_groups(TINY_MOE, batch, options, None, device_only=True))
+    else:
+        # torch's ring holds its all-gathered keys and values, the largest buffer of every
+        # strategy here: each reads its context-parallel kind, so none are priced alike.
+        assert alike is None
     peak, stage = peak_memory(TINY_MOE, batch, options)
     for i in range(len(batch)):
         alone = peak_memory(TINY_MOE, batch.take(np.arange(i, i + 1)), options)

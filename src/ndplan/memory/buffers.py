@@ -32,7 +32,7 @@ def layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions
     act_bytes = batch.precision.activation_bytes
     h = model.hidden_size
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, op_tokens)
-    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"))
+    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"), ring_exchange(options))
     # Per stage max(gather or exchange, all-to-all where the stage holds MoE layers) + the
     # pipeline's buffers: two columns, one with the all-to-all and one without, each stage a copy
     # of its own (the bytes are finite and >= +0, so a stage without MoE layers, whose all-to-all
@@ -116,18 +116,42 @@ def allgather_dispatch_bytes(model: ModelSpec, batch: StrategyBatch, tokens: np.
     return persistent, working
 
 
-def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulysses: Any) -> np.ndarray:
-    """[n] bytes of the context-parallel exchange while a layer runs: per token 2 · (K + V)
-    widths, under Ulysses (``ulysses``: bool, or per strategy) 2 · (Q + K + V + O), times the
-    activation bytes / tp; 0 without context parallelism."""
+def ring_exchange(options: MemoryOptions) -> str:
+    """How the runtime's ring moves keys and values (its profile's ``ring_exchange`` kernel fact:
+    'allgather' for torch's context parallelism; 'p2p', Transformer Engine's, where unstated)."""
+    return str(options.profile.kernels.get("ring_exchange", "p2p"))
+
+
+def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulysses: Any,
+                exchange: str = "p2p") -> np.ndarray:
+    """[n] bytes of the context-parallel exchange while a layer runs, per token times the
+    activation bytes β / tp; 0 without context parallelism.
+
+    * Transformer Engine's ring ('p2p'): the K,V block in flight and the one computed on,
+      2 · (K + V) widths.
+    * Ulysses (``ulysses``: bool, or per strategy): 2 · (Q + K + V + O).
+    * torch's ring (``exchange`` 'allgather', torch/distributed/tensor/experimental/_attention.py):
+      its backward, the larger pass, holds the keys and values all-gathered from the ring's n
+      ranks at the query heads' width (torchtitan repeats them to every head: K' = Q-width keys,
+      V' = O-width values), n·(K' + V')·β, their contiguous copy (K' + V')·β, the fp32
+      accumulators of the query's, keys' and values' gradients, 4·(Q + K' + V') bytes, and the
+      fp32 key and value gradients received from the previous rank, their update and the
+      concatenation sent on, 3 · 4·(K' + V') -> (n + 1)·β·(K' + V') + 4·Q + 16·(K' + V') bytes
+      a token (the attention kernel's own gradients the profile's backward counts)."""
     widths = model_symbols(model)
+    beta = batch.precision.activation_bytes
     per_token = np.where(ulysses, 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
                          2 * (widths["k"] + widths["v"]))
-    exchange = per_token * tokens  # (in place below, as in _exchange_buffers)
-    exchange *= batch.precision.activation_bytes
-    exchange /= batch.tp.astype(float)
-    exchange *= batch.cp > 1
-    return exchange
+    exchange_bytes = per_token * tokens  # (in place below, as in _exchange_buffers)
+    exchange_bytes *= beta
+    if exchange == "allgather":
+        # torch's ring, in bytes a token (ring ranks n = cp, torch runs no Ulysses)
+        wide = widths["q"] + widths["o"]  # K' + V'
+        ring = ((batch.cp.astype(float) + 1.0) * beta + 16.0) * wide + 4.0 * widths["q"]
+        exchange_bytes = np.where(ulysses, exchange_bytes, ring * tokens)
+    exchange_bytes /= batch.tp.astype(float)
+    exchange_bytes *= batch.cp > 1
+    return exchange_bytes
 
 
 def cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, all_moe: np.ndarray) -> np.ndarray:
@@ -138,13 +162,17 @@ def cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions,
     every kind's exchange is no larger than the larger other buffer on every stage
     (``all_moe`` [n]: every stage of the strategy's pipeline holds MoE layers; else the gather
     alone). The largest exchange is Ulysses' (Q and O on top of K and V per token): the same
-    products of positive numbers, with a larger first factor, rounded, are no smaller."""
+    products of positive numbers, with a larger first factor, rounded, are no smaller; where the
+    runtime's ring all-gathers (torch's), the larger of Ulysses' and that ring's."""
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float)
     tokens /= batch.cp.astype(float)
     # As layer_buffers reads them: the gather and the all-to-all per op (tokens / seq_chunks,
     # the same bits as _per_op's), the exchange per micro-batch.
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, tokens / batch.seq_chunks)
     largest = _cp_buffers(model, batch, tokens, True)
+    if ring_exchange(options) == "allgather":
+        # torch's ring can hold more than Ulysses' exchange: the larger of the two kinds
+        largest = np.maximum(largest, _cp_buffers(model, batch, tokens, False, "allgather"))
     ep_buffers *= all_moe
     floor = np.maximum(sp_gather, ep_buffers, out=sp_gather)
     return (batch.cp > 1) & ~(largest <= floor)

@@ -445,7 +445,7 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
     free = headroom(strategy, options, model)
     if free == FSDP_HEADROOM:
         gaps.append("for torchtitan's published FSDP runs (8B to 405B with TP, PP and CP, 8 to 512 H100s) this model "
-                    "estimates 3-16% less than their measured peak reserved memory, median 10% (the measured peak is "
+                    "estimates 1-15% less than their measured peak reserved memory, median 8% (the measured peak is "
                     "up to 1.18x the estimate; docs/accuracy_time.md: for the 8B and 70B rows the caching allocator's "
                     "fragmentation, which a fixed slack does not follow): leave 30% of the device free, or measure one "
                     "step on fake tensors (`ndplan verify`, on a CPU: its allocator replay counts the fragmentation)")
