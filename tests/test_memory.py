@@ -1461,3 +1461,7 @@ def test_torchs_ring_holds_its_all_gathered_keys_and_values_and_fp32_gradients()
     megatron = {kind: estimate(model, s, options=MemoryOptions(runtime="megatron")).stages[0].comm_bytes
                 for kind, s in strategies.items()}
     assert megatron["ulysses"] - megatron["ring"] == 167_772_160 - 2 * (1024 + 1024) * 4096 * 2
+    # --explain's comm line says which ring it priced.
+    said = "CP K/V is torch's ring"
+    assert any(said in line for line in estimate(model, strategies["ring"], options=MemoryOptions(runtime="pytorch")).explain())
+    assert not any(said in line for line in estimate(model, strategies["ring"], options=MemoryOptions(runtime="megatron")).explain())

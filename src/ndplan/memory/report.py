@@ -15,6 +15,7 @@ from ndplan.memory.activations import (
     applicable_offload_modules,
     layer_activations,
 )
+from ndplan.memory.buffers import ring_exchange
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.result import ACTIVATION_KINDS, STATIC_KINDS, StageMemory
 from ndplan.memory.shape import recomputed_layers
@@ -218,6 +219,16 @@ class MemoryReport:
                 f"group un-permuted, cast to fp32 and reduce-scattered, G·h·({s.precision.activation_bytes:g}+4) + "
                 f"(b·s/c)/t·h·4, and its persistent global buffer G·h·{s.precision.activation_bytes:g}, kept")
 
+    def _torch_ring_term(self) -> str:
+        """The comm line's term of torch's ring, where the runtime all-gathers (``buffers._cp_buffers``)."""
+        s = self.strategy
+        if s.cp == 1 or s.cp_kind == "ulysses" or ring_exchange(self.options) != "allgather":
+            return ""
+        return (f"; CP K/V is torch's ring (the {self.options.runtime} profile's ring_exchange allgather): K and V "
+                f"all-gathered from cp={s.cp} ranks at the query heads' width with their contiguous copy, and the "
+                f"fp32 gradients of Q, K and V accumulated, received and sent on, "
+                f"((c + 1)·{s.precision.activation_bytes:g} + 16)·(q_w + o_w)·T/t + 4·q_w·T/t")
+
     def _deferred_fsdp_reduce(self) -> bool:
         """Whether the runtime holds unsharded gradients to the step's end (FSDP under a pipeline
         of several virtual stages, as ``stages`` prices it)."""
@@ -269,7 +280,8 @@ class MemoryReport:
         lines += [
             "comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
             "unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
-            "EP dispatch)" + self._ddp_bucket_term() + self._allgather_term() + f" = {format_bytes(stage.comm_bytes)}",
+            "EP dispatch)" + self._torch_ring_term() + self._ddp_bucket_term() + self._allgather_term()
+            + f" = {format_bytes(stage.comm_bytes)}",
             f"transient  = the worst working set beside them: one layer's backward (+ recompute rebuild; "
             f"where the s² scores are materialised, eager or SDPA's math path, its attention backward: the "
             f"probabilities' gradient, softmax's gradient and CUDA's temporary product), the "
