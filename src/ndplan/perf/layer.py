@@ -88,6 +88,7 @@ from ndplan.perf.memory_ops import (
     mla_assembly_bytes,
     module_replay_bytes,
     qkv_transpose_bytes,
+    query_width_elements,
     ring_merge_bytes,
     sink_rescale_bytes,
     unfused_score_bytes,
@@ -342,7 +343,8 @@ def ring_exchange_seconds(model: ModelSpec, fabric: Fabric, act_bytes: float, co
     t = cols["tp"]
     ring_n = ring_steps(cols)
     u = cols["cp"] / ring_n
-    elements = sh.tokens * model.num_attention_heads / t * (model.qk_head_dim + model.value_head_dim)
+    q, o = query_width_elements(model, sh)
+    elements = q + o
     kv = elements * act_bytes
     gather = coll.all_gather_s(ring_n * kv, ring_n, group_link(ring_n, t * u, fabric, "ring"))
     send = np.where(ring_n > 1, coll.p2p_s(4.0 * elements, group_link(ring_n, t * u, fabric, "p2p")), 0.0)
@@ -352,9 +354,10 @@ def ring_exchange_seconds(model: ModelSpec, fabric: Fabric, act_bytes: float, co
 def _cp_seconds(
     ctx: LayerContext, cols: dict[str, Array], sh: Sharding
 ) -> tuple[Array | float, ...]:
-    """(ring forward, ring backward, Ulysses all-to-alls per pass, torch's all-gather of K and V,
-    one send of their gradients) raw CP seconds of one attention block; the last two 0 for
-    Transformer Engine's ring (``EfficiencyProfile.ring_exchange``)."""
+    """(ring forward, ring backward, Ulysses all-to-alls per pass, one send of torch's K and V
+    gradients) raw CP seconds of one attention block. Under torch's ring
+    (``EfficiencyProfile.ring_exchange`` 'allgather') the forward is its all-gather of K and V;
+    the send is 0 for Transformer Engine's ring."""
     c, t = cols["cp"], cols["tp"]
     beta = ctx.precision.activation_bytes
     wq, wk, wv, wo = _kv_widths(ctx.model)
@@ -367,14 +370,14 @@ def _cp_seconds(
         # One all-gather of K and V in each pass (the backward gathers them again), and the
         # backward's n sends of their gradients, one after every step.
         _, gather, send = ring_exchange_seconds(ctx.model, ctx.fabric, beta, cols, sh)
-        return gather, gather + ring_n * send, a2a, gather, send
+        return gather, gather + ring_n * send, a2a, send
     kv = tok * (wk + wv) / t * beta
     ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
     ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
     # Transformer Engine's backward sends at each of its n steps: K,V alone first, K,V and the
     # dK,dV accumulated so far in between, dK,dV alone last: 2(n - 1) blocks in n sends.
     ring_b = np.where(ring_n > 1, ring_n * ring_link.latency + (ring_n - 1) * 2.0 * kv / ring_link.bandwidth, 0.0)
-    return ring_f, ring_b, a2a, 0.0, 0.0
+    return ring_f, ring_b, a2a, 0.0
 
 
 @dataclass(frozen=True)
@@ -389,9 +392,8 @@ class LayerComm:
     ring_f: Array | float
     ring_b: Array | float
     a2a: Array | float
-    #: torch's all-gather of K and V in a pass and one send of their gradients
-    #: (``ring_exchange_seconds``); 0 for Transformer Engine's ring
-    ring_gather: Array | float = 0.0
+    #: one send of torch's K and V gradients (``ring_exchange_seconds``; its all-gather is
+    #: ``ring_f``); 0 for Transformer Engine's ring
     ring_grad_send: Array | float = 0.0
     #: forward (= backward) TP seconds of a MoE layer's MLP block, the attention's pair apart
     #: (``_moe_block_tp_seconds``), and the part of it the shared experts move; 0 for a model
@@ -476,9 +478,8 @@ def layer_comm(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Layer
         moe_block, moe_shared = _moe_block_tp_seconds(ctx, cols, sh, activation)
     attention, mla_up_replay = _attention_tp_seconds(ctx, cols, sh, activation)
     dense = attention + _tp_seconds(ctx, cols, activation, 1.0)
-    ring_f, ring_b, a2a, ring_gather, ring_grad_send = _cp_seconds(ctx, cols, sh)
-    return LayerComm(dense, ring_f, ring_b, a2a, ring_gather, ring_grad_send, moe_block, moe_shared, attention,
-                     mla_up_replay)
+    ring_f, ring_b, a2a, ring_grad_send = _cp_seconds(ctx, cols, sh)
+    return LayerComm(dense, ring_f, ring_b, a2a, ring_grad_send, moe_block, moe_shared, attention, mla_up_replay)
 
 
 def ring_steps(cols: dict[str, Array]) -> Array:
@@ -982,7 +983,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # torch's all-gather runs under the first of the n equal steps alone (the second waits
         # for it); each gradient send under the next step's backward, the last under nothing.
         step_f, step_b = attn_f / ring_n, attn_b / ring_n
-        gather, send = comm.ring_gather, comm.ring_grad_send
+        gather, send = ring_f, comm.ring_grad_send
         cp_f = _exposed(gather, step_f, hide_ring) + a2a
         cp_b = (_exposed(gather, step_b, hide_ring) + (ring_n - 1.0) * _exposed(send, step_b, hide_ring) + send
                 + a2a)

@@ -171,6 +171,13 @@ def sink_rescale_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
     return elements * (fwd_beta * act_bytes + fwd_fixed), elements * (bwd_beta * act_bytes + bwd_fixed)
 
 
+def query_width_elements(model: ModelSpec, sh: Sharding) -> tuple[Array | float, Array | float]:
+    """(Q, O) elements of one micro-batch on a device, T·(a/t)·d_qk and T·(a/t)·d_v: also the keys
+    and values torch's ring attention moves, which torchtitan repeats to every query head."""
+    width = sh.tokens * model.num_attention_heads / sh.tp
+    return width * model.qk_head_dim, width * model.value_head_dim
+
+
 def ring_merge_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kernel: str,
                      steps: Array | float) -> tuple[Array | float, Array | float]:
     """(forward, backward) bytes of one layer's ring-attention merges and copies on the busiest
@@ -178,9 +185,7 @@ def ring_merge_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kernel: s
     step) or under 'fused'."""
     if kernel == "fused":
         return 0.0, 0.0
-    width = sh.tokens * model.num_attention_heads / sh.tp
-    q = width * model.qk_head_dim
-    o = width * model.value_head_dim
+    q, o = query_width_elements(model, sh)
     kv = q + o  # keys at the query width, values at the output's
     n, beta = np.asarray(steps, dtype=float), act_bytes
     forward = n * 2.0 * beta * kv + ((n + 1.0) * (beta + 4.0) + 32.0 * (n - 1.0)) * o

@@ -369,11 +369,16 @@ def _moved_text(moved: tuple[Any, Any], hbm_rate: float) -> str:
             f"{_ms(forward / hbm_rate)} + {_ms(backward / hbm_rate)}")
 
 
+def _cp_cols(s: Strategy) -> dict[str, Any]:
+    """The strategy's tp and context-parallel fields as the layer formulas read them (float columns)."""
+    code = {"cp": s.cp, "tp": s.tp, "cp_kind": CP_KINDS.index(s.cp_kind), "ulysses_degree": s.ulysses_degree}
+    return {k: np.asarray(v, dtype=np.float64) for k, v in code.items()}
+
+
 def _ring_merge_text(r: TimeReport, sh: Sharding, hbm_rate: float) -> str:
     """What torch's ring merges and copies cost a layer's micro-batch (``memory_ops.ring_merge_bytes``)."""
     s = r.strategy
-    code = {"cp": s.cp, "cp_kind": CP_KINDS.index(s.cp_kind), "ulysses_degree": s.ulysses_degree}
-    steps = float(ring_steps({k: np.asarray(v, dtype=np.float64) for k, v in code.items()}))
+    steps = float(ring_steps(_cp_cols(s)))
     if r.efficiency.ring_merge == "fused" or steps < 2:
         return ""
     moved = ring_merge_bytes(r.model, sh, s.precision.activation_bytes, "torch", steps)
@@ -385,10 +390,8 @@ def _allgather_ring_text(r: TimeReport, fabric: Fabric) -> str:
     """torch's ring exchange (``ring_exchange`` allgather, ``layer.ring_exchange_seconds``): what it
     moves and where it hides, per layer and micro-batch."""
     s = r.strategy
-    cols = {"cp": s.cp, "tp": s.tp, "cp_kind": CP_KINDS.index(s.cp_kind), "ulysses_degree": s.ulysses_degree}
     kv, gather, send = (float(np.asarray(v).reshape(-1)[0]) for v in ring_exchange_seconds(
-        r.model, fabric, s.precision.activation_bytes, {k: np.asarray(v, dtype=np.float64) for k, v in cols.items()},
-        _sharding(s)))
+        r.model, fabric, s.precision.activation_bytes, _cp_cols(s), _sharding(s)))
     return (f"K and V at the query heads' width, T·(a/t)·(d_qk + d_v)·β = {kv / 1e6:,.1f} MB, all-gathered over "
             f"cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric)}) once a pass, {_ms(gather)}, under the "
             f"first ring step alone; their fp32 gradients sent to the next rank after every backward step "
