@@ -21,8 +21,10 @@ tests/test_invariants.py; the ones listed here with breaks are known approximati
 
 Before the fortieth session's fix it reported selective recompute priced above full where FSDP's
 traffic sets the pace (seed 2, 300 draws: Llama-3.1-70B, cp 2, FSDP over 16 on Ascend 910B,
-+0.21%); what it still reports (host floors that add the exposed collectives, the bubble's
-share of a comm-bound pipeline) is under a percent.
++0.21%); before the forty-fourth session's, a faster device priced a ZeRO-2 step slower where
+its per-micro-batch reduces, added whole after the pipeline, outgrew a stage's slack (seed 3:
+DeepSeek-V2-Lite, pp 4 ZB-V on Ascend 910B, +0.79%). What it still reports (host floors that
+add the exposed collectives, the bubble's share of a comm-bound pipeline) is under a percent.
 """
 
 from __future__ import annotations

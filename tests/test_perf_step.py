@@ -1829,3 +1829,35 @@ def test_fsdp2_copies_its_units_on_the_compute_stream():
     alone = [Strategy(dp=1, zero=3, fsdp=True, precision="fsdp-bf16", seq_length=2048)]
     one = _pieces(LLAMA8, alone, 1, software={"fsdp_stream_copies": True})["dense"]
     assert one[("F", "compute")][0] == _pieces(LLAMA8, alone, 1)["dense"][("F", "compute")][0]
+
+
+def test_zero2_reduces_on_a_stage_with_slack_lengthen_the_step_by_what_outlasts_it():
+    """The compute stream waits for each micro-batch's reduce-scatters at its backward's end
+    (FSDP2's finalize_backward), so on the heavy stage they lengthen its period; where that
+    stage is not the bottleneck, its slack takes the first of it. Llama-8B over pp 2 with 17
+    layers and the embedding on stage 0 (the most parameters) and 15 layers with the head and
+    loss on stage 1 (the longest per micro-batch), nothing overlapped: ZeRO-2 adds to ZeRO-1's
+    step (m - 1)·max(0, reduce-scatter of stage 0's fp32 gradients over dp 4 - (T1 - T0)), T the
+    stages' seconds a micro-batch. (Added whole after the pipeline, a faster device, which
+    shrinks the slack, priced a slower step: tests/test_invariants.py.)"""
+    from ndplan.model import count_parameters
+    from ndplan.perf import collectives as coll
+    from ndplan.perf.topology import Fabric, group_link
+
+    cluster, m = _cluster(8), 8
+    quiet = OverlapConfig(dp_grad_reduce=False, dp_param_gather=False)
+
+    def report(zero: int):  # type: ignore[no-untyped-def]
+        s = Strategy(dp=4, pp=2, stage_layers=[17, 15], zero=zero, num_micro_batches=m, seq_length=4096)
+        return estimate_time(LLAMA8, s, cluster, overlap=quiet)
+
+    one, two = report(1), report(2)
+    per_stage = sum(np.asarray(one.chunk_seconds[p]).sum(axis=1) for p in ("forward", "backward", "weight_grad"))
+    slack = float(per_stage[1] - per_stage[0])  # a micro-batch's seconds on each stage
+    counts = count_parameters(LLAMA8)
+    layer = (counts.attention + counts.norms + counts.mlp) / LLAMA8.num_layers
+    fabric = Fabric.of(cluster, default_efficiency(cluster.device))
+    own = float(coll.reduce_scatter_s((counts.embedding + 17 * layer) * 4.0, 4.0, group_link(4.0, 1.0, fabric, "ring")))
+    assert 0 < slack < own  # the slack takes a part, not the whole
+    extra = float(two.details["dp_step_s"]) - float(one.details["dp_step_s"])
+    assert extra == pytest.approx((m - 1) * (own - slack), rel=1e-9)

@@ -946,13 +946,20 @@ def _dp_seconds(pr: _Priced, layout: StageLayout, dp: _DPStage, name: str, secon
     # ZeRO-2 reduce-scatters every micro-batch: m - 1 more than ZeRO-1, each under its own
     # backward, unit by unit as an FSDP does (Megatron-FSDP's optim_grads, FSDP2 without
     # resharding: a layer's share exposed); the last one and the all-reduce across shard groups
-    # run as ZeRO-1's do. (On its strategies alone.)
+    # run as ZeRO-1's do. (On its strategies alone.) The compute stream waits for a micro-batch's
+    # reduces at the end of its backward (FSDP2's finalize_backward waits for the last
+    # reduce-scatter's event), so what is exposed lengthens the heavy stage's period, and where
+    # that stage is not the bottleneck its slack, t* less its own period, takes the first of it:
+    # the steady state runs at max(t*, its period + exposed). (Added after the pipeline instead,
+    # a faster device, which shrinks the backward that hides the reduces, could price a slower
+    # step: up to 0.8% in benchmarks/time_invariants.py.)
     zero2 = np.flatnonzero((dp.zero == 2)[dp_code])
     if len(zero2):
         own = (grad_raw - cross_raw)[dp_code[zero2]]
         per_micro_batch = _exposed_step(own, window[zero2], ((grad_raw - cross_raw) * share)[dp_code[zero2]],
                                         pr.overlap.dp_grad_reduce)
-        grad[zero2] = (m[zero2] - 1) * per_micro_batch + grad[zero2]
+        slack = seconds.t_star[zero2] - np.take(per_mb, heavy_at[zero2])
+        grad[zero2] = (m[zero2] - 1) * np.maximum(per_micro_batch - slack, 0.0) + grad[zero2]
     gather = _exposed_step(gather_raw[dp_code], gather_cover, dp.gather_floor[dp_code], pr.overlap.dp_param_gather)
     if unbucketed_rows is not None and dp.first_stage is not None:
         # The first stage's own exposure, priced as the heavy stage's is where that is the first.
