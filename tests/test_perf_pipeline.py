@@ -112,6 +112,27 @@ def test_stage_profiles_cover_every_stage():
     assert len(layout.profile_count) <= 4
 
 
+def test_a_layout_counts_the_passes_that_send_to_another_stage():
+    """A forward sends on unless the next virtual stage sits on the same stage (a V-shape's turn)
+    or it is the last; a backward sends its input gradient back unless it is the first. 1F1B
+    over 4: the ends send one way each. Interleaving 2 chunks over 2 stages: stage 0 holds
+    chunks 0 and 2 (forward: both send; backward: chunk 2's), stage 1 chunks 1 and 3. ZB-V over
+    2: stage 0 holds chunks 0 and 3, stage 1 the turn, chunks 1 and 2 (one send each way)."""
+    from ndplan.model import get_preset
+
+    model = get_preset("llama-3.1-8b")
+    for (pp, vpp, v_shape), forward, backward in (
+        ((4, 1, False), [1, 1, 1, 0], [0, 1, 1, 1]),
+        ((2, 2, False), [2, 1], [1, 2]),
+        ((2, 2, True), [1, 1], [1, 1]),
+        ((4, 2, True), [1, 2, 2, 1], [1, 2, 2, 1]),
+    ):
+        layout = stage_layout(model, pp, vpp, v_shape)
+        assert layout.sends_f.tolist() == forward and layout.sends_b.tolist() == backward
+        by_profile = [layout.profile["sends_f"][q] for q in layout.stage_profile]
+        assert by_profile == forward  # the turn's stage is a profile of its own
+
+
 def test_1f1b_p2p_on_the_critical_path_follows_the_simulator_with_unequal_stages():
     """Stages faster than the bottleneck absorb the steady state's transfers: the closed form's
     p2p part (the search's) tracks the simulator's (the estimate's), which it overstated by up to
@@ -332,7 +353,9 @@ def test_the_search_prices_llama_405b_over_pp64_with_1f1b_as_the_simulator():
     """Llama-3.1-405B, dp4 tp8 sp pp64 fsdp3 mbs2 m128 1f1b (Megatron profile): 126 layers, so
     stage 0 holds two with the embedding and is the bottleneck. The search read 26.51 s for the
     simulator's 24.17 s (+9.68%, the benchmark's worst 1F1B row); the chains give its bubble to
-    the bit, and the step is off only by the p2p count (0.10 s for the simulator's 0.18 s)."""
+    the bit, and the step was off only by the p2p count (0.10 s for the simulator's 0.18 s). Since
+    Megatron's 1F1B waits for its sends (p2p_wait 1f1b), a send is part of its stage's passes:
+    24.22 s, the search's to the bit (the transfers' 0.23 s in both)."""
     from ndplan.memory.options import MemoryOptions
     from ndplan.model import get_preset
     from ndplan.perf.step import evaluate
@@ -344,9 +367,13 @@ def test_the_search_prices_llama_405b_over_pp64_with_1f1b_as_the_simulator():
     batch = StrategyBatch.of(strategy)
     searched = step_time_batch(model, batch, cluster, **keywords)
     simulated = evaluate(model, batch, cluster, pipeline="simulate", **keywords)
-    assert float(simulated["step_s"][0]) == pytest.approx(24.17, abs=0.01)
+    assert float(simulated["step_s"][0]) == pytest.approx(24.22, abs=0.01)
     assert searched["bubble_s"][0] == pytest.approx(simulated["bubble_s"][0], rel=1e-9)
-    assert searched["step_s"][0] == pytest.approx(simulated["step_s"][0], rel=0.005)
+    assert searched["pp_s"][0] == pytest.approx(simulated["pp_s"][0], rel=1e-9)
+    assert searched["step_s"][0] == pytest.approx(simulated["step_s"][0], rel=1e-9)
+    keywords["software"] = {**keywords["software"], "p2p_wait": "none"}  # the sender runs on
+    assert float(evaluate(model, batch, cluster, pipeline="simulate", **keywords)["step_s"][0]) == pytest.approx(
+        24.17, abs=0.01)
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])

@@ -35,7 +35,8 @@ def test_report_fields_and_breakdown_sum_to_the_step():
     r = estimate_time(LLAMA70, s, _cluster(16))
     d = r.to_dict()
     assert set(d) == {"step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "breakdown", "chunk_seconds",
-                      "caveats"}
+                      "sends_waited", "caveats"}
+    assert d["sends_waited"] is True  # Megatron's 1F1B (the default profile's p2p_wait)
     assert set(d["breakdown"]) == {"compute", "comm_exposed", "bubble", "optimizer"}
     assert set(d["breakdown"]["comm_exposed"]) == {"tp", "cp", "ep", "dp", "offload", "pp"}
     b = d["breakdown"]
@@ -1861,3 +1862,47 @@ def test_zero2_reduces_on_a_stage_with_slack_lengthen_the_step_by_what_outlasts_
     assert 0 < slack < own  # the slack takes a part, not the whole
     extra = float(two.details["dp_step_s"]) - float(one.details["dp_step_s"])
     assert extra == pytest.approx((m - 1) * (own - slack), rel=1e-9)
+
+
+def test_megatrons_1f1b_waits_for_its_sends():
+    """Megatron-Core's 1F1B batches each send with a receive and synchronises the device after
+    it (batch_p2p_comm, batch_p2p_sync), so a send lasts its transfer on the sender's timeline.
+    Llama-8B over pp 2 across two nodes, the last stage (head and loss) the slower: stage 1 runs
+    its m passes back to back either way, and waited, its backward's send to stage 0 lasts one
+    transfer each, of which the last is the receiver's wait it also was: (m - 1) x p2p more than
+    a sender that runs on (p2p_wait none)."""
+    from ndplan.memory.options import MemoryOptions
+
+    keywords = MemoryOptions(runtime="megatron").time_keywords()
+    s = Strategy(tp=8, sequence_parallel=True, pp=2, num_micro_batches=8, seq_length=8192, zero=1)
+    waited = estimate_time(LLAMA8, s, _cluster(16), **keywords)
+    keywords["software"] = {**keywords["software"], "p2p_wait": "none"}
+    running_on = estimate_time(LLAMA8, s, _cluster(16), **keywords)
+    assert waited.sends_waited and not running_on.sends_waited and waited.details["bottleneck_stage"] == 1
+    assert waited.step_s - running_on.step_s == pytest.approx(7 * waited.details["p2p_s"], rel=1e-9)
+    # The interleaved schedule overlaps them (overlap_p2p_comm): nothing waited under Megatron.
+    looped = Strategy(tp=8, sequence_parallel=True, pp=2, vpp=2, schedule="interleaved", num_micro_batches=8,
+                      seq_length=8192, zero=1)
+    assert not estimate_time(LLAMA8, looped, _cluster(16), options=MemoryOptions(runtime="megatron")).sends_waited
+
+
+def test_old_megatron_scatters_a_pipeline_send_over_tp_and_gathers_it():
+    """Megatron-LM before Megatron-Core sent a TP rank's 1/tp of the activation without SP and
+    all-gathered it over TP on the receiver (scatter_gather_tensors_in_pipeline): Llama-70B's
+    [1, 2048, 8192] bf16 over tp 8 across A100 nodes, 4.2 MB a rank over HDR InfiniBand plus an
+    all-gather of 33.6 MB over NVLink, where each rank sent all 33.6 MB."""
+    from ndplan.perf import collectives as coll
+    from ndplan.perf.topology import Fabric, group_link
+
+    s = Strategy(tp=8, pp=2, num_micro_batches=8, seq_length=2048, zero=0)
+    cluster = _cluster(16, "a100-80gb")
+    activation = 2048 * 8192 * 2.0
+    fabric = Fabric.of(cluster, default_efficiency(cluster.device))
+
+    def p2p(scatter: bool) -> float:
+        return float(evaluate(LLAMA70, StrategyBatch.of(s), cluster, details=True,
+                              software={"pipeline_scatter_gather": scatter})["p2p_s"][0])
+
+    assert p2p(False) == pytest.approx(fabric.scaleout_latency + activation / fabric.scaleout_bw, rel=1e-12)
+    gather = float(coll.all_gather_s(activation, 8.0, group_link(8.0, 1.0, fabric, "ring")))
+    assert p2p(True) == pytest.approx(fabric.scaleout_latency + activation / 8 / fabric.scaleout_bw + gather, rel=1e-12)

@@ -195,7 +195,7 @@ class RuntimeProfile:
     #: Facts about its kernels for the step-time model (``ndplan.perf.efficiency``'s software
     #: facts: elementwise_passes, expert_gemm, optimizer_kernel, tp_overlap_backward,
     #: fsdp_stream_copies, fp8_tp_gather, expert_bias_add, sink_rescale, ring_merge, ring_exchange,
-    #: mla_assembly), stated beside what it saves.
+    #: mla_assembly, p2p_wait), stated beside what it saves.
     kernels: dict[str, Any] = field(default_factory=dict)
 
 
@@ -296,7 +296,8 @@ def _positive(raw: Any, key: str, source: str) -> float:
 
 #: The software facts a profile's ``kernels`` may state (the rest follow from other settings).
 KERNEL_FACTS = ("elementwise_passes", "expert_gemm", "optimizer_kernel", "tp_overlap_backward", "fsdp_stream_copies",
-                "fp8_tp_gather", "expert_bias_add", "sink_rescale", "ring_merge", "ring_exchange", "mla_assembly")
+                "fp8_tp_gather", "expert_bias_add", "sink_rescale", "ring_merge", "ring_exchange", "mla_assembly",
+                "p2p_wait")
 
 
 def _kernels(raw: Any, source: str) -> dict[str, Any]:

@@ -216,6 +216,21 @@ class EfficiencyProfile(BaseModel):
     per micro-batch, one exposed per run; and parameters gathered for a run stay gathered until
     then, so without resharding after forward they are gathered once a run, not per micro-batch.
 
+    Pipeline transfers: ``p2p_wait`` names the schedules whose compute waits for its own sends.
+    '1f1b' (Megatron-Core): outside its interleaved schedule, whose overlap_p2p_comm
+    (--no-overlap-p2p-communication unset) overlaps them, it batches each send with a receive
+    (batch_p2p_comm) and synchronises the device after it (batch_p2p_sync, both defaults;
+    megatron/core/pipeline_parallel/p2p_communication.py). 'all' (torch.distributed.pipelining,
+    the ``pytorch`` runtime's fact): every schedule waits for a step's fused sends and receives
+    (``_batch_p2p(...)`` then ``_wait_batch_p2p``). A waited send lasts a transfer on the
+    sender's own timeline, and the receiver has its input when the send ends; elsewhere
+    (``'none'``, and the schedules not named) the sender runs on and the transfer delays the
+    receiver alone (``pipeline.py``, ``step._makespan``). ``pipeline_scatter_gather``: Megatron-LM
+    before Megatron-Core (2020-22; scatter_gather_tensors_in_pipeline, on by default) sent, from
+    a TP rank without sequence parallelism, 1/tp of the activation over its own link and
+    all-gathered it over TP on the receiver (``step._p2p_seconds``); Megatron-Core sends every
+    TP rank's whole copy.
+
     Gradient buckets (ZeRO 0-2, step.py): ``grad_buckets`` 'megatron' cuts the data-parallel
     reduce into buckets of max(40e6, 1e6·dp) parameters (Megatron-Core's default; the overlap's
     ``dp_bucket_params``, its --ddp-bucket-size, overrides) on the first pipeline stage and one
@@ -241,6 +256,8 @@ class EfficiencyProfile(BaseModel):
     expert_gemm: Literal["per-expert", "grouped"] = "per-expert"
     optimizer_kernel: Literal["fused", "foreach"] = "fused"
     pipeline_defers_fsdp_reduce: bool = False
+    p2p_wait: Literal["1f1b", "all", "none"] = "1f1b"
+    pipeline_scatter_gather: bool = False
     grad_buckets: Literal["megatron", "ddp"] = "megatron"
     ddp_bucket_cap_mb: float = Field(default=25.0, gt=0.0, description="MiB of gradients per PyTorch DDP bucket")
     optimizer_efficiency: Fraction | None = None
@@ -553,6 +570,12 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
     Path(path).write_text(header + body, encoding="utf-8")
 
 
+def waits_for_sends(p2p_wait: str, schedule: str) -> bool:
+    """Whether ``schedule``'s compute waits for its own pipeline sends under ``p2p_wait``
+    (``EfficiencyProfile.p2p_wait``)."""
+    return p2p_wait == "all" or (p2p_wait == "1f1b" and schedule == "1f1b")
+
+
 #: The figures that describe the software rather than the device: what a runtime states of itself.
 #: ``attention_efficiency`` is one where the software picks another attention kernel than the
 #: family's default assumes (torch's SDPA ran FlashAttention-2 on Hopper before cuDNN's kernel
@@ -560,7 +583,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "window_kernel", "moe_imbalance", "moe_capacity_factor",
                    "moe_dispatcher",
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
-                   "pipeline_defers_fsdp_reduce", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
+                   "pipeline_defers_fsdp_reduce", "p2p_wait", "pipeline_scatter_gather", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
                    "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather", "expert_bias_add",
                    "sink_rescale", "ring_merge", "ring_exchange", "mla_assembly", "qkv_transpose",
                    "fp8_gemm_kernel")

@@ -81,7 +81,10 @@ class StageLayout:
     size_values: the distinct decoder-layer counts of a chunk; dense_by_size[j, s] and
     moe_by_size[j, s] = Σ over chunks on s with size_values[j] layers of (layers of the kind)
     / size_values[j]; recomputing R layers per chunk recomputes min(R, n_v)·(kind share).
-    Per virtual stage v (forward order): chunk_dense[v], chunk_moe[v], stage_of[v], chunk_of[v].
+    Per virtual stage v (forward order): chunk_dense[v], chunk_moe[v], stage_of[v], chunk_of[v],
+    and whether its forward sends its output to another stage (``chunk_sends_f[v]``: the next
+    virtual stage sits elsewhere) and its backward the input gradient (``chunk_sends_b[v]``);
+    sends_f, sends_b: [pp] those counted per stage.
 
     Stages that hold the same pieces cost the same, so the vectorised path works on distinct
     stage *profiles*: ``profile`` maps each coefficient above to its [P] values per profile
@@ -102,6 +105,10 @@ class StageLayout:
     chunk_moe: Array
     stage_of: Array
     chunk_of: Array
+    chunk_sends_f: Array
+    chunk_sends_b: Array
+    sends_f: Array
+    sends_b: Array
     profile: dict[str, Array]
     profile_count: Array
     profile_stage: Array
@@ -146,7 +153,14 @@ def stage_layout(
         on = nv == size
         dense_by[j] = np.bincount(stage_of[on], weights=cd[on] / size, minlength=pp)
         moe_by[j] = np.bincount(stage_of[on], weights=cm[on] / size, minlength=pp)
-    table = np.vstack([dense, moe, emb, head, dense_by, moe_by])  # [4 + 2J, pp]
+    # A virtual stage sends on where the next (forward) or the previous (backward) sits on
+    # another stage: every one but the ends, except a V-shape's turn on its last stage.
+    elsewhere = (stage_of[1:] != stage_of[:-1]).astype(np.float64)
+    chunk_sends_f = np.append(elsewhere, 0.0)
+    chunk_sends_b = np.insert(elsewhere, 0, 0.0)
+    sends_f = np.bincount(stage_of, weights=chunk_sends_f, minlength=pp)
+    sends_b = np.bincount(stage_of, weights=chunk_sends_b, minlength=pp)
+    table = np.vstack([dense, moe, emb, head, dense_by, moe_by, sends_f, sends_b])  # [6 + 2J, pp]
     # The distinct stage columns in lexicographic order, each at its first stage, and how many
     # stages hold each: np.unique(table, axis=1)'s, from the columns as tuples sorted stably
     # (a few dozen short columns, where np.unique's cost per call was most of a layout's).
@@ -166,14 +180,15 @@ def stage_layout(
     j = len(sizes)
     profile = {
         "dense": distinct[0], "moe": distinct[1], "emb": distinct[2], "head": distinct[3],
-        "dense_by_size": distinct[4:4 + j], "moe_by_size": distinct[4 + j:],
+        "dense_by_size": distinct[4:4 + j], "moe_by_size": distinct[4 + j:4 + 2 * j],
+        "sends_f": distinct[4 + 2 * j], "sends_b": distinct[5 + 2 * j],
     }
     out = StageLayout(
-        pp, vpp, dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, stage_of, chunk_of,
-        profile, count.astype(np.float64), first, of_stage,
+        pp, vpp, dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, stage_of, chunk_of, chunk_sends_f,
+        chunk_sends_b, sends_f, sends_b, profile, count.astype(np.float64), first, of_stage,
     )
-    for arr in (dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, *profile.values(), out.profile_count, first,
-                of_stage):
+    for arr in (dense, moe, emb, head, sizes, dense_by, moe_by, cd, cm, chunk_sends_f, chunk_sends_b, sends_f, sends_b,
+                *profile.values(), out.profile_count, first, of_stage):
         arr.flags.writeable = False
     return out
 

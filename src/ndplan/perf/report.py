@@ -13,7 +13,12 @@ from ndplan.hardware.device import Cluster, Device
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import shard_groups
 from ndplan.model.spec import ModelSpec
-from ndplan.perf.efficiency import DEEPGEMM_FP8_EFFICIENCY, FLEX_ATTENTION_SHARE, EfficiencyProfile
+from ndplan.perf.efficiency import (
+    DEEPGEMM_FP8_EFFICIENCY,
+    FLEX_ATTENTION_SHARE,
+    EfficiencyProfile,
+    waits_for_sends,
+)
 from ndplan.perf.flops import (
     Sharding,
     attention_core_flops,
@@ -104,6 +109,9 @@ class TimeReport:
     #: (B: the whole backward where the schedule does not split it, else its input-gradient
     #: part) and "weight_grad": what the pipeline simulation ran (a timeline can be drawn from it).
     chunk_seconds: dict[str, list[list[float]]] = field(default_factory=dict)
+    #: Whether the schedule's compute waits for its own sends (``EfficiencyProfile.p2p_wait``):
+    #: the chunk seconds then hold them, and a timeline drawn from them takes no time per hop.
+    sends_waited: bool = False
     #: The runtime profile priced (``MemoryOptions.runtime``), where ``estimate_time`` was given one.
     runtime: str | None = None
 
@@ -128,6 +136,7 @@ class TimeReport:
                 "optimizer": self.breakdown["optimizer"],
             },
             "chunk_seconds": self.chunk_seconds,
+            "sends_waited": self.sends_waited,
             "caveats": self.caveats,
         }
 
@@ -198,8 +207,22 @@ def estimate_time(
         mfu=v["mfu"], hfu=v["hfu"], model_flops=v["model_flops"], hardware_flops=v["hardware_flops"],
         breakdown=breakdown, details=v, weight_grad_rebuilds=weight_grad_rebuilds,
         chunk_seconds={name: chunks[i].tolist() for i, name in enumerate(("forward", "backward", "weight_grad"))},
+        sends_waited=strategy.pp > 1 and waits_for_sends(eff.p2p_wait, strategy.schedule),
         runtime=None if options is None else options.runtime,
     )
+
+
+def _p2p_note(r: TimeReport) -> str:
+    """How a pipeline transfer is sent and waited for, where the runtime's facts make it other
+    than the plain send the receiver waits for."""
+    s = r.strategy
+    notes = []
+    if r.efficiency.pipeline_scatter_gather and s.tp > 1 and not s.sequence_parallel and s.pp > 1:
+        notes.append("pipeline_scatter_gather: 1/tp of it over each TP rank's link, then an all-gather over TP")
+    if r.sends_waited:
+        notes.append(f"waited for by its sender (p2p_wait {r.efficiency.p2p_wait}): a pass that sends on lasts it "
+                     "longer, and its output arrives as it ends")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 _POLICY_REPLAYS = {
@@ -329,13 +352,15 @@ def explain_lines(r: TimeReport) -> list[str]:
     grouped = bool(s.shard_group and s.zero and s.shard_group < s.dp * s.cp)
     lines += [
         f"bottleneck stage {int(d['bottleneck_stage'])}: per micro-batch F {_ms(d['stage_forward_s'])}, "
-        f"B {_ms(d['stage_backward_s'])}, W {_ms(d['stage_weight_grad_s'])}; p2p per transfer {_ms(d['p2p_s'])}",
+        f"B {_ms(d['stage_backward_s'])}, W {_ms(d['stage_weight_grad_s'])}; p2p per transfer {_ms(d['p2p_s'])}"
+        + _p2p_note(r),
         f"pipeline ({s.schedule}, pp {s.pp}, vpp {s.vpp}, m {m}, simulated): makespan "
         + (f"{_ms(d['makespan_s'])} = " if runs == 1 else
            f"{_ms(d['makespan_s'])} = {runs} runs of the schedule, each {_ms(d['makespan_s'] / runs)}; together ")
         + f"{'m·runs' if runs > 1 else 'm'}·T* "
         f"{_ms(m * runs * (d['stage_forward_s'] + d['stage_backward_s'] + d['stage_weight_grad_s']))} + bubble "
-        f"{_ms(d['bubble_s'])} + p2p on critical path {_ms(d['pp_s'])}",
+        f"{_ms(d['bubble_s'])} + " + ("p2p waited for, what it adds to the makespan" if r.sends_waited
+                                       else "p2p on critical path") + f" {_ms(d['pp_s'])}",
         _dp_line(s, r, d, deferred, grouped),
         f"optimizer (Adam over the local shard, {r.efficiency.optimizer_kernel}: "
         f"{optimizer_bytes_per_param(s.precision, r.efficiency.optimizer_kernel):g} B per parameter with clipping, at "
@@ -544,7 +569,8 @@ def _communication_lines(r: TimeReport, hbm_rate: float) -> list[str]:
         else:
             over = "over " + _link_text(s.pp, s.tp * s.cp * s.dp, fabric, "p2p")
         out.append(
-            f"PP send per micro-batch and boundary: [mbs, seq/cp{'/tp' if s.sequence_parallel else ''}, h] {over}"
+            f"PP send per micro-batch and boundary: [mbs, seq/cp{'/tp' if s.sequence_parallel else ''}, h]"
+            f"{'/tp (scatter/gather)' if r.efficiency.pipeline_scatter_gather and s.tp > 1 and not s.sequence_parallel else ''} {over}"
         )
     replicas = s.dp * s.cp
     if replicas > 1:

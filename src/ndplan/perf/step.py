@@ -49,7 +49,7 @@ from ndplan.model.params import layer_params, norm_params
 from ndplan.model.spec import ModelSpec
 from ndplan.perf import collectives as coll
 from ndplan.perf.codes import dense_codes, first_of_codes, row_codes
-from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, with_software
+from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, waits_for_sends, with_software
 from ndplan.perf.flops import model_flops_per_micro_batch
 from ndplan.perf.gemm import ComputeRates
 from ndplan.perf.layer import (
@@ -532,11 +532,13 @@ def _piece_table(pieces: Mapping[str, PieceTimes], n: int, categories: tuple[str
 
 
 def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_code: Array, dp_config: Array,
-                 dp_rows: Array) -> Array:
+                 dp_rows: Array, scatter_gather: bool = False) -> Array:
     """Per strategy, seconds of one point-to-point send between pipeline stages (0 without a
     pipeline): one op's activation [mbs, seq/(cp·k), h] (/tp with SP), k = seq_chunks: Seq1F1B
     sends each of a micro-batch's k sub-sequences on its own (the schedule's ops and its
-    transfer count, pipeline.p2p_hops, are per sub-sequence); 1 elsewhere.
+    transfer count, pipeline.p2p_hops, are per sub-sequence); 1 elsewhere. With
+    ``scatter_gather`` (``EfficiencyProfile.pipeline_scatter_gather``) a TP rank without SP
+    sends 1/tp of it and the receiver all-gathers the whole over TP, which the send includes.
 
     Where the stages at stride tp·cp·dp share a scale-up domain q at a time (the stride divides
     the domain, the pipeline spans more than one), only the hops between domains take the
@@ -551,7 +553,8 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_c
     stride is the DP configuration's (``dp_config``, ``dp_rows``: a row of each): worked out
     and ranked per configuration, its rank taken per row, which numbers the links as the
     strides would (two products and a renumbering of the batch's length less)."""
-    t_sp = np.where(batch.sequence_parallel > 0, batch.tp, 1)
+    scattered = (batch.sequence_parallel > 0) | (scatter_gather & (batch.tp > 1))
+    t_sp = np.where(scattered, batch.tp, 1)
     divisor = batch.cp * t_sp
     divisor *= batch.seq_chunks
     p2p_bytes = (batch.micro_batch_size * batch.seq_length) / divisor
@@ -579,6 +582,12 @@ def _p2p_seconds(model: ModelSpec, batch: StrategyBatch, fabric: Fabric, group_c
         x, sent = share.take(link_code[rows]), p2p_bytes[rows]
         p2p[rows] = (x * (fabric.scaleout_latency + sent / fabric.scaleout_bw)
                      + (1.0 - x) * (fabric.scaleup_latency + sent / inside_bw))
+    gathered = np.flatnonzero(scattered & (batch.sequence_parallel == 0) & (batch.pp > 1))
+    if len(gathered):
+        # Megatron-LM's scatter/gather: the receiver's TP ranks rebuild the activation from their
+        # pieces (gather_split_1d_tensor), an all-gather over the TP group at stride 1.
+        tp = batch.tp[gathered].astype(np.float64)
+        p2p[gathered] += coll.all_gather_s(p2p_bytes[gathered] * tp, tp, group_link(tp, 1.0, fabric, "ring"))
     return p2p
 
 
@@ -833,7 +842,33 @@ def _makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _StageSecond
     the group's strategies (configurations ``config``, numbered ``local`` among ``u``) under
     schedule ``name``: in closed form where the search prices it (the simulator's timeline where
     too few micro-batches leave no steady state; interleaving's stalls and chain bound), else
-    simulated; and for the simulated, the chunk seconds it ran [g, F/B/W, pp, vpp] (else None)."""
+    simulated; and for the simulated, the chunk seconds it ran [g, F/B/W, pp, vpp] (else None).
+
+    Where the runtime's schedule waits for its sends (``EfficiencyProfile.p2p_wait``), each pass
+    that sends on lasts its transfers longer (k of them a micro-batch, one per sub-sequence) and
+    its output arrives as it ends: the makespan of those passes without hops, and the p2p part
+    what they add to the makespan without transfers."""
+    if layout.pp == 1 or not waits_for_sends(pr.eff.p2p_wait, name):
+        return _timed_makespan(pr, layout, name, seconds, config, local, u, recompute_layers, cols, p2p, None)
+    sent = p2p * cols["seq_chunks"]  # seconds a pass waits per send, a micro-batch's
+    f = seconds.f + sent[:, None] * layout.profile["sends_f"]
+    b = seconds.b + sent[:, None] * layout.profile["sends_b"]
+    per_mb = f + b + seconds.w
+    star = np.argmax(per_mb, axis=1) if per_mb.shape[1] > 1 else np.zeros(len(config), dtype=np.int64)
+    t_star = np.take(per_mb, np.arange(len(config)) * per_mb.shape[1] + star)
+    waited = _StageSeconds(f, b, seconds.w, per_mb, star, t_star)
+    no_hops = np.zeros_like(p2p)
+    makespan, _, chunk_seconds = _timed_makespan(pr, layout, name, waited, config, local, u, recompute_layers, cols,
+                                                 no_hops, sent)
+    unsent, _, _ = _timed_makespan(pr, layout, name, seconds, config, local, u, recompute_layers, cols, no_hops, None)
+    return makespan, makespan - unsent, chunk_seconds
+
+
+def _timed_makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _StageSeconds, config: Array, local: Array,
+                    u: int, recompute_layers: Array, cols: dict[str, Array], p2p: Array,
+                    sent: Array | None) -> tuple[Array, Array, Array | None]:
+    """``_makespan``'s timing, hops of ``p2p`` seconds between stages; ``sent`` [g]: seconds each
+    pass that sends on lasts longer (its chunk seconds read with them), or None."""
     f, b, w, per_mb, star, t_star = seconds.f, seconds.b, seconds.w, seconds.per_mb, seconds.star, seconds.t_star
     m, k = cols["num_micro_batches"], cols["seq_chunks"]
     pp, vpp, g = layout.pp, layout.vpp, len(config)
@@ -859,7 +894,7 @@ def _makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _StageSecond
             for j in range(shapes):
                 members = np.flatnonzero(shape == j)
                 at = distinct[members]
-                fc, bc, wc = _chunk_seconds(pr, layout, config[at], recompute_layers[at])
+                fc, bc, wc = _chunk_seconds(pr, layout, config[at], recompute_layers[at], None if sent is None else sent[at])
                 span[members], part[members] = simulated_makespan_batch(name, pp, vpp, int(m[at[0]]), int(k[at[0]]),
                                                                         fc, bc, wc, p2p[at])
             makespan, p2p_part = makespan.copy(), p2p_part.copy()
@@ -883,7 +918,8 @@ def _makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _StageSecond
             # the chains once per distinct (those, m, p2p).
             chunks, chunk_count = (local, u) if not recompute_layers.any() else row_codes([config, recompute_layers])
             first = first_of_codes(chunks, chunk_count)
-            ft, bt = _chunk_seconds_by_stage(pr, layout, config[first], recompute_layers[first])
+            ft, bt = _chunk_seconds_by_stage(pr, layout, config[first], recompute_layers[first],
+                                             None if sent is None else sent[first])
             if np.array_equal(m[first][chunks], m) and np.array_equal(p2p[first][chunks], p2p):
                 # The usual case: the configuration (micro-batch size, degrees) fixes m and p2p, and
                 # each chunk configuration is one chain (no codes of the rows to work out).
@@ -900,7 +936,7 @@ def _makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _StageSecond
                 p2p_part = np.where(longer, hops[code] * p2p, p2p_part)
     else:
         makespan, p2p_part = np.zeros(g), np.zeros(g)
-        fc, bc, wc = _chunk_seconds(pr, layout, config, recompute_layers)
+        fc, bc, wc = _chunk_seconds(pr, layout, config, recompute_layers, sent)
         for j in range(g):
             makespan[j], p2p_part[j] = simulated_makespan(
                 name, pp, vpp, int(m[j]), int(k[j]), fc[j], bc[j], wc[j], float(p2p[j]),
@@ -1078,7 +1114,7 @@ def evaluate(
     # Sort by stage layout once, so every group is a contiguous slice; carry only the columns
     # the step formulas read per strategy.
     group_code, group_count = _group_codes(batch)
-    p2p = _p2p_seconds(model, batch, fabric, group_code, dp_config, dp_rows)
+    p2p = _p2p_seconds(model, batch, fabric, group_code, dp_config, dp_rows, eff.pipeline_scatter_gather)
     order = np.argsort(group_code.astype(np.uint16 if group_count < (1 << 16) else np.int64), kind="stable")
     bounds = np.concatenate(([0], np.cumsum(np.bincount(group_code, minlength=group_count))))
     # The counts stay integers here and are made floats a group at a time (a group's slice is in
@@ -1173,10 +1209,12 @@ def evaluate(
     return {key: res[key] for key in wanted}
 
 
-def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> tuple[Array, Array, Array]:
+def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array,
+                   sent: Array | None = None) -> tuple[Array, Array, Array]:
     """[n, pp, vpp] F, B, W seconds of every chunk for each layer configuration of ``config``
-    and recompute limit (0: every layer of a recomputing chunk), the simulator's input."""
-    per_chunk = _model_chunk_seconds(pr, layout, config, recompute_layers)
+    and recompute limit (0: every layer of a recomputing chunk), the simulator's input; with
+    ``sent`` [n], each pass that sends on waits that much longer (``_model_chunk_seconds``)."""
+    per_chunk = _model_chunk_seconds(pr, layout, config, recompute_layers, sent)
     # Model order to [stage, local chunk]: a gather along the last axis (scattering into a
     # [n, passes, pp, vpp] grid by two index arrays took five times as long).
     slot_of = np.empty(layout.pp * layout.vpp, dtype=np.intp)
@@ -1185,7 +1223,8 @@ def _chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_la
     return grid[:, 0], grid[:, 1], grid[:, 2]
 
 
-def _chunk_seconds_by_stage(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> tuple[Array, Array]:
+def _chunk_seconds_by_stage(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array,
+                            sent: Array | None = None) -> tuple[Array, Array]:
     """``_chunk_seconds``' forward and whole backward (B + W) seconds stage-major, [vpp, pp, n]
     (``interleaved_chain_bound_by_stage``'s input): the chunks in model order transposed, which
     for Megatron's interleaving (virtual stage c·pp + s on stage s) is this order."""
@@ -1195,8 +1234,8 @@ def _chunk_seconds_by_stage(pr: _Priced, layout: StageLayout, config: Array, rec
     # once, each element read is a cache line's (~3x as long for 10^4 rows of 32 chunks).
     rows = max(4096 // chunks, 1)
     for start in range(0, n, 1024):
-        per_chunk = _model_chunk_seconds(pr, layout, config[start:start + 1024],
-                                         recompute_layers[start:start + 1024])  # [rows, F/B/W, chunks]
+        per_chunk = _model_chunk_seconds(pr, layout, config[start:start + 1024], recompute_layers[start:start + 1024],
+                                         None if sent is None else sent[start:start + 1024])  # [rows, F/B/W, chunks]
         for lo in range(0, len(per_chunk), rows):
             piece = per_chunk[lo:lo + rows]  # (the last of a block may be shorter: 1024 rows need not divide)
             by_row[:, :, start + lo:start + lo + len(piece)] = piece.transpose(1, 2, 0)
@@ -1210,8 +1249,11 @@ def _chunk_seconds_by_stage(pr: _Priced, layout: StageLayout, config: Array, rec
     return grid[0], backward
 
 
-def _model_chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array) -> Array:
-    """[n, F/B/W, chunks in model order] seconds of every chunk (``_chunk_seconds``)."""
+def _model_chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recompute_layers: Array,
+                         sent: Array | None = None) -> Array:
+    """[n, F/B/W, chunks in model order] seconds of every chunk (``_chunk_seconds``); with
+    ``sent`` [n], the forward of every chunk that sends its output to another stage and the
+    backward (B) of every one that sends its input gradient last that much longer."""
     nv = layout.chunk_dense + layout.chunk_moe
     ends = np.zeros((2, len(nv)))
     ends[0, 0] = ends[1, -1] = 1.0
@@ -1231,6 +1273,9 @@ def _model_chunk_seconds(pr: _Priced, layout: StageLayout, config: Array, recomp
         for piece, layers in ((PIECES.index("rc_dense"), layout.chunk_dense),
                               (PIECES.index("rc_moe"), layout.chunk_moe)):
             per_chunk[limited] += table[limited, :, piece, None] * ((share - 1.0) * layers)[:, None, :]
+    if sent is not None:
+        per_chunk[:, 0] += sent[:, None] * layout.chunk_sends_f
+        per_chunk[:, 1] += sent[:, None] * layout.chunk_sends_b
     return per_chunk
 
 

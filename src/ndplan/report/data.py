@@ -486,13 +486,14 @@ def _stage_arrays(stage: Any) -> dict[str, list[Any]]:
 
 def simulate_timeline(strategy: Mapping[str, Any], compute_s: float | None = None,
                       durations: Mapping[str, float] | None = None,
-                      chunk_seconds: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                      chunk_seconds: Mapping[str, Any] | None = None, sends_waited: bool = False) -> dict[str, Any]:
     """Simulate one run of the strategy's pipeline schedule (a step runs it ``pipeline_runs`` times).
 
     With ``chunk_seconds`` (the step-time model's seconds per micro-batch of each stage's chunks,
     ``forward``, ``backward``, ``weight_grad`` as [pp][vpp] lists: ``TimeReport.chunk_seconds``)
     each chunk runs at its own times, as the step time's simulation ran them, with the p2p of
-    ``durations``: seconds (``how`` = "chunks"). Else, with ``durations`` (the step-time model's
+    ``durations``: seconds (``how`` = "chunks"), none where the runtime waits for its sends
+    (``sends_waited``: the chunk seconds hold them, ``TimeReport.sends_waited``). Else, with ``durations`` (the step-time model's
     per-micro-batch seconds of the bottleneck stage: ``stage_forward_s``, ``stage_backward_s``,
     ``stage_weight_grad_s``, ``p2p_s``) every stage runs at those times, split evenly over its
     chunks: seconds (``how`` = "durations").
@@ -516,7 +517,7 @@ def simulate_timeline(strategy: Mapping[str, Any], compute_s: float | None = Non
     if parts and all(part.shape == (pp, vpp) for part in parts):
         sim = schedule_to_dict(simulate(
             schedule, pp, vpp, m, seq_chunks=seq_chunks, forward_s=parts[0], backward_s=parts[1],
-            weight_grad_s=parts[2], p2p_s=float((durations or {}).get("p2p_s", 0.0)),
+            weight_grad_s=parts[2], p2p_s=0.0 if sends_waited else float((durations or {}).get("p2p_s", 0.0)),
             overlap_f_and_b=False,  # as the step time's simulation runs it
         ))
         sim["unit"] = "s"
@@ -888,7 +889,8 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         durations = _durations(source_perf) or (_durations(rows[0]) if rows and strategy is None else None)
         chunks = source_perf.get("chunk_seconds") if isinstance(source_perf, Mapping) else None
         try:
-            timeline = simulate_timeline(best_strategy, compute, durations, chunks)
+            timeline = simulate_timeline(best_strategy, compute, durations, chunks,
+                                         bool(source_perf.get("sends_waited")) if isinstance(source_perf, Mapping) else False)
         except NdplanError as error:
             timeline_note = f"no timeline: {error}"
     if timeline is not None:
