@@ -89,19 +89,22 @@ def test_invalid_strategy_is_refused_with_the_rules_it_breaks():
         estimate_time(LLAMA8, Strategy(dp=3, tp=1), _cluster(8))
 
 
+@pytest.mark.parametrize("software", [None, {"p2p_wait": "all"}])
 @pytest.mark.parametrize(("model", "devices"), [(LLAMA70, 256), (DSV3, 512)])
-def test_a_batch_prices_each_strategy_as_it_would_alone(model, devices):
+def test_a_batch_prices_each_strategy_as_it_would_alone(model, devices, software):
     """Deduplication and grouping must not change any number: every row of a mixed batch
-    equals the same strategy priced as a batch of one (some with several pipeline runs)."""
+    equals the same strategy priced as a batch of one (some with several pipeline runs), also
+    where every schedule waits for its sends (their seconds vary with the pipeline's links, not
+    with the layer configuration alone)."""
     batch = mixed_strategies(model, devices, 120, seed=3)
     runs = np.where((batch.pp > 1) & (np.arange(len(batch)) % 3 == 0), 2, 1)
     batch = StrategyBatch.from_columns({**{n: getattr(batch, n) for n in batch.array_fields()}, "pipeline_runs": runs,
                                         "global_batch_size": batch.global_batch_size * runs}, batch.precision)
     cluster = _cluster(devices)
-    together = step_time_batch(model, batch, cluster)
+    together = step_time_batch(model, batch, cluster, software=software)
     for i in range(len(batch)):
-        alone = step_time_batch(model, batch.take(np.array([i])), cluster)
-        for key in ("step_s", "mfu", "compute_s", "dp_s", "bubble_s", "ep_s"):
+        alone = step_time_batch(model, batch.take(np.array([i])), cluster, software=software)
+        for key in ("step_s", "mfu", "compute_s", "dp_s", "bubble_s", "ep_s", "pp_s"):
             assert together[key][i] == pytest.approx(alone[key][0], rel=1e-12, abs=1e-15), (i, key)
 
 

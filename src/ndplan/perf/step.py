@@ -874,10 +874,13 @@ def _timed_makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _Stage
     pp, vpp, g = layout.pp, layout.vpp, len(config)
     rows = np.arange(g)
     chunk_seconds = None
+    # What the chunk seconds are functions of: the layer configuration and recompute limit, and
+    # the waited sends' seconds where there are any (by their rank among the distinct values).
+    sent_rank: list[Array] = [] if sent is None else [unique(sent, return_inverse=True)[1].ravel()]
     if pr.pipeline == "closed_form":
         makespan, p2p_part, _ = closed_form_makespan(
             name, float(pp), float(vpp), m, k, f, b, w, p2p, layout.profile_count, star, per_mb, layout.stage_profile,
-            alike=[local, recompute_layers, m],  # f, b, w are functions of the first two
+            alike=[local, recompute_layers, m, *sent_rank],  # f, b, w are functions of the first two (and sent)
         )
         # Too few micro-batches for the closed form's steady state: the simulator's timeline, for
         # these strategies together, one per distinct (m, layer configuration, recompute, p2p).
@@ -886,7 +889,7 @@ def _timed_makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _Stage
             # Integer codes of the rows (p2p by its rank among the distinct values): a packed key
             # rather than np.unique(axis=0) over float rows, which sorts them (~4x slower). Each
             # strategy's simulated time depends on its own row alone, so the order does not matter.
-            _, p2p_rank = unique(p2p[short], return_inverse=True)
+            _, p2p_rank = unique((p2p if sent is None else sent)[short], return_inverse=True)
             code, count = row_codes([m[short], k[short], config[short], recompute_layers[short], p2p_rank.ravel()])
             distinct = short[first_of_codes(code, count)]  # a strategy of each distinct row
             span, part = np.zeros(count), np.zeros(count)
@@ -916,7 +919,8 @@ def _timed_makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _Stage
             # simulator from below (pipeline.interleaved_chain_bound): where it is longer, it is
             # the closer figure. The chunks once per distinct (layer configuration, recompute),
             # the chains once per distinct (those, m, p2p).
-            chunks, chunk_count = (local, u) if not recompute_layers.any() else row_codes([config, recompute_layers])
+            chunks, chunk_count = ((local, u) if not recompute_layers.any() and sent is None
+                                   else row_codes([config, recompute_layers, *sent_rank]))
             first = first_of_codes(chunks, chunk_count)
             ft, bt = _chunk_seconds_by_stage(pr, layout, config[first], recompute_layers[first],
                                              None if sent is None else sent[first])
