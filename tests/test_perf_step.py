@@ -89,13 +89,13 @@ def test_invalid_strategy_is_refused_with_the_rules_it_breaks():
         estimate_time(LLAMA8, Strategy(dp=3, tp=1), _cluster(8))
 
 
-@pytest.mark.parametrize("software", [None, {"p2p_wait": "all"}])
+@pytest.mark.parametrize("software", [None, {"p2p_wait": "1f1b+interleaved"}])
 @pytest.mark.parametrize(("model", "devices"), [(LLAMA70, 256), (DSV3, 512)])
 def test_a_batch_prices_each_strategy_as_it_would_alone(model, devices, software):
     """Deduplication and grouping must not change any number: every row of a mixed batch
     equals the same strategy priced as a batch of one (some with several pipeline runs), also
-    where every schedule waits for its sends (their seconds vary with the pipeline's links, not
-    with the layer configuration alone)."""
+    where the looped schedules wait for their sends (their seconds vary with the pipeline's
+    links, not with the layer configuration alone)."""
     batch = mixed_strategies(model, devices, 120, seed=3)
     runs = np.where((batch.pp > 1) & (np.arange(len(batch)) % 3 == 0), 2, 1)
     batch = StrategyBatch.from_columns({**{n: getattr(batch, n) for n in batch.array_fields()}, "pipeline_runs": runs,
@@ -1909,3 +1909,16 @@ def test_old_megatron_scatters_a_pipeline_send_over_tp_and_gathers_it():
     assert p2p(False) == pytest.approx(fabric.scaleout_latency + activation / fabric.scaleout_bw, rel=1e-12)
     gather = float(coll.all_gather_s(activation, 8.0, group_link(8.0, 1.0, fabric, "ring")))
     assert p2p(True) == pytest.approx(fabric.scaleout_latency + activation / 8 / fabric.scaleout_bw + gather, rel=1e-12)
+
+
+def test_torchs_1f1b_and_interleaved_schedules_wait_for_their_sends_and_its_lowered_runtime_does_not():
+    """The pytorch profile's p2p_wait: Schedule1F1B and PipelineScheduleMulti's Interleaved1F1B
+    wait for a step's sends; ZB-V and DualPipeV (the lowered runtime) and GPipe send on."""
+    from ndplan.memory.options import MemoryOptions
+
+    options = MemoryOptions(runtime="pytorch")
+    common = dict(tp=8, sequence_parallel=True, pp=2, num_micro_batches=8, seq_length=8192, zero=1)
+    for schedule, vpp, waited in (("1f1b", 1, True), ("interleaved", 2, True), ("zbv", 2, False),
+                                  ("dualpipev", 2, False), ("gpipe", 1, False)):
+        s = Strategy(**common, schedule=schedule, vpp=vpp)
+        assert estimate_time(LLAMA8, s, _cluster(16), options=options).sends_waited is waited, schedule

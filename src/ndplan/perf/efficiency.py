@@ -220,16 +220,19 @@ class EfficiencyProfile(BaseModel):
     '1f1b' (Megatron-Core): outside its interleaved schedule, whose overlap_p2p_comm
     (--no-overlap-p2p-communication unset) overlaps them, it batches each send with a receive
     (batch_p2p_comm) and synchronises the device after it (batch_p2p_sync, both defaults;
-    megatron/core/pipeline_parallel/p2p_communication.py). 'all' (torch.distributed.pipelining,
-    the ``pytorch`` runtime's fact): every schedule waits for a step's fused sends and receives
-    (``_batch_p2p(...)`` then ``_wait_batch_p2p``). A waited send lasts a transfer on the
-    sender's own timeline, and the receiver has its input when the send ends; elsewhere
-    (``'none'``, and the schedules not named) the sender runs on and the transfer delays the
-    receiver alone (``pipeline.py``, ``step._makespan``). ``pipeline_scatter_gather``: Megatron-LM
-    before Megatron-Core (2020-22; scatter_gather_tensors_in_pipeline, on by default) sent, from
-    a TP rank without sequence parallelism, 1/tp of the activation over its own link and
-    all-gathered it over TP on the receiver (``step._p2p_seconds``); Megatron-Core sends every
-    TP rank's whole copy.
+    megatron/core/pipeline_parallel/p2p_communication.py). '1f1b+interleaved'
+    (torch.distributed.pipelining, the ``pytorch`` runtime's fact): Schedule1F1B waits for its
+    fused sends and receives, and PipelineScheduleMulti, which ScheduleInterleaved1F1B ran on
+    through 2025, for every time step's (``_wait_batch_p2p(_batch_p2p(ops))``); its lowered
+    runtime (``_PipelineScheduleRuntime``: ZB-V, DualPipeV, and a later torch's Interleaved1F1B)
+    and GPipe wait for their sends at the end of the step or phase. A waited send lasts a
+    transfer on the sender's own timeline, and the receiver has its input when the send ends;
+    elsewhere (``'none'``, and the schedules not named) the sender runs on and the transfer
+    delays the receiver alone (``pipeline.py``, ``step._makespan``). ``pipeline_scatter_gather``:
+    Megatron-LM before Megatron-Core (2020-22; scatter_gather_tensors_in_pipeline, on by default)
+    sent, from a TP rank without sequence parallelism, 1/tp of the activation over its own link
+    and all-gathered it over TP on the receiver (``step._p2p_seconds``); Megatron-Core sends
+    every TP rank's whole copy.
 
     Gradient buckets (ZeRO 0-2, step.py): ``grad_buckets`` 'megatron' cuts the data-parallel
     reduce into buckets of max(40e6, 1e6·dp) parameters (Megatron-Core's default; the overlap's
@@ -256,7 +259,7 @@ class EfficiencyProfile(BaseModel):
     expert_gemm: Literal["per-expert", "grouped"] = "per-expert"
     optimizer_kernel: Literal["fused", "foreach"] = "fused"
     pipeline_defers_fsdp_reduce: bool = False
-    p2p_wait: Literal["1f1b", "all", "none"] = "1f1b"
+    p2p_wait: Literal["1f1b", "1f1b+interleaved", "none"] = "1f1b"
     pipeline_scatter_gather: bool = False
     grad_buckets: Literal["megatron", "ddp"] = "megatron"
     ddp_bucket_cap_mb: float = Field(default=25.0, gt=0.0, description="MiB of gradients per PyTorch DDP bucket")
@@ -573,7 +576,7 @@ def dump_efficiency(profile: EfficiencyProfile, path: str | Path, comment: str =
 def waits_for_sends(p2p_wait: str, schedule: str) -> bool:
     """Whether ``schedule``'s compute waits for its own pipeline sends under ``p2p_wait``
     (``EfficiencyProfile.p2p_wait``)."""
-    return p2p_wait == "all" or (p2p_wait == "1f1b" and schedule == "1f1b")
+    return schedule in p2p_wait.split("+")
 
 
 #: The figures that describe the software rather than the device: what a runtime states of itself.
