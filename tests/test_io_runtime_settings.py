@@ -201,3 +201,28 @@ def test_megatron_token_dispatcher_is_written_and_read_back(dispatcher: str, tmp
     path.write_text(flex)
     settings = read_config(path, model=moe, fmt="megatron", devices=8).runtime_settings
     assert "moe_dispatcher" not in settings and settings["overlap"]["ep_dispatch"] == "node_dedup"
+
+
+def test_a_megatron_launch_without_p2p_overlap_waits_for_its_interleaved_sends(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron-Core's interleaved schedule overlaps its pipeline sends unless
+    --no-overlap-p2p-communication (then batch_p2p_comm and its device sync, as 1F1B): the reader
+    says so, and the estimate of that launch prices its sends waited."""
+    looped = Strategy(dp=2, tp=2, sequence_parallel=True, pp=2, vpp=2, schedule="interleaved", micro_batch_size=1,
+                      num_micro_batches=8, precision="megatron-bf16")
+    text = emit(MODEL, looped, "megatron")
+    waiting = text.replace("    --sequence-parallel\n", "    --sequence-parallel\n    --no-overlap-p2p-communication\n", 1)
+    assert waiting != text
+    assert "p2p_wait" not in _read(text, "megatron", tmp_path).runtime_settings
+    result = _read(waiting, "megatron", tmp_path)
+    assert result.runtime_settings["p2p_wait"] == "1f1b+interleaved"
+    assert any("--no-overlap-p2p-communication" in note for note in result.notes) and result.warnings == []
+    for body, waited in ((text, False), (waiting, True)):
+        path = tmp_path / "launch.sh"
+        path.write_text(body)
+        assert main(["estimate", "--from", str(path), "--model", "qwen3-8b", "--hardware", "h100-sxm", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["time"]["sends_waited"] is waited
+    path = tmp_path / "launch.sh"
+    path.write_text(waiting)
+    assert main(["estimate", "--from", str(path), "--model", "qwen3-8b", "--hardware", "h100-sxm"]) == 0
+    assert "pipeline sends waited for in the 1f1b and interleaved schedules (the launch's" in capsys.readouterr().out

@@ -449,6 +449,8 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         selective_policy=policy,
         moe_dispatcher=_moe_dispatcher(args, stated, runtime),
         torch_compile=getattr(args, "torch_compile", None) or stated.get("torch_compile") or "off",
+        # A launch's own pipeline sends, where it is priced as the runtime it launches.
+        p2p_wait=stated.get("p2p_wait") if runtime == stated.get("runtime") else None,
     )
 
 

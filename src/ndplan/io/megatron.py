@@ -150,6 +150,12 @@ def interpret(
         raise args.error("--moe-token-dispatcher-type", f"unknown dispatcher {kind!r}; known: {', '.join(_DISPATCHERS)}")
     if model is not None and model.is_moe and kind == "allgather" and not args.has("--moe-enable-deepep"):
         runtime_settings["moe_dispatcher"] = "allgather"
+    # Without overlap_p2p_comm the interleaved schedule batches its sends and synchronises the
+    # device after them too (batch_p2p_comm = not overlap_p2p_comm): it waits for its sends as 1F1B does.
+    if args.has("--no-overlap-p2p-communication"):
+        runtime_settings["p2p_wait"] = "1f1b+interleaved"
+        notes.append("--no-overlap-p2p-communication: the interleaved schedule waits for its pipeline sends as 1F1B "
+                     "does (p2p_wait 1f1b+interleaved)")
     # Transformer Engine's cross-entropy works on the bf16 logits (no fp32 copy); Megatron's own
     # (native, or unfused) upcasts them.
     fusion_impl = args.text("--cross-entropy-fusion-impl", default="native")

@@ -61,7 +61,7 @@ NO_EFFECT: frozenset[str] = frozenset("""
 --num-dataset-builder-threads --num-workers --object-storage-cache-path --one-logger-async
 --one-logger-project --one-logger-run-name --overlap-grad-reduce --overlap-moe-expert-parallel-comm
 --overlap-p2p-communication-warmup-flush --overlap-param-gather --overlap-param-gather-with-optimizer-step
---no-overlap-p2p-communication --no-align-grad-reduce --no-align-param-gather --override-opt-param-scheduler
+--no-align-grad-reduce --no-align-param-gather --override-opt-param-scheduler
 --per-split-data-args-path --perform-initialization --persist-layer-norm --pipeline-model-parallel-comm-backend
 --pretrained-checkpoint --profile --profile-ranks --profile-step-end --profile-step-start
 --record-memory-history --memory-snapshot-path --replication --replication-factor --replication-jump

@@ -31,6 +31,8 @@ MoeDispatcher = Literal["alltoall", "allgather"]
 #: What torch.compile compiles (torchtitan's ``[compile] components``): nothing, the decoder
 #: layers, the layers and the loss, or the loss alone.
 TorchCompile = Literal["off", "model", "model+loss", "loss"]
+#: The schedules whose compute waits for its own pipeline sends (``EfficiencyProfile.p2p_wait``).
+P2PWait = Literal["1f1b", "1f1b+interleaved", "none"]
 
 
 #: Most routed tokens on a rank, or in an expert's buffer, over the balanced share that
@@ -77,6 +79,10 @@ class MemoryOptions:
     priced is the eager modules'): 'model' runs each decoder layer's elementwise ops as fused
     kernels (one pass over their bytes) and leaves the final norm and loss at the runtime's eager
     figure; 'model+loss' fuses those too, 'loss' those alone; 'off' prices the runtime's own kernels.
+    ``p2p_wait`` names the pipeline schedules whose compute waits for its own sends, for the
+    step time alone (``EfficiencyProfile.p2p_wait``; None: the runtime's, its profile's kernel
+    fact or Megatron-Core's '1f1b'): a Megatron launch with --no-overlap-p2p-communication waits
+    in its interleaved schedule too ('1f1b+interleaved').
     """
 
     runtime: str = "pytorch"
@@ -92,6 +98,7 @@ class MemoryOptions:
     selective_policy: str | None = None
     moe_dispatcher: MoeDispatcher = "alltoall"
     torch_compile: TorchCompile = "off"
+    p2p_wait: P2PWait | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, str):
@@ -129,6 +136,9 @@ class MemoryOptions:
         if self.torch_compile not in get_args(TorchCompile):
             raise NdplanError(f"torch_compile must be one of {', '.join(get_args(TorchCompile))}, "
                               f"got {self.torch_compile!r}")
+        if self.p2p_wait is not None and self.p2p_wait not in get_args(P2PWait):
+            raise NdplanError(f"p2p_wait must be one of {', '.join(get_args(P2PWait))} (or None: the runtime's), "
+                              f"got {self.p2p_wait!r}")
         if self.moe_dispatcher == "allgather" and "moe_allgather" not in self.profile.blocks:
             raise NdplanError(f"moe_dispatcher 'allgather' is Megatron-Core's MoEAllGatherTokenDispatcher; runtime "
                               f"'{self.runtime}' states no such dispatcher (use runtime megatron)")
@@ -189,5 +199,7 @@ class MemoryOptions:
         software["moe_imbalance"] = self.moe_imbalance
         software["moe_capacity_factor"] = self.moe_capacity_factor
         software["moe_dispatcher"] = self.moe_dispatcher
+        if self.p2p_wait is not None:
+            software["p2p_wait"] = self.p2p_wait
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,
                 "overlap": self.overlap}
