@@ -254,9 +254,11 @@ def _dp_line(s: Strategy, r: TimeReport, d: Mapping[str, float], deferred: bool,
                 + (f"; resharded after forward, each layer is gathered again for every micro-batch's backward "
                    f"(the next forward finds it gathered), exposed inside the passes above: {_ms(per_layer)}, in the "
                    "step's dp term" if s.reshard_after_forward else ""))
+    zero2 = (f", {m} times (ZeRO-2: each but the last waited for at its backward's end, what outlasts that backward "
+             "less the stage's slack behind the bottleneck)" if s.zero == 2 and m > 1 else "")
     return (f"DP per step (grad {'all-reduce' if s.zero == 0 else 'reduce-scatter'} over {over}"
             f"{', param all-gather' if s.zero in (1, 2) and not s.fsdp else ''}"
-            f"{f', {m} times (ZeRO-2)' if s.zero == 2 and m > 1 else ''}"
+            f"{zero2}"
             f"{f'; once per pipeline run, {runs} times' if runs > 1 else ''}), exposed after the pipeline: "
             f"{_ms(d['dp_step_s'])}"
             + (f" (FSDP's per-layer gathers and reduces exposed inside the passes above: {_ms(per_layer)}, in the "
