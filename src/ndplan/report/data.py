@@ -522,6 +522,7 @@ def simulate_timeline(strategy: Mapping[str, Any], compute_s: float | None = Non
         ))
         sim["unit"] = "s"
         sim["how"] = "chunks"
+        sim["sends_waited"] = sends_waited
         sim["pipeline_runs"] = runs
         return sim
     if durations is not None:

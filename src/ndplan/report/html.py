@@ -160,7 +160,9 @@ def timeline_spec(tl: Mapping[str, Any]) -> dict[str, Any]:
     ratios = "F:B:W = 1:1:1" if tl["schedule"] in ("zb-h1", "zbv", "dualpipev") else "F:B = 1:2"
     how = {
         "chunks": "simulated with the step-time model's forward, backward, weight-gradient and p2p times "
-                  "of every stage's chunks, as its step time was",
+                  "of every stage's chunks, as its step time was"
+                  + ("; the runtime waits for its sends, so each pass that sends on holds its transfer"
+                     if tl.get("sends_waited") else ""),
         "durations": "simulated with the step-time model's forward, backward, weight-gradient and p2p times "
                      "of the bottleneck stage",
         "scaled": f"simulated with {ratios}, scaled so the busiest stage computes as long as the step-time model says",
