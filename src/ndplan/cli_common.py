@@ -119,10 +119,11 @@ def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chos
         console.print(f"torch.compile of the {options.torch_compile.replace('+', ' and ')} (--compile): elementwise_passes "
                       f"{software['elementwise_passes']:g} in the decoder layers, {software['loss_elementwise_passes']:g} "
                       "in the final norm and loss (step time only: the memory is the eager modules')", markup=False)
-    if options.p2p_wait is not None and options.p2p_wait != options.profile.kernels.get("p2p_wait", "1f1b"):
+    own_wait = str(options.profile.kernels.get("p2p_wait", "1f1b"))
+    if options.p2p_wait is not None and options.p2p_wait != own_wait:
         console.print(f"pipeline sends waited for in the {options.p2p_wait.replace('+', ' and ')} schedules "
-                      f"(the launch's; the {options.profile.name} runtime's own: "
-                      f"{options.profile.kernels.get('p2p_wait', '1f1b').replace('+', ' and ')})", markup=False)
+                      f"(the launch's; the {options.profile.name} runtime's own: {own_wait.replace('+', ' and ')})",
+                      markup=False)
     if strategy is not None and strategy.recompute != "selective" and not recompute_chosen:
         pass  # no policy priced
     elif options.selective_policy not in (None, options.profile.selective_policy):

@@ -212,12 +212,18 @@ def estimate_time(
     )
 
 
+def _scatters_sends(r: TimeReport) -> bool:
+    """Whether the pipeline's sends are Megatron-LM's scatter/gather (``pipeline_scatter_gather``,
+    a TP rank without SP sending 1/tp of the activation: ``step._p2p_seconds``)."""
+    s = r.strategy
+    return bool(r.efficiency.pipeline_scatter_gather and s.tp > 1 and not s.sequence_parallel and s.pp > 1)
+
+
 def _p2p_note(r: TimeReport) -> str:
     """How a pipeline transfer is sent and waited for, where the runtime's facts make it other
     than the plain send the receiver waits for."""
-    s = r.strategy
     notes = []
-    if r.efficiency.pipeline_scatter_gather and s.tp > 1 and not s.sequence_parallel and s.pp > 1:
+    if _scatters_sends(r):
         notes.append("pipeline_scatter_gather: 1/tp of it over each TP rank's link, then an all-gather over TP")
     if r.sends_waited:
         notes.append(f"waited for by its sender (p2p_wait {r.efficiency.p2p_wait}): a pass that sends on lasts it "
@@ -572,7 +578,7 @@ def _communication_lines(r: TimeReport, hbm_rate: float) -> list[str]:
             over = "over " + _link_text(s.pp, s.tp * s.cp * s.dp, fabric, "p2p")
         out.append(
             f"PP send per micro-batch and boundary: [mbs, seq/cp{'/tp' if s.sequence_parallel else ''}, h]"
-            f"{'/tp (scatter/gather)' if r.efficiency.pipeline_scatter_gather and s.tp > 1 and not s.sequence_parallel else ''} {over}"
+            f"{'/tp (scatter/gather)' if _scatters_sends(r) else ''} {over}"
         )
     replicas = s.dp * s.cp
     if replicas > 1:

@@ -768,13 +768,9 @@ def _price_group(
     # A step runs the schedule ``runs`` times over m micro-batches each (gradient accumulation
     # outside the pipeline): the makespan and its parts are one run's, paid ``runs`` times.
     m, runs = cols["num_micro_batches"], cols["pipeline_runs"]
-    per_mb = f + b + w
-    star = np.argmax(per_mb, axis=1) if per_mb.shape[1] > 1 else np.zeros(g, dtype=np.int64)
-    # [g, P] arrays read at one stage per strategy: np.take at flat positions (~2.5x faster
-    # than the fancy index [rows, star])
+    seconds = _StageSeconds.of(f, b, w)
+    per_mb, star, t_star = seconds.per_mb, seconds.star, seconds.t_star
     star_at = rows * per_mb.shape[1] + star
-    t_star = np.take(per_mb, star_at)
-    seconds = _StageSeconds(f, b, w, per_mb, star, t_star)
     makespan, p2p_part, chunk_seconds = _makespan(pr, layout, name, seconds, config, local, u, recompute_layers, cols,
                                                   p2p)
 
@@ -835,6 +831,16 @@ class _StageSeconds:
     star: Array
     t_star: Array
 
+    @classmethod
+    def of(cls, f: Array, b: Array, w: Array) -> _StageSeconds:
+        """The seconds of passes ``f``, ``b``, ``w`` [g, P], with their sum and bottleneck."""
+        per_mb = f + b + w
+        star = np.argmax(per_mb, axis=1) if per_mb.shape[1] > 1 else np.zeros(len(per_mb), dtype=np.int64)
+        # [g, P] arrays read at one stage per strategy: np.take at flat positions (~2.5x faster
+        # than the fancy index [rows, star])
+        t_star = np.take(per_mb, np.arange(len(per_mb)) * per_mb.shape[1] + star)
+        return cls(f, b, w, per_mb, star, t_star)
+
 
 def _makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _StageSeconds, config: Array, local: Array, u: int,
               recompute_layers: Array, cols: dict[str, Array], p2p: Array) -> tuple[Array, Array, Array | None]:
@@ -851,12 +857,8 @@ def _makespan(pr: _Priced, layout: StageLayout, name: str, seconds: _StageSecond
     if layout.pp == 1 or not waits_for_sends(pr.eff.p2p_wait, name):
         return _timed_makespan(pr, layout, name, seconds, config, local, u, recompute_layers, cols, p2p, None)
     sent = p2p * cols["seq_chunks"]  # seconds a pass waits per send, a micro-batch's
-    f = seconds.f + sent[:, None] * layout.profile["sends_f"]
-    b = seconds.b + sent[:, None] * layout.profile["sends_b"]
-    per_mb = f + b + seconds.w
-    star = np.argmax(per_mb, axis=1) if per_mb.shape[1] > 1 else np.zeros(len(config), dtype=np.int64)
-    t_star = np.take(per_mb, np.arange(len(config)) * per_mb.shape[1] + star)
-    waited = _StageSeconds(f, b, seconds.w, per_mb, star, t_star)
+    waited = _StageSeconds.of(seconds.f + sent[:, None] * layout.profile["sends_f"],
+                              seconds.b + sent[:, None] * layout.profile["sends_b"], seconds.w)
     no_hops = np.zeros_like(p2p)
     makespan, _, chunk_seconds = _timed_makespan(pr, layout, name, waited, config, local, u, recompute_layers, cols,
                                                  no_hops, sent)
