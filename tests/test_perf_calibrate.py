@@ -344,6 +344,25 @@ def test_calibration_recovers_the_routing_imbalance_of_dropless_runs():
     assert fitted.moe_imbalance == pytest.approx(1.6, rel=0.01)
     assert report.median_abs_error_after < 1e-3 < report.median_abs_error_before
 
+def test_calibration_fits_a_fixed_cost_per_step_from_its_default_of_zero():
+    """Two runs of one setup at two batches pin the seconds a step costs besides its
+    micro-batches (``step_overhead_s``), a figure whose default, 0, is its lower bound: the fit
+    must leave that bound (it once stopped at 2e-10 s)."""
+    truth = default_efficiency(H100).replace(step_overhead_s=1.5)
+    runs = []
+    for name, micro_batches in (("small", 4), ("large", 16)):
+        draft = MeasuredRun(id=name, source="synthetic", model="llama-3.1-8b", device="h100-sxm", num_devices=8,
+                            strategy={"dp": 8, "num_micro_batches": micro_batches, "seq_length": 4096, "zero": 1},
+                            measured={"step_s": 1.0})
+        step = predict_step_s(draft, truth)
+        assert step == pytest.approx(predict_step_s(draft, default_efficiency(H100)) + 1.5)
+        runs.append(draft.model_copy(update={"measured": draft.measured.model_copy(update={"step_s": step})}))
+    fitted, report = calibrate(runs, H100, fit=["step_overhead_s"])
+    assert fitted.step_overhead_s == pytest.approx(1.5, rel=1e-3)
+    assert report.median_abs_error_after < 1e-4 < report.median_abs_error_before
+    assert not report.warnings
+
+
 @pytest.mark.parametrize("strategy,words", [
     ("{tp: 0, dp: 8}", "run r2: field 'strategy.tp': Input should be greater than or equal to 1"),
     ("{tp: 3, dp: 4}", "run r2: dp·tp·pp·cp = 4·3·1·1 = 12 but the cluster has 8 devices"),
