@@ -252,6 +252,7 @@ def write_report(runs, measured, default, fitted, train, test, profiles, reports
             f"{_pct(d / measured[r.id] - 1)} | {f:.3f} | {_pct(f / measured[r.id] - 1)} | "
             f"{_split_label(r, train)} |"
         )
+    lines += ["", *_batch_pairs_section(runs, measured, default)]
     lines += ["", "## Sources and assumptions", ""]
     seen = set()
     for r in runs:
@@ -270,6 +271,106 @@ def write_report(runs, measured, default, fitted, train, test, profiles, reports
     imbalance = _imbalance({r.id: r for r in runs}, measured)
     lines += ["", "## What the errors say", ""] + [line.format(e=errors, s=seconds, t=per_device, v=variants, i=imbalance)
                                                     for line in COMMENTARY]
+    return lines
+
+
+def batch_pairs(runs: list[MeasuredRun]) -> list[tuple[MeasuredRun, MeasuredRun]]:
+    """Runs of one model on one cluster with the same strategy, overlap and software statements
+    but for the micro-batches a step runs, in pairs (fewer micro-batches first): what the one
+    does more than the other is those micro-batches alone."""
+    by_setup: dict[str, list[MeasuredRun]] = defaultdict(list)
+    for run in runs:
+        strategy = run.strategy_obj().model_dump()
+        for batch in ("num_micro_batches", "pipeline_runs", "global_batch_size"):
+            strategy.pop(batch)
+        setup = repr((run.model, run.device, run.num_devices, run.devices_per_node, run.runtime, run.loss_parallel,
+                      sorted(strategy.items()), run.overlap, sorted(run.software.items())))
+        by_setup[setup].append(run)
+    pairs = []
+    for group in by_setup.values():
+        group.sort(key=_micro_batches_per_step)
+        pairs += [(a, b) for a, b in zip(group, group[1:], strict=False)
+                  if _micro_batches_per_step(a) < _micro_batches_per_step(b)]
+    return pairs
+
+
+def _micro_batches_per_step(run: MeasuredRun) -> int:
+    strategy = run.strategy_obj()
+    return strategy.num_micro_batches * strategy.pipeline_runs
+
+
+def _batch_pairs_section(runs: list[MeasuredRun], measured: dict[str, float],
+                         pred: dict[str, dict[str, float]]) -> list[str]:
+    """Each pair of ``batch_pairs``: the measured and predicted seconds of one micro-batch more
+    (the difference of the two steps over that of their micro-batches) and of the rest of a
+    step (the smaller run's step less its micro-batches at that rate); and what a fixed cost per
+    step fitted to the pair (``step_overhead_s``) leaves of its errors."""
+    pairs = batch_pairs(runs)
+    if not pairs:
+        return []
+    lines = [
+        "## Per micro-batch and per step: runs that differ only in their batch",
+        "",
+        "Where a source measured one setup at two global batches (the same model, cluster, strategy and",
+        "software statements; only the micro-batches a step runs differ), the difference of the two",
+        "steps over the difference of their micro-batches is what one micro-batch costs, pipeline",
+        "fill and drain, DP traffic after the pipeline, the optimizer and any other per-step cost",
+        "cancelled; the rest of a step is the smaller run's step less its micro-batches at that rate.",
+        "The same split of ndplan's predictions says whether its error lies in the micro-batches or in",
+        "the step around them."
+        + (" (Each pair here spans two of its source's tables, two releases of its software: the split"
+           " assumes a micro-batch ran at one speed in both.)" if all(a.source != b.source for a, b in pairs) else ""),
+        "",
+        "| runs | micro-batches | measured per micro-batch (ms) | predicted (ms) | error | measured rest of step (s) "
+        "| predicted (s) | fitted `step_overhead_s` (s) | errors before | errors after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    found = []
+    for small, large in pairs:
+        extra = _micro_batches_per_step(large) - _micro_batches_per_step(small)
+        count = _micro_batches_per_step(small)
+        each = {name: (steps[large.id] - steps[small.id]) / extra
+                for name, steps in (("measured", measured), ("predicted", {k: v["step_s"] for k, v in pred.items()}))}
+        rest = {"measured": measured[small.id] - count * each["measured"],
+                "predicted": pred[small.id]["step_s"] - count * each["predicted"]}
+        # The rest of a step as one fitted figure, from the defaults: ``ndplan calibrate`` on the pair.
+        device = small.device_spec()
+        profile, _ = calibrate([small, large], device, fit=["step_overhead_s"], initial=default_efficiency(device))
+        before = [pred[run.id]["step_s"] / measured[run.id] - 1 for run in (small, large)]
+        after = [predict(run, profile)["step_s"] / measured[run.id] - 1 for run in (small, large)]
+        found.append({"small": small, "each_error": each["predicted"] / each["measured"] - 1, "rest": rest,
+                      "overhead": profile.step_overhead_s, "before": before, "after": after})
+        lines.append(
+            f"| {small.id}, {large.id} | {count} → {_micro_batches_per_step(large)} | {each['measured'] * 1e3:.1f} | "
+            f"{each['predicted'] * 1e3:.1f} | {_pct(found[-1]['each_error'])} | {rest['measured']:.2f} | "
+            f"{rest['predicted']:.2f} | {profile.step_overhead_s:.2f} | {_pct(before[0])}, {_pct(before[1])} | "
+            f"{_pct(after[0])}, {_pct(after[1])} |"
+        )
+    closest = min(abs(f["each_error"]) for f in found)
+    farthest = max(abs(f["each_error"]) for f in found)
+    gap = max(found, key=lambda f: f["rest"]["measured"] - f["rest"]["predicted"])
+    miss = max(found, key=lambda f: abs(f["each_error"]))
+    # The other reading of the largest gap: the step around the micro-batches as priced in both
+    # runs, and the later one's micro-batches that much faster than the earlier one's.
+    small, large = next((a, b) for a, b in pairs if a is gap["small"])
+    rate = [(measured[run.id] - gap["rest"]["predicted"]) / _micro_batches_per_step(run) for run in (small, large)]
+    others = {a.device_spec().name for a, _ in pairs if a is not small}
+    lines += [
+        "",
+        f"ndplan's seconds per micro-batch are {closest:.1%} to {farthest:.1%} off these measurements. The",
+        f"largest gap around the micro-batches is {gap['small'].id}'s: {gap['rest']['measured']:.2f} s a step "
+        f"measured besides them, {gap['rest']['predicted']:.2f} s priced (pipeline fill and drain, DP traffic",
+        f"after the pipeline, the optimizer), while its micro-batches read {_pct(gap['each_error'])}. A fixed cost "
+        f"per step (`step_overhead_s`, which `ndplan calibrate` fits beside the other figures) of {gap['overhead']:.2f} s",
+        f"takes the pair from {_pct(gap['before'][0])} and {_pct(gap['before'][1])} to {_pct(gap['after'][0])} and "
+        f"{_pct(gap['after'][1])}: what ndplan misses there is paid once a step, and it does not know what. The",
+        f"other reading, a step around the micro-batches as priced in both runs, has {large.id}'s micro-batches",
+        f"{1 - rate[1] / rate[0]:.0%} faster than {small.id}'s, a change of release that the other pairs, "
+        f"each one setup across two releases (on {', '.join(sorted(others))}), do not show.",
+        f"Where the micro-batches themselves are off ({miss['small'].id}'s read {_pct(miss['each_error'])}), a "
+        f"fixed cost cannot follow: fitted anyway ({miss['overhead']:.2f} s), it leaves {_pct(miss['after'][0])} "
+        f"and {_pct(miss['after'][1])}.",
+    ]
     return lines
 
 
