@@ -286,6 +286,24 @@ def test_calibrate_subcommand_writes_a_profile(tmp_path: Path, capsys: pytest.Ca
         parser.parse_args(["calibrate", str(runs_file)])  # -o is required
 
 
+def test_the_calibration_table_folds_a_long_run_id_rather_than_cutting_it(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]):
+    """At 80 columns the table once cut ids to 'bridge2511-b200-…': two runs whose ids share
+    their start read alike. The id folds onto more lines instead."""
+    runs = [r.model_copy(update={"id": f"a-published-run-with-a-long-identifier-{tail}"})
+            for r, tail in zip(_synthetic_runs(default_efficiency(H100))[:2], ("first", "second"), strict=True)]
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text(yaml.safe_dump({"runs": [r.model_dump(mode="json") for r in runs]}))
+    parser = argparse.ArgumentParser(prog="ndplan")
+    add_calibrate_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["calibrate", str(runs_file), "-o", str(tmp_path / "profile.yaml"), "--fit", "gemm_efficiency"])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out.split("└")[0]
+    assert "…" not in table
+    run_column = "".join(line.split("│")[1].strip() for line in table.splitlines() if line.startswith("│"))
+    assert run_column == "".join(r.id for r in runs)
+
+
 def test_calibrate_reports_a_bad_runs_file(tmp_path: Path):
     bad = tmp_path / "runs.yaml"
     bad.write_text("runs:\n  - id: broken\n    source: s\n")

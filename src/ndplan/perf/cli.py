@@ -86,7 +86,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     table = Table(title=f"calibration on {len(report.runs)} run{'s' if len(report.runs) != 1 else ''} "
                         f"({report.device_family})")
     for col in ("run", "runtime", "measured s", "before s", "after s", "error after"):
-        table.add_column(col, justify="left" if col in ("run", "runtime") else "right")
+        # A run's id is what the reader looks for: folded onto more lines where the terminal is
+        # narrow, never cut to an ellipsis (two ids that share a prefix read alike cut).
+        table.add_column(col, justify="left" if col in ("run", "runtime") else "right",
+                         overflow="fold" if col == "run" else "ellipsis", no_wrap=col != "run")
     for r in report.runs:
         table.add_row(r["id"], r["runtime"], f"{r['measured_step_s']:.3f}", f"{r['predicted_before_s']:.3f}",
                       f"{r['predicted_after_s']:.3f}", f"{r['error_after']:+.1%}")
