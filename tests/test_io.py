@@ -401,6 +401,24 @@ def test_torchtitan_deepseek_671b_flavour_has_no_mtp(tmp_path):
     assert result.model is not None and result.model.mtp_depth == 0 and result.model.num_experts == 256
 
 
+def test_torchtitan_optimizer_settings_that_move_memory_warn(tmp_path):
+    """The optimizer section is quiet but for what changes what a device holds: another optimizer
+    than Adam, and early_step_in_backward, whose per-parameter steps free each gradient as it is
+    made (ndplan holds them until the step). The warnings name the line."""
+    path = tmp_path / "job.toml"
+    head = ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 8\n'
+            '[activation_checkpoint]\nmode = "none"\n[optimizer]\n')
+    path.write_text(head + 'name = "AdamW"\nimplementation = "fused"\n')
+    assert read_config(path).warnings == []
+    path.write_text(head + 'name = "AdamW"\nearly_step_in_backward = true\n')
+    assert read_config(path).warnings == [
+        f"{path}:10: optimizer.early_step_in_backward: torchtitan steps each parameter as its gradient is made and "
+        "frees the gradient, where ndplan holds every gradient until the step: the memory estimate is high by about "
+        "the gradients' bytes"]
+    path.write_text(head + 'name = "Lion"\nearly_step_in_backward = false\n')
+    assert read_config(path).warnings == [f"{path}:9: optimizer.name Lion: ndplan prices Adam's two optimizer states"]
+
+
 # ---------------------------------------------------------------- HyperParallel and MindFormers
 def test_hyperparallel_hsdp_job():
     result = read_config(fixture("hyperparallel_qwen3_moe_hsdp.yaml"))

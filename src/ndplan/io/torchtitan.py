@@ -6,7 +6,8 @@ fsdp_reshard_after_forward, pipeline schedule/micro-batch size/layers per stage/
 lists/first-and-last-stage weights, CP, EP/ETP, loss parallel; ``[training]`` local/global batch,
 seq_len, mixed_precision_param, dtype, enable_cpu_offload; ``[activation_checkpoint]``.
 Sections without memory effect (job, metrics, optimizer settings, checkpoint, comm, compile,
-validation...) are accepted as they are. torchtitan always applies sequence parallelism with TP
+validation...) are accepted as they are; an optimizer other than Adam's and
+``early_step_in_backward`` (which frees each gradient as it is made) are warnings. torchtitan always applies sequence parallelism with TP
 and ring attention for CP, so those are not separate settings.
 """
 
@@ -453,6 +454,13 @@ def _precision(model: Section, training: Section, root: Section, settings: dict[
     if name.lower() not in ("adamw", "adam"):
         warnings.append(f"{root.src.where(root.src.lines.line(('optimizer', 'name')))}: optimizer.name {name}: "
                         "ndplan prices Adam's two optimizer states")
+    if isinstance(optimizer, dict) and optimizer.get("early_step_in_backward") is True:
+        # torchtitan then steps each parameter from a hook as its gradient is accumulated and
+        # drops the gradient: the step never holds the gradients together.
+        warnings.append(f"{root.src.where(root.src.lines.line(('optimizer', 'early_step_in_backward')))}: "
+                        "optimizer.early_step_in_backward: torchtitan steps each parameter as its gradient is "
+                        "made and frees the gradient, where ndplan holds every gradient until the step: the "
+                        "memory estimate is high by about the gradients' bytes")
 
 
 def _batch(training: Section, parallel: Section, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:
