@@ -152,7 +152,7 @@ def timeline_spec(tl: Mapping[str, Any]) -> dict[str, Any]:
     if vpp > 1:
         legend.append({"label": f"lighter shade: later local chunk (0…{vpp - 1})",
                        "color": style.lighten(style.OP_KINDS[0][2], 0.5)})
-    legend.append({"label": "idle (bubble)", "color": "#EEF0F3"})
+    legend.append({"label": "idle", "color": "#EEF0F3"})
     seconds = tl.get("unit", "s") == "s"
     unit = "s" if seconds else "× forward"
     xlabel = "time from the start of the step (s)" if seconds else \
@@ -176,7 +176,9 @@ def timeline_spec(tl: Mapping[str, Any]) -> dict[str, Any]:
         "xlabel": xlabel, "unit": unit, "makespan": round(makespan, decimals), "vpp": vpp, "kinds": kinds,
         "colors": [[style.chunk_color(k, c, vpp) for c in range(vpp)] for k in kinds],
         "rows": rows, "legend": legend,
-        "note": f"Bubble {100 * tl['bubble_fraction']:.1f}% of pp × makespan; {how}. "
+        "note": f"Stages idle {100 * tl['bubble_fraction']:.1f}% of pp × makespan (the schedule's bubble and the "
+                "lighter stages' waits for the slowest; the step breakdown's bubble is the slowest stage's idle "
+                f"time alone); {how}. "
                 "Numbers in blocks are micro-batch indices; hover a block for its op.",
     }
 
