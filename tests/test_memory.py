@@ -47,6 +47,23 @@ def test_tiny_activations_by_hand():
     assert kinds["mlp"] == 8 * 2 * 1152 and kinds["attention"] == 8 * 2 * 528 and kinds["norm"] == 8 * 2 * 2 * 388
 
 
+def test_tiny_selective_recompute_keeps_its_kinds_apart():
+    """The pytorch profile's selective policy keeps every matmul's and the attention kernel's
+    output and re-runs the elementwise ops (per token, the tiny layer of the test above):
+      attention = 2h (input) + 2q + 2k + 2v + 4·heads + 2o, all kept                  = 528
+      mlp       = 2h (input) + 2·ffn (gate) + 2·ffn (up)                             = 640
+                  (silu's output and the product, down's input, re-run: not kept)
+      norm      = 0 (its input, the layer input and the residual, is another tensor's)
+      recompute = 2h, the layer input the checkpoint keeps                           = 128
+    By kind, not as one 'recompute' total (once, every byte of a selectively recomputed layer
+    was reported there)."""
+    report = estimate(TINY, Strategy(seq_length=8, recompute="selective"), options=NO_OVERHEAD)
+    kinds = report.stages[0].activations_by_kind
+    assert kinds["attention"] == 8 * 2 * 528 and kinds["mlp"] == 8 * 2 * 640
+    assert kinds.get("norm", 0) == 0 and kinds["recompute"] == 8 * 2 * 128
+    assert report.stages[0].activations_bytes == sum(kinds.values())
+
+
 def test_tiny_full_recompute_keeps_layer_inputs():
     report = estimate(TINY, Strategy(seq_length=8, recompute="full"), options=NO_OVERHEAD)
     # each layer keeps its bf16 input (2h bytes per token); output and embedding as before

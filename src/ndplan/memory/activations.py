@@ -59,6 +59,13 @@ class LayerActivations:
     #: replaced the formulas (a census measures whole layers).
     dense_blocks: dict[str, np.ndarray]
     moe_blocks: dict[str, np.ndarray]
+    #: A layer under the strategy's recompute, by the same blocks and 'recompute': selective
+    #: recompute keeps most of each block (its 'kept' tensors, net of offload, in a census's
+    #: proportions where one measured the layer), and 'recompute' holds what the checkpoint itself
+    #: keeps (the layer input where the runtime saves it); full recompute keeps its input alone,
+    #: all under 'recompute'. They sum to ``recomputed``.
+    dense_recomputed_blocks: dict[str, np.ndarray]
+    moe_recomputed_blocks: dict[str, np.ndarray]
     #: what the embedding keeps beside the token ids (the profile's ``embedding`` block)
     embedding: np.ndarray
     output: np.ndarray
@@ -396,6 +403,10 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         "dense": 2 * norm_kept + attention_kept["dense"] + block("mlp", "kept") + checkpoint_input,
         "moe": 2 * norm_kept + attention_kept["moe"] + block("moe", "kept") + checkpoint_input,
     }
+    # The same, by block (the breakdown by kind): a census may replace the totals below.
+    kept_by_block = {"dense": {"attention": attention_kept["dense"], "norm": 2 * norm_kept, "mlp": block("mlp", "kept")},
+                     "moe": {"attention": attention_kept["moe"], "norm": 2 * norm_kept, "moe": block("moe", "kept")}}
+    formula_selective = dict(selective)
     weight_input = {
         "dense": block(attention_name, "weight_input") + block("mlp", "weight_input"),
         "moe": block(attention_name, "weight_input") + block("moe", "weight_input"),
@@ -470,7 +481,9 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             share = np.divide(full[k], formula, out=np.zeros_like(tp), where=formula > 0)
             by_block[k] = {name: value * share for name, value in by_block[k].items()}
     if offload:
-        moved_by_block, moved_kept = _offloaded(model, block, attention_name, options.attention == "eager", offload)
+        moved_by_block, moved_kept_by_block = _offloaded(model, block, attention_name, options.attention == "eager",
+                                                         offload)
+        moved_kept = {k: _summed(blocks) for k, blocks in moved_kept_by_block.items()}
         moved_plain = {k: _summed(moved_by_block[k]) for k in ("dense", "moe")}
         by_block = {k: {name: value - moved_by_block[k][name] for name, value in by_block[k].items()} for k in by_block}
         full = {k: full[k] - moved_plain[k] for k in ("dense", "moe")}
@@ -484,6 +497,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         # ACTIVATION_FIELDS, as the search prices it) counts as the smaller.
         offloaded = {k: np.where(is_selective, moved_kept[k], moved_plain[k]) for k in ("dense", "moe")}
         backward_extra = {k: backward_extra[k] + 2.0 * offloaded[k] for k in ("dense", "moe")}
+    recomputed_blocks = _recomputed_by_block(kept_by_block, formula_selective, selective, recomputed, is_selective,
+                                             moved_kept_by_block if offload else None)
     norms_read_last = 2 * block("norm", "read_last")
     weight_read_last = {"dense": norms_read_last + block("mlp", "read_last"),
                         "moe": norms_read_last + block("moe", "read_last")}
@@ -511,7 +526,9 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     return LayerActivations(
         full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
         weight_unread=weight_unread, weight_read_last=weight_read_last, weight_past=weight_past,
-        dense_blocks=by_block["dense"], moe_blocks=by_block["moe"], embedding=embedding, output=output,
+        dense_blocks=by_block["dense"], moe_blocks=by_block["moe"],
+        dense_recomputed_blocks=recomputed_blocks["dense"], moe_recomputed_blocks=recomputed_blocks["moe"],
+        embedding=embedding, output=output,
         output_transient=np.maximum(block("output_transient"), block("output_backward_extra") + np.where(
             loss_parallel & (tp > 1), block("loss_parallel_backward_extra"), 0.0)),
         backward_extra=backward_extra, attention_backward=attention_backward, mtp_extra=mtp_extra,
@@ -546,10 +563,10 @@ def applicable_offload_modules(model: ModelSpec) -> tuple[str, ...]:
 
 
 def _offloaded(model: ModelSpec, block: Callable[[str, str], np.ndarray], attention_name: str, eager: bool,
-               offload: tuple[str, ...]) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
-    """Bytes per token per rank that ``offload`` moves to the host from one layer of each kind:
-    (of a layer that recomputes nothing, by block as ``LayerActivations.dense_blocks`` and
-    ``moe_blocks``; of one under the selective policy).
+               offload: tuple[str, ...]) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
+    """Bytes per token per rank that ``offload`` moves to the host from one layer of each kind,
+    by block as ``LayerActivations.dense_blocks`` and ``moe_blocks``: (of a layer that recomputes
+    nothing; of one under the selective policy).
 
     The profile's entries name their modules; the two norms of a layer share the ``norm`` block,
     so their owner is decided here: the attention norm moves with attn_norm where it is its own
@@ -567,7 +584,29 @@ def _offloaded(model: ModelSpec, block: Callable[[str, str], np.ndarray], attent
             "dense": {"norm": attention_side * norm, "attention": attention, "mlp": block("mlp", part)},
             "moe": {"norm": (attention_side + mlp_side) * norm, "attention": attention, "moe": block("moe", part)},
         })
-    return out[0], {k: _summed(blocks) for k, blocks in out[1].items()}
+    return out[0], out[1]
+
+
+def _recomputed_by_block(
+    kept: dict[str, dict[str, np.ndarray]], formula: dict[str, np.ndarray], selective: dict[str, np.ndarray],
+    recomputed: dict[str, np.ndarray], is_selective: np.ndarray, moved: dict[str, dict[str, np.ndarray]] | None,
+) -> dict[str, dict[str, np.ndarray]]:
+    """``LayerActivations.dense_recomputed_blocks`` and ``moe_recomputed_blocks``: per layer kind,
+    what a recomputed layer keeps, by block.
+
+    Under selective recompute each block keeps its 'kept' tensors (``kept``), scaled by the
+    census's total over the formula's (``selective`` / ``formula``, 1 without a census) and net
+    of what offload moves from them (``moved``); 'recompute' is the rest of ``recomputed``, the
+    checkpoint's own input where the runtime saves it, so that the blocks sum to it. Under full
+    recompute the layer keeps its input alone: 'recompute' is all of it."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for k in ("dense", "moe"):
+        share = np.divide(selective[k], formula[k], out=np.ones_like(formula[k]), where=formula[k] > 0)
+        blocks = {name: np.where(is_selective, value * share - (moved[k][name] if moved is not None else 0.0), 0.0)
+                  for name, value in kept[k].items()}
+        blocks["recompute"] = recomputed[k] - _summed(blocks)
+        out[k] = blocks
+    return out
 
 
 def _summed(blocks: dict[str, np.ndarray]) -> np.ndarray:

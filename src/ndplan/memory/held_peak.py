@@ -228,12 +228,19 @@ def activation_kinds(
 ) -> None:
     """Split the held peak by layer kind, at the instant of each stage's peak."""
     dense, moe = acts.dense_blocks, acts.moe_blocks
+    # A recomputed layer by the blocks it keeps (selective recompute keeps most of each), the
+    # checkpoint's own input under 'recompute' (all a fully recomputed layer keeps).
+    kept_dense, kept_moe = acts.dense_recomputed_blocks, acts.moe_recomputed_blocks
     per_kind_virtual = {
-        "attention": t * (plain_dense * dense["attention"][:, None] + plain_moe * moe["attention"][:, None]),
-        "norm": t * (plain_dense * dense["norm"][:, None] + plain_moe * moe["norm"][:, None]),
-        "mlp": t * plain_dense * dense["mlp"][:, None],
-        "moe": t * plain_moe * moe["moe"][:, None],
-        "recompute": t * (recomputed_dense * acts.recomputed["dense"][:, None] + recomputed_moe * acts.recomputed["moe"][:, None])
+        "attention": t * (plain_dense * dense["attention"][:, None] + plain_moe * moe["attention"][:, None]
+                          + recomputed_dense * kept_dense["attention"][:, None]
+                          + recomputed_moe * kept_moe["attention"][:, None]),
+        "norm": t * (plain_dense * dense["norm"][:, None] + plain_moe * moe["norm"][:, None]
+                     + recomputed_dense * kept_dense["norm"][:, None] + recomputed_moe * kept_moe["norm"][:, None]),
+        "mlp": t * (plain_dense * dense["mlp"][:, None] + recomputed_dense * kept_dense["mlp"][:, None]),
+        "moe": t * (plain_moe * moe["moe"][:, None] + recomputed_moe * kept_moe["moe"][:, None]),
+        "recompute": t * (recomputed_dense * kept_dense["recompute"][:, None]
+                          + recomputed_moe * kept_moe["recompute"][:, None])
         + per_virtual["checkpoint_mask"] - per_virtual["received_checkpoint"],
         "embedding": per_virtual["embedding"],
         "output": per_virtual["output"],
