@@ -40,6 +40,8 @@ MINIMAL: dict[str, dict] = {
     "kimi_k2": {"model_type": "kimi_k2", **_MLA, "num_hidden_layers": 4, "num_attention_heads": 128},
     "gpt_oss": {"model_type": "gpt_oss", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 128,
                 "vocab_size": 1000, "num_attention_heads": 16, "num_local_experts": 8},
+    # 128 routed experts and one shared after one dense layer, top 8, no q/k norms or biases
+    "glm4_moe": {"model_type": "glm4_moe", **_DENSE, "num_attention_heads": 8, "moe_intermediate_size": 128},
 }
 
 # Parameters transformers 5.24.0 builds for each MINIMAL config (AutoConfig.for_model, then
@@ -48,7 +50,7 @@ MINIMAL: dict[str, dict] = {
 TRANSFORMERS_COUNTS = {
     "llama": 1_824_000, "mistral": 1_692_928, "mixtral": 4_054_272, "qwen2": 1_825_536,
     "qwen2_moe": 10_478_848, "qwen3": 9_688_832, "qwen3_moe": 1_695_104, "deepseek_v2": 9_191_744,
-    "deepseek_v3": 59_011_456, "kimi_k2": 59_011_456, "gpt_oss": 3_675_952,
+    "deepseek_v3": 59_011_456, "kimi_k2": 59_011_456, "gpt_oss": 3_675_952, "glm4_moe": 14_144_768,
 }
 
 # No MTP module where num_nextn_predict_layers is not stated (transformers builds none).
@@ -118,7 +120,7 @@ def test_a_default_num_key_value_heads_that_does_not_divide_the_heads_is_named()
 # qwen3, gpt_oss and DeepSeek-V3 (MLA) have a head width of their own.
 _UNEVEN = {"hidden_size": 1024, "num_attention_heads": 12, "num_key_value_heads": 4}
 ALWAYS_REJECTED = ["llama", "deepseek_v2"]
-REJECTED_WITHOUT_HEAD_DIM = ["mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe"]
+REJECTED_WITHOUT_HEAD_DIM = ["mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "glm4_moe"]
 ACCEPTED = ["qwen3", "gpt_oss", "deepseek_v3", "kimi_k2"]
 
 
@@ -180,6 +182,8 @@ NULL_REFUSED = [
     ("deepseek_v3", "num_experts_per_tok"), ("gpt_oss", "num_experts_per_tok"),
     ("qwen2_moe", "shared_expert_intermediate_size"), ("qwen2_moe", "decoder_sparse_step"),
     ("qwen3_moe", "decoder_sparse_step"),
+    ("glm4_moe", "n_routed_experts"), ("glm4_moe", "n_shared_experts"), ("glm4_moe", "first_k_dense_replace"),
+    ("glm4_moe", "num_experts_per_tok"),
 ]
 
 

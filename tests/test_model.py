@@ -92,9 +92,22 @@ def test_moe_active_parameters_match_published_rounded_figures():
     assert round(count_parameters(get_preset("mixtral-8x7b")).active / 1e8) == 129
 
 
-def test_deepseek_v3_mtp_module():
+def test_glm_4_5_counts_against_its_report():
+    """GLM-4.5 report: 355B total / 32B activated, Air 106B / 12B (rounded). Activated without the
+    embedding and head (the report's count): 32.08B and 12.18B. Total: Air 106.85B (its card
+    truncates); GLM-4.5 352.80B without its MTP layer and 356.79B with it, the headline 355B
+    between the two (transformers' build of both configs is pinned above, block by block)."""
+    full, air = count_parameters(get_preset("glm-4.5")), count_parameters(get_preset("glm-4.5-air"))
+    assert round((full.active - full.embedding - full.output_head) / 1e9) == 32
+    assert round((air.active - air.embedding - air.output_head) / 1e9) == 12
+    assert int(air.total / 1e9) == 106
+    assert full.total < 355e9 < full.total + full.mtp
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "glm-4.5", "glm-4.5-air"])
+def test_mtp_module(name):
     # One MTP module: 3 norms + eh_proj (2h x h) + one MoE decoder layer; head and embedding shared.
-    spec = get_preset("deepseek-v3")
+    spec = get_preset(name)
     counts = count_parameters(spec)
     h = spec.hidden_size
     moe_layer = (count_parameters(spec).routed_experts + counts.shared_experts + counts.router) // spec.num_moe_layers

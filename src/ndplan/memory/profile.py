@@ -46,6 +46,10 @@ BLOCKS: tuple[str, ...] = (
     "loss_parallel_backward_extra", "weight_grad_outputs", "moe_weight_grad_outputs", "moe_allgather",
 )
 
+#: The model types whose Hugging Face router casts its input to fp32 before the gate matmul (the
+#: copy the pytorch profile's router_fp32_input keeps for backward).
+FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"})
+
 
 def model_symbols(model: ModelSpec) -> dict[str, float]:
     """Widths a profile expression may use, in elements per token (unsharded)."""
@@ -75,8 +79,9 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "fc1_widths": 2 if model.gated_mlp else 1,
         "hidden_dropout_on": 1 if model.hidden_dropout > 0 else 0,
         "attention_dropout_on": 1 if model.attention_dropout > 0 else 0,
-        # DeepSeek's HF router casts its input to fp32 before the gate matmul.
-        "router_upcast": model.hidden_size if model.model_type.startswith("deepseek") else 0,
+        # DeepSeek's HF router casts its input to fp32 before the gate matmul; so does the same
+        # router in Kimi K2 (DeepSeek-V3's code) and GLM-4.5 (Glm4MoeTopkRouter).
+        "router_upcast": model.hidden_size if model.model_type in FP32_ROUTER_INPUT_MODEL_TYPES else 0,
         "q_lora": model.q_lora_rank,
         "kv_lora": model.kv_lora_rank,
         "rope": model.qk_rope_head_dim,

@@ -119,6 +119,11 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                     "q_lora_rank": 1536, "first_k_dense_replace": 3, "num_experts_per_tok": 8,
                     "num_nextn_predict_layers": 0},
     "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128, "num_experts_per_tok": 4},
+    # Glm4MoeConfig has no head_dim field: its attention reads getattr(config, "head_dim",
+    # hidden_size // num_attention_heads). num_nextn_predict_layers absent: no MTP module, as for
+    # DeepSeek-V3 (its config class defaults it to 1; transformers builds none).
+    "glm4_moe": {"num_key_value_heads": 8, "head_dim": None, "n_routed_experts": 128, "n_shared_experts": 1,
+                 "first_k_dense_replace": 1, "num_experts_per_tok": 8, "num_nextn_predict_layers": 0},
 }
 HF_DEFAULTS["kimi_k2"] = HF_DEFAULTS["deepseek_v3"]
 
@@ -402,6 +407,36 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
     }
 
 
+def _glm4_moe(r: _Reader) -> dict[str, Any]:
+    """GLM-4.5, 4.6 and 4.7 (Glm4MoeForCausalLM): GQA with q/k/v biases under attention_bias
+    (o_proj has none) and per-head q/k norms under use_qk_norm; the first first_k_dense_replace
+    layers dense, the rest DeepSeek-V3's MoE (sigmoid router with a score-correction bias, which
+    transformers keeps as a buffer, and n_shared_experts shared experts of moe_intermediate_size
+    each, built as one MLP). num_nextn_predict_layers MTP modules follow, as DeepSeek-V3's
+    (transformers builds none; Megatron trains them with --mtp-num-layers). Its partial rotary
+    embedding (partial_rotary_factor) holds no parameters."""
+    fields = _common_fields(r)
+    defaults = HF_DEFAULTS["glm4_moe"]
+    bias = r.flag("attention_bias", False)
+    experts = r.integer("n_routed_experts", defaults["n_routed_experts"])
+    first_dense = r.integer("first_k_dense_replace", defaults["first_k_dense_replace"])
+    moe_width = r.integer("moe_intermediate_size")
+    shared = r.integer("n_shared_experts", defaults["n_shared_experts"])
+    return {
+        **fields,
+        "ffn_hidden_size": r.integer("intermediate_size"),
+        "qkv_bias": bias,
+        "qk_norm": r.flag("use_qk_norm", False),
+        "num_experts": experts,
+        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": moe_width,
+        "num_shared_experts": shared,
+        "shared_expert_ffn_hidden_size": moe_width if shared else 0,
+        "layer_mlp_kinds": tuple("moe" if i >= first_dense else "dense" for i in range(fields["num_layers"])),
+        "mtp_depth": r.integer("num_nextn_predict_layers", defaults["num_nextn_predict_layers"]),
+    }
+
+
 READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -416,6 +451,7 @@ READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     # (architectures DeepseekV3ForCausalLM, loaded with trust_remote_code).
     "kimi_k2": _deepseek,
     "gpt_oss": _gpt_oss,
+    "glm4_moe": _glm4_moe,
 }
 
 
