@@ -198,6 +198,30 @@ def test_megatron_argument_file(tmp_path):
     assert result.warnings == []
 
 
+def test_megatron_launch_of_glm_4_5_counts_as_its_hf_config(tmp_path):
+    """GLM-4.5 as Megatron builds it from the flags (q/k/v biases, q/k norms, 3 dense layers by
+    --moe-layer-freq, one shared expert, an MTP layer): every block the same count as the HF
+    config's preset, which transformers' build pins."""
+    path = tmp_path / "glm.sh"
+    path.write_text(
+        "torchrun --nproc_per_node 8 --nnodes 32 pretrain_gpt.py \\\n"
+        "  --num-layers 92 --hidden-size 5120 --ffn-hidden-size 12288 --num-attention-heads 96 \\\n"
+        "  --group-query-attention --num-query-groups 8 --kv-channels 128 --qk-layernorm --add-qkv-bias \\\n"
+        "  --disable-bias-linear --swiglu --normalization RMSNorm --position-embedding-type rope \\\n"
+        "  --rotary-percent 0.5 --untie-embeddings-and-output-weights --vocab-size 151552 \\\n"
+        "  --num-experts 160 --moe-ffn-hidden-size 1536 --moe-shared-expert-intermediate-size 1536 \\\n"
+        "  --moe-router-topk 8 --moe-layer-freq \"([0]*3+[1]*89)\" --moe-router-score-function sigmoid \\\n"
+        "  --moe-router-enable-expert-bias --moe-grouped-gemm --mtp-num-layers 1 \\\n"
+        "  --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 8 \\\n"
+        "  --decoder-first-pipeline-num-layers 8 --decoder-last-pipeline-num-layers 12 \\\n"
+        "  --expert-model-parallel-size 16 --use-distributed-optimizer --micro-batch-size 1 \\\n"
+        "  --global-batch-size 1024 --seq-length 4096 --bf16\n")
+    result = read_config(path)
+    assert result.model is not None and result.model.mtp_depth == 1
+    assert count_parameters(result.model).blocks() == count_parameters(get_preset("glm-4.5")).blocks()
+    assert result.strategy().stage_layers == (8, 12, 12, 12, 12, 12, 12, 12)
+
+
 def test_megatron_full_recompute_of_zero_layers(tmp_path):
     """Megatron-Core checks only that --recompute-num-layers is given: with block, 0 recomputes
     the first 0 layers of each stage (none); with uniform its loop never advances."""
