@@ -378,6 +378,24 @@ def test_qwen3_moe_measures():
 
 
 @needs_torch
+@pytest.mark.parametrize("config,kinds", [
+    # Every class of these families says MoE (Glm4MoeMLP, Qwen3MoeDecoderLayer): a dense layer is
+    # told by its lack of experts, not by its class's name (once, GLM-4.5's dense layers measured
+    # as 'moe' and its MoE layers as 'moe-1', which no estimate could find).
+    (dict(model_type="glm4_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+          n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3, vocab_size=100),
+     {"dense": 1, "moe": 2}),
+    ({**TINY_QWEN3_MOE, "mlp_only_layers": [0]}, {"dense": 1, "moe": 1}),
+])
+def test_a_dense_layer_of_a_moe_family_is_measured_as_dense(config, kinds):
+    from ndplan.census import run_census
+
+    recs = _by_kind(run_census(config, seq_length=SEQ))
+    assert {kind: r.num_layers for kind, r in recs.items() if kind != "output"} == kinds
+
+
+@needs_torch
 def test_deepseek_v3_mla_moe_measures():
     from ndplan.census import run_census
 

@@ -564,8 +564,11 @@ def layer_kinds(model: Any) -> list[tuple[str, int, int]]:
         mla = any(n.endswith("kv_a_proj_with_mqa") for n, _ in layer.named_modules()) or hasattr(
             getattr(layer, "self_attn", None), "kv_lora_rank"
         )
+        # A layer with routed experts: fused 3-D expert weights, or a module list of experts. (Not
+        # by class names: a family's prefix can say MoE on every class, GLM-4.5's dense layers'
+        # Glm4MoeMLP and Qwen3-MoE's Qwen3MoeDecoderLayer included.)
         moe = any(p.dim() == 3 for p in layer.parameters()) or any(
-            any(w in type(m).__name__ for w in ("MoE", "Moe", "Sparse", "Experts")) for m in layer.modules()
+            name.rsplit(".", 1)[-1] == "experts" for name, _ in layer.named_modules()
         )
         name = ("mla-" if mla else "") + ("moe" if moe else "dense")
         if len(attention_types) > 1 and sig[1]:
