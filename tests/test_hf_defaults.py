@@ -42,6 +42,8 @@ MINIMAL: dict[str, dict] = {
                 "vocab_size": 1000, "num_attention_heads": 16, "num_local_experts": 8},
     # 128 routed experts and one shared after one dense layer, top 8, no q/k norms or biases
     "glm4_moe": {"model_type": "glm4_moe", **_DENSE, "num_attention_heads": 8, "moe_intermediate_size": 128},
+    # DeepSeek-V3's layer with GLM-4.7-Flash's defaults: a 768 query rank, 64 experts, top 4
+    "glm4_moe_lite": {"model_type": "glm4_moe_lite", **_MLA, "num_hidden_layers": 4, "num_attention_heads": 8},
 }
 
 # Parameters transformers 5.24.0 builds for each MINIMAL config (AutoConfig.for_model, then
@@ -51,6 +53,7 @@ TRANSFORMERS_COUNTS = {
     "llama": 1_824_000, "mistral": 1_692_928, "mixtral": 4_054_272, "qwen2": 1_825_536,
     "qwen2_moe": 10_478_848, "qwen3": 9_688_832, "qwen3_moe": 1_695_104, "deepseek_v2": 9_191_744,
     "deepseek_v3": 59_011_456, "kimi_k2": 59_011_456, "gpt_oss": 3_675_952, "glm4_moe": 14_144_768,
+    "glm4_moe_lite": 12_887_424,
 }
 
 # No MTP module where num_nextn_predict_layers is not stated (transformers builds none).
@@ -121,7 +124,7 @@ def test_a_default_num_key_value_heads_that_does_not_divide_the_heads_is_named()
 _UNEVEN = {"hidden_size": 1024, "num_attention_heads": 12, "num_key_value_heads": 4}
 ALWAYS_REJECTED = ["llama", "deepseek_v2"]
 REJECTED_WITHOUT_HEAD_DIM = ["mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "glm4_moe"]
-ACCEPTED = ["qwen3", "gpt_oss", "deepseek_v3", "kimi_k2"]
+ACCEPTED = ["qwen3", "gpt_oss", "deepseek_v3", "kimi_k2", "glm4_moe_lite"]
 
 
 @pytest.mark.parametrize("model_type", ALWAYS_REJECTED)
@@ -183,7 +186,7 @@ NULL_REFUSED = [
     ("qwen2_moe", "shared_expert_intermediate_size"), ("qwen2_moe", "decoder_sparse_step"),
     ("qwen3_moe", "decoder_sparse_step"),
     ("glm4_moe", "n_routed_experts"), ("glm4_moe", "n_shared_experts"), ("glm4_moe", "first_k_dense_replace"),
-    ("glm4_moe", "num_experts_per_tok"),
+    ("glm4_moe", "num_experts_per_tok"), ("glm4_moe_lite", "n_routed_experts"), ("glm4_moe_lite", "n_shared_experts"),
 ]
 
 
@@ -297,3 +300,16 @@ def test_mla_has_a_key_and_value_per_query_head(model_type):
     assert spec_from_hf_config({**absent, "num_attention_heads": 8}, name="m").num_kv_heads == 8
     with pytest.raises(NdplanError, match=r"field 'num_key_value_heads' must be an integer, got 'x'"):
         spec_from_hf_config({**MINIMAL[model_type], "num_key_value_heads": "x"}, name="m")
+
+
+def test_glm4_moe_lite_layers_follow_mlp_layer_types_not_first_k_dense_replace():
+    """transformers builds Glm4MoeLite's layers from mlp_layer_types (default: one dense layer,
+    then MoE) and has no first_k_dense_replace; a list of another length or kind is named."""
+    base = MINIMAL["glm4_moe_lite"]
+    assert spec_from_hf_config({**base, "first_k_dense_replace": 3}, name="m").layer_mlp_kinds == (
+        "dense", "moe", "moe", "moe")
+    listed = spec_from_hf_config({**base, "mlp_layer_types": ["dense", "dense", "sparse", "dense"]}, name="m")
+    assert listed.layer_mlp_kinds == ("dense", "dense", "moe", "dense")
+    with pytest.raises(NdplanError, match=r"^config.json: field 'mlp_layer_types' must list 4 entries, each "
+                                          r"'dense' or 'sparse'; got \['dense', 'moe'\]$"):
+        spec_from_hf_config({**base, "mlp_layer_types": ["dense", "moe"]}, name="m")

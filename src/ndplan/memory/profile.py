@@ -48,7 +48,7 @@ BLOCKS: tuple[str, ...] = (
 
 #: The model types whose Hugging Face router casts its input to fp32 before the gate matmul (the
 #: copy the pytorch profile's router_fp32_input keeps for backward).
-FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"})
+FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"})
 
 
 def model_symbols(model: ModelSpec) -> dict[str, float]:
@@ -80,7 +80,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "hidden_dropout_on": 1 if model.hidden_dropout > 0 else 0,
         "attention_dropout_on": 1 if model.attention_dropout > 0 else 0,
         # DeepSeek's HF router casts its input to fp32 before the gate matmul; so does the same
-        # router in Kimi K2 (DeepSeek-V3's code) and GLM-4.5 (Glm4MoeTopkRouter).
+        # router in Kimi K2 (DeepSeek-V3's code), GLM-4.5 and GLM-4.7-Flash (the same router).
         "router_upcast": model.hidden_size if model.model_type in FP32_ROUTER_INPUT_MODEL_TYPES else 0,
         "q_lora": model.q_lora_rank,
         "kv_lora": model.kv_lora_rank,

@@ -124,6 +124,10 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 (its config class defaults it to 1; transformers builds none).
     "glm4_moe": {"num_key_value_heads": 8, "head_dim": None, "n_routed_experts": 128, "n_shared_experts": 1,
                  "first_k_dense_replace": 1, "num_experts_per_tok": 8, "num_nextn_predict_layers": 0},
+    # Glm4MoeLiteConfig has no first_k_dense_replace: its layers follow mlp_layer_types
+    # (_glm4_moe_lite), which the 1 here, read and then replaced, does not decide.
+    "glm4_moe_lite": {"n_routed_experts": 64, "n_shared_experts": 1, "q_lora_rank": 768,
+                      "first_k_dense_replace": 1, "num_experts_per_tok": 4, "num_nextn_predict_layers": 0},
 }
 HF_DEFAULTS["kimi_k2"] = HF_DEFAULTS["deepseek_v3"]
 
@@ -437,6 +441,25 @@ def _glm4_moe(r: _Reader) -> dict[str, Any]:
     }
 
 
+_MLP_LAYER_TYPES: dict[str, MlpKind] = {"dense": "dense", "sparse": "moe"}
+
+
+def _glm4_moe_lite(r: _Reader) -> dict[str, Any]:
+    """GLM-4.7-Flash (Glm4MoeLiteForCausalLM): DeepSeek-V3's layer as transformers builds it (MLA,
+    attention_bias on q_a, kv_a and o; a sigmoid router and shared experts), its layers' kinds
+    from mlp_layer_types ('dense' or 'sparse'; transformers reads no first_k_dense_replace there:
+    without the list, one dense layer, then MoE ones)."""
+    fields = _deepseek(r)
+    layers = fields["num_layers"]
+    listed = r.config.get("mlp_layer_types")
+    if listed is None:
+        return {**fields, "layer_mlp_kinds": ("dense", *("moe",) * (layers - 1))}
+    if not isinstance(listed, list) or len(listed) != layers or any(t not in _MLP_LAYER_TYPES for t in listed):
+        raise NdplanError(f"{r.source}: field 'mlp_layer_types' must list {layers} entries, each 'dense' or "
+                          f"'sparse'; got {listed!r}")
+    return {**fields, "layer_mlp_kinds": tuple(_MLP_LAYER_TYPES[t] for t in listed)}
+
+
 READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -452,6 +475,7 @@ READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "kimi_k2": _deepseek,
     "gpt_oss": _gpt_oss,
     "glm4_moe": _glm4_moe,
+    "glm4_moe_lite": _glm4_moe_lite,
 }
 
 
