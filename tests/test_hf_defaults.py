@@ -44,6 +44,8 @@ MINIMAL: dict[str, dict] = {
     "glm4_moe": {"model_type": "glm4_moe", **_DENSE, "num_attention_heads": 8, "moe_intermediate_size": 128},
     # DeepSeek-V3's layer with GLM-4.7-Flash's defaults: a 768 query rank, 64 experts, top 4
     "glm4_moe_lite": {"model_type": "glm4_moe_lite", **_MLA, "num_hidden_layers": 4, "num_attention_heads": 8},
+    # 256 experts of intermediate_size, top 8, head_dim 128, 8 KV heads, q/k norms over the projection
+    "minimax_m2": {"model_type": "minimax_m2", **_DENSE, "num_attention_heads": 8},
 }
 
 # Parameters transformers 5.24.0 builds for each MINIMAL config (AutoConfig.for_model, then
@@ -53,7 +55,7 @@ TRANSFORMERS_COUNTS = {
     "llama": 1_824_000, "mistral": 1_692_928, "mixtral": 4_054_272, "qwen2": 1_825_536,
     "qwen2_moe": 10_478_848, "qwen3": 9_688_832, "qwen3_moe": 1_695_104, "deepseek_v2": 9_191_744,
     "deepseek_v3": 59_011_456, "kimi_k2": 59_011_456, "gpt_oss": 3_675_952, "glm4_moe": 14_144_768,
-    "glm4_moe_lite": 12_887_424,
+    "glm4_moe_lite": 12_887_424, "minimax_m2": 204_072_192,
 }
 
 # No MTP module where num_nextn_predict_layers is not stated (transformers builds none).
@@ -124,7 +126,7 @@ def test_a_default_num_key_value_heads_that_does_not_divide_the_heads_is_named()
 _UNEVEN = {"hidden_size": 1024, "num_attention_heads": 12, "num_key_value_heads": 4}
 ALWAYS_REJECTED = ["llama", "deepseek_v2"]
 REJECTED_WITHOUT_HEAD_DIM = ["mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "glm4_moe"]
-ACCEPTED = ["qwen3", "gpt_oss", "deepseek_v3", "kimi_k2", "glm4_moe_lite"]
+ACCEPTED = ["qwen3", "gpt_oss", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "minimax_m2"]
 
 
 @pytest.mark.parametrize("model_type", ALWAYS_REJECTED)
@@ -187,6 +189,7 @@ NULL_REFUSED = [
     ("qwen3_moe", "decoder_sparse_step"),
     ("glm4_moe", "n_routed_experts"), ("glm4_moe", "n_shared_experts"), ("glm4_moe", "first_k_dense_replace"),
     ("glm4_moe", "num_experts_per_tok"), ("glm4_moe_lite", "n_routed_experts"), ("glm4_moe_lite", "n_shared_experts"),
+    ("minimax_m2", "num_local_experts"), ("minimax_m2", "num_experts_per_tok"),
 ]
 
 

@@ -222,6 +222,22 @@ def test_megatron_launch_of_glm_4_5_counts_as_its_hf_config(tmp_path):
     assert result.strategy().stage_layers == (8, 12, 12, 12, 12, 12, 12, 12)
 
 
+def test_megatron_launch_says_it_cannot_write_projection_wide_qk_norms(tmp_path):
+    """MiniMax-M2's q/k norms span every head; Megatron's --qk-layernorm normalises each head: the
+    launch says what it cannot express, and read back it counts the per-head norms it writes."""
+    from ndplan.model import spec_from_hf_config
+
+    model = spec_from_hf_config(dict(model_type="minimax_m2", hidden_size=256, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=8, num_local_experts=8,
+                                     vocab_size=1024), name="m2")
+    text = emit(model, Strategy(dp=2, micro_batch_size=1, num_micro_batches=2), "megatron")
+    assert "not expressible" in text and "q/k norms over the whole projection" in text
+    path = tmp_path / "run.sh"
+    path.write_text(text)
+    back = read_config(path).model
+    assert back is not None and back.qk_norm and back.qk_norm_width == "head"
+
+
 def test_megatron_full_recompute_of_zero_layers(tmp_path):
     """Megatron-Core checks only that --recompute-num-layers is given: with block, 0 recomputes
     the first 0 layers of each stage (none); with uniform its loop never advances."""

@@ -121,6 +121,24 @@ def test_preset_index_covers_presets():
         assert index[name]["hf_repo"]
 
 
+def test_q_and_k_norms_over_the_whole_projection_by_hand():
+    """MiniMax-M2 normalises q and k over all their heads at once: per layer a norm of heads x
+    head_dim and one of kv_heads x head_dim (8·4 + 2·4 = 40 weights), where per-head norms hold
+    head_dim each (2·4 = 8); under TP a rank holds its heads' share of the first kind."""
+    from ndplan.memory.static import attention_split
+
+    config = dict(model_type="minimax_m2", hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=4, num_local_experts=4,
+                  num_experts_per_tok=2, vocab_size=10)
+    spec = spec_from_hf_config(config, name="tiny")
+    assert spec.qk_norm and spec.qk_norm_width == "projection"
+    per_head = spec.model_copy(update={"qk_norm_width": "head"})
+    projections = 16 * (32 + 2 * 8) + 32 * 16  # q, k, v, o without biases
+    assert count_parameters(spec).attention == 2 * (projections + 8 * 4 + 2 * 4)
+    assert count_parameters(per_head).attention == 2 * (projections + 2 * 4)
+    assert attention_split(spec).whole == 0 and attention_split(per_head).whole == 2 * 4
+
+
 def test_tiny_llama_by_hand():
     config = dict(model_type="llama", hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, vocab_size=10)

@@ -289,6 +289,8 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length
         flags.append(("--kv-channels", m.head_dim))
         if m.qk_norm:
             flags.append(("--qk-layernorm", None))
+            if m.qk_norm_width == "projection":
+                lost.append("q/k norms over the whole projection (--qk-layernorm normalises each head)")
     flags += [("--padded-vocab-size", m.vocab_size), ("--position-embedding-type", "rope")]
     # validate_args requires it and asserts it is >= --seq-length; RoPE sizes no table by it.
     flags.append(("--max-position-embeddings", max(m.max_position_embeddings, seq_length)))

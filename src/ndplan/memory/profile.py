@@ -74,6 +74,9 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "ffn_or_moe": max(model.ffn_hidden_size, topk * moe_ffn + shared_ffn),
         "kv_up": heads * (model.qk_nope_head_dim + model.v_head_dim),
         "qk_norm": 1 if model.qk_norm else 0,
+        # per-head q/k norms keep one statistic per head; projection-wide ones one per token
+        "qk_norm_head": 1 if model.qk_norm and model.qk_norm_width == "head" else 0,
+        "qk_norm_projection": 1 if model.qk_norm and model.qk_norm_width == "projection" else 0,
         "has_q_lora": 1 if model.q_lora_rank else 0,
         "has_shared": 1 if model.num_shared_experts else 0,
         "fc1_widths": 2 if model.gated_mlp else 1,
@@ -91,7 +94,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
 
 SYMBOLS: tuple[str, ...] = (
     "h", "q", "k", "v", "o", "heads", "kv_heads", "ffn", "moe_ffn", "topk", "experts", "shared_ffn",
-    "ffn_or_moe", "kv_up", "qk_norm", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast",
+    "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast",
     "q_lora", "kv_lora", "rope", "vocab", "seq",
 )
 

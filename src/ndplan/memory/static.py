@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ndplan.model.params import attention_params, layer_params, mtp_extra_params, norm_params
+from ndplan.model.params import attention_params, layer_params, mtp_extra_params, norm_params, qk_norm_params
 from ndplan.model.spec import MlpKind, ModelSpec
 
 
@@ -32,8 +32,8 @@ def attention_split(model: ModelSpec) -> TpSplit:
     h = model.hidden_size
     total = attention_params(model)
     whole = h if model.o_bias else 0
-    if model.qk_norm:
-        whole += 2 * norm_params(model, model.head_dim)
+    if model.qk_norm and model.qk_norm_width == "head":
+        whole += qk_norm_params(model)  # shared by the heads: every TP rank holds them (per projection: its heads')
     if model.is_mla:
         q_rank, kv_down = model.q_lora_rank, model.kv_lora_rank + model.qk_rope_head_dim
         if q_rank:

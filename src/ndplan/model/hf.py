@@ -128,6 +128,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     # (_glm4_moe_lite), which the 1 here, read and then replaced, does not decide.
     "glm4_moe_lite": {"n_routed_experts": 64, "n_shared_experts": 1, "q_lora_rank": 768,
                       "first_k_dense_replace": 1, "num_experts_per_tok": 4, "num_nextn_predict_layers": 0},
+    "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 256, "num_experts_per_tok": 8},
 }
 HF_DEFAULTS["kimi_k2"] = HF_DEFAULTS["deepseek_v3"]
 
@@ -460,6 +461,25 @@ def _glm4_moe_lite(r: _Reader) -> dict[str, Any]:
     return {**fields, "layer_mlp_kinds": tuple(_MLP_LAYER_TYPES[t] for t in listed)}
 
 
+def _minimax_m2(r: _Reader) -> dict[str, Any]:
+    """MiniMax-M2 (MiniMaxM2ForCausalLM): every layer a MoE of num_local_experts routed experts of
+    width intermediate_size (no shared or dense MLP; a sigmoid router whose correction bias is a
+    buffer), GQA without biases, and q/k norms over the whole projection (heads x head_dim), which
+    transformers always builds. Its checkpoints' MTP modules (num_mtp_modules) are not read:
+    transformers builds none and no training framework's MTP is known to match them."""
+    fields = _common_fields(r)
+    defaults = HF_DEFAULTS["minimax_m2"]
+    return {
+        **fields,
+        "ffn_hidden_size": 0,
+        "qk_norm": True,
+        "qk_norm_width": "projection",
+        "num_experts": r.integer("num_local_experts", defaults["num_local_experts"]),
+        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": r.integer("intermediate_size"),
+    }
+
+
 READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -476,6 +496,7 @@ READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "gpt_oss": _gpt_oss,
     "glm4_moe": _glm4_moe,
     "glm4_moe_lite": _glm4_moe_lite,
+    "minimax_m2": _minimax_m2,
 }
 
 

@@ -68,9 +68,21 @@ def attention_params(spec: ModelSpec) -> int:
     kv_width = spec.num_kv_heads * d
     qkv = h * (q_width + 2 * kv_width) + ((q_width + 2 * kv_width) if spec.qkv_bias else 0)
     output = q_width * h + (h if spec.o_bias else 0)
-    qk_norm = 2 * norm_params(spec, d) if spec.qk_norm else 0  # q and k norms of the model's kind
+    qk_norm = qk_norm_params(spec)
     sinks = heads if spec.attention_sinks else 0
     return qkv + output + qk_norm + sinks
+
+
+def qk_norm_params(spec: ModelSpec) -> int:
+    """Weights of the q and k norms: one norm of head_dim each (shared by the heads), or, over the
+    whole projection (``qk_norm_width`` 'projection'), one of heads x head_dim and one of
+    kv_heads x head_dim; 0 without q/k norms."""
+    if not spec.qk_norm:
+        return 0
+    d = spec.head_dim
+    if spec.qk_norm_width == "projection":
+        return norm_params(spec, spec.num_attention_heads * d) + norm_params(spec, spec.num_kv_heads * d)
+    return 2 * norm_params(spec, d)
 
 
 def mlp_params(spec: ModelSpec, width: int, *, bias: bool) -> int:

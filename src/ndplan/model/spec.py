@@ -62,6 +62,10 @@ class ModelSpec(BaseModel):
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    #: What a q/k norm normalises: each head's head_dim (Qwen3, GLM-4.5, Megatron's --qk-layernorm)
+    #: or the whole projection, heads x head_dim (MiniMax-M2, OLMo 2): one weight per element of
+    #: it, which a TP rank holds for its own heads.
+    qk_norm_width: Literal["head", "projection"] = "head"
     attention_sinks: bool = False  # a learned logit per head joining each softmax (gpt-oss)
     # Dropout probabilities in training. They cost memory where a runtime keeps the masks for
     # backward (Megatron's bias-dropout-add; unfused attention's dropout); 0 keeps none.
