@@ -316,3 +316,5 @@ def test_glm4_moe_lite_layers_follow_mlp_layer_types_not_first_k_dense_replace()
     with pytest.raises(NdplanError, match=r"^config.json: field 'mlp_layer_types' must list 4 entries, each "
                                           r"'dense' or 'sparse'; got \['dense', 'moe'\]$"):
         spec_from_hf_config({**base, "mlp_layer_types": ["dense", "moe"]}, name="m")
+    with pytest.raises(NdplanError, match=r"field 'mlp_layer_types' must list 4 entries"):
+        spec_from_hf_config({**base, "mlp_layer_types": [{"dense": 1}] * 4}, name="m")  # not a kind's name

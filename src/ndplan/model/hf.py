@@ -455,7 +455,8 @@ def _glm4_moe_lite(r: _Reader) -> dict[str, Any]:
     listed = r.config.get("mlp_layer_types")
     if listed is None:
         return {**fields, "layer_mlp_kinds": ("dense", *("moe",) * (layers - 1))}
-    if not isinstance(listed, list) or len(listed) != layers or any(t not in _MLP_LAYER_TYPES for t in listed):
+    if (not isinstance(listed, list) or len(listed) != layers
+            or any(not isinstance(t, str) or t not in _MLP_LAYER_TYPES for t in listed)):
         raise NdplanError(f"{r.source}: field 'mlp_layer_types' must list {layers} entries, each 'dense' or "
                           f"'sparse'; got {listed!r}")
     return {**fields, "layer_mlp_kinds": tuple(_MLP_LAYER_TYPES[t] for t in listed)}
