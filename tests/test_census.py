@@ -396,6 +396,40 @@ def test_a_dense_layer_of_a_moe_family_is_measured_as_dense(config, kinds):
 
 
 @needs_torch
+@pytest.mark.parametrize("config", [
+    dict(model_type="glm4_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=64, n_routed_experts=8,
+         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, num_attention_heads=8,
+         num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=1000, use_qk_norm=True,
+         attention_bias=True),
+    dict(model_type="minimax_m2", hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+         num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, vocab_size=1000),
+])
+def test_the_pytorch_profile_prices_glm_and_minimax_layers_as_the_census_measures(config):
+    """GLM-4.5's and MiniMax-M2's attention keeps one more query-sized copy than Llama's (the
+    profile's query_copy, 2·q bytes a token; once the formulas read GLM-4.5-Air's layers 6-11%
+    under the census): a dense layer to the byte, a MoE layer within the router's top-k weights
+    (4·k bytes a token), with and without full recompute."""
+    from ndplan.census import run_census
+    from ndplan.memory.activations import layer_activations
+    from ndplan.model import spec_from_hf_config
+    from ndplan.strategy import Strategy
+    from ndplan.strategy.batch import StrategyBatch
+
+    spec = spec_from_hf_config(config, name="m")
+    for record in run_census(config, seq_length=SEQ):
+        if record.layer_kind == "output":
+            continue
+        kind = "moe" if "moe" in record.layer_kind else "dense"
+        for recompute, measured in (("none", record.saved_bytes_per_token),
+                                    ("full", record.full_recompute.saved_bytes_per_token)):
+            acts = layer_activations(spec, StrategyBatch.of(Strategy(seq_length=SEQ, recompute=recompute)),
+                                     MemoryOptions(runtime="pytorch", include_overhead=False))
+            priced = (acts.full if recompute == "none" else acts.recomputed)[kind][0]
+            routed = 4 * spec.num_experts_per_tok if kind == "moe" and recompute == "none" else 0
+            assert priced == measured - routed, (record.layer_kind, recompute)
+
+
+@needs_torch
 def test_deepseek_v3_mla_moe_measures():
     from ndplan.census import run_census
 

@@ -49,6 +49,9 @@ BLOCKS: tuple[str, ...] = (
 #: The model types whose Hugging Face router casts its input to fp32 before the gate matmul (the
 #: copy the pytorch profile's router_fp32_input keeps for backward).
 FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"})
+#: The model types whose Hugging Face attention keeps one more query-sized copy for backward than
+#: Llama's (the pytorch profile's query_copy; measured by the census, see there).
+QUERY_COPY_MODEL_TYPES = frozenset({"glm4_moe", "minimax_m2"})
 
 
 def model_symbols(model: ModelSpec) -> dict[str, float]:
@@ -85,6 +88,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         # DeepSeek's HF router casts its input to fp32 before the gate matmul; so does the same
         # router in Kimi K2 (DeepSeek-V3's code), GLM-4.5 and GLM-4.7-Flash (the same router).
         "router_upcast": model.hidden_size if model.model_type in FP32_ROUTER_INPUT_MODEL_TYPES else 0,
+        "query_copy": 1 if model.model_type in QUERY_COPY_MODEL_TYPES else 0,
         "q_lora": model.q_lora_rank,
         "kv_lora": model.kv_lora_rank,
         "rope": model.qk_rope_head_dim,
@@ -94,7 +98,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
 
 SYMBOLS: tuple[str, ...] = (
     "h", "q", "k", "v", "o", "heads", "kv_heads", "ffn", "moe_ffn", "topk", "experts", "shared_ffn",
-    "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast",
+    "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast", "query_copy",
     "q_lora", "kv_lora", "rope", "vocab", "seq",
 )
 
