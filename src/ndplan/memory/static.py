@@ -33,7 +33,9 @@ def attention_split(model: ModelSpec) -> TpSplit:
     total = attention_params(model)
     whole = h if model.o_bias else 0
     if model.qk_norm and model.qk_norm_width == "head":
-        whole += qk_norm_params(model)  # shared by the heads: every TP rank holds them (per projection: its heads')
+        # One weight vector shared by every head, so every TP rank holds it whole; a norm over the
+        # whole projection is split with its heads (the sharded part).
+        whole += qk_norm_params(model)
     if model.is_mla:
         q_rank, kv_down = model.q_lora_rank, model.kv_lora_rank + model.qk_rope_head_dim
         if q_rank:
