@@ -295,8 +295,7 @@ def batch_pairs(runs: list[MeasuredRun]) -> list[tuple[MeasuredRun, MeasuredRun]
 
 
 def _micro_batches_per_step(run: MeasuredRun) -> int:
-    strategy = run.strategy_obj()
-    return strategy.num_micro_batches * strategy.pipeline_runs
+    return run.strategy_obj().micro_batches_per_step
 
 
 def _batch_pairs_section(runs: list[MeasuredRun], measured: dict[str, float],

@@ -399,13 +399,11 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     mlp, moe = block("mlp"), block("moe")
     full = {"dense": 2 * norm + attention["dense"] + mlp, "moe": 2 * norm + attention["moe"] + moe}
     checkpoint_input = block("layer_input") if profile.selective_keeps_layer_input else 0.0
-    selective = {
-        "dense": 2 * norm_kept + attention_kept["dense"] + block("mlp", "kept") + checkpoint_input,
-        "moe": 2 * norm_kept + attention_kept["moe"] + block("moe", "kept") + checkpoint_input,
-    }
-    # The same, by block (the breakdown by kind): a census may replace the totals below.
-    kept_by_block = {"dense": {"attention": attention_kept["dense"], "norm": 2 * norm_kept, "mlp": block("mlp", "kept")},
-                     "moe": {"attention": attention_kept["moe"], "norm": 2 * norm_kept, "moe": block("moe", "kept")}}
+    # What a selectively recomputed layer keeps, by block (the breakdown by kind) and in all: a
+    # census may replace the totals below, not these blocks.
+    kept_by_block = {"dense": {"norm": 2 * norm_kept, "attention": attention_kept["dense"], "mlp": block("mlp", "kept")},
+                     "moe": {"norm": 2 * norm_kept, "attention": attention_kept["moe"], "moe": block("moe", "kept")}}
+    selective = {k: _summed(kept_by_block[k]) + checkpoint_input for k in ("dense", "moe")}
     formula_selective = dict(selective)
     weight_input = {
         "dense": block(attention_name, "weight_input") + block("mlp", "weight_input"),

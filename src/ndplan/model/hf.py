@@ -363,6 +363,32 @@ def _gpt_oss(r: _Reader) -> dict[str, Any]:
     }
 
 
+def _deepseek_moe(r: _Reader, num_layers: int, *, reads_layer_freq: bool) -> dict[str, Any]:
+    """DeepSeek-V3's MoE as GLM-4.5 reuses it: n_routed_experts routed experts and n_shared_experts
+    shared ones of moe_intermediate_size each, every layer from first_k_dense_replace on a MoE
+    one (and, with ``reads_layer_freq``, only every moe_layer_freq-th: DeepSeek's own code reads
+    it, default 1; transformers' does not), num_nextn_predict_layers MTP modules; the model
+    type's defaults (``HF_DEFAULTS``) where the config leaves a count out."""
+    defaults = HF_DEFAULTS[r.model_type]
+    experts = r.integer("n_routed_experts", defaults["n_routed_experts"])
+    first_dense = r.integer("first_k_dense_replace", defaults["first_k_dense_replace"])
+    frequency = r.integer("moe_layer_freq", 1) if reads_layer_freq else 1
+    kinds: tuple[MlpKind, ...] = tuple(
+        "moe" if i >= first_dense and i % frequency == 0 else "dense" for i in range(num_layers)
+    )
+    moe_width = r.integer("moe_intermediate_size")
+    shared = r.integer("n_shared_experts", defaults["n_shared_experts"])
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": moe_width,
+        "num_shared_experts": shared,
+        "shared_expert_ffn_hidden_size": moe_width if shared else 0,
+        "layer_mlp_kinds": kinds,
+        "mtp_depth": r.integer("num_nextn_predict_layers", defaults["num_nextn_predict_layers"]),
+    }
+
+
 def _deepseek(r: _Reader) -> dict[str, Any]:
     fields = _common_fields(r)
     if r.flag("mlp_bias", False):
@@ -372,16 +398,7 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
                           "(allowed: false, as every published DeepSeek config)")
     defaults = HF_DEFAULTS[r.model_type]
     bias = r.flag("attention_bias", False)
-    experts = r.integer("n_routed_experts", defaults["n_routed_experts"])
-    first_dense = r.integer("first_k_dense_replace", defaults["first_k_dense_replace"])
-    # transformers' DeepSeek code reads no moe_layer_freq (every layer from first_k_dense_replace
-    # on is MoE); DeepSeek's own code does, default 1.
-    frequency = r.integer("moe_layer_freq", 1)
-    kinds: tuple[MlpKind, ...] = tuple(
-        "moe" if i >= first_dense and i % frequency == 0 else "dense" for i in range(fields["num_layers"])
-    )
-    moe_width = r.integer("moe_intermediate_size")
-    shared = r.integer("n_shared_experts", defaults["n_shared_experts"])
+    moe = _deepseek_moe(r, fields["num_layers"], reads_layer_freq=True)
     # q_lora_rank null: queries are not compressed (DeepSeek-V2-Lite); absent: transformers' default.
     # 0 is not null there: transformers and DeepSeek's code build a rank-0 query LoRA (no query
     # weights at all) where ndplan would count a full q_proj, so it is refused.
@@ -402,13 +419,7 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
         "qk_nope_head_dim": r.integer("qk_nope_head_dim"),
         "v_head_dim": r.integer("v_head_dim"),
         "head_dim": r.integer("qk_rope_head_dim") + r.integer("qk_nope_head_dim"),
-        "num_experts": experts,
-        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
-        "moe_ffn_hidden_size": moe_width,
-        "num_shared_experts": shared,
-        "shared_expert_ffn_hidden_size": moe_width if shared else 0,
-        "layer_mlp_kinds": kinds,
-        "mtp_depth": r.integer("num_nextn_predict_layers", defaults["num_nextn_predict_layers"]),
+        **moe,
     }
 
 
@@ -421,24 +432,12 @@ def _glm4_moe(r: _Reader) -> dict[str, Any]:
     (transformers builds none; Megatron trains them with --mtp-num-layers). Its partial rotary
     embedding (partial_rotary_factor) holds no parameters."""
     fields = _common_fields(r)
-    defaults = HF_DEFAULTS["glm4_moe"]
-    bias = r.flag("attention_bias", False)
-    experts = r.integer("n_routed_experts", defaults["n_routed_experts"])
-    first_dense = r.integer("first_k_dense_replace", defaults["first_k_dense_replace"])
-    moe_width = r.integer("moe_intermediate_size")
-    shared = r.integer("n_shared_experts", defaults["n_shared_experts"])
     return {
         **fields,
         "ffn_hidden_size": r.integer("intermediate_size"),
-        "qkv_bias": bias,
+        "qkv_bias": r.flag("attention_bias", False),
         "qk_norm": r.flag("use_qk_norm", False),
-        "num_experts": experts,
-        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
-        "moe_ffn_hidden_size": moe_width,
-        "num_shared_experts": shared,
-        "shared_expert_ffn_hidden_size": moe_width if shared else 0,
-        "layer_mlp_kinds": tuple("moe" if i >= first_dense else "dense" for i in range(fields["num_layers"])),
-        "mtp_depth": r.integer("num_nextn_predict_layers", defaults["num_nextn_predict_layers"]),
+        **_deepseek_moe(r, fields["num_layers"], reads_layer_freq=False),
     }
 
 
