@@ -46,6 +46,14 @@ MINIMAL: dict[str, dict] = {
     "glm4_moe_lite": {"model_type": "glm4_moe_lite", **_MLA, "num_hidden_layers": 4, "num_attention_heads": 8},
     # 256 experts of intermediate_size, top 8, head_dim 128, 8 KV heads, q/k norms over the projection
     "minimax_m2": {"model_type": "minimax_m2", **_DENSE, "num_attention_heads": 8},
+    # post-norm layers, q/k norms over the projection (OLMo 3: sliding windows on 3 of every 4)
+    "olmo2": {"model_type": "olmo2", **_DENSE, "num_attention_heads": 8},
+    "olmo3": {"model_type": "olmo3", **_DENSE, "num_attention_heads": 8},
+    # 64 experts of intermediate_size, top 8
+    "olmoe": {"model_type": "olmoe", **_DENSE, "num_attention_heads": 8},
+    # four norms a layer, 4 KV heads of 256, a tied head over 262,208 tokens (no vocab_size)
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 256, "num_hidden_layers": 2,
+                    "intermediate_size": 512, "num_attention_heads": 8},
 }
 
 # Parameters transformers 5.24.0 builds for each MINIMAL config (AutoConfig.for_model, then
@@ -55,7 +63,8 @@ TRANSFORMERS_COUNTS = {
     "llama": 1_824_000, "mistral": 1_692_928, "mixtral": 4_054_272, "qwen2": 1_825_536,
     "qwen2_moe": 10_478_848, "qwen3": 9_688_832, "qwen3_moe": 1_695_104, "deepseek_v2": 9_191_744,
     "deepseek_v3": 59_011_456, "kimi_k2": 59_011_456, "gpt_oss": 3_675_952, "glm4_moe": 14_144_768,
-    "glm4_moe_lite": 12_887_424, "minimax_m2": 204_072_192,
+    "glm4_moe_lite": 12_887_424, "minimax_m2": 204_072_192, "olmo2": 1_825_024, "olmo3": 1_825_024,
+    "olmoe": 51_403_008, "gemma3_text": 71_060_736,
 }
 
 # No MTP module where num_nextn_predict_layers is not stated (transformers builds none).
@@ -124,8 +133,8 @@ def test_a_default_num_key_value_heads_that_does_not_divide_the_heads_is_named()
 # with head_dim given; the other types derive head_dim = 1024 // 12 only without one, and
 # qwen3, gpt_oss and DeepSeek-V3 (MLA) have a head width of their own.
 _UNEVEN = {"hidden_size": 1024, "num_attention_heads": 12, "num_key_value_heads": 4}
-ALWAYS_REJECTED = ["llama", "deepseek_v2"]
-REJECTED_WITHOUT_HEAD_DIM = ["mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "glm4_moe"]
+ALWAYS_REJECTED = ["llama", "deepseek_v2", "gemma3_text"]
+REJECTED_WITHOUT_HEAD_DIM = ["mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmo2", "olmo3"]
 ACCEPTED = ["qwen3", "gpt_oss", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "minimax_m2"]
 
 
@@ -190,6 +199,7 @@ NULL_REFUSED = [
     ("glm4_moe", "n_routed_experts"), ("glm4_moe", "n_shared_experts"), ("glm4_moe", "first_k_dense_replace"),
     ("glm4_moe", "num_experts_per_tok"), ("glm4_moe_lite", "n_routed_experts"), ("glm4_moe_lite", "n_shared_experts"),
     ("minimax_m2", "num_local_experts"), ("minimax_m2", "num_experts_per_tok"),
+    ("olmoe", "num_experts"), ("olmoe", "num_experts_per_tok"),
 ]
 
 
@@ -263,6 +273,13 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
     # Qwen2-MoE builds its shared expert and the expert's sigmoid gate (h -> 1) in every MoE
     # block whatever the width: at 0 the expert is empty but the gate's h weights remain.
     "qwen2_moe-no-shared-width": ("qwen2_moe", {"shared_expert_intermediate_size": 0}, 1_828_096),
+    # biases on q, k, v and o; grouped KV heads (narrower k norms over the projection)
+    "olmo2-bias-gqa": ("olmo2", {"attention_bias": True, "num_key_value_heads": 2}, 1_629_312),
+    "olmoe-bias-gqa": ("olmoe", {"attention_bias": True, "num_key_value_heads": 4, "num_experts": 6,
+                                 "num_experts_per_tok": 2}, 5_630_464),
+    "gemma3_text-bias-untied": ("gemma3_text", {"attention_bias": True, "tie_word_embeddings": False,
+                                                "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 500},
+                                1_702_400),
 }
 
 

@@ -238,6 +238,17 @@ def test_megatron_launch_says_it_cannot_write_projection_wide_qk_norms(tmp_path)
     assert back is not None and back.qk_norm and back.qk_norm_width == "head"
 
 
+@pytest.mark.parametrize("preset,placement", [("gemma-3-1b", "sandwich norms (4 a layer"),
+                                             ("olmo-2-7b", "post norms (2 a layer")])
+def test_megatron_launch_says_it_cannot_write_post_or_sandwich_norms(preset, placement):
+    """Megatron's layers norm before attention and MLP alone: a launch of Gemma 3 or OLMo 2 says
+    so instead of silently writing a pre-norm model."""
+    from ndplan.model import get_preset
+
+    text = emit(get_preset(preset), Strategy(dp=2, micro_batch_size=1, num_micro_batches=2), "megatron")
+    assert "not expressible" in text and placement in text
+
+
 def test_megatron_full_recompute_of_zero_layers(tmp_path):
     """Megatron-Core checks only that --recompute-num-layers is given: with block, 0 recomputes
     the first 0 layers of each stage (none); with uniform its loop never advances."""

@@ -1482,3 +1482,37 @@ def test_torchs_ring_holds_its_all_gathered_keys_and_values_and_fp32_gradients()
     said = "CP K/V is torch's ring"
     assert any(said in line for line in estimate(model, strategies["ring"], options=MemoryOptions(runtime="pytorch")).explain())
     assert not any(said in line for line in estimate(model, strategies["ring"], options=MemoryOptions(runtime="megatron")).explain())
+
+
+def test_sandwich_norms_keep_two_more_norm_blocks_a_layer():
+    """Gemma 3's four norms a layer each keep what a norm keeps: under the pytorch profile its
+    fp32 input, its statistic and (Gemma multiplying its weight in fp32) its fp32 normalised
+    input, 4·h + 4 + 4·h bytes a token; Megatron's standalone norm its input and statistic,
+    2·h + 4. Two more a layer than the pre-norm model, in activations and parameters (2·h)."""
+    from ndplan.memory.activations import layer_activations
+    from ndplan.memory.static import layer_elements
+
+    gemma = get_preset("gemma-3-1b")
+    pre = gemma.model_copy(update={"norm_placement": "pre"})
+    h = gemma.hidden_size
+    batch = StrategyBatch.of(Strategy(seq_length=128))
+    for runtime, one_norm in (("pytorch", 4 * h + 4 + 4 * h), ("megatron", 2 * h + 4)):
+        options = MemoryOptions(runtime=runtime, include_overhead=False)
+        four, two = (layer_activations(m, batch, options) for m in (gemma, pre))
+        assert four.full["dense"][0] - two.full["dense"][0] == 2 * one_norm, runtime
+        assert four.dense_blocks["norm"][0] == 4 * one_norm, runtime
+    tp = np.array([1.0])
+    extra = layer_elements(gemma, tp, tp, tp).by_kind["dense"]["norm"] - layer_elements(pre, tp, tp, tp).by_kind["dense"]["norm"]
+    assert extra[0] == 2 * h
+
+
+def test_megatron_refuses_post_norm_layers():
+    """OLMo 2's norms follow attention and MLP; Megatron-Core builds its norms first, fused into
+    the next linear, so its profile cannot say what such a layer keeps: the estimate says so."""
+    with pytest.raises(NdplanError, match=r"olmo-2-7b puts its norms after attention and MLP \(norm_placement "
+                                          r"'post'\), which Megatron-Core's layers do not build .* price it under "
+                                          r"runtime 'pytorch'"):
+        estimate(get_preset("olmo-2-7b"), Strategy(seq_length=4096), get_device("h100-sxm"),
+                 MemoryOptions(runtime="megatron"))
+    assert estimate(get_preset("olmo-2-7b"), Strategy(seq_length=4096), get_device("h100-sxm"),
+                    MemoryOptions(runtime="pytorch")).peak_bytes > 0

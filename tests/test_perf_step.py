@@ -507,6 +507,19 @@ def test_dropless_sync_serialises_the_attention_block_with_the_expert_launches()
     assert after["stage_forward_s"][0] - before["stage_forward_s"][0] == pytest.approx(2 * g_pre, rel=1e-9)
 
 
+def test_sandwich_norms_read_and_write_twice_the_norm_bytes():
+    """Four h-wide norms a layer (Gemma 3) move 2 more reads and writes of h per token than two
+    (both recomputable): T = 256 tokens, h = 1152, bf16 -> 2 norms x 2 passes x 256 x 1152 x 2 B."""
+    from ndplan.perf.flops import Sharding
+    from ndplan.perf.memory_ops import layer_bytes
+
+    gemma = get_preset("gemma-3-1b")
+    pre = gemma.model_copy(update={"norm_placement": "pre"})
+    sh = Sharding(1.0, 256.0)
+    (total, rerun), (total_pre, rerun_pre) = (layer_bytes(m, sh, 0.0, "dense", 2.0) for m in (gemma, pre))
+    assert total - total_pre == rerun - rerun_pre == pytest.approx(2 * 2 * 256 * 1152 * 2.0)
+
+
 def test_chunk_sort_is_charged_to_the_all_to_all_dispatcher_only():
     from ndplan.perf.flops import Sharding
     from ndplan.perf.memory_ops import layer_bytes

@@ -300,6 +300,9 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length
         flags.append(("--normalization", "LayerNorm"))
     if m.norm_bias != (m.norm == "layernorm"):
         lost.append(f"norm_bias={m.norm_bias} with {m.norm}")
+    if m.norm_placement != "pre":
+        lost.append(f"{m.norm_placement} norms ({m.norms_per_layer} a layer; Megatron's layers norm before "
+                    "attention and MLP alone)")
     if m.gated_mlp and m.activation == "silu":
         flags.append(("--swiglu", None))
     elif m.gated_mlp and m.activation == "quick_gelu":

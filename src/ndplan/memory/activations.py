@@ -337,6 +337,10 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     """Bytes per token per rank of each layer variant, per strategy (a function of
     ``ACTIVATION_FIELDS`` alone)."""
     profile = options.profile
+    if model.norm_placement == "post" and profile.name == "megatron":
+        raise NdplanError(f"{model.name} puts its norms after attention and MLP (norm_placement 'post'), which "
+                          "Megatron-Core's layers do not build (their norms come first, fused into the next "
+                          "linear): price it under runtime 'pytorch'")
     act_bytes = batch.precision.activation_bytes
     offload = batch.offload_modules
     # The profile's op_keep flags describe a dense layer with standard attention (its matmuls in
@@ -378,6 +382,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
 
     attention_name = "attention_mla" if model.is_mla else "attention"
     norm, norm_kept = block("norm"), block("norm", "kept")
+    norms = model.norms_per_layer  # the layer's h-wide norms, each keeping the norm block's tensors
     # Per MLP kind: the kinds' layers may differ in attention span (sliding windows).
     attention = dict.fromkeys(("dense", "moe"), block(attention_name))
     attention_kept = dict.fromkeys(("dense", "moe"), block(attention_name, "kept"))
@@ -397,12 +402,13 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                                  + math * block("sdpa_math", "kept"))
             attention_backward[k] = np.where(math > 0, block("sdpa_math_backward_extra") + product, 0.0)
     mlp, moe = block("mlp"), block("moe")
-    full = {"dense": 2 * norm + attention["dense"] + mlp, "moe": 2 * norm + attention["moe"] + moe}
+    full = {"dense": norms * norm + attention["dense"] + mlp, "moe": norms * norm + attention["moe"] + moe}
     checkpoint_input = block("layer_input") if profile.selective_keeps_layer_input else 0.0
     # What a selectively recomputed layer keeps, by block (the breakdown by kind) and in all: a
     # census may replace the totals below, not these blocks.
-    kept_by_block = {"dense": {"norm": 2 * norm_kept, "attention": attention_kept["dense"], "mlp": block("mlp", "kept")},
-                     "moe": {"norm": 2 * norm_kept, "attention": attention_kept["moe"], "moe": block("moe", "kept")}}
+    kept_by_block = {"dense": {"norm": norms * norm_kept, "attention": attention_kept["dense"],
+                               "mlp": block("mlp", "kept")},
+                     "moe": {"norm": norms * norm_kept, "attention": attention_kept["moe"], "moe": block("moe", "kept")}}
     selective = {k: _summed(kept_by_block[k]) + checkpoint_input for k in ("dense", "moe")}
     formula_selective = dict(selective)
     weight_input = {
@@ -465,14 +471,14 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
     # What no weight gradient of the layer reads: the whole layer (measured, where a census
     # replaced the formulas) less its weights' inputs.
-    weight_unread = {k: np.maximum(full[k] - weight_input[k] - 2 * block("norm", "weight_input"), 0.0)
+    weight_unread = {k: np.maximum(full[k] - weight_input[k] - norms * block("norm", "weight_input"), 0.0)
                      for k in ("dense", "moe")}
     # What recompute rebuilds in backward lives on the device, offloaded or not: taken before
     # the offload is netted out below.
     rebuilt = {k: full[k] - recomputed[k] for k in ("dense", "moe")}
     offloaded = {k: np.zeros_like(tp) for k in ("dense", "moe")}
-    by_block = {"dense": {"attention": attention["dense"], "norm": 2 * norm, "mlp": mlp},
-                "moe": {"attention": attention["moe"], "norm": 2 * norm, "moe": moe}}
+    by_block = {"dense": {"attention": attention["dense"], "norm": norms * norm, "mlp": mlp},
+                "moe": {"attention": attention["moe"], "norm": norms * norm, "moe": moe}}
     for k in ("dense", "moe"):
         formula = sum(by_block[k].values())
         if _census_for(options, k, model) is not None:  # measured: the blocks in the formulas' proportions
@@ -497,7 +503,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         backward_extra = {k: backward_extra[k] + 2.0 * offloaded[k] for k in ("dense", "moe")}
     recomputed_blocks = _recomputed_by_block(kept_by_block, formula_selective, selective, recomputed, is_selective,
                                              moved_kept_by_block if offload else None)
-    norms_read_last = 2 * block("norm", "read_last")
+    norms_read_last = norms * block("norm", "read_last")
     weight_read_last = {"dense": norms_read_last + block("mlp", "read_last"),
                         "moe": norms_read_last + block("moe", "read_last")}
     weight_past = {"dense": block("mlp", "past_weights"), "moe": block("moe", "past_weights")}
@@ -570,9 +576,11 @@ def _offloaded(model: ModelSpec, block: Callable[[str, str], np.ndarray], attent
     so their owner is decided here: the attention norm moves with attn_norm where it is its own
     module (MLA's input norm) and with qkv_linear where Transformer Engine fuses it into the QKV
     linear (every other attention); the pre-MLP norm with mlp_norm in MoE layers (it feeds the
-    router); a dense MLP's norm is fused into fc1, which no offload module names."""
-    attention_side = ("attn_norm" if model.is_mla else "qkv_linear") in offload
-    mlp_side = "mlp_norm" in offload
+    router); a dense MLP's norm is fused into fc1, which no offload module names. Norms on a
+    branch's output (post and sandwich norms) stand in no named module and stay."""
+    has_pre_norms = model.norm_placement != "post"
+    attention_side = has_pre_norms and ("attn_norm" if model.is_mla else "qkv_linear") in offload
+    mlp_side = has_pre_norms and "mlp_norm" in offload
     out = []
     for part in ("offloaded", "offloaded_kept"):
         norm = block("norm", part)

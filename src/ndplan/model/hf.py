@@ -129,17 +129,25 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": {"n_routed_experts": 64, "n_shared_experts": 1, "q_lora_rank": 768,
                       "first_k_dense_replace": 1, "num_experts_per_tok": 4, "num_nextn_predict_layers": 0},
     "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 256, "num_experts_per_tok": 8},
+    "olmo2": {"num_key_value_heads": None, "head_dim": None},
+    "olmo3": {"num_key_value_heads": None, "head_dim": None, "sliding_window": 4096},
+    "olmoe": {"num_key_value_heads": None, "head_dim": None, "num_experts": 64, "num_experts_per_tok": 8},
+    # Gemma3TextConfig's sizes are Gemma 3 4B's, whose text_config leaves its heads and vocabulary out.
+    "gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+                    "vocab_size": 262_208,
+                    "hidden_activation": "gelu_pytorch_tanh", "sliding_window_pattern": 6},
 }
 HF_DEFAULTS["kimi_k2"] = HF_DEFAULTS["deepseek_v3"]
 
 #: Model types whose transformers config rejects a hidden_size that num_attention_heads does not
 #: divide, even where head_dim is given (LlamaConfig, DeepseekV2Config.validate_architecture).
-_HIDDEN_DIVIDES_BY_HEADS = frozenset({"llama", "deepseek_v2"})
+_HIDDEN_DIVIDES_BY_HEADS = frozenset({"llama", "deepseek_v2", "gemma3_text"})
 
 
 def _attention_fields(r: _Reader) -> dict[str, Any]:
     defaults = HF_DEFAULTS[r.model_type]
-    heads = r.integer("num_attention_heads")
+    # Required, but where the type's config class has the model's own (Gemma 3 4B's leaves it out)
+    heads = r.integer("num_attention_heads", defaults.get("num_attention_heads", _MISSING))
     hidden = r.integer("hidden_size")
     if r.model_type in _HIDDEN_DIVIDES_BY_HEADS and hidden % heads:
         raise NdplanError(f"{r.source}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); "
@@ -183,7 +191,9 @@ def _common_fields(r: _Reader) -> dict[str, Any]:
         "model_type": r.model_type,
         "num_layers": r.integer("num_hidden_layers"),
         "hidden_size": r.integer("hidden_size"),
-        "vocab_size": r.integer("vocab_size"),
+        # Required but where the type's config class has the model's own (Gemma 3's text_config
+        # leaves it out: 262,208).
+        "vocab_size": r.integer("vocab_size", HF_DEFAULTS[r.model_type].get("vocab_size", _MISSING)),
         "tie_word_embeddings": r.flag("tie_word_embeddings", False),
         "activation": act,
         # Absent: 0, not transformers' placeholder (RoPE has no position table to size), which
@@ -480,6 +490,96 @@ def _minimax_m2(r: _Reader) -> dict[str, Any]:
     }
 
 
+def _olmo2(r: _Reader) -> dict[str, Any]:
+    """OLMo 2 (Olmo2ForCausalLM): Llama's projections (biases on q, k, v and o under
+    attention_bias) with q/k norms over the whole projection, and its two norms on the branches'
+    outputs, before each residual add (post-norm: x + norm(attention(x)))."""
+    bias = r.flag("attention_bias", False)
+    return {
+        **_common_fields(r),
+        "ffn_hidden_size": r.integer("intermediate_size"),
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "qk_norm": True,
+        "qk_norm_width": "projection",
+        "norm_placement": "post",
+    }
+
+
+def _olmo3(r: _Reader) -> dict[str, Any]:
+    """OLMo 3 (Olmo3ForCausalLM): OLMo 2's layer with sliding-window attention on the layers
+    ``layer_types`` names (transformers' default: three of every four, the fourth in full)."""
+    layers = r.integer("num_hidden_layers")
+    window = r.get("sliding_window", HF_DEFAULTS["olmo3"]["sliding_window"])
+    return {**_olmo2(r), **_attention_spans(r, layers, window, lambda i: (i + 1) % 4 != 0)}
+
+
+def _olmoe(r: _Reader) -> dict[str, Any]:
+    """OLMoE (OlmoeForCausalLM): pre-norm layers, each a MoE of num_experts experts of width
+    intermediate_size (top num_experts_per_tok, no shared expert, a router without bias), with
+    q/k norms over the whole projection. A clip_qkv (in-place clamps of q, k and v, each keeping
+    a mask for backward) is not priced, so refused."""
+    if r.config.get("clip_qkv") is not None:
+        raise NdplanError(f"{r.source}: field 'clip_qkv' ({r.config['clip_qkv']!r}) is not supported: ndplan does "
+                          "not price the clamps of q, k and v (allowed: null, as OLMoE's published configs)")
+    bias = r.flag("attention_bias", False)
+    defaults = HF_DEFAULTS["olmoe"]
+    fields = _common_fields(r)
+    if fields["num_attention_heads"] * fields["head_dim"] != fields["hidden_size"]:
+        # transformers builds the q norm hidden_size wide: its forward fails on any other width
+        raise NdplanError(f"{r.source}: OLMoE's q norm is hidden_size ({fields['hidden_size']}) wide, so "
+                          f"num_attention_heads x head_dim ({fields['num_attention_heads']} x {fields['head_dim']}) "
+                          "must equal it; leave head_dim out or give hidden_size / num_attention_heads")
+    return {
+        **fields,
+        "ffn_hidden_size": 0,
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "qk_norm": True,
+        "qk_norm_width": "projection",
+        "num_experts": r.integer("num_experts", defaults["num_experts"]),
+        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": r.integer("intermediate_size"),
+    }
+
+
+def _gemma3_text(r: _Reader) -> dict[str, Any]:
+    """Gemma 3's language model (Gemma3ForCausalLM, model_type gemma3_text): four norms a layer
+    (sandwich: before and after attention and MLP), per-head q/k norms, a gated MLP of
+    hidden_activation (GELU, tanh approximation), a tied output head by default, and sliding
+    windows on the layers ``layer_types`` names (else five of every sliding_window_pattern = 6).
+    The embedding's scale by √h is a constant (no parameter). Logit soft-capping (Gemma 2's) and
+    bidirectional attention change what the loss and the attention keep and compute, and are
+    refused."""
+    defaults = HF_DEFAULTS["gemma3_text"]
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if r.config.get(field) is not None:
+            raise NdplanError(f"{r.source}: field '{field}' ({r.config[field]!r}) is not supported: ndplan does not "
+                              "price soft-capped logits (allowed: null, as Gemma 3's published configs)")
+    if r.flag("use_bidirectional_attention", False):
+        raise NdplanError(f"{r.source}: field 'use_bidirectional_attention' true is not supported: ndplan prices "
+                          "causal attention (allowed: false)")
+    act = r.get("hidden_activation", defaults["hidden_activation"])
+    if not isinstance(act, str):
+        raise NdplanError(f"{r.source}: field 'hidden_activation' must be an activation name (a string such as "
+                          f"'gelu_pytorch_tanh'), got {act!r}")
+    bias = r.flag("attention_bias", False)
+    layers = r.integer("num_hidden_layers")
+    pattern = r.integer("sliding_window_pattern", defaults["sliding_window_pattern"])
+    return {
+        **_common_fields(r),
+        "tie_word_embeddings": r.flag("tie_word_embeddings", True),
+        "activation": act,
+        "ffn_hidden_size": r.integer("intermediate_size"),
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "qk_norm": True,
+        "norm_placement": "sandwich",
+        **_attention_spans(r, layers, r.get("sliding_window", defaults["sliding_window"]),
+                           lambda i: (i + 1) % pattern != 0),
+    }
+
+
 READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -497,6 +597,26 @@ READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "glm4_moe": _glm4_moe,
     "glm4_moe_lite": _glm4_moe_lite,
     "minimax_m2": _minimax_m2,
+    "olmo2": _olmo2,
+    "olmo3": _olmo3,
+    "olmoe": _olmoe,
+    "gemma3_text": _gemma3_text,
+}
+
+_LINEAR_ATTENTION = ("Gated DeltaNet linear-attention layers beside full-attention ones, which ndplan's memory and "
+                     "time formulas do not price")
+#: Model types ndplan knows and does not price, with the reason: a refusal that says why.
+NOT_PRICED: dict[str, str] = {
+    "gemma3": ("Gemma 3's vision-language model (a SigLIP vision tower and projector beside the language model), "
+               "which ndplan does not price; for its language model give the file's text_config as a config of its "
+               "own (model_type 'gemma3_text')"),
+    "gemma2": "Gemma 2 soft-caps its attention and output logits, which ndplan does not price",
+    "qwen3_next": f"Qwen3-Next has {_LINEAR_ATTENTION}",
+    "qwen3_5": f"Qwen3.5 has {_LINEAR_ATTENTION}",
+    "qwen3_5_text": f"Qwen3.5 has {_LINEAR_ATTENTION}",
+    "qwen3_5_moe": f"Qwen3.5 has {_LINEAR_ATTENTION}",
+    "qwen3_5_moe_text": f"Qwen3.5 has {_LINEAR_ATTENTION}",
+    "deepseek_v32": "DeepSeek-V3.2's sparse attention and its indexer are not priced",
 }
 
 
@@ -505,6 +625,9 @@ def spec_from_hf_config(config: HfConfig, *, name: str, source: str = "config.js
     if not isinstance(config, Mapping):
         raise NdplanError(f"{source}: expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in NOT_PRICED:
+        raise NdplanError(f"{source}: model_type '{model_type}' is not supported: {NOT_PRICED[model_type]} "
+                          f"(supported: {', '.join(READERS)})")
     if not isinstance(model_type, str) or model_type not in READERS:
         raise NdplanError(
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(READERS)} "

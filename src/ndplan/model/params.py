@@ -17,7 +17,7 @@ class LayerParams:
     """Parameters of one decoder layer, split the way sharding treats them.
 
     ``attention`` includes the projections, their biases, QK-norm and MLA's latent norms;
-    ``norms`` the two norms around attention and MLP; ``mlp`` the dense MLP (0 in a MoE layer);
+    ``norms`` the h-wide norms around attention and MLP (``ModelSpec.norms_per_layer``); ``mlp`` the dense MLP (0 in a MoE layer);
     ``router`` the gate; ``routed_experts`` all routed experts together; ``shared_experts`` the
     always-on experts and their gate.
     """
@@ -96,7 +96,7 @@ def mlp_params(spec: ModelSpec, width: int, *, bias: bool) -> int:
 def layer_params(spec: ModelSpec, kind: MlpKind) -> LayerParams:
     h = spec.hidden_size
     attention = attention_params(spec)
-    norms = 2 * norm_params(spec, h)
+    norms = spec.norms_per_layer * norm_params(spec, h)
     if kind == "dense":
         return LayerParams(attention, norms, mlp_params(spec, spec.ffn_hidden_size, bias=spec.mlp_bias), 0, 0, 0)
     router = spec.num_experts * (h + (1 if spec.router_bias else 0))
@@ -191,14 +191,15 @@ def weight_grad_groups(model: ModelSpec) -> dict[str, int]:
     backward's weight-gradient step runs one autograd call per group. Counted as Hugging Face
     modules hold them: fused 3-D expert weights (gate_up, down), one router."""
     attention, mlp, shared = _weight_grad_blocks(model)
-    return {"dense": attention + mlp + 2, "moe": attention + 1 + 2 + shared + 2}
+    norms = model.norms_per_layer
+    return {"dense": attention + mlp + norms, "moe": attention + 1 + 2 + shared + norms}
 
 
 def weight_grad_peak_group(model: ModelSpec) -> dict[str, int]:
     """Per layer kind, the group at which a layer's rebuilt copies peak: the MLP's down
     projection (the routed experts' in an MoE layer), after which nothing later keeps that
     branch of the graph alive. Groups come in module order: attention, then the MLP (router and
-    experts in the model's order, then shared experts), then the two norms."""
+    experts in the model's order, then shared experts), then the norms."""
     attention, mlp, _ = _weight_grad_blocks(model)
     router_first = 1 if model.model_type in ROUTER_FIRST_MODEL_TYPES else 0
     return {"dense": attention + mlp, "moe": attention + router_first + 2}

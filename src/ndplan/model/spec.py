@@ -56,6 +56,10 @@ class ModelSpec(BaseModel):
 
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_bias: bool = False
+    #: Where a layer's norms sit: "pre" before attention and MLP (Llama: x + f(norm(x)), two a
+    #: layer); "post" on each branch's output before the residual add (OLMo 2 and 3:
+    #: x + norm(f(x)), two a layer); "sandwich" both (Gemma 2 and 3: x + norm(f(norm(x))), four).
+    norm_placement: Literal["pre", "post", "sandwich"] = "pre"
     activation: str = "silu"
     gated_mlp: bool = True
     qkv_bias: bool = False
@@ -211,6 +215,11 @@ class ModelSpec(BaseModel):
         these keep the same bytes per token in a layer of the same kind (a census's business)."""
         return tuple(sorted((name, value) for name, value in self.model_dump().items()
                             if name not in _NOT_LAYER_SHAPE))
+
+    @property
+    def norms_per_layer(self) -> int:
+        """Norms of width hidden_size in one decoder layer: four with sandwich norms, else two."""
+        return 4 if self.norm_placement == "sandwich" else 2
 
     @property
     def mlp_matrices(self) -> int:

@@ -9,7 +9,7 @@ Tokens: T = (b·s)/c on the device; regions that sequence parallelism splits (no
 adds, the final norm) see T_n = T/t with SP and T without it.
 
 Per decoder layer, forward:
-* 2 norms: read + write h each        -> 4·T_n·h
+* n norms: read + write h each        -> 2·n·T_n·h (n = 2; 4 with sandwich norms)
 * 2 residual adds: read 2, write 1     -> 6·T_n·h
 * rotary on q and k: read + write      -> 2·T·(a + kv)·d_rope/t   (MLA: the rope part only)
 * QK-norm, MLA latent norms            -> read + write their widths (the latent norms on T_n:
@@ -268,7 +268,7 @@ def layer_bytes(
     """
     h, t, tok = model.hidden_size, sh.tp, sh.tokens
     t_n = norm_tokens(sh, sp)
-    norms = 4.0 * t_n * h
+    norms = 2.0 * model.norms_per_layer * t_n * h
     residual = 6.0 * t_n * h
     rope = 2.0 * tok * rope_width(model) / t
     extra_norms: Array | float = 0.0
