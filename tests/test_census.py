@@ -429,6 +429,66 @@ def test_the_pytorch_profile_prices_glm_and_minimax_layers_as_the_census_measure
             assert priced == measured - routed, (record.layer_kind, recompute)
 
 
+_NORMS_DENSE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=1000)
+
+
+@needs_torch
+@pytest.mark.parametrize("config", [
+    # post-norm, q/k norms over the projection, the weight multiplied in fp32
+    dict(model_type="olmo2", **_NORMS_DENSE),
+    # the same with a rotary per layer type and sliding layers (the window beyond the sequence)
+    dict(model_type="olmo3", **{**_NORMS_DENSE, "num_hidden_layers": 4}, sliding_window=4 * SEQ),
+    # four norms a layer, per-head q/k norms, GELU (tanh)
+    dict(model_type="gemma3_text", **_NORMS_DENSE, head_dim=32, sliding_window=4 * SEQ),
+])
+def test_the_pytorch_profile_prices_post_and_sandwich_norm_layers_as_the_census_measures(config):
+    """OLMo 2/3 put their norms after attention and MLP, Gemma 3 before and after (four a layer),
+    and both multiply a norm's weight in fp32 before casting, so each norm keeps its normalised
+    input in fp32 (4 bytes an element, Llama's 2): the formulas equal the census to the byte,
+    with no, selective and full recompute (OLMo 3 and Gemma 3 were not measurable before: their
+    rotary takes the layer's type)."""
+    from ndplan.census import run_census
+    from ndplan.memory.activations import layer_activations
+    from ndplan.model import spec_from_hf_config
+    from ndplan.strategy import Strategy
+    from ndplan.strategy.batch import StrategyBatch
+
+    spec = spec_from_hf_config(config, name="m")
+    records = [r for r in run_census(config, seq_length=SEQ) if r.layer_kind != "output"]
+    assert [r.layer_kind for r in records] == ["dense"]
+    for recompute, measured in (("none", records[0].saved_bytes_per_token),
+                                ("selective", records[0].selective.saved_bytes_per_token),
+                                ("full", records[0].full_recompute.saved_bytes_per_token)):
+        acts = layer_activations(spec, StrategyBatch.of(Strategy(seq_length=SEQ, recompute=recompute)),
+                                 MemoryOptions(runtime="pytorch", include_overhead=False))
+        assert (acts.full if recompute == "none" else acts.recomputed)["dense"][0] == measured, recompute
+
+
+@needs_torch
+def test_olmoe_layer_prices_as_the_census_measures():
+    """OLMoE's q/k norms span the projection (one statistic a token) and are hidden_size wide in
+    transformers whatever the heads, so the census's TP-2 rank narrows them to its heads' share
+    (it failed to build before). Its router does not renormalise the top-k weights (no
+    norm_topk_prob), keeping 4·(k + 1) bytes a token fewer than the formulas' Qwen3 router: within
+    that, and equal under full recompute."""
+    from ndplan.census import run_census
+    from ndplan.memory.activations import layer_activations
+    from ndplan.model import spec_from_hf_config
+    from ndplan.strategy import Strategy
+    from ndplan.strategy.batch import StrategyBatch
+
+    config = dict(model_type="olmoe", **{**_NORMS_DENSE, "num_key_value_heads": 4}, num_experts=4,
+                  num_experts_per_tok=2)
+    spec = spec_from_hf_config(config, name="m")
+    record = next(r for r in run_census(config, seq_length=SEQ) if r.layer_kind == "moe")
+    options = MemoryOptions(runtime="pytorch", include_overhead=False)
+    plain = layer_activations(spec, StrategyBatch.of(Strategy(seq_length=SEQ)), options).full["moe"][0]
+    full = layer_activations(spec, StrategyBatch.of(Strategy(seq_length=SEQ, recompute="full")), options)
+    assert 0 <= plain - record.saved_bytes_per_token <= 4 * (2 + 1)
+    assert full.recomputed["moe"][0] == record.full_recompute.saved_bytes_per_token
+
+
 @needs_torch
 def test_deepseek_v3_mla_moe_measures():
     from ndplan.census import run_census

@@ -462,6 +462,22 @@ def tp2_config(config: Any) -> tuple[Any, list[str]]:
     return c, notes
 
 
+def fit_projection_norms(model: Any) -> Any:
+    """``model`` with every q/k norm wider than its projection narrowed to it: OLMoE sizes its
+    q/k norms, which normalise the whole projection, by hidden_size and kv_heads x (hidden_size
+    / heads), not by the projection's width, so the TP-2 config's halved heads leave them twice
+    too wide; a TP rank normalises (and holds the weights of) its own heads' share."""
+    for module in model.modules():
+        for projection_name, norm_name in (("q_proj", "q_norm"), ("k_proj", "k_norm")):
+            projection, norm = getattr(module, projection_name, None), getattr(module, norm_name, None)
+            weight = getattr(norm, "weight", None)
+            width = getattr(projection, "out_features", None)
+            if norm is not None and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1 \
+                    and isinstance(width, int) and weight.shape[0] > width:
+                norm.weight = torch.nn.Parameter(torch.empty(width, dtype=weight.dtype, device=weight.device))
+    return model
+
+
 def build_meta_model(config: Any) -> Any:
     import transformers
 
@@ -592,14 +608,18 @@ def call_layer_fn(layer: torch.nn.Module, extra: dict[str, Any]) -> Callable[[to
     return fn
 
 
-def position_inputs(model: Any, config: Any, x: torch.Tensor) -> dict[str, Any]:
-    """Position ids, rotary (cos, sin) and the attention mask, as the model computes them."""
+def position_inputs(model: Any, config: Any, x: torch.Tensor, layer_type: str = "full_attention") -> dict[str, Any]:
+    """Position ids, rotary (cos, sin) and the attention mask, as the model computes them; the
+    rotary of ``layer_type`` where the model has one per layer type (OLMo 3, Gemma 3: its own
+    base frequency for sliding layers)."""
     b, s, _ = x.shape
     position_ids = torch.arange(s, device="cpu").unsqueeze(0)
     extra: dict[str, Any] = {"position_ids": position_ids, "use_cache": False}
     rotary = find_module(model, "rotary_emb")
     if rotary is not None:
-        extra["position_embeddings"] = rotary(x, position_ids)
+        per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        extra["position_embeddings"] = (rotary(x, position_ids, layer_type=layer_type) if per_type
+                                        else rotary(x, position_ids))
     # position_ids=None here: with FakeTensor position ids transformers cannot rule out packed
     # sequences and would build a full mask; for one unpacked sequence per row (what the census
     # measures) the model builds the same mask as with position_ids=None.
@@ -616,15 +636,16 @@ def position_inputs(model: Any, config: Any, x: torch.Tensor) -> dict[str, Any]:
     return extra
 
 
-def sliding_inputs(config: Any, x: torch.Tensor, extra: dict[str, Any]) -> dict[str, Any] | None:
-    """``extra`` with the mask transformers gives sliding-window layers instead of the causal one
-    (None where the config has no window): what a sliding layer receives from the model's forward."""
+def sliding_inputs(model: Any, config: Any, x: torch.Tensor) -> dict[str, Any] | None:
+    """What a sliding layer receives from the model's forward: the mask transformers gives
+    sliding-window layers instead of the causal one, with their rotary (None where the config
+    has no window)."""
     if not getattr(config, "sliding_window", None):
         return None
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     mask = create_sliding_window_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=None)
-    return {**extra, "attention_mask": mask}
+    return {**position_inputs(model, config, x, "sliding_attention"), "attention_mask": mask}
 
 
 def layer_slides(layer: torch.nn.Module, config: Any) -> bool:
@@ -681,6 +702,7 @@ __all__ = [
     "measure_once",
     "module_storages",
     "position_inputs",
+    "fit_projection_norms",
     "storage_key",
     "tensors_in",
     "tp2_config",

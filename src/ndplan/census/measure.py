@@ -73,7 +73,7 @@ def run_census(
     config = E.make_config(hf_config, attention=attention, experts=experts)
     config2, tp_notes = E.tp2_config(config)
     model1 = E.build_meta_model(config)
-    model2 = E.build_meta_model(config2)
+    model2 = E.fit_projection_norms(E.build_meta_model(config2))
     dt = E.DTYPES[dtype]
     b = micro_batch_size
     s_main, s_half = seq_length, seq_length // 2
@@ -173,7 +173,8 @@ def _layer_runs(E: Any, model: Any, cfg: Any, idx: int, kind: str, dt: Any, fp32
     runs = {}
     for s in seqs:
         x = torch.empty(b, s, int(cfg.hidden_size), dtype=dt, requires_grad=True)
-        extra = E.position_inputs(model, cfg, x)
+        types = getattr(cfg, "layer_types", None)
+        extra = E.position_inputs(model, cfg, x, *(types[idx:idx + 1] if types else ()))
         shared = {E.storage_key(t) for t in E.tensors_in(extra)}
         fn = E.call_layer_fn(layer, extra)
         for policy in policies:

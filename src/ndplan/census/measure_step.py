@@ -751,7 +751,7 @@ def _make_stage_module(E: Any, torch: Any, model: Any, layer_ids: Sequence[int],
             # (a zero-width stand-in of the whole sequence: only its shape and dtype are read)
             whole = h if h.shape[1] == seq else h.new_empty((h.shape[0], seq, 0))
             extra = E.position_inputs(model, config, whole)
-            sliding = E.sliding_inputs(config, whole, extra)  # as the model's own forward hands them out
+            sliding = E.sliding_inputs(model, config, whole)  # as the model's own forward hands them out
             for layer in self.layers:
                 h = E.call_layer_fn(layer, sliding if sliding is not None and E.layer_slides(layer, config)
                                     else extra)(h)
