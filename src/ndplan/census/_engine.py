@@ -490,8 +490,16 @@ def build_meta_model(config: Any) -> Any:
     experts = getattr(config, "census_experts", None)
     if experts and model_cls._can_set_experts_implementation():
         config._experts_implementation = experts
+    # Inside a FakeTensorMode (a measured step builds its stage's model there) torch.tensor(x)
+    # under the meta device makes a real meta tensor the mode then refuses (Gemma 3's embedding
+    # scale buffer): build outside the mode, then hand the mode every tensor, as it would have made them.
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    fake = detect_fake_mode()
     try:
-        with torch.device("meta"), _quiet_transformers():
+        with unset_fake_temporarily() if fake is not None else contextlib.nullcontext(), torch.device("meta"), \
+                _quiet_transformers():
             model = model_cls(config)
     except ValueError as error:  # transformers refuses an attention kernel the model lacks
         attention = getattr(config, "_attn_implementation", None)
@@ -501,6 +509,15 @@ def build_meta_model(config: Any) -> Any:
     except RuntimeError as error:  # torch refuses a size the config gives (a negative head_dim, ...)
         raise NdplanError(f"census: transformers cannot build {config.model_type!r} from this config: "
                           f"{str(error).splitlines()[0][:160]}") from None
+    if fake is not None:
+        for module in model.modules():
+            for name, parameter in list(module._parameters.items()):
+                if parameter is not None:
+                    module._parameters[name] = torch.nn.Parameter(fake.from_tensor(parameter),
+                                                                   requires_grad=parameter.requires_grad)
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[name] = fake.from_tensor(buffer)
     if getattr(model.config, "_attn_implementation", None) != config._attn_implementation:
         raise NdplanError(
             f"census: transformers chose attention {model.config._attn_implementation!r}, "
@@ -617,9 +634,10 @@ def position_inputs(model: Any, config: Any, x: torch.Tensor, layer_type: str = 
     extra: dict[str, Any] = {"position_ids": position_ids, "use_cache": False}
     rotary = find_module(model, "rotary_emb")
     if rotary is not None:
-        per_type = "layer_type" in inspect.signature(rotary.forward).parameters
-        extra["position_embeddings"] = (rotary(x, position_ids, layer_type=layer_type) if per_type
-                                        else rotary(x, position_ids))
+        if "layer_type" not in inspect.signature(rotary.forward).parameters:
+            extra["position_embeddings"] = rotary(x, position_ids)
+        elif layer_type in getattr(rotary, "layer_types", (layer_type,)):  # (no layer of another type)
+            extra["position_embeddings"] = rotary(x, position_ids, layer_type=layer_type)
     # position_ids=None here: with FakeTensor position ids transformers cannot rule out packed
     # sequences and would build a full mask; for one unpacked sequence per row (what the census
     # measures) the model builds the same mask as with position_ids=None.

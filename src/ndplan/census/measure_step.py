@@ -680,6 +680,15 @@ def _check_tp_modules(model: Any, layer_ids: Sequence[int]) -> None:
                                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") if n not in names]
         if missing:
             raise NdplanError(f"measure: tensor parallelism needs llama-style modules; layer {i} lacks {', '.join(missing)}")
+        attention = _layers(model)[i].self_attn
+        for norm, projection in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
+            weight = getattr(getattr(attention, norm, None), "weight", None)
+            width = getattr(attention, projection).out_features
+            if weight is not None and weight.numel() == width != getattr(attention, "head_dim", width):
+                # a norm over the whole projection needs its statistic over every TP rank's heads,
+                # which no tensor-parallel plan for these modules computes
+                raise NdplanError(f"measure: tensor parallelism of q/k norms over the whole projection (layer {i}'s "
+                                  f"{norm}, {weight.numel()} wide) is not measured; measure with --tp 1")
 
 
 def _wrap_recompute(model: Any, layer_ids: Sequence[int], policy: str, E: Any,

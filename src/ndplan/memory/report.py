@@ -186,7 +186,12 @@ class MemoryReport:
         """The grads line's extra term where the runtime accumulates the embedding's gradient
         whole (``terms.whole_embedding_grad_extra``, on the embedding's stage)."""
         s = self.strategy
-        elements = float(whole_embedding_grad_extra(self.model, self.options.profile, s.tp, s.zero, s.micro_batches_per_step))
+        # (a tied table shared with the head there: where the term applies, without ZeRO-3, a
+        # tied pair is one table wherever its two ends sit on one stage)
+        shared = self.model.tie_word_embeddings and any(
+            c.model_chunk == s.pp * s.vpp - 1 for c in self.stages[0].chunks)
+        elements = float(whole_embedding_grad_extra(self.model, self.options.profile, s.tp, s.zero, s.micro_batches_per_step,
+                                                    shared_with_head=shared))
         if stage.stage != 0 or not elements:
             return ""
         extra = elements * s.precision.grad_bytes

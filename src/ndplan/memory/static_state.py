@@ -185,7 +185,8 @@ def static_state(
             # DTensor: once a second micro-batch's embedding gradient is added, the accumulated
             # gradient is the whole table, not the rank's vocabulary shard.
             whole_embedding_extra = whole_embedding_grad_extra(
-                model, options.profile, batch.tp, batch.zero, batch.micro_batches_per_step) * width
+                model, options.profile, batch.tp, batch.zero, batch.micro_batches_per_step,
+                shared_with_head=model.tie_word_embeddings & ~apart) * width
             value[:, 0] += whole_embedding_extra
             grads_virtual = value
             value = to_stages(value, chunks)

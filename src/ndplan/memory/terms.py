@@ -46,13 +46,17 @@ def makes_whole_embedding_grad(profile: RuntimeProfile, tp: Any, zero: Any) -> A
     return (np.asarray(tp) > 1) & (np.asarray(zero) < 3) & profile.tp_accumulates_whole_embedding_grad
 
 
-def whole_embedding_grad_extra(model: ModelSpec, profile: RuntimeProfile, tp: Any, zero: Any, micro_batches: Any) -> Any:
+def whole_embedding_grad_extra(model: ModelSpec, profile: RuntimeProfile, tp: Any, zero: Any, micro_batches: Any,
+                               shared_with_head: Any = False) -> Any:
     """Gradient elements on the embedding's rank beyond its vocabulary shard: the kept gradient
     is the whole table, vocab·h·(1 − 1/tp), from the first micro-batch on (measured on fake
     tensors: one micro-batch's, tp 2, as two's; ``micro_batches`` is kept for the callers);
-    0 elsewhere."""
+    0 elsewhere, and where the table is tied to an output head on the same rank
+    (``shared_with_head``): the head's backward, which runs first, makes the accumulated gradient
+    its vocabulary shard, and the embedding's whole gradient is added into it (measured on fake
+    tensors, tp 2, one and two micro-batches: a tied Llama layer keeps the shard)."""
     del micro_batches
-    return np.where(makes_whole_embedding_grad(profile, tp, zero),
+    return np.where(makes_whole_embedding_grad(profile, tp, zero) & ~np.asarray(shared_with_head, dtype=bool),
                     model.vocab_size * model.hidden_size - embedding_elements(model, tp), 0.0)
 
 
