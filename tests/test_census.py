@@ -456,13 +456,54 @@ def test_the_pytorch_profile_prices_post_and_sandwich_norm_layers_as_the_census_
 
     spec = spec_from_hf_config(config, name="m")
     records = [r for r in run_census(config, seq_length=SEQ) if r.layer_kind != "output"]
-    assert [r.layer_kind for r in records] == ["dense"]
-    for recompute, measured in (("none", records[0].saved_bytes_per_token),
-                                ("selective", records[0].selective.saved_bytes_per_token),
-                                ("full", records[0].full_recompute.saved_bytes_per_token)):
-        acts = layer_activations(spec, StrategyBatch.of(Strategy(seq_length=SEQ, recompute=recompute)),
-                                 MemoryOptions(runtime="pytorch", include_overhead=False))
-        assert (acts.full if recompute == "none" else acts.recomputed)["dense"][0] == measured, recompute
+    # (the sliding layers a kind apart: below the window they keep what a full layer keeps)
+    assert {r.layer_kind for r in records} <= {"dense", "dense-sliding"}
+    for record in records:
+        for recompute, measured in (("none", record.saved_bytes_per_token),
+                                    ("selective", record.selective.saved_bytes_per_token),
+                                    ("full", record.full_recompute.saved_bytes_per_token)):
+            acts = layer_activations(spec, StrategyBatch.of(Strategy(seq_length=SEQ, recompute=recompute)),
+                                     MemoryOptions(runtime="pytorch", include_overhead=False))
+            assert (acts.full if recompute == "none" else acts.recomputed)["dense"][0] == measured, recompute
+
+
+@needs_torch
+@pytest.mark.parametrize("config,kinds", [
+    (dict(model_type="gemma3_text", head_dim=32), [("dense-sliding", 5), ("dense", 1)]),  # five of six slide
+    (dict(model_type="mistral"), [("dense", 6)]),  # every layer slides: one kind
+])
+def test_sliding_layers_are_measured_with_their_mask_and_priced_from_their_record(config, kinds):
+    """The census hands a sliding layer the sliding-window mask the model would (it was given the
+    causal one), and measures it apart where other layers attend in full: from the window on,
+    transformers' SDPA keeps the mask as a bias and K/V repeated per head there (the profile's
+    sdpa_masked). Whichever side of the window the census ran on, the estimate from its records
+    equals the formulas' at sequences on both sides, under SDPA and a flash kernel (which takes
+    the window natively), with no, selective and full recompute."""
+    from ndplan.census import run_census
+    from ndplan.memory.activations import layer_activations
+    from ndplan.model import spec_from_hf_config
+    from ndplan.strategy import Strategy
+    from ndplan.strategy.batch import StrategyBatch
+
+    hf = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
+              num_key_value_heads=2, vocab_size=1000, sliding_window=64, **config)
+    spec = spec_from_hf_config(hf, name="m")
+    for census_seq in (32, 128):
+        records = run_census(hf, seq_length=census_seq)
+        assert [(r.layer_kind, r.num_layers) for r in records if r.layer_kind != "output"] == kinds
+        for attention in ("sdpa", "flash"):
+            for seq in (32, 128, 256):
+                for recompute in ("none", "selective", "full"):
+                    batch = StrategyBatch.of(Strategy(seq_length=seq, recompute=recompute))
+                    priced = [layer_activations(spec, batch, MemoryOptions(runtime="pytorch", include_overhead=False,
+                                                                           attention=attention, census=census))
+                              for census in ((), records)]
+                    formula, measured = ((a.full if recompute == "none" else a.recomputed)["dense"][0] for a in priced)
+                    assert measured == pytest.approx(formula, abs=1e-6), (census_seq, attention, seq, recompute)
+    by_kind = {r.layer_kind: r for r in records}  # measured at 128, past the window: the mask kept
+    if "dense-sliding" in by_kind:
+        assert by_kind["dense-sliding"].saved_bytes_per_token == by_kind["dense"].saved_bytes_per_token + 2 * 128 + 2 * (
+            2 * (8 - 2) * 32)  # the bias (a bf16 element per key) and K/V repeated to 8 heads of 32
 
 
 @needs_torch

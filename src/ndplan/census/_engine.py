@@ -579,17 +579,20 @@ def materialize(module: torch.nn.Module, dtype: torch.dtype, prefix: str, fp32: 
 
 
 def layer_kinds(model: Any) -> list[tuple[str, int, int]]:
-    """[(kind, first layer index, number of layers)] for the distinct decoder layers."""
+    """[(kind, first layer index, number of layers)] for the distinct decoder layers. Where some
+    layers slide and others attend in full (gpt-oss, Gemma 3, OLMo 3) the sliding ones are a kind
+    of their own, '<kind>-sliding': from the window on, the model hands them another mask."""
     layers = decoder_layers(model)
+    config = getattr(model, "config", None)
     groups: dict[Any, list[int]] = {}
     for i, layer in enumerate(layers):
         sig = (
             type(layer).__name__,
-            getattr(layer, "attention_type", None),
+            config is not None and layer_slides(layer, config),
             tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()),
         )
         groups.setdefault(sig, []).append(i)
-    attention_types = {sig[1] for sig in groups}
+    spans = {sig[1] for sig in groups}
     named: list[tuple[str, int, int]] = []
     used: set[str] = set()
     for sig, idxs in groups.items():
@@ -604,8 +607,8 @@ def layer_kinds(model: Any) -> list[tuple[str, int, int]]:
             name.rsplit(".", 1)[-1] == "experts" for name, _ in layer.named_modules()
         )
         name = ("mla-" if mla else "") + ("moe" if moe else "dense")
-        if len(attention_types) > 1 and sig[1]:
-            name += f"-{sig[1]}".replace("_attention", "")
+        if len(spans) > 1 and sig[1]:
+            name += "-sliding"
         if name in used:
             name += f"-{idxs[0]}"
         used.add(name)

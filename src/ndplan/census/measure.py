@@ -173,8 +173,11 @@ def _layer_runs(E: Any, model: Any, cfg: Any, idx: int, kind: str, dt: Any, fp32
     runs = {}
     for s in seqs:
         x = torch.empty(b, s, int(cfg.hidden_size), dtype=dt, requires_grad=True)
+        # what the model's own forward hands this layer: the sliding-window mask (and rotary)
+        # where it slides, else the causal mask and its layer type's rotary
+        sliding = E.sliding_inputs(model, cfg, x) if E.layer_slides(layer, cfg) else None
         types = getattr(cfg, "layer_types", None)
-        extra = E.position_inputs(model, cfg, x, *(types[idx:idx + 1] if types else ()))
+        extra = sliding if sliding is not None else E.position_inputs(model, cfg, x, *(types[idx:idx + 1] if types else ()))
         shared = {E.storage_key(t) for t in E.tensors_in(extra)}
         fn = E.call_layer_fn(layer, extra)
         for policy in policies:

@@ -297,6 +297,41 @@ def _measured(record: CensusRecord | Recompute, tp: np.ndarray, seq: np.ndarray,
     )
 
 
+def _census_layer_mean(model: ModelSpec, kind: MlpKind, record: CensusRecord, sliding_record: CensusRecord | None,
+                       seq: np.ndarray, masked_bytes: np.ndarray, sdpa: bool) -> Callable[..., np.ndarray]:
+    """How census records price the mean layer of MLP ``kind``: ``mean(value, masks)`` weighs
+    ``value`` of the record measuring its full-attention layers and of the one measuring its
+    sliding layers by their counts. The census measures each layer with the mask the model hands
+    it, and a sliding layer's apart ('<kind>-sliding') where the model has both; where every layer
+    of the kind slides, ``record`` measured them (no apart kind).
+
+    A sliding layer keeps SDPA's masked-path tensors (the profile's ``sdpa_masked``,
+    ``masked_bytes`` a token) from the window on, under transformers' SDPA alone (``sdpa``; a
+    flash or flex kernel takes the window natively). With ``masks`` (the bytes a layer keeps, not
+    what recompute keeps: those tensors are rebuilt) they are added where the priced layer keeps
+    them and its record did not, and taken off the other way (the record's per-sequence slope
+    follows the mask on one side of the window, not across it); a sliding layer priced from a
+    full layer's record (a census that measured them as one) takes them where it keeps them."""
+    sliding, layers = model.sliding_layers(kind)
+    window = max(model.sliding_window, 1)
+    reaches = ((seq >= window) & sdpa).astype(float)
+
+    def mean(value: Callable[[CensusRecord], np.ndarray], masks: bool = False) -> np.ndarray:
+        if not sliding:
+            return value(record)
+        own = sliding_record if sliding_record is not None else record if sliding == layers else None
+        if own is None:  # measured as the full layers
+            slid = value(record) + (reaches * masked_bytes if masks else 0.0)
+        else:
+            measured_mask = float(own.attention == "sdpa" and own.seq_length >= window)
+            slid = value(own) + ((reaches - measured_mask) * masked_bytes if masks else 0.0)
+        if sliding == layers:
+            return slid
+        return ((layers - sliding) * value(record) + sliding * slid) / layers
+
+    return mean
+
+
 def _sdpa_fallbacks(model: ModelSpec, batch: StrategyBatch) -> dict[MlpKind, tuple[np.ndarray, np.ndarray]]:
     """Per MLP kind, per strategy: the share of its layers where transformers' SDPA runs the
     memory-efficient kernel with an explicit mask (sliding-window layers once seq >= window:
@@ -442,6 +477,9 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     kind: MlpKind
     for kind in ("dense", "moe"):
         measured = _census_for(options, kind, model)
+        sliding_record = _census_for(options, f"{kind}-sliding", model)
+        if measured is None and sliding_record is not None:  # every layer of the kind slides
+            measured, sliding_record = sliding_record, None
         if measured is not None:
             if offload:
                 raise NdplanError("a census measures what a layer keeps on the device, not activation offload "
@@ -450,23 +488,27 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                 raise NdplanError("a census measures the runtime's own selective recompute, not recompute modules "
                                   f"({' '.join(batch.recompute_modules)}): leave out one or the other")
             record = measured
-            _check_census_runtime(record, batch, options)
+            for each in (record, sliding_record):
+                if each is not None:
+                    _check_census_runtime(each, batch, options)
             # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run,
             # which splits heads and widths, experts' too, without sequence parallelism: where a
             # strategy shards otherwise (SP, experts by another degree) the formulas price it.
             applies = ~((batch.sequence_parallel > 0) & (tp > 1))
             if kind == "moe":
                 applies &= np.where(batch.etp == 0, tp, batch.etp) == tp
-            full[kind] = np.where(applies, _measured(record, tp, seq, record.seq_length), full[kind])
+            layers_of = _census_layer_mean(model, kind, record, sliding_record, seq, block("sdpa_masked"),
+                                           options.attention == "sdpa")
+            full[kind] = np.where(applies, layers_of(lambda r: _measured(r, tp, seq, r.seq_length), True), full[kind])
             # Its selective figures are torch's keep-every-matmul checkpointing: another policy
             # (Megatron's core-attention recompute) keeps the formulas'.
             if options.recompute_policy == CENSUS_SELECTIVE_POLICY:
-                selective[kind] = np.where(applies, _measured(record.selective, tp, seq, record.seq_length),
-                                           selective[kind])
-            rebuilt_input[kind] = np.where(applies, _measured(record.full_recompute, tp, seq, record.seq_length),
-                                           rebuilt_input[kind])
-            backward_extra[kind] = np.where(applies, record.backward_peak_extra_bytes_per_token * backward_tp_share[kind],
-                                            backward_extra[kind])
+                selective[kind] = np.where(
+                    applies, layers_of(lambda r: _measured(r.selective, tp, seq, r.seq_length)), selective[kind])
+            rebuilt_input[kind] = np.where(
+                applies, layers_of(lambda r: _measured(r.full_recompute, tp, seq, r.seq_length)), rebuilt_input[kind])
+            extra = max(r.backward_peak_extra_bytes_per_token for r in (record, sliding_record) if r is not None)
+            backward_extra[kind] = np.where(applies, extra * backward_tp_share[kind], backward_extra[kind])
     is_full, is_selective = batch.is_("recompute", "full"), batch.is_("recompute", "selective")
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}
     # What no weight gradient of the layer reads: the whole layer (measured, where a census
