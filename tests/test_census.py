@@ -403,12 +403,16 @@ def test_a_dense_layer_of_a_moe_family_is_measured_as_dense(config, kinds):
          attention_bias=True),
     dict(model_type="minimax_m2", hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
          num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, vocab_size=1000),
+    # Phi-3/4: the query copy, and the fused qkv projection's whole output kept (v is a view of it)
+    dict(model_type="phi3", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+         num_key_value_heads=2, vocab_size=1000, pad_token_id=0, eos_token_id=1),
 ])
 def test_the_pytorch_profile_prices_glm_and_minimax_layers_as_the_census_measures(config):
-    """GLM-4.5's and MiniMax-M2's attention keeps one more query-sized copy than Llama's (the
-    profile's query_copy, 2·q bytes a token; once the formulas read GLM-4.5-Air's layers 6-11%
-    under the census): a dense layer to the byte, a MoE layer within the router's top-k weights
-    (4·k bytes a token), with and without full recompute."""
+    """GLM-4.5's, MiniMax-M2's and Phi-3's attention keeps one more query-sized copy than Llama's
+    (the profile's query_copy, 2·q bytes a token; once the formulas read GLM-4.5-Air's layers
+    6-11% under the census), Phi-3's also its fused projection's q and k (fused_qkv, 2·(q + k);
+    11% under): a dense layer to the byte, a MoE layer within the router's top-k weights (4·k
+    bytes a token), with and without full recompute."""
     from ndplan.census import run_census
     from ndplan.memory.activations import layer_activations
     from ndplan.model import spec_from_hf_config

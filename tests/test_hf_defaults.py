@@ -46,6 +46,8 @@ MINIMAL: dict[str, dict] = {
     "glm4_moe_lite": {"model_type": "glm4_moe_lite", **_MLA, "num_hidden_layers": 4, "num_attention_heads": 8},
     # 256 experts of intermediate_size, top 8, head_dim 128, 8 KV heads, q/k norms over the projection
     "minimax_m2": {"model_type": "minimax_m2", **_DENSE, "num_attention_heads": 8},
+    # fused qkv and gate/up projections (transformers' pad_token_id default, 32000, must fit the table)
+    "phi3": {"model_type": "phi3", **_DENSE, "num_attention_heads": 8, "pad_token_id": 0},
     # post-norm layers, q/k norms over the projection (OLMo 3: sliding windows on 3 of every 4)
     "olmo2": {"model_type": "olmo2", **_DENSE, "num_attention_heads": 8},
     "olmo3": {"model_type": "olmo3", **_DENSE, "num_attention_heads": 8},
@@ -64,7 +66,7 @@ TRANSFORMERS_COUNTS = {
     "qwen2_moe": 10_478_848, "qwen3": 9_688_832, "qwen3_moe": 1_695_104, "deepseek_v2": 9_191_744,
     "deepseek_v3": 59_011_456, "kimi_k2": 59_011_456, "gpt_oss": 3_675_952, "glm4_moe": 14_144_768,
     "glm4_moe_lite": 12_887_424, "minimax_m2": 204_072_192, "olmo2": 1_825_024, "olmo3": 1_825_024,
-    "olmoe": 51_403_008, "gemma3_text": 71_060_736,
+    "olmoe": 51_403_008, "gemma3_text": 71_060_736, "phi3": 1_824_000,
 }
 
 # No MTP module where num_nextn_predict_layers is not stated (transformers builds none).
@@ -134,7 +136,7 @@ def test_a_default_num_key_value_heads_that_does_not_divide_the_heads_is_named()
 # qwen3, gpt_oss and DeepSeek-V3 (MLA) have a head width of their own.
 _UNEVEN = {"hidden_size": 1024, "num_attention_heads": 12, "num_key_value_heads": 4}
 ALWAYS_REJECTED = ["llama", "deepseek_v2", "gemma3_text"]
-REJECTED_WITHOUT_HEAD_DIM = ["mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmo2", "olmo3"]
+REJECTED_WITHOUT_HEAD_DIM = ["mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmo2", "olmo3", "phi3"]
 ACCEPTED = ["qwen3", "gpt_oss", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "minimax_m2"]
 
 
@@ -273,6 +275,8 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
     # Qwen2-MoE builds its shared expert and the expert's sigmoid gate (h -> 1) in every MoE
     # block whatever the width: at 0 the expert is empty but the gate's h weights remain.
     "qwen2_moe-no-shared-width": ("qwen2_moe", {"shared_expert_intermediate_size": 0}, 1_828_096),
+    "phi3-gqa-window-tied": ("phi3", {"num_key_value_heads": 2, "sliding_window": 2047, "tie_word_embeddings": True},
+                             1_371_392),
     # biases on q, k, v and o; grouped KV heads (narrower k norms over the projection)
     "olmo2-bias-gqa": ("olmo2", {"attention_bias": True, "num_key_value_heads": 2}, 1_629_312),
     "olmoe-bias-gqa": ("olmoe", {"attention_bias": True, "num_key_value_heads": 4, "num_experts": 6,

@@ -51,7 +51,10 @@ BLOCKS: tuple[str, ...] = (
 FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"})
 #: The model types whose Hugging Face attention keeps one more query-sized copy for backward than
 #: Llama's (the pytorch profile's query_copy; measured by the census, see there).
-QUERY_COPY_MODEL_TYPES = frozenset({"glm4_moe", "minimax_m2"})
+QUERY_COPY_MODEL_TYPES = frozenset({"glm4_moe", "minimax_m2", "phi3"})
+#: The model types whose Hugging Face attention projects q, k and v in one linear and keeps its
+#: whole output for backward (v is a view of it), not v alone (the pytorch profile's fused_qkv).
+FUSED_QKV_MODEL_TYPES = frozenset({"phi3"})
 #: The model types whose Hugging Face RMSNorm multiplies its weight in fp32 and casts after
 #: ((w · x̂).to(dtype); Llama casts first, w · x̂.to(dtype)): the product keeps the fp32
 #: normalised input for the weight's gradient (the pytorch profile's norm_fp32_weight).
@@ -94,6 +97,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "router_upcast": model.hidden_size if model.model_type in FP32_ROUTER_INPUT_MODEL_TYPES else 0,
         "query_copy": 1 if model.model_type in QUERY_COPY_MODEL_TYPES else 0,
         "norm_fp32_weight": 1 if model.model_type in FP32_NORM_WEIGHT_MODEL_TYPES else 0,
+        "fused_qkv": 1 if model.model_type in FUSED_QKV_MODEL_TYPES else 0,
         "norms": model.norms_per_layer,
         "q_lora": model.q_lora_rank,
         "kv_lora": model.kv_lora_rank,
@@ -105,7 +109,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
 SYMBOLS: tuple[str, ...] = (
     "h", "q", "k", "v", "o", "heads", "kv_heads", "ffn", "moe_ffn", "topk", "experts", "shared_ffn",
     "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast", "query_copy",
-    "norm_fp32_weight", "norms",
+    "norm_fp32_weight", "norms", "fused_qkv",
     "q_lora", "kv_lora", "rope", "vocab", "seq",
 )
 

@@ -129,6 +129,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": {"n_routed_experts": 64, "n_shared_experts": 1, "q_lora_rank": 768,
                       "first_k_dense_replace": 1, "num_experts_per_tok": 4, "num_nextn_predict_layers": 0},
     "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 256, "num_experts_per_tok": 8},
+    "phi3": {"num_key_value_heads": None, "head_dim": None},
     "olmo2": {"num_key_value_heads": None, "head_dim": None},
     "olmo3": {"num_key_value_heads": None, "head_dim": None, "sliding_window": 4096},
     "olmoe": {"num_key_value_heads": None, "head_dim": None, "num_experts": 64, "num_experts_per_tok": 8},
@@ -490,6 +491,21 @@ def _minimax_m2(r: _Reader) -> dict[str, Any]:
     }
 
 
+def _phi3(r: _Reader) -> dict[str, Any]:
+    """Phi-3 and Phi-4 (Phi3ForCausalLM): Llama's layer with q, k and v in one projection and gate
+    and up in another (the same weights), no biases, a window on every layer where
+    sliding_window is set. Its residual and embedding dropout (resid_pdrop, embd_pdrop) would keep
+    masks the pytorch profile does not price: refused above 0, as no published Phi-3/4 trains with."""
+    for field in ("resid_pdrop", "embd_pdrop"):
+        if r.probability(field):
+            raise NdplanError(f"{r.source}: field '{field}' ({r.config[field]!r}) is not supported: ndplan does not "
+                              "price the dropout masks of Phi-3's residual branches and embedding (allowed: 0)")
+    fields = _common_fields(r)
+    return {**fields, "ffn_hidden_size": r.integer("intermediate_size"),
+            **_attention_spans(r, fields["num_layers"], r.get("sliding_window", None), lambda i: True,
+                               reads_layer_types=False)}
+
+
 def _olmo2(r: _Reader) -> dict[str, Any]:
     """OLMo 2 (Olmo2ForCausalLM): Llama's projections (biases on q, k, v and o under
     attention_bias) with q/k norms over the whole projection, and its two norms on the branches'
@@ -597,6 +613,7 @@ READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "glm4_moe": _glm4_moe,
     "glm4_moe_lite": _glm4_moe_lite,
     "minimax_m2": _minimax_m2,
+    "phi3": _phi3,
     "olmo2": _olmo2,
     "olmo3": _olmo3,
     "olmoe": _olmoe,
