@@ -229,7 +229,7 @@ def _census_for(options: MemoryOptions, kind: str, model: ModelSpec | None = Non
     of_kind = [r for r in options.census if r.layer_kind == kind or r.layer_kind.endswith(f"-{kind}")]
     if model is None or not of_kind:
         return of_kind[0] if of_kind else None
-    if kind in ("dense", "moe") and kind not in model.mlp_kinds:
+    if kind.removesuffix("-sliding") in ("dense", "moe") and kind.removesuffix("-sliding") not in model.mlp_kinds:
         return None  # no layer of that kind to price (another model's record of it is no concern)
     # A file may hold several models' records (`ndplan census A B --out f.json`): this model's.
     refusals = []
@@ -474,6 +474,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         shipped_kind = record.layer_kind.split("-")[-1]
         if shipped_kind in backward_extra:
             backward_extra[shipped_kind] = record.backward_peak_extra_bytes_per_token * backward_tp_share[shipped_kind]
+    measured_kinds: set[str] = set()
     kind: MlpKind
     for kind in ("dense", "moe"):
         measured = _census_for(options, kind, model)
@@ -481,6 +482,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         if measured is None and sliding_record is not None:  # every layer of the kind slides
             measured, sliding_record = sliding_record, None
         if measured is not None:
+            measured_kinds.add(kind)
             if offload:
                 raise NdplanError("a census measures what a layer keeps on the device, not activation offload "
                                   f"({' '.join(offload)}): leave out one or the other")
@@ -523,7 +525,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                 "moe": {"attention": attention["moe"], "norm": norms * norm, "moe": moe}}
     for k in ("dense", "moe"):
         formula = sum(by_block[k].values())
-        if _census_for(options, k, model) is not None:  # measured: the blocks in the formulas' proportions
+        if k in measured_kinds:  # measured: the blocks in the formulas' proportions
             share = np.divide(full[k], formula, out=np.zeros_like(tp), where=formula > 0)
             by_block[k] = {name: value * share for name, value in by_block[k].items()}
     if offload:
