@@ -475,6 +475,8 @@ def test_the_pytorch_profile_prices_post_and_sandwich_norm_layers_as_the_census_
 @pytest.mark.parametrize("config,kinds", [
     (dict(model_type="gemma3_text", head_dim=32), [("dense-sliding", 5), ("dense", 1)]),  # five of six slide
     (dict(model_type="mistral"), [("dense", 6)]),  # every layer slides: one kind
+    # one KV head: repeat_kv's reshape is a view, and no repeated K/V is kept
+    (dict(model_type="gemma3_text", head_dim=32, num_key_value_heads=1), [("dense-sliding", 5), ("dense", 1)]),
 ])
 def test_sliding_layers_are_measured_with_their_mask_and_priced_from_their_record(config, kinds):
     """The census hands a sliding layer the sliding-window mask the model would (it was given the
@@ -489,8 +491,8 @@ def test_sliding_layers_are_measured_with_their_mask_and_priced_from_their_recor
     from ndplan.strategy import Strategy
     from ndplan.strategy.batch import StrategyBatch
 
-    hf = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
-              num_key_value_heads=2, vocab_size=1000, sliding_window=64, **config)
+    hf = {**dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=1000, sliding_window=64), **config}
     spec = spec_from_hf_config(hf, name="m")
     for census_seq in (32, 128):
         records = run_census(hf, seq_length=census_seq)
@@ -506,8 +508,10 @@ def test_sliding_layers_are_measured_with_their_mask_and_priced_from_their_recor
                     assert measured == pytest.approx(formula, abs=1e-6), (census_seq, attention, seq, recompute)
     by_kind = {r.layer_kind: r for r in records}  # measured at 128, past the window: the mask kept
     if "dense-sliding" in by_kind:
-        assert by_kind["dense-sliding"].saved_bytes_per_token == by_kind["dense"].saved_bytes_per_token + 2 * 128 + 2 * (
-            2 * (8 - 2) * 32)  # the bias (a bf16 element per key) and K/V repeated to 8 heads of 32
+        kv = hf["num_key_value_heads"]
+        repeated = 2 * (2 * (8 - kv) * 32) if kv > 1 else 0  # K/V repeated to 8 heads of 32 (a view from one)
+        assert by_kind["dense-sliding"].saved_bytes_per_token == (
+            by_kind["dense"].saved_bytes_per_token + 2 * 128 + repeated)  # the bias: a bf16 element per key
 
 
 @needs_torch

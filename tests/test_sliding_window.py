@@ -202,3 +202,25 @@ def test_a_measured_model_cut_to_fewer_layers_keeps_its_pattern():
     cut = trimmed_spec(get_preset("gpt-oss-20b"), 4)
     assert cut.layer_attention_spans == ("sliding", "full") * 2
     assert type(cut).model_validate(cut.model_dump()) == cut
+
+
+def test_sdpa_repeats_kv_heads_only_where_a_rank_holds_more_than_one():
+    """Past the window transformers' SDPA gets a mask and repeats K and V to every query head;
+    with one KV head on a rank (Mistral's 8 at TP 8, Gemma 3 1B's one anywhere) repeat_kv's
+    reshape is a view and only the mask's bias is kept: seq · 2 bytes a token where Mistral at
+    TP 4 keeps (q - k + o - v) · 2 / 4 more."""
+    from ndplan.memory import MemoryOptions
+    from ndplan.memory.activations import layer_activations
+    from ndplan.strategy import StrategyBatch
+
+    mistral = get_preset("mistral-7b")
+    options = MemoryOptions(runtime="pytorch", include_overhead=False, attention="sdpa")
+    flash = MemoryOptions(runtime="pytorch", include_overhead=False)
+    extra = {}
+    for tp in (4, 8):
+        batch = StrategyBatch.of(Strategy(seq_length=8192, tp=tp))
+        extra[tp] = (layer_activations(mistral, batch, options).full["dense"][0]
+                     - layer_activations(mistral, batch, flash).full["dense"][0])
+    repeated = 2 * (32 - 8) * 128 * 2  # (q - k) + (o - v): 24 heads of 128 each, bf16
+    assert extra[8] == 8192 * 2
+    assert extra[4] == 8192 * 2 + repeated / 4

@@ -430,11 +430,17 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             attention[k] = attention[k] + block("eager_scores")
             attention_kept[k] = attention_kept[k] + block("eager_scores", "kept")
             attention_backward[k] = block("eager_backward_extra") + product
+    # Both SDPA fallbacks repeat K and V to every query head: a copy where a rank holds more than
+    # one KV head (with one, repeat_kv's reshape is a view).
+    repeats = np.where(model.num_kv_heads / tp > 1, 1.0, 0.0)
+    sdpa_masked = block("sdpa_masked") + repeats * block("sdpa_repeated_kv")
     if options.attention == "sdpa":
         for k, (masked, math) in _sdpa_fallbacks(model, batch).items():
-            attention[k] = attention[k] + masked * block("sdpa_masked") + math * block("sdpa_math")
+            attention[k] = attention[k] + (masked * sdpa_masked + math * (block("sdpa_math")
+                                                                           + repeats * block("sdpa_repeated_kv")))
             attention_kept[k] = (attention_kept[k] + masked * block("sdpa_masked", "kept")
-                                 + math * block("sdpa_math", "kept"))
+                                 + math * block("sdpa_math", "kept")
+                                 + (masked + math) * repeats * block("sdpa_repeated_kv", "kept"))
             attention_backward[k] = np.where(math > 0, block("sdpa_math_backward_extra") + product, 0.0)
     mlp, moe = block("mlp"), block("moe")
     full = {"dense": norms * norm + attention["dense"] + mlp, "moe": norms * norm + attention["moe"] + moe}
@@ -499,7 +505,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             applies = ~((batch.sequence_parallel > 0) & (tp > 1))
             if kind == "moe":
                 applies &= np.where(batch.etp == 0, tp, batch.etp) == tp
-            layers_of = _census_layer_mean(model, kind, record, sliding_record, seq, block("sdpa_masked"),
+            layers_of = _census_layer_mean(model, kind, record, sliding_record, seq, sdpa_masked,
                                            options.attention == "sdpa")
             full[kind] = np.where(applies, layers_of(lambda r: _measured(r, tp, seq, r.seq_length), True), full[kind])
             # Its selective figures are torch's keep-every-matmul checkpointing: another policy

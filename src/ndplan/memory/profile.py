@@ -40,7 +40,8 @@ _SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 #: The blocks every layer has: a profile must say what each keeps.
 REQUIRED_BLOCKS: tuple[str, ...] = ("norm", "attention", "mlp", "layer_input", "output")
 BLOCKS: tuple[str, ...] = (
-    "norm", "attention", "attention_mla", "eager_scores", "sdpa_masked", "sdpa_math", "eager_backward_extra",
+    "norm", "attention", "attention_mla", "eager_scores", "sdpa_masked", "sdpa_math", "sdpa_repeated_kv",
+    "eager_backward_extra",
     "sdpa_math_backward_extra", "softmax_backward_product", "mlp", "moe", "layer_input", "embedding",
     "output", "output_transient", "backward_extra", "moe_backward_extra", "output_backward_extra",
     "loss_parallel_backward_extra", "weight_grad_outputs", "moe_weight_grad_outputs", "moe_allgather",
