@@ -59,13 +59,16 @@ def test_selective_and_full_recompute_match_census():
 @pytest.mark.parametrize("name", MODELS)
 def test_selective_recompute_matches_census(name):
     """Selective recompute (torch's checkpointing keeping matmul and attention outputs): the
-    profile's keep flags reproduce the census within 5% (exactly for the dense models)."""
+    profile's keep flags reproduce the census to the byte. (A MoE block's input, a norm's output,
+    was kept where the census rebuilds it and the router's logits not: Qwen3-30B-A3B's layers read
+    4.6% over, Mixtral's 2.4%; MLA's kv down-projection output keeps its rope key too: DeepSeek-V3's
+    MoE layers read 0.3% under.)"""
     model = get_preset(name)
     acts = layer_activations(model, StrategyBatch.of(Strategy(recompute="selective")), MemoryOptions())
     for record in records(name):
         kind = record.layer_kind.split("-")[-1]
         if kind != "output":
-            assert acts.recomputed[kind][0] == pytest.approx(record.selective.saved_bytes_per_token, rel=0.05), kind
+            assert acts.recomputed[kind][0] == record.selective.saved_bytes_per_token, kind
 
 
 def test_a_census_of_another_model_is_refused() -> None:

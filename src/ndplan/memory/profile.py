@@ -96,6 +96,8 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         # DeepSeek's HF router casts its input to fp32 before the gate matmul; so does the same
         # router in Kimi K2 (DeepSeek-V3's code), GLM-4.5 and GLM-4.7-Flash (the same router).
         "router_upcast": model.hidden_size if model.model_type in FP32_ROUTER_INPUT_MODEL_TYPES else 0,
+        "router_fp32": 1 if model.model_type in FP32_ROUTER_INPUT_MODEL_TYPES else 0,
+        "shared_gate": 1 if model.num_experts and model.shared_expert_gate else 0,
         "query_copy": 1 if model.model_type in QUERY_COPY_MODEL_TYPES else 0,
         "norm_fp32_weight": 1 if model.model_type in FP32_NORM_WEIGHT_MODEL_TYPES else 0,
         "fused_qkv": 1 if model.model_type in FUSED_QKV_MODEL_TYPES else 0,
@@ -110,7 +112,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
 SYMBOLS: tuple[str, ...] = (
     "h", "q", "k", "v", "o", "heads", "kv_heads", "ffn", "moe_ffn", "topk", "experts", "shared_ffn",
     "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast", "query_copy",
-    "norm_fp32_weight", "norms", "fused_qkv",
+    "norm_fp32_weight", "norms", "fused_qkv", "router_fp32", "shared_gate",
     "q_lora", "kv_lora", "rope", "vocab", "seq",
 )
 
