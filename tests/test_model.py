@@ -221,6 +221,7 @@ BAD_CONFIGS = [
     ({**_TINY_GEMMA, "final_logit_softcapping": 30.0}, "field 'final_logit_softcapping' (30.0) is not supported: "
      "ndplan does not price soft-capped logits (allowed: null"),
     ({**_TINY_GEMMA, "use_bidirectional_attention": True}, "field 'use_bidirectional_attention' true is not supported"),
+    ({**_TINY_GEMMA, "sliding_window_pattern": 0}, "field 'sliding_window_pattern' must be at least 1, got 0"),
     ({"model_type": "phi3", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
       "vocab_size": 10, "resid_pdrop": 0.1}, "field 'resid_pdrop' (0.1) is not supported: ndplan does not price the "
      "dropout masks of Phi-3's residual branches and embedding (allowed: 0)"),

@@ -24,7 +24,7 @@ _MISSING = object()
 _AT_LEAST_ONE = frozenset({
     "num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers", "vocab_size",
     "intermediate_size", "num_local_experts", "decoder_sparse_step", "moe_layer_freq", "moe_intermediate_size",
-    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "head_dim", "n_routed_experts",
+    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "head_dim", "n_routed_experts", "sliding_window_pattern",
 })
 
 #: Fields whose null reads as their default (absent). Elsewhere a null is refused: transformers'
@@ -207,6 +207,13 @@ def _common_fields(r: _Reader) -> dict[str, Any]:
     }
 
 
+def _attention_biases(r: _Reader, default: bool = False) -> dict[str, bool]:
+    """Biases on the q, k, v and o projections under ``attention_bias`` (``default`` where absent:
+    off but for gpt-oss), as Llama and the models built on its attention read it."""
+    bias = r.flag("attention_bias", default)
+    return {"qkv_bias": bias, "o_bias": bias}
+
+
 _SPANS = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
@@ -250,12 +257,10 @@ def _qwen_window(r: _Reader, sliding: Callable[[int, int], bool]) -> dict[str, A
 
 
 def _llama(r: _Reader) -> dict[str, Any]:
-    bias = r.flag("attention_bias", False)
     return {
         **_common_fields(r),
         "ffn_hidden_size": r.integer("intermediate_size"),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **_attention_biases(r),
         "mlp_bias": r.flag("mlp_bias", False),
     }
 
@@ -271,12 +276,10 @@ def _qwen2(r: _Reader) -> dict[str, Any]:
 
 
 def _qwen3(r: _Reader) -> dict[str, Any]:
-    bias = r.flag("attention_bias", False)
     return {
         **_common_fields(r),
         "ffn_hidden_size": r.integer("intermediate_size"),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **_attention_biases(r),
         "qk_norm": True,
         **_qwen_window(r, lambda i, top: i >= top),
     }
@@ -333,13 +336,11 @@ def _qwen2_moe(r: _Reader) -> dict[str, Any]:
 
 def _qwen3_moe(r: _Reader) -> dict[str, Any]:
     fields = _common_fields(r)
-    bias = r.flag("attention_bias", False)
     experts = r.integer("num_experts")
     return {
         **fields,
         "ffn_hidden_size": r.integer("intermediate_size"),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **_attention_biases(r),
         "qk_norm": True,
         "num_experts": experts,
         "num_experts_per_tok": r.integer("num_experts_per_tok"),
@@ -355,14 +356,12 @@ def _gpt_oss(r: _Reader) -> dict[str, Any]:
     default ``layer_types``). Its clamped SwiGLU (alpha 1.702, limit 7, up + 1) is priced as a
     plain gated SiLU MLP: the same matmuls, slightly different element-wise passes."""
     fields = _common_fields(r)
-    bias = r.flag("attention_bias", True)
     layers = fields["num_layers"]
     experts = r.integer("num_local_experts")
     return {
         **fields,
         "ffn_hidden_size": 0,
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **_attention_biases(r, default=True),
         "attention_sinks": True,
         "num_experts": experts,
         "num_experts_per_tok": r.integer("num_experts_per_tok", HF_DEFAULTS["gpt_oss"]["num_experts_per_tok"]),
@@ -408,7 +407,6 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
         raise NdplanError(f"{r.source}: field 'mlp_bias' true is not supported for {r.model_type} "
                           "(allowed: false, as every published DeepSeek config)")
     defaults = HF_DEFAULTS[r.model_type]
-    bias = r.flag("attention_bias", False)
     moe = _deepseek_moe(r, fields["num_layers"], reads_layer_freq=True)
     # q_lora_rank null: queries are not compressed (DeepSeek-V2-Lite); absent: transformers' default.
     # 0 is not null there: transformers and DeepSeek's code build a rank-0 query LoRA (no query
@@ -422,8 +420,7 @@ def _deepseek(r: _Reader) -> dict[str, Any]:
     return {
         **fields,
         "ffn_hidden_size": r.integer("intermediate_size"),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **_attention_biases(r),
         "q_lora_rank": q_lora_rank,
         "kv_lora_rank": r.integer("kv_lora_rank"),
         "qk_rope_head_dim": r.integer("qk_rope_head_dim"),
@@ -478,14 +475,19 @@ def _minimax_m2(r: _Reader) -> dict[str, Any]:
     buffer), GQA without biases, and q/k norms over the whole projection (heads x head_dim), which
     transformers always builds. Its checkpoints' MTP modules (num_mtp_modules) are not read:
     transformers builds none and no training framework's MTP is known to match them."""
-    fields = _common_fields(r)
-    defaults = HF_DEFAULTS["minimax_m2"]
+    return {**_common_fields(r), **_projection_normed_moe(r, "num_local_experts")}
+
+
+def _projection_normed_moe(r: _Reader, experts_field: str) -> dict[str, Any]:
+    """MiniMax-M2's and OLMoE's layers: every one a MoE of ``experts_field`` experts of width
+    intermediate_size (no shared or dense MLP), with q/k norms over the whole projection; the
+    type's defaults (``HF_DEFAULTS``) where the config leaves a count out."""
+    defaults = HF_DEFAULTS[r.model_type]
     return {
-        **fields,
         "ffn_hidden_size": 0,
         "qk_norm": True,
         "qk_norm_width": "projection",
-        "num_experts": r.integer("num_local_experts", defaults["num_local_experts"]),
+        "num_experts": r.integer(experts_field, defaults[experts_field]),
         "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
         "moe_ffn_hidden_size": r.integer("intermediate_size"),
     }
@@ -510,12 +512,10 @@ def _olmo2(r: _Reader) -> dict[str, Any]:
     """OLMo 2 (Olmo2ForCausalLM): Llama's projections (biases on q, k, v and o under
     attention_bias) with q/k norms over the whole projection, and its two norms on the branches'
     outputs, before each residual add (post-norm: x + norm(attention(x)))."""
-    bias = r.flag("attention_bias", False)
     return {
         **_common_fields(r),
         "ffn_hidden_size": r.integer("intermediate_size"),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **_attention_biases(r),
         "qk_norm": True,
         "qk_norm_width": "projection",
         "norm_placement": "post",
@@ -538,25 +538,13 @@ def _olmoe(r: _Reader) -> dict[str, Any]:
     if r.config.get("clip_qkv") is not None:
         raise NdplanError(f"{r.source}: field 'clip_qkv' ({r.config['clip_qkv']!r}) is not supported: ndplan does "
                           "not price the clamps of q, k and v (allowed: null, as OLMoE's published configs)")
-    bias = r.flag("attention_bias", False)
-    defaults = HF_DEFAULTS["olmoe"]
     fields = _common_fields(r)
     if fields["num_attention_heads"] * fields["head_dim"] != fields["hidden_size"]:
         # transformers builds the q norm hidden_size wide: its forward fails on any other width
         raise NdplanError(f"{r.source}: OLMoE's q norm is hidden_size ({fields['hidden_size']}) wide, so "
                           f"num_attention_heads x head_dim ({fields['num_attention_heads']} x {fields['head_dim']}) "
                           "must equal it; leave head_dim out or give hidden_size / num_attention_heads")
-    return {
-        **fields,
-        "ffn_hidden_size": 0,
-        "qkv_bias": bias,
-        "o_bias": bias,
-        "qk_norm": True,
-        "qk_norm_width": "projection",
-        "num_experts": r.integer("num_experts", defaults["num_experts"]),
-        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
-        "moe_ffn_hidden_size": r.integer("intermediate_size"),
-    }
+    return {**fields, **_attention_biases(r), **_projection_normed_moe(r, "num_experts")}
 
 
 def _gemma3_text(r: _Reader) -> dict[str, Any]:
@@ -579,7 +567,6 @@ def _gemma3_text(r: _Reader) -> dict[str, Any]:
     if not isinstance(act, str):
         raise NdplanError(f"{r.source}: field 'hidden_activation' must be an activation name (a string such as "
                           f"'gelu_pytorch_tanh'), got {act!r}")
-    bias = r.flag("attention_bias", False)
     layers = r.integer("num_hidden_layers")
     pattern = r.integer("sliding_window_pattern", defaults["sliding_window_pattern"])
     return {
@@ -587,8 +574,7 @@ def _gemma3_text(r: _Reader) -> dict[str, Any]:
         "tie_word_embeddings": r.flag("tie_word_embeddings", True),
         "activation": act,
         "ffn_hidden_size": r.integer("intermediate_size"),
-        "qkv_bias": bias,
-        "o_bias": bias,
+        **_attention_biases(r),
         "qk_norm": True,
         "norm_placement": "sandwich",
         **_attention_spans(r, layers, r.get("sliding_window", defaults["sliding_window"]),
