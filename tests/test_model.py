@@ -218,6 +218,8 @@ BAD_CONFIGS = [
      "model (a SigLIP vision tower and projector beside the language model), which ndplan does not price; for its "
      "language model give the file's text_config as a config of its own (model_type 'gemma3_text')"),
     ({"model_type": "qwen3_next"}, "model_type 'qwen3_next' is not supported: Qwen3-Next has Gated DeltaNet"),
+    ({"model_type": "kimi_k25", "text_config": {}}, "give the file's text_config as a config of its own with "
+     "model_type 'deepseek_v3'"),
     ({**_TINY_GEMMA, "final_logit_softcapping": 30.0}, "field 'final_logit_softcapping' (30.0) is not supported: "
      "ndplan does not price soft-capped logits (allowed: null"),
     ({**_TINY_GEMMA, "use_bidirectional_attention": True}, "field 'use_bidirectional_attention' true is not supported"),

@@ -620,6 +620,14 @@ NOT_PRICED: dict[str, str] = {
     "qwen3_5_moe": f"Qwen3.5 has {_LINEAR_ATTENTION}",
     "qwen3_5_moe_text": f"Qwen3.5 has {_LINEAR_ATTENTION}",
     "deepseek_v32": "DeepSeek-V3.2's sparse attention and its indexer are not priced",
+    "kimi_k25": ("Kimi K2.5's vision-language model (a vision tower beside the language model), which ndplan does "
+                 "not price; for its language model give the file's text_config as a config of its own with "
+                 "model_type 'deepseek_v3' (DeepSeek-V3's architecture, as Kimi K2's)"),
+    "qwen3_vl": "Qwen3-VL's vision-language model (a vision tower and DeepStack merger) is not priced",
+    "qwen3_vl_moe": "Qwen3-VL's vision-language model (a vision tower and DeepStack merger) is not priced",
+    "llama4": ("Llama 4's vision-language model is not priced, nor its language model (llama4_text: chunked "
+               "attention and layers without positions)"),
+    "llama4_text": "Llama 4's chunked attention and layers without positions are not priced",
 }
 
 
