@@ -117,6 +117,25 @@ def test_a_census_is_matched_by_layer_architecture_not_name() -> None:
              Strategy(), None, options)
 
 
+def test_a_census_older_than_a_model_field_measured_its_default() -> None:
+    """A record written before norm_placement existed lacks it in its architecture: it measured a
+    pre-norm model, so it prices one (it was refused: 'norm_placement unset (census) vs pre') and
+    is refused for Gemma-style sandwich norms, which it did not measure."""
+    from dataclasses import replace
+
+    from ndplan.errors import NdplanError
+    from ndplan.memory import estimate
+
+    preset = get_preset("llama-3.1-8b")
+    older = tuple((name, value) for name, value in preset.layer_architecture() if name != "norm_placement")
+    text = resources.files("ndplan.memory").joinpath("census", "llama-3.1-8b.json").read_text()
+    options = MemoryOptions(census=tuple(replace(r, architecture=older) for r in from_json(text)))
+    estimate(preset, Strategy(), None, options)
+    sandwich = preset.model_copy(update={"norm_placement": "sandwich"})
+    with pytest.raises(NdplanError, match=r"norm_placement pre \(census\) vs sandwich"):
+        estimate(sandwich, Strategy(), None, options)
+
+
 def test_a_census_architecture_field_is_checked() -> None:
     from ndplan.census.record import to_json
     from ndplan.errors import NdplanError

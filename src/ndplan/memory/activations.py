@@ -272,7 +272,11 @@ def _check_census_model(record: CensusRecord, model: ModelSpec) -> None:
     advice = f"measure this model with `ndplan census {model.name}`, or leave out --census"
     where = f"the census record of layer kind '{record.layer_kind}' was measured on {record.model}"
     if record.architecture:
-        measured, priced = dict(record.architecture), dict(model.layer_architecture())
+        # A field the record lacks came after it was written: it measured that field's default
+        # (norm_placement 'pre' for a record older than post and sandwich norms).
+        defaults = {name: field.default for name, field in ModelSpec.model_fields.items()}
+        priced = dict(model.layer_architecture())
+        measured = {**{name: defaults[name] for name in priced if name in defaults}, **dict(record.architecture)}
         differ = [name for name in sorted(measured.keys() | priced.keys()) if measured.get(name) != priced.get(name)]
         if differ:
             shown = ", ".join(f"{name} {measured.get(name, 'unset')} (census) vs {priced.get(name, 'unset')}"
