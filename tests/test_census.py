@@ -706,6 +706,13 @@ def test_torchtitan_per_op_checkpointing_keeps_the_odd_matmuls():
     batch = StrategyBatch.of(Strategy(recompute="selective", seq_length=SEQ))
     assert (layer_activations(moe, batch, MemoryOptions(selective_policy="torchtitan-op")).recomputed["moe"][0]
             == layer_activations(moe, batch, MemoryOptions()).recomputed["moe"][0])
+    # So does Phi-3's fused q/k/v projection (its every other matmul is another): an upper bound
+    # over what the census measures (the flags read it under)
+    phi_config = {**TINY_LLAMA, "model_type": "phi3", "pad_token_id": 0, "eos_token_id": 1}
+    phi = spec_from_hf_config(phi_config, name="tiny-phi")
+    priced = layer_activations(phi, batch, MemoryOptions(selective_policy="torchtitan-op")).recomputed["dense"][0]
+    assert priced == layer_activations(phi, batch, MemoryOptions()).recomputed["dense"][0]
+    assert priced >= measure_policy(phi_config, "torchtitan-op", seq_length=SEQ)["dense"]
 
 
 @needs_torch

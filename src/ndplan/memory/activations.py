@@ -20,7 +20,7 @@ from ndplan.arrays import one_value
 from ndplan.census.record import CensusRecord, Recompute
 from ndplan.errors import NdplanError
 from ndplan.memory.options import MemoryOptions
-from ndplan.memory.profile import SHARDS, BlockBytes, block_coefficients
+from ndplan.memory.profile import FUSED_QKV_MODEL_TYPES, SHARDS, BlockBytes, block_coefficients
 from ndplan.memory.terms import routes_own_tokens
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.strategy.batch import StrategyBatch
@@ -384,9 +384,11 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     offload = batch.offload_modules
     # The profile's op_keep flags describe a dense layer with standard attention (its matmuls in
     # Llama's order); a MoE or MLA model keeps the runtime's own flags, an upper bound (its
-    # matmuls come in another order, and the experts' grouped GEMMs are not in torchtitan's list).
+    # matmuls come in another order, and the experts' grouped GEMMs are not in torchtitan's list),
+    # as does a fused q/k/v projection (Phi-3: one matmul where Llama runs three, so every other
+    # one is another; the census keeps 3,872 B a token of a tiny layer where the flags read 3,232).
     policy = options.recompute_policy
-    if policy == "torchtitan-op" and (model.is_moe or model.is_mla):
+    if policy == "torchtitan-op" and (model.is_moe or model.is_mla or model.model_type in FUSED_QKV_MODEL_TYPES):
         policy = profile.selective_policy
     blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload,
                                 fp8=batch.precision.compute_dtype == "fp8", loss_upcast=options.loss_upcast,
