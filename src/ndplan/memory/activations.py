@@ -54,7 +54,8 @@ class LayerActivations:
     #: weighting: no weight gradient's path runs through them; part of weight_unread)
     weight_past: dict[str, np.ndarray]
     #: A layer that recomputes nothing, by block, for the breakdown by kind: 'attention', 'norm'
-    #: (both norms) and 'mlp' of a dense layer, 'attention', 'norm' and 'moe' of a MoE one. They
+    #: (its norms: two, four with sandwich norms) and 'mlp' of a dense layer, 'attention', 'norm'
+    #: and 'moe' of a MoE one. They
     #: sum to ``full``: net of what offload moves, and scaled to the measured layer where a census
     #: replaced the formulas (a census measures whole layers).
     dense_blocks: dict[str, np.ndarray]
@@ -628,7 +629,7 @@ def _offloaded(model: ModelSpec, block: Callable[[str, str], np.ndarray], attent
     by block as ``LayerActivations.dense_blocks`` and ``moe_blocks``: (of a layer that recomputes
     nothing; of one under the selective policy).
 
-    The profile's entries name their modules; the two norms of a layer share the ``norm`` block,
+    The profile's entries name their modules; the norms of a layer share the ``norm`` block,
     so their owner is decided here: the attention norm moves with attn_norm where it is its own
     module (MLA's input norm) and with qkv_linear where Transformer Engine fuses it into the QKV
     linear (every other attention); the pre-MLP norm with mlp_norm in MoE layers (it feeds the
