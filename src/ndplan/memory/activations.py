@@ -230,7 +230,8 @@ def _census_for(options: MemoryOptions, kind: str, model: ModelSpec | None = Non
     of_kind = [r for r in options.census if r.layer_kind == kind or r.layer_kind.endswith(f"-{kind}")]
     if model is None or not of_kind:
         return of_kind[0] if of_kind else None
-    if kind.removesuffix("-sliding") in ("dense", "moe") and kind.removesuffix("-sliding") not in model.mlp_kinds:
+    mlp_kind = kind.removesuffix("-sliding")
+    if mlp_kind in ("dense", "moe") and mlp_kind not in model.mlp_kinds:
         return None  # no layer of that kind to price (another model's record of it is no concern)
     # A file may hold several models' records (`ndplan census A B --out f.json`): this model's.
     refusals = []
@@ -443,8 +444,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     sdpa_masked = block("sdpa_masked") + repeats * block("sdpa_repeated_kv")
     if options.attention == "sdpa":
         for k, (masked, math) in _sdpa_fallbacks(model, batch).items():
-            attention[k] = attention[k] + (masked * sdpa_masked + math * (block("sdpa_math")
-                                                                           + repeats * block("sdpa_repeated_kv")))
+            attention[k] = (attention[k] + masked * block("sdpa_masked") + math * block("sdpa_math")
+                            + (masked + math) * repeats * block("sdpa_repeated_kv"))
             attention_kept[k] = (attention_kept[k] + masked * block("sdpa_masked", "kept")
                                  + math * block("sdpa_math", "kept")
                                  + (masked + math) * repeats * block("sdpa_repeated_kv", "kept"))

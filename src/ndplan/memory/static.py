@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ndplan.model.params import attention_params, layer_params, mtp_extra_params, norm_params, qk_norm_params
+from ndplan.model.params import (
+    attention_params,
+    layer_norm_params,
+    layer_params,
+    mtp_extra_params,
+    norm_params,
+    qk_norm_params,
+)
 from ndplan.model.spec import MlpKind, ModelSpec
 
 
@@ -61,7 +68,7 @@ def non_expert_split(model: ModelSpec, kind: MlpKind) -> TpSplit:
     them (what ``layer_elements`` gives per rank): attention, norms (whole), and the dense MLP or
     the router (whole) and shared experts."""
     attention = attention_split(model)
-    norms = model.norms_per_layer * norm_params(model, model.hidden_size)
+    norms = layer_norm_params(model)
     if kind == "dense":
         mlp = mlp_split(model)
         return TpSplit(attention.sharded + mlp.sharded, attention.whole + norms + mlp.whole)
@@ -92,7 +99,7 @@ class LayerElements:
 
 def layer_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.ndarray) -> LayerElements:
     attention = attention_split(model).per_rank(tp)
-    norms = np.full(tp.shape, float(model.norms_per_layer * norm_params(model, model.hidden_size)))
+    norms = np.full(tp.shape, float(layer_norm_params(model)))
     zeros = np.zeros(tp.shape)
     dense_mlp = mlp_split(model).per_rank(tp) if model.num_dense_layers else zeros
     if model.is_moe:

@@ -44,6 +44,12 @@ def norm_params(spec: ModelSpec, width: int) -> int:
     return width * (2 if spec.norm == "layernorm" and spec.norm_bias else 1)
 
 
+def layer_norm_params(spec: ModelSpec) -> int:
+    """A decoder layer's h-wide norms (``ModelSpec.norms_per_layer`` of them): two, or four with
+    sandwich norms."""
+    return spec.norms_per_layer * norm_params(spec, spec.hidden_size)
+
+
 def attention_params(spec: ModelSpec) -> int:
     h = spec.hidden_size
     heads = spec.num_attention_heads
@@ -96,7 +102,7 @@ def mlp_params(spec: ModelSpec, width: int, *, bias: bool) -> int:
 def layer_params(spec: ModelSpec, kind: MlpKind) -> LayerParams:
     h = spec.hidden_size
     attention = attention_params(spec)
-    norms = spec.norms_per_layer * norm_params(spec, h)
+    norms = layer_norm_params(spec)
     if kind == "dense":
         return LayerParams(attention, norms, mlp_params(spec, spec.ffn_hidden_size, bias=spec.mlp_bias), 0, 0, 0)
     router = spec.num_experts * (h + (1 if spec.router_bias else 0))
