@@ -13,7 +13,7 @@ _BLOCK_RULES = [
     (re.compile(r"embed_tokens"), "embedding"),
     (re.compile(r"lm_head"), "output_head"),
     (re.compile(r"^model\.norm\."), "final_norm"),
-    (re.compile(r"\.self_attn\."), "attention"),
+    (re.compile(r"\.(self_attn|linear_attn)\."), "attention"),
     (re.compile(r"\.(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm)\."),
      "norms"),
     (re.compile(r"\.mlp\.(shared_expert|shared_experts|shared_expert_gate)\b"), "shared_experts"),

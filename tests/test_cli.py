@@ -121,6 +121,10 @@ RULE_CASES = [
     ([*LLAMA, "--recompute-layers", "2"], "recompute_layers_need_recompute", "needs recompute 'selective' or 'full'"),
     ([*LLAMA, "--pp", "2", "--stage-layers", "10,10,12"], "stage_layers_length", "has 3 entries but pp·vpp = 2"),
     ([*LLAMA, "--pp", "2", "--stage-layers", "10,10"], "stage_layers_sum", "sum to 20 but the model has num_layers=32"),
+    (["--model", "qwen3.5-27b", "--devices", "16", "--tp", "2", "--cp", "2"], "cp_linear_attention",
+     "cp=2: context parallelism over Gated DeltaNet layers"),
+    (["--model", "MODEL_LINEAR", "--tp", "8"], "tp_divides_linear_heads",
+     "tp=8 does not divide linear_num_key_heads=4 (Gated DeltaNet)"),
 ]
 
 
@@ -133,7 +137,13 @@ def model_files(tmp_path):
     shared.write_text("num_layers: 4\nhidden_size: 64\nffn_hidden_size: 32\nnum_attention_heads: 16\n"
                       "num_kv_heads: 16\nhead_dim: 4\nvocab_size: 100\nnum_experts: 4\nnum_experts_per_tok: 2\n"
                       "moe_ffn_hidden_size: 32\nnum_shared_experts: 1\nshared_expert_ffn_hidden_size: 24\n")
-    return {"MODEL_FFN24": str(ffn24), "MODEL_SHARED": str(shared)}
+    linear = tmp_path / "linear.yaml"
+    linear.write_text("num_layers: 4\nhidden_size: 64\nffn_hidden_size: 32\nnum_attention_heads: 16\n"
+                      "num_kv_heads: 16\nhead_dim: 4\nvocab_size: 100\n"
+                      "layer_attention_spans: [linear, linear, linear, full]\nlinear_num_key_heads: 4\n"
+                      "linear_num_value_heads: 8\nlinear_key_head_dim: 8\nlinear_value_head_dim: 8\n"
+                      "linear_conv_kernel: 4\n")
+    return {"MODEL_FFN24": str(ffn24), "MODEL_SHARED": str(shared), "MODEL_LINEAR": str(linear)}
 
 
 @pytest.mark.parametrize("argv,rule,words", RULE_CASES, ids=[c[1] for c in RULE_CASES])

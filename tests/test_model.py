@@ -211,13 +211,23 @@ _TINY_GEMMA = {"model_type": "gemma3_text", "hidden_size": 8, "intermediate_size
                "num_attention_heads": 2, "vocab_size": 10}
 _TINY_OLMOE = {"model_type": "olmoe", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
                "num_attention_heads": 2, "vocab_size": 10}
+_TINY_QWEN35 = {"model_type": "qwen3_5_text", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 4,
+                "linear_value_head_dim": 4, "full_attention_interval": 2}
 BAD_CONFIGS = [
     ({"model_type": "gpt2", "n_layer": 2}, "unsupported model_type 'gpt2'"),
     # known types ndplan does not price say why
     ({"model_type": "gemma3", "text_config": {}}, "model_type 'gemma3' is not supported: Gemma 3's vision-language "
      "model (a SigLIP vision tower and projector beside the language model), which ndplan does not price; for its "
      "language model give the file's text_config as a config of its own (model_type 'gemma3_text')"),
-    ({"model_type": "qwen3_next"}, "model_type 'qwen3_next' is not supported: Qwen3-Next has Gated DeltaNet"),
+    ({"model_type": "qwen3_5_moe", "text_config": {}}, "model_type 'qwen3_5_moe' is not supported: Qwen3.5-MoE's "
+     "vision-language model (a vision tower beside the language model), which ndplan does not price; for its language "
+     "model give the file's text_config as a config of its own (model_type 'qwen3_5_moe_text')"),
+    ({**_TINY_QWEN35, "layer_types": ["linear_attention", "sliding_attention"]}, "field 'layer_types' must list 2 "
+     "entries, each one of full_attention, linear_attention; got ['linear_attention', 'sliding_attention']"),
+    ({**_TINY_QWEN35, "full_attention_interval": 0}, "field 'full_attention_interval' must be >= 1, got 0"),
+    ({**_TINY_QWEN35, "linear_num_value_heads": 3}, "linear_num_key_heads=2 does not divide linear_num_value_heads=3"),
     ({"model_type": "kimi_k25", "text_config": {}}, "give the file's text_config as a config of its own with "
      "model_type 'deepseek_v3'"),
     ({**_TINY_GEMMA, "final_logit_softcapping": 30.0}, "field 'final_logit_softcapping' (30.0) is not supported: "

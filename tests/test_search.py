@@ -170,10 +170,11 @@ def test_every_rejection_reason_is_reachable_and_counted():
                         "recompute_layers_need_recompute", "seq_chunks_need_seq1f1b", "fsdp_is_zero3",
                         "cp_hybrid_degree", "tp_divides_ffn", "tp_divides_shared_experts", "ep_needs_experts",
                         "vpp_needs_virtual_schedule", "interleaved_needs_vpp", "v_schedule_needs_vpp2",
-                        "offload_runs", "pipeline_runs_need_pipeline"}
+                        "offload_runs", "pipeline_runs_need_pipeline", "tp_divides_linear_heads",
+                        "cp_linear_attention"}
     # The space never draws these combinations (it pairs schedules with their vpp, sets fsdp with
-    # zero 3, has no shard groups, recompute layer counts or offload); test_strategy/test_cli
-    # (test_offload for offload_runs) reach each.
+    # zero 3, has no shard groups, recompute layer counts or offload; the model has no Gated
+    # DeltaNet layers); test_strategy/test_cli (test_offload for offload_runs) reach each.
     assert {r.name for r in RULES} - unreachable_here | {OVER_MEMORY, DUPLICATE} <= reached
 
 

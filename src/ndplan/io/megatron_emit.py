@@ -341,6 +341,12 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length
             lost.append("the shared-expert gate")
         if m.num_dense_layers:
             flags.append(("--moe-layer-freq", _pattern(_with_noop(m.layer_mlp_kinds, noop))))
+    if m.has_linear_attention:
+        # (Megatron-LM builds Gated DeltaNet layers for Qwen3-Next under flags ndplan neither writes
+        # nor reads yet, and its profile does not price what they keep.)
+        lost.append("the Gated DeltaNet layers")
+    if m.attention_output_gate:
+        lost.append("the attention output gate")
     if "sliding" in m.layer_attention_spans:
         # TransformerEngine's window (left, right): keys i − left … i + right, so w keys causal.
         flags.append(("--window-size", f"{m.sliding_window - 1},0"))

@@ -17,6 +17,7 @@ from ndplan.model.params import (
     attention_params,
     layer_norm_params,
     layer_params,
+    linear_attention_params,
     mtp_extra_params,
     norm_params,
     qk_norm_params,
@@ -35,7 +36,23 @@ class TpSplit:
         return self.sharded / tp + self.whole
 
 
-def attention_split(model: ModelSpec) -> TpSplit:
+def attention_split(model: ModelSpec, kind: MlpKind | None = None) -> TpSplit:
+    """A decoder layer's token mixer (of MLP ``kind``), the mean over its layers: softmax
+    attention (``softmax_attention_split``) and, on the 'linear' layers, a Gated DeltaNet, whose
+    projections, convolution and per-head dt_bias and A_log split with its heads, and whose gated
+    norm (one weight of the value head width, shared by the heads) every rank holds whole."""
+    softmax = softmax_attention_split(model)
+    share = model.linear_share(kind)
+    if not share:
+        return softmax
+    whole = norm_params(model, model.linear_value_head_dim)
+    linear = TpSplit(linear_attention_params(model) - whole, whole)
+    return TpSplit((1.0 - share) * softmax.sharded + share * linear.sharded,  # type: ignore[arg-type]
+                   (1.0 - share) * softmax.whole + share * linear.whole)  # type: ignore[arg-type]
+
+
+def softmax_attention_split(model: ModelSpec) -> TpSplit:
+    """One softmax attention block (``attention_params``) split as tensor parallelism splits it."""
     h = model.hidden_size
     total = attention_params(model)
     whole = h if model.o_bias else 0
@@ -67,7 +84,7 @@ def non_expert_split(model: ModelSpec, kind: MlpKind) -> TpSplit:
     """A decoder layer's elements outside its routed experts, split as tensor parallelism splits
     them (what ``layer_elements`` gives per rank): attention, norms (whole), and the dense MLP or
     the router (whole) and shared experts."""
-    attention = attention_split(model)
+    attention = attention_split(model, kind)
     norms = layer_norm_params(model)
     if kind == "dense":
         mlp = mlp_split(model)
@@ -98,7 +115,7 @@ class LayerElements:
 
 
 def layer_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.ndarray) -> LayerElements:
-    attention = attention_split(model).per_rank(tp)
+    attention = {kind: attention_split(model, kind).per_rank(tp) for kind in ("dense", "moe")}
     norms = np.full(tp.shape, float(layer_norm_params(model)))
     zeros = np.zeros(tp.shape)
     dense_mlp = mlp_split(model).per_rank(tp) if model.num_dense_layers else zeros
@@ -112,11 +129,11 @@ def layer_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp: np.nda
         moe_non_expert, experts = zeros, zeros
     # The same sums as non_expert_split(model, kind).per_rank(tp), kept apart for by_kind.
     return LayerElements(
-        non_expert={"dense": attention + norms + dense_mlp, "moe": attention + norms + moe_non_expert},
+        non_expert={"dense": attention["dense"] + norms + dense_mlp, "moe": attention["moe"] + norms + moe_non_expert},
         expert={"dense": zeros, "moe": experts},
         by_kind={
-            "dense": {"attention": attention, "norm": norms, "mlp": dense_mlp},
-            "moe": {"attention": attention, "norm": norms, "moe": moe_non_expert + experts},
+            "dense": {"attention": attention["dense"], "norm": norms, "mlp": dense_mlp},
+            "moe": {"attention": attention["moe"], "norm": norms, "moe": moe_non_expert + experts},
         },
     )
 
@@ -137,12 +154,19 @@ def linear_weight_elements(model: ModelSpec, tp: np.ndarray, ep: np.ndarray, etp
                  + heads * model.v_head_dim * h)
     else:
         q_width, kv_width = heads * model.head_dim, model.num_kv_heads * model.head_dim
-        whole, split = 0, h * (q_width + 2 * kv_width) + q_width * h
-    attention = split / tp + whole
+        gate = q_width if model.attention_output_gate else 0
+        whole, split = 0, h * (q_width + gate + 2 * kv_width) + q_width * h
+    softmax = split / tp + whole
+    # A Gated DeltaNet's projections (its in_proj and out_proj), on the kind's 'linear' layers
+    key, value, value_heads = model.linear_key_width, model.linear_value_width, model.linear_num_value_heads
+    linear = h * (2 * key + 2 * value + 2 * value_heads + value) / tp
+    attention = {kind: (1.0 - share) * softmax + share * linear
+                 for kind, share in (("dense", model.linear_share("dense")), ("moe", model.linear_share("moe")))}
     mlp = model.mlp_matrices * h * model.ffn_hidden_size / tp
     shared = model.num_shared_experts * model.mlp_matrices * h * model.shared_expert_ffn_hidden_size / tp
     routed = model.num_experts * model.mlp_matrices * h * model.moe_ffn_hidden_size / (ep * etp)
-    return {"dense": {"attention": attention, "mlp": mlp}, "moe": {"attention": attention, "moe": shared + routed}}
+    return {"dense": {"attention": attention["dense"], "mlp": mlp},
+            "moe": {"attention": attention["moe"], "moe": shared + routed}}
 
 
 def mtp_extra_linear_elements(model: ModelSpec, tp: np.ndarray) -> np.ndarray:

@@ -138,6 +138,17 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                     "vocab_size": 262_208,
                     "hidden_activation": "gelu_pytorch_tanh", "sliding_window_pattern": 6},
 }
+# Qwen3-Next and Qwen3.5 (transformers' Qwen3NextConfig and the Qwen3.5 text configs built on it):
+# GQA of 256-wide heads beside Gated DeltaNet layers of 16 key heads and 32 value heads of 128.
+_GATED_DELTANET_DEFAULTS = {"head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+HF_DEFAULTS["qwen3_next"] = {**_GATED_DELTANET_DEFAULTS, "num_key_value_heads": 2, "num_experts": 512,
+                             "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                             "shared_expert_intermediate_size": 512}
+HF_DEFAULTS["qwen3_5_text"] = {**_GATED_DELTANET_DEFAULTS, "num_key_value_heads": 4}
+HF_DEFAULTS["qwen3_5_moe_text"] = {**_GATED_DELTANET_DEFAULTS, "num_key_value_heads": 2, "num_experts": 256,
+                                   "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                                   "shared_expert_intermediate_size": 512}
 HF_DEFAULTS["kimi_k2"] = HF_DEFAULTS["deepseek_v3"]
 
 #: Model types whose transformers config rejects a hidden_size that num_attention_heads does not
@@ -582,6 +593,78 @@ def _gemma3_text(r: _Reader) -> dict[str, Any]:
     }
 
 
+_MIXERS = {"full_attention": "full", "linear_attention": "linear"}
+
+
+def _gated_deltanet_layers(r: _Reader) -> dict[str, Any]:
+    """Qwen3-Next's and Qwen3.5's token mixers: ``layer_types`` (full_attention or
+    linear_attention per layer), else every ``full_attention_interval``-th layer in full (4 by
+    default) and the others Gated DeltaNet; the full layers' q_proj carries an output gate; the
+    norms multiply by (1 + weight) in fp32 (FP32_NORM_WEIGHT_MODEL_TYPES)."""
+    defaults = HF_DEFAULTS[r.model_type]
+    layers = r.integer("num_hidden_layers")
+    types = r.config.get("layer_types")
+    if types is not None:
+        if (not isinstance(types, list) or len(types) != layers
+                or any(not isinstance(t, str) or t not in _MIXERS for t in types)):
+            raise NdplanError(f"{r.source}: field 'layer_types' must list {layers} entries, each one of "
+                              f"{', '.join(_MIXERS)}; got {types!r}")
+        spans = tuple(_MIXERS[t] for t in types)
+    else:
+        interval = r.integer("full_attention_interval", 4)
+        if interval < 1:
+            raise NdplanError(f"{r.source}: field 'full_attention_interval' must be >= 1, got {interval}")
+        spans = tuple("linear" if (i + 1) % interval else "full" for i in range(layers))
+    fields: dict[str, Any] = {"layer_attention_spans": spans, "attention_output_gate": True, "qk_norm": True,
+                              **_attention_biases(r)}
+    if "linear" in spans:
+        fields.update({
+            "linear_num_key_heads": r.integer("linear_num_key_heads", defaults["linear_num_key_heads"]),
+            "linear_num_value_heads": r.integer("linear_num_value_heads", defaults["linear_num_value_heads"]),
+            "linear_key_head_dim": r.integer("linear_key_head_dim", defaults["linear_key_head_dim"]),
+            "linear_value_head_dim": r.integer("linear_value_head_dim", defaults["linear_value_head_dim"]),
+            "linear_conv_kernel": r.integer("linear_conv_kernel_dim", defaults["linear_conv_kernel_dim"]),
+        })
+    return fields
+
+
+def _gated_deltanet_moe(r: _Reader, num_layers: int) -> dict[str, Any]:
+    """The MoE block of Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's (routed experts, one shared
+    expert behind a sigmoid gate)."""
+    defaults = HF_DEFAULTS[r.model_type]
+    experts = r.integer("num_experts", defaults["num_experts"])
+    shared_width = r.integer("shared_expert_intermediate_size", defaults["shared_expert_intermediate_size"])
+    kinds: tuple[MlpKind, ...] = (_qwen_moe_kinds(r, num_layers, experts) if r.model_type == "qwen3_next"
+                                  else ("moe" if experts else "dense",) * num_layers)  # Qwen3.5: every layer
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": r.integer("num_experts_per_tok", defaults["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": r.integer("moe_intermediate_size", defaults["moe_intermediate_size"]),
+        "num_shared_experts": 1 if shared_width else 0,
+        "shared_expert_ffn_hidden_size": shared_width,
+        "shared_expert_gate": True,
+        "layer_mlp_kinds": kinds,
+    }
+
+
+def _qwen3_next(r: _Reader) -> dict[str, Any]:
+    fields = _common_fields(r)
+    moe = _gated_deltanet_moe(r, fields["num_layers"])
+    dense = "dense" in moe["layer_mlp_kinds"]
+    return {**fields, "ffn_hidden_size": r.integer("intermediate_size") if dense else 0, **moe,
+            **_gated_deltanet_layers(r)}
+
+
+def _qwen3_5_text(r: _Reader) -> dict[str, Any]:
+    return {**_common_fields(r), "ffn_hidden_size": r.integer("intermediate_size"), **_gated_deltanet_layers(r)}
+
+
+def _qwen3_5_moe_text(r: _Reader) -> dict[str, Any]:
+    fields = _common_fields(r)
+    return {**fields, "ffn_hidden_size": 0, **_gated_deltanet_moe(r, fields["num_layers"]),
+            **_gated_deltanet_layers(r)}
+
+
 READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -604,21 +687,25 @@ READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "olmo3": _olmo3,
     "olmoe": _olmoe,
     "gemma3_text": _gemma3_text,
+    "qwen3_next": _qwen3_next,
+    "qwen3_5_text": _qwen3_5_text,
+    "qwen3_5_moe_text": _qwen3_5_moe_text,
 }
 
-_LINEAR_ATTENTION = ("Gated DeltaNet linear-attention layers beside full-attention ones, which ndplan's memory and "
-                     "time formulas do not price")
+def _vision_language(family: str, text_type: str) -> str:
+    return (f"{family}'s vision-language model (a vision tower beside the language model), which ndplan does not "
+            f"price; for its language model give the file's text_config as a config of its own (model_type "
+            f"'{text_type}')")
+
+
 #: Model types ndplan knows and does not price, with the reason: a refusal that says why.
 NOT_PRICED: dict[str, str] = {
     "gemma3": ("Gemma 3's vision-language model (a SigLIP vision tower and projector beside the language model), "
                "which ndplan does not price; for its language model give the file's text_config as a config of its "
                "own (model_type 'gemma3_text')"),
     "gemma2": "Gemma 2 soft-caps its attention and output logits, which ndplan does not price",
-    "qwen3_next": f"Qwen3-Next has {_LINEAR_ATTENTION}",
-    "qwen3_5": f"Qwen3.5 has {_LINEAR_ATTENTION}",
-    "qwen3_5_text": f"Qwen3.5 has {_LINEAR_ATTENTION}",
-    "qwen3_5_moe": f"Qwen3.5 has {_LINEAR_ATTENTION}",
-    "qwen3_5_moe_text": f"Qwen3.5 has {_LINEAR_ATTENTION}",
+    "qwen3_5": _vision_language("Qwen3.5", "qwen3_5_text"),
+    "qwen3_5_moe": _vision_language("Qwen3.5-MoE", "qwen3_5_moe_text"),
     "deepseek_v32": "DeepSeek-V3.2's sparse attention and its indexer are not priced",
     "kimi_k25": ("Kimi K2.5's vision-language model (a vision tower beside the language model), which ndplan does "
                  "not price; for its language model give the file's text_config as a config of its own with "

@@ -16,13 +16,14 @@ from ndplan.model.spec import MlpKind, ModelSpec
 class LayerParams:
     """Parameters of one decoder layer, split the way sharding treats them.
 
-    ``attention`` includes the projections, their biases, QK-norm and MLA's latent norms;
+    ``attention`` includes the projections, their biases, QK-norm and MLA's latent norms (in a
+    kind whose layers mix softmax and Gated DeltaNet attention, their mean: ``mixer_params``);
     ``norms`` the h-wide norms around attention and MLP (``ModelSpec.norms_per_layer``); ``mlp`` the dense MLP (0 in a MoE layer);
     ``router`` the gate; ``routed_experts`` all routed experts together; ``shared_experts`` the
     always-on experts and their gate.
     """
 
-    attention: int
+    attention: int | float
     norms: int
     mlp: int
     router: int
@@ -30,11 +31,11 @@ class LayerParams:
     shared_experts: int
 
     @property
-    def total(self) -> int:
+    def total(self) -> int | float:
         return self.attention + self.norms + self.mlp + self.router + self.routed_experts + self.shared_experts
 
     @property
-    def non_expert(self) -> int:
+    def non_expert(self) -> int | float:
         """What every rank of an expert-parallel group holds in full: all but the experts."""
         return self.attention + self.norms + self.mlp + self.router
 
@@ -51,6 +52,8 @@ def layer_norm_params(spec: ModelSpec) -> int:
 
 
 def attention_params(spec: ModelSpec) -> int:
+    """One softmax attention block: q, k, v, o projections (q twice as wide with an output
+    gate), their biases, q/k norms and sinks; MLA's latent projections and norms."""
     h = spec.hidden_size
     heads = spec.num_attention_heads
     if spec.is_mla:
@@ -72,11 +75,35 @@ def attention_params(spec: ModelSpec) -> int:
     d = spec.head_dim
     q_width = heads * d
     kv_width = spec.num_kv_heads * d
-    qkv = h * (q_width + 2 * kv_width) + ((q_width + 2 * kv_width) if spec.qkv_bias else 0)
+    projected = q_width * (2 if spec.attention_output_gate else 1) + 2 * kv_width
+    qkv = h * projected + (projected if spec.qkv_bias else 0)
     output = q_width * h + (h if spec.o_bias else 0)
     qk_norm = qk_norm_params(spec)
     sinks = heads if spec.attention_sinks else 0
     return qkv + output + qk_norm + sinks
+
+
+def linear_attention_params(spec: ModelSpec) -> int:
+    """One Gated DeltaNet block (Qwen3-Next, Qwen3.5), Kd = key heads x key width, Vd = value
+    heads x value width, Hv value heads: the input projections h -> q, k (Kd each), v and the
+    output gate z (Vd each), and the per-head beta and decay inputs (Hv each); the depthwise causal
+    convolution over q, k, v ((2Kd + Vd) x kernel taps, no bias); dt_bias and A_log (Hv each);
+    the gated RMSNorm over each value head (one weight of the value width, shared by the heads);
+    the output projection Vd -> h."""
+    if not spec.has_linear_attention:
+        return 0
+    h = spec.hidden_size
+    key, value, heads = spec.linear_key_width, spec.linear_value_width, spec.linear_num_value_heads
+    projections = h * (2 * key + 2 * value + 2 * heads)
+    convolution = (2 * key + value) * spec.linear_conv_kernel
+    return projections + convolution + 2 * heads + norm_params(spec, spec.linear_value_head_dim) + value * h
+
+
+def mixer_params(spec: ModelSpec, kind: MlpKind | None = None) -> float:
+    """A decoder layer's token mixer (of MLP ``kind``, where given) as the mean of its layers:
+    softmax attention, or a Gated DeltaNet on the model's 'linear' layers."""
+    share = spec.linear_share(kind)
+    return (1.0 - share) * attention_params(spec) + share * linear_attention_params(spec) if share else attention_params(spec)
 
 
 def qk_norm_params(spec: ModelSpec) -> int:
@@ -99,9 +126,11 @@ def mlp_params(spec: ModelSpec, width: int, *, bias: bool) -> int:
     return weights + biases
 
 
-def layer_params(spec: ModelSpec, kind: MlpKind) -> LayerParams:
+def layer_params(spec: ModelSpec, kind: MlpKind, *, full_attention: bool = False) -> LayerParams:
+    """One decoder layer of MLP ``kind``: its token mixer the mean of the kind's layers
+    (``mixer_params``), or a softmax attention block where ``full_attention`` (an MTP module's)."""
     h = spec.hidden_size
-    attention = attention_params(spec)
+    attention = attention_params(spec) if full_attention else mixer_params(spec, kind)
     norms = layer_norm_params(spec)
     if kind == "dense":
         return LayerParams(attention, norms, mlp_params(spec, spec.ffn_hidden_size, bias=spec.mlp_bias), 0, 0, 0)
@@ -162,14 +191,17 @@ def count_parameters(spec: ModelSpec | str) -> ParameterCounts:
     from ndplan.model.presets import as_model
 
     spec = as_model(spec)
-    per_kind = {kind: layer_params(spec, kind) for kind in set(spec.layer_mlp_kinds)}
+    per_kind = {kind: layer_params(spec, kind, full_attention=True) for kind in set(spec.layer_mlp_kinds)}
     sums = dict.fromkeys(("attention", "norms", "mlp", "router", "routed_experts", "shared_experts"), 0)
     for kind in spec.layer_mlp_kinds:
         for key in sums:
             sums[key] += getattr(per_kind[kind], key)
+    # Counted layer by layer: a Gated DeltaNet layer's mixer in place of its softmax attention.
+    linear = spec.linear_layers()[0]
+    sums["attention"] += linear * (linear_attention_params(spec) - attention_params(spec))
     embedding = spec.vocab_size * spec.hidden_size
     output_head = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
-    mtp = spec.mtp_depth * (mtp_extra_params(spec) + layer_params(spec, spec.mtp_mlp_kind).total)
+    mtp = spec.mtp_depth * (mtp_extra_params(spec) + int(layer_params(spec, spec.mtp_mlp_kind, full_attention=True).total))
     skipped_experts = 0
     if spec.num_experts:
         skipped_experts = sums["routed_experts"] * (spec.num_experts - spec.num_experts_per_tok) // spec.num_experts
@@ -191,24 +223,39 @@ def count_parameters(spec: ModelSpec | str) -> ParameterCounts:
 ROUTER_FIRST_MODEL_TYPES = frozenset({"mixtral"})
 
 
-def weight_grad_groups(model: ModelSpec) -> dict[str, int]:
+def weight_grad_groups(model: ModelSpec) -> dict[str, float]:
     """Per layer kind, the parameter groups of one decoder layer: parameters whose gradients
     come from one op (a linear's weight and bias, a norm's weight) form one group, and a split
     backward's weight-gradient step runs one autograd call per group. Counted as Hugging Face
-    modules hold them: fused 3-D expert weights (gate_up, down), one router."""
-    attention, mlp, shared = _weight_grad_blocks(model)
+    modules hold them: fused 3-D expert weights (gate_up, down), one router. A kind whose layers
+    mix Gated DeltaNet and softmax attention counts their mean (``_mixer_groups``)."""
+    _, mlp, shared = _weight_grad_blocks(model)
     norms = model.norms_per_layer
-    return {"dense": attention + mlp + norms, "moe": attention + 1 + 2 + shared + norms}
+    return {"dense": _mixer_groups(model, "dense") + mlp + norms,
+            "moe": _mixer_groups(model, "moe") + 1 + 2 + shared + norms}
 
 
-def weight_grad_peak_group(model: ModelSpec) -> dict[str, int]:
+def weight_grad_peak_group(model: ModelSpec) -> dict[str, float]:
     """Per layer kind, the group at which a layer's rebuilt copies peak: the MLP's down
     projection (the routed experts' in an MoE layer), after which nothing later keeps that
     branch of the graph alive. Groups come in module order: attention, then the MLP (router and
     experts in the model's order, then shared experts), then the norms."""
-    attention, mlp, _ = _weight_grad_blocks(model)
+    _, mlp, _ = _weight_grad_blocks(model)
     router_first = 1 if model.model_type in ROUTER_FIRST_MODEL_TYPES else 0
-    return {"dense": attention + mlp, "moe": attention + router_first + 2}
+    return {"dense": _mixer_groups(model, "dense") + mlp, "moe": _mixer_groups(model, "moe") + router_first + 2}
+
+
+def _mixer_groups(model: ModelSpec, kind: MlpKind) -> float:
+    """Parameter groups of a layer's token mixer, the mean over the layers of ``kind``: softmax
+    attention's (``_weight_grad_blocks``), or a Gated DeltaNet's: Qwen3.5's in_proj_qkv, in_proj_z,
+    in_proj_b, in_proj_a, conv1d, dt_bias, A_log, the gated norm and out_proj (9); Qwen3-Next fuses
+    the projections into in_proj_qkvz and in_proj_ba (7)."""
+    attention = _weight_grad_blocks(model)[0]
+    share = model.linear_share(kind)
+    if not share:
+        return attention
+    linear = 7 if model.model_type == "qwen3_next" else 9
+    return (1.0 - share) * attention + share * linear
 
 
 def _weight_grad_blocks(model: ModelSpec) -> tuple[int, int, int]:

@@ -20,7 +20,7 @@ MAX_LAYERS = 100_000
 MAX_SIZE = 2**32
 
 MlpKind = Literal["dense", "moe"]
-AttentionSpan = Literal["full", "sliding"]
+AttentionSpan = Literal["full", "sliding", "linear"]
 AttentionKind = Literal["mha", "gqa", "mqa", "mla"]
 
 
@@ -37,7 +37,9 @@ class ModelSpec(BaseModel):
     has a dense MLP or a mixture of experts; MTP modules (``mtp_depth``) follow the body and use
     the kind of the last body layer, as DeepSeek-V3 does. ``layer_attention_spans[i]`` says
     whether its queries attend every earlier key ("full") or the last ``sliding_window`` keys
-    only ("sliding", Mistral's sliding-window attention); MTP modules attend in full.
+    only ("sliding", Mistral's sliding-window attention), or whether the layer mixes tokens
+    through a Gated DeltaNet instead of softmax attention ("linear": Qwen3-Next, Qwen3.5; its
+    widths are the ``linear_*`` fields); MTP modules attend in full.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -71,6 +73,9 @@ class ModelSpec(BaseModel):
     #: it, which a TP rank holds for its own heads.
     qk_norm_width: Literal["head", "projection"] = "head"
     attention_sinks: bool = False  # a learned logit per head joining each softmax (gpt-oss)
+    #: A sigmoid gate on each head's attention output, projected by q_proj beside the query
+    #: (Qwen3-Next, Qwen3.5: q_proj is 2 x heads x head_dim wide).
+    attention_output_gate: bool = False
     # Dropout probabilities in training. They cost memory where a runtime keeps the masks for
     # backward (Megatron's bias-dropout-add; unfused attention's dropout); 0 keeps none.
     hidden_dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="on each residual branch's output")
@@ -99,6 +104,15 @@ class ModelSpec(BaseModel):
     sliding_window: int = Field(default=0, ge=0, description="keys a sliding layer's query attends, itself "
                                                             "included (0: no sliding layers)")
     layer_attention_spans: tuple[AttentionSpan, ...] = ()
+
+    # Gated DeltaNet (linear attention) layers, the "linear" spans: key heads of
+    # linear_key_head_dim (queries share them), value heads of linear_value_head_dim (a multiple
+    # of the key heads), a causal depthwise convolution of linear_conv_kernel taps over q, k, v.
+    linear_num_key_heads: int = Field(default=0, ge=0)
+    linear_num_value_heads: int = Field(default=0, ge=0)
+    linear_key_head_dim: int = Field(default=0, ge=0)
+    linear_value_head_dim: int = Field(default=0, ge=0)
+    linear_conv_kernel: int = Field(default=0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -152,6 +166,24 @@ class ModelSpec(BaseModel):
             )
         if "sliding" in self.layer_attention_spans and not self.sliding_window:
             raise ValueError("layer_attention_spans names 'sliding' layers but sliding_window=0")
+        linear_widths = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_conv_kernel")
+        if "linear" in self.layer_attention_spans:
+            missing = [width for width in linear_widths if not getattr(self, width)]
+            if missing:
+                raise ValueError(f"layer_attention_spans names 'linear' (Gated DeltaNet) layers but "
+                                 f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} 0")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_key_heads={self.linear_num_key_heads} does not divide "
+                                 f"linear_num_value_heads={self.linear_num_value_heads}")
+            if self.is_mla:
+                raise ValueError("Gated DeltaNet ('linear') layers beside multi-head latent attention "
+                                 "(kv_lora_rank > 0) are not supported")
+        else:
+            for width in linear_widths:
+                if getattr(self, width):
+                    raise ValueError(f"field '{width}' ({getattr(self, width)}) is a Gated DeltaNet width, but no "
+                                     "layer is 'linear' in layer_attention_spans; name the linear layers or leave it 0")
         if "dense" in self.layer_mlp_kinds and not self.ffn_hidden_size:
             raise ValueError("dense layers need ffn_hidden_size > 0")
         if self.num_shared_experts and not self.shared_expert_ffn_hidden_size:
@@ -190,6 +222,34 @@ class ModelSpec(BaseModel):
         spans = [span for span, k in zip(self.layer_attention_spans, self.layer_mlp_kinds, strict=True)
                  if kind is None or k == kind]
         return spans.count("sliding"), len(spans)
+
+    def linear_layers(self, kind: MlpKind | None = None) -> tuple[int, int]:
+        """(Gated DeltaNet layers, layers) among the decoder layers (of MLP ``kind``, where given)."""
+        if not self.has_linear_attention:
+            return 0, sum(1 for k in self.layer_mlp_kinds if kind is None or k == kind)
+        spans = [span for span, k in zip(self.layer_attention_spans, self.layer_mlp_kinds, strict=True)
+                 if kind is None or k == kind]
+        return spans.count("linear"), len(spans)
+
+    def linear_share(self, kind: MlpKind | None = None) -> float:
+        """The share of the decoder layers (of MLP ``kind``) that are Gated DeltaNet layers: a
+        layer of the kind is priced as this mix of a Gated DeltaNet and a softmax attention layer."""
+        linear, layers = self.linear_layers(kind)
+        return linear / layers if layers else 0.0
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return "linear" in self.layer_attention_spans
+
+    @property
+    def linear_key_width(self) -> int:
+        """Elements of a Gated DeltaNet layer's queries (= its keys) per token: key heads x width."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_width(self) -> int:
+        """Elements of a Gated DeltaNet layer's values (= its output, = its gate z) per token."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def mtp_mlp_kind(self) -> MlpKind:

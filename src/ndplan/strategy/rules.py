@@ -128,6 +128,19 @@ RULES: tuple[Rule, ...] = (
         lambda s, c: f"tp={s.tp} does not divide num_key_value_heads={c.model.num_kv_heads}",
     ),
     Rule(
+        "tp_divides_linear_heads",
+        # A Gated DeltaNet layer is split over TP by its key heads (each with its value heads).
+        lambda b, c: (_divides(b.tp, c.model.linear_num_key_heads) if c.model.has_linear_attention
+                      else np.ones(len(b), bool)),
+        lambda s, c: f"tp={s.tp} does not divide linear_num_key_heads={c.model.linear_num_key_heads} (Gated DeltaNet)",
+    ),
+    Rule(
+        "cp_linear_attention",
+        lambda b, c: (b.cp == 1) | (not c.model.has_linear_attention),
+        lambda s, c: (f"cp={s.cp}: context parallelism over Gated DeltaNet layers (their recurrent state passed "
+                      "between ranks) is not priced; use cp=1"),
+    ),
+    Rule(
         "tp_divides_ffn",
         lambda b, c: np.ones(len(b), bool) if not c.model.num_dense_layers else _divides(b.tp, c.model.ffn_hidden_size),
         lambda s, c: f"tp={s.tp} does not divide ffn_hidden_size={c.model.ffn_hidden_size}",
