@@ -267,6 +267,13 @@ class EfficiencyProfile(BaseModel):
     attention_efficiency: Fraction
     masked_attention_efficiency: Fraction | None = None
     attention_call_s: float = Field(default=0.0, ge=0.0, description="fixed seconds of a layer's attention core, fwd+bwd")
+    #: Gated DeltaNet's chunked delta rule (flash-linear-attention's Triton kernels), as a share of
+    #: the bf16 peak over the FLOPs they execute (``flops.linear_core_flops``). Measured on an H200
+    #: by Qwen's FlashQLA benchmark of fla 0.5.1 (benchmark/benchmark_results_H200.txt: 16 key and
+    #: 32 value heads of 128, 32k tokens, forward 1.89 ms, backward 5.70 ms): 101 and 96 TFLOP/s,
+    #: 0.10 of 989. Carried to every device unmeasured but this one; FlashInfer's H100 timing of
+    #: the same forward (PR 3788) reads 1.15x slower.
+    linear_attention_efficiency: Fraction = 0.1
     flash_attention: bool = True
     flex_attention: bool = False
     window_kernel: bool = True
@@ -386,6 +393,7 @@ FITTABLE: dict[str, tuple[float, float]] = {
     "gemm_efficiency": (0.2, 1.0),
     "fp8_gemm_efficiency": (0.15, 1.0),
     "attention_efficiency": (0.1, 1.0),
+    "linear_attention_efficiency": (0.02, 1.0),
     "hbm_efficiency": (0.2, 1.0),
     "scaleup_efficiency": (0.1, 1.0),
     "scaleout_efficiency": (0.1, 1.0),

@@ -27,7 +27,10 @@ pairs: the lower triangle with its diagonal, counted exactly (not s²/2). QK^T c
 PV 2·d_v FLOPs per pair and head; a device holds a/t heads and 1/c of the pairs (ring CP with
 load-balanced chunks, or Ulysses over heads: the same share). A sliding-window layer keeps
 min(i + 1, w) keys for query i (``causal_pairs``), as FlashAttention skips the blocks outside
-the window.
+the window. A Gated DeltaNet layer (Qwen3-Next, Qwen3.5) attends no pair: its projections are
+GEMMs (``linear_attention_gemms``) and its chunked delta rule counts the FLOPs its kernels execute
+(``linear_core_flops``); a layer of a kind mixing both is their mean (each GEMM's ``count`` its
+share).
 """
 
 from __future__ import annotations
@@ -82,8 +85,32 @@ class Gemm:
         return 2.0 * self.m * self.n * self.k * self.count
 
 
-def attention_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
-    """Projections of one attention block (forward), with GQA or MLA widths."""
+def attention_gemms(model: ModelSpec, sh: Sharding, kind: MlpKind | None = None, *,
+                    full_attention: bool = False) -> list[Gemm]:
+    """Projections of one token mixer (forward): the mean of the layers of MLP ``kind`` (all
+    layers where None), a Gated DeltaNet's (``linear_attention_gemms``) on the model's 'linear'
+    layers and softmax attention's on the others, each GEMM's ``count`` its share; with
+    ``full_attention`` a softmax attention block alone (an MTP module's)."""
+    share = 0.0 if full_attention else model.linear_share(kind)
+    softmax = _softmax_attention_gemms(model, sh)
+    if not share:
+        return softmax
+    return ([Gemm(g.name, g.m, g.n, g.k, count=g.count * (1.0 - share)) for g in softmax]
+            + [Gemm(g.name, g.m, g.n, g.k, count=g.count * share) for g in linear_attention_gemms(model, sh)])
+
+
+def linear_attention_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
+    """A Gated DeltaNet block's projections (forward): h -> q, k, v, the output gate z and the
+    per-head beta and decay inputs (2·Kd + 2·Vd + 2·Hv wide, heads split by t), and the output
+    projection Vd -> h (Kd, Vd: key and value heads x their widths)."""
+    h, t, tok = model.hidden_size, sh.tp, sh.tokens
+    width = 2 * model.linear_key_width + 2 * model.linear_value_width + 2 * model.linear_num_value_heads
+    return [Gemm("linear_in_proj", tok, width / t, h), Gemm("linear_out_proj", tok, h, model.linear_value_width / t)]
+
+
+def _softmax_attention_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
+    """Projections of one softmax attention block (forward), with GQA or MLA widths; q_proj
+    twice as wide where it carries an output gate."""
     h, a, t, tok = model.hidden_size, model.num_attention_heads, sh.tp, sh.tokens
     if model.is_mla:
         qk = model.qk_head_dim
@@ -99,7 +126,7 @@ def attention_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
         out.append(Gemm("o_proj", tok, h, a * model.v_head_dim / t))
         return out
     d = model.head_dim
-    qkv_width = (a + 2 * model.num_kv_heads) * d
+    qkv_width = (a * (2 if model.attention_output_gate else 1) + 2 * model.num_kv_heads) * d
     return [Gemm("qkv_proj", tok, qkv_width / t, h), Gemm("o_proj", tok, h, a * d / t)]
 
 
@@ -134,10 +161,11 @@ def moe_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
     return out
 
 
-def layer_gemms(model: ModelSpec, sh: Sharding, kind: MlpKind) -> list[Gemm]:
-    """Every matmul of one decoder layer of ``kind`` (forward)."""
+def layer_gemms(model: ModelSpec, sh: Sharding, kind: MlpKind, *, full_attention: bool = False) -> list[Gemm]:
+    """Every matmul of one decoder layer of ``kind`` (forward): its token mixer the mean of the
+    kind's layers, or softmax attention where ``full_attention`` (``attention_gemms``)."""
     mlp = mlp_gemms(model, sh, model.ffn_hidden_size, shards=sh.tp) if kind == "dense" else moe_gemms(model, sh)
-    return attention_gemms(model, sh) + mlp
+    return attention_gemms(model, sh, kind, full_attention=full_attention) + mlp
 
 
 def matmul_sequence(model: ModelSpec, sh: Sharding, kind: MlpKind) -> list[Gemm]:
@@ -148,11 +176,12 @@ def matmul_sequence(model: ModelSpec, sh: Sharding, kind: MlpKind) -> list[Gemm]
     are left out."""
     h, a, t, tok = model.hidden_size, model.num_attention_heads, sh.tp, sh.tokens
     out: list[Gemm]
-    if model.is_mla:
-        out = attention_gemms(model, sh)
+    if model.is_mla or model.has_linear_attention:  # (a Gated DeltaNet mix: its projections' mean)
+        out = attention_gemms(model, sh, kind)
     else:
         d, kv = model.head_dim, model.num_kv_heads
-        out = [Gemm("q_proj", tok, a * d / t, h), Gemm("k_proj", tok, kv * d / t, h),
+        q_width = a * d * (2 if model.attention_output_gate else 1)
+        out = [Gemm("q_proj", tok, q_width / t, h), Gemm("k_proj", tok, kv * d / t, h),
                Gemm("v_proj", tok, kv * d / t, h), Gemm("o_proj", tok, h, a * d / t)]
 
     def mlp(width: float, name: str) -> list[Gemm]:
@@ -211,12 +240,13 @@ def attention_pairs(model: ModelSpec, seq: Array | float, kind: MlpKind | None =
     ``masked_window``: the window reaches the kernel as an explicit mask (transformers' SDPA
     from seq >= window on), so a sliding layer computes the whole s×s square there."""
     sliding, layers = model.sliding_layers(kind)
+    linear = model.linear_layers(kind)[0]  # Gated DeltaNet layers attend no pair
     if not sliding:
-        return causal_pairs(seq)
+        return causal_pairs(seq) * (layers - linear) / layers if linear else causal_pairs(seq)
     window = causal_pairs(seq, model.sliding_window)
     if masked_window:
         window = np.where(np.asarray(seq) >= model.sliding_window, np.asarray(seq, dtype=float) ** 2, window)
-    return ((layers - sliding) * causal_pairs(seq) + sliding * window) / layers
+    return ((layers - sliding - linear) * causal_pairs(seq) + sliding * window) / layers
 
 
 def masked_pairs(model: ModelSpec, seq: Array | float, kind: MlpKind | None = None) -> Array | float:
@@ -245,6 +275,29 @@ def attention_core_flops(model: ModelSpec, sh: Sharding, *, causal: bool = True,
         pairs = attention_pairs(model, sh.seq, kind, masked_window) if windowed else causal_pairs(sh.seq)
     heads = model.num_attention_heads / sh.tp
     return 2.0 * sh.micro_batch * heads * (model.qk_head_dim + model.value_head_dim) * pairs / sh.cp
+
+
+#: Tokens per chunk of flash-linear-attention's chunked delta rule (``chunk_gated_delta_rule``).
+LINEAR_CHUNK = 64
+
+
+def linear_core_flops(model: ModelSpec, sh: Sharding, kind: MlpKind | None = None) -> tuple[Array | float, Array | float]:
+    """(forward, backward) FLOPs of Gated DeltaNet's chunked delta rule on a device, the mean over
+    the layers of MLP ``kind`` (0 on softmax layers), as flash-linear-attention's kernels execute
+    them (every ``tl.dot``, intra-chunk tiles whole; the backward rebuilds the chunk states), per
+    token and value head, with C = 64 tokens a chunk and key and value widths dk, dv:
+    forward 6·dk·dv + 6·C·dk + 4·C·dv + C²/2 + 480 (the 64 x 64 triangular inverse),
+    backward 16·dk·dv + 20·C·dk + 10·C·dv + 4·C² (182,752 and 524,288 at dk = dv = 128).
+    A device holds Hv/t value heads and T/c tokens; GQA-like key heads do not lower it (the
+    kernels work per value head)."""
+    share = model.linear_share(kind)
+    if not share:
+        return 0.0, 0.0
+    dk, dv, c = model.linear_key_head_dim, model.linear_value_head_dim, LINEAR_CHUNK
+    forward = 6 * dk * dv + 6 * c * dk + 4 * c * dv + c * c / 2 + 480
+    backward = 16 * dk * dv + 20 * c * dk + 10 * c * dv + 4 * c * c
+    head_tokens = share * sh.tokens * model.linear_num_value_heads / sh.tp
+    return head_tokens * forward, head_tokens * backward
 
 
 def gemm_flops(gemms: list[Gemm]) -> Array | float:
@@ -322,7 +375,8 @@ def model_flops_per_micro_batch(
     per_kind = {kind: gemm_flops(layer_gemms(model, sh, kind)) for kind in kinds}
     layers = sum((per_kind[k] for k in model.layer_mlp_kinds), 0.0)
     head = gemm_flops(head_gemms(model, sh))
-    attention = attention_core_flops(model, sh)  # a decoder layer's, the mean over layers
+    # a decoder layer's, the mean over layers: softmax attention's core and Gated DeltaNet's
+    attention = attention_core_flops(model, sh) + linear_core_flops(model, sh)[0]
     mtp = model.mtp_depth * (
         gemm_flops(mtp_gemms(model, sh)) + gemm_flops(layer_gemms(model, sh, model.mtp_mlp_kind)) + head
     )

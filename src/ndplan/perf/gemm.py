@@ -73,6 +73,7 @@ class ComputeRates:
     expert_latency: seconds per local expert per routed-expert GEMM (see EfficiencyProfile).
     optimizer_rate: bytes/s the optimizer's update kernels reach (0: ``hbm_rate``).
     masked_attention_rate: FLOP/s of an attention kernel given an explicit mask (0: ``attention_rate``).
+    linear_attention_rate: FLOP/s of Gated DeltaNet's chunked delta rule (its executed FLOPs).
     wgrad_accum_bytes: bytes per weight element the weight-gradient GEMM reads and writes in
         the gradient buffer (2 · the precision's grad_bytes: 8 for fp32 main gradients).
     """
@@ -90,6 +91,7 @@ class ComputeRates:
     depth_ref: float = DEPTH_REFERENCE
     optimizer_rate: float = 0.0
     masked_attention_rate: float = 0.0
+    linear_attention_rate: float = 0.0
     #: The rates of the GEMMs an fp8 recipe leaves in bf16: the output head (Megatron-Core's
     #: output layer is not a Transformer Engine module, torchao's Float8 conversion skips
     #: ``output``, DeepSeek-V3 keeps the head in its original precision). None where every GEMM

@@ -75,6 +75,7 @@ from ndplan.perf.flops import (
     attention_gemms,
     head_gemms,
     layer_gemms,
+    linear_core_flops,
     masked_pairs,
     module_gemms,
     mtp_gemms,
@@ -269,6 +270,20 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
     (sliding-window layers among them do less: ``flops.attention_pairs``; ``full``: every layer
     attends in full, as MTP modules do)."""
     model = ctx.model
+    linear_f: Array | float = 0.0
+    linear_b: Array | float = 0.0
+    if not full and model.has_linear_attention:  # Gated DeltaNet layers' chunked delta rule
+        linear_f, linear_b = (flops / ctx.rates.linear_attention_rate for flops in linear_core_flops(model, sh, kind))
+    softmax_f, softmax_b = _softmax_core_seconds(ctx, sh, kind, full, calls)
+    return softmax_f + linear_f, softmax_b + linear_b
+
+
+def _softmax_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None, full: bool,
+                          calls: Array | float) -> tuple[Array | float, Array | float]:
+    """(forward, backward) seconds of the softmax attention core (``attention_core_seconds``), the
+    mean over the kind's layers (none on Gated DeltaNet layers)."""
+    model = ctx.model
+    share = 1.0 if full else 1.0 - model.linear_share(kind)
     if ctx.eff.flash_attention:
         masked_window = not ctx.eff.window_kernel
         flops = attention_core_flops(model, sh, kind=kind, windowed=not full, masked_window=masked_window)
@@ -281,7 +296,7 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
         # each call's fixed cost (the backward's pre- and post-processing kernels), split as the
         # FLOPs; ring attention calls the kernel once per ring step (``calls``)
         backward = flash_backward_factor(model)
-        call = calls * ctx.eff.attention_call_s / (1.0 + backward)
+        call = share * calls * ctx.eff.attention_call_s / (1.0 + backward)
         return seconds + call, backward * (seconds + call)
     # Unfused: batched GEMMs over the full square, plus a materialised softmax (+dropout).
     count = sh.micro_batch * model.num_attention_heads / sh.tp
@@ -290,7 +305,7 @@ def attention_core_seconds(ctx: LayerContext, sh: Sharding, kind: MlpKind | None
     pv = Gemm("context", queries, model.value_head_dim, sh.seq, count=count)
     matmuls = gemm_seconds(qk, ctx.rates) + gemm_seconds(pv, ctx.rates)
     softmax = unfused_score_bytes(model, sh) / ctx.rates.hbm_rate
-    return matmuls + softmax, 2.0 * (matmuls + softmax)
+    return share * (matmuls + softmax), share * 2.0 * (matmuls + softmax)
 
 
 def tp_gather_share(ctx: LayerContext) -> float:
@@ -882,7 +897,7 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     """The compute of one decoder layer of ``kind`` on the base rows ``bc`` (see ``_LayerCompute``)."""
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
-    gemms = layer_gemms(model, shardings.distinct, kind)  # per distinct sharding, as forward_of
+    gemms = layer_gemms(model, shardings.distinct, kind, full_attention=full_attention)  # per distinct sharding
     gemm_distinct, forward_of = _pass_gemm_seconds(ctx, gemms)
     gemm = {pass_: shardings.spread(value) for pass_, value in gemm_distinct.items()}
     cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, gemms))
@@ -919,7 +934,8 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
         # waits, then runs the rest as the host launches it. Launching the part before the
         # sync costs about a dense layer's host time, so the forward takes at least
         # (host_f - host_layer_s) + g_pre.
-        pre_sync = attention_gemms(model, shardings.distinct) + [g for g in gemms if g.name == "router"]
+        pre_sync = (attention_gemms(model, shardings.distinct, kind, full_attention=full_attention)
+                    + [g for g in gemms if g.name == "router"])
         pre_cast, _ = fp8_cast_seconds(ctx, pre_sync)
         g_pre = shardings.spread(sum((forward_of[g.name] for g in pre_sync), 0.0) + pre_cast) + attn_f
         floor_f = np.maximum(host_f, np.maximum(host_f - eff.host_layer_s, 0.0) + g_pre)

@@ -14,6 +14,9 @@ Per decoder layer, forward:
 * rotary on q and k: read + write      -> 2·T·(a + kv)·d_rope/t   (MLA: the rope part only)
 * QK-norm, MLA latent norms            -> read + write their widths (the latent norms on T_n:
                                           MLA's down-projections take the sequence shard)
+* attention output gate (Qwen3-Next, Qwen3.5): sigmoid (read, write) and product (read 2,
+  write 1) -> 5·T·a·d/t; a Gated DeltaNet layer has no rotary, q/k norm or gate of these but its
+  own (``linear_mixer_elements``); a kind mixing both takes each at its share of layers
 * MLP activation: gated reads gate and up, writes one -> 3·T·f/t; plain 2·T·f/t
 * MoE: permute (read + write) and un-permute + weighted combine (read 2, write 1) of the
   T·k/t routed copies of h -> 5·(T·k/t)·h; expert activations 3·(T·k/t)·f_e (gated).
@@ -270,12 +273,17 @@ def layer_bytes(
     t_n = norm_tokens(sh, sp)
     norms = 2.0 * model.norms_per_layer * t_n * h
     residual = 6.0 * t_n * h
-    rope = 2.0 * tok * rope_width(model) / t
+    softmax = 1.0 - model.linear_share(kind)  # the share of the kind's layers with softmax attention
+    rope = 2.0 * tok * rope_width(model) / t * softmax
     extra_norms: Array | float = 0.0
     if model.qk_norm:
-        extra_norms = extra_norms + 2.0 * tok * (model.num_attention_heads + model.num_kv_heads) * model.head_dim / t
+        extra_norms = extra_norms + 2.0 * tok * (model.num_attention_heads + model.num_kv_heads) * model.head_dim / t * softmax
     if model.is_mla:  # the latent norms, on the down-projections' tokens (flops.attention_gemms)
         extra_norms = extra_norms + 2.0 * t_n * (model.q_lora_rank + model.kv_lora_rank)
+    if model.attention_output_gate:  # sigmoid of the gate (read, write) and the product (read 2, write 1)
+        extra_norms = extra_norms + 5.0 * tok * model.num_attention_heads * model.head_dim / t * softmax
+    if model.has_linear_attention:
+        extra_norms = extra_norms + model.linear_share(kind) * linear_mixer_elements(model, sh)
     activation: Array | float
     shuffle: Array | float
     if kind == "dense":
@@ -294,6 +302,19 @@ def layer_bytes(
                                              + own * h * ALLGATHER_OWN_BYTES) / act_bytes
     recomputable = norms + rope + extra_norms + activation
     return act_bytes * (recomputable + residual + shuffle), act_bytes * recomputable
+
+
+def linear_mixer_elements(model: ModelSpec, sh: Sharding) -> Array | float:
+    """Elements the memory-bound ops of one Gated DeltaNet block move on a device, forward,
+    beside its projections and the chunked delta rule's own kernels (their time is the core's):
+    with C = 2·Kd + Vd the convolved q, k, v channels, the causal convolution with its SiLU
+    (read C, write C), the kernel's contiguous copies of q, k, v (read C, write C), the q and k
+    L2 norms (read 2·Kd, write 2·Kd), and the gated RMSNorm (read the output and z, write one:
+    3·Vd), all split over t by heads -> (4·C + 4·Kd + 3·Vd)·T/t. The per-head beta and decay
+    (Hv a token) are left out: under 1% of it."""
+    key, value = model.linear_key_width, model.linear_value_width
+    channels = 2 * key + value
+    return (4.0 * channels + 4.0 * key + 3.0 * value) * sh.tokens / sh.tp
 
 
 def _gate_factor(model: ModelSpec) -> float:

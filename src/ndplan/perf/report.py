@@ -24,6 +24,7 @@ from ndplan.perf.flops import (
     attention_core_flops,
     gemm_flops,
     layer_gemms,
+    linear_core_flops,
     model_flops_per_micro_batch,
 )
 from ndplan.perf.gaps import time_known_gaps
@@ -65,6 +66,9 @@ COMM_KEYS = ("tp", "cp", "ep", "dp", "offload", "pp")
 def _pairs_formula(model: ModelSpec, kind: str, masked_window: bool = False) -> str:
     """The kept (query, key) pairs of a layer of ``kind`` as the explain line writes them."""
     sliding, layers = model.sliding_layers(kind)  # type: ignore[arg-type]
+    linear = model.linear_layers(kind)[0]  # type: ignore[arg-type]
+    if linear:  # Gated DeltaNet layers attend no pair
+        return f"{layers - linear}·s(s+1)/2/{layers}" if not sliding else f"(…)/{layers} ({linear} Gated DeltaNet layers: 0)"
     if not sliding:
         return "s(s+1)/2"
     windowed = f"(w(w+1)/2 + (s−w)·w, w = min(s, {model.sliding_window:,}))"
@@ -328,10 +332,15 @@ def explain_lines(r: TimeReport) -> list[str]:
         masked = not r.efficiency.window_kernel
         attn = float(attention_core_flops(model, sh, kind=kind, masked_window=masked))  # type: ignore[arg-type]
         p = pieces[kind]
+        linear_f, linear_b = (float(np.asarray(x).reshape(-1)[0]) for x in linear_core_flops(model, sh, kind))  # type: ignore[arg-type]
         lines.append(
             f"{kind} layer, one micro-batch on one device: matmul FLOPs fwd = Σ 2·M·N·K = {flops / 1e9:,.1f} GFLOP "
             f"(GEMMs F {_ms(per_pass['F'])}, B {_ms(per_pass['B'])}, W {_ms(per_pass['W'])}); attention core fwd = "
             f"2·b·(a/t)·(d_qk+d_v)·{_pairs_formula(model, kind, masked)}/c = {attn / 1e9:,.1f} GFLOP"
+            + (f"; Gated DeltaNet core ({model.linear_layers(kind)[0]} of {model.linear_layers(kind)[1]} layers, "  # type: ignore[arg-type]
+               f"chunks of 64) fwd {linear_f / 1e9:,.1f}, bwd {linear_b / 1e9:,.1f} GFLOP at peak · "
+               f"linear_attention_eff {r.efficiency.linear_attention_efficiency:g} = "
+               f"{rates.linear_attention_rate / 1e12:,.1f} TFLOP/s" if linear_f else "")
         )
         for pass_ in ("F", "B", "W"):
             parts = ", ".join(

@@ -138,6 +138,7 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
             attention_rate=attention_peak * eff.attention_efficiency * eff.flex_share,
             # never faster than the causal kernel (a fitted attention_efficiency may fall below it)
             masked_attention_rate=attention_peak * min(eff.figure("masked_attention_efficiency"), eff.attention_efficiency),
+            linear_attention_rate=attention_peak * eff.linear_attention_efficiency,
             hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
             operand_bytes=1.0 if in_fp8 else 2.0,
             expert_latency=eff.expert_gemm_latency,
