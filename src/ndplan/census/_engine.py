@@ -391,6 +391,16 @@ def gpu_sdpa_kernels(used: list[str]) -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
+@contextlib.contextmanager
+def gpu_kernels(used: list[str]) -> Iterator[None]:
+    """The GPU kernels the census stands in for: SDPA's (``gpu_sdpa_kernels``) and Gated DeltaNet's
+    (``ndplan.census.kernels``). ``used`` collects a note each time one runs."""
+    from ndplan.census.kernels import gated_deltanet_kernels
+
+    with gpu_sdpa_kernels(used), gated_deltanet_kernels(used):
+        yield
+
+
 # --------------------------------------------------------------------------------------------------
 # building layers from a Hugging Face config
 
@@ -458,6 +468,13 @@ def tp2_config(config: Any) -> tuple[Any, list[str]]:
     for name in _WIDTH_FIELDS:
         v = getattr(c, name, None)
         if isinstance(v, int) and v > 0:
+            setattr(c, name, v // 2)
+    # A Gated DeltaNet's key and value heads, split as the attention heads are.
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):
+        v = getattr(c, name, None)
+        if isinstance(v, int) and v > 0 and any(t == "linear_attention" for t in getattr(c, "layer_types", None) or ()):
+            if v % 2:
+                raise NdplanError(f"census: cannot simulate TP 2 with {name}={v} (needs an even count)")
             setattr(c, name, v // 2)
     return c, notes
 
@@ -600,20 +617,29 @@ def layer_kinds(model: Any) -> list[tuple[str, int, int]]:
         mla = any(n.endswith("kv_a_proj_with_mqa") for n, _ in layer.named_modules()) or hasattr(
             getattr(layer, "self_attn", None), "kv_lora_rank"
         )
-        # A layer with routed experts: fused 3-D expert weights, or a module list of experts. (Not
+        # A layer with routed experts: fused 3-D expert weights (not a Gated DeltaNet's convolution),
+        # or a module list of experts. (Not
         # by class names: a family's prefix can say MoE on every class, GLM-4.5's dense layers'
         # Glm4MoeMLP and Qwen3-MoE's Qwen3MoeDecoderLayer included.)
-        moe = any(p.dim() == 3 for p in layer.parameters()) or any(
+        moe = any(p.dim() == 3 and not n.startswith("linear_attn.") for n, p in layer.named_parameters()) or any(
             name.rsplit(".", 1)[-1] == "experts" for name, _ in layer.named_modules()
         )
         name = ("mla-" if mla else "") + ("moe" if moe else "dense")
         if len(spans) > 1 and sig[1]:
             name += "-sliding"
+        if is_linear_attention(layer) and len(groups) > 1:  # beside softmax layers: a kind of its own
+            name += "-linear"
         if name in used:
             name += f"-{idxs[0]}"
         used.add(name)
         named.append((name, idxs[0], len(idxs)))
     return named
+
+
+def is_linear_attention(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer mixes tokens through a Gated DeltaNet (Qwen3-Next, Qwen3.5's
+    'linear_attention' layers) instead of softmax attention."""
+    return getattr(layer, "linear_attn", None) is not None
 
 
 def call_layer_fn(layer: torch.nn.Module, extra: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -653,7 +679,9 @@ def position_inputs(model: Any, config: Any, x: torch.Tensor, layer_type: str = 
             config=config, input_embeds=x, attention_mask=None, cache_position=torch.arange(s),
             past_key_values=None, position_ids=None,
         )
-    extra["attention_mask"] = mask
+    # A Gated DeltaNet layer gets the padding mask alone, None without padding (transformers'
+    # create_recurrent_attention_mask), never the causal one.
+    extra["attention_mask"] = None if layer_type == "linear_attention" else mask
     return extra
 
 
@@ -713,6 +741,7 @@ __all__ = [
     "collect",
     "decoder_layers",
     "find_module",
+    "gpu_kernels",
     "gpu_sdpa_kernels",
     "layer_slides",
     "sliding_inputs",

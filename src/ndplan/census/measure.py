@@ -96,7 +96,7 @@ def run_census(
 
     fake = E.FakeTensorMode()
     emulated: list[str] = []
-    with fake, E.gpu_sdpa_kernels(emulated):
+    with fake, E.gpu_kernels(emulated):
         for model in (model1, model2):
             rotary = E.find_module(model, "rotary_emb")
             if rotary is not None:
@@ -206,7 +206,7 @@ def measure_policy(hf_config: dict[str, Any], policy: str, *, seq_length: int = 
     dt = E.DTYPES[dtype]
     fp32 = E.keep_fp32_patterns(model, dt)
     out = {}
-    with E.FakeTensorMode(), E.gpu_sdpa_kernels([]):
+    with E.FakeTensorMode(), E.gpu_kernels([]):
         rotary = E.find_module(model, "rotary_emb")
         if rotary is not None:
             E.materialize(rotary, dt, "model.rotary_emb", fp32)

@@ -384,7 +384,7 @@ def _patched(E: Any, notes: list[str]) -> Iterator[None]:
 
     emulated: list[str] = []
     try:
-        with E.gpu_sdpa_kernels(emulated), warnings.catch_warnings():
+        with E.gpu_kernels(emulated), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:

@@ -304,12 +304,14 @@ def _measured(record: CensusRecord | Recompute, tp: np.ndarray, seq: np.ndarray,
 
 
 def _census_layer_mean(model: ModelSpec, kind: MlpKind, record: CensusRecord, sliding_record: CensusRecord | None,
-                       seq: np.ndarray, masked_bytes: np.ndarray, sdpa: bool) -> Callable[..., np.ndarray]:
+                       linear_record: CensusRecord | None, seq: np.ndarray, masked_bytes: np.ndarray,
+                       sdpa: bool) -> Callable[..., np.ndarray]:
     """How census records price the mean layer of MLP ``kind``: ``mean(value, masks)`` weighs
-    ``value`` of the record measuring its full-attention layers and of the one measuring its
-    sliding layers by their counts. The census measures each layer with the mask the model hands
-    it, and a sliding layer's apart ('<kind>-sliding') where the model has both; where every layer
-    of the kind slides, ``record`` measured them (no apart kind).
+    ``value`` of the record measuring its full-attention layers, of the one measuring its
+    sliding layers and of the one measuring its Gated DeltaNet layers by their counts. The census
+    measures each layer with the mask the model hands it, and a sliding (Gated DeltaNet) layer's
+    apart ('<kind>-sliding', '<kind>-linear') where the model has both; where every layer of the
+    kind slides (or is a Gated DeltaNet), ``record`` measured them (no apart kind).
 
     A sliding layer keeps SDPA's masked-path tensors (the profile's ``sdpa_masked``,
     ``masked_bytes`` a token) from the window on, under transformers' SDPA alone (``sdpa``; a
@@ -319,21 +321,30 @@ def _census_layer_mean(model: ModelSpec, kind: MlpKind, record: CensusRecord, sl
     follows the mask on one side of the window, not across it); a sliding layer priced from a
     full layer's record (a census that measured them as one) takes them where it keeps them."""
     sliding, layers = model.sliding_layers(kind)
+    linear = model.linear_layers(kind)[0] if linear_record is not None else 0
     window = max(model.sliding_window, 1)
     reaches = ((seq >= window) & sdpa).astype(float)
 
     def mean(value: Callable[[CensusRecord], np.ndarray], masks: bool = False) -> np.ndarray:
+        if linear:
+            assert linear_record is not None
+            return ((layers - linear) * softmax_mean(value, masks) + linear * value(linear_record)) / layers
+        return softmax_mean(value, masks)
+
+    def softmax_mean(value: Callable[[CensusRecord], np.ndarray], masks: bool = False) -> np.ndarray:
+        """The mean over the kind's softmax attention layers (full and sliding)."""
+        layers_softmax = layers - linear
         if not sliding:
             return value(record)
-        own = sliding_record if sliding_record is not None else record if sliding == layers else None
+        own = sliding_record if sliding_record is not None else record if sliding == layers_softmax else None
         if own is None:  # measured as the full layers
             slid = value(record) + (reaches * masked_bytes if masks else 0.0)
         else:
             measured_mask = float(own.attention == "sdpa" and own.seq_length >= window)
             slid = value(own) + ((reaches - measured_mask) * masked_bytes if masks else 0.0)
-        if sliding == layers:
+        if sliding == layers_softmax:
             return slid
-        return ((layers - sliding) * value(record) + sliding * slid) / layers
+        return ((layers_softmax - sliding) * value(record) + sliding * slid) / layers_softmax
 
     return mean
 
@@ -353,7 +364,7 @@ def _sdpa_fallbacks(model: ModelSpec, batch: StrategyBatch) -> dict[MlpKind, tup
     for kind in ("dense", "moe"):
         sliding, layers = model.sliding_layers(kind)
         masked = np.where(batch.seq_length >= max(model.sliding_window, 1), sliding / max(layers, 1), 0.0)
-        math = np.where(fp32 & grouped, 1.0 - masked, 0.0)
+        math = np.where(fp32 & grouped, 1.0 - model.linear_share(kind) - masked, 0.0)
         out[kind] = (masked, math)
     return out
 
@@ -378,6 +389,10 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     """Bytes per token per rank of each layer variant, per strategy (a function of
     ``ACTIVATION_FIELDS`` alone)."""
     profile = options.profile
+    if model.has_linear_attention and "linear_attention" not in profile.blocks:
+        raise NdplanError(f"{model.name} has Gated DeltaNet layers, and runtime '{profile.name}' does not say what "
+                          "they keep for backward (its profile has no linear_attention block): price it under "
+                          "runtime 'pytorch' (transformers with flash-linear-attention)")
     if model.norm_placement == "post" and profile.name == "megatron":
         raise NdplanError(f"{model.name} puts its norms after attention and MLP (norm_placement 'post'), which "
                           "Megatron-Core's layers do not build (their norms come first, fused into the next "
@@ -426,18 +441,25 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     attention_name = "attention_mla" if model.is_mla else "attention"
     norm, norm_kept = block("norm"), block("norm", "kept")
     norms = model.norms_per_layer  # the layer's h-wide norms, each keeping the norm block's tensors
-    # Per MLP kind: the kinds' layers may differ in attention span (sliding windows).
-    attention = dict.fromkeys(("dense", "moe"), block(attention_name))
-    attention_kept = dict.fromkeys(("dense", "moe"), block(attention_name, "kept"))
+    # Per MLP kind: the kinds' layers may differ in attention span (sliding windows) and mixer (a
+    # Gated DeltaNet on the 'linear' layers: a kind's layer is their mean, ``linear``'s share).
+    linear = {k: model.linear_share(k) for k in ("dense", "moe")}
+    softmax = {k: 1.0 - share for k, share in linear.items()}
+
+    def mixer(part: str = "base") -> dict[str, np.ndarray]:
+        return {k: softmax[k] * block(attention_name, part) + (linear[k] * block("linear_attention", part)
+                                                                  if linear[k] else 0.0) for k in ("dense", "moe")}
+
+    attention, attention_kept = mixer(), mixer("kept")
     # The attention backward's working set where the scores are materialised (s² per head), with
     # CUDA softmax's scratch where overhead is counted (fake tensors do not see it).
     attention_backward = dict.fromkeys(("dense", "moe"), 0.0 * tp)
     product = block("softmax_backward_product") if options.include_overhead else 0.0
     if options.attention == "eager":
         for k in ("dense", "moe"):
-            attention[k] = attention[k] + block("eager_scores")
-            attention_kept[k] = attention_kept[k] + block("eager_scores", "kept")
-            attention_backward[k] = block("eager_backward_extra") + product
+            attention[k] = attention[k] + softmax[k] * block("eager_scores")
+            attention_kept[k] = attention_kept[k] + softmax[k] * block("eager_scores", "kept")
+            attention_backward[k] = np.where(softmax[k] > 0, block("eager_backward_extra") + product, 0.0)
     # Both SDPA fallbacks repeat K and V to every query head: a copy where a rank holds more than
     # one KV head (with one, repeat_kv's reshape is a view).
     repeats = np.where(model.num_kv_heads / tp > 1, 1.0, 0.0)
@@ -460,9 +482,10 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                      "moe": {"norm": norms * norm_kept, "attention": attention_kept["moe"], "moe": block("moe", "kept")}}
     selective = {k: _summed(kept_by_block[k]) + checkpoint_input for k in ("dense", "moe")}
     formula_selective = dict(selective)
+    mixer_weight_input = mixer("weight_input")
     weight_input = {
-        "dense": block(attention_name, "weight_input") + block("mlp", "weight_input"),
-        "moe": block(attention_name, "weight_input") + block("moe", "weight_input"),
+        "dense": mixer_weight_input["dense"] + block("mlp", "weight_input"),
+        "moe": mixer_weight_input["moe"] + block("moe", "weight_input"),
     }
     # The output gradients W consumes; a profile without the table assumes them as large as
     # the linear inputs.
@@ -493,8 +516,13 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     for kind in ("dense", "moe"):
         measured = _census_for(options, kind, model)
         sliding_record = _census_for(options, f"{kind}-sliding", model)
+        linear_record = _census_for(options, f"{kind}-linear", model)
         if measured is None and sliding_record is not None:  # every layer of the kind slides
             measured, sliding_record = sliding_record, None
+        linear_layers, kind_layers = model.linear_layers(kind)
+        if measured is not None and 0 < linear_layers < kind_layers and linear_record is None:
+            raise NdplanError(f"the census measured {model.name}'s {kind} layers but not its Gated DeltaNet ones "
+                              f"(no '{kind}-linear' record): measure it again with `ndplan census`")
         if measured is not None:
             measured_kinds.add(kind)
             if offload:
@@ -504,7 +532,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                 raise NdplanError("a census measures the runtime's own selective recompute, not recompute modules "
                                   f"({' '.join(batch.recompute_modules)}): leave out one or the other")
             record = measured
-            for each in (record, sliding_record):
+            for each in (record, sliding_record, linear_record):
                 if each is not None:
                     _check_census_runtime(each, batch, options)
             # Measured bytes replace the formulas; the TP split comes from the census's TP-2 run,
@@ -513,7 +541,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
             applies = ~((batch.sequence_parallel > 0) & (tp > 1))
             if kind == "moe":
                 applies &= np.where(batch.etp == 0, tp, batch.etp) == tp
-            layers_of = _census_layer_mean(model, kind, record, sliding_record, seq, sdpa_masked,
+            layers_of = _census_layer_mean(model, kind, record, sliding_record, linear_record, seq, sdpa_masked,
                                            options.attention == "sdpa")
             full[kind] = np.where(applies, layers_of(lambda r: _measured(r, tp, seq, r.seq_length), True), full[kind])
             # Its selective figures are torch's keep-every-matmul checkpointing: another policy
@@ -523,7 +551,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                     applies, layers_of(lambda r: _measured(r.selective, tp, seq, r.seq_length)), selective[kind])
             rebuilt_input[kind] = np.where(
                 applies, layers_of(lambda r: _measured(r.full_recompute, tp, seq, r.seq_length)), rebuilt_input[kind])
-            extra = max(r.backward_peak_extra_bytes_per_token for r in (record, sliding_record) if r is not None)
+            extra = max(r.backward_peak_extra_bytes_per_token for r in (record, sliding_record, linear_record)
+                        if r is not None)
             backward_extra[kind] = np.where(applies, extra * backward_tp_share[kind], backward_extra[kind])
     is_full, is_selective = batch.is_("recompute", "full"), batch.is_("recompute", "selective")
     recomputed = {k: np.where(is_full, rebuilt_input[k], selective[k]) for k in ("dense", "moe")}

@@ -40,7 +40,7 @@ _SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 #: The blocks every layer has: a profile must say what each keeps.
 REQUIRED_BLOCKS: tuple[str, ...] = ("norm", "attention", "mlp", "layer_input", "output")
 BLOCKS: tuple[str, ...] = (
-    "norm", "attention", "attention_mla", "eager_scores", "sdpa_masked", "sdpa_math", "sdpa_repeated_kv",
+    "norm", "attention", "attention_mla", "linear_attention", "eager_scores", "sdpa_masked", "sdpa_math", "sdpa_repeated_kv",
     "eager_backward_extra",
     "sdpa_math_backward_extra", "softmax_backward_product", "mlp", "moe", "layer_input", "embedding",
     "output", "output_transient", "backward_extra", "moe_backward_extra", "output_backward_extra",
@@ -52,14 +52,14 @@ BLOCKS: tuple[str, ...] = (
 FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"})
 #: The model types whose Hugging Face attention keeps one more query-sized copy for backward than
 #: Llama's (the pytorch profile's query_copy; measured by the census, see there).
-QUERY_COPY_MODEL_TYPES = frozenset({"glm4_moe", "minimax_m2", "phi3"})
+QUERY_COPY_MODEL_TYPES = frozenset({"glm4_moe", "minimax_m2", "phi3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 #: The model types whose Hugging Face attention projects q, k and v in one linear and keeps its
 #: whole output for backward (v is a view of it), not v alone (the pytorch profile's fused_qkv).
 FUSED_QKV_MODEL_TYPES = frozenset({"phi3"})
 #: The model types whose Hugging Face RMSNorm multiplies its weight in fp32 and casts after
 #: ((w · x̂).to(dtype); Llama casts first, w · x̂.to(dtype)): the product keeps the fp32
 #: normalised input for the weight's gradient (the pytorch profile's norm_fp32_weight).
-FP32_NORM_WEIGHT_MODEL_TYPES = frozenset({"olmo2", "olmo3", "gemma3_text"})
+FP32_NORM_WEIGHT_MODEL_TYPES = frozenset({"olmo2", "olmo3", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 
 
 def model_symbols(model: ModelSpec) -> dict[str, float]:
@@ -106,6 +106,12 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "kv_lora": model.kv_lora_rank,
         "rope": model.qk_rope_head_dim,
         "vocab": model.vocab_size,
+        # Gated DeltaNet layers: key and value widths over their heads, and the heads
+        "linear_key": model.linear_key_width,
+        "linear_value": model.linear_value_width,
+        "linear_key_heads": model.linear_num_key_heads,
+        "linear_value_heads": model.linear_num_value_heads,
+        "output_gate": 1 if model.attention_output_gate else 0,
     }
 
 
@@ -113,7 +119,8 @@ SYMBOLS: tuple[str, ...] = (
     "h", "q", "k", "v", "o", "heads", "kv_heads", "ffn", "moe_ffn", "topk", "experts", "shared_ffn",
     "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast", "query_copy",
     "norm_fp32_weight", "norms", "fused_qkv", "router_fp32", "shared_gate",
-    "q_lora", "kv_lora", "rope", "vocab", "seq",
+    "q_lora", "kv_lora", "rope", "vocab", "linear_key", "linear_value", "linear_key_heads", "linear_value_heads",
+    "output_gate", "seq",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

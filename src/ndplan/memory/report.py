@@ -402,6 +402,26 @@ def headroom(strategy: Strategy, options: MemoryOptions, model: ModelSpec | None
     return 0.0
 
 
+def _uneven_linear_stages(model: ModelSpec, strategy: Strategy) -> str:
+    """The stages whose Gated DeltaNet share differs from the model's, as "stage 0 holds 2 of 6"
+    (empty where every stage holds the model's share)."""
+    placement = place_layers(
+        model, strategy.pp, strategy.vpp, strategy.schedule, strategy.stage_layers,
+        embedding_as_layer=strategy.embedding_as_layer, output_as_layer=strategy.output_as_layer,
+    )
+    linear = np.array([span == "linear" for span in model.layer_attention_spans], dtype=float)
+    starts = np.concatenate([[0], np.cumsum(placement.layers)[:-1]]).astype(int)
+    held = np.zeros(strategy.pp)
+    layers = np.zeros(strategy.pp)
+    for virtual, (start, count) in enumerate(zip(starts.tolist(), placement.layers.astype(int).tolist(), strict=True)):
+        held[placement.stage_of[virtual]] += linear[start:start + count].sum()
+        layers[placement.stage_of[virtual]] += count
+    share = model.linear_share()
+    off = [f"stage {stage} holds {held[stage]:.0f} of {layers[stage]:.0f}" for stage in range(strategy.pp)
+           if abs(held[stage] - share * layers[stage]) > 1e-9]
+    return ", ".join(off)
+
+
 def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | None = None) -> list[str]:
     """Measured misses of the estimator for this kind of strategy (docs/accuracy.md), and what
     it prices unmeasured, so that a user sees them beside the number rather than in a document."""
@@ -457,6 +477,13 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
                         "(Qwen2.5-7B sliding from layer 14, pp2, 16k tokens, 4 micro-batches: its second stage by "
                         "about 4.8 GiB), one holding fewer over-estimated (under recompute, its checkpoints are "
                         "charged the boolean mask whether or not its layers slide)")
+    if model is not None and model.has_linear_attention and strategy.pp > 1:
+        uneven = _uneven_linear_stages(model, strategy)
+        if uneven:
+            gaps.append("Gated DeltaNet and softmax attention layers are priced at the model's mix on every layer "
+                        f"({model.linear_layers()[0]} of {model.num_layers} Gated DeltaNet), not per stage: "
+                        f"{uneven} (their parameters, activations and time differ; stages of whole groups of the "
+                        "model's pattern are exact)")
     # (the figures of docs/accuracy_time.md's two-sided memory table, whose band
     # tests/test_perf_calibrate.py pins: a change that moves them must move these words too)
     free = headroom(strategy, options, model)
