@@ -159,6 +159,8 @@ def test_formulas_equal_the_census(config):
     records = run_census(config, seq_length=64, name="tiny")
     kinds = [r.layer_kind for r in records]
     assert kinds == (["moe-linear", "moe", "output"] if spec.is_moe else ["dense-linear", "dense", "output"])
+    assert "kept what flash-linear-attention 0.6's kernel keeps" in records[0].notes
+    assert "flash-linear-attention" not in records[1].notes  # the softmax layers ran no stand-in
     router_gather = 2 * 2 if spec.is_moe else 0
     for tp in (1, 2):
         for recompute in ("none", "selective", "full"):
@@ -207,3 +209,14 @@ def test_stages_off_the_models_mix_are_named():
     assert gaps(4) == []
     (gap,) = gaps(8)
     assert "(36 of 48 Gated DeltaNet), not per stage: stage 0 holds 5 of 6, stage 1 holds 4 of 6" in gap
+
+
+def test_step_time_says_its_gated_deltanet_rate_is_unchecked():
+    from ndplan.perf.gaps import time_known_gaps
+
+    spec = get_preset("qwen3.5-27b")
+    (gap,) = time_known_gaps(spec, Strategy(dp=8, seq_length=4096, micro_batch_size=1, global_batch_size=8), "pytorch")
+    assert "no published training run of a Gated DeltaNet model" in gap and "value heads a device" not in gap
+    (gap,) = time_known_gaps(spec, Strategy(dp=2, tp=4, seq_length=4096, micro_batch_size=1, global_batch_size=2),
+                             "pytorch")
+    assert "with 12 value heads a device (tp=4) expect it slower" in gap

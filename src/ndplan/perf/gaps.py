@@ -68,6 +68,13 @@ def time_known_gaps(model: ModelSpec, strategy: Strategy, runtime: str) -> list[
                     f"torchtitan runs with CP 2-8 (median {c.median:+.1%}, from {c.highest:+.1%} to {c.lowest:+.1%}, "
                     "the more CP ranks the faster): expect its step to take longer than priced here "
                     "(docs/accuracy_time.md)")
+    if model.has_linear_attention:
+        heads = model.linear_num_value_heads // strategy.tp
+        gaps.append("no published training run of a Gated DeltaNet model is priced here: its chunked delta rule "
+                    "runs at the rate one kernel benchmark measured on an H200 (fla 0.5.1, 32 value heads: 0.10 "
+                    "of the bf16 peak), carried to this device"
+                    + (f"; with {heads} value heads a device (tp={strategy.tp}) expect it slower: the same "
+                       "benchmark took twice as long per head at 8" if heads < 32 else ""))
     return gaps
 
 
