@@ -625,10 +625,12 @@ def merge_model(
         merged = {**(defaults(values) if defaults else {}), **values, "name": name, "model_type": model_type}
     if "moe" not in (merged.get("layer_mlp_kinds") or ()) and not merged.get("num_experts"):
         merged.pop("layer_mlp_kinds", None)
-    if "sliding" not in (merged.get("layer_attention_spans") or ()):
-        if merged.get("layer_attention_spans"):  # every layer full: a window no layer uses
+    spans = merged.get("layer_attention_spans") or ()
+    if "sliding" not in spans:
+        if spans:  # no layer slides: a window no layer uses
             merged["sliding_window"] = 0
-        merged.pop("layer_attention_spans", None)
+        if "linear" not in spans:  # (Gated DeltaNet layers keep theirs)
+            merged.pop("layer_attention_spans", None)
     try:
         return ModelSpec(**merged)
     except ValidationError as error:
@@ -653,8 +655,9 @@ def _warn_conflicts(
     for key, (value, label) in stated.items():
         if key in skip or base_fields.get(key) == value or (tolerate and tolerate(key, value, base_fields.get(key))):
             continue
-        shown = value if key != "layer_mlp_kinds" else _kinds_text(value)
-        was = base_fields.get(key) if key != "layer_mlp_kinds" else _kinds_text(base.layer_mlp_kinds)
+        per_layer = key in ("layer_mlp_kinds", "layer_attention_spans")
+        shown = _kinds_text(value) if per_layer else value
+        was = _kinds_text(base_fields[key]) if per_layer else base_fields.get(key)
         warnings.append(f"{label} sets {key}={shown} but {base.name} has {was}; using {origin}'s value")
 
 
@@ -666,6 +669,11 @@ def _kinds_text(kinds: Sequence[str]) -> str:
             runs[-1] = f"{head}×{int(count) + 1}"
         else:
             runs.append(f"{kind}×1")
+    # A repeated group of runs once, with its count: [(linear×3, full×1)×16]
+    for period in range(1, len(runs) // 2 + 1):
+        if len(runs) % period == 0 and runs == runs[:period] * (len(runs) // period):
+            group = ", ".join(runs[:period])
+            return f"[({group})×{len(runs) // period}]" if period > 1 else f"[{group}]"
     return "[" + ", ".join(runs) + "]"
 
 

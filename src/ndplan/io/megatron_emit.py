@@ -342,11 +342,16 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length
         if m.num_dense_layers:
             flags.append(("--moe-layer-freq", _pattern(_with_noop(m.layer_mlp_kinds, noop))))
     if m.has_linear_attention:
-        # (Megatron-LM builds Gated DeltaNet layers for Qwen3-Next under flags ndplan neither writes
-        # nor reads yet, and its profile does not price what they keep.)
-        lost.append("the Gated DeltaNet layers")
+        # Megatron-LM's Gated DeltaNet layers (its Qwen3-Next support); a list pattern: 1 Gated
+        # DeltaNet, 0 softmax attention.
+        bits = tuple("moe" if span == "linear" else "dense" for span in m.layer_attention_spans)
+        flags += [("--experimental-attention-variant", "gated_delta_net"),
+                  ("--linear-attention-freq", _pattern(_with_noop(bits, noop))),
+                  ("--linear-num-key-heads", m.linear_num_key_heads), ("--linear-num-value-heads", m.linear_num_value_heads),
+                  ("--linear-key-head-dim", m.linear_key_head_dim), ("--linear-value-head-dim", m.linear_value_head_dim),
+                  ("--linear-conv-kernel-dim", m.linear_conv_kernel)]
     if m.attention_output_gate:
-        lost.append("the attention output gate")
+        flags.append(("--attention-output-gate", None))
     if "sliding" in m.layer_attention_spans:
         # TransformerEngine's window (left, right): keys i − left … i + right, so w keys causal.
         flags.append(("--window-size", f"{m.sliding_window - 1},0"))

@@ -156,6 +156,46 @@ def _window(args: Args, put: Callable[[str, Any, str], None], slots: int | None,
     put("layer_attention_spans", spans, "--window-attn-skip-freq")
 
 
+#: Megatron-LM's defaults for its Gated DeltaNet layers' widths (megatron/training/arguments.py).
+_GATED_DELTANET_FLAGS = (("--linear-num-key-heads", "linear_num_key_heads", 16),
+                         ("--linear-num-value-heads", "linear_num_value_heads", 32),
+                         ("--linear-key-head-dim", "linear_key_head_dim", 128),
+                         ("--linear-value-head-dim", "linear_value_head_dim", 128),
+                         ("--linear-conv-kernel-dim", "linear_conv_kernel", 4))
+
+
+def _gated_deltanet(args: Args, put: Callable[[str, Any, str], None], slots: int | None, noop: frozenset[int],
+                    defines: bool) -> None:
+    """--experimental-attention-variant gated_delta_net (or the older --linear-attention-type)
+    with --linear-attention-freq (an integer N: every N-th layer, 1-based, softmax attention, the
+    others Gated DeltaNet; a list: 1 Gated DeltaNet, 0 softmax) and the --linear-* widths, as
+    ``layer_attention_spans`` 'linear' and the ``linear_*`` fields; --attention-output-gate."""
+    if args.has("--attention-output-gate"):
+        put("attention_output_gate", True, "--attention-output-gate")
+    elif defines:
+        put("attention_output_gate", False, "no --attention-output-gate")
+    variant = args.text("--experimental-attention-variant", "--linear-attention-type")
+    if variant not in ("gated_delta_net", "gdn"):
+        args.get("--linear-attention-freq", *(flag for flag, _, _ in _GATED_DELTANET_FLAGS))
+        if defines:
+            for _, field, _ in _GATED_DELTANET_FLAGS:
+                put(field, 0, "no --experimental-attention-variant gated_delta_net")
+        return
+    if args.has("--window-size"):
+        raise args.error(args.get("--window-size"), "sliding windows beside Gated DeltaNet layers are not modelled")
+    for flag, field, default in _GATED_DELTANET_FLAGS:
+        put(field, args.integer(flag, default=default), flag)
+    if slots is None:
+        return
+    freq = args.get("--linear-attention-freq")
+    if freq is None or not freq.values:
+        raise args.error(args.get("--experimental-attention-variant", "--linear-attention-type"),
+                         "needs --linear-attention-freq (which layers attend in full), as Megatron-LM does")
+    pattern = _frequency_pattern(args, "--linear-attention-freq", slots, lambda i, n: 0 if (i + 1) % n == 0 else 1)
+    spans = tuple("linear" if bit else "full" for i, bit in enumerate(pattern) if i not in noop)
+    put("layer_attention_spans", spans, "--linear-attention-freq")
+
+
 def _noop_layers(args: Args, slots: int | None) -> frozenset[int]:
     arg = args.get("--noop-layers")
     if arg is None:
@@ -351,7 +391,11 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
         if base is not None and base.is_moe:
             put("layer_mlp_kinds", ("dense",) * (slots - len(noop) if slots else base.num_layers), "no --num-experts")
 
-    _window(args, put, slots if slots is not None else (base.num_layers if base else None), noop, defines)
+    layer_slots = slots if slots is not None else (base.num_layers if base else None)
+    gated_deltanet = args.text("--experimental-attention-variant", "--linear-attention-type") in ("gated_delta_net", "gdn")
+    if not gated_deltanet:  # (its spans come from --linear-attention-freq)
+        _window(args, put, layer_slots, noop, defines)
+    _gated_deltanet(args, put, layer_slots, noop, defines)
 
     mtp = args.integer("--mtp-num-layers", "--num-nextn-predict-layers", minimum=0)
     if mtp is not None:
