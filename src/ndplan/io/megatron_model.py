@@ -181,15 +181,16 @@ def _gated_deltanet(args: Args, put: Callable[[str, Any, str], None], slots: int
             for _, field, _ in _GATED_DELTANET_FLAGS:
                 put(field, 0, "no --experimental-attention-variant gated_delta_net")
         return
-    if args.has("--window-size"):
-        raise args.error(args.get("--window-size"), "sliding windows beside Gated DeltaNet layers are not modelled")
+    window = args.get("--window-size")
+    if window is not None:
+        raise args.error(window, "sliding windows beside Gated DeltaNet layers are not modelled")
     for flag, field, default in _GATED_DELTANET_FLAGS:
         put(field, args.integer(flag, default=default), flag)
     if slots is None:
         return
     freq = args.get("--linear-attention-freq")
     if freq is None or not freq.values:
-        raise args.error(args.get("--experimental-attention-variant", "--linear-attention-type"),
+        raise args.error(args.get("--experimental-attention-variant", "--linear-attention-type") or "--experimental-attention-variant",
                          "needs --linear-attention-freq (which layers attend in full), as Megatron-LM does")
     pattern = _frequency_pattern(args, "--linear-attention-freq", slots, lambda i, n: 0 if (i + 1) % n == 0 else 1)
     spans = tuple("linear" if bit else "full" for i, bit in enumerate(pattern) if i not in noop)
