@@ -56,6 +56,8 @@ MINIMAL: dict[str, dict] = {
     # four norms a layer, 4 KV heads of 256, a tied head over 262,208 tokens (no vocab_size)
     "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 256, "num_hidden_layers": 2,
                     "intermediate_size": 512, "num_attention_heads": 8},
+    # Gemma 2 2B's heads (8 of 256, 4 KV), its 256,000-token vocabulary and soft-capping, no q/k norms
+    "gemma2": {"model_type": "gemma2", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512},
     # every 4th layer gated softmax attention of 2 (Next, 3.5-MoE) or 4 KV heads of 256, the others
     # Gated DeltaNet of 16 key and 32 value heads of 128 with 4 taps; Next: 512 experts of 512, top
     # 10, and a shared one of 512; 3.5-MoE: 256 experts, top 8
@@ -75,7 +77,7 @@ TRANSFORMERS_COUNTS = {
     "deepseek_v3": 59_011_456, "kimi_k2": 59_011_456, "gpt_oss": 3_675_952, "glm4_moe": 14_144_768,
     "glm4_moe_lite": 12_887_424, "minimax_m2": 204_072_192, "olmo2": 1_825_024, "olmo3": 1_825_024,
     "olmoe": 51_403_008, "gemma3_text": 71_060_736, "phi3": 1_824_000, "qwen3_next": 822_485_312,
-    "qwen3_5_text": 16_915_776, "qwen3_5_moe_text": 419_569_984,
+    "qwen3_5_text": 16_915_776, "qwen3_5_moe_text": 419_569_984, "gemma2": 69_470_464,
 }
 
 # No MTP module where num_nextn_predict_layers is not stated (transformers builds none).

@@ -65,6 +65,9 @@ EXACT_TOTALS = {
     # GGUF general.parameter_count of the MXFP4 checkpoints (logical elements, not packed bytes).
     "gpt-oss-20b": 20_914_757_184,
     "gpt-oss-120b": 116_829_156_672,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-2-9b": 9_241_705_984,
+    "gemma-2-27b": 27_227_128_320,
 }
 
 
@@ -230,8 +233,8 @@ BAD_CONFIGS = [
     ({**_TINY_QWEN35, "linear_num_value_heads": 3}, "linear_num_key_heads=2 does not divide linear_num_value_heads=3"),
     ({"model_type": "kimi_k25", "text_config": {}}, "give the file's text_config as a config of its own with "
      "model_type 'deepseek_v3'"),
-    ({**_TINY_GEMMA, "final_logit_softcapping": 30.0}, "field 'final_logit_softcapping' (30.0) is not supported: "
-     "ndplan does not price soft-capped logits (allowed: null"),
+    ({**_TINY_GEMMA, "final_logit_softcapping": -1}, "field 'final_logit_softcapping' must be a positive number or "
+     "null, got -1"),
     ({**_TINY_GEMMA, "use_bidirectional_attention": True}, "field 'use_bidirectional_attention' true is not supported"),
     ({**_TINY_GEMMA, "sliding_window_pattern": 0}, "field 'sliding_window_pattern' must be at least 1, got 0"),
     ({"model_type": "phi3", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,

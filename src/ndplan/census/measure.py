@@ -143,7 +143,7 @@ def run_census(
             for s in (s_main, s_half) if tp == 1 else (s_main,):
                 x = torch.empty(b, s, h, dtype=dt, requires_grad=True)
                 labels = torch.zeros(b, s, dtype=torch.long)
-                fn = _output_fn(norm, head, loss_fn, labels, v)
+                fn = _output_fn(norm, head, loss_fn, labels, v, getattr(config, "final_logit_softcapping", None))
                 for policy in POLICIES:
                     runs[(tp, s, policy)] = _measure(
                         E, fn, x, root, params, {E.storage_key(labels)}, policy, b * s, "output"
@@ -237,9 +237,15 @@ def _release(E: Any, layer: Any) -> None:
                 )
 
 
-def _output_fn(norm: Any, head: Any, loss_fn: Any, labels: Any, vocab: int) -> Any:
+def _output_fn(norm: Any, head: Any, loss_fn: Any, labels: Any, vocab: int, softcap: float | None = None) -> Any:
+    """Final norm, LM head and loss, the logits soft-capped first where the model caps them
+    (Gemma 2: c·tanh(logits/c), as its causal LM's forward does)."""
+    import torch
+
     def fn(x: Any) -> Any:
         logits = head(norm(x))
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
         return loss_fn(logits=logits, labels=labels, vocab_size=vocab)
 
     return fn

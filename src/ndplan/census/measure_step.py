@@ -954,10 +954,16 @@ def _warm_up_optimizer(torch: Any, params: list[Any], optimizer: Any) -> None:
 
 
 def _causal_lm_loss(model: Any) -> Any:
-    """(logits, labels) -> the loss the causal-LM model's forward computes from them."""
+    """(logits, labels) -> the loss the causal-LM model's forward computes from them (the logits
+    soft-capped first where the model caps them: Gemma 2)."""
+    import torch
+
     loss_function, vocab = model.loss_function, int(model.config.vocab_size)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def loss_fn(logits: Any, labels: Any) -> Any:
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
         return loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
     return loss_fn

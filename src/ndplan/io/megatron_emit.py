@@ -352,6 +352,8 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length
                   ("--linear-conv-kernel-dim", m.linear_conv_kernel)]
     if m.attention_output_gate:
         flags.append(("--attention-output-gate", None))
+    if m.attention_softcap or m.final_softcap:
+        lost.append("soft-capped attention scores and logits")
     if "sliding" in m.layer_attention_spans:
         # TransformerEngine's window (left, right): keys i − left … i + right, so w keys causal.
         flags.append(("--window-size", f"{m.sliding_window - 1},0"))

@@ -393,6 +393,13 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         raise NdplanError(f"{model.name} has Gated DeltaNet layers, and runtime '{profile.name}' does not say what "
                           "they keep for backward (its profile has no linear_attention block): price it under "
                           "runtime 'pytorch' (transformers with flash-linear-attention)")
+    if model.attention_softcap and options.attention == "sdpa":
+        raise NdplanError(f"{model.name} soft-caps its attention scores, which transformers' SDPA path cannot do (it "
+                          "refuses the model): price --attention eager (transformers' default for it) or flash "
+                          "(flash-attn's kernel caps them)")
+    if (model.attention_softcap or model.final_softcap) and profile.name == "megatron":
+        raise NdplanError(f"{model.name} soft-caps its attention scores or logits, which Megatron-Core's layers do "
+                          "not: price it under runtime 'pytorch'")
     if model.norm_placement == "post" and profile.name == "megatron":
         raise NdplanError(f"{model.name} puts its norms after attention and MLP (norm_placement 'post'), which "
                           "Megatron-Core's layers do not build (their norms come first, fused into the next "
@@ -455,14 +462,15 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # CUDA softmax's scratch where overhead is counted (fake tensors do not see it).
     attention_backward = dict.fromkeys(("dense", "moe"), 0.0 * tp)
     product = block("softmax_backward_product") if options.include_overhead else 0.0
-    if options.attention == "eager":
-        for k in ("dense", "moe"):
-            attention[k] = attention[k] + softmax[k] * block("eager_scores")
-            attention_kept[k] = attention_kept[k] + softmax[k] * block("eager_scores", "kept")
-            attention_backward[k] = np.where(softmax[k] > 0, block("eager_backward_extra") + product, 0.0)
-    # Both SDPA fallbacks repeat K and V to every query head: a copy where a rank holds more than
-    # one KV head (with one, repeat_kv's reshape is a view).
+    # Eager attention and both SDPA fallbacks repeat K and V to every query head: a copy where a
+    # rank holds more than one KV head (with one, repeat_kv's reshape is a view).
     repeats = np.where(model.num_kv_heads / tp > 1, 1.0, 0.0)
+    if options.attention == "eager":  # (its matmuls keep the repeated K and V: measured by the census)
+        for k in ("dense", "moe"):
+            attention[k] = attention[k] + softmax[k] * (block("eager_scores") + repeats * block("sdpa_repeated_kv"))
+            attention_kept[k] = attention_kept[k] + softmax[k] * (block("eager_scores", "kept")
+                                                                  + repeats * block("sdpa_repeated_kv", "kept"))
+            attention_backward[k] = np.where(softmax[k] > 0, block("eager_backward_extra") + product, 0.0)
     sdpa_masked = block("sdpa_masked") + repeats * block("sdpa_repeated_kv")
     if options.attention == "sdpa":
         for k, (masked, math) in _sdpa_fallbacks(model, batch).items():

@@ -59,7 +59,7 @@ FUSED_QKV_MODEL_TYPES = frozenset({"phi3"})
 #: The model types whose Hugging Face RMSNorm multiplies its weight in fp32 and casts after
 #: ((w · x̂).to(dtype); Llama casts first, w · x̂.to(dtype)): the product keeps the fp32
 #: normalised input for the weight's gradient (the pytorch profile's norm_fp32_weight).
-FP32_NORM_WEIGHT_MODEL_TYPES = frozenset({"olmo2", "olmo3", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+FP32_NORM_WEIGHT_MODEL_TYPES = frozenset({"olmo2", "olmo3", "gemma3_text", "gemma2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 
 
 def model_symbols(model: ModelSpec) -> dict[str, float]:
@@ -112,6 +112,9 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "linear_key_heads": model.linear_num_key_heads,
         "linear_value_heads": model.linear_num_value_heads,
         "output_gate": 1 if model.attention_output_gate else 0,
+        # soft-capped attention scores and logits (Gemma 2): tanh keeps its output
+        "attention_softcap": 1 if model.attention_softcap else 0,
+        "final_softcap": 1 if model.final_softcap else 0,
     }
 
 
@@ -120,7 +123,7 @@ SYMBOLS: tuple[str, ...] = (
     "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast", "query_copy",
     "norm_fp32_weight", "norms", "fused_qkv", "router_fp32", "shared_gate",
     "q_lora", "kv_lora", "rope", "vocab", "linear_key", "linear_value", "linear_key_heads", "linear_value_heads",
-    "output_gate", "seq",
+    "output_gate", "attention_softcap", "final_softcap", "seq",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

@@ -149,6 +149,10 @@ HF_DEFAULTS["qwen3_5_text"] = {**_GATED_DELTANET_DEFAULTS, "num_key_value_heads"
 HF_DEFAULTS["qwen3_5_moe_text"] = {**_GATED_DELTANET_DEFAULTS, "num_key_value_heads": 2, "num_experts": 256,
                                    "num_experts_per_tok": 8, "moe_intermediate_size": 512,
                                    "shared_expert_intermediate_size": 512}
+# Gemma2Config's sizes are Gemma 2 2B's; its attention and output logits soft-capped at 50 and 30.
+HF_DEFAULTS["gemma2"] = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+                         "vocab_size": 256_000, "hidden_activation": "gelu_pytorch_tanh",
+                         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 HF_DEFAULTS["kimi_k2"] = HF_DEFAULTS["deepseek_v3"]
 
 #: Model types whose transformers config rejects a hidden_size that num_attention_heads does not
@@ -563,14 +567,34 @@ def _gemma3_text(r: _Reader) -> dict[str, Any]:
     (sandwich: before and after attention and MLP), per-head q/k norms, a gated MLP of
     hidden_activation (GELU, tanh approximation), a tied output head by default, and sliding
     windows on the layers ``layer_types`` names (else five of every sliding_window_pattern = 6).
-    The embedding's scale by √h is a constant (no parameter). Logit soft-capping (Gemma 2's) and
-    bidirectional attention change what the loss and the attention keep and compute, and are
-    refused."""
+    The embedding's scale by √h is a constant (no parameter). Bidirectional attention is refused."""
     defaults = HF_DEFAULTS["gemma3_text"]
-    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if r.config.get(field) is not None:
-            raise NdplanError(f"{r.source}: field '{field}' ({r.config[field]!r}) is not supported: ndplan does not "
-                              "price soft-capped logits (allowed: null, as Gemma 3's published configs)")
+    layers = r.integer("num_hidden_layers")
+    pattern = r.integer("sliding_window_pattern", defaults["sliding_window_pattern"])
+    return {
+        **_gemma_layer(r),
+        "qk_norm": True,
+        **_attention_spans(r, layers, r.get("sliding_window", defaults["sliding_window"]),
+                           lambda i: (i + 1) % pattern != 0),
+    }
+
+
+def _gemma2(r: _Reader) -> dict[str, Any]:
+    """Gemma 2 (Gemma2ForCausalLM): Gemma 3's layer without q/k norms, sliding windows on every
+    other layer from the first (``layer_types`` where given), and soft-capped attention scores
+    and output logits (50 and 30 by default)."""
+    defaults = HF_DEFAULTS["gemma2"]
+    layers = r.integer("num_hidden_layers")
+    return {
+        **_gemma_layer(r),
+        **_attention_spans(r, layers, r.get("sliding_window", defaults["sliding_window"]), lambda i: i % 2 == 0),
+    }
+
+
+def _gemma_layer(r: _Reader) -> dict[str, Any]:
+    """What Gemma 2's and 3's layers share: four norms a layer (sandwich), a gated MLP of
+    hidden_activation, a tied head by default, and their soft-capping where set."""
+    defaults = HF_DEFAULTS[r.model_type]
     if r.flag("use_bidirectional_attention", False):
         raise NdplanError(f"{r.source}: field 'use_bidirectional_attention' true is not supported: ndplan prices "
                           "causal attention (allowed: false)")
@@ -578,18 +602,21 @@ def _gemma3_text(r: _Reader) -> dict[str, Any]:
     if not isinstance(act, str):
         raise NdplanError(f"{r.source}: field 'hidden_activation' must be an activation name (a string such as "
                           f"'gelu_pytorch_tanh'), got {act!r}")
-    layers = r.integer("num_hidden_layers")
-    pattern = r.integer("sliding_window_pattern", defaults["sliding_window_pattern"])
+    caps = {}
+    for field, ours in (("attn_logit_softcapping", "attention_softcap"), ("final_logit_softcapping", "final_softcap")):
+        value = r.get(field, defaults.get(field))
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise NdplanError(f"{r.source}: field '{field}' must be a positive number or null, got {value!r}")
+            caps[ours] = float(value)
     return {
         **_common_fields(r),
         "tie_word_embeddings": r.flag("tie_word_embeddings", True),
         "activation": act,
         "ffn_hidden_size": r.integer("intermediate_size"),
         **_attention_biases(r),
-        "qk_norm": True,
         "norm_placement": "sandwich",
-        **_attention_spans(r, layers, r.get("sliding_window", defaults["sliding_window"]),
-                           lambda i: (i + 1) % pattern != 0),
+        **caps,
     }
 
 
@@ -687,6 +714,7 @@ READERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {
     "olmo3": _olmo3,
     "olmoe": _olmoe,
     "gemma3_text": _gemma3_text,
+    "gemma2": _gemma2,
     "qwen3_next": _qwen3_next,
     "qwen3_5_text": _qwen3_5_text,
     "qwen3_5_moe_text": _qwen3_5_moe_text,
@@ -703,7 +731,6 @@ NOT_PRICED: dict[str, str] = {
     "gemma3": ("Gemma 3's vision-language model (a SigLIP vision tower and projector beside the language model), "
                "which ndplan does not price; for its language model give the file's text_config as a config of its "
                "own (model_type 'gemma3_text')"),
-    "gemma2": "Gemma 2 soft-caps its attention and output logits, which ndplan does not price",
     "qwen3_5": _vision_language("Qwen3.5", "qwen3_5_text"),
     "qwen3_5_moe": _vision_language("Qwen3.5-MoE", "qwen3_5_moe_text"),
     "deepseek_v32": "DeepSeek-V3.2's sparse attention and its indexer are not priced",

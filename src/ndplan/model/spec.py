@@ -76,6 +76,10 @@ class ModelSpec(BaseModel):
     #: A sigmoid gate on each head's attention output, projected by q_proj beside the query
     #: (Qwen3-Next, Qwen3.5: q_proj is 2 x heads x head_dim wide).
     attention_output_gate: bool = False
+    #: Soft-capping (Gemma 2): attention scores become c·tanh(scores/c) with c this (0: none),
+    #: and the output logits with ``final_softcap``.
+    attention_softcap: float = Field(default=0.0, ge=0.0, description="0: attention scores not capped")
+    final_softcap: float = Field(default=0.0, ge=0.0, description="0: output logits not capped")
     # Dropout probabilities in training. They cost memory where a runtime keeps the masks for
     # backward (Megatron's bias-dropout-add; unfused attention's dropout); 0 keeps none.
     hidden_dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="on each residual branch's output")

@@ -39,7 +39,8 @@ softmax reads 2 writes 2 -> 6 bytes forward; attention dropout reads 2 writes 2 
 mask -> 11.
 Output head + loss: the vocab-parallel cross-entropy reads the bf16 logits, works in fp32
 (write 4, read 4) -> 10 bytes per logit forward, 10 backward; final norm 2·T_n·h. A loss on
-the logits' own dtype (``loss_upcast`` off) reads 2, writes 2, reads 2 -> 6.
+the logits' own dtype (``loss_upcast`` off) reads 2, writes 2, reads 2 -> 6. Soft-capped logits
+(Gemma 2) add the division, tanh and product, each reading and writing one element -> 6·β.
 Embedding: gather, read + write h per token forward; the backward scatter-adds into an fp32
 gradient (read 2, read-modify-write 4 + 4) -> 10 bytes per element.
 Routed experts' biases (gpt-oss), by ``EfficiencyProfile.expert_bias_add``, per element of a
@@ -127,6 +128,10 @@ UNFUSED_SCORE_BYTES_NO_DROPOUT = 6.0
 LOSS_BYTES_PER_LOGIT = 10.0
 #: The same without the upcast: read the logits, write and read their log-softmax, in bf16.
 LOSS_BYTES_PER_LOGIT_NO_UPCAST = 6.0
+#: Elements per logit that soft-capping moves (Gemma 2: c·tanh(logits/c)), forward: the division,
+#: tanh and product each read one and write one (the backward's three the same, counted by the
+#: loss's backward as its forward's bytes).
+SOFTCAP_ELEMENTS = 6.0
 #: Bytes per embedding element of the backward scatter-add into an fp32 gradient.
 EMBEDDING_GRAD_BYTES = 10.0
 #: Bytes per (token, expert) router element: softmax/top-k, routing map, probabilities, aux loss.
@@ -378,9 +383,11 @@ def module_replay_bytes(
 
 
 def unfused_score_bytes(model: ModelSpec, sh: Sharding) -> Array | float:
-    """Forward bytes of a materialised softmax (+dropout) over the full s×s score square."""
+    """Forward bytes of a materialised softmax (+dropout) over the full s×s score square, and of
+    the soft-capping before it where the model caps its scores (three bf16 passes: 12 bytes)."""
     elements = sh.micro_batch * (model.num_attention_heads / sh.tp) * (sh.seq / sh.cp) * sh.seq
-    return (UNFUSED_SCORE_BYTES if model.attention_dropout > 0 else UNFUSED_SCORE_BYTES_NO_DROPOUT) * elements
+    per_score = UNFUSED_SCORE_BYTES if model.attention_dropout > 0 else UNFUSED_SCORE_BYTES_NO_DROPOUT
+    return (per_score + (2.0 * SOFTCAP_ELEMENTS if model.attention_softcap else 0.0)) * elements
 
 
 def head_bytes(model: ModelSpec, sh: Sharding, sp: Array | float, act_bytes: float,
@@ -390,6 +397,8 @@ def head_bytes(model: ModelSpec, sh: Sharding, sp: Array | float, act_bytes: flo
     output layer's all-gather replicated on every tensor-parallel rank."""
     logits = sh.tokens * model.vocab_size / (sh.tp if loss_parallel else 1.0)
     per_logit = LOSS_BYTES_PER_LOGIT if loss_upcast else LOSS_BYTES_PER_LOGIT_NO_UPCAST
+    if model.final_softcap:
+        per_logit = per_logit + SOFTCAP_ELEMENTS * act_bytes
     return act_bytes * 2.0 * norm_tokens(sh, sp) * model.hidden_size + per_logit * logits
 
 
