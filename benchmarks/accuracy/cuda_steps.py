@@ -226,10 +226,13 @@ What the rows say:
   at 16k, now priced (before: −4.1% and −7.8%). Under recompute they are rebuilt, but each
   chunk's checkpoints keep the boolean mask once per micro-batch (64 MiB at 8k), priced too
   (mistral-s8k-sel read −0.76% before).
-* Over-estimates, on the safe side: gpt-oss-20b under eager attention keeps less than the eager
-  profile prices (activations {gpt_oss["activations"]:+.0f}%, forward/backward peak {gpt_oss["forward_backward_peak"]:+.1f}%; its peak is the
-  optimizer step's, {gpt_oss["allocated"]:+.2f}%), and whole models under full recompute read {full_fwd_bwd} at the
-  forward/backward peak (their peak too is the optimizer step's).
+* gpt-oss-20b under eager attention (transformers' only path for its sinks): activations
+  {gpt_oss["activations"]:+.2f}% (+45% until the forty-seventh session, which priced its softmax in bf16 over one more
+  column with the row maxima's indices, its clamped SwiGLU's three more tensors a routed copy and
+  its norms' fp32 products, each from a tiny model's census), forward/backward peak
+  {gpt_oss["forward_backward_peak"]:+.1f}% (its backward's working set; its peak is the optimizer step's,
+  {gpt_oss["allocated"]:+.2f}%). Over-estimates, on the safe side: whole models under full recompute read
+  {full_fwd_bwd} at the forward/backward peak (their peak too is the optimizer step's).
 * Reserved over allocated is {whole_ratio} for whole models (12–36 layers), where the profile's
   5% slack is within ±5%; short two-layer models reach {short_ratio} (their transient logits and
   s × s blocks fragment the cache), where the estimate of reserved reads {short_reserved}.

@@ -52,6 +52,9 @@ BLOCKS: tuple[str, ...] = (
 FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"})
 #: The model types whose Hugging Face attention keeps one more query-sized copy for backward than
 #: Llama's (the pytorch profile's query_copy; measured by the census, see there).
+#: The model types whose experts run a clamped SwiGLU (gpt-oss: gate and up clamped, up + 1),
+#: keeping three more tensors a routed copy than a SwiGLU (the pytorch profile's clamped_swiglu).
+CLAMPED_SWIGLU_MODEL_TYPES = frozenset({"gpt_oss"})
 QUERY_COPY_MODEL_TYPES = frozenset({"glm4_moe", "minimax_m2", "phi3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 #: The model types whose Hugging Face attention projects q, k and v in one linear and keeps its
 #: whole output for backward (v is a view of it), not v alone (the pytorch profile's fused_qkv).
@@ -59,7 +62,7 @@ FUSED_QKV_MODEL_TYPES = frozenset({"phi3"})
 #: The model types whose Hugging Face RMSNorm multiplies its weight in fp32 and casts after
 #: ((w · x̂).to(dtype); Llama casts first, w · x̂.to(dtype)): the product keeps the fp32
 #: normalised input for the weight's gradient (the pytorch profile's norm_fp32_weight).
-FP32_NORM_WEIGHT_MODEL_TYPES = frozenset({"olmo2", "olmo3", "gemma3_text", "gemma2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+FP32_NORM_WEIGHT_MODEL_TYPES = frozenset({"olmo2", "olmo3", "gemma3_text", "gemma2", "gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 
 
 def model_symbols(model: ModelSpec) -> dict[str, float]:
@@ -114,6 +117,8 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "output_gate": 1 if model.attention_output_gate else 0,
         # soft-capped attention scores and logits (Gemma 2): tanh keeps its output
         "attention_softcap": 1 if model.attention_softcap else 0,
+        "attention_sinks": 1 if model.attention_sinks else 0,
+        "clamped_swiglu": 1 if model.model_type in CLAMPED_SWIGLU_MODEL_TYPES else 0,
         "final_softcap": 1 if model.final_softcap else 0,
     }
 
@@ -123,7 +128,7 @@ SYMBOLS: tuple[str, ...] = (
     "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast", "query_copy",
     "norm_fp32_weight", "norms", "fused_qkv", "router_fp32", "shared_gate",
     "q_lora", "kv_lora", "rope", "vocab", "linear_key", "linear_value", "linear_key_heads", "linear_value_heads",
-    "output_gate", "attention_softcap", "final_softcap", "seq",
+    "output_gate", "attention_softcap", "attention_sinks", "clamped_swiglu", "final_softcap", "seq",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

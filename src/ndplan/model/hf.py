@@ -368,8 +368,9 @@ def _qwen3_moe(r: _Reader) -> dict[str, Any]:
 def _gpt_oss(r: _Reader) -> dict[str, Any]:
     """gpt-oss: biases on every attention projection, the router and the experts, a learned
     sink logit per head, and sliding-window layers every other one from the first (transformers'
-    default ``layer_types``). Its clamped SwiGLU (alpha 1.702, limit 7, up + 1) is priced as a
-    plain gated SiLU MLP: the same matmuls, slightly different element-wise passes."""
+    default ``layer_types``). Its clamped SwiGLU (alpha 1.702, limit 7, up + 1) runs the matmuls
+    of a gated SiLU MLP and keeps three more tensors a routed copy (the pytorch profile's
+    ``clamped_swiglu``); its few more element-wise passes are priced as a SwiGLU's."""
     fields = _common_fields(r)
     layers = fields["num_layers"]
     experts = r.integer("num_local_experts")
