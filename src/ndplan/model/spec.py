@@ -221,19 +221,20 @@ class ModelSpec(BaseModel):
     def sliding_layers(self, kind: MlpKind | None = None) -> tuple[int, int]:
         """(sliding-window layers, layers) among the decoder layers (of MLP ``kind``, where given);
         no sliding layer where the model has no window."""
-        if not self.sliding_window:
-            return 0, sum(1 for k in self.layer_mlp_kinds if kind is None or k == kind)
-        spans = [span for span, k in zip(self.layer_attention_spans, self.layer_mlp_kinds, strict=True)
-                 if kind is None or k == kind]
-        return spans.count("sliding"), len(spans)
+        return self._span_layers("sliding", kind) if self.sliding_window else (0, self._layers_of(kind))
 
     def linear_layers(self, kind: MlpKind | None = None) -> tuple[int, int]:
         """(Gated DeltaNet layers, layers) among the decoder layers (of MLP ``kind``, where given)."""
-        if not self.has_linear_attention:
-            return 0, sum(1 for k in self.layer_mlp_kinds if kind is None or k == kind)
-        spans = [span for span, k in zip(self.layer_attention_spans, self.layer_mlp_kinds, strict=True)
+        return self._span_layers("linear", kind) if self.has_linear_attention else (0, self._layers_of(kind))
+
+    def _layers_of(self, kind: MlpKind | None) -> int:
+        return sum(1 for k in self.layer_mlp_kinds if kind is None or k == kind)
+
+    def _span_layers(self, span: AttentionSpan, kind: MlpKind | None) -> tuple[int, int]:
+        """(layers attending with ``span``, layers) among the decoder layers of MLP ``kind``."""
+        spans = [s for s, k in zip(self.layer_attention_spans, self.layer_mlp_kinds, strict=True)
                  if kind is None or k == kind]
-        return spans.count("linear"), len(spans)
+        return spans.count(span), len(spans)
 
     def linear_share(self, kind: MlpKind | None = None) -> float:
         """The share of the decoder layers (of MLP ``kind``) that are Gated DeltaNet layers: a
