@@ -169,4 +169,13 @@ CONFIGS: list[dict[str, Any]] = [
                   "precision": "fsdp-bf16"}},
     {"name": "llama32-1b-pp2-m4-s4k", "model": "llama-3.2-1b", "layers": 4,
      "strategy": {"pp": 2, "num_micro_batches": 4, "seq_length": 4096, "precision": "bf16-pure"}},
+    # ---- Gated DeltaNet layers (three of every four) beside gated softmax attention: the census's
+    # stand-ins for flash-linear-attention's and causal-conv1d's kernels (ndplan.census.kernels)
+    {"name": "qwen35-27b-1dev-s4k", "model": "qwen3.5-27b", "layers": 4,
+     "strategy": {"seq_length": 4096, "precision": "bf16-pure"}},
+    {"name": "qwen35-27b-pp2-m4-s4k-sel-8l", "model": "qwen3.5-27b", "layers": 8,
+     "strategy": {"pp": 2, "num_micro_batches": 4, "seq_length": 4096, "recompute": "selective",
+                  "precision": "bf16-pure"}},
+    {"name": "qwen3-next-fsdp4-s2k", "model": "qwen3-next-80b-a3b", "layers": 4,
+     "strategy": {"dp": 4, "fsdp": True, "zero": 3, "seq_length": 2048, "precision": "fsdp-bf16"}},
 ]
