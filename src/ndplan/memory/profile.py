@@ -52,6 +52,9 @@ BLOCKS: tuple[str, ...] = (
 FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"})
 #: The model types whose Hugging Face attention keeps one more query-sized copy for backward than
 #: Llama's (the pytorch profile's query_copy; measured by the census, see there).
+#: The model types whose Hugging Face MoE block weighs the experts' outputs by fp32 routing weights
+#: (gathered per routed copy, the pytorch profile's routing_weights_gathered; bf16 elsewhere).
+FP32_ROUTING_WEIGHTS_MODEL_TYPES = FP32_ROUTER_INPUT_MODEL_TYPES | {"mixtral", "minimax_m2"}
 #: The model types whose experts run a clamped SwiGLU (gpt-oss: gate and up clamped, up + 1),
 #: keeping three more tensors a routed copy than a SwiGLU (the pytorch profile's clamped_swiglu).
 CLAMPED_SWIGLU_MODEL_TYPES = frozenset({"gpt_oss"})
@@ -119,6 +122,8 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "attention_softcap": 1 if model.attention_softcap else 0,
         "attention_sinks": 1 if model.attention_sinks else 0,
         "clamped_swiglu": 1 if model.model_type in CLAMPED_SWIGLU_MODEL_TYPES else 0,
+        "routing_fp32": 1 if model.model_type in FP32_ROUTING_WEIGHTS_MODEL_TYPES else 0,
+        "norm_topk": 1 if model.norm_topk_prob else 0,
         "final_softcap": 1 if model.final_softcap else 0,
     }
 
@@ -128,7 +133,7 @@ SYMBOLS: tuple[str, ...] = (
     "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast", "query_copy",
     "norm_fp32_weight", "norms", "fused_qkv", "router_fp32", "shared_gate",
     "q_lora", "kv_lora", "rope", "vocab", "linear_key", "linear_value", "linear_key_heads", "linear_value_heads",
-    "output_gate", "attention_softcap", "attention_sinks", "clamped_swiglu", "final_softcap", "seq",
+    "output_gate", "attention_softcap", "attention_sinks", "clamped_swiglu", "routing_fp32", "norm_topk", "final_softcap", "seq",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

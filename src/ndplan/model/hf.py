@@ -727,6 +727,13 @@ def _vision_language(family: str, text_type: str) -> str:
             f"'{text_type}')")
 
 
+#: transformers' norm_topk_prob default per model type whose config has the field (the others'
+#: routers renormalise always: Mixtral, MiniMax-M2, Qwen3.5-MoE; gpt-oss takes a softmax over its
+#: top k instead).
+NORM_TOPK_DEFAULTS = {"qwen2_moe": False, "qwen3_moe": False, "olmoe": False, "deepseek_v2": False,
+                      "deepseek_v3": True, "kimi_k2": True, "glm4_moe": True, "glm4_moe_lite": True,
+                      "qwen3_next": True}
+
 #: Model types ndplan knows and does not price, with the reason: a refusal that says why.
 NOT_PRICED: dict[str, str] = {
     "gemma3": ("Gemma 3's vision-language model (a SigLIP vision tower and projector beside the language model), "
@@ -759,7 +766,10 @@ def spec_from_hf_config(config: HfConfig, *, name: str, source: str = "config.js
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(READERS)} "
             "(for another architecture write an ndplan model spec in YAML/JSON)"
         )
-    fields = READERS[model_type](_Reader(config, source))
+    reader = _Reader(config, source)
+    fields = READERS[model_type](reader)
+    if fields.get("num_experts") and model_type in NORM_TOPK_DEFAULTS:
+        fields["norm_topk_prob"] = reader.flag("norm_topk_prob", NORM_TOPK_DEFAULTS[model_type])
     try:
         return ModelSpec(name=name, **fields)
     except ValidationError as error:

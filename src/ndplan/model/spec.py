@@ -100,6 +100,9 @@ class ModelSpec(BaseModel):
     shared_expert_ffn_hidden_size: int = Field(default=0, ge=0, description="width of each shared expert")
     shared_expert_gate: bool = False
     router_bias: bool = False
+    #: The router renormalises its top-k weights to sum to one (and keeps their sum and quotient
+    #: for backward): transformers' norm_topk_prob, true for Mixtral, DeepSeek-V3, Qwen3-Next.
+    norm_topk_prob: bool = True
     expert_bias: bool = False  # biases on every routed expert's projections (gpt-oss)
     layer_mlp_kinds: tuple[MlpKind, ...] = ()
 
