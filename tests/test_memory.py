@@ -1287,10 +1287,11 @@ def test_torchtitan_expert_tp_1_splits_the_routed_tokens_over_the_tp_ranks():
     ReordererSequenceParallel: each TP rank dispatches 1/tp of the router's tokens, so every
     routed tensor is halved at tp 2; with expert TP = tp each rank routes all of them through
     experts half as wide. PyTorch profile, a MoE layer (h 64, 4 experts top-2 of width 32), bf16,
-    per token: routed = expert input 2·64·2 + gate/up 2·2·32·2 + activation and down input
-    2·(2·32·2) + weighted output 2·64·2 = 1024; the rest (MoE input 128, router probabilities 16,
-    top-k ids 16, weights 12, sort keys 48) = 220 on every rank. tp 1: 1244; tp 2 etp 1:
-    220 + 1024/2 = 732 (read 1244 before: nothing split); tp 2 etp 2: 220 + 512 + 256 = 988."""
+    per token: routed = expert input 2·64·2 + the routing weights gathered 2·2 + gate/up 2·2·32·2
+    + activation and down input 2·(2·32·2) + weighted output 2·64·2 = 1028; the rest (MoE input 128,
+    router probabilities 16, top-k ids 16, weights 12, sort keys 48) = 220 on every rank. tp 1:
+    1248; tp 2 etp 1: 220 + 1028/2 = 734 (read 1248 before: nothing split); tp 2 etp 2:
+    220 + 516 + 256 = 992."""
     from ndplan.memory.activations import layer_activations
 
     model = ModelSpec(name="tm", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
@@ -1301,9 +1302,9 @@ def test_torchtitan_expert_tp_1_splits_the_routed_tokens_over_the_tp_ranks():
         acts = layer_activations(model, StrategyBatch.of(Strategy(seq_length=8, ep=2, **fields)), NO_OVERHEAD)
         return acts.moe_blocks["moe"][0], acts.backward_extra["moe"][0]
 
-    assert moe_bytes(dp=2) == (1244, 3 * 2 * 64 * 2)
-    assert moe_bytes(tp=2, etp=1, sequence_parallel=True) == (732, 3 * 2 * 64 * 2 / 2)
-    assert moe_bytes(tp=2, etp=2, sequence_parallel=True, dp=2) == (988, 3 * 2 * 64 * 2)
+    assert moe_bytes(dp=2) == (1248, 3 * 2 * 64 * 2)
+    assert moe_bytes(tp=2, etp=1, sequence_parallel=True) == (734, 3 * 2 * 64 * 2 / 2)
+    assert moe_bytes(tp=2, etp=2, sequence_parallel=True, dp=2) == (992, 3 * 2 * 64 * 2)
 
 
 @pytest.mark.parametrize("etp", [1, 2])
