@@ -677,6 +677,30 @@ def test_a_model_without_an_sdpa_path_says_to_run_eager():
 
 
 @needs_torch
+def test_gpt_oss_measures_selective_recompute_with_its_expert_biases():
+    """transformers adds gpt-oss's expert biases into the grouped matmul's output in place, which
+    torch's selective checkpointing refuses once that output is kept ("Tensor cached ... has been
+    mutated": the census failed on every gpt-oss model). Under selective recompute the census adds
+    them out of place, the runnable form of the layer, and its MoE layers then price as the
+    formulas do, at TP 1 and 2."""
+    from ndplan.census import run_census
+    from ndplan.memory.activations import layer_activations
+    from ndplan.memory.options import MemoryOptions
+    from ndplan.model.hf import spec_from_hf_config
+    from ndplan.strategy import Strategy, StrategyBatch
+
+    records = run_census(TINY_GPT_OSS, seq_length=16, attention="eager", name="go")
+    spec = spec_from_hf_config(TINY_GPT_OSS, name="go")
+    for tp in (1, 2):
+        batch = StrategyBatch.of(Strategy(tp=tp, dp=1, seq_length=16, micro_batch_size=1, global_batch_size=1,
+                                          recompute="selective"))
+        priced, measured = (layer_activations(spec, batch, MemoryOptions(
+            runtime="pytorch", include_overhead=False, attention="eager", census=tuple(census),
+            selective_policy="keep-matmuls")) for census in ((), records))
+        assert measured.recomputed["moe"][0] == priced.recomputed["moe"][0] > 0, tp
+
+
+@needs_torch
 def test_torchtitan_per_op_checkpointing_keeps_the_odd_matmuls():
     """torchtitan's per-op selective checkpointing (selective_ac_option "op") saves the attention
     kernel's outputs and every second matmul's, counting from the first of each layer: of a

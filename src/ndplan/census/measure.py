@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -251,10 +253,44 @@ def _output_fn(norm: Any, head: Any, loss_fn: Any, labels: Any, vocab: int, soft
     return fn
 
 
+@contextmanager
+def _expert_bias_out_of_place() -> Iterator[None]:
+    """transformers' grouped and batched expert linears (integrations.moe) add the experts' bias
+    into the matmul's output in place (gpt-oss, whose experts have biases). Selective recompute
+    that keeps the matmul's output, the policy measured, cannot run that: torch refuses a cached
+    tensor mutated afterwards ("Tensor cached during selective activation checkpoint has been
+    mutated"), in a training run as here. Under that policy the bias is added out of place, the
+    runnable form of the same layer: the matmul's output is kept and the sum is rebuilt with the
+    other elementwise ops. The other policies measure the code as it is."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # an older transformers without the shared experts implementations
+        yield
+        return
+    originals = {name: getattr(moe, name, None) for name in ("_grouped_linear", "_batched_linear")}
+
+    def out_of_place(original: Any) -> Any:
+        def linear(input: Any, weight: Any, *args: Any, bias: Any = None, **kwargs: Any) -> Any:
+            out = original(input, weight, *args, bias=None, **kwargs)
+            return out if bias is None else out + bias
+        return linear
+
+    try:
+        for name, original in originals.items():
+            if original is not None:
+                setattr(moe, name, out_of_place(original))
+        yield
+    finally:
+        for name, original in originals.items():
+            if original is not None:
+                setattr(moe, name, original)
+
+
 def _measure(E: Any, fn: Any, x: Any, root: Any, params: set[int], shared: set[int], policy: str,
              tokens: int, kind: str) -> Any:
     try:
-        return E.measure_once(fn, x, root=root, params=params, shared=shared, policy=policy, tokens=tokens)
+        with _expert_bias_out_of_place() if policy == "selective" else nullcontext():
+            return E.measure_once(fn, x, root=root, params=params, shared=shared, policy=policy, tokens=tokens)
     except NdplanError:
         raise
     except Exception as e:  # a modeling path FakeTensorMode cannot run
