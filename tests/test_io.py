@@ -1089,3 +1089,23 @@ def test_a_config_json_replaced_by_the_model_given_is_still_read_and_said(tmp_pa
     path.write_text('{"model_type": "llama", "hidden_size": "wide"}')
     with pytest.raises(NdplanError, match="config.json"):
         read_config(path, model="llama-3.1-70b", fmt="hf")
+
+
+def test_a_megatron_launch_runs_the_clusters_devices_per_node(tmp_path):
+    """torchrun's --nproc_per_node is the node's device count: 4 on a GB200 tray (it was always 8,
+    a launch of 64 eight-GPU nodes for 256 GB200s), 8 by default, the whole job on one node where
+    it is smaller; a launch read and written again keeps its own."""
+    model = get_preset("llama-3.1-8b")
+    launch = {world: emit(model, Strategy(dp=world, micro_batch_size=1, num_micro_batches=1), "megatron",
+                          devices_per_node=per_node).splitlines()[-1]
+              for world, per_node in ((256, 4), (16, None), (2, 4), (12, 8))}
+    assert launch[256].startswith("torchrun --nproc_per_node 4 --nnodes 64 ")
+    assert launch[16].startswith("torchrun --nproc_per_node 8 --nnodes 2 ")
+    assert launch[2].startswith("torchrun --nproc_per_node 2 --nnodes 1 ")
+    assert launch[12].startswith("torchrun --nproc_per_node 12 --nnodes 1 ")  # no whole number of 8-device nodes
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun --nproc_per_node 4 --nnodes 4 pretrain_gpt.py --tensor-model-parallel-size 2 \\\n"
+                      "  --micro-batch-size 1 --global-batch-size 8\n")
+    result = read_config(script, model="llama-3.1-8b")
+    text = emit(result.model, result.strategy(), "megatron", devices_per_node=result.devices_per_node)
+    assert text.splitlines()[-1].startswith("torchrun --nproc_per_node 4 --nnodes 4 ")

@@ -68,11 +68,13 @@ def runtime_note(options: Any, fmt: str) -> str | None:
             f"(add --runtime {theirs} to price what they run)")
 
 
-def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any) -> str:
+def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any,
+                  devices_per_node: int | None = None) -> str:
     """``fmt``'s settings for ``strategy`` as the options priced it: their overlap (else the
     device runtime's defaults), loss (its dtype, and vocabulary-parallel or not: the option, else
     the runtime profile's, as ``read_back`` resolves it), attention kernel, selective-recompute
-    policy and experts' GEMM."""
+    policy and experts' GEMM; a launch's processes per node from ``devices_per_node`` (a
+    cluster's override), else the device's."""
     from ndplan.io import emit
     from ndplan.perf import default_overlap
 
@@ -82,7 +84,8 @@ def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device
                 grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel,
                 moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance,
                 moe_dispatcher=options.moe_dispatcher if fmt == "megatron" else "alltoall",
-                torch_compile=options.torch_compile)
+                torch_compile=options.torch_compile,
+                devices_per_node=devices_per_node or getattr(device, "devices_per_node", None))
 
 
 def written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:

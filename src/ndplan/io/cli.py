@@ -204,7 +204,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console | None = None) -> int
     summary = inspect_summary(result, args.devices)
     if args.to:
         strategy = result.strategy(args.devices)
-        print(emit(result.model, strategy, args.to), end="")
+        print(emit(result.model, strategy, args.to, devices_per_node=result.devices_per_node), end="")
         for warning in result.warnings:
             print(f"ndplan: warning: {warning}", file=sys.stderr)
         return 0

@@ -454,9 +454,21 @@ def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str]
     return flags
 
 
+def launcher_node_size(world: int, devices_per_node: int | None) -> int:
+    """Processes per node of the launch (torchrun's --nproc_per_node): the cluster's devices per
+    node (4 on a GB200/GB300 tray, 8 on an HGX board), a job smaller than one node on one node;
+    without a cluster 8, the common server. A world the node size does not divide is written as
+    one launch of all its processes (--nnodes 1), as no whole number of nodes holds it."""
+    size = devices_per_node or 8
+    if world <= size:
+        return world
+    return size if world % size == 0 else world
+
+
 def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None, *, loss_upcast: bool = True,
                   attention: str = "flash", grouped_gemm: bool = True, loss_parallel: bool | None = None,
-                  moe_capacity_factor: float | None = None, moe_dispatcher: str = "alltoall") -> str:
+                  moe_capacity_factor: float | None = None, moe_dispatcher: str = "alltoall",
+                  devices_per_node: int | None = None) -> str:
     """A bash launch for the strategy; the model's architecture flags too when a model is given;
     ``overlap``'s switches as Megatron's overlap flags (``_overlap``); without ``loss_upcast``
     Transformer Engine's cross-entropy, which works on the bf16 logits; eager ``attention`` as TE's
@@ -468,7 +480,9 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     with ``--moe-pad-expert-input-to-capacity``. ``moe_dispatcher`` (the token dispatcher priced,
     ``MemoryOptions.moe_dispatcher``) becomes ``--moe-token-dispatcher-type``, written for every
     MoE model (a launch without it runs Megatron's default, allgather); the flex dispatcher where
-    ``overlap`` sends node-deduplicated (DeepEP)."""
+    ``overlap`` sends node-deduplicated (DeepEP).``devices_per_node`` (the cluster's) sets the launcher's processes per node
+    (``launcher_node_size``).
+    """
     lost: list[str] = []
     s = strategy
     if loss_parallel is False and s.tp > 1:
@@ -521,7 +535,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     batch: Flags = [("--micro-batch-size", s.micro_batch_size), ("--global-batch-size", s.global_batch_size),
                     ("--seq-length", s.seq_length)]
     world = s.world_size
-    per_node = 8 if world % 8 == 0 else world
+    per_node = launcher_node_size(world, devices_per_node)
     header = [
         "#!/bin/bash",
         f"# Megatron-LM arguments written by ndplan {__version__}"
