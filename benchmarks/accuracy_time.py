@@ -614,7 +614,7 @@ MEMORY_COMMENTARY = [
     "  the three read {m[nemo2407-gpt3-20b]}, {m[nemo2407-gpt3-175b-512]} and {m[nemo2407-llama3-8b]} against",
     "  their memory; the step times above use the same precision (a halved gradient reduce-scatter).",
     "* Megatron-LM's own functional tests, whose measured peaks the Megatron profile now meets within",
-    "  2% on 14 of 15 dense cases (docs/accuracy_megatron.md), showed that Megatron's cross-entropy turns its",
+    "  2% on 16 of 18 dense cases (docs/accuracy_megatron.md), showed that Megatron's cross-entropy turns its",
     "  fp32 copy of the logits into the kept softmax in place, where the profile had counted a second",
     "  fp32 copy around the loss: Megatron-Bridge's Qwen3-30B-A3B on H100, whose last stage holds the",
     "  output head beside 47 micro-batch chunks, went from +1.0% to +0.8%; priced with the loss",

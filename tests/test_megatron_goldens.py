@@ -33,6 +33,10 @@ def test_every_case_is_read_as_its_test_runs_it(comparisons):
     assert strategies["gpt3_mcore_te_tp1_pp1_resume_torch_dist_uniform_full_recompute"] == "dp8 tp1 pp1 mbs4 m1 1f1b rc-full"
     assert strategies["gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4"] == "dp4 tp2 sp pp1 ep4 etp1 mbs4 m2 1f1b"
     assert strategies["gpt3_7b_tp1_pp4_memory_speed"] == "dp2 tp1 pp4 vpp8 zero1 mbs1 m4 interleaved"
+    # --account-for-embedding/loss-in-pipeline-split: 6 layers and the two as 8 virtual stages.
+    assert strategies["gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split"] == (
+        "dp2 tp1 pp4 vpp2 mbs4 m4 interleaved")
+    assert strategies["gpt3_mcore_te_tp1_pp1_ep8_etp1_cp_memory_speed"] == "dp8 tp1 pp1 ep8 zero1 mbs1 m16 1f1b"
     assert strategies["gpt3_mcore_te_tp2_pp2_ep4_etp1_selective_recompute_experimental"] == (
         "dp2 tp2 sp pp2 vpp4 ep4 etp1 zero1 mbs4 m4 interleaved rc-selective(layernorm+moe_act+mla_up_proj+mlp)")
     # --attention-backend unfused and --transformer-impl local keep the s x s softmax; flash does not.
@@ -42,26 +46,32 @@ def test_every_case_is_read_as_its_test_runs_it(comparisons):
 
 
 CP_HYBRID = "gpt3_mcore_te_tp1_pp2_resume_torch_dist_cp4_a2a_p2p_nondeterministic"
+#: TP 4 with Transformer Engine's q and k layernorms: 3.3% low, about three q-sized tensors a layer
+#: the profile does not hold (not found; the q/k norms' inputs and outputs are priced).
+QK_LAYERNORM = "gpt3_mcore_te_tp4_pp1_resume_torch_dist_qk_layernorm_test_mode"
 
 
 def test_dense_cases_are_within_two_percent(comparisons):
     """Up to 7B at 8k tokens (53-56 GiB measured); hierarchical CP's A100 run reads high by about the
     Hopper-sized workspaces it does not take (its test leaves PyTorch's default cuBLAS workspace)."""
     dense = {key: c.error for key, c in comparisons.items() if not c.is_moe}
-    assert len(dense) == 15
-    assert all(abs(error) < 0.02 for key, error in dense.items() if key != CP_HYBRID), dense
+    assert len(dense) == 18
+    assert all(abs(error) < 0.02 for key, error in dense.items() if key not in (CP_HYBRID, QK_LAYERNORM)), dense
     assert 0.04 < dense[CP_HYBRID] < 0.07
+    assert -0.04 < dense[QK_LAYERNORM] < -0.025
     big = [c for c in comparisons.values() if c.measured_bytes > 40 * 2**30]
-    assert len(big) == 5 and all(abs(c.error) < 0.06 for c in big)
+    assert len(big) == 6 and all(abs(c.error) < 0.06 for c in big)
 
 
 def test_moe_cases_within_six_percent(comparisons):
     """ndplan assumes balanced experts; the measured MoE peaks creep up with the routing."""
     moe = {key: c.error for key, c in comparisons.items() if c.is_moe}
-    assert len(moe) == 7
+    assert len(moe) == 10
     assert all(-0.06 < error < 0.0 for error in moe.values()), moe
-    # The DeepSeek-like proxy (MLA, 32 experts, MTP, interleaved PP) at 53 GiB measured.
+    # The DeepSeek-like proxies (MLA, MTP: 32 experts over interleaved PP at 53 GiB measured; 72
+    # experts over EP 8 with the all-to-all overlap and a capacity factor at 57 GiB).
     assert abs(comparisons["gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed"].error) < 0.02
+    assert abs(comparisons["gpt3_mcore_te_tp1_pp1_ep8_etp1_cp_memory_speed"].error) < 0.01
 
 
 def test_the_generated_page_is_current(comparisons):
