@@ -1109,3 +1109,16 @@ def test_a_megatron_launch_runs_the_clusters_devices_per_node(tmp_path):
     result = read_config(script, model="llama-3.1-8b")
     text = emit(result.model, result.strategy(), "megatron", devices_per_node=result.devices_per_node)
     assert text.splitlines()[-1].startswith("torchrun --nproc_per_node 4 --nnodes 4 ")
+
+
+def test_a_megatron_launch_with_mindspeeds_flags_says_it_runs_under_mindspeed():
+    """DualPipeV (--schedules-method) and no-op layers are MindSpeed's flags, which Megatron-LM's
+    parser refuses: the launch's header says so; a plain launch says nothing of MindSpeed."""
+    model = get_preset("deepseek-v3")
+    dualpipe = emit(model, Strategy(dp=2, pp=2, vpp=2, schedule="dualpipev", ep=2, micro_batch_size=1,
+                                    num_micro_batches=8), "megatron")
+    header = [line for line in dualpipe.splitlines() if line.startswith("# ndplan:")]
+    assert ("# ndplan: --noop-layers and --schedules-method are MindSpeed's (Megatron-LM's parser refuses them): "
+            "run this launch under MindSpeed") in header
+    plain = emit(model, Strategy(dp=2, pp=2, ep=2, micro_batch_size=1, num_micro_batches=8), "megatron")
+    assert "MindSpeed" not in plain

@@ -527,7 +527,12 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         memory.append(("--attention-backend", "unfused"))
     elif attention == "flex":
         lost.append("flex attention (--attention flex, PyTorch's FlexAttention): Megatron runs its fused attention")
-    if attention != "eager" and any(flag in MINDSPEED_ONLY for flag, _ in model_flags + parallel + memory):
+    mindspeed = sorted({flag for flag, _ in model_flags + parallel + memory if flag in MINDSPEED_ONLY})
+    if mindspeed:
+        # Megatron-LM's parser rejects these flags: the launch is MindSpeed's (Ascend's Megatron).
+        said.append(f"{' and '.join(mindspeed)} {'is' if len(mindspeed) == 1 else 'are'} MindSpeed's "
+                    "(Megatron-LM's parser refuses them): run this launch under MindSpeed")
+    if attention != "eager" and mindspeed:
         # A launch with MindSpeed's flags (DualPipeV, no-op layers) runs on MindSpeed, whose
         # attention is fused only with --use-flash-attn (the reader reads it so too).
         memory.append(("--use-flash-attn", None))
