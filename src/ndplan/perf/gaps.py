@@ -37,6 +37,9 @@ MOE_RUNS = PublishedMiss(runs=41, fast=36, median=-0.167, lowest=-0.543, highest
 #: Every published run of the ``pytorch`` runtime with context parallelism (torchtitan's 8B and
 #: 405B at 64K-256K tokens, CP 2-8, K/V all-gathered).
 TORCH_CP_RUNS = PublishedMiss(runs=6, fast=5, median=-0.198, lowest=-0.281, highest=0.020)
+#: Every published run on an Ascend NPU with tensor parallelism (MindSpeed-LLM's table: TP 8 on
+#: Atlas 900 A2, MC2 on, priced as TP overlap); its runs without TP read -2.8% and -3.8%.
+ASCEND_TP_RUNS = PublishedMiss(runs=4, fast=4, median=-0.191, lowest=-0.400, highest=-0.121)
 
 
 def is_moe_run(model: ModelSpec) -> bool:
@@ -50,10 +53,16 @@ def is_torch_cp_run(strategy: Strategy, runtime: str) -> bool:
     return runtime == "pytorch" and strategy.cp > 1
 
 
-def time_known_gaps(model: ModelSpec, strategy: Strategy, runtime: str) -> list[str]:
+def is_ascend_tp_run(strategy: Strategy, family: str) -> bool:
+    """The runs ``ASCEND_TP_RUNS`` counts: an Ascend device family (``perf.efficiency.device_family``)
+    with tp > 1."""
+    return family.startswith("davinci") and strategy.tp > 1
+
+
+def time_known_gaps(model: ModelSpec, strategy: Strategy, runtime: str, family: str = "") -> list[str]:
     """Published misses of the step-time model for strategies like ``strategy`` (the runtime
-    profile's name ``runtime``), one sentence each; empty where the published runs of its kind
-    landed within the default profiles' usual error."""
+    profile's name ``runtime``, the device family ``family``), one sentence each; empty where
+    the published runs of its kind landed within the default profiles' usual error."""
     gaps = []
     if is_moe_run(model):
         m = MOE_RUNS
@@ -68,6 +77,12 @@ def time_known_gaps(model: ModelSpec, strategy: Strategy, runtime: str) -> list[
                     f"torchtitan runs with CP 2-8 (median {c.median:+.1%}, from {c.highest:+.1%} to {c.lowest:+.1%}, "
                     "the more CP ranks the faster): expect its step to take longer than priced here "
                     "(docs/accuracy_time.md)")
+    if is_ascend_tp_run(strategy, family):
+        a = ASCEND_TP_RUNS
+        gaps.append(f"on Ascend NPUs the step time of {a.runs} published runs with TP 8 read fast in {a.fast} "
+                    f"(median {a.median:+.1%}, from {a.highest:+.1%} to {a.lowest:+.1%}; MindSpeed-LLM with MC2, "
+                    "priced as TP overlap; without TP within 4%): expect a plan with tensor parallelism to take "
+                    "longer than priced here (docs/accuracy_time.md)")
     if model.has_linear_attention:
         heads = model.linear_num_value_heads // strategy.tp
         gaps.append("no published training run of a Gated DeltaNet model is priced here: its chunked delta rule "
@@ -78,4 +93,5 @@ def time_known_gaps(model: ModelSpec, strategy: Strategy, runtime: str) -> list[
     return gaps
 
 
-__all__ = ["MOE_RUNS", "TORCH_CP_RUNS", "PublishedMiss", "is_moe_run", "is_torch_cp_run", "time_known_gaps"]
+__all__ = ["ASCEND_TP_RUNS", "MOE_RUNS", "TORCH_CP_RUNS", "PublishedMiss", "is_ascend_tp_run", "is_moe_run",
+           "is_torch_cp_run", "time_known_gaps"]

@@ -17,6 +17,7 @@ from ndplan.perf.efficiency import (
     DEEPGEMM_FP8_EFFICIENCY,
     FLEX_ATTENTION_SHARE,
     EfficiencyProfile,
+    device_family,
     waits_for_sends,
 )
 from ndplan.perf.flops import (
@@ -123,7 +124,7 @@ class TimeReport:
     def caveats(self) -> list[str]:
         """What the step-time model is known to miss for a strategy of this kind, against published
         runs (``perf.gaps``; the runtime's, where known)."""
-        return time_known_gaps(self.model, self.strategy, self.runtime or "")
+        return time_known_gaps(self.model, self.strategy, self.runtime or "", device_family(self.cluster.device))
 
     def to_dict(self) -> dict[str, Any]:
         """The step time, throughput, MFU and breakdown as JSON-ready data (what --json prints under "time")."""

@@ -62,6 +62,7 @@ from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.stages import peak_memory
 from ndplan.model.spec import ModelSpec
+from ndplan.perf.efficiency import device_family
 from ndplan.perf.report import estimate_time
 from ndplan.schedule.ops import MAX_SIMULATED_PASSES, simulated_passes
 from ndplan.search.run import SearchResult, _row
@@ -333,7 +334,8 @@ def _rows(model: ModelSpec, space: SearchSpace, listed: list[int], plans: dict[i
     for i, candidate in enumerate(candidates):
         strategy, modules = space.strategy(int(candidate)), space.selective_modules(int(candidate))
         row = _row(strategy, int(candidate), float(peak[i]), int(stage[i]),
-                   {k: float(np.asarray(v)[i]) for k, v in times.items()}, options, model)
+                   {k: float(np.asarray(v)[i]) for k, v in times.items()}, options, model,
+                   device_family(cluster.device))
         found = plans.get(int(candidate))
         if found is not None:
             # The uniform candidate's figures the plan does not determine (the step's parts,

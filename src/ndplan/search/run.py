@@ -23,6 +23,7 @@ from ndplan.memory.fields import STATIC_FIELDS
 from ndplan.memory.report import check_options, headroom, known_gaps
 from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
+from ndplan.perf.efficiency import device_family
 from ndplan.perf.gaps import time_known_gaps
 from ndplan.schedule import SPLIT_BACKWARD
 from ndplan.search.screen import Check, PartFields, Places, screened_blocks
@@ -68,7 +69,9 @@ class SearchResult:
 
 
 def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str, float],
-         options: MemoryOptions | None = None, model: ModelSpec | None = None) -> dict[str, Any]:
+         options: MemoryOptions | None = None, model: ModelSpec | None = None, family: str = "") -> dict[str, Any]:
+    """One ranked strategy as the search lists it; ``family`` is the device's
+    (``perf.efficiency.device_family``), which some step-time cautions depend on."""
     options = options or MemoryOptions()
     return {
         "candidate": int(index),
@@ -86,7 +89,7 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
         # What memory and step-time models are known to miss for a strategy of this kind.
         "caveats": known_gaps(strategy, options, model)
-        + (time_known_gaps(model, strategy, options.runtime) if model is not None else []),
+        + (time_known_gaps(model, strategy, options.runtime, family) if model is not None else []),
         "headroom": headroom(strategy, options, model),
     }
 
@@ -348,6 +351,7 @@ def run_search(
     started = clock.perf_counter()
     limit = int(given_limit or device.memory_bytes)
     cluster = Cluster(device=device, num_devices=space.num_devices)
+    family = device_family(device)
     context = RuleContext(model, space.num_devices)
     rejected = {DUPLICATE: 0} | {rule.name: 0 for rule in RULES} | {NOT_RUNNABLE: 0, OVER_MEMORY: 0}
     runtime = (options or MemoryOptions()).runtime
@@ -477,7 +481,7 @@ def run_search(
         call = np.searchsorted(call_starts, found, side="right") - 1
         at = found - call_starts[call]
         return [_row(strategy, int(index_all[p]), float(peak_all[p]), int(kept_stage[c][a]),
-                     {k: v[c][a] for k, v in kept_extra.items()}, options, model)
+                     {k: v[c][a] for k, v in kept_extra.items()}, options, model, family)
                 for strategy, p, c, a in zip(strategies, positions, call.tolist(), at.tolist(), strict=True)]
 
     front = _front(order, peak_all)
