@@ -250,7 +250,7 @@ def write_report(runs, measured, default, fitted, train, test, profiles, reports
         f = fitted.get(r.id, {}).get("step_s", float("nan"))
         lines.append(
             f"| {r.id} | {r.device_spec().name} | {r.num_devices} | {_short(r)} | {measured[r.id]:.3f} | {d:.3f} | "
-            f"{_pct(d / measured[r.id] - 1)} | {f:.3f} | {_pct(f / measured[r.id] - 1)} | "
+            f"{_pct(d / measured[r.id] - 1)} | {'n/a' if math.isnan(f) else f'{f:.3f}'} | {_pct(f / measured[r.id] - 1)} | "
             f"{_split_label(r, train)} |"
         )
     lines += ["", *_batch_pairs_section(runs, measured, default)]
@@ -863,6 +863,13 @@ COMMENTARY = [
     "  branch: 15.4 s where ModelZoo's dropless run took 17.6 s; ndplan's {s[mcore-moe-qwen3-235b-h100]} reads",
     "  {e[mcore-moe-qwen3-235b-h100]} against the balanced run and {e[modelzoo-qwen3-235b-deepep-ep32-a2a-overlap]} against the dropless one: about half of",
     "  that row's error goes with its routing (and the branch).",
+    "* AMD Instinct (added in the forty-eighth session with the MI325X and MI355X presets, priced blind;",
+    "  no family fit: n/a in the fitted columns): Llama 3.1 8B in FP8 on MI325X, AMD's measured rows",
+    "  as its Primus blog quotes them, {e[amd-mi325x-llama31-8b-fp8-8gpu]} on one node and "
+    "{e[amd-mi325x-llama31-8b-fp8-64gpu]} on eight, with CDNA3's figures (their global",
+    "  batch assumed); MLPerf Training v5.1's Llama 3.1 8B on eight MI355X {e[mlperf51-mi355x-llama31-8b]}, CDNA3's "
+    "figures carried to",
+    "  CDNA4 unmeasured, and its FP8 attention priced in bf16.",
     "* MindSpeed-LLM's README table (Ascend 910B, Atlas 900 A2 PODc; added in the forty-eighth session and",
     "  priced blind) is the first test of the Ascend defaults (`davinci-mesh`: the cube at 0.7 of the",
     "  353.9 TFLOP/s derived peak, HCCS at 0.7), which no published run had checked. Six dense rows",

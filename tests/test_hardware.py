@@ -32,6 +32,8 @@ PRESET_NAMES = [
     "gb200-nvl72",
     "gb300-nvl72",
     "mi300x",
+    "mi325x",
+    "mi355x",
     "ascend-910b",
     "ascend-910c",
 ]
@@ -153,6 +155,15 @@ def test_b200_mi300x_and_ascend_figures() -> None:
     assert mi300x.peak_flops_for("fp8") == pytest.approx(2614.9e12)
     assert mi300x.memory_bytes == 201_310_208 * 1024  # rocminfo pool, 191.98 GiB
     assert mi300x.scaleup_bandwidth_bytes_per_s == pytest.approx(7 * 64e9)
+    mi325x, mi355x = get_device("mi325x"), get_device("mi355x")
+    assert mi325x.memory_bytes == 268_419_072 * 1024  # rocminfo pool, 255.98 GiB
+    assert mi355x.memory_bytes == 309_220_868_096  # rocm-smi VRAM total, 287.98 GiB
+    assert mi355x.peak_flops_for("bf16") == pytest.approx(1024 * 2.4e9 * 1024, rel=1e-4)  # the blog's 2516.6 TF
+    assert mi355x.peak_flops_for("fp8") == pytest.approx(2 * mi355x.peak_flops_for("bf16"), rel=1e-4)
+    assert mi355x.scaleup_bandwidth_bytes_per_s == pytest.approx(7 * 76.8e9)
+    from ndplan.perf.efficiency import device_family
+
+    assert [device_family(d) for d in (mi300x, mi325x, mi355x)] == ["cdna3", "cdna3", "cdna4"]
 
     b, c = get_device("ascend-910b"), get_device("ascend-910c")
     assert b.runtime == c.runtime == "cann"

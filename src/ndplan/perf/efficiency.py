@@ -462,6 +462,13 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
         family="cdna3", gemm_efficiency=0.5, fp8_gemm_efficiency=0.45, attention_efficiency=0.35,
         hbm_efficiency=0.7, scaleup_efficiency=0.7, scaleout_efficiency=0.8, scaleup_topology="mesh",
     ),
+    # MI350X/MI355X (CDNA4): no training measurement known; CDNA3's figures carried over. AMD's
+    # own FP8 GEMMs reach about the same share of the peak on both (hipBLASLt: MI300X 1273 of
+    # 2615 TFLOP/s, "Max-Achievable FLOPs" blog; MI355X ~2750-3130 of 5033, "CDNA4 GEMM kernels").
+    "cdna4": EfficiencyProfile(
+        family="cdna4", gemm_efficiency=0.5, fp8_gemm_efficiency=0.45, attention_efficiency=0.35,
+        hbm_efficiency=0.7, scaleup_efficiency=0.7, scaleout_efficiency=0.8, scaleup_topology="mesh",
+    ),
     # Ascend 910B: cube units ~65-75% on large GEMMs; HCCS full mesh of 8.
     "davinci-mesh": EfficiencyProfile(
         family="davinci-mesh", gemm_efficiency=0.7, fp8_gemm_efficiency=0.7, attention_efficiency=0.45,
@@ -484,7 +491,7 @@ _FAMILY_OF_PREFIX: tuple[tuple[str, str], ...] = (
     ("a100", "ampere"), ("a800", "ampere"), ("a10", "ampere"),
     ("h100", "hopper"), ("h200", "hopper"), ("h800", "hopper"), ("h20", "hopper"), ("gh200", "hopper"),
     ("b200", "blackwell"), ("b300", "blackwell"), ("gb200", "blackwell"), ("gb300", "blackwell"),
-    ("mi300", "cdna3"), ("mi325", "cdna3"),
+    ("mi300", "cdna3"), ("mi325", "cdna3"), ("mi350", "cdna4"), ("mi355", "cdna4"),
     ("ascend-910c", "davinci-switch"), ("ascend-910b", "davinci-mesh"), ("ascend", "davinci-mesh"),
 )
 
