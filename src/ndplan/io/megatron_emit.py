@@ -480,9 +480,8 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     with ``--moe-pad-expert-input-to-capacity``. ``moe_dispatcher`` (the token dispatcher priced,
     ``MemoryOptions.moe_dispatcher``) becomes ``--moe-token-dispatcher-type``, written for every
     MoE model (a launch without it runs Megatron's default, allgather); the flex dispatcher where
-    ``overlap`` sends node-deduplicated (DeepEP).``devices_per_node`` (the cluster's) sets the launcher's processes per node
-    (``launcher_node_size``).
-    """
+    ``overlap`` sends node-deduplicated (DeepEP). ``devices_per_node`` (the cluster's) sets the
+    launcher's processes per node (``launcher_node_size``)."""
     lost: list[str] = []
     s = strategy
     if loss_parallel is False and s.tp > 1:

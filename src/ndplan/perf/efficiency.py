@@ -463,8 +463,9 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
         hbm_efficiency=0.7, scaleup_efficiency=0.7, scaleout_efficiency=0.8, scaleup_topology="mesh",
     ),
     # MI350X/MI355X (CDNA4): no training measurement known; CDNA3's figures carried over. AMD's
-    # own FP8 GEMMs reach about the same share of the peak on both (hipBLASLt: MI300X 1273 of
-    # 2615 TFLOP/s, "Max-Achievable FLOPs" blog; MI355X ~2750-3130 of 5033, "CDNA4 GEMM kernels").
+    # own large FP8 GEMMs reach a similar share of the peak on both, a little more on CDNA4
+    # (hipBLASLt: MI300X 1273 of 2615 TFLOP/s, 0.49, "Max-Achievable FLOPs" blog; MI355X ~2750-3130
+    # of 5033, 0.55-0.62, "CDNA4 GEMM kernels" blog).
     "cdna4": EfficiencyProfile(
         family="cdna4", gemm_efficiency=0.5, fp8_gemm_efficiency=0.45, attention_efficiency=0.35,
         hbm_efficiency=0.7, scaleup_efficiency=0.7, scaleout_efficiency=0.8, scaleup_topology="mesh",
