@@ -1122,3 +1122,20 @@ def test_a_megatron_launch_with_mindspeeds_flags_says_it_runs_under_mindspeed():
             "run this launch under MindSpeed") in header
     plain = emit(model, Strategy(dp=2, pp=2, ep=2, micro_batch_size=1, num_micro_batches=8), "megatron")
     assert "MindSpeed" not in plain
+
+
+def test_mindspeeds_mc2_reads_as_tp_comm_overlap(tmp_path):
+    """--use-mc2 (or --use-ascend-mc2) fuses the sequence-parallel linears' TP collectives into
+    their matmuls: TP comm overlap, as the accuracy page prices MindSpeed-LLM's runs; without
+    sequence parallelism it has nothing to fuse, and says so."""
+    base = ("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 4 --hidden-size 1024 --num-attention-heads 8 "
+            "--tensor-model-parallel-size 8 --micro-batch-size 1 --global-batch-size 8 --seq-length 2048 "
+            "--use-flash-attn --bf16 ")
+    for flags, overlapped in (("--sequence-parallel --use-mc2", True), ("--sequence-parallel --use-ascend-mc2", True),
+                              ("--use-mc2", False)):
+        script = tmp_path / "train.sh"
+        script.write_text(base + flags + "\n")
+        result = read_config(script)
+        assert result.runtime_settings["overlap"]["tp"] is overlapped, flags
+        said = [note for note in result.notes if "mc2" in note]
+        assert len(said) == 1 and ("priced as TP comm overlap" in said[0]) is overlapped, said
