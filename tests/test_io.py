@@ -1139,3 +1139,28 @@ def test_mindspeeds_mc2_reads_as_tp_comm_overlap(tmp_path):
         assert result.runtime_settings["overlap"]["tp"] is overlapped, flags
         said = [note for note in result.notes if "mc2" in note]
         assert len(said) == 1 and ("priced as TP comm overlap" in said[0]) is overlapped, said
+
+
+def test_a_launch_for_ascend_npus_is_written_for_mindspeed():
+    """On an NPU (device runtime 'cann') the Megatron launch is MindSpeed's: TP overlap as
+    --use-mc2 (not Megatron-LM's CUDA --tp-comm-overlap), fused attention with --use-flash-attn;
+    read back, it prices the same overlap and kernel. A GPU launch is unchanged."""
+    from ndplan.perf import parse_overlap
+
+    model = get_preset("llama-3.1-8b")
+    strategy = Strategy(dp=1, tp=8, sequence_parallel=True, micro_batch_size=1, num_micro_batches=8)
+    overlap = parse_overlap({"tp": True})
+    npu = emit(model, strategy, "megatron", overlap, device_runtime="cann")
+    gpu = emit(model, strategy, "megatron", overlap, device_runtime="cuda")
+    assert "--use-mc2" in npu and "--use-flash-attn" in npu and "--tp-comm-overlap" not in npu
+    assert "--tp-comm-overlap" in gpu and "--use-mc2" not in gpu and "MindSpeed" not in gpu
+    assert "# ndplan: --use-mc2 is MindSpeed's (Megatron-LM's parser refuses it): run this launch under MindSpeed" in npu
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "train.sh"
+        script.write_text(npu)
+        back = read_config(script, model="llama-3.1-8b")
+    assert back.runtime_settings["overlap"]["tp"] is True and back.runtime_settings.get("attention", "flash") == "flash"
+    plain = emit(model, Strategy(dp=8), "megatron", device_runtime="cann")  # no TP: nothing MindSpeed-only
+    assert "--use-flash-attn" in plain and "written for MindSpeed on Ascend NPUs" in plain

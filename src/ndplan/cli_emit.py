@@ -85,7 +85,8 @@ def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device
                 moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance,
                 moe_dispatcher=options.moe_dispatcher if fmt == "megatron" else "alltoall",
                 torch_compile=options.torch_compile,
-                devices_per_node=devices_per_node or getattr(device, "devices_per_node", None))
+                devices_per_node=devices_per_node or getattr(device, "devices_per_node", None),
+                device_runtime=getattr(device, "runtime", None))
 
 
 def written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:

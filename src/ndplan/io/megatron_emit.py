@@ -409,12 +409,13 @@ def _ep_overlap_refusal(s: Strategy, model: ModelSpec | None, written: dict[str,
 
 
 def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str], written: Flags,
-             moe_dispatcher: str = "alltoall") -> Flags:
+             moe_dispatcher: str = "alltoall", npu: bool = False) -> Flags:
     """Megatron's flags for what ``overlap`` (``ndplan.perf.OverlapConfig``) hides, where the
     strategy has that communication (the reader maps them back: ``megatron._overlap``), and
     where validate_args lets them run: --overlap-param-gather needs --overlap-grad-reduce and the
     distributed optimizer or Megatron-FSDP (torch FSDP2 prefetches on its own), --tp-comm-overlap
-    needs --sequence-parallel."""
+    needs --sequence-parallel. On an Ascend NPU (``npu``, MindSpeed) TP overlap is MC2,
+    --use-mc2, which fuses the sequence-parallel linears alone too."""
     if overlap is None:
         return [("--moe-token-dispatcher-type", moe_dispatcher)] if model is not None and model.is_moe else []
     flags: Flags = []
@@ -430,10 +431,11 @@ def _overlap(s: Strategy, model: ModelSpec | None, overlap: Any, lost: list[str]
                         "--overlap-param-gather needs --overlap-grad-reduce)")
     if overlap.tp and s.tp > 1:
         if s.sequence_parallel:
-            flags.append(("--tp-comm-overlap", None))
+            flags.append(("--use-mc2", None) if npu else ("--tp-comm-overlap", None))
         else:
-            lost.append("tensor-parallel communication overlap without sequence parallelism (Megatron's "
-                        "--tp-comm-overlap needs --sequence-parallel)")
+            lost.append("tensor-parallel communication overlap without sequence parallelism ("
+                        + ("MindSpeed's --use-mc2 fuses the sequence-parallel linears alone)" if npu
+                           else "Megatron's --tp-comm-overlap needs --sequence-parallel)"))
     if s.ep > 1:
         if overlap.ep is True:
             refused = _ep_overlap_refusal(s, model, dict(written))
@@ -468,7 +470,7 @@ def launcher_node_size(world: int, devices_per_node: int | None) -> int:
 def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None, *, loss_upcast: bool = True,
                   attention: str = "flash", grouped_gemm: bool = True, loss_parallel: bool | None = None,
                   moe_capacity_factor: float | None = None, moe_dispatcher: str = "alltoall",
-                  devices_per_node: int | None = None) -> str:
+                  devices_per_node: int | None = None, npu: bool = False) -> str:
     """A bash launch for the strategy; the model's architecture flags too when a model is given;
     ``overlap``'s switches as Megatron's overlap flags (``_overlap``); without ``loss_upcast``
     Transformer Engine's cross-entropy, which works on the bf16 logits; eager ``attention`` as TE's
@@ -481,7 +483,8 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     ``MemoryOptions.moe_dispatcher``) becomes ``--moe-token-dispatcher-type``, written for every
     MoE model (a launch without it runs Megatron's default, allgather); the flex dispatcher where
     ``overlap`` sends node-deduplicated (DeepEP). ``devices_per_node`` (the cluster's) sets the
-    launcher's processes per node (``launcher_node_size``)."""
+    launcher's processes per node (``launcher_node_size``). ``npu``: the launch runs MindSpeed on
+    Ascend NPUs, whose fused attention needs --use-flash-attn and whose TP overlap is --use-mc2."""
     lost: list[str] = []
     s = strategy
     if loss_parallel is False and s.tp > 1:
@@ -526,16 +529,20 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
         memory.append(("--attention-backend", "unfused"))
     elif attention == "flex":
         lost.append("flex attention (--attention flex, PyTorch's FlexAttention): Megatron runs its fused attention")
-    mindspeed = sorted({flag for flag, _ in model_flags + parallel + memory if flag in MINDSPEED_ONLY})
+    overlap_flags = _overlap(s, model, overlap, lost, parallel + memory, moe_dispatcher, npu)
+    mindspeed = sorted({flag for flag, _ in model_flags + parallel + memory + overlap_flags if flag in MINDSPEED_ONLY})
     if mindspeed:
         # Megatron-LM's parser rejects these flags: the launch is MindSpeed's (Ascend's Megatron).
-        said.append(f"{' and '.join(mindspeed)} {'is' if len(mindspeed) == 1 else 'are'} MindSpeed's "
-                    "(Megatron-LM's parser refuses them): run this launch under MindSpeed")
-    if attention != "eager" and mindspeed:
-        # A launch with MindSpeed's flags (DualPipeV, no-op layers) runs on MindSpeed, whose
-        # attention is fused only with --use-flash-attn (the reader reads it so too).
+        one = len(mindspeed) == 1
+        said.append(f"{' and '.join(mindspeed)} {'is' if one else 'are'} MindSpeed's "
+                    f"(Megatron-LM's parser refuses {'it' if one else 'them'}): run this launch under MindSpeed")
+    elif npu:
+        said.append("written for MindSpeed on Ascend NPUs (the hardware's runtime): its fused attention "
+                    "needs --use-flash-attn")
+    if attention != "eager" and (mindspeed or npu):
+        # A launch with MindSpeed's flags (DualPipeV, no-op layers) or for an NPU runs on MindSpeed,
+        # whose attention is fused only with --use-flash-attn (the reader reads it so too).
         memory.append(("--use-flash-attn", None))
-    overlap_flags = _overlap(s, model, overlap, lost, parallel + memory, moe_dispatcher)
     batch: Flags = [("--micro-batch-size", s.micro_batch_size), ("--global-batch-size", s.global_batch_size),
                     ("--seq-length", s.seq_length)]
     world = s.world_size
