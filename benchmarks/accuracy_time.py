@@ -501,8 +501,10 @@ def memory_section(runs: list[MeasuredRun]) -> list[str]:
                          f"{w.reserved_bytes / gib / measured_gib - 1:+.1%} | {w.allocated_bytes / gib:.1f} | "
                          + ("- | - |" if replayed is None else
                             f"{replayed / gib:.1f} | {replayed / gib / measured_gib - 1:+.1%} |"))
-        ratios = {r.id: w.reserved_bytes / gib / float(r.reserved_gib or 1.0) - 1 for r, w in reported}
-        errors = {key: f"{value:+.1%}" for key, value in ratios.items()}
+        every = {r.id: w.reserved_bytes / gib / float(r.reserved_gib or 1.0) - 1 for r, w in reported}
+        errors = {key: f"{value:+.1%}" for key, value in every.items()}
+        # The December 2024 page's figures; the June 2025 H200 page reads the other way (said apart).
+        ratios = {r.id: every[r.id] for r, _ in reported if r.source.startswith("torchtitan-2024")}
         errors |= {f"replayed {r.id}": f"{replays[r.id] / gib / float(r.reserved_gib or 1.0) - 1:+.1%}"
                    for r, _ in reported if r.id in replays}
         from ndplan.census.measurement import load_measurement
@@ -589,6 +591,16 @@ MEASURED_MEMORY_COMMENTARY = [
     "comparison existed, each error hiding another: the 8B rows priced torchtitan's per-op",
     "checkpointing as keeping every matmul's output (+10%, +19%), and the 405B rows replicated the",
     "logits over TP where torchtitan shards them (+18%, +33%).",
+    "",
+    "A second torchtitan page (llama3_8b_h200_2025-06, June 2025: Llama 3.1 8B under FSDP over 32 and",
+    "64 H200s, compiled blocks, Float8; added in the forty-eighth session) reads the other way:",
+    "{r[torchtitan-8b-h200-fsdp-32gpu]} and {r[torchtitan-8b-h200-fsdp-64gpu]} (its step times land within "
+    "2%, above). Its stack holds far less than December's:",
+    "48 GiB at FSDP 32 where December's comparable Float8 run held 61.8 GiB at FSDP 128, whose",
+    "sharding leaves less on a GPU. What changed is not found: compiled blocks keep fewer tensors than",
+    "the eager modules the profile describes (December's compiled rows already showed about 5 GiB),",
+    "and its `--float8.force_recompute_fp8_weight_in_bwd` rebuilds fp8 weights the profile does not",
+    "hold either. For that stack the estimate is a safe, loose bound.",
 ]
 
 
@@ -863,6 +875,12 @@ COMMENTARY = [
     "  branch: 15.4 s where ModelZoo's dropless run took 17.6 s; ndplan's {s[mcore-moe-qwen3-235b-h100]} reads",
     "  {e[mcore-moe-qwen3-235b-h100]} against the balanced run and {e[modelzoo-qwen3-235b-deepep-ep32-a2a-overlap]} against the dropless one: about half of",
     "  that row's error goes with its routing (and the branch).",
+    "* torchtitan's June 2025 H200 page (Llama 3.1 8B under FSDP over 32 and 64 H200s, compiled blocks,",
+    "  Float8, per-op checkpointing; added in the forty-eighth session, priced blind): "
+    "{e[torchtitan-8b-h200-fsdp-32gpu]} and {e[torchtitan-8b-h200-fsdp-64gpu]},",
+    "  its SDPA priced as FlashAttention-2, which torch 2.8 ran first on Hopper (cuDNN's kernel is",
+    "  preferred only with a bundled cuDNN past 9.15, torch 2.10 on), as the December rows. Its memory",
+    "  reads high instead (below).",
     "* AMD Instinct (added in the forty-eighth session with the MI325X and MI355X presets, priced blind;",
     "  no family fit: n/a in the fitted columns): Llama 3.1 8B in FP8 on MI325X, AMD's measured rows",
     "  as its Primus blog quotes them, {e[amd-mi325x-llama31-8b-fp8-8gpu]} on one node and "

@@ -491,7 +491,8 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
         gaps.append("for torchtitan's published FSDP runs (8B to 405B with TP, PP and CP, 8 to 512 H100s) this model "
                     "estimates 1-15% less than their measured peak reserved memory, median 8% (the measured peak is "
                     "up to 1.18x the estimate; docs/accuracy_time.md: for the 8B and 70B rows the caching allocator's "
-                    "fragmentation, which a fixed slack does not follow): leave 30% of the device free, or measure one "
+                    "fragmentation, which a fixed slack does not follow; a June 2025 torchtitan page's compiled Float8 8B "
+                    "on H200s reads 27-28% over instead): leave 30% of the device free, or measure one "
                     "step on fake tensors (`ndplan verify`, on a CPU: its allocator replay counts the fragmentation)")
     if free == BALANCED_MOE_HEADROOM:
         gaps.append("against Megatron-LM's own MoE tests the estimate reads 1.6-5.6% low (the routing of a real run "
