@@ -1028,3 +1028,16 @@ def test_deepseek_v3_on_gb200_nvl72_ranks_expert_parallelism_inside_a_rack(capsy
     assert (strategy["ep"], strategy["tp"], strategy["pp"], strategy["schedule"]) == (64, 2, 2, "dualpipev")
     assert top["step_s"] == pytest.approx(8.605, rel=0.01)
     assert top["peak_bytes"] <= 197_897_748_480
+
+
+def test_a_dualpipev_plan_under_megatron_on_gpus_says_it_is_mindspeeds():
+    """The megatron runtime's DualPipeV is MindSpeed's (Ascend); Megatron-LM on GPUs has none, so
+    a GPU plan with it carries a caution naming the fix; an NPU's, or another schedule, none."""
+    from ndplan.search.run import schedule_cautions
+
+    dualpipe = Strategy(dp=1, pp=2, vpp=2, schedule="dualpipev", num_micro_batches=8)
+    (caution,) = schedule_cautions(dualpipe, "megatron", "blackwell")
+    assert "MindSpeed's schedule" in caution and "--fix schedule=interleaved" in caution
+    assert schedule_cautions(dualpipe, "megatron", "davinci-switch") == []
+    assert schedule_cautions(dualpipe, "pytorch", "hopper") == []  # torch.distributed.pipelining has it
+    assert schedule_cautions(Strategy(dp=1, pp=2, num_micro_batches=8), "megatron", "hopper") == []

@@ -68,6 +68,17 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
+def schedule_cautions(strategy: Strategy, runtime: str, family: str) -> list[str]:
+    """What to know before running ``strategy``'s pipeline schedule in ``runtime`` on a device of
+    ``family``: the megatron runtime's DualPipeV is MindSpeed's (Ascend NPUs); Megatron-LM on
+    GPUs has no such schedule, so a GPU plan with it is for a fork that adds one."""
+    if runtime == "megatron" and strategy.pp > 1 and strategy.schedule == "dualpipev" and not family.startswith("davinci"):
+        return ["DualPipeV under the megatron runtime is MindSpeed's schedule (--schedules-method dualpipev, on "
+                "Ascend NPUs); Megatron-LM on GPUs has none: unless your Megatron runs it, search again with "
+                "--fix schedule=interleaved (or 1f1b)"]
+    return []
+
+
 def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str, float],
          options: MemoryOptions | None = None, model: ModelSpec | None = None, family: str = "") -> dict[str, Any]:
     """One ranked strategy as the search lists it; ``family`` is the device's
@@ -89,7 +100,8 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "strategy": strategy.model_dump(mode="json", exclude={"precision"}),
         # What memory and step-time models are known to miss for a strategy of this kind.
         "caveats": known_gaps(strategy, options, model)
-        + (time_known_gaps(model, strategy, options.runtime, family) if model is not None else []),
+        + (time_known_gaps(model, strategy, options.runtime, family) if model is not None else [])
+        + schedule_cautions(strategy, options.runtime, family),
         "headroom": headroom(strategy, options, model),
     }
 
