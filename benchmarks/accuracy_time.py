@@ -876,11 +876,12 @@ COMMENTARY = [
     "  {e[mcore-moe-qwen3-235b-h100]} against the balanced run and {e[modelzoo-qwen3-235b-deepep-ep32-a2a-overlap]} against the dropless one: about half of",
     "  that row's error goes with its routing (and the branch).",
     "* torchtitan's June 2025 H200 page (Llama 3.1 8B under FSDP over 32 and 64 H200s, compiled blocks,",
-    "  Float8, per-op checkpointing; added in the forty-eighth session, priced blind): "
+    "  Float8, per-op checkpointing; added in the forty-eighth session): "
     "{e[torchtitan-8b-h200-fsdp-32gpu]} and {e[torchtitan-8b-h200-fsdp-64gpu]},",
     "  its SDPA priced as FlashAttention-2, which torch 2.8 ran first on Hopper (cuDNN's kernel is",
-    "  preferred only with a bundled cuDNN past 9.15, torch 2.10 on), as the December rows. Its memory",
-    "  reads high instead (below).",
+    "  preferred only with a bundled cuDNN past 9.15, torch 2.10 on), as the December rows. Not blind:",
+    "  both kernels were priced before that was looked up (cuDNN's rate reads the rows 11-12% fast).",
+    "  Its memory reads high instead (below).",
     "* AMD Instinct (added in the forty-eighth session with the MI325X and MI355X presets, priced blind;",
     "  no family fit: n/a in the fitted columns): Llama 3.1 8B in FP8 on MI325X, AMD's measured rows",
     "  as its Primus blog quotes them, {e[amd-mi325x-llama31-8b-fp8-8gpu]} on one node and "
