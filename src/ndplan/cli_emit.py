@@ -68,13 +68,12 @@ def runtime_note(options: Any, fmt: str) -> str | None:
             f"(add --runtime {theirs} to price what they run)")
 
 
-def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any,
-                  devices_per_node: int | None = None) -> str:
+def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device: Any) -> str:
     """``fmt``'s settings for ``strategy`` as the options priced it: their overlap (else the
     device runtime's defaults), loss (its dtype, and vocabulary-parallel or not: the option, else
     the runtime profile's, as ``read_back`` resolves it), attention kernel, selective-recompute
-    policy and experts' GEMM; a launch's processes per node from ``devices_per_node`` (a
-    cluster's override), else the device's."""
+    policy and experts' GEMM; a launch's processes per node and framework (MindSpeed on an NPU)
+    from the device."""
     from ndplan.io import emit
     from ndplan.perf import default_overlap
 
@@ -85,7 +84,7 @@ def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device
                 moe_capacity_factor=options.moe_capacity_factor, moe_imbalance=options.moe_imbalance,
                 moe_dispatcher=options.moe_dispatcher if fmt == "megatron" else "alltoall",
                 torch_compile=options.torch_compile,
-                devices_per_node=devices_per_node or getattr(device, "devices_per_node", None),
+                devices_per_node=getattr(device, "devices_per_node", None),
                 device_runtime=getattr(device, "runtime", None))
 
 
