@@ -337,8 +337,8 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length
                   ("--moe-ffn-hidden-size", m.moe_ffn_hidden_size)]
         if m.num_shared_experts:
             flags.append(("--moe-shared-expert-intermediate-size", m.num_shared_experts * m.shared_expert_ffn_hidden_size))
-        if m.shared_expert_gate:
-            lost.append("the shared-expert gate")
+        if m.shared_expert_gate and m.num_shared_experts:
+            flags.append(("--moe-shared-expert-gate", None))
         if m.num_dense_layers:
             flags.append(("--moe-layer-freq", _pattern(_with_noop(m.layer_mlp_kinds, noop))))
     if m.has_linear_attention:

@@ -166,7 +166,6 @@ UNMODELLED: dict[str, str] = {
     "--cp-window-size": "windowed context-parallel attention is not modelled",
     "--qk-l2-norm": "Llama-4 QK L2 norms are not modelled",
     "--softmax-type": "learnable softmax offsets are not modelled",
-    "--moe-shared-expert-gate": "the shared-expert gate is not modelled from flags; give --model",
     "--cuda-graph-impl": "CUDA graphs' static input/output buffers and private memory pool are not modelled",
     "--cuda-graph-scope": "CUDA graphs' static input/output buffers and private memory pool are not modelled",
     "--enable-cuda-graph": "CUDA graphs' static input/output buffers and private memory pool are not modelled",

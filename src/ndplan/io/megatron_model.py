@@ -381,6 +381,11 @@ def model_from_flags(args: Args, base: ModelSpec | None, tp: int, warnings: list
         elif defines:
             put("num_shared_experts", 0, "no --moe-shared-expert-intermediate-size")
             put("shared_expert_ffn_hidden_size", 0, "no --moe-shared-expert-intermediate-size")
+        # SharedExpertMLP's sigmoid gate (Qwen2-MoE, Qwen3-Next, Qwen3.5)
+        if args.has("--moe-shared-expert-gate"):
+            put("shared_expert_gate", True, "--moe-shared-expert-gate")
+        elif defines:
+            put("shared_expert_gate", False, "no --moe-shared-expert-gate")
         layer_slots = slots if slots is not None else (base.num_layers if base else None)
         if layer_slots is not None:
             kinds = _moe_kinds(args, layer_slots, experts)

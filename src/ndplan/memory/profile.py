@@ -117,6 +117,10 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "linear_value": model.linear_value_width,
         "linear_key_heads": model.linear_num_key_heads,
         "linear_value_heads": model.linear_num_value_heads,
+        # q and k repeated to every value head where there are more (Megatron-Core's GatedDeltaNet
+        # repeat_interleaves them before the kernel); 0 where the heads match (no copy)
+        "linear_key_repeated": (model.linear_key_width * model.linear_num_value_heads // model.linear_num_key_heads
+                                if model.linear_num_value_heads > model.linear_num_key_heads else 0),
         "output_gate": 1 if model.attention_output_gate else 0,
         # soft-capped attention scores and logits (Gemma 2): tanh keeps its output
         "attention_softcap": 1 if model.attention_softcap else 0,
@@ -133,6 +137,7 @@ SYMBOLS: tuple[str, ...] = (
     "ffn_or_moe", "kv_up", "qk_norm", "qk_norm_head", "qk_norm_projection", "has_q_lora", "has_shared", "fc1_widths", "hidden_dropout_on", "attention_dropout_on", "router_upcast", "query_copy",
     "norm_fp32_weight", "norms", "fused_qkv", "router_fp32", "shared_gate",
     "q_lora", "kv_lora", "rope", "vocab", "linear_key", "linear_value", "linear_key_heads", "linear_value_heads",
+    "linear_key_repeated",
     "output_gate", "attention_softcap", "attention_sinks", "clamped_swiglu", "routing_fp32", "norm_topk", "final_softcap", "seq",
 )
 

@@ -477,6 +477,11 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
                         "(Qwen2.5-7B sliding from layer 14, pp2, 16k tokens, 4 micro-batches: its second stage by "
                         "about 4.8 GiB), one holding fewer over-estimated (under recompute, its checkpoints are "
                         "charged the boolean mask whether or not its layers slide)")
+    if model is not None and options.runtime == "megatron":
+        unmeasured = _unmeasured_megatron_parts(model)
+        if unmeasured:
+            gaps.append(f"Megatron-Core's {' and '.join(unmeasured)} are priced from its code, not yet checked against "
+                        "a measured run (the pytorch runtime's are, by the census)")
     if model is not None and model.has_linear_attention and strategy.pp > 1:
         uneven = _uneven_linear_stages(model, strategy)
         if uneven:
@@ -499,6 +504,20 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
                     "loads some experts more; docs/accuracy_megatron.md): treat a plan within ~6% of the limit as "
                     "unverified, or price uneven routing with --moe-imbalance")
     return gaps
+
+
+def _unmeasured_megatron_parts(model: ModelSpec) -> list[str]:
+    """What the megatron profile prices of this model from Megatron-Core's code alone (its
+    functional tests measure none of it)."""
+    parts = []
+    if model.has_linear_attention:
+        parts.append("Gated DeltaNet layers (what gated_delta_net.py, fla's l2norm and chunked delta rule and "
+                     "causal-conv1d keep)")
+    if model.attention_output_gate and model.linear_share() < 1.0:
+        parts.append("attention output gate (attention.py)")
+    if model.is_moe and model.num_shared_experts and model.shared_expert_gate:
+        parts.append("shared-expert gate (moe/shared_experts.py)")
+    return parts
 
 
 def _inert_settings(strategy: Strategy, options: MemoryOptions, model: ModelSpec) -> list[str]:
