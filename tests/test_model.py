@@ -231,6 +231,9 @@ BAD_CONFIGS = [
      "entries, each one of full_attention, linear_attention; got ['linear_attention', 'sliding_attention']"),
     ({**_TINY_QWEN35, "full_attention_interval": 0}, "field 'full_attention_interval' must be >= 1, got 0"),
     ({**_TINY_QWEN35, "linear_num_value_heads": 3}, "linear_num_key_heads=2 does not divide linear_num_value_heads=3"),
+    ({"model_type": "glm_moe_dsa"}, "model_type 'glm_moe_dsa' is not supported: GLM-5's DeepSeek sparse attention"),
+    ({"model_type": "deepseek_v4"}, "model_type 'deepseek_v4' is not supported: DeepSeek-V4's compressed sparse "
+     "attention"),
     ({"model_type": "kimi_k25", "text_config": {}}, "give the file's text_config as a config of its own with "
      "model_type 'deepseek_v3'"),
     ({**_TINY_GEMMA, "final_logit_softcapping": -1}, "field 'final_logit_softcapping' must be a positive number or "

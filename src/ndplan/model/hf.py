@@ -742,6 +742,11 @@ NOT_PRICED: dict[str, str] = {
     "qwen3_5": _vision_language("Qwen3.5", "qwen3_5_text"),
     "qwen3_5_moe": _vision_language("Qwen3.5-MoE", "qwen3_5_moe_text"),
     "deepseek_v32": "DeepSeek-V3.2's sparse attention and its indexer are not priced",
+    "glm_moe_dsa": "GLM-5's DeepSeek sparse attention (a lightning indexer choosing each query's keys) is not priced",
+    "deepseek_v4": ("DeepSeek-V4's compressed sparse attention, manifold-constrained hyper-connections and "
+                    "hash-routed experts are not priced"),
+    "kimi_linear": "Kimi Linear's Kimi Delta Attention layers are not priced",
+    "minimax": "MiniMax-Text-01's lightning (linear) attention layers are not priced",
     "kimi_k25": ("Kimi K2.5's vision-language model (a vision tower beside the language model), which ndplan does "
                  "not price; for its language model give the file's text_config as a config of its own with "
                  "model_type 'deepseek_v3' (DeepSeek-V3's architecture, as Kimi K2's)"),
