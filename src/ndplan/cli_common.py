@@ -105,7 +105,20 @@ def _fact_text(value: Any) -> str:
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
-def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chosen: bool = False) -> None:
+def _compiled_memory_text(options: Any, model: Any) -> str:
+    """What --compile does to the memory priced: the compiled layers' saved tensors, or why the
+    eager modules' stand (the final norm and loss are priced eager either way)."""
+    if "model" not in options.torch_compile:
+        return "the memory is the eager modules' (the loss's saved tensors are priced eager)"
+    gap = options.compiled_layers_gap(model) if model is not None else ""
+    if gap:
+        return f"the memory is the eager modules' ({gap})"
+    return ("the layers keep what compiled layers were measured keeping (norms their bf16 input, no MLP "
+            "activation: docs/memory.md), the final norm and loss what eager ones keep")
+
+
+def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chosen: bool = False,
+                  model: Any = None) -> None:
     """The kernels the runtime's step time prices (its profile's ``kernels``), where it states any,
     and the selective policy and the loss where they are not the runtime's own; of one
     ``strategy``, only where they price something in it (the policy under selective recompute,
@@ -118,7 +131,7 @@ def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chos
         software = options.time_keywords()["software"]
         console.print(f"torch.compile of the {options.torch_compile.replace('+', ' and ')} (--compile): elementwise_passes "
                       f"{software['elementwise_passes']:g} in the decoder layers, {software['loss_elementwise_passes']:g} "
-                      "in the final norm and loss (step time only: the memory is the eager modules')", markup=False)
+                      f"in the final norm and loss; {_compiled_memory_text(options, model)}", markup=False)
     own_wait = str(options.profile.kernels.get("p2p_wait", "1f1b"))
     if options.p2p_wait is not None and options.p2p_wait != own_wait:
         console.print(f"pipeline sends waited for in the {options.p2p_wait.replace('+', ' and ')} schedules "

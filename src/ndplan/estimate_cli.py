@@ -129,7 +129,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         console.print(f"[bold yellow]caution[/]: {caveat}", markup=True)
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
                   + dispatcher_note(options, model), markup=False)
-    print_kernels(options, strategy)
+    print_kernels(options, strategy, model=model)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(emitted, markup=False, soft_wrap=True)  # settings to paste: never wrapped

@@ -187,7 +187,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
     for caveat in cautions:
         console.print(f"[bold yellow]caution[/]: {caveat}")
     # what the step is priced with, and what --emit changed in it (the loss)
-    print_kernels(options, strategy, recompute_chosen=True)
+    print_kernels(options, strategy, recompute_chosen=True, model=model)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped

@@ -416,7 +416,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         policy = profile.selective_policy
     blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload,
                                 fp8=batch.precision.compute_dtype == "fp8", loss_upcast=options.loss_upcast,
-                                selective_policy=policy, moe_dispatcher=options.moe_dispatcher)
+                                selective_policy=policy, moe_dispatcher=options.moe_dispatcher,
+                                compiled=options.compiled_layers(model))
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
@@ -603,7 +604,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                         "moe": norms_read_last + block("moe", "read_last")}
     weight_past = {"dense": block("mlp", "past_weights"), "moe": block("moe", "past_weights")}
     embedding = 0.0 * tp + block("embedding")
-    output = 0.0 * tp + block("norm") + block("output")
+    final_norm = block("final_norm")
+    output = 0.0 * tp + final_norm + block("output")
     measured_output = _census_for(options, "output", model)
     if measured_output is not None:
         # Its TP-2 run halves the vocabulary (a vocabulary-parallel head and loss): a loss on
@@ -621,7 +623,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # it keeps its inputs, the decoder's hidden states and the shifted tokens' embedding (h each,
     # sequence-sharded under SP), beside the embedding's dropout mask and the head and loss outside
     # it (``output`` less the norm, which the checkpoint rebuilds).
-    mtp_checkpointed = embedding + 2 * hidden_per_token + output - norm
+    mtp_checkpointed = embedding + 2 * hidden_per_token + output - final_norm
     return LayerActivations(
         full=full, recomputed=recomputed, weight_input=weight_input, weight_grad_outputs=weight_grad_outputs,
         weight_unread=weight_unread, weight_read_last=weight_read_last, weight_past=weight_past,

@@ -17,6 +17,7 @@ from ndplan.errors import NdplanError
 from ndplan.memory.profile import RuntimeProfile, get_profile
 
 if TYPE_CHECKING:
+    from ndplan.model.spec import ModelSpec
     from ndplan.perf.overlap import OverlapConfig
 
 
@@ -75,10 +76,12 @@ class MemoryOptions:
     and returns the experts' output by a reduce-scatter in the probabilities' fp32
     (``allgather_dispatch_bytes``, the profile's ``moe_allgather`` block); only for runtimes
     whose profile states that block (megatron).
-    ``torch_compile`` says what torch.compile fuses, for the step time alone (the memory
-    priced is the eager modules'): 'model' runs each decoder layer's elementwise ops as fused
-    kernels (one pass over their bytes) and leaves the final norm and loss at the runtime's eager
-    figure; 'model+loss' fuses those too, 'loss' those alone; 'off' prices the runtime's own kernels.
+    ``torch_compile`` says what torch.compile fuses: 'model' runs each decoder layer's elementwise
+    ops as fused kernels (one pass over their bytes) and leaves the final norm and loss at the
+    runtime's eager figure; 'model+loss' fuses those too, 'loss' those alone; 'off' prices the
+    runtime's own kernels. Compiled layers also keep fewer tensors for backward, priced where the
+    runtime's profile says which (``compiled_layers``; the pytorch profile, for dense layers: the
+    loss's are priced eager).
     ``p2p_wait`` names the pipeline schedules whose compute waits for its own sends, for the
     step time alone (``EfficiencyProfile.p2p_wait``; None: the runtime's, its profile's kernel
     fact or Megatron-Core's '1f1b'): a Megatron launch with --no-overlap-p2p-communication waits
@@ -166,6 +169,29 @@ class MemoryOptions:
     @property
     def profile(self) -> RuntimeProfile:
         return get_profile(self.runtime)
+
+    def compiled_layers(self, model: ModelSpec) -> bool:
+        """Whether the decoder layers' saved tensors are priced as torch.compile's (the entries'
+        ``compiled_bytes`` and ``compiled_keep``): the layers are compiled, the runtime's profile
+        says what compiled layers keep, and the model's layers are of the kinds measured compiled
+        (``compiled_layers_gap`` says why not where they are compiled)."""
+        return "model" in self.torch_compile and not self.compiled_layers_gap(model)
+
+    def compiled_layers_gap(self, model: ModelSpec) -> str:
+        """Why compiled layers are priced as the eager modules (empty where they are not, or where
+        nothing is compiled)."""
+        if "model" not in self.torch_compile:
+            return ""
+        if not any(t.compiled_bytes is not None or t.compiled_keep is not None
+                   for entries in self.profile.blocks.values() for t in entries):
+            return f"runtime '{self.profile.name}' does not say what compiled layers keep"
+        # (measured compiled on a CPU: dense layers of Llama, Qwen3, OLMo 2, Phi-3 and Gemma 3;
+        # transformers' MoE blocks break the graph, and MLA and Gated DeltaNet were not measured)
+        kinds = [kind for kind, has in (("experts", model.is_moe), ("multi-head latent attention", model.is_mla),
+                                        ("Gated DeltaNet layers", model.has_linear_attention)) if has]
+        if kinds:
+            return f"{model.name}'s {' and '.join(kinds)} were not measured compiled"
+        return ""
 
     def time_keywords(self) -> dict[str, Any]:
         """What the step-time model (``ndplan.perf.step.evaluate`` and the functions over it)

@@ -47,6 +47,8 @@ BLOCKS: tuple[str, ...] = (
     "loss_parallel_backward_extra", "weight_grad_outputs", "moe_weight_grad_outputs", "moe_allgather",
 )
 
+#: The blocks of the final norm, LM head and loss: torch.compile of the decoder layers leaves them.
+LOSS_BLOCKS = frozenset({"output", "output_transient", "output_backward_extra", "loss_parallel_backward_extra"})
 #: The model types whose Hugging Face router casts its input to fp32 before the gate matmul (the
 #: copy the pytorch profile's router_fp32_input keeps for backward).
 FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"})
@@ -122,6 +124,8 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "linear_key_repeated": (model.linear_key_width * model.linear_num_value_heads // model.linear_num_key_heads
                                 if model.linear_num_value_heads > model.linear_num_key_heads else 0),
         "output_gate": 1 if model.attention_output_gate else 0,
+        # norms before the attention and the MLP alone (Llama's), not after (OLMo 2) or both (Gemma 3)
+        "pre_norm": 1 if model.norm_placement == "pre" else 0,
         # soft-capped attention scores and logits (Gemma 2): tanh keeps its output
         "attention_softcap": 1 if model.attention_softcap else 0,
         "attention_sinks": 1 if model.attention_sinks else 0,
@@ -138,7 +142,7 @@ SYMBOLS: tuple[str, ...] = (
     "norm_fp32_weight", "norms", "fused_qkv", "router_fp32", "shared_gate",
     "q_lora", "kv_lora", "rope", "vocab", "linear_key", "linear_value", "linear_key_heads", "linear_value_heads",
     "linear_key_repeated",
-    "output_gate", "attention_softcap", "attention_sinks", "clamped_swiglu", "routing_fp32", "norm_topk", "final_softcap", "seq",
+    "output_gate", "pre_norm", "attention_softcap", "attention_sinks", "clamped_swiglu", "routing_fp32", "norm_topk", "final_softcap", "seq",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -195,6 +199,14 @@ class SavedTensor:
     #: Whether torchtitan's per-op selective checkpointing (``torchtitan-op``) keeps it, where
     #: that differs from ``keep`` (None: as ``keep``).
     op_keep: bool | None = None
+    #: Bytes per element (a number or ``act``) where torch.compile compiles the decoder layers
+    #: (``MemoryOptions.compiled_layers``), where that differs: Inductor's partitioner keeps a
+    #: norm's bf16 input and statistic and rebuilds its fp32 copies, and rebuilds the MLP's
+    #: activation, in the fused backward (0 for what it does not keep).
+    compiled_bytes: str | float | None = None
+    #: Whether selective recompute keeps it in compiled layers, under any policy, where that
+    #: differs from the policy's own flag (None: as the policy says).
+    compiled_keep: bool | None = None
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
@@ -281,6 +293,8 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                     fp8_bytes=_width_or_act(entry.get("fp8_bytes"), source, str(entry.get("name"))),
                     no_upcast_bytes=_width_or_act(entry.get("no_upcast_bytes"), source, str(entry.get("name"))),
                     op_keep=_op_keep(entry.get("op_keep"), source, str(entry.get("name"))),
+                    compiled_bytes=_width_or_act(entry.get("compiled_bytes"), source, str(entry.get("name"))),
+                    compiled_keep=_op_keep(entry.get("compiled_keep"), source, str(entry.get("name")), "compiled_keep"),
                 )
             except (KeyError, TypeError) as error:
                 raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
@@ -464,23 +478,26 @@ class BlockBytes:
                 "offloaded_kept": self.offloaded_kept_per_seq}.get(part)
 
 
-def _kept(tensor: SavedTensor, modules: tuple[str, ...], policy: str | None = None) -> bool:
+def _kept(tensor: SavedTensor, modules: tuple[str, ...], policy: str | None = None, compiled: bool = False) -> bool:
     """Whether selective recompute keeps ``tensor``: with modules named, unless one of them
-    rebuilds it; under torchtitan's per-op policy (``policy`` 'torchtitan-op') its ``op_keep``
-    where the profile states one; else the runtime's own policy (its ``keep`` flag)."""
+    rebuilds it; in compiled layers its ``compiled_keep`` where the profile states one; under
+    torchtitan's per-op policy (``policy`` 'torchtitan-op') its ``op_keep`` where the profile
+    states one; else the runtime's own policy (its ``keep`` flag)."""
     if modules:
         return not (tensor.recomputed_by & set(modules))
+    if compiled and tensor.compiled_keep is not None:
+        return tensor.compiled_keep
     if policy == "torchtitan-op" and tensor.op_keep is not None:
         return tensor.op_keep
     return tensor.keep
 
 
-def _op_keep(value: Any, source: str, name: str) -> bool | None:
-    """An entry's ``op_keep``: keep or recompute (None where not given)."""
+def _op_keep(value: Any, source: str, name: str, field_name: str = "op_keep") -> bool | None:
+    """An entry's ``op_keep`` (or ``compiled_keep``): keep or recompute (None where not given)."""
     if value is None:
         return None
     if value not in ("keep", "recompute"):
-        raise NdplanError(f"{source}: entry '{name}' has op_keep {value!r}; give keep or recompute")
+        raise NdplanError(f"{source}: entry '{name}' has {field_name} {value!r}; give keep or recompute")
     return bool(value == "keep")
 
 
@@ -496,7 +513,7 @@ def _width_or_act(value: Any, source: str, name: str) -> str | float | None:
 
 def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int,
                  modules: tuple[str, ...] = (), offload: tuple[str, ...] = (), fp8: bool = False,
-                 loss_upcast: bool = True, policy: str | None = None) -> BlockBytes:
+                 loss_upcast: bool = True, policy: str | None = None, compiled: bool = False) -> BlockBytes:
     base = dict.fromkeys(SHARDS, 0.0)
     per_seq = dict.fromkeys(SHARDS, 0.0)
     kept = dict.fromkeys(SHARDS, 0.0)
@@ -513,13 +530,15 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
             width = activation_bytes if tensor.no_upcast_bytes == "act" else float(tensor.no_upcast_bytes)
         elif fp8 and tensor.fp8_bytes is not None:
             width = activation_bytes if tensor.fp8_bytes == "act" else float(tensor.fp8_bytes)
+        elif compiled and tensor.compiled_bytes is not None:
+            width = activation_bytes if tensor.compiled_bytes == "act" else float(tensor.compiled_bytes)
         else:
             width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
         slope = evaluate(tensor.elements, {**symbols, "seq": 1.0}) - at_zero
         base[tensor.shard] += at_zero * width
         per_seq[tensor.shard] += slope * width
-        if _kept(tensor, modules, policy):
+        if _kept(tensor, modules, policy, compiled):
             kept[tensor.shard] += at_zero * width
             kept_per_seq[tensor.shard] += slope * width
         if tensor.weight_input:
@@ -531,7 +550,7 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
         if tensor.offloaded_by & set(offload):
             offloaded[tensor.shard] += at_zero * width
             offloaded_per_seq[tensor.shard] += slope * width
-            if _kept(tensor, modules, policy):
+            if _kept(tensor, modules, policy, compiled):
                 offloaded_kept[tensor.shard] += at_zero * width
                 offloaded_kept_per_seq[tensor.shard] += slope * width
     return BlockBytes(base, per_seq, kept, weight_input, read_last, past_weights, offloaded, offloaded_kept,
@@ -542,14 +561,17 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
 def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_bytes: int,
                        recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = (),
                        fp8: bool = False, loss_upcast: bool = True,
-                       selective_policy: str | None = None, moe_dispatcher: str = "alltoall") -> dict[str, BlockBytes]:
+                       selective_policy: str | None = None, moe_dispatcher: str = "alltoall",
+                       compiled: bool = False) -> dict[str, BlockBytes]:
     """Every block of the profile, evaluated for ``model`` (cached per model and profile); the
     bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``,
     the bytes moved to the host (``BlockBytes.offloaded``) those of ``offload_modules``; with
     ``fp8`` (the GEMMs run in fp8) an entry's ``fp8_bytes`` replace its width, without
     ``loss_upcast`` its ``no_upcast_bytes``; ``selective_policy`` 'torchtitan-op' keeps the
     entries' ``op_keep`` where they state one. ``moe_dispatcher`` 'allgather' adds the
-    ``moe_allgather`` block's tensors (what Megatron's allgather dispatcher keeps) to ``moe``'s."""
+    ``moe_allgather`` block's tensors (what Megatron's allgather dispatcher keeps) to ``moe``'s.
+    ``compiled`` (torch.compile of the decoder layers) prices the entries' ``compiled_bytes`` and
+    ``compiled_keep`` where they state them."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
@@ -560,6 +582,12 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
     blocks = dict(profile.blocks)
     if moe_dispatcher == "allgather":
         blocks["moe"] = blocks.get("moe", ()) + blocks.get("moe_allgather", ())
-    return {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8, loss_upcast,
-                                selective_policy)
-            for block, entries in blocks.items()}
+    # (the loss is compiled apart from the layers, and not priced so: only the layers' blocks)
+    coefficients = {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8,
+                                        loss_upcast, selective_policy, compiled and block not in LOSS_BLOCKS)
+                    for block, entries in blocks.items()}
+    # the final norm is a norm outside the layers, eager where they are compiled
+    coefficients["final_norm"] = (_block_bytes(blocks["norm"], symbols, activation_bytes, recompute_modules,
+                                               offload_modules, fp8, loss_upcast, selective_policy)
+                                  if compiled else coefficients["norm"])
+    return coefficients

@@ -437,6 +437,9 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
         if other:
             gaps.append(f"this strategy shards its layers otherwise than the census's TP-2 run did ({'; '.join(other)}): "
                         "the formulas price its layers, not the census (the output's census still applies)")
+    if options.census and model is not None and options.compiled_layers(model):
+        gaps.append("the census measured eager layers: where it prices them (--census), torch.compile's smaller "
+                    "saved set (--compile) is not priced, an upper bound")
     if strategy.offload_modules:
         gaps.append("activation offload is priced from Megatron-Core's code (what each module saves, two layers kept on "
                     "the device, copies at 0.8 of the host link's rate), not yet checked against a measured run "
@@ -494,10 +497,10 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
     free = headroom(strategy, options, model)
     if free == FSDP_HEADROOM:
         gaps.append("for torchtitan's published FSDP runs (8B to 405B with TP, PP and CP, 8 to 512 H100s) this model "
-                    "estimates 1-15% less than their measured peak reserved memory, median 8% (the measured peak is "
+                    "estimates 2-15% less than their measured peak reserved memory, median 11% (the measured peak is "
                     "up to 1.18x the estimate; docs/accuracy_time.md: for the 8B and 70B rows the caching allocator's "
                     "fragmentation, which a fixed slack does not follow; a June 2025 torchtitan page's compiled Float8 8B "
-                    "on H200s reads 27-28% over instead): leave 30% of the device free, or measure one "
+                    "on H200s reads 18-19% over instead): leave 30% of the device free, or measure one "
                     "step on fake tensors (`ndplan verify`, on a CPU: its allocator replay counts the fragmentation)")
     if free == BALANCED_MOE_HEADROOM:
         gaps.append("against Megatron-LM's own MoE tests the estimate reads 1.6-5.6% low (the routing of a real run "

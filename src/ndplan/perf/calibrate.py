@@ -98,6 +98,10 @@ class MeasuredRun(BaseModel):
     loss_parallel: bool | None = Field(default=None, description="the loss on vocab-sharded logits (torchtitan's "
                                        "default with TP), in memory and time; None: the runtime profile's in "
                                        "memory, the vocabulary-parallel loss in time")
+    torch_compile: Literal["off", "model", "model+loss", "loss"] = Field(
+        default="off", description="what torch.compile compiled (torchtitan's [compile] components), for the memory "
+        "check's saved tensors (MemoryOptions.torch_compile); the step time's fused kernels are the software "
+        "facts' elementwise_passes")
     reserved_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="memory the source measured: the caching "
                                        "allocator's peak reserved bytes, in GiB (max over ranks), where it says")
     notes: str = ""
@@ -192,13 +196,13 @@ class MeasuredRun(BaseModel):
     def memory_options(self) -> Any:
         """The memory model's options for this run: its runtime profile, the software facts
         memory shares with time (the loss's upcast; torchtitan's per-op selective checkpointing),
-        and whether its loss is vocab-parallel."""
+        whether its loss is vocab-parallel, and what torch.compile compiled."""
         from ndplan.memory.options import MemoryOptions
 
         policy = self.software.get("selective_recompute")
         return MemoryOptions(runtime=self.runtime, loss_upcast=bool(self.software.get("loss_upcast", True)),
                              selective_policy=policy if policy == "torchtitan-op" else None,
-                             loss_parallel=self.loss_parallel)
+                             loss_parallel=self.loss_parallel, torch_compile=self.torch_compile)
 
     def fullest_stage(self) -> Any:
         """The memory estimate (``ndplan.memory.report.StageReport``) of the run's stage with the

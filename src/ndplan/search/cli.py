@@ -458,7 +458,7 @@ def _print_search_text(args: argparse.Namespace, asked: _SearchAsked, space: Any
         console.print(f"candidates priced in {precision.name}, the precision {args.emit} writes (--precision to choose)")
     console.print(f"step times with overlap {'as given' if options.overlap else 'defaults (set with --overlap)'}: "
                   f"{overlap.describe()}" + dispatcher_note(options, model), markup=False)
-    print_kernels(options)
+    print_kernels(options, model=model)
     if data.get("emitted"):
         whose = "the winner" if data.get("emitted_rank") in (1, 0) else f"#{data['emitted_rank']}"
         console.print(f"\n[bold]{args.emit}[/] settings of {whose}:")

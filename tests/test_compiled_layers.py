@@ -1,0 +1,85 @@
+"""torch.compile'd decoder layers keep fewer tensors for backward than eager ones: the pytorch
+profile's compiled pricing against what compiled tiny layers saved on a CPU
+(tests/data/measured/compiled/layers.json, benchmarks/accuracy/compiled_layers.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ndplan.memory.activations import layer_activations
+from ndplan.memory.options import MemoryOptions
+from ndplan.memory.report import estimate
+from ndplan.model import get_preset
+from ndplan.model.hf import spec_from_hf_config
+from ndplan.strategy import Strategy
+from ndplan.strategy.batch import StrategyBatch
+
+MEASURED = json.loads((Path(__file__).parent / "data" / "measured" / "compiled" / "layers.json").read_text())
+POLICIES = ("none", "torchtitan-op", "keep-matmuls")
+
+
+def _priced(config: dict, policy: str, compiled: bool = True) -> float:
+    spec = spec_from_hf_config({**config, "num_hidden_layers": 1, "vocab_size": 128}, name="tiny")
+    strategy = Strategy(dp=1, seq_length=MEASURED["seq_length"], micro_batch_size=1, global_batch_size=1,
+                        recompute="none" if policy == "none" else "selective")
+    options = MemoryOptions(runtime="pytorch", include_overhead=False, attention="sdpa",
+                            torch_compile="model" if compiled else "off",
+                            **({} if policy == "none" else {"selective_policy": policy}))
+    acts = layer_activations(spec, StrategyBatch.of(strategy), options)
+    return float((acts.full if policy == "none" else acts.recomputed)["dense"][0])
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha", "llama-wide-heads", "qwen3", "olmo2"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_layers_price_what_they_saved(name: str, policy: str) -> None:
+    """To the byte: a compiled norm keeps its bf16 input and statistic (not eager's fp32 copy and
+    normalised output), q/k norms likewise, the MLP's activation is rebuilt, and a pre-norm layer
+    under selective recompute rebuilds the MLP's input too."""
+    layer = MEASURED["layers"][name]
+    assert _priced(layer["config"], policy) == layer["bytes_per_token"][policy]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_phi3_and_gemma3_are_priced_at_or_above_what_they_saved(policy: str) -> None:
+    """Phi-3's fused qkv under the per-op policy is priced with keep-matmuls' flags (its matmuls
+    come in another order), an upper bound; Gemma 3's sandwich norms keep one h-wide tensor less
+    compiled than four norms' inputs (2·h = 384 bytes a token over, 5%)."""
+    for name, over in (("phi3", {"torchtitan-op": 384.0}), ("gemma3", {"none": 384.0})):
+        layer = MEASURED["layers"][name]
+        assert _priced(layer["config"], policy) == layer["bytes_per_token"][policy] + over.get(policy, 0.0), name
+
+
+def test_compiled_layers_keep_less_than_eager() -> None:
+    """What compiling saves, measured: 30% of a Llama layer's bytes without recompute, 13% under
+    the per-op policy, 8% under keep-matmuls."""
+    config = MEASURED["layers"]["llama-gqa"]["config"]
+    saved = {policy: 1 - _priced(config, policy) / _priced(config, policy, compiled=False) for policy in POLICIES}
+    assert saved == pytest.approx({"none": 0.3045, "torchtitan-op": 0.1294, "keep-matmuls": 0.0807}, abs=5e-4)
+
+
+def test_what_is_not_measured_compiled_is_priced_eager_and_said() -> None:
+    """MoE, MLA and Gated DeltaNet models keep the eager pricing under --compile (transformers'
+    MoE blocks break the compiled graph; the others were not measured), and the loss's blocks
+    always do."""
+    options = MemoryOptions(runtime="pytorch", torch_compile="model")
+    for name, reason in (("qwen3-30b-a3b", "experts"), ("deepseek-v2-lite", "multi-head latent attention"),
+                         ("qwen3.5-27b", "Gated DeltaNet layers")):
+        model = get_preset(name)
+        assert not options.compiled_layers(model)
+        assert reason in options.compiled_layers_gap(model)
+    dense = get_preset("llama-3.1-8b")
+    assert options.compiled_layers(dense) and options.compiled_layers_gap(dense) == ""
+    assert "does not say what compiled layers keep" in MemoryOptions(
+        runtime="megatron", torch_compile="model").compiled_layers_gap(dense)
+    assert not MemoryOptions(runtime="pytorch", torch_compile="loss").compiled_layers(dense)
+    strategy = Strategy(dp=8, seq_length=4096, micro_batch_size=1, global_batch_size=8)
+    eager = estimate(dense, strategy, "h100-sxm", MemoryOptions(runtime="pytorch")).stages[0]
+    compiled = estimate(dense, strategy, "h100-sxm", options).stages[0]
+    assert compiled.activations_by_kind["output"] == eager.activations_by_kind["output"]
+    # (the norms keep their bf16 inputs, the MLP no activation; attention keeps what it kept)
+    assert compiled.activations_by_kind["attention"] == eager.activations_by_kind["attention"]
+    assert compiled.activations_by_kind["norm"] < eager.activations_by_kind["norm"] / 2
+    assert compiled.activations_by_kind["mlp"] < eager.activations_by_kind["mlp"]
