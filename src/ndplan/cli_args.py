@@ -200,10 +200,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "reduce-scatters the experts' output in fp32 (default: alltoall, or what a --from "
                             "Megatron launch runs: allgather where it states no --moe-token-dispatcher-type)")
     group.add_argument("--compile", dest="torch_compile", choices=["off", "model", "model+loss", "loss"], default=None,
-                       help="what torch.compile fuses, for the step time (memory stays the eager modules'): model "
-                            "runs each decoder layer's elementwise ops as one fused pass, leaving the final norm and "
-                            "loss eager; model+loss fuses those too (default: off, or what a --from torchtitan "
-                            "config's [compile] states)")
+                       help="what torch.compile fuses: model runs each decoder layer's elementwise ops as one fused "
+                            "pass, leaving the final norm and loss eager, and prices what compiled layers keep for "
+                            "backward (dense layers; others as eager); model+loss fuses the loss too (its memory "
+                            "priced eager) (default: off, or what a --from torchtitan config's [compile] states)")
     group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
                        help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
                             "(replaces --moe-imbalance for memory)")
