@@ -596,14 +596,16 @@ MEASURED_MEMORY_COMMENTARY = [
     "logits over TP where torchtitan shards them (+18%, +33%).",
     "",
     "A second torchtitan page (llama3_8b_h200_2025-06, June 2025: Llama 3.1 8B under FSDP over 32 and",
-    "64 H200s, compiled blocks, Float8; added in the forty-eighth session) reads the other way:",
+    "64 H200s, compiled blocks and loss, Float8; added in the forty-eighth session) reads the other way:",
     "{r[torchtitan-8b-h200-fsdp-32gpu]} and {r[torchtitan-8b-h200-fsdp-64gpu]} (its step times land within "
-    "2%, above). Its stack holds far less than December's:",
+    "3%, above). Its stack holds far less than December's:",
     "48 GiB at FSDP 32 where December's comparable Float8 run held 61.8 GiB at FSDP 128, whose",
-    "sharding leaves less on a GPU. Compiled layers' smaller saved set, priced since the forty-ninth",
-    "session, took 9 points of it (27-28% over before); what else changed is not found (its",
+    "sharding leaves less on a GPU. Compiled layers' smaller saved set and the compiled loss's (bf16",
+    "logits where the eager one keeps an fp32 log-softmax), priced since the forty-ninth session,",
+    "took 17-18 points of it (27-28% over before); what else changed is not found (its",
     "`--float8.force_recompute_fp8_weight_in_bwd` rebuilds fp8 weights the profile does not hold",
-    "either). For that stack the estimate is a safe, loose bound.",
+    "either; the loss's transient and backward working sets are priced eager). For that stack the",
+    "estimate is a safe, loose bound.",
 ]
 
 
@@ -878,9 +880,11 @@ COMMENTARY = [
     "  branch: 15.4 s where ModelZoo's dropless run took 17.6 s; ndplan's {s[mcore-moe-qwen3-235b-h100]} reads",
     "  {e[mcore-moe-qwen3-235b-h100]} against the balanced run and {e[modelzoo-qwen3-235b-deepep-ep32-a2a-overlap]} against the dropless one: about half of",
     "  that row's error goes with its routing (and the branch).",
-    "* torchtitan's June 2025 H200 page (Llama 3.1 8B under FSDP over 32 and 64 H200s, compiled blocks,",
-    "  Float8, per-op checkpointing; added in the forty-eighth session): "
-    "{e[torchtitan-8b-h200-fsdp-32gpu]} and {e[torchtitan-8b-h200-fsdp-64gpu]},",
+    "* torchtitan's June 2025 H200 page (Llama 3.1 8B under FSDP over 32 and 64 H200s, compiled blocks",
+    "  and loss, Float8, per-op checkpointing; added in the forty-eighth session): "
+    "{e[torchtitan-8b-h200-fsdp-32gpu]} and {e[torchtitan-8b-h200-fsdp-64gpu]}",
+    "  (+2.0% and +0.1% with the loss priced eager, until the forty-ninth session found torchtitan's",
+    "  loss of that period compiled with the blocks: the entries say what was read),",
     "  its SDPA priced as FlashAttention-2, which torch 2.8 ran first on Hopper (cuDNN's kernel is",
     "  preferred only with a bundled cuDNN past 9.15, torch 2.10 on), as the December rows. Not blind:",
     "  both kernels were priced before that was looked up (cuDNN's rate reads the rows 11-12% fast).",

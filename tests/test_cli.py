@@ -1364,9 +1364,9 @@ def test_from_help_says_what_the_command_does_with_the_config(command, capsys):
 
 def test_compile_prices_fused_layers_and_a_torchtitan_config_states_it(tmp_path, capsys):
     """--compile model fuses the decoder layers' elementwise ops in the step time, and prices what
-    compiled layers keep in memory (less: tests/test_compiled_layers.py; the loss's memory is
-    priced eager, so model+loss holds what model does); a torchtitan job's [compile] states it,
-    and --compile off overrides the file."""
+    compiled layers keep in memory (less: tests/test_compiled_layers.py), model+loss the loss's
+    too (bf16 logits, not an fp32 log-softmax); a torchtitan job's [compile] states it, and
+    --compile off overrides the file."""
     base = ["estimate", *LLAMA, "--hardware", "h100-sxm", "--devices", "8", "--dp", "8", "--zero", "3", "--fsdp",
             "--mbs", "2", "--gbs", "16", "--seq", "8192"]
 
@@ -1378,7 +1378,7 @@ def test_compile_prices_fused_layers_and_a_torchtitan_config_states_it(tmp_path,
 
     (eager, peak), (model, peak_model), (both, peak_both) = (priced(base), priced([*base, "--compile", "model"]),
                                                              priced([*base, "--compile", "model+loss"]))
-    assert both < model < 0.9 * eager and peak_both == peak_model < 0.85 * peak
+    assert both < model < 0.9 * eager and peak_both < peak_model < 0.85 * peak
     code, out, _ = run([*base, "--compile", "model"], capsys)
     assert "torch.compile of the model (--compile): elementwise_passes 1 in the decoder layers, 4.5 in the final" in out
     job = tmp_path / "job.toml"

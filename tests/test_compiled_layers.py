@@ -83,3 +83,28 @@ def test_what_is_not_measured_compiled_is_priced_eager_and_said() -> None:
     assert compiled.activations_by_kind["attention"] == eager.activations_by_kind["attention"]
     assert compiled.activations_by_kind["norm"] < eager.activations_by_kind["norm"] / 2
     assert compiled.activations_by_kind["mlp"] < eager.activations_by_kind["mlp"]
+
+
+def test_a_compiled_loss_keeps_bf16_logits_and_two_statistics() -> None:
+    """torchtitan's cross-entropy on an fp32 copy of the logits keeps, eager, the fp32 log-softmax
+    (4 bytes a logit) and the labels; compiled, the bf16 logits, each token's fp32 max and
+    log-sum-exp, and the labels (the 1e-2 bytes: a scalar over the measured tokens). Not priced
+    compiled where the loss is vocabulary-parallel, and the final norm before it stays eager."""
+    measured = MEASURED["loss"]
+    vocab = measured["vocab_size"]
+    spec = spec_from_hf_config({**MEASURED["layers"]["llama-gqa"]["config"], "num_hidden_layers": 1,
+                                "vocab_size": vocab}, name="tiny")
+    strategy = StrategyBatch.of(Strategy(dp=1, seq_length=MEASURED["seq_length"], micro_batch_size=1,
+                                         global_batch_size=1))
+    head_input = 2 * spec.hidden_size  # the LM head's input, outside the loss function
+
+    def output(**flags) -> float:
+        options = MemoryOptions(runtime="pytorch", include_overhead=False, attention="sdpa", **flags)
+        return float(layer_activations(spec, strategy, options).output[0]) - head_input - final_norm
+
+    final_norm = 4 * spec.hidden_size + 4 + 2 * spec.hidden_size  # eager: fp32 input, statistic, normalised
+    assert output() == pytest.approx(measured["bytes_per_token"]["eager"], abs=0.02)
+    assert output(torch_compile="model+loss") == pytest.approx(measured["bytes_per_token"]["compiled"], abs=0.02)
+    assert output(torch_compile="loss") == output(torch_compile="model+loss")
+    assert output(torch_compile="model") == output()
+    assert output(torch_compile="model+loss", loss_parallel=True) == output()

@@ -1,4 +1,4 @@
-"""What torch.compile'd decoder layers keep for backward, measured on a CPU.
+"""What torch.compile'd decoder layers and loss keep for backward, measured on a CPU.
 
 Each tiny transformers decoder layer (bf16, SDPA) runs one forward and its saved tensors are
 counted: torch.compile's AOTAutograd hands them to ``ctx.save_for_backward``, where
@@ -8,7 +8,8 @@ Parameters and the rotary cos/sin (shared by every layer) are left out; bytes ar
 sequence. Three policies: no recompute, torchtitan's per-op selective checkpointing (every second
 matmul and the attention kernel saved) and keep-matmuls (every matmul and the attention kernel).
 Inductor's partitioner decides what is saved the same way on every device (the graph it cuts is
-the same), so a CPU measures what a GPU keeps; the kernels it then generates differ.
+the same), so a CPU measures what a GPU keeps; the kernels it then generates differ. The loss
+is torchtitan's cross-entropy on an fp32 copy of the logits, compiled apart from the layers.
 
     python benchmarks/accuracy/compiled_layers.py   # rewrites tests/data/measured/compiled/layers.json
 
@@ -138,17 +139,39 @@ def _saved_bytes(run: Any, hidden: torch.Tensor, left_out: set[int]) -> int:
     return sum(saved.values())
 
 
+def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss torchtitan compiles with its blocks (``training.compile``, 2025: components/loss.py's
+    build_cross_entropy_loss; later ``[compile] components = ["loss"]``): cross-entropy on an fp32
+    copy of the logits."""
+    return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def measure_loss(vocab: int = 1000, seq: int = SEQ) -> dict[str, float]:
+    """Saved bytes per token of the loss on [1, seq, vocab] bf16 logits, eager and compiled."""
+    torch.manual_seed(0)
+    pred = torch.randn(1, seq, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, seq))
+    result = {}
+    for name, loss in (("eager", cross_entropy_loss), ("compiled", torch.compile(cross_entropy_loss))):
+        loss(pred, labels)
+        result[name] = _saved_bytes(lambda logits, loss=loss: loss(logits, labels), pred, set()) / seq
+        torch._dynamo.reset()
+    return result
+
+
 def main() -> None:
     layers = {}
     for name, config in CONFIGS.items():
         layers[name] = {"config": config, "bytes_per_token": measure({**config, **COMMON})}
         print(name, layers[name]["bytes_per_token"], flush=True)
+    loss = {"vocab_size": 1000, "bytes_per_token": measure_loss(1000)}
+    print("loss", loss["bytes_per_token"], flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "what": "bytes a token one torch.compile'd decoder layer saves for backward (parameters and rotary cos/sin "
                 "left out), bf16, SDPA, measured on a CPU (benchmarks/accuracy/compiled_layers.py)",
         "torch": torch.__version__, "transformers": transformers.__version__, "seq_length": SEQ,
-        "layers": layers}, indent=1) + "\n")
+        "layers": layers, "loss": loss}, indent=1) + "\n")
     print(f"wrote {OUT}")
 
 

@@ -106,15 +106,18 @@ def _fact_text(value: Any) -> str:
 
 
 def _compiled_memory_text(options: Any, model: Any) -> str:
-    """What --compile does to the memory priced: the compiled layers' saved tensors, or why the
-    eager modules' stand (the final norm and loss are priced eager either way)."""
-    if "model" not in options.torch_compile:
-        return "the memory is the eager modules' (the loss's saved tensors are priced eager)"
-    gap = options.compiled_layers_gap(model) if model is not None else ""
-    if gap:
-        return f"the memory is the eager modules' ({gap})"
-    return ("the layers keep what compiled layers were measured keeping (norms their bf16 input, no MLP "
-            "activation: docs/memory.md), the final norm and loss what eager ones keep")
+    """What --compile does to the memory priced: what compiled layers and a compiled loss were
+    measured keeping, or why the eager modules' figures stand (docs/memory.md)."""
+    parts = []
+    if "model" in options.torch_compile:
+        gap = options.compiled_layers_gap(model) if model is not None else ""
+        parts.append(f"the layers keep what eager ones do ({gap})" if gap else
+                     "the layers keep what compiled layers were measured keeping (norms their bf16 input, "
+                     "no MLP activation)")
+    if "loss" in options.torch_compile:
+        parts.append("the loss its bf16 logits (a compiled cross-entropy)" if options.compiled_loss() else
+                     "the loss what an eager one keeps (vocabulary-parallel, not measured compiled)")
+    return "in memory " + "; ".join(parts) + " (docs/memory.md)"
 
 
 def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chosen: bool = False,

@@ -417,7 +417,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload,
                                 fp8=batch.precision.compute_dtype == "fp8", loss_upcast=options.loss_upcast,
                                 selective_policy=policy, moe_dispatcher=options.moe_dispatcher,
-                                compiled=options.compiled_layers(model))
+                                compiled=options.compiled_layers(model), compiled_loss=options.compiled_loss())
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)

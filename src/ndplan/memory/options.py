@@ -177,6 +177,15 @@ class MemoryOptions:
         (``compiled_layers_gap`` says why not where they are compiled)."""
         return "model" in self.torch_compile and not self.compiled_layers_gap(model)
 
+    def compiled_loss(self) -> bool:
+        """Whether the loss's saved tensors are priced as a compiled cross-entropy keeps them (the
+        output block's ``compiled_bytes``): the loss is compiled, the runtime's profile says what a
+        compiled loss keeps, and it is not vocabulary-parallel (DTensor's loss parallelism was not
+        measured compiled)."""
+        loss_parallel = self.profile.loss_parallel if self.loss_parallel is None else self.loss_parallel
+        return ("loss" in self.torch_compile and not loss_parallel
+                and any(t.compiled_bytes is not None for t in self.profile.blocks.get("output", ())))
+
     def compiled_layers_gap(self, model: ModelSpec) -> str:
         """Why compiled layers are priced as the eager modules (empty where they are not, or where
         nothing is compiled)."""

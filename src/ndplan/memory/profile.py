@@ -562,7 +562,7 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
                        recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = (),
                        fp8: bool = False, loss_upcast: bool = True,
                        selective_policy: str | None = None, moe_dispatcher: str = "alltoall",
-                       compiled: bool = False) -> dict[str, BlockBytes]:
+                       compiled: bool = False, compiled_loss: bool = False) -> dict[str, BlockBytes]:
     """Every block of the profile, evaluated for ``model`` (cached per model and profile); the
     bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``,
     the bytes moved to the host (``BlockBytes.offloaded``) those of ``offload_modules``; with
@@ -571,7 +571,8 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
     entries' ``op_keep`` where they state one. ``moe_dispatcher`` 'allgather' adds the
     ``moe_allgather`` block's tensors (what Megatron's allgather dispatcher keeps) to ``moe``'s.
     ``compiled`` (torch.compile of the decoder layers) prices the entries' ``compiled_bytes`` and
-    ``compiled_keep`` where they state them."""
+    ``compiled_keep`` where they state them, ``compiled_loss`` (of the loss) those of the
+    ``output`` block."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
@@ -582,9 +583,11 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
     blocks = dict(profile.blocks)
     if moe_dispatcher == "allgather":
         blocks["moe"] = blocks.get("moe", ()) + blocks.get("moe_allgather", ())
-    # (the loss is compiled apart from the layers, and not priced so: only the layers' blocks)
+    # (the loss is compiled apart from the layers: what it saves, the output block, by its own flag;
+    # its transient and backward working sets stay the eager ones, unmeasured compiled)
     coefficients = {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8,
-                                        loss_upcast, selective_policy, compiled and block not in LOSS_BLOCKS)
+                                        loss_upcast, selective_policy,
+                                        compiled_loss if block == "output" else compiled and block not in LOSS_BLOCKS)
                     for block, entries in blocks.items()}
     # the final norm is a norm outside the layers, eager where they are compiled
     coefficients["final_norm"] = (_block_bytes(blocks["norm"], symbols, activation_bytes, recompute_modules,

@@ -500,7 +500,7 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
                     "estimates 2-15% less than their measured peak reserved memory, median 11% (the measured peak is "
                     "up to 1.18x the estimate; docs/accuracy_time.md: for the 8B and 70B rows the caching allocator's "
                     "fragmentation, which a fixed slack does not follow; a June 2025 torchtitan page's compiled Float8 8B "
-                    "on H200s reads 18-19% over instead): leave 30% of the device free, or measure one "
+                    "on H200s reads 10-11% over instead): leave 30% of the device free, or measure one "
                     "step on fake tensors (`ndplan verify`, on a CPU: its allocator replay counts the fragmentation)")
     if free == BALANCED_MOE_HEADROOM:
         gaps.append("against Megatron-LM's own MoE tests the estimate reads 1.6-5.6% low (the routing of a real run "
