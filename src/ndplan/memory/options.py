@@ -79,9 +79,9 @@ class MemoryOptions:
     ``torch_compile`` says what torch.compile fuses: 'model' runs each decoder layer's elementwise
     ops as fused kernels (one pass over their bytes) and leaves the final norm and loss at the
     runtime's eager figure; 'model+loss' fuses those too, 'loss' those alone; 'off' prices the
-    runtime's own kernels. Compiled layers also keep fewer tensors for backward, priced where the
-    runtime's profile says which (``compiled_layers``; the pytorch profile, for dense layers: the
-    loss's are priced eager).
+    runtime's own kernels. Compiled layers and a compiled loss also keep fewer tensors for
+    backward, priced where the runtime's profile says which (``compiled_layers``, ``compiled_loss``:
+    the pytorch profile, for dense layers and a loss that is not vocabulary-parallel).
     ``p2p_wait`` names the pipeline schedules whose compute waits for its own sends, for the
     step time alone (``EfficiencyProfile.p2p_wait``; None: the runtime's, its profile's kernel
     fact or Megatron-Core's '1f1b'): a Megatron launch with --no-overlap-p2p-communication waits
