@@ -126,6 +126,7 @@ def model_symbols(model: ModelSpec) -> dict[str, float]:
         "output_gate": 1 if model.attention_output_gate else 0,
         # norms before the attention and the MLP alone (Llama's), not after (OLMo 2) or both (Gemma 3)
         "pre_norm": 1 if model.norm_placement == "pre" else 0,
+        "sandwich_norm": 1 if model.norm_placement == "sandwich" else 0,
         # soft-capped attention scores and logits (Gemma 2): tanh keeps its output
         "attention_softcap": 1 if model.attention_softcap else 0,
         "attention_sinks": 1 if model.attention_sinks else 0,
@@ -142,7 +143,7 @@ SYMBOLS: tuple[str, ...] = (
     "norm_fp32_weight", "norms", "fused_qkv", "router_fp32", "shared_gate",
     "q_lora", "kv_lora", "rope", "vocab", "linear_key", "linear_value", "linear_key_heads", "linear_value_heads",
     "linear_key_repeated",
-    "output_gate", "pre_norm", "attention_softcap", "attention_sinks", "clamped_swiglu", "routing_fp32", "norm_topk", "final_softcap", "seq",
+    "output_gate", "pre_norm", "sandwich_norm", "attention_softcap", "attention_sinks", "clamped_swiglu", "routing_fp32", "norm_topk", "final_softcap", "seq",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
