@@ -108,3 +108,32 @@ def test_a_compiled_loss_keeps_bf16_logits_and_two_statistics() -> None:
     assert output(torch_compile="loss") == output(torch_compile="model+loss")
     assert output(torch_compile="model") == output()
     assert output(torch_compile="model+loss", loss_parallel=True) == output()
+
+
+@pytest.mark.parametrize("name", sorted(set(MEASURED["float8_layers"]) - {"torchao"}))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_float8_layers_rebuild_their_linears_inputs(name: str, policy: str) -> None:
+    """With torchao's Float8 linears (tensorwise, fp8 GEMMs) a compiled layer without recompute
+    rebuilds the inputs its norms make for the linears (q/k/v's, the MLP's; OLMo 2's post-norm MLP
+    input, the residual, stays) and the down projection's, for their fp8 casts: 2h·2 + 2·ffn
+    bytes a token less than a bf16 compiled layer (2h + 2·ffn for OLMo 2); under selective
+    recompute it keeps what the bf16 one keeps. To the byte, beside the Float8 scales (a scalar a
+    linear: 0.1 bytes a token over the measured tokens, not priced)."""
+    from ndplan.strategy.precision import PrecisionPolicy
+
+    config = MEASURED["layers"][name]["config"]
+    spec = spec_from_hf_config({**config, "num_hidden_layers": 1, "vocab_size": 128}, name="tiny")
+    float8 = PrecisionPolicy(name="torchao-float8", param_bytes=4, grad_bytes=4, master_weight_bytes=0,
+                             optimizer_state_bytes=4, param_gather_bytes=1, compute_dtype="fp8")
+    strategy = Strategy(dp=1, seq_length=MEASURED["seq_length"], micro_batch_size=1, global_batch_size=1,
+                        recompute="none" if policy == "none" else "selective", precision=float8)
+    options = MemoryOptions(runtime="pytorch", include_overhead=False, attention="sdpa", torch_compile="model",
+                            **({} if policy == "none" else {"selective_policy": policy}))
+    acts = layer_activations(spec, StrategyBatch.of(strategy), options)
+    priced = float((acts.full if policy == "none" else acts.recomputed)["dense"][0])
+    assert priced == pytest.approx(MEASURED["float8_layers"][name][policy], abs=0.15)
+    # (eager Float8 linears keep their bf16 inputs: the bf16 layer's bytes)
+    eager = layer_activations(spec, StrategyBatch.of(strategy), MemoryOptions(
+        runtime="pytorch", include_overhead=False, attention="sdpa",
+        **({} if policy == "none" else {"selective_policy": policy})))
+    assert float((eager.full if policy == "none" else eager.recomputed)["dense"][0]) == _priced(config, policy, False)

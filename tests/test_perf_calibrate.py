@@ -428,7 +428,7 @@ OVER_THEIR_MEMORY = {
 
 def test_the_torchtitan_rows_memory_reads_low_against_what_the_page_measured():
     """torchtitan's page reports each run's peak reserved memory: ndplan's estimate of every one
-    is 2-15% below it (docs/accuracy_time.md says what it leaves out: for the 8B and 70B rows the
+    is 5-16% below it (docs/accuracy_time.md says what it leaves out: for the 8B and 70B rows the
     allocator's fragmentation, which the fake step's replay matches); the band pins the gap, so a
     change that closes it, or widens it, shows here. (It was 3-29% before the loss-parallel
     backward's exp(output) and DTensor's whole embedding gradient under FSDP were priced, 4-21%

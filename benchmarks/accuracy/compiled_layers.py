@@ -14,13 +14,15 @@ is torchtitan's cross-entropy on an fp32 copy of the logits, compiled apart from
     python benchmarks/accuracy/compiled_layers.py   # rewrites tests/data/measured/compiled/layers.json
 
 Needs the census extra (torch, transformers) and a C++ compiler for Inductor's CPU kernels; about
-a minute a configuration. tests/test_compiled_layers.py compares the pytorch profile's compiled
+a minute a configuration. Where torchao is installed (not a dependency of ndplan) four of the
+layers are measured again with its Float8 linears. tests/test_compiled_layers.py compares the pytorch profile's compiled
 pricing with the file.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -53,6 +55,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
              "num_key_value_heads": 2, "pad_token_id": 0},
 }
 COMMON = {"num_hidden_layers": 1, "vocab_size": 128}
+#: The layers measured again with torchao's Float8 linears (torchtitan's float8 converter).
+FLOAT8_CONFIGS = ("llama-gqa", "qwen3", "olmo2", "gemma3")
 _MODULES = {"gemma3_text": "gemma3"}  # model types whose modeling code lives under another name
 
 _MATMUL = torch.ops.aten.mm.default
@@ -94,10 +98,15 @@ def _layer(config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
     return layer_class(cfg, 0).to(torch.bfloat16), (cfg, rope_class)
 
 
-def measure(config: dict[str, Any], seq: int = SEQ) -> dict[str, float]:
-    """Saved bytes per token of one compiled layer under each policy."""
+def measure(config: dict[str, Any], seq: int = SEQ, float8: bool = False) -> dict[str, float]:
+    """Saved bytes per token of one compiled layer under each policy (``float8``: its linears
+    torchao's Float8Linear, tensorwise scaling, as torchtitan's float8 converter makes them)."""
     torch.manual_seed(0)
     layer, (cfg, rope_class) = _layer(config)
+    if float8:
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(layer)
     hidden = torch.randn(1, seq, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     positions = torch.arange(seq)[None]
     rope = rope_class(cfg)
@@ -166,12 +175,22 @@ def main() -> None:
         print(name, layers[name]["bytes_per_token"], flush=True)
     loss = {"vocab_size": 1000, "bytes_per_token": measure_loss(1000)}
     print("loss", loss["bytes_per_token"], flush=True)
+    float8: dict[str, Any] = {}
+    if importlib.util.find_spec("torchao") is not None:  # (not a dependency: measured where installed)
+        import torchao
+
+        float8["torchao"] = torchao.__version__
+        for name in FLOAT8_CONFIGS:
+            # (the scales, a scalar a linear, read as hundredths of a byte a token: rounded off)
+            measured = measure({**CONFIGS[name], **COMMON}, float8=True)
+            float8[name] = {policy: round(value, 1) for policy, value in measured.items()}
+            print("float8", name, float8[name], flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "what": "bytes a token one torch.compile'd decoder layer saves for backward (parameters and rotary cos/sin "
                 "left out), bf16, SDPA, measured on a CPU (benchmarks/accuracy/compiled_layers.py)",
         "torch": torch.__version__, "transformers": transformers.__version__, "seq_length": SEQ,
-        "layers": layers, "loss": loss}, indent=1) + "\n")
+        "layers": layers, "loss": loss, "float8_layers": float8}, indent=1) + "\n")
     print(f"wrote {OUT}")
 
 

@@ -208,6 +208,11 @@ class SavedTensor:
     #: Whether selective recompute keeps it in compiled layers, under any policy, where that
     #: differs from the policy's own flag (None: as the policy says).
     compiled_keep: bool | None = None
+    #: Bytes per element in compiled layers whose GEMMs run in fp8 (torchao's Float8 linears),
+    #: without recompute, where that differs: the compiled graph rebuilds the linears' inputs
+    #: for their fp8 casts rather than keep them. What selective recompute keeps is the compiled
+    #: bf16 layer's (measured the same).
+    compiled_fp8_bytes: str | float | None = None
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: profiles are cached singletons
@@ -296,6 +301,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
                     op_keep=_op_keep(entry.get("op_keep"), source, str(entry.get("name"))),
                     compiled_bytes=_width_or_act(entry.get("compiled_bytes"), source, str(entry.get("name"))),
                     compiled_keep=_op_keep(entry.get("compiled_keep"), source, str(entry.get("name")), "compiled_keep"),
+                    compiled_fp8_bytes=_width_or_act(entry.get("compiled_fp8_bytes"), source, str(entry.get("name"))),
                 )
             except (KeyError, TypeError) as error:
                 raise NdplanError(f"{source}: block '{block}' entry {entry!r} lacks field {error}") from None
@@ -535,19 +541,24 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
             width = activation_bytes if tensor.compiled_bytes == "act" else float(tensor.compiled_bytes)
         else:
             width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
+        # what is kept without recompute, where a compiled fp8 layer keeps less than it keeps under
+        # selective recompute (``width``)
+        whole = width
+        if compiled and fp8 and tensor.compiled_fp8_bytes is not None:
+            whole = activation_bytes if tensor.compiled_fp8_bytes == "act" else float(tensor.compiled_fp8_bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
         slope = evaluate(tensor.elements, {**symbols, "seq": 1.0}) - at_zero
-        base[tensor.shard] += at_zero * width
-        per_seq[tensor.shard] += slope * width
+        base[tensor.shard] += at_zero * whole
+        per_seq[tensor.shard] += slope * whole
         if _kept(tensor, modules, policy, compiled):
             kept[tensor.shard] += at_zero * width
             kept_per_seq[tensor.shard] += slope * width
         if tensor.weight_input:
-            weight_input[tensor.shard] += at_zero * width
+            weight_input[tensor.shard] += at_zero * whole
         if tensor.read_last:
-            read_last[tensor.shard] += at_zero * width
+            read_last[tensor.shard] += at_zero * whole
         if tensor.past_weights:
-            past_weights[tensor.shard] += at_zero * width
+            past_weights[tensor.shard] += at_zero * whole
         if tensor.offloaded_by & set(offload):
             offloaded[tensor.shard] += at_zero * width
             offloaded_per_seq[tensor.shard] += slope * width
@@ -572,8 +583,8 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
     entries' ``op_keep`` where they state one. ``moe_dispatcher`` 'allgather' adds the
     ``moe_allgather`` block's tensors (what Megatron's allgather dispatcher keeps) to ``moe``'s.
     ``compiled`` (torch.compile of the decoder layers) prices the entries' ``compiled_bytes`` and
-    ``compiled_keep`` where they state them, ``compiled_loss`` (of the loss) those of the
-    ``output`` block."""
+    ``compiled_keep`` where they state them (with ``fp8``, ``compiled_fp8_bytes`` too),
+    ``compiled_loss`` (of the loss) those of the ``output`` block."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
