@@ -503,7 +503,7 @@ def memory_section(runs: list[MeasuredRun]) -> list[str]:
                             f"{replayed / gib:.1f} | {replayed / gib / measured_gib - 1:+.1%} |"))
         every = {r.id: w.reserved_bytes / gib / float(r.reserved_gib or 1.0) - 1 for r, w in reported}
         errors = {key: f"{value:+.1%}" for key, value in every.items()}
-        # The December 2024 page's figures; the June 2025 H200 page reads the other way (said apart).
+        # The December 2024 page's figures (the June 2025 H200 page's are said apart).
         ratios = {r.id: every[r.id] for r, _ in reported if r.source.startswith("torchtitan-2024")}
         errors |= {f"replayed {r.id}": f"{replays[r.id] / gib / float(r.reserved_gib or 1.0) - 1:+.1%}"
                    for r, _ in reported if r.id in replays}
@@ -596,16 +596,17 @@ MEASURED_MEMORY_COMMENTARY = [
     "logits over TP where torchtitan shards them (+18%, +33%).",
     "",
     "A second torchtitan page (llama3_8b_h200_2025-06, June 2025: Llama 3.1 8B under FSDP over 32 and",
-    "64 H200s, compiled blocks and loss, Float8; added in the forty-eighth session) reads the other way:",
+    "64 H200s, compiled blocks and loss, Float8; added in the forty-eighth session) reads as December's:",
     "{r[torchtitan-8b-h200-fsdp-32gpu]} and {r[torchtitan-8b-h200-fsdp-64gpu]} (its step times land within "
-    "3%, above). Its stack holds far less than December's:",
-    "48 GiB at FSDP 32 where December's comparable Float8 run held 61.8 GiB at FSDP 128, whose",
-    "sharding leaves less on a GPU. Compiled layers' smaller saved set and the compiled loss's (bf16",
-    "logits where the eager one keeps an fp32 log-softmax), priced since the forty-ninth session,",
-    "took 17-18 points of it (27-28% over before); what else changed is not found (its",
-    "`--float8.force_recompute_fp8_weight_in_bwd` rebuilds fp8 weights the profile does not hold",
-    "either; the loss's transient and backward working sets are priced eager). For that stack the",
-    "estimate is a safe, loose bound.",
+    "3%, above). It read 27-28% over until the forty-ninth session: its stack holds far less than",
+    "December's (48 GiB at FSDP 32 where December's comparable Float8 run held 61.8 GiB at FSDP 128,",
+    "whose sharding leaves less on a GPU), and the estimate priced eager modules and an eager loss.",
+    "Its --training.compile compiled the blocks and the loss: compiled layers keep a smaller set",
+    "(measured, docs/memory.md), and the compiled loss keeps the bf16 logits where the eager one keeps",
+    "an fp32 log-softmax, and its backward is one kernel writing the bf16 gradient where eager's",
+    "holds two fp32 copies of the logits (8 bytes a logit: 15.7 GiB of the estimate at 16K tokens and",
+    "128K words; read in Inductor's code for the compiled loss). Priced so, it reads low by what",
+    "December's rows do.",
 ]
 
 

@@ -137,3 +137,23 @@ def test_compiled_float8_layers_rebuild_their_linears_inputs(name: str, policy: 
         runtime="pytorch", include_overhead=False, attention="sdpa",
         **({} if policy == "none" else {"selective_policy": policy})))
     assert float((eager.full if policy == "none" else eager.recomputed)["dense"][0]) == _priced(config, policy, False)
+
+
+def test_a_compiled_loss_s_working_sets_are_its_bf16_tensors() -> None:
+    """Around the loss (the larger of the forward's and the backward's working sets): eager, the
+    bf16 logits and their fp32 copy (6 bytes a logit) or, in the backward, two fp32 gradients of
+    the logits (8); compiled, the forward reads the bf16 logits in one fused kernel (2) and the
+    backward writes the bf16 gradient beside an fp32 row sum a token (2 a logit + 4), as Inductor's
+    generated code for the compiled loss runs them."""
+    vocab = 1000
+    spec = spec_from_hf_config({**MEASURED["layers"]["llama-gqa"]["config"], "num_hidden_layers": 1,
+                                "vocab_size": vocab}, name="tiny")
+    strategy = StrategyBatch.of(Strategy(dp=1, seq_length=512, micro_batch_size=1, global_batch_size=1))
+
+    def transient(**flags) -> float:
+        options = MemoryOptions(runtime="pytorch", include_overhead=False, attention="sdpa", **flags)
+        return float(layer_activations(spec, strategy, options).output_transient[0])
+
+    assert transient() == 8 * vocab
+    assert transient(torch_compile="loss") == 2 * vocab + 4
+    assert transient(torch_compile="model") == 8 * vocab

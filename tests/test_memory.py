@@ -702,7 +702,7 @@ def test_measured_gaps_are_told_beside_the_estimate():
     # What published or functional-test measurements found: torchtitan's FSDP runs read low, and
     # Megatron's MoE tests (one caveat each, where it applies)
     fsdp = estimate(model, Strategy(dp=8, zero=3, fsdp=True, seq_length=2048), options=NO_OVERHEAD)
-    assert any("estimates 5-16% less than their measured peak reserved memory" in c for c in fsdp.caveats)
+    assert any("estimates 5-17% less than their measured peak reserved memory" in c for c in fsdp.caveats)
     moe = get_preset("qwen3-30b-a3b")
     megatron = estimate(moe, Strategy(seq_length=2048), options=MemoryOptions(runtime="megatron"))
     assert any("1.6-5.6% low" in c for c in megatron.caveats)

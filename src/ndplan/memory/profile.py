@@ -49,6 +49,8 @@ BLOCKS: tuple[str, ...] = (
 
 #: The blocks of the final norm, LM head and loss: torch.compile of the decoder layers leaves them.
 LOSS_BLOCKS = frozenset({"output", "output_transient", "output_backward_extra", "loss_parallel_backward_extra"})
+#: Those a compiled loss prices (``block_coefficients``' ``compiled_loss``): not the vocabulary-parallel one's.
+COMPILED_LOSS_BLOCKS = frozenset({"output", "output_transient", "output_backward_extra"})
 #: The model types whose Hugging Face router casts its input to fp32 before the gate matmul (the
 #: copy the pytorch profile's router_fp32_input keeps for backward).
 FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"})
@@ -595,11 +597,12 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
     blocks = dict(profile.blocks)
     if moe_dispatcher == "allgather":
         blocks["moe"] = blocks.get("moe", ()) + blocks.get("moe_allgather", ())
-    # (the loss is compiled apart from the layers: what it saves, the output block, by its own flag;
-    # its transient and backward working sets stay the eager ones, unmeasured compiled)
+    # (the loss is compiled apart from the layers, by its own flag: what it saves and its forward
+    # and backward working sets; DTensor's vocabulary-parallel loss is not priced compiled)
     coefficients = {block: _block_bytes(entries, symbols, activation_bytes, recompute_modules, offload_modules, fp8,
                                         loss_upcast, selective_policy,
-                                        compiled_loss if block == "output" else compiled and block not in LOSS_BLOCKS)
+                                        compiled_loss if block in COMPILED_LOSS_BLOCKS
+                                        else compiled and block not in LOSS_BLOCKS)
                     for block, entries in blocks.items()}
     # the final norm is a norm outside the layers, eager where they are compiled
     coefficients["final_norm"] = (_block_bytes(blocks["norm"], symbols, activation_bytes, recompute_modules,

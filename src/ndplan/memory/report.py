@@ -388,7 +388,7 @@ def estimate(
 
 
 #: The device fractions ``known_gaps`` asks to leave free: the pytorch runtime's FSDP (published
-#: runs measured up to 1.19x the estimate), a Megatron MoE priced with balanced routing (1.6-5.6%
+#: runs measured up to 1.20x the estimate), a Megatron MoE priced with balanced routing (1.6-5.6%
 #: low against Megatron's tests).
 FSDP_HEADROOM, BALANCED_MOE_HEADROOM = 0.30, 0.06
 
@@ -496,11 +496,11 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
     # tests/test_perf_calibrate.py pins: a change that moves them must move these words too)
     free = headroom(strategy, options, model)
     if free == FSDP_HEADROOM:
-        gaps.append("for torchtitan's published FSDP runs (8B to 405B with TP, PP and CP, 8 to 512 H100s) this model "
-                    "estimates 5-16% less than their measured peak reserved memory, median 11% (the measured peak is "
-                    "up to 1.19x the estimate; docs/accuracy_time.md: for the 8B and 70B rows the caching allocator's "
-                    "fragmentation, which a fixed slack does not follow; a June 2025 torchtitan page's compiled Float8 8B "
-                    "on H200s reads 10-11% over instead): leave 30% of the device free, or measure one "
+        gaps.append("for torchtitan's published FSDP runs (8B to 405B with TP, PP and CP, 8 to 512 H100s and 64 "
+                    "H200s) this model estimates 5-17% less than their measured peak reserved memory, median 11% (the "
+                    "measured peak is up to 1.20x the estimate; docs/accuracy_time.md: for the 8B and 70B rows the "
+                    "caching allocator's fragmentation, which a fixed slack does not follow): leave 30% of the device "
+                    "free, or measure one "
                     "step on fake tensors (`ndplan verify`, on a CPU: its allocator replay counts the fragmentation)")
     if free == BALANCED_MOE_HEADROOM:
         gaps.append("against Megatron-LM's own MoE tests the estimate reads 1.6-5.6% low (the routing of a real run "
