@@ -520,6 +520,11 @@ def _width_or_act(value: Any, source: str, name: str) -> str | float | None:
         raise NdplanError(f"{source}: entry '{name}' has width {value!r}; give a number of bytes or 'act'") from None
 
 
+def _width(value: str | float, activation_bytes: int) -> float:
+    """Bytes per element of an entry's width: ``act`` (the activation dtype's) or a number."""
+    return float(activation_bytes) if value == "act" else float(value)
+
+
 def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], activation_bytes: int,
                  modules: tuple[str, ...] = (), offload: tuple[str, ...] = (), fp8: bool = False,
                  loss_upcast: bool = True, policy: str | None = None, compiled: bool = False) -> BlockBytes:
@@ -536,18 +541,18 @@ def _block_bytes(entries: tuple[SavedTensor, ...], symbols: dict[str, float], ac
     offloaded_kept_per_seq = dict.fromkeys(SHARDS, 0.0)
     for tensor in entries:
         if not loss_upcast and tensor.no_upcast_bytes is not None:
-            width = activation_bytes if tensor.no_upcast_bytes == "act" else float(tensor.no_upcast_bytes)
+            width = _width(tensor.no_upcast_bytes, activation_bytes)
         elif fp8 and tensor.fp8_bytes is not None:
-            width = activation_bytes if tensor.fp8_bytes == "act" else float(tensor.fp8_bytes)
+            width = _width(tensor.fp8_bytes, activation_bytes)
         elif compiled and tensor.compiled_bytes is not None:
-            width = activation_bytes if tensor.compiled_bytes == "act" else float(tensor.compiled_bytes)
+            width = _width(tensor.compiled_bytes, activation_bytes)
         else:
-            width = activation_bytes if tensor.bytes == "act" else float(tensor.bytes)
+            width = _width(tensor.bytes, activation_bytes)
         # what is kept without recompute, where a compiled fp8 layer keeps less than it keeps under
         # selective recompute (``width``)
         whole = width
         if compiled and fp8 and tensor.compiled_fp8_bytes is not None:
-            whole = activation_bytes if tensor.compiled_fp8_bytes == "act" else float(tensor.compiled_fp8_bytes)
+            whole = _width(tensor.compiled_fp8_bytes, activation_bytes)
         at_zero = evaluate(tensor.elements, {**symbols, "seq": 0.0})
         slope = evaluate(tensor.elements, {**symbols, "seq": 1.0}) - at_zero
         base[tensor.shard] += at_zero * whole
@@ -586,7 +591,7 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
     ``moe_allgather`` block's tensors (what Megatron's allgather dispatcher keeps) to ``moe``'s.
     ``compiled`` (torch.compile of the decoder layers) prices the entries' ``compiled_bytes`` and
     ``compiled_keep`` where they state them (with ``fp8``, ``compiled_fp8_bytes`` too),
-    ``compiled_loss`` (of the loss) those of the ``output`` block."""
+    ``compiled_loss`` (of the loss) those of the loss's own blocks (``COMPILED_LOSS_BLOCKS``)."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
