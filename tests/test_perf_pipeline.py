@@ -367,13 +367,13 @@ def test_the_search_prices_llama_405b_over_pp64_with_1f1b_as_the_simulator():
     batch = StrategyBatch.of(strategy)
     searched = step_time_batch(model, batch, cluster, **keywords)
     simulated = evaluate(model, batch, cluster, pipeline="simulate", **keywords)
-    assert float(simulated["step_s"][0]) == pytest.approx(24.22, abs=0.01)
+    assert float(simulated["step_s"][0]) == pytest.approx(24.41, abs=0.01)  # 24.22 before FSDP's SMs
     assert searched["bubble_s"][0] == pytest.approx(simulated["bubble_s"][0], rel=1e-9)
     assert searched["pp_s"][0] == pytest.approx(simulated["pp_s"][0], rel=1e-9)
     assert searched["step_s"][0] == pytest.approx(simulated["step_s"][0], rel=1e-9)
     keywords["software"] = {**keywords["software"], "p2p_wait": "none"}  # the sender runs on
     assert float(evaluate(model, batch, cluster, pipeline="simulate", **keywords)["step_s"][0]) == pytest.approx(
-        24.17, abs=0.01)
+        24.36, abs=0.01)  # 24.17 before FSDP's SMs
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
@@ -451,7 +451,7 @@ def test_the_search_prices_an_interleaved_layout_with_a_heavy_last_chunk_as_the_
     batch = StrategyBatch.of(strategy)
     searched = step_time_batch(model, batch, cluster, **keywords)
     simulated = evaluate(model, batch, cluster, pipeline="simulate", **keywords)
-    assert float(simulated["step_s"][0]) == pytest.approx(22.95, abs=0.01)
+    assert float(simulated["step_s"][0]) == pytest.approx(23.28, abs=0.01)  # 22.95 before FSDP's SMs
     for key in ("step_s", "bubble_s", "pp_s"):
         assert searched[key][0] == pytest.approx(simulated[key][0], rel=1e-9), key
 
@@ -472,5 +472,5 @@ def test_interleaved_detours_through_the_last_stage_follow_the_simulator_at_many
     batch = StrategyBatch.of(strategy)
     searched = float(step_time_batch(model, batch, cluster, **keywords)["step_s"][0])
     simulated = float(evaluate(model, batch, cluster, pipeline="simulate", **keywords)["step_s"][0])
-    assert simulated == pytest.approx(21.20, abs=0.01)
+    assert simulated == pytest.approx(21.76, abs=0.01)  # 21.20 before FSDP's SMs
     assert simulated * 0.99 < searched <= simulated * (1 + 1e-9)

@@ -23,6 +23,9 @@ LLAMA8 = get_preset("llama-3.1-8b")
 LLAMA70 = get_preset("llama-3.1-70b")
 DSV3 = get_preset("deepseek-v3")
 H100 = get_device("h100-sxm")
+#: The H100's profile without the SMs hidden data-parallel collectives hold, for the tests that
+#: derive how much of them hides by hand
+NO_DP_SMS = default_efficiency(H100).replace(dp_comm_compute_share=0.0)
 PARTS = ("compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "pp_s", "bubble_s", "optimizer_s")
 
 
@@ -657,8 +660,10 @@ def test_fsdp_backward_traffic_hides_under_the_recomputed_forward():
     the traffic outlast the backward: the step stays bound by it, recompute or not."""
     common = dict(dp=64, zero=3, fsdp=True, micro_batch_size=1, num_micro_batches=4, seq_length=4096, precision="fsdp-bf16")
     cluster = _cluster(64)
-    plain = estimate_time(get_preset("qwen3-235b-a22b"), Strategy(**common), cluster)
-    full = estimate_time(get_preset("qwen3-235b-a22b"), Strategy(**common, recompute="full"), cluster)
+    # (the SMs the hidden part holds priced apart: test_hidden_data_parallel_traffic_holds_sms)
+    plain = estimate_time(get_preset("qwen3-235b-a22b"), Strategy(**common), cluster, efficiency=NO_DP_SMS)
+    full = estimate_time(get_preset("qwen3-235b-a22b"), Strategy(**common, recompute="full"), cluster,
+                         efficiency=NO_DP_SMS)
     recomputed_s = full.breakdown["compute"] - plain.breakdown["compute"]
     assert recomputed_s > 1.0
     assert full.breakdown["comm_exposed"]["dp"] == pytest.approx(plain.breakdown["comm_exposed"]["dp"] - recomputed_s)
@@ -677,14 +682,15 @@ def test_fsdp_across_nodes_hides_under_nvlink_collectives_too(monkeypatch):
     model = get_preset("qwen3-235b-a22b")
     common = dict(tp=1, ep=8, zero=3, fsdp=True, micro_batch_size=1, num_micro_batches=4, seq_length=4096,
                   precision="fsdp-bf16", recompute="full")
-    across = estimate_time(model, Strategy(dp=32, **common), _cluster(32)).breakdown["comm_exposed"]
-    inside = estimate_time(model, Strategy(dp=8, **common), _cluster(8)).breakdown["comm_exposed"]
+    def exposed(dp: int) -> dict[str, float]:
+        return estimate_time(model, Strategy(dp=dp, **common), _cluster(dp), efficiency=NO_DP_SMS).breakdown["comm_exposed"]
+
+    across, inside = exposed(32), exposed(8)
     nothing = np.zeros(1, dtype=bool)
     beside_and_sharing = layer._fsdp_beside_scaleup
     monkeypatch.setattr(layer, "_fsdp_beside_scaleup",
                         lambda ctx, cols: ((nothing, nothing, nothing), beside_and_sharing(ctx, cols)[1]))
-    across_uncovered = estimate_time(model, Strategy(dp=32, **common), _cluster(32)).breakdown["comm_exposed"]
-    inside_uncovered = estimate_time(model, Strategy(dp=8, **common), _cluster(8)).breakdown["comm_exposed"]
+    across_uncovered, inside_uncovered = exposed(32), exposed(8)
     assert across["ep"] > 0.1
     assert across["dp"] == pytest.approx(across_uncovered["dp"] - across["ep"])
     assert inside["dp"] == pytest.approx(inside_uncovered["dp"])
@@ -1502,6 +1508,7 @@ def test_the_last_gradient_bucket_is_what_the_backward_leaves_exposed():
     cluster = _cluster(8)
 
     def dp_step(**kw: object) -> float:
+        kw.setdefault("efficiency", NO_DP_SMS)  # their SMs: test_hidden_data_parallel_traffic_holds_sms
         return float(evaluate(LLAMA8, StrategyBatch.of(s), cluster, details=True, **kw)["dp_step_s"][0])  # type: ignore[arg-type]
 
     def all_reduce(params: int) -> float:
@@ -1510,7 +1517,7 @@ def test_the_last_gradient_bucket_is_what_the_backward_leaves_exposed():
     assert dp_step() == pytest.approx(all_reduce(550_261_248), rel=1e-9)
     assert dp_step() == pytest.approx(0.010742, abs=1e-6)
     assert dp_step(overlap=OverlapConfig(dp_bucket_params=10**9)) == pytest.approx(all_reduce(1_030_261_248), rel=1e-9)
-    ddp = dp_step(software={"grad_buckets": "ddp", "ddp_bucket_cap_mb": 100})
+    ddp = dp_step(efficiency=NO_DP_SMS.replace(grad_buckets="ddp", ddp_bucket_cap_mb=100))
     assert ddp == pytest.approx(all_reduce(532_942_848), rel=1e-9)
     # Without --overlap-grad-reduce the whole all-reduce waits for the backward's end.
     assert dp_step(overlap=OverlapConfig(dp_grad_reduce=False)) == pytest.approx(
@@ -1526,7 +1533,7 @@ def test_megatron_buckets_only_the_first_pipeline_stage():
     535,128,576 parameters, 2·7/8·2,140,514,304/360e9 + 14·3 µs = 10.447 ms (the second
     stage's one-layer share, 78 ms/16 = 4.88 ms, before)."""
     s = Strategy(dp=8, pp=2, zero=0, num_micro_batches=2, seq_length=8192)
-    out = evaluate(LLAMA8, StrategyBatch.of(s), _cluster(16), details=True)
+    out = evaluate(LLAMA8, StrategyBatch.of(s), _cluster(16), details=True, efficiency=NO_DP_SMS)
     assert out["dp_step_s"][0] == pytest.approx(2 * 7 / 8 * 535_128_576 * 4 / 360e9 + 14 * 3e-6, rel=1e-9)
 
 
@@ -1935,3 +1942,57 @@ def test_torchs_1f1b_and_interleaved_schedules_wait_for_their_sends_and_its_lowe
                                   ("dualpipev", 2, False), ("gpipe", 1, False)):
         s = Strategy(**common, schedule=schedule, vpp=vpp)
         assert estimate_time(LLAMA8, s, _cluster(16), options=options).sends_waited is waited, schedule
+
+
+def test_hidden_data_parallel_traffic_holds_sms():
+    """NCCL's kernels hold SMs of their own while they run (one block a channel), as many as
+    reach the link's rate: 16 of the H100's 132 at the scale-up rate (360 GB/s here), in
+    proportion below it. So a hidden collective slows its cover by 16/132 of its bytes' time at
+    360 GB/s, whatever link it runs on. Llama-3.1-8B dp 8 without ZeRO on one node: the fp32
+    all-reduce of 8,030,261,248 parameters, 2·7/8·P·4/360e9 + 14·3 µs = 156.2 ms, hides but for
+    its last bucket (550,261,248 parameters, 10.742 ms; test_the_last_gradient_bucket_...): the
+    step pays 16/132 · (156.2 - 10.742 ms) · (its time at 360 GB/s without latency / 156.2 ms)
+    more. Off with the overlap (nothing hides) and on a runtime without a figure."""
+    from ndplan.perf.topology import Fabric, collective_sm_share
+
+    eff = default_efficiency(H100)
+    assert eff.dp_comm_compute_share == pytest.approx(16 / 132)
+    s = StrategyBatch.of(Strategy(dp=8, zero=0, num_micro_batches=1, seq_length=8192))
+    cluster = _cluster(8)
+
+    def dp_step(efficiency: object, **kw: object) -> float:
+        return float(evaluate(LLAMA8, s, cluster, details=True, efficiency=efficiency, **kw)["dp_step_s"][0])  # type: ignore[arg-type]
+
+    full_rate = 2 * 7 / 8 * 8_030_261_248 * 4 / 360e9
+    whole, last = full_rate + 14 * 3e-6, 2 * 7 / 8 * 550_261_248 * 4 / 360e9 + 14 * 3e-6
+    assert dp_step(eff) - dp_step(NO_DP_SMS) == pytest.approx(16 / 132 * (whole - last) * full_rate / whole, rel=1e-9)
+    quiet = OverlapConfig(dp_grad_reduce=False)
+    assert dp_step(eff, overlap=quiet) == dp_step(NO_DP_SMS, overlap=quiet)
+    # across nodes a collective holds fewer SMs, as its rate falls: one rank a node, one NIC
+    fabric = Fabric.of(_cluster(64), eff)
+    assert fabric.scaleout_bw / fabric.scaleup_bw == pytest.approx(50 * 0.85 / 360)
+    assert collective_sm_share(eff, 1.0, 360 / 42.5) == pytest.approx(16 / 132 * 42.5 / 360)
+    assert collective_sm_share(eff, 1.0, 0.5) == pytest.approx(16 / 132)  # never above the full rate's
+    assert collective_sm_share(eff, 1.0, 0.0) == 0.0
+    assert collective_sm_share(eff.replace(dp_comm_compute_share=0.0), 1.0, 1.0) == 0.0
+
+
+def test_a_hidden_fsdp_gather_holds_sms_for_its_bytes_on_any_link():
+    """Llama-3.1-8B's decoder layer (P = 218,112,000 parameters) gathered in bf16 by FSDP 8 hides
+    under the layer's forward; what the forward loses is 16/132 of the gather's bytes,
+    7/8·P·2, at 360 GB/s: 128.5 µs, on one node (NVLink ring) as across eight with one rank
+    each (tp 8 beside it: P/8 a rank, over a 42.5 GB/s NIC, holding 2 SMs for 8.5x longer)."""
+    params = 218_112_000
+
+    def forward_dp(strategy: Strategy, devices: int, efficiency: object) -> float:
+        pieces = _pieces(LLAMA8, [strategy], devices, efficiency=efficiency)["dense"]
+        return float(np.asarray(pieces[("F", "dp")]).ravel()[0])
+
+    eff = default_efficiency(H100)
+    inside = Strategy(dp=8, zero=3, fsdp=True, precision="fsdp-bf16", seq_length=8192)
+    assert forward_dp(inside, 8, NO_DP_SMS) == 0.0  # hidden whole
+    assert forward_dp(inside, 8, eff) == pytest.approx(16 / 132 * 7 / 8 * params * 2 / 360e9, rel=1e-9)
+    across = Strategy(dp=8, tp=8, sequence_parallel=True, zero=3, fsdp=True, precision="fsdp-bf16", seq_length=8192)
+    assert forward_dp(across, 64, NO_DP_SMS) == 0.0
+    per_rank = (params - 2 * 4096) / 8 + 2 * 4096  # the norms whole on every TP rank
+    assert forward_dp(across, 64, eff) == pytest.approx(16 / 132 * 7 / 8 * per_rank * 2 / 360e9, rel=1e-9)

@@ -191,6 +191,13 @@ class EfficiencyProfile(BaseModel):
     all-to-all's duration (an all-to-all of X seconds hidden under compute C takes
     C + X·share, not C). 0 where the SM budget is not sourced.
 
+    So do hidden data-parallel collectives (gradient reduces, the distributed optimizer's and
+    FSDP's gathers): NCCL runs one block per channel, each on an SM no compute kernel shares,
+    and opens the fewest channels that reach the link's rate (NVIDIA/nccl#689, its maintainer:
+    2 SMs for one NIC, 16 for a DGX's eight). ``dp_comm_compute_share`` is the share they hold
+    at the scale-up rate; below it, in proportion (``topology.collective_sm_share``), so what a
+    hidden collective costs goes with its bytes, not with how slow its link is.
+
     Optimizer: Adam's update is memory-bound, at ``hbm_bandwidth · optimizer_efficiency``
     (``hbm_efficiency`` when unset): its multi-tensor kernels reach less of the bandwidth than a
     bulk copy (on an H200 a 2 GiB copy ran at 0.87 of the datasheet rate, AdamW's update at
@@ -301,6 +308,8 @@ class EfficiencyProfile(BaseModel):
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     ep_comm_compute_share: float = Field(default=0.0, ge=0.0, lt=1.0,
                                          description="share of the SMs a hidden expert all-to-all holds")
+    dp_comm_compute_share: float = Field(default=0.0, ge=0.0, lt=1.0,
+                                         description="share of the SMs a hidden data-parallel collective holds")
     tp_overlap_backward: Literal["all", "all-gathers"] = "all"
     fsdp_stream_copies: bool = False
     fp8_tp_gather: bool = False
@@ -418,10 +427,11 @@ FITTABLE: dict[str, tuple[float, float]] = {
 FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
     # A100: cuBLAS bf16/fp16 large GEMMs reach 250-270 of 312 TFLOP/s; FlashAttention-2 fwd+bwd
     # ~60-70%; HBM2e copy ~1.6-1.7 of 2.0 TB/s; NCCL all-reduce bus bandwidth ~230 of 300 GB/s
-    # NVLink3; ~22 of 25 GB/s per HDR NIC.
+    # NVLink3; ~22 of 25 GB/s per HDR NIC. Data-parallel collectives: 16 SMs (NCCL's maintainer,
+    # NVIDIA/nccl#689, for a DGX of that generation at 190 GB/s, about NVLink3's effective rate).
     "ampere": EfficiencyProfile(
         family="ampere", gemm_efficiency=0.82, fp8_gemm_efficiency=0.82, attention_efficiency=0.6,
-        hbm_efficiency=0.8, scaleup_efficiency=0.75, scaleout_efficiency=0.85,
+        hbm_efficiency=0.8, scaleup_efficiency=0.75, scaleout_efficiency=0.85, dp_comm_compute_share=16 / 108,
     ),
     # Reduction-depth knees, fitted to R/(R + knee) on published GEMM timings at fixed M, N:
     # fp8 720 from DeepGEMM's H800 table (README, Feb 2025: M = 4096 dense GEMMs at K = 512,
@@ -436,6 +446,9 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
     # Expert all-to-all SMs: DeepSeek-V3's report (arXiv 2412.19437, sec. 3.2.2) gives its
     # overlapped dispatch/combine kernels 20 of the H800's 132 SMs; DeepEP's and Megatron-Core's
     # default (--moe-deepep-num-sms) is the same 20. NCCL's all-to-all is taken to hold as many.
+    # Data-parallel collectives: NCCL's 16 channels on an NVLink node (NCCL's log on an H800 node,
+    # NVIDIA/nccl#892: "16 coll channels"; an H100 FSDP all-gather profiled at 24 blocks, NVIDIA
+    # developer forum 337991), the low end taken.
     # Measured on an H200 (benchmarks/accuracy/cuda_probe.py, tests/data/measured/h200): cuDNN's
     # fused flash attention, which torch's SDPA and Transformer Engine both run, took
     # forward+backward FLOPs / (peak · 0.55) + 0.2 ms per call within 4% (causal, 4k-16k tokens,
@@ -447,15 +460,18 @@ FAMILY_DEFAULTS: dict[str, EfficiencyProfile] = {
         attention_call_s=2e-4, masked_attention_efficiency=0.31,
         hbm_efficiency=0.8, scaleup_efficiency=0.8, scaleout_efficiency=0.85, optimizer_efficiency=0.6,
         gemm_depth_knee=240.0, fp8_gemm_depth_knee=720.0, ep_comm_compute_share=20 / 132,
+        dp_comm_compute_share=16 / 132,
     ),
     # B200: cuBLAS bf16 ~1.6 of 2.25 PFLOP/s; FP8 in training ~1.35x BF16 (~0.5 of 4.5 PFLOP/s);
     # NVLink5 ~0.75-0.8 of link rate. Reduction-depth knees from OpenXLA's measured sm_100 GEMM
     # table (same file, 4096x4096 at K = 1024 and 4096): fp8 1,895 and 2,765 TFLOP/s -> 740,
-    # bf16 1,076 and 1,417 -> 480.
+    # bf16 1,076 and 1,417 -> 480. Data-parallel collectives: Hopper's 16 NCCL channels assumed
+    # (no Blackwell channel count found).
     "blackwell": EfficiencyProfile(
         family="blackwell", gemm_efficiency=0.72, fp8_gemm_efficiency=0.5, attention_efficiency=0.55,
         hbm_efficiency=0.8, scaleup_efficiency=0.78, scaleout_efficiency=0.85,
         gemm_depth_knee=480.0, fp8_gemm_depth_knee=740.0, ep_comm_compute_share=20 / 148,  # the same 20 SMs of 148
+        dp_comm_compute_share=16 / 148,
     ),
     # MI300X: hipBLASLt bf16 ~600-750 of 1307 TFLOP/s; xGMI full mesh.
     "cdna3": EfficiencyProfile(

@@ -95,7 +95,15 @@ from ndplan.perf.memory_ops import (
     unfused_score_bytes,
 )
 from ndplan.perf.overlap import OverlapConfig
-from ndplan.perf.topology import Fabric, fits_in_domain, group_link, inside_bandwidth, members_per_domain
+from ndplan.perf.topology import (
+    Fabric,
+    collective_sm_share,
+    fits_in_domain,
+    group_link,
+    inside_bandwidth,
+    members_per_domain,
+    scaleup_link,
+)
 from ndplan.schedule.ops import SPLIT_BACKWARD
 from ndplan.strategy.batch import CODES, StrategyBatch
 from ndplan.strategy.precision import PrecisionPolicy
@@ -233,14 +241,23 @@ def base_rows(cols: dict[str, Array]) -> BaseRows:
     return BaseRows(base, Sharding(*(base[name] for name in SHARDING_FIELDS)), codes)
 
 
-def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, share: float = 0.0) -> Array | float:
+def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, share: Array | float = 0.0) -> Array | float:
     """What the step pays for ``comm`` running under ``cover`` seconds of compute: the part that
     outlasts the compute, plus ``share`` of the part that hides (the compute it slows by holding
-    SMs, ``EfficiencyProfile.ep_comm_compute_share``)."""
+    SMs: ``EfficiencyProfile.ep_comm_compute_share``, ``collective_sm_share``)."""
     exposed = np.maximum(comm - cover, 0.0)
-    if share:
+    if np.any(share):
         exposed = exposed + share * np.minimum(comm, cover)
     return np.where(hide, exposed, comm)
+
+
+def _fsdp_exposed(ctx: LayerContext, comm: Array | float, cover: Array | float, full_rate_s: Array | float
+                  ) -> Array | float:
+    """``_exposed`` for FSDP/ZeRO-3 gathers and reduces on their own stream: hidden under
+    ``cover`` where FSDP prefetches (``OverlapConfig.fsdp_prefetch``), slowing that compute by
+    the SMs their kernels hold, which go with their bytes' seconds at the scale-up rate,
+    ``full_rate_s`` (``collective_sm_share``)."""
+    return _exposed(comm, cover, ctx.overlap.fsdp_prefetch, collective_sm_share(ctx.eff, full_rate_s, comm))
 
 
 def _kv_widths(model: ModelSpec) -> tuple[float, float, float, float]:
@@ -709,21 +726,27 @@ def fsdp_groups(ctx: LayerContext, cols: dict[str, Array]) -> FsdpGroups:
                       sharded & ~deferred, sharded & reshard, beside, sharing, (t, e, x), codes)
 
 
+#: (forward, backward gather, backward reduce) seconds
+FsdpPasses = tuple[Array | float, Array | float, Array | float]
+
+
 def _fsdp_seconds(
     ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float, groups: FsdpGroups | None = None,
-) -> tuple[Array | float, Array | float]:
-    """(forward, backward) FSDP/ZeRO-3 seconds (``_fsdp_pass_seconds``, the backward's gather and
-    reduce together)."""
-    forward, gather, reduce = _fsdp_pass_seconds(ctx, cols, non_expert, expert, groups)
-    return forward, gather + reduce
+) -> tuple[tuple[Array | float, Array | float], tuple[Array | float, Array | float]]:
+    """(forward, backward) FSDP/ZeRO-3 seconds, and the same at the scale-up rate
+    (``_fsdp_pass_seconds``, the backward's gather and reduce together)."""
+    (forward, gather, reduce), (forward_full, gather_full, reduce_full) = _fsdp_pass_seconds(
+        ctx, cols, non_expert, expert, groups)
+    return (forward, gather + reduce), (forward_full, gather_full + reduce_full)
 
 
 def _fsdp_pass_seconds(
     ctx: LayerContext, cols: dict[str, Array], non_expert: TpSplit, expert: float, groups: FsdpGroups | None = None,
-) -> tuple[Array | float, Array | float, Array | float]:
+) -> tuple[FsdpPasses, FsdpPasses]:
     """(forward, backward gather, backward reduce) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces
     per micro-batch (its non-expert parameters per tensor-parallel rank, its routed experts per
-    ep·etp rank). Under a pipeline that defers FSDP's reduce (``pipeline_defers_fsdp_reduce``)
+    ep·etp rank), and the same bytes' seconds at the scale-up rate without latency (the SMs they
+    hold while they hide go with those: ``collective_sm_share``). Under a pipeline that defers FSDP's reduce (``pipeline_defers_fsdp_reduce``)
     a micro-batch reduces nothing and gathers once (for its backward) where parameters are
     resharded after forward, never where they are not: the reduce, and then the gathers, come
     once a run (``step._dp_raw``). ``groups``: ``fsdp_groups`` of ``cols``, where the caller has it."""
@@ -734,17 +757,26 @@ def _fsdp_pass_seconds(
     gather = ctx.precision.param_gather_bytes
     grad = ctx.precision.grad_bytes
     ne, ex = non_expert.per_rank(t), expert / (e * x)
-    ag = coll.all_gather_s(ne * gather, shard, ne_link)
-    rs = coll.reduce_scatter_s(ne * grad, shard, ne_link)
-    if expert:  # a piece without experts runs no expert collectives (not even their latencies)
-        ag = ag + coll.all_gather_s(ex * gather, edp, ex_link)
-        rs = rs + coll.reduce_scatter_s(ex * grad, edp, ex_link)
-    ag, rs = groups.spread(ag), groups.spread(rs)
-    # A deferring pipeline keeps parameters gathered after each backward: resharded after forward,
-    # a layer is gathered again for its backward and the next forward finds it gathered (one
-    # gather a micro-batch, priced in the backward); not resharded, never (once a run, step.py).
-    forward = np.where(groups.per_micro_batch, ag, 0.0)
-    return (forward, np.where(groups.regathered, ag, 0.0), np.where(groups.per_micro_batch, rs, 0.0))
+    full_rate = scaleup_link(ctx.fabric)
+
+    def gathers_and_reduces(ne_link: coll.Link, ex_link: coll.Link) -> tuple[Array | float, Array | float]:
+        ag = coll.all_gather_s(ne * gather, shard, ne_link)
+        rs = coll.reduce_scatter_s(ne * grad, shard, ne_link)
+        if expert:  # a piece without experts runs no expert collectives (not even their latencies)
+            ag = ag + coll.all_gather_s(ex * gather, edp, ex_link)
+            rs = rs + coll.reduce_scatter_s(ex * grad, edp, ex_link)
+        return ag, rs
+
+    def passes(ag: Array | float, rs: Array | float) -> FsdpPasses:
+        ag, rs = groups.spread(ag), groups.spread(rs)
+        # A deferring pipeline keeps parameters gathered after each backward: resharded after
+        # forward, a layer is gathered again for its backward and the next forward finds it
+        # gathered (one gather a micro-batch, priced in the backward); not resharded, never
+        # (once a run, step.py).
+        return (np.where(groups.per_micro_batch, ag, 0.0), np.where(groups.regathered, ag, 0.0),
+                np.where(groups.per_micro_batch, rs, 0.0))
+
+    return passes(*gathers_and_reduces(ne_link, ex_link)), passes(*gathers_and_reduces(full_rate, full_rate))
 
 
 def _fsdp_copy_seconds(
@@ -1086,7 +1118,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # So do the main stream's collectives on other links (_fsdp_beside_scaleup).
     non_expert, expert = _layer_param_split(model, kind)
     fsdp = fsdp or fsdp_groups(ctx, cols)
-    fs_f, fs_gather_b, fs_reduce_b = _fsdp_pass_seconds(ctx, cols, non_expert, expert, fsdp)
+    (fs_f, fs_gather_b, fs_reduce_b), (full_f, full_gather_b, full_reduce_b) = _fsdp_pass_seconds(
+        ctx, cols, non_expert, expert, fsdp)
     (by_tp, by_cp, by_ep), (sharing_tp, sharing_cp, sharing_ep) = fsdp.beside, fsdp.sharing
     # The backward's stream holds what the recompute replays of the forward's collectives too
     # (selective's share as much as full's: a replay that hid FSDP under full alone priced
@@ -1110,13 +1143,13 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
               + np.where(sharing_ep, ep_hidden_b + share_ep * ep_hidden_f, 0.0))
     cover_f = np.maximum(compute_f + stream_f - held_f, 0.0)
     cover_b = np.maximum(compute_b + recomputed_s + stream_b - held_b, 0.0)
-    out.add("F", "dp", _exposed(fs_f, cover_f, ctx.overlap.fsdp_prefetch))
+    out.add("F", "dp", _fsdp_exposed(ctx, fs_f, cover_f, full_f))
     # A split backward runs W later, apart from B: B's gather hides under B alone and the
     # reduce, of the gradients W makes, under W; elsewhere both under the whole backward.
     split = np.isin(cols["schedule"], SPLIT_SCHEDULE_CODES)
-    together = _exposed(fs_gather_b + fs_reduce_b, cover_b + compute_w, ctx.overlap.fsdp_prefetch)
-    out.add("B", "dp", np.where(split, _exposed(fs_gather_b, cover_b, ctx.overlap.fsdp_prefetch), together))
-    out.add("W", "dp", np.where(split, _exposed(fs_reduce_b, compute_w, ctx.overlap.fsdp_prefetch), 0.0))
+    together = _fsdp_exposed(ctx, fs_gather_b + fs_reduce_b, cover_b + compute_w, full_gather_b + full_reduce_b)
+    out.add("B", "dp", np.where(split, _fsdp_exposed(ctx, fs_gather_b, cover_b, full_gather_b), together))
+    out.add("W", "dp", np.where(split, _fsdp_exposed(ctx, fs_reduce_b, compute_w, full_reduce_b), 0.0))
     copy_f, copy_gather_b, copy_reduce_b = _fsdp_copy_seconds(ctx, cols, non_expert, expert, fsdp)
     out.add("F", "compute", copy_f)
     out.add("B", "compute", copy_gather_b + np.where(split, 0.0, copy_reduce_b))
@@ -1192,9 +1225,9 @@ def embedding_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, fsd
     out.add("F", "tp", up(np.where(sp, coll.reduce_scatter_s(activation, t, link), coll.all_reduce_s(activation, t, link))))
     out.add("B", "tp", up(np.where(sp, coll.all_gather_s(activation, t, link), 0.0)))
     table = TpSplit(model.vocab_size * model.hidden_size, 0)  # vocabulary-parallel
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
+    (fs_f, fs_b), (_, full_b) = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
     out.add("F", "dp", _exposed(fs_f, 0.0, False))
-    out.add("B", "dp", _exposed(fs_b, backward_s, ctx.overlap.fsdp_prefetch))
+    out.add("B", "dp", _fsdp_exposed(ctx, fs_b, backward_s, full_b))
     _add_fsdp_copies(out, ctx, cols, table, fsdp)
     return out
 
@@ -1211,10 +1244,10 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
     shardings = shardings or ShardingRows(base.sh)
     head = head_gemms(model, shardings.distinct)
     head_s = {p: base.spread(shardings.spread(gemms_seconds(head, ctx.rates.head, p)[0])) for p in PASS_NAMES}
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0, fsdp)
+    (fs_f, fs_b), (full_f, full_b) = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0, fsdp)
     out = PieceTimes()
-    out.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
-    out.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
+    out.add("F", "dp", _fsdp_exposed(ctx, fs_f, head_s["F"], full_f))
+    out.add("B", "dp", _fsdp_exposed(ctx, fs_b, head_s["B"] + head_s["W"], full_b))
     _add_fsdp_copies(out, ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), fsdp)
     return out
 
@@ -1267,9 +1300,9 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     one.add("B", "tp", up(_exposed(tp_b, head_s["B"], ctx.overlap.tp)))
     head_s = {p: up(value) for p, value in head_s.items()}
     table = TpSplit(0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size, 0)
-    fs_f, fs_b = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
-    one.add("F", "dp", _exposed(fs_f, head_s["F"], ctx.overlap.fsdp_prefetch))
-    one.add("B", "dp", _exposed(fs_b, head_s["B"] + head_s["W"], ctx.overlap.fsdp_prefetch))
+    (fs_f, fs_b), (full_f, full_b) = _fsdp_seconds(ctx, cols, table, 0.0, fsdp)
+    one.add("F", "dp", _fsdp_exposed(ctx, fs_f, head_s["F"], full_f))
+    one.add("B", "dp", _fsdp_exposed(ctx, fs_b, head_s["B"] + head_s["W"], full_b))
     _add_fsdp_copies(one, ctx, cols, table, fsdp)
 
     out = PieceTimes()

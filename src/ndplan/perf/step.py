@@ -74,7 +74,13 @@ from ndplan.perf.pipeline import (
     simulated_makespan_batch,
     stage_layout,
 )
-from ndplan.perf.topology import Fabric, group_link, inside_bandwidth, pipeline_crossing_share
+from ndplan.perf.topology import (
+    Fabric,
+    collective_sm_share,
+    group_link,
+    inside_bandwidth,
+    pipeline_crossing_share,
+)
 from ndplan.schedule.pairing import unpaired_forwards
 from ndplan.schedule.unshard import ACTIVE_CHUNKS, chunk_gathers
 from ndplan.strategy.batch import CODES, StrategyBatch
@@ -355,12 +361,16 @@ def _seq_flops(model: ModelSpec, seq: Array, recompute: Array, limited: Array, l
     return per_length[0].take(codes), hardware
 
 
-def _exposed_step(comm: Array, cover: Array, floor: Array, hide: bool) -> Array:
+def _exposed_step(comm: Array, cover: Array, floor: Array, hide: bool, share: Array | float = 0.0) -> Array:
     """Per-step collective under ``cover`` seconds, never below ``floor`` seconds (its last
-    bucket, which has no compute left to hide under)."""
+    bucket, which has no compute left to hide under), plus ``share`` of the part that hides
+    (the compute it slows by holding SMs, ``topology.collective_sm_share``)."""
     if not hide:
         return comm
-    return np.asarray(np.maximum(comm - cover, floor))
+    exposed = np.maximum(comm - cover, floor)
+    if np.any(share):
+        exposed = exposed + share * np.clip(comm - floor, 0.0, cover)
+    return np.asarray(exposed)
 
 
 #: Megatron-Core's default DDP bucket (DistributedDataParallel.__init__, --ddp-bucket-size unset):
@@ -622,6 +632,10 @@ class _DPStage:
     #: exposed beside a later heavy stage's).
     first_stage: tuple[int, Array, Array, Array, Array] | None
     table_grad: Array | None  # the tied table's gradient summed between stages (None: no copy)
+    #: the share of the SMs the gradient collectives and the all-gather hold while they hide
+    #: (``topology.collective_sm_share``; 0-d where none is priced)
+    grad_sm: Array
+    gather_sm: Array
 
 
 def _dp_stage(pr: _Priced, layout: StageLayout) -> _DPStage:
@@ -664,7 +678,8 @@ def _dp_stage(pr: _Priced, layout: StageLayout) -> _DPStage:
     sharded = (cu["zero"] >= 3) | (cu["fsdp"] > 0)
     unbucketed = (pr.eff.grad_buckets == "megatron") & (layout.profile_stage[heavy_u] > 0) & ~sharded
 
-    def stages_and_last_buckets(*stages: Array) -> list[tuple[tuple[Array, ...], tuple[Array, ...]]]:
+    def stages_and_last_buckets(*stages: Array, fabric: Fabric = pr.fabric
+                                ) -> list[tuple[tuple[Array, ...], tuple[Array, ...]]]:
         """Per profile index array q of ``stages``, ``_dp_raw`` of q's stage per DP
         configuration: on all of its parameters per device, then on its last bucket's (the
         gradient collectives, the part across shard groups, the parameter all-gather). All in
@@ -679,7 +694,7 @@ def _dp_stage(pr: _Priced, layout: StageLayout) -> _DPStage:
             last_ex = last_bucket_params(ex, 0.0, bucket)
             params += [(ne, ex), (last_ne, last_ex)]
         priced = _dp_raw(pr.batch, {name: np.concatenate([value] * len(params)) for name, value in cu.items()},
-                         np.concatenate([ne for ne, _ in params]), np.concatenate([ex for _, ex in params]), pr.fabric,
+                         np.concatenate([ne for ne, _ in params]), np.concatenate([ex for _, ex in params]), fabric,
                          pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
                          foreach=pr.eff.optimizer_kernel == "foreach",
                          defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
@@ -697,6 +712,14 @@ def _dp_stage(pr: _Priced, layout: StageLayout) -> _DPStage:
     if any_unbucketed:
         raw0, (grad0, _, gather0, _) = by_stage[1]
         first_stage = (q0, raw0[0], raw0[2], grad0, gather0)
+    # The SMs the collectives hold while they hide (collective_sm_share): their bytes at the
+    # scale-up rate, the same pricing over a fabric whose every link runs at it.
+    grad_sm: Array | float = 0.0
+    gather_sm: Array | float = 0.0
+    if pr.eff.dp_comm_compute_share:
+        (grad_full, _, gather_full, _), _ = stages_and_last_buckets(heavy_u, fabric=pr.fabric.at_scaleup_rate())[0]
+        grad_sm = collective_sm_share(pr.eff, grad_full, grad_raw)
+        gather_sm = collective_sm_share(pr.eff, gather_full, gather_raw)
     table_grad = None
     if _keeps_table_copy(pr.model, layout):
         # The embedding's table and the output stage's copy of it (tied, or read by the MTP
@@ -714,7 +737,7 @@ def _dp_stage(pr: _Priced, layout: StageLayout) -> _DPStage:
         grad_raw=grad_raw, cross_raw=cross_raw, gather_raw=gather_raw, optimizer=optimizer,
         grad_floor=np.where(unbucketed, 0.0, np.where(sharded, grad_raw * share, grad_last)),
         gather_floor=np.where(unbucketed, 0.0, np.where(sharded, gather_raw * share, gather_last)),
-        first_stage=first_stage, table_grad=table_grad,
+        first_stage=first_stage, table_grad=table_grad, grad_sm=np.asarray(grad_sm), gather_sm=np.asarray(gather_sm),
     )
 
 
@@ -985,7 +1008,12 @@ def _dp_seconds(pr: _Priced, layout: StageLayout, dp: _DPStage, name: str, secon
     else:
         grad_cover, gather_cover = window, f_heavy
     grad_raw, cross_raw, gather_raw, share = dp.grad_raw, dp.cross_raw, dp.gather_raw, dp.share
-    grad = _exposed_step(grad_raw[dp_code], grad_cover, dp.grad_floor[dp_code], pr.overlap.dp_grad_reduce)
+
+    def sm_share(per_config: Array, codes: Array) -> Array | float:
+        return per_config[codes] if per_config.ndim else 0.0
+
+    grad = _exposed_step(grad_raw[dp_code], grad_cover, dp.grad_floor[dp_code], pr.overlap.dp_grad_reduce,
+                         sm_share(dp.grad_sm, dp_code))
     # ZeRO-2 reduce-scatters every micro-batch: m - 1 more than ZeRO-1, each under its own
     # backward, unit by unit as an FSDP does (Megatron-FSDP's optim_grads, FSDP2 without
     # resharding: a layer's share exposed); the last one and the all-reduce across shard groups
@@ -1000,17 +1028,19 @@ def _dp_seconds(pr: _Priced, layout: StageLayout, dp: _DPStage, name: str, secon
     if len(zero2):
         own = (grad_raw - cross_raw)[dp_code[zero2]]
         per_micro_batch = _exposed_step(own, window[zero2], ((grad_raw - cross_raw) * share)[dp_code[zero2]],
-                                        pr.overlap.dp_grad_reduce)
+                                        pr.overlap.dp_grad_reduce, sm_share(dp.grad_sm, dp_code[zero2]))
         slack = seconds.t_star[zero2] - np.take(per_mb, heavy_at[zero2])
         grad[zero2] = (m[zero2] - 1) * np.maximum(per_micro_batch - slack, 0.0) + grad[zero2]
-    gather = _exposed_step(gather_raw[dp_code], gather_cover, dp.gather_floor[dp_code], pr.overlap.dp_param_gather)
+    gather = _exposed_step(gather_raw[dp_code], gather_cover, dp.gather_floor[dp_code], pr.overlap.dp_param_gather,
+                           sm_share(dp.gather_sm, dp_code))
     if unbucketed_rows is not None and dp.first_stage is not None:
         # The first stage's own exposure, priced as the heavy stage's is where that is the first.
         q0, grad0_raw, gather0_raw, grad0, gather0 = dp.first_stage
         at0 = rows * per_mb.shape[1] + q0
         first_grad = _exposed_step(grad0_raw[dp_code], np.take(b, at0) + np.take(w, at0), grad0[dp_code],
-                                   pr.overlap.dp_grad_reduce)
-        first_gather = _exposed_step(gather0_raw[dp_code], np.take(f, at0), gather0[dp_code], pr.overlap.dp_param_gather)
+                                   pr.overlap.dp_grad_reduce, sm_share(dp.grad_sm, dp_code))
+        first_gather = _exposed_step(gather0_raw[dp_code], np.take(f, at0), gather0[dp_code], pr.overlap.dp_param_gather,
+                                     sm_share(dp.gather_sm, dp_code))
         grad = np.where(unbucketed_rows, np.maximum(grad, first_grad), grad)
         gather = np.where(unbucketed_rows, np.maximum(gather, first_gather), gather)
     if pr.eff.pipeline_defers_fsdp_reduce and pp > 1:
@@ -1023,7 +1053,7 @@ def _dp_seconds(pr: _Priced, layout: StageLayout, dp: _DPStage, name: str, secon
             code_d = dp_code[deferred]
             grad[deferred] = grad_raw[code_d]
             per_run = _exposed_step(gather_raw[code_d], f_heavy[deferred], (gather_raw * share)[code_d],
-                                    pr.overlap.fsdp_prefetch)
+                                    pr.overlap.fsdp_prefetch, sm_share(dp.gather_sm, code_d))
             if vpp > ACTIVE_CHUNKS and np.any(gather_raw[dp_code] > 0):  # (the group's DP configurations)
                 # More chunks on a rank than torch keeps gathered: some are freed and gathered again
                 # within the run (schedule.unshard), prefetched under the run's compute.

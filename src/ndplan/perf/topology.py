@@ -33,7 +33,7 @@ stages takes (each hop alike in the fill, the drain and every steady-state round
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -77,6 +77,11 @@ class Fabric:
             host_bw=device.host_link_bandwidth_bytes_per_s * eff.host_link_efficiency,
             mesh_links=max(device.scaleup_domain_size - 1, 1),
         )
+
+    def at_scaleup_rate(self) -> Fabric:
+        """This fabric with every link at the scale-up rate and no latency (a switched domain):
+        what its collectives' bytes take at that rate (``collective_sm_share``)."""
+        return replace(self, scaleout_bw=self.scaleup_bw, scaleup_latency=0.0, scaleout_latency=0.0, mesh=False)
 
 
 @lru_cache(maxsize=64)
@@ -170,3 +175,23 @@ def pipeline_crossing_share(schedule: str, pp: int, vpp: int, stride: int, domai
             hops += 1
             crossing += a // per_domain != b // per_domain
     return crossing / hops if hops else 0.0
+
+
+def scaleup_link(fabric: Fabric) -> Link:
+    """Every byte at the device's scale-up rate, without latency: ``collective_sm_share``'s yardstick."""
+    return Link(bandwidth=fabric.scaleup_bw, latency=0.0)
+
+
+def collective_sm_share(eff: EfficiencyProfile, full_rate_s: Array | float, seconds: Array | float) -> Array | float:
+    """Share of the SMs a data-parallel collective's kernels hold while it runs, which the
+    compute it hides under loses. NCCL runs one block per channel, each on an SM of its own, and
+    opens the fewest channels that reach the link's rate (NVIDIA/nccl#689: 2 SMs for one NIC,
+    16 for a DGX's eight), so the SMs held go with the bandwidth driven:
+    ``eff.dp_comm_compute_share`` at the full scale-up rate, times the rate reached,
+    ``full_rate_s / seconds`` (the same bytes at that rate over the collective's time; at most 1)."""
+    share = eff.dp_comm_compute_share
+    if not share:
+        return 0.0
+    seconds = np.asarray(seconds, dtype=np.float64)
+    ratio = np.divide(full_rate_s, seconds, out=np.zeros_like(seconds), where=seconds > 0)
+    return share * np.minimum(ratio, 1.0)
