@@ -362,6 +362,23 @@ def test_calibration_recovers_the_routing_imbalance_of_dropless_runs():
     assert fitted.moe_imbalance == pytest.approx(1.6, rel=0.01)
     assert report.median_abs_error_after < 1e-3 < report.median_abs_error_before
 
+def test_calibration_recovers_the_sms_hidden_data_parallel_traffic_holds():
+    """FSDP runs whose gathers and reduce-scatters hide under compute pin the share of the SMs
+    NCCL's kernels hold (``dp_comm_compute_share``); 0 reads them fast."""
+    truth = default_efficiency(H100).replace(dp_comm_compute_share=0.25)
+    runs = []
+    for name, devices, seq in (("node", 8, 4096), ("nodes", 16, 8192)):
+        draft = MeasuredRun(id=name, source="synthetic", model="llama-3.1-8b", device="h100-sxm", num_devices=devices,
+                            strategy={"dp": devices, "zero": 3, "fsdp": True, "seq_length": seq,
+                                      "precision": "fsdp-bf16"}, measured={"step_s": 1.0})
+        step = predict_step_s(draft, truth)
+        assert step > predict_step_s(draft, truth.replace(dp_comm_compute_share=0.0))
+        runs.append(draft.model_copy(update={"measured": draft.measured.model_copy(update={"step_s": step})}))
+    fitted, report = calibrate(runs, H100, fit=["dp_comm_compute_share"])
+    assert fitted.dp_comm_compute_share == pytest.approx(0.25, rel=0.01)
+    assert report.median_abs_error_after < 1e-3 < report.median_abs_error_before
+
+
 def test_calibration_fits_a_fixed_cost_per_step_from_its_default_of_zero():
     """Two runs of one setup at two batches pin the seconds a step costs besides its
     micro-batches (``step_overhead_s``), a figure whose default, 0, is its lower bound: the fit

@@ -419,6 +419,9 @@ FITTABLE: dict[str, tuple[float, float]] = {
     # the busiest expert-parallel rank's share of routed tokens over the balanced one, for runs
     # with real (not forced-balance) routing; 4 is past any table in docs/accuracy_time.md
     "moe_imbalance": (1.0, 4.0),
+    # SMs held by hidden collectives: 0.5 would leave half the GPU to the compute they hide under
+    "ep_comm_compute_share": (0.0, 0.5),
+    "dp_comm_compute_share": (0.0, 0.5),
 }
 
 # Defaults, one per family. They are first-principles figures from public microbenchmarks,
