@@ -651,14 +651,17 @@ MEMORY_COMMENTARY = [
     "  settings, so no recompute is assumed, as for the step time) and DeepSeek's HAI-LLM (DeepSeek-V3",
     "  on H800: its report recomputes every norm and the MLA up-projections, caches some activations",
     "  in fp8 and keeps the EMA on the host, none of which the Megatron profile describes).",
-    "* Megatron-Bridge's Llama rows on GB300 and GB200 (added in the fiftieth session, blind): their",
-    "  FP8 recipe keeps the linear weights in FP8 (`fp8_param_gather`, 1 byte a weight), which the",
-    "  Megatron profile prices at 2 (the 405B: {m[bridge2511-gb300-llama31-405b]} and "
-    "{m[bridge2511-gb200-llama31-405b]}, about what 1 byte a weight",
-    "  would take off its stage), and the 70B's presets offload the activations of 20 (GB300) and 40",
-    "  (GB200) of its 80 layers to host memory (`cpu_offloading_num_layers`: {m[bridge2511-gb300-llama3-70b]} and "
-    "{m[bridge2511-gb200-llama3-70b]}),",
-    "  which ndplan neither prices in memory nor in time (its copies cross NVLink-C2C beside compute).",
+    "* Megatron-Bridge's Llama 3 70B on GB300 and GB200 (added in the fiftieth session, blind):",
+    "  its presets offload the activations of 20 (GB300) and 40 (GB200) of its 80 layers to host",
+    "  memory (`cpu_offloading_num_layers`: {m[bridge2511-gb300-llama3-70b]} and "
+    "{m[bridge2511-gb200-llama3-70b]}), which ndplan prices neither in",
+    "  memory nor in time (the copies cross NVLink-C2C beside compute). The same table's 405B rows",
+    "  read {m[bridge2511-gb300-llama31-405b]} and {m[bridge2511-gb200-llama31-405b]}: "
+    "they were 8.0% and 4.2% over the device until the FP8 recipe's",
+    "  weights kept in fp8 (`fp8_param_gather`, which Bridge's FP8 current-scaling recipe sets) were",
+    "  priced as such, a 1-byte weight and its transposed copy where a 2-byte weight sat beside two",
+    "  fp8 copies (precision `megatron-fp8-param-grad16`, the same session; every FP8-CS row of the",
+    "  table now runs it).",
     "* Megatron-Core's DeepSeek-V3 on GB200 in MXFP8 ({m[mcore-moe-deepseek-v3-gb200-mxfp8]}) moved its optimizer states to host memory",
     "  between updates (`--offload-optimizer-states`, its launch command), which the Megatron profile",
     "  keeps on the device; its bf16 Adam moments, which the paper states, are priced. The same model's",

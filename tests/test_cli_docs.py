@@ -223,7 +223,8 @@ def test_verify_from_a_script_naming_a_tokenizer_takes_model(tmp_path, capsys):
     ("recompute: fulll", "setting 'recompute': 'fulll' is not one of none, selective, full (did you mean 'full'?)"),
     ("cp_kind: ulyses", "setting 'cp_kind': 'ulyses' is not one of ring, ulysses, hybrid (did you mean 'ulysses'?)"),
     ("precision: bf16", "setting 'precision': 'bf16' is not one of megatron-bf16, fsdp-bf16, fp32, bf16-pure, "
-                        "megatron-fp8, megatron-bf16-grad16, megatron-fp8-grad16 (did you mean 'bf16-pure'?)"),
+                        "megatron-fp8, megatron-bf16-grad16, megatron-fp8-grad16, megatron-fp8-param, "
+                        "megatron-fp8-param-grad16 (did you mean 'bf16-pure'?)"),
     ("offload_modules: [expert_fc1, moe_actt]", "setting 'offload_modules': 'moe_actt' is not one of attn_norm, "
                                                 "qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act "
                                                 "(did you mean 'moe_act'?)"),

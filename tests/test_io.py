@@ -814,6 +814,29 @@ def test_megatron_gradient_width_follows_its_precision_rules(flags, grad_bytes, 
     assert "--accumulate-allreduce-grads-in-fp32" not in " ".join(read_config(script, model="llama-3.1-8b", devices=8).warnings)
 
 
+def test_megatron_fp8_parameters_read_and_written_back(tmp_path):
+    """--fp8-param-gather keeps the linear weights in fp8 (megatron-fp8-param-grad16 with
+    --grad-reduce-in-bf16), which the launch writer writes back; without --fp8-format it keeps
+    none, and the reader says it ignores the flag."""
+    script = tmp_path / "run.sh"
+    script.write_text("torchrun pretrain_gpt.py --micro-batch-size 1 --global-batch-size 8 --seq-length 512 "
+                      "--bf16 --fp8-format hybrid --fp8-param-gather --grad-reduce-in-bf16\n")
+    result = read_config(script, model="llama-3.1-8b", devices=8)
+    strategy = result.strategy()
+    assert strategy.precision.name == "megatron-fp8-param-grad16" and strategy.precision.fp8_params
+    assert not [w for w in result.warnings if "fp8" in w]
+    text = emit(get_preset("llama-3.1-8b"), strategy, "megatron")
+    assert "--fp8-param-gather" in text
+    again = tmp_path / "again.sh"
+    again.write_text(text)
+    assert read_config(again, model="llama-3.1-8b", devices=8).strategy().precision.name == "megatron-fp8-param-grad16"
+    script.write_text("torchrun pretrain_gpt.py --micro-batch-size 1 --global-batch-size 8 --seq-length 512 "
+                      "--bf16 --fp8-param-gather\n")
+    plain = read_config(script, model="llama-3.1-8b", devices=8)
+    assert not plain.strategy().precision.fp8_params
+    assert any("--fp8-param-gather without --fp8-format keeps no fp8 weights; ignored" in w for w in plain.warnings)
+
+
 def test_megatron_default_ffn_applies_over_a_base_model(tmp_path):
     """An architecture without --ffn-hidden-size gets Megatron's default (SwiGLU: int(4h·2/3/64)·64)
     even with --model, with a warning where the base differs, as every other Megatron default."""

@@ -15,6 +15,7 @@ from ndplan.hardware import get_device
 from ndplan.memory import MemoryOptions, estimate, stage_memory
 from ndplan.model import ModelSpec, count_parameters, get_preset
 from ndplan.strategy import Strategy, StrategyBatch, check_strategy
+from ndplan.strategy.precision import PrecisionPolicy
 
 TINY = ModelSpec(name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                  num_kv_heads=2, head_dim=16, vocab_size=256)
@@ -1192,6 +1193,33 @@ def test_fp8_weight_cache_of_an_mla_moe_stage_by_hand():
     per_layer = h * 1536 + h * 576 + 1536 * 6144 // 2 + 512 * 8192 // 2 + 4096 * h // 2 + 3 * h * h // 2 + 8 * 3 * h * h
     assert per_layer == 37_814_272
     assert fp8 - bf16 == 2 * (9 * per_layer + 2 * h * h // 2)
+
+
+def test_fp8_parameters_take_the_bf16_weight_out_of_that_stage_by_hand():
+    """The same stage with Megatron's --fp8-param-gather (megatron-fp8-param): each linear weight
+    is kept in fp8 (1 byte) and its transposed fp8 copy (1 byte) beside it, where megatron-fp8
+    keeps a 2-byte weight and 2 bytes of copies: 2 bytes less per linear weight element, the
+    whole 682,754,048 the copies added, so the stage's parameters read as bf16's. Norms, the
+    routers and the embedding stay at 2 bytes. Under ZeRO-3 no copies are kept and the fp8 shards
+    are priced at 2 bytes (a shard's byte over): the same as megatron-fp8."""
+    h = 1024
+    model = ModelSpec(name="proxy", num_layers=16, hidden_size=h, ffn_hidden_size=4096, num_attention_heads=32,
+                      num_kv_heads=32, head_dim=192, vocab_size=51712, q_lora_rank=1536, kv_lora_rank=512,
+                      qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=32, num_experts_per_tok=4,
+                      moe_ffn_hidden_size=1024, num_shared_experts=1, shared_expert_ffn_hidden_size=1024,
+                      layer_mlp_kinds=("dense",) + ("moe",) * 15, mtp_depth=1)
+    common = dict(dp=2, tp=2, pp=2, vpp=4, schedule="interleaved", ep=4, etp=1, num_micro_batches=4, seq_length=256)
+    options = MemoryOptions(include_overhead=False, runtime="megatron")
+
+    def params(precision: str, zero: int) -> float:
+        return estimate(model, Strategy(**common, zero=zero, precision=precision), options=options).stages[-1].params_bytes
+
+    per_layer = 37_814_272
+    assert params("megatron-fp8", 1) - params("megatron-fp8-param", 1) == 2 * (9 * per_layer + 2 * h * h // 2)
+    assert params("megatron-fp8-param", 1) == params("megatron-bf16", 1)
+    assert params("megatron-fp8-param", 3) == params("megatron-fp8", 3)
+    with pytest.raises(ValueError, match="fp8_params keeps the linear weights for fp8 GEMMs"):
+        PrecisionPolicy(param_bytes=2, grad_bytes=4, master_weight_bytes=4, optimizer_state_bytes=4, fp8_params=True)
 
 
 def test_expert_tensor_parallelism_keeps_each_experts_down_bias_whole():

@@ -154,7 +154,7 @@ def build_problems(
     per_expert_element = (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
                           + optimizer / shards.expert_optimizer + buckets)
     # Under fp8 GEMMs, the quantised copies of the layer's linear weights the runtime keeps.
-    cache_width = fp8_weight_cache_width(options.profile, p.compute_dtype, head.zero)
+    cache_width = fp8_weight_cache_width(options.profile, p, head.zero)
     linear = linear_weight_elements(model, head.tp.astype(float), head.ep.astype(float), head.etp.astype(float))
     static_of = {kind: elements.non_expert[kind] * per_element + elements.expert[kind] * per_expert_element
                  + sum(linear[kind].values()) * cache_width for kind in ("dense", "moe")}

@@ -397,7 +397,7 @@ EXTRA_POLICIES: dict[str, PrecisionPolicy] = {
 
 _POLICY_FIELDS = (
     "param_bytes", "grad_bytes", "master_weight_bytes", "optimizer_state_bytes", "optimizer_states",
-    "activation_bytes", "compute_dtype", "param_gather_bytes",
+    "activation_bytes", "compute_dtype", "param_gather_bytes", "fp8_params",
 )
 
 

@@ -831,11 +831,17 @@ def _precision(args: Args, warnings: list[str]) -> PrecisionPolicy:
     fp16_grads = fp16 and not args.has("--accumulate-allreduce-grads-in-fp32")
     grad = 2 if args.has("--grad-reduce-in-bf16") or main_grads == "bf16" or fp16_grads else 4
     compute = "fp8" if fp8 else ("bf16" if bf16 else "fp16")
-    name = f"megatron-{compute}" + ("-grad16" if grad == 2 else "") + ("-lowopt" if aware else "")
+    fp8_params = args.has("--fp8-param-gather")
+    if fp8_params and not fp8:
+        warnings.append(f"{args.src.where(args.line('--fp8-param-gather'))}: --fp8-param-gather without "
+                        "--fp8-format keeps no fp8 weights; ignored")
+        fp8_params = False
+    name = (f"megatron-{compute}" + ("-param" if fp8_params else "") + ("-grad16" if grad == 2 else "")
+            + ("-lowopt" if aware else ""))
     return make_policy(
         name, param_bytes=2, grad_bytes=grad, master_weight_bytes=widths[main_params],
         optimizer_state_bytes=max(widths[avg], widths[avg_sq]), optimizer_states=states,
-        compute_dtype=compute,
+        compute_dtype=compute, fp8_params=fp8_params, param_gather_bytes=1 if fp8_params else 2,
     )
 
 

@@ -228,6 +228,8 @@ def _precision(s: Strategy, lost: list[str]) -> Flags:
     flags.append(("--fp16", None) if p.compute_dtype == "fp16" else ("--bf16", None))
     if p.compute_dtype == "fp8":
         flags.append(("--fp8-format", "hybrid"))
+        if p.fp8_params:
+            flags.append(("--fp8-param-gather", None))
     if p.compute_dtype == "fp16" and p.grad_bytes == 4:
         flags.append(("--accumulate-allreduce-grads-in-fp32", None))  # fp16's gradients are fp16 otherwise
     elif p.compute_dtype != "fp16" and p.grad_bytes == 2:

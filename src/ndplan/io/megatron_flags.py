@@ -126,8 +126,6 @@ UNMODELLED: dict[str, str] = {
     "--cpu-offloading-num-layers": "activation offloading to the host is not modelled",
     "--cpu-offloading": "activation offloading to the host is not modelled",
     "--distribute-saved-activations": "recomputation inputs split over the tensor-parallel group are not modelled",
-    "--fp8-param-gather": ("fp8 parameters are not modelled: ndplan prices bf16 parameters and Transformer Engine's "
-                           "fp8 copies of the weights (2 B an element) beside them, more than this run holds"),
     "--microbatch-group-size-per-virtual-pipeline-stage": (
         "the interleaved schedule's micro-batch group is priced at its default, pp: a larger group g holds "
         "(vpp - 1)·(g - pp) more chunk micro-batches on every rank in the warm-up (get_pp_rank_microbatches), "

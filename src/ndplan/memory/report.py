@@ -200,8 +200,14 @@ class MemoryReport:
 
     def _fp8_weight_cache_term(self) -> str:
         """The params line's extra term where the runtime keeps fp8 copies of the linear weights."""
-        width = float(fp8_weight_cache_width(self.options.profile, self.strategy.precision.compute_dtype,
-                                             self.strategy.zero))
+        precision = self.strategy.precision
+        width = float(fp8_weight_cache_width(self.options.profile, precision, self.strategy.zero))
+        if precision.fp8_params and self.strategy.zero < 3:
+            copies = width + precision.param_bytes
+            held = "the 1-byte weight and its transposed copy" if copies >= 2 else "the 1-byte weight"
+            if not width:
+                return f" (linear weights kept in fp8: {held}, the {copies:g} B counted)"
+            return f" + linear weight elements × {width:+g} B (linear weights kept in fp8: {held}, {copies:g} B an element)"
         if not width:
             return ""
         return (f" + the linears' fp8 weight copies kept across micro-batches (linear weight elements × {width:g} B: "
@@ -564,7 +570,7 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     p = strategy.precision
     optimizer = 0.0 if strategy.optimizer_offload else p.optimizer_bytes
     linear = linear_weight_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
-    cache_width = fp8_weight_cache_width(options.profile, p.compute_dtype, batch.zero)
+    cache_width = fp8_weight_cache_width(options.profile, p, batch.zero)
     buckets = ddp_bucket_width(options.profile, p.grad_bytes, batch.zero, batch.dp, batch.cp)
 
     def layer_static(kind: MlpKind) -> float:

@@ -207,7 +207,7 @@ def static_state(
 
     # The quantised copies of the linear weights an fp8 runtime keeps across micro-batches: part
     # of the weights on the device (params).
-    cache_factor = fp8_weight_cache_width(options.profile, precision.compute_dtype, batch.zero)[:, None]
+    cache_factor = fp8_weight_cache_width(options.profile, precision, batch.zero)[:, None]
     if cache_factor.any():
         linear = linear_weight_elements(model, tp, ep, etp)
         layers_of = {"dense": dense_layers, "moe": moe_layers}

@@ -13,6 +13,7 @@ import numpy as np
 from ndplan.memory.profile import RuntimeProfile
 from ndplan.memory.static import embedding_elements
 from ndplan.model.spec import ModelSpec
+from ndplan.strategy.precision import PrecisionPolicy
 
 
 def routes_own_tokens(sequence_parallel: Any, tp: Any) -> np.ndarray:
@@ -23,12 +24,19 @@ def routes_own_tokens(sequence_parallel: Any, tp: Any) -> np.ndarray:
     return ((np.asarray(sequence_parallel) > 0) & (np.asarray(tp) > 1)) | (np.asarray(tp) == 1)
 
 
-def fp8_weight_cache_width(profile: RuntimeProfile, compute_dtype: str, zero: Any) -> np.ndarray:
-    """Bytes per linear-weight element (``static.linear_weight_elements``) of the quantised
-    weight copies the runtime keeps across micro-batches under fp8 GEMMs (Transformer Engine's
-    weight workspaces under Megatron: ``fp8_weight_cache_bytes``), whole on the rank whatever
-    ZeRO-1/2 shards; not priced under ZeRO-3, whose weights are gathered per use. Per ``zero``."""
-    width = profile.fp8_weight_cache_bytes if compute_dtype == "fp8" else 0.0
+def fp8_weight_cache_width(profile: RuntimeProfile, precision: PrecisionPolicy, zero: Any) -> np.ndarray:
+    """Bytes per linear-weight element (``static.linear_weight_elements``) beside the
+    ``param_bytes`` the parameters count: the quantised weight copies the runtime keeps across
+    micro-batches under fp8 GEMMs (Transformer Engine's weight workspaces under Megatron:
+    ``fp8_weight_cache_bytes``), whole on the rank whatever ZeRO-1/2 shards. Under fp8
+    parameters (``precision.fp8_params``) the row-wise copy is the parameter itself: a linear
+    weight element costs the copies' bytes alone (its own byte at least), so the width is that
+    less ``param_bytes`` (Megatron: 2 - 2 = 0, a 1-byte weight and its 1-byte transpose; it was
+    a 2-byte weight and 2 bytes of copies). Not priced under ZeRO-3, whose weights are gathered
+    per use (there fp8 parameters' shards are priced at ``param_bytes``, a shard's byte over). Per ``zero``."""
+    width = profile.fp8_weight_cache_bytes if precision.compute_dtype == "fp8" else 0.0
+    if precision.fp8_params:
+        width = max(width, 1.0) - precision.param_bytes
     return np.where(np.asarray(zero) < 3, width, 0.0)
 
 

@@ -459,8 +459,11 @@ def _dp_raw(
         experts, coll.all_reduce_s(g_ex / expert_shard, groups, across), 0.0)
     reduce_scatter = coll.reduce_scatter_s(g_ne, shard, ne_link) + np.where(
         experts, coll.reduce_scatter_s(g_ex, expert_shard, ex_link), 0.0)
-    gather = (coll.all_gather_s(ne * prec.param_bytes, shard, ne_link)
-              + np.where(experts, coll.all_gather_s(ex * prec.param_bytes, expert_shard, ex_link), 0.0))
+    # The distributed optimizer gathers the updated weights as the forward keeps them: fp8
+    # parameters (Megatron's --fp8-param-gather) at their gather width.
+    width = prec.param_gather_bytes if prec.fp8_params else prec.param_bytes
+    gather = (coll.all_gather_s(ne * width, shard, ne_link)
+              + np.where(experts, coll.all_gather_s(ex * width, expert_shard, ex_link), 0.0))
     grad = np.where(sharded3, cross, np.where(zero == 0, all_reduce, reduce_scatter + cross))
     params_ag = np.where((zero >= 1) & ~sharded3, gather, 0.0)
     if defers_fsdp_reduce:

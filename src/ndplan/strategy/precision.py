@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ndplan.errors import NdplanError, did_you_mean, require_name
 
@@ -17,7 +17,13 @@ class PrecisionPolicy(BaseModel):
     ``param_bytes`` is the copy the forward uses (all-gathered under FSDP), ``master_weight_bytes``
     an extra high-precision copy kept by the optimizer (0 when the parameters themselves are fp32),
     ``optimizer_state_bytes`` the width of each of ``optimizer_states`` states (Adam: 2).
-    ``activation_bytes`` is the element width of activations kept for backward.
+    ``activation_bytes`` is the element width of activations kept for backward. ``fp8_params``:
+    the linear layers' weights are kept in fp8, one byte an element, the copy their fp8 GEMMs
+    read (Megatron-Core's ``--fp8-param-gather``, Transformer Engine's ``fp8_model_init``): the
+    runtime's quantised weight copies (``RuntimeProfile.fp8_weight_cache_bytes``) then include
+    the parameter instead of sitting beside a 2-byte one, and the distributed optimizer gathers
+    the updated weights at ``param_gather_bytes``. Norms, embeddings and the output layer stay
+    at ``param_bytes``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -31,6 +37,14 @@ class PrecisionPolicy(BaseModel):
     activation_bytes: int = Field(default=2, gt=0)
     compute_dtype: ComputeDtype = "bf16"
     param_gather_bytes: int = Field(default=2, gt=0, description="element width of FSDP's all-gathered parameters")
+    fp8_params: bool = False
+
+    @model_validator(mode="after")
+    def _fp8_params_need_fp8_gemms(self) -> PrecisionPolicy:
+        if self.fp8_params and self.compute_dtype != "fp8":
+            raise ValueError(f"fp8_params keeps the linear weights for fp8 GEMMs; compute_dtype is {self.compute_dtype!r}, "
+                             "not 'fp8'")
+        return self
 
     @property
     def optimizer_bytes(self) -> int:
@@ -72,6 +86,17 @@ PRECISION_PRESETS: dict[str, PrecisionPolicy] = {
     "megatron-fp8-grad16": PrecisionPolicy(
         name="megatron-fp8-grad16", param_bytes=2, grad_bytes=2, master_weight_bytes=4, optimizer_state_bytes=4,
         compute_dtype="fp8",
+    ),
+    # The two above with the linear weights kept in fp8 (--fp8-param-gather, which NVIDIA's FP8
+    # performance recipes set): 1 byte a linear weight and its transposed fp8 copy, where the
+    # others keep a bf16 weight beside two fp8 copies; the updated weights gathered in fp8.
+    "megatron-fp8-param": PrecisionPolicy(
+        name="megatron-fp8-param", param_bytes=2, grad_bytes=4, master_weight_bytes=4, optimizer_state_bytes=4,
+        compute_dtype="fp8", param_gather_bytes=1, fp8_params=True,
+    ),
+    "megatron-fp8-param-grad16": PrecisionPolicy(
+        name="megatron-fp8-param-grad16", param_bytes=2, grad_bytes=2, master_weight_bytes=4, optimizer_state_bytes=4,
+        compute_dtype="fp8", param_gather_bytes=1, fp8_params=True,
     ),
 }
 
