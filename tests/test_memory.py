@@ -1169,6 +1169,15 @@ def test_megatron_caches_the_fp8_copy_of_each_linear_weight(tp):
         stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes, rel=1e-12)
 
 
+def _mla_moe_proxy(h: int) -> ModelSpec:
+    """Megatron's DeepSeek-like functional test's model (MLA, 32 experts, one shared, MTP 1)."""
+    return ModelSpec(name="proxy", num_layers=16, hidden_size=h, ffn_hidden_size=4096, num_attention_heads=32,
+                     num_kv_heads=32, head_dim=192, vocab_size=51712, q_lora_rank=1536, kv_lora_rank=512,
+                     qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=32, num_experts_per_tok=4,
+                     moe_ffn_hidden_size=1024, num_shared_experts=1, shared_expert_ffn_hidden_size=1024,
+                     layer_mlp_kinds=("dense",) + ("moe",) * 15, mtp_depth=1)
+
+
 def test_fp8_weight_cache_of_an_mla_moe_stage_by_hand():
     """Megatron's DeepSeek-like functional test (MLA q 1536 / kv 512 latents, 32 heads of
     192/128, 32 experts of 1024 over ep 4, one shared expert 1024 wide, tp 2, etp 1, MTP 1) on its
@@ -1180,11 +1189,7 @@ def test_fp8_weight_cache_of_an_mla_moe_stage_by_hand():
     (gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed) to the fp8 run of the same arguments
     (..._mtp_resume_torch_dist_fp8): 6,632,031,744 -> 7,316,095,488, +684,063,744 bytes."""
     h = 1024
-    model = ModelSpec(name="proxy", num_layers=16, hidden_size=h, ffn_hidden_size=4096, num_attention_heads=32,
-                      num_kv_heads=32, head_dim=192, vocab_size=51712, q_lora_rank=1536, kv_lora_rank=512,
-                      qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=32, num_experts_per_tok=4,
-                      moe_ffn_hidden_size=1024, num_shared_experts=1, shared_expert_ffn_hidden_size=1024,
-                      layer_mlp_kinds=("dense",) + ("moe",) * 15, mtp_depth=1)
+    model = _mla_moe_proxy(h)
     common = dict(dp=2, tp=2, pp=2, vpp=4, schedule="interleaved", ep=4, etp=1, zero=1, num_micro_batches=4,
                   seq_length=256)
     options = MemoryOptions(include_overhead=False, runtime="megatron")
@@ -1203,11 +1208,7 @@ def test_fp8_parameters_take_the_bf16_weight_out_of_that_stage_by_hand():
     routers and the embedding stay at 2 bytes. Under ZeRO-3 no copies are kept and the fp8 shards
     are priced at 2 bytes (a shard's byte over): the same as megatron-fp8."""
     h = 1024
-    model = ModelSpec(name="proxy", num_layers=16, hidden_size=h, ffn_hidden_size=4096, num_attention_heads=32,
-                      num_kv_heads=32, head_dim=192, vocab_size=51712, q_lora_rank=1536, kv_lora_rank=512,
-                      qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=32, num_experts_per_tok=4,
-                      moe_ffn_hidden_size=1024, num_shared_experts=1, shared_expert_ffn_hidden_size=1024,
-                      layer_mlp_kinds=("dense",) + ("moe",) * 15, mtp_depth=1)
+    model = _mla_moe_proxy(h)
     common = dict(dp=2, tp=2, pp=2, vpp=4, schedule="interleaved", ep=4, etp=1, num_micro_batches=4, seq_length=256)
     options = MemoryOptions(include_overhead=False, runtime="megatron")
 
