@@ -257,6 +257,8 @@ def _fsdp_exposed(ctx: LayerContext, comm: Array | float, cover: Array | float, 
     ``cover`` where FSDP prefetches (``OverlapConfig.fsdp_prefetch``), slowing that compute by
     the SMs their kernels hold, which go with their bytes' seconds at the scale-up rate,
     ``full_rate_s`` (``collective_sm_share``)."""
+    if not (ctx.eff.dp_comm_compute_share and np.any(comm)):  # (most rows of a search shard nothing)
+        return _exposed(comm, cover, ctx.overlap.fsdp_prefetch)
     return _exposed(comm, cover, ctx.overlap.fsdp_prefetch, collective_sm_share(ctx.eff, full_rate_s, comm))
 
 
@@ -776,7 +778,10 @@ def _fsdp_pass_seconds(
         return (np.where(groups.per_micro_batch, ag, 0.0), np.where(groups.regathered, ag, 0.0),
                 np.where(groups.per_micro_batch, rs, 0.0))
 
-    return passes(*gathers_and_reduces(ne_link, ex_link)), passes(*gathers_and_reduces(full_rate, full_rate))
+    seconds = passes(*gathers_and_reduces(ne_link, ex_link))
+    if not ctx.eff.dp_comm_compute_share:  # no SMs priced: their yardstick unused
+        return seconds, (0.0, 0.0, 0.0)
+    return seconds, passes(*gathers_and_reduces(full_rate, full_rate))
 
 
 def _fsdp_copy_seconds(
