@@ -747,8 +747,9 @@ def _fsdp_pass_seconds(
 ) -> tuple[FsdpPasses, FsdpPasses]:
     """(forward, backward gather, backward reduce) FSDP/ZeRO-3 seconds of one piece's parameter shard gathers/reduces
     per micro-batch (its non-expert parameters per tensor-parallel rank, its routed experts per
-    ep·etp rank), and the same bytes' seconds at the scale-up rate without latency (the SMs they
-    hold while they hide go with those: ``collective_sm_share``). Under a pipeline that defers FSDP's reduce (``pipeline_defers_fsdp_reduce``)
+    ep·etp rank), and the same bytes' seconds at the scale-up rate without latency (the SMs
+    they hold while they hide go with those: ``collective_sm_share``; zeros where the profile
+    prices no SMs). Under a pipeline that defers FSDP's reduce (``pipeline_defers_fsdp_reduce``)
     a micro-batch reduces nothing and gathers once (for its backward) where parameters are
     resharded after forward, never where they are not: the reduce, and then the gathers, come
     once a run (``step._dp_raw``). ``groups``: ``fsdp_groups`` of ``cols``, where the caller has it."""
