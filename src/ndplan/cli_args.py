@@ -202,8 +202,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile", dest="torch_compile", choices=["off", "model", "model+loss", "loss"], default=None,
                        help="what torch.compile fuses: model runs each decoder layer's elementwise ops as one fused "
                             "pass, leaving the final norm and loss eager, and prices what compiled layers keep for "
-                            "backward (dense layers; others as eager); model+loss fuses the loss too (its memory "
-                            "priced eager) (default: off, or what a --from torchtitan config's [compile] states)")
+                            "backward (dense layers; others as eager); model+loss fuses the loss too and prices "
+                            "what a compiled loss keeps (not a vocabulary-parallel one) (default: off, or what a "
+                            "--from torchtitan config's [compile] states)")
     group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
                        help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
                             "(replaces --moe-imbalance for memory)")

@@ -77,7 +77,7 @@ def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device
     from ndplan.io import emit
     from ndplan.perf import default_overlap
 
-    loss_parallel = options.profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
+    loss_parallel = options.vocab_parallel_loss
     return emit(model, strategy, fmt, options.overlap or default_overlap(device.runtime), loss_upcast=options.loss_upcast,
                 attention=options.attention, selective_policy=options.selective_policy,
                 grouped_gemm=options.grouped_gemm, loss_parallel=loss_parallel,
@@ -175,7 +175,7 @@ def read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, optio
             out["grouped_gemm"] = opts.grouped_gemm
             out["moe_dispatcher"] = opts.moe_dispatcher
         if written.tp > 1:  # a vocabulary-parallel loss shards over TP only
-            out["loss_parallel"] = opts.profile.loss_parallel if opts.loss_parallel is None else opts.loss_parallel
+            out["loss_parallel"] = opts.vocab_parallel_loss
         if written.recompute == "selective":  # the policy prices nothing else
             out["selective_policy"] = opts.recompute_policy
         # what the step hides (the file's overlap where it states one, over the runtime's defaults)

@@ -229,7 +229,8 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     compiled = _compiled(root, training)
     if compiled != "off":
         notes.append(f"torch.compile of the {compiled.replace('+', ' and ')}: priced as fused elementwise kernels in the "
-                     "step time (--compile); the memory is the eager modules'")
+                     "step time (--compile), and in memory as compiled dense layers and a compiled loss keep "
+                     "(other layers, and a vocabulary-parallel loss, as the eager modules)")
     world = settings["dp"] * tp * pp * cp if "dp" in settings else devices
     return ReadResult(
         format=FORMAT, source=src.name, model=model, strategy_settings=settings, devices=world,

@@ -419,7 +419,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
                                 selective_policy=policy, moe_dispatcher=options.moe_dispatcher,
                                 compiled=options.compiled_layers(model), compiled_loss=options.compiled_loss())
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
-    loss_parallel = profile.loss_parallel if options.loss_parallel is None else options.loss_parallel
+    loss_parallel = options.vocab_parallel_loss
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)
     # Routed tokens: each rank routes its own tokens (its sequence shard under SP; all of its own
     # without TP) and the dispatcher gathers them over the expert-TP group (Megatron's all-to-all

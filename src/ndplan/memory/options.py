@@ -170,6 +170,11 @@ class MemoryOptions:
     def profile(self) -> RuntimeProfile:
         return get_profile(self.runtime)
 
+    @property
+    def vocab_parallel_loss(self) -> bool:
+        """Whether the loss runs on vocabulary-sharded logits: ``loss_parallel``, else the runtime's choice."""
+        return self.profile.loss_parallel if self.loss_parallel is None else self.loss_parallel
+
     def compiled_layers(self, model: ModelSpec) -> bool:
         """Whether the decoder layers' saved tensors are priced as torch.compile's (the entries'
         ``compiled_bytes`` and ``compiled_keep``): the layers are compiled, the runtime's profile
@@ -182,8 +187,7 @@ class MemoryOptions:
         output block's ``compiled_bytes``): the loss is compiled, the runtime's profile says what a
         compiled loss keeps, and it is not vocabulary-parallel (DTensor's loss parallelism was not
         measured compiled)."""
-        loss_parallel = self.profile.loss_parallel if self.loss_parallel is None else self.loss_parallel
-        return ("loss" in self.torch_compile and not loss_parallel
+        return ("loss" in self.torch_compile and not self.vocab_parallel_loss
                 and any(t.compiled_bytes is not None for t in self.profile.blocks.get("output", ())))
 
     def compiled_layers_gap(self, model: ModelSpec) -> str:
@@ -227,7 +231,7 @@ class MemoryOptions:
         software["loss_upcast"] = self.loss_upcast
         # Whether the loss is vocabulary-parallel, or runs on logits gathered whole to every
         # tensor-parallel rank (the option, else the runtime's choice), as memory holds them.
-        software["loss_parallel"] = self.profile.loss_parallel if self.loss_parallel is None else self.loss_parallel
+        software["loss_parallel"] = self.vocab_parallel_loss
         # The busiest rank computes and receives as much more as it holds (1.0 too: the options,
         # not a device profile's figure, say what memory priced); a capacity factor, where
         # given, sets it instead (buffers padded to capacity: routed_token_factor), in time too.

@@ -50,7 +50,7 @@ BLOCKS: tuple[str, ...] = (
 #: The blocks of the final norm, LM head and loss: torch.compile of the decoder layers leaves them.
 LOSS_BLOCKS = frozenset({"output", "output_transient", "output_backward_extra", "loss_parallel_backward_extra"})
 #: Those a compiled loss prices (``block_coefficients``' ``compiled_loss``): not the vocabulary-parallel one's.
-COMPILED_LOSS_BLOCKS = frozenset({"output", "output_transient", "output_backward_extra"})
+COMPILED_LOSS_BLOCKS = LOSS_BLOCKS - {"loss_parallel_backward_extra"}
 #: The model types whose Hugging Face router casts its input to fp32 before the gate matmul (the
 #: copy the pytorch profile's router_fp32_input keeps for backward).
 FP32_ROUTER_INPUT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"})
