@@ -86,7 +86,8 @@ RULE_CASES = [
     ([*LLAMA, "--dp", "2", "--num-micro-batches", "4", "--pipeline-runs", "2"], "pipeline_runs_need_pipeline",
      "pipeline_runs=2 needs a pipeline (pp > 1); without one a step is 8 micro-batches"),
     ([*LLAMA, "--tp", "3"], "tp_divides_heads", "tp=3 does not divide num_attention_heads=32"),
-    ([*LLAMA, "--tp", "16"], "tp_divides_kv_heads", "tp=16 does not divide num_key_value_heads=8"),
+    (["--model", "MODEL_KV6", "--tp", "4"], "tp_divides_kv_heads",
+     "tp=4 neither divides num_key_value_heads=6 nor is a multiple of it"),
     (["--model", "MODEL_FFN24", "--tp", "16"], "tp_divides_ffn", "tp=16 does not divide ffn_hidden_size=24"),
     (["--model", "MODEL_SHARED", "--tp", "16"], "tp_divides_shared_experts", "shared_expert_ffn_hidden_size=24"),
     ([*LLAMA, "--ep", "2", "--dp", "2"], "ep_needs_experts", "needs a mixture-of-experts model"),
@@ -143,7 +144,10 @@ def model_files(tmp_path):
                       "layer_attention_spans: [linear, linear, linear, full]\nlinear_num_key_heads: 4\n"
                       "linear_num_value_heads: 8\nlinear_key_head_dim: 8\nlinear_value_head_dim: 8\n"
                       "linear_conv_kernel: 4\n")
-    return {"MODEL_FFN24": str(ffn24), "MODEL_SHARED": str(shared), "MODEL_LINEAR": str(linear)}
+    kv6 = tmp_path / "kv6.yaml"
+    kv6.write_text("num_layers: 4\nhidden_size: 48\nffn_hidden_size: 32\nnum_attention_heads: 12\n"
+                   "num_kv_heads: 6\nhead_dim: 4\nvocab_size: 100\n")
+    return {"MODEL_FFN24": str(ffn24), "MODEL_SHARED": str(shared), "MODEL_LINEAR": str(linear), "MODEL_KV6": str(kv6)}
 
 
 @pytest.mark.parametrize("argv,rule,words", RULE_CASES, ids=[c[1] for c in RULE_CASES])
@@ -163,8 +167,17 @@ def test_rule_cases_cover_every_rule():
 
 
 def test_check_human_output_lists_violations(capsys):
-    code, out, _ = run(["check", *LLAMA, "--tp", "16", "--devices", "8"], capsys)
+    code, out, _ = run(["check", *LLAMA, "--tp", "3", "--devices", "8"], capsys)
     assert code == 2 and "tp_divides_kv_heads" in out and "world_size" in out
+
+
+def test_check_says_which_runtime_runs_more_tp_ranks_than_kv_heads(capsys):
+    """Llama-3.1-8B has 8 KV heads: tp 16 gives each two ranks, which Megatron-Core runs (it
+    gathers the QKV output) and torch's tensor-parallel plans do not (they split whole heads)."""
+    code, out, _ = run(["check", *LLAMA, "--tp", "16", "--devices", "16", "--runtime", "pytorch"], capsys)
+    assert code == 2 and "not_runnable" in out and "tp=16 above the model's KV heads" in out
+    code, out, _ = run(["check", *LLAMA, "--tp", "16", "--devices", "16", "--runtime", "megatron"], capsys)
+    assert code == 0, out
 
 
 BAD_INPUTS = [

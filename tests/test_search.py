@@ -63,6 +63,8 @@ def test_search_equals_brute_force_with_the_single_strategy_api(dims):
             continue  # nor 1F1B with fewer micro-batches than stages (its Schedule1F1B raises)
         if strategy.zero in (1, 2) and strategy.dp * strategy.cp == 1:
             continue  # ZeRO 0 under another name: nothing to shard over (a duplicate)
+        if strategy.tp > TINY_MOE.num_kv_heads:
+            continue  # nor more TP ranks than KV heads (torch's TP plans split whole heads)
         report = estimate(TINY_MOE, strategy, DEVICE, options, num_devices=space.num_devices)
         if report.peak_bytes > limit:
             continue
@@ -82,9 +84,23 @@ def test_search_equals_brute_force_with_the_single_strategy_api(dims):
         assert {row["pipeline_runs"] for row in result.ranked} == set(space.pipeline_runs) == {1, 2, 4, 8}
 
 
+def _above_kv_heads(space, model=TINY_MOE):
+    """Candidates of ``space`` no rule refuses, not duplicates, with more TP ranks than the model
+    has KV heads: the pytorch runtime's not runnable (torch's TP plans split whole heads), which
+    Megatron-Core runs."""
+    every = np.arange(space.size)
+    batch = space.batch(every)
+    context = RuleContext(model, space.num_devices)
+    valid = ~space.duplicates(every) & (batch.tp > model.num_kv_heads)
+    for rule in RULES:
+        valid &= rule.holds(batch, context)
+    return int(np.count_nonzero(valid))
+
+
 def _megatron_refuses_what_pytorch_ranks(space, refused):
     """The megatron search ranks no row ``refused`` says it refuses, and counts as not runnable at
-    least as many as the pytorch search (which runs them) ranks."""
+    least as many as the pytorch search (which runs them) ranks, beside those with more TP ranks
+    than KV heads, which the pytorch search counts and Megatron runs."""
     megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, memory_limit_bytes=2 * 2**30, top=10**9,
                           options=BALANCE_OPTIONS)
     pytorch = run_search(TINY_MOE, DEVICE, space, step_time_batch, memory_limit_bytes=2 * 2**30, top=10**9,
@@ -92,7 +108,9 @@ def _megatron_refuses_what_pytorch_ranks(space, refused):
     assert megatron.ranked and not any(refused(row) for row in megatron.ranked)
     allowed = sum(refused(row) for row in pytorch.ranked)
     assert allowed > 0
-    assert megatron.rejected[NOT_RUNNABLE] - pytorch.rejected[NOT_RUNNABLE] >= allowed
+    above = _above_kv_heads(space)
+    assert pytorch.rejected[NOT_RUNNABLE] >= above
+    assert megatron.rejected[NOT_RUNNABLE] - (pytorch.rejected[NOT_RUNNABLE] - above) >= allowed
 
 
 def test_megatron_search_never_ranks_expert_and_tensor_parallelism_without_sequence_parallelism():
@@ -171,10 +189,11 @@ def test_every_rejection_reason_is_reachable_and_counted():
                         "cp_hybrid_degree", "tp_divides_ffn", "tp_divides_shared_experts", "ep_needs_experts",
                         "vpp_needs_virtual_schedule", "interleaved_needs_vpp", "v_schedule_needs_vpp2",
                         "offload_runs", "pipeline_runs_need_pipeline", "tp_divides_linear_heads",
-                        "cp_linear_attention"}
+                        "cp_linear_attention", "tp_divides_kv_heads"}
     # The space never draws these combinations (it pairs schedules with their vpp, sets fsdp with
     # zero 3, has no shard groups, recompute layer counts or offload; the model has no Gated
-    # DeltaNet layers); test_strategy/test_cli (test_offload for offload_runs) reach each.
+    # DeltaNet layers; a tp that divides the 20 heads divides its 2 KV heads or is a multiple of
+    # them); test_strategy/test_cli (test_offload for offload_runs) reach each.
     assert {r.name for r in RULES} - unreachable_here | {OVER_MEMORY, DUPLICATE} <= reached
 
 
@@ -283,6 +302,7 @@ def test_static_bound_never_exceeds_the_peak_and_keeps_the_smallest_peak_exact()
     valid &= batch.is_in("schedule", list(MemoryOptions().profile.schedules))  # what the runtime runs
     valid &= ~(batch.is_("schedule", "1f1b") & (batch.num_micro_batches < batch.pp))  # Schedule1F1B's minimum
     valid &= ~(np.isin(batch.zero, (1, 2)) & (batch.dp * batch.cp == 1))  # ZeRO 0 under another name
+    valid &= batch.tp <= TINY_MOE.num_kv_heads  # torch's TP plans split whole KV heads
     batch = batch.take(np.flatnonzero(valid))
     peak, _ = peak_memory(TINY_MOE, batch, MemoryOptions())
     lower = static_lower_bound(TINY_MOE, batch, MemoryOptions())

@@ -41,12 +41,13 @@ def test_defaults_fill_etp_and_global_batch():
 
 
 def test_validate_raises_with_every_reason():
-    s = Strategy(tp=16, dp=2, pp=3)
+    s = Strategy(tp=3, dp=2, pp=3)
     with pytest.raises(NdplanError) as info:
         validate_strategy(s, LLAMA, 64)
     text = str(info.value)
-    assert "tp=16 does not divide num_key_value_heads=8" in text
-    assert "dp·tp·pp·cp = 2·16·3·1 = 96 but the cluster has 64 devices" in text
+    assert "tp=3 does not divide num_attention_heads=32" in text
+    assert "tp=3 neither divides num_key_value_heads=8 nor is a multiple of it" in text
+    assert "dp·tp·pp·cp = 2·3·3·1 = 18 but the cluster has 64 devices" in text
 
 
 def test_named_precision():

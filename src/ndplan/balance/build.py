@@ -613,7 +613,7 @@ def balance(
     As the other entry points: ``model`` may be a preset name or path, ``cluster`` a Device or
     device name (then the strategy's world size), ``memory_limit_bytes`` a size ("30GiB")."""
     from ndplan.hardware import as_device
-    from ndplan.memory.report import check_moe_imbalance, check_options
+    from ndplan.memory.report import check_kv_heads, check_moe_imbalance, check_options
     from ndplan.model import as_model
     from ndplan.units import memory_limit
 
@@ -625,6 +625,7 @@ def balance(
     memory_limit_bytes = memory_limit(memory_limit_bytes, "memory_limit_bytes")
     check_options(options)
     check_moe_imbalance(model, strategy, options or MemoryOptions())
+    check_kv_heads(model, strategy, options or MemoryOptions())
     own = strategy.recompute_modules
     policies: list[tuple[str, ...] | None] = [None, *dict.fromkeys(
         p for p in (Strategy(recompute="selective", recompute_modules=p).recompute_modules for p in selective_policies)

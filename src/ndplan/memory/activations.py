@@ -427,6 +427,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # sequence's, through experts 1/etp wide. Only TP without SP routes tokens every TP rank
     # holds (tensor-parallel experts, no gather).
     own_tokens = routes_own_tokens(batch.sequence_parallel, tp)
+    kv_heads = float(model.num_attention_heads if model.is_mla else model.num_kv_heads)
     divisors = {
         "tp": tp,
         "sp": np.where(sequence_sharded, tp, 1.0),
@@ -436,6 +437,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         # (whatever the routing: the allgather dispatcher keeps every gathered token's row)
         "gathered": np.where(own_tokens, tp / etp, 1.0),
         "vocab": tp if loss_parallel else np.ones_like(tp),
+        "kv": np.minimum(tp, kv_heads),
+        "kv_gathered": np.where(tp > kv_heads, 1.0, np.inf),
         "none": np.ones_like(tp),
     }
     seq = batch.seq_length.astype(float)
@@ -507,6 +510,12 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # The backward's working set is a maximum over time that no per-tensor table captures well
     # for MoE layers: where a census of this model ships with ndplan, its measurement is used.
     backward_extra = {"dense": block("backward_extra"), "moe": block("moe_backward_extra")}
+    # With more TP ranks than KV heads, the attention's backward holds the gradient of the QKV
+    # output it gathered, whole, before reduce-scattering it: after the MLP's backward has freed
+    # its working set, so the larger of the two.
+    gathered_qkv = block("qkv_gather_backward_extra")
+    if np.any(gathered_qkv > 0):
+        backward_extra = {k: np.maximum(v, np.where(softmax[k] > 0, gathered_qkv, 0.0)) for k, v in backward_extra.items()}
     # A census measures that working set at TP 1 alone: on a TP rank it shrinks as the formula's
     # does, formula(tp) / formula(TP 1) (the census's TP-2 run, on fake tensors: llama-3.1-8b's
     # dense layer 28,672 B/token against 57,344 at TP 1, the formula's 2·ffn·2 / tp).

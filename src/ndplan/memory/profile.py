@@ -32,7 +32,12 @@ from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, SCHEDUL
 #: ``gathered``: the tokens Megatron's allgather dispatcher gathers over the expert-TP x EP group,
 #: of which a rank keeps what concerns its own E/ep experts: per expert, etp/tp of the sequence's
 #: tokens where each rank routes its own shard (under SP, or without TP), whatever the routing.
-SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "expert_tokens", "expert_width", "gathered", "vocab", "none")
+#: ``kv``: a tensor over the KV heads, split by min(tp, KV heads): with more TP ranks than KV
+#: heads each rank keeps one whole head (``RuntimeProfile.tp_above_kv_heads``). ``kv_gathered``:
+#: a tensor a rank holds whole only where tp exceeds the KV heads (the QKV output Megatron-Core
+#: gathers then), none elsewhere.
+SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "expert_tokens", "expert_width", "gathered", "vocab", "kv", "kv_gathered",
+                           "none")
 #: libyaml's safe loader where PyYAML was built with it (the shipped profile parses ~10x faster,
 #: which is most of ``ndplan estimate``'s start-up), else the pure-Python one. Both are safe.
 _SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -45,6 +50,7 @@ BLOCKS: tuple[str, ...] = (
     "sdpa_math_backward_extra", "softmax_backward_product", "mlp", "moe", "layer_input", "embedding",
     "output", "output_transient", "backward_extra", "moe_backward_extra", "output_backward_extra",
     "loss_parallel_backward_extra", "weight_grad_outputs", "moe_weight_grad_outputs", "moe_allgather",
+    "qkv_gather_backward_extra",
 )
 
 #: The blocks of the final norm, LM head and loss: torch.compile of the decoder layers leaves them.
@@ -254,6 +260,9 @@ class RuntimeProfile:
     selective_policy: str = "megatron"
     #: The pipeline schedules the runtime runs: what the search may recommend for it.
     schedules: tuple[str, ...] = SCHEDULES
+    #: Whether it runs more TP ranks than KV heads (Megatron-Core: each rank all-gathers the QKV
+    #: output over TP and keeps one KV head and its tp/KV-heads share of that head's queries).
+    tp_above_kv_heads: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
     #: The recompute modules its entries name (``recomputed_by``); empty where the runtime has
     #: only its own selective policy.
@@ -341,6 +350,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         ddp_bucket_copies=float(data.get("ddp_bucket_copies", 0.0)),
         selective_policy=_selective_policy(data.get("selective_policy", "megatron"), source),
         schedules=_schedules(data.get("schedules", list(SCHEDULES)), source),
+        tp_above_kv_heads=bool(data.get("tp_above_kv_heads", False)),
         overhead=_overhead(data.get("overhead"), source),
         recompute_modules=tuple(m for m in RECOMPUTE_MODULES
                                 if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),

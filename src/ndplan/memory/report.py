@@ -360,6 +360,7 @@ def estimate(
     validate_strategy(strategy, model, num_devices)
     options = options or MemoryOptions()
     check_moe_imbalance(model, strategy, options)
+    check_kv_heads(model, strategy, options)
     memory: StageMemory = stage_memory(
         model, StrategyBatch.of(strategy), options, breakdown=True, stage_layers=strategy.stage_layers
     )
@@ -391,6 +392,17 @@ def estimate(
             chunks=tuple(c for c in chunks if placement.stage_of[c.model_chunk] == s),
         ))
     return MemoryReport(model, strategy, hardware, options, tuple(stages))
+
+
+def check_kv_heads(model: ModelSpec, strategy: Strategy, options: MemoryOptions) -> None:
+    """Refuse more TP ranks than KV heads under a runtime whose profile does not run them
+    (``RuntimeProfile.tp_above_kv_heads``; the search counts them not runnable)."""
+    kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
+    if strategy.tp > kv_heads and not options.profile.tp_above_kv_heads:
+        raise NdplanError(f"tp={strategy.tp} is above {model.name}'s {kv_heads} KV heads, which the {options.runtime} "
+                          "runtime does not run (its tensor-parallel plans split whole heads): use tp <= "
+                          f"{kv_heads}, or price it under runtime 'megatron', which gathers the QKV output and keeps "
+                          "one KV head a rank")
 
 
 #: The device fractions ``known_gaps`` asks to leave free: the pytorch runtime's FSDP (published
@@ -491,6 +503,17 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
         if unmeasured:
             gaps.append(f"Megatron-Core's {' and '.join(unmeasured)} are priced from its code, not yet checked against "
                         "a measured run (the pytorch runtime's are, by the census)")
+    kv_heads = model.num_kv_heads if model is not None and not model.is_mla else None
+    if kv_heads is not None and strategy.tp > kv_heads and options.profile.tp_above_kv_heads:
+        gaps.append(f"tp={strategy.tp} is above the model's {kv_heads} KV heads: each rank gathers the QKV output "
+                    "and keeps one KV head (Megatron-Core's attention.py), priced from its code, not yet checked "
+                    "against a measured run")
+    if (model is not None and options.runtime == "megatron" and model.attention_output_gate
+            and model.linear_share() < 1.0 and kv_heads is not None and strategy.tp >= kv_heads):
+        whole = "the gathered output, every head's" if strategy.tp > kv_heads else "the rank's whole output"
+        gaps.append(f"with one query group a rank or less (tp={strategy.tp}, {kv_heads} KV heads) the attention "
+                    f"output gate is a view of the fused QKV projection's output and may keep it alive ({whole}) "
+                    "until the backward: not priced")
     if model is not None and model.has_linear_attention and strategy.pp > 1:
         uneven = _uneven_linear_stages(model, strategy)
         if uneven:

@@ -85,6 +85,15 @@ class Gemm:
         return 2.0 * self.m * self.n * self.k * self.count
 
 
+def kv_split(model: ModelSpec, tp: Array | float) -> Array | float:
+    """Ranks one KV head's width is spread over: min(tp, KV heads). With more TP ranks than KV
+    heads (which divide tp; Megatron-Core) each rank holds one KV head whole, gathered from the
+    QKV output, so a K or V tensor of width w over all heads is w/min(tp, KV heads) on a rank.
+    MLA's keys and values have a head per query head: tp."""
+    kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
+    return np.minimum(tp, kv_heads)
+
+
 def attention_gemms(model: ModelSpec, sh: Sharding, kind: MlpKind | None = None, *,
                     full_attention: bool = False) -> list[Gemm]:
     """Projections of one token mixer (forward): the mean of the layers of MLP ``kind`` (all

@@ -74,6 +74,7 @@ from ndplan.perf.flops import (
     attention_core_flops,
     attention_gemms,
     head_gemms,
+    kv_split,
     layer_gemms,
     linear_core_flops,
     masked_pairs,
@@ -399,13 +400,15 @@ def _cp_seconds(
     ring_n = ring_steps(cols)
     u = c / ring_n
     a2a_link = group_link(u, t, ctx.fabric, "all_to_all")
-    a2a = sum((coll.all_to_all_s(tok * w / t * beta, u, a2a_link) for w in (wq, wk, wv, wo)), 0.0)
+    split = kv_split(ctx.model, t)  # (t where each rank holds whole KV heads)
+    a2a = sum((coll.all_to_all_s(tok * w / s * beta, u, a2a_link) for w, s in ((wq, t), (wk, split), (wv, split), (wo, t))),
+              0.0)
     if ctx.eff.ring_exchange == "allgather":
         # One all-gather of K and V in each pass (the backward gathers them again), and the
         # backward's n sends of their gradients, one after every step.
         _, gather, send = ring_exchange_seconds(ctx.model, ctx.fabric, beta, cols, sh)
         return gather, gather + ring_n * send, a2a, send
-    kv = tok * (wk + wv) / t * beta
+    kv = tok * (wk + wv) / split * beta
     ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
     ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
     # Transformer Engine's backward sends at each of its n steps: K,V alone first, K,V and the
@@ -438,6 +441,28 @@ class LayerComm:
     #: what recomputing MLA's up-projections (mla_up_proj) replays of them
     attention: Array | float = 0.0
     mla_up_replay: Array | float = 0.0
+    #: forward all-gather (= backward reduce-scatter) seconds of the QKV output where tp exceeds
+    #: the KV heads (``qkv_gather_seconds``), apart from ``attention``: no TP overlap hides it
+    qkv_gather: Array | float = 0.0
+
+
+def qkv_gather_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Array | float:
+    """Seconds of Megatron-Core's all-gather of the QKV output over the TP group where it has more
+    ranks than the model has KV heads (Attention.get_query_key_value_tensors: each rank then
+    keeps one KV head and its queries), per pass: T·(q + gate + k + v)·β gathered in the forward,
+    its gradient reduce-scattered in the backward; 0 where tp divides the KV heads, and for MLA.
+    A plain collective on the compute stream (all_gather_last_dim_from_tensor_parallel_region):
+    Transformer Engine's TP overlap does not reach it."""
+    model, t = ctx.model, cols["tp"]
+    if model.is_mla:
+        return 0.0
+    above = np.asarray(t) > model.num_kv_heads
+    if not np.any(above):
+        return 0.0
+    d, a = model.head_dim, model.num_attention_heads
+    width = (a * (2 if model.attention_output_gate else 1) + 2 * model.num_kv_heads) * d
+    link = group_link(t, 1.0, ctx.fabric, "ring")
+    return np.where(above, coll.all_gather_s(sh.tokens * width * ctx.precision.activation_bytes, t, link), 0.0)
 
 
 def _attention_tp_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
@@ -513,7 +538,8 @@ def layer_comm(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Layer
     attention, mla_up_replay = _attention_tp_seconds(ctx, cols, sh, activation)
     dense = attention + _tp_seconds(ctx, cols, activation, 1.0)
     ring_f, ring_b, a2a, ring_grad_send = _cp_seconds(ctx, cols, sh)
-    return LayerComm(dense, ring_f, ring_b, a2a, ring_grad_send, moe_block, moe_shared, attention, mla_up_replay)
+    return LayerComm(dense, ring_f, ring_b, a2a, ring_grad_send, moe_block, moe_shared, attention, mla_up_replay,
+                     qkv_gather_seconds(ctx, cols, sh))
 
 
 def ring_steps(cols: dict[str, Array]) -> Array:
@@ -1070,14 +1096,15 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
 
     compute_f, compute_b, compute_w = up(compute_f), up(compute_b), up(compute_w)
     tp, tp_f, tp_b, replays_mlp_tp = up(tp), up(tp_f), up(tp_b), up(replays_mlp_tp)
+    qkv_gather = up(comm.qkv_gather)  # (exposed in each pass; a full recompute replays it)
     ring_f, ring_b, a2a, cp_f, cp_b = up(ring_f), up(ring_b), up(a2a), up(cp_f), up(cp_b)
 
     out = PieceTimes()
     out.add("F", "compute", compute_f)
     out.add("B", "compute", compute_b)
     out.add("W", "compute", compute_w)
-    out.add("F", "tp", tp_f)
-    out.add("B", "tp", tp_b)
+    out.add("F", "tp", tp_f + qkv_gather)
+    out.add("B", "tp", tp_b + qkv_gather)
     out.add("F", "cp", cp_f)
     out.add("B", "cp", cp_b)
 
@@ -1115,7 +1142,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     share_tp = np.where(full, 1.0, np.where(selective, replays_mlp_tp, 0.0))
     share_cp = np.where(full | (selective & replays_core), 1.0, 0.0)
     share_ep = np.where(full | (selective & replays_dispatch), 1.0, 0.0)
-    rc.add("B", "tp", share_tp * tp_f)
+    rc.add("B", "tp", share_tp * tp_f + np.where(full, qkv_gather, 0.0))
     rc.add("B", "cp", share_cp * cp_f)
     rc.add("B", "ep", share_ep * ep_f)
     # FSDP gathers a layer's shard before its backward and reduce-scatters the gradients after
@@ -1130,8 +1157,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # The backward's stream holds what the recompute replays of the forward's collectives too
     # (selective's share as much as full's: a replay that hid FSDP under full alone priced
     # selective recompute above full where FSDP's traffic set the pace).
-    stream_f = np.where(by_tp, tp_f, 0.0) + np.where(by_cp, cp_f, 0.0) + np.where(by_ep, ep_f, 0.0)
-    stream_b = (np.where(by_tp, tp_b + share_tp * tp_f, 0.0) + np.where(by_cp, cp_b + share_cp * cp_f, 0.0)
+    stream_f = np.where(by_tp, tp_f + qkv_gather, 0.0) + np.where(by_cp, cp_f, 0.0) + np.where(by_ep, ep_f, 0.0)
+    stream_b = (np.where(by_tp, tp_b + qkv_gather + share_tp * tp_f + np.where(full, qkv_gather, 0.0), 0.0)
+                + np.where(by_cp, cp_b + share_cp * cp_f, 0.0)
                 + np.where(by_ep, ep_b + share_ep * ep_f, 0.0))
     # A collective hidden under the same compute on FSDP's links holds those links meanwhile:
     # that compute covers FSDP for what is left, so that the two together never hide more than
@@ -1166,7 +1194,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # on the memory side, docs/accuracy.md). Priced on every stage; torch's first stage
         # runs one whole backward at W instead, G − 1 fewer.
         rebuilds = np.where(full & np.isin(cols["schedule"], SPLIT_SCHEDULE_CODES), float(weight_grad_groups(model)[kind]), 0.0)
-        for category, forward_s in (("compute", compute_f), ("tp", tp_f), ("cp", cp_f), ("ep", ep_f)):
+        for category, forward_s in (("compute", compute_f), ("tp", tp_f + qkv_gather), ("cp", cp_f), ("ep", ep_f)):
             rc.add("W", category, rebuilds * forward_s)
     return out, rc
 

@@ -116,7 +116,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ndplan.model.spec import MlpKind, ModelSpec
-from ndplan.perf.flops import Sharding
+from ndplan.perf.flops import Sharding, kv_split
 
 Array = np.ndarray
 
@@ -227,8 +227,8 @@ def qkv_transpose_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
     if not transposed:
         return 0.0, 0.0
     kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
-    per_token = (model.num_attention_heads + kv_heads) * (model.qk_head_dim + model.value_head_dim)  # Q + O, K + V
-    moved = 2.0 * act_bytes * sh.tokens * per_token / sh.tp
+    heads_per_rank = model.num_attention_heads / sh.tp + kv_heads / kv_split(model, sh.tp)  # Q + O, K + V
+    moved = 2.0 * act_bytes * sh.tokens * heads_per_rank * (model.qk_head_dim + model.value_head_dim)
     return moved, moved
 
 
@@ -255,11 +255,13 @@ def norm_tokens(sh: Sharding, sp: Array | float) -> Array | float:
     return sh.tokens / np.where(np.asarray(sp) > 0, sh.tp, 1.0)
 
 
-def rope_width(model: ModelSpec) -> float:
-    """Query + key features that get rotary embeddings, over all heads (before /t)."""
+def rope_width(model: ModelSpec, tp: Array | float) -> Array | float:
+    """Query + key features that get rotary embeddings on a rank of ``tp``: the query heads /t,
+    the key heads over ``kv_split`` (one a rank where tp exceeds them); MLA's rope key, one head
+    shared by all, /t as its queries."""
     if model.is_mla:
-        return (model.num_attention_heads + 1) * model.qk_rope_head_dim
-    return (model.num_attention_heads + model.num_kv_heads) * model.head_dim
+        return (model.num_attention_heads + 1) * model.qk_rope_head_dim / tp
+    return (model.num_attention_heads / tp + model.num_kv_heads / kv_split(model, tp)) * model.head_dim
 
 
 def layer_bytes(
@@ -279,10 +281,11 @@ def layer_bytes(
     norms = 2.0 * model.norms_per_layer * t_n * h
     residual = 6.0 * t_n * h
     softmax = 1.0 - model.linear_share(kind)  # the share of the kind's layers with softmax attention
-    rope = 2.0 * tok * rope_width(model) / t * softmax
+    rope = 2.0 * tok * rope_width(model, t) * softmax
     extra_norms: Array | float = 0.0
     if model.qk_norm:
-        extra_norms = extra_norms + 2.0 * tok * (model.num_attention_heads + model.num_kv_heads) * model.head_dim / t * softmax
+        heads_per_rank = model.num_attention_heads / t + model.num_kv_heads / kv_split(model, t)
+        extra_norms = extra_norms + 2.0 * tok * heads_per_rank * model.head_dim * softmax
     if model.is_mla:  # the latent norms, on the down-projections' tokens (flops.attention_gemms)
         extra_norms = extra_norms + 2.0 * t_n * (model.q_lora_rank + model.kv_lora_rank)
     if model.attention_output_gate:  # sigmoid of the gate (read, write) and the product (read 2, write 1)
@@ -370,7 +373,7 @@ def module_replay_bytes(
     if "layernorm" in modules:
         total = total + one_norm * ((1.0 if model.is_mla else 0.0) + (1.0 if kind == "moe" else 0.0))
     if "mla_up_proj" in modules and model.is_mla:
-        total = total + 2.0 * tok * rope_width(model) / sh.tp
+        total = total + 2.0 * tok * rope_width(model, sh.tp)
     if kind == "dense" and "mlp" in modules:
         total = total + one_norm + _dense_activation(model, sh)
     if kind == "moe":

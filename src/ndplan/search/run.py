@@ -137,12 +137,12 @@ def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray
 @dataclass(frozen=True)
 class RuntimeLimit:
     """A combination a runtime cannot run: ``holds`` (a mask over a batch, True where it runs,
-    given the schedules the runtime's profile has and whether the model has experts) and
+    given the schedules the runtime's profile has and the model, None where it is not known) and
     ``explain`` (why not, for one strategy). ``runtime``: the runtime it applies to (None: every
     runtime, by its schedules)."""
 
     runtime: str | None
-    holds: Callable[[StrategyBatch, tuple[str, ...], bool], np.ndarray]
+    holds: Callable[[StrategyBatch, tuple[str, ...], ModelSpec | None], np.ndarray]
     explain: Callable[[Strategy, tuple[str, ...], str], str]
 
 
@@ -178,7 +178,7 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     # parallelism are enabled without also enabling sequence parallelism"), expert parallel or not.
     RuntimeLimit(
         "megatron",
-        lambda b, _, experts: ~(((b.ep > 1) | experts) & (b.tp > 1) & (b.sequence_parallel == 0)),
+        lambda b, _, model: ~(((b.ep > 1) | _has_experts(model)) & (b.tp > 1) & (b.sequence_parallel == 0)),
         lambda s, _, runtime: (f"ep={s.ep} with tp={s.tp} needs sequence_parallel: Megatron-Core's "
                                "ModelParallelConfig requires it for training beside expert and tensor "
                                "parallelism" if s.ep > 1 else
@@ -194,18 +194,40 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
         lambda s, _, runtime: (f"{s.cp_kind} context parallelism under Megatron needs seq_length={s.seq_length} "
                                f"divisible by 2·cp = {2 * s.cp} (each rank's tokens in two chunks, as for the ring)"),
     ),
+    # torchtitan's TP plan shards wq/wk/wv column-wise and views each rank's part as whole heads
+    # (Attention.forward's view(bs, seqlen, -1, head_dim)): a rank needs one KV head at least;
+    # Megatron-Core gathers the QKV output instead (strategy.rules, tp_divides_kv_heads).
+    RuntimeLimit(
+        "pytorch",
+        lambda b, _, model: (b.tp <= _kv_heads(model)),
+        lambda s, _, runtime: (f"tp={s.tp} above the model's KV heads: torch's tensor-parallel plans split whole "
+                               "heads, so each rank needs one KV head at least (Megatron-Core gathers the QKV output "
+                               "instead: price it under runtime 'megatron')"),
+    ),
 )
 
 
-def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str, experts: bool = False) -> np.ndarray:
+def _has_experts(model: ModelSpec | None) -> bool:
+    return model is not None and model.is_moe
+
+
+def _kv_heads(model: ModelSpec | None) -> float:
+    """The KV heads a tensor-parallel split cuts (MLA: the query heads); inf without a model."""
+    if model is None:
+        return float("inf")
+    return float(model.num_attention_heads if model.is_mla else model.num_kv_heads)
+
+
+def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str, model: ModelSpec | None = None) -> np.ndarray:
     """Where the runtime can run the strategy (``RUNTIME_LIMITS``): a schedule it has; under
-    PyTorch no selective recompute in a split backward, and 1F1B over a pipeline with at least
-    one micro-batch per stage; under Megatron no expert parallelism, nor on a model with
-    ``experts`` any tensor parallelism, without sequence parallelism."""
+    PyTorch no selective recompute in a split backward, 1F1B over a pipeline with at least one
+    micro-batch per stage, and no more TP ranks than KV heads; under Megatron no expert
+    parallelism, nor on a ``model`` with experts any tensor parallelism, without sequence
+    parallelism."""
     runnable = np.ones(len(batch), bool)
     for limit in RUNTIME_LIMITS:
         if limit.runtime is None or limit.runtime == runtime:
-            runnable &= limit.holds(batch, tuple(schedules), experts)
+            runnable &= limit.holds(batch, tuple(schedules), model)
     return runnable
 
 
@@ -214,14 +236,13 @@ def runtime_refusals(strategy: Strategy, options: MemoryOptions | None = None,
     """Why the runtime of ``options`` cannot run ``strategy`` of ``model`` (what the search
     counts as ``NOT_RUNNABLE``), one reason per limit it breaks; [] where it runs. A schedule
     matters only with a pipeline (pp > 1); without the model, whether it has experts is told
-    by expert parallelism alone."""
+    by expert parallelism alone, and its KV heads limit nothing."""
     options = options or MemoryOptions()
     schedules = tuple(options.profile.schedules)
     batch = StrategyBatch.of(strategy)
-    experts = model is not None and model.is_moe
     return [limit.explain(strategy, schedules, options.runtime) for limit in RUNTIME_LIMITS
             if (limit.runtime is None or limit.runtime == options.runtime)
-            and not (limit.runtime is None and strategy.pp == 1) and not limit.holds(batch, schedules, experts)[0]]
+            and not (limit.runtime is None and strategy.pp == 1) and not limit.holds(batch, schedules, model)[0]]
 
 
 def _zero_has_group(batch: StrategyBatch) -> np.ndarray:
@@ -426,7 +447,7 @@ def run_search(
     # then what the runtime cannot run and (for MoE models) the imbalance routing cannot reach.
     checks: list[Check] = [partial(_holds, rule=rule, context=context) for rule in RULES]
     reasons = [DUPLICATE, *(rule.name for rule in RULES), NOT_RUNNABLE]
-    checks.append(partial(_runnable, schedules=list(profile.schedules), runtime=runtime, experts=model.is_moe))
+    checks.append(partial(_runnable, schedules=list(profile.schedules), runtime=runtime, model=model))
     if 0 in space.zero and (1 in space.zero or 2 in space.zero):  # the ZeRO 0 candidate stands for them
         reasons.append(DUPLICATE)
         checks.append(_zero_has_group)

@@ -122,10 +122,15 @@ RULES: tuple[Rule, ...] = (
         lambda b, c: _divides(b.tp, c.model.num_attention_heads),
         lambda s, c: f"tp={s.tp} does not divide num_attention_heads={c.model.num_attention_heads}",
     ),
+    # Megatron-Core runs tp above the KV heads where they divide it (each rank gathers the QKV
+    # output and keeps one KV head, Attention.get_query_key_value_tensors); torch's TP plans
+    # split whole heads only (search.run.RUNTIME_LIMITS refuses tp > kv heads there).
     Rule(
         "tp_divides_kv_heads",
-        lambda b, c: np.ones(len(b), bool) if c.model.is_mla else _divides(b.tp, c.model.num_kv_heads),
-        lambda s, c: f"tp={s.tp} does not divide num_key_value_heads={c.model.num_kv_heads}",
+        lambda b, c: (np.ones(len(b), bool) if c.model.is_mla
+                      else _divides(b.tp, c.model.num_kv_heads) | _divides(np.full(len(b), c.model.num_kv_heads), b.tp)),
+        lambda s, c: (f"tp={s.tp} neither divides num_key_value_heads={c.model.num_kv_heads} nor is a multiple of it "
+                      "(with more ranks than KV heads, Megatron-Core gives each KV head tp/num_key_value_heads ranks)"),
     ),
     Rule(
         "tp_divides_linear_heads",
