@@ -86,6 +86,8 @@ RULE_CASES = [
     ([*LLAMA, "--dp", "2", "--num-micro-batches", "4", "--pipeline-runs", "2"], "pipeline_runs_need_pipeline",
      "pipeline_runs=2 needs a pipeline (pp > 1); without one a step is 8 micro-batches"),
     ([*LLAMA, "--tp", "3"], "tp_divides_heads", "tp=3 does not divide num_attention_heads=32"),
+    ([*LLAMA, "--offload-layers", "32"], "offload_layers_below_layers",
+     "offload_layers=32: Megatron-Core offloads fewer layers than the model's num_layers=32"),
     (["--model", "MODEL_KV6", "--tp", "4"], "tp_divides_kv_heads",
      "tp=4 neither divides num_key_value_heads=6 nor is a multiple of it"),
     (["--model", "MODEL_FFN24", "--tp", "16"], "tp_divides_ffn", "tp=16 does not divide ffn_hidden_size=24"),
@@ -161,9 +163,10 @@ def test_every_rule_is_reported_with_exit_2(argv, rule, words, model_files, caps
 
 
 def test_rule_cases_cover_every_rule():
-    # offload_runs serves the search's batches: one Strategy refuses the same pairs as it is
-    # built (its message comes out as the CLI's error line; tests/test_offload*.py).
-    assert {r.name for r in RULES} - {"offload_runs"} <= {case[1] for case in RULE_CASES}
+    # offload_runs and offload_layers_run serve batches built from columns: one Strategy refuses
+    # the same settings as it is built (its message comes out as the CLI's error line;
+    # tests/test_offload*.py, tests/test_layer_offload.py).
+    assert {r.name for r in RULES} - {"offload_runs", "offload_layers_run"} <= {case[1] for case in RULE_CASES}
 
 
 def test_check_human_output_lists_violations(capsys):

@@ -277,11 +277,11 @@ def test_megatron_cp_comm_types_are_one_per_layer(tmp_path):
 def test_megatron_unknown_and_unmodelled_flags_are_warnings(tmp_path):
     path = tmp_path / "train.sh"
     path.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py \\\n  --tensor-model-parallel-size 2 \\\n"
-                    "  --micro-batch-size 1 --seq-length 4096 \\\n  --cpu-offloading-num-layers 4 \\\n"
+                    "  --micro-batch-size 1 --seq-length 4096 \\\n  --distribute-saved-activations \\\n"
                     "  --my-custom-flag 3 \\\n  --log-interval 1\n")
     warnings = read_config(path).warnings
-    assert any(w.endswith("train.sh:4: --cpu-offloading-num-layers: activation offloading to the host is not modelled")
-               for w in warnings)
+    assert any(w.endswith("train.sh:4: --distribute-saved-activations: recomputation inputs split over the "
+                          "tensor-parallel group are not modelled") for w in warnings)
     assert any("train.sh:5: --my-custom-flag: unknown to ndplan" in w for w in warnings)
     assert not any("--log-interval" in w for w in warnings)
 

@@ -440,8 +440,6 @@ OVER_THEIR_MEMORY = {
     "llama3-405b-8192gpu", "llama3-405b-16384gpu", "deepseek-v3-h800",  # frameworks without a profile
     "automodel-kimi-k2-256gpu", "automodel-gpt-oss-20b-8gpu", "automodel-gpt-oss-120b-64gpu",  # TE modules, FlexAttention
     "mcore-moe-deepseek-v3-gb200-mxfp8",  # its optimizer states offloaded to host memory between updates
-    # the activations of 20 and 40 layers offloaded to host memory (cpu_offloading_num_layers)
-    "bridge2511-gb300-llama3-70b", "bridge2511-gb200-llama3-70b",
 }
 
 

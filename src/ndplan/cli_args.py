@@ -46,7 +46,7 @@ _FLAG_ONLY = {
 #: validates them, so a plan file's value is checked as it is read).
 _WHOLE_NUMBER_KEYS = {
     "devices", "dp", "tp", "pp", "cp", "ep", "etp", "vpp", "ulysses_degree", "seq_chunks", "zero", "shard_group",
-    "recompute_layers", "mbs", "num_micro_batches", "pipeline_runs", "gbs", "seq",
+    "recompute_layers", "offload_layers", "mbs", "num_micro_batches", "pipeline_runs", "gbs", "seq",
 }
 
 
@@ -136,6 +136,10 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                      help="modules whose saved activations go to host memory, as Megatron-Core's "
                           "--fine-grained-activation-offloading --offload-modules "
                           f"({', '.join(OFFLOAD_MODULES)}; schedules 1f1b/interleaved, not with full recompute)")
+    mem.add_argument("--offload-layers", type=int, metavar="N",
+                     help="the first N decoder layers' saved activations go to host memory each micro-batch, as "
+                          "Megatron-Core's --cpu-offloading-num-layers (runtime megatron; no pipeline, no recompute; "
+                          "default 0)")
     mem.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
                      help="bytes per parameter, gradient and optimizer state (default megatron-bf16: bf16 "
                           "weights, fp32 gradients, fp32 master weights and Adam moments; or what a --from "

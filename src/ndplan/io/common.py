@@ -32,7 +32,7 @@ PLAN_TO_FIELD: dict[str, str] = {
     "seq_chunks": "seq_chunks", "stage_layers": "stage_layers", "zero": "zero", "fsdp": "fsdp",
     "shard_group": "shard_group", "reshard": "reshard_after_forward", "optimizer_offload": "optimizer_offload",
     "recompute": "recompute", "recompute_layers": "recompute_layers", "recompute_modules": "recompute_modules",
-    "offload_modules": "offload_modules", "mbs": "micro_batch_size",
+    "offload_modules": "offload_modules", "offload_layers": "offload_layers", "mbs": "micro_batch_size",
     "num_micro_batches": "num_micro_batches", "pipeline_runs": "pipeline_runs", "gbs": "global_batch_size",
     "seq": "seq_length",
     "precision": "precision", "embedding_as_layer": "embedding_as_layer", "output_as_layer": "output_as_layer",

@@ -35,7 +35,13 @@ from ndplan.io.megatron_model import FlagModel, model_from_flags
 from ndplan.model.spec import MAX_LAYERS, ModelSpec
 from ndplan.placement import uniform_layer_counts
 from ndplan.strategy.precision import PrecisionPolicy
-from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, canonical_offload, offload_conflict
+from ndplan.strategy.strategy import (
+    OFFLOAD_MODULES,
+    RECOMPUTE_MODULES,
+    canonical_offload,
+    layer_offload_conflict,
+    offload_conflict,
+)
 
 FORMAT = "megatron"
 
@@ -134,6 +140,7 @@ def interpret(
     _recompute(args, settings, warnings, notes)
     _refused_recompute_modules(args, settings, model, warnings)
     _offload(args, settings, warnings, notes)
+    _layer_offload(args, settings, warnings, notes)
     settings["precision"] = precision_setting(_precision(args, warnings))
     _batch(args, settings, dp, warnings, notes)
     overlap = _overlap(args, notes, warnings)
@@ -734,6 +741,32 @@ def _offload(args: Args, settings: dict[str, Any], warnings: list[str], notes: l
     if problem:
         raise args.error(given or "--offload-modules", problem)
     settings["offload_modules"] = chosen
+
+
+def _layer_offload(args: Args, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:
+    """Megatron-Core's layer offload: ``--cpu-offloading-num-layers N`` (which sets
+    --cpu-offloading) copies the first N layers' saved activations to the host
+    (``offload_layers``); weights are never offloaded in the releases read."""
+    given = args.get("--cpu-offloading-num-layers")
+    layers = args.integer("--cpu-offloading-num-layers", default=0, minimum=0, maximum=MAX_DEGREE) or 0
+    knobs = [flag for flag in ("--cpu-offloading", "--cpu-offloading-weights", "--cpu-offloading-double-buffering")
+             if args.has(flag)]
+    if not layers:
+        for flag in knobs:
+            notes.append(f"{args.src.where(args.line(flag))}: {flag} without --cpu-offloading-num-layers offloads "
+                         "no layer")
+        return
+    for flag, meaning in (("--cpu-offloading-weights", "weights (Transformer Engine 2.10 ignores it, with a warning)"),
+                          ("--cpu-offloading-double-buffering", "two layers' reload buffers kept on the device "
+                                                                "(Transformer Engine 2.5-2.9)")):
+        if flag in knobs:
+            warnings.append(f"{args.src.where(args.line(flag))}: {flag}: {meaning}: not priced")
+    problem = layer_offload_conflict(layers, settings["pp"], settings["recompute"],
+                                     tuple(settings.get("offload_modules", ())))
+    if problem:
+        assert given is not None
+        raise args.error(given, problem)
+    settings["offload_layers"] = layers
 
 
 def _offload_knobs(args: Args, warnings: list[str] | None) -> list[str]:

@@ -182,6 +182,8 @@ def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[st
                 lost.append(f"selective recompute limited to {s.recompute_layers} layers per stage")
     if s.offload_modules:
         flags += [("--fine-grained-activation-offloading", None), ("--offload-modules", tuple(s.offload_modules))]
+    if s.offload_layers:  # (Megatron sets --cpu-offloading itself from a positive count)
+        flags += [("--cpu-offloading-num-layers", s.offload_layers)]
     precision = _precision(s, lost)
     written = dict(flags)
     if "--fp8-format" in dict(precision) and {"moe_act", "layernorm"} & set(written.get("--recompute-modules", ())):

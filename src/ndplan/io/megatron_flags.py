@@ -123,8 +123,6 @@ NO_EFFECT_PREFIXES: tuple[str, ...] = (
 
 #: Flags that change memory in a way ndplan does not represent, and why.
 UNMODELLED: dict[str, str] = {
-    "--cpu-offloading-num-layers": "activation offloading to the host is not modelled",
-    "--cpu-offloading": "activation offloading to the host is not modelled",
     "--distribute-saved-activations": "recomputation inputs split over the tensor-parallel group are not modelled",
     "--microbatch-group-size-per-virtual-pipeline-stage": (
         "the interleaved schedule's micro-batch group is priced at its default, pp: a larger group g holds "

@@ -605,6 +605,8 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
         lost.append(f"Megatron's recompute modules ({' '.join(s.recompute_modules)})")
     if s.offload_modules:
         lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
+    if s.offload_layers:
+        lost.append(f"layer offload (Megatron-Core only): the first {s.offload_layers} layers' activations")
 
     cfg: dict[str, Any] = {"seq_length": s.seq_length, "use_flash_attention": attention != "eager"}
     p = policy_of(s.precision)

@@ -641,6 +641,8 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
         tables["compile"] = {"enable": True, "components": torch_compile.split("+")}
     if s.offload_modules:
         lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
+    if s.offload_layers:
+        lost.append(f"layer offload (Megatron-Core only): the first {s.offload_layers} layers' activations")
 
     lines = ["# torchtitan job settings written by ndplan" + (f" for {model.name}" if model else "") + f": {s.short()}",
              f"# world size: {s.world_size} (NGPU × nodes)"]

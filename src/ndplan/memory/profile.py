@@ -263,6 +263,9 @@ class RuntimeProfile:
     #: Whether it runs more TP ranks than KV heads (Megatron-Core: each rank all-gathers the QKV
     #: output over TP and keeps one KV head and its tp/KV-heads share of that head's queries).
     tp_above_kv_heads: bool = False
+    #: Whether it offloads whole layers' activations (Megatron-Core's --cpu-offloading-num-layers,
+    #: ``Strategy.offload_layers``; ``memory.layer_offload``).
+    layer_offload: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
     #: The recompute modules its entries name (``recomputed_by``); empty where the runtime has
     #: only its own selective policy.
@@ -351,6 +354,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         selective_policy=_selective_policy(data.get("selective_policy", "megatron"), source),
         schedules=_schedules(data.get("schedules", list(SCHEDULES)), source),
         tp_above_kv_heads=bool(data.get("tp_above_kv_heads", False)),
+        layer_offload=bool(data.get("layer_offload", False)),
         overhead=_overhead(data.get("overhead"), source),
         recompute_modules=tuple(m for m in RECOMPUTE_MODULES
                                 if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),

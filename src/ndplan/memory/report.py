@@ -16,6 +16,7 @@ from ndplan.memory.activations import (
     layer_activations,
 )
 from ndplan.memory.buffers import ring_exchange
+from ndplan.memory.layer_offload import first_layers, held_away
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.result import ACTIVATION_KINDS, STATIC_KINDS, StageMemory
 from ndplan.memory.shape import recomputed_layers
@@ -288,6 +289,11 @@ class MemoryReport:
                 f"after the forward and back before the backward; held there at this peak: "
                 f"{format_bytes(stage.host_activation_bytes)}; two layers' worth stay on the device "
                 f"(the next backward's last layer, one reload ahead), counted in the transient")
+        if s.offload_layers:
+            lines.append(
+                f"    offload of the first {s.offload_layers} layers (--cpu-offloading-num-layers): everything they save "
+                f"goes to pinned host memory each micro-batch ({format_bytes(stage.host_activation_bytes)} at this peak); "
+                f"all but the last of them are off the device at the backward's start, one reloaded at once")
         lines += [
             "comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
             "unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
@@ -458,6 +464,12 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
     if options.census and model is not None and options.compiled_layers(model):
         gaps.append("the census measured eager layers: where it prices them (--census), torch.compile's smaller "
                     "saved set (--compile) is not priced, an upper bound")
+    if strategy.offload_layers:
+        gaps.append("layer offload (--cpu-offloading-num-layers) is priced from Transformer Engine's code, not yet checked "
+                    "against a measured run: every tensor the offloaded layers save moves (Transformer Engine 2.5-2.9 "
+                    "moves only what its modules flag, which leaves a MoE layer's router and permutation tensors on the "
+                    "device), and one offloaded layer more than Transformer Engine 2.10 keeps is held at the peak "
+                    "(docs/memory.md)")
     if strategy.offload_modules:
         gaps.append("activation offload is priced from Megatron-Core's code (what each module saves, two layers kept on "
                     "the device, copies at 0.8 of the host link's rate), not yet checked against a measured run "
@@ -616,6 +628,13 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     per_chunk = tokens * (plain_dense * full["dense"] + plain_moe * full["moe"]
                           + recomputed_dense * kept["dense"] + recomputed_moe * kept["moe"])
     moved = {k: float(acts.offloaded[k][0]) * tokens for k in ("dense", "moe")}
+    # Layer offload (no pipeline: one chunk): its first layers' activations, all of them, move;
+    # all but one of those layers' are off the device at the peak (memory.layer_offload).
+    away_dense, away_moe = (float(v[0]) for v in held_away(model, batch.offload_layers))
+    per_chunk = per_chunk - tokens * np.array([away_dense * full["dense"] + away_moe * full["moe"]]
+                                              + [0.0] * (len(per_chunk) - 1))
+    moved_dense, moved_moe = (float(v[0]) for v in first_layers(model, batch.offload_layers))
+    layers_moved = tokens * (moved_dense * full["dense"] + moved_moe * full["moe"])
     flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
     out = []
     for v in range(placement.num_virtual_stages):
@@ -626,6 +645,6 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
             layer_static_bytes=dense * layer_static("dense") + moe * layer_static("moe"),
             activation_bytes_per_micro_batch=float(per_chunk[v]),
             peak_in_flight=float(flight.peak[stage, chunk]),
-            offloaded_bytes_per_micro_batch=dense * moved["dense"] + moe * moved["moe"],
+            offloaded_bytes_per_micro_batch=dense * moved["dense"] + moe * moved["moe"] + (layers_moved if v == 0 else 0.0),
         ))
     return out

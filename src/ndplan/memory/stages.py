@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ndplan.arrays import gathered, one_value, unique
+from ndplan.errors import NdplanError
 from ndplan.memory.activations import (
     Combinations,
     LayerActivations,
@@ -55,6 +56,7 @@ from ndplan.memory.frontier import inputs_kept_at_end
 from ndplan.memory.fsdp import FsdpPhases, FsdpRequest, fsdp_moments
 from ndplan.memory.grouping import group_alike, shape_groups
 from ndplan.memory.held_peak import activation_kinds, held_peak, pattern_leaders
+from ndplan.memory.layer_offload import held_away
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.overhead import RuntimeOverhead
 from ndplan.memory.result import ACTIVATION_KINDS, CATEGORIES, STATIC_KINDS, StageMemory
@@ -936,6 +938,22 @@ def _held_until_backward(group: _Group, *, breakdown: bool) -> _HeldUntilBackwar
         if limited.size:
             plain_held = np.zeros((len(batch), computed))
             plain_held[rows] = np.where(recompute_on[rows, None], plain, 0.0)
+    offloading = np.flatnonzero(batch.offload_layers > 0)
+    if offloading.size:
+        # Megatron-Core's layer offload (layer_offload): without a pipeline, one chunk; the first
+        # layers' activations are on the host at the peak. (No recompute: every layer plain.)
+        if not profile.layer_offload:
+            raise NdplanError(f"offload_layers is Megatron-Core's --cpu-offloading-num-layers; runtime '{profile.name}' "
+                              "has no such feature (use runtime megatron)")
+        away_dense, away_moe = held_away(model, batch.offload_layers[offloading])
+        full = by_combination.taken.full
+        layers_held[offloading, 0] -= tokens[offloading] * (away_dense * full["dense"][offloading]
+                                                            + away_moe * full["moe"][offloading])
+        if breakdown and layer_counts is not None:  # (every row's counts, plain ones first)
+            plain_dense, plain_moe = (np.array(counts, dtype=float) for counts in layer_counts[:2])
+            plain_dense[offloading, 0] -= away_dense
+            plain_moe[offloading, 0] -= away_moe
+            layer_counts = (plain_dense, plain_moe, *layer_counts[2:])
     # One-column entries [n]: the int64 token ids (and what the embedding keeps) on the first
     # virtual stage; the loss, and the MTP modules (their layer as the strategy keeps it), on the last.
     embedding_held = tokens * by_combination.rows(8.0 + table.embedding)

@@ -60,6 +60,7 @@ import numpy as np
 from ndplan.errors import NdplanError
 from ndplan.memory.activations import layer_activations
 from ndplan.memory.fields import ACTIVATION_FIELDS
+from ndplan.memory.layer_offload import first_layers
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import TpSplit, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, weight_grad_groups
@@ -931,6 +932,28 @@ def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) ->
     return layer_activations(ctx.model, batch, options).offloaded[kind]
 
 
+def layer_offload_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind) -> Array:
+    """Seconds a layer of ``kind`` waits, on average, to copy the activations of Megatron-Core's
+    layer offload (``Strategy.offload_layers``, ``memory.layer_offload``) each way, before
+    subtracting the compute it overlaps: c·N_k/L_k, c one layer's saved bytes over the host link
+    (``Fabric.host_bw``), N_k of the model's L_k layers of that kind among the first N.
+
+    Transformer Engine serialises the copies on a side stream in N windows of about L/N layers:
+    a layer's copy must end before its window's next one starts, so the compute waits
+    max(0, c - (L/N)·f) a window, f a layer's compute in that pass; over the L layers that is
+    L·max(0, (N/L)·c - f), priced as each layer's max(0, (N/L)·c - f) (decoder_layer subtracts
+    f). The backward reloads the same bytes under the backward's compute. The copies' own HBM
+    traffic beside the compute is not priced."""
+    kinds = [k == kind for k in ctx.model.layer_mlp_kinds]
+    moved = first_layers(ctx.model, cols["offload_layers"].astype(np.int64))[1 if kind == "moe" else 0]
+    share = moved / max(sum(kinds), 1)
+    columns = {name: np.asarray(cols[name]).astype(np.int64) for name in ACTIVATION_FIELDS}
+    batch = StrategyBatch.from_columns(columns, ctx.precision)
+    options = MemoryOptions(runtime="megatron", attention="flash" if ctx.eff.flash_attention else "eager")
+    layer_bytes = layer_activations(ctx.model, batch, options).full[kind] * sh.tokens
+    return share * layer_bytes / ctx.fabric.host_bw
+
+
 @dataclass(frozen=True)
 class _LayerCompute:
     """One decoder layer's compute per pass on the base rows, seconds: the GEMMs priced per
@@ -1122,6 +1145,10 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
 
     if ctx.offload_modules:
         link = offloaded_bytes(ctx, cols, kind) * sh.tokens / ctx.fabric.host_bw
+        out.add("F", "offload", np.maximum(link - out.total("F"), 0.0))
+        out.add("B", "offload", np.maximum(link - out.total("B") - out.total("W"), 0.0))
+    if np.any(cols["offload_layers"] > 0):
+        link = layer_offload_seconds(ctx, cols, sh, kind)
         out.add("F", "offload", np.maximum(link - out.total("F"), 0.0))
         out.add("B", "offload", np.maximum(link - out.total("B") - out.total("W"), 0.0))
 

@@ -111,7 +111,7 @@ _GROUP_KEYS = (
 #: schedule splits the backward: ``distinct_layer_configs`` adds it; and the unpaired share of
 #: overlapped expert passes, which ``ep_pairing``'s code stands for).
 _LAYER_FIELDS = ("tp", "cp", "ep", "etp", "micro_batch_size", "seq_length", "cp_kind", "ulysses_degree",
-                 "sequence_parallel", "recompute", "ep_overlap", "ep_pairing")
+                 "sequence_parallel", "recompute", "ep_overlap", "ep_pairing", "offload_layers")
 #: The first of _LAYER_FIELDS, which the DP configurations fix (``distinct_layer_configs``).
 _LAYER_DEGREES = ("tp", "cp", "ep", "etp")
 #: Per schedule code, whether the schedule splits the backward (SPLIT_SCHEDULE_CODES): taken

@@ -112,7 +112,7 @@ def add_search_command(subparsers: Any) -> argparse.ArgumentParser:
 _FILE_CARRIED = ("shard_group", "reshard", "recompute_layers", "ulysses_degree", "optimizer_offload",
                  "embedding_as_layer", "output_as_layer")
 #: A --from file's settings the search cannot carry: dropped from the candidates, each named.
-_FILE_DROPPED = ("stage_layers",)
+_FILE_DROPPED = ("stage_layers", "offload_layers")
 #: Search dimensions a config file read by --from sets (plan-file keys, as the space names them).
 _FILE_FIXABLE = ("tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute")
 

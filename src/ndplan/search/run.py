@@ -194,6 +194,13 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
         lambda s, _, runtime: (f"{s.cp_kind} context parallelism under Megatron needs seq_length={s.seq_length} "
                                f"divisible by 2·cp = {2 * s.cp} (each rank's tokens in two chunks, as for the ring)"),
     ),
+    # Layer offload is Megatron-Core's (--cpu-offloading-num-layers, the megatron profile's layer_offload).
+    RuntimeLimit(
+        "pytorch",
+        lambda b, _, __: b.offload_layers == 0,
+        lambda s, _, runtime: (f"offload_layers={s.offload_layers}: the {runtime} runtime has no layer offload "
+                               "(Megatron-Core's --cpu-offloading-num-layers)"),
+    ),
     # torchtitan's TP plan shards wq/wk/wv column-wise and views each rank's part as whole heads
     # (Attention.forward's view(bs, seqlen, -1, head_dim)): a rank needs one KV head at least;
     # Megatron-Core gathers the QKV output instead (strategy.rules, tp_divides_kv_heads).

@@ -53,6 +53,7 @@ class StrategyBatch:
     optimizer_offload: IntArray
     recompute: IntArray
     recompute_layers: IntArray
+    offload_layers: IntArray
     micro_batch_size: IntArray
     num_micro_batches: IntArray
     pipeline_runs: IntArray

@@ -16,7 +16,13 @@ import numpy as np
 from ndplan.errors import NdplanError
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import CODES, StrategyBatch
-from ndplan.strategy.strategy import MAX_DEGREE, VIRTUAL_SCHEDULES, Strategy, offload_conflict
+from ndplan.strategy.strategy import (
+    MAX_DEGREE,
+    VIRTUAL_SCHEDULES,
+    Strategy,
+    layer_offload_conflict,
+    offload_conflict,
+)
 
 
 @dataclass(frozen=True)
@@ -309,6 +315,18 @@ RULES: tuple[Rule, ...] = (
         "offload_runs",
         lambda b, c: _offload_runs(b),
         lambda s, c: offload_conflict(s.offload_modules, s.recompute, s.recompute_modules, s.schedule),
+    ),
+    # (Strategy refuses these one by one; a batch built from columns is checked here.)
+    Rule(
+        "offload_layers_run",
+        lambda b, c: (b.offload_layers == 0) | ((b.pp == 1) & b.is_("recompute", "none") & (not b.offload_modules)),
+        lambda s, c: layer_offload_conflict(s.offload_layers, s.pp, s.recompute, s.offload_modules),
+    ),
+    Rule(
+        "offload_layers_below_layers",
+        lambda b, c: b.offload_layers < c.model.num_layers,
+        lambda s, c: (f"offload_layers={s.offload_layers}: Megatron-Core offloads fewer layers than the model's "
+                      f"num_layers={c.model.num_layers} (its last layer's activations feed the backward at once)"),
     ),
     Rule(
         "recompute_layers_need_recompute",

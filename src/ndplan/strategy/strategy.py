@@ -60,6 +60,23 @@ def canonical_offload(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(m for m in OFFLOAD_MODULES if m in given)
 
 
+def layer_offload_conflict(layers: int, pp: int, recompute: str, offload_modules: tuple[str, ...]) -> str:
+    """Why Megatron-Core refuses to offload ``layers`` whole layers' activations
+    (TransformerConfig.__post_init__), or ''."""
+    if not layers:
+        return ""
+    if pp > 1:
+        return (f"offload_layers={layers} with pp={pp}: Megatron-Core has no support for pipeline parallelism with "
+                "CPU offloading (--cpu-offloading-num-layers)")
+    if recompute != "none":
+        return (f"offload_layers={layers} with recompute '{recompute}': Megatron-Core's CPU offloading does not work "
+                "when activation recomputation is enabled")
+    if offload_modules:
+        return (f"offload_layers={layers} with offload_modules {' '.join(offload_modules)}: Megatron-Core runs "
+                "fine-grained activation offloading or layer offloading (--cpu-offloading-num-layers), not both")
+    return ""
+
+
 def offload_conflict(offload: tuple[str, ...], recompute: str, recompute_modules: tuple[str, ...], schedule: str) -> str:
     """Why Megatron-Core would not run (or would silently not do) this activation offload, or ''."""
     if not offload:
@@ -101,6 +118,9 @@ class Strategy(BaseModel):
     (Megatron: the attention core; torchtitan: its per-op policy). ``offload_modules`` names the
     modules whose saved activations Megatron-Core copies to host memory in the forward and reloads
     for the backward (``--fine-grained-activation-offloading --offload-modules``, ``OFFLOAD_MODULES``).
+    ``offload_layers`` copies every saved activation of that many decoder layers, the first ones,
+    instead (``--cpu-offloading-num-layers``; Megatron-Core runs it without a pipeline, without
+    recompute and without fine-grained offload).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -135,6 +155,10 @@ class Strategy(BaseModel):
         default=(), description="modules selective recompute re-runs (Megatron-Core); empty: the runtime's policy")
     offload_modules: tuple[OffloadModule, ...] = Field(
         default=(), description="modules whose saved activations go to host memory (Megatron-Core's --offload-modules)")
+    offload_layers: int = Field(
+        default=0, ge=0, le=MAX_DEGREE,
+        description="first decoder layers whose saved activations go to host memory (Megatron-Core's "
+                    "--cpu-offloading-num-layers); 0: none")
 
     micro_batch_size: int = Field(default=1, ge=1, le=MAX_SEQUENCES)
     num_micro_batches: int = Field(default=1, ge=1, le=MAX_SEQUENCES, description="micro-batches per pipeline run")
@@ -208,6 +232,9 @@ class Strategy(BaseModel):
         problem = offload_conflict(self.offload_modules, self.recompute, self.recompute_modules, self.schedule)
         if problem:
             raise ValueError(problem)
+        problem = layer_offload_conflict(self.offload_layers, self.pp, self.recompute, self.offload_modules)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def with_recompute(self, recompute: str, recompute_layers: int = 0, modules: tuple[str, ...] | None = None) -> Strategy:
@@ -260,4 +287,6 @@ class Strategy(BaseModel):
                          + (f":{self.recompute_layers}" if self.recompute_layers else ""))
         if self.offload_modules:
             parts.append(f"offload({'+'.join(self.offload_modules)})")
+        if self.offload_layers:
+            parts.append(f"offload-layers{self.offload_layers}")
         return " ".join(parts)
