@@ -114,3 +114,48 @@ def test_megatron_launches_carry_it_and_other_formats_say_they_lose_it(tmp_path)
         read_config(path, model="llama-3.1-8b", devices=8)
     assert "left out: layer offload (Megatron-Core only): the first 8 layers' activations" in emit(
         LLAMA, _strategy(8, dp=8), "torchtitan")
+
+
+SEARCH_MOE = LLAMA.model_copy(update={
+    "name": "tiny-moe-8", "num_layers": 8, "hidden_size": 256, "ffn_hidden_size": 512, "num_attention_heads": 8,
+    "num_kv_heads": 4, "head_dim": 32, "vocab_size": 1024, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_ffn_hidden_size": 128, "layer_mlp_kinds": ("dense",) + ("moe",) * 7})
+
+
+def test_search_over_offloaded_layers_equals_brute_force():
+    """The opt-in dimension offload_layers (0, and 1/8 to 6/8 of the layers): the ranked list
+    equals a loop over the space with the single-strategy API; candidates with a pipeline or
+    recompute beside it fail rule offload_layers_run (the Strategy refuses them as it is built)."""
+    from ndplan.perf import step_time_batch
+    from ndplan.search import default_space, run_search
+    from ndplan.search.space import offload_layer_counts
+    from ndplan.strategy import check_strategy, get_precision
+
+    assert offload_layer_counts(SEARCH_MOE) == (0, 1, 2, 3, 4, 5, 6)
+    assert offload_layer_counts(LLAMA) == (0, 4, 8, 12, 16, 20, 24)
+    device = get_device("h100-sxm")
+    space = default_space(SEARCH_MOE, device, 8, 16, 1024, get_precision("megatron-bf16"),
+                          dims=("ep", "pp", "recompute", "offload_layers"))
+    step_time = lambda m, b, c: step_time_batch(m, b, c, weight_grad_rebuilds=False)  # noqa: E731 (megatron runtime)
+    limit = 2 * 2**30
+    result = run_search(SEARCH_MOE, device, space, step_time, memory_limit_bytes=limit, options=MEGATRON,
+                        top=10**9, block_size=97)
+    assert result.rejected["offload_layers_run"] > 0
+    cluster = Cluster(device=device, num_devices=8)
+    duplicates = space.duplicates(np.arange(space.size))
+    expected = []
+    for candidate in range(space.size):
+        try:
+            strategy = space.strategy(candidate)
+        except ValidationError:  # what Strategy itself refuses
+            continue
+        if duplicates[candidate] or check_strategy(strategy, SEARCH_MOE, 8):
+            continue
+        peak = estimate(SEARCH_MOE, strategy, device, MEGATRON, num_devices=8).peak_bytes
+        if peak <= limit:
+            expected.append((float(step_time(SEARCH_MOE, StrategyBatch.of(strategy), cluster)["step_s"][0]), peak, candidate))
+    expected.sort()
+    assert expected and [row["candidate"] for row in result.ranked] == [c for _, _, c in expected]
+    offloaded = [row for row in result.ranked if row["offload_layers"]]
+    assert {row["offload_layers"] for row in offloaded} == {1, 2, 3, 4, 5, 6}
+    assert all(row["pp"] == 1 and row["recompute"] == "none" for row in offloaded)

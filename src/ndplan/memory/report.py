@@ -468,8 +468,9 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
         gaps.append("layer offload (--cpu-offloading-num-layers) is priced from Transformer Engine's code, not yet checked "
                     "against a measured run: every tensor the offloaded layers save moves (Transformer Engine 2.5-2.9 "
                     "moves only what its modules flag, which leaves a MoE layer's router and permutation tensors on the "
-                    "device), and one offloaded layer more than Transformer Engine 2.10 keeps is held at the peak "
-                    "(docs/memory.md)")
+                    "device), and one offloaded layer more than Transformer Engine 2.10 keeps is held at the peak; "
+                    "the copies' HBM traffic is not priced in time, nor is the host's pinned memory they fill "
+                    "checked against the host's capacity (docs/memory.md)")
     if strategy.offload_modules:
         gaps.append("activation offload is priced from Megatron-Core's code (what each module saves, two layers kept on "
                     "the device, copies at 0.8 of the host link's rate), not yet checked against a measured run "

@@ -112,9 +112,10 @@ def add_search_command(subparsers: Any) -> argparse.ArgumentParser:
 _FILE_CARRIED = ("shard_group", "reshard", "recompute_layers", "ulysses_degree", "optimizer_offload",
                  "embedding_as_layer", "output_as_layer")
 #: A --from file's settings the search cannot carry: dropped from the candidates, each named.
-_FILE_DROPPED = ("stage_layers", "offload_layers")
+_FILE_DROPPED = ("stage_layers",)
 #: Search dimensions a config file read by --from sets (plan-file keys, as the space names them).
-_FILE_FIXABLE = ("tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute")
+_FILE_FIXABLE = ("tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute",
+                 "offload_layers")
 
 
 def _carried_note(name: str, value: Any) -> str:
@@ -221,6 +222,10 @@ def _asked(args: argparse.Namespace) -> _SearchAsked:
               and file_settings[name] != getattr(Strategy(), PLAN_TO_FIELD[name])}
     carried = {PLAN_TO_FIELD[name]: value for name, value in stated.items() if name in _FILE_CARRIED}
     dropped = [f"{name} {value!r}" for name, value in stated.items() if name in _FILE_DROPPED]
+    # The file's layer offload, where neither searched nor fixed (it is an opt-in dimension).
+    offloaded = file_settings.get("offload_layers", 0)
+    if offloaded and "offload_layers" not in fixed and "offload_layers" not in (args.dims or ()):
+        dropped.append(f"offload_layers {offloaded!r} (--dims ... offload_layers searches it)")
     offload_sets = _searched_sets(args, read, model, "offload")
     # Priced as the framework builds the model: torchtitan's model classes have no MTP module.
     no_mtp = args.emit == "torchtitan" and model.mtp_depth > 0
@@ -666,7 +671,7 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
 #: so that a script reading the file finds the columns and no rows, not an empty file.
 _CSV_COLUMNS = (
     "candidate", "label", "dp", "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "vpp", "schedule", "seq_chunks",
-    "zero", "fsdp", "recompute", "recompute_modules", "offload_modules", "mbs", "num_micro_batches",
+    "zero", "fsdp", "recompute", "recompute_modules", "offload_modules", "offload_layers", "mbs", "num_micro_batches",
     "pipeline_runs", "peak_bytes", "peak_stage", "step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
     "model_flops", "hardware_flops", "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s",
     "optimizer_s", "caveats", "headroom",

@@ -92,7 +92,7 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "vpp": strategy.vpp, "schedule": strategy.schedule, "seq_chunks": strategy.seq_chunks,
         "zero": strategy.zero, "fsdp": strategy.fsdp, "recompute": strategy.recompute,
         "recompute_modules": "+".join(strategy.recompute_modules),
-        "offload_modules": "+".join(strategy.offload_modules),
+        "offload_modules": "+".join(strategy.offload_modules), "offload_layers": strategy.offload_layers,
         "mbs": strategy.micro_batch_size, "num_micro_batches": strategy.num_micro_batches,
         "pipeline_runs": strategy.pipeline_runs,
         "peak_bytes": round(peak), "peak_stage": int(stage),

@@ -41,10 +41,10 @@ from ndplan.strategy.strategy import (
 #: memory, are searched only where asked for (see ``default_space``).
 DIMENSIONS: tuple[str, ...] = (
     "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute", "pipeline_runs",
-    "recompute_modules", "offload_modules",
+    "offload_layers", "recompute_modules", "offload_modules",
 )
 #: Dimensions searched only where ``dims`` names them.
-OPT_IN_DIMENSIONS: tuple[str, ...] = ("pipeline_runs", "recompute_modules", "offload_modules")
+OPT_IN_DIMENSIONS: tuple[str, ...] = ("pipeline_runs", "offload_layers", "recompute_modules", "offload_modules")
 #: Dimensions whose values are module sets, one per batch (``StrategyBatch.recompute_modules``,
 #: ``StrategyBatch.offload_modules``).
 SET_DIMENSIONS: tuple[str, ...] = ("recompute_modules", "offload_modules")
@@ -103,6 +103,7 @@ FIELD_DIMENSIONS: dict[str, tuple[str, ...]] = {
     "seq_chunks": ("schedule",), "zero": ("zero",), "fsdp": ("zero",), "reshard_after_forward": ("zero", "pp"),
     "micro_batch_size": ("mbs",), "recompute": ("recompute",), "pipeline_runs": ("pipeline_runs",),
     "dp": ("tp", "pp", "cp"), "num_micro_batches": ("tp", "pp", "cp", "mbs", "pipeline_runs"),
+    "offload_layers": ("offload_layers",),
     # The settings a space carries (``SearchSpace.carried``) apply where the candidate's values give them a meaning.
     "shard_group": ("zero",), "recompute_layers": ("recompute",), "ulysses_degree": ("cp_kind",),
 }
@@ -161,6 +162,10 @@ class SearchSpace:
     seq_length: int
     precision: PrecisionPolicy
     fixed: dict[str, int | str] = field(default_factory=dict)
+    #: Decoder layers whose activations go to host memory (``Strategy.offload_layers``, Megatron-Core's
+    #: --cpu-offloading-num-layers); 0 none. Candidates Megatron would not run with theirs (a
+    #: pipeline, recompute) fail rule ``offload_layers_run``.
+    offload_layers: tuple[int, ...] = (0,)
     #: What selective recompute re-runs (``Strategy.recompute_modules``; () is the runtime's own
     #: policy): one set, or several to search. A candidate that does not recompute selectively
     #: re-runs nothing, so it is listed under the first set alone (``duplicates``).
@@ -505,12 +510,15 @@ def default_space(
         # torchtitan and NeMo AutoModel accumulate gradients over runs of the schedule: fewer
         # micro-batches in flight and fewer receive buffers, a bubble per run.
         "pipeline_runs": tuple(d for d in (1, 2, 4, 8) if global_batch_size % d == 0),
+        # Megatron-Core's layer offload: none, or an eighth of the layers up to three quarters.
+        "offload_layers": offload_layer_counts(model),
         "recompute_modules": given if len(given) > 1 else _distinct((*given, *module_sets(model, "common"))),
         "offload_modules": offloads if len(offloads) > 1 else _distinct((*offloads, *offload_sets(model))),
     }
     defaults: dict[str, tuple] = {
         "tp": (1,), "sp": (0,), "cp": (1,), "cp_kind": ("ring",), "ep": (1,), "etp": (0,), "pp": (1,),
         "schedule": (("1f1b", 1, 1),), "zero": (1,), "mbs": (1,), "recompute": ("none",), "pipeline_runs": (1,),
+        "offload_layers": (0,),
         "recompute_modules": given,
         "offload_modules": offloads,
     }
@@ -599,6 +607,13 @@ def runtime_reshard_under_pipeline(options: MemoryOptions) -> bool:
     return not options.profile.pipeline_defers_fsdp_reduce
 
 
+def offload_layer_counts(model: ModelSpec) -> tuple[int, ...]:
+    """The layer-offload counts a search tries: 0, and 1/8 to 6/8 of the model's layers (each
+    at least 1, below the layers, without repeats)."""
+    layers = model.num_layers
+    return tuple(dict.fromkeys([0, *(max(layers * k // 8, 1) for k in range(1, 7) if max(layers * k // 8, 1) < layers)]))
+
+
 def _switch(name: str, value: int | str) -> int:
     """A --fix on/off value as 1 or 0, or an error naming the spellings."""
     text = str(value).strip().lower()
@@ -612,7 +627,7 @@ def _fixed_degree(name: str, value: int | str) -> int:
     pipeline_runs 1–2^30, as Strategy's fields; other degrees 1–2^20, ``MAX_DEGREE``: a degree
     above the devices never holds, and past int64 it overflowed)."""
     low, high = {"zero": (0, 3), "etp": (0, MAX_DEGREE), "mbs": (1, MAX_SEQUENCES),
-                 "pipeline_runs": (1, MAX_SEQUENCES)}.get(name, (1, MAX_DEGREE))
+                 "pipeline_runs": (1, MAX_SEQUENCES), "offload_layers": (0, MAX_DEGREE)}.get(name, (1, MAX_DEGREE))
     try:
         number = int(str(value).strip())
     except ValueError:
