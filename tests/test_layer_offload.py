@@ -159,3 +159,10 @@ def test_search_over_offloaded_layers_equals_brute_force():
     offloaded = [row for row in result.ranked if row["offload_layers"]]
     assert {row["offload_layers"] for row in offloaded} == {1, 2, 3, 4, 5, 6}
     assert all(row["pp"] == 1 and row["recompute"] == "none" for row in offloaded)
+
+
+def test_the_balancer_has_nothing_to_balance_under_layer_offload():
+    from ndplan.balance import balance
+
+    with pytest.raises(NdplanError, match="offload_layers=8: the balancer plans layers per stage and recompute"):
+        balance(LLAMA, _strategy(8, dp=8), "h100-sxm", "60GiB", options=MEGATRON)

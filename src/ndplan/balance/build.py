@@ -626,6 +626,10 @@ def balance(
     check_options(options)
     check_moe_imbalance(model, strategy, options or MemoryOptions())
     check_kv_heads(model, strategy, options or MemoryOptions())
+    if strategy.offload_layers:
+        raise NdplanError(f"offload_layers={strategy.offload_layers}: the balancer plans layers per stage and recompute, "
+                          "and Megatron-Core's layer offload runs with neither a pipeline nor recompute: price it "
+                          "with `ndplan estimate`, or search offload counts with `ndplan search --dims ... offload_layers`")
     own = strategy.recompute_modules
     policies: list[tuple[str, ...] | None] = [None, *dict.fromkeys(
         p for p in (Strategy(recompute="selective", recompute_modules=p).recompute_modules for p in selective_policies)
