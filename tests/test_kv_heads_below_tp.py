@@ -108,3 +108,10 @@ def test_the_torchtitan_writer_says_it_cannot_run_it():
     text = emit(TWO_KV, Strategy(tp=4, sequence_parallel=True), "torchtitan")
     assert "tp=4 above the model's 2 KV heads (torchtitan's TP plan splits whole heads" in text
     assert "KV heads" not in emit(FOUR_KV, Strategy(tp=4, sequence_parallel=True), "torchtitan")
+
+
+def test_the_mindformers_writer_says_it_cannot_run_it():
+    from ndplan.io import emit
+
+    text = emit(TWO_KV, Strategy(tp=4, sequence_parallel=True), "mindformers")
+    assert "tp=4 above the model's 2 KV heads (MindFormers' attention needs n_kv_head a multiple of" in text

@@ -607,6 +607,9 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
         lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
     if s.offload_layers:
         lost.append(f"layer offload (Megatron-Core only): the first {s.offload_layers} layers' activations")
+    if model is not None and not model.is_mla and s.tp > model.num_kv_heads:
+        lost.append(f"tp={s.tp} above the model's {model.num_kv_heads} KV heads (MindFormers' attention needs "
+                    "n_kv_head a multiple of model_parallel; Megatron-Core runs it)")
 
     cfg: dict[str, Any] = {"seq_length": s.seq_length, "use_flash_attention": attention != "eager"}
     p = policy_of(s.precision)
