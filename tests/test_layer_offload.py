@@ -129,7 +129,8 @@ def test_search_over_offloaded_layers_equals_brute_force():
     from ndplan.perf import step_time_batch
     from ndplan.search import default_space, run_search
     from ndplan.search.space import offload_layer_counts
-    from ndplan.strategy import check_strategy, get_precision
+    from ndplan.strategy import get_precision
+    from search_brute import brute_force_ranking
 
     assert offload_layer_counts(SEARCH_MOE) == (0, 1, 2, 3, 4, 5, 6)
     assert offload_layer_counts(LLAMA) == (0, 4, 8, 12, 16, 20, 24)
@@ -141,21 +142,8 @@ def test_search_over_offloaded_layers_equals_brute_force():
     result = run_search(SEARCH_MOE, device, space, step_time, memory_limit_bytes=limit, options=MEGATRON,
                         top=10**9, block_size=97)
     assert result.rejected["offload_layers_run"] > 0
-    cluster = Cluster(device=device, num_devices=8)
-    duplicates = space.duplicates(np.arange(space.size))
-    expected = []
-    for candidate in range(space.size):
-        try:
-            strategy = space.strategy(candidate)
-        except ValidationError:  # what Strategy itself refuses
-            continue
-        if duplicates[candidate] or check_strategy(strategy, SEARCH_MOE, 8):
-            continue
-        peak = estimate(SEARCH_MOE, strategy, device, MEGATRON, num_devices=8).peak_bytes
-        if peak <= limit:
-            expected.append((float(step_time(SEARCH_MOE, StrategyBatch.of(strategy), cluster)["step_s"][0]), peak, candidate))
-    expected.sort()
-    assert expected and [row["candidate"] for row in result.ranked] == [c for _, _, c in expected]
+    expected = brute_force_ranking(SEARCH_MOE, device, space, step_time, limit, MEGATRON)
+    assert expected and [row["candidate"] for row in result.ranked] == expected
     offloaded = [row for row in result.ranked if row["offload_layers"]]
     assert {row["offload_layers"] for row in offloaded} == {1, 2, 3, 4, 5, 6}
     assert all(row["pp"] == 1 and row["recompute"] == "none" for row in offloaded)

@@ -172,7 +172,8 @@ def test_search_over_offload_sets_equals_brute_force():
     rejected by rule ``offload_runs``."""
     from ndplan.perf import step_time_batch
     from ndplan.search import default_space, run_search
-    from ndplan.strategy import check_strategy, get_precision
+    from ndplan.strategy import get_precision
+    from search_brute import brute_force_ranking
 
     device = get_device("h100-sxm")
     options = MemoryOptions(runtime="megatron")
@@ -186,25 +187,13 @@ def test_search_over_offload_sets_equals_brute_force():
     result = run_search(SEARCH_MOE, device, space, step_time, memory_limit_bytes=limit, options=options, top=10**9,
                         block_size=97)
     assert result.rejected["offload_runs"] > 0
-    cluster = Cluster(device=device, num_devices=8)
-    duplicates = space.duplicates(np.arange(space.size))
-    expected = []
-    for candidate in range(space.size):
-        try:
-            strategy = space.strategy(candidate)
-        except ValidationError:  # the pairs Strategy itself refuses
-            continue
-        if duplicates[candidate] or check_strategy(strategy, SEARCH_MOE, 8):
-            continue
-        if strategy.schedule not in options.profile.schedules:  # Megatron runs 1F1B, interleaved, DualPipeV
-            continue
-        if strategy.recompute == "selective":  # the digit arithmetic under the offload digit
+
+    def selective_modules(candidate: int, strategy: Strategy) -> None:  # the digit arithmetic under the offload digit
+        if strategy.recompute == "selective":
             assert space.selective_modules(candidate) == strategy.recompute_modules
-        peak = estimate(SEARCH_MOE, strategy, device, options, num_devices=8).peak_bytes
-        if peak <= limit:
-            expected.append((float(step_time(SEARCH_MOE, StrategyBatch.of(strategy), cluster)["step_s"][0]), peak, candidate))
-    expected.sort()
-    assert expected and [row["candidate"] for row in result.ranked] == [c for _, _, c in expected]
+
+    expected = brute_force_ranking(SEARCH_MOE, device, space, step_time, limit, options, selective_modules)
+    assert expected and [row["candidate"] for row in result.ranked] == expected
     assert {row["offload_modules"] for row in result.ranked} == {"", "core_attn+expert_fc1", "expert_fc1+moe_act"}
     assert "full" not in {row["recompute"] for row in result.ranked if row["offload_modules"]}
     assert {row["schedule"] for row in result.ranked if row["offload_modules"]} <= {"1f1b", "interleaved"}
