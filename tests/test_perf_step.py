@@ -238,6 +238,27 @@ def test_expert_overlap_leaves_warm_up_and_cool_down_exposed():
     assert hidden[0] == pytest.approx(hidden[1] * (17 / 64) / (209 / 256), rel=1e-9)
 
 
+def test_a_paired_layer_exposes_what_each_phase_of_megatrons_combined_1f1b_leaves():
+    """Megatron-Core's combined 1F1B runs a forward layer beside another micro-batch's backward
+    in three phases (TransformerLayerSchedulePlan.run): combine_B beside attention_F; dispatch_F
+    then dispatch_B beside experts_B, experts_W, experts_F (experts_F waits for dispatch_F,
+    dispatch_B for experts_B); combine_F beside attention_B. By hand, seconds: dispatch_F 3,
+    combine_F 2, dispatch_B 2, combine_B 2; attention F 1, B 4; experts F 2, B 3, W 1."""
+    from ndplan.perf.layer import paired_exposure
+
+    comm, attention, experts = (3.0, 2.0, 2.0, 2.0), (1.0, 4.0), (2.0, 3.0, 1.0)
+    # Phase 1 waits 2 - 1 = 1 for combine_B (the backward's); phase 2 ends at max(max(4, 3) + 2,
+    # max(3, 3) + 2) = 6 = its compute; phase 3 hides combine_F under attention_B.
+    assert paired_exposure(comm, attention, experts) == pytest.approx((0.0, 1.0))
+    # A dispatch_F of 5 holds experts_F back: phase 2 ends at max(5 + 2, 5 + 2) = 7, one second
+    # over its compute, split 5 : 2 by the dispatches. (Counting all of a pass's all-to-alls
+    # against all of its compute, the forward's 5 + 2 against 1 + 2, exposed 4.)
+    assert paired_exposure((5.0, 2.0, 2.0, 2.0), attention, experts) == pytest.approx((5 / 7, 1.0 + 2 / 7))
+    # Where a hidden all-to-all's kernels hold 10% of the SMs, the compute beside it slows by
+    # that share of what it hides: phase 1 1 + 0.1·1, phase 2 0.1·min(5, 6), phase 3 0.1·2.
+    assert paired_exposure(comm, attention, experts, 0.1) == pytest.approx((0.2 + 0.5 * 3 / 5, 1.1 + 0.5 * 2 / 5))
+
+
 def test_hidden_all_to_all_still_holds_its_sms():
     """A hidden expert all-to-all slows the compute it hides under by the SM share its kernels
     hold (20 of the H100's 132): where the all-to-all hides whole, exposed EP time is that share

@@ -1098,8 +1098,9 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         cp_b = _exposed(ring_b, attn_b, hide_ring) + a2a
 
     if kind == "moe":
+        experts, _ = _pass_gemm_seconds(ctx, [g for g in gemms if g.expert])
         forward, backward, paired_exposed_f, paired_exposed_b, paired_hidden_f, paired_hidden_b = _ep_exchange(
-            ctx, bc, bsh, compute_f, compute_b, compute_w, up)
+            ctx, bc, bsh, (compute_f, compute_b, compute_w), {p: shardings.spread(v) for p, v in experts.items()}, up)
 
     # Selective recompute's replay (below) reads the sharding part alone too.
     replays_dispatch = False
@@ -1226,15 +1227,65 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     return out, rc
 
 
-def _ep_exchange(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, compute_f: Array | float,
-                 compute_b: Array | float, compute_w: Array | float, up: Callable[[Array | float], Array | float]
-                 ) -> tuple[Array | float, ...]:
+def paired_exposure(comm: tuple[Array | float, ...], attention: tuple[Array | float, Array | float],
+                    experts: tuple[Array | float, Array | float, Array | float], share: Array | float = 0.0
+                    ) -> tuple[Array | float, Array | float]:
+    """(forward's, backward's) exposed seconds of a forward layer paired with another micro-batch's
+    backward layer in Megatron-Core's combined 1F1B (``_ep_exchange``): ``comm`` the all-to-alls
+    (dispatch_F, combine_F, dispatch_B, combine_B), ``attention`` the (F, B) compute but the
+    experts', ``experts`` their (F, B, W) GEMMs; ``share`` of the compute a hidden all-to-all
+    slows. The pair takes
+
+        max(combine_B, attention_F) + phase 2 + max(combine_F, attention_B) (+ the share terms),
+        phase 2 = max(max(experts_B + experts_W, dispatch_F) + experts_F, max(dispatch_F, experts_B) + dispatch_B),
+
+    whose excess over the compute is phase 1's for the backward, phase 3's for the forward and
+    phase 2's split by the dispatches' seconds."""
+    dispatch_f, combine_f, dispatch_b, combine_b = comm
+    attention_f, attention_b = attention
+    experts_f, experts_b, experts_w = experts
+
+    def excess(comm_s: Array | float, comp_s: Array | float) -> Array | float:
+        return np.maximum(comm_s - comp_s, 0.0) + share * np.minimum(comm_s, comp_s)
+
+    # Phase 2: experts_F starts when both dispatch_F and experts_B + W are done; dispatch_B
+    # when both dispatch_F and experts_B are.
+    compute = experts_b + experts_w + experts_f
+    comp_end = np.maximum(experts_b + experts_w, dispatch_f) + experts_f
+    comm_end = np.maximum(dispatch_f, experts_b) + dispatch_b
+    middle = np.maximum(comp_end, comm_end) - compute + share * np.minimum(dispatch_f + dispatch_b, compute)
+    sent = dispatch_f + dispatch_b
+    to_forward = np.divide(dispatch_f, sent, out=np.zeros(np.shape(sent)), where=np.asarray(sent) > 0)
+    return (excess(combine_f, attention_b) + to_forward * middle,
+            excess(combine_b, attention_f) + (1.0 - to_forward) * middle)
+
+
+def _ep_exchange(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding,
+                 compute: tuple[Array | float, Array | float, Array | float], experts: dict[str, Array | float],
+                 up: Callable[[Array | float], Array | float]) -> tuple[Array | float, ...]:
     """A MoE layer's expert dispatch and combine, seconds per row (spread by ``up`` from the base
     rows ``bc``): (forward, backward, what a pass paired with another micro-batch's exposes in
-    its forward and backward, and what it hides there under the layer's compute)."""
+    its forward and backward, and what it hides there under the layer's compute). ``compute``:
+    the layer's (F, B, W) compute; ``experts``: the routed experts' GEMMs' part of it per pass.
+
+    A paired pass runs as Megatron-Core's combined 1F1B runs a forward layer beside another
+    micro-batch's backward layer (TransformerLayerSchedulePlan.run), three phases, each until
+    both streams are done, the communication stream beside the compute stream:
+
+        comm:  combine_B      | dispatch_F -> dispatch_B      | combine_F
+        comp:  attention_F    | experts_B -> experts_W -> experts_F | attention_B     (attention_W after)
+
+    with the data dependencies of phase 2 (experts_F waits for dispatch_F, dispatch_B for
+    experts_B). "Attention" is the layer's compute but the experts' GEMMs (norms, router,
+    permutation, shared experts with it). The pair's time less its compute is what it exposes:
+    phase 1's to the backward, phase 3's to the forward, phase 2's split by their bytes. Where
+    the compute runs beside a hidden all-to-all it is slowed by ``ep_comm_compute_share``.
+    DualPipe's forward-backward chunks (the DeepSeek-V3 report's figure 4) pair the same
+    components."""
     model, eff = ctx.model, ctx.eff
     beta = ctx.precision.activation_bytes
     t = bc["tp"]
+    compute_f, compute_b, compute_w = compute
     # Dispatch sends the routed copies in the activation dtype (Megatron-Core quantises
     # inside the expert GEMM) or, with ep_dispatch_fp8, at fp8 GEMM operand width; combine
     # returns them in activation width; the backward moves gradients both ways.
@@ -1242,6 +1293,8 @@ def _ep_exchange(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, compute
     if eff.moe_dispatcher == "allgather":
         # every token of the group moves whatever the routing: no busiest-rank factor
         forward, backward = allgather_dispatch_seconds(ctx, bc, bsh)
+        dispatch_f = combine_f = 0.5 * forward
+        dispatch_b = combine_b = 0.5 * backward
     else:
         copies = bsh.tokens * model.num_experts_per_tok / t * model.hidden_size
         dispatch_bytes = ep_dispatch_bytes(ctx)
@@ -1249,14 +1302,17 @@ def _ep_exchange(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, compute
         # dispatch where it sends at activation width too)
         combine = _ep_all_to_all_s(ctx, bc, copies * beta)
         dispatch = combine if dispatch_bytes == beta else _ep_all_to_all_s(ctx, bc, copies * dispatch_bytes)
-        forward = dispatch + combine
-        backward = 2.0 * combine
         # the busiest rank's routed copies: moe_imbalance, or the capacity factor of padded buffers
         factor = eff.routed_token_factor
-        forward, backward = forward * factor, backward * factor
-    # Overlapped: what a paired pass exposes, and what it hides (holding the links FSDP uses).
-    paired_exposed_f = up(_exposed(forward, compute_f, True, share))
-    paired_exposed_b = up(_exposed(backward, compute_b + compute_w, True, share))
+        dispatch_f, combine_f = dispatch * factor, combine * factor
+        dispatch_b = combine_b = combine * factor
+        forward, backward = dispatch_f + combine_f, dispatch_b + combine_b
+    exposed_f, exposed_b = paired_exposure(
+        (dispatch_f, combine_f, dispatch_b, combine_b),
+        (np.maximum(compute_f - experts["F"], 0.0), np.maximum(compute_b - experts["B"], 0.0)),
+        (experts["F"], experts["B"], experts["W"]), share)
+    paired_exposed_f, paired_exposed_b = up(exposed_f), up(exposed_b)
+    # Overlapped: what a paired pass hides (holding the links FSDP uses).
     paired_hidden_f = up(np.minimum(forward, compute_f))
     paired_hidden_b = up(np.minimum(backward, compute_b + compute_w))
     forward, backward = up(forward), up(backward)
