@@ -115,3 +115,15 @@ def test_the_mindformers_writer_says_it_cannot_run_it():
 
     text = emit(TWO_KV, Strategy(tp=4, sequence_parallel=True), "mindformers")
     assert "tp=4 above the model's 2 KV heads (MindFormers' attention needs n_kv_head a multiple of" in text
+
+
+def test_the_ring_sends_one_whole_kv_head_a_rank():
+    """Transformer Engine's ring holds the K,V block in flight and the one computed on: 2·(k + v)
+    a token, over min(tp, KV heads) where a rank holds one whole KV head: Llama's 8 KV heads at
+    tp 16 and cp 2 hold 2·2·128·2 B a token, as at tp 8, not half of it."""
+    from ndplan.memory.buffers import _cp_buffers
+
+    batch = StrategyBatch.of([Strategy(tp=tp, cp=2, sequence_parallel=True, seq_length=SEQ, precision="megatron-bf16")
+                              for tp in (8, 16)])
+    tokens = np.full(2, SEQ / 2)
+    assert _cp_buffers(LLAMA, batch, tokens, False).tolist() == pytest.approx([2 * 2 * 128 * 2 * SEQ / 2] * 2)

@@ -128,7 +128,7 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
     activation bytes β / tp; 0 without context parallelism.
 
     * Transformer Engine's ring ('p2p'): the K,V block in flight and the one computed on,
-      2 · (K + V) widths.
+      2 · (K + V) widths (/ KV heads, not tp, where tp exceeds them: a rank holds one head).
     * Ulysses (``ulysses``: bool, or per strategy): 2 · (Q + K + V + O).
     * torch's ring (``exchange`` 'allgather', torch/distributed/tensor/experimental/_attention.py):
       its backward, the larger pass, holds the keys and values all-gathered from the ring's n
@@ -144,6 +144,12 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
                          2 * (widths["k"] + widths["v"]))
     exchange_bytes = per_token * tokens  # (in place below, as in _exchange_buffers)
     exchange_bytes *= beta
+    # With more TP ranks than KV heads a rank holds one KV head whole (Megatron-Core), so the
+    # ring's K,V blocks divide by the KV heads, not tp (Ulysses refuses that split).
+    kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
+    above = np.asarray(batch.tp > kv_heads)
+    if above.any():
+        exchange_bytes *= np.where(ulysses | ~above, 1.0, batch.tp / kv_heads)
     if exchange == "allgather":
         # torch's ring, in bytes a token (ring ranks n = cp, torch runs no Ulysses)
         wide = widths["q"] + widths["o"]  # K' + V'
