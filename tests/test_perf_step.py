@@ -257,6 +257,10 @@ def test_a_paired_layer_exposes_what_each_phase_of_megatrons_combined_1f1b_leave
     # Where a hidden all-to-all's kernels hold 10% of the SMs, the compute beside it slows by
     # that share of what it hides: phase 1 1 + 0.1·1, phase 2 0.1·min(5, 6), phase 3 0.1·2.
     assert paired_exposure(comm, attention, experts, 0.1) == pytest.approx((0.2 + 0.5 * 3 / 5, 1.1 + 0.5 * 2 / 5))
+    # A host-bound pair leaves the GPU idle 0.4 s beyond its GPU work: the all-to-alls run there
+    # first (and a faster device, which adds to that slack, never lengthens the pair).
+    assert paired_exposure((5.0, 2.0, 2.0, 2.0), attention, experts, slack=0.4) == pytest.approx(
+        (5 / 7 * (2 - 0.4) / 2, (1.0 + 2 / 7) * (2 - 0.4) / 2))
 
 
 def test_hidden_all_to_all_still_holds_its_sms():

@@ -977,6 +977,9 @@ class _LayerCompute:
     compute_f: Array | float
     compute_b: Array | float
     compute_w: Array | float
+    #: the forward's and backward's GPU work, before the host floor (``compute_f``, ``compute_b``)
+    gpu_f: Array | float
+    gpu_b: Array | float
 
 
 def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shardings: ShardingRows, kind: MlpKind,
@@ -1029,11 +1032,12 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
 
     # The GPU cannot run a layer faster than the host enqueues it (see EfficiencyProfile).
     compute_f = np.maximum(gpu_f, floor_f)
-    compute_b = np.maximum(gemm["B"] + cast_b + attn_b + 2.0 * ew_f + unfused_b + overhead, host_b)
+    gpu_b = gemm["B"] + cast_b + attn_b + 2.0 * ew_f + unfused_b + overhead
+    compute_b = np.maximum(gpu_b, host_b)
     compute_w = gemm["W"]
 
     return _LayerCompute(gemms, forward_of, gemm, attn_f, attn_b, ew_f, ew_rc, unfused_f, host_f, compute_f, compute_b,
-                         compute_w)
+                         compute_w, gpu_f, gpu_b)
 
 
 def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind,
@@ -1100,7 +1104,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     if kind == "moe":
         experts, _ = _pass_gemm_seconds(ctx, [g for g in gemms if g.expert])
         forward, backward, paired_exposed_f, paired_exposed_b, paired_hidden_f, paired_hidden_b = _ep_exchange(
-            ctx, bc, bsh, (compute_f, compute_b, compute_w), {p: shardings.spread(v) for p, v in experts.items()}, up)
+            ctx, bc, bsh, (compute_f, compute_b, compute_w), (computed.gpu_f, computed.gpu_b),
+            {p: shardings.spread(v) for p, v in experts.items()}, up)
 
     # Selective recompute's replay (below) reads the sharding part alone too.
     replays_dispatch = False
@@ -1228,8 +1233,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
 
 
 def paired_exposure(comm: tuple[Array | float, ...], attention: tuple[Array | float, Array | float],
-                    experts: tuple[Array | float, Array | float, Array | float], share: Array | float = 0.0
-                    ) -> tuple[Array | float, Array | float]:
+                    experts: tuple[Array | float, Array | float, Array | float], share: Array | float = 0.0,
+                    slack: Array | float = 0.0) -> tuple[Array | float, Array | float]:
     """(forward's, backward's) exposed seconds of a forward layer paired with another micro-batch's
     backward layer in Megatron-Core's combined 1F1B (``_ep_exchange``): ``comm`` the all-to-alls
     (dispatch_F, combine_F, dispatch_B, combine_B), ``attention`` the (F, B) compute but the
@@ -1240,7 +1245,9 @@ def paired_exposure(comm: tuple[Array | float, ...], attention: tuple[Array | fl
         phase 2 = max(max(experts_B + experts_W, dispatch_F) + experts_F, max(dispatch_F, experts_B) + dispatch_B),
 
     whose excess over the compute is phase 1's for the backward, phase 3's for the forward and
-    phase 2's split by the dispatches' seconds."""
+    phase 2's split by the dispatches' seconds. ``slack``: seconds the host's floor adds to the
+    pair's compute, which the GPU spends idle: the excess is paid only beyond it (shared as
+    above), so that a faster device never lengthens the pair."""
     dispatch_f, combine_f, dispatch_b, combine_b = comm
     attention_f, attention_b = attention
     experts_f, experts_b, experts_w = experts
@@ -1256,17 +1263,25 @@ def paired_exposure(comm: tuple[Array | float, ...], attention: tuple[Array | fl
     middle = np.maximum(comp_end, comm_end) - compute + share * np.minimum(dispatch_f + dispatch_b, compute)
     sent = dispatch_f + dispatch_b
     to_forward = np.divide(dispatch_f, sent, out=np.zeros(np.shape(sent)), where=np.asarray(sent) > 0)
-    return (excess(combine_f, attention_b) + to_forward * middle,
-            excess(combine_b, attention_f) + (1.0 - to_forward) * middle)
+    forward = excess(combine_f, attention_b) + to_forward * middle
+    backward = excess(combine_b, attention_f) + (1.0 - to_forward) * middle
+    if not np.any(slack):
+        return forward, backward
+    total = forward + backward
+    paid = np.maximum(total - slack, 0.0)
+    kept = np.divide(paid, total, out=np.zeros(np.shape(total)), where=np.asarray(total) > 0)
+    return forward * kept, backward * kept
 
 
 def _ep_exchange(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding,
-                 compute: tuple[Array | float, Array | float, Array | float], experts: dict[str, Array | float],
-                 up: Callable[[Array | float], Array | float]) -> tuple[Array | float, ...]:
+                 compute: tuple[Array | float, Array | float, Array | float], gpu: tuple[Array | float, Array | float],
+                 experts: dict[str, Array | float], up: Callable[[Array | float], Array | float]
+                 ) -> tuple[Array | float, ...]:
     """A MoE layer's expert dispatch and combine, seconds per row (spread by ``up`` from the base
     rows ``bc``): (forward, backward, what a pass paired with another micro-batch's exposes in
     its forward and backward, and what it hides there under the layer's compute). ``compute``:
-    the layer's (F, B, W) compute; ``experts``: the routed experts' GEMMs' part of it per pass.
+    the layer's (F, B, W) compute, ``gpu`` the GPU's part of F and B (below the host's floor);
+    ``experts``: the routed experts' GEMMs' part of them per pass.
 
     A paired pass runs as Megatron-Core's combined 1F1B runs a forward layer beside another
     micro-batch's backward layer (TransformerLayerSchedulePlan.run), three phases, each until
@@ -1277,9 +1292,12 @@ def _ep_exchange(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding,
 
     with the data dependencies of phase 2 (experts_F waits for dispatch_F, dispatch_B for
     experts_B). "Attention" is the layer's compute but the experts' GEMMs (norms, router,
-    permutation, shared experts with it). The pair's time less its compute is what it exposes:
-    phase 1's to the backward, phase 3's to the forward, phase 2's split by their bytes. Where
-    the compute runs beside a hidden all-to-all it is slowed by ``ep_comm_compute_share``.
+    permutation, shared experts with it), the phases are the GPU's; the pair takes the longer of
+    them and its compute as the host floors it (a host-bound layer leaves the GPU idle, and the
+    all-to-alls run there). What the pair takes beyond its compute is what it exposes, the
+    forward's and backward's shares as the phases' excesses fall: phase 1's to the backward,
+    phase 3's to the forward, phase 2's split by their bytes. Where the compute runs beside a
+    hidden all-to-all it is slowed by ``ep_comm_compute_share``.
     DualPipe's forward-backward chunks (the DeepSeek-V3 report's figure 4) pair the same
     components."""
     model, eff = ctx.model, ctx.eff
@@ -1309,8 +1327,9 @@ def _ep_exchange(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding,
         forward, backward = dispatch_f + combine_f, dispatch_b + combine_b
     exposed_f, exposed_b = paired_exposure(
         (dispatch_f, combine_f, dispatch_b, combine_b),
-        (np.maximum(compute_f - experts["F"], 0.0), np.maximum(compute_b - experts["B"], 0.0)),
-        (experts["F"], experts["B"], experts["W"]), share)
+        (np.maximum(gpu[0] - experts["F"], 0.0), np.maximum(gpu[1] - experts["B"], 0.0)),
+        (experts["F"], experts["B"], experts["W"]), share,
+        slack=(compute_f - gpu[0]) + (compute_b - gpu[1]))
     paired_exposed_f, paired_exposed_b = up(exposed_f), up(exposed_b)
     # Overlapped: what a paired pass hides (holding the links FSDP uses).
     paired_hidden_f = up(np.minimum(forward, compute_f))
