@@ -1040,8 +1040,9 @@ def test_what_would_fit_tries_device_counts_the_fixed_degrees_divide(capsys):
 def test_deepseek_v3_on_gb200_nvl72_ranks_expert_parallelism_inside_a_rack(capsys):
     """256 GPUs on GB200 NVL72 are 4 racks of 64 (Cluster.scaleup_domain_size). The fastest plan
     keeps its EP group (ep·etp consecutive ranks) on one rack's NVLink: dp64 tp2 pp2 vpp2 ep64
-    dualpipev, 8.605 s. With ranks aligned on 72-GPU racks the same plan's EP 64 all-to-alls
-    paid the NIC's latency every step and it read 8.934 s."""
+    dualpipev, 8.503 s (8.605 s before the paired passes' all-to-alls were priced phase by phase,
+    the host floor's slack first). With ranks aligned on 72-GPU racks the same plan's EP 64
+    all-to-alls paid the NIC's latency every step and it read 8.934 s."""
     assert main(["search", "--model", "deepseek-v3", "--hardware", "gb200-nvl72", "--devices", "256",
                  "--gbs", "2048", "--seq", "4096", "--runtime", "megatron", "--top", "1", "--json"]) == 0
     top = json.loads(capsys.readouterr().out)["ranked"][0]
@@ -1049,7 +1050,7 @@ def test_deepseek_v3_on_gb200_nvl72_ranks_expert_parallelism_inside_a_rack(capsy
     span = strategy["ep"] * max(strategy["etp"], 1)
     assert span > 8 and 64 % span == 0  # EP beyond an HGX node, inside one rack's 64
     assert (strategy["ep"], strategy["tp"], strategy["pp"], strategy["schedule"]) == (64, 2, 2, "dualpipev")
-    assert top["step_s"] == pytest.approx(8.605, rel=0.01)
+    assert top["step_s"] == pytest.approx(8.503, rel=0.01)
     assert top["peak_bytes"] <= 197_897_748_480
 
 
