@@ -607,7 +607,7 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
         lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
     if s.offload_layers:
         lost.append(f"layer offload (Megatron-Core only): the first {s.offload_layers} layers' activations")
-    if model is not None and not model.is_mla and s.tp > model.num_kv_heads:
+    if model is not None and s.tp > model.split_kv_heads:
         lost.append(f"tp={s.tp} above the model's {model.num_kv_heads} KV heads (MindFormers' attention needs "
                     "n_kv_head a multiple of model_parallel; Megatron-Core runs it)")
 

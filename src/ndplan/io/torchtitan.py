@@ -540,7 +540,7 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
                     + ("; the s x s scores kept" if attention == "eager" else "")
                     + "): torchtitan's job config has no attention setting; its models call SDPA with "
                     "causal masking (fused kernels, read back as flash)")
-    if model is not None and not model.is_mla and s.tp > model.num_kv_heads:
+    if model is not None and s.tp > model.split_kv_heads:
         lost.append(f"tp={s.tp} above the model's {model.num_kv_heads} KV heads (torchtitan's TP plan splits whole "
                     "heads; Megatron-Core runs it)")
     tables: dict[str, dict[str, Any]] = {}

@@ -427,7 +427,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     # sequence's, through experts 1/etp wide. Only TP without SP routes tokens every TP rank
     # holds (tensor-parallel experts, no gather).
     own_tokens = routes_own_tokens(batch.sequence_parallel, tp)
-    kv_heads = float(model.num_attention_heads if model.is_mla else model.num_kv_heads)
+    kv_heads = float(model.split_kv_heads)
     divisors = {
         "tp": tp,
         "sp": np.where(sequence_sharded, tp, 1.0),

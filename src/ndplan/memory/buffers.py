@@ -146,10 +146,9 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
     exchange_bytes *= beta
     # With more TP ranks than KV heads a rank holds one KV head whole (Megatron-Core), so the
     # ring's K,V blocks divide by the KV heads, not tp (Ulysses refuses that split).
-    kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
-    above = np.asarray(batch.tp > kv_heads)
+    above = np.asarray(batch.tp > model.split_kv_heads)
     if above.any():
-        exchange_bytes *= np.where(ulysses | ~above, 1.0, batch.tp / kv_heads)
+        exchange_bytes *= np.where(ulysses | ~above, 1.0, batch.tp / model.split_kv_heads)
     if exchange == "allgather":
         # torch's ring, in bytes a token (ring ranks n = cp, torch runs no Ulysses)
         wide = widths["q"] + widths["o"]  # K' + V'

@@ -81,7 +81,7 @@ FP32_NORM_WEIGHT_MODEL_TYPES = frozenset({"olmo2", "olmo3", "gemma3_text", "gemm
 def model_symbols(model: ModelSpec) -> dict[str, float]:
     """Widths a profile expression may use, in elements per token (unsharded)."""
     heads = model.num_attention_heads
-    kv_heads = heads if model.is_mla else model.num_kv_heads
+    kv_heads = model.split_kv_heads
     moe_ffn = model.moe_ffn_hidden_size
     topk = model.num_experts_per_tok
     shared_ffn = model.num_shared_experts * model.shared_expert_ffn_hidden_size

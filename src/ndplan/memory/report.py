@@ -403,7 +403,7 @@ def estimate(
 def check_kv_heads(model: ModelSpec, strategy: Strategy, options: MemoryOptions) -> None:
     """Refuse more TP ranks than KV heads under a runtime whose profile does not run them
     (``RuntimeProfile.tp_above_kv_heads``; the search counts them not runnable)."""
-    kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
+    kv_heads = model.split_kv_heads
     if strategy.tp > kv_heads and not options.profile.tp_above_kv_heads:
         raise NdplanError(f"tp={strategy.tp} is above {model.name}'s {kv_heads} KV heads, which the {options.runtime} "
                           "runtime does not run (its tensor-parallel plans split whole heads): use tp <= "
@@ -516,7 +516,7 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
         if unmeasured:
             gaps.append(f"Megatron-Core's {' and '.join(unmeasured)} are priced from its code, not yet checked against "
                         "a measured run (the pytorch runtime's are, by the census)")
-    kv_heads = model.num_kv_heads if model is not None and not model.is_mla else None
+    kv_heads = model.split_kv_heads if model is not None else None
     if kv_heads is not None and strategy.tp > kv_heads and options.profile.tp_above_kv_heads:
         gaps.append(f"tp={strategy.tp} is above the model's {kv_heads} KV heads: each rank gathers the QKV output "
                     "and keeps one KV head (Megatron-Core's attention.py), priced from its code, not yet checked "

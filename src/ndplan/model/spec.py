@@ -202,6 +202,12 @@ class ModelSpec(BaseModel):
         return self.kv_lora_rank > 0
 
     @property
+    def split_kv_heads(self) -> int:
+        """The key/value heads tensor parallelism splits: the KV heads, or, for MLA, whose keys
+        and values are up-projected per query head, the query heads."""
+        return self.num_attention_heads if self.is_mla else self.num_kv_heads
+
+    @property
     def is_moe(self) -> bool:
         return "moe" in self.layer_mlp_kinds
 

@@ -90,8 +90,13 @@ def kv_split(model: ModelSpec, tp: Array | float) -> Array | float:
     heads (which divide tp; Megatron-Core) each rank holds one KV head whole, gathered from the
     QKV output, so a K or V tensor of width w over all heads is w/min(tp, KV heads) on a rank.
     MLA's keys and values have a head per query head: tp."""
-    kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
-    return np.minimum(tp, kv_heads)
+    return np.minimum(tp, model.split_kv_heads)
+
+
+def qkv_output_width(model: ModelSpec) -> int:
+    """Features of the fused QKV projection's output over all heads (not MLA): the queries (twice
+    as wide with an output gate, which comes out of the same projection), keys and values."""
+    return (model.num_attention_heads * (2 if model.attention_output_gate else 1) + 2 * model.num_kv_heads) * model.head_dim
 
 
 def attention_gemms(model: ModelSpec, sh: Sharding, kind: MlpKind | None = None, *,
@@ -134,9 +139,7 @@ def _softmax_attention_gemms(model: ModelSpec, sh: Sharding) -> list[Gemm]:
         out.append(Gemm("kv_up", tok, a * (model.qk_nope_head_dim + model.v_head_dim) / t, model.kv_lora_rank))
         out.append(Gemm("o_proj", tok, h, a * model.v_head_dim / t))
         return out
-    d = model.head_dim
-    qkv_width = (a * (2 if model.attention_output_gate else 1) + 2 * model.num_kv_heads) * d
-    return [Gemm("qkv_proj", tok, qkv_width / t, h), Gemm("o_proj", tok, h, a * d / t)]
+    return [Gemm("qkv_proj", tok, qkv_output_width(model) / t, h), Gemm("o_proj", tok, h, a * model.head_dim / t)]
 
 
 def mlp_gemms(model: ModelSpec, sh: Sharding, width: int, *, name: str = "mlp", shards: Array | float = 1.0) -> list[Gemm]:

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ndplan.errors import NdplanError
-from ndplan.memory.activations import layer_activations
+from ndplan.memory.activations import LayerActivations, layer_activations
 from ndplan.memory.fields import ACTIVATION_FIELDS
 from ndplan.memory.layer_offload import first_layers
 from ndplan.memory.options import MemoryOptions
@@ -81,6 +81,7 @@ from ndplan.perf.flops import (
     masked_pairs,
     module_gemms,
     mtp_gemms,
+    qkv_output_width,
 )
 from ndplan.perf.gemm import PASS_NAMES, ComputeRates, gemm_pass_seconds, gemm_seconds, gemms_seconds
 from ndplan.perf.memory_ops import (
@@ -460,10 +461,9 @@ def qkv_gather_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) 
     above = np.asarray(t) > model.num_kv_heads
     if not np.any(above):
         return 0.0
-    d, a = model.head_dim, model.num_attention_heads
-    width = (a * (2 if model.attention_output_gate else 1) + 2 * model.num_kv_heads) * d
     link = group_link(t, 1.0, ctx.fabric, "ring")
-    return np.where(above, coll.all_gather_s(sh.tokens * width * ctx.precision.activation_bytes, t, link), 0.0)
+    gathered = sh.tokens * qkv_output_width(model) * ctx.precision.activation_bytes
+    return np.where(above, coll.all_gather_s(gathered, t, link), 0.0)
 
 
 def _attention_tp_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
@@ -921,15 +921,20 @@ def _module_replay_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardi
     return seconds, replays_moe
 
 
-def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) -> Array:
-    """Bytes per token of one layer that activation offload moves each way (Megatron-Core's
-    runtime profile, ``ndplan.memory.activations.layer_activations``)."""
+def _megatron_activations(ctx: LayerContext, cols: dict[str, Array]) -> LayerActivations:
+    """What a layer of the rows of ``cols`` keeps for backward under Megatron-Core's runtime
+    profile (``ndplan.memory.activations.layer_activations``), whose offloads the copies move.
+    An unfused attention core saves its scores too, which core_attn offload moves."""
     columns = {name: np.asarray(cols[name]).astype(np.int64) for name in ACTIVATION_FIELDS}
     batch = StrategyBatch.from_columns(columns, ctx.precision, recompute_modules=ctx.recompute_modules,
                                        offload_modules=ctx.offload_modules)
-    # An unfused attention core saves its scores too, which core_attn offload moves.
     options = MemoryOptions(runtime="megatron", attention="flash" if ctx.eff.flash_attention else "eager")
-    return layer_activations(ctx.model, batch, options).offloaded[kind]
+    return layer_activations(ctx.model, batch, options)
+
+
+def offloaded_bytes(ctx: LayerContext, cols: dict[str, Array], kind: MlpKind) -> Array:
+    """Bytes per token of one layer that activation offload moves each way (``_megatron_activations``)."""
+    return _megatron_activations(ctx, cols).offloaded[kind]
 
 
 def layer_offload_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind: MlpKind) -> Array:
@@ -947,11 +952,7 @@ def layer_offload_seconds(ctx: LayerContext, cols: dict[str, Array], sh: Shardin
     kinds = [k == kind for k in ctx.model.layer_mlp_kinds]
     moved = first_layers(ctx.model, cols["offload_layers"].astype(np.int64))[1 if kind == "moe" else 0]
     share = moved / max(sum(kinds), 1)
-    columns = {name: np.asarray(cols[name]).astype(np.int64) for name in ACTIVATION_FIELDS}
-    batch = StrategyBatch.from_columns(columns, ctx.precision)
-    options = MemoryOptions(runtime="megatron", attention="flash" if ctx.eff.flash_attention else "eager")
-    layer_bytes = layer_activations(ctx.model, batch, options).full[kind] * sh.tokens
-    return share * layer_bytes / ctx.fabric.host_bw
+    return share * _megatron_activations(ctx, cols).full[kind] * sh.tokens / ctx.fabric.host_bw
 
 
 @dataclass(frozen=True)
@@ -1149,12 +1150,12 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         out.add("F", "ep", ep_f)
         out.add("B", "ep", ep_b)
 
-    if ctx.offload_modules:
-        link = offloaded_bytes(ctx, cols, kind) * sh.tokens / ctx.fabric.host_bw
-        out.add("F", "offload", np.maximum(link - out.total("F"), 0.0))
-        out.add("B", "offload", np.maximum(link - out.total("B") - out.total("W"), 0.0))
-    if np.any(cols["offload_layers"] > 0):
-        link = layer_offload_seconds(ctx, cols, sh, kind)
+    # The copies of activation offload (modules or whole layers: Megatron runs one or the other)
+    # each way, beside the pass they overlap.
+    offloads_layers = np.any(cols["offload_layers"] > 0)
+    if ctx.offload_modules or offloads_layers:
+        link = (layer_offload_seconds(ctx, cols, sh, kind) if offloads_layers
+                else offloaded_bytes(ctx, cols, kind) * sh.tokens / ctx.fabric.host_bw)
         out.add("F", "offload", np.maximum(link - out.total("F"), 0.0))
         out.add("B", "offload", np.maximum(link - out.total("B") - out.total("W"), 0.0))
 
@@ -1252,9 +1253,6 @@ def paired_exposure(comm: tuple[Array | float, ...], attention: tuple[Array | fl
     attention_f, attention_b = attention
     experts_f, experts_b, experts_w = experts
 
-    def excess(comm_s: Array | float, comp_s: Array | float) -> Array | float:
-        return np.maximum(comm_s - comp_s, 0.0) + share * np.minimum(comm_s, comp_s)
-
     # Phase 2: experts_F starts when both dispatch_F and experts_B + W are done; dispatch_B
     # when both dispatch_F and experts_B are.
     compute = experts_b + experts_w + experts_f
@@ -1263,8 +1261,8 @@ def paired_exposure(comm: tuple[Array | float, ...], attention: tuple[Array | fl
     middle = np.maximum(comp_end, comm_end) - compute + share * np.minimum(dispatch_f + dispatch_b, compute)
     sent = dispatch_f + dispatch_b
     to_forward = np.divide(dispatch_f, sent, out=np.zeros(np.shape(sent)), where=np.asarray(sent) > 0)
-    forward = excess(combine_f, attention_b) + to_forward * middle
-    backward = excess(combine_b, attention_f) + (1.0 - to_forward) * middle
+    forward = _exposed(combine_f, attention_b, True, share) + to_forward * middle
+    backward = _exposed(combine_b, attention_f, True, share) + (1.0 - to_forward) * middle
     if not np.any(slack):
         return forward, backward
     total = forward + backward

@@ -226,8 +226,7 @@ def qkv_transpose_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
     output on a device, per micro-batch, where the runtime makes them (module docstring)."""
     if not transposed:
         return 0.0, 0.0
-    kv_heads = model.num_attention_heads if model.is_mla else model.num_kv_heads
-    heads_per_rank = model.num_attention_heads / sh.tp + kv_heads / kv_split(model, sh.tp)  # Q + O, K + V
+    heads_per_rank = model.num_attention_heads / sh.tp + model.split_kv_heads / kv_split(model, sh.tp)  # Q + O, K + V
     moved = 2.0 * act_bytes * sh.tokens * heads_per_rank * (model.qk_head_dim + model.value_head_dim)
     return moved, moved
 

@@ -220,9 +220,7 @@ def _has_experts(model: ModelSpec | None) -> bool:
 
 def _kv_heads(model: ModelSpec | None) -> float:
     """The KV heads a tensor-parallel split cuts (MLA: the query heads); inf without a model."""
-    if model is None:
-        return float("inf")
-    return float(model.num_attention_heads if model.is_mla else model.num_kv_heads)
+    return float("inf") if model is None else float(model.split_kv_heads)
 
 
 def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str, model: ModelSpec | None = None) -> np.ndarray:
