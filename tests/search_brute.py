@@ -18,7 +18,8 @@ from ndplan.strategy import Strategy, StrategyBatch, check_strategy
 
 def brute_force_ranking(model: ModelSpec, device: Device, space: SearchSpace, step_time: Callable, limit: float,
                         options: MemoryOptions, check: Callable[[int, Strategy], None] | None = None) -> list[int]:
-    """The candidates of ``space`` that fit ``limit``, fastest first (ties: less memory, then the
+    """The candidates of ``space`` that fit ``limit`` (and the device's share of its node's host
+    memory, where it states one), fastest first (ties: less memory, then the
     index): those Strategy refuses as it is built, duplicates, those a rule refuses and schedules
     the runtime does not run left out. ``check(candidate, strategy)`` sees each one priced."""
     cluster = Cluster(device=device, num_devices=space.num_devices)
@@ -35,8 +36,9 @@ def brute_force_ranking(model: ModelSpec, device: Device, space: SearchSpace, st
             continue
         if check is not None:
             check(candidate, strategy)
-        peak = estimate(model, strategy, device, options, num_devices=space.num_devices).peak_bytes
-        if peak <= limit:
+        report = estimate(model, strategy, device, options, num_devices=space.num_devices)
+        peak = report.peak_bytes
+        if peak <= limit and report.fits_host is not False:
             step = float(step_time(model, StrategyBatch.of(strategy), cluster)["step_s"][0])
             expected.append((step, peak, candidate))
     return [candidate for _, _, candidate in sorted(expected)]

@@ -93,7 +93,7 @@ def cmd_hardware(args: argparse.Namespace) -> int:
         emit_json(devices[0].model_dump(mode="json") if args.name else [d.model_dump(mode="json") for d in devices])
         return 0
     table = Table(title="Accelerators (dense peak FLOP/s; link bandwidths one way per device, as NVIDIA's 900 GB/s NVLink is 450 each way; sources in hardware/devices.yaml)")
-    for col in ["name", "memory", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "scale-up GB/s ×domain", "scale-out GB/s", "per node"]:
+    for col in ["name", "memory", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB/s", "scale-up GB/s ×domain", "scale-out GB/s", "per node", "host memory/node"]:
         table.add_column(col, justify="left" if col == "name" else "right")
     for d in devices:
         fp8 = d.peak_flops.get("fp8")
@@ -106,6 +106,7 @@ def cmd_hardware(args: argparse.Namespace) -> int:
             f"{d.scaleup_bandwidth_bytes_per_s / 1e9:,.0f} ×{d.scaleup_domain_size}",
             f"{d.scaleout_bandwidth_bytes_per_s / 1e9:,.0f}",
             str(d.devices_per_node),
+            format_bytes(d.node_host_memory_bytes) if d.node_host_memory_bytes else "-",
         )
     console.print(table)
     return 0

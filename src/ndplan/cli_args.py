@@ -362,6 +362,24 @@ def memory_limit(text: str | None, device: Any) -> int | None:
     return limit
 
 
+def with_host_memory(text: str | None, device: Any) -> Any:
+    """The device with --host-memory (one node's host memory, e.g. 2TB) as its
+    ``node_host_memory_bytes``; the device as it is where not given."""
+    from ndplan.units import parse_bytes
+
+    if not text:
+        return device
+    try:
+        node_bytes = parse_bytes(text)
+    except NdplanError as error:
+        raise NdplanError(f"--host-memory: {error}") from None
+    return device.model_copy(update={"node_host_memory_bytes": node_bytes})
+
+
+HOST_MEMORY_HELP = ("host (CPU) memory of one node, shared by its devices, that activation and optimizer offload "
+                    "are checked against, e.g. 2TB (default: the hardware preset's, where it states one)")
+
+
 def gather_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Plan-file settings overlaid with the flags that were given."""
     settings: dict[str, Any] = read_plan_file(args.plan) if getattr(args, "plan", None) else {}

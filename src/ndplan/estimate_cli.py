@@ -14,11 +14,13 @@ from typing import Any
 from rich.table import Table
 
 from ndplan.cli_args import (
+    HOST_MEMORY_HELP,
     add_runtime_arguments,
     add_strategy_arguments,
     device_from,
     memory_limit,
     strategy_from_settings,
+    with_host_memory,
 )
 from ndplan.cli_common import (
     console,
@@ -35,6 +37,26 @@ from ndplan.cli_emit import emit_settings
 from ndplan.units import format_bytes
 
 
+def host_verdict(report: Any) -> str:
+    """The line that says how much pinned host memory the offloads fill per device, and whether
+    it fits the device's share of its node's host memory."""
+    peak = report.host_peak_bytes
+    stage = max(report.stages, key=lambda st: st.host_bytes)
+    parts = [name for name, value in (("activations", stage.host_activation_bytes),
+                                      ("optimizer", stage.host_optimizer_bytes)) if value]
+    what = f"{format_bytes(peak)} of pinned host memory per device ({' and '.join(parts)}, stage {stage.stage})"
+    device = report.device
+    capacity = report.host_capacity_bytes
+    if capacity is None:
+        return (f"[bold yellow]host memory not checked[/]: offloads fill {what}; {device.name} states no host memory "
+                "(give --host-memory)")
+    share = (f"its {format_bytes(capacity)} share of a node's {format_bytes(device.node_host_memory_bytes)} over "
+             f"{device.devices_per_node} devices")
+    if report.fits_host:
+        return f"[bold green]host fits[/]: offloads fill {what} of {share} ({format_bytes(capacity - peak)} free)"
+    return f"[bold red]host memory does not fit[/]: offloads fill {what}, over {share} by {format_bytes(peak - capacity)}"
+
+
 def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ndplan estimate`` on the subparsers of the ``ndplan`` parser; returns its parser."""
     from ndplan.io import EMIT_FORMATS
@@ -47,6 +69,7 @@ def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
     add_runtime_arguments(p)
     p.add_argument("--memory-limit", help="per-device limit the fits line and --json's fits are against, e.g. "
                                           "70GiB (default: the device's memory)")
+    p.add_argument("--host-memory", help=HOST_MEMORY_HELP)
     p.add_argument("--explain", action="store_true", help="print every term of the peak stage with its formula")
     p.add_argument("--plot", help="write a stacked-bar chart of memory per stage (PNG/SVG)")
     p.add_argument("--emit", choices=EMIT_FORMATS,
@@ -60,7 +83,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from ndplan.memory import estimate
 
     settings, model, read = settings_and_model(args)
-    device = device_from(require(settings, "hardware", "--hardware"), settings.get("efficiency"))
+    device = with_host_memory(args.host_memory,
+                              device_from(require(settings, "hardware", "--hardware"), settings.get("efficiency")))
     strategy = strategy_from_settings(settings)
     options = memory_options(args, settings, read, device)
     given_limit = memory_limit(args.memory_limit, device)
@@ -111,6 +135,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                f"[bold red]does not fit[/]: stage {report.peak_stage} needs {format_bytes(report.peak_bytes)}, "
                f"over {of} by {format_bytes(-margin)}")
     console.print(verdict)
+    if report.host_peak_bytes:
+        console.print(host_verdict(report))
     for caveat in [*report.caveats, *inert]:
         console.print(f"[bold yellow]caution[/]: {caveat}", markup=True)
     exposed = dict(timing.breakdown["comm_exposed"])

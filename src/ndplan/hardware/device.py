@@ -42,6 +42,7 @@ _NUMERIC_FIELDS = (
     "scaleout_bandwidth_bytes_per_s",
     "devices_per_node",
     "host_link_bandwidth_bytes_per_s",
+    "node_host_memory_bytes",
 )
 
 
@@ -70,6 +71,10 @@ class Device(BaseModel):
         devices_per_node: devices in one server.
         host_link_bandwidth_bytes_per_s: device-to-host link (PCIe or equivalent),
             bytes/s, one direction; bounds CPU offload.
+        node_host_memory_bytes: the host (CPU) memory of one node, shared by its
+            ``devices_per_node`` devices, in bytes (a size with its unit, as ``memory_bytes``);
+            what activation and optimizer offload fill is checked against each device's share
+            (``host_memory_bytes``). None where unknown: then nothing is checked.
         efficiency: figures of the step-time model's efficiency profile that replace the device
             family's (``ndplan.perf.efficiency``; e.g. what ``ndplan calibrate`` fitted), or None.
     """
@@ -86,6 +91,7 @@ class Device(BaseModel):
     scaleout_bandwidth_bytes_per_s: ByteRate
     devices_per_node: PositiveInt
     host_link_bandwidth_bytes_per_s: ByteRate
+    node_host_memory_bytes: PositiveInt | None = None
     efficiency: Mapping[str, Any] | None = None
 
     @field_validator(*_NUMERIC_FIELDS, mode="before")
@@ -93,7 +99,7 @@ class Device(BaseModel):
     def _no_bools(cls, value: Any) -> Any:
         return _reject_bool(value)
 
-    @field_validator("memory_bytes", mode="before")
+    @field_validator("memory_bytes", "node_host_memory_bytes", mode="before")
     @classmethod
     def _memory_size(cls, value: Any) -> Any:
         # A size with its unit ("80GB", "79.18GiB") as --memory-limit reads it; a bare number is
@@ -140,6 +146,14 @@ class Device(BaseModel):
             tuple(value.items()) if isinstance(value, Mapping) else value for value in self.__dict__.values()
         )
         return hash(fields)
+
+    @property
+    def host_memory_bytes(self) -> float | None:
+        """One device's share of its node's host memory, node_host_memory_bytes / devices_per_node
+        (bytes; None where the node's is unknown)."""
+        if self.node_host_memory_bytes is None:
+            return None
+        return self.node_host_memory_bytes / self.devices_per_node
 
     @property
     def dtypes(self) -> tuple[str, ...]:

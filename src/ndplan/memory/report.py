@@ -16,6 +16,7 @@ from ndplan.memory.activations import (
     layer_activations,
 )
 from ndplan.memory.buffers import ring_exchange
+from ndplan.memory.host import host_memory
 from ndplan.memory.layer_offload import first_layers, held_away
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.result import ACTIVATION_KINDS, STATIC_KINDS, StageMemory
@@ -76,6 +77,15 @@ class StageReport:
     static_by_kind: dict[str, float]
     activations_by_kind: dict[str, float]
     chunks: tuple[ChunkReport, ...] = ()
+    #: pinned host memory at the stage's peak (``memory.host``): offloaded activations (Σ over its
+    #: chunks of peak in-flight micro-batches × offloaded bytes per micro-batch, the layer Megatron
+    #: keeps on the device counted too: over by at most one layer's worth) and an offloaded optimizer
+    host_activation_bytes: float = 0.0
+    host_optimizer_bytes: float = 0.0
+
+    @property
+    def host_bytes(self) -> float:
+        return self.host_activation_bytes + self.host_optimizer_bytes
 
     @property
     def static_bytes(self) -> float:
@@ -100,13 +110,6 @@ class StageReport:
     def overhead_bytes(self) -> float:
         return self.peak_bytes - self.allocated_bytes
 
-    @property
-    def host_activation_bytes(self) -> float:
-        """Pinned host memory the stage's offloaded activations fill at its peak:
-        Σ over its chunks of peak in-flight micro-batches × offloaded bytes per micro-batch (the
-        layer Megatron keeps on the device counted too: over by at most one layer's worth)."""
-        return sum(c.peak_in_flight * c.offloaded_bytes_per_micro_batch for c in self.chunks)
-
     def to_dict(self) -> dict[str, Any]:
         by_kind = {k: self.static_by_kind.get(k, 0.0) + self.activations_by_kind.get(k, 0.0)
                    for k in dict.fromkeys([*STATIC_KINDS, *ACTIVATION_KINDS])}
@@ -126,6 +129,8 @@ class StageReport:
             "forward_backward_bytes": round(self.forward_backward_bytes),
             "overhead_bytes": round(self.overhead_bytes),
             "host_activation_bytes": round(self.host_activation_bytes),
+            "host_optimizer_bytes": round(self.host_optimizer_bytes),
+            "host_bytes": round(self.host_bytes),
             "by_layer_kind": {k: round(v) for k, v in by_kind.items() if v},
             "static_by_layer_kind": {k: round(v) for k, v in self.static_by_kind.items() if v},
             "activations_by_layer_kind": {k: round(v) for k, v in self.activations_by_kind.items() if v},
@@ -162,6 +167,25 @@ class MemoryReport:
     def fits(self) -> bool | None:
         return None if self.device is None else self.peak_bytes <= self.device.memory_bytes
 
+    @property
+    def host_peak_bytes(self) -> float:
+        """The most pinned host memory one device's process fills (its stage's, bytes)."""
+        return max(s.host_bytes for s in self.stages)
+
+    @property
+    def host_capacity_bytes(self) -> float | None:
+        """One device's share of its node's host memory (``Device.host_memory_bytes``), or None."""
+        return self.device.host_memory_bytes if self.device else None
+
+    @property
+    def fits_host(self) -> bool | None:
+        """Whether the host memory the offloads fill fits the device's share of its node's: True
+        where nothing is offloaded, None where the device states no host memory."""
+        if not self.host_peak_bytes:
+            return True
+        capacity = self.host_capacity_bytes
+        return None if capacity is None else self.host_peak_bytes <= capacity
+
     def to_dict(self) -> dict[str, Any]:
         """Every stage's figures and breakdown as JSON-ready data (what --json prints)."""
         return {
@@ -169,6 +193,9 @@ class MemoryReport:
             "peak_stage": self.peak_stage,
             "fits": self.fits,
             "capacity_bytes": self.capacity_bytes,
+            "host_peak_bytes": round(self.host_peak_bytes),
+            "host_capacity_bytes": None if self.host_capacity_bytes is None else round(self.host_capacity_bytes),
+            "fits_host": self.fits_host,
             "runtime": self.options.runtime,
             "attention": self.options.attention,
             # The other options the figures depend on, so that a report can say how to reproduce them.
@@ -275,7 +302,10 @@ class MemoryReport:
                if s.pipeline_runs > 1 and self.options.profile.grads_created_in_backward else ""),
             f"optimizer  = elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + {p.master_weight_bytes}) B"
             + (f" / {shards} (ZeRO≥1)" if s.zero >= 1 else "")
-            + (" → offloaded" if s.optimizer_offload else "") + f" = {format_bytes(stage.optimizer_bytes)}",
+            + (f" → offloaded to pinned host memory, elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + "
+               f"2·{p.master_weight_bytes or p.param_bytes}) B (states, the weight the CPU step updates and its "
+               f"gradient) = {format_bytes(stage.host_optimizer_bytes)} there" if s.optimizer_offload else "")
+            + f" = {format_bytes(stage.optimizer_bytes)}",
             f"activations = max over the {s.schedule} timeline of Σ in-flight micro-batches × bytes/token × tokens "
             f"({self.options.runtime} profile, {self.options.attention} attention, recompute {s.recompute}) "
             f"= {format_bytes(stage.activations_bytes)}",
@@ -317,6 +347,14 @@ class MemoryReport:
             f"reserved   = allocated × (1 + allocator slack) = {format_bytes(stage.reserved_bytes)}",
             f"peak       = reserved + runtime context + communicator buffers = {format_bytes(stage.peak_bytes)}",
         ]
+        if stage.host_bytes:
+            capacity = self.host_capacity_bytes
+            lines.append(
+                f"host       = offloaded activations (Σ chunks peak in-flight × moved per micro-batch) "
+                f"{format_bytes(stage.host_activation_bytes)} + offloaded optimizer {format_bytes(stage.host_optimizer_bytes)}"
+                f" = {format_bytes(stage.host_bytes)} of pinned host memory, not on the device"
+                + (f"; the device's share of its node's host memory: {format_bytes(capacity)}" if capacity else
+                   "; the device states no host memory (--host-memory)"))
         return lines
 
 
@@ -377,6 +415,7 @@ def estimate(
     )
     layers_per_stage = np.bincount(placement.stage_of, weights=placement.layers, minlength=strategy.pp)
     chunks = _chunk_reports(model, strategy, options, placement)
+    host = host_memory(model, StrategyBatch.of(strategy), options, stage_layers=strategy.stage_layers)
     stages = []
     for s in range(strategy.pp):
         stages.append(StageReport(
@@ -396,6 +435,8 @@ def estimate(
             static_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["static"].items()},
             activations_by_kind={k: float(v[0, s]) for k, v in memory.by_kind["activations"].items()},
             chunks=tuple(c for c in chunks if placement.stage_of[c.model_chunk] == s),
+            host_activation_bytes=float(host.activations[0, s]),
+            host_optimizer_bytes=float(host.optimizer[0, s]),
         ))
     return MemoryReport(model, strategy, hardware, options, tuple(stages))
 
@@ -469,8 +510,7 @@ def known_gaps(strategy: Strategy, options: MemoryOptions, model: ModelSpec | No
                     "against a measured run: every tensor the offloaded layers save moves (Transformer Engine 2.5-2.9 "
                     "moves only what its modules flag, which leaves a MoE layer's router and permutation tensors on the "
                     "device), and one offloaded layer more than Transformer Engine 2.10 keeps is held at the peak; "
-                    "the copies' HBM traffic is not priced in time, nor is the host's pinned memory they fill "
-                    "checked against the host's capacity (docs/memory.md)")
+                    "the copies' HBM traffic is not priced in time (docs/memory.md)")
     if strategy.offload_modules:
         gaps.append("activation offload is priced from Megatron-Core's code (what each module saves, two layers kept on "
                     "the device, copies at 0.8 of the host link's rate), not yet checked against a measured run "

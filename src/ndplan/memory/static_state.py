@@ -36,6 +36,17 @@ from ndplan.strategy.batch import CODES, StrategyBatch
 StaticTerm = tuple[str, Any, np.ndarray]
 
 
+def host_optimizer_width(precision: Any) -> int:
+    """Host bytes per element of an offloaded optimizer's shard: its states, and the weight it
+    updates (the master copy, or the parameter where there is none) with that weight's gradient
+    at the same width: the CPU step reads and writes those two there. Megatron-Core's
+    HybridDeviceOptimizer keeps a pinned CPU copy of each offloaded fp32 main parameter and of
+    its gradient; FSDP2's CPUOffloadPolicy keeps the fp32 sharded parameters and their
+    gradients on the CPU: 2·4 + 4 + 4 = 16 B with Adam in fp32."""
+    updated = precision.master_weight_bytes or precision.param_bytes
+    return int(precision.optimizer_states * precision.optimizer_state_bytes + 2 * updated)
+
+
 def _outer_sum(terms: list[StaticTerm], n: int, width: int) -> np.ndarray:
     """Σ_terms per_strategy ⊗ per_virtual as [n, width]. Terms with the same per-virtual vector
     add their per-strategy factors first (a few [n] operations instead of [n, width] ones); a
@@ -193,6 +204,8 @@ def static_state(
         else:
             value = non_expert_stage * (width / non_expert_div) + expert_stage * (width / expert_div)
         out[category] = np.where(offload, 0.0, value) if category == "optimizer" else value
+        if category == "optimizer":
+            out["host_optimizer"] = np.where(offload, value * (host_optimizer_width(precision) / max(width, 1)), 0.0)
         if kinds is None:
             continue
         for static_kind in STATIC_KINDS:
@@ -287,7 +300,7 @@ def static_state(
         embedding_gradient=embedding_gradient, head_gradient=head_gradient, mlp_grads=mlp_grads,
         overhead=overhead_model(options.profile, batch, options.include_overhead),
         elements_virtual=non_expert_total + expert_total, stage_elements=non_expert_stage + expert_stage,
-        ddp_buckets=ddp_buckets,
+        ddp_buckets=ddp_buckets, host_optimizer=out["host_optimizer"],
     )
 
 
@@ -335,6 +348,9 @@ class StaticState:
     mlp_grads: dict[str, np.ndarray]
     overhead: RuntimeOverhead
     ddp_buckets: np.ndarray
+    #: per pattern, the pinned host memory an offloaded optimizer fills (``host_optimizer_width``
+    #: per element of its shard; 0 where the optimizer stays on the device)
+    host_optimizer: np.ndarray
     index: np.ndarray | None = None  # per strategy its combination (None: one each)
 
     def at(self, values: Any, rows: np.ndarray | None = None) -> Any:

@@ -267,8 +267,10 @@ def memory_stages(stages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "peak_bytes": peak if peak is not None else total,
             "allocated_bytes": allocated,
             "reserved_bytes": reserved,
-            # pinned host memory of offloaded activations: beside the device figures, not in them
+            # pinned host memory of offloaded activations and optimizer: beside the device figures,
+            # not in them (a result written before host_bytes: its activations alone)
             "host_activation_bytes": finite(stage.get("host_activation_bytes")) or 0.0,
+            "host_bytes": finite(stage.get("host_bytes")) or finite(stage.get("host_activation_bytes")) or 0.0,
             "categories": {k: v for k, v in categories.items() if v > 0},
             "kinds": {k: v for k, v in kinds.items() if v > 0},
         })

@@ -306,7 +306,7 @@ def stage_table(memory: Mapping[str, Any]) -> str:
     headers.append(("peak", ""))
     if cap:
         headers.append(("of capacity", ""))
-    host = any(st.get("host_activation_bytes") for st in memory["stages"])
+    host = any(st.get("host_bytes") for st in memory["stages"])
     if host:
         headers.append(("host (offload)", ""))
     peak_max = max((st["peak_bytes"] for st in memory["stages"]), default=0.0)
@@ -324,7 +324,7 @@ def stage_table(memory: Mapping[str, Any]) -> str:
         if cap:
             row.append((f"{100 * st['peak_bytes'] / cap:.1f}%", repr(st["peak_bytes"] / cap), "", "m"))
         if host:
-            row.append(gib(st.get("host_activation_bytes")))
+            row.append(gib(st.get("host_bytes")))
         rows.append(row)
         cls = "peak" if st["peak_bytes"] == peak_max else ""
         if cap and st["peak_bytes"] > cap:

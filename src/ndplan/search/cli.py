@@ -22,6 +22,7 @@ from rich.table import Table
 
 from ndplan.cli_args import (
     EFFICIENCY_HELP,
+    HOST_MEMORY_HELP,
     add_runtime_arguments,
     device_count,
     device_from,
@@ -29,6 +30,7 @@ from ndplan.cli_args import (
     sequence_count,
     sequence_length,
     strategy_from_settings,
+    with_host_memory,
 )
 from ndplan.cli_common import console, dispatcher_note, emit_json, memory_options, print_kernels, require
 from ndplan.cli_emit import (
@@ -71,6 +73,7 @@ def add_search_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b (also vpp=N and seq_chunks=N, the "
                    "pipeline option's other parts)")
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
+    p.add_argument("--host-memory", help=HOST_MEMORY_HELP)
     p.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
                    help="the candidates' precision (default: the --from file's, else the one --emit's format "
                         "writes, else megatron-bf16)")
@@ -204,7 +207,7 @@ def _asked(args: argparse.Namespace) -> _SearchAsked:
     for key, flag in (("hardware", "--hardware"), ("devices", "--devices"), ("gbs", "--gbs")):
         require(given, key, flag, "" if key == "hardware" else ", or --from a config that sets it")
     seq = seq or 4096
-    device = device_from(args.hardware, args.efficiency)
+    device = with_host_memory(args.host_memory, device_from(args.hardware, args.efficiency))
     fixed, recompute_sets = _parse_fix(args.fix or []), _searched_sets(args, read, model, "recompute")
     if read is not None and args.dims:
         # The dimensions not searched keep the file's values (--fix wins), not ndplan's defaults.

@@ -20,6 +20,7 @@ from ndplan.errors import NdplanError
 from ndplan.hardware import Cluster, Device
 from ndplan.memory import MemoryOptions
 from ndplan.memory.fields import STATIC_FIELDS
+from ndplan.memory.host import host_memory, uses_host
 from ndplan.memory.report import check_options, headroom, known_gaps
 from ndplan.memory.stages import peak_memory, static_lower_bound
 from ndplan.model.spec import ModelSpec
@@ -35,6 +36,9 @@ from ndplan.units import memory_limit
 
 TimeFunction = Callable[[ModelSpec, StrategyBatch, Cluster], dict[str, np.ndarray]]
 OVER_MEMORY = "over_memory_limit"
+#: Candidates whose offloads fill more pinned host memory than the device's share of its node's
+#: (``Device.host_memory_bytes``; ``memory.host``).
+OVER_HOST_MEMORY = "over_host_memory"
 DUPLICATE = "duplicate_candidate"
 #: Combinations the memory options' runtime cannot execute (PyTorch: selective activation
 #: checkpointing under a split backward raises "backward an extra time", measured).
@@ -397,6 +401,9 @@ def run_search(
     imbalance = (options or MemoryOptions()).moe_imbalance
     if model.is_moe and imbalance > 1.0:
         rejected[IMPOSSIBLE_IMBALANCE] = 0
+    host_limit = device.host_memory_bytes
+    if host_limit is not None and space.may_use_host:
+        rejected[OVER_HOST_MEMORY] = 0
     kept_index, kept_time, kept_peak, kept_stage = [], [], [], []
     kept_extra: dict[str, list[np.ndarray]] = {}
     # Rejected by a lower bound of their peak (the static bound, or a partial sum of the full
@@ -436,6 +443,14 @@ def run_search(
             bounded_lower.append(peak[cut])
         fits = peak <= limit
         rejected[OVER_MEMORY] += int(np.count_nonzero(~fits))
+        if OVER_HOST_MEMORY in rejected:
+            # Only those that offload fill host memory: priced for them alone (memory.host).
+            offloading = np.flatnonzero(fits & uses_host(survivors))
+            if offloading.size:
+                host_peak = host_memory(model, survivors.take(offloading), options).peak()
+                over = offloading[host_peak > host_limit]
+                fits[over] = False
+                rejected[OVER_HOST_MEMORY] += len(over)
         if fits.any():
             # Built again from the part's tables rather than gathered from the survivors' batch:
             # one gather per field from small tables instead of one from the survivors' columns.

@@ -187,6 +187,11 @@ class SearchSpace:
         return tuple(len(getattr(self, name)) for name in DIMENSIONS)
 
     @property
+    def may_use_host(self) -> bool:
+        """Whether some candidate offloads to host memory (its optimizer, modules or layers)."""
+        return bool(self.carried.get("optimizer_offload") or any(self.offload_layers) or any(self.offload_modules))
+
+    @property
     def size(self) -> int:
         return prod(self.sizes)
 
