@@ -122,3 +122,15 @@ def test_a_bad_host_memory_names_the_flag(capsys):
 def test_a_device_file_with_a_bad_host_memory_is_refused():
     with pytest.raises((NdplanError, ValueError), match="node_host_memory_bytes"):
         get_device("h100-sxm").model_validate(get_device("h100-sxm").model_dump() | {"node_host_memory_bytes": -1})
+
+
+def test_the_html_report_shows_the_host_memory_and_whether_it_fits(tmp_path):
+    page = tmp_path / "plan.html"
+    args = ["report", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--dp", "8", "--zero", "1",
+            "--optimizer-offload", "--seq", "4096", "--gbs", "8", "--runtime", "megatron", "-o", str(page)]
+    assert main([*args, "--host-memory", "64GiB"]) == 0
+    text = page.read_text()
+    assert "pinned host memory (offload)</div><div class=\"v bad\">14.96 GiB" in text
+    assert "of its 8.00 GiB share of the node&#x27;s" in text
+    assert main([a for a in args if a != "--optimizer-offload"]) == 0  # no optimizer offload: nothing on the host, no such figure
+    assert "pinned host memory (offload)" not in page.read_text()

@@ -17,7 +17,7 @@ from ndplan.errors import NdplanError, parse_nested, read_text
 
 def add_report_command(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ndplan report`` on the subparsers of the ``ndplan`` parser; returns its parser."""
-    from ndplan.cli_args import add_runtime_arguments, add_strategy_arguments
+    from ndplan.cli_args import HOST_MEMORY_HELP, add_runtime_arguments, add_strategy_arguments
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "report",
@@ -41,6 +41,7 @@ def add_report_command(subparsers: Any) -> argparse.ArgumentParser:
     add_runtime_arguments(p)
     p.add_argument("--memory-limit", help="with strategy flags: the per-device limit the report's headroom and fits "
                                          "are against, e.g. 70GiB (default: the device's memory)")
+    p.add_argument("--host-memory", help="with strategy flags: " + HOST_MEMORY_HELP)
     p.set_defaults(func=cmd_report)
     return p
 
@@ -85,6 +86,7 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
         memory_limit,
         runtime_options,
         strategy_from_settings,
+        with_host_memory,
     )
     from ndplan.memory import estimate
     from ndplan.model import load_model
@@ -94,7 +96,7 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
         if settings.get(key) is None:
             raise NdplanError(f"missing {flag} (give a saved result, or the model, hardware and strategy as flags)")
     model = load_model(settings["model"])
-    device = device_from(settings["hardware"], settings.get("efficiency"))
+    device = with_host_memory(getattr(args, "host_memory", None), device_from(settings["hardware"], settings.get("efficiency")))
     strategy = strategy_from_settings(settings)
     options = runtime_options(args, settings, device=device)
     report = estimate(model, strategy, device, options, num_devices=settings.get("devices"))

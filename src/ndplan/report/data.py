@@ -859,6 +859,8 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
             # the limit a search or balance ran under, else what the source states (the device's)
             "capacity_bytes": finite(data.get("memory_limit_bytes")) or finite(_first(source, LIMIT_KEYS)) or limit,
             "stages": memory_stages(source["stages"]),
+            # one device's share of its node's host memory, where the source states it
+            "host_capacity_bytes": finite(source.get("host_capacity_bytes")),
         })
     if kind == "balance":
         # The headline is the plan the step, throughput, timeline and Reproduce line are: the

@@ -529,6 +529,14 @@ def render_html(result: Any, *, top: int = 50, max_points: int = 4000, title: st
                                         fmt_gib(abs(margin)),
                                         f"of {fmt_gib(cap)} {'memory limit' if d['user_limit'] else 'device memory'}",
                                         "ok" if margin >= 0 else "bad")))
+        host = max(first["stages"], key=lambda s: s.get("host_bytes") or 0.0)
+        host_bytes, host_cap = host.get("host_bytes") or 0.0, first.get("host_capacity_bytes")
+        if host_bytes:
+            kpis.append(("memory", _kpi(
+                "pinned host memory (offload)", fmt_gib(host_bytes),
+                f"stage {host['stage']}; " + (f"of its {fmt_gib(host_cap)} share of the node's"
+                                              if host_cap else "the device states no host memory"),
+                ("ok" if host_bytes <= host_cap else "bad") if host_cap else "")))
     if perf:
         if perf.get("step_s") is not None:
             kpis.append(("perf", _kpi("step time", fmt_seconds(perf.get("step_s")))))
