@@ -134,3 +134,12 @@ def test_the_html_report_shows_the_host_memory_and_whether_it_fits(tmp_path):
     assert "of its 8.00 GiB share of the node&#x27;s" in text
     assert main([a for a in args if a != "--optimizer-offload"]) == 0  # no optimizer offload: nothing on the host, no such figure
     assert "pinned host memory (offload)" not in page.read_text()
+
+
+def test_balance_says_whether_its_settings_overfill_the_host(capsys):
+    args = ["balance", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "16", "--pp", "2", "--dp", "8",
+            "--zero", "1", "--gbs", "64", "--optimizer-offload", "--runtime", "megatron", "--host-memory", "32GiB"]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    # about half of 8.03e9 parameters a stage, over 8 ranks, at 16 B: ~7.9 GiB against 32 GiB / 8 devices
+    assert "balanced settings' host memory does not fit" in out and "over its 4.00 GiB share" in out

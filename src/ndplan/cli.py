@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from ndplan import __version__
-from ndplan.cli_args import add_runtime_arguments, add_strategy_arguments
+from ndplan.cli_args import HOST_MEMORY_HELP, add_runtime_arguments, add_strategy_arguments
 from ndplan.cli_common import console, emit_json
 from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, count_parameters, load_model, preset_names
@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_from_argument(p)
     add_runtime_arguments(p)
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
+    p.add_argument("--host-memory", help=HOST_MEMORY_HELP)
     p.add_argument("--heuristic", action="store_true", help="the fast heuristic instead of the exact solver (dynamic program, or MILP for interleaved pipelines of other layer-kind mixes)")
     p.add_argument("--recompute-module-sets", nargs="+", metavar="SET",
                    help="selective policies to try besides the strategy's own (runtime megatron): module sets such "

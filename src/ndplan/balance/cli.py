@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.table import Table
 
-from ndplan.cli_args import device_from, memory_limit, strategy_from_settings
+from ndplan.cli_args import device_from, memory_limit, strategy_from_settings, with_host_memory
 from ndplan.cli_common import (
     console,
     efficiency_entry,
@@ -26,6 +26,7 @@ from ndplan.cli_common import (
     settings_and_model,
 )
 from ndplan.cli_emit import emit_settings, read_back, round_trips, runtime_note, written_precision
+from ndplan.estimate_cli import host_verdict
 from ndplan.search.cli import module_sets_argument
 from ndplan.strategy import Strategy
 from ndplan.units import format_bytes
@@ -37,7 +38,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
     from ndplan.io.common import policy_of
 
     settings, model, read = settings_and_model(args)
-    device = device_from(require(settings, "hardware", "--hardware"), settings.get("efficiency"))
+    device = with_host_memory(args.host_memory,
+                              device_from(require(settings, "hardware", "--hardware"), settings.get("efficiency")))
     options = memory_options(args, settings, read, device)
     if args.emit and settings.get("precision") is None:
         # Balanced as the framework will run it: in the precision its settings state (as search).
@@ -184,6 +186,8 @@ def cmd_balance(args: argparse.Namespace) -> int:
                       f"({'fits' if check['fits'] else 'over the limit'}), step {check['step_s']:.3f} s")
     if args.emit and (note := runtime_note(options, args.emit)):
         console.print(note)
+    if balanced_report.host_peak_bytes:  # the balanced settings' offloads, as `ndplan estimate` says them
+        console.print("balanced settings' " + host_verdict(balanced_report))
     for caveat in cautions:
         console.print(f"[bold yellow]caution[/]: {caveat}")
     # what the step is priced with, and what --emit changed in it (the loss)
