@@ -163,10 +163,12 @@ def test_every_rule_is_reported_with_exit_2(argv, rule, words, model_files, caps
 
 
 def test_rule_cases_cover_every_rule():
-    # offload_runs and offload_layers_run serve batches built from columns: one Strategy refuses
-    # the same settings as it is built (its message comes out as the CLI's error line;
-    # tests/test_offload*.py, tests/test_layer_offload.py).
-    assert {r.name for r in RULES} - {"offload_runs", "offload_layers_run"} <= {case[1] for case in RULE_CASES}
+    # offload_runs, offload_layers_run and the optimizer states' rule serve batches built from
+    # columns: one Strategy refuses the same settings as it is built (its message comes out as the
+    # CLI's error line; tests/test_offload*.py, tests/test_layer_offload.py,
+    # tests/test_optimizer_state_offload.py).
+    built = {"offload_runs", "offload_layers_run", "optimizer_states_offload_needs_distributed_optimizer"}
+    assert {r.name for r in RULES} - built <= {case[1] for case in RULE_CASES}
 
 
 def test_check_human_output_lists_violations(capsys):

@@ -439,7 +439,6 @@ def test_a_run_names_a_known_runtime_profile(tmp_path: Path):
 OVER_THEIR_MEMORY = {
     "llama3-405b-8192gpu", "llama3-405b-16384gpu", "deepseek-v3-h800",  # frameworks without a profile
     "automodel-kimi-k2-256gpu", "automodel-gpt-oss-20b-8gpu", "automodel-gpt-oss-120b-64gpu",  # TE modules, FlexAttention
-    "mcore-moe-deepseek-v3-gb200-mxfp8",  # its optimizer states offloaded to host memory between updates
 }
 
 

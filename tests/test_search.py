@@ -190,12 +190,13 @@ def test_every_rejection_reason_is_reachable_and_counted():
                         "vpp_needs_virtual_schedule", "interleaved_needs_vpp", "v_schedule_needs_vpp2",
                         "offload_runs", "pipeline_runs_need_pipeline", "tp_divides_linear_heads",
                         "cp_linear_attention", "tp_divides_kv_heads", "offload_layers_run",
-                        "offload_layers_below_layers"}
+                        "offload_layers_below_layers", "optimizer_states_offload_needs_distributed_optimizer"}
     # The space never draws these combinations (it pairs schedules with their vpp, sets fsdp with
     # zero 3, has no shard groups, recompute layer counts or offload; the model has no Gated
     # DeltaNet layers; a tp that divides the 20 heads divides its 2 KV heads or is a multiple of
-    # them; no layer offload, which no dimension searches); test_strategy/test_cli (test_offload
-    # for offload_runs, test_layer_offload for offload_layers_run) reach each.
+    # them; no layer offload, which no dimension searches; no optimizer states offloaded, which a
+    # space carries alone); test_strategy/test_cli (test_offload for offload_runs,
+    # test_layer_offload for offload_layers_run, test_optimizer_state_offload for the states) reach each.
     assert {r.name for r in RULES} - unreachable_here | {OVER_MEMORY, DUPLICATE} <= reached
 
 

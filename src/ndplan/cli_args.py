@@ -124,6 +124,10 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                      help="FSDP keeps parameters gathered after forward (default: resharded)")
     mem.add_argument("--optimizer-offload", action="store_true", default=None,
                      help="optimizer states in host memory, the update run by Adam on the CPU")
+    mem.add_argument("--offload-optimizer-states", action="store_true", default=None,
+                     help="optimizer states and master weights in host memory through the forward and backward, "
+                          "back on the device for its step (Megatron-Core's --offload-optimizer-states, MindSpeed's "
+                          "--swap-optimizer; runtime megatron, distributed optimizer)")
     mem.add_argument("--recompute", choices=RECOMPUTES,
                      help="activation recompute of the decoder layers (default none): selective re-runs the "
                           "runtime's selective policy in backward, full the whole layer from its input")

@@ -147,12 +147,15 @@ def build_problems(
     step_device = (uniform.params + uniform.grads + uniform.optimizer + uniform.optimizer_step) * slack + overhead_bytes
     p = strategies[0].precision
     optimizer = np.where(head.optimizer_offload > 0, 0.0, p.optimizer_bytes)
+    # The states and master weights an offload between steps keeps on the host through the
+    # forward and backward: on the device at the step alone (``static_state``).
+    optimizer_fb = np.where(head.offload_optimizer_states > 0, 0.0, optimizer)
     # Bytes per element of a non-expert and of an expert weight (parameters, gradients, states,
-    # and the buckets a DDP reducer keeps beside the gradients).
+    # and the buckets a DDP reducer keeps beside the gradients), as the forward and backward hold them.
     buckets = ddp_bucket_width(options.profile, p.grad_bytes, head.zero, head.dp, head.cp)
-    per_element = p.param_bytes / shards.params + p.grad_bytes / shards.grads + optimizer / shards.optimizer + buckets
+    per_element = p.param_bytes / shards.params + p.grad_bytes / shards.grads + optimizer_fb / shards.optimizer + buckets
     per_expert_element = (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
-                          + optimizer / shards.expert_optimizer + buckets)
+                          + optimizer_fb / shards.expert_optimizer + buckets)
     # Under fp8 GEMMs, the quantised copies of the layer's linear weights the runtime keeps.
     cache_width = fp8_weight_cache_width(options.profile, p, head.zero)
     linear = linear_weight_elements(model, head.tp.astype(float), head.ep.astype(float), head.etp.astype(float))
@@ -161,6 +164,8 @@ def build_problems(
     # The update's temporaries per element the rank's optimizer holds (``stages.stage_memory``).
     temp_bytes = np.where((head.optimizer_offload > 0) | (p.optimizer_bytes == 0), 0.0,
                           options.profile.optimizer_temp_copies * (p.master_weight_bytes or p.param_bytes))
+    # (and the states back from the host for the step)
+    temp_bytes = temp_bytes + (optimizer - optimizer_fb)
     step_of = {kind: static_of[kind] + temp_bytes * (elements.non_expert[kind] / shards.optimizer
                                                      + elements.expert[kind] / shards.expert_optimizer)
                for kind in ("dense", "moe")}

@@ -560,14 +560,26 @@ def _sharding(args: Args, settings: dict[str, Any], warnings: list[str], notes: 
                                  f"{instances} does not divide dp·cp = {replicas}")
             settings["shard_group"] = replicas // instances
     offload = args.has("--optimizer-cpu-offload")
-    if args.has("--swap-optimizer"):
-        offload = True
-        notes.append("--swap-optimizer is priced as optimizer offload to the host")
     fraction = args.get("--optimizer-offload-fraction")
     if offload and fraction and fraction.values and float(fraction.values[0]) < 1.0:
         warnings.append(f"{args.src.where(fraction.line)}: --optimizer-offload-fraction {fraction.values[0]}: "
                         "ndplan offloads the whole optimizer state")
     settings["optimizer_offload"] = offload
+    # The states and master weights on the host through the forward and backward, back for a step
+    # on the device: Megatron-Core's --offload-optimizer-states, MindSpeed's --swap-optimizer (which
+    # brings them back in --swap-optimizer-times slices; priced whole, an upper bound of the step's peak).
+    between = args.has("--offload-optimizer-states") or args.has("--swap-optimizer")
+    if between and offload:
+        warnings.append(f"{args.src.where(args.line('--offload-optimizer-states', '--swap-optimizer'))}: the optimizer "
+                        "states are offloaded for a step on the CPU (--optimizer-cpu-offload) already; "
+                        "--offload-optimizer-states / --swap-optimizer ignored")
+        between = False
+    if between and args.has("--swap-optimizer"):
+        notes.append("--swap-optimizer: MindSpeed keeps the optimizer states and master weights on the host through the "
+                     "forward and backward and swaps them back in slices for the step on the NPU; priced as "
+                     "--offload-optimizer-states (reloaded whole: the step's peak an upper bound)")
+    args.has("--swap-optimizer-times")  # (read: the slices change the step's peak alone, bounded above)
+    settings["offload_optimizer_states"] = between
 
 
 def _recompute(args: Args, settings: dict[str, Any], warnings: list[str], notes: list[str]) -> None:

@@ -166,6 +166,11 @@ def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[st
         flags.append(("--num-distributed-optimizer-instances", s.dp * s.cp // s.shard_group))
     if s.optimizer_offload:
         flags += [("--optimizer-cpu-offload", None), ("--use-precision-aware-optimizer", None)]
+    if s.offload_optimizer_states:
+        flags.append(("--offload-optimizer-states", None))
+        said.append("--offload-optimizer-states is Megatron-Core's optimizer-state offloader (a development-branch "
+                    "flag when Megatron-MoE-ModelZoo's GB200 DeepSeek-V3 script used it; Transformer Engine's "
+                    "FusedAdam); MindSpeed's is --swap-optimizer")
     if s.recompute == "full":
         flags.append(("--recompute-granularity", "full"))
         if s.recompute_layers:

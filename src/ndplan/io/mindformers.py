@@ -607,6 +607,9 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
         lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
     if s.offload_layers:
         lost.append(f"layer offload (Megatron-Core only): the first {s.offload_layers} layers' activations")
+    if s.offload_optimizer_states:
+        lost.append("the optimizer states on the host between steps (Megatron-Core's --offload-optimizer-states, "
+                    "MindSpeed's --swap-optimizer only)")
     if model is not None and s.tp > model.split_kv_heads:
         lost.append(f"tp={s.tp} above the model's {model.num_kv_heads} KV heads (MindFormers' attention needs "
                     "n_kv_head a multiple of model_parallel; Megatron-Core runs it)")

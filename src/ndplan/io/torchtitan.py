@@ -643,6 +643,9 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
         lost.append(f"activation offload (Megatron-Core only): {' '.join(s.offload_modules)}")
     if s.offload_layers:
         lost.append(f"layer offload (Megatron-Core only): the first {s.offload_layers} layers' activations")
+    if s.offload_optimizer_states:
+        lost.append("the optimizer states on the host between steps (Megatron-Core's --offload-optimizer-states, "
+                    "MindSpeed's --swap-optimizer only)")
 
     lines = ["# torchtitan job settings written by ndplan" + (f" for {model.name}" if model else "") + f": {s.short()}",
              f"# world size: {s.world_size} (NGPU × nodes)"]

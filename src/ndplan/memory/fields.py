@@ -16,8 +16,8 @@ PIPELINE_SHAPE = ("schedule", "pp", "vpp", "seq_chunks", "embedding_as_layer", "
 #: The fields of a strategy that the static state (parameters, gradients, optimizer states) and
 #: the runtime overhead read, and with them ``static_lower_bound`` (a test perturbs the others).
 STATIC_FIELDS = (
-    *PIPELINE_SHAPE, "tp", "cp", "dp", "ep", "etp", "zero", "shard_group", "optimizer_offload", "num_micro_batches",
-    "pipeline_runs",
+    *PIPELINE_SHAPE, "tp", "cp", "dp", "ep", "etp", "zero", "shard_group", "optimizer_offload", "offload_optimizer_states",
+    "num_micro_batches", "pipeline_runs",
 )
 #: What the static state reads of STATIC_FIELDS: all but the micro-batch counts, of which it reads
 #: only whether a step runs more than one (``static_state``: the embedding gradient a DTensor

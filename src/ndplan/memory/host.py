@@ -4,9 +4,10 @@ the CPU side, to be checked against the device's share of its node's host memory
 
 Per stage, bytes:
 
-* optimizer (``Strategy.optimizer_offload``): the stage's optimizer shard elements ×
-  ``static_state.host_optimizer_width`` (states + the updated weight + its gradient: 16 B with
-  Adam and fp32 master weights);
+* optimizer: for a step on the CPU (``Strategy.optimizer_offload``) the stage's optimizer shard
+  elements × ``static_state.host_optimizer_width`` (states + the updated weight + its gradient:
+  16 B with Adam and fp32 master weights); between steps (``Strategy.offload_optimizer_states``)
+  the states and master weights the device frees (its optimizer bytes);
 * activations: Σ over the stage's chunks of the schedule's peak count of that chunk's held
   micro-batches (``schedule.in_flight``) × what one micro-batch of the chunk moves to the host:
   tokens · (dense layers · moved per dense layer + MoE layers · moved per MoE layer) for
@@ -56,7 +57,8 @@ class HostMemory:
 def uses_host(batch: StrategyBatch) -> np.ndarray:
     """[n] bool: the strategies that put anything in host memory (an offloaded optimizer,
     offloaded modules or layers)."""
-    return (batch.optimizer_offload > 0) | (batch.offload_layers > 0) | bool(batch.offload_modules)
+    return ((batch.optimizer_offload > 0) | (batch.offload_optimizer_states > 0) | (batch.offload_layers > 0)
+            | bool(batch.offload_modules))
 
 
 def host_memory(

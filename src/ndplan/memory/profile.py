@@ -266,6 +266,10 @@ class RuntimeProfile:
     #: Whether it offloads whole layers' activations (Megatron-Core's --cpu-offloading-num-layers,
     #: ``Strategy.offload_layers``; ``memory.layer_offload``).
     layer_offload: bool = False
+    #: Whether its distributed optimizer keeps the optimizer states and master weights on the host
+    #: through the forward and backward (Megatron-Core's --offload-optimizer-states, MindSpeed's
+    #: --swap-optimizer; ``Strategy.offload_optimizer_states``).
+    optimizer_state_offload: bool = False
     overhead: dict[str, float] = field(default_factory=dict)
     #: The recompute modules its entries name (``recomputed_by``); empty where the runtime has
     #: only its own selective policy.
@@ -355,6 +359,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         schedules=_schedules(data.get("schedules", list(SCHEDULES)), source),
         tp_above_kv_heads=bool(data.get("tp_above_kv_heads", False)),
         layer_offload=bool(data.get("layer_offload", False)),
+        optimizer_state_offload=bool(data.get("optimizer_state_offload", False)),
         overhead=_overhead(data.get("overhead"), source),
         recompute_modules=tuple(m for m in RECOMPUTE_MODULES
                                 if any(m in t.recomputed_by for entries in blocks.values() for t in entries)),

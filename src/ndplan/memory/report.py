@@ -304,7 +304,9 @@ class MemoryReport:
             + (f" / {shards} (ZeRO≥1)" if s.zero >= 1 else "")
             + (f" → offloaded to pinned host memory, elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + "
                f"2·{p.master_weight_bytes or p.param_bytes}) B (states, the weight the CPU step updates and its "
-               f"gradient) = {format_bytes(stage.host_optimizer_bytes)} there" if s.optimizer_offload else "")
+               f"gradient) = {format_bytes(stage.host_optimizer_bytes)} there" if s.optimizer_offload else
+               " (on pinned host memory through the forward and backward, --offload-optimizer-states: on the device "
+               "at the optimizer step alone)" if s.offload_optimizer_states else "")
             + f" = {format_bytes(stage.optimizer_bytes)}",
             f"activations = max over the {s.schedule} timeline of Σ in-flight micro-batches × bytes/token × tokens "
             f"({self.options.runtime} profile, {self.options.attention} attention, recompute {s.recompute}) "
@@ -336,8 +338,9 @@ class MemoryReport:
             f"split backward, full recompute) a weight-gradient step's rebuilt copies, per layer groups × "
             f"unread bytes = {format_bytes(stage.transient_bytes)}",
             f"fwd/bwd    = static + activations + comm + transient − not yet created "
-            f"({format_bytes(stage.unmade_bytes)}: gradients the backward has not made, or activations "
-            f"it has freed, at that moment) "
+            f"({format_bytes(stage.unmade_bytes)}: gradients the backward has not made, activations "
+            f"it has freed" + (", optimizer states waiting on the host" if s.offload_optimizer_states else "")
+            + ", at that moment) "
             f"= {format_bytes(stage.forward_backward_bytes)}",
             f"allocated  = max(fwd/bwd, optimizer-step peak {format_bytes(stage.step_peak_bytes)} = static"
             f" + optimizer step {format_bytes(stage.optimizer_step_bytes)}) = {format_bytes(stage.allocated_bytes)}",

@@ -725,7 +725,10 @@ def _group_evaluation(
 
     # The static state per strategy: its sums, each gathered once, and its parts where the
     # figures of every category are kept.
+    # (the optimizer step holds every state; the forward and backward not those that wait on the
+    # host between steps)
     total = static.at(static.total)
+    total_fb = static.at(static.total_forward_backward)
     if not device_only:
         for name in ("params", "grads", "optimizer"):
             out[name] = static.at(getattr(static, name))
@@ -741,7 +744,7 @@ def _group_evaluation(
         # of the backward (all gradients, one layer's working set) are the two candidate peaks.
         single = np.flatnonzero(batch.micro_batches_per_step == 1)  # priced on those rows alone
         if single.size:
-            static_single, comm_single = total[single], out["comm"][single]
+            static_single, comm_single = total_fb[single], out["comm"][single]
             grads_single = static.at(static.grads, single)
             loss_phase = expand(static_single - grads_single) + held[:, single]
             loss_phase += expand(comm_single)
@@ -780,7 +783,7 @@ def _group_evaluation(
         layer_unit = np.maximum(static.at(units["dense"], closing), static.at(units["moe"], closing))
         first_unit = np.where(to_stages(np.broadcast_to(first_virtual, elements.shape), chunks) > 0,
                               static.at(units["embedding"], closing)[:, None], layer_unit[:, None])
-        end = (total[closing] - static.at(static.grads, closing) + accumulated + gathered
+        end = (total_fb[closing] - static.at(static.grads, closing) + accumulated + gathered
                + first_unit * grad_bytes + overhead.workspace_bytes)
         forward_backward[:, closing] = np.maximum(forward_backward[:, closing], expand(end))
     if device_only:  # in place: the figures in between are not kept

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ndplan.errors import NdplanError
 from ndplan.memory.grouping import group_combinations, shape_signature
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.overhead import RuntimeOverhead, overhead_model
@@ -130,6 +131,9 @@ def static_state(
     """``StaticState`` of a group's strategies (``scores``: with ``mlp_grads``); with ``kinds``,
     each kind's parameters, gradients and optimizer states are added to the breakdown's rows
     ``index``."""
+    if not options.profile.optimizer_state_offload and bool(batch.offload_optimizer_states.any()):
+        raise NdplanError(f"offload_optimizer_states is Megatron-Core's --offload-optimizer-states (MindSpeed's "
+                          f"--swap-optimizer); runtime '{options.profile.name}' has no such feature (use runtime megatron)")
     placement = shape.placement
     pp, vpp = len(shape.pattern_of), shape.chunks.shape[1]
     computed, chunks = len(shape.used), shape.chunks
@@ -205,7 +209,11 @@ def static_state(
             value = non_expert_stage * (width / non_expert_div) + expert_stage * (width / expert_div)
         out[category] = np.where(offload, 0.0, value) if category == "optimizer" else value
         if category == "optimizer":
-            out["host_optimizer"] = np.where(offload, value * (host_optimizer_width(precision) / max(width, 1)), 0.0)
+            # Offloaded for a step on the CPU: the states, the weight it updates and that weight's
+            # gradient; between steps: the states and master weights (what the device frees).
+            between = batch.offload_optimizer_states[:, None] > 0
+            out["host_optimizer"] = np.where(offload, value * (host_optimizer_width(precision) / max(width, 1)),
+                                             np.where(between, value, 0.0))
         if kinds is None:
             continue
         for static_kind in STATIC_KINDS:
@@ -283,13 +291,19 @@ def static_state(
     # when DDP wraps the model and kept (the comm buffers of every phase).
     ddp_buckets = (non_expert_stage + expert_stage) * ddp_bucket_width(profile, grad_bytes, batch.zero, batch.dp,
                                                                        batch.cp)[:, None]
-    params_optimizer = out["params"] + out["optimizer"]
+    # The optimizer states and master weights an offload between steps keeps on the host through
+    # the forward and backward (Megatron-Core's --offload-optimizer-states): on the device at the
+    # step alone.
+    between_steps = batch.offload_optimizer_states[:, None] > 0
+    optimizer_forward_backward = np.where(between_steps, 0.0, out["optimizer"])
+    params_optimizer = out["params"] + optimizer_forward_backward
     # The optimizer step's temporaries of the update, in the dtype of the weights it updates.
     updated_bytes = precision.master_weight_bytes or precision.param_bytes
     optimizer_update = out["optimizer"] / max(optimizer_bytes, 1) * profile.optimizer_temp_copies * updated_bytes
     return StaticState(
         params=out["params"], grads=out["grads"], optimizer=out["optimizer"], params_optimizer=params_optimizer,
         total=out["params"] + out["grads"] + out["optimizer"], optimizer_update=optimizer_update,
+        total_forward_backward=out["params"] + out["grads"] + optimizer_forward_backward,
         grads_virtual=grads_virtual,
         unit_elements={kind: non_expert + expert for kind, (non_expert, expert) in unit_parts.items()}
         | {"tied": table * (model.tie_word_embeddings & ~apart)},
@@ -311,8 +325,10 @@ class StaticState:
     (None: one each, in order); ``at`` reads a figure per strategy.
 
     Per stage pattern [combinations, P] bytes: ``params``, ``grads`` and ``optimizer`` (0 where
-    offloaded), ``params_optimizer`` = params + optimizer, ``total`` = params + grads +
-    optimizer (summed in that order), ``optimizer_update`` = optimizer / max(optimizer bytes, 1)
+    offloaded for a step on the CPU), ``params_optimizer`` = params + optimizer as the forward and
+    backward hold them (no optimizer where it waits on the host between steps), ``total`` = params
+    + grads + optimizer (summed in that order; at the step), ``total_forward_backward`` the same
+    as the forward and backward hold it, ``optimizer_update`` = optimizer / max(optimizer bytes, 1)
     · optimizer_temp_copies · the updated weights' bytes (the optimizer step's temporaries of
     the update); per virtual stage [combinations, U] ``grads_virtual``; the elements per virtual
     stage and per pattern (non-expert + expert: ``elements_virtual``, ``stage_elements``); per
@@ -334,6 +350,7 @@ class StaticState:
     optimizer: np.ndarray
     params_optimizer: np.ndarray
     total: np.ndarray
+    total_forward_backward: np.ndarray
     optimizer_update: np.ndarray
     grads_virtual: np.ndarray
     elements_virtual: np.ndarray

@@ -19,7 +19,9 @@
   one gradient read for clipping and one write to zero the gradient; a latency-bound
   all-reduce of the gradient norm (tree: 2·ceil(log2(world)) steps; none on one device).
   With optimizer offload: the gradient goes to the host and the parameters come back over the
-  host link, and a CPU Adam runs at ``cpu_optimizer_params_per_s``.
+  host link, and a CPU Adam runs at ``cpu_optimizer_params_per_s``. With the optimizer states
+  offloaded between steps: their reload (states and master weights over the host link) before
+  the update on the device.
 
 Breakdown (seconds, summing to step_s), on the bottleneck stage s* (largest per-micro-batch
 time): compute = m·compute(s*), comm_exposed tp/cp/ep = m·exposed(s*), dp = m·FSDP(s*) + the
@@ -122,7 +124,7 @@ _SPLITS_BACKWARD = np.isin(np.arange(len(CODES["schedule"])), SPLIT_SCHEDULE_COD
 _STEP_FIELDS = ("num_micro_batches", "pipeline_runs", "seq_chunks")
 #: Strategy fields the per-step DP and optimizer terms read (besides the stage's parameters).
 _DP_FIELDS = ("tp", "ep", "etp", "dp", "cp", "pp", "zero", "fsdp", "shard_group", "optimizer_offload",
-              "reshard_after_forward")
+              "offload_optimizer_states", "reshard_after_forward")
 
 
 def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile) -> ComputeRates:
@@ -478,6 +480,11 @@ def _dp_raw(
     update = local * per_param / optimizer_rate
     offload = local * (prec.grad_bytes + prec.param_bytes) / host_bw + local / cpu_params_per_s
     update = np.where(c["optimizer_offload"] > 0, offload, update)
+    # States and master weights kept on the host between steps come back before the step: the
+    # reload, which starts as the gradients are finalised, is priced whole before the update (its
+    # overlap with their reduce is not); the copy out overlaps the next forward.
+    reload = local * (prec.optimizer_states * prec.optimizer_state_bytes + prec.master_weight_bytes) / host_bw
+    update = update + np.where(c["offload_optimizer_states"] > 0, reload, 0.0)
     # The gradient norm's all-reduce: latency-bound, 2·ceil(log2(world)) tree steps; a world of
     # one rank has nothing to reduce.
     world = c["dp"] * c["cp"] * c["tp"] * c["pp"]

@@ -205,6 +205,14 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
         lambda s, _, runtime: (f"offload_layers={s.offload_layers}: the {runtime} runtime has no layer offload "
                                "(Megatron-Core's --cpu-offloading-num-layers)"),
     ),
+    # The optimizer states wait on the host between steps in Megatron-Core (--offload-optimizer-states)
+    # and MindSpeed (--swap-optimizer): the megatron profile's optimizer_state_offload.
+    RuntimeLimit(
+        "pytorch",
+        lambda b, _, __: b.offload_optimizer_states == 0,
+        lambda s, _, runtime: (f"offload_optimizer_states: the {runtime} runtime has no such feature "
+                               "(Megatron-Core's --offload-optimizer-states, MindSpeed's --swap-optimizer)"),
+    ),
     # torchtitan's TP plan shards wq/wk/wv column-wise and views each rank's part as whole heads
     # (Attention.forward's view(bs, seqlen, -1, head_dim)): a rank needs one KV head at least;
     # Megatron-Core gathers the QKV output instead (strategy.rules, tp_divides_kv_heads).

@@ -116,8 +116,8 @@ FIELD_DIMENSIONS: dict[str, tuple[str, ...]] = {
 #: divide dp·cp, a limit above a stage's layers, a Ulysses degree that does not divide cp) the
 #: rules reject the candidate, counted under the rule's name.
 CARRIED_FIELDS: tuple[str, ...] = (
-    "shard_group", "reshard_after_forward", "optimizer_offload", "recompute_layers", "ulysses_degree",
-    "embedding_as_layer", "output_as_layer",
+    "shard_group", "reshard_after_forward", "optimizer_offload", "offload_optimizer_states", "recompute_layers",
+    "ulysses_degree", "embedding_as_layer", "output_as_layer",
 )
 
 
@@ -189,7 +189,8 @@ class SearchSpace:
     @property
     def may_use_host(self) -> bool:
         """Whether some candidate offloads to host memory (its optimizer, modules or layers)."""
-        return bool(self.carried.get("optimizer_offload") or any(self.offload_layers) or any(self.offload_modules))
+        return bool(self.carried.get("optimizer_offload") or self.carried.get("offload_optimizer_states")
+                    or any(self.offload_layers) or any(self.offload_modules))
 
     @property
     def size(self) -> int:
@@ -595,8 +596,10 @@ def _carried(carried: Mapping[str, int | bool]) -> dict[str, int]:
         if name not in CARRIED_FIELDS:
             raise NdplanError(f"a search space carries none of '{name}'{did_you_mean(name, CARRIED_FIELDS)}; "
                               f"it carries {', '.join(CARRIED_FIELDS)}")
+        # (checked on a strategy it can apply to: the states offload needs the distributed optimizer)
+        context = {"zero": 1} if name == "offload_optimizer_states" else {}
         try:
-            checked = getattr(Strategy(**{name: value}), name)
+            checked = getattr(Strategy(**context, **{name: value}), name)
         except ValueError as error:  # pydantic's ValidationError is a ValueError
             raise NdplanError(f"carried {name}={value!r}: {error}") from None
         # (Resharding on is the default of a strategy, not of a space: ``reshard_under_pipeline``.)

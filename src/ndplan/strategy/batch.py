@@ -51,6 +51,7 @@ class StrategyBatch:
     shard_group: IntArray
     reshard_after_forward: IntArray
     optimizer_offload: IntArray
+    offload_optimizer_states: IntArray
     recompute: IntArray
     recompute_layers: IntArray
     offload_layers: IntArray

@@ -22,6 +22,7 @@ from ndplan.strategy.strategy import (
     Strategy,
     layer_offload_conflict,
     offload_conflict,
+    optimizer_state_offload_conflict,
 )
 
 
@@ -321,6 +322,12 @@ RULES: tuple[Rule, ...] = (
         "offload_layers_run",
         lambda b, c: (b.offload_layers == 0) | ((b.pp == 1) & b.is_("recompute", "none") & (not b.offload_modules)),
         lambda s, c: layer_offload_conflict(s.offload_layers, s.pp, s.recompute, s.offload_modules),
+    ),
+    Rule(
+        "optimizer_states_offload_needs_distributed_optimizer",
+        lambda b, c: (b.offload_optimizer_states == 0) | (((b.zero == 1) | (b.zero == 2)) & (b.fsdp == 0)
+                                                         & (b.optimizer_offload == 0)),
+        lambda s, c: optimizer_state_offload_conflict(s.offload_optimizer_states, s.zero, s.fsdp, s.optimizer_offload),
     ),
     Rule(
         "offload_layers_below_layers",

@@ -77,6 +77,22 @@ def layer_offload_conflict(layers: int, pp: int, recompute: str, offload_modules
     return ""
 
 
+def optimizer_state_offload_conflict(offload_states: bool, zero: int, fsdp: bool, optimizer_offload: bool) -> str:
+    """Why the optimizer states cannot wait on the host between steps (Megatron-Core's
+    --offload-optimizer-states, MindSpeed's --swap-optimizer: both on the distributed
+    optimizer), or ''."""
+    if not offload_states:
+        return ""
+    if optimizer_offload:
+        return ("offload_optimizer_states with optimizer_offload: the states either wait on the host for a step on the "
+                "device (--offload-optimizer-states) or stay there for a step on the CPU (--optimizer-cpu-offload), "
+                "not both")
+    if zero == 0 or zero == 3 or fsdp:
+        return (f"offload_optimizer_states with zero={zero}{' and fsdp' if fsdp else ''}: it works on Megatron's "
+                "distributed optimizer (--use-distributed-optimizer: zero 1 or 2)")
+    return ""
+
+
 def offload_conflict(offload: tuple[str, ...], recompute: str, recompute_modules: tuple[str, ...], schedule: str) -> str:
     """Why Megatron-Core would not run (or would silently not do) this activation offload, or ''."""
     if not offload:
@@ -120,7 +136,11 @@ class Strategy(BaseModel):
     for the backward (``--fine-grained-activation-offloading --offload-modules``, ``OFFLOAD_MODULES``).
     ``offload_layers`` copies every saved activation of that many decoder layers, the first ones,
     instead (``--cpu-offloading-num-layers``; Megatron-Core runs it without a pipeline, without
-    recompute and without fine-grained offload).
+    recompute and without fine-grained offload). ``optimizer_offload`` keeps the optimizer states
+    and master weights on the host for a step on the CPU (``--optimizer-cpu-offload``);
+    ``offload_optimizer_states`` keeps them there only through the forward and backward and brings
+    them back for a step on the device (Megatron-Core's ``--offload-optimizer-states``,
+    MindSpeed's ``--swap-optimizer``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -148,6 +168,7 @@ class Strategy(BaseModel):
     shard_group: int = Field(default=0, ge=0, le=MAX_DEGREE, description="HSDP shard-group size; 0 means all dp·cp ranks")
     reshard_after_forward: bool = True
     optimizer_offload: bool = False
+    offload_optimizer_states: bool = False
 
     recompute: Recompute = "none"
     recompute_layers: int = Field(default=0, ge=0, le=MAX_DEGREE, description="layers per (virtual) stage recomputed; 0 means all")
@@ -235,6 +256,10 @@ class Strategy(BaseModel):
         problem = layer_offload_conflict(self.offload_layers, self.pp, self.recompute, self.offload_modules)
         if problem:
             raise ValueError(problem)
+        problem = optimizer_state_offload_conflict(self.offload_optimizer_states, self.zero, self.fsdp,
+                                                   self.optimizer_offload)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def with_recompute(self, recompute: str, recompute_layers: int = 0, modules: tuple[str, ...] | None = None) -> Strategy:
@@ -289,4 +314,8 @@ class Strategy(BaseModel):
             parts.append(f"offload({'+'.join(self.offload_modules)})")
         if self.offload_layers:
             parts.append(f"offload-layers{self.offload_layers}")
+        if self.optimizer_offload:
+            parts.append("optimizer-cpu")
+        if self.offload_optimizer_states:
+            parts.append("optimizer-states-host")
         return " ".join(parts)
