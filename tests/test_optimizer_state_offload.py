@@ -134,3 +134,19 @@ def test_the_cli_names_what_it_needs(capsys):
                  "--offload-optimizer-states", "--runtime", "megatron"]) == 2
     err = capsys.readouterr().err
     assert "offload_optimizer_states with zero=0" in err and "--use-distributed-optimizer" in err
+
+
+def test_the_report_reproduces_it():
+    import argparse
+    import shlex
+
+    from ndplan.cli_args import add_strategy_arguments, gather_settings, strategy_from_settings
+    from ndplan.report.html import reproduce_command
+
+    strategy = _strategy(True, num_micro_batches=4)
+    command, missing = reproduce_command({"model": "llama-3.1-8b", "hardware": "h100-sxm", "devices": 8,
+                                          "strategy": strategy.model_dump(mode="json")})
+    assert missing == [] and "--offload-optimizer-states" in command
+    parser = argparse.ArgumentParser()
+    add_strategy_arguments(parser)
+    assert strategy_from_settings(gather_settings(parser.parse_args(shlex.split(command)[2:]))) == strategy

@@ -440,6 +440,9 @@ def reproduce_command(inputs: Mapping[str, Any]) -> tuple[str, list[str]]:
         elif key == "optimizer_offload":
             if value:
                 args.append("--optimizer-offload")
+        elif key == "offload_optimizer_states":
+            if value:
+                args.append("--offload-optimizer-states")
         elif key == "reshard_after_forward":
             if value is False:
                 args.append("--no-reshard")
