@@ -54,7 +54,7 @@ def test_the_step_peak_bounds_what_it_saves():
 
 
 def test_it_needs_megatrons_distributed_optimizer():
-    for fields, said in (({"zero": 0}, "zero=0"), ({"zero": 3, "fsdp": True}, "zero=3 and fsdp"),
+    for fields, said in (({"zero": 0}, "zero=0"), ({"zero": 2}, "zero=2"), ({"zero": 3, "fsdp": True}, "zero=3 and fsdp"),
                          ({"optimizer_offload": True}, "not both")):
         with pytest.raises(ValidationError, match=said):
             _strategy(True, **fields)
@@ -108,23 +108,46 @@ def test_megatron_and_mindspeed_launches_carry_it_and_other_formats_say_they_los
         assert "the optimizer states on the host between steps" in emit(LLAMA, _strategy(True), fmt)
 
 
-def test_the_search_carries_it_from_a_launch_and_ranks_as_the_single_strategy_api_does():
-    from ndplan.perf import step_time_batch
-    from ndplan.search import default_space, run_search
+def _tiny_space(**fields):
+    from ndplan.search import default_space
     from ndplan.strategy import get_precision
-    from search_brute import brute_force_ranking
 
     tiny = get_preset("llama-3.1-8b").model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4})
+    space = default_space(tiny, get_device("h100-sxm"), 8, 16, 1024, get_precision("megatron-bf16"), **fields)
+    return tiny, space
+
+
+def _ranked_as_brute_force(model, space):
+    from ndplan.perf import step_time_batch
+    from ndplan.search import run_search
+    from search_brute import brute_force_ranking
+
     device = get_device("h100-sxm")
-    space = default_space(tiny, device, 8, 16, 1024, get_precision("megatron-bf16"), dims=("pp", "zero", "recompute"))
-    space = space.__class__(**{**space.__dict__, "carried": {"offload_optimizer_states": 1}})
     step_time = lambda m, b, c: step_time_batch(m, b, c, weight_grad_rebuilds=False)  # noqa: E731 (megatron runtime)
     limit = 30 * 2**30
-    result = run_search(tiny, device, space, step_time, memory_limit_bytes=limit, options=MEGATRON, top=10**9)
-    assert result.rejected["optimizer_states_offload_needs_distributed_optimizer"] > 0
-    assert result.ranked and all(row["zero"] in (1, 2) for row in result.ranked)
-    assert [row["candidate"] for row in result.ranked] == brute_force_ranking(tiny, device, space, step_time, limit,
+    result = run_search(model, device, space, step_time, memory_limit_bytes=limit, options=MEGATRON, top=10**9)
+    assert [row["candidate"] for row in result.ranked] == brute_force_ranking(model, device, space, step_time, limit,
                                                                               MEGATRON)
+    return result
+
+
+def test_a_launchs_setting_is_carried_to_the_candidates_with_the_distributed_optimizer():
+    tiny, space = _tiny_space(dims=("pp", "zero", "recompute"), carried={"offload_optimizer_states": True})
+    result = _ranked_as_brute_force(tiny, space)
+    assert result.rejected["optimizer_states_offload_needs_distributed_optimizer"] == 0
+    zeros = {(row["zero"], row["offload_optimizer_states"]) for row in result.ranked}
+    assert zeros == {(0, False), (1, True), (2, False), (3, False)}
+
+
+def test_the_search_weighs_it_as_an_opt_in_dimension():
+    tiny, space = _tiny_space(dims=("pp", "zero", "recompute", "offload_optimizer_states"))
+    assert space.offload_optimizer_states == (0, 1)
+    result = _ranked_as_brute_force(tiny, space)
+    assert result.rejected["optimizer_states_offload_needs_distributed_optimizer"] > 0
+    assert {row["offload_optimizer_states"] for row in result.ranked} == {False, True}
+    assert all(row["zero"] == 1 for row in result.ranked if row["offload_optimizer_states"])
+    fixed = _tiny_space(dims=("pp",), fixed={"offload_optimizer_states": "on"})[1]
+    assert fixed.offload_optimizer_states == (1,)
 
 
 def test_the_cli_names_what_it_needs(capsys):

@@ -42,8 +42,8 @@ FROM_HELP = {
             "world size needs --devices)",
     "search": f"read model, cluster and batch from {_CONFIGS} (flags win; with --dims, the dimensions not "
               "searched keep the file's values; the file's settings no dimension holds (HSDP shard "
-              "group, reshard, recompute of some layers, Ulysses degree, optimizer offload, embedding "
-              "and output as layers) are kept by every candidate where they mean something, and a "
+              "group, reshard, recompute of some layers, Ulysses degree, optimizer offload, the optimizer "
+              "states between steps unless searched, embedding and output as layers) are kept by every candidate where they mean something, and a "
               "candidate they are invalid for (a shard group not dividing dp·cp, a limit above its "
               "stages' layers) is rejected by the rule, counted; its stage_layers are dropped, named "
               "in a note)",

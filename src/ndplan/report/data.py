@@ -56,7 +56,7 @@ COMM_DIMS = ("tp", "cp", "ep", "dp", "offload", "pp")
 #: Table columns shown first, in this order, when a row has them.
 ROW_PRIORITY = (
     "rank", "dp", "tp", "pp", "cp", "ep", "etp", "vpp", "schedule", "zero", "fsdp", "recompute", "recompute_modules",
-    "offload_modules", "offload_layers", "micro_batch_size", "mbs", "num_micro_batches", "seq_length", "peak_bytes", "step_s",
+    "offload_modules", "offload_layers", "offload_optimizer_states", "micro_batch_size", "mbs", "num_micro_batches", "seq_length", "peak_bytes", "step_s",
     "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
 )
 
@@ -151,6 +151,10 @@ def strategy_short(strategy: Mapping[str, Any]) -> str:
         parts.append(f"offload={offload if isinstance(offload, str) else '+'.join(offload)}")
     if strategy.get("offload_layers"):
         parts.append(f"offload-layers{strategy['offload_layers']}")
+    if strategy.get("optimizer_offload"):
+        parts.append("optimizer-cpu")
+    if strategy.get("offload_optimizer_states"):
+        parts.append("optimizer-states-host")
     mbs = strategy.get("micro_batch_size", strategy.get("mbs"))
     if mbs is not None:
         parts.append(f"mbs{mbs}")

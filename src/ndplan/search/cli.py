@@ -56,6 +56,7 @@ def add_search_command(subparsers: Any) -> argparse.ArgumentParser:
     from ndplan.io import EMIT_FORMATS
     from ndplan.io.cli import add_from_argument
     from ndplan.search import DIMENSIONS
+    from ndplan.search.space import OPT_IN_DIMENSIONS
     from ndplan.strategy import PRECISION_PRESETS
 
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -69,7 +70,9 @@ def add_search_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="global batch size in sequences (needed, unless --from states it)")
     p.add_argument("--seq", type=sequence_length, help="sequence length in tokens (default 4096)")
     add_from_argument(p, "search")
-    p.add_argument("--dims", nargs="+", choices=DIMENSIONS, help="dimensions to search (default: all)")
+    p.add_argument("--dims", nargs="+", choices=DIMENSIONS,
+                   help="dimensions to search (default: all but " + ", ".join(OPT_IN_DIMENSIONS) + ", which are "
+                        "searched only where named)")
     p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b (also vpp=N and seq_chunks=N, the "
                    "pipeline option's other parts)")
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
@@ -127,7 +130,7 @@ def _carried_note(name: str, value: Any) -> str:
              "reshard": "the ZeRO-3 candidates, under a pipeline or not",
              "recompute_layers": "where the candidate recomputes; a stage must hold that many layers",
              "ulysses_degree": "under hybrid context parallelism; it must divide cp",
-             "offload_optimizer_states": "the candidates with the distributed optimizer, zero 1 or 2"}.get(name)
+             "offload_optimizer_states": "the candidates with the distributed optimizer, zero 1"}.get(name)
     return f"{name} {value!r}" + (f" ({where})" if where else "")
 
 
@@ -224,6 +227,9 @@ def _asked(args: argparse.Namespace) -> _SearchAsked:
     stated = {name: file_settings[name] for name in (*_FILE_CARRIED, *_FILE_DROPPED)
               if name != "reshard" and name in file_settings
               and file_settings[name] != getattr(Strategy(), PLAN_TO_FIELD[name])}
+    # (a setting searched or fixed as a dimension is the dimension's, not carried)
+    stated = {name: value for name, value in stated.items()
+              if not (name in (args.dims or ()) or name in fixed)}
     carried = {PLAN_TO_FIELD[name]: value for name, value in stated.items() if name in _FILE_CARRIED}
     dropped = [f"{name} {value!r}" for name, value in stated.items() if name in _FILE_DROPPED]
     # The file's layer offload, where neither searched nor fixed (it is an opt-in dimension).
@@ -675,7 +681,8 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
 #: so that a script reading the file finds the columns and no rows, not an empty file.
 _CSV_COLUMNS = (
     "candidate", "label", "dp", "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "vpp", "schedule", "seq_chunks",
-    "zero", "fsdp", "recompute", "recompute_modules", "offload_modules", "offload_layers", "mbs", "num_micro_batches",
+    "zero", "fsdp", "recompute", "recompute_modules", "offload_modules", "offload_layers", "offload_optimizer_states",
+    "mbs", "num_micro_batches",
     "pipeline_runs", "peak_bytes", "peak_stage", "step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
     "model_flops", "hardware_flops", "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s",
     "optimizer_s", "caveats", "headroom",

@@ -97,6 +97,7 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "zero": strategy.zero, "fsdp": strategy.fsdp, "recompute": strategy.recompute,
         "recompute_modules": "+".join(strategy.recompute_modules),
         "offload_modules": "+".join(strategy.offload_modules), "offload_layers": strategy.offload_layers,
+        "offload_optimizer_states": strategy.offload_optimizer_states,
         "mbs": strategy.micro_batch_size, "num_micro_batches": strategy.num_micro_batches,
         "pipeline_runs": strategy.pipeline_runs,
         "peak_bytes": round(peak), "peak_stage": int(stage),

@@ -41,10 +41,11 @@ from ndplan.strategy.strategy import (
 #: memory, are searched only where asked for (see ``default_space``).
 DIMENSIONS: tuple[str, ...] = (
     "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute", "pipeline_runs",
-    "offload_layers", "recompute_modules", "offload_modules",
+    "offload_layers", "offload_optimizer_states", "recompute_modules", "offload_modules",
 )
 #: Dimensions searched only where ``dims`` names them.
-OPT_IN_DIMENSIONS: tuple[str, ...] = ("pipeline_runs", "offload_layers", "recompute_modules", "offload_modules")
+OPT_IN_DIMENSIONS: tuple[str, ...] = ("pipeline_runs", "offload_layers", "offload_optimizer_states",
+                                      "recompute_modules", "offload_modules")
 #: Dimensions whose values are module sets, one per batch (``StrategyBatch.recompute_modules``,
 #: ``StrategyBatch.offload_modules``).
 SET_DIMENSIONS: tuple[str, ...] = ("recompute_modules", "offload_modules")
@@ -104,6 +105,8 @@ FIELD_DIMENSIONS: dict[str, tuple[str, ...]] = {
     "micro_batch_size": ("mbs",), "recompute": ("recompute",), "pipeline_runs": ("pipeline_runs",),
     "dp": ("tp", "pp", "cp"), "num_micro_batches": ("tp", "pp", "cp", "mbs", "pipeline_runs"),
     "offload_layers": ("offload_layers",),
+    # (a space that carries it applies it where zero is 1: ``_carried_columns``)
+    "offload_optimizer_states": ("offload_optimizer_states", "zero"),
     # The settings a space carries (``SearchSpace.carried``) apply where the candidate's values give them a meaning.
     "shard_group": ("zero",), "recompute_layers": ("recompute",), "ulysses_degree": ("cp_kind",),
 }
@@ -166,6 +169,10 @@ class SearchSpace:
     #: --cpu-offloading-num-layers); 0 none. Candidates Megatron would not run with theirs (a
     #: pipeline, recompute) fail rule ``offload_layers_run``.
     offload_layers: tuple[int, ...] = (0,)
+    #: Whether the optimizer states wait on the host between steps (``Strategy.offload_optimizer_states``,
+    #: Megatron-Core's --offload-optimizer-states): 0, 1 or both. Candidates without the distributed
+    #: optimizer fail rule ``optimizer_states_offload_needs_distributed_optimizer``.
+    offload_optimizer_states: tuple[int, ...] = (0,)
     #: What selective recompute re-runs (``Strategy.recompute_modules``; () is the runtime's own
     #: policy): one set, or several to search. A candidate that does not recompute selectively
     #: re-runs nothing, so it is listed under the first set alone (``duplicates``).
@@ -190,7 +197,7 @@ class SearchSpace:
     def may_use_host(self) -> bool:
         """Whether some candidate offloads to host memory (its optimizer, modules or layers)."""
         return bool(self.carried.get("optimizer_offload") or self.carried.get("offload_optimizer_states")
-                    or any(self.offload_layers) or any(self.offload_modules))
+                    or any(self.offload_layers) or any(self.offload_optimizer_states) or any(self.offload_modules))
 
     @property
     def size(self) -> int:
@@ -330,6 +337,8 @@ class SearchSpace:
                 out[name] = np.where(columns["recompute"] != encode("recompute", "none"), value, 0)
             elif name == "ulysses_degree":
                 out[name] = np.where(columns["cp_kind"] == encode("cp_kind", "hybrid"), value, 1)
+            elif name == "offload_optimizer_states":  # on the distributed optimizer alone (zero 1)
+                out[name] = np.where(columns["zero"] == 1, value, 0)
             elif name == "reshard_after_forward":  # on: every candidate; off: the ZeRO-3 ones keep parameters
                 out[name] = value or (columns["zero"] != 3).astype(np.int64)
             else:
@@ -518,13 +527,15 @@ def default_space(
         "pipeline_runs": tuple(d for d in (1, 2, 4, 8) if global_batch_size % d == 0),
         # Megatron-Core's layer offload: none, or an eighth of the layers up to three quarters.
         "offload_layers": offload_layer_counts(model),
+        # The optimizer states on the device, or on the host between steps (back for the step).
+        "offload_optimizer_states": (0, 1),
         "recompute_modules": given if len(given) > 1 else _distinct((*given, *module_sets(model, "common"))),
         "offload_modules": offloads if len(offloads) > 1 else _distinct((*offloads, *offload_sets(model))),
     }
     defaults: dict[str, tuple] = {
         "tp": (1,), "sp": (0,), "cp": (1,), "cp_kind": ("ring",), "ep": (1,), "etp": (0,), "pp": (1,),
         "schedule": (("1f1b", 1, 1),), "zero": (1,), "mbs": (1,), "recompute": ("none",), "pipeline_runs": (1,),
-        "offload_layers": (0,),
+        "offload_layers": (0,), "offload_optimizer_states": (0,),
         "recompute_modules": given,
         "offload_modules": offloads,
     }
@@ -552,7 +563,7 @@ def default_space(
             if str(value) not in allowed:
                 raise NdplanError(f"--fix {name}={value}: allowed values are {', '.join(allowed)}")
             chosen[name] = (str(value),)
-        elif name == "sp":
+        elif name in ("sp", "offload_optimizer_states"):
             chosen[name] = (_switch(name, value),)
         else:
             chosen[name] = (_fixed_degree(name, value),)

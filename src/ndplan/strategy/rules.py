@@ -325,8 +325,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "optimizer_states_offload_needs_distributed_optimizer",
-        lambda b, c: (b.offload_optimizer_states == 0) | (((b.zero == 1) | (b.zero == 2)) & (b.fsdp == 0)
-                                                         & (b.optimizer_offload == 0)),
+        lambda b, c: (b.offload_optimizer_states == 0) | ((b.zero == 1) & (b.fsdp == 0) & (b.optimizer_offload == 0)),
         lambda s, c: optimizer_state_offload_conflict(s.offload_optimizer_states, s.zero, s.fsdp, s.optimizer_offload),
     ),
     Rule(

@@ -87,9 +87,10 @@ def optimizer_state_offload_conflict(offload_states: bool, zero: int, fsdp: bool
         return ("offload_optimizer_states with optimizer_offload: the states either wait on the host for a step on the "
                 "device (--offload-optimizer-states) or stay there for a step on the CPU (--optimizer-cpu-offload), "
                 "not both")
-    if zero == 0 or zero == 3 or fsdp:
+    if zero != 1 or fsdp:
         return (f"offload_optimizer_states with zero={zero}{' and fsdp' if fsdp else ''}: it works on Megatron's "
-                "distributed optimizer (--use-distributed-optimizer: zero 1 or 2)")
+                "distributed optimizer (--use-distributed-optimizer: zero 1; Megatron-FSDP, zero 2 and 3, has no "
+                "such offload)")
     return ""
 
 
