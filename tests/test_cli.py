@@ -828,7 +828,8 @@ def test_estimate_names_the_kernels_its_runtime_prices(capsys):
     code, out, _ = run(base, capsys)
     assert code == 0
     assert ("kernels (pytorch runtime; another runtime with --runtime): elementwise_passes 4.5, expert_gemm grouped, "
-            "optimizer_kernel foreach, tp_overlap_backward all-gathers, fsdp_stream_copies on, fp8_tp_gather on") in " ".join(out.split())
+            "optimizer_kernel foreach, tp_overlap_backward all-gathers, fsdp_stream_copies on, fsdp_cpu_offload on, "
+            "fp8_tp_gather on") in " ".join(out.split())
     code, out, _ = run([*base, "--runtime", "megatron"], capsys)
     assert code == 0 and "kernels (" not in out
 

@@ -5,12 +5,14 @@ each device's share of its node's host memory (``Device.host_memory_bytes``), an
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from ndplan.cli import main
 from ndplan.errors import NdplanError
 from ndplan.hardware import get_device
+from ndplan.hardware.device import Cluster
 from ndplan.memory import MemoryOptions, estimate
 from ndplan.memory.static_state import host_optimizer_width
 from ndplan.model import get_preset
@@ -143,3 +145,60 @@ def test_balance_says_whether_its_settings_overfill_the_host(capsys):
     out = " ".join(capsys.readouterr().out.split())
     # about half of 8.03e9 parameters a stage, over 8 ranks, at 16 B: ~7.9 GiB against 32 GiB / 8 devices
     assert "balanced settings' host memory does not fit" in out and "over its 4.00 GiB share" in out
+
+
+def _fsdp(offload: bool, **fields) -> Strategy:
+    return Strategy(**({"dp": 8, "zero": 3, "fsdp": True, "seq_length": 512, "precision": "fsdp-bf16",
+                        "optimizer_offload": offload} | fields))
+
+
+def test_fsdp2_cpu_offload_keeps_the_parameter_and_gradient_shards_on_the_host():
+    """torchtitan's enable_cpu_offload is FSDP2's CPUOffloadPolicy: the fp32 parameter shards,
+    their gradients and the Adam states live on the host (16 B an element of the shard), and
+    the device holds what FSDP gathers. Megatron's CPU optimizer keeps its bf16 parameters and
+    fp32 gradient buffer on the device."""
+    pytorch = MemoryOptions()
+    kept = estimate(LLAMA, _fsdp(False), "h100-sxm", pytorch).stages[0]
+    moved = estimate(LLAMA, _fsdp(True), "h100-sxm", pytorch).stages[0]
+    shard = LLAMA_PARAMS / 8
+    assert kept.params_bytes == pytest.approx(shard * 4) and kept.grads_bytes == pytest.approx(shard * 4)
+    assert moved.params_bytes == moved.grads_bytes == moved.optimizer_bytes == 0
+    assert moved.host_optimizer_bytes == pytest.approx(shard * 16)
+    # At least the parameters and states the peak held (4 + 8 B); the gradients, with one
+    # micro-batch, are not all made at its moment.
+    assert kept.peak_bytes - moved.peak_bytes > shard * 12
+    megatron = estimate(LLAMA, Strategy(dp=8, zero=1, seq_length=512, optimizer_offload=True), "h100-sxm", MEGATRON)
+    assert megatron.stages[0].params_bytes == pytest.approx(LLAMA_PARAMS * 2)
+    assert megatron.stages[0].grads_bytes == pytest.approx(LLAMA_PARAMS * 4)
+
+
+def test_fsdp2_cpu_offload_copies_the_shards_with_each_gather_and_reduce():
+    """Each gather copies the unit's shard in, each reduce-scatter its gradient out, over the
+    host link; the CPU's Adam then finds its operands there: the step's own copies, priced
+    where the shards stay on the device, go (their seconds exactly)."""
+    from ndplan.perf import default_efficiency, estimate_time
+
+    device = get_device("h100-sxm")
+    cluster = Cluster(device=device, num_devices=8)
+    host_bw = device.host_link_bandwidth_bytes_per_s * default_efficiency(device).host_link_efficiency
+    on = estimate_time(LLAMA, _fsdp(True), cluster, options=MemoryOptions())
+    off = estimate_time(LLAMA, _fsdp(True), cluster, options=MemoryOptions(), software={"fsdp_cpu_offload": False})
+    local = LLAMA_PARAMS / 8
+    assert off.breakdown["optimizer"] - on.breakdown["optimizer"] == pytest.approx(local * (4 + 4) / host_bw)
+    copies = local * (4 + 4 + 4) / host_bw  # a micro-batch: in for the forward and the backward's gather, out
+    exposed = on.breakdown["comm_exposed"]["dp"] - off.breakdown["comm_exposed"]["dp"]
+    assert 0 < exposed <= copies * (1 + 1e-9)
+
+
+def test_torchtitan_cpu_offload_is_read_and_written_as_fsdp2s(tmp_path):
+    from ndplan.io import emit, read_config
+
+    source = (Path(__file__).parent / "fixtures" / "io" / "torchtitan_llama3_70b.toml").read_text()
+    path = tmp_path / "job.toml"
+    path.write_text(source.replace("[training]\n", "[training]\nenable_cpu_offload = true\n", 1))
+    read = read_config(path, devices=256)
+    assert read.strategy().optimizer_offload and read.strategy().zero == 3
+    assert not any("enable_cpu_offload" in w for w in read.warnings)
+    text = emit(get_preset("llama-3.1-70b"), read.strategy(), "torchtitan")
+    assert "enable_cpu_offload = true" in text and "left out" not in text.split("enable_cpu_offload")[0][-200:]
+    assert "optimizer offload without FSDP" in emit(LLAMA, Strategy(dp=8, zero=1, optimizer_offload=True), "torchtitan")

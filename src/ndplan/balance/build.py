@@ -153,8 +153,11 @@ def build_problems(
     # Bytes per element of a non-expert and of an expert weight (parameters, gradients, states,
     # and the buckets a DDP reducer keeps beside the gradients), as the forward and backward hold them.
     buckets = ddp_bucket_width(options.profile, p.grad_bytes, head.zero, head.dp, head.cp)
-    per_element = p.param_bytes / shards.params + p.grad_bytes / shards.grads + optimizer_fb / shards.optimizer + buckets
-    per_expert_element = (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
+    # (FSDP2's CPU offload keeps the parameter and gradient shards on the host too: ``static_state``)
+    on_host = (head.optimizer_offload > 0) & (head.zero == 3) & bool(options.profile.kernels.get("fsdp_cpu_offload"))
+    param_width, grad_width = np.where(on_host, 0.0, p.param_bytes), np.where(on_host, 0.0, p.grad_bytes)
+    per_element = param_width / shards.params + grad_width / shards.grads + optimizer_fb / shards.optimizer + buckets
+    per_expert_element = (param_width / shards.expert_params + grad_width / shards.expert_grads
                           + optimizer_fb / shards.expert_optimizer + buckets)
     # Under fp8 GEMMs, the quantised copies of the layer's linear weights the runtime keeps.
     cache_width = fp8_weight_cache_width(options.profile, p, head.zero)

@@ -217,12 +217,15 @@ def read(path: Path, text: str, base: ModelSpec | None, devices: int | None) -> 
     selective_policy = _recompute(ac, settings, model, warnings, notes)
     _precision(model_section, training, root, settings, warnings)
     _batch(training, parallel, settings, warnings, notes)
+    # training.enable_cpu_offload is FSDP2's CPUOffloadPolicy: the parameter and gradient shards and
+    # the optimizer states on the host, Adam on the CPU (the pytorch runtime's fsdp_cpu_offload).
+    settings["optimizer_offload"] = False
     if training.boolean("enable_cpu_offload", default=False):
-        settings["optimizer_offload"] = True
-        warnings.append(f"{src.where(training.line('enable_cpu_offload'))}: training.enable_cpu_offload offloads "
-                        "parameters and gradients too; ndplan prices only the optimizer state on the host")
-    else:
-        settings["optimizer_offload"] = False
+        if settings.get("zero") == 3:
+            settings["optimizer_offload"] = True
+        else:
+            warnings.append(f"{src.where(training.line('enable_cpu_offload'))}: training.enable_cpu_offload is FSDP2's "
+                            "CPU offload, and this job shards nothing (no FSDP): ignored")
     for section, name in ((model_section, "model"), (training, "training"), (parallel, "parallelism"),
                           (ac, "activation_checkpoint")):
         section.check_known(_KNOWN[name])
@@ -575,9 +578,11 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
     else:
         local = s.micro_batch_size
     training.update(local_batch_size=local, global_batch_size=s.global_batch_size, seq_len=s.seq_length)
-    if s.optimizer_offload:
-        training["enable_cpu_offload"] = True
-        lost.append("optimizer-only offload (torchtitan's enable_cpu_offload also offloads parameters and gradients)")
+    if s.optimizer_offload and s.zero == 3:
+        training["enable_cpu_offload"] = True  # FSDP2's CPUOffloadPolicy, as the pytorch runtime prices it
+    elif s.optimizer_offload:
+        lost.append("optimizer offload without FSDP (torchtitan's enable_cpu_offload is FSDP2's CPU offload: the "
+                    "parameter and gradient shards with the optimizer states)")
     tables["training"] = training
 
     par: dict[str, Any] = {}

@@ -389,8 +389,8 @@ def _positive(raw: Any, key: str, source: str) -> float:
 
 #: The software facts a profile's ``kernels`` may state (the rest follow from other settings).
 KERNEL_FACTS = ("elementwise_passes", "expert_gemm", "optimizer_kernel", "tp_overlap_backward", "fsdp_stream_copies",
-                "fp8_tp_gather", "expert_bias_add", "sink_rescale", "ring_merge", "ring_exchange", "mla_assembly",
-                "p2p_wait")
+                "fsdp_cpu_offload", "fp8_tp_gather", "expert_bias_add", "sink_rescale", "ring_merge", "ring_exchange",
+                "mla_assembly", "p2p_wait")
 
 
 def _kernels(raw: Any, source: str) -> dict[str, Any]:

@@ -183,6 +183,10 @@ def static_state(
 
     param_bytes, grad_bytes, optimizer_bytes = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
     offload = batch.optimizer_offload[:, None] > 0
+    # FSDP2's CPUOffloadPolicy (the runtime's fsdp_cpu_offload, what its optimizer offload is under
+    # FSDP) keeps the sharded parameters and gradients on the host with the states: on the device
+    # only what FSDP gathers (its unit buffers, comm) and the gradients it makes before reducing.
+    shards_on_host = offload & (batch.zero[:, None] == 3) & bool(options.profile.kernels.get("fsdp_cpu_offload"))
     states = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer_bytes}
     out: dict[str, np.ndarray] = {}
     # Sum the kinds first: the search needs only totals, the breakdown prices each kind alike.
@@ -203,11 +207,17 @@ def static_state(
                 model, options.profile, batch.tp, batch.zero, batch.micro_batches_per_step,
                 shared_with_head=model.tie_word_embeddings & ~apart) * width
             value[:, 0] += whole_embedding_extra
+            value = np.where(shards_on_host, 0.0, value)
             grads_virtual = value
             value = to_stages(value, chunks)
         else:
             value = non_expert_stage * (width / non_expert_div) + expert_stage * (width / expert_div)
-        out[category] = np.where(offload, 0.0, value) if category == "optimizer" else value
+        if category == "optimizer":
+            out[category] = np.where(offload, 0.0, value)
+        elif category == "params":
+            out[category] = np.where(shards_on_host, 0.0, value)
+        else:
+            out[category] = value
         if category == "optimizer":
             # Offloaded for a step on the CPU: the states, the weight it updates and that weight's
             # gradient; between steps: the states and master weights (what the device frees).
@@ -224,7 +234,7 @@ def static_state(
                 elements_bytes[:, 0] += whole_embedding_extra  # the whole table's gradient is the embedding's
             share = to_stages(elements_bytes, chunks)
             kinds["static"][static_kind][index, :pp] += shape.expand(
-                np.where(offload, 0.0, share) if category == "optimizer" else share)
+                np.where(offload if category == "optimizer" else shards_on_host, 0.0, share))
 
     # The quantised copies of the linear weights an fp8 runtime keeps across micro-batches: part
     # of the weights on the device (params).
@@ -272,7 +282,8 @@ def static_state(
                              ) * precision.param_bytes
     # One micro-batch under FSDP (and no deferred reduce): the units already reduced have
     # their sharded gradients; the single-micro-batch peak counts no others.
-    made_by_now = (batch.micro_batches_per_step == 1) & ~deferred & profile.grads_created_in_backward
+    made_by_now = ((batch.micro_batches_per_step == 1) & ~deferred & profile.grads_created_in_backward
+                   & ~shards_on_host[:, 0])  # (copied to the host as they are reduced)
     unit_parts: dict[str, tuple[Any, Any]] = {  # (non-expert, expert) elements of each FSDP unit
         "embedding": (table, 0.0),
         "dense": (layers.non_expert["dense"], layers.expert["dense"]),

@@ -216,6 +216,13 @@ class EfficiencyProfile(BaseModel):
     own buffers. (Under a pipeline that defers the reduce, the copies of its once-a-run gathers
     and reduces are not priced: a run's, against m micro-batches of compute.)
 
+    FSDP's CPU offload: ``fsdp_cpu_offload`` (FSDP2's CPUOffloadPolicy, the ``pytorch`` runtime's
+    fact, what its optimizer offload is under FSDP: torchtitan's training.enable_cpu_offload) keeps
+    the sharded parameters and their gradients on the host beside the optimizer states: each
+    gather first copies the unit's shard in over the host link, each reduce-scatter copies the
+    gradient shard out, on FSDP's streams (``layer._fsdp_pass_seconds``), and the step is the CPU's
+    Adam alone, its operands already there (``step._dp_raw``).
+
     FSDP under a pipeline: ``pipeline_defers_fsdp_reduce`` (torch.distributed.pipelining, the
     ``pytorch`` runtime's fact) runs every micro-batch's backward without gradient sync or
     resharding and reduces each chunk's gradients once, after its last backward
@@ -312,6 +319,7 @@ class EfficiencyProfile(BaseModel):
                                          description="share of the SMs a hidden data-parallel collective holds")
     tp_overlap_backward: Literal["all", "all-gathers"] = "all"
     fsdp_stream_copies: bool = False
+    fsdp_cpu_offload: bool = False
     fp8_tp_gather: bool = False
     expert_bias_add: Literal["fused", "repeat", "split-cat"] = "fused"
     sink_rescale: Literal["fused", "bf16", "fp32"] = "fused"
@@ -622,7 +630,7 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "
                    "moe_dispatcher",
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "p2p_wait", "pipeline_scatter_gather", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
-                   "tp_overlap_backward", "fsdp_stream_copies", "fp8_tp_gather", "expert_bias_add",
+                   "tp_overlap_backward", "fsdp_stream_copies", "fsdp_cpu_offload", "fp8_tp_gather", "expert_bias_add",
                    "sink_rescale", "ring_merge", "ring_exchange", "mla_assembly", "qkv_transpose",
                    "fp8_gemm_kernel")
 

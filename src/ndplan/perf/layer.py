@@ -807,6 +807,17 @@ def _fsdp_pass_seconds(
                 np.where(groups.per_micro_batch, rs, 0.0))
 
     seconds = passes(*gathers_and_reduces(ne_link, ex_link))
+    if ctx.eff.fsdp_cpu_offload:
+        # FSDP2's CPU offload: each gather first copies the unit's parameter shard in, each
+        # reduce-scatter's gradient shard goes out, over the host link on FSDP's own streams.
+        shard_elements = groups.spread(ne / shard + (ex / edp if expert else 0.0))
+        on_host = cols["optimizer_offload"] > 0
+        copy_in = np.where(on_host, shard_elements * ctx.precision.param_bytes / ctx.fabric.host_bw, 0.0)
+        copy_out = np.where(on_host, shard_elements * grad / ctx.fabric.host_bw, 0.0)
+        forward, gather_b, reduce_b = seconds
+        seconds = (forward + np.where(groups.per_micro_batch, copy_in, 0.0),
+                   gather_b + np.where(groups.regathered, copy_in, 0.0),
+                   reduce_b + np.where(groups.per_micro_batch, copy_out, 0.0))
     if not ctx.eff.dp_comm_compute_share:  # no SMs priced: their yardstick unused
         return seconds, (0.0, 0.0, 0.0)
     return seconds, passes(*gathers_and_reduces(full_rate, full_rate))

@@ -257,6 +257,7 @@ def distinct_layer_configs(ints: dict[str, Array], dp_config: Array, dp_rows: Ar
         at["shard_group"] * sharded,
         at["reshard_after_forward"] * sharded,
         sharded & (at["pp"] > 1) & defers_fsdp_reduce,
+        sharded & (at["optimizer_offload"] > 0),  # (FSDP2's CPU offload copies the shards: fsdp_cpu_offload)
     ])
     split = _SPLITS_BACKWARD.take(ints["schedule"])
     rebuilt = split & (ints["recompute"] == 2) & weight_grad_rebuilds
@@ -432,6 +433,7 @@ def optimizer_bytes_per_param(precision: PrecisionPolicy, kernel: str, clip: boo
 def _dp_raw(
     batch: StrategyBatch, c: dict[str, Array], ne: Array, ex: Array, fabric: Fabric, optimizer_rate: float,
     host_bw: float, cpu_params_per_s: float, foreach: bool = False, defers_fsdp_reduce: bool = False,
+    fsdp_cpu_offload: bool = False,
 ) -> tuple[Array, Array, Array, Array]:
     """(gradient collectives, the part of them across shard groups, parameter all-gather,
     optimizer) seconds, before overlap,
@@ -479,6 +481,14 @@ def _dp_raw(
     per_param = optimizer_bytes_per_param(prec, "foreach" if foreach else "fused")
     update = local * per_param / optimizer_rate
     offload = local * (prec.grad_bytes + prec.param_bytes) / host_bw + local / cpu_params_per_s
+    if fsdp_cpu_offload:
+        # FSDP2's CPU offload: the shards' copies come with FSDP's gathers and reduces (here, a
+        # deferring pipeline's once-a-run ones; layer._fsdp_pass_seconds, each micro-batch's),
+        # and the CPU's Adam finds its operands on the host.
+        on_host = sharded3 & (c["optimizer_offload"] > 0)
+        grad = grad + np.where(on_host & (c["pp"] > 1) & defers_fsdp_reduce, local * prec.grad_bytes / host_bw, 0.0)
+        params_ag = params_ag + np.where(on_host & (params_ag > 0), local * prec.param_bytes / host_bw, 0.0)
+        offload = np.where(on_host, local / cpu_params_per_s, offload)
     update = np.where(c["optimizer_offload"] > 0, offload, update)
     # States and master weights kept on the host between steps come back before the step: the
     # reload, which starts as the gradients are finalised, is priced whole before the update (its
@@ -707,7 +717,7 @@ def _dp_stage(pr: _Priced, layout: StageLayout) -> _DPStage:
                          np.concatenate([ne for ne, _ in params]), np.concatenate([ex for _, ex in params]), fabric,
                          pr.rates.optimizer_rate or pr.rates.hbm_rate, pr.host_bw, pr.eff.cpu_optimizer_params_per_s,
                          foreach=pr.eff.optimizer_kernel == "foreach",
-                         defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce)
+                         defers_fsdp_reduce=pr.eff.pipeline_defers_fsdp_reduce, fsdp_cpu_offload=pr.eff.fsdp_cpu_offload)
         part = [tuple(x[i * dp_count:(i + 1) * dp_count] for x in priced) for i in range(len(params))]
         return [(part[2 * i], part[2 * i + 1]) for i in range(len(stages))]
 
