@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from ndplan.hardware.device import Cluster, Device
 from ndplan.memory import MemoryOptions, estimate
 from ndplan.model.spec import ModelSpec
+from ndplan.search.run import SearchResult
 from ndplan.search.space import SearchSpace
 from ndplan.strategy import Strategy, StrategyBatch, check_strategy
 
@@ -42,3 +43,22 @@ def brute_force_ranking(model: ModelSpec, device: Device, space: SearchSpace, st
             step = float(step_time(model, StrategyBatch.of(strategy), cluster)["step_s"][0])
             expected.append((step, peak, candidate))
     return [candidate for _, _, candidate in sorted(expected)]
+
+
+def megatron_step_time(model: ModelSpec, batch: StrategyBatch, cluster: Cluster) -> dict:
+    """The step-time model as the megatron runtime runs a split backward (no weight-gradient rebuilds)."""
+    from ndplan.perf import step_time_batch
+
+    return step_time_batch(model, batch, cluster, weight_grad_rebuilds=False)
+
+
+def search_as_brute_force(model: ModelSpec, device: Device, space: SearchSpace, limit: float, options: MemoryOptions,
+                          step_time: Callable = megatron_step_time, **search: int) -> SearchResult:
+    """``run_search`` of the whole ranking, held to ``brute_force_ranking`` (not empty); the result."""
+    from ndplan.search import run_search
+
+    result = run_search(model, device, space, step_time, memory_limit_bytes=limit, options=options, top=10**9,
+                        **search)
+    expected = brute_force_ranking(model, device, space, step_time, limit, options)
+    assert expected and [row["candidate"] for row in result.ranked] == expected
+    return result

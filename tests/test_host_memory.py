@@ -75,26 +75,21 @@ def test_fits_host_against_the_share_and_unknown_without_one():
 def test_the_search_rejects_what_overfills_the_host_as_the_single_strategy_api_does():
     """A node of 64 MiB of host memory (8 MiB a device) keeps the offload counts whose first
     layers fit; the ranking equals a loop over the space with ``estimate``'s fits_host."""
-    from ndplan.perf import step_time_batch
-    from ndplan.search import default_space, run_search
-    from search_brute import brute_force_ranking
-    from test_layer_offload import SEARCH_MOE
+    from ndplan.search import run_search
+    from search_brute import megatron_step_time, search_as_brute_force
+    from test_layer_offload import SEARCH_MOE, offload_layer_space
 
     device = get_device("h100-sxm").model_copy(update={"node_host_memory_bytes": 64 * 2**20})
-    space = default_space(SEARCH_MOE, device, 8, 16, 1024, get_precision("megatron-bf16"),
-                          dims=("ep", "pp", "recompute", "offload_layers"))
-    step_time = lambda m, b, c: step_time_batch(m, b, c, weight_grad_rebuilds=False)  # noqa: E731 (megatron runtime)
+    space = offload_layer_space(device)
     limit = 2 * 2**30
-    result = run_search(SEARCH_MOE, device, space, step_time, memory_limit_bytes=limit, options=MEGATRON,
-                        top=10**9, block_size=97)
+    result = search_as_brute_force(SEARCH_MOE, device, space, limit, MEGATRON, block_size=97)
     assert result.rejected["over_host_memory"] > 0
     offloaded = {row["offload_layers"] for row in result.ranked}
     assert 0 in offloaded and 1 in offloaded and 6 not in offloaded
-    assert [row["candidate"] for row in result.ranked] == brute_force_ranking(
-        SEARCH_MOE, device, space, step_time, limit, MEGATRON)
     # Without host memory stated nothing is checked, and the reason is not listed.
     unstated = device.model_copy(update={"node_host_memory_bytes": None})
-    free = run_search(SEARCH_MOE, unstated, space, step_time, memory_limit_bytes=limit, options=MEGATRON, top=10**9)
+    free = run_search(SEARCH_MOE, unstated, space, megatron_step_time, memory_limit_bytes=limit, options=MEGATRON,
+                      top=10**9)
     assert "over_host_memory" not in free.rejected
     assert len(free.ranked) == len(result.ranked) + result.rejected["over_host_memory"]
 

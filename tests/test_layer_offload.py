@@ -122,28 +122,28 @@ SEARCH_MOE = LLAMA.model_copy(update={
     "moe_ffn_hidden_size": 128, "layer_mlp_kinds": ("dense",) + ("moe",) * 7})
 
 
+def offload_layer_space(device):
+    """The small MoE model's space on 8 devices with layer offload searched beside EP, PP and recompute."""
+    from ndplan.search import default_space
+    from ndplan.strategy import get_precision
+
+    return default_space(SEARCH_MOE, device, 8, 16, 1024, get_precision("megatron-bf16"),
+                         dims=("ep", "pp", "recompute", "offload_layers"))
+
+
 def test_search_over_offloaded_layers_equals_brute_force():
     """The opt-in dimension offload_layers (0, and 1/8 to 6/8 of the layers): the ranked list
     equals a loop over the space with the single-strategy API; candidates with a pipeline or
     recompute beside it fail rule offload_layers_run (the Strategy refuses them as it is built)."""
-    from ndplan.perf import step_time_batch
-    from ndplan.search import default_space, run_search
     from ndplan.search.space import offload_layer_counts
-    from ndplan.strategy import get_precision
-    from search_brute import brute_force_ranking
+    from search_brute import search_as_brute_force
 
     assert offload_layer_counts(SEARCH_MOE) == (0, 1, 2, 3, 4, 5, 6)
     assert offload_layer_counts(LLAMA) == (0, 4, 8, 12, 16, 20, 24)
     device = get_device("h100-sxm")
-    space = default_space(SEARCH_MOE, device, 8, 16, 1024, get_precision("megatron-bf16"),
-                          dims=("ep", "pp", "recompute", "offload_layers"))
-    step_time = lambda m, b, c: step_time_batch(m, b, c, weight_grad_rebuilds=False)  # noqa: E731 (megatron runtime)
-    limit = 2 * 2**30
-    result = run_search(SEARCH_MOE, device, space, step_time, memory_limit_bytes=limit, options=MEGATRON,
-                        top=10**9, block_size=97)
+    result = search_as_brute_force(SEARCH_MOE, device, offload_layer_space(device), 2 * 2**30, MEGATRON,
+                                   block_size=97)
     assert result.rejected["offload_layers_run"] > 0
-    expected = brute_force_ranking(SEARCH_MOE, device, space, step_time, limit, MEGATRON)
-    assert expected and [row["candidate"] for row in result.ranked] == expected
     offloaded = [row for row in result.ranked if row["offload_layers"]]
     assert {row["offload_layers"] for row in offloaded} == {1, 2, 3, 4, 5, 6}
     assert all(row["pp"] == 1 and row["recompute"] == "none" for row in offloaded)

@@ -313,17 +313,25 @@ def test_from_a_megatron_config_with_flags_that_contradict_it(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ the report
-def test_report_reproduce_command_carries_the_modules():
+def reproduced(strategy: Strategy) -> tuple[str, Strategy]:
+    """The HTML report's reproduce command for ``strategy`` (llama-3.1-8b on 8 H100s; nothing
+    left unsaid), and the strategy its flags parse back to."""
     from ndplan.cli_args import add_strategy_arguments, gather_settings, strategy_from_settings
-    from ndplan.report.data import ROW_PRIORITY
     from ndplan.report.html import reproduce_command
+
+    command, missing = reproduce_command({"model": "llama-3.1-8b", "hardware": "h100-sxm", "devices": 8,
+                                          "strategy": strategy.model_dump(mode="json")})
+    assert missing == []
+    parser = argparse.ArgumentParser()
+    add_strategy_arguments(parser)
+    return command, strategy_from_settings(gather_settings(parser.parse_args(shlex.split(command)[2:])))
+
+
+def test_report_reproduce_command_carries_the_modules():
+    from ndplan.report.data import ROW_PRIORITY
 
     strategy = Strategy(dp=4, tp=2, recompute="selective", recompute_modules=("layernorm",),
                         offload_modules=("core_attn", "attn_proj"), num_micro_batches=4)
-    command, missing = reproduce_command({"model": "llama-3.1-8b", "hardware": "h100-sxm", "devices": 8,
-                                          "strategy": strategy.model_dump(mode="json")})
-    assert missing == [] and "--offload-modules core_attn attn_proj" in command
-    parser = argparse.ArgumentParser()
-    add_strategy_arguments(parser)
-    assert strategy_from_settings(gather_settings(parser.parse_args(shlex.split(command)[2:]))) == strategy
+    command, parsed = reproduced(strategy)
+    assert "--offload-modules core_attn attn_proj" in command and parsed == strategy
     assert ROW_PRIORITY.index("offload_modules") == ROW_PRIORITY.index("recompute_modules") + 1

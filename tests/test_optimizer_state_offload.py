@@ -118,17 +118,9 @@ def _tiny_space(**fields):
 
 
 def _ranked_as_brute_force(model, space):
-    from ndplan.perf import step_time_batch
-    from ndplan.search import run_search
-    from search_brute import brute_force_ranking
+    from search_brute import search_as_brute_force
 
-    device = get_device("h100-sxm")
-    step_time = lambda m, b, c: step_time_batch(m, b, c, weight_grad_rebuilds=False)  # noqa: E731 (megatron runtime)
-    limit = 30 * 2**30
-    result = run_search(model, device, space, step_time, memory_limit_bytes=limit, options=MEGATRON, top=10**9)
-    assert [row["candidate"] for row in result.ranked] == brute_force_ranking(model, device, space, step_time, limit,
-                                                                              MEGATRON)
-    return result
+    return search_as_brute_force(model, get_device("h100-sxm"), space, 30 * 2**30, MEGATRON)
 
 
 def test_a_launchs_setting_is_carried_to_the_candidates_with_the_distributed_optimizer():
@@ -160,16 +152,8 @@ def test_the_cli_names_what_it_needs(capsys):
 
 
 def test_the_report_reproduces_it():
-    import argparse
-    import shlex
-
-    from ndplan.cli_args import add_strategy_arguments, gather_settings, strategy_from_settings
-    from ndplan.report.html import reproduce_command
+    from test_offload_io import reproduced
 
     strategy = _strategy(True, num_micro_batches=4)
-    command, missing = reproduce_command({"model": "llama-3.1-8b", "hardware": "h100-sxm", "devices": 8,
-                                          "strategy": strategy.model_dump(mode="json")})
-    assert missing == [] and "--offload-optimizer-states" in command
-    parser = argparse.ArgumentParser()
-    add_strategy_arguments(parser)
-    assert strategy_from_settings(gather_settings(parser.parse_args(shlex.split(command)[2:]))) == strategy
+    command, parsed = reproduced(strategy)
+    assert "--offload-optimizer-states" in command and parsed == strategy

@@ -352,14 +352,9 @@ def device_from(hardware: str, efficiency: str | None = None) -> Any:
 def memory_limit(text: str | None, device: Any) -> int | None:
     """--memory-limit in bytes (None where not given); a limit above the device's memory is
     allowed (a what-if) but said, since nothing that needs it runs on that device."""
-    from ndplan.units import parse_bytes
-
-    if not text:
+    limit = _size_flag(text, "--memory-limit")
+    if limit is None:
         return None
-    try:
-        limit = parse_bytes(text)
-    except NdplanError as error:
-        raise NdplanError(f"--memory-limit: {error}") from None
     if limit > device.memory_bytes:
         print(f"ndplan: warning: --memory-limit {format_bytes(limit)} is above the {device.name}'s "
               f"{format_bytes(device.memory_bytes)}: plans up to it will not run on that device", file=sys.stderr)
@@ -369,15 +364,20 @@ def memory_limit(text: str | None, device: Any) -> int | None:
 def with_host_memory(text: str | None, device: Any) -> Any:
     """The device with --host-memory (one node's host memory, e.g. 2TB) as its
     ``node_host_memory_bytes``; the device as it is where not given."""
+    node_bytes = _size_flag(text, "--host-memory")
+    return device if node_bytes is None else device.model_copy(update={"node_host_memory_bytes": node_bytes})
+
+
+def _size_flag(text: str | None, flag: str) -> int | None:
+    """A size flag's value in bytes ("70GiB", "2TB"; None where not given), an error naming ``flag``."""
     from ndplan.units import parse_bytes
 
     if not text:
-        return device
+        return None
     try:
-        node_bytes = parse_bytes(text)
+        return parse_bytes(text)
     except NdplanError as error:
-        raise NdplanError(f"--host-memory: {error}") from None
-    return device.model_copy(update={"node_host_memory_bytes": node_bytes})
+        raise NdplanError(f"{flag}: {error}") from None
 
 
 HOST_MEMORY_HELP = ("host (CPU) memory of one node, shared by its devices, that activation and optimizer offload "
