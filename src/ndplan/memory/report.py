@@ -241,6 +241,13 @@ class MemoryReport:
         return (f" + the linears' fp8 weight copies kept across micro-batches (linear weight elements × {width:g} B: "
                 "row-wise and transposed)")
 
+    def _shards_on_host_term(self) -> str:
+        """The params and grads lines' note where FSDP2's CPU offload keeps the shards on the host."""
+        s = self.strategy
+        if s.optimizer_offload and s.zero == 3 and self.options.profile.kernels.get("fsdp_cpu_offload"):
+            return " → on pinned host memory with the optimizer states (FSDP2's CPU offload)"
+        return ""
+
     def _ddp_bucket_term(self) -> str:
         """The comm line's term where a DDP reducer keeps buckets beside the gradients."""
         s = self.strategy
@@ -289,9 +296,10 @@ class MemoryReport:
             f"= mbs·seq/cp = {s.micro_batch_size}·{s.seq_length}/{s.cp} = {tokens:,.0f}",
             f"params     = Σ elements/tp (experts /(ep·etp)) × {p.param_bytes} B"
             + (f" / {shards} (ZeRO-3)" if s.zero >= 3 else "") + self._fp8_weight_cache_term()
-            + f" = {format_bytes(stage.params_bytes)}",
+            + self._shards_on_host_term() + f" = {format_bytes(stage.params_bytes)}",
             f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
-            + self._whole_embedding_grad_term(stage) + f" = {format_bytes(stage.grads_bytes)}"
+            + self._whole_embedding_grad_term(stage) + self._shards_on_host_term()
+            + f" = {format_bytes(stage.grads_bytes)}"
             + (" (made by the step's end reduce-scatter: the pipeline defers FSDP's reduce, so until then each "
                "chunk keeps its unsharded gradient, counted in comm)"
                if self._deferred_fsdp_reduce() and s.pipeline_runs == 1 else
