@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from ndplan.hardware.device import Cluster, Device
 from ndplan.memory import MemoryOptions, estimate
 from ndplan.model.spec import ModelSpec
-from ndplan.search.run import SearchResult
+from ndplan.search.run import SearchResult, runtime_refusals
 from ndplan.search.space import SearchSpace
 from ndplan.strategy import Strategy, StrategyBatch, check_strategy
 
@@ -21,8 +21,8 @@ def brute_force_ranking(model: ModelSpec, device: Device, space: SearchSpace, st
                         options: MemoryOptions, check: Callable[[int, Strategy], None] | None = None) -> list[int]:
     """The candidates of ``space`` that fit ``limit`` (and the device's share of its node's host
     memory, where it states one), fastest first (ties: less memory, then the
-    index): those Strategy refuses as it is built, duplicates, those a rule refuses and schedules
-    the runtime does not run left out. ``check(candidate, strategy)`` sees each one priced."""
+    index): those Strategy refuses as it is built, duplicates, those a rule refuses and those the
+    runtime does not run left out. ``check(candidate, strategy)`` sees each one priced."""
     cluster = Cluster(device=device, num_devices=space.num_devices)
     duplicates = space.duplicates(np.arange(space.size))
     expected = []
@@ -33,7 +33,7 @@ def brute_force_ranking(model: ModelSpec, device: Device, space: SearchSpace, st
             continue
         if duplicates[candidate] or check_strategy(strategy, model, space.num_devices):
             continue
-        if strategy.schedule not in options.profile.schedules:
+        if runtime_refusals(strategy, options, model):  # (its schedules among them)
             continue
         if check is not None:
             check(candidate, strategy)

@@ -197,3 +197,29 @@ def test_torchtitan_cpu_offload_is_read_and_written_as_fsdp2s(tmp_path):
     text = emit(get_preset("llama-3.1-70b"), read.strategy(), "torchtitan")
     assert "enable_cpu_offload = true" in text and "left out" not in text.split("enable_cpu_offload")[0][-200:]
     assert "optimizer offload without FSDP" in emit(LLAMA, Strategy(dp=8, zero=1, optimizer_offload=True), "torchtitan")
+
+
+def test_the_search_weighs_an_optimizer_on_the_cpu_where_the_runtime_runs_one():
+    """--dims ... optimizer_offload: FSDP2's CPU offload under the pytorch runtime (zero 3
+    alone), Megatron-Core's CPU optimizer on its distributed optimizer (zero 1 alone); the
+    others are not runnable there. On a node's 2 TiB, Llama-3.1-70B on 8 H100s fits only so:
+    with the shards and states on the host, FSDP over 8 holds what it gathers."""
+    from ndplan.search import default_space
+    from ndplan.search.run import runtime_step_time
+    from search_brute import search_as_brute_force
+
+    tiny = get_preset("llama-3.1-8b").model_copy(update={"num_layers": 4, "layer_mlp_kinds": ("dense",) * 4})
+    device = get_device("h100-sxm")
+    for options, zero in ((MemoryOptions(), 3), (MEGATRON, 1)):
+        space = default_space(tiny, device, 8, 16, 1024, get_precision("megatron-bf16"),
+                              dims=("pp", "zero", "optimizer_offload"))
+        result = search_as_brute_force(tiny, device, space, 30 * 2**30, options, step_time=runtime_step_time(options))
+        assert result.rejected["not_runnable_in_runtime"] > 0
+        assert {row["zero"] for row in result.ranked if row["optimizer_offload"]} == {zero}
+    from ndplan.search import run_search
+
+    big = get_preset("llama-3.1-70b")
+    space = default_space(big, device, 8, 8, 4096, get_precision("fsdp-bf16"),
+                          dims=("tp", "pp", "zero", "recompute", "optimizer_offload"))
+    best = run_search(big, device, space, options=MemoryOptions()).best
+    assert best is not None and best["optimizer_offload"] and best["zero"] == 3

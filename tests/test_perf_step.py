@@ -92,17 +92,29 @@ def test_invalid_strategy_is_refused_with_the_rules_it_breaks():
         estimate_time(LLAMA8, Strategy(dp=3, tp=1), _cluster(8))
 
 
-@pytest.mark.parametrize("software", [None, {"p2p_wait": "1f1b+interleaved"}])
+# (the pytorch runtime's kernels: FSDP2's copies on the compute stream, ZeRO-2's too, and its CPU offload)
+PYTORCH_KERNELS = {"fsdp_stream_copies": True, "fsdp_cpu_offload": True}
+
+
+@pytest.mark.parametrize("software", [None, {"p2p_wait": "1f1b+interleaved"}, PYTORCH_KERNELS])
 @pytest.mark.parametrize(("model", "devices"), [(LLAMA70, 256), (DSV3, 512)])
 def test_a_batch_prices_each_strategy_as_it_would_alone(model, devices, software):
     """Deduplication and grouping must not change any number: every row of a mixed batch
-    equals the same strategy priced as a batch of one (some with several pipeline runs), also
-    where the looped schedules wait for their sends (their seconds vary with the pipeline's
-    links, not with the layer configuration alone)."""
+    equals the same strategy priced as a batch of one (some with several pipeline runs, some
+    with the optimizer on the CPU), also where the looped schedules wait for their sends (their
+    seconds vary with the pipeline's links, not with the layer configuration alone) and under
+    the pytorch runtime's FSDP copies (ZeRO-2 rows beside ZeRO-1 ones were priced as ZeRO-1's)."""
     batch = mixed_strategies(model, devices, 120, seed=3)
     runs = np.where((batch.pp > 1) & (np.arange(len(batch)) % 3 == 0), 2, 1)
     batch = StrategyBatch.from_columns({**{n: getattr(batch, n) for n in batch.array_fields()}, "pipeline_runs": runs,
                                         "global_batch_size": batch.global_batch_size * runs}, batch.precision)
+    # Each sharded row twice, its optimizer on the device and on the CPU (FSDP2's CPU offload
+    # copies its shards: a row must not take its twin's layer prices).
+    sharded = np.flatnonzero(batch.zero >= 2)
+    twins = batch.take(sharded)
+    offloaded = StrategyBatch.from_columns({**{n: getattr(twins, n) for n in twins.array_fields()},
+                                            "optimizer_offload": np.ones(len(twins), dtype=np.int64)}, batch.precision)
+    batch = StrategyBatch.concat([batch, offloaded])
     cluster = _cluster(devices)
     together = step_time_batch(model, batch, cluster, software=software)
     for i in range(len(batch)):

@@ -258,6 +258,7 @@ def distinct_layer_configs(ints: dict[str, Array], dp_config: Array, dp_rows: Ar
         at["reshard_after_forward"] * sharded,
         sharded & (at["pp"] > 1) & defers_fsdp_reduce,
         sharded & (at["optimizer_offload"] > 0),  # (FSDP2's CPU offload copies the shards: fsdp_cpu_offload)
+        at["zero"] == 2,  # (ZeRO-2 copies its gradients in per micro-batch as FSDP does: layer._fsdp_copy_seconds)
     ])
     split = _SPLITS_BACKWARD.take(ints["schedule"])
     rebuilt = split & (ints["recompute"] == 2) & weight_grad_rebuilds

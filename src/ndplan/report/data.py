@@ -56,7 +56,7 @@ COMM_DIMS = ("tp", "cp", "ep", "dp", "offload", "pp")
 #: Table columns shown first, in this order, when a row has them.
 ROW_PRIORITY = (
     "rank", "dp", "tp", "pp", "cp", "ep", "etp", "vpp", "schedule", "zero", "fsdp", "recompute", "recompute_modules",
-    "offload_modules", "offload_layers", "offload_optimizer_states", "micro_batch_size", "mbs", "num_micro_batches", "seq_length", "peak_bytes", "step_s",
+    "offload_modules", "offload_layers", "offload_optimizer_states", "optimizer_offload", "micro_batch_size", "mbs", "num_micro_batches", "seq_length", "peak_bytes", "step_s",
     "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
 )
 

@@ -682,7 +682,7 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
 _CSV_COLUMNS = (
     "candidate", "label", "dp", "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "vpp", "schedule", "seq_chunks",
     "zero", "fsdp", "recompute", "recompute_modules", "offload_modules", "offload_layers", "offload_optimizer_states",
-    "mbs", "num_micro_batches",
+    "optimizer_offload", "mbs", "num_micro_batches",
     "pipeline_runs", "peak_bytes", "peak_stage", "step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
     "model_flops", "hardware_flops", "compute_s", "tp_s", "cp_s", "ep_s", "dp_s", "offload_s", "pp_s", "bubble_s",
     "optimizer_s", "caveats", "headroom",

@@ -97,7 +97,7 @@ def _row(strategy: Strategy, index: int, peak: float, stage: int, time: dict[str
         "zero": strategy.zero, "fsdp": strategy.fsdp, "recompute": strategy.recompute,
         "recompute_modules": "+".join(strategy.recompute_modules),
         "offload_modules": "+".join(strategy.offload_modules), "offload_layers": strategy.offload_layers,
-        "offload_optimizer_states": strategy.offload_optimizer_states,
+        "offload_optimizer_states": strategy.offload_optimizer_states, "optimizer_offload": strategy.optimizer_offload,
         "mbs": strategy.micro_batch_size, "num_micro_batches": strategy.num_micro_batches,
         "pipeline_runs": strategy.pipeline_runs,
         "peak_bytes": round(peak), "peak_stage": int(stage),
@@ -205,6 +205,21 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
         lambda b, _, __: b.offload_layers == 0,
         lambda s, _, runtime: (f"offload_layers={s.offload_layers}: the {runtime} runtime has no layer offload "
                                "(Megatron-Core's --cpu-offloading-num-layers)"),
+    ),
+    # An optimizer on the CPU: Megatron-Core's HybridDeviceOptimizer goes through its precision-aware
+    # distributed optimizer (OptimizerConfig asserts --use-distributed-optimizer); torchtitan's
+    # enable_cpu_offload is FSDP2's CPUOffloadPolicy, which needs FSDP.
+    RuntimeLimit(
+        "megatron",
+        lambda b, _, __: (b.optimizer_offload == 0) | ((b.zero == 1) & (b.fsdp == 0)),
+        lambda s, _, runtime: (f"optimizer_offload with zero={s.zero}: Megatron-Core's --optimizer-cpu-offload runs "
+                               "on its distributed optimizer (--use-distributed-optimizer, zero 1)"),
+    ),
+    RuntimeLimit(
+        "pytorch",
+        lambda b, _, __: (b.optimizer_offload == 0) | (b.zero == 3),
+        lambda s, _, runtime: (f"optimizer_offload with zero={s.zero}: the {runtime} runtime's CPU offload is "
+                               "FSDP2's (torchtitan's enable_cpu_offload), which needs FSDP (zero 3)"),
     ),
     # The optimizer states wait on the host between steps in Megatron-Core (--offload-optimizer-states)
     # and MindSpeed (--swap-optimizer): the megatron profile's optimizer_state_offload.

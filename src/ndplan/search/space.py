@@ -41,11 +41,11 @@ from ndplan.strategy.strategy import (
 #: memory, are searched only where asked for (see ``default_space``).
 DIMENSIONS: tuple[str, ...] = (
     "tp", "sp", "cp", "cp_kind", "ep", "etp", "pp", "schedule", "zero", "mbs", "recompute", "pipeline_runs",
-    "offload_layers", "offload_optimizer_states", "recompute_modules", "offload_modules",
+    "offload_layers", "offload_optimizer_states", "optimizer_offload", "recompute_modules", "offload_modules",
 )
 #: Dimensions searched only where ``dims`` names them.
 OPT_IN_DIMENSIONS: tuple[str, ...] = ("pipeline_runs", "offload_layers", "offload_optimizer_states",
-                                      "recompute_modules", "offload_modules")
+                                      "optimizer_offload", "recompute_modules", "offload_modules")
 #: Dimensions whose values are module sets, one per batch (``StrategyBatch.recompute_modules``,
 #: ``StrategyBatch.offload_modules``).
 SET_DIMENSIONS: tuple[str, ...] = ("recompute_modules", "offload_modules")
@@ -107,6 +107,7 @@ FIELD_DIMENSIONS: dict[str, tuple[str, ...]] = {
     "offload_layers": ("offload_layers",),
     # (a space that carries it applies it where zero is 1: ``_carried_columns``)
     "offload_optimizer_states": ("offload_optimizer_states", "zero"),
+    "optimizer_offload": ("optimizer_offload",),
     # The settings a space carries (``SearchSpace.carried``) apply where the candidate's values give them a meaning.
     "shard_group": ("zero",), "recompute_layers": ("recompute",), "ulysses_degree": ("cp_kind",),
 }
@@ -173,6 +174,10 @@ class SearchSpace:
     #: Megatron-Core's --offload-optimizer-states): 0, 1 or both. Candidates without the distributed
     #: optimizer fail rule ``optimizer_states_offload_needs_distributed_optimizer``.
     offload_optimizer_states: tuple[int, ...] = (0,)
+    #: Whether the optimizer runs on the CPU, its states on the host (``Strategy.optimizer_offload``:
+    #: Megatron-Core's --optimizer-cpu-offload on its distributed optimizer, FSDP2's CPU offload
+    #: under the pytorch runtime): 0, 1 or both; what a runtime cannot run is not runnable there.
+    optimizer_offload: tuple[int, ...] = (0,)
     #: What selective recompute re-runs (``Strategy.recompute_modules``; () is the runtime's own
     #: policy): one set, or several to search. A candidate that does not recompute selectively
     #: re-runs nothing, so it is listed under the first set alone (``duplicates``).
@@ -197,7 +202,8 @@ class SearchSpace:
     def may_use_host(self) -> bool:
         """Whether some candidate offloads to host memory (its optimizer, modules or layers)."""
         return bool(self.carried.get("optimizer_offload") or self.carried.get("offload_optimizer_states")
-                    or any(self.offload_layers) or any(self.offload_optimizer_states) or any(self.offload_modules))
+                    or any(self.offload_layers) or any(self.offload_optimizer_states) or any(self.optimizer_offload)
+                    or any(self.offload_modules))
 
     @property
     def size(self) -> int:
@@ -529,13 +535,15 @@ def default_space(
         "offload_layers": offload_layer_counts(model),
         # The optimizer states on the device, or on the host between steps (back for the step).
         "offload_optimizer_states": (0, 1),
+        # The optimizer on the device, or on the CPU with its states on the host.
+        "optimizer_offload": (0, 1),
         "recompute_modules": given if len(given) > 1 else _distinct((*given, *module_sets(model, "common"))),
         "offload_modules": offloads if len(offloads) > 1 else _distinct((*offloads, *offload_sets(model))),
     }
     defaults: dict[str, tuple] = {
         "tp": (1,), "sp": (0,), "cp": (1,), "cp_kind": ("ring",), "ep": (1,), "etp": (0,), "pp": (1,),
         "schedule": (("1f1b", 1, 1),), "zero": (1,), "mbs": (1,), "recompute": ("none",), "pipeline_runs": (1,),
-        "offload_layers": (0,), "offload_optimizer_states": (0,),
+        "offload_layers": (0,), "offload_optimizer_states": (0,), "optimizer_offload": (0,),
         "recompute_modules": given,
         "offload_modules": offloads,
     }
@@ -563,7 +571,7 @@ def default_space(
             if str(value) not in allowed:
                 raise NdplanError(f"--fix {name}={value}: allowed values are {', '.join(allowed)}")
             chosen[name] = (str(value),)
-        elif name in ("sp", "offload_optimizer_states"):
+        elif name in ("sp", "offload_optimizer_states", "optimizer_offload"):
             chosen[name] = (_switch(name, value),)
         else:
             chosen[name] = (_fixed_degree(name, value),)
