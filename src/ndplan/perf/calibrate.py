@@ -204,14 +204,17 @@ class MeasuredRun(BaseModel):
                              selective_policy=policy if policy == "torchtitan-op" else None,
                              loss_parallel=self.loss_parallel, torch_compile=self.torch_compile)
 
+    def memory_report(self) -> Any:
+        """The run's memory estimate (``ndplan.memory.report.MemoryReport``) on its device."""
+        from ndplan.memory.report import estimate
+
+        return estimate(self.model_spec(), self.strategy_obj(), self.device_spec(), self.memory_options(),
+                        num_devices=self.num_devices)
+
     def fullest_stage(self) -> Any:
         """The memory estimate (``ndplan.memory.report.StageReport``) of the run's stage with the
         highest peak: a run that ran fitted, so this must stay within its device's memory."""
-        from ndplan.memory.report import estimate
-
-        report = estimate(self.model_spec(), self.strategy_obj(), self.device_spec(), self.memory_options(),
-                          num_devices=self.num_devices)
-        return max(report.stages, key=lambda stage: stage.peak_bytes)
+        return max(self.memory_report().stages, key=lambda stage: stage.peak_bytes)
 
 
 def _megatron_flops(model: ModelSpec, batch: float, seq: float, recompute_forward: float, vocab_div: float) -> float:
