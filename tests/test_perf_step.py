@@ -912,8 +912,8 @@ def test_optimizer_updates_the_shard_its_group_holds():
         (local[4] - local[0]) / (local[2] - local[0]), rel=1e-9)
 
 
-def _pieces(model, strategies, devices, overlap=None, software=None, efficiency=None):
-    """``layer.piece_times`` of ``strategies`` (one Strategy or several) on ``devices`` H100s,
+def _pieces(model, strategies, devices, overlap=None, software=None, efficiency=None, device="h100-sxm"):
+    """``layer.piece_times`` of ``strategies`` (one Strategy or several) on ``devices`` H100s (or ``device``),
     with the device's efficiency profile and ``software`` facts over it; {piece: {(pass,
     category): seconds per strategy}}."""
     from ndplan.perf.efficiency import with_software
@@ -923,7 +923,7 @@ def _pieces(model, strategies, devices, overlap=None, software=None, efficiency=
     from ndplan.perf.topology import Fabric
 
     batch = StrategyBatch.of(strategies)
-    cluster = _cluster(devices)
+    cluster = _cluster(devices, device)
     eff = with_software(efficiency or default_efficiency(cluster.device), software)
     overlap = overlap or default_overlap(cluster.device.runtime)
     ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap,
@@ -2047,3 +2047,33 @@ def test_fp8_parameters_are_gathered_in_fp8():
 
     assert dp_step("megatron-fp8") - dp_step("megatron-fp8-param") == pytest.approx(7 / 8 * 8_030_261_248 / 360e9,
                                                                                    rel=1e-9)
+
+
+def test_an_overlapped_collective_hides_under_its_own_gemm_alone():
+    """Sequence-parallel TP overlap (Transformer Engine's userbuffers, MindSpeed's MC2, torch's
+    AsyncTP) pipelines each all-gather with the GEMM that reads it and each reduce-scatter with
+    the GEMM that makes it. Llama-3.1-8B over TP 8 on Ascend 910B at 16,384 tokens: A =
+    16384·4096·2 B, each collective 7·3 µs + 7/8·A/(196e9·0.70) = 0.877 ms over the HCCS mesh;
+    the GEMMs at 353.9e12·0.70 FLOP/s: QKV 2·16384·4096·768 FLOPs = 0.416 ms and the output
+    projection 2·16384·512·4096 = 0.277 ms, shorter than their collectives, and the MLP's
+    2·16384·4096·3584 = 1.942 ms each, longer. The layer's GEMMs (4.58 ms) outlast its
+    collectives (3.51 ms), so priced together nothing showed; paired, the attention block's
+    two show: (0.877 - 0.416) + (0.877 - 0.277) = 1.06 ms. On H100s over NVLink, Llama-3.1-405B's
+    projections at TP 8 outlast their collectives (the output projection 2·2048·16384 FLOPs a
+    token against 16384·2·7/8 bytes): nothing shows; the 70B's output projection (2·1024·8192)
+    does not: its reduce-scatter shows."""
+    strategies = [Strategy(tp=8, sequence_parallel=True, micro_batch_size=2, seq_length=8192)]
+    ascend = _pieces(LLAMA8, strategies, 8, overlap=OverlapConfig(tp=True), device="ascend-910b")["dense"]
+    activation = 16384 * 4096 * 2
+    collective = 7 * 3e-6 + 7 / 8 * activation / (196e9 * 0.70)
+    rate = 353.9e12 * 0.70
+    qkv, out = (2 * 16384 * 4096 * 768 / rate, 2 * 16384 * 512 * 4096 / rate)
+    mlp = 2 * 16384 * 4096 * 3584 / rate
+    assert 4 * collective < qkv + out + 2 * mlp
+    assert ascend[("F", "tp")][0] == pytest.approx((collective - qkv) + (collective - out), rel=1e-6)
+    def on_h100(model):
+        return _pieces(model, [Strategy(tp=8, sequence_parallel=True, seq_length=8192)], 8,
+                       overlap=OverlapConfig(tp=True))["dense"][("F", "tp")][0]
+
+    assert on_h100(get_preset("llama-3.1-405b")) == 0.0
+    assert on_h100(LLAMA70) > 0.0

@@ -244,6 +244,28 @@ def base_rows(cols: dict[str, Array]) -> BaseRows:
     return BaseRows(base, Sharding(*(base[name] for name in SHARDING_FIELDS)), codes)
 
 
+def _paired_tp_forward(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, shardings: ShardingRows,
+                       forward_of: dict[str, Array | float], exposed: Array | float) -> Array | float:
+    """A dense layer's exposed forward TP seconds where its sequence-parallel collectives overlap
+    (``OverlapConfig.tp``): each under the GEMM it is pipelined with, not under the layer's GEMMs
+    together. Transformer Engine's userbuffers, MindSpeed's MC2 and torch's AsyncTP split a
+    GEMM and its collective into chunks, the all-gather of the input with the GEMM that reads it
+    (QKV, up), the reduce-scatter of the output with the GEMM that makes it (output, down):
+    Σ max(0, collective − its GEMM). A collective longer than its GEMM shows even where the
+    layer's GEMMs together outlast its collectives (TP 8 of an 8B model on Ascend 910B's HCCS:
+    the QKV and output projections are shorter than their collectives). Without SP, with MLA or
+    linear attention (other projections), ``exposed`` as it is."""
+    model = ctx.model
+    if not ctx.overlap.tp or model.is_mla or model.has_linear_attention or "qkv_proj" not in forward_of:
+        return exposed
+    gather, scatter = _sp_pair_seconds(ctx, cols, sh.tokens * model.hidden_size * ctx.precision.activation_bytes)
+    gemm = {name: shardings.spread(forward_of[name]) for name in ("qkv_proj", "o_proj", "mlp_up", "mlp_down")}
+    paired = (np.maximum(gather - gemm["qkv_proj"], 0.0) + np.maximum(scatter - gemm["o_proj"], 0.0)
+              + np.maximum(gather - gemm["mlp_up"], 0.0) + np.maximum(scatter - gemm["mlp_down"], 0.0))
+    # (never below the layer's total: Σ max(0, c − g) >= max(0, Σc − Σg))
+    return np.where(cols["sequence_parallel"] > 0, np.maximum(paired, exposed), exposed)
+
+
 def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, share: Array | float = 0.0) -> Array | float:
     """What the step pays for ``comm`` running under ``cover`` seconds of compute: the part that
     outlasts the compute, plus ``share`` of the part that hides (the compute it slows by holding
@@ -1091,6 +1113,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         replayed_tp = replayed_tp + comm.mla_up_replay
     replays_mlp_tp: Array | float = np.divide(replayed_tp, tp, out=np.zeros(np.shape(tp)), where=np.asarray(tp) > 0)
     tp_f = _exposed(tp, gemm["F"], ctx.overlap.tp)
+    if kind == "dense":
+        tp_f = _paired_tp_forward(ctx, bc, bsh, shardings, forward_of, tp_f)
     # The overlap may reach the backward's all-gathers alone (EfficiencyProfile.tp_overlap_backward).
     gathers = tp * (tp_gather_part(ctx, bc, bsh) if eff.tp_overlap_backward == "all-gathers" else 1.0)
     tp_b = _exposed(gathers, gemm["B"] + gemm["W"], ctx.overlap.tp) + (tp - gathers)
