@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ndplan.memory.activations import layer_activations
+from ndplan.memory.activations import LayerActivations, layer_activations
 from ndplan.memory.fields import PIPELINE_SHAPE
 from ndplan.memory.layer_offload import first_layers
 from ndplan.memory.options import MemoryOptions
@@ -97,17 +97,24 @@ def _offloaded_activations(model: ModelSpec, batch: StrategyBatch, options: Memo
     out = np.zeros((n, pp))
     if not (bool(batch.offload_modules) or (batch.offload_layers > 0).any()):
         return out
-    acts = layer_activations(model, batch, options)
-    tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / batch.cp
-    moved_dense, moved_moe = (acts.offloaded[k] * tokens for k in ("dense", "moe"))
-    first_dense, first_moe = first_layers(model, batch.offload_layers)
-    layers_moved = tokens * (first_dense * acts.full["dense"] + first_moe * acts.full["moe"])
+    moved = offloaded_per_micro_batch(model, batch, layer_activations(model, batch, options), placement)
     for m in np.unique(batch.num_micro_batches).tolist():
         rows = np.flatnonzero(batch.num_micro_batches == m)
         peak = in_flight(schedule, pp, vpp, int(m), seq_chunks).peak
         for v in range(placement.num_virtual_stages):
             stage, chunk = int(placement.stage_of[v]), int(placement.chunk_of[v])
-            per_micro_batch = (placement.dense_layers[v] * moved_dense[rows] + placement.moe_layers[v] * moved_moe[rows]
-                               + (layers_moved[rows] if v == 0 else 0.0))
-            out[rows, stage] += float(peak[stage, chunk]) * per_micro_batch
+            out[rows, stage] += float(peak[stage, chunk]) * moved[rows, v]
     return out
+
+
+def offloaded_per_micro_batch(model: ModelSpec, batch: StrategyBatch, acts: LayerActivations,
+                              placement: Placement) -> np.ndarray:
+    """[n, virtual stages]: bytes one micro-batch of each virtual stage moves to the host,
+    tokens · (dense layers · moved per dense layer + MoE layers · moved per MoE layer), and on the
+    first the first ``offload_layers`` layers' whole bytes (module docstring)."""
+    tokens = (batch.micro_batch_size * batch.seq_length).astype(float) / batch.cp
+    first_dense, first_moe = first_layers(model, batch.offload_layers)
+    moved = tokens[:, None] * (np.multiply.outer(acts.offloaded["dense"], placement.dense_layers)
+                               + np.multiply.outer(acts.offloaded["moe"], placement.moe_layers))
+    moved[:, 0] += tokens * (first_dense * acts.full["dense"] + first_moe * acts.full["moe"])
+    return moved

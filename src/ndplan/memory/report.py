@@ -16,8 +16,8 @@ from ndplan.memory.activations import (
     layer_activations,
 )
 from ndplan.memory.buffers import ring_exchange
-from ndplan.memory.host import host_memory
-from ndplan.memory.layer_offload import first_layers, held_away
+from ndplan.memory.host import host_memory, offloaded_per_micro_batch
+from ndplan.memory.layer_offload import held_away
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.result import ACTIVATION_KINDS, STATIC_KINDS, StageMemory
 from ndplan.memory.shape import recomputed_layers
@@ -679,14 +679,12 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     kept = {k: float(acts.recomputed[k][0]) for k in ("dense", "moe")}
     per_chunk = tokens * (plain_dense * full["dense"] + plain_moe * full["moe"]
                           + recomputed_dense * kept["dense"] + recomputed_moe * kept["moe"])
-    moved = {k: float(acts.offloaded[k][0]) * tokens for k in ("dense", "moe")}
     # Layer offload (no pipeline: one chunk): its first layers' activations, all of them, move;
     # all but one of those layers' are off the device at the peak (memory.layer_offload).
     away_dense, away_moe = (float(v[0]) for v in held_away(model, batch.offload_layers))
     per_chunk = per_chunk - tokens * np.array([away_dense * full["dense"] + away_moe * full["moe"]]
                                               + [0.0] * (len(per_chunk) - 1))
-    moved_dense, moved_moe = (float(v[0]) for v in first_layers(model, batch.offload_layers))
-    layers_moved = tokens * (moved_dense * full["dense"] + moved_moe * full["moe"])
+    moved = offloaded_per_micro_batch(model, batch, acts, placement)[0]
     flight = in_flight(strategy.schedule, strategy.pp, strategy.vpp, strategy.num_micro_batches, strategy.seq_chunks)
     out = []
     for v in range(placement.num_virtual_stages):
@@ -697,6 +695,6 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
             layer_static_bytes=dense * layer_static("dense") + moe * layer_static("moe"),
             activation_bytes_per_micro_batch=float(per_chunk[v]),
             peak_in_flight=float(flight.peak[stage, chunk]),
-            offloaded_bytes_per_micro_batch=dense * moved["dense"] + moe * moved["moe"] + (layers_moved if v == 0 else 0.0),
+            offloaded_bytes_per_micro_batch=float(moved[v]),
         ))
     return out

@@ -214,16 +214,13 @@ def static_state(
             value = non_expert_stage * (width / non_expert_div) + expert_stage * (width / expert_div)
         if category == "optimizer":
             out[category] = np.where(offload, 0.0, value)
-        elif category == "params":
-            out[category] = np.where(shards_on_host, 0.0, value)
-        else:
-            out[category] = value
-        if category == "optimizer":
             # Offloaded for a step on the CPU: the states, the weight it updates and that weight's
             # gradient; between steps: the states and master weights (what the device frees).
             between = batch.offload_optimizer_states[:, None] > 0
             out["host_optimizer"] = np.where(offload, value * (host_optimizer_width(precision) / max(width, 1)),
                                              np.where(between, value, 0.0))
+        else:  # (parameters off the device where FSDP2 keeps their shards on the host; gradients above)
+            out[category] = np.where(shards_on_host, 0.0, value) if category == "params" else value
         if kinds is None:
             continue
         for static_kind in STATIC_KINDS:
@@ -305,8 +302,7 @@ def static_state(
     # The optimizer states and master weights an offload between steps keeps on the host through
     # the forward and backward (Megatron-Core's --offload-optimizer-states): on the device at the
     # step alone.
-    between_steps = batch.offload_optimizer_states[:, None] > 0
-    optimizer_forward_backward = np.where(between_steps, 0.0, out["optimizer"])
+    optimizer_forward_backward = np.where(batch.offload_optimizer_states[:, None] > 0, 0.0, out["optimizer"])
     params_optimizer = out["params"] + optimizer_forward_backward
     # The optimizer step's temporaries of the update, in the dtype of the weights it updates.
     updated_bytes = precision.master_weight_bytes or precision.param_bytes
