@@ -40,7 +40,7 @@ EFFICIENCY_HELP = ("step-time efficiency profile YAML (what `ndplan calibrate` w
 _FLAG_ONLY = {
     "memory_limit", "runtime", "attention", "loss_parallel", "loss_upcast", "selective_policy", "census",
     "no_overhead", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "emit", "explain", "plot", "json",
-    "compile",
+    "compile", "modules",
 }
 #: Plan keys that hold whole numbers (ndplan does arithmetic on some before the Strategy
 #: validates them, so a plan file's value is checked as it is read).
@@ -213,6 +213,12 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "backward (dense layers; others as eager); model+loss fuses the loss too and prices "
                             "what a compiled loss keeps (not a vocabulary-parallel one) (default: off, or what a "
                             "--from torchtitan config's [compile] states)")
+    group.add_argument("--modules", choices=["eager", "te"], default=None,
+                       help="what the pytorch runtime's modules keep for backward: eager (transformers' and "
+                            "torchtitan's modules) or te (NeMo AutoModel's Transformer Engine backend: TE's RMSNorm "
+                            "keeps its bf16 input and one statistic; the experts' activation, weighted by the routing "
+                            "probabilities before the down projection, keeps its input and the probabilities); "
+                            "memory only (default: eager)")
     group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
                        help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
                             "(replaces --moe-imbalance for memory)")
@@ -478,6 +484,7 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         torch_compile=getattr(args, "torch_compile", None) or stated.get("torch_compile") or "off",
         # A launch's own pipeline sends, where it is priced as the runtime it launches.
         p2p_wait=stated.get("p2p_wait") if runtime == stated.get("runtime") else None,
+        modules=getattr(args, "modules", None) or stated.get("modules") or "eager",
     )
 
 

@@ -417,7 +417,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
     blocks = block_coefficients(model, profile, act_bytes, batch.recompute_modules, offload,
                                 fp8=batch.precision.compute_dtype == "fp8", loss_upcast=options.loss_upcast,
                                 selective_policy=policy, moe_dispatcher=options.moe_dispatcher,
-                                compiled=options.compiled_layers(model), compiled_loss=options.compiled_loss())
+                                compiled=options.compiled_layers(model), compiled_loss=options.compiled_loss(),
+                                modules=options.modules)
     tp, etp = batch.tp.astype(float), batch.etp.astype(float)
     loss_parallel = options.vocab_parallel_loss
     sequence_sharded = (batch.sequence_parallel > 0) & (tp > 1)

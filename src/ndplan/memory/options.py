@@ -32,6 +32,13 @@ MoeDispatcher = Literal["alltoall", "allgather"]
 #: What torch.compile compiles (torchtitan's ``[compile] components``): nothing, the decoder
 #: layers, the layers and the loss, or the loss alone.
 TorchCompile = Literal["off", "model", "model+loss", "loss"]
+#: Which modules a pytorch-runtime model is built of, as the memory model prices what they keep:
+#: the profile's eager modules (Hugging Face transformers', torchtitan's), or NeMo AutoModel's
+#: Transformer Engine backend (``MemoryOptions.modules``).
+Modules = Literal["eager", "te"]
+#: The profile symbols ``modules`` 'te' sets to 1 (0 under 'eager'): a runtime whose profile uses
+#: neither describes its own modules, and the option is refused there.
+TE_MODULE_SYMBOLS = ("fused_norm", "weighted_experts")
 #: The schedules whose compute waits for its own pipeline sends (``EfficiencyProfile.p2p_wait``).
 P2PWait = Literal["1f1b", "1f1b+interleaved", "none"]
 
@@ -86,6 +93,16 @@ class MemoryOptions:
     step time alone (``EfficiencyProfile.p2p_wait``; None: the runtime's, its profile's kernel
     fact or Megatron-Core's '1f1b'): a Megatron launch with --no-overlap-p2p-communication waits
     in its interleaved schedule too ('1f1b+interleaved').
+    ``modules`` says which modules the pytorch runtime's model is built of, for what they keep
+    for backward: 'eager' (the profile's: transformers' and torchtitan's) or 'te', NeMo
+    AutoModel's Transformer Engine backend (its ``te_deepep`` configs: ``rms_norm: te`` and the
+    DeepEP experts). Transformer Engine's RMSNorm keeps its input in the activation dtype and one
+    fp32 statistic a token, where the eager norm keeps an fp32 copy and the normalised input
+    besides; the experts' activation is one fused function that weighs each routed copy by its
+    fp32 routing probability before the down projection (Megatron's ``weighted_bias_swiglu``,
+    AutoModel's compiled ``quick_geglu_deepep``), so it keeps its input and the probabilities, and
+    nothing keeps the down projection's output. Memory alone: the step time prices the
+    runtime's elementwise kernels as before (``elementwise_passes``).
     """
 
     runtime: str = "pytorch"
@@ -102,6 +119,7 @@ class MemoryOptions:
     moe_dispatcher: MoeDispatcher = "alltoall"
     torch_compile: TorchCompile = "off"
     p2p_wait: P2PWait | None = None
+    modules: Modules = "eager"
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, str):
@@ -142,6 +160,12 @@ class MemoryOptions:
         if self.p2p_wait is not None and self.p2p_wait not in get_args(P2PWait):
             raise NdplanError(f"p2p_wait must be one of {', '.join(get_args(P2PWait))} (or None: the runtime's), "
                               f"got {self.p2p_wait!r}")
+        if self.modules not in get_args(Modules):
+            raise NdplanError(f"modules must be one of {', '.join(get_args(Modules))}, got {self.modules!r}")
+        if self.modules != "eager" and not self.profile.uses_symbols(TE_MODULE_SYMBOLS):
+            raise NdplanError(f"modules {self.modules!r} describes NeMo AutoModel's Transformer Engine modules under the "
+                              f"pytorch runtime; runtime '{self.runtime}' describes its own modules (leave modules "
+                              f"'eager')")
         if self.moe_dispatcher == "allgather" and "moe_allgather" not in self.profile.blocks:
             raise NdplanError(f"moe_dispatcher 'allgather' is Megatron-Core's MoEAllGatherTokenDispatcher; runtime "
                               f"'{self.runtime}' states no such dispatcher (use runtime megatron)")
@@ -152,6 +176,9 @@ class MemoryOptions:
         if self.selective_policy is not None and self.selective_policy not in allowed:
             raise NdplanError(f"selective_policy {self.selective_policy!r} is not one runtime '{self.runtime}' prices; "
                               f"allowed: {', '.join(allowed)}")
+        if self.census and self.modules != "eager":
+            raise NdplanError(f"a census measures the modules it ran (transformers' eager ones), not modules "
+                              f"{self.modules!r}: leave out one or the other")
         if self.census and self.selective_policy not in (None, self.profile.selective_policy):
             raise NdplanError(f"a census measures the runtime's own selective recompute "
                               f"({self.profile.selective_policy}), not {self.selective_policy}: leave out one or the other")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -152,6 +153,8 @@ SYMBOLS: tuple[str, ...] = (
     "q_lora", "kv_lora", "rope", "vocab", "linear_key", "linear_value", "linear_key_heads", "linear_value_heads",
     "linear_key_repeated",
     "output_gate", "pre_norm", "sandwich_norm", "attention_softcap", "attention_sinks", "clamped_swiglu", "routing_fp32", "norm_topk", "final_softcap", "seq",
+    # the runtime's modules, not the model's (``MemoryOptions.modules``): 1 under 'te'
+    "fused_norm", "weighted_experts",
 )
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -284,6 +287,11 @@ class RuntimeProfile:
     #: fsdp_stream_copies, fp8_tp_gather, expert_bias_add, sink_rescale, ring_merge, ring_exchange,
     #: mla_assembly, p2p_wait), stated beside what it saves.
     kernels: dict[str, Any] = field(default_factory=dict)
+
+    def uses_symbols(self, names: tuple[str, ...]) -> bool:
+        """Whether any entry's elements name one of ``names`` (a switch the profile describes)."""
+        return any(re.search(rf"\b{name}\b", tensor.elements) for entries in self.blocks.values()
+                   for tensor in entries for name in names)
 
 
 def _parse_profile(data: Any, source: str) -> RuntimeProfile:
@@ -600,7 +608,8 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
                        recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = (),
                        fp8: bool = False, loss_upcast: bool = True,
                        selective_policy: str | None = None, moe_dispatcher: str = "alltoall",
-                       compiled: bool = False, compiled_loss: bool = False) -> dict[str, BlockBytes]:
+                       compiled: bool = False, compiled_loss: bool = False,
+                       modules: str = "eager") -> dict[str, BlockBytes]:
     """Every block of the profile, evaluated for ``model`` (cached per model and profile); the
     bytes selective recompute keeps (``BlockBytes.kept``) are those of ``recompute_modules``,
     the bytes moved to the host (``BlockBytes.offloaded``) those of ``offload_modules``; with
@@ -610,14 +619,18 @@ def block_coefficients(model: ModelSpec, profile: RuntimeProfile, activation_byt
     ``moe_allgather`` block's tensors (what Megatron's allgather dispatcher keeps) to ``moe``'s.
     ``compiled`` (torch.compile of the decoder layers) prices the entries' ``compiled_bytes`` and
     ``compiled_keep`` where they state them (with ``fp8``, ``compiled_fp8_bytes`` too),
-    ``compiled_loss`` (of the loss) those of the loss's own blocks (``COMPILED_LOSS_BLOCKS``)."""
+    ``compiled_loss`` (of the loss) those of the loss's own blocks (``COMPILED_LOSS_BLOCKS``).
+    ``modules`` 'te' sets the profile's module symbols (``fused_norm``, ``weighted_experts``) to 1:
+    Transformer Engine's norms and the fused, probability-weighted expert activation
+    (``MemoryOptions.modules``)."""
     if recompute_modules and not profile.recompute_modules:
         raise NdplanError(f"recompute modules ({' '.join(recompute_modules)}) are Megatron-Core's --recompute-modules; "
                           f"runtime '{profile.name}' recomputes by its own selective policy only (use runtime megatron)")
     if offload_modules and not profile.offloads:
         raise NdplanError(f"offload modules ({' '.join(offload_modules)}) are Megatron-Core's fine-grained activation "
                           f"offloading; runtime '{profile.name}' has no such feature (use runtime megatron)")
-    symbols = model_symbols(model)
+    te = 1.0 if modules == "te" else 0.0
+    symbols = {**model_symbols(model), "fused_norm": te, "weighted_experts": te}
     blocks = dict(profile.blocks)
     if moe_dispatcher == "allgather":
         blocks["moe"] = blocks.get("moe", ()) + blocks.get("moe_allgather", ())

@@ -205,6 +205,7 @@ class MemoryReport:
             "moe_imbalance": self.options.moe_imbalance,
             "moe_capacity_factor": self.options.moe_capacity_factor,
             "selective_policy": self.options.selective_policy,
+            "modules": self.options.modules,
             "census_records": len(self.options.census),
             "stages": [s.to_dict() for s in self.stages],
             "caveats": self.caveats,
@@ -317,7 +318,9 @@ class MemoryReport:
                "at the optimizer step alone)" if s.offload_optimizer_states else "")
             + f" = {format_bytes(stage.optimizer_bytes)}",
             f"activations = max over the {s.schedule} timeline of Σ in-flight micro-batches × bytes/token × tokens "
-            f"({self.options.runtime} profile, {self.options.attention} attention, recompute {s.recompute}) "
+            f"({self.options.runtime} profile"
+            + (", Transformer Engine's norms and weighted experts" if self.options.modules == "te" else "")
+            + f", {self.options.attention} attention, recompute {s.recompute}) "
             f"= {format_bytes(stage.activations_bytes)}",
         ]
         for kind, value in stage.activations_by_kind.items():

@@ -102,6 +102,9 @@ class MeasuredRun(BaseModel):
         default="off", description="what torch.compile compiled (torchtitan's [compile] components), for the memory "
         "check's saved tensors (MemoryOptions.torch_compile); the step time's fused kernels are the software "
         "facts' elementwise_passes")
+    modules: Literal["eager", "te"] = Field(
+        default="eager", description="what the run's pytorch-runtime modules keep for backward "
+        "(MemoryOptions.modules): te for NeMo AutoModel's Transformer Engine backend; memory only")
     reserved_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="memory the source measured: the caching "
                                        "allocator's peak reserved bytes, in GiB (max over ranks), where it says")
     notes: str = ""
@@ -196,13 +199,14 @@ class MeasuredRun(BaseModel):
     def memory_options(self) -> Any:
         """The memory model's options for this run: its runtime profile, the software facts
         memory shares with time (the loss's upcast; torchtitan's per-op selective checkpointing),
-        whether its loss is vocab-parallel, and what torch.compile compiled."""
+        whether its loss is vocab-parallel, what torch.compile compiled and which modules it ran."""
         from ndplan.memory.options import MemoryOptions
 
         policy = self.software.get("selective_recompute")
         return MemoryOptions(runtime=self.runtime, loss_upcast=bool(self.software.get("loss_upcast", True)),
                              selective_policy=policy if policy == "torchtitan-op" else None,
-                             loss_parallel=self.loss_parallel, torch_compile=self.torch_compile)
+                             loss_parallel=self.loss_parallel, torch_compile=self.torch_compile,
+                             modules=self.modules)
 
     def memory_report(self) -> Any:
         """The run's memory estimate (``ndplan.memory.report.MemoryReport``) on its device."""

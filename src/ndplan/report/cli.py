@@ -166,7 +166,8 @@ def enrich(result: dict[str, Any]) -> dict[str, Any]:
         options = MemoryOptions(runtime=str(result.get("runtime") or "pytorch"),
                                 attention=result.get("attention") or "flash",
                                 loss_upcast=result.get("loss_upcast") is not False,
-                                selective_policy=result.get("selective_policy"))
+                                selective_policy=result.get("selective_policy"),
+                                modules=result.get("modules") or "eager")
         report = estimate(load_model(str(result["model"])), Strategy(**fields), resolve_device(str(result["hardware"])),
                           options, num_devices=result.get("devices"))
     except Exception as error:  # noqa: BLE001 - the report of the search stands without it
