@@ -93,6 +93,21 @@ def test_explain_says_which_modules_it_priced(capsys):
     args = ["estimate", "--model", "gpt-oss-20b", "--hardware", "h100-sxm", "--devices", "8", "--ep", "8",
             "--zero", "3", "--fsdp", "--mbs", "2", "--seq", "4096", "--explain"]
     assert main([*args, "--modules", "te"]) == 0
-    assert "Transformer Engine's norms and weighted experts" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Transformer Engine's norms and weighted experts" in out
+    assert "modules te: in memory, Transformer Engine's RMSNorm" in out
     assert main(args) == 0
-    assert "Transformer Engine's norms" not in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Transformer Engine's norms" not in out and "modules te" not in out
+
+
+def test_a_report_of_the_estimate_reproduces_the_modules(capsys):
+    """The estimate's JSON records the option; the report's command gives it back."""
+    from ndplan.report.data import prepare
+    from ndplan.report.html import reproduce_command
+
+    assert main(["estimate", "--model", "gpt-oss-20b", "--hardware", "h100-sxm", "--devices", "8", "--ep", "8",
+                 "--zero", "3", "--fsdp", "--mbs", "2", "--seq", "4096", "--modules", "te", "--json"]) == 0
+    data = prepare(json.loads(capsys.readouterr().out))
+    command, missing = reproduce_command(data["inputs"])
+    assert "--modules te" in command and missing == []

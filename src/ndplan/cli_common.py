@@ -135,6 +135,11 @@ def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chos
         console.print(f"torch.compile of the {options.torch_compile.replace('+', ' and ')} (--compile): elementwise_passes "
                       f"{software['elementwise_passes']:g} in the decoder layers, {software['loss_elementwise_passes']:g} "
                       f"in the final norm and loss; {_compiled_memory_text(options, model)}", markup=False)
+    if options.modules == "te":
+        console.print("modules te: in memory, Transformer Engine's RMSNorm (its bf16 input and one statistic) and "
+                      "experts weighted by their fp32 routing probabilities before the down projection (its input "
+                      "and the probabilities), NeMo AutoModel's; the step time prices the kernels above "
+                      "(docs/memory.md)", markup=False)
     own_wait = str(options.profile.kernels.get("p2p_wait", "1f1b"))
     if options.p2p_wait is not None and options.p2p_wait != own_wait:
         console.print(f"pipeline sends waited for in the {options.p2p_wait.replace('+', ' and ')} schedules "
