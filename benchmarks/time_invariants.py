@@ -23,8 +23,11 @@ Before the fortieth session's fix it reported selective recompute priced above f
 traffic sets the pace (seed 2, 300 draws: Llama-3.1-70B, cp 2, FSDP over 16 on Ascend 910B,
 +0.21%); before the forty-fourth session's, a faster device priced a ZeRO-2 step slower where
 its per-micro-batch reduces, added whole after the pipeline, outgrew a stage's slack (seed 3:
-DeepSeek-V2-Lite, pp 4 ZB-V on Ascend 910B, +0.79%). What it still reports (host floors that
-add the exposed collectives, the bubble's share of a comm-bound pipeline) is under a percent.
+DeepSeek-V2-Lite, pp 4 ZB-V on Ascend 910B, +0.79%); before the fifty-third session's, a faster
+GPU priced a host-bound step slower where the collectives its host floor leaves room for were
+added to it (seed 52: Qwen3-30B-A3B, CP 2 DualPipeV on GB200, +0.25%). What it still reports (a
+MoE forward's collectives before its token-count sync, the bubble's share of a comm-bound
+pipeline) is under a percent.
 """
 
 from __future__ import annotations

@@ -276,6 +276,18 @@ def _exposed(comm: Array | float, cover: Array | float, hide: bool | Array, shar
     return np.where(hide, exposed, comm)
 
 
+def _beyond_slack(exposed: tuple[Array | float, ...], slack: Array | float) -> tuple[Array | float, ...]:
+    """What a pass pays of its ``exposed`` communication where the host's floor leaves the GPU
+    ``slack`` idle seconds: the pass takes max(host, GPU compute + exposed), so the total beyond
+    the slack, each part its share of it."""
+    if not np.any(slack):
+        return exposed
+    total = sum(exposed, np.zeros(np.shape(slack)))
+    paid = np.maximum(total - slack, 0.0)
+    kept = np.divide(paid, total, out=np.zeros(np.shape(total)), where=np.asarray(total) > 0)
+    return tuple(part * kept for part in exposed)
+
+
 def _fsdp_exposed(ctx: LayerContext, comm: Array | float, cover: Array | float, full_rate_s: Array | float
                   ) -> Array | float:
     """``_exposed`` for FSDP/ZeRO-3 gathers and reduces on their own stream: hidden under
@@ -1136,6 +1148,14 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # (n - 1)/n of it covers. Backward: a send under every step (_cp_seconds), the whole of it.
         cp_f = _exposed(ring_f, (ring_n - 1.0) / ring_n * attn_f, hide_ring) + a2a
         cp_b = _exposed(ring_b, attn_b, hide_ring) + a2a
+
+    # A host-bound pass leaves the GPU idle for what its floor adds (compute - gpu): its TP and
+    # CP collectives, overlapped or not, run there first, so that a faster GPU never lengthens it.
+    # Not a MoE layer's forward: its dropless dispatch syncs the host mid-layer, and the GPU must
+    # drain the attention block's collectives before the host goes on (its floor counts them).
+    if kind == "dense":
+        tp_f, cp_f = _beyond_slack((tp_f, cp_f), compute_f - computed.gpu_f)
+    tp_b, cp_b = _beyond_slack((tp_b, cp_b), compute_b - computed.gpu_b)
 
     if kind == "moe":
         experts, _ = _pass_gemm_seconds(ctx, [g for g in gemms if g.expert])
