@@ -255,14 +255,41 @@ def _paired_tp_forward(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, 
     layer's GEMMs together outlast its collectives (TP 8 of an 8B model on Ascend 910B's HCCS:
     the QKV and output projections are shorter than their collectives). Without SP, with MLA or
     linear attention (other projections), ``exposed`` as it is."""
+    return _paired_tp(ctx, cols, sh, shardings, forward_of, exposed,
+                      (("gather", "qkv_proj"), ("scatter", "o_proj"), ("gather", "mlp_up"), ("scatter", "mlp_down")))
+
+
+def _paired_tp_backward(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, shardings: ShardingRows,
+                        backward_of: dict[str, Array | float], exposed: Array | float) -> Array | float:
+    """The backward's as ``_paired_tp_forward``: the gradient of a row-parallel linear's output
+    (output, down) all-gathered with that linear's input-gradient GEMM, which reads it, and a
+    column-parallel one's input gradient (QKV, up) reduce-scattered with the GEMM that makes it
+    (MC2's matmul-reduce-scatter; Transformer Engine's bulk overlap runs it under the same linear's
+    weight-gradient GEMM, of the same FLOPs). Where the runtime's overlap reaches the backward's
+    all-gathers alone (``EfficiencyProfile.tp_overlap_backward`` 'all-gathers': torch's AsyncTP),
+    the reduce-scatters count whole."""
+    scatters_hide = ctx.eff.tp_overlap_backward != "all-gathers"
+    return _paired_tp(ctx, cols, sh, shardings, backward_of, exposed,
+                      (("scatter", "qkv_proj" if scatters_hide else ""), ("gather", "o_proj"),
+                       ("scatter", "mlp_up" if scatters_hide else ""), ("gather", "mlp_down")))
+
+
+def _paired_tp(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, shardings: ShardingRows,
+               seconds_of: dict[str, Array | float], exposed: Array | float,
+               pairs: tuple[tuple[str, str], ...]) -> Array | float:
+    """Σ max(0, collective − its GEMM's ``seconds_of``) over ``pairs`` (a collective, 'gather' or
+    'scatter' of the activation, and the GEMM it runs with: '' for none), where the layer's
+    sequence-parallel collectives overlap; never below ``exposed``, the pass's collectives under
+    its GEMMs together (Σ max(0, c − g) >= max(0, Σc − Σg))."""
     model = ctx.model
-    if not ctx.overlap.tp or model.is_mla or model.has_linear_attention or "qkv_proj" not in forward_of:
+    if not ctx.overlap.tp or model.is_mla or model.has_linear_attention or "qkv_proj" not in seconds_of:
         return exposed
     gather, scatter = _sp_pair_seconds(ctx, cols, sh.tokens * model.hidden_size * ctx.precision.activation_bytes)
-    gemm = {name: shardings.spread(forward_of[name]) for name in ("qkv_proj", "o_proj", "mlp_up", "mlp_down")}
-    paired = (np.maximum(gather - gemm["qkv_proj"], 0.0) + np.maximum(scatter - gemm["o_proj"], 0.0)
-              + np.maximum(gather - gemm["mlp_up"], 0.0) + np.maximum(scatter - gemm["mlp_down"], 0.0))
-    # (never below the layer's total: Σ max(0, c − g) >= max(0, Σc − Σg))
+    collective = {"gather": gather, "scatter": scatter}
+    paired: Array | float = 0.0
+    for kind, name in pairs:
+        cover = shardings.spread(seconds_of[name]) if name else 0.0
+        paired = paired + np.maximum(collective[kind] - cover, 0.0)
     return np.where(cols["sequence_parallel"] > 0, np.maximum(paired, exposed), exposed)
 
 
@@ -912,19 +939,22 @@ def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[tup
     return (fsdp_out & tp_in, fsdp_out & cp_in, fsdp_out & ep_in), (sharing(tp_in), sharing(cp_in), sharing(ep_in))
 
 
-def _pass_gemm_seconds(ctx: LayerContext, gemms: list[Gemm]) -> tuple[dict[str, Array | float], dict[str, Array | float]]:
+def _pass_gemm_seconds(ctx: LayerContext, gemms: list[Gemm]
+                       ) -> tuple[dict[str, Array | float], dict[str, Array | float], dict[str, Array | float]]:
     """(seconds of ``gemms`` per pass F, B, W, routed experts scaled by the busiest rank's routed
     tokens over a balanced share, ``EfficiencyProfile.routed_token_factor``;
-    forward seconds of each GEMM by name)."""
+    forward seconds of each GEMM by name; its backward's input-gradient seconds, B, by name)."""
     total: dict[str, Array | float] = {p: 0.0 for p in PASS_NAMES}
     forward: dict[str, Array | float] = {}
+    backward: dict[str, Array | float] = {}
     for g in gemms:
         times = gemm_pass_seconds(g, ctx.rates)
         scale = ctx.eff.routed_token_factor if g.expert else 1.0
         for pass_, value in times.items():
             total[pass_] = total[pass_] + scale * value
         forward[g.name] = times["F"]
-    return total, forward
+        backward[g.name] = times["B"]
+    return total, forward, backward
 
 
 def _chunk_sort(ctx: LayerContext, cols: dict[str, Array]) -> Array | float:
@@ -1013,6 +1043,8 @@ class _LayerCompute:
 
     gemms: list[Gemm]
     forward_of: dict[str, Array | float]
+    #: each GEMM's input-gradient (B) seconds by name, per distinct sharding
+    backward_of: dict[str, Array | float]
     gemm: dict[str, Array | float]
     attn_f: Array | float
     attn_b: Array | float
@@ -1034,7 +1066,7 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     model, rates, eff = ctx.model, ctx.rates, ctx.eff
     beta = ctx.precision.activation_bytes
     gemms = layer_gemms(model, shardings.distinct, kind, full_attention=full_attention)  # per distinct sharding
-    gemm_distinct, forward_of = _pass_gemm_seconds(ctx, gemms)
+    gemm_distinct, forward_of, backward_of = _pass_gemm_seconds(ctx, gemms)
     gemm = {pass_: shardings.spread(value) for pass_, value in gemm_distinct.items()}
     cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, gemms))
     attn_f, attn_b = attention_core_seconds(ctx, bsh, kind, full_attention, calls=ring_steps(bc))
@@ -1082,7 +1114,7 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     compute_b = np.maximum(gpu_b, host_b)
     compute_w = gemm["W"]
 
-    return _LayerCompute(gemms, forward_of, gemm, attn_f, attn_b, ew_f, ew_rc, unfused_f, host_f, compute_f, compute_b,
+    return _LayerCompute(gemms, forward_of, backward_of, gemm, attn_f, attn_b, ew_f, ew_rc, unfused_f, host_f, compute_f, compute_b,
                          compute_w, gpu_f, gpu_b)
 
 
@@ -1130,6 +1162,8 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     # The overlap may reach the backward's all-gathers alone (EfficiencyProfile.tp_overlap_backward).
     gathers = tp * (tp_gather_part(ctx, bc, bsh) if eff.tp_overlap_backward == "all-gathers" else 1.0)
     tp_b = _exposed(gathers, gemm["B"] + gemm["W"], ctx.overlap.tp) + (tp - gathers)
+    if kind == "dense":
+        tp_b = _paired_tp_backward(ctx, bc, bsh, shardings, computed.backward_of, tp_b)
 
     ring_f, ring_b, a2a = comm.ring_f, comm.ring_b, comm.a2a
     ring_n = ring_steps(bc)
@@ -1158,7 +1192,7 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     tp_b, cp_b = _beyond_slack((tp_b, cp_b), compute_b - computed.gpu_b)
 
     if kind == "moe":
-        experts, _ = _pass_gemm_seconds(ctx, [g for g in gemms if g.expert])
+        experts, _, _ = _pass_gemm_seconds(ctx, [g for g in gemms if g.expert])
         forward, backward, paired_exposed_f, paired_exposed_b, paired_hidden_f, paired_hidden_b = _ep_exchange(
             ctx, bc, bsh, (compute_f, compute_b, compute_w), (computed.gpu_f, computed.gpu_b),
             {p: shardings.spread(v) for p, v in experts.items()}, up)

@@ -536,9 +536,10 @@ def _communication_lines(r: TimeReport, hbm_rate: float) -> list[str]:
             + ("; the all-gathers in fp8, 1 B an element: the runtime's fp8_tp_gather"
                if s.sequence_parallel and r.efficiency.fp8_tp_gather and prec.compute_dtype == "fp8" else "")
             + f"); overlap {'on' if r.overlap.tp else 'off'}"
-            + ("; in the forward each collective under its own GEMM (the all-gathers under the QKV and up "
-               "projections, the reduce-scatters under the output and down projections): Σ max(0, collective − "
-               "its GEMM)" if r.overlap.tp and s.sequence_parallel and not model.is_mla
+            + ("; each collective under its own GEMM (in the forward the all-gathers under the QKV and up "
+               "projections, the reduce-scatters under the output and down projections; in the backward the "
+               "reverse, under the same projections' input-gradient GEMMs): Σ max(0, collective − its GEMM)"
+               if r.overlap.tp and s.sequence_parallel and not model.is_mla
                and not model.has_linear_attention else "")
             + (" (in the backward on the all-gathers alone, the runtime's tp_overlap_backward)"
                if r.overlap.tp and r.efficiency.tp_overlap_backward == "all-gathers" else "")
