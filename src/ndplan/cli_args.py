@@ -124,6 +124,10 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                      help="FSDP keeps parameters gathered after forward (default: resharded)")
     mem.add_argument("--optimizer-offload", action="store_true", default=None,
                      help="optimizer states in host memory, the update run by Adam on the CPU")
+    mem.add_argument("--optimizer-offload-fraction", type=float, metavar="SHARE",
+                     help="with --optimizer-offload, the share of the rank's parameters updated on the CPU, the rest "
+                          "on the device beside it (Megatron-Core's --optimizer-offload-fraction; runtime megatron) "
+                          "(default 1: all)")
     mem.add_argument("--offload-optimizer-states", action="store_true", default=None,
                      help="optimizer states and master weights in host memory through the forward and backward, "
                           "back on the device for its step (Megatron-Core's --offload-optimizer-states, MindSpeed's "

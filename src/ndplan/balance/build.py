@@ -146,7 +146,9 @@ def build_problems(
     forward_backward_device = uniform.forward_backward * slack + overhead_bytes
     step_device = (uniform.params + uniform.grads + uniform.optimizer + uniform.optimizer_step) * slack + overhead_bytes
     p = strategies[0].precision
-    optimizer = np.where(head.optimizer_offload > 0, 0.0, p.optimizer_bytes)
+    # (of the share of the parameters offloaded, the optimizer_offload_fraction: none on the device)
+    optimizer = np.where(head.optimizer_offload > 0, (1.0 - head.optimizer_offload_fraction) * p.optimizer_bytes,
+                         p.optimizer_bytes)
     # The states and master weights an offload between steps keeps on the host through the
     # forward and backward: on the device at the step alone (``static_state``).
     optimizer_fb = np.where(head.offload_optimizer_states > 0, 0.0, optimizer)
@@ -165,8 +167,9 @@ def build_problems(
     static_of = {kind: elements.non_expert[kind] * per_element + elements.expert[kind] * per_expert_element
                  + sum(linear[kind].values()) * cache_width for kind in ("dense", "moe")}
     # The update's temporaries per element the rank's optimizer holds (``stages.stage_memory``).
-    temp_bytes = np.where((head.optimizer_offload > 0) | (p.optimizer_bytes == 0), 0.0,
-                          options.profile.optimizer_temp_copies * (p.master_weight_bytes or p.param_bytes))
+    temp_bytes = np.where(p.optimizer_bytes == 0, 0.0,
+                          np.where(head.optimizer_offload > 0, 1.0 - head.optimizer_offload_fraction, 1.0)
+                          * options.profile.optimizer_temp_copies * (p.master_weight_bytes or p.param_bytes))
     # (and the states back from the host for the step)
     temp_bytes = temp_bytes + (optimizer - optimizer_fb)
     step_of = {kind: static_of[kind] + temp_bytes * (elements.non_expert[kind] / shards.optimizer

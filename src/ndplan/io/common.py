@@ -31,7 +31,7 @@ PLAN_TO_FIELD: dict[str, str] = {
     "ep": "ep", "etp": "etp", "vpp": "vpp", "sp": "sequence_parallel", "schedule": "schedule",
     "seq_chunks": "seq_chunks", "stage_layers": "stage_layers", "zero": "zero", "fsdp": "fsdp",
     "shard_group": "shard_group", "reshard": "reshard_after_forward", "optimizer_offload": "optimizer_offload",
-    "offload_optimizer_states": "offload_optimizer_states",
+    "optimizer_offload_fraction": "optimizer_offload_fraction", "offload_optimizer_states": "offload_optimizer_states",
     "recompute": "recompute", "recompute_layers": "recompute_layers", "recompute_modules": "recompute_modules",
     "offload_modules": "offload_modules", "offload_layers": "offload_layers", "mbs": "micro_batch_size",
     "num_micro_batches": "num_micro_batches", "pipeline_runs": "pipeline_runs", "gbs": "global_batch_size",

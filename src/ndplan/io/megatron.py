@@ -561,9 +561,13 @@ def _sharding(args: Args, settings: dict[str, Any], warnings: list[str], notes: 
             settings["shard_group"] = replicas // instances
     offload = args.has("--optimizer-cpu-offload")
     fraction = args.get("--optimizer-offload-fraction")
-    if offload and fraction and fraction.values and float(fraction.values[0]) < 1.0:
-        warnings.append(f"{args.src.where(fraction.line)}: --optimizer-offload-fraction {fraction.values[0]}: "
-                        "ndplan offloads the whole optimizer state")
+    if offload and fraction and fraction.values:
+        # (HybridDeviceOptimizer: that share of the rank's parameters updated on the CPU, the rest
+        # on the device)
+        share = args.number("--optimizer-offload-fraction")
+        if share is None or not 0.0 < share <= 1.0:
+            raise args.error("--optimizer-offload-fraction", f"{fraction.values[0]} is not a share in (0, 1]")
+        settings["optimizer_offload_fraction"] = share
     settings["optimizer_offload"] = offload
     # The states and master weights on the host through the forward and backward, back for a step
     # on the device: Megatron-Core's --offload-optimizer-states, MindSpeed's --swap-optimizer (which

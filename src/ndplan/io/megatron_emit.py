@@ -166,6 +166,8 @@ def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[st
         flags.append(("--num-distributed-optimizer-instances", s.dp * s.cp // s.shard_group))
     if s.optimizer_offload:
         flags += [("--optimizer-cpu-offload", None), ("--use-precision-aware-optimizer", None)]
+        if s.optimizer_offload_fraction < 1.0:
+            flags.append(("--optimizer-offload-fraction", f"{s.optimizer_offload_fraction:g}"))
     if s.offload_optimizer_states:
         flags.append(("--offload-optimizer-states", None))
         said.append("--offload-optimizer-states is Megatron-Core's optimizer-state offloader (a development-branch "

@@ -580,6 +580,9 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
     training.update(local_batch_size=local, global_batch_size=s.global_batch_size, seq_len=s.seq_length)
     if s.optimizer_offload and s.zero == 3:
         training["enable_cpu_offload"] = True  # FSDP2's CPUOffloadPolicy, as the pytorch runtime prices it
+        if s.optimizer_offload_fraction < 1.0:
+            lost.append(f"offloading {s.optimizer_offload_fraction:g} of the optimizer (FSDP2's CPU offload moves "
+                        "all of it)")
     elif s.optimizer_offload:
         lost.append("optimizer offload without FSDP (torchtitan's enable_cpu_offload is FSDP2's CPU offload: the "
                     "parameter and gradient shards with the optimizer states)")

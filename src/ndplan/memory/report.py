@@ -311,9 +311,12 @@ class MemoryReport:
                if s.pipeline_runs > 1 and self.options.profile.grads_created_in_backward else ""),
             f"optimizer  = elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + {p.master_weight_bytes}) B"
             + (f" / {shards} (ZeRO≥1)" if s.zero >= 1 else "")
-            + (f" → offloaded to pinned host memory, elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + "
+            + (f" → {'' if s.optimizer_offload_fraction == 1.0 else f'{s.optimizer_offload_fraction:g} of it '}"
+               f"offloaded to pinned host memory, elements × ({p.optimizer_states}·{p.optimizer_state_bytes} + "
                f"2·{p.master_weight_bytes or p.param_bytes}) B (states, the weight the CPU step updates and its "
-               f"gradient) = {format_bytes(stage.host_optimizer_bytes)} there" if s.optimizer_offload else
+               f"gradient) = {format_bytes(stage.host_optimizer_bytes)} there"
+               + ("" if s.optimizer_offload_fraction == 1.0 else "; the rest on the device")
+               if s.optimizer_offload else
                " (on pinned host memory through the forward and backward, --offload-optimizer-states: on the device "
                "at the optimizer step alone)" if s.offload_optimizer_states else "")
             + f" = {format_bytes(stage.optimizer_bytes)}",
@@ -658,7 +661,8 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     elements = layer_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
     shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
     p = strategy.precision
-    optimizer = 0.0 if strategy.optimizer_offload else p.optimizer_bytes
+    optimizer = (1.0 - strategy.optimizer_offload_fraction) * p.optimizer_bytes if strategy.optimizer_offload \
+        else p.optimizer_bytes
     linear = linear_weight_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
     cache_width = fp8_weight_cache_width(options.profile, p, batch.zero)
     buckets = ddp_bucket_width(options.profile, p.grad_bytes, batch.zero, batch.dp, batch.cp)

@@ -170,7 +170,8 @@ def _sorted_groups(
         name: _repeated(np.array([key[PIPELINE_SHAPE.index(name)] for key, _ in groups], dtype=np.int64), priced_sizes)
         if name in PIPELINE_SHAPE else _gathered(getattr(batch, name), priced, unread=name in UNREAD_FIELDS)
         for name in batch.array_fields()
-    }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules)
+    }, precision=batch.precision, recompute_modules=batch.recompute_modules, offload_modules=batch.offload_modules,
+        optimizer_offload_fraction=batch.optimizer_offload_fraction)
     parts = [slice(a, b) for a, b in itertools.pairwise(np.cumsum([0, *priced_sizes]).tolist())]
     statics: SharedStatic | None = None
     if not static_only:

@@ -134,6 +134,14 @@ def static_state(
     if not options.profile.optimizer_state_offload and bool(batch.offload_optimizer_states.any()):
         raise NdplanError(f"offload_optimizer_states is Megatron-Core's --offload-optimizer-states (MindSpeed's "
                           f"--swap-optimizer); runtime '{options.profile.name}' has no such feature (use runtime megatron)")
+    # Megatron-Core's HybridDeviceOptimizer splits the rank's parameters; FSDP2's CPUOffloadPolicy
+    # moves all of them or none.
+    offload_fraction = batch.optimizer_offload_fraction
+    if offload_fraction < 1.0 and bool(options.profile.kernels.get("fsdp_cpu_offload")) \
+            and bool((batch.optimizer_offload > 0).any()):
+        raise NdplanError(f"optimizer_offload_fraction {offload_fraction:g} is Megatron-Core's "
+                          f"--optimizer-offload-fraction; runtime '{options.profile.name}' offloads the whole "
+                          "optimizer (FSDP2's CPUOffloadPolicy) or none of it (use runtime megatron)")
     placement = shape.placement
     pp, vpp = len(shape.pattern_of), shape.chunks.shape[1]
     computed, chunks = len(shape.used), shape.chunks
@@ -213,12 +221,14 @@ def static_state(
         else:
             value = non_expert_stage * (width / non_expert_div) + expert_stage * (width / expert_div)
         if category == "optimizer":
-            out[category] = np.where(offload, 0.0, value)
+            # (of offload_fraction of the rank's parameters; the rest stays on the device)
+            out[category] = np.where(offload, (1.0 - offload_fraction) * value, value)
             # Offloaded for a step on the CPU: the states, the weight it updates and that weight's
             # gradient; between steps: the states and master weights (what the device frees).
             between = batch.offload_optimizer_states[:, None] > 0
-            out["host_optimizer"] = np.where(offload, value * (host_optimizer_width(precision) / max(width, 1)),
-                                             np.where(between, value, 0.0))
+            out["host_optimizer"] = np.where(
+                offload, offload_fraction * value * (host_optimizer_width(precision) / max(width, 1)),
+                np.where(between, value, 0.0))
         else:  # (parameters off the device where FSDP2 keeps their shards on the host; gradients above)
             out[category] = np.where(shards_on_host, 0.0, value) if category == "params" else value
         if kinds is None:
@@ -231,7 +241,8 @@ def static_state(
                 elements_bytes[:, 0] += whole_embedding_extra  # the whole table's gradient is the embedding's
             share = to_stages(elements_bytes, chunks)
             kinds["static"][static_kind][index, :pp] += shape.expand(
-                np.where(offload if category == "optimizer" else shards_on_host, 0.0, share))
+                np.where(offload, (1.0 - offload_fraction) * share, share) if category == "optimizer"
+                else np.where(shards_on_host, 0.0, share))
 
     # The quantised copies of the linear weights an fp8 runtime keeps across micro-batches: part
     # of the weights on the device (params).

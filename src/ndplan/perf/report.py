@@ -383,7 +383,12 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"optimizer (Adam over the local shard, {r.efficiency.optimizer_kernel}: "
         f"{optimizer_bytes_per_param(s.precision, r.efficiency.optimizer_kernel):g} B per parameter with clipping, at "
         f"HBM · {r.efficiency.figure('optimizer_efficiency'):.2f} = "
-        f"{rates.optimizer_rate / 1e12:,.2f} TB/s) + grad-norm all-reduce: {_ms(d['optimizer_update_s'])}",
+        f"{rates.optimizer_rate / 1e12:,.2f} TB/s"
+        + (f"; on the CPU, {r.efficiency.cpu_optimizer_params_per_s / 1e9:g} G parameters/s, with the gradients out "
+           "and the weights back over the host link" if s.optimizer_offload else "")
+        + (f", {s.optimizer_offload_fraction:g} of the shard there beside the rest on the device: max(f · CPU, "
+           "(1 - f) · device)" if s.optimizer_offload and s.optimizer_offload_fraction < 1.0 else "")
+        + f") + grad-norm all-reduce: {_ms(d['optimizer_update_s'])}",
         f"step = compute {_ms(r.breakdown['compute'])} + comm exposed "
         + ", ".join(f"{k} {_ms(v)}" for k, v in r.breakdown["comm_exposed"].items())
         + f" + bubble {_ms(r.breakdown['bubble'])} + optimizer {_ms(r.breakdown['optimizer'])} = {_ms(r.step_s)}",

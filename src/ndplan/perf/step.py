@@ -490,7 +490,11 @@ def _dp_raw(
         grad = grad + np.where(on_host & (c["pp"] > 1) & defers_fsdp_reduce, local * prec.grad_bytes / host_bw, 0.0)
         params_ag = params_ag + np.where(on_host & (params_ag > 0), local * prec.param_bytes / host_bw, 0.0)
         offload = np.where(on_host, local / cpu_params_per_s, offload)
-    update = np.where(c["optimizer_offload"] > 0, offload, update)
+    # Megatron-Core's HybridDeviceOptimizer runs the device's share of the update (its kernels
+    # launched first, asynchronously) beside the CPU's share, its copies and its step:
+    # max(f · offloaded, (1 - f) · on the device), f the optimizer_offload_fraction.
+    fraction = batch.optimizer_offload_fraction
+    update = np.where(c["optimizer_offload"] > 0, np.maximum(fraction * offload, (1.0 - fraction) * update), update)
     # States and master weights kept on the host between steps come back before the step: the
     # reload, which starts as the gradients are finalised, is priced whole before the update (its
     # overlap with their reduce is not); the copy out overlaps the next forward.

@@ -403,7 +403,7 @@ _FLAGS = {
     "dp": "--dp", "tp": "--tp", "pp": "--pp", "cp": "--cp", "cp_kind": "--cp-kind", "ulysses_degree": "--ulysses-degree",
     "ep": "--ep", "etp": "--etp", "vpp": "--vpp", "schedule": "--schedule", "seq_chunks": "--seq-chunks",
     "zero": "--zero", "shard_group": "--shard-group", "recompute": "--recompute", "recompute_layers": "--recompute-layers",
-    "offload_layers": "--offload-layers",
+    "offload_layers": "--offload-layers", "optimizer_offload_fraction": "--optimizer-offload-fraction",
     "micro_batch_size": "--mbs", "num_micro_batches": "--num-micro-batches", "pipeline_runs": "--pipeline-runs",
     "global_batch_size": "--gbs", "seq_length": "--seq",
 }

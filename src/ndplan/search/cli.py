@@ -116,7 +116,7 @@ def add_search_command(subparsers: Any) -> argparse.ArgumentParser:
 #: A --from file's settings no search dimension holds, carried to every candidate as constants of
 #: the space (``SearchSpace.carried``; plan-file keys), each where it means something.
 _FILE_CARRIED = ("shard_group", "reshard", "recompute_layers", "ulysses_degree", "optimizer_offload",
-                 "offload_optimizer_states", "embedding_as_layer", "output_as_layer")
+                 "optimizer_offload_fraction", "offload_optimizer_states", "embedding_as_layer", "output_as_layer")
 #: A --from file's settings the search cannot carry: dropped from the candidates, each named.
 _FILE_DROPPED = ("stage_layers",)
 #: Search dimensions a config file read by --from sets (plan-file keys, as the space names them).
@@ -130,7 +130,8 @@ def _carried_note(name: str, value: Any) -> str:
              "reshard": "the ZeRO-3 candidates, under a pipeline or not",
              "recompute_layers": "where the candidate recomputes; a stage must hold that many layers",
              "ulysses_degree": "under hybrid context parallelism; it must divide cp",
-             "offload_optimizer_states": "the candidates with the distributed optimizer, zero 1"}.get(name)
+             "offload_optimizer_states": "the candidates with the distributed optimizer, zero 1",
+             "optimizer_offload_fraction": "the candidates that offload the optimizer"}.get(name)
     return f"{name} {value!r}" + (f" ({where})" if where else "")
 
 

@@ -377,7 +377,8 @@ def fields_read(check: Check, batch: StrategyBatch) -> set[str]:
     ``is_`` and ``is_in``) when run on it."""
     recorder = _ReadRecorder(**{name: getattr(batch, name) for name in batch.array_fields()},
                              precision=batch.precision, recompute_modules=batch.recompute_modules,
-                             offload_modules=batch.offload_modules)
+                             offload_modules=batch.offload_modules,
+                             optimizer_offload_fraction=batch.optimizer_offload_fraction)
     object.__setattr__(recorder, "read", set())
     check(recorder)
     return set(object.__getattribute__(recorder, "read"))

@@ -193,6 +193,9 @@ class SearchSpace:
     #: Settings no dimension searches, each one value for the whole space (``CARRIED_FIELDS``:
     #: Strategy field names, booleans as 0/1); absent ones take Strategy's defaults.
     carried: dict[str, int] = field(default_factory=dict)
+    #: ``Strategy.optimizer_offload_fraction`` of the candidates that offload the optimizer (a
+    #: launch's --optimizer-offload-fraction, carried: one share for the whole space).
+    optimizer_offload_fraction: float = 1.0
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -330,7 +333,8 @@ class SearchSpace:
         }
         if self.carried:
             columns |= self._carried_columns(columns)
-        return StrategyBatch.from_columns(columns, self.precision, owned=True, **shared)
+        return StrategyBatch.from_columns(columns, self.precision, owned=True,
+                                          optimizer_offload_fraction=self.optimizer_offload_fraction, **shared)
 
     def _carried_columns(self, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray | int]:
         """The ``carried`` settings' columns for the candidates of ``columns``: each where it means
@@ -441,7 +445,7 @@ def default_space(
     recompute_modules: Sequence[str] | Sequence[Sequence[str]] = (),
     offload_modules: Sequence[str] | Sequence[Sequence[str]] = (),
     reshard_under_pipeline: bool = True,
-    carried: Mapping[str, int | bool] | None = None,
+    carried: Mapping[str, int | bool | float] | None = None,
 ) -> SearchSpace:
     """Every value the model and cluster allow for the searched dimensions; the others take their
     default (or the ``fixed`` value). TP stays inside the scale-up domain (across nodes it is
@@ -481,6 +485,16 @@ def default_space(
         raise NdplanError(f"fixed must be a mapping of dimension names to values (e.g. {{'tp': 8}}), "
                           f"got {type(fixed).__name__}")
     fixed = dict(fixed or {})
+    # The optimizer offload's share is a float, one for the space (``optimizer_offload_fraction``);
+    # the other carried settings are ints.
+    fraction: float = 1.0
+    if isinstance(carried, Mapping) and "optimizer_offload_fraction" in carried:
+        carried = dict(carried)
+        share = carried.pop("optimizer_offload_fraction")
+        try:  # (a share, as a strategy that offloads takes it)
+            fraction = Strategy(optimizer_offload=True, optimizer_offload_fraction=share).optimizer_offload_fraction
+        except ValueError as error:
+            raise NdplanError(f"carried optimizer_offload_fraction={share!r}: {error}") from None
     constants = _carried(carried or {})
     given = _module_sets(recompute_modules)
     if "recompute_modules" in fixed:
@@ -602,10 +616,11 @@ def default_space(
         **{name: tuple(chosen[name]) for name in DIMENSIONS},
         num_devices=num_devices, global_batch_size=global_batch_size, seq_length=seq_length,
         precision=precision, fixed=fixed, reshard_under_pipeline=reshard_under_pipeline, carried=constants,
+        optimizer_offload_fraction=fraction,
     )
 
 
-def _carried(carried: Mapping[str, int | bool]) -> dict[str, int]:
+def _carried(carried: Mapping[str, int | bool | float]) -> dict[str, int]:
     """``carried`` as ints (booleans 0/1) in Strategy's ranges, leaving out Strategy's defaults;
     an unknown name or a bad value is an NdplanError."""
     if not isinstance(carried, Mapping):

@@ -25,7 +25,7 @@ CODES: dict[str, tuple[str, ...]] = {"schedule": SCHEDULES, "cp_kind": CP_KINDS,
 IntArray = np.ndarray
 
 #: Fields one value of which serves the whole batch.
-_SHARED_FIELDS = ("precision", "recompute_modules", "offload_modules")
+_SHARED_FIELDS = ("precision", "recompute_modules", "offload_modules", "optimizer_offload_fraction")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ class StrategyBatch:
     recompute_modules: tuple[str, ...] = ()
     #: ``Strategy.offload_modules``, the same for every strategy of the batch.
     offload_modules: tuple[str, ...] = ()
+    #: ``Strategy.optimizer_offload_fraction`` of the strategies that offload the optimizer (the
+    #: same for every one of them; 1.0 where none does).
+    optimizer_offload_fraction: float = 1.0
 
     @classmethod
     def array_fields(cls) -> tuple[str, ...]:
@@ -74,6 +77,7 @@ class StrategyBatch:
     def from_columns(
         cls, columns: dict[str, Any], precision: PrecisionPolicy | None = None, *, owned: bool = False,
         recompute_modules: tuple[str, ...] = (), offload_modules: tuple[str, ...] = (),
+        optimizer_offload_fraction: float = 1.0,
     ) -> StrategyBatch:
         """Build from arrays (or scalars, broadcast); missing fields take Strategy's defaults,
         categorical fields may be given as names or codes. ``owned``: the caller hands its
@@ -99,7 +103,7 @@ class StrategyBatch:
             arrays["global_batch_size"] = (arrays["dp"] * arrays["micro_batch_size"] * arrays["num_micro_batches"]
                                            * arrays["pipeline_runs"])
         return cls(**arrays, precision=precision or defaults.precision, recompute_modules=tuple(recompute_modules),
-                   offload_modules=tuple(offload_modules))
+                   offload_modules=tuple(offload_modules), optimizer_offload_fraction=float(optimizer_offload_fraction))
 
     @classmethod
     def of(cls, strategies: Strategy | Sequence[Strategy]) -> StrategyBatch:
@@ -117,8 +121,12 @@ class StrategyBatch:
         offload = items[0].offload_modules
         if any(s.offload_modules != offload for s in items):
             raise ValueError("a batch shares one set of offload modules")
+        fractions = {s.optimizer_offload_fraction for s in items if s.optimizer_offload}
+        if len(fractions) > 1:
+            raise ValueError("a batch's offloaded optimizers share one optimizer_offload_fraction")
         columns = {name: [getattr(s, name) for s in items] for name in cls.array_fields()}
-        return cls.from_columns(columns, precision, recompute_modules=modules, offload_modules=offload)
+        return cls.from_columns(columns, precision, recompute_modules=modules, offload_modules=offload,
+                                optimizer_offload_fraction=fractions.pop() if fractions else 1.0)
 
     @classmethod
     def concat(cls, batches: Sequence[StrategyBatch]) -> StrategyBatch:
@@ -126,14 +134,16 @@ class StrategyBatch:
         if not batches:
             raise ValueError("concatenating no batches makes no batch")
         first = batches[0]
-        shared = (first.precision, first.recompute_modules, first.offload_modules)
-        if any((b.precision, b.recompute_modules, b.offload_modules) != shared for b in batches[1:]):
-            raise ValueError("batches to concatenate share one precision policy and module sets")
+        shared = (first.precision, first.recompute_modules, first.offload_modules, first.optimizer_offload_fraction)
+        if any((b.precision, b.recompute_modules, b.offload_modules, b.optimizer_offload_fraction) != shared
+               for b in batches[1:]):
+            raise ValueError("batches to concatenate share one precision policy, module sets and optimizer "
+                             "offload fraction")
         if len(batches) == 1:
             return first
         return cls(**{n: np.concatenate([getattr(b, n) for b in batches]) for n in cls.array_fields()},
                    precision=first.precision, recompute_modules=first.recompute_modules,
-                   offload_modules=first.offload_modules)
+                   offload_modules=first.offload_modules, optimizer_offload_fraction=first.optimizer_offload_fraction)
 
     def __len__(self) -> int:
         return int(self.dp.shape[0])
@@ -146,7 +156,8 @@ class StrategyBatch:
     def take(self, index: IntArray | slice) -> StrategyBatch:
         """The strategies at ``index`` (an integer array, a boolean mask, or a slice: views)."""
         return StrategyBatch(**{n: getattr(self, n)[index] for n in self.array_fields()}, precision=self.precision,
-                             recompute_modules=self.recompute_modules, offload_modules=self.offload_modules)
+                             recompute_modules=self.recompute_modules, offload_modules=self.offload_modules,
+                             optimizer_offload_fraction=self.optimizer_offload_fraction)
 
     def row(self, i: int) -> Strategy:
         """Strategy ``i`` of the batch."""
@@ -160,7 +171,9 @@ class StrategyBatch:
             else:
                 values[name] = value
         modules = self.recompute_modules if values["recompute"] == "selective" else ()
-        return Strategy(**values, precision=self.precision, recompute_modules=modules, offload_modules=self.offload_modules)
+        fraction = self.optimizer_offload_fraction if values["optimizer_offload"] else 1.0
+        return Strategy(**values, precision=self.precision, recompute_modules=modules, offload_modules=self.offload_modules,
+                        optimizer_offload_fraction=fraction)
 
     def rows(self) -> Iterator[Strategy]:
         """Every strategy of the batch, in order."""

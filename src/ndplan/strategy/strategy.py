@@ -138,7 +138,9 @@ class Strategy(BaseModel):
     ``offload_layers`` copies every saved activation of that many decoder layers, the first ones,
     instead (``--cpu-offloading-num-layers``; Megatron-Core runs it without a pipeline, without
     recompute and without fine-grained offload). ``optimizer_offload`` keeps the optimizer states
-    and master weights on the host for a step on the CPU (``--optimizer-cpu-offload``);
+    and master weights on the host for a step on the CPU (``--optimizer-cpu-offload``), of
+    ``optimizer_offload_fraction`` of the rank's parameters (``--optimizer-offload-fraction``:
+    Megatron-Core's HybridDeviceOptimizer updates the rest on the device, beside the CPU);
     ``offload_optimizer_states`` keeps them there only through the forward and backward and brings
     them back for a step on the device (Megatron-Core's ``--offload-optimizer-states``,
     MindSpeed's ``--swap-optimizer``).
@@ -169,6 +171,10 @@ class Strategy(BaseModel):
     shard_group: int = Field(default=0, ge=0, le=MAX_DEGREE, description="HSDP shard-group size; 0 means all dp·cp ranks")
     reshard_after_forward: bool = True
     optimizer_offload: bool = False
+    optimizer_offload_fraction: float = Field(
+        default=1.0, gt=0.0, le=1.0, allow_inf_nan=False,
+        description="share of the rank's parameters whose optimizer runs on the CPU under optimizer_offload "
+                    "(Megatron-Core's --optimizer-offload-fraction); the rest is updated on the device")
     offload_optimizer_states: bool = False
 
     recompute: Recompute = "none"
@@ -261,6 +267,9 @@ class Strategy(BaseModel):
                                                    self.optimizer_offload)
         if problem:
             raise ValueError(problem)
+        if self.optimizer_offload_fraction < 1.0 and not self.optimizer_offload:
+            raise ValueError(f"optimizer_offload_fraction {self.optimizer_offload_fraction:g} without optimizer_offload: "
+                             "it is the share of the optimizer that --optimizer-cpu-offload moves to the CPU")
         return self
 
     def with_recompute(self, recompute: str, recompute_layers: int = 0, modules: tuple[str, ...] | None = None) -> Strategy:
@@ -316,7 +325,8 @@ class Strategy(BaseModel):
         if self.offload_layers:
             parts.append(f"offload-layers{self.offload_layers}")
         if self.optimizer_offload:
-            parts.append("optimizer-cpu")
+            parts.append("optimizer-cpu" + (f"{self.optimizer_offload_fraction:g}"
+                                            if self.optimizer_offload_fraction < 1.0 else ""))
         if self.offload_optimizer_states:
             parts.append("optimizer-states-host")
         return " ".join(parts)
