@@ -438,10 +438,9 @@ def test_a_run_names_a_known_runtime_profile(tmp_path: Path):
 #: removes from it, must say so there.
 OVER_THEIR_MEMORY = {
     "llama3-405b-8192gpu", "llama3-405b-16384gpu", "deepseek-v3-h800",  # frameworks without a profile
-    # FSDP2's unit buffers for Kimi K2's experts (the gpt-oss rows fit since Transformer Engine's
-    # modules, modules te, are priced)
-    "automodel-kimi-k2-256gpu",
 }
+# (NeMo AutoModel's rows fit since its modules (modules te) and its experts left out of FSDP
+# (experts_outside_fsdp) are priced: GPT-OSS read 27% and 41% over, Kimi K2 3.6%)
 
 
 def test_the_torchtitan_rows_memory_reads_low_against_what_the_page_measured():

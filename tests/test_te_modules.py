@@ -111,3 +111,41 @@ def test_a_report_of_the_estimate_reproduces_the_modules(capsys):
     data = prepare(json.loads(capsys.readouterr().out))
     command, missing = reproduce_command(data["inputs"])
     assert "--modules te" in command and missing == []
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_experts_outside_fsdp_keep_bf16_gradients_and_no_gathered_copy(reshard):
+    """NeMo AutoModel leaves the routed experts out of FSDP where their shard group is one rank
+    (EP 8 over dp 8): Qwen3-30B-A3B's rank holds E = 48 layers · 16 experts · 3 · 2048 · 768
+    expert elements, their gradients at the parameters' 2 B, not the reduce dtype's 4 (2·E bytes
+    less), and where FSDP keeps every unit gathered after forward (reshard_after_forward off)
+    there is no gathered copy of them either (2·E less in comm). With EP 8 over dp 16 the
+    experts' shard group is two ranks: FSDP shards them, and nothing changes."""
+    model = get_preset("qwen3-30b-a3b")
+    experts = 48 * 16 * 3 * 2048 * 768
+
+    def stage(options: MemoryOptions, dp: int = 8):
+        strategy = Strategy(dp=dp, ep=8, zero=3, fsdp=True, reshard_after_forward=reshard, micro_batch_size=1,
+                            num_micro_batches=2, seq_length=4096, precision="megatron-bf16")
+        return estimate(model, strategy, "h100-sxm", options).stages[0]
+
+    inside, outside = stage(MemoryOptions(include_overhead=False)), stage(
+        MemoryOptions(include_overhead=False, experts_outside_fsdp=True))
+    assert inside.grads_bytes - outside.grads_bytes == pytest.approx(2 * experts)
+    assert inside.comm_bytes - outside.comm_bytes == pytest.approx(0 if reshard else 2 * experts)
+    assert (inside.params_bytes, inside.optimizer_bytes) == (outside.params_bytes, outside.optimizer_bytes)
+    sharded = stage(MemoryOptions(include_overhead=False), dp=16)
+    assert stage(MemoryOptions(include_overhead=False, experts_outside_fsdp=True), dp=16).peak_bytes == sharded.peak_bytes
+
+
+def test_the_experts_flag_reaches_the_json_and_the_explain(capsys):
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "8", "--ep", "8",
+            "--fsdp", "--no-reshard", "--mbs", "1", "--seq", "4096", "--precision", "megatron-bf16"]
+    assert main([*args, "--json"]) == 0
+    inside = json.loads(capsys.readouterr().out)
+    assert main([*args, "--json", "--experts-outside-fsdp"]) == 0
+    outside = json.loads(capsys.readouterr().out)
+    assert outside["experts_outside_fsdp"] is True and inside["experts_outside_fsdp"] is False
+    assert outside["peak_bytes"] < inside["peak_bytes"]
+    assert main([*args, "--explain", "--experts-outside-fsdp"]) == 0
+    assert "the routed experts out of FSDP, their shard group one rank" in " ".join(capsys.readouterr().out.split())

@@ -40,7 +40,7 @@ EFFICIENCY_HELP = ("step-time efficiency profile YAML (what `ndplan calibrate` w
 _FLAG_ONLY = {
     "memory_limit", "runtime", "attention", "loss_parallel", "loss_upcast", "selective_policy", "census",
     "no_overhead", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "emit", "explain", "plot", "json",
-    "compile", "modules",
+    "compile", "modules", "experts_outside_fsdp",
 }
 #: Plan keys that hold whole numbers (ndplan does arithmetic on some before the Strategy
 #: validates them, so a plan file's value is checked as it is read).
@@ -223,6 +223,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "keeps its bf16 input and one statistic; the experts' activation, weighted by the routing "
                             "probabilities before the down projection, keeps its input and the probabilities); "
                             "memory only (default: eager)")
+    group.add_argument("--experts-outside-fsdp", action="store_true", default=None,
+                       help="under FSDP, the routed experts whose shard group is one rank (EP over the whole "
+                            "data-parallel group) are left out of FSDP, as NeMo AutoModel's MoE parallelizer does: "
+                            "no gathered copy or unsharded gradient of theirs, gradients in the parameters' dtype")
     group.add_argument("--moe-capacity-factor", type=float, default=None, metavar="CF",
                        help="token-dropping MoE: every expert's buffer holds CF × its balanced share "
                             "(replaces --moe-imbalance for memory)")
@@ -489,6 +493,7 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         # A launch's own pipeline sends, where it is priced as the runtime it launches.
         p2p_wait=stated.get("p2p_wait") if runtime == stated.get("runtime") else None,
         modules=getattr(args, "modules", None) or stated.get("modules") or "eager",
+        experts_outside_fsdp=bool(getattr(args, "experts_outside_fsdp", None) or stated.get("experts_outside_fsdp")),
     )
 
 

@@ -159,7 +159,10 @@ def build_problems(
     on_host = (head.optimizer_offload > 0) & (head.zero == 3) & bool(options.profile.kernels.get("fsdp_cpu_offload"))
     param_width, grad_width = np.where(on_host, 0.0, p.param_bytes), np.where(on_host, 0.0, p.grad_bytes)
     per_element = param_width / shards.params + grad_width / shards.grads + optimizer_fb / shards.optimizer + buckets
-    per_expert_element = (param_width / shards.expert_params + grad_width / shards.expert_grads
+    # (the experts AutoModel leaves out of FSDP keep their gradients in the parameters' dtype: ``static_state``)
+    experts_outside = options.experts_outside_fsdp & (head.zero == 3) & (shards.expert_data_shards == 1)
+    expert_grad_width = np.where(experts_outside & ~on_host, p.param_bytes, grad_width)
+    per_expert_element = (param_width / shards.expert_params + expert_grad_width / shards.expert_grads
                           + optimizer_fb / shards.expert_optimizer + buckets)
     # Under fp8 GEMMs, the quantised copies of the layer's linear weights the runtime keeps.
     cache_width = fp8_weight_cache_width(options.profile, p, head.zero)

@@ -103,6 +103,11 @@ class MemoryOptions:
     AutoModel's compiled ``quick_geglu_deepep``), so it keeps its input and the probabilities, and
     nothing keeps the down projection's output. Memory alone: the step time prices the
     runtime's elementwise kernels as before (``elementwise_passes``).
+    ``experts_outside_fsdp``: under FSDP, the routed experts whose shard group is one rank (expert
+    parallelism over the whole data-parallel group) are left out of FSDP, as NeMo AutoModel's MoE
+    parallelizer does (``apply_fsdp``'s ``ignored_params`` where its ep_shard mesh is one rank):
+    FSDP gathers no copy of them and makes no unsharded gradient of theirs, and their gradients
+    are kept in the parameters' dtype (torchtitan shards them over that one rank all the same).
     """
 
     runtime: str = "pytorch"
@@ -120,11 +125,12 @@ class MemoryOptions:
     torch_compile: TorchCompile = "off"
     p2p_wait: P2PWait | None = None
     modules: Modules = "eager"
+    experts_outside_fsdp: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, str):
             raise NdplanError(f"runtime must be a runtime's name or a profile YAML's path, got {self.runtime!r}")
-        for name in ("include_overhead", "loss_upcast", "grouped_gemm", "loss_parallel"):
+        for name in ("include_overhead", "loss_upcast", "grouped_gemm", "loss_parallel", "experts_outside_fsdp"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)) and not (value is None and name == "loss_parallel"):
                 also = " (or None: the runtime's choice)" if name == "loss_parallel" else ""

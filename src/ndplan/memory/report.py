@@ -22,7 +22,7 @@ from ndplan.memory.options import MemoryOptions
 from ndplan.memory.result import ACTIVATION_KINDS, STATIC_KINDS, StageMemory
 from ndplan.memory.shape import recomputed_layers
 from ndplan.memory.stages import stage_memory
-from ndplan.memory.static import layer_elements, linear_weight_elements, sharding_factors
+from ndplan.memory.static import layer_elements, linear_weight_elements, shard_groups, sharding_factors
 from ndplan.memory.terms import ddp_bucket_width, fp8_weight_cache_width, whole_embedding_grad_extra
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
@@ -206,6 +206,7 @@ class MemoryReport:
             "moe_capacity_factor": self.options.moe_capacity_factor,
             "selective_policy": self.options.selective_policy,
             "modules": self.options.modules,
+            "experts_outside_fsdp": self.options.experts_outside_fsdp,
             "census_records": len(self.options.census),
             "stages": [s.to_dict() for s in self.stages],
             "caveats": self.caveats,
@@ -241,6 +242,17 @@ class MemoryReport:
             return ""
         return (f" + the linears' fp8 weight copies kept across micro-batches (linear weight elements × {width:g} B: "
                 "row-wise and transposed)")
+
+    def _experts_outside_term(self) -> str:
+        """The grads line's note where the routed experts stay out of FSDP (``experts_outside_fsdp``
+        with their shard group of one rank): their gradients at the parameters' width, and no unit
+        buffer of theirs in comm."""
+        s = self.strategy
+        _, expert_shards = shard_groups(s.dp, s.cp, s.tp, s.ep, s.etp, s.shard_group)
+        if not (self.options.experts_outside_fsdp and s.zero == 3 and self.model.is_moe and float(expert_shards) == 1.0):
+            return ""
+        return (f" (the routed experts out of FSDP, their shard group one rank: their gradients at "
+                f"{s.precision.param_bytes} B, no gathered copy or unsharded gradient of theirs in comm)")
 
     def _shards_on_host_term(self) -> str:
         """The params and grads lines' note where FSDP2's CPU offload keeps the shards on the host."""
@@ -299,7 +311,7 @@ class MemoryReport:
             + (f" / {shards} (ZeRO-3)" if s.zero >= 3 else "") + self._fp8_weight_cache_term()
             + self._shards_on_host_term() + f" = {format_bytes(stage.params_bytes)}",
             f"grads      = elements × {p.grad_bytes} B" + (f" / {shards} (ZeRO≥2)" if s.zero >= 2 else "")
-            + self._whole_embedding_grad_term(stage) + self._shards_on_host_term()
+            + self._whole_embedding_grad_term(stage) + self._shards_on_host_term() + self._experts_outside_term()
             + f" = {format_bytes(stage.grads_bytes)}"
             + (" (made by the step's end reduce-scatter: the pipeline defers FSDP's reduce, so until then each "
                "chunk keeps its unsharded gradient, counted in comm)"
@@ -666,11 +678,14 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     linear = linear_weight_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
     cache_width = fp8_weight_cache_width(options.profile, p, batch.zero)
     buckets = ddp_bucket_width(options.profile, p.grad_bytes, batch.zero, batch.dp, batch.cp)
+    # (the experts AutoModel leaves out of FSDP keep their gradients at the parameters' width)
+    outside = options.experts_outside_fsdp and strategy.zero == 3 and float(shards.expert_data_shards[0]) == 1.0
+    expert_grad = p.param_bytes if outside else p.grad_bytes
 
     def layer_static(kind: MlpKind) -> float:
         non_expert = elements.non_expert[kind] * (p.param_bytes / shards.params + p.grad_bytes / shards.grads
                                                   + optimizer / shards.optimizer)
-        expert = elements.expert[kind] * (p.param_bytes / shards.expert_params + p.grad_bytes / shards.expert_grads
+        expert = elements.expert[kind] * (p.param_bytes / shards.expert_params + expert_grad / shards.expert_grads
                                           + optimizer / shards.expert_optimizer)
         buffers = (elements.non_expert[kind] + elements.expert[kind]) * buckets
         return float((non_expert + expert + sum(linear[kind].values()) * cache_width + buffers)[0])

@@ -513,7 +513,9 @@ def _group_evaluation(
             if static.index is None:  # (the static state's own array; gathered, it is a copy already)
                 per_grads = per_grads.copy(order="F")
             deferred_elements = static.at(static.elements_virtual, deferred_rows)
-            per_grads[deferred_rows] = deferred_elements * grad_bytes
+            # (and the gradients made outside FSDP, from the chunk's first backward on too)
+            per_grads[deferred_rows] = deferred_elements * grad_bytes + static.at(static.direct_grads_virtual,
+                                                                                  deferred_rows)
             pending_width = pending_split_grad_width(schedule, precision, profile, first_virtual)
             if deferred_rows.size and pending_width.any():
                 per_pending = np.zeros_like(per_grads)

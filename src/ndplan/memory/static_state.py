@@ -190,6 +190,12 @@ def static_state(
                 expert_terms.append(("moe", layers.expert[layer_kind], per_stage))
 
     param_bytes, grad_bytes, optimizer_bytes = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
+    # NeMo AutoModel's MoE parallelizer leaves the routed experts out of FSDP where their shard
+    # group is one rank (``MemoryOptions.experts_outside_fsdp``): FSDP gathers none of them and
+    # makes no unsharded gradient of theirs, and their gradients are kept in the parameters' dtype.
+    experts_outside = (options.experts_outside_fsdp & (batch.zero == 3) & (shards.expert_data_shards == 1))[:, None]
+    expert_in_fsdp = np.where(experts_outside, 0.0, 1.0)
+    expert_grad_bytes = np.where(experts_outside, float(param_bytes), float(grad_bytes))
     offload = batch.optimizer_offload[:, None] > 0
     # FSDP2's CPUOffloadPolicy (the runtime's fsdp_cpu_offload, what its optimizer offload is under
     # FSDP) keeps the sharded parameters and gradients on the host with the states: on the device
@@ -207,8 +213,9 @@ def static_state(
     for category, width in states.items():
         non_expert_div = getattr(shards, category)[:, None]
         expert_div = getattr(shards, f"expert_{category}")[:, None]
+        expert_width = expert_grad_bytes if category == "grads" else width
         if category == "grads":
-            value = non_expert_total * (width / non_expert_div) + expert_total * (width / expert_div)
+            value = non_expert_total * (width / non_expert_div) + expert_total * (expert_width / expert_div)
             # DTensor: once a second micro-batch's embedding gradient is added, the accumulated
             # gradient is the whole table, not the rank's vocabulary shard.
             whole_embedding_extra = whole_embedding_grad_extra(
@@ -236,7 +243,7 @@ def static_state(
         for static_kind in STATIC_KINDS:
             elements_bytes = (
                 _outer_sum([term for term in non_expert_terms if term[0] == static_kind], n, computed) * width / non_expert_div
-                + _outer_sum([term for term in expert_terms if term[0] == static_kind], n, computed) * width / expert_div)
+                + _outer_sum([term for term in expert_terms if term[0] == static_kind], n, computed) * expert_width / expert_div)
             if category == "grads" and static_kind == "embedding":
                 elements_bytes[:, 0] += whole_embedding_extra  # the whole table's gradient is the embedding's
             share = to_stages(elements_bytes, chunks)
@@ -271,7 +278,7 @@ def static_state(
     # embedding's gradient is made last, after every layer's backward, unless it is that same
     # shared table.
     head_grad_bytes = ((table * (1 + embedding_copy_for_mtp) + final_norm + model.mtp_depth * mtp_layer) * grad_width
-                       + model.mtp_depth * layers.expert[mtp_kind] * grad_bytes / shards.expert_grads)
+                       + model.mtp_depth * layers.expert[mtp_kind] * expert_grad_bytes[:, 0] / shards.expert_grads)
     table_made_last = np.where(model.tie_word_embeddings & ~apart, 0.0, table * grad_width)
     # From the second micro-batch on, the embedding's backward makes a whole new gradient of the
     # table (the scatter of token gradients is dense) and adds it to the kept one. FSDP gradients
@@ -304,7 +311,7 @@ def static_state(
     for kind, mlp_name in (("dense", "mlp"), ("moe", "moe")) if scores else ():
         experts = layers.expert[kind]
         mlp_grads[kind] = ((layers.by_kind[kind][mlp_name] - experts + 0.5 * layers.by_kind[kind]["norm"]) * grad_width
-                           + experts * (grad_bytes / shards.expert_grads))
+                           + experts * (expert_grad_bytes[:, 0] / shards.expert_grads))
     # Replicas without ZeRO or FSDP run DDP: where the runtime's reducer keeps buckets apart from
     # the gradients (PyTorch's, gradient_as_bucket_view off), they are as large again, allocated
     # when DDP wraps the model and kept (the comm buffers of every phase).
@@ -323,15 +330,17 @@ def static_state(
         total=out["params"] + out["grads"] + out["optimizer"], optimizer_update=optimizer_update,
         total_forward_backward=out["params"] + out["grads"] + optimizer_forward_backward,
         grads_virtual=grads_virtual,
-        unit_elements={kind: non_expert + expert for kind, (non_expert, expert) in unit_parts.items()}
+        unit_elements={kind: non_expert + expert * expert_in_fsdp[:, 0] for kind, (non_expert, expert) in unit_parts.items()}
         | {"tied": table * (model.tie_word_embeddings & ~apart)},
         unit_grads={kind: np.where(made_by_now, non_expert * grad_bytes / shards.grads
-                                   + expert * grad_bytes / shards.expert_grads, 0.0)
+                                   + expert * expert_in_fsdp[:, 0] * grad_bytes / shards.expert_grads, 0.0)
                     for kind, (non_expert, expert) in unit_parts.items()},
         expert_elements=layers.expert["moe"], head_grad_bytes=head_grad_bytes, table_made_last=table_made_last,
         embedding_gradient=embedding_gradient, head_gradient=head_gradient, mlp_grads=mlp_grads,
         overhead=overhead_model(options.profile, batch, options.include_overhead),
-        elements_virtual=non_expert_total + expert_total, stage_elements=non_expert_stage + expert_stage,
+        elements_virtual=non_expert_total + expert_total * expert_in_fsdp,
+        stage_elements=non_expert_stage + expert_stage * expert_in_fsdp,
+        direct_grads_virtual=expert_total * np.where(experts_outside, float(param_bytes), 0.0),
         ddp_buckets=ddp_buckets, host_optimizer=out["host_optimizer"],
     )
 
@@ -373,6 +382,9 @@ class StaticState:
     grads_virtual: np.ndarray
     elements_virtual: np.ndarray
     stage_elements: np.ndarray
+    #: per virtual stage, the gradient bytes the backward makes outside FSDP where FSDP shards the
+    #: rest (the routed experts AutoModel leaves out of it: ``experts_outside_fsdp``); 0 elsewhere
+    direct_grads_virtual: np.ndarray
     unit_elements: dict[str, np.ndarray]
     unit_grads: dict[str, np.ndarray]
     expert_elements: np.ndarray

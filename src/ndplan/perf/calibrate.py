@@ -105,6 +105,9 @@ class MeasuredRun(BaseModel):
     modules: Literal["eager", "te"] = Field(
         default="eager", description="what the run's pytorch-runtime modules keep for backward "
         "(MemoryOptions.modules): te for NeMo AutoModel's Transformer Engine backend; memory only")
+    experts_outside_fsdp: bool = Field(
+        default=False, description="the routed experts whose FSDP shard group is one rank left out of FSDP "
+        "(MemoryOptions.experts_outside_fsdp: NeMo AutoModel's MoE parallelizer)")
     reserved_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="memory the source measured: the caching "
                                        "allocator's peak reserved bytes, in GiB (max over ranks), where it says")
     notes: str = ""
@@ -206,7 +209,7 @@ class MeasuredRun(BaseModel):
         return MemoryOptions(runtime=self.runtime, loss_upcast=bool(self.software.get("loss_upcast", True)),
                              selective_policy=policy if policy == "torchtitan-op" else None,
                              loss_parallel=self.loss_parallel, torch_compile=self.torch_compile,
-                             modules=self.modules)
+                             modules=self.modules, experts_outside_fsdp=self.experts_outside_fsdp)
 
     def memory_report(self) -> Any:
         """The run's memory estimate (``ndplan.memory.report.MemoryReport``) on its device."""

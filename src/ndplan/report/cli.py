@@ -167,7 +167,8 @@ def enrich(result: dict[str, Any]) -> dict[str, Any]:
                                 attention=result.get("attention") or "flash",
                                 loss_upcast=result.get("loss_upcast") is not False,
                                 selective_policy=result.get("selective_policy"),
-                                modules=result.get("modules") or "eager")
+                                modules=result.get("modules") or "eager",
+                                experts_outside_fsdp=bool(result.get("experts_outside_fsdp")))
         report = estimate(load_model(str(result["model"])), Strategy(**fields), resolve_device(str(result["hardware"])),
                           options, num_devices=result.get("devices"))
     except Exception as error:  # noqa: BLE001 - the report of the search stands without it

@@ -480,6 +480,8 @@ def reproduce_command(inputs: Mapping[str, Any]) -> tuple[str, list[str]]:
         args += ["--selective-policy", str(inputs["selective_policy"])]
     if inputs.get("modules") not in (None, "eager"):
         args += ["--modules", str(inputs["modules"])]
+    if inputs.get("experts_outside_fsdp"):
+        args.append("--experts-outside-fsdp")
     overlap = inputs.get("overlap")
     if isinstance(overlap, Mapping):  # every switch as priced, whatever the runtime's defaults
         args += ["--overlap", ",".join(f"{key}={_overlap_word(key, value)}" for key, value in overlap.items())]

@@ -343,6 +343,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     data["loss_upcast"] = options.loss_upcast
     data["selective_policy"] = options.selective_policy
     data["modules"] = options.modules
+    data["experts_outside_fsdp"] = options.experts_outside_fsdp
     # A balanced winner is written (and explained) as the settings one recompute setting expresses.
     winner = (Strategy(**result.best.get("balanced_settings", result.best)["strategy"],
                        precision=precision) if result.best else None)
