@@ -40,7 +40,13 @@ from ndplan.memory.activations import layer_activations
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.overhead import DEFAULTS
 from ndplan.memory.stages import stage_memory
-from ndplan.memory.static import layer_elements, linear_weight_elements, sharding_factors
+from ndplan.memory.static import (
+    experts_out_of_fsdp,
+    layer_elements,
+    linear_weight_elements,
+    optimizer_on_device,
+    sharding_factors,
+)
 from ndplan.memory.terms import ddp_bucket_width, fp8_weight_cache_width
 from ndplan.model.params import weight_grad_groups
 from ndplan.model.spec import ModelSpec
@@ -147,8 +153,8 @@ def build_problems(
     step_device = (uniform.params + uniform.grads + uniform.optimizer + uniform.optimizer_step) * slack + overhead_bytes
     p = strategies[0].precision
     # (of the share of the parameters offloaded, the optimizer_offload_fraction: none on the device)
-    optimizer = np.where(head.optimizer_offload > 0, (1.0 - head.optimizer_offload_fraction) * p.optimizer_bytes,
-                         p.optimizer_bytes)
+    on_device = optimizer_on_device(head.optimizer_offload, head.optimizer_offload_fraction)
+    optimizer = on_device * p.optimizer_bytes
     # The states and master weights an offload between steps keeps on the host through the
     # forward and backward: on the device at the step alone (``static_state``).
     optimizer_fb = np.where(head.offload_optimizer_states > 0, 0.0, optimizer)
@@ -160,7 +166,7 @@ def build_problems(
     param_width, grad_width = np.where(on_host, 0.0, p.param_bytes), np.where(on_host, 0.0, p.grad_bytes)
     per_element = param_width / shards.params + grad_width / shards.grads + optimizer_fb / shards.optimizer + buckets
     # (the experts AutoModel leaves out of FSDP keep their gradients in the parameters' dtype: ``static_state``)
-    experts_outside = options.experts_outside_fsdp & (head.zero == 3) & (shards.expert_data_shards == 1)
+    experts_outside = experts_out_of_fsdp(options.experts_outside_fsdp, head.zero, shards.expert_data_shards)
     expert_grad_width = np.where(experts_outside & ~on_host, p.param_bytes, grad_width)
     per_expert_element = (param_width / shards.expert_params + expert_grad_width / shards.expert_grads
                           + optimizer_fb / shards.expert_optimizer + buckets)
@@ -171,8 +177,7 @@ def build_problems(
                  + sum(linear[kind].values()) * cache_width for kind in ("dense", "moe")}
     # The update's temporaries per element the rank's optimizer holds (``stages.stage_memory``).
     temp_bytes = np.where(p.optimizer_bytes == 0, 0.0,
-                          np.where(head.optimizer_offload > 0, 1.0 - head.optimizer_offload_fraction, 1.0)
-                          * options.profile.optimizer_temp_copies * (p.master_weight_bytes or p.param_bytes))
+                          on_device * options.profile.optimizer_temp_copies * (p.master_weight_bytes or p.param_bytes))
     # (and the states back from the host for the step)
     temp_bytes = temp_bytes + (optimizer - optimizer_fb)
     step_of = {kind: static_of[kind] + temp_bytes * (elements.non_expert[kind] / shards.optimizer

@@ -22,7 +22,14 @@ from ndplan.memory.options import MemoryOptions
 from ndplan.memory.result import ACTIVATION_KINDS, STATIC_KINDS, StageMemory
 from ndplan.memory.shape import recomputed_layers
 from ndplan.memory.stages import stage_memory
-from ndplan.memory.static import layer_elements, linear_weight_elements, shard_groups, sharding_factors
+from ndplan.memory.static import (
+    experts_out_of_fsdp,
+    layer_elements,
+    linear_weight_elements,
+    optimizer_on_device,
+    shard_groups,
+    sharding_factors,
+)
 from ndplan.memory.terms import ddp_bucket_width, fp8_weight_cache_width, whole_embedding_grad_extra
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.placement import Placement, place_layers
@@ -249,7 +256,7 @@ class MemoryReport:
         buffer of theirs in comm."""
         s = self.strategy
         _, expert_shards = shard_groups(s.dp, s.cp, s.tp, s.ep, s.etp, s.shard_group)
-        if not (self.options.experts_outside_fsdp and s.zero == 3 and self.model.is_moe and float(expert_shards) == 1.0):
+        if not (self.model.is_moe and experts_out_of_fsdp(self.options.experts_outside_fsdp, s.zero, expert_shards)):
             return ""
         return (f" (the routed experts out of FSDP, their shard group one rank: their gradients at "
                 f"{s.precision.param_bytes} B, no gathered copy or unsharded gradient of theirs in comm)")
@@ -673,14 +680,13 @@ def _chunk_reports(model: ModelSpec, strategy: Strategy, options: MemoryOptions,
     elements = layer_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
     shards = sharding_factors(batch.dp, batch.cp, batch.tp, batch.ep, batch.etp, batch.zero, batch.shard_group)
     p = strategy.precision
-    optimizer = (1.0 - strategy.optimizer_offload_fraction) * p.optimizer_bytes if strategy.optimizer_offload \
-        else p.optimizer_bytes
+    optimizer = float(optimizer_on_device(strategy.optimizer_offload, strategy.optimizer_offload_fraction)) * p.optimizer_bytes
     linear = linear_weight_elements(model, batch.tp.astype(float), batch.ep.astype(float), batch.etp.astype(float))
     cache_width = fp8_weight_cache_width(options.profile, p, batch.zero)
     buckets = ddp_bucket_width(options.profile, p.grad_bytes, batch.zero, batch.dp, batch.cp)
     # (the experts AutoModel leaves out of FSDP keep their gradients at the parameters' width)
-    outside = options.experts_outside_fsdp and strategy.zero == 3 and float(shards.expert_data_shards[0]) == 1.0
-    expert_grad = p.param_bytes if outside else p.grad_bytes
+    outside = experts_out_of_fsdp(options.experts_outside_fsdp, strategy.zero, shards.expert_data_shards)
+    expert_grad = np.where(outside, p.param_bytes, p.grad_bytes)
 
     def layer_static(kind: MlpKind) -> float:
         non_expert = elements.non_expert[kind] * (p.param_bytes / shards.params + p.grad_bytes / shards.grads

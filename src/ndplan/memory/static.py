@@ -244,3 +244,15 @@ def sharding_factors(
         data_shards=shards,
         expert_data_shards=expert_shards,
     )
+
+
+def optimizer_on_device(optimizer_offload: Degrees, fraction: float) -> np.ndarray:
+    """The share of a rank's optimizer states the device holds: all of them, or 1 − f where the
+    optimizer is offloaded for a step on the CPU (``Strategy.optimizer_offload_fraction`` f)."""
+    return np.where(np.asarray(optimizer_offload) > 0, 1.0 - fraction, 1.0)
+
+
+def experts_out_of_fsdp(outside_fsdp: bool, zero: Degrees, expert_shards: Degrees) -> np.ndarray:
+    """Where the routed experts stay out of FSDP (``MemoryOptions.experts_outside_fsdp``, NeMo
+    AutoModel's parallelizer): under ZeRO-3, with their shard group one rank."""
+    return outside_fsdp & (np.asarray(zero) == 3) & (np.asarray(expert_shards) == 1)

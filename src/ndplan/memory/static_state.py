@@ -18,10 +18,12 @@ from ndplan.memory.result import STATIC_KINDS
 from ndplan.memory.shape import GroupShape, group_shape, to_stages
 from ndplan.memory.static import (
     embedding_elements,
+    experts_out_of_fsdp,
     layer_elements,
     linear_weight_elements,
     mtp_extra_elements,
     mtp_extra_linear_elements,
+    optimizer_on_device,
     sharding_factors,
 )
 from ndplan.memory.terms import (
@@ -193,10 +195,11 @@ def static_state(
     # NeMo AutoModel's MoE parallelizer leaves the routed experts out of FSDP where their shard
     # group is one rank (``MemoryOptions.experts_outside_fsdp``): FSDP gathers none of them and
     # makes no unsharded gradient of theirs, and their gradients are kept in the parameters' dtype.
-    experts_outside = (options.experts_outside_fsdp & (batch.zero == 3) & (shards.expert_data_shards == 1))[:, None]
+    experts_outside = experts_out_of_fsdp(options.experts_outside_fsdp, batch.zero, shards.expert_data_shards)[:, None]
     expert_in_fsdp = np.where(experts_outside, 0.0, 1.0)
     expert_grad_bytes = np.where(experts_outside, float(param_bytes), float(grad_bytes))
     offload = batch.optimizer_offload[:, None] > 0
+    on_device = optimizer_on_device(offload, offload_fraction)  # (the optimizer's share the device keeps)
     # FSDP2's CPUOffloadPolicy (the runtime's fsdp_cpu_offload, what its optimizer offload is under
     # FSDP) keeps the sharded parameters and gradients on the host with the states: on the device
     # only what FSDP gathers (its unit buffers, comm) and the gradients it makes before reducing.
@@ -229,7 +232,7 @@ def static_state(
             value = non_expert_stage * (width / non_expert_div) + expert_stage * (width / expert_div)
         if category == "optimizer":
             # (of offload_fraction of the rank's parameters; the rest stays on the device)
-            out[category] = np.where(offload, (1.0 - offload_fraction) * value, value)
+            out[category] = on_device * value
             # Offloaded for a step on the CPU: the states, the weight it updates and that weight's
             # gradient; between steps: the states and master weights (what the device frees).
             between = batch.offload_optimizer_states[:, None] > 0
@@ -248,7 +251,7 @@ def static_state(
                 elements_bytes[:, 0] += whole_embedding_extra  # the whole table's gradient is the embedding's
             share = to_stages(elements_bytes, chunks)
             kinds["static"][static_kind][index, :pp] += shape.expand(
-                np.where(offload, (1.0 - offload_fraction) * share, share) if category == "optimizer"
+                on_device * share if category == "optimizer"
                 else np.where(shards_on_host, 0.0, share))
 
     # The quantised copies of the linear weights an fp8 runtime keeps across micro-batches: part
