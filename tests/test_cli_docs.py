@@ -221,7 +221,7 @@ def test_verify_from_a_script_naming_a_tokenizer_takes_model(tmp_path, capsys):
     ("schedule: 1F1B", "setting 'schedule': '1F1B' is not one of 1f1b, interleaved, zb-h1, zbv, dualpipev, gpipe, "
                        "seq1f1b (did you mean '1f1b'?)"),
     ("recompute: fulll", "setting 'recompute': 'fulll' is not one of none, selective, full (did you mean 'full'?)"),
-    ("cp_kind: ulyses", "setting 'cp_kind': 'ulyses' is not one of ring, ulysses, hybrid (did you mean 'ulysses'?)"),
+    ("cp_kind: ulyses", "setting 'cp_kind': 'ulyses' is not one of ring, ulysses, hybrid, allgather (did you mean 'ulysses'?)"),
     ("precision: bf16", "setting 'precision': 'bf16' is not one of megatron-bf16, fsdp-bf16, fp32, bf16-pure, "
                         "megatron-fp8, megatron-bf16-grad16, megatron-fp8-grad16, megatron-fp8-param, "
                         "megatron-fp8-param-grad16 (did you mean 'bf16-pure'?)"),

@@ -852,13 +852,13 @@ def test_megatron_default_ffn_applies_over_a_base_model(tmp_path):
 
 
 def test_framework_spellings_the_readers_used_to_miss(tmp_path):
-    """MindSpeed's kvallgather CP (priced as ring, said so), MindFormers' 'swiglu' (gated SiLU), and
+    """MindSpeed's kvallgather CP (all-gather CP, no warning), MindFormers' 'swiglu' (gated SiLU), and
     torchtitan's fp8 FSDP all-gather (one byte per gathered weight, and written back)."""
     script = tmp_path / "run.sh"
     script.write_text("torchrun pretrain_gpt.py --context-parallel-size 2 --context-parallel-algo kvallgather_cp_algo "
                       "--micro-batch-size 1 --global-batch-size 8 --seq-length 4096 --bf16\n")
     result = read_config(script, model="llama-3.1-8b", devices=8)
-    assert result.strategy().cp_kind == "ring" and any("kvallgather_cp_algo is priced as ring" in w for w in result.warnings)
+    assert result.strategy().cp_kind == "allgather" and not any("kvallgather" in w for w in result.warnings)
     toml = tmp_path / "train.toml"
     toml.write_text('[model]\nname = "llama3"\nflavor = "8B"\nconverters = ["float8"]\n[training]\nlocal_batch_size = 1\n'
                     'seq_len = 8192\nmixed_precision_param = "bfloat16"\ndata_parallel_shard_degree = -1\n'

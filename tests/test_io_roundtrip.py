@@ -33,7 +33,7 @@ HYPER_BF16_FP32_MAIN = PrecisionPolicy(name="hyperparallel-bf16-fp32main", param
 #: What each format can express (the rest is documented as lost in docs/io.md).
 SPACES: dict[str, dict[str, Any]] = {
     "megatron": {
-        "schedules": ("1f1b", "interleaved", "dualpipev"), "cp_kinds": ("ring", "ulysses", "hybrid"),
+        "schedules": ("1f1b", "interleaved", "dualpipev"), "cp_kinds": ("ring", "ulysses", "hybrid", "allgather"),
         "zero": (0, 1, 2, 3), "precisions": (PRECISION_PRESETS["megatron-bf16"], PRECISION_PRESETS["megatron-fp8"],
                                              PRECISION_PRESETS["megatron-bf16-grad16"],
                                              PRECISION_PRESETS["megatron-fp8-grad16"],

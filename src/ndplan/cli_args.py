@@ -103,7 +103,8 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
         par.add_argument(f"--{flag}", type=int, help=text)
     par.add_argument("--cp-kind", choices=CP_KINDS,
                      help="how context parallelism splits attention: ring passes K/V blocks around the ranks, "
-                          "ulysses swaps sequence for heads by all-to-all, hybrid does both (--ulysses-degree) "
+                          "ulysses swaps sequence for heads by all-to-all, hybrid does both (--ulysses-degree), "
+                          "allgather gathers the whole K/V before attention (Megatron's --cp-comm-type allgather) "
                           "(default ring)")
     add_switch(par, "--sp", "--no-sp", "sp", "sequence parallelism (needs tp > 1)",
                "no sequence parallelism (the default; overrides a --from config or plan file)")

@@ -525,7 +525,10 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
     if s.tp > 1 and loss_parallel is not None:
         acc["loss_parallel"] = loss_parallel
     if s.cp > 1:
-        acc["context_parallel_algo"] = s.cp_kind
+        acc["context_parallel_algo"] = "ring" if s.cp_kind == "allgather" else s.cp_kind
+        if s.cp_kind == "allgather":
+            lost.append("all-gather context parallelism (cp_kind allgather: Transformer Engine's and MindSpeed's); "
+                        "written as ring")
         if s.cp_kind == "hybrid":
             acc["ulysses_degree"] = s.ulysses_degree
     doc["accelerator"] = acc

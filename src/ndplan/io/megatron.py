@@ -48,11 +48,11 @@ FORMAT = "megatron"
 _CP_ALGOS = {  # MindSpeed --context-parallel-algo
     "megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses", "hybrid_cp_algo": "hybrid",
     "hybrid_adaptive_cp_algo": "hybrid", "adaptive_cp_algo": "ring",
-    "kvallgather_cp_algo": "ring",  # all-gathers K/V: priced as ring's traffic, a warning says so
+    "kvallgather_cp_algo": "allgather",
 }
 #: Megatron-Core's --moe-token-dispatcher-type values (alltoall_seq: its older all-to-all).
 _DISPATCHERS = ("allgather", "alltoall", "flex", "alltoall_seq")
-_CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "ring", "a2a+p2p": "hybrid"}
+_CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "allgather", "a2a+p2p": "hybrid"}
 #: Flags that only MindSpeed / MindSpeed-LLM define (Megatron-LM's parser rejects them): a script
 #: that sets any of them runs on MindSpeed, whose attention rules differ (``_unfused_attention``).
 MINDSPEED_ONLY = (
@@ -338,7 +338,7 @@ def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: l
         if algo.values[0] not in _CP_ALGOS:
             raise args.error(algo, f"unknown algorithm {algo.values[0]!r}; known: {', '.join(_CP_ALGOS)}")
         kind = _CP_ALGOS[algo.values[0]]
-        if algo.values[0] in ("adaptive_cp_algo", "kvallgather_cp_algo"):
+        if algo.values[0] == "adaptive_cp_algo":
             warnings.append(f"{args.src.where(algo.line)}: --context-parallel-algo {algo.values[0]} is priced as "
                             "ring attention")
     elif comm is not None and comm.values:
@@ -352,9 +352,6 @@ def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: l
         if types[0] not in _CP_COMM:
             raise args.error(comm, f"unknown type {types[0]!r}; known: {', '.join(_CP_COMM)}")
         kind = _CP_COMM[types[0]]
-        if types[0] == "allgather":
-            warnings.append(f"{args.src.where(comm.line)}: --cp-comm-type allgather gathers the whole K/V; "
-                            "ndplan prices ring attention (K/V chunks)")
         if kind == "hybrid" and sizes:
             try:
                 levels = [int(s) for s in sizes]

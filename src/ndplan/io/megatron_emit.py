@@ -99,6 +99,8 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str], refused: li
             flags.append(("--cp-comm-type", "p2p"))
         elif s.cp_kind == "ulysses":
             flags.append(("--cp-comm-type", "a2a"))
+        elif s.cp_kind == "allgather":
+            flags.append(("--cp-comm-type", "allgather"))
         else:
             flags.append(("--cp-comm-type", "a2a+p2p"))
             flags.append(("--hierarchical-context-parallel-sizes", f"{s.ulysses_degree} {s.cp // s.ulysses_degree}"))

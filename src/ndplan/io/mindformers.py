@@ -554,7 +554,11 @@ def emit(model: ModelSpec | None, s: Strategy, *, attention: str = "flash", loss
     pc: dict[str, Any] = {"data_parallel": s.dp, "model_parallel": s.tp, "pipeline_stage": s.pp}
     if s.cp > 1:
         pc["context_parallel"] = s.cp
-        pc["context_parallel_algo"] = {"ring": "colossalai_cp", "ulysses": "ulysses_cp", "hybrid": "hybrid_cp"}[s.cp_kind]
+        pc["context_parallel_algo"] = {"ring": "colossalai_cp", "ulysses": "ulysses_cp", "hybrid": "hybrid_cp",
+                                       "allgather": "colossalai_cp"}[s.cp_kind]
+        if s.cp_kind == "allgather":
+            lost.append("all-gather context parallelism (cp_kind allgather: Transformer Engine's and MindSpeed's); "
+                        "written as colossalai_cp, which ndplan reads as ring attention")
         if s.cp_kind == "hybrid":
             pc["ulysses_degree_in_cp"] = s.ulysses_degree
     if s.ep > 1:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ndplan.errors import NdplanError
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.profile import model_symbols
 from ndplan.memory.shape import GroupShape, to_stages
@@ -31,8 +32,14 @@ def layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions
     where the activations are sequence-sharded, else 1."""
     act_bytes = batch.precision.activation_bytes
     h = model.hidden_size
+    gathered = batch.is_("cp_kind", "allgather") & (batch.cp > 1)
+    if ring_exchange(options) == "allgather" and bool(gathered.any()):
+        raise NdplanError("cp_kind allgather is Transformer Engine's and MindSpeed's all-gather attention (Megatron's "
+                          f"--cp-comm-type allgather); runtime '{options.profile.name}' runs torch's ring attention, "
+                          "which cp_kind ring prices (use runtime megatron)")
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, op_tokens)
-    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"), ring_exchange(options))
+    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"), ring_exchange(options),
+                             batch.is_("cp_kind", "allgather"))
     # Per stage max(gather or exchange, all-to-all where the stage holds MoE layers) + the
     # pipeline's buffers: two columns, one with the all-to-all and one without, each stage a copy
     # of its own (the bytes are finite and >= +0, so a stage without MoE layers, whose all-to-all
@@ -123,7 +130,7 @@ def ring_exchange(options: MemoryOptions) -> str:
 
 
 def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulysses: Any,
-                exchange: str = "p2p") -> np.ndarray:
+                exchange: str = "p2p", gathered: Any = False) -> np.ndarray:
     """[n] bytes of the context-parallel exchange while a layer runs, per token times the
     activation bytes β / tp; 0 without context parallelism.
 
@@ -137,7 +144,15 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
       accumulators of the query's, keys' and values' gradients, 4·(Q + K' + V') bytes, and the
       fp32 key and value gradients received from the previous rank, their update and the
       concatenation sent on, 3 · 4·(K' + V') -> (n + 1)·β·(K' + V') + 4·Q + 16·(K' + V') bytes
-      a token (the attention kernel's own gradients the profile's backward counts)."""
+      a token (the attention kernel's own gradients the profile's backward counts).
+    * All-gather CP (``gathered``: bool, or per strategy; Transformer Engine's and MindSpeed's
+      AttnFuncWithCPAndKVAllGather): its backward, the larger pass, holds the keys and values
+      gathered from the c ranks and reordered, c·(K + V); their gradients zero-filled over the
+      c·T gathered tokens, c·(K + V); the two attention calls' key and value gradients over
+      their ranges, (c + 1/2)·(K + V) on every rank of the load-balanced split; and, as it
+      reorders the gradients before their reduce-scatter, a second copy of the value's,
+      c·max(K, V) -> ((3c + 1/2)·(K + V) + c·max(K, V))·β a token (/ KV heads, not tp, where tp
+      exceeds them, as for the ring)."""
     widths = model_symbols(model)
     beta = batch.precision.activation_bytes
     per_token = np.where(ulysses, 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
@@ -149,11 +164,17 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
     above = np.asarray(batch.tp > model.split_kv_heads)
     if above.any():
         exchange_bytes *= np.where(ulysses | ~above, 1.0, batch.tp / model.split_kv_heads)
+    if np.any(gathered):
+        c = batch.cp.astype(float)
+        kv, wider = widths["k"] + widths["v"], max(widths["k"], widths["v"])
+        gathered_bytes = ((3.0 * c + 0.5) * kv + c * wider) * tokens * beta
+        gathered_bytes *= np.where(above, batch.tp / model.split_kv_heads, 1.0)
+        exchange_bytes = np.where(gathered, gathered_bytes, exchange_bytes)
     if exchange == "allgather":
         # torch's ring, in bytes a token (ring ranks n = cp, torch runs no Ulysses)
         wide = widths["q"] + widths["o"]  # K' + V'
         ring = ((batch.cp.astype(float) + 1.0) * beta + 16.0) * wide + 4.0 * widths["q"]
-        exchange_bytes = np.where(ulysses, exchange_bytes, ring * tokens)
+        exchange_bytes = np.where(ulysses | np.asarray(gathered), exchange_bytes, ring * tokens)
     exchange_bytes /= batch.tp.astype(float)
     exchange_bytes *= batch.cp > 1
     return exchange_bytes
@@ -166,15 +187,16 @@ def cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions,
     holds MoE layers), the same bits whatever the kind without context parallelism, or where
     every kind's exchange is no larger than the larger other buffer on every stage
     (``all_moe`` [n]: every stage of the strategy's pipeline holds MoE layers; else the gather
-    alone). The largest exchange is Ulysses' (Q and O on top of K and V per token): the same
-    products of positive numbers, with a larger first factor, rounded, are no smaller; where the
-    runtime's ring all-gathers (torch's), the larger of Ulysses' and that ring's."""
+    alone). The largest exchange is Ulysses' (Q and O on top of K and V per token: the same
+    products of positive numbers, with a larger first factor, rounded, are no smaller than the
+    ring's) or all-gather CP's, the larger of the two; where the runtime's ring all-gathers
+    (torch's), that ring's too, if larger."""
     tokens = (batch.micro_batch_size * batch.seq_length).astype(float)
     tokens /= batch.cp.astype(float)
     # As layer_buffers reads them: the gather and the all-to-all per op (tokens / seq_chunks,
     # the same bits as _per_op's), the exchange per micro-batch.
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, tokens / batch.seq_chunks)
-    largest = _cp_buffers(model, batch, tokens, True)
+    largest = np.maximum(_cp_buffers(model, batch, tokens, True), _cp_buffers(model, batch, tokens, False, gathered=True))
     if ring_exchange(options) == "allgather":
         # torch's ring can hold more than Ulysses' exchange: the larger of the two kinds
         largest = np.maximum(largest, _cp_buffers(model, batch, tokens, False, "allgather"))

@@ -295,6 +295,16 @@ class MemoryReport:
                 f"fp32 gradients of Q, K and V accumulated, received and sent on, "
                 f"((c + 1)·{s.precision.activation_bytes:g} + 16)·(q_w + o_w)·T/t + 4·q_w·T/t")
 
+    def _kv_allgather_term(self) -> str:
+        """The comm line's term of all-gather context parallelism (``buffers._cp_buffers``)."""
+        s = self.strategy
+        if s.cp == 1 or s.cp_kind != "allgather":
+            return ""
+        return (f"; CP K/V is all-gathered (cp_kind allgather): the backward holds the gathered keys and values, "
+                f"their zero-filled gradients, the two attention calls' gradients over their ranges and a reordered "
+                f"copy of one, ((3c + 1/2)·(k_w + v_w) + c·max(k_w, v_w))·T/t·{s.precision.activation_bytes:g} with "
+                f"c = {s.cp}")
+
     def _deferred_fsdp_reduce(self) -> bool:
         """Whether the runtime holds unsharded gradients to the step's end (FSDP under a pipeline
         of several virtual stages, as ``stages`` prices it)."""
@@ -362,7 +372,7 @@ class MemoryReport:
         lines += [
             "comm       = FSDP unit buffers at the stage's worst moment (gathered and prefetched parameters, "
             "unsharded gradients, reduce input) + PP send/recv and receive buffers + max(SP gather, CP K/V, "
-            "EP dispatch)" + self._torch_ring_term() + self._ddp_bucket_term() + self._allgather_term()
+            "EP dispatch)" + self._torch_ring_term() + self._kv_allgather_term() + self._ddp_bucket_term() + self._allgather_term()
             + f" = {format_bytes(stage.comm_bytes)}",
             f"transient  = the worst working set beside them: one layer's backward (+ recompute rebuild; "
             f"where the s² scores are materialised, eager or SDPA's math path, its attention backward: the "

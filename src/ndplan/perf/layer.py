@@ -88,6 +88,7 @@ from ndplan.perf.memory_ops import (
     embedding_bytes,
     expert_bias_bytes,
     head_bytes,
+    kv_allgather_bytes,
     layer_bytes,
     mla_assembly_bytes,
     module_replay_bytes,
@@ -326,6 +327,18 @@ def _fsdp_exposed(ctx: LayerContext, comm: Array | float, cover: Array | float, 
     return _exposed(comm, cover, ctx.overlap.fsdp_prefetch, collective_sm_share(ctx.eff, full_rate_s, comm))
 
 
+def _kv_allgather_moved(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> tuple[Array | float, Array | float]:
+    """(forward, backward) bytes of all-gather CP's copies of one layer's micro-batch
+    (``memory_ops.kv_allgather_bytes``); 0 for the other kinds."""
+    gathered = gathers_kv(cols)
+    if not np.any(gathered):
+        return 0.0, 0.0
+    _, wk, wv, _ = _kv_widths(ctx.model)
+    kv_elements = sh.tokens * (wk + wv) / kv_split(ctx.model, cols["tp"])
+    forward, backward = kv_allgather_bytes(ctx.model, sh, ctx.precision.activation_bytes, kv_elements, cols["cp"])
+    return np.where(gathered, forward, 0.0), np.where(gathered, backward, 0.0)
+
+
 def _kv_widths(model: ModelSpec) -> tuple[float, float, float, float]:
     """(q, k, v, o) widths over all heads, as context parallelism moves them."""
     a = model.num_attention_heads
@@ -449,13 +462,29 @@ def ring_exchange_seconds(model: ModelSpec, fabric: Fabric, act_bytes: float, co
     return kv, gather, send
 
 
+def kv_allgather_seconds(model: ModelSpec, fabric: Fabric, act_bytes: float, cols: dict[str, Array], sh: Sharding
+                         ) -> tuple[Array | float, Array | float, Array | float]:
+    """(a rank's K + V bytes, forward seconds, backward seconds) of all-gather context parallelism
+    (``cp_kind`` 'allgather') per layer and micro-batch: K + V = T·(k + v)·β over the layer's KV
+    split (``kv_split``); the forward all-gathers the c ranks' c·(K + V) over the CP group at
+    stride tp, the backward gathers them again and reduce-scatters their gradients, the same
+    bytes (the kernels return them at the activations' width)."""
+    c, t = cols["cp"], cols["tp"]
+    _, wk, wv, _ = _kv_widths(model)
+    kv = sh.tokens * (wk + wv) / kv_split(model, t) * act_bytes
+    link = group_link(c, t, fabric, "ring")
+    forward = coll.all_gather_s(c * kv, c, link)
+    return kv, forward, forward + coll.reduce_scatter_s(c * kv, c, link)
+
+
 def _cp_seconds(
     ctx: LayerContext, cols: dict[str, Array], sh: Sharding
 ) -> tuple[Array | float, ...]:
     """(ring forward, ring backward, Ulysses all-to-alls per pass, one send of torch's K and V
     gradients) raw CP seconds of one attention block. Under torch's ring
     (``EfficiencyProfile.ring_exchange`` 'allgather') the forward is its all-gather of K and V;
-    the send is 0 for Transformer Engine's ring."""
+    the send is 0 for Transformer Engine's ring. All-gather CP (``gathers_kv``) takes the ring's
+    places (``kv_allgather_seconds``)."""
     c, t = cols["cp"], cols["tp"]
     beta = ctx.precision.activation_bytes
     wq, wk, wv, wo = _kv_widths(ctx.model)
@@ -466,17 +495,28 @@ def _cp_seconds(
     split = kv_split(ctx.model, t)  # (t where each rank holds whole KV heads)
     a2a = sum((coll.all_to_all_s(tok * w / s * beta, u, a2a_link) for w, s in ((wq, t), (wk, split), (wv, split), (wo, t))),
               0.0)
+    kv = tok * (wk + wv) / split * beta
+    gathered = gathers_kv(cols)
+    gather_f: Array | float = 0.0
+    gather_b: Array | float = 0.0
+    if np.any(gathered):
+        a2a = np.where(gathered, 0.0, a2a)  # (no Ulysses part)
+        _, gather_f, gather_b = kv_allgather_seconds(ctx.model, ctx.fabric, beta, cols, sh)
     if ctx.eff.ring_exchange == "allgather":
         # One all-gather of K and V in each pass (the backward gathers them again), and the
         # backward's n sends of their gradients, one after every step.
         _, gather, send = ring_exchange_seconds(ctx.model, ctx.fabric, beta, cols, sh)
+        if np.any(gathered):
+            return (np.where(gathered, gather_f, gather), np.where(gathered, gather_b, gather + ring_n * send), a2a,
+                    np.where(gathered, 0.0, send))
         return gather, gather + ring_n * send, a2a, send
-    kv = tok * (wk + wv) / split * beta
     ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
     ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
     # Transformer Engine's backward sends at each of its n steps: K,V alone first, K,V and the
     # dK,dV accumulated so far in between, dK,dV alone last: 2(n - 1) blocks in n sends.
     ring_b = np.where(ring_n > 1, ring_n * ring_link.latency + (ring_n - 1) * 2.0 * kv / ring_link.bandwidth, 0.0)
+    if np.any(gathered):
+        ring_f, ring_b = np.where(gathered, gather_f, ring_f), np.where(gathered, gather_b, ring_b)
     return ring_f, ring_b, a2a, 0.0
 
 
@@ -604,11 +644,28 @@ def layer_comm(ctx: LayerContext, cols: dict[str, Array], sh: Sharding) -> Layer
                      qkv_gather_seconds(ctx, cols, sh))
 
 
+_ULYSSES, _HYBRID, _ALLGATHER = (CODES["cp_kind"].index(kind) for kind in ("ulysses", "hybrid", "allgather"))
+
+
 def ring_steps(cols: dict[str, Array]) -> Array:
     """Ranks of each strategy's CP ring (cp / the Ulysses degree): the attention kernel's calls
-    per layer and pass, one per ring step (1 without CP or under pure Ulysses)."""
-    c, kind = cols["cp"], cols["cp_kind"]  # kind: 0 ring, 1 ulysses, 2 hybrid (codes of CP_KINDS)
-    return c / np.where(kind == 1, c, np.where(kind == 2, cols["ulysses_degree"], 1.0))
+    per layer and pass, one per ring step (1 without CP, under pure Ulysses and under
+    all-gather CP, which run no ring; ``attention_calls`` counts the latter's calls)."""
+    c, kind = cols["cp"], cols["cp_kind"]
+    return c / np.where((kind == _ULYSSES) | (kind == _ALLGATHER), c, np.where(kind == _HYBRID, cols["ulysses_degree"], 1.0))
+
+
+def gathers_kv(cols: dict[str, Array]) -> Array:
+    """[n] bool: the strategies whose context parallelism gathers the whole K/V before attention
+    (``cp_kind`` 'allgather' with cp > 1)."""
+    return (cols["cp_kind"] == _ALLGATHER) & (cols["cp"] > 1)
+
+
+def attention_calls(cols: dict[str, Array]) -> Array:
+    """The attention kernel's calls per layer and pass: one per ring step (``ring_steps``); two
+    under all-gather CP, one for each of a rank's two load-balanced sequence chunks, each over
+    the gathered keys before its chunk's end."""
+    return np.where(gathers_kv(cols), 2.0, ring_steps(cols))
 
 
 def _groups_reached(groups: Array | float, experts: Array | float, k: float) -> Array:
@@ -1069,7 +1126,7 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     gemm_distinct, forward_of, backward_of = _pass_gemm_seconds(ctx, gemms)
     gemm = {pass_: shardings.spread(value) for pass_, value in gemm_distinct.items()}
     cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, gemms))
-    attn_f, attn_b = attention_core_seconds(ctx, bsh, kind, full_attention, calls=ring_steps(bc))
+    attn_f, attn_b = attention_core_seconds(ctx, bsh, kind, full_attention, calls=attention_calls(bc))
     sort = _chunk_sort(ctx, bc) if kind == "moe" else 0.0
     gathers: Array | float = 0.0
     if kind == "moe" and eff.moe_dispatcher == "allgather":
@@ -1084,6 +1141,7 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
              qkv_transpose_bytes(model, bsh, beta, eff.qkv_transpose),
              sink_rescale_bytes(model, bsh, beta, eff.sink_rescale),
              ring_merge_bytes(model, bsh, beta, eff.ring_merge, ring_steps(bc)),
+             _kv_allgather_moved(ctx, bc, bsh),
              expert_bias_bytes(model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor)
              if kind == "moe" else (0.0, 0.0))
     unfused_f = sum((f for f, _ in moved), 0.0) / rates.hbm_rate
@@ -1182,6 +1240,11 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
         # (n - 1)/n of it covers. Backward: a send under every step (_cp_seconds), the whole of it.
         cp_f = _exposed(ring_f, (ring_n - 1.0) / ring_n * attn_f, hide_ring) + a2a
         cp_b = _exposed(ring_b, attn_b, hide_ring) + a2a
+    # All-gather CP gathers on the compute stream before its attention and reduce-scatters after:
+    # nothing hides them.
+    gathered = gathers_kv(bc)
+    if np.any(gathered):
+        cp_f, cp_b = np.where(gathered, ring_f, cp_f), np.where(gathered, ring_b, cp_b)
 
     # A host-bound pass leaves the GPU idle for what its floor adds (compute - gpu): its TP and
     # CP collectives, overlapped or not, run there first, so that a faster GPU never lengthens it.

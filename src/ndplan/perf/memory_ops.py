@@ -84,6 +84,16 @@ received fp32 buffers (half of 8 + β) and concatenated whole (8), the fp32 grad
 for each send (8, n times), the query gradient accumulated every step (8 + β), and the three cast
 back at the end (4 + β) -> 4(Q + K + V) + n·2β(K + V) + (8 + β)(K + V) + (n - 1)(12 + β/2)(K + V)
 + 8n(K + V) + n(8 + β)Q + (4 + β)(Q + K + V).
+All-gather context parallelism (``Strategy.cp_kind`` 'allgather': Transformer Engine's and
+MindSpeed's AttnFuncWithCPAndKVAllGather), over c ranks, with KV = the K + V elements of the
+rank's T tokens (KV heads' width, split as the layer's: ``kv_split``): the gathered c·KV
+reordered into sequence order (index_select: read, write) before the two attention calls, each
+call's output copied into place (read, write O) -> 2c·KV·β + 2·O·β forward. Backward: the
+gather reordered again (2c·KV), dK and dV zero-filled over the c·T gathered tokens (c·KV), each
+call's key and value gradients added into their range (read the range and the gradient, write
+the range: 3 × the two ranges, (c + 1/2)·KV on every rank of the load-balanced split), the
+result reordered back (2c·KV) before its reduce-scatter, and the query's gradients copied into
+place (2·Q) -> ((8c + 3/2)·KV + 2·Q)·β.
 MLA's query and key assembly, by ``EfficiencyProfile.mla_assembly``, beyond the rotary op above
 (which reads and writes the rope parts), per token and local head (a/t of them; d_qk = d_nope +
 d_rope, β the activation width):
@@ -184,6 +194,18 @@ def query_width_elements(model: ModelSpec, sh: Sharding) -> tuple[Array | float,
     and values torch's ring attention moves, which torchtitan repeats to every query head."""
     width = sh.tokens * model.num_attention_heads / sh.tp
     return width * model.qk_head_dim, width * model.value_head_dim
+
+
+def kv_allgather_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kv_elements: Array | float,
+                       ranks: Array | float) -> tuple[Array | float, Array | float]:
+    """(forward, backward) bytes of one layer's copies around all-gather context parallelism
+    (module docstring) on a rank of ``ranks``, whose own keys and values are ``kv_elements``
+    (the ranks' K + V elements at the layer's split), per micro-batch."""
+    q, o = query_width_elements(model, sh)
+    c = np.asarray(ranks, dtype=float)
+    forward = 2.0 * c * kv_elements + 2.0 * o
+    backward = (8.0 * c + 1.5) * kv_elements + 2.0 * q
+    return forward * act_bytes, backward * act_bytes
 
 
 def ring_merge_bytes(model: ModelSpec, sh: Sharding, act_bytes: float, kernel: str,

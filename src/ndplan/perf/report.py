@@ -34,6 +34,7 @@ from ndplan.perf.layer import (
     CATEGORIES,
     LayerContext,
     flash_backward_factor,
+    kv_allgather_seconds,
     offloaded_bytes,
     piece_times,
     ring_exchange_seconds,
@@ -42,6 +43,7 @@ from ndplan.perf.layer import (
 )
 from ndplan.perf.memory_ops import (
     expert_bias_bytes,
+    kv_allgather_bytes,
     mla_assembly_bytes,
     qkv_transpose_bytes,
     ring_merge_bytes,
@@ -447,6 +449,21 @@ def _allgather_ring_text(r: TimeReport, fabric: Fabric) -> str:
             "(ring_exchange allgather, torch's context parallelism)")
 
 
+def _kv_allgather_text(r: TimeReport, fabric: Fabric, hbm_rate: float) -> str:
+    """All-gather context parallelism (``layer.kv_allgather_seconds``, ``memory_ops.kv_allgather_bytes``):
+    what it moves per layer and micro-batch, all of it exposed."""
+    s = r.strategy
+    cols, sh = _cp_cols(s), _sharding(s)
+    kv, forward, backward = (float(np.asarray(v).reshape(-1)[0]) for v in kv_allgather_seconds(
+        r.model, fabric, s.precision.activation_bytes, cols, sh))
+    moved = kv_allgather_bytes(r.model, sh, s.precision.activation_bytes, kv / s.precision.activation_bytes, s.cp)
+    return (f"K and V of the rank's tokens, T·(k + v)·β = {kv / 1e6:,.1f} MB, all-gathered from cp={s.cp} ranks at "
+            f"stride tp ({_link_text(s.cp, s.tp, fabric)}) before attention, {_ms(forward)} forward; gathered again "
+            f"and their gradients reduce-scattered after it, {_ms(backward)} backward; exposed, on the compute stream "
+            f"(Transformer Engine's and MindSpeed's AttnFuncWithCPAndKVAllGather); two attention calls a pass; "
+            f"reordering, zero-filling and accumulating the gathered tensors: {_moved_text(moved, hbm_rate)}")
+
+
 def _fp8_kernel_text(efficiency: EfficiencyProfile, dtype: str) -> str:
     """Whose fp8 GEMM rate the GEMM line uses, where it is not the profile's own."""
     if dtype != "fp8" or efficiency.fp8_gemm_kernel == "default":
@@ -568,12 +585,14 @@ def _communication_lines(r: TimeReport, hbm_rate: float) -> list[str]:
             u = s.ulysses_degree
             where = (f"all-to-alls over ulysses_degree={u} at stride tp ({_link_text(u, s.tp, fabric, 'all_to_all')}), "
                      f"ring over {s.cp // u} at stride tp·{u} ({_link_text(s.cp // u, s.tp * u, fabric, 'p2p')})")
+        elif s.cp_kind == "allgather":
+            where = _kv_allgather_text(r, fabric, hbm_rate)
         elif r.efficiency.ring_exchange == "allgather":
             where = _allgather_ring_text(r, fabric)
         else:
             where = f"ring over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')})"
-        out.append(f"CP ({s.cp_kind}): {where}; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
-                   + _ring_merge_text(r, _sharding(s), hbm_rate))
+        ring = "" if s.cp_kind == "allgather" else f"; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
+        out.append(f"CP ({s.cp_kind}): {where}{ring}" + _ring_merge_text(r, _sharding(s), hbm_rate))
     if model.is_moe and r.efficiency.moe_dispatcher == "allgather" and s.ep * s.etp > 1:
         n = s.ep * s.etp
         gathered = tokens / s.tp * n

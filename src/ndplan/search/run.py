@@ -199,6 +199,15 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
         lambda s, _, runtime: (f"{s.cp_kind} context parallelism under Megatron needs seq_length={s.seq_length} "
                                f"divisible by 2·cp = {2 * s.cp} (each rank's tokens in two chunks, as for the ring)"),
     ),
+    # All-gather CP is Transformer Engine's and MindSpeed's attention function; torch's context
+    # parallelism runs a ring (whose K/V exchange the pytorch profile prices as its all-gather).
+    RuntimeLimit(
+        "pytorch",
+        lambda b, _, __: ~b.is_("cp_kind", "allgather") | (b.cp == 1),
+        lambda s, _, runtime: (f"cp_kind=allgather: the {runtime} runtime's context parallelism is torch's ring "
+                               "attention (cp_kind ring prices its K/V all-gather); all-gather CP is Transformer "
+                               "Engine's and MindSpeed's (Megatron's --cp-comm-type allgather)"),
+    ),
     # Layer offload is Megatron-Core's (--cpu-offloading-num-layers, the megatron profile's layer_offload).
     RuntimeLimit(
         "pytorch",

@@ -51,8 +51,9 @@ OPT_IN_DIMENSIONS: tuple[str, ...] = ("pipeline_runs", "offload_layers", "offloa
 SET_DIMENSIONS: tuple[str, ...] = ("recompute_modules", "offload_modules")
 #: What ``fixed`` may also set: the parts of a pipeline option besides its schedule.
 PIPELINE_SHAPE: tuple[str, ...] = ("vpp", "seq_chunks")
-#: The context-parallel kinds a search varies or takes fixed (hybrid needs a Ulysses degree).
-SEARCHED_CP_KINDS: tuple[str, ...] = ("ring", "ulysses")
+#: The context-parallel kinds a search takes fixed (hybrid needs a Ulysses degree). It varies the
+#: first two alone: all-gather CP is what a launch file or ``--fix cp_kind=allgather`` asks for.
+SEARCHED_CP_KINDS: tuple[str, ...] = ("ring", "ulysses", "allgather")
 
 #: The order ``SearchSpace.blocks`` runs through the dimensions, slowest first: the module sets
 #: first, as a batch shares them.

@@ -14,13 +14,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ndplan.strategy.precision import PRECISION_PRESETS, PrecisionPolicy, get_precision
 
 Schedule = Literal["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "gpipe", "seq1f1b"]
-CpKind = Literal["ring", "ulysses", "hybrid"]
+CpKind = Literal["ring", "ulysses", "hybrid", "allgather"]
 Recompute = Literal["none", "selective", "full"]
 RecomputeModule = Literal["core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts"]
 OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "gpipe", "seq1f1b")
-CP_KINDS: tuple[str, ...] = ("ring", "ulysses", "hybrid")
+#: Context-parallel kinds: ring attention (K/V blocks passed around the ring under the attention
+#: steps), Ulysses (all-to-alls between sequence and head shards), hybrid (Ulysses inside, a ring
+#: across), allgather (the whole K/V gathered before attention, exposed, and its gradient
+#: reduce-scattered after: Transformer Engine's and MindSpeed's AttnFuncWithCPAndKVAllGather,
+#: Megatron's --cp-comm-type allgather). Their codes in a StrategyBatch are these positions.
+CP_KINDS: tuple[str, ...] = ("ring", "ulysses", "hybrid", "allgather")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 #: Megatron-Core's ``--recompute-modules`` (``TransformerConfig.recompute_modules``), in its order.
 RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
