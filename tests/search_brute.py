@@ -33,7 +33,7 @@ def brute_force_ranking(model: ModelSpec, device: Device, space: SearchSpace, st
             continue
         if duplicates[candidate] or check_strategy(strategy, model, space.num_devices):
             continue
-        if runtime_refusals(strategy, options, model):  # (its schedules among them)
+        if runtime_refusals(strategy, options, model, device):  # (its schedules among them)
             continue
         if check is not None:
             check(candidate, strategy)

@@ -191,3 +191,54 @@ def test_the_search_path_prices_it_as_the_estimate_does():
         peak, _ = peak_memory(model, StrategyBatch.of(valid), options)
         alone = [estimate(model, s, get_device("h100-sxm"), options).peak_bytes for s in valid]
         np.testing.assert_array_equal(peak, np.array(alone), err_msg=model.name)
+
+
+def test_transformer_engine_refuses_a_ring_over_sliding_windows():
+    """Transformer Engine's context-parallel attention asserts that sliding-window attention runs
+    under its Ulysses ("a2a") or all-gather kinds alone (attn_forward_func_with_cp). gpt-oss
+    alternates sliding and full layers: under Megatron on a GPU its ring (or hybrid) CP is not
+    runnable, its Ulysses and all-gather CP are; on an Ascend NPU (MindSpeed's attention) and
+    where the device is not known nothing is refused; a model without windows is not limited."""
+    gpt_oss = get_preset("gpt-oss-20b")
+    megatron = MemoryOptions(runtime="megatron")
+    h100, npu = get_device("h100-sxm"), get_device("ascend-910b")
+    ring = Strategy(dp=8, cp=2, seq_length=32768)
+    said = runtime_refusals(ring, megatron, gpt_oss, h100)
+    assert len(said) == 1 and "sliding-window layers" in said[0] and "cp_kind allgather" in said[0]
+    for kind in ("ulysses", "allgather"):
+        assert runtime_refusals(ring.model_copy(update={"cp_kind": kind}), megatron, gpt_oss, h100) == []
+    assert runtime_refusals(ring, megatron, gpt_oss, npu) == []
+    assert runtime_refusals(ring, megatron, gpt_oss) == []
+    assert runtime_refusals(ring, megatron, LLAMA8, h100) == []
+    assert runtime_refusals(Strategy(dp=16, seq_length=32768), megatron, gpt_oss, h100) == []  # no CP
+
+
+def test_a_search_over_sliding_windows_varies_all_gather_and_never_ranks_the_ring():
+    """For a model with sliding-window layers the search varies all-gather CP beside ring and
+    Ulysses; under Megatron on H100s it ranks no ring CP, and its ranking is the brute force's."""
+    from search_brute import search_as_brute_force
+
+    gpt_oss = get_preset("gpt-oss-20b")
+    device = get_device("h100-sxm")
+    assert default_space(gpt_oss, device, 16, 16, 65536).cp_kind == ("ring", "ulysses", "allgather")
+    space = default_space(gpt_oss, device, 16, 16, 65536, dims=("cp", "cp_kind"), fixed={"ep": 8})
+    result = search_as_brute_force(gpt_oss, device, space, 80 * 2**30, MemoryOptions(runtime="megatron"))
+    kinds = {(row["cp"] > 1, row["cp_kind"]) for row in result.ranked}
+    assert (True, "allgather") in kinds and (True, "ring") not in kinds
+
+
+def test_the_estimate_says_what_the_runtime_cannot_run(capsys):
+    """``estimate`` prices a strategy its runtime refuses all the same, and says so beside it (the
+    search leaves it out): gpt-oss-20b over a CP ring under Megatron on H100s."""
+    import json
+
+    from ndplan.cli import main
+
+    base = ["estimate", "--model", "gpt-oss-20b", "--hardware", "h100-sxm", "--devices", "16", "--dp", "8", "--cp", "2",
+            "--seq", "32768", "--runtime", "megatron", "--json"]
+    assert main(base) == 0
+    caveats = json.loads(capsys.readouterr().out)["caveats"]
+    assert any(c.startswith("the megatron runtime cannot run this strategy: ring context parallelism on a model with "
+                            "sliding-window layers") for c in caveats)
+    assert main([*base, "--cp-kind", "allgather"]) == 0
+    assert not any("cannot run" in c for c in json.loads(capsys.readouterr().out)["caveats"])

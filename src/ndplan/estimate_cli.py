@@ -79,6 +79,16 @@ def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def runtime_cautions(strategy: Any, options: Any, model: Any, device: Any) -> list[str]:
+    """What the runtime priced cannot run of the strategy (``search.run.runtime_refusals``: the
+    search leaves such candidates out), said beside the estimate rather than refusing it: the
+    figures are still what the strategy would hold and take."""
+    from ndplan.search.run import runtime_refusals
+
+    return [f"the {options.runtime} runtime cannot run this strategy: {reason}"
+            for reason in runtime_refusals(strategy, options, model, device)]
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from ndplan.memory import estimate
 
@@ -102,7 +112,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         plot_memory(report if given_limit is None else {**as_dict(report), "memory_limit_bytes": given_limit},
                     args.plot)
     emitted = emit_settings(model, strategy, args.emit, options, device) if args.emit else None
-    inert = inert_flags(args, strategy)
+    inert = inert_flags(args, strategy) + runtime_cautions(strategy, options, model, device)
     if args.json:
         memory = report.to_dict()
         emit_json({"model": model.name, "hardware": device.name, **efficiency_entry(settings.get("efficiency")),

@@ -144,11 +144,20 @@ class RuntimeLimit:
     """A combination a runtime cannot run: ``holds`` (a mask over a batch, True where it runs,
     given the schedules the runtime's profile has and the model, None where it is not known) and
     ``explain`` (why not, for one strategy). ``runtime``: the runtime it applies to (None: every
-    runtime, by its schedules)."""
+    runtime, by its schedules). ``transformer_engine``: a limit of Transformer Engine's, which
+    Megatron runs on GPUs; it holds where the device is known and is not an Ascend NPU (whose
+    Megatron is MindSpeed, with its own attention)."""
 
     runtime: str | None
     holds: Callable[[StrategyBatch, tuple[str, ...], ModelSpec | None], np.ndarray]
     explain: Callable[[Strategy, tuple[str, ...], str], str]
+    transformer_engine: bool = False
+
+    def applies(self, runtime: str, family: str | None) -> bool:
+        """Whether the limit binds ``runtime`` on a device of ``family`` (None: not known)."""
+        if self.runtime is not None and self.runtime != runtime:
+            return False
+        return not self.transformer_engine or (family is not None and not family.startswith("davinci"))
 
 
 #: What ``_runnable`` refuses, each with its source.
@@ -208,6 +217,19 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
                                "attention (cp_kind ring prices its K/V all-gather); all-gather CP is Transformer "
                                "Engine's and MindSpeed's (Megatron's --cp-comm-type allgather)"),
     ),
+    # Transformer Engine's context-parallel attention refuses sliding windows under its ring
+    # ("p2p", "a2a+p2p": attn_forward_func_with_cp asserts "The context parallel running configs
+    # cannot support sliding window attention"): a model with sliding-window layers runs CP as
+    # Ulysses or all-gather there.
+    RuntimeLimit(
+        "megatron",
+        lambda b, _, model: ((b.cp == 1) | ~b.is_in("cp_kind", ["ring", "hybrid"])
+                             | (model is None or not model.sliding_layers()[0])),
+        lambda s, _, runtime: (f"{s.cp_kind} context parallelism on a model with sliding-window layers: Transformer "
+                               "Engine's context-parallel attention runs sliding windows only as Ulysses (cp_kind "
+                               "ulysses, --cp-comm-type a2a) or all-gather (cp_kind allgather)"),
+        transformer_engine=True,
+    ),
     # Layer offload is Megatron-Core's (--cpu-offloading-num-layers, the megatron profile's layer_offload).
     RuntimeLimit(
         "pytorch",
@@ -260,30 +282,33 @@ def _kv_heads(model: ModelSpec | None) -> float:
     return float("inf") if model is None else float(model.split_kv_heads)
 
 
-def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str, model: ModelSpec | None = None) -> np.ndarray:
+def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str, model: ModelSpec | None = None,
+              family: str | None = None) -> np.ndarray:
     """Where the runtime can run the strategy (``RUNTIME_LIMITS``): a schedule it has; under
     PyTorch no selective recompute in a split backward, 1F1B over a pipeline with at least one
     micro-batch per stage, and no more TP ranks than KV heads; under Megatron no expert
     parallelism, nor on a ``model`` with experts any tensor parallelism, without sequence
-    parallelism."""
+    parallelism; Transformer Engine's limits on a device ``family`` other than Ascend's."""
     runnable = np.ones(len(batch), bool)
     for limit in RUNTIME_LIMITS:
-        if limit.runtime is None or limit.runtime == runtime:
+        if limit.applies(runtime, family):
             runnable &= limit.holds(batch, tuple(schedules), model)
     return runnable
 
 
 def runtime_refusals(strategy: Strategy, options: MemoryOptions | None = None,
-                     model: ModelSpec | None = None) -> list[str]:
-    """Why the runtime of ``options`` cannot run ``strategy`` of ``model`` (what the search
-    counts as ``NOT_RUNNABLE``), one reason per limit it breaks; [] where it runs. A schedule
-    matters only with a pipeline (pp > 1); without the model, whether it has experts is told
-    by expert parallelism alone, and its KV heads limit nothing."""
+                     model: ModelSpec | None = None, device: Device | None = None) -> list[str]:
+    """Why the runtime of ``options`` cannot run ``strategy`` of ``model`` on ``device`` (what
+    the search counts as ``NOT_RUNNABLE``), one reason per limit it breaks; [] where it runs. A
+    schedule matters only with a pipeline (pp > 1); without the model, whether it has experts is
+    told by expert parallelism alone, and its KV heads and windows limit nothing; without the
+    device, neither do Transformer Engine's limits."""
     options = options or MemoryOptions()
     schedules = tuple(options.profile.schedules)
     batch = StrategyBatch.of(strategy)
+    family = device_family(device) if device is not None else None
     return [limit.explain(strategy, schedules, options.runtime) for limit in RUNTIME_LIMITS
-            if (limit.runtime is None or limit.runtime == options.runtime)
+            if limit.applies(options.runtime, family)
             and not (limit.runtime is None and strategy.pp == 1) and not limit.holds(batch, schedules, model)[0]]
 
 
@@ -500,7 +525,7 @@ def run_search(
     # then what the runtime cannot run and (for MoE models) the imbalance routing cannot reach.
     checks: list[Check] = [partial(_holds, rule=rule, context=context) for rule in RULES]
     reasons = [DUPLICATE, *(rule.name for rule in RULES), NOT_RUNNABLE]
-    checks.append(partial(_runnable, schedules=list(profile.schedules), runtime=runtime, model=model))
+    checks.append(partial(_runnable, schedules=list(profile.schedules), runtime=runtime, model=model, family=family))
     if 0 in space.zero and (1 in space.zero or 2 in space.zero):  # the ZeRO 0 candidate stands for them
         reasons.append(DUPLICATE)
         checks.append(_zero_has_group)

@@ -52,7 +52,8 @@ SET_DIMENSIONS: tuple[str, ...] = ("recompute_modules", "offload_modules")
 #: What ``fixed`` may also set: the parts of a pipeline option besides its schedule.
 PIPELINE_SHAPE: tuple[str, ...] = ("vpp", "seq_chunks")
 #: The context-parallel kinds a search takes fixed (hybrid needs a Ulysses degree). It varies the
-#: first two alone: all-gather CP is what a launch file or ``--fix cp_kind=allgather`` asks for.
+#: first two, and all-gather CP where the model has sliding-window layers (``default_space``);
+#: elsewhere all-gather CP is what a launch file or ``--fix cp_kind=allgather`` asks for.
 SEARCHED_CP_KINDS: tuple[str, ...] = ("ring", "ulysses", "allgather")
 
 #: The order ``SearchSpace.blocks`` runs through the dimensions, slowest first: the module sets
@@ -535,7 +536,9 @@ def default_space(
         # Context parallelism up to 16 ranks, more for long sequences: as many as keep 8K tokens
         # each (a 1M-token sequence fits nowhere on 16).
         "cp": tuple(_divisors(num_devices, max(16, seq_length // 8192))),
-        "cp_kind": ("ring", "ulysses"),
+        # All-gather CP too where the model has sliding-window layers: Transformer Engine runs
+        # them under CP as Ulysses or all-gather alone (search.run.RUNTIME_LIMITS).
+        "cp_kind": ("ring", "ulysses", "allgather") if model.sliding_layers()[0] else ("ring", "ulysses"),
         "ep": tuple(_divisors(num_devices, model.num_experts)) if moe else (1,),
         "etp": (1, 0) if moe else (0,),
         "pp": tuple(d for d in _divisors(num_devices, model.num_layers)),

@@ -35,8 +35,9 @@ def add_check_command(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_check(args: argparse.Namespace) -> int:
     settings, model, read = settings_and_model(args)
+    device = None
     if settings.get("hardware"):
-        device_from(settings["hardware"], settings.get("efficiency"))  # a bad device is an input error here too
+        device = device_from(settings["hardware"], settings.get("efficiency"))  # a bad device is an input error here too
     strategy = strategy_from_settings(settings)
     violations = check_strategy(strategy, model, settings.get("devices"))
     # What the runtime (--runtime, else a Megatron launch's own) cannot run, as the search refuses it.
@@ -46,7 +47,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         from ndplan.search.run import NOT_RUNNABLE, runtime_refusals
         from ndplan.strategy.rules import Violation
 
-        violations += [Violation(NOT_RUNNABLE, reason) for reason in runtime_refusals(strategy, MemoryOptions(runtime=runtime), model)]
+        refusals = runtime_refusals(strategy, MemoryOptions(runtime=runtime), model, device)
+        violations += [Violation(NOT_RUNNABLE, reason) for reason in refusals]
     if args.json:
         emit_json({
             "valid": not violations,
