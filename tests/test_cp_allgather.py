@@ -242,3 +242,25 @@ def test_the_estimate_says_what_the_runtime_cannot_run(capsys):
                             "sliding-window layers") for c in caveats)
     assert main([*base, "--cp-kind", "allgather"]) == 0
     assert not any("cannot run" in c for c in json.loads(capsys.readouterr().out)["caveats"])
+
+
+def test_an_ascend_launch_names_mindspeeds_algorithm_and_reads_back():
+    """MindSpeed picks its context-parallel attention by --context-parallel-algo (Megatron's
+    --cp-comm-type it does not read): a launch written for Ascend NPUs names it, for every kind,
+    and reads back as the same kind (the hybrid's Ulysses degree as --ulysses-degree-in-cp)."""
+    import tempfile
+    from pathlib import Path
+
+    algos = {"ring": "megatron_cp_algo", "ulysses": "ulysses_cp_algo", "hybrid": "hybrid_cp_algo",
+             "allgather": "kvallgather_cp_algo"}
+    with tempfile.TemporaryDirectory() as folder:
+        for kind, algo in algos.items():
+            s = Strategy(dp=2, cp=8, cp_kind=kind, ulysses_degree=2 if kind == "hybrid" else 1, seq_length=32768)
+            text = emit(LLAMA8, s, "megatron", device_runtime="cann")
+            assert f"--context-parallel-algo {algo}" in text and "--cp-comm-type" not in text
+            path = Path(folder) / f"{kind}.sh"
+            path.write_text(text)
+            back = read_config(path, model="llama-3.1-8b", devices=16).strategy()
+            assert (back.cp, back.cp_kind, back.ulysses_degree) == (s.cp, kind, s.ulysses_degree)
+        gpu = emit(LLAMA8, Strategy(dp=2, cp=8, seq_length=32768), "megatron")
+        assert "--cp-comm-type p2p" in gpu and "--context-parallel-algo" not in gpu

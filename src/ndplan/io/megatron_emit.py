@@ -83,7 +83,13 @@ def _placement(s: Strategy, model: ModelSpec | None, lost: list[str]) -> Flags:
     return flags
 
 
-def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str], refused: list[str]) -> Flags:
+#: MindSpeed's --context-parallel-algo for each kind: MindSpeed picks its attention by it, and
+#: leaves Megatron's --cp-comm-type unread.
+_MINDSPEED_CP_ALGOS = {"ring": "megatron_cp_algo", "ulysses": "ulysses_cp_algo", "hybrid": "hybrid_cp_algo",
+                       "allgather": "kvallgather_cp_algo"}
+
+
+def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str], refused: list[str], npu: bool = False) -> Flags:
     flags: Flags = [("--tensor-model-parallel-size", s.tp), ("--pipeline-model-parallel-size", s.pp)]
     if s.schedule in ("gpipe", "zb-h1", "zbv", "seq1f1b"):
         lost.append(f"schedule {s.schedule!r} (Megatron-LM runs 1F1B, interleaved 1F1B, or MindSpeed's DualPipeV)")
@@ -93,7 +99,11 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str], refused: li
         lost.append(f"pipeline_runs={s.pipeline_runs} (Megatron schedules all of a step's micro-batches in one "
                     "pipeline run)")
     flags += _placement(s, model, lost)
-    if s.cp > 1:
+    if s.cp > 1 and npu:
+        flags += [("--context-parallel-size", s.cp), ("--context-parallel-algo", _MINDSPEED_CP_ALGOS[s.cp_kind])]
+        if s.cp_kind == "hybrid":
+            flags.append(("--ulysses-degree-in-cp", s.ulysses_degree))
+    elif s.cp > 1:
         flags.append(("--context-parallel-size", s.cp))
         if s.cp_kind == "ring":
             flags.append(("--cp-comm-type", "p2p"))
@@ -505,7 +515,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
                     "vocabulary-parallel over TP")
     model_flags = _model(model, lost, _dualpipev_noop(model, s), s.seq_length) if model is not None else []
     refused: list[str] = []  # written as planned, though Megatron stops at it
-    parallel = _parallel(s, model, lost, refused)
+    parallel = _parallel(s, model, lost, refused, npu)
     said: list[str] = []
     # Megatron's GroupedGEMM experts run only under --bf16 (validate_args).
     bf16 = ("--bf16", None) in _precision(s, [])
