@@ -193,24 +193,36 @@ def test_the_search_path_prices_it_as_the_estimate_does():
         np.testing.assert_array_equal(peak, np.array(alone), err_msg=model.name)
 
 
-def test_transformer_engine_refuses_a_ring_over_sliding_windows():
-    """Transformer Engine's context-parallel attention asserts that sliding-window attention runs
-    under its Ulysses ("a2a") or all-gather kinds alone (attn_forward_func_with_cp). gpt-oss
-    alternates sliding and full layers: under Megatron on a GPU its ring (or hybrid) CP is not
-    runnable, its Ulysses and all-gather CP are; on an Ascend NPU (MindSpeed's attention) and
-    where the device is not known nothing is refused; a model without windows is not limited."""
-    gpt_oss = get_preset("gpt-oss-20b")
+def test_transformer_engine_runs_each_attention_under_some_kinds():
+    """Transformer Engine's context-parallel attention (attn_forward_func_with_cp) asserts sliding
+    windows under a2a or all_gather alone, MLA (keys and values of different head widths) under
+    p2p or a2a+p2p, and attention sinks under a2a alone. Under Megatron on a GPU: Mistral-7B
+    (every layer sliding) runs Ulysses and all-gather CP; DeepSeek-V3 (MLA) the ring and the
+    hybrid; gpt-oss (sliding layers and sinks) Ulysses alone; Llama every kind. On an Ascend NPU
+    (MindSpeed's attention) and where the device is not known nothing is refused."""
+    from ndplan.search.run import te_cp_kinds
+
+    assert te_cp_kinds(get_preset("mistral-7b"))[0] == ("ulysses", "allgather")
+    assert te_cp_kinds(get_preset("deepseek-v3"))[0] == ("ring", "hybrid")
+    assert te_cp_kinds(get_preset("gpt-oss-20b"))[0] == ("ulysses",)
+    assert te_cp_kinds(LLAMA8) == (("ring", "ulysses", "hybrid", "allgather"), [])
     megatron = MemoryOptions(runtime="megatron")
     h100, npu = get_device("h100-sxm"), get_device("ascend-910b")
+    mistral = get_preset("mistral-7b")
     ring = Strategy(dp=8, cp=2, seq_length=32768)
-    said = runtime_refusals(ring, megatron, gpt_oss, h100)
-    assert len(said) == 1 and "sliding-window layers" in said[0] and "cp_kind allgather" in said[0]
+    said = runtime_refusals(ring, megatron, mistral, h100)
+    assert said == ["cp_kind ring (--cp-comm-type p2p) on mistral-7b: Transformer Engine's context-parallel attention "
+                    "refuses it (sliding-window layers run under a2a or allgather alone); it runs ulysses (--cp-comm-type "
+                    "a2a), allgather (--cp-comm-type allgather)"]
     for kind in ("ulysses", "allgather"):
-        assert runtime_refusals(ring.model_copy(update={"cp_kind": kind}), megatron, gpt_oss, h100) == []
-    assert runtime_refusals(ring, megatron, gpt_oss, npu) == []
-    assert runtime_refusals(ring, megatron, gpt_oss) == []
+        assert runtime_refusals(ring.model_copy(update={"cp_kind": kind}), megatron, mistral, h100) == []
+    gather = ring.model_copy(update={"cp_kind": "allgather"})
+    assert "attention sinks" in runtime_refusals(gather, megatron, get_preset("gpt-oss-20b"), h100)[0]
+    assert "MLA" in runtime_refusals(gather, megatron, get_preset("deepseek-v3"), h100)[0]
+    assert runtime_refusals(ring, megatron, mistral, npu) == []
+    assert runtime_refusals(ring, megatron, mistral) == []
     assert runtime_refusals(ring, megatron, LLAMA8, h100) == []
-    assert runtime_refusals(Strategy(dp=16, seq_length=32768), megatron, gpt_oss, h100) == []  # no CP
+    assert runtime_refusals(Strategy(dp=16, seq_length=32768), megatron, mistral, h100) == []  # no CP
 
 
 def test_a_search_over_sliding_windows_varies_all_gather_and_never_ranks_the_ring():
@@ -218,28 +230,29 @@ def test_a_search_over_sliding_windows_varies_all_gather_and_never_ranks_the_rin
     Ulysses; under Megatron on H100s it ranks no ring CP, and its ranking is the brute force's."""
     from search_brute import search_as_brute_force
 
-    gpt_oss = get_preset("gpt-oss-20b")
+    mistral = get_preset("mistral-7b")
     device = get_device("h100-sxm")
-    assert default_space(gpt_oss, device, 16, 16, 65536).cp_kind == ("ring", "ulysses", "allgather")
-    space = default_space(gpt_oss, device, 16, 16, 65536, dims=("cp", "cp_kind"), fixed={"ep": 8})
-    result = search_as_brute_force(gpt_oss, device, space, 80 * 2**30, MemoryOptions(runtime="megatron"))
+    assert default_space(mistral, device, 16, 16, 65536).cp_kind == ("ring", "ulysses", "allgather")
+    assert default_space(LLAMA8, device, 16, 16, 65536).cp_kind == ("ring", "ulysses")
+    space = default_space(mistral, device, 16, 16, 65536, dims=("cp", "cp_kind"), fixed={"tp": 2, "sp": 1})
+    result = search_as_brute_force(mistral, device, space, 80 * 2**30, MemoryOptions(runtime="megatron"))
     kinds = {(row["cp"] > 1, row["cp_kind"]) for row in result.ranked}
     assert (True, "allgather") in kinds and (True, "ring") not in kinds
 
 
 def test_the_estimate_says_what_the_runtime_cannot_run(capsys):
     """``estimate`` prices a strategy its runtime refuses all the same, and says so beside it (the
-    search leaves it out): gpt-oss-20b over a CP ring under Megatron on H100s."""
+    search leaves it out): Mistral-7B over a CP ring under Megatron on H100s."""
     import json
 
     from ndplan.cli import main
 
-    base = ["estimate", "--model", "gpt-oss-20b", "--hardware", "h100-sxm", "--devices", "16", "--dp", "8", "--cp", "2",
+    base = ["estimate", "--model", "mistral-7b", "--hardware", "h100-sxm", "--devices", "16", "--dp", "8", "--cp", "2",
             "--seq", "32768", "--runtime", "megatron", "--json"]
     assert main(base) == 0
     caveats = json.loads(capsys.readouterr().out)["caveats"]
-    assert any(c.startswith("the megatron runtime cannot run this strategy: ring context parallelism on a model with "
-                            "sliding-window layers") for c in caveats)
+    assert any(c.startswith("the megatron runtime cannot run this strategy: cp_kind ring (--cp-comm-type p2p) on "
+                            "mistral-7b") for c in caveats)
     assert main([*base, "--cp-kind", "allgather"]) == 0
     assert not any("cannot run" in c for c in json.loads(capsys.readouterr().out)["caveats"])
 
@@ -264,3 +277,17 @@ def test_an_ascend_launch_names_mindspeeds_algorithm_and_reads_back():
             assert (back.cp, back.cp_kind, back.ulysses_degree) == (s.cp, kind, s.ulysses_degree)
         gpu = emit(LLAMA8, Strategy(dp=2, cp=8, seq_length=32768), "megatron")
         assert "--cp-comm-type p2p" in gpu and "--context-parallel-algo" not in gpu
+
+
+def test_a_search_left_only_what_its_runtime_refuses_says_where_to_ask_why(capsys):
+    """A search whose fixed values leave only candidates the runtime cannot run (Mistral-7B over a
+    CP ring under Megatron on H100s) says which check names the reason."""
+    import json
+
+    from ndplan.cli import main
+
+    main(["search", "--model", "mistral-7b", "--hardware", "h100-sxm", "--devices", "16", "--gbs", "16", "--seq",
+          "32768", "--runtime", "megatron", "--fix", "cp=2", "cp_kind=ring", "--json"])
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert ("not_runnable_in_runtime: what the megatron runtime cannot run; `ndplan check` of one of them with "
+            "--runtime megatron and --hardware says why") in notes

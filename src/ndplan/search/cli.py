@@ -612,6 +612,8 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
     of ``options``)."""
     import math
 
+    from ndplan.search.run import NOT_RUNNABLE
+
     notes = []
     if result.smallest_peak_bytes is not None:
         # Rounded up, so that the limit it names fits that strategy.
@@ -621,6 +623,9 @@ def _what_would_fit(result: Any, model: ModelSpec, device: Any, devices: int, sp
     elif result.evaluated == 0:
         # Memory is not the reason: say so before trying larger clusters.
         notes.append("no candidate is valid: each breaks a rule, counted above at the first it breaks")
+        if result.rejected.get(NOT_RUNNABLE):
+            notes.append(f"{NOT_RUNNABLE}: what the {options.runtime} runtime cannot run; `ndplan check` of one of "
+                         f"them with --runtime {options.runtime} and --hardware says why")
     from ndplan.search import run_search
 
     valid_anywhere = [result.evaluated > 0]

@@ -143,14 +143,14 @@ def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray
 class RuntimeLimit:
     """A combination a runtime cannot run: ``holds`` (a mask over a batch, True where it runs,
     given the schedules the runtime's profile has and the model, None where it is not known) and
-    ``explain`` (why not, for one strategy). ``runtime``: the runtime it applies to (None: every
+    ``explain`` (why not, for one strategy of the model). ``runtime``: the runtime it applies to (None: every
     runtime, by its schedules). ``transformer_engine``: a limit of Transformer Engine's, which
     Megatron runs on GPUs; it holds where the device is known and is not an Ascend NPU (whose
     Megatron is MindSpeed, with its own attention)."""
 
     runtime: str | None
     holds: Callable[[StrategyBatch, tuple[str, ...], ModelSpec | None], np.ndarray]
-    explain: Callable[[Strategy, tuple[str, ...], str], str]
+    explain: Callable[[Strategy, tuple[str, ...], str, ModelSpec | None], str]
     transformer_engine: bool = False
 
     def applies(self, runtime: str, family: str | None) -> bool:
@@ -165,14 +165,14 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         None,
         lambda b, schedules, _: b.is_in("schedule", list(schedules)),
-        lambda s, schedules, runtime: (f"the {runtime} runtime does not run the {s.schedule} schedule (it runs "
+        lambda s, schedules, runtime, __: (f"the {runtime} runtime does not run the {s.schedule} schedule (it runs "
                                        f"{', '.join(schedules)})"),
     ),
     # Measured: torch.distributed.pipelining raises "backward an extra time" (memory.report).
     RuntimeLimit(
         "pytorch",
         lambda b, _, __: ~(b.is_in("schedule", sorted(SPLIT_BACKWARD)) & b.is_("recompute", "selective")),
-        lambda s, _, runtime: (f"selective recompute with the split backward of '{s.schedule}': "
+        lambda s, _, runtime, __: (f"selective recompute with the split backward of '{s.schedule}': "
                                "torch.distributed.pipelining raises 'backward an extra time'"),
     ),
     # torch.distributed.pipelining's Schedule1F1B.__init__ raises "Number of microbatches (m) must
@@ -181,7 +181,7 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         "pytorch",
         lambda b, _, __: ~(b.is_("schedule", "1f1b") & (b.pp > 1) & (b.num_micro_batches < b.pp)),
-        lambda s, _, runtime: (f"schedule '1f1b' with num_micro_batches={s.num_micro_batches} < pp={s.pp}: "
+        lambda s, _, runtime, __: (f"schedule '1f1b' with num_micro_batches={s.num_micro_batches} < pp={s.pp}: "
                                "torch.distributed.pipelining's Schedule1F1B needs at least one micro-batch per "
                                "stage"),
     ),
@@ -193,7 +193,7 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         "megatron",
         lambda b, _, model: ~(((b.ep > 1) | _has_experts(model)) & (b.tp > 1) & (b.sequence_parallel == 0)),
-        lambda s, _, runtime: (f"ep={s.ep} with tp={s.tp} needs sequence_parallel: Megatron-Core's "
+        lambda s, _, runtime, __: (f"ep={s.ep} with tp={s.tp} needs sequence_parallel: Megatron-Core's "
                                "ModelParallelConfig requires it for training beside expert and tensor "
                                "parallelism" if s.ep > 1 else
                                f"experts with tp={s.tp} need sequence_parallel: Megatron-Core's MoE layer "
@@ -205,7 +205,7 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         "megatron",
         lambda b, _, __: (b.cp == 1) | b.is_("cp_kind", "ring") | (np.mod(b.seq_length, 2 * b.cp) == 0),
-        lambda s, _, runtime: (f"{s.cp_kind} context parallelism under Megatron needs seq_length={s.seq_length} "
+        lambda s, _, runtime, __: (f"{s.cp_kind} context parallelism under Megatron needs seq_length={s.seq_length} "
                                f"divisible by 2·cp = {2 * s.cp} (each rank's tokens in two chunks, as for the ring)"),
     ),
     # All-gather CP is Transformer Engine's and MindSpeed's attention function; torch's context
@@ -213,28 +213,23 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         "pytorch",
         lambda b, _, __: ~b.is_("cp_kind", "allgather") | (b.cp == 1),
-        lambda s, _, runtime: (f"cp_kind=allgather: the {runtime} runtime's context parallelism is torch's ring "
+        lambda s, _, runtime, __: (f"cp_kind=allgather: the {runtime} runtime's context parallelism is torch's ring "
                                "attention (cp_kind ring prices its K/V all-gather); all-gather CP is Transformer "
                                "Engine's and MindSpeed's (Megatron's --cp-comm-type allgather)"),
     ),
-    # Transformer Engine's context-parallel attention refuses sliding windows under its ring
-    # ("p2p", "a2a+p2p": attn_forward_func_with_cp asserts "The context parallel running configs
-    # cannot support sliding window attention"): a model with sliding-window layers runs CP as
-    # Ulysses or all-gather there.
+    # Transformer Engine's context-parallel attention (attn_forward_func_with_cp) runs some
+    # attention only under some of its kinds (``te_cp_kinds``).
     RuntimeLimit(
         "megatron",
-        lambda b, _, model: ((b.cp == 1) | ~b.is_in("cp_kind", ["ring", "hybrid"])
-                             | (model is None or not model.sliding_layers()[0])),
-        lambda s, _, runtime: (f"{s.cp_kind} context parallelism on a model with sliding-window layers: Transformer "
-                               "Engine's context-parallel attention runs sliding windows only as Ulysses (cp_kind "
-                               "ulysses, --cp-comm-type a2a) or all-gather (cp_kind allgather)"),
+        lambda b, _, model: (b.cp == 1) | b.is_in("cp_kind", list(te_cp_kinds(model)[0])),
+        lambda s, _, runtime, model: _te_cp_refusal(s, model),
         transformer_engine=True,
     ),
     # Layer offload is Megatron-Core's (--cpu-offloading-num-layers, the megatron profile's layer_offload).
     RuntimeLimit(
         "pytorch",
         lambda b, _, __: b.offload_layers == 0,
-        lambda s, _, runtime: (f"offload_layers={s.offload_layers}: the {runtime} runtime has no layer offload "
+        lambda s, _, runtime, __: (f"offload_layers={s.offload_layers}: the {runtime} runtime has no layer offload "
                                "(Megatron-Core's --cpu-offloading-num-layers)"),
     ),
     # An optimizer on the CPU: Megatron-Core's HybridDeviceOptimizer goes through its precision-aware
@@ -243,13 +238,13 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         "megatron",
         lambda b, _, __: (b.optimizer_offload == 0) | ((b.zero == 1) & (b.fsdp == 0)),
-        lambda s, _, runtime: (f"optimizer_offload with zero={s.zero}: Megatron-Core's --optimizer-cpu-offload runs "
+        lambda s, _, runtime, __: (f"optimizer_offload with zero={s.zero}: Megatron-Core's --optimizer-cpu-offload runs "
                                "on its distributed optimizer (--use-distributed-optimizer, zero 1)"),
     ),
     RuntimeLimit(
         "pytorch",
         lambda b, _, __: (b.optimizer_offload == 0) | (b.zero == 3),
-        lambda s, _, runtime: (f"optimizer_offload with zero={s.zero}: the {runtime} runtime's CPU offload is "
+        lambda s, _, runtime, __: (f"optimizer_offload with zero={s.zero}: the {runtime} runtime's CPU offload is "
                                "FSDP2's (torchtitan's enable_cpu_offload), which needs FSDP (zero 3)"),
     ),
     # The optimizer states wait on the host between steps in Megatron-Core (--offload-optimizer-states)
@@ -257,7 +252,7 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         "pytorch",
         lambda b, _, __: b.offload_optimizer_states == 0,
-        lambda s, _, runtime: (f"offload_optimizer_states: the {runtime} runtime has no such feature "
+        lambda s, _, runtime, __: (f"offload_optimizer_states: the {runtime} runtime has no such feature "
                                "(Megatron-Core's --offload-optimizer-states, MindSpeed's --swap-optimizer)"),
     ),
     # torchtitan's TP plan shards wq/wk/wv column-wise and views each rank's part as whole heads
@@ -266,11 +261,45 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         "pytorch",
         lambda b, _, model: (b.tp <= _kv_heads(model)),
-        lambda s, _, runtime: (f"tp={s.tp} above the model's KV heads: torch's tensor-parallel plans split whole "
+        lambda s, _, runtime, __: (f"tp={s.tp} above the model's KV heads: torch's tensor-parallel plans split whole "
                                "heads, so each rank needs one KV head at least (Megatron-Core gathers the QKV output "
                                "instead: price it under runtime 'megatron')"),
     ),
 )
+
+
+#: The context-parallel kinds by Megatron's --cp-comm-type names (Transformer Engine's, but its
+#: all_gather).
+_TE_CP_NAMES = {"ring": "p2p", "ulysses": "a2a", "hybrid": "a2a+p2p", "allgather": "allgather"}
+
+
+def te_cp_kinds(model: ModelSpec | None) -> tuple[tuple[str, ...], list[str]]:
+    """(the context-parallel kinds Transformer Engine runs ``model``'s attention under, why the
+    others are left out). Its attn_forward_func_with_cp asserts sliding windows under a2a or
+    all_gather (Megatron's allgather) alone, MLA (key and value heads of different widths) under p2p or a2a+p2p, and a
+    softmax other than the vanilla one (gpt-oss's attention sinks) under a2a alone. Every kind
+    where the model is not known."""
+    kinds = set(_TE_CP_NAMES)
+    reasons = []
+    if model is not None and model.sliding_layers()[0]:
+        kinds &= {"ulysses", "allgather"}
+        reasons.append("sliding-window layers run under a2a or allgather alone")
+    if model is not None and model.qk_head_dim != model.value_head_dim:
+        kinds &= {"ring", "hybrid"}
+        reasons.append("MLA (keys and values of different head widths) runs under p2p or a2a+p2p alone")
+    if model is not None and model.attention_sinks:
+        kinds &= {"ulysses"}
+        reasons.append("attention sinks (a softmax other than the vanilla one) run under a2a alone")
+    return tuple(kind for kind in _TE_CP_NAMES if kind in kinds), reasons
+
+
+def _te_cp_refusal(strategy: Strategy, model: ModelSpec | None) -> str:
+    """Why Transformer Engine refuses ``strategy``'s context-parallel kind for ``model``."""
+    kinds, reasons = te_cp_kinds(model)
+    runs = ", ".join(f"{kind} (--cp-comm-type {_TE_CP_NAMES[kind]})" for kind in kinds) or "none of its kinds"
+    return (f"cp_kind {strategy.cp_kind} (--cp-comm-type {_TE_CP_NAMES[strategy.cp_kind]}) on "
+            f"{model.name if model is not None else 'this model'}: Transformer Engine's context-parallel attention "
+            f"refuses it ({'; '.join(reasons)}); it runs {runs}")
 
 
 def _has_experts(model: ModelSpec | None) -> bool:
@@ -307,7 +336,7 @@ def runtime_refusals(strategy: Strategy, options: MemoryOptions | None = None,
     schedules = tuple(options.profile.schedules)
     batch = StrategyBatch.of(strategy)
     family = device_family(device) if device is not None else None
-    return [limit.explain(strategy, schedules, options.runtime) for limit in RUNTIME_LIMITS
+    return [limit.explain(strategy, schedules, options.runtime, model) for limit in RUNTIME_LIMITS
             if limit.applies(options.runtime, family)
             and not (limit.runtime is None and strategy.pp == 1) and not limit.holds(batch, schedules, model)[0]]
 

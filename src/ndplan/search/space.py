@@ -537,7 +537,7 @@ def default_space(
         # each (a 1M-token sequence fits nowhere on 16).
         "cp": tuple(_divisors(num_devices, max(16, seq_length // 8192))),
         # All-gather CP too where the model has sliding-window layers: Transformer Engine runs
-        # them under CP as Ulysses or all-gather alone (search.run.RUNTIME_LIMITS).
+        # them under CP as Ulysses or all-gather alone (search.run.te_cp_kinds).
         "cp_kind": ("ring", "ulysses", "allgather") if model.sliding_layers()[0] else ("ring", "ulysses"),
         "ep": tuple(_divisors(num_devices, model.num_experts)) if moe else (1,),
         "etp": (1, 0) if moe else (0,),
