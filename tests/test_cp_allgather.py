@@ -291,3 +291,20 @@ def test_a_search_left_only_what_its_runtime_refuses_says_where_to_ask_why(capsy
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert ("not_runnable_in_runtime: what the megatron runtime cannot run; `ndplan check` of one of them with "
             "--runtime megatron and --hardware says why") in notes
+
+
+def test_balance_and_the_report_say_it_too(capsys, tmp_path):
+    """``balance`` (of the settings it writes) and the HTML report's Cautions say what the runtime
+    cannot run, as ``estimate`` does."""
+    import json
+
+    from ndplan.cli import main
+
+    flags = ["--model", "mistral-7b", "--hardware", "h100-sxm", "--devices", "16", "--dp", "8", "--cp", "2",
+             "--zero", "1", "--seq", "32768", "--runtime", "megatron"]
+    said = "the megatron runtime cannot run this strategy: cp_kind ring (--cp-comm-type p2p) on mistral-7b"
+    assert main(["balance", *flags, "--json"]) == 0
+    assert any(c.startswith(said) for c in json.loads(capsys.readouterr().out)["caveats"])
+    page = tmp_path / "r.html"
+    assert main(["report", *flags, "-o", str(page)]) == 0
+    assert said in page.read_text()

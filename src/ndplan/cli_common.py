@@ -77,6 +77,16 @@ def dispatcher_note(options: Any, model: Any) -> str:
     return "; token dispatcher allgather (all-gather + reduce-scatter over etp×ep, not the all-to-all)"
 
 
+def runtime_cautions(strategy: Strategy, options: Any, model: Any, device: Any) -> list[str]:
+    """What the runtime priced cannot run of the strategy (``search.run.runtime_refusals``: the
+    search leaves such candidates out), said beside an estimate rather than refusing it: the
+    figures are still what the strategy would hold and take."""
+    from ndplan.search.run import runtime_refusals
+
+    return [f"the {options.runtime} runtime cannot run this strategy: {reason}"
+            for reason in runtime_refusals(strategy, options, model, device)]
+
+
 def inert_flags(args: argparse.Namespace, strategy: Strategy, recompute_chosen: bool = False) -> list[str]:
     """Settings given as flags (or, --cp-kind, in a --plan file) that change nothing for this
     strategy, said as --moe-imbalance on a dense model is (``memory.report``'s inert settings):

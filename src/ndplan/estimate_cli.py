@@ -31,6 +31,7 @@ from ndplan.cli_common import (
     memory_options,
     print_kernels,
     require,
+    runtime_cautions,
     settings_and_model,
 )
 from ndplan.cli_emit import emit_settings
@@ -77,16 +78,6 @@ def add_estimate_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_estimate)
     return p
-
-
-def runtime_cautions(strategy: Any, options: Any, model: Any, device: Any) -> list[str]:
-    """What the runtime priced cannot run of the strategy (``search.run.runtime_refusals``: the
-    search leaves such candidates out), said beside the estimate rather than refusing it: the
-    figures are still what the strategy would hold and take."""
-    from ndplan.search.run import runtime_refusals
-
-    return [f"the {options.runtime} runtime cannot run this strategy: {reason}"
-            for reason in runtime_refusals(strategy, options, model, device)]
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

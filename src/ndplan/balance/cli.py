@@ -23,6 +23,7 @@ from ndplan.cli_common import (
     memory_options,
     print_kernels,
     require,
+    runtime_cautions,
     settings_and_model,
 )
 from ndplan.cli_emit import emit_settings, read_back, round_trips, runtime_note, written_precision
@@ -81,6 +82,7 @@ def cmd_balance(args: argparse.Namespace) -> int:
                         "time": emitted_time.to_dict()}
     data["kind"] = "balance"
     inert = inert_flags(args, strategy, recompute_chosen=True)  # balancing chooses the recompute
+    inert += runtime_cautions(emitted, options, model, device)
     # What the memory and step-time models are known to miss for the balanced settings, as
     # `ndplan estimate` says them beside its figures, after the flags that change nothing.
     cautions = list(dict.fromkeys([*inert, *balanced_report.caveats, *emitted_time.caveats]))

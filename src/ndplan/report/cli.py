@@ -88,6 +88,7 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
         strategy_from_settings,
         with_host_memory,
     )
+    from ndplan.cli_common import runtime_cautions
     from ndplan.memory import estimate
     from ndplan.model import load_model
 
@@ -106,6 +107,9 @@ def estimate_result(args: argparse.Namespace) -> dict[str, Any]:
     if settings.get("devices"):
         result["devices"] = settings["devices"]
     result = {**result, "strategy": strategy.model_dump(mode="json"), **report.to_dict()}
+    refused = runtime_cautions(strategy, options, model, device)
+    if refused:  # as `ndplan estimate` says them
+        result["caveats"] = [*result.get("caveats", []), *refused]
     limit = memory_limit(getattr(args, "memory_limit", None), device)
     if limit is not None:  # as `ndplan estimate --memory-limit --json` gives it
         result.update(fits=report.peak_bytes <= limit, memory_limit_bytes=limit)
