@@ -143,8 +143,8 @@ def _holds(batch: StrategyBatch, rule: Rule, context: RuleContext) -> np.ndarray
 class RuntimeLimit:
     """A combination a runtime cannot run: ``holds`` (a mask over a batch, True where it runs,
     given the schedules the runtime's profile has and the model, None where it is not known) and
-    ``explain`` (why not, for one strategy of the model). ``runtime``: the runtime it applies to (None: every
-    runtime, by its schedules). ``transformer_engine``: a limit of Transformer Engine's, which
+    ``explain`` (why not, for one strategy of the model). ``runtime``: the runtime it applies to
+    (None: every runtime, by its schedules). ``transformer_engine``: a limit of Transformer Engine's, which
     Megatron runs on GPUs; it holds where the device is known and is not an Ascend NPU (whose
     Megatron is MindSpeed, with its own attention)."""
 
@@ -276,9 +276,9 @@ _TE_CP_NAMES = {"ring": "p2p", "ulysses": "a2a", "hybrid": "a2a+p2p", "allgather
 def te_cp_kinds(model: ModelSpec | None) -> tuple[tuple[str, ...], list[str]]:
     """(the context-parallel kinds Transformer Engine runs ``model``'s attention under, why the
     others are left out). Its attn_forward_func_with_cp asserts sliding windows under a2a or
-    all_gather (Megatron's allgather) alone, MLA (key and value heads of different widths) under p2p or a2a+p2p, and a
-    softmax other than the vanilla one (gpt-oss's attention sinks) under a2a alone. Every kind
-    where the model is not known."""
+    all_gather (Megatron's allgather) alone, MLA (key and value heads of different widths)
+    under p2p or a2a+p2p, and a softmax other than the vanilla one (gpt-oss's attention sinks)
+    under a2a alone. Every kind where the model is not known."""
     kinds = set(_TE_CP_NAMES)
     reasons = []
     if model is not None and model.sliding_layers()[0]:
