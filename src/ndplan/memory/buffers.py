@@ -38,8 +38,7 @@ def layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions
                           f"--cp-comm-type allgather); runtime '{options.profile.name}' runs torch's ring attention, "
                           "which cp_kind ring prices (use runtime megatron)")
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, op_tokens)
-    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"), ring_exchange(options),
-                             batch.is_("cp_kind", "allgather"))
+    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"), ring_exchange(options), gathered)
     # Per stage max(gather or exchange, all-to-all where the stage holds MoE layers) + the
     # pipeline's buffers: two columns, one with the all-to-all and one without, each stage a copy
     # of its own (the bytes are finite and >= +0, so a stage without MoE layers, whose all-to-all

@@ -333,10 +333,16 @@ def _kv_allgather_moved(ctx: LayerContext, cols: dict[str, Array], sh: Sharding)
     gathered = gathers_kv(cols)
     if not np.any(gathered):
         return 0.0, 0.0
-    _, wk, wv, _ = _kv_widths(ctx.model)
-    kv_elements = sh.tokens * (wk + wv) / kv_split(ctx.model, cols["tp"])
-    forward, backward = kv_allgather_bytes(ctx.model, sh, ctx.precision.activation_bytes, kv_elements, cols["cp"])
+    forward, backward = kv_allgather_bytes(ctx.model, sh, ctx.precision.activation_bytes,
+                                           rank_kv_elements(ctx.model, cols["tp"], sh), cols["cp"])
     return np.where(gathered, forward, 0.0), np.where(gathered, backward, 0.0)
+
+
+def rank_kv_elements(model: ModelSpec, tp: Array | float, sh: Sharding) -> Array | float:
+    """K + V elements of a rank's T tokens as context parallelism moves them: T·(k + v) over the
+    layer's KV split (``kv_split``: a whole KV head a rank where tp exceeds the KV heads)."""
+    _, wk, wv, _ = _kv_widths(model)
+    return sh.tokens * (wk + wv) / kv_split(model, tp)
 
 
 def _kv_widths(model: ModelSpec) -> tuple[float, float, float, float]:
@@ -470,8 +476,7 @@ def kv_allgather_seconds(model: ModelSpec, fabric: Fabric, act_bytes: float, col
     stride tp, the backward gathers them again and reduce-scatters their gradients, the same
     bytes (the kernels return them at the activations' width)."""
     c, t = cols["cp"], cols["tp"]
-    _, wk, wv, _ = _kv_widths(model)
-    kv = sh.tokens * (wk + wv) / kv_split(model, t) * act_bytes
+    kv = rank_kv_elements(model, t, sh) * act_bytes
     link = group_link(c, t, fabric, "ring")
     forward = coll.all_gather_s(c * kv, c, link)
     return kv, forward, forward + coll.reduce_scatter_s(c * kv, c, link)
@@ -495,29 +500,25 @@ def _cp_seconds(
     split = kv_split(ctx.model, t)  # (t where each rank holds whole KV heads)
     a2a = sum((coll.all_to_all_s(tok * w / s * beta, u, a2a_link) for w, s in ((wq, t), (wk, split), (wv, split), (wo, t))),
               0.0)
-    kv = tok * (wk + wv) / split * beta
-    gathered = gathers_kv(cols)
-    gather_f: Array | float = 0.0
-    gather_b: Array | float = 0.0
-    if np.any(gathered):
-        a2a = np.where(gathered, 0.0, a2a)  # (no Ulysses part)
-        _, gather_f, gather_b = kv_allgather_seconds(ctx.model, ctx.fabric, beta, cols, sh)
+    send: Array | float = 0.0
     if ctx.eff.ring_exchange == "allgather":
         # One all-gather of K and V in each pass (the backward gathers them again), and the
         # backward's n sends of their gradients, one after every step.
-        _, gather, send = ring_exchange_seconds(ctx.model, ctx.fabric, beta, cols, sh)
-        if np.any(gathered):
-            return (np.where(gathered, gather_f, gather), np.where(gathered, gather_b, gather + ring_n * send), a2a,
-                    np.where(gathered, 0.0, send))
-        return gather, gather + ring_n * send, a2a, send
-    ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
-    ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
-    # Transformer Engine's backward sends at each of its n steps: K,V alone first, K,V and the
-    # dK,dV accumulated so far in between, dK,dV alone last: 2(n - 1) blocks in n sends.
-    ring_b = np.where(ring_n > 1, ring_n * ring_link.latency + (ring_n - 1) * 2.0 * kv / ring_link.bandwidth, 0.0)
-    if np.any(gathered):
+        _, ring_f, send = ring_exchange_seconds(ctx.model, ctx.fabric, beta, cols, sh)
+        ring_b = ring_f + ring_n * send
+    else:
+        kv = rank_kv_elements(ctx.model, t, sh) * beta
+        ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
+        ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
+        # Transformer Engine's backward sends at each of its n steps: K,V alone first, K,V and the
+        # dK,dV accumulated so far in between, dK,dV alone last: 2(n - 1) blocks in n sends.
+        ring_b = np.where(ring_n > 1, ring_n * ring_link.latency + (ring_n - 1) * 2.0 * kv / ring_link.bandwidth, 0.0)
+    gathered = gathers_kv(cols)
+    if np.any(gathered):  # all-gather CP: no ring, no Ulysses part
+        _, gather_f, gather_b = kv_allgather_seconds(ctx.model, ctx.fabric, beta, cols, sh)
         ring_f, ring_b = np.where(gathered, gather_f, ring_f), np.where(gathered, gather_b, ring_b)
-    return ring_f, ring_b, a2a, 0.0
+        a2a, send = np.where(gathered, 0.0, a2a), np.where(gathered, 0.0, send)
+    return ring_f, ring_b, a2a, send
 
 
 @dataclass(frozen=True)

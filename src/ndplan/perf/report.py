@@ -37,6 +37,7 @@ from ndplan.perf.layer import (
     kv_allgather_seconds,
     offloaded_bytes,
     piece_times,
+    rank_kv_elements,
     ring_exchange_seconds,
     ring_steps,
     token_reach,
@@ -456,7 +457,7 @@ def _kv_allgather_text(r: TimeReport, fabric: Fabric, hbm_rate: float) -> str:
     cols, sh = _cp_cols(s), _sharding(s)
     kv, forward, backward = (float(np.asarray(v).reshape(-1)[0]) for v in kv_allgather_seconds(
         r.model, fabric, s.precision.activation_bytes, cols, sh))
-    moved = kv_allgather_bytes(r.model, sh, s.precision.activation_bytes, kv / s.precision.activation_bytes, s.cp)
+    moved = kv_allgather_bytes(r.model, sh, s.precision.activation_bytes, rank_kv_elements(r.model, s.tp, sh), s.cp)
     return (f"K and V of the rank's tokens, T·(k + v)·β = {kv / 1e6:,.1f} MB, all-gathered from cp={s.cp} ranks at "
             f"stride tp ({_link_text(s.cp, s.tp, fabric)}) before attention, {_ms(forward)} forward; gathered again "
             f"and their gradients reduce-scattered after it, {_ms(backward)} backward; exposed, on the compute stream "
