@@ -15,8 +15,8 @@ from ndplan.memory import MemoryOptions, estimate, stage_memory
 from ndplan.model import get_preset
 from ndplan.perf import default_efficiency, estimate_time
 from ndplan.search import default_space
-from ndplan.search.run import runtime_refusals
-from ndplan.strategy import Strategy, StrategyBatch
+from ndplan.search.run import run_search, runtime_refusals
+from ndplan.strategy import CP_KINDS, Strategy, StrategyBatch
 
 LLAMA8 = get_preset("llama-3.1-8b")
 
@@ -199,7 +199,8 @@ def test_transformer_engine_runs_each_attention_under_some_kinds():
     p2p or a2a+p2p, and attention sinks under a2a alone. Under Megatron on a GPU: Mistral-7B
     (every layer sliding) runs Ulysses and all-gather CP; DeepSeek-V3 (MLA) the ring and the
     hybrid; gpt-oss (sliding layers and sinks) Ulysses alone; Llama every kind. On an Ascend NPU
-    (MindSpeed's attention) and where the device is not known nothing is refused."""
+    (MindSpeed's attention, whose own limit the next test checks) and where the device is not known
+    Transformer Engine's refuse nothing."""
     from ndplan.search.run import te_cp_kinds
 
     assert te_cp_kinds(get_preset("mistral-7b"))[0] == ("ulysses", "allgather")
@@ -219,10 +220,38 @@ def test_transformer_engine_runs_each_attention_under_some_kinds():
     gather = ring.model_copy(update={"cp_kind": "allgather"})
     assert "attention sinks" in runtime_refusals(gather, megatron, get_preset("gpt-oss-20b"), h100)[0]
     assert "MLA" in runtime_refusals(gather, megatron, get_preset("deepseek-v3"), h100)[0]
-    assert runtime_refusals(ring, megatron, mistral, npu) == []
+    assert not any("Transformer Engine" in said for said in runtime_refusals(ring, megatron, mistral, npu))
     assert runtime_refusals(ring, megatron, mistral) == []
     assert runtime_refusals(ring, megatron, LLAMA8, h100) == []
     assert runtime_refusals(Strategy(dp=16, seq_length=32768), megatron, mistral, h100) == []  # no CP
+
+
+def test_mindspeed_runs_no_sliding_window_under_context_parallelism():
+    """MindSpeed's context-parallel attention asserts no window under every --context-parallel-algo,
+    and MindSpeed-LLM refuses CP where the window binds: under Megatron on an Ascend NPU, Mistral-7B
+    (a 4,096-token window) over CP 2 at 32K tokens is refused whatever the kind, at 4,096 tokens (the
+    window spans the sequence) it is not, nor without CP, nor Llama, nor on a GPU or an unknown
+    device; a search on NPUs then ranks no CP for it."""
+    megatron = MemoryOptions(runtime="megatron")
+    npu, h100 = get_device("ascend-910b"), get_device("h100-sxm")
+    mistral = get_preset("mistral-7b")
+    assert mistral.sliding_window == 4096
+    for kind in CP_KINDS:
+        s = Strategy(dp=8, cp=2, cp_kind=kind, ulysses_degree=2 if kind == "hybrid" else 1, seq_length=32768)
+        assert runtime_refusals(s, megatron, mistral, npu) == [
+            "cp=2 on mistral-7b, whose sliding-window layers attend the last 4,096 of seq_length=32,768 tokens: "
+            "MindSpeed's context-parallel attention runs no sliding window under any --context-parallel-algo "
+            "(MindSpeed-LLM: 'Context parallel does not support sliding_windows'); train with cp=1 on Ascend NPUs"]
+        assert not any("MindSpeed" in said for said in runtime_refusals(s, megatron, mistral, h100))
+        assert runtime_refusals(s, megatron, mistral) == []
+        assert runtime_refusals(s, megatron, LLAMA8, npu) == []
+        assert runtime_refusals(s.model_copy(update={"seq_length": 4096}), megatron, mistral, npu) == []
+    assert runtime_refusals(Strategy(dp=16, seq_length=32768), megatron, mistral, npu) == []
+    assert runtime_refusals(Strategy(dp=8, cp=2, seq_length=32768), MemoryOptions(runtime="pytorch"), mistral, npu) == []
+    space = default_space(mistral, npu, 16, 16, 16384, dims=("cp", "cp_kind", "recompute"), fixed={"tp": 2, "sp": 1})
+    result = run_search(mistral, npu, space, options=megatron)
+    assert result.ranked and {row["cp"] for row in result.ranked} == {1}
+    assert result.rejected["not_runnable_in_runtime"] > 0
 
 
 def test_a_search_over_sliding_windows_varies_all_gather_and_never_ranks_the_ring():

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from numbers import Integral
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -144,20 +144,23 @@ class RuntimeLimit:
     """A combination a runtime cannot run: ``holds`` (a mask over a batch, True where it runs,
     given the schedules the runtime's profile has and the model, None where it is not known) and
     ``explain`` (why not, for one strategy of the model). ``runtime``: the runtime it applies to
-    (None: every runtime, by its schedules). ``transformer_engine``: a limit of Transformer Engine's, which
-    Megatron runs on GPUs; it holds where the device is known and is not an Ascend NPU (whose
-    Megatron is MindSpeed, with its own attention)."""
+    (None: every runtime, by its schedules). ``library``: whose code the limit is, where not the
+    runtime's own on every device: "transformer_engine" (Megatron's attention on GPUs) or
+    "mindspeed" (Megatron's on Ascend NPUs, MindSpeed's own); either binds only where the device
+    is known."""
 
     runtime: str | None
     holds: Callable[[StrategyBatch, tuple[str, ...], ModelSpec | None], np.ndarray]
     explain: Callable[[Strategy, tuple[str, ...], str, ModelSpec | None], str]
-    transformer_engine: bool = False
+    library: Literal["transformer_engine", "mindspeed"] | None = None
 
     def applies(self, runtime: str, family: str | None) -> bool:
         """Whether the limit binds ``runtime`` on a device of ``family`` (None: not known)."""
         if self.runtime is not None and self.runtime != runtime:
             return False
-        return not self.transformer_engine or (family is not None and not family.startswith("davinci"))
+        if self.library is None:
+            return True
+        return family is not None and family.startswith("davinci") == (self.library == "mindspeed")
 
 
 #: What ``_runnable`` refuses, each with its source.
@@ -223,7 +226,22 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
         "megatron",
         lambda b, _, model: (b.cp == 1) | b.is_in("cp_kind", list(te_cp_kinds(model)[0])),
         lambda s, _, runtime, model: _te_cp_refusal(s, model),
-        transformer_engine=True,
+        library="transformer_engine",
+    ),
+    # MindSpeed's context-parallel attention asserts no window (CPDotProductAttentionImpl: "Sliding
+    # Window Attention is only supported by TEDotProductAttention!", and its Transformer Engine
+    # path, kvallgather_cp_algo's, raises "... is not supported by MindSpeed!"); MindSpeed-LLM's
+    # validation refuses CP where the window binds (seq_length > sliding_window: "Context parallel
+    # does not support sliding_windows").
+    RuntimeLimit(
+        "megatron",
+        lambda b, _, model: (b.cp == 1) | ~_window_binds(model, b.seq_length),
+        lambda s, _, runtime, model: (
+            f"cp={s.cp} on {model.name if model is not None else 'this model'}, whose sliding-window layers attend "
+            f"the last {model.sliding_window if model is not None else 0:,} of seq_length={s.seq_length:,} tokens: "
+            "MindSpeed's context-parallel attention runs no sliding window under any --context-parallel-algo "
+            "(MindSpeed-LLM: 'Context parallel does not support sliding_windows'); train with cp=1 on Ascend NPUs"),
+        library="mindspeed",
     ),
     # Layer offload is Megatron-Core's (--cpu-offloading-num-layers, the megatron profile's layer_offload).
     RuntimeLimit(
@@ -302,6 +320,14 @@ def _te_cp_refusal(strategy: Strategy, model: ModelSpec | None) -> str:
             f"refuses it ({'; '.join(reasons)}); it runs {runs}")
 
 
+def _window_binds(model: ModelSpec | None, seq_length: np.ndarray) -> np.ndarray:
+    """Where ``model`` has sliding-window layers whose window is shorter than the sequence (False
+    throughout without a model)."""
+    if model is None or not model.sliding_layers()[0]:
+        return np.zeros(np.shape(seq_length), bool)
+    return np.asarray(seq_length) > model.sliding_window
+
+
 def _has_experts(model: ModelSpec | None) -> bool:
     return model is not None and model.is_moe
 
@@ -317,7 +343,8 @@ def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str, model: M
     PyTorch no selective recompute in a split backward, 1F1B over a pipeline with at least one
     micro-batch per stage, and no more TP ranks than KV heads; under Megatron no expert
     parallelism, nor on a ``model`` with experts any tensor parallelism, without sequence
-    parallelism; Transformer Engine's limits on a device ``family`` other than Ascend's."""
+    parallelism; Transformer Engine's limits on a device ``family`` other than Ascend's, MindSpeed's
+    on Ascend's."""
     runnable = np.ones(len(batch), bool)
     for limit in RUNTIME_LIMITS:
         if limit.applies(runtime, family):
@@ -331,7 +358,7 @@ def runtime_refusals(strategy: Strategy, options: MemoryOptions | None = None,
     the search counts as ``NOT_RUNNABLE``), one reason per limit it breaks; [] where it runs. A
     schedule matters only with a pipeline (pp > 1); without the model, whether it has experts is
     told by expert parallelism alone, and its KV heads and windows limit nothing; without the
-    device, neither do Transformer Engine's limits."""
+    device, neither do Transformer Engine's limits nor MindSpeed's."""
     options = options or MemoryOptions()
     schedules = tuple(options.profile.schedules)
     batch = StrategyBatch.of(strategy)
