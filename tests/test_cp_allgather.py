@@ -231,13 +231,14 @@ def test_mindspeed_runs_no_sliding_window_under_context_parallelism():
     and MindSpeed-LLM refuses CP where the window binds: under Megatron on an Ascend NPU, Mistral-7B
     (a 4,096-token window) over CP 2 at 32K tokens is refused whatever the kind, at 4,096 tokens (the
     window spans the sequence) it is not, nor without CP, nor Llama, nor on a GPU or an unknown
-    device; a search on NPUs then ranks no CP for it."""
+    device; a search on NPUs then ranks no CP for it. MindSpeed's hybrid needs a ring of two ranks
+    at least (ulysses_degree < cp)."""
     megatron = MemoryOptions(runtime="megatron")
     npu, h100 = get_device("ascend-910b"), get_device("h100-sxm")
     mistral = get_preset("mistral-7b")
     assert mistral.sliding_window == 4096
     for kind in CP_KINDS:
-        s = Strategy(dp=8, cp=2, cp_kind=kind, ulysses_degree=2 if kind == "hybrid" else 1, seq_length=32768)
+        s = Strategy(dp=8, cp=2, cp_kind=kind, seq_length=32768)
         assert runtime_refusals(s, megatron, mistral, npu) == [
             "cp=2 on mistral-7b, whose sliding-window layers attend the last 4,096 of seq_length=32,768 tokens: "
             "MindSpeed's context-parallel attention runs no sliding window under any --context-parallel-algo "
@@ -248,6 +249,12 @@ def test_mindspeed_runs_no_sliding_window_under_context_parallelism():
         assert runtime_refusals(s.model_copy(update={"seq_length": 4096}), megatron, mistral, npu) == []
     assert runtime_refusals(Strategy(dp=16, seq_length=32768), megatron, mistral, npu) == []
     assert runtime_refusals(Strategy(dp=8, cp=2, seq_length=32768), MemoryOptions(runtime="pytorch"), mistral, npu) == []
+    hybrid = Strategy(dp=2, cp=8, cp_kind="hybrid", ulysses_degree=8, seq_length=32768)
+    assert runtime_refusals(hybrid, megatron, LLAMA8, npu) == [
+        "cp_kind hybrid with ulysses_degree=8 = cp: MindSpeed's hybrid_cp_algo needs a ring of two ranks at least "
+        "(cp / --ulysses-degree-in-cp > 1); that plan is cp_kind ulysses (ulysses_cp_algo)"]
+    assert runtime_refusals(hybrid.model_copy(update={"ulysses_degree": 4}), megatron, LLAMA8, npu) == []
+    assert runtime_refusals(hybrid, megatron, LLAMA8, h100) == []
     space = default_space(mistral, npu, 16, 16, 16384, dims=("cp", "cp_kind", "recompute"), fixed={"tp": 2, "sp": 1})
     result = run_search(mistral, npu, space, options=megatron)
     assert result.ranked and {row["cp"] for row in result.ranked} == {1}

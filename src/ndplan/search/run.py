@@ -243,6 +243,16 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
             "(MindSpeed-LLM: 'Context parallel does not support sliding_windows'); train with cp=1 on Ascend NPUs"),
         library="mindspeed",
     ),
+    # MindSpeed's hybrid_cp_algo (ContextParallelFeature.validate_args) asserts a ring of more than
+    # one rank: cp / --ulysses-degree-in-cp > 1.
+    RuntimeLimit(
+        "megatron",
+        lambda b, _, __: ~b.is_("cp_kind", "hybrid") | (b.cp == 1) | (b.ulysses_degree < b.cp),
+        lambda s, _, runtime, __: (f"cp_kind hybrid with ulysses_degree={s.ulysses_degree} = cp: MindSpeed's "
+                                   "hybrid_cp_algo needs a ring of two ranks at least (cp / --ulysses-degree-in-cp > "
+                                   "1); that plan is cp_kind ulysses (ulysses_cp_algo)"),
+        library="mindspeed",
+    ),
     # Layer offload is Megatron-Core's (--cpu-offloading-num-layers, the megatron profile's layer_offload).
     RuntimeLimit(
         "pytorch",
