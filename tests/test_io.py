@@ -272,6 +272,30 @@ def test_megatron_cp_comm_types_are_one_per_layer(tmp_path):
         read_config(path, model="llama-3.1-8b", devices=8)
     path.write_text(f"{flags} {' '.join(['a2a'] * 32)}\n")
     assert read_config(path, model="llama-3.1-8b", devices=8).strategy().cp_kind == "ulysses"
+    path.write_text(f"{flags} {' '.join(['a2a'] * 31)} a2b\n")
+    with pytest.raises(NdplanError, match="--cp-comm-type: unknown type 'a2b'; known: p2p, a2a, allgather, a2a\\+p2p"):
+        read_config(path, model="llama-3.1-8b", devices=8)
+
+
+def test_megatron_cp_comm_types_that_differ_per_layer_price_the_most_layers_type(tmp_path):
+    """Gemma 3 under Transformer Engine runs its sliding-window layers under a2a (or allgather)
+    alone and may run the ring (p2p) on its full layers: the most layers' type prices every layer,
+    said with the counts, so the launch is not read as a ring the runtime would refuse."""
+    from ndplan.hardware import get_device
+    from ndplan.search.run import runtime_refusals
+
+    model = get_preset("gemma-3-27b")
+    spans = model.layer_attention_spans
+    assert (spans.count("sliding"), spans.count("full")) == (52, 10)
+    types = " ".join("p2p" if span == "full" else "a2a" for span in spans)
+    path = tmp_path / "gemma.sh"
+    path.write_text("--context-parallel-size 2 --micro-batch-size 1 --global-batch-size 8 --seq-length 32768 "
+                    f"--tensor-model-parallel-size 2 --sequence-parallel --cp-comm-type {types}\n")
+    read = read_config(path, model="gemma-3-27b", devices=8)
+    assert read.strategy().cp_kind == "ulysses"
+    assert any(w.endswith("--cp-comm-type differs per layer (a2a ×52, p2p ×10); ndplan prices 'a2a', the type of "
+                          "the most layers, for every layer") for w in read.warnings)
+    assert runtime_refusals(read.strategy(), MemoryOptions(runtime="megatron"), model, get_device("h100-sxm")) == []
 
 
 def test_megatron_unknown_and_unmodelled_flags_are_warnings(tmp_path):

@@ -325,6 +325,14 @@ def _world(
                         "give --devices so ndplan can derive the data-parallel degree")
 
 
+def _most_layers(types: list[str]) -> str:
+    """The context-parallel type of the most layers in a per-layer --cp-comm-type list (the first
+    of those tied). One kind prices every layer; the most layers' is the nearest, and for a model
+    whose sliding-window layers outnumber its full ones (Gemma 3: a2a or allgather on those,
+    which Transformer Engine requires of them, p2p on the rest) it is a kind the sliding ones run."""
+    return max(dict.fromkeys(types), key=types.count)
+
+
 def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: list[str],
                       num_layers: int | None) -> None:
     algo = args.get("--context-parallel-algo")
@@ -346,12 +354,15 @@ def _context_parallel(args: Args, settings: dict[str, Any], cp: int, warnings: l
         if len(types) > 1 and num_layers is not None and len(types) != num_layers:
             # Megatron-Core asserts one type per layer when several are given.
             raise args.error(comm, f"{len(types)} types, one per layer, but the model has {num_layers} layers")
+        for name in types:
+            if name not in _CP_COMM:
+                raise args.error(comm, f"unknown type {name!r}; known: {', '.join(_CP_COMM)}")
+        chosen = _most_layers(types)
         if len(set(types)) > 1:
-            warnings.append(f"{args.src.where(comm.line)}: --cp-comm-type differs per layer ({' '.join(types)}); "
-                            f"ndplan uses {types[0]!r} for every layer")
-        if types[0] not in _CP_COMM:
-            raise args.error(comm, f"unknown type {types[0]!r}; known: {', '.join(_CP_COMM)}")
-        kind = _CP_COMM[types[0]]
+            counts = ", ".join(f"{name} ×{types.count(name)}" for name in dict.fromkeys(types))
+            warnings.append(f"{args.src.where(comm.line)}: --cp-comm-type differs per layer ({counts}); ndplan "
+                            f"prices {chosen!r}, the type of the most layers, for every layer")
+        kind = _CP_COMM[chosen]
         if kind == "hybrid" and sizes:
             try:
                 levels = [int(s) for s in sizes]
