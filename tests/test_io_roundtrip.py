@@ -454,6 +454,15 @@ def megatron_refusals(text: str) -> list[str]:
             out.append("--use-torch-fsdp2 not supported with fp16 yet")
     if given("--use-megatron-fsdp") and value("--ckpt-format") != "fsdp_dtensor":
         out.append("Megatron FSDP only supports fsdp_dtensor checkpoint format")
+    # megatron/core/distributed/fsdp/mcore_fsdp_adapter.py (00caa53), FullyShardedDataParallel.__init__:
+    # an expert data-parallel group (world / (pp·ep·etp); etp defaults to tp) of one rank alone.
+    launch = re.search(r"torchrun --nproc_per_node (\d+) --nnodes (\d+)", text)
+    world = int(launch.group(1)) * int(launch.group(2)) if launch else 1
+    etp = int(value("--expert-tensor-parallel-size", str(tp)) or tp)
+    if (given("--use-megatron-fsdp") and given("--num-experts") and not given("--no-gradient-accumulation-fusion")
+            and world // (pp * ep * etp) > 1):
+        out.append("Megatron-FSDP with gradient_accumulation_fusion does not support data parallelism when expert "
+                   "parallelism is enabled.")
     if given("--tp-comm-overlap") and not (given("--sequence-parallel") and tp > 1):
         out.append("Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled")
     if given("--moe-grouped-gemm") and not given("--bf16"):
@@ -548,6 +557,28 @@ def policy_of_strategy(strategy: Strategy) -> str:
     from ndplan.io.common import policy_of
 
     return policy_of(strategy.precision).compute_dtype
+
+
+def test_megatron_fsdp_with_expert_data_parallelism_turns_gradient_accumulation_fusion_off() -> None:
+    """Megatron-Core's Megatron-FSDP refuses gradient-accumulation fusion beside expert data
+    parallelism, and MindSpeed's runs without it: the launch turns it off there and says what
+    that costs; a dense model on GPUs, or experts with no expert data parallelism, keep it."""
+    moe = get_preset("qwen3-30b-a3b")
+    spread = Strategy(dp=16, ep=8, zero=3, fsdp=True, num_micro_batches=1)
+    text = emit(moe, spread, "megatron")
+    assert "--no-gradient-accumulation-fusion" in text and megatron_refusals(text) == []
+    assert ("--no-gradient-accumulation-fusion: Megatron-Core's Megatron-FSDP refuses gradient-accumulation fusion "
+            "beside expert data parallelism (2 ranks)") in text
+    fused = "\n".join(line for line in text.splitlines() if "--no-gradient-accumulation-fusion" not in line)
+    assert megatron_refusals(fused) == ["Megatron-FSDP with gradient_accumulation_fusion does not support data "
+                                        "parallelism when expert parallelism is enabled."]
+    for model, s in ((moe, Strategy(dp=8, ep=8, zero=3, fsdp=True, num_micro_batches=1)),
+                     (get_preset("llama-3.1-8b"), Strategy(dp=8, zero=3, fsdp=True, num_micro_batches=1))):
+        assert "--no-gradient-accumulation-fusion" not in emit(model, s, "megatron")
+    npu = emit(get_preset("llama-3.1-8b"), Strategy(dp=8, zero=3, fsdp=True, num_micro_batches=1), "megatron",
+               device_runtime="cann")
+    assert "MindSpeed's Megatron-FSDP runs without gradient-accumulation fusion" in npu
+    assert "    --no-gradient-accumulation-fusion" in npu
 
 
 def test_megatron_torch_fsdp2_only_where_megatron_runs_it(tmp_path: Path) -> None:

@@ -154,7 +154,23 @@ def _uses_torch_fsdp2(s: Strategy, model: ModelSpec | None) -> bool:
     return s.zero == 3 and not s.reshard_after_forward and _torch_fsdp2_refusal(s, model) is None
 
 
-def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[str], grouped: bool) -> Flags:
+def _megatron_fsdp_fusion_refusal(s: Strategy, model: ModelSpec | None, npu: bool) -> str | None:
+    """Why a Megatron-FSDP launch of ``s`` must turn gradient-accumulation fusion off (on by
+    default), or None where it runs with it: Megatron-Core's FullyShardedDataParallel asserts
+    "Megatron-FSDP with gradient_accumulation_fusion does not support data parallelism when expert
+    parallelism is enabled" (an expert data-parallel group of more than one rank), and
+    MindSpeed's Megatron-FSDP guide runs it with --no-gradient-accumulation-fusion alone."""
+    if npu:
+        return "MindSpeed's Megatron-FSDP runs without gradient-accumulation fusion"
+    expert_dp = s.dp * s.cp * s.tp // (s.ep * s.etp)
+    if model is not None and model.is_moe and expert_dp > 1:
+        return (f"Megatron-Core's Megatron-FSDP refuses gradient-accumulation fusion beside expert data "
+                f"parallelism ({expert_dp} ranks)")
+    return None
+
+
+def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[str], grouped: bool,
+            npu: bool = False) -> Flags:
     flags: Flags = []
     if s.zero == 1:
         flags.append(("--use-distributed-optimizer", None))
@@ -172,6 +188,13 @@ def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[st
                         "torch FSDP2 there; written as Megatron-FSDP, which reshards)")
         flags += [("--use-distributed-optimizer", None), ("--use-megatron-fsdp", None),
                   ("--data-parallel-sharding-strategy", "optim_grads_params"), ("--ckpt-format", "fsdp_dtensor")]
+    megatron_fsdp = any(flag == "--use-megatron-fsdp" for flag, _ in flags)
+    why = _megatron_fsdp_fusion_refusal(s, model, npu) if megatron_fsdp else None
+    if why:
+        flags.append(("--no-gradient-accumulation-fusion", None))
+        said.append(f"--no-gradient-accumulation-fusion: {why}; each weight gradient is then added to its buffer "
+                    "by a kernel of its own, which ndplan does not price (it prices the fused accumulation: the "
+                    "add reads the new gradient and reads and writes the buffer once a micro-batch)")
     if s.zero == 3 and not s.fsdp:
         lost.append("ZeRO-3 without FSDP (Megatron shards parameters only through Megatron/torch FSDP)")
     if s.zero and s.shard_group:
@@ -520,7 +543,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     # Megatron's GroupedGEMM experts run only under --bf16 (validate_args).
     bf16 = ("--bf16", None) in _precision(s, [])
     grouped = model is not None and model.is_moe and grouped_gemm and bf16
-    memory = _memory(s, model, lost, said, grouped)
+    memory = _memory(s, model, lost, said, grouped, npu)
     fp16 = ("--fp16", None) in memory
     written = dict(memory)
     if "--use-precision-aware-optimizer" in written:
