@@ -226,3 +226,40 @@ def test_a_megatron_launch_without_p2p_overlap_waits_for_its_interleaved_sends(t
     path.write_text(waiting)
     assert main(["estimate", "--from", str(path), "--model", "qwen3-8b", "--hardware", "h100-sxm"]) == 0
     assert "pipeline sends waited for in the 1f1b and interleaved schedules (the launch's" in capsys.readouterr().out
+
+
+def test_a_launch_without_gradient_accumulation_fusion_adds_every_linear_weight_per_micro_batch(tmp_path, capsys):
+    """A Megatron launch with --no-gradient-accumulation-fusion is priced with the separate adds:
+    Llama-3.1-8B on 8 H100s (DP 8, 4 micro-batches of 4,096 tokens, compute-bound GEMMs) pays
+    4 · 10 B · (its decoder layers' and head's linear weights) / (HBM · 0.8) more compute a step
+    (bf16 gradients written, fp32 buffers read and written), and nothing else changes."""
+    import json
+
+    from ndplan.cli import main
+    from ndplan.hardware import get_device
+    from ndplan.model import get_preset
+    from ndplan.perf import default_efficiency
+
+    model = get_preset("llama-3.1-8b")
+    h, kv, f = model.hidden_size, model.num_kv_heads * model.head_dim, model.ffn_hidden_size
+    linear = model.num_layers * (2 * h * h + 2 * h * kv + 3 * h * f) + model.vocab_size * h
+    flags = ("--micro-batch-size 1 --global-batch-size 32 --seq-length 4096 --bf16 "
+             "--use-distributed-optimizer --overlap-grad-reduce")
+    steps = {}
+    for name, extra in (("fused", ""), ("unfused", " --no-gradient-accumulation-fusion")):
+        path = tmp_path / f"{name}.sh"
+        path.write_text(flags + extra + "\n")
+        assert main(["estimate", "--from", str(path), "--model", "llama-3.1-8b", "--hardware", "h100-sxm",
+                     "--devices", "8", "--json"]) == 0
+        time = json.loads(capsys.readouterr().out)["time"]
+        steps[name] = time["breakdown"]
+    device = get_device("h100-sxm")
+    hbm = device.hbm_bandwidth_bytes_per_s * default_efficiency(device).hbm_efficiency
+    assert steps["unfused"]["compute"] - steps["fused"]["compute"] == pytest.approx(4 * 10 * linear / hbm, rel=1e-6)
+    assert steps["unfused"]["comm_exposed"] == steps["fused"]["comm_exposed"]
+    # A search from that launch writes the flag back, and the launch read back is what was priced.
+    assert main(["search", "--from", str(tmp_path / "unfused.sh"), "--model", "llama-3.1-8b", "--hardware", "h100-sxm",
+                 "--devices", "8", "--emit", "megatron", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert "    --no-gradient-accumulation-fusion" in found["emitted"]
+    assert found["emitted_check"]["same"] is True

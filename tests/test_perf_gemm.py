@@ -80,3 +80,21 @@ def test_a_reduction_thinner_than_the_knee_is_not_charged_twice():
     head = Gemm("head", 8192.0, 8.0, 2048.0)
     compute = 2 * 8192 * 8 * 2048 / (1e15 * 0.75 * 8 / 256)
     assert gemm_seconds(head, rates, "B") == pytest.approx(compute / (256 / 496 * 8432 / 8192), rel=1e-12)
+
+
+def test_unfused_gradient_accumulation_writes_the_gradient_then_adds_it_by_hand():
+    """Without gradient-accumulation fusion the weight-gradient GEMM writes its product (2 bytes a
+    weight in bf16) and a kernel of its own adds it to the fp32 buffer after it: reads 2 + 4,
+    writes 4, 10 bytes a weight at the HBM rate, outside the GEMM's roofline."""
+    unfused = ComputeRates(1e15, 0.75, 256.0, 0.9, 5e14, 2.6e12, 2.0, expert_latency=0.0, wgrad_accum_bytes=2.0,
+                           wgrad_add_bytes=10.0)
+    # W's own bytes: read X and dY, write the bf16 gradient (2048·768 · 2 bytes), 16 experts
+    assert gemm_bytes(SMALL, unfused, "W") == 16 * (2 * (256 * 2048 + 256 * 768) + 2 * 2048 * 768) == 73_400_320
+    add = 16 * 10 * 2048 * 768 / 2.6e12  # 96.8 us
+    assert gemm_seconds(SMALL, unfused, "W") == pytest.approx(73_400_320 / 2.6e12 + add, rel=1e-12)
+    assert gemm_seconds(SMALL, unfused, "F") == gemm_seconds(SMALL, RATES, "F")  # F and B as fused
+    # A compute-bound GEMM (8192 tokens through a 4096 -> 4096 projection): its compute, then the add
+    big = Gemm("proj", 8192.0, 4096.0, 4096.0)
+    compute = 2 * 8192 * 4096 * 4096 / (1e15 * 0.75)
+    assert gemm_seconds(big, RATES, "W") == pytest.approx(compute, rel=1e-12)
+    assert gemm_seconds(big, unfused, "W") == pytest.approx(compute + 10 * 4096 * 4096 / 2.6e12, rel=1e-12)

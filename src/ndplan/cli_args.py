@@ -493,6 +493,8 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         torch_compile=getattr(args, "torch_compile", None) or stated.get("torch_compile") or "off",
         # A launch's own pipeline sends, where it is priced as the runtime it launches.
         p2p_wait=stated.get("p2p_wait") if runtime == stated.get("runtime") else None,
+        gradient_accumulation_fusion=(stated.get("gradient_accumulation_fusion") if runtime == stated.get("runtime")
+                                      else None),
         modules=getattr(args, "modules", None) or stated.get("modules") or "eager",
         experts_outside_fsdp=bool(getattr(args, "experts_outside_fsdp", None) or stated.get("experts_outside_fsdp")),
     )

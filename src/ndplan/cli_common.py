@@ -155,6 +155,11 @@ def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chos
         console.print(f"pipeline sends waited for in the {options.p2p_wait.replace('+', ' and ')} schedules "
                       f"(the launch's; the {options.profile.name} runtime's own: {own_wait.replace('+', ' and ')})",
                       markup=False)
+    own_fusion = bool(options.profile.kernels.get("gradient_accumulation_fusion", True))
+    if options.gradient_accumulation_fusion is not None and options.gradient_accumulation_fusion != own_fusion:
+        console.print("weight gradients accumulated " + ("in the GEMM (the launch's gradient-accumulation fusion)"
+                      if options.gradient_accumulation_fusion else "by a kernel of their own after the GEMM (the "
+                      "launch's --no-gradient-accumulation-fusion)"), markup=False)
     if strategy is not None and strategy.recompute != "selective" and not recompute_chosen:
         pass  # no policy priced
     elif options.selective_policy not in (None, options.profile.selective_policy):

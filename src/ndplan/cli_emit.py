@@ -85,7 +85,8 @@ def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device
                 moe_dispatcher=options.moe_dispatcher if fmt == "megatron" else "alltoall",
                 torch_compile=options.torch_compile,
                 devices_per_node=getattr(device, "devices_per_node", None),
-                device_runtime=getattr(device, "runtime", None))
+                device_runtime=getattr(device, "runtime", None),
+                gradient_accumulation_fusion=options.gradient_accumulation_fusion)
 
 
 def written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:
@@ -171,6 +172,8 @@ def read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, optio
     def stated(opts: Any) -> dict[str, Any]:
         """The settings that price a run, each resolved (None: the runtime profile's own)."""
         out = {name: getattr(opts, name) for name in ("runtime", "loss_upcast", "attention", "torch_compile")}
+        if fmt == "megatron":  # (the other formats' frameworks state no such setting)
+            out["gradient_accumulation_fusion"] = opts.gradient_accumulation_fusion is not False
         if run_model.is_moe:
             out["grouped_gemm"] = opts.grouped_gemm
             out["moe_dispatcher"] = opts.moe_dispatcher

@@ -163,6 +163,12 @@ def interpret(
         runtime_settings["p2p_wait"] = "1f1b+interleaved"
         notes.append("--no-overlap-p2p-communication: the interleaved schedule waits for its pipeline sends as 1F1B "
                      "does (p2p_wait 1f1b+interleaved)")
+    # Without gradient-accumulation fusion each weight gradient is written, then added to its
+    # buffer by a kernel of its own (EfficiencyProfile.gradient_accumulation_fusion).
+    if args.has("--no-gradient-accumulation-fusion"):
+        runtime_settings["gradient_accumulation_fusion"] = False
+        notes.append("--no-gradient-accumulation-fusion: each weight gradient is added to its buffer by a kernel of "
+                     "its own after the GEMM (priced in the step time)")
     # Transformer Engine's cross-entropy works on the bf16 logits (no fp32 copy); Megatron's own
     # (native, or unfused) upcasts them.
     fusion_impl = args.text("--cross-entropy-fusion-impl", default="native")

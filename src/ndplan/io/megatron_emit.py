@@ -170,7 +170,7 @@ def _megatron_fsdp_fusion_refusal(s: Strategy, model: ModelSpec | None, npu: boo
 
 
 def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[str], grouped: bool,
-            npu: bool = False) -> Flags:
+            npu: bool = False, fusion: bool | None = None) -> Flags:
     flags: Flags = []
     if s.zero == 1:
         flags.append(("--use-distributed-optimizer", None))
@@ -190,7 +190,9 @@ def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[st
                   ("--data-parallel-sharding-strategy", "optim_grads_params"), ("--ckpt-format", "fsdp_dtensor")]
     megatron_fsdp = any(flag == "--use-megatron-fsdp" for flag, _ in flags)
     why = _megatron_fsdp_fusion_refusal(s, model, npu) if megatron_fsdp else None
-    if why:
+    if fusion is False and not any(flag == "--no-gradient-accumulation-fusion" for flag, _ in flags):
+        flags.append(("--no-gradient-accumulation-fusion", None))  # as priced
+    elif why:
         flags.append(("--no-gradient-accumulation-fusion", None))
         said.append(f"--no-gradient-accumulation-fusion: {why}; each weight gradient is then added to its buffer "
                     "by a kernel of its own, which ndplan does not price (it prices the fused accumulation: the "
@@ -516,7 +518,8 @@ def launcher_node_size(world: int, devices_per_node: int | None) -> int:
 def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = None, *, loss_upcast: bool = True,
                   attention: str = "flash", grouped_gemm: bool = True, loss_parallel: bool | None = None,
                   moe_capacity_factor: float | None = None, moe_dispatcher: str = "alltoall",
-                  devices_per_node: int | None = None, npu: bool = False) -> str:
+                  devices_per_node: int | None = None, npu: bool = False,
+                  gradient_accumulation_fusion: bool | None = None) -> str:
     """A bash launch for the strategy; the model's architecture flags too when a model is given;
     ``overlap``'s switches as Megatron's overlap flags (``_overlap``); without ``loss_upcast``
     Transformer Engine's cross-entropy, which works on the bf16 logits; eager ``attention`` as TE's
@@ -530,7 +533,10 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     MoE model (a launch without it runs Megatron's default, allgather); the flex dispatcher where
     ``overlap`` sends node-deduplicated (DeepEP). ``devices_per_node`` (the cluster's) sets the
     launcher's processes per node (``launcher_node_size``). ``npu``: the launch runs MindSpeed on
-    Ascend NPUs, whose fused attention needs --use-flash-attn and whose TP overlap is --use-mc2."""
+    Ascend NPUs, whose fused attention needs --use-flash-attn and whose TP overlap is --use-mc2.
+    ``gradient_accumulation_fusion`` False (priced with each weight gradient added by a kernel of
+    its own) writes --no-gradient-accumulation-fusion, as Megatron-FSDP needs it anyway where it
+    refuses the fusion (said in the header where the step was priced with it)."""
     lost: list[str] = []
     s = strategy
     if loss_parallel is False and s.tp > 1:
@@ -543,7 +549,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     # Megatron's GroupedGEMM experts run only under --bf16 (validate_args).
     bf16 = ("--bf16", None) in _precision(s, [])
     grouped = model is not None and model.is_moe and grouped_gemm and bf16
-    memory = _memory(s, model, lost, said, grouped, npu)
+    memory = _memory(s, model, lost, said, grouped, npu, gradient_accumulation_fusion)
     fp16 = ("--fp16", None) in memory
     written = dict(memory)
     if "--use-precision-aware-optimizer" in written:

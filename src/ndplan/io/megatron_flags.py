@@ -52,7 +52,7 @@ NO_EFFECT: frozenset[str] = frozenset("""
 --moe-z-loss-coeff --mscale --mscale-all-dim --multiple-validation-sets --nccl-communicator-config-path
 --nccl-ub --no-async-tensor-model-parallel-allreduce --no-barrier-with-level-1-timing --no-bias-dropout-fusion
 --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-check-for-nan-in-loss-and-grad
---no-clone-scatter-output-in-embedding --no-create-attention-mask-in-dataloader --no-gradient-accumulation-fusion
+--no-clone-scatter-output-in-embedding --no-create-attention-mask-in-dataloader
 --no-gradient-reduce-div-fusion --no-initialization --no-load-optim --no-load-rng
 --no-log-loss-scale-to-tensorboard --no-manual-gc-eval --no-masked-softmax-fusion --no-mmap-bin-files
 --no-one-logger --no-persist-layer-norm --no-rope-fusion --no-save-optim --no-save-rng

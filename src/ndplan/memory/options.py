@@ -93,6 +93,10 @@ class MemoryOptions:
     step time alone (``EfficiencyProfile.p2p_wait``; None: the runtime's, its profile's kernel
     fact or Megatron-Core's '1f1b'): a Megatron launch with --no-overlap-p2p-communication waits
     in its interleaved schedule too ('1f1b+interleaved').
+    ``gradient_accumulation_fusion``: whether the weight-gradient GEMM accumulates into the
+    gradient buffer itself, for the step time alone (``EfficiencyProfile.gradient_accumulation_fusion``;
+    None: the runtime's, on): a Megatron launch with --no-gradient-accumulation-fusion adds each
+    weight gradient by a kernel of its own (False).
     ``modules`` says which modules the pytorch runtime's model is built of, for what they keep
     for backward: 'eager' (the profile's: transformers' and torchtitan's) or 'te', NeMo
     AutoModel's Transformer Engine backend (its ``te_deepep`` configs: ``rms_norm: te`` and the
@@ -124,15 +128,18 @@ class MemoryOptions:
     moe_dispatcher: MoeDispatcher = "alltoall"
     torch_compile: TorchCompile = "off"
     p2p_wait: P2PWait | None = None
+    gradient_accumulation_fusion: bool | None = None
     modules: Modules = "eager"
     experts_outside_fsdp: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, str):
             raise NdplanError(f"runtime must be a runtime's name or a profile YAML's path, got {self.runtime!r}")
-        for name in ("include_overhead", "loss_upcast", "grouped_gemm", "loss_parallel", "experts_outside_fsdp"):
+        for name in ("include_overhead", "loss_upcast", "grouped_gemm", "loss_parallel", "experts_outside_fsdp",
+                     "gradient_accumulation_fusion"):
             value = getattr(self, name)
-            if not isinstance(value, (bool, np.bool_)) and not (value is None and name == "loss_parallel"):
+            if not isinstance(value, (bool, np.bool_)) and not (
+                    value is None and name in ("loss_parallel", "gradient_accumulation_fusion")):
                 also = " (or None: the runtime's choice)" if name == "loss_parallel" else ""
                 raise NdplanError(f"{name} must be True or False{also}, got {value!r}")
         if isinstance(self.census, (str, Path)):  # a census file's path, as the CLI's --census takes
@@ -273,5 +280,7 @@ class MemoryOptions:
         software["moe_dispatcher"] = self.moe_dispatcher
         if self.p2p_wait is not None:
             software["p2p_wait"] = self.p2p_wait
+        if self.gradient_accumulation_fusion is not None:
+            software["gradient_accumulation_fusion"] = bool(self.gradient_accumulation_fusion)
         return {"weight_grad_rebuilds": self.profile.weight_grad_recomputes_per_group, "software": software,
                 "overlap": self.overlap}

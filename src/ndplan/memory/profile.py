@@ -285,7 +285,7 @@ class RuntimeProfile:
     #: Facts about its kernels for the step-time model (``ndplan.perf.efficiency``'s software
     #: facts: elementwise_passes, expert_gemm, optimizer_kernel, tp_overlap_backward,
     #: fsdp_stream_copies, fp8_tp_gather, expert_bias_add, sink_rescale, ring_merge, ring_exchange,
-    #: mla_assembly, p2p_wait), stated beside what it saves.
+    #: mla_assembly, p2p_wait, gradient_accumulation_fusion), stated beside what it saves.
     kernels: dict[str, Any] = field(default_factory=dict)
 
     def uses_symbols(self, names: tuple[str, ...]) -> bool:
@@ -398,7 +398,7 @@ def _positive(raw: Any, key: str, source: str) -> float:
 #: The software facts a profile's ``kernels`` may state (the rest follow from other settings).
 KERNEL_FACTS = ("elementwise_passes", "expert_gemm", "optimizer_kernel", "tp_overlap_backward", "fsdp_stream_copies",
                 "fsdp_cpu_offload", "fp8_tp_gather", "expert_bias_add", "sink_rescale", "ring_merge", "ring_exchange",
-                "mla_assembly", "p2p_wait")
+                "mla_assembly", "p2p_wait", "gradient_accumulation_fusion")
 
 
 def _kernels(raw: Any, source: str) -> dict[str, Any]:

@@ -205,6 +205,15 @@ class EfficiencyProfile(BaseModel):
     fused Adam, torch's fused=True); 'foreach' is torch.optim.AdamW(foreach=True), eight
     multi-tensor kernels that each read and write whole tensors (step.py counts their bytes).
 
+    Weight-gradient accumulation: ``gradient_accumulation_fusion`` (Megatron's default, on) has
+    the weight-gradient GEMM add its product into the gradient buffer in its epilogue (Transformer
+    Engine's fuse_wgrad_accumulation; MindSpeed's npu_matmul_add_fp32 on Ascend): 2·g bytes a
+    weight, g the buffer's width, inside the GEMM's roofline. Off (Megatron's
+    --no-gradient-accumulation-fusion, which MindSpeed-LLM's example scripts pass), the GEMM
+    writes the gradient in the activation dtype (a bytes a weight) and a kernel of its own adds
+    it to the buffer (``param.main_grad.add_(param.grad)``: a + 2·g bytes a weight at the HBM
+    rate, after the GEMM, every micro-batch).
+
     FSDP's copies: ``fsdp_stream_copies`` (FSDP2, the ``pytorch`` runtime's fact) copies each
     gathered unit out of its all-gather buffer into the parameters (``split_with_sizes_copy``,
     2·g bytes an element, g the gather width) and each unsharded gradient into the
@@ -320,6 +329,7 @@ class EfficiencyProfile(BaseModel):
     tp_overlap_backward: Literal["all", "all-gathers"] = "all"
     fsdp_stream_copies: bool = False
     fsdp_cpu_offload: bool = False
+    gradient_accumulation_fusion: bool = True
     fp8_tp_gather: bool = False
     expert_bias_add: Literal["fused", "repeat", "split-cat"] = "fused"
     sink_rescale: Literal["fused", "bf16", "fp32"] = "fused"
@@ -630,7 +640,8 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "
                    "moe_dispatcher",
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "p2p_wait", "pipeline_scatter_gather", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
-                   "tp_overlap_backward", "fsdp_stream_copies", "fsdp_cpu_offload", "fp8_tp_gather", "expert_bias_add",
+                   "tp_overlap_backward", "fsdp_stream_copies", "fsdp_cpu_offload", "gradient_accumulation_fusion",
+                   "fp8_tp_gather", "expert_bias_add",
                    "sink_rescale", "ring_merge", "ring_exchange", "mla_assembly", "qkv_transpose",
                    "fp8_gemm_kernel")
 

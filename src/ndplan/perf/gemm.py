@@ -16,7 +16,10 @@ same FLOPs but move different bytes:
 b_in: operand width (1 for fp8, 2 for bf16). b_acc = 2·grad_bytes: the weight-gradient GEMM
 accumulates into the gradient buffer (Megatron's gradient-accumulation fusion, Transformer
 Engine's fused wgrad accumulation: C = Xᵀ·dY + C in fp32, read 4 + write 4 bytes per weight,
-every micro-batch). With many tokens per weight (dense layers, m in the thousands) every pass
+every micro-batch). Without that fusion (``EfficiencyProfile.gradient_accumulation_fusion``
+off) b_acc is the activation width a (the GEMM writes the gradient) and W adds a kernel of its
+own after the GEMM, count·(a + 2·grad_bytes)·k·n / hbm seconds (``wgrad_add_bytes``: the add
+reads the new gradient and reads and writes the buffer). With many tokens per weight (dense layers, m in the thousands) every pass
 is compute-bound and the three times agree; with few tokens per expert the weight-gradient
 GEMM is the first to turn memory-bound, because its output is the weight itself at fp32 width:
 its arithmetic intensity is 2·m·n·k / (8·k·n) = m/4 FLOP/byte, below a Hopper or Blackwell
@@ -75,7 +78,10 @@ class ComputeRates:
     masked_attention_rate: FLOP/s of an attention kernel given an explicit mask (0: ``attention_rate``).
     linear_attention_rate: FLOP/s of Gated DeltaNet's chunked delta rule (its executed FLOPs).
     wgrad_accum_bytes: bytes per weight element the weight-gradient GEMM reads and writes in
-        the gradient buffer (2 · the precision's grad_bytes: 8 for fp32 main gradients).
+        the gradient buffer (2 · the precision's grad_bytes: 8 for fp32 main gradients), or
+        writes where a kernel of its own accumulates it (the activation width).
+    wgrad_add_bytes: bytes per weight element of that separate accumulation (the new gradient
+        read, the buffer read and written), 0 where the GEMM accumulates in its epilogue.
     """
 
     peak_flops: float
@@ -87,6 +93,7 @@ class ComputeRates:
     operand_bytes: float
     expert_latency: float = 0.0
     wgrad_accum_bytes: float = 8.0
+    wgrad_add_bytes: float = 0.0
     depth_knee: float = 0.0
     depth_ref: float = DEPTH_REFERENCE
     optimizer_rate: float = 0.0
@@ -146,6 +153,8 @@ def _roofline(g: Gemm, r: ComputeRates, compute: Array | float, pass_: Pass) -> 
         # A reduction thinner than the knee already pays a whole tile (the knee term above).
         compute = compute / depth_factor(np.maximum(reduction_depth(g, pass_), r.knee), r)
     time = np.maximum(compute, gemm_bytes(g, r, pass_) / r.hbm_rate)
+    if pass_ == "W" and r.wgrad_add_bytes:
+        time = time + g.count * g.k * g.n * r.wgrad_add_bytes / r.hbm_rate  # the unfused accumulation
     return time + g.count * r.expert_latency if g.expert else time
 
 

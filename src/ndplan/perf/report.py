@@ -308,7 +308,10 @@ def explain_lines(r: TimeReport) -> list[str]:
         f"{gemm_eff:.3f}{_fp8_kernel_text(r.efficiency, dtype)} (knee {r.efficiency.gemm_knee:.0f}; depth(R) = min(1, R/(R+{rates.depth_knee:.0f})·"
         f"({rates.depth_ref:.0f}+{rates.depth_knee:.0f})/{rates.depth_ref:.0f}), R the pass's reduction: K in F, N in B, M in W); "
         f"roofline vs HBM {rates.hbm_rate / 1e12:,.2f} TB/s effective, "
-        f"each pass with its own bytes (W read-modify-writes {rates.wgrad_accum_bytes:.0f} B per weight of gradient)",
+        f"each pass with its own bytes " + (
+            f"(W read-modify-writes {rates.wgrad_accum_bytes:.0f} B per weight of gradient)" if not rates.wgrad_add_bytes
+            else f"(W writes {rates.wgrad_accum_bytes:.0f} B per weight of gradient, then, without gradient-accumulation "
+                 f"fusion, a kernel of its own adds it to the buffer: + {rates.wgrad_add_bytes:.0f} B per weight at HBM)"),
         (f"attention core rate = peak · attention_eff{_flex_text(r.efficiency)} = {rates.attention_rate / 1e12:,.1f} TFLOP/s "
          f"(fused flash kernel: backward = {flash_backward_factor(model):g}× forward FLOPs)"
          + (f", + attention_call_s {r.efficiency.attention_call_s * 1e3:g} ms per layer call (a ring step's under CP), "

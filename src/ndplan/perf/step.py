@@ -150,7 +150,10 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
             hbm_rate=device.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
             operand_bytes=1.0 if in_fp8 else 2.0,
             expert_latency=eff.expert_gemm_latency,
-            wgrad_accum_bytes=2.0 * batch.precision.grad_bytes,
+            wgrad_accum_bytes=(2.0 * batch.precision.grad_bytes if eff.gradient_accumulation_fusion
+                               else float(batch.precision.activation_bytes)),
+            wgrad_add_bytes=(0.0 if eff.gradient_accumulation_fusion
+                             else batch.precision.activation_bytes + 2.0 * batch.precision.grad_bytes),
             depth_knee=eff.fp8_gemm_depth_knee if in_fp8 else eff.gemm_depth_knee,
             optimizer_rate=device.hbm_bandwidth_bytes_per_s * eff.figure("optimizer_efficiency"),
             unquantised=unquantised,
