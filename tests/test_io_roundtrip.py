@@ -432,6 +432,7 @@ def megatron_refusals(text: str) -> list[str]:
     tp, pp, cp, ep = (int(value(flag, "1") or 1) for flag in (
         "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
         "--expert-model-parallel-size"))
+    etp = int(value("--expert-tensor-parallel-size", str(tp)) or tp)
     fsdp = given("--use-torch-fsdp2") or given("--use-megatron-fsdp")
     out = []
     if given("--overlap-param-gather"):
@@ -452,13 +453,15 @@ def megatron_refusals(text: str) -> list[str]:
             out.append("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
         if given("--fp16"):
             out.append("--use-torch-fsdp2 not supported with fp16 yet")
+    # megatron/core/transformer/transformer_config.py, __post_init__ (ETP defaults to TP):
+    if given("--num-experts") and not given("--disable-bias-linear") and etp > 1:
+        out.append("Bias in Moe is only supported when ETP==1")
     if given("--use-megatron-fsdp") and value("--ckpt-format") != "fsdp_dtensor":
         out.append("Megatron FSDP only supports fsdp_dtensor checkpoint format")
     # megatron/core/distributed/fsdp/mcore_fsdp_adapter.py (00caa53), FullyShardedDataParallel.__init__:
     # an expert data-parallel group (world / (pp·ep·etp); etp defaults to tp) of one rank alone.
     launch = re.search(r"torchrun --nproc_per_node (\d+) --nnodes (\d+)", text)
     world = int(launch.group(1)) * int(launch.group(2)) if launch else 1
-    etp = int(value("--expert-tensor-parallel-size", str(tp)) or tp)
     if (given("--use-megatron-fsdp") and given("--num-experts") and not given("--no-gradient-accumulation-fusion")
             and world // (pp * ep * etp) > 1):
         out.append("Megatron-FSDP with gradient_accumulation_fusion does not support data parallelism when expert "
@@ -545,6 +548,10 @@ def test_megatron_launch_passes_megatrons_argument_checks(data: st.DataObject) -
         why = "When using expert parallelism and tensor parallelism, sequence parallelism must be used"
         assert why in refused
         assert "Megatron-Core refuses expert and tensor parallelism without sequence parallelism" in text, text
+        refused.remove(why)
+    why = "Bias in Moe is only supported when ETP==1"
+    if why in refused:  # a MoE model with linear biases over expert TP: said, written as planned
+        assert model.biases_beyond_qkv and strategy.etp > 1 and "Bias in Moe is only supported when ETP==1" in text, text
         refused.remove(why)
     why = "--use-precision-aware-optimizer only supported with distributed optimizer"
     if why in refused:  # optimizer offload without the distributed optimizer: said, written as planned

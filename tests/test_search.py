@@ -1066,3 +1066,29 @@ def test_a_dualpipev_plan_under_megatron_on_gpus_says_it_is_mindspeeds():
     assert schedule_cautions(dualpipe, "megatron", "davinci-switch") == []
     assert schedule_cautions(dualpipe, "pytorch", "hopper") == []  # torch.distributed.pipelining has it
     assert schedule_cautions(Strategy(dp=1, pp=2, num_micro_batches=8), "megatron", "hopper") == []
+
+
+def test_megatron_runs_a_moe_model_with_linear_biases_at_expert_tp_one_alone():
+    """Megatron's add_bias_linear covers every linear layer but the QKV projection's own switch,
+    and its TransformerConfig asserts "Bias in Moe is only supported when ETP==1": gpt-oss (biases
+    on its attention output and experts) runs under Megatron with etp 1 alone; Qwen3-30B-A3B (no
+    biases) at any etp; PyTorch's gpt-oss at any etp. The launch written for etp 2 says so."""
+    from ndplan.io import emit
+    from ndplan.search.run import runtime_refusals
+
+    megatron = MemoryOptions(runtime="megatron")
+    oss, qwen = get_preset("gpt-oss-20b"), get_preset("qwen3-30b-a3b")
+    assert oss.biases_beyond_qkv and not qwen.biases_beyond_qkv
+    spread = Strategy(dp=4, tp=2, sequence_parallel=True, ep=4, etp=2, num_micro_batches=4)
+    assert runtime_refusals(spread, megatron, oss) == [
+        "etp=2 on gpt-oss-20b, whose linear layers have biases: Megatron-Core's TransformerConfig asserts 'Bias in "
+        "Moe is only supported when ETP==1'"]
+    assert runtime_refusals(spread.model_copy(update={"etp": 1}), megatron, oss) == []
+    assert runtime_refusals(spread, megatron, qwen) == []
+    assert runtime_refusals(spread, MemoryOptions(), oss) == []
+    assert "Megatron-LM will refuse this launch: etp=2 with the model's linear biases" in emit(oss, spread, "megatron")
+    space = default_space(oss, DEVICE, 8, 16, 4096, get_precision("megatron-bf16"), dims=("tp", "etp", "ep"),
+                          fixed={"sp": 1})
+    result = run_search(oss, DEVICE, space, RUNTIME_TIME, top=10**9, options=megatron)
+    assert result.ranked and {row["etp"] for row in result.ranked} == {1}
+    assert result.rejected[NOT_RUNNABLE] > 0

@@ -128,6 +128,10 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str], refused: li
                        "planned, the launch stops at its first forward")
     if s.etp != s.tp:
         flags.append(("--expert-tensor-parallel-size", s.etp))
+    if model is not None and model.is_moe and model.biases_beyond_qkv and s.etp > 1:
+        refused.append(f"etp={s.etp} with the model's linear biases (add_bias_linear): Megatron-Core's "
+                       "TransformerConfig asserts 'Bias in Moe is only supported when ETP==1'; written as planned, the "
+                       "launch stops building its config")
     if s.sequence_parallel:
         flags.append(("--sequence-parallel", None))
     return flags
@@ -362,9 +366,9 @@ def _model(m: ModelSpec, lost: list[str], noop: tuple[int, ...] = (), seq_length
     # Megatron's add_bias_linear covers every linear layer, experts included: dense MLP biases
     # count where the model has dense layers, expert biases where it has experts.
     mlp_biases = ([m.mlp_bias] if m.num_dense_layers else []) + ([m.expert_bias] if m.is_moe else [])
-    if not (m.qkv_bias or m.o_bias or any(mlp_biases)):
+    if not (m.qkv_bias or m.biases_beyond_qkv):
         flags.append(("--disable-bias-linear", None))
-    elif m.qkv_bias and not m.o_bias and not any(mlp_biases):
+    elif m.qkv_bias and not m.biases_beyond_qkv:
         flags += [("--disable-bias-linear", None), ("--add-qkv-bias", None)]
     elif not (m.qkv_bias and m.o_bias and all(mlp_biases)):
         lost.append(f"biases qkv={m.qkv_bias} o={m.o_bias} mlp={m.mlp_bias} experts={m.expert_bias}")

@@ -212,6 +212,13 @@ class ModelSpec(BaseModel):
         return "moe" in self.layer_mlp_kinds
 
     @property
+    def biases_beyond_qkv(self) -> bool:
+        """Whether a linear layer other than the query/key/value projection has a bias: the
+        attention output's, a dense MLP's (where the model has dense layers) or an expert's
+        (where it has experts). Megatron's one switch for them, add_bias_linear, then stays on."""
+        return bool(self.o_bias or (self.mlp_bias and self.num_dense_layers) or (self.expert_bias and self.is_moe))
+
+    @property
     def attention_kind(self) -> AttentionKind:
         if self.is_mla:
             return "mla"

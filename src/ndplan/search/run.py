@@ -253,6 +253,15 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
                                    "1); that plan is cp_kind ulysses (ulysses_cp_algo)"),
         library="mindspeed",
     ),
+    # Megatron's add_bias_linear covers every linear but the QKV projection's own switch, and its
+    # TransformerConfig asserts "Bias in Moe is only supported when ETP==1" for a MoE model with it on.
+    RuntimeLimit(
+        "megatron",
+        lambda b, _, model: ~(_moe_with_biases(model) & (b.etp > 1)),
+        lambda s, _, runtime, model: (
+            f"etp={s.etp} on {model.name if model is not None else 'this model'}, whose linear layers have biases: "
+            "Megatron-Core's TransformerConfig asserts 'Bias in Moe is only supported when ETP==1'"),
+    ),
     # Layer offload is Megatron-Core's (--cpu-offloading-num-layers, the megatron profile's layer_offload).
     RuntimeLimit(
         "pytorch",
@@ -336,6 +345,11 @@ def _window_binds(model: ModelSpec | None, seq_length: np.ndarray) -> np.ndarray
     if model is None or not model.sliding_layers()[0]:
         return np.zeros(np.shape(seq_length), bool)
     return np.asarray(seq_length) > model.sliding_window
+
+
+def _moe_with_biases(model: ModelSpec | None) -> bool:
+    """Whether Megatron runs ``model``'s MoE layers with add_bias_linear on."""
+    return model is not None and model.is_moe and model.biases_beyond_qkv
 
 
 def _has_experts(model: ModelSpec | None) -> bool:
