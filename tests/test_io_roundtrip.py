@@ -453,6 +453,8 @@ def megatron_refusals(text: str) -> list[str]:
             out.append("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
         if given("--fp16"):
             out.append("--use-torch-fsdp2 not supported with fp16 yet")
+    if value("--moe-token-dispatcher-type") == "flex" and given("--moe-pad-expert-input-to-capacity"):
+        out.append("Flex token dispatcher does not support moe_pad_expert_input_to_capacity")  # TransformerConfig
     # megatron/core/transformer/transformer_config.py, __post_init__ (ETP defaults to TP):
     if given("--num-experts") and not given("--disable-bias-linear") and etp > 1:
         out.append("Bias in Moe is only supported when ETP==1")
@@ -564,6 +566,28 @@ def policy_of_strategy(strategy: Strategy) -> str:
     from ndplan.io.common import policy_of
 
     return policy_of(strategy.precision).compute_dtype
+
+
+def test_megatron_deepep_launch_with_a_capacity_factor_does_not_pad() -> None:
+    """Token dropping priced with DeepEP's deduplicated dispatch: Megatron-Core's flex dispatcher
+    refuses padding to capacity, so the launch writes the capacity factor alone and says that
+    each expert then gets at most its capacity (priced padded, an upper bound); the all-to-all
+    dispatcher pads. Read back, both price the same padded buffers."""
+    from ndplan.perf import parse_overlap
+
+    model = get_preset("qwen3-30b-a3b")
+    s = Strategy(dp=8, ep=8, num_micro_batches=2)
+    deepep = emit(model, s, "megatron", parse_overlap("megatron,ep_dispatch=node_dedup"), moe_capacity_factor=1.25)
+    assert "--moe-token-dispatcher-type flex" in deepep and "--moe-expert-capacity-factor 1.25" in deepep
+    assert "--moe-pad-expert-input-to-capacity" not in deepep.replace(
+        "# ndplan: --moe-pad-expert-input-to-capacity left out", "")
+    assert "each expert then gets at most its capacity, priced as padded to it (an upper bound)" in deepep
+    assert megatron_refusals(deepep) == []
+    a2a = emit(model, s, "megatron", parse_overlap("megatron"), moe_capacity_factor=1.25)
+    assert "    --moe-pad-expert-input-to-capacity" in a2a and megatron_refusals(a2a) == []
+    padded = deepep.replace("    --moe-expert-capacity-factor 1.25", "    --moe-expert-capacity-factor 1.25\n"
+                            "    --moe-pad-expert-input-to-capacity")
+    assert megatron_refusals(padded) == ["Flex token dispatcher does not support moe_pad_expert_input_to_capacity"]
 
 
 def test_megatron_fsdp_with_expert_data_parallelism_turns_gradient_accumulation_fusion_off() -> None:

@@ -580,7 +580,14 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
             lost.append("the experts' grouped GEMM outside bf16 (Megatron's --moe-grouped-gemm needs --bf16): "
                         "written as SequentialMLP, one GEMM per expert")
     if moe_capacity_factor is not None and (model is None or model.is_moe):
-        memory += [("--moe-expert-capacity-factor", f"{moe_capacity_factor:g}"), ("--moe-pad-expert-input-to-capacity", None)]
+        memory.append(("--moe-expert-capacity-factor", f"{moe_capacity_factor:g}"))
+        if overlap is not None and overlap.ep_dispatch == "node_dedup" and s.ep > 1:
+            said.append("--moe-pad-expert-input-to-capacity left out: Megatron-Core's flex dispatcher (DeepEP) refuses "
+                        "it (TransformerConfig: 'Flex token dispatcher does not support "
+                        "moe_pad_expert_input_to_capacity'); each expert then gets at most its capacity, priced as "
+                        "padded to it (an upper bound)")
+        else:
+            memory.append(("--moe-pad-expert-input-to-capacity", None))
     if attention == "eager":
         memory.append(("--attention-backend", "unfused"))
     elif attention == "flex":
