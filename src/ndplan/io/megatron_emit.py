@@ -199,8 +199,8 @@ def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[st
     elif why:
         flags.append(("--no-gradient-accumulation-fusion", None))
         said.append(f"--no-gradient-accumulation-fusion: {why}; each weight gradient is then added to its buffer "
-                    "by a kernel of its own, which ndplan does not price (it prices the fused accumulation: the "
-                    "add reads the new gradient and reads and writes the buffer once a micro-batch)")
+                    "by a kernel of its own (the plan was priced with the fused accumulation; this launch, read "
+                    "back, is priced with the separate adds)")
     if s.zero == 3 and not s.fsdp:
         lost.append("ZeRO-3 without FSDP (Megatron shards parameters only through Megatron/torch FSDP)")
     if s.zero and s.shard_group:
