@@ -60,12 +60,12 @@ def test_the_ascend_caution_quotes_mindspeeds_tp_runs(published_errors):
 
 
 def test_ascend_plans_with_tensor_parallelism_carry_the_caution():
-    """Said for TP on an Ascend family only: without TP the same table's runs landed within 4%,
+    """Said for TP on an Ascend family only: without TP the same table's runs landed within 5%,
     and a GPU's TP has no such caution."""
     dense = get_preset("llama-3.1-8b")
     with_tp, plain = Strategy(dp=1, tp=8, sequence_parallel=True), Strategy(dp=8)
     (caution,) = time_known_gaps(dense, with_tp, "megatron", "davinci-mesh")
-    assert "4 published runs with TP 8 read fast in 4 (median -15.6%, from -8.8% to -32.1%" in caution
+    assert "4 published runs with TP 8 read fast in 4 (median -9.1%, from -5.5% to -31.1%" in caution
     assert time_known_gaps(dense, plain, "megatron", "davinci-mesh") == []
     assert time_known_gaps(dense, with_tp, "megatron", "hopper") == []
     from ndplan import estimate_time
