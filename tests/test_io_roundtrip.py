@@ -515,6 +515,10 @@ def megatron_refusals(text: str) -> list[str]:
             out.append("MTP layernum only supports 1 when enabling overlap_moe_expert_parallel_comm.")
         if "moe" in modules:
             out.append("disable moe recompute when enabling overlap_moe_expert_parallel_comm")
+    # Megatron-Core's TransformerConfig under Transformer Engine 2.10 and later (Megatron-Bridge's
+    # and the MoE model zoo's launches export it beside --fine-grained-activation-offloading).
+    if given("--fine-grained-activation-offloading") and env.get("NVTE_CPU_OFFLOAD_V1") != "1":
+        out.append("fine-grained activation offloading needs NVTE_CPU_OFFLOAD_V1=1")
     if fsdp and env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         out.append("FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than one")
     if (tp > 1 or cp > 1) and not fsdp and not given("--overlap-moe-expert-parallel-comm") \
@@ -566,6 +570,18 @@ def policy_of_strategy(strategy: Strategy) -> str:
     from ndplan.io.common import policy_of
 
     return policy_of(strategy.precision).compute_dtype
+
+
+def test_megatron_module_offload_exports_transformer_engines_v1_offload() -> None:
+    """Megatron's fine-grained activation offloading runs Transformer Engine's v1 offload path,
+    which its newer releases assert (NVTE_CPU_OFFLOAD_V1=1, as Megatron-Bridge's recipes and the
+    MoE model zoo's launcher export): the launch exports it, and only then."""
+    model = get_preset("qwen3-30b-a3b")
+    offloaded = emit(model, Strategy(dp=8, ep=8, offload_modules=("expert_fc1",), num_micro_batches=2), "megatron")
+    assert "export NVTE_CPU_OFFLOAD_V1=1" in offloaded and megatron_refusals(offloaded) == []
+    assert megatron_refusals(offloaded.replace("export NVTE_CPU_OFFLOAD_V1=1", "")) == [
+        "fine-grained activation offloading needs NVTE_CPU_OFFLOAD_V1=1"]
+    assert "NVTE_CPU_OFFLOAD_V1" not in emit(model, Strategy(dp=8, ep=8, num_micro_batches=2), "megatron")
 
 
 def test_megatron_deepep_launch_with_a_capacity_factor_does_not_pad() -> None:

@@ -636,6 +636,10 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
                                        "--overlap-moe-expert-parallel-comm"} & given:
         # validate_args asserts it before Blackwell under TP or CP (Megatron-LM's example scripts set it).
         lines += ["export CUDA_DEVICE_MAX_CONNECTIONS=1", ""]
+    if "--fine-grained-activation-offloading" in given:
+        # Transformer Engine's newer activation offloading asserts its v1 path for Megatron's
+        # module offload (Megatron-Bridge's and the MoE model zoo's launches set it; older TE ignores it).
+        lines += ["export NVTE_CPU_OFFLOAD_V1=1", ""]
     expansions = " ".join(f'"${{{name}[@]}}"' for name in arrays)
     lines.append(f"torchrun --nproc_per_node {per_node} --nnodes {world // per_node} pretrain_gpt.py {expansions}")
     return "\n".join(lines) + "\n"
