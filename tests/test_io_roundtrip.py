@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ndplan.errors import NdplanError
 from ndplan.io import emit, read_config
-from ndplan.io.common import EXTRA_POLICIES, canonical_strategy
+from ndplan.io.common import EXTRA_POLICIES, canonical_strategy, policy_of
 from ndplan.model import ModelSpec, count_parameters, get_preset, preset_names
 from ndplan.strategy import PRECISION_PRESETS, PrecisionPolicy, Strategy, check_strategy
 from ndplan.strategy.strategy import OFFLOAD_MODULES, OFFLOAD_SCHEDULES, RECOMPUTE_MODULES
@@ -453,6 +453,9 @@ def megatron_refusals(text: str) -> list[str]:
             out.append("--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
         if given("--fp16"):
             out.append("--use-torch-fsdp2 not supported with fp16 yet")
+    if given("--fp8-param-gather") and not (given("--use-distributed-optimizer") or fsdp):
+        out.append("--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp, or "
+                   "inference mode")
     if value("--moe-token-dispatcher-type") == "flex" and given("--moe-pad-expert-input-to-capacity"):
         out.append("Flex token dispatcher does not support moe_pad_expert_input_to_capacity")  # TransformerConfig
     # megatron/core/transformer/transformer_config.py, __post_init__ (ETP defaults to TP):
@@ -554,6 +557,11 @@ def test_megatron_launch_passes_megatrons_argument_checks(data: st.DataObject) -
         why = "When using expert parallelism and tensor parallelism, sequence parallelism must be used"
         assert why in refused
         assert "Megatron-Core refuses expert and tensor parallelism without sequence parallelism" in text, text
+        refused.remove(why)
+    why = "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp, or inference mode"
+    if why in refused:  # fp8 weights without ZeRO: said, written as planned
+        assert policy_of(strategy.precision).fp8_params and strategy.zero == 0, text
+        assert "fp8 weights (--fp8-param-gather)" in text, text
         refused.remove(why)
     why = "Bias in Moe is only supported when ETP==1"
     if why in refused:  # a MoE model with linear biases over expert TP: said, written as planned

@@ -1092,3 +1092,26 @@ def test_megatron_runs_a_moe_model_with_linear_biases_at_expert_tp_one_alone():
     result = run_search(oss, DEVICE, space, RUNTIME_TIME, top=10**9, options=megatron)
     assert result.ranked and {row["etp"] for row in result.ranked} == {1}
     assert result.rejected[NOT_RUNNABLE] > 0
+
+
+def test_megatron_runs_fp8_weights_with_the_distributed_optimizer_or_fsdp_alone():
+    """validate_args asserts "--fp8-param-gather only supported with distributed optimizer, torch
+    fsdp2, megatron fsdp, or inference mode": fp8 weights (precision megatron-fp8-param-grad16)
+    under Megatron need ZeRO; the launch written without it says so."""
+    from ndplan.io import emit
+    from ndplan.search.run import runtime_refusals
+
+    megatron = MemoryOptions(runtime="megatron")
+    model = get_preset("llama-3.1-8b")
+    ddp = Strategy(dp=8, zero=0, precision="megatron-fp8-param-grad16", num_micro_batches=2)
+    assert runtime_refusals(ddp, megatron, model) == [
+        "precision megatron-fp8-param-grad16 (fp8 weights, --fp8-param-gather) with zero=0: Megatron-LM runs fp8 "
+        "weights only with the distributed optimizer or FSDP (validate_args)"]
+    assert runtime_refusals(ddp.model_copy(update={"zero": 1}), megatron, model) == []
+    assert runtime_refusals(ddp.model_copy(update={"precision": get_precision("megatron-fp8-grad16")}), megatron,
+                            model) == []
+    assert "Megatron-LM will refuse this launch: fp8 weights (--fp8-param-gather)" in emit(model, ddp, "megatron")
+    space = default_space(model, DEVICE, 8, 16, 4096, get_precision("megatron-fp8-param-grad16"), dims=("zero",))
+    result = run_search(model, DEVICE, space, RUNTIME_TIME, top=10**9, options=megatron)
+    assert result.ranked and 0 not in {row["zero"] for row in result.ranked}
+    assert result.rejected[NOT_RUNNABLE] > 0

@@ -568,6 +568,9 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
             refused.append(f"{needs} with one optimizer state (--optimizer sgd): Megatron-Core runs its "
                            "precision-aware optimizer only with Adam; written as planned, the launch stops building "
                            "its optimizer")
+    if policy_of(s.precision).fp8_params and s.zero == 0:
+        refused.append("fp8 weights (--fp8-param-gather) without the distributed optimizer or FSDP: Megatron-LM runs "
+                       "them only with one (validate_args); written as planned, the launch stops at its argument check")
     if s.ep > 1 and fp16:
         refused.append(f"ep={s.ep} under fp16: Megatron-LM refuses expert parallelism under --fp16 (validate_args); "
                        "written as planned, the launch stops at its argument check")

@@ -253,6 +253,15 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
                                    "1); that plan is cp_kind ulysses (ulysses_cp_algo)"),
         library="mindspeed",
     ),
+    # validate_args: "--fp8-param-gather only supported with distributed optimizer, torch fsdp2,
+    # megatron fsdp, or inference mode": fp8 weights need ZeRO (the optimizer re-quantises its shards).
+    RuntimeLimit(
+        "megatron",
+        lambda b, _, __: np.full(len(b), not b.precision.fp8_params) | (b.zero > 0),
+        lambda s, _, runtime, __: (f"precision {getattr(s.precision, 'name', s.precision)} (fp8 weights, --fp8-param-gather) with "
+                                   "zero=0: Megatron-LM runs fp8 weights only with the distributed optimizer or "
+                                   "FSDP (validate_args)"),
+    ),
     # Megatron's add_bias_linear covers every linear but the QKV projection's own switch, and its
     # TransformerConfig asserts "Bias in Moe is only supported when ETP==1" for a MoE model with it on.
     RuntimeLimit(
