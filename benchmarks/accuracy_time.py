@@ -942,6 +942,10 @@ COMMENTARY = [
     "  with the configurations of the launch scripts the table points to (later versions than the",
     "  table's). Without tensor parallelism they land: Llama 2 7B {e[mindspeed-llama2-7b-8npu]}, Qwen2 7B "
     "{e[mindspeed-qwen2-7b-8npu]} (Llama 2 7B's 4,672 tokens/s a NPU is 56% of the derived peak).",
+    "  Every script passes --no-gradient-accumulation-fusion: each weight gradient is added to its fp32",
+    "  buffer by a kernel of its own, 10 bytes a weight a micro-batch at the HBM rate (priced since the",
+    "  fifty-fifth session; before, these rows read -2.8%, -3.8% and, with TP 8 below, -32.1%, -13.2%,",
+    "  -8.8% and -17.9%).",
     "  With TP 8 the table's MC2 (MindSpeed's fused matmul and collective kernels, on for every row by",
     "  its header) is priced as TP overlap, and they read fast: Llama 3 8B at 8K {e[mindspeed-llama3-8b-8k-8npu]}, Llama 2 70B",
     "  {e[mindspeed-llama2-70b-32npu]}, Llama 3.1 70B at 8K {e[mindspeed-llama31-70b-8k-32npu]}, Qwen2 72B "
