@@ -160,6 +160,13 @@ def _split_label(run: MeasuredRun, train: set[str]) -> str:
     return "train (not fitted: regressed)" if run.known_regression else "train"
 
 
+class _NotFitted(dict):  # type: ignore[type-arg]
+    """Fitted figures by key, 'n/a' for one the fit did not make."""
+
+    def __missing__(self, key: str) -> str:
+        return "n/a"
+
+
 def write_report(runs, measured, default, fitted, train, test, profiles, reports) -> list[str]:  # type: ignore[no-untyped-def]
     all_errors = [default[r.id]["step_s"] / measured[r.id] - 1 for r in runs]
     med, worst = _abs_stats(all_errors)
@@ -270,7 +277,12 @@ def write_report(runs, measured, default, fitted, train, test, profiles, reports
     per_device = {r.id: f"{default[r.id]['tokens_per_s_per_device']:,.0f}" for r in runs}
     variants = _variant_errors({r.id: r for r in runs}, measured)
     imbalance = _imbalance({r.id: r for r in runs}, measured)
-    lines += ["", "## What the errors say", ""] + [line.format(e=errors, s=seconds, t=per_device, v=variants, i=imbalance)
+    # (n/a where --no-fit skipped the fit)
+    fitted_errors = _NotFitted({r.id: _pct(fitted[r.id]["step_s"] / measured[r.id] - 1) for r in runs if r.id in fitted})
+    fitted_figures = _NotFitted({f"{family}.{name}": f"{value:.2f}" for family, report in reports.items()
+                                 for name, value in report.fitted.items()})
+    lines += ["", "## What the errors say", ""] + [line.format(e=errors, s=seconds, t=per_device, v=variants, i=imbalance,
+                                                               f=fitted_errors, g=fitted_figures)
                                                     for line in COMMENTARY]
     return lines
 
@@ -956,8 +968,10 @@ COMMENTARY = [
     "  the two bounds (MC2 hides part of the collectives); Llama 3 8B's is slower than even the",
     "  exposed bound, so the 8-way split GEMMs (its key and value projections are 128 wide a rank)",
     "  may also run slower on the cube than the one efficiency says; neither is measured. The",
-    "  per-family fit shows it: fitted on three TP 8 rows, the cube's efficiency falls to about 0.5 and",
-    "  the held-out TP 1 rows then read 29% slow. Ascend plans with TP are a shortlist to measure.",
+    "  per-family fit, trained on three TP 8 rows, puts the difference on the collectives (HCCS's efficiency",
+    "  0.7 -> {g[davinci-mesh (dense).scaleup_efficiency]}, the cube's 0.7 -> {g[davinci-mesh (dense).gemm_efficiency]}), "
+    "and the held-out TP 1 rows then read {f[mindspeed-llama2-7b-8npu]} and",
+    "  {f[mindspeed-qwen2-7b-8npu]}. Ascend plans with TP are a shortlist to measure.",
     "* torchtitan's selective checkpointing is its per-op policy (recompute every second matmul, keep",
     "  attention), now modelled (`selective_recompute: torchtitan-op`, +2). These rows ran at a 500 W",
     "  power limit on HBM2e H100s whose peak the source places between H100 SXM (989 TFLOP/s) and NVL",
