@@ -257,6 +257,14 @@ def test_a_launch_without_gradient_accumulation_fusion_adds_every_linear_weight_
     hbm = device.hbm_bandwidth_bytes_per_s * default_efficiency(device).hbm_efficiency
     assert steps["unfused"]["compute"] - steps["fused"]["compute"] == pytest.approx(4 * 10 * linear / hbm, rel=1e-6)
     assert steps["unfused"]["comm_exposed"] == steps["fused"]["comm_exposed"]
+    # The flag prices the same compute without a launch, and overrides a launch's statement.
+    base = ["estimate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--gbs", "32",
+            "--seq", "4096", "--zero", "1", "--runtime", "megatron", "--json"]
+    assert main([*base, "--no-gradient-accumulation-fusion"]) == 0
+    assert json.loads(capsys.readouterr().out)["time"]["breakdown"]["compute"] == steps["unfused"]["compute"]
+    assert main(["estimate", "--from", str(tmp_path / "unfused.sh"), "--model", "llama-3.1-8b", "--hardware",
+                 "h100-sxm", "--devices", "8", "--gradient-accumulation-fusion", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["time"]["breakdown"] == steps["fused"]
     # A search from that launch writes the flag back, and the launch read back is what was priced.
     assert main(["search", "--from", str(tmp_path / "unfused.sh"), "--model", "llama-3.1-8b", "--hardware", "h100-sxm",
                  "--devices", "8", "--emit", "megatron", "--json"]) == 0

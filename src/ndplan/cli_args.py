@@ -192,6 +192,12 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                "the loss works on an fp32 copy of the logits (the default; overrides a --from config)",
                "the loss works on the logits' own dtype, no fp32 copy (NeMo AutoModel's "
                "MaskedCrossEntropy(fp32_upcast=False); Megatron's --cross-entropy-fusion-impl te)")
+    add_switch(group, "--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion",
+               "gradient_accumulation_fusion",
+               "the weight-gradient GEMM adds into the gradient buffer itself (Megatron's default; overrides a "
+               "--from launch)",
+               "each weight gradient written, then added to its buffer by a kernel of its own (step time; "
+               "Megatron's --no-gradient-accumulation-fusion, which MindSpeed-LLM's scripts pass)")
     group.add_argument("--selective-policy", choices=["megatron", "keep-matmuls", "torchtitan-op"], default=None,
                        help="what selective recompute keeps, where the runtime can run more than its own policy: "
                             "torchtitan-op is torchtitan's per-op checkpointing (every second matmul rebuilt; "
@@ -493,11 +499,19 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         torch_compile=getattr(args, "torch_compile", None) or stated.get("torch_compile") or "off",
         # A launch's own pipeline sends, where it is priced as the runtime it launches.
         p2p_wait=stated.get("p2p_wait") if runtime == stated.get("runtime") else None,
-        gradient_accumulation_fusion=(stated.get("gradient_accumulation_fusion") if runtime == stated.get("runtime")
-                                      else None),
+        gradient_accumulation_fusion=_fusion(args, stated, runtime),
         modules=getattr(args, "modules", None) or stated.get("modules") or "eager",
         experts_outside_fsdp=bool(getattr(args, "experts_outside_fsdp", None) or stated.get("experts_outside_fsdp")),
     )
+
+
+def _fusion(args: argparse.Namespace, stated: dict[str, Any], runtime: str) -> bool | None:
+    """Whether weight gradients accumulate in the GEMM: the flag; else what a --from launch states,
+    where it is priced as the runtime it launches; else None (the runtime's own)."""
+    flag = getattr(args, "gradient_accumulation_fusion", None)
+    if flag is not None:
+        return bool(flag)
+    return stated.get("gradient_accumulation_fusion") if runtime == stated.get("runtime") else None
 
 
 def _moe_dispatcher(args: argparse.Namespace, stated: dict[str, Any], runtime: str) -> Any:
