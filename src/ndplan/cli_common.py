@@ -157,9 +157,9 @@ def print_kernels(options: Any, strategy: Strategy | None = None, recompute_chos
                       markup=False)
     own_fusion = bool(options.profile.kernels.get("gradient_accumulation_fusion", True))
     if options.gradient_accumulation_fusion is not None and options.gradient_accumulation_fusion != own_fusion:
-        console.print("weight gradients accumulated " + ("in the GEMM (the launch's gradient-accumulation fusion)"
-                      if options.gradient_accumulation_fusion else "by a kernel of their own after the GEMM (the "
-                      "launch's --no-gradient-accumulation-fusion)"), markup=False)
+        console.print("weight gradients accumulated " + ("in the GEMM (--gradient-accumulation-fusion)"
+                      if options.gradient_accumulation_fusion else "by a kernel of their own after the GEMM "
+                      "(--no-gradient-accumulation-fusion)"), markup=False)
     if strategy is not None and strategy.recompute != "selective" and not recompute_chosen:
         pass  # no policy priced
     elif options.selective_policy not in (None, options.profile.selective_policy):
