@@ -522,8 +522,9 @@ def test_torchtitan_emit_mentions_mtp_only_for_a_model_that_has_it():
 
 
 def test_the_reproduce_line_reproduces_an_estimate_with_non_default_options(capsys):
-    """--no-overhead, --overlap, --attention, --moe-imbalance and --selective-policy reach the
-    report's command line, which then gives the same peak and step."""
+    """--no-overhead, --overlap, --attention, --moe-imbalance, --selective-policy and
+    --no-gradient-accumulation-fusion reach the report's command line, which then gives the same
+    peak and step."""
     import html
     import shlex
 
@@ -532,13 +533,13 @@ def test_the_reproduce_line_reproduces_an_estimate_with_non_default_options(caps
 
     argv = ["estimate", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "8", "--ep", "8",
             "--gbs", "16", "--no-overhead", "--overlap", "tp=on", "--attention", "eager", "--moe-imbalance", "1.2",
-            "--recompute", "selective", "--selective-policy", "torchtitan-op"]
+            "--recompute", "selective", "--selective-policy", "torchtitan-op", "--no-gradient-accumulation-fusion"]
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     page = render_html(data)
     command = html.unescape(re.search(r'<pre class="cmd">(.*?)</pre>', page, re.S).group(1))
     assert "--no-overhead" in command and "tp=on" in command and "--moe-imbalance 1.2" in command
-    assert "--selective-policy torchtitan-op" in command
+    assert "--selective-policy torchtitan-op" in command and "--no-gradient-accumulation-fusion" in command
     assert main([*shlex.split(command)[1:], "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["peak_bytes"] == data["peak_bytes"] and again["time"]["step_s"] == data["time"]["step_s"]

@@ -214,6 +214,7 @@ class MemoryReport:
             "selective_policy": self.options.selective_policy,
             "modules": self.options.modules,
             "experts_outside_fsdp": self.options.experts_outside_fsdp,
+            "gradient_accumulation_fusion": self.options.gradient_accumulation_fusion,
             "census_records": len(self.options.census),
             "stages": [s.to_dict() for s in self.stages],
             "caveats": self.caveats,

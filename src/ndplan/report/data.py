@@ -819,7 +819,8 @@ def _name(value: Any) -> str | None:
 
 #: Options an estimate's JSON records beside runtime and attention, which `ndplan estimate` flags set.
 REPRODUCED_OPTIONS = ("include_overhead", "loss_parallel", "loss_upcast", "moe_imbalance", "moe_capacity_factor",
-                      "selective_policy", "modules", "experts_outside_fsdp", "census_records")
+                      "selective_policy", "modules", "experts_outside_fsdp", "gradient_accumulation_fusion",
+                      "census_records")
 
 
 def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | None = None,

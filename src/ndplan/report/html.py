@@ -482,6 +482,9 @@ def reproduce_command(inputs: Mapping[str, Any]) -> tuple[str, list[str]]:
         args += ["--modules", str(inputs["modules"])]
     if inputs.get("experts_outside_fsdp"):
         args.append("--experts-outside-fsdp")
+    if inputs.get("gradient_accumulation_fusion") is not None:
+        args.append("--gradient-accumulation-fusion" if inputs["gradient_accumulation_fusion"]
+                    else "--no-gradient-accumulation-fusion")
     overlap = inputs.get("overlap")
     if isinstance(overlap, Mapping):  # every switch as priced, whatever the runtime's defaults
         args += ["--overlap", ",".join(f"{key}={_overlap_word(key, value)}" for key, value in overlap.items())]
