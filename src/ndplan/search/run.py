@@ -258,9 +258,9 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     RuntimeLimit(
         "megatron",
         lambda b, _, __: np.full(len(b), not b.precision.fp8_params) | (b.zero > 0),
-        lambda s, _, runtime, __: (f"precision {getattr(s.precision, 'name', s.precision)} (fp8 weights, --fp8-param-gather) with "
-                                   "zero=0: Megatron-LM runs fp8 weights only with the distributed optimizer or "
-                                   "FSDP (validate_args)"),
+        lambda s, _, runtime, __: (f"precision {getattr(s.precision, 'name', s.precision)} (fp8 weights, "
+                                   "--fp8-param-gather) with zero=0: Megatron-LM runs fp8 weights only with the "
+                                   "distributed optimizer or FSDP (validate_args)"),
     ),
     # Megatron's add_bias_linear covers every linear but the QKV projection's own switch, and its
     # TransformerConfig asserts "Bias in Moe is only supported when ETP==1" for a MoE model with it on.
@@ -376,8 +376,9 @@ def _runnable(batch: StrategyBatch, schedules: list[str], runtime: str, model: M
     PyTorch no selective recompute in a split backward, 1F1B over a pipeline with at least one
     micro-batch per stage, and no more TP ranks than KV heads; under Megatron no expert
     parallelism, nor on a ``model`` with experts any tensor parallelism, without sequence
-    parallelism; Transformer Engine's limits on a device ``family`` other than Ascend's, MindSpeed's
-    on Ascend's."""
+    parallelism, no fp8 weights without ZeRO, no expert TP beside linear biases; Transformer
+    Engine's limits on a device ``family`` other than Ascend's, MindSpeed's on Ascend's (each
+    limit's text in ``RUNTIME_LIMITS`` names its source)."""
     runnable = np.ones(len(batch), bool)
     for limit in RUNTIME_LIMITS:
         if limit.applies(runtime, family):
