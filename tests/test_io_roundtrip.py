@@ -21,6 +21,7 @@ from ndplan.errors import NdplanError
 from ndplan.io import emit, read_config
 from ndplan.io.common import EXTRA_POLICIES, canonical_strategy, policy_of
 from ndplan.model import ModelSpec, count_parameters, get_preset, preset_names
+from ndplan.perf.accumulation import strategy_code
 from ndplan.strategy import PRECISION_PRESETS, PrecisionPolicy, Strategy, check_strategy
 from ndplan.strategy.strategy import OFFLOAD_MODULES, OFFLOAD_SCHEDULES, RECOMPUTE_MODULES
 
@@ -572,6 +573,12 @@ def test_megatron_launch_passes_megatrons_argument_checks(data: st.DataObject) -
         assert strategy.optimizer_offload and "without the distributed optimizer" in text, text
         refused.remove(why)
     assert refused == [], text
+    # The fusion is off exactly where Megatron refuses it, by the rule the step time prices with.
+    fused = "\n".join(line for line in text.splitlines() if "--no-gradient-accumulation-fusion" not in line)
+    refuses_fusion = any("gradient accumulation fusion" in why or "gradient_accumulation_fusion" in why
+                         for why in megatron_refusals(fused))
+    assert refuses_fusion == ("    --no-gradient-accumulation-fusion" in text), text
+    assert refuses_fusion == (strategy_code(model, strategy, policy_of_strategy(strategy) == "fp16", False) > 0), text
 
 
 def policy_of_strategy(strategy: Strategy) -> str:

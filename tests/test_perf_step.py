@@ -40,7 +40,8 @@ def test_report_fields_and_breakdown_sum_to_the_step():
     r = estimate_time(LLAMA70, s, _cluster(16))
     d = r.to_dict()
     assert set(d) == {"step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu", "breakdown", "chunk_seconds",
-                      "sends_waited", "caveats"}
+                      "sends_waited", "gradient_accumulation_fusion", "caveats"}
+    assert d["gradient_accumulation_fusion"] is True  # (an "unfused_why" beside False: test_accumulation.py)
     assert d["sends_waited"] is True  # Megatron's 1F1B (the default profile's p2p_wait)
     assert set(d["breakdown"]) == {"compute", "comm_exposed", "bubble", "optimizer"}
     assert set(d["breakdown"]["comm_exposed"]) == {"tp", "cp", "ep", "dp", "offload", "pp"}

@@ -138,6 +138,8 @@ def read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, optio
     from ndplan.memory import estimate
     from ndplan.model import count_parameters
     from ndplan.perf import default_overlap, estimate_time
+    from ndplan.perf.accumulation import launch_efficiency
+    from ndplan.perf.efficiency import default_efficiency, with_software
 
     read = _read_written(model, text, fmt, cluster)
     written = canonical_strategy(read.strategy(cluster.num_devices), model)
@@ -173,7 +175,9 @@ def read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, optio
         """The settings that price a run, each resolved (None: the runtime profile's own)."""
         out = {name: getattr(opts, name) for name in ("runtime", "loss_upcast", "attention", "torch_compile")}
         if fmt == "megatron":  # (the other formats' frameworks state no such setting)
-            out["gradient_accumulation_fusion"] = opts.gradient_accumulation_fusion is not False
+            # as priced: the option, or where the runtime's rules turn it off for this strategy, off
+            software = with_software(default_efficiency(cluster.device), opts.time_keywords()["software"])
+            out["gradient_accumulation_fusion"] = launch_efficiency(software, run_model, written)[0].gradient_accumulation_fusion
         if run_model.is_moe:
             out["grouped_gemm"] = opts.grouped_gemm
             out["moe_dispatcher"] = opts.moe_dispatcher

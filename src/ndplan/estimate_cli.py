@@ -157,6 +157,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
                   + dispatcher_note(options, model), markup=False)
     print_kernels(options, strategy, model=model)
+    if timing.unfused_why:
+        console.print(f"weight gradients added to their buffers by a kernel of their own after the GEMM (priced): "
+                      f"{timing.unfused_why}", markup=False)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(emitted, markup=False, soft_wrap=True)  # settings to paste: never wrapped

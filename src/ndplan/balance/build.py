@@ -53,7 +53,7 @@ from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import default_efficiency, with_software
 from ndplan.perf.layer import LayerContext, piece_times
 from ndplan.perf.overlap import OverlapConfig, default_overlap
-from ndplan.perf.step import compute_rates, strategy_columns
+from ndplan.perf.step import compute_rates, strategy_columns, unfused_rates
 from ndplan.perf.topology import Fabric
 from ndplan.placement import place_layers
 from ndplan.schedule import SPLIT_BACKWARD, InFlight, in_flight
@@ -77,7 +77,7 @@ def piece_seconds(model: ModelSpec, batch: StrategyBatch, cluster: Cluster, *, w
     overlap = overlap or default_overlap(cluster.device.runtime)
     ctx = LayerContext(model, compute_rates(cluster, batch, eff), Fabric.of(cluster, eff), eff, overlap, batch.precision,
                        weight_grad_rebuilds, batch.recompute_modules,
-                       batch.offload_modules)
+                       batch.offload_modules, unfused_rates(cluster, batch, eff))
     pieces = piece_times(ctx, strategy_columns(model, batch, overlap))
     n = len(batch)
     return {name: np.sum([np.broadcast_to(piece.total(p), (n,)).astype(float) for p in ("F", "B", "W")], axis=0)

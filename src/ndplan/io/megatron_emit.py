@@ -12,6 +12,14 @@ from ndplan import __version__
 from ndplan.io.common import canonical_placement, layer_counts, policy_of
 from ndplan.io.megatron import MINDSPEED_ONLY
 from ndplan.model.spec import ModelSpec
+from ndplan.perf.accumulation import (
+    MEGATRON_FSDP_EXPERT_DP,
+    MEGATRON_FSDP_NPU,
+    TORCH_FSDP2,
+    expert_data_parallel,
+    strategy_code,
+    unfused_reason,
+)
 from ndplan.strategy.strategy import Strategy
 
 Flags = list[tuple[str, Any]]  # (flag, value or None for a switch)
@@ -154,22 +162,24 @@ def _torch_fsdp2_refusal(s: Strategy, model: ModelSpec | None) -> str | None:
     return None
 
 
+def _fp16(s: Strategy) -> bool:
+    return policy_of(s.precision).compute_dtype == "fp16"
+
+
 def _uses_torch_fsdp2(s: Strategy, model: ModelSpec | None) -> bool:
-    return s.zero == 3 and not s.reshard_after_forward and _torch_fsdp2_refusal(s, model) is None
+    """Whether Megatron runs this strategy's FSDP as torch FSDP2 (``perf.accumulation``'s rule,
+    which the step time prices by; ``_torch_fsdp2_refusal`` says why not in words)."""
+    return strategy_code(model, s, _fp16(s), npu=False) == TORCH_FSDP2
 
 
 def _megatron_fsdp_fusion_refusal(s: Strategy, model: ModelSpec | None, npu: bool) -> str | None:
     """Why a Megatron-FSDP launch of ``s`` must turn gradient-accumulation fusion off (on by
-    default), or None where it runs with it: Megatron-Core's FullyShardedDataParallel asserts
-    "Megatron-FSDP with gradient_accumulation_fusion does not support data parallelism when expert
-    parallelism is enabled" (an expert data-parallel group of more than one rank), and
-    MindSpeed's Megatron-FSDP guide runs it with --no-gradient-accumulation-fusion alone."""
-    if npu:
-        return "MindSpeed's Megatron-FSDP runs without gradient-accumulation fusion"
-    expert_dp = s.dp * s.cp * s.tp // (s.ep * s.etp)
-    if model is not None and model.is_moe and expert_dp > 1:
-        return (f"Megatron-Core's Megatron-FSDP refuses gradient-accumulation fusion beside expert data "
-                f"parallelism ({expert_dp} ranks)")
+    default), or None where it runs with it (``perf.accumulation``: Megatron-Core's
+    FullyShardedDataParallel refuses the fusion beside expert data parallelism; MindSpeed's
+    Megatron-FSDP guide runs without it)."""
+    code = strategy_code(model, s, _fp16(s), npu)
+    if code in (MEGATRON_FSDP_EXPERT_DP, MEGATRON_FSDP_NPU):
+        return unfused_reason(code, expert_data_parallel(s))
     return None
 
 
@@ -199,8 +209,7 @@ def _memory(s: Strategy, model: ModelSpec | None, lost: list[str], said: list[st
     elif why:
         flags.append(("--no-gradient-accumulation-fusion", None))
         said.append(f"--no-gradient-accumulation-fusion: {why}; each weight gradient is then added to its buffer "
-                    "by a kernel of its own (the plan was priced with the fused accumulation; this launch, read "
-                    "back, is priced with the separate adds)")
+                    "by a kernel of its own, as the megatron runtime prices such a plan")
     if s.zero == 3 and not s.fsdp:
         lost.append("ZeRO-3 without FSDP (Megatron shards parameters only through Megatron/torch FSDP)")
     if s.zero and s.shard_group:

@@ -268,6 +268,7 @@ class MemoryOptions:
         software["pipeline_defers_fsdp_reduce"] = self.profile.pipeline_defers_fsdp_reduce
         software["grad_buckets"] = self.profile.grad_buckets
         software["ddp_bucket_cap_mb"] = self.profile.ddp_bucket_cap_mb
+        software["gradient_accumulation_rules"] = self.profile.gradient_accumulation_rules
         software["loss_upcast"] = self.loss_upcast
         # Whether the loss is vocabulary-parallel, or runs on logits gathered whole to every
         # tensor-parallel rank (the option, else the runtime's choice), as memory holds them.

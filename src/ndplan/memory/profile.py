@@ -245,6 +245,10 @@ class RuntimeProfile:
     #: bucket): 'megatron' (Megatron-Core's DDP) or 'ddp' (PyTorch DDP, ``ddp_bucket_cap_mb``).
     grad_buckets: str = "megatron"
     ddp_bucket_cap_mb: float = 25.0
+    #: Whose launch rules turn gradient-accumulation fusion off for some strategies
+    #: (``EfficiencyProfile.gradient_accumulation_rules``, ``perf.accumulation``): 'megatron', or
+    #: None where every strategy runs as ``kernels``' gradient_accumulation_fusion says.
+    gradient_accumulation_rules: str | None = None
     tp_accumulates_whole_embedding_grad: bool = False
     weight_grad_recomputes_per_group: bool = False
     first_stage_backward_at_w: bool = False
@@ -357,6 +361,7 @@ def _parse_profile(data: Any, source: str) -> RuntimeProfile:
         pipeline_defers_fsdp_reduce=bool(data.get("pipeline_defers_fsdp_reduce", False)),
         grad_buckets=_grad_buckets(data.get("grad_buckets", "megatron"), source),
         ddp_bucket_cap_mb=_positive(data.get("ddp_bucket_cap_mb", 25.0), "ddp_bucket_cap_mb", source),
+        gradient_accumulation_rules=_accumulation_rules(data.get("gradient_accumulation_rules"), source),
         tp_accumulates_whole_embedding_grad=bool(data.get("tp_accumulates_whole_embedding_grad", False)),
         weight_grad_recomputes_per_group=bool(data.get("weight_grad_recomputes_per_group", False)),
         first_stage_backward_at_w=bool(data.get("first_stage_backward_at_w", False)),
@@ -383,6 +388,12 @@ def _grad_buckets(raw: Any, source: str) -> str:
     if raw not in ("megatron", "ddp"):
         raise NdplanError(f"{source}: grad_buckets must be 'megatron' or 'ddp', got {raw!r}")
     return str(raw)
+
+
+def _accumulation_rules(raw: Any, source: str) -> str | None:
+    if raw not in (None, "megatron"):
+        raise NdplanError(f"{source}: gradient_accumulation_rules must be 'megatron' or left out, got {raw!r}")
+    return None if raw is None else str(raw)
 
 
 def _positive(raw: Any, key: str, source: str) -> float:

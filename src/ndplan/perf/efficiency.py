@@ -212,7 +212,10 @@ class EfficiencyProfile(BaseModel):
     --no-gradient-accumulation-fusion, which MindSpeed-LLM's example scripts pass), the GEMM
     writes the gradient in the activation dtype (a bytes a weight) and a kernel of its own adds
     it to the buffer (``param.main_grad.add_(param.grad)``: a + 2·g bytes a weight at the HBM
-    rate, after the GEMM, every micro-batch).
+    rate, after the GEMM, every micro-batch). ``gradient_accumulation_rules`` 'megatron' (the
+    megatron runtime's) prices so, with the fusion on, the strategies whose Megatron launch
+    cannot fuse: torch FSDP2, and Megatron-FSDP beside expert data parallelism or on Ascend
+    NPUs (``ndplan.perf.accumulation``, which the Megatron emitter reads too).
 
     FSDP's copies: ``fsdp_stream_copies`` (FSDP2, the ``pytorch`` runtime's fact) copies each
     gathered unit out of its all-gather buffer into the parameters (``split_with_sizes_copy``,
@@ -330,6 +333,7 @@ class EfficiencyProfile(BaseModel):
     fsdp_stream_copies: bool = False
     fsdp_cpu_offload: bool = False
     gradient_accumulation_fusion: bool = True
+    gradient_accumulation_rules: Literal["megatron"] | None = None
     fp8_tp_gather: bool = False
     expert_bias_add: Literal["fused", "repeat", "split-cat"] = "fused"
     sink_rescale: Literal["fused", "bf16", "fp32"] = "fused"
@@ -641,7 +645,7 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "p2p_wait", "pipeline_scatter_gather", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
                    "tp_overlap_backward", "fsdp_stream_copies", "fsdp_cpu_offload", "gradient_accumulation_fusion",
-                   "fp8_tp_gather", "expert_bias_add",
+                   "gradient_accumulation_rules", "fp8_tp_gather", "expert_bias_add",
                    "sink_rescale", "ring_merge", "ring_exchange", "mla_assembly", "qkv_transpose",
                    "fp8_gemm_kernel")
 

@@ -66,6 +66,7 @@ from ndplan.memory.static import TpSplit, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, weight_grad_groups
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.perf import collectives as coll
+from ndplan.perf.accumulation import forced_unfused
 from ndplan.perf.codes import first_of_codes, row_codes
 from ndplan.perf.efficiency import EfficiencyProfile
 from ndplan.perf.flops import (
@@ -175,6 +176,10 @@ class LayerContext:
     recompute_modules: tuple[str, ...] = ()
     #: ``Strategy.offload_modules`` of the batch: what goes to host memory and back.
     offload_modules: tuple[str, ...] = ()
+    #: The rates of a launch that adds its weight gradients apart (gradient-accumulation fusion
+    #: off), where the runtime's rules turn the fusion off for some rows (``perf.accumulation``):
+    #: ``piece_times`` prices those rows' weight-gradient GEMMs at them. None: every row at ``rates``.
+    unfused_rates: ComputeRates | None = None
 
 
 #: The strategy columns a ``Sharding`` reads (in its field order).
@@ -216,6 +221,9 @@ def sharding_rows(cols: dict[str, Array]) -> ShardingRows:
 #: The strategy columns the sharding part of a decoder layer reads (``BaseRows``): its GEMMs,
 #: attention core, elementwise bytes, raw TP/CP/EP collectives and what they expose on their own.
 BASE_FIELDS = SHARDING_FIELDS + ("cp_kind", "ulysses_degree")
+#: The column, 1 on the rows whose launch adds its weight gradients apart (``LayerContext.unfused_rates``),
+#: that ``piece_times`` adds to the base fields where some rows do.
+UNFUSED = "unfused_accumulation"
 
 
 @dataclass(frozen=True)
@@ -238,10 +246,11 @@ class BaseRows:
 
 
 def base_rows(cols: dict[str, Array]) -> BaseRows:
-    """The distinct ``BASE_FIELDS`` rows of ``cols``."""
-    codes, count = row_codes([cols[name] for name in BASE_FIELDS])
+    """The distinct ``BASE_FIELDS`` rows of ``cols`` (and ``UNFUSED``, where ``cols`` has it)."""
+    fields = BASE_FIELDS + ((UNFUSED,) if UNFUSED in cols else ())
+    codes, count = row_codes([cols[name] for name in fields])
     first = first_of_codes(codes, count)
-    base = {name: np.asarray(cols[name])[first] for name in BASE_FIELDS}
+    base = {name: np.asarray(cols[name])[first] for name in fields}
     return BaseRows(base, Sharding(*(base[name] for name in SHARDING_FIELDS)), codes)
 
 
@@ -997,22 +1006,35 @@ def _fsdp_beside_scaleup(ctx: LayerContext, cols: dict[str, Array]) -> tuple[tup
     return (fsdp_out & tp_in, fsdp_out & cp_in, fsdp_out & ep_in), (sharing(tp_in), sharing(cp_in), sharing(ep_in))
 
 
-def _pass_gemm_seconds(ctx: LayerContext, gemms: list[Gemm]
+def _pass_gemm_seconds(ctx: LayerContext, gemms: list[Gemm], rates: ComputeRates | None = None
                        ) -> tuple[dict[str, Array | float], dict[str, Array | float], dict[str, Array | float]]:
     """(seconds of ``gemms`` per pass F, B, W, routed experts scaled by the busiest rank's routed
     tokens over a balanced share, ``EfficiencyProfile.routed_token_factor``;
-    forward seconds of each GEMM by name; its backward's input-gradient seconds, B, by name)."""
+    forward seconds of each GEMM by name; its backward's input-gradient seconds, B, by name),
+    at ``rates`` (None: ``ctx.rates``)."""
     total: dict[str, Array | float] = {p: 0.0 for p in PASS_NAMES}
     forward: dict[str, Array | float] = {}
     backward: dict[str, Array | float] = {}
     for g in gemms:
-        times = gemm_pass_seconds(g, ctx.rates)
+        times = gemm_pass_seconds(g, rates or ctx.rates)
         scale = ctx.eff.routed_token_factor if g.expert else 1.0
         for pass_, value in times.items():
             total[pass_] = total[pass_] + scale * value
         forward[g.name] = times["F"]
         backward[g.name] = times["B"]
     return total, forward, backward
+
+
+def _weight_grad_seconds(ctx: LayerContext, bc: dict[str, Array], shardings: ShardingRows, fused: Array | float,
+                         seconds_at: Callable[[ComputeRates], Array | float]) -> Array | float:
+    """Weight-gradient (W) seconds per base row ``bc``: ``fused`` (per base row, at ``ctx.rates``),
+    or on the rows whose launch adds its gradients apart (``UNFUSED``) ``seconds_at`` those rates
+    (``ctx.unfused_rates``; per distinct sharding, spread): the same figures a launch priced
+    unfused as a whole gets."""
+    apart = bc.get(UNFUSED)
+    if ctx.unfused_rates is None or apart is None or not np.any(apart):
+        return fused
+    return np.where(apart > 0, shardings.spread(seconds_at(ctx.unfused_rates)), fused)
 
 
 def _chunk_sort(ctx: LayerContext, cols: dict[str, Array]) -> Array | float:
@@ -1126,6 +1148,8 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     gemms = layer_gemms(model, shardings.distinct, kind, full_attention=full_attention)  # per distinct sharding
     gemm_distinct, forward_of, backward_of = _pass_gemm_seconds(ctx, gemms)
     gemm = {pass_: shardings.spread(value) for pass_, value in gemm_distinct.items()}
+    gemm["W"] = _weight_grad_seconds(ctx, bc, shardings, gemm["W"],
+                                     lambda rates: _pass_gemm_seconds(ctx, gemms, rates)[0]["W"])
     cast_f, cast_b = (shardings.spread(value) for value in fp8_cast_seconds(ctx, gemms))
     attn_f, attn_b = attention_core_seconds(ctx, bsh, kind, full_attention, calls=attention_calls(bc))
     sort = _chunk_sort(ctx, bc) if kind == "moe" else 0.0
@@ -1256,10 +1280,13 @@ def decoder_layer(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, kind:
     tp_b, cp_b = _beyond_slack((tp_b, cp_b), compute_b - computed.gpu_b)
 
     if kind == "moe":
-        experts, _, _ = _pass_gemm_seconds(ctx, [g for g in gemms if g.expert])
+        routed = [g for g in gemms if g.expert]
+        experts, _, _ = _pass_gemm_seconds(ctx, routed)
+        expert_s = {p: shardings.spread(v) for p, v in experts.items()}
+        expert_s["W"] = _weight_grad_seconds(ctx, bc, shardings, expert_s["W"],
+                                             lambda rates: _pass_gemm_seconds(ctx, routed, rates)[0]["W"])
         forward, backward, paired_exposed_f, paired_exposed_b, paired_hidden_f, paired_hidden_b = _ep_exchange(
-            ctx, bc, bsh, (compute_f, compute_b, compute_w), (computed.gpu_f, computed.gpu_b),
-            {p: shardings.spread(v) for p, v in experts.items()}, up)
+            ctx, bc, bsh, (compute_f, compute_b, compute_w), (computed.gpu_f, computed.gpu_b), expert_s, up)
 
     # Selective recompute's replay (below) reads the sharding part alone too.
     replays_dispatch = False
@@ -1530,7 +1557,10 @@ def table_copy_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding,
     base = base or BaseRows(cols, sh)
     shardings = shardings or ShardingRows(base.sh)
     head = head_gemms(model, shardings.distinct)
-    head_s = {p: base.spread(shardings.spread(gemms_seconds(head, ctx.rates.head, p)[0])) for p in PASS_NAMES}
+    head_s = {p: shardings.spread(gemms_seconds(head, ctx.rates.head, p)[0]) for p in PASS_NAMES}
+    head_s["W"] = _weight_grad_seconds(ctx, base.cols, shardings, head_s["W"],
+                                       lambda rates: gemms_seconds(head, rates.head, "W")[0])
+    head_s = {p: base.spread(value) for p, value in head_s.items()}
     (fs_f, fs_b), (full_f, full_b) = _fsdp_seconds(ctx, cols, TpSplit(model.vocab_size * model.hidden_size, 0), 0.0, fsdp)
     out = PieceTimes()
     out.add("F", "dp", _fsdp_exposed(ctx, fs_f, head_s["F"], full_f))
@@ -1565,6 +1595,7 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     shardings = shardings or ShardingRows(bsh)
     head = head_gemms(model, shardings.distinct)
     head_s = {p: shardings.spread(gemms_seconds(head, rates.head, p)[0]) for p in PASS_NAMES}
+    head_s["W"] = _weight_grad_seconds(ctx, bc, shardings, head_s["W"], lambda r: gemms_seconds(head, r.head, "W")[0])
     vocab_parallel = ctx.eff.loss_parallel
     loss_s = ctx.eff.figure("loss_elementwise_passes") * head_bytes(model, bsh, bc["sequence_parallel"], beta,
                                                      ctx.eff.loss_upcast, vocab_parallel) / rates.hbm_rate
@@ -1597,6 +1628,7 @@ def head_piece(ctx: LayerContext, cols: dict[str, Array], sh: Sharding, mtp_laye
     if model.mtp_depth:
         proj = mtp_gemms(model, shardings.distinct)
         proj_s = {p: shardings.spread(gemms_seconds(proj, rates, p)[0]) for p in PASS_NAMES}
+        proj_s["W"] = _weight_grad_seconds(ctx, bc, shardings, proj_s["W"], lambda r: gemms_seconds(proj, r, "W")[0])
         module = PieceTimes()
         module.scaled_add(mtp_layer, 1.0)
         module.scaled_add(one, 1.0)
@@ -1634,6 +1666,11 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     """Every piece of a stage, for the strategies in ``cols`` (float arrays, see step.py)."""
     model = ctx.model
     sh = Sharding(*(cols[name] for name in SHARDING_FIELDS))
+    if ctx.unfused_rates is not None:
+        # The rows whose launch adds its weight gradients apart, a base field (``UNFUSED``).
+        apart = forced_unfused(model, cols, ctx.eff, ctx.precision)
+        if apart is not None and np.any(apart):
+            cols[UNFUSED] = apart.astype(np.float64)
     # Every piece's sharding part on the distinct base rows (BaseRows), with their shardings.
     base = base_rows(cols)
     shardings = sharding_rows(base.cols)

@@ -13,6 +13,7 @@ from ndplan.hardware.device import Cluster, Device
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import shard_groups
 from ndplan.model.spec import ModelSpec
+from ndplan.perf.accumulation import launch_efficiency
 from ndplan.perf.efficiency import (
     DEEPGEMM_FP8_EFFICIENCY,
     FLEX_ATTENTION_SHARE,
@@ -122,6 +123,9 @@ class TimeReport:
     sends_waited: bool = False
     #: The runtime profile priced (``MemoryOptions.runtime``), where ``estimate_time`` was given one.
     runtime: str | None = None
+    #: Why its launch adds the weight gradients apart though the runtime fuses them by default
+    #: (``perf.accumulation``; the efficiency above says so); '' where it does not.
+    unfused_why: str = ""
 
     @property
     def caveats(self) -> list[str]:
@@ -145,6 +149,8 @@ class TimeReport:
             },
             "chunk_seconds": self.chunk_seconds,
             "sends_waited": self.sends_waited,
+            "gradient_accumulation_fusion": self.efficiency.gradient_accumulation_fusion,
+            **({"unfused_why": self.unfused_why} if self.unfused_why else {}),
             "caveats": self.caveats,
         }
 
@@ -198,6 +204,8 @@ def estimate_time(
     weight_grad_rebuilds = bool(weight_grad_rebuilds)
     validate_strategy(strategy, model, cluster.num_devices)
     eff, ov = pricing_settings(cluster, efficiency, overlap, software)
+    # A launch its runtime's rules run without gradient-accumulation fusion: priced, and said, so.
+    eff, unfused_why = launch_efficiency(eff, model, strategy)
     batch = StrategyBatch.of(strategy)
     out = evaluate(model, batch, cluster, efficiency=eff, overlap=ov, pipeline="simulate",
                    stage_layers=strategy.stage_layers, details=True, weight_grad_rebuilds=weight_grad_rebuilds)
@@ -217,6 +225,7 @@ def estimate_time(
         chunk_seconds={name: chunks[i].tolist() for i, name in enumerate(("forward", "backward", "weight_grad"))},
         sends_waited=strategy.pp > 1 and waits_for_sends(eff.p2p_wait, strategy.schedule),
         runtime=None if options is None else options.runtime,
+        unfused_why=unfused_why,
     )
 
 

@@ -50,6 +50,7 @@ from ndplan.memory.static import mtp_extra_split, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, norm_params
 from ndplan.model.spec import ModelSpec
 from ndplan.perf import collectives as coll
+from ndplan.perf.accumulation import forced_unfused
 from ndplan.perf.codes import dense_codes, first_of_codes, row_codes
 from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, waits_for_sends, with_software
 from ndplan.perf.flops import model_flops_per_micro_batch
@@ -162,6 +163,15 @@ def compute_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
     return rates("fp8", unquantised=rates("bf16")) if fp8 else rates(dtype)
 
 
+def unfused_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile) -> ComputeRates | None:
+    """The batch's rates with gradient-accumulation fusion off, where ``eff`` fuses and the
+    runtime's rules may turn it off for some rows (``perf.accumulation``; ``LayerContext.unfused_rates``),
+    else None."""
+    if not eff.gradient_accumulation_fusion or eff.gradient_accumulation_rules is None:
+        return None
+    return compute_rates(cluster, batch, eff.replace(gradient_accumulation_fusion=False))
+
+
 def strategy_overlap_flags(batch: StrategyBatch, overlap: OverlapConfig) -> Array:
     """1 where expert all-to-alls overlap with compute (the switch, or DualPipeV when unset)."""
     dualpipev = CODES["schedule"].index("dualpipev")
@@ -233,7 +243,8 @@ def piece_params(model: ModelSpec) -> dict[str, tuple[float, float, float]]:
 
 
 def distinct_layer_configs(ints: dict[str, Array], dp_config: Array, dp_rows: Array, weight_grad_rebuilds: bool = False,
-                           defers_fsdp_reduce: bool = False, mtp: bool = False) -> tuple[Array, Array]:
+                           defers_fsdp_reduce: bool = False, mtp: bool = False,
+                           unfused: Array | None = None) -> tuple[Array, Array]:
     """(first row of each distinct layer configuration, the configuration code of every row).
 
     FSDP's data-parallel size and shard group only matter when parameters are sharded, so they
@@ -242,7 +253,8 @@ def distinct_layer_configs(ints: dict[str, Array], dp_config: Array, dp_rows: Ar
     parameters (W's reduce, apart from B's gather); whether a pipeline defers FSDP's reduce only
     where it does (``defers_fsdp_reduce``, ``layer._fsdp_seconds``); whether full recompute
     limits its layers (``recompute_layers``, Megatron's block method) only for a model with MTP
-    modules (``mtp``), which only the uniform method recomputes (``layer.head_piece``).
+    modules (``mtp``), which only the uniform method recomputes (``layer.head_piece``); and where
+    given, ``unfused``, the rows whose launch adds its weight gradients apart (``layer.UNFUSED``).
 
     The fields of the DP configurations (``dp_config``: the codes of _DP_FIELDS; ``dp_rows``: a
     row of each) join the key as two codes worked out per DP configuration and taken per row:
@@ -272,6 +284,8 @@ def distinct_layer_configs(ints: dict[str, Array], dp_config: Array, dp_rows: Ar
     ]
     if mtp:
         columns.append((ints["recompute"] == 2) & (ints["recompute_layers"] > 0))
+    if unfused is not None:
+        columns.append(unfused)
     config, count = row_codes(columns)
     return first_of_codes(config, count), config
 
@@ -1150,10 +1164,16 @@ def evaluate(
     dp_columns = {name: ints[name] for name in _DP_FIELDS}
     dp_config, dp_count = row_codes(list(dp_columns.values()))
     dp_rows = first_of_codes(dp_config, dp_count)
+    # Rows whose launch adds its weight gradients apart (the runtime's rules) price their own
+    # weight-gradient GEMMs: a field of the layer key where there are any.
+    apart_rates = unfused_rates(cluster, batch, eff)
+    apart = None if apart_rates is None else forced_unfused(model, ints, eff, batch.precision)
+    if apart is None or not np.any(apart):
+        apart, apart_rates = None, None
     first, config = distinct_layer_configs(ints, dp_config, dp_rows, weight_grad_rebuilds,
-                                           eff.pipeline_defers_fsdp_reduce, bool(model.mtp_depth))
+                                           eff.pipeline_defers_fsdp_reduce, bool(model.mtp_depth), apart)
     ctx = LayerContext(model, rates, fabric, eff, ov, batch.precision, weight_grad_rebuilds, batch.recompute_modules,
-                       batch.offload_modules)
+                       batch.offload_modules, apart_rates)
     at_first = _RowColumns(ints, first, dp_rows.take(dp_config.take(first)))
     pairing = ints["ep_pairing"][first]  # (a field of the layer key)
     at_first["ep_unpaired"] = pairing_counts[pairing, 0].astype(np.float64)
