@@ -158,7 +158,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                   + dispatcher_note(options, model), markup=False)
     print_kernels(options, strategy, model=model)
     if timing.unfused_why:
-        console.print(f"weight gradients added to their buffers by a kernel of their own after the GEMM (priced): "
+        asked = ", not as --gradient-accumulation-fusion asks" if options.gradient_accumulation_fusion else ""
+        console.print(f"weight gradients added to their buffers by a kernel of their own after the GEMM (priced{asked}): "
                       f"{timing.unfused_why}", markup=False)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
