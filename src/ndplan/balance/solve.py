@@ -264,7 +264,7 @@ def _heuristic(problem: BalanceProblem) -> tuple[Plan, PlanCost] | None:
     if one_layer_kind(problem):
         return solve_chunks(problem, window=CHUNKS_WINDOW)
     found = solve_prefixed(problem) if leading_run(problem) is not None else solve_rounds(problem)
-    return found if found is not None else _milp_dealt(problem, FALLBACK_MILP_SECONDS)
+    return found if found is not None else _milp_dealt(problem, FALLBACK_MILP_SECONDS, node_limit=FALLBACK_MILP_NODES)
 
 
 def with_uniform(problem: BalanceProblem, found: tuple[Plan, PlanCost] | None) -> tuple[Plan, PlanCost] | None:
@@ -321,16 +321,22 @@ def solve_exact(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pl
     return min(candidates, key=lambda c: c[1].step_s) if candidates else None
 
 
-FALLBACK_MILP_SECONDS = 1.0  # where the heuristic's plans of several kinds all fail to fit
+#: Where the heuristic's plans of several kinds all fail to fit, the MILP's placement, bounded by
+#: the branch-and-bound nodes HiGHS explores, so that the same problem gets the same plan however
+#: busy the machine (a time limit of 1 s gave DeepSeek-V2-Lite over pp 8 with ZB-V at 0.45 of its
+#: memory 14.86 s on one run and 19.35 s on the next); the seconds only stop a root relaxation
+#: that takes that long.
+FALLBACK_MILP_NODES = 2000
+FALLBACK_MILP_SECONDS = 10.0
 
 
-def _milp_dealt(problem: BalanceProblem, time_limit_s: float, cutoff_s: float | None = None
-                ) -> tuple[Plan, PlanCost] | None:
+def _milp_dealt(problem: BalanceProblem, time_limit_s: float, cutoff_s: float | None = None,
+                node_limit: int | None = None) -> tuple[Plan, PlanCost] | None:
     """The MILP's placement with each stage's options dealt over its chunks (the MILP frees
     them per chunk), or None."""
     from ndplan.balance.rounds import _Greedy, _plan_of
 
-    found = solve_milp_bounded(problem, time_limit_s, cutoff_s)[0]
+    found = solve_milp_bounded(problem, time_limit_s, cutoff_s, node_limit)[0]
     return None if found is None else _plan_of(problem, _Greedy(problem), found[0].stage_layers)
 
 
@@ -339,8 +345,8 @@ def solve_milp(problem: BalanceProblem, time_limit_s: float = 10.0) -> tuple[Pla
     return solve_milp_bounded(problem, time_limit_s)[0]
 
 
-def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cutoff_s: float | None = None
-                       ) -> tuple[tuple[Plan, PlanCost] | None, float]:
+def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cutoff_s: float | None = None,
+                       node_limit: int | None = None) -> tuple[tuple[Plan, PlanCost] | None, float]:
     """The MILP's plan (or None) and HiGHS' proven lower bound of the optimal step in seconds
     (the optimum itself when it finished within ``time_limit_s``), which measures how far any
     plan, the heuristic's included, can be from the optimum. With ``cutoff_s`` (a known plan's
@@ -366,8 +372,8 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
       A_v ≤ C_v, A_v ≤ K, A_v ≥ C_v − L·b[v], A_v ≥ K − L·(1 − b[v]);
     * otherwise y[l, v] (layer l on virtual stage v), contiguous and in order.
 
-    Optimal unless HiGHS hits ``time_limit_s`` (then its incumbent, or None); also the tests'
-    cross-check of the DP.
+    Optimal unless HiGHS hits ``time_limit_s`` or explores ``node_limit`` branch-and-bound nodes
+    (then its incumbent, or None); also the tests' cross-check of the DP.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -524,7 +530,7 @@ def solve_milp_bounded(problem: BalanceProblem, time_limit_s: float = 10.0, cuto
                                                  np.ones(len(relaxed)), np.ones(n_o), np.full(n_m, np.inf), [np.inf]]))
     result = milp(
         objective, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
-        bounds=bounds, options={"time_limit": time_limit_s},
+        bounds=bounds, options={"time_limit": time_limit_s, **({"node_limit": node_limit} if node_limit else {})},
     )
     dual = getattr(result, "mip_dual_bound", None)
     lower_bound = float(dual) + ends if dual is not None and np.isfinite(dual) else 0.0
