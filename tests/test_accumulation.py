@@ -140,3 +140,21 @@ def test_estimate_says_why_its_launch_adds_apart(capsys) -> None:
     assert main([*base, "--json"]) == 0  # Megatron-FSDP, dense, on GPUs: fused
     time = json.loads(capsys.readouterr().out)["time"]
     assert time["gradient_accumulation_fusion"] is True and "unfused_why" not in time
+
+
+def test_the_report_notes_why_its_launch_adds_apart(tmp_path, capsys) -> None:
+    out = tmp_path / "report.html"
+    assert main(["report", "-o", str(out), "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
+                 "--gbs", "32", "--seq", "4096", "--zero", "3", "--no-reshard", "--runtime", "megatron"]) == 0
+    capsys.readouterr()
+    assert ("weight gradients added to their buffers by a kernel of their own after the GEMM (priced): Megatron runs "
+            "this FSDP as torch FSDP2") in out.read_text()
+
+
+def test_balance_says_why_its_launch_adds_apart(capsys) -> None:
+    """Megatron-FSDP over EP 8 and 16 data-parallel ranks (2 expert data-parallel ranks), pp 2."""
+    assert main(["balance", "--model", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "32", "--gbs", "64",
+                 "--seq", "4096", "--dp", "16", "--ep", "8", "--pp", "2", "--zero", "3", "--runtime", "megatron"]) == 0
+    assert ("weight gradients added to their buffers by a kernel of their own after the GEMM (priced): Megatron-Core's "
+            "Megatron-FSDP refuses gradient-accumulation fusion beside expert data parallelism (2 ranks)"
+            ) in " ".join(capsys.readouterr().out.split())

@@ -158,9 +158,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                   + dispatcher_note(options, model), markup=False)
     print_kernels(options, strategy, model=model)
     if timing.unfused_why:
-        asked = ", not as --gradient-accumulation-fusion asks" if options.gradient_accumulation_fusion else ""
-        console.print(f"weight gradients added to their buffers by a kernel of their own after the GEMM (priced{asked}): "
-                      f"{timing.unfused_why}", markup=False)
+        from ndplan.perf.accumulation import unfused_note
+
+        console.print(unfused_note(timing.unfused_why, bool(options.gradient_accumulation_fusion)), markup=False)
     if emitted:
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(emitted, markup=False, soft_wrap=True)  # settings to paste: never wrapped

@@ -194,6 +194,10 @@ def cmd_balance(args: argparse.Namespace) -> int:
         console.print(f"[bold yellow]caution[/]: {caveat}")
     # what the step is priced with, and what --emit changed in it (the loss)
     print_kernels(options, strategy, recompute_chosen=True, model=model)
+    if emitted_time.unfused_why:
+        from ndplan.perf.accumulation import unfused_note
+
+        console.print(unfused_note(emitted_time.unfused_why, bool(options.gradient_accumulation_fusion)), markup=False)
     if data.get("emitted"):
         console.print(f"\n[bold]{args.emit}[/] settings:")
         console.print(data["emitted"], markup=False, soft_wrap=True)  # settings to paste: never wrapped

@@ -90,6 +90,13 @@ def _rule_codes(model: ModelSpec, columns: Mapping[str, Array], eff: EfficiencyP
                                          eff.family.startswith("davinci"))
 
 
+def unfused_note(why: str, overridden: bool = False) -> str:
+    """The line that says a launch adds its weight gradients apart, and ``why`` (its
+    ``launch_efficiency`` reason); ``overridden``: the user stated the fusion on."""
+    asked = ", not as --gradient-accumulation-fusion asks" if overridden else ""
+    return f"weight gradients added to their buffers by a kernel of their own after the GEMM (priced{asked}): {why}"
+
+
 def forced_unfused(model: ModelSpec, columns: Mapping[str, Array], eff: EfficiencyProfile,
                    precision: PrecisionPolicy) -> Array | None:
     """Rows whose launch adds its weight gradients apart although ``eff`` fuses the

@@ -964,9 +964,16 @@ def prepare(result: Any, *, top: int = 50, max_points: int = 4000, title: str | 
         "rows": flat_rows,
         "n_rows_total": len(raw_rows),
         "notes": [str(n) for key in ("notes", "report_notes") if isinstance(data.get(key), list)
-                  for n in data[key]],
+                  for n in data[key]] + _unfused_notes(perf),
         "cautions": cautions(data, perf, rows),
     }
+
+
+def _unfused_notes(perf: Mapping[str, Any] | None) -> list[str]:
+    """Why the step prices the launch's weight-gradient adds apart, where it does."""
+    from ndplan.perf.accumulation import unfused_note
+
+    return [unfused_note(str(perf["unfused_why"]))] if perf and perf.get("unfused_why") else []
 
 
 def cautions(data: Mapping[str, Any], perf: Mapping[str, Any] | None, rows: Sequence[Mapping[str, Any]]) -> list[str]:
