@@ -27,7 +27,8 @@ DeepSeek-V2-Lite, pp 4 ZB-V on Ascend 910B, +0.79%); before the fifty-third sess
 GPU priced a host-bound step slower where the collectives its host floor leaves room for were
 added to it (seed 52: Qwen3-30B-A3B, CP 2 DualPipeV on GB200, +0.25%). What it still reports (a
 MoE forward's collectives before its token-count sync, the bubble's share of a comm-bound
-pipeline) is under a percent.
+pipeline, and since the fifty-sixth session seed 3's ZeRO-2 case again, +0.29%, now priced with
+MindSpeed's separate gradient adds: docs/time.md, section 12) is under a percent.
 """
 
 from __future__ import annotations
