@@ -122,6 +122,9 @@ def test_a_search_prices_its_launch_as_written(capsys) -> None:
     found = json.loads(capsys.readouterr().out)
     assert "    --no-gradient-accumulation-fusion" in found["emitted"]
     assert "as the megatron runtime prices such a plan" in found["emitted"]
+    n = len(found["ranked"])  # all Megatron-FSDP over EP 8 beside 2+ expert data-parallel ranks
+    assert any(note.startswith(f"{n} of the {n} ranked plans are priced with each weight gradient added to its buffer by "
+                               "a kernel of its own") for note in found["notes"]), found["notes"]
     check, ranked = found["emitted_check"], found["ranked"][found["emitted_rank"] - 1]
     assert check["same"] is True and check["differs"] == []
     assert check["step_s"] == pytest.approx(ranked["step_s"], rel=1e-12)

@@ -67,14 +67,14 @@ def megatron_unfused_accumulation(model: ModelSpec | None, columns: Mapping[str,
     return codes
 
 
-def unfused_reason(code: int, expert_dp: int = 0) -> str:
+def unfused_reason(code: int, expert_dp: int | None = None) -> str:
     """Why a launch of ``megatron_unfused_accumulation``'s ``code`` runs without the fusion, in
-    words ('' for ``FUSED``); ``expert_dp``: its expert data-parallel ranks."""
+    words ('' for ``FUSED``); ``expert_dp``: its expert data-parallel ranks, where said."""
     if code == TORCH_FSDP2:
         return "Megatron runs this FSDP as torch FSDP2, which validate_args refuses beside gradient-accumulation fusion"
     if code == MEGATRON_FSDP_EXPERT_DP:
-        return (f"Megatron-Core's Megatron-FSDP refuses gradient-accumulation fusion beside expert data "
-                f"parallelism ({expert_dp} ranks)")
+        ranks = f" ({expert_dp} ranks)" if expert_dp is not None else ""
+        return f"Megatron-Core's Megatron-FSDP refuses gradient-accumulation fusion beside expert data parallelism{ranks}"
     if code == MEGATRON_FSDP_NPU:
         return "MindSpeed's Megatron-FSDP runs without gradient-accumulation fusion"
     return ""

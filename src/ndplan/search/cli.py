@@ -331,6 +331,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         result.notes.extend(_what_would_fit(result, model, device, devices, asked.space_on, options))
     elif args.balance:
         _rank_balanced(args, asked, space, result, step_time, limit, ranked_top, quiet)
+    result.notes.extend(_unfused_notes(result.ranked[:args.top], model, device, options, precision))
     # --fix wins over --dims (a file's settings too): say so rather than search the value alone.
     result.notes.extend(f"--dims {name}: fixed by --fix {name}={fixed[name]}, so not searched"
                         for name in args.dims or () if name in fixed)
@@ -368,6 +369,28 @@ def cmd_search(args: argparse.Namespace) -> int:
         emit_json(data)
         return 0 if result.ranked else 1
     return _print_search_text(args, asked, space, result, data, overlap, winner, explained)
+
+
+def _unfused_notes(ranked: list[dict[str, Any]], model: ModelSpec, device: Any, options: Any,
+                   precision: Any) -> list[str]:
+    """How many ranked plans the runtime's rules price with their weight gradients added apart
+    (``perf.accumulation``), as a note; none where there are none."""
+    from ndplan.perf.accumulation import strategy_code, unfused_reason
+    from ndplan.perf.efficiency import default_efficiency, with_software
+
+    eff = with_software(default_efficiency(device), options.time_keywords()["software"])
+    if not eff.gradient_accumulation_fusion or eff.gradient_accumulation_rules is None:
+        return []
+    # (a balanced row's launch is its balanced settings')
+    settings = [row.get("balanced_settings", row).get("strategy") for row in ranked]
+    fp16, npu = precision.compute_dtype == "fp16", eff.family.startswith("davinci")
+    codes = [strategy_code(model, Strategy(**fields, precision=precision), fp16, npu) for fields in settings if fields]
+    apart = [unfused_reason(code) for code in codes if code]
+    if not apart:
+        return []
+    return [f"{len(apart)} of the {len(ranked)} ranked plans are priced with each weight gradient added to its buffer "
+            f"by a kernel of its own, as their Megatron launch runs ({'; '.join(dict.fromkeys(apart))}); "
+            "--emit megatron writes --no-gradient-accumulation-fusion for them"]
 
 
 def _rank_balanced(args: argparse.Namespace, asked: _SearchAsked, space: Any, result: Any, step_time: Any,
