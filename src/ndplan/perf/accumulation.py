@@ -13,7 +13,10 @@ Megatron-Core accumulates each weight gradient inside the weight-gradient GEMM b
 
 Those launches write ``--no-gradient-accumulation-fusion`` (``io.megatron_emit``), and the step
 time prices them so (``EfficiencyProfile.gradient_accumulation_rules``): one function, over
-columns, serves both, so that a searched plan costs what its launch, read back, costs.
+columns, serves both, so that a searched plan costs what its launch, read back, costs. Each is
+priced as Megatron's separate add into its fp32 buffer (a + 2·g bytes a weight, every
+micro-batch); torch FSDP2 accumulates into its unsharded gradients instead (autograd's add,
+about 3·a bytes a weight), which that price bounds from above.
 """
 
 from __future__ import annotations
