@@ -83,11 +83,16 @@ def unfused_reason(code: int, expert_dp: int | None = None) -> str:
     return ""
 
 
+def rules_apply(eff: EfficiencyProfile) -> bool:
+    """Whether the runtime's rules may turn the fusion off for some strategies: it has rules,
+    and the fusion is not already off for every one."""
+    return eff.gradient_accumulation_fusion and eff.gradient_accumulation_rules == "megatron"
+
+
 def _rule_codes(model: ModelSpec, columns: Mapping[str, Array], eff: EfficiencyProfile,
                 precision: PrecisionPolicy) -> Array | None:
-    """``megatron_unfused_accumulation``'s codes where ``eff``'s rules apply; None where none does
-    (no rules, or the fusion already off for every row)."""
-    if not eff.gradient_accumulation_fusion or eff.gradient_accumulation_rules != "megatron":
+    """``megatron_unfused_accumulation``'s codes where ``eff``'s rules apply (``rules_apply``), else None."""
+    if not rules_apply(eff):
         return None
     return megatron_unfused_accumulation(model, columns, precision.compute_dtype == "fp16",
                                          eff.family.startswith("davinci"))

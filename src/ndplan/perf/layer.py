@@ -1666,8 +1666,9 @@ def piece_times(ctx: LayerContext, cols: dict[str, Array]) -> dict[str, PieceTim
     """Every piece of a stage, for the strategies in ``cols`` (float arrays, see step.py)."""
     model = ctx.model
     sh = Sharding(*(cols[name] for name in SHARDING_FIELDS))
-    if ctx.unfused_rates is not None:
-        # The rows whose launch adds its weight gradients apart, a base field (``UNFUSED``).
+    if ctx.unfused_rates is not None and UNFUSED not in cols:
+        # The rows whose launch adds its weight gradients apart, a base field (``UNFUSED``;
+        # ``step.evaluate`` gives the flags its layer key was made of).
         apart = forced_unfused(model, cols, ctx.eff, ctx.precision)
         if apart is not None and np.any(apart):
             cols[UNFUSED] = apart.astype(np.float64)

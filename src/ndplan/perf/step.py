@@ -50,7 +50,7 @@ from ndplan.memory.static import mtp_extra_split, non_expert_split, shard_groups
 from ndplan.model.params import layer_params, norm_params
 from ndplan.model.spec import ModelSpec
 from ndplan.perf import collectives as coll
-from ndplan.perf.accumulation import forced_unfused
+from ndplan.perf.accumulation import forced_unfused, rules_apply
 from ndplan.perf.codes import dense_codes, first_of_codes, row_codes
 from ndplan.perf.efficiency import EfficiencyProfile, default_efficiency, waits_for_sends, with_software
 from ndplan.perf.flops import model_flops_per_micro_batch
@@ -60,6 +60,7 @@ from ndplan.perf.layer import (
     PASSES,
     PIECES,
     SPLIT_SCHEDULE_CODES,
+    UNFUSED,
     LayerContext,
     PieceTimes,
     piece_times,
@@ -167,7 +168,7 @@ def unfused_rates(cluster: Cluster, batch: StrategyBatch, eff: EfficiencyProfile
     """The batch's rates with gradient-accumulation fusion off, where ``eff`` fuses and the
     runtime's rules may turn it off for some rows (``perf.accumulation``; ``LayerContext.unfused_rates``),
     else None."""
-    if not eff.gradient_accumulation_fusion or eff.gradient_accumulation_rules is None:
+    if not rules_apply(eff):
         return None
     return compute_rates(cluster, batch, eff.replace(gradient_accumulation_fusion=False))
 
@@ -1178,6 +1179,8 @@ def evaluate(
     pairing = ints["ep_pairing"][first]  # (a field of the layer key)
     at_first["ep_unpaired"] = pairing_counts[pairing, 0].astype(np.float64)
     at_first["ep_passes"] = pairing_counts[pairing, 1].astype(np.float64)
+    if apart is not None:  # the flags the key was made of (piece_times works them out where absent)
+        at_first[UNFUSED] = apart[first].astype(np.float64)
     pieces = piece_times(ctx, at_first)
     categories = CATEGORIES if batch.offload_modules else tuple(c for c in CATEGORIES if c != "offload")
     table, per_pass, per_cat = _piece_table(pieces, len(first), categories)

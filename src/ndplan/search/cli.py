@@ -375,11 +375,11 @@ def _unfused_notes(ranked: list[dict[str, Any]], model: ModelSpec, device: Any, 
                    precision: Any) -> list[str]:
     """How many ranked plans the runtime's rules price with their weight gradients added apart
     (``perf.accumulation``), as a note; none where there are none."""
-    from ndplan.perf.accumulation import strategy_code, unfused_reason
+    from ndplan.perf.accumulation import rules_apply, strategy_code, unfused_reason
     from ndplan.perf.efficiency import default_efficiency, with_software
 
     eff = with_software(default_efficiency(device), options.time_keywords()["software"])
-    if not eff.gradient_accumulation_fusion or eff.gradient_accumulation_rules is None:
+    if not rules_apply(eff):
         return []
     # (a balanced row's launch is its balanced settings')
     settings = [row.get("balanced_settings", row).get("strategy") for row in ranked]
