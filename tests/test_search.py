@@ -190,12 +190,14 @@ def test_every_rejection_reason_is_reachable_and_counted():
                         "vpp_needs_virtual_schedule", "interleaved_needs_vpp", "v_schedule_needs_vpp2",
                         "offload_runs", "pipeline_runs_need_pipeline", "tp_divides_linear_heads",
                         "cp_linear_attention", "tp_divides_kv_heads", "offload_layers_run",
-                        "offload_layers_below_layers", "optimizer_states_offload_needs_distributed_optimizer"}
+                        "offload_layers_below_layers", "optimizer_states_offload_needs_distributed_optimizer",
+                        "cp_ulysses_kv_heads"}
     # The space never draws these combinations (it pairs schedules with their vpp, sets fsdp with
     # zero 3, has no shard groups, recompute layer counts or offload; the model has no Gated
     # DeltaNet layers; a tp that divides the 20 heads divides its 2 KV heads or is a multiple of
-    # them; no layer offload, which no dimension searches; no optimizer states offloaded, which a
-    # space carries alone); test_strategy/test_cli (test_offload for offload_runs,
+    # them, and any Ulysses group divides or repeats a rank's 1 or 2 KV heads; no layer offload,
+    # which no dimension searches; no optimizer states offloaded, which a space carries alone);
+    # test_strategy/test_cli (test_offload for offload_runs,
     # test_layer_offload for offload_layers_run, test_optimizer_state_offload for the states) reach each.
     assert {r.name for r in RULES} - unreachable_here | {OVER_MEMORY, DUPLICATE} <= reached
 
@@ -434,7 +436,7 @@ def test_memory_reads_none_of_the_unread_fields(runtime):
     batch = batch.take(np.flatnonzero(valid_mask(batch, RuleContext(TINY_MOE, space.num_devices))))
     batch = batch.take(np.sort(np.random.default_rng(0).choice(len(batch), 60, replace=False)))
     rng = np.random.default_rng(1)
-    varied = {"fsdp": (batch.zero == 3) & (rng.random(len(batch)) < 0.5), "ulysses_degree": rng.choice([1, 2], len(batch)),
+    varied = {"fsdp": (batch.zero == 3) & (rng.random(len(batch)) < 0.5),
               "global_batch_size": rng.choice([64, 128], len(batch))}
     assert set(varied) == set(UNREAD_FIELDS)
     perturbed = StrategyBatch(**{name: varied.get(name, getattr(batch, name)) for name in batch.array_fields()},

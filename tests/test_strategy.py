@@ -239,19 +239,23 @@ def test_recompute_layers_are_checked_against_an_explicit_placement():
 
 
 def test_ulysses_splits_the_key_value_heads_over_its_group():
-    """Ulysses scatters each tensor-parallel rank's key/value heads over its all-to-all group
-    (Transformer Engine's AttnFuncWithCPAndQKVOA2A asserts "The number of attention heads needs
-    to be divisible by CP size!" of K as of Q): Llama-3.1-8B's 8 KV heads, 1 per rank at tp 8,
-    do not split over cp 2, though its 32 query heads do. Ring attention sends whole KV blocks;
+    """Ulysses scatters each tensor-parallel rank's key/value heads over its all-to-all group,
+    or, where the group outnumbers them, repeats them to the query heads first (MindSpeed;
+    Transformer Engine refuses that, a runtime limit): Llama-3.1-8B's 8 KV heads, 1 per rank at
+    tp 8, are repeated over cp 2. A group of fewer ranks than a rank's heads that does not divide
+    them would split a head: Phi-4's 10 KV heads over 4. Ring attention sends whole KV blocks;
     MLA's keys and values have num_attention_heads heads."""
-    ulysses = Strategy(tp=8, cp=2, cp_kind="ulysses")
-    broken = check_strategy(ulysses, LLAMA, 16)
+    assert check_strategy(Strategy(tp=8, cp=2, cp_kind="ulysses"), LLAMA, 16) == []
+    assert check_strategy(Strategy(tp=4, cp=4, cp_kind="hybrid", ulysses_degree=4), LLAMA, 16) == []
+    phi = get_preset("phi-4")  # 40 query heads, 10 KV heads
+    broken = check_strategy(Strategy(cp=4, cp_kind="ulysses"), phi, 4)
     assert [v.rule for v in broken] == ["cp_ulysses_kv_heads"]
-    assert "tp·cp = 16; it does not divide num_key_value_heads=8" in broken[0].message
-    assert check_strategy(Strategy(tp=4, cp=2, cp_kind="ulysses"), LLAMA, 8) == []
-    assert check_strategy(Strategy(tp=8, cp=2, cp_kind="ring"), LLAMA, 16) == []
-    hybrid = check_strategy(Strategy(tp=4, cp=4, cp_kind="hybrid", ulysses_degree=4), LLAMA, 16)
+    assert ("tp·cp = 4; it does not divide num_key_value_heads=10, and its 4 ranks are fewer than the 10 KV "
+            "heads a tensor-parallel rank holds" in broken[0].message)
+    hybrid = check_strategy(Strategy(cp=8, cp_kind="hybrid", ulysses_degree=4), phi, 8)
     assert [v.rule for v in hybrid] == ["cp_ulysses_kv_heads"]
-    assert "tp·ulysses_degree = 16" in hybrid[0].message
-    assert check_strategy(Strategy(tp=4, cp=4, cp_kind="hybrid", ulysses_degree=2), LLAMA, 16) == []
+    assert "tp·ulysses_degree = 4" in hybrid[0].message
+    # at tp 2 a rank holds 5: 4 ranks split them, 10 repeat them (and divide the 20 query heads)
+    assert [v.rule for v in check_strategy(Strategy(tp=2, cp=4, cp_kind="ulysses"), phi, 8)] == ["cp_ulysses_kv_heads"]
+    assert check_strategy(Strategy(tp=2, cp=10, cp_kind="ulysses", seq_length=4000), phi, 20) == []
     assert check_strategy(Strategy(tp=8, cp=4, cp_kind="ulysses", ep=8, etp=1), DSV3, 32) == []

@@ -2,7 +2,7 @@
 
 The figures come from the runtime profile's saved-tensor blocks, or from a census measured for
 the model, sharded by tp, etp, sequence and context parallelism, under the strategy's recompute
-policy and what it offloads. ``Combinations`` holds them per combination of ACTIVATION_FIELDS,
+policy and what it offloads. ``Combinations`` holds them per combination of ``activation_columns``,
 a few hundred at most in a search, for the grouped estimator to gather per strategy.
 """
 
@@ -19,9 +19,11 @@ import numpy as np
 from ndplan.arrays import one_value
 from ndplan.census.record import CensusRecord, Recompute
 from ndplan.errors import NdplanError
+from ndplan.memory.fields import ACTIVATION_FIELDS
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.profile import FUSED_QKV_MODEL_TYPES, SHARDS, BlockBytes, block_coefficients
 from ndplan.memory.terms import routes_own_tokens
+from ndplan.model.heads import ulysses_kv_repeat
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.strategy.batch import StrategyBatch
 from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES
@@ -90,7 +92,7 @@ class LayerActivations:
     def take(self, index: np.ndarray | slice) -> LayerActivations:
         """The same figures for a subset of the strategies (read-only). A figure of one value
         for every strategy is that value broadcast, not gathered: a search's are a few dozen
-        combinations (``ACTIVATION_FIELDS``), taken for thousands of strategies each, and a third
+        combinations (``activation_columns``), taken for thousands of strategies each, and a third
         of the figures do not vary over them. The figures by layer kind are gathered when first
         read (``_TakenByKind``): a group's device total reads about half of them (the blocks, the
         offloaded bytes and, without a split backward, the weight-gradient figures not at all)."""
@@ -174,7 +176,7 @@ class _TakenByKind(dict[str, np.ndarray]):
 
 @dataclass(frozen=True)
 class Combinations:
-    """The layer activations of a group's strategies by combination of ACTIVATION_FIELDS:
+    """The layer activations of a group's strategies by combination of ``activation_columns``:
     ``acts`` and ``batch`` (those fields' columns) one row per combination, and per strategy of
     the group its combination, ``index`` (None: ``acts`` and ``batch`` are the group's own, a
     row per strategy).
@@ -385,9 +387,20 @@ def sdpa_mask_bytes(model: ModelSpec, batch: StrategyBatch, options: MemoryOptio
     return np.where(seq >= model.sliding_window, batch.micro_batch_size * seq * seq, 0.0)
 
 
+def activation_columns(model: ModelSpec, batch: StrategyBatch) -> list[np.ndarray]:
+    """The columns ``layer_activations`` is a function of: ``ACTIVATION_FIELDS``, and the times
+    a rank's KV heads are repeated before a Ulysses all-to-all (``ulysses_kv_repeat``, which
+    the context-parallel fields set) where any strategy repeats them."""
+    columns = [getattr(batch, name) for name in ACTIVATION_FIELDS]
+    repeat = ulysses_kv_repeat(model, batch.tp, batch.ulysses_ranks)
+    if np.any(repeat > 1):
+        columns.append(np.rint(repeat).astype(np.int64))
+    return columns
+
+
 def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions) -> LayerActivations:
     """Bytes per token per rank of each layer variant, per strategy (a function of
-    ``ACTIVATION_FIELDS`` alone)."""
+    ``activation_columns`` alone)."""
     profile = options.profile
     if model.has_linear_attention and "linear_attention" not in profile.blocks:
         raise NdplanError(f"{model.name} has Gated DeltaNet layers, and runtime '{profile.name}' does not say what "
@@ -439,6 +452,7 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         "gathered": np.where(own_tokens, tp / etp, 1.0),
         "vocab": tp if loss_parallel else np.ones_like(tp),
         "kv": np.minimum(tp, kv_heads),
+        "attended_kv": np.minimum(tp, kv_heads) / ulysses_kv_repeat(model, tp, batch.ulysses_ranks),
         "kv_gathered": np.where(tp > kv_heads, 1.0, np.inf),
         "none": np.ones_like(tp),
     }

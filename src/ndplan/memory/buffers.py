@@ -14,6 +14,7 @@ from ndplan.memory.options import MemoryOptions
 from ndplan.memory.profile import model_symbols
 from ndplan.memory.shape import GroupShape, to_stages
 from ndplan.memory.terms import routes_own_tokens
+from ndplan.model.heads import ulysses_kv_repeat
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import StrategyBatch
 
@@ -135,7 +136,9 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
 
     * Transformer Engine's ring ('p2p'): the K,V block in flight and the one computed on,
       2 · (K + V) widths (/ KV heads, not tp, where tp exceeds them: a rank holds one head).
-    * Ulysses (``ulysses``: bool, or per strategy): 2 · (Q + K + V + O).
+    * Ulysses (``ulysses``: bool, or per strategy): 2 · (Q + K + V + O), K and V as wide as Q and
+      O where MindSpeed repeats a rank's KV heads first (``ulysses_kv_repeat``; so are the
+      hybrid's ring blocks).
     * torch's ring (``exchange`` 'allgather', torch/distributed/tensor/experimental/_attention.py):
       its backward, the larger pass, holds the keys and values all-gathered from the ring's n
       ranks at the query heads' width (torchtitan repeats them to every head: K' = Q-width keys,
@@ -154,15 +157,18 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
       exceeds them, as for the ring)."""
     widths = model_symbols(model)
     beta = batch.precision.activation_bytes
-    per_token = np.where(ulysses, 2 * (widths["q"] + widths["k"] + widths["v"] + widths["o"]),
-                         2 * (widths["k"] + widths["v"]))
+    # With more TP ranks than KV heads a rank holds one KV head whole (Megatron-Core), so K and V
+    # divide by the KV heads, not tp; where MindSpeed repeats a rank's KV heads before a Ulysses
+    # all-to-all (ulysses_kv_repeat: the hybrid's ring then passes them repeated too), they are
+    # that much wider.
+    above = np.asarray(batch.tp > model.split_kv_heads)
+    kv_scale = ulysses_kv_repeat(model, batch.tp, batch.ulysses_ranks)
+    if above.any():
+        kv_scale = kv_scale * np.where(above, batch.tp / model.split_kv_heads, 1.0)
+    kv_per_token = 2 * (widths["k"] + widths["v"]) * kv_scale
+    per_token = np.where(ulysses, 2 * (widths["q"] + widths["o"]) + kv_per_token, kv_per_token)
     exchange_bytes = per_token * tokens  # (in place below, as in _exchange_buffers)
     exchange_bytes *= beta
-    # With more TP ranks than KV heads a rank holds one KV head whole (Megatron-Core), so the
-    # ring's K,V blocks divide by the KV heads, not tp (Ulysses refuses that split).
-    above = np.asarray(batch.tp > model.split_kv_heads)
-    if above.any():
-        exchange_bytes *= np.where(ulysses | ~above, 1.0, batch.tp / model.split_kv_heads)
     if np.any(gathered):
         c = batch.cp.astype(float)
         kv, wider = widths["k"] + widths["v"], max(widths["k"], widths["v"])
@@ -181,7 +187,8 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
 
 def cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, all_moe: np.ndarray) -> np.ndarray:
     """[n] bool: the strategies whose figures depend on their context-parallel kind, which the
-    model reads only in the buffers alive while a layer runs (``layer_buffers``): per stage
+    model reads in the layers' K and V where a Ulysses group of cp ranks would repeat the KV heads
+    (``ulysses_kv_repeat``), and otherwise only in the buffers alive while a layer runs (``layer_buffers``): per stage
     max(sequence-parallel gather, context-parallel exchange, expert all-to-all where the stage
     holds MoE layers), the same bits whatever the kind without context parallelism, or where
     every kind's exchange is no larger than the larger other buffer on every stage
@@ -201,7 +208,10 @@ def cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions,
         largest = np.maximum(largest, _cp_buffers(model, batch, tokens, False, "allgather"))
     ep_buffers *= all_moe
     floor = np.maximum(sp_gather, ep_buffers, out=sp_gather)
-    return (batch.cp > 1) & ~(largest <= floor)
+    # Where a Ulysses group of the strategy's cp ranks (the largest, under any kind) would repeat
+    # its KV heads, that kind's layers keep wider K and V too (layer_activations).
+    repeats = ulysses_kv_repeat(model, batch.tp, batch.cp) > 1
+    return (batch.cp > 1) & (~(largest <= floor) | repeats)
 
 
 def receive_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions, shape: GroupShape,

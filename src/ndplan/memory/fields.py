@@ -36,10 +36,11 @@ def state_field_columns(batch: StrategyBatch) -> list[np.ndarray]:
 
 
 #: The fields of a strategy that no figure of the memory model reads: FSDP is priced as the
-#: ZeRO-3 that a valid strategy with ``fsdp`` has, a hybrid context-parallel group's buffers by
-#: its kind, and the global batch is dp · micro-batch size · micro-batches per step. Strategies
-#: that differ only in these are priced once (``group_alike``; a test perturbs them).
-UNREAD_FIELDS = ("fsdp", "ulysses_degree", "global_batch_size")
+#: ZeRO-3 that a valid strategy with ``fsdp`` has, and the global batch is dp · micro-batch size ·
+#: micro-batches per step. Strategies that differ only in these are priced once (``group_alike``;
+#: a test perturbs them). (A hybrid context-parallel group's Ulysses degree is read: it sets
+#: whether the KV heads are repeated before its all-to-all.)
+UNREAD_FIELDS = ("fsdp", "global_batch_size")
 
 
 #: The fields of a strategy that ``layer_activations`` reads (besides the batch's precision).

@@ -36,9 +36,11 @@ from ndplan.strategy.strategy import OFFLOAD_MODULES, RECOMPUTE_MODULES, SCHEDUL
 #: ``kv``: a tensor over the KV heads, split by min(tp, KV heads): with more TP ranks than KV
 #: heads each rank keeps one whole head (``RuntimeProfile.tp_above_kv_heads``). ``kv_gathered``:
 #: a tensor a rank holds whole only where tp exceeds the KV heads (the QKV output Megatron-Core
-#: gathers then), none elsewhere.
+#: gathers then), none elsewhere. ``attended_kv``: K or V as the attention kernel reads and keeps
+#: them, as ``kv``, or as wide as the queries where MindSpeed repeats a rank's KV heads before a
+#: Ulysses all-to-all whose group outnumbers them (``model.heads.ulysses_kv_repeat``).
 SHARDS: tuple[str, ...] = ("tp", "sp", "etp", "expert_tokens", "expert_width", "gathered", "vocab", "kv", "kv_gathered",
-                           "none")
+                           "attended_kv", "none")
 #: libyaml's safe loader where PyYAML was built with it (the shipped profile parses ~10x faster,
 #: which is most of ``ndplan estimate``'s start-up), else the pure-Python one. Both are safe.
 _SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

@@ -37,6 +37,7 @@ from ndplan.errors import NdplanError
 from ndplan.memory.activations import (
     Combinations,
     LayerActivations,
+    activation_columns,
     layer_activations,
     prices_sdpa_mask,
     sdpa_mask_bytes,
@@ -51,7 +52,7 @@ from ndplan.memory.backward import (
     weight_grad_step,
 )
 from ndplan.memory.buffers import allgather_dispatch_bytes, layer_buffers, receive_buffers
-from ndplan.memory.fields import ACTIVATION_FIELDS, PIPELINE_SHAPE, STATIC_FIELDS, UNREAD_FIELDS
+from ndplan.memory.fields import PIPELINE_SHAPE, STATIC_FIELDS, UNREAD_FIELDS
 from ndplan.memory.frontier import inputs_kept_at_end
 from ndplan.memory.fsdp import FsdpPhases, FsdpRequest, fsdp_moments
 from ndplan.memory.grouping import group_alike, shape_groups
@@ -78,7 +79,7 @@ from ndplan.memory.terms import (
 from ndplan.model.spec import ModelSpec
 from ndplan.schedule import EVERY_BACKWARD_SPLIT, SPLIT_BACKWARD, V_SHAPE
 from ndplan.schedule.unshard import ACTIVE_CHUNKS
-from ndplan.strategy.batch import CODES, StrategyBatch
+from ndplan.strategy.batch import CODES, StrategyBatch, distinct_columns
 from ndplan.units import memory_limit
 
 
@@ -177,7 +178,7 @@ def _sorted_groups(
     if not static_only:
         # The bytes per token of each layer depend on a few fields: priced once per combination
         # of the rows priced (their fields gathered already, fewer rows than the batch's).
-        distinct, combination = ordered.distinct(ACTIVATION_FIELDS)
+        distinct, combination, _ = distinct_columns(activation_columns(model, ordered), len(ordered))
         by_activations = ordered.take(distinct)
         acts = layer_activations(model, by_activations, options)
         # Only eager attention and SDPA's math path materialise the scores (most strategies: none).
@@ -467,7 +468,7 @@ def _group_evaluation(
         # allocated >= params + grads + optimizer, and the device total grows with allocated.
         return {"device": shape.expand(overhead.reserved(static.at(static.total)) + overhead.fixed_bytes[:, None])}
 
-    # (The figures of the layer activations and ACTIVATION_FIELDS alone worked out per
+    # (The figures of the layer activations and activation_columns alone worked out per
     # combination and gathered: 1M mixed DeepSeek-V3 strategies, at most 192 combinations.)
     table_recompute_on = by_combination.recompute_on()
     table_tp = by_combination.batch.tp.astype(float)

@@ -63,6 +63,7 @@ from ndplan.memory.fields import ACTIVATION_FIELDS
 from ndplan.memory.layer_offload import first_layers
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import TpSplit, non_expert_split, shard_groups
+from ndplan.model.heads import ulysses_kv_repeat
 from ndplan.model.params import layer_params, weight_grad_groups
 from ndplan.model.spec import MlpKind, ModelSpec
 from ndplan.perf import collectives as coll
@@ -90,6 +91,7 @@ from ndplan.perf.memory_ops import (
     expert_bias_bytes,
     head_bytes,
     kv_allgather_bytes,
+    kv_repeat_bytes,
     layer_bytes,
     mla_assembly_bytes,
     module_replay_bytes,
@@ -110,7 +112,7 @@ from ndplan.perf.topology import (
     scaleup_link,
 )
 from ndplan.schedule.ops import SPLIT_BACKWARD
-from ndplan.strategy.batch import CODES, StrategyBatch
+from ndplan.strategy.batch import CODES, StrategyBatch, ulysses_ranks
 from ndplan.strategy.precision import PrecisionPolicy
 
 #: Schedule codes whose backward splits into B and W.
@@ -506,7 +508,11 @@ def _cp_seconds(
     ring_n = ring_steps(cols)
     u = c / ring_n
     a2a_link = group_link(u, t, ctx.fabric, "all_to_all")
-    split = kv_split(ctx.model, t)  # (t where each rank holds whole KV heads)
+    # (t where each rank holds whole KV heads; less by the repeat where MindSpeed repeats them
+    # to the query heads before the all-to-all, which then moves K and V, and the hybrid's ring
+    # passes them, that much wider)
+    repeat = kv_repeat(ctx.model, cols)
+    split = kv_split(ctx.model, t) / repeat
     a2a = sum((coll.all_to_all_s(tok * w / s * beta, u, a2a_link) for w, s in ((wq, t), (wk, split), (wv, split), (wo, t))),
               0.0)
     send: Array | float = 0.0
@@ -516,7 +522,7 @@ def _cp_seconds(
         _, ring_f, send = ring_exchange_seconds(ctx.model, ctx.fabric, beta, cols, sh)
         ring_b = ring_f + ring_n * send
     else:
-        kv = rank_kv_elements(ctx.model, t, sh) * beta
+        kv = rank_kv_elements(ctx.model, t, sh) * repeat * beta
         ring_link = group_link(ring_n, t * u, ctx.fabric, "p2p")
         ring_f = np.where(ring_n > 1, (ring_n - 1) * coll.p2p_s(kv, ring_link), 0.0)
         # Transformer Engine's backward sends at each of its n steps: K,V alone first, K,V and the
@@ -663,6 +669,12 @@ def ring_steps(cols: dict[str, Array]) -> Array:
     all-gather CP, which run no ring; ``attention_calls`` counts the latter's calls)."""
     c, kind = cols["cp"], cols["cp_kind"]
     return c / np.where((kind == _ULYSSES) | (kind == _ALLGATHER), c, np.where(kind == _HYBRID, cols["ulysses_degree"], 1.0))
+
+
+def kv_repeat(model: ModelSpec, cols: dict[str, Array]) -> Array:
+    """Per row, the times a rank's KV heads are repeated before its Ulysses all-to-all
+    (``model.heads.ulysses_kv_repeat``; 1 where there is none, or it scatters whole heads)."""
+    return ulysses_kv_repeat(model, cols["tp"], ulysses_ranks(cols["cp"], cols["cp_kind"], cols["ulysses_degree"]))
 
 
 def gathers_kv(cols: dict[str, Array]) -> Array:
@@ -1080,7 +1092,9 @@ def _megatron_activations(ctx: LayerContext, cols: dict[str, Array]) -> LayerAct
     """What a layer of the rows of ``cols`` keeps for backward under Megatron-Core's runtime
     profile (``ndplan.memory.activations.layer_activations``), whose offloads the copies move.
     An unfused attention core saves its scores too, which core_attn offload moves."""
-    columns = {name: np.asarray(cols[name]).astype(np.int64) for name in ACTIVATION_FIELDS}
+    # (and the context-parallel fields, which set the KV heads' repeat before a Ulysses all-to-all)
+    columns = {name: np.asarray(cols[name]).astype(np.int64)
+               for name in (*ACTIVATION_FIELDS, "cp", "cp_kind", "ulysses_degree") if name in cols}
     batch = StrategyBatch.from_columns(columns, ctx.precision, recompute_modules=ctx.recompute_modules,
                                        offload_modules=ctx.offload_modules)
     options = MemoryOptions(runtime="megatron", attention="flash" if ctx.eff.flash_attention else "eager")
@@ -1161,12 +1175,14 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
     ew_rc = eff.elementwise_passes * ew_rc_bytes / rates.hbm_rate
     # Ops counted one by one as the runtime's code runs them (EfficiencyProfile): MLA's query and
     # key assembly, head-major copies around the attention kernel, the attention sinks' rescale,
-    # ring attention's merges and copies, and the routed experts' bias adds.
+    # ring attention's merges and copies, MindSpeed's KV-head repeat before a Ulysses all-to-all,
+    # and the routed experts' bias adds.
     moved = (mla_assembly_bytes(model, bsh, beta, eff.mla_assembly),
              qkv_transpose_bytes(model, bsh, beta, eff.qkv_transpose),
              sink_rescale_bytes(model, bsh, beta, eff.sink_rescale),
              ring_merge_bytes(model, bsh, beta, eff.ring_merge, ring_steps(bc)),
              _kv_allgather_moved(ctx, bc, bsh),
+             kv_repeat_bytes(model, bsh, beta, kv_repeat(model, bc)),
              expert_bias_bytes(model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor)
              if kind == "moe" else (0.0, 0.0))
     unfused_f = sum((f for f, _ in moved), 0.0) / rates.hbm_rate

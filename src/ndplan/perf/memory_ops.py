@@ -117,6 +117,9 @@ its output back after it): read + write of every element of Q = T·(a/t)·d_qk, 
 V = T·(g/t)·d_v and O = T·(a/t)·d_v (g the key/value heads, a under MLA) -> 2β(Q + K + V + O)
 forward; the backward the same, since each gradient comes back as a transposed view that the next
 kernel copies again (a GEMM's input rows, the reshape before the projection's backward).
+MindSpeed's KV-head repeat before a Ulysses all-to-all whose group outnumbers a rank's KV heads
+(``model.heads.ulysses_kv_repeat``, r times): repeat_interleave reads K and V and writes r copies,
+the backward sums the copies' gradients -> β·T·(k + v)/kv_split·(1 + r) each way.
 """
 
 from __future__ import annotations
@@ -250,6 +253,17 @@ def qkv_transpose_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
         return 0.0, 0.0
     heads_per_rank = model.num_attention_heads / sh.tp + model.split_kv_heads / kv_split(model, sh.tp)  # Q + O, K + V
     moved = 2.0 * act_bytes * sh.tokens * heads_per_rank * (model.qk_head_dim + model.value_head_dim)
+    return moved, moved
+
+
+def kv_repeat_bytes(model: ModelSpec, sh: Sharding, act_bytes: float,
+                    repeat: Array | float) -> tuple[Array | float, Array | float]:
+    """(forward, backward) bytes of one layer's KV-head repeat before a Ulysses all-to-all on a
+    device, per micro-batch (``model.heads.ulysses_kv_repeat``: r > 1 where MindSpeed repeats):
+    repeat_interleave reads the rank's K and V and writes them r times; the backward sums the r
+    copies' gradients (reads r, writes one) -> β·T·(k + v)/kv_split·(1 + r) each way; 0 where r = 1."""
+    kv = sh.tokens * model.split_kv_heads * (model.qk_head_dim + model.value_head_dim) / kv_split(model, sh.tp)
+    moved = np.where(np.asarray(repeat) > 1, act_bytes * kv * (1.0 + np.asarray(repeat)), 0.0)
     return moved, moved
 
 

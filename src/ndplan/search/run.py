@@ -23,6 +23,7 @@ from ndplan.memory.fields import STATIC_FIELDS
 from ndplan.memory.host import host_memory, uses_host
 from ndplan.memory.report import check_options, headroom, known_gaps
 from ndplan.memory.stages import peak_memory, static_lower_bound
+from ndplan.model.heads import ulysses_kv_repeat
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.efficiency import device_family
 from ndplan.perf.gaps import time_known_gaps
@@ -228,6 +229,23 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
         lambda s, _, runtime, model: _te_cp_refusal(s, model),
         library="transformer_engine",
     ),
+    # Where a Ulysses group outnumbers a rank's KV heads, MindSpeed repeats them to the query heads
+    # before the all-to-all (model.heads.ulysses_kv_repeat); Transformer Engine's all-to-all
+    # attention scatters K and V as they are and asserts "The number of attention heads needs to
+    # be divisible by CP size!" of them as of Q; torch's runtimes run no such repeat either.
+    RuntimeLimit(
+        "megatron",
+        lambda b, _, model: ~_kv_heads_repeated(b, model),
+        lambda s, _, runtime, model: _kv_repeat_refusal(s, model, "Transformer Engine's all-to-all attention "
+                                                        "(--cp-comm-type a2a, a2a+p2p) asserts they divide"),
+        library="transformer_engine",
+    ),
+    RuntimeLimit(
+        "pytorch",
+        lambda b, _, model: ~_kv_heads_repeated(b, model),
+        lambda s, _, runtime, model: _kv_repeat_refusal(s, model, f"the {runtime} runtime repeats no KV heads "
+                                                        "before its all-to-all"),
+    ),
     # MindSpeed's context-parallel attention asserts no window (CPDotProductAttentionImpl: "Sliding
     # Window Attention is only supported by TEDotProductAttention!", and its Transformer Engine
     # path, kvallgather_cp_algo's, raises "... is not supported by MindSpeed!"); MindSpeed-LLM's
@@ -354,6 +372,25 @@ def _window_binds(model: ModelSpec | None, seq_length: np.ndarray) -> np.ndarray
     if model is None or not model.sliding_layers()[0]:
         return np.zeros(np.shape(seq_length), bool)
     return np.asarray(seq_length) > model.sliding_window
+
+
+def _kv_heads_repeated(batch: StrategyBatch, model: ModelSpec | None) -> np.ndarray:
+    """Where the strategy's Ulysses group outnumbers a rank's KV heads, so that they are repeated
+    before its all-to-all (``ulysses_kv_repeat`` > 1); False throughout without a model."""
+    if model is None or model.is_mla:
+        return np.zeros(len(batch), bool)
+    return np.broadcast_to(ulysses_kv_repeat(model, batch.tp, batch.ulysses_ranks) > 1, (len(batch),))
+
+
+def _kv_repeat_refusal(strategy: Strategy, model: ModelSpec | None, whose: str) -> str:
+    """Why a runtime without MindSpeed's KV-head repeat refuses ``strategy``'s Ulysses group."""
+    kv = model.num_kv_heads if model is not None else 0
+    per_rank = kv // min(strategy.tp, kv) if kv else 0
+    ranks = strategy.cp if strategy.cp_kind == "ulysses" else strategy.ulysses_degree
+    return (f"cp_kind {strategy.cp_kind}: its {ranks} all-to-all ranks outnumber the {per_rank} KV head(s) a "
+            f"tensor-parallel rank holds (tp={strategy.tp}, num_key_value_heads={kv}), so it cannot scatter whole "
+            f"heads; {whose}; MindSpeed on Ascend NPUs repeats the KV heads to the query heads first. Use ring CP, "
+            f"or tp·{'ulysses_degree' if strategy.cp_kind == 'hybrid' else 'cp'} dividing {kv}")
 
 
 def _moe_with_biases(model: ModelSpec | None) -> bool:

@@ -233,6 +233,11 @@ class StrategyBatch:
         rows, codes, _ = distinct_columns([getattr(self, name) for name in names], len(self))
         return rows, codes
 
+    @property
+    def ulysses_ranks(self) -> np.ndarray:
+        """Ranks of each strategy's Ulysses all-to-all group (``ulysses_ranks``)."""
+        return ulysses_ranks(self.cp, self.cp_kind, self.ulysses_degree)
+
     def is_(self, name: str, label: str) -> np.ndarray:
         """Mask of strategies whose categorical field ``name`` equals ``label``."""
         return np.asarray(getattr(self, name) == CODES[name].index(label))
@@ -240,6 +245,16 @@ class StrategyBatch:
     def is_in(self, name: str, labels: Sequence[str]) -> np.ndarray:
         """Per strategy, whether its ``name`` field (a coded label: schedule, recompute, ...) is one of ``labels``."""
         return np.isin(getattr(self, name), [CODES[name].index(label) for label in labels])
+
+
+def ulysses_ranks(cp: np.ndarray, cp_kind: np.ndarray, ulysses_degree: np.ndarray) -> np.ndarray:
+    """Ranks of each strategy's Ulysses all-to-all group, from its coded fields: cp under
+    'ulysses', ulysses_degree under 'hybrid', 1 under the kinds that run none (ring, allgather)."""
+    kind = np.asarray(cp_kind)
+    return np.where(kind == _ULYSSES_CODE, cp, np.where(kind == _HYBRID_CODE, ulysses_degree, 1))
+
+
+_ULYSSES_CODE, _HYBRID_CODE = CP_KINDS.index("ulysses"), CP_KINDS.index("hybrid")
 
 
 #: Field values spanning fewer than this many are coded by value in ``StrategyBatch.distinct``.

@@ -95,6 +95,11 @@ def _offload_runs(b: StrategyBatch) -> Mask:
     return runs[b.schedule, b.recompute]
 
 
+def _ulysses_of(s: Strategy) -> int:
+    """Ranks of ``s``'s Ulysses all-to-all group (``StrategyBatch.ulysses_ranks``)."""
+    return s.cp if s.cp_kind == "ulysses" else s.ulysses_degree if s.cp_kind == "hybrid" else 1
+
+
 def _world(b: StrategyBatch) -> np.ndarray:
     return b.dp * b.tp * b.pp * b.cp
 
@@ -260,18 +265,21 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cp_ulysses_kv_heads",
-        # Ulysses (Megatron's --cp-comm-type a2a: Transformer Engine's AttnFuncWithCPAndQKVOA2A,
-        # "The number of attention heads needs to be divisible by CP size!") scatters the key and
-        # value heads of a tensor-parallel rank over its all-to-all group as well as the query
-        # heads: tp·cp (hybrid: tp·ulysses_degree) must divide the KV heads too. MLA expands its
-        # keys and values to num_attention_heads heads, which cp_ulysses_heads checks.
+        # Ulysses scatters a tensor-parallel rank's key and value heads over its all-to-all group
+        # of u ranks (tp·u divides the KV heads), or, where the group outnumbers them, repeats them
+        # to the rank's query heads first (MindSpeed; Transformer Engine refuses that: search.run's
+        # runtime limits) so each rank of the group receives whole heads. Fewer ranks than the
+        # rank's KV heads that do not divide them split a head. MLA expands its keys and values to
+        # num_attention_heads heads, which cp_ulysses_heads checks.
         lambda b, c: np.ones(len(b), bool) if c.model.is_mla else (
-            ~b.is_in("cp_kind", ("ulysses", "hybrid")) | (b.cp == 1)
-            | _divides(b.tp * np.where(b.is_("cp_kind", "hybrid"), b.ulysses_degree, b.cp), c.model.num_kv_heads)),
+            (b.ulysses_ranks == 1)
+            | _divides(b.tp * b.ulysses_ranks, c.model.num_kv_heads)
+            | (b.ulysses_ranks * np.minimum(b.tp, c.model.num_kv_heads) > c.model.num_kv_heads)),
         lambda s, c: (
             f"Ulysses splits the key/value heads over tp·{'ulysses_degree' if s.cp_kind == 'hybrid' else 'cp'} = "
-            f"{s.tp * (s.ulysses_degree if s.cp_kind == 'hybrid' else s.cp)}; it does not divide "
-            f"num_key_value_heads={c.model.num_kv_heads}"),
+            f"{s.tp * _ulysses_of(s)}; it does not divide num_key_value_heads={c.model.num_kv_heads}, and its "
+            f"{_ulysses_of(s)} ranks are fewer than the {c.model.num_kv_heads // min(s.tp, c.model.num_kv_heads)} "
+            "KV heads a tensor-parallel rank holds (where they outnumber them, MindSpeed repeats the heads)"),
     ),
     Rule(
         "cp_hybrid_degree",

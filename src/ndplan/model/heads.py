@@ -1,0 +1,39 @@
+"""How a rank's attention heads meet Ulysses context parallelism.
+
+Ulysses scatters heads over its all-to-all group: each rank of the group computes attention for
+a share of the heads over the whole sequence. A tensor-parallel rank holds H/tp query heads and
+H_kv / min(tp, H_kv) key/value heads (one, where tp exceeds them: Megatron-Core gathers the QKV
+output then). Where the group has more ranks than the rank has KV heads, they cannot be
+scattered as they are; MindSpeed repeats them first (UlyssesContextAttention, RepeatAll2AllComm:
+``seq_world_size > key heads``), Transformer Engine's all-to-all attention refuses
+(``search.run``'s runtime limits).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ndplan.model.spec import ModelSpec
+
+
+def rank_kv_heads(model: ModelSpec, tp: np.ndarray | float) -> np.ndarray:
+    """Key/value heads on a tensor-parallel rank: H_kv / min(tp, H_kv) (MLA: its up-projected
+    keys and values have a head per query head, H/tp)."""
+    heads = float(model.split_kv_heads)
+    return np.asarray(heads / np.minimum(tp, heads))
+
+
+def ulysses_kv_repeat(model: ModelSpec, tp: np.ndarray | float, ulysses: np.ndarray | float) -> np.ndarray:
+    """Times each key/value head of a rank is repeated before a Ulysses all-to-all over ``ulysses``
+    ranks (1: no Ulysses): MindSpeed repeat_interleaves the rank's K and V up to its query heads
+    where the group outnumbers its KV heads, and sums the copies' gradients after the backward's
+    all-to-all, so the all-to-alls move, and the attention kernel reads and keeps, K and V as wide
+    as the queries:
+
+        repeat = (H/tp) / kv   where u > kv = rank_kv_heads(tp), else 1.
+    """
+    u = np.asarray(ulysses)
+    if model.is_mla or not np.any(u > 1):
+        return np.ones(())  # (one, broadcast: a search's batch without Ulysses pays one pass)
+    kv = rank_kv_heads(model, tp)
+    return np.where((u > 1) & (u > kv), model.num_attention_heads / np.asarray(tp, dtype=np.float64) / kv, 1.0)
