@@ -1019,7 +1019,14 @@ def test_megatron_search_never_ranks_ulysses_with_an_odd_half_chunk():
     """Megatron runs Ulysses as --cp-comm-type a2a: its batch is cut into 2·cp chunks as for the
     ring, and Transformer Engine's A2A attention asserts "Sequence length per GPU needs to be
     divisible by 2!". 1020 tokens split over cp 4 (255 a rank) run under PyTorch's Ulysses but not
-    Megatron's."""
+    Megatron's on GPUs; MindSpeed's ulysses_cp_algo (Ascend) cuts it into cp contiguous chunks and
+    runs them."""
+    from ndplan.hardware import get_device
+    from ndplan.search.run import runtime_refusals
+
+    odd = Strategy(dp=2, cp=4, cp_kind="ulysses", seq_length=1020)
+    assert "divisible by 2·cp = 8" in runtime_refusals(odd, BALANCE_OPTIONS, TINY_MOE, get_device("h100-sxm"))[0]
+    assert runtime_refusals(odd, BALANCE_OPTIONS, TINY_MOE, get_device("ascend-910b")) == []
     space = default_space(TINY_MOE, DEVICE, 8, 16, 1020, get_precision("megatron-bf16"),
                           dims=("cp", "cp_kind", "tp"), fixed={"cp_kind": "ulysses"})
     megatron = run_search(TINY_MOE, DEVICE, space, RUNTIME_TIME, top=10**9, options=BALANCE_OPTIONS)

@@ -206,11 +206,15 @@ RUNTIME_LIMITS: tuple[RuntimeLimit, ...] = (
     # Megatron's Ulysses is --cp-comm-type a2a (a2a+p2p hybrid): its batch is cut into 2·cp chunks
     # as for the ring (get_batch_on_this_cp_rank), and Transformer Engine's A2A attention asserts
     # "Sequence length per GPU needs to be divisible by 2!" of the seq_length/cp tokens a rank holds.
+    # MindSpeed's ulysses_cp_algo cuts the sequence into cp contiguous chunks
+    # (_get_batch_on_this_cp_rank_in_ulysses_cp) and asserts only cp | seq_length (the rules').
     RuntimeLimit(
         "megatron",
         lambda b, _, __: (b.cp == 1) | b.is_("cp_kind", "ring") | (np.mod(b.seq_length, 2 * b.cp) == 0),
         lambda s, _, runtime, __: (f"{s.cp_kind} context parallelism under Megatron needs seq_length={s.seq_length} "
-                               f"divisible by 2·cp = {2 * s.cp} (each rank's tokens in two chunks, as for the ring)"),
+                               f"divisible by 2·cp = {2 * s.cp} (each rank's tokens in two chunks, as for the ring; "
+                               "MindSpeed's ulysses_cp_algo on Ascend NPUs needs cp to divide it alone)"),
+        library="transformer_engine",
     ),
     # All-gather CP is Transformer Engine's and MindSpeed's attention function; torch's context
     # parallelism runs a ring (whose K/V exchange the pytorch profile prices as its all-gather).
