@@ -153,3 +153,20 @@ def test_a_hybrid_holds_its_all_to_alls_buffers():
         comm[kind] = estimate(LLAMA, strategy, "h100-sxm", MEGATRON, num_devices=4).stages[0].comm_bytes
     assert comm["hybrid"] == comm["ulysses"] == 2 * (4096 + 1024 + 1024 + 4096) * 32768 * 2
     assert comm["ring"] == 2 * (1024 + 1024) * 32768 * 2
+
+
+def test_a_mindspeed_llm_launch_hears_that_its_every_layer_repeat_is_not_priced(tmp_path):
+    """MindSpeed-LLM repeats every GQA layer's KV heads before a Ulysses all-to-all
+    (--kv-head-repeat-before-uly-alltoall); ndplan prices MindSpeed's own repeat, only where the
+    group outnumbers a rank's heads, and the reader says so rather than calling the flag unknown."""
+    from ndplan.io import read_config
+
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun pretrain_gpt.py --num-layers 4 --hidden-size 512 --ffn-hidden-size 1024 "
+                      "--num-attention-heads 8 --group-query-attention --num-query-groups 2 --seq-length 4096 "
+                      "--padded-vocab-size 256 --position-embedding-type rope --micro-batch-size 1 "
+                      "--global-batch-size 8 --bf16 --use-flash-attn --context-parallel-size 2 "
+                      "--context-parallel-algo ulysses_cp_algo --kv-head-repeat-before-uly-alltoall\n")
+    warned = [w for w in read_config(script, devices=8).warnings if "--kv-head-repeat-before-uly-alltoall" in w]
+    assert len(warned) == 1 and "priced only where the group outnumbers" in warned[0]
+    assert "unknown to ndplan" not in warned[0]
