@@ -141,20 +141,6 @@ def test_the_megatron_writer_says_transformer_engine_refuses_it_and_mindspeed_ru
     assert "will refuse" not in emit(LLAMA, _strategy(tp=4), "megatron")
 
 
-def test_a_hybrid_holds_its_all_to_alls_buffers():
-    """A hybrid runs its Ulysses all-to-alls before its ring: their send and receive buffers,
-    2·(q + k + v + o)·T·β = 2·(4096 + 1024 + 1024 + 4096)·32768·2 B at cp 4 over 131072 tokens,
-    bound it, as they bound Ulysses (the ring's blocks, 2·(k + v)·T·β, are a fifth of that)."""
-    from ndplan.memory import estimate
-
-    comm = {}
-    for kind, degree in (("ulysses", 1), ("hybrid", 2), ("ring", 1)):
-        strategy = Strategy(cp=4, cp_kind=kind, ulysses_degree=degree, seq_length=131072, precision="megatron-bf16")
-        comm[kind] = estimate(LLAMA, strategy, "h100-sxm", MEGATRON, num_devices=4).stages[0].comm_bytes
-    assert comm["hybrid"] == comm["ulysses"] == 2 * (4096 + 1024 + 1024 + 4096) * 32768 * 2
-    assert comm["ring"] == 2 * (1024 + 1024) * 32768 * 2
-
-
 def test_a_mindspeed_llm_launch_hears_that_its_every_layer_repeat_is_not_priced(tmp_path):
     """MindSpeed-LLM repeats every GQA layer's KV heads before a Ulysses all-to-all
     (--kv-head-repeat-before-uly-alltoall); ndplan prices MindSpeed's own repeat, only where the

@@ -39,9 +39,7 @@ def layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions
                           f"--cp-comm-type allgather); runtime '{options.profile.name}' runs torch's ring attention, "
                           "which cp_kind ring prices (use runtime megatron)")
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, op_tokens)
-    # (A hybrid runs its Ulysses all-to-alls before its ring: their buffers, the larger, bound it.)
-    all_to_all = batch.is_in("cp_kind", ("ulysses", "hybrid"))
-    cp_buffers = _cp_buffers(model, batch, tokens, all_to_all, ring_exchange(options), gathered)
+    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"), ring_exchange(options), gathered)
     # Per stage max(gather or exchange, all-to-all where the stage holds MoE layers) + the
     # pipeline's buffers: two columns, one with the all-to-all and one without, each stage a copy
     # of its own (the bytes are finite and >= +0, so a stage without MoE layers, whose all-to-all
@@ -138,10 +136,9 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
 
     * Transformer Engine's ring ('p2p'): the K,V block in flight and the one computed on,
       2 · (K + V) widths (/ KV heads, not tp, where tp exceeds them: a rank holds one head).
-    * Ulysses (``ulysses``: bool, or per strategy; a hybrid's all-to-alls, which come before its
-      ring and hold more than the ring's blocks): 2 · (Q + K + V + O), the send and receive
-      buffers of a rank's Q, K, V and O; K and V as wide as Q and O where MindSpeed repeats a
-      rank's KV heads first (``ulysses_kv_repeat``).
+    * Ulysses (``ulysses``: bool, or per strategy): 2 · (Q + K + V + O), K and V as wide as Q and
+      O where MindSpeed repeats a rank's KV heads first (``ulysses_kv_repeat``; so are the
+      hybrid's ring blocks).
     * torch's ring (``exchange`` 'allgather', torch/distributed/tensor/experimental/_attention.py):
       its backward, the larger pass, holds the keys and values all-gathered from the ring's n
       ranks at the query heads' width (torchtitan repeats them to every head: K' = Q-width keys,

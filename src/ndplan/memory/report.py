@@ -289,7 +289,7 @@ class MemoryReport:
     def _torch_ring_term(self) -> str:
         """The comm line's term of torch's ring, where the runtime all-gathers (``buffers._cp_buffers``)."""
         s = self.strategy
-        if s.cp == 1 or s.cp_kind in ("ulysses", "hybrid") or ring_exchange(self.options) != "allgather":
+        if s.cp == 1 or s.cp_kind == "ulysses" or ring_exchange(self.options) != "allgather":
             return ""
         return (f"; CP K/V is torch's ring (the {self.options.runtime} profile's ring_exchange allgather): K and V "
                 f"all-gathered from cp={s.cp} ranks at the query heads' width with their contiguous copy, and the "
