@@ -988,6 +988,19 @@ def test_overlap_switches_given_twice_and_fixed_dims_are_said(capsys):
     assert code == 0 and data["ranked"][0]["tp"] == 2 and "--dims tp: fixed by --fix tp=2, so not searched" in data["notes"]
 
 
+def test_a_list_option_given_twice_keeps_both(capsys):
+    """--fix cp=2 --fix tp=2 kept the last alone (argparse's nargs '+' replaces): the search ran
+    with cp free. Every list option now extends; a name fixed twice is still refused."""
+    code, out, _ = run([*SEARCH_8, "--fix", "cp=2", "--fix", "tp=2", "--top", "3", "--json"], capsys)
+    ranked = json.loads(out)["ranked"]
+    assert code == 0 and ranked and all(row["cp"] == 2 and row["tp"] == 2 for row in ranked)
+    code, out, _ = run([*SEARCH_8, "--dims", "tp", "--dims", "pp", "--top", "50", "--json"], capsys)
+    ranked = json.loads(out)["ranked"]
+    assert code == 0 and {row["tp"] for row in ranked} != {1} and {row["pp"] for row in ranked} != {1}
+    code, _, err = run([*SEARCH_8, "--fix", "tp=2", "--fix", "tp=4"], capsys)
+    assert code == 2 and "--fix tp is given twice (2 and 4)" in err
+
+
 def test_runs_derived_from_the_global_batch_are_not_quoted_as_given(capsys):
     """--pipeline-runs 0 (as many runs as the global batch holds): a global batch that is no whole
     number of runs was refused quoting pipeline_runs 2, a count the user never gave."""

@@ -156,3 +156,17 @@ def test_a_mindspeed_llm_launch_hears_that_its_every_layer_repeat_is_not_priced(
     warned = [w for w in read_config(script, devices=8).warnings if "--kv-head-repeat-before-uly-alltoall" in w]
     assert len(warned) == 1 and "priced only where the group outnumbers" in warned[0]
     assert "unknown to ndplan" not in warned[0]
+
+
+def test_a_search_says_how_many_ranked_plans_repeat_the_heads(capsys):
+    import json
+
+    from ndplan.cli import main
+
+    argv = ["search", "--model", "llama-3.1-8b", "--hardware", "ascend-910b", "--runtime", "megatron", "--devices",
+            "16", "--gbs", "16", "--seq", "32768", "--fix", "cp_kind=ulysses", "--fix", "cp=2", "--fix", "tp=8",
+            "--top", "5", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    notes = [note for note in data["notes"] if "run Ulysses over more ranks than a tensor-parallel rank's KV heads" in note]
+    assert len(notes) == 1 and notes[0].startswith(f"{len(data['ranked'])} of the {len(data['ranked'])} ranked plans")

@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--host-memory", help=HOST_MEMORY_HELP)
     p.add_argument("--heuristic", action="store_true", help="the fast heuristic instead of the exact solver (dynamic program, or MILP for interleaved pipelines of other layer-kind mixes)")
-    p.add_argument("--recompute-module-sets", nargs="+", metavar="SET",
+    p.add_argument("--recompute-module-sets", nargs="+", action="extend", metavar="SET",
                    help="selective policies to try besides the strategy's own (runtime megatron): module sets such "
                         "as 'layernorm+moe_act' or 'default', or 'common' / 'all' (as search); each is balanced "
                         "and the fastest plan wins")

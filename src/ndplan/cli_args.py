@@ -138,10 +138,10 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                           "runtime's selective policy in backward, full the whole layer from its input")
     mem.add_argument("--recompute-layers", type=int,
                      help="recompute only this many layers per (virtual) stage, each chunk's first ones (default 0: every layer)")
-    mem.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
+    mem.add_argument("--recompute-modules", nargs="+", action="extend", choices=RECOMPUTE_MODULES, metavar="MODULE",
                      help="what selective recompute re-runs, as Megatron-Core's --recompute-modules "
                           f"({', '.join(RECOMPUTE_MODULES)}; runtime megatron); default: the runtime's own policy")
-    mem.add_argument("--offload-modules", nargs="+", choices=OFFLOAD_MODULES, metavar="MODULE",
+    mem.add_argument("--offload-modules", nargs="+", action="extend", choices=OFFLOAD_MODULES, metavar="MODULE",
                      help="modules whose saved activations go to host memory, as Megatron-Core's "
                           "--fine-grained-activation-offloading --offload-modules "
                           f"({', '.join(OFFLOAD_MODULES)}; schedules 1f1b/interleaved, not with full recompute)")

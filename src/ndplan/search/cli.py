@@ -70,28 +70,28 @@ def add_search_command(subparsers: Any) -> argparse.ArgumentParser:
                    help="global batch size in sequences (needed, unless --from states it)")
     p.add_argument("--seq", type=sequence_length, help="sequence length in tokens (default 4096)")
     add_from_argument(p, "search")
-    p.add_argument("--dims", nargs="+", choices=DIMENSIONS,
+    p.add_argument("--dims", nargs="+", action="extend", choices=DIMENSIONS,
                    help="dimensions to search (default: all but " + ", ".join(OPT_IN_DIMENSIONS) + ", which are "
                         "searched only where named)")
-    p.add_argument("--fix", nargs="+", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b (also vpp=N and seq_chunks=N, the "
+    p.add_argument("--fix", nargs="+", action="extend", metavar="NAME=VALUE", help="fix dimensions, e.g. tp=8 schedule=1f1b (also vpp=N and seq_chunks=N, the "
                    "pipeline option's other parts)")
     p.add_argument("--memory-limit", help="per-device limit, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--host-memory", help=HOST_MEMORY_HELP)
     p.add_argument("--precision", choices=sorted(PRECISION_PRESETS),
                    help="the candidates' precision (default: the --from file's, else the one --emit's format "
                         "writes, else megatron-bf16)")
-    p.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
+    p.add_argument("--recompute-modules", nargs="+", action="extend", choices=RECOMPUTE_MODULES, metavar="MODULE",
                    help="what the selective-recompute candidates re-run (Megatron-Core's --recompute-modules; "
                         "runtime megatron); default: the runtime's own policy")
-    p.add_argument("--offload-modules", nargs="+", choices=OFFLOAD_MODULES, metavar="MODULE",
+    p.add_argument("--offload-modules", nargs="+", action="extend", choices=OFFLOAD_MODULES, metavar="MODULE",
                    help="what every candidate offloads to host memory (Megatron-Core's --offload-modules; runtime "
                         "megatron; default: nothing); candidates Megatron would not run with it (full recompute, its default selective "
                         "policy with core_attn, other schedules) are rejected")
-    p.add_argument("--offload-module-sets", nargs="+", metavar="SET",
+    p.add_argument("--offload-module-sets", nargs="+", action="extend", metavar="SET",
                    help="search what goes to host memory (runtime megatron): sets such as 'expert_fc1+moe_act' or "
                         "'none', or 'common' (up to 5 sets for the model); '--dims ... offload_modules' searches "
                         "'common'")
-    p.add_argument("--recompute-module-sets", nargs="+", metavar="SET",
+    p.add_argument("--recompute-module-sets", nargs="+", action="extend", metavar="SET",
                    help="search what selective recompute re-runs (runtime megatron): sets such as "
                         "'layernorm+moe_act' or 'default' (the runtime's own policy), or 'common' (up to 5 sets "
                         "for the model) or 'all' (every subset of the modules the model has); "
@@ -332,6 +332,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     elif args.balance:
         _rank_balanced(args, asked, space, result, step_time, limit, ranked_top, quiet)
     result.notes.extend(_unfused_notes(result.ranked[:args.top], model, device, options, precision))
+    result.notes.extend(_kv_repeat_notes(result.ranked[:args.top], model))
     # --fix wins over --dims (a file's settings too): say so rather than search the value alone.
     result.notes.extend(f"--dims {name}: fixed by --fix {name}={fixed[name]}, so not searched"
                         for name in args.dims or () if name in fixed)
@@ -369,6 +370,22 @@ def cmd_search(args: argparse.Namespace) -> int:
         emit_json(data)
         return 0 if result.ranked else 1
     return _print_search_text(args, asked, space, result, data, overlap, winner, explained)
+
+
+def _kv_repeat_notes(ranked: list[dict[str, Any]], model: ModelSpec) -> list[str]:
+    """How many ranked plans run Ulysses over more ranks than a tensor-parallel rank's KV heads
+    (``model.heads.ulysses_kv_repeat``), as a note; none where there are none."""
+    from ndplan.model.heads import ulysses_kv_repeat
+
+    settings = [row.get("balanced_settings", row).get("strategy") or {} for row in ranked]
+    repeated = [fields for fields in settings
+                if ulysses_kv_repeat(model, fields.get("tp", 1), fields.get("cp", 1) if fields.get("cp_kind") == "ulysses"
+                                     else fields.get("ulysses_degree", 1) if fields.get("cp_kind") == "hybrid" else 1) > 1]
+    if not repeated:
+        return []
+    return [f"{len(repeated)} of the {len(ranked)} ranked plans run Ulysses over more ranks than a tensor-parallel "
+            "rank's KV heads: MindSpeed repeats them to the query heads before the all-to-all, priced so (K and V "
+            "moved and kept as wide as the queries)"]
 
 
 def _unfused_notes(ranked: list[dict[str, Any]], model: ModelSpec, device: Any, options: Any,
