@@ -170,3 +170,15 @@ def test_a_search_says_how_many_ranked_plans_repeat_the_heads(capsys):
     data = json.loads(capsys.readouterr().out)
     notes = [note for note in data["notes"] if "run Ulysses over more ranks than a tensor-parallel rank's KV heads" in note]
     assert len(notes) == 1 and notes[0].startswith(f"{len(data['ranked'])} of the {len(data['ranked'])} ranked plans")
+
+
+def test_estimate_says_the_heads_are_repeated(capsys):
+    from ndplan.cli import main
+
+    argv = ["estimate", "--model", "llama-3.1-8b", "--hardware", "ascend-910b", "--runtime", "megatron", "--tp", "8",
+            "--sp", "--cp", "2", "--seq", "8192", "--devices", "16"]
+    assert main([*argv, "--cp-kind", "ulysses"]) == 0
+    out = capsys.readouterr().out
+    assert "KV heads repeated 4x: a tensor-parallel rank holds 1, fewer than the Ulysses all-to-all's 2 ranks" in out
+    assert main([*argv, "--cp-kind", "ring"]) == 0
+    assert "KV heads repeated" not in capsys.readouterr().out

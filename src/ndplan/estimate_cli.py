@@ -35,6 +35,7 @@ from ndplan.cli_common import (
     settings_and_model,
 )
 from ndplan.cli_emit import emit_settings
+from ndplan.model.heads import kv_repeat_note
 from ndplan.units import format_bytes
 
 
@@ -157,6 +158,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
                   + dispatcher_note(options, model), markup=False)
     print_kernels(options, strategy, model=model)
+    repeated = kv_repeat_note(model, strategy.tp, strategy.cp_kind, strategy.cp, strategy.ulysses_degree)
+    if repeated:
+        console.print(repeated, markup=False)
     if timing.unfused_why:
         from ndplan.perf.accumulation import unfused_note
 

@@ -37,3 +37,15 @@ def ulysses_kv_repeat(model: ModelSpec, tp: np.ndarray | float, ulysses: np.ndar
         return np.ones(())  # (one, broadcast: a search's batch without Ulysses pays one pass)
     kv = rank_kv_heads(model, tp)
     return np.where((u > 1) & (u > kv), model.num_attention_heads / np.asarray(tp, dtype=np.float64) / kv, 1.0)
+
+
+def kv_repeat_note(model: ModelSpec, tp: int, cp_kind: str, cp: int, ulysses_degree: int) -> str | None:
+    """A line saying that a plan's Ulysses group repeats a rank's KV heads (None where it does not)."""
+    ulysses = cp if cp_kind == "ulysses" else ulysses_degree if cp_kind == "hybrid" else 1
+    repeat = float(ulysses_kv_repeat(model, tp, ulysses))
+    if repeat <= 1:
+        return None
+    kv = int(rank_kv_heads(model, tp))
+    return (f"KV heads repeated {repeat:g}x: a tensor-parallel rank holds {kv}, fewer than the Ulysses all-to-all's "
+            f"{ulysses} ranks, so MindSpeed's UlyssesContextAttention repeats them to its query heads first (K and V "
+            "moved and kept as wide as Q)")

@@ -12,7 +12,7 @@ from ndplan.errors import NdplanError
 from ndplan.hardware.device import Cluster, Device
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import shard_groups
-from ndplan.model.heads import rank_kv_heads, ulysses_kv_repeat
+from ndplan.model.heads import kv_repeat_note
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.accumulation import launch_efficiency
 from ndplan.perf.efficiency import (
@@ -606,13 +606,9 @@ def _communication_lines(r: TimeReport, hbm_rate: float) -> list[str]:
         else:
             where = f"ring over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')})"
         ring = "" if s.cp_kind == "allgather" else f"; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
-        repeat = float(ulysses_kv_repeat(model, s.tp, s.cp if s.cp_kind == "ulysses" else
-                                         s.ulysses_degree if s.cp_kind == "hybrid" else 1))
-        if repeat > 1:
-            kv = int(rank_kv_heads(model, s.tp))
-            where += (f"; the {kv} KV head{'s' if kv > 1 else ''} a rank holds, fewer than the all-to-all's ranks, "
-                      f"repeated {repeat:g}x to its query heads first (MindSpeed's UlyssesContextAttention): K and V "
-                      "moved and kept as wide as Q")
+        repeated = kv_repeat_note(model, s.tp, s.cp_kind, s.cp, s.ulysses_degree)
+        if repeated:
+            where += "; " + repeated
         out.append(f"CP ({s.cp_kind}): {where}{ring}" + _ring_merge_text(r, _sharding(s), hbm_rate))
     if model.is_moe and r.efficiency.moe_dispatcher == "allgather" and s.ep * s.etp > 1:
         n = s.ep * s.etp
