@@ -182,3 +182,7 @@ def test_estimate_says_the_heads_are_repeated(capsys):
     assert "KV heads repeated 4x: a tensor-parallel rank holds 1, fewer than the Ulysses all-to-all's 2 ranks" in out
     assert main([*argv, "--cp-kind", "ring"]) == 0
     assert "KV heads repeated" not in capsys.readouterr().out
+    assert main([*argv, "--cp-kind", "ulysses", "--json"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["time"]["kv_heads_repeated"] == 4

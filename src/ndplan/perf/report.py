@@ -12,7 +12,7 @@ from ndplan.errors import NdplanError
 from ndplan.hardware.device import Cluster, Device
 from ndplan.memory.options import MemoryOptions
 from ndplan.memory.static import shard_groups
-from ndplan.model.heads import kv_repeat_note
+from ndplan.model.heads import kv_repeat_note, ulysses_kv_repeat
 from ndplan.model.spec import ModelSpec
 from ndplan.perf.accumulation import launch_efficiency
 from ndplan.perf.efficiency import (
@@ -152,8 +152,17 @@ class TimeReport:
             "sends_waited": self.sends_waited,
             "gradient_accumulation_fusion": self.efficiency.gradient_accumulation_fusion,
             **({"unfused_why": self.unfused_why} if self.unfused_why else {}),
+            **({"kv_heads_repeated": self.kv_heads_repeated} if self.kv_heads_repeated > 1 else {}),
             "caveats": self.caveats,
         }
+
+    @property
+    def kv_heads_repeated(self) -> float:
+        """Times a rank's KV heads are repeated before the plan's Ulysses all-to-all (1: not;
+        ``model.heads.ulysses_kv_repeat``)."""
+        s = self.strategy
+        ulysses = s.cp if s.cp_kind == "ulysses" else s.ulysses_degree if s.cp_kind == "hybrid" else 1
+        return float(ulysses_kv_repeat(self.model, s.tp, ulysses))
 
     def explain(self) -> list[str]:
         """One line per term: what it is, its formula, and its value."""
