@@ -123,9 +123,8 @@ def _parallel(s: Strategy, model: ModelSpec | None, lost: list[str], refused: li
         else:
             flags.append(("--cp-comm-type", "a2a+p2p"))
             flags.append(("--hierarchical-context-parallel-sizes", f"{s.ulysses_degree} {s.cp // s.ulysses_degree}"))
-        ulysses = s.cp if s.cp_kind == "ulysses" else s.ulysses_degree if s.cp_kind == "hybrid" else 1
-        if model is not None and ulysses_kv_repeat(model, s.tp, ulysses) > 1:
-            refused.append(f"a Ulysses group of {ulysses} ranks over the {int(rank_kv_heads(model, s.tp))} KV head(s) "
+        if model is not None and ulysses_kv_repeat(model, s.tp, s.ulysses_ranks) > 1:
+            refused.append(f"a Ulysses group of {s.ulysses_ranks} ranks over the {int(rank_kv_heads(model, s.tp))} KV head(s) "
                            f"a tensor-parallel rank holds: Transformer Engine's all-to-all attention asserts whole "
                            "heads ('The number of attention heads needs to be divisible by CP size!'); MindSpeed on "
                            "Ascend NPUs repeats them to the query heads first, as priced")

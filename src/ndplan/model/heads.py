@@ -39,9 +39,9 @@ def ulysses_kv_repeat(model: ModelSpec, tp: np.ndarray | float, ulysses: np.ndar
     return np.where((u > 1) & (u > kv), model.num_attention_heads / np.asarray(tp, dtype=np.float64) / kv, 1.0)
 
 
-def kv_repeat_note(model: ModelSpec, tp: int, cp_kind: str, cp: int, ulysses_degree: int) -> str | None:
-    """A line saying that a plan's Ulysses group repeats a rank's KV heads (None where it does not)."""
-    ulysses = cp if cp_kind == "ulysses" else ulysses_degree if cp_kind == "hybrid" else 1
+def kv_repeat_note(model: ModelSpec, tp: int, ulysses: int) -> str | None:
+    """A line saying that a Ulysses group of ``ulysses`` ranks repeats a tensor-parallel rank's KV
+    heads (None where it does not)."""
     repeat = float(ulysses_kv_repeat(model, tp, ulysses))
     if repeat <= 1:
         return None

@@ -377,10 +377,8 @@ def _kv_repeat_notes(ranked: list[dict[str, Any]], model: ModelSpec) -> list[str
     (``model.heads.ulysses_kv_repeat``), as a note; none where there are none."""
     from ndplan.model.heads import ulysses_kv_repeat
 
-    settings = [row.get("balanced_settings", row).get("strategy") or {} for row in ranked]
-    repeated = [fields for fields in settings
-                if ulysses_kv_repeat(model, fields.get("tp", 1), fields.get("cp", 1) if fields.get("cp_kind") == "ulysses"
-                                     else fields.get("ulysses_degree", 1) if fields.get("cp_kind") == "hybrid" else 1) > 1]
+    settings = [Strategy(**fields) for row in ranked if (fields := row.get("balanced_settings", row).get("strategy"))]
+    repeated = [s for s in settings if ulysses_kv_repeat(model, s.tp, s.ulysses_ranks) > 1]
     if not repeated:
         return []
     return [f"{len(repeated)} of the {len(ranked)} ranked plans run Ulysses over more ranks than a tensor-parallel "

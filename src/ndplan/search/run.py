@@ -390,7 +390,7 @@ def _kv_repeat_refusal(strategy: Strategy, model: ModelSpec | None, whose: str) 
     """Why a runtime without MindSpeed's KV-head repeat refuses ``strategy``'s Ulysses group."""
     kv = model.num_kv_heads if model is not None else 0
     per_rank = kv // min(strategy.tp, kv) if kv else 0
-    ranks = strategy.cp if strategy.cp_kind == "ulysses" else strategy.ulysses_degree
+    ranks = strategy.ulysses_ranks
     return (f"cp_kind {strategy.cp_kind}: its {ranks} all-to-all ranks outnumber the {per_rank} KV head(s) a "
             f"tensor-parallel rank holds (tp={strategy.tp}, num_key_value_heads={kv}), so it cannot scatter whole "
             f"heads; {whose}; MindSpeed on Ascend NPUs repeats the KV heads to the query heads first. Use ring CP, "

@@ -95,11 +95,6 @@ def _offload_runs(b: StrategyBatch) -> Mask:
     return runs[b.schedule, b.recompute]
 
 
-def _ulysses_of(s: Strategy) -> int:
-    """Ranks of ``s``'s Ulysses all-to-all group (``StrategyBatch.ulysses_ranks``)."""
-    return s.cp if s.cp_kind == "ulysses" else s.ulysses_degree if s.cp_kind == "hybrid" else 1
-
-
 def _world(b: StrategyBatch) -> np.ndarray:
     return b.dp * b.tp * b.pp * b.cp
 
@@ -277,8 +272,8 @@ RULES: tuple[Rule, ...] = (
             | (b.ulysses_ranks * np.minimum(b.tp, c.model.num_kv_heads) > c.model.num_kv_heads)),
         lambda s, c: (
             f"Ulysses splits the key/value heads over tp·{'ulysses_degree' if s.cp_kind == 'hybrid' else 'cp'} = "
-            f"{s.tp * _ulysses_of(s)}; it does not divide num_key_value_heads={c.model.num_kv_heads}, and its "
-            f"{_ulysses_of(s)} ranks are fewer than the {c.model.num_kv_heads // min(s.tp, c.model.num_kv_heads)} "
+            f"{s.tp * s.ulysses_ranks}; it does not divide num_key_value_heads={c.model.num_kv_heads}, and its "
+            f"{s.ulysses_ranks} ranks are fewer than the {c.model.num_kv_heads // min(s.tp, c.model.num_kv_heads)} "
             "KV heads a tensor-parallel rank holds (where they outnumber them, MindSpeed repeats the heads)"),
     ),
     Rule(

@@ -290,6 +290,12 @@ class Strategy(BaseModel):
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def ulysses_ranks(self) -> int:
+        """Ranks of the Ulysses all-to-all group: cp under 'ulysses', ulysses_degree under
+        'hybrid', 1 under the kinds that run none (``StrategyBatch.ulysses_ranks``)."""
+        return self.cp if self.cp_kind == "ulysses" else self.ulysses_degree if self.cp_kind == "hybrid" else 1
+
+    @property
     def num_virtual_stages(self) -> int:
         return self.pp * self.vpp
 
