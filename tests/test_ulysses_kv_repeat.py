@@ -7,9 +7,12 @@ then as wide as the queries, as a multi-head copy of the model (32 KV heads) hol
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from ndplan.errors import NdplanError
 from ndplan.hardware import get_device
 from ndplan.hardware.device import Cluster
 from ndplan.memory import MemoryOptions
@@ -141,21 +144,49 @@ def test_the_megatron_writer_says_transformer_engine_refuses_it_and_mindspeed_ru
     assert "will refuse" not in emit(LLAMA, _strategy(tp=4), "megatron")
 
 
-def test_a_mindspeed_llm_launch_hears_that_its_every_layer_repeat_is_not_priced(tmp_path):
+def test_mindspeed_llm_repeats_every_gqa_layer_s_heads(tmp_path):
     """MindSpeed-LLM repeats every GQA layer's KV heads before a Ulysses all-to-all
-    (--kv-head-repeat-before-uly-alltoall); ndplan prices MindSpeed's own repeat, only where the
-    group outnumbers a rank's heads, and the reader says so rather than calling the flag unknown."""
-    from ndplan.io import read_config
+    (--kv-head-repeat-before-uly-alltoall, on by default there), not only where the group
+    outnumbers a rank's heads: Llama-3.1-8B at tp 1 over cp 4 (8 KV heads a rank) keeps K and V
+    4x as wide, (4 - 1)·2·1024·2 B = 12,288 B a token more a layer, and moves them so. A launch with
+    the flag reads as 'always'; the writer writes it back; the pytorch runtime has no such repeat."""
+    from ndplan.io import emit, read_config
 
+    strategy = _strategy(tp=1, cp=4)
+    assert ulysses_kv_repeat(LLAMA, 1, 4) == 1 and ulysses_kv_repeat(LLAMA, 1, 4, "always") == 4
+    assert ulysses_kv_repeat(LLAMA, 1, 1, "always") == 1 and ulysses_kv_repeat(DSV3, 8, 8, "always") == 1
+
+    def layer(when):
+        options = MemoryOptions(runtime="megatron", ulysses_kv_repeat=when)
+        return float(layer_activations(LLAMA, StrategyBatch.of(strategy), options).full["dense"][0])
+
+    assert layer("always") - layer("needed") == pytest.approx(3 * 2 * 1024 * 2)
     script = tmp_path / "train.sh"
-    script.write_text("torchrun pretrain_gpt.py --num-layers 4 --hidden-size 512 --ffn-hidden-size 1024 "
-                      "--num-attention-heads 8 --group-query-attention --num-query-groups 2 --seq-length 4096 "
-                      "--padded-vocab-size 256 --position-embedding-type rope --micro-batch-size 1 "
-                      "--global-batch-size 8 --bf16 --use-flash-attn --context-parallel-size 2 "
-                      "--context-parallel-algo ulysses_cp_algo --kv-head-repeat-before-uly-alltoall\n")
-    warned = [w for w in read_config(script, devices=8).warnings if "--kv-head-repeat-before-uly-alltoall" in w]
-    assert len(warned) == 1 and "priced only where the group outnumbers" in warned[0]
-    assert "unknown to ndplan" not in warned[0]
+    script.write_text(emit(LLAMA, strategy, "megatron", device_runtime="cann", ulysses_kv_repeat="always"))
+    assert "--kv-head-repeat-before-uly-alltoall" in script.read_text()
+    read = read_config(script, devices=4)
+    assert read.runtime_settings["ulysses_kv_repeat"] == "always"
+    assert not any("--kv-head-repeat-before-uly-alltoall" in w for w in read.warnings)
+    assert "--kv-head-repeat" not in emit(LLAMA, strategy, "megatron", device_runtime="cann")
+    with pytest.raises(NdplanError, match="ulysses_kv_repeat 'always' is MindSpeed-LLM's"):
+        MemoryOptions(runtime="pytorch", ulysses_kv_repeat="always")
+    with pytest.raises(NdplanError, match="ulysses_kv_repeat must be one of needed, always"):
+        MemoryOptions(runtime="megatron", ulysses_kv_repeat="sometimes")
+
+
+def test_the_always_repeat_moves_wider_heads(capsys):
+    from ndplan.cli import main
+
+    argv = ["estimate", "--model", "llama-3.1-8b", "--hardware", "ascend-910b", "--runtime", "megatron", "--cp", "4",
+            "--cp-kind", "ulysses", "--seq", "32768", "--devices", "4", "--json"]
+    seen = {}
+    for when in ("needed", "always"):
+        assert main([*argv, "--ulysses-kv-repeat", when]) == 0
+        data = json.loads(capsys.readouterr().out)
+        seen[when] = (data["time"]["breakdown"]["comm_exposed"]["cp"], data["peak_bytes"],
+                      data["time"].get("kv_heads_repeated", 1))
+    assert seen["always"][0] > seen["needed"][0] and seen["always"][1] > seen["needed"][1]
+    assert (seen["needed"][2], seen["always"][2]) == (1, 4)
 
 
 def test_a_search_says_how_many_ranked_plans_repeat_the_heads(capsys):
@@ -183,6 +214,4 @@ def test_estimate_says_the_heads_are_repeated(capsys):
     assert main([*argv, "--cp-kind", "ring"]) == 0
     assert "KV heads repeated" not in capsys.readouterr().out
     assert main([*argv, "--cp-kind", "ulysses", "--json"]) == 0
-    import json
-
     assert json.loads(capsys.readouterr().out)["time"]["kv_heads_repeated"] == 4

@@ -40,7 +40,7 @@ EFFICIENCY_HELP = ("step-time efficiency profile YAML (what `ndplan calibrate` w
 _FLAG_ONLY = {
     "memory_limit", "runtime", "attention", "loss_parallel", "loss_upcast", "selective_policy", "census",
     "no_overhead", "moe_imbalance", "moe_dispatcher", "moe_capacity_factor", "emit", "explain", "plot", "json",
-    "compile", "modules", "experts_outside_fsdp",
+    "compile", "modules", "experts_outside_fsdp", "ulysses_kv_repeat",
 }
 #: Plan keys that hold whole numbers (ndplan does arithmetic on some before the Strategy
 #: validates them, so a plan file's value is checked as it is read).
@@ -218,6 +218,11 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                             "allgather gathers every token of the expert-TP x EP group into a persistent buffer and "
                             "reduce-scatters the experts' output in fp32 (default: alltoall, or what a --from "
                             "Megatron launch runs: allgather where it states no --moe-token-dispatcher-type)")
+    group.add_argument("--ulysses-kv-repeat", choices=["needed", "always"], default=None,
+                       help="when the runtime repeats a tensor-parallel rank's KV heads to its query heads before a "
+                            "Ulysses all-to-all (megatron runtime): needed, where the group outnumbers them "
+                            "(MindSpeed), or always, on every GQA layer (MindSpeed-LLM's "
+                            "--kv-head-repeat-before-uly-alltoall; default: needed, or what a --from launch states)")
     group.add_argument("--compile", dest="torch_compile", choices=["off", "model", "model+loss", "loss"], default=None,
                        help="what torch.compile fuses: model runs each decoder layer's elementwise ops as one fused "
                             "pass, leaving the final norm and loss eager, and prices what compiled layers keep for "
@@ -502,6 +507,7 @@ def runtime_options(args: argparse.Namespace, settings: dict[str, Any] | None = 
         gradient_accumulation_fusion=_fusion(args, stated, runtime),
         modules=getattr(args, "modules", None) or stated.get("modules") or "eager",
         experts_outside_fsdp=bool(getattr(args, "experts_outside_fsdp", None) or stated.get("experts_outside_fsdp")),
+        ulysses_kv_repeat=getattr(args, "ulysses_kv_repeat", None) or stated.get("ulysses_kv_repeat") or "needed",
     )
 
 

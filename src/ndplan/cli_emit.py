@@ -86,7 +86,8 @@ def emit_settings(model: Any, strategy: Strategy, fmt: str, options: Any, device
                 torch_compile=options.torch_compile,
                 devices_per_node=getattr(device, "devices_per_node", None),
                 device_runtime=getattr(device, "runtime", None),
-                gradient_accumulation_fusion=options.gradient_accumulation_fusion)
+                gradient_accumulation_fusion=options.gradient_accumulation_fusion,
+                ulysses_kv_repeat=options.ulysses_kv_repeat if fmt == "megatron" else "needed")
 
 
 def written_strategy(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, *, own_precision: bool = False) -> Any:
@@ -178,6 +179,8 @@ def read_back(model: Any, emitted: Any, text: str, fmt: str, cluster: Any, optio
             # as priced: the option, or where the runtime's rules turn it off for this strategy, off
             software = with_software(default_efficiency(cluster.device), opts.time_keywords()["software"])
             out["gradient_accumulation_fusion"] = launch_efficiency(software, run_model, written)[0].gradient_accumulation_fusion
+        if fmt == "megatron" and written.ulysses_ranks > 1:  # (what a Ulysses group does with the KV heads)
+            out["ulysses_kv_repeat"] = opts.ulysses_kv_repeat
         if run_model.is_moe:
             out["grouped_gemm"] = opts.grouped_gemm
             out["moe_dispatcher"] = opts.moe_dispatcher

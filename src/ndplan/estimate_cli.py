@@ -158,7 +158,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     console.print(f"overlap ({'as given' if options.overlap else 'defaults; set with --overlap'}): {overlap.describe()}"
                   + dispatcher_note(options, model), markup=False)
     print_kernels(options, strategy, model=model)
-    repeated = kv_repeat_note(model, strategy.tp, strategy.ulysses_ranks)
+    repeated = kv_repeat_note(model, strategy.tp, strategy.ulysses_ranks, options.ulysses_kv_repeat)
     if repeated:
         console.print(repeated, markup=False)
     if timing.unfused_why:

@@ -164,7 +164,8 @@ def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | M
          selective_policy: str | None = None, grouped_gemm: bool = True, loss_parallel: bool | None = None,
          moe_capacity_factor: float | None = None, moe_imbalance: float = 1.0,
          moe_dispatcher: str = "alltoall", torch_compile: str = "off", devices_per_node: int | None = None,
-         device_runtime: str | None = None, gradient_accumulation_fusion: bool | None = None) -> str:
+         device_runtime: str | None = None, gradient_accumulation_fusion: bool | None = None,
+         ulysses_kv_repeat: str = "needed") -> str:
     """The strategy written as ``fmt`` (megatron, torchtitan, hyperparallel, mindformers);
     with a model, the layer placement is exact and Megatron gets the architecture flags.
     ``overlap`` (an ``ndplan.perf.OverlapConfig``: what the step time was priced hiding) becomes
@@ -195,6 +196,8 @@ def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | M
     attention, --use-mc2 for TP overlap. ``gradient_accumulation_fusion`` False (each weight
     gradient added by a kernel of its own, priced) becomes Megatron's
     --no-gradient-accumulation-fusion; the other formats' frameworks have no such setting.
+    ``ulysses_kv_repeat`` 'always' (every GQA layer's KV heads repeated before a Ulysses all-to-all,
+    as MindSpeed-LLM runs it) becomes its --kv-head-repeat-before-uly-alltoall in a Megatron launch.
     What the format cannot express is listed in a comment at the top."""
     if isinstance(model, Strategy) and not isinstance(strategy, Strategy):
         model, strategy = strategy, model  # accept (strategy, model, fmt) too
@@ -221,7 +224,8 @@ def emit(model: ModelSpec | Strategy | str | Path | None, strategy: Strategy | M
                              grouped_gemm=grouped_gemm, loss_parallel=loss_parallel,
                              moe_capacity_factor=moe_capacity_factor, moe_dispatcher=moe_dispatcher,
                              devices_per_node=devices_per_node, npu=device_runtime == "cann",
-                             gradient_accumulation_fusion=gradient_accumulation_fusion)
+                             gradient_accumulation_fusion=gradient_accumulation_fusion,
+                             ulysses_kv_repeat=ulysses_kv_repeat)
         shebang, _, rest = text.partition("\n")  # the comments below the #! line
         return f"{shebang}\n{imbalance}{compiled}{rest}" if imbalance or compiled else text
     if fmt == "torchtitan":

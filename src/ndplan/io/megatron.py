@@ -62,6 +62,7 @@ MINDSPEED_ONLY = (
     "--moe-fb-overlap", "--context-parallel-algo", "--use-fused-moe-token-permute-and-unpermute",
     "--moe-permutation-async-comm", "--use-fused-ring-attention-update", "--use-cp-send-recv-overlap",
     "--sparse-mode", "--pre-tockens", "--next-tockens", "--shape-order", "--schedules-method",
+    "--kv-head-repeat-before-uly-alltoall",
 )
 _SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 #: ``--offload-modules`` Megatron-Core accepts that ndplan does not price: left out with a warning.
@@ -157,6 +158,11 @@ def interpret(
         raise args.error("--moe-token-dispatcher-type", f"unknown dispatcher {kind!r}; known: {', '.join(_DISPATCHERS)}")
     if model is not None and model.is_moe and kind == "allgather" and not args.has("--moe-enable-deepep"):
         runtime_settings["moe_dispatcher"] = "allgather"
+    # MindSpeed-LLM's repeat of every GQA layer's KV heads before a Ulysses all-to-all (on by
+    # default there, a store_true flag that cannot turn it off; MindSpeed's own repeats only where
+    # the group outnumbers a rank's heads).
+    if args.has("--kv-head-repeat-before-uly-alltoall"):
+        runtime_settings["ulysses_kv_repeat"] = "always"
     # Without overlap_p2p_comm the interleaved schedule batches its sends and synchronises the
     # device after them too (batch_p2p_comm = not overlap_p2p_comm): it waits for its sends as 1F1B does.
     if args.has("--no-overlap-p2p-communication"):

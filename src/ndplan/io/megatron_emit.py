@@ -538,7 +538,7 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
                   attention: str = "flash", grouped_gemm: bool = True, loss_parallel: bool | None = None,
                   moe_capacity_factor: float | None = None, moe_dispatcher: str = "alltoall",
                   devices_per_node: int | None = None, npu: bool = False,
-                  gradient_accumulation_fusion: bool | None = None) -> str:
+                  gradient_accumulation_fusion: bool | None = None, ulysses_kv_repeat: str = "needed") -> str:
     """A bash launch for the strategy; the model's architecture flags too when a model is given;
     ``overlap``'s switches as Megatron's overlap flags (``_overlap``); without ``loss_upcast``
     Transformer Engine's cross-entropy, which works on the bf16 logits; eager ``attention`` as TE's
@@ -555,7 +555,9 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     Ascend NPUs, whose fused attention needs --use-flash-attn and whose TP overlap is --use-mc2.
     ``gradient_accumulation_fusion`` False (priced with each weight gradient added by a kernel of
     its own) writes --no-gradient-accumulation-fusion, as Megatron-FSDP needs it anyway where it
-    refuses the fusion (said in the header where the step was priced with it)."""
+    refuses the fusion (said in the header where the step was priced with it). ``ulysses_kv_repeat``
+    'always' (priced with every GQA layer's KV heads repeated before a Ulysses all-to-all) writes
+    MindSpeed-LLM's --kv-head-repeat-before-uly-alltoall where the strategy runs a Ulysses group."""
     lost: list[str] = []
     s = strategy
     if loss_parallel is False and s.tp > 1:
@@ -564,6 +566,8 @@ def emit_megatron(model: ModelSpec | None, strategy: Strategy, overlap: Any = No
     model_flags = _model(model, lost, _dualpipev_noop(model, s), s.seq_length) if model is not None else []
     refused: list[str] = []  # written as planned, though Megatron stops at it
     parallel = _parallel(s, model, lost, refused, npu)
+    if ulysses_kv_repeat == "always" and s.ulysses_ranks > 1:
+        parallel.append(("--kv-head-repeat-before-uly-alltoall", None))
     said: list[str] = []
     # Megatron's GroupedGEMM experts run only under --bf16 (validate_args).
     bf16 = ("--bf16", None) in _precision(s, [])

@@ -168,10 +168,6 @@ UNMODELLED: dict[str, str] = {
     "--external-cuda-graph": "CUDA graphs' static input/output buffers and private memory pool are not modelled",
     "--keep-fp8-transpose-cache": "the cached fp8 transposes of the weights are not modelled",
     "--fsdp-double-buffer": "Megatron-FSDP's double-buffered unit allocation is not modelled",
-    "--kv-head-repeat-before-uly-alltoall": (
-        "MindSpeed-LLM's repeat of a GQA model's KV heads to the query heads before every Ulysses all-to-all is "
-        "priced only where the group outnumbers a tensor-parallel rank's KV heads (MindSpeed's own repeat); where "
-        "the group scatters whole heads, K and V move and are kept wider than priced"),
 }
 
 #: argparse ``dest`` names whose flag is spelled differently (argument files use ``dest``);

@@ -387,12 +387,12 @@ def sdpa_mask_bytes(model: ModelSpec, batch: StrategyBatch, options: MemoryOptio
     return np.where(seq >= model.sliding_window, batch.micro_batch_size * seq * seq, 0.0)
 
 
-def activation_columns(model: ModelSpec, batch: StrategyBatch) -> list[np.ndarray]:
+def activation_columns(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions) -> list[np.ndarray]:
     """The columns ``layer_activations`` is a function of: ``ACTIVATION_FIELDS``, and the times
     a rank's KV heads are repeated before a Ulysses all-to-all (``ulysses_kv_repeat``, which
     the context-parallel fields set) where any strategy repeats them."""
     columns = [getattr(batch, name) for name in ACTIVATION_FIELDS]
-    repeat = ulysses_kv_repeat(model, batch.tp, batch.ulysses_ranks)
+    repeat = ulysses_kv_repeat(model, batch.tp, batch.ulysses_ranks, options.ulysses_kv_repeat)
     if np.any(repeat > 1):
         columns.append(np.rint(repeat).astype(np.int64))
     return columns
@@ -452,7 +452,8 @@ def layer_activations(model: ModelSpec, batch: StrategyBatch, options: MemoryOpt
         "gathered": np.where(own_tokens, tp / etp, 1.0),
         "vocab": tp if loss_parallel else np.ones_like(tp),
         "kv": np.minimum(tp, kv_heads),
-        "attended_kv": np.minimum(tp, kv_heads) / ulysses_kv_repeat(model, tp, batch.ulysses_ranks),
+        "attended_kv": np.minimum(tp, kv_heads) / ulysses_kv_repeat(model, tp, batch.ulysses_ranks,
+                                                                    options.ulysses_kv_repeat),
         "kv_gathered": np.where(tp > kv_heads, 1.0, np.inf),
         "none": np.ones_like(tp),
     }

@@ -14,7 +14,7 @@ from ndplan.memory.options import MemoryOptions
 from ndplan.memory.profile import model_symbols
 from ndplan.memory.shape import GroupShape, to_stages
 from ndplan.memory.terms import routes_own_tokens
-from ndplan.model.heads import ulysses_kv_repeat
+from ndplan.model.heads import KvRepeat, ulysses_kv_repeat
 from ndplan.model.spec import ModelSpec
 from ndplan.strategy.batch import StrategyBatch
 
@@ -39,7 +39,8 @@ def layer_buffers(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions
                           f"--cp-comm-type allgather); runtime '{options.profile.name}' runs torch's ring attention, "
                           "which cp_kind ring prices (use runtime megatron)")
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, op_tokens)
-    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"), ring_exchange(options), gathered)
+    cp_buffers = _cp_buffers(model, batch, tokens, batch.is_("cp_kind", "ulysses"), ring_exchange(options), gathered,
+                             options.ulysses_kv_repeat)
     # Per stage max(gather or exchange, all-to-all where the stage holds MoE layers) + the
     # pipeline's buffers: two columns, one with the all-to-all and one without, each stage a copy
     # of its own (the bytes are finite and >= +0, so a stage without MoE layers, whose all-to-all
@@ -130,7 +131,7 @@ def ring_exchange(options: MemoryOptions) -> str:
 
 
 def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulysses: Any,
-                exchange: str = "p2p", gathered: Any = False) -> np.ndarray:
+                exchange: str = "p2p", gathered: Any = False, kv_repeat: KvRepeat = "needed") -> np.ndarray:
     """[n] bytes of the context-parallel exchange while a layer runs, per token times the
     activation bytes β / tp; 0 without context parallelism.
 
@@ -162,7 +163,7 @@ def _cp_buffers(model: ModelSpec, batch: StrategyBatch, tokens: np.ndarray, ulys
     # all-to-all (ulysses_kv_repeat: the hybrid's ring then passes them repeated too), they are
     # that much wider.
     above = np.asarray(batch.tp > model.split_kv_heads)
-    kv_scale = ulysses_kv_repeat(model, batch.tp, batch.ulysses_ranks)
+    kv_scale = ulysses_kv_repeat(model, batch.tp, batch.ulysses_ranks, kv_repeat)
     if above.any():
         kv_scale = kv_scale * np.where(above, batch.tp / model.split_kv_heads, 1.0)
     kv_per_token = 2 * (widths["k"] + widths["v"]) * kv_scale
@@ -202,7 +203,9 @@ def cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions,
     # As layer_buffers reads them: the gather and the all-to-all per op (tokens / seq_chunks,
     # the same bits as _per_op's), the exchange per micro-batch.
     sp_gather, ep_buffers = _exchange_buffers(model, batch, options, tokens / batch.seq_chunks)
-    largest = np.maximum(_cp_buffers(model, batch, tokens, True), _cp_buffers(model, batch, tokens, False, gathered=True))
+    when = options.ulysses_kv_repeat
+    largest = np.maximum(_cp_buffers(model, batch, tokens, True, kv_repeat=when),
+                         _cp_buffers(model, batch, tokens, False, gathered=True, kv_repeat=when))
     if ring_exchange(options) == "allgather":
         # torch's ring can hold more than Ulysses' exchange: the larger of the two kinds
         largest = np.maximum(largest, _cp_buffers(model, batch, tokens, False, "allgather"))
@@ -210,7 +213,7 @@ def cp_kind_read(model: ModelSpec, batch: StrategyBatch, options: MemoryOptions,
     floor = np.maximum(sp_gather, ep_buffers, out=sp_gather)
     # Where a Ulysses group of the strategy's cp ranks (the largest, under any kind) would repeat
     # its KV heads, that kind's layers keep wider K and V too (layer_activations).
-    repeats = ulysses_kv_repeat(model, batch.tp, batch.cp) > 1
+    repeats = ulysses_kv_repeat(model, batch.tp, batch.cp, when) > 1
     return (batch.cp > 1) & (~(largest <= floor) | repeats)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from ndplan.census.record import CensusRecord
 from ndplan.errors import NdplanError
 from ndplan.memory.profile import RuntimeProfile, get_profile
+from ndplan.model.heads import KV_REPEATS, KvRepeat
 
 if TYPE_CHECKING:
     from ndplan.model.spec import ModelSpec
@@ -112,6 +113,11 @@ class MemoryOptions:
     parallelizer does (``apply_fsdp``'s ``ignored_params`` where its ep_shard mesh is one rank):
     FSDP gathers no copy of them and makes no unsharded gradient of theirs, and their gradients
     are kept in the parameters' dtype (torchtitan shards them over that one rank all the same).
+    ``ulysses_kv_repeat``: when the runtime repeats a tensor-parallel rank's KV heads to its query
+    heads before a Ulysses all-to-all, in memory and time: 'needed' where the group outnumbers them
+    (MindSpeed's UlyssesContextAttention; elsewhere a runtime limit refuses such a group), or
+    'always' (MindSpeed-LLM's --kv-head-repeat-before-uly-alltoall, on by default there: every GQA
+    layer under Ulysses or hybrid CP), for the megatron runtime.
     """
 
     runtime: str = "pytorch"
@@ -131,6 +137,7 @@ class MemoryOptions:
     gradient_accumulation_fusion: bool | None = None
     modules: Modules = "eager"
     experts_outside_fsdp: bool = False
+    ulysses_kv_repeat: KvRepeat = "needed"
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, str):
@@ -173,6 +180,11 @@ class MemoryOptions:
         if self.p2p_wait is not None and self.p2p_wait not in get_args(P2PWait):
             raise NdplanError(f"p2p_wait must be one of {', '.join(get_args(P2PWait))} (or None: the runtime's), "
                               f"got {self.p2p_wait!r}")
+        if self.ulysses_kv_repeat not in KV_REPEATS:
+            raise NdplanError(f"ulysses_kv_repeat must be one of {', '.join(KV_REPEATS)}, got {self.ulysses_kv_repeat!r}")
+        if self.ulysses_kv_repeat == "always" and not self.profile.uses_shard("attended_kv"):
+            raise NdplanError(f"ulysses_kv_repeat 'always' is MindSpeed-LLM's repeat of the KV heads before a Ulysses "
+                              f"all-to-all; runtime '{self.runtime}' states no such repeat (use runtime megatron)")
         if self.modules not in get_args(Modules):
             raise NdplanError(f"modules must be one of {', '.join(get_args(Modules))}, got {self.modules!r}")
         if self.modules != "eager" and not self.profile.uses_symbols(TE_MODULE_SYMBOLS):
@@ -279,6 +291,7 @@ class MemoryOptions:
         software["moe_imbalance"] = self.moe_imbalance
         software["moe_capacity_factor"] = self.moe_capacity_factor
         software["moe_dispatcher"] = self.moe_dispatcher
+        software["ulysses_kv_repeat"] = self.ulysses_kv_repeat
         if self.p2p_wait is not None:
             software["p2p_wait"] = self.p2p_wait
         if self.gradient_accumulation_fusion is not None:

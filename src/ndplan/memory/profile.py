@@ -294,6 +294,10 @@ class RuntimeProfile:
     #: mla_assembly, p2p_wait, gradient_accumulation_fusion), stated beside what it saves.
     kernels: dict[str, Any] = field(default_factory=dict)
 
+    def uses_shard(self, shard: str) -> bool:
+        """Whether any entry is sharded by ``shard`` (a rule the profile's tensors follow)."""
+        return any(tensor.shard == shard for entries in self.blocks.values() for tensor in entries)
+
     def uses_symbols(self, names: tuple[str, ...]) -> bool:
         """Whether any entry's elements name one of ``names`` (a switch the profile describes)."""
         return any(re.search(rf"\b{name}\b", tensor.elements) for entries in self.blocks.values()

@@ -178,7 +178,7 @@ def _sorted_groups(
     if not static_only:
         # The bytes per token of each layer depend on a few fields: priced once per combination
         # of the rows priced (their fields gathered already, fewer rows than the batch's).
-        distinct, combination, _ = distinct_columns(activation_columns(model, ordered), len(ordered))
+        distinct, combination, _ = distinct_columns(activation_columns(model, ordered, options), len(ordered))
         by_activations = ordered.take(distinct)
         acts = layer_activations(model, by_activations, options)
         # Only eager attention and SDPA's math path materialise the scores (most strategies: none).

@@ -334,6 +334,7 @@ class EfficiencyProfile(BaseModel):
     fsdp_cpu_offload: bool = False
     gradient_accumulation_fusion: bool = True
     gradient_accumulation_rules: Literal["megatron"] | None = None
+    ulysses_kv_repeat: Literal["needed", "always"] = "needed"
     fp8_tp_gather: bool = False
     expert_bias_add: Literal["fused", "repeat", "split-cat"] = "fused"
     sink_rescale: Literal["fused", "bf16", "fp32"] = "fused"
@@ -645,7 +646,7 @@ SOFTWARE_FIELDS = ("selective_recompute", "flash_attention", "flex_attention", "
                    "elementwise_passes", "loss_elementwise_passes", "expert_gemm", "optimizer_kernel", "fp8_cast_bytes",
                    "pipeline_defers_fsdp_reduce", "p2p_wait", "pipeline_scatter_gather", "grad_buckets", "ddp_bucket_cap_mb", "loss_upcast", "loss_parallel", "attention_efficiency",
                    "tp_overlap_backward", "fsdp_stream_copies", "fsdp_cpu_offload", "gradient_accumulation_fusion",
-                   "gradient_accumulation_rules", "fp8_tp_gather", "expert_bias_add",
+                   "gradient_accumulation_rules", "ulysses_kv_repeat", "fp8_tp_gather", "expert_bias_add",
                    "sink_rescale", "ring_merge", "ring_exchange", "mla_assembly", "qkv_transpose",
                    "fp8_gemm_kernel")
 

@@ -511,7 +511,7 @@ def _cp_seconds(
     # (t where each rank holds whole KV heads; less by the repeat where MindSpeed repeats them
     # to the query heads before the all-to-all, which then moves K and V, and the hybrid's ring
     # passes them, that much wider)
-    repeat = kv_repeat(ctx.model, cols)
+    repeat = kv_repeat(ctx, cols)
     split = kv_split(ctx.model, t) / repeat
     a2a = sum((coll.all_to_all_s(tok * w / s * beta, u, a2a_link) for w, s in ((wq, t), (wk, split), (wv, split), (wo, t))),
               0.0)
@@ -671,10 +671,12 @@ def ring_steps(cols: dict[str, Array]) -> Array:
     return c / np.where((kind == _ULYSSES) | (kind == _ALLGATHER), c, np.where(kind == _HYBRID, cols["ulysses_degree"], 1.0))
 
 
-def kv_repeat(model: ModelSpec, cols: dict[str, Array]) -> Array:
+def kv_repeat(ctx: LayerContext, cols: dict[str, Array]) -> Array:
     """Per row, the times a rank's KV heads are repeated before its Ulysses all-to-all
-    (``model.heads.ulysses_kv_repeat``; 1 where there is none, or it scatters whole heads)."""
-    return ulysses_kv_repeat(model, cols["tp"], ulysses_ranks(cols["cp"], cols["cp_kind"], cols["ulysses_degree"]))
+    (``model.heads.ulysses_kv_repeat``, when the runtime repeats them: ``EfficiencyProfile.ulysses_kv_repeat``;
+    1 where there is none, or it scatters whole heads)."""
+    return ulysses_kv_repeat(ctx.model, cols["tp"], ulysses_ranks(cols["cp"], cols["cp_kind"], cols["ulysses_degree"]),
+                             ctx.eff.ulysses_kv_repeat)
 
 
 def gathers_kv(cols: dict[str, Array]) -> Array:
@@ -1097,7 +1099,8 @@ def _megatron_activations(ctx: LayerContext, cols: dict[str, Array]) -> LayerAct
                for name in (*ACTIVATION_FIELDS, "cp", "cp_kind", "ulysses_degree") if name in cols}
     batch = StrategyBatch.from_columns(columns, ctx.precision, recompute_modules=ctx.recompute_modules,
                                        offload_modules=ctx.offload_modules)
-    options = MemoryOptions(runtime="megatron", attention="flash" if ctx.eff.flash_attention else "eager")
+    options = MemoryOptions(runtime="megatron", attention="flash" if ctx.eff.flash_attention else "eager",
+                            ulysses_kv_repeat=ctx.eff.ulysses_kv_repeat)
     return layer_activations(ctx.model, batch, options)
 
 
@@ -1182,7 +1185,7 @@ def _layer_compute(ctx: LayerContext, bc: dict[str, Array], bsh: Sharding, shard
              sink_rescale_bytes(model, bsh, beta, eff.sink_rescale),
              ring_merge_bytes(model, bsh, beta, eff.ring_merge, ring_steps(bc)),
              _kv_allgather_moved(ctx, bc, bsh),
-             kv_repeat_bytes(model, bsh, beta, kv_repeat(model, bc)),
+             kv_repeat_bytes(model, bsh, beta, kv_repeat(ctx, bc)),
              expert_bias_bytes(model, bsh, beta, eff.expert_bias_add, eff.routed_token_factor)
              if kind == "moe" else (0.0, 0.0))
     unfused_f = sum((f for f, _ in moved), 0.0) / rates.hbm_rate

@@ -160,7 +160,8 @@ class TimeReport:
     def kv_heads_repeated(self) -> float:
         """Times a rank's KV heads are repeated before the plan's Ulysses all-to-all (1: not;
         ``model.heads.ulysses_kv_repeat``)."""
-        return float(ulysses_kv_repeat(self.model, self.strategy.tp, self.strategy.ulysses_ranks))
+        return float(ulysses_kv_repeat(self.model, self.strategy.tp, self.strategy.ulysses_ranks,
+                                       self.efficiency.ulysses_kv_repeat))
 
     def explain(self) -> list[str]:
         """One line per term: what it is, its formula, and its value."""
@@ -613,7 +614,7 @@ def _communication_lines(r: TimeReport, hbm_rate: float) -> list[str]:
         else:
             where = f"ring over cp={s.cp} at stride tp ({_link_text(s.cp, s.tp, fabric, 'p2p')})"
         ring = "" if s.cp_kind == "allgather" else f"; ring overlap with attention {'on' if r.overlap.cp_ring else 'off'}"
-        repeated = kv_repeat_note(model, s.tp, s.ulysses_ranks)
+        repeated = kv_repeat_note(model, s.tp, s.ulysses_ranks, r.efficiency.ulysses_kv_repeat)
         if repeated:
             where += "; " + repeated
         out.append(f"CP ({s.cp_kind}): {where}{ring}" + _ring_merge_text(r, _sharding(s), hbm_rate))

@@ -43,6 +43,7 @@ from ndplan.cli_emit import (
 )
 from ndplan.errors import NdplanError
 from ndplan.model import ModelSpec, load_model
+from ndplan.model.heads import KvRepeat
 from ndplan.model.hf import first_validation_error
 from ndplan.outputs import made_folder, output_path
 from ndplan.progress import shows_progress
@@ -332,7 +333,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     elif args.balance:
         _rank_balanced(args, asked, space, result, step_time, limit, ranked_top, quiet)
     result.notes.extend(_unfused_notes(result.ranked[:args.top], model, device, options, precision))
-    result.notes.extend(_kv_repeat_notes(result.ranked[:args.top], model))
+    result.notes.extend(_kv_repeat_notes(result.ranked[:args.top], model, options.ulysses_kv_repeat))
     # --fix wins over --dims (a file's settings too): say so rather than search the value alone.
     result.notes.extend(f"--dims {name}: fixed by --fix {name}={fixed[name]}, so not searched"
                         for name in args.dims or () if name in fixed)
@@ -372,18 +373,21 @@ def cmd_search(args: argparse.Namespace) -> int:
     return _print_search_text(args, asked, space, result, data, overlap, winner, explained)
 
 
-def _kv_repeat_notes(ranked: list[dict[str, Any]], model: ModelSpec) -> list[str]:
+def _kv_repeat_notes(ranked: list[dict[str, Any]], model: ModelSpec, when: KvRepeat = "needed") -> list[str]:
     """How many ranked plans run Ulysses over more ranks than a tensor-parallel rank's KV heads
     (``model.heads.ulysses_kv_repeat``), as a note; none where there are none."""
     from ndplan.model.heads import ulysses_kv_repeat
 
     settings = [Strategy(**fields) for row in ranked if (fields := row.get("balanced_settings", row).get("strategy"))]
-    repeated = [s for s in settings if ulysses_kv_repeat(model, s.tp, s.ulysses_ranks) > 1]
+    repeated = [s for s in settings if ulysses_kv_repeat(model, s.tp, s.ulysses_ranks, when) > 1]
     if not repeated:
         return []
-    return [f"{len(repeated)} of the {len(ranked)} ranked plans run Ulysses over more ranks than a tensor-parallel "
-            "rank's KV heads: MindSpeed repeats them to the query heads before the all-to-all, priced so (K and V "
-            "moved and kept as wide as the queries)"]
+    why = ("MindSpeed-LLM repeats every GQA layer's KV heads to the query heads before the Ulysses all-to-all "
+           "(--ulysses-kv-repeat always)" if when == "always" else
+           "run Ulysses over more ranks than a tensor-parallel rank's KV heads: MindSpeed repeats them to the query "
+           "heads before the all-to-all")
+    return [f"{len(repeated)} of the {len(ranked)} ranked plans {'are priced as ' if when == 'always' else ''}"
+            f"{why}, priced so (K and V moved and kept as wide as the queries)"]
 
 
 def _unfused_notes(ranked: list[dict[str, Any]], model: ModelSpec, device: Any, options: Any,
