@@ -201,6 +201,13 @@ def test_a_search_says_how_many_ranked_plans_repeat_the_heads(capsys):
     data = json.loads(capsys.readouterr().out)
     notes = [note for note in data["notes"] if "run Ulysses over more ranks than a tensor-parallel rank's KV heads" in note]
     assert len(notes) == 1 and notes[0].startswith(f"{len(data['ranked'])} of the {len(data['ranked'])} ranked plans")
+    # at tp 1 (8 KV heads a rank) only MindSpeed-LLM's repeat applies
+    argv[argv.index("tp=8")] = "tp=1"
+    assert main(argv) == 0
+    assert not any("KV heads" in note for note in json.loads(capsys.readouterr().out)["notes"])
+    assert main([*argv, "--ulysses-kv-repeat", "always"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("MindSpeed-LLM repeats every GQA layer's KV heads to the query heads" in note for note in notes)
 
 
 def test_estimate_says_the_heads_are_repeated(capsys):

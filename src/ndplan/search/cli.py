@@ -382,12 +382,12 @@ def _kv_repeat_notes(ranked: list[dict[str, Any]], model: ModelSpec, when: KvRep
     repeated = [s for s in settings if ulysses_kv_repeat(model, s.tp, s.ulysses_ranks, when) > 1]
     if not repeated:
         return []
-    why = ("MindSpeed-LLM repeats every GQA layer's KV heads to the query heads before the Ulysses all-to-all "
-           "(--ulysses-kv-repeat always)" if when == "always" else
+    why = ("run a Ulysses group, before whose all-to-all MindSpeed-LLM repeats every GQA layer's KV heads to the "
+           "query heads (--ulysses-kv-repeat always)" if when == "always" else
            "run Ulysses over more ranks than a tensor-parallel rank's KV heads: MindSpeed repeats them to the query "
            "heads before the all-to-all")
-    return [f"{len(repeated)} of the {len(ranked)} ranked plans {'are priced as ' if when == 'always' else ''}"
-            f"{why}, priced so (K and V moved and kept as wide as the queries)"]
+    return [f"{len(repeated)} of the {len(ranked)} ranked plans {why}, priced so (K and V moved and kept as wide as "
+            "the queries)"]
 
 
 def _unfused_notes(ranked: list[dict[str, Any]], model: ModelSpec, device: Any, options: Any,
